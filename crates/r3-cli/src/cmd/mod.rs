@@ -1,0 +1,40 @@
+//! Command-line surface of `r3`: the top-level `Cli`, the `Command` enum and its dispatch.
+//! Each command lives in its own file `cmd/<name>.rs` exposing an `Args` struct and `run`.
+//! To add a command: one `mod` line, one `Command` variant, one match arm in `run`.
+
+mod bench;
+mod bench_routes;
+mod routes;
+
+use clap::{Parser, Subcommand};
+
+/// r3: RL for Mixture-of-Experts language models with Rollout Routing Replay.
+#[derive(Debug, Parser)]
+#[command(name = "r3", version, about, long_about = None)]
+pub struct Cli {
+    /// Log filter for stderr (tracing EnvFilter syntax, e.g. `info`, `r3_train=debug`).
+    #[arg(long, global = true, default_value = "info")]
+    pub log: String,
+    /// The command to run.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Top-level commands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Decode, encode and compare routed-expert tables (SGLang / vLLM / r3 formats).
+    #[command(subcommand)]
+    Routes(routes::RoutesCommand),
+    /// Speed benchmarks that print figures (never asserted in tests).
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
+}
+
+/// Runs one parsed command.
+pub fn run(command: Command) -> anyhow::Result<()> {
+    match command {
+        Command::Routes(c) => routes::run(c),
+        Command::Bench(c) => bench::run(c),
+    }
+}
