@@ -1,0 +1,290 @@
+//! Building and validating [`RouteTable`]s: every present cell holds `top_k` distinct ids in
+//! `[0, num_experts)`; a cell of all negative ids is "missing"; lengths match the shape.
+//! Errors name the absolute token position, the global layer and the value.
+
+use crate::table::{IdStore, MAX_EXPERTS};
+use crate::{LayerSpace, RouteError, RouteTable};
+
+/// Checks the parts of a table that do not depend on the ids.
+pub(crate) fn check_header(
+    num_experts: usize,
+    top_k: usize,
+    space: LayerSpace,
+    layers: &[usize],
+) -> Result<(), RouteError> {
+    if num_experts == 0 || num_experts > MAX_EXPERTS {
+        return Err(RouteError::Argument(format!(
+            "num_experts {num_experts} must be in [1, {MAX_EXPERTS}]"
+        )));
+    }
+    if top_k == 0 || top_k > num_experts {
+        return Err(RouteError::Argument(format!(
+            "top_k {top_k} must be in [1, num_experts = {num_experts}]"
+        )));
+    }
+    for w in layers.windows(2) {
+        if w[0] >= w[1] {
+            return Err(RouteError::Layout(format!(
+                "column layers must be strictly ascending, got {} then {}",
+                w[0], w[1]
+            )));
+        }
+    }
+    if space == LayerSpace::AllLayers {
+        if let Some((c, &l)) = layers.iter().enumerate().find(|(c, &l)| *c != l) {
+            return Err(RouteError::Layout(format!(
+                "all-layers table: column {c} must be layer {c}, got layer {l}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn checked_len(parts: &[usize], what: &str) -> Result<usize, RouteError> {
+    parts.iter().try_fold(1usize, |acc, &p| {
+        acc.checked_mul(p)
+            .ok_or_else(|| RouteError::Argument(format!("{what} size overflows")))
+    })
+}
+
+/// Validates one cell. Returns `Ok(true)` for a present route, `Ok(false)` for a missing one
+/// (every id negative).
+pub(crate) fn check_cell(
+    vals: &[i64],
+    num_experts: usize,
+    token: usize,
+    layer: usize,
+) -> Result<bool, RouteError> {
+    let negatives = vals.iter().filter(|&&v| v < 0).count();
+    if negatives == vals.len() {
+        return Ok(false);
+    }
+    if negatives > 0 {
+        let value = vals.iter().copied().find(|&v| v < 0).unwrap_or(-1);
+        return Err(RouteError::PartiallyMissing {
+            token,
+            layer,
+            value,
+        });
+    }
+    if let Some(&value) = vals.iter().find(|&&v| v as u64 >= num_experts as u64) {
+        return Err(RouteError::ExpertOutOfRange {
+            token,
+            layer,
+            value,
+            num_experts,
+        });
+    }
+    if vals.len() > 1 && vals.iter().all(|&v| v == 0) {
+        return Err(RouteError::ZeroCell {
+            token,
+            layer,
+            top_k: vals.len(),
+        });
+    }
+    for (i, &a) in vals.iter().enumerate() {
+        if vals[i + 1..].contains(&a) {
+            return Err(RouteError::DuplicateExpert {
+                token,
+                layer,
+                expert: a as u32,
+            });
+        }
+    }
+    Ok(true)
+}
+
+impl RouteTable {
+    /// A table of `num_tokens` rows whose cells are all missing, to be filled with
+    /// [`RouteTable::set_cell`] (how an engine records routes as it goes).
+    pub fn missing(
+        num_experts: usize,
+        top_k: usize,
+        space: LayerSpace,
+        layers: Vec<usize>,
+        start_pos: usize,
+        num_tokens: usize,
+    ) -> Result<RouteTable, RouteError> {
+        check_header(num_experts, top_k, space, &layers)?;
+        let cells = checked_len(&[num_tokens, layers.len()], "route table")?;
+        let len = checked_len(&[cells, top_k], "route table")?;
+        Ok(RouteTable {
+            num_experts,
+            top_k,
+            space,
+            layers,
+            start_pos,
+            num_tokens,
+            ids: IdStore::zeros(num_experts, len),
+            present: vec![false; cells],
+            versions: None,
+        })
+    }
+
+    /// Builds a table from a flat token-major accessor `get(i)` over
+    /// `[num_tokens * columns * top_k]` values; all-negative cells become missing.
+    pub(crate) fn from_fn(
+        num_experts: usize,
+        top_k: usize,
+        space: LayerSpace,
+        layers: Vec<usize>,
+        start_pos: usize,
+        num_tokens: usize,
+        mut get: impl FnMut(usize) -> i64,
+    ) -> Result<RouteTable, RouteError> {
+        let mut t = RouteTable::missing(num_experts, top_k, space, layers, start_pos, num_tokens)?;
+        let cols = t.layers.len();
+        let mut buf = vec![0i64; top_k];
+        for tok in 0..num_tokens {
+            for c in 0..cols {
+                let cell = tok * cols + c;
+                let base = cell * top_k;
+                for (k, b) in buf.iter_mut().enumerate() {
+                    *b = get(base + k);
+                }
+                if check_cell(&buf, num_experts, start_pos + tok, t.layers[c])? {
+                    t.present[cell] = true;
+                    for (k, &v) in buf.iter().enumerate() {
+                        t.ids.set(base + k, v as u16);
+                    }
+                }
+            }
+        }
+        Ok(t)
+    }
+
+    /// Builds from token-major flat ids `[tokens * columns * top_k]`; a cell whose ids are all
+    /// negative (-1) is marked missing. Validates ids and lengths.
+    pub fn from_flat(
+        num_experts: usize,
+        top_k: usize,
+        space: LayerSpace,
+        layers: Vec<usize>,
+        start_pos: usize,
+        ids: &[i64],
+    ) -> Result<RouteTable, RouteError> {
+        check_header(num_experts, top_k, space, &layers)?;
+        let row = layers.len() * top_k;
+        let num_tokens = if row == 0 {
+            if !ids.is_empty() {
+                return Err(RouteError::length(
+                    "ids for a table with no columns",
+                    0,
+                    ids.len(),
+                ));
+            }
+            0
+        } else {
+            if !ids.len().is_multiple_of(row) {
+                return Err(RouteError::Shape(format!(
+                    "{} ids is not a whole number of rows of {} columns x top_k {}",
+                    ids.len(),
+                    layers.len(),
+                    top_k
+                )));
+            }
+            ids.len() / row
+        };
+        RouteTable::from_fn(
+            num_experts,
+            top_k,
+            space,
+            layers,
+            start_pos,
+            num_tokens,
+            |i| ids[i],
+        )
+    }
+
+    /// Builds from per-column flat ids: `columns[c]` has `num_tokens * top_k` ids
+    /// (token-major), all cells present. `layers[c]` is the global layer of column c.
+    pub fn from_columns(
+        num_experts: usize,
+        top_k: usize,
+        space: LayerSpace,
+        layers: Vec<usize>,
+        start_pos: usize,
+        columns: &[Vec<u32>],
+    ) -> Result<RouteTable, RouteError> {
+        check_header(num_experts, top_k, space, &layers)?;
+        if columns.len() != layers.len() {
+            return Err(RouteError::length("columns", layers.len(), columns.len()));
+        }
+        let len = columns.first().map_or(0, Vec::len);
+        if !len.is_multiple_of(top_k) {
+            return Err(RouteError::Shape(format!(
+                "column 0 has {len} ids, not a multiple of top_k {top_k}"
+            )));
+        }
+        if let Some((c, col)) = columns.iter().enumerate().find(|(_, c)| c.len() != len) {
+            return Err(RouteError::length(
+                format!("ids in column {c}"),
+                len,
+                col.len(),
+            ));
+        }
+        let num_tokens = len / top_k;
+        let cols = layers.len();
+        let mut t = RouteTable::missing(num_experts, top_k, space, layers, start_pos, num_tokens)?;
+        let mut ids = vec![0u32; top_k];
+        for tok in 0..num_tokens {
+            for (c, col) in columns.iter().enumerate() {
+                ids.copy_from_slice(&col[tok * top_k..(tok + 1) * top_k]);
+                t.set_cell(tok, c, &ids)?;
+                debug_assert!(t.present[tok * cols + c]);
+            }
+        }
+        Ok(t)
+    }
+
+    /// Writes the route of one cell (row relative to `start_pos`), validating the ids.
+    pub fn set_cell(&mut self, token: usize, column: usize, ids: &[u32]) -> Result<(), RouteError> {
+        let layer = self.check_cell_pos(token, column)?;
+        if ids.len() != self.top_k {
+            return Err(RouteError::length(
+                format!("ids for token {}, layer {layer}", self.start_pos + token),
+                self.top_k,
+                ids.len(),
+            ));
+        }
+        let vals: Vec<i64> = ids.iter().map(|&v| i64::from(v)).collect();
+        if !check_cell(&vals, self.num_experts, self.start_pos + token, layer)? {
+            return Err(RouteError::MissingRoute {
+                token: self.start_pos + token,
+                layer,
+            });
+        }
+        let cell = self.cell_index(token, column);
+        self.present[cell] = true;
+        for (k, &v) in ids.iter().enumerate() {
+            self.ids.set(cell * self.top_k + k, v as u16);
+        }
+        Ok(())
+    }
+
+    /// Marks one cell missing.
+    pub fn clear_cell(&mut self, token: usize, column: usize) -> Result<(), RouteError> {
+        self.check_cell_pos(token, column)?;
+        let cell = self.cell_index(token, column);
+        self.present[cell] = false;
+        for k in 0..self.top_k {
+            self.ids.set(cell * self.top_k + k, 0);
+        }
+        Ok(())
+    }
+
+    fn check_cell_pos(&self, token: usize, column: usize) -> Result<usize, RouteError> {
+        if token >= self.num_tokens {
+            return Err(RouteError::Argument(format!(
+                "row {token} out of range (table has {} rows)",
+                self.num_tokens
+            )));
+        }
+        self.layers.get(column).copied().ok_or_else(|| {
+            RouteError::Argument(format!(
+                "column {column} out of range (table has {} columns)",
+                self.layers.len()
+            ))
+        })
+    }
+}
