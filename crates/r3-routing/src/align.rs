@@ -1,0 +1,101 @@
+//! Aligning route rows with tokens. Row `i` of a table is the routing of the token at
+//! absolute position `start_pos + i` when it was fed to the model; the last token of a
+//! sequence is never fed, so a full sequence of `n` tokens has `n - 1 - start_len` rows.
+//! Also merging the routes of a partial rollout that was aborted and resumed, with an
+//! explicit policy — never a blind concatenation that duplicates prompt routes (verl #6029).
+
+use serde::{Deserialize, Serialize};
+
+use crate::{RouteError, RouteTable};
+
+/// Rows a wire payload carries for a sequence of `total_tokens` tokens whose first
+/// `start_len` positions were not captured: `total_tokens - 1 - start_len`.
+pub fn expected_rows(total_tokens: usize, start_len: usize) -> Result<usize, RouteError> {
+    total_tokens
+        .checked_sub(1)
+        .and_then(|n| n.checked_sub(start_len))
+        .ok_or_else(|| {
+            RouteError::Misaligned(format!(
+                "a sequence of {total_tokens} tokens cannot have routes starting at position {start_len}"
+            ))
+        })
+}
+
+/// Checks that `table` covers positions `[start_pos, total_tokens - 1)` exactly (every fed
+/// token, not the last one).
+pub fn check_covers_sequence(table: &RouteTable, total_tokens: usize) -> Result<(), RouteError> {
+    let expected = expected_rows(total_tokens, table.start_pos())?;
+    if table.num_tokens() != expected {
+        return Err(RouteError::Misaligned(format!(
+            "table has {} rows from position {}, a sequence of {total_tokens} tokens needs {expected} (tokens - 1 - start)",
+            table.num_tokens(),
+            table.start_pos()
+        )));
+    }
+    Ok(())
+}
+
+/// How to combine the routes of an aborted call with those of the resumed call, which
+/// re-processed prompt + already generated tokens and reports routes for all of them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MergePolicy {
+    /// Take the resumed call's full-sequence routes: every row then comes from one weight
+    /// version (the newest), matching the weights the trainer replays with (verl #6029).
+    ReplaceWithResumed,
+    /// Keep each token's routes from the call that generated it: rows of the earlier call
+    /// stay, the resumed call contributes only rows past its end (verl #6046).
+    KeepPerTokenOrigin,
+}
+
+/// Merges the routes of an aborted call (`earlier`) with those of the resumed call.
+/// The resumed table must cover at least everything `earlier` covered past its own start and
+/// must not leave a gap; shapes and spaces must agree; per-row weight versions are kept.
+pub fn merge_resumed(
+    earlier: &RouteTable,
+    resumed: &RouteTable,
+    policy: MergePolicy,
+) -> Result<RouteTable, RouteError> {
+    earlier.check_same_shape(resumed)?;
+    if resumed.end_pos() < earlier.end_pos() {
+        return Err(RouteError::Misaligned(format!(
+            "resumed routes end at position {} before the earlier call's end {}: rows would be lost",
+            resumed.end_pos(),
+            earlier.end_pos()
+        )));
+    }
+    match policy {
+        MergePolicy::ReplaceWithResumed => {
+            if resumed.start_pos() > earlier.start_pos() {
+                return Err(RouteError::Misaligned(format!(
+                    "resumed routes start at position {} but the earlier call covered from {}: \
+                     replacing would lose rows (use keep_per_token_origin for incremental routes)",
+                    resumed.start_pos(),
+                    earlier.start_pos()
+                )));
+            }
+            Ok(resumed.clone())
+        }
+        MergePolicy::KeepPerTokenOrigin => {
+            if resumed.start_pos() > earlier.end_pos() {
+                return Err(RouteError::Misaligned(format!(
+                    "resumed routes start at position {}, past the earlier call's end {}: gap",
+                    resumed.start_pos(),
+                    earlier.end_pos()
+                )));
+            }
+            let mut out = if resumed.start_pos() < earlier.start_pos() {
+                // The resumed call also covers positions the earlier call never captured.
+                let mut head = resumed.slice_rows(0, earlier.start_pos() - resumed.start_pos())?;
+                head.append(earlier)?;
+                head
+            } else {
+                earlier.clone()
+            };
+            let tail_from = earlier.end_pos() - resumed.start_pos();
+            let tail = resumed.slice_rows(tail_from, resumed.num_tokens())?;
+            out.append(&tail)?;
+            Ok(out)
+        }
+    }
+}
