@@ -2,6 +2,8 @@
 //! Every failure is printed as a single `error: ...` line with a non-zero exit status.
 
 mod cmd;
+mod plot;
+mod report;
 
 use std::process::ExitCode;
 

@@ -4,6 +4,7 @@
 
 mod bench;
 mod bench_routes;
+mod report;
 mod routes;
 
 use clap::{Parser, Subcommand};
@@ -29,6 +30,8 @@ pub enum Command {
     /// Speed benchmarks that print figures (never asserted in tests).
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// Plots and summarises RL run directories: one HTML page, PNGs and a results table.
+    Report(report::ReportArgs),
 }
 
 /// Runs one parsed command.
@@ -36,5 +39,6 @@ pub fn run(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Routes(c) => routes::run(c),
         Command::Bench(c) => bench::run(c),
+        Command::Report(a) => report::run(a),
     }
 }

@@ -25,14 +25,6 @@ impl Scale {
             Scale::Log10 => (v.is_finite() && v > 0.0).then(|| v.log10()),
         }
     }
-
-    /// Maps a plot coordinate back to the data value (for tick labels).
-    pub fn from_plot(self, t: f64) -> f64 {
-        match self {
-            Scale::Linear => t,
-            Scale::Log10 => 10f64.powf(t),
-        }
-    }
 }
 
 /// A finished axis: its range and ticks in plot coordinates.
@@ -73,14 +65,7 @@ impl Axis {
                     lo -= 0.5;
                     hi += 0.5;
                 }
-                let first = lo.ceil() as i64;
-                let last = hi.floor() as i64;
-                let count = usize::try_from(last - first + 1).unwrap_or(0);
-                let stride = count.div_ceil(MAX_DECADE_TICKS).max(1);
-                let ticks = (first..=last)
-                    .step_by(stride)
-                    .map(|d| d as f64)
-                    .collect();
+                let ticks = log_ticks(lo, hi);
                 Self {
                     scale,
                     range: lo..hi,
@@ -113,6 +98,23 @@ impl Axis {
             _ => (self.range.end - self.range.start).abs(),
         }
     }
+}
+
+/// Decade ticks inside `lo..=hi` (plot coordinates), thinned to at most `MAX_DECADE_TICKS`;
+/// an axis spanning at most two decades also gets ticks at 2× and 5× each decade.
+fn log_ticks(lo: f64, hi: f64) -> Vec<f64> {
+    let first = lo.ceil() as i64;
+    let last = hi.floor() as i64;
+    let count = usize::try_from(last - first + 1).unwrap_or(0);
+    if hi - lo > 2.0 {
+        let stride = count.div_ceil(MAX_DECADE_TICKS).max(1);
+        return (first..=last).step_by(stride).map(|d| d as f64).collect();
+    }
+    let inside = |t: &f64| (lo - 1e-12..=hi + 1e-12).contains(t);
+    (first - 1..=last)
+        .flat_map(|d| [1.0f64, 2.0, 5.0].map(|m| d as f64 + m.log10()))
+        .filter(inside)
+        .collect()
 }
 
 /// Ticks at multiples of a 1-2-5 step inside `lo..=hi`, about `LINEAR_TICKS` of them.
@@ -151,19 +153,18 @@ fn format_linear(v: f64, step: f64) -> String {
     format!("{v:.decimals$}")
 }
 
-/// Formats a decade tick `t` (plot coordinate of a log axis) as the value it stands for.
+/// Formats a log-axis tick `t` (plot coordinate) as the value it stands for: plain decimals
+/// from 0.01 to 1000, `2e-5` style outside.
 fn format_decade(t: f64) -> String {
-    let rounded = t.round();
-    if (t - rounded).abs() > 1e-9 {
-        return format!("{:.1e}", 10f64.powf(t));
-    }
-    match rounded as i64 {
-        0 => "1".to_string(),
-        1 => "10".to_string(),
-        2 => "100".to_string(),
-        -1 => "0.1".to_string(),
-        -2 => "0.01".to_string(),
-        e => format!("1e{e}"),
+    // Exponent from `t` itself (with slack), so 10^-3 computed as 0.000999… still reads 1e-3.
+    let exponent = (t + 1e-9).floor() as i32;
+    let mantissa = 10f64.powf(t - f64::from(exponent)).round();
+    let v = mantissa * 10f64.powi(exponent);
+    if (-2..=3).contains(&exponent) {
+        let decimals = usize::try_from(-exponent).unwrap_or(0);
+        format!("{v:.decimals$}")
+    } else {
+        format!("{mantissa}e{exponent}")
     }
 }
 
@@ -182,7 +183,10 @@ mod tests {
             assert!((got - want).abs() < 1e-12, "{got} vs {want}");
         }
         // span 300 / 6 = 50 -> magnitude 10, n = 5 -> step 50
-        assert_eq!(nice_ticks(-10.0, 290.0), vec![0.0, 50.0, 100.0, 150.0, 200.0, 250.0]);
+        assert_eq!(
+            nice_ticks(-10.0, 290.0),
+            vec![0.0, 50.0, 100.0, 150.0, 200.0, 250.0]
+        );
     }
 
     #[test]
@@ -199,6 +203,18 @@ mod tests {
         assert_eq!(a.label(-3.0), "1e-3");
         assert_eq!(a.label(0.0), "1");
         assert_eq!(a.label(-1.0), "0.1");
+        assert_eq!(a.label(3.0), "1000");
+        assert_eq!(a.label(4.0), "1e4");
+        assert_eq!(a.label(5f64.log10() - 5.0), "5e-5");
+        assert_eq!(a.label(2f64.log10() - 2.0), "0.02");
+    }
+
+    #[test]
+    fn narrow_log_axis_gets_two_and_five_ticks() {
+        // 1 .. 10 (log 0 .. 1): 1, 2, 5, 10
+        let a = Axis::covering(Scale::Log10, 0.0, 0.9);
+        let values: Vec<String> = a.ticks.iter().map(|&t| a.label(t)).collect();
+        assert_eq!(values, ["1", "2", "5", "10"]);
     }
 
     #[test]
@@ -216,7 +232,8 @@ mod tests {
         assert_eq!(lin.range, 4.0..6.0);
         let log = Axis::covering(Scale::Log10, -3.0, -3.0);
         assert_eq!(log.range, -3.5..-2.5);
-        assert_eq!(log.ticks, vec![-3.0]);
+        let labels: Vec<String> = log.ticks.iter().map(|&t| log.label(t)).collect();
+        assert_eq!(labels, ["5e-4", "1e-3", "2e-3"]);
     }
 
     #[test]
@@ -225,7 +242,6 @@ mod tests {
         assert_eq!(Scale::Log10.to_plot(-1.0), None);
         assert_eq!(Scale::Linear.to_plot(f64::NAN), None);
         assert_eq!(Scale::Log10.to_plot(100.0), Some(2.0));
-        assert_eq!(Scale::Log10.from_plot(-2.0), 0.01);
     }
 
     #[test]

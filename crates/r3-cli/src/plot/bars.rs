@@ -7,7 +7,7 @@ use std::path::Path;
 use plotters::prelude::*;
 
 use super::axis::{Axis, Scale};
-use super::frame::{draw_framed, draw_legend, Frame};
+use super::frame::{draw_framed, Frame};
 use super::line::bounds;
 use super::style::series_color;
 use super::{Canvas, PlotError};
@@ -149,15 +149,12 @@ fn draw_bars(plot: &GroupedBarPlot<'_>, path: &Path, legend: bool) -> Result<(),
             });
             let drawn = chart.draw_series(bars).map_err(|e| ctx.draw(e))?;
             if legend {
-                drawn
-                    .label(label.clone())
-                    .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], color.filled()));
+                drawn.label(label.clone()).legend(move |(x, y)| {
+                    Rectangle::new([(x, y - 5), (x + 14, y + 5)], color.filled())
+                });
             }
         }
-        if legend {
-            draw_legend(chart, ctx, SeriesLabelPosition::UpperRight)?;
-        }
-        Ok(())
+        Ok(legend.then_some(SeriesLabelPosition::UpperRight))
     })
 }
 
@@ -244,7 +241,10 @@ mod tests {
             canvas: Canvas::default(),
         };
         let err = grouped_bar_plot(&plot, &dir.path().join("bad.png"));
-        assert!(matches!(err, Err(PlotError::InvalidInput { .. })), "{err:?}");
+        assert!(
+            matches!(err, Err(PlotError::InvalidInput { .. })),
+            "{err:?}"
+        );
         let nan = [f64::NAN; 3];
         let plot = BarPlot {
             title: "nan",

@@ -20,7 +20,8 @@ pub const FAMILY: &str = "sans-serif";
 /// touches process-wide state.
 pub fn ensure_registered() -> Result<(), PlotError> {
     static REGISTERED: OnceLock<bool> = OnceLock::new();
-    let ok = *REGISTERED.get_or_init(|| register_font(FAMILY, FontStyle::Normal, DEJAVU_SANS).is_ok());
+    let ok =
+        *REGISTERED.get_or_init(|| register_font(FAMILY, FontStyle::Normal, DEJAVU_SANS).is_ok());
     if ok {
         Ok(())
     } else {

@@ -4,8 +4,9 @@
 use std::fmt::Display;
 use std::path::Path;
 
-use plotters::coord::ranged1d::combinators::WithKeyPoints;
-use plotters::coord::types::RangedCoordf64;
+use std::ops::Range;
+
+use plotters::coord::ranged1d::{DefaultFormatting, KeyPointHint};
 use plotters::prelude::*;
 
 use super::axis::Axis;
@@ -13,8 +14,53 @@ use super::font::{self, FAMILY};
 use super::style::{CAPTION_SIZE, LABEL_SIZE, TICK_SIZE};
 use super::{Canvas, PlotError};
 
+/// plotters' view of an [`Axis`]: linear over its range, tick marks exactly at its ticks
+/// (plotters' own f64 coordinate picks its ticks itself and cannot take ours).
+pub struct AxisCoord {
+    range: Range<f64>,
+    ticks: Vec<f64>,
+}
+
+impl AxisCoord {
+    fn new(axis: &Axis) -> Self {
+        Self {
+            range: axis.range.clone(),
+            ticks: axis.ticks.clone(),
+        }
+    }
+}
+
+impl Ranged for AxisCoord {
+    type FormatOption = DefaultFormatting;
+    type ValueType = f64;
+
+    fn map(&self, value: &f64, limit: (i32, i32)) -> i32 {
+        let span = self.range.end - self.range.start;
+        if span == 0.0 {
+            return limit.0 + (limit.1 - limit.0) / 2;
+        }
+        let frac = (value - self.range.start) / span;
+        let pixel = f64::from(limit.0) + f64::from(limit.1 - limit.0) * frac;
+        // Far-off-range values still map to a finite pixel; the backend clips them.
+        pixel.round().clamp(-1e6, 1e6) as i32
+    }
+
+    fn key_points<Hint: KeyPointHint>(&self, hint: Hint) -> Vec<f64> {
+        // Only bold grid lines, at our ticks; no light lines between them.
+        if hint.weight().allow_light_points() {
+            Vec::new()
+        } else {
+            self.ticks.clone()
+        }
+    }
+
+    fn range(&self) -> Range<f64> {
+        self.range.clone()
+    }
+}
+
 /// Plot coordinates: linear f64 on both axes, with ticks chosen by [`Axis`].
-pub type Coord = Cartesian2d<WithKeyPoints<RangedCoordf64>, WithKeyPoints<RangedCoordf64>>;
+pub type Coord = Cartesian2d<AxisCoord, AxisCoord>;
 /// The chart a primitive draws its data on.
 pub type Chart<'a, 'b> = ChartContext<'a, BitMapBackend<'b>, Coord>;
 
@@ -77,11 +123,12 @@ fn check_png_path(title: &str, path: &Path) -> Result<(), PlotError> {
     }
 }
 
-/// Draws the frame into a new PNG at `path`, lets `draw` add the data, and writes the file.
+/// Draws the frame into a new PNG at `path`, lets `draw` add the data, draws the legend
+/// where `draw` asks for one (`Some(position)`), and writes the file.
 pub fn draw_framed(
     path: &Path,
     frame: &Frame<'_>,
-    draw: impl FnOnce(&mut Chart<'_, '_>, &ErrCtx) -> Result<(), PlotError>,
+    draw: impl FnOnce(&mut Chart<'_, '_>, &ErrCtx) -> Result<Option<SeriesLabelPosition>, PlotError>,
 ) -> Result<(), PlotError> {
     font::ensure_registered()?;
     frame.canvas.validate(frame.title)?;
@@ -95,10 +142,7 @@ pub fn draw_framed(
         .margin(14)
         .x_label_area_size(50)
         .y_label_area_size(78)
-        .build_cartesian_2d(
-            frame.x.range.clone().with_key_points(frame.x.ticks.clone()),
-            frame.y.range.clone().with_key_points(frame.y.ticks.clone()),
-        )
+        .build_cartesian_2d(AxisCoord::new(&frame.x), AxisCoord::new(&frame.y))
         .map_err(|e| ctx.draw(e))?;
     let x_default = |t: &f64| frame.x.label(*t);
     let x_custom = |t: &f64| frame.x_tick_label.map_or_else(String::new, |f| f(*t));
@@ -119,23 +163,16 @@ pub fn draw_framed(
         .bold_line_style(BLACK.mix(0.12))
         .draw()
         .map_err(|e| ctx.draw(e))?;
-    draw(&mut chart, &ctx)?;
+    if let Some(position) = draw(&mut chart, &ctx)? {
+        chart
+            .configure_series_labels()
+            .position(position)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK.mix(0.5))
+            .label_font((FAMILY, LABEL_SIZE))
+            .draw()
+            .map_err(|e| ctx.draw(e))?;
+    }
     root.present().map_err(|e| ctx.draw(e))?;
     Ok(())
-}
-
-/// Draws the legend box for the series that were given labels.
-pub fn draw_legend(
-    chart: &mut Chart<'_, '_>,
-    ctx: &ErrCtx,
-    position: SeriesLabelPosition,
-) -> Result<(), PlotError> {
-    chart
-        .configure_series_labels()
-        .position(position)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK.mix(0.5))
-        .label_font((FAMILY, LABEL_SIZE))
-        .draw()
-        .map_err(|e| ctx.draw(e))
 }

@@ -96,7 +96,7 @@ pub fn histogram_plot(plot: &HistogramPlot<'_>, path: &Path) -> Result<(), PlotE
         chart
             .draw_series(rects.iter().map(|r| Rectangle::new(*r, outline)))
             .map_err(|e| ctx.draw(e))?;
-        Ok(())
+        Ok(None)
     })
 }
 
@@ -124,7 +124,11 @@ mod tests {
         let counts: Vec<f64> = (0..24)
             .map(|i| {
                 let c = f64::from(i) * 0.5 + 0.25 - 6.0;
-                if i == 3 { 0.0 } else { 1000.0 * (-c * c / 4.0).exp() }
+                if i == 3 {
+                    0.0
+                } else {
+                    1000.0 * (-c * c / 4.0).exp()
+                }
             })
             .collect();
         for (name, scale) in [("lin", Scale::Linear), ("log", Scale::Log10)] {

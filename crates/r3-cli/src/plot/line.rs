@@ -7,12 +7,38 @@ use std::path::Path;
 use plotters::prelude::*;
 
 use super::axis::{Axis, Scale};
-use super::frame::{draw_framed, draw_legend, Frame};
+use super::frame::{draw_framed, Frame};
 use super::style::{series_color, LINE_WIDTH};
 use super::{Canvas, PlotError};
 
 /// Where the legend box goes.
-pub use plotters::chart::SeriesLabelPosition as LegendPosition;
+#[allow(
+    dead_code,
+    reason = "LowerLeft is for `r3 analyze` (issue 6), not yet wired"
+)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LegendPosition {
+    /// Top left corner of the plotting area.
+    UpperLeft,
+    /// Top right corner of the plotting area.
+    #[default]
+    UpperRight,
+    /// Bottom left corner of the plotting area.
+    LowerLeft,
+    /// Bottom right corner of the plotting area.
+    LowerRight,
+}
+
+impl LegendPosition {
+    fn to_plotters(self) -> SeriesLabelPosition {
+        match self {
+            Self::UpperLeft => SeriesLabelPosition::UpperLeft,
+            Self::UpperRight => SeriesLabelPosition::UpperRight,
+            Self::LowerLeft => SeriesLabelPosition::LowerLeft,
+            Self::LowerRight => SeriesLabelPosition::LowerRight,
+        }
+    }
+}
 
 /// One named curve.
 #[derive(Debug, Clone, PartialEq)]
@@ -48,7 +74,12 @@ pub struct LinePlot<'a> {
 
 impl<'a> LinePlot<'a> {
     /// A plot over training steps: linear x, `y_scale` on y, legend upper right.
-    pub fn over_steps(title: &'a str, y_label: &'a str, series: &'a [Series], y_scale: Scale) -> Self {
+    pub fn over_steps(
+        title: &'a str,
+        y_label: &'a str,
+        series: &'a [Series],
+        y_scale: Scale,
+    ) -> Self {
         Self {
             title,
             x_label: "training step",
@@ -63,6 +94,7 @@ impl<'a> LinePlot<'a> {
     }
 
     /// A curve plot with both axes logarithmic (F(τ) against τ), legend upper right.
+    #[allow(dead_code, reason = "used by `r3 analyze` (issue 6), not yet wired")]
     pub fn log_log(
         title: &'a str,
         x_label: &'a str,
@@ -175,7 +207,7 @@ pub fn line_plot(plot: &LinePlot<'_>, path: &Path) -> Result<(), PlotError> {
                 .map(|&p| Circle::new(p, 3, color.filled()));
             chart.draw_series(dots).map_err(|e| ctx.draw(e))?;
         }
-        draw_legend(chart, ctx, plot.legend)
+        Ok(Some(plot.legend.to_plotters()))
     })
 }
 
@@ -193,9 +225,18 @@ mod tests {
 
     #[test]
     fn segments_break_at_unshowable_points() {
-        let pts = [(1.0, 1.0), (2.0, f64::NAN), (3.0, 3.0), (4.0, 4.0), (5.0, 0.0)];
+        let pts = [
+            (1.0, 1.0),
+            (2.0, f64::NAN),
+            (3.0, 3.0),
+            (4.0, 4.0),
+            (5.0, 0.0),
+        ];
         let lin = segments(&pts, Scale::Linear, Scale::Linear);
-        assert_eq!(lin, vec![vec![(1.0, 1.0)], vec![(3.0, 3.0), (4.0, 4.0), (5.0, 0.0)]]);
+        assert_eq!(
+            lin,
+            vec![vec![(1.0, 1.0)], vec![(3.0, 3.0), (4.0, 4.0), (5.0, 0.0)]]
+        );
         // On a log y axis the 0 at step 5 cannot be shown either.
         let log = segments(&pts, Scale::Linear, Scale::Log10);
         assert_eq!(log.len(), 2);
@@ -207,8 +248,20 @@ mod tests {
     fn steps_plot_with_several_runs_and_log_y() {
         let dir = TempDir::new("line_steps");
         let runs = [
-            series("R3", &[(0.0, 1e-4), (1.0, 2e-4), (2.0, 1.5e-4), (3.0, f64::NAN), (4.0, 3e-4)]),
-            series("no replay", &[(0.0, 1e-3), (1.0, 5e-3), (2.0, 2e-2), (3.0, 0.1)]),
+            series(
+                "R3",
+                &[
+                    (0.0, 1e-4),
+                    (1.0, 2e-4),
+                    (2.0, 1.5e-4),
+                    (3.0, f64::NAN),
+                    (4.0, 3e-4),
+                ],
+            ),
+            series(
+                "no replay",
+                &[(0.0, 1e-3), (1.0, 5e-3), (2.0, 2e-2), (3.0, 0.1)],
+            ),
             series("R2 (absent)", &[]),
         ];
         let mut plot = LinePlot::over_steps("k3 KL", "KL", &runs, Scale::Log10);
@@ -245,13 +298,22 @@ mod tests {
         let dir = TempDir::new("line_empty");
         let path = dir.path().join("empty.png");
         let none: [Series; 0] = [];
-        let err = line_plot(&LinePlot::over_steps("empty", "y", &none, Scale::Linear), &path);
+        let err = line_plot(
+            &LinePlot::over_steps("empty", "y", &none, Scale::Linear),
+            &path,
+        );
         assert!(matches!(err, Err(PlotError::NoData { .. })), "{err:?}");
         let nan = [series("nan", &[(0.0, f64::NAN), (f64::INFINITY, 1.0)])];
-        let err = line_plot(&LinePlot::over_steps("nan", "y", &nan, Scale::Linear), &path);
+        let err = line_plot(
+            &LinePlot::over_steps("nan", "y", &nan, Scale::Linear),
+            &path,
+        );
         assert!(matches!(err, Err(PlotError::NoData { .. })), "{err:?}");
         let zeros = [series("zero", &[(0.0, 0.0), (1.0, -1.0)])];
-        let err = line_plot(&LinePlot::over_steps("zeros", "y", &zeros, Scale::Log10), &path);
+        let err = line_plot(
+            &LinePlot::over_steps("zeros", "y", &zeros, Scale::Log10),
+            &path,
+        );
         let msg = err.map_err(|e| e.to_string()).unwrap_err();
         assert!(msg.contains("positive on the log axis"), "{msg}");
         assert!(!path.exists(), "no file is written for a plot without data");
@@ -267,9 +329,15 @@ mod tests {
             height: 400,
         };
         let err = line_plot(&plot, &dir.path().join("tiny.png"));
-        assert!(matches!(err, Err(PlotError::BadCanvas { width: 10, .. })), "{err:?}");
+        assert!(
+            matches!(err, Err(PlotError::BadCanvas { width: 10, .. })),
+            "{err:?}"
+        );
         plot.canvas = Canvas::default();
         let err = line_plot(&plot, &dir.path().join("plot.svg"));
-        assert!(matches!(err, Err(PlotError::InvalidInput { .. })), "{err:?}");
+        assert!(
+            matches!(err, Err(PlotError::InvalidInput { .. })),
+            "{err:?}"
+        );
     }
 }

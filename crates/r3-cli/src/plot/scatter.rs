@@ -7,7 +7,7 @@ use std::path::Path;
 use plotters::prelude::*;
 
 use super::axis::{Axis, Scale};
-use super::frame::{draw_framed, draw_legend, Frame};
+use super::frame::{draw_framed, Frame};
 use super::line::bounds;
 use super::style::series_color;
 use super::{Canvas, PlotError};
@@ -74,7 +74,10 @@ pub fn scatter_plot(plot: &ScatterPlot<'_>, path: &Path) -> Result<(), PlotError
     let Some((lo, hi)) = bounds(shown.iter().flat_map(|&(x, y)| [x, y])) else {
         return Err(PlotError::NoData {
             plot: plot.title.to_string(),
-            detail: format!("{} points, none finite and inside the axis range", plot.points.len()),
+            detail: format!(
+                "{} points, none finite and inside the axis range",
+                plot.points.len()
+            ),
         });
     };
     let axis = match plot.range {
@@ -109,7 +112,7 @@ pub fn scatter_plot(plot: &ScatterPlot<'_>, path: &Path) -> Result<(), PlotError
                 .label("y = x")
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], line));
         }
-        draw_legend(chart, ctx, SeriesLabelPosition::UpperLeft)
+        Ok(Some(SeriesLabelPosition::UpperLeft))
     })
 }
 
@@ -123,7 +126,9 @@ mod tests {
         let mut s = seed;
         (0..n)
             .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 (s >> 11) as f64 / (1u64 << 53) as f64
             })
             .collect()
@@ -173,6 +178,9 @@ mod tests {
         let mut bad = ScatterPlot::probabilities("bad range", "x", "y", &points);
         bad.range = Some((1.0, 1.0));
         let err = scatter_plot(&bad, &dir.path().join("bad.png"));
-        assert!(matches!(err, Err(PlotError::InvalidInput { .. })), "{err:?}");
+        assert!(
+            matches!(err, Err(PlotError::InvalidInput { .. })),
+            "{err:?}"
+        );
     }
 }

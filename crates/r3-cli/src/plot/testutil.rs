@@ -55,7 +55,11 @@ pub fn assert_png(path: &Path, width: u32, height: u32) {
         let kind = &bytes[pos + 4..pos + 8];
         let data = &bytes[pos + 8..pos + 8 + len];
         let stored = be32(&bytes[pos + 8 + len..]);
-        assert_eq!(crc32(&bytes[pos + 4..pos + 8 + len]), stored, "CRC of chunk {kind:?}");
+        assert_eq!(
+            crc32(&bytes[pos + 4..pos + 8 + len]),
+            stored,
+            "CRC of chunk {kind:?}"
+        );
         if kind == b"IHDR" {
             assert_eq!((be32(data), be32(&data[4..])), (width, height), "IHDR size");
         }
@@ -64,7 +68,10 @@ pub fn assert_png(path: &Path, width: u32, height: u32) {
     }
     assert_eq!(kinds.first().map(String::as_str), Some("IHDR"));
     assert_eq!(kinds.last().map(String::as_str), Some("IEND"));
-    assert!(kinds.iter().any(|k| k == "IDAT"), "no image data: {kinds:?}");
+    assert!(
+        kinds.iter().any(|k| k == "IDAT"),
+        "no image data: {kinds:?}"
+    );
 }
 
 #[test]

@@ -1,0 +1,117 @@
+//! Reports over RL run directories (`r3 report`, later `r3 compare`): reads each run's
+//! metrics, summarises it (best eval, final reward, mean k3 KL, crash step under a stated
+//! rule), plots metrics over steps with all runs overlaid, and writes PNGs, one
+//! self-contained HTML page and a Table-1-style results table (Markdown + JSON).
+
+mod error;
+mod figures;
+mod html;
+mod metrics;
+mod run;
+mod summary;
+mod table;
+
+use std::path::PathBuf;
+
+pub use error::ReportError;
+pub use run::{load_run, RunData};
+pub use summary::{summarize, CrashRule, RunSummary, DEFAULT_KL_THRESHOLD};
+pub use table::ResultsTable;
+
+use crate::plot::Canvas;
+use html::PageFigure;
+
+/// Where and how to write a report.
+#[derive(Debug, Clone)]
+pub struct ReportOptions {
+    /// Output directory (created if missing).
+    pub out_dir: PathBuf,
+    /// When a run counts as crashed.
+    pub crash_rule: CrashRule,
+    /// Size of each PNG.
+    pub canvas: Canvas,
+}
+
+/// What a report wrote.
+#[derive(Debug, Clone)]
+pub struct ReportOutput {
+    /// The HTML page.
+    pub html: PathBuf,
+    /// The PNGs written (metrics no run logged have none).
+    pub figures: Vec<PathBuf>,
+    /// The results table as Markdown.
+    pub table_md: PathBuf,
+    /// The results table as JSON.
+    pub table_json: PathBuf,
+    /// One summary per run, in the order given.
+    pub summaries: Vec<RunSummary>,
+}
+
+/// File stem of the results table in the output directory.
+pub const TABLE_STEM: &str = "results";
+/// File name of the HTML page in the output directory.
+pub const PAGE_FILE: &str = "report.html";
+
+/// Names runs by their directory, falling back to the full path where names collide.
+fn disambiguate(runs: &mut [RunData]) {
+    let names: Vec<String> = runs.iter().map(|r| r.name.clone()).collect();
+    for run in runs.iter_mut() {
+        if names.iter().filter(|n| **n == run.name).count() > 1 {
+            run.name = run.dir.display().to_string();
+        }
+    }
+}
+
+/// Builds the report for `run_dirs` into `opts.out_dir`.
+pub fn build_report(
+    run_dirs: &[PathBuf],
+    opts: &ReportOptions,
+) -> Result<ReportOutput, ReportError> {
+    if run_dirs.is_empty() {
+        return Err(ReportError::NoRuns);
+    }
+    let mut runs = run_dirs
+        .iter()
+        .map(|d| load_run(d))
+        .collect::<Result<Vec<_>, _>>()?;
+    disambiguate(&mut runs);
+    for run in &runs {
+        tracing::info!(run = %run.name, steps = run.rows.len(), evals = run.eval.len(), "loaded run");
+    }
+    let summaries: Vec<RunSummary> = runs
+        .iter()
+        .map(|r| summarize(r, &opts.crash_rule))
+        .collect();
+    let out = opts.out_dir.as_path();
+    std::fs::create_dir_all(out).map_err(ReportError::io(out))?;
+
+    let rendered = figures::render_figures(&runs, &opts.crash_rule, out, opts.canvas)?;
+    let mut page_figures = Vec::with_capacity(rendered.len());
+    let mut pngs = Vec::new();
+    for fig in &rendered {
+        let png = match &fig.png {
+            Ok(path) => {
+                pngs.push(path.clone());
+                Ok(std::fs::read(path).map_err(ReportError::io(path))?)
+            }
+            Err(why) => Err(why.clone()),
+        };
+        page_figures.push(PageFigure {
+            title: fig.title,
+            png,
+        });
+    }
+
+    let table = ResultsTable::from_summaries(&summaries, &opts.crash_rule);
+    let (table_md, table_json) = table.write(out, TABLE_STEM)?;
+    let html = out.join(PAGE_FILE);
+    let page = html::render_page(&runs, &summaries, &opts.crash_rule, &page_figures);
+    std::fs::write(&html, page).map_err(ReportError::io(&html))?;
+    Ok(ReportOutput {
+        html,
+        figures: pngs,
+        table_md,
+        table_json,
+        summaries,
+    })
+}
