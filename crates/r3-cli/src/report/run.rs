@@ -76,42 +76,60 @@ fn merge_eval(primary: Vec<(u64, f64)>, extra: Vec<(u64, f64)>) -> Vec<(u64, f64
     by_step.into_iter().collect()
 }
 
-/// First string found under any of `names`, searching `table` and then its sub-tables.
-fn find_text(table: &toml::Table, names: &[&str]) -> Option<String> {
-    for name in names {
-        match table.get(*name) {
-            Some(toml::Value::String(s)) => return Some(s.clone()),
-            // e.g. `[loss] kind = "gspo"`
-            Some(toml::Value::Table(t)) => {
-                if let Some(s) = find_text(t, &["kind", "type", "name"]) {
-                    return Some(s);
-                }
-            }
-            _ => {}
-        }
+/// First value found under any of `names`, searching `table` and then its sub-tables.
+fn find_value<'t>(table: &'t toml::Table, names: &[&str]) -> Option<&'t toml::Value> {
+    if let Some(v) = names.iter().find_map(|n| table.get(*n)) {
+        return Some(v);
     }
     table.values().find_map(|v| match v {
-        toml::Value::Table(t) => find_text(t, names),
+        toml::Value::Table(t) => find_value(t, names),
         _ => None,
     })
 }
 
-/// "replay · loss" from config.toml, falling back to the first metrics row that names them.
-/// The config's layout belongs to r3-train, so keys are searched by name at any depth.
+/// The text under `names`; a table there is read through its `kind`/`type`/`name` key
+/// (e.g. `[loss] kind = "gspo"`).
+fn find_text(table: &toml::Table, names: &[&str]) -> Option<String> {
+    match find_value(table, names)? {
+        toml::Value::String(s) => Some(s.clone()),
+        toml::Value::Table(t) => ["kind", "type", "name"]
+            .iter()
+            .find_map(|k| t.get(*k).and_then(toml::Value::as_str).map(str::to_string)),
+        _ => None,
+    }
+}
+
+/// Config keys naming the replay mode (r3-train calls it `algo.router_replay`).
+const REPLAY_NAMES: [&str; 3] = [keys::REPLAY_MODE, "router_replay", "replay"];
+/// Config key of the importance-sampling correction (`none`, `tis`, `mis`).
+const IS_MODE_NAME: &str = "is_mode";
+/// Config key of the number of optimiser steps per RL step.
+const MINI_STEPS_NAME: &str = "mini_batches";
+
+/// "replay · loss · IS correction · mini-steps" from config.toml (replay and loss fall back
+/// to the first metrics row that names them). The config's layout belongs to r3-train, so
+/// keys are searched by name at any depth.
 fn setting(config: Option<&toml::Table>, rows: &[MetricsRow]) -> String {
     let from_config = |names: &[&str]| config.and_then(|c| find_text(c, names));
     let from_rows = |key: &str| rows.iter().find_map(|r| r.text(key).map(str::to_string));
-    let replay =
-        from_config(&[keys::REPLAY_MODE, "replay"]).or_else(|| from_rows(keys::REPLAY_MODE));
+    let replay = from_config(&REPLAY_NAMES)
+        .or_else(|| from_rows(keys::REPLAY_MODE))
+        .map(|r| {
+            if r.eq_ignore_ascii_case("disabled") || r.eq_ignore_ascii_case("none") {
+                "no replay".to_string()
+            } else {
+                r
+            }
+        });
     let loss = from_config(&[keys::LOSS]).or_else(|| from_rows(keys::LOSS));
-    let replay = replay.map(|r| {
-        if r.eq_ignore_ascii_case("disabled") || r.eq_ignore_ascii_case("none") {
-            "no replay".to_string()
-        } else {
-            r
-        }
-    });
-    [replay, loss]
+    let is_mode = from_config(&[IS_MODE_NAME])
+        .filter(|m| !m.eq_ignore_ascii_case("none"))
+        .map(|m| m.to_uppercase());
+    let mini_steps = config
+        .and_then(|c| find_value(c, &[MINI_STEPS_NAME]))
+        .and_then(toml::Value::as_integer)
+        .map(|n| format!("{n} mini-step{}", if n == 1 { "" } else { "s" }));
+    [replay, loss, is_mode, mini_steps]
         .into_iter()
         .flatten()
         .collect::<Vec<_>>()
@@ -135,6 +153,20 @@ mod tests {
                 .unwrap();
         let metrics = rows("{\"step\":0,\"replay_mode\":\"R2\",\"loss\":\"ppo\"}\n");
         assert_eq!(setting(Some(&cfg), &metrics), "R3 · gspo");
+        // r3-train's layout: [algo] router_replay, loss, is_mode, mini_batches.
+        let train: toml::Table = "[algo]\nrouter_replay = \"disabled\"\nloss = \"ppo\"\n\
+                                  is_mode = \"tis\"\nmini_batches = 8\n"
+            .parse()
+            .unwrap();
+        assert_eq!(
+            setting(Some(&train), &[]),
+            "no replay · ppo · TIS · 8 mini-steps"
+        );
+        let single: toml::Table =
+            "[algo]\nrouter_replay = \"R3\"\nis_mode = \"none\"\nmini_batches = 1\n"
+                .parse()
+                .unwrap();
+        assert_eq!(setting(Some(&single), &metrics), "R3 · ppo · 1 mini-step");
         assert_eq!(setting(None, &metrics), "R2 · ppo");
         let disabled = rows("{\"step\":0,\"replay_mode\":\"disabled\"}\n");
         assert_eq!(setting(None, &disabled), "no replay");
