@@ -1,0 +1,78 @@
+//! Canonical JSON: the documented example decodes; malformed documents give clear errors.
+
+use r3_routing::{LayerSpace, RouteError, RouteTable};
+use serde_json::json;
+
+fn example() -> serde_json::Value {
+    json!({"format": "r3-routes", "version": 1, "num_experts": 8, "top_k": 2,
+           "layer_space": "moe_only", "layers": [1, 2], "start_pos": 0, "num_tokens": 2,
+           "routes": [[[3, 5], [0, 7]], [null, [1, 2]]], "versions": [4, 4]})
+}
+
+#[test]
+fn documented_example_decodes() {
+    let t = RouteTable::from_json(&example()).unwrap();
+    assert_eq!(
+        (t.num_tokens(), t.top_k(), t.space()),
+        (2, 2, LayerSpace::MoeOnly)
+    );
+    assert_eq!(t.layers(), &[1, 2]);
+    assert_eq!(t.experts(0, 1), Some(vec![0, 7]));
+    assert!(!t.is_present(1, 0));
+    assert_eq!(t.versions(), Some(&[4u64, 4][..]));
+    assert_eq!(t.to_json(), example());
+}
+
+fn with(field: &str, value: serde_json::Value) -> serde_json::Value {
+    let mut v = example();
+    v[field] = value;
+    v
+}
+
+#[test]
+fn malformed_documents() {
+    let err = |v: serde_json::Value| RouteTable::from_json(&v).unwrap_err();
+    assert!(matches!(
+        err(with("format", json!("other"))),
+        RouteError::Format { .. }
+    ));
+    assert!(matches!(
+        err(with("version", json!(2))),
+        RouteError::Format { .. }
+    ));
+    assert!(matches!(
+        err(with("num_tokens", json!(3))),
+        RouteError::Length { .. }
+    ));
+    assert!(matches!(
+        err(with("layer_space", json!("some"))),
+        RouteError::Format { .. }
+    ));
+    assert!(matches!(
+        err(with("versions", json!([1]))),
+        RouteError::Length { .. }
+    ));
+    assert_eq!(
+        err(with("routes", json!([[[3, 9], [0, 7]], [null, [1, 2]]]))),
+        RouteError::ExpertOutOfRange {
+            token: 0,
+            layer: 1,
+            value: 9,
+            num_experts: 8
+        }
+    );
+    assert!(matches!(
+        err(with("routes", json!([[[3], [0, 7]], [null, [1, 2]]]))),
+        RouteError::Length { .. }
+    ));
+    assert!(matches!(
+        err(with("routes", json!([[[3, 5]], [null, [1, 2]]]))),
+        RouteError::Length { .. }
+    ));
+    let msg = err(with("routes", json!([[[3, 5], [0, 7]], [null, [1, 2.5]]]))).to_string();
+    assert!(msg.contains("token 1") && msg.contains("layer 2"), "{msg}");
+    let mut no_field = example();
+    no_field.as_object_mut().unwrap().remove("top_k");
+    assert!(err(no_field).to_string().contains("top_k"));
+    assert!(RouteTable::from_json_str("{").is_err());
+}

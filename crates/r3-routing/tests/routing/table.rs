@@ -1,0 +1,250 @@
+//! RouteTable construction, validation errors, slicing, appending and versions.
+
+use r3_routing::{LayerLayout, LayerSpace, RouteError, RouteTable};
+
+fn moe(layers: Vec<usize>, start: usize, ids: &[i64]) -> Result<RouteTable, RouteError> {
+    RouteTable::from_flat(8, 2, LayerSpace::MoeOnly, layers, start, ids)
+}
+
+#[test]
+fn from_flat_marks_negative_cells_missing() {
+    let t = moe(vec![1, 3], 10, &[0, 1, -1, -1, 2, 3, 4, 5]).unwrap();
+    assert_eq!((t.num_tokens(), t.num_columns(), t.start_pos()), (2, 2, 10));
+    assert!(t.is_present(0, 0) && !t.is_present(0, 1));
+    assert_eq!(t.experts(0, 1), None);
+    assert_eq!(t.experts(1, 1), Some(vec![4, 5]));
+    let err = t.column_ids(1).unwrap_err();
+    assert_eq!(
+        err,
+        RouteError::MissingRoute {
+            token: 10,
+            layer: 3
+        }
+    );
+    assert_eq!(t.column_ids(0).unwrap(), vec![0, 1, 2, 3]);
+    assert_eq!(t.column_ids_range(1, 1, 2).unwrap(), vec![4, 5]);
+}
+
+#[test]
+fn from_columns_matches_from_flat() {
+    let cols = vec![vec![0, 1, 2, 3], vec![4, 5, 6, 7]];
+    let a = RouteTable::from_columns(8, 2, LayerSpace::MoeOnly, vec![1, 3], 0, &cols).unwrap();
+    let b = moe(vec![1, 3], 0, &[0, 1, 4, 5, 2, 3, 6, 7]).unwrap();
+    assert_eq!(a, b);
+    assert_eq!(a.column_ids(1).unwrap(), cols[1]);
+}
+
+#[test]
+fn out_of_range_id_names_token_layer_value() {
+    let err = moe(vec![2, 5], 4, &[0, 1, 2, 3, 6, 7, 1, 8]).unwrap_err();
+    assert_eq!(
+        err,
+        RouteError::ExpertOutOfRange {
+            token: 5,
+            layer: 5,
+            value: 8,
+            num_experts: 8
+        }
+    );
+    let msg = err.to_string();
+    assert!(
+        msg.contains("token 5") && msg.contains("layer 5") && msg.contains('8'),
+        "{msg}"
+    );
+}
+
+#[test]
+fn duplicate_expert_in_a_row_is_an_error() {
+    let err = moe(vec![0], 0, &[3, 3]).unwrap_err();
+    assert_eq!(
+        err,
+        RouteError::DuplicateExpert {
+            token: 0,
+            layer: 0,
+            expert: 3
+        }
+    );
+}
+
+#[test]
+fn all_zero_row_is_never_expert_zero() {
+    let err = moe(vec![0], 7, &[0, 0]).unwrap_err();
+    assert_eq!(
+        err,
+        RouteError::ZeroCell {
+            token: 7,
+            layer: 0,
+            top_k: 2
+        }
+    );
+}
+
+#[test]
+fn partially_missing_cell_is_an_error() {
+    let err = moe(vec![0], 0, &[-1, 3]).unwrap_err();
+    assert_eq!(
+        err,
+        RouteError::PartiallyMissing {
+            token: 0,
+            layer: 0,
+            value: -1
+        }
+    );
+}
+
+#[test]
+fn wrong_lengths_are_errors() {
+    assert!(matches!(
+        moe(vec![0, 1], 0, &[0, 1, 2]),
+        Err(RouteError::Shape(_))
+    ));
+    let cols = vec![vec![0, 1], vec![0, 1, 2, 3]];
+    assert!(matches!(
+        RouteTable::from_columns(8, 2, LayerSpace::MoeOnly, vec![0, 1], 0, &cols),
+        Err(RouteError::Length { .. })
+    ));
+    assert!(matches!(
+        RouteTable::from_columns(8, 2, LayerSpace::MoeOnly, vec![0, 1, 2], 0, &cols),
+        Err(RouteError::Length { .. })
+    ));
+    let mut t = moe(vec![0], 0, &[0, 1]).unwrap();
+    assert!(matches!(
+        t.set_cell(0, 0, &[1]),
+        Err(RouteError::Length { .. })
+    ));
+    assert!(matches!(
+        t.set_versions(vec![1, 2]),
+        Err(RouteError::Length { .. })
+    ));
+}
+
+#[test]
+fn bad_headers_are_errors() {
+    assert!(RouteTable::from_flat(0, 1, LayerSpace::MoeOnly, vec![0], 0, &[]).is_err());
+    assert!(RouteTable::from_flat(4, 5, LayerSpace::MoeOnly, vec![0], 0, &[]).is_err());
+    assert!(RouteTable::from_flat(4, 0, LayerSpace::MoeOnly, vec![0], 0, &[]).is_err());
+    assert!(RouteTable::from_flat(70_000, 1, LayerSpace::MoeOnly, vec![0], 0, &[]).is_err());
+    // Column layers must ascend; all-layers columns must be 0..L.
+    assert!(RouteTable::from_flat(4, 1, LayerSpace::MoeOnly, vec![2, 1], 0, &[]).is_err());
+    assert!(RouteTable::from_flat(4, 1, LayerSpace::AllLayers, vec![1, 2], 0, &[]).is_err());
+}
+
+#[test]
+fn u16_storage_above_256_experts() {
+    let t = RouteTable::from_flat(1000, 2, LayerSpace::MoeOnly, vec![0], 0, &[999, 300]).unwrap();
+    assert_eq!(t.experts(0, 0), Some(vec![999, 300]));
+    let small = RouteTable::from_flat(256, 2, LayerSpace::MoeOnly, vec![0], 0, &[255, 0]).unwrap();
+    assert_eq!(small.experts(0, 0), Some(vec![255, 0]));
+}
+
+#[test]
+fn slice_and_append_restore_the_table() {
+    let ids: Vec<i64> = vec![0, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4];
+    let mut t = moe(vec![1, 3], 5, &ids).unwrap();
+    t.set_versions(vec![1, 1, 2]).unwrap();
+    let mut head = t.slice_rows(0, 1).unwrap();
+    let tail = t.slice_rows(1, 3).unwrap();
+    assert_eq!(
+        (tail.start_pos(), tail.versions()),
+        (6, Some(&[1u64, 2][..]))
+    );
+    head.append(&tail).unwrap();
+    assert_eq!(head, t);
+    assert!(t.slice_rows(2, 4).is_err());
+    assert!(t.slice_rows(2, 1).is_err());
+}
+
+#[test]
+fn misaligned_append_is_an_error() {
+    let mut a = moe(vec![0], 0, &[0, 1, 2, 3]).unwrap();
+    // Full-sequence routes of a resumed call start at 0 again: a blind concat must fail.
+    let again = moe(vec![0], 0, &[0, 1, 2, 3, 4, 5]).unwrap();
+    assert!(matches!(a.append(&again), Err(RouteError::Misaligned(_))));
+    let gap = moe(vec![0], 3, &[4, 5]).unwrap();
+    assert!(matches!(a.append(&gap), Err(RouteError::Misaligned(_))));
+    let other_layers = moe(vec![1], 2, &[4, 5]).unwrap();
+    assert!(matches!(a.append(&other_layers), Err(RouteError::Shape(_))));
+    let ok = moe(vec![0], 2, &[4, 5]).unwrap();
+    a.append(&ok).unwrap();
+    assert_eq!(a.num_tokens(), 3);
+}
+
+#[test]
+fn to_moe_only_rejects_nonzero_dense_column() {
+    let layout = LayerLayout::first_k_dense(3, 1).unwrap();
+    let all = RouteTable::from_flat(
+        8,
+        2,
+        LayerSpace::AllLayers,
+        vec![0, 1, 2],
+        0,
+        &[4, 5, 0, 1, 2, 3],
+    )
+    .unwrap();
+    let err = all.to_moe_only(&layout).unwrap_err();
+    assert_eq!(
+        err,
+        RouteError::DenseColumnNotEmpty {
+            token: 0,
+            layer: 0,
+            value: 4
+        }
+    );
+    let ok = RouteTable::from_flat(
+        8,
+        2,
+        LayerSpace::AllLayers,
+        vec![0, 1, 2],
+        0,
+        &[-1, -1, 0, 1, 2, 3],
+    )
+    .unwrap();
+    let m = ok.to_moe_only(&layout).unwrap();
+    assert_eq!(m.layers(), &[1, 2]);
+    assert_eq!(m.experts(0, 0), Some(vec![0, 1]));
+    assert_eq!(m.experts(0, 1), Some(vec![2, 3]));
+    // Back to all layers, the dense column is missing (not zero).
+    let back = m.to_all_layers(&layout).unwrap();
+    assert!(!back.is_present(0, 0));
+    assert_eq!(back.experts(0, 2), Some(vec![2, 3]));
+}
+
+#[test]
+fn space_conversion_checks_layer_count() {
+    let layout = LayerLayout::first_k_dense(4, 1).unwrap();
+    let all3 =
+        RouteTable::from_flat(8, 1, LayerSpace::AllLayers, vec![0, 1, 2], 0, &[1, 2, 3]).unwrap();
+    assert!(matches!(
+        all3.to_moe_only(&layout),
+        Err(RouteError::Shape(_))
+    ));
+    let wrong_moe = moe(vec![0, 1, 2], 0, &[0, 1, 2, 3, 4, 5]).unwrap();
+    assert!(matches!(
+        wrong_moe.to_all_layers(&layout),
+        Err(RouteError::Shape(_))
+    ));
+}
+
+#[test]
+fn set_and_clear_cells() {
+    let mut t = RouteTable::missing(16, 2, LayerSpace::MoeOnly, vec![3], 0, 2).unwrap();
+    assert_eq!(t.num_present(), 0);
+    t.set_cell(1, 0, &[9, 4]).unwrap();
+    assert_eq!(t.experts(1, 0), Some(vec![9, 4]));
+    assert!(t.set_cell(2, 0, &[1, 2]).is_err());
+    assert!(t.set_cell(0, 1, &[1, 2]).is_err());
+    assert_eq!(
+        t.set_cell(0, 0, &[16, 2]).unwrap_err(),
+        RouteError::ExpertOutOfRange {
+            token: 0,
+            layer: 3,
+            value: 16,
+            num_experts: 16
+        }
+    );
+    t.clear_cell(1, 0).unwrap();
+    assert_eq!(
+        t,
+        RouteTable::missing(16, 2, LayerSpace::MoeOnly, vec![3], 0, 2).unwrap()
+    );
+}
