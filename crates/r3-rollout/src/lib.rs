@@ -1,1 +1,29 @@
-//! placeholder
+//! r3-rollout: the inference engine of r3 — batched generation with a paged KV cache that
+//! records the routed experts of every position, a prefix cache that keeps routes beside KV,
+//! partial rollouts and in-process weight sync.
+//!
+//! The engine has its own inference path (f16 or f32 matmuls, fused row kernels, paged
+//! attention); it shares only the config, the weight format and the router math with the
+//! training forward of `r3-model` (DESIGN.md rule 4).
+//!
+//! Log-probs: every reported log-prob is `log softmax(logits)[token]` under the raw model
+//! distribution (temperature 1, before top-k / top-p), in f32 from the engine's logits.
+
+pub mod dtype;
+pub mod engine;
+pub mod error;
+pub mod kernels;
+pub mod kv_pool;
+pub mod model;
+pub mod prefix_cache;
+pub mod request;
+pub mod sampler;
+
+pub use dtype::Dtype;
+pub use engine::{CachedBlock, Engine, EngineConfig};
+pub use error::RolloutError;
+pub use kv_pool::{KvBlock, KvBlockId, KvBlockRef, KvLayout, KvPool};
+pub use model::tensors::{load_dir, TensorMap};
+pub use r3_routing::MergePolicy;
+pub use request::{FinishReason, GenerateRequest, GenerateResult, PartialRollout, RequestId};
+pub use sampler::SamplingParams;

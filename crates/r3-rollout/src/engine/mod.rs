@@ -1,0 +1,402 @@
+//! The rollout engine: owns the model, the paged KV pool, the prefix cache and the requests;
+//! `submit` queues a request, `step` runs one batched forward over every running sequence
+//! (continuous batching: requests join and leave between steps).
+
+mod prefix;
+mod sequence;
+mod step;
+
+use std::collections::{HashMap, VecDeque};
+use std::path::Path;
+
+use r3_model::Config;
+use r3_routing::{ExpertPlacement, MergePolicy};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+use crate::dtype::Dtype;
+use crate::error::RolloutError;
+use crate::kv_pool::KvPool;
+use crate::model::tensors::{load_dir, TensorMap};
+use crate::model::InferenceModel;
+use crate::prefix_cache::{PrefixCache, PrefixCacheStats};
+use crate::request::{GenerateRequest, GenerateResult, PartialRollout, RequestId};
+pub use prefix::CachedBlock;
+use sequence::{ResumeState, RouteGeometry, Sequence};
+
+/// Engine settings.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Matmul precision.
+    pub dtype: Dtype,
+    /// Token positions per KV block (and per prefix-cache block).
+    pub block_size: usize,
+    /// Memory budget of the KV pool in bytes.
+    pub kv_cache_bytes: usize,
+    /// Keep finished prefixes (KV + routes) for reuse.
+    pub prefix_cache: bool,
+    /// Memory budget of the prefix cache in bytes (counted inside the KV budget).
+    pub prefix_cache_bytes: usize,
+    /// Tokens fed to the model per step at most (decode tokens + prefill chunks).
+    pub max_batch_tokens: usize,
+    /// Sequences in flight at most.
+    pub max_running: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            dtype: Dtype::F16,
+            block_size: 16,
+            kv_cache_bytes: 2 << 30,
+            prefix_cache: true,
+            prefix_cache_bytes: 1 << 30,
+            max_batch_tokens: 4096,
+            max_running: 256,
+        }
+    }
+}
+
+/// The rollout engine; see the module docs and `notes/engine_api.md`.
+#[derive(Debug)]
+pub struct Engine {
+    model: InferenceModel,
+    cfg: EngineConfig,
+    pool: KvPool,
+    cache: Option<PrefixCache<CachedBlock>>,
+    geo: RouteGeometry,
+    waiting: VecDeque<Sequence>,
+    running: Vec<Sequence>,
+    next_id: RequestId,
+    version: u64,
+    eos: Vec<u32>,
+}
+
+impl Engine {
+    /// Loads `config.json` and safetensors weights from a HF model directory.
+    pub fn from_dir(dir: &Path, cfg: EngineConfig) -> Result<Self, RolloutError> {
+        let model_cfg = Config::from_file(&dir.join("config.json"))
+            .map_err(|e| RolloutError::Model(e.to_string()))?;
+        let tensors = load_dir(dir)?;
+        Self::new(model_cfg, &tensors, cfg)
+    }
+
+    /// Builds an engine from a parsed config and HF-named tensors (e.g. the trainer's).
+    pub fn new(
+        model_cfg: Config,
+        tensors: &TensorMap,
+        cfg: EngineConfig,
+    ) -> Result<Self, RolloutError> {
+        if cfg.max_batch_tokens == 0 || cfg.max_running == 0 {
+            return Err(RolloutError::InvalidConfig(
+                "max_batch_tokens and max_running must be > 0".into(),
+            ));
+        }
+        let eos = eos_ids(&model_cfg.raw);
+        let model = InferenceModel::new(model_cfg, tensors, cfg.dtype)?;
+        let layout = model.kv_layout(cfg.block_size);
+        let block_bytes = layout.block_floats() * 4;
+        let max_blocks = (cfg.kv_cache_bytes / block_bytes.max(1)).max(1);
+        let pool = KvPool::new(layout, max_blocks)?;
+        let cache = if cfg.prefix_cache {
+            Some(
+                PrefixCache::new(cfg.block_size, cfg.prefix_cache_bytes)
+                    .map_err(|e| RolloutError::InvalidConfig(e.to_string()))?,
+            )
+        } else {
+            None
+        };
+        let mc = model.config();
+        let geo = RouteGeometry {
+            layers: mc.layer_layout().moe_layers().to_vec(),
+            top_k: mc.top_k(),
+            num_experts: mc.num_experts(),
+        };
+        tracing::info!(
+            dtype = %cfg.dtype,
+            weight_mb = model.weight_bytes() >> 20,
+            kv_blocks = max_blocks,
+            "rollout engine ready"
+        );
+        Ok(Engine {
+            model,
+            cfg,
+            pool,
+            cache,
+            geo,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            next_id: 0,
+            version: 0,
+            eos,
+        })
+    }
+
+    /// The model config.
+    pub fn model_config(&self) -> &Config {
+        self.model.config()
+    }
+
+    /// The engine settings.
+    pub fn engine_config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// `eos_token_id`(s) from config.json (not added to requests automatically).
+    pub fn eos_token_ids(&self) -> &[u32] {
+        &self.eos
+    }
+
+    /// Current weight version (0 at load, +1 per update).
+    pub fn weight_version(&self) -> u64 {
+        self.version
+    }
+
+    /// Whether any request is waiting or running.
+    pub fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    /// Requests waiting for admission and requests running.
+    pub fn queue_lengths(&self) -> (usize, usize) {
+        (self.waiting.len(), self.running.len())
+    }
+
+    /// Prefix cache counters (None when the cache is off).
+    pub fn prefix_cache_stats(&self) -> Option<PrefixCacheStats> {
+        self.cache.as_ref().map(|c| c.stats())
+    }
+
+    /// KV blocks in use and the pool's block budget.
+    pub fn kv_usage(&mut self) -> (usize, usize) {
+        (self.pool.in_use(), self.pool.max_blocks())
+    }
+
+    fn validate(&self, req: &GenerateRequest) -> Result<(), RolloutError> {
+        let vocab = self.model.config().vocab_size;
+        if req.input_ids.is_empty() {
+            return Err(RolloutError::InvalidRequest("input_ids is empty".into()));
+        }
+        if let Some((i, t)) = req
+            .input_ids
+            .iter()
+            .enumerate()
+            .find(|(_, &t)| t as usize >= vocab)
+        {
+            return Err(RolloutError::InvalidRequest(format!(
+                "input_ids[{i}] = {t} is not below the vocabulary size {vocab}"
+            )));
+        }
+        if let Some(t) = req
+            .sampling
+            .stop_token_ids
+            .iter()
+            .find(|&&t| t as usize >= vocab)
+        {
+            return Err(RolloutError::InvalidRequest(format!(
+                "stop token {t} is not below the vocabulary size {vocab}"
+            )));
+        }
+        req.sampling.validate()?;
+        let max_pos = self.model.config().max_position_embeddings;
+        if req.input_ids.len() >= max_pos {
+            return Err(RolloutError::InvalidRequest(format!(
+                "prompt of {} tokens does not leave room to generate within max_position_embeddings {max_pos}",
+                req.input_ids.len()
+            )));
+        }
+        if req.routed_experts_start_len > req.input_ids.len() {
+            return Err(RolloutError::InvalidRequest(format!(
+                "routed_experts_start_len {} is past the prompt ({} tokens)",
+                req.routed_experts_start_len,
+                req.input_ids.len()
+            )));
+        }
+        let need =
+            (req.input_ids.len() + req.sampling.max_new_tokens).div_ceil(self.cfg.block_size);
+        if need > self.pool.max_blocks() {
+            return Err(RolloutError::KvCache(format!(
+                "a request of {} prompt + {} new tokens needs {need} KV blocks, the pool holds {}",
+                req.input_ids.len(),
+                req.sampling.max_new_tokens,
+                self.pool.max_blocks()
+            )));
+        }
+        Ok(())
+    }
+
+    fn enqueue(
+        &mut self,
+        req: GenerateRequest,
+        rng: ChaCha8Rng,
+        resume: Option<ResumeState>,
+    ) -> RequestId {
+        let id = self.next_id;
+        self.next_id += 1;
+        let capture = (req.return_routes || self.cache.is_some()) && self.geo.row() > 0;
+        self.waiting.push_back(Sequence {
+            id,
+            tokens: req.input_ids.clone(),
+            prompt_len: req.input_ids.len(),
+            request: req,
+            computed: 0,
+            blocks: Vec::new(),
+            rng,
+            logprobs: Vec::new(),
+            routes: Vec::new(),
+            route_versions: Vec::new(),
+            capture,
+            cached_tokens: 0,
+            prefix_checked: false,
+            kv_version: None,
+            resume,
+            finish: None,
+        });
+        id
+    }
+
+    /// Validates and queues a request; it joins the batch at the next `step`.
+    pub fn submit(&mut self, req: GenerateRequest) -> Result<RequestId, RolloutError> {
+        self.validate(&req)?;
+        let rng = ChaCha8Rng::seed_from_u64(req.sampling.seed);
+        Ok(self.enqueue(req, rng, None))
+    }
+
+    /// Stops a request. Returns what it produced so far (resumable with [`Engine::resume`]),
+    /// or None if the id is unknown or already finished. Its computed prefix goes to the
+    /// prefix cache, so a resume under the same weights does not recompute it.
+    pub fn abort(&mut self, id: RequestId) -> Result<Option<PartialRollout>, RolloutError> {
+        let seq = if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+            self.waiting.remove(i)
+        } else if let Some(i) = self.running.iter().position(|s| s.id == id) {
+            Some(self.running.remove(i))
+        } else {
+            None
+        };
+        let Some(seq) = seq else { return Ok(None) };
+        if let Some(cache) = self.cache.as_mut() {
+            prefix::insert_sequence(
+                cache,
+                &seq,
+                &self.geo,
+                self.version,
+                self.pool.layout().block_floats() * 4,
+            );
+        }
+        let original = match &seq.resume {
+            Some(r) => r.earlier.request.clone(),
+            None => seq.request.clone(),
+        };
+        let rng = seq.rng.clone();
+        let result = seq.into_result(&self.geo, self.version)?;
+        Ok(Some(PartialRollout {
+            request: original,
+            output_ids: result.output_ids,
+            output_logprobs: result.output_logprobs,
+            routes: result.routes,
+            rng,
+            weight_version: self.version,
+        }))
+    }
+
+    /// Continues an aborted request (possibly under new weights): the prompt becomes the
+    /// original prompt plus the tokens generated so far, the remaining token budget carries
+    /// over, and the final routes combine both calls by `policy`.
+    pub fn resume(
+        &mut self,
+        partial: PartialRollout,
+        policy: MergePolicy,
+    ) -> Result<RequestId, RolloutError> {
+        let done = partial.output_ids.len();
+        let mut req = partial.request.clone();
+        let remaining = req
+            .sampling
+            .max_new_tokens
+            .checked_sub(done)
+            .filter(|&r| r > 0)
+            .ok_or_else(|| {
+                RolloutError::InvalidRequest(format!(
+                    "nothing to resume: {done} of max_new_tokens {} already generated",
+                    req.sampling.max_new_tokens
+                ))
+            })?;
+        req.input_ids.extend_from_slice(&partial.output_ids);
+        req.sampling.max_new_tokens = remaining;
+        self.validate(&req)?;
+        let rng = partial.rng.clone();
+        Ok(self.enqueue(
+            req,
+            rng,
+            Some(ResumeState {
+                earlier: partial,
+                policy,
+            }),
+        ))
+    }
+
+    /// Submits all requests and steps until they finish; results in input order.
+    pub fn generate(
+        &mut self,
+        reqs: Vec<GenerateRequest>,
+    ) -> Result<Vec<GenerateResult>, RolloutError> {
+        let ids = reqs
+            .into_iter()
+            .map(|r| self.submit(r))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut done: HashMap<RequestId, GenerateResult> = HashMap::new();
+        while ids.iter().any(|id| !done.contains_key(id)) {
+            if !self.has_work() {
+                return Err(RolloutError::InvalidRequest(
+                    "requests vanished before finishing (aborted?)".into(),
+                ));
+            }
+            for r in self.step()? {
+                done.insert(r.id, r);
+            }
+        }
+        Ok(ids.iter().filter_map(|id| done.remove(id)).collect())
+    }
+
+    /// Loads new weights (same config) from HF-named tensors, e.g. the trainer's, without a
+    /// restart. Bumps the weight version and invalidates the prefix cache. Requests in flight
+    /// continue under the new weights; their route rows carry the version that produced them.
+    pub fn update_weights(&mut self, tensors: &TensorMap) -> Result<u64, RolloutError> {
+        self.model.load_weights(tensors)?;
+        self.version += 1;
+        if let Some(cache) = self.cache.as_mut() {
+            drop(cache.clear());
+        }
+        tracing::info!(version = self.version, "weights updated");
+        Ok(self.version)
+    }
+
+    /// [`Engine::update_weights`] from a safetensors directory.
+    pub fn update_weights_from_dir(&mut self, dir: &Path) -> Result<u64, RolloutError> {
+        let tensors = load_dir(dir)?;
+        self.update_weights(&tensors)
+    }
+
+    /// Runs experts on the physical slots of an EPLB placement (replicas share weights);
+    /// captured routes stay logical expert ids.
+    pub fn set_expert_placement(
+        &mut self,
+        placement: Option<ExpertPlacement>,
+    ) -> Result<(), RolloutError> {
+        self.model.set_placement(placement)
+    }
+}
+
+/// `eos_token_id` of a config.json (a number or a list).
+fn eos_ids(raw: &serde_json::Value) -> Vec<u32> {
+    match raw.get("eos_token_id") {
+        Some(serde_json::Value::Number(n)) => {
+            n.as_u64().map(|v| vec![v as u32]).unwrap_or_default()
+        }
+        Some(serde_json::Value::Array(a)) => a
+            .iter()
+            .filter_map(|v| v.as_u64())
+            .map(|v| v as u32)
+            .collect(),
+        _ => Vec::new(),
+    }
+}

@@ -1,0 +1,161 @@
+//! The state of one request inside the engine and how it becomes a result.
+
+use r3_routing::{merge_resumed, LayerSpace, MergePolicy, RouteTable};
+use rand_chacha::ChaCha8Rng;
+
+use crate::error::RolloutError;
+use crate::kv_pool::KvBlockRef;
+use crate::request::{FinishReason, GenerateRequest, GenerateResult, PartialRollout, RequestId};
+
+/// What a resumed request carries over from the aborted call.
+#[derive(Debug, Clone)]
+pub struct ResumeState {
+    /// The aborted call, as `abort` returned it.
+    pub earlier: PartialRollout,
+    /// How to combine its routes with this call's.
+    pub policy: MergePolicy,
+}
+
+/// Route geometry shared by all sequences of an engine.
+#[derive(Debug, Clone)]
+pub struct RouteGeometry {
+    /// Global indices of the MoE layers (the table's columns).
+    pub layers: Vec<usize>,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Logical experts per layer.
+    pub num_experts: usize,
+}
+
+impl RouteGeometry {
+    /// Ids per route row.
+    pub fn row(&self) -> usize {
+        self.layers.len() * self.top_k
+    }
+}
+
+/// One request being served.
+#[derive(Debug)]
+pub struct Sequence {
+    /// Request id.
+    pub id: RequestId,
+    /// The request as this call sees it (for a resumed one: prompt = old prompt + old output).
+    pub request: GenerateRequest,
+    /// Prompt then generated tokens.
+    pub tokens: Vec<u32>,
+    /// Length of this call's prompt.
+    pub prompt_len: usize,
+    /// Positions whose keys/values are in `blocks` (fed to the model).
+    pub computed: usize,
+    /// KV blocks covering positions `0..computed` (and room for the next ones).
+    pub blocks: Vec<KvBlockRef>,
+    /// Sampler RNG.
+    pub rng: ChaCha8Rng,
+    /// Log-prob of each generated token.
+    pub logprobs: Vec<f32>,
+    /// Captured route rows of positions `0..route_rows()` (row = `RouteGeometry::row` ids).
+    pub routes: Vec<u16>,
+    /// Weight version of each captured row.
+    pub route_versions: Vec<u64>,
+    /// Whether this sequence records routes.
+    pub capture: bool,
+    /// Prompt tokens served by the prefix cache.
+    pub cached_tokens: usize,
+    /// Whether the prefix cache was consulted for this admission.
+    pub prefix_checked: bool,
+    /// Weight version when the first position was computed (KV older than the current
+    /// version must not enter the prefix cache).
+    pub kv_version: Option<u64>,
+    /// Carried over from an aborted call.
+    pub resume: Option<ResumeState>,
+    /// Why it finished, once it has.
+    pub finish: Option<FinishReason>,
+}
+
+impl Sequence {
+    /// Number of captured route rows.
+    pub fn route_rows(&self, geo: &RouteGeometry) -> usize {
+        if geo.row() == 0 {
+            0
+        } else {
+            self.routes.len() / geo.row()
+        }
+    }
+
+    /// Tokens generated in this call.
+    pub fn generated(&self) -> &[u32] {
+        &self.tokens[self.prompt_len..]
+    }
+
+    /// Tokens not yet fed to the model.
+    pub fn pending(&self) -> usize {
+        self.tokens.len() - self.computed
+    }
+
+    /// Route table of positions `[from, route_rows)`.
+    pub fn route_table(
+        &self,
+        geo: &RouteGeometry,
+        from: usize,
+    ) -> Result<RouteTable, RolloutError> {
+        let rows = self.route_rows(geo);
+        let from = from.min(rows);
+        let ids: Vec<i64> = self.routes[from * geo.row()..]
+            .iter()
+            .map(|&v| i64::from(v))
+            .collect();
+        let mut t = RouteTable::from_flat(
+            geo.num_experts,
+            geo.top_k,
+            LayerSpace::MoeOnly,
+            geo.layers.clone(),
+            from,
+            &ids,
+        )?;
+        t.set_versions(self.route_versions[from..rows].to_vec())?;
+        Ok(t)
+    }
+
+    /// The result of a finished (or aborted) sequence.
+    pub fn into_result(
+        self,
+        geo: &RouteGeometry,
+        version: u64,
+    ) -> Result<GenerateResult, RolloutError> {
+        let start = self.request.routed_experts_start_len;
+        let routes = if self.capture && self.request.return_routes && geo.row() > 0 {
+            Some(self.route_table(geo, start)?)
+        } else {
+            None
+        };
+        let mut output_ids = self.generated().to_vec();
+        let mut output_logprobs = self.logprobs.clone();
+        let mut prompt_tokens = self.prompt_len;
+        let routes = match self.resume {
+            Some(r) => {
+                prompt_tokens = r.earlier.request.input_ids.len();
+                let mut ids = r.earlier.output_ids.clone();
+                ids.append(&mut output_ids);
+                output_ids = ids;
+                let mut lps = r.earlier.output_logprobs.clone();
+                lps.append(&mut output_logprobs);
+                output_logprobs = lps;
+                match (&r.earlier.routes, routes) {
+                    (Some(old), Some(new)) => Some(merge_resumed(old, &new, r.policy)?),
+                    (_, new) => new,
+                }
+            }
+            None => routes,
+        };
+        Ok(GenerateResult {
+            id: self.id,
+            prompt_tokens,
+            output_ids,
+            output_logprobs,
+            finish: self.finish.unwrap_or(FinishReason::Abort),
+            cached_tokens: self.cached_tokens,
+            routes,
+            weight_version: version,
+        })
+    }
+}

@@ -1,0 +1,246 @@
+//! One scheduler step: admit waiting requests, make room in the KV pool (evict cached
+//! prefixes, then preempt the newest sequence), run one batched forward over a decode token
+//! of every decoding sequence plus prefill chunks, then sample, record routes and retire
+//! finished sequences.
+
+use rayon::prelude::*;
+
+use super::prefix::{attach_cached_prefix, insert_sequence};
+use super::sequence::Sequence;
+use super::Engine;
+use crate::error::RolloutError;
+use crate::kernels::attention::SeqSpan;
+use crate::model::BatchInput;
+use crate::request::{FinishReason, GenerateResult};
+use crate::sampler::sample;
+
+impl Engine {
+    /// KV blocks `seq` still needs to hold `upto` positions.
+    fn blocks_short(&self, seq: &Sequence, upto: usize) -> usize {
+        upto.div_ceil(self.cfg.block_size)
+            .saturating_sub(seq.blocks.len())
+    }
+
+    /// Frees pool blocks by evicting unleased prefix-cache blocks; true if any was evicted.
+    fn evict_cached(&mut self, n: usize) -> bool {
+        match self.cache.as_mut() {
+            Some(c) => !c.evict_blocks(n.max(1)).is_empty(),
+            None => false,
+        }
+    }
+
+    /// Moves waiting requests into the running set while slots, token budget and KV room last.
+    fn admit(&mut self, mut budget: usize) {
+        while self.running.len() < self.cfg.max_running && budget > 0 {
+            let Some(mut seq) = self.waiting.pop_front() else {
+                break;
+            };
+            if !seq.prefix_checked {
+                seq.prefix_checked = true;
+                if let Some(cache) = self.cache.as_mut() {
+                    seq.cached_tokens =
+                        attach_cached_prefix(cache, &mut seq, &self.geo, self.version);
+                }
+            }
+            // Room for the whole prompt plus one decode block per running sequence.
+            let need = self.blocks_short(&seq, seq.tokens.len()) + self.running.len().div_ceil(4);
+            loop {
+                let have = self.pool.available();
+                if have >= need || !self.evict_cached(need - have) {
+                    break;
+                }
+            }
+            if self.pool.available() < need && !self.running.is_empty() {
+                self.waiting.push_front(seq);
+                break;
+            }
+            budget = budget.saturating_sub(seq.pending());
+            self.running.push(seq);
+        }
+    }
+
+    /// Sends the newest running sequence back to the queue, releasing its KV (it is
+    /// recomputed on re-admission; its captured route rows are kept).
+    fn preempt_newest(&mut self) -> bool {
+        if self.running.len() <= 1 {
+            return false;
+        }
+        let Some(mut seq) = self.running.pop() else {
+            return false;
+        };
+        tracing::debug!(id = seq.id, "preempting: KV pool full");
+        seq.blocks.clear();
+        seq.computed = 0;
+        seq.prefix_checked = false;
+        self.waiting.push_front(seq);
+        true
+    }
+
+    /// Chunk sizes of this step per running sequence (decode first, then prefill).
+    fn plan(&self) -> Vec<usize> {
+        let decode = self.running.iter().filter(|s| s.pending() == 1).count();
+        let mut budget = self.cfg.max_batch_tokens.saturating_sub(decode);
+        self.running
+            .iter()
+            .map(|s| {
+                let p = s.pending();
+                if p == 1 {
+                    1
+                } else {
+                    let n = p.min(budget);
+                    budget -= n;
+                    n
+                }
+            })
+            .collect()
+    }
+
+    /// Plans the step and allocates its blocks, evicting and preempting as needed.
+    fn plan_with_room(&mut self) -> Result<Vec<usize>, RolloutError> {
+        loop {
+            let plan = self.plan();
+            let need: usize = self
+                .running
+                .iter()
+                .zip(&plan)
+                .map(|(s, &n)| self.blocks_short(s, s.computed + n))
+                .sum();
+            let have = self.pool.available();
+            if need <= have {
+                for (i, &n) in plan.iter().enumerate() {
+                    let short = self.blocks_short(&self.running[i], self.running[i].computed + n);
+                    for _ in 0..short {
+                        let b = self.pool.allocate().ok_or_else(|| {
+                            RolloutError::KvCache(
+                                "pool ran out while allocating a planned step".into(),
+                            )
+                        })?;
+                        self.running[i].blocks.push(b);
+                    }
+                }
+                return Ok(plan);
+            }
+            if self.evict_cached(need - have) || self.preempt_newest() {
+                continue;
+            }
+            return Err(RolloutError::KvCache(format!(
+                "a single sequence needs {need} more KV blocks, {have} are free"
+            )));
+        }
+    }
+
+    /// Runs one batched step; returns the requests that finished in it.
+    pub fn step(&mut self) -> Result<Vec<GenerateResult>, RolloutError> {
+        let decode = self.running.iter().filter(|s| s.pending() == 1).count();
+        self.admit(self.cfg.max_batch_tokens.saturating_sub(decode));
+        if self.running.is_empty() {
+            return Ok(Vec::new());
+        }
+        let plan = self.plan_with_room()?;
+        let mut tokens = Vec::new();
+        let mut spans = Vec::new();
+        let mut logit_rows = Vec::new();
+        let mut sampled = Vec::new(); // running index of each logits row
+        let mut span_of = Vec::new(); // running index of each span
+        let mut capture = false;
+        for (i, (seq, &n)) in self.running.iter().zip(&plan).enumerate() {
+            if n == 0 {
+                continue;
+            }
+            let first = tokens.len();
+            tokens.extend_from_slice(&seq.tokens[seq.computed..seq.computed + n]);
+            spans.push(SeqSpan {
+                first_token: first,
+                num_tokens: n,
+                start_pos: seq.computed,
+                blocks: seq.blocks.iter().map(|b| b.id()).collect(),
+            });
+            span_of.push(i);
+            capture |= seq.capture;
+            if seq.computed + n == seq.tokens.len() {
+                logit_rows.push(first + n - 1);
+                sampled.push(i);
+            }
+        }
+        let out = self.model.forward(
+            &mut self.pool,
+            &BatchInput {
+                tokens: &tokens,
+                spans: &spans,
+                logit_rows: &logit_rows,
+            },
+            capture,
+        )?;
+        let row = self.geo.row();
+        let version = self.version;
+        for (span, &i) in spans.iter().zip(&span_of) {
+            let seq = &mut self.running[i];
+            if let (true, Some(ids)) = (seq.capture, out.routes.as_ref()) {
+                for p in span.start_pos..span.start_pos + span.num_tokens {
+                    if p == seq.route_rows(&self.geo) {
+                        let t = span.first_token + (p - span.start_pos);
+                        seq.routes.extend_from_slice(&ids[t * row..(t + 1) * row]);
+                        seq.route_versions.push(version);
+                    }
+                }
+            }
+            seq.computed += span.num_tokens;
+            seq.kv_version.get_or_insert(version);
+        }
+        // Sample every sequence that got logits (in parallel; each has its own RNG).
+        let vocab = self.model.config().vocab_size;
+        let max_pos = self.model.config().max_position_embeddings;
+        let mut targets: Vec<(usize, &mut Sequence)> = Vec::with_capacity(sampled.len());
+        {
+            let mut k = 0;
+            for (i, seq) in self.running.iter_mut().enumerate() {
+                if k < sampled.len() && sampled[k] == i {
+                    targets.push((k, seq));
+                    k += 1;
+                }
+            }
+        }
+        targets
+            .par_iter_mut()
+            .for_each_init(Vec::new, |scratch, (k, seq)| {
+                let logits = &out.logits[*k * vocab..(*k + 1) * vocab];
+                let (tok, lp) = sample(logits, &seq.request.sampling, &mut seq.rng, scratch);
+                seq.tokens.push(tok);
+                seq.logprobs.push(lp);
+                let params = &seq.request.sampling;
+                if params.stop_token_ids.contains(&tok) {
+                    seq.finish = Some(FinishReason::Stop { token: tok });
+                } else if seq.generated().len() >= params.max_new_tokens
+                    || seq.tokens.len() >= max_pos
+                {
+                    seq.finish = Some(FinishReason::Length);
+                }
+            });
+        drop(targets);
+        self.retire()
+    }
+
+    /// Removes finished sequences, offering their prefixes to the cache.
+    fn retire(&mut self) -> Result<Vec<GenerateResult>, RolloutError> {
+        let mut results = Vec::new();
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].finish.is_none() {
+                i += 1;
+                continue;
+            }
+            let seq = self.running.remove(i);
+            if let Some(cache) = self.cache.as_mut() {
+                insert_sequence(
+                    cache,
+                    &seq,
+                    &self.geo,
+                    self.version,
+                    self.pool.layout().block_floats() * 4,
+                );
+            }
+            results.push(seq.into_result(&self.geo, self.version)?);
+        }
+        Ok(results)
+    }
+}

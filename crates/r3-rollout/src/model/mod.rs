@@ -1,0 +1,233 @@
+//! The engine's own model: weights in the engine layout and a batched forward over a flat
+//! batch of tokens from many sequences (prefill chunks and decode tokens mixed), reading and
+//! writing the paged KV cache, optionally capturing the routed experts of every token.
+
+pub mod attention;
+pub mod moe;
+pub mod router;
+pub mod tensors;
+pub mod weights;
+
+use r3_model::{Config, RopeScaling};
+use r3_routing::ExpertPlacement;
+
+use crate::dtype::Dtype;
+use crate::error::RolloutError;
+use crate::kernels::attention::SeqSpan;
+use crate::kernels::ops::{rms_norm_into, rms_norm_rows, Rope};
+use crate::kv_pool::{KvLayout, KvPool};
+use attention::{attention_forward, AttnGeometry};
+use moe::{ffn_forward, moe_forward, CaptureSlot};
+use tensors::{Fetcher, TensorMap};
+use weights::{MlpWeights, ModelWeights};
+
+/// One batched forward's input: flat tokens grouped in contiguous per-sequence spans.
+#[derive(Debug)]
+pub struct BatchInput<'a> {
+    /// Token ids of every span, concatenated.
+    pub tokens: &'a [u32],
+    /// Spans in flat order; their blocks must already cover every position they write.
+    pub spans: &'a [SeqSpan],
+    /// Flat token indices whose next-token logits are wanted.
+    pub logit_rows: &'a [usize],
+}
+
+/// One batched forward's output.
+#[derive(Debug)]
+pub struct BatchOutput {
+    /// `[logit_rows.len(), vocab]` logits (f32).
+    pub logits: Vec<f32>,
+    /// `[tokens, moe_layers, top_k]` logical expert ids when capture was on.
+    pub routes: Option<Vec<u16>>,
+}
+
+/// The inference model.
+#[derive(Debug)]
+pub struct InferenceModel {
+    cfg: Config,
+    dtype: Dtype,
+    weights: ModelWeights,
+    geometry: AttnGeometry,
+    rope: Rope,
+    placement: Option<ExpertPlacement>,
+}
+
+/// Inverse RoPE frequencies and the attention-scale multiplier of a config.
+fn rope_tables(cfg: &Config) -> Result<(Vec<f32>, f32), RolloutError> {
+    let base = Rope::default_inv_freq(cfg.rope.dim, cfg.rope.theta);
+    match &cfg.rope.scaling {
+        RopeScaling::None => Ok((base, 1.0)),
+        RopeScaling::Linear { factor } => {
+            Ok((base.iter().map(|f| f / *factor as f32).collect(), 1.0))
+        }
+        RopeScaling::Yarn { .. } => Err(RolloutError::Unsupported(
+            "rope scaling \"yarn\" is not implemented in the rollout engine".into(),
+        )),
+    }
+}
+
+impl InferenceModel {
+    /// Builds the model from a config and HF-named tensors.
+    pub fn new(cfg: Config, tensors: &TensorMap, dtype: Dtype) -> Result<Self, RolloutError> {
+        let weights = ModelWeights::from_tensors(&cfg, &Fetcher::new(tensors), dtype)?;
+        let (inv_freq, scale_mult) = rope_tables(&cfg)?;
+        if let Some(m) = &cfg.moe {
+            if m.num_experts > u16::MAX as usize {
+                return Err(RolloutError::Unsupported(format!(
+                    "{} experts: route capture holds at most 65535",
+                    m.num_experts
+                )));
+            }
+        }
+        let geometry = AttnGeometry::new(&cfg, scale_mult);
+        let rope = Rope::new(inv_freq, cfg.rope.interleaved);
+        Ok(InferenceModel {
+            cfg,
+            dtype,
+            weights,
+            geometry,
+            rope,
+            placement: None,
+        })
+    }
+
+    /// Replaces the weights (same config) from HF-named tensors.
+    pub fn load_weights(&mut self, tensors: &TensorMap) -> Result<(), RolloutError> {
+        self.weights = ModelWeights::from_tensors(&self.cfg, &Fetcher::new(tensors), self.dtype)?;
+        Ok(())
+    }
+
+    /// Executes experts on physical slots of `placement` (EPLB replicas); captured ids stay
+    /// logical. `None` restores one slot per expert.
+    pub fn set_placement(
+        &mut self,
+        placement: Option<ExpertPlacement>,
+    ) -> Result<(), RolloutError> {
+        if let Some(p) = &placement {
+            if p.num_logical() != self.cfg.num_experts() {
+                return Err(RolloutError::InvalidConfig(format!(
+                    "placement has {} logical experts, the model {}",
+                    p.num_logical(),
+                    self.cfg.num_experts()
+                )));
+            }
+        }
+        self.placement = placement;
+        Ok(())
+    }
+
+    /// The model config.
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// Compute precision.
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    /// Bytes of weights.
+    pub fn weight_bytes(&self) -> usize {
+        self.weights.size_bytes()
+    }
+
+    /// KV geometry for a pool of `block_size`-token blocks.
+    pub fn kv_layout(&self, block_size: usize) -> KvLayout {
+        let (k_dim, v_dim) = self.geometry.kv_dims();
+        KvLayout {
+            num_layers: self.cfg.num_hidden_layers,
+            k_dim,
+            v_dim,
+            block_size,
+        }
+    }
+
+    /// Number of route columns (MoE layers) and experts per token.
+    pub fn route_shape(&self) -> (usize, usize) {
+        (self.cfg.layer_layout().moe_layers().len(), self.cfg.top_k())
+    }
+
+    /// Runs the batch through the model. Writes every token's keys and values into `pool`.
+    pub fn forward(
+        &mut self,
+        pool: &mut KvPool,
+        input: &BatchInput,
+        capture: bool,
+    ) -> Result<BatchOutput, RolloutError> {
+        let t = input.tokens.len();
+        let hidden = self.cfg.hidden_size;
+        let bs = pool.layout().block_size;
+        let mut positions = Vec::with_capacity(t);
+        let mut slots = Vec::with_capacity(t);
+        for s in input.spans {
+            for i in 0..s.num_tokens {
+                let p = s.start_pos + i;
+                positions.push(p);
+                slots.push((s.blocks[p / bs], p % bs));
+            }
+        }
+        let max_pos = positions.iter().copied().max().unwrap_or(0);
+        self.rope.ensure(max_pos + 1);
+        let (cols, top_k) = self.route_shape();
+        let mut routes = (capture && cols > 0).then(|| vec![0u16; t * cols * top_k]);
+        let eps = self.cfg.rms_norm_eps as f32;
+        let mut x = vec![0f32; t * hidden];
+        for (row, &tok) in x.chunks_exact_mut(hidden).zip(input.tokens) {
+            let tok = tok as usize;
+            row.copy_from_slice(&self.weights.embed[tok * hidden..(tok + 1) * hidden]);
+        }
+        let mut h = vec![0f32; t * hidden];
+        for (li, layer) in self.weights.layers.iter().enumerate() {
+            rms_norm_into(&x, &mut h, &layer.input_norm, eps);
+            let a = attention_forward(
+                &layer.attn,
+                &self.geometry,
+                &self.rope,
+                pool,
+                li,
+                input.spans,
+                &positions,
+                &slots,
+                &h,
+            );
+            x.iter_mut().zip(&a).for_each(|(xv, av)| *xv += av);
+            rms_norm_into(&x, &mut h, &layer.post_norm, eps);
+            let m = match &layer.mlp {
+                MlpWeights::Dense(f) => ffn_forward(f, &h, t, true),
+                MlpWeights::Moe(mw) => {
+                    let moe_cfg = self.cfg.moe.as_ref();
+                    let col = self.cfg.layer_layout().moe_column(li).unwrap_or(0);
+                    let capture = routes.as_mut().map(|ids| CaptureSlot {
+                        ids: ids.as_mut_slice(),
+                        stride: cols * top_k,
+                        offset: col * top_k,
+                    });
+                    match moe_cfg {
+                        Some(mc) => moe_forward(
+                            mw,
+                            &mc.router,
+                            top_k,
+                            self.placement.as_ref(),
+                            &h,
+                            t,
+                            capture,
+                        )?,
+                        None => vec![0f32; t * hidden],
+                    }
+                }
+            };
+            x.iter_mut().zip(&m).for_each(|(xv, mv)| *xv += mv);
+        }
+        // Final norm and lm_head only for the rows whose logits are wanted.
+        let n = input.logit_rows.len();
+        let mut last = Vec::with_capacity(n * hidden);
+        for &r in input.logit_rows {
+            last.extend_from_slice(&x[r * hidden..(r + 1) * hidden]);
+        }
+        rms_norm_rows(&mut last, &self.weights.norm, eps);
+        let vocab = self.cfg.vocab_size;
+        let mut logits = vec![0f32; n * vocab];
+        self.weights.lm_head.forward(&last, n, &mut logits, true);
+        Ok(BatchOutput { logits, routes })
+    }
+}

@@ -1,0 +1,91 @@
+//! Request and result types of the engine's public API.
+
+use r3_routing::RouteTable;
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+
+use crate::sampler::SamplingParams;
+
+/// Engine-assigned id of a submitted request.
+pub type RequestId = u64;
+
+/// One generation request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GenerateRequest {
+    /// Prompt token ids (non-empty, each below the vocabulary size).
+    pub input_ids: Vec<u32>,
+    /// Sampling parameters.
+    pub sampling: SamplingParams,
+    /// Capture and return the routed experts of every position from `routed_experts_start_len`.
+    pub return_routes: bool,
+    /// First absolute position whose route row is returned (SGLang `routed_experts_start_len`).
+    pub routed_experts_start_len: usize,
+}
+
+impl GenerateRequest {
+    /// A request with routes returned from position 0.
+    pub fn new(input_ids: Vec<u32>, sampling: SamplingParams) -> Self {
+        GenerateRequest {
+            input_ids,
+            sampling,
+            return_routes: true,
+            routed_experts_start_len: 0,
+        }
+    }
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "type")]
+pub enum FinishReason {
+    /// `max_new_tokens` reached (or the model's maximum context).
+    Length,
+    /// A stop token was sampled (it is the last output id).
+    Stop {
+        /// the stop token
+        token: u32,
+    },
+    /// Aborted by the caller.
+    Abort,
+}
+
+/// The outcome of one request.
+#[derive(Debug, Clone)]
+pub struct GenerateResult {
+    /// The id `submit` returned.
+    pub id: RequestId,
+    /// Prompt length (for a resumed request: the original prompt).
+    pub prompt_tokens: usize,
+    /// Generated token ids (for a resumed request: all of them, earlier call first).
+    pub output_ids: Vec<u32>,
+    /// `log softmax(logits)[token]` of each output id under the raw model distribution
+    /// (temperature 1, before top-k/top-p), f32.
+    pub output_logprobs: Vec<f32>,
+    /// Why generation ended.
+    pub finish: FinishReason,
+    /// Prompt tokens whose KV and routes came from the prefix cache (last call).
+    pub cached_tokens: usize,
+    /// Routes of positions `[routed_experts_start_len, prompt + output - 1)`: MoE-only layer
+    /// space, global layer indices, logical expert ids, one weight version per row.
+    /// `None` unless `return_routes` (or for a dense model).
+    pub routes: Option<RouteTable>,
+    /// Weight version when the request finished.
+    pub weight_version: u64,
+}
+
+/// An aborted request, resumable with [`crate::Engine::resume`].
+#[derive(Debug, Clone)]
+pub struct PartialRollout {
+    /// The original request.
+    pub request: GenerateRequest,
+    /// Tokens generated before the abort.
+    pub output_ids: Vec<u32>,
+    /// Their log-probs (under the weights that produced them).
+    pub output_logprobs: Vec<f32>,
+    /// Routes captured so far (positions fed to the model before the abort).
+    pub routes: Option<RouteTable>,
+    /// Sampler state, so a resumed request continues the same random stream.
+    pub rng: ChaCha8Rng,
+    /// Weight version at the abort.
+    pub weight_version: u64,
+}

@@ -1,0 +1,306 @@
+//! Engine behaviour: batching invariance, prefix-cache hits, partial rollouts, weight sync,
+//! expert placement and request validation — on the tiny oracle checkpoints in f32.
+
+mod common;
+
+use common::{engine, model_dir, MODELS};
+use r3_rollout::{load_dir, Dtype, FinishReason, GenerateRequest, MergePolicy, SamplingParams};
+use r3_routing::ExpertPlacement;
+
+fn prompt(seed: u32, len: usize) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| (i * 37 + seed * 101 + 3) % 250 + 3)
+        .collect()
+}
+
+fn sampled(seed: u64, n: usize) -> SamplingParams {
+    SamplingParams {
+        temperature: 0.9,
+        top_p: 0.95,
+        top_k: 40,
+        max_new_tokens: n,
+        seed,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn batched_equals_unbatched_in_f32() {
+    for name in MODELS {
+        let reqs: Vec<GenerateRequest> = (0..5)
+            .map(|i| GenerateRequest::new(prompt(i, 5 + 7 * i as usize), sampled(i as u64, 9)))
+            .collect();
+        let mut e = engine(name, Dtype::F32, false);
+        let batched = e.generate(reqs.clone()).unwrap();
+        for (req, b) in reqs.into_iter().zip(&batched) {
+            let mut e1 = engine(name, Dtype::F32, false);
+            let single = e1.generate(vec![req]).unwrap().remove(0);
+            assert_eq!(single.output_ids, b.output_ids, "{name}");
+            for (x, y) in single.output_logprobs.iter().zip(&b.output_logprobs) {
+                assert!((x - y).abs() < 1e-4, "{name}: logprob {x} vs {y}");
+            }
+            assert_eq!(single.routes, b.routes, "{name}");
+        }
+    }
+}
+
+#[test]
+fn continuous_batching_admits_requests_between_steps() {
+    let mut e = engine("qwen3_moe_tiny", Dtype::F32, false);
+    let a = e
+        .submit(GenerateRequest::new(
+            prompt(1, 8),
+            SamplingParams::greedy(6),
+        ))
+        .unwrap();
+    e.step().unwrap();
+    e.step().unwrap();
+    let b = e
+        .submit(GenerateRequest::new(
+            prompt(2, 8),
+            SamplingParams::greedy(6),
+        ))
+        .unwrap();
+    let mut done = Vec::new();
+    while e.has_work() {
+        done.extend(e.step().unwrap());
+    }
+    let mut solo = engine("qwen3_moe_tiny", Dtype::F32, false);
+    let want = solo
+        .generate(vec![
+            GenerateRequest::new(prompt(1, 8), SamplingParams::greedy(6)),
+            GenerateRequest::new(prompt(2, 8), SamplingParams::greedy(6)),
+        ])
+        .unwrap();
+    let got_a = done.iter().find(|r| r.id == a).unwrap();
+    let got_b = done.iter().find(|r| r.id == b).unwrap();
+    assert_eq!(got_a.output_ids, want[0].output_ids);
+    assert_eq!(got_b.output_ids, want[1].output_ids);
+}
+
+#[test]
+fn prefix_cache_hit_returns_the_cold_routes_and_logprobs() {
+    for name in MODELS {
+        let turn1 = prompt(3, 21);
+        let mut warm = engine(name, Dtype::F32, true);
+        let first = warm
+            .generate(vec![GenerateRequest::new(
+                turn1.clone(),
+                SamplingParams::greedy(12),
+            )])
+            .unwrap()
+            .remove(0);
+        assert_eq!(first.cached_tokens, 0);
+        // Second turn: the whole first conversation plus new user tokens.
+        let mut turn2 = turn1.clone();
+        turn2.extend(&first.output_ids);
+        turn2.extend(prompt(9, 6));
+        let req = GenerateRequest::new(turn2.clone(), SamplingParams::greedy(8));
+        let hit = warm.generate(vec![req.clone()]).unwrap().remove(0);
+        let full_blocks = (turn1.len() + first.output_ids.len() - 1) / 16 * 16;
+        assert_eq!(hit.cached_tokens, full_blocks, "{name}");
+        assert!(hit.cached_tokens > 0);
+        let mut cold = engine(name, Dtype::F32, false);
+        let want = cold.generate(vec![req]).unwrap().remove(0);
+        assert_eq!(hit.output_ids, want.output_ids, "{name}");
+        for (x, y) in hit.output_logprobs.iter().zip(&want.output_logprobs) {
+            assert!((x - y).abs() < 1e-4, "{name}");
+        }
+        assert_eq!(hit.routes, want.routes, "{name}");
+        // The cached rows are the very rows recorded in turn 1.
+        let r1 = first.routes.unwrap();
+        let r2 = hit.routes.unwrap();
+        for t in 0..r1.num_tokens() {
+            for c in 0..r1.num_columns() {
+                assert_eq!(r1.experts(t, c), r2.experts(t, c));
+            }
+        }
+    }
+}
+
+#[test]
+fn routed_experts_start_len_returns_rows_from_that_position() {
+    let mut e = engine("deepseek_v3_tiny", Dtype::F32, false);
+    let p = prompt(4, 10);
+    let full = e
+        .generate(vec![GenerateRequest::new(
+            p.clone(),
+            SamplingParams::greedy(5),
+        )])
+        .unwrap()
+        .remove(0);
+    let mut req = GenerateRequest::new(p, SamplingParams::greedy(5));
+    req.routed_experts_start_len = 7;
+    let part = e.generate(vec![req]).unwrap().remove(0);
+    let (a, b) = (full.routes.unwrap(), part.routes.unwrap());
+    assert_eq!(b.start_pos(), 7);
+    assert_eq!(b.num_tokens(), a.num_tokens() - 7);
+    assert_eq!(a.slice_rows(7, a.num_tokens()).unwrap(), b);
+    assert_eq!(
+        a.layers(),
+        &[1, 2, 3],
+        "deepseek fixture: layer 0 is dense, MoE-only columns keep global ids"
+    );
+}
+
+#[test]
+fn abort_and_resume_continue_the_same_sequence() {
+    let name = "qwen3_moe_tiny";
+    let p = prompt(5, 12);
+    let params = sampled(11, 14);
+    let mut e = engine(name, Dtype::F32, true);
+    let want = e
+        .generate(vec![GenerateRequest::new(p.clone(), params.clone())])
+        .unwrap()
+        .remove(0);
+
+    let mut e = engine(name, Dtype::F32, true);
+    let id = e
+        .submit(GenerateRequest::new(p.clone(), params.clone()))
+        .unwrap();
+    for _ in 0..6 {
+        e.step().unwrap();
+    }
+    let partial = e.abort(id).unwrap().unwrap();
+    assert!(!partial.output_ids.is_empty() && partial.output_ids.len() < 14);
+    assert!(!e.has_work());
+    for policy in [
+        MergePolicy::KeepPerTokenOrigin,
+        MergePolicy::ReplaceWithResumed,
+    ] {
+        let rid = e.resume(partial.clone(), policy).unwrap();
+        let mut done = Vec::new();
+        while e.has_work() {
+            done.extend(e.step().unwrap());
+        }
+        let r = done.into_iter().find(|r| r.id == rid).unwrap();
+        assert!(r.cached_tokens > 0, "resume reuses the aborted call's KV");
+        assert_eq!(
+            r.output_ids, want.output_ids,
+            "same weights + carried RNG = same tokens"
+        );
+        assert_eq!(r.prompt_tokens, p.len());
+        assert_eq!(r.output_logprobs.len(), want.output_logprobs.len());
+        let routes = r.routes.unwrap();
+        assert_eq!(
+            routes.num_tokens(),
+            p.len() + r.output_ids.len() - 1,
+            "no duplicated rows"
+        );
+        assert_eq!(
+            Some(routes),
+            want.routes,
+            "same weights: both policies give the uninterrupted routes"
+        );
+    }
+}
+
+#[test]
+fn weight_update_bumps_version_invalidates_cache_and_changes_outputs() {
+    let name = "qwen3_moe_tiny";
+    let mut e = engine(name, Dtype::F32, true);
+    let p = prompt(6, 40);
+    let req = GenerateRequest::new(p.clone(), SamplingParams::greedy(6));
+    let before = e.generate(vec![req.clone()]).unwrap().remove(0);
+    assert_eq!(e.generate(vec![req.clone()]).unwrap()[0].cached_tokens, 32);
+    // New weights: the same checkpoint with the lm_head scaled, as a trainer step would change it.
+    let mut tensors = load_dir(&model_dir(name)).unwrap();
+    let lm = tensors["lm_head.weight"].clone();
+    tensors.insert("lm_head.weight".into(), (lm * -1.0).unwrap());
+    assert_eq!(e.update_weights(&tensors).unwrap(), 1);
+    let after = e.generate(vec![req.clone()]).unwrap().remove(0);
+    assert_eq!(
+        after.cached_tokens, 0,
+        "cache invalidated by the new version"
+    );
+    assert_eq!(after.weight_version, 1);
+    assert_ne!(after.output_ids, before.output_ids);
+    assert!(after
+        .routes
+        .as_ref()
+        .unwrap()
+        .versions()
+        .unwrap()
+        .iter()
+        .all(|&v| v == 1));
+    // Back to the original weights from disk.
+    assert_eq!(e.update_weights_from_dir(&model_dir(name)).unwrap(), 2);
+    assert_eq!(
+        e.generate(vec![req]).unwrap()[0].output_ids,
+        before.output_ids
+    );
+}
+
+#[test]
+fn expert_placement_replicas_keep_logical_ids() {
+    let name = "qwen3_moe_tiny";
+    let req = GenerateRequest::new(prompt(7, 17), sampled(2, 8));
+    let mut e = engine(name, Dtype::F32, false);
+    let plain = e.generate(vec![req.clone()]).unwrap().remove(0);
+    // 12 physical slots for 8 logical experts: experts 0..4 have two replicas.
+    let slots: Vec<u32> = (0..8).chain([3, 2, 1, 0]).collect();
+    e.set_expert_placement(Some(ExpertPlacement::new(8, slots).unwrap()))
+        .unwrap();
+    let placed = e.generate(vec![req]).unwrap().remove(0);
+    assert_eq!(placed.output_ids, plain.output_ids);
+    assert_eq!(
+        placed.routes, plain.routes,
+        "captured ids are logical, not slots"
+    );
+    assert!(e
+        .set_expert_placement(Some(ExpertPlacement::identity(5)))
+        .is_err());
+}
+
+#[test]
+fn stop_tokens_and_bad_requests() {
+    let mut e = engine("qwen3_moe_tiny", Dtype::F32, false);
+    let p = prompt(8, 6);
+    let free = e
+        .generate(vec![GenerateRequest::new(
+            p.clone(),
+            SamplingParams::greedy(8),
+        )])
+        .unwrap()
+        .remove(0);
+    let stop = free.output_ids[2];
+    let mut params = SamplingParams::greedy(8);
+    params.stop_token_ids = vec![stop];
+    let r = e
+        .generate(vec![GenerateRequest::new(p.clone(), params)])
+        .unwrap()
+        .remove(0);
+    let first = free.output_ids.iter().position(|&t| t == stop).unwrap();
+    assert_eq!(r.output_ids, free.output_ids[..=first]);
+    assert_eq!(r.finish, FinishReason::Stop { token: stop });
+    assert_eq!(free.finish, FinishReason::Length);
+
+    for (bad, what) in [
+        (
+            GenerateRequest::new(vec![], SamplingParams::greedy(2)),
+            "empty",
+        ),
+        (
+            GenerateRequest::new(vec![1, 999], SamplingParams::greedy(2)),
+            "input_ids[1] = 999",
+        ),
+        (
+            GenerateRequest::new(vec![1; 200], SamplingParams::greedy(2)),
+            "max_position_embeddings",
+        ),
+        (
+            GenerateRequest::new(
+                p.clone(),
+                SamplingParams {
+                    top_p: 0.0,
+                    ..SamplingParams::greedy(2)
+                },
+            ),
+            "top_p",
+        ),
+    ] {
+        let err = e.submit(bad).unwrap_err().to_string();
+        assert!(err.contains(what), "{err}");
+    }
+    assert!(!e.has_work(), "rejected requests leave nothing behind");
+}

@@ -1,0 +1,172 @@
+//! The engine against the HF transformers oracle: f32 logits and routed expert sets for the
+//! fixed input, greedy generation with the KV cache, and (printed) f16 agreement.
+
+mod common;
+
+use common::{engine, ids, model_dir, oracle, MODELS};
+use r3_model::Config;
+use r3_rollout::kernels::attention::SeqSpan;
+use r3_rollout::model::{BatchInput, InferenceModel};
+use r3_rollout::{load_dir, Dtype, GenerateRequest, KvPool, SamplingParams};
+
+/// One full-sequence forward of the oracle input through the engine's model.
+fn forward_all(name: &str, dtype: Dtype) -> (Vec<f32>, Vec<u16>, usize, usize) {
+    let dir = model_dir(name);
+    let cfg = Config::from_file(&dir.join("config.json")).unwrap();
+    let tensors = load_dir(&dir).unwrap();
+    let mut model = InferenceModel::new(cfg, &tensors, dtype).unwrap();
+    let input = ids(&oracle()["input_ids"][0]);
+    let t = input.len();
+    let mut pool = KvPool::new(model.kv_layout(16), 8).unwrap();
+    let blocks: Vec<_> = (0..t.div_ceil(16))
+        .map(|_| pool.allocate().unwrap())
+        .collect();
+    let span = SeqSpan {
+        first_token: 0,
+        num_tokens: t,
+        start_pos: 0,
+        blocks: blocks.iter().map(|b| b.id()).collect(),
+    };
+    let rows: Vec<usize> = (0..t).collect();
+    let out = model
+        .forward(
+            &mut pool,
+            &BatchInput {
+                tokens: &input,
+                spans: &[span],
+                logit_rows: &rows,
+            },
+            true,
+        )
+        .unwrap();
+    let (cols, k) = model.route_shape();
+    (out.logits, out.routes.unwrap(), cols, k)
+}
+
+#[test]
+fn f32_logits_and_expert_sets_match_hf() {
+    let o = oracle();
+    for name in MODELS {
+        let (logits, routes, cols, k) = forward_all(name, Dtype::F32);
+        let want: Vec<f32> = o[name]["logits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|r| {
+                r.as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.as_f64().unwrap() as f32)
+            })
+            .collect();
+        assert_eq!(logits.len(), want.len());
+        let max_diff = logits
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        println!("{name}: f32 max |logit - HF| = {max_diff:.2e}");
+        assert!(max_diff < 1e-4, "{name}: logits differ by {max_diff}");
+        let layers = o[name]["moe_layers"].as_object().unwrap();
+        let mut layer_ids: Vec<usize> = layers.keys().map(|k| k.parse().unwrap()).collect();
+        layer_ids.sort();
+        assert_eq!(layer_ids.len(), cols);
+        for (c, layer) in layer_ids.iter().enumerate() {
+            let sets = layers[&layer.to_string()]["topk_idx_sorted"]
+                .as_array()
+                .unwrap();
+            for (tok, want_set) in sets.iter().enumerate() {
+                let mut got: Vec<u32> = routes[(tok * cols + c) * k..][..k]
+                    .iter()
+                    .map(|&v| v as u32)
+                    .collect();
+                got.sort();
+                assert_eq!(got, ids(want_set), "{name} layer {layer} token {tok}");
+            }
+        }
+    }
+}
+
+#[test]
+fn f32_greedy_generation_reproduces_hf() {
+    let o = oracle();
+    for name in MODELS {
+        let g = &o[name]["greedy"];
+        let prompt = ids(&g["prompt"]);
+        let want = ids(&g["output_ids"]);
+        let new = want.len() - prompt.len();
+        let mut e = engine(name, Dtype::F32, false);
+        let r = e
+            .generate(vec![GenerateRequest::new(
+                prompt.clone(),
+                SamplingParams::greedy(new),
+            )])
+            .unwrap();
+        assert_eq!(r[0].output_ids, want[prompt.len()..], "{name}");
+        assert_eq!(r[0].output_logprobs.len(), new);
+        assert!(r[0]
+            .output_logprobs
+            .iter()
+            .all(|lp| lp.is_finite() && *lp <= 0.0));
+        let routes = r[0].routes.as_ref().unwrap();
+        assert_eq!(
+            routes.num_tokens(),
+            want.len() - 1,
+            "prompt + generated - 1 rows"
+        );
+    }
+}
+
+#[test]
+fn f16_agreement_with_hf_is_measured() {
+    let o = oracle();
+    for name in MODELS {
+        let (l16, r16, cols, k) = forward_all(name, Dtype::F16);
+        let (l32, r32, _, _) = forward_all(name, Dtype::F32);
+        let max_diff = l16
+            .iter()
+            .zip(&l32)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        let cells = r16.len() / k;
+        let same_sets = (0..cells)
+            .filter(|c| {
+                let mut a = r16[c * k..(c + 1) * k].to_vec();
+                let mut b = r32[c * k..(c + 1) * k].to_vec();
+                a.sort();
+                b.sort();
+                a == b
+            })
+            .count();
+        let g = &o[name]["greedy"];
+        let prompt = ids(&g["prompt"]);
+        let want = ids(&g["output_ids"]);
+        let mut e = engine(name, Dtype::F16, false);
+        let r = e
+            .generate(vec![GenerateRequest::new(
+                prompt.clone(),
+                SamplingParams::greedy(want.len() - prompt.len()),
+            )])
+            .unwrap();
+        let agree = r[0]
+            .output_ids
+            .iter()
+            .zip(&want[prompt.len()..])
+            .take_while(|(a, b)| a == b)
+            .count();
+        println!(
+            "{name}: f16 vs f32 max |logit diff| = {max_diff:.3e}; routers with same expert set: \
+             {same_sets}/{cells} ({cols} layers); greedy tokens agreeing with HF before first divergence: {agree}/{}",
+            want.len() - prompt.len()
+        );
+        // Loose sanity bounds: f16 is close, not equal.
+        assert!(
+            max_diff < 0.1,
+            "{name}: f16 logits far from f32 ({max_diff})"
+        );
+        assert!(
+            same_sets * 10 >= cells * 8,
+            "{name}: fewer than 80% of routers agree"
+        );
+    }
+}
