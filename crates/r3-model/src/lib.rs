@@ -1,1 +1,23 @@
-//! placeholder
+//! r3-model: the MoE transformer both r3 engines build on — HF config parsing, safetensors
+//! weights with HF names, the router (select + weigh) and the f32 training forward with
+//! `Native` / `Record` / `Replay` routing.
+
+pub mod config;
+pub mod error;
+pub mod layers;
+pub mod model;
+pub mod router;
+pub mod routing;
+pub mod spec;
+pub mod weights;
+
+pub use config::{
+    Architecture, AttentionConfig, Config, MoeConfig, MoeLayerRules, QkNorm, RopeConfig,
+    RopeScaling, RouterKind, SharedExpert,
+};
+pub use error::{ModelError, Result};
+pub use model::{Batch, ForwardOutput, Model};
+pub use router::Router;
+pub use routing::{ReplayProof, Routing};
+pub use spec::{tensor_specs, TensorRole, TensorSpec};
+pub use weights::{RandomInit, Weights};

@@ -1,0 +1,484 @@
+//! config.json → [`Config`]: key variants real checkpoints use, HF defaults for
+//! flags, and an error naming every option whose math this crate does not implement.
+
+use serde::Deserialize;
+
+use super::{
+    Architecture, AttentionConfig, Config, MoeConfig, MoeLayerRules, QkNorm, RopeConfig,
+    RopeScaling, RouterKind, SharedExpert,
+};
+use crate::error::{ModelError, Result};
+use r3_routing::LayerLayout;
+
+/// The keys of an HF config.json this crate reads; everything optional so that
+/// defaults and key variants are resolved explicitly below.
+#[derive(Debug, Deserialize)]
+struct RawConfig {
+    model_type: String,
+    vocab_size: Option<usize>,
+    hidden_size: Option<usize>,
+    intermediate_size: Option<usize>,
+    num_hidden_layers: Option<usize>,
+    num_attention_heads: Option<usize>,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    rms_norm_eps: Option<f64>,
+    max_position_embeddings: Option<usize>,
+    tie_word_embeddings: Option<bool>,
+    hidden_act: Option<String>,
+    attention_bias: Option<bool>,
+    mlp_bias: Option<bool>,
+    attention_dropout: Option<f64>,
+    rope_theta: Option<f64>,
+    rope_parameters: Option<serde_json::Value>,
+    rope_scaling: Option<serde_json::Value>,
+    partial_rotary_factor: Option<f64>,
+    rope_interleave: Option<bool>,
+    sliding_window: Option<usize>,
+    use_sliding_window: Option<bool>,
+    layer_types: Option<Vec<String>>,
+    clip_qkv: Option<f64>,
+    quantization_config: Option<serde_json::Value>,
+    // experts
+    num_experts: Option<usize>,
+    num_local_experts: Option<usize>,
+    n_routed_experts: Option<usize>,
+    num_experts_per_tok: Option<usize>,
+    moe_intermediate_size: Option<usize>,
+    norm_topk_prob: Option<bool>,
+    decoder_sparse_step: Option<usize>,
+    mlp_only_layers: Option<Vec<usize>>,
+    first_k_dense_replace: Option<usize>,
+    moe_layer_freq: Option<usize>,
+    shared_expert_intermediate_size: Option<usize>,
+    n_shared_experts: Option<usize>,
+    routed_scaling_factor: Option<f64>,
+    n_group: Option<usize>,
+    topk_group: Option<usize>,
+    topk_method: Option<String>,
+    scoring_func: Option<String>,
+    router_jitter_noise: Option<f64>,
+    // MLA
+    q_lora_rank: Option<usize>,
+    kv_lora_rank: Option<usize>,
+    qk_nope_head_dim: Option<usize>,
+    qk_rope_head_dim: Option<usize>,
+    v_head_dim: Option<usize>,
+}
+
+fn unsupported(field: &str, value: impl std::fmt::Display) -> ModelError {
+    ModelError::UnsupportedOption {
+        field: field.into(),
+        value: value.to_string(),
+    }
+}
+
+fn required(value: Option<usize>, key: &str, arch: Architecture) -> Result<usize> {
+    match value {
+        Some(v) if v > 0 => Ok(v),
+        Some(_) => Err(ModelError::InvalidConfig(format!(
+            "`{key}` must be > 0 for {}",
+            arch.model_type()
+        ))),
+        None => Err(ModelError::InvalidConfig(format!(
+            "missing `{key}` (required for {})",
+            arch.model_type()
+        ))),
+    }
+}
+
+fn architecture(model_type: &str) -> Result<Architecture> {
+    Ok(match model_type {
+        "qwen3_moe" => Architecture::Qwen3Moe,
+        "qwen2_moe" => Architecture::Qwen2Moe,
+        "mixtral" => Architecture::Mixtral,
+        "olmoe" => Architecture::Olmoe,
+        "deepseek_v3" => Architecture::DeepseekV3,
+        "qwen3" => Architecture::Qwen3,
+        "qwen2" => Architecture::Qwen2,
+        "llama" | "mistral" => Architecture::Llama,
+        other => return Err(ModelError::UnsupportedModelType(other.into())),
+    })
+}
+
+/// Parses a config.json value into a validated [`Config`].
+pub(super) fn parse(value: serde_json::Value) -> Result<Config> {
+    let raw: RawConfig =
+        serde_json::from_value(value.clone()).map_err(|source| ModelError::Json {
+            path: "config.json".into(),
+            source,
+        })?;
+    let arch = architecture(&raw.model_type)?;
+    reject_unsupported(&raw, arch)?;
+
+    let hidden_size = required(raw.hidden_size, "hidden_size", arch)?;
+    let num_hidden_layers = required(raw.num_hidden_layers, "num_hidden_layers", arch)?;
+    let num_attention_heads = required(raw.num_attention_heads, "num_attention_heads", arch)?;
+    let vocab_size = required(raw.vocab_size, "vocab_size", arch)?;
+    let moe = moe_config(&raw, arch)?;
+    // OLMoE's `intermediate_size` is the expert width; it has no dense layers.
+    let intermediate_size = match (arch, &moe) {
+        (Architecture::Olmoe | Architecture::Mixtral, Some(m)) => {
+            raw.intermediate_size.unwrap_or(m.expert_intermediate_size)
+        }
+        _ => required(raw.intermediate_size, "intermediate_size", arch)?,
+    };
+    let attention = attention_config(&raw, arch, hidden_size, num_attention_heads)?;
+    let rope = rope_config(&raw, arch, &attention)?;
+    let layer_rules = layer_rules(&raw, arch)?;
+    let layout = LayerLayout::from_rules(
+        &layer_rules.to_layout_rules(num_hidden_layers, moe.as_ref().map_or(0, |m| m.num_experts)),
+    )?;
+    let default_eps = match arch {
+        Architecture::Mixtral | Architecture::Olmoe => 1e-5,
+        _ => 1e-6,
+    };
+    Ok(Config {
+        architecture: arch,
+        vocab_size,
+        hidden_size,
+        num_hidden_layers,
+        num_attention_heads,
+        intermediate_size,
+        rms_norm_eps: raw.rms_norm_eps.unwrap_or(default_eps),
+        tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+        max_position_embeddings: raw.max_position_embeddings.unwrap_or(4096),
+        attention,
+        rope,
+        moe,
+        layer_rules,
+        layout,
+        raw: value,
+    })
+}
+
+/// Options that would change the math in ways this crate does not implement.
+fn reject_unsupported(raw: &RawConfig, arch: Architecture) -> Result<()> {
+    if let Some(q) = &raw.quantization_config {
+        let method = q
+            .get("quant_method")
+            .and_then(|m| m.as_str())
+            .unwrap_or("?");
+        return Err(unsupported("quantization_config", method));
+    }
+    if let Some(act) = &raw.hidden_act {
+        if act != "silu" {
+            return Err(unsupported("hidden_act", act));
+        }
+    }
+    if raw.attention_bias == Some(true) {
+        return Err(unsupported("attention_bias", true));
+    }
+    if raw.mlp_bias == Some(true) {
+        return Err(unsupported("mlp_bias", true));
+    }
+    if let Some(p) = raw.attention_dropout.filter(|p| *p != 0.0) {
+        return Err(unsupported("attention_dropout", p));
+    }
+    if let Some(p) = raw.router_jitter_noise.filter(|p| *p != 0.0) {
+        return Err(unsupported("router_jitter_noise", p));
+    }
+    if let Some(f) = raw.partial_rotary_factor.filter(|f| *f != 1.0) {
+        return Err(unsupported("partial_rotary_factor", f));
+    }
+    if raw.use_sliding_window == Some(true) {
+        return Err(unsupported("use_sliding_window", true));
+    }
+    if let Some(types) = &raw.layer_types {
+        if let Some(t) = types.iter().find(|t| t.as_str() != "full_attention") {
+            return Err(unsupported("layer_types", t));
+        }
+    }
+    if arch == Architecture::DeepseekV3 {
+        if let Some(f) = raw.scoring_func.as_deref().filter(|f| *f != "sigmoid") {
+            return Err(unsupported("scoring_func", f));
+        }
+        if let Some(m) = raw.topk_method.as_deref().filter(|m| *m != "noaux_tc") {
+            return Err(unsupported("topk_method", m));
+        }
+    } else if let Some(f) = raw.scoring_func.as_deref().filter(|f| *f != "softmax") {
+        return Err(unsupported("scoring_func", f));
+    }
+    Ok(())
+}
+
+/// Routed-expert count under any of its three key names; conflicting values are an error.
+fn expert_count(raw: &RawConfig) -> Result<Option<usize>> {
+    let named = [
+        ("num_experts", raw.num_experts),
+        ("num_local_experts", raw.num_local_experts),
+        ("n_routed_experts", raw.n_routed_experts),
+    ];
+    let mut found: Option<(&str, usize)> = None;
+    for (key, v) in named {
+        if let Some(v) = v {
+            match found {
+                Some((k0, v0)) if v0 != v => {
+                    return Err(ModelError::InvalidConfig(format!(
+                        "`{k0}` = {v0} conflicts with `{key}` = {v}"
+                    )))
+                }
+                _ => found = Some((key, v)),
+            }
+        }
+    }
+    Ok(found.map(|(_, v)| v))
+}
+
+fn moe_config(raw: &RawConfig, arch: Architecture) -> Result<Option<MoeConfig>> {
+    let dense_family = matches!(
+        arch,
+        Architecture::Qwen3 | Architecture::Qwen2 | Architecture::Llama
+    );
+    let num_experts = expert_count(raw)?;
+    if dense_family {
+        if let Some(n) = num_experts.filter(|n| *n > 0) {
+            return Err(unsupported("num_experts", n));
+        }
+        return Ok(None);
+    }
+    let num_experts = match num_experts {
+        Some(0) => return Ok(None),
+        Some(n) => n,
+        None => {
+            return Err(ModelError::InvalidConfig(format!(
+                "missing expert count (`num_experts`, `num_local_experts` or `n_routed_experts`) for {}; use 0 for a dense model",
+                arch.model_type()
+            )))
+        }
+    };
+    let top_k = required(raw.num_experts_per_tok, "num_experts_per_tok", arch)?;
+    if top_k > num_experts {
+        return Err(ModelError::InvalidConfig(format!(
+            "num_experts_per_tok = {top_k} exceeds the {num_experts} experts"
+        )));
+    }
+    let expert_intermediate_size = match arch {
+        Architecture::Mixtral | Architecture::Olmoe => {
+            required(raw.intermediate_size, "intermediate_size", arch)?
+        }
+        _ => required(raw.moe_intermediate_size, "moe_intermediate_size", arch)?,
+    };
+    let (router, shared) = match arch {
+        Architecture::DeepseekV3 => {
+            let n_group = required(raw.n_group, "n_group", arch)?;
+            let topk_group = required(raw.topk_group, "topk_group", arch)?;
+            if num_experts % n_group != 0 || topk_group == 0 || topk_group > n_group {
+                return Err(ModelError::InvalidConfig(format!(
+                    "n_group = {n_group} / topk_group = {topk_group} do not fit {num_experts} experts"
+                )));
+            }
+            if num_experts / n_group < 2 {
+                return Err(unsupported(
+                    "n_group",
+                    format!("{n_group} (needs ≥ 2 experts per group)"),
+                ));
+            }
+            if top_k > topk_group * (num_experts / n_group) {
+                return Err(ModelError::InvalidConfig(format!(
+                    "num_experts_per_tok = {top_k} exceeds the experts of {topk_group} groups"
+                )));
+            }
+            let router = RouterKind::GroupedSigmoid {
+                n_group,
+                topk_group,
+                norm_topk_prob: raw.norm_topk_prob.unwrap_or(true),
+                routed_scaling_factor: raw.routed_scaling_factor.ok_or_else(|| {
+                    ModelError::InvalidConfig(
+                        "missing `routed_scaling_factor` (required for deepseek_v3)".into(),
+                    )
+                })?,
+            };
+            let shared = match raw.n_shared_experts.unwrap_or(0) {
+                0 => SharedExpert::None,
+                n => SharedExpert::Plain {
+                    intermediate_size: n * expert_intermediate_size,
+                },
+            };
+            (router, shared)
+        }
+        Architecture::Qwen2Moe => {
+            let shared = match raw.shared_expert_intermediate_size {
+                Some(0) | None => SharedExpert::None,
+                Some(n) => SharedExpert::Gated {
+                    intermediate_size: n,
+                },
+            };
+            (
+                RouterKind::Softmax {
+                    norm_topk_prob: raw.norm_topk_prob.unwrap_or(false),
+                },
+                shared,
+            )
+        }
+        // Mixtral renormalises the top-k softmax weights unconditionally.
+        Architecture::Mixtral => (
+            RouterKind::Softmax {
+                norm_topk_prob: true,
+            },
+            SharedExpert::None,
+        ),
+        _ => (
+            RouterKind::Softmax {
+                norm_topk_prob: raw.norm_topk_prob.unwrap_or(false),
+            },
+            SharedExpert::None,
+        ),
+    };
+    Ok(Some(MoeConfig {
+        num_experts,
+        top_k,
+        expert_intermediate_size,
+        router,
+        shared,
+    }))
+}
+
+fn attention_config(
+    raw: &RawConfig,
+    arch: Architecture,
+    hidden_size: usize,
+    num_heads: usize,
+) -> Result<AttentionConfig> {
+    if arch == Architecture::DeepseekV3 {
+        return Ok(AttentionConfig::Mla {
+            q_lora_rank: raw.q_lora_rank.filter(|r| *r > 0),
+            kv_lora_rank: required(raw.kv_lora_rank, "kv_lora_rank", arch)?,
+            qk_nope_head_dim: required(raw.qk_nope_head_dim, "qk_nope_head_dim", arch)?,
+            qk_rope_head_dim: required(raw.qk_rope_head_dim, "qk_rope_head_dim", arch)?,
+            v_head_dim: required(raw.v_head_dim, "v_head_dim", arch)?,
+        });
+    }
+    let head_dim = match raw.head_dim {
+        Some(d) => d,
+        None if hidden_size.is_multiple_of(num_heads) => hidden_size / num_heads,
+        None => {
+            return Err(ModelError::InvalidConfig(format!(
+                "hidden_size {hidden_size} is not a multiple of num_attention_heads {num_heads} and head_dim is missing"
+            )))
+        }
+    };
+    let num_kv_heads = raw.num_key_value_heads.unwrap_or(num_heads);
+    if num_kv_heads == 0 || !num_heads.is_multiple_of(num_kv_heads) {
+        return Err(ModelError::InvalidConfig(format!(
+            "num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}"
+        )));
+    }
+    let qk_norm = match arch {
+        Architecture::Qwen3Moe | Architecture::Qwen3 => QkNorm::PerHead,
+        Architecture::Olmoe => QkNorm::Full,
+        _ => QkNorm::None,
+    };
+    let clip_qkv = raw.clip_qkv;
+    if clip_qkv.is_some() && arch != Architecture::Olmoe {
+        return Err(unsupported("clip_qkv", format!("{clip_qkv:?}")));
+    }
+    // Qwen configs carry `sliding_window` even when `use_sliding_window` is false (then HF
+    // ignores it); Mixtral / Mistral apply it whenever it is set.
+    let sliding_window = match arch {
+        Architecture::Mixtral | Architecture::Llama => raw.sliding_window,
+        _ => None,
+    };
+    Ok(AttentionConfig::Gqa {
+        num_kv_heads,
+        head_dim,
+        qkv_bias: matches!(arch, Architecture::Qwen2Moe | Architecture::Qwen2),
+        qk_norm,
+        clip_qkv,
+        sliding_window,
+    })
+}
+
+fn f64_key(obj: &serde_json::Value, key: &str) -> Result<Option<f64>> {
+    match obj.get(key) {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(v) => v
+            .as_f64()
+            .map(Some)
+            .ok_or_else(|| ModelError::InvalidConfig(format!("rope `{key}` is not a number: {v}"))),
+    }
+}
+
+fn rope_config(raw: &RawConfig, arch: Architecture, attn: &AttentionConfig) -> Result<RopeConfig> {
+    // transformers 5 writes `rope_parameters` (theta + scaling); released checkpoints
+    // use top-level `rope_theta` and `rope_scaling`.
+    let params = raw
+        .rope_parameters
+        .as_ref()
+        .filter(|v| !v.is_null())
+        .or(raw.rope_scaling.as_ref().filter(|v| !v.is_null()));
+    let default_theta = if arch == Architecture::Mixtral {
+        1e6
+    } else {
+        1e4
+    };
+    let theta = match raw.rope_theta {
+        Some(t) => t,
+        None => match raw.rope_parameters.as_ref() {
+            Some(p) => f64_key(p, "rope_theta")?.unwrap_or(default_theta),
+            None => default_theta,
+        },
+    };
+    let rope_type = params
+        .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
+        .and_then(|t| t.as_str())
+        .unwrap_or("default");
+    let scaling = match (rope_type, params) {
+        ("default", _) | (_, None) => RopeScaling::None,
+        ("linear", Some(p)) => RopeScaling::Linear {
+            factor: f64_key(p, "factor")?.unwrap_or(1.0),
+        },
+        ("yarn", Some(p)) => RopeScaling::Yarn {
+            factor: f64_key(p, "factor")?
+                .ok_or_else(|| ModelError::InvalidConfig("yarn rope without `factor`".into()))?,
+            original_max_position_embeddings: f64_key(p, "original_max_position_embeddings")?
+                .map(|v| v as usize)
+                .or(raw.max_position_embeddings)
+                .unwrap_or(4096),
+            beta_fast: f64_key(p, "beta_fast")?.unwrap_or(32.0),
+            beta_slow: f64_key(p, "beta_slow")?.unwrap_or(1.0),
+            mscale: f64_key(p, "mscale")?,
+            mscale_all_dim: f64_key(p, "mscale_all_dim")?,
+            attention_factor: f64_key(p, "attention_factor")?,
+            truncate: p.get("truncate").and_then(|t| t.as_bool()).unwrap_or(true),
+        },
+        (other, _) => return Err(unsupported("rope_scaling.rope_type", other)),
+    };
+    let (dim, interleaved) = match attn {
+        AttentionConfig::Gqa { head_dim, .. } => (*head_dim, false),
+        AttentionConfig::Mla {
+            qk_rope_head_dim, ..
+        } => (*qk_rope_head_dim, raw.rope_interleave.unwrap_or(true)),
+    };
+    if dim % 2 != 0 {
+        return Err(ModelError::InvalidConfig(format!(
+            "rotary width {dim} must be even"
+        )));
+    }
+    Ok(RopeConfig {
+        theta,
+        dim,
+        interleaved,
+        scaling,
+    })
+}
+
+fn layer_rules(raw: &RawConfig, arch: Architecture) -> Result<MoeLayerRules> {
+    let mut rules = MoeLayerRules::all_sparse();
+    match arch {
+        Architecture::DeepseekV3 => {
+            rules.first_k_dense_replace = raw.first_k_dense_replace.ok_or_else(|| {
+                ModelError::InvalidConfig(
+                    "missing `first_k_dense_replace` (required for deepseek_v3)".into(),
+                )
+            })?;
+            rules.moe_layer_freq = raw.moe_layer_freq.unwrap_or(1).max(1);
+        }
+        Architecture::Qwen3Moe | Architecture::Qwen2Moe => {
+            rules.decoder_sparse_step = raw.decoder_sparse_step.unwrap_or(1);
+            rules.mlp_only_layers = raw.mlp_only_layers.clone().unwrap_or_default();
+        }
+        _ => {}
+    }
+    Ok(rules)
+}

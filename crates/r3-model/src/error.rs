@@ -1,0 +1,105 @@
+//! The crate's error type: every failure names what is wrong (field, tensor, layer, token).
+
+use r3_routing::RouteError;
+
+/// Errors from config parsing, weight loading, routing and the forward pass.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// `model_type` is not one of the supported architectures.
+    #[error("unsupported model_type `{0}` (supported: qwen3_moe, qwen2_moe, mixtral, olmoe, deepseek_v3)")]
+    UnsupportedModelType(String),
+    /// A config option has a value this crate does not implement.
+    #[error("unsupported config option `{field}` = {value}")]
+    UnsupportedOption {
+        /// config.json key
+        field: String,
+        /// the offending value
+        value: String,
+    },
+    /// A config value is missing or inconsistent.
+    #[error("invalid config: {0}")]
+    InvalidConfig(String),
+    /// A tensor the config requires is not in the checkpoint.
+    #[error("missing tensor `{0}`")]
+    MissingTensor(String),
+    /// A tensor has a different shape than the config requires.
+    #[error("tensor `{name}` has shape {got:?}, expected {expected:?}")]
+    TensorShape {
+        /// HF tensor name
+        name: String,
+        /// shape the config implies
+        expected: Vec<usize>,
+        /// shape found
+        got: Vec<usize>,
+    },
+    /// A checkpoint file is malformed (safetensors header, index.json, dtype).
+    #[error("bad checkpoint {path}: {msg}")]
+    Checkpoint {
+        /// the file
+        path: String,
+        /// what is wrong
+        msg: String,
+    },
+    /// Input to the forward pass is malformed (token id, lengths, shapes).
+    #[error("invalid input: {0}")]
+    Input(String),
+    /// A route table does not fit the model or the batch.
+    #[error("route table for sequence {sequence} does not fit: {msg}")]
+    RouteMismatch {
+        /// batch index of the sequence
+        sequence: usize,
+        /// what does not fit
+        msg: String,
+    },
+    /// Replay verification failed: the experts used differ from the experts given.
+    #[error("replay not honoured at layer {layer}, sequence {sequence}, token {token}: used {used:?}, given {given:?}")]
+    ReplayNotHonoured {
+        /// global layer index
+        layer: usize,
+        /// batch index
+        sequence: usize,
+        /// token position
+        token: usize,
+        /// expert ids the dispatch actually used (sorted)
+        used: Vec<u32>,
+        /// expert ids the table gave (sorted)
+        given: Vec<u32>,
+    },
+    /// Router scores are not finite, so top-k is undefined.
+    #[error("non-finite router score at row {row}, expert {expert}: {value}")]
+    NonFiniteScore {
+        /// row in the router input
+        row: usize,
+        /// expert id
+        expert: usize,
+        /// the value
+        value: f32,
+    },
+    /// Error from the route data model.
+    #[error(transparent)]
+    Route(#[from] RouteError),
+    /// Error from candle.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    /// I/O error with the path involved.
+    #[error("{path}: {source}")]
+    Io {
+        /// the file
+        path: String,
+        /// the cause
+        #[source]
+        source: std::io::Error,
+    },
+    /// JSON error with the file involved.
+    #[error("{path}: {source}")]
+    Json {
+        /// the file
+        path: String,
+        /// the cause
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+/// Result alias for this crate.
+pub type Result<T> = std::result::Result<T, ModelError>;

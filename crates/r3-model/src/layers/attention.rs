@@ -1,0 +1,152 @@
+//! Grouped-query self-attention (Qwen/Mixtral/OLMoE flavours) and the masked softmax
+//! attention core shared with MLA.
+
+use candle_core::{Device, Tensor, D};
+
+use super::linear::Linear;
+use super::norm::RmsNorm;
+use super::rope::RopeTables;
+use crate::config::{AttentionConfig, Config, QkNorm};
+use crate::error::{ModelError, Result};
+use crate::weights::Weights;
+
+/// Additive causal + key-padding (+ sliding window) mask, `[B, 1, 1, T, T]`.
+#[derive(Debug, Clone)]
+pub struct AttentionMask {
+    additive: Tensor,
+}
+
+impl AttentionMask {
+    /// Mask for right-padded sequences of the given lengths: query `i` of sequence `b`
+    /// sees key `j` iff `j <= i`, `j < lengths[b]` and (with a window `w`) `i - j < w`.
+    pub fn new(
+        lengths: &[usize],
+        seq_len: usize,
+        window: Option<usize>,
+        device: &Device,
+    ) -> Result<Self> {
+        let mut data = vec![0f32; lengths.len() * seq_len * seq_len];
+        for (b, &len) in lengths.iter().enumerate() {
+            for i in 0..seq_len {
+                for j in 0..seq_len {
+                    let visible = j <= i && j < len.max(1) && window.is_none_or(|w| i - j < w);
+                    if !visible {
+                        data[(b * seq_len + i) * seq_len + j] = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        }
+        let additive = Tensor::from_vec(data, (lengths.len(), 1, 1, seq_len, seq_len), device)?;
+        Ok(AttentionMask { additive })
+    }
+}
+
+/// `softmax(q kᵀ · scale + mask) v` with `q` `[B, KV, G·T, Dq]` (G query heads per
+/// key/value head, stacked), `k` `[B, KV, T, Dq]`, `v` `[B, KV, T, Dv]` → `[B, KV, G·T, Dv]`.
+pub fn attend(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &AttentionMask,
+    scale: f64,
+    groups: usize,
+) -> Result<Tensor> {
+    let (b, kv, gt, _) = q.dims4()?;
+    let t = gt / groups.max(1);
+    let scores = (q.contiguous()?.matmul(&k.contiguous()?.t()?)? * scale)?;
+    let scores = scores
+        .reshape((b, kv, groups, t, t))?
+        .broadcast_add(&mask.additive)?;
+    let probs = candle_nn::ops::softmax(&scores, D::Minus1)?.reshape((b, kv, gt, t))?;
+    Ok(probs.matmul(&v.contiguous()?)?)
+}
+
+/// GQA self-attention with optional qkv bias, q/k norm and qkv clipping.
+#[derive(Debug, Clone)]
+pub struct GqaAttention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    qk_norm: QkNorm,
+    clip_qkv: Option<f64>,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+}
+
+impl GqaAttention {
+    /// Builds layer `prefix` (`model.layers.{i}.self_attn`).
+    pub fn new(cfg: &Config, weights: &Weights, prefix: &str) -> Result<Self> {
+        let AttentionConfig::Gqa {
+            num_kv_heads,
+            head_dim,
+            qkv_bias,
+            qk_norm,
+            clip_qkv,
+            ..
+        } = &cfg.attention
+        else {
+            return Err(ModelError::InvalidConfig(
+                "GQA attention built for an MLA config".into(),
+            ));
+        };
+        let norm =
+            |name: &str| RmsNorm::new(weights, &format!("{prefix}.{name}"), cfg.rms_norm_eps);
+        let (q_norm, k_norm) = match qk_norm {
+            QkNorm::None => (None, None),
+            _ => (Some(norm("q_norm")?), Some(norm("k_norm")?)),
+        };
+        Ok(GqaAttention {
+            q_proj: Linear::new(weights, &format!("{prefix}.q_proj"), *qkv_bias)?,
+            k_proj: Linear::new(weights, &format!("{prefix}.k_proj"), *qkv_bias)?,
+            v_proj: Linear::new(weights, &format!("{prefix}.v_proj"), *qkv_bias)?,
+            o_proj: Linear::new(weights, &format!("{prefix}.o_proj"), false)?,
+            q_norm,
+            k_norm,
+            qk_norm: *qk_norm,
+            clip_qkv: *clip_qkv,
+            num_heads: cfg.num_attention_heads,
+            num_kv_heads: *num_kv_heads,
+            head_dim: *head_dim,
+        })
+    }
+
+    /// `[B, T, H]` → `[B, T, H]`.
+    pub fn forward(&self, x: &Tensor, rope: &RopeTables, mask: &AttentionMask) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let mut q = self.q_proj.forward(x)?;
+        let mut k = self.k_proj.forward(x)?;
+        let mut v = self.v_proj.forward(x)?;
+        if let Some(c) = self.clip_qkv {
+            q = q.clamp(-c, c)?;
+            k = k.clamp(-c, c)?;
+            v = v.clamp(-c, c)?;
+        }
+        if let (QkNorm::Full, Some(qn), Some(kn)) = (self.qk_norm, &self.q_norm, &self.k_norm) {
+            q = qn.forward(&q)?;
+            k = kn.forward(&k)?;
+        }
+        let mut q = q.reshape((b, t, nh, hd))?;
+        let mut k = k.reshape((b, t, nkv, hd))?;
+        if let (QkNorm::PerHead, Some(qn), Some(kn)) = (self.qk_norm, &self.q_norm, &self.k_norm) {
+            q = qn.forward(&q)?;
+            k = kn.forward(&k)?;
+        }
+        let q = rope.apply(&q.transpose(1, 2)?)?;
+        let k = rope.apply(&k.transpose(1, 2)?)?;
+        let v = v.reshape((b, t, nkv, hd))?.transpose(1, 2)?;
+        let groups = nh / nkv;
+        let q = q.reshape((b, nkv, groups * t, hd))?;
+        let out = attend(&q, &k, &v, mask, 1.0 / (hd as f64).sqrt(), groups)?;
+        let out = out
+            .reshape((b, nh, t, hd))?
+            .transpose(1, 2)?
+            .contiguous()?
+            .reshape((b, t, nh * hd))?;
+        self.o_proj.forward(&out)
+    }
+}

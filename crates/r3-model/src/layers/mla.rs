@@ -1,0 +1,128 @@
+//! DeepSeek multi-head latent attention (MLA): low-rank q (optional, Moonlight has none)
+//! and kv compression, a shared rotary key part, per-head non-rotary keys and values.
+
+use candle_core::{Tensor, D};
+
+use super::attention::{attend, AttentionMask};
+use super::linear::Linear;
+use super::norm::RmsNorm;
+use super::rope::{yarn_mscale, RopeTables};
+use crate::config::{AttentionConfig, Config, RopeScaling};
+use crate::error::{ModelError, Result};
+use crate::weights::Weights;
+
+/// How queries are projected.
+#[derive(Debug, Clone)]
+enum QueryProj {
+    /// `q_b_proj(q_a_layernorm(q_a_proj(x)))`
+    LowRank { a: Linear, norm: RmsNorm, b: Linear },
+    /// `q_proj(x)` (`q_lora_rank: null`)
+    Plain(Linear),
+}
+
+/// MLA self-attention block.
+#[derive(Debug, Clone)]
+pub struct MlaAttention {
+    q: QueryProj,
+    kv_a: Linear,
+    kv_a_norm: RmsNorm,
+    kv_b: Linear,
+    o_proj: Linear,
+    num_heads: usize,
+    kv_lora_rank: usize,
+    nope: usize,
+    rope_dim: usize,
+    v_dim: usize,
+    scale: f64,
+}
+
+impl MlaAttention {
+    /// Builds `prefix` (`model.layers.{i}.self_attn`).
+    pub fn new(cfg: &Config, weights: &Weights, prefix: &str) -> Result<Self> {
+        let AttentionConfig::Mla {
+            q_lora_rank,
+            kv_lora_rank,
+            qk_nope_head_dim,
+            qk_rope_head_dim,
+            v_head_dim,
+        } = &cfg.attention
+        else {
+            return Err(ModelError::InvalidConfig(
+                "MLA attention built for a GQA config".into(),
+            ));
+        };
+        let lin = |name: &str| Linear::new(weights, &format!("{prefix}.{name}"), false);
+        let norm =
+            |name: &str| RmsNorm::new(weights, &format!("{prefix}.{name}"), cfg.rms_norm_eps);
+        let q = match q_lora_rank {
+            Some(_) => QueryProj::LowRank {
+                a: lin("q_a_proj")?,
+                norm: norm("q_a_layernorm")?,
+                b: lin("q_b_proj")?,
+            },
+            None => QueryProj::Plain(lin("q_proj")?),
+        };
+        let mut scale = 1.0 / ((qk_nope_head_dim + qk_rope_head_dim) as f64).sqrt();
+        if let RopeScaling::Yarn {
+            factor,
+            mscale_all_dim: Some(m_all),
+            ..
+        } = &cfg.rope.scaling
+        {
+            if *m_all != 0.0 {
+                let m = yarn_mscale(*factor, *m_all);
+                scale *= m * m;
+            }
+        }
+        Ok(MlaAttention {
+            q,
+            kv_a: lin("kv_a_proj_with_mqa")?,
+            kv_a_norm: norm("kv_a_layernorm")?,
+            kv_b: lin("kv_b_proj")?,
+            o_proj: lin("o_proj")?,
+            num_heads: cfg.num_attention_heads,
+            kv_lora_rank: *kv_lora_rank,
+            nope: *qk_nope_head_dim,
+            rope_dim: *qk_rope_head_dim,
+            v_dim: *v_head_dim,
+            scale,
+        })
+    }
+
+    /// `[B, T, H]` → `[B, T, H]`.
+    pub fn forward(&self, x: &Tensor, rope: &RopeTables, mask: &AttentionMask) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let (nh, nope, rd, vd) = (self.num_heads, self.nope, self.rope_dim, self.v_dim);
+        let q = match &self.q {
+            QueryProj::LowRank { a, norm, b } => b.forward(&norm.forward(&a.forward(x)?)?)?,
+            QueryProj::Plain(p) => p.forward(x)?,
+        };
+        let q = q.reshape((b, t, nh, nope + rd))?.transpose(1, 2)?;
+        let q_pass = q.narrow(D::Minus1, 0, nope)?;
+        let q_rot = rope.apply(&q.narrow(D::Minus1, nope, rd)?)?;
+
+        let compressed = self.kv_a.forward(x)?;
+        let k_pass = compressed.narrow(D::Minus1, 0, self.kv_lora_rank)?;
+        let k_rot = compressed
+            .narrow(D::Minus1, self.kv_lora_rank, rd)?
+            .reshape((b, t, 1, rd))?
+            .transpose(1, 2)?;
+        let k_rot = rope.apply(&k_rot)?.broadcast_as((b, nh, t, rd))?;
+        let kv = self
+            .kv_b
+            .forward(&self.kv_a_norm.forward(&k_pass)?)?
+            .reshape((b, t, nh, nope + vd))?
+            .transpose(1, 2)?;
+        let k_nope = kv.narrow(D::Minus1, 0, nope)?;
+        let v = kv.narrow(D::Minus1, nope, vd)?;
+
+        let q = Tensor::cat(&[&q_pass, &q_rot], D::Minus1)?;
+        let k = Tensor::cat(&[&k_nope, &k_rot], D::Minus1)?;
+        let out = attend(&q, &k, &v, mask, self.scale, 1)?;
+        let out = out
+            .transpose(1, 2)?
+            .contiguous()?
+            .reshape((b, t, nh * vd))?;
+        self.o_proj.forward(&out)
+    }
+}

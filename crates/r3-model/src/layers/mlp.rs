@@ -1,0 +1,33 @@
+//! SwiGLU feed-forward `down(silu(gate(x)) · up(x))`: dense layers, experts, shared experts.
+
+use candle_core::Tensor;
+
+use super::linear::Linear;
+use crate::error::Result;
+use crate::spec::SwigluNames;
+use crate::weights::Weights;
+
+/// One SwiGLU MLP.
+#[derive(Debug, Clone)]
+pub struct SwiGlu {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+impl SwiGlu {
+    /// Loads `{prefix}.{gate,up,down}.weight` with the given projection names.
+    pub fn new(weights: &Weights, prefix: &str, names: &SwigluNames) -> Result<Self> {
+        Ok(SwiGlu {
+            gate: Linear::new(weights, &format!("{prefix}.{}", names.gate), false)?,
+            up: Linear::new(weights, &format!("{prefix}.{}", names.up), false)?,
+            down: Linear::new(weights, &format!("{prefix}.{}", names.down), false)?,
+        })
+    }
+
+    /// Applies the MLP to the last dimension of `x`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let hidden = (self.gate.forward(x)?.silu()? * self.up.forward(x)?)?;
+        self.down.forward(&hidden)
+    }
+}

@@ -1,0 +1,9 @@
+//! Transformer blocks of the f32 training forward, built from autograd-safe composed ops.
+
+pub mod attention;
+pub mod linear;
+pub mod mla;
+pub mod mlp;
+pub mod moe;
+pub mod norm;
+pub mod rope;

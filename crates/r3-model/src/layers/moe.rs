@@ -1,0 +1,225 @@
+//! Sparse MoE block: router logits → ids (own top-k, or forced by replay) → gates
+//! (`Router::weigh`, kept in the autograd graph) → per-expert SwiGLU over gathered rows →
+//! weighted `index_add` back, plus the shared expert where the architecture has one.
+
+use candle_core::{Tensor, D};
+
+use super::linear::Linear;
+use super::mlp::SwiGlu;
+use crate::config::{Config, SharedExpert};
+use crate::error::{ModelError, Result};
+use crate::router::Router;
+use crate::routing::LayerPlan;
+use crate::spec::{expert_names, SWIGLU_HF};
+use crate::weights::Weights;
+
+/// The always-on expert.
+#[derive(Debug, Clone)]
+enum Shared {
+    None,
+    Plain(SwiGlu),
+    Gated { mlp: SwiGlu, gate: Linear },
+}
+
+/// One sparse MoE layer.
+#[derive(Debug, Clone)]
+pub struct MoeBlock {
+    router: Router,
+    gate_weight: Tensor,
+    score_bias: Option<Vec<f32>>,
+    experts: Vec<SwiGlu>,
+    shared: Shared,
+}
+
+/// Rows of the batch a MoE layer routes (the real, non-padding tokens).
+#[derive(Debug, Clone)]
+pub struct RoutedRows {
+    /// index of each routed row in the flattened `[B·T]` batch
+    pub host: Vec<u32>,
+    /// the same as a u32 tensor
+    pub tensor: Tensor,
+    /// whether every row of the batch is routed (no padding)
+    pub all: bool,
+}
+
+/// What one MoE layer did.
+#[derive(Debug)]
+pub struct MoeOutput {
+    /// `[B·T, H]` block output (zero on padding rows, apart from the shared expert)
+    pub output: Tensor,
+    /// `[routed rows · top_k]` ids as dispatched to the experts, in selection order
+    pub ids: Vec<u32>,
+    /// forced rows whose expert set differs from this layer's own top-k
+    pub differs_from_native: usize,
+}
+
+impl MoeBlock {
+    /// Builds the MoE block of layer `layer`.
+    pub fn new(cfg: &Config, weights: &Weights, layer: usize) -> Result<Self> {
+        let moe = cfg.moe.as_ref().ok_or_else(|| {
+            ModelError::InvalidConfig(format!("layer {layer} is MoE in a dense config"))
+        })?;
+        let p = format!("{}.{}", crate::spec::layer_prefix(layer), cfg.moe_prefix());
+        let gate_weight = weights.get(&format!("{p}.gate.weight"))?.clone();
+        let bias_name = format!("{p}.gate.e_score_correction_bias");
+        let score_bias = match weights.tensors().get(&bias_name) {
+            Some(b) => Some(b.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?),
+            None => None,
+        };
+        let names = expert_names(cfg);
+        let experts = (0..moe.num_experts)
+            .map(|j| SwiGlu::new(weights, &format!("{p}.experts.{j}"), &names))
+            .collect::<Result<Vec<_>>>()?;
+        let shared = match moe.shared {
+            SharedExpert::None => Shared::None,
+            SharedExpert::Plain { .. } => Shared::Plain(SwiGlu::new(
+                weights,
+                &format!("{p}.shared_experts"),
+                &SWIGLU_HF,
+            )?),
+            SharedExpert::Gated { .. } => Shared::Gated {
+                mlp: SwiGlu::new(weights, &format!("{p}.shared_expert"), &SWIGLU_HF)?,
+                gate: Linear::new(weights, &format!("{p}.shared_expert_gate"), false)?,
+            },
+        };
+        Ok(MoeBlock {
+            router: Router::new(moe),
+            gate_weight,
+            score_bias,
+            experts,
+            shared,
+        })
+    }
+
+    /// The router of this block.
+    pub fn router(&self) -> &Router {
+        &self.router
+    }
+
+    /// Router logits `[rows, E]` for `x` `[rows, H]`.
+    pub fn router_logits(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.matmul(&self.gate_weight.t()?)?)
+    }
+
+    /// Runs the block on `x` `[B·T, H]`, routing `rows`; `plan` forces ids on its rows.
+    pub(crate) fn forward(
+        &self,
+        x: &Tensor,
+        rows: &RoutedRows,
+        plan: Option<&LayerPlan>,
+    ) -> Result<MoeOutput> {
+        let k = self.router.top_k;
+        let e = self.router.num_experts;
+        let x_routed = if rows.all {
+            x.clone()
+        } else {
+            x.index_select(&rows.tensor, 0)?
+        };
+        let logits = self.router_logits(&x_routed)?;
+        let host = logits.detach().flatten_all()?.to_vec1::<f32>()?;
+        let mut ids = self.router.select_rows(&host, self.score_bias.as_deref())?;
+        let n = rows.host.len();
+        let mut differs = 0;
+        if let Some(plan) = plan {
+            if plan.forced.len() != n || plan.ids.len() != n * k {
+                return Err(ModelError::Input(format!(
+                    "replay plan covers {} rows, layer routes {n}",
+                    plan.forced.len()
+                )));
+            }
+            for r in (0..n).filter(|&r| plan.forced[r]) {
+                let given = &plan.ids[r * k..(r + 1) * k];
+                let own = &mut ids[r * k..(r + 1) * k];
+                let mut a = given.to_vec();
+                let mut b = own.to_vec();
+                a.sort_unstable();
+                b.sort_unstable();
+                differs += usize::from(a != b);
+                own.copy_from_slice(given);
+            }
+        }
+        let ids_tensor = Tensor::from_vec(ids.clone(), (n, k), x.device())?;
+        let gates = self.router.weigh(&logits, &ids_tensor)?.flatten_all()?;
+
+        // Counting sort of (row, slot) pairs by expert: one host pass, no per-expert syncs.
+        let mut counts = vec![0usize; e];
+        for &id in &ids {
+            let slot = counts.get_mut(id as usize).ok_or_else(|| {
+                ModelError::Input(format!("expert id {id} out of range for {e} experts"))
+            })?;
+            *slot += 1;
+        }
+        let mut starts = vec![0usize; e + 1];
+        for j in 0..e {
+            starts[j + 1] = starts[j] + counts[j];
+        }
+        let mut fill = starts.clone();
+        let mut batch_rows = vec![0u32; ids.len()];
+        let mut slots = vec![0u32; ids.len()];
+        for (slot, &id) in ids.iter().enumerate() {
+            let pos = fill[id as usize];
+            fill[id as usize] += 1;
+            batch_rows[pos] = rows.host[slot / k];
+            slots[pos] = slot as u32;
+        }
+        let dispatched = dispatched_ids(&slots, &starts, n, k);
+        for r in 0..n {
+            let mut a = ids[r * k..(r + 1) * k].to_vec();
+            a.sort_unstable();
+            if a != dispatched[r] {
+                return Err(ModelError::Input(format!(
+                    "dispatch of row {r} used experts {:?}, routing chose {a:?}",
+                    dispatched[r]
+                )));
+            }
+        }
+
+        let device = x.device();
+        let mut outputs = Vec::with_capacity(e);
+        for (j, expert) in self.experts.iter().enumerate() {
+            let (from, to) = (starts[j], starts[j + 1]);
+            if from == to {
+                continue;
+            }
+            let idx = Tensor::from_slice(&batch_rows[from..to], to - from, device)?;
+            outputs.push(expert.forward(&x.index_select(&idx, 0)?)?);
+        }
+        let (total_rows, hidden) = x.dims2()?;
+        let mut out = Tensor::zeros((total_rows, hidden), x.dtype(), device)?;
+        if !outputs.is_empty() {
+            let stacked = Tensor::cat(&outputs, 0)?;
+            let slot_idx = Tensor::from_vec(slots, ids.len(), device)?;
+            let weights = gates.index_select(&slot_idx, 0)?.unsqueeze(D::Minus1)?;
+            let weighted = stacked.broadcast_mul(&weights)?;
+            let row_idx = Tensor::from_vec(batch_rows, ids.len(), device)?;
+            out = out.index_add(&row_idx, &weighted, 0)?;
+        }
+        let output = match &self.shared {
+            Shared::None => out,
+            Shared::Plain(mlp) => (out + mlp.forward(x)?)?,
+            Shared::Gated { mlp, gate } => {
+                let g = candle_nn::ops::sigmoid(&gate.forward(x)?)?;
+                (out + mlp.forward(x)?.broadcast_mul(&g)?)?
+            }
+        };
+        Ok(MoeOutput {
+            output,
+            ids,
+            differs_from_native: differs,
+        })
+    }
+}
+
+/// Inverts the expert-sorted slot lists: for each routed row, the sorted experts it was sent to.
+fn dispatched_ids(slots: &[u32], starts: &[usize], rows: usize, k: usize) -> Vec<Vec<u32>> {
+    let mut per_row = vec![Vec::with_capacity(k); rows];
+    for (expert, w) in starts.windows(2).enumerate() {
+        for &slot in &slots[w[0]..w[1]] {
+            per_row[slot as usize / k].push(expert as u32);
+        }
+    }
+    for r in &mut per_row {
+        r.sort_unstable();
+    }
+    per_row
+}

@@ -1,0 +1,138 @@
+//! Rotary position embeddings: frequency tables (plain, linear, YaRN) and their
+//! application with candle's composed `rope_slow` (half-split) / `rope_i_slow` (interleaved).
+
+use candle_core::{Device, Tensor};
+
+use crate::config::{RopeConfig, RopeScaling};
+use crate::error::Result;
+
+/// Inverse frequencies and the cos/sin scale of one model.
+#[derive(Debug, Clone)]
+pub struct Rope {
+    inv_freq: Vec<f32>,
+    attention_factor: f32,
+    interleaved: bool,
+}
+
+/// YaRN's magnitude correction `0.1 · m · ln(s) + 1` (1 for s ≤ 1).
+pub fn yarn_mscale(scale: f64, mscale: f64) -> f64 {
+    if scale <= 1.0 {
+        1.0
+    } else {
+        0.1 * mscale * scale.ln() + 1.0
+    }
+}
+
+fn yarn_correction_dim(rotations: f64, dim: usize, base: f64, max_pos: usize) -> f64 {
+    (dim as f64 * (max_pos as f64 / (rotations * 2.0 * std::f64::consts::PI)).ln())
+        / (2.0 * base.ln())
+}
+
+impl Rope {
+    /// Frequencies as HF computes them (f32), including the scaling rule.
+    pub fn new(cfg: &RopeConfig) -> Self {
+        let dim = cfg.dim;
+        let base = cfg.theta as f32;
+        let plain: Vec<f32> = (0..dim / 2)
+            .map(|i| 1.0 / base.powf((2 * i) as f32 / dim as f32))
+            .collect();
+        let (inv_freq, attention_factor) = match &cfg.scaling {
+            RopeScaling::None => (plain, 1.0),
+            RopeScaling::Linear { factor } => {
+                (plain.iter().map(|f| f / *factor as f32).collect(), 1.0)
+            }
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                mscale,
+                mscale_all_dim,
+                attention_factor,
+                truncate,
+            } => {
+                let base = cfg.theta;
+                let mut low =
+                    yarn_correction_dim(*beta_fast, dim, base, *original_max_position_embeddings);
+                let mut high =
+                    yarn_correction_dim(*beta_slow, dim, base, *original_max_position_embeddings);
+                if *truncate {
+                    low = low.floor();
+                    high = high.ceil();
+                }
+                let low = low.max(0.0);
+                let high = high.min(dim as f64 - 1.0);
+                let span = if low == high { 0.001 } else { high - low };
+                let inv: Vec<f32> = plain
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &extrapolated)| {
+                        let ramp = ((i as f64 - low) / span).clamp(0.0, 1.0);
+                        let extrapolation_weight = 1.0 - ramp;
+                        let interpolated = extrapolated as f64 / factor;
+                        (interpolated * (1.0 - extrapolation_weight)
+                            + extrapolated as f64 * extrapolation_weight)
+                            as f32
+                    })
+                    .collect();
+                let af = match (attention_factor, mscale, mscale_all_dim) {
+                    (Some(a), _, _) => *a,
+                    (None, Some(m), Some(m_all)) if *m != 0.0 && *m_all != 0.0 => {
+                        yarn_mscale(*factor, *m) / yarn_mscale(*factor, *m_all)
+                    }
+                    _ => yarn_mscale(*factor, 1.0),
+                };
+                (inv, af as f32)
+            }
+        };
+        Rope {
+            inv_freq,
+            attention_factor,
+            interleaved: cfg.interleaved,
+        }
+    }
+
+    /// cos/sin tables for positions `0..seq_len`.
+    pub fn tables(&self, seq_len: usize, device: &Device) -> Result<RopeTables> {
+        let half = self.inv_freq.len();
+        let mut cos = Vec::with_capacity(seq_len * half);
+        let mut sin = Vec::with_capacity(seq_len * half);
+        for pos in 0..seq_len {
+            for &f in &self.inv_freq {
+                let angle = pos as f32 * f;
+                cos.push(angle.cos() * self.attention_factor);
+                sin.push(angle.sin() * self.attention_factor);
+            }
+        }
+        Ok(RopeTables {
+            cos: Tensor::from_vec(cos, (seq_len, half), device)?,
+            sin: Tensor::from_vec(sin, (seq_len, half), device)?,
+            interleaved: self.interleaved,
+        })
+    }
+}
+
+/// Precomputed cos/sin for one forward pass.
+#[derive(Debug, Clone)]
+pub struct RopeTables {
+    cos: Tensor,
+    sin: Tensor,
+    interleaved: bool,
+}
+
+impl RopeTables {
+    /// Rotates `x` `[batch, heads, seq, dim]`.
+    ///
+    /// HF DeepSeek's interleaved variant permutes pairs to half-split before rotating;
+    /// rotating pairs in place (`rope_i`) gives the same q·k since q and k share the permutation.
+    pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
+        let x = x.contiguous()?;
+        if self.interleaved {
+            Ok(candle_nn::rotary_emb::rope_i_slow(
+                &x, &self.cos, &self.sin,
+            )?)
+        } else {
+            Ok(candle_nn::rotary_emb::rope_slow(&x, &self.cos, &self.sin)?)
+        }
+    }
+}

@@ -1,0 +1,303 @@
+//! The decoder-only MoE model: embeddings → decoder layers → norm → lm_head, run in f32
+//! over a right-padded batch with routing given as an argument.
+
+use candle_core::{Device, Tensor};
+
+use crate::config::{AttentionConfig, Config};
+use crate::error::{ModelError, Result};
+use crate::layers::attention::{AttentionMask, GqaAttention};
+use crate::layers::linear::Linear;
+use crate::layers::mla::MlaAttention;
+use crate::layers::mlp::SwiGlu;
+use crate::layers::moe::{MoeBlock, RoutedRows};
+use crate::layers::norm::RmsNorm;
+use crate::layers::rope::Rope;
+use crate::routing::{plan_replay, record_tables, verify_replay, ModelShape, ReplayProof, Routing};
+use crate::spec::{layer_prefix, SWIGLU_HF};
+use crate::weights::Weights;
+use r3_routing::RouteTable;
+
+/// A right-padded batch of token sequences.
+#[derive(Debug, Clone)]
+pub struct Batch {
+    input_ids: Tensor,
+    lengths: Vec<usize>,
+    tokens: Vec<Vec<u32>>,
+}
+
+impl Batch {
+    /// Pads `sequences` on the right with `pad_id` into a `[B, T]` tensor.
+    pub fn new(sequences: &[Vec<u32>], pad_id: u32, device: &Device) -> Result<Self> {
+        if sequences.is_empty() {
+            return Err(ModelError::Input("empty batch".into()));
+        }
+        if let Some(b) = sequences.iter().position(|s| s.is_empty()) {
+            return Err(ModelError::Input(format!("sequence {b} is empty")));
+        }
+        let t = sequences.iter().map(Vec::len).max().unwrap_or(0);
+        let mut flat = Vec::with_capacity(sequences.len() * t);
+        for s in sequences {
+            flat.extend_from_slice(s);
+            flat.extend(std::iter::repeat_n(pad_id, t - s.len()));
+        }
+        Ok(Batch {
+            input_ids: Tensor::from_vec(flat, (sequences.len(), t), device)?,
+            lengths: sequences.iter().map(Vec::len).collect(),
+            tokens: sequences.to_vec(),
+        })
+    }
+
+    /// `[B, T]` u32 token ids.
+    pub fn input_ids(&self) -> &Tensor {
+        &self.input_ids
+    }
+
+    /// Real length of each sequence.
+    pub fn lengths(&self) -> &[usize] {
+        &self.lengths
+    }
+
+    /// The unpadded sequences.
+    pub fn sequences(&self) -> &[Vec<u32>] {
+        &self.tokens
+    }
+
+    /// Padded length `T`.
+    pub fn seq_len(&self) -> usize {
+        self.lengths.iter().copied().max().unwrap_or(0)
+    }
+}
+
+/// Results of one forward call.
+#[derive(Debug)]
+pub struct ForwardOutput {
+    /// `[B, T, vocab]` logits (padding positions hold garbage)
+    pub logits: Tensor,
+    /// `Record`: one MoE-only route table per sequence, one row per real token
+    pub routes: Option<Vec<RouteTable>>,
+    /// `Replay`: what was replayed, verified against the tables
+    pub replay: Option<ReplayProof>,
+    /// with `capture_hidden`: embeddings, each layer's output except the last, and the
+    /// final normed states (HF `output_hidden_states`), each `[B, T, H]`
+    pub hidden_states: Option<Vec<Tensor>>,
+}
+
+#[derive(Debug, Clone)]
+enum Attention {
+    Gqa(GqaAttention),
+    Mla(MlaAttention),
+}
+
+#[derive(Debug, Clone)]
+enum FeedForward {
+    Dense(SwiGlu),
+    Moe(MoeBlock),
+}
+
+#[derive(Debug, Clone)]
+struct DecoderLayer {
+    input_norm: RmsNorm,
+    attention: Attention,
+    post_norm: RmsNorm,
+    ffn: FeedForward,
+}
+
+/// The training-engine model (f32, autograd-safe).
+#[derive(Debug, Clone)]
+pub struct Model {
+    cfg: Config,
+    embed: Tensor,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    rope: Rope,
+}
+
+impl Model {
+    /// Builds the model from validated weights (use `Weights::into_trainable` first to train).
+    pub fn new(cfg: &Config, weights: &Weights) -> Result<Self> {
+        weights.validate(cfg)?;
+        let eps = cfg.rms_norm_eps;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let p = layer_prefix(i);
+            let attn_prefix = format!("{p}.self_attn");
+            let attention = match cfg.attention {
+                AttentionConfig::Gqa { .. } => {
+                    Attention::Gqa(GqaAttention::new(cfg, weights, &attn_prefix)?)
+                }
+                AttentionConfig::Mla { .. } => {
+                    Attention::Mla(MlaAttention::new(cfg, weights, &attn_prefix)?)
+                }
+            };
+            let ffn = if cfg.is_moe_layer(i) {
+                FeedForward::Moe(MoeBlock::new(cfg, weights, i)?)
+            } else {
+                FeedForward::Dense(SwiGlu::new(weights, &format!("{p}.mlp"), &SWIGLU_HF)?)
+            };
+            layers.push(DecoderLayer {
+                input_norm: RmsNorm::new(weights, &format!("{p}.input_layernorm"), eps)?,
+                attention,
+                post_norm: RmsNorm::new(weights, &format!("{p}.post_attention_layernorm"), eps)?,
+                ffn,
+            });
+        }
+        let lm_head_name = if cfg.tie_word_embeddings {
+            "model.embed_tokens"
+        } else {
+            "lm_head"
+        };
+        Ok(Model {
+            cfg: cfg.clone(),
+            embed: weights.get("model.embed_tokens.weight")?.clone(),
+            layers,
+            norm: RmsNorm::new(weights, "model.norm", eps)?,
+            lm_head: Linear::new(weights, lm_head_name, false)?,
+            rope: Rope::new(&cfg.rope),
+        })
+    }
+
+    /// The config this model was built from.
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// Forward pass; see [`Routing`] for the modes.
+    pub fn forward(&self, batch: &Batch, routing: Routing<'_>) -> Result<ForwardOutput> {
+        self.forward_with(batch, routing, false)
+    }
+
+    /// Forward pass that can also return per-layer hidden states.
+    pub fn forward_with(
+        &self,
+        batch: &Batch,
+        routing: Routing<'_>,
+        capture_hidden: bool,
+    ) -> Result<ForwardOutput> {
+        let cfg = &self.cfg;
+        let device = self.embed.device();
+        let (b, t) = batch.input_ids.dims2()?;
+        self.check_tokens(batch)?;
+        let lengths = batch.lengths();
+        let plan = match routing {
+            Routing::Replay(tables) => Some(plan_replay(
+                tables,
+                lengths,
+                &ModelShape {
+                    layout: &cfg.layout,
+                    num_experts: cfg.num_experts(),
+                    top_k: cfg.top_k(),
+                },
+            )?),
+            _ => None,
+        };
+        let rows = routed_rows(lengths, t, device)?;
+        let rope = self.rope.tables(t, device)?;
+        let window = match cfg.attention {
+            AttentionConfig::Gqa { sliding_window, .. } => sliding_window,
+            AttentionConfig::Mla { .. } => None,
+        };
+        let mask = AttentionMask::new(lengths, t, window, device)?;
+
+        let ids = batch.input_ids.to_device(device)?.flatten_all()?;
+        let mut x = self
+            .embed
+            .index_select(&ids, 0)?
+            .reshape((b, t, cfg.hidden_size))?;
+        let mut hidden = capture_hidden.then(Vec::new);
+        let mut used = Vec::with_capacity(cfg.layout.moe_layers().len());
+        let mut differs = Vec::with_capacity(cfg.layout.moe_layers().len());
+        for (i, layer) in self.layers.iter().enumerate() {
+            if let Some(h) = hidden.as_mut() {
+                h.push(x.clone());
+            }
+            let normed = layer.input_norm.forward(&x)?;
+            let attn = match &layer.attention {
+                Attention::Gqa(a) => a.forward(&normed, &rope, &mask)?,
+                Attention::Mla(a) => a.forward(&normed, &rope, &mask)?,
+            };
+            let h = (x + attn)?;
+            let normed = layer
+                .post_norm
+                .forward(&h)?
+                .reshape((b * t, cfg.hidden_size))?;
+            let ffn = match &layer.ffn {
+                FeedForward::Dense(mlp) => mlp.forward(&normed)?,
+                FeedForward::Moe(moe) => {
+                    let column = cfg.layout.moe_column(i).ok_or_else(|| {
+                        ModelError::InvalidConfig(format!("layer {i} has no MoE column"))
+                    })?;
+                    let layer_plan = plan.as_ref().and_then(|p| p.layers.get(column));
+                    let out = moe.forward(&normed, &rows, layer_plan)?;
+                    used.push(out.ids);
+                    differs.push(out.differs_from_native);
+                    out.output
+                }
+            };
+            x = (h + ffn.reshape((b, t, cfg.hidden_size))?)?;
+        }
+        let x = self.norm.forward(&x)?;
+        if let Some(h) = hidden.as_mut() {
+            h.push(x.clone());
+        }
+        let logits = self.lm_head.forward(&x)?;
+        let (routes, replay) = match (routing, plan) {
+            (Routing::Record, _) => (
+                Some(record_tables(
+                    &used,
+                    lengths,
+                    &cfg.layout,
+                    cfg.num_experts(),
+                    cfg.top_k(),
+                )?),
+                None,
+            ),
+            (Routing::Replay(_), Some(plan)) => (
+                None,
+                Some(verify_replay(
+                    &plan,
+                    &used,
+                    &differs,
+                    lengths,
+                    &cfg.layout,
+                    cfg.top_k(),
+                )?),
+            ),
+            _ => (None, None),
+        };
+        Ok(ForwardOutput {
+            logits,
+            routes,
+            replay,
+            hidden_states: hidden,
+        })
+    }
+
+    fn check_tokens(&self, batch: &Batch) -> Result<()> {
+        for (b, seq) in batch.sequences().iter().enumerate() {
+            if let Some((t, &id)) = seq
+                .iter()
+                .enumerate()
+                .find(|(_, &id)| id as usize >= self.cfg.vocab_size)
+            {
+                return Err(ModelError::Input(format!(
+                    "token id {id} at sequence {b}, position {t} is outside the vocabulary of {}",
+                    self.cfg.vocab_size
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Flattened `[B·T]` indices of the real tokens, sequence-major.
+fn routed_rows(lengths: &[usize], t: usize, device: &Device) -> Result<RoutedRows> {
+    let host: Vec<u32> = lengths
+        .iter()
+        .enumerate()
+        .flat_map(|(b, &len)| (0..len).map(move |i| (b * t + i) as u32))
+        .collect();
+    let all = host.len() == lengths.len() * t;
+    let tensor = Tensor::from_slice(&host, host.len(), device)?;
+    Ok(RoutedRows { host, tensor, all })
+}

@@ -1,0 +1,231 @@
+//! The router, one piece of math with two halves (DESIGN rule 2):
+//! `select(scores) -> ids` and `weigh(logits, ids) -> gates`.
+//!
+//! Native routing is `weigh(logits, select(logits))`; replay is `weigh(logits, given)`.
+//! `select` runs on the host over plain f32 rows (ids go to the host anyway to build the
+//! expert index lists, and the rollout engine calls the same function on its own rows);
+//! `weigh` exists as an autograd-safe tensor function for training and as a plain-slice
+//! function for the rollout engine, with one formula per [`RouterKind`].
+
+use candle_core::{DType, Tensor, D};
+
+use crate::config::{MoeConfig, RouterKind};
+use crate::error::{ModelError, Result};
+
+/// The routing rule of one MoE config.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Router {
+    /// gate formula
+    pub kind: RouterKind,
+    /// routed experts
+    pub num_experts: usize,
+    /// experts per token
+    pub top_k: usize,
+}
+
+/// Indices of the `k` largest values, largest first; ties go to the lower index.
+fn top_k_desc(values: &[f32], k: usize, out: &mut [u32]) {
+    let mut order: Vec<u32> = (0..values.len() as u32).collect();
+    // total_cmp keeps the order deterministic; callers reject NaN beforehand.
+    order.sort_by(|&a, &b| {
+        values[b as usize]
+            .total_cmp(&values[a as usize])
+            .then(a.cmp(&b))
+    });
+    out.copy_from_slice(&order[..k]);
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+impl Router {
+    /// The router of a MoE config.
+    pub fn new(moe: &MoeConfig) -> Self {
+        Router {
+            kind: moe.router,
+            num_experts: moe.num_experts,
+            top_k: moe.top_k,
+        }
+    }
+
+    /// Selects `top_k` experts for one token from its router logits (`bias` = DeepSeek
+    /// `e_score_correction_bias`, used only for selection). Writes ids, best first.
+    ///
+    /// Softmax routers take the top-k logits (softmax is monotone). DeepSeek-V3 ranks
+    /// groups by the sum of their two best `sigmoid + bias` scores, keeps `topk_group`
+    /// groups, zeroes the rest (HF `masked_fill(.., 0.0)`) and takes the top-k.
+    pub fn select_row(
+        &self,
+        row: usize,
+        logits: &[f32],
+        bias: Option<&[f32]>,
+        out: &mut [u32],
+    ) -> Result<()> {
+        let e = self.num_experts;
+        if logits.len() != e || out.len() != self.top_k || bias.is_some_and(|b| b.len() != e) {
+            return Err(ModelError::Input(format!(
+                "router row {row}: {} logits / {} outputs for {e} experts, top-{}",
+                logits.len(),
+                out.len(),
+                self.top_k
+            )));
+        }
+        if let Some((expert, &value)) = logits.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+            return Err(ModelError::NonFiniteScore { row, expert, value });
+        }
+        match self.kind {
+            RouterKind::Softmax { .. } => top_k_desc(logits, self.top_k, out),
+            RouterKind::GroupedSigmoid {
+                n_group,
+                topk_group,
+                ..
+            } => {
+                let mut scores: Vec<f32> = logits.iter().map(|&x| sigmoid(x)).collect();
+                if let Some(b) = bias {
+                    for (s, &b) in scores.iter_mut().zip(b) {
+                        *s += b;
+                    }
+                }
+                let per_group = e / n_group;
+                let group_scores: Vec<f32> = scores
+                    .chunks(per_group)
+                    .map(|g| {
+                        let mut best = [0u32; 2];
+                        top_k_desc(g, 2, &mut best);
+                        g[best[0] as usize] + g[best[1] as usize]
+                    })
+                    .collect();
+                let mut kept = vec![0u32; topk_group];
+                top_k_desc(&group_scores, topk_group, &mut kept);
+                let mut masked = vec![0.0f32; e];
+                for &g in &kept {
+                    let g = g as usize;
+                    masked[g * per_group..(g + 1) * per_group]
+                        .copy_from_slice(&scores[g * per_group..(g + 1) * per_group]);
+                }
+                top_k_desc(&masked, self.top_k, out);
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Router::select_row`] over a row-major `[rows, num_experts]` buffer; returns
+    /// `[rows * top_k]` ids.
+    pub fn select_rows(&self, logits: &[f32], bias: Option<&[f32]>) -> Result<Vec<u32>> {
+        let e = self.num_experts;
+        if e == 0 || !logits.len().is_multiple_of(e) {
+            return Err(ModelError::Input(format!(
+                "router logits length {} is not a multiple of {e} experts",
+                logits.len()
+            )));
+        }
+        let rows = logits.len() / e;
+        let mut ids = vec![0u32; rows * self.top_k];
+        for (r, (row, out)) in logits
+            .chunks(e)
+            .zip(ids.chunks_mut(self.top_k.max(1)))
+            .enumerate()
+        {
+            self.select_row(r, row, bias, out)?;
+        }
+        Ok(ids)
+    }
+
+    /// Tensor form of select: `[rows, E]` logits (and optional `[E]` bias) → `[rows, k]` u32.
+    pub fn select(&self, logits: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        let (rows, _) = logits.dims2()?;
+        let host = logits
+            .detach()
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let bias = match bias {
+            Some(b) => Some(b.to_dtype(DType::F32)?.to_vec1::<f32>()?),
+            None => None,
+        };
+        let ids = self.select_rows(&host, bias.as_deref())?;
+        Ok(Tensor::from_vec(ids, (rows, self.top_k), logits.device())?)
+    }
+
+    /// Gate weights for the given ids, differentiable in `logits` (`[rows, E]` f32,
+    /// ids `[rows, k]` u32 → `[rows, k]`).
+    ///
+    /// Softmax: softmax over all experts, gather, renormalise iff `norm_topk_prob`.
+    /// Grouped sigmoid: sigmoid of the gathered logits, normalise (+1e-20) iff
+    /// `norm_topk_prob`, times `routed_scaling_factor`. The bias never enters the gates.
+    pub fn weigh(&self, logits: &Tensor, ids: &Tensor) -> Result<Tensor> {
+        match self.kind {
+            RouterKind::Softmax { norm_topk_prob } => {
+                let probs = candle_nn::ops::softmax(logits, D::Minus1)?;
+                let gates = probs.gather(ids, D::Minus1)?;
+                if norm_topk_prob {
+                    Ok(gates.broadcast_div(&gates.sum_keepdim(D::Minus1)?)?)
+                } else {
+                    Ok(gates)
+                }
+            }
+            RouterKind::GroupedSigmoid {
+                norm_topk_prob,
+                routed_scaling_factor,
+                ..
+            } => {
+                let gates = candle_nn::ops::sigmoid(&logits.gather(ids, D::Minus1)?)?;
+                let gates = if norm_topk_prob {
+                    gates.broadcast_div(&(gates.sum_keepdim(D::Minus1)? + 1e-20)?)?
+                } else {
+                    gates
+                };
+                Ok((gates * routed_scaling_factor)?)
+            }
+        }
+    }
+
+    /// Plain-slice form of [`Router::weigh`] for one token: logits `[E]`, ids `[k]` → gates `[k]`.
+    pub fn weigh_row(&self, logits: &[f32], ids: &[u32], out: &mut [f32]) -> Result<()> {
+        if logits.len() != self.num_experts || out.len() != ids.len() {
+            return Err(ModelError::Input(format!(
+                "weigh_row: {} logits for {} experts, {} ids, {} outputs",
+                logits.len(),
+                self.num_experts,
+                ids.len(),
+                out.len()
+            )));
+        }
+        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= self.num_experts) {
+            return Err(ModelError::Input(format!(
+                "expert id {bad} out of range for {} experts",
+                self.num_experts
+            )));
+        }
+        match self.kind {
+            RouterKind::Softmax { norm_topk_prob } => {
+                let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let denom: f32 = logits.iter().map(|&x| (x - max).exp()).sum();
+                for (o, &i) in out.iter_mut().zip(ids) {
+                    *o = (logits[i as usize] - max).exp() / denom;
+                }
+                if norm_topk_prob {
+                    let s: f32 = out.iter().sum();
+                    out.iter_mut().for_each(|o| *o /= s);
+                }
+            }
+            RouterKind::GroupedSigmoid {
+                norm_topk_prob,
+                routed_scaling_factor,
+                ..
+            } => {
+                for (o, &i) in out.iter_mut().zip(ids) {
+                    *o = sigmoid(logits[i as usize]);
+                }
+                if norm_topk_prob {
+                    let s: f32 = out.iter().sum::<f32>() + 1e-20;
+                    out.iter_mut().for_each(|o| *o /= s);
+                }
+                let scale = routed_scaling_factor as f32;
+                out.iter_mut().for_each(|o| *o *= scale);
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,247 @@
+//! Routing modes of the forward pass (DESIGN rule 3) and replay verification (rule 5):
+//! turning per-sequence route tables into per-layer forced ids, building recorded
+//! tables, and the proof that a replayed forward used exactly the given experts.
+
+use r3_routing::{LayerLayout, LayerSpace, RouteTable};
+
+use crate::error::{ModelError, Result};
+
+/// How the MoE layers choose experts in one forward call.
+#[derive(Debug, Clone, Copy)]
+pub enum Routing<'a> {
+    /// Each router picks its own top-k.
+    Native,
+    /// Native routing, and the chosen ids are returned as one [`RouteTable`] per sequence.
+    Record,
+    /// Use the given ids (one table per sequence, MoE-only or all-layer space, `start_pos`
+    /// 0, covering all `len` tokens or the first `len − 1`); gates are still computed from
+    /// this forward's router logits. A table with `len − 1` rows leaves the final position
+    /// (whose output predicts nothing) to native routing; the proof reports it.
+    Replay(&'a [RouteTable]),
+}
+
+/// Evidence that a replayed forward used the given experts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplayProof {
+    /// global index of each MoE layer
+    pub layers: Vec<usize>,
+    /// per MoE layer: (token, layer) cells whose experts came from the tables
+    pub replayed_cells: Vec<usize>,
+    /// per MoE layer: cells routed natively (final positions of `len − 1`-row tables)
+    pub native_cells: Vec<usize>,
+    /// per MoE layer: replayed cells whose expert set differs from this forward's own top-k
+    pub differs_from_native: Vec<usize>,
+    /// per sequence: whether its final position was routed natively
+    pub native_final_position: Vec<bool>,
+}
+
+impl ReplayProof {
+    /// Total replayed cells over all layers.
+    pub fn total_replayed(&self) -> usize {
+        self.replayed_cells.iter().sum()
+    }
+}
+
+/// Forced ids of one MoE layer over the flattened real rows of the batch.
+#[derive(Debug, Clone)]
+pub(crate) struct LayerPlan {
+    /// `[rows * top_k]` ids (meaningful where `forced`)
+    pub ids: Vec<u32>,
+    /// `[rows]` whether the row's ids come from a table
+    pub forced: Vec<bool>,
+}
+
+/// Forced ids for every MoE layer, plus which sequences route their final position natively.
+#[derive(Debug, Clone)]
+pub(crate) struct ReplayPlan {
+    pub layers: Vec<LayerPlan>,
+    pub native_final_position: Vec<bool>,
+    /// tables converted to the MoE-only space (for verification)
+    pub tables: Vec<RouteTable>,
+}
+
+/// What a table must fit.
+pub(crate) struct ModelShape<'a> {
+    pub layout: &'a LayerLayout,
+    pub num_experts: usize,
+    pub top_k: usize,
+}
+
+fn mismatch(sequence: usize, msg: impl Into<String>) -> ModelError {
+    ModelError::RouteMismatch {
+        sequence,
+        msg: msg.into(),
+    }
+}
+
+/// Checks each table against the model and the sequence lengths and lays its ids out per
+/// layer over the batch's real rows (row order: sequence-major, `offsets[b] + t`).
+pub(crate) fn plan_replay(
+    tables: &[RouteTable],
+    lengths: &[usize],
+    shape: &ModelShape<'_>,
+) -> Result<ReplayPlan> {
+    if tables.len() != lengths.len() {
+        return Err(ModelError::Input(format!(
+            "replay got {} route tables for a batch of {} sequences",
+            tables.len(),
+            lengths.len()
+        )));
+    }
+    let k = shape.top_k;
+    let moe_layers = shape.layout.moe_layers();
+    let total: usize = lengths.iter().sum();
+    let mut layers: Vec<LayerPlan> = moe_layers
+        .iter()
+        .map(|_| LayerPlan {
+            ids: vec![0; total * k],
+            forced: vec![false; total],
+        })
+        .collect();
+    let mut native_final_position = Vec::with_capacity(tables.len());
+    let mut converted = Vec::with_capacity(tables.len());
+    let mut offset = 0;
+    for (b, (table, &len)) in tables.iter().zip(lengths).enumerate() {
+        let table = match table.space() {
+            LayerSpace::MoeOnly => table.clone(),
+            LayerSpace::AllLayers => table
+                .to_moe_only(shape.layout)
+                .map_err(|e| mismatch(b, e.to_string()))?,
+        };
+        if table.layers() != moe_layers {
+            return Err(mismatch(
+                b,
+                format!(
+                    "table layers {:?} are not the model's MoE layers {:?}",
+                    table.layers(),
+                    moe_layers
+                ),
+            ));
+        }
+        if table.num_experts() != shape.num_experts || table.top_k() != k {
+            return Err(mismatch(
+                b,
+                format!(
+                    "table has {} experts / top-{}, model has {} / top-{k}",
+                    table.num_experts(),
+                    table.top_k(),
+                    shape.num_experts
+                ),
+            ));
+        }
+        if table.start_pos() != 0 {
+            return Err(mismatch(
+                b,
+                format!(
+                    "table starts at position {}, the forward starts at 0",
+                    table.start_pos()
+                ),
+            ));
+        }
+        let rows = table.num_tokens();
+        if rows != len && rows + 1 != len {
+            return Err(mismatch(
+                b,
+                format!(
+                    "table has {rows} rows for a sequence of {len} tokens (need {len} or {})",
+                    len.saturating_sub(1)
+                ),
+            ));
+        }
+        native_final_position.push(rows + 1 == len);
+        for (c, plan) in layers.iter_mut().enumerate() {
+            let ids = table
+                .column_ids(c)
+                .map_err(|e| mismatch(b, format!("layer {}: {e}", moe_layers[c])))?;
+            plan.ids[offset * k..(offset + rows) * k].copy_from_slice(&ids);
+            plan.forced[offset..offset + rows].fill(true);
+        }
+        converted.push(table);
+        offset += len;
+    }
+    Ok(ReplayPlan {
+        layers,
+        native_final_position,
+        tables: converted,
+    })
+}
+
+/// Checks that every replayed cell used exactly the table's experts (as sets) and builds
+/// the proof. `used[c]` is `[rows * top_k]` ids as dispatched in MoE layer column `c`.
+pub(crate) fn verify_replay(
+    plan: &ReplayPlan,
+    used: &[Vec<u32>],
+    differs: &[usize],
+    lengths: &[usize],
+    layout: &LayerLayout,
+    top_k: usize,
+) -> Result<ReplayProof> {
+    let layers = layout.moe_layers().to_vec();
+    let mut replayed_cells = vec![0; layers.len()];
+    let mut native_cells = vec![0; layers.len()];
+    for (c, &layer) in layers.iter().enumerate() {
+        let used = used.get(c).ok_or_else(|| {
+            ModelError::Input(format!("no dispatch record for MoE layer {layer}"))
+        })?;
+        let mut offset = 0;
+        for (b, (table, &len)) in plan.tables.iter().zip(lengths).enumerate() {
+            for t in 0..len {
+                let row = offset + t;
+                let Some(given) = table.experts(t, c) else {
+                    native_cells[c] += 1;
+                    continue;
+                };
+                let mut given: Vec<u32> = given.iter().map(|&x| u32::from(x)).collect();
+                let mut got = used[row * top_k..(row + 1) * top_k].to_vec();
+                given.sort_unstable();
+                got.sort_unstable();
+                if given != got {
+                    return Err(ModelError::ReplayNotHonoured {
+                        layer,
+                        sequence: b,
+                        token: t,
+                        used: got,
+                        given,
+                    });
+                }
+                replayed_cells[c] += 1;
+            }
+            offset += len;
+        }
+    }
+    Ok(ReplayProof {
+        layers,
+        replayed_cells,
+        native_cells,
+        differs_from_native: differs.to_vec(),
+        native_final_position: plan.native_final_position.clone(),
+    })
+}
+
+/// One MoE-only [`RouteTable`] per sequence from per-layer dispatched ids over real rows.
+pub(crate) fn record_tables(
+    used: &[Vec<u32>],
+    lengths: &[usize],
+    layout: &LayerLayout,
+    num_experts: usize,
+    top_k: usize,
+) -> Result<Vec<RouteTable>> {
+    let mut tables = Vec::with_capacity(lengths.len());
+    let mut offset = 0;
+    for &len in lengths {
+        let columns: Vec<Vec<u32>> = used
+            .iter()
+            .map(|ids| ids[offset * top_k..(offset + len) * top_k].to_vec())
+            .collect();
+        tables.push(RouteTable::from_columns(
+            num_experts,
+            top_k,
+            LayerSpace::MoeOnly,
+            layout.moe_layers().to_vec(),
+            0,
+            &columns,
+        )?);
+        offset += len;
+    }
+    Ok(tables)
+}

@@ -1,0 +1,213 @@
+//! Model weights as a map from HF tensor name to tensor: load from safetensors (single
+//! file or sharded, per-expert or fused 3-D experts), save in HF layout, seeded random
+//! init, and the bridge to a candle `VarMap` for training.
+
+mod fused;
+mod io;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::VarMap;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use rand_distr_free::normal_samples;
+
+use crate::config::Config;
+use crate::error::{ModelError, Result};
+use crate::spec::{tensor_specs, TensorRole};
+
+/// Named weights (HF names, canonical per-expert layout).
+#[derive(Debug, Clone)]
+pub struct Weights {
+    tensors: BTreeMap<String, Tensor>,
+}
+
+/// Scales of seeded random init.
+#[derive(Debug, Clone, Copy)]
+pub struct RandomInit {
+    /// RNG seed
+    pub seed: u64,
+    /// std of weight matrices and biases
+    pub std: f64,
+    /// std of router matrices (larger gives more decisive routing)
+    pub router_std: f64,
+    /// std of RMSNorm scales around one
+    pub norm_jitter: f64,
+    /// std of the DeepSeek `e_score_correction_bias` buffer
+    pub bias_std: f64,
+}
+
+impl RandomInit {
+    /// Defaults suited to small test models.
+    pub fn new(seed: u64) -> Self {
+        RandomInit {
+            seed,
+            std: 0.08,
+            router_std: 0.5,
+            norm_jitter: 0.1,
+            bias_std: 0.05,
+        }
+    }
+}
+
+impl Weights {
+    /// Wraps an existing name→tensor map (not validated; see [`Weights::validate`]).
+    pub fn from_map(tensors: BTreeMap<String, Tensor>) -> Self {
+        Weights { tensors }
+    }
+
+    /// The name→tensor map.
+    pub fn tensors(&self) -> &BTreeMap<String, Tensor> {
+        &self.tensors
+    }
+
+    /// Consumes self, returning the name→tensor map.
+    pub fn into_map(self) -> BTreeMap<String, Tensor> {
+        self.tensors
+    }
+
+    /// The tensor named `name`, or an error naming it.
+    pub fn get(&self, name: &str) -> Result<&Tensor> {
+        self.tensors
+            .get(name)
+            .ok_or_else(|| ModelError::MissingTensor(name.to_string()))
+    }
+
+    /// Checks that every tensor the config requires is present with its shape.
+    pub fn validate(&self, cfg: &Config) -> Result<()> {
+        for spec in tensor_specs(cfg) {
+            let t = self.get(&spec.name)?;
+            if t.dims() != spec.shape.as_slice() {
+                return Err(ModelError::TensorShape {
+                    name: spec.name,
+                    expected: spec.shape,
+                    got: t.dims().to_vec(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Loads `model.safetensors` or `model.safetensors.index.json` from `dir` as f32,
+    /// splitting fused 3-D expert tensors into HF per-expert names and validating
+    /// every tensor against `cfg`.
+    pub fn load(dir: &Path, cfg: &Config, device: &Device) -> Result<Self> {
+        let raw = io::read_checkpoint(dir, device)?;
+        let tensors = fused::unfuse_experts(raw, cfg)?;
+        let mut out = BTreeMap::new();
+        let mut unused = 0usize;
+        let specs = tensor_specs(cfg);
+        let mut tensors = tensors;
+        for spec in &specs {
+            let t = tensors
+                .remove(&spec.name)
+                .ok_or_else(|| ModelError::MissingTensor(spec.name.clone()))?;
+            if t.dims() != spec.shape.as_slice() {
+                return Err(ModelError::TensorShape {
+                    name: spec.name.clone(),
+                    expected: spec.shape.clone(),
+                    got: t.dims().to_vec(),
+                });
+            }
+            out.insert(spec.name.clone(), t.to_dtype(DType::F32)?);
+        }
+        unused += tensors.len();
+        if unused > 0 {
+            let first = tensors.keys().next().cloned().unwrap_or_default();
+            tracing::warn!(unused, first = %first, "checkpoint tensors not used by the config (e.g. MTP layers)");
+        }
+        Ok(Weights { tensors: out })
+    }
+
+    /// Writes `config.json` and `model.safetensors` (HF names, current dtypes) into `dir`.
+    pub fn save(&self, dir: &Path, cfg: &Config) -> Result<()> {
+        self.validate(cfg)?;
+        io::write_checkpoint(dir, &cfg.to_json_string(), &self.tensors)
+    }
+
+    /// Seeded random weights for `cfg` (f32): same config and init give the same tensors.
+    pub fn random(cfg: &Config, init: &RandomInit, device: &Device) -> Result<Self> {
+        let mut rng = ChaCha8Rng::seed_from_u64(init.seed);
+        let mut tensors = BTreeMap::new();
+        for spec in tensor_specs(cfg) {
+            let n: usize = spec.shape.iter().product();
+            let (mean, std) = match spec.role {
+                TensorRole::Matrix | TensorRole::Bias => (0.0, init.std),
+                TensorRole::Router => (0.0, init.router_std),
+                TensorRole::NormScale => (1.0, init.norm_jitter),
+                TensorRole::Buffer => (0.0, init.bias_std),
+            };
+            let data = normal_samples(&mut rng, n, mean, std);
+            let t = Tensor::from_vec(data, spec.shape.as_slice(), device)?;
+            tensors.insert(spec.name, t);
+        }
+        Ok(Weights { tensors })
+    }
+
+    /// Makes every trainable tensor a candle `Var` registered in a new `VarMap` under its HF
+    /// name; returns the map (for the optimiser) and weights whose tensors are those vars,
+    /// so a model built from them is differentiable in every parameter. Buffers stay constants.
+    pub fn into_trainable(self, cfg: &Config) -> Result<(VarMap, Weights)> {
+        self.validate(cfg)?;
+        let varmap = VarMap::new();
+        let mut tensors = BTreeMap::new();
+        {
+            let mut data = varmap
+                .data()
+                .lock()
+                .map_err(|_| ModelError::Input("VarMap lock poisoned".into()))?;
+            for spec in tensor_specs(cfg) {
+                let t = self.get(&spec.name)?;
+                if spec.role.is_trainable() {
+                    let var = Var::from_tensor(&t.to_dtype(DType::F32)?)?;
+                    tensors.insert(spec.name.clone(), var.as_tensor().clone());
+                    data.insert(spec.name, var);
+                } else {
+                    tensors.insert(spec.name, t.detach());
+                }
+            }
+        }
+        Ok((varmap, Weights { tensors }))
+    }
+
+    /// Snapshot of the current values: every tensor detached from the graph and copied.
+    pub fn snapshot(&self) -> Result<Weights> {
+        let mut tensors = BTreeMap::new();
+        for (name, t) in &self.tensors {
+            tensors.insert(name.clone(), t.detach().copy()?);
+        }
+        Ok(Weights { tensors })
+    }
+
+    /// Converts every tensor to `dtype` (e.g. f16 for an inference engine).
+    pub fn to_dtype(&self, dtype: DType) -> Result<Weights> {
+        let mut tensors = BTreeMap::new();
+        for (name, t) in &self.tensors {
+            tensors.insert(name.clone(), t.to_dtype(dtype)?);
+        }
+        Ok(Weights { tensors })
+    }
+}
+
+/// Box–Muller normal samples from a seeded RNG (avoids a `rand_distr` dependency).
+mod rand_distr_free {
+    use rand::Rng;
+
+    /// `n` samples of N(mean, std²) as f32.
+    pub fn normal_samples<R: Rng>(rng: &mut R, n: usize, mean: f64, std: f64) -> Vec<f32> {
+        let mut out = Vec::with_capacity(n);
+        while out.len() < n {
+            let u1: f64 = rng.random::<f64>().max(f64::MIN_POSITIVE);
+            let u2: f64 = rng.random::<f64>();
+            let r = (-2.0 * u1.ln()).sqrt();
+            let theta = 2.0 * std::f64::consts::PI * u2;
+            out.push((mean + std * r * theta.cos()) as f32);
+            if out.len() < n {
+                out.push((mean + std * r * theta.sin()) as f32);
+            }
+        }
+        out
+    }
+}
