@@ -1,0 +1,201 @@
+//! The training forward against HF transformers (fixtures written by
+//! `shared/oracle/make_oracle.py`, copied into tests/fixtures): logits, per-layer top-k
+//! sets, hidden states, and forced-routing (replay) logits, for Qwen3-MoE and DeepSeek-V3.
+
+use std::path::PathBuf;
+
+use candle_core::{Device, Tensor};
+use r3_model::{Batch, Config, ForwardOutput, Model, Routing, Weights};
+use r3_routing::{LayerSpace, RouteTable};
+use serde_json::Value;
+
+const TOL: f32 = 1e-4;
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+fn reference(name: &str) -> (Value, Vec<u32>) {
+    let text =
+        std::fs::read_to_string(fixtures().join("reference_outputs.json")).expect("read reference");
+    let all: Value = serde_json::from_str(&text).expect("parse reference");
+    let ids = all["input_ids"][0]
+        .as_array()
+        .expect("input_ids")
+        .iter()
+        .map(|v| v.as_u64().expect("id") as u32)
+        .collect();
+    (all[name].clone(), ids)
+}
+
+fn load(name: &str) -> (Config, Model) {
+    let dir = fixtures().join(name);
+    let cfg = Config::from_file(&dir.join("config.json")).expect("config");
+    let weights = Weights::load(&dir, &cfg, &Device::Cpu).expect("weights");
+    let model = Model::new(&cfg, &weights).expect("model");
+    (cfg, model)
+}
+
+fn matrix(v: &Value) -> Vec<Vec<f32>> {
+    v.as_array()
+        .expect("matrix")
+        .iter()
+        .map(|row| {
+            row.as_array()
+                .expect("row")
+                .iter()
+                .map(|x| x.as_f64().expect("num") as f32)
+                .collect()
+        })
+        .collect()
+}
+
+fn max_abs_diff(got: &Tensor, want: &[Vec<f32>], rows: usize) -> f32 {
+    let got = got.to_vec2::<f32>().expect("to_vec2");
+    let mut worst = 0f32;
+    for (g, w) in got.iter().zip(want).take(rows) {
+        assert_eq!(g.len(), w.len());
+        for (a, b) in g.iter().zip(w) {
+            worst = worst.max((a - b).abs());
+        }
+    }
+    worst
+}
+
+fn run(model: &Model, ids: &[u32], routing: Routing<'_>) -> ForwardOutput {
+    let batch = Batch::new(&[ids.to_vec()], 0, &Device::Cpu).expect("batch");
+    model.forward_with(&batch, routing, true).expect("forward")
+}
+
+fn check_native(name: &str) {
+    let (reference, ids) = reference(name);
+    let (cfg, model) = load(name);
+    let out = run(&model, &ids, Routing::Record);
+    let logits = out.logits.squeeze(0).expect("squeeze");
+    let diff = max_abs_diff(&logits, &matrix(&reference["logits"]), ids.len());
+    assert!(diff < TOL, "{name}: max |Δlogit| = {diff}");
+
+    let hidden = out.hidden_states.expect("hidden states");
+    let want = reference["hidden_states"].as_array().expect("hidden");
+    assert_eq!(hidden.len(), want.len(), "{name}: number of hidden states");
+    for (i, (h, w)) in hidden.iter().zip(want).enumerate() {
+        let diff = max_abs_diff(&h.squeeze(0).expect("squeeze"), &matrix(w), ids.len());
+        assert!(diff < TOL, "{name}: hidden state {i} max |Δ| = {diff}");
+    }
+
+    let routes = out.routes.expect("recorded routes");
+    assert_eq!(routes.len(), 1);
+    let table = &routes[0];
+    assert_eq!(table.num_tokens(), ids.len());
+    assert_eq!(table.layers(), cfg.layout.moe_layers());
+    let layers = reference["moe_layers"].as_object().expect("moe_layers");
+    assert_eq!(layers.len(), cfg.layout.moe_layers().len());
+    for (column, &layer) in cfg.layout.moe_layers().iter().enumerate() {
+        let want = &layers[&layer.to_string()]["topk_idx_sorted"];
+        for t in 0..ids.len() {
+            let mut got: Vec<u64> = table
+                .experts(t, column)
+                .expect("cell")
+                .iter()
+                .map(|&e| e as u64)
+                .collect();
+            got.sort_unstable();
+            let want: Vec<u64> = want[t]
+                .as_array()
+                .expect("row")
+                .iter()
+                .map(|v| v.as_u64().expect("id"))
+                .collect();
+            assert_eq!(got, want, "{name}: layer {layer}, token {t}");
+        }
+    }
+}
+
+/// The oracle's forced routing as a MoE-only table covering `rows` tokens.
+fn forced_table(cfg: &Config, reference: &Value, rows: usize) -> RouteTable {
+    let forced = &reference["routing_replay"]["forced_topk_idx"];
+    let columns: Vec<Vec<u32>> = cfg
+        .layout
+        .moe_layers()
+        .iter()
+        .map(|layer| {
+            forced[layer.to_string()]
+                .as_array()
+                .expect("layer")
+                .iter()
+                .take(rows)
+                .flat_map(|row| {
+                    row.as_array()
+                        .expect("row")
+                        .iter()
+                        .map(|v| v.as_u64().expect("id") as u32)
+                })
+                .collect()
+        })
+        .collect();
+    RouteTable::from_columns(
+        cfg.num_experts(),
+        cfg.top_k(),
+        LayerSpace::MoeOnly,
+        cfg.layout.moe_layers().to_vec(),
+        0,
+        &columns,
+    )
+    .expect("forced table")
+}
+
+fn check_replay(name: &str) {
+    let (reference, ids) = reference(name);
+    let (cfg, model) = load(name);
+    let want = matrix(&reference["routing_replay"]["logits"]);
+    let n = ids.len();
+
+    let full = [forced_table(&cfg, &reference, n)];
+    let out = run(&model, &ids, Routing::Replay(&full));
+    let diff = max_abs_diff(&out.logits.squeeze(0).expect("squeeze"), &want, n);
+    assert!(diff < TOL, "{name}: replayed max |Δlogit| = {diff}");
+    let proof = out.replay.expect("proof");
+    assert_eq!(proof.replayed_cells, vec![n; cfg.layout.moe_layers().len()]);
+    assert_eq!(proof.native_final_position, vec![false]);
+    // The oracle shifted every expert by one, so every cell differs from native routing.
+    assert_eq!(
+        proof.differs_from_native,
+        vec![n; cfg.layout.moe_layers().len()]
+    );
+
+    // Rollout convention: tokens − 1 rows; the final position is routed natively and said so.
+    let short = [forced_table(&cfg, &reference, n - 1)];
+    let out = run(&model, &ids, Routing::Replay(&short));
+    let diff = max_abs_diff(&out.logits.squeeze(0).expect("squeeze"), &want, n - 1);
+    assert!(
+        diff < TOL,
+        "{name}: replayed (tokens−1 rows) max |Δlogit| = {diff}"
+    );
+    let proof = out.replay.expect("proof");
+    assert_eq!(proof.native_final_position, vec![true]);
+    assert_eq!(
+        proof.replayed_cells,
+        vec![n - 1; cfg.layout.moe_layers().len()]
+    );
+    assert_eq!(proof.native_cells, vec![1; cfg.layout.moe_layers().len()]);
+}
+
+#[test]
+fn qwen3_moe_matches_hf() {
+    check_native("qwen3_moe_tiny");
+}
+
+#[test]
+fn deepseek_v3_matches_hf() {
+    check_native("deepseek_v3_tiny");
+}
+
+#[test]
+fn qwen3_moe_replay_matches_hf() {
+    check_replay("qwen3_moe_tiny");
+}
+
+#[test]
+fn deepseek_v3_replay_matches_hf() {
+    check_replay("deepseek_v3_tiny");
+}
