@@ -179,6 +179,11 @@ impl Model {
         let (b, t) = batch.input_ids.dims2()?;
         self.check_tokens(batch)?;
         let lengths = batch.lengths();
+        if cfg.moe.is_none() && !matches!(routing, Routing::Native) {
+            return Err(ModelError::Input(
+                "Record / Replay routing needs MoE layers; this model is dense".into(),
+            ));
+        }
         let plan = match routing {
             Routing::Replay(tables) => Some(plan_replay(
                 tables,
@@ -192,12 +197,12 @@ impl Model {
             _ => None,
         };
         let rows = routed_rows(lengths, t, device)?;
-        let rope = self.rope.tables(t, device)?;
+        let rope = self.rope.tables(t, device, self.embed.dtype())?;
         let window = match cfg.attention {
             AttentionConfig::Gqa { sliding_window, .. } => sliding_window,
             AttentionConfig::Mla { .. } => None,
         };
-        let mask = AttentionMask::new(lengths, t, window, device)?;
+        let mask = AttentionMask::new(lengths, t, window, device)?.to_dtype(self.embed.dtype())?;
 
         let ids = batch.input_ids.to_device(device)?.flatten_all()?;
         let mut x = self

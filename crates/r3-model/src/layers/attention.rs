@@ -17,8 +17,8 @@ pub struct AttentionMask {
 }
 
 impl AttentionMask {
-    /// Mask for right-padded sequences of the given lengths: query `i` of sequence `b`
-    /// sees key `j` iff `j <= i`, `j < lengths[b]` and (with a window `w`) `i - j < w`.
+    /// Mask for right-padded sequences of the given lengths: a real query `i` sees key `j`
+    /// iff `j <= i` and (with a window `w`) `i - j < w`; a padding query sees key 0 only.
     pub fn new(
         lengths: &[usize],
         seq_len: usize,
@@ -29,7 +29,13 @@ impl AttentionMask {
         for (b, &len) in lengths.iter().enumerate() {
             for i in 0..seq_len {
                 for j in 0..seq_len {
-                    let visible = j <= i && j < len.max(1) && window.is_none_or(|w| i - j < w);
+                    // Padding queries look at the first token only, so that no row is
+                    // fully masked (a NaN row would poison later layers through 0·NaN).
+                    let visible = if i >= len {
+                        j == 0
+                    } else {
+                        j <= i && window.is_none_or(|w| i - j < w)
+                    };
                     if !visible {
                         data[(b * seq_len + i) * seq_len + j] = f32::NEG_INFINITY;
                     }
@@ -38,6 +44,13 @@ impl AttentionMask {
         }
         let additive = Tensor::from_vec(data, (lengths.len(), 1, 1, seq_len, seq_len), device)?;
         Ok(AttentionMask { additive })
+    }
+
+    /// The same mask in another float dtype.
+    pub fn to_dtype(&self, dtype: candle_core::DType) -> Result<Self> {
+        Ok(AttentionMask {
+            additive: self.additive.to_dtype(dtype)?,
+        })
     }
 }
 

@@ -116,7 +116,11 @@ impl MoeBlock {
             x.index_select(&rows.tensor, 0)?
         };
         let logits = self.router_logits(&x_routed)?;
-        let host = logits.detach().flatten_all()?.to_vec1::<f32>()?;
+        let host = logits
+            .detach()
+            .flatten_all()?
+            .to_dtype(candle_core::DType::F32)?
+            .to_vec1::<f32>()?;
         let mut ids = self.router.select_rows(&host, self.score_bias.as_deref())?;
         let n = rows.host.len();
         let mut differs = 0;

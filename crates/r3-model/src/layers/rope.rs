@@ -1,7 +1,7 @@
 //! Rotary position embeddings: frequency tables (plain, linear, YaRN) and their
 //! application with candle's composed `rope_slow` (half-split) / `rope_i_slow` (interleaved).
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use crate::config::{RopeConfig, RopeScaling};
 use crate::error::Result;
@@ -92,8 +92,8 @@ impl Rope {
         }
     }
 
-    /// cos/sin tables for positions `0..seq_len`.
-    pub fn tables(&self, seq_len: usize, device: &Device) -> Result<RopeTables> {
+    /// cos/sin tables for positions `0..seq_len` in `dtype`.
+    pub fn tables(&self, seq_len: usize, device: &Device, dtype: DType) -> Result<RopeTables> {
         let half = self.inv_freq.len();
         let mut cos = Vec::with_capacity(seq_len * half);
         let mut sin = Vec::with_capacity(seq_len * half);
@@ -105,8 +105,8 @@ impl Rope {
             }
         }
         Ok(RopeTables {
-            cos: Tensor::from_vec(cos, (seq_len, half), device)?,
-            sin: Tensor::from_vec(sin, (seq_len, half), device)?,
+            cos: Tensor::from_vec(cos, (seq_len, half), device)?.to_dtype(dtype)?,
+            sin: Tensor::from_vec(sin, (seq_len, half), device)?.to_dtype(dtype)?,
             interleaved: self.interleaved,
         })
     }

@@ -95,12 +95,9 @@ impl Weights {
     /// every tensor against `cfg`.
     pub fn load(dir: &Path, cfg: &Config, device: &Device) -> Result<Self> {
         let raw = io::read_checkpoint(dir, device)?;
-        let tensors = fused::unfuse_experts(raw, cfg)?;
+        let mut tensors = fused::unfuse_experts(raw, cfg)?;
         let mut out = BTreeMap::new();
-        let mut unused = 0usize;
-        let specs = tensor_specs(cfg);
-        let mut tensors = tensors;
-        for spec in &specs {
+        for spec in &tensor_specs(cfg) {
             let t = tensors
                 .remove(&spec.name)
                 .ok_or_else(|| ModelError::MissingTensor(spec.name.clone()))?;
@@ -113,9 +110,9 @@ impl Weights {
             }
             out.insert(spec.name.clone(), t.to_dtype(DType::F32)?);
         }
-        unused += tensors.len();
+        let unused = tensors.len();
         if unused > 0 {
-            let first = tensors.keys().next().cloned().unwrap_or_default();
+            let first = tensors.keys().min().cloned().unwrap_or_default();
             tracing::warn!(unused, first = %first, "checkpoint tensors not used by the config (e.g. MTP layers)");
         }
         Ok(Weights { tensors: out })
@@ -146,8 +143,8 @@ impl Weights {
         Ok(Weights { tensors })
     }
 
-    /// Makes every trainable tensor a candle `Var` registered in a new `VarMap` under its HF
-    /// name; returns the map (for the optimiser) and weights whose tensors are those vars,
+    /// Makes every trainable tensor a candle `Var` (same dtype, fresh storage) registered in a
+    /// new `VarMap` under its HF name; returns the map (for the optimiser) and weights whose tensors are those vars,
     /// so a model built from them is differentiable in every parameter. Buffers stay constants.
     pub fn into_trainable(self, cfg: &Config) -> Result<(VarMap, Weights)> {
         self.validate(cfg)?;
@@ -161,7 +158,7 @@ impl Weights {
             for spec in tensor_specs(cfg) {
                 let t = self.get(&spec.name)?;
                 if spec.role.is_trainable() {
-                    let var = Var::from_tensor(&t.to_dtype(DType::F32)?)?;
+                    let var = Var::from_tensor(&t.detach().copy()?)?;
                     tensors.insert(spec.name.clone(), var.as_tensor().clone());
                     data.insert(spec.name, var);
                 } else {

@@ -1,0 +1,95 @@
+//! Tiny configs of every supported family and helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use candle_core::{DType, Device};
+use r3_model::{Config, Model, RandomInit, Weights};
+
+/// A tiny config.json of `family` (dims small enough for finite differences).
+pub fn tiny_json(family: &str) -> serde_json::Value {
+    let mut v = serde_json::json!({
+        "vocab_size": 32, "hidden_size": 16, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 24,
+        "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+        "tie_word_embeddings": false, "rope_theta": 10000.0
+    });
+    let extra = match family {
+        "qwen3_moe" => serde_json::json!({"model_type": "qwen3_moe", "head_dim": 8,
+            "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+            "norm_topk_prob": true, "decoder_sparse_step": 1, "mlp_only_layers": [1]}),
+        "qwen2_moe" => serde_json::json!({"model_type": "qwen2_moe", "num_experts": 6,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 8, "norm_topk_prob": false,
+            "shared_expert_intermediate_size": 12, "decoder_sparse_step": 1,
+            "use_sliding_window": false, "sliding_window": 4}),
+        "mixtral" => serde_json::json!({"model_type": "mixtral", "num_local_experts": 4,
+            "num_experts_per_tok": 2, "intermediate_size": 8, "sliding_window": 5}),
+        "olmoe" => serde_json::json!({"model_type": "olmoe", "num_experts": 6,
+            "num_experts_per_tok": 3, "intermediate_size": 8, "norm_topk_prob": false,
+            "clip_qkv": 6.0}),
+        "deepseek_v3" => serde_json::json!({"model_type": "deepseek_v3", "n_routed_experts": 8,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 8, "n_group": 4, "topk_group": 2,
+            "first_k_dense_replace": 1, "n_shared_experts": 1, "routed_scaling_factor": 2.0,
+            "norm_topk_prob": true, "q_lora_rank": 12, "kv_lora_rank": 8,
+            "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 6,
+            "num_key_value_heads": 4, "rope_interleave": true}),
+        "moonlight" => serde_json::json!({"model_type": "deepseek_v3", "n_routed_experts": 8,
+            "num_experts_per_tok": 3, "moe_intermediate_size": 8, "n_group": 1, "topk_group": 1,
+            "first_k_dense_replace": 1, "n_shared_experts": 2, "routed_scaling_factor": 2.446,
+            "norm_topk_prob": true, "q_lora_rank": null, "kv_lora_rank": 8,
+            "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 4,
+            "num_key_value_heads": 4, "scoring_func": "sigmoid", "topk_method": "noaux_tc"}),
+        "qwen3" => serde_json::json!({"model_type": "qwen3", "head_dim": 8}),
+        other => panic!("unknown test family {other}"),
+    };
+    for (k, val) in extra.as_object().expect("object") {
+        v[k] = val.clone();
+    }
+    v
+}
+
+/// Every family with a tiny config.
+pub const FAMILIES: [&str; 7] = [
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "olmoe",
+    "deepseek_v3",
+    "moonlight",
+    "qwen3",
+];
+
+/// Parsed tiny config.
+pub fn tiny_config(family: &str) -> Config {
+    Config::from_value(tiny_json(family)).expect("tiny config")
+}
+
+/// Seeded random weights in `dtype`.
+pub fn tiny_weights(cfg: &Config, seed: u64, dtype: DType) -> Weights {
+    let mut init = RandomInit::new(seed);
+    init.std = 0.3;
+    init.router_std = 1.0;
+    Weights::random(cfg, &init, &Device::Cpu)
+        .expect("random weights")
+        .to_dtype(dtype)
+        .expect("dtype")
+}
+
+/// Model of `family` with seeded random f32 weights.
+pub fn tiny_model(family: &str, seed: u64) -> (Config, Model) {
+    let cfg = tiny_config(family);
+    let w = tiny_weights(&cfg, seed, DType::F32);
+    let model = Model::new(&cfg, &w).expect("model");
+    (cfg, model)
+}
+
+/// Deterministic token sequences of the given lengths.
+pub fn sequences(lengths: &[usize], vocab: usize, seed: u32) -> Vec<Vec<u32>> {
+    lengths
+        .iter()
+        .enumerate()
+        .map(|(b, &len)| {
+            (0..len)
+                .map(|i| (i as u32 * 7 + b as u32 * 13 + seed * 5 + 1) % vocab as u32)
+                .collect()
+        })
+        .collect()
+}

@@ -1,0 +1,192 @@
+//! Forward smoke tests for every family with random weights: padding invariance,
+//! record → replay equivalence, the tokens−1 convention, and replay input errors.
+
+mod common;
+
+use candle_core::{Device, IndexOp};
+use common::{sequences, tiny_model, FAMILIES};
+use r3_model::{Batch, ModelError, Routing};
+use r3_routing::{LayerSpace, RouteTable};
+
+fn max_diff(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f32 {
+    (a - b)
+        .expect("sub")
+        .abs()
+        .expect("abs")
+        .flatten_all()
+        .expect("flat")
+        .max(0)
+        .expect("max")
+        .to_scalar::<f32>()
+        .expect("scalar")
+}
+
+#[test]
+fn padded_batch_equals_single_sequences() {
+    for family in FAMILIES {
+        let (cfg, model) = tiny_model(family, 7);
+        let seqs = sequences(&[7, 4, 1], cfg.vocab_size, 1);
+        let batch = Batch::new(&seqs, 0, &Device::Cpu).expect("batch");
+        let out = model.forward(&batch, Routing::Native).expect("forward");
+        assert_eq!(out.logits.dims(), &[3, 7, cfg.vocab_size]);
+        for (b, seq) in seqs.iter().enumerate() {
+            let single = Batch::new(std::slice::from_ref(seq), 0, &Device::Cpu).expect("batch");
+            let alone = model.forward(&single, Routing::Native).expect("forward");
+            let batched = out.logits.i((b, ..seq.len())).expect("slice");
+            let d = max_diff(&batched, &alone.logits.i(0).expect("row"));
+            assert!(
+                d < 1e-5,
+                "{family}: sequence {b} differs by {d} when batched"
+            );
+        }
+    }
+}
+
+#[test]
+fn replaying_recorded_routes_reproduces_native() {
+    for family in FAMILIES {
+        let (cfg, model) = tiny_model(family, 11);
+        let seqs = sequences(&[6, 3], cfg.vocab_size, 2);
+        let batch = Batch::new(&seqs, 0, &Device::Cpu).expect("batch");
+        if cfg.moe.is_none() {
+            let err = model
+                .forward(&batch, Routing::Record)
+                .expect_err("dense record");
+            assert!(err.to_string().contains("dense"), "{err}");
+            continue;
+        }
+        let rec = model.forward(&batch, Routing::Record).expect("record");
+        let tables = rec.routes.expect("routes");
+        assert_eq!(tables.len(), 2);
+        for (t, seq) in tables.iter().zip(&seqs) {
+            assert_eq!(t.num_tokens(), seq.len());
+            assert_eq!(t.layers(), cfg.layout.moe_layers());
+            assert_eq!(t.space(), LayerSpace::MoeOnly);
+        }
+        let rep = model
+            .forward(&batch, Routing::Replay(&tables))
+            .expect("replay");
+        assert_eq!(max_diff(&rep.logits, &rec.logits), 0.0, "{family}");
+        let proof = rep.replay.expect("proof");
+        let moe = cfg.layout.moe_layers().len();
+        assert_eq!(proof.replayed_cells, vec![9; moe], "{family}");
+        assert_eq!(proof.differs_from_native, vec![0; moe], "{family}");
+        assert_eq!(proof.native_final_position, vec![false, false]);
+
+        // Rollout convention: tokens − 1 rows, final position native and reported.
+        let short: Vec<RouteTable> = tables
+            .iter()
+            .map(|t| t.slice_rows(0, t.num_tokens() - 1).expect("slice"))
+            .collect();
+        let rep = model
+            .forward(&batch, Routing::Replay(&short))
+            .expect("replay short");
+        assert_eq!(max_diff(&rep.logits, &rec.logits), 0.0, "{family}");
+        let proof = rep.replay.expect("proof");
+        assert_eq!(proof.native_final_position, vec![true, true]);
+        assert_eq!(proof.native_cells, vec![2; moe]);
+        assert_eq!(proof.replayed_cells, vec![7; moe]);
+
+        // All-layer tables (as SGLang / vLLM send them) are converted, checked, replayed.
+        let all: Vec<RouteTable> = tables
+            .iter()
+            .map(|t| t.to_all_layers(&cfg.layout).expect("to all layers"))
+            .collect();
+        let rep = model
+            .forward(&batch, Routing::Replay(&all))
+            .expect("replay all-layer");
+        assert_eq!(max_diff(&rep.logits, &rec.logits), 0.0, "{family}");
+    }
+}
+
+fn replay_error(family: &str, make: impl Fn(&RouteTable) -> Vec<RouteTable>) -> ModelError {
+    let (cfg, model) = tiny_model(family, 3);
+    let seqs = sequences(&[5], cfg.vocab_size, 4);
+    let batch = Batch::new(&seqs, 0, &Device::Cpu).expect("batch");
+    let rec = model.forward(&batch, Routing::Record).expect("record");
+    let tables = make(&rec.routes.expect("routes")[0]);
+    match model.forward(&batch, Routing::Replay(&tables)) {
+        Ok(_) => panic!("replay of a bad table succeeded"),
+        Err(e) => e,
+    }
+}
+
+#[test]
+fn replay_rejects_tables_that_do_not_fit() {
+    // Too few rows.
+    let e = replay_error("qwen3_moe", |t| vec![t.slice_rows(0, 3).expect("slice")]);
+    assert!(e.to_string().contains("3 rows"), "{e}");
+    // Wrong number of tables.
+    let e = replay_error("qwen3_moe", |t| vec![t.clone(), t.clone()]);
+    assert!(e.to_string().contains("2 route tables"), "{e}");
+    // Rows that do not start at position 0.
+    let e = replay_error("qwen3_moe", |t| vec![t.slice_rows(1, 5).expect("slice")]);
+    assert!(e.to_string().contains("position 1"), "{e}");
+    // Wrong top-k / expert count.
+    let e = replay_error("qwen3_moe", |t| {
+        let cols: Vec<Vec<u32>> = (0..t.num_columns())
+            .map(|c| {
+                t.column_ids(c)
+                    .expect("ids")
+                    .iter()
+                    .step_by(2)
+                    .copied()
+                    .collect()
+            })
+            .collect();
+        vec![
+            RouteTable::from_columns(6, 1, LayerSpace::MoeOnly, t.layers().to_vec(), 0, &cols)
+                .expect("k=1"),
+        ]
+    });
+    assert!(e.to_string().contains("top-1"), "{e}");
+    // Wrong layers: layer 1 of the tiny Qwen3-MoE is dense (mlp_only_layers = [1]).
+    let e = replay_error("qwen3_moe", |t| {
+        assert_eq!(t.layers(), &[0, 2]);
+        let cols: Vec<Vec<u32>> = (0..t.num_columns())
+            .map(|c| t.column_ids(c).expect("ids"))
+            .collect();
+        vec![
+            RouteTable::from_columns(6, 2, LayerSpace::MoeOnly, vec![0, 1], 0, &cols)
+                .expect("table"),
+        ]
+    });
+    assert!(e.to_string().contains("[0, 1]"), "{e}");
+    // A missing cell is an error, never a silent native fallback.
+    let e = replay_error("deepseek_v3", |t| {
+        let (n, c, k) = (t.num_tokens(), t.num_columns(), t.top_k());
+        let mut flat = Vec::with_capacity(n * c * k);
+        for tok in 0..n {
+            for col in 0..c {
+                let cell = t.experts(tok, col).expect("cell");
+                let missing = tok == 2 && col == 0;
+                flat.extend(
+                    cell.iter()
+                        .map(|&x| if missing { -1 } else { i64::from(x) }),
+                );
+            }
+        }
+        vec![RouteTable::from_flat(
+            t.num_experts(),
+            k,
+            LayerSpace::MoeOnly,
+            t.layers().to_vec(),
+            0,
+            &flat,
+        )
+        .expect("flat")]
+    });
+    assert!(e.to_string().contains("sequence 0"), "{e}");
+}
+
+#[test]
+fn bad_tokens_are_named() {
+    let (cfg, model) = tiny_model("mixtral", 1);
+    let batch =
+        Batch::new(&[vec![1, 2, cfg.vocab_size as u32 + 3]], 0, &Device::Cpu).expect("batch");
+    let err = model
+        .forward(&batch, Routing::Native)
+        .expect_err("out-of-vocab token");
+    assert!(err.to_string().contains("position 2"), "{err}");
+    assert!(Batch::new(&[vec![]], 0, &Device::Cpu).is_err());
+}
