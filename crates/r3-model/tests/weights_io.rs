@@ -1,0 +1,215 @@
+//! Checkpoint I/O: save → load round trips for every family, fused 3-D expert tensors,
+//! sharded index.json checkpoints, and errors naming missing or mis-shaped tensors.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use common::{sequences, tiny_config, tiny_weights, FAMILIES};
+use r3_model::{Batch, Config, Model, ModelError, Routing, Weights};
+
+fn temp_dir(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("r3-model-test-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    dir
+}
+
+fn logits(cfg: &Config, weights: &Weights) -> Vec<f32> {
+    let model = Model::new(cfg, weights).expect("model");
+    let batch = Batch::new(&sequences(&[5], cfg.vocab_size, 1), 0, &Device::Cpu).expect("batch");
+    let out = model.forward(&batch, Routing::Native).expect("forward");
+    out.logits
+        .flatten_all()
+        .expect("flat")
+        .to_vec1::<f32>()
+        .expect("vec")
+}
+
+fn write(path: &Path, tensors: HashMap<String, Tensor>) {
+    candle_core::safetensors::save(&tensors, path).expect("write safetensors");
+}
+
+#[test]
+fn save_then_load_round_trips_every_family() {
+    for family in FAMILIES {
+        let cfg = tiny_config(family);
+        let weights = tiny_weights(&cfg, 2, DType::F32);
+        let dir = temp_dir(family);
+        weights.save(&dir, &cfg).expect("save");
+        let cfg2 = Config::from_file(&dir.join("config.json")).expect("config back");
+        let back = Weights::load(&dir, &cfg2, &Device::Cpu).expect("load back");
+        assert_eq!(back.tensors().len(), weights.tensors().len(), "{family}");
+        for (name, t) in weights.tensors() {
+            let u = back.get(name).expect("tensor back");
+            let same = t.flatten_all().expect("f").to_vec1::<f32>().expect("v")
+                == u.flatten_all().expect("f").to_vec1::<f32>().expect("v");
+            assert!(same, "{family}: {name} changed in the round trip");
+        }
+        assert_eq!(logits(&cfg, &weights), logits(&cfg2, &back), "{family}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+#[test]
+fn hf_names_are_written() {
+    let cfg = tiny_config("mixtral");
+    let dir = temp_dir("names");
+    tiny_weights(&cfg, 1, DType::F32)
+        .save(&dir, &cfg)
+        .expect("save");
+    let raw =
+        candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).expect("raw");
+    for name in [
+        "model.layers.0.block_sparse_moe.gate.weight",
+        "model.layers.0.block_sparse_moe.experts.3.w1.weight",
+        "model.layers.2.block_sparse_moe.experts.0.w2.weight",
+        "model.layers.1.self_attn.q_proj.weight",
+        "lm_head.weight",
+    ] {
+        assert!(raw.contains_key(name), "missing {name}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Rewrites per-expert tensors of a checkpoint into the transformers-5 fused layout.
+fn fuse(
+    cfg: &Config,
+    weights: &Weights,
+    prefix_of: impl Fn(usize) -> String,
+) -> HashMap<String, Tensor> {
+    let mut out: HashMap<String, Tensor> = weights.tensors().clone().into_iter().collect();
+    let moe = cfg.moe.as_ref().expect("moe");
+    let names = r3_model::spec::expert_names(cfg);
+    for &layer in cfg.layout.moe_layers() {
+        let p = format!("model.layers.{layer}.{}.experts", cfg.moe_prefix());
+        let mut gate_up = Vec::new();
+        let mut down = Vec::new();
+        for j in 0..moe.num_experts {
+            let g = out
+                .remove(&format!("{p}.{j}.{}.weight", names.gate))
+                .expect("gate");
+            let u = out
+                .remove(&format!("{p}.{j}.{}.weight", names.up))
+                .expect("up");
+            gate_up.push(Tensor::cat(&[g, u], 0).expect("cat"));
+            down.push(
+                out.remove(&format!("{p}.{j}.{}.weight", names.down))
+                    .expect("down"),
+            );
+        }
+        let fused = prefix_of(layer);
+        out.insert(
+            format!("{fused}.gate_up_proj"),
+            Tensor::stack(&gate_up, 0).expect("stack"),
+        );
+        out.insert(
+            format!("{fused}.down_proj"),
+            Tensor::stack(&down, 0).expect("stack"),
+        );
+    }
+    out
+}
+
+#[test]
+fn fused_expert_tensors_load() {
+    for family in ["qwen3_moe", "mixtral", "deepseek_v3"] {
+        let cfg = tiny_config(family);
+        let weights = tiny_weights(&cfg, 4, DType::F32);
+        let dir = temp_dir(&format!("fused-{family}"));
+        // transformers 5 keeps fused experts under `mlp.experts` for every family.
+        let mut fused = fuse(&cfg, &weights, |l| format!("model.layers.{l}.mlp.experts"));
+        if family == "mixtral" {
+            for &l in cfg.layout.moe_layers() {
+                let t = fused
+                    .remove(&format!("model.layers.{l}.block_sparse_moe.gate.weight"))
+                    .expect("router");
+                fused.insert(format!("model.layers.{l}.mlp.gate.weight"), t);
+            }
+        }
+        write(&dir.join("model.safetensors"), fused);
+        let back = Weights::load(&dir, &cfg, &Device::Cpu).expect("load fused");
+        assert_eq!(logits(&cfg, &weights), logits(&cfg, &back), "{family}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+#[test]
+fn sharded_checkpoint_loads() {
+    let cfg = tiny_config("qwen2_moe");
+    let weights = tiny_weights(&cfg, 8, DType::F32);
+    let dir = temp_dir("sharded");
+    let mut shards: [HashMap<String, Tensor>; 2] = [HashMap::new(), HashMap::new()];
+    let mut map = serde_json::Map::new();
+    for (i, (name, t)) in weights.tensors().iter().enumerate() {
+        let file = format!("model-0000{}-of-00002.safetensors", i % 2 + 1);
+        map.insert(name.clone(), file.into());
+        shards[i % 2].insert(name.clone(), t.to_dtype(DType::BF16).expect("bf16"));
+    }
+    for (i, shard) in shards.into_iter().enumerate() {
+        write(
+            &dir.join(format!("model-0000{}-of-00002.safetensors", i + 1)),
+            shard,
+        );
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": map});
+    std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).expect("index");
+    let back = Weights::load(&dir, &cfg, &Device::Cpu).expect("load sharded");
+    // bf16 storage, loaded as f32.
+    let t = back.get("model.embed_tokens.weight").expect("embed");
+    assert_eq!(t.dtype(), DType::F32);
+    let want = weights
+        .get("model.embed_tokens.weight")
+        .expect("embed")
+        .to_dtype(DType::BF16)
+        .expect("bf16");
+    let diff = (t - want.to_dtype(DType::F32).expect("f32"))
+        .expect("sub")
+        .abs()
+        .expect("abs")
+        .max_all()
+        .expect("max")
+        .to_scalar::<f32>()
+        .expect("s");
+    assert_eq!(diff, 0.0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn missing_and_misshaped_tensors_are_named() {
+    let cfg = tiny_config("olmoe");
+    let weights = tiny_weights(&cfg, 3, DType::F32);
+    let dir = temp_dir("bad");
+    let mut map: HashMap<String, Tensor> = weights.tensors().clone().into_iter().collect();
+    map.remove("model.layers.1.mlp.experts.2.up_proj.weight");
+    write(&dir.join("model.safetensors"), map.clone());
+    match Weights::load(&dir, &cfg, &Device::Cpu) {
+        Err(ModelError::MissingTensor(name)) => {
+            assert_eq!(name, "model.layers.1.mlp.experts.2.up_proj.weight")
+        }
+        other => panic!("expected a missing-tensor error, got {other:?}"),
+    }
+    map.insert(
+        "model.layers.1.mlp.experts.2.up_proj.weight".into(),
+        Tensor::zeros((3, 16), DType::F32, &Device::Cpu).expect("zeros"),
+    );
+    write(&dir.join("model.safetensors"), map);
+    match Weights::load(&dir, &cfg, &Device::Cpu) {
+        Err(ModelError::TensorShape {
+            name,
+            expected,
+            got,
+        }) => {
+            assert_eq!(name, "model.layers.1.mlp.experts.2.up_proj.weight");
+            assert_eq!((expected, got), (vec![8, 16], vec![3, 16]));
+        }
+        other => panic!("expected a shape error, got {other:?}"),
+    }
+    let empty = temp_dir("empty");
+    let err = Weights::load(&empty, &cfg, &Device::Cpu).expect_err("no checkpoint");
+    assert!(err.to_string().contains("model.safetensors"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&empty);
+}
