@@ -106,6 +106,11 @@ impl RouteTable {
         num_tokens: usize,
     ) -> Result<RouteTable, RouteError> {
         check_header(num_experts, top_k, space, &layers)?;
+        if start_pos.checked_add(num_tokens).is_none() {
+            return Err(RouteError::Argument(format!(
+                "start_pos {start_pos} + {num_tokens} rows overflows"
+            )));
+        }
         let cells = checked_len(&[num_tokens, layers.len()], "route table")?;
         let len = checked_len(&[cells, top_k], "route table")?;
         Ok(RouteTable {

@@ -77,7 +77,7 @@ impl ExpertPlacement {
                 match usize::try_from(v).ok().and_then(|s| self.logical(s)) {
                     Some(l) => Ok(i64::from(l)),
                     None => Err(RouteError::PhysicalOutOfRange {
-                        token: start_pos + i / row,
+                        token: start_pos.saturating_add(i / row),
                         layer: columns_layers
                             .get((i % row) / top_k.max(1))
                             .copied()

@@ -241,7 +241,7 @@ pub(crate) fn table_from_wire(
                 let v = get((r * l + layer) * k + j);
                 if v != 0 && v != -1 {
                     return Err(RouteError::DenseColumnNotEmpty {
-                        token: shape.start_len + r,
+                        token: shape.start_len.saturating_add(r),
                         layer,
                         value: v,
                     });

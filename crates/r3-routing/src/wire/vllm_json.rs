@@ -75,7 +75,7 @@ fn push_rows(
     let (l, k) = (shape.num_layers, shape.top_k);
     flat.reserve(rows.len() * l * k);
     for (r, row) in rows.iter().enumerate() {
-        let token = shape.start_len + first_row + r;
+        let token = shape.start_len.saturating_add(first_row + r);
         let cells = row.as_array().ok_or_else(|| {
             RouteError::format(F, format!("{what}[{r}] (token {token}) must be an array"))
         })?;

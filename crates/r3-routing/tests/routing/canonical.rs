@@ -76,3 +76,28 @@ fn malformed_documents() {
     assert!(err(no_field).to_string().contains("top_k"));
     assert!(RouteTable::from_json_str("{").is_err());
 }
+
+#[test]
+fn huge_positions_are_errors_not_overflows() {
+    let v = with("start_pos", json!(u64::MAX));
+    assert!(matches!(
+        RouteTable::from_json(&v),
+        Err(RouteError::Argument(_))
+    ));
+    let shape = r3_routing::WireShape::new(1, 1, 4).with_start_len(usize::MAX);
+    let payload = r3_routing::wire::vllm_json::decode_vllm_json(
+        &json!({"prompt_routed_experts": [[[1]], [[2]]]}),
+        &shape,
+    );
+    assert!(payload.is_err());
+    let layout = r3_routing::LayerLayout::first_k_dense(2, 1).unwrap();
+    let dense = r3_routing::WireShape::new(2, 1, 4)
+        .with_start_len(usize::MAX)
+        .with_layout(layout)
+        .unwrap();
+    let bytes = [0u8, 1, 0, 2];
+    use base64::Engine as _;
+    let b64 = base64::engine::general_purpose::STANDARD.encode(bytes);
+    let r = r3_routing::wire::sglang::decode_sglang(&b64, r3_routing::WireDtype::U8, &dense);
+    assert!(r.is_err());
+}
