@@ -23,9 +23,9 @@ pub enum RolloutError {
     /// An unknown request id.
     #[error("unknown request id {0}")]
     UnknownRequest(u64),
-    /// Error from the model crate (config parsing, weight loading).
+    /// Error from the model crate (config parsing, weight loading, router math).
     #[error("model: {0}")]
-    Model(String),
+    Model(#[from] r3_model::ModelError),
     /// Error from the routing crate (building or merging route tables).
     #[error("routes: {0}")]
     Routes(#[from] r3_routing::RouteError),

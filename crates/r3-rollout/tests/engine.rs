@@ -204,7 +204,8 @@ fn weight_update_bumps_version_invalidates_cache_and_changes_outputs() {
     let before = e.generate(vec![req.clone()]).unwrap().remove(0);
     assert_eq!(e.generate(vec![req.clone()]).unwrap()[0].cached_tokens, 32);
     // New weights: the same checkpoint with the lm_head scaled, as a trainer step would change it.
-    let mut tensors = load_dir(&model_dir(name)).unwrap();
+    let cfg = e.model_config().clone();
+    let mut tensors = load_dir(&model_dir(name), &cfg).unwrap();
     let lm = tensors["lm_head.weight"].clone();
     tensors.insert("lm_head.weight".into(), (lm * -1.0).unwrap());
     assert_eq!(e.update_weights(&tensors).unwrap(), 1);

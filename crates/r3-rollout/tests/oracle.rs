@@ -13,7 +13,7 @@ use r3_rollout::{load_dir, Dtype, GenerateRequest, KvPool, SamplingParams};
 fn forward_all(name: &str, dtype: Dtype) -> (Vec<f32>, Vec<u16>, usize, usize) {
     let dir = model_dir(name);
     let cfg = Config::from_file(&dir.join("config.json")).unwrap();
-    let tensors = load_dir(&dir).unwrap();
+    let tensors = load_dir(&dir, &cfg).unwrap();
     let mut model = InferenceModel::new(cfg, &tensors, dtype).unwrap();
     let input = ids(&oracle()["input_ids"][0]);
     let t = input.len();

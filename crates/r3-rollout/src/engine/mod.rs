@@ -75,9 +75,8 @@ pub struct Engine {
 impl Engine {
     /// Loads `config.json` and safetensors weights from a HF model directory.
     pub fn from_dir(dir: &Path, cfg: EngineConfig) -> Result<Self, RolloutError> {
-        let model_cfg = Config::from_file(&dir.join("config.json"))
-            .map_err(|e| RolloutError::Model(e.to_string()))?;
-        let tensors = load_dir(dir)?;
+        let model_cfg = Config::from_file(&dir.join("config.json"))?;
+        let tensors = load_dir(dir, &model_cfg)?;
         Self::new(model_cfg, &tensors, cfg)
     }
 
@@ -372,7 +371,7 @@ impl Engine {
 
     /// [`Engine::update_weights`] from a safetensors directory.
     pub fn update_weights_from_dir(&mut self, dir: &Path) -> Result<u64, RolloutError> {
-        let tensors = load_dir(dir)?;
+        let tensors = load_dir(dir, self.model.config())?;
         self.update_weights(&tensors)
     }
 

@@ -35,6 +35,8 @@ pub struct AttnShape {
     pub v_dim: usize,
     /// Multiplier of q·k before softmax.
     pub scale: f32,
+    /// Sliding window: a query at position `i` sees keys `j` with `i - j < window`.
+    pub window: Option<usize>,
 }
 
 /// `out[t, h*v_dim..]` = softmax(q_t,h · K / scale) · V for every token `t` of every span.
@@ -54,6 +56,7 @@ pub fn paged_attention(
         qk_dim,
         v_dim,
         scale,
+        window,
     } = shape;
     let group = num_heads / num_kv_heads;
     // (span index, absolute position) of every flat token.
@@ -68,10 +71,11 @@ pub fn paged_attention(
         let span = &spans[s];
         let qt = &q[(span.first_token + (pos - span.start_pos)) * num_heads * qk_dim..]
             [..num_heads * qk_dim];
-        let n = pos + 1;
+        let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        let n = pos + 1 - lo;
         let mut scores = vec![0f32; num_heads * n];
-        for j in 0..n {
-            let k = pool.key(span.blocks[j / bs], layer, j % bs);
+        for (j, abs) in (lo..=pos).enumerate() {
+            let k = pool.key(span.blocks[abs / bs], layer, abs % bs);
             for h in 0..num_heads {
                 let g = h / group;
                 scores[h * n + j] = dot(
@@ -84,8 +88,8 @@ pub fn paged_attention(
             crate::kernels::ops::softmax_in_place(&mut scores[h * n..(h + 1) * n]);
         }
         o.fill(0.0);
-        for j in 0..n {
-            let v = pool.value(span.blocks[j / bs], layer, j % bs);
+        for (j, abs) in (lo..=pos).enumerate() {
+            let v = pool.value(span.blocks[abs / bs], layer, abs % bs);
             for h in 0..num_heads {
                 let g = h / group;
                 let p = scores[h * n + j];
@@ -116,7 +120,8 @@ mod tests {
         for i in 0..t {
             for hh in 0..h {
                 let g = hh / (h / kvh);
-                let mut s: Vec<f64> = (0..=i)
+                let lo = sh.window.map_or(0, |w| (i + 1).saturating_sub(w));
+                let mut s: Vec<f64> = (lo..=i)
                     .map(|j| {
                         (0..d)
                             .map(|c| {
@@ -132,8 +137,8 @@ mod tests {
                     *x = (*x - m).exp() / z;
                 }
                 for c in 0..vd {
-                    out[(i * h + hh) * vd + c] = (0..=i)
-                        .map(|j| s[j] * v[(j * kvh + g) * vd + c] as f64)
+                    out[(i * h + hh) * vd + c] = (lo..=i)
+                        .map(|j| s[j - lo] * v[(j * kvh + g) * vd + c] as f64)
                         .sum::<f64>() as f32;
                 }
             }
@@ -149,6 +154,7 @@ mod tests {
             qk_dim: 3,
             v_dim: 2,
             scale: 0.7,
+            window: None,
         };
         let t = 7;
         let f = |i: usize, s: f32| (i as f32 * s).sin() * 2.0;
@@ -203,5 +209,21 @@ mod tests {
         let mut out2 = vec![0f32; t * 8];
         paged_attention(&pool, 0, &spans, &q, &mut out2, sh, false);
         assert_eq!(out, out2);
+        // A sliding window of 3 keys (Mixtral-style).
+        let shw = AttnShape {
+            window: Some(3),
+            ..sh
+        };
+        let want = reference(&q, &k, &v, t, shw);
+        let span = SeqSpan {
+            first_token: 0,
+            num_tokens: t,
+            start_pos: 0,
+            blocks: ids,
+        };
+        paged_attention(&pool, 0, &[span], &q, &mut out, shw, true);
+        for (a, b) in out.iter().zip(&want) {
+            assert!((a - b).abs() < 1e-5);
+        }
     }
 }

@@ -40,6 +40,7 @@ impl AttnGeometry {
                 head_dim,
                 qk_norm,
                 clip_qkv,
+                sliding_window,
                 ..
             } => AttnGeometry {
                 shape: AttnShape {
@@ -48,6 +49,7 @@ impl AttnGeometry {
                     qk_dim: *head_dim,
                     v_dim: *head_dim,
                     scale: scale_mult / (*head_dim as f32).sqrt(),
+                    window: *sliding_window,
                 },
                 rope_dim: cfg.rope.dim,
                 nope_dim: 0,
@@ -71,6 +73,7 @@ impl AttnGeometry {
                         qk_dim: qk,
                         v_dim: *v_head_dim,
                         scale: scale_mult / (qk as f32).sqrt(),
+                        window: None,
                     },
                     rope_dim: *qk_rope_head_dim,
                     nope_dim: *qk_nope_head_dim,

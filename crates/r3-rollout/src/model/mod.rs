@@ -4,11 +4,10 @@
 
 pub mod attention;
 pub mod moe;
-pub mod router;
 pub mod tensors;
 pub mod weights;
 
-use r3_model::{Config, RopeScaling};
+use r3_model::{Config, RopeScaling, Router};
 use r3_routing::ExpertPlacement;
 
 use crate::dtype::Dtype;
@@ -50,6 +49,7 @@ pub struct InferenceModel {
     geometry: AttnGeometry,
     rope: Rope,
     placement: Option<ExpertPlacement>,
+    router: Option<Router>,
 }
 
 /// Inverse RoPE frequencies and the attention-scale multiplier of a config.
@@ -81,6 +81,7 @@ impl InferenceModel {
         }
         let geometry = AttnGeometry::new(&cfg, scale_mult);
         let rope = Rope::new(inv_freq, cfg.rope.interleaved);
+        let router = cfg.moe.as_ref().map(Router::new);
         Ok(InferenceModel {
             cfg,
             dtype,
@@ -88,6 +89,7 @@ impl InferenceModel {
             geometry,
             rope,
             placement: None,
+            router,
         })
     }
 
@@ -195,23 +197,16 @@ impl InferenceModel {
             let m = match &layer.mlp {
                 MlpWeights::Dense(f) => ffn_forward(f, &h, t, true),
                 MlpWeights::Moe(mw) => {
-                    let moe_cfg = self.cfg.moe.as_ref();
                     let col = self.cfg.layer_layout().moe_column(li).unwrap_or(0);
                     let capture = routes.as_mut().map(|ids| CaptureSlot {
                         ids: ids.as_mut_slice(),
                         stride: cols * top_k,
                         offset: col * top_k,
                     });
-                    match moe_cfg {
-                        Some(mc) => moe_forward(
-                            mw,
-                            &mc.router,
-                            top_k,
-                            self.placement.as_ref(),
-                            &h,
-                            t,
-                            capture,
-                        )?,
+                    match &self.router {
+                        Some(router) => {
+                            moe_forward(mw, router, self.placement.as_ref(), &h, t, capture)?
+                        }
                         None => vec![0f32; t * hidden],
                     }
                 }

@@ -4,13 +4,12 @@
 //! grouped by expert and every active expert runs one matmul pair over its tokens (experts
 //! in parallel). The chosen logical ids are written to the capture buffer when asked.
 
-use r3_model::RouterKind;
+use r3_model::Router;
 use r3_routing::ExpertPlacement;
 use rayon::prelude::*;
 
 use crate::error::RolloutError;
 use crate::kernels::ops::{sigmoid, swiglu_rows};
-use crate::model::router::{route_token, RouterScratch};
 use crate::model::weights::{Ffn, MoeWeights};
 
 /// Runs a SwiGLU block on `x [m, hidden]` into a new `[m, hidden]` buffer.
@@ -37,8 +36,7 @@ pub struct CaptureSlot<'a> {
 /// Runs a MoE block on `h [t, hidden]`; returns `[t, hidden]`.
 pub fn moe_forward(
     w: &MoeWeights,
-    kind: &RouterKind,
-    top_k: usize,
+    router: &Router,
     placement: Option<&ExpertPlacement>,
     h: &[f32],
     t: usize,
@@ -48,20 +46,17 @@ pub fn moe_forward(
     let e = w.router.out_features();
     let mut logits = vec![0f32; t * e];
     w.router.forward(h, t, &mut logits, true);
-    let mut ids = vec![0u16; t * top_k];
+    let top_k = router.top_k;
+    // Select and weigh with r3-model's router math (the same functions the trainer uses).
+    let mut ids32 = vec![0u32; t * top_k];
     let mut gates = vec![0f32; t * top_k];
-    let mut scratch = RouterScratch::default();
     for i in 0..t {
-        route_token(
-            kind,
-            &logits[i * e..(i + 1) * e],
-            w.score_bias.as_deref(),
-            top_k,
-            &mut scratch,
-            &mut ids[i * top_k..(i + 1) * top_k],
-            &mut gates[i * top_k..(i + 1) * top_k],
-        );
+        let row = &logits[i * e..(i + 1) * e];
+        let out = &mut ids32[i * top_k..(i + 1) * top_k];
+        router.select_row(i, row, w.score_bias.as_deref(), out)?;
+        router.weigh_row(row, out, &mut gates[i * top_k..(i + 1) * top_k])?;
     }
+    let ids: Vec<u16> = ids32.iter().map(|&v| v as u16).collect();
     if let Some(c) = capture {
         for i in 0..t {
             c.ids[i * c.stride + c.offset..][..top_k]

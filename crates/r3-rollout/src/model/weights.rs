@@ -160,44 +160,6 @@ fn ffn(
     })
 }
 
-/// Expert `e` of a fused 3-D expert tensor pair (`gate_up_proj` `[E, 2I, H]`, `down_proj`
-/// `[E, H, I]`), the layout transformers 5 may write.
-fn fused_expert(
-    f: &Fetcher,
-    prefix: &str,
-    e: usize,
-    hidden: usize,
-    inter: usize,
-    dtype: Dtype,
-) -> Result<Ffn, RolloutError> {
-    let gu = f.get_slice(
-        &format!("{prefix}.experts.gate_up_proj"),
-        e,
-        2 * inter,
-        hidden,
-    )?;
-    let d = f.get_slice(&format!("{prefix}.experts.down_proj"), e, hidden, inter)?;
-    Ok(Ffn {
-        gate_up: Linear::new(
-            &format!("{prefix}.experts.gate_up_proj[{e}]"),
-            gu,
-            2 * inter,
-            hidden,
-            None,
-            dtype,
-        )?,
-        down: Linear::new(
-            &format!("{prefix}.experts.down_proj[{e}]"),
-            d,
-            hidden,
-            inter,
-            None,
-            dtype,
-        )?,
-        inter,
-    })
-}
-
 fn attention(
     f: &Fetcher,
     cfg: &Config,
@@ -338,15 +300,8 @@ fn mlp(
     } else {
         None
     };
-    let fused = f.has(&format!("{mp}.experts.gate_up_proj"));
     let experts = (0..e)
-        .map(|i| {
-            if fused {
-                fused_expert(f, &mp, i, h, inter, dtype)
-            } else {
-                ffn(f, &format!("{mp}.experts.{i}"), names, h, inter, dtype)
-            }
-        })
+        .map(|i| ffn(f, &format!("{mp}.experts.{i}"), names, h, inter, dtype))
         .collect::<Result<Vec<_>, _>>()?;
     let std3 = ["gate_proj", "up_proj", "down_proj"];
     let (shared, shared_gate) = match moe.shared {
