@@ -94,6 +94,47 @@ pub(crate) fn check_cell(
     Ok(true)
 }
 
+/// A bitset over expert ids for the fast validity check of a cell: O(top_k) instead of the
+/// pairwise duplicate search. Anything it does not accept goes to [`check_cell`], which
+/// produces the precise error (or accepts an all-missing cell).
+struct SeenSet {
+    words: Vec<u64>,
+    num_experts: u64,
+}
+
+impl SeenSet {
+    fn new(num_experts: usize) -> Self {
+        SeenSet {
+            words: vec![0; num_experts.div_ceil(64)],
+            num_experts: num_experts as u64,
+        }
+    }
+
+    /// True iff every id is in `[0, num_experts)` and all are distinct.
+    #[inline]
+    fn is_valid_route(&mut self, vals: &[i64]) -> bool {
+        let mut ok = true;
+        let mut marked = 0;
+        for &v in vals {
+            if v < 0 || v as u64 >= self.num_experts {
+                ok = false;
+                break;
+            }
+            let (w, bit) = ((v as u64 / 64) as usize, 1u64 << (v as u64 % 64));
+            if self.words[w] & bit != 0 {
+                ok = false;
+                break;
+            }
+            self.words[w] |= bit;
+            marked += 1;
+        }
+        for &v in &vals[..marked] {
+            self.words[(v as u64 / 64) as usize] = 0;
+        }
+        ok
+    }
+}
+
 impl RouteTable {
     /// A table of `num_tokens` rows whose cells are all missing, to be filled with
     /// [`RouteTable::set_cell`] (how an engine records routes as it goes).
@@ -126,6 +167,42 @@ impl RouteTable {
         })
     }
 
+    /// Builds a table cell by cell: `fill(cell, buf)` writes the `top_k` values of cell
+    /// `token * columns + column`; all-negative cells become missing, others are validated.
+    pub(crate) fn from_cells(
+        num_experts: usize,
+        top_k: usize,
+        space: LayerSpace,
+        layers: Vec<usize>,
+        start_pos: usize,
+        num_tokens: usize,
+        mut fill: impl FnMut(usize, &mut [i64]),
+    ) -> Result<RouteTable, RouteError> {
+        let mut t = RouteTable::missing(num_experts, top_k, space, layers, start_pos, num_tokens)?;
+        let cols = t.layers.len();
+        let mut buf = vec![0i64; top_k];
+        let mut seen = SeenSet::new(num_experts);
+        for tok in 0..num_tokens {
+            for c in 0..cols {
+                let cell = tok * cols + c;
+                fill(cell, &mut buf);
+                let present = if seen.is_valid_route(&buf) {
+                    true
+                } else {
+                    check_cell(&buf, num_experts, start_pos + tok, t.layers[c])?
+                };
+                if present {
+                    t.present[cell] = true;
+                    let base = cell * top_k;
+                    for (k, &v) in buf.iter().enumerate() {
+                        t.ids.set(base + k, v as u16);
+                    }
+                }
+            }
+        }
+        Ok(t)
+    }
+
     /// Builds a table from a flat token-major accessor `get(i)` over
     /// `[num_tokens * columns * top_k]` values; all-negative cells become missing.
     pub(crate) fn from_fn(
@@ -135,27 +212,22 @@ impl RouteTable {
         layers: Vec<usize>,
         start_pos: usize,
         num_tokens: usize,
-        mut get: impl FnMut(usize) -> i64,
+        get: impl Fn(usize) -> i64,
     ) -> Result<RouteTable, RouteError> {
-        let mut t = RouteTable::missing(num_experts, top_k, space, layers, start_pos, num_tokens)?;
-        let cols = t.layers.len();
-        let mut buf = vec![0i64; top_k];
-        for tok in 0..num_tokens {
-            for c in 0..cols {
-                let cell = tok * cols + c;
-                let base = cell * top_k;
+        RouteTable::from_cells(
+            num_experts,
+            top_k,
+            space,
+            layers,
+            start_pos,
+            num_tokens,
+            |cell, buf| {
+                let base = cell * buf.len();
                 for (k, b) in buf.iter_mut().enumerate() {
                     *b = get(base + k);
                 }
-                if check_cell(&buf, num_experts, start_pos + tok, t.layers[c])? {
-                    t.present[cell] = true;
-                    for (k, &v) in buf.iter().enumerate() {
-                        t.ids.set(base + k, v as u16);
-                    }
-                }
-            }
-        }
-        Ok(t)
+            },
+        )
     }
 
     /// Builds from token-major flat ids `[tokens * columns * top_k]`; a cell whose ids are all

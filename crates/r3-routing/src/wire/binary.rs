@@ -155,19 +155,31 @@ pub fn decode_binary(bytes: &[u8]) -> Result<RouteTable, RouteError> {
         .collect();
     let bitmap = &bytes[bitmap_at..ids_at];
     let ids = &bytes[ids_at..versions_at];
-    let k = top_k.max(1);
-    let get = |i: usize| -> i64 {
-        let cell = i / k;
-        if bitmap[cell / 8] & (1 << (cell % 8)) == 0 {
-            return -1;
-        }
-        if width == 1 {
-            i64::from(ids[i])
-        } else {
-            i64::from(u16::from_le_bytes([ids[2 * i], ids[2 * i + 1]]))
-        }
-    };
-    let mut table = RouteTable::from_fn(num_experts, top_k, space, layers, start_pos, tokens, get)?;
+    let mut table = RouteTable::from_cells(
+        num_experts,
+        top_k,
+        space,
+        layers,
+        start_pos,
+        tokens,
+        |cell, buf| {
+            if bitmap[cell / 8] & (1 << (cell % 8)) == 0 {
+                buf.fill(-1);
+                return;
+            }
+            let base = cell * buf.len();
+            if width == 1 {
+                for (b, &id) in buf.iter_mut().zip(&ids[base..]) {
+                    *b = i64::from(id);
+                }
+            } else {
+                for (j, b) in buf.iter_mut().enumerate() {
+                    let i = 2 * (base + j);
+                    *b = i64::from(u16::from_le_bytes([ids[i], ids[i + 1]]));
+                }
+            }
+        },
+    )?;
     if has_versions {
         let vs = (0..tokens)
             .map(|t| u64_at(bytes, versions_at + 8 * t))

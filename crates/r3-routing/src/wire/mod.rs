@@ -250,18 +250,20 @@ pub(crate) fn table_from_wire(
         }
     }
     let moe = layout.moe_layers().to_vec();
-    let m = moe.len();
+    let m = moe.len().max(1);
     let moe_for_get = moe.clone();
-    RouteTable::from_fn(
+    RouteTable::from_cells(
         shape.num_experts,
         k,
         LayerSpace::MoeOnly,
         moe,
         shape.start_len,
         rows,
-        move |i| {
-            let (r, rem) = (i / (m * k), i % (m * k));
-            get((r * l + moe_for_get[rem / k]) * k + rem % k)
+        move |cell, buf| {
+            let base = ((cell / m) * l + moe_for_get[cell % m]) * k;
+            for (j, b) in buf.iter_mut().enumerate() {
+                *b = get(base + j);
+            }
         },
     )
 }
