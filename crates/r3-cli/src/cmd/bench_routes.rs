@@ -75,20 +75,44 @@ fn synthetic(a: &BenchRoutesArgs, layout: &LayerLayout) -> anyhow::Result<RouteT
     Ok(t)
 }
 
-/// Runs `decode` repeatedly for about `seconds`; returns the mean time per decode.
+/// Nanoseconds this thread has spent on a CPU (Linux `/proc/thread-self/schedstat`), so the
+/// figures stay meaningful on a shared, loaded machine; None where unavailable.
+fn thread_cpu_ns() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+    s.split_whitespace().next()?.parse().ok()
+}
+
+/// Mean wall time and mean on-CPU time (if measurable) of one decode.
+struct Timing {
+    wall: Duration,
+    cpu: Option<Duration>,
+}
+
+/// Checks that `decode` gives back `expected`, then runs it repeatedly for about `seconds`
+/// of wall time.
 fn time_decode(
     seconds: f64,
-    mut decode: impl FnMut() -> anyhow::Result<usize>,
-) -> anyhow::Result<Duration> {
+    expected: &RouteTable,
+    mut decode: impl FnMut() -> anyhow::Result<RouteTable>,
+) -> anyhow::Result<Timing> {
+    anyhow::ensure!(
+        &decode()? == expected,
+        "decoded table differs from the encoded one"
+    );
     let budget = Duration::from_secs_f64(seconds.max(0.01));
+    let cpu0 = thread_cpu_ns();
     let start = Instant::now();
     let mut runs = 0u32;
     while runs == 0 || start.elapsed() < budget {
-        let rows = decode()?;
-        std::hint::black_box(rows);
+        std::hint::black_box(decode()?);
         runs += 1;
     }
-    Ok(start.elapsed() / runs)
+    let wall = start.elapsed() / runs;
+    let cpu = match (cpu0, thread_cpu_ns()) {
+        (Some(a), Some(b)) if b > a => Some(Duration::from_nanos((b - a) / u64::from(runs))),
+        _ => None,
+    };
+    Ok(Timing { wall, cpu })
 }
 
 /// Runs the benchmark and prints one line per format.
@@ -98,18 +122,14 @@ pub fn run(a: BenchRoutesArgs) -> anyhow::Result<()> {
     let l = a.num_layers;
     let shape = WireShape::new(l, a.top_k, a.num_experts).with_layout(layout.clone())?;
     let lay = Some(&layout);
-    let mut rows: Vec<(String, usize, Duration)> = Vec::new();
-    let check = |t: RouteTable| -> anyhow::Result<usize> {
-        anyhow::ensure!(t == table, "decoded table differs from the encoded one");
-        Ok(t.num_tokens())
-    };
+    let mut rows: Vec<(String, usize, Timing)> = Vec::new();
     for dtype in [WireDtype::I32, WireDtype::U16, WireDtype::U8] {
         if dtype.max_id() < a.num_experts as i64 - 1 {
             continue;
         }
         let payload = sglang::encode_sglang(&table, dtype, l, lay)?;
-        let dt = time_decode(a.seconds, || {
-            check(sglang::decode_sglang(&payload, dtype, &shape)?)
+        let dt = time_decode(a.seconds, &table, || {
+            Ok(sglang::decode_sglang(&payload, dtype, &shape)?)
         })?;
         rows.push((format!("sglang base64 {}", dtype.name()), payload.len(), dt));
     }
@@ -118,7 +138,9 @@ pub fn run(a: BenchRoutesArgs) -> anyhow::Result<()> {
             continue;
         }
         let payload = vllm::encode_vllm(&table, dtype, 1, l, lay)?;
-        let dt = time_decode(a.seconds, || check(vllm::decode_vllm(&payload, &shape)?))?;
+        let dt = time_decode(a.seconds, &table, || {
+            Ok(vllm::decode_vllm(&payload, &shape)?)
+        })?;
         rows.push((
             format!("vllm base64 npy {}", r3_routing::wire::npy::descr(dtype)),
             payload.len(),
@@ -126,17 +148,19 @@ pub fn run(a: BenchRoutesArgs) -> anyhow::Result<()> {
         ));
     }
     let payload = vllm_json::encode_vllm_json(&table, 0, l, lay)?.to_string();
-    let dt = time_decode(a.seconds, || {
+    let dt = time_decode(a.seconds, &table, || {
         let v: serde_json::Value = serde_json::from_str(&payload)?;
         let mut ts = vllm_json::decode_vllm_json(&v, &shape)?;
-        check(ts.pop().context("no choice decoded")?)
+        ts.pop().context("no choice decoded")
     })?;
     rows.push(("vllm-json nested".to_string(), payload.len(), dt));
     let payload = table.to_json_string();
-    let dt = time_decode(a.seconds, || check(RouteTable::from_json_str(&payload)?))?;
+    let dt = time_decode(a.seconds, &table, || {
+        Ok(RouteTable::from_json_str(&payload)?)
+    })?;
     rows.push(("r3 canonical json".to_string(), payload.len(), dt));
     let payload = binary::encode_binary(&table);
-    let dt = time_decode(a.seconds, || check(binary::decode_binary(&payload)?))?;
+    let dt = time_decode(a.seconds, &table, || Ok(binary::decode_binary(&payload)?))?;
     rows.push(("r3-bin (compact binary)".to_string(), payload.len(), dt));
 
     let bin_bytes = rows.last().map_or(1, |r| r.1).max(1);
@@ -150,20 +174,25 @@ pub fn run(a: BenchRoutesArgs) -> anyhow::Result<()> {
         a.seed
     );
     println!(
-        "{:<26} {:>12} {:>10} {:>9} {:>12} {:>12}",
-        "format", "bytes", "B/token", "x r3-bin", "decode MB/s", "Mtok/s"
+        "{:<26} {:>10} {:>9} {:>9} {:>13} {:>13} {:>10}",
+        "format", "bytes", "B/token", "x r3-bin", "MB/s (wall)", "MB/s (cpu)", "Mtok/s cpu"
     );
-    for (name, bytes, dt) in &rows {
-        let secs = dt.as_secs_f64().max(1e-12);
+    for (name, bytes, t) in &rows {
+        let mbps = |d: Duration| *bytes as f64 / d.as_secs_f64().max(1e-12) / 1e6;
+        let cpu = t.cpu.unwrap_or(t.wall);
         println!(
-            "{:<26} {:>12} {:>10.1} {:>9.2} {:>12.1} {:>12.3}",
+            "{:<26} {:>10} {:>9.1} {:>9.2} {:>13.1} {:>13.1} {:>10.3}",
             name,
             bytes,
             *bytes as f64 / a.tokens.max(1) as f64,
             *bytes as f64 / bin_bytes as f64,
-            *bytes as f64 / secs / 1e6,
-            a.tokens as f64 / secs / 1e6
+            mbps(t.wall),
+            mbps(cpu),
+            a.tokens as f64 / cpu.as_secs_f64().max(1e-12) / 1e6
         );
+    }
+    if rows.iter().any(|r| r.2.cpu.is_none()) {
+        println!("(on-CPU time unavailable on this system: the cpu columns repeat wall time)");
     }
     Ok(())
 }

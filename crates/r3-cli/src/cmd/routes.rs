@@ -177,6 +177,9 @@ fn parse_dtype(name: &str) -> anyhow::Result<WireDtype> {
 }
 
 fn decode(a: DecodeArgs) -> anyhow::Result<()> {
+    if a.dtype.is_some() && a.format != Format::Sglang {
+        bail!("--dtype applies to --format sglang only (the other formats carry their dtype)");
+    }
     let input = read_stdin()?;
     let table = match a.format {
         Format::Sglang => {
