@@ -1,1 +1,22 @@
-//! placeholder
+//! Verifiable tasks for r3: a seeded arithmetic problem generator with worked solutions,
+//! answer extraction and exact-match reward, a held-out eval set, the character-level
+//! tokenizer (HF `tokenizer.json`), and supervised batches for pretraining.
+//!
+//! Text format (see [`problem`]): prompt `12+7*3=`, target `7*3=21;12+21=33#33`; a model
+//! sees `<bos>` + prompt and should write the target then `<eos>`.
+
+pub mod difficulty;
+pub mod error;
+pub mod problem;
+pub mod reward;
+pub mod supervised;
+pub mod task;
+pub mod tokenizer;
+
+pub use difficulty::{Difficulty, Op, MAX_LEVEL};
+pub use error::{Result, TaskError};
+pub use problem::{Expression, Problem, Step};
+pub use reward::{extract_answer, judge, RewardConfig, Verdict};
+pub use supervised::{LossOn, SupervisedBatch, SupervisedBatches};
+pub use task::{ArithmeticTask, TrainStream};
+pub use tokenizer::{CharTokenizer, ALPHABET, BOS_ID, EOS_ID, PAD_ID};
