@@ -18,6 +18,7 @@ pub mod model;
 pub mod prefix_cache;
 pub mod request;
 pub mod sampler;
+pub mod server;
 
 pub use dtype::Dtype;
 pub use engine::{CachedBlock, Engine, EngineConfig};

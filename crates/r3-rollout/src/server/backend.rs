@@ -1,0 +1,96 @@
+//! The seam between the HTTP server and the engine: a small trait the engine worker drives,
+//! implemented by [`Engine`] and by test doubles, plus what the server needs to know about
+//! the model to validate requests and encode routes.
+
+use std::path::Path;
+
+use r3_routing::LayerLayout;
+
+use crate::engine::Engine;
+use crate::error::RolloutError;
+use crate::prefix_cache::PrefixCacheStats;
+use crate::request::{GenerateRequest, GenerateResult, PartialRollout, RequestId};
+
+/// What the server knows about the served model (fixed for the server's lifetime).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelSummary {
+    /// HF `model_type` (e.g. `qwen3_moe`).
+    pub model_type: String,
+    /// Token ids must be below this.
+    pub vocab_size: usize,
+    /// Prompt plus generated tokens may not exceed this.
+    pub max_position_embeddings: usize,
+    /// Which transformer layers are MoE (the SGLang wire carries all `num_hidden_layers`).
+    pub layout: LayerLayout,
+    /// Experts per token per MoE layer.
+    pub top_k: usize,
+    /// Logical experts per MoE layer.
+    pub num_experts: usize,
+    /// `eos_token_id`(s) of config.json; generation stops on them unless `ignore_eos`.
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// A batched generation engine the server's worker thread drives: requests are submitted
+/// between steps and finish in later steps (continuous batching).
+pub trait InferenceBackend: Send + 'static {
+    /// Facts about the served model.
+    fn summary(&self) -> ModelSummary;
+    /// Validates and queues a request; it joins the batch at the next step.
+    fn submit(&mut self, req: GenerateRequest) -> Result<RequestId, RolloutError>;
+    /// Runs one batched step; returns the requests that finished in it.
+    fn step(&mut self) -> Result<Vec<GenerateResult>, RolloutError>;
+    /// Requests queued or running.
+    fn in_flight(&self) -> usize;
+    /// Stops a request; what it produced so far, or None if unknown/finished.
+    fn abort(&mut self, id: RequestId) -> Result<Option<PartialRollout>, RolloutError>;
+    /// Loads new weights from a safetensors directory; returns the new weight version.
+    fn update_weights_from_dir(&mut self, dir: &Path) -> Result<u64, RolloutError>;
+    /// Current weight version.
+    fn weight_version(&self) -> u64;
+    /// Prefix cache counters, if the backend has a prefix cache.
+    fn prefix_cache_stats(&self) -> Option<PrefixCacheStats>;
+}
+
+impl InferenceBackend for Engine {
+    fn summary(&self) -> ModelSummary {
+        let cfg = self.model_config();
+        ModelSummary {
+            model_type: cfg.architecture.model_type().to_string(),
+            vocab_size: cfg.vocab_size,
+            max_position_embeddings: cfg.max_position_embeddings,
+            layout: cfg.layer_layout().clone(),
+            top_k: cfg.top_k(),
+            num_experts: cfg.num_experts(),
+            eos_token_ids: self.eos_token_ids().to_vec(),
+        }
+    }
+
+    fn submit(&mut self, req: GenerateRequest) -> Result<RequestId, RolloutError> {
+        Engine::submit(self, req)
+    }
+
+    fn step(&mut self) -> Result<Vec<GenerateResult>, RolloutError> {
+        Engine::step(self)
+    }
+
+    fn in_flight(&self) -> usize {
+        let (waiting, running) = self.queue_lengths();
+        waiting + running
+    }
+
+    fn abort(&mut self, id: RequestId) -> Result<Option<PartialRollout>, RolloutError> {
+        Engine::abort(self, id)
+    }
+
+    fn update_weights_from_dir(&mut self, dir: &Path) -> Result<u64, RolloutError> {
+        Engine::update_weights_from_dir(self, dir)
+    }
+
+    fn weight_version(&self) -> u64 {
+        Engine::weight_version(self)
+    }
+
+    fn prefix_cache_stats(&self) -> Option<PrefixCacheStats> {
+        Engine::prefix_cache_stats(self)
+    }
+}

@@ -1,0 +1,249 @@
+//! The HTTP server (axum + tokio): SGLang's native `/generate`, an OpenAI-style
+//! `/v1/completions`, `/health`, `/get_model_info`, `/get_server_info`,
+//! `/update_weights_from_disk` and `/abort_request`.
+//!
+//! Handlers validate requests (every bad field gets a 4xx naming it) and send jobs to one
+//! engine worker thread ([`worker`]) that batches all clients together (continuous batching)
+//! and answers each through a oneshot channel. The engine sits behind the small
+//! [`InferenceBackend`] trait, so the HTTP layer is tested with a fake engine too.
+//!
+//! Seeds: a request without a seed gets `config.seed + k` where `k` counts seedless requests
+//! since start, so a replayed request sequence samples the same tokens.
+
+pub mod admin;
+pub mod backend;
+pub mod completions;
+pub mod error;
+pub mod fields;
+pub mod generate;
+pub mod sampling;
+pub mod text;
+pub mod worker;
+
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::DefaultBodyLimit;
+use axum::http::StatusCode;
+use axum::routing::{get, post};
+use axum::Router;
+
+pub use backend::{InferenceBackend, ModelSummary};
+pub use error::ApiError;
+pub use text::TextCodec;
+pub use worker::{EngineHandle, Job, WorkerStats};
+
+use crate::sampler::SamplingParams;
+use sampling::SamplingBody;
+
+/// Size limits that protect the server from oversize requests.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerLimits {
+    /// Largest request body in bytes (larger: 413).
+    pub max_body_bytes: usize,
+    /// Largest `max_new_tokens` / `max_tokens` a request may ask for.
+    pub max_new_tokens: usize,
+    /// `max_new_tokens` when a `/generate` request gives none (SGLang's default is 128).
+    pub default_max_new_tokens: usize,
+    /// Most sequences one HTTP request may ask for (prompts × n).
+    pub max_batch_requests: usize,
+}
+
+impl Default for ServerLimits {
+    fn default() -> Self {
+        ServerLimits {
+            max_body_bytes: 16 << 20,
+            max_new_tokens: 8192,
+            default_max_new_tokens: 128,
+            max_batch_requests: 1024,
+        }
+    }
+}
+
+/// Server settings.
+#[derive(Debug, Clone, Default)]
+pub struct ServerConfig {
+    /// Request limits.
+    pub limits: ServerLimits,
+    /// Base of the seeds given to requests that carry none.
+    pub seed: u64,
+    /// Name reported as the model (`/get_model_info`, OpenAI `model`), e.g. the model dir.
+    pub model_name: String,
+}
+
+/// State shared by all handlers.
+#[derive(Clone)]
+pub struct AppState(Arc<Shared>);
+
+struct Shared {
+    handle: EngineHandle,
+    summary: ModelSummary,
+    text: Option<TextCodec>,
+    config: ServerConfig,
+    /// Seedless requests so far (their seed is `config.seed + this`).
+    next_seed: AtomicU64,
+    /// Requests given a server-made rid so far.
+    next_rid: AtomicU64,
+}
+
+impl AppState {
+    /// The engine worker.
+    pub fn handle(&self) -> &EngineHandle {
+        &self.0.handle
+    }
+
+    /// Facts about the served model.
+    pub fn summary(&self) -> &ModelSummary {
+        &self.0.summary
+    }
+
+    /// The tokenizer, when the model directory has one.
+    pub fn text(&self) -> Option<&TextCodec> {
+        self.0.text.as_ref()
+    }
+
+    /// Request limits.
+    pub fn limits(&self) -> &ServerLimits {
+        &self.0.config.limits
+    }
+
+    /// Name reported as the model.
+    pub fn model_name(&self) -> &str {
+        &self.0.config.model_name
+    }
+
+    /// A fresh default seed.
+    pub fn next_seed(&self) -> u64 {
+        let k = self.0.next_seed.fetch_add(1, Ordering::Relaxed);
+        self.0.config.seed.wrapping_add(k)
+    }
+
+    /// A fresh server-made request id.
+    pub fn next_rid(&self) -> String {
+        format!("r3-{}", self.0.next_rid.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// Rejects requests that ask for more sequences than allowed (or none).
+    pub fn check_batch_size(&self, n: usize) -> Result<(), ApiError> {
+        let max = self.limits().max_batch_requests;
+        if n == 0 {
+            return Err(ApiError::bad_request("the request holds no prompt"));
+        }
+        if n > max {
+            return Err(ApiError::too_large(format!(
+                "the request asks for {n} sequences; the server limit is {max} per request"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Checks one prompt: non-empty, ids in the vocabulary, room left in the context.
+    pub fn check_prompt(&self, ids: &[u32], field: &str) -> Result<(), ApiError> {
+        let s = self.summary();
+        if ids.is_empty() {
+            return Err(ApiError::bad_request(format!("{field} is empty")));
+        }
+        if let Some((i, t)) = ids
+            .iter()
+            .enumerate()
+            .find(|(_, &t)| t as usize >= s.vocab_size)
+        {
+            return Err(ApiError::bad_request(format!(
+                "{field}[{i}] = {t} is out of the vocabulary (size {})",
+                s.vocab_size
+            )));
+        }
+        if ids.len() >= s.max_position_embeddings {
+            return Err(ApiError::bad_request(format!(
+                "{field} has {} tokens; the model's context is {} (max_position_embeddings)",
+                ids.len(),
+                s.max_position_embeddings
+            )));
+        }
+        Ok(())
+    }
+
+    /// The engine's sampling parameters for a client's, with the server's limits and seeds.
+    pub fn sampling_params(&self, body: &SamplingBody) -> Result<SamplingParams, ApiError> {
+        let s = self.summary();
+        let seed = if body.seed.is_some() || body.sampling_seed.is_some() {
+            0
+        } else {
+            self.next_seed()
+        };
+        body.to_params(self.limits(), s.vocab_size, &s.eos_token_ids, seed)
+    }
+}
+
+/// Turns the raw body extraction into bytes, or a JSON 4xx (413 when over the limit).
+pub fn read_body(body: Result<Bytes, BytesRejection>, limit: usize) -> Result<Bytes, ApiError> {
+    body.map_err(|rejection| {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::too_large(format!("the request body is larger than {limit} bytes"))
+        } else {
+            ApiError {
+                status: rejection.status(),
+                message: format!("cannot read the request body: {rejection}"),
+            }
+        }
+    })
+}
+
+/// A running server's parts: the axum app and the engine worker thread.
+pub struct App {
+    /// The routes, ready for [`serve`].
+    pub router: Router,
+    /// The engine worker's handle (also held by the router).
+    pub handle: EngineHandle,
+    /// The engine worker thread; it ends once the router and every handle are dropped.
+    pub worker: JoinHandle<()>,
+}
+
+/// Starts the engine worker for `backend` and builds the routes.
+pub fn build_app<B: InferenceBackend>(
+    backend: B,
+    text: Option<TextCodec>,
+    config: ServerConfig,
+) -> std::io::Result<App> {
+    let (handle, summary, worker) = EngineHandle::spawn(backend)?;
+    let body_limit = config.limits.max_body_bytes;
+    let state = AppState(Arc::new(Shared {
+        handle: handle.clone(),
+        summary,
+        text,
+        config,
+        next_seed: AtomicU64::new(0),
+        next_rid: AtomicU64::new(0),
+    }));
+    let router = Router::new()
+        .route("/health", get(admin::health).post(admin::health))
+        .route("/get_model_info", get(admin::model_info))
+        .route("/get_server_info", get(admin::server_info))
+        .route("/generate", post(generate::handle))
+        .route("/v1/completions", post(completions::handle))
+        .route("/update_weights_from_disk", post(admin::update_weights))
+        .route("/abort_request", post(admin::abort))
+        .fallback(|| async { ApiError::not_found("no such endpoint") })
+        .layer(DefaultBodyLimit::max(body_limit))
+        .with_state(state);
+    Ok(App {
+        router,
+        handle,
+        worker,
+    })
+}
+
+/// Serves `router` on `listener` until `shutdown` completes.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router)
+        .with_graceful_shutdown(shutdown)
+        .await
+}

@@ -1,0 +1,9 @@
+//! HTTP server tests: the server runs in-process on an ephemeral port and is exercised with
+//! a raw HTTP client. `fake_*` tests use a deterministic fake engine (HTTP layer, batching,
+//! validation); `engine` tests serve the tiny HF oracle model with the real engine.
+
+mod engine;
+mod fake;
+mod fake_http;
+mod malformed;
+mod support;

@@ -1,0 +1,179 @@
+//! Test support: run an app on an ephemeral port in-process, and a tiny blocking HTTP/1.1
+//! client over std's TcpStream (no client library to build).
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use r3_rollout::server::{serve, App};
+use serde_json::Value;
+
+/// A server running on 127.0.0.1:<ephemeral> in a background thread; stopped on drop.
+pub struct TestServer {
+    pub addr: SocketAddr,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl TestServer {
+    /// Serves `app` (its handle is dropped so the worker ends with the server).
+    pub fn start(app: App) -> Self {
+        let App { router, handle, .. } = app;
+        drop(handle);
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind ephemeral port");
+        listener
+            .set_nonblocking(true)
+            .expect("nonblocking listener");
+        let addr = listener.local_addr().expect("local addr");
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .expect("tokio runtime");
+            rt.block_on(async move {
+                let listener = tokio::net::TcpListener::from_std(listener).expect("tokio listener");
+                serve(listener, router, async {
+                    let _ = rx.await;
+                })
+                .await
+                .expect("server runs");
+            });
+        });
+        TestServer {
+            addr,
+            shutdown: Some(tx),
+            thread: Some(thread),
+        }
+    }
+
+    /// POSTs a JSON value.
+    pub fn post(&self, path: &str, body: &Value) -> Reply {
+        self.raw("POST", path, body.to_string().as_bytes())
+    }
+
+    /// GETs a path.
+    pub fn get(&self, path: &str) -> Reply {
+        self.raw("GET", path, b"")
+    }
+
+    /// Sends raw bytes as the body.
+    pub fn raw(&self, method: &str, path: &str, body: &[u8]) -> Reply {
+        request(self.addr, method, path, body)
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Status and parsed JSON body (Null when the body is not JSON).
+#[derive(Debug, Clone)]
+pub struct Reply {
+    pub status: u16,
+    pub body: Value,
+    pub text: String,
+}
+
+impl Reply {
+    /// The error message of a JSON error body.
+    pub fn error_message(&self) -> String {
+        self.body["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    }
+}
+
+/// One HTTP/1.1 request with `Connection: close`; reads the whole response.
+pub fn request(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> Reply {
+    let mut stream = TcpStream::connect(addr).expect("connect to test server");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(120)))
+        .expect("read timeout");
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).expect("write head");
+    // The server may answer (413) before reading a large body and close; ignore write errors.
+    let _ = stream.write_all(body);
+    let mut raw = Vec::new();
+    let _ = stream.read_to_end(&mut raw);
+    parse_response(&raw)
+}
+
+fn parse_response(raw: &[u8]) -> Reply {
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("response has a header block");
+    let head = String::from_utf8_lossy(&raw[..split]).to_string();
+    let mut payload = raw[split + 4..].to_vec();
+    let status: u16 = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .expect("status code");
+    if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        payload = dechunk(&payload);
+    }
+    let text = String::from_utf8_lossy(&payload).to_string();
+    let body = serde_json::from_str(&text).unwrap_or(Value::Null);
+    Reply { status, body, text }
+}
+
+fn dechunk(mut data: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let Some(eol) = data.windows(2).position(|w| w == b"\r\n") else {
+            return out;
+        };
+        let size_str = String::from_utf8_lossy(&data[..eol]).to_string();
+        let size = usize::from_str_radix(size_str.trim(), 16).unwrap_or(0);
+        if size == 0 {
+            return out;
+        }
+        let start = eol + 2;
+        out.extend_from_slice(&data[start..start + size]);
+        data = &data[start + size + 2..];
+    }
+}
+
+/// Directory of a fixture model copied into this crate.
+pub fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
+
+/// A fresh scratch directory for one test (removed by the caller when done).
+pub fn scratch_dir(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("r3-server-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("create scratch dir");
+    dir
+}
+
+/// JSON list of numbers -> Vec<u32>.
+pub fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .expect("a list")
+        .iter()
+        .map(|x| x.as_u64().expect("a token id") as u32)
+        .collect()
+}
