@@ -437,3 +437,51 @@ fn random_operations_keep_every_invariant() {
     let _ = c.clear();
     assert_eq!((c.num_blocks(), c.used_bytes()), (0, 0));
 }
+
+/// Payload as the engine uses it: the route rows of one block.
+struct RouteBlock(r3_routing::RouteTable);
+
+impl BlockPayload for RouteBlock {
+    fn size_bytes(&self) -> usize {
+        self.0.num_tokens() * self.0.num_columns() * self.0.top_k() * 2
+    }
+}
+
+#[test]
+fn routes_of_the_cached_part_are_the_stored_ones() {
+    use r3_routing::{LayerSpace, RouteTable};
+    let bs = 4;
+    let (num_experts, top_k, layers) = (8, 2, vec![1, 3]);
+    // 14 positions: 3 full blocks + 2; distinct experts per cell derived from the position.
+    let ids: Vec<i64> = (0..14i64)
+        .flat_map(|t| (0..2i64).flat_map(move |c| [(t + c) % 8, (t + c + 3) % 8]))
+        .collect();
+    let full = RouteTable::from_flat(num_experts, top_k, LayerSpace::MoeOnly, layers, 0, &ids)
+        .expect("valid table");
+    let tokens: Vec<u32> = (100..114).collect();
+    let payloads: Vec<RouteBlock> = (0..3)
+        .map(|b| {
+            RouteBlock(
+                full.slice_rows(b * bs, (b + 1) * bs)
+                    .expect("rows in range"),
+            )
+        })
+        .collect();
+    let mut c: PrefixCache<RouteBlock> = PrefixCache::new(bs, 1 << 20).expect("cache");
+    let out = c.insert(&tokens, 3, 0, payloads).expect("insert");
+    let _ = c.release(out.lease);
+
+    // A next turn sharing the first 10 tokens: 2 blocks are served from the cache.
+    let mut next_turn = tokens[..10].to_vec();
+    next_turn.extend([7, 7, 7, 7, 7]);
+    let m = c.match_prefix(&next_turn, 3);
+    assert_eq!(m.matched_tokens, 8);
+    let mut served = m.payloads[0].0.clone();
+    for p in &m.payloads[1..] {
+        served.append(&p.0).expect("consecutive blocks append");
+    }
+    assert_eq!(served, full.slice_rows(0, 8).expect("rows in range"));
+    let _ = c.release(m.lease);
+    // Under other weights the same tokens are not served.
+    assert_eq!(c.peek_prefix(&next_turn, 4), 0);
+}
