@@ -6,6 +6,7 @@ pub mod config;
 pub mod error;
 pub mod layers;
 pub mod model;
+pub mod presets;
 pub mod router;
 pub mod routing;
 pub mod spec;

@@ -98,7 +98,7 @@ impl MoeBlock {
 
     /// Router logits `[rows, E]` for `x` `[rows, H]`.
     pub fn router_logits(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(x.matmul(&self.gate_weight.t()?)?)
+        super::linear::matmul_wt(x, &self.gate_weight)
     }
 
     /// Runs the block on `x` `[B·T, H]`, routing `rows`; `plan` forces ids on its rows.
