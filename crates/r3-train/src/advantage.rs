@@ -1,0 +1,158 @@
+//! GRPO group-normalised advantages and dynamic sampling (dropping groups whose rewards
+//! are all equal, which carry no learning signal).
+//!
+//! Rewards arrive flat, `[n_groups * group_size]`, with the `group_size` samples of one
+//! prompt contiguous. These are per-sequence scalars, so they live on the host.
+
+use crate::error::{Result, TrainError};
+use serde::{Deserialize, Serialize};
+
+/// How GRPO normalises rewards within a group.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct GrpoOptions {
+    /// Divide by the group's standard deviation (GRPO) or only subtract the mean (Dr. GRPO).
+    pub norm_by_std: bool,
+    /// Added to the standard deviation before dividing.
+    pub eps: f32,
+}
+
+impl Default for GrpoOptions {
+    fn default() -> Self {
+        Self {
+            norm_by_std: true,
+            eps: 1e-6,
+        }
+    }
+}
+
+/// Summary of one advantage computation.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct AdvantageMetrics {
+    /// Mean reward over all samples.
+    pub reward_mean: f32,
+    /// Mean absolute advantage.
+    pub adv_abs_mean: f32,
+    /// Groups whose rewards are all equal (advantage 0 everywhere in them).
+    pub uniform_groups: usize,
+}
+
+fn check_groups(rewards: &[f32], group_size: usize) -> Result<usize> {
+    if group_size == 0 {
+        return Err(TrainError::Invalid("group_size must be at least 1".into()));
+    }
+    if !rewards.chunks_exact(group_size).remainder().is_empty() {
+        return Err(TrainError::Shape(format!(
+            "{} rewards do not split into groups of {group_size}",
+            rewards.len()
+        )));
+    }
+    if let Some(i) = rewards.iter().position(|r| !r.is_finite()) {
+        return Err(TrainError::Invalid(format!(
+            "reward {i} is not finite ({})",
+            rewards[i]
+        )));
+    }
+    Ok(rewards.len() / group_size)
+}
+
+/// GRPO advantages, `[n_groups * group_size]`: `(r - mean_g) / (std_g + eps)` with the
+/// unbiased (n−1) standard deviation, or `r - mean_g` without `norm_by_std`.
+/// A group of one sample gets its raw reward (mean 0, std 1), as in verl; a uniform group
+/// gets 0 even with `eps = 0`.
+pub fn grpo_advantages(
+    rewards: &[f32],
+    group_size: usize,
+    opts: GrpoOptions,
+) -> Result<(Vec<f32>, AdvantageMetrics)> {
+    let n_groups = check_groups(rewards, group_size)?;
+    let mut adv = Vec::with_capacity(rewards.len());
+    let mut uniform_groups = 0;
+    for group in rewards.chunks(group_size) {
+        let (mean, std) = if group.len() == 1 {
+            (0.0, 1.0)
+        } else {
+            let n = group.len() as f32;
+            let mean = group.iter().sum::<f32>() / n;
+            let var = group.iter().map(|r| (r - mean).powi(2)).sum::<f32>() / (n - 1.0);
+            (mean, var.sqrt())
+        };
+        if group.iter().all(|&r| r == group[0]) {
+            uniform_groups += 1;
+        }
+        for &r in group {
+            let centred = r - mean;
+            let denom = std + opts.eps;
+            adv.push(if !opts.norm_by_std {
+                centred
+            } else if denom > 0.0 {
+                centred / denom
+            } else {
+                // A uniform group with eps = 0: no signal, not 0/0.
+                0.0
+            });
+        }
+    }
+    let count = rewards.len().max(1) as f32;
+    let metrics = AdvantageMetrics {
+        reward_mean: rewards.iter().sum::<f32>() / count,
+        adv_abs_mean: adv.iter().map(|a| a.abs()).sum::<f32>() / count,
+        uniform_groups,
+    };
+    debug_assert_eq!(adv.len(), n_groups * group_size);
+    Ok((adv, metrics))
+}
+
+/// Which groups dynamic sampling keeps.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupFilter {
+    /// Indices of the kept groups, ascending.
+    pub kept_groups: Vec<usize>,
+    /// Number of groups dropped because all their rewards were equal.
+    pub dropped_groups: usize,
+    /// Samples per group.
+    pub group_size: usize,
+}
+
+impl GroupFilter {
+    /// Row (sample) indices of the kept groups, ascending.
+    pub fn kept_rows(&self) -> Vec<usize> {
+        self.kept_groups
+            .iter()
+            .flat_map(|g| g * self.group_size..(g + 1) * self.group_size)
+            .collect()
+    }
+
+    /// Keeps the entries of a per-sample slice that belong to kept groups.
+    pub fn select<T: Clone>(&self, per_sample: &[T]) -> Result<Vec<T>> {
+        self.kept_rows()
+            .into_iter()
+            .map(|i| {
+                per_sample.get(i).cloned().ok_or_else(|| {
+                    TrainError::Shape(format!(
+                        "per-sample slice has {} entries, row {i} asked for",
+                        per_sample.len()
+                    ))
+                })
+            })
+            .collect()
+    }
+}
+
+/// Dynamic sampling (DAPO): drops every group whose rewards are all exactly equal.
+pub fn filter_uniform_groups(rewards: &[f32], group_size: usize) -> Result<GroupFilter> {
+    check_groups(rewards, group_size)?;
+    let mut kept_groups = Vec::new();
+    let mut dropped_groups = 0;
+    for (g, group) in rewards.chunks(group_size).enumerate() {
+        if group.iter().all(|&r| r == group[0]) {
+            dropped_groups += 1;
+        } else {
+            kept_groups.push(g);
+        }
+    }
+    Ok(GroupFilter {
+        kept_groups,
+        dropped_groups,
+        group_size,
+    })
+}

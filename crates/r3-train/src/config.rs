@@ -1,0 +1,430 @@
+//! The `r3 train` configuration: a serde struct read from TOML, every field documented
+//! with its default, plus `--set key=value` overrides (see [`crate::overrides`]) and
+//! saving of the resolved config into the run directory.
+//!
+//! Resolution order: built-in defaults ← config file (optional) ← `--set` overrides.
+//! An unknown key anywhere is an error that names it.
+
+use crate::agg::LossAgg;
+use crate::error::{Result, TrainError};
+use crate::loss::{ClipRange, PolicyLossKind};
+use crate::overrides::{apply_overrides, merge_known};
+use crate::rollout_is::{IsConfig, IsLevel, IsMode};
+use crate::schedule::{LrDecay, LrSchedule};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+/// Which routes the training engine replays.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub enum RouterReplay {
+    /// No replay: every training pass routes natively.
+    #[serde(rename = "disabled", alias = "none")]
+    Disabled,
+    /// Vanilla routing replay: record the routes of the old-log-prob pass, replay them in
+    /// every update pass.
+    #[serde(rename = "R2", alias = "r2")]
+    R2,
+    /// Rollout routing replay: replay the rollout engine's routes in the old-log-prob pass
+    /// and in every update pass.
+    #[default]
+    #[serde(rename = "R3", alias = "r3")]
+    R3,
+}
+
+/// The whole run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    /// Seed of every random choice (prompt order, sampling, anything else). Default 0.
+    pub seed: u64,
+    /// Base model directory in HF layout (`config.json`, `model.safetensors`,
+    /// `tokenizer.json`). Default `models/base`.
+    pub model_dir: PathBuf,
+    /// Where the run writes `config.toml`, `metrics.jsonl` and checkpoints. Default `runs/default`.
+    pub run_dir: PathBuf,
+    /// RL steps (each: rollout, old log-probs, advantages, `algo.mini_batches` updates). Default 60.
+    pub steps: u64,
+    /// The verifiable task.
+    pub task: TaskConfig,
+    /// Sampling of responses.
+    pub rollout: RolloutConfig,
+    /// The RL algorithm.
+    pub algo: AlgoConfig,
+    /// Optimiser and learning-rate schedule.
+    pub optim: OptimConfig,
+    /// Held-out evaluation.
+    pub eval: EvalConfig,
+    /// Checkpointing.
+    pub checkpoint: CheckpointConfig,
+}
+
+/// The arithmetic task.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TaskConfig {
+    /// Difficulty preset, 1 (two 1–2 digit operands, `+ -`) to 5 (4–6 operands up to 4
+    /// digits, `+ - *`). Default 2.
+    pub difficulty: u32,
+    /// Reward for a well-formed but wrong answer; 0.0 = pure exact match. Default 0.0.
+    pub format_reward: f64,
+}
+
+/// Rollout sampling.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RolloutConfig {
+    /// Distinct prompts per RL step. Default 32.
+    pub prompts_per_step: usize,
+    /// Responses sampled per prompt (the GRPO group). Default 8.
+    pub group_size: usize,
+    /// Most tokens generated per response. Default 64.
+    pub max_new_tokens: usize,
+    /// Sampling temperature (> 0). Default 1.0.
+    pub temperature: f64,
+    /// Rollout engine precision: `f16` (fast inference path) or `f32`. Default `f16`.
+    pub dtype: String,
+}
+
+/// Policy optimisation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AlgoConfig {
+    /// Router replay: `disabled`, `R2` or `R3`. Reference and eval passes always route
+    /// natively. Default `R3`.
+    pub router_replay: RouterReplay,
+    /// Policy loss: `ppo` (token ratio, clip-higher) or `gspo` (sequence ratio). Default `ppo`.
+    pub loss: PolicyLossKind,
+    /// PPO `ε_low`: ratio clipped below at `1 − eps_low`. Default 0.2.
+    pub eps_low: f64,
+    /// PPO `ε_high`: ratio clipped above at `1 + eps_high` (clip-higher). Default 0.27.
+    pub eps_high: f64,
+    /// GSPO lower clip of the sequence ratio. Default 3e-4.
+    pub gspo_eps_low: f64,
+    /// GSPO upper clip of the sequence ratio. Default 4e-4.
+    pub gspo_eps_high: f64,
+    /// PPO loss aggregation: `token-mean`, `seq-mean-token-mean` or `seq-mean-token-sum`
+    /// (GSPO always uses `seq-mean-token-mean`). Default `token-mean`.
+    pub loss_agg: LossAgg,
+    /// Divide GRPO advantages by the group's std (false = Dr. GRPO). Default true.
+    pub adv_norm_by_std: bool,
+    /// Epsilon added to the group std. Default 1e-6.
+    pub adv_eps: f64,
+    /// Drop groups whose rewards are all equal before the update (DAPO). Default true.
+    pub dynamic_sampling: bool,
+    /// Optimiser steps per RL step. 1 = single mini-step: the whole batch in one update,
+    /// old log-probs not recomputed (ratio 1 at the update). >1 = multi-mini-step: old
+    /// log-probs computed once, then the batch is split into this many updates. Default 1.
+    pub mini_batches: usize,
+    /// Importance-sampling correction with rollout log-probs: `none`, `tis` or `mis`. Default `none`.
+    pub is_mode: IsMode,
+    /// IS ratio granularity: `token` or `sequence`. Default `token`.
+    pub is_level: IsLevel,
+    /// IS threshold `C` (TIS truncation / MIS drop-above). Default 2.0.
+    pub is_threshold: f64,
+    /// Entropy bonus coefficient (loss −= coef · entropy); 0 disables. Default 0.0.
+    pub entropy_coef: f64,
+}
+
+/// AdamW and the learning-rate schedule.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OptimConfig {
+    /// Peak learning rate. Default 1e-4.
+    pub lr: f64,
+    /// Optimiser steps of linear warm-up. Default 5.
+    pub warmup_steps: u64,
+    /// After warm-up: `constant` or `cosine`. Default `constant`.
+    pub lr_decay: LrDecay,
+    /// Final LR as a fraction of the peak (cosine only). Default 0.1.
+    pub min_lr_ratio: f64,
+    /// Decoupled weight decay on matrices (not norms or biases). Default 0.0.
+    pub weight_decay: f64,
+    /// AdamW β1. Default 0.9.
+    pub beta1: f64,
+    /// AdamW β2. Default 0.999.
+    pub beta2: f64,
+    /// AdamW epsilon. Default 1e-8.
+    pub adam_eps: f64,
+    /// Global gradient-norm clip; 0 disables (the norm is still measured). Default 1.0.
+    pub grad_clip: f64,
+}
+
+/// Held-out evaluation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EvalConfig {
+    /// Evaluate every N RL steps (and after the last); 0 = never. Default 10.
+    pub every: u64,
+    /// Problems in the fixed held-out eval set. Default 200.
+    pub size: usize,
+    /// Seed of the eval set (fixed, independent of `seed`). Default 1234.
+    pub seed: u64,
+    /// Eval sampling temperature; 0 = greedy. Default 0.0.
+    pub temperature: f64,
+}
+
+/// Checkpointing.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CheckpointConfig {
+    /// Write a checkpoint every N RL steps (and after the last); 0 = never. Default 20.
+    pub every: u64,
+    /// Checkpoints kept in the run directory (older ones deleted); 0 = keep all. Default 2.
+    pub keep_last: usize,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            seed: 0,
+            model_dir: PathBuf::from("models/base"),
+            run_dir: PathBuf::from("runs/default"),
+            steps: 60,
+            task: TaskConfig::default(),
+            rollout: RolloutConfig::default(),
+            algo: AlgoConfig::default(),
+            optim: OptimConfig::default(),
+            eval: EvalConfig::default(),
+            checkpoint: CheckpointConfig::default(),
+        }
+    }
+}
+
+impl Default for TaskConfig {
+    fn default() -> Self {
+        Self {
+            difficulty: 2,
+            format_reward: 0.0,
+        }
+    }
+}
+
+impl Default for RolloutConfig {
+    fn default() -> Self {
+        Self {
+            prompts_per_step: 32,
+            group_size: 8,
+            max_new_tokens: 64,
+            temperature: 1.0,
+            dtype: "f16".into(),
+        }
+    }
+}
+
+impl Default for AlgoConfig {
+    fn default() -> Self {
+        Self {
+            router_replay: RouterReplay::R3,
+            loss: PolicyLossKind::Ppo,
+            eps_low: 0.2,
+            eps_high: 0.27,
+            gspo_eps_low: 3e-4,
+            gspo_eps_high: 4e-4,
+            loss_agg: LossAgg::TokenMean,
+            adv_norm_by_std: true,
+            adv_eps: 1e-6,
+            dynamic_sampling: true,
+            mini_batches: 1,
+            is_mode: IsMode::None,
+            is_level: IsLevel::Token,
+            is_threshold: 2.0,
+            entropy_coef: 0.0,
+        }
+    }
+}
+
+impl Default for OptimConfig {
+    fn default() -> Self {
+        Self {
+            lr: 1e-4,
+            warmup_steps: 5,
+            lr_decay: LrDecay::Constant,
+            min_lr_ratio: 0.1,
+            weight_decay: 0.0,
+            beta1: 0.9,
+            beta2: 0.999,
+            adam_eps: 1e-8,
+            grad_clip: 1.0,
+        }
+    }
+}
+
+impl Default for EvalConfig {
+    fn default() -> Self {
+        Self {
+            every: 10,
+            size: 200,
+            seed: 1234,
+            temperature: 0.0,
+        }
+    }
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        Self {
+            every: 20,
+            keep_last: 2,
+        }
+    }
+}
+
+impl TrainConfig {
+    /// Defaults, then the TOML file `file` (if any), then `overrides` (`key=value`), then
+    /// validation.
+    pub fn resolve(file: Option<&Path>, overrides: &[String]) -> Result<Self> {
+        let mut value = toml::Value::try_from(Self::default())
+            .map_err(|e| TrainError::Config(format!("serialising defaults: {e}")))?;
+        if let Some(path) = file {
+            let text = std::fs::read_to_string(path).map_err(|e| TrainError::ConfigFile {
+                path: path.to_path_buf(),
+                reason: e.to_string(),
+            })?;
+            let from_file: toml::Value =
+                toml::from_str(&text).map_err(|e| TrainError::ConfigFile {
+                    path: path.to_path_buf(),
+                    reason: e.to_string(),
+                })?;
+            merge_known(&mut value, from_file, "")?;
+        }
+        apply_overrides(&mut value, overrides)?;
+        let cfg: Self = value
+            .try_into()
+            .map_err(|e: toml::de::Error| TrainError::Config(e.message().to_string()))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Parses a complete config from TOML text (missing fields take their defaults).
+    pub fn from_toml_str(text: &str) -> Result<Self> {
+        let cfg: Self = toml::from_str(text).map_err(|e| TrainError::Config(e.to_string()))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// The config as TOML text (every field, so a run can be repeated from it).
+    pub fn to_toml_string(&self) -> Result<String> {
+        toml::to_string_pretty(self).map_err(|e| TrainError::Config(e.to_string()))
+    }
+
+    /// Writes the resolved config to `path` atomically (temporary file, then rename).
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let text = self.to_toml_string()?;
+        let mut tmp = path.as_os_str().to_owned();
+        tmp.push(".tmp");
+        let tmp = PathBuf::from(tmp);
+        let io = |source| TrainError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        std::fs::write(&tmp, text).map_err(io)?;
+        std::fs::rename(&tmp, path).map_err(io)
+    }
+
+    /// Checks values that are well-typed but meaningless, naming the field.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |field: &str, why: String| Err(TrainError::Config(format!("{field}: {why}")));
+        let (r, a, o) = (&self.rollout, &self.algo, &self.optim);
+        if self.task.difficulty == 0 {
+            return bad("task.difficulty", "levels start at 1".into());
+        }
+        if r.prompts_per_step == 0 || r.group_size == 0 {
+            return bad(
+                "rollout",
+                "prompts_per_step and group_size must be >= 1".into(),
+            );
+        }
+        if r.max_new_tokens == 0 {
+            return bad("rollout.max_new_tokens", "must be >= 1".into());
+        }
+        if r.dtype != "f16" && r.dtype != "f32" {
+            return bad(
+                "rollout.dtype",
+                format!("`{}` must be `f16` or `f32`", r.dtype),
+            );
+        }
+        if r.temperature.is_nan() || r.temperature <= 0.0 {
+            return bad(
+                "rollout.temperature",
+                format!("{} must be > 0", r.temperature),
+            );
+        }
+        for (name, eps, max) in [
+            ("algo.eps_low", a.eps_low, 1.0),
+            ("algo.gspo_eps_low", a.gspo_eps_low, 1.0),
+            ("algo.eps_high", a.eps_high, f64::INFINITY),
+            ("algo.gspo_eps_high", a.gspo_eps_high, f64::INFINITY),
+        ] {
+            if eps.is_nan() || eps < 0.0 || eps >= max {
+                return bad(name, format!("{eps} must be in [0, {max})"));
+            }
+        }
+        if a.mini_batches == 0 {
+            return bad("algo.mini_batches", "must be >= 1".into());
+        }
+        if a.mini_batches > r.prompts_per_step * r.group_size {
+            return bad(
+                "algo.mini_batches",
+                format!("{} exceeds the samples per step", a.mini_batches),
+            );
+        }
+        if a.is_threshold.is_nan() || a.is_threshold <= 0.0 {
+            return bad(
+                "algo.is_threshold",
+                format!("{} must be > 0", a.is_threshold),
+            );
+        }
+        if o.lr.is_nan() || o.lr <= 0.0 {
+            return bad("optim.lr", format!("{} must be > 0", o.lr));
+        }
+        for (name, beta) in [("optim.beta1", o.beta1), ("optim.beta2", o.beta2)] {
+            if !(0.0..1.0).contains(&beta) {
+                return bad(name, format!("{beta} must be in [0, 1)"));
+            }
+        }
+        if !(0.0..=1.0).contains(&o.min_lr_ratio) {
+            return bad(
+                "optim.min_lr_ratio",
+                format!("{} must be in [0, 1]", o.min_lr_ratio),
+            );
+        }
+        if self.eval.temperature.is_nan() || self.eval.temperature < 0.0 {
+            return bad("eval.temperature", "must be >= 0".into());
+        }
+        Ok(())
+    }
+
+    /// The clip range of the configured loss.
+    pub fn clip_range(&self) -> ClipRange {
+        match self.algo.loss {
+            PolicyLossKind::Ppo => ClipRange {
+                low: self.algo.eps_low,
+                high: self.algo.eps_high,
+            },
+            PolicyLossKind::Gspo => ClipRange {
+                low: self.algo.gspo_eps_low,
+                high: self.algo.gspo_eps_high,
+            },
+        }
+    }
+
+    /// The importance-sampling settings.
+    pub fn is_config(&self) -> IsConfig {
+        IsConfig {
+            mode: self.algo.is_mode,
+            level: self.algo.is_level,
+            threshold: self.algo.is_threshold,
+        }
+    }
+
+    /// The LR schedule over all optimiser steps (`steps × mini_batches`).
+    pub fn lr_schedule(&self) -> LrSchedule {
+        LrSchedule {
+            peak_lr: self.optim.lr,
+            warmup_steps: self.optim.warmup_steps,
+            total_steps: self.steps * self.algo.mini_batches as u64,
+            decay: self.optim.lr_decay,
+            min_lr_ratio: self.optim.min_lr_ratio,
+        }
+    }
+}

@@ -1,0 +1,101 @@
+//! Token log-probabilities, entropy and masked reductions from logits, with composed,
+//! autograd-safe candle ops (no fused kernels, which have no backward).
+
+use crate::error::{Result, TrainError};
+use candle_core::{DType, Tensor, D};
+
+/// Checks that a tensor is `[b, t]` f32.
+pub(crate) fn check_bt(name: &str, x: &Tensor, b: usize, t: usize) -> Result<()> {
+    if x.dims() != [b, t] {
+        return Err(TrainError::Shape(format!(
+            "{name} has shape {:?}, expected [{b}, {t}]",
+            x.dims()
+        )));
+    }
+    if x.dtype() != DType::F32 {
+        return Err(TrainError::Shape(format!(
+            "{name} has dtype {:?}, expected f32",
+            x.dtype()
+        )));
+    }
+    Ok(())
+}
+
+/// `log_softmax` over the last dimension, composed from differentiable ops. The max shift
+/// is detached: it cancels mathematically, so it needs no gradient.
+pub fn log_softmax_last(logits: &Tensor) -> Result<Tensor> {
+    let max = logits.max_keepdim(D::Minus1)?.detach();
+    let shifted = logits.broadcast_sub(&max)?;
+    let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
+    Ok(shifted.broadcast_sub(&lse)?)
+}
+
+fn logits_dims(logits: &Tensor) -> Result<(usize, usize, usize)> {
+    if logits.dtype() != DType::F32 {
+        return Err(TrainError::Shape(format!(
+            "logits have dtype {:?}, expected f32 (the training engine is f32)",
+            logits.dtype()
+        )));
+    }
+    logits.dims3().map_err(|_| {
+        TrainError::Shape(format!(
+            "logits have shape {:?}, expected [batch, time, vocab]",
+            logits.dims()
+        ))
+    })
+}
+
+/// Log-probabilities of `targets` `[B, T]` (u32) under `logits` `[B, T, V]` → `[B, T]`.
+pub fn token_log_probs(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let (b, t, _v) = logits_dims(logits)?;
+    if targets.dims() != [b, t] {
+        return Err(TrainError::Shape(format!(
+            "targets have shape {:?}, logits {:?}: expected targets [{b}, {t}]",
+            targets.dims(),
+            logits.dims()
+        )));
+    }
+    let targets = targets.to_dtype(DType::U32)?.unsqueeze(2)?.contiguous()?;
+    let logp = log_softmax_last(logits)?;
+    Ok(logp.gather(&targets, 2)?.squeeze(2)?)
+}
+
+/// Entropy of the next-token distribution at every position, `[B, T, V]` → `[B, T]`.
+pub fn entropy_from_logits(logits: &Tensor) -> Result<Tensor> {
+    logits_dims(logits)?;
+    let logp = log_softmax_last(logits)?;
+    Ok(logp.exp()?.mul(&logp)?.sum(D::Minus1)?.neg()?)
+}
+
+/// `Σ x·mask / Σ mask` as a scalar tensor; 0 when the mask is empty.
+pub fn masked_mean(x: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    if x.dims() != mask.dims() {
+        return Err(TrainError::Shape(format!(
+            "masked_mean: values {:?} vs mask {:?}",
+            x.dims(),
+            mask.dims()
+        )));
+    }
+    let num = x.mul(mask)?.sum_all()?;
+    let den = mask.sum_all()?.maximum(1e-8)?;
+    Ok(num.div(&den)?)
+}
+
+/// Per-row masked mean `[B, T]` → `[B]`; a row with an empty mask gives 0.
+pub fn masked_row_mean(x: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    if x.dims() != mask.dims() || x.rank() != 2 {
+        return Err(TrainError::Shape(format!(
+            "masked_row_mean: values {:?} vs mask {:?} (both [B, T])",
+            x.dims(),
+            mask.dims()
+        )));
+    }
+    let num = x.mul(mask)?.sum(1)?;
+    let den = mask.sum(1)?.maximum(1e-8)?;
+    Ok(num.div(&den)?)
+}
+
+/// Reads a scalar tensor as f32 (for metrics).
+pub fn scalar_f32(x: &Tensor) -> Result<f32> {
+    Ok(x.to_dtype(DType::F32)?.to_scalar::<f32>()?)
+}

@@ -1,0 +1,186 @@
+//! AdamW with bias correction and decoupled weight decay, over named variables, with
+//! state that can be exported and restored (for checkpoints and `--resume`).
+//!
+//! Update per parameter θ with gradient g at step t (1-based), as PyTorch's AdamW:
+//! `θ ← θ·(1 − lr·wd)`, `m ← β1·m + (1−β1)·g`, `v ← β2·v + (1−β2)·g²`,
+//! `θ ← θ − lr · (m / (1−β1ᵗ)) / (sqrt(v / (1−β2ᵗ)) + eps)`.
+//! A parameter without a gradient in a step (e.g. an expert no token was routed to) is left
+//! alone entirely: no decay, no moment update.
+
+use crate::error::{Result, TrainError};
+use candle_core::backprop::GradStore;
+use candle_core::{Tensor, Var};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+
+/// AdamW hyper-parameters (the learning rate is passed per step, from the schedule).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct AdamWParams {
+    /// First-moment decay β1.
+    pub beta1: f64,
+    /// Second-moment decay β2.
+    pub beta2: f64,
+    /// Denominator epsilon.
+    pub eps: f64,
+    /// Decoupled weight decay, applied to parameters chosen by the decay rule.
+    pub weight_decay: f64,
+}
+
+impl Default for AdamWParams {
+    fn default() -> Self {
+        Self {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        }
+    }
+}
+
+/// The usual decay rule: decay matrices (rank ≥ 2), not norm scales or biases.
+pub fn decay_matrices_only(_name: &str, var: &Var) -> bool {
+    var.rank() >= 2
+}
+
+#[derive(Debug)]
+struct Slot {
+    name: String,
+    var: Var,
+    decay: bool,
+    m: Tensor,
+    v: Tensor,
+}
+
+/// AdamW over a fixed, name-sorted list of variables.
+#[derive(Debug)]
+pub struct AdamW {
+    slots: Vec<Slot>,
+    params: AdamWParams,
+    step: u64,
+}
+
+impl AdamW {
+    /// Creates the optimiser; `decay(name, var)` says which variables get weight decay.
+    pub fn new(
+        mut vars: Vec<(String, Var)>,
+        params: AdamWParams,
+        decay: impl Fn(&str, &Var) -> bool,
+    ) -> Result<Self> {
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        if let Some(w) = vars.windows(2).find(|w| w[0].0 == w[1].0) {
+            return Err(TrainError::Invalid(format!(
+                "variable `{}` given twice to AdamW",
+                w[0].0
+            )));
+        }
+        let slots = vars
+            .into_iter()
+            .map(|(name, var)| {
+                let zeros = var.as_tensor().zeros_like()?;
+                Ok(Slot {
+                    decay: decay(&name, &var),
+                    name,
+                    m: zeros.clone(),
+                    v: zeros,
+                    var,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            slots,
+            params,
+            step: 0,
+        })
+    }
+
+    /// Completed update steps.
+    pub fn step_count(&self) -> u64 {
+        self.step
+    }
+
+    /// The variables, sorted by name.
+    pub fn vars(&self) -> impl Iterator<Item = (&str, &Var)> {
+        self.slots.iter().map(|s| (s.name.as_str(), &s.var))
+    }
+
+    /// Applies one update with learning rate `lr`.
+    pub fn step(&mut self, grads: &GradStore, lr: f64) -> Result<()> {
+        let AdamWParams {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        } = self.params;
+        let t = self.step + 1;
+        let bc1 = 1.0 - beta1.powf(t as f64);
+        let bc2 = 1.0 - beta2.powf(t as f64);
+        for slot in &mut self.slots {
+            let Some(g) = grads.get(slot.var.as_tensor()) else {
+                continue;
+            };
+            let g = g.detach();
+            slot.m = slot
+                .m
+                .affine(beta1, 0.0)?
+                .add(&g.affine(1.0 - beta1, 0.0)?)?;
+            slot.v = slot
+                .v
+                .affine(beta2, 0.0)?
+                .add(&g.sqr()?.affine(1.0 - beta2, 0.0)?)?;
+            let m_hat = slot.m.affine(1.0 / bc1, 0.0)?;
+            let denom = slot.v.affine(1.0 / bc2, 0.0)?.sqrt()?.affine(1.0, eps)?;
+            let theta = slot.var.as_detached_tensor();
+            let decayed = if slot.decay && weight_decay != 0.0 {
+                theta.affine(1.0 - lr * weight_decay, 0.0)?
+            } else {
+                theta
+            };
+            let new = decayed.sub(&m_hat.div(&denom)?.affine(lr, 0.0)?)?;
+            slot.var.set(&new)?;
+        }
+        self.step = t;
+        Ok(())
+    }
+
+    /// The moment tensors, named `adamw.m.<var>` and `adamw.v.<var>`.
+    pub fn state_tensors(&self) -> HashMap<String, Tensor> {
+        self.slots
+            .iter()
+            .flat_map(|s| {
+                [
+                    (format!("adamw.m.{}", s.name), s.m.clone()),
+                    (format!("adamw.v.{}", s.name), s.v.clone()),
+                ]
+            })
+            .collect()
+    }
+
+    /// Restores moments saved by [`AdamW::state_tensors`] and the step count; every
+    /// variable must be present with its own shape.
+    pub fn load_state(&mut self, state: &HashMap<String, Tensor>, step: u64) -> Result<()> {
+        let mut restored = Vec::with_capacity(self.slots.len());
+        for s in &self.slots {
+            let get = |kind: &str| -> Result<Tensor> {
+                let key = format!("adamw.{kind}.{}", s.name);
+                let t = state
+                    .get(&key)
+                    .ok_or_else(|| TrainError::Invalid(format!("optimiser state lacks `{key}`")))?;
+                if t.dims() != s.var.dims() {
+                    return Err(TrainError::Shape(format!(
+                        "optimiser state `{key}` has shape {:?}, variable has {:?}",
+                        t.dims(),
+                        s.var.dims()
+                    )));
+                }
+                Ok(t.to_dtype(s.var.dtype())?.to_device(s.var.device())?)
+            };
+            restored.push((get("m")?, get("v")?));
+        }
+        for (slot, (m, v)) in self.slots.iter_mut().zip(restored) {
+            slot.m = m;
+            slot.v = v;
+        }
+        self.step = step;
+        Ok(())
+    }
+}

@@ -1,0 +1,111 @@
+//! One guarded optimiser update: backward, NaN/inf check, gradient clipping, AdamW step.
+//! A non-finite loss or gradient norm skips the update and leaves the weights and the
+//! optimiser state untouched, so the loop can report it and carry on.
+
+use crate::error::Result;
+use crate::grad_clip::{clip_grad_norm, GradNorm};
+use crate::logprob::scalar_f32;
+use crate::optim::AdamW;
+use candle_core::backprop::GradStore;
+use candle_core::Tensor;
+use serde::{Deserialize, Serialize};
+
+/// Why an update was skipped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SkipReason {
+    /// The loss was NaN or infinite.
+    NonFiniteLoss,
+    /// The global gradient norm was NaN or infinite.
+    NonFiniteGradNorm,
+}
+
+/// What happened to one update.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum UpdateOutcome {
+    /// Weights were updated.
+    Applied {
+        /// Loss value.
+        loss: f32,
+        /// Gradient norm before clipping and the clip scale.
+        grad_norm: GradNorm,
+        /// Learning rate used.
+        lr: f64,
+    },
+    /// Weights and optimiser state were left untouched.
+    Skipped {
+        /// Why.
+        reason: SkipReason,
+        /// Loss value (may be NaN).
+        loss: f32,
+        /// Gradient norm, when it was computed.
+        grad_norm: Option<f32>,
+    },
+}
+
+impl UpdateOutcome {
+    /// Whether the weights changed.
+    pub fn applied(&self) -> bool {
+        matches!(self, UpdateOutcome::Applied { .. })
+    }
+}
+
+/// Steps with precomputed gradients (e.g. accumulated over micro-batches) whose summed loss
+/// value was `loss`.
+pub fn guarded_step(
+    opt: &mut AdamW,
+    loss: f32,
+    mut grads: GradStore,
+    lr: f64,
+    max_grad_norm: f64,
+) -> Result<UpdateOutcome> {
+    if !loss.is_finite() {
+        return Ok(UpdateOutcome::Skipped {
+            reason: SkipReason::NonFiniteLoss,
+            loss,
+            grad_norm: None,
+        });
+    }
+    let vars: Vec<_> = opt.vars().map(|(_, v)| v.clone()).collect();
+    let grad_norm = clip_grad_norm(vars.iter(), &mut grads, max_grad_norm)?;
+    if !grad_norm.is_finite() {
+        tracing::warn!(
+            loss,
+            grad_norm = grad_norm.norm,
+            "non-finite gradient norm: update skipped"
+        );
+        return Ok(UpdateOutcome::Skipped {
+            reason: SkipReason::NonFiniteGradNorm,
+            loss,
+            grad_norm: Some(grad_norm.norm),
+        });
+    }
+    opt.step(&grads, lr)?;
+    Ok(UpdateOutcome::Applied {
+        loss,
+        grad_norm,
+        lr,
+    })
+}
+
+/// Backward of a scalar `loss`, then [`guarded_step`]. A non-finite loss skips before the
+/// backward pass.
+pub fn backward_and_step(
+    opt: &mut AdamW,
+    loss: &Tensor,
+    lr: f64,
+    max_grad_norm: f64,
+) -> Result<UpdateOutcome> {
+    let value = scalar_f32(loss)?;
+    if !value.is_finite() {
+        tracing::warn!(loss = value, "non-finite loss: update skipped");
+        return Ok(UpdateOutcome::Skipped {
+            reason: SkipReason::NonFiniteLoss,
+            loss: value,
+            grad_norm: None,
+        });
+    }
+    let grads = loss.backward()?;
+    guarded_step(opt, value, grads, lr, max_grad_norm)
+}

@@ -1,0 +1,94 @@
+//! GRPO advantages and dynamic sampling against hand-computed values.
+
+use r3_train::{filter_uniform_groups, grpo_advantages, GrpoOptions, TrainError};
+
+fn close(a: &[f32], b: &[f32]) {
+    assert_eq!(a.len(), b.len());
+    for (x, y) in a.iter().zip(b) {
+        assert!((x - y).abs() < 1e-5, "{a:?} vs {b:?}");
+    }
+}
+
+#[test]
+fn grpo_normalises_within_each_group() {
+    // Group 0: [1,0,0,1]: mean 0.5, unbiased var = 4·0.25/3 = 1/3, std = 0.577350
+    //   → ±0.5/0.577350 = ±0.866025.
+    // Group 1: [1,1,1,1]: all equal → 0.
+    // Group 2: [0.5,0,0,0]: mean 0.125, var = (0.375² + 3·0.125²)/3 = 0.1875/3 = 0.0625,
+    //   std 0.25 → [1.5, -0.5, -0.5, -0.5].
+    let rewards = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.5, 0.0, 0.0, 0.0];
+    let (adv, m) = grpo_advantages(
+        &rewards,
+        4,
+        GrpoOptions {
+            norm_by_std: true,
+            eps: 0.0,
+        },
+    )
+    .expect("adv");
+    close(
+        &adv,
+        &[
+            0.866025, -0.866025, -0.866025, 0.866025, 0.0, 0.0, 0.0, 0.0, 1.5, -0.5, -0.5, -0.5,
+        ],
+    );
+    assert_eq!(m.uniform_groups, 1);
+    // reward mean = (2 + 4 + 0.5)/12
+    assert!((m.reward_mean - 6.5 / 12.0).abs() < 1e-6);
+    // Without std division: reward minus group mean.
+    let (adv, _) = grpo_advantages(
+        &rewards,
+        4,
+        GrpoOptions {
+            norm_by_std: false,
+            eps: 1e-6,
+        },
+    )
+    .expect("adv");
+    close(
+        &adv,
+        &[
+            0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 0.0, 0.0, 0.375, -0.125, -0.125, -0.125,
+        ],
+    );
+}
+
+#[test]
+fn eps_keeps_uniform_groups_finite_and_singletons_get_raw_reward() {
+    let (adv, _) = grpo_advantages(&[0.0, 0.0], 2, GrpoOptions::default()).expect("adv");
+    assert_eq!(adv, vec![0.0, 0.0]);
+    let (adv, _) = grpo_advantages(&[0.25, 1.0], 1, GrpoOptions::default()).expect("adv");
+    close(&adv, &[0.25 / (1.0 + 1e-6), 1.0 / (1.0 + 1e-6)]);
+}
+
+#[test]
+fn bad_reward_layouts_are_errors() {
+    let o = GrpoOptions::default();
+    assert!(matches!(
+        grpo_advantages(&[1.0; 5], 2, o),
+        Err(TrainError::Shape(_))
+    ));
+    assert!(matches!(
+        grpo_advantages(&[1.0; 4], 0, o),
+        Err(TrainError::Invalid(_))
+    ));
+    match grpo_advantages(&[1.0, f32::NAN], 2, o) {
+        Err(TrainError::Invalid(msg)) => assert!(msg.contains("reward 1"), "{msg}"),
+        other => panic!("expected Invalid, got {other:?}"),
+    }
+}
+
+#[test]
+fn dynamic_sampling_drops_uniform_groups() {
+    let rewards = [1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0];
+    let f = filter_uniform_groups(&rewards, 2).expect("filter");
+    assert_eq!(f.kept_groups, vec![1, 3]);
+    assert_eq!(f.dropped_groups, 2);
+    assert_eq!(f.kept_rows(), vec![2, 3, 6, 7]);
+    let names = ["a", "b", "c", "d", "e", "f", "g", "h"];
+    assert_eq!(f.select(&names).expect("select"), vec!["c", "d", "g", "h"]);
+    assert!(matches!(f.select(&names[..5]), Err(TrainError::Shape(_))));
+    let all_same = filter_uniform_groups(&[0.0; 6], 3).expect("filter");
+    assert!(all_same.kept_groups.is_empty());
+    assert_eq!(all_same.dropped_groups, 2);
+}

@@ -1,0 +1,158 @@
+//! The train config: defaults, TOML round trip, file layering, `--set` overrides and the
+//! errors that name a bad key or value.
+
+use r3_train::config::{RouterReplay, TrainConfig};
+use r3_train::{IsMode, LossAgg, PolicyLossKind, TrainError};
+
+fn tmp(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("r3-train-cfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    dir.join(name)
+}
+
+fn set(items: &[&str]) -> Vec<String> {
+    items.iter().map(|s| s.to_string()).collect()
+}
+
+#[test]
+fn defaults_round_trip_through_toml() {
+    let cfg = TrainConfig::resolve(None, &[]).expect("defaults");
+    assert_eq!(cfg, TrainConfig::default());
+    assert_eq!(cfg.algo.router_replay, RouterReplay::R3);
+    let text = cfg.to_toml_string().expect("toml");
+    assert!(text.contains("router_replay = \"R3\""), "{text}");
+    assert!(text.contains("loss_agg = \"token-mean\""), "{text}");
+    assert_eq!(TrainConfig::from_toml_str(&text).expect("parse"), cfg);
+    // An empty document is all defaults.
+    assert_eq!(TrainConfig::from_toml_str("").expect("parse"), cfg);
+}
+
+#[test]
+fn overrides_set_typed_values() {
+    let cfg = TrainConfig::resolve(
+        None,
+        &set(&[
+            "algo.eps_high=0.28",
+            "optim.lr=1",
+            "algo.router_replay=R2",
+            "algo.loss = gspo",
+            "algo.is_mode=\"tis\"",
+            "algo.loss_agg=seq-mean-token-mean",
+            "algo.dynamic_sampling=false",
+            "rollout.group_size=4",
+            "model_dir=models/other",
+            "run_dir=123",
+            "seed=7",
+        ]),
+    )
+    .expect("resolve");
+    assert_eq!(cfg.algo.eps_high, 0.28);
+    assert_eq!(cfg.optim.lr, 1.0, "integer accepted for a float");
+    assert_eq!(cfg.algo.router_replay, RouterReplay::R2);
+    assert_eq!(cfg.algo.loss, PolicyLossKind::Gspo);
+    assert_eq!(cfg.algo.is_mode, IsMode::Tis);
+    assert_eq!(cfg.algo.loss_agg, LossAgg::SeqMeanTokenMean);
+    assert!(!cfg.algo.dynamic_sampling);
+    assert_eq!(cfg.rollout.group_size, 4);
+    assert_eq!(cfg.model_dir, std::path::PathBuf::from("models/other"));
+    assert_eq!(
+        cfg.run_dir,
+        std::path::PathBuf::from("123"),
+        "strings take any text"
+    );
+    assert_eq!(cfg.seed, 7);
+    // GSPO picks its own clip range.
+    assert_eq!(cfg.clip_range().low, 3e-4);
+    // Later overrides win.
+    let cfg = TrainConfig::resolve(None, &set(&["seed=1", "seed=2"])).expect("resolve");
+    assert_eq!(cfg.seed, 2);
+    let lower = TrainConfig::resolve(None, &set(&["algo.router_replay=disabled"])).expect("r");
+    assert_eq!(lower.algo.router_replay, RouterReplay::Disabled);
+}
+
+#[test]
+fn override_errors_name_the_problem() {
+    match TrainConfig::resolve(None, &set(&["algo.epsilon=0.1"])) {
+        Err(TrainError::UnknownConfigKey { key, known }) => {
+            assert_eq!(key, "algo.epsilon");
+            assert!(known.contains("eps_high"), "{known}");
+        }
+        other => panic!("expected UnknownConfigKey, got {other:?}"),
+    }
+    match TrainConfig::resolve(None, &set(&["nope.lr=1"])) {
+        Err(TrainError::UnknownConfigKey { key, .. }) => assert_eq!(key, "nope"),
+        other => panic!("expected UnknownConfigKey, got {other:?}"),
+    }
+    for (text, needle) in [
+        ("steps=abc", "expected integer, got string"),
+        ("optim.lr=fast", "expected float"),
+        ("algo.dynamic_sampling=1", "expected boolean, got integer"),
+        ("algo=3", "section"),
+        ("seed.x=3", "not a section"),
+        ("no_equals_sign", "key=value"),
+        ("=3", "empty key"),
+        ("algo..lr=3", "empty key"),
+    ] {
+        match TrainConfig::resolve(None, &set(&[text])) {
+            Err(TrainError::BadOverride { text: t, reason }) => {
+                assert_eq!(t, text);
+                assert!(reason.contains(needle), "{text}: {reason}");
+            }
+            other => panic!("{text}: expected BadOverride, got {other:?}"),
+        }
+    }
+    match TrainConfig::resolve(None, &set(&["algo.router_replay=R4"])) {
+        Err(TrainError::Config(msg)) => assert!(msg.contains("R4"), "{msg}"),
+        other => panic!("expected Config error, got {other:?}"),
+    }
+    match TrainConfig::resolve(None, &set(&["rollout.group_size=0"])) {
+        Err(TrainError::Config(msg)) => assert!(msg.contains("group_size"), "{msg}"),
+        other => panic!("expected Config error, got {other:?}"),
+    }
+    match TrainConfig::resolve(None, &set(&["algo.eps_low=1.5"])) {
+        Err(TrainError::Config(msg)) => assert!(msg.contains("algo.eps_low"), "{msg}"),
+        other => panic!("expected Config error, got {other:?}"),
+    }
+}
+
+#[test]
+fn file_layers_between_defaults_and_overrides() {
+    let path = tmp("layer.toml");
+    std::fs::write(
+        &path,
+        "steps = 5\n[algo]\nmini_batches = 4\nis_mode = \"mis\"\n[optim]\nlr = 3e-6\n",
+    )
+    .expect("write");
+    let cfg = TrainConfig::resolve(Some(&path), &set(&["optim.lr=1e-6"])).expect("resolve");
+    assert_eq!(cfg.steps, 5);
+    assert_eq!(cfg.algo.mini_batches, 4);
+    assert_eq!(cfg.algo.is_mode, IsMode::Mis);
+    assert_eq!(cfg.optim.lr, 1e-6, "override beats file");
+    assert_eq!(cfg.rollout.group_size, 8, "untouched default");
+    assert_eq!(cfg.lr_schedule().total_steps, 20, "steps × mini_batches");
+
+    std::fs::write(&path, "[algo]\nclip = 0.2\n").expect("write");
+    match TrainConfig::resolve(Some(&path), &[]) {
+        Err(TrainError::UnknownConfigKey { key, .. }) => assert_eq!(key, "algo.clip"),
+        other => panic!("expected UnknownConfigKey, got {other:?}"),
+    }
+    std::fs::write(&path, "steps = [").expect("write");
+    assert!(matches!(
+        TrainConfig::resolve(Some(&path), &[]),
+        Err(TrainError::ConfigFile { .. })
+    ));
+    assert!(matches!(
+        TrainConfig::resolve(Some(&tmp("missing.toml")), &[]),
+        Err(TrainError::ConfigFile { .. })
+    ));
+}
+
+#[test]
+fn saved_config_reloads_identically() {
+    let cfg = TrainConfig::resolve(None, &set(&["seed=99", "algo.loss=gspo", "optim.lr=3e-6"]))
+        .expect("resolve");
+    let path = tmp("resolved.toml");
+    cfg.save(&path).expect("save");
+    let back = TrainConfig::resolve(Some(&path), &[]).expect("reload");
+    assert_eq!(back, cfg);
+}
