@@ -6,6 +6,7 @@ mod bench;
 mod bench_routes;
 mod report;
 mod routes;
+mod serve;
 
 use clap::{Parser, Subcommand};
 
@@ -32,6 +33,8 @@ pub enum Command {
     Bench(bench::BenchCommand),
     /// Plots and summarises RL run directories: one HTML page, PNGs and a results table.
     Report(report::ReportArgs),
+    /// HTTP server: SGLang /generate (routed_experts), OpenAI /v1/completions, weight updates.
+    Serve(serve::ServeArgs),
 }
 
 /// Runs one parsed command.
@@ -40,5 +43,6 @@ pub fn run(command: Command) -> anyhow::Result<()> {
         Command::Routes(c) => routes::run(c),
         Command::Bench(c) => bench::run(c),
         Command::Report(a) => report::run(a),
+        Command::Serve(a) => serve::run(a),
     }
 }
