@@ -1,6 +1,7 @@
 //! The `r3` binary: parses the command line, sets up logging on stderr and runs one command.
 //! Every failure is printed as a single `error: ...` line with a non-zero exit status.
 
+mod analysis;
 mod cmd;
 mod plot;
 mod report;

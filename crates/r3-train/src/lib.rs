@@ -20,6 +20,20 @@ pub mod rollout_is;
 pub mod schedule;
 pub mod update;
 
+// The RL loop and pretraining (trainer helper).
+pub mod checkpoint;
+pub mod diagnostics;
+pub mod metrics_log;
+pub mod minibatch;
+pub mod policy;
+pub mod pretrain;
+pub mod pretrain_config;
+pub mod rl_error;
+pub mod rl_loop;
+pub mod rollout;
+pub mod step;
+pub mod trainer;
+
 pub use advantage::{
     filter_uniform_groups, grpo_advantages, AdvantageMetrics, GroupFilter, GrpoOptions,
 };
@@ -32,7 +46,14 @@ pub use loss::{
     gspo_loss, policy_loss, ppo_clip_loss, ClipRange, PolicyLossInput, PolicyLossKind,
     PolicyLossMetrics,
 };
+pub use metrics_log::StepMetrics;
 pub use optim::{decay_matrices_only, AdamW, AdamWParams};
+pub use policy::{ResponseBatch, TrainablePolicy};
+pub use pretrain::{pretrain, PretrainEvent, PretrainReport};
+pub use pretrain_config::PretrainConfig;
+pub use rl_error::{RlError, RlResult};
+pub use rl_loop::{Observer, Quiet, Run, RunSummary};
 pub use rollout_is::{rollout_is_weights, IsConfig, IsLevel, IsMetrics, IsMode, IsWeights};
 pub use schedule::{LrDecay, LrSchedule};
+pub use trainer::Trainer;
 pub use update::{backward_and_step, guarded_step, SkipReason, UpdateOutcome};

@@ -3,18 +3,24 @@
 
 use clap::Subcommand;
 
-use super::bench_routes;
+use super::{bench_rollout, bench_routes};
 
 /// Benchmarks.
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {
     /// Route wire-format decode speed (MB/s) and size (bytes per token), per format.
     Routes(bench_routes::BenchRoutesArgs),
+    /// Rollout engine generation throughput (tokens/s), capture on/off, prefix cache.
+    Rollout(bench_rollout::BenchRolloutArgs),
+    /// Training forward+backward throughput (tokens/s), Native vs Replay routing.
+    Train(super::bench_train::BenchTrainArgs),
 }
 
 /// Runs one benchmark.
 pub fn run(command: BenchCommand) -> anyhow::Result<()> {
     match command {
         BenchCommand::Routes(a) => bench_routes::run(a),
+        BenchCommand::Rollout(a) => bench_rollout::run(a),
+        BenchCommand::Train(a) => super::bench_train::run(a),
     }
 }

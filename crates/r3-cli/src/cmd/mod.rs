@@ -2,11 +2,19 @@
 //! Each command lives in its own file `cmd/<name>.rs` exposing an `Args` struct and `run`.
 //! To add a command: one `mod` line, one `Command` variant, one match arm in `run`.
 
+mod analyze;
 mod bench;
+mod bench_rollout;
 mod bench_routes;
+mod bench_train;
+mod compare;
+mod forward;
+mod generate;
+mod pretrain;
 mod report;
 mod routes;
 mod serve;
+mod train;
 
 use clap::{Parser, Subcommand};
 
@@ -33,6 +41,18 @@ pub enum Command {
     Bench(bench::BenchCommand),
     /// Plots and summarises RL run directories: one HTML page, PNGs and a results table.
     Report(report::ReportArgs),
+    /// Training–inference mismatch of an MoE model with and without R3 (paper Section 3).
+    Analyze(analyze::AnalyzeArgs),
+    /// No replay vs R2 vs R3 (± TIS, GSPO) from one config and seed, then a Table-1 report.
+    Compare(compare::CompareArgs),
+    /// Supervised pretraining of the small MoE base model on worked arithmetic.
+    Pretrain(pretrain::PretrainArgs),
+    /// RL with router replay (disabled | R2 | R3); no arguments = the default experiment.
+    Train(train::TrainArgs),
+    /// Generate with the rollout engine: output ids, log-probs and routes as JSON.
+    Generate(generate::GenerateArgs),
+    /// One training-engine forward pass: logits and recorded (or replayed) routes as JSON.
+    Forward(forward::ForwardArgs),
     /// HTTP server: SGLang /generate (routed_experts), OpenAI /v1/completions, weight updates.
     Serve(serve::ServeArgs),
 }
@@ -42,7 +62,13 @@ pub fn run(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Routes(c) => routes::run(c),
         Command::Bench(c) => bench::run(c),
+        Command::Generate(a) => generate::run(a),
         Command::Report(a) => report::run(a),
+        Command::Analyze(a) => analyze::run(a),
+        Command::Compare(a) => compare::run(a),
+        Command::Pretrain(a) => pretrain::run(a),
+        Command::Train(a) => train::run(a),
+        Command::Forward(a) => forward::run(a),
         Command::Serve(a) => serve::run(a),
     }
 }

@@ -12,10 +12,6 @@ use super::style::{series_color, LINE_WIDTH};
 use super::{Canvas, PlotError};
 
 /// Where the legend box goes.
-#[allow(
-    dead_code,
-    reason = "LowerLeft is for `r3 analyze` (issue 6), not yet wired"
-)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum LegendPosition {
     /// Top left corner of the plotting area.
@@ -94,7 +90,6 @@ impl<'a> LinePlot<'a> {
     }
 
     /// A curve plot with both axes logarithmic (F(τ) against τ), legend upper right.
-    #[allow(dead_code, reason = "used by `r3 analyze` (issue 6), not yet wired")]
     pub fn log_log(
         title: &'a str,
         x_label: &'a str,

@@ -8,40 +8,21 @@
 //! `assets/`, so plots look the same on machines without system fonts.
 
 mod axis;
-#[allow(dead_code, reason = "for `r3 analyze` (issue 6), not yet wired")]
 mod bars;
 mod font;
 mod frame;
-#[allow(dead_code, reason = "for `r3 analyze` (issue 6), not yet wired")]
 mod histogram;
 mod line;
-#[allow(dead_code, reason = "for `r3 analyze` (issue 6), not yet wired")]
 mod scatter;
 mod style;
 #[cfg(test)]
 pub(crate) mod testutil;
 
 pub use axis::Scale;
-#[allow(
-    unused_imports,
-    reason = "bar primitives are for `r3 analyze` (issue 6), not yet wired"
-)]
 pub use bars::{bar_plot, grouped_bar_plot, BarPlot, GroupedBarPlot};
-#[allow(
-    unused_imports,
-    reason = "histograms are for `r3 analyze` (issue 6), not yet wired"
-)]
 pub use histogram::{histogram_plot, HistogramPlot};
-#[allow(
-    unused_imports,
-    reason = "legend placement is for `r3 analyze` (issue 6), not yet wired"
-)]
 pub use line::LegendPosition;
 pub use line::{line_plot, LinePlot, Series};
-#[allow(
-    unused_imports,
-    reason = "scatter plots are for `r3 analyze` (issue 6), not yet wired"
-)]
 pub use scatter::{scatter_plot, ScatterPlot};
 
 /// Smallest accepted canvas side in pixels: below it labels and legend no longer fit.

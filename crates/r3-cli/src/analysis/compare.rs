@@ -1,0 +1,229 @@
+//! The `r3 compare` experiment (paper Table 1, Figs. 5–6): one RL run per (setting, replay
+//! mode, optional TIS / GSPO variant), all from the same config and seed, each in its own run
+//! directory under `<out>/runs/`, run in-process through r3-train's `Run` API; then one report
+//! over all of them with the Table-1-style results table.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use r3_train::config::TrainConfig;
+use r3_train::{IsMode, PolicyLossKind, RouterReplay, Run};
+use serde::Serialize;
+
+use super::AnalysisError;
+use crate::report::{build_report, ReportOptions, ReportOutput};
+
+/// Single mini-step (whole batch, one update, old log-probs not recomputed) or multi
+/// mini-step (old log-probs once, then several updates).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Setting {
+    /// `algo.mini_batches = 1`.
+    Single,
+    /// `algo.mini_batches = n` (n > 1).
+    Multi(usize),
+}
+
+impl Setting {
+    /// Short name used in run names.
+    pub fn name(self) -> &'static str {
+        match self {
+            Setting::Single => "single",
+            Setting::Multi(_) => "multi",
+        }
+    }
+
+    fn mini_batches(self) -> usize {
+        match self {
+            Setting::Single => 1,
+            Setting::Multi(n) => n,
+        }
+    }
+}
+
+/// One run of the comparison.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Variant {
+    /// Mini-step setting.
+    pub setting: Setting,
+    /// Router replay mode.
+    #[serde(serialize_with = "ser_replay")]
+    pub replay: RouterReplay,
+    /// Truncated importance sampling on the rollout log-probs.
+    pub tis: bool,
+    /// GSPO instead of PPO clip-higher.
+    pub gspo: bool,
+}
+
+fn ser_replay<S: serde::Serializer>(r: &RouterReplay, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(replay_name(*r))
+}
+
+/// The config spelling of a replay mode.
+pub fn replay_name(r: RouterReplay) -> &'static str {
+    match r {
+        RouterReplay::Disabled => "disabled",
+        RouterReplay::R2 => "R2",
+        RouterReplay::R3 => "R3",
+    }
+}
+
+/// Parses `disabled` / `none`, `R2`, `R3` (case-insensitive).
+pub fn parse_replay(s: &str) -> Result<RouterReplay, AnalysisError> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "disabled" | "none" => Ok(RouterReplay::Disabled),
+        "r2" => Ok(RouterReplay::R2),
+        "r3" => Ok(RouterReplay::R3),
+        other => Err(AnalysisError::Invalid(format!(
+            "unknown replay mode {other:?}: use disabled, R2 or R3"
+        ))),
+    }
+}
+
+impl Variant {
+    /// Run directory name, e.g. `single-R3-tis`.
+    pub fn name(&self) -> String {
+        let mut n = format!("{}-{}", self.setting.name(), replay_name(self.replay));
+        if self.tis {
+            n.push_str("-tis");
+        }
+        if self.gspo {
+            n.push_str("-gspo");
+        }
+        n
+    }
+
+    /// `base` with this variant's replay mode, loss, IS mode and mini-batches.
+    pub fn apply(&self, base: &TrainConfig, run_dir: PathBuf) -> TrainConfig {
+        let mut cfg = base.clone();
+        cfg.run_dir = run_dir;
+        cfg.algo.router_replay = self.replay;
+        cfg.algo.mini_batches = self.setting.mini_batches();
+        if self.tis {
+            cfg.algo.is_mode = IsMode::Tis;
+        }
+        if self.gspo {
+            cfg.algo.loss = PolicyLossKind::Gspo;
+        }
+        cfg
+    }
+}
+
+/// Every variant: each setting × each mode, plus a TIS and/or a GSPO copy of each.
+pub fn plan(
+    settings: &[Setting],
+    modes: &[RouterReplay],
+    with_tis: bool,
+    with_gspo: bool,
+) -> Vec<Variant> {
+    let mut out = Vec::new();
+    for &setting in settings {
+        for &replay in modes {
+            let base = Variant {
+                setting,
+                replay,
+                tis: false,
+                gspo: false,
+            };
+            out.push(base);
+            if with_tis {
+                out.push(Variant { tis: true, ..base });
+            }
+            if with_gspo {
+                out.push(Variant { gspo: true, ..base });
+            }
+        }
+    }
+    out
+}
+
+/// How one run went.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunOutcome {
+    /// Run directory name.
+    pub name: String,
+    /// What was run.
+    pub variant: Variant,
+    /// The run directory.
+    pub run_dir: PathBuf,
+    /// Steps completed.
+    pub steps_run: u64,
+    /// Wall-clock seconds.
+    pub wall_s: f64,
+    /// The error that stopped the run early, if any (its metrics so far are still reported).
+    pub error: Option<String>,
+}
+
+/// Everything `compare.json` records.
+#[derive(Debug, Clone, Serialize)]
+pub struct CompareSummary {
+    /// The command line.
+    pub command: String,
+    /// Shared seed of every run.
+    pub seed: u64,
+    /// RL steps per run.
+    pub steps: u64,
+    /// One entry per run, in the order run.
+    pub runs: Vec<RunOutcome>,
+    /// The results table (Markdown) written by the report.
+    pub table_md: PathBuf,
+    /// The report page.
+    pub report_html: PathBuf,
+    /// Total wall-clock seconds.
+    pub wall_s: f64,
+}
+
+/// Runs every variant from `base` into `<out>/runs/<name>` in order, calling `on_run`
+/// before each; a run that fails is recorded and the rest still run.
+pub fn run_variants(
+    base: &TrainConfig,
+    variants: &[Variant],
+    out: &Path,
+    on_run: &mut dyn FnMut(usize, &Variant) -> Box<dyn r3_train::Observer>,
+) -> Result<Vec<RunOutcome>, AnalysisError> {
+    let runs_dir = out.join("runs");
+    std::fs::create_dir_all(&runs_dir).map_err(AnalysisError::io(&runs_dir))?;
+    let mut outcomes = Vec::with_capacity(variants.len());
+    for (i, v) in variants.iter().enumerate() {
+        let name = v.name();
+        let run_dir = runs_dir.join(&name);
+        let cfg = v.apply(base, run_dir.clone());
+        let started = Instant::now();
+        let mut observer = on_run(i, v);
+        let result = Run::fresh(cfg).and_then(|mut run| run.execute(observer.as_mut()));
+        let (steps_run, error) = match result {
+            Ok(s) => (s.steps_run, None),
+            Err(e) => {
+                tracing::error!(run = %name, error = %e, "run stopped with an error");
+                (0, Some(e.to_string()))
+            }
+        };
+        outcomes.push(RunOutcome {
+            name,
+            variant: *v,
+            run_dir,
+            steps_run,
+            wall_s: started.elapsed().as_secs_f64(),
+            error,
+        });
+    }
+    Ok(outcomes)
+}
+
+/// The report over every run that logged at least one step.
+pub fn report(
+    outcomes: &[RunOutcome],
+    opts: &ReportOptions,
+) -> Result<ReportOutput, AnalysisError> {
+    let dirs: Vec<PathBuf> = outcomes
+        .iter()
+        .filter(|o| o.run_dir.join("metrics.jsonl").is_file())
+        .map(|o| o.run_dir.clone())
+        .collect();
+    if dirs.is_empty() {
+        return Err(AnalysisError::Invalid(
+            "no run logged a step; nothing to report".into(),
+        ));
+    }
+    build_report(&dirs, opts).map_err(|e| AnalysisError::Invalid(format!("report: {e}")))
+}

@@ -1,0 +1,148 @@
+//! The dense reference point of the analysis (paper: Qwen3-8B beside Qwen3-30B-A3B): either a
+//! dense checkpoint the user names, or a dense config with the MoE model's attention, width
+//! and depth and an MLP as wide as the MoE layer's *active* experts, with seeded random
+//! weights.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::Device;
+use r3_model::{AttentionConfig, Config, RandomInit, SharedExpert, Weights};
+use serde::Serialize;
+use serde_json::{json, Map, Value};
+
+use super::AnalysisError;
+
+/// Keys copied verbatim from the MoE config.json into the dense one.
+const COPIED_KEYS: [&str; 15] = [
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "rope_theta",
+    "rope_parameters",
+    "rope_scaling",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+];
+
+/// Where the dense model came from (recorded in summary.json).
+#[derive(Debug, Clone, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum DenseSource {
+    /// A checkpoint directory given with `--dense-model`.
+    Checkpoint {
+        /// The directory.
+        dir: PathBuf,
+    },
+    /// Built from the MoE config with seeded random weights (not trained).
+    RandomInit {
+        /// Seed of the weights.
+        seed: u64,
+        /// The dense MLP width: top-k × expert width (+ shared expert).
+        intermediate_size: usize,
+        /// HF model_type of the dense config.
+        model_type: String,
+    },
+}
+
+/// A dense model ready for both engines.
+#[derive(Debug)]
+pub struct DenseModel {
+    /// Its config.
+    pub config: Config,
+    /// f32 weights with HF names.
+    pub weights: Weights,
+    /// Where it came from.
+    pub source: DenseSource,
+}
+
+impl DenseModel {
+    /// Loads a dense checkpoint; an MoE checkpoint here is an error.
+    pub fn load(dir: &Path) -> Result<Self, AnalysisError> {
+        let config = Config::from_file(&dir.join("config.json"))
+            .map_err(AnalysisError::model(format!("reading {}", dir.display())))?;
+        if config.moe.is_some() {
+            return Err(AnalysisError::Invalid(format!(
+                "--dense-model {} is an MoE model ({} experts); give a dense checkpoint",
+                dir.display(),
+                config.num_experts()
+            )));
+        }
+        let weights = Weights::load(dir, &config, &Device::Cpu)
+            .map_err(AnalysisError::model(format!("loading {}", dir.display())))?;
+        Ok(Self {
+            config,
+            weights,
+            source: DenseSource::Checkpoint {
+                dir: dir.to_path_buf(),
+            },
+        })
+    }
+
+    /// A dense model of the MoE model's active size with seeded random weights.
+    pub fn random_like(moe: &Config, seed: u64) -> Result<Self, AnalysisError> {
+        let (value, intermediate_size, model_type) = dense_config_json(moe)?;
+        let config = Config::from_value(value)
+            .map_err(AnalysisError::model("building the dense reference config"))?;
+        let weights = Weights::random(&config, &RandomInit::new(seed), &Device::Cpu)
+            .map_err(AnalysisError::model("random dense weights"))?;
+        Ok(Self {
+            config,
+            weights,
+            source: DenseSource::RandomInit {
+                seed,
+                intermediate_size,
+                model_type,
+            },
+        })
+    }
+}
+
+/// The dense config.json for an MoE config, its MLP width and model_type.
+fn dense_config_json(moe: &Config) -> Result<(Value, usize, String), AnalysisError> {
+    let Some(m) = &moe.moe else {
+        return Err(AnalysisError::Invalid(
+            "the model is already dense; give an MoE model to analyze".into(),
+        ));
+    };
+    if matches!(moe.attention, AttentionConfig::Mla { .. }) {
+        return Err(AnalysisError::Invalid(
+            "no dense counterpart is built for MLA attention (deepseek_v3); pass --dense-model"
+                .into(),
+        ));
+    }
+    let shared = match m.shared {
+        SharedExpert::None => 0,
+        SharedExpert::Plain { intermediate_size } | SharedExpert::Gated { intermediate_size } => {
+            intermediate_size
+        }
+    };
+    let intermediate_size = m.top_k * m.expert_intermediate_size + shared;
+    let model_type = match moe.architecture.model_type() {
+        "qwen3_moe" => "qwen3",
+        "qwen2_moe" => "qwen2",
+        _ => "llama",
+    };
+    let mut out = Map::new();
+    if let Some(raw) = moe.raw.as_object() {
+        for key in COPIED_KEYS {
+            if let Some(v) = raw.get(key) {
+                out.insert(key.to_string(), v.clone());
+            }
+        }
+    }
+    out.insert("model_type".into(), json!(model_type));
+    out.insert("intermediate_size".into(), json!(intermediate_size));
+    out.insert("hidden_act".into(), json!("silu"));
+    Ok((
+        Value::Object(out),
+        intermediate_size,
+        model_type.to_string(),
+    ))
+}

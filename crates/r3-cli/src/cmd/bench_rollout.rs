@@ -1,0 +1,241 @@
+//! `r3 bench rollout`: generation throughput of the rollout engine (generated tokens/s) at
+//! several batch sizes on a tiny and the mid-size Qwen3-MoE-style config with seeded random
+//! weights, route capture on vs off, and a multi-turn workload with and without the prefix
+//! cache. Prints figures and ratios; nothing is asserted.
+
+use std::time::Instant;
+
+use anyhow::Context;
+use clap::Args;
+use r3_model::weights::{RandomInit, Weights};
+use r3_model::Config;
+use r3_rollout::{Dtype, Engine, EngineConfig, GenerateRequest, SamplingParams, TensorMap};
+
+/// HF transformers `generate` (PyTorch, CPU, 2 threads) on the mid-size config, tokens/s at
+/// batch 1 / 16 / 64 (measured on this machine; see the issue).
+const HF_REFERENCE: [(usize, f64); 3] = [(1, 37.0), (16, 124.0), (64, 326.0)];
+
+/// Options of `r3 bench rollout`.
+#[derive(Debug, Args)]
+pub struct BenchRolloutArgs {
+    /// Batch sizes (concurrent requests).
+    #[arg(long, value_delimiter = ',', default_value = "1,16,64,256")]
+    pub batches: Vec<usize>,
+    /// Configs to run: `tiny`, `mid`.
+    #[arg(long, value_delimiter = ',', default_value = "tiny,mid")]
+    pub configs: Vec<String>,
+    /// Prompt length.
+    #[arg(long, default_value_t = 32)]
+    pub prompt_len: usize,
+    /// Generated tokens per request.
+    #[arg(long, default_value_t = 64)]
+    pub new_tokens: usize,
+    /// Matmul precision.
+    #[arg(long, default_value = "f16")]
+    pub dtype: String,
+    /// Also run every batch size with route capture off.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub capture_off: bool,
+    /// Conversations of the multi-turn workload (0 skips it).
+    #[arg(long, default_value_t = 16)]
+    pub multi_turn_conversations: usize,
+    /// Seed of weights and prompts.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+/// The mid-size config of `r3 bench train`: Qwen3-MoE-style, vocab 32000, hidden 512,
+/// 8 layers, 8 heads / 4 KV heads, head_dim 64, 32 experts of width 512, top-4.
+fn config_json(name: &str) -> anyhow::Result<serde_json::Value> {
+    let (vocab, hidden, layers, heads, kv, hd, experts, inter, k) = match name {
+        "mid" => (32000, 512, 8, 8, 4, 64, 32, 512, 4),
+        "tiny" => (256, 64, 4, 4, 2, 16, 8, 32, 2),
+        other => anyhow::bail!("unknown bench config {other:?}: expected tiny or mid"),
+    };
+    Ok(serde_json::json!({
+        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd,
+        "intermediate_size": inter * 2, "moe_intermediate_size": inter,
+        "num_experts": experts, "num_experts_per_tok": k, "norm_topk_prob": true,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "max_position_embeddings": 4096,
+        "tie_word_embeddings": false, "attention_bias": false, "eos_token_id": 2,
+    }))
+}
+
+struct Setup {
+    cfg: Config,
+    tensors: TensorMap,
+}
+
+fn setup(name: &str, seed: u64) -> anyhow::Result<Setup> {
+    let cfg = Config::from_value(config_json(name)?)?;
+    let w = Weights::random(&cfg, &RandomInit::new(seed), &candle_core::Device::Cpu)?;
+    Ok(Setup {
+        cfg,
+        tensors: w.into_map().into_iter().collect(),
+    })
+}
+
+fn engine(s: &Setup, dtype: Dtype, prefix_cache: bool) -> anyhow::Result<Engine> {
+    let cfg = EngineConfig {
+        dtype,
+        prefix_cache,
+        ..EngineConfig::default()
+    };
+    Ok(Engine::new(s.cfg.clone(), &s.tensors, cfg)?)
+}
+
+/// splitmix64 for seeded prompts.
+fn prompt(seed: u64, i: usize, len: usize, vocab: usize) -> Vec<u32> {
+    let mut x = seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    (0..len)
+        .map(|_| {
+            x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = x;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            ((z ^ (z >> 31)) % (vocab as u64 - 3) + 3) as u32
+        })
+        .collect()
+}
+
+fn requests(
+    a: &BenchRolloutArgs,
+    vocab: usize,
+    batch: usize,
+    capture: bool,
+) -> Vec<GenerateRequest> {
+    (0..batch)
+        .map(|i| GenerateRequest {
+            input_ids: prompt(a.seed, i, a.prompt_len, vocab),
+            sampling: SamplingParams {
+                temperature: 1.0,
+                max_new_tokens: a.new_tokens,
+                seed: a.seed + i as u64,
+                ..SamplingParams::default()
+            },
+            return_routes: capture,
+            routed_experts_start_len: 0,
+        })
+        .collect()
+}
+
+/// Generated tokens per second of one batch.
+fn throughput(e: &mut Engine, reqs: Vec<GenerateRequest>) -> anyhow::Result<f64> {
+    let t0 = Instant::now();
+    let out = e.generate(reqs)?;
+    let secs = t0.elapsed().as_secs_f64();
+    let tokens: usize = out.iter().map(|r| r.output_ids.len()).sum();
+    Ok(tokens as f64 / secs)
+}
+
+/// Multi-turn chat: every conversation's next prompt is its whole history plus new user
+/// tokens. Returns (generated tokens/s, fraction of prompt tokens served from the cache).
+fn multi_turn(
+    s: &Setup,
+    a: &BenchRolloutArgs,
+    dtype: Dtype,
+    cache: bool,
+) -> anyhow::Result<(f64, f64)> {
+    let mut e = engine(s, dtype, cache)?;
+    let vocab = s.cfg.vocab_size;
+    let n = a.multi_turn_conversations;
+    let mut history: Vec<Vec<u32>> = (0..n)
+        .map(|i| prompt(a.seed, i, a.prompt_len, vocab))
+        .collect();
+    let (mut generated, mut prompt_tokens, mut cached) = (0usize, 0usize, 0usize);
+    let t0 = Instant::now();
+    for turn in 0..4 {
+        let reqs: Vec<GenerateRequest> = history
+            .iter()
+            .enumerate()
+            .map(|(i, h)| GenerateRequest {
+                input_ids: h.clone(),
+                sampling: SamplingParams {
+                    temperature: 1.0,
+                    max_new_tokens: 32,
+                    seed: a.seed + (turn * n + i) as u64,
+                    ..SamplingParams::default()
+                },
+                return_routes: true,
+                routed_experts_start_len: 0,
+            })
+            .collect();
+        for (i, r) in e.generate(reqs)?.into_iter().enumerate() {
+            generated += r.output_ids.len();
+            prompt_tokens += r.prompt_tokens;
+            cached += r.cached_tokens;
+            history[i].extend(&r.output_ids);
+            history[i].extend(prompt(a.seed + 7, turn * n + i, 16, vocab));
+        }
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    Ok((
+        generated as f64 / secs,
+        cached as f64 / prompt_tokens.max(1) as f64,
+    ))
+}
+
+/// Runs `r3 bench rollout`.
+pub fn run(a: BenchRolloutArgs) -> anyhow::Result<()> {
+    let dtype: Dtype = a.dtype.parse()?;
+    println!(
+        "r3 bench rollout: {} threads, dtype {dtype}, prompt {} tokens, {} new tokens (generated tokens/s)",
+        rayon_threads(),
+        a.prompt_len,
+        a.new_tokens
+    );
+    let mut summary = Vec::new();
+    for name in &a.configs {
+        let s = setup(name, a.seed).with_context(|| format!("building the {name} config"))?;
+        let vocab = s.cfg.vocab_size;
+        // Warm-up (page in weights, grow buffers).
+        engine(&s, dtype, false)?.generate(requests(&a, vocab, 1, true)[..1].to_vec())?;
+        for &b in &a.batches {
+            let mut e = engine(&s, dtype, false)?;
+            let on = throughput(&mut e, requests(&a, vocab, b, true))?;
+            let off = if a.capture_off {
+                let mut e = engine(&s, dtype, false)?;
+                Some(throughput(&mut e, requests(&a, vocab, b, false))?)
+            } else {
+                None
+            };
+            let hf = HF_REFERENCE
+                .iter()
+                .find(|(hb, _)| *hb == b)
+                .filter(|_| name == "mid");
+            let mut line = format!("{name:>5} batch {b:>4}: capture on {on:>9.1} tok/s");
+            if let Some(off) = off {
+                line += &format!(
+                    " | off {off:>9.1} tok/s | capture cost {:+.2}%",
+                    (off / on - 1.0) * 100.0
+                );
+            }
+            if let Some((_, hf)) = hf {
+                line += &format!(" | vs HF {hf:.0}: {:.2}x", on / hf);
+            }
+            println!("{line}");
+            summary.push(serde_json::json!({"config": name, "batch": b, "capture_on_tok_s": on, "capture_off_tok_s": off}));
+        }
+        if a.multi_turn_conversations > 0 {
+            let (with, hit) = multi_turn(&s, &a, dtype, true)?;
+            let (without, _) = multi_turn(&s, &a, dtype, false)?;
+            println!(
+                "{name:>5} multi-turn ({} conversations x 4 turns, 32 new tokens/turn): prefix cache on {with:.1} tok/s \
+                 ({:.0}% of prompt tokens cached) | off {without:.1} tok/s | speed-up {:.2}x",
+                a.multi_turn_conversations,
+                hit * 100.0,
+                with / without
+            );
+            summary.push(serde_json::json!({"config": name, "multi_turn_cache_on_tok_s": with, "multi_turn_cache_off_tok_s": without, "cached_fraction": hit}));
+        }
+    }
+    println!("{}", serde_json::to_string(&summary)?);
+    Ok(())
+}
+
+fn rayon_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}

@@ -1,0 +1,206 @@
+//! `r3 compare`: no replay vs R2 vs R3 (optionally with TIS and GSPO variants) from one
+//! config and seed, in the single- and multi-mini-step settings, each run in its own run
+//! directory via r3-train's library API; then the report (PNGs, HTML) and the Table-1-style
+//! results table with the crash rule stated.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use r3_train::config::TrainConfig;
+use r3_train::overrides::{apply_overrides, merge_known};
+use r3_train::rollout::EvalResult;
+use r3_train::{Observer, StepMetrics};
+
+use super::train::DEFAULT_CONFIG;
+use crate::analysis::compare::{
+    parse_replay, plan, report, run_variants, CompareSummary, Setting, Variant,
+};
+use crate::plot::Canvas;
+use crate::report::{CrashRule, ReportOptions, DEFAULT_KL_THRESHOLD};
+
+/// Options of `r3 compare`.
+#[derive(Debug, Args)]
+pub struct CompareArgs {
+    /// Base TOML config of every run (default: the built-in configs/default.toml).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Override a config key of every run, e.g. `--set rollout.prompts_per_step=8`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    /// RL steps per run.
+    #[arg(long, default_value_t = 12)]
+    pub steps: u64,
+    /// Evaluate every N steps (and after the last).
+    #[arg(long, default_value_t = 4)]
+    pub eval_every: u64,
+    /// Output directory: runs/<name>/ per run, the report, results.{md,json}, compare.json.
+    #[arg(long, default_value = "compare")]
+    pub out: PathBuf,
+    /// Replay modes, comma separated: disabled, R2, R3.
+    #[arg(long, value_delimiter = ',', default_value = "disabled,R2,R3")]
+    pub modes: Vec<String>,
+    /// Also run each mode with truncated importance sampling (TIS, threshold from the config).
+    #[arg(long)]
+    pub with_tis: bool,
+    /// Also run each mode with GSPO instead of PPO clip-higher.
+    #[arg(long)]
+    pub with_gspo: bool,
+    /// Settings, comma separated: single (one update per step), multi (several mini-steps).
+    #[arg(long, value_delimiter = ',', default_value = "single,multi")]
+    pub settings: Vec<String>,
+    /// Mini-steps per RL step in the multi setting.
+    #[arg(long, default_value_t = 4)]
+    pub multi_mini_batches: usize,
+    /// Seed of every run (default: the config's).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// A step whose mismatch.k3_kl exceeds this counts as a crash.
+    #[arg(long, default_value_t = DEFAULT_KL_THRESHOLD)]
+    pub kl_threshold: f64,
+    /// No progress bars (logs only).
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+/// The base config: defaults ← file (or the built-in default) ← `--set`, validated.
+fn base_config(a: &CompareArgs) -> anyhow::Result<TrainConfig> {
+    let mut cfg = match &a.config {
+        Some(path) => TrainConfig::resolve(Some(path), &a.set)?,
+        None => {
+            let mut value = toml::Value::try_from(TrainConfig::default())?;
+            let incoming: toml::Value =
+                toml::from_str(DEFAULT_CONFIG).context("built-in default config")?;
+            merge_known(&mut value, incoming, "")?;
+            apply_overrides(&mut value, &a.set)?;
+            value
+                .try_into()
+                .map_err(|e: toml::de::Error| anyhow::anyhow!("config: {}", e.message()))?
+        }
+    };
+    cfg.steps = a.steps;
+    cfg.eval.every = a.eval_every;
+    if let Some(seed) = a.seed {
+        cfg.seed = seed;
+    }
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+fn parse_settings(names: &[String], multi: usize) -> anyhow::Result<Vec<Setting>> {
+    names
+        .iter()
+        .map(|s| match s.trim().to_ascii_lowercase().as_str() {
+            "single" => Ok(Setting::Single),
+            "multi" if multi >= 2 => Ok(Setting::Multi(multi)),
+            "multi" => anyhow::bail!("--multi-mini-batches must be at least 2, got {multi}"),
+            other => anyhow::bail!("unknown setting {other:?}: use single or multi"),
+        })
+        .collect()
+}
+
+/// Progress bar of one run.
+struct RunProgress {
+    bar: ProgressBar,
+}
+
+impl Observer for RunProgress {
+    fn started(&mut self, first: u64, last: u64) {
+        self.bar.set_length(last);
+        self.bar.set_position(first.saturating_sub(1));
+    }
+
+    fn evaluated(&mut self, step: u64, r: &EvalResult) {
+        self.bar.println(format!(
+            "  eval after step {step}: accuracy {:.3}",
+            r.accuracy
+        ));
+    }
+
+    fn step_done(&mut self, m: &StepMetrics) {
+        self.bar.set_position(m.step);
+        let k3 = m.k3_kl.map_or("-".to_string(), |v| format!("{v:.2e}"));
+        self.bar
+            .set_message(format!("reward {:.3} k3 {k3}", m.reward_mean));
+    }
+}
+
+/// Runs `r3 compare`; prints the results table on stdout.
+pub fn run(a: CompareArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        a.kl_threshold.is_finite() && a.kl_threshold > 0.0,
+        "--kl-threshold must be a positive number, got {}",
+        a.kl_threshold
+    );
+    anyhow::ensure!(a.steps >= 1, "--steps must be at least 1");
+    let started = Instant::now();
+    let base = base_config(&a)?;
+    let modes = a
+        .modes
+        .iter()
+        .map(|m| parse_replay(m))
+        .collect::<Result<Vec<_>, _>>()?;
+    let settings = parse_settings(&a.settings, a.multi_mini_batches)?;
+    let variants = plan(&settings, &modes, a.with_tis, a.with_gspo);
+    anyhow::ensure!(
+        !variants.is_empty(),
+        "no runs: give at least one mode and one setting"
+    );
+    tracing::info!(
+        runs = variants.len(),
+        steps = base.steps,
+        seed = base.seed,
+        model = %base.model_dir.display(),
+        "compare"
+    );
+    let total = variants.len();
+    let no_progress = a.no_progress;
+    let mut on_run = |i: usize, v: &Variant| -> Box<dyn Observer> {
+        tracing::info!(run = %v.name(), "run {} of {total}", i + 1);
+        let bar = if no_progress {
+            ProgressBar::hidden()
+        } else {
+            ProgressBar::new(0)
+        };
+        bar.set_style(
+            ProgressStyle::with_template(
+                "{prefix:18} {elapsed_precise} [{bar:25}] {pos}/{len} {msg}",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        bar.set_prefix(v.name());
+        Box::new(RunProgress { bar })
+    };
+    let outcomes = run_variants(&base, &variants, &a.out, &mut on_run)?;
+    let opts = ReportOptions {
+        out_dir: a.out.join("report"),
+        crash_rule: CrashRule {
+            kl_threshold: a.kl_threshold,
+        },
+        canvas: Canvas::default(),
+    };
+    let out = report(&outcomes, &opts)?;
+    let table_md = a.out.join("results.md");
+    std::fs::copy(&out.table_md, &table_md)
+        .with_context(|| format!("copying the table to {}", table_md.display()))?;
+    std::fs::copy(&out.table_json, a.out.join("results.json"))
+        .with_context(|| format!("copying the table to {}", a.out.display()))?;
+    let summary = CompareSummary {
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        seed: base.seed,
+        steps: base.steps,
+        runs: outcomes,
+        table_md: table_md.clone(),
+        report_html: out.html.clone(),
+        wall_s: started.elapsed().as_secs_f64(),
+    };
+    let path = a.out.join("compare.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&summary)? + "\n")
+        .with_context(|| format!("writing {}", path.display()))?;
+    let failed = summary.runs.iter().filter(|r| r.error.is_some()).count();
+    tracing::info!(wall_s = summary.wall_s, failed, report = %out.html.display(), "compare done");
+    print!("{}", std::fs::read_to_string(&table_md)?);
+    Ok(())
+}

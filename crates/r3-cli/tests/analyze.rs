@@ -1,0 +1,311 @@
+//! `r3 analyze` end to end on the tiny HF-oracle Qwen3-MoE checkpoint: R3 replays the rollout
+//! routes exactly, its k3 KL is at most the native one, every summary number the tests can
+//! recompute from the raw per-token log-probs (samples.jsonl) agrees, every field is present
+//! and every figure listed as written is a PNG.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::Value;
+
+fn fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3_moe_tiny")
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("r3-analyze-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+fn analyze(out: &Path, extra: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_r3"))
+        .args(["--log", "warn", "analyze", "--model"])
+        .arg(fixture())
+        .args([
+            "--prompts",
+            "6",
+            "--max-new-tokens",
+            "10",
+            "--micro-batch",
+            "4",
+            "--seed",
+            "5",
+        ])
+        .arg("--out")
+        .arg(out)
+        .args(extra)
+        .output()
+        .expect("run r3")
+}
+
+fn read_json(path: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(path).expect("read json")).expect("parse json")
+}
+
+fn f(v: &Value, pointer: &str) -> f64 {
+    v.pointer(pointer)
+        .and_then(Value::as_f64)
+        .unwrap_or_else(|| panic!("{pointer} is not a number"))
+}
+
+fn u(v: &Value, pointer: &str) -> u64 {
+    v.pointer(pointer)
+        .and_then(Value::as_u64)
+        .unwrap_or_else(|| panic!("{pointer} is not an unsigned integer"))
+}
+
+/// k3 KL and F(2) computed here from raw log-probs, independently of r3-routing.
+fn k3_and_f2(train: &[f64], rollout: &[f64]) -> (f64, f64) {
+    let n = train.len() as f64;
+    let mut k3 = 0.0;
+    let mut extreme = 0.0;
+    for (t, r) in train.iter().zip(rollout) {
+        let ratio = (t - r).exp();
+        k3 += ratio - 1.0 - (t - r);
+        if ratio.max(1.0 / ratio) > 2.0 {
+            extreme += 1.0;
+        }
+    }
+    (k3 / n, extreme / n)
+}
+
+fn column(samples: &[Value], key: &str) -> Vec<f64> {
+    samples
+        .iter()
+        .flat_map(|s| {
+            s[key]
+                .as_array()
+                .unwrap_or_else(|| panic!("{key} missing"))
+                .iter()
+                .map(|x| x.as_f64().expect("number"))
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+#[test]
+fn analyze_tiny_moe_end_to_end() {
+    let out = scratch("e2e");
+    let run = analyze(&out, &[]);
+    assert!(
+        run.status.success(),
+        "r3 analyze failed: {}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(stdout.trim().ends_with("summary.json"), "stdout: {stdout}");
+    let s = read_json(&out.join("summary.json"));
+
+    // Every section and field the schema promises.
+    for pointer in [
+        "/version",
+        "/command",
+        "/seed",
+        "/model/num_experts",
+        "/model/top_k",
+        "/model/moe_layers",
+        "/prompts/kind",
+        "/rollout/dtype",
+        "/rollout/samples",
+        "/rollout/response_tokens",
+        "/training_engine",
+        "/moe/native/metrics/k3_kl",
+        "/moe/native/metrics/extreme_frac_tau2",
+        "/moe/native/metrics/prob_diff_mean",
+        "/moe/native/f_tau",
+        "/moe/native/bitwise_identical",
+        "/moe/r3/metrics/k3_kl",
+        "/moe/r3/f_tau",
+        "/moe/k3_kl_reduction_factor",
+        "/moe/routing_divergence/summary/router_diff_fraction",
+        "/moe/routing_divergence/summary/token_diff_fraction",
+        "/moe/routing_divergence/summary/mean_seq_diff_layers_per_token",
+        "/moe/routing_divergence/router_level",
+        "/moe/routing_divergence/token_level",
+        "/moe/routing_divergence/per_sequence_mean",
+        "/moe/routing_divergence/per_sequence_histogram/edges",
+        "/moe/routing_divergence/per_layer",
+        "/moe/r3_routing/differing_routers",
+        "/dense/source/kind",
+        "/dense/native/metrics/k3_kl",
+        "/dense/response_tokens",
+        "/repeat_identical/mismatch/bitwise_identical",
+        "/repeat_identical/description",
+        "/repeat_rebatched/mismatch/metrics/k3_kl",
+        "/repeat_rebatched/routing_divergence/summary/router_diff_fraction",
+        "/paper/k3_kl_moe",
+        "/figures",
+        "/timings/rollout_s",
+    ] {
+        assert!(s.pointer(pointer).is_some(), "summary.json lacks {pointer}");
+    }
+    assert_eq!(
+        s["prompts"]["kind"], "random_tokens",
+        "the oracle model has no r3 tokenizer"
+    );
+    assert_eq!(s["rollout"]["dtype"], "f16");
+    assert_eq!(s["dense"]["source"]["kind"], "random_init");
+
+    // R3 replays exactly the rollout routes, for every router they cover.
+    let routers = u(&s, "/moe/r3_routing/rollout_routers");
+    assert!(routers > 0);
+    assert_eq!(u(&s, "/moe/r3_routing/differing_routers"), 0);
+    assert_eq!(u(&s, "/moe/r3_routing/totals/replayed_cells"), routers);
+    assert_eq!(u(&s, "/moe/r3_routing/totals/native_cells"), 0);
+    assert_eq!(s["moe"]["r3_routing"]["all_replayed"], true);
+    // Routers: rows (prompt + output - 1 per sample) x MoE layers.
+    let layers = s["model"]["moe_layers"].as_array().expect("layers").len() as u64;
+    assert_eq!(routers, u(&s, "/rollout/routed_positions") * layers);
+
+    // R3 does not increase the mismatch.
+    let native_kl = f(&s, "/moe/native/metrics/k3_kl");
+    let r3_kl = f(&s, "/moe/r3/metrics/k3_kl");
+    assert!(r3_kl <= native_kl, "R3 k3 KL {r3_kl} > native {native_kl}");
+
+    // The divergence histograms account for every router and every routed position.
+    let router_level: Vec<u64> = s["moe"]["routing_divergence"]["router_level"]
+        .as_array()
+        .expect("router_level")
+        .iter()
+        .map(|x| x.as_u64().expect("count"))
+        .collect();
+    assert_eq!(router_level.len() as u64, u(&s, "/model/top_k") + 1);
+    assert_eq!(router_level.iter().sum::<u64>(), routers);
+    let differing = routers - router_level[0];
+    let frac = f(&s, "/moe/routing_divergence/summary/router_diff_fraction");
+    assert!((frac - differing as f64 / routers as f64).abs() < 1e-12);
+    let token_level: u64 = s["moe"]["routing_divergence"]["token_level"]
+        .as_array()
+        .expect("token_level")
+        .iter()
+        .map(|x| x.as_u64().expect("count"))
+        .sum();
+    assert_eq!(token_level, u(&s, "/rollout/routed_positions"));
+    let per_seq = s["moe"]["routing_divergence"]["per_sequence_mean"]
+        .as_array()
+        .expect("per_sequence_mean");
+    assert_eq!(per_seq.len() as u64, u(&s, "/rollout/samples"));
+
+    // Recompute the headline numbers from the raw per-token log-probs.
+    let samples: Vec<Value> = std::fs::read_to_string(out.join("samples.jsonl"))
+        .expect("samples.jsonl")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("sample line"))
+        .collect();
+    assert_eq!(samples.len() as u64, u(&s, "/rollout/samples"));
+    let rollout = column(&samples, "rollout_logp");
+    let native = column(&samples, "train_native_logp");
+    let r3 = column(&samples, "train_r3_logp");
+    assert_eq!(rollout.len() as u64, u(&s, "/rollout/response_tokens"));
+    let (k3, f2) = k3_and_f2(&native, &rollout);
+    assert!(
+        (k3 - native_kl).abs() <= 1e-9 + 1e-6 * native_kl,
+        "native k3 {k3} vs {native_kl}"
+    );
+    assert!((f2 - f(&s, "/moe/native/metrics/extreme_frac_tau2")).abs() < 1e-12);
+    let (k3, _) = k3_and_f2(&r3, &rollout);
+    assert!(
+        (k3 - r3_kl).abs() <= 1e-9 + 1e-6 * r3_kl,
+        "R3 k3 {k3} vs {r3_kl}"
+    );
+    // Rollout log-probs are log-probabilities; sampled tokens are never impossible.
+    assert!(rollout.iter().all(|&l| l <= 0.0 && l.is_finite()));
+
+    // Every figure listed as written is a PNG on disk; the core ones are written.
+    let figures = s["figures"].as_object().expect("figures");
+    for key in [
+        "fig2a_moe_native",
+        "fig2b_moe_r3",
+        "fig2c_dense",
+        "fig3a_router_level",
+        "fig3b_token_level",
+        "fig3c_sequence_level",
+        "fig4_two_passes",
+    ] {
+        assert!(
+            figures[key].get("written").is_some(),
+            "{key}: {:?}",
+            figures[key]
+        );
+    }
+    for (key, status) in figures {
+        if let Some(file) = status.get("written").and_then(Value::as_str) {
+            let bytes =
+                std::fs::read(out.join(file)).unwrap_or_else(|_| panic!("{key}: {file} missing"));
+            assert!(
+                bytes.starts_with(b"\x89PNG\r\n\x1a\n"),
+                "{key}: {file} is not a PNG"
+            );
+        } else {
+            assert!(
+                status.get("skipped").is_some(),
+                "{key}: neither written nor skipped"
+            );
+        }
+    }
+    let md = std::fs::read_to_string(out.join("summary.md")).expect("summary.md");
+    assert!(md.contains("k3 KL, MoE + R3"));
+
+    // Same seed, same numbers.
+    let again = scratch("e2e-again");
+    let run = analyze(&again, &[]);
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let s2 = read_json(&again.join("summary.json"));
+    assert_eq!(
+        s["moe"]["native"]["metrics"],
+        s2["moe"]["native"]["metrics"]
+    );
+    assert_eq!(
+        s["moe"]["routing_divergence"]["router_level"],
+        s2["moe"]["routing_divergence"]["router_level"]
+    );
+    let _ = std::fs::remove_dir_all(&out);
+    let _ = std::fs::remove_dir_all(&again);
+}
+
+#[test]
+fn analyze_rejects_bad_input_with_one_line() {
+    let out = scratch("bad");
+    let run = Command::new(env!("CARGO_BIN_EXE_r3"))
+        .args(["--log", "warn", "analyze", "--model"])
+        .arg(fixture())
+        .args(["--prompts", "0", "--out"])
+        .arg(&out)
+        .output()
+        .expect("run r3");
+    assert!(!run.status.success());
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        err.contains("--prompts must be at least 1"),
+        "stderr: {err}"
+    );
+
+    let missing = Command::new(env!("CARGO_BIN_EXE_r3"))
+        .args(["analyze", "--model"])
+        .arg(out.join("nowhere"))
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .expect("run r3");
+    assert!(!missing.status.success());
+    let err = String::from_utf8_lossy(&missing.stderr);
+    assert_eq!(
+        err.lines().filter(|l| l.starts_with("error:")).count(),
+        1,
+        "stderr: {err}"
+    );
+    assert!(err.contains("config.json"), "stderr: {err}");
+
+    let moe = fixture();
+    let moe = moe.to_str().expect("utf-8 path");
+    let dense_as_moe = analyze(&out, &["--dense-model", moe]);
+    assert!(!dense_as_moe.status.success());
+    let err = String::from_utf8_lossy(&dense_as_moe.stderr);
+    assert!(err.contains("is an MoE model"), "stderr: {err}");
+    let _ = std::fs::remove_dir_all(&out);
+}

@@ -1,0 +1,179 @@
+//! Run checkpoints: `checkpoints/step_<N>/` holds an HF-layout model (`config.json`,
+//! `model.safetensors`, `tokenizer.json`), the AdamW moments (`optimizer.safetensors`) and
+//! `trainer_state.json` (step, optimiser step count, seed, task-stream RNG position).
+//!
+//! A checkpoint is written into a temporary sibling directory and renamed into place, so
+//! a run killed mid-write never leaves a half checkpoint under a `step_<N>` name.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+use r3_tasks::CharTokenizer;
+use serde::{Deserialize, Serialize};
+
+use crate::optim::AdamW;
+use crate::policy::TrainablePolicy;
+use crate::rl_error::{RlError, RlResult};
+
+/// Format version of `trainer_state.json`.
+pub const STATE_FORMAT: u32 = 1;
+const STATE_FILE: &str = "trainer_state.json";
+const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+const STEP_PREFIX: &str = "step_";
+const TMP_PREFIX: &str = ".tmp-";
+
+/// Everything besides weights and moments that a resumed run needs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TrainerState {
+    /// Format version ([`STATE_FORMAT`]).
+    pub format: u32,
+    /// RL steps completed.
+    pub step: u64,
+    /// Optimiser updates applied (drives the LR schedule and bias correction).
+    pub optimizer_steps: u64,
+    /// The run seed.
+    pub seed: u64,
+    /// Word position of the training-problem stream's ChaCha RNG (decimal u128).
+    pub stream_word_pos: String,
+    /// File holding the optimiser moments, relative to the checkpoint.
+    pub optimizer_file: String,
+}
+
+impl TrainerState {
+    /// The task stream position as a number.
+    pub fn word_pos(&self) -> RlResult<u128> {
+        self.stream_word_pos.parse().map_err(|e| {
+            RlError::Invalid(format!(
+                "trainer_state.json: stream_word_pos `{}`: {e}",
+                self.stream_word_pos
+            ))
+        })
+    }
+}
+
+/// The checkpoints directory of a run.
+pub fn checkpoints_dir(run_dir: &Path) -> PathBuf {
+    run_dir.join("checkpoints")
+}
+
+/// Writes checkpoint `state.step` atomically and deletes all but the newest `keep_last`
+/// (0 = keep all). Returns the checkpoint directory.
+pub fn save_checkpoint(
+    run_dir: &Path,
+    policy: &TrainablePolicy,
+    optimizer: &AdamW,
+    tokenizer: &CharTokenizer,
+    state: &TrainerState,
+    keep_last: usize,
+) -> RlResult<PathBuf> {
+    let root = checkpoints_dir(run_dir);
+    std::fs::create_dir_all(&root).map_err(RlError::io(&root))?;
+    let name = format!("{STEP_PREFIX}{}", state.step);
+    let tmp = root.join(format!("{TMP_PREFIX}{name}"));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(RlError::io(&tmp))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(RlError::io(&tmp))?;
+    policy.save_hf(&tmp)?;
+    tokenizer.save(&tmp.join("tokenizer.json"))?;
+    let moments: HashMap<String, Tensor> = optimizer.state_tensors();
+    let opt_path = tmp.join(OPTIMIZER_FILE);
+    candle_core::safetensors::save(&moments, &opt_path)?;
+    let text = serde_json::to_string_pretty(state)
+        .map_err(|e| RlError::Invalid(format!("serialising trainer state: {e}")))?;
+    let state_path = tmp.join(STATE_FILE);
+    std::fs::write(&state_path, text).map_err(RlError::io(&state_path))?;
+    let dest = root.join(&name);
+    if dest.exists() {
+        std::fs::remove_dir_all(&dest).map_err(RlError::io(&dest))?;
+    }
+    std::fs::rename(&tmp, &dest).map_err(RlError::io(&dest))?;
+    prune(&root, keep_last)?;
+    Ok(dest)
+}
+
+/// Complete checkpoints of a run as `(step, dir)`, oldest first.
+pub fn list_checkpoints(run_dir: &Path) -> RlResult<Vec<(u64, PathBuf)>> {
+    let root = checkpoints_dir(run_dir);
+    if !root.exists() {
+        return Ok(Vec::new());
+    }
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(&root).map_err(RlError::io(&root))? {
+        let entry = entry.map_err(RlError::io(&root))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(step) = name.strip_prefix(STEP_PREFIX).and_then(|s| s.parse().ok()) else {
+            continue;
+        };
+        if entry.path().join(STATE_FILE).is_file() {
+            out.push((step, entry.path()));
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+fn prune(root: &Path, keep_last: usize) -> RlResult<()> {
+    if keep_last == 0 {
+        return Ok(());
+    }
+    let run_dir = root.parent().unwrap_or(root);
+    let all = list_checkpoints(run_dir)?;
+    for (_, dir) in all.iter().take(all.len().saturating_sub(keep_last)) {
+        std::fs::remove_dir_all(dir).map_err(RlError::io(dir))?;
+    }
+    Ok(())
+}
+
+/// Reads `trainer_state.json` of a checkpoint.
+pub fn read_state(dir: &Path) -> RlResult<TrainerState> {
+    let path = dir.join(STATE_FILE);
+    let text = std::fs::read_to_string(&path).map_err(RlError::io(&path))?;
+    let state: TrainerState = serde_json::from_str(&text).map_err(|e| RlError::Checkpoint {
+        path: path.clone(),
+        msg: e.to_string(),
+    })?;
+    if state.format != STATE_FORMAT {
+        return Err(RlError::Checkpoint {
+            path,
+            msg: format!("format {} (this build reads {STATE_FORMAT})", state.format),
+        });
+    }
+    Ok(state)
+}
+
+/// Restores the optimiser moments and step count of a checkpoint into `optimizer`.
+pub fn load_optimizer(dir: &Path, state: &TrainerState, optimizer: &mut AdamW) -> RlResult<()> {
+    let path = dir.join(&state.optimizer_file);
+    let tensors =
+        candle_core::safetensors::load(&path, &Device::Cpu).map_err(|e| RlError::Checkpoint {
+            path: path.clone(),
+            msg: e.to_string(),
+        })?;
+    optimizer.load_state(&tensors, state.optimizer_steps)?;
+    Ok(())
+}
+
+/// The newest complete checkpoint of a run with its state, if any.
+pub fn latest_checkpoint(run_dir: &Path) -> RlResult<Option<(PathBuf, TrainerState)>> {
+    match list_checkpoints(run_dir)?.pop() {
+        Some((_, dir)) => {
+            let state = read_state(&dir)?;
+            Ok(Some((dir, state)))
+        }
+        None => Ok(None),
+    }
+}
+
+/// A new state record for step `step`.
+pub fn state_at(step: u64, optimizer_steps: u64, seed: u64, word_pos: u128) -> TrainerState {
+    TrainerState {
+        format: STATE_FORMAT,
+        step,
+        optimizer_steps,
+        seed,
+        stream_word_pos: word_pos.to_string(),
+        optimizer_file: OPTIMIZER_FILE.to_string(),
+    }
+}

@@ -1,0 +1,107 @@
+//! Training–inference diagnostics of one step, built on r3-routing's plain-slice metrics:
+//! the log-prob mismatch between the rollout engine and the training engine at the old
+//! weights, the routing divergence between rollout routes and the routes the training
+//! engine chose, and the replay verification fraction.
+
+use r3_model::ReplayProof;
+use r3_routing::{divergence, mismatch_metrics, summarize, MismatchMetrics, RouteTable};
+
+use crate::rl_error::{RlError, RlResult};
+
+/// Mismatch of training vs rollout log-probs over all response tokens; `None` when there
+/// are no response tokens.
+pub fn logp_mismatch(
+    train_logp: &[Vec<f32>],
+    rollout_logp: &[Vec<f32>],
+) -> RlResult<Option<MismatchMetrics>> {
+    if train_logp.len() != rollout_logp.len() {
+        return Err(RlError::Invalid(format!(
+            "mismatch: {} training rows, {} rollout rows",
+            train_logp.len(),
+            rollout_logp.len()
+        )));
+    }
+    let train: Vec<f32> = train_logp.iter().flatten().copied().collect();
+    let rollout: Vec<f32> = rollout_logp.iter().flatten().copied().collect();
+    if train.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(mismatch_metrics(&train, &rollout, None)?))
+}
+
+/// Routing divergence between the rollout's routes and the routes a training forward
+/// chose (router fraction, token fraction), compared on the rows both cover.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RouteDivergence {
+    /// Fraction of (token, MoE layer) routers whose expert sets differ.
+    pub router_frac: f64,
+    /// Fraction of tokens with a differing expert set in at least one MoE layer.
+    pub token_frac: Option<f64>,
+}
+
+/// Divergence between rollout tables and recorded training tables (one per sequence;
+/// the recorded table may have one more row than the rollout's, which is ignored).
+pub fn recorded_divergence(
+    rollout: &[RouteTable],
+    recorded: &[RouteTable],
+) -> RlResult<RouteDivergence> {
+    if rollout.len() != recorded.len() {
+        return Err(RlError::Invalid(format!(
+            "divergence: {} rollout tables, {} recorded",
+            rollout.len(),
+            recorded.len()
+        )));
+    }
+    let per_seq = rollout
+        .iter()
+        .zip(recorded)
+        .map(|(r, t)| {
+            let rows = r.num_tokens().min(t.num_tokens());
+            let a = r.slice_rows(0, rows)?;
+            let b = t.slice_rows(0, rows)?;
+            divergence(&a, &b)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let s = summarize(&per_seq);
+    Ok(RouteDivergence {
+        router_frac: s.router_diff_fraction,
+        token_frac: Some(s.token_diff_fraction),
+    })
+}
+
+/// Router-level divergence read from a replay proof: replayed cells whose given experts
+/// differ from the forward's own top-k (token level is not in the proof).
+pub fn proof_divergence(proof: &ReplayProof) -> RouteDivergence {
+    let replayed = proof.total_replayed();
+    let differs: usize = proof.differs_from_native.iter().sum();
+    RouteDivergence {
+        router_frac: if replayed == 0 {
+            0.0
+        } else {
+            differs as f64 / replayed as f64
+        },
+        token_frac: None,
+    }
+}
+
+/// Checks a replay proof against the tables that were replayed and returns the verified
+/// fraction (replayed cells / cells the tables provide). Anything short of every cell is
+/// an error: a replay that silently fell back to native routing is a bug.
+pub fn verify_proof(
+    proof: &ReplayProof,
+    tables: &[RouteTable],
+    mode: &str,
+    pass: &str,
+) -> RlResult<f64> {
+    let layers = proof.layers.len();
+    let expected: usize = tables.iter().map(|t| t.num_tokens() * layers).sum();
+    let replayed = proof.total_replayed();
+    if expected == 0 || replayed != expected {
+        return Err(RlError::ReplayNotVerified {
+            mode: mode.to_string(),
+            pass: pass.to_string(),
+            msg: format!("{replayed} of {expected} (token, layer) cells were replayed"),
+        });
+    }
+    Ok(replayed as f64 / expected as f64)
+}

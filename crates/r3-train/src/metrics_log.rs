@@ -1,0 +1,197 @@
+//! The per-step metrics line and the run's JSONL logs, in the schema of
+//! `notes/metrics_schema.md`: flat keys (dots are part of the name), one object per RL
+//! step in `metrics.jsonl`, one per evaluation in `eval.jsonl`. `None` fields are written
+//! as `null`, which readers tolerate.
+
+use std::fs::{File, OpenOptions};
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::rl_error::{RlError, RlResult};
+
+/// One RL step's metrics.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepMetrics {
+    /// RL step, 1-based.
+    pub step: u64,
+    /// `disabled`, `R2` or `R3`.
+    pub replay_mode: String,
+    /// `ppo` or `gspo`.
+    pub loss: String,
+    /// Mean verifier reward of the rollouts.
+    pub reward_mean: f64,
+    /// Fraction of rollouts answered exactly.
+    pub accuracy: f64,
+    /// Mean response length in tokens.
+    pub response_len_mean: f64,
+    /// Fraction of rollouts that ended with `<eos>`.
+    pub stop_frac: f64,
+    /// Policy-gradient loss (mean over applied mini-batches).
+    pub pg_loss: Option<f64>,
+    /// Fraction of response tokens whose ratio was clipped.
+    pub clip_frac: Option<f64>,
+    /// k1 estimate of KL(old ‖ new) over the update mini-batches.
+    pub ppo_kl: Option<f64>,
+    /// Mean next-token entropy over response tokens at the old weights.
+    pub entropy: Option<f64>,
+    /// Global gradient norm before clipping (mean over mini-batches).
+    pub grad_norm: Option<f64>,
+    /// Learning rate of the last optimiser step.
+    pub lr: Option<f64>,
+    /// Whether any mini-batch update was skipped for a NaN/inf loss or gradient norm.
+    pub skipped_update: bool,
+    /// Mini-batch updates skipped this step.
+    #[serde(rename = "update.skipped")]
+    pub updates_skipped: u64,
+    /// Mini-batch updates applied this step.
+    #[serde(rename = "update.applied")]
+    pub updates_applied: u64,
+    /// k3 KL between rollout and training log-probs at the old weights.
+    #[serde(rename = "mismatch.k3_kl")]
+    pub k3_kl: Option<f64>,
+    /// F(τ=2).
+    #[serde(rename = "mismatch.f_tau2")]
+    pub f_tau2: Option<f64>,
+    /// F(τ=5).
+    #[serde(rename = "mismatch.f_tau5")]
+    pub f_tau5: Option<f64>,
+    /// Mean |Δ logp|.
+    #[serde(rename = "mismatch.mean_abs_delta")]
+    pub mean_abs_delta: Option<f64>,
+    /// Mean Δ logp².
+    #[serde(rename = "mismatch.mean_sq_delta")]
+    pub mean_sq_delta: Option<f64>,
+    /// max |p_train − p_rollout|.
+    #[serde(rename = "mismatch.prob_diff_max")]
+    pub prob_diff_max: Option<f64>,
+    /// mean |p_train − p_rollout|.
+    #[serde(rename = "mismatch.prob_diff_mean")]
+    pub prob_diff_mean: Option<f64>,
+    /// std |p_train − p_rollout|.
+    #[serde(rename = "mismatch.prob_diff_std")]
+    pub prob_diff_std: Option<f64>,
+    /// Pearson correlation of the probabilities.
+    #[serde(rename = "mismatch.pearson")]
+    pub pearson: Option<f64>,
+    /// Fraction of (token, MoE layer) routers where rollout and training routes differ.
+    #[serde(rename = "divergence.router_frac")]
+    pub router_frac: Option<f64>,
+    /// Fraction of tokens with a differing route in at least one MoE layer.
+    #[serde(rename = "divergence.token_frac")]
+    pub token_frac: Option<f64>,
+    /// Fraction of replayed cells verified (1.0, or the step fails); null without replay.
+    #[serde(rename = "replay.verified_frac")]
+    pub verified_frac: Option<f64>,
+    /// Groups kept by dynamic sampling.
+    pub groups_kept: u64,
+    /// Groups dropped by dynamic sampling (all rewards equal).
+    pub groups_dropped: u64,
+    /// Seconds generating rollouts.
+    #[serde(rename = "time.rollout_s")]
+    pub rollout_s: f64,
+    /// Seconds computing old log-probs (and diagnostics).
+    #[serde(rename = "time.old_logp_s")]
+    pub old_logp_s: f64,
+    /// Seconds in forward/backward/optimiser updates.
+    #[serde(rename = "time.update_s")]
+    pub update_s: f64,
+    /// Seconds syncing weights to the rollout engine.
+    #[serde(rename = "time.sync_s")]
+    pub sync_s: f64,
+    /// Seconds of held-out evaluation after this step (0 when none).
+    #[serde(rename = "time.eval_s")]
+    pub eval_s: f64,
+    /// Rollout + training tokens processed per second of step time.
+    #[serde(rename = "throughput.tokens_per_s")]
+    pub tokens_per_s: f64,
+    /// Held-out accuracy after this step's update (eval steps only).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub eval_accuracy: Option<f64>,
+}
+
+impl StepMetrics {
+    /// The line as a JSON value, with the timing keys removed (for comparing runs).
+    pub fn without_timing(&self) -> RlResult<serde_json::Value> {
+        let mut v = serde_json::to_value(self)
+            .map_err(|e| RlError::Invalid(format!("serialising metrics: {e}")))?;
+        if let Some(map) = v.as_object_mut() {
+            map.retain(|k, _| !k.starts_with("time.") && !k.starts_with("throughput."));
+        }
+        Ok(v)
+    }
+}
+
+/// Appends JSON lines to a file, flushing after each one.
+#[derive(Debug)]
+pub struct JsonlWriter {
+    path: PathBuf,
+    file: File,
+}
+
+impl JsonlWriter {
+    /// Opens `path` for appending (created if missing).
+    pub fn append(path: &Path) -> RlResult<Self> {
+        let file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .map_err(RlError::io(path))?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            file,
+        })
+    }
+
+    /// Writes one value as a line.
+    pub fn write<T: Serialize>(&mut self, value: &T) -> RlResult<()> {
+        let line = serde_json::to_string(value)
+            .map_err(|e| RlError::Invalid(format!("serialising a metrics line: {e}")))?;
+        writeln!(self.file, "{line}").map_err(RlError::io(&self.path))?;
+        self.file.flush().map_err(RlError::io(&self.path))
+    }
+}
+
+/// One held-out evaluation line of `eval.jsonl`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EvalLine {
+    /// RL step after which the evaluation ran (0 = the base model).
+    pub step: u64,
+    /// Exact-match accuracy.
+    pub eval_accuracy: f64,
+    /// Problems evaluated.
+    pub n: usize,
+    /// Mean response length.
+    pub response_len_mean: f64,
+}
+
+/// Keeps only the lines of a JSONL file whose `step` is at most `last_step` (a resumed run
+/// drops what the killed run logged after its last checkpoint). Rewrites atomically.
+pub fn truncate_after_step(path: &Path, last_step: u64) -> RlResult<()> {
+    if !path.exists() {
+        return Ok(());
+    }
+    let file = File::open(path).map_err(RlError::io(path))?;
+    let mut kept = String::new();
+    for line in BufReader::new(file).lines() {
+        let line = line.map_err(RlError::io(path))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        // A line cut short by the kill does not parse: it goes too.
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) else {
+            continue;
+        };
+        if v.get("step")
+            .and_then(|s| s.as_u64())
+            .is_some_and(|s| s <= last_step)
+        {
+            kept.push_str(&line);
+            kept.push('\n');
+        }
+    }
+    let tmp = path.with_extension("jsonl.tmp");
+    std::fs::write(&tmp, kept).map_err(RlError::io(&tmp))?;
+    std::fs::rename(&tmp, path).map_err(RlError::io(path))
+}

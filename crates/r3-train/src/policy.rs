@@ -1,0 +1,252 @@
+//! The policy as the training engine sees it: trainable f32 weights (candle `Var`s under
+//! HF names), and the scoring of prompt+response sequences — per-token log-probs of the
+//! response tokens, entropy, and the routing mode of the forward (`Native`, `Record`,
+//! `Replay`) with the routes and replay proof it returns.
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor, Var};
+use r3_model::{Batch, Config, Model, ReplayProof, Routing, Weights};
+use r3_routing::RouteTable;
+
+use crate::logprob::{entropy_from_logits, masked_mean, scalar_f32, token_log_probs};
+use crate::rl_error::{RlError, RlResult};
+
+/// Prompt+response token sequences and where each response starts.
+#[derive(Debug, Clone)]
+pub struct ResponseBatch {
+    sequences: Vec<Vec<u32>>,
+    prompt_lens: Vec<usize>,
+}
+
+impl ResponseBatch {
+    /// Checks that every sequence has a non-empty prompt and a non-empty response.
+    pub fn new(sequences: Vec<Vec<u32>>, prompt_lens: Vec<usize>) -> RlResult<Self> {
+        if sequences.is_empty() || sequences.len() != prompt_lens.len() {
+            return Err(RlError::Invalid(format!(
+                "response batch: {} sequences, {} prompt lengths",
+                sequences.len(),
+                prompt_lens.len()
+            )));
+        }
+        for (i, (s, &p)) in sequences.iter().zip(&prompt_lens).enumerate() {
+            if p == 0 || p >= s.len() {
+                return Err(RlError::Invalid(format!(
+                    "sequence {i}: prompt of {p} tokens in a sequence of {} (need 1 <= prompt < len)",
+                    s.len()
+                )));
+            }
+        }
+        Ok(Self {
+            sequences,
+            prompt_lens,
+        })
+    }
+
+    /// Number of sequences.
+    pub fn len(&self) -> usize {
+        self.sequences.len()
+    }
+
+    /// Whether there are no sequences (never true for a constructed batch).
+    pub fn is_empty(&self) -> bool {
+        self.sequences.is_empty()
+    }
+
+    /// The full sequences.
+    pub fn sequences(&self) -> &[Vec<u32>] {
+        &self.sequences
+    }
+
+    /// Prompt length of each sequence.
+    pub fn prompt_lens(&self) -> &[usize] {
+        &self.prompt_lens
+    }
+
+    /// Predicted positions per row: `T − 1` for the longest sequence `T`.
+    pub fn width(&self) -> usize {
+        self.sequences.iter().map(Vec::len).max().unwrap_or(1) - 1
+    }
+
+    /// Number of response tokens of sequence `i`.
+    pub fn response_len(&self, i: usize) -> usize {
+        self.sequences[i].len() - self.prompt_lens[i]
+    }
+
+    /// Column of the prediction of response token `j` of any row (`prompt_len − 1 + j`).
+    fn first_column(&self, i: usize) -> usize {
+        self.prompt_lens[i] - 1
+    }
+
+    /// `[B, T−1]` f32 with `row_weight[b]` on response positions and 0 elsewhere.
+    pub fn response_mask(&self, row_weight: Option<&[f32]>, device: &Device) -> RlResult<Tensor> {
+        let w = self.width();
+        let mut mask = vec![0f32; self.len() * w];
+        for i in 0..self.len() {
+            let value = row_weight.map_or(1.0, |r| r[i]);
+            let from = i * w + self.first_column(i);
+            mask[from..from + self.response_len(i)].fill(value);
+        }
+        Ok(Tensor::from_vec(mask, (self.len(), w), device)?)
+    }
+
+    /// `[B, T−1]` f32 holding `per_response[b][j]` at the column of response token `j`.
+    pub fn align(&self, per_response: &[Vec<f32>], device: &Device) -> RlResult<Tensor> {
+        let w = self.width();
+        let mut out = vec![0f32; self.len() * w];
+        for (i, values) in per_response.iter().enumerate() {
+            if values.len() != self.response_len(i) {
+                return Err(RlError::Invalid(format!(
+                    "sequence {i}: {} per-token values for {} response tokens",
+                    values.len(),
+                    self.response_len(i)
+                )));
+            }
+            let from = i * w + self.first_column(i);
+            out[from..from + values.len()].copy_from_slice(values);
+        }
+        Ok(Tensor::from_vec(out, (self.len(), w), device)?)
+    }
+
+    /// Per-sequence response values read back from a `[B, T−1]` tensor.
+    pub fn gather_responses(&self, x: &Tensor) -> RlResult<Vec<Vec<f32>>> {
+        let rows = x.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        Ok((0..self.len())
+            .map(|i| {
+                let from = self.first_column(i);
+                rows[i][from..from + self.response_len(i)].to_vec()
+            })
+            .collect())
+    }
+
+    /// The rows `rows` as a new batch.
+    pub fn subset(&self, rows: &[usize]) -> RlResult<ResponseBatch> {
+        let pick = |i: usize| {
+            self.sequences
+                .get(i)
+                .cloned()
+                .ok_or_else(|| RlError::Invalid(format!("row {i} of a batch of {}", self.len())))
+        };
+        let sequences = rows
+            .iter()
+            .map(|&i| pick(i))
+            .collect::<RlResult<Vec<_>>>()?;
+        let prompt_lens = rows.iter().map(|&i| self.prompt_lens[i]).collect();
+        ResponseBatch::new(sequences, prompt_lens)
+    }
+}
+
+/// What scoring a batch returns.
+#[derive(Debug)]
+pub struct Scored {
+    /// `[B, T−1]` log-prob of each next token (garbage outside the response mask).
+    pub logp: Tensor,
+    /// `[B, T−1, vocab]` logits of the predicting positions.
+    pub logits: Tensor,
+    /// `Record`: the routes the forward chose, one table per sequence (`len` rows).
+    pub routes: Option<Vec<RouteTable>>,
+    /// `Replay`: the proof of what was replayed.
+    pub replay: Option<ReplayProof>,
+}
+
+impl Scored {
+    /// Mean entropy of the next-token distribution over `mask` (detached).
+    pub fn mean_entropy(&self, mask: &Tensor) -> RlResult<f32> {
+        let ent = entropy_from_logits(&self.logits.detach())?;
+        Ok(scalar_f32(&masked_mean(&ent, mask)?)?)
+    }
+}
+
+/// Runs the training forward over `batch` with `routing` and takes the log-prob of every
+/// next token.
+pub fn score(model: &Model, batch: &ResponseBatch, routing: Routing<'_>) -> RlResult<Scored> {
+    // The training engine runs on the CPU.
+    let padded = Batch::new(batch.sequences(), 0, &Device::Cpu)?;
+    let out = model.forward(&padded, routing)?;
+    let t = padded.seq_len();
+    let logits = out.logits.narrow(1, 0, t - 1)?;
+    let targets = padded.input_ids().narrow(1, 1, t - 1)?;
+    let logp = token_log_probs(&logits, &targets)?;
+    Ok(Scored {
+        logp,
+        logits,
+        routes: out.routes,
+        replay: out.replay,
+    })
+}
+
+/// Trainable weights: every trainable tensor is a `Var` registered under its HF name.
+#[derive(Debug)]
+pub struct TrainablePolicy {
+    cfg: Config,
+    vars: Vec<(String, Var)>,
+    weights: Weights,
+}
+
+impl TrainablePolicy {
+    /// Wraps loaded f32 weights, making the trainable ones variables.
+    pub fn new(cfg: Config, weights: Weights) -> RlResult<Self> {
+        let (varmap, weights) = weights.into_trainable(&cfg)?;
+        let mut vars: Vec<(String, Var)> = varmap
+            .data()
+            .lock()
+            .map_err(|_| RlError::Invalid("VarMap lock poisoned".into()))?
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(Self { cfg, vars, weights })
+    }
+
+    /// Loads `config.json` + safetensors from an HF model directory (f32, CPU).
+    pub fn load(dir: &Path) -> RlResult<Self> {
+        let cfg = Config::from_file(&dir.join("config.json"))?;
+        let weights = Weights::load(dir, &cfg, &Device::Cpu)?;
+        Self::new(cfg, weights)
+    }
+
+    /// The model config.
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// The variables, sorted by name (for the optimiser).
+    pub fn vars(&self) -> &[(String, Var)] {
+        &self.vars
+    }
+
+    /// A model whose forward is differentiable in every variable.
+    pub fn model(&self) -> RlResult<Model> {
+        Ok(Model::new(&self.cfg, &self.weights)?)
+    }
+
+    /// A model over detached views of the current values (no autograd graph is built).
+    pub fn frozen_model(&self) -> RlResult<Model> {
+        Ok(Model::new(&self.cfg, &self.detached())?)
+    }
+
+    /// Current values, detached, under HF names.
+    pub fn detached(&self) -> Weights {
+        Weights::from_map(
+            self.weights
+                .tensors()
+                .iter()
+                .map(|(k, t)| (k.clone(), t.detach()))
+                .collect(),
+        )
+    }
+
+    /// Current values as the name→tensor map the rollout engine loads.
+    pub fn tensor_map(&self) -> r3_rollout::TensorMap {
+        self.weights
+            .tensors()
+            .iter()
+            .map(|(k, t)| (k.clone(), t.detach()))
+            .collect()
+    }
+
+    /// Writes `config.json` + `model.safetensors` into `dir`.
+    pub fn save_hf(&self, dir: &Path) -> RlResult<()> {
+        Ok(self.detached().save(dir, &self.cfg)?)
+    }
+}

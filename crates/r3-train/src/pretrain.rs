@@ -1,0 +1,243 @@
+//! Supervised pretraining of the base model: next-token loss on the worked solution (and
+//! `<eos>`) of arithmetic problems, a mixture of difficulty levels, AdamW with warm-up and
+//! cosine decay, held-out greedy accuracy through the rollout engine, and an HF-layout
+//! checkpoint (`config.json`, `model.safetensors`, `tokenizer.json`, `pretrain.json`)
+//! written atomically.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use candle_core::{Device, Tensor};
+use r3_model::{Batch, Config, RandomInit, Routing, Weights};
+use r3_rollout::{Dtype, Engine, EngineConfig};
+use r3_tasks::{
+    ArithmeticTask, CharTokenizer, Difficulty, LossOn, SupervisedBatch, SupervisedBatches, PAD_ID,
+};
+use serde::Serialize;
+
+use crate::logprob::{masked_mean, token_log_probs};
+use crate::optim::{decay_matrices_only, AdamW, AdamWParams};
+use crate::policy::TrainablePolicy;
+use crate::pretrain_config::PretrainConfig;
+use crate::rl_error::{RlError, RlResult};
+use crate::rollout::{evaluate, EvalResult};
+use crate::schedule::{LrDecay, LrSchedule};
+use crate::update::{backward_and_step, UpdateOutcome};
+
+/// Progress events of a pretraining run.
+#[derive(Debug, Clone, Copy)]
+pub enum PretrainEvent {
+    /// A step finished.
+    Step {
+        /// 1-based step.
+        step: u64,
+        /// Mean token loss of the step (NaN when skipped).
+        loss: f32,
+        /// Whether the update was applied.
+        applied: bool,
+    },
+    /// A held-out evaluation finished.
+    Eval {
+        /// Step after which it ran.
+        step: u64,
+        /// Result.
+        result: EvalResult,
+    },
+}
+
+/// What `pretrain.json` records beside the checkpoint.
+#[derive(Debug, Clone, Serialize)]
+pub struct PretrainReport {
+    /// Steps run.
+    pub steps: u64,
+    /// Wall-clock seconds of training (including evaluations).
+    pub wall_s: f64,
+    /// Mean loss of the last `log_every` steps.
+    pub final_loss: f64,
+    /// Evaluations as (step, accuracy).
+    pub evals: Vec<(u64, f64)>,
+    /// Difficulty of the evaluations.
+    pub eval_difficulty: u32,
+    /// The resolved config.
+    pub config: PretrainConfig,
+}
+
+/// Converts a padded supervised batch into sequences (pads stripped), targets and mask.
+fn to_tensors(b: &SupervisedBatch) -> RlResult<(Vec<Vec<u32>>, Tensor, Tensor)> {
+    let (n, t) = (b.batch_size, b.seq_len);
+    let mut seqs = Vec::with_capacity(n);
+    for row in b.input_ids.chunks(t) {
+        let len = row.iter().position(|&id| id == PAD_ID).unwrap_or(t);
+        seqs.push(row[..len].to_vec());
+    }
+    let longest = seqs.iter().map(Vec::len).max().unwrap_or(0);
+    if longest == 0 {
+        return Err(RlError::Invalid(
+            "a pretraining batch has an empty row".into(),
+        ));
+    }
+    let narrow =
+        |flat: &[u32]| -> Vec<u32> { flat.chunks(t).flat_map(|r| r[..longest].to_vec()).collect() };
+    let mask: Vec<f32> = b
+        .loss_mask
+        .chunks(t)
+        .flat_map(|r| r[..longest].to_vec())
+        .collect();
+    let targets = Tensor::from_vec(narrow(&b.target_ids), (n, longest), &Device::Cpu)?;
+    let mask = Tensor::from_vec(mask, (n, longest), &Device::Cpu)?;
+    Ok((seqs, targets, mask))
+}
+
+/// Greedy held-out accuracy of `policy` through a fresh f16 rollout engine.
+pub fn eval_policy(
+    policy: &TrainablePolicy,
+    tokenizer: &CharTokenizer,
+    task: &ArithmeticTask,
+    max_new_tokens: usize,
+) -> RlResult<EvalResult> {
+    let cfg = EngineConfig {
+        dtype: Dtype::F16,
+        prefix_cache: false,
+        ..EngineConfig::default()
+    };
+    let mut engine = Engine::new(policy.config().clone(), &policy.tensor_map(), cfg)?;
+    evaluate(
+        &mut engine,
+        tokenizer,
+        task.eval_set(),
+        max_new_tokens,
+        0.0,
+        0,
+    )
+}
+
+/// Runs pretraining and writes the checkpoint to `cfg.out_dir`.
+pub fn pretrain(
+    cfg: &PretrainConfig,
+    on_event: &mut dyn FnMut(PretrainEvent),
+) -> RlResult<PretrainReport> {
+    let started = Instant::now();
+    let tokenizer = CharTokenizer::new()?;
+    let model_cfg = Config::from_value(cfg.hf_config(tokenizer.vocab_size()))?;
+    let init = RandomInit {
+        seed: cfg.seed,
+        std: cfg.model.init_std,
+        router_std: cfg.model.router_init_std,
+        norm_jitter: 0.0,
+        bias_std: 0.0,
+    };
+    let weights = Weights::random(&model_cfg, &init, &Device::Cpu)?;
+    let policy = TrainablePolicy::new(model_cfg, weights)?;
+    let params = AdamWParams {
+        weight_decay: cfg.weight_decay,
+        ..AdamWParams::default()
+    };
+    let mut opt = AdamW::new(policy.vars().to_vec(), params, decay_matrices_only)?;
+    let schedule = LrSchedule {
+        peak_lr: cfg.lr,
+        warmup_steps: cfg.warmup_steps,
+        total_steps: cfg.steps,
+        decay: LrDecay::Cosine,
+        min_lr_ratio: cfg.min_lr_ratio,
+    };
+    let tasks = cfg
+        .difficulties
+        .iter()
+        .map(|&l| ArithmeticTask::new(Difficulty::level(l)?, cfg.eval_size, cfg.eval_seed))
+        .collect::<Result<Vec<_>, _>>()?;
+    let eval_task = ArithmeticTask::new(
+        Difficulty::level(cfg.eval_difficulty)?,
+        cfg.eval_size,
+        cfg.eval_seed,
+    )?;
+    let mut streams = tasks
+        .iter()
+        .zip(&cfg.difficulties)
+        .map(|(t, &l)| {
+            SupervisedBatches::new(
+                t,
+                &tokenizer,
+                crate::rollout::mix_seed(&[cfg.seed, u64::from(l)]),
+                cfg.batch_size,
+                None,
+                LossOn::Solution,
+            )
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut evals = Vec::new();
+    let mut recent = Vec::new();
+    for step in 1..=cfg.steps {
+        let k = (step as usize - 1) % streams.len();
+        let batch = streams[k]
+            .next()
+            .ok_or_else(|| RlError::Invalid("problem stream ended".into()))??;
+        let (seqs, targets, mask) = to_tensors(&batch)?;
+        let model = policy.model()?;
+        let out = model.forward(&Batch::new(&seqs, PAD_ID, &Device::Cpu)?, Routing::Native)?;
+        let logp = token_log_probs(&out.logits, &targets)?;
+        let loss = masked_mean(&logp, &mask)?.neg()?;
+        let outcome = backward_and_step(&mut opt, &loss, schedule.lr_at(step - 1), cfg.grad_clip)?;
+        let (value, applied) = match outcome {
+            UpdateOutcome::Applied { loss, .. } => (loss, true),
+            UpdateOutcome::Skipped { loss, .. } => (loss, false),
+        };
+        recent.push(f64::from(value));
+        if recent.len() > cfg.log_every.max(1) as usize {
+            recent.remove(0);
+        }
+        on_event(PretrainEvent::Step {
+            step,
+            loss: value,
+            applied,
+        });
+        let due = cfg.eval_every > 0 && step % cfg.eval_every == 0;
+        if due || step == cfg.steps {
+            let result = eval_policy(&policy, &tokenizer, &eval_task, cfg.max_new_tokens)?;
+            evals.push((step, result.accuracy));
+            on_event(PretrainEvent::Eval { step, result });
+        }
+    }
+    let report = PretrainReport {
+        steps: cfg.steps,
+        wall_s: started.elapsed().as_secs_f64(),
+        final_loss: recent.iter().sum::<f64>() / recent.len().max(1) as f64,
+        evals,
+        eval_difficulty: cfg.eval_difficulty,
+        config: cfg.clone(),
+    };
+    write_checkpoint(&cfg.out_dir, &policy, &tokenizer, &report)?;
+    Ok(report)
+}
+
+/// Writes the model directory via a temporary sibling and a rename.
+fn write_checkpoint(
+    out: &Path,
+    policy: &TrainablePolicy,
+    tokenizer: &CharTokenizer,
+    report: &PretrainReport,
+) -> RlResult<()> {
+    let name = out
+        .file_name()
+        .ok_or_else(|| RlError::Invalid(format!("out_dir `{}` has no name", out.display())))?;
+    let parent = out
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."));
+    std::fs::create_dir_all(&parent).map_err(RlError::io(&parent))?;
+    let mut tmp_name = std::ffi::OsString::from(".tmp-");
+    tmp_name.push(name);
+    let tmp = parent.join(tmp_name);
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(RlError::io(&tmp))?;
+    }
+    policy.save_hf(&tmp)?;
+    tokenizer.save(&tmp.join("tokenizer.json"))?;
+    let text = serde_json::to_string_pretty(report)
+        .map_err(|e| RlError::Invalid(format!("serialising pretrain report: {e}")))?;
+    let report_path = tmp.join("pretrain.json");
+    std::fs::write(&report_path, text).map_err(RlError::io(&report_path))?;
+    if out.exists() {
+        std::fs::remove_dir_all(out).map_err(RlError::io(out))?;
+    }
+    std::fs::rename(&tmp, out).map_err(RlError::io(out))
+}

@@ -1,0 +1,215 @@
+//! The `r3 pretrain` configuration (TOML, every field defaulted) and the HF `config.json`
+//! of the small Qwen3-MoE-style model it trains.
+//!
+//! Default model (the shipped `models/arith-moe`): `qwen3_moe`, hidden 64, 4 layers, all
+//! MoE, 8 experts of width 64, top-2 with renormalised softmax gates, 4 query heads and 2
+//! key/value heads of width 16 with per-head q/k RMSNorm, RoPE θ = 10000, untied lm_head,
+//! the 23-token character vocabulary of r3-tasks. About 0.17 M parameters.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::overrides::{apply_overrides, merge_known};
+use crate::rl_error::{RlError, RlResult};
+
+/// The whole pretraining run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PretrainConfig {
+    /// Seed of the init and of the problem streams. Default 0.
+    pub seed: u64,
+    /// Where the checkpoint is written (HF layout). Default `models/arith-moe`.
+    pub out_dir: PathBuf,
+    /// Optimiser steps. Default 2500.
+    pub steps: u64,
+    /// Sequences per step. Default 64.
+    pub batch_size: usize,
+    /// Peak learning rate. Default 3e-3.
+    pub lr: f64,
+    /// Linear warm-up steps. Default 100.
+    pub warmup_steps: u64,
+    /// Final LR of the cosine decay as a fraction of the peak. Default 0.1.
+    pub min_lr_ratio: f64,
+    /// AdamW decoupled weight decay on matrices. Default 0.01.
+    pub weight_decay: f64,
+    /// Global gradient-norm clip. Default 1.0.
+    pub grad_clip: f64,
+    /// Difficulty levels of the training mixture (one level per batch, in turn). Default [1, 2].
+    pub difficulties: Vec<u32>,
+    /// Difficulty of the held-out evaluation (the RL difficulty). Default 2.
+    pub eval_difficulty: u32,
+    /// Evaluate every N steps (and at the end); 0 = only at the end. Default 500.
+    pub eval_every: u64,
+    /// Held-out problems (same set as `r3 train`'s eval with equal size and seed). Default 200.
+    pub eval_size: usize,
+    /// Seed of the held-out set. Default 1234.
+    pub eval_seed: u64,
+    /// Tokens generated per eval answer at most. Default 64.
+    pub max_new_tokens: usize,
+    /// Log the loss every N steps. Default 50.
+    pub log_every: u64,
+    /// The model to train.
+    pub model: ModelShape,
+}
+
+/// Sizes of the Qwen3-MoE-style model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelShape {
+    /// Residual width. Default 64.
+    pub hidden_size: usize,
+    /// Transformer layers (all MoE). Default 4.
+    pub num_hidden_layers: usize,
+    /// Query heads. Default 4.
+    pub num_attention_heads: usize,
+    /// Key/value heads. Default 2.
+    pub num_key_value_heads: usize,
+    /// Per-head width. Default 16.
+    pub head_dim: usize,
+    /// Routed experts per layer. Default 8.
+    pub num_experts: usize,
+    /// Experts per token. Default 2.
+    pub num_experts_per_tok: usize,
+    /// Hidden width of one expert. Default 64.
+    pub moe_intermediate_size: usize,
+    /// Longest sequence. Default 128.
+    pub max_position_embeddings: usize,
+    /// RoPE base. Default 10000.
+    pub rope_theta: f64,
+    /// Std of the random init of matrices. Default 0.05.
+    pub init_std: f64,
+    /// Std of the random init of router matrices. Default 0.05.
+    pub router_init_std: f64,
+}
+
+impl Default for PretrainConfig {
+    fn default() -> Self {
+        Self {
+            seed: 0,
+            out_dir: PathBuf::from("models/arith-moe"),
+            steps: 2500,
+            batch_size: 64,
+            lr: 3e-3,
+            warmup_steps: 100,
+            min_lr_ratio: 0.1,
+            weight_decay: 0.01,
+            grad_clip: 1.0,
+            difficulties: vec![1, 2],
+            eval_difficulty: 2,
+            eval_every: 500,
+            eval_size: 200,
+            eval_seed: 1234,
+            max_new_tokens: 64,
+            log_every: 50,
+            model: ModelShape::default(),
+        }
+    }
+}
+
+impl Default for ModelShape {
+    fn default() -> Self {
+        Self {
+            hidden_size: 64,
+            num_hidden_layers: 4,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+            head_dim: 16,
+            num_experts: 8,
+            num_experts_per_tok: 2,
+            moe_intermediate_size: 64,
+            max_position_embeddings: 128,
+            rope_theta: 10000.0,
+            init_std: 0.05,
+            router_init_std: 0.05,
+        }
+    }
+}
+
+impl PretrainConfig {
+    /// Defaults ← TOML file (optional) ← `key=value` overrides, then validation.
+    pub fn resolve(file: Option<&Path>, overrides: &[String]) -> RlResult<Self> {
+        let mut value = toml::Value::try_from(Self::default())
+            .map_err(|e| RlError::Invalid(format!("serialising pretrain defaults: {e}")))?;
+        if let Some(path) = file {
+            let text = std::fs::read_to_string(path).map_err(RlError::io(path))?;
+            let incoming: toml::Value = toml::from_str(&text)
+                .map_err(|e| RlError::Invalid(format!("{}: {e}", path.display())))?;
+            merge_known(&mut value, incoming, "")?;
+        }
+        apply_overrides(&mut value, overrides)?;
+        let cfg: Self = value.try_into().map_err(|e: toml::de::Error| {
+            RlError::Invalid(format!("pretrain config: {}", e.message()))
+        })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks values that are well-typed but meaningless.
+    pub fn validate(&self) -> RlResult<()> {
+        let bad = |m: String| Err(RlError::Invalid(format!("pretrain config: {m}")));
+        let m = &self.model;
+        if self.steps == 0 || self.batch_size == 0 {
+            return bad("steps and batch_size must be >= 1".into());
+        }
+        if self.difficulties.is_empty() {
+            return bad("difficulties is empty".into());
+        }
+        if self.lr.is_nan() || self.lr <= 0.0 {
+            return bad(format!("lr {} must be > 0", self.lr));
+        }
+        if m.num_attention_heads == 0
+            || m.num_key_value_heads == 0
+            || !m.num_attention_heads.is_multiple_of(m.num_key_value_heads)
+        {
+            return bad(
+                "num_attention_heads must be a positive multiple of num_key_value_heads".into(),
+            );
+        }
+        if m.num_experts_per_tok == 0 || m.num_experts_per_tok > m.num_experts {
+            return bad(format!(
+                "num_experts_per_tok {} must be in 1..={}",
+                m.num_experts_per_tok, m.num_experts
+            ));
+        }
+        Ok(())
+    }
+
+    /// The HF `config.json` of the model for a vocabulary of `vocab_size` tokens.
+    pub fn hf_config(&self, vocab_size: usize) -> serde_json::Value {
+        let m = &self.model;
+        serde_json::json!({
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "vocab_size": vocab_size,
+            "hidden_size": m.hidden_size,
+            "intermediate_size": m.moe_intermediate_size * 2,
+            "moe_intermediate_size": m.moe_intermediate_size,
+            "num_hidden_layers": m.num_hidden_layers,
+            "num_attention_heads": m.num_attention_heads,
+            "num_key_value_heads": m.num_key_value_heads,
+            "head_dim": m.head_dim,
+            "num_experts": m.num_experts,
+            "num_experts_per_tok": m.num_experts_per_tok,
+            "norm_topk_prob": true,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "hidden_act": "silu",
+            "rms_norm_eps": 1e-6,
+            "rope_theta": m.rope_theta,
+            "max_position_embeddings": m.max_position_embeddings,
+            "attention_bias": false,
+            "attention_dropout": 0.0,
+            "tie_word_embeddings": false,
+            "use_sliding_window": false,
+            "sliding_window": null,
+            "router_aux_loss_coef": 0.0,
+            "output_router_logits": false,
+            "bos_token_id": r3_tasks::BOS_ID,
+            "eos_token_id": r3_tasks::EOS_ID,
+            "pad_token_id": r3_tasks::PAD_ID,
+            "torch_dtype": "float32",
+            "use_cache": true
+        })
+    }
+}

@@ -1,0 +1,168 @@
+//! The RL run: the run directory (`config.toml`, `metrics.jsonl`, `eval.jsonl`,
+//! `checkpoints/`), the initial held-out evaluation, the step loop with periodic
+//! evaluation and atomic checkpoints, and resuming a killed run from its newest
+//! checkpoint. Progress is reported to an [`Observer`] (the CLI draws a progress bar).
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use crate::checkpoint::latest_checkpoint;
+use crate::config::TrainConfig;
+use crate::metrics_log::{truncate_after_step, EvalLine, JsonlWriter, StepMetrics};
+use crate::rl_error::{RlError, RlResult};
+use crate::rollout::EvalResult;
+use crate::trainer::Trainer;
+
+/// File names inside a run directory.
+pub const CONFIG_FILE: &str = "config.toml";
+/// Per-step metrics.
+pub const METRICS_FILE: &str = "metrics.jsonl";
+/// Held-out evaluations.
+pub const EVAL_FILE: &str = "eval.jsonl";
+
+/// Receives progress events of a run.
+pub trait Observer {
+    /// The run will execute steps `first..=last`.
+    fn started(&mut self, _first: u64, _last: u64) {}
+    /// A held-out evaluation finished (step 0 = before training).
+    fn evaluated(&mut self, _step: u64, _result: &EvalResult) {}
+    /// A step finished; its metrics line is written.
+    fn step_done(&mut self, _metrics: &StepMetrics) {}
+    /// A checkpoint was written.
+    fn checkpointed(&mut self, _step: u64, _dir: &Path) {}
+}
+
+/// An observer that ignores everything.
+#[derive(Debug, Default)]
+pub struct Quiet;
+
+impl Observer for Quiet {}
+
+/// What a finished run reports.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunSummary {
+    /// The run directory.
+    pub run_dir: PathBuf,
+    /// Steps run by this invocation.
+    pub steps_run: u64,
+    /// Last completed step.
+    pub last_step: u64,
+    /// Evaluations of this invocation as (step, accuracy).
+    pub evals: Vec<(u64, f64)>,
+    /// Wall-clock seconds of this invocation.
+    pub wall_s: f64,
+}
+
+/// A run ready to execute: the trainer and the directory it logs into.
+#[derive(Debug)]
+pub struct Run {
+    /// Trainer state.
+    pub trainer: Trainer,
+    /// The run directory.
+    pub run_dir: PathBuf,
+    resumed: bool,
+}
+
+impl Run {
+    /// A fresh run in `cfg.run_dir` (created; must not already hold a run).
+    pub fn fresh(cfg: TrainConfig) -> RlResult<Self> {
+        let run_dir = cfg.run_dir.clone();
+        if run_dir.join(METRICS_FILE).exists() || run_dir.join(CONFIG_FILE).exists() {
+            return Err(RlError::Checkpoint {
+                path: run_dir,
+                msg: "already holds a run; resume it or choose another run_dir".into(),
+            });
+        }
+        std::fs::create_dir_all(&run_dir).map_err(RlError::io(&run_dir))?;
+        cfg.save(&run_dir.join(CONFIG_FILE))?;
+        let trainer = Trainer::new(cfg)?;
+        Ok(Self {
+            trainer,
+            run_dir,
+            resumed: false,
+        })
+    }
+
+    /// Continues the run in `run_dir` from its newest checkpoint (or from the base model
+    /// when it has none), with the config saved in the run directory. Log lines after the
+    /// checkpoint's step are dropped, so the logs read as one uninterrupted run.
+    pub fn resume(run_dir: &Path) -> RlResult<Self> {
+        let cfg_path = run_dir.join(CONFIG_FILE);
+        let text = std::fs::read_to_string(&cfg_path).map_err(RlError::io(&cfg_path))?;
+        let mut cfg = TrainConfig::from_toml_str(&text)?;
+        cfg.run_dir = run_dir.to_path_buf();
+        let trainer = match latest_checkpoint(run_dir)? {
+            Some((dir, state)) => {
+                tracing::info!(step = state.step, dir = %dir.display(), "resuming from checkpoint");
+                Trainer::from_checkpoint(cfg, &dir)?
+            }
+            None => {
+                tracing::warn!(run = %run_dir.display(), "no checkpoint yet: restarting from the base model");
+                Trainer::new(cfg)?
+            }
+        };
+        truncate_after_step(&run_dir.join(METRICS_FILE), trainer.step)?;
+        truncate_after_step(&run_dir.join(EVAL_FILE), trainer.step)?;
+        Ok(Self {
+            trainer,
+            run_dir: run_dir.to_path_buf(),
+            resumed: true,
+        })
+    }
+
+    /// Runs the remaining steps of the config.
+    pub fn execute(&mut self, observer: &mut dyn Observer) -> RlResult<RunSummary> {
+        let started = Instant::now();
+        let t = &mut self.trainer;
+        let total = t.cfg.steps;
+        let first = t.step + 1;
+        let mut metrics = JsonlWriter::append(&self.run_dir.join(METRICS_FILE))?;
+        let mut evals_log = JsonlWriter::append(&self.run_dir.join(EVAL_FILE))?;
+        let mut evals = Vec::new();
+        observer.started(first, total);
+        let eval_every = t.cfg.eval.every;
+        if eval_every > 0 && t.step == 0 && !self.resumed {
+            let r = t.evaluate()?;
+            evals_log.write(&eval_line(0, &r))?;
+            evals.push((0, r.accuracy));
+            observer.evaluated(0, &r);
+        }
+        for step in first..=total {
+            let mut m = t.rl_step()?;
+            debug_assert_eq!(m.step, step);
+            if eval_every > 0 && (step % eval_every == 0 || step == total) {
+                let t_eval = Instant::now();
+                let r = t.evaluate()?;
+                m.eval_s = t_eval.elapsed().as_secs_f64();
+                m.eval_accuracy = Some(r.accuracy);
+                evals_log.write(&eval_line(step, &r))?;
+                evals.push((step, r.accuracy));
+                observer.evaluated(step, &r);
+            }
+            metrics.write(&m)?;
+            tracing::debug!(step, reward = m.reward_mean, k3_kl = ?m.k3_kl, "step done");
+            observer.step_done(&m);
+            let every = t.cfg.checkpoint.every;
+            if every > 0 && (step % every == 0 || step == total) {
+                let dir = t.save_checkpoint(&self.run_dir)?;
+                observer.checkpointed(step, &dir);
+            }
+        }
+        Ok(RunSummary {
+            run_dir: self.run_dir.clone(),
+            steps_run: total.saturating_sub(first - 1),
+            last_step: t.step,
+            evals,
+            wall_s: started.elapsed().as_secs_f64(),
+        })
+    }
+}
+
+fn eval_line(step: u64, r: &EvalResult) -> EvalLine {
+    EvalLine {
+        step,
+        eval_accuracy: r.accuracy,
+        n: r.n,
+        response_len_mean: r.response_len_mean,
+    }
+}

@@ -1,0 +1,222 @@
+//! Sampling trajectories with the rollout engine: G seeded samples per prompt, each with
+//! its rollout log-probs and routes, decoded and scored by the task's verifier; and greedy
+//! evaluation on the fixed held-out set.
+
+use r3_rollout::{Engine, FinishReason, GenerateRequest, SamplingParams};
+use r3_routing::RouteTable;
+use r3_tasks::{judge, CharTokenizer, Problem, RewardConfig, Verdict, EOS_ID};
+
+use crate::policy::ResponseBatch;
+use crate::rl_error::{RlError, RlResult};
+
+/// One sampled response with everything the trainer needs from the rollout.
+#[derive(Debug, Clone)]
+pub struct Trajectory {
+    /// Index of the prompt's group within the step.
+    pub group: usize,
+    /// `<bos>` + prompt tokens.
+    pub prompt_ids: Vec<u32>,
+    /// Generated tokens (including a final `<eos>` when it stopped).
+    pub response_ids: Vec<u32>,
+    /// Rollout log-prob of each response token (raw distribution, engine precision).
+    pub rollout_logp: Vec<f32>,
+    /// Rollout routes of positions `[0, prompt + response − 1)` (MoE-only space).
+    pub routes: Option<RouteTable>,
+    /// Whether generation ended with `<eos>` (rather than the length limit).
+    pub stopped: bool,
+    /// The decoded completion (before `<eos>`).
+    pub completion: String,
+    /// Verifier reward.
+    pub reward: f32,
+    /// Whether the answer is exactly right.
+    pub correct: bool,
+}
+
+impl Trajectory {
+    /// Prompt followed by response.
+    pub fn tokens(&self) -> Vec<u32> {
+        let mut t = self.prompt_ids.clone();
+        t.extend_from_slice(&self.response_ids);
+        t
+    }
+}
+
+/// How responses are sampled.
+#[derive(Debug, Clone, Copy)]
+pub struct SamplingSpec {
+    /// Samples per prompt.
+    pub group_size: usize,
+    /// Most generated tokens.
+    pub max_new_tokens: usize,
+    /// Sampling temperature (0 = greedy).
+    pub temperature: f32,
+}
+
+/// SplitMix64 finaliser: decorrelates the per-request seeds derived from one run seed.
+pub fn mix_seed(parts: &[u64]) -> u64 {
+    let mut h: u64 = 0x9E37_79B9_7F4A_7C15;
+    for &p in parts {
+        let mut z = h ^ p.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        h = z ^ (z >> 31);
+    }
+    h
+}
+
+fn stop_ids(engine: &Engine) -> Vec<u32> {
+    let mut ids = engine.eos_token_ids().to_vec();
+    if !ids.contains(&EOS_ID) {
+        ids.push(EOS_ID);
+    }
+    ids
+}
+
+/// Samples `spec.group_size` responses for every problem (group-major order), the seed of
+/// sample `j` of prompt `i` being `mix_seed([seed, step, i, j])`, and scores them.
+pub fn sample_groups(
+    engine: &mut Engine,
+    tokenizer: &CharTokenizer,
+    problems: &[Problem],
+    spec: SamplingSpec,
+    reward: &RewardConfig,
+    seed: u64,
+    step: u64,
+) -> RlResult<Vec<Trajectory>> {
+    let stop = stop_ids(engine);
+    let mut requests = Vec::with_capacity(problems.len() * spec.group_size);
+    let mut prompts = Vec::with_capacity(problems.len());
+    for (i, p) in problems.iter().enumerate() {
+        let ids = tokenizer.encode_prompt(&p.prompt)?;
+        for j in 0..spec.group_size {
+            let sampling = SamplingParams {
+                temperature: spec.temperature,
+                max_new_tokens: spec.max_new_tokens,
+                stop_token_ids: stop.clone(),
+                seed: mix_seed(&[seed, step, i as u64, j as u64]),
+                ..SamplingParams::default()
+            };
+            requests.push(GenerateRequest::new(ids.clone(), sampling));
+        }
+        prompts.push(ids);
+    }
+    let results = engine.generate(requests)?;
+    if results.len() != problems.len() * spec.group_size {
+        return Err(RlError::Invalid(format!(
+            "engine returned {} results for {} requests",
+            results.len(),
+            problems.len() * spec.group_size
+        )));
+    }
+    results
+        .into_iter()
+        .enumerate()
+        .map(|(n, r)| {
+            let group = n / spec.group_size;
+            let problem = &problems[group];
+            let completion = tokenizer.decode_completion(&r.output_ids)?;
+            let verdict = judge(&completion, problem.answer);
+            Ok(Trajectory {
+                group,
+                prompt_ids: prompts[group].clone(),
+                stopped: matches!(r.finish, FinishReason::Stop { .. }),
+                response_ids: r.output_ids,
+                rollout_logp: r.output_logprobs,
+                routes: r.routes,
+                reward: reward.reward(verdict),
+                correct: verdict == Verdict::Correct,
+                completion,
+            })
+        })
+        .collect()
+}
+
+/// The trajectories as a scoring batch (prompt + response, prompt lengths).
+pub fn response_batch(trajectories: &[Trajectory]) -> RlResult<ResponseBatch> {
+    ResponseBatch::new(
+        trajectories.iter().map(Trajectory::tokens).collect(),
+        trajectories.iter().map(|t| t.prompt_ids.len()).collect(),
+    )
+}
+
+/// The rollout route tables of the trajectories, in the `len − 1`-row form replay accepts.
+pub fn rollout_routes(trajectories: &[Trajectory]) -> RlResult<Vec<RouteTable>> {
+    trajectories
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let table = t.routes.clone().ok_or_else(|| {
+                RlError::Invalid(format!(
+                    "trajectory {i} has no rollout routes (R3 needs the engine to return them)"
+                ))
+            })?;
+            let want = t.prompt_ids.len() + t.response_ids.len() - 1;
+            if table.start_pos() != 0 || table.num_tokens() != want {
+                return Err(RlError::Invalid(format!(
+                    "trajectory {i}: rollout routes cover rows [{}, {}), expected [0, {want})",
+                    table.start_pos(),
+                    table.start_pos() + table.num_tokens()
+                )));
+            }
+            Ok(table)
+        })
+        .collect()
+}
+
+/// Result of a held-out evaluation.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EvalResult {
+    /// Fraction of problems answered exactly.
+    pub accuracy: f64,
+    /// Problems evaluated.
+    pub n: usize,
+    /// Mean response length in tokens.
+    pub response_len_mean: f64,
+}
+
+/// Answers every problem once with the engine (greedy when `temperature == 0`) and
+/// reports exact-match accuracy. Routes are not captured.
+pub fn evaluate(
+    engine: &mut Engine,
+    tokenizer: &CharTokenizer,
+    problems: &[Problem],
+    max_new_tokens: usize,
+    temperature: f32,
+    seed: u64,
+) -> RlResult<EvalResult> {
+    if problems.is_empty() {
+        return Err(RlError::Invalid("evaluation set is empty".into()));
+    }
+    let stop = stop_ids(engine);
+    let requests = problems
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let sampling = SamplingParams {
+                temperature,
+                max_new_tokens,
+                stop_token_ids: stop.clone(),
+                seed: mix_seed(&[seed, i as u64]),
+                ..SamplingParams::default()
+            };
+            let mut req = GenerateRequest::new(tokenizer.encode_prompt(&p.prompt)?, sampling);
+            req.return_routes = false;
+            Ok(req)
+        })
+        .collect::<RlResult<Vec<_>>>()?;
+    let results = engine.generate(requests)?;
+    let mut correct = 0usize;
+    let mut tokens = 0usize;
+    for (r, p) in results.iter().zip(problems) {
+        tokens += r.output_ids.len();
+        let completion = tokenizer.decode_completion(&r.output_ids)?;
+        if judge(&completion, p.answer) == Verdict::Correct {
+            correct += 1;
+        }
+    }
+    Ok(EvalResult {
+        accuracy: correct as f64 / problems.len() as f64,
+        n: problems.len(),
+        response_len_mean: tokens as f64 / problems.len() as f64,
+    })
+}
