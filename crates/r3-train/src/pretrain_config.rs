@@ -21,7 +21,7 @@ pub struct PretrainConfig {
     pub seed: u64,
     /// Where the checkpoint is written (HF layout). Default `models/arith-moe`.
     pub out_dir: PathBuf,
-    /// Optimiser steps. Default 2500.
+    /// Optimiser steps. Default 450.
     pub steps: u64,
     /// Sequences per step. Default 64.
     pub batch_size: usize,
@@ -88,7 +88,7 @@ impl Default for PretrainConfig {
         Self {
             seed: 0,
             out_dir: PathBuf::from("models/arith-moe"),
-            steps: 2500,
+            steps: 450,
             batch_size: 64,
             lr: 3e-3,
             warmup_steps: 100,
@@ -97,7 +97,7 @@ impl Default for PretrainConfig {
             grad_clip: 1.0,
             difficulties: vec![1, 2],
             eval_difficulty: 2,
-            eval_every: 500,
+            eval_every: 150,
             eval_size: 200,
             eval_seed: 1234,
             max_new_tokens: 64,

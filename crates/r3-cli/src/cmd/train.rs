@@ -94,7 +94,8 @@ impl Observer for Progress {
     }
 
     fn checkpointed(&mut self, step: u64, dir: &Path) {
-        tracing::info!(step, dir = %dir.display(), "checkpoint written");
+        self.bar
+            .suspend(|| tracing::info!(step, dir = %dir.display(), "checkpoint written"));
     }
 }
 

@@ -365,7 +365,7 @@ impl Engine {
         if let Some(cache) = self.cache.as_mut() {
             drop(cache.clear());
         }
-        tracing::info!(version = self.version, "weights updated");
+        tracing::debug!(version = self.version, "weights updated");
         Ok(self.version)
     }
 
