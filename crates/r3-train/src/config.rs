@@ -273,19 +273,32 @@ impl TrainConfig {
     /// Defaults, then the TOML file `file` (if any), then `overrides` (`key=value`), then
     /// validation.
     pub fn resolve(file: Option<&Path>, overrides: &[String]) -> Result<Self> {
+        let from_file = match file {
+            Some(path) => {
+                let bad = |e: String| TrainError::ConfigFile {
+                    path: path.to_path_buf(),
+                    reason: e,
+                };
+                let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+                Some(toml::from_str(&text).map_err(|e| bad(e.to_string()))?)
+            }
+            None => None,
+        };
+        Self::layered(from_file, overrides)
+    }
+
+    /// Defaults, then the TOML `text`, then `overrides`, then validation: how `r3 train`
+    /// resolves its built-in default config.
+    pub fn resolve_text(text: &str, overrides: &[String]) -> Result<Self> {
+        let incoming = toml::from_str(text).map_err(|e| TrainError::Config(e.to_string()))?;
+        Self::layered(Some(incoming), overrides)
+    }
+
+    fn layered(incoming: Option<toml::Value>, overrides: &[String]) -> Result<Self> {
         let mut value = toml::Value::try_from(Self::default())
             .map_err(|e| TrainError::Config(format!("serialising defaults: {e}")))?;
-        if let Some(path) = file {
-            let text = std::fs::read_to_string(path).map_err(|e| TrainError::ConfigFile {
-                path: path.to_path_buf(),
-                reason: e.to_string(),
-            })?;
-            let from_file: toml::Value =
-                toml::from_str(&text).map_err(|e| TrainError::ConfigFile {
-                    path: path.to_path_buf(),
-                    reason: e.to_string(),
-                })?;
-            merge_known(&mut value, from_file, "")?;
+        if let Some(incoming) = incoming {
+            merge_known(&mut value, incoming, "")?;
         }
         apply_overrides(&mut value, overrides)?;
         let cfg: Self = value

@@ -151,6 +151,26 @@ fn kl_estimates(log_ratio: &Tensor, mask: &Tensor) -> Result<(f32, f32)> {
     Ok((k1, scalar_f32(&masked_mean(&k3, mask)?)?))
 }
 
+/// The metrics of a loss value, its clip statistics `[frac, low, high, ratio mean]` and the
+/// token log-ratios `new − old`.
+fn loss_metrics(
+    loss: &Tensor,
+    [clip_frac, clip_frac_low, clip_frac_high, ratio_mean]: [f32; 4],
+    log_ratio: &Tensor,
+    mask: &Tensor,
+) -> Result<PolicyLossMetrics> {
+    let (ppo_kl, ppo_kl_k3) = kl_estimates(log_ratio, mask)?;
+    Ok(PolicyLossMetrics {
+        pg_loss: scalar_f32(loss)?,
+        clip_frac,
+        clip_frac_low,
+        clip_frac_high,
+        ppo_kl,
+        ppo_kl_k3,
+        ratio_mean,
+    })
+}
+
 /// PPO clipped policy loss with clip-higher; `agg` reduces the per-token losses.
 pub fn ppo_clip_loss(
     input: &PolicyLossInput,
@@ -163,18 +183,8 @@ pub fn ppo_clip_loss(
         .sub(&c.old)?
         .clamp(-PPO_LOG_RATIO_LIMIT, PPO_LOG_RATIO_LIMIT)?;
     let ratio = log_ratio.exp()?;
-    let (loss, [clip_frac, clip_frac_low, clip_frac_high, ratio_mean]) =
-        clipped_surrogate(&ratio, &c.adv, input, clip, agg)?;
-    let (ppo_kl, ppo_kl_k3) = kl_estimates(&log_ratio, input.mask)?;
-    let metrics = PolicyLossMetrics {
-        pg_loss: scalar_f32(&loss)?,
-        clip_frac,
-        clip_frac_low,
-        clip_frac_high,
-        ppo_kl,
-        ppo_kl_k3,
-        ratio_mean,
-    };
+    let (loss, stats) = clipped_surrogate(&ratio, &c.adv, input, clip, agg)?;
+    let metrics = loss_metrics(&loss, stats, &log_ratio, input.mask)?;
     Ok((loss, metrics))
 }
 
@@ -196,19 +206,9 @@ pub fn gspo_loss(input: &PolicyLossInput, clip: ClipRange) -> Result<(Tensor, Po
         .sub(&input.logp.detach())?
         .broadcast_add(&seq_log_ratio)?;
     let s = log_s.exp()?;
-    let (loss, [clip_frac, clip_frac_low, clip_frac_high, ratio_mean]) =
-        clipped_surrogate(&s, &c.adv, input, clip, LossAgg::SeqMeanTokenMean)?;
-    let (ppo_kl, ppo_kl_k3) = kl_estimates(&token_log_ratio, input.mask)?;
+    let (loss, stats) = clipped_surrogate(&s, &c.adv, input, clip, LossAgg::SeqMeanTokenMean)?;
     debug_assert_eq!(s.dims(), [b, t]);
-    let metrics = PolicyLossMetrics {
-        pg_loss: scalar_f32(&loss)?,
-        clip_frac,
-        clip_frac_low,
-        clip_frac_high,
-        ppo_kl,
-        ppo_kl_k3,
-        ratio_mean,
-    };
+    let metrics = loss_metrics(&loss, stats, &token_log_ratio, input.mask)?;
     Ok((loss, metrics))
 }
 

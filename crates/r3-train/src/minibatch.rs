@@ -126,7 +126,11 @@ pub fn update_minibatch(
         is_weights: is.as_ref().map(|w| &w.weights),
     };
     let (mut loss, loss_metrics) = policy_loss(s.loss, &input, s.clip, s.agg)?;
-    let entropy_tensor = entropy_from_logits(&scored.logits)?;
+    // Only an entropy bonus needs the entropy in the autograd graph.
+    let entropy_tensor = match s.entropy_coef != 0.0 {
+        true => entropy_from_logits(&scored.logits)?,
+        false => entropy_from_logits(&scored.logits.detach())?,
+    };
     let entropy = masked_mean(&entropy_tensor, &full_mask)?;
     if s.entropy_coef != 0.0 {
         let bonus = masked_mean(&entropy_tensor, &mask)?.affine(s.entropy_coef, 0.0)?;

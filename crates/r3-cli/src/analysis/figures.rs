@@ -103,49 +103,24 @@ pub fn divergence(
     what: &str,
     d: &DivergenceSection,
 ) -> Result<(), AnalysisError> {
-    let routers: usize = d.router_level.iter().sum();
-    let categories: Vec<String> = (0..d.router_level.len()).map(|i| i.to_string()).collect();
-    let values = fractions(&d.router_level, routers);
     let title = format!(
         "{what}: routers by number of differing experts ({:.2}% of routers differ)",
         100.0 * d.summary.router_diff_fraction
     );
-    record(index, out, &format!("{prefix}a_router_level"), |path| {
-        bar_plot(
-            &BarPlot {
-                title: &title,
-                x_label: "experts that differ in a router's top-k",
-                y_label: "fraction of routers",
-                categories: &categories,
-                values: &values,
-                y_scale: Scale::Linear,
-                canvas: Canvas::default(),
-            },
-            path,
-        )
-    })?;
+    let axes = (
+        "experts that differ in a router's top-k",
+        "fraction of routers",
+    );
+    let key = format!("{prefix}a_router_level");
+    share_bars(index, out, &key, &title, axes, &d.router_level)?;
 
-    let tokens: usize = d.token_level.iter().sum();
-    let categories: Vec<String> = (0..d.token_level.len()).map(|i| i.to_string()).collect();
-    let values = fractions(&d.token_level, tokens);
     let title = format!(
         "{what}: tokens by number of layers with a different choice ({:.2}% differ in ≥ 1)",
         100.0 * d.summary.token_diff_fraction
     );
-    record(index, out, &format!("{prefix}b_token_level"), |path| {
-        bar_plot(
-            &BarPlot {
-                title: &title,
-                x_label: "MoE layers whose routers differ",
-                y_label: "fraction of tokens",
-                categories: &categories,
-                values: &values,
-                y_scale: Scale::Linear,
-                canvas: Canvas::default(),
-            },
-            path,
-        )
-    })?;
+    let axes = ("MoE layers whose routers differ", "fraction of tokens");
+    let key = format!("{prefix}b_token_level");
+    share_bars(index, out, &key, &title, axes, &d.token_level)?;
 
     let counts: Vec<f64> = d
         .per_sequence_histogram
@@ -203,6 +178,33 @@ pub fn per_layer(
                 y_label: "fraction of routers that differ",
                 categories: &categories,
                 series: &series,
+                y_scale: Scale::Linear,
+                canvas: Canvas::default(),
+            },
+            path,
+        )
+    })
+}
+
+/// Bars of `counts[i] / Σ counts` over categories `0, 1, 2, …` (x, y labels in `axes`).
+fn share_bars(
+    index: &mut FigureIndex,
+    out: &Path,
+    key: &str,
+    title: &str,
+    axes: (&str, &str),
+    counts: &[usize],
+) -> Result<(), AnalysisError> {
+    let categories: Vec<String> = (0..counts.len()).map(|i| i.to_string()).collect();
+    let values = fractions(counts, counts.iter().sum());
+    record(index, out, key, |path| {
+        bar_plot(
+            &BarPlot {
+                title,
+                x_label: axes.0,
+                y_label: axes.1,
+                categories: &categories,
+                values: &values,
                 y_scale: Scale::Linear,
                 canvas: Canvas::default(),
             },

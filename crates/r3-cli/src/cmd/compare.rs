@@ -8,12 +8,11 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::ProgressBar;
 use r3_train::config::TrainConfig;
-use r3_train::overrides::{apply_overrides, merge_known};
-use r3_train::rollout::EvalResult;
-use r3_train::{Observer, StepMetrics};
+use r3_train::Observer;
 
+use super::progress::{step_bar, RunProgress};
 use super::train::DEFAULT_CONFIG;
 use crate::analysis::compare::{
     parse_replay, plan, report, run_variants, CompareSummary, Setting, Variant,
@@ -69,16 +68,7 @@ pub struct CompareArgs {
 fn base_config(a: &CompareArgs) -> anyhow::Result<TrainConfig> {
     let mut cfg = match &a.config {
         Some(path) => TrainConfig::resolve(Some(path), &a.set)?,
-        None => {
-            let mut value = toml::Value::try_from(TrainConfig::default())?;
-            let incoming: toml::Value =
-                toml::from_str(DEFAULT_CONFIG).context("built-in default config")?;
-            merge_known(&mut value, incoming, "")?;
-            apply_overrides(&mut value, &a.set)?;
-            value
-                .try_into()
-                .map_err(|e: toml::de::Error| anyhow::anyhow!("config: {}", e.message()))?
-        }
+        None => TrainConfig::resolve_text(DEFAULT_CONFIG, &a.set)?,
     };
     cfg.steps = a.steps;
     cfg.eval.every = a.eval_every;
@@ -99,32 +89,6 @@ fn parse_settings(names: &[String], multi: usize) -> anyhow::Result<Vec<Setting>
             other => anyhow::bail!("unknown setting {other:?}: use single or multi"),
         })
         .collect()
-}
-
-/// Progress bar of one run.
-struct RunProgress {
-    bar: ProgressBar,
-}
-
-impl Observer for RunProgress {
-    fn started(&mut self, first: u64, last: u64) {
-        self.bar.set_length(last);
-        self.bar.set_position(first.saturating_sub(1));
-    }
-
-    fn evaluated(&mut self, step: u64, r: &EvalResult) {
-        self.bar.println(format!(
-            "  eval after step {step}: accuracy {:.3}",
-            r.accuracy
-        ));
-    }
-
-    fn step_done(&mut self, m: &StepMetrics) {
-        self.bar.set_position(m.step);
-        let k3 = m.k3_kl.map_or("-".to_string(), |v| format!("{v:.2e}"));
-        self.bar
-            .set_message(format!("reward {:.3} k3 {k3}", m.reward_mean));
-    }
 }
 
 /// Runs `r3 compare`; prints the results table on stdout.
@@ -159,19 +123,14 @@ pub fn run(a: CompareArgs) -> anyhow::Result<()> {
     let no_progress = a.no_progress;
     let mut on_run = |i: usize, v: &Variant| -> Box<dyn Observer> {
         tracing::info!(run = %v.name(), "run {} of {total}", i + 1);
-        let bar = if no_progress {
-            ProgressBar::hidden()
-        } else {
-            ProgressBar::new(0)
-        };
-        bar.set_style(
-            ProgressStyle::with_template(
-                "{prefix:18} {elapsed_precise} [{bar:25}] {pos}/{len} {msg}",
-            )
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-        );
+        let bar = step_bar(
+            0,
+            no_progress,
+            "{prefix:18} {elapsed_precise} [{bar:25}] {pos}/{len} {msg}",
+        )
+        .unwrap_or_else(|_| ProgressBar::hidden());
         bar.set_prefix(v.name());
-        Box::new(RunProgress { bar })
+        Box::new(RunProgress::new(bar))
     };
     let outcomes = run_variants(&base, &variants, &a.out, &mut on_run)?;
     let opts = ReportOptions {

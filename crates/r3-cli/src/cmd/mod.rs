@@ -11,6 +11,7 @@ mod compare;
 mod forward;
 mod generate;
 mod pretrain;
+mod progress;
 mod report;
 mod routes;
 mod serve;

@@ -5,8 +5,9 @@
 use std::path::PathBuf;
 
 use clap::Args;
-use indicatif::{ProgressBar, ProgressStyle};
 use r3_train::{pretrain, PretrainConfig, PretrainEvent};
+
+use super::progress::{step_bar, STEP_TEMPLATE};
 
 /// Arguments of `r3 pretrain`.
 #[derive(Debug, Args)]
@@ -32,15 +33,7 @@ pub fn run(a: PretrainArgs) -> anyhow::Result<()> {
         cfg.out_dir = out;
     }
     tracing::info!(out = %cfg.out_dir.display(), steps = cfg.steps, "pretraining");
-    let bar = if a.no_progress {
-        ProgressBar::hidden()
-    } else {
-        ProgressBar::new(cfg.steps)
-    };
-    bar.set_style(
-        ProgressStyle::with_template("{elapsed_precise} [{bar:30}] step {pos}/{len} {msg}")?
-            .progress_chars("=> "),
-    );
+    let bar = step_bar(cfg.steps, a.no_progress, STEP_TEMPLATE)?;
     let mut loss_sum = 0.0f64;
     let mut loss_n = 0u64;
     let log_every = cfg.log_every.max(1);

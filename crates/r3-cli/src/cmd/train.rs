@@ -9,11 +9,10 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use clap::Args;
-use indicatif::{ProgressBar, ProgressStyle};
 use r3_train::config::TrainConfig;
-use r3_train::overrides::{apply_overrides, merge_known};
-use r3_train::rollout::EvalResult;
-use r3_train::{Observer, Run, StepMetrics};
+use r3_train::Run;
+
+use super::progress::{step_bar, RunProgress, STEP_TEMPLATE};
 
 /// The default experiment, as shipped in `configs/default.toml`.
 pub const DEFAULT_CONFIG: &str = include_str!("../../../../configs/default.toml");
@@ -35,19 +34,6 @@ pub struct TrainArgs {
     pub no_progress: bool,
 }
 
-/// Defaults ← `text` ← overrides, validated.
-fn resolve_text(text: &str, overrides: &[String]) -> anyhow::Result<TrainConfig> {
-    let mut value = toml::Value::try_from(TrainConfig::default())?;
-    let incoming: toml::Value = toml::from_str(text).context("built-in default config")?;
-    merge_known(&mut value, incoming, "")?;
-    apply_overrides(&mut value, overrides)?;
-    let cfg: TrainConfig = value
-        .try_into()
-        .map_err(|e: toml::de::Error| anyhow::anyhow!("config: {}", e.message()))?;
-    cfg.validate()?;
-    Ok(cfg)
-}
-
 /// `dir`, or `dir-2`, `dir-3`, … — the first that does not hold a run yet.
 fn free_run_dir(dir: &Path) -> PathBuf {
     let taken = |d: &Path| d.join("metrics.jsonl").exists() || d.join("config.toml").exists();
@@ -61,44 +47,6 @@ fn free_run_dir(dir: &Path) -> PathBuf {
         .unwrap_or_else(|| dir.to_path_buf())
 }
 
-/// Progress bar fed by the run's events.
-struct Progress {
-    bar: ProgressBar,
-    last_eval: Option<f64>,
-}
-
-impl Observer for Progress {
-    fn started(&mut self, first: u64, last: u64) {
-        self.bar.set_length(last);
-        self.bar.set_position(first.saturating_sub(1));
-    }
-
-    fn evaluated(&mut self, step: u64, r: &EvalResult) {
-        self.last_eval = Some(r.accuracy);
-        // Logged rather than `bar.println`, which prints nothing when the bar is hidden.
-        self.bar
-            .suspend(|| tracing::info!(step, accuracy = r.accuracy, held_out = r.n, "eval"));
-    }
-
-    fn step_done(&mut self, m: &StepMetrics) {
-        self.bar.set_position(m.step);
-        let k3 = m.k3_kl.map_or("-".to_string(), |v| format!("{v:.2e}"));
-        let eval = self
-            .last_eval
-            .map_or("-".to_string(), |v| format!("{v:.3}"));
-        self.bar.set_message(format!(
-            "reward {:.3} k3 {k3} eval {eval}{}",
-            m.reward_mean,
-            if m.skipped_update { " SKIPPED" } else { "" }
-        ));
-    }
-
-    fn checkpointed(&mut self, step: u64, dir: &Path) {
-        self.bar
-            .suspend(|| tracing::info!(step, dir = %dir.display(), "checkpoint written"));
-    }
-}
-
 /// Runs `r3 train`.
 pub fn run(a: TrainArgs) -> anyhow::Result<()> {
     let mut run = match &a.resume {
@@ -106,7 +54,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         None => {
             let mut cfg = match &a.config {
                 Some(path) => TrainConfig::resolve(Some(path), &a.set)?,
-                None => resolve_text(DEFAULT_CONFIG, &a.set)?,
+                None => TrainConfig::resolve_text(DEFAULT_CONFIG, &a.set)?,
             };
             let dir = free_run_dir(&cfg.run_dir);
             if dir != cfg.run_dir {
@@ -126,19 +74,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         seed = cfg.seed,
         "training"
     );
-    let bar = if a.no_progress {
-        ProgressBar::hidden()
-    } else {
-        ProgressBar::new(cfg.steps)
-    };
-    bar.set_style(
-        ProgressStyle::with_template("{elapsed_precise} [{bar:30}] step {pos}/{len} {msg}")?
-            .progress_chars("=> "),
-    );
-    let mut progress = Progress {
-        bar,
-        last_eval: None,
-    };
+    let mut progress = RunProgress::new(step_bar(cfg.steps, a.no_progress, STEP_TEMPLATE)?);
     let summary = run.execute(&mut progress)?;
     progress.bar.finish();
     let first = summary.evals.first().map(|e| e.1);
