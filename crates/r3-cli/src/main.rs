@@ -1,6 +1,7 @@
 //! The `r3` binary: parses the command line, sets up logging on stderr and runs one command.
 //! Every failure is printed as a single `error: ...` line with a non-zero exit status.
 
+mod allocator;
 mod analysis;
 mod cmd;
 mod plot;
@@ -11,6 +12,7 @@ use std::process::ExitCode;
 use clap::Parser;
 
 fn main() -> ExitCode {
+    allocator::keep_freed_buffers();
     let cli = cmd::Cli::parse();
     if let Err(e) = init_logging(&cli.log) {
         eprintln!("error: {}", one_line(&format!("{e:#}")));

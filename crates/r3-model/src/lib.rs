@@ -4,12 +4,15 @@
 
 pub mod config;
 pub mod error;
+mod host;
 pub mod layers;
+pub mod math;
 pub mod model;
 pub mod presets;
 pub mod router;
 pub mod routing;
 pub mod spec;
+pub mod token_stats;
 pub mod weights;
 
 pub use config::{
@@ -20,5 +23,5 @@ pub use error::{ModelError, Result};
 pub use model::{Batch, ForwardOutput, Model};
 pub use router::Router;
 pub use routing::{ReplayProof, Routing};
-pub use spec::{tensor_specs, TensorRole, TensorSpec};
+pub use spec::{tensor_specs, tensor_specs_in, ExpertLayout, TensorRole, TensorSpec};
 pub use weights::{RandomInit, Weights};

@@ -103,8 +103,31 @@ pub fn layer_prefix(i: usize) -> String {
     format!("model.layers.{i}")
 }
 
-/// Every tensor the config requires, in a stable order.
+/// How a name→tensor map holds the routed experts of MoE layers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertLayout {
+    /// HF per-expert tensors `experts.{j}.{gate,up,down}_proj.weight` (what checkpoints hold).
+    PerExpert,
+    /// Two stacked tensors per layer, `experts.gate_up_proj` `[E, 2I, H]` (gate rows first)
+    /// and `experts.down_proj` `[E, H, I]` (transformers 5's layout; what training updates).
+    Fused,
+}
+
+/// Names of the fused expert tensors under a MoE block prefix: `(gate_up, down)`.
+pub fn fused_expert_names(moe_prefix: &str) -> (String, String) {
+    (
+        format!("{moe_prefix}.experts.gate_up_proj"),
+        format!("{moe_prefix}.experts.down_proj"),
+    )
+}
+
+/// Every tensor the config requires, with per-expert HF names, in a stable order.
 pub fn tensor_specs(cfg: &Config) -> Vec<TensorSpec> {
+    tensor_specs_in(cfg, ExpertLayout::PerExpert)
+}
+
+/// Every tensor the config requires with the routed experts in `layout`, in a stable order.
+pub fn tensor_specs_in(cfg: &Config, layout: ExpertLayout) -> Vec<TensorSpec> {
     let h = cfg.hidden_size;
     let nh = cfg.num_attention_heads;
     let mut list = SpecList { specs: Vec::new() };
@@ -126,14 +149,19 @@ pub fn tensor_specs(cfg: &Config) -> Vec<TensorSpec> {
                         TensorRole::Buffer,
                     );
                 }
-                let names = expert_names(cfg);
-                for j in 0..e {
-                    list.swiglu(
-                        &format!("{m}.experts.{j}"),
-                        &names,
-                        h,
-                        moe.expert_intermediate_size,
-                    );
+                let inter = moe.expert_intermediate_size;
+                match layout {
+                    ExpertLayout::PerExpert => {
+                        let names = expert_names(cfg);
+                        for j in 0..e {
+                            list.swiglu(&format!("{m}.experts.{j}"), &names, h, inter);
+                        }
+                    }
+                    ExpertLayout::Fused => {
+                        let (gate_up, down) = fused_expert_names(&m);
+                        list.push(gate_up, vec![e, 2 * inter, h], TensorRole::Matrix);
+                        list.push(down, vec![e, h, inter], TensorRole::Matrix);
+                    }
                 }
                 match moe.shared {
                     SharedExpert::None => {}

@@ -100,7 +100,7 @@ fn every_parameter_receives_a_gradient() {
         };
         let l = loss(&model, &batch, routing, &probe(&cfg, &lengths, DType::F32));
         let grads = l.backward().expect("backward");
-        let trainable = r3_model::tensor_specs(&cfg)
+        let trainable = r3_model::tensor_specs_in(&cfg, r3_model::ExpertLayout::Fused)
             .iter()
             .filter(|s| s.role.is_trainable())
             .count();
@@ -114,17 +114,28 @@ fn every_parameter_receives_a_gradient() {
             let g = grads
                 .get(var.as_tensor())
                 .unwrap_or_else(|| panic!("{family}: no gradient for {name}"));
-            let norm = g
-                .abs()
-                .expect("abs")
-                .max_all()
-                .expect("max")
-                .to_scalar::<f32>()
-                .expect("scalar");
-            assert!(
-                norm > 0.0 && norm.is_finite(),
-                "{family}: gradient of {name} is {norm}"
-            );
+            // Fused expert tensors hold one block per expert: the covering routes send rows
+            // to every expert, so every block must receive a gradient of its own.
+            let blocks = if name.contains(".experts.") {
+                (0..g.dim(0).expect("experts"))
+                    .map(|j| g.get(j).expect("block"))
+                    .collect()
+            } else {
+                vec![g.clone()]
+            };
+            for (j, block) in blocks.iter().enumerate() {
+                let norm = block
+                    .abs()
+                    .expect("abs")
+                    .max_all()
+                    .expect("max")
+                    .to_scalar::<f32>()
+                    .expect("scalar");
+                assert!(
+                    norm > 0.0 && norm.is_finite(),
+                    "{family}: gradient of {name} (block {j}) is {norm}"
+                );
+            }
         }
     }
 }
@@ -188,8 +199,8 @@ fn finite_difference_check(family: &str, replay: bool) {
     };
     let mut names = vec![
         format!("model.layers.{moe_layer}.mlp.gate.weight"),
-        format!("model.layers.{moe_layer}.mlp.experts.{used}.gate_proj.weight"),
-        format!("model.layers.{moe_layer}.mlp.experts.{used}.down_proj.weight"),
+        format!("model.layers.{moe_layer}.mlp.experts.gate_up_proj"),
+        format!("model.layers.{moe_layer}.mlp.experts.down_proj"),
         format!("model.layers.{moe_layer}.post_attention_layernorm.weight"),
         "model.layers.0.self_attn.o_proj.weight".to_string(),
         "model.embed_tokens.weight".to_string(),
@@ -227,7 +238,15 @@ fn finite_difference_check(family: &str, replay: bool) {
             .expect("flat")
             .to_vec1::<f64>()
             .expect("vec");
-        let picks = [0, base.len() / 3, base.len() - 1];
+        // In a fused expert tensor, probe the block of the expert this routing uses (its
+        // first, a middle and its last element: gate and up rows, or down rows).
+        let (from, len) = if name.contains(".experts.") {
+            let block = base.len() / cfg.num_experts();
+            (used as usize * block, block)
+        } else {
+            (0, base.len())
+        };
+        let picks = [from, from + len / 3, from + len - 1];
         for &i in &picks {
             let eval = |delta: f64| {
                 let mut p = base.clone();

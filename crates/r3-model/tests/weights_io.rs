@@ -213,3 +213,42 @@ fn missing_and_misshaped_tensors_are_named() {
     let _ = std::fs::remove_dir_all(&dir);
     let _ = std::fs::remove_dir_all(&empty);
 }
+
+/// Training holds experts fused; saving those weights writes HF per-expert tensors equal to
+/// the originals, and fusing is invisible to the forward.
+#[test]
+fn trainable_fused_experts_save_as_per_expert_tensors() {
+    for family in ["qwen3_moe", "mixtral", "deepseek_v3"] {
+        let cfg = tiny_config(family);
+        let weights = tiny_weights(&cfg, 4, DType::F32);
+        let (_, trainable) = weights.clone().into_trainable(&cfg).expect("trainable");
+        assert_eq!(
+            trainable.expert_layout(&cfg),
+            r3_model::ExpertLayout::Fused,
+            "{family}"
+        );
+        assert_eq!(
+            logits(&cfg, &weights),
+            logits(&cfg, &trainable),
+            "{family}: fused forward"
+        );
+        let dir = temp_dir(&format!("fused-{family}"));
+        trainable.save(&dir, &cfg).expect("save");
+        let back = Weights::load(&dir, &cfg, &Device::Cpu).expect("load back");
+        assert_eq!(back.expert_layout(&cfg), r3_model::ExpertLayout::PerExpert);
+        assert_eq!(back.tensors().len(), weights.tensors().len(), "{family}");
+        for (name, t) in weights.tensors() {
+            let u = back.get(name).expect("tensor back");
+            let same = t.flatten_all().expect("f").to_vec1::<f32>().expect("v")
+                == u.flatten_all().expect("f").to_vec1::<f32>().expect("v");
+            assert!(same, "{family}: {name} changed through fuse + save");
+        }
+        let unfused = trainable.unfuse_experts(&cfg).expect("unfuse");
+        assert_eq!(
+            unfused.tensors().keys().collect::<Vec<_>>(),
+            weights.tensors().keys().collect::<Vec<_>>(),
+            "{family}: unfused names"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

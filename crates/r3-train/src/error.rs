@@ -8,6 +8,9 @@ pub enum TrainError {
     /// A tensor operation failed.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    /// A model kernel rejected its inputs.
+    #[error(transparent)]
+    Model(#[from] r3_model::ModelError),
     /// Inputs whose shapes or dtypes do not fit together.
     #[error("shape mismatch: {0}")]
     Shape(String),

@@ -1,5 +1,5 @@
-//! Token log-probabilities, entropy and masked reductions from logits, with composed,
-//! autograd-safe candle ops (no fused kernels, which have no backward).
+//! Token log-probabilities, entropy and masked reductions from logits: shape-checked
+//! wrappers over r3-model's fused, differentiable row kernels, and composed masked means.
 
 use crate::error::{Result, TrainError};
 use candle_core::{DType, Tensor, D};
@@ -55,16 +55,13 @@ pub fn token_log_probs(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
             logits.dims()
         )));
     }
-    let targets = targets.to_dtype(DType::U32)?.unsqueeze(2)?.contiguous()?;
-    let logp = log_softmax_last(logits)?;
-    Ok(logp.gather(&targets, 2)?.squeeze(2)?)
+    Ok(r3_model::token_stats::token_log_probs(logits, targets)?)
 }
 
 /// Entropy of the next-token distribution at every position, `[B, T, V]` → `[B, T]`.
 pub fn entropy_from_logits(logits: &Tensor) -> Result<Tensor> {
     logits_dims(logits)?;
-    let logp = log_softmax_last(logits)?;
-    Ok(logp.exp()?.mul(&logp)?.sum(D::Minus1)?.neg()?)
+    Ok(r3_model::token_stats::entropy(logits)?)
 }
 
 /// `Σ x·mask / Σ mask` as a scalar tensor; 0 when the mask is empty.

@@ -225,7 +225,7 @@ impl TrainablePolicy {
         Ok(Model::new(&self.cfg, &self.detached())?)
     }
 
-    /// Current values, detached, under HF names.
+    /// Current values, detached, under HF names (routed experts fused, as trained).
     pub fn detached(&self) -> Weights {
         Weights::from_map(
             self.weights
@@ -236,13 +236,9 @@ impl TrainablePolicy {
         )
     }
 
-    /// Current values as the name→tensor map the rollout engine loads.
-    pub fn tensor_map(&self) -> r3_rollout::TensorMap {
-        self.weights
-            .tensors()
-            .iter()
-            .map(|(k, t)| (k.clone(), t.detach()))
-            .collect()
+    /// Current values as the name→tensor map the rollout engine loads (HF per-expert names).
+    pub fn tensor_map(&self) -> RlResult<r3_rollout::TensorMap> {
+        Ok(self.detached().unfuse_experts(&self.cfg)?.into_map())
     }
 
     /// Writes `config.json` + `model.safetensors` into `dir`.

@@ -100,7 +100,7 @@ pub fn eval_policy(
         prefix_cache: false,
         ..EngineConfig::default()
     };
-    let mut engine = Engine::new(policy.config().clone(), &policy.tensor_map(), cfg)?;
+    let mut engine = Engine::new(policy.config().clone(), &policy.tensor_map()?, cfg)?;
     evaluate(
         &mut engine,
         tokenizer,

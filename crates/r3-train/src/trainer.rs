@@ -95,7 +95,7 @@ impl Trainer {
             dtype: rollout_dtype(&cfg.rollout.dtype)?,
             ..EngineConfig::default()
         };
-        let engine = Engine::new(policy.config().clone(), &policy.tensor_map(), engine_cfg)?;
+        let engine = Engine::new(policy.config().clone(), &policy.tensor_map()?, engine_cfg)?;
         let task = ArithmeticTask::new(
             Difficulty::level(cfg.task.difficulty)?,
             cfg.eval.size,
@@ -136,7 +136,7 @@ impl Trainer {
     /// Pushes the policy's current weights into the rollout engine; returns seconds taken.
     pub fn sync_weights(&mut self) -> RlResult<f64> {
         let t = Instant::now();
-        self.engine.update_weights(&self.policy.tensor_map())?;
+        self.engine.update_weights(&self.policy.tensor_map()?)?;
         Ok(t.elapsed().as_secs_f64())
     }
 

@@ -30,7 +30,7 @@ fn r3_replays_the_rollout_routes_in_the_old_pass_and_every_update() {
     let mut trainer = Trainer::new(run).expect("trainer");
     // Make the rollout engine's routers disagree with the trainer's: negated router
     // weights pick other experts for most tokens (an extreme training–inference gap).
-    let mut skewed = trainer.policy.tensor_map();
+    let mut skewed = trainer.policy.tensor_map().expect("tensor map");
     for (name, t) in skewed.iter_mut() {
         if name.ends_with("mlp.gate.weight") {
             *t = t.neg().expect("negate");

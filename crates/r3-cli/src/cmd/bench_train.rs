@@ -35,18 +35,30 @@ pub struct BenchTrainArgs {
     pub seed: u64,
 }
 
-/// Seconds spent in one mode.
-#[derive(Debug, Default, Clone, Copy)]
+/// (forward, backward) seconds of each timed step of one mode.
+#[derive(Debug, Default, Clone)]
 struct Timing {
-    forward: f64,
-    backward: f64,
-    steps: usize,
+    steps: Vec<(f64, f64)>,
 }
 
 impl Timing {
-    fn per_step(&self) -> (f64, f64) {
-        let n = self.steps.max(1) as f64;
-        (self.forward / n, self.backward / n)
+    /// Mean forward and backward seconds per step.
+    fn mean(&self) -> (f64, f64) {
+        let n = self.steps.len().max(1) as f64;
+        let (f, b) = self
+            .steps
+            .iter()
+            .fold((0.0, 0.0), |(f, b), s| (f + s.0, b + s.1));
+        (f / n, b / n)
+    }
+
+    /// The fastest step: on a shared machine, the least disturbed by other tenants.
+    fn best(&self) -> (f64, f64) {
+        self.steps
+            .iter()
+            .copied()
+            .min_by(|a, b| (a.0 + a.1).total_cmp(&(b.0 + b.1)))
+            .unwrap_or((0.0, 0.0))
     }
 }
 
@@ -63,7 +75,8 @@ fn step(
         anyhow::bail!("replayed forward returned no replay proof");
     }
     let (b, t, v) = out.logits.dims3()?;
-    let loss = candle_nn::loss::cross_entropy(&out.logits.reshape((b * t, v))?, targets)?;
+    let logp = r3_model::token_stats::token_log_probs(&out.logits.reshape((b * t, v))?, targets)?;
+    let loss = logp.neg()?.mean_all()?;
     let t1 = Instant::now();
     let grads = loss.backward()?;
     let t2 = Instant::now();
@@ -139,9 +152,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
             bar.set_message(mode);
             let (f, b) = step(&model, &batch, &targets, routing)?;
             if i >= args.warmup {
-                timing.forward += f;
-                timing.backward += b;
-                timing.steps += 1;
+                timing.steps.push((f, b));
             }
             bar.inc(1);
         }
@@ -149,19 +160,21 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     bar.finish_and_clear();
 
     let report = |name: &str, t: &Timing| {
-        let (f, b) = t.per_step();
+        let (f, b) = t.mean();
+        let (bf, bb) = t.best();
         println!(
-            "{name:<7} forward {f:7.3} s  backward {b:7.3} s  step {:7.3} s  {:8.1} tokens/s",
-            f + b,
-            tokens as f64 / (f + b)
+            "{name:<7} mean: forward {f:6.3} s  backward {b:6.3} s  {:7.1} tokens/s   best step: forward {bf:6.3} s  backward {bb:6.3} s  {:7.1} tokens/s",
+            tokens as f64 / (f + b),
+            tokens as f64 / (bf + bb)
         );
-        f + b
+        (f + b, bf + bb)
     };
-    let n = report("native", &native);
-    let r = report("replay", &replay);
+    let (n, nb) = report("native", &native);
+    let (r, rb) = report("replay", &replay);
     println!(
-        "replay cost vs native: {:+.2}% (goal ≤ 1%); reference HF transformers CPU 2 threads ≈ 320 tokens/s",
-        (r - n) / n * 100.0
+        "replay cost vs native: {:+.2}% mean, {:+.2}% best step (goal ≤ 1%); reference HF transformers CPU 2 threads ≈ 320 tokens/s",
+        (r - n) / n * 100.0,
+        (rb - nb) / nb * 100.0
     );
     Ok(())
 }

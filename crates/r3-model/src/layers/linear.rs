@@ -7,14 +7,16 @@
 
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor, D};
 
+use super::gemm::{matmul, MatRef};
 use crate::error::Result;
+use crate::math::Float;
 use crate::weights::Weights;
 
 /// `x [m, k] · w [n, k]ᵀ → [m, n]`, differentiable in both arguments.
 struct MatmulWt;
 
-/// Runs gemm for one float type over arbitrary 2-D strides.
-fn gemm_xwt<T: 'static + num_like::Float>(
+/// `x · wᵀ` for one float type over arbitrary 2-D strides.
+fn gemm_xwt<T: Float>(
     x: &[T],
     xl: &Layout,
     w: &[T],
@@ -26,59 +28,28 @@ fn gemm_xwt<T: 'static + num_like::Float>(
         candle_core::bail!("linear: input width {k} does not match weight width {k2}");
     }
     let (xs, ws) = (xl.stride(), wl.stride());
-    let x = &x[xl.start_offset()..];
-    let w = &w[wl.start_offset()..];
-    let mut dst = vec![T::ZERO; m * n];
-    let threads = candle_core::utils::get_num_threads();
-    let parallelism = if threads > 1 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
+    let x = MatRef {
+        data: &x[xl.start_offset()..],
+        row_stride: xs[0],
+        col_stride: xs[1],
     };
-    // SAFETY: the pointers come from slices that hold every element the strides address:
-    // x is [m, k] with strides xs from its layout, wᵀ is read as [k, n] through w's strides
-    // swapped, and dst is a fresh contiguous [m, n] buffer.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            n as isize,
-            false,
-            x.as_ptr(),
-            xs[1] as isize,
-            xs[0] as isize,
-            w.as_ptr(),
-            ws[0] as isize,
-            ws[1] as isize,
-            T::ZERO,
-            T::ONE,
-            false,
-            false,
-            false,
-            parallelism,
-        );
-    }
+    // wᵀ is w read with its strides swapped.
+    let wt = MatRef {
+        data: &w[wl.start_offset()..],
+        row_stride: ws[1],
+        col_stride: ws[0],
+    };
+    let mut dst = vec![T::ZERO; m * n];
+    matmul(
+        m,
+        n,
+        k,
+        &mut dst,
+        x,
+        wt,
+        candle_core::utils::get_num_threads(),
+    );
     Ok((dst, Shape::from((m, n))))
-}
-
-/// The few constants `gemm_xwt` needs, for f32 and f64.
-mod num_like {
-    /// Zero and one of a float type.
-    pub trait Float: Copy {
-        const ZERO: Self;
-        const ONE: Self;
-    }
-    impl Float for f32 {
-        const ZERO: Self = 0.0;
-        const ONE: Self = 1.0;
-    }
-    impl Float for f64 {
-        const ZERO: Self = 0.0;
-        const ONE: Self = 1.0;
-    }
 }
 
 impl CustomOp2 for MatmulWt {

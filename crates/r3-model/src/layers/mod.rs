@@ -1,6 +1,8 @@
 //! Transformer blocks of the f32 training forward, built from autograd-safe composed ops.
 
 pub mod attention;
+pub mod experts;
+pub mod gemm;
 pub mod linear;
 pub mod mla;
 pub mod mlp;

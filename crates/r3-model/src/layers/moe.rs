@@ -1,16 +1,18 @@
 //! Sparse MoE block: router logits → ids (own top-k, or forced by replay) → gates
-//! (`Router::weigh`, kept in the autograd graph) → per-expert SwiGLU over gathered rows →
-//! weighted `index_add` back, plus the shared expert where the architecture has one.
+//! (`Router::weigh`, kept in the autograd graph) → rows gathered in expert order → grouped
+//! SwiGLU over the stacked experts → weighted `index_add` back, plus the shared expert where
+//! the architecture has one.
 
 use candle_core::{Tensor, D};
 
+use super::experts::RoutedExperts;
 use super::linear::Linear;
 use super::mlp::SwiGlu;
 use crate::config::{Config, SharedExpert};
 use crate::error::{ModelError, Result};
 use crate::router::Router;
 use crate::routing::LayerPlan;
-use crate::spec::{expert_names, SWIGLU_HF};
+use crate::spec::SWIGLU_HF;
 use crate::weights::Weights;
 
 /// The always-on expert.
@@ -27,7 +29,7 @@ pub struct MoeBlock {
     router: Router,
     gate_weight: Tensor,
     score_bias: Option<Vec<f32>>,
-    experts: Vec<SwiGlu>,
+    experts: RoutedExperts,
     shared: Shared,
 }
 
@@ -66,10 +68,7 @@ impl MoeBlock {
             Some(b) => Some(b.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?),
             None => None,
         };
-        let names = expert_names(cfg);
-        let experts = (0..moe.num_experts)
-            .map(|j| SwiGlu::new(weights, &format!("{p}.experts.{j}"), &names))
-            .collect::<Result<Vec<_>>>()?;
+        let experts = RoutedExperts::new(cfg, weights, &p, moe.num_experts)?;
         let shared = match moe.shared {
             SharedExpert::None => Shared::None,
             SharedExpert::Plain { .. } => Shared::Plain(SwiGlu::new(
@@ -179,25 +178,16 @@ impl MoeBlock {
         }
 
         let device = x.device();
-        let mut outputs = Vec::with_capacity(e);
-        for (j, expert) in self.experts.iter().enumerate() {
-            let (from, to) = (starts[j], starts[j + 1]);
-            if from == to {
-                continue;
-            }
-            let idx = Tensor::from_slice(&batch_rows[from..to], to - from, device)?;
-            outputs.push(expert.forward(&x.index_select(&idx, 0)?)?);
-        }
         let (total_rows, hidden) = x.dims2()?;
-        let mut out = Tensor::zeros((total_rows, hidden), x.dtype(), device)?;
-        if !outputs.is_empty() {
-            let stacked = Tensor::cat(&outputs, 0)?;
-            let slot_idx = Tensor::from_vec(slots, ids.len(), device)?;
-            let weights = gates.index_select(&slot_idx, 0)?.unsqueeze(D::Minus1)?;
-            let weighted = stacked.broadcast_mul(&weights)?;
-            let row_idx = Tensor::from_vec(batch_rows, ids.len(), device)?;
-            out = out.index_add(&row_idx, &weighted, 0)?;
-        }
+        let row_idx = Tensor::from_vec(batch_rows, ids.len(), device)?;
+        let expert_out = self
+            .experts
+            .forward(&x.index_select(&row_idx, 0)?, &starts)?;
+        let slot_idx = Tensor::from_vec(slots, ids.len(), device)?;
+        let weights = gates.index_select(&slot_idx, 0)?.unsqueeze(D::Minus1)?;
+        let weighted = expert_out.broadcast_mul(&weights)?;
+        let out = Tensor::zeros((total_rows, hidden), x.dtype(), device)?
+            .index_add(&row_idx, &weighted, 0)?;
         let output = match &self.shared {
             Shared::None => out,
             Shared::Plain(mlp) => (out + mlp.forward(x)?)?,

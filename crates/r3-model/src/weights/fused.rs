@@ -1,14 +1,14 @@
 //! Fused 3-D expert tensors (transformers 5 in-memory layout:
 //! `experts.gate_up_proj` [E, 2I, H] with gate rows first, `experts.down_proj` [E, H, I];
-//! or separate `experts.gate_proj` / `experts.up_proj` [E, I, H]) → HF per-expert names.
+//! or separate `experts.gate_proj` / `experts.up_proj` [E, I, H]) ↔ HF per-expert names.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use candle_core::Tensor;
 
 use crate::config::Config;
 use crate::error::{ModelError, Result};
-use crate::spec::{expert_names, layer_prefix};
+use crate::spec::{expert_names, fused_expert_names, layer_prefix};
 
 /// Looks a fused tensor up with and without a `.weight` suffix.
 fn take(map: &mut HashMap<String, Tensor>, base: &str) -> Option<(String, Tensor)> {
@@ -110,6 +110,40 @@ pub(super) fn unfuse_experts(
             }
             break;
         }
+    }
+    Ok(map)
+}
+
+/// Replaces the per-expert tensors of every MoE layer in `map` by the fused pair
+/// `experts.gate_up_proj` `[E, 2I, H]` and `experts.down_proj` `[E, H, I]` (copies).
+pub(super) fn fuse_experts(
+    mut map: BTreeMap<String, Tensor>,
+    cfg: &Config,
+) -> Result<BTreeMap<String, Tensor>> {
+    let Some(moe) = &cfg.moe else {
+        return Ok(map);
+    };
+    let names = expert_names(cfg);
+    for &layer in cfg.layout.moe_layers() {
+        let prefix = format!("{}.{}", layer_prefix(layer), cfg.moe_prefix());
+        let (gate_up_name, down_name) = fused_expert_names(&prefix);
+        if map.contains_key(&gate_up_name) && map.contains_key(&down_name) {
+            continue;
+        }
+        let mut gate_up = Vec::with_capacity(moe.num_experts);
+        let mut down = Vec::with_capacity(moe.num_experts);
+        for j in 0..moe.num_experts {
+            let p = format!("{prefix}.experts.{j}");
+            let mut take = |proj: &str| {
+                let name = format!("{p}.{proj}.weight");
+                map.remove(&name).ok_or(ModelError::MissingTensor(name))
+            };
+            let (g, u, d) = (take(names.gate)?, take(names.up)?, take(names.down)?);
+            gate_up.push(Tensor::cat(&[&g, &u], 0)?);
+            down.push(d);
+        }
+        map.insert(gate_up_name, Tensor::stack(&gate_up, 0)?);
+        map.insert(down_name, Tensor::stack(&down, 0)?);
     }
     Ok(map)
 }

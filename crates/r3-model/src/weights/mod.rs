@@ -16,9 +16,11 @@ use rand_distr_free::normal_samples;
 
 use crate::config::Config;
 use crate::error::{ModelError, Result};
-use crate::spec::{tensor_specs, TensorRole};
+use crate::spec::{
+    fused_expert_names, layer_prefix, tensor_specs, tensor_specs_in, ExpertLayout, TensorRole,
+};
 
-/// Named weights (HF names, canonical per-expert layout).
+/// Named weights under HF names; routed experts per expert (as loaded) or fused (as trained).
 #[derive(Debug, Clone)]
 pub struct Weights {
     tensors: BTreeMap<String, Tensor>,
@@ -75,9 +77,41 @@ impl Weights {
             .ok_or_else(|| ModelError::MissingTensor(name.to_string()))
     }
 
-    /// Checks that every tensor the config requires is present with its shape.
+    /// How this map holds the routed experts (fused if the first MoE layer's are).
+    pub fn expert_layout(&self, cfg: &Config) -> ExpertLayout {
+        let fused = cfg.layout.moe_layers().first().is_some_and(|&layer| {
+            let prefix = format!("{}.{}", layer_prefix(layer), cfg.moe_prefix());
+            self.tensors.contains_key(&fused_expert_names(&prefix).0)
+        });
+        if fused {
+            ExpertLayout::Fused
+        } else {
+            ExpertLayout::PerExpert
+        }
+    }
+
+    /// The same weights with every MoE layer's experts fused (copies the expert tensors).
+    pub fn fuse_experts(self, cfg: &Config) -> Result<Weights> {
+        Ok(Weights {
+            tensors: fused::fuse_experts(self.tensors, cfg)?,
+        })
+    }
+
+    /// The same weights with fused experts split into HF per-expert tensors (copies them).
+    pub fn unfuse_experts(self, cfg: &Config) -> Result<Weights> {
+        if self.expert_layout(cfg) == ExpertLayout::PerExpert {
+            return Ok(self);
+        }
+        let split = fused::unfuse_experts(self.tensors.into_iter().collect(), cfg)?;
+        Ok(Weights {
+            tensors: split.into_iter().collect(),
+        })
+    }
+
+    /// Checks that every tensor the config requires is present with its shape, with the
+    /// experts in either layout.
     pub fn validate(&self, cfg: &Config) -> Result<()> {
-        for spec in tensor_specs(cfg) {
+        for spec in tensor_specs_in(cfg, self.expert_layout(cfg)) {
             let t = self.get(&spec.name)?;
             if t.dims() != spec.shape.as_slice() {
                 return Err(ModelError::TensorShape {
@@ -118,10 +152,12 @@ impl Weights {
         Ok(Weights { tensors: out })
     }
 
-    /// Writes `config.json` and `model.safetensors` (HF names, current dtypes) into `dir`.
+    /// Writes `config.json` and `model.safetensors` (HF per-expert names, current dtypes)
+    /// into `dir`.
     pub fn save(&self, dir: &Path, cfg: &Config) -> Result<()> {
         self.validate(cfg)?;
-        io::write_checkpoint(dir, &cfg.to_json_string(), &self.tensors)
+        let hf = self.clone().unfuse_experts(cfg)?;
+        io::write_checkpoint(dir, &cfg.to_json_string(), &hf.tensors)
     }
 
     /// Seeded random weights for `cfg` (f32): same config and init give the same tensors.
@@ -144,10 +180,13 @@ impl Weights {
     }
 
     /// Makes every trainable tensor a candle `Var` (same dtype, fresh storage) registered in a
-    /// new `VarMap` under its HF name; returns the map (for the optimiser) and weights whose tensors are those vars,
-    /// so a model built from them is differentiable in every parameter. Buffers stay constants.
+    /// new `VarMap` under its HF name, with routed experts fused (one variable per layer and
+    /// projection pair, as grouped GEMMs want them); returns the map (for the optimiser) and
+    /// weights whose tensors are those vars, so a model built from them is differentiable in
+    /// every parameter. Buffers stay constants.
     pub fn into_trainable(self, cfg: &Config) -> Result<(VarMap, Weights)> {
         self.validate(cfg)?;
+        let fused = self.fuse_experts(cfg)?;
         let varmap = VarMap::new();
         let mut tensors = BTreeMap::new();
         {
@@ -155,8 +194,8 @@ impl Weights {
                 .data()
                 .lock()
                 .map_err(|_| ModelError::Input("VarMap lock poisoned".into()))?;
-            for spec in tensor_specs(cfg) {
-                let t = self.get(&spec.name)?;
+            for spec in tensor_specs_in(cfg, ExpertLayout::Fused) {
+                let t = fused.get(&spec.name)?;
                 if spec.role.is_trainable() {
                     let var = Var::from_tensor(&t.detach().copy()?)?;
                     tensors.insert(spec.name.clone(), var.as_tensor().clone());

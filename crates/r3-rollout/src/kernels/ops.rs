@@ -59,42 +59,7 @@ pub fn softmax_in_place(row: &mut [f32]) {
     }
 }
 
-/// `e^x` for f32 with a Cody–Waite range reduction and a degree-6 polynomial (max relative
-/// error about 2e-7, i.e. within a couple of ulp of libm), written so it vectorises; the
-/// input is clamped to [-87.3, 88.7] (the normal f32 range).
-#[inline(always)]
-pub fn fast_exp(x: f32) -> f32 {
-    let x = x.clamp(-87.3, 88.7);
-    let n = (x * std::f32::consts::LOG2_E).round();
-    // ln 2 split in a part exact in f32 and a remainder.
-    let r = n.mul_add(-0.693_145_75, x);
-    let r = n.mul_add(-1.428_606_8e-6, r);
-    let p = 1.987_569_1e-4f32;
-    let p = p.mul_add(r, 1.398_199_9e-3);
-    let p = p.mul_add(r, 8.333_452e-3);
-    let p = p.mul_add(r, 4.166_579_6e-2);
-    let p = p.mul_add(r, 1.666_666_5e-1);
-    let p = p.mul_add(r, 0.5);
-    let p = (p * r).mul_add(r, r) + 1.0;
-    let bits = ((n as i32 + 127).max(0) as u32) << 23;
-    p * f32::from_bits(bits)
-}
-
-/// `ln Σ exp(row)` (log-sum-exp): terms summed in 16 f32 lanes, lanes reduced in f64.
-pub fn log_sum_exp(row: &[f32]) -> f32 {
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut acc = [0f32; 16];
-    let chunks = row.chunks_exact(16);
-    let rem = chunks.remainder();
-    for c in chunks {
-        for i in 0..16 {
-            acc[i] += fast_exp(c[i] - max);
-        }
-    }
-    let mut sum: f64 = acc.iter().map(|&v| v as f64).sum();
-    sum += rem.iter().map(|&v| fast_exp(v - max) as f64).sum::<f64>();
-    max + sum.ln() as f32
-}
+pub use r3_model::math::{fast_exp, log_sum_exp};
 
 /// `log softmax(row)[index]`.
 pub fn log_softmax_at(row: &[f32], index: usize) -> f32 {
@@ -182,19 +147,6 @@ mod tests {
         // mean square = 12.5
         let r = 12.5f32.sqrt();
         assert!((x[0] - 3.0 / r).abs() < 1e-6 && (x[1] - 8.0 / r).abs() < 1e-6);
-    }
-
-    #[test]
-    fn fast_exp_matches_libm() {
-        let mut worst = 0f64;
-        let mut x = -87.0f32;
-        while x < 88.0 {
-            let (a, b) = (fast_exp(x) as f64, (x as f64).exp());
-            worst = worst.max(((a - b) / b).abs());
-            x += 0.0137;
-        }
-        assert!(worst < 1e-6, "relative error {worst}");
-        assert_eq!(fast_exp(-200.0), fast_exp(-87.3));
     }
 
     #[test]

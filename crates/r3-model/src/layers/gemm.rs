@@ -1,0 +1,98 @@
+//! Strided matrix products on host slices (f32 / f64) through the `gemm` crate: the one
+//! place the training ops call BLAS-like kernels directly.
+
+use crate::math::Float;
+
+/// A read-only matrix view: element `(i, j)` is `data[i * row_stride + j * col_stride]`.
+#[derive(Debug, Clone, Copy)]
+pub struct MatRef<'a, T> {
+    /// backing elements
+    pub data: &'a [T],
+    /// distance between consecutive rows
+    pub row_stride: usize,
+    /// distance between consecutive columns
+    pub col_stride: usize,
+}
+
+impl<'a, T> MatRef<'a, T> {
+    /// A row-major `[rows, cols]` matrix.
+    pub fn row_major(data: &'a [T], cols: usize) -> Self {
+        MatRef {
+            data,
+            row_stride: cols,
+            col_stride: 1,
+        }
+    }
+
+    /// The transpose of a row-major `[rows, cols]` matrix, read as `[cols, rows]`.
+    pub fn transposed(data: &'a [T], cols: usize) -> Self {
+        MatRef {
+            data,
+            row_stride: 1,
+            col_stride: cols,
+        }
+    }
+
+    /// Whether `[rows, cols]` elements through these strides stay inside `data`.
+    fn fits(&self, rows: usize, cols: usize) -> bool {
+        rows == 0
+            || cols == 0
+            || (rows - 1) * self.row_stride + (cols - 1) * self.col_stride < self.data.len()
+    }
+}
+
+/// `dst [m, n] (row-major) = a [m, k] · b [k, n]`, overwriting `dst`; `threads > 1` splits
+/// the product over a rayon pool.
+///
+/// Panics if a view is too short for its shape: callers size every buffer from the same
+/// dimensions, so a short one is a bug here, not bad input.
+pub fn matmul<T: Float>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [T],
+    a: MatRef<'_, T>,
+    b: MatRef<'_, T>,
+    threads: usize,
+) {
+    assert!(dst.len() >= m * n, "gemm: destination shorter than {m}x{n}");
+    assert!(a.fits(m, k), "gemm: left operand shorter than {m}x{k}");
+    assert!(b.fits(k, n), "gemm: right operand shorter than {k}x{n}");
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        dst[..m * n].fill(T::ZERO);
+        return;
+    }
+    let parallelism = if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: the asserts above bound every element the strides address inside its slice,
+    // and `dst` is a distinct, mutable, row-major `[m, n]` buffer.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            a.data.as_ptr(),
+            a.col_stride as isize,
+            a.row_stride as isize,
+            b.data.as_ptr(),
+            b.col_stride as isize,
+            b.row_stride as isize,
+            T::ZERO,
+            T::ONE,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+}

@@ -1,0 +1,339 @@
+//! Per-position statistics of next-token logits — the log-probability of a given token and
+//! the entropy — as fused, differentiable ops over rows of `[.., V]` logits.
+//!
+//! Composed from candle ops, `log_softmax` + `gather` makes about a dozen full passes (and
+//! as many fresh buffers) over the logits forward and backward; at a 32k vocabulary that was
+//! a third of a training step. Here each direction is one parallel pass over the rows, and
+//! the backward is written straight into the logits gradient.
+
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Tensor};
+use rayon::prelude::*;
+
+use crate::error::{ModelError, Result};
+use crate::host::{contiguous, with_host};
+use crate::math::{lane_sum, log_sum_exp, Float};
+
+/// `log softmax(logits)[target]` for every row: logits `[.., V]` (f32/f64, CPU), targets
+/// `[..]` u32 → `[..]`, differentiable in the logits.
+pub fn token_log_probs(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let dims = logits.dims();
+    let Some((&vocab, lead)) = dims.split_last() else {
+        return Err(ModelError::Input("token log-probs of a scalar".into()));
+    };
+    if targets.dims() != lead {
+        return Err(ModelError::Input(format!(
+            "targets have shape {:?}, logits {dims:?}: expected {lead:?}",
+            targets.dims()
+        )));
+    }
+    let rows = lead.iter().product::<usize>();
+    let logits2 = logits.reshape((rows, vocab))?.contiguous()?;
+    let targets1 = targets.to_dtype(DType::U32)?.reshape(rows)?.contiguous()?;
+    let out = if fused(logits) {
+        logits2.apply_op2(&targets1, TokenLogProb)?
+    } else {
+        let logp = log_softmax_composed(&logits2)?;
+        logp.gather(&targets1.unsqueeze(1)?, 1)?.squeeze(1)?
+    };
+    Ok(out.reshape(lead)?)
+}
+
+/// Entropy `−Σ p log p` of the softmax of every row: logits `[.., V]` → `[..]`,
+/// differentiable in the logits.
+pub fn entropy(logits: &Tensor) -> Result<Tensor> {
+    let dims = logits.dims();
+    let Some((&vocab, lead)) = dims.split_last() else {
+        return Err(ModelError::Input("entropy of a scalar".into()));
+    };
+    let rows = lead.iter().product::<usize>();
+    let logits2 = logits.reshape((rows, vocab))?.contiguous()?;
+    let out = if fused(logits) {
+        logits2.apply_op1(Entropy)?
+    } else {
+        let logp = log_softmax_composed(&logits2)?;
+        logp.exp()?.mul(&logp)?.sum(1)?.neg()?
+    };
+    Ok(out.reshape(lead)?)
+}
+
+/// Whether the fused CPU kernels handle this tensor.
+fn fused(t: &Tensor) -> bool {
+    t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
+}
+
+/// `log_softmax` over dim 1 from candle ops (other devices and dtypes; the tests' reference).
+fn log_softmax_composed(logits: &Tensor) -> Result<Tensor> {
+    let max = logits.max_keepdim(1)?.detach();
+    let shifted = logits.broadcast_sub(&max)?;
+    let lse = shifted.exp()?.sum_keepdim(1)?.log()?;
+    Ok(shifted.broadcast_sub(&lse)?)
+}
+
+/// The contiguous `[rows, vocab]` view of a storage slice.
+fn rows_of<'a, T>(data: &'a [T], layout: &Layout) -> candle_core::Result<(&'a [T], usize)> {
+    let (_, vocab) = layout.shape().dims2()?;
+    Ok((contiguous(data, layout, "logits")?, vocab))
+}
+
+/// Log-probability of the target token in each row.
+struct TokenLogProb;
+
+fn token_logp_fwd<T: Float>(
+    logits: &[T],
+    vocab: usize,
+    targets: &[u32],
+) -> candle_core::Result<Vec<T>> {
+    if let Some((r, &t)) = targets
+        .iter()
+        .enumerate()
+        .find(|(_, &t)| t as usize >= vocab)
+    {
+        candle_core::bail!(
+            "token stats: target {t} in row {r} is outside the vocabulary of {vocab}"
+        );
+    }
+    Ok(logits
+        .par_chunks(vocab)
+        .zip(targets.par_iter())
+        .map(|(row, &t)| row[t as usize] - log_sum_exp(row))
+        .collect())
+}
+
+/// `d/dz_j = g · (1[j = target] − softmax_j)`.
+fn token_logp_bwd<T: Float>(logits: &[T], vocab: usize, targets: &[u32], grad: &[T]) -> Vec<T> {
+    let mut out = vec![T::ZERO; logits.len()];
+    out.par_chunks_mut(vocab)
+        .zip(logits.par_chunks(vocab))
+        .zip(targets.par_iter().zip(grad.par_iter()))
+        .for_each(|((dst, row), (&t, &g))| {
+            let lse = log_sum_exp(row);
+            for (d, &z) in dst.iter_mut().zip(row) {
+                *d = T::ZERO - g * (z - lse).exp();
+            }
+            dst[t as usize] = dst[t as usize] + g;
+        });
+    out
+}
+
+impl CustomOp2 for TokenLogProb {
+    fn name(&self) -> &'static str {
+        "r3-token-logprob"
+    }
+
+    fn cpu_fwd(
+        &self,
+        logits: &CpuStorage,
+        ll: &Layout,
+        targets: &CpuStorage,
+        tl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let CpuStorage::U32(targets) = targets else {
+            candle_core::bail!("token stats: targets must be u32");
+        };
+        let targets = contiguous(targets, tl, "targets")?;
+        let rows = targets.len();
+        let out = match logits {
+            CpuStorage::F32(v) => {
+                let (v, vocab) = rows_of(v, ll)?;
+                CpuStorage::F32(token_logp_fwd(v, vocab, targets)?)
+            }
+            CpuStorage::F64(v) => {
+                let (v, vocab) = rows_of(v, ll)?;
+                CpuStorage::F64(token_logp_fwd(v, vocab, targets)?)
+            }
+            _ => candle_core::bail!("token stats: logits must be f32 or f64"),
+        };
+        Ok((out, Shape::from(rows)))
+    }
+
+    fn bwd(
+        &self,
+        logits: &Tensor,
+        targets: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let (_, vocab) = logits.dims2()?;
+        let d = with_host::<u32, _>(targets, |t| match logits.dtype() {
+            DType::F32 => with_host::<f32, _>(logits, |z| {
+                with_host::<f32, _>(grad, |g| Ok(token_logp_bwd(z, vocab, t, g)))
+            })
+            .and_then(|d| Tensor::from_vec(d, logits.shape(), logits.device())),
+            DType::F64 => with_host::<f64, _>(logits, |z| {
+                with_host::<f64, _>(grad, |g| Ok(token_logp_bwd(z, vocab, t, g)))
+            })
+            .and_then(|d| Tensor::from_vec(d, logits.shape(), logits.device())),
+            dt => candle_core::bail!("token stats: no backward for {dt:?}"),
+        })?;
+        Ok((Some(d), None))
+    }
+}
+
+/// Entropy of each row's softmax.
+struct Entropy;
+
+/// `H = lse − Σ p z`.
+fn entropy_fwd<T: Float>(logits: &[T], vocab: usize) -> Vec<T> {
+    logits
+        .par_chunks(vocab)
+        .map(|row| {
+            let lse = log_sum_exp(row);
+            lse - T::from_f64(lane_sum(row, |z| (z - lse).exp() * z))
+        })
+        .collect()
+}
+
+/// `dH/dz_j = −p_j (log p_j + H)`.
+fn entropy_bwd<T: Float>(logits: &[T], vocab: usize, grad: &[T]) -> Vec<T> {
+    let mut out = vec![T::ZERO; logits.len()];
+    out.par_chunks_mut(vocab)
+        .zip(logits.par_chunks(vocab))
+        .zip(grad.par_iter())
+        .for_each(|((dst, row), &g)| {
+            let lse = log_sum_exp(row);
+            let h = lse - T::from_f64(lane_sum(row, |z| (z - lse).exp() * z));
+            for (d, &z) in dst.iter_mut().zip(row) {
+                let logp = z - lse;
+                *d = T::ZERO - g * logp.exp() * (logp + h);
+            }
+        });
+    out
+}
+
+impl CustomOp1 for Entropy {
+    fn name(&self) -> &'static str {
+        "r3-entropy"
+    }
+
+    fn cpu_fwd(
+        &self,
+        logits: &CpuStorage,
+        ll: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (rows, _) = ll.shape().dims2()?;
+        let out = match logits {
+            CpuStorage::F32(v) => {
+                let (v, vocab) = rows_of(v, ll)?;
+                CpuStorage::F32(entropy_fwd(v, vocab))
+            }
+            CpuStorage::F64(v) => {
+                let (v, vocab) = rows_of(v, ll)?;
+                CpuStorage::F64(entropy_fwd(v, vocab))
+            }
+            _ => candle_core::bail!("token stats: logits must be f32 or f64"),
+        };
+        Ok((out, Shape::from(rows)))
+    }
+
+    fn bwd(
+        &self,
+        logits: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        let (_, vocab) = logits.dims2()?;
+        let d = match logits.dtype() {
+            DType::F32 => with_host::<f32, _>(logits, |z| {
+                with_host::<f32, _>(grad, |g| Ok(entropy_bwd(z, vocab, g)))
+            })
+            .and_then(|d| Tensor::from_vec(d, logits.shape(), logits.device()))?,
+            DType::F64 => with_host::<f64, _>(logits, |z| {
+                with_host::<f64, _>(grad, |g| Ok(entropy_bwd(z, vocab, g)))
+            })
+            .and_then(|d| Tensor::from_vec(d, logits.shape(), logits.device()))?,
+            dt => candle_core::bail!("token stats: no backward for {dt:?}"),
+        };
+        Ok(Some(d))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    fn logits(rows: usize, vocab: usize, dtype: DType) -> Tensor {
+        let data: Vec<f64> = (0..rows * vocab)
+            .map(|i| (((i * 37 + 11) % 101) as f64 / 101.0 - 0.5) * 6.0)
+            .collect();
+        Tensor::from_vec(data, (rows, vocab), &Device::Cpu)
+            .and_then(|t| t.to_dtype(dtype))
+            .expect("logits")
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+        (a - b)
+            .and_then(|d| d.abs())
+            .and_then(|d| d.max_all())
+            .and_then(|d| d.to_dtype(DType::F64))
+            .and_then(|d| d.to_scalar::<f64>())
+            .expect("diff")
+    }
+
+    /// Gradient of `Σ weights · out` with respect to `z`.
+    fn grad_of(out: &Tensor, weights: &Tensor, z: &Var) -> Tensor {
+        let grads = (out * weights)
+            .and_then(|t| t.sum_all())
+            .and_then(|l| l.backward())
+            .expect("backward");
+        grads.get(z.as_tensor()).expect("gradient").clone()
+    }
+
+    /// Fused values and gradients equal the composed `log_softmax` path (and a hand value).
+    #[test]
+    fn fused_ops_match_composed_ops() {
+        for dtype in [DType::F64, DType::F32] {
+            let tol = if dtype == DType::F64 { 1e-12 } else { 2e-5 };
+            let z = Var::from_tensor(&logits(6, 9, dtype)).expect("var");
+            let targets = Tensor::new(&[0u32, 8, 3, 3, 5, 1], &Device::Cpu).expect("t");
+            let weights = logits(1, 6, dtype).squeeze(0).expect("w");
+
+            let fused = token_log_probs(z.as_tensor(), &targets).expect("fused");
+            let logp = log_softmax_composed(z.as_tensor()).expect("lsm");
+            let composed = logp
+                .gather(&targets.unsqueeze(1).expect("u"), 1)
+                .and_then(|t| t.squeeze(1))
+                .expect("gather");
+            assert!(max_diff(&fused, &composed) < tol, "{dtype:?} log-probs");
+            let (a, b) = (
+                grad_of(&fused, &weights, &z),
+                grad_of(&composed, &weights, &z),
+            );
+            assert!(max_diff(&a, &b) < tol, "{dtype:?} log-prob gradient");
+
+            let fused = entropy(z.as_tensor()).expect("fused");
+            let composed = logp
+                .exp()
+                .and_then(|p| p.mul(&logp))
+                .and_then(|t| t.sum(1))
+                .and_then(|t| t.neg())
+                .expect("h");
+            assert!(max_diff(&fused, &composed) < tol, "{dtype:?} entropy");
+            let (a, b) = (
+                grad_of(&fused, &weights, &z),
+                grad_of(&composed, &weights, &z),
+            );
+            assert!(max_diff(&a, &b) < tol, "{dtype:?} entropy gradient");
+        }
+        // uniform logits over 4 tokens: log-prob ln(1/4), entropy ln 4
+        let u = Tensor::zeros((1, 4), DType::F64, &Device::Cpu).expect("u");
+        let t = Tensor::new(&[2u32], &Device::Cpu).expect("t");
+        let lp = token_log_probs(&u, &t)
+            .expect("lp")
+            .to_vec1::<f64>()
+            .expect("lp");
+        assert!((lp[0] + 4f64.ln()).abs() < 1e-15);
+        let h = entropy(&u).expect("h").to_vec1::<f64>().expect("h");
+        assert!((h[0] - 4f64.ln()).abs() < 1e-15);
+    }
+
+    #[test]
+    fn targets_outside_the_vocabulary_are_errors() {
+        let z = logits(2, 5, DType::F32);
+        let t = Tensor::new(&[1u32, 5], &Device::Cpu).expect("t");
+        let err = token_log_probs(&z, &t).expect_err("out of range");
+        assert!(err.to_string().contains("target 5 in row 1"), "{err}");
+        let bad_shape = Tensor::new(&[1u32, 2, 3], &Device::Cpu).expect("t");
+        assert!(token_log_probs(&z, &bad_shape).is_err());
+    }
+}
