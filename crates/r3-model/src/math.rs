@@ -35,21 +35,27 @@ impl Float for f32 {
     const ZERO: Self = 0.0;
     const ONE: Self = 1.0;
     const NEG_INFINITY: Self = f32::NEG_INFINITY;
+    #[inline(always)]
     fn exp(self) -> Self {
         fast_exp(self)
     }
+    #[inline(always)]
     fn ln(self) -> Self {
         f32::ln(self)
     }
+    #[inline(always)]
     fn max(self, other: Self) -> Self {
         f32::max(self, other)
     }
+    #[inline(always)]
     fn to_f64(self) -> f64 {
         self as f64
     }
+    #[inline(always)]
     fn from_f64(x: f64) -> Self {
         x as f32
     }
+    #[inline(always)]
     fn sigmoid(self) -> Self {
         1.0 / (1.0 + fast_exp(-self))
     }
@@ -59,21 +65,27 @@ impl Float for f64 {
     const ZERO: Self = 0.0;
     const ONE: Self = 1.0;
     const NEG_INFINITY: Self = f64::NEG_INFINITY;
+    #[inline(always)]
     fn exp(self) -> Self {
         f64::exp(self)
     }
+    #[inline(always)]
     fn ln(self) -> Self {
         f64::ln(self)
     }
+    #[inline(always)]
     fn max(self, other: Self) -> Self {
         f64::max(self, other)
     }
+    #[inline(always)]
     fn to_f64(self) -> f64 {
         self
     }
+    #[inline(always)]
     fn from_f64(x: f64) -> Self {
         x
     }
+    #[inline(always)]
     fn sigmoid(self) -> Self {
         1.0 / (1.0 + (-self).exp())
     }
@@ -117,9 +129,25 @@ pub fn lane_sum<T: Float>(row: &[T], f: impl Fn(T) -> T) -> f64 {
     acc.iter().map(|v| v.to_f64()).sum::<f64>() + rem.iter().map(|&v| f(v).to_f64()).sum::<f64>()
 }
 
+/// The largest value of a row (`-inf` for an empty one), in `LANES` lanes.
+#[inline(always)]
+pub fn row_max<T: Float>(row: &[T]) -> T {
+    let mut acc = [T::NEG_INFINITY; LANES];
+    let chunks = row.chunks_exact(LANES);
+    let rem = chunks.remainder();
+    for c in chunks {
+        for i in 0..LANES {
+            acc[i] = acc[i].max(c[i]);
+        }
+    }
+    acc.iter()
+        .chain(rem)
+        .fold(T::NEG_INFINITY, |m, &v| m.max(v))
+}
+
 /// `ln Σ exp(row)` (log-sum-exp), shifted by the row maximum.
 pub fn log_sum_exp<T: Float>(row: &[T]) -> T {
-    let max = row.iter().fold(T::NEG_INFINITY, |m, &z| m.max(z));
+    let max = row_max(row);
     let sum = lane_sum(row, |z| (z - max).exp());
     max + T::from_f64(sum.ln())
 }

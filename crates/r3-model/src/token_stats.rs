@@ -99,18 +99,26 @@ fn token_logp_fwd<T: Float>(
         .collect())
 }
 
-/// `d/dz_j = g · (1[j = target] − softmax_j)`.
-fn token_logp_bwd<T: Float>(logits: &[T], vocab: usize, targets: &[u32], grad: &[T]) -> Vec<T> {
+/// `d/dz_j = g · (1[j = target] − softmax_j)`; the forward's output `logp` gives each row's
+/// log-sum-exp back as `z[target] − logp`.
+fn token_logp_bwd<T: Float>(
+    logits: &[T],
+    vocab: usize,
+    targets: &[u32],
+    logp: &[T],
+    grad: &[T],
+) -> Vec<T> {
     let mut out = vec![T::ZERO; logits.len()];
     out.par_chunks_mut(vocab)
         .zip(logits.par_chunks(vocab))
-        .zip(targets.par_iter().zip(grad.par_iter()))
-        .for_each(|((dst, row), (&t, &g))| {
-            let lse = log_sum_exp(row);
+        .zip(targets.par_iter().zip(logp.par_iter().zip(grad.par_iter())))
+        .for_each(|((dst, row), (&t, (&lp, &g)))| {
+            let t = t as usize;
+            let lse = row[t] - lp;
             for (d, &z) in dst.iter_mut().zip(row) {
                 *d = T::ZERO - g * (z - lse).exp();
             }
-            dst[t as usize] = dst[t as usize] + g;
+            dst[t] = dst[t] + g;
         });
     out
 }
@@ -150,17 +158,21 @@ impl CustomOp2 for TokenLogProb {
         &self,
         logits: &Tensor,
         targets: &Tensor,
-        _res: &Tensor,
+        logp: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         let (_, vocab) = logits.dims2()?;
         let d = with_host::<u32, _>(targets, |t| match logits.dtype() {
             DType::F32 => with_host::<f32, _>(logits, |z| {
-                with_host::<f32, _>(grad, |g| Ok(token_logp_bwd(z, vocab, t, g)))
+                with_host::<f32, _>(logp, |lp| {
+                    with_host::<f32, _>(grad, |g| Ok(token_logp_bwd(z, vocab, t, lp, g)))
+                })
             })
             .and_then(|d| Tensor::from_vec(d, logits.shape(), logits.device())),
             DType::F64 => with_host::<f64, _>(logits, |z| {
-                with_host::<f64, _>(grad, |g| Ok(token_logp_bwd(z, vocab, t, g)))
+                with_host::<f64, _>(logp, |lp| {
+                    with_host::<f64, _>(grad, |g| Ok(token_logp_bwd(z, vocab, t, lp, g)))
+                })
             })
             .and_then(|d| Tensor::from_vec(d, logits.shape(), logits.device())),
             dt => candle_core::bail!("token stats: no backward for {dt:?}"),

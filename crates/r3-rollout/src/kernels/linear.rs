@@ -14,7 +14,7 @@ use crate::dtype::Dtype;
 use crate::error::RolloutError;
 
 /// Number of input rows up to which the row-streaming kernel beats `gemm`.
-const SMALL_M: usize = 8;
+const SMALL_M: usize = 32;
 /// Output columns per parallel task of the small-batch kernel.
 const ROWS_PER_TASK: usize = 64;
 /// Work (m·n·k) below which a matmul runs on the calling thread only.
