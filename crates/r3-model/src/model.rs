@@ -117,6 +117,9 @@ impl Model {
     /// Builds the model from validated weights (use `Weights::into_trainable` first to train).
     pub fn new(cfg: &Config, weights: &Weights) -> Result<Self> {
         weights.validate(cfg)?;
+        // The MoE blocks run stacked experts; fusing a per-expert map copies its experts once
+        // (and stays differentiable if they are variables).
+        let weights = &weights.clone().fuse_experts(cfg)?;
         let eps = cfg.rms_norm_eps;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {

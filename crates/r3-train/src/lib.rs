@@ -41,7 +41,7 @@ pub use agg::{aggregate, LossAgg};
 pub use config::{RouterReplay, TrainConfig};
 pub use error::{Result, TrainError};
 pub use grad_clip::{clip_grad_norm, global_grad_norm, GradNorm};
-pub use logprob::{entropy_from_logits, log_softmax_last, masked_mean, token_log_probs};
+pub use logprob::{entropy_from_logits, masked_mean, token_log_probs};
 pub use loss::{
     gspo_loss, policy_loss, ppo_clip_loss, ClipRange, PolicyLossInput, PolicyLossKind,
     PolicyLossMetrics,

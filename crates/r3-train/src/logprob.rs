@@ -2,7 +2,7 @@
 //! wrappers over r3-model's fused, differentiable row kernels, and composed masked means.
 
 use crate::error::{Result, TrainError};
-use candle_core::{DType, Tensor, D};
+use candle_core::{DType, Tensor};
 
 /// Checks that a tensor is `[b, t]` f32.
 pub(crate) fn check_bt(name: &str, x: &Tensor, b: usize, t: usize) -> Result<()> {
@@ -19,15 +19,6 @@ pub(crate) fn check_bt(name: &str, x: &Tensor, b: usize, t: usize) -> Result<()>
         )));
     }
     Ok(())
-}
-
-/// `log_softmax` over the last dimension, composed from differentiable ops. The max shift
-/// is detached: it cancels mathematically, so it needs no gradient.
-pub fn log_softmax_last(logits: &Tensor) -> Result<Tensor> {
-    let max = logits.max_keepdim(D::Minus1)?.detach();
-    let shifted = logits.broadcast_sub(&max)?;
-    let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
-    Ok(shifted.broadcast_sub(&lse)?)
 }
 
 fn logits_dims(logits: &Tensor) -> Result<(usize, usize, usize)> {

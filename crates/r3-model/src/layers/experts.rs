@@ -17,7 +17,7 @@ use super::linear::matmul_wt;
 use crate::error::{ModelError, Result};
 use crate::host::{contiguous, with_host};
 use crate::math::Float;
-use crate::spec::{expert_names, fused_expert_names};
+use crate::spec::fused_expert_names;
 use crate::weights::Weights;
 
 /// The routed experts of one MoE layer, stacked.
@@ -29,34 +29,11 @@ pub struct RoutedExperts {
 }
 
 impl RoutedExperts {
-    /// Loads the experts under `{moe_prefix}.experts`: the fused pair if `weights` holds it
-    /// (trainable models do), else the per-expert HF tensors stacked into that layout.
-    pub fn new(
-        cfg: &crate::config::Config,
-        weights: &Weights,
-        moe_prefix: &str,
-        num_experts: usize,
-    ) -> Result<Self> {
+    /// Takes the fused expert pair under `{moe_prefix}.experts` (see `Weights::fuse_experts`).
+    pub fn new(weights: &Weights, moe_prefix: &str, num_experts: usize) -> Result<Self> {
         let (gate_up_name, down_name) = fused_expert_names(moe_prefix);
-        let (gate_up, down) = match (
-            weights.tensors().get(&gate_up_name),
-            weights.tensors().get(&down_name),
-        ) {
-            (Some(gu), Some(d)) => (gu.clone(), d.clone()),
-            _ => {
-                let names = expert_names(cfg);
-                let mut gate_up = Vec::with_capacity(num_experts);
-                let mut down = Vec::with_capacity(num_experts);
-                for j in 0..num_experts {
-                    let p = format!("{moe_prefix}.experts.{j}");
-                    let gate = weights.get(&format!("{p}.{}.weight", names.gate))?;
-                    let up = weights.get(&format!("{p}.{}.weight", names.up))?;
-                    gate_up.push(Tensor::cat(&[gate, up], 0)?);
-                    down.push(weights.get(&format!("{p}.{}.weight", names.down))?.clone());
-                }
-                (Tensor::stack(&gate_up, 0)?, Tensor::stack(&down, 0)?)
-            }
-        };
+        let gate_up = weights.get(&gate_up_name)?.clone();
+        let down = weights.get(&down_name)?.clone();
         let (e, two_i, h) = gate_up.dims3()?;
         let (e2, h2, i) = down.dims3()?;
         if e != num_experts || e2 != e || h2 != h || two_i != 2 * i {
@@ -149,6 +126,33 @@ fn split_groups<'a, T>(mut buf: &'a mut [T], offsets: &[usize], width: usize) ->
     out
 }
 
+/// `split_groups` where the buffer is wanted, else one `None` per group.
+fn optional_groups<'a, T>(
+    buf: &'a mut [T],
+    wanted: bool,
+    offsets: &[usize],
+    width: usize,
+) -> Vec<Option<&'a mut [T]>> {
+    if wanted {
+        split_groups(buf, offsets, width)
+            .into_iter()
+            .map(Some)
+            .collect()
+    } else {
+        offsets.windows(2).map(|_| None).collect()
+    }
+}
+
+/// Runs `work` on every job: across the rayon pool when each job's GEMMs run on one thread
+/// (`threads == 1`), else one job after another with the GEMMs using every thread.
+fn run_jobs<J: Send>(jobs: Vec<J>, threads: usize, work: impl Fn(J) + Sync + Send) {
+    if threads == 1 {
+        jobs.into_par_iter().for_each(work);
+    } else {
+        jobs.into_iter().for_each(work);
+    }
+}
+
 /// Threads inside each expert's GEMM: one when there are enough groups to keep every thread
 /// busy across experts, else all of them.
 fn inner_threads(offsets: &[usize]) -> usize {
@@ -193,18 +197,12 @@ fn grouped_forward<T: Float>(
         let w2j = MatRef::transposed(&w2[j * hd * id..(j + 1) * hd * id], id);
         matmul(m, hd, id, yj, MatRef::row_major(&a, id), w2j, threads);
     };
-    let groups = split_groups(&mut h, offsets, 2 * id)
+    let jobs: Vec<_> = split_groups(&mut h, offsets, 2 * id)
         .into_iter()
-        .zip(split_groups(&mut y, offsets, hd));
-    if threads == 1 {
-        groups
-            .enumerate()
-            .collect::<Vec<_>>()
-            .into_par_iter()
-            .for_each(work);
-    } else {
-        groups.enumerate().for_each(work);
-    }
+        .zip(split_groups(&mut y, offsets, hd))
+        .enumerate()
+        .collect();
+    run_jobs(jobs, threads, work);
     (y, h)
 }
 
@@ -249,30 +247,18 @@ fn grouped_backward<T: Float>(
     let mut dw1 = vec![T::ZERO; if wanted.dw1 { experts * 2 * id * hd } else { 0 }];
     let mut dw2 = vec![T::ZERO; if wanted.dw2 { experts * hd * id } else { 0 }];
     let threads = inner_threads(offsets);
-    let mut dx_groups: Vec<Option<&mut [T]>> = if wanted.dx {
-        split_groups(&mut dx, offsets, hd)
-            .into_iter()
-            .map(Some)
-            .collect()
-    } else {
-        (0..experts).map(|_| None).collect()
-    };
-    let mut dw1_groups: Vec<Option<&mut [T]>> = if wanted.dw1 {
-        dw1.chunks_mut(2 * id * hd).map(Some).collect()
-    } else {
-        (0..experts).map(|_| None).collect()
-    };
-    let mut dw2_groups: Vec<Option<&mut [T]>> = if wanted.dw2 {
-        dw2.chunks_mut(hd * id).map(Some).collect()
-    } else {
-        (0..experts).map(|_| None).collect()
-    };
-    let jobs: Vec<GroupJob<'_, T>> = dx_groups
-        .iter_mut()
-        .zip(dw1_groups.iter_mut())
-        .zip(dw2_groups.iter_mut())
+    let per_expert: Vec<usize> = (0..=experts).collect();
+    let jobs: Vec<GroupJob<'_, T>> = optional_groups(&mut dx, wanted.dx, offsets, hd)
+        .into_iter()
+        .zip(optional_groups(
+            &mut dw1,
+            wanted.dw1,
+            &per_expert,
+            2 * id * hd,
+        ))
+        .zip(optional_groups(&mut dw2, wanted.dw2, &per_expert, hd * id))
         .enumerate()
-        .map(|(j, ((a, b), c))| (j, a.take(), b.take(), c.take()))
+        .map(|(j, ((a, b), c))| (j, a, b, c))
         .collect();
     let work = |(j, dxj, dw1j, dw2j): GroupJob<'_, T>| {
         let (from, to) = (offsets[j], offsets[j + 1]);
@@ -347,11 +333,7 @@ fn grouped_backward<T: Float>(
             );
         }
     };
-    if threads == 1 {
-        jobs.into_par_iter().for_each(work);
-    } else {
-        jobs.into_iter().for_each(work);
-    }
+    run_jobs(jobs, threads, work);
     GroupedGrads {
         dx: wanted.dx.then_some(dx),
         dw1: wanted.dw1.then_some(dw1),

@@ -56,7 +56,7 @@ pub struct MoeOutput {
 }
 
 impl MoeBlock {
-    /// Builds the MoE block of layer `layer`.
+    /// Builds the MoE block of layer `layer` from weights with fused experts.
     pub fn new(cfg: &Config, weights: &Weights, layer: usize) -> Result<Self> {
         let moe = cfg.moe.as_ref().ok_or_else(|| {
             ModelError::InvalidConfig(format!("layer {layer} is MoE in a dense config"))
@@ -68,7 +68,7 @@ impl MoeBlock {
             Some(b) => Some(b.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?),
             None => None,
         };
-        let experts = RoutedExperts::new(cfg, weights, &p, moe.num_experts)?;
+        let experts = RoutedExperts::new(weights, &p, moe.num_experts)?;
         let shared = match moe.shared {
             SharedExpert::None => Shared::None,
             SharedExpert::Plain { .. } => Shared::Plain(SwiGlu::new(

@@ -115,10 +115,8 @@ impl Linear {
             }
             WeightData::F16(w) => {
                 // Matmul inputs are f16 values: round once, up front.
-                let mut xh = vec![f16::ZERO; x.len()];
-                xh.as_mut_slice().convert_from_f32_slice(x);
-                let mut xr = vec![0f32; x.len()];
-                xh.as_slice().convert_to_f32_slice(&mut xr);
+                let mut xr = x.to_vec();
+                round_to_f16(&mut xr);
                 if m <= SMALL_M {
                     small_m_f16(&xr, m, k, w, n, out, parallel);
                 } else {
@@ -329,16 +327,18 @@ const BLOCK_ROWS: usize = 128;
 /// to f32 once (cost amortised over the m rows) and multiplied with the f32 gemm kernel.
 /// (The gemm crate's own f16 kernel is several times slower on this CPU.)
 fn blocked_f16(x: &[f32], m: usize, k: usize, w: &[f16], n: usize, out: &mut [f32], par: bool) {
+    let mut blocks: Vec<Vec<f32>> = vec![Vec::new(); n.div_ceil(BLOCK_ROWS)];
+    // A single block (a narrow layer, e.g. the router) parallelises inside gemm instead.
+    let gemm_par = par && blocks.len() == 1;
     let task = |(b, ob): (usize, &mut Vec<f32>)| {
         let n0 = b * BLOCK_ROWS;
         let rows = BLOCK_ROWS.min(n - n0);
         let mut wb = vec![0f32; rows * k];
         w[n0 * k..(n0 + rows) * k].convert_to_f32_slice(&mut wb);
         ob.resize(m * rows, 0.0);
-        gemm_f32(x, m, k, &wb, rows, ob, false);
+        gemm_f32(x, m, k, &wb, rows, ob, gemm_par);
     };
-    let mut blocks: Vec<Vec<f32>> = vec![Vec::new(); n.div_ceil(BLOCK_ROWS)];
-    if par {
+    if par && !gemm_par {
         blocks.par_iter_mut().enumerate().for_each(task);
     } else {
         blocks.iter_mut().enumerate().for_each(task);
