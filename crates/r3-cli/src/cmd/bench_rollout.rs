@@ -8,7 +8,7 @@ use std::time::Instant;
 use anyhow::Context;
 use clap::Args;
 use r3_model::weights::{RandomInit, Weights};
-use r3_model::Config;
+use r3_model::{presets, Config};
 use r3_rollout::{Dtype, Engine, EngineConfig, GenerateRequest, SamplingParams, TensorMap};
 
 /// HF transformers `generate` (PyTorch, CPU, 2 threads) on the mid-size config, tokens/s at
@@ -48,24 +48,22 @@ pub struct BenchRolloutArgs {
     pub seed: u64,
 }
 
-/// The mid-size config of `r3 bench train`: Qwen3-MoE-style, vocab 32000, hidden 512,
-/// 8 layers, 8 heads / 4 KV heads, head_dim 64, 32 experts of width 512, top-4.
-fn config_json(name: &str) -> anyhow::Result<serde_json::Value> {
-    let (vocab, hidden, layers, heads, kv, hd, experts, inter, k) = match name {
-        "mid" => (32000, 512, 8, 8, 4, 64, 32, 512, 4),
-        "tiny" => (256, 64, 4, 4, 2, 16, 8, 32, 2),
+/// The bench configs: `mid` is `r3 bench train`'s documented mid-size config; `tiny` a
+/// four-layer, eight-expert model of the same family.
+fn bench_config(name: &str) -> anyhow::Result<Config> {
+    match name {
+        "mid" => Ok(presets::mid_size_bench_config()?),
+        "tiny" => Ok(Config::from_value(serde_json::json!({
+            "model_type": "qwen3_moe", "vocab_size": 256, "hidden_size": 64,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "intermediate_size": 64, "moe_intermediate_size": 32,
+            "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": true,
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0, "max_position_embeddings": 4096,
+            "tie_word_embeddings": false,
+        }))?),
         other => anyhow::bail!("unknown bench config {other:?}: expected tiny or mid"),
-    };
-    Ok(serde_json::json!({
-        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
-        "vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": layers,
-        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd,
-        "intermediate_size": inter * 2, "moe_intermediate_size": inter,
-        "num_experts": experts, "num_experts_per_tok": k, "norm_topk_prob": true,
-        "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0, "max_position_embeddings": 4096,
-        "tie_word_embeddings": false, "attention_bias": false, "eos_token_id": 2,
-    }))
+    }
 }
 
 struct Setup {
@@ -74,11 +72,11 @@ struct Setup {
 }
 
 fn setup(name: &str, seed: u64) -> anyhow::Result<Setup> {
-    let cfg = Config::from_value(config_json(name)?)?;
+    let cfg = bench_config(name)?;
     let w = Weights::random(&cfg, &RandomInit::new(seed), &candle_core::Device::Cpu)?;
     Ok(Setup {
         cfg,
-        tensors: w.into_map().into_iter().collect(),
+        tensors: w.into_map(),
     })
 }
 

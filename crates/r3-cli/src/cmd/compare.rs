@@ -13,7 +13,7 @@ use r3_train::config::TrainConfig;
 use r3_train::Observer;
 
 use super::progress::{step_bar, RunProgress};
-use super::train::DEFAULT_CONFIG;
+use super::train::resolve_config;
 use crate::analysis::compare::{
     parse_replay, plan, report, run_variants, CompareSummary, Setting, Variant,
 };
@@ -66,10 +66,7 @@ pub struct CompareArgs {
 
 /// The base config: defaults ← file (or the built-in default) ← `--set`, validated.
 fn base_config(a: &CompareArgs) -> anyhow::Result<TrainConfig> {
-    let mut cfg = match &a.config {
-        Some(path) => TrainConfig::resolve(Some(path), &a.set)?,
-        None => TrainConfig::resolve_text(DEFAULT_CONFIG, &a.set)?,
-    };
+    let mut cfg = resolve_config(a.config.as_deref(), &a.set)?;
     cfg.steps = a.steps;
     cfg.eval.every = a.eval_every;
     if let Some(seed) = a.seed {

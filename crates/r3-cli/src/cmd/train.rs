@@ -34,6 +34,14 @@ pub struct TrainArgs {
     pub no_progress: bool,
 }
 
+/// Defaults ← the TOML file (or the built-in default experiment) ← `--set` overrides.
+pub fn resolve_config(config: Option<&Path>, set: &[String]) -> anyhow::Result<TrainConfig> {
+    Ok(match config {
+        Some(path) => TrainConfig::resolve(Some(path), set)?,
+        None => TrainConfig::resolve_text(DEFAULT_CONFIG, set)?,
+    })
+}
+
 /// `dir`, or `dir-2`, `dir-3`, … — the first that does not hold a run yet.
 fn free_run_dir(dir: &Path) -> PathBuf {
     let taken = |d: &Path| d.join("metrics.jsonl").exists() || d.join("config.toml").exists();
@@ -52,10 +60,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
     let mut run = match &a.resume {
         Some(dir) => Run::resume(dir).with_context(|| format!("resuming {}", dir.display()))?,
         None => {
-            let mut cfg = match &a.config {
-                Some(path) => TrainConfig::resolve(Some(path), &a.set)?,
-                None => TrainConfig::resolve_text(DEFAULT_CONFIG, &a.set)?,
-            };
+            let mut cfg = resolve_config(a.config.as_deref(), &a.set)?;
             let dir = free_run_dir(&cfg.run_dir);
             if dir != cfg.run_dir {
                 tracing::info!(run_dir = %dir.display(), "run_dir already holds a run: using a new one");
