@@ -10,7 +10,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
 use crate::error::RolloutError;
-use crate::kernels::ops::{fast_exp, log_softmax_at};
+use crate::kernels::ops::{fast_exp, lane_sum, log_softmax_at, row_max};
 
 /// How to pick the next token of one request.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -71,34 +71,86 @@ impl SamplingParams {
     }
 }
 
+/// Reusable buffers of [`sample`] (one per sampling thread).
+#[derive(Debug, Default)]
+pub struct SampleScratch {
+    /// (scaled logit, token) pairs of the truncating (top-k / top-p) path.
+    pairs: Vec<(f32, u32)>,
+    /// `exp((logit - max) / T)` of every token.
+    exps: Vec<f32>,
+    /// Sums of `exps` over consecutive blocks of `EXP_BLOCK` tokens.
+    blocks: Vec<f64>,
+}
+
+/// Tokens per partial sum of the inverse-CDF search.
+const EXP_BLOCK: usize = 256;
+
 /// Samples a token from one row of logits; returns `(token, log softmax(logits)[token])`.
-/// `scratch` is reused between calls to avoid allocation.
 pub fn sample(
     logits: &[f32],
     params: &SamplingParams,
     rng: &mut ChaCha8Rng,
-    scratch: &mut Vec<(f32, u32)>,
+    scratch: &mut SampleScratch,
 ) -> (u32, f32) {
-    let token = if params.temperature == 0.0 || params.top_k == 1 {
-        argmax(logits)
-    } else if params.temperature == 1.0 && params.top_k == 0 && params.top_p >= 1.0 {
-        // Plain sampling from softmax(logits): inverse CDF without building pairs.
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let total: f64 = logits.iter().map(|&v| fast_exp(v - max) as f64).sum();
-        let mut u = rng.random::<f64>() * total;
-        let mut pick = logits.len() - 1;
-        for (i, &v) in logits.iter().enumerate() {
-            u -= fast_exp(v - max) as f64;
-            if u < 0.0 {
-                pick = i;
-                break;
-            }
-        }
-        pick
+    let truncating = (params.top_k > 0 && params.top_k < logits.len()) || params.top_p < 1.0;
+    if params.temperature == 0.0 || params.top_k == 1 {
+        let token = argmax(logits);
+        (token as u32, log_softmax_at(logits, token))
+    } else if truncating {
+        let token = sample_truncated(logits, params, rng, &mut scratch.pairs);
+        (token as u32, log_softmax_at(logits, token))
     } else {
-        sample_truncated(logits, params, rng, scratch)
+        sample_full(logits, params.temperature, rng, scratch)
+    }
+}
+
+/// Samples from `softmax(logits / T)` over the whole vocabulary: one exp pass that also
+/// yields block sums, then an inverse-CDF search over the blocks and inside one block. At
+/// T = 1 the reported log-prob reuses that pass's normaliser.
+fn sample_full(
+    logits: &[f32],
+    temperature: f32,
+    rng: &mut ChaCha8Rng,
+    scratch: &mut SampleScratch,
+) -> (u32, f32) {
+    let inv_t = 1.0 / temperature;
+    let max = row_max(logits);
+    let SampleScratch { exps, blocks, .. } = scratch;
+    exps.resize(logits.len(), 0.0);
+    blocks.clear();
+    for (src, dst) in logits.chunks(EXP_BLOCK).zip(exps.chunks_mut(EXP_BLOCK)) {
+        for (d, v) in dst.iter_mut().zip(src) {
+            *d = fast_exp((v - max) * inv_t);
+        }
+        blocks.push(lane_sum(dst, |v| v));
+    }
+    let total: f64 = blocks.iter().sum();
+    let mut u = rng.random::<f64>() * total;
+    // Rounding can leave u ≥ the running sum at the very end: the last token with mass wins.
+    let mut pick = exps.iter().rposition(|&e| e > 0.0).unwrap_or(0);
+    for (b, &bs) in blocks.iter().enumerate() {
+        if u < bs {
+            let base = b * EXP_BLOCK;
+            for (i, &e) in exps[base..(base + EXP_BLOCK).min(exps.len())]
+                .iter()
+                .enumerate()
+            {
+                u -= e as f64;
+                if u < 0.0 {
+                    pick = base + i;
+                    break;
+                }
+            }
+            break;
+        }
+        u -= bs;
+    }
+    let logprob = if inv_t == 1.0 {
+        logits[pick] - max - total.ln() as f32
+    } else {
+        log_softmax_at(logits, pick)
     };
-    (token as u32, log_softmax_at(logits, token))
+    (pick as u32, logprob)
 }
 
 /// Index of the largest logit (the first one on ties, as torch.argmax).
@@ -131,16 +183,13 @@ fn sample_truncated(
     } else {
         params.top_k.min(scratch.len())
     };
-    let truncating = k < scratch.len() || params.top_p < 1.0;
-    if truncating {
-        // Descending by scaled logit; ties by id for determinism.
-        let by_logit = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
-        if k < scratch.len() {
-            scratch.select_nth_unstable_by(k - 1, by_logit);
-            scratch.truncate(k);
-        }
-        scratch.sort_unstable_by(by_logit);
+    // Descending by scaled logit; ties by id for determinism.
+    let by_logit = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+    if k < scratch.len() {
+        scratch.select_nth_unstable_by(k - 1, by_logit);
+        scratch.truncate(k);
     }
+    scratch.sort_unstable_by(by_logit);
     let max = scratch
         .iter()
         .map(|p| p.0)
@@ -192,7 +241,12 @@ mod tests {
     fn greedy_picks_argmax_and_reports_raw_logprob() {
         let logits = [0.0, 2.0, 1.0];
         let mut rng = ChaCha8Rng::seed_from_u64(0);
-        let (t, lp) = sample(&logits, &params(0.0, 1.0, 0), &mut rng, &mut Vec::new());
+        let (t, lp) = sample(
+            &logits,
+            &params(0.0, 1.0, 0),
+            &mut rng,
+            &mut SampleScratch::default(),
+        );
         assert_eq!(t, 1);
         let z: f32 = logits.iter().map(|v| v.exp()).sum();
         assert!((lp - (2.0f32.exp() / z).ln()).abs() < 1e-6);
@@ -202,7 +256,7 @@ mod tests {
     fn top_k_and_top_p_never_leave_the_allowed_set() {
         let logits = [0.0, 3.0, 2.9, 1.0, -1.0];
         let mut rng = ChaCha8Rng::seed_from_u64(7);
-        let mut s = Vec::new();
+        let mut s = SampleScratch::default();
         for _ in 0..200 {
             let (t, _) = sample(&logits, &params(1.0, 1.0, 2), &mut rng, &mut s);
             assert!(t == 1 || t == 2);
@@ -221,7 +275,15 @@ mod tests {
             let mut rng = ChaCha8Rng::seed_from_u64(3);
             let n = 20000;
             let ones = (0..n)
-                .filter(|_| sample(&logits, &params(t, 1.0, 0), &mut rng, &mut Vec::new()).0 == 1)
+                .filter(|_| {
+                    sample(
+                        &logits,
+                        &params(t, 1.0, 0),
+                        &mut rng,
+                        &mut SampleScratch::default(),
+                    )
+                    .0 == 1
+                })
                 .count();
             let e = (1.0 / t as f64).exp();
             let p1 = e / (1.0 + e);
@@ -231,12 +293,60 @@ mod tests {
     }
 
     #[test]
+    fn full_vocabulary_sampling_spans_blocks_and_reports_raw_logprob() {
+        // Mass in three blocks (first, middle, last partial one) of a 600-token vocabulary.
+        let mut logits = vec![-4.0f32; 600];
+        logits[10] = 2.0;
+        logits[300] = 2.5;
+        logits[599] = 1.5;
+        let lse = {
+            let m = 2.5f64;
+            m + logits
+                .iter()
+                .map(|&v| (v as f64 - m).exp())
+                .sum::<f64>()
+                .ln()
+        };
+        let mut rng = ChaCha8Rng::seed_from_u64(11);
+        let mut s = SampleScratch::default();
+        let n = 20000;
+        let mut counts = std::collections::HashMap::new();
+        for _ in 0..n {
+            let (t, lp) = sample(&logits, &params(1.0, 1.0, 0), &mut rng, &mut s);
+            let want = logits[t as usize] as f64 - lse;
+            assert!((lp as f64 - want).abs() < 1e-5, "token {t}: {lp} vs {want}");
+            *counts.entry(t).or_insert(0usize) += 1;
+        }
+        for t in [10u32, 300, 599] {
+            let p = (logits[t as usize] as f64 - lse).exp();
+            let f = counts.get(&t).copied().unwrap_or(0) as f64 / n as f64;
+            assert!((f - p).abs() < 0.015, "token {t}: freq {f} vs {p}");
+        }
+        // The rest (597 tokens at -4) share the remaining mass.
+        let rest: usize = counts
+            .iter()
+            .filter(|(t, _)| ![10, 300, 599].contains(*t))
+            .map(|(_, c)| c)
+            .sum();
+        let p_rest = 597.0 * (-4.0 - lse).exp();
+        assert!((rest as f64 / n as f64 - p_rest).abs() < 0.015);
+    }
+
+    #[test]
     fn same_seed_same_tokens() {
         let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin()).collect();
         let run = |seed| {
             let mut rng = ChaCha8Rng::seed_from_u64(seed);
             (0..20)
-                .map(|_| sample(&logits, &params(0.8, 0.9, 10), &mut rng, &mut Vec::new()).0)
+                .map(|_| {
+                    sample(
+                        &logits,
+                        &params(0.8, 0.9, 10),
+                        &mut rng,
+                        &mut SampleScratch::default(),
+                    )
+                    .0
+                })
                 .collect::<Vec<_>>()
         };
         assert_eq!(run(5), run(5));

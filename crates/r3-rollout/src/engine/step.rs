@@ -12,7 +12,7 @@ use crate::error::RolloutError;
 use crate::kernels::attention::SeqSpan;
 use crate::model::BatchInput;
 use crate::request::{FinishReason, GenerateResult};
-use crate::sampler::sample;
+use crate::sampler::{sample, SampleScratch};
 
 impl Engine {
     /// KV blocks `seq` still needs to hold `upto` positions.
@@ -202,7 +202,7 @@ impl Engine {
         }
         targets
             .par_iter_mut()
-            .for_each_init(Vec::new, |scratch, (k, seq)| {
+            .for_each_init(SampleScratch::default, |scratch, (k, seq)| {
                 let logits = &out.logits[*k * vocab..(*k + 1) * vocab];
                 let (tok, lp) = sample(logits, &seq.request.sampling, &mut seq.rng, scratch);
                 seq.tokens.push(tok);

@@ -1,20 +1,26 @@
 //! Dense linear layers `y = x · Wᵀ (+ b)` with weights kept in the engine's dtype.
 //!
-//! Weights are stored row-major `[out, in]` exactly as HF writes them. Small batches (decode)
-//! go through a hand-written kernel that streams each weight row once and dots it with every
-//! input row (the weight read dominates there); larger batches use the `gemm` crate. In f16
-//! mode the matmul inputs and outputs are rounded to f16 and accumulation is f32, which is
-//! what an f16 GPU kernel does.
+//! f32 weights are stored row-major `[out, in]` exactly as HF writes them: small batches go
+//! through a kernel that streams each weight row once and dots it with every input row,
+//! larger batches use the `gemm` crate. f16 weights are packed in column panels
+//! (`PackedF16`): up to `PANEL_M` input rows run the register-tiled panel kernel, more rows
+//! widen groups of panels to f32 and use `gemm`. In f16 mode the matmul inputs and outputs
+//! are rounded to f16 and accumulation is f32, which is what an f16 GPU kernel does.
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
+use super::packed_f16::{PackedF16, PanelKernel, PANEL};
 use crate::dtype::Dtype;
 use crate::error::RolloutError;
 
-/// Number of input rows up to which the row-streaming kernel beats `gemm`.
+/// Number of input rows up to which the row-streaming kernel beats `gemm` (f32 weights).
 const SMALL_M: usize = 32;
+/// Number of input rows up to which the f16 panel kernel beats widening + `gemm`.
+const PANEL_M: usize = 128;
+/// Panels per parallel task of the f16 panel kernel.
+const PANELS_PER_TASK: usize = 2;
 /// Output columns per parallel task of the small-batch kernel.
 const ROWS_PER_TASK: usize = 64;
 /// Work (m·n·k) below which a matmul runs on the calling thread only.
@@ -24,7 +30,7 @@ const PARALLEL_WORK: usize = 1 << 20;
 #[derive(Debug, Clone)]
 enum WeightData {
     F32(Vec<f32>),
-    F16(Vec<f16>),
+    F16(PackedF16, PanelKernel),
 }
 
 /// A linear layer `[out_features, in_features]` with optional bias (bias always f32).
@@ -62,11 +68,10 @@ impl Linear {
         }
         let weight = match dtype {
             Dtype::F32 => WeightData::F32(weight),
-            Dtype::F16 => {
-                let mut h = vec![f16::ZERO; weight.len()];
-                h.as_mut_slice().convert_from_f32_slice(&weight);
-                WeightData::F16(h)
-            }
+            Dtype::F16 => WeightData::F16(
+                PackedF16::pack(&weight, out_features, in_features),
+                PanelKernel::detect(),
+            ),
         };
         Ok(Linear {
             weight,
@@ -90,7 +95,7 @@ impl Linear {
     pub fn size_bytes(&self) -> usize {
         let w = match &self.weight {
             WeightData::F32(w) => w.len() * 4,
-            WeightData::F16(w) => w.len() * 2,
+            WeightData::F16(w, _) => w.size_bytes(),
         };
         w + self.bias.as_ref().map_or(0, |b| b.len() * 4)
     }
@@ -113,12 +118,12 @@ impl Linear {
                     gemm_f32(x, m, k, w, n, out, parallel);
                 }
             }
-            WeightData::F16(w) => {
+            WeightData::F16(w, kernel) => {
                 // Matmul inputs are f16 values: round once, up front.
                 let mut xr = x.to_vec();
                 round_to_f16(&mut xr);
-                if m <= SMALL_M {
-                    small_m_f16(&xr, m, k, w, n, out, parallel);
+                if m <= PANEL_M {
+                    panels_f16(&xr, m, w, *kernel, n, out, parallel);
                 } else {
                     blocked_f16(&xr, m, k, w, n, out, parallel);
                 }
@@ -237,17 +242,61 @@ fn small_m_f32(x: &[f32], m: usize, k: usize, w: &[f32], n: usize, out: &mut [f3
     column_tasks(m, n, out, par, task);
 }
 
-/// Small-batch kernel, f16 weights: the task's weight rows are widened to f32 once (an L1/L2
-/// sized scratch), then multiplied with every input row.
-fn small_m_f16(x: &[f32], m: usize, k: usize, w: &[f16], n: usize, out: &mut [f32], par: bool) {
-    let task = |(t, cols): (usize, &mut [f32])| {
-        let n0 = t * ROWS_PER_TASK;
-        let rows = cols.len() / m;
-        let mut wr = vec![0f32; rows * k];
-        w[n0 * k..(n0 + rows) * k].convert_to_f32_slice(&mut wr);
-        rows_times_inputs(x, m, k, &wr, cols);
+/// f16 panel kernel over all output columns: tasks of `PANELS_PER_TASK` panels; with one
+/// input row each task writes its slice of `out` directly, otherwise a `[m, task columns]`
+/// scratch that is copied into place.
+fn panels_f16(
+    x: &[f32],
+    m: usize,
+    w: &PackedF16,
+    kernel: PanelKernel,
+    n: usize,
+    out: &mut [f32],
+    par: bool,
+) {
+    let task_cols = PANEL * PANELS_PER_TASK;
+    let panel_range = |t: usize| {
+        (
+            t * PANELS_PER_TASK,
+            ((t + 1) * PANELS_PER_TASK).min(w.panels()),
+        )
     };
-    column_tasks(m, n, out, par, task);
+    if m == 1 {
+        let task = |(t, o): (usize, &mut [f32])| {
+            let (p0, p1) = panel_range(t);
+            for p in p0..p1 {
+                w.panel_times(kernel, p, x, 1, &mut o[(p - p0) * PANEL..], task_cols);
+            }
+        };
+        if par {
+            out.par_chunks_mut(task_cols).enumerate().for_each(task);
+        } else {
+            out.chunks_mut(task_cols).enumerate().for_each(task);
+        }
+        return;
+    }
+    let tasks = n.div_ceil(task_cols);
+    let task = |t: usize| {
+        let (p0, p1) = panel_range(t);
+        let mut o = vec![0f32; m * task_cols];
+        for p in p0..p1 {
+            w.panel_times(kernel, p, x, m, &mut o[(p - p0) * PANEL..], task_cols);
+        }
+        o
+    };
+    let blocks: Vec<Vec<f32>> = if par {
+        (0..tasks).into_par_iter().map(task).collect()
+    } else {
+        (0..tasks).map(task).collect()
+    };
+    for (t, o) in blocks.iter().enumerate() {
+        let n0 = t * task_cols;
+        let cols = task_cols.min(n - n0);
+        for i in 0..m {
+            out[i * n + n0..i * n + n0 + cols]
+                .copy_from_slice(&o[i * task_cols..i * task_cols + cols]);
+        }
+    }
 }
 
 /// Runs `task` over blocks of `ROWS_PER_TASK` output columns (stored column-major in a
@@ -291,10 +340,32 @@ fn parallelism(par: bool) -> gemm::Parallelism {
     }
 }
 
-/// `out = x · wᵀ` with the gemm crate, f32.
+/// `out = x · wᵀ` with the gemm crate, f32, `w` row-major `[n, k]`.
 fn gemm_f32(x: &[f32], m: usize, k: usize, w: &[f32], n: usize, out: &mut [f32], par: bool) {
-    // SAFETY: all pointers come from slices of exactly the sizes the strides describe:
-    // x is [m, k] row-major, w is [n, k] row-major read as the [k, n] matrix wᵀ, out is [m, n].
+    gemm_rhs(x, m, k, w, n, (k as isize, 1), out, par);
+}
+
+/// `out = x · wt` with the gemm crate, f32, `wt` row-major `[k, n]` (the transposed weight).
+fn gemm_f32_t(x: &[f32], m: usize, k: usize, wt: &[f32], n: usize, out: &mut [f32], par: bool) {
+    gemm_rhs(x, m, k, wt, n, (1, n as isize), out, par);
+}
+
+/// `out[m, n] = x[m, k] · rhs` where `rhs` is the `[k, n]` matrix with (column, row) strides
+/// `rhs_strides`.
+#[allow(clippy::too_many_arguments)]
+fn gemm_rhs(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    rhs: &[f32],
+    n: usize,
+    rhs_strides: (isize, isize),
+    out: &mut [f32],
+    par: bool,
+) {
+    assert!(x.len() >= m * k && rhs.len() >= n * k && out.len() >= m * n);
+    // SAFETY: the slices hold at least the elements the strides address (asserted above): x
+    // is [m, k] row-major, rhs a [k, n] matrix either way round, out is [m, n] row-major.
     unsafe {
         gemm::gemm(
             m,
@@ -307,9 +378,9 @@ fn gemm_f32(x: &[f32], m: usize, k: usize, w: &[f32], n: usize, out: &mut [f32],
             x.as_ptr(),
             1,
             k as isize,
-            w.as_ptr(),
-            k as isize,
-            1,
+            rhs.as_ptr(),
+            rhs_strides.0,
+            rhs_strides.1,
             0.0f32,
             1.0f32,
             false,
@@ -320,23 +391,22 @@ fn gemm_f32(x: &[f32], m: usize, k: usize, w: &[f32], n: usize, out: &mut [f32],
     }
 }
 
-/// Weight rows per block of the f16 large-batch path.
-const BLOCK_ROWS: usize = 128;
+/// Panels per block of the f16 large-batch path.
+const BLOCK_PANELS: usize = 4;
 
-/// `out = x · wᵀ` for f16 weights and many input rows: each block of weight rows is widened
-/// to f32 once (cost amortised over the m rows) and multiplied with the f32 gemm kernel.
+/// `out = x · wᵀ` for f16 weights and many input rows: each block of panels is widened to
+/// f32 once (cost amortised over the m rows) and multiplied with the f32 gemm kernel.
 /// (The gemm crate's own f16 kernel is several times slower on this CPU.)
-fn blocked_f16(x: &[f32], m: usize, k: usize, w: &[f16], n: usize, out: &mut [f32], par: bool) {
-    let mut blocks: Vec<Vec<f32>> = vec![Vec::new(); n.div_ceil(BLOCK_ROWS)];
+fn blocked_f16(x: &[f32], m: usize, k: usize, w: &PackedF16, n: usize, out: &mut [f32], par: bool) {
+    let mut blocks: Vec<Vec<f32>> = vec![Vec::new(); w.panels().div_ceil(BLOCK_PANELS)];
     // A single block (a narrow layer, e.g. the router) parallelises inside gemm instead.
     let gemm_par = par && blocks.len() == 1;
     let task = |(b, ob): (usize, &mut Vec<f32>)| {
-        let n0 = b * BLOCK_ROWS;
-        let rows = BLOCK_ROWS.min(n - n0);
-        let mut wb = vec![0f32; rows * k];
-        w[n0 * k..(n0 + rows) * k].convert_to_f32_slice(&mut wb);
-        ob.resize(m * rows, 0.0);
-        gemm_f32(x, m, k, &wb, rows, ob, gemm_par);
+        let p0 = b * BLOCK_PANELS;
+        let mut wt = Vec::new();
+        let cols = w.widen_panels(p0, (p0 + BLOCK_PANELS).min(w.panels()), &mut wt);
+        ob.resize(m * cols, 0.0);
+        gemm_f32_t(x, m, k, &wt, cols, ob, gemm_par);
     };
     if par && !gemm_par {
         blocks.par_iter_mut().enumerate().for_each(task);
@@ -344,10 +414,10 @@ fn blocked_f16(x: &[f32], m: usize, k: usize, w: &[f16], n: usize, out: &mut [f3
         blocks.iter_mut().enumerate().for_each(task);
     }
     for (b, ob) in blocks.iter().enumerate() {
-        let n0 = b * BLOCK_ROWS;
-        let rows = ob.len() / m;
+        let n0 = b * BLOCK_PANELS * PANEL;
+        let cols = ob.len() / m;
         for i in 0..m {
-            out[i * n + n0..i * n + n0 + rows].copy_from_slice(&ob[i * rows..(i + 1) * rows]);
+            out[i * n + n0..i * n + n0 + cols].copy_from_slice(&ob[i * cols..(i + 1) * cols]);
         }
     }
 }
@@ -389,6 +459,7 @@ mod tests {
             (8, 33, 200),
             (9, 64, 64),
             (40, 100, 70),
+            (131, 48, 150),
         ] {
             let x = data(m * k, 1);
             let w = data(n * k, 2);

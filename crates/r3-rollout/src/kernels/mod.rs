@@ -3,3 +3,4 @@
 pub mod attention;
 pub mod linear;
 pub mod ops;
+pub mod packed_f16;

@@ -19,16 +19,16 @@ pub fn rms_norm_into(src: &[f32], dst: &mut [f32], weight: &[f32], eps: f32) {
     rms_norm_rows(dst, weight, eps);
 }
 
-/// SiLU (x·sigmoid(x)).
+/// SiLU (x·sigmoid(x)), on the vectorisable `fast_exp`.
 #[inline]
 pub fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
+    x / (1.0 + fast_exp(-x))
 }
 
 /// Logistic sigmoid.
 #[inline]
 pub fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
+    1.0 / (1.0 + fast_exp(-x))
 }
 
 /// SwiGLU on fused rows `[gate | up]` of width `2·inter`: writes `silu(gate)·up` rows of
@@ -47,19 +47,18 @@ pub fn swiglu_rows(gate_up: &[f32], inter: usize, out: &mut [f32]) {
 
 /// In-place numerically stable softmax of one row.
 pub fn softmax_in_place(row: &mut [f32]) {
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0f32;
+    let max = row_max(row);
+    // Separate passes: an exp loop without a running sum vectorises.
     for v in row.iter_mut() {
         *v = fast_exp(*v - max);
-        sum += *v;
     }
-    let inv = 1.0 / sum;
+    let inv = (1.0 / lane_sum(row, |v| v)) as f32;
     for v in row.iter_mut() {
         *v *= inv;
     }
 }
 
-pub use r3_model::math::{fast_exp, log_sum_exp};
+pub use r3_model::math::{fast_exp, lane_sum, log_sum_exp, row_max};
 
 /// `log softmax(row)[index]`.
 pub fn log_softmax_at(row: &[f32], index: usize) -> f32 {

@@ -71,8 +71,8 @@ pub struct MoeWeights {
 pub enum MlpWeights {
     /// Dense SwiGLU.
     Dense(Ffn),
-    /// Mixture of experts.
-    Moe(MoeWeights),
+    /// Mixture of experts (boxed: far larger than a dense block).
+    Moe(Box<MoeWeights>),
 }
 
 /// One transformer layer.
@@ -336,13 +336,13 @@ fn mlp(
             )?),
         ),
     };
-    Ok(MlpWeights::Moe(MoeWeights {
+    Ok(MlpWeights::Moe(Box::new(MoeWeights {
         router,
         score_bias,
         experts,
         shared,
         shared_gate,
-    }))
+    })))
 }
 
 impl ModelWeights {
