@@ -115,28 +115,37 @@ impl PackedF16 {
         ldo: usize,
     ) {
         let k = self.k;
-        debug_assert!(x.len() >= m * k);
-        debug_assert!(m == 0 || out.len() >= (m - 1) * ldo + self.panel_cols(p));
+        assert!(x.len() >= m * k);
+        assert!(m == 0 || out.len() >= (m - 1) * ldo + self.panel_cols(p));
         let panel = self.panel(p);
         let cols = self.panel_cols(p);
         match kernel {
             #[cfg(target_arch = "x86_64")]
             PanelKernel::Avx512 => {
-                let mut r0 = 0;
-                while r0 < m {
-                    let rows = TILE_ROWS.min(m - r0);
+                for (r0, rows) in row_tiles(m) {
                     let xs = &x[r0 * k..(r0 + rows) * k];
                     let os = &mut out[r0 * ldo..];
                     // SAFETY: `detect` returned Avx512 only where the CPU has AVX-512F; the
                     // slices cover `rows` input rows of k values, a k×PANEL panel, and `rows`
                     // output rows of stride ldo with `cols` valid columns (checked above).
                     unsafe { avx512::tile(xs, rows, k, panel, os, ldo, cols) };
-                    r0 += rows;
                 }
             }
             _ => portable_panel(panel, x, m, k, out, ldo, cols),
         }
     }
+}
+
+/// `m` rows split into `ceil(m / TILE_ROWS)` tiles of nearly equal height: `(first, rows)`.
+fn row_tiles(m: usize) -> impl Iterator<Item = (usize, usize)> {
+    let tiles = m.div_ceil(TILE_ROWS);
+    let (base, extra) = (m / tiles.max(1), m % tiles.max(1));
+    (0..tiles).scan(0, move |r0, t| {
+        let rows = base + usize::from(t < extra);
+        let first = *r0;
+        *r0 += rows;
+        Some((first, rows))
+    })
 }
 
 /// Portable panel kernel: widen once, then row-times-panel with plain loops.
@@ -280,6 +289,7 @@ mod tests {
             (3, 37, 50),
             (8, 128, 96),
             (11, 16, 17),
+            (64, 40, 33),
             (17, 70, 65),
         ] {
             let x = data(m * k, 1);
@@ -306,6 +316,24 @@ mod tests {
                         "{kernel:?} wrote past column {n}"
                     );
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn row_tiles_cover_every_row_once_in_even_tiles() {
+        for m in 0..40 {
+            let tiles: Vec<_> = row_tiles(m).collect();
+            let mut next = 0;
+            for &(first, rows) in &tiles {
+                assert_eq!(first, next);
+                assert!((1..=TILE_ROWS).contains(&rows));
+                next += rows;
+            }
+            assert_eq!(next, m);
+            let heights = tiles.iter().map(|t| t.1);
+            if let (Some(hi), Some(lo)) = (heights.clone().max(), heights.min()) {
+                assert!(hi - lo <= 1, "m={m}: {tiles:?}");
             }
         }
     }
