@@ -11,6 +11,8 @@ use r3_model::weights::{RandomInit, Weights};
 use r3_model::{presets, Config};
 use r3_rollout::{Dtype, Engine, EngineConfig, GenerateRequest, SamplingParams, TensorMap};
 
+use super::cpu_time::{cpu_seconds, process_cpu_ns};
+
 /// HF transformers `generate` (PyTorch, CPU, 2 threads) on the mid-size config, tokens/s at
 /// batch 1 / 16 / 64 (measured on this machine; see the issue).
 const HF_REFERENCE: [(usize, f64); 3] = [(1, 37.0), (16, 124.0), (64, 326.0)];
@@ -124,13 +126,40 @@ fn requests(
         .collect()
 }
 
-/// Generated tokens per second of one batch.
-fn throughput(e: &mut Engine, reqs: Vec<GenerateRequest>) -> anyhow::Result<f64> {
+/// Throughput of one or more runs of a batch.
+#[derive(Debug, Clone, Copy, Default)]
+struct Throughput {
+    /// Generated tokens per wall second (best run).
+    tok_s: f64,
+    /// Process CPU milliseconds per generated token (least of the runs), where measurable.
+    cpu_ms_per_tok: Option<f64>,
+}
+
+impl Throughput {
+    /// Keeps the best of `self` and `other` on each figure.
+    fn best_of(self, other: Throughput) -> Throughput {
+        Throughput {
+            tok_s: self.tok_s.max(other.tok_s),
+            cpu_ms_per_tok: match (self.cpu_ms_per_tok, other.cpu_ms_per_tok) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            },
+        }
+    }
+}
+
+/// Generated tokens per second (and CPU time per token) of one batch.
+fn throughput(e: &mut Engine, reqs: Vec<GenerateRequest>) -> anyhow::Result<Throughput> {
+    let cpu0 = process_cpu_ns();
     let t0 = Instant::now();
     let out = e.generate(reqs)?;
     let secs = t0.elapsed().as_secs_f64();
-    let tokens: usize = out.iter().map(|r| r.output_ids.len()).sum();
-    Ok(tokens as f64 / secs)
+    let cpu = cpu_seconds(cpu0, process_cpu_ns());
+    let tokens = out.iter().map(|r| r.output_ids.len()).sum::<usize>().max(1) as f64;
+    Ok(Throughput {
+        tok_s: tokens / secs,
+        cpu_ms_per_tok: cpu.map(|c| c * 1e3 / tokens),
+    })
 }
 
 /// Multi-turn chat: every conversation's next prompt is its whole history plus new user
@@ -197,32 +226,43 @@ pub fn run(a: BenchRolloutArgs) -> anyhow::Result<()> {
         // Warm-up (page in weights, grow buffers).
         engine(&s, dtype, false)?.generate(requests(&a, vocab, 1, true)[..1].to_vec())?;
         for &b in &a.batches {
-            let (mut on, mut off) = (0f64, None::<f64>);
+            let (mut on, mut off) = (None::<Throughput>, None::<Throughput>);
             for _ in 0..a.repeats.max(1) {
                 let mut e = engine(&s, dtype, false)?;
-                on = on.max(throughput(&mut e, requests(&a, vocab, b, true))?);
+                let t = throughput(&mut e, requests(&a, vocab, b, true))?;
+                on = Some(on.map_or(t, |o| o.best_of(t)));
                 if a.capture_off {
                     let mut e = engine(&s, dtype, false)?;
                     let t = throughput(&mut e, requests(&a, vocab, b, false))?;
-                    off = Some(off.map_or(t, |o| o.max(t)));
+                    off = Some(off.map_or(t, |o| o.best_of(t)));
                 }
             }
+            let on = on.unwrap_or_default();
             let hf = HF_REFERENCE
                 .iter()
                 .find(|(hb, _)| *hb == b)
                 .filter(|_| name == "mid");
-            let mut line = format!("{name:>5} batch {b:>4}: capture on {on:>9.1} tok/s");
+            let mut line = format!("{name:>5} batch {b:>4}: capture on {:>9.1} tok/s", on.tok_s);
             if let Some(off) = off {
                 line += &format!(
-                    " | off {off:>9.1} tok/s | capture cost {:+.2}%",
-                    (off / on - 1.0) * 100.0
+                    " | off {:>9.1} tok/s | capture cost {:+.2}%",
+                    off.tok_s,
+                    (off.tok_s / on.tok_s - 1.0) * 100.0
                 );
+                if let (Some(c_on), Some(c_off)) = (on.cpu_ms_per_tok, off.cpu_ms_per_tok) {
+                    line += &format!(" ({:+.2}% by CPU time)", (c_on / c_off - 1.0) * 100.0);
+                }
             }
             if let Some((_, hf)) = hf {
-                line += &format!(" | vs HF {hf:.0}: {:.2}x", on / hf);
+                line += &format!(" | vs HF {hf:.0}: {:.2}x", on.tok_s / hf);
             }
             println!("{line}");
-            summary.push(serde_json::json!({"config": name, "batch": b, "capture_on_tok_s": on, "capture_off_tok_s": off}));
+            summary.push(serde_json::json!({
+                "config": name, "batch": b,
+                "capture_on_tok_s": on.tok_s, "capture_off_tok_s": off.map(|o| o.tok_s),
+                "capture_on_cpu_ms_per_tok": on.cpu_ms_per_tok,
+                "capture_off_cpu_ms_per_tok": off.and_then(|o| o.cpu_ms_per_tok),
+            }));
         }
         if a.multi_turn_conversations > 0 {
             let (with, hit) = multi_turn(&s, &a, dtype, true)?;

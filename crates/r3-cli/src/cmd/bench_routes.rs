@@ -8,6 +8,8 @@ use clap::Args;
 use r3_routing::wire::{binary, sglang, vllm, vllm_json, WireDtype, WireShape};
 use r3_routing::{LayerLayout, LayerSpace, RouteTable};
 
+use super::cpu_time::thread_cpu_ns;
+
 /// Options of `r3 bench routes`.
 #[derive(Debug, Args)]
 pub struct BenchRoutesArgs {
@@ -73,13 +75,6 @@ fn synthetic(a: &BenchRoutesArgs, layout: &LayerLayout) -> anyhow::Result<RouteT
         }
     }
     Ok(t)
-}
-
-/// Nanoseconds this thread has spent on a CPU (Linux `/proc/thread-self/schedstat`), so the
-/// figures stay meaningful on a shared, loaded machine; None where unavailable.
-fn thread_cpu_ns() -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
-    s.split_whitespace().next()?.parse().ok()
 }
 
 /// Mean wall time and mean on-CPU time (if measurable) of one decode.

@@ -8,6 +8,7 @@ mod bench_rollout;
 mod bench_routes;
 mod bench_train;
 mod compare;
+mod cpu_time;
 mod forward;
 mod generate;
 mod pretrain;
