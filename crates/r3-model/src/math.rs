@@ -7,6 +7,7 @@ pub trait Float:
     + Send
     + Sync
     + 'static
+    + PartialEq
     + std::ops::Add<Output = Self>
     + std::ops::Mul<Output = Self>
     + std::ops::Sub<Output = Self>

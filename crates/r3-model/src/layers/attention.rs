@@ -1,8 +1,11 @@
 //! Grouped-query self-attention (Qwen/Mixtral/OLMoE flavours) and the masked softmax
 //! attention core shared with MLA.
 
-use candle_core::{Device, Tensor, D};
+use std::sync::Arc;
 
+use candle_core::{DType, Device, Tensor, D};
+
+use super::attention_op::MaskedAttention;
 use super::linear::Linear;
 use super::norm::RmsNorm;
 use super::rope::RopeTables;
@@ -14,6 +17,8 @@ use crate::weights::Weights;
 #[derive(Debug, Clone)]
 pub struct AttentionMask {
     additive: Tensor,
+    /// The same values on the host, `[B, T, T]`, for the fused CPU attention op.
+    host: Arc<Vec<f32>>,
 }
 
 impl AttentionMask {
@@ -42,21 +47,46 @@ impl AttentionMask {
                 }
             }
         }
-        let additive = Tensor::from_vec(data, (lengths.len(), 1, 1, seq_len, seq_len), device)?;
-        Ok(AttentionMask { additive })
+        let additive = Tensor::from_slice(&data, (lengths.len(), 1, 1, seq_len, seq_len), device)?;
+        Ok(AttentionMask {
+            additive,
+            host: Arc::new(data),
+        })
     }
 
     /// The same mask in another float dtype.
     pub fn to_dtype(&self, dtype: candle_core::DType) -> Result<Self> {
         Ok(AttentionMask {
             additive: self.additive.to_dtype(dtype)?,
+            host: self.host.clone(),
         })
     }
 }
 
 /// `softmax(q kᵀ · scale + mask) v` with `q` `[B, KV, G·T, Dq]` (G query heads per
 /// key/value head, stacked), `k` `[B, KV, T, Dq]`, `v` `[B, KV, T, Dv]` → `[B, KV, G·T, Dv]`.
+/// On CPU in f32/f64 one fused op with its own backward ([`MaskedAttention`]); elsewhere
+/// candle's composed ops.
 pub fn attend(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &AttentionMask,
+    scale: f64,
+    groups: usize,
+) -> Result<Tensor> {
+    if q.device().is_cpu() && matches!(q.dtype(), DType::F32 | DType::F64) {
+        let op = MaskedAttention::new(mask.host.clone(), scale, groups);
+        return Ok(q
+            .contiguous()?
+            .apply_op3(&k.contiguous()?, &v.contiguous()?, op)?);
+    }
+    attend_composed(q, k, v, mask, scale, groups)
+}
+
+/// [`attend`] from candle's composed ops (other devices and dtypes, and the reference the
+/// fused op is tested against).
+pub fn attend_composed(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,

@@ -1,6 +1,7 @@
 //! Transformer blocks of the f32 training forward, built from autograd-safe composed ops.
 
 pub mod attention;
+pub mod attention_op;
 pub mod experts;
 pub mod gemm;
 pub mod linear;

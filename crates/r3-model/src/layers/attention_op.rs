@@ -1,0 +1,371 @@
+//! Masked softmax attention `softmax(q kᵀ · scale + mask) v` as one custom op with its own
+//! backward (CPU, f32/f64).
+//!
+//! Composed from candle ops, one attention layer is ~10 autograd nodes over `[B, H, T, T]`
+//! score tensors, and candle's backward materialises a zero tensor plus an addition for every
+//! node's gradient. Here the forward keeps the probabilities `P` and the backward computes
+//! `dV = Pᵀ dO`, `dS = P ⊙ (dO Vᵀ − rowsum(P ⊙ dO Vᵀ))`, `dQ = dS K · scale` and
+//! `dK = dSᵀ Q · scale` per (sequence, key/value head) with GEMMs, in parallel over those.
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor, WithDType};
+use rayon::prelude::*;
+
+use super::gemm::{matmul, MatRef};
+use crate::host::{contiguous, with_host};
+use crate::math::Float;
+
+/// The attention op: `q` `[B, KV, G·T, Dq]` (G query heads per key/value head, stacked),
+/// `k` `[B, KV, T, Dq]`, `v` `[B, KV, T, Dv]` → `[B, KV, G·T, Dv]`.
+pub struct MaskedAttention {
+    /// Additive mask `[B, T, T]` (0 or −∞), shared by every head.
+    pub mask: Arc<Vec<f32>>,
+    /// Multiplier of `q·k`.
+    pub scale: f64,
+    /// Query heads per key/value head.
+    pub groups: usize,
+    /// Softmax probabilities of the forward, `[B, KV, G·T, T]`, for the backward.
+    probs: Mutex<Option<CpuStorage>>,
+}
+
+/// Sizes of one call.
+#[derive(Debug, Clone, Copy)]
+struct Dims {
+    /// Sequences × key/value heads (independent jobs).
+    jobs: usize,
+    /// Query rows per job (G·T).
+    rows: usize,
+    /// Keys per sequence.
+    t: usize,
+    /// Query/key width.
+    dq: usize,
+    /// Value width.
+    dv: usize,
+    /// Key/value heads per sequence.
+    kv: usize,
+}
+
+impl MaskedAttention {
+    /// The op for one layer's call.
+    pub fn new(mask: Arc<Vec<f32>>, scale: f64, groups: usize) -> Self {
+        MaskedAttention {
+            mask,
+            scale,
+            groups,
+            probs: Mutex::new(None),
+        }
+    }
+
+    fn dims(&self, q: &Shape, k: &Shape, v: &Shape) -> candle_core::Result<Dims> {
+        let (b, kv, rows, dq) = q.dims4()?;
+        let (b2, kv2, t, dq2) = k.dims4()?;
+        let (b3, kv3, t3, dv) = v.dims4()?;
+        if b2 != b || b3 != b || kv2 != kv || kv3 != kv || dq2 != dq || t3 != t {
+            candle_core::bail!("attention: q {q:?}, k {k:?}, v {v:?} do not fit");
+        }
+        if rows != self.groups * t || self.mask.len() != b * t * t {
+            candle_core::bail!(
+                "attention: {rows} query rows, {} groups, {t} keys and a mask of {} values do not fit",
+                self.groups,
+                self.mask.len()
+            );
+        }
+        Ok(Dims {
+            jobs: b * kv,
+            rows,
+            t,
+            dq,
+            dv,
+            kv,
+        })
+    }
+
+    /// Scores → probabilities in place for one job: row `r` is query position `r % T` of
+    /// sequence `seq`. Masked keys get exactly zero probability.
+    fn softmax_rows<T: Float>(&self, s: &mut [T], seq: usize, d: Dims) {
+        let scale = T::from_f64(self.scale);
+        for (r, row) in s.chunks_exact_mut(d.t).enumerate() {
+            let i = r % d.t;
+            let mask = &self.mask[(seq * d.t + i) * d.t..(seq * d.t + i + 1) * d.t];
+            let mut max = T::NEG_INFINITY;
+            for (x, &m) in row.iter_mut().zip(mask) {
+                *x = if m == f32::NEG_INFINITY {
+                    T::NEG_INFINITY
+                } else {
+                    *x * scale + T::from_f64(m as f64)
+                };
+                max = max.max(*x);
+            }
+            let mut sum = T::ZERO;
+            for x in row.iter_mut() {
+                *x = if *x == T::NEG_INFINITY {
+                    T::ZERO
+                } else {
+                    (*x - max).exp()
+                };
+                sum = sum + *x;
+            }
+            let inv = T::from_f64(1.0 / sum.to_f64());
+            row.iter_mut().for_each(|x| *x = *x * inv);
+        }
+    }
+
+    fn fwd_typed<T: Float + WithDType>(
+        &self,
+        (q, k, v): (&[T], &[T], &[T]),
+        d: Dims,
+        wrap: fn(Vec<T>) -> CpuStorage,
+    ) -> candle_core::Result<CpuStorage> {
+        let mut probs = vec![T::ZERO; d.jobs * d.rows * d.t];
+        let mut out = vec![T::ZERO; d.jobs * d.rows * d.dv];
+        probs
+            .par_chunks_mut(d.rows * d.t)
+            .zip(out.par_chunks_mut(d.rows * d.dv))
+            .enumerate()
+            .for_each(|(j, (p, o))| {
+                let qj = &q[j * d.rows * d.dq..(j + 1) * d.rows * d.dq];
+                let kj = &k[j * d.t * d.dq..(j + 1) * d.t * d.dq];
+                let vj = &v[j * d.t * d.dv..(j + 1) * d.t * d.dv];
+                let (a, b) = (MatRef::row_major(qj, d.dq), MatRef::transposed(kj, d.dq));
+                matmul(d.rows, d.t, d.dq, p, a, b, 1);
+                self.softmax_rows(p, j / d.kv, d);
+                let (a, b) = (MatRef::row_major(p, d.t), MatRef::row_major(vj, d.dv));
+                matmul(d.rows, d.dv, d.t, o, a, b, 1);
+            });
+        *self.probs_cache()? = Some(wrap(probs));
+        Ok(wrap(out))
+    }
+
+    fn probs_cache(&self) -> candle_core::Result<std::sync::MutexGuard<'_, Option<CpuStorage>>> {
+        self.probs
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("attention: probability cache poisoned".into()))
+    }
+
+    /// `(dq, dk, dv)` for one job from its probabilities and the output gradient.
+    #[allow(clippy::too_many_arguments)]
+    fn backward_job<T: Float>(
+        &self,
+        (q, k, v): (&[T], &[T], &[T]),
+        p: &[T],
+        go: &[T],
+        (dq, dk, dv): (&mut [T], &mut [T], &mut [T]),
+        d: Dims,
+    ) {
+        // dV = Pᵀ dO
+        let (a, b) = (MatRef::transposed(p, d.t), MatRef::row_major(go, d.dv));
+        matmul(d.t, d.dv, d.rows, dv, a, b, 1);
+        // dP = dO Vᵀ, then dS = P ⊙ (dP − rowsum(P ⊙ dP)) · scale, in place.
+        let mut ds = vec![T::ZERO; d.rows * d.t];
+        let (a, b) = (MatRef::row_major(go, d.dv), MatRef::transposed(v, d.dv));
+        matmul(d.rows, d.t, d.dv, &mut ds, a, b, 1);
+        let scale = T::from_f64(self.scale);
+        for (dsr, pr) in ds.chunks_exact_mut(d.t).zip(p.chunks_exact(d.t)) {
+            let delta = dsr
+                .iter()
+                .zip(pr)
+                .fold(T::ZERO, |acc, (&g, &pv)| acc + g * pv);
+            for (g, &pv) in dsr.iter_mut().zip(pr) {
+                *g = pv * (*g - delta) * scale;
+            }
+        }
+        // dQ = dS K, dK = dSᵀ Q
+        let (a, b) = (MatRef::row_major(&ds, d.t), MatRef::row_major(k, d.dq));
+        matmul(d.rows, d.dq, d.t, dq, a, b, 1);
+        let (a, b) = (MatRef::transposed(&ds, d.t), MatRef::row_major(q, d.dq));
+        matmul(d.t, d.dq, d.rows, dk, a, b, 1);
+    }
+
+    fn bwd_typed<T: Float + WithDType>(
+        &self,
+        (q, k, v, grad): (&Tensor, &Tensor, &Tensor, &Tensor),
+        d: Dims,
+    ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+        let mut dq = vec![T::ZERO; d.jobs * d.rows * d.dq];
+        let mut dk = vec![T::ZERO; d.jobs * d.t * d.dq];
+        let mut dv = vec![T::ZERO; d.jobs * d.t * d.dv];
+        with_host::<T, _>(q, |qv| {
+            with_host::<T, _>(k, |kv| {
+                with_host::<T, _>(v, |vv| {
+                    with_host::<T, _>(grad, |gv| {
+                        let cached = self.probs_cache()?;
+                        let recomputed;
+                        let probs = match cached.as_ref().map(|c| c.as_slice::<T>()) {
+                            Some(p) => p?,
+                            None => {
+                                recomputed = self.recompute_probs(qv, kv, d);
+                                &recomputed
+                            }
+                        };
+                        dq.par_chunks_mut(d.rows * d.dq)
+                            .zip(dk.par_chunks_mut(d.t * d.dq))
+                            .zip(dv.par_chunks_mut(d.t * d.dv))
+                            .enumerate()
+                            .for_each(|(j, ((dqj, dkj), dvj))| {
+                                let qj = &qv[j * d.rows * d.dq..(j + 1) * d.rows * d.dq];
+                                let kj = &kv[j * d.t * d.dq..(j + 1) * d.t * d.dq];
+                                let vj = &vv[j * d.t * d.dv..(j + 1) * d.t * d.dv];
+                                let pj = &probs[j * d.rows * d.t..(j + 1) * d.rows * d.t];
+                                let gj = &gv[j * d.rows * d.dv..(j + 1) * d.rows * d.dv];
+                                self.backward_job((qj, kj, vj), pj, gj, (dqj, dkj, dvj), d);
+                            });
+                        Ok(())
+                    })
+                })
+            })
+        })?;
+        let dev = q.device();
+        Ok((
+            Tensor::from_vec(dq, q.shape(), dev)?,
+            Tensor::from_vec(dk, k.shape(), dev)?,
+            Tensor::from_vec(dv, v.shape(), dev)?,
+        ))
+    }
+
+    /// The forward's probabilities again (when the cache is empty, e.g. a second backward).
+    fn recompute_probs<T: Float>(&self, q: &[T], k: &[T], d: Dims) -> Vec<T> {
+        let mut probs = vec![T::ZERO; d.jobs * d.rows * d.t];
+        probs
+            .par_chunks_mut(d.rows * d.t)
+            .enumerate()
+            .for_each(|(j, p)| {
+                let qj = &q[j * d.rows * d.dq..(j + 1) * d.rows * d.dq];
+                let kj = &k[j * d.t * d.dq..(j + 1) * d.t * d.dq];
+                let (a, b) = (MatRef::row_major(qj, d.dq), MatRef::transposed(kj, d.dq));
+                matmul(d.rows, d.t, d.dq, p, a, b, 1);
+                self.softmax_rows(p, j / d.kv, d);
+            });
+        probs
+    }
+}
+
+impl CustomOp3 for MaskedAttention {
+    fn name(&self) -> &'static str {
+        "r3-masked-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        q: &CpuStorage,
+        ql: &Layout,
+        k: &CpuStorage,
+        kl: &Layout,
+        v: &CpuStorage,
+        vl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let d = self.dims(ql.shape(), kl.shape(), vl.shape())?;
+        let out = match (q, k, v) {
+            (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => self.fwd_typed(
+                (
+                    contiguous(q, ql, "q")?,
+                    contiguous(k, kl, "k")?,
+                    contiguous(v, vl, "v")?,
+                ),
+                d,
+                CpuStorage::F32,
+            )?,
+            (CpuStorage::F64(q), CpuStorage::F64(k), CpuStorage::F64(v)) => self.fwd_typed(
+                (
+                    contiguous(q, ql, "q")?,
+                    contiguous(k, kl, "k")?,
+                    contiguous(v, vl, "v")?,
+                ),
+                d,
+                CpuStorage::F64,
+            )?,
+            _ => candle_core::bail!("attention: q, k and v must all be f32 or all f64"),
+        };
+        let (b, kv, rows, _) = ql.shape().dims4()?;
+        Ok((out, Shape::from((b, kv, rows, d.dv))))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let d = self.dims(q.shape(), k.shape(), v.shape())?;
+        let (dq, dk, dv) = match q.dtype() {
+            candle_core::DType::F32 => self.bwd_typed::<f32>((q, k, v, grad), d)?,
+            candle_core::DType::F64 => self.bwd_typed::<f64>((q, k, v, grad), d)?,
+            dt => candle_core::bail!("attention: no backward for {dt:?}"),
+        };
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::attention::{attend, attend_composed, AttentionMask};
+    use candle_core::{DType, Device, Tensor, Var};
+
+    fn rand_tensor(shape: &[usize], seed: u64, dtype: DType) -> Tensor {
+        let n: usize = shape.iter().product();
+        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+        let data: Vec<f64> = (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
+            })
+            .collect();
+        Tensor::from_vec(data, shape, &Device::Cpu)
+            .and_then(|t| t.to_dtype(dtype))
+            .expect("tensor")
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+        (a - b)
+            .and_then(|d| d.abs())
+            .and_then(|d| d.flatten_all())
+            .and_then(|d| d.max(0))
+            .and_then(|d| d.to_dtype(DType::F64))
+            .and_then(|d| d.to_scalar::<f64>())
+            .expect("diff")
+    }
+
+    /// Fused op against candle's composed ops: output and the gradients of q, k and v, with
+    /// right padding, grouped heads, a window, and query/key width ≠ value width.
+    #[test]
+    fn fused_attention_matches_composed_ops() {
+        let dev = Device::Cpu;
+        let (b, kv, groups, t, dq, dv) = (2, 2, 3, 6, 5, 4);
+        for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 2e-5)] {
+            for window in [None, Some(3)] {
+                let mask = AttentionMask::new(&[6, 4], t, window, &dev)
+                    .and_then(|m| m.to_dtype(dtype))
+                    .expect("mask");
+                let q = Var::from_tensor(&rand_tensor(&[b, kv, groups * t, dq], 1, dtype)).unwrap();
+                let k = Var::from_tensor(&rand_tensor(&[b, kv, t, dq], 2, dtype)).unwrap();
+                let v = Var::from_tensor(&rand_tensor(&[b, kv, t, dv], 3, dtype)).unwrap();
+                let w = rand_tensor(&[b, kv, groups * t, dv], 4, dtype);
+                let run = |fused: bool| {
+                    let f = if fused { attend } else { attend_composed };
+                    let out = f(&q, &k, &v, &mask, 0.37, groups).expect("attend");
+                    let grads = (&out * &w)
+                        .and_then(|l| l.sum_all())
+                        .and_then(|l| l.backward())
+                        .expect("backward");
+                    let g = |x: &Var| grads.get(x).expect("gradient").clone();
+                    (out, g(&q), g(&k), g(&v))
+                };
+                let (fo, fq, fk, fv) = run(true);
+                let (co, cq, ck, cv) = run(false);
+                for (what, a, c) in [
+                    ("out", &fo, &co),
+                    ("dq", &fq, &cq),
+                    ("dk", &fk, &ck),
+                    ("dv", &fv, &cv),
+                ] {
+                    let d = max_diff(a, c);
+                    assert!(d < tol, "{dtype:?} window {window:?} {what}: max diff {d}");
+                }
+            }
+        }
+    }
+}
