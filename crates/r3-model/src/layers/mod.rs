@@ -10,3 +10,4 @@ pub mod mlp;
 pub mod moe;
 pub mod norm;
 pub mod rope;
+pub mod rope_op;

@@ -1,7 +1,12 @@
 //! Rotary position embeddings: frequency tables (plain, linear, YaRN) and their
-//! application with candle's composed `rope_slow` (half-split) / `rope_i_slow` (interleaved).
+//! application — a fused custom op on CPU, candle's composed `rope_slow` (half-split) /
+//! `rope_i_slow` (interleaved) elsewhere.
+
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
+
+use super::rope_op::RotaryOp;
 
 use crate::config::{RopeConfig, RopeScaling};
 use crate::error::Result;
@@ -105,8 +110,10 @@ impl Rope {
             }
         }
         Ok(RopeTables {
-            cos: Tensor::from_vec(cos, (seq_len, half), device)?.to_dtype(dtype)?,
-            sin: Tensor::from_vec(sin, (seq_len, half), device)?.to_dtype(dtype)?,
+            cos: Tensor::from_slice(&cos, (seq_len, half), device)?.to_dtype(dtype)?,
+            sin: Tensor::from_slice(&sin, (seq_len, half), device)?.to_dtype(dtype)?,
+            cos_host: Arc::new(cos),
+            sin_host: Arc::new(sin),
             interleaved: self.interleaved,
         })
     }
@@ -117,6 +124,9 @@ impl Rope {
 pub struct RopeTables {
     cos: Tensor,
     sin: Tensor,
+    /// The f32 tables on the host for the fused CPU op (`cos`/`sin` are these, converted).
+    cos_host: Arc<Vec<f32>>,
+    sin_host: Arc<Vec<f32>>,
     interleaved: bool,
 }
 
@@ -125,7 +135,28 @@ impl RopeTables {
     ///
     /// HF DeepSeek's interleaved variant permutes pairs to half-split before rotating;
     /// rotating pairs in place (`rope_i`) gives the same q·k since q and k share the permutation.
+    /// On CPU in f32/f64 this is one fused op ([`RotaryOp`]) that reads `x` through its
+    /// strides; elsewhere candle's composed ops.
     pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
+        let fused = x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64);
+        if fused && x.rank() == 4 {
+            // The op reads rows through the strides but needs each row contiguous.
+            let x = match x.stride().last() {
+                Some(1) => x.clone(),
+                _ => x.contiguous()?,
+            };
+            return Ok(x.apply_op1(RotaryOp {
+                cos: self.cos_host.clone(),
+                sin: self.sin_host.clone(),
+                interleaved: self.interleaved,
+            })?);
+        }
+        self.apply_composed(x)
+    }
+
+    /// [`RopeTables::apply`] from candle's composed ops (other devices and dtypes, and the
+    /// reference the fused op is tested against).
+    pub fn apply_composed(&self, x: &Tensor) -> Result<Tensor> {
         let x = x.contiguous()?;
         if self.interleaved {
             Ok(candle_nn::rotary_emb::rope_i_slow(
