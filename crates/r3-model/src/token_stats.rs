@@ -26,15 +26,17 @@ pub fn token_log_probs(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
             targets.dims()
         )));
     }
+    if fused(logits) {
+        // The op reads `[.., V]` as rows and returns `[..]`: no reshape nodes whose
+        // backward would each fill and add a logits-sized gradient.
+        let targets = targets.to_dtype(DType::U32)?.contiguous()?;
+        return Ok(logits.contiguous()?.apply_op2(&targets, TokenLogProb)?);
+    }
     let rows = lead.iter().product::<usize>();
     let logits2 = logits.reshape((rows, vocab))?.contiguous()?;
     let targets1 = targets.to_dtype(DType::U32)?.reshape(rows)?.contiguous()?;
-    let out = if fused(logits) {
-        logits2.apply_op2(&targets1, TokenLogProb)?
-    } else {
-        let logp = log_softmax_composed(&logits2)?;
-        logp.gather(&targets1.unsqueeze(1)?, 1)?.squeeze(1)?
-    };
+    let logp = log_softmax_composed(&logits2)?;
+    let out = logp.gather(&targets1.unsqueeze(1)?, 1)?.squeeze(1)?;
     Ok(out.reshape(lead)?)
 }
 
@@ -45,14 +47,13 @@ pub fn entropy(logits: &Tensor) -> Result<Tensor> {
     let Some((&vocab, lead)) = dims.split_last() else {
         return Err(ModelError::Input("entropy of a scalar".into()));
     };
+    if fused(logits) {
+        return Ok(logits.contiguous()?.apply_op1(Entropy)?);
+    }
     let rows = lead.iter().product::<usize>();
     let logits2 = logits.reshape((rows, vocab))?.contiguous()?;
-    let out = if fused(logits) {
-        logits2.apply_op1(Entropy)?
-    } else {
-        let logp = log_softmax_composed(&logits2)?;
-        logp.exp()?.mul(&logp)?.sum(1)?.neg()?
-    };
+    let logp = log_softmax_composed(&logits2)?;
+    let out = logp.exp()?.mul(&logp)?.sum(1)?.neg()?;
     Ok(out.reshape(lead)?)
 }
 
@@ -69,10 +70,26 @@ fn log_softmax_composed(logits: &Tensor) -> Result<Tensor> {
     Ok(shifted.broadcast_sub(&lse)?)
 }
 
-/// The contiguous `[rows, vocab]` view of a storage slice.
+/// The contiguous elements of `[.., vocab]` logits and `vocab`.
 fn rows_of<'a, T>(data: &'a [T], layout: &Layout) -> candle_core::Result<(&'a [T], usize)> {
-    let (_, vocab) = layout.shape().dims2()?;
-    Ok((contiguous(data, layout, "logits")?, vocab))
+    Ok((
+        contiguous(data, layout, "logits")?,
+        vocab_of(layout.shape())?,
+    ))
+}
+
+/// The last dimension of `[.., vocab]` logits.
+fn vocab_of(shape: &Shape) -> candle_core::Result<usize> {
+    match shape.dims().last() {
+        Some(&v) if v > 0 => Ok(v),
+        _ => candle_core::bail!("token stats: logits {shape:?} have no vocabulary dimension"),
+    }
+}
+
+/// `[.., vocab]` → `[..]`.
+fn lead_shape(shape: &Shape) -> Shape {
+    let dims = shape.dims();
+    Shape::from(dims[..dims.len().saturating_sub(1)].to_vec())
 }
 
 /// Log-probability of the target token in each row.
@@ -139,7 +156,13 @@ impl CustomOp2 for TokenLogProb {
             candle_core::bail!("token stats: targets must be u32");
         };
         let targets = contiguous(targets, tl, "targets")?;
-        let rows = targets.len();
+        if targets.len() * vocab_of(ll.shape())? != ll.shape().elem_count() {
+            candle_core::bail!(
+                "token stats: {} targets for logits {:?}",
+                targets.len(),
+                ll.shape()
+            );
+        }
         let out = match logits {
             CpuStorage::F32(v) => {
                 let (v, vocab) = rows_of(v, ll)?;
@@ -151,7 +174,7 @@ impl CustomOp2 for TokenLogProb {
             }
             _ => candle_core::bail!("token stats: logits must be f32 or f64"),
         };
-        Ok((out, Shape::from(rows)))
+        Ok((out, lead_shape(ll.shape())))
     }
 
     fn bwd(
@@ -161,7 +184,7 @@ impl CustomOp2 for TokenLogProb {
         logp: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let (_, vocab) = logits.dims2()?;
+        let vocab = vocab_of(logits.shape())?;
         let d = with_host::<u32, _>(targets, |t| match logits.dtype() {
             DType::F32 => with_host::<f32, _>(logits, |z| {
                 with_host::<f32, _>(logp, |lp| {
@@ -222,7 +245,6 @@ impl CustomOp1 for Entropy {
         logits: &CpuStorage,
         ll: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (rows, _) = ll.shape().dims2()?;
         let out = match logits {
             CpuStorage::F32(v) => {
                 let (v, vocab) = rows_of(v, ll)?;
@@ -234,7 +256,7 @@ impl CustomOp1 for Entropy {
             }
             _ => candle_core::bail!("token stats: logits must be f32 or f64"),
         };
-        Ok((out, Shape::from(rows)))
+        Ok((out, lead_shape(ll.shape())))
     }
 
     fn bwd(
@@ -243,7 +265,7 @@ impl CustomOp1 for Entropy {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<Option<Tensor>> {
-        let (_, vocab) = logits.dims2()?;
+        let vocab = vocab_of(logits.shape())?;
         let d = match logits.dtype() {
             DType::F32 => with_host::<f32, _>(logits, |z| {
                 with_host::<f32, _>(grad, |g| Ok(entropy_bwd(z, vocab, g)))
@@ -289,6 +311,33 @@ mod tests {
             .and_then(|l| l.backward())
             .expect("backward");
         grads.get(z.as_tensor()).expect("gradient").clone()
+    }
+
+    /// `[B, T, V]` logits give the values and gradients of the same rows as `[B·T, V]`.
+    #[test]
+    fn batched_logits_equal_flat_rows() {
+        let flat = Var::from_tensor(&logits(6, 9, DType::F32)).expect("var");
+        let batched = Var::from_tensor(&flat.reshape((2, 3, 9)).expect("reshape")).expect("var");
+        let targets = Tensor::new(&[0u32, 8, 3, 3, 5, 1], &Device::Cpu).expect("t");
+        let w = Tensor::new(&[0.5f32, -1.0, 2.0, 0.25, 1.5, -0.75], &Device::Cpu).expect("w");
+        let t2 = targets.reshape((2, 3)).expect("t2");
+        let w2 = w.reshape((2, 3)).expect("w2");
+        let lp_flat = token_log_probs(&flat, &targets).expect("flat");
+        let lp_batched = token_log_probs(&batched, &t2).expect("batched");
+        assert_eq!(lp_batched.dims(), &[2, 3]);
+        assert_eq!(max_diff(&lp_batched.flatten_all().unwrap(), &lp_flat), 0.0);
+        let g_flat = grad_of(&lp_flat, &w, &flat);
+        let g_batched = grad_of(&lp_batched, &w2, &batched);
+        assert_eq!(max_diff(&g_batched.reshape((6, 9)).unwrap(), &g_flat), 0.0);
+        let h_flat = entropy(&flat).expect("entropy");
+        let h_batched = entropy(&batched).expect("entropy");
+        assert_eq!(max_diff(&h_batched.flatten_all().unwrap(), &h_flat), 0.0);
+        let g_flat = grad_of(&h_flat, &w, &flat);
+        let g_batched = grad_of(&h_batched, &w2, &batched);
+        assert_eq!(max_diff(&g_batched.reshape((6, 9)).unwrap(), &g_flat), 0.0);
+        // Wrong target count is an error naming both shapes.
+        let bad = Tensor::new(&[0u32, 1], &Device::Cpu).expect("bad");
+        assert!(token_log_probs(&batched, &bad).is_err());
     }
 
     /// Fused values and gradients equal the composed `log_softmax` path (and a hand value).

@@ -96,8 +96,7 @@ fn step(
     if let (Routing::Replay(_), None) = (routing, &out.replay) {
         anyhow::bail!("replayed forward returned no replay proof");
     }
-    let (b, t, v) = out.logits.dims3()?;
-    let logp = r3_model::token_stats::token_log_probs(&out.logits.reshape((b * t, v))?, targets)?;
+    let logp = r3_model::token_stats::token_log_probs(&out.logits, targets)?;
     let loss = logp.neg()?.mean_all()?;
     let t1 = Instant::now();
     let grads = loss.backward()?;
@@ -141,7 +140,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         .iter()
         .flat_map(|s| s[1..].iter().copied().chain(std::iter::once(s[0])))
         .collect();
-    let targets = Tensor::from_vec(targets, args.batch * args.seq_len, &device)?;
+    let targets = Tensor::from_vec(targets, (args.batch, args.seq_len), &device)?;
     let routes: Vec<RouteTable> = model
         .forward(&batch, Routing::Record)?
         .routes

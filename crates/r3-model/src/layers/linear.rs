@@ -5,33 +5,50 @@
 //! accumulate it with a strided add, an extra full pass over every weight per step (the
 //! expert weights dominate this model's parameters).
 
-use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor, D};
+use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 
 use super::gemm::{matmul, MatRef};
 use crate::error::Result;
 use crate::math::Float;
 use crate::weights::Weights;
 
-/// `x [m, k] · w [n, k]ᵀ → [m, n]`, differentiable in both arguments.
+/// `x [.., k] · w [n, k]ᵀ → [.., n]`, differentiable in both arguments. Leading dimensions
+/// are read as rows in the op itself, so a 3-D activation needs no reshape nodes (each would
+/// cost a zero-filled gradient buffer and an addition in candle's backward).
 struct MatmulWt;
 
-/// `x · wᵀ` for one float type over arbitrary 2-D strides.
+/// Rows `m`, width `k` and the (row, column) strides of `x` read as an `[m, k]` matrix:
+/// any strides for 2-D, contiguous for higher ranks.
+fn as_matrix(xl: &Layout) -> candle_core::Result<(usize, usize, usize, usize)> {
+    let dims = xl.shape().dims();
+    let st = xl.stride();
+    match dims.len() {
+        2 => Ok((dims[0], dims[1], st[0], st[1])),
+        r if r > 2 && xl.is_contiguous() => {
+            let k = dims[r - 1];
+            Ok((xl.shape().elem_count() / k.max(1), k, k, 1))
+        }
+        _ => candle_core::bail!("linear: input {:?} must be 2-D or contiguous", xl.shape()),
+    }
+}
+
+/// `x · wᵀ` for one float type.
 fn gemm_xwt<T: Float>(
     x: &[T],
     xl: &Layout,
     w: &[T],
     wl: &Layout,
 ) -> candle_core::Result<(Vec<T>, Shape)> {
-    let (m, k) = xl.shape().dims2()?;
+    let (m, k, x_row, x_col) = as_matrix(xl)?;
     let (n, k2) = wl.shape().dims2()?;
     if k != k2 {
         candle_core::bail!("linear: input width {k} does not match weight width {k2}");
     }
-    let (xs, ws) = (xl.stride(), wl.stride());
+    let ws = wl.stride();
     let x = MatRef {
         data: &x[xl.start_offset()..],
-        row_stride: xs[0],
-        col_stride: xs[1],
+        row_stride: x_row,
+        col_stride: x_col,
     };
     // wᵀ is w read with its strides swapped.
     let wt = MatRef {
@@ -49,7 +66,11 @@ fn gemm_xwt<T: Float>(
         wt,
         candle_core::utils::get_num_threads(),
     );
-    Ok((dst, Shape::from((m, n))))
+    let mut out_dims = xl.shape().dims().to_vec();
+    if let Some(last) = out_dims.last_mut() {
+        *last = n;
+    }
+    Ok((dst, Shape::from(out_dims)))
 }
 
 impl CustomOp2 for MatmulWt {
@@ -86,13 +107,23 @@ impl CustomOp2 for MatmulWt {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        // Gradients flow detached here, so these reshapes build no graph.
+        let n = w.dim(0)?;
+        let k = w.dim(1)?;
+        let rows = grad.elem_count() / n.max(1);
+        let grad2 = grad.reshape((rows, n))?;
         let dx = if x.track_op() {
-            Some(grad.matmul(w)?)
+            Some(grad2.matmul(w)?.reshape(x.shape())?)
         } else {
             None
         };
         let dw = if w.track_op() {
-            Some(grad.t()?.matmul(x)?)
+            let x2 = if x.rank() == 2 {
+                x.clone()
+            } else {
+                x.reshape((rows, k))?
+            };
+            Some(grad2.t()?.matmul(&x2)?)
         } else {
             None
         };
@@ -100,13 +131,20 @@ impl CustomOp2 for MatmulWt {
     }
 }
 
-/// `x [m, k] · w [n, k]ᵀ` with weight gradients that need no transpose pass.
+/// `x [.., k] · w [n, k]ᵀ → [.., n]` with weight gradients that need no transpose pass.
 pub fn matmul_wt(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     if x.device().is_cpu() && matches!(x.dtype(), candle_core::DType::F32 | candle_core::DType::F64)
     {
+        let x = if x.rank() > 2 {
+            x.contiguous()?
+        } else {
+            x.clone()
+        };
         Ok(x.apply_op2(w, MatmulWt)?)
-    } else {
+    } else if x.rank() == 2 {
         Ok(x.matmul(&w.t()?)?)
+    } else {
+        Ok(x.broadcast_matmul(&w.t()?)?)
     }
 }
 
@@ -136,18 +174,60 @@ impl Linear {
 
     /// Applies the projection to the last dimension of `x`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let dims = x.dims().to_vec();
-        let in_dim = x.dim(D::Minus1)?;
-        let rows = x.elem_count() / in_dim.max(1);
-        let x2 = x.reshape((rows, in_dim))?;
-        let mut y = matmul_wt(&x2, &self.weight)?;
-        if let Some(b) = &self.bias {
-            y = y.broadcast_add(b)?;
+        let y = matmul_wt(x, &self.weight)?;
+        match &self.bias {
+            Some(b) => Ok(y.broadcast_add(b)?),
+            None => Ok(y),
         }
-        let mut out_dims = dims;
-        if let Some(last) = out_dims.last_mut() {
-            *last = self.weight.dim(0)?;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device, Var};
+
+    fn ramp(shape: &[usize], step: f64) -> Tensor {
+        let n: usize = shape.iter().product();
+        let data: Vec<f64> = (0..n).map(|i| ((i as f64 * step).sin())).collect();
+        Tensor::from_vec(data, shape, &Device::Cpu).expect("tensor")
+    }
+
+    /// The custom product on a 3-D input and on a transposed 2-D input equals candle's
+    /// matmul: values and both gradients (f64, so equal to rounding).
+    #[test]
+    fn projection_matches_candle_matmul_for_3d_and_strided_inputs() {
+        let w = Var::from_tensor(&ramp(&[5, 4], 0.37)).expect("w");
+        let x3 = Var::from_tensor(&ramp(&[2, 3, 4], 0.71)).expect("x");
+        let xt = Var::from_tensor(&ramp(&[4, 6], 0.53)).expect("x");
+        let cases: [(&Var, Tensor); 2] = [(&x3, x3.as_tensor().clone()), (&xt, xt.t().expect("t"))];
+        for (var, x) in cases {
+            let fused = matmul_wt(&x, &w).expect("fused");
+            let reference = x.broadcast_matmul(&w.t().expect("t")).expect("matmul");
+            assert_eq!(fused.dims(), reference.dims());
+            let weights = ramp(fused.dims(), 0.19);
+            let grads = |y: &Tensor| {
+                let g = (y * &weights)
+                    .and_then(|l| l.sum_all())
+                    .and_then(|l| l.backward())
+                    .expect("backward");
+                (
+                    g.get(var).expect("dx").clone(),
+                    g.get(&w).expect("dw").clone(),
+                )
+            };
+            let diff = |a: &Tensor, b: &Tensor| {
+                (a - b)
+                    .and_then(|d| d.abs())
+                    .and_then(|d| d.flatten_all())
+                    .and_then(|d| d.max(0))
+                    .and_then(|d| d.to_scalar::<f64>())
+                    .expect("diff")
+            };
+            assert!(diff(&fused, &reference) < 1e-12);
+            let ((fx, fw), (rx, rw)) = (grads(&fused), grads(&reference));
+            assert!(diff(&fx, &rx) < 1e-12 && diff(&fw, &rw) < 1e-12);
+            assert_eq!(fused.dtype(), DType::F64);
         }
-        Ok(y.reshape(out_dims)?)
     }
 }
