@@ -189,7 +189,7 @@ mod tests {
 
     fn ramp(shape: &[usize], step: f64) -> Tensor {
         let n: usize = shape.iter().product();
-        let data: Vec<f64> = (0..n).map(|i| ((i as f64 * step).sin())).collect();
+        let data: Vec<f64> = (0..n).map(|i| (i as f64 * step).sin()).collect();
         Tensor::from_vec(data, shape, &Device::Cpu).expect("tensor")
     }
 
