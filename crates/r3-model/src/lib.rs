@@ -12,6 +12,8 @@ pub mod presets;
 pub mod router;
 pub mod routing;
 pub mod spec;
+#[cfg(test)]
+mod test_util;
 pub mod token_stats;
 pub mod weights;
 

@@ -284,6 +284,7 @@ impl CustomOp1 for Entropy {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_util::max_abs_diff as max_diff;
     use candle_core::{Device, Var};
 
     fn logits(rows: usize, vocab: usize, dtype: DType) -> Tensor {
@@ -293,15 +294,6 @@ mod tests {
         Tensor::from_vec(data, (rows, vocab), &Device::Cpu)
             .and_then(|t| t.to_dtype(dtype))
             .expect("logits")
-    }
-
-    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
-        (a - b)
-            .and_then(|d| d.abs())
-            .and_then(|d| d.max_all())
-            .and_then(|d| d.to_dtype(DType::F64))
-            .and_then(|d| d.to_scalar::<f64>())
-            .expect("diff")
     }
 
     /// Gradient of `Σ weights · out` with respect to `z`.

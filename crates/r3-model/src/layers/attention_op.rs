@@ -301,33 +301,8 @@ impl CustomOp3 for MaskedAttention {
 #[cfg(test)]
 mod tests {
     use super::super::attention::{attend, attend_composed, AttentionMask};
-    use candle_core::{DType, Device, Tensor, Var};
-
-    fn rand_tensor(shape: &[usize], seed: u64, dtype: DType) -> Tensor {
-        let n: usize = shape.iter().product();
-        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
-        let data: Vec<f64> = (0..n)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((s >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
-            })
-            .collect();
-        Tensor::from_vec(data, shape, &Device::Cpu)
-            .and_then(|t| t.to_dtype(dtype))
-            .expect("tensor")
-    }
-
-    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
-        (a - b)
-            .and_then(|d| d.abs())
-            .and_then(|d| d.flatten_all())
-            .and_then(|d| d.max(0))
-            .and_then(|d| d.to_dtype(DType::F64))
-            .and_then(|d| d.to_scalar::<f64>())
-            .expect("diff")
-    }
+    use crate::test_util::{max_abs_diff as max_diff, seeded_tensor as rand_tensor};
+    use candle_core::{DType, Device, Var};
 
     /// Fused op against candle's composed ops: output and the gradients of q, k and v, with
     /// right padding, grouped heads, a window, and query/key width ≠ value width.

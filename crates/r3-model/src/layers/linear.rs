@@ -185,6 +185,7 @@ impl Linear {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_util::max_abs_diff;
     use candle_core::{DType, Device, Var};
 
     fn ramp(shape: &[usize], step: f64) -> Tensor {
@@ -216,17 +217,9 @@ mod tests {
                     g.get(&w).expect("dw").clone(),
                 )
             };
-            let diff = |a: &Tensor, b: &Tensor| {
-                (a - b)
-                    .and_then(|d| d.abs())
-                    .and_then(|d| d.flatten_all())
-                    .and_then(|d| d.max(0))
-                    .and_then(|d| d.to_scalar::<f64>())
-                    .expect("diff")
-            };
-            assert!(diff(&fused, &reference) < 1e-12);
+            assert!(max_abs_diff(&fused, &reference) < 1e-12);
             let ((fx, fw), (rx, rw)) = (grads(&fused), grads(&reference));
-            assert!(diff(&fx, &rx) < 1e-12 && diff(&fw, &rw) < 1e-12);
+            assert!(max_abs_diff(&fx, &rx) < 1e-12 && max_abs_diff(&fw, &rw) < 1e-12);
             assert_eq!(fused.dtype(), DType::F64);
         }
     }

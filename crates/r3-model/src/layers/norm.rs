@@ -189,6 +189,7 @@ impl CustomOp2 for RmsNormOp {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_util::max_abs_diff as max_diff;
     use candle_core::{Device, Var};
 
     fn values(shape: &[usize], salt: usize, dtype: DType) -> Tensor {
@@ -199,16 +200,6 @@ mod tests {
         Tensor::from_vec(data, shape, &Device::Cpu)
             .and_then(|t| t.to_dtype(dtype))
             .expect("values")
-    }
-
-    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
-        (a - b)
-            .and_then(|d| d.abs())
-            .and_then(|d| d.flatten_all())
-            .and_then(|d| d.max(0))
-            .and_then(|d| d.to_dtype(DType::F64))
-            .and_then(|d| d.to_scalar::<f64>())
-            .expect("diff")
     }
 
     /// Values and both gradients equal candle's composed `rms_norm_slow`, over more rows than
