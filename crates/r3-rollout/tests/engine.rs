@@ -305,3 +305,27 @@ fn stop_tokens_and_bad_requests() {
     }
     assert!(!e.has_work(), "rejected requests leave nothing behind");
 }
+
+#[test]
+fn capture_work_is_timed_only_when_routes_are_captured() {
+    let reqs = |capture: bool| -> Vec<GenerateRequest> {
+        (0..3)
+            .map(|i| GenerateRequest {
+                return_routes: capture,
+                ..GenerateRequest::new(prompt(i, 6), sampled(i as u64, 5))
+            })
+            .collect()
+    };
+    let mut off = engine("qwen3_moe_tiny", Dtype::F32, false);
+    let out = off.generate(reqs(false)).unwrap();
+    assert!(out.iter().all(|r| r.routes.is_none()));
+    assert_eq!(
+        off.capture_seconds(),
+        0.0,
+        "capture off must do no capture work"
+    );
+    let mut on = engine("qwen3_moe_tiny", Dtype::F32, false);
+    let out = on.generate(reqs(true)).unwrap();
+    assert!(out.iter().all(|r| r.routes.is_some()));
+    assert!(on.capture_seconds() > 0.0);
+}

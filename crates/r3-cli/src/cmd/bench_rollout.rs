@@ -133,6 +133,8 @@ struct Throughput {
     tok_s: f64,
     /// Process CPU milliseconds per generated token (least of the runs), where measurable.
     cpu_ms_per_tok: Option<f64>,
+    /// Share of the wall time the engine spent on route-capture work (largest of the runs).
+    capture_share: f64,
 }
 
 impl Throughput {
@@ -144,6 +146,7 @@ impl Throughput {
                 (Some(a), Some(b)) => Some(a.min(b)),
                 (a, b) => a.or(b),
             },
+            capture_share: self.capture_share.max(other.capture_share),
         }
     }
 }
@@ -151,6 +154,7 @@ impl Throughput {
 /// Generated tokens per second (and CPU time per token) of one batch.
 fn throughput(e: &mut Engine, reqs: Vec<GenerateRequest>) -> anyhow::Result<Throughput> {
     let cpu0 = process_cpu_ns();
+    let capture0 = e.capture_seconds();
     let t0 = Instant::now();
     let out = e.generate(reqs)?;
     let secs = t0.elapsed().as_secs_f64();
@@ -159,6 +163,7 @@ fn throughput(e: &mut Engine, reqs: Vec<GenerateRequest>) -> anyhow::Result<Thro
     Ok(Throughput {
         tok_s: tokens / secs,
         cpu_ms_per_tok: cpu.map(|c| c * 1e3 / tokens),
+        capture_share: (e.capture_seconds() - capture0) / secs,
     })
 }
 
@@ -242,7 +247,11 @@ pub fn run(a: BenchRolloutArgs) -> anyhow::Result<()> {
                 .iter()
                 .find(|(hb, _)| *hb == b)
                 .filter(|_| name == "mid");
-            let mut line = format!("{name:>5} batch {b:>4}: capture on {:>9.1} tok/s", on.tok_s);
+            let mut line = format!(
+                "{name:>5} batch {b:>4}: capture on {:>9.1} tok/s (capture work {:.3}% of wall time)",
+                on.tok_s,
+                on.capture_share * 100.0
+            );
             if let Some(off) = off {
                 line += &format!(
                     " | off {:>9.1} tok/s | capture cost {:+.2}%",
@@ -261,6 +270,7 @@ pub fn run(a: BenchRolloutArgs) -> anyhow::Result<()> {
                 "config": name, "batch": b,
                 "capture_on_tok_s": on.tok_s, "capture_off_tok_s": off.map(|o| o.tok_s),
                 "capture_on_cpu_ms_per_tok": on.cpu_ms_per_tok,
+                "capture_work_share": on.capture_share,
                 "capture_off_cpu_ms_per_tok": off.and_then(|o| o.cpu_ms_per_tok),
             }));
         }

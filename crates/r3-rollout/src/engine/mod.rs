@@ -70,6 +70,8 @@ pub struct Engine {
     next_id: RequestId,
     version: u64,
     eos: Vec<u32>,
+    /// Time spent on route-capture work since the engine was built (see `capture_seconds`).
+    capture_time: std::time::Duration,
 }
 
 impl Engine {
@@ -128,7 +130,16 @@ impl Engine {
             next_id: 0,
             version: 0,
             eos,
+            capture_time: std::time::Duration::ZERO,
         })
+    }
+
+    /// Seconds of wall time this engine has spent on route capture so far: the capture
+    /// buffers, copying each MoE layer's chosen ids, appending route rows to sequences and
+    /// building the returned route tables. Measured where the work happens, so the capture
+    /// cost can be read directly instead of as a difference of two noisy runs.
+    pub fn capture_seconds(&self) -> f64 {
+        self.capture_time.as_secs_f64()
     }
 
     /// The model config.

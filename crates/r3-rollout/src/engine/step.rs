@@ -173,9 +173,11 @@ impl Engine {
         )?;
         let row = self.geo.row();
         let version = self.version;
+        self.capture_time += out.capture_time;
         for (span, &i) in spans.iter().zip(&span_of) {
             let seq = &mut self.running[i];
             if let (true, Some(ids)) = (seq.capture, out.routes.as_ref()) {
+                let start = std::time::Instant::now();
                 for p in span.start_pos..span.start_pos + span.num_tokens {
                     if p == seq.route_rows(&self.geo) {
                         let t = span.first_token + (p - span.start_pos);
@@ -183,6 +185,7 @@ impl Engine {
                         seq.route_versions.push(version);
                     }
                 }
+                self.capture_time += start.elapsed();
             }
             seq.computed += span.num_tokens;
             seq.kv_version.get_or_insert(version);
@@ -239,7 +242,14 @@ impl Engine {
                     self.pool.layout().block_floats() * 4,
                 );
             }
+            // Route-table building is capture work; the rest of into_result is not, but it
+            // is small, so timing the whole call over-counts capture slightly.
+            let start = std::time::Instant::now();
+            let capturing = seq.capture;
             results.push(seq.into_result(&self.geo, self.version)?);
+            if capturing {
+                self.capture_time += start.elapsed();
+            }
         }
         Ok(results)
     }

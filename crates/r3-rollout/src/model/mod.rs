@@ -38,6 +38,8 @@ pub struct BatchOutput {
     pub logits: Vec<f32>,
     /// `[tokens, moe_layers, top_k]` logical expert ids when capture was on.
     pub routes: Option<Vec<u16>>,
+    /// Wall time spent on capture inside the forward (buffer and per-layer id copies).
+    pub capture_time: std::time::Duration,
 }
 
 /// The inference model.
@@ -171,7 +173,13 @@ impl InferenceModel {
         let max_pos = positions.iter().copied().max().unwrap_or(0);
         self.rope.ensure(max_pos + 1);
         let (cols, top_k) = self.route_shape();
-        let mut routes = (capture && cols > 0).then(|| vec![0u16; t * cols * top_k]);
+        let mut capture_time = std::time::Duration::ZERO;
+        let mut routes = (capture && cols > 0).then(|| {
+            let start = std::time::Instant::now();
+            let buffer = vec![0u16; t * cols * top_k];
+            capture_time += start.elapsed();
+            buffer
+        });
         let eps = self.cfg.rms_norm_eps as f32;
         let mut x = vec![0f32; t * hidden];
         for (row, &tok) in x.chunks_exact_mut(hidden).zip(input.tokens) {
@@ -200,6 +208,7 @@ impl InferenceModel {
                     let col = self.cfg.layer_layout().moe_column(li).unwrap_or(0);
                     let capture = routes.as_mut().map(|ids| CaptureSlot {
                         ids: ids.as_mut_slice(),
+                        spent: &mut capture_time,
                         stride: cols * top_k,
                         offset: col * top_k,
                     });
@@ -223,6 +232,10 @@ impl InferenceModel {
         let vocab = self.cfg.vocab_size;
         let mut logits = vec![0f32; n * vocab];
         self.weights.lm_head.forward(&last, n, &mut logits, true);
-        Ok(BatchOutput { logits, routes })
+        Ok(BatchOutput {
+            logits,
+            routes,
+            capture_time,
+        })
     }
 }

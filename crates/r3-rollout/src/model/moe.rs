@@ -27,6 +27,8 @@ pub fn ffn_forward(f: &Ffn, x: &[f32], m: usize, parallel: bool) -> Vec<f32> {
 pub struct CaptureSlot<'a> {
     /// Token-major capture buffer of the whole batch.
     pub ids: &'a mut [u16],
+    /// Running total of wall time spent capturing.
+    pub spent: &'a mut std::time::Duration,
     /// Elements per token row (columns × top_k).
     pub stride: usize,
     /// Offset of this layer's column in a row.
@@ -58,10 +60,12 @@ pub fn moe_forward(
     }
     let ids: Vec<u16> = ids32.iter().map(|&v| v as u16).collect();
     if let Some(c) = capture {
+        let start = std::time::Instant::now();
         for i in 0..t {
             c.ids[i * c.stride + c.offset..][..top_k]
                 .copy_from_slice(&ids[i * top_k..(i + 1) * top_k]);
         }
+        *c.spent += start.elapsed();
     }
     // Group (token, gate) by the expert that computes them.
     let n_exec = placement.map_or(w.experts.len(), |p| p.num_slots());
