@@ -124,12 +124,8 @@ impl MaskedAttention {
             .zip(out.par_chunks_mut(d.rows * d.dv))
             .enumerate()
             .for_each(|(j, (p, o))| {
-                let qj = &q[j * d.rows * d.dq..(j + 1) * d.rows * d.dq];
-                let kj = &k[j * d.t * d.dq..(j + 1) * d.t * d.dq];
+                self.job_probs(q, k, j, d, p);
                 let vj = &v[j * d.t * d.dv..(j + 1) * d.t * d.dv];
-                let (a, b) = (MatRef::row_major(qj, d.dq), MatRef::transposed(kj, d.dq));
-                matmul(d.rows, d.t, d.dq, p, a, b, 1);
-                self.softmax_rows(p, j / d.kv, d);
                 let (a, b) = (MatRef::row_major(p, d.t), MatRef::row_major(vj, d.dv));
                 matmul(d.rows, d.dv, d.t, o, a, b, 1);
             });
@@ -229,14 +225,17 @@ impl MaskedAttention {
         probs
             .par_chunks_mut(d.rows * d.t)
             .enumerate()
-            .for_each(|(j, p)| {
-                let qj = &q[j * d.rows * d.dq..(j + 1) * d.rows * d.dq];
-                let kj = &k[j * d.t * d.dq..(j + 1) * d.t * d.dq];
-                let (a, b) = (MatRef::row_major(qj, d.dq), MatRef::transposed(kj, d.dq));
-                matmul(d.rows, d.t, d.dq, p, a, b, 1);
-                self.softmax_rows(p, j / d.kv, d);
-            });
+            .for_each(|(j, p)| self.job_probs(q, k, j, d, p));
         probs
+    }
+
+    /// Job `j`'s probabilities `softmax(q kᵀ · scale + mask)` into `p` (`[G·T, T]`).
+    fn job_probs<T: Float>(&self, q: &[T], k: &[T], j: usize, d: Dims, p: &mut [T]) {
+        let qj = &q[j * d.rows * d.dq..(j + 1) * d.rows * d.dq];
+        let kj = &k[j * d.t * d.dq..(j + 1) * d.t * d.dq];
+        let (a, b) = (MatRef::row_major(qj, d.dq), MatRef::transposed(kj, d.dq));
+        matmul(d.rows, d.t, d.dq, p, a, b, 1);
+        self.softmax_rows(p, j / d.kv, d);
     }
 }
 

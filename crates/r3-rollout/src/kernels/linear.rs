@@ -142,9 +142,13 @@ impl Linear {
 
 /// Rounds every value to the nearest f16 (the output precision of an f16 matmul).
 fn round_to_f16(v: &mut [f32]) {
-    let mut h = vec![f16::ZERO; v.len()];
-    h.as_mut_slice().convert_from_f32_slice(v);
-    h.as_slice().convert_to_f32_slice(v);
+    // Through a small stack buffer: this runs on every matmul, so no heap temporary.
+    let mut h = [f16::ZERO; 256];
+    for chunk in v.chunks_mut(256) {
+        let h = &mut h[..chunk.len()];
+        h.convert_from_f32_slice(chunk);
+        h.convert_to_f32_slice(chunk);
+    }
 }
 
 /// Dot product with eight independent FMA lanes (vectorises to one ymm FMA per step).
