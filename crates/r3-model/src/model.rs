@@ -1,6 +1,8 @@
 //! The decoder-only MoE model: embeddings → decoder layers → norm → lm_head, run in f32
 //! over a right-padded batch with routing given as an argument.
 
+use std::time::{Duration, Instant};
+
 use candle_core::{Device, Tensor};
 
 use crate::config::{AttentionConfig, Config};
@@ -80,6 +82,11 @@ pub struct ForwardOutput {
     /// with `capture_hidden`: embeddings, each layer's output except the last, and the
     /// final normed states (HF `output_hidden_states`), each `[B, T, H]`
     pub hidden_states: Option<Vec<Tensor>>,
+    /// wall time of the host work `Record` / `Replay` add to a `Native` forward, timed where
+    /// it runs: checking the tables and laying them out per layer, putting their ids in
+    /// place of the routers' own, verifying and building the proof, recording the tables.
+    /// Zero for `Native`. Everything else is the same computation in every mode.
+    pub routing_overhead: Duration,
 }
 
 #[derive(Debug, Clone)]
@@ -187,6 +194,7 @@ impl Model {
                 "Record / Replay routing needs MoE layers; this model is dense".into(),
             ));
         }
+        let started = Instant::now();
         let plan = match routing {
             Routing::Replay(tables) => Some(plan_replay(
                 tables,
@@ -198,6 +206,11 @@ impl Model {
                 },
             )?),
             _ => None,
+        };
+        let mut routing_overhead = if plan.is_some() {
+            started.elapsed()
+        } else {
+            Duration::ZERO
         };
         let rows = routed_rows(lengths, t, device)?;
         let rope = self.rope.tables(t, device, self.embed.dtype())?;
@@ -239,6 +252,7 @@ impl Model {
                     let out = moe.forward(&normed, &rows, layer_plan)?;
                     used.push(out.ids);
                     differs.push(out.differs_from_native);
+                    routing_overhead += out.replay_time;
                     out.output
                 }
             };
@@ -249,6 +263,7 @@ impl Model {
             h.push(x.clone());
         }
         let logits = self.lm_head.forward(&x)?;
+        let started = Instant::now();
         let (routes, replay) = match (routing, plan) {
             (Routing::Record, _) => (
                 Some(record_tables(
@@ -273,11 +288,15 @@ impl Model {
             ),
             _ => (None, None),
         };
+        if !matches!(routing, Routing::Native) {
+            routing_overhead += started.elapsed();
+        }
         Ok(ForwardOutput {
             logits,
             routes,
             replay,
             hidden_states: hidden,
+            routing_overhead,
         })
     }
 

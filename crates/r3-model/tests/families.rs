@@ -3,6 +3,8 @@
 
 mod common;
 
+use std::time::Duration;
+
 use candle_core::{Device, IndexOp};
 use common::{sequences, tiny_model, FAMILIES};
 use r3_model::{Batch, ModelError, Routing};
@@ -56,6 +58,10 @@ fn replaying_recorded_routes_reproduces_native() {
             continue;
         }
         let rec = model.forward(&batch, Routing::Record).expect("record");
+        let native = model.forward(&batch, Routing::Native).expect("native");
+        // the overhead timer covers only the work Record / Replay add
+        assert_eq!(native.routing_overhead, Duration::ZERO, "{family}");
+        assert!(rec.routing_overhead > Duration::ZERO, "{family}");
         let tables = rec.routes.expect("routes");
         assert_eq!(tables.len(), 2);
         for (t, seq) in tables.iter().zip(&seqs) {
@@ -67,6 +73,8 @@ fn replaying_recorded_routes_reproduces_native() {
             .forward(&batch, Routing::Replay(&tables))
             .expect("replay");
         assert_eq!(max_diff(&rep.logits, &rec.logits), 0.0, "{family}");
+        assert_eq!(max_diff(&native.logits, &rec.logits), 0.0, "{family}");
+        assert!(rep.routing_overhead > Duration::ZERO, "{family}");
         let proof = rep.replay.expect("proof");
         let moe = cfg.layout.moe_layers().len();
         assert_eq!(proof.replayed_cells, vec![9; moe], "{family}");

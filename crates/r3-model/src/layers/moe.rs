@@ -3,6 +3,8 @@
 //! SwiGLU over the stacked experts → weighted `index_add` back, plus the shared expert where
 //! the architecture has one.
 
+use std::time::{Duration, Instant};
+
 use candle_core::{Tensor, D};
 
 use super::experts::RoutedExperts;
@@ -53,6 +55,8 @@ pub struct MoeOutput {
     pub ids: Vec<u32>,
     /// forced rows whose expert set differs from this layer's own top-k
     pub differs_from_native: usize,
+    /// wall time spent putting the replay plan's ids in place of the router's own
+    pub replay_time: Duration,
 }
 
 impl MoeBlock {
@@ -123,7 +127,9 @@ impl MoeBlock {
         let mut ids = self.router.select_rows(&host, self.score_bias.as_deref())?;
         let n = rows.host.len();
         let mut differs = 0;
+        let mut replay_time = Duration::ZERO;
         if let Some(plan) = plan {
+            let started = Instant::now();
             if plan.forced.len() != n || plan.ids.len() != n * k {
                 return Err(ModelError::Input(format!(
                     "replay plan covers {} rows, layer routes {n}",
@@ -140,6 +146,7 @@ impl MoeBlock {
                 differs += usize::from(a != b);
                 own.copy_from_slice(given);
             }
+            replay_time = started.elapsed();
         }
         let ids_tensor = Tensor::from_vec(ids.clone(), (n, k), x.device())?;
         let gates = self.router.weigh(&logits, &ids_tensor)?.flatten_all()?;
@@ -200,6 +207,7 @@ impl MoeBlock {
             output,
             ids,
             differs_from_native: differs,
+            replay_time,
         })
     }
 }
