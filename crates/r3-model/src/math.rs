@@ -93,12 +93,17 @@ impl Float for f64 {
 }
 
 /// `e^x` for f32 with a Cody–Waite range reduction and a degree-6 polynomial (max relative
-/// error about 2e-7, i.e. within a couple of ulp of libm), written so it vectorises; the
-/// input is clamped to [-87.3, 88.7] (the normal f32 range).
+/// error about 2e-7, i.e. within a couple of ulp of libm), written so it vectorises: no
+/// rounding or float-to-int calls, which LLVM leaves scalar; the input is clamped to
+/// [-87.3, 88.7] (the normal f32 range).
 #[inline(always)]
 pub fn fast_exp(x: f32) -> f32 {
+    // Adding 1.5 · 2^23 rounds to the nearest integer (ties to even) and leaves it in the
+    // low mantissa bits, where the exponent bits below pick it up without a conversion.
+    const SHIFT: f32 = 12_582_912.0;
     let x = x.clamp(-87.3, 88.7);
-    let n = (x * std::f32::consts::LOG2_E).round();
+    let shifted = x.mul_add(std::f32::consts::LOG2_E, SHIFT);
+    let n = shifted - SHIFT;
     // ln 2 split in a part exact in f32 and a remainder.
     let r = n.mul_add(-0.693_145_75, x);
     let r = n.mul_add(-1.428_606_8e-6, r);
@@ -109,7 +114,12 @@ pub fn fast_exp(x: f32) -> f32 {
     let p = p.mul_add(r, 1.666_666_5e-1);
     let p = p.mul_add(r, 0.5);
     let p = (p * r).mul_add(r, r) + 1.0;
-    let bits = ((n as i32 + 127).max(0) as u32) << 23;
+    // n + 127 lies in [1, 255] for the clamped input
+    let bits = shifted
+        .to_bits()
+        .wrapping_sub(SHIFT.to_bits())
+        .wrapping_add(127)
+        << 23;
     p * f32::from_bits(bits)
 }
 
@@ -168,6 +178,8 @@ mod tests {
         }
         assert!(worst < 1e-6, "relative error {worst}");
         assert_eq!(fast_exp(-200.0), fast_exp(-87.3));
+        assert_eq!(fast_exp(0.0), 1.0);
+        assert!(fast_exp(f32::NAN).is_nan());
     }
 
     #[test]

@@ -1,5 +1,10 @@
 //! Strided matrix products on host slices (f32 / f64) through the `gemm` crate: the one
-//! place the training ops call BLAS-like kernels directly.
+//! place the training ops call BLAS-like kernels directly. Products can also land in buffers
+//! that were never zero-filled (`unfilled`, `matmul_unfilled`): a product overwrites every
+//! element of its destination, and on large gradients the zero fill costs as much memory
+//! traffic as the write itself.
+
+use std::mem::MaybeUninit;
 
 use crate::math::Float;
 
@@ -55,15 +60,28 @@ pub fn matmul<T: Float>(
     b: MatRef<'_, T>,
     threads: usize,
 ) {
+    // SAFETY: `MaybeUninit<T>` has `T`'s layout, and the product stores only initialised values.
+    let dst = unsafe { &mut *(dst as *mut [T] as *mut [MaybeUninit<T>]) };
+    matmul_unfilled(m, n, k, dst, a, b, threads);
+}
+
+/// [`matmul`] into a destination that need not be initialised; returns its first `m·n`
+/// elements, now written.
+pub fn matmul_unfilled<'d, T: Float>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &'d mut [MaybeUninit<T>],
+    a: MatRef<'_, T>,
+    b: MatRef<'_, T>,
+    threads: usize,
+) -> &'d mut [T] {
     assert!(dst.len() >= m * n, "gemm: destination shorter than {m}x{n}");
     assert!(a.fits(m, k), "gemm: left operand shorter than {m}x{k}");
     assert!(b.fits(k, n), "gemm: right operand shorter than {k}x{n}");
-    if m == 0 || n == 0 {
-        return;
-    }
-    if k == 0 {
-        dst[..m * n].fill(T::ZERO);
-        return;
+    let dst = &mut dst[..m * n];
+    if m == 0 || n == 0 || k == 0 {
+        return fill_zero(dst);
     }
     let parallelism = if threads > 1 {
         gemm::Parallelism::Rayon(threads)
@@ -71,13 +89,14 @@ pub fn matmul<T: Float>(
         gemm::Parallelism::None
     };
     // SAFETY: the asserts above bound every element the strides address inside its slice,
-    // and `dst` is a distinct, mutable, row-major `[m, n]` buffer.
+    // and `dst` is a distinct, mutable, row-major `[m, n]` buffer that the product only
+    // writes (`read_dst` false), every element of it.
     unsafe {
         gemm::gemm(
             m,
             n,
             k,
-            dst.as_mut_ptr(),
+            dst.as_mut_ptr().cast::<T>(),
             1,
             n as isize,
             false,
@@ -94,5 +113,38 @@ pub fn matmul<T: Float>(
             false,
             parallelism,
         );
+        assume_init_slice(dst)
     }
+}
+
+/// Zero-fills `buf` and returns it initialised.
+pub fn fill_zero<T: Float>(buf: &mut [MaybeUninit<T>]) -> &mut [T] {
+    buf.fill(MaybeUninit::new(T::ZERO));
+    // SAFETY: every element was just written.
+    unsafe { assume_init_slice(buf) }
+}
+
+/// A buffer of `len` elements left unfilled, for kernels that write every element.
+pub fn unfilled<T>(len: usize) -> Vec<MaybeUninit<T>> {
+    let mut v = Vec::with_capacity(len);
+    // SAFETY: `MaybeUninit` elements need no initialisation.
+    unsafe { v.set_len(len) };
+    v
+}
+
+/// The written view of a slice.
+///
+/// # Safety
+/// Every element of `buf` has been written.
+pub unsafe fn assume_init_slice<T>(buf: &mut [MaybeUninit<T>]) -> &mut [T] {
+    &mut *(buf as *mut [MaybeUninit<T>] as *mut [T])
+}
+
+/// The buffer [`unfilled`] gave, once every element has been written.
+///
+/// # Safety
+/// Every element of `buf` has been written.
+pub unsafe fn assume_init_vec<T>(buf: Vec<MaybeUninit<T>>) -> Vec<T> {
+    let mut buf = std::mem::ManuallyDrop::new(buf);
+    Vec::from_raw_parts(buf.as_mut_ptr().cast::<T>(), buf.len(), buf.capacity())
 }

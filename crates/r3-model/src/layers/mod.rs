@@ -2,6 +2,7 @@
 
 pub mod attention;
 pub mod attention_op;
+pub mod dispatch;
 pub mod experts;
 pub mod gemm;
 pub mod linear;
@@ -11,3 +12,4 @@ pub mod moe;
 pub mod norm;
 pub mod rope;
 pub mod rope_op;
+mod routed_op;

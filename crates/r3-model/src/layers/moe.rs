@@ -1,12 +1,13 @@
 //! Sparse MoE block: router logits → ids (own top-k, or forced by replay) → gates
-//! (`Router::weigh`, kept in the autograd graph) → rows gathered in expert order → grouped
-//! SwiGLU over the stacked experts → weighted `index_add` back, plus the shared expert where
-//! the architecture has one.
+//! (`Router::weigh`, kept in the autograd graph) → rows grouped by expert (`Dispatch`) →
+//! the gate-weighted sum of the chosen experts' SwiGLUs (`RoutedExperts`), plus the shared
+//! expert where the architecture has one.
 
 use std::time::{Duration, Instant};
 
-use candle_core::{Tensor, D};
+use candle_core::Tensor;
 
+use super::dispatch::Dispatch;
 use super::experts::RoutedExperts;
 use super::linear::Linear;
 use super::mlp::SwiGlu;
@@ -149,52 +150,24 @@ impl MoeBlock {
             replay_time = started.elapsed();
         }
         let ids_tensor = Tensor::from_vec(ids.clone(), (n, k), x.device())?;
-        let gates = self.router.weigh(&logits, &ids_tensor)?.flatten_all()?;
+        let gates = self.router.weigh(&logits, &ids_tensor)?;
 
-        // Counting sort of (row, slot) pairs by expert: one host pass, no per-expert syncs.
-        let mut counts = vec![0usize; e];
-        for &id in &ids {
-            let slot = counts.get_mut(id as usize).ok_or_else(|| {
-                ModelError::Input(format!("expert id {id} out of range for {e} experts"))
-            })?;
-            *slot += 1;
-        }
-        let mut starts = vec![0usize; e + 1];
-        for j in 0..e {
-            starts[j + 1] = starts[j] + counts[j];
-        }
-        let mut fill = starts.clone();
-        let mut batch_rows = vec![0u32; ids.len()];
-        let mut slots = vec![0u32; ids.len()];
-        for (slot, &id) in ids.iter().enumerate() {
-            let pos = fill[id as usize];
-            fill[id as usize] += 1;
-            batch_rows[pos] = rows.host[slot / k];
-            slots[pos] = slot as u32;
-        }
-        let dispatched = dispatched_ids(&slots, &starts, n, k);
-        for r in 0..n {
-            let mut a = ids[r * k..(r + 1) * k].to_vec();
-            a.sort_unstable();
-            if a != dispatched[r] {
+        let dispatch = Dispatch::new(&ids, k, e)?;
+        for (r, dispatched) in dispatch.experts_of_rows().into_iter().enumerate() {
+            let mut chosen = ids[r * k..(r + 1) * k].to_vec();
+            chosen.sort_unstable();
+            if chosen != dispatched {
                 return Err(ModelError::Input(format!(
-                    "dispatch of row {r} used experts {:?}, routing chose {a:?}",
-                    dispatched[r]
+                    "dispatch of row {r} used experts {dispatched:?}, routing chose {chosen:?}"
                 )));
             }
         }
-
-        let device = x.device();
-        let (total_rows, hidden) = x.dims2()?;
-        let row_idx = Tensor::from_vec(batch_rows, ids.len(), device)?;
-        let expert_out = self
-            .experts
-            .forward(&x.index_select(&row_idx, 0)?, &starts)?;
-        let slot_idx = Tensor::from_vec(slots, ids.len(), device)?;
-        let weights = gates.index_select(&slot_idx, 0)?.unsqueeze(D::Minus1)?;
-        let weighted = expert_out.broadcast_mul(&weights)?;
-        let out = Tensor::zeros((total_rows, hidden), x.dtype(), device)?
-            .index_add(&row_idx, &weighted, 0)?;
+        let routed = self.experts.forward(&x_routed, &gates, &dispatch)?;
+        let out = if rows.all {
+            routed
+        } else {
+            Tensor::zeros(x.dims2()?, x.dtype(), x.device())?.index_add(&rows.tensor, &routed, 0)?
+        };
         let output = match &self.shared {
             Shared::None => out,
             Shared::Plain(mlp) => (out + mlp.forward(x)?)?,
@@ -210,18 +183,4 @@ impl MoeBlock {
             replay_time,
         })
     }
-}
-
-/// Inverts the expert-sorted slot lists: for each routed row, the sorted experts it was sent to.
-fn dispatched_ids(slots: &[u32], starts: &[usize], rows: usize, k: usize) -> Vec<Vec<u32>> {
-    let mut per_row = vec![Vec::with_capacity(k); rows];
-    for (expert, w) in starts.windows(2).enumerate() {
-        for &slot in &slots[w[0]..w[1]] {
-            per_row[slot as usize / k].push(expert as u32);
-        }
-    }
-    for r in &mut per_row {
-        r.sort_unstable();
-    }
-    per_row
 }
