@@ -12,6 +12,7 @@ use r3_model::{presets, Config};
 use r3_rollout::{Dtype, Engine, EngineConfig, GenerateRequest, SamplingParams, TensorMap};
 
 use super::cpu_time::{cpu_seconds, process_cpu_ns};
+use super::matmul_work::{f32_gemm_peak, generation_flops};
 
 /// HF transformers `generate` (PyTorch, CPU, 2 threads) on the mid-size config, tokens/s at
 /// batch 1 / 16 / 64 (measured on this machine; see the issue).
@@ -224,6 +225,11 @@ pub fn run(a: BenchRolloutArgs) -> anyhow::Result<()> {
         a.new_tokens,
         a.repeats.max(1)
     );
+    let peak = f32_gemm_peak(rayon_threads());
+    println!(
+        "f32 GEMM peak of this machine, measured now (1024³, {} threads): {peak:.1} GFLOP/s",
+        rayon_threads()
+    );
     let mut summary = Vec::new();
     for name in &a.configs {
         let s = setup(name, a.seed).with_context(|| format!("building the {name} config"))?;
@@ -266,6 +272,33 @@ pub fn run(a: BenchRolloutArgs) -> anyhow::Result<()> {
                 line += &format!(" | vs HF {hf:.0}: {:.2}x", on.tok_s / hf);
             }
             println!("{line}");
+            let work = generation_flops(&s.cfg, b, a.prompt_len, a.new_tokens);
+            if let Some(work) = work {
+                // matmul work per generated token, and what a rate in tokens/s asks of the CPU
+                let per_token = work / (b * a.new_tokens).max(1) as f64;
+                let rate = |tok_s: f64| per_token * tok_s / 1e9;
+                let mut line = format!(
+                    "{:>17} matmul work {:.1} MFLOP per generated token: this run {:.1} GFLOP/s ({:.0}% of peak)",
+                    "",
+                    per_token / 1e6,
+                    rate(on.tok_s),
+                    rate(on.tok_s) / peak * 100.0
+                );
+                // the issue's goals: 2× HF at batch 1, 3× at batch 64
+                let goal = match b {
+                    1 => Some(2.0),
+                    64 => Some(3.0),
+                    _ => None,
+                };
+                if let (Some((_, hf)), Some(goal)) = (hf, goal) {
+                    line += &format!(
+                        "; {goal}x HF needs {:.1} GFLOP/s ({:.0}% of peak)",
+                        rate(goal * hf),
+                        rate(goal * hf) / peak * 100.0
+                    );
+                }
+                println!("{line}");
+            }
             summary.push(serde_json::json!({
                 "config": name, "batch": b,
                 "capture_on_tok_s": on.tok_s, "capture_off_tok_s": off.map(|o| o.tok_s),

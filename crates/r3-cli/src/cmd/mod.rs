@@ -11,6 +11,7 @@ mod compare;
 mod cpu_time;
 mod forward;
 mod generate;
+mod matmul_work;
 mod pretrain;
 mod progress;
 mod report;
