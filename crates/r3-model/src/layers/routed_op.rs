@@ -23,9 +23,9 @@ use crate::math::Float;
 
 /// Hidden and intermediate widths of the experts.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Dims {
-    pub hidden: usize,
-    pub inter: usize,
+struct Dims {
+    hidden: usize,
+    inter: usize,
 }
 
 /// What the forward keeps for the backward: the `[rows · top_k, 2I]` gate/up activations and
