@@ -7,6 +7,7 @@
 
 pub mod difficulty;
 pub mod error;
+pub mod math_answer;
 pub mod problem;
 pub mod reward;
 pub mod supervised;
@@ -15,6 +16,7 @@ pub mod tokenizer;
 
 pub use difficulty::{Difficulty, Op, MAX_LEVEL};
 pub use error::{Result, TaskError};
+pub use math_answer::{extract_math_answer, math_equal, parse_number, AnswerSource, Rational};
 pub use problem::{Expression, Problem, Step};
 pub use reward::{extract_answer, judge, RewardConfig, Verdict};
 pub use supervised::{LossOn, SupervisedBatch, SupervisedBatches};
