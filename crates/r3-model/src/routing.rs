@@ -21,7 +21,7 @@ pub enum Routing<'a> {
     Replay(&'a ReplayRoutes),
 }
 
-/// Route tables in which every row has a route in every column: the only input
+/// Route tables in which every row has a route in every MoE layer: the only input
 /// [`Routing::Replay`] takes, so a replayed forward never meets a missing cell.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ReplayRoutes {
@@ -29,16 +29,19 @@ pub struct ReplayRoutes {
 }
 
 impl ReplayRoutes {
-    /// Checks that every row of every table has a present cell in every column.
-    pub fn new(tables: Vec<RouteTable>) -> Result<Self> {
+    /// Checks that every row of every table has a present cell in every column of a MoE
+    /// layer of `layout` (an all-layer table leaves its dense layers' columns empty).
+    pub fn new(tables: Vec<RouteTable>, layout: &LayerLayout) -> Result<Self> {
         for (b, table) in tables.iter().enumerate() {
-            if table.num_present() == table.num_tokens() * table.num_columns() {
+            let moe_columns: Vec<usize> = (0..table.num_columns())
+                .filter(|&c| layout.is_moe(table.layers()[c]))
+                .collect();
+            let missing = (0..table.num_tokens())
+                .flat_map(|t| moe_columns.iter().map(move |&c| (t, c)))
+                .find(|&(t, c)| !table.is_present(t, c));
+            let Some((t, c)) = missing else {
                 continue;
-            }
-            let (t, c) = (0..table.num_tokens())
-                .flat_map(|t| (0..table.num_columns()).map(move |c| (t, c)))
-                .find(|&(t, c)| !table.is_present(t, c))
-                .unwrap_or((0, 0));
+            };
             return Err(mismatch(
                 b,
                 format!(

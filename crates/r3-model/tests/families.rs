@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use candle_core::{Device, IndexOp};
 use common::{sequences, tiny_model, FAMILIES};
-use r3_model::{Batch, ModelError, ReplayRoutes, Routing};
+use r3_model::{Batch, Config, ModelError, ReplayRoutes, Routing};
 use r3_routing::{LayerSpace, RouteTable};
 
 fn max_diff(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f32 {
@@ -70,7 +70,7 @@ fn replaying_recorded_routes_reproduces_native() {
             assert_eq!(t.space(), LayerSpace::MoeOnly);
         }
         let rep = model
-            .forward(&batch, Routing::Replay(&covered(&tables)))
+            .forward(&batch, Routing::Replay(&covered(&tables, &cfg)))
             .expect("replay");
         assert_eq!(max_diff(&rep.logits, &rec.logits), 0.0, "{family}");
         assert_eq!(max_diff(&native.logits, &rec.logits), 0.0, "{family}");
@@ -87,7 +87,7 @@ fn replaying_recorded_routes_reproduces_native() {
             .map(|t| t.slice_rows(0, t.num_tokens() - 1).expect("slice"))
             .collect();
         let rep = model
-            .forward(&batch, Routing::Replay(&covered(&short)))
+            .forward(&batch, Routing::Replay(&covered(&short, &cfg)))
             .expect("replay short");
         assert_eq!(max_diff(&rep.logits, &rec.logits), 0.0, "{family}");
         let proof = rep.replay.expect("proof");
@@ -101,7 +101,7 @@ fn replaying_recorded_routes_reproduces_native() {
             .map(|t| t.to_all_layers(&cfg.layout).expect("to all layers"))
             .collect();
         let rep = model
-            .forward(&batch, Routing::Replay(&covered(&all)))
+            .forward(&batch, Routing::Replay(&covered(&all, &cfg)))
             .expect("replay all-layer");
         assert_eq!(max_diff(&rep.logits, &rec.logits), 0.0, "{family}");
     }
@@ -113,7 +113,7 @@ fn replay_error(family: &str, make: impl Fn(&RouteTable) -> Vec<RouteTable>) -> 
     let batch = Batch::new(&seqs, 0, &Device::Cpu).expect("batch");
     let rec = model.forward(&batch, Routing::Record).expect("record");
     let tables = make(&rec.routes.expect("routes")[0]);
-    match model.forward(&batch, Routing::Replay(&covered(&tables))) {
+    match model.forward(&batch, Routing::Replay(&covered(&tables, &cfg))) {
         Ok(_) => panic!("replay of a bad table succeeded"),
         Err(e) => e,
     }
@@ -200,6 +200,6 @@ fn bad_tokens_are_named() {
 }
 
 /// The tables as replay input (recorded tables have a route in every cell).
-fn covered(tables: &[RouteTable]) -> ReplayRoutes {
-    ReplayRoutes::new(tables.to_vec()).expect("every cell routed")
+fn covered(tables: &[RouteTable], cfg: &Config) -> ReplayRoutes {
+    ReplayRoutes::new(tables.to_vec(), &cfg.layout).expect("every MoE cell routed")
 }

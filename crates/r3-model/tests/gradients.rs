@@ -93,7 +93,8 @@ fn every_parameter_receives_a_gradient() {
             Batch::new(&sequences(&lengths, cfg.vocab_size, 3), 0, &Device::Cpu).expect("batch");
         let tables;
         let routing = if cfg.moe.is_some() {
-            tables = ReplayRoutes::new(covering_tables(&cfg, &lengths)).expect("covered");
+            tables =
+                ReplayRoutes::new(covering_tables(&cfg, &lengths), &cfg.layout).expect("covered");
             Routing::Replay(&tables)
         } else {
             Routing::Native
@@ -180,7 +181,7 @@ fn finite_difference_check(family: &str, replay: bool) {
             .expect("shifted")
         })
         .collect();
-    let shifted = ReplayRoutes::new(shifted).expect("covered");
+    let shifted = ReplayRoutes::new(shifted, &cfg.layout).expect("covered");
     let routing = if replay {
         Routing::Replay(&shifted)
     } else {

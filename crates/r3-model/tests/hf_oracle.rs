@@ -150,7 +150,8 @@ fn check_replay(name: &str) {
     let want = matrix(&reference["routing_replay"]["logits"]);
     let n = ids.len();
 
-    let full = ReplayRoutes::new(vec![forced_table(&cfg, &reference, n)]).expect("covered");
+    let full =
+        ReplayRoutes::new(vec![forced_table(&cfg, &reference, n)], &cfg.layout).expect("covered");
     let out = run(&model, &ids, Routing::Replay(&full));
     let diff = max_abs_diff(&out.logits.squeeze(0).expect("squeeze"), &want, n);
     assert!(diff < TOL, "{name}: replayed max |Δlogit| = {diff}");
@@ -164,7 +165,8 @@ fn check_replay(name: &str) {
     );
 
     // Rollout convention: tokens − 1 rows; the final position is routed natively and said so.
-    let short = ReplayRoutes::new(vec![forced_table(&cfg, &reference, n - 1)]).expect("covered");
+    let short = ReplayRoutes::new(vec![forced_table(&cfg, &reference, n - 1)], &cfg.layout)
+        .expect("covered");
     let out = run(&model, &ids, Routing::Replay(&short));
     let diff = max_abs_diff(&out.logits.squeeze(0).expect("squeeze"), &want, n - 1);
     assert!(

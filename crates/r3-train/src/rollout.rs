@@ -4,7 +4,7 @@
 
 use r3_model::ReplayRoutes;
 use r3_rollout::{Engine, FinishReason, GenerateRequest, SamplingParams};
-use r3_routing::RouteTable;
+use r3_routing::{LayerLayout, RouteTable};
 use r3_tasks::{judge, CharTokenizer, Problem, RewardConfig, Verdict, EOS_ID};
 
 use crate::error::{Result, TrainError};
@@ -142,7 +142,7 @@ pub fn response_batch(trajectories: &[Trajectory]) -> Result<ResponseBatch> {
 /// The rollout route tables of the trajectories, in the `len − 1`-row form replay accepts:
 /// where routes enter the trainer, so the one place their row range and coverage (a route
 /// in every cell, proven by [`ReplayRoutes`]) are checked.
-pub fn rollout_routes(trajectories: &[Trajectory]) -> Result<ReplayRoutes> {
+pub fn rollout_routes(trajectories: &[Trajectory], layout: &LayerLayout) -> Result<ReplayRoutes> {
     let tables = trajectories
         .iter()
         .enumerate()
@@ -163,7 +163,7 @@ pub fn rollout_routes(trajectories: &[Trajectory]) -> Result<ReplayRoutes> {
             Ok(table)
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok(ReplayRoutes::new(tables)?)
+    Ok(ReplayRoutes::new(tables, layout)?)
 }
 
 /// Result of a held-out evaluation.

@@ -144,7 +144,7 @@ impl Trainer {
         let rollout_lp: Vec<Vec<f32>> = trajs.iter().map(|t| t.rollout_logp.clone()).collect();
         let rollout_logp = batch.align(&rollout_lp, &Device::Cpu)?;
         let routes = match trajs.iter().all(|t| t.routes.is_some()) {
-            true => Some(rollout_routes(&trajs)?),
+            true => Some(rollout_routes(&trajs, &self.policy.config().layout)?),
             false if cfg.algo.router_replay == RouterReplay::R3 => {
                 let missing = trajs.iter().position(|t| t.routes.is_none()).unwrap_or(0);
                 return Err(TrainError::MissingRolloutRoutes {
@@ -260,7 +260,11 @@ impl Trainer {
         }
         let replayed = match mode {
             RouterReplay::R3 => data.routes.clone(),
-            RouterReplay::R2 => view.recorded.clone().map(ReplayRoutes::new).transpose()?,
+            RouterReplay::R2 => {
+                let layout = &self.policy.config().layout;
+                let recorded = view.recorded.clone();
+                recorded.map(|t| ReplayRoutes::new(t, layout)).transpose()?
+            }
             RouterReplay::Disabled => None,
         };
         let old_logp_s = t_old.elapsed().as_secs_f64();

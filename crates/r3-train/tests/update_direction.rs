@@ -44,7 +44,8 @@ fn check(kind: PolicyLossKind, replay: bool) {
             .routes
             .expect("routes")
     };
-    let recorded = ReplayRoutes::new(recorded).expect("recorded routes cover every cell");
+    let recorded = ReplayRoutes::new(recorded, &policy.config().layout)
+        .expect("recorded routes cover every cell");
     let mut opt = AdamW::new(
         policy.vars().to_vec(),
         AdamWParams::default(),

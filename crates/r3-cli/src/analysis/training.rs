@@ -106,7 +106,7 @@ pub fn training_pass(
                         })
                     })
                     .collect::<Result<_, _>>()?;
-                tables = ReplayRoutes::new(rollout)
+                tables = ReplayRoutes::new(rollout, &model.config().layout)
                     .map_err(AnalysisError::model(format!("{label}: rollout routes")))?;
                 Routing::Replay(&tables)
             }

@@ -160,6 +160,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
             .forward(&batch, Routing::Record)?
             .routes
             .context("record forward returned no routes")?,
+        &model.config().layout,
     )?;
 
     let tokens = args.batch * args.seq_len;

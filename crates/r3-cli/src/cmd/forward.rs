@@ -59,7 +59,7 @@ pub fn run(args: ForwardArgs) -> anyhow::Result<()> {
     let replayed = args.replay.as_ref().map(read_routes).transpose()?;
     let replay_input = replayed
         .as_ref()
-        .map(|t| ReplayRoutes::new(vec![t.clone()]))
+        .map(|t| ReplayRoutes::new(vec![t.clone()], &cfg.layout))
         .transpose()?;
     let dense = cfg.moe.is_none();
     let routing = match (&replay_input, dense) {
