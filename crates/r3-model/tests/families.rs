@@ -113,7 +113,12 @@ fn replay_error(family: &str, make: impl Fn(&RouteTable) -> Vec<RouteTable>) -> 
     let batch = Batch::new(&seqs, 0, &Device::Cpu).expect("batch");
     let rec = model.forward(&batch, Routing::Record).expect("record");
     let tables = make(&rec.routes.expect("routes")[0]);
-    match model.forward(&batch, Routing::Replay(&covered(&tables, &cfg))) {
+    // A table with a missing cell is refused when the replay input is built.
+    let routes = match ReplayRoutes::new(tables, &cfg.layout) {
+        Ok(routes) => routes,
+        Err(e) => return e,
+    };
+    match model.forward(&batch, Routing::Replay(&routes)) {
         Ok(_) => panic!("replay of a bad table succeeded"),
         Err(e) => e,
     }
@@ -185,6 +190,7 @@ fn replay_rejects_tables_that_do_not_fit() {
         .expect("flat")]
     });
     assert!(e.to_string().contains("sequence 0"), "{e}");
+    assert!(e.to_string().contains("row 2"), "{e}");
 }
 
 #[test]
