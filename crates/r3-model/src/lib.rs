@@ -24,6 +24,6 @@ pub use config::{
 pub use error::{ModelError, Result};
 pub use model::{Batch, ForwardOutput, Model};
 pub use router::Router;
-pub use routing::{ReplayProof, Routing};
+pub use routing::{ReplayProof, ReplayRoutes, Routing};
 pub use spec::{tensor_specs, tensor_specs_in, ExpertLayout, TensorRole, TensorSpec};
 pub use weights::{RandomInit, Weights};

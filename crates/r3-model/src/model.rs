@@ -13,8 +13,10 @@ use crate::layers::mla::MlaAttention;
 use crate::layers::mlp::SwiGlu;
 use crate::layers::moe::{MoeBlock, RoutedRows};
 use crate::layers::norm::RmsNorm;
-use crate::layers::rope::Rope;
-use crate::routing::{plan_replay, record_tables, verify_replay, ModelShape, ReplayProof, Routing};
+use crate::layers::rope::{Rope, RopeTables};
+use crate::routing::{
+    plan_replay, record_tables, verify_replay, ModelShape, ReplayPlan, ReplayProof, Routing,
+};
 use crate::spec::{layer_prefix, SWIGLU_HF};
 use crate::weights::Weights;
 use r3_routing::RouteTable;
@@ -195,30 +197,24 @@ impl Model {
             ));
         }
         let started = Instant::now();
-        let plan = match routing {
-            Routing::Replay(tables) => Some(plan_replay(
-                tables,
-                lengths,
-                &ModelShape {
-                    layout: &cfg.layout,
-                    num_experts: cfg.num_experts(),
-                    top_k: cfg.top_k(),
-                },
-            )?),
-            _ => None,
-        };
+        let plan = self.plan(routing, lengths)?;
         let mut routing_overhead = if plan.is_some() {
             started.elapsed()
         } else {
             Duration::ZERO
         };
-        let rows = routed_rows(lengths, t, device)?;
-        let rope = self.rope.tables(t, device, self.embed.dtype())?;
         let window = match cfg.attention {
             AttentionConfig::Gqa { sliding_window, .. } => sliding_window,
             AttentionConfig::Mla { .. } => None,
         };
-        let mask = AttentionMask::new(lengths, t, window, device)?.to_dtype(self.embed.dtype())?;
+        let ctx = LayerContext {
+            rope: self.rope.tables(t, device, self.embed.dtype())?,
+            mask: AttentionMask::new(lengths, t, window, device)?.to_dtype(self.embed.dtype())?,
+            rows: routed_rows(lengths, t, device)?,
+            plan: plan.as_ref(),
+            batch: b,
+            time: t,
+        };
 
         let ids = batch.input_ids.to_device(device)?.flatten_all()?;
         let mut x = self
@@ -226,48 +222,99 @@ impl Model {
             .index_select(&ids, 0)?
             .reshape((b, t, cfg.hidden_size))?;
         let mut hidden = capture_hidden.then(Vec::new);
-        let mut used = Vec::with_capacity(cfg.layout.moe_layers().len());
-        let mut differs = Vec::with_capacity(cfg.layout.moe_layers().len());
+        let mut moe = MoeRecord::default();
         for (i, layer) in self.layers.iter().enumerate() {
             if let Some(h) = hidden.as_mut() {
                 h.push(x.clone());
             }
-            let normed = layer.input_norm.forward(&x)?;
-            let attn = match &layer.attention {
-                Attention::Gqa(a) => a.forward(&normed, &rope, &mask)?,
-                Attention::Mla(a) => a.forward(&normed, &rope, &mask)?,
-            };
-            let h = (x + attn)?;
-            let normed = layer
-                .post_norm
-                .forward(&h)?
-                .reshape((b * t, cfg.hidden_size))?;
-            let ffn = match &layer.ffn {
-                FeedForward::Dense(mlp) => mlp.forward(&normed)?,
-                FeedForward::Moe(moe) => {
-                    let column = cfg.layout.moe_column(i).ok_or_else(|| {
-                        ModelError::InvalidConfig(format!("layer {i} has no MoE column"))
-                    })?;
-                    let layer_plan = plan.as_ref().and_then(|p| p.layers.get(column));
-                    let out = moe.forward(&normed, &rows, layer_plan)?;
-                    used.push(out.ids);
-                    differs.push(out.differs_from_native);
-                    routing_overhead += out.replay_time;
-                    out.output
-                }
-            };
-            x = (h + ffn.reshape((b, t, cfg.hidden_size))?)?;
+            x = self.layer_forward(i, layer, x, &ctx, &mut moe)?;
         }
+        routing_overhead += moe.replay_time;
         let x = self.norm.forward(&x)?;
         if let Some(h) = hidden.as_mut() {
             h.push(x.clone());
         }
         let logits = self.lm_head.forward(&x)?;
         let started = Instant::now();
-        let (routes, replay) = match (routing, plan) {
+        let (routes, replay) = self.routing_result(routing, plan, &moe, lengths)?;
+        if !matches!(routing, Routing::Native) {
+            routing_overhead += started.elapsed();
+        }
+        Ok(ForwardOutput {
+            logits,
+            routes,
+            replay,
+            hidden_states: hidden,
+            routing_overhead,
+        })
+    }
+
+    /// The replay plan of a `Replay` forward (tables checked against the model and batch).
+    fn plan(&self, routing: Routing<'_>, lengths: &[usize]) -> Result<Option<ReplayPlan>> {
+        let Routing::Replay(routes) = routing else {
+            return Ok(None);
+        };
+        let shape = ModelShape {
+            layout: &self.cfg.layout,
+            num_experts: self.cfg.num_experts(),
+            top_k: self.cfg.top_k(),
+        };
+        Ok(Some(plan_replay(routes, lengths, &shape)?))
+    }
+
+    /// Decoder layer `i` on `x` `[B, T, H]`: attention, then the dense or MoE feed-forward
+    /// (whose dispatched ids go to `moe`), each with its residual.
+    fn layer_forward(
+        &self,
+        i: usize,
+        layer: &DecoderLayer,
+        x: Tensor,
+        ctx: &LayerContext<'_>,
+        moe: &mut MoeRecord,
+    ) -> Result<Tensor> {
+        let cfg = &self.cfg;
+        let (b, t) = (ctx.batch, ctx.time);
+        let normed = layer.input_norm.forward(&x)?;
+        let attn = match &layer.attention {
+            Attention::Gqa(a) => a.forward(&normed, &ctx.rope, &ctx.mask)?,
+            Attention::Mla(a) => a.forward(&normed, &ctx.rope, &ctx.mask)?,
+        };
+        let h = (x + attn)?;
+        let normed = layer
+            .post_norm
+            .forward(&h)?
+            .reshape((b * t, cfg.hidden_size))?;
+        let ffn = match &layer.ffn {
+            FeedForward::Dense(mlp) => mlp.forward(&normed)?,
+            FeedForward::Moe(block) => {
+                let column = cfg.layout.moe_column(i).ok_or_else(|| {
+                    ModelError::InvalidConfig(format!("layer {i} has no MoE column"))
+                })?;
+                let layer_plan = ctx.plan.and_then(|p| p.layers.get(column));
+                let out = block.forward(&normed, &ctx.rows, layer_plan)?;
+                moe.used.push(out.ids);
+                moe.differs.push(out.differs_from_native);
+                moe.replay_time += out.replay_time;
+                out.output
+            }
+        };
+        Ok((h + ffn.reshape((b, t, cfg.hidden_size))?)?)
+    }
+
+    /// What the routing mode returns: `Record` the chosen routes as tables, `Replay` the
+    /// proof that the plan's experts were used.
+    fn routing_result(
+        &self,
+        routing: Routing<'_>,
+        plan: Option<ReplayPlan>,
+        moe: &MoeRecord,
+        lengths: &[usize],
+    ) -> Result<(Option<Vec<RouteTable>>, Option<ReplayProof>)> {
+        let cfg = &self.cfg;
+        Ok(match (routing, plan) {
             (Routing::Record, _) => (
                 Some(record_tables(
-                    &used,
+                    &moe.used,
                     lengths,
                     &cfg.layout,
                     cfg.num_experts(),
@@ -279,24 +326,14 @@ impl Model {
                 None,
                 Some(verify_replay(
                     &plan,
-                    &used,
-                    &differs,
+                    &moe.used,
+                    &moe.differs,
                     lengths,
                     &cfg.layout,
                     cfg.top_k(),
                 )?),
             ),
             _ => (None, None),
-        };
-        if !matches!(routing, Routing::Native) {
-            routing_overhead += started.elapsed();
-        }
-        Ok(ForwardOutput {
-            logits,
-            routes,
-            replay,
-            hidden_states: hidden,
-            routing_overhead,
         })
     }
 
@@ -315,6 +352,27 @@ impl Model {
         }
         Ok(())
     }
+}
+
+/// What every decoder layer of one forward shares.
+struct LayerContext<'a> {
+    rope: RopeTables,
+    mask: AttentionMask,
+    rows: RoutedRows,
+    plan: Option<&'a ReplayPlan>,
+    batch: usize,
+    time: usize,
+}
+
+/// What the MoE layers of one forward did, in layer order.
+#[derive(Default)]
+struct MoeRecord {
+    /// per MoE layer: `[rows · top_k]` dispatched ids
+    used: Vec<Vec<u32>>,
+    /// per MoE layer: forced rows whose experts differ from the layer's own top-k
+    differs: Vec<usize>,
+    /// time spent forcing the plan's ids
+    replay_time: Duration,
 }
 
 /// Flattened `[B·T]` indices of the real tokens, sequence-major.

@@ -1,6 +1,7 @@
-//! Routing modes of the forward pass (DESIGN rule 3) and replay verification (rule 5):
-//! turning per-sequence route tables into per-layer forced ids, building recorded
-//! tables, and the proof that a replayed forward used exactly the given experts.
+//! Routing modes of the forward pass and replay verification: the covered route tables a
+//! replay takes ([`ReplayRoutes`], where the coverage invariant is checked once), turning
+//! them into per-layer forced ids, building recorded tables, and the proof that a replayed
+//! forward used exactly the given experts.
 
 use r3_routing::{LayerLayout, LayerSpace, RouteTable};
 
@@ -17,7 +18,66 @@ pub enum Routing<'a> {
     /// 0, covering all `len` tokens or the first `len − 1`); gates are still computed from
     /// this forward's router logits. A table with `len − 1` rows leaves the final position
     /// (whose output predicts nothing) to native routing; the proof reports it.
-    Replay(&'a [RouteTable]),
+    Replay(&'a ReplayRoutes),
+}
+
+/// Route tables in which every row has a route in every MoE layer: the only input
+/// [`Routing::Replay`] takes, so a replayed forward never meets a missing cell.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReplayRoutes {
+    tables: Vec<RouteTable>,
+}
+
+impl ReplayRoutes {
+    /// Checks that every row of every table has a present cell in every column of a MoE
+    /// layer of `layout` (an all-layer table leaves its dense layers' columns empty).
+    pub fn new(tables: Vec<RouteTable>, layout: &LayerLayout) -> Result<Self> {
+        for (b, table) in tables.iter().enumerate() {
+            let moe_columns: Vec<usize> = (0..table.num_columns())
+                .filter(|&c| layout.is_moe(table.layers()[c]))
+                .collect();
+            let missing = (0..table.num_tokens())
+                .flat_map(|t| moe_columns.iter().map(move |&c| (t, c)))
+                .find(|&(t, c)| !table.is_present(t, c));
+            let Some((t, c)) = missing else {
+                continue;
+            };
+            return Err(mismatch(
+                b,
+                format!(
+                    "row {t} has no route for layer {} (replay needs every cell)",
+                    table.layers()[c]
+                ),
+            ));
+        }
+        Ok(ReplayRoutes { tables })
+    }
+
+    /// The tables, one per sequence.
+    pub fn tables(&self) -> &[RouteTable] {
+        &self.tables
+    }
+
+    /// The tables of sequences `rows`, in that order (still covered: no check needed).
+    pub fn select(&self, rows: &[usize]) -> Result<ReplayRoutes> {
+        let tables = rows
+            .iter()
+            .map(|&r| {
+                self.tables.get(r).cloned().ok_or_else(|| {
+                    ModelError::Input(format!(
+                        "replay row {r} of {} route tables",
+                        self.tables.len()
+                    ))
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(ReplayRoutes { tables })
+    }
+
+    /// The tables, one per sequence.
+    pub fn into_tables(self) -> Vec<RouteTable> {
+        self.tables
+    }
 }
 
 /// Evidence that a replayed forward used the given experts.
@@ -77,10 +137,11 @@ fn mismatch(sequence: usize, msg: impl Into<String>) -> ModelError {
 /// Checks each table against the model and the sequence lengths and lays its ids out per
 /// layer over the batch's real rows (row order: sequence-major, `offsets[b] + t`).
 pub(crate) fn plan_replay(
-    tables: &[RouteTable],
+    routes: &ReplayRoutes,
     lengths: &[usize],
     shape: &ModelShape<'_>,
 ) -> Result<ReplayPlan> {
+    let tables = routes.tables();
     if tables.len() != lengths.len() {
         return Err(ModelError::Input(format!(
             "replay got {} route tables for a batch of {} sequences",
@@ -149,10 +210,9 @@ pub(crate) fn plan_replay(
             ));
         }
         native_final_position.push(rows + 1 == len);
+        // Every cell is present (`ReplayRoutes`), so a column reads whole.
         for (c, plan) in layers.iter_mut().enumerate() {
-            let ids = table
-                .column_ids(c)
-                .map_err(|e| mismatch(b, format!("layer {}: {e}", moe_layers[c])))?;
+            let ids = table.column_ids(c)?;
             plan.ids[offset * k..(offset + rows) * k].copy_from_slice(&ids);
             plan.forced[offset..offset + rows].fill(true);
         }
@@ -185,13 +245,15 @@ pub(crate) fn verify_replay(
         })?;
         let mut offset = 0;
         for (b, (table, &len)) in plan.tables.iter().zip(lengths).enumerate() {
-            for t in 0..len {
+            // The table covers its rows (`ReplayRoutes`); rows past it route natively.
+            let rows = table.num_tokens().min(len);
+            native_cells[c] += len - rows;
+            for t in 0..rows {
                 let row = offset + t;
-                let Some(given) = table.experts(t, c) else {
-                    native_cells[c] += 1;
-                    continue;
-                };
-                let mut given: Vec<u32> = given.iter().map(|&x| u32::from(x)).collect();
+                let mut given: Vec<u32> = (0..top_k)
+                    .filter_map(|k| table.expert_at(t, c, k))
+                    .map(u32::from)
+                    .collect();
                 let mut got = used[row * top_k..(row + 1) * top_k].to_vec();
                 given.sort_unstable();
                 got.sort_unstable();

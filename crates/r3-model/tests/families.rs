@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use candle_core::{Device, IndexOp};
 use common::{sequences, tiny_model, FAMILIES};
-use r3_model::{Batch, ModelError, Routing};
+use r3_model::{Batch, Config, ModelError, ReplayRoutes, Routing};
 use r3_routing::{LayerSpace, RouteTable};
 
 fn max_diff(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f32 {
@@ -70,7 +70,7 @@ fn replaying_recorded_routes_reproduces_native() {
             assert_eq!(t.space(), LayerSpace::MoeOnly);
         }
         let rep = model
-            .forward(&batch, Routing::Replay(&tables))
+            .forward(&batch, Routing::Replay(&covered(&tables, &cfg)))
             .expect("replay");
         assert_eq!(max_diff(&rep.logits, &rec.logits), 0.0, "{family}");
         assert_eq!(max_diff(&native.logits, &rec.logits), 0.0, "{family}");
@@ -87,7 +87,7 @@ fn replaying_recorded_routes_reproduces_native() {
             .map(|t| t.slice_rows(0, t.num_tokens() - 1).expect("slice"))
             .collect();
         let rep = model
-            .forward(&batch, Routing::Replay(&short))
+            .forward(&batch, Routing::Replay(&covered(&short, &cfg)))
             .expect("replay short");
         assert_eq!(max_diff(&rep.logits, &rec.logits), 0.0, "{family}");
         let proof = rep.replay.expect("proof");
@@ -101,7 +101,7 @@ fn replaying_recorded_routes_reproduces_native() {
             .map(|t| t.to_all_layers(&cfg.layout).expect("to all layers"))
             .collect();
         let rep = model
-            .forward(&batch, Routing::Replay(&all))
+            .forward(&batch, Routing::Replay(&covered(&all, &cfg)))
             .expect("replay all-layer");
         assert_eq!(max_diff(&rep.logits, &rec.logits), 0.0, "{family}");
     }
@@ -113,7 +113,12 @@ fn replay_error(family: &str, make: impl Fn(&RouteTable) -> Vec<RouteTable>) -> 
     let batch = Batch::new(&seqs, 0, &Device::Cpu).expect("batch");
     let rec = model.forward(&batch, Routing::Record).expect("record");
     let tables = make(&rec.routes.expect("routes")[0]);
-    match model.forward(&batch, Routing::Replay(&tables)) {
+    // A table with a missing cell is refused when the replay input is built.
+    let routes = match ReplayRoutes::new(tables, &cfg.layout) {
+        Ok(routes) => routes,
+        Err(e) => return e,
+    };
+    match model.forward(&batch, Routing::Replay(&routes)) {
         Ok(_) => panic!("replay of a bad table succeeded"),
         Err(e) => e,
     }
@@ -185,6 +190,7 @@ fn replay_rejects_tables_that_do_not_fit() {
         .expect("flat")]
     });
     assert!(e.to_string().contains("sequence 0"), "{e}");
+    assert!(e.to_string().contains("row 2"), "{e}");
 }
 
 #[test]
@@ -197,4 +203,9 @@ fn bad_tokens_are_named() {
         .expect_err("out-of-vocab token");
     assert!(err.to_string().contains("position 2"), "{err}");
     assert!(Batch::new(&[vec![]], 0, &Device::Cpu).is_err());
+}
+
+/// The tables as replay input (recorded tables have a route in every cell).
+fn covered(tables: &[RouteTable], cfg: &Config) -> ReplayRoutes {
+    ReplayRoutes::new(tables.to_vec(), &cfg.layout).expect("every MoE cell routed")
 }

@@ -7,7 +7,7 @@ mod common;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarMap;
 use common::{sequences, tiny_config, tiny_weights};
-use r3_model::{Batch, Config, Model, Routing};
+use r3_model::{Batch, Config, Model, ReplayRoutes, Routing};
 use r3_routing::{LayerSpace, RouteTable};
 
 /// A fixed random projection of the logits (zero on padding) so the loss touches every output.
@@ -93,7 +93,8 @@ fn every_parameter_receives_a_gradient() {
             Batch::new(&sequences(&lengths, cfg.vocab_size, 3), 0, &Device::Cpu).expect("batch");
         let tables;
         let routing = if cfg.moe.is_some() {
-            tables = covering_tables(&cfg, &lengths);
+            tables =
+                ReplayRoutes::new(covering_tables(&cfg, &lengths), &cfg.layout).expect("covered");
             Routing::Replay(&tables)
         } else {
             Routing::Native
@@ -180,6 +181,7 @@ fn finite_difference_check(family: &str, replay: bool) {
             .expect("shifted")
         })
         .collect();
+    let shifted = ReplayRoutes::new(shifted, &cfg.layout).expect("covered");
     let routing = if replay {
         Routing::Replay(&shifted)
     } else {

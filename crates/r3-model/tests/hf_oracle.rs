@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use candle_core::{Device, Tensor};
-use r3_model::{Batch, Config, ForwardOutput, Model, Routing, Weights};
+use r3_model::{Batch, Config, ForwardOutput, Model, ReplayRoutes, Routing, Weights};
 use r3_routing::{LayerSpace, RouteTable};
 use serde_json::Value;
 
@@ -150,7 +150,8 @@ fn check_replay(name: &str) {
     let want = matrix(&reference["routing_replay"]["logits"]);
     let n = ids.len();
 
-    let full = [forced_table(&cfg, &reference, n)];
+    let full =
+        ReplayRoutes::new(vec![forced_table(&cfg, &reference, n)], &cfg.layout).expect("covered");
     let out = run(&model, &ids, Routing::Replay(&full));
     let diff = max_abs_diff(&out.logits.squeeze(0).expect("squeeze"), &want, n);
     assert!(diff < TOL, "{name}: replayed max |Δlogit| = {diff}");
@@ -164,7 +165,8 @@ fn check_replay(name: &str) {
     );
 
     // Rollout convention: tokens − 1 rows; the final position is routed natively and said so.
-    let short = [forced_table(&cfg, &reference, n - 1)];
+    let short = ReplayRoutes::new(vec![forced_table(&cfg, &reference, n - 1)], &cfg.layout)
+        .expect("covered");
     let out = run(&model, &ids, Routing::Replay(&short));
     let diff = max_abs_diff(&out.logits.squeeze(0).expect("squeeze"), &want, n - 1);
     assert!(

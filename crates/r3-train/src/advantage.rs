@@ -38,19 +38,23 @@ pub struct AdvantageMetrics {
 
 fn check_groups(rewards: &[f32], group_size: usize) -> Result<usize> {
     if group_size == 0 {
-        return Err(TrainError::Invalid("group_size must be at least 1".into()));
+        return Err(TrainError::OutOfRange {
+            name: "group_size",
+            value: 0.0,
+            expected: ">= 1",
+        });
     }
     if !rewards.chunks_exact(group_size).remainder().is_empty() {
-        return Err(TrainError::Shape(format!(
-            "{} rewards do not split into groups of {group_size}",
-            rewards.len()
-        )));
+        return Err(TrainError::RaggedGroups {
+            rewards: rewards.len(),
+            group_size,
+        });
     }
     if let Some(i) = rewards.iter().position(|r| !r.is_finite()) {
-        return Err(TrainError::Invalid(format!(
-            "reward {i} is not finite ({})",
-            rewards[i]
-        )));
+        return Err(TrainError::NonFiniteReward {
+            index: i,
+            value: rewards[i],
+        });
     }
     Ok(rewards.len() / group_size)
 }
@@ -127,11 +131,9 @@ impl GroupFilter {
         self.kept_rows()
             .into_iter()
             .map(|i| {
-                per_sample.get(i).cloned().ok_or_else(|| {
-                    TrainError::Shape(format!(
-                        "per-sample slice has {} entries, row {i} asked for",
-                        per_sample.len()
-                    ))
+                per_sample.get(i).cloned().ok_or(TrainError::RowOutOfRange {
+                    row: i,
+                    len: per_sample.len(),
                 })
             })
             .collect()

@@ -22,11 +22,11 @@ pub enum LossAgg {
 /// Reduces `loss` `[B, T]` under `mask` `[B, T]` (1.0 = response token) to a scalar.
 pub fn aggregate(loss: &Tensor, mask: &Tensor, mode: LossAgg) -> Result<Tensor> {
     if loss.dims() != mask.dims() || loss.rank() != 2 {
-        return Err(TrainError::Shape(format!(
-            "aggregate: loss {:?} vs mask {:?} (both [B, T])",
+        return Err(TrainError::shape(
+            "aggregated loss",
             loss.dims(),
-            mask.dims()
-        )));
+            format!("[B, T] like the mask {:?}", mask.dims()),
+        ));
     }
     match mode {
         LossAgg::TokenMean => masked_mean(loss, mask),

@@ -12,9 +12,9 @@ use candle_core::{Device, Tensor};
 use r3_tasks::CharTokenizer;
 use serde::{Deserialize, Serialize};
 
+use crate::error::{Result, TrainError};
 use crate::optim::AdamW;
 use crate::policy::TrainablePolicy;
-use crate::rl_error::{RlError, RlResult};
 
 /// Format version of `trainer_state.json`.
 pub const STATE_FORMAT: u32 = 1;
@@ -42,13 +42,13 @@ pub struct TrainerState {
 
 impl TrainerState {
     /// The task stream position as a number.
-    pub fn word_pos(&self) -> RlResult<u128> {
-        self.stream_word_pos.parse().map_err(|e| {
-            RlError::Invalid(format!(
-                "trainer_state.json: stream_word_pos `{}`: {e}",
-                self.stream_word_pos
-            ))
-        })
+    pub fn word_pos(&self) -> Result<u128> {
+        self.stream_word_pos
+            .parse()
+            .map_err(|source| TrainError::StreamPosition {
+                text: self.stream_word_pos.clone(),
+                source,
+            })
     }
 }
 
@@ -66,42 +66,42 @@ pub fn save_checkpoint(
     tokenizer: &CharTokenizer,
     state: &TrainerState,
     keep_last: usize,
-) -> RlResult<PathBuf> {
+) -> Result<PathBuf> {
     let root = checkpoints_dir(run_dir);
-    std::fs::create_dir_all(&root).map_err(RlError::io(&root))?;
+    std::fs::create_dir_all(&root).map_err(TrainError::io(&root))?;
     let name = format!("{STEP_PREFIX}{}", state.step);
     let tmp = root.join(format!("{TMP_PREFIX}{name}"));
     if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).map_err(RlError::io(&tmp))?;
+        std::fs::remove_dir_all(&tmp).map_err(TrainError::io(&tmp))?;
     }
-    std::fs::create_dir_all(&tmp).map_err(RlError::io(&tmp))?;
+    std::fs::create_dir_all(&tmp).map_err(TrainError::io(&tmp))?;
     policy.save_hf(&tmp)?;
     tokenizer.save(&tmp.join("tokenizer.json"))?;
     let moments: HashMap<String, Tensor> = optimizer.state_tensors();
     let opt_path = tmp.join(OPTIMIZER_FILE);
     candle_core::safetensors::save(&moments, &opt_path)?;
     let text = serde_json::to_string_pretty(state)
-        .map_err(|e| RlError::Invalid(format!("serialising trainer state: {e}")))?;
+        .map_err(TrainError::json("serialising trainer state"))?;
     let state_path = tmp.join(STATE_FILE);
-    std::fs::write(&state_path, text).map_err(RlError::io(&state_path))?;
+    std::fs::write(&state_path, text).map_err(TrainError::io(&state_path))?;
     let dest = root.join(&name);
     if dest.exists() {
-        std::fs::remove_dir_all(&dest).map_err(RlError::io(&dest))?;
+        std::fs::remove_dir_all(&dest).map_err(TrainError::io(&dest))?;
     }
-    std::fs::rename(&tmp, &dest).map_err(RlError::io(&dest))?;
+    std::fs::rename(&tmp, &dest).map_err(TrainError::io(&dest))?;
     prune(&root, keep_last)?;
     Ok(dest)
 }
 
 /// Complete checkpoints of a run as `(step, dir)`, oldest first.
-pub fn list_checkpoints(run_dir: &Path) -> RlResult<Vec<(u64, PathBuf)>> {
+pub fn list_checkpoints(run_dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
     let root = checkpoints_dir(run_dir);
     if !root.exists() {
         return Ok(Vec::new());
     }
     let mut out = Vec::new();
-    for entry in std::fs::read_dir(&root).map_err(RlError::io(&root))? {
-        let entry = entry.map_err(RlError::io(&root))?;
+    for entry in std::fs::read_dir(&root).map_err(TrainError::io(&root))? {
+        let entry = entry.map_err(TrainError::io(&root))?;
         let name = entry.file_name().to_string_lossy().into_owned();
         let Some(step) = name.strip_prefix(STEP_PREFIX).and_then(|s| s.parse().ok()) else {
             continue;
@@ -114,49 +114,49 @@ pub fn list_checkpoints(run_dir: &Path) -> RlResult<Vec<(u64, PathBuf)>> {
     Ok(out)
 }
 
-fn prune(root: &Path, keep_last: usize) -> RlResult<()> {
+fn prune(root: &Path, keep_last: usize) -> Result<()> {
     if keep_last == 0 {
         return Ok(());
     }
     let run_dir = root.parent().unwrap_or(root);
     let all = list_checkpoints(run_dir)?;
     for (_, dir) in all.iter().take(all.len().saturating_sub(keep_last)) {
-        std::fs::remove_dir_all(dir).map_err(RlError::io(dir))?;
+        std::fs::remove_dir_all(dir).map_err(TrainError::io(dir))?;
     }
     Ok(())
 }
 
 /// Reads `trainer_state.json` of a checkpoint.
-pub fn read_state(dir: &Path) -> RlResult<TrainerState> {
+pub fn read_state(dir: &Path) -> Result<TrainerState> {
     let path = dir.join(STATE_FILE);
-    let text = std::fs::read_to_string(&path).map_err(RlError::io(&path))?;
-    let state: TrainerState = serde_json::from_str(&text).map_err(|e| RlError::Checkpoint {
-        path: path.clone(),
-        msg: e.to_string(),
-    })?;
+    let text = std::fs::read_to_string(&path).map_err(TrainError::io(&path))?;
+    let state: TrainerState = serde_json::from_str(&text)
+        .map_err(TrainError::json(format!("checkpoint {}", path.display())))?;
     if state.format != STATE_FORMAT {
-        return Err(RlError::Checkpoint {
+        return Err(TrainError::CheckpointFormat {
             path,
-            msg: format!("format {} (this build reads {STATE_FORMAT})", state.format),
+            found: state.format,
+            supported: STATE_FORMAT,
         });
     }
     Ok(state)
 }
 
 /// Restores the optimiser moments and step count of a checkpoint into `optimizer`.
-pub fn load_optimizer(dir: &Path, state: &TrainerState, optimizer: &mut AdamW) -> RlResult<()> {
+pub fn load_optimizer(dir: &Path, state: &TrainerState, optimizer: &mut AdamW) -> Result<()> {
     let path = dir.join(&state.optimizer_file);
-    let tensors =
-        candle_core::safetensors::load(&path, &Device::Cpu).map_err(|e| RlError::Checkpoint {
+    let tensors = candle_core::safetensors::load(&path, &Device::Cpu).map_err(|source| {
+        TrainError::CheckpointTensors {
             path: path.clone(),
-            msg: e.to_string(),
-        })?;
+            source,
+        }
+    })?;
     optimizer.load_state(&tensors, state.optimizer_steps)?;
     Ok(())
 }
 
 /// The newest complete checkpoint of a run with its state, if any.
-pub fn latest_checkpoint(run_dir: &Path) -> RlResult<Option<(PathBuf, TrainerState)>> {
+pub fn latest_checkpoint(run_dir: &Path) -> Result<Option<(PathBuf, TrainerState)>> {
     match list_checkpoints(run_dir)?.pop() {
         Some((_, dir)) => {
             let state = read_state(&dir)?;

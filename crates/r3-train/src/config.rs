@@ -14,21 +14,65 @@ use crate::schedule::{LrDecay, LrSchedule};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
-/// Which routes the training engine replays.
+/// Which routes the training engine replays. Written `disabled`, `R2`, `R3` (config,
+/// metrics, CLI); read in any case, and `none` as `disabled`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(try_from = "String", into = "String")]
 pub enum RouterReplay {
     /// No replay: every training pass routes natively.
-    #[serde(rename = "disabled", alias = "none")]
     Disabled,
     /// Vanilla routing replay: record the routes of the old-log-prob pass, replay them in
     /// every update pass.
-    #[serde(rename = "R2", alias = "r2")]
     R2,
     /// Rollout routing replay: replay the rollout engine's routes in the old-log-prob pass
     /// and in every update pass.
     #[default]
-    #[serde(rename = "R3", alias = "r3")]
     R3,
+}
+
+impl RouterReplay {
+    /// The name written in configs and in the metrics' `replay_mode`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            RouterReplay::Disabled => "disabled",
+            RouterReplay::R2 => "R2",
+            RouterReplay::R3 => "R3",
+        }
+    }
+}
+
+impl std::fmt::Display for RouterReplay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for RouterReplay {
+    type Err = TrainError;
+
+    /// Case-insensitive, surrounding spaces ignored; `none` is `disabled`.
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "disabled" | "none" => Ok(RouterReplay::Disabled),
+            "r2" => Ok(RouterReplay::R2),
+            "r3" => Ok(RouterReplay::R3),
+            _ => Err(TrainError::UnknownReplayMode(s.to_string())),
+        }
+    }
+}
+
+impl TryFrom<String> for RouterReplay {
+    type Error = TrainError;
+
+    fn try_from(s: String) -> Result<Self> {
+        s.parse()
+    }
+}
+
+impl From<RouterReplay> for String {
+    fn from(mode: RouterReplay) -> String {
+        mode.as_str().to_string()
+    }
 }
 
 /// The whole run.
@@ -275,12 +319,11 @@ impl TrainConfig {
     pub fn resolve(file: Option<&Path>, overrides: &[String]) -> Result<Self> {
         let from_file = match file {
             Some(path) => {
-                let bad = |e: String| TrainError::ConfigFile {
-                    path: path.to_path_buf(),
-                    reason: e,
-                };
-                let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
-                Some(toml::from_str(&text).map_err(|e| bad(e.to_string()))?)
+                let text = std::fs::read_to_string(path).map_err(TrainError::io(path))?;
+                Some(
+                    toml::from_str(&text)
+                        .map_err(TrainError::config_parse(path.display().to_string()))?,
+                )
             }
             None => None,
         };
@@ -290,34 +333,34 @@ impl TrainConfig {
     /// Defaults, then the TOML `text`, then `overrides`, then validation: how `r3 train`
     /// resolves its built-in default config.
     pub fn resolve_text(text: &str, overrides: &[String]) -> Result<Self> {
-        let incoming = toml::from_str(text).map_err(|e| TrainError::Config(e.to_string()))?;
+        let incoming = toml::from_str(text).map_err(TrainError::config_parse("text"))?;
         Self::layered(Some(incoming), overrides)
     }
 
     fn layered(incoming: Option<toml::Value>, overrides: &[String]) -> Result<Self> {
-        let mut value = toml::Value::try_from(Self::default())
-            .map_err(|e| TrainError::Config(format!("serialising defaults: {e}")))?;
+        let mut value =
+            toml::Value::try_from(Self::default()).map_err(TrainError::config_serialize)?;
         if let Some(incoming) = incoming {
             merge_known(&mut value, incoming, "")?;
         }
         apply_overrides(&mut value, overrides)?;
         let cfg: Self = value
             .try_into()
-            .map_err(|e: toml::de::Error| TrainError::Config(e.message().to_string()))?;
+            .map_err(TrainError::config_parse("values"))?;
         cfg.validate()?;
         Ok(cfg)
     }
 
     /// Parses a complete config from TOML text (missing fields take their defaults).
     pub fn from_toml_str(text: &str) -> Result<Self> {
-        let cfg: Self = toml::from_str(text).map_err(|e| TrainError::Config(e.to_string()))?;
+        let cfg: Self = toml::from_str(text).map_err(TrainError::config_parse("text"))?;
         cfg.validate()?;
         Ok(cfg)
     }
 
     /// The config as TOML text (every field, so a run can be repeated from it).
     pub fn to_toml_string(&self) -> Result<String> {
-        toml::to_string_pretty(self).map_err(|e| TrainError::Config(e.to_string()))
+        toml::to_string_pretty(self).map_err(TrainError::config_serialize)
     }
 
     /// Writes the resolved config to `path` atomically (temporary file, then rename).
@@ -336,7 +379,8 @@ impl TrainConfig {
 
     /// Checks values that are well-typed but meaningless, naming the field.
     pub fn validate(&self) -> Result<()> {
-        let bad = |field: &str, why: String| Err(TrainError::Config(format!("{field}: {why}")));
+        let bad =
+            |field: &'static str, reason: String| Err(TrainError::InvalidConfig { field, reason });
         let (r, a, o) = (&self.rollout, &self.algo, &self.optim);
         if self.task.difficulty == 0 {
             return bad("task.difficulty", "levels start at 1".into());

@@ -6,20 +6,21 @@
 use r3_model::ReplayProof;
 use r3_routing::{divergence, mismatch_metrics, summarize, MismatchMetrics, RouteTable};
 
-use crate::rl_error::{RlError, RlResult};
+use crate::config::RouterReplay;
+use crate::error::{Result, TrainError};
 
 /// Mismatch of training vs rollout log-probs over all response tokens; `None` when there
 /// are no response tokens.
 pub fn logp_mismatch(
     train_logp: &[Vec<f32>],
     rollout_logp: &[Vec<f32>],
-) -> RlResult<Option<MismatchMetrics>> {
+) -> Result<Option<MismatchMetrics>> {
     if train_logp.len() != rollout_logp.len() {
-        return Err(RlError::Invalid(format!(
-            "mismatch: {} training rows, {} rollout rows",
-            train_logp.len(),
-            rollout_logp.len()
-        )));
+        return Err(TrainError::Length {
+            what: "rollout log-prob rows (one per training row)".into(),
+            got: rollout_logp.len(),
+            expected: train_logp.len(),
+        });
     }
     let train: Vec<f32> = train_logp.iter().flatten().copied().collect();
     let rollout: Vec<f32> = rollout_logp.iter().flatten().copied().collect();
@@ -44,13 +45,13 @@ pub struct RouteDivergence {
 pub fn recorded_divergence(
     rollout: &[RouteTable],
     recorded: &[RouteTable],
-) -> RlResult<RouteDivergence> {
+) -> Result<RouteDivergence> {
     if rollout.len() != recorded.len() {
-        return Err(RlError::Invalid(format!(
-            "divergence: {} rollout tables, {} recorded",
-            rollout.len(),
-            recorded.len()
-        )));
+        return Err(TrainError::Length {
+            what: "recorded route tables (one per rollout table)".into(),
+            got: recorded.len(),
+            expected: rollout.len(),
+        });
     }
     let per_seq = rollout
         .iter()
@@ -61,7 +62,7 @@ pub fn recorded_divergence(
             let b = t.slice_rows(0, rows)?;
             divergence(&a, &b)
         })
-        .collect::<Result<Vec<_>, _>>()?;
+        .collect::<std::result::Result<Vec<_>, _>>()?;
     let s = summarize(&per_seq);
     Ok(RouteDivergence {
         router_frac: s.router_diff_fraction,
@@ -90,17 +91,18 @@ pub fn proof_divergence(proof: &ReplayProof) -> RouteDivergence {
 pub fn verify_proof(
     proof: &ReplayProof,
     tables: &[RouteTable],
-    mode: &str,
-    pass: &str,
-) -> RlResult<f64> {
+    mode: RouterReplay,
+    pass: &'static str,
+) -> Result<f64> {
     let layers = proof.layers.len();
     let expected: usize = tables.iter().map(|t| t.num_tokens() * layers).sum();
     let replayed = proof.total_replayed();
     if expected == 0 || replayed != expected {
-        return Err(RlError::ReplayNotVerified {
-            mode: mode.to_string(),
-            pass: pass.to_string(),
-            msg: format!("{replayed} of {expected} (token, layer) cells were replayed"),
+        return Err(TrainError::ReplayNotVerified {
+            mode,
+            pass,
+            replayed,
+            expected,
         });
     }
     Ok(replayed as f64 / expected as f64)

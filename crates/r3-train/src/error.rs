@@ -1,22 +1,125 @@
-//! The error type of r3-train.
+//! The one error type of r3-train: the pure training pieces, the configuration, the RL
+//! loop, pretraining and checkpoints. Each variant names what is wrong in its fields; a
+//! failure in another crate or in the OS is kept as the `source`.
 
 use std::path::PathBuf;
 
-/// Everything that can go wrong in the trainer's pure pieces and its configuration.
+use candle_core::DType;
+
+use crate::config::RouterReplay;
+
+/// Everything that can stop training or reject its inputs.
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
     /// A tensor operation failed.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
-    /// A model kernel rejected its inputs.
-    #[error(transparent)]
+    /// The training model failed.
+    #[error("training model: {0}")]
     Model(#[from] r3_model::ModelError),
-    /// Inputs whose shapes or dtypes do not fit together.
-    #[error("shape mismatch: {0}")]
-    Shape(String),
-    /// An argument outside its valid range.
-    #[error("invalid argument: {0}")]
-    Invalid(String),
+    /// The rollout engine failed.
+    #[error("rollout engine: {0}")]
+    Rollout(#[from] r3_rollout::RolloutError),
+    /// The task (problems, tokenizer, reward) failed.
+    #[error("task: {0}")]
+    Task(#[from] r3_tasks::TaskError),
+    /// Route tables or routing statistics failed.
+    #[error("routes: {0}")]
+    Route(#[from] r3_routing::RouteError),
+
+    /// A tensor whose shape does not fit the others.
+    #[error("{what} has shape {got:?}, expected {expected}")]
+    Shape {
+        /// Which input.
+        what: String,
+        /// Its shape.
+        got: Vec<usize>,
+        /// The shape it needs (dims or a pattern such as `[B, T]`).
+        expected: String,
+    },
+    /// A tensor that is not f32 (the training engine is f32).
+    #[error("{what} has dtype {got:?}, expected f32")]
+    Dtype {
+        /// Which input.
+        what: &'static str,
+        /// Its dtype.
+        got: DType,
+    },
+    /// Two collections that must have one entry per item differ in length.
+    #[error("{what}: {got} entries, expected {expected}")]
+    Length {
+        /// What was counted.
+        what: String,
+        /// Entries given.
+        got: usize,
+        /// Entries needed.
+        expected: usize,
+    },
+    /// A row index past the end of a batch.
+    #[error("row {row} of a batch of {len}")]
+    RowOutOfRange {
+        /// The index asked for.
+        row: usize,
+        /// Rows there are.
+        len: usize,
+    },
+    /// A numeric argument outside its valid range.
+    #[error("{name} = {value} must be {expected}")]
+    OutOfRange {
+        /// The argument.
+        name: &'static str,
+        /// Its value.
+        value: f64,
+        /// The valid range, e.g. `> 0`.
+        expected: &'static str,
+    },
+    /// Rewards that do not split into whole groups.
+    #[error("{rewards} rewards do not split into groups of {group_size}")]
+    RaggedGroups {
+        /// Rewards given.
+        rewards: usize,
+        /// The group size.
+        group_size: usize,
+    },
+    /// A NaN or infinite reward.
+    #[error("reward {index} is not finite ({value})")]
+    NonFiniteReward {
+        /// Its position.
+        index: usize,
+        /// Its value.
+        value: f32,
+    },
+    /// A PPO clip range outside `0 <= low < 1`, `high >= 0`.
+    #[error("clip range needs 0 <= eps_low < 1 and eps_high >= 0, got low {low}, high {high}")]
+    ClipRange {
+        /// `ε_low`.
+        low: f64,
+        /// `ε_high`.
+        high: f64,
+    },
+    /// A sequence whose prompt is empty or leaves no response.
+    #[error("sequence {sequence}: prompt of {prompt_len} tokens in a sequence of {len} (need 1 <= prompt < len)")]
+    PromptLength {
+        /// The sequence.
+        sequence: usize,
+        /// Its prompt length.
+        prompt_len: usize,
+        /// Its total length.
+        len: usize,
+    },
+    /// A variable given twice to the optimiser.
+    #[error("variable `{name}` given twice to AdamW")]
+    DuplicateVariable {
+        /// Its name.
+        name: String,
+    },
+    /// Optimiser state without the moment of a variable.
+    #[error("optimiser state lacks `{key}`")]
+    MissingOptimizerState {
+        /// The missing tensor name.
+        key: String,
+    },
+
     /// A config key that does not exist.
     #[error("unknown config key `{key}` (known keys here: {known})")]
     UnknownConfigKey {
@@ -33,25 +136,209 @@ pub enum TrainError {
         /// What is wrong with it.
         reason: String,
     },
-    /// A config whose values are individually typed right but make no sense.
-    #[error("config: {0}")]
-    Config(String),
-    /// A config file that could not be read or parsed.
-    #[error("config file {path}: {reason}")]
-    ConfigFile {
-        /// The file.
-        path: PathBuf,
-        /// What went wrong.
+    /// A config value that is well typed but makes no sense.
+    #[error("config: {field}: {reason}")]
+    InvalidConfig {
+        /// The dotted field (or section).
+        field: &'static str,
+        /// What it must be.
         reason: String,
     },
-    /// Writing a file failed.
-    #[error("writing {path}: {source}")]
+    /// A config (file, text or the layered values) that does not parse as the config.
+    #[error("config {origin}: {source}")]
+    ConfigParse {
+        /// The file, or what was parsed.
+        origin: String,
+        /// The TOML error.
+        source: Box<toml::de::Error>,
+    },
+    /// A config that cannot be written as TOML.
+    #[error("serialising the config: {0}")]
+    ConfigSerialize(#[source] Box<toml::ser::Error>),
+    /// An unknown `router_replay` name.
+    #[error("router replay `{0}` is none of `disabled`, `R2`, `R3`")]
+    UnknownReplayMode(String),
+    /// The rollout precision could not be parsed.
+    #[error("rollout.dtype `{text}`: {source}")]
+    RolloutDtype {
+        /// The value as written.
+        text: String,
+        /// Why the engine rejected it.
+        source: Box<r3_rollout::RolloutError>,
+    },
+
+    /// The engine answered a different number of requests than it was given.
+    #[error("engine returned {got} results for {expected} requests")]
+    EngineResults {
+        /// Results returned.
+        got: usize,
+        /// Requests sent.
+        expected: usize,
+    },
+    /// R3 needs the rollout routes of every trajectory and one came without.
+    #[error("trajectory {trajectory} has no rollout routes (R3 needs the engine to return them)")]
+    MissingRolloutRoutes {
+        /// The trajectory.
+        trajectory: usize,
+    },
+    /// Rollout routes that do not cover rows `[0, len − 1)` of their trajectory.
+    #[error("trajectory {trajectory}: rollout routes cover {rows} rows from position {start}, expected {expected} from 0")]
+    MisalignedRolloutRoutes {
+        /// The trajectory.
+        trajectory: usize,
+        /// First position of the routes.
+        start: usize,
+        /// Rows of the routes.
+        rows: usize,
+        /// Rows the trajectory needs (`len − 1`).
+        expected: usize,
+    },
+    /// A replay pass did not use exactly the given experts on every cell.
+    #[error("replay not verified ({mode} {pass} pass): {replayed} of {expected} (token, layer) cells were replayed")]
+    ReplayNotVerified {
+        /// R2 or R3.
+        mode: RouterReplay,
+        /// `old-logp` or `update`.
+        pass: &'static str,
+        /// Cells replayed.
+        replayed: usize,
+        /// Cells the tables provide.
+        expected: usize,
+    },
+    /// An evaluation over no problems.
+    #[error("evaluation set is empty")]
+    EmptyEvalSet,
+    /// The tokenizer has ids the model cannot embed.
+    #[error("tokenizer has {tokenizer} tokens, the model's vocabulary {model}")]
+    VocabularyTooSmall {
+        /// Tokenizer vocabulary.
+        tokenizer: usize,
+        /// Model vocabulary.
+        model: usize,
+    },
+    /// A pretraining batch with an empty row.
+    #[error("a pretraining batch has an empty row")]
+    EmptyPretrainRow,
+    /// The training-problem stream ran out.
+    #[error("problem stream ended")]
+    ProblemStreamEnded,
+    /// The variable map's lock was poisoned by a panic elsewhere.
+    #[error("VarMap lock poisoned")]
+    LockPoisoned,
+
+    /// A run directory that already holds a run.
+    #[error("run directory {path} already holds a run; resume it or choose another run_dir")]
+    RunExists {
+        /// The run directory.
+        path: PathBuf,
+    },
+    /// An output directory path without a final name.
+    #[error("out_dir `{path}` has no name")]
+    UnnamedOutDir {
+        /// The path.
+        path: PathBuf,
+    },
+    /// A model or checkpoint directory whose weights could not be loaded.
+    #[error("loading {path}: {source}")]
+    Load {
+        /// The directory.
+        path: PathBuf,
+        /// Why.
+        source: Box<TrainError>,
+    },
+    /// A checkpoint written by a different format version.
+    #[error("checkpoint {path}: format {found} (this build reads {supported})")]
+    CheckpointFormat {
+        /// The state file.
+        path: PathBuf,
+        /// Its format.
+        found: u32,
+        /// The format this build reads.
+        supported: u32,
+    },
+    /// A checkpoint of a run with another seed.
+    #[error("checkpoint {path}: seed {checkpoint} differs from config seed {config}")]
+    CheckpointSeed {
+        /// The checkpoint.
+        path: PathBuf,
+        /// Its seed.
+        checkpoint: u64,
+        /// The config's seed.
+        config: u64,
+    },
+    /// A checkpoint's optimiser moments that could not be read.
+    #[error("checkpoint {path}: {source}")]
+    CheckpointTensors {
+        /// The safetensors file.
+        path: PathBuf,
+        /// Why.
+        source: candle_core::Error,
+    },
+    /// The stream position of a checkpoint is not a number.
+    #[error("trainer_state.json: stream_word_pos `{text}`: {source}")]
+    StreamPosition {
+        /// The value as written.
+        text: String,
+        /// The parse error.
+        source: std::num::ParseIntError,
+    },
+    /// JSON that could not be written or read.
+    #[error("{what}: {source}")]
+    Json {
+        /// What was (de)serialised, e.g. a file.
+        what: String,
+        /// The serde error.
+        source: serde_json::Error,
+    },
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
     Io {
         /// The file.
         path: PathBuf,
         /// The IO error.
         source: std::io::Error,
     },
+}
+
+impl TrainError {
+    /// An IO error tagged with the path it concerns.
+    pub fn io(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> TrainError {
+        let path = path.into();
+        move |source| TrainError::Io { path, source }
+    }
+
+    /// A TOML error of the config `origin` (a file, `text`, the layered `values`).
+    pub fn config_parse(origin: impl Into<String>) -> impl FnOnce(toml::de::Error) -> TrainError {
+        let origin = origin.into();
+        move |source| TrainError::ConfigParse {
+            origin,
+            source: Box::new(source),
+        }
+    }
+
+    /// A config that could not be written as TOML.
+    pub fn config_serialize(source: toml::ser::Error) -> TrainError {
+        TrainError::ConfigSerialize(Box::new(source))
+    }
+
+    /// A JSON error tagged with what was being (de)serialised.
+    pub fn json(what: impl Into<String>) -> impl FnOnce(serde_json::Error) -> TrainError {
+        let what = what.into();
+        move |source| TrainError::Json { what, source }
+    }
+
+    /// A shape error for `what` with shape `got` where `expected` was needed.
+    pub(crate) fn shape(
+        what: impl Into<String>,
+        got: &[usize],
+        expected: impl Into<String>,
+    ) -> Self {
+        TrainError::Shape {
+            what: what.into(),
+            got: got.to_vec(),
+            expected: expected.into(),
+        }
+    }
 }
 
 /// Result alias for r3-train.

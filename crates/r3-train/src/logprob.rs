@@ -5,46 +5,40 @@ use crate::error::{Result, TrainError};
 use candle_core::{DType, Tensor};
 
 /// Checks that a tensor is `[b, t]` f32.
-pub(crate) fn check_bt(name: &str, x: &Tensor, b: usize, t: usize) -> Result<()> {
+pub(crate) fn check_bt(name: &'static str, x: &Tensor, b: usize, t: usize) -> Result<()> {
     if x.dims() != [b, t] {
-        return Err(TrainError::Shape(format!(
-            "{name} has shape {:?}, expected [{b}, {t}]",
-            x.dims()
-        )));
+        return Err(TrainError::shape(name, x.dims(), format!("[{b}, {t}]")));
     }
     if x.dtype() != DType::F32 {
-        return Err(TrainError::Shape(format!(
-            "{name} has dtype {:?}, expected f32",
-            x.dtype()
-        )));
+        return Err(TrainError::Dtype {
+            what: name,
+            got: x.dtype(),
+        });
     }
     Ok(())
 }
 
 fn logits_dims(logits: &Tensor) -> Result<(usize, usize, usize)> {
     if logits.dtype() != DType::F32 {
-        return Err(TrainError::Shape(format!(
-            "logits have dtype {:?}, expected f32 (the training engine is f32)",
-            logits.dtype()
-        )));
+        return Err(TrainError::Dtype {
+            what: "logits",
+            got: logits.dtype(),
+        });
     }
-    logits.dims3().map_err(|_| {
-        TrainError::Shape(format!(
-            "logits have shape {:?}, expected [batch, time, vocab]",
-            logits.dims()
-        ))
-    })
+    logits
+        .dims3()
+        .map_err(|_| TrainError::shape("logits", logits.dims(), "[batch, time, vocab]"))
 }
 
 /// Log-probabilities of `targets` `[B, T]` (u32) under `logits` `[B, T, V]` → `[B, T]`.
 pub fn token_log_probs(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let (b, t, _v) = logits_dims(logits)?;
     if targets.dims() != [b, t] {
-        return Err(TrainError::Shape(format!(
-            "targets have shape {:?}, logits {:?}: expected targets [{b}, {t}]",
+        return Err(TrainError::shape(
+            "targets",
             targets.dims(),
-            logits.dims()
-        )));
+            format!("[{b}, {t}] like the logits"),
+        ));
     }
     Ok(r3_model::token_stats::token_log_probs(logits, targets)?)
 }
@@ -58,11 +52,11 @@ pub fn entropy_from_logits(logits: &Tensor) -> Result<Tensor> {
 /// `Σ x·mask / Σ mask` as a scalar tensor; 0 when the mask is empty.
 pub fn masked_mean(x: &Tensor, mask: &Tensor) -> Result<Tensor> {
     if x.dims() != mask.dims() {
-        return Err(TrainError::Shape(format!(
-            "masked_mean: values {:?} vs mask {:?}",
+        return Err(TrainError::shape(
+            "masked_mean values",
             x.dims(),
-            mask.dims()
-        )));
+            format!("{:?} like the mask", mask.dims()),
+        ));
     }
     let num = x.mul(mask)?.sum_all()?;
     let den = mask.sum_all()?.maximum(1e-8)?;
@@ -72,11 +66,11 @@ pub fn masked_mean(x: &Tensor, mask: &Tensor) -> Result<Tensor> {
 /// Per-row masked mean `[B, T]` → `[B]`; a row with an empty mask gives 0.
 pub fn masked_row_mean(x: &Tensor, mask: &Tensor) -> Result<Tensor> {
     if x.dims() != mask.dims() || x.rank() != 2 {
-        return Err(TrainError::Shape(format!(
-            "masked_row_mean: values {:?} vs mask {:?} (both [B, T])",
+        return Err(TrainError::shape(
+            "masked_row_mean values",
             x.dims(),
-            mask.dims()
-        )));
+            format!("[B, T] like the mask {:?}", mask.dims()),
+        ));
     }
     let num = x.mul(mask)?.sum(1)?;
     let den = mask.sum(1)?.maximum(1e-8)?;

@@ -82,12 +82,10 @@ struct Checked {
 }
 
 fn check_inputs(input: &PolicyLossInput) -> Result<Checked> {
-    let (b, t) = input.logp.dims2().map_err(|_| {
-        TrainError::Shape(format!(
-            "logp has shape {:?}, expected [B, T]",
-            input.logp.dims()
-        ))
-    })?;
+    let (b, t) = input
+        .logp
+        .dims2()
+        .map_err(|_| TrainError::shape("logp", input.logp.dims(), "[B, T]"))?;
     check_bt("logp", input.logp, b, t)?;
     check_bt("old_logp", input.old_logp, b, t)?;
     check_bt("mask", input.mask, b, t)?;
@@ -98,9 +96,11 @@ fn check_inputs(input: &PolicyLossInput) -> Result<Checked> {
         [bb] if *bb == b => input.advantages.unsqueeze(1)?.broadcast_as((b, t))?,
         [bb, tt] if *bb == b && *tt == t => input.advantages.clone(),
         other => {
-            return Err(TrainError::Shape(format!(
-                "advantages have shape {other:?}, expected [{b}] or [{b}, {t}]"
-            )))
+            return Err(TrainError::shape(
+                "advantages",
+                other,
+                format!("[{b}] or [{b}, {t}]"),
+            ))
         }
     };
     Ok(Checked {
@@ -118,9 +118,10 @@ fn clipped_surrogate(
     agg: LossAgg,
 ) -> Result<(Tensor, [f32; 4])> {
     if clip.low < 0.0 || clip.high < 0.0 || clip.low >= 1.0 {
-        return Err(TrainError::Invalid(format!(
-            "clip range needs 0 <= eps_low < 1 and eps_high >= 0, got {clip:?}"
-        )));
+        return Err(TrainError::ClipRange {
+            low: clip.low,
+            high: clip.high,
+        });
     }
     let neg_adv = adv.neg()?;
     let unclipped = neg_adv.mul(ratio)?;

@@ -1,6 +1,5 @@
-//! The per-step metrics line and the run's JSONL logs, in the schema of
-//! `notes/metrics_schema.md`: flat keys (dots are part of the name), one object per RL
-//! step in `metrics.jsonl`, one per evaluation in `eval.jsonl`. `None` fields are written
+//! The per-step metrics line and the run's JSONL logs: flat keys (dots are part of the
+//! name), one object per RL step in `metrics.jsonl`, one per evaluation in `eval.jsonl`. `None` fields are written
 //! as `null`, which readers tolerate.
 
 use std::fs::{File, OpenOptions};
@@ -9,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::rl_error::{RlError, RlResult};
+use crate::error::{Result, TrainError};
 
 /// One RL step's metrics.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -113,9 +112,8 @@ pub struct StepMetrics {
 
 impl StepMetrics {
     /// The line as a JSON value, with the timing keys removed (for comparing runs).
-    pub fn without_timing(&self) -> RlResult<serde_json::Value> {
-        let mut v = serde_json::to_value(self)
-            .map_err(|e| RlError::Invalid(format!("serialising metrics: {e}")))?;
+    pub fn without_timing(&self) -> Result<serde_json::Value> {
+        let mut v = serde_json::to_value(self).map_err(TrainError::json("serialising metrics"))?;
         if let Some(map) = v.as_object_mut() {
             map.retain(|k, _| !k.starts_with("time.") && !k.starts_with("throughput."));
         }
@@ -132,12 +130,12 @@ pub struct JsonlWriter {
 
 impl JsonlWriter {
     /// Opens `path` for appending (created if missing).
-    pub fn append(path: &Path) -> RlResult<Self> {
+    pub fn append(path: &Path) -> Result<Self> {
         let file = OpenOptions::new()
             .create(true)
             .append(true)
             .open(path)
-            .map_err(RlError::io(path))?;
+            .map_err(TrainError::io(path))?;
         Ok(Self {
             path: path.to_path_buf(),
             file,
@@ -145,11 +143,11 @@ impl JsonlWriter {
     }
 
     /// Writes one value as a line.
-    pub fn write<T: Serialize>(&mut self, value: &T) -> RlResult<()> {
-        let line = serde_json::to_string(value)
-            .map_err(|e| RlError::Invalid(format!("serialising a metrics line: {e}")))?;
-        writeln!(self.file, "{line}").map_err(RlError::io(&self.path))?;
-        self.file.flush().map_err(RlError::io(&self.path))
+    pub fn write<T: Serialize>(&mut self, value: &T) -> Result<()> {
+        let line =
+            serde_json::to_string(value).map_err(TrainError::json("serialising a metrics line"))?;
+        writeln!(self.file, "{line}").map_err(TrainError::io(&self.path))?;
+        self.file.flush().map_err(TrainError::io(&self.path))
     }
 }
 
@@ -168,14 +166,14 @@ pub struct EvalLine {
 
 /// Keeps only the lines of a JSONL file whose `step` is at most `last_step` (a resumed run
 /// drops what the killed run logged after its last checkpoint). Rewrites atomically.
-pub fn truncate_after_step(path: &Path, last_step: u64) -> RlResult<()> {
+pub fn truncate_after_step(path: &Path, last_step: u64) -> Result<()> {
     if !path.exists() {
         return Ok(());
     }
-    let file = File::open(path).map_err(RlError::io(path))?;
+    let file = File::open(path).map_err(TrainError::io(path))?;
     let mut kept = String::new();
     for line in BufReader::new(file).lines() {
-        let line = line.map_err(RlError::io(path))?;
+        let line = line.map_err(TrainError::io(path))?;
         if line.trim().is_empty() {
             continue;
         }
@@ -192,6 +190,6 @@ pub fn truncate_after_step(path: &Path, last_step: u64) -> RlResult<()> {
         }
     }
     let tmp = path.with_extension("jsonl.tmp");
-    std::fs::write(&tmp, kept).map_err(RlError::io(&tmp))?;
-    std::fs::rename(&tmp, path).map_err(RlError::io(path))
+    std::fs::write(&tmp, kept).map_err(TrainError::io(&tmp))?;
+    std::fs::rename(&tmp, path).map_err(TrainError::io(path))
 }

@@ -8,25 +8,15 @@ use r3_model::{ReplayProof, Routing};
 use r3_routing::RouteTable;
 
 use crate::agg::LossAgg;
+use crate::config::RouterReplay;
 use crate::diagnostics::verify_proof;
+use crate::error::Result;
 use crate::logprob::{entropy_from_logits, masked_mean};
 use crate::loss::{policy_loss, ClipRange, PolicyLossInput, PolicyLossKind, PolicyLossMetrics};
 use crate::optim::AdamW;
 use crate::policy::{score, ResponseBatch, TrainablePolicy};
-use crate::rl_error::RlResult;
 use crate::rollout_is::{rollout_is_weights, IsConfig};
 use crate::update::{backward_and_step, UpdateOutcome};
-
-/// How the update forward routes.
-#[derive(Debug, Clone, Copy)]
-pub enum UpdateRouting<'a> {
-    /// Native top-k.
-    Native,
-    /// Native top-k, returning the chosen routes (single mini-step diagnostics).
-    Record,
-    /// Replay these tables (R2: the old pass's; R3: the rollout's).
-    Replay(&'a [RouteTable]),
-}
 
 /// The data of one mini-batch.
 #[derive(Debug)]
@@ -42,8 +32,9 @@ pub struct MiniBatch<'a> {
     pub advantages: Vec<f32>,
     /// Per-sequence loss weight (0 drops a sequence from the loss), `None` = all 1.
     pub row_weight: Option<Vec<f32>>,
-    /// Routing of the update forward.
-    pub routing: UpdateRouting<'a>,
+    /// Routing of the update forward: `Replay` of the old pass's (R2) or the rollout's
+    /// (R3) routes, `Record` for the single mini-step's diagnostics, or `Native`.
+    pub routing: Routing<'a>,
 }
 
 /// Loss and optimiser settings of an update.
@@ -63,8 +54,8 @@ pub struct UpdateSettings {
     pub lr: f64,
     /// Gradient-norm clip (0 = measure only).
     pub grad_clip: f64,
-    /// `R2`/`R3` label for replay errors.
-    pub mode_label: &'static str,
+    /// The replay mode (names the mode in replay errors).
+    pub mode: RouterReplay,
 }
 
 /// What one mini-batch update did and saw.
@@ -92,17 +83,12 @@ pub fn update_minibatch(
     optimizer: &mut AdamW,
     mb: &MiniBatch<'_>,
     s: &UpdateSettings,
-) -> RlResult<MiniBatchResult> {
+) -> Result<MiniBatchResult> {
     let model = policy.model()?;
-    let routing = match mb.routing {
-        UpdateRouting::Native => Routing::Native,
-        UpdateRouting::Record => Routing::Record,
-        UpdateRouting::Replay(t) => Routing::Replay(t),
-    };
-    let scored = score(&model, mb.batch, routing)?;
+    let scored = score(&model, mb.batch, mb.routing)?;
     let verified_frac = match (&scored.replay, mb.routing) {
-        (Some(proof), UpdateRouting::Replay(tables)) => {
-            Some(verify_proof(proof, tables, s.mode_label, "update")?)
+        (Some(proof), Routing::Replay(routes)) => {
+            Some(verify_proof(proof, routes.tables(), s.mode, "update")?)
         }
         _ => None,
     };

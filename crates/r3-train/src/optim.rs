@@ -68,10 +68,9 @@ impl AdamW {
     ) -> Result<Self> {
         vars.sort_by(|a, b| a.0.cmp(&b.0));
         if let Some(w) = vars.windows(2).find(|w| w[0].0 == w[1].0) {
-            return Err(TrainError::Invalid(format!(
-                "variable `{}` given twice to AdamW",
-                w[0].0
-            )));
+            return Err(TrainError::DuplicateVariable {
+                name: w[0].0.clone(),
+            });
         }
         let slots = vars
             .into_iter()
@@ -164,13 +163,13 @@ impl AdamW {
                 let key = format!("adamw.{kind}.{}", s.name);
                 let t = state
                     .get(&key)
-                    .ok_or_else(|| TrainError::Invalid(format!("optimiser state lacks `{key}`")))?;
+                    .ok_or_else(|| TrainError::MissingOptimizerState { key: key.clone() })?;
                 if t.dims() != s.var.dims() {
-                    return Err(TrainError::Shape(format!(
-                        "optimiser state `{key}` has shape {:?}, variable has {:?}",
+                    return Err(TrainError::shape(
+                        format!("optimiser state `{key}`"),
                         t.dims(),
-                        s.var.dims()
-                    )));
+                        format!("{:?} (the variable's)", s.var.dims()),
+                    ));
                 }
                 Ok(t.to_dtype(s.var.dtype())?.to_device(s.var.device())?)
             };

@@ -9,8 +9,8 @@ use candle_core::{DType, Device, Tensor, Var};
 use r3_model::{Batch, Config, Model, ReplayProof, Routing, Weights};
 use r3_routing::RouteTable;
 
+use crate::error::{Result, TrainError};
 use crate::logprob::{entropy_from_logits, masked_mean, scalar_f32, token_log_probs};
-use crate::rl_error::{RlError, RlResult};
 
 /// Prompt+response token sequences and where each response starts.
 #[derive(Debug, Clone)]
@@ -21,20 +21,21 @@ pub struct ResponseBatch {
 
 impl ResponseBatch {
     /// Checks that every sequence has a non-empty prompt and a non-empty response.
-    pub fn new(sequences: Vec<Vec<u32>>, prompt_lens: Vec<usize>) -> RlResult<Self> {
+    pub fn new(sequences: Vec<Vec<u32>>, prompt_lens: Vec<usize>) -> Result<Self> {
         if sequences.is_empty() || sequences.len() != prompt_lens.len() {
-            return Err(RlError::Invalid(format!(
-                "response batch: {} sequences, {} prompt lengths",
-                sequences.len(),
-                prompt_lens.len()
-            )));
+            return Err(TrainError::Length {
+                what: "response batch prompt lengths (one per sequence, at least one)".into(),
+                got: prompt_lens.len(),
+                expected: sequences.len(),
+            });
         }
         for (i, (s, &p)) in sequences.iter().zip(&prompt_lens).enumerate() {
             if p == 0 || p >= s.len() {
-                return Err(RlError::Invalid(format!(
-                    "sequence {i}: prompt of {p} tokens in a sequence of {} (need 1 <= prompt < len)",
-                    s.len()
-                )));
+                return Err(TrainError::PromptLength {
+                    sequence: i,
+                    prompt_len: p,
+                    len: s.len(),
+                });
             }
         }
         Ok(Self {
@@ -79,7 +80,7 @@ impl ResponseBatch {
     }
 
     /// `[B, T−1]` f32 with `row_weight[b]` on response positions and 0 elsewhere.
-    pub fn response_mask(&self, row_weight: Option<&[f32]>, device: &Device) -> RlResult<Tensor> {
+    pub fn response_mask(&self, row_weight: Option<&[f32]>, device: &Device) -> Result<Tensor> {
         let w = self.width();
         let mut mask = vec![0f32; self.len() * w];
         for i in 0..self.len() {
@@ -91,16 +92,16 @@ impl ResponseBatch {
     }
 
     /// `[B, T−1]` f32 holding `per_response[b][j]` at the column of response token `j`.
-    pub fn align(&self, per_response: &[Vec<f32>], device: &Device) -> RlResult<Tensor> {
+    pub fn align(&self, per_response: &[Vec<f32>], device: &Device) -> Result<Tensor> {
         let w = self.width();
         let mut out = vec![0f32; self.len() * w];
         for (i, values) in per_response.iter().enumerate() {
             if values.len() != self.response_len(i) {
-                return Err(RlError::Invalid(format!(
-                    "sequence {i}: {} per-token values for {} response tokens",
-                    values.len(),
-                    self.response_len(i)
-                )));
+                return Err(TrainError::Length {
+                    what: format!("sequence {i}: per-token values (one per response token)"),
+                    got: values.len(),
+                    expected: self.response_len(i),
+                });
             }
             let from = i * w + self.first_column(i);
             out[from..from + values.len()].copy_from_slice(values);
@@ -109,7 +110,7 @@ impl ResponseBatch {
     }
 
     /// Per-sequence response values read back from a `[B, T−1]` tensor.
-    pub fn gather_responses(&self, x: &Tensor) -> RlResult<Vec<Vec<f32>>> {
+    pub fn gather_responses(&self, x: &Tensor) -> Result<Vec<Vec<f32>>> {
         let rows = x.to_dtype(DType::F32)?.to_vec2::<f32>()?;
         Ok((0..self.len())
             .map(|i| {
@@ -120,17 +121,17 @@ impl ResponseBatch {
     }
 
     /// The rows `rows` as a new batch.
-    pub fn subset(&self, rows: &[usize]) -> RlResult<ResponseBatch> {
+    pub fn subset(&self, rows: &[usize]) -> Result<ResponseBatch> {
         let pick = |i: usize| {
             self.sequences
                 .get(i)
                 .cloned()
-                .ok_or_else(|| RlError::Invalid(format!("row {i} of a batch of {}", self.len())))
+                .ok_or(TrainError::RowOutOfRange {
+                    row: i,
+                    len: self.len(),
+                })
         };
-        let sequences = rows
-            .iter()
-            .map(|&i| pick(i))
-            .collect::<RlResult<Vec<_>>>()?;
+        let sequences = rows.iter().map(|&i| pick(i)).collect::<Result<Vec<_>>>()?;
         let prompt_lens = rows.iter().map(|&i| self.prompt_lens[i]).collect();
         ResponseBatch::new(sequences, prompt_lens)
     }
@@ -151,15 +152,15 @@ pub struct Scored {
 
 impl Scored {
     /// Mean entropy of the next-token distribution over `mask` (detached).
-    pub fn mean_entropy(&self, mask: &Tensor) -> RlResult<f32> {
+    pub fn mean_entropy(&self, mask: &Tensor) -> Result<f32> {
         let ent = entropy_from_logits(&self.logits.detach())?;
-        Ok(scalar_f32(&masked_mean(&ent, mask)?)?)
+        scalar_f32(&masked_mean(&ent, mask)?)
     }
 }
 
 /// Runs the training forward over `batch` with `routing` and takes the log-prob of every
 /// next token.
-pub fn score(model: &Model, batch: &ResponseBatch, routing: Routing<'_>) -> RlResult<Scored> {
+pub fn score(model: &Model, batch: &ResponseBatch, routing: Routing<'_>) -> Result<Scored> {
     // The training engine runs on the CPU.
     let padded = Batch::new(batch.sequences(), 0, &Device::Cpu)?;
     let out = model.forward(&padded, routing)?;
@@ -185,12 +186,12 @@ pub struct TrainablePolicy {
 
 impl TrainablePolicy {
     /// Wraps loaded f32 weights, making the trainable ones variables.
-    pub fn new(cfg: Config, weights: Weights) -> RlResult<Self> {
+    pub fn new(cfg: Config, weights: Weights) -> Result<Self> {
         let (varmap, weights) = weights.into_trainable(&cfg)?;
         let mut vars: Vec<(String, Var)> = varmap
             .data()
             .lock()
-            .map_err(|_| RlError::Invalid("VarMap lock poisoned".into()))?
+            .map_err(|_| TrainError::LockPoisoned)?
             .iter()
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
@@ -199,7 +200,7 @@ impl TrainablePolicy {
     }
 
     /// Loads `config.json` + safetensors from an HF model directory (f32, CPU).
-    pub fn load(dir: &Path) -> RlResult<Self> {
+    pub fn load(dir: &Path) -> Result<Self> {
         let cfg = Config::from_file(&dir.join("config.json"))?;
         let weights = Weights::load(dir, &cfg, &Device::Cpu)?;
         Self::new(cfg, weights)
@@ -216,12 +217,12 @@ impl TrainablePolicy {
     }
 
     /// A model whose forward is differentiable in every variable.
-    pub fn model(&self) -> RlResult<Model> {
+    pub fn model(&self) -> Result<Model> {
         Ok(Model::new(&self.cfg, &self.weights)?)
     }
 
     /// A model over detached views of the current values (no autograd graph is built).
-    pub fn frozen_model(&self) -> RlResult<Model> {
+    pub fn frozen_model(&self) -> Result<Model> {
         Ok(Model::new(&self.cfg, &self.detached())?)
     }
 
@@ -237,12 +238,12 @@ impl TrainablePolicy {
     }
 
     /// Current values as the name→tensor map the rollout engine loads (HF per-expert names).
-    pub fn tensor_map(&self) -> RlResult<r3_rollout::TensorMap> {
+    pub fn tensor_map(&self) -> Result<r3_rollout::TensorMap> {
         Ok(self.detached().unfuse_experts(&self.cfg)?.into_map())
     }
 
     /// Writes `config.json` + `model.safetensors` into `dir`.
-    pub fn save_hf(&self, dir: &Path) -> RlResult<()> {
+    pub fn save_hf(&self, dir: &Path) -> Result<()> {
         Ok(self.detached().save(dir, &self.cfg)?)
     }
 }

@@ -15,11 +15,11 @@ use r3_tasks::{
 };
 use serde::Serialize;
 
+use crate::error::{Result, TrainError};
 use crate::logprob::{masked_mean, token_log_probs};
 use crate::optim::{decay_matrices_only, AdamW, AdamWParams};
 use crate::policy::TrainablePolicy;
 use crate::pretrain_config::PretrainConfig;
-use crate::rl_error::{RlError, RlResult};
 use crate::rollout::{evaluate, EvalResult};
 use crate::schedule::{LrDecay, LrSchedule};
 use crate::update::{backward_and_step, UpdateOutcome};
@@ -63,7 +63,7 @@ pub struct PretrainReport {
 }
 
 /// Converts a padded supervised batch into sequences (pads stripped), targets and mask.
-fn to_tensors(b: &SupervisedBatch) -> RlResult<(Vec<Vec<u32>>, Tensor, Tensor)> {
+fn to_tensors(b: &SupervisedBatch) -> Result<(Vec<Vec<u32>>, Tensor, Tensor)> {
     let (n, t) = (b.batch_size, b.seq_len);
     let mut seqs = Vec::with_capacity(n);
     for row in b.input_ids.chunks(t) {
@@ -72,9 +72,7 @@ fn to_tensors(b: &SupervisedBatch) -> RlResult<(Vec<Vec<u32>>, Tensor, Tensor)> 
     }
     let longest = seqs.iter().map(Vec::len).max().unwrap_or(0);
     if longest == 0 {
-        return Err(RlError::Invalid(
-            "a pretraining batch has an empty row".into(),
-        ));
+        return Err(TrainError::EmptyPretrainRow);
     }
     let narrow =
         |flat: &[u32]| -> Vec<u32> { flat.chunks(t).flat_map(|r| r[..longest].to_vec()).collect() };
@@ -94,7 +92,7 @@ pub fn eval_policy(
     tokenizer: &CharTokenizer,
     task: &ArithmeticTask,
     max_new_tokens: usize,
-) -> RlResult<EvalResult> {
+) -> Result<EvalResult> {
     let cfg = EngineConfig {
         dtype: Dtype::F16,
         prefix_cache: false,
@@ -115,7 +113,7 @@ pub fn eval_policy(
 pub fn pretrain(
     cfg: &PretrainConfig,
     on_event: &mut dyn FnMut(PretrainEvent),
-) -> RlResult<PretrainReport> {
+) -> Result<PretrainReport> {
     let started = Instant::now();
     let tokenizer = CharTokenizer::new()?;
     let model_cfg = Config::from_value(cfg.hf_config(tokenizer.vocab_size()))?;
@@ -144,7 +142,7 @@ pub fn pretrain(
         .difficulties
         .iter()
         .map(|&l| ArithmeticTask::new(Difficulty::level(l)?, cfg.eval_size, cfg.eval_seed))
-        .collect::<Result<Vec<_>, _>>()?;
+        .collect::<std::result::Result<Vec<_>, _>>()?;
     let eval_task = ArithmeticTask::new(
         Difficulty::level(cfg.eval_difficulty)?,
         cfg.eval_size,
@@ -163,14 +161,12 @@ pub fn pretrain(
                 LossOn::Solution,
             )
         })
-        .collect::<Result<Vec<_>, _>>()?;
+        .collect::<std::result::Result<Vec<_>, _>>()?;
     let mut evals = Vec::new();
     let mut recent = Vec::new();
     for step in 1..=cfg.steps {
         let k = (step as usize - 1) % streams.len();
-        let batch = streams[k]
-            .next()
-            .ok_or_else(|| RlError::Invalid("problem stream ended".into()))??;
+        let batch = streams[k].next().ok_or(TrainError::ProblemStreamEnded)??;
         let (seqs, targets, mask) = to_tensors(&batch)?;
         let model = policy.model()?;
         let out = model.forward(&Batch::new(&seqs, PAD_ID, &Device::Cpu)?, Routing::Native)?;
@@ -215,29 +211,29 @@ fn write_checkpoint(
     policy: &TrainablePolicy,
     tokenizer: &CharTokenizer,
     report: &PretrainReport,
-) -> RlResult<()> {
-    let name = out
-        .file_name()
-        .ok_or_else(|| RlError::Invalid(format!("out_dir `{}` has no name", out.display())))?;
+) -> Result<()> {
+    let name = out.file_name().ok_or_else(|| TrainError::UnnamedOutDir {
+        path: out.to_path_buf(),
+    })?;
     let parent = out
         .parent()
         .map(Path::to_path_buf)
         .unwrap_or_else(|| PathBuf::from("."));
-    std::fs::create_dir_all(&parent).map_err(RlError::io(&parent))?;
+    std::fs::create_dir_all(&parent).map_err(TrainError::io(&parent))?;
     let mut tmp_name = std::ffi::OsString::from(".tmp-");
     tmp_name.push(name);
     let tmp = parent.join(tmp_name);
     if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).map_err(RlError::io(&tmp))?;
+        std::fs::remove_dir_all(&tmp).map_err(TrainError::io(&tmp))?;
     }
     policy.save_hf(&tmp)?;
     tokenizer.save(&tmp.join("tokenizer.json"))?;
     let text = serde_json::to_string_pretty(report)
-        .map_err(|e| RlError::Invalid(format!("serialising pretrain report: {e}")))?;
+        .map_err(TrainError::json("serialising pretrain report"))?;
     let report_path = tmp.join("pretrain.json");
-    std::fs::write(&report_path, text).map_err(RlError::io(&report_path))?;
+    std::fs::write(&report_path, text).map_err(TrainError::io(&report_path))?;
     if out.exists() {
-        std::fs::remove_dir_all(out).map_err(RlError::io(out))?;
+        std::fs::remove_dir_all(out).map_err(TrainError::io(out))?;
     }
-    std::fs::rename(&tmp, out).map_err(RlError::io(out))
+    std::fs::rename(&tmp, out).map_err(TrainError::io(out))
 }

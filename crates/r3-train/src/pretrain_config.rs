@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::error::{Result, TrainError};
 use crate::overrides::{apply_overrides, merge_known};
-use crate::rl_error::{RlError, RlResult};
 
 /// The whole pretraining run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -128,26 +128,31 @@ impl Default for ModelShape {
 
 impl PretrainConfig {
     /// Defaults ← TOML file (optional) ← `key=value` overrides, then validation.
-    pub fn resolve(file: Option<&Path>, overrides: &[String]) -> RlResult<Self> {
-        let mut value = toml::Value::try_from(Self::default())
-            .map_err(|e| RlError::Invalid(format!("serialising pretrain defaults: {e}")))?;
+    pub fn resolve(file: Option<&Path>, overrides: &[String]) -> Result<Self> {
+        let mut value =
+            toml::Value::try_from(Self::default()).map_err(TrainError::config_serialize)?;
         if let Some(path) = file {
-            let text = std::fs::read_to_string(path).map_err(RlError::io(path))?;
+            let text = std::fs::read_to_string(path).map_err(TrainError::io(path))?;
             let incoming: toml::Value = toml::from_str(&text)
-                .map_err(|e| RlError::Invalid(format!("{}: {e}", path.display())))?;
+                .map_err(TrainError::config_parse(path.display().to_string()))?;
             merge_known(&mut value, incoming, "")?;
         }
         apply_overrides(&mut value, overrides)?;
-        let cfg: Self = value.try_into().map_err(|e: toml::de::Error| {
-            RlError::Invalid(format!("pretrain config: {}", e.message()))
-        })?;
+        let cfg: Self = value
+            .try_into()
+            .map_err(TrainError::config_parse("pretrain values"))?;
         cfg.validate()?;
         Ok(cfg)
     }
 
     /// Checks values that are well-typed but meaningless.
-    pub fn validate(&self) -> RlResult<()> {
-        let bad = |m: String| Err(RlError::Invalid(format!("pretrain config: {m}")));
+    pub fn validate(&self) -> Result<()> {
+        let bad = |reason: String| {
+            Err(TrainError::InvalidConfig {
+                field: "pretrain",
+                reason,
+            })
+        };
         let m = &self.model;
         if self.steps == 0 || self.batch_size == 0 {
             return bad("steps and batch_size must be >= 1".into());

@@ -8,8 +8,8 @@ use std::time::Instant;
 
 use crate::checkpoint::latest_checkpoint;
 use crate::config::TrainConfig;
+use crate::error::{Result, TrainError};
 use crate::metrics_log::{truncate_after_step, EvalLine, JsonlWriter, StepMetrics};
-use crate::rl_error::{RlError, RlResult};
 use crate::rollout::EvalResult;
 use crate::trainer::Trainer;
 
@@ -65,15 +65,12 @@ pub struct Run {
 
 impl Run {
     /// A fresh run in `cfg.run_dir` (created; must not already hold a run).
-    pub fn fresh(cfg: TrainConfig) -> RlResult<Self> {
+    pub fn fresh(cfg: TrainConfig) -> Result<Self> {
         let run_dir = cfg.run_dir.clone();
         if run_dir.join(METRICS_FILE).exists() || run_dir.join(CONFIG_FILE).exists() {
-            return Err(RlError::Checkpoint {
-                path: run_dir,
-                msg: "already holds a run; resume it or choose another run_dir".into(),
-            });
+            return Err(TrainError::RunExists { path: run_dir });
         }
-        std::fs::create_dir_all(&run_dir).map_err(RlError::io(&run_dir))?;
+        std::fs::create_dir_all(&run_dir).map_err(TrainError::io(&run_dir))?;
         cfg.save(&run_dir.join(CONFIG_FILE))?;
         let trainer = Trainer::new(cfg)?;
         Ok(Self {
@@ -86,9 +83,9 @@ impl Run {
     /// Continues the run in `run_dir` from its newest checkpoint (or from the base model
     /// when it has none), with the config saved in the run directory. Log lines after the
     /// checkpoint's step are dropped, so the logs read as one uninterrupted run.
-    pub fn resume(run_dir: &Path) -> RlResult<Self> {
+    pub fn resume(run_dir: &Path) -> Result<Self> {
         let cfg_path = run_dir.join(CONFIG_FILE);
-        let text = std::fs::read_to_string(&cfg_path).map_err(RlError::io(&cfg_path))?;
+        let text = std::fs::read_to_string(&cfg_path).map_err(TrainError::io(&cfg_path))?;
         let mut cfg = TrainConfig::from_toml_str(&text)?;
         cfg.run_dir = run_dir.to_path_buf();
         let trainer = match latest_checkpoint(run_dir)? {
@@ -111,7 +108,7 @@ impl Run {
     }
 
     /// Runs the remaining steps of the config.
-    pub fn execute(&mut self, observer: &mut dyn Observer) -> RlResult<RunSummary> {
+    pub fn execute(&mut self, observer: &mut dyn Observer) -> Result<RunSummary> {
         let started = Instant::now();
         let t = &mut self.trainer;
         let total = t.cfg.steps;

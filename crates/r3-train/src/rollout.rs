@@ -2,12 +2,13 @@
 //! its rollout log-probs and routes, decoded and scored by the task's verifier; and greedy
 //! evaluation on the fixed held-out set.
 
+use r3_model::ReplayRoutes;
 use r3_rollout::{Engine, FinishReason, GenerateRequest, SamplingParams};
-use r3_routing::RouteTable;
+use r3_routing::{LayerLayout, RouteTable};
 use r3_tasks::{judge, CharTokenizer, Problem, RewardConfig, Verdict, EOS_ID};
 
+use crate::error::{Result, TrainError};
 use crate::policy::ResponseBatch;
-use crate::rl_error::{RlError, RlResult};
 
 /// One sampled response with everything the trainer needs from the rollout.
 #[derive(Debug, Clone)]
@@ -82,7 +83,7 @@ pub fn sample_groups(
     reward: &RewardConfig,
     seed: u64,
     step: u64,
-) -> RlResult<Vec<Trajectory>> {
+) -> Result<Vec<Trajectory>> {
     let stop = stop_ids(engine);
     let mut requests = Vec::with_capacity(problems.len() * spec.group_size);
     let mut prompts = Vec::with_capacity(problems.len());
@@ -102,11 +103,10 @@ pub fn sample_groups(
     }
     let results = engine.generate(requests)?;
     if results.len() != problems.len() * spec.group_size {
-        return Err(RlError::Invalid(format!(
-            "engine returned {} results for {} requests",
-            results.len(),
-            problems.len() * spec.group_size
-        )));
+        return Err(TrainError::EngineResults {
+            got: results.len(),
+            expected: problems.len() * spec.group_size,
+        });
     }
     results
         .into_iter()
@@ -132,35 +132,38 @@ pub fn sample_groups(
 }
 
 /// The trajectories as a scoring batch (prompt + response, prompt lengths).
-pub fn response_batch(trajectories: &[Trajectory]) -> RlResult<ResponseBatch> {
+pub fn response_batch(trajectories: &[Trajectory]) -> Result<ResponseBatch> {
     ResponseBatch::new(
         trajectories.iter().map(Trajectory::tokens).collect(),
         trajectories.iter().map(|t| t.prompt_ids.len()).collect(),
     )
 }
 
-/// The rollout route tables of the trajectories, in the `len − 1`-row form replay accepts.
-pub fn rollout_routes(trajectories: &[Trajectory]) -> RlResult<Vec<RouteTable>> {
-    trajectories
+/// The rollout route tables of the trajectories, in the `len − 1`-row form replay accepts:
+/// where routes enter the trainer, so the one place their row range and coverage (a route
+/// in every cell, proven by [`ReplayRoutes`]) are checked.
+pub fn rollout_routes(trajectories: &[Trajectory], layout: &LayerLayout) -> Result<ReplayRoutes> {
+    let tables = trajectories
         .iter()
         .enumerate()
         .map(|(i, t)| {
-            let table = t.routes.clone().ok_or_else(|| {
-                RlError::Invalid(format!(
-                    "trajectory {i} has no rollout routes (R3 needs the engine to return them)"
-                ))
-            })?;
-            let want = t.prompt_ids.len() + t.response_ids.len() - 1;
-            if table.start_pos() != 0 || table.num_tokens() != want {
-                return Err(RlError::Invalid(format!(
-                    "trajectory {i}: rollout routes cover rows [{}, {}), expected [0, {want})",
-                    table.start_pos(),
-                    table.start_pos() + table.num_tokens()
-                )));
+            let table = t
+                .routes
+                .clone()
+                .ok_or(TrainError::MissingRolloutRoutes { trajectory: i })?;
+            let expected = t.prompt_ids.len() + t.response_ids.len() - 1;
+            if table.start_pos() != 0 || table.num_tokens() != expected {
+                return Err(TrainError::MisalignedRolloutRoutes {
+                    trajectory: i,
+                    start: table.start_pos(),
+                    rows: table.num_tokens(),
+                    expected,
+                });
             }
             Ok(table)
         })
-        .collect()
+        .collect::<Result<Vec<_>>>()?;
+    Ok(ReplayRoutes::new(tables, layout)?)
 }
 
 /// Result of a held-out evaluation.
@@ -183,9 +186,9 @@ pub fn evaluate(
     max_new_tokens: usize,
     temperature: f32,
     seed: u64,
-) -> RlResult<EvalResult> {
+) -> Result<EvalResult> {
     if problems.is_empty() {
-        return Err(RlError::Invalid("evaluation set is empty".into()));
+        return Err(TrainError::EmptyEvalSet);
     }
     let stop = stop_ids(engine);
     let requests = problems
@@ -203,7 +206,7 @@ pub fn evaluate(
             req.return_routes = false;
             Ok(req)
         })
-        .collect::<RlResult<Vec<_>>>()?;
+        .collect::<Result<Vec<_>>>()?;
     let results = engine.generate(requests)?;
     let mut correct = 0usize;
     let mut tokens = 0usize;

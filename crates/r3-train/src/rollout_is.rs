@@ -82,10 +82,11 @@ pub fn rollout_is_weights(
         return Ok(None);
     }
     if cfg.threshold.is_nan() || cfg.threshold <= 0.0 {
-        return Err(TrainError::Invalid(format!(
-            "IS threshold must be > 0, got {}",
-            cfg.threshold
-        )));
+        return Err(TrainError::OutOfRange {
+            name: "IS threshold",
+            value: cfg.threshold,
+            expected: "> 0",
+        });
     }
     let (b, t) = old_logp.dims2()?;
     check_bt("old_logp", old_logp, b, t)?;

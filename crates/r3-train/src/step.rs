@@ -1,49 +1,40 @@
-//! One RL step (DESIGN.md "the spine"): rollout → reward → old log-probs with the replay
-//! mode's routing → mismatch and routing divergence at the old weights → GRPO advantages
-//! (+ dynamic sampling) → mini-batch updates → weight sync to the rollout engine.
+//! One RL step, the spine of training: rollout → reward → GRPO advantages (+ dynamic
+//! sampling) → the updates → weight sync to the rollout engine → metrics.
 //!
 //! Replay modes: R3 replays the rollout routes in the old-log-prob pass and every update;
 //! R2 records the old pass's routes and replays them in every update; disabled routes
 //! natively. With one mini-batch the old policy *is* the update forward (ratio 1, as in
 //! the paper's single mini-step), so no separate old pass runs: the update forward's
-//! detached log-probs serve as old log-probs and for the diagnostics.
+//! detached log-probs serve as old log-probs and for the diagnostics
+//! ([`Trainer::single_update`]). With more, the old log-probs come from a separate pass
+//! and the kept rows are shuffled into mini-batches ([`Trainer::minibatch_updates`]).
 
 use std::time::Instant;
 
 use candle_core::{Device, Tensor};
-use r3_model::{ReplayProof, Routing};
+use r3_model::{ReplayProof, ReplayRoutes, Routing};
 use r3_routing::{MismatchMetrics, RouteTable};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use crate::advantage::{filter_uniform_groups, grpo_advantages, GrpoOptions};
-use crate::config::RouterReplay;
+use crate::config::{RouterReplay, TrainConfig};
 use crate::diagnostics::{
     logp_mismatch, proof_divergence, recorded_divergence, verify_proof, RouteDivergence,
 };
+use crate::error::{Result, TrainError};
 use crate::metrics_log::StepMetrics;
-use crate::minibatch::{
-    update_minibatch, MiniBatch, MiniBatchResult, UpdateRouting, UpdateSettings,
-};
+use crate::minibatch::{update_minibatch, MiniBatch, MiniBatchResult, UpdateSettings};
 use crate::policy::{score, ResponseBatch};
-use crate::rl_error::{RlError, RlResult};
 use crate::rollout::{
     mix_seed, response_batch, rollout_routes, sample_groups, SamplingSpec, Trajectory,
 };
 use crate::trainer::Trainer;
 use crate::update::UpdateOutcome;
 
-/// The `replay_mode` label of the metrics schema.
-pub fn mode_label(mode: RouterReplay) -> &'static str {
-    match mode {
-        RouterReplay::Disabled => "disabled",
-        RouterReplay::R2 => "R2",
-        RouterReplay::R3 => "R3",
-    }
-}
-
-/// Which routes each pass of a step used, for checking the replay modes.
+/// Which routes each pass of a step used, for checking the replay modes (opt in with
+/// [`Trainer::rl_step_with`]).
 #[derive(Debug, Clone, Default)]
 pub struct StepTrace {
     /// Prompt+response tokens of the step's trajectories.
@@ -58,6 +49,24 @@ pub struct StepTrace {
     pub updates: Vec<(Vec<usize>, Option<ReplayProof>)>,
 }
 
+/// The sampled and scored batch of a step: what the updates work on.
+struct StepBatch {
+    trajs: Vec<Trajectory>,
+    batch: ResponseBatch,
+    /// Rollout log-probs per response token.
+    rollout_lp: Vec<Vec<f32>>,
+    /// The same aligned to the batch, `[n, W]`.
+    rollout_logp: Tensor,
+    /// Rollout routes of every trajectory, if the engine returned them.
+    routes: Option<ReplayRoutes>,
+    advantages: Vec<f32>,
+    /// Rows that enter the loss (all, or those of non-uniform groups).
+    kept_rows: Vec<usize>,
+    groups_kept: usize,
+    groups_dropped: usize,
+    rollout_s: f64,
+}
+
 /// What the old-policy view of the batch gave.
 struct OldView {
     logp: Tensor,
@@ -67,19 +76,52 @@ struct OldView {
     divergence: Option<RouteDivergence>,
 }
 
+/// What the updates of a step did.
+struct Updates {
+    view: OldView,
+    results: Vec<MiniBatchResult>,
+    old_logp_s: f64,
+    update_s: f64,
+}
+
 impl Trainer {
     /// Runs RL step `self.step + 1` and returns its metrics line (without eval).
-    pub fn rl_step(&mut self) -> RlResult<StepMetrics> {
-        Ok(self.rl_step_traced()?.0)
+    pub fn rl_step(&mut self) -> Result<StepMetrics> {
+        self.rl_step_with(None)
     }
 
-    /// [`Trainer::rl_step`], also returning which routes each pass used.
-    pub fn rl_step_traced(&mut self) -> RlResult<(StepMetrics, StepTrace)> {
+    /// [`Trainer::rl_step`], also filling `trace` (when given) with the routes each pass used.
+    pub fn rl_step_with(&mut self, mut trace: Option<&mut StepTrace>) -> Result<StepMetrics> {
         let step = self.step + 1;
         let cfg = self.cfg.clone();
-        let mode = cfg.algo.router_replay;
-        let group = cfg.rollout.group_size;
+        let data = self.sample_step(step, &cfg)?;
+        if let Some(trace) = trace.as_deref_mut() {
+            trace.sequences = data.batch.sequences().to_vec();
+            trace.rollout_tables = data.routes.as_ref().map(|r| r.tables().to_vec());
+        }
+        let settings = update_settings(&cfg);
+        let updates = if cfg.algo.mini_batches > 1 {
+            self.minibatch_updates(step, &cfg, &data, settings, trace)?
+        } else {
+            self.single_update(&cfg, &data, settings, trace)?
+        };
+        let train_lp = data.batch.gather_responses(&updates.view.logp)?;
+        let mismatch = logp_mismatch(&train_lp, &data.rollout_lp)?;
+        let sync_s = self.sync_weights()?;
+        self.step = step;
+        Ok(finish_metrics(
+            step,
+            &cfg,
+            &data,
+            &updates,
+            mismatch.as_ref(),
+            sync_s,
+        ))
+    }
 
+    /// Rollout, rewards and advantages of step `step`.
+    fn sample_step(&mut self, step: u64, cfg: &TrainConfig) -> Result<StepBatch> {
+        let group = cfg.rollout.group_size;
         let t_rollout = Instant::now();
         let problems = self.next_problems(cfg.rollout.prompts_per_step)?;
         let spec = SamplingSpec {
@@ -99,15 +141,15 @@ impl Trainer {
         let rollout_s = t_rollout.elapsed().as_secs_f64();
 
         let batch = response_batch(&trajs)?;
-        let device = Device::Cpu;
         let rollout_lp: Vec<Vec<f32>> = trajs.iter().map(|t| t.rollout_logp.clone()).collect();
-        let rollout_logp = batch.align(&rollout_lp, &device)?;
-        let tables = match trajs.iter().all(|t| t.routes.is_some()) {
-            true => Some(rollout_routes(&trajs)?),
-            false if mode == RouterReplay::R3 => {
-                return Err(RlError::Invalid(
-                    "R3 needs rollout routes, the engine returned none (dense model?)".into(),
-                ))
+        let rollout_logp = batch.align(&rollout_lp, &Device::Cpu)?;
+        let routes = match trajs.iter().all(|t| t.routes.is_some()) {
+            true => Some(rollout_routes(&trajs, &self.policy.config().layout)?),
+            false if cfg.algo.router_replay == RouterReplay::R3 => {
+                let missing = trajs.iter().position(|t| t.routes.is_none()).unwrap_or(0);
+                return Err(TrainError::MissingRolloutRoutes {
+                    trajectory: missing,
+                });
             }
             false => None,
         };
@@ -119,150 +161,160 @@ impl Trainer {
         };
         let (advantages, _) = grpo_advantages(&rewards, group, opts)?;
         let filter = filter_uniform_groups(&rewards, group)?;
-        let kept_rows: Vec<usize> = if cfg.algo.dynamic_sampling {
-            filter.kept_rows()
+        let (kept_rows, groups_kept, groups_dropped) = if cfg.algo.dynamic_sampling {
+            let kept = filter.kept_groups.len();
+            (filter.kept_rows(), kept, filter.dropped_groups)
         } else {
-            (0..trajs.len()).collect()
+            ((0..trajs.len()).collect(), trajs.len() / group, 0)
         };
-        let (groups_kept, groups_dropped) = if cfg.algo.dynamic_sampling {
-            (filter.kept_groups.len(), filter.dropped_groups)
-        } else {
-            (trajs.len() / group, 0)
-        };
+        Ok(StepBatch {
+            trajs,
+            batch,
+            rollout_lp,
+            rollout_logp,
+            routes,
+            advantages,
+            kept_rows,
+            groups_kept,
+            groups_dropped,
+            rollout_s,
+        })
+    }
 
-        let settings = UpdateSettings {
-            loss: cfg.algo.loss,
-            clip: cfg.clip_range(),
-            agg: cfg.algo.loss_agg,
-            is: cfg.is_config(),
-            entropy_coef: cfg.algo.entropy_coef,
-            lr: 0.0,
-            grad_clip: cfg.optim.grad_clip,
-            mode_label: mode_label(mode),
+    /// One update over the whole batch: its forward is the old policy (R3 replays the
+    /// rollout routes, R2 and disabled record native routes for the divergence), and rows
+    /// dropped by dynamic sampling get loss weight 0.
+    fn single_update(
+        &mut self,
+        cfg: &TrainConfig,
+        data: &StepBatch,
+        settings: UpdateSettings,
+        trace: Option<&mut StepTrace>,
+    ) -> Result<Updates> {
+        let started = Instant::now();
+        let routing = match (cfg.algo.router_replay, &data.routes) {
+            (RouterReplay::R3, Some(routes)) => Routing::Replay(routes),
+            _ => Routing::Record,
         };
-        let schedule = cfg.lr_schedule();
+        let mut row_weight = vec![0f32; data.trajs.len()];
+        for &r in &data.kept_rows {
+            row_weight[r] = 1.0;
+        }
+        let s = UpdateSettings {
+            lr: cfg.lr_schedule().lr_at(self.optimizer.step_count()),
+            ..settings
+        };
+        let mb = MiniBatch {
+            batch: &data.batch,
+            old_logp: None,
+            rollout_logp: data.rollout_logp.clone(),
+            advantages: data.advantages.clone(),
+            row_weight: Some(row_weight),
+            routing,
+        };
+        let r = update_minibatch(&self.policy, &mut self.optimizer, &mb, &s)?;
+        if let Some(trace) = trace {
+            trace
+                .updates
+                .push(((0..data.trajs.len()).collect(), r.replay.clone()));
+        }
+        let update_s = started.elapsed().as_secs_f64();
+        let divergence = match (&r.replay, &r.routes, &data.routes) {
+            (Some(proof), _, _) => Some(proof_divergence(proof)),
+            (None, Some(recorded), Some(rollout)) => {
+                Some(recorded_divergence(rollout.tables(), recorded)?)
+            }
+            _ => None,
+        };
+        let view = OldView {
+            logp: r.logp.clone(),
+            recorded: None,
+            entropy: r.entropy,
+            verified_frac: r.verified_frac,
+            divergence,
+        };
+        Ok(Updates {
+            view,
+            results: vec![r],
+            old_logp_s: 0.0,
+            update_s,
+        })
+    }
+
+    /// The old-log-prob pass, then one update per mini-batch of the shuffled kept rows,
+    /// each replaying the mode's routes (R3: rollout, R2: the old pass's) for its rows.
+    fn minibatch_updates(
+        &mut self,
+        step: u64,
+        cfg: &TrainConfig,
+        data: &StepBatch,
+        settings: UpdateSettings,
+        mut trace: Option<&mut StepTrace>,
+    ) -> Result<Updates> {
+        let mode = cfg.algo.router_replay;
         let t_old = Instant::now();
-        let mut results: Vec<MiniBatchResult> = Vec::new();
-        let mut trace = StepTrace {
-            sequences: batch.sequences().to_vec(),
-            rollout_tables: tables.clone(),
-            ..StepTrace::default()
-        };
-        let old = if cfg.algo.mini_batches > 1 {
-            let (view, proof) = self.old_pass(&batch, tables.as_deref(), mode)?;
+        let (view, proof) = self.old_pass(&data.batch, data.routes.as_ref(), mode)?;
+        if let Some(trace) = trace.as_deref_mut() {
             trace.old_proof = proof;
             trace.old_recorded = view.recorded.clone();
-            let old_logp_s = t_old.elapsed().as_secs_f64();
-            let t_update = Instant::now();
-            let mut rows = kept_rows.clone();
-            rows.shuffle(&mut ChaCha8Rng::seed_from_u64(mix_seed(&[
-                cfg.seed, step, 0x5155,
-            ])));
-            let chunk = rows.len().div_ceil(cfg.algo.mini_batches).max(1);
-            for part in rows.chunks(chunk) {
-                let mb_batch = batch.subset(part)?;
-                let width = mb_batch.width();
-                let idx = Tensor::from_vec(
-                    part.iter().map(|&r| r as u32).collect(),
-                    part.len(),
-                    &device,
-                )?;
-                let pick = |t: &Tensor| -> RlResult<Tensor> {
-                    Ok(t.index_select(&idx, 0)?.narrow(1, 0, width)?.contiguous()?)
-                };
-                let replay: Option<Vec<RouteTable>> = match mode {
-                    RouterReplay::R3 => tables
-                        .as_ref()
-                        .map(|t| part.iter().map(|&r| t[r].clone()).collect()),
-                    RouterReplay::R2 => view
-                        .recorded
-                        .as_ref()
-                        .map(|t| part.iter().map(|&r| t[r].clone()).collect()),
-                    RouterReplay::Disabled => None,
-                };
-                let routing = match &replay {
-                    Some(t) => UpdateRouting::Replay(t),
-                    None => UpdateRouting::Native,
-                };
-                let s = UpdateSettings {
-                    lr: schedule.lr_at(self.optimizer.step_count()),
-                    ..settings
-                };
-                let mb = MiniBatch {
-                    batch: &mb_batch,
-                    old_logp: Some(pick(&view.logp)?),
-                    rollout_logp: pick(&rollout_logp)?,
-                    advantages: part.iter().map(|&r| advantages[r]).collect(),
-                    row_weight: None,
-                    routing,
-                };
-                let r = update_minibatch(&self.policy, &mut self.optimizer, &mb, &s)?;
-                trace.updates.push((part.to_vec(), r.replay.clone()));
-                results.push(r);
+        }
+        let replayed = match mode {
+            RouterReplay::R3 => data.routes.clone(),
+            RouterReplay::R2 => {
+                let layout = &self.policy.config().layout;
+                let recorded = view.recorded.clone();
+                recorded.map(|t| ReplayRoutes::new(t, layout)).transpose()?
             }
-            (view, old_logp_s, t_update.elapsed().as_secs_f64())
-        } else {
-            let replay = match mode {
-                RouterReplay::R3 => tables.as_deref().map(UpdateRouting::Replay),
-                _ => None,
+            RouterReplay::Disabled => None,
+        };
+        let old_logp_s = t_old.elapsed().as_secs_f64();
+
+        let t_update = Instant::now();
+        let mut rows = data.kept_rows.clone();
+        rows.shuffle(&mut ChaCha8Rng::seed_from_u64(mix_seed(&[
+            cfg.seed, step, 0x5155,
+        ])));
+        let chunk = rows.len().div_ceil(cfg.algo.mini_batches).max(1);
+        let schedule = cfg.lr_schedule();
+        let mut results = Vec::new();
+        for part in rows.chunks(chunk) {
+            let mb_batch = data.batch.subset(part)?;
+            let width = mb_batch.width();
+            let idx = Tensor::from_vec(
+                part.iter().map(|&r| r as u32).collect(),
+                part.len(),
+                &Device::Cpu,
+            )?;
+            let pick = |t: &Tensor| -> Result<Tensor> {
+                Ok(t.index_select(&idx, 0)?.narrow(1, 0, width)?.contiguous()?)
             };
-            let mut row_weight = vec![0f32; trajs.len()];
-            for &r in &kept_rows {
-                row_weight[r] = 1.0;
-            }
+            let part_routes = replayed.as_ref().map(|r| r.select(part)).transpose()?;
             let s = UpdateSettings {
                 lr: schedule.lr_at(self.optimizer.step_count()),
                 ..settings
             };
             let mb = MiniBatch {
-                batch: &batch,
-                old_logp: None,
-                rollout_logp: rollout_logp.clone(),
-                advantages: advantages.clone(),
-                row_weight: Some(row_weight),
-                routing: replay.unwrap_or(UpdateRouting::Record),
+                batch: &mb_batch,
+                old_logp: Some(pick(&view.logp)?),
+                rollout_logp: pick(&data.rollout_logp)?,
+                advantages: part.iter().map(|&r| data.advantages[r]).collect(),
+                row_weight: None,
+                routing: part_routes
+                    .as_ref()
+                    .map_or(Routing::Native, Routing::Replay),
             };
             let r = update_minibatch(&self.policy, &mut self.optimizer, &mb, &s)?;
-            trace
-                .updates
-                .push(((0..trajs.len()).collect(), r.replay.clone()));
-            let update_s = t_old.elapsed().as_secs_f64();
-            let divergence = match (&r.replay, &r.routes, &tables) {
-                (Some(proof), _, _) => Some(proof_divergence(proof)),
-                (None, Some(rec), Some(t)) => Some(recorded_divergence(t, rec)?),
-                _ => None,
-            };
-            let view = OldView {
-                logp: r.logp.clone(),
-                recorded: None,
-                entropy: r.entropy,
-                verified_frac: r.verified_frac,
-                divergence,
-            };
+            if let Some(trace) = trace.as_deref_mut() {
+                trace.updates.push((part.to_vec(), r.replay.clone()));
+            }
             results.push(r);
-            (view, 0.0, update_s)
-        };
-        let (view, old_logp_s, update_s) = old;
-        let train_lp = batch.gather_responses(&view.logp)?;
-        let mismatch = logp_mismatch(&train_lp, &rollout_lp)?;
-
-        let sync_s = self.sync_weights()?;
-        self.step = step;
-        let total_s = rollout_s + old_logp_s + update_s + sync_s;
-        let mut m = step_metrics(step, &cfg, &trajs, &results, mismatch.as_ref(), &view);
-        m.groups_kept = groups_kept as u64;
-        m.groups_dropped = groups_dropped as u64;
-        m.rollout_s = rollout_s;
-        m.old_logp_s = old_logp_s;
-        m.update_s = update_s;
-        m.sync_s = sync_s;
-        let tokens: usize = batch.sequences().iter().map(Vec::len).sum();
-        m.tokens_per_s = if total_s > 0.0 {
-            tokens as f64 / total_s
-        } else {
-            0.0
-        };
-        Ok((m, trace))
+        }
+        Ok(Updates {
+            view,
+            results,
+            old_logp_s,
+            update_s: t_update.elapsed().as_secs_f64(),
+        })
     }
 
     /// The old-policy pass (no autograd graph) over the whole batch with the mode's
@@ -270,25 +322,24 @@ impl Trainer {
     fn old_pass(
         &self,
         batch: &ResponseBatch,
-        tables: Option<&[RouteTable]>,
+        routes: Option<&ReplayRoutes>,
         mode: RouterReplay,
-    ) -> RlResult<(OldView, Option<ReplayProof>)> {
+    ) -> Result<(OldView, Option<ReplayProof>)> {
         let model = self.policy.frozen_model()?;
-        let routing = match (mode, tables) {
-            (RouterReplay::R3, Some(t)) => Routing::Replay(t),
+        let routing = match (mode, routes) {
+            (RouterReplay::R3, Some(r)) => Routing::Replay(r),
             (RouterReplay::R3, None) => {
-                return Err(RlError::Invalid(
-                    "R3 old pass without rollout routes".into(),
-                ))
+                return Err(TrainError::MissingRolloutRoutes { trajectory: 0 })
             }
             _ => Routing::Record,
         };
         let scored = score(&model, batch, routing)?;
         let mask = batch.response_mask(None, &Device::Cpu)?;
         let entropy = scored.mean_entropy(&mask)?;
-        let (verified_frac, divergence) = match (&scored.replay, &scored.routes, tables) {
+        let rollout = routes.map(ReplayRoutes::tables);
+        let (verified_frac, divergence) = match (&scored.replay, &scored.routes, rollout) {
             (Some(proof), _, Some(t)) => (
-                Some(verify_proof(proof, t, mode_label(mode), "old-logp")?),
+                Some(verify_proof(proof, t, mode, "old-logp")?),
                 Some(proof_divergence(proof)),
             ),
             (None, Some(rec), Some(t)) => (None, Some(recorded_divergence(t, rec)?)),
@@ -305,6 +356,53 @@ impl Trainer {
     }
 }
 
+/// Loss and optimiser settings of the step's updates (the LR is set per update).
+fn update_settings(cfg: &TrainConfig) -> UpdateSettings {
+    UpdateSettings {
+        loss: cfg.algo.loss,
+        clip: cfg.clip_range(),
+        agg: cfg.algo.loss_agg,
+        is: cfg.is_config(),
+        entropy_coef: cfg.algo.entropy_coef,
+        lr: 0.0,
+        grad_clip: cfg.optim.grad_clip,
+        mode: cfg.algo.router_replay,
+    }
+}
+
+/// The metrics line of a finished step, with its timings.
+fn finish_metrics(
+    step: u64,
+    cfg: &TrainConfig,
+    data: &StepBatch,
+    updates: &Updates,
+    mismatch: Option<&MismatchMetrics>,
+    sync_s: f64,
+) -> StepMetrics {
+    let mut m = step_metrics(
+        step,
+        cfg,
+        &data.trajs,
+        &updates.results,
+        mismatch,
+        &updates.view,
+    );
+    m.groups_kept = data.groups_kept as u64;
+    m.groups_dropped = data.groups_dropped as u64;
+    m.rollout_s = data.rollout_s;
+    m.old_logp_s = updates.old_logp_s;
+    m.update_s = updates.update_s;
+    m.sync_s = sync_s;
+    let total_s = data.rollout_s + updates.old_logp_s + updates.update_s + sync_s;
+    let tokens: usize = data.batch.sequences().iter().map(Vec::len).sum();
+    m.tokens_per_s = if total_s > 0.0 {
+        tokens as f64 / total_s
+    } else {
+        0.0
+    };
+    m
+}
+
 fn mean(values: impl Iterator<Item = f64>) -> Option<f64> {
     let (sum, n) = values.fold((0.0, 0usize), |(s, n), v| (s + v, n + 1));
     (n > 0).then(|| sum / n as f64)
@@ -313,7 +411,7 @@ fn mean(values: impl Iterator<Item = f64>) -> Option<f64> {
 /// Assembles the metrics line from the step's pieces (timing filled in by the caller).
 fn step_metrics(
     step: u64,
-    cfg: &crate::config::TrainConfig,
+    cfg: &TrainConfig,
     trajs: &[Trajectory],
     results: &[MiniBatchResult],
     mismatch: Option<&MismatchMetrics>,
@@ -332,7 +430,7 @@ fn step_metrics(
     });
     StepMetrics {
         step,
-        replay_mode: mode_label(cfg.algo.router_replay).to_string(),
+        replay_mode: cfg.algo.router_replay.to_string(),
         loss: match cfg.algo.loss {
             crate::loss::PolicyLossKind::Ppo => "ppo".into(),
             crate::loss::PolicyLossKind::Gspo => "gspo".into(),

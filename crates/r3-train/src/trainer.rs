@@ -11,9 +11,9 @@ use r3_tasks::{ArithmeticTask, CharTokenizer, Difficulty, Problem, RewardConfig}
 
 use crate::checkpoint::{load_optimizer, save_checkpoint, state_at, TrainerState};
 use crate::config::TrainConfig;
+use crate::error::{Result, TrainError};
 use crate::optim::{decay_matrices_only, AdamW, AdamWParams};
 use crate::policy::TrainablePolicy;
-use crate::rl_error::{RlError, RlResult};
 use crate::rollout::{evaluate, EvalResult};
 
 /// Everything one RL run mutates.
@@ -40,14 +40,17 @@ pub struct Trainer {
 }
 
 /// Parses the rollout precision (`f16` or `f32`).
-pub fn rollout_dtype(text: &str) -> RlResult<Dtype> {
+pub fn rollout_dtype(text: &str) -> Result<Dtype> {
     text.parse::<Dtype>()
-        .map_err(|e| RlError::Invalid(format!("rollout.dtype `{text}`: {e}")))
+        .map_err(|source| TrainError::RolloutDtype {
+            text: text.to_string(),
+            source: Box::new(source),
+        })
 }
 
 impl Trainer {
     /// A fresh trainer on the base model of `cfg.model_dir`.
-    pub fn new(cfg: TrainConfig) -> RlResult<Self> {
+    pub fn new(cfg: TrainConfig) -> Result<Self> {
         let dir = cfg.model_dir.clone();
         let policy = TrainablePolicy::load(&dir).map_err(|e| checkpoint_err(&dir, e))?;
         let tokenizer = CharTokenizer::from_file(&dir.join("tokenizer.json"))?;
@@ -55,15 +58,13 @@ impl Trainer {
     }
 
     /// A trainer restored from checkpoint `dir` (weights, moments, step, stream position).
-    pub fn from_checkpoint(cfg: TrainConfig, dir: &Path) -> RlResult<Self> {
+    pub fn from_checkpoint(cfg: TrainConfig, dir: &Path) -> Result<Self> {
         let state = crate::checkpoint::read_state(dir)?;
         if state.seed != cfg.seed {
-            return Err(RlError::Checkpoint {
+            return Err(TrainError::CheckpointSeed {
                 path: dir.to_path_buf(),
-                msg: format!(
-                    "checkpoint seed {} differs from config seed {}",
-                    state.seed, cfg.seed
-                ),
+                checkpoint: state.seed,
+                config: cfg.seed,
             });
         }
         let policy = TrainablePolicy::load(dir).map_err(|e| checkpoint_err(dir, e))?;
@@ -76,13 +77,12 @@ impl Trainer {
         policy: TrainablePolicy,
         tokenizer: CharTokenizer,
         resume: Option<(&Path, TrainerState)>,
-    ) -> RlResult<Self> {
+    ) -> Result<Self> {
         if tokenizer.vocab_size() > policy.config().vocab_size {
-            return Err(RlError::Invalid(format!(
-                "tokenizer has {} tokens, the model's vocabulary {}",
-                tokenizer.vocab_size(),
-                policy.config().vocab_size
-            )));
+            return Err(TrainError::VocabularyTooSmall {
+                tokenizer: tokenizer.vocab_size(),
+                model: policy.config().vocab_size,
+            });
         }
         let params = AdamWParams {
             beta1: cfg.optim.beta1,
@@ -125,7 +125,7 @@ impl Trainer {
     }
 
     /// The next `n` training problems of the seeded stream.
-    pub fn next_problems(&mut self, n: usize) -> RlResult<Vec<Problem>> {
+    pub fn next_problems(&mut self, n: usize) -> Result<Vec<Problem>> {
         let mut stream = self.task.train_stream(self.cfg.seed);
         stream.set_word_pos(self.stream_pos);
         let problems = stream.take_problems(n)?;
@@ -134,14 +134,14 @@ impl Trainer {
     }
 
     /// Pushes the policy's current weights into the rollout engine; returns seconds taken.
-    pub fn sync_weights(&mut self) -> RlResult<f64> {
+    pub fn sync_weights(&mut self) -> Result<f64> {
         let t = Instant::now();
         self.engine.update_weights(&self.policy.tensor_map()?)?;
         Ok(t.elapsed().as_secs_f64())
     }
 
     /// Held-out accuracy of the engine's current weights (native routing, eval settings).
-    pub fn evaluate(&mut self) -> RlResult<EvalResult> {
+    pub fn evaluate(&mut self) -> Result<EvalResult> {
         evaluate(
             &mut self.engine,
             &self.tokenizer,
@@ -153,7 +153,7 @@ impl Trainer {
     }
 
     /// Writes a checkpoint of the current step into the run directory.
-    pub fn save_checkpoint(&self, run_dir: &Path) -> RlResult<std::path::PathBuf> {
+    pub fn save_checkpoint(&self, run_dir: &Path) -> Result<std::path::PathBuf> {
         let state = state_at(
             self.step,
             self.optimizer.step_count(),
@@ -171,9 +171,9 @@ impl Trainer {
     }
 }
 
-fn checkpoint_err(dir: &Path, e: RlError) -> RlError {
-    RlError::Checkpoint {
+fn checkpoint_err(dir: &Path, e: TrainError) -> TrainError {
+    TrainError::Load {
         path: dir.to_path_buf(),
-        msg: e.to_string(),
+        source: Box::new(e),
     }
 }

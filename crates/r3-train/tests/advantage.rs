@@ -66,15 +66,24 @@ fn bad_reward_layouts_are_errors() {
     let o = GrpoOptions::default();
     assert!(matches!(
         grpo_advantages(&[1.0; 5], 2, o),
-        Err(TrainError::Shape(_))
+        Err(TrainError::RaggedGroups {
+            rewards: 5,
+            group_size: 2
+        })
     ));
     assert!(matches!(
         grpo_advantages(&[1.0; 4], 0, o),
-        Err(TrainError::Invalid(_))
+        Err(TrainError::OutOfRange {
+            name: "group_size",
+            ..
+        })
     ));
     match grpo_advantages(&[1.0, f32::NAN], 2, o) {
-        Err(TrainError::Invalid(msg)) => assert!(msg.contains("reward 1"), "{msg}"),
-        other => panic!("expected Invalid, got {other:?}"),
+        Err(TrainError::NonFiniteReward { index, value }) => {
+            assert_eq!(index, 1);
+            assert!(value.is_nan());
+        }
+        other => panic!("expected NonFiniteReward, got {other:?}"),
     }
 }
 
@@ -87,7 +96,10 @@ fn dynamic_sampling_drops_uniform_groups() {
     assert_eq!(f.kept_rows(), vec![2, 3, 6, 7]);
     let names = ["a", "b", "c", "d", "e", "f", "g", "h"];
     assert_eq!(f.select(&names).expect("select"), vec!["c", "d", "g", "h"]);
-    assert!(matches!(f.select(&names[..5]), Err(TrainError::Shape(_))));
+    assert!(matches!(
+        f.select(&names[..5]),
+        Err(TrainError::RowOutOfRange { row: 6, len: 5 })
+    ));
     let all_same = filter_uniform_groups(&[0.0; 6], 3).expect("filter");
     assert!(all_same.kept_groups.is_empty());
     assert_eq!(all_same.dropped_groups, 2);

@@ -102,16 +102,19 @@ fn override_errors_name_the_problem() {
         }
     }
     match TrainConfig::resolve(None, &set(&["algo.router_replay=R4"])) {
-        Err(TrainError::Config(msg)) => assert!(msg.contains("R4"), "{msg}"),
-        other => panic!("expected Config error, got {other:?}"),
+        Err(e @ TrainError::ConfigParse { .. }) => assert!(e.to_string().contains("R4"), "{e}"),
+        other => panic!("expected ConfigParse, got {other:?}"),
     }
     match TrainConfig::resolve(None, &set(&["rollout.group_size=0"])) {
-        Err(TrainError::Config(msg)) => assert!(msg.contains("group_size"), "{msg}"),
-        other => panic!("expected Config error, got {other:?}"),
+        Err(TrainError::InvalidConfig { field, reason }) => {
+            assert_eq!(field, "rollout");
+            assert!(reason.contains("group_size"), "{reason}");
+        }
+        other => panic!("expected InvalidConfig, got {other:?}"),
     }
     match TrainConfig::resolve(None, &set(&["algo.eps_low=1.5"])) {
-        Err(TrainError::Config(msg)) => assert!(msg.contains("algo.eps_low"), "{msg}"),
-        other => panic!("expected Config error, got {other:?}"),
+        Err(TrainError::InvalidConfig { field, .. }) => assert_eq!(field, "algo.eps_low"),
+        other => panic!("expected InvalidConfig, got {other:?}"),
     }
 }
 
@@ -139,11 +142,11 @@ fn file_layers_between_defaults_and_overrides() {
     std::fs::write(&path, "steps = [").expect("write");
     assert!(matches!(
         TrainConfig::resolve(Some(&path), &[]),
-        Err(TrainError::ConfigFile { .. })
+        Err(TrainError::ConfigParse { .. })
     ));
     assert!(matches!(
         TrainConfig::resolve(Some(&tmp("missing.toml")), &[]),
-        Err(TrainError::ConfigFile { .. })
+        Err(TrainError::Io { .. })
     ));
 }
 
@@ -155,4 +158,31 @@ fn saved_config_reloads_identically() {
     cfg.save(&path).expect("save");
     let back = TrainConfig::resolve(Some(&path), &[]).expect("reload");
     assert_eq!(back, cfg);
+}
+
+#[test]
+fn router_replay_names_round_trip_and_accept_the_aliases() {
+    for mode in [RouterReplay::Disabled, RouterReplay::R2, RouterReplay::R3] {
+        let name = mode.to_string();
+        assert_eq!(name.parse::<RouterReplay>().expect("parse"), mode);
+        let cfg = TrainConfig::resolve(None, &set(&[&format!("algo.router_replay={name}")]))
+            .expect("resolve");
+        assert_eq!(cfg.algo.router_replay, mode);
+        let text = cfg.to_toml_string().expect("toml");
+        assert!(
+            text.contains(&format!("router_replay = \"{name}\"")),
+            "{text}"
+        );
+    }
+    for (alias, mode) in [
+        ("none", RouterReplay::Disabled),
+        ("r2", RouterReplay::R2),
+        ("r3", RouterReplay::R3),
+    ] {
+        assert_eq!(alias.parse::<RouterReplay>().expect("alias"), mode);
+    }
+    assert!(matches!(
+        "R4".parse::<RouterReplay>(),
+        Err(TrainError::UnknownReplayMode(name)) if name == "R4"
+    ));
 }

@@ -71,11 +71,11 @@ fn masked_mean_by_hand_and_shape_errors() {
     let logits = Tensor::zeros((1, 3, 4), candle_core::DType::F32, &dev).expect("l");
     assert!(matches!(
         token_log_probs(&logits, &targets),
-        Err(TrainError::Shape(_))
+        Err(TrainError::Shape { .. })
     ));
     let f16 = logits.to_dtype(candle_core::DType::F16).expect("f16");
     assert!(matches!(
         entropy_from_logits(&f16),
-        Err(TrainError::Shape(_))
+        Err(TrainError::Dtype { .. })
     ));
 }

@@ -292,11 +292,11 @@ fn bad_shapes_and_clip_ranges_are_errors() {
     let adv2 = Tensor::zeros(2, candle_core::DType::F32, &dev).expect("adv");
     assert!(matches!(
         ppo_clip_loss(&input(&short, &adv2), CLIP, LossAgg::TokenMean),
-        Err(TrainError::Shape(_))
+        Err(TrainError::Shape { .. })
     ));
     assert!(matches!(
         ppo_clip_loss(&input(&x, &adv), CLIP, LossAgg::TokenMean),
-        Err(TrainError::Shape(_))
+        Err(TrainError::Shape { .. })
     ));
     let bad = ClipRange {
         low: 1.0,
@@ -304,6 +304,6 @@ fn bad_shapes_and_clip_ranges_are_errors() {
     };
     assert!(matches!(
         ppo_clip_loss(&input(&x, &adv2), bad, LossAgg::TokenMean),
-        Err(TrainError::Invalid(_))
+        Err(TrainError::ClipRange { .. })
     ));
 }

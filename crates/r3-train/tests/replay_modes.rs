@@ -11,6 +11,7 @@ use r3_model::{Model, Routing};
 use r3_routing::divergence;
 use r3_train::config::RouterReplay;
 use r3_train::policy::{score, ResponseBatch};
+use r3_train::step::StepTrace;
 use r3_train::Trainer;
 
 /// Rows each update forward must have replayed per MoE layer, from the sequences.
@@ -41,7 +42,8 @@ fn r3_replays_the_rollout_routes_in_the_old_pass_and_every_update() {
     // independent native pass at the old weights.
     let old_weights = trainer.policy.detached().snapshot().expect("snapshot");
     let before = Model::new(&cfg, &old_weights).expect("model");
-    let (metrics, trace) = trainer.rl_step_traced().expect("step");
+    let mut trace = StepTrace::default();
+    let metrics = trainer.rl_step_with(Some(&mut trace)).expect("step");
 
     let tables = trace.rollout_tables.as_ref().expect("rollout routes");
     let seqs = &trace.sequences;
@@ -100,7 +102,8 @@ fn r2_replays_the_old_pass_routes_in_the_updates() {
     let cfg = tiny_model(&model, 12);
     let run = tiny_config(&model, &dir.path().join("run"), RouterReplay::R2, 2);
     let mut trainer = Trainer::new(run).expect("trainer");
-    let (metrics, trace) = trainer.rl_step_traced().expect("step");
+    let mut trace = StepTrace::default();
+    let metrics = trainer.rl_step_with(Some(&mut trace)).expect("step");
 
     assert!(trace.old_proof.is_none(), "R2's old pass routes natively");
     let recorded = trace
@@ -137,7 +140,8 @@ fn disabled_routes_natively_in_every_pass() {
     tiny_model(&model, 13);
     let run = tiny_config(&model, &dir.path().join("run"), RouterReplay::Disabled, 2);
     let mut trainer = Trainer::new(run).expect("trainer");
-    let (metrics, trace) = trainer.rl_step_traced().expect("step");
+    let mut trace = StepTrace::default();
+    let metrics = trainer.rl_step_with(Some(&mut trace)).expect("step");
     assert!(trace.old_proof.is_none());
     assert!(
         trace.updates.iter().all(|(_, p)| p.is_none()),
@@ -156,7 +160,8 @@ fn single_mini_step_r3_replays_rollout_routes_in_the_one_update() {
     let cfg = tiny_model(&model, 14);
     let run = tiny_config(&model, &dir.path().join("run"), RouterReplay::R3, 1);
     let mut trainer = Trainer::new(run).expect("trainer");
-    let (metrics, trace) = trainer.rl_step_traced().expect("step");
+    let mut trace = StepTrace::default();
+    let metrics = trainer.rl_step_with(Some(&mut trace)).expect("step");
     assert!(
         trace.old_proof.is_none(),
         "single mini-step: no separate old pass"

@@ -125,11 +125,11 @@ fn none_gives_none_and_bad_threshold_is_an_error() {
     };
     assert!(matches!(
         rollout_is_weights(&old, &rollout, &mask, &bad),
-        Err(TrainError::Invalid(_))
+        Err(TrainError::OutOfRange { .. })
     ));
     let short = t2(&[vec![1.0]]);
     assert!(matches!(
         rollout_is_weights(&old, &short, &mask, &cfg(IsMode::Tis, IsLevel::Token)),
-        Err(TrainError::Shape(_))
+        Err(TrainError::Shape { .. })
     ));
 }

@@ -6,9 +6,10 @@ mod common;
 
 use candle_core::{Device, Tensor};
 use common::{tiny_config, tiny_model, Scratch};
+use r3_model::Routing;
 use r3_train::checkpoint::{latest_checkpoint, list_checkpoints, read_state};
 use r3_train::config::RouterReplay;
-use r3_train::minibatch::{update_minibatch, MiniBatch, UpdateRouting, UpdateSettings};
+use r3_train::minibatch::{update_minibatch, MiniBatch, UpdateSettings};
 use r3_train::optim::{decay_matrices_only, AdamW, AdamWParams};
 use r3_train::policy::{ResponseBatch, TrainablePolicy};
 use r3_train::{Quiet, Run, Trainer, UpdateOutcome};
@@ -180,7 +181,7 @@ fn a_nan_or_inf_loss_skips_the_update_and_leaves_weights_untouched() {
         entropy_coef: 0.0,
         lr: 1e-2,
         grad_clip: 1.0,
-        mode_label: "disabled",
+        mode: RouterReplay::Disabled,
     };
     let before = values(&policy);
     for bad in [f32::NAN, f32::INFINITY] {
@@ -190,7 +191,7 @@ fn a_nan_or_inf_loss_skips_the_update_and_leaves_weights_untouched() {
             rollout_logp: rollout.clone(),
             advantages: vec![bad, 1.0],
             row_weight: None,
-            routing: UpdateRouting::Native,
+            routing: Routing::Native,
         };
         let r = update_minibatch(&policy, &mut opt, &mb, &settings).expect("update runs");
         assert!(
@@ -212,7 +213,7 @@ fn a_nan_or_inf_loss_skips_the_update_and_leaves_weights_untouched() {
         rollout_logp: rollout,
         advantages: vec![-1.0, 1.0],
         row_weight: None,
-        routing: UpdateRouting::Native,
+        routing: Routing::Native,
     };
     let r = update_minibatch(&policy, &mut opt, &mb, &settings).expect("update");
     assert!(r.outcome.applied());

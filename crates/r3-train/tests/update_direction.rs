@@ -5,9 +5,10 @@
 mod common;
 
 use common::{tiny_model, Scratch};
-use r3_model::Routing;
+use r3_model::{ReplayRoutes, Routing};
+use r3_train::config::RouterReplay;
 use r3_train::loss::{ClipRange, PolicyLossKind};
-use r3_train::minibatch::{update_minibatch, MiniBatch, UpdateRouting, UpdateSettings};
+use r3_train::minibatch::{update_minibatch, MiniBatch, UpdateSettings};
 use r3_train::policy::{score, ResponseBatch, TrainablePolicy};
 use r3_train::{decay_matrices_only, AdamW, AdamWParams, IsConfig, IsLevel, IsMode, LossAgg};
 
@@ -43,6 +44,8 @@ fn check(kind: PolicyLossKind, replay: bool) {
             .routes
             .expect("routes")
     };
+    let recorded = ReplayRoutes::new(recorded, &policy.config().layout)
+        .expect("recorded routes cover every cell");
     let mut opt = AdamW::new(
         policy.vars().to_vec(),
         AdamWParams::default(),
@@ -60,8 +63,8 @@ fn check(kind: PolicyLossKind, replay: bool) {
         advantages: vec![1.0, -1.0],
         row_weight: None,
         routing: match replay {
-            true => UpdateRouting::Replay(&recorded),
-            false => UpdateRouting::Native,
+            true => Routing::Replay(&recorded),
+            false => Routing::Native,
         },
     };
     let settings = UpdateSettings {
@@ -79,7 +82,7 @@ fn check(kind: PolicyLossKind, replay: bool) {
         entropy_coef: 0.0,
         lr: 1e-3,
         grad_clip: 1.0,
-        mode_label: "R3",
+        mode: RouterReplay::R3,
     };
     let r = update_minibatch(&policy, &mut opt, &mb, &settings).expect("update");
     assert!(r.outcome.applied());

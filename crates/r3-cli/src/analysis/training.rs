@@ -4,7 +4,7 @@
 
 use candle_core::{Device, Tensor};
 use indicatif::ProgressBar;
-use r3_model::{Batch, Model, Routing};
+use r3_model::{Batch, Model, ReplayRoutes, Routing};
 use r3_routing::RouteTable;
 use r3_train::token_log_probs;
 
@@ -95,10 +95,10 @@ pub fn training_pass(
         let inputs: Vec<Vec<u32>> = chunk.iter().map(|&i| samples[i].forward_input()).collect();
         let batch = Batch::new(&inputs, 0, &Device::Cpu)
             .map_err(AnalysisError::model(format!("{label}: building a batch")))?;
-        let tables: Vec<RouteTable>;
+        let tables: ReplayRoutes;
         let mode = match (routing, is_moe) {
             (PassRouting::ReplayRollout, true) => {
-                tables = chunk
+                let rollout = chunk
                     .iter()
                     .map(|&i| {
                         samples[i].routes.clone().ok_or_else(|| {
@@ -106,6 +106,8 @@ pub fn training_pass(
                         })
                     })
                     .collect::<Result<_, _>>()?;
+                tables = ReplayRoutes::new(rollout, &model.config().layout)
+                    .map_err(AnalysisError::model(format!("{label}: rollout routes")))?;
                 Routing::Replay(&tables)
             }
             (PassRouting::NativeRecorded, true) => Routing::Record,

@@ -10,8 +10,7 @@ use anyhow::Context;
 use candle_core::{Device, Tensor};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use r3_model::{presets, Batch, Model, RandomInit, Routing, Weights};
-use r3_routing::RouteTable;
+use r3_model::{presets, Batch, Model, RandomInit, ReplayRoutes, Routing, Weights};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -156,10 +155,13 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         .flat_map(|s| s[1..].iter().copied().chain(std::iter::once(s[0])))
         .collect();
     let targets = Tensor::from_vec(targets, (args.batch, args.seq_len), &device)?;
-    let routes: Vec<RouteTable> = model
-        .forward(&batch, Routing::Record)?
-        .routes
-        .context("record forward returned no routes")?;
+    let routes = ReplayRoutes::new(
+        model
+            .forward(&batch, Routing::Record)?
+            .routes
+            .context("record forward returned no routes")?,
+        &model.config().layout,
+    )?;
 
     let tokens = args.batch * args.seq_len;
     println!(

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use candle_core::Device;
 use clap::Args;
-use r3_model::{Batch, Config, Model, Routing, Weights};
+use r3_model::{Batch, Config, Model, ReplayRoutes, Routing, Weights};
 use r3_routing::RouteTable;
 use serde_json::{json, Value};
 
@@ -57,10 +57,14 @@ pub fn run(args: ForwardArgs) -> anyhow::Result<()> {
     let batch = Batch::new(std::slice::from_ref(&args.input_ids), 0, &device)?;
 
     let replayed = args.replay.as_ref().map(read_routes).transpose()?;
+    let replay_input = replayed
+        .as_ref()
+        .map(|t| ReplayRoutes::new(vec![t.clone()], &cfg.layout))
+        .transpose()?;
     let dense = cfg.moe.is_none();
-    let routing = match (&replayed, dense) {
+    let routing = match (&replay_input, dense) {
         (Some(_), true) => anyhow::bail!("--replay given, but the model is dense"),
-        (Some(table), false) => Routing::Replay(std::slice::from_ref(table)),
+        (Some(routes), false) => Routing::Replay(routes),
         (None, true) => Routing::Native,
         (None, false) => Routing::Record,
     };

@@ -73,7 +73,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
     tracing::info!(
         run_dir = %run.run_dir.display(),
         model = %cfg.model_dir.display(),
-        replay = ?cfg.algo.router_replay,
+        replay = %cfg.algo.router_replay,
         loss = ?cfg.algo.loss,
         steps = cfg.steps,
         seed = cfg.seed,

@@ -283,7 +283,6 @@ fn routed_backward<T: Float>(
     wanted: Wanted,
 ) -> RoutedGrads<T> {
     let (hd, id) = (d.hidden, d.inter);
-    let (rows, dy) = (inp.rows, inp.dy);
     let offsets = disp.offsets();
     let places = offsets.last().copied().unwrap_or(0);
     let experts = offsets.len() - 1;
@@ -306,77 +305,9 @@ fn routed_backward<T: Float>(
         .enumerate()
         .map(|(j, ((a, b), c))| (j, a, b, c))
         .collect();
-    let work = |(j, dxj, dw1j, dw2j): ExpertJob<'_, T>| {
-        let (from, to) = (offsets[j], offsets[j + 1]);
-        let m = to - from;
-        if m == 0 {
-            // an expert no row went to: zero weight gradients (its input slice is empty)
-            dw1j.map(fill_zero);
-            dw2j.map(fill_zero);
-            return;
-        }
-        let slots = &disp.slots()[from..to];
-        // gradient at this expert's outputs: each row's output gradient times its gate
-        let mut go = Vec::with_capacity(m * hd);
-        for &s in slots {
-            let (s, g) = (s as usize, rows.gate(s as usize));
-            let r = s / disp.top_k();
-            go.extend(dy[r * hd..(r + 1) * hd].iter().map(|&v| g * v));
-        }
-        let hj = &inp.h[from * 2 * id..to * 2 * id];
-        let w1j = &inp.w1[j * 2 * id * hd..(j + 1) * 2 * id * hd];
-        let w2j = &inp.w2[j * hd * id..(j + 1) * hd * id];
-        // da = go · W2 (W2 is [H, I], read as-is)
-        let mut da = unfilled::<T>(m * id);
-        let da = matmul_unfilled(
-            m,
-            id,
-            hd,
-            &mut da,
-            MatRef::row_major(&go, hd),
-            MatRef::row_major(w2j, id),
-            threads,
-        );
-        let (a, dh) = swiglu_backward_rows(hj, da, id);
-        if let Some(dw2j) = dw2j {
-            // dW2 = goᵀ · a
-            matmul_unfilled(
-                hd,
-                id,
-                m,
-                dw2j,
-                MatRef::transposed(&go, hd),
-                MatRef::row_major(&a, id),
-                threads,
-            );
-        }
-        if let Some(dw1j) = dw1j {
-            // dW1 = dhᵀ · x
-            let xj = rows.gather(slots);
-            matmul_unfilled(
-                2 * id,
-                hd,
-                m,
-                dw1j,
-                MatRef::transposed(&dh, 2 * id),
-                MatRef::row_major(&xj, hd),
-                threads,
-            );
-        }
-        if let Some(dxj) = dxj {
-            // dx = dh · W1 (W1 is [2I, H], read as-is), per place
-            matmul_unfilled(
-                m,
-                hd,
-                2 * id,
-                dxj,
-                MatRef::row_major(&dh, 2 * id),
-                MatRef::row_major(w1j, hd),
-                threads,
-            );
-        }
-    };
-    run_jobs(jobs, threads, work);
+    run_jobs(jobs, threads, |job| {
+        expert_backward(job, &inp, disp, d, threads)
+    });
     // SAFETY: the jobs tile each wanted buffer and every job wrote all of its slices.
     let (dxp, dw1, dw2) = unsafe {
         (
@@ -385,32 +316,121 @@ fn routed_backward<T: Float>(
             assume_init_vec(dw2),
         )
     };
-    let drows = wanted.rows.then(|| {
-        // row r: the sum of its places' input gradients, then dy[r] · o(place) per gate
-        let (k, width) = (disp.top_k(), rows.width());
-        let mut drows = vec![T::ZERO; disp.rows() * width];
-        drows.par_chunks_mut(width).enumerate().for_each(|(r, dr)| {
-            let (dx, dg) = dr.split_at_mut(hd);
-            let dyr = &dy[r * hd..(r + 1) * hd];
-            for (j, dg) in dg.iter_mut().enumerate() {
-                let p = disp.places()[r * k + j] as usize;
-                for (dx, &v) in dx.iter_mut().zip(&dxp[p * hd..(p + 1) * hd]) {
-                    *dx = *dx + v;
-                }
-                let dot = dyr
-                    .iter()
-                    .zip(&inp.o[p * hd..(p + 1) * hd])
-                    .fold(T::ZERO, |acc, (&a, &b)| acc + a * b);
-                *dg = dot;
-            }
-        });
-        drows
-    });
     RoutedGrads {
-        drows,
+        drows: wanted.rows.then(|| row_gradients(&inp, disp, hd, &dxp)),
         dw1: wanted.dw1.then_some(dw1),
         dw2: wanted.dw2.then_some(dw2),
     }
+}
+
+/// One expert's share of the backward: from the gate-weighted output gradient of its rows
+/// through its SwiGLU to its slices of `dW2`, `dW1` and the per-place input gradient.
+fn expert_backward<T: Float>(
+    (j, dxj, dw1j, dw2j): ExpertJob<'_, T>,
+    inp: &BackwardInputs<'_, T>,
+    disp: &Dispatch,
+    d: Dims,
+    threads: usize,
+) {
+    let (hd, id) = (d.hidden, d.inter);
+    let (rows, dy) = (inp.rows, inp.dy);
+    let offsets = disp.offsets();
+    let (from, to) = (offsets[j], offsets[j + 1]);
+    let m = to - from;
+    if m == 0 {
+        // an expert no row went to: zero weight gradients (its input slice is empty)
+        dw1j.map(fill_zero);
+        dw2j.map(fill_zero);
+        return;
+    }
+    let slots = &disp.slots()[from..to];
+    // gradient at this expert's outputs: each row's output gradient times its gate
+    let mut go = Vec::with_capacity(m * hd);
+    for &s in slots {
+        let (s, g) = (s as usize, rows.gate(s as usize));
+        let r = s / disp.top_k();
+        go.extend(dy[r * hd..(r + 1) * hd].iter().map(|&v| g * v));
+    }
+    let hj = &inp.h[from * 2 * id..to * 2 * id];
+    let w1j = &inp.w1[j * 2 * id * hd..(j + 1) * 2 * id * hd];
+    let w2j = &inp.w2[j * hd * id..(j + 1) * hd * id];
+    // da = go · W2 (W2 is [H, I], read as-is)
+    let mut da = unfilled::<T>(m * id);
+    let da = matmul_unfilled(
+        m,
+        id,
+        hd,
+        &mut da,
+        MatRef::row_major(&go, hd),
+        MatRef::row_major(w2j, id),
+        threads,
+    );
+    let (a, dh) = swiglu_backward_rows(hj, da, id);
+    if let Some(dw2j) = dw2j {
+        // dW2 = goᵀ · a
+        matmul_unfilled(
+            hd,
+            id,
+            m,
+            dw2j,
+            MatRef::transposed(&go, hd),
+            MatRef::row_major(&a, id),
+            threads,
+        );
+    }
+    if let Some(dw1j) = dw1j {
+        // dW1 = dhᵀ · x
+        let xj = rows.gather(slots);
+        matmul_unfilled(
+            2 * id,
+            hd,
+            m,
+            dw1j,
+            MatRef::transposed(&dh, 2 * id),
+            MatRef::row_major(&xj, hd),
+            threads,
+        );
+    }
+    if let Some(dxj) = dxj {
+        // dx = dh · W1 (W1 is [2I, H], read as-is), per place
+        matmul_unfilled(
+            m,
+            hd,
+            2 * id,
+            dxj,
+            MatRef::row_major(&dh, 2 * id),
+            MatRef::row_major(w1j, hd),
+            threads,
+        );
+    }
+}
+
+/// The `[rows, H + top_k]` operand gradient: per row, the sum of its places' input
+/// gradients `dxp`, then `dy[r] · o(place)` for each of its gates.
+fn row_gradients<T: Float>(
+    inp: &BackwardInputs<'_, T>,
+    disp: &Dispatch,
+    hd: usize,
+    dxp: &[T],
+) -> Vec<T> {
+    let (k, width) = (disp.top_k(), inp.rows.width());
+    let mut drows = vec![T::ZERO; disp.rows() * width];
+    drows.par_chunks_mut(width).enumerate().for_each(|(r, dr)| {
+        let (dx, dg) = dr.split_at_mut(hd);
+        let dyr = &inp.dy[r * hd..(r + 1) * hd];
+        for (j, dg) in dg.iter_mut().enumerate() {
+            let p = disp.places()[r * k + j] as usize;
+            for (dx, &v) in dx.iter_mut().zip(&dxp[p * hd..(p + 1) * hd]) {
+                *dx = *dx + v;
+            }
+            let dot = dyr
+                .iter()
+                .zip(&inp.o[p * hd..(p + 1) * hd])
+                .fold(T::ZERO, |acc, (&a, &b)| acc + a * b);
+            *dg = dot;
+        }
+    });
+    drows
 }
 
 impl RoutedSwiGlu {
