@@ -58,7 +58,7 @@ impl Float for f32 {
     }
     #[inline(always)]
     fn sigmoid(self) -> Self {
-        1.0 / (1.0 + fast_exp(-self))
+        sigmoid(self)
     }
 }
 
@@ -123,6 +123,13 @@ pub fn fast_exp(x: f32) -> f32 {
     p * f32::from_bits(bits)
 }
 
+/// Logistic sigmoid `1 / (1 + e^{-x})` on [`fast_exp`]: the one f32 sigmoid of both engines
+/// (routers, gated shared experts, the training kernels).
+#[inline(always)]
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + fast_exp(-x))
+}
+
 /// Lanes of the row sums below: independent accumulators let the loop vectorise.
 const LANES: usize = 16;
 
@@ -180,6 +187,18 @@ mod tests {
         assert_eq!(fast_exp(-200.0), fast_exp(-87.3));
         assert_eq!(fast_exp(0.0), 1.0);
         assert!(fast_exp(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn sigmoid_matches_the_logistic_function() {
+        for i in -400..=400 {
+            let x = i as f32 * 0.05;
+            let want = 1.0 / (1.0 + (-(x as f64)).exp());
+            assert!((sigmoid(x) as f64 - want).abs() < 3e-7, "x = {x}");
+        }
+        assert_eq!(sigmoid(0.0), 0.5);
+        assert_eq!(sigmoid(100.0), 1.0);
+        assert!(sigmoid(-200.0) >= 0.0 && sigmoid(-200.0) < 1e-37);
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! The router, one piece of math with two halves (DESIGN rule 2):
+//! The router, one piece of math with two halves:
 //! `select(scores) -> ids` and `weigh(logits, ids) -> gates`.
 //!
 //! Native routing is `weigh(logits, select(logits))`; replay is `weigh(logits, given)`.
@@ -7,10 +7,11 @@
 //! `weigh` exists as an autograd-safe tensor function for training and as a plain-slice
 //! function for the rollout engine, with one formula per [`RouterKind`].
 
-use candle_core::{DType, Tensor, D};
+use candle_core::{Tensor, D};
 
 use crate::config::{MoeConfig, RouterKind};
 use crate::error::{ModelError, Result};
+use crate::math::sigmoid;
 
 /// The routing rule of one MoE config.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -33,10 +34,6 @@ fn top_k_desc(values: &[f32], k: usize, out: &mut [u32]) {
             .then(a.cmp(&b))
     });
     out.copy_from_slice(&order[..k]);
-}
-
-fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
 }
 
 impl Router {
@@ -130,22 +127,6 @@ impl Router {
             self.select_row(r, row, bias, out)?;
         }
         Ok(ids)
-    }
-
-    /// Tensor form of select: `[rows, E]` logits (and optional `[E]` bias) → `[rows, k]` u32.
-    pub fn select(&self, logits: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        let (rows, _) = logits.dims2()?;
-        let host = logits
-            .detach()
-            .to_dtype(DType::F32)?
-            .flatten_all()?
-            .to_vec1::<f32>()?;
-        let bias = match bias {
-            Some(b) => Some(b.to_dtype(DType::F32)?.to_vec1::<f32>()?),
-            None => None,
-        };
-        let ids = self.select_rows(&host, bias.as_deref())?;
-        Ok(Tensor::from_vec(ids, (rows, self.top_k), logits.device())?)
     }
 
     /// Gate weights for the given ids, differentiable in `logits` (`[rows, E]` f32,

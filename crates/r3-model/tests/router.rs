@@ -81,16 +81,14 @@ fn tensor_and_slice_weigh_agree() {
         let ids = router.select_rows(&logits, Some(&bias)).expect("select");
         let lt = Tensor::from_vec(logits.clone(), (rows, 8), &Device::Cpu).expect("t");
         let it = Tensor::from_vec(ids.clone(), (rows, router.top_k), &Device::Cpu).expect("t");
-        let bt = Tensor::from_vec(bias.clone(), 8, &Device::Cpu).expect("t");
-        let selected = router.select(&lt, Some(&bt)).expect("select tensor");
-        assert_eq!(
-            selected
-                .flatten_all()
-                .expect("f")
-                .to_vec1::<u32>()
-                .expect("v"),
-            ids
-        );
+        // The batched form is the per-row form applied to every row.
+        for r in 0..rows {
+            let mut row_ids = vec![0u32; router.top_k];
+            router
+                .select_row(r, &logits[r * 8..(r + 1) * 8], Some(&bias), &mut row_ids)
+                .expect("select_row");
+            assert_eq!(row_ids, ids[r * router.top_k..(r + 1) * router.top_k]);
+        }
         let gates = router
             .weigh(&lt, &it)
             .expect("weigh")

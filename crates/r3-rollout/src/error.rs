@@ -17,6 +17,14 @@ pub enum RolloutError {
     /// The model architecture or one of its options is not supported by the engine.
     #[error("unsupported model: {0}")]
     Unsupported(String),
+    /// A layer the config's layout routes cannot be routed (the trainer refuses it too).
+    #[error("layer {layer} is a MoE layer without {missing}")]
+    InconsistentMoeLayer {
+        /// Global layer index.
+        layer: usize,
+        /// What the layer lacks.
+        missing: &'static str,
+    },
     /// The KV cache cannot hold a request even when it runs alone.
     #[error("kv cache: {0}")]
     KvCache(String),

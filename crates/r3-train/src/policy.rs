@@ -237,9 +237,11 @@ impl TrainablePolicy {
         )
     }
 
-    /// Current values as the name→tensor map the rollout engine loads (HF per-expert names).
+    /// Current values as the name→tensor map the rollout engine loads: HF names with the
+    /// routed experts fused, as trained (the engine packs them directly; detached views, no
+    /// copy).
     pub fn tensor_map(&self) -> Result<r3_rollout::TensorMap> {
-        Ok(self.detached().unfuse_experts(&self.cfg)?.into_map())
+        Ok(self.detached().into_map())
     }
 
     /// Writes `config.json` + `model.safetensors` into `dir`.

@@ -6,8 +6,8 @@ use candle_core::{Tensor, D};
 use super::attention::{attend, AttentionMask};
 use super::linear::Linear;
 use super::norm::RmsNorm;
-use super::rope::{yarn_mscale, RopeTables};
-use crate::config::{AttentionConfig, Config, RopeScaling};
+use super::rope::{mla_softmax_scale_multiplier, RopeTables};
+use crate::config::{AttentionConfig, Config};
 use crate::error::{ModelError, Result};
 use crate::weights::Weights;
 
@@ -62,18 +62,8 @@ impl MlaAttention {
             },
             None => QueryProj::Plain(lin("q_proj")?),
         };
-        let mut scale = 1.0 / ((qk_nope_head_dim + qk_rope_head_dim) as f64).sqrt();
-        if let RopeScaling::Yarn {
-            factor,
-            mscale_all_dim: Some(m_all),
-            ..
-        } = &cfg.rope.scaling
-        {
-            if *m_all != 0.0 {
-                let m = yarn_mscale(*factor, *m_all);
-                scale *= m * m;
-            }
-        }
+        let scale = 1.0 / ((qk_nope_head_dim + qk_rope_head_dim) as f64).sqrt()
+            * mla_softmax_scale_multiplier(&cfg.rope);
         Ok(MlaAttention {
             q,
             kv_a: lin("kv_a_proj_with_mqa")?,

@@ -28,6 +28,22 @@ pub fn yarn_mscale(scale: f64, mscale: f64) -> f64 {
     }
 }
 
+/// Multiplier of MLA's softmax scale: DeepSeek-V3 multiplies `1/sqrt(qk_head_dim)` by
+/// `yarn_mscale(factor, mscale_all_dim)²` under YaRN with a non-zero `mscale_all_dim`.
+pub fn mla_softmax_scale_multiplier(cfg: &RopeConfig) -> f64 {
+    match &cfg.scaling {
+        RopeScaling::Yarn {
+            factor,
+            mscale_all_dim: Some(m_all),
+            ..
+        } if *m_all != 0.0 => {
+            let m = yarn_mscale(*factor, *m_all);
+            m * m
+        }
+        _ => 1.0,
+    }
+}
+
 fn yarn_correction_dim(rotations: f64, dim: usize, base: f64, max_pos: usize) -> f64 {
     (dim as f64 * (max_pos as f64 / (rotations * 2.0 * std::f64::consts::PI)).ln())
         / (2.0 * base.ln())
@@ -97,8 +113,20 @@ impl Rope {
         }
     }
 
-    /// cos/sin tables for positions `0..seq_len` in `dtype`.
-    pub fn tables(&self, seq_len: usize, device: &Device, dtype: DType) -> Result<RopeTables> {
+    /// Inverse frequencies, one per rotated pair.
+    pub fn inv_freq(&self) -> &[f32] {
+        &self.inv_freq
+    }
+
+    /// Whether pairs are `(2i, 2i+1)` (DeepSeek `rope_interleave`) rather than `(i, i + d/2)`.
+    pub fn interleaved(&self) -> bool {
+        self.interleaved
+    }
+
+    /// Row-major `[seq_len, inv_freq.len()]` host tables `(cos, sin)`, both scaled by the
+    /// attention factor (YaRN's magnitude correction, 1 otherwise): the tables both engines
+    /// rotate with.
+    pub fn host_tables(&self, seq_len: usize) -> (Vec<f32>, Vec<f32>) {
         let half = self.inv_freq.len();
         let mut cos = Vec::with_capacity(seq_len * half);
         let mut sin = Vec::with_capacity(seq_len * half);
@@ -109,6 +137,13 @@ impl Rope {
                 sin.push(angle.sin() * self.attention_factor);
             }
         }
+        (cos, sin)
+    }
+
+    /// cos/sin tables for positions `0..seq_len` in `dtype`.
+    pub fn tables(&self, seq_len: usize, device: &Device, dtype: DType) -> Result<RopeTables> {
+        let half = self.inv_freq.len();
+        let (cos, sin) = self.host_tables(seq_len);
         Ok(RopeTables {
             cos: Tensor::from_slice(&cos, (seq_len, half), device)?.to_dtype(dtype)?,
             sin: Tensor::from_slice(&sin, (seq_len, half), device)?.to_dtype(dtype)?,

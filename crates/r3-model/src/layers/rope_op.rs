@@ -21,30 +21,47 @@ pub struct RotaryOp {
     pub interleaved: bool,
 }
 
+/// Rotates (or, with `inverse`, rotates back) one head row of `2·cos.len()` values in place
+/// by one position's `cos`/`sin`: half-split pairs `(i, i + half)` or interleaved `(2i, 2i+1)`.
+/// The rotation of both engines (the rollout calls it per head on the host).
+#[inline]
+pub fn rotate_row<T: Float>(
+    row: &mut [T],
+    cos: &[f32],
+    sin: &[f32],
+    interleaved: bool,
+    inverse: bool,
+) {
+    let half = cos.len();
+    for (i, (&c, &s)) in cos.iter().zip(sin).enumerate() {
+        let (a, b) = if interleaved {
+            (2 * i, 2 * i + 1)
+        } else {
+            (i, i + half)
+        };
+        let (c, s) = (T::from_f64(c as f64), T::from_f64(s as f64));
+        let (xa, xb) = (row[a], row[b]);
+        if inverse {
+            row[a] = xa * c + xb * s;
+            row[b] = xb * c - xa * s;
+        } else {
+            row[a] = xa * c - xb * s;
+            row[b] = xb * c + xa * s;
+        }
+    }
+}
+
 impl RotaryOp {
     /// Rotates (or, with `inverse`, rotates back) one row of `2·half` values in place.
     #[inline]
     fn rotate_row<T: Float>(&self, row: &mut [T], pos: usize, half: usize, inverse: bool) {
-        let (cos, sin) = (
+        rotate_row(
+            row,
             &self.cos[pos * half..(pos + 1) * half],
             &self.sin[pos * half..(pos + 1) * half],
+            self.interleaved,
+            inverse,
         );
-        for i in 0..half {
-            let (a, b) = if self.interleaved {
-                (2 * i, 2 * i + 1)
-            } else {
-                (i, i + half)
-            };
-            let (c, s) = (T::from_f64(cos[i] as f64), T::from_f64(sin[i] as f64));
-            let (xa, xb) = (row[a], row[b]);
-            if inverse {
-                row[a] = xa * c + xb * s;
-                row[b] = xb * c - xa * s;
-            } else {
-                row[a] = xa * c - xb * s;
-                row[b] = xb * c + xa * s;
-            }
-        }
     }
 
     /// `[B, H, T, D]` elements read through `layout` (last dim contiguous), rotated.

@@ -8,7 +8,9 @@ use candle_core::Tensor;
 
 use crate::config::Config;
 use crate::error::{ModelError, Result};
-use crate::spec::{expert_names, fused_expert_names, layer_prefix};
+use crate::spec::{
+    dense_mlp_prefix, expert_names, expert_prefix, fused_expert_names, moe_prefix, weight, ROUTER,
+};
 
 /// Looks a fused tensor up with and without a `.weight` suffix.
 fn take(map: &mut HashMap<String, Tensor>, base: &str) -> Option<(String, Tensor)> {
@@ -52,18 +54,21 @@ pub(super) fn unfuse_experts(
         cfg.hidden_size,
     );
     for &layer in cfg.layout.moe_layers() {
-        let lp = layer_prefix(layer);
-        let canonical = format!("{lp}.{}", cfg.moe_prefix());
-        let alt = format!("{lp}.mlp");
+        let canonical = moe_prefix(cfg, layer);
+        let alt = dense_mlp_prefix(layer);
         if canonical != alt {
-            let router = format!("{canonical}.gate.weight");
+            let router = weight(&format!("{canonical}.{ROUTER}"));
             if !map.contains_key(&router) {
-                if let Some(t) = map.remove(&format!("{alt}.gate.weight")) {
+                if let Some(t) = map.remove(&weight(&format!("{alt}.{ROUTER}"))) {
                     map.insert(router, t);
                 }
             }
         }
-        if map.contains_key(&format!("{canonical}.experts.0.{}.weight", names.gate)) {
+        if map.contains_key(&weight(&format!(
+            "{}.{}",
+            expert_prefix(&canonical, 0),
+            names.gate
+        ))) {
             continue;
         }
         for prefix in [canonical.clone(), alt.clone()] {
@@ -94,17 +99,17 @@ pub(super) fn unfuse_experts(
             }
             check_shape(&down_name, &down, [e, h, i_dim])?;
             for j in 0..e {
-                let p = format!("{canonical}.experts.{j}");
+                let p = expert_prefix(&canonical, j);
                 map.insert(
-                    format!("{p}.{}.weight", names.gate),
+                    weight(&format!("{p}.{}", names.gate)),
                     expert_rows(&gate.1, j, gate.2, i_dim)?,
                 );
                 map.insert(
-                    format!("{p}.{}.weight", names.up),
+                    weight(&format!("{p}.{}", names.up)),
                     expert_rows(&up.1, j, up.2, i_dim)?,
                 );
                 map.insert(
-                    format!("{p}.{}.weight", names.down),
+                    weight(&format!("{p}.{}", names.down)),
                     expert_rows(&down, j, 0, h)?,
                 );
             }
@@ -125,7 +130,7 @@ pub(super) fn fuse_experts(
     };
     let names = expert_names(cfg);
     for &layer in cfg.layout.moe_layers() {
-        let prefix = format!("{}.{}", layer_prefix(layer), cfg.moe_prefix());
+        let prefix = moe_prefix(cfg, layer);
         let (gate_up_name, down_name) = fused_expert_names(&prefix);
         if map.contains_key(&gate_up_name) && map.contains_key(&down_name) {
             continue;
@@ -133,9 +138,9 @@ pub(super) fn fuse_experts(
         let mut gate_up = Vec::with_capacity(moe.num_experts);
         let mut down = Vec::with_capacity(moe.num_experts);
         for j in 0..moe.num_experts {
-            let p = format!("{prefix}.experts.{j}");
+            let p = expert_prefix(&prefix, j);
             let mut take = |proj: &str| {
-                let name = format!("{p}.{proj}.weight");
+                let name = weight(&format!("{p}.{proj}"));
                 map.remove(&name).ok_or(ModelError::MissingTensor(name))
             };
             let (g, u, d) = (take(names.gate)?, take(names.up)?, take(names.down)?);

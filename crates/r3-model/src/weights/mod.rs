@@ -16,9 +16,7 @@ use rand_distr_free::normal_samples;
 
 use crate::config::Config;
 use crate::error::{ModelError, Result};
-use crate::spec::{
-    fused_expert_names, layer_prefix, tensor_specs, tensor_specs_in, ExpertLayout, TensorRole,
-};
+use crate::spec::{tensor_specs, tensor_specs_in, ExpertLayout, TensorRole};
 
 /// Named weights under HF names; routed experts per expert (as loaded) or fused (as trained).
 #[derive(Debug, Clone)]
@@ -79,15 +77,7 @@ impl Weights {
 
     /// How this map holds the routed experts (fused if the first MoE layer's are).
     pub fn expert_layout(&self, cfg: &Config) -> ExpertLayout {
-        let fused = cfg.layout.moe_layers().first().is_some_and(|&layer| {
-            let prefix = format!("{}.{}", layer_prefix(layer), cfg.moe_prefix());
-            self.tensors.contains_key(&fused_expert_names(&prefix).0)
-        });
-        if fused {
-            ExpertLayout::Fused
-        } else {
-            ExpertLayout::PerExpert
-        }
+        ExpertLayout::detect(cfg, |name| self.tensors.contains_key(name))
     }
 
     /// The same weights with every MoE layer's experts fused (copies the expert tensors).

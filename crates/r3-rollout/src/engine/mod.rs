@@ -57,7 +57,7 @@ impl Default for EngineConfig {
     }
 }
 
-/// The rollout engine; see the module docs and `notes/engine_api.md`.
+/// The rollout engine; see the module docs.
 #[derive(Debug)]
 pub struct Engine {
     model: InferenceModel,
@@ -175,11 +175,6 @@ impl Engine {
     /// Prefix cache counters (None when the cache is off).
     pub fn prefix_cache_stats(&self) -> Option<PrefixCacheStats> {
         self.cache.as_ref().map(|c| c.stats())
-    }
-
-    /// KV blocks in use and the pool's block budget.
-    pub fn kv_usage(&mut self) -> (usize, usize) {
-        (self.pool.in_use(), self.pool.max_blocks())
     }
 
     fn validate(&self, req: &GenerateRequest) -> Result<(), RolloutError> {

@@ -1,5 +1,10 @@
 //! Element-wise and row-wise kernels of the inference path: RMSNorm, SwiGLU, softmax, RoPE.
-//! All in f32 on plain slices (fused: one pass per row, no temporaries).
+//! All in f32 on plain slices (fused: one pass per row, no temporaries); scalar math and the
+//! rotary tables and rotation come from r3-model, so both engines compute them one way.
+
+use r3_model::layers::rope::Rope as ModelRope;
+use r3_model::layers::rope_op::rotate_row;
+use r3_model::RopeConfig;
 
 /// In-place RMSNorm of every `dim`-wide row: `x · w / sqrt(mean(x²) + eps)`.
 pub fn rms_norm_rows(x: &mut [f32], weight: &[f32], eps: f32) {
@@ -23,12 +28,6 @@ pub fn rms_norm_into(src: &[f32], dst: &mut [f32], weight: &[f32], eps: f32) {
 #[inline]
 pub fn silu(x: f32) -> f32 {
     x / (1.0 + fast_exp(-x))
-}
-
-/// Logistic sigmoid.
-#[inline]
-pub fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + fast_exp(-x))
 }
 
 /// SwiGLU on fused rows `[gate | up]` of width `2·inter`: writes `silu(gate)·up` rows of
@@ -58,41 +57,33 @@ pub fn softmax_in_place(row: &mut [f32]) {
     }
 }
 
-pub use r3_model::math::{fast_exp, lane_sum, log_sum_exp, row_max};
+pub use r3_model::math::{fast_exp, lane_sum, log_sum_exp, row_max, sigmoid};
 
 /// `log softmax(row)[index]`.
 pub fn log_softmax_at(row: &[f32], index: usize) -> f32 {
     row[index] - log_sum_exp(row)
 }
 
-/// Rotary position embedding tables (cos/sin per position and frequency), grown on demand.
+/// Rotary tables of r3-model's [`ModelRope`] (frequencies, scaling incl. YaRN and its
+/// attention factor) on the host, grown on demand, applied one head vector at a time with
+/// r3-model's rotation.
 #[derive(Debug, Clone)]
 pub struct Rope {
-    inv_freq: Vec<f32>,
-    interleaved: bool,
+    model: ModelRope,
     cos: Vec<f32>,
     sin: Vec<f32>,
     positions: usize,
 }
 
 impl Rope {
-    /// Rope over `rot_dim` dims with the given inverse frequencies (`rot_dim / 2` of them).
-    /// `interleaved` rotates pairs (2i, 2i+1) instead of (i, i + rot_dim/2).
-    pub fn new(inv_freq: Vec<f32>, interleaved: bool) -> Self {
+    /// The rope of a model config.
+    pub fn new(cfg: &RopeConfig) -> Self {
         Rope {
-            inv_freq,
-            interleaved,
+            model: ModelRope::new(cfg),
             cos: Vec::new(),
             sin: Vec::new(),
             positions: 0,
         }
-    }
-
-    /// HF default inverse frequencies: `1 / theta^(2i/dim)`.
-    pub fn default_inv_freq(rot_dim: usize, theta: f64) -> Vec<f32> {
-        (0..rot_dim / 2)
-            .map(|i| (1.0 / theta.powf((2 * i) as f64 / rot_dim as f64)) as f32)
-            .collect()
     }
 
     /// Makes sure the tables cover positions `0..n`.
@@ -101,37 +92,16 @@ impl Rope {
             return;
         }
         let n = n.next_power_of_two().max(64);
-        let half = self.inv_freq.len();
-        self.cos = vec![0.0; n * half];
-        self.sin = vec![0.0; n * half];
-        for p in 0..n {
-            for (i, f) in self.inv_freq.iter().enumerate() {
-                let a = p as f32 * f;
-                self.cos[p * half + i] = a.cos();
-                self.sin[p * half + i] = a.sin();
-            }
-        }
+        (self.cos, self.sin) = self.model.host_tables(n);
         self.positions = n;
     }
 
     /// Rotates one head vector `x` (length `rot_dim`) for position `pos` (tables must cover it).
     pub fn apply(&self, x: &mut [f32], pos: usize) {
-        let half = self.inv_freq.len();
+        let half = self.model.inv_freq().len();
         let cos = &self.cos[pos * half..(pos + 1) * half];
         let sin = &self.sin[pos * half..(pos + 1) * half];
-        if self.interleaved {
-            for i in 0..half {
-                let (a, b) = (x[2 * i], x[2 * i + 1]);
-                x[2 * i] = a * cos[i] - b * sin[i];
-                x[2 * i + 1] = b * cos[i] + a * sin[i];
-            }
-        } else {
-            for i in 0..half {
-                let (a, b) = (x[i], x[i + half]);
-                x[i] = a * cos[i] - b * sin[i];
-                x[i + half] = b * cos[i] + a * sin[i];
-            }
-        }
+        rotate_row(x, cos, sin, self.model.interleaved(), false);
     }
 }
 
@@ -160,7 +130,12 @@ mod tests {
     #[test]
     fn rope_preserves_norm_and_relative_angle() {
         for inter in [false, true] {
-            let mut rope = Rope::new(Rope::default_inv_freq(4, 10000.0), inter);
+            let mut rope = Rope::new(&RopeConfig {
+                theta: 10000.0,
+                dim: 4,
+                interleaved: inter,
+                scaling: r3_model::RopeScaling::None,
+            });
             rope.ensure(10);
             let q = [0.3f32, -1.0, 0.5, 2.0];
             let k = [1.0f32, 0.2, -0.7, 0.4];

@@ -15,9 +15,15 @@ pub const PANEL: usize = 32;
 /// Input rows per register tile.
 const TILE_ROWS: usize = 8;
 
-/// Which code computes the panels; chosen once from the CPU's features.
+/// Which code computes the panels, chosen from the CPU's features. Safe code can obtain one
+/// only from [`PanelKernel::detect`] or [`PanelKernel::portable`], so the AVX-512 kernel runs
+/// only where detection found AVX-512F.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PanelKernel {
+pub struct PanelKernel(KernelChoice);
+
+/// The private choice behind a [`PanelKernel`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum KernelChoice {
     /// AVX-512F intrinsics (x86-64 CPUs that have them).
     Avx512,
     /// Portable loops over a widened panel.
@@ -30,10 +36,15 @@ impl PanelKernel {
         #[cfg(target_arch = "x86_64")]
         {
             if std::arch::is_x86_feature_detected!("avx512f") {
-                return PanelKernel::Avx512;
+                return PanelKernel(KernelChoice::Avx512);
             }
         }
-        PanelKernel::Portable
+        PanelKernel::portable()
+    }
+
+    /// The portable kernel (runs on every CPU).
+    pub fn portable() -> Self {
+        PanelKernel(KernelChoice::Portable)
     }
 }
 
@@ -119,15 +130,16 @@ impl PackedF16 {
         assert!(m == 0 || out.len() >= (m - 1) * ldo + self.panel_cols(p));
         let panel = self.panel(p);
         let cols = self.panel_cols(p);
-        match kernel {
+        match kernel.0 {
             #[cfg(target_arch = "x86_64")]
-            PanelKernel::Avx512 => {
+            KernelChoice::Avx512 => {
                 for (r0, rows) in row_tiles(m) {
                     let xs = &x[r0 * k..(r0 + rows) * k];
                     let os = &mut out[r0 * ldo..];
-                    // SAFETY: `detect` returned Avx512 only where the CPU has AVX-512F; the
-                    // slices cover `rows` input rows of k values, a k×PANEL panel, and `rows`
-                    // output rows of stride ldo with `cols` valid columns (checked above).
+                    // SAFETY: only `detect` builds an Avx512 kernel (the field is private), and
+                    // only where the CPU has AVX-512F; the slices cover `rows` input rows of k
+                    // values, a k×PANEL panel, and `rows` output rows of stride ldo with `cols`
+                    // valid columns (checked above).
                     unsafe { avx512::tile(xs, rows, k, panel, os, ldo, cols) };
                 }
             }
@@ -283,7 +295,7 @@ mod tests {
 
     #[test]
     fn every_kernel_matches_the_reference_including_ragged_edges() {
-        let kernels = [PanelKernel::Portable, PanelKernel::detect()];
+        let kernels = [PanelKernel::portable(), PanelKernel::detect()];
         for &(m, k, n) in &[
             (1, 64, 32),
             (3, 37, 50),

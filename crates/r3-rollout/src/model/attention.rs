@@ -3,6 +3,7 @@
 //! MLA is run naively: the compressed kv is decompressed per token and the full per-head
 //! keys and values are cached, so the attention kernel is the same as for GQA.
 
+use r3_model::layers::rope::mla_softmax_scale_multiplier;
 use r3_model::{AttentionConfig, Config, QkNorm};
 
 use crate::kernels::attention::{paged_attention, AttnShape, SeqSpan};
@@ -30,8 +31,8 @@ pub struct AttnGeometry {
 }
 
 impl AttnGeometry {
-    /// Geometry of `cfg`'s attention with softmax scale multiplied by `scale_mult`.
-    pub fn new(cfg: &Config, scale_mult: f32) -> Self {
+    /// Geometry of `cfg`'s attention (MLA's softmax scale with r3-model's YaRN multiplier).
+    pub fn new(cfg: &Config) -> Self {
         let nh = cfg.num_attention_heads;
         let eps = cfg.rms_norm_eps as f32;
         match &cfg.attention {
@@ -48,7 +49,7 @@ impl AttnGeometry {
                     num_kv_heads: *num_kv_heads,
                     qk_dim: *head_dim,
                     v_dim: *head_dim,
-                    scale: scale_mult / (*head_dim as f32).sqrt(),
+                    scale: 1.0 / (*head_dim as f32).sqrt(),
                     window: *sliding_window,
                 },
                 rope_dim: cfg.rope.dim,
@@ -66,6 +67,7 @@ impl AttnGeometry {
                 ..
             } => {
                 let qk = qk_nope_head_dim + qk_rope_head_dim;
+                let scale_mult = mla_softmax_scale_multiplier(&cfg.rope) as f32;
                 AttnGeometry {
                     shape: AttnShape {
                         num_heads: nh,

@@ -7,7 +7,7 @@ pub mod moe;
 pub mod tensors;
 pub mod weights;
 
-use r3_model::{Config, RopeScaling, Router};
+use r3_model::Config;
 use r3_routing::ExpertPlacement;
 
 use crate::dtype::Dtype;
@@ -17,7 +17,7 @@ use crate::kernels::ops::{rms_norm_into, rms_norm_rows, Rope};
 use crate::kv_pool::{KvLayout, KvPool};
 use attention::{attention_forward, AttnGeometry};
 use moe::{ffn_forward, moe_forward, CaptureSlot};
-use tensors::{Fetcher, TensorMap};
+use tensors::TensorMap;
 use weights::{MlpWeights, ModelWeights};
 
 /// One batched forward's input: flat tokens grouped in contiguous per-sequence spans.
@@ -51,28 +51,12 @@ pub struct InferenceModel {
     geometry: AttnGeometry,
     rope: Rope,
     placement: Option<ExpertPlacement>,
-    router: Option<Router>,
-}
-
-/// Inverse RoPE frequencies and the attention-scale multiplier of a config.
-fn rope_tables(cfg: &Config) -> Result<(Vec<f32>, f32), RolloutError> {
-    let base = Rope::default_inv_freq(cfg.rope.dim, cfg.rope.theta);
-    match &cfg.rope.scaling {
-        RopeScaling::None => Ok((base, 1.0)),
-        RopeScaling::Linear { factor } => {
-            Ok((base.iter().map(|f| f / *factor as f32).collect(), 1.0))
-        }
-        RopeScaling::Yarn { .. } => Err(RolloutError::Unsupported(
-            "rope scaling \"yarn\" is not implemented in the rollout engine".into(),
-        )),
-    }
 }
 
 impl InferenceModel {
     /// Builds the model from a config and HF-named tensors.
     pub fn new(cfg: Config, tensors: &TensorMap, dtype: Dtype) -> Result<Self, RolloutError> {
-        let weights = ModelWeights::from_tensors(&cfg, &Fetcher::new(tensors), dtype)?;
-        let (inv_freq, scale_mult) = rope_tables(&cfg)?;
+        let weights = ModelWeights::from_tensors(&cfg, tensors, dtype)?;
         if let Some(m) = &cfg.moe {
             if m.num_experts > u16::MAX as usize {
                 return Err(RolloutError::Unsupported(format!(
@@ -81,9 +65,8 @@ impl InferenceModel {
                 )));
             }
         }
-        let geometry = AttnGeometry::new(&cfg, scale_mult);
-        let rope = Rope::new(inv_freq, cfg.rope.interleaved);
-        let router = cfg.moe.as_ref().map(Router::new);
+        let geometry = AttnGeometry::new(&cfg);
+        let rope = Rope::new(&cfg.rope);
         Ok(InferenceModel {
             cfg,
             dtype,
@@ -91,13 +74,12 @@ impl InferenceModel {
             geometry,
             rope,
             placement: None,
-            router,
         })
     }
 
     /// Replaces the weights (same config) from HF-named tensors.
     pub fn load_weights(&mut self, tensors: &TensorMap) -> Result<(), RolloutError> {
-        self.weights = ModelWeights::from_tensors(&self.cfg, &Fetcher::new(tensors), self.dtype)?;
+        self.weights = ModelWeights::from_tensors(&self.cfg, tensors, self.dtype)?;
         Ok(())
     }
 
@@ -205,19 +187,13 @@ impl InferenceModel {
             let m = match &layer.mlp {
                 MlpWeights::Dense(f) => ffn_forward(f, &h, t, true),
                 MlpWeights::Moe(mw) => {
-                    let col = self.cfg.layer_layout().moe_column(li).unwrap_or(0);
                     let capture = routes.as_mut().map(|ids| CaptureSlot {
                         ids: ids.as_mut_slice(),
                         spent: &mut capture_time,
                         stride: cols * top_k,
-                        offset: col * top_k,
+                        offset: mw.column * top_k,
                     });
-                    match &self.router {
-                        Some(router) => {
-                            moe_forward(mw, router, self.placement.as_ref(), &h, t, capture)?
-                        }
-                        None => vec![0f32; t * hidden],
-                    }
+                    moe_forward(mw, self.placement.as_ref(), &h, t, capture)?
                 }
             };
             x.iter_mut().zip(&m).for_each(|(xv, mv)| *xv += mv);

@@ -4,7 +4,6 @@
 //! grouped by expert and every active expert runs one matmul pair over its tokens (experts
 //! in parallel). The chosen logical ids are written to the capture buffer when asked.
 
-use r3_model::Router;
 use r3_routing::ExpertPlacement;
 use rayon::prelude::*;
 
@@ -38,7 +37,6 @@ pub struct CaptureSlot<'a> {
 /// Runs a MoE block on `h [t, hidden]`; returns `[t, hidden]`.
 pub fn moe_forward(
     w: &MoeWeights,
-    router: &Router,
     placement: Option<&ExpertPlacement>,
     h: &[f32],
     t: usize,
@@ -48,6 +46,7 @@ pub fn moe_forward(
     let e = w.router.out_features();
     let mut logits = vec![0f32; t * e];
     w.router.forward(h, t, &mut logits, true);
+    let router = &w.rule;
     let top_k = router.top_k;
     // Select and weigh with r3-model's router math (the same functions the trainer uses).
     let mut ids32 = vec![0u32; t * top_k];

@@ -1,15 +1,17 @@
-//! Reading named weight tensors (HF names) into plain f32 buffers with shape checks.
+//! Reading named weight tensors (HF names) into plain f32 buffers, after checking the whole
+//! map against r3-model's tensor spec (names, shapes, expert layout).
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
-use r3_model::{Config, Weights};
+use r3_model::{tensor_specs_in, Config, ExpertLayout, Weights};
 
 use crate::error::RolloutError;
 
-/// A name → tensor map with HF names and the canonical per-expert layout, as r3-model's
-/// `Weights` holds it (the trainer's weights, or a checkpoint read from disk).
+/// A name → tensor map with HF names, routed experts either per expert (a checkpoint read
+/// from disk) or fused `[E, 2I, H]` / `[E, H, I]` (the trainer's weights, handed over as
+/// they are).
 pub type TensorMap = BTreeMap<String, Tensor>;
 
 /// Reads a HF model directory (single-file or sharded safetensors, per-expert or fused
@@ -18,35 +20,52 @@ pub fn load_dir(dir: &Path, cfg: &Config) -> Result<TensorMap, RolloutError> {
     Ok(Weights::load(dir, cfg, &Device::Cpu)?.into_map())
 }
 
-/// Looks up tensors by name and converts them to f32 host buffers.
+/// A tensor map checked against the spec of a config; hands out tensors as f32 buffers.
 pub struct Fetcher<'a> {
     map: &'a TensorMap,
+    layout: ExpertLayout,
 }
 
 impl<'a> Fetcher<'a> {
-    /// Wraps a tensor map.
-    pub fn new(map: &'a TensorMap) -> Self {
-        Fetcher { map }
+    /// Checks that `map` holds every tensor `cfg` requires with its shape (experts in either
+    /// layout); a missing or mis-shaped tensor is an error naming it.
+    pub fn new(map: &'a TensorMap, cfg: &Config) -> Result<Self, RolloutError> {
+        let layout = ExpertLayout::detect(cfg, |name| map.contains_key(name));
+        for spec in tensor_specs_in(cfg, layout) {
+            let t = map
+                .get(&spec.name)
+                .ok_or_else(|| RolloutError::Weights(format!("missing tensor {}", spec.name)))?;
+            if t.dims() != spec.shape.as_slice() {
+                return Err(RolloutError::Weights(format!(
+                    "tensor {} has shape {:?}, expected {:?}",
+                    spec.name,
+                    t.dims(),
+                    spec.shape
+                )));
+            }
+        }
+        Ok(Fetcher { map, layout })
     }
 
-    /// Whether a tensor of this name exists.
-    pub fn has(&self, name: &str) -> bool {
-        self.map.contains_key(name)
+    /// How the map holds the routed experts.
+    pub fn layout(&self) -> ExpertLayout {
+        self.layout
     }
 
-    /// The tensor `name` as f32 values, checked to have exactly `shape`.
-    pub fn get(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, RolloutError> {
+    /// The tensor `name` as f32 values and its shape.
+    pub fn get(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>), RolloutError> {
         let t = self
             .map
             .get(name)
             .ok_or_else(|| RolloutError::Weights(format!("missing tensor {name}")))?;
-        if t.dims() != shape {
-            return Err(RolloutError::Weights(format!(
-                "tensor {name} has shape {:?}, expected {shape:?}",
-                t.dims()
-            )));
-        }
-        to_f32_vec(t).map_err(|e| RolloutError::Weights(format!("tensor {name}: {e}")))
+        let values =
+            to_f32_vec(t).map_err(|e| RolloutError::Weights(format!("tensor {name}: {e}")))?;
+        Ok((values, t.dims().to_vec()))
+    }
+
+    /// The 1-D tensor `name` (a norm scale, a bias) as f32 values.
+    pub fn vector(&self, name: &str) -> Result<Vec<f32>, RolloutError> {
+        Ok(self.get(name)?.0)
     }
 }
 

@@ -1,12 +1,19 @@
-//! The engine's own weight layout, built from HF-named tensors: fused q/k/v and gate/up
-//! projections, every matmul weight in the engine dtype, norms and biases in f32.
+//! The engine's own weight layout, built from HF-named tensors whose names and shapes come
+//! from r3-model's spec: fused q/k/v and gate/up projections, every matmul weight in the
+//! engine dtype, norms and biases in f32. Routed experts are read per expert or taken from
+//! the fused `[E, 2I, H]` / `[E, H, I]` tensors as they are (gate rows first, as packed here).
 
-use r3_model::{Architecture, AttentionConfig, Config, QkNorm, SharedExpert};
+use r3_model::spec::{
+    self, expert_names, SwigluNames, EMBED, FINAL_NORM, K_NORM, LM_HEAD, MLA_KV_A, MLA_KV_A_NORM,
+    MLA_KV_B, MLA_Q, MLA_Q_A, MLA_Q_A_NORM, MLA_Q_B, O_PROJ, QKV_PROJ, Q_NORM, ROUTER, SCORE_BIAS,
+    SHARED_EXPERT_GATE, SWIGLU_HF,
+};
+use r3_model::{AttentionConfig, Config, ExpertLayout, QkNorm, Router, RouterKind, SharedExpert};
 
 use crate::dtype::Dtype;
 use crate::error::RolloutError;
 use crate::kernels::linear::Linear;
-use crate::model::tensors::Fetcher;
+use crate::model::tensors::{Fetcher, TensorMap};
 
 /// A SwiGLU feed-forward block (dense MLP, routed expert or shared expert).
 #[derive(Debug, Clone)]
@@ -54,6 +61,10 @@ pub enum AttnWeights {
 /// Mixture-of-experts block of one layer.
 #[derive(Debug, Clone)]
 pub struct MoeWeights {
+    /// Route column of this layer (its index among the MoE layers).
+    pub column: usize,
+    /// Selection and gate rule (r3-model's router math).
+    pub rule: Router,
     /// Router `[num_experts, hidden]`.
     pub router: Linear,
     /// DeepSeek `e_score_correction_bias`.
@@ -101,58 +112,67 @@ pub struct ModelWeights {
     pub lm_head: Linear,
 }
 
-fn linear(
-    f: &Fetcher,
+/// A layer from a row-major matrix with the shape the spec checked.
+fn matrix(
     name: &str,
-    out: usize,
-    inp: usize,
-    bias: bool,
+    w: Vec<f32>,
+    shape: &[usize],
+    bias: Option<Vec<f32>>,
     dtype: Dtype,
 ) -> Result<Linear, RolloutError> {
-    let w = f.get(&format!("{name}.weight"), &[out, inp])?;
+    let &[rows, cols] = shape else {
+        return Err(RolloutError::Weights(format!(
+            "{name}: expected a matrix, got shape {shape:?}"
+        )));
+    };
+    Linear::new(name, w, rows, cols, bias, dtype)
+}
+
+/// The layer `{prefix}.weight` (and `{prefix}.bias` when `bias`).
+fn linear(f: &Fetcher, prefix: &str, bias: bool, dtype: Dtype) -> Result<Linear, RolloutError> {
+    let (w, shape) = f.get(&spec::weight(prefix))?;
     let b = if bias {
-        Some(f.get(&format!("{name}.bias"), &[out])?)
+        Some(f.vector(&spec::bias(prefix))?)
     } else {
         None
     };
-    Linear::new(name, w, out, inp, b, dtype)
+    matrix(prefix, w, &shape, b, dtype)
 }
 
 /// Stacks row-major matrices with the same column count (used to fuse projections).
 fn stack(
     name: &str,
-    parts: Vec<(Vec<f32>, usize)>,
-    cols: usize,
+    parts: Vec<(Vec<f32>, Vec<usize>)>,
     bias: Option<Vec<f32>>,
     dtype: Dtype,
 ) -> Result<Linear, RolloutError> {
-    let rows: usize = parts.iter().map(|p| p.1).sum();
-    let mut w = Vec::with_capacity(rows * cols);
-    for (p, _) in parts {
-        w.extend_from_slice(&p);
+    let cols = parts.first().and_then(|p| p.1.get(1).copied()).unwrap_or(0);
+    let mut rows = 0;
+    let mut w = Vec::new();
+    for (values, shape) in parts {
+        if shape.len() != 2 || shape[1] != cols {
+            return Err(RolloutError::Weights(format!(
+                "{name}: cannot stack a {shape:?} part onto {cols} columns"
+            )));
+        }
+        rows += shape[0];
+        w.extend_from_slice(&values);
     }
     Linear::new(name, w, rows, cols, bias, dtype)
 }
 
-fn ffn(
-    f: &Fetcher,
-    prefix: &str,
-    names: [&str; 3],
-    hidden: usize,
-    inter: usize,
-    dtype: Dtype,
-) -> Result<Ffn, RolloutError> {
-    let [g, u, d] = names;
-    let gate = f.get(&format!("{prefix}.{g}.weight"), &[inter, hidden])?;
-    let up = f.get(&format!("{prefix}.{u}.weight"), &[inter, hidden])?;
+/// A SwiGLU block from its three HF projections under `prefix`.
+fn ffn(f: &Fetcher, prefix: &str, names: &SwigluNames, dtype: Dtype) -> Result<Ffn, RolloutError> {
+    let gate = f.get(&spec::weight(&format!("{prefix}.{}", names.gate)))?;
+    let up = f.get(&spec::weight(&format!("{prefix}.{}", names.up)))?;
+    let inter = gate.1[0];
     let gate_up = stack(
-        &format!("{prefix}.{g}+{u}"),
-        vec![(gate, inter), (up, inter)],
-        hidden,
+        &format!("{prefix}.{}+{}", names.gate, names.up),
+        vec![gate, up],
         None,
         dtype,
     )?;
-    let down = linear(f, &format!("{prefix}.{d}"), hidden, inter, false, dtype)?;
+    let down = linear(f, &format!("{prefix}.{}", names.down), false, dtype)?;
     Ok(Ffn {
         gate_up,
         down,
@@ -160,183 +180,158 @@ fn ffn(
     })
 }
 
+/// Every routed expert from the fused `gate_up_proj` `[E, 2I, H]` and `down_proj`
+/// `[E, H, I]` of a MoE block: expert `j`'s slices are its `[gate; up]` and down matrices.
+fn fused_experts(f: &Fetcher, moe_prefix: &str, dtype: Dtype) -> Result<Vec<Ffn>, RolloutError> {
+    let (gate_up_name, down_name) = spec::fused_expert_names(moe_prefix);
+    let (gate_up, gu_shape) = f.get(&gate_up_name)?;
+    let (down, down_shape) = f.get(&down_name)?;
+    let (&[e, two_inter, h], &[_, _, inter]) = (gu_shape.as_slice(), down_shape.as_slice()) else {
+        return Err(RolloutError::Weights(format!(
+            "{moe_prefix}: fused experts of shapes {gu_shape:?} / {down_shape:?}"
+        )));
+    };
+    gate_up
+        .chunks_exact(two_inter * h)
+        .zip(down.chunks_exact(h * inter))
+        .take(e)
+        .enumerate()
+        .map(|(j, (gu, d))| {
+            Ok(Ffn {
+                gate_up: Linear::new(
+                    &format!("{gate_up_name}[{j}]"),
+                    gu.to_vec(),
+                    two_inter,
+                    h,
+                    None,
+                    dtype,
+                )?,
+                down: Linear::new(
+                    &format!("{down_name}[{j}]"),
+                    d.to_vec(),
+                    h,
+                    inter,
+                    None,
+                    dtype,
+                )?,
+                inter,
+            })
+        })
+        .collect()
+}
+
 fn attention(
     f: &Fetcher,
     cfg: &Config,
-    p: &str,
+    layer: usize,
     dtype: Dtype,
 ) -> Result<AttnWeights, RolloutError> {
-    let h = cfg.hidden_size;
-    let nh = cfg.num_attention_heads;
+    let prefix = spec::attention_prefix(layer);
+    let name = |leaf: &str| format!("{prefix}.{leaf}");
     match &cfg.attention {
         AttentionConfig::Gqa {
-            num_kv_heads,
-            head_dim,
-            qkv_bias,
-            qk_norm,
-            ..
+            qkv_bias, qk_norm, ..
         } => {
-            let (qd, kd) = (nh * head_dim, num_kv_heads * head_dim);
-            let get =
-                |n: &str, rows: usize| f.get(&format!("{p}.self_attn.{n}.weight"), &[rows, h]);
-            let parts = vec![
-                (get("q_proj", qd)?, qd),
-                (get("k_proj", kd)?, kd),
-                (get("v_proj", kd)?, kd),
-            ];
+            let parts = QKV_PROJ
+                .iter()
+                .map(|p| f.get(&spec::weight(&name(p))))
+                .collect::<Result<Vec<_>, _>>()?;
             let bias = if *qkv_bias {
-                let mut b = f.get(&format!("{p}.self_attn.q_proj.bias"), &[qd])?;
-                b.extend(f.get(&format!("{p}.self_attn.k_proj.bias"), &[kd])?);
-                b.extend(f.get(&format!("{p}.self_attn.v_proj.bias"), &[kd])?);
+                let mut b = Vec::new();
+                for p in QKV_PROJ {
+                    b.extend(f.vector(&spec::bias(&name(p)))?);
+                }
                 Some(b)
             } else {
                 None
             };
-            let qkv = stack(&format!("{p}.self_attn.qkv"), parts, h, bias, dtype)?;
-            let (qn, kn) = match qk_norm {
-                QkNorm::None => (None, None),
-                QkNorm::PerHead => (Some(*head_dim), Some(*head_dim)),
-                QkNorm::Full => (Some(qd), Some(kd)),
+            let qkv = stack(&name("qkv"), parts, bias, dtype)?;
+            let norm = |leaf: &str| match qk_norm {
+                QkNorm::None => Ok(None),
+                QkNorm::PerHead | QkNorm::Full => f.vector(&spec::weight(&name(leaf))).map(Some),
             };
-            let q_norm = qn
-                .map(|n| f.get(&format!("{p}.self_attn.q_norm.weight"), &[n]))
-                .transpose()?;
-            let k_norm = kn
-                .map(|n| f.get(&format!("{p}.self_attn.k_norm.weight"), &[n]))
-                .transpose()?;
-            let o = linear(f, &format!("{p}.self_attn.o_proj"), h, qd, false, dtype)?;
             Ok(AttnWeights::Gqa {
                 qkv,
-                o,
-                q_norm,
-                k_norm,
+                o: linear(f, &name(O_PROJ), false, dtype)?,
+                q_norm: norm(Q_NORM)?,
+                k_norm: norm(K_NORM)?,
             })
         }
-        AttentionConfig::Mla {
-            q_lora_rank,
-            kv_lora_rank,
-            qk_nope_head_dim,
-            qk_rope_head_dim,
-            v_head_dim,
-        } => {
-            let qk = qk_nope_head_dim + qk_rope_head_dim;
-            let a = format!("{p}.self_attn");
+        AttentionConfig::Mla { q_lora_rank, .. } => {
             let (q_a, q_b) = match q_lora_rank {
-                Some(r) => {
-                    let qa = linear(f, &format!("{a}.q_a_proj"), *r, h, false, dtype)?;
-                    let qn = f.get(&format!("{a}.q_a_layernorm.weight"), &[*r])?;
-                    (
-                        Some((qa, qn)),
-                        linear(f, &format!("{a}.q_b_proj"), nh * qk, *r, false, dtype)?,
-                    )
-                }
-                None => (
-                    None,
-                    linear(f, &format!("{a}.q_proj"), nh * qk, h, false, dtype)?,
+                Some(_) => (
+                    Some((
+                        linear(f, &name(MLA_Q_A), false, dtype)?,
+                        f.vector(&spec::weight(&name(MLA_Q_A_NORM)))?,
+                    )),
+                    linear(f, &name(MLA_Q_B), false, dtype)?,
                 ),
+                None => (None, linear(f, &name(MLA_Q), false, dtype)?),
             };
-            let kv_a = linear(
-                f,
-                &format!("{a}.kv_a_proj_with_mqa"),
-                kv_lora_rank + qk_rope_head_dim,
-                h,
-                false,
-                dtype,
-            )?;
-            let kv_a_norm = f.get(&format!("{a}.kv_a_layernorm.weight"), &[*kv_lora_rank])?;
-            let kv_b = linear(
-                f,
-                &format!("{a}.kv_b_proj"),
-                nh * (qk_nope_head_dim + v_head_dim),
-                *kv_lora_rank,
-                false,
-                dtype,
-            )?;
-            let o = linear(f, &format!("{a}.o_proj"), h, nh * v_head_dim, false, dtype)?;
             Ok(AttnWeights::Mla {
                 q_a,
                 q_b,
-                kv_a,
-                kv_a_norm,
-                kv_b,
-                o,
+                kv_a: linear(f, &name(MLA_KV_A), false, dtype)?,
+                kv_a_norm: f.vector(&spec::weight(&name(MLA_KV_A_NORM)))?,
+                kv_b: linear(f, &name(MLA_KV_B), false, dtype)?,
+                o: linear(f, &name(O_PROJ), false, dtype)?,
             })
         }
     }
 }
 
-fn mlp(
-    f: &Fetcher,
-    cfg: &Config,
-    layer: usize,
-    p: &str,
-    dtype: Dtype,
-) -> Result<MlpWeights, RolloutError> {
-    let h = cfg.hidden_size;
-    let names = match cfg.architecture {
-        Architecture::Mixtral => ["w1", "w3", "w2"],
-        _ => ["gate_proj", "up_proj", "down_proj"],
+/// A MoE layer's missing MoE settings: what the trainer refuses, the engine refuses too.
+fn dense_config_error(layer: usize) -> RolloutError {
+    RolloutError::InconsistentMoeLayer {
+        layer,
+        missing: "MoE settings (the config has none)",
+    }
+}
+
+/// Checks that every layer the layout routes has MoE settings to route with.
+fn check_moe_layers(cfg: &Config) -> Result<(), RolloutError> {
+    match (cfg.layer_layout().moe_layers().first(), &cfg.moe) {
+        (Some(&layer), None) => Err(dense_config_error(layer)),
+        _ => Ok(()),
+    }
+}
+
+fn mlp(f: &Fetcher, cfg: &Config, layer: usize, dtype: Dtype) -> Result<MlpWeights, RolloutError> {
+    let Some(column) = cfg.layer_layout().moe_column(layer) else {
+        let dense = ffn(f, &spec::dense_mlp_prefix(layer), &SWIGLU_HF, dtype)?;
+        return Ok(MlpWeights::Dense(dense));
     };
-    let moe = match (&cfg.moe, cfg.is_moe_layer(layer)) {
-        (Some(m), true) => m,
-        _ => {
-            let d = ffn(
-                f,
-                &format!("{p}.mlp"),
-                ["gate_proj", "up_proj", "down_proj"],
-                h,
-                cfg.intermediate_size,
-                dtype,
-            )?;
-            return Ok(MlpWeights::Dense(d));
+    let moe = cfg.moe.as_ref().ok_or_else(|| dense_config_error(layer))?;
+    let m = spec::moe_prefix(cfg, layer);
+    let router = linear(f, &format!("{m}.{ROUTER}"), false, dtype)?;
+    let score_bias = match moe.router {
+        RouterKind::GroupedSigmoid { .. } => Some(f.vector(&format!("{m}.{SCORE_BIAS}"))?),
+        RouterKind::Softmax { .. } => None,
+    };
+    let experts = match f.layout() {
+        ExpertLayout::Fused => fused_experts(f, &m, dtype)?,
+        ExpertLayout::PerExpert => {
+            let names = expert_names(cfg);
+            (0..moe.num_experts)
+                .map(|j| ffn(f, &spec::expert_prefix(&m, j), &names, dtype))
+                .collect::<Result<Vec<_>, _>>()?
         }
     };
-    let mp = format!("{p}.{}", cfg.moe_prefix());
-    let (e, inter) = (moe.num_experts, moe.expert_intermediate_size);
-    let router = linear(f, &format!("{mp}.gate"), e, h, false, dtype)?;
-    let bias_name = format!("{mp}.gate.e_score_correction_bias");
-    let score_bias = if f.has(&bias_name) {
-        Some(f.get(&bias_name, &[e])?)
-    } else {
-        None
-    };
-    let experts = (0..e)
-        .map(|i| ffn(f, &format!("{mp}.experts.{i}"), names, h, inter, dtype))
-        .collect::<Result<Vec<_>, _>>()?;
-    let std3 = ["gate_proj", "up_proj", "down_proj"];
-    let (shared, shared_gate) = match moe.shared {
-        SharedExpert::None => (None, None),
-        SharedExpert::Plain { intermediate_size } => (
-            Some(ffn(
-                f,
-                &format!("{mp}.shared_experts"),
-                std3,
-                h,
-                intermediate_size,
-                dtype,
-            )?),
-            None,
-        ),
-        SharedExpert::Gated { intermediate_size } => (
-            Some(ffn(
-                f,
-                &format!("{mp}.shared_expert"),
-                std3,
-                h,
-                intermediate_size,
-                dtype,
-            )?),
-            Some(linear(
-                f,
-                &format!("{mp}.shared_expert_gate"),
-                1,
-                h,
-                false,
-                dtype,
-            )?),
-        ),
+    let shared = spec::shared_expert(&m, moe.shared)
+        .map(|(prefix, _)| ffn(f, &prefix, &SWIGLU_HF, dtype))
+        .transpose()?;
+    let shared_gate = match moe.shared {
+        SharedExpert::Gated { .. } => Some(linear(
+            f,
+            &format!("{m}.{SHARED_EXPERT_GATE}"),
+            false,
+            dtype,
+        )?),
+        SharedExpert::None | SharedExpert::Plain { .. } => None,
     };
     Ok(MlpWeights::Moe(Box::new(MoeWeights {
+        column,
+        rule: Router::new(moe),
         router,
         score_bias,
         experts,
@@ -346,27 +341,28 @@ fn mlp(
 }
 
 impl ModelWeights {
-    /// Builds the engine weights from HF-named tensors; a missing or mis-shaped tensor is an
-    /// error naming it.
-    pub fn from_tensors(cfg: &Config, f: &Fetcher, dtype: Dtype) -> Result<Self, RolloutError> {
-        let (v, h) = (cfg.vocab_size, cfg.hidden_size);
-        let embed = f.get("model.embed_tokens.weight", &[v, h])?;
+    /// Builds the engine weights from HF-named tensors (experts per expert or fused); a
+    /// missing or mis-shaped tensor is an error naming it, a MoE layer without MoE settings
+    /// is [`RolloutError::InconsistentMoeLayer`].
+    pub fn from_tensors(cfg: &Config, map: &TensorMap, dtype: Dtype) -> Result<Self, RolloutError> {
+        check_moe_layers(cfg)?;
+        let f = Fetcher::new(map, cfg)?;
+        let (embed, embed_shape) = f.get(&spec::weight(EMBED))?;
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| {
-                let p = format!("model.layers.{i}");
                 Ok(LayerWeights {
-                    input_norm: f.get(&format!("{p}.input_layernorm.weight"), &[h])?,
-                    post_norm: f.get(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
-                    attn: attention(f, cfg, &p, dtype)?,
-                    mlp: mlp(f, cfg, i, &p, dtype)?,
+                    input_norm: f.vector(&spec::weight(&spec::input_norm(i)))?,
+                    post_norm: f.vector(&spec::weight(&spec::post_attention_norm(i)))?,
+                    attn: attention(&f, cfg, i, dtype)?,
+                    mlp: mlp(&f, cfg, i, dtype)?,
                 })
             })
             .collect::<Result<Vec<_>, RolloutError>>()?;
-        let norm = f.get("model.norm.weight", &[h])?;
-        let lm_head = if cfg.tie_word_embeddings && !f.has("lm_head.weight") {
-            Linear::new("lm_head (tied)", embed.clone(), v, h, None, dtype)?
+        let norm = f.vector(&spec::weight(FINAL_NORM))?;
+        let lm_head = if cfg.tie_word_embeddings {
+            matrix("lm_head (tied)", embed.clone(), &embed_shape, None, dtype)?
         } else {
-            linear(f, "lm_head", v, h, false, dtype)?
+            linear(&f, LM_HEAD, false, dtype)?
         };
         Ok(ModelWeights {
             embed,
