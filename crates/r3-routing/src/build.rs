@@ -363,7 +363,7 @@ impl RouteTable {
         self.layers
             .get(column)
             .copied()
-            .ok_or_else(|| RouteError::OutOfRange {
+            .ok_or(RouteError::OutOfRange {
                 what: "column",
                 index: column,
                 len: self.layers.len(),

@@ -190,14 +190,11 @@ impl RouteTable {
         from: usize,
         to: usize,
     ) -> Result<Vec<u32>, RouteError> {
-        let layer = *self
-            .layers
-            .get(column)
-            .ok_or_else(|| RouteError::OutOfRange {
-                what: "column",
-                index: column,
-                len: self.layers.len(),
-            })?;
+        let layer = *self.layers.get(column).ok_or(RouteError::OutOfRange {
+            what: "column",
+            index: column,
+            len: self.layers.len(),
+        })?;
         self.check_row_range(from, to)?;
         let mut out = Vec::with_capacity((to - from) * self.top_k);
         for t in from..to {

@@ -111,7 +111,7 @@ pub fn encode_sglang_meta(
     let total = table.end_pos() + 1;
     let completion = total
         .checked_sub(prompt_tokens)
-        .ok_or_else(|| RouteError::OutOfRange {
+        .ok_or(RouteError::OutOfRange {
             what: "prompt_tokens",
             index: prompt_tokens,
             len: total,
