@@ -1,5 +1,7 @@
 //! The crate's error type: every failure names what is wrong (field, tensor, layer, token).
 
+use std::path::PathBuf;
+
 use r3_routing::RouteError;
 
 /// Errors from config parsing, weight loading, routing and the forward pass.
@@ -16,7 +18,35 @@ pub enum ModelError {
         /// the offending value
         value: String,
     },
-    /// A config value is missing or inconsistent.
+    /// A key the architecture requires is absent from config.json.
+    #[error("missing `{key}` (required for {model_type})")]
+    MissingKey {
+        /// config.json key (or the key names it may go by)
+        key: &'static str,
+        /// the architecture that requires it
+        model_type: &'static str,
+    },
+    /// A size key that must be positive is 0.
+    #[error("`{key}` must be > 0 for {model_type}")]
+    ZeroSize {
+        /// config.json key
+        key: &'static str,
+        /// the architecture
+        model_type: &'static str,
+    },
+    /// Two spellings of the same quantity disagree.
+    #[error("`{first}` = {first_value} conflicts with `{second}` = {second_value}")]
+    ConflictingKeys {
+        /// the key read first
+        first: &'static str,
+        /// its value
+        first_value: usize,
+        /// the key that disagrees
+        second: &'static str,
+        /// its value
+        second_value: usize,
+    },
+    /// Config values that contradict each other (head counts, group sizes, ...).
     #[error("invalid config: {0}")]
     InvalidConfig(String),
     /// A tensor the config requires is not in the checkpoint.
@@ -33,10 +63,10 @@ pub enum ModelError {
         got: Vec<usize>,
     },
     /// A checkpoint file is malformed (safetensors header, index.json, dtype).
-    #[error("bad checkpoint {path}: {msg}")]
+    #[error("bad checkpoint {}: {msg}", path.display())]
     Checkpoint {
         /// the file
-        path: String,
+        path: PathBuf,
         /// what is wrong
         msg: String,
     },
@@ -82,19 +112,19 @@ pub enum ModelError {
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
     /// I/O error with the path involved.
-    #[error("{path}: {source}")]
+    #[error("{}: {source}", path.display())]
     Io {
         /// the file
-        path: String,
+        path: PathBuf,
         /// the cause
         #[source]
         source: std::io::Error,
     },
     /// JSON error with the file involved.
-    #[error("{path}: {source}")]
+    #[error("{}: {source}", path.display())]
     Json {
-        /// the file
-        path: String,
+        /// the file (`config.json` when parsed from text)
+        path: PathBuf,
         /// the cause
         #[source]
         source: serde_json::Error,

@@ -1,4 +1,7 @@
-//! Errors of the rollout engine.
+//! Errors of the rollout engine: one enum whose variants say whose fault a failure is (the
+//! request's, the weights', the engine's), so the HTTP server can answer 4xx or 500.
+
+use std::path::PathBuf;
 
 use thiserror::Error;
 
@@ -11,9 +14,52 @@ pub enum RolloutError {
     /// A request is malformed (bad token id, empty prompt, bad sampling parameter, ...).
     #[error("invalid request: {0}")]
     InvalidRequest(String),
+    /// A request that can never fit in the KV cache, even when it runs alone.
+    #[error(
+        "a request of {prompt_tokens} prompt + {max_new_tokens} new tokens needs {blocks_needed} \
+         KV blocks, the pool holds {pool_blocks}"
+    )]
+    RequestTooLong {
+        /// Tokens in the prompt.
+        prompt_tokens: usize,
+        /// Tokens the request may generate.
+        max_new_tokens: usize,
+        /// KV blocks the whole request needs.
+        blocks_needed: usize,
+        /// KV blocks the pool has in all.
+        pool_blocks: usize,
+    },
+    /// The KV pool ran dry in the middle of a step although every admitted request fits
+    /// alone: a fault of the engine's scheduling, not of any request.
+    #[error("kv cache exhausted: {needed} more blocks needed, {free} free")]
+    KvCacheExhausted {
+        /// Blocks the step still needed.
+        needed: usize,
+        /// Blocks free when it gave up.
+        free: usize,
+    },
     /// A weight tensor is missing or has the wrong shape.
     #[error("weights: {0}")]
     Weights(String),
+    /// A weight tensor that cannot be converted to the engine's f32 host buffers.
+    #[error("weights: tensor {name}: {source}")]
+    TensorConversion {
+        /// HF tensor name.
+        name: String,
+        /// The conversion error.
+        #[source]
+        source: candle_core::Error,
+    },
+    /// A weight directory could not be loaded (missing, unreadable or not a checkpoint of
+    /// this model's config).
+    #[error("loading weights from {}: {source}", dir.display())]
+    WeightDir {
+        /// The directory that was read.
+        dir: PathBuf,
+        /// Why it could not be loaded.
+        #[source]
+        source: r3_model::ModelError,
+    },
     /// The model architecture or one of its options is not supported by the engine.
     #[error("unsupported model: {0}")]
     Unsupported(String),
@@ -25,13 +71,10 @@ pub enum RolloutError {
         /// What the layer lacks.
         missing: &'static str,
     },
-    /// The KV cache cannot hold a request even when it runs alone.
-    #[error("kv cache: {0}")]
-    KvCache(String),
     /// An unknown request id.
     #[error("unknown request id {0}")]
     UnknownRequest(u64),
-    /// Error from the model crate (config parsing, weight loading, router math).
+    /// Error from the model crate (config parsing, router math).
     #[error("model: {0}")]
     Model(#[from] r3_model::ModelError),
     /// Error from the routing crate (building or merging route tables).
@@ -40,7 +83,54 @@ pub enum RolloutError {
     /// Error from candle (tensor conversion during weight loading).
     #[error("tensor: {0}")]
     Candle(#[from] candle_core::Error),
-    /// I/O error (reading a model directory).
-    #[error("io: {0}")]
-    Io(#[from] std::io::Error),
+    /// I/O error with the file involved.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl RolloutError {
+    /// Whether the caller (a client of the server) caused the error, as opposed to the
+    /// engine or the machine: the HTTP server answers 4xx for these and 500 otherwise.
+    pub fn is_client_error(&self) -> bool {
+        match self {
+            RolloutError::InvalidRequest(_)
+            | RolloutError::RequestTooLong { .. }
+            | RolloutError::UnknownRequest(_) => true,
+            RolloutError::WeightDir { source, .. } => weight_dir_is_clients(source),
+            _ => false,
+        }
+    }
+}
+
+/// Whether a weight-directory failure is the directory's fault (missing, unreadable, not a
+/// checkpoint of this config) rather than the server's (out of memory, a device error).
+fn weight_dir_is_clients(e: &r3_model::ModelError) -> bool {
+    use r3_model::ModelError as M;
+    use std::io::ErrorKind;
+    match e {
+        M::Io { source, .. } => matches!(
+            source.kind(),
+            ErrorKind::NotFound
+                | ErrorKind::PermissionDenied
+                | ErrorKind::InvalidData
+                | ErrorKind::InvalidInput
+                | ErrorKind::UnexpectedEof
+                | ErrorKind::NotADirectory
+                | ErrorKind::IsADirectory
+        ),
+        M::Json { .. }
+        | M::Checkpoint { .. }
+        | M::MissingTensor(_)
+        | M::TensorShape { .. }
+        | M::InvalidConfig(_)
+        | M::UnsupportedOption { .. }
+        | M::UnsupportedModelType(_) => true,
+        _ => false,
+    }
 }

@@ -4,7 +4,10 @@
 //!
 //! The engine has its own inference path (f16 or f32 matmuls, fused row kernels, paged
 //! attention); it shares only the config, the weight format and the router math with the
-//! training forward of `r3-model` (DESIGN.md rule 4).
+//! training forward of `r3-model`.
+//!
+//! The SGLang-compatible HTTP server (module `server`) is behind the `server` cargo feature, so a
+//! crate that only drives the engine in process (the trainer) does not compile axum or tokio.
 //!
 //! Log-probs: every reported log-prob is `log softmax(logits)[token]` under the raw model
 //! distribution (temperature 1, before top-k / top-p), in f32 from the engine's logits.
@@ -18,6 +21,7 @@ pub mod model;
 pub mod prefix_cache;
 pub mod request;
 pub mod sampler;
+#[cfg(feature = "server")]
 pub mod server;
 
 pub use dtype::Dtype;

@@ -14,10 +14,12 @@ pub fn expected_rows(total_tokens: usize, start_len: usize) -> Result<usize, Rou
     total_tokens
         .checked_sub(1)
         .and_then(|n| n.checked_sub(start_len))
-        .ok_or_else(|| {
-            RouteError::Misaligned(format!(
-                "a sequence of {total_tokens} tokens cannot have routes starting at position {start_len}"
-            ))
+        .ok_or_else(|| RouteError::Misaligned {
+            what: "routes",
+            rows: start_len..start_len,
+            against: 0..total_tokens.saturating_sub(1),
+            rule:
+                "they must start within the positions the sequence feeds (all but its last token)",
         })
 }
 
@@ -26,11 +28,12 @@ pub fn expected_rows(total_tokens: usize, start_len: usize) -> Result<usize, Rou
 pub fn check_covers_sequence(table: &RouteTable, total_tokens: usize) -> Result<(), RouteError> {
     let expected = expected_rows(total_tokens, table.start_pos())?;
     if table.num_tokens() != expected {
-        return Err(RouteError::Misaligned(format!(
-            "table has {} rows from position {}, a sequence of {total_tokens} tokens needs {expected} (tokens - 1 - start)",
-            table.num_tokens(),
-            table.start_pos()
-        )));
+        return Err(RouteError::Misaligned {
+            what: "route table rows",
+            rows: table.start_pos()..table.end_pos(),
+            against: table.start_pos()..table.start_pos() + expected,
+            rule: "they must cover every fed position of the sequence (tokens - 1 - start rows)",
+        });
     }
     Ok(())
 }
@@ -58,31 +61,34 @@ pub fn merge_resumed(
 ) -> Result<RouteTable, RouteError> {
     earlier.check_same_shape(resumed)?;
     if resumed.end_pos() < earlier.end_pos() {
-        return Err(RouteError::Misaligned(format!(
-            "resumed routes end at position {} before the earlier call's end {}: rows would be lost",
-            resumed.end_pos(),
-            earlier.end_pos()
-        )));
+        return Err(RouteError::Misaligned {
+            what: "resumed routes",
+            rows: resumed.start_pos()..resumed.end_pos(),
+            against: earlier.start_pos()..earlier.end_pos(),
+            rule: "they end before the earlier call's end: rows would be lost",
+        });
     }
     match policy {
         MergePolicy::ReplaceWithResumed => {
             if resumed.start_pos() > earlier.start_pos() {
-                return Err(RouteError::Misaligned(format!(
-                    "resumed routes start at position {} but the earlier call covered from {}: \
-                     replacing would lose rows (use keep_per_token_origin for incremental routes)",
-                    resumed.start_pos(),
-                    earlier.start_pos()
-                )));
+                return Err(RouteError::Misaligned {
+                    what: "resumed routes",
+                    rows: resumed.start_pos()..resumed.end_pos(),
+                    against: earlier.start_pos()..earlier.end_pos(),
+                    rule: "they start after the earlier call's start: replacing would lose rows \
+                           (use keep_per_token_origin for incremental routes)",
+                });
             }
             Ok(resumed.clone())
         }
         MergePolicy::KeepPerTokenOrigin => {
             if resumed.start_pos() > earlier.end_pos() {
-                return Err(RouteError::Misaligned(format!(
-                    "resumed routes start at position {}, past the earlier call's end {}: gap",
-                    resumed.start_pos(),
-                    earlier.end_pos()
-                )));
+                return Err(RouteError::Misaligned {
+                    what: "resumed routes",
+                    rows: resumed.start_pos()..resumed.end_pos(),
+                    against: earlier.start_pos()..earlier.end_pos(),
+                    rule: "they start past the earlier call's end: a gap",
+                });
             }
             let mut out = if resumed.start_pos() < earlier.start_pos() {
                 // The resumed call also covers positions the earlier call never captured.

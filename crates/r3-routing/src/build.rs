@@ -42,8 +42,9 @@ pub(crate) fn check_header(
 
 fn checked_len(parts: &[usize], what: &str) -> Result<usize, RouteError> {
     parts.iter().try_fold(1usize, |acc, &p| {
-        acc.checked_mul(p)
-            .ok_or_else(|| RouteError::Argument(format!("{what} size overflows")))
+        acc.checked_mul(p).ok_or_else(|| RouteError::Overflow {
+            what: format!("{what} size"),
+        })
     })
 }
 
@@ -148,9 +149,9 @@ impl RouteTable {
     ) -> Result<RouteTable, RouteError> {
         check_header(num_experts, top_k, space, &layers)?;
         if start_pos.checked_add(num_tokens).is_none() {
-            return Err(RouteError::Argument(format!(
-                "start_pos {start_pos} + {num_tokens} rows overflows"
-            )));
+            return Err(RouteError::Overflow {
+                what: format!("start_pos {start_pos} + {num_tokens} rows"),
+            });
         }
         let cells = checked_len(&[num_tokens, layers.len()], "route table")?;
         let len = checked_len(&[cells, top_k], "route table")?;
@@ -253,12 +254,11 @@ impl RouteTable {
             0
         } else {
             if !ids.len().is_multiple_of(row) {
-                return Err(RouteError::Shape(format!(
-                    "{} ids is not a whole number of rows of {} columns x top_k {}",
-                    ids.len(),
-                    layers.len(),
-                    top_k
-                )));
+                return Err(RouteError::Ragged {
+                    what: "flat ids in rows of columns x top_k",
+                    len: ids.len(),
+                    unit: row,
+                });
             }
             ids.len() / row
         };
@@ -289,9 +289,11 @@ impl RouteTable {
         }
         let len = columns.first().map_or(0, Vec::len);
         if !len.is_multiple_of(top_k) {
-            return Err(RouteError::Shape(format!(
-                "column 0 has {len} ids, not a multiple of top_k {top_k}"
-            )));
+            return Err(RouteError::Ragged {
+                what: "column 0 in cells of top_k",
+                len,
+                unit: top_k,
+            });
         }
         if let Some((c, col)) = columns.iter().enumerate().find(|(_, c)| c.len() != len) {
             return Err(RouteError::length(
@@ -352,16 +354,19 @@ impl RouteTable {
 
     fn check_cell_pos(&self, token: usize, column: usize) -> Result<usize, RouteError> {
         if token >= self.num_tokens {
-            return Err(RouteError::Argument(format!(
-                "row {token} out of range (table has {} rows)",
-                self.num_tokens
-            )));
+            return Err(RouteError::OutOfRange {
+                what: "row",
+                index: token,
+                len: self.num_tokens,
+            });
         }
-        self.layers.get(column).copied().ok_or_else(|| {
-            RouteError::Argument(format!(
-                "column {column} out of range (table has {} columns)",
-                self.layers.len()
-            ))
-        })
+        self.layers
+            .get(column)
+            .copied()
+            .ok_or(RouteError::OutOfRange {
+                what: "column",
+                index: column,
+                len: self.layers.len(),
+            })
     }
 }

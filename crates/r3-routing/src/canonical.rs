@@ -9,7 +9,8 @@
 //! (global layer `layers[c]`), or `null` when no route was recorded. `versions` (weight
 //! version per row) is omitted when unknown. Decoding validates exactly like the wire decoders.
 
-use serde_json::{json, Map, Value};
+use serde::Deserialize;
+use serde_json::{json, Number, Value};
 
 use crate::build::{check_cell, check_header};
 use crate::{LayerSpace, RouteError, RouteTable};
@@ -68,155 +69,133 @@ impl RouteTable {
 
     /// Parses and validates a canonical JSON value.
     pub fn from_json(v: &Value) -> Result<RouteTable, RouteError> {
-        let obj = v
-            .as_object()
-            .ok_or_else(|| RouteError::format(F, "expected a JSON object"))?;
-        let format = field(obj, "format")?
-            .as_str()
-            .ok_or_else(|| RouteError::format(F, "`format` must be a string"))?;
-        if format != CANONICAL_FORMAT {
+        let raw: RawCanonical = serde_path_to_error::deserialize(v).map_err(|e| {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            if path == "." {
+                RouteError::format(F, inner.to_string())
+            } else {
+                RouteError::format(F, format!("`{path}`: {inner}"))
+            }
+        })?;
+        raw.validate()
+    }
+}
+
+/// A canonical document as written: the field types are checked by serde, everything that
+/// relates fields to each other (or to the id range) by [`RawCanonical::validate`].
+#[derive(Debug, Deserialize)]
+#[serde(expecting = "a canonical route document (a JSON object)")]
+struct RawCanonical {
+    format: String,
+    version: u64,
+    num_experts: usize,
+    top_k: usize,
+    layer_space: String,
+    layers: Vec<usize>,
+    start_pos: usize,
+    num_tokens: usize,
+    /// `routes[t][c]`: the ids of one cell, or null. Ids stay JSON numbers here so that a
+    /// non-integer id is reported with its token and layer.
+    routes: Vec<Vec<Option<Vec<Number>>>>,
+    #[serde(default)]
+    versions: Option<Vec<u64>>,
+}
+
+impl RawCanonical {
+    /// Checks the header, then every row against it, and builds the table.
+    fn validate(self) -> Result<RouteTable, RouteError> {
+        if self.format != CANONICAL_FORMAT {
             return Err(RouteError::format(
                 F,
-                format!("`format` is {format:?}, expected {CANONICAL_FORMAT:?}"),
+                format!(
+                    "`format` is {:?}, expected {CANONICAL_FORMAT:?}",
+                    self.format
+                ),
             ));
         }
-        let version = uint(obj, "version")?;
-        if version != CANONICAL_VERSION as usize {
+        if self.version != CANONICAL_VERSION {
             return Err(RouteError::format(
                 F,
-                format!("unsupported version {version} (this r3 reads {CANONICAL_VERSION})"),
+                format!(
+                    "unsupported version {} (this r3 reads {CANONICAL_VERSION})",
+                    self.version
+                ),
             ));
         }
-        let num_experts = uint(obj, "num_experts")?;
-        let top_k = uint(obj, "top_k")?;
-        let space_name = field(obj, "layer_space")?
-            .as_str()
-            .ok_or_else(|| RouteError::format(F, "`layer_space` must be a string"))?;
-        let space = LayerSpace::parse(space_name).ok_or_else(|| {
+        let space = LayerSpace::parse(&self.layer_space).ok_or_else(|| {
             RouteError::format(
                 F,
-                format!("`layer_space` is {space_name:?}, expected \"all_layers\" or \"moe_only\""),
+                format!(
+                    "`layer_space` is {:?}, expected \"all_layers\" or \"moe_only\"",
+                    self.layer_space
+                ),
             )
         })?;
-        let layers = uint_array(field(obj, "layers")?, "layers")?;
-        let start_pos = uint(obj, "start_pos")?;
-        let num_tokens = uint(obj, "num_tokens")?;
-        check_header(num_experts, top_k, space, &layers)?;
-        let rows = field(obj, "routes")?
-            .as_array()
-            .ok_or_else(|| RouteError::format(F, "`routes` must be an array of rows"))?;
-        if rows.len() != num_tokens {
+        check_header(self.num_experts, self.top_k, space, &self.layers)?;
+        if self.routes.len() != self.num_tokens {
             return Err(RouteError::length(
                 "rows in `routes` (num_tokens)",
-                num_tokens,
-                rows.len(),
+                self.num_tokens,
+                self.routes.len(),
             ));
         }
         let mut table = RouteTable::missing(
-            num_experts,
-            top_k,
+            self.num_experts,
+            self.top_k,
             space,
-            layers.clone(),
-            start_pos,
-            num_tokens,
+            self.layers.clone(),
+            self.start_pos,
+            self.num_tokens,
         )?;
-        let mut vals = vec![0i64; top_k];
-        for (t, row) in rows.iter().enumerate() {
-            let token = start_pos.saturating_add(t);
-            let cells = row.as_array().ok_or_else(|| {
-                RouteError::format(F, format!("routes[{t}] (token {token}) must be an array"))
-            })?;
-            if cells.len() != layers.len() {
-                return Err(RouteError::length(
-                    format!("cells in routes[{t}] (token {token})"),
-                    layers.len(),
-                    cells.len(),
-                ));
-            }
-            for (c, cell) in cells.iter().enumerate() {
-                let layer = layers[c];
-                if cell.is_null() {
-                    continue;
-                }
-                let ids = cell.as_array().ok_or_else(|| {
-                    RouteError::format(
-                        F,
-                        format!("token {token}, layer {layer}: cell must be an array or null"),
-                    )
-                })?;
-                if ids.len() != top_k {
-                    return Err(RouteError::length(
-                        format!("ids at token {token}, layer {layer}"),
-                        top_k,
-                        ids.len(),
-                    ));
-                }
-                for (slot, id) in vals.iter_mut().zip(ids) {
-                    *slot = id.as_i64().ok_or_else(|| {
-                        RouteError::format(
-                            F,
-                            format!("token {token}, layer {layer}: id {id} is not an integer"),
-                        )
-                    })?;
-                }
-                if check_cell(&vals, num_experts, token, layer)? {
-                    let u: Vec<u32> = vals.iter().map(|&x| x as u32).collect();
-                    table.set_cell(t, c, &u)?;
-                }
-            }
+        for (t, row) in self.routes.iter().enumerate() {
+            fill_row(&mut table, t, row)?;
         }
-        if let Some(vs) = obj.get("versions") {
-            if !vs.is_null() {
-                let vs = vs
-                    .as_array()
-                    .ok_or_else(|| RouteError::format(F, "`versions` must be an array"))?
-                    .iter()
-                    .map(|x| {
-                        x.as_u64().ok_or_else(|| {
-                            RouteError::format(
-                                F,
-                                format!("version {x} is not a non-negative integer"),
-                            )
-                        })
-                    })
-                    .collect::<Result<Vec<u64>, _>>()?;
-                table.set_versions(vs)?;
-            }
+        if let Some(vs) = self.versions {
+            table.set_versions(vs)?;
         }
         Ok(table)
     }
 }
 
-fn field<'a>(obj: &'a Map<String, Value>, name: &str) -> Result<&'a Value, RouteError> {
-    obj.get(name)
-        .ok_or_else(|| RouteError::format(F, format!("missing field `{name}`")))
-}
-
-fn uint(obj: &Map<String, Value>, name: &str) -> Result<usize, RouteError> {
-    let v = field(obj, name)?;
-    v.as_u64()
-        .and_then(|x| usize::try_from(x).ok())
-        .ok_or_else(|| {
-            RouteError::format(
-                F,
-                format!("`{name}` must be a non-negative integer, got {v}"),
-            )
-        })
-}
-
-fn uint_array(v: &Value, name: &str) -> Result<Vec<usize>, RouteError> {
-    v.as_array()
-        .ok_or_else(|| RouteError::format(F, format!("`{name}` must be an array")))?
-        .iter()
-        .map(|x| {
-            x.as_u64()
-                .and_then(|u| usize::try_from(u).ok())
-                .ok_or_else(|| {
-                    RouteError::format(
-                        F,
-                        format!("`{name}` entry {x} is not a non-negative integer"),
-                    )
-                })
-        })
-        .collect()
+/// Validates row `t` of `routes` and writes its present cells into `table`.
+fn fill_row(
+    table: &mut RouteTable,
+    t: usize,
+    row: &[Option<Vec<Number>>],
+) -> Result<(), RouteError> {
+    let token = table.start_pos.saturating_add(t);
+    let (num_experts, top_k) = (table.num_experts, table.top_k);
+    if row.len() != table.layers.len() {
+        return Err(RouteError::length(
+            format!("cells in routes[{t}] (token {token})"),
+            table.layers.len(),
+            row.len(),
+        ));
+    }
+    let mut vals = vec![0i64; top_k];
+    for (c, cell) in row.iter().enumerate() {
+        let Some(ids) = cell else { continue };
+        let layer = table.layers[c];
+        if ids.len() != top_k {
+            return Err(RouteError::length(
+                format!("ids at token {token}, layer {layer}"),
+                top_k,
+                ids.len(),
+            ));
+        }
+        for (slot, id) in vals.iter_mut().zip(ids) {
+            *slot = id.as_i64().ok_or_else(|| {
+                RouteError::format(
+                    F,
+                    format!("token {token}, layer {layer}: id {id} is not an integer"),
+                )
+            })?;
+        }
+        if check_cell(&vals, num_experts, token, layer)? {
+            let u: Vec<u32> = vals.iter().map(|&x| x as u32).collect();
+            table.set_cell(t, c, &u)?;
+        }
+    }
+    Ok(())
 }

@@ -65,13 +65,12 @@ fn ratio(num: f64, den: usize, empty: f64) -> f64 {
 pub fn divergence(a: &RouteTable, b: &RouteTable) -> Result<Divergence, RouteError> {
     a.check_same_shape(b)?;
     if a.start_pos() != b.start_pos() || a.num_tokens() != b.num_tokens() {
-        return Err(RouteError::Misaligned(format!(
-            "tables cover positions [{}, {}) and [{}, {})",
-            a.start_pos(),
-            a.end_pos(),
-            b.start_pos(),
-            b.end_pos()
-        )));
+        return Err(RouteError::Misaligned {
+            what: "compared rows",
+            rows: b.start_pos()..b.end_pos(),
+            against: a.start_pos()..a.end_pos(),
+            rule: "both tables must cover the same positions",
+        });
     }
     let (cols, k) = (a.num_columns(), a.top_k());
     let mut layer_compared = vec![0usize; cols];

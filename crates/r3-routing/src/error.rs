@@ -1,6 +1,8 @@
 //! The one error type of the routing crate: every variant names what is wrong and where
 //! (token position, global layer, value) so a bad payload is never silently accepted.
 
+use std::ops::Range;
+
 use thiserror::Error;
 
 /// Everything that can go wrong when building, converting, decoding or comparing routes.
@@ -91,16 +93,80 @@ pub enum RouteError {
         /// The count found.
         got: usize,
     },
-    /// Two tables (or a table and a layout) do not describe the same shape or space.
-    #[error("shape mismatch: {0}")]
-    Shape(String),
-    /// Rows appended or merged at the wrong position.
-    #[error("misaligned rows: {0}")]
-    Misaligned(String),
-    /// A layer layout or placement that cannot be right.
+    /// Two tables, or a table and a layout or placement, disagree on one dimension.
+    #[error("shape mismatch: {what} is {left} on one side, {right} on the other")]
+    Shape {
+        /// The dimension that differs (`num_experts`, `top_k`, `layers`, ...).
+        what: &'static str,
+        /// Its value on the receiving side (the table a method is called on).
+        left: String,
+        /// Its value on the other side (the argument, the layout, the placement).
+        right: String,
+    },
+    /// A flat buffer whose length is not a whole number of rows (or cells).
+    #[error("{what}: {len} ids is not a whole number of {unit}-id units")]
+    Ragged {
+        /// What the buffer is, and what a unit of it is.
+        what: &'static str,
+        /// Ids found.
+        len: usize,
+        /// Ids per row (or per cell).
+        unit: usize,
+    },
+    /// Rows placed at positions that do not line up with the rows or the sequence they meet.
+    #[error(
+        "misaligned rows: {what} cover positions [{}, {}), against [{}, {}): {rule}",
+        rows.start, rows.end, against.start, against.end
+    )]
+    Misaligned {
+        /// The rows that are placed (`appended rows`, `resumed routes`, ...).
+        what: &'static str,
+        /// The positions they cover.
+        rows: Range<usize>,
+        /// The positions they are checked against (the table appended to, the earlier
+        /// call, the positions a sequence feeds).
+        against: Range<usize>,
+        /// The rule they break.
+        rule: &'static str,
+    },
+    /// A layer index at or past the model's layer count.
+    #[error("{what} {layer} is out of range for a model of {num_layers} layers")]
+    LayerOutOfRange {
+        /// Where the layer index comes from (`MoE layer`, `mlp_only_layers entry`, ...).
+        what: &'static str,
+        /// The index.
+        layer: usize,
+        /// The model's `num_hidden_layers`.
+        num_layers: usize,
+    },
+    /// A layer layout and a wire payload of different depths.
+    #[error("layout has {layout} layers but the wire carries {wire}")]
+    LayerCount {
+        /// Layers of the layout.
+        layout: usize,
+        /// Layers of the wire payload.
+        wire: usize,
+    },
+    /// A row, column or count past the end of the table it indexes.
+    #[error("{what} {index} out of range (the table has {len})")]
+    OutOfRange {
+        /// What is indexed (`row`, `column`, `prompt rows`, ...).
+        what: &'static str,
+        /// The index or count asked for.
+        index: usize,
+        /// The table's size in that dimension.
+        len: usize,
+    },
+    /// A size or position that does not fit in `usize`.
+    #[error("{what} overflows")]
+    Overflow {
+        /// The quantity, with its operands.
+        what: String,
+    },
+    /// A layer layout or placement that cannot be right (ordering, duplicates, coverage).
     #[error("invalid layout: {0}")]
     Layout(String),
-    /// An argument outside what the function accepts (top_k 0, too many experts, ...).
+    /// An argument outside what the function accepts (top_k 0, a non-finite log-prob, ...).
     #[error("invalid argument: {0}")]
     Argument(String),
     /// A wire payload that cannot be decoded.
@@ -119,6 +185,19 @@ impl RouteError {
         RouteError::Format {
             format,
             msg: msg.into(),
+        }
+    }
+
+    /// Shorthand for a shape mismatch of one dimension.
+    pub fn shape(
+        what: &'static str,
+        left: impl std::fmt::Display,
+        right: impl std::fmt::Display,
+    ) -> Self {
+        RouteError::Shape {
+            what,
+            left: left.to_string(),
+            right: right.to_string(),
         }
     }
 

@@ -90,9 +90,11 @@ impl LayerLayout {
         }
         if let Some(&last) = moe_layers.last() {
             if last >= num_hidden_layers {
-                return Err(RouteError::Layout(format!(
-                    "MoE layer {last} is not below num_hidden_layers {num_hidden_layers}"
-                )));
+                return Err(RouteError::LayerOutOfRange {
+                    what: "MoE layer",
+                    layer: last,
+                    num_layers: num_hidden_layers,
+                });
             }
         }
         let mut column_of = vec![None; num_hidden_layers];
@@ -122,10 +124,11 @@ impl LayerLayout {
             .iter()
             .find(|&&l| l >= rules.num_hidden_layers)
         {
-            return Err(RouteError::Layout(format!(
-                "mlp_only_layers entry {bad} is not below num_hidden_layers {}",
-                rules.num_hidden_layers
-            )));
+            return Err(RouteError::LayerOutOfRange {
+                what: "mlp_only_layers entry",
+                layer: bad,
+                num_layers: rules.num_hidden_layers,
+            });
         }
         let moe = (0..rules.num_hidden_layers)
             .filter(|&i| {
@@ -153,9 +156,11 @@ impl LayerLayout {
     /// Layout whose first `k` layers are dense and the rest MoE (DeepSeek-V3 style).
     pub fn first_k_dense(num_hidden_layers: usize, k: usize) -> Result<Self, RouteError> {
         if k > num_hidden_layers {
-            return Err(RouteError::Layout(format!(
-                "first_k_dense {k} exceeds num_hidden_layers {num_hidden_layers}"
-            )));
+            return Err(RouteError::LayerOutOfRange {
+                what: "first_k_dense (layers before the first MoE layer)",
+                layer: k,
+                num_layers: num_hidden_layers,
+            });
         }
         LayerLayout::new(num_hidden_layers, (k..num_hidden_layers).collect())
     }

@@ -95,11 +95,11 @@ impl ExpertPlacement {
     /// distinct logical experts).
     pub fn to_logical(&self, physical: &RouteTable) -> Result<RouteTable, RouteError> {
         if physical.num_experts() != self.num_slots() {
-            return Err(RouteError::Shape(format!(
-                "physical table declares {} experts but the placement has {} slots",
+            return Err(RouteError::shape(
+                "num_experts (physical table vs placement slots)",
                 physical.num_experts(),
-                self.num_slots()
-            )));
+                self.num_slots(),
+            ));
         }
         let cols = physical.num_columns();
         let k = physical.top_k();

@@ -11,12 +11,15 @@ impl RouteTable {
     pub fn to_moe_only(&self, layout: &LayerLayout) -> Result<RouteTable, RouteError> {
         match self.space {
             LayerSpace::MoeOnly => {
-                self.check_layers(layout.moe_layers(), "MoE-only")?;
+                self.check_layers(
+                    layout.moe_layers(),
+                    "layers of a MoE-only table (table vs layout)",
+                )?;
                 return Ok(self.clone());
             }
             LayerSpace::AllLayers => {
                 let all: Vec<usize> = (0..layout.num_hidden_layers()).collect();
-                self.check_layers(&all, "all-layers")?;
+                self.check_layers(&all, "layers of an all-layers table (table vs layout)")?;
             }
         }
         for (c, &layer) in self.layers.iter().enumerate() {
@@ -45,11 +48,14 @@ impl RouteTable {
         match self.space {
             LayerSpace::AllLayers => {
                 let all: Vec<usize> = (0..layout.num_hidden_layers()).collect();
-                self.check_layers(&all, "all-layers")?;
+                self.check_layers(&all, "layers of an all-layers table (table vs layout)")?;
                 Ok(self.clone())
             }
             LayerSpace::MoeOnly => {
-                self.check_layers(layout.moe_layers(), "MoE-only")?;
+                self.check_layers(
+                    layout.moe_layers(),
+                    "layers of a MoE-only table (table vs layout)",
+                )?;
                 let all: Vec<usize> = (0..layout.num_hidden_layers()).collect();
                 Ok(self.remap_columns(LayerSpace::AllLayers, all, |layer| {
                     layout.is_moe(layer).then_some(layer)
@@ -58,13 +64,13 @@ impl RouteTable {
         }
     }
 
-    fn check_layers(&self, expected: &[usize], what: &str) -> Result<(), RouteError> {
+    fn check_layers(&self, expected: &[usize], what: &'static str) -> Result<(), RouteError> {
         if self.layers != expected {
-            return Err(RouteError::Shape(format!(
-                "{what} table has layers {}, layout expects {}",
+            return Err(RouteError::shape(
+                what,
                 abbreviate(&self.layers),
-                abbreviate(expected)
-            )));
+                abbreviate(expected),
+            ));
         }
         Ok(())
     }
@@ -114,7 +120,7 @@ impl RouteTable {
 }
 
 /// Short form of a layer list for error messages.
-fn abbreviate(layers: &[usize]) -> String {
+pub(crate) fn abbreviate(layers: &[usize]) -> String {
     if layers.len() <= 8 {
         format!("{layers:?}")
     } else {

@@ -3,6 +3,7 @@
 //! presence mark per (token, column) cell and optional per-row weight versions.
 //! Construction and validation live in `build.rs`; space conversion in `space.rs`.
 
+use crate::space::abbreviate;
 use crate::{LayerSpace, RouteError};
 
 /// Largest expert count a table can hold (ids are stored as u16).
@@ -189,11 +190,10 @@ impl RouteTable {
         from: usize,
         to: usize,
     ) -> Result<Vec<u32>, RouteError> {
-        let layer = *self.layers.get(column).ok_or_else(|| {
-            RouteError::Argument(format!(
-                "column {column} out of range (table has {} columns)",
-                self.layers.len()
-            ))
+        let layer = *self.layers.get(column).ok_or(RouteError::OutOfRange {
+            what: "column",
+            index: column,
+            len: self.layers.len(),
         })?;
         self.check_row_range(from, to)?;
         let mut out = Vec::with_capacity((to - from) * self.top_k);
@@ -212,11 +212,17 @@ impl RouteTable {
     }
 
     fn check_row_range(&self, from: usize, to: usize) -> Result<(), RouteError> {
-        if from > to || to > self.num_tokens {
+        if from > to {
             return Err(RouteError::Argument(format!(
-                "row range [{from}, {to}) outside table of {} rows",
-                self.num_tokens
+                "row range [{from}, {to}) is reversed"
             )));
+        }
+        if to > self.num_tokens {
+            return Err(RouteError::OutOfRange {
+                what: "row range end",
+                index: to,
+                len: self.num_tokens,
+            });
         }
         Ok(())
     }
@@ -242,22 +248,29 @@ impl RouteTable {
 
     /// Checks that `other` has the same experts, top_k, space and layers.
     pub fn check_same_shape(&self, other: &RouteTable) -> Result<(), RouteError> {
-        if self.num_experts != other.num_experts
-            || self.top_k != other.top_k
-            || self.space != other.space
-            || self.layers != other.layers
-        {
-            return Err(RouteError::Shape(format!(
-                "tables differ: experts {} vs {}, top_k {} vs {}, space {} vs {}, {} vs {} columns",
+        if self.num_experts != other.num_experts {
+            return Err(RouteError::shape(
+                "num_experts",
                 self.num_experts,
                 other.num_experts,
-                self.top_k,
-                other.top_k,
+            ));
+        }
+        if self.top_k != other.top_k {
+            return Err(RouteError::shape("top_k", self.top_k, other.top_k));
+        }
+        if self.space != other.space {
+            return Err(RouteError::shape(
+                "layer_space",
                 self.space.as_str(),
                 other.space.as_str(),
-                self.layers.len(),
-                other.layers.len()
-            )));
+            ));
+        }
+        if self.layers != other.layers {
+            return Err(RouteError::shape(
+                "layers",
+                abbreviate(&self.layers),
+                abbreviate(&other.layers),
+            ));
         }
         Ok(())
     }
@@ -266,13 +279,12 @@ impl RouteTable {
     pub fn append(&mut self, other: &RouteTable) -> Result<(), RouteError> {
         self.check_same_shape(other)?;
         if other.start_pos != self.end_pos() {
-            return Err(RouteError::Misaligned(format!(
-                "appended rows start at position {} but this table ends at {} (rows [{}, {}))",
-                other.start_pos,
-                self.end_pos(),
-                self.start_pos,
-                self.end_pos()
-            )));
+            return Err(RouteError::Misaligned {
+                what: "appended rows",
+                rows: other.start_pos..other.end_pos(),
+                against: self.start_pos..self.end_pos(),
+                rule: "they must start where the table ends",
+            });
         }
         let versions = match (&self.versions, &other.versions) {
             (Some(a), Some(b)) => Some([a.as_slice(), b.as_slice()].concat()),
@@ -280,9 +292,12 @@ impl RouteTable {
             (_, b) if self.num_tokens == 0 => b.clone(),
             (a, _) if other.num_tokens == 0 => a.clone(),
             _ => {
-                return Err(RouteError::Shape(
-                    "weight versions present on one side of an append only".to_string(),
-                ))
+                let side = |v: &Option<Vec<u64>>| if v.is_some() { "present" } else { "absent" };
+                return Err(RouteError::shape(
+                    "weight versions",
+                    side(&self.versions),
+                    side(&other.versions),
+                ));
             }
         };
         self.ids.extend(&other.ids);

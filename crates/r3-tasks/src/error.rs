@@ -55,6 +55,15 @@ pub enum TaskError {
         /// Vocabulary size.
         size: usize,
     },
+    /// A tokenizer.json that cannot be read or parsed.
+    #[error("tokenizer {path}: {source}")]
+    TokenizerRead {
+        /// File that was read.
+        path: PathBuf,
+        /// Why the `tokenizers` crate refused it.
+        #[source]
+        source: tokenizers::Error,
+    },
     /// A loaded tokenizer.json that is not the r3 character tokenizer.
     #[error("tokenizer {path}: {reason}")]
     TokenizerMismatch {
@@ -63,9 +72,24 @@ pub enum TaskError {
         /// What differs from the expected vocabulary.
         reason: String,
     },
-    /// An error reported by the `tokenizers` crate.
-    #[error("tokenizers: {0}")]
-    Tokenizers(String),
+    /// An error reported by the `tokenizers` crate while building or saving the tokenizer.
+    #[error("tokenizers: {action}: {source}")]
+    Tokenizers {
+        /// What was being done (`building the BPE model`, `saving tokenizer.json`, ...).
+        action: &'static str,
+        /// The crate's error.
+        #[source]
+        source: tokenizers::Error,
+    },
+    /// A file operation that failed.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
     /// A training sequence longer than the fixed batch length.
     #[error("sequence of {len} tokens does not fit seq_len {seq_len} (problem {prompt:?})")]
     SequenceTooLong {

@@ -48,8 +48,8 @@ impl std::fmt::Debug for CharTokenizer {
     }
 }
 
-fn tk_err(e: impl std::fmt::Display) -> TaskError {
-    TaskError::Tokenizers(e.to_string())
+fn tk_err(action: &'static str) -> impl FnOnce(tokenizers::Error) -> TaskError {
+    move |source| TaskError::Tokenizers { action, source }
 }
 
 impl CharTokenizer {
@@ -58,22 +58,24 @@ impl CharTokenizer {
         let bpe = BPE::builder()
             .vocab_and_merges(expected_vocab().into_iter().collect::<Vocab>(), Vec::new())
             .build()
-            .map_err(tk_err)?;
+            .map_err(tk_err("building the BPE model"))?;
         let mut inner = Tokenizer::new(bpe);
         inner.with_decoder(Some(Fuse::new()));
         let specials: Vec<AddedToken> = SPECIAL_TOKENS
             .iter()
             .map(|s| AddedToken::from(*s, true))
             .collect();
-        inner.add_special_tokens(specials).map_err(tk_err)?;
+        inner
+            .add_special_tokens(specials)
+            .map_err(tk_err("adding the special tokens"))?;
         Ok(Self { inner })
     }
 
     /// Loads a `tokenizer.json` and checks that it is this tokenizer (same vocabulary and ids).
     pub fn from_file(path: &Path) -> Result<Self> {
-        let inner = Tokenizer::from_file(path).map_err(|e| TaskError::TokenizerMismatch {
+        let inner = Tokenizer::from_file(path).map_err(|source| TaskError::TokenizerRead {
             path: path.to_path_buf(),
-            reason: e.to_string(),
+            source,
         })?;
         let got = inner.get_vocab(true);
         let want = expected_vocab();
@@ -108,13 +110,12 @@ impl CharTokenizer {
         let mut tmp = path.as_os_str().to_owned();
         tmp.push(".tmp");
         let tmp = std::path::PathBuf::from(tmp);
-        self.inner.save(&tmp, true).map_err(tk_err)?;
-        std::fs::rename(&tmp, path).map_err(|e| {
-            TaskError::Tokenizers(format!(
-                "renaming {} to {}: {e}",
-                tmp.display(),
-                path.display()
-            ))
+        self.inner
+            .save(&tmp, true)
+            .map_err(tk_err("writing tokenizer.json"))?;
+        std::fs::rename(&tmp, path).map_err(|source| TaskError::Io {
+            path: path.to_path_buf(),
+            source,
         })
     }
 
@@ -145,7 +146,10 @@ impl CharTokenizer {
         if text.is_empty() {
             return Ok(Vec::new());
         }
-        let enc = self.inner.encode(text, false).map_err(tk_err)?;
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(tk_err("encoding text"))?;
         Ok(enc.get_ids().to_vec())
     }
 
@@ -155,7 +159,7 @@ impl CharTokenizer {
         if let Some(&id) = ids.iter().find(|&&id| id as usize >= size) {
             return Err(TaskError::UnknownTokenId { id, size });
         }
-        self.inner.decode(ids, true).map_err(tk_err)
+        self.inner.decode(ids, true).map_err(tk_err("decoding ids"))
     }
 
     /// Decodes a generated completion: everything before the first `<eos>`.

@@ -280,12 +280,12 @@ impl Config {
     /// Reads `config.json` from a file.
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
-            path: path.display().to_string(),
+            path: path.to_path_buf(),
             source,
         })?;
         let value: serde_json::Value =
             serde_json::from_str(&text).map_err(|source| ModelError::Json {
-                path: path.display().to_string(),
+                path: path.to_path_buf(),
                 source,
             })?;
         Self::from_value(value)

@@ -73,17 +73,17 @@ fn unsupported(field: &str, value: impl std::fmt::Display) -> ModelError {
     }
 }
 
-fn required(value: Option<usize>, key: &str, arch: Architecture) -> Result<usize> {
+fn required(value: Option<usize>, key: &'static str, arch: Architecture) -> Result<usize> {
     match value {
         Some(v) if v > 0 => Ok(v),
-        Some(_) => Err(ModelError::InvalidConfig(format!(
-            "`{key}` must be > 0 for {}",
-            arch.model_type()
-        ))),
-        None => Err(ModelError::InvalidConfig(format!(
-            "missing `{key}` (required for {})",
-            arch.model_type()
-        ))),
+        Some(_) => Err(ModelError::ZeroSize {
+            key,
+            model_type: arch.model_type(),
+        }),
+        None => Err(ModelError::MissingKey {
+            key,
+            model_type: arch.model_type(),
+        }),
     }
 }
 
@@ -209,14 +209,17 @@ fn expert_count(raw: &RawConfig) -> Result<Option<usize>> {
         ("num_local_experts", raw.num_local_experts),
         ("n_routed_experts", raw.n_routed_experts),
     ];
-    let mut found: Option<(&str, usize)> = None;
+    let mut found: Option<(&'static str, usize)> = None;
     for (key, v) in named {
         if let Some(v) = v {
             match found {
                 Some((k0, v0)) if v0 != v => {
-                    return Err(ModelError::InvalidConfig(format!(
-                        "`{k0}` = {v0} conflicts with `{key}` = {v}"
-                    )))
+                    return Err(ModelError::ConflictingKeys {
+                        first: k0,
+                        first_value: v0,
+                        second: key,
+                        second_value: v,
+                    })
                 }
                 _ => found = Some((key, v)),
             }
@@ -237,16 +240,16 @@ fn moe_config(raw: &RawConfig, arch: Architecture) -> Result<Option<MoeConfig>> 
         }
         return Ok(None);
     }
-    let num_experts = match num_experts {
-        Some(0) => return Ok(None),
-        Some(n) => n,
-        None => {
-            return Err(ModelError::InvalidConfig(format!(
-                "missing expert count (`num_experts`, `num_local_experts` or `n_routed_experts`) for {}; use 0 for a dense model",
-                arch.model_type()
-            )))
-        }
-    };
+    let num_experts =
+        match num_experts {
+            Some(0) => return Ok(None),
+            Some(n) => n,
+            None => return Err(ModelError::MissingKey {
+                key:
+                    "num_experts` (or `num_local_experts`, `n_routed_experts`; 0 for a dense model",
+                model_type: arch.model_type(),
+            }),
+        };
     let top_k = required(raw.num_experts_per_tok, "num_experts_per_tok", arch)?;
     if top_k > num_experts {
         return Err(ModelError::InvalidConfig(format!(
@@ -283,10 +286,9 @@ fn moe_config(raw: &RawConfig, arch: Architecture) -> Result<Option<MoeConfig>> 
                 n_group,
                 topk_group,
                 norm_topk_prob: raw.norm_topk_prob.unwrap_or(true),
-                routed_scaling_factor: raw.routed_scaling_factor.ok_or_else(|| {
-                    ModelError::InvalidConfig(
-                        "missing `routed_scaling_factor` (required for deepseek_v3)".into(),
-                    )
+                routed_scaling_factor: raw.routed_scaling_factor.ok_or(ModelError::MissingKey {
+                    key: "routed_scaling_factor",
+                    model_type: arch.model_type(),
                 })?,
             };
             let shared = match raw.n_shared_experts.unwrap_or(0) {
@@ -467,11 +469,11 @@ fn layer_rules(raw: &RawConfig, arch: Architecture) -> Result<MoeLayerRules> {
     let mut rules = MoeLayerRules::all_sparse();
     match arch {
         Architecture::DeepseekV3 => {
-            rules.first_k_dense_replace = raw.first_k_dense_replace.ok_or_else(|| {
-                ModelError::InvalidConfig(
-                    "missing `first_k_dense_replace` (required for deepseek_v3)".into(),
-                )
-            })?;
+            rules.first_k_dense_replace =
+                raw.first_k_dense_replace.ok_or(ModelError::MissingKey {
+                    key: "first_k_dense_replace",
+                    model_type: arch.model_type(),
+                })?;
             rules.moe_layer_freq = raw.moe_layer_freq.unwrap_or(1).max(1);
         }
         Architecture::Qwen3Moe | Architecture::Qwen2Moe => {

@@ -13,14 +13,14 @@ const INDEX_FILE: &str = "model.safetensors.index.json";
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ModelError + '_ {
     move |source| ModelError::Io {
-        path: path.display().to_string(),
+        path: path.to_path_buf(),
         source,
     }
 }
 
 fn checkpoint_err(path: &Path, msg: impl ToString) -> ModelError {
     ModelError::Checkpoint {
-        path: path.display().to_string(),
+        path: path.to_path_buf(),
         msg: msg.to_string(),
     }
 }
@@ -30,7 +30,7 @@ fn shard_files(index_path: &Path) -> Result<Vec<String>> {
     let text = std::fs::read_to_string(index_path).map_err(io_err(index_path))?;
     let value: serde_json::Value =
         serde_json::from_str(&text).map_err(|source| ModelError::Json {
-            path: index_path.display().to_string(),
+            path: index_path.to_path_buf(),
             source,
         })?;
     let map = value

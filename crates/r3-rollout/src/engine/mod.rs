@@ -220,12 +220,12 @@ impl Engine {
         let need =
             (req.input_ids.len() + req.sampling.max_new_tokens).div_ceil(self.cfg.block_size);
         if need > self.pool.max_blocks() {
-            return Err(RolloutError::KvCache(format!(
-                "a request of {} prompt + {} new tokens needs {need} KV blocks, the pool holds {}",
-                req.input_ids.len(),
-                req.sampling.max_new_tokens,
-                self.pool.max_blocks()
-            )));
+            return Err(RolloutError::RequestTooLong {
+                prompt_tokens: req.input_ids.len(),
+                max_new_tokens: req.sampling.max_new_tokens,
+                blocks_needed: need,
+                pool_blocks: self.pool.max_blocks(),
+            });
         }
         Ok(())
     }

@@ -110,11 +110,13 @@ impl Engine {
                 for (i, &n) in plan.iter().enumerate() {
                     let short = self.blocks_short(&self.running[i], self.running[i].computed + n);
                     for _ in 0..short {
-                        let b = self.pool.allocate().ok_or_else(|| {
-                            RolloutError::KvCache(
-                                "pool ran out while allocating a planned step".into(),
-                            )
-                        })?;
+                        let b =
+                            self.pool
+                                .allocate()
+                                .ok_or_else(|| RolloutError::KvCacheExhausted {
+                                    needed: short,
+                                    free: self.pool.available(),
+                                })?;
                         self.running[i].blocks.push(b);
                     }
                 }
@@ -123,9 +125,10 @@ impl Engine {
             if self.evict_cached(need - have) || self.preempt_newest() {
                 continue;
             }
-            return Err(RolloutError::KvCache(format!(
-                "a single sequence needs {need} more KV blocks, {have} are free"
-            )));
+            return Err(RolloutError::KvCacheExhausted {
+                needed: need,
+                free: have,
+            });
         }
     }
 

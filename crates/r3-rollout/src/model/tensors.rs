@@ -17,7 +17,12 @@ pub type TensorMap = BTreeMap<String, Tensor>;
 /// Reads a HF model directory (single-file or sharded safetensors, per-expert or fused
 /// experts) with r3-model's loader, which validates every tensor against `cfg`.
 pub fn load_dir(dir: &Path, cfg: &Config) -> Result<TensorMap, RolloutError> {
-    Ok(Weights::load(dir, cfg, &Device::Cpu)?.into_map())
+    let weights =
+        Weights::load(dir, cfg, &Device::Cpu).map_err(|source| RolloutError::WeightDir {
+            dir: dir.to_path_buf(),
+            source,
+        })?;
+    Ok(weights.into_map())
 }
 
 /// A tensor map checked against the spec of a config; hands out tensors as f32 buffers.
@@ -58,8 +63,10 @@ impl<'a> Fetcher<'a> {
             .map
             .get(name)
             .ok_or_else(|| RolloutError::Weights(format!("missing tensor {name}")))?;
-        let values =
-            to_f32_vec(t).map_err(|e| RolloutError::Weights(format!("tensor {name}: {e}")))?;
+        let values = to_f32_vec(t).map_err(|source| RolloutError::TensorConversion {
+            name: name.to_string(),
+            source,
+        })?;
         Ok((values, t.dims().to_vec()))
     }
 

@@ -82,14 +82,13 @@ impl std::fmt::Display for ApiError {
 impl std::error::Error for ApiError {}
 
 impl From<RolloutError> for ApiError {
-    /// Request-shaped engine errors are the client's fault (4xx); the rest are the server's.
+    /// What the client caused is a 4xx (an unknown id 404, the rest 400); what the engine or
+    /// the machine caused is a 500 (see [`RolloutError::is_client_error`]).
     fn from(e: RolloutError) -> Self {
         match e {
-            RolloutError::InvalidRequest(_) | RolloutError::KvCache(_) => {
-                ApiError::bad_request(e.to_string())
-            }
             RolloutError::UnknownRequest(_) => ApiError::not_found(e.to_string()),
-            other => ApiError::internal(other.to_string()),
+            e if e.is_client_error() => ApiError::bad_request(e.to_string()),
+            e => ApiError::internal(e.to_string()),
         }
     }
 }
@@ -107,5 +106,115 @@ impl IntoResponse for ApiError {
             "code": self.status.as_u16(),
         }});
         (self.status, Json(body)).into_response()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Error as IoError, ErrorKind};
+    use std::path::PathBuf;
+
+    use axum::http::StatusCode;
+    use r3_model::{Config, ModelError};
+
+    use super::ApiError;
+    use crate::error::RolloutError;
+    use crate::model::tensors::load_dir;
+
+    fn status(e: RolloutError) -> StatusCode {
+        ApiError::from(e).status
+    }
+
+    fn weight_dir(source: ModelError) -> RolloutError {
+        RolloutError::WeightDir {
+            dir: PathBuf::from("/ckpt"),
+            source,
+        }
+    }
+
+    #[test]
+    fn request_errors_are_the_clients() {
+        let too_long = RolloutError::RequestTooLong {
+            prompt_tokens: 100,
+            max_new_tokens: 10,
+            blocks_needed: 7,
+            pool_blocks: 4,
+        };
+        assert_eq!(status(too_long), StatusCode::BAD_REQUEST);
+        let bad = RolloutError::InvalidRequest("input_ids is empty".into());
+        assert_eq!(status(bad), StatusCode::BAD_REQUEST);
+        assert_eq!(
+            status(RolloutError::UnknownRequest(3)),
+            StatusCode::NOT_FOUND
+        );
+    }
+
+    #[test]
+    fn engine_faults_are_the_servers() {
+        let exhausted = RolloutError::KvCacheExhausted { needed: 2, free: 0 };
+        assert_eq!(status(exhausted), StatusCode::INTERNAL_SERVER_ERROR);
+        let weights = RolloutError::Weights("missing tensor lm_head.weight".into());
+        assert_eq!(status(weights), StatusCode::INTERNAL_SERVER_ERROR);
+        let io = RolloutError::Io {
+            path: PathBuf::from("/x"),
+            source: IoError::from(ErrorKind::NotFound),
+        };
+        assert_eq!(status(io), StatusCode::INTERNAL_SERVER_ERROR);
+        let candle = RolloutError::Candle(candle_core::Error::Msg("device lost".into()));
+        assert_eq!(status(candle), StatusCode::INTERNAL_SERVER_ERROR);
+    }
+
+    #[test]
+    fn a_bad_weight_directory_is_the_clients_a_machine_fault_the_servers() {
+        let missing = ModelError::Io {
+            path: "/ckpt/model.safetensors".into(),
+            source: IoError::from(ErrorKind::NotFound),
+        };
+        assert_eq!(status(weight_dir(missing)), StatusCode::BAD_REQUEST);
+        let denied = ModelError::Io {
+            path: "/ckpt/model.safetensors".into(),
+            source: IoError::from(ErrorKind::PermissionDenied),
+        };
+        assert_eq!(status(weight_dir(denied)), StatusCode::BAD_REQUEST);
+        let shape = ModelError::TensorShape {
+            name: "lm_head.weight".into(),
+            expected: vec![4, 2],
+            got: vec![2, 4],
+        };
+        assert_eq!(status(weight_dir(shape)), StatusCode::BAD_REQUEST);
+        let out_of_memory = ModelError::Io {
+            path: "/ckpt/model.safetensors".into(),
+            source: IoError::from(ErrorKind::OutOfMemory),
+        };
+        assert_eq!(
+            status(weight_dir(out_of_memory)),
+            StatusCode::INTERNAL_SERVER_ERROR
+        );
+        let device = ModelError::Candle(candle_core::Error::Msg("device lost".into()));
+        assert_eq!(
+            status(weight_dir(device)),
+            StatusCode::INTERNAL_SERVER_ERROR
+        );
+    }
+
+    /// The real loader on directories a client could name: each failure is a 400 whose
+    /// message names the directory.
+    #[test]
+    fn real_loader_failures_on_client_directories_are_400() {
+        let fixture =
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3_moe_tiny");
+        let cfg = Config::from_file(&fixture.join("config.json")).expect("fixture config");
+        let scratch = std::env::temp_dir().join(format!("r3-weight-dir-{}", std::process::id()));
+        std::fs::create_dir_all(&scratch).expect("scratch dir");
+        let empty = load_dir(&scratch, &cfg).expect_err("an empty directory has no weights");
+        std::fs::write(scratch.join("model.safetensors"), b"not safetensors").expect("write");
+        let corrupt = load_dir(&scratch, &cfg).expect_err("a corrupt file is no checkpoint");
+        let _ = std::fs::remove_dir_all(&scratch);
+        for e in [empty, corrupt] {
+            assert!(matches!(e, RolloutError::WeightDir { .. }), "{e:?}");
+            let api = ApiError::from(e);
+            assert_eq!(api.status, StatusCode::BAD_REQUEST, "{}", api.message);
+            assert!(api.message.contains("r3-weight-dir"), "{}", api.message);
+        }
     }
 }

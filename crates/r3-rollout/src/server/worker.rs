@@ -13,6 +13,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::backend::{InferenceBackend, ModelSummary};
 use super::error::ApiError;
+use crate::error::RolloutError;
 use crate::prefix_cache::PrefixCacheStats;
 use crate::request::{FinishReason, GenerateRequest, GenerateResult, PartialRollout, RequestId};
 
@@ -201,8 +202,10 @@ impl Book {
                 if abort_all {
                     self.abort_where(backend, |_| true);
                 }
-                let result = backend.update_weights_from_dir(&dir).map_err(|e| {
-                    ApiError::bad_request(format!("loading weights from {}: {e}", dir.display()))
+                let result = backend.update_weights_from_dir(&dir).map_err(|e| match e {
+                    RolloutError::WeightDir { .. } => ApiError::from(e),
+                    e => ApiError::from(e)
+                        .context(&format!("loading weights from {}", dir.display())),
                 });
                 let _ = reply.send(result);
             }

@@ -192,10 +192,14 @@ impl InferenceBackend for FakeEngine {
 
     fn update_weights_from_dir(&mut self, dir: &Path) -> Result<u64, RolloutError> {
         if !dir.join("model.safetensors").exists() {
-            return Err(RolloutError::Weights(format!(
-                "no model.safetensors in {}",
-                dir.display()
-            )));
+            // What the real loader reports for a directory without weights.
+            return Err(RolloutError::WeightDir {
+                dir: dir.to_path_buf(),
+                source: r3_model::ModelError::Checkpoint {
+                    path: dir.to_path_buf(),
+                    msg: "no model.safetensors".into(),
+                },
+            });
         }
         self.version += 1;
         Ok(self.version)

@@ -50,11 +50,10 @@ impl WireShape {
     /// Sets the layer layout (its layer count must equal `num_layers`).
     pub fn with_layout(mut self, layout: LayerLayout) -> Result<Self, RouteError> {
         if layout.num_hidden_layers() != self.num_layers {
-            return Err(RouteError::Layout(format!(
-                "layout has {} layers but the wire carries {}",
-                layout.num_hidden_layers(),
-                self.num_layers
-            )));
+            return Err(RouteError::LayerCount {
+                layout: layout.num_hidden_layers(),
+                wire: self.num_layers,
+            });
         }
         self.layout = Some(layout);
         Ok(self)
@@ -299,10 +298,10 @@ pub(crate) fn wire_values(
     };
     if let Some(layout) = layout {
         if layout.num_hidden_layers() != num_layers {
-            return Err(RouteError::Layout(format!(
-                "layout has {} layers but the wire carries {num_layers}",
-                layout.num_hidden_layers()
-            )));
+            return Err(RouteError::LayerCount {
+                layout: layout.num_hidden_layers(),
+                wire: num_layers,
+            });
         }
     }
     if table.num_experts() as i64 - 1 > dtype.max_id() {

@@ -109,11 +109,13 @@ pub fn encode_sglang_meta(
 ) -> Result<Value, RouteError> {
     let b64 = encode_sglang(table, dtype, num_layers, layout)?;
     let total = table.end_pos() + 1;
-    let completion = total.checked_sub(prompt_tokens).ok_or_else(|| {
-        RouteError::Argument(format!(
-            "prompt_tokens {prompt_tokens} exceeds the {total} tokens the table covers"
-        ))
-    })?;
+    let completion = total
+        .checked_sub(prompt_tokens)
+        .ok_or(RouteError::OutOfRange {
+            what: "prompt_tokens",
+            index: prompt_tokens,
+            len: total,
+        })?;
     Ok(json!({"meta_info": {
         "routed_experts": b64,
         "routed_experts_dtype": dtype.name(),

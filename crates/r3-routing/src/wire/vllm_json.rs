@@ -131,10 +131,11 @@ pub fn encode_vllm_json(
     layout: Option<&LayerLayout>,
 ) -> Result<Value, RouteError> {
     if prompt_rows > table.num_tokens() {
-        return Err(RouteError::Argument(format!(
-            "prompt_rows {prompt_rows} exceeds the table's {} rows",
-            table.num_tokens()
-        )));
+        return Err(RouteError::OutOfRange {
+            what: "prompt_rows",
+            index: prompt_rows,
+            len: table.num_tokens(),
+        });
     }
     let values = wire_values(table, num_layers, layout, WireDtype::I32, F)?;
     let k = table.top_k();

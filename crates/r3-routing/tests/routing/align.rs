@@ -49,7 +49,7 @@ fn resume_policies() {
     let mut blind = earlier.clone();
     assert!(matches!(
         blind.append(&resumed),
-        Err(RouteError::Misaligned(_))
+        Err(RouteError::Misaligned { .. })
     ));
 }
 
@@ -62,7 +62,7 @@ fn resume_with_incremental_routes() {
     assert_eq!((kept.start_pos(), kept.num_tokens()), (0, 7));
     assert!(matches!(
         merge_resumed(&earlier, &new_only, MergePolicy::ReplaceWithResumed),
-        Err(RouteError::Misaligned(_))
+        Err(RouteError::Misaligned { .. })
     ));
 }
 
@@ -82,7 +82,7 @@ fn resume_errors() {
     let other = RouteTable::from_flat(64, 1, LayerSpace::MoeOnly, vec![1], 0, &[1; 7]).unwrap();
     assert!(matches!(
         merge_resumed(&earlier, &other, MergePolicy::ReplaceWithResumed),
-        Err(RouteError::Shape(_))
+        Err(RouteError::Shape { .. })
     ));
 }
 

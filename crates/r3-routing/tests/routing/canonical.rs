@@ -71,6 +71,13 @@ fn malformed_documents() {
     ));
     let msg = err(with("routes", json!([[[3, 5], [0, 7]], [null, [1, 2.5]]]))).to_string();
     assert!(msg.contains("token 1") && msg.contains("layer 2"), "{msg}");
+    // A wrongly typed field is named with its path in the document.
+    let msg = err(with("layers", json!([1, "2"]))).to_string();
+    assert!(msg.contains("layers[1]"), "{msg}");
+    let msg = err(with("routes", json!([[[3, 5], [0, 7]], [null, "x"]]))).to_string();
+    assert!(msg.contains("routes[1][1]"), "{msg}");
+    let msg = err(with("top_k", json!(-2))).to_string();
+    assert!(msg.contains("top_k"), "{msg}");
     let mut no_field = example();
     no_field.as_object_mut().unwrap().remove("top_k");
     assert!(err(no_field).to_string().contains("top_k"));
@@ -82,7 +89,7 @@ fn huge_positions_are_errors_not_overflows() {
     let v = with("start_pos", json!(u64::MAX));
     assert!(matches!(
         RouteTable::from_json(&v),
-        Err(RouteError::Argument(_))
+        Err(RouteError::Overflow { .. })
     ));
     let shape = r3_routing::WireShape::new(1, 1, 4).with_start_len(usize::MAX);
     let payload = r3_routing::wire::vllm_json::decode_vllm_json(

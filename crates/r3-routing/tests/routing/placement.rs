@@ -44,7 +44,7 @@ fn physical_id_out_of_range_is_an_error() {
     let t = RouteTable::from_flat(4, 1, LayerSpace::MoeOnly, vec![0], 0, &[3]).unwrap();
     assert!(matches!(
         placement().to_logical(&t),
-        Err(RouteError::Shape(_))
+        Err(RouteError::Shape { .. })
     ));
 }
 

@@ -96,7 +96,11 @@ fn partially_missing_cell_is_an_error() {
 fn wrong_lengths_are_errors() {
     assert!(matches!(
         moe(vec![0, 1], 0, &[0, 1, 2]),
-        Err(RouteError::Shape(_))
+        Err(RouteError::Ragged {
+            len: 3,
+            unit: 4,
+            ..
+        })
     ));
     let cols = vec![vec![0, 1], vec![0, 1, 2, 3]];
     assert!(matches!(
@@ -159,11 +163,17 @@ fn misaligned_append_is_an_error() {
     let mut a = moe(vec![0], 0, &[0, 1, 2, 3]).unwrap();
     // Full-sequence routes of a resumed call start at 0 again: a blind concat must fail.
     let again = moe(vec![0], 0, &[0, 1, 2, 3, 4, 5]).unwrap();
-    assert!(matches!(a.append(&again), Err(RouteError::Misaligned(_))));
+    assert!(matches!(
+        a.append(&again),
+        Err(RouteError::Misaligned { .. })
+    ));
     let gap = moe(vec![0], 3, &[4, 5]).unwrap();
-    assert!(matches!(a.append(&gap), Err(RouteError::Misaligned(_))));
+    assert!(matches!(a.append(&gap), Err(RouteError::Misaligned { .. })));
     let other_layers = moe(vec![1], 2, &[4, 5]).unwrap();
-    assert!(matches!(a.append(&other_layers), Err(RouteError::Shape(_))));
+    assert!(matches!(
+        a.append(&other_layers),
+        Err(RouteError::Shape { .. })
+    ));
     let ok = moe(vec![0], 2, &[4, 5]).unwrap();
     a.append(&ok).unwrap();
     assert_eq!(a.num_tokens(), 3);
@@ -216,12 +226,12 @@ fn space_conversion_checks_layer_count() {
         RouteTable::from_flat(8, 1, LayerSpace::AllLayers, vec![0, 1, 2], 0, &[1, 2, 3]).unwrap();
     assert!(matches!(
         all3.to_moe_only(&layout),
-        Err(RouteError::Shape(_))
+        Err(RouteError::Shape { .. })
     ));
     let wrong_moe = moe(vec![0, 1, 2], 0, &[0, 1, 2, 3, 4, 5]).unwrap();
     assert!(matches!(
         wrong_moe.to_all_layers(&layout),
-        Err(RouteError::Shape(_))
+        Err(RouteError::Shape { .. })
     ));
 }
 
