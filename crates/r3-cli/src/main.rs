@@ -2,10 +2,7 @@
 //! Every failure is printed as a single `error: ...` line with a non-zero exit status.
 
 mod allocator;
-mod analysis;
 mod cmd;
-mod plot;
-mod report;
 
 use std::process::ExitCode;
 

@@ -3,7 +3,7 @@
 //! evaluation on the fixed held-out set.
 
 use r3_model::ReplayRoutes;
-use r3_rollout::{Engine, FinishReason, GenerateRequest, SamplingParams};
+use r3_rollout::{Engine, FinishReason, GenerateRequest, GenerateResult, SamplingParams};
 use r3_routing::{LayerLayout, RouteTable};
 use r3_tasks::{judge, CharTokenizer, Problem, RewardConfig, Verdict, EOS_ID};
 
@@ -73,6 +73,40 @@ fn stop_ids(engine: &Engine) -> Vec<u32> {
     ids
 }
 
+/// Samples `spec.group_size` responses for every prompt (group-major order), stopping at
+/// `stop`, the seed of sample `j` of prompt `i` being `mix_seed([seed, step, i, j])`; the
+/// engine's results in request order, routes included.
+pub fn sample_prompts(
+    engine: &mut Engine,
+    prompts: &[Vec<u32>],
+    spec: SamplingSpec,
+    stop: &[u32],
+    seed: u64,
+    step: u64,
+) -> Result<Vec<GenerateResult>> {
+    let mut requests = Vec::with_capacity(prompts.len() * spec.group_size);
+    for (i, ids) in prompts.iter().enumerate() {
+        for j in 0..spec.group_size {
+            let sampling = SamplingParams {
+                temperature: spec.temperature,
+                max_new_tokens: spec.max_new_tokens,
+                stop_token_ids: stop.to_vec(),
+                seed: mix_seed(&[seed, step, i as u64, j as u64]),
+                ..SamplingParams::default()
+            };
+            requests.push(GenerateRequest::new(ids.clone(), sampling));
+        }
+    }
+    let results = engine.generate(requests)?;
+    if results.len() != prompts.len() * spec.group_size {
+        return Err(TrainError::EngineResults {
+            got: results.len(),
+            expected: prompts.len() * spec.group_size,
+        });
+    }
+    Ok(results)
+}
+
 /// Samples `spec.group_size` responses for every problem (group-major order), the seed of
 /// sample `j` of prompt `i` being `mix_seed([seed, step, i, j])`, and scores them.
 pub fn sample_groups(
@@ -85,29 +119,11 @@ pub fn sample_groups(
     step: u64,
 ) -> Result<Vec<Trajectory>> {
     let stop = stop_ids(engine);
-    let mut requests = Vec::with_capacity(problems.len() * spec.group_size);
-    let mut prompts = Vec::with_capacity(problems.len());
-    for (i, p) in problems.iter().enumerate() {
-        let ids = tokenizer.encode_prompt(&p.prompt)?;
-        for j in 0..spec.group_size {
-            let sampling = SamplingParams {
-                temperature: spec.temperature,
-                max_new_tokens: spec.max_new_tokens,
-                stop_token_ids: stop.clone(),
-                seed: mix_seed(&[seed, step, i as u64, j as u64]),
-                ..SamplingParams::default()
-            };
-            requests.push(GenerateRequest::new(ids.clone(), sampling));
-        }
-        prompts.push(ids);
-    }
-    let results = engine.generate(requests)?;
-    if results.len() != problems.len() * spec.group_size {
-        return Err(TrainError::EngineResults {
-            got: results.len(),
-            expected: problems.len() * spec.group_size,
-        });
-    }
+    let prompts = problems
+        .iter()
+        .map(|p| tokenizer.encode_prompt(&p.prompt))
+        .collect::<Result<Vec<_>, _>>()?;
+    let results = sample_prompts(engine, &prompts, spec, &stop, seed, step)?;
     results
         .into_iter()
         .enumerate()

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 
-use crate::analysis::{run_analysis, AnalyzeOptions, SUMMARY_JSON};
+use r3_analysis::mismatch::{run_analysis, AnalyzeOptions, SUMMARY_JSON};
 
 /// Options of `r3 analyze`.
 #[derive(Debug, Args)]

@@ -4,21 +4,18 @@
 //! results table with the crash rule stated.
 
 use std::path::PathBuf;
-use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
 use indicatif::ProgressBar;
 use r3_train::config::TrainConfig;
+use r3_train::RouterReplay;
 use r3_train::Observer;
 
 use super::progress::{step_bar, RunProgress};
 use super::train::resolve_config;
-use crate::analysis::compare::{
-    parse_replay, plan, report, run_variants, CompareSummary, Setting, Variant,
-};
-use crate::plot::Canvas;
-use crate::report::{CrashRule, ReportOptions, DEFAULT_KL_THRESHOLD};
+use r3_analysis::compare::{plan, run_compare, Setting, Variant};
+use r3_analysis::report::{CrashRule, DEFAULT_KL_THRESHOLD};
 
 /// Options of `r3 compare`.
 #[derive(Debug, Args)]
@@ -96,12 +93,11 @@ pub fn run(a: CompareArgs) -> anyhow::Result<()> {
         a.kl_threshold
     );
     anyhow::ensure!(a.steps >= 1, "--steps must be at least 1");
-    let started = Instant::now();
     let base = base_config(&a)?;
     let modes = a
         .modes
         .iter()
-        .map(|m| parse_replay(m))
+        .map(|m| m.parse::<RouterReplay>())
         .collect::<Result<Vec<_>, _>>()?;
     let settings = parse_settings(&a.settings, a.multi_mini_batches)?;
     let variants = plan(&settings, &modes, a.with_tis, a.with_gspo);
@@ -129,34 +125,20 @@ pub fn run(a: CompareArgs) -> anyhow::Result<()> {
         bar.set_prefix(v.name());
         Box::new(RunProgress::new(bar))
     };
-    let outcomes = run_variants(&base, &variants, &a.out, &mut on_run)?;
-    let opts = ReportOptions {
-        out_dir: a.out.join("report"),
-        crash_rule: CrashRule {
-            kl_threshold: a.kl_threshold,
-        },
-        canvas: Canvas::default(),
+    let crash_rule = CrashRule {
+        kl_threshold: a.kl_threshold,
     };
-    let out = report(&outcomes, &opts)?;
-    let table_md = a.out.join("results.md");
-    std::fs::copy(&out.table_md, &table_md)
-        .with_context(|| format!("copying the table to {}", table_md.display()))?;
-    std::fs::copy(&out.table_json, a.out.join("results.json"))
-        .with_context(|| format!("copying the table to {}", a.out.display()))?;
-    let summary = CompareSummary {
-        command: std::env::args().collect::<Vec<_>>().join(" "),
-        seed: base.seed,
-        steps: base.steps,
-        runs: outcomes,
-        table_md: table_md.clone(),
-        report_html: out.html.clone(),
-        wall_s: started.elapsed().as_secs_f64(),
-    };
-    let path = a.out.join("compare.json");
-    std::fs::write(&path, serde_json::to_string_pretty(&summary)? + "\n")
-        .with_context(|| format!("writing {}", path.display()))?;
+    let command = std::env::args().collect::<Vec<_>>().join(" ");
+    let summary = run_compare(&base, &variants, &a.out, crash_rule, command, &mut on_run)?;
     let failed = summary.runs.iter().filter(|r| r.error.is_some()).count();
-    tracing::info!(wall_s = summary.wall_s, failed, report = %out.html.display(), "compare done");
-    print!("{}", std::fs::read_to_string(&table_md)?);
+    tracing::info!(
+        wall_s = summary.wall_s,
+        failed,
+        report = %summary.report_html.display(),
+        "compare done"
+    );
+    let table = std::fs::read_to_string(&summary.table_md)
+        .with_context(|| format!("reading {}", summary.table_md.display()))?;
+    print!("{table}");
     Ok(())
 }

@@ -7,8 +7,8 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 
-use crate::plot::Canvas;
-use crate::report::{build_report, CrashRule, ReportOptions, DEFAULT_KL_THRESHOLD};
+use r3_analysis::plot::Canvas;
+use r3_analysis::report::{build_report, CrashRule, ReportOptions, DEFAULT_KL_THRESHOLD};
 
 /// Options of `r3 report`.
 #[derive(Debug, Args)]

@@ -13,7 +13,7 @@ use r3_routing::mismatch::{
 use r3_routing::RouteTable;
 use serde::Serialize;
 
-use super::AnalysisError;
+use crate::AnalysisError;
 
 /// Most points kept for a scatter plot (evenly strided over all tokens).
 pub const MAX_SCATTER_POINTS: usize = 40_000;

@@ -1,11 +1,14 @@
-//! End-to-end `r3 report` on synthetic run directories written here, with hand-computed
+//! The report end to end on synthetic run directories written here, with hand-computed
 //! crash steps and best scores.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
 use base64::Engine;
+use r3_analysis::plot::Canvas;
+use r3_analysis::report::{
+    build_report, CrashRule, ReportError, ReportOptions, ReportOutput, DEFAULT_KL_THRESHOLD,
+};
 
 /// A fresh directory under cargo's per-target temp dir.
 fn fresh_dir(name: &str) -> PathBuf {
@@ -15,11 +18,14 @@ fn fresh_dir(name: &str) -> PathBuf {
     dir
 }
 
-fn r3(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_r3"))
-        .args(args)
-        .output()
-        .unwrap()
+/// The report over `runs` into `out` with the crash threshold `kl_threshold`.
+fn report(runs: &[PathBuf], out: &Path, kl_threshold: f64) -> Result<ReportOutput, ReportError> {
+    let opts = ReportOptions {
+        out_dir: out.to_path_buf(),
+        crash_rule: CrashRule { kl_threshold },
+        canvas: Canvas::default(),
+    };
+    build_report(runs, &opts)
 }
 
 fn write(path: &Path, text: &str) {
@@ -124,17 +130,9 @@ fn report_over_three_synthetic_runs() {
     let root = fresh_dir("three");
     let runs = [grpo_run(&root), r3_run(&root), r2_run(&root)];
     let out = root.join("out");
-    let mut args: Vec<&str> = vec!["--log", "warn", "report"];
-    args.extend(runs.iter().map(|p| p.to_str().unwrap()));
-    args.extend(["--out", out.to_str().unwrap()]);
-    let result = r3(&args);
-    let stderr = String::from_utf8_lossy(&result.stderr);
-    assert!(result.status.success(), "stderr: {stderr}");
+    let written = report(&runs, &out, DEFAULT_KL_THRESHOLD).unwrap();
     let html_path = out.join("report.html");
-    assert_eq!(
-        String::from_utf8_lossy(&result.stdout).trim(),
-        html_path.to_str().unwrap()
-    );
+    assert_eq!(written.html, html_path);
 
     // Table: hand-computed crash steps and best scores.
     let json: serde_json::Value =
@@ -195,37 +193,18 @@ fn report_over_three_synthetic_runs() {
 }
 
 #[test]
-fn kl_threshold_flag_changes_the_crash_step() {
+fn kl_threshold_changes_the_crash_step() {
     let root = fresh_dir("threshold");
     let run = grpo_run(&root);
     let out = root.join("out");
     // 1.1^s > 5 first at s = 17 (1.1^16 = 4.59, 1.1^17 = 5.05).
-    let result = r3(&[
-        "report",
-        run.to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-        "--kl-threshold",
-        "5e-3",
-    ]);
-    assert!(
-        result.status.success(),
-        "{}",
-        String::from_utf8_lossy(&result.stderr)
-    );
+    let runs = [run];
+    report(&runs, &out, 5e-3).unwrap();
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("results.json")).unwrap()).unwrap();
     assert_eq!(json["rows"][0]["crash_step"], 17);
     // With a threshold nothing reaches, the eval collapse at step 40 is the crash.
-    let result = r3(&[
-        "report",
-        run.to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-        "--kl-threshold",
-        "1",
-    ]);
-    assert!(result.status.success());
+    report(&runs, &out, 1.0).unwrap();
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("results.json")).unwrap()).unwrap();
     assert_eq!(json["rows"][0]["crash_step"], 40);
@@ -239,19 +218,15 @@ fn malformed_metrics_line_is_an_error_naming_file_and_line() {
         &dir.join("metrics.jsonl"),
         "{\"step\": 0}\n{\"step\": 1}\n{\"step\": 2, \"reward_mean\": }\n",
     );
-    let result = r3(&[
-        "report",
-        dir.to_str().unwrap(),
-        "--out",
-        root.join("out").to_str().unwrap(),
-    ]);
-    assert!(!result.status.success());
-    let stderr = String::from_utf8_lossy(&result.stderr);
-    assert!(stderr.contains("bad/metrics.jsonl:3:"), "{stderr}");
-    assert!(stderr.contains("not valid JSON"), "{stderr}");
+    let err = report(&[dir], &root.join("out"), DEFAULT_KL_THRESHOLD)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("bad/metrics.jsonl:3:"), "{err}");
+    assert!(err.contains("not valid JSON"), "{err}");
     // A missing run directory is named too.
     let missing = root.join("nope");
-    let result = r3(&["report", missing.to_str().unwrap()]);
-    assert!(!result.status.success());
-    assert!(String::from_utf8_lossy(&result.stderr).contains("nope/metrics.jsonl"));
+    let err = report(&[missing], &root.join("out"), DEFAULT_KL_THRESHOLD)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("nope/metrics.jsonl"), "{err}");
 }

@@ -1,6 +1,6 @@
-//! Reading `metrics.jsonl` / `eval.jsonl` (format in `notes/metrics_schema.md`): one flat JSON
-//! object per line. Any key but `step` may be absent or null, unknown keys are kept, and a
-//! line that is not such an object is an error naming the file and line.
+//! Reading `metrics.jsonl` / `eval.jsonl` (as r3-train's `StepMetrics` writes them): one flat
+//! JSON object per line. Any key but `step` may be absent or null, unknown keys are kept, and
+//! a line that is not such an object is an error naming the file and line.
 
 use std::collections::BTreeMap;
 use std::path::Path;

@@ -1,15 +1,18 @@
-//! `r3 compare` end to end on a tiny random MoE model: two replay modes × one setting, two RL
-//! steps each, run in-process by the binary; checks one run directory per variant with the
+//! The replay-mode comparison end to end on a tiny random MoE model: two replay modes × one
+//! setting, two RL steps each, run in-process through the library; checks one run directory per variant with the
 //! right resolved config, one metrics line per step, and the results table with one row per
 //! run and the crash rule.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use candle_core::Device;
+use r3_analysis::compare::{plan, run_compare, Setting};
+use r3_analysis::report::{CrashRule, DEFAULT_KL_THRESHOLD};
 use r3_model::{Config, RandomInit, Weights};
 use r3_tasks::CharTokenizer;
+use r3_train::config::TrainConfig;
 use r3_train::pretrain_config::{ModelShape, PretrainConfig};
+use r3_train::Quiet;
 use serde_json::Value;
 
 fn scratch(name: &str) -> PathBuf {
@@ -47,32 +50,16 @@ fn tiny_model(dir: &Path) {
         .expect("save tokenizer");
 }
 
+/// r3's shipped default experiment, the base of every `r3 compare`.
+const DEFAULT_CONFIG: &str = include_str!("../../../configs/default.toml");
+
 #[test]
 fn compare_two_modes_two_steps_writes_runs_and_table() {
     let root = scratch("e2e");
     let model = root.join("model");
     tiny_model(&model);
     let out = root.join("out");
-    let set = |kv: &str| ["--set".to_string(), kv.to_string()];
-    let mut args: Vec<String> = vec![
-        "--log".into(),
-        "warn".into(),
-        "compare".into(),
-        "--steps".into(),
-        "2".into(),
-        "--eval-every".into(),
-        "1".into(),
-        "--modes".into(),
-        "disabled,R3".into(),
-        "--settings".into(),
-        "single".into(),
-        "--seed".into(),
-        "11".into(),
-        "--no-progress".into(),
-        "--out".into(),
-        out.display().to_string(),
-    ];
-    for kv in [
+    let overrides: Vec<String> = vec![
         format!("model_dir={}", model.display()),
         "task.difficulty=1".into(),
         "rollout.prompts_per_step=2".into(),
@@ -81,18 +68,30 @@ fn compare_two_modes_two_steps_writes_runs_and_table() {
         "algo.dynamic_sampling=false".into(),
         "eval.size=4".into(),
         "checkpoint.every=0".into(),
-    ] {
-        args.extend(set(&kv));
-    }
-    let run = Command::new(env!("CARGO_BIN_EXE_r3"))
-        .args(&args)
-        .output()
-        .expect("run r3");
-    assert!(
-        run.status.success(),
-        "r3 compare failed: {}",
-        String::from_utf8_lossy(&run.stderr)
-    );
+    ];
+    let mut base = TrainConfig::resolve_text(DEFAULT_CONFIG, &overrides).expect("config");
+    base.steps = 2;
+    base.eval.every = 1;
+    base.seed = 11;
+    base.validate().expect("valid config");
+    let modes = [
+        parse_replay("disabled").expect("mode"),
+        parse_replay("R3").expect("mode"),
+    ];
+    let variants = plan(&[Setting::Single], &modes, false, false);
+    let rule = CrashRule {
+        kl_threshold: DEFAULT_KL_THRESHOLD,
+    };
+    let summary = run_compare(
+        &base,
+        &variants,
+        &out,
+        rule,
+        "compare test".into(),
+        &mut |_, _| Box::new(Quiet),
+    )
+    .expect("compare");
+    assert_eq!(summary.table_md, out.join("results.md"));
 
     for (name, mode) in [("single-disabled", "disabled"), ("single-R3", "R3")] {
         let dir = out.join("runs").join(name);
@@ -126,8 +125,6 @@ fn compare_two_modes_two_steps_writes_runs_and_table() {
         .collect();
     assert_eq!(rows.len(), 2, "table:\n{table}");
     assert!(table.contains("Crash rule:"), "table:\n{table}");
-    let stdout = String::from_utf8_lossy(&run.stdout);
-    assert!(stdout.contains("| single-R3"), "stdout: {stdout}");
 
     let json: Value = serde_json::from_str(
         &std::fs::read_to_string(out.join("results.json")).expect("results.json"),
@@ -144,18 +141,4 @@ fn compare_two_modes_two_steps_writes_runs_and_table() {
     }
     assert!(out.join("report").join("report.html").is_file());
     let _ = std::fs::remove_dir_all(&root);
-}
-
-#[test]
-fn compare_rejects_unknown_mode() {
-    let out = scratch("bad-mode");
-    let run = Command::new(env!("CARGO_BIN_EXE_r3"))
-        .args(["compare", "--modes", "R4", "--out"])
-        .arg(&out)
-        .output()
-        .expect("run r3");
-    assert!(!run.status.success());
-    let err = String::from_utf8_lossy(&run.stderr);
-    assert!(err.contains("unknown replay mode \"r4\""), "stderr: {err}");
-    let _ = std::fs::remove_dir_all(&out);
 }

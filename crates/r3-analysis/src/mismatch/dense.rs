@@ -10,7 +10,7 @@ use r3_model::{AttentionConfig, Config, RandomInit, SharedExpert, Weights};
 use serde::Serialize;
 use serde_json::{json, Map, Value};
 
-use super::AnalysisError;
+use crate::AnalysisError;
 
 /// Keys copied verbatim from the MoE config.json into the dense one.
 const COPIED_KEYS: [&str; 15] = [

@@ -10,8 +10,9 @@ use r3_train::config::TrainConfig;
 use r3_train::{IsMode, PolicyLossKind, RouterReplay, Run};
 use serde::Serialize;
 
-use super::AnalysisError;
-use crate::report::{build_report, ReportOptions, ReportOutput};
+use crate::plot::Canvas;
+use crate::report::{build_report, CrashRule, ReportOptions, ReportOutput};
+use crate::AnalysisError;
 
 /// Single mini-step (whole batch, one update, old log-probs not recomputed) or multi
 /// mini-step (old log-probs once, then several updates).
@@ -47,7 +48,6 @@ pub struct Variant {
     /// Mini-step setting.
     pub setting: Setting,
     /// Router replay mode.
-    #[serde(serialize_with = "ser_replay")]
     pub replay: RouterReplay,
     /// Truncated importance sampling on the rollout log-probs.
     pub tis: bool,
@@ -55,35 +55,10 @@ pub struct Variant {
     pub gspo: bool,
 }
 
-fn ser_replay<S: serde::Serializer>(r: &RouterReplay, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_str(replay_name(*r))
-}
-
-/// The config spelling of a replay mode.
-pub fn replay_name(r: RouterReplay) -> &'static str {
-    match r {
-        RouterReplay::Disabled => "disabled",
-        RouterReplay::R2 => "R2",
-        RouterReplay::R3 => "R3",
-    }
-}
-
-/// Parses `disabled` / `none`, `R2`, `R3` (case-insensitive).
-pub fn parse_replay(s: &str) -> Result<RouterReplay, AnalysisError> {
-    match s.trim().to_ascii_lowercase().as_str() {
-        "disabled" | "none" => Ok(RouterReplay::Disabled),
-        "r2" => Ok(RouterReplay::R2),
-        "r3" => Ok(RouterReplay::R3),
-        other => Err(AnalysisError::Invalid(format!(
-            "unknown replay mode {other:?}: use disabled, R2 or R3"
-        ))),
-    }
-}
-
 impl Variant {
     /// Run directory name, e.g. `single-R3-tis`.
     pub fn name(&self) -> String {
-        let mut n = format!("{}-{}", self.setting.name(), replay_name(self.replay));
+        let mut n = format!("{}-{}", self.setting.name(), self.replay);
         if self.tis {
             n.push_str("-tis");
         }
@@ -226,4 +201,42 @@ pub fn report(
         ));
     }
     build_report(&dirs, opts).map_err(|e| AnalysisError::Invalid(format!("report: {e}")))
+}
+
+/// Runs every variant from `base` (see [`run_variants`]), reports over them into
+/// `<out>/report/`, copies the results table to `<out>/results.{md,json}` and writes
+/// `<out>/compare.json`; returns what compare.json records.
+pub fn run_compare(
+    base: &TrainConfig,
+    variants: &[Variant],
+    out: &Path,
+    crash_rule: CrashRule,
+    command: String,
+    on_run: &mut dyn FnMut(usize, &Variant) -> Box<dyn r3_train::Observer>,
+) -> Result<CompareSummary, AnalysisError> {
+    let started = Instant::now();
+    let outcomes = run_variants(base, variants, out, on_run)?;
+    let opts = ReportOptions {
+        out_dir: out.join("report"),
+        crash_rule,
+        canvas: Canvas::default(),
+    };
+    let written = report(&outcomes, &opts)?;
+    let table_md = out.join("results.md");
+    std::fs::copy(&written.table_md, &table_md).map_err(AnalysisError::io(&table_md))?;
+    let table_json = out.join("results.json");
+    std::fs::copy(&written.table_json, &table_json).map_err(AnalysisError::io(&table_json))?;
+    let summary = CompareSummary {
+        command,
+        seed: base.seed,
+        steps: base.steps,
+        runs: outcomes,
+        table_md,
+        report_html: written.html,
+        wall_s: started.elapsed().as_secs_f64(),
+    };
+    let path = out.join("compare.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&summary)? + "\n")
+        .map_err(AnalysisError::io(&path))?;
+    Ok(summary)
 }

@@ -1,11 +1,11 @@
-//! Errors of the mismatch analysis: each says which stage failed (rollout, training pass,
+//! Errors of the analysis library: each says which stage failed (rollout, training pass,
 //! statistics, plotting, writing) and carries the underlying library error.
 
 use std::path::PathBuf;
 
 use crate::plot::PlotError;
 
-/// Why `r3 analyze` could not finish.
+/// Why the mismatch analysis or the comparison could not finish.
 #[derive(Debug, thiserror::Error)]
 pub enum AnalysisError {
     /// Loading a model, building a config or running the training forward failed.
@@ -19,9 +19,9 @@ pub enum AnalysisError {
     /// The rollout engine failed.
     #[error("rollout engine: {0}")]
     Rollout(#[from] r3_rollout::RolloutError),
-    /// Token log-probs could not be computed from the logits.
-    #[error("training log-probs: {0}")]
-    Train(#[from] r3_train::TrainError),
+    /// Sampling or scoring through r3-train failed (boxed: r3-train's error is large).
+    #[error("r3-train: {0}")]
+    Train(#[source] Box<r3_train::TrainError>),
     /// Prompt generation or the tokenizer failed.
     #[error("prompts: {0}")]
     Task(#[from] r3_tasks::TaskError),
@@ -53,6 +53,12 @@ pub enum AnalysisError {
     /// The options or the data do not allow the analysis (named in the message).
     #[error("{0}")]
     Invalid(String),
+}
+
+impl From<r3_train::TrainError> for AnalysisError {
+    fn from(e: r3_train::TrainError) -> Self {
+        Self::Train(Box::new(e))
+    }
 }
 
 impl AnalysisError {

@@ -8,7 +8,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
-use super::AnalysisError;
+use crate::AnalysisError;
 
 /// Shortest random prompt, in tokens.
 const RANDOM_MIN_LEN: usize = 8;

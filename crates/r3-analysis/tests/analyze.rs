@@ -1,11 +1,12 @@
-//! `r3 analyze` end to end on the tiny HF-oracle Qwen3-MoE checkpoint: R3 replays the rollout
-//! routes exactly, its k3 KL is at most the native one, every summary number the tests can
+//! The mismatch analysis end to end on the tiny HF-oracle Qwen3-MoE checkpoint: R3 replays the
+//! rollout routes exactly, its k3 KL is at most the native one, every summary number the tests can
 //! recompute from the raw per-token log-probs (samples.jsonl) agrees, every field is present
 //! and every figure listed as written is a PNG.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
+use r3_analysis::mismatch::{run_analysis, AnalysisSummary, AnalyzeOptions, SUMMARY_JSON};
+use r3_analysis::AnalysisError;
 use serde_json::Value;
 
 fn fixture() -> PathBuf {
@@ -18,25 +19,24 @@ fn scratch(name: &str) -> PathBuf {
     dir
 }
 
-fn analyze(out: &Path, extra: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_r3"))
-        .args(["--log", "warn", "analyze", "--model"])
-        .arg(fixture())
-        .args([
-            "--prompts",
-            "6",
-            "--max-new-tokens",
-            "10",
-            "--micro-batch",
-            "4",
-            "--seed",
-            "5",
-        ])
-        .arg("--out")
-        .arg(out)
-        .args(extra)
-        .output()
-        .expect("run r3")
+/// The options the tests use: 6 prompts of up to 10 new tokens, 4 sequences per call, seed 5.
+fn options(out: &Path) -> AnalyzeOptions {
+    AnalyzeOptions {
+        model: fixture(),
+        dense_model: None,
+        prompts: 6,
+        level: 3,
+        max_new_tokens: 10,
+        temperature: 1.0,
+        micro_batch: 4,
+        seed: 5,
+        out: out.to_path_buf(),
+        command: "analyze test".into(),
+    }
+}
+
+fn analyze(opts: &AnalyzeOptions) -> Result<AnalysisSummary, AnalysisError> {
+    run_analysis(opts)
 }
 
 fn read_json(path: &Path) -> Value {
@@ -87,15 +87,13 @@ fn column(samples: &[Value], key: &str) -> Vec<f64> {
 #[test]
 fn analyze_tiny_moe_end_to_end() {
     let out = scratch("e2e");
-    let run = analyze(&out, &[]);
-    assert!(
-        run.status.success(),
-        "r3 analyze failed: {}",
-        String::from_utf8_lossy(&run.stderr)
+    let summary = analyze(&options(&out)).expect("analysis");
+    let s = read_json(&out.join(SUMMARY_JSON));
+    assert_eq!(
+        s["moe"]["native"]["metrics"]["k3_kl"].as_f64(),
+        Some(summary.moe.native.metrics.k3_kl),
+        "summary.json holds the returned summary"
     );
-    let stdout = String::from_utf8_lossy(&run.stdout);
-    assert!(stdout.trim().ends_with("summary.json"), "stdout: {stdout}");
-    let s = read_json(&out.join("summary.json"));
 
     // Every section and field the schema promises.
     for pointer in [
@@ -152,10 +150,15 @@ fn analyze_tiny_moe_end_to_end() {
     assert!(routers > 0);
     assert_eq!(u(&s, "/moe/r3_routing/differing_routers"), 0);
     assert_eq!(u(&s, "/moe/r3_routing/totals/replayed_cells"), routers);
-    assert_eq!(u(&s, "/moe/r3_routing/totals/native_cells"), 0);
     assert_eq!(s["moe"]["r3_routing"]["all_replayed"], true);
     // Routers: rows (prompt + output - 1 per sample) x MoE layers.
     let layers = s["model"]["moe_layers"].as_array().expect("layers").len() as u64;
+    // Scoring feeds prompt + output, so the final position of each sequence (which predicts
+    // nothing and which the rollout never routed) is the only one routed natively.
+    assert_eq!(
+        u(&s, "/moe/r3_routing/totals/native_cells"),
+        u(&s, "/rollout/samples") * layers
+    );
     assert_eq!(routers, u(&s, "/rollout/routed_positions") * layers);
 
     // R3 does not increase the mismatch.
@@ -249,13 +252,8 @@ fn analyze_tiny_moe_end_to_end() {
 
     // Same seed, same numbers.
     let again = scratch("e2e-again");
-    let run = analyze(&again, &[]);
-    assert!(
-        run.status.success(),
-        "{}",
-        String::from_utf8_lossy(&run.stderr)
-    );
-    let s2 = read_json(&again.join("summary.json"));
+    analyze(&options(&again)).expect("second analysis");
+    let s2 = read_json(&again.join(SUMMARY_JSON));
     assert_eq!(
         s["moe"]["native"]["metrics"],
         s2["moe"]["native"]["metrics"]
@@ -269,43 +267,29 @@ fn analyze_tiny_moe_end_to_end() {
 }
 
 #[test]
-fn analyze_rejects_bad_input_with_one_line() {
+fn analyze_rejects_bad_input_naming_it() {
     let out = scratch("bad");
-    let run = Command::new(env!("CARGO_BIN_EXE_r3"))
-        .args(["--log", "warn", "analyze", "--model"])
-        .arg(fixture())
-        .args(["--prompts", "0", "--out"])
-        .arg(&out)
-        .output()
-        .expect("run r3");
-    assert!(!run.status.success());
-    let err = String::from_utf8_lossy(&run.stderr);
-    assert!(
-        err.contains("--prompts must be at least 1"),
-        "stderr: {err}"
-    );
+    let no_prompts = AnalyzeOptions {
+        prompts: 0,
+        ..options(&out)
+    };
+    let err = analyze(&no_prompts).expect_err("0 prompts").to_string();
+    assert!(err.contains("--prompts must be at least 1"), "error: {err}");
 
-    let missing = Command::new(env!("CARGO_BIN_EXE_r3"))
-        .args(["analyze", "--model"])
-        .arg(out.join("nowhere"))
-        .arg("--out")
-        .arg(&out)
-        .output()
-        .expect("run r3");
-    assert!(!missing.status.success());
-    let err = String::from_utf8_lossy(&missing.stderr);
-    assert_eq!(
-        err.lines().filter(|l| l.starts_with("error:")).count(),
-        1,
-        "stderr: {err}"
-    );
-    assert!(err.contains("config.json"), "stderr: {err}");
+    let missing = AnalyzeOptions {
+        model: out.join("nowhere"),
+        ..options(&out)
+    };
+    let err = analyze(&missing).expect_err("missing model").to_string();
+    assert!(err.contains("config.json"), "error: {err}");
 
-    let moe = fixture();
-    let moe = moe.to_str().expect("utf-8 path");
-    let dense_as_moe = analyze(&out, &["--dense-model", moe]);
-    assert!(!dense_as_moe.status.success());
-    let err = String::from_utf8_lossy(&dense_as_moe.stderr);
-    assert!(err.contains("is an MoE model"), "stderr: {err}");
+    let dense_as_moe = AnalyzeOptions {
+        dense_model: Some(fixture()),
+        ..options(&out)
+    };
+    let err = analyze(&dense_as_moe)
+        .expect_err("MoE as dense")
+        .to_string();
+    assert!(err.contains("is an MoE model"), "error: {err}");
     let _ = std::fs::remove_dir_all(&out);
 }

@@ -14,7 +14,7 @@ use crate::plot::{
 };
 
 use super::stats::DivergenceSection;
-use super::AnalysisError;
+use crate::AnalysisError;
 
 /// What happened to one figure.
 #[derive(Debug, Clone, Serialize)]
