@@ -13,8 +13,8 @@ pub enum AnalysisError {
     Model {
         /// What was being done.
         stage: String,
-        /// The model error.
-        source: r3_model::ModelError,
+        /// The model error (boxed: keeps the crate's `Result`s small).
+        source: Box<r3_model::ModelError>,
     },
     /// The rollout engine failed.
     #[error("rollout engine: {0}")]
@@ -71,7 +71,10 @@ impl AnalysisError {
     /// Wraps a model error with the stage it happened in.
     pub fn model(stage: impl Into<String>) -> impl FnOnce(r3_model::ModelError) -> Self {
         let stage = stage.into();
-        move |source| Self::Model { stage, source }
+        move |source| Self::Model {
+            stage,
+            source: Box::new(source),
+        }
     }
 
     /// Wraps a routing error with the statistic being computed.

@@ -12,7 +12,7 @@ use r3_model::{Config, RandomInit, Weights};
 use r3_tasks::CharTokenizer;
 use r3_train::config::TrainConfig;
 use r3_train::pretrain_config::{ModelShape, PretrainConfig};
-use r3_train::Quiet;
+use r3_train::{Quiet, RouterReplay};
 use serde_json::Value;
 
 fn scratch(name: &str) -> PathBuf {
@@ -74,10 +74,7 @@ fn compare_two_modes_two_steps_writes_runs_and_table() {
     base.eval.every = 1;
     base.seed = 11;
     base.validate().expect("valid config");
-    let modes = [
-        parse_replay("disabled").expect("mode"),
-        parse_replay("R3").expect("mode"),
-    ];
+    let modes = [RouterReplay::Disabled, RouterReplay::R3];
     let variants = plan(&[Setting::Single], &modes, false, false);
     let rule = CrashRule {
         kl_threshold: DEFAULT_KL_THRESHOLD,

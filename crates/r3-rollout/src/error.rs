@@ -56,9 +56,9 @@ pub enum RolloutError {
     WeightDir {
         /// The directory that was read.
         dir: PathBuf,
-        /// Why it could not be loaded.
+        /// Why it could not be loaded (boxed: keeps every engine `Result` small).
         #[source]
-        source: r3_model::ModelError,
+        source: Box<r3_model::ModelError>,
     },
     /// The model architecture or one of its options is not supported by the engine.
     #[error("unsupported model: {0}")]

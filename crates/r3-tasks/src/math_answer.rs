@@ -245,9 +245,8 @@ fn last_number(text: &str) -> Option<&str> {
                 .take_while(|b| b.is_ascii_digit())
                 .count()
                 == 3;
-        if c.is_ascii_digit() || grouping_comma {
-            start -= 1;
-        } else if c == b'.' && start >= 2 && bytes[start - 2].is_ascii_digit() {
+        let decimal_point = c == b'.' && start >= 2 && bytes[start - 2].is_ascii_digit();
+        if c.is_ascii_digit() || grouping_comma || decimal_point {
             start -= 1;
         } else {
             break;

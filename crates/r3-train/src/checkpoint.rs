@@ -148,7 +148,7 @@ pub fn load_optimizer(dir: &Path, state: &TrainerState, optimizer: &mut AdamW) -
     let tensors = candle_core::safetensors::load(&path, &Device::Cpu).map_err(|source| {
         TrainError::CheckpointTensors {
             path: path.clone(),
-            source,
+            source: Box::new(source),
         }
     })?;
     optimizer.load_state(&tensors, state.optimizer_steps)?;

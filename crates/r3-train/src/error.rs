@@ -271,8 +271,8 @@ pub enum TrainError {
     CheckpointTensors {
         /// The safetensors file.
         path: PathBuf,
-        /// Why.
-        source: candle_core::Error,
+        /// Why (boxed: keeps every `Result` of the crate small).
+        source: Box<candle_core::Error>,
     },
     /// The stream position of a checkpoint is not a number.
     #[error("trainer_state.json: stream_word_pos `{text}`: {source}")]

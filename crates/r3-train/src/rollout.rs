@@ -122,7 +122,7 @@ pub fn sample_groups(
     let prompts = problems
         .iter()
         .map(|p| tokenizer.encode_prompt(&p.prompt))
-        .collect::<Result<Vec<_>, _>>()?;
+        .collect::<std::result::Result<Vec<_>, _>>()?;
     let results = sample_prompts(engine, &prompts, spec, &stop, seed, step)?;
     results
         .into_iter()

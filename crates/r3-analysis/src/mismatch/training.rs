@@ -6,8 +6,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 use r3_model::{Model, ReplayRoutes, Routing};
 use r3_routing::RouteTable;
 use r3_train::diagnostics::verify_proof;
-use r3_train::RouterReplay;
 use r3_train::policy::{score, ResponseBatch};
+use r3_train::RouterReplay;
 
 use super::rollout::Sample;
 use crate::AnalysisError;

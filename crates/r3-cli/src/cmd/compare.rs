@@ -9,8 +9,8 @@ use anyhow::Context;
 use clap::Args;
 use indicatif::ProgressBar;
 use r3_train::config::TrainConfig;
-use r3_train::RouterReplay;
 use r3_train::Observer;
+use r3_train::RouterReplay;
 
 use super::progress::{step_bar, RunProgress};
 use super::train::resolve_config;

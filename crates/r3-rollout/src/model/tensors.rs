@@ -20,7 +20,7 @@ pub fn load_dir(dir: &Path, cfg: &Config) -> Result<TensorMap, RolloutError> {
     let weights =
         Weights::load(dir, cfg, &Device::Cpu).map_err(|source| RolloutError::WeightDir {
             dir: dir.to_path_buf(),
-            source,
+            source: Box::new(source),
         })?;
     Ok(weights.into_map())
 }

@@ -128,7 +128,7 @@ mod tests {
     fn weight_dir(source: ModelError) -> RolloutError {
         RolloutError::WeightDir {
             dir: PathBuf::from("/ckpt"),
-            source,
+            source: Box::new(source),
         }
     }
 

@@ -195,10 +195,10 @@ impl InferenceBackend for FakeEngine {
             // What the real loader reports for a directory without weights.
             return Err(RolloutError::WeightDir {
                 dir: dir.to_path_buf(),
-                source: r3_model::ModelError::Checkpoint {
+                source: Box::new(r3_model::ModelError::Checkpoint {
                     path: dir.to_path_buf(),
                     msg: "no model.safetensors".into(),
-                },
+                }),
             });
         }
         self.version += 1;
