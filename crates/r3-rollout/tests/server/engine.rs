@@ -12,7 +12,7 @@ use r3_routing::wire::WireShape;
 use r3_routing::RouteTable;
 use serde_json::{json, Value};
 
-use crate::support::{fixture, ids, scratch_dir, TestServer};
+use crate::support::{fixture, ids, scratch_dir, write_tokenizer, TestServer};
 
 const MODEL: &str = "qwen3_moe_tiny";
 
@@ -211,29 +211,16 @@ fn update_weights_from_disk_bumps_version_and_empties_the_prefix_cache() {
     );
     let r = server.post("/update_weights_from_disk", &json!({"model_path": dir}));
     assert_eq!(r.status, 200, "{}", r.text);
-    assert_eq!(r.body["weight_version"], 1);
+    assert_eq!(r.body["weight_version"], "1");
     let after = server.post("/generate", &body);
     assert_eq!(after.status, 200, "{}", after.text);
-    assert_eq!(after.body["meta_info"]["weight_version"], 1);
+    assert_eq!(after.body["meta_info"]["weight_version"], "1");
     assert_eq!(
         after.body["meta_info"]["cached_tokens"], 0,
         "new weights, no stale hit"
     );
     // Same weights were reloaded, so the answer is unchanged.
     assert_eq!(after.body["output_ids"], again.body["output_ids"]);
-}
-
-/// A word-level tokenizer: token `t<i>` is id i.
-fn write_tokenizer(dir: &Path, vocab: usize) {
-    let vocab_map: serde_json::Map<String, Value> =
-        (0..vocab).map(|i| (format!("t{i}"), json!(i))).collect();
-    let tok = json!({
-        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
-        "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null,
-        "decoder": null,
-        "model": {"type": "WordLevel", "vocab": vocab_map, "unk_token": "t0"},
-    });
-    std::fs::write(dir.join("tokenizer.json"), tok.to_string()).expect("write tokenizer.json");
 }
 
 #[test]
