@@ -78,7 +78,7 @@ struct ResponseSpec {
 
 /// One entry of the response: a job to run, or an answer known without running one.
 enum Planned {
-    Run(Job, ResponseSpec),
+    Run(Box<(Job, ResponseSpec)>),
     Answer(Value),
 }
 
@@ -94,8 +94,8 @@ pub async fn handle(
     let (plan, is_batch) = plan(&state, body)?;
     let mut jobs = Vec::new();
     for p in &plan {
-        if let Planned::Run(job, _) = p {
-            jobs.push(job.clone());
+        if let Planned::Run(run) = p {
+            jobs.push(run.0.clone());
         }
     }
     let finished = if jobs.is_empty() {
@@ -109,11 +109,12 @@ pub async fn handle(
     for p in plan {
         match p {
             Planned::Answer(v) => out.push(v),
-            Planned::Run(_, spec) => {
+            Planned::Run(run) => {
+                let spec = &run.1;
                 let f = finished
                     .next()
                     .ok_or_else(|| ApiError::internal("the engine returned too few results"))?;
-                out.push(response_for(&state, &f, &spec, latency)?);
+                out.push(response_for(&state, &f, spec, latency)?);
             }
         }
     }
@@ -298,7 +299,7 @@ fn plan(state: &AppState, body: GenerateBody) -> Result<(Vec<Planned>, bool), Ap
                 },
                 stop,
             };
-            plan.push(Planned::Run(job, spec));
+            plan.push(Planned::Run(Box::new((job, spec))));
         }
     }
     Ok((plan, is_batch))

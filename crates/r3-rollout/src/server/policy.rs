@@ -381,4 +381,33 @@ mod tests {
             assert_eq!(names.len(), n, "{} repeats a field", schema.name);
         }
     }
+
+    /// The README's field table says of every field what this module does with it.
+    #[test]
+    fn readme_table_matches_the_schemas() {
+        let readme = std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../README.md"),
+        )
+        .expect("README.md at the repository root");
+        let lines: Vec<&str> = readme.lines().collect();
+        for schema in [&GENERATE, &SAMPLING, &COMPLETIONS, &UPDATE_WEIGHTS] {
+            let head = format!("| `{}` | implemented |", schema.name);
+            let at = lines
+                .iter()
+                .position(|l| l.starts_with(&head))
+                .unwrap_or_else(|| panic!("README has no row {head}"));
+            for (field, rule) in schema.fields {
+                let row = match rule {
+                    Implemented => lines[at],
+                    NeutralOnly(_) => lines[at + 1],
+                    Ignored => lines[at + 2],
+                };
+                assert!(
+                    row.contains(&format!("`{field}`")),
+                    "README: {}.{field} is not in its row: {row}",
+                    schema.name
+                );
+            }
+        }
+    }
 }

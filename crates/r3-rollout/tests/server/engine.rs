@@ -254,3 +254,37 @@ fn text_prompts_and_text_outputs_with_a_tokenizer() {
     drop(server);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// OpenAI `logprobs = 3` on the real engine, greedy: each sampled token is the most likely
+/// alternative, its reported log-prob equals that alternative's, and the alternatives are
+/// log-probabilities of distinct tokens in decreasing order.
+#[test]
+fn openai_top_logprobs_agree_with_greedy_choices() {
+    let server = server(&fixture(MODEL));
+    let r = server.post(
+        "/v1/completions",
+        &json!({"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "logprobs": 3, "ignore_eos": true}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text);
+    let choice = &r.body["choices"][0];
+    let out = ids(&choice["token_ids"]);
+    let lps = choice["logprobs"]["token_logprobs"]
+        .as_array()
+        .expect("token_logprobs");
+    let tops = choice["logprobs"]["top_logprobs"]
+        .as_array()
+        .expect("top_logprobs");
+    assert_eq!((lps.len(), tops.len()), (out.len(), out.len()));
+    for ((&t, lp), top) in out.iter().zip(lps).zip(tops) {
+        let top = top.as_object().expect("a map");
+        assert_eq!(top.len(), 3);
+        let values: Vec<f64> = top.values().filter_map(Value::as_f64).collect();
+        let best = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        assert!(values.iter().all(|&v| v <= 0.0));
+        let mine = top[&format!("token_id:{t}")]
+            .as_f64()
+            .expect("sampled token listed");
+        assert_eq!(mine, best);
+        assert!((lp.as_f64().expect("lp") - mine).abs() < 1e-6);
+    }
+}
