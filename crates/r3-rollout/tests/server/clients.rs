@@ -348,6 +348,16 @@ fn control_endpoints() {
     );
     let r = server.post("/generate", &json!({"input_ids": [1]}));
     assert_eq!(r.body["meta_info"]["weight_version"], "step-7");
+    let chat = server.post(
+        "/v1/chat/completions",
+        &json!({"model": "fake", "messages": [{"role": "user", "content": "hi"}]}),
+    );
+    assert_eq!(chat.status, 400, "{}", chat.text);
+    assert!(
+        chat.error_message().contains("chat template"),
+        "{}",
+        chat.text
+    );
     let bad = server.post("/pause_generation", &json!({"mode": "sideways"}));
     assert_eq!(bad.status, 400, "{}", bad.text);
 }
