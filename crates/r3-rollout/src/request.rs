@@ -47,6 +47,9 @@ pub enum FinishReason {
     },
     /// Aborted by the caller.
     Abort,
+    /// The output text reached one of the request's stop strings (set by the server, which
+    /// owns the tokenizer).
+    StopString,
 }
 
 /// The outcome of one request.
@@ -61,6 +64,9 @@ pub struct GenerateResult {
     /// `log softmax(logits)[token]` of each output id under the raw model distribution
     /// (temperature 1, before top-k/top-p), f32.
     pub output_logprobs: Vec<f32>,
+    /// The `sampling.top_logprobs` most likely `(token, log-prob)` at each output position
+    /// (raw distribution), or empty when not asked for.
+    pub output_top_logprobs: Vec<Vec<(u32, f32)>>,
     /// Why generation ended.
     pub finish: FinishReason,
     /// Prompt tokens whose KV and routes came from the prefix cache (last call).
@@ -82,6 +88,8 @@ pub struct PartialRollout {
     pub output_ids: Vec<u32>,
     /// Their log-probs (under the weights that produced them).
     pub output_logprobs: Vec<f32>,
+    /// Their most likely alternatives (when asked for).
+    pub output_top_logprobs: Vec<Vec<(u32, f32)>>,
     /// Routes captured so far (positions fed to the model before the abort).
     pub routes: Option<RouteTable>,
     /// Sampler state, so a resumed request continues the same random stream.

@@ -1,5 +1,6 @@
-//! Token sampling: temperature, top-k, top-p with a seeded per-request RNG, and the log-prob
-//! the engine reports for the sampled token.
+//! Token sampling: temperature, top-k, top-p, min-p with a seeded per-request RNG, and the
+//! log-prob the engine reports for the sampled token. Penalties and logit biases that depend on
+//! the sequence are applied before sampling by `engine::penalty`.
 //!
 //! The reported log-prob is always `log softmax(logits)[token]` — the raw model distribution
 //! at temperature 1, before top-k/top-p truncation — as verl and SGLang report it. This is the
@@ -28,6 +29,20 @@ pub struct SamplingParams {
     pub stop_token_ids: Vec<u32>,
     /// Seed of this request's RNG (ChaCha8): same seed and logits give the same tokens.
     pub seed: u64,
+    /// Drop tokens whose probability is below `min_p` times the top token's; 0 disables it.
+    pub min_p: f32,
+    /// Subtracted from a logit once per earlier occurrence of the token in the output.
+    pub frequency_penalty: f32,
+    /// Subtracted from the logit of every token that occurs in the output.
+    pub presence_penalty: f32,
+    /// Divides positive (multiplies negative) logits of tokens in the prompt or output; 1 = off.
+    pub repetition_penalty: f32,
+    /// Stop ids cannot be sampled before this many tokens were generated.
+    pub min_new_tokens: usize,
+    /// `(token, bias)` pairs added to the logits before sampling.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Most likely alternatives (token, log-prob) to report per generated token; 0 = none.
+    pub top_logprobs: usize,
 }
 
 impl Default for SamplingParams {
@@ -39,6 +54,13 @@ impl Default for SamplingParams {
             max_new_tokens: 16,
             stop_token_ids: Vec::new(),
             seed: 0,
+            min_p: 0.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            repetition_penalty: 1.0,
+            min_new_tokens: 0,
+            logit_bias: Vec::new(),
+            top_logprobs: 0,
         }
     }
 }
@@ -67,7 +89,50 @@ impl SamplingParams {
                 self.top_p
             )));
         }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(RolloutError::InvalidRequest(format!(
+                "min_p must be in [0, 1], got {}",
+                self.min_p
+            )));
+        }
+        for (name, v) in [
+            ("frequency_penalty", self.frequency_penalty),
+            ("presence_penalty", self.presence_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(RolloutError::InvalidRequest(format!(
+                    "{name} must be in [-2, 2], got {v}"
+                )));
+            }
+        }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty <= 2.0) {
+            return Err(RolloutError::InvalidRequest(format!(
+                "repetition_penalty must be in (0, 2] (1 = off), got {}",
+                self.repetition_penalty
+            )));
+        }
+        if self.min_new_tokens > self.max_new_tokens {
+            return Err(RolloutError::InvalidRequest(format!(
+                "min_new_tokens {} exceeds max_new_tokens {}",
+                self.min_new_tokens, self.max_new_tokens
+            )));
+        }
+        if let Some((t, b)) = self.logit_bias.iter().find(|(_, b)| !b.is_finite()) {
+            return Err(RolloutError::InvalidRequest(format!(
+                "logit_bias of token {t} must be finite, got {b}"
+            )));
+        }
         Ok(())
+    }
+
+    /// Whether logits must be adjusted (penalties, biases, min_new_tokens) before sampling
+    /// the token after `generated` tokens.
+    pub fn adjusts_logits(&self, generated: usize) -> bool {
+        self.frequency_penalty != 0.0
+            || self.presence_penalty != 0.0
+            || self.repetition_penalty != 1.0
+            || !self.logit_bias.is_empty()
+            || generated < self.min_new_tokens
     }
 }
 
@@ -92,7 +157,9 @@ pub fn sample(
     rng: &mut ChaCha8Rng,
     scratch: &mut SampleScratch,
 ) -> (u32, f32) {
-    let truncating = (params.top_k > 0 && params.top_k < logits.len()) || params.top_p < 1.0;
+    let truncating = (params.top_k > 0 && params.top_k < logits.len())
+        || params.top_p < 1.0
+        || params.min_p > 0.0;
     if params.temperature == 0.0 || params.top_k == 1 {
         let token = argmax(logits);
         (token as u32, log_softmax_at(logits, token))
@@ -153,6 +220,35 @@ fn sample_full(
     (pick as u32, logprob)
 }
 
+/// The `n` most likely tokens of `log softmax(logits)`, most likely first (ties by id).
+pub fn top_logprobs(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
+    if n == 0 || logits.is_empty() {
+        return Vec::new();
+    }
+    let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+    let by_logit = |a: &u32, b: &u32| {
+        logits[*b as usize]
+            .total_cmp(&logits[*a as usize])
+            .then(a.cmp(b))
+    };
+    let n = n.min(idx.len());
+    if n < idx.len() {
+        idx.select_nth_unstable_by(n - 1, by_logit);
+        idx.truncate(n);
+    }
+    idx.sort_unstable_by(by_logit);
+    let max = row_max(logits);
+    let lse = max
+        + logits
+            .iter()
+            .map(|&v| ((v - max) as f64).exp())
+            .sum::<f64>()
+            .ln() as f32;
+    idx.into_iter()
+        .map(|t| (t, logits[t as usize] - lse))
+        .collect()
+}
+
 /// Index of the largest logit (the first one on ties, as torch.argmax).
 pub fn argmax(logits: &[f32]) -> usize {
     let mut best = 0;
@@ -210,6 +306,16 @@ fn sample_truncated(
                 break;
             }
         }
+        scratch.truncate(keep);
+        total = scratch.iter().map(|p| p.0 as f64).sum();
+    }
+    if params.min_p > 0.0 {
+        // Entries hold exp(l - max): the top token's is 1, so the threshold is min_p itself.
+        let keep = scratch
+            .iter()
+            .take_while(|p| p.0 >= params.min_p)
+            .count()
+            .max(1);
         scratch.truncate(keep);
         total = scratch.iter().map(|p| p.0 as f64).sum();
     }
@@ -354,10 +460,66 @@ mod tests {
     }
 
     #[test]
+    fn min_p_keeps_tokens_within_the_ratio_of_the_top_one() {
+        // p ∝ e^[2, 1.5, 0, -1]: relative to the top, [1, 0.61, 0.14, 0.05]; min_p 0.5 keeps 0, 1.
+        let logits = [2.0f32, 1.5, 0.0, -1.0];
+        let p = SamplingParams {
+            min_p: 0.5,
+            ..Default::default()
+        };
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        let mut s = SampleScratch::default();
+        let mut seen = [0usize; 4];
+        for _ in 0..2000 {
+            seen[sample(&logits, &p, &mut rng, &mut s).0 as usize] += 1;
+        }
+        assert_eq!((seen[2], seen[3]), (0, 0), "{seen:?}");
+        // Both kept tokens appear, in the renormalised ratio 1 : e^-0.5.
+        let f1 = seen[1] as f64 / 2000.0;
+        let want = (-0.5f64).exp() / (1.0 + (-0.5f64).exp());
+        assert!((f1 - want).abs() < 0.04, "{f1} vs {want}");
+    }
+
+    #[test]
+    fn top_logprobs_are_the_largest_log_softmax_entries() {
+        let logits = [0.5f32, 3.0, -1.0, 3.0, 2.0];
+        let z: f64 = logits.iter().map(|&v| (v as f64).exp()).sum();
+        let top = top_logprobs(&logits, 3);
+        let ids: Vec<u32> = top.iter().map(|p| p.0).collect();
+        assert_eq!(ids, vec![1, 3, 4]);
+        for (t, lp) in top {
+            let want = (logits[t as usize] as f64).exp() / z;
+            assert!((lp as f64 - want.ln()).abs() < 1e-5);
+        }
+        assert!(top_logprobs(&logits, 0).is_empty());
+        assert_eq!(top_logprobs(&logits, 9).len(), 5);
+    }
+
+    #[test]
     fn bad_params_are_rejected() {
         assert!(params(-1.0, 1.0, 0).validate().is_err());
         assert!(params(1.0, 0.0, 0).validate().is_err());
         assert!(params(f32::NAN, 1.0, 0).validate().is_err());
         assert!(params(0.7, 0.9, 5).validate().is_ok());
+        for bad in [
+            SamplingParams {
+                min_p: 1.5,
+                ..Default::default()
+            },
+            SamplingParams {
+                frequency_penalty: 2.5,
+                ..Default::default()
+            },
+            SamplingParams {
+                repetition_penalty: 0.0,
+                ..Default::default()
+            },
+            SamplingParams {
+                min_new_tokens: 17,
+                ..Default::default()
+            },
+        ] {
+            assert!(bad.validate().is_err(), "{bad:?}");
+        }
     }
 }

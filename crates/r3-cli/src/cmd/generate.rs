@@ -62,6 +62,7 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
             max_new_tokens: a.max_new_tokens,
             stop_token_ids: a.stop_token_ids,
             seed: a.seed,
+            ..SamplingParams::default()
         },
         return_routes: true,
         routed_experts_start_len: a.routes_start_len,

@@ -1,6 +1,6 @@
-//! `r3 serve`: the rollout engine behind an HTTP server with SGLang's native `/generate`,
-//! an OpenAI-style `/v1/completions`, `/health`, `/get_model_info`, `/get_server_info`,
-//! `/update_weights_from_disk` and `/abort_request`. Runs until Ctrl-C.
+//! `r3 serve`: the rollout engine behind an HTTP server that RL clients use as an SGLang
+//! worker (SGLang's `/generate`, OpenAI `/v1/completions`, and the control endpoints listed in
+//! `r3_rollout::server`). Runs until Ctrl-C.
 
 use std::path::PathBuf;
 
@@ -45,6 +45,14 @@ pub struct ServeArgs {
     /// HTTP worker threads (the engine runs on its own thread).
     #[arg(long, default_value_t = 2)]
     pub http_threads: usize,
+    /// Model name reported by `/v1/models` and in OpenAI responses (default: the model
+    /// directory's name).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Return routed experts for every `/generate` request, also when the request does not
+    /// ask (sglang-router drops the per-request flag but passes `meta_info` through).
+    #[arg(long)]
+    pub return_routed_experts_by_default: bool,
 }
 
 /// Runs `r3 serve`.
@@ -69,6 +77,13 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         },
         seed: a.seed,
         model_name: a.model.display().to_string(),
+        served_model_name: a.served_model_name.clone().unwrap_or_else(|| {
+            a.model
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| a.model.display().to_string())
+        }),
+        return_routed_experts_by_default: a.return_routed_experts_by_default,
     };
     let has_text = text.is_some();
     let app = build_app(engine, text, config).context("starting the engine worker")?;

@@ -2,6 +2,7 @@
 //! `submit` queues a request, `step` runs one batched forward over every running sequence
 //! (continuous batching: requests join and leave between steps).
 
+pub mod penalty;
 mod prefix;
 mod sequence;
 mod step;
@@ -177,6 +178,24 @@ impl Engine {
         self.cache.as_ref().map(|c| c.stats())
     }
 
+    /// Tokens generated so far by a waiting or running request in this call (None if the id
+    /// is unknown or finished); the server checks stop strings and streams with it.
+    pub fn generated_tokens(&self, id: RequestId) -> Option<&[u32]> {
+        self.waiting
+            .iter()
+            .chain(&self.running)
+            .find(|s| s.id == id)
+            .map(|s| s.generated())
+    }
+
+    /// Empties the prefix cache; returns how many blocks it released.
+    pub fn flush_prefix_cache(&mut self) -> usize {
+        match self.cache.as_mut() {
+            Some(cache) => cache.clear().len(),
+            None => 0,
+        }
+    }
+
     fn validate(&self, req: &GenerateRequest) -> Result<(), RolloutError> {
         let vocab = self.model.config().vocab_size;
         if req.input_ids.is_empty() {
@@ -248,6 +267,7 @@ impl Engine {
             blocks: Vec::new(),
             rng,
             logprobs: Vec::new(),
+            top_logprobs: Vec::new(),
             routes: Vec::new(),
             route_versions: Vec::new(),
             capture,
@@ -298,6 +318,7 @@ impl Engine {
             request: original,
             output_ids: result.output_ids,
             output_logprobs: result.output_logprobs,
+            output_top_logprobs: result.output_top_logprobs,
             routes: result.routes,
             rng,
             weight_version: self.version,

@@ -53,6 +53,8 @@ pub struct Sequence {
     pub rng: ChaCha8Rng,
     /// Log-prob of each generated token.
     pub logprobs: Vec<f32>,
+    /// Most likely alternatives of each generated token (when `top_logprobs` > 0).
+    pub top_logprobs: Vec<Vec<(u32, f32)>>,
     /// Captured route rows of positions `0..route_rows()` (row = `RouteGeometry::row` ids).
     pub routes: Vec<u16>,
     /// Weight version of each captured row.
@@ -130,6 +132,7 @@ impl Sequence {
         };
         let mut output_ids = self.generated().to_vec();
         let mut output_logprobs = self.logprobs.clone();
+        let mut output_top_logprobs = self.top_logprobs.clone();
         let mut prompt_tokens = self.prompt_len;
         let routes = match self.resume {
             Some(r) => {
@@ -140,6 +143,9 @@ impl Sequence {
                 let mut lps = r.earlier.output_logprobs.clone();
                 lps.append(&mut output_logprobs);
                 output_logprobs = lps;
+                let mut tops = r.earlier.output_top_logprobs.clone();
+                tops.append(&mut output_top_logprobs);
+                output_top_logprobs = tops;
                 match (&r.earlier.routes, routes) {
                     (Some(old), Some(new)) => Some(merge_resumed(old, &new, r.policy)?),
                     (_, new) => new,
@@ -152,6 +158,7 @@ impl Sequence {
             prompt_tokens,
             output_ids,
             output_logprobs,
+            output_top_logprobs,
             finish: self.finish.unwrap_or(FinishReason::Abort),
             cached_tokens: self.cached_tokens,
             routes,

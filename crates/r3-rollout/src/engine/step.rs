@@ -5,14 +5,16 @@
 
 use rayon::prelude::*;
 
+use super::penalty::adjust_logits;
 use super::prefix::{attach_cached_prefix, insert_sequence};
 use super::sequence::Sequence;
 use super::Engine;
 use crate::error::RolloutError;
 use crate::kernels::attention::SeqSpan;
+use crate::kernels::ops::log_softmax_at;
 use crate::model::BatchInput;
 use crate::request::{FinishReason, GenerateResult};
-use crate::sampler::{sample, SampleScratch};
+use crate::sampler::{sample, top_logprobs, SampleScratch};
 
 impl Engine {
     /// KV blocks `seq` still needs to hold `upto` positions.
@@ -206,11 +208,27 @@ impl Engine {
                 }
             }
         }
-        targets
-            .par_iter_mut()
-            .for_each_init(SampleScratch::default, |scratch, (k, seq)| {
+        targets.par_iter_mut().for_each_init(
+            || (SampleScratch::default(), Vec::new()),
+            |(scratch, adjusted), (k, seq)| {
                 let logits = &out.logits[*k * vocab..(*k + 1) * vocab];
-                let (tok, lp) = sample(logits, &seq.request.sampling, &mut seq.rng, scratch);
+                let params = &seq.request.sampling;
+                let generated = seq.tokens.len() - seq.prompt_len;
+                let (tok, lp) = if params.adjusts_logits(generated) {
+                    // Penalties steer sampling; the reported log-prob stays the raw model's.
+                    adjusted.clear();
+                    adjusted.extend_from_slice(logits);
+                    let (prompt, output) = seq.tokens.split_at(seq.prompt_len);
+                    adjust_logits(adjusted, params, prompt, output);
+                    let (tok, _) = sample(adjusted, params, &mut seq.rng, scratch);
+                    (tok, log_softmax_at(logits, tok as usize))
+                } else {
+                    sample(logits, params, &mut seq.rng, scratch)
+                };
+                if params.top_logprobs > 0 {
+                    seq.top_logprobs
+                        .push(top_logprobs(logits, params.top_logprobs));
+                }
                 seq.tokens.push(tok);
                 seq.logprobs.push(lp);
                 let params = &seq.request.sampling;
@@ -221,7 +239,8 @@ impl Engine {
                 {
                     seq.finish = Some(FinishReason::Length);
                 }
-            });
+            },
+        );
         drop(targets);
         self.retire()
     }

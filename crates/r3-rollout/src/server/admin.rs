@@ -1,5 +1,8 @@
-//! Operational endpoints: `/health`, `/get_model_info`, `/get_server_info`,
-//! `/update_weights_from_disk` and `/abort_request`.
+//! Operational endpoints: health (`/health`, `/health_generate`), model and server facts
+//! (`/get_model_info` = `/model_info`, `/get_server_info` = `/server_info`, `/v1/models`,
+//! `/v1/loads`, `/get_weight_version`) and the control calls of RL loops
+//! (`/update_weights_from_disk`, `/abort_request`, `/pause_generation`,
+//! `/continue_generation`, `/flush_cache`).
 
 use std::path::PathBuf;
 
@@ -12,7 +15,11 @@ use serde_json::{json, Value};
 
 use super::error::ApiError;
 use super::fields::parse_body;
+use super::policy::UPDATE_WEIGHTS;
+use super::worker::{Job, PauseMode};
 use super::{read_body, AppState};
+use crate::request::GenerateRequest;
+use crate::sampler::SamplingParams;
 
 /// `GET|POST /health`: 200 while the engine worker is alive.
 pub async fn health(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
@@ -23,13 +30,37 @@ pub async fn health(State(state): State<AppState>) -> Result<Json<Value>, ApiErr
     }
 }
 
-/// `GET /get_model_info`.
+/// `GET /health_generate`: generates one token through the engine (200 when it works).
+/// While generation is paused it answers from the worker's liveness, as a paused engine
+/// cannot generate.
+pub async fn health_generate(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
+    if state.handle().stats().paused {
+        return health(State(state)).await;
+    }
+    let job = Job {
+        rid: format!("health-{}", state.next_rid()),
+        request: GenerateRequest {
+            input_ids: vec![0],
+            sampling: SamplingParams::greedy(1),
+            return_routes: false,
+            routed_experts_start_len: 0,
+        },
+        stop: None,
+    };
+    state.handle().generate(vec![job]).await?;
+    Ok(Json(json!({})))
+}
+
+/// `GET /get_model_info` and `/model_info`.
 pub async fn model_info(State(state): State<AppState>) -> Json<Value> {
     let s = state.summary();
     Json(json!({
         "model_path": state.model_name(),
+        "tokenizer_path": state.model_name(),
+        "served_model_name": state.config().served_model_name,
         "model_type": s.model_type,
         "is_generation": true,
+        "weight_version": state.handle().stats().weight_version,
         "vocab_size": s.vocab_size,
         "max_position_embeddings": s.max_position_embeddings,
         "num_hidden_layers": s.layout.num_hidden_layers(),
@@ -41,23 +72,67 @@ pub async fn model_info(State(state): State<AppState>) -> Json<Value> {
     }))
 }
 
-/// `GET /get_server_info`: limits and the worker's counters (batching, prefix cache).
+/// `GET /get_server_info` and `/server_info`: settings, limits and the worker's counters.
 pub async fn server_info(State(state): State<AppState>) -> Json<Value> {
     let l = state.limits();
+    let stats = state.handle().stats();
+    let s = state.summary();
     Json(json!({
+        "model_path": state.model_name(),
+        "served_model_name": state.config().served_model_name,
+        "weight_version": stats.weight_version,
+        "context_length": s.max_position_embeddings,
+        "dp_size": 1,
+        "tp_size": 1,
+        "return_routed_experts_by_default": state.config().return_routed_experts_by_default,
         "limits": {
             "max_body_bytes": l.max_body_bytes,
             "max_new_tokens": l.max_new_tokens,
             "default_max_new_tokens": l.default_max_new_tokens,
             "max_batch_requests": l.max_batch_requests,
         },
-        "worker": state.handle().stats(),
+        "worker": stats,
     }))
 }
 
-/// `/update_weights_from_disk` body.
+/// `GET /get_weight_version`.
+pub async fn weight_version(State(state): State<AppState>) -> Json<Value> {
+    Json(json!({"weight_version": state.handle().stats().weight_version}))
+}
+
+/// `GET /v1/models` (OpenAI): the one served model.
+pub async fn models(State(state): State<AppState>) -> Json<Value> {
+    let name = &state.config().served_model_name;
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "r3",
+            "root": state.model_name(),
+            "max_model_len": state.summary().max_position_embeddings,
+        }],
+    }))
+}
+
+/// `GET /v1/loads`: queued and running requests (one data-parallel rank).
+pub async fn loads(State(state): State<AppState>) -> Json<Value> {
+    let s = state.handle().stats();
+    Json(json!({
+        "dp_rank_count": 1,
+        "loads": [{
+            "dp_rank": 0,
+            "num_running_reqs": s.running,
+            "num_waiting_reqs": s.waiting,
+            "num_total_reqs": s.running + s.waiting,
+            "paused": s.paused,
+        }],
+    }))
+}
+
+/// `/update_weights_from_disk` body, implemented fields only (see [`UPDATE_WEIGHTS`]).
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 struct UpdateWeightsBody {
     /// Directory with safetensors weights of the same config.
     model_path: String,
@@ -65,16 +140,18 @@ struct UpdateWeightsBody {
     load_format: Option<String>,
     /// Abort in-flight requests first (they return what they generated, finish `abort`).
     abort_all_requests: Option<bool>,
+    /// The new weight version label (default: the update count).
+    weight_version: Option<String>,
 }
 
-/// `POST /update_weights_from_disk`: reload weights between steps, bump the weight version
-/// (the engine invalidates its prefix cache).
+/// `POST /update_weights_from_disk`: reload weights between steps and set the weight
+/// version (the engine invalidates its prefix cache).
 pub async fn update_weights(
     State(state): State<AppState>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
     let bytes = read_body(body, state.limits().max_body_bytes)?;
-    let body: UpdateWeightsBody = parse_body(&bytes)?;
+    let body: UpdateWeightsBody = UPDATE_WEIGHTS.parse(parse_body::<Value>(&bytes)?)?;
     match body.load_format.as_deref() {
         None | Some("auto") | Some("safetensors") => {}
         Some(other) => {
@@ -92,18 +169,22 @@ pub async fn update_weights(
     }
     let version = state
         .handle()
-        .update_weights(dir, body.abort_all_requests.unwrap_or(false))
+        .update_weights(
+            dir,
+            body.abort_all_requests.unwrap_or(false),
+            body.weight_version,
+        )
         .await?;
     Ok(Json(json!({
         "success": true,
         "message": format!("loaded weights from {}", body.model_path),
         "weight_version": version,
+        "num_paused_requests": 0,
     })))
 }
 
 /// `/abort_request` body.
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 struct AbortBody {
     /// Client id of the request to abort.
     rid: Option<String>,
@@ -118,7 +199,8 @@ pub async fn abort(
 ) -> Result<Json<Value>, ApiError> {
     let bytes = read_body(body, state.limits().max_body_bytes)?;
     let body: AbortBody = parse_body(&bytes)?;
-    let target = match (body.rid, body.abort_all.unwrap_or(false)) {
+    let rid = body.rid.filter(|r| !r.is_empty());
+    let target = match (rid, body.abort_all.unwrap_or(false)) {
         (Some(_), true) => {
             return Err(ApiError::bad_request(
                 "give either rid or abort_all, not both",
@@ -130,4 +212,59 @@ pub async fn abort(
     };
     let aborted = state.handle().abort(target).await?;
     Ok(Json(json!({"success": aborted > 0, "aborted": aborted})))
+}
+
+/// `/pause_generation` body.
+#[derive(Debug, Default, Deserialize)]
+struct PauseBody {
+    /// `abort` (default), `in_place`, `retract`, or `wait` (= `in_place`).
+    mode: Option<String>,
+}
+
+/// `POST /pause_generation`: stop generating until `/continue_generation`. Mode `abort`
+/// returns every in-flight request with what it generated (finish `abort`); `in_place`,
+/// `wait` and `retract` keep them, and they continue where they stopped. Requests that
+/// arrive while paused are queued.
+pub async fn pause(
+    State(state): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let bytes = read_body(body, state.limits().max_body_bytes)?;
+    let body: PauseBody = if bytes.iter().all(u8::is_ascii_whitespace) {
+        PauseBody::default()
+    } else {
+        parse_body(&bytes)?
+    };
+    let mode = match body.mode.as_deref() {
+        None | Some("abort") => PauseMode::Abort,
+        Some("in_place") | Some("wait") => PauseMode::InPlace,
+        Some("retract") => PauseMode::Retract,
+        Some(other) => {
+            return Err(ApiError::bad_request(format!(
+                "mode {other:?} is not one of abort, in_place, retract, wait"
+            )))
+        }
+    };
+    let aborted = state.handle().pause(mode).await?;
+    Ok(Json(
+        json!({"success": true, "message": "generation paused", "aborted": aborted}),
+    ))
+}
+
+/// `POST /continue_generation`.
+pub async fn resume(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
+    state.handle().resume().await?;
+    Ok(Json(
+        json!({"success": true, "message": "generation continued"}),
+    ))
+}
+
+/// `GET|POST /flush_cache`: empties the prefix cache.
+pub async fn flush_cache(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
+    let blocks = state.handle().flush_cache().await?;
+    Ok(Json(json!({
+        "success": true,
+        "message": "Cache flushed.",
+        "flushed_blocks": blocks,
+    })))
 }

@@ -49,6 +49,19 @@ pub trait InferenceBackend: Send + 'static {
     fn weight_version(&self) -> u64;
     /// Prefix cache counters, if the backend has a prefix cache.
     fn prefix_cache_stats(&self) -> Option<PrefixCacheStats>;
+    /// Requests waiting for admission and requests running.
+    fn queue_lengths(&self) -> (usize, usize) {
+        (0, self.in_flight())
+    }
+    /// Tokens a waiting or running request generated so far (for stop strings); None if
+    /// unknown. A backend without it only matches stop strings when a request finishes.
+    fn generated_tokens(&self, _id: RequestId) -> Option<Vec<u32>> {
+        None
+    }
+    /// Empties the prefix cache; returns how many blocks it released.
+    fn flush_cache(&mut self) -> usize {
+        0
+    }
 }
 
 impl InferenceBackend for Engine {
@@ -92,5 +105,17 @@ impl InferenceBackend for Engine {
 
     fn prefix_cache_stats(&self) -> Option<PrefixCacheStats> {
         Engine::prefix_cache_stats(self)
+    }
+
+    fn queue_lengths(&self) -> (usize, usize) {
+        Engine::queue_lengths(self)
+    }
+
+    fn generated_tokens(&self, id: RequestId) -> Option<Vec<u32>> {
+        Engine::generated_tokens(self, id).map(<[u32]>::to_vec)
+    }
+
+    fn flush_cache(&mut self) -> usize {
+        Engine::flush_prefix_cache(self)
     }
 }

@@ -1,29 +1,35 @@
-//! OpenAI-style `/v1/completions`: prompts as text or token ids, `n` samples per prompt,
-//! choices with text and token ids, finish reasons and usage.
+//! OpenAI `/v1/completions` (also streamed, see [`super::sse`]): prompts as text or token ids, `n` samples per prompt, stop
+//! strings and token ids, penalties, choices with text and token ids, finish reasons, usage,
+//! and `logprobs` with up to [`MAX_LOGPROBS`] alternatives per token and `text_offset`.
 
+use std::collections::BTreeMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
+use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
 
 use super::error::ApiError;
 use super::fields::{kind, parse_body, token_list, token_prompts};
+use super::policy::COMPLETIONS;
 use super::sampling::SamplingBody;
-use super::worker::Job;
+use super::sse::event_stream;
+use super::stop::response_text;
+use super::worker::{Finished, Job};
 use super::{read_body, AppState};
-use crate::request::{FinishReason, GenerateRequest, GenerateResult};
+use crate::request::{FinishReason, GenerateRequest};
 
-/// The `/v1/completions` body (fields not listed are refused by name).
+/// Most alternatives per token `logprobs` may ask for (OpenAI's own limit).
+pub const MAX_LOGPROBS: u32 = 5;
+
+/// The `/v1/completions` body, implemented fields only (the rest is screened by
+/// [`COMPLETIONS`]).
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 struct CompletionBody {
-    /// Name of the model (accepted, not checked: the server serves one model).
-    #[serde(rename = "model")]
-    _model: Option<String>,
     /// A string, a list of strings, a list of token ids or a list of such lists.
     prompt: Value,
     /// Tokens to generate per choice (default 16, as OpenAI).
@@ -34,46 +40,51 @@ struct CompletionBody {
     top_p: Option<f32>,
     /// Top-k cut (extension; -1 or 0 = off).
     top_k: Option<i64>,
+    /// Min-p cut (extension).
+    min_p: Option<f32>,
+    /// Stop ids cannot be sampled before this many tokens (extension).
+    min_tokens: Option<usize>,
     /// Choices per prompt (default 1); choice `i` of a prompt samples with `seed + i`.
     n: Option<usize>,
     /// Base seed.
     seed: Option<u64>,
-    /// Return sampled-token log-probs; only 0 is supported (no top alternatives).
+    /// Log-probs of the sampled tokens plus this many alternatives (0..=MAX_LOGPROBS).
     logprobs: Option<u32>,
-    /// Stop after these ids (extension, as vLLM).
+    /// Stop strings.
+    stop: Option<Value>,
+    /// Stop after these ids (extension, as vLLM / SGLang).
     stop_token_ids: Option<Vec<u32>>,
-    /// Do not stop at `eos_token_id` (extension, as vLLM).
+    /// Keep the matched stop string in the text (extension).
+    no_stop_trim: Option<bool>,
+    /// Do not stop at `eos_token_id` (extension).
     ignore_eos: Option<bool>,
-    /// Streaming is not supported; only `false` is accepted.
+    /// Skip special tokens in the text (extension, default true).
+    skip_special_tokens: Option<bool>,
+    /// OpenAI penalties (SGLang's formulas).
+    frequency_penalty: Option<f32>,
+    /// See `frequency_penalty`.
+    presence_penalty: Option<f32>,
+    /// Repetition penalty (extension).
+    repetition_penalty: Option<f32>,
+    /// Token id -> bias.
+    logit_bias: Option<BTreeMap<String, f32>>,
+    /// Answer as server-sent events: one chunk per choice, then `[DONE]`.
     stream: Option<bool>,
-    /// Echoing the prompt is not supported; only `false` is accepted.
-    echo: Option<bool>,
-    /// Accepted and ignored (an end-user tag).
-    #[serde(rename = "user")]
-    _user: Option<String>,
 }
 
 /// `POST /v1/completions`.
 pub async fn handle(
     State(state): State<AppState>,
     body: Result<Bytes, BytesRejection>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Response, ApiError> {
     let bytes = read_body(body, state.limits().max_body_bytes)?;
-    let body: CompletionBody = parse_body(&bytes)?;
-    if body.stream == Some(true) {
-        return Err(ApiError::bad_request(
-            "stream=true is not supported; use stream=false",
-        ));
-    }
-    if body.echo == Some(true) {
-        return Err(ApiError::bad_request("echo=true is not supported"));
-    }
-    let want_logprobs = match body.logprobs {
-        None => false,
-        Some(0) => true,
+    let body: CompletionBody = COMPLETIONS.parse(parse_body::<Value>(&bytes)?)?;
+    let top_n = match body.logprobs {
+        None => None,
+        Some(k) if k <= MAX_LOGPROBS => Some(k as usize),
         Some(k) => {
             return Err(ApiError::bad_request(format!(
-                "logprobs={k}: only logprobs=0 (log-probs of the sampled tokens) is supported"
+                "logprobs={k}: r3 returns at most {MAX_LOGPROBS} alternatives per token"
             )))
         }
     };
@@ -84,11 +95,28 @@ pub async fn handle(
     }
     let total = prompts.len().saturating_mul(n);
     state.check_batch_size(total)?;
-    let base_seed = match body.seed {
-        Some(s) => s,
-        None => state.next_seed(),
+    let sampling = SamplingBody {
+        temperature: body.temperature,
+        top_p: body.top_p,
+        top_k: body.top_k,
+        min_p: body.min_p,
+        max_new_tokens: Some(body.max_tokens.unwrap_or(16)),
+        min_new_tokens: body.min_tokens,
+        stop_token_ids: body.stop_token_ids.clone(),
+        stop: body.stop.clone(),
+        no_stop_trim: body.no_stop_trim,
+        ignore_eos: body.ignore_eos,
+        frequency_penalty: body.frequency_penalty,
+        presence_penalty: body.presence_penalty,
+        repetition_penalty: body.repetition_penalty,
+        logit_bias: body.logit_bias.clone(),
+        n: None,
+        seed: Some(body.seed.unwrap_or_else(|| state.next_seed())),
+        sampling_seed: None,
+        skip_special_tokens: body.skip_special_tokens,
     };
     let mut jobs = Vec::with_capacity(total);
+    let mut texts = Vec::with_capacity(total);
     for (p, input_ids) in prompts.iter().enumerate() {
         let at = |e: ApiError| {
             if prompts.len() > 1 {
@@ -99,51 +127,69 @@ pub async fn handle(
         };
         state.check_prompt(input_ids, "prompt").map_err(at)?;
         for i in 0..n {
-            let sampling = SamplingBody {
-                temperature: body.temperature,
-                top_p: body.top_p,
-                top_k: body.top_k,
-                max_new_tokens: Some(body.max_tokens.unwrap_or(16)),
-                stop_token_ids: body.stop_token_ids.clone(),
-                ignore_eos: body.ignore_eos,
-                seed: Some(base_seed.wrapping_add(i as u64)),
-                ..SamplingBody::default()
-            };
-            let sampling = state.sampling_params(&sampling).map_err(at)?;
+            let (mut params, text, stop) =
+                state.prepare(&sampling, input_ids.len(), i).map_err(at)?;
+            params.top_logprobs = top_n.unwrap_or(0);
+            texts.push(text);
             jobs.push(Job {
                 rid: state.next_rid(),
                 request: GenerateRequest {
                     input_ids: input_ids.clone(),
-                    sampling,
+                    sampling: params,
                     return_routes: false,
                     routed_experts_start_len: 0,
                 },
+                stop,
             });
         }
     }
     let results = state.handle().generate(jobs).await?;
     let mut choices = Vec::with_capacity(results.len());
-    for (index, r) in results.iter().enumerate() {
-        choices.push(choice(&state, index, r, want_logprobs)?);
+    for (index, (f, text)) in results.iter().zip(&texts).enumerate() {
+        let text = match state.text() {
+            Some(codec) => response_text(
+                codec,
+                &f.result.output_ids,
+                &f.result.finish,
+                f.matched_stop.as_deref(),
+                text,
+            )?,
+            None => String::new(),
+        };
+        choices.push(choice(&state, index, f, text, top_n));
     }
     let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
-    let completion_tokens: usize = results.iter().map(|r| r.output_ids.len()).sum();
+    let completion_tokens: usize = results.iter().map(|f| f.result.output_ids.len()).sum();
     let created = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0);
+    let id = format!("cmpl-{}", state.next_rid());
+    let model = state.config().served_model_name.clone();
+    let usage = json!({
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    });
+    if body.stream.unwrap_or(false) {
+        let chunks: Vec<Value> = choices
+            .into_iter()
+            .map(|c| {
+                json!({"id": id, "object": "text_completion", "created": created,
+                       "model": model, "choices": [c]})
+            })
+            .collect();
+        return Ok(event_stream(&chunks));
+    }
     Ok(Json(json!({
-        "id": format!("cmpl-{}", state.next_rid()),
+        "id": id,
         "object": "text_completion",
         "created": created,
-        "model": state.model_name(),
+        "model": model,
         "choices": choices,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
-    })))
+        "usage": usage,
+    }))
+    .into_response())
 }
 
 /// The prompts as token ids, whatever form they were sent in.
@@ -185,40 +231,86 @@ fn prompt_ids(state: &AppState, prompt: &Value) -> Result<Vec<Vec<u32>>, ApiErro
     }
 }
 
+/// The text of one token for `logprobs` (its decoded text; `token_id:N` without tokenizer).
+fn token_text(state: &AppState, id: u32) -> String {
+    match state.text() {
+        Some(codec) => codec
+            .decode(&[id], false)
+            .unwrap_or_else(|_| codec.token_str(id)),
+        None => format!("token_id:{id}"),
+    }
+}
+
 /// One OpenAI choice.
-fn choice(
-    state: &AppState,
-    index: usize,
-    r: &GenerateResult,
-    logprobs: bool,
-) -> Result<Value, ApiError> {
-    let text = match state.text() {
-        Some(codec) => codec.decode(&r.output_ids)?,
-        None => String::new(),
-    };
+fn choice(state: &AppState, index: usize, f: &Finished, text: String, top: Option<usize>) -> Value {
+    let r = &f.result;
     let finish = match r.finish {
         FinishReason::Length => "length",
-        FinishReason::Stop { .. } => "stop",
+        FinishReason::Stop { .. } | FinishReason::StopString => "stop",
         FinishReason::Abort => "abort",
     };
-    let logprobs = if logprobs {
-        let tokens: Vec<String> = r
-            .output_ids
-            .iter()
-            .map(|&id| match state.text() {
-                Some(codec) => codec.token_str(id),
-                None => format!("token_id:{id}"),
-            })
-            .collect();
-        json!({"tokens": tokens, "token_logprobs": r.output_logprobs, "top_logprobs": null})
-    } else {
-        Value::Null
+    let matched = match r.finish {
+        FinishReason::Stop { token } => json!(token),
+        FinishReason::StopString => json!(f.matched_stop),
+        _ => Value::Null,
     };
-    Ok(json!({
+    let logprobs = match top {
+        None => Value::Null,
+        Some(k) => {
+            let tokens: Vec<String> = r
+                .output_ids
+                .iter()
+                .map(|&id| token_text(state, id))
+                .collect();
+            // Offsets into the choice's text, by the running length of the token texts (as
+            // vLLM and SGLang compute them).
+            let mut offset = 0usize;
+            let text_offset: Vec<usize> = tokens
+                .iter()
+                .map(|t| {
+                    let at = offset;
+                    offset += t.chars().count();
+                    at
+                })
+                .collect();
+            let top_logprobs = if k == 0 {
+                Value::Null
+            } else {
+                Value::Array(
+                    r.output_top_logprobs
+                        .iter()
+                        .map(|pos| {
+                            let mut m = Map::new();
+                            for &(id, lp) in pos.iter().take(k) {
+                                m.entry(token_text(state, id)).or_insert(json!(lp));
+                            }
+                            Value::Object(m)
+                        })
+                        .collect(),
+                )
+            };
+            json!({
+                "tokens": tokens,
+                "token_logprobs": r.output_logprobs,
+                "top_logprobs": top_logprobs,
+                "text_offset": text_offset,
+            })
+        }
+    };
+    json!({
         "index": index,
         "text": text,
         "token_ids": r.output_ids,
         "logprobs": logprobs,
         "finish_reason": finish,
-    }))
+        "matched_stop": matched,
+    })
+}
+
+/// `POST /v1/chat/completions`: r3 renders no chat templates (the shipped models have none),
+/// so it answers 400 with what to use instead rather than a 404 clients read as "no server".
+pub async fn chat() -> ApiError {
+    ApiError::bad_request(
+        "/v1/chat/completions needs a chat template, which r3 does not render; send a templated prompt to /v1/completions or /generate",
+    )
 }

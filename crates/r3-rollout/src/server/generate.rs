@@ -1,12 +1,20 @@
 //! SGLang's native `/generate`: request parsing and validation, and the response with
-//! `output_ids`, optional `text`, and `meta_info` (token counts, cached tokens, finish
-//! reason, `output_token_logprobs`, `routed_experts` base64 + `routed_experts_dtype`).
+//! `output_ids`, `text` (when the model has a tokenizer), and `meta_info` (token counts, cached
+//! tokens, finish reason, weight version, `output_token_logprobs`, `output_top_logprobs`,
+//! `routed_experts` base64 + `routed_experts_dtype`).
+//!
+//! With `stream: true` the same objects come as server-sent events ([`super::sse`]).
+//!
+//! `sampling_params.n = k` runs every prompt k times (SGLang's order: all prompts, then all
+//! prompts again); the response is then a list even for one prompt. With a client seed,
+//! sample `i` of a prompt uses `seed + i`.
 
 use std::time::Instant;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
+use axum::response::{IntoResponse, Response};
 use axum::Json;
 use r3_routing::wire::sglang::{encode_sglang, SGLANG_DTYPES};
 use r3_routing::wire::WireDtype;
@@ -15,14 +23,16 @@ use serde_json::{json, Value};
 
 use super::error::ApiError;
 use super::fields::{parse_body, per_request, text_prompts, token_prompts};
+use super::policy::{GENERATE, SAMPLING};
 use super::sampling::SamplingBody;
-use super::worker::Job;
+use super::sse::event_stream;
+use super::stop::{response_text, TextOptions};
+use super::worker::{Finished, Job};
 use super::{read_body, AppState};
 use crate::request::{FinishReason, GenerateRequest, GenerateResult};
 
-/// The `/generate` body (fields not listed are refused by name).
+/// The `/generate` body, implemented fields only (the rest is screened by [`GENERATE`]).
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 struct GenerateBody {
     /// A string or a list of strings (needs `tokenizer.json` in the model directory).
     text: Option<Value>,
@@ -32,6 +42,13 @@ struct GenerateBody {
     sampling_params: Option<Value>,
     /// Return `output_token_logprobs` (bool or one per prompt).
     return_logprob: Option<Value>,
+    /// Start of the prompt log-probs; r3 returns none, so with `return_logprob` only -1 (or
+    /// null) is accepted (any value when no log-probs are asked for).
+    logprob_start_len: Option<Value>,
+    /// Alternatives per output position in `output_top_logprobs` (number or one per prompt).
+    top_logprobs_num: Option<Value>,
+    /// Put each token's text in the log-prob entries.
+    return_text_in_logprobs: Option<bool>,
     /// Return `routed_experts` (bool or one per prompt).
     return_routed_experts: Option<Value>,
     /// First position whose routes are returned (number or one per prompt).
@@ -40,64 +57,118 @@ struct GenerateBody {
     routed_experts_dtype: Option<String>,
     /// Client request id(s), usable with `/abort_request`.
     rid: Option<Value>,
-    /// Streaming is not supported; only `false` is accepted.
+    /// Answer as server-sent events (see [`super::sse`]).
     stream: Option<bool>,
-    /// Accepted for compatibility; logprob entries never carry text.
-    #[serde(rename = "return_text_in_logprobs")]
-    _return_text_in_logprobs: Option<bool>,
 }
+
+/// Most alternatives per position `top_logprobs_num` may ask for.
+pub const MAX_TOP_LOGPROBS: usize = 20;
 
 /// What to put in one response besides the engine result.
 #[derive(Debug, Clone)]
 struct ResponseSpec {
     rid: String,
     return_logprob: bool,
+    top_logprobs: usize,
+    text_in_logprobs: bool,
     return_routes: bool,
     dtype: WireDtype,
+    text: TextOptions,
+}
+
+/// One entry of the response: a job to run, or an answer known without running one.
+enum Planned {
+    Run(Box<(Job, ResponseSpec)>),
+    Answer(Value),
 }
 
 /// `POST /generate`.
 pub async fn handle(
     State(state): State<AppState>,
     body: Result<Bytes, BytesRejection>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Response, ApiError> {
     let started = Instant::now();
     let bytes = read_body(body, state.limits().max_body_bytes)?;
-    let body: GenerateBody = parse_body(&bytes)?;
-    let (jobs, specs, is_batch) = build_jobs(&state, body)?;
-    let results = state.handle().generate(jobs).await?;
+    let body: GenerateBody = GENERATE.parse(parse_body::<Value>(&bytes)?)?;
+    let stream = body.stream.unwrap_or(false);
+    let (plan, is_batch) = plan(&state, body)?;
+    let mut jobs = Vec::new();
+    for p in &plan {
+        if let Planned::Run(run) = p {
+            jobs.push(run.0.clone());
+        }
+    }
+    let finished = if jobs.is_empty() {
+        Vec::new()
+    } else {
+        state.handle().generate(jobs).await?
+    };
+    let mut finished = finished.into_iter();
     let latency = started.elapsed().as_secs_f64();
-    let mut out = Vec::with_capacity(results.len());
-    for (result, spec) in results.iter().zip(&specs) {
-        out.push(response_for(&state, result, spec, latency)?);
+    let mut out = Vec::with_capacity(plan.len());
+    for p in plan {
+        match p {
+            Planned::Answer(v) => out.push(v),
+            Planned::Run(run) => {
+                let spec = &run.1;
+                let f = finished
+                    .next()
+                    .ok_or_else(|| ApiError::internal("the engine returned too few results"))?;
+                out.push(response_for(&state, &f, spec, latency)?);
+            }
+        }
+    }
+    if stream {
+        // SGLang tags each chunk of a batch with its index.
+        if is_batch {
+            for (i, v) in out.iter_mut().enumerate() {
+                v["index"] = Value::from(i);
+            }
+        }
+        return Ok(event_stream(&out));
     }
     if is_batch {
-        Ok(Json(Value::Array(out)))
+        Ok(Json(Value::Array(out)).into_response())
     } else {
         out.pop()
-            .map(Json)
+            .map(|v| Json(v).into_response())
             .ok_or_else(|| ApiError::internal("the engine returned no result"))
     }
 }
 
-/// Validates the body and turns it into engine jobs (one per prompt).
-fn build_jobs(
-    state: &AppState,
-    body: GenerateBody,
-) -> Result<(Vec<Job>, Vec<ResponseSpec>, bool), ApiError> {
-    if body.stream == Some(true) {
-        return Err(ApiError::bad_request(
-            "stream=true is not supported; use stream=false",
-        ));
-    }
-    let (prompts, is_batch) = match (&body.input_ids, &body.text) {
-        (Some(_), Some(_)) => {
-            return Err(ApiError::bad_request(
-                "give either input_ids or text, not both",
-            ))
+/// Screens and parses `sampling_params`: absent, one object, or one per prompt.
+pub fn sampling_bodies(v: Option<&Value>, n: usize) -> Result<Vec<SamplingBody>, ApiError> {
+    match v {
+        None | Some(Value::Null) => Ok(vec![SamplingBody::default(); n]),
+        Some(Value::Array(items)) => {
+            if items.len() != n {
+                return Err(ApiError::bad_request(format!(
+                    "sampling_params has {} entries but the request has {n} prompts",
+                    items.len()
+                )));
+            }
+            items
+                .iter()
+                .enumerate()
+                .map(|(i, item)| {
+                    SAMPLING
+                        .parse(item.clone())
+                        .map_err(|e| e.context(&format!("sampling_params[{i}]")))
+                })
+                .collect()
         }
-        (None, None) => return Err(ApiError::bad_request("missing input_ids (or text)")),
-        (Some(ids), None) => token_prompts(ids, "input_ids")?,
+        Some(one) => Ok(vec![SAMPLING.parse(one.clone())?; n]),
+    }
+}
+
+/// The prompts as token ids, and whether they came as a batch.
+fn prompt_ids(state: &AppState, body: &GenerateBody) -> Result<(Vec<Vec<u32>>, bool), ApiError> {
+    match (&body.input_ids, &body.text) {
+        (Some(_), Some(_)) => Err(ApiError::bad_request(
+            "give either input_ids or text, not both",
+        )),
+        (None, None) => Err(ApiError::bad_request("missing input_ids (or text)")),
+        (Some(ids), None) => token_prompts(ids, "input_ids"),
         (None, Some(text)) => {
             let codec = state.text().ok_or_else(|| {
                 ApiError::bad_request(
@@ -109,74 +180,184 @@ fn build_jobs(
                 .iter()
                 .map(|t| codec.encode(t))
                 .collect::<Result<Vec<_>, _>>()?;
-            (ids, is_batch)
+            Ok((ids, is_batch))
         }
-    };
+    }
+}
+
+/// Validates the body and turns it into engine jobs (one per prompt and sample).
+fn plan(state: &AppState, body: GenerateBody) -> Result<(Vec<Planned>, bool), ApiError> {
+    let (prompts, batch_input) = prompt_ids(state, &body)?;
     let n = prompts.len();
-    state.check_batch_size(n)?;
-    let sampling: Vec<SamplingBody> = per_request(
-        body.sampling_params.as_ref(),
-        "sampling_params",
-        n,
-        SamplingBody::default(),
-    )?;
+    let sampling = sampling_bodies(body.sampling_params.as_ref(), n)?;
+    let samples = sampling
+        .first()
+        .map(SamplingBody::samples)
+        .transpose()?
+        .unwrap_or(1);
+    for (i, s) in sampling.iter().enumerate() {
+        if s.samples()? != samples {
+            return Err(ApiError::bad_request(format!(
+                "sampling_params[{i}].n differs from sampling_params[0].n; give one n for all"
+            )));
+        }
+    }
+    state.check_batch_size(n.saturating_mul(samples))?;
+    let is_batch = batch_input || samples > 1;
     let logprob = per_request(body.return_logprob.as_ref(), "return_logprob", n, false)?;
+    let top = per_request(
+        body.top_logprobs_num.as_ref(),
+        "top_logprobs_num",
+        n,
+        0usize,
+    )?;
+    let prompt_lp = per_request(
+        body.logprob_start_len.as_ref(),
+        "logprob_start_len",
+        n,
+        -1i64,
+    )?;
+    if let Some((_, s)) = logprob
+        .iter()
+        .zip(&prompt_lp)
+        .find(|&(&want, &s)| want && s >= 0)
+    {
+        return Err(ApiError::bad_request(format!(
+            "generate.logprob_start_len = {s}: r3 does not return prompt log-probs (input_token_logprobs); send -1 or null"
+        )));
+    }
+    if let Some(t) = top.iter().find(|&&t| t > MAX_TOP_LOGPROBS) {
+        return Err(ApiError::bad_request(format!(
+            "top_logprobs_num {t} is above r3's limit of {MAX_TOP_LOGPROBS}"
+        )));
+    }
+    let by_default = state.config().return_routed_experts_by_default;
     let routes = per_request(
         body.return_routed_experts.as_ref(),
         "return_routed_experts",
         n,
-        false,
+        by_default,
     )?;
+    let routes: Vec<bool> = routes.into_iter().map(|r| r || by_default).collect();
     let start_len = per_request(
         body.routed_experts_start_len.as_ref(),
         "routed_experts_start_len",
         n,
         0usize,
     )?;
-    let rids: Vec<Option<String>> = per_request(body.rid.as_ref(), "rid", n, None)?;
+    let rids = rids(body.rid.as_ref(), n, samples, is_batch)?;
     let dtype = routes_dtype(state, body.routed_experts_dtype.as_deref())?;
-    if routes.iter().any(|&r| r) && state.summary().layout.moe_layers().is_empty() {
+    let moe = !state.summary().layout.moe_layers().is_empty();
+    if routes.iter().any(|&r| r) && !moe && !by_default {
         return Err(ApiError::bad_request(
             "return_routed_experts: the served model has no MoE layers",
         ));
     }
-    let mut jobs = Vec::with_capacity(n);
-    let mut specs = Vec::with_capacity(n);
-    for (i, input_ids) in prompts.into_iter().enumerate() {
-        let at = |e: ApiError| {
-            if is_batch {
-                e.context(&format!("prompt {i}"))
-            } else {
-                e
+    let mut plan = Vec::with_capacity(n * samples);
+    for k in 0..samples {
+        for (i, input_ids) in prompts.iter().enumerate() {
+            let at = |e: ApiError| {
+                if is_batch {
+                    e.context(&format!("prompt {i}"))
+                } else {
+                    e
+                }
+            };
+            state.check_prompt(input_ids, "input_ids").map_err(at)?;
+            let (params, text, stop) = state
+                .prepare(&sampling[i], input_ids.len(), k)
+                .map_err(at)?;
+            let rid = rids[k * n + i].clone().unwrap_or_else(|| state.next_rid());
+            if start_len[i] > input_ids.len() {
+                plan.push(Planned::Answer(start_past_prompt(
+                    &rid,
+                    start_len[i],
+                    input_ids.len(),
+                    state.handle().stats().weight_version,
+                )));
+                continue;
             }
-        };
-        state.check_prompt(&input_ids, "input_ids").map_err(at)?;
-        let sampling = state.sampling_params(&sampling[i]).map_err(at)?;
-        if start_len[i] > input_ids.len() {
-            return Err(at(ApiError::bad_request(format!(
-                "routed_experts_start_len {} is past the end of the {}-token prompt",
-                start_len[i],
-                input_ids.len()
-            ))));
+            let return_routes = routes[i] && moe;
+            let mut params = params;
+            params.top_logprobs = top[i];
+            let spec = ResponseSpec {
+                rid: rid.clone(),
+                return_logprob: logprob[i],
+                top_logprobs: top[i],
+                text_in_logprobs: body.return_text_in_logprobs.unwrap_or(false),
+                return_routes,
+                dtype,
+                text,
+            };
+            let job = Job {
+                rid,
+                request: GenerateRequest {
+                    input_ids: input_ids.clone(),
+                    sampling: params,
+                    return_routes,
+                    routed_experts_start_len: start_len[i],
+                },
+                stop,
+            };
+            plan.push(Planned::Run(Box::new((job, spec))));
         }
-        let rid = rids[i].clone().unwrap_or_else(|| state.next_rid());
-        specs.push(ResponseSpec {
-            rid: rid.clone(),
-            return_logprob: logprob[i],
-            return_routes: routes[i],
-            dtype,
-        });
-        jobs.push(Job {
-            rid,
-            request: GenerateRequest {
-                input_ids,
-                sampling,
-                return_routes: routes[i],
-                routed_experts_start_len: start_len[i],
-            },
-        });
     }
-    Ok((jobs, specs, is_batch))
+    Ok((plan, is_batch))
+}
+
+/// Client rids per expanded request (`samples` rounds of `n` prompts), as SGLang expands
+/// them: one string for a batch becomes `rid_j`; a list (one per prompt) gets `_k` for
+/// sample `k > 0`.
+fn rids(
+    v: Option<&Value>,
+    n: usize,
+    samples: usize,
+    is_batch: bool,
+) -> Result<Vec<Option<String>>, ApiError> {
+    let total = n * samples;
+    match v {
+        None | Some(Value::Null) => Ok(vec![None; total]),
+        Some(Value::String(s)) if !is_batch => Ok(vec![Some(s.clone())]),
+        Some(Value::String(s)) => Ok((0..total).map(|j| Some(format!("{s}_{j}"))).collect()),
+        Some(list) => {
+            let per: Vec<Option<String>> = per_request(Some(list), "rid", n, None)?;
+            Ok((0..samples)
+                .flat_map(|k| {
+                    per.iter().map(move |r| {
+                        r.as_ref().map(|r| {
+                            if k == 0 {
+                                r.clone()
+                            } else {
+                                format!("{r}_{k}")
+                            }
+                        })
+                    })
+                })
+                .collect())
+        }
+    }
+}
+
+/// SGLang's answer when `routed_experts_start_len` is past the prompt: 200, nothing
+/// generated, finish reason `abort` with a message.
+fn start_past_prompt(rid: &str, start: usize, prompt: usize, weight_version: String) -> Value {
+    json!({
+        "output_ids": [],
+        "text": "",
+        "meta_info": {
+            "id": rid,
+            "finish_reason": {
+                "type": "abort",
+                "message": format!(
+                    "routed_experts_start_len {start} is past the end of the {prompt}-token prompt"
+                ),
+            },
+            "prompt_tokens": prompt,
+            "completion_tokens": 0,
+            "cached_tokens": 0,
+            "weight_version": weight_version,
+        },
+    })
 }
 
 /// The wire dtype asked for, checked against SGLang's set and the model's expert count.
@@ -203,29 +384,40 @@ fn routes_dtype(state: &AppState, name: Option<&str>) -> Result<WireDtype, ApiEr
 }
 
 /// SGLang's `finish_reason` object.
-pub fn sglang_finish_reason(finish: &FinishReason, completion_tokens: usize) -> Value {
-    match finish {
-        FinishReason::Length => json!({"type": "length", "length": completion_tokens}),
+pub fn sglang_finish_reason(f: &Finished) -> Value {
+    let completion = f.result.output_ids.len();
+    match f.result.finish {
+        FinishReason::Length => json!({"type": "length", "length": completion}),
         FinishReason::Stop { token } => json!({"type": "stop", "matched": token}),
+        FinishReason::StopString => json!({"type": "stop", "matched": f.matched_stop}),
         FinishReason::Abort => json!({"type": "abort", "message": "aborted by request"}),
     }
+}
+
+/// `[logprob, token id, text or null]`, SGLang's log-prob entry.
+fn logprob_entry(state: &AppState, lp: f32, id: u32, with_text: bool) -> Value {
+    let text = match (with_text, state.text()) {
+        (true, Some(codec)) => Value::String(codec.decode(&[id], false).unwrap_or_default()),
+        _ => Value::Null,
+    };
+    json!([lp, id, text])
 }
 
 /// One response object.
 fn response_for(
     state: &AppState,
-    r: &GenerateResult,
+    f: &Finished,
     spec: &ResponseSpec,
     latency: f64,
 ) -> Result<Value, ApiError> {
-    let completion = r.output_ids.len();
+    let r = &f.result;
     let mut meta = json!({
         "id": spec.rid,
-        "finish_reason": sglang_finish_reason(&r.finish, completion),
+        "finish_reason": sglang_finish_reason(f),
         "prompt_tokens": r.prompt_tokens,
-        "completion_tokens": completion,
+        "completion_tokens": r.output_ids.len(),
         "cached_tokens": r.cached_tokens,
-        "weight_version": r.weight_version,
+        "weight_version": f.weight_version,
         "e2e_latency": latency,
     });
     if spec.return_logprob {
@@ -233,36 +425,63 @@ fn response_for(
             .output_logprobs
             .iter()
             .zip(&r.output_ids)
-            .map(|(lp, id)| json!([lp, id, null]))
+            .map(|(&lp, &id)| logprob_entry(state, lp, id, spec.text_in_logprobs))
             .collect();
         meta["output_token_logprobs"] = Value::Array(lps);
+        meta["input_token_logprobs"] = json!([]);
+        if spec.top_logprobs > 0 {
+            let tops: Vec<Value> = r
+                .output_top_logprobs
+                .iter()
+                .map(|pos| {
+                    Value::Array(
+                        pos.iter()
+                            .map(|&(id, lp)| logprob_entry(state, lp, id, spec.text_in_logprobs))
+                            .collect(),
+                    )
+                })
+                .collect();
+            meta["output_top_logprobs"] = Value::Array(tops);
+        }
     }
     if spec.return_routes {
-        let Some(table) = r.routes.as_ref() else {
-            if r.finish == FinishReason::Abort {
-                // Aborted before any position was captured.
-                meta["routed_experts"] = Value::Null;
-                return finish_response(state, r, meta);
-            }
-            return Err(ApiError::internal(
-                "the engine returned no routes although asked to",
-            ));
-        };
-        let layout = &state.summary().layout;
-        let b64 = encode_sglang(table, spec.dtype, layout.num_hidden_layers(), Some(layout))
-            .map_err(|e| ApiError::internal(format!("encoding routed_experts: {e}")))?;
-        meta["routed_experts"] = Value::String(b64);
-        meta["routed_experts_dtype"] = Value::String(spec.dtype.name().to_string());
-        meta["routed_experts_start_len"] = json!(table.start_pos());
+        routes_meta(state, r, spec, &mut meta)?;
     }
-    finish_response(state, r, meta)
-}
-
-/// `{"output_ids", "meta_info", "text"?}`.
-fn finish_response(state: &AppState, r: &GenerateResult, meta: Value) -> Result<Value, ApiError> {
     let mut out = json!({"output_ids": r.output_ids, "meta_info": meta});
     if let Some(codec) = state.text() {
-        out["text"] = Value::String(codec.decode(&r.output_ids)?);
+        out["text"] = Value::String(response_text(
+            codec,
+            &r.output_ids,
+            &r.finish,
+            f.matched_stop.as_deref(),
+            &spec.text,
+        )?);
     }
     Ok(out)
+}
+
+/// `routed_experts` (base64), its dtype and start in `meta`.
+fn routes_meta(
+    state: &AppState,
+    r: &GenerateResult,
+    spec: &ResponseSpec,
+    meta: &mut Value,
+) -> Result<(), ApiError> {
+    let Some(table) = r.routes.as_ref() else {
+        if r.finish == FinishReason::Abort {
+            // Aborted before any position was captured.
+            meta["routed_experts"] = Value::Null;
+            return Ok(());
+        }
+        return Err(ApiError::internal(
+            "the engine returned no routes although asked to",
+        ));
+    };
+    let layout = &state.summary().layout;
+    let b64 = encode_sglang(table, spec.dtype, layout.num_hidden_layers(), Some(layout))
+        .map_err(|e| ApiError::internal(format!("encoding routed_experts: {e}")))?;
+    meta["routed_experts"] = Value::String(b64);
+    meta["routed_experts_dtype"] = Value::String(spec.dtype.name().to_string());
+    meta["routed_experts_start_len"] = json!(table.start_pos());
+    Ok(())
 }

@@ -1,8 +1,13 @@
-//! The HTTP server (axum + tokio): SGLang's native `/generate`, an OpenAI-style
-//! `/v1/completions`, `/health`, `/get_model_info`, `/get_server_info`,
-//! `/update_weights_from_disk` and `/abort_request`.
+//! The HTTP server (axum + tokio), a drop-in SGLang worker for RL rollout clients: SGLang's
+//! native `/generate`, OpenAI `/v1/completions` and `/v1/models` (`/v1/chat/completions`: a
+//! clear 400, no chat templates), and the control endpoints
+//! RL loops call (`/update_weights_from_disk`, `/pause_generation`, `/continue_generation`,
+//! `/flush_cache`, `/abort_request`, `/health`, `/health_generate`, `/get_weight_version`,
+//! `/get_model_info` = `/model_info`, `/get_server_info` = `/server_info`, `/v1/loads`).
 //!
-//! Handlers validate requests (every bad field gets a 4xx naming it) and send jobs to one
+//! Request bodies follow the field policy of [`policy`]: implemented fields take effect,
+//! unimplemented ones are accepted at neutral values, unknown ones are ignored. Handlers
+//! validate requests (every bad field gets a 4xx naming it) and send jobs to one
 //! engine worker thread ([`worker`]) that batches all clients together (continuous batching)
 //! and answers each through a oneshot channel. The engine sits behind the small
 //! [`InferenceBackend`] trait, so the HTTP layer is tested with a fake engine too.
@@ -16,7 +21,10 @@ pub mod completions;
 pub mod error;
 pub mod fields;
 pub mod generate;
+pub mod policy;
 pub mod sampling;
+pub mod sse;
+pub mod stop;
 pub mod text;
 pub mod worker;
 
@@ -35,10 +43,11 @@ use axum::Router;
 pub use backend::{InferenceBackend, ModelSummary};
 pub use error::ApiError;
 pub use text::TextCodec;
-pub use worker::{EngineHandle, Job, WorkerStats};
+pub use worker::{EngineHandle, Finished, Job, PauseMode, WorkerStats};
 
 use crate::sampler::SamplingParams;
-use sampling::SamplingBody;
+use sampling::{ParamContext, SamplingBody};
+use stop::{StopMatcher, TextOptions};
 
 /// Size limits that protect the server from oversize requests.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -71,8 +80,13 @@ pub struct ServerConfig {
     pub limits: ServerLimits,
     /// Base of the seeds given to requests that carry none.
     pub seed: u64,
-    /// Name reported as the model (`/get_model_info`, OpenAI `model`), e.g. the model dir.
+    /// The model directory (`model_path` of `/get_model_info`).
     pub model_name: String,
+    /// Name reported as the OpenAI `model` and by `/v1/models`.
+    pub served_model_name: String,
+    /// Return routed experts for every `/generate` request, as if each asked for them
+    /// (sglang-router drops the per-request flag but passes `meta_info` through).
+    pub return_routed_experts_by_default: bool,
 }
 
 /// State shared by all handlers.
@@ -82,7 +96,7 @@ pub struct AppState(Arc<Shared>);
 struct Shared {
     handle: EngineHandle,
     summary: ModelSummary,
-    text: Option<TextCodec>,
+    text: Option<Arc<TextCodec>>,
     config: ServerConfig,
     /// Seedless requests so far (their seed is `config.seed + this`).
     next_seed: AtomicU64,
@@ -103,7 +117,12 @@ impl AppState {
 
     /// The tokenizer, when the model directory has one.
     pub fn text(&self) -> Option<&TextCodec> {
-        self.0.text.as_ref()
+        self.0.text.as_deref()
+    }
+
+    /// The server settings.
+    pub fn config(&self) -> &ServerConfig {
+        &self.0.config
     }
 
     /// Request limits.
@@ -167,15 +186,37 @@ impl AppState {
         Ok(())
     }
 
-    /// The engine's sampling parameters for a client's, with the server's limits and seeds.
-    pub fn sampling_params(&self, body: &SamplingBody) -> Result<SamplingParams, ApiError> {
+    /// The engine's sampling parameters and the text options for one sample of a client's
+    /// request: the server's limits, the prompt's context left, and a seed (`seed + sample`
+    /// when the client gave one, a fresh server seed otherwise).
+    pub fn prepare(
+        &self,
+        body: &SamplingBody,
+        prompt_len: usize,
+        sample: usize,
+    ) -> Result<(SamplingParams, TextOptions, Option<StopMatcher>), ApiError> {
         let s = self.summary();
-        let seed = if body.seed.is_some() || body.sampling_seed.is_some() {
-            0
-        } else {
-            self.next_seed()
+        let ctx = ParamContext {
+            limits: self.limits(),
+            vocab_size: s.vocab_size,
+            max_position_embeddings: s.max_position_embeddings,
+            eos: &s.eos_token_ids,
+            prompt_len,
+            default_seed: if body.has_seed() { 0 } else { self.next_seed() },
         };
-        body.to_params(self.limits(), s.vocab_size, &s.eos_token_ids, seed)
+        let (mut params, text) = body.to_params(&ctx)?;
+        if body.has_seed() {
+            params.seed = params.seed.wrapping_add(sample as u64);
+        }
+        let stop =
+            match (&self.0.text, text.stop.is_empty()) {
+                (_, true) => None,
+                (Some(codec), false) => StopMatcher::new(Arc::clone(codec), &text),
+                (None, false) => return Err(ApiError::bad_request(
+                    "stop strings need a tokenizer.json in the model directory; use stop_token_ids",
+                )),
+            };
+        Ok((params, text, stop))
     }
 }
 
@@ -214,19 +255,32 @@ pub fn build_app<B: InferenceBackend>(
     let state = AppState(Arc::new(Shared {
         handle: handle.clone(),
         summary,
-        text,
+        text: text.map(Arc::new),
         config,
         next_seed: AtomicU64::new(0),
         next_rid: AtomicU64::new(0),
     }));
     let router = Router::new()
         .route("/health", get(admin::health).post(admin::health))
+        .route("/health_generate", get(admin::health_generate))
         .route("/get_model_info", get(admin::model_info))
+        .route("/model_info", get(admin::model_info))
         .route("/get_server_info", get(admin::server_info))
+        .route("/server_info", get(admin::server_info))
+        .route("/get_weight_version", get(admin::weight_version))
+        .route("/v1/models", get(admin::models))
+        .route("/v1/loads", get(admin::loads))
         .route("/generate", post(generate::handle))
         .route("/v1/completions", post(completions::handle))
+        .route("/v1/chat/completions", post(completions::chat))
         .route("/update_weights_from_disk", post(admin::update_weights))
         .route("/abort_request", post(admin::abort))
+        .route("/pause_generation", post(admin::pause))
+        .route("/continue_generation", post(admin::resume))
+        .route(
+            "/flush_cache",
+            get(admin::flush_cache).post(admin::flush_cache),
+        )
         .fallback(|| async { ApiError::not_found("no such endpoint") })
         .layer(DefaultBodyLimit::max(body_limit))
         .with_state(state);

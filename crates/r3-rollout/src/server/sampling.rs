@@ -1,15 +1,25 @@
 //! Sampling parameters as clients send them (SGLang `sampling_params`, OpenAI fields) and
-//! their checked conversion to the engine's [`SamplingParams`], with the server's limits.
+//! their checked conversion to the engine's [`SamplingParams`] plus the server-side text
+//! options (stop strings, trimming, special tokens), with the server's limits.
+//!
+//! `max_new_tokens` rule: the engine generates at most
+//! `min(max_new_tokens, server --max-new-tokens, max_position_embeddings - prompt tokens)`
+//! tokens; a request that asks for more is clipped, not refused, and ends with
+//! `finish_reason: length` when it reaches the clipped budget.
+
+use std::collections::BTreeMap;
 
 use serde::Deserialize;
+use serde_json::Value;
 
 use super::error::ApiError;
+use super::stop::TextOptions;
 use super::ServerLimits;
 use crate::sampler::SamplingParams;
 
-/// SGLang's `sampling_params` object (fields not listed are refused by name).
+/// SGLang's `sampling_params` object, implemented fields only (the rest is screened by
+/// [`super::policy::SAMPLING`]).
 #[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct SamplingBody {
     /// Softmax temperature (default 1; 0 = greedy).
     pub temperature: Option<f32>,
@@ -17,79 +27,133 @@ pub struct SamplingBody {
     pub top_p: Option<f32>,
     /// Top-k cut; -1 or 0 = off (SGLang uses -1).
     pub top_k: Option<i64>,
+    /// Drop tokens below `min_p` × the top probability (default 0 = off).
+    pub min_p: Option<f32>,
     /// Tokens to generate at most (default: the server's `default_max_new_tokens`).
     pub max_new_tokens: Option<usize>,
+    /// Stop ids cannot be sampled before this many tokens.
+    pub min_new_tokens: Option<usize>,
     /// Generation stops after one of these ids (it is part of the output).
     pub stop_token_ids: Option<Vec<u32>>,
+    /// Generation stops once the output text contains one of these strings.
+    pub stop: Option<Value>,
+    /// Keep the matched stop string (or stop token) in the returned text.
+    pub no_stop_trim: Option<bool>,
     /// Do not stop at the model's `eos_token_id`.
     pub ignore_eos: Option<bool>,
+    /// `l -= frequency_penalty × count in output` (in [-2, 2]).
+    pub frequency_penalty: Option<f32>,
+    /// `l -= presence_penalty` for tokens in the output (in [-2, 2]).
+    pub presence_penalty: Option<f32>,
+    /// Divides positive / multiplies negative logits of seen tokens (in (0, 2], 1 = off).
+    pub repetition_penalty: Option<f32>,
+    /// Token id (as a string, OpenAI style) -> bias added to its logit.
+    pub logit_bias: Option<BTreeMap<String, f32>>,
+    /// Samples per prompt (default 1).
+    pub n: Option<usize>,
     /// Seed of this request's sampler (default: derived from the server seed).
     pub seed: Option<u64>,
     /// SGLang's name for `seed`.
     pub sampling_seed: Option<u64>,
-    /// Accepted for compatibility; only `true` (the default) is supported.
+    /// Skip special tokens when decoding text (default true).
     pub skip_special_tokens: Option<bool>,
 }
 
+/// What a conversion needs to know besides the body.
+#[derive(Debug, Clone, Copy)]
+pub struct ParamContext<'a> {
+    /// The server's limits.
+    pub limits: &'a ServerLimits,
+    /// Token ids must be below this.
+    pub vocab_size: usize,
+    /// The model's context.
+    pub max_position_embeddings: usize,
+    /// `eos_token_id`(s), added to the stop ids unless `ignore_eos`.
+    pub eos: &'a [u32],
+    /// Prompt length (the context left bounds `max_new_tokens`).
+    pub prompt_len: usize,
+    /// Seed used when the body gives none.
+    pub default_seed: u64,
+}
+
 impl SamplingBody {
-    /// Checks every field against the limits and the model; `eos` joins the stop ids unless
-    /// `ignore_eos`. Errors name the field.
+    /// Samples per prompt asked for (`n`, default 1; 0 is refused).
+    pub fn samples(&self) -> Result<usize, ApiError> {
+        match self.n {
+            None => Ok(1),
+            Some(0) => Err(ApiError::bad_request("n must be at least 1")),
+            Some(n) => Ok(n),
+        }
+    }
+
+    /// Whether a seed was given.
+    pub fn has_seed(&self) -> bool {
+        self.seed.is_some() || self.sampling_seed.is_some()
+    }
+
+    /// Checks every field against the limits and the model; errors name the field.
     pub fn to_params(
         &self,
-        limits: &ServerLimits,
-        vocab_size: usize,
-        eos: &[u32],
-        default_seed: u64,
-    ) -> Result<SamplingParams, ApiError> {
+        ctx: &ParamContext<'_>,
+    ) -> Result<(SamplingParams, TextOptions), ApiError> {
         let temperature = self.temperature.unwrap_or(1.0);
-        if !(temperature.is_finite() && temperature >= 0.0) {
-            return Err(ApiError::bad_request(format!(
-                "temperature must be a finite number >= 0, got {temperature}"
-            )));
-        }
         let top_p = self.top_p.unwrap_or(1.0);
-        if !(top_p > 0.0 && top_p <= 1.0) {
-            return Err(ApiError::bad_request(format!(
-                "top_p must be in (0, 1], got {top_p}"
-            )));
-        }
         let top_k = match self.top_k {
             None | Some(-1) | Some(0) => 0,
-            Some(k) if k > 0 => usize::try_from(k)
-                .map_err(|_| ApiError::bad_request(format!("top_k {k} is too large")))?,
+            Some(k) if k > 0 => usize::try_from(k).unwrap_or(usize::MAX),
             Some(k) => {
                 return Err(ApiError::bad_request(format!(
                     "top_k must be -1 (off) or a positive count, got {k}"
                 )))
             }
         };
-        let max_new_tokens = self.max_new_tokens.unwrap_or(limits.default_max_new_tokens);
-        if max_new_tokens == 0 {
-            return Err(ApiError::bad_request("max_new_tokens must be at least 1"));
+        let requested = self
+            .max_new_tokens
+            .unwrap_or(ctx.limits.default_max_new_tokens);
+        if requested == 0 {
+            return Err(ApiError::bad_request(
+                "max_new_tokens must be at least 1 (r3 does not return prompt-only results)",
+            ));
         }
-        if max_new_tokens > limits.max_new_tokens {
-            return Err(ApiError::bad_request(format!(
-                "max_new_tokens {max_new_tokens} exceeds the server limit {}",
-                limits.max_new_tokens
-            )));
-        }
+        let room = ctx
+            .max_position_embeddings
+            .saturating_sub(ctx.prompt_len)
+            .max(1);
+        let max_new_tokens = requested.min(ctx.limits.max_new_tokens).min(room);
+        let min_new_tokens = self.min_new_tokens.unwrap_or(0).min(max_new_tokens);
         let mut stop_token_ids = self.stop_token_ids.clone().unwrap_or_default();
-        if let Some(t) = stop_token_ids.iter().find(|&&t| t as usize >= vocab_size) {
+        if let Some(t) = stop_token_ids
+            .iter()
+            .find(|&&t| t as usize >= ctx.vocab_size)
+        {
             return Err(ApiError::bad_request(format!(
-                "stop_token_ids contains {t}, which is not below the vocabulary size {vocab_size}"
+                "stop_token_ids contains {t}, which is not below the vocabulary size {}",
+                ctx.vocab_size
             )));
         }
         if !self.ignore_eos.unwrap_or(false) {
-            for &e in eos {
+            for &e in ctx.eos {
                 if !stop_token_ids.contains(&e) {
                     stop_token_ids.push(e);
                 }
             }
         }
-        if self.skip_special_tokens == Some(false) {
-            return Err(ApiError::bad_request(
-                "skip_special_tokens=false is not supported (special tokens are always skipped in text)",
-            ));
+        let mut logit_bias = Vec::new();
+        for (key, &bias) in self.logit_bias.iter().flatten() {
+            let t = key
+                .trim()
+                .parse::<u32>()
+                .ok()
+                .filter(|&t| (t as usize) < ctx.vocab_size)
+                .ok_or_else(|| {
+                    ApiError::bad_request(format!(
+                        "logit_bias key {key:?} is not a token id below the vocabulary size {}",
+                        ctx.vocab_size
+                    ))
+                })?;
+            if bias != 0.0 {
+                logit_bias.push((t, bias));
+            }
         }
         let seed = match (self.seed, self.sampling_seed) {
             (Some(a), Some(b)) if a != b => {
@@ -98,22 +162,62 @@ impl SamplingBody {
                 )))
             }
             (Some(s), _) | (None, Some(s)) => s,
-            (None, None) => default_seed,
+            (None, None) => ctx.default_seed,
         };
-        Ok(SamplingParams {
+        let params = SamplingParams {
             temperature,
             top_p,
             top_k,
             max_new_tokens,
             stop_token_ids,
             seed,
-        })
+            min_p: self.min_p.unwrap_or(0.0),
+            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+            presence_penalty: self.presence_penalty.unwrap_or(0.0),
+            repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
+            min_new_tokens,
+            logit_bias,
+            top_logprobs: 0,
+        };
+        params
+            .validate()
+            .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        let text = TextOptions {
+            stop: stop_strings(self.stop.as_ref())?,
+            no_stop_trim: self.no_stop_trim.unwrap_or(false),
+            skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
+        };
+        Ok((params, text))
     }
+}
+
+/// `stop`: null, one string or a list of strings (empty strings dropped).
+fn stop_strings(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
+    let list = match v {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => items
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                s.as_str().map(str::to_owned).ok_or_else(|| {
+                    ApiError::bad_request(format!("stop[{i}] must be a string, got {s}"))
+                })
+            })
+            .collect::<Result<_, _>>()?,
+        Some(other) => {
+            return Err(ApiError::bad_request(format!(
+                "stop must be a string or a list of strings, got {other}"
+            )))
+        }
+    };
+    Ok(list.into_iter().filter(|s| !s.is_empty()).collect())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn limits() -> ServerLimits {
         ServerLimits {
@@ -123,11 +227,22 @@ mod tests {
         }
     }
 
+    fn convert(body: &SamplingBody, prompt_len: usize) -> Result<SamplingParams, ApiError> {
+        let l = limits();
+        let ctx = ParamContext {
+            limits: &l,
+            vocab_size: 10,
+            max_position_embeddings: 64,
+            eos: &[2],
+            prompt_len,
+            default_seed: 7,
+        };
+        body.to_params(&ctx).map(|p| p.0)
+    }
+
     #[test]
     fn defaults_and_eos() {
-        let p = SamplingBody::default()
-            .to_params(&limits(), 10, &[2], 7)
-            .expect("valid");
+        let p = convert(&SamplingBody::default(), 4).expect("valid");
         assert_eq!((p.temperature, p.top_p, p.top_k), (1.0, 1.0, 0));
         assert_eq!((p.max_new_tokens, p.seed), (16, 7));
         assert_eq!(p.stop_token_ids, vec![2]);
@@ -136,67 +251,91 @@ mod tests {
             top_k: Some(-1),
             ..Default::default()
         };
-        let p = body.to_params(&limits(), 10, &[2], 7).expect("valid");
+        let p = convert(&body, 4).expect("valid");
         assert!(p.stop_token_ids.is_empty());
         assert_eq!(p.top_k, 0);
     }
 
     #[test]
+    fn max_new_tokens_is_clipped_to_the_limit_and_the_context() {
+        let ask = |n: usize, prompt: usize| {
+            let body = SamplingBody {
+                max_new_tokens: Some(n),
+                min_new_tokens: Some(n),
+                ..Default::default()
+            };
+            let p = convert(&body, prompt).expect("clipped, not refused");
+            (p.max_new_tokens, p.min_new_tokens)
+        };
+        assert_eq!(ask(10, 4), (10, 10));
+        // AReaL's default 16384 with a 4-token prompt: the 64-token context leaves 60.
+        assert_eq!(ask(16384, 4), (60, 60));
+        let l = ServerLimits {
+            max_new_tokens: 8,
+            ..limits()
+        };
+        let ctx = ParamContext {
+            limits: &l,
+            vocab_size: 10,
+            max_position_embeddings: 64,
+            eos: &[],
+            prompt_len: 4,
+            default_seed: 0,
+        };
+        let body = SamplingBody {
+            max_new_tokens: Some(50),
+            ..Default::default()
+        };
+        // The server limit (8) binds before the context (60) does.
+        assert_eq!(body.to_params(&ctx).expect("clipped").0.max_new_tokens, 8);
+    }
+
+    #[test]
+    fn sampling_fields_reach_the_engine() {
+        let body: SamplingBody = serde_json::from_value(json!({
+            "min_p": 0.1, "frequency_penalty": 0.5, "presence_penalty": -0.5,
+            "repetition_penalty": 1.2, "logit_bias": {"3": 1.5, "4": 0.0},
+            "stop": ["a", ""], "no_stop_trim": true, "skip_special_tokens": false,
+        }))
+        .expect("body");
+        let l = limits();
+        let ctx = ParamContext {
+            limits: &l,
+            vocab_size: 10,
+            max_position_embeddings: 64,
+            eos: &[],
+            prompt_len: 1,
+            default_seed: 0,
+        };
+        let (p, text) = body.to_params(&ctx).expect("valid");
+        assert_eq!(
+            (p.min_p, p.frequency_penalty, p.presence_penalty),
+            (0.1, 0.5, -0.5)
+        );
+        assert_eq!(p.repetition_penalty, 1.2);
+        assert_eq!(p.logit_bias, vec![(3, 1.5)]);
+        assert_eq!(text.stop, vec!["a".to_string()]);
+        assert!(text.no_stop_trim && !text.skip_special_tokens);
+    }
+
+    #[test]
     fn each_bad_field_is_named() {
         let cases = [
-            (
-                SamplingBody {
-                    temperature: Some(-1.0),
-                    ..Default::default()
-                },
-                "temperature",
-            ),
-            (
-                SamplingBody {
-                    top_p: Some(0.0),
-                    ..Default::default()
-                },
-                "top_p",
-            ),
-            (
-                SamplingBody {
-                    top_k: Some(-3),
-                    ..Default::default()
-                },
-                "top_k",
-            ),
-            (
-                SamplingBody {
-                    max_new_tokens: Some(0),
-                    ..Default::default()
-                },
-                "max_new_tokens",
-            ),
-            (
-                SamplingBody {
-                    max_new_tokens: Some(101),
-                    ..Default::default()
-                },
-                "server limit",
-            ),
-            (
-                SamplingBody {
-                    stop_token_ids: Some(vec![10]),
-                    ..Default::default()
-                },
-                "stop_token_ids",
-            ),
-            (
-                SamplingBody {
-                    seed: Some(1),
-                    sampling_seed: Some(2),
-                    ..Default::default()
-                },
-                "disagree",
-            ),
+            (json!({"temperature": -1.0}), "temperature"),
+            (json!({"top_p": 0.0}), "top_p"),
+            (json!({"top_k": -3}), "top_k"),
+            (json!({"max_new_tokens": 0}), "max_new_tokens"),
+            (json!({"stop_token_ids": [10]}), "stop_token_ids"),
+            (json!({"seed": 1, "sampling_seed": 2}), "disagree"),
+            (json!({"min_p": 2.0}), "min_p"),
+            (json!({"frequency_penalty": 3.0}), "frequency_penalty"),
+            (json!({"repetition_penalty": 0.0}), "repetition_penalty"),
+            (json!({"logit_bias": {"x": 1.0}}), "logit_bias"),
+            (json!({"stop": [1]}), "stop[0]"),
         ];
         for (body, needle) in cases {
-            let err = body.to_params(&limits(), 10, &[], 0).expect_err("invalid");
+            let body: SamplingBody = serde_json::from_value(body).expect("body");
+            let err = convert(&body, 1).expect_err("invalid");
             assert!(err.status.is_client_error());
             assert!(
                 err.message.contains(needle),

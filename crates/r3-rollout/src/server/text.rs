@@ -39,11 +39,16 @@ impl TextCodec {
         Ok(enc.get_ids().to_vec())
     }
 
-    /// Text of `ids`, special tokens skipped.
-    pub fn decode(&self, ids: &[u32]) -> Result<String, ApiError> {
+    /// Text of `ids`, special tokens skipped or kept.
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, ApiError> {
         self.tokenizer
-            .decode(ids, true)
+            .decode(ids, skip_special_tokens)
             .map_err(|e| ApiError::internal(format!("cannot decode output ids: {e}")))
+    }
+
+    /// Builds a codec from an already loaded tokenizer.
+    pub fn from_tokenizer(tokenizer: Tokenizer) -> Self {
+        TextCodec { tokenizer }
     }
 
     /// The string of one token id (for OpenAI `logprobs.tokens`).

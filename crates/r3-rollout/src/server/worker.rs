@@ -1,6 +1,8 @@
 //! The engine worker: one thread owns the backend and runs continuous batching. HTTP
 //! handlers send it commands over a channel and wait on a oneshot for the answer; requests
-//! that arrive while a step runs join the batch at the next step.
+//! that arrive while a step runs join the batch at the next step. After every step the worker
+//! checks running requests against their stop strings. While paused
+//! (`/pause_generation`) it takes commands and queues requests but runs no step.
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -13,9 +15,13 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::backend::{InferenceBackend, ModelSummary};
 use super::error::ApiError;
+use super::stop::StopMatcher;
 use crate::error::RolloutError;
 use crate::prefix_cache::PrefixCacheStats;
 use crate::request::{FinishReason, GenerateRequest, GenerateResult, PartialRollout, RequestId};
+
+/// Weight version label before the first update (SGLang's default).
+pub const INITIAL_WEIGHT_VERSION: &str = "default";
 
 /// One request of a batch, with the id clients use to abort it.
 #[derive(Debug, Clone)]
@@ -24,10 +30,34 @@ pub struct Job {
     pub rid: String,
     /// What to generate.
     pub request: GenerateRequest,
+    /// The request's stop strings, if it has any.
+    pub stop: Option<StopMatcher>,
+}
+
+/// A finished job as the worker hands it back.
+#[derive(Debug, Clone)]
+pub struct Finished {
+    /// The engine's result.
+    pub result: GenerateResult,
+    /// The stop string that ended it (finish reason `StopString`).
+    pub matched_stop: Option<String>,
+    /// Weight version label when it finished (`meta_info.weight_version`).
+    pub weight_version: String,
+}
+
+/// How `/pause_generation` treats requests in flight (SGLang's modes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PauseMode {
+    /// Abort them: their clients get the partial output with finish reason `abort`.
+    Abort,
+    /// Keep them where they are; they continue after `/continue_generation`.
+    InPlace,
+    /// Keep them queued; r3's engine resumes them from their state, like `InPlace`.
+    Retract,
 }
 
 /// Answer to a batch: one result per job, in job order.
-type BatchReply = oneshot::Sender<Result<Vec<GenerateResult>, ApiError>>;
+type BatchReply = oneshot::Sender<Result<Vec<Finished>, ApiError>>;
 
 /// What handlers ask the worker to do.
 enum Command {
@@ -38,15 +68,26 @@ enum Command {
     UpdateWeights {
         dir: PathBuf,
         abort_all: bool,
-        reply: oneshot::Sender<Result<u64, ApiError>>,
+        label: Option<String>,
+        reply: oneshot::Sender<Result<String, ApiError>>,
     },
     Abort {
         rid: Option<String>,
         reply: oneshot::Sender<usize>,
     },
+    Pause {
+        mode: PauseMode,
+        reply: oneshot::Sender<usize>,
+    },
+    Continue {
+        reply: oneshot::Sender<()>,
+    },
+    FlushCache {
+        reply: oneshot::Sender<usize>,
+    },
 }
 
-/// Counters of the worker (served at `/get_server_info`).
+/// Counters of the worker (served at `/get_server_info` and `/v1/loads`).
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct WorkerStats {
     /// Engine steps run.
@@ -57,8 +98,14 @@ pub struct WorkerStats {
     pub max_batch_in_flight: usize,
     /// Sum over steps of the requests in flight (mean batch = this / steps).
     pub sum_batch_in_flight: u64,
-    /// Weight version of the backend.
-    pub weight_version: u64,
+    /// Weight version label (the last update's `weight_version`, else its number).
+    pub weight_version: String,
+    /// Requests queued for admission.
+    pub waiting: usize,
+    /// Requests running.
+    pub running: usize,
+    /// Whether generation is paused.
+    pub paused: bool,
     /// Prefix cache counters of the backend, if it has a cache.
     pub prefix_cache: Option<PrefixCacheStats>,
 }
@@ -70,21 +117,30 @@ pub struct EngineHandle {
     stats: Arc<Mutex<WorkerStats>>,
 }
 
+/// One open request of a client batch.
+struct Slot {
+    batch: u64,
+    index: usize,
+    stop: Option<StopMatcher>,
+}
+
 /// The worker's bookkeeping of which engine request belongs to which client batch.
-#[derive(Default)]
 struct Book {
     /// Open batches by batch number.
     batches: HashMap<u64, Batch>,
-    /// Engine request id -> (batch number, index in the batch).
-    slots: HashMap<RequestId, (u64, usize)>,
+    /// Engine request id -> its place.
+    slots: HashMap<RequestId, Slot>,
     /// Client rid -> engine request id (for `/abort_request`).
     by_rid: HashMap<String, RequestId>,
     next_batch: u64,
+    paused: bool,
+    label: String,
+    stats: Arc<Mutex<WorkerStats>>,
 }
 
 /// A client batch waiting for its results.
 struct Batch {
-    results: Vec<Option<GenerateResult>>,
+    results: Vec<Option<Finished>>,
     ids: Vec<RequestId>,
     rids: Vec<String>,
     reply: BatchReply,
@@ -97,27 +153,45 @@ impl EngineHandle {
     ) -> std::io::Result<(EngineHandle, ModelSummary, JoinHandle<()>)> {
         let summary = backend.summary();
         let (tx, rx) = mpsc::unbounded_channel();
-        let stats = Arc::new(Mutex::new(WorkerStats::default()));
-        let worker_stats = Arc::clone(&stats);
+        let stats = Arc::new(Mutex::new(WorkerStats {
+            weight_version: INITIAL_WEIGHT_VERSION.to_string(),
+            ..WorkerStats::default()
+        }));
+        let book = Book {
+            batches: HashMap::new(),
+            slots: HashMap::new(),
+            by_rid: HashMap::new(),
+            next_batch: 0,
+            paused: false,
+            label: INITIAL_WEIGHT_VERSION.to_string(),
+            stats: Arc::clone(&stats),
+        };
         let thread = std::thread::Builder::new()
             .name("r3-engine".into())
-            .spawn(move || run(backend, rx, &worker_stats))?;
+            .spawn(move || run(backend, rx, book))?;
         Ok((EngineHandle { tx, stats }, summary, thread))
     }
 
     /// Runs a batch of jobs; results come back in job order once all have finished.
-    pub async fn generate(&self, jobs: Vec<Job>) -> Result<Vec<GenerateResult>, ApiError> {
+    pub async fn generate(&self, jobs: Vec<Job>) -> Result<Vec<Finished>, ApiError> {
         let (reply, rx) = oneshot::channel();
         self.send(Command::Generate { jobs, reply })?;
         rx.await.map_err(|_| gone())?
     }
 
-    /// Loads new weights between steps; returns the new weight version.
-    pub async fn update_weights(&self, dir: PathBuf, abort_all: bool) -> Result<u64, ApiError> {
+    /// Loads new weights between steps; returns the new weight version label (`label`, or
+    /// the backend's version number when None).
+    pub async fn update_weights(
+        &self,
+        dir: PathBuf,
+        abort_all: bool,
+        label: Option<String>,
+    ) -> Result<String, ApiError> {
         let (reply, rx) = oneshot::channel();
         self.send(Command::UpdateWeights {
             dir,
             abort_all,
+            label,
             reply,
         })?;
         rx.await.map_err(|_| gone())?
@@ -127,6 +201,27 @@ impl EngineHandle {
     pub async fn abort(&self, rid: Option<String>) -> Result<usize, ApiError> {
         let (reply, rx) = oneshot::channel();
         self.send(Command::Abort { rid, reply })?;
+        rx.await.map_err(|_| gone())
+    }
+
+    /// Pauses generation; returns how many requests were aborted (mode `Abort`).
+    pub async fn pause(&self, mode: PauseMode) -> Result<usize, ApiError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Pause { mode, reply })?;
+        rx.await.map_err(|_| gone())
+    }
+
+    /// Resumes generation after a pause (a no-op when not paused).
+    pub async fn resume(&self) -> Result<(), ApiError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Continue { reply })?;
+        rx.await.map_err(|_| gone())
+    }
+
+    /// Empties the prefix cache; returns how many blocks it released.
+    pub async fn flush_cache(&self) -> Result<usize, ApiError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::FlushCache { reply })?;
         rx.await.map_err(|_| gone())
     }
 
@@ -152,15 +247,14 @@ fn gone() -> ApiError {
     ApiError::unavailable("the engine worker has stopped")
 }
 
-/// The worker loop: block for work when idle, otherwise drain commands and step.
+/// The worker loop: block for work when idle or paused, otherwise drain commands and step.
 fn run<B: InferenceBackend>(
     mut backend: B,
     mut rx: mpsc::UnboundedReceiver<Command>,
-    stats: &Mutex<WorkerStats>,
+    mut book: Book,
 ) {
-    let mut book = Book::default();
     loop {
-        if backend.in_flight() == 0 {
+        if backend.in_flight() == 0 || book.paused {
             match rx.blocking_recv() {
                 Some(cmd) => book.handle(&mut backend, cmd),
                 None => return,
@@ -171,42 +265,65 @@ fn run<B: InferenceBackend>(
         }
         book.abort_abandoned(&mut backend);
         let batch = backend.in_flight();
-        if batch == 0 {
+        if batch == 0 || book.paused {
+            book.publish(&backend, |_| {});
             continue;
         }
         let outcome = catch_unwind(AssertUnwindSafe(|| backend.step()));
-        let finished = match outcome {
+        let mut finished = match outcome {
             Ok(Ok(results)) => book.finish(results),
             Ok(Err(e)) => book.fail_all(&mut backend, &ApiError::from(e)),
             Err(_) => book.fail_all(&mut backend, &ApiError::internal("the engine panicked")),
         };
-        let mut s = stats.lock().unwrap_or_else(PoisonError::into_inner);
-        s.steps += 1;
-        s.finished_requests += finished as u64;
-        s.max_batch_in_flight = s.max_batch_in_flight.max(batch);
-        s.sum_batch_in_flight += batch as u64;
-        s.weight_version = backend.weight_version();
-        s.prefix_cache = backend.prefix_cache_stats();
+        finished += book.stop_on_strings(&mut backend);
+        book.publish(&backend, |s| {
+            s.steps += 1;
+            s.finished_requests += finished as u64;
+            s.max_batch_in_flight = s.max_batch_in_flight.max(batch);
+            s.sum_batch_in_flight += batch as u64;
+        });
     }
 }
 
 impl Book {
+    /// Refreshes the shared counters from the backend (and `more`).
+    fn publish<B: InferenceBackend>(&self, backend: &B, more: impl FnOnce(&mut WorkerStats)) {
+        let (waiting, running) = backend.queue_lengths();
+        let mut s = self.stats.lock().unwrap_or_else(PoisonError::into_inner);
+        more(&mut s);
+        s.weight_version.clone_from(&self.label);
+        s.waiting = waiting;
+        s.running = running;
+        s.paused = self.paused;
+        s.prefix_cache = backend.prefix_cache_stats();
+    }
+
     fn handle<B: InferenceBackend>(&mut self, backend: &mut B, cmd: Command) {
         match cmd {
             Command::Generate { jobs, reply } => self.submit(backend, jobs, reply),
             Command::UpdateWeights {
                 dir,
                 abort_all,
+                label,
                 reply,
             } => {
                 if abort_all {
                     self.abort_where(backend, |_| true);
                 }
-                let result = backend.update_weights_from_dir(&dir).map_err(|e| match e {
-                    RolloutError::WeightDir { .. } => ApiError::from(e),
-                    e => ApiError::from(e)
-                        .context(&format!("loading weights from {}", dir.display())),
-                });
+                let result = backend
+                    .update_weights_from_dir(&dir)
+                    .map(|v| {
+                        self.label = label.unwrap_or_else(|| v.to_string());
+                        self.label.clone()
+                    })
+                    .map_err(|e| match e {
+                        RolloutError::WeightDir { .. } => ApiError::from(e),
+                        e => ApiError::from(e)
+                            .context(&format!("loading weights from {}", dir.display())),
+                    });
+                // Published before the reply so `/get_server_info` shows the new version
+                // as soon as the update call returns.
+                self.publish(backend, |_| {});
                 let _ = reply.send(result);
             }
             Command::Abort { rid, reply } => {
@@ -214,6 +331,25 @@ impl Book {
                     Some(rid) => self.abort_where(backend, |r| r == rid),
                     None => self.abort_where(backend, |_| true),
                 };
+                let _ = reply.send(n);
+            }
+            Command::Pause { mode, reply } => {
+                let n = match mode {
+                    PauseMode::Abort => self.abort_where(backend, |_| true),
+                    PauseMode::InPlace | PauseMode::Retract => 0,
+                };
+                self.paused = true;
+                self.publish(backend, |_| {});
+                let _ = reply.send(n);
+            }
+            Command::Continue { reply } => {
+                self.paused = false;
+                self.publish(backend, |_| {});
+                let _ = reply.send(());
+            }
+            Command::FlushCache { reply } => {
+                let n = backend.flush_cache();
+                self.publish(backend, |_| {});
                 let _ = reply.send(n);
             }
         }
@@ -229,12 +365,14 @@ impl Book {
             return;
         }
         let mut ids = Vec::with_capacity(total);
-        let mut rids = Vec::with_capacity(jobs.len());
+        let mut rids = Vec::with_capacity(total);
+        let mut stops = Vec::with_capacity(total);
         for (i, job) in jobs.into_iter().enumerate() {
             match backend.submit(job.request) {
                 Ok(id) => {
                     ids.push(id);
                     rids.push(job.rid);
+                    stops.push(job.stop);
                 }
                 Err(e) => {
                     for &id in &ids {
@@ -253,8 +391,8 @@ impl Book {
         }
         let batch = self.next_batch;
         self.next_batch += 1;
-        for (i, (&id, rid)) in ids.iter().zip(&rids).enumerate() {
-            self.slots.insert(id, (batch, i));
+        for (index, ((&id, rid), stop)) in ids.iter().zip(&rids).zip(stops).enumerate() {
+            self.slots.insert(id, Slot { batch, index, stop });
             self.by_rid.insert(rid.clone(), id);
         }
         let results = vec![None; ids.len()];
@@ -272,18 +410,68 @@ impl Book {
     /// Files finished results; answers batches that are complete. Returns how many finished.
     fn finish(&mut self, results: Vec<GenerateResult>) -> usize {
         let n = results.len();
-        for r in results {
-            let Some((batch, i)) = self.slots.remove(&r.id) else {
+        for mut r in results {
+            let Some(slot) = self.slots.remove(&r.id) else {
                 continue;
             };
-            if let Some(slot) = self
-                .batches
-                .get_mut(&batch)
-                .and_then(|b| b.results.get_mut(i))
-            {
-                *slot = Some(r);
+            // A stop string completed by the very last token (the request also hit its
+            // length budget in this step) still counts as a stop.
+            let matched = match (&slot.stop, r.finish) {
+                (Some(m), FinishReason::Length) => m.check(&r.output_ids),
+                _ => None,
+            };
+            if matched.is_some() {
+                r.finish = FinishReason::StopString;
             }
-            self.answer_if_complete(batch);
+            self.file(slot, r, matched);
+        }
+        n
+    }
+
+    /// Puts one finished result into its batch and answers the batch if complete.
+    fn file(&mut self, slot: Slot, result: GenerateResult, matched_stop: Option<String>) {
+        let done = Finished {
+            result,
+            matched_stop,
+            weight_version: self.label.clone(),
+        };
+        if let Some(place) = self
+            .batches
+            .get_mut(&slot.batch)
+            .and_then(|b| b.results.get_mut(slot.index))
+        {
+            *place = Some(done);
+        }
+        self.answer_if_complete(slot.batch);
+    }
+
+    /// Ends the running requests whose output text now contains one of their stop strings.
+    fn stop_on_strings<B: InferenceBackend>(&mut self, backend: &mut B) -> usize {
+        let hits: Vec<(RequestId, String)> = self
+            .slots
+            .iter()
+            .filter_map(|(&id, slot)| {
+                let m = slot.stop.as_ref()?;
+                let out = backend.generated_tokens(id)?;
+                m.check(&out).map(|s| (id, s))
+            })
+            .collect();
+        let mut n = 0;
+        for (id, matched) in hits {
+            let Some(slot) = self.slots.remove(&id) else {
+                continue;
+            };
+            if let Some(b) = self.batches.get(&slot.batch) {
+                if let Some(rid) = b.rids.get(slot.index) {
+                    self.by_rid.remove(rid);
+                }
+            }
+            if let Ok(Some(p)) = backend.abort(id) {
+                let mut r = aborted_result(id, p, backend.weight_version());
+                r.finish = FinishReason::StopString;
+                self.file(slot, r, Some(matched));
+                n += 1;
+            }
         }
         n
     }
@@ -300,7 +488,7 @@ impl Book {
             for rid in &b.rids {
                 self.by_rid.remove(rid);
             }
-            let results: Vec<GenerateResult> = b.results.into_iter().flatten().collect();
+            let results: Vec<Finished> = b.results.into_iter().flatten().collect();
             let _ = b.reply.send(Ok(results));
         }
     }
@@ -344,23 +532,15 @@ impl Book {
         let mut n = 0;
         for (rid, id) in chosen {
             self.by_rid.remove(&rid);
-            let Some((batch, i)) = self.slots.remove(&id) else {
+            let Some(slot) = self.slots.remove(&id) else {
                 continue;
             };
-            let partial = backend.abort(id);
-            let result = match partial {
+            let result = match backend.abort(id) {
                 Ok(Some(p)) => aborted_result(id, p, backend.weight_version()),
                 Ok(None) | Err(_) => continue,
             };
             n += 1;
-            if let Some(slot) = self
-                .batches
-                .get_mut(&batch)
-                .and_then(|b| b.results.get_mut(i))
-            {
-                *slot = Some(result);
-            }
-            self.answer_if_complete(batch);
+            self.file(slot, result, None);
         }
         n
     }
@@ -400,6 +580,7 @@ fn aborted_result(id: RequestId, p: PartialRollout, weight_version: u64) -> Gene
         prompt_tokens: p.request.input_ids.len(),
         output_ids: p.output_ids,
         output_logprobs: p.output_logprobs,
+        output_top_logprobs: p.output_top_logprobs,
         finish: FinishReason::Abort,
         cached_tokens: 0,
         routes: p.routes,

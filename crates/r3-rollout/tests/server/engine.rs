@@ -12,7 +12,7 @@ use r3_routing::wire::WireShape;
 use r3_routing::RouteTable;
 use serde_json::{json, Value};
 
-use crate::support::{fixture, ids, scratch_dir, TestServer};
+use crate::support::{fixture, ids, scratch_dir, write_tokenizer, TestServer};
 
 const MODEL: &str = "qwen3_moe_tiny";
 
@@ -211,29 +211,16 @@ fn update_weights_from_disk_bumps_version_and_empties_the_prefix_cache() {
     );
     let r = server.post("/update_weights_from_disk", &json!({"model_path": dir}));
     assert_eq!(r.status, 200, "{}", r.text);
-    assert_eq!(r.body["weight_version"], 1);
+    assert_eq!(r.body["weight_version"], "1");
     let after = server.post("/generate", &body);
     assert_eq!(after.status, 200, "{}", after.text);
-    assert_eq!(after.body["meta_info"]["weight_version"], 1);
+    assert_eq!(after.body["meta_info"]["weight_version"], "1");
     assert_eq!(
         after.body["meta_info"]["cached_tokens"], 0,
         "new weights, no stale hit"
     );
     // Same weights were reloaded, so the answer is unchanged.
     assert_eq!(after.body["output_ids"], again.body["output_ids"]);
-}
-
-/// A word-level tokenizer: token `t<i>` is id i.
-fn write_tokenizer(dir: &Path, vocab: usize) {
-    let vocab_map: serde_json::Map<String, Value> =
-        (0..vocab).map(|i| (format!("t{i}"), json!(i))).collect();
-    let tok = json!({
-        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
-        "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null,
-        "decoder": null,
-        "model": {"type": "WordLevel", "vocab": vocab_map, "unk_token": "t0"},
-    });
-    std::fs::write(dir.join("tokenizer.json"), tok.to_string()).expect("write tokenizer.json");
 }
 
 #[test]
@@ -266,4 +253,38 @@ fn text_prompts_and_text_outputs_with_a_tokenizer() {
     assert_eq!(r.body["choices"][0]["text"], words.join(" "));
     drop(server);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// OpenAI `logprobs = 3` on the real engine, greedy: each sampled token is the most likely
+/// alternative, its reported log-prob equals that alternative's, and the alternatives are
+/// log-probabilities of distinct tokens in decreasing order.
+#[test]
+fn openai_top_logprobs_agree_with_greedy_choices() {
+    let server = server(&fixture(MODEL));
+    let r = server.post(
+        "/v1/completions",
+        &json!({"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "logprobs": 3, "ignore_eos": true}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text);
+    let choice = &r.body["choices"][0];
+    let out = ids(&choice["token_ids"]);
+    let lps = choice["logprobs"]["token_logprobs"]
+        .as_array()
+        .expect("token_logprobs");
+    let tops = choice["logprobs"]["top_logprobs"]
+        .as_array()
+        .expect("top_logprobs");
+    assert_eq!((lps.len(), tops.len()), (out.len(), out.len()));
+    for ((&t, lp), top) in out.iter().zip(lps).zip(tops) {
+        let top = top.as_object().expect("a map");
+        assert_eq!(top.len(), 3);
+        let values: Vec<f64> = top.values().filter_map(Value::as_f64).collect();
+        let best = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        assert!(values.iter().all(|&v| v <= 0.0));
+        let mine = top[&format!("token_id:{t}")]
+            .as_f64()
+            .expect("sampled token listed");
+        assert_eq!(mine, best);
+        assert!((lp.as_f64().expect("lp") - mine).abs() < 1e-6);
+    }
 }

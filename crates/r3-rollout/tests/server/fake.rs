@@ -105,6 +105,7 @@ impl FakeEngine {
             id: r.id,
             prompt_tokens: r.req.input_ids.len(),
             output_logprobs: r.out.iter().map(|&t| logprob(t)).collect(),
+            output_top_logprobs: Vec::new(),
             output_ids: r.out,
             finish,
             cached_tokens: 0,
@@ -182,6 +183,7 @@ impl InferenceBackend for FakeEngine {
         let seed = r.req.sampling.seed;
         Ok(Some(PartialRollout {
             output_logprobs: r.out.iter().map(|&t| logprob(t)).collect(),
+            output_top_logprobs: Vec::new(),
             output_ids: r.out,
             request: r.req,
             routes: None,
@@ -211,5 +213,12 @@ impl InferenceBackend for FakeEngine {
 
     fn prefix_cache_stats(&self) -> Option<PrefixCacheStats> {
         None
+    }
+
+    fn generated_tokens(&self, id: RequestId) -> Option<Vec<u32>> {
+        self.running
+            .iter()
+            .find(|r| r.id == id)
+            .map(|r| r.out.clone())
     }
 }

@@ -20,6 +20,7 @@ pub fn fake_server(min_batch: usize) -> TestServer {
         },
         seed: 0,
         model_name: "fake".into(),
+        ..ServerConfig::default()
     };
     let app = build_app(FakeEngine::new(min_batch), None, config).expect("app builds");
     TestServer::start(app)
@@ -206,12 +207,12 @@ fn update_weights_bumps_version() {
     let r = server.post("/update_weights_from_disk", &json!({"model_path": dir}));
     assert_eq!(r.status, 200, "{}", r.text);
     assert_eq!(r.body["success"], true);
-    assert_eq!(r.body["weight_version"], 1);
+    assert_eq!(r.body["weight_version"], "1");
     let r = server.post(
         "/generate",
         &json!({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}),
     );
-    assert_eq!(r.body["meta_info"]["weight_version"], 1);
+    assert_eq!(r.body["meta_info"]["weight_version"], "1");
     // A directory without weights is the client's error; the server keeps its weights.
     let empty = crate::support::scratch_dir("empty-weights");
     let r = server.post("/update_weights_from_disk", &json!({"model_path": empty}));

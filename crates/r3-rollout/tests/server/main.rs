@@ -2,6 +2,8 @@
 //! a raw HTTP client. `fake_*` tests use a deterministic fake engine (HTTP layer, batching,
 //! validation); `engine` tests serve the tiny HF oracle model with the real engine.
 
+#![recursion_limit = "512"]
+mod clients;
 mod engine;
 mod fake;
 mod fake_http;

@@ -117,9 +117,9 @@ fn each_malformed_request_class_gets_a_4xx_and_the_server_keeps_serving() {
         ),
         (
             "/generate",
-            json!({"input_ids": [1], "foo": 1}),
+            json!({"input_ids": [1], "lora_path": "adapters/a"}),
             400,
-            "unknown field `foo`",
+            "generate.lora_path",
         ),
         (
             "/generate",
@@ -129,9 +129,9 @@ fn each_malformed_request_class_gets_a_4xx_and_the_server_keeps_serving() {
         ),
         (
             "/generate",
-            json!({"input_ids": [1], "sampling_params": {"temprature": 1.0}}),
+            json!({"input_ids": [1], "sampling_params": {"regex": "a+"}}),
             400,
-            "unknown field `temprature`",
+            "sampling_params.regex",
         ),
         (
             "/generate",
@@ -144,12 +144,6 @@ fn each_malformed_request_class_gets_a_4xx_and_the_server_keeps_serving() {
             json!({"input_ids": [1], "sampling_params": {"top_p": 1.5}}),
             400,
             "top_p",
-        ),
-        (
-            "/generate",
-            json!({"input_ids": [1], "sampling_params": {"max_new_tokens": 33}}),
-            400,
-            "server limit 32",
         ),
         (
             "/generate",
@@ -177,21 +171,9 @@ fn each_malformed_request_class_gets_a_4xx_and_the_server_keeps_serving() {
         ),
         (
             "/generate",
-            json!({"input_ids": [1, 2], "routed_experts_start_len": 3}),
-            400,
-            "routed_experts_start_len",
-        ),
-        (
-            "/generate",
             json!({"input_ids": [1], "routed_experts_dtype": "float32"}),
             400,
             "routed_experts_dtype",
-        ),
-        (
-            "/generate",
-            json!({"input_ids": [1], "stream": true}),
-            400,
-            "stream",
         ),
         ("/generate", json!({"text": "hello"}), 400, "tokenizer.json"),
         (
@@ -208,7 +190,7 @@ fn each_malformed_request_class_gets_a_4xx_and_the_server_keeps_serving() {
         ),
         (
             "/generate",
-            json!({"input_ids": [[1], [2]], "rid": "same"}),
+            json!({"input_ids": [[1], [2]], "rid": ["same", "same"]}),
             400,
             "rid",
         ),
@@ -220,9 +202,9 @@ fn each_malformed_request_class_gets_a_4xx_and_the_server_keeps_serving() {
         ),
         (
             "/v1/completions",
-            json!({"prompt": [1], "logprobs": 5}),
+            json!({"prompt": [1], "logprobs": 6}),
             400,
-            "logprobs=5",
+            "logprobs=6",
         ),
         (
             "/v1/completions",
@@ -238,9 +220,9 @@ fn each_malformed_request_class_gets_a_4xx_and_the_server_keeps_serving() {
         ),
         (
             "/v1/completions",
-            json!({"prompt": [1], "max_tokens": 100}),
+            json!({"prompt": [1], "echo": true}),
             400,
-            "server limit",
+            "completions.echo",
         ),
         (
             "/v1/completions",

@@ -177,3 +177,17 @@ pub fn ids(v: &Value) -> Vec<u32> {
         .map(|x| x.as_u64().expect("a token id") as u32)
         .collect()
 }
+
+/// A word-level tokenizer in `dir`: token `t<i>` is id i; text is the words joined by spaces.
+pub fn write_tokenizer(dir: &std::path::Path, vocab: usize) {
+    let vocab_map: serde_json::Map<String, Value> = (0..vocab)
+        .map(|i| (format!("t{i}"), serde_json::json!(i)))
+        .collect();
+    let tok = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null,
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab_map, "unk_token": "t0"},
+    });
+    std::fs::write(dir.join("tokenizer.json"), tok.to_string()).expect("write tokenizer.json");
+}
