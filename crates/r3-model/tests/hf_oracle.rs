@@ -1,5 +1,5 @@
 //! The training forward against HF transformers (fixtures written by
-//! `shared/oracle/make_oracle.py`, copied into tests/fixtures): logits, per-layer top-k
+//! `scripts/oracle/make_oracle.py` into tests/fixtures): logits, per-layer top-k
 //! sets, hidden states, and forced-routing (replay) logits, for Qwen3-MoE and DeepSeek-V3.
 
 use std::path::PathBuf;
