@@ -80,6 +80,6 @@ fn analysis_commands_fail_with_one_error_line() {
     assert!(err.contains("nowhere/metrics.jsonl"), "{err}");
 
     let err = one_error_line(&r3(&["compare", "--modes", "R4", "--out", path(&out)]));
-    assert!(err.contains("unknown replay mode \"r4\""), "{err}");
+    assert!(err.contains("router replay `R4` is none of"), "{err}");
     let _ = std::fs::remove_dir_all(&out);
 }
