@@ -1,5 +1,6 @@
 //! Building and validating [`RouteTable`]s: every present cell holds `top_k` distinct ids in
-//! `[0, num_experts)`; a cell of all negative ids is "missing"; lengths match the shape.
+//! `[0, num_experts)`; a cell of all -1 (the only missing sentinel) is "missing"; any other
+//! negative id is an error; a table has at least one column; lengths match the shape.
 //! Errors name the absolute token position, the global layer and the value.
 
 use crate::table::{IdStore, MAX_EXPERTS};
@@ -21,6 +22,11 @@ pub(crate) fn check_header(
         return Err(RouteError::Argument(format!(
             "top_k {top_k} must be in [1, num_experts = {num_experts}]"
         )));
+    }
+    if layers.is_empty() {
+        return Err(RouteError::Layout(
+            "a route table needs at least one column (layer)".into(),
+        ));
     }
     for w in layers.windows(2) {
         if w[0] >= w[1] {
@@ -49,13 +55,20 @@ fn checked_len(parts: &[usize], what: &str) -> Result<usize, RouteError> {
 }
 
 /// Validates one cell. Returns `Ok(true)` for a present route, `Ok(false)` for a missing one
-/// (every id negative).
+/// (every id -1, the only sentinel for "not captured").
 pub(crate) fn check_cell(
     vals: &[i64],
     num_experts: usize,
     token: usize,
     layer: usize,
 ) -> Result<bool, RouteError> {
+    if let Some(&value) = vals.iter().find(|&&v| v < -1) {
+        return Err(RouteError::NegativeId {
+            token,
+            layer,
+            value,
+        });
+    }
     let negatives = vals.iter().filter(|&&v| v < 0).count();
     if negatives == vals.len() {
         return Ok(false);
@@ -169,7 +182,7 @@ impl RouteTable {
     }
 
     /// Builds a table cell by cell: `fill(cell, buf)` writes the `top_k` values of cell
-    /// `token * columns + column`; all-negative cells become missing, others are validated.
+    /// `token * columns + column`; all-(-1) cells become missing, others are validated.
     pub(crate) fn from_cells(
         num_experts: usize,
         top_k: usize,
@@ -205,7 +218,7 @@ impl RouteTable {
     }
 
     /// Builds a table from a flat token-major accessor `get(i)` over
-    /// `[num_tokens * columns * top_k]` values; all-negative cells become missing.
+    /// `[num_tokens * columns * top_k]` values; all-(-1) cells become missing.
     pub(crate) fn from_fn(
         num_experts: usize,
         top_k: usize,

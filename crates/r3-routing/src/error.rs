@@ -40,6 +40,16 @@ pub enum RouteError {
         /// The first negative value seen.
         value: i64,
     },
+    /// A negative id other than the documented missing sentinel -1: garbage, not "missing".
+    #[error("token {token}, layer {layer}: id {value} is negative; only -1 marks a route as not captured")]
+    NegativeId {
+        /// Absolute token position.
+        token: usize,
+        /// Global transformer layer index.
+        layer: usize,
+        /// The offending value.
+        value: i64,
+    },
     /// A cell whose ids are all 0 with top_k > 1: a dense layer or a route that was never
     /// captured (vLLM #33013), not a real top-k choice.
     #[error("token {token}, layer {layer}: all {top_k} ids are 0 — an uncaptured route or a dense layer (give the layer layout, e.g. --first-k-dense), not a top-k choice")]

@@ -11,4 +11,5 @@ mod load;
 mod mismatch;
 mod placement;
 mod roundtrip;
+mod sentinel;
 mod table;
