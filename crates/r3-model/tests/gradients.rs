@@ -6,7 +6,7 @@ mod common;
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarMap;
-use common::{sequences, tiny_config, tiny_weights};
+use common::{sequences, tiny_config, tiny_weights, FAMILIES};
 use r3_model::{Batch, Config, Model, ReplayRoutes, Routing};
 use r3_routing::{LayerSpace, RouteTable};
 
@@ -74,15 +74,7 @@ fn vars(varmap: &VarMap) -> Vec<(String, Var)> {
 
 #[test]
 fn every_parameter_receives_a_gradient() {
-    for family in [
-        "qwen3_moe",
-        "qwen2_moe",
-        "mixtral",
-        "olmoe",
-        "deepseek_v3",
-        "moonlight",
-        "qwen3",
-    ] {
+    for family in FAMILIES {
         let cfg = tiny_config(family);
         let (varmap, weights) = tiny_weights(&cfg, 5, DType::F32)
             .into_trainable(&cfg)

@@ -3,11 +3,10 @@
 
 mod common;
 
-use common::{engine, ids, model_dir, oracle, MODELS};
+use common::{engine, full_forward, ids, model_dir, oracle, MODELS};
 use r3_model::Config;
-use r3_rollout::kernels::attention::SeqSpan;
-use r3_rollout::model::{BatchInput, InferenceModel};
-use r3_rollout::{load_dir, Dtype, GenerateRequest, KvPool, SamplingParams};
+use r3_rollout::model::InferenceModel;
+use r3_rollout::{load_dir, Dtype, GenerateRequest, SamplingParams};
 
 /// One full-sequence forward of the oracle input through the engine's model.
 fn forward_all(name: &str, dtype: Dtype) -> (Vec<f32>, Vec<u16>, usize, usize) {
@@ -16,31 +15,9 @@ fn forward_all(name: &str, dtype: Dtype) -> (Vec<f32>, Vec<u16>, usize, usize) {
     let tensors = load_dir(&dir, &cfg).unwrap();
     let mut model = InferenceModel::new(cfg, &tensors, dtype).unwrap();
     let input = ids(&oracle()["input_ids"][0]);
-    let t = input.len();
-    let mut pool = KvPool::new(model.kv_layout(16), 8).unwrap();
-    let blocks: Vec<_> = (0..t.div_ceil(16))
-        .map(|_| pool.allocate().unwrap())
-        .collect();
-    let span = SeqSpan {
-        first_token: 0,
-        num_tokens: t,
-        start_pos: 0,
-        blocks: blocks.iter().map(|b| b.id()).collect(),
-    };
-    let rows: Vec<usize> = (0..t).collect();
-    let out = model
-        .forward(
-            &mut pool,
-            &BatchInput {
-                tokens: &input,
-                spans: &[span],
-                logit_rows: &rows,
-            },
-            true,
-        )
-        .unwrap();
+    let (logits, routes) = full_forward(&mut model, &input);
     let (cols, k) = model.route_shape();
-    (out.logits, out.routes.unwrap(), cols, k)
+    (logits, routes, cols, k)
 }
 
 #[test]

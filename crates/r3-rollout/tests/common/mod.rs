@@ -4,7 +4,9 @@
 
 use std::path::PathBuf;
 
-use r3_rollout::{Dtype, Engine, EngineConfig};
+use r3_rollout::kernels::attention::SeqSpan;
+use r3_rollout::model::{BatchInput, InferenceModel};
+use r3_rollout::{Dtype, Engine, EngineConfig, KvPool};
 
 /// Directory of a copied HF oracle checkpoint.
 pub fn model_dir(name: &str) -> PathBuf {
@@ -43,3 +45,27 @@ pub fn engine(name: &str, dtype: Dtype, prefix_cache: bool) -> Engine {
 
 /// Both fixture models.
 pub const MODELS: [&str; 2] = ["qwen3_moe_tiny", "deepseek_v3_tiny"];
+
+/// Logits `[t, vocab]` and captured routes `[t, cols, k]` of one full-sequence forward of
+/// `tokens` through the engine's model (one sequence, fresh KV blocks, every row's logits).
+pub fn full_forward(model: &mut InferenceModel, tokens: &[u32]) -> (Vec<f32>, Vec<u16>) {
+    let t = tokens.len();
+    let mut pool = KvPool::new(model.kv_layout(16), 8).expect("pool");
+    let blocks: Vec<_> = (0..t.div_ceil(16))
+        .map(|_| pool.allocate().expect("block"))
+        .collect();
+    let span = SeqSpan {
+        first_token: 0,
+        num_tokens: t,
+        start_pos: 0,
+        blocks: blocks.iter().map(|b| b.id()).collect(),
+    };
+    let rows: Vec<usize> = (0..t).collect();
+    let input = BatchInput {
+        tokens,
+        spans: &[span],
+        logit_rows: &rows,
+    };
+    let out = model.forward(&mut pool, &input, true).expect("forward");
+    (out.logits, out.routes.expect("routes captured"))
+}

@@ -9,11 +9,9 @@ use std::time::Duration;
 use r3_rollout::server::sse::parse_event_stream;
 use r3_rollout::server::{build_app, ServerConfig, ServerLimits, TextCodec};
 use r3_routing::wire::sglang::decode_sglang_response;
-use r3_routing::wire::WireShape;
-use r3_routing::LayerLayout;
 use serde_json::json;
 
-use crate::fake::{self, FakeEngine};
+use crate::fake::{self, wire_shape, FakeEngine};
 use crate::support::{ids, scratch_dir, write_tokenizer, TestServer};
 
 /// A fake-engine server; `text` gives it the word-level tokenizer (`t<i>` = id i).
@@ -48,13 +46,6 @@ fn words(ids: &[u32]) -> String {
         .map(|i| format!("t{i}"))
         .collect::<Vec<_>>()
         .join(" ")
-}
-
-fn wire_shape(start: usize) -> WireShape {
-    WireShape::new(3, fake::TOP_K, fake::EXPERTS)
-        .with_start_len(start)
-        .with_layout(LayerLayout::new(3, fake::MOE_LAYERS.to_vec()).expect("layout"))
-        .expect("shape")
 }
 
 /// slime `generate()`: THUDM/slime slime/rollout/sglang_rollout.py @ 0044b40d6584 —

@@ -10,6 +10,7 @@ use r3_rollout::server::{InferenceBackend, ModelSummary};
 use r3_rollout::{
     FinishReason, GenerateRequest, GenerateResult, PartialRollout, RequestId, RolloutError,
 };
+use r3_routing::wire::WireShape;
 use r3_routing::{LayerLayout, LayerSpace, RouteTable};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -21,6 +22,14 @@ pub const TOP_K: usize = 2;
 pub const EXPERTS: usize = 8;
 /// Layer 0 is dense, layers 1 and 2 are MoE (the wire carries all 3).
 pub const MOE_LAYERS: [usize; 2] = [1, 2];
+
+/// The fake model's wire shape (3 layers, MoE layers 1 and 2) with rows from `start`.
+pub fn wire_shape(start: usize) -> WireShape {
+    WireShape::new(3, TOP_K, EXPERTS)
+        .with_start_len(start)
+        .with_layout(LayerLayout::new(3, MOE_LAYERS.to_vec()).expect("layout"))
+        .expect("shape")
+}
 
 /// The next token after `prev` for a request with `seed`.
 pub fn next_token(prev: u32, seed: u64) -> u32 {

@@ -3,11 +3,9 @@
 
 use r3_rollout::server::{build_app, ServerConfig, ServerLimits};
 use r3_routing::wire::sglang::decode_sglang_response;
-use r3_routing::wire::WireShape;
-use r3_routing::LayerLayout;
 use serde_json::{json, Value};
 
-use crate::fake::{self, FakeEngine};
+use crate::fake::{self, wire_shape, FakeEngine};
 use crate::support::{ids, TestServer};
 
 pub fn fake_server(min_batch: usize) -> TestServer {
@@ -24,13 +22,6 @@ pub fn fake_server(min_batch: usize) -> TestServer {
     };
     let app = build_app(FakeEngine::new(min_batch), None, config).expect("app builds");
     TestServer::start(app)
-}
-
-fn wire_shape(start: usize) -> WireShape {
-    WireShape::new(3, fake::TOP_K, fake::EXPERTS)
-        .with_start_len(start)
-        .with_layout(LayerLayout::new(3, fake::MOE_LAYERS.to_vec()).expect("layout"))
-        .expect("shape")
 }
 
 #[test]
