@@ -127,6 +127,39 @@ pub struct RolloutConfig {
     pub temperature: f64,
     /// Rollout engine precision: `f16` (fast inference path) or `f32`. Default `f16`.
     pub dtype: String,
+    /// Where rollouts come from: `engine` (the in-process engine) or `sglang` (SGLang
+    /// `/generate` on the workers of `urls`: `r3 serve` processes, SGLang servers or one
+    /// router). Default `engine`.
+    pub backend: RolloutBackend,
+    /// Worker base URLs (`http://host:port`) for `backend = "sglang"`. Default empty.
+    pub urls: Vec<String>,
+    /// Most `/generate` requests in flight over the whole fleet. Default 64.
+    pub max_in_flight: usize,
+    /// Longest wait for one worker answer, seconds. Default 120.
+    pub request_timeout_s: f64,
+    /// Extra attempts of a request after a worker fault (timeout, refusal, bad reply),
+    /// each on another worker when one is up. Default 3.
+    pub max_retries: u32,
+    /// Where the trainer writes the weights workers load after each update
+    /// (`step_<N>/`); empty = `<run_dir>/rollout_sync`. Workers must be able to read it.
+    /// Default empty.
+    pub sync_dir: PathBuf,
+    /// Replies from weights up to this many versions older are accepted and counted in
+    /// `rollout.stale_frac`; older ones are refused and retried. Default 0.
+    pub max_staleness: u64,
+    /// Bearer key sent to the workers (`r3 serve --api-key`); empty = none. Default empty.
+    pub api_key: String,
+}
+
+/// Where rollouts are generated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum RolloutBackend {
+    /// The in-process engine holding the policy's weights.
+    #[default]
+    Engine,
+    /// SGLang-compatible workers over HTTP.
+    Sglang,
 }
 
 /// Policy optimisation.
@@ -251,6 +284,14 @@ impl Default for RolloutConfig {
             max_new_tokens: 64,
             temperature: 1.0,
             dtype: "f16".into(),
+            backend: RolloutBackend::Engine,
+            urls: Vec::new(),
+            max_in_flight: 64,
+            request_timeout_s: 120.0,
+            max_retries: 3,
+            sync_dir: PathBuf::new(),
+            max_staleness: 0,
+            api_key: String::new(),
         }
     }
 }
@@ -404,6 +445,21 @@ impl TrainConfig {
             return bad(
                 "rollout.temperature",
                 format!("{} must be > 0", r.temperature),
+            );
+        }
+        if r.backend == RolloutBackend::Sglang && r.urls.is_empty() {
+            return bad(
+                "rollout.urls",
+                "rollout.backend = \"sglang\" needs at least one worker URL".into(),
+            );
+        }
+        if r.max_in_flight == 0 {
+            return bad("rollout.max_in_flight", "must be >= 1".into());
+        }
+        if !(r.request_timeout_s.is_finite() && r.request_timeout_s > 0.0) {
+            return bad(
+                "rollout.request_timeout_s",
+                format!("{} must be > 0", r.request_timeout_s),
             );
         }
         for (name, eps, max) in [

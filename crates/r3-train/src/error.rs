@@ -23,6 +23,9 @@ pub enum TrainError {
     /// The task (problems, tokenizer, reward) failed.
     #[error("task: {0}")]
     Task(#[from] r3_tasks::TaskError),
+    /// The rollout fleet failed (no worker left, a request out of attempts, a sync).
+    #[error("rollout fleet: {0}")]
+    Fleet(#[from] r3_fleet::FleetError),
     /// Route tables or routing statistics failed.
     #[error("routes: {0}")]
     Route(#[from] r3_routing::RouteError),

@@ -23,6 +23,7 @@ pub mod update;
 // The RL loop and pretraining (trainer helper).
 pub mod checkpoint;
 pub mod diagnostics;
+pub mod fleet_sync;
 pub mod metrics_log;
 pub mod minibatch;
 pub mod policy;

@@ -83,6 +83,15 @@ pub struct StepMetrics {
     /// Fraction of replayed cells verified (1.0, or the step fails); null without replay.
     #[serde(rename = "replay.verified_frac")]
     pub verified_frac: Option<f64>,
+    /// Rollout requests sent again after a worker fault (fleet backend; null otherwise).
+    #[serde(rename = "rollout.retries", default)]
+    pub rollout_retries: Option<u64>,
+    /// Fraction of rollouts from older weights (fleet backend, `rollout.max_staleness`).
+    #[serde(rename = "rollout.stale_frac", default)]
+    pub rollout_stale_frac: Option<f64>,
+    /// Rollout workers up after the step's rollout (fleet backend).
+    #[serde(rename = "rollout.workers_up", default)]
+    pub rollout_workers_up: Option<u64>,
     /// Groups kept by dynamic sampling.
     pub groups_kept: u64,
     /// Groups dropped by dynamic sampling (all rewards equal).

@@ -8,6 +8,7 @@ use r3_routing::{LayerLayout, RouteTable};
 use r3_tasks::{judge, CharTokenizer, Problem, RewardConfig, Verdict, EOS_ID};
 
 use crate::error::{Result, TrainError};
+use crate::fleet_sync::FleetRollout;
 use crate::policy::ResponseBatch;
 
 /// One sampled response with everything the trainer needs from the rollout.
@@ -84,6 +85,21 @@ pub fn sample_prompts(
     seed: u64,
     step: u64,
 ) -> Result<Vec<GenerateResult>> {
+    let requests = sampling_requests(prompts, spec, stop, seed, step);
+    let results = engine.generate(requests)?;
+    check_count(results.len(), prompts.len() * spec.group_size)?;
+    Ok(results)
+}
+
+/// The requests of [`sample_prompts`]: `spec.group_size` per prompt, group-major, seeded
+/// `mix_seed([seed, step, i, j])`, routes asked for.
+pub fn sampling_requests(
+    prompts: &[Vec<u32>],
+    spec: SamplingSpec,
+    stop: &[u32],
+    seed: u64,
+    step: u64,
+) -> Vec<GenerateRequest> {
     let mut requests = Vec::with_capacity(prompts.len() * spec.group_size);
     for (i, ids) in prompts.iter().enumerate() {
         for j in 0..spec.group_size {
@@ -97,20 +113,40 @@ pub fn sample_prompts(
             requests.push(GenerateRequest::new(ids.clone(), sampling));
         }
     }
-    let results = engine.generate(requests)?;
-    if results.len() != prompts.len() * spec.group_size {
-        return Err(TrainError::EngineResults {
-            got: results.len(),
-            expected: prompts.len() * spec.group_size,
-        });
+    requests
+}
+
+fn check_count(got: usize, expected: usize) -> Result<()> {
+    if got != expected {
+        return Err(TrainError::EngineResults { got, expected });
     }
+    Ok(())
+}
+
+/// [`sample_prompts`] on the workers of a rollout fleet: the same requests (seeds, stop
+/// ids), one checked result each; the batch's retries and staleness are kept in `fleet`.
+pub fn sample_prompts_fleet(
+    fleet: &mut FleetRollout,
+    prompts: &[Vec<u32>],
+    spec: SamplingSpec,
+    stop: &[u32],
+    seed: u64,
+    step: u64,
+) -> Result<Vec<GenerateResult>> {
+    let requests = sampling_requests(prompts, spec, stop, seed, step);
+    let (results, stats) = fleet.fleet.generate(requests)?;
+    check_count(results.len(), prompts.len() * spec.group_size)?;
+    fleet.last = stats;
     Ok(results)
 }
 
 /// Samples `spec.group_size` responses for every problem (group-major order), the seed of
-/// sample `j` of prompt `i` being `mix_seed([seed, step, i, j])`, and scores them.
+/// sample `j` of prompt `i` being `mix_seed([seed, step, i, j])`, and scores them. With a
+/// `fleet` the samples come from its workers, otherwise from `engine`.
+#[allow(clippy::too_many_arguments)]
 pub fn sample_groups(
     engine: &mut Engine,
+    fleet: Option<&mut FleetRollout>,
     tokenizer: &CharTokenizer,
     problems: &[Problem],
     spec: SamplingSpec,
@@ -123,7 +159,10 @@ pub fn sample_groups(
         .iter()
         .map(|p| tokenizer.encode_prompt(&p.prompt))
         .collect::<std::result::Result<Vec<_>, _>>()?;
-    let results = sample_prompts(engine, &prompts, spec, &stop, seed, step)?;
+    let results = match fleet {
+        None => sample_prompts(engine, &prompts, spec, &stop, seed, step)?,
+        Some(fleet) => sample_prompts_fleet(fleet, &prompts, spec, &stop, seed, step)?,
+    };
     results
         .into_iter()
         .enumerate()

@@ -107,16 +107,13 @@ impl Trainer {
         };
         let train_lp = data.batch.gather_responses(&updates.view.logp)?;
         let mismatch = logp_mismatch(&train_lp, &data.rollout_lp)?;
-        let sync_s = self.sync_weights()?;
+        let sync_s = self.sync_weights()? + self.sync_fleet(step)?;
         self.step = step;
-        Ok(finish_metrics(
-            step,
-            &cfg,
-            &data,
-            &updates,
-            mismatch.as_ref(),
-            sync_s,
-        ))
+        let mut m = finish_metrics(step, &cfg, &data, &updates, mismatch.as_ref(), sync_s);
+        if let Some(f) = &self.fleet {
+            f.fill_metrics(&mut m);
+        }
+        Ok(m)
     }
 
     /// Rollout, rewards and advantages of step `step`.
@@ -131,6 +128,7 @@ impl Trainer {
         };
         let trajs = sample_groups(
             &mut self.engine,
+            self.fleet.as_mut(),
             &self.tokenizer,
             &problems,
             spec,

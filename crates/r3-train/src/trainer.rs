@@ -12,6 +12,7 @@ use r3_tasks::{ArithmeticTask, CharTokenizer, Difficulty, Problem, RewardConfig}
 use crate::checkpoint::{load_optimizer, save_checkpoint, state_at, TrainerState};
 use crate::config::TrainConfig;
 use crate::error::{Result, TrainError};
+use crate::fleet_sync::FleetRollout;
 use crate::optim::{decay_matrices_only, AdamW, AdamWParams};
 use crate::policy::TrainablePolicy;
 use crate::rollout::{evaluate, EvalResult};
@@ -37,6 +38,8 @@ pub struct Trainer {
     pub step: u64,
     /// Word position of the training-problem stream.
     pub stream_pos: u128,
+    /// The rollout fleet when `rollout.backend = "sglang"` (the engine then only evaluates).
+    pub fleet: Option<FleetRollout>,
 }
 
 /// Parses the rollout precision (`f16` or `f32`).
@@ -111,6 +114,7 @@ impl Trainer {
             }
             None => (0, task.train_stream(cfg.seed).word_pos()),
         };
+        let fleet = FleetRollout::connect(&cfg, &policy, &tokenizer, step)?;
         Ok(Self {
             cfg,
             policy,
@@ -121,6 +125,7 @@ impl Trainer {
             reward,
             step,
             stream_pos,
+            fleet,
         })
     }
 

@@ -14,6 +14,8 @@ pub enum BenchCommand {
     Rollout(bench_rollout::BenchRolloutArgs),
     /// Training forward+backward throughput (tokens/s), Native vs Replay routing.
     Train(super::bench_train::BenchTrainArgs),
+    /// Rollout through 1 and 2 local HTTP workers vs the in-process engine: overhead per token.
+    Fleet(super::bench_fleet::BenchFleetArgs),
 }
 
 /// Runs one benchmark.
@@ -22,5 +24,6 @@ pub fn run(command: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Routes(a) => bench_routes::run(a),
         BenchCommand::Rollout(a) => bench_rollout::run(a),
         BenchCommand::Train(a) => super::bench_train::run(a),
+        BenchCommand::Fleet(a) => super::bench_fleet::run(a),
     }
 }

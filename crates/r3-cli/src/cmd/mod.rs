@@ -4,11 +4,13 @@
 
 mod analyze;
 mod bench;
+mod bench_fleet;
 mod bench_rollout;
 mod bench_routes;
 mod bench_train;
 mod compare;
 mod cpu_time;
+mod fleet;
 mod forward;
 mod generate;
 mod matmul_work;
@@ -58,6 +60,8 @@ pub enum Command {
     Forward(forward::ForwardArgs),
     /// HTTP server: SGLang /generate (routed_experts), OpenAI /v1/completions, weight updates.
     Serve(serve::ServeArgs),
+    /// Starts N local `r3 serve` workers for `rollout.backend = "sglang"` (Ctrl-C stops them).
+    Fleet(fleet::FleetArgs),
 }
 
 /// Runs one parsed command.
@@ -73,5 +77,6 @@ pub fn run(command: Command) -> anyhow::Result<()> {
         Command::Train(a) => train::run(a),
         Command::Forward(a) => forward::run(a),
         Command::Serve(a) => serve::run(a),
+        Command::Fleet(a) => fleet::run(a),
     }
 }

@@ -1,0 +1,298 @@
+//! `r3 train` with `rollout.backend = "sglang"` against `r3 serve` workers started here on
+//! 127.0.0.1: the per-step metrics equal those of the in-process engine with the same
+//! seeds, every worker ends at the last weight version, and a worker killed in the middle
+//! of a run costs retries but no trajectory; restarted, it rejoins at the current version.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// A scratch directory removed on drop.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("r3-fleet-cli-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("scratch dir");
+        Scratch(dir)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A copy of the shipped model under `root` (workers may only load weights under the
+/// served model's parent, so model and sync directory share one root).
+fn model_copy(root: &Path) -> PathBuf {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/arith-moe");
+    let dst = root.join("model");
+    std::fs::create_dir_all(&dst).expect("model dir");
+    for f in ["config.json", "model.safetensors", "tokenizer.json"] {
+        std::fs::copy(src.join(f), dst.join(f)).expect("copy model file");
+    }
+    dst
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+/// One blocking HTTP/1.1 GET; `None` when nothing answers.
+fn http_get(port: u16, path: &str) -> Option<(u16, Value)> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    let status = text.split_whitespace().nth(1)?.parse().ok()?;
+    let body = text.split_once("\r\n\r\n")?.1;
+    Some((status, serde_json::from_str(body).unwrap_or(Value::Null)))
+}
+
+/// An `r3 serve` worker process, killed on drop.
+struct Worker {
+    child: Child,
+    port: u16,
+}
+
+impl Worker {
+    fn start(model: &Path, port: u16) -> Self {
+        let child = Command::new(env!("CARGO_BIN_EXE_r3"))
+            .args(["serve", "--model"])
+            .arg(model)
+            .args(["--port", &port.to_string(), "--host", "127.0.0.1"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn r3 serve");
+        let w = Worker { child, port };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while http_get(port, "/health").map(|r| r.0) != Some(200) {
+            assert!(
+                Instant::now() < deadline,
+                "r3 serve on {port} did not come up"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        w
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    fn weight_version(&self) -> Option<String> {
+        http_get(self.port, "/get_weight_version")
+            .and_then(|(_, v)| v["weight_version"].as_str().map(String::from))
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// `r3 train` settings shared by the engine and fleet runs: 3 small steps, no eval or
+/// checkpoints.
+fn train_args(model: &Path, run: &Path, extra: &[String]) -> Vec<String> {
+    let mut args: Vec<String> = vec!["train".into(), "--no-progress".into()];
+    for s in [
+        format!("model_dir={}", model.display()),
+        format!("run_dir={}", run.display()),
+        "steps=3".into(),
+        "seed=7".into(),
+        "rollout.prompts_per_step=6".into(),
+        "rollout.group_size=4".into(),
+        "rollout.max_new_tokens=16".into(),
+        "eval.every=0".into(),
+        "checkpoint.every=0".into(),
+    ]
+    .into_iter()
+    .chain(extra.iter().cloned())
+    {
+        args.push("--set".into());
+        args.push(s);
+    }
+    args
+}
+
+fn fleet_settings(root: &Path, urls: &[String]) -> Vec<String> {
+    let list: Vec<String> = urls.iter().map(|u| format!("\"{u}\"")).collect();
+    vec![
+        "rollout.backend=sglang".into(),
+        format!("rollout.urls=[{}]", list.join(", ")),
+        format!("rollout.sync_dir={}", root.join("sync").display()),
+        "rollout.request_timeout_s=60".into(),
+    ]
+}
+
+fn train(args: &[String]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_r3"))
+        .args(args)
+        .output()
+        .expect("run r3 train")
+}
+
+fn metrics(run: &Path) -> Vec<Value> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .expect("metrics.jsonl")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("metrics line"))
+        .collect()
+}
+
+fn assert_ok(out: &Output) {
+    assert!(
+        out.status.success(),
+        "r3 train failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn two_workers_reach_the_engines_metrics_and_end_at_the_last_version() {
+    let scratch = Scratch::new("same");
+    let root = &scratch.0;
+    let model = model_copy(root);
+    let workers = [
+        Worker::start(&model, free_port()),
+        Worker::start(&model, free_port()),
+    ];
+    let urls: Vec<String> = workers.iter().map(Worker::url).collect();
+
+    let engine_run = root.join("engine");
+    assert_ok(&train(&train_args(&model, &engine_run, &[])));
+    let fleet_run = root.join("fleet");
+    let out = train(&train_args(
+        &model,
+        &fleet_run,
+        &fleet_settings(root, &urls),
+    ));
+    assert_ok(&out);
+
+    let (want, got) = (metrics(&engine_run), metrics(&fleet_run));
+    assert_eq!((want.len(), got.len()), (3, 3));
+    for (w, g) in want.iter().zip(&got) {
+        let step = &g["step"];
+        for key in [
+            "reward_mean",
+            "accuracy",
+            "response_len_mean",
+            "stop_frac",
+            "groups_kept",
+        ] {
+            assert_eq!(w[key], g[key], "step {step}: {key}");
+        }
+        assert_eq!(g["replay.verified_frac"], 1.0, "step {step}");
+        let (kw, kg) = (
+            w["mismatch.k3_kl"].as_f64().expect("engine k3"),
+            g["mismatch.k3_kl"].as_f64().expect("fleet k3"),
+        );
+        // Same tokens; the log-probs may differ in the last bits with the worker's batching.
+        assert!(
+            (kw - kg).abs() <= 1e-6 + 1e-3 * kw.abs(),
+            "step {step}: k3 {kw} vs {kg}"
+        );
+        assert_eq!(g["rollout.retries"], 0, "step {step}");
+        assert_eq!(g["rollout.workers_up"], 2, "step {step}");
+        assert_eq!(g["rollout.stale_frac"], 0.0, "step {step}");
+    }
+    for w in &workers {
+        assert_eq!(w.weight_version().as_deref(), Some("3"), "{}", w.url());
+    }
+    // Old sync directories are pruned: the newest two remain.
+    let mut kept: Vec<String> = std::fs::read_dir(root.join("sync"))
+        .expect("sync dir")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    kept.sort();
+    assert_eq!(kept, vec!["step_2", "step_3"]);
+}
+
+#[test]
+fn a_worker_killed_mid_run_costs_retries_not_trajectories_and_rejoins() {
+    let scratch = Scratch::new("kill");
+    let root = &scratch.0;
+    let model = model_copy(root);
+    let mut workers = [
+        Worker::start(&model, free_port()),
+        Worker::start(&model, free_port()),
+    ];
+    let urls: Vec<String> = workers.iter().map(Worker::url).collect();
+    let run = root.join("run");
+    // More steps and longer responses, so the kill lands while requests are in flight.
+    let mut settings = fleet_settings(root, &urls);
+    settings.extend(["steps=4".to_string(), "rollout.max_new_tokens=40".into()]);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_r3"))
+        .args(train_args(&model, &run, &settings))
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(root.join("train.log")).expect("log file"))
+        .spawn()
+        .expect("spawn r3 train");
+    // Kill worker 1 once step 1 is logged (step 2's rollout is then running).
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while !run.join("metrics.jsonl").exists()
+        || std::fs::read_to_string(run.join("metrics.jsonl"))
+            .map(|t| t.lines().count())
+            .unwrap_or(0)
+            < 1
+    {
+        assert!(Instant::now() < deadline, "step 1 never finished");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let killed_port = workers[1].port;
+    workers[1].kill();
+    // Back after a moment, with the base weights: the next sync or probe must bring it to
+    // the trainer's version before it gets requests again.
+    std::thread::sleep(Duration::from_millis(300));
+    workers[1] = Worker::start(&model, killed_port);
+    let status = child.wait().expect("wait r3 train");
+    let stderr = std::fs::read_to_string(root.join("train.log")).unwrap_or_default();
+    assert!(status.success(), "r3 train failed:\n{stderr}");
+
+    let lines = metrics(&run);
+    assert_eq!(lines.len(), 4);
+    let retries: u64 = lines
+        .iter()
+        .map(|m| m["rollout.retries"].as_u64().expect("retries"))
+        .sum();
+    let up: Vec<u64> = lines
+        .iter()
+        .map(|m| m["rollout.workers_up"].as_u64().expect("workers_up"))
+        .collect();
+    eprintln!("retries {retries}, workers up per step {up:?}");
+    assert_eq!(up[0], 2);
+    assert!(retries > 0, "requests to the killed worker were retried");
+    assert_eq!(up[3], 2, "the restarted worker rejoined");
+    for m in &lines {
+        assert_eq!(m["replay.verified_frac"], 1.0);
+        // Every step trained on exactly prompts x group trajectories: the groups add up.
+        let groups =
+            m["groups_kept"].as_u64().unwrap_or(0) + m["groups_dropped"].as_u64().unwrap_or(0);
+        assert_eq!(groups, 6, "step {}", m["step"]);
+    }
+    for w in &workers {
+        assert_eq!(w.weight_version().as_deref(), Some("4"), "{}", w.url());
+    }
+}

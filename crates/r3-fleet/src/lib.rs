@@ -1,0 +1,17 @@
+//! Rollouts from a fleet of SGLang-compatible servers (`r3 serve` workers, real SGLang, or
+//! an sglang-router in front of them) for the r3 trainer: the `/generate` wire format with
+//! checked decoding of log-probs and routed experts ([`wire`]), a pooled async HTTP client
+//! ([`http`]), least-outstanding-requests balancing ([`pool`]), and the fleet itself with
+//! retries, weight sync and rejoining workers ([`fleet`]).
+
+pub mod config;
+pub mod error;
+pub mod fleet;
+pub mod http;
+pub mod pool;
+pub mod wire;
+
+pub use config::{FleetConfig, ModelFacts};
+pub use error::{FleetError, Result};
+pub use fleet::{Fleet, RolloutStats};
+pub use pool::{WorkerPool, WorkerSlot};

@@ -1,0 +1,345 @@
+//! The fleet client against a real r3 server (in-process, 127.0.0.1) and a fake worker
+//! that answers with a corrupted copy of the real server's reply: wrong row count, an
+//! expert id out of range, a stale weight version, truncated base64, a log-prob for
+//! another token, HTTP 500. Each is refused with an error naming the problem; with a good
+//! worker beside it the request is retried there and the result equals the good
+//! worker's; alone, the bad worker makes the batch fail, never a wrong route table.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use base64::Engine as _;
+use r3_fleet::wire::{decode_reply, generate_body};
+use r3_fleet::{Fleet, FleetConfig, FleetError, ModelFacts};
+use r3_rollout::server::{build_app, serve, ServerConfig};
+use r3_rollout::{Engine, EngineConfig, GenerateRequest, SamplingParams};
+use r3_routing::LayerLayout;
+use serde_json::{json, Value};
+
+fn model_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/arith-moe")
+}
+
+/// The shipped model's facts, read from its config.json (4 MoE layers, 8 experts, top-2).
+fn facts() -> ModelFacts {
+    let text = std::fs::read_to_string(model_dir().join("config.json")).expect("config.json");
+    let cfg: Value = serde_json::from_str(&text).expect("config json");
+    let layers = cfg["num_hidden_layers"].as_u64().expect("layers") as usize;
+    ModelFacts {
+        vocab_size: cfg["vocab_size"].as_u64().expect("vocab") as usize,
+        layout: LayerLayout::all_moe(layers),
+        top_k: cfg["num_experts_per_tok"].as_u64().expect("top_k") as usize,
+        num_experts: cfg["num_experts"].as_u64().expect("experts") as usize,
+    }
+}
+
+fn request() -> GenerateRequest {
+    let sampling = SamplingParams {
+        temperature: 1.0,
+        max_new_tokens: 8,
+        stop_token_ids: vec![2],
+        seed: 11,
+        ..SamplingParams::default()
+    };
+    GenerateRequest::new(vec![1, 5, 9, 4, 12, 3], sampling)
+}
+
+/// A server on 127.0.0.1 with its own runtime; stops on drop.
+struct Server {
+    url: String,
+    runtime: tokio::runtime::Runtime,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl Server {
+    fn start(router: Router) -> Self {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let listener = runtime
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .expect("bind");
+        let url = format!("http://{}", listener.local_addr().expect("addr"));
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        runtime.spawn(async move {
+            let _ = serve(listener, router, async {
+                let _ = rx.await;
+            })
+            .await;
+        });
+        Server {
+            url,
+            runtime,
+            stop: Some(tx),
+        }
+    }
+
+    fn real() -> Self {
+        let engine = Engine::from_dir(&model_dir(), EngineConfig::default()).expect("engine");
+        let app = build_app(engine, None, ServerConfig::default()).expect("app");
+        Self::start(app.router)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        let _ = &self.runtime;
+    }
+}
+
+/// What the fake worker answers to `/generate`, and its weight version.
+#[derive(Clone)]
+struct Fake {
+    reply: Arc<Mutex<(StatusCode, Value)>>,
+    version: Arc<Mutex<String>>,
+}
+
+async fn fake_generate(State(f): State<Fake>) -> (StatusCode, Json<Value>) {
+    let (status, body) = f.reply.lock().expect("lock").clone();
+    (status, Json(body))
+}
+
+async fn fake_update(State(f): State<Fake>, Json(body): Json<Value>) -> Json<Value> {
+    let v = body["weight_version"].as_str().unwrap_or("?").to_string();
+    *f.version.lock().expect("lock") = v.clone();
+    Json(json!({"success": true, "weight_version": v}))
+}
+
+async fn fake_version(State(f): State<Fake>) -> Json<Value> {
+    Json(json!({"weight_version": f.version.lock().expect("lock").clone()}))
+}
+
+fn fake_server(status: StatusCode, reply: Value) -> Server {
+    let fake = Fake {
+        reply: Arc::new(Mutex::new((status, reply))),
+        version: Arc::new(Mutex::new("default".into())),
+    };
+    let ok = || async { Json(json!({"success": true})) };
+    let router = Router::new()
+        .route("/generate", post(fake_generate))
+        .route("/health", get(|| async { Json(json!({})) }))
+        .route("/pause_generation", post(ok))
+        .route("/continue_generation", post(ok))
+        .route("/update_weights_from_disk", post(fake_update))
+        .route("/get_weight_version", get(fake_version))
+        .with_state(fake);
+    Server::start(router)
+}
+
+fn fleet(urls: Vec<String>, max_staleness: u64) -> Fleet {
+    let cfg = FleetConfig {
+        urls,
+        max_in_flight: 4,
+        request_timeout: Duration::from_secs(30),
+        max_retries: 2,
+        api_key: None,
+        max_staleness,
+    };
+    Fleet::new(cfg, facts()).expect("fleet")
+}
+
+/// The real server's reply to [`request`] at weight version 1.
+fn genuine_reply(real: &Server) -> Value {
+    let mut f = fleet(vec![real.url.clone()], 0);
+    f.sync(&model_dir(), 1).expect("sync real server");
+    let client_rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let client = r3_fleet::http::JsonClient::new(None);
+    client_rt
+        .block_on(client.post(
+            &format!("{}/generate", real.url),
+            &generate_body(&request(), "genuine"),
+            Duration::from_secs(30),
+        ))
+        .expect("genuine reply")
+}
+
+fn b64_bytes(reply: &Value) -> Vec<u8> {
+    let s = reply["meta_info"]["routed_experts"]
+        .as_str()
+        .expect("routes");
+    base64::engine::general_purpose::STANDARD
+        .decode(s)
+        .expect("base64")
+}
+
+fn with_routes(reply: &Value, bytes: &[u8]) -> Value {
+    let mut v = reply.clone();
+    v["meta_info"]["routed_experts"] =
+        Value::String(base64::engine::general_purpose::STANDARD.encode(bytes));
+    v
+}
+
+/// Corrupted copies of `good`, each with the words its error must contain.
+fn corruptions(good: &Value) -> Vec<(&'static str, Value, &'static str)> {
+    let f = facts();
+    let row = f.layout.num_hidden_layers() * f.top_k * 4;
+    let bytes = b64_bytes(good);
+    let mut out = Vec::new();
+    out.push((
+        "one row short",
+        with_routes(good, &bytes[..bytes.len() - row]),
+        "rows",
+    ));
+    let mut big = bytes.clone();
+    big[..4].copy_from_slice(&(f.num_experts as i32).to_le_bytes());
+    out.push((
+        "expert id out of range",
+        with_routes(good, &big),
+        "routed_experts",
+    ));
+    let mut truncated = good.clone();
+    let s = good["meta_info"]["routed_experts"]
+        .as_str()
+        .expect("routes");
+    truncated["meta_info"]["routed_experts"] = Value::String(s[..s.len() - 3].to_string());
+    out.push(("truncated base64", truncated, "routed_experts"));
+    let mut lp = good.clone();
+    lp["meta_info"]["output_token_logprobs"][0][1] = json!(22);
+    if good["output_ids"][0] == json!(22) {
+        lp["meta_info"]["output_token_logprobs"][0][1] = json!(21);
+    }
+    out.push(("log-prob of another token", lp, "output_token_logprobs[0]"));
+    let mut stale = good.clone();
+    stale["meta_info"]["weight_version"] = json!("0");
+    out.push(("stale weight version", stale, "weight version 0"));
+    let mut vocab = good.clone();
+    vocab["output_ids"][0] = json!(f.vocab_size);
+    out.push(("token id out of the vocabulary", vocab, "output_ids[0]"));
+    out
+}
+
+#[test]
+fn the_genuine_reply_decodes_to_the_engines_routes() {
+    let real = Server::real();
+    let good = genuine_reply(&real);
+    let reply = decode_reply("real", &good, &request(), &facts()).expect("decode");
+    let r = &reply.result;
+    assert_eq!(reply.version, 1);
+    let table = r.routes.as_ref().expect("routes");
+    assert_eq!(
+        table.num_tokens(),
+        request().input_ids.len() + r.output_ids.len() - 1
+    );
+    assert_eq!(r.output_logprobs.len(), r.output_ids.len());
+    // The same request to the in-process engine gives the same tokens and routes.
+    let mut engine = Engine::from_dir(&model_dir(), EngineConfig::default()).expect("engine");
+    let want = engine.generate(vec![request()]).expect("engine").remove(0);
+    assert_eq!(want.output_ids, r.output_ids);
+    let want_routes = want.routes.expect("engine routes");
+    for t in 0..table.num_tokens() {
+        for c in 0..table.num_columns() {
+            assert_eq!(
+                want_routes.experts(t, c),
+                table.experts(t, c),
+                "row {t} col {c}"
+            );
+        }
+    }
+}
+
+#[test]
+fn every_corrupted_reply_is_refused_with_a_reason() {
+    let real = Server::real();
+    let good = genuine_reply(&real);
+    for (what, bad, words) in corruptions(&good) {
+        let err = match decode_reply("fake", &bad, &request(), &facts()) {
+            Ok(r) if what == "stale weight version" => {
+                // Decoding is fine; the fleet's version check refuses it (below).
+                assert_eq!(r.version, 0);
+                continue;
+            }
+            Ok(_) => panic!("{what}: accepted"),
+            Err(e) => e.to_string(),
+        };
+        assert!(err.contains(words), "{what}: {err}");
+    }
+}
+
+#[test]
+fn a_bad_worker_is_retried_on_a_good_one_and_alone_fails_the_batch() {
+    let real = Server::real();
+    let good = genuine_reply(&real);
+    let mut cases = corruptions(&good);
+    cases.push((
+        "HTTP 500",
+        json!({"error": {"message": "boom"}}),
+        "HTTP 500",
+    ));
+    for (what, bad, words) in cases {
+        let status = if what == "HTTP 500" {
+            StatusCode::INTERNAL_SERVER_ERROR
+        } else {
+            StatusCode::OK
+        };
+        let fake = fake_server(status, bad);
+        // Fake first: ties in load go to the lowest index, so it gets the first attempt.
+        let mut f = fleet(vec![fake.url.clone(), real.url.clone()], 0);
+        f.sync(&model_dir(), 1).expect("sync");
+        let (results, stats) = f.generate(vec![request()]).expect(what);
+        assert_eq!(results.len(), 1, "{what}");
+        assert_eq!(stats.retries, 1, "{what}");
+        assert_eq!(stats.workers_up, 1, "{what}: the bad worker is out");
+        let want = decode_reply("real", &good, &request(), &facts()).expect("good");
+        assert_eq!(results[0].output_ids, want.result.output_ids, "{what}");
+        assert_eq!(results[0].routes, want.result.routes, "{what}");
+
+        let mut alone = fleet(vec![fake.url.clone()], 0);
+        alone.sync(&model_dir(), 1).expect("sync");
+        let err = alone.generate(vec![request()]).expect_err(what);
+        let text = err.to_string();
+        assert!(
+            matches!(
+                err,
+                FleetError::NoWorkers { .. } | FleetError::RetriesExhausted { .. }
+            ),
+            "{what}: {text}"
+        );
+        assert!(text.contains(words), "{what}: {text}");
+    }
+}
+
+#[test]
+fn a_reply_within_max_staleness_is_accepted_and_counted() {
+    let real = Server::real();
+    let good = genuine_reply(&real);
+    let mut old = good.clone();
+    old["meta_info"]["weight_version"] = json!("1");
+    let fake = fake_server(StatusCode::OK, old);
+    let mut f = fleet(vec![fake.url.clone()], 1);
+    f.sync(&model_dir(), 2).expect("sync");
+    let (results, stats) = f.generate(vec![request(), request()]).expect("stale ok");
+    assert_eq!(results.len(), 2);
+    assert_eq!((stats.stale, stats.retries), (2, 0));
+    assert_eq!(stats.stale_frac(), 1.0);
+    let table = results[0].routes.as_ref().expect("routes");
+    assert!(
+        table.versions().is_some_and(|v| v.iter().all(|&x| x == 1)),
+        "rows keep their version"
+    );
+}
+
+#[test]
+fn no_reachable_worker_is_one_clear_error() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("port")
+        .port();
+    let mut f = fleet(vec![format!("http://127.0.0.1:{port}")], 0);
+    let err = f.sync(&model_dir(), 1).expect_err("nothing listens");
+    let text = err.to_string();
+    assert!(matches!(err, FleetError::NoWorkers { .. }), "{text}");
+    assert!(text.contains(&format!("127.0.0.1:{port}")), "{text}");
+}

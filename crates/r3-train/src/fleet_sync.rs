@@ -1,0 +1,207 @@
+//! The trainer's side of a rollout fleet (`rollout.backend = "sglang"`): connecting to the
+//! workers, writing the policy's weights as an HF checkpoint under `rollout.sync_dir`
+//! (temporary directory, then an atomic rename to `step_<N>`), moving every worker to
+//! weight version N, pruning old sync directories, and the step's fleet metrics.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use r3_fleet::{Fleet, FleetConfig, ModelFacts, RolloutStats};
+
+use crate::config::{RolloutBackend, TrainConfig};
+use crate::error::{Result, TrainError};
+use crate::metrics_log::StepMetrics;
+use crate::policy::TrainablePolicy;
+use crate::trainer::Trainer;
+
+const STEP_PREFIX: &str = "step_";
+const TMP_PREFIX: &str = ".tmp-";
+/// Sync directory name under the run directory when `rollout.sync_dir` is empty.
+pub const DEFAULT_SYNC_DIR: &str = "rollout_sync";
+
+/// The fleet and where its weights are written.
+#[derive(Debug)]
+pub struct FleetRollout {
+    /// The HTTP client side of the workers.
+    pub fleet: Fleet,
+    /// Absolute directory holding `step_<N>/` checkpoints the workers load.
+    pub sync_dir: PathBuf,
+    /// Sync directories kept (the current one and those replies may still come from).
+    keep: usize,
+    /// What the last rollout batch cost (retries, stale replies, workers up).
+    pub last: RolloutStats,
+}
+
+impl FleetRollout {
+    /// Connects to the workers of `cfg.rollout` and brings them all to the policy's
+    /// weights as version `step`; `None` for the in-process engine backend.
+    pub fn connect(
+        cfg: &TrainConfig,
+        policy: &TrainablePolicy,
+        tokenizer: &r3_tasks::CharTokenizer,
+        step: u64,
+    ) -> Result<Option<Self>> {
+        let r = &cfg.rollout;
+        if r.backend == RolloutBackend::Engine {
+            return Ok(None);
+        }
+        let model = policy.config();
+        let moe = model
+            .moe
+            .as_ref()
+            .ok_or_else(|| TrainError::InvalidConfig {
+                field: "rollout.backend",
+                reason: "the sglang backend needs an MoE model (routes to replay)".into(),
+            })?;
+        let facts = ModelFacts {
+            vocab_size: model.vocab_size,
+            layout: model.layout.clone(),
+            top_k: moe.top_k,
+            num_experts: moe.num_experts,
+        };
+        let fleet_cfg = FleetConfig {
+            urls: r.urls.clone(),
+            max_in_flight: r.max_in_flight,
+            request_timeout: Duration::from_secs_f64(r.request_timeout_s),
+            max_retries: r.max_retries,
+            api_key: (!r.api_key.is_empty()).then(|| r.api_key.clone()),
+            max_staleness: r.max_staleness,
+        };
+        let sync_dir = if r.sync_dir.as_os_str().is_empty() {
+            cfg.run_dir.join(DEFAULT_SYNC_DIR)
+        } else {
+            r.sync_dir.clone()
+        };
+        std::fs::create_dir_all(&sync_dir).map_err(TrainError::io(&sync_dir))?;
+        // Workers resolve the path themselves, maybe from another working directory.
+        let sync_dir = sync_dir.canonicalize().map_err(TrainError::io(&sync_dir))?;
+        let mut this = FleetRollout {
+            fleet: Fleet::new(fleet_cfg, facts)?,
+            sync_dir,
+            keep: 2 + r.max_staleness as usize,
+            last: RolloutStats::default(),
+        };
+        this.push(policy, tokenizer, step)?;
+        tracing::info!(
+            workers = this.fleet.workers_up(),
+            version = step,
+            "rollout fleet ready"
+        );
+        Ok(Some(this))
+    }
+
+    /// Writes the weights as `step_<version>` and loads them on every worker.
+    pub fn push(
+        &mut self,
+        policy: &TrainablePolicy,
+        tokenizer: &r3_tasks::CharTokenizer,
+        version: u64,
+    ) -> Result<()> {
+        let dir = write_sync_checkpoint(&self.sync_dir, policy, tokenizer, version)?;
+        self.fleet.sync(&dir, version)?;
+        prune_sync_dirs(&self.sync_dir, self.keep)
+    }
+
+    /// Adds the last batch's `rollout.*` metrics to a step's line.
+    pub fn fill_metrics(&self, m: &mut StepMetrics) {
+        m.rollout_retries = Some(self.last.retries);
+        m.rollout_stale_frac = Some(self.last.stale_frac());
+        m.rollout_workers_up = Some(self.last.workers_up as u64);
+    }
+}
+
+impl Trainer {
+    /// Moves the fleet (if any) to the policy's current weights as version `version`;
+    /// returns seconds taken.
+    pub fn sync_fleet(&mut self, version: u64) -> Result<f64> {
+        let t = Instant::now();
+        if let Some(f) = self.fleet.as_mut() {
+            f.push(&self.policy, &self.tokenizer, version)?;
+        }
+        Ok(t.elapsed().as_secs_f64())
+    }
+}
+
+/// Writes an HF checkpoint of `policy` (config, safetensors, tokenizer) as
+/// `root/step_<version>`, atomically: a half-written directory never carries that name.
+pub fn write_sync_checkpoint(
+    root: &Path,
+    policy: &TrainablePolicy,
+    tokenizer: &r3_tasks::CharTokenizer,
+    version: u64,
+) -> Result<PathBuf> {
+    let name = format!("{STEP_PREFIX}{version}");
+    let tmp = root.join(format!("{TMP_PREFIX}{name}"));
+    let dest = root.join(&name);
+    for stale in [&tmp, &dest] {
+        if stale.exists() {
+            std::fs::remove_dir_all(stale).map_err(TrainError::io(stale))?;
+        }
+    }
+    std::fs::create_dir_all(&tmp).map_err(TrainError::io(&tmp))?;
+    policy.save_hf(&tmp)?;
+    tokenizer.save(&tmp.join("tokenizer.json"))?;
+    std::fs::rename(&tmp, &dest).map_err(TrainError::io(&dest))?;
+    Ok(dest)
+}
+
+/// Deletes all but the newest `keep` `step_<N>` directories under `root`.
+pub fn prune_sync_dirs(root: &Path, keep: usize) -> Result<()> {
+    let mut steps = Vec::new();
+    for entry in std::fs::read_dir(root).map_err(TrainError::io(root))? {
+        let entry = entry.map_err(TrainError::io(root))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if let Some(n) = name
+            .strip_prefix(STEP_PREFIX)
+            .and_then(|s| s.parse::<u64>().ok())
+        {
+            steps.push((n, entry.path()));
+        }
+    }
+    steps.sort();
+    let excess = steps.len().saturating_sub(keep);
+    for (_, dir) in steps.into_iter().take(excess) {
+        std::fs::remove_dir_all(&dir).map_err(TrainError::io(&dir))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pruning_keeps_the_newest_steps_by_number_and_ignores_other_entries() {
+        let root = std::env::temp_dir().join(format!("r3-sync-prune-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        for name in [
+            "step_2",
+            "step_9",
+            "step_10",
+            "step_11",
+            ".tmp-step_12",
+            "notes",
+        ] {
+            std::fs::create_dir_all(root.join(name)).expect("dir");
+        }
+        prune_sync_dirs(&root, 2).expect("prune");
+        let mut left: Vec<String> = std::fs::read_dir(&root)
+            .expect("read")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, vec![".tmp-step_12", "notes", "step_10", "step_11"]);
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    #[test]
+    fn the_engine_backend_connects_to_nothing() {
+        let cfg = TrainConfig::default();
+        let policy_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/arith-moe");
+        let policy = TrainablePolicy::load(&policy_dir).expect("policy");
+        let tokenizer =
+            r3_tasks::CharTokenizer::from_file(&policy_dir.join("tokenizer.json")).expect("tok");
+        let fleet = FleetRollout::connect(&cfg, &policy, &tokenizer, 0).expect("connect");
+        assert!(fleet.is_none());
+    }
+}
