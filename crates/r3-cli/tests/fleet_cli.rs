@@ -195,25 +195,20 @@ fn two_workers_reach_the_engines_metrics_and_end_at_the_last_version() {
     assert_eq!((want.len(), got.len()), (3, 3));
     for (w, g) in want.iter().zip(&got) {
         let step = &g["step"];
-        for key in [
-            "reward_mean",
-            "accuracy",
-            "response_len_mean",
-            "stop_frac",
-            "groups_kept",
-        ] {
-            assert_eq!(w[key], g[key], "step {step}: {key}");
+        // Every non-timing metric is bit-identical: each request carries its own seed and
+        // a worker's tokens, log-probs and routes do not depend on what it batches with.
+        for (key, value) in w.as_object().expect("metrics object") {
+            if key.starts_with("time.") || key.starts_with("throughput.") {
+                continue;
+            }
+            if key.starts_with("rollout.") {
+                assert!(value.is_null(), "step {step}: the engine run has no {key}");
+                continue;
+            }
+            assert_eq!(value, &g[key], "step {step}: {key}");
         }
         assert_eq!(g["replay.verified_frac"], 1.0, "step {step}");
-        let (kw, kg) = (
-            w["mismatch.k3_kl"].as_f64().expect("engine k3"),
-            g["mismatch.k3_kl"].as_f64().expect("fleet k3"),
-        );
-        // Same tokens; the log-probs may differ in the last bits with the worker's batching.
-        assert!(
-            (kw - kg).abs() <= 1e-6 + 1e-3 * kw.abs(),
-            "step {step}: k3 {kw} vs {kg}"
-        );
+        assert!(g["mismatch.k3_kl"].is_f64(), "step {step}: k3 measured");
         assert_eq!(g["rollout.retries"], 0, "step {step}");
         assert_eq!(g["rollout.workers_up"], 2, "step {step}");
         assert_eq!(g["rollout.stale_frac"], 0.0, "step {step}");
@@ -243,7 +238,11 @@ fn a_worker_killed_mid_run_costs_retries_not_trajectories_and_rejoins() {
     let run = root.join("run");
     // More steps and longer responses, so the kill lands while requests are in flight.
     let mut settings = fleet_settings(root, &urls);
-    settings.extend(["steps=4".to_string(), "rollout.max_new_tokens=40".into()]);
+    settings.extend([
+        "steps=4".to_string(),
+        "rollout.prompts_per_step=16".into(),
+        "rollout.max_new_tokens=40".into(),
+    ]);
     let mut child = Command::new(env!("CARGO_BIN_EXE_r3"))
         .args(train_args(&model, &run, &settings))
         .stdout(Stdio::null())
@@ -290,7 +289,7 @@ fn a_worker_killed_mid_run_costs_retries_not_trajectories_and_rejoins() {
         // Every step trained on exactly prompts x group trajectories: the groups add up.
         let groups =
             m["groups_kept"].as_u64().unwrap_or(0) + m["groups_dropped"].as_u64().unwrap_or(0);
-        assert_eq!(groups, 6, "step {}", m["step"]);
+        assert_eq!(groups, 16, "step {}", m["step"]);
     }
     for w in &workers {
         assert_eq!(w.weight_version().as_deref(), Some("4"), "{}", w.url());
