@@ -38,6 +38,15 @@ pub struct RolloutStats {
     pub results: usize,
     /// Workers up when the batch finished.
     pub workers_up: usize,
+    /// Client seconds spent checking and decoding parsed replies, summed over requests.
+    pub decode_s: f64,
+}
+
+/// Counters the request tasks of one batch add to.
+#[derive(Debug, Default)]
+struct Counters {
+    retries: AtomicU64,
+    decode_ns: AtomicU64,
 }
 
 impl RolloutStats {
@@ -234,8 +243,8 @@ impl Fleet {
         let n = requests.len();
         let shared = Arc::clone(&self.shared);
         let version = self.version;
-        let retries = Arc::new(AtomicU64::new(0));
-        let counter = Arc::clone(&retries);
+        let counters = Arc::new(Counters::default());
+        let counter = Arc::clone(&counters);
         let outcome = self.runtime.block_on(async move {
             let permits = Arc::new(Semaphore::new(shared.cfg.max_in_flight));
             let mut set = JoinSet::new();
@@ -285,10 +294,11 @@ impl Fleet {
             results.push(r);
         }
         let stats = RolloutStats {
-            retries: retries.load(Ordering::Relaxed),
+            retries: counters.retries.load(Ordering::Relaxed),
             stale,
             results: results.len(),
             workers_up: self.workers_up(),
+            decode_s: counters.decode_ns.load(Ordering::Relaxed) as f64 * 1e-9,
         };
         Ok((results, stats))
     }
@@ -312,7 +322,7 @@ async fn run_request(
     index: usize,
     req: &GenerateRequest,
     version: u64,
-    retries: &AtomicU64,
+    counters: &Counters,
 ) -> Result<(GenerateResult, bool)> {
     let rid = format!(
         "r3-train-{}-{index}",
@@ -337,7 +347,7 @@ async fn run_request(
             .post(&url, &body, shared.cfg.request_timeout)
             .await
         {
-            Ok(v) => decode_reply(&url, &v, req, &shared.model).and_then(|reply| {
+            Ok(v) => timed_decode(&url, &v, req, shared, counters).and_then(|reply| {
                 if reply.result.finish == r3_rollout::FinishReason::Abort {
                     return Err(FleetError::BadReply {
                         url: url.clone(),
@@ -363,11 +373,26 @@ async fn run_request(
                         last: Box::new(e),
                     });
                 }
-                retries.fetch_add(1, Ordering::Relaxed);
+                counters.retries.fetch_add(1, Ordering::Relaxed);
             }
             Err(e) => return Err(e),
         }
     }
+}
+
+/// [`decode_reply`], its time added to the batch's decode counter.
+fn timed_decode(
+    url: &str,
+    v: &Value,
+    req: &GenerateRequest,
+    shared: &Shared,
+    counters: &Counters,
+) -> Result<Reply> {
+    let started = std::time::Instant::now();
+    let decoded = decode_reply(url, v, req, &shared.model);
+    let ns = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    counters.decode_ns.fetch_add(ns, Ordering::Relaxed);
+    decoded
 }
 
 /// Pause, load `dir` as `version`, continue, and confirm the version on worker `w`.
