@@ -24,10 +24,10 @@ pub use error::{Result, TaskError};
 pub use math_answer::{extract_math_answer, math_equal, parse_number, AnswerSource, Rational};
 pub use problem::{Expression, Problem, Step};
 pub use reward::{
-    extract_answer, judge, CommandReward, Reward, RewardConfig, RewardFuncSpec, RewardInput, RewardKind,
-    RewardScore, RewardSpec, Verdict,
+    extract_answer, judge, CommandReward, Reward, RewardConfig, RewardFuncSpec, RewardInput,
+    RewardKind, RewardScore, RewardSpec, Verdict,
 };
 pub use supervised::{LossOn, SupervisedBatch, SupervisedBatches};
 pub use task::{ArithmeticTask, TrainStream};
-pub use word_problems::{gsm8k_style_splits, WordProblem};
 pub use tokenizer::{CharTokenizer, ALPHABET, BOS_ID, EOS_ID, PAD_ID};
+pub use word_problems::{gsm8k_style_splits, WordProblem};

@@ -3,8 +3,8 @@
 //! exact, an external command, weighted combinations).
 
 pub mod answers;
-pub mod command;
 pub mod combined;
+pub mod command;
 pub mod spec;
 
 pub use combined::{Reward, RewardInput, RewardScore};

@@ -15,7 +15,8 @@ use crate::dataset::{ChatMessage, DatasetRow, Prompt};
 /// `data_source` of the generated rows.
 pub const DATA_SOURCE: &str = "r3/gsm8k-style";
 /// The instruction verl's GSM8K preprocessing appends to every question.
-pub const INSTRUCTION: &str = "Let's think step by step and output the final answer after \"####\".";
+pub const INSTRUCTION: &str =
+    "Let's think step by step and output the final answer after \"####\".";
 /// Draws per wanted row before the question space is declared exhausted.
 const DRAWS_PER_ROW: usize = 50;
 

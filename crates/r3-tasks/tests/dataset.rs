@@ -98,14 +98,20 @@ fn every_malformed_row_kind_names_file_row_and_field() {
         (format!(r#"{{"prompt": null, {gt}}}"#), "prompt", "missing"),
         (format!(r#"{{"prompt": 5, {gt}}}"#), "prompt", "a number"),
         (format!(r#"{{"prompt": [], {gt}}}"#), "prompt", "empty list"),
-        (format!(r#"{{"prompt": ["hi"], {gt}}}"#), "prompt[0]", "a string"),
+        (
+            format!(r#"{{"prompt": ["hi"], {gt}}}"#),
+            "prompt[0]",
+            "a string",
+        ),
         (
             format!(r#"{{"prompt": [{{"content": "hi"}}], {gt}}}"#),
             "prompt[0].role",
             "missing",
         ),
         (
-            format!(r#"{{"prompt": [{{"role": "user", "content": "a"}}, {{"role": "user", "content": 3}}], {gt}}}"#),
+            format!(
+                r#"{{"prompt": [{{"role": "user", "content": "a"}}, {{"role": "user", "content": 3}}], {gt}}}"#
+            ),
             "prompt[1].content",
             "a number",
         ),
@@ -139,7 +145,10 @@ fn every_malformed_row_kind_names_file_row_and_field() {
         assert!(msg.contains(reason), "{reason}: {msg}");
     }
     let msg = error_of("{not json");
-    assert!(msg.contains("bad/train.jsonl") && msg.contains("row 1 (line 2)"), "{msg}");
+    assert!(
+        msg.contains("bad/train.jsonl") && msg.contains("row 1 (line 2)"),
+        "{msg}"
+    );
 }
 
 #[test]

@@ -32,7 +32,11 @@ fn math_reward_table() {
         ("#### 12,34", "1234", 0.0),
     ];
     for (response, truth, want) in cases {
-        assert_eq!(math_reward(response, truth), want, "{response:?} vs {truth:?}");
+        assert_eq!(
+            math_reward(response, truth),
+            want,
+            "{response:?} vs {truth:?}"
+        );
     }
 }
 
@@ -48,7 +52,11 @@ fn exact_reward_table() {
         ("", "", 1.0),
     ];
     for (response, truth, want) in cases {
-        assert_eq!(exact_reward(response, truth), want, "{response:?} vs {truth:?}");
+        assert_eq!(
+            exact_reward(response, truth),
+            want,
+            "{response:?} vs {truth:?}"
+        );
     }
 }
 
@@ -66,10 +74,7 @@ fn arith_reward_table_matches_the_builtin_rule() {
         assert_eq!(got, want, "{response:?} vs {truth:?}");
     }
     let err = arith_reward("#3", "3.5", 0.0, 4).expect_err("non-integer truth");
-    assert!(
-        matches!(err, TaskError::RewardRow { row: 4, .. }),
-        "{err}"
-    );
+    assert!(matches!(err, TaskError::RewardRow { row: 4, .. }), "{err}");
 }
 
 fn input<'a>(response: &'a str, truth: &'a str, extra: &'a Value) -> RewardInput<'a> {
@@ -135,13 +140,20 @@ fn command_reward_reads_one_json_object_per_line_and_one_score_back() {
     let extra = serde_json::json!({"index": 3});
     let inputs = [
         input("7", "7", &extra),
-        input("a longer response, with \"quotes\"\nand a newline", "8", &extra),
+        input(
+            "a longer response, with \"quotes\"\nand a newline",
+            "8",
+            &extra,
+        ),
     ];
     // The verifier answers each line's byte length: proves it got exactly one JSON object
     // per line, as serde_json writes it.
-    let lengths = sh("while IFS= read -r l; do printf '%s\\n' \"${#l}\"; done", 10_000)
-        .score_batch(&inputs)
-        .expect("lengths");
+    let lengths = sh(
+        "while IFS= read -r l; do printf '%s\\n' \"${#l}\"; done",
+        10_000,
+    )
+    .score_batch(&inputs)
+    .expect("lengths");
     let want: Vec<f32> = inputs
         .iter()
         .map(|i| serde_json::to_string(i).expect("json").len() as f32)
@@ -177,15 +189,24 @@ fn a_hanging_verifier_is_killed_at_the_timeout() {
     let t = Instant::now();
     let msg = command_error("sleep 30", 2, 300);
     assert!(msg.contains("timeout"), "{msg}");
-    assert!(t.elapsed() < Duration::from_secs(10), "returned after the timeout");
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "returned after the timeout"
+    );
 }
 
 #[test]
 fn garbage_or_non_finite_scores_name_the_row() {
     let msg = command_error("cat >/dev/null; echo 1; echo banana; echo 0", 3, 10_000);
-    assert!(msg.contains("batch row 1") && msg.contains("banana"), "{msg}");
+    assert!(
+        msg.contains("batch row 1") && msg.contains("banana"),
+        "{msg}"
+    );
     let msg = command_error("cat >/dev/null; echo NaN", 1, 10_000);
-    assert!(msg.contains("batch row 0") && msg.contains("finite"), "{msg}");
+    assert!(
+        msg.contains("batch row 0") && msg.contains("finite"),
+        "{msg}"
+    );
     let msg = command_error("cat >/dev/null; echo", 1, 10_000);
     assert!(msg.contains("0 score lines for 1 rows"), "{msg}");
 }

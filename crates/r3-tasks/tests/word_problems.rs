@@ -53,7 +53,11 @@ fn solutions_are_correct_and_end_in_the_answer() {
         assert_eq!(last, p.answer, "{}", p.solution);
         assert!(p.answer >= 0, "{}", p.question);
         assert!(p.solution.ends_with(&format!("\n#### {}", p.answer)));
-        assert!(p.solution.lines().count() >= 3, "several steps: {}", p.solution);
+        assert!(
+            p.solution.lines().count() >= 3,
+            "several steps: {}",
+            p.solution
+        );
         assert_eq!(math_reward(&p.solution, &p.answer.to_string()), 1.0);
         assert_eq!(
             math_reward(&format!("#### {}", p.answer + 1), &p.answer.to_string()),
@@ -61,7 +65,11 @@ fn solutions_are_correct_and_end_in_the_answer() {
         );
         questions.insert(p.question);
     }
-    assert!(questions.len() > 450, "varied: {} distinct", questions.len());
+    assert!(
+        questions.len() > 450,
+        "varied: {} distinct",
+        questions.len()
+    );
 }
 
 #[test]
@@ -86,8 +94,8 @@ fn written_parquet_reads_back_to_the_jsonl_rows() {
     let path = dir.join("train.parquet");
     write_parquet(&path, &train, "prompt").expect("write");
     let back = load_file(&path, "prompt").expect("read");
-    let via_jsonl = parse_jsonl(&to_jsonl(&train, "prompt"), Path::new("m.jsonl"), "prompt")
-        .expect("jsonl");
+    let via_jsonl =
+        parse_jsonl(&to_jsonl(&train, "prompt"), Path::new("m.jsonl"), "prompt").expect("jsonl");
     assert_eq!(back, via_jsonl);
     assert_eq!(back, train);
     std::fs::remove_dir_all(&dir).expect("cleanup");

@@ -60,10 +60,7 @@ fn extra_fields(rows: &[DatasetRow], path: &Path) -> Result<Vec<(String, ExtraTy
 
 /// Writes `rows` to `path`, prompt column named `prompt_key`.
 pub fn write_parquet(path: &Path, rows: &[DatasetRow], prompt_key: &str) -> Result<()> {
-    let messages = matches!(
-        rows.first().map(|r| &r.prompt),
-        Some(Prompt::Messages(_))
-    );
+    let messages = matches!(rows.first().map(|r| &r.prompt), Some(Prompt::Messages(_)));
     let extra = extra_fields(rows, path)?;
     let mut schema = String::from("message verl {\n  required binary data_source (UTF8);\n");
     if messages {
@@ -95,7 +92,10 @@ pub fn write_parquet(path: &Path, rows: &[DatasetRow], prompt_key: &str) -> Resu
         let (mut roles, mut contents, mut def, mut rep) = (vec![], vec![], vec![], vec![]);
         for (i, r) in rows.iter().enumerate() {
             let Prompt::Messages(m) = &r.prompt else {
-                return Err(write_err(path, format!("row {i}: prompts must all be messages")));
+                return Err(write_err(
+                    path,
+                    format!("row {i}: prompts must all be messages"),
+                ));
             };
             if m.is_empty() {
                 return Err(write_err(path, format!("row {i}: empty message list")));
@@ -113,13 +113,19 @@ pub fn write_parquet(path: &Path, rows: &[DatasetRow], prompt_key: &str) -> Resu
         let mut values = Vec::with_capacity(rows.len());
         for (i, r) in rows.iter().enumerate() {
             let Prompt::Text(t) = &r.prompt else {
-                return Err(write_err(path, format!("row {i}: prompts must all be text")));
+                return Err(write_err(
+                    path,
+                    format!("row {i}: prompts must all be text"),
+                ));
             };
             values.push(text(t));
         }
         columns.push(Column::Text(values, None));
     }
-    columns.push(Column::Text(rows.iter().map(|_| text("rule")).collect(), None));
+    columns.push(Column::Text(
+        rows.iter().map(|_| text("rule")).collect(),
+        None,
+    ));
     columns.push(Column::Text(
         rows.iter().map(|r| text(&r.ground_truth)).collect(),
         None,

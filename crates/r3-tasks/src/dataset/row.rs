@@ -154,7 +154,10 @@ impl DatasetRow {
             Prompt::Messages(m) => serde_json::json!(m),
         };
         let mut obj = serde_json::Map::new();
-        obj.insert("data_source".into(), Value::String(self.data_source.clone()));
+        obj.insert(
+            "data_source".into(),
+            Value::String(self.data_source.clone()),
+        );
         obj.insert(prompt_key.into(), prompt);
         obj.insert(
             "reward_model".into(),
@@ -177,7 +180,10 @@ fn parse_prompt(v: &Value, key: &str, at: RowLocation<'_>) -> Result<Prompt> {
                 let Value::Object(m) = item else {
                     return Err(at.error(
                         &format!("{key}[{i}]"),
-                        format!("is {}, expected a {{role, content}} object", type_name(item)),
+                        format!(
+                            "is {}, expected a {{role, content}} object",
+                            type_name(item)
+                        ),
                     ));
                 };
                 let text = |name: &str| match m.get(name) {

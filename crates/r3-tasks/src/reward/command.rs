@@ -160,7 +160,10 @@ fn parse_scores(stdout: &str, expected: usize, argv: &[String]) -> Result<Vec<f3
             Ok(v) if v.is_finite() => Ok(v as f32),
             _ => Err(TaskError::RewardRow {
                 row,
-                reason: format!("`{}` answered {line:?}, not a finite number", argv.join(" ")),
+                reason: format!(
+                    "`{}` answered {line:?}, not a finite number",
+                    argv.join(" ")
+                ),
             }),
         })
         .collect()

@@ -112,7 +112,10 @@ impl RewardSpec {
             }
             if f.kind == RewardKind::Command {
                 if f.command.is_empty() {
-                    return Err((field("command"), "kind = \"command\" needs a command".into()));
+                    return Err((
+                        field("command"),
+                        "kind = \"command\" needs a command".into(),
+                    ));
                 }
                 if !(f.timeout_s.is_finite() && f.timeout_s > 0.0) {
                     return Err((field("timeout_s"), format!("{} must be > 0", f.timeout_s)));
