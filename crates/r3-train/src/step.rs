@@ -109,21 +109,19 @@ impl Trainer {
         let mismatch = logp_mismatch(&train_lp, &data.rollout_lp)?;
         let sync_s = self.sync_weights()?;
         self.step = step;
-        Ok(finish_metrics(
-            step,
-            &cfg,
-            &data,
-            &updates,
-            mismatch.as_ref(),
-            sync_s,
-        ))
+        let mut metrics = finish_metrics(step, &cfg, &data, &updates, mismatch.as_ref(), sync_s);
+        if let Some(pos) = self.prompts.dataset_position() {
+            metrics.data_epoch = Some(pos.epoch);
+            metrics.data_filtered_prompts = Some(self.prompts.filtered() as u64);
+        }
+        Ok(metrics)
     }
 
     /// Rollout, rewards and advantages of step `step`.
     fn sample_step(&mut self, step: u64, cfg: &TrainConfig) -> Result<StepBatch> {
         let group = cfg.rollout.group_size;
         let t_rollout = Instant::now();
-        let problems = self.next_problems(cfg.rollout.prompts_per_step)?;
+        let prompts = self.next_prompts(cfg.rollout.prompts_per_step)?;
         let spec = SamplingSpec {
             group_size: group,
             max_new_tokens: cfg.rollout.max_new_tokens,
@@ -132,7 +130,7 @@ impl Trainer {
         let trajs = sample_groups(
             &mut self.engine,
             &self.tokenizer,
-            &problems,
+            &prompts,
             spec,
             &self.reward,
             cfg.seed,
