@@ -100,6 +100,54 @@ pub enum TaskError {
         /// The prompt of the offending problem.
         prompt: String,
     },
+    /// A dataset row that does not fit verl's schema.
+    #[error("{}: row {row}: field `{field}`: {reason}", path.display())]
+    DatasetRow {
+        /// The dataset file.
+        path: PathBuf,
+        /// 0-based row index in the file.
+        row: usize,
+        /// The field (dotted path, e.g. `reward_model.ground_truth`).
+        field: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A dataset line or record that cannot be decoded at all.
+    #[error("{}: row {row} (line {line}): {reason}", path.display())]
+    DatasetLine {
+        /// The dataset file.
+        path: PathBuf,
+        /// 0-based row index in the file.
+        row: usize,
+        /// 1-based line (JSONL) or record (Parquet) number.
+        line: usize,
+        /// The decoder's complaint.
+        reason: String,
+    },
+    /// A dataset file that cannot be read as a whole.
+    #[error("dataset {}: {reason}", path.display())]
+    DatasetRead {
+        /// The dataset file.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// A reward that could not score a row (bad ground truth, a verifier's bad answer).
+    #[error("reward: batch row {row}: {reason}")]
+    RewardRow {
+        /// 0-based row of the scored batch.
+        row: usize,
+        /// What went wrong.
+        reason: String,
+    },
+    /// An external verifier that failed as a whole (cannot start, crashed, timed out).
+    #[error("reward command `{command}`: {reason}")]
+    RewardCommand {
+        /// The command line.
+        command: String,
+        /// What went wrong.
+        reason: String,
+    },
     /// A batch request with zero rows.
     #[error("batch_size must be at least 1")]
     EmptyBatch,

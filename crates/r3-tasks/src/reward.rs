@@ -1,4 +1,15 @@
-//! Reading the answer out of a model completion and scoring it.
+//! Reading the answer out of a model completion and scoring it: the built-in arithmetic
+//! task's rule here, and the configurable rewards for datasets in the submodules (math,
+//! exact, an external command, weighted combinations).
+
+pub mod answers;
+pub mod combined;
+pub mod command;
+pub mod spec;
+
+pub use combined::{Reward, RewardInput, RewardScore};
+pub use command::CommandReward;
+pub use spec::{RewardFuncSpec, RewardKind, RewardSpec};
 
 use serde::{Deserialize, Serialize};
 

@@ -1,6 +1,7 @@
 //! Run checkpoints: `checkpoints/step_<N>/` holds an HF-layout model (`config.json`,
 //! `model.safetensors`, `tokenizer.json`), the AdamW moments (`optimizer.safetensors`) and
-//! `trainer_state.json` (step, optimiser step count, seed, task-stream RNG position).
+//! `trainer_state.json` (step, optimiser step count, seed, task-stream RNG position, and the
+//! dataset position — epoch and index — of a dataset run).
 //!
 //! A checkpoint is written into a temporary sibling directory and renamed into place, so
 //! a run killed mid-write never leaves a half checkpoint under a `step_<N>` name.
@@ -9,7 +10,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
-use r3_tasks::CharTokenizer;
+use r3_tasks::{CharTokenizer, DatasetPosition};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError};
@@ -38,6 +39,9 @@ pub struct TrainerState {
     pub stream_word_pos: String,
     /// File holding the optimiser moments, relative to the checkpoint.
     pub optimizer_file: String,
+    /// Position in the training dataset (absent for the built-in task).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dataset_position: Option<DatasetPosition>,
 }
 
 impl TrainerState {
@@ -175,5 +179,6 @@ pub fn state_at(step: u64, optimizer_steps: u64, seed: u64, word_pos: u128) -> T
         seed,
         stream_word_pos: word_pos.to_string(),
         optimizer_file: OPTIMIZER_FILE.to_string(),
+        dataset_position: None,
     }
 }

@@ -11,6 +11,7 @@ use crate::loss::{ClipRange, PolicyLossKind};
 use crate::overrides::{apply_overrides, merge_known};
 use crate::rollout_is::{IsConfig, IsLevel, IsMode};
 use crate::schedule::{LrDecay, LrSchedule};
+use r3_tasks::{RewardKind, RewardSpec};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -100,6 +101,10 @@ pub struct TrainConfig {
     pub eval: EvalConfig,
     /// Checkpointing.
     pub checkpoint: CheckpointConfig,
+    /// A user dataset (verl's RL schema); no training files = the built-in arithmetic task.
+    pub data: DataConfig,
+    /// The reward of a response (default: the arithmetic task's `arith` rule).
+    pub reward: RewardSpec,
 }
 
 /// The arithmetic task.
@@ -263,6 +268,8 @@ impl Default for TrainConfig {
             optim: OptimConfig::default(),
             eval: EvalConfig::default(),
             checkpoint: CheckpointConfig::default(),
+            data: DataConfig::default(),
+            reward: RewardSpec::default(),
         }
     }
 }
@@ -504,7 +511,7 @@ impl TrainConfig {
         if self.eval.temperature.is_nan() || self.eval.temperature < 0.0 {
             return bad("eval.temperature", "must be >= 0".into());
         }
-        Ok(())
+        self.validate_data_and_reward()
     }
 
     /// The clip range of the configured loss.
@@ -539,5 +546,105 @@ impl TrainConfig {
             decay: self.optim.lr_decay,
             min_lr_ratio: self.optim.min_lr_ratio,
         }
+    }
+}
+
+/// A user dataset in verl's RL schema (`[data]`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    /// Training files (`.jsonl` or `.parquet`), read in order; empty = the built-in
+    /// arithmetic task. Default empty.
+    pub train_files: Vec<PathBuf>,
+    /// Held-out files evaluated every `eval.every` steps (first `eval.size` rows, all when
+    /// 0). Default empty.
+    pub val_files: Vec<PathBuf>,
+    /// The column holding the prompt (messages or plain text). Default `prompt`.
+    pub prompt_key: String,
+    /// Longest prompt in tokens; longer rows are dropped and counted, never truncated;
+    /// 0 = no limit. Default 512.
+    pub max_prompt_length: usize,
+    /// Visit the rows of each epoch in a permutation seeded by `seed` and the epoch.
+    /// Default true.
+    pub shuffle: bool,
+    /// Passes over the training rows; the run ends early when they are done; 0 = as many
+    /// as `steps` needs. Default 0.
+    pub total_epochs: u64,
+    /// Render prompts with the tokenizer's chat template (with the generation prompt).
+    /// Default false.
+    pub apply_chat_template: bool,
+    /// System message put before each prompt (a `system` turn under the chat template, a
+    /// line of its own without). Default empty.
+    pub system_prompt: String,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        Self {
+            train_files: Vec::new(),
+            val_files: Vec::new(),
+            prompt_key: "prompt".into(),
+            max_prompt_length: 512,
+            shuffle: true,
+            total_epochs: 0,
+            apply_chat_template: false,
+            system_prompt: String::new(),
+        }
+    }
+}
+
+impl TrainConfig {
+    /// Whether the run trains on a user dataset rather than the built-in task.
+    pub fn uses_dataset(&self) -> bool {
+        !self.data.train_files.is_empty()
+    }
+
+    /// The steps the run will take: `steps`, or fewer when `data.total_epochs` runs out first.
+    pub fn total_steps(&self, train_rows: Option<usize>) -> u64 {
+        match (train_rows, self.data.total_epochs) {
+            (Some(rows), epochs) if epochs > 0 => {
+                let per_step = self.rollout.prompts_per_step as u64;
+                let available = (rows as u64).saturating_mul(epochs) / per_step.max(1);
+                self.steps.min(available)
+            }
+            _ => self.steps,
+        }
+    }
+
+    fn validate_data_and_reward(&self) -> Result<()> {
+        let bad =
+            |field: &'static str, reason: String| Err(TrainError::InvalidConfig { field, reason });
+        if !(0.0..1.0).contains(&self.task.format_reward) {
+            return bad(
+                "task.format_reward",
+                format!("{} must be in [0, 1)", self.task.format_reward),
+            );
+        }
+        if let Err((field, reason)) = self.reward.validate() {
+            return bad("reward", format!("{field}: {reason}"));
+        }
+        let d = &self.data;
+        if !self.uses_dataset() {
+            if !d.val_files.is_empty() {
+                return bad(
+                    "data.val_files",
+                    "set without data.train_files (the built-in task has its own eval set)".into(),
+                );
+            }
+            return Ok(());
+        }
+        if d.prompt_key.is_empty() {
+            return bad("data.prompt_key", "must not be empty".into());
+        }
+        if self.eval.every > 0 && d.val_files.is_empty() {
+            return bad(
+                "data.val_files",
+                "eval.every > 0 needs held-out files (or set eval.every = 0)".into(),
+            );
+        }
+        if self.reward.funcs.is_empty() && self.reward.kind == RewardKind::Arith {
+            tracing::warn!("a dataset with the default `arith` reward: set reward.kind (math, exact, command) unless its answers are `#N` integers");
+        }
+        Ok(())
     }
 }

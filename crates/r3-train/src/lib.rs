@@ -29,6 +29,7 @@ pub mod minibatch;
 pub mod policy;
 pub mod pretrain;
 pub mod pretrain_config;
+pub mod prompt_source;
 pub mod rl_loop;
 pub mod rollout;
 pub mod step;

@@ -117,6 +117,20 @@ pub struct StepMetrics {
     /// Held-out accuracy after this step's update (eval steps only).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub eval_accuracy: Option<f64>,
+    /// Dataset runs: the epoch the next prompt comes from.
+    #[serde(
+        rename = "data.epoch",
+        skip_serializing_if = "Option::is_none",
+        default
+    )]
+    pub data_epoch: Option<u64>,
+    /// Dataset runs: training prompts dropped at load for exceeding `data.max_prompt_length`.
+    #[serde(
+        rename = "data.filtered_prompts",
+        skip_serializing_if = "Option::is_none",
+        default
+    )]
+    pub data_filtered_prompts: Option<u64>,
 }
 
 impl StepMetrics {

@@ -111,7 +111,7 @@ impl Run {
     pub fn execute(&mut self, observer: &mut dyn Observer) -> Result<RunSummary> {
         let started = Instant::now();
         let t = &mut self.trainer;
-        let total = t.cfg.steps;
+        let total = t.total_steps();
         let first = t.step + 1;
         let mut metrics = JsonlWriter::append(&self.run_dir.join(METRICS_FILE))?;
         let mut evals_log = JsonlWriter::append(&self.run_dir.join(EVAL_FILE))?;

@@ -1,22 +1,24 @@
 //! Sampling trajectories with the rollout engine: G seeded samples per prompt, each with
-//! its rollout log-probs and routes, decoded and scored by the task's verifier; and greedy
-//! evaluation on the fixed held-out set.
+//! its rollout log-probs and routes, decoded and scored by the configured reward (one batch
+//! per step, so an external verifier starts once per step); and evaluation on the held-out
+//! prompts.
 
 use r3_model::ReplayRoutes;
 use r3_rollout::{Engine, FinishReason, GenerateRequest, GenerateResult, SamplingParams};
 use r3_routing::{LayerLayout, RouteTable};
-use r3_tasks::{judge, CharTokenizer, Problem, RewardConfig, Verdict, EOS_ID};
+use r3_tasks::{judge, CharTokenizer, Problem, Reward, RewardInput, Verdict, EOS_ID};
 
 use crate::error::{Result, TrainError};
 use crate::fleet_sync::FleetRollout;
 use crate::policy::ResponseBatch;
+use crate::prompt_source::PromptItem;
 
 /// One sampled response with everything the trainer needs from the rollout.
 #[derive(Debug, Clone)]
 pub struct Trajectory {
     /// Index of the prompt's group within the step.
     pub group: usize,
-    /// `<bos>` + prompt tokens.
+    /// Prompt tokens (`<bos>` first).
     pub prompt_ids: Vec<u32>,
     /// Generated tokens (including a final `<eos>` when it stopped).
     pub response_ids: Vec<u32>,
@@ -28,9 +30,9 @@ pub struct Trajectory {
     pub stopped: bool,
     /// The decoded completion (before `<eos>`).
     pub completion: String,
-    /// Verifier reward.
+    /// Reward of the response.
     pub reward: f32,
-    /// Whether the answer is exactly right.
+    /// Whether the reward's first function judged the response correct.
     pub correct: bool,
 }
 
@@ -140,7 +142,7 @@ pub fn sample_prompts_fleet(
     Ok(results)
 }
 
-/// Samples `spec.group_size` responses for every problem (group-major order), the seed of
+/// Samples `spec.group_size` responses for every prompt (group-major order), the seed of
 /// sample `j` of prompt `i` being `mix_seed([seed, step, i, j])`, and scores them. With a
 /// `fleet` the samples come from its workers, otherwise from `engine`.
 #[allow(clippy::too_many_arguments)]
@@ -148,42 +150,68 @@ pub fn sample_groups(
     engine: &mut Engine,
     fleet: Option<&mut FleetRollout>,
     tokenizer: &CharTokenizer,
-    problems: &[Problem],
+    items: &[PromptItem],
     spec: SamplingSpec,
-    reward: &RewardConfig,
+    reward: &Reward,
     seed: u64,
     step: u64,
 ) -> Result<Vec<Trajectory>> {
     let stop = stop_ids(engine);
-    let prompts = problems
-        .iter()
-        .map(|p| tokenizer.encode_prompt(&p.prompt))
-        .collect::<std::result::Result<Vec<_>, _>>()?;
+    let prompts: Vec<Vec<u32>> = items.iter().map(|p| p.ids.clone()).collect();
     let results = match fleet {
         None => sample_prompts(engine, &prompts, spec, &stop, seed, step)?,
         Some(fleet) => sample_prompts_fleet(fleet, &prompts, spec, &stop, seed, step)?,
     };
-    results
+    let completions = results
+        .iter()
+        .map(|r| tokenizer.decode_completion(&r.output_ids))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    let groups: Vec<usize> = (0..results.len()).map(|n| n / spec.group_size).collect();
+    let scores = score_responses(reward, items, &groups, &completions)?;
+    Ok(results
         .into_iter()
+        .zip(completions)
+        .zip(scores)
         .enumerate()
-        .map(|(n, r)| {
-            let group = n / spec.group_size;
-            let problem = &problems[group];
-            let completion = tokenizer.decode_completion(&r.output_ids)?;
-            let verdict = judge(&completion, problem.answer);
-            Ok(Trajectory {
+        .map(|(n, ((r, completion), score))| {
+            let group = groups[n];
+            Trajectory {
                 group,
                 prompt_ids: prompts[group].clone(),
                 stopped: matches!(r.finish, FinishReason::Stop { .. }),
                 response_ids: r.output_ids,
                 rollout_logp: r.output_logprobs,
                 routes: r.routes,
-                reward: reward.reward(verdict),
-                correct: verdict == Verdict::Correct,
+                reward: score.reward,
+                correct: score.correct,
                 completion,
-            })
+            }
         })
-        .collect()
+        .collect())
+}
+
+/// Scores `completions[n]`, the response to prompt `items[prompt_of[n]]`, in one batch.
+pub fn score_responses(
+    reward: &Reward,
+    items: &[PromptItem],
+    prompt_of: &[usize],
+    completions: &[String],
+) -> Result<Vec<r3_tasks::RewardScore>> {
+    let inputs: Vec<RewardInput<'_>> = completions
+        .iter()
+        .zip(prompt_of)
+        .map(|(c, &i)| {
+            let item = &items[i];
+            RewardInput {
+                prompt: &item.text,
+                response: c,
+                ground_truth: &item.ground_truth,
+                data_source: &item.data_source,
+                extra_info: &item.extra_info,
+            }
+        })
+        .collect();
+    Ok(reward.score_batch(&inputs)?)
 }
 
 /// The trajectories as a scoring batch (prompt + response, prompt lengths).
@@ -230,6 +258,53 @@ pub struct EvalResult {
     pub n: usize,
     /// Mean response length in tokens.
     pub response_len_mean: f64,
+}
+
+/// Answers every prompt once with the engine (greedy when `temperature == 0`) and reports
+/// the fraction the reward judges correct. Routes are not captured.
+pub fn evaluate_prompts(
+    engine: &mut Engine,
+    tokenizer: &CharTokenizer,
+    items: &[PromptItem],
+    reward: &Reward,
+    max_new_tokens: usize,
+    temperature: f32,
+    seed: u64,
+) -> Result<EvalResult> {
+    if items.is_empty() {
+        return Err(TrainError::EmptyEvalSet);
+    }
+    let stop = stop_ids(engine);
+    let requests = items
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let sampling = SamplingParams {
+                temperature,
+                max_new_tokens,
+                stop_token_ids: stop.clone(),
+                seed: mix_seed(&[seed, i as u64]),
+                ..SamplingParams::default()
+            };
+            let mut req = GenerateRequest::new(p.ids.clone(), sampling);
+            req.return_routes = false;
+            req
+        })
+        .collect::<Vec<_>>();
+    let results = engine.generate(requests)?;
+    let tokens: usize = results.iter().map(|r| r.output_ids.len()).sum();
+    let completions = results
+        .iter()
+        .map(|r| tokenizer.decode_completion(&r.output_ids))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    let prompt_of: Vec<usize> = (0..items.len()).collect();
+    let scores = score_responses(reward, items, &prompt_of, &completions)?;
+    let correct = scores.iter().filter(|s| s.correct).count();
+    Ok(EvalResult {
+        accuracy: correct as f64 / items.len() as f64,
+        n: items.len(),
+        response_len_mean: tokens as f64 / items.len() as f64,
+    })
 }
 
 /// Answers every problem once with the engine (greedy when `temperature == 0`) and

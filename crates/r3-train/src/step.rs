@@ -109,18 +109,22 @@ impl Trainer {
         let mismatch = logp_mismatch(&train_lp, &data.rollout_lp)?;
         let sync_s = self.sync_weights()? + self.sync_fleet(step)?;
         self.step = step;
-        let mut m = finish_metrics(step, &cfg, &data, &updates, mismatch.as_ref(), sync_s);
-        if let Some(f) = &self.fleet {
-            f.fill_metrics(&mut m);
+        let mut metrics = finish_metrics(step, &cfg, &data, &updates, mismatch.as_ref(), sync_s);
+        if let Some(pos) = self.prompts.dataset_position() {
+            metrics.data_epoch = Some(pos.epoch);
+            metrics.data_filtered_prompts = Some(self.prompts.filtered() as u64);
         }
-        Ok(m)
+        if let Some(f) = &self.fleet {
+            f.fill_metrics(&mut metrics);
+        }
+        Ok(metrics)
     }
 
     /// Rollout, rewards and advantages of step `step`.
     fn sample_step(&mut self, step: u64, cfg: &TrainConfig) -> Result<StepBatch> {
         let group = cfg.rollout.group_size;
         let t_rollout = Instant::now();
-        let problems = self.next_problems(cfg.rollout.prompts_per_step)?;
+        let prompts = self.next_prompts(cfg.rollout.prompts_per_step)?;
         let spec = SamplingSpec {
             group_size: group,
             max_new_tokens: cfg.rollout.max_new_tokens,
@@ -130,7 +134,7 @@ impl Trainer {
             &mut self.engine,
             self.fleet.as_mut(),
             &self.tokenizer,
-            &problems,
+            &prompts,
             spec,
             &self.reward,
             cfg.seed,

@@ -1,13 +1,14 @@
 //! The trainer's state: the resolved config, the trainable policy and its AdamW, the
-//! rollout engine holding the same weights, the task with its eval set and the position
-//! of the training-problem stream. Building it from a base model or a checkpoint, weight
-//! sync, evaluation and checkpoint writes live here; one RL step is in `step.rs`.
+//! rollout engine holding the same weights, the prompt source (the built-in task or a
+//! dataset) with its eval prompts and position, and the reward. Building it from a base
+//! model or a checkpoint, weight sync, evaluation and checkpoint writes live here; one RL
+//! step is in `step.rs`.
 
 use std::path::Path;
 use std::time::Instant;
 
 use r3_rollout::{Dtype, Engine, EngineConfig};
-use r3_tasks::{ArithmeticTask, CharTokenizer, Difficulty, Problem, RewardConfig};
+use r3_tasks::{CharTokenizer, Reward};
 
 use crate::checkpoint::{load_optimizer, save_checkpoint, state_at, TrainerState};
 use crate::config::TrainConfig;
@@ -15,7 +16,8 @@ use crate::error::{Result, TrainError};
 use crate::fleet_sync::FleetRollout;
 use crate::optim::{decay_matrices_only, AdamW, AdamWParams};
 use crate::policy::TrainablePolicy;
-use crate::rollout::{evaluate, EvalResult};
+use crate::prompt_source::{PromptItem, PromptSource};
+use crate::rollout::{evaluate_prompts, EvalResult};
 
 /// Everything one RL run mutates.
 #[derive(Debug)]
@@ -30,14 +32,12 @@ pub struct Trainer {
     pub engine: Engine,
     /// Character tokenizer of the model.
     pub tokenizer: CharTokenizer,
-    /// Problems and the held-out eval set.
-    pub task: ArithmeticTask,
-    /// Reward rule.
-    pub reward: RewardConfig,
+    /// Training and held-out prompts, and the position in them.
+    pub prompts: PromptSource,
+    /// Reward of a response.
+    pub reward: Reward,
     /// RL steps completed.
     pub step: u64,
-    /// Word position of the training-problem stream.
-    pub stream_pos: u128,
     /// The rollout fleet when `rollout.backend = "sglang"` (the engine then only evaluates).
     pub fleet: Option<FleetRollout>,
 }
@@ -99,20 +99,19 @@ impl Trainer {
             ..EngineConfig::default()
         };
         let engine = Engine::new(policy.config().clone(), &policy.tensor_map()?, engine_cfg)?;
-        let task = ArithmeticTask::new(
-            Difficulty::level(cfg.task.difficulty)?,
-            cfg.eval.size,
-            cfg.eval.seed,
-        )?;
-        let reward = RewardConfig {
-            format_reward: cfg.task.format_reward as f32,
-        };
-        let (step, stream_pos) = match resume {
+        let reward = Reward::from_spec(&cfg.reward, cfg.task.format_reward as f32);
+        let (step, prompts) = match resume {
             Some((dir, state)) => {
                 load_optimizer(dir, &state, &mut optimizer)?;
-                (state.step, state.word_pos()?)
+                let prompts = PromptSource::new(
+                    &cfg,
+                    &tokenizer,
+                    Some(state.word_pos()?),
+                    state.dataset_position,
+                )?;
+                (state.step, prompts)
             }
-            None => (0, task.train_stream(cfg.seed).word_pos()),
+            None => (0, PromptSource::new(&cfg, &tokenizer, None, None)?),
         };
         let fleet = FleetRollout::connect(&cfg, &policy, &tokenizer, step)?;
         Ok(Self {
@@ -121,21 +120,25 @@ impl Trainer {
             optimizer,
             engine,
             tokenizer,
-            task,
+            prompts,
             reward,
             step,
-            stream_pos,
             fleet,
         })
     }
 
-    /// The next `n` training problems of the seeded stream.
-    pub fn next_problems(&mut self, n: usize) -> Result<Vec<Problem>> {
-        let mut stream = self.task.train_stream(self.cfg.seed);
-        stream.set_word_pos(self.stream_pos);
-        let problems = stream.take_problems(n)?;
-        self.stream_pos = stream.word_pos();
-        Ok(problems)
+    /// The next `n` training prompts (the seeded problem stream, or the dataset's epoch order).
+    pub fn next_prompts(&mut self, n: usize) -> Result<Vec<PromptItem>> {
+        self.prompts.next_items(n, self.cfg.seed, &self.tokenizer)
+    }
+
+    /// The steps this run takes: `steps`, or fewer when `data.total_epochs` ends first.
+    pub fn total_steps(&self) -> u64 {
+        let rows = match &self.prompts {
+            PromptSource::Arithmetic { .. } => None,
+            PromptSource::Dataset { train, .. } => Some(train.items.len()),
+        };
+        self.cfg.total_steps(rows)
     }
 
     /// Pushes the policy's current weights into the rollout engine; returns seconds taken.
@@ -147,10 +150,12 @@ impl Trainer {
 
     /// Held-out accuracy of the engine's current weights (native routing, eval settings).
     pub fn evaluate(&mut self) -> Result<EvalResult> {
-        evaluate(
+        let items = self.prompts.eval_items(&self.tokenizer)?;
+        evaluate_prompts(
             &mut self.engine,
             &self.tokenizer,
-            self.task.eval_set(),
+            &items,
+            &self.reward,
             self.cfg.rollout.max_new_tokens,
             self.cfg.eval.temperature as f32,
             self.cfg.eval.seed,
@@ -159,12 +164,13 @@ impl Trainer {
 
     /// Writes a checkpoint of the current step into the run directory.
     pub fn save_checkpoint(&self, run_dir: &Path) -> Result<std::path::PathBuf> {
-        let state = state_at(
+        let mut state = state_at(
             self.step,
             self.optimizer.step_count(),
             self.cfg.seed,
-            self.stream_pos,
+            self.prompts.stream_pos(),
         );
+        state.dataset_position = self.prompts.dataset_position();
         save_checkpoint(
             run_dir,
             &self.policy,

@@ -10,6 +10,7 @@ mod bench_routes;
 mod bench_train;
 mod compare;
 mod cpu_time;
+mod data;
 mod fleet;
 mod forward;
 mod generate;
@@ -54,6 +55,10 @@ pub enum Command {
     Pretrain(pretrain::PretrainArgs),
     /// RL with router replay (disabled | R2 | R3); no arguments = the default experiment.
     Train(train::TrainArgs),
+    /// RL datasets: show rows as the trainer sees them (prompt, ids, reward); generate the
+    /// GSM8K-format word-problem dataset.
+    #[command(subcommand)]
+    Data(data::DataCommand),
     /// Generate with the rollout engine: output ids, log-probs and routes as JSON.
     Generate(generate::GenerateArgs),
     /// One training-engine forward pass: logits and recorded (or replayed) routes as JSON.
@@ -75,6 +80,7 @@ pub fn run(command: Command) -> anyhow::Result<()> {
         Command::Compare(a) => compare::run(a),
         Command::Pretrain(a) => pretrain::run(a),
         Command::Train(a) => train::run(a),
+        Command::Data(c) => data::run(c),
         Command::Forward(a) => forward::run(a),
         Command::Serve(a) => serve::run(a),
         Command::Fleet(a) => fleet::run(a),

@@ -79,7 +79,8 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         seed = cfg.seed,
         "training"
     );
-    let mut progress = RunProgress::new(step_bar(cfg.steps, a.no_progress, STEP_TEMPLATE)?);
+    let total = run.trainer.total_steps();
+    let mut progress = RunProgress::new(step_bar(total, a.no_progress, STEP_TEMPLATE)?);
     let summary = run.execute(&mut progress)?;
     progress.bar.finish();
     let first = summary.evals.first().map(|e| e.1);

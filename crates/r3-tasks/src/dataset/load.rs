@@ -1,0 +1,55 @@
+//! Loading dataset files by their extension (`.jsonl` / `.json` lines, `.parquet`).
+
+use super::jsonl::read_jsonl;
+use super::parquet_file::read_parquet;
+use super::row::DatasetRow;
+use crate::error::{Result, TaskError};
+use std::path::{Path, PathBuf};
+
+/// A dataset file format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DatasetFormat {
+    /// One JSON object per line.
+    Jsonl,
+    /// Apache Parquet.
+    Parquet,
+}
+
+impl DatasetFormat {
+    /// The format a file name says (`.jsonl`, `.json`, `.parquet`).
+    pub fn of(path: &Path) -> Result<Self> {
+        match path.extension().and_then(|e| e.to_str()) {
+            Some("jsonl") | Some("json") => Ok(DatasetFormat::Jsonl),
+            Some("parquet") => Ok(DatasetFormat::Parquet),
+            _ => Err(TaskError::DatasetRead {
+                path: path.to_path_buf(),
+                reason: "unknown dataset format: the name must end in .jsonl, .json or .parquet"
+                    .into(),
+            }),
+        }
+    }
+}
+
+/// Reads one dataset file.
+pub fn load_file(path: &Path, prompt_key: &str) -> Result<Vec<DatasetRow>> {
+    match DatasetFormat::of(path)? {
+        DatasetFormat::Jsonl => read_jsonl(path, prompt_key),
+        DatasetFormat::Parquet => read_parquet(path, prompt_key),
+    }
+}
+
+/// Reads and concatenates dataset files in order; a file without rows is an error.
+pub fn load_dataset(paths: &[PathBuf], prompt_key: &str) -> Result<Vec<DatasetRow>> {
+    let mut rows = Vec::new();
+    for path in paths {
+        let part = load_file(path, prompt_key)?;
+        if part.is_empty() {
+            return Err(TaskError::DatasetRead {
+                path: path.clone(),
+                reason: "holds no rows".into(),
+            });
+        }
+        rows.extend(part);
+    }
+    Ok(rows)
+}

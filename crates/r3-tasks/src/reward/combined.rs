@@ -1,0 +1,118 @@
+//! A configured reward: a weighted sum of reward functions evaluated on a batch of
+//! responses. The first function decides correctness (score >= 1), so an accuracy metric
+//! stays meaningful when format or length terms are added behind it.
+
+use serde::Serialize;
+use serde_json::Value;
+use std::time::Duration;
+
+use crate::error::Result;
+use crate::reward::answers::{arith_reward, exact_reward, math_reward};
+use crate::reward::command::CommandReward;
+use crate::reward::spec::{RewardKind, RewardSpec};
+
+/// What a reward function sees of one response (also the JSON a command verifier reads).
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct RewardInput<'a> {
+    /// The prompt as the model saw it (rendered text).
+    pub prompt: &'a str,
+    /// The decoded response.
+    pub response: &'a str,
+    /// The row's ground truth.
+    pub ground_truth: &'a str,
+    /// The row's data source.
+    pub data_source: &'a str,
+    /// The row's extra info.
+    pub extra_info: &'a Value,
+}
+
+/// The reward of one response.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RewardScore {
+    /// Weighted sum of the functions' scores.
+    pub reward: f32,
+    /// Whether the first function scored at least 1.
+    pub correct: bool,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum RewardFn {
+    Math,
+    Exact,
+    Arith { format_reward: f32 },
+    Command(CommandReward),
+}
+
+impl RewardFn {
+    fn score_batch(&self, inputs: &[RewardInput<'_>]) -> Result<Vec<f32>> {
+        match self {
+            RewardFn::Math => Ok(inputs
+                .iter()
+                .map(|i| math_reward(i.response, i.ground_truth))
+                .collect()),
+            RewardFn::Exact => Ok(inputs
+                .iter()
+                .map(|i| exact_reward(i.response, i.ground_truth))
+                .collect()),
+            RewardFn::Arith { format_reward } => inputs
+                .iter()
+                .enumerate()
+                .map(|(row, i)| arith_reward(i.response, i.ground_truth, *format_reward, row))
+                .collect(),
+            RewardFn::Command(c) => c.score_batch(inputs),
+        }
+    }
+}
+
+/// A weighted sum of reward functions.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reward {
+    funcs: Vec<(RewardFn, f32)>,
+}
+
+impl Reward {
+    /// The reward a `[reward]` section describes; `arith_format_reward` is the `arith`
+    /// rule's reward for a well-formed wrong answer.
+    pub fn from_spec(spec: &RewardSpec, arith_format_reward: f32) -> Self {
+        let funcs = spec
+            .resolved_funcs()
+            .into_iter()
+            .map(|f| {
+                let func = match f.kind {
+                    RewardKind::Math => RewardFn::Math,
+                    RewardKind::Exact => RewardFn::Exact,
+                    RewardKind::Arith => RewardFn::Arith {
+                        format_reward: arith_format_reward,
+                    },
+                    RewardKind::Command => RewardFn::Command(CommandReward {
+                        argv: f.command.clone(),
+                        timeout: Duration::from_secs_f64(f.timeout_s.max(0.0)),
+                    }),
+                };
+                (func, f.weight as f32)
+            })
+            .collect();
+        Self { funcs }
+    }
+
+    /// Scores a batch of responses, one score per input in order.
+    pub fn score_batch(&self, inputs: &[RewardInput<'_>]) -> Result<Vec<RewardScore>> {
+        let mut out = vec![
+            RewardScore {
+                reward: 0.0,
+                correct: false
+            };
+            inputs.len()
+        ];
+        for (k, (func, weight)) in self.funcs.iter().enumerate() {
+            let scores = func.score_batch(inputs)?;
+            for (o, s) in out.iter_mut().zip(scores) {
+                o.reward += weight * s;
+                if k == 0 {
+                    o.correct = s >= 1.0;
+                }
+            }
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,206 @@
+//! Datasets in verl's schema: JSONL and Parquet (written by pyarrow) load to the same rows,
+//! every malformed-row kind is an error naming file, row and field, and the epoch cursor
+//! visits every row once per epoch and resumes from its position.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+
+use r3_tasks::dataset::jsonl::{parse_jsonl, to_jsonl};
+use r3_tasks::dataset::load_file;
+use r3_tasks::{ChatMessage, DatasetCursor, DatasetPosition, Prompt, TaskError};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data")
+        .join(name)
+}
+
+#[test]
+fn jsonl_rows_follow_the_schema() {
+    let rows = load_file(&fixture("verl_rows.jsonl"), "prompt").expect("load");
+    assert_eq!(rows.len(), 3);
+    assert_eq!(
+        rows[0].prompt,
+        Prompt::Messages(vec![
+            ChatMessage {
+                role: "system".into(),
+                content: "Solve step by step.".into()
+            },
+            ChatMessage {
+                role: "user".into(),
+                content: "Tom has 3 apples and buys 4 more. How many?".into()
+            },
+        ])
+    );
+    assert_eq!(rows[0].ground_truth, "7");
+    assert_eq!(rows[0].data_source, "openai/gsm8k");
+    assert_eq!(
+        rows[0].extra_info,
+        serde_json::json!({"split": "train", "index": 0})
+    );
+    assert_eq!(rows[1].ground_truth, "2,400");
+    assert_eq!(rows[2].prompt.messages().len(), 3);
+}
+
+#[test]
+fn parquet_written_by_pyarrow_loads_to_the_jsonl_rows() {
+    let jsonl = load_file(&fixture("verl_rows.jsonl"), "prompt").expect("jsonl");
+    for codec in ["snappy", "zstd"] {
+        let name = format!("verl_rows.{codec}.parquet");
+        let parquet = load_file(&fixture(&name), "prompt").expect(&name);
+        assert_eq!(parquet, jsonl, "{name}");
+        let raw_j = load_file(&fixture("verl_rows.jsonl"), "raw_prompt").expect("jsonl raw");
+        let raw_p = load_file(&fixture(&name), "raw_prompt").expect("parquet raw");
+        assert_eq!(raw_p, raw_j, "{name} with prompt_key = raw_prompt");
+        assert!(matches!(raw_p[1].prompt, Prompt::Text(ref t) if t.contains("café")));
+    }
+}
+
+#[test]
+fn numbers_as_ground_truth_and_plain_prompts() {
+    let text = r#"{"prompt": "2+2=", "reward_model": {"ground_truth": 4}}
+{"prompt": "half of 3", "reward_model": {"ground_truth": 1.5}, "data_source": "x"}
+
+"#;
+    let rows = parse_jsonl(text, Path::new("mem.jsonl"), "prompt").expect("rows");
+    assert_eq!(rows.len(), 2, "blank lines are not rows");
+    assert_eq!(rows[0].prompt, Prompt::Text("2+2=".into()));
+    assert_eq!(rows[0].ground_truth, "4");
+    assert_eq!(rows[0].data_source, "");
+    assert_eq!(rows[0].extra_info, serde_json::Value::Null);
+    assert_eq!(rows[1].ground_truth, "1.5");
+}
+
+#[test]
+fn rows_round_trip_through_jsonl() {
+    let rows = load_file(&fixture("verl_rows.jsonl"), "prompt").expect("load");
+    let text = to_jsonl(&rows, "prompt");
+    let back = parse_jsonl(&text, Path::new("mem.jsonl"), "prompt").expect("reparse");
+    assert_eq!(back, rows);
+}
+
+/// One malformed line after a good one: the error names the file, row 1 and the field.
+fn error_of(line: &str) -> String {
+    let good = r#"{"prompt": "ok", "reward_model": {"ground_truth": "1"}}"#;
+    let text = format!("{good}\n{line}\n");
+    match parse_jsonl(&text, Path::new("bad/train.jsonl"), "prompt") {
+        Ok(rows) => panic!("{line} was accepted as {rows:?}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn every_malformed_row_kind_names_file_row_and_field() {
+    let gt = r#""reward_model": {"ground_truth": "1"}"#;
+    let cases: Vec<(String, &str, &str)> = vec![
+        ("[1, 2]".into(), "(row)", "not an object"),
+        (format!("{{{gt}}}"), "prompt", "missing"),
+        (format!(r#"{{"prompt": null, {gt}}}"#), "prompt", "missing"),
+        (format!(r#"{{"prompt": 5, {gt}}}"#), "prompt", "a number"),
+        (format!(r#"{{"prompt": [], {gt}}}"#), "prompt", "empty list"),
+        (
+            format!(r#"{{"prompt": ["hi"], {gt}}}"#),
+            "prompt[0]",
+            "a string",
+        ),
+        (
+            format!(r#"{{"prompt": [{{"content": "hi"}}], {gt}}}"#),
+            "prompt[0].role",
+            "missing",
+        ),
+        (
+            format!(
+                r#"{{"prompt": [{{"role": "user", "content": "a"}}, {{"role": "user", "content": 3}}], {gt}}}"#
+            ),
+            "prompt[1].content",
+            "a number",
+        ),
+        (r#"{"prompt": "p"}"#.into(), "reward_model", "missing"),
+        (
+            r#"{"prompt": "p", "reward_model": "7"}"#.into(),
+            "reward_model",
+            "expected an object",
+        ),
+        (
+            r#"{"prompt": "p", "reward_model": {"style": "rule"}}"#.into(),
+            "reward_model.ground_truth",
+            "missing",
+        ),
+        (
+            r#"{"prompt": "p", "reward_model": {"ground_truth": true}}"#.into(),
+            "reward_model.ground_truth",
+            "a boolean",
+        ),
+        (
+            format!(r#"{{"prompt": "p", {gt}, "data_source": 3}}"#),
+            "data_source",
+            "a number",
+        ),
+    ];
+    for (line, field, reason) in cases {
+        let msg = error_of(&line);
+        assert!(msg.contains("bad/train.jsonl"), "{msg}");
+        assert!(msg.contains("row 1"), "{msg}");
+        assert!(msg.contains(&format!("field `{field}`")), "{field}: {msg}");
+        assert!(msg.contains(reason), "{reason}: {msg}");
+    }
+    let msg = error_of("{not json");
+    assert!(
+        msg.contains("bad/train.jsonl") && msg.contains("row 1 (line 2)"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn prompt_key_selects_the_column() {
+    let text = r#"{"question": "q?", "reward_model": {"ground_truth": "a"}}"#;
+    let rows = parse_jsonl(text, Path::new("m.jsonl"), "question").expect("question key");
+    assert_eq!(rows[0].prompt, Prompt::Text("q?".into()));
+    let err = parse_jsonl(text, Path::new("m.jsonl"), "prompt").expect_err("no prompt column");
+    assert!(err.to_string().contains("field `prompt`: missing"), "{err}");
+}
+
+#[test]
+fn unknown_extensions_and_broken_parquet_are_errors() {
+    let dir = std::env::temp_dir().join(format!("r3-dataset-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let csv = dir.join("rows.csv");
+    std::fs::write(&csv, "a,b\n").expect("write");
+    let err = load_file(&csv, "prompt").expect_err("csv");
+    assert!(matches!(err, TaskError::DatasetRead { .. }), "{err}");
+    let fake = dir.join("rows.parquet");
+    std::fs::write(&fake, b"PAR1 this is not parquet").expect("write");
+    let err = load_file(&fake, "prompt").expect_err("bad parquet");
+    assert!(err.to_string().contains("rows.parquet"), "{err}");
+    std::fs::remove_dir_all(&dir).expect("cleanup");
+}
+
+#[test]
+fn each_epoch_visits_every_row_once_in_a_seeded_order() {
+    let n = 10;
+    let mut c = DatasetCursor::new(n, true, 7, DatasetPosition::default());
+    let first: Vec<usize> = c.take(n);
+    let second: Vec<usize> = c.take(n);
+    for epoch in [&first, &second] {
+        let set: HashSet<usize> = epoch.iter().copied().collect();
+        assert_eq!(set.len(), n, "a permutation: {epoch:?}");
+    }
+    assert_ne!(first, second, "each epoch has its own order");
+    assert_ne!(first, (0..n).collect::<Vec<_>>(), "shuffled");
+    let again = DatasetCursor::new(n, true, 7, DatasetPosition::default()).take(2 * n);
+    assert_eq!(again, [first.clone(), second.clone()].concat(), "seeded");
+    let plain = DatasetCursor::new(n, false, 7, DatasetPosition::default()).take(n + 3);
+    assert_eq!(plain, [(0..n).collect::<Vec<_>>(), vec![0, 1, 2]].concat());
+}
+
+#[test]
+fn a_cursor_resumes_from_its_position() {
+    let mut whole = DatasetCursor::new(7, true, 3, DatasetPosition::default());
+    let all = whole.take(20);
+    let mut head = DatasetCursor::new(7, true, 3, DatasetPosition::default());
+    let first = head.take(9);
+    let pos = head.position();
+    assert_eq!(pos, DatasetPosition { epoch: 1, index: 2 });
+    let rest = DatasetCursor::new(7, true, 3, pos).take(11);
+    assert_eq!([first, rest].concat(), all);
+}

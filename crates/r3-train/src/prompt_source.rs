@@ -1,0 +1,258 @@
+//! Where a run's prompts come from: the built-in arithmetic task (the zero-setup default,
+//! a seeded stream of generated problems) or a user dataset in verl's schema walked epoch by
+//! epoch. Both hand the step the same [`PromptItem`]s: the prompt's text and token ids, plus
+//! what the reward needs (ground truth, data source, extra info).
+//!
+//! Dataset prompts are rendered and encoded once at load; a prompt longer than
+//! `data.max_prompt_length` tokens is dropped and counted, never truncated.
+
+use r3_tasks::{
+    load_dataset, ArithmeticTask, CharTokenizer, DatasetCursor, DatasetPosition, DatasetRow,
+    Problem, Prompt,
+};
+use serde_json::Value;
+
+use crate::config::{DataConfig, TrainConfig};
+use crate::error::{Result, TrainError};
+
+/// One prompt of a step, ready for the engine and the reward.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptItem {
+    /// The prompt text as the model sees it (chat template applied when configured).
+    pub text: String,
+    /// Its token ids (`<bos>` first where the tokenizer has one).
+    pub ids: Vec<u32>,
+    /// The reference answer.
+    pub ground_truth: String,
+    /// The row's data source (`arith` for the built-in task).
+    pub data_source: String,
+    /// The row's extra info (`null` for the built-in task).
+    pub extra_info: Value,
+}
+
+/// Data source name of the built-in task's prompts.
+pub const ARITH_SOURCE: &str = "arith";
+
+/// Renders a dataset prompt as text: through the chat template when `apply_chat_template`,
+/// otherwise the plain text (messages joined by newlines) after `system_prompt` and a newline.
+pub fn render_prompt(prompt: &Prompt, data: &DataConfig) -> Result<String> {
+    if data.apply_chat_template {
+        return Err(TrainError::InvalidConfig {
+            field: "data.apply_chat_template",
+            reason: "this model's tokenizer has no chat template (r3's character tokenizer); \
+                     set data.apply_chat_template = false"
+                .into(),
+        });
+    }
+    let text = prompt.plain_text();
+    Ok(if data.system_prompt.is_empty() {
+        text
+    } else {
+        format!("{}\n{text}", data.system_prompt)
+    })
+}
+
+/// Encodes a rendered prompt into the ids a rollout starts from. The one place prompt text
+/// meets the tokenizer.
+pub fn encode_prompt(tokenizer: &CharTokenizer, text: &str) -> Result<Vec<u32>> {
+    Ok(tokenizer.encode_prompt(text)?)
+}
+
+/// The built-in task's problem as a prompt item.
+pub fn arith_item(tokenizer: &CharTokenizer, p: &Problem) -> Result<PromptItem> {
+    Ok(PromptItem {
+        ids: encode_prompt(tokenizer, &p.prompt)?,
+        text: p.prompt.clone(),
+        ground_truth: p.answer.to_string(),
+        data_source: ARITH_SOURCE.into(),
+        extra_info: Value::Null,
+    })
+}
+
+/// A dataset row rendered and encoded.
+pub fn dataset_item(
+    tokenizer: &CharTokenizer,
+    row: &DatasetRow,
+    data: &DataConfig,
+) -> Result<PromptItem> {
+    let text = render_prompt(&row.prompt, data)?;
+    Ok(PromptItem {
+        ids: encode_prompt(tokenizer, &text)?,
+        text,
+        ground_truth: row.ground_truth.clone(),
+        data_source: row.data_source.clone(),
+        extra_info: row.extra_info.clone(),
+    })
+}
+
+/// Dataset rows that fit `max_prompt_length`, and how many did not.
+#[derive(Debug, Clone)]
+pub struct LoadedSplit {
+    /// Rows kept, in file order.
+    pub items: Vec<PromptItem>,
+    /// Rows dropped for an overlong prompt.
+    pub filtered: usize,
+}
+
+/// Loads, renders and encodes `files`, dropping (and counting) overlong prompts.
+pub fn load_split(
+    files: &[std::path::PathBuf],
+    tokenizer: &CharTokenizer,
+    data: &DataConfig,
+    split: &str,
+) -> Result<LoadedSplit> {
+    let rows = load_dataset(files, &data.prompt_key)?;
+    let total = rows.len();
+    let mut items = Vec::with_capacity(total);
+    for row in &rows {
+        let item = dataset_item(tokenizer, row, data)?;
+        if data.max_prompt_length == 0 || item.ids.len() <= data.max_prompt_length {
+            items.push(item);
+        }
+    }
+    let filtered = total - items.len();
+    if filtered > 0 {
+        tracing::warn!(
+            split,
+            filtered,
+            total,
+            max_prompt_length = data.max_prompt_length,
+            "dropped prompts longer than data.max_prompt_length (never truncated)"
+        );
+    }
+    if items.is_empty() {
+        return Err(TrainError::InvalidConfig {
+            field: "data.max_prompt_length",
+            reason: format!(
+                "every one of the {total} {split} prompts is longer than {} tokens",
+                data.max_prompt_length
+            ),
+        });
+    }
+    Ok(LoadedSplit { items, filtered })
+}
+
+/// The prompts of a run.
+#[derive(Debug)]
+pub enum PromptSource {
+    /// The built-in arithmetic task: its eval set and the word position of the seeded
+    /// training stream.
+    Arithmetic {
+        /// The task with its held-out eval set.
+        task: ArithmeticTask,
+        /// Word position of the training stream's RNG.
+        stream_pos: u128,
+    },
+    /// A user dataset.
+    Dataset {
+        /// Training prompts that fit.
+        train: LoadedSplit,
+        /// Validation prompts (the first `eval.size`, or all when 0).
+        val: Vec<PromptItem>,
+        /// Where the run is in the training prompts.
+        cursor: DatasetCursor,
+    },
+}
+
+impl PromptSource {
+    /// The source `cfg` describes: the arithmetic task when `data.train_files` is empty.
+    /// `stream_pos` / `position` resume a checkpoint (None = the start).
+    pub fn new(
+        cfg: &TrainConfig,
+        tokenizer: &CharTokenizer,
+        stream_pos: Option<u128>,
+        position: Option<DatasetPosition>,
+    ) -> Result<Self> {
+        let data = &cfg.data;
+        if data.train_files.is_empty() {
+            let task = ArithmeticTask::new(
+                r3_tasks::Difficulty::level(cfg.task.difficulty)?,
+                cfg.eval.size,
+                cfg.eval.seed,
+            )?;
+            let stream_pos = stream_pos.unwrap_or_else(|| task.train_stream(cfg.seed).word_pos());
+            return Ok(PromptSource::Arithmetic { task, stream_pos });
+        }
+        let train = load_split(&data.train_files, tokenizer, data, "train")?;
+        let mut val = if data.val_files.is_empty() {
+            Vec::new()
+        } else {
+            load_split(&data.val_files, tokenizer, data, "val")?.items
+        };
+        if cfg.eval.size > 0 {
+            val.truncate(cfg.eval.size);
+        }
+        tracing::info!(
+            train = train.items.len(),
+            train_filtered = train.filtered,
+            val = val.len(),
+            "dataset loaded"
+        );
+        let cursor = DatasetCursor::new(
+            train.items.len(),
+            data.shuffle,
+            cfg.seed,
+            position.unwrap_or_default(),
+        );
+        Ok(PromptSource::Dataset { train, val, cursor })
+    }
+
+    /// The next `n` training prompts.
+    pub fn next_items(
+        &mut self,
+        n: usize,
+        seed: u64,
+        tokenizer: &CharTokenizer,
+    ) -> Result<Vec<PromptItem>> {
+        match self {
+            PromptSource::Arithmetic { task, stream_pos } => {
+                let mut stream = task.train_stream(seed);
+                stream.set_word_pos(*stream_pos);
+                let problems = stream.take_problems(n)?;
+                *stream_pos = stream.word_pos();
+                problems.iter().map(|p| arith_item(tokenizer, p)).collect()
+            }
+            PromptSource::Dataset { train, cursor, .. } => Ok(cursor
+                .take(n)
+                .into_iter()
+                .map(|i| train.items[i].clone())
+                .collect()),
+        }
+    }
+
+    /// The held-out prompts.
+    pub fn eval_items(&self, tokenizer: &CharTokenizer) -> Result<Vec<PromptItem>> {
+        match self {
+            PromptSource::Arithmetic { task, .. } => task
+                .eval_set()
+                .iter()
+                .map(|p| arith_item(tokenizer, p))
+                .collect(),
+            PromptSource::Dataset { val, .. } => Ok(val.clone()),
+        }
+    }
+
+    /// The arithmetic stream position (0 for a dataset).
+    pub fn stream_pos(&self) -> u128 {
+        match self {
+            PromptSource::Arithmetic { stream_pos, .. } => *stream_pos,
+            PromptSource::Dataset { .. } => 0,
+        }
+    }
+
+    /// The dataset position (None for the arithmetic task).
+    pub fn dataset_position(&self) -> Option<DatasetPosition> {
+        match self {
+            PromptSource::Arithmetic { .. } => None,
+            PromptSource::Dataset { cursor, .. } => Some(cursor.position()),
+        }
+    }
+
+    /// Training prompts dropped for length (0 for the arithmetic task).
+    pub fn filtered(&self) -> usize {
+        match self {
+            PromptSource::Arithmetic { .. } => 0,
+            PromptSource::Dataset { train, .. } => train.filtered,
+        }
+    }
+}

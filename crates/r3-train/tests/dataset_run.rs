@@ -1,0 +1,212 @@
+//! Training on a user dataset: `[data]` / `[reward]` configs resolve and are validated,
+//! overlong prompts are dropped and counted (never truncated), the command reward is wired
+//! into the step, and a resumed dataset run continues the epoch exactly where it stopped.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{tiny_config, tiny_model, Scratch};
+use r3_tasks::RewardKind;
+use r3_train::checkpoint::{list_checkpoints, read_state};
+use r3_train::config::{RouterReplay, TrainConfig};
+use r3_train::{Quiet, Run, Trainer};
+
+/// Arithmetic prompts (the character tokenizer's alphabet) in verl's schema.
+fn write_rows(path: &Path, prompts: &[(&str, i64)]) {
+    let text: String = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, (p, a))| {
+            format!(
+                "{}\n",
+                serde_json::json!({
+                    "data_source": "test",
+                    "prompt": [{"role": "user", "content": p}],
+                    "reward_model": {"style": "rule", "ground_truth": a.to_string()},
+                    "extra_info": {"index": i},
+                })
+            )
+        })
+        .collect();
+    std::fs::write(path, text).expect("write rows");
+}
+
+fn dataset_config(dir: &Path, model: &Path, run: &str) -> TrainConfig {
+    let train = dir.join("train.jsonl");
+    let val = dir.join("val.jsonl");
+    write_rows(
+        &train,
+        &[
+            ("1+2=", 3),
+            ("4+4=", 8),
+            ("9-3=", 6),
+            ("2+7=", 9),
+            ("5-1=", 4),
+        ],
+    );
+    write_rows(&val, &[("3+3=", 6), ("8-2=", 6), ("1+1=", 2)]);
+    let mut cfg = tiny_config(model, &dir.join(run), RouterReplay::R3, 1);
+    cfg.data.train_files = vec![train];
+    cfg.data.val_files = vec![val];
+    cfg.eval.size = 0;
+    cfg.steps = 3;
+    cfg.validate().expect("valid dataset config");
+    cfg
+}
+
+fn metrics(run_dir: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(run_dir.join("metrics.jsonl"))
+        .expect("metrics")
+        .lines()
+        .map(|l| {
+            let mut v: serde_json::Value = serde_json::from_str(l).expect("json");
+            let map = v.as_object_mut().expect("object");
+            map.retain(|k, _| !k.starts_with("time.") && !k.starts_with("throughput."));
+            v
+        })
+        .collect()
+}
+
+#[test]
+fn data_and_reward_sections_resolve_from_toml() {
+    let text = r#"
+        [data]
+        train_files = ["a.jsonl", "b.parquet"]
+        val_files = ["v.jsonl"]
+        prompt_key = "question"
+        max_prompt_length = 64
+        shuffle = false
+        total_epochs = 2
+
+        [[reward.funcs]]
+        kind = "math"
+        weight = 1.0
+
+        [[reward.funcs]]
+        kind = "command"
+        command = ["sh", "score.sh"]
+        timeout_s = 5
+        weight = 0.2
+    "#;
+    let cfg = TrainConfig::resolve_text(text, &["data.system_prompt=Be brief.".into()])
+        .expect("resolves");
+    assert_eq!(
+        cfg.data.train_files,
+        vec![PathBuf::from("a.jsonl"), PathBuf::from("b.parquet")]
+    );
+    assert_eq!(cfg.data.prompt_key, "question");
+    assert_eq!(cfg.data.system_prompt, "Be brief.");
+    let funcs = cfg.reward.resolved_funcs();
+    assert_eq!(funcs.len(), 2);
+    assert_eq!(funcs[1].kind, RewardKind::Command);
+    assert_eq!(funcs[1].timeout_s, 5.0);
+    // The saved config reads back to the same values.
+    let back = TrainConfig::from_toml_str(&cfg.to_toml_string().expect("toml")).expect("parse");
+    assert_eq!(back, cfg);
+    // Whole steps of `prompts_per_step` (32) in 2 epochs: 20 rows give none, 200 give 6.
+    assert_eq!(cfg.total_steps(Some(10)), 0);
+    assert_eq!(cfg.total_steps(Some(100)), 6);
+    assert_eq!(cfg.total_steps(None), cfg.steps);
+}
+
+#[test]
+fn bad_data_and_reward_settings_name_their_field() {
+    let cases = [
+        ("[data]\ntrain_files = [\"a.jsonl\"]\n", "data.val_files"),
+        (
+            "[data]\ntrain_files = [\"a.jsonl\"]\nval_files = [\"b.jsonl\"]\nprompt_key = \"\"\n",
+            "data.prompt_key",
+        ),
+        ("[data]\nval_files = [\"b.jsonl\"]\n", "data.val_files"),
+        ("[reward]\nkind = \"command\"\n", "reward.command"),
+        ("[reward]\nkind = \"fuzzy\"\n", "fuzzy"),
+        ("[data]\nshuffel = true\n", "shuffel"),
+        ("[task]\nformat_reward = 1.0\n", "task.format_reward"),
+    ];
+    for (text, needle) in cases {
+        let err = TrainConfig::resolve_text(text, &[]).expect_err(text);
+        assert!(err.to_string().contains(needle), "{needle}: {err}");
+    }
+}
+
+#[test]
+fn overlong_prompts_are_dropped_and_counted() {
+    let dir = Scratch::new("data-overlong");
+    let model = dir.path().join("model");
+    tiny_model(&model, 31);
+    let mut cfg = dataset_config(dir.path(), &model, "run");
+    // `<bos>` + 4 characters = 5 tokens for every row; allow 5 then 4.
+    cfg.data.max_prompt_length = 5;
+    let t = Trainer::new(cfg.clone()).expect("all fit");
+    assert_eq!(t.prompts.filtered(), 0);
+    let long = dir.path().join("long.jsonl");
+    write_rows(&long, &[("12+34=", 46), ("1+2=", 3), ("100-1=", 99)]);
+    cfg.data.train_files = vec![long];
+    let mut t = Trainer::new(cfg.clone()).expect("one fits");
+    assert_eq!(t.prompts.filtered(), 2);
+    let items = t.next_prompts(3).expect("prompts");
+    assert!(
+        items.iter().all(|i| i.text == "1+2="),
+        "only the short row is left"
+    );
+    let m = t.rl_step().expect("step");
+    assert_eq!(m.data_filtered_prompts, Some(2));
+    cfg.data.max_prompt_length = 4;
+    let err = Trainer::new(cfg).expect_err("nothing fits");
+    assert!(err.to_string().contains("data.max_prompt_length"), "{err}");
+}
+
+#[test]
+fn the_command_reward_scores_every_rollout() {
+    let dir = Scratch::new("data-command");
+    let model = dir.path().join("model");
+    tiny_model(&model, 32);
+    let mut cfg = dataset_config(dir.path(), &model, "run");
+    cfg.reward.kind = RewardKind::Command;
+    cfg.reward.command = vec![
+        "sh".into(),
+        "-c".into(),
+        "while IFS= read -r l; do echo 0.75; done".into(),
+    ];
+    cfg.validate().expect("valid");
+    let mut t = Trainer::new(cfg.clone()).expect("trainer");
+    let m = t.rl_step().expect("step");
+    assert_eq!(m.reward_mean, 0.75);
+    assert_eq!(m.accuracy, 0.0, "0.75 < 1 is not correct");
+    cfg.reward.command = vec!["sh".into(), "-c".into(), "cat >/dev/null; echo x".into()];
+    let mut t = Trainer::new(cfg).expect("trainer");
+    let err = t.rl_step().expect_err("a garbage verifier stops the step");
+    assert!(err.to_string().contains("score lines"), "{err}");
+}
+
+#[test]
+fn a_resumed_dataset_run_continues_the_epoch() {
+    let dir = Scratch::new("data-resume");
+    let model = dir.path().join("model");
+    tiny_model(&model, 33);
+    let cfg = dataset_config(dir.path(), &model, "run");
+    let run_dir = cfg.run_dir.clone();
+    let mut run = Run::fresh(cfg).expect("fresh");
+    run.execute(&mut Quiet).expect("run");
+    let full = metrics(&run_dir);
+    assert_eq!(full.len(), 3);
+    // 5 rows, 2 per step: step 3 takes the last row of epoch 0 and the first of epoch 1.
+    assert_eq!(full[2]["data.epoch"], 1);
+    let ckpts = list_checkpoints(&run_dir).expect("list");
+    let state = read_state(&ckpts[1].1).expect("state");
+    let pos = state.dataset_position.expect("dataset position saved");
+    assert_eq!((pos.epoch, pos.index), (0, 4));
+
+    for step in [2, 3] {
+        std::fs::remove_dir_all(run_dir.join(format!("checkpoints/step_{step}"))).expect("rm");
+    }
+    let mut resumed = Run::resume(&run_dir).expect("resume");
+    assert_eq!(resumed.trainer.step, 1);
+    resumed.execute(&mut Quiet).expect("resumed");
+    assert_eq!(
+        metrics(&run_dir),
+        full,
+        "the resumed run repeats steps 2 and 3"
+    );
+}
