@@ -18,8 +18,8 @@ pub mod token_stats;
 pub mod weights;
 
 pub use config::{
-    Architecture, AttentionConfig, Config, MoeConfig, MoeLayerRules, QkNorm, RopeConfig,
-    RopeScaling, RouterKind, SharedExpert,
+    Architecture, AttentionConfig, Config, ConfigLimits, MoeConfig, MoeLayerRules, QkNorm,
+    RopeConfig, RopeScaling, RouterKind, SharedExpert,
 };
 pub use error::{ModelError, Result};
 pub use model::{Batch, ForwardOutput, Model};
