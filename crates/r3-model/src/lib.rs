@@ -26,4 +26,4 @@ pub use model::{Batch, ForwardOutput, Model};
 pub use router::Router;
 pub use routing::{ReplayProof, ReplayRoutes, Routing};
 pub use spec::{tensor_specs, tensor_specs_in, ExpertLayout, TensorRole, TensorSpec};
-pub use weights::{RandomInit, Weights};
+pub use weights::{check_finite, LoadOptions, RandomInit, Weights};
