@@ -147,8 +147,7 @@ fn check_total_size(cfg: &Config) -> Result<()> {
     let blocks = cfg
         .layout
         .num_moe_layers()
-        .checked_mul(cfg.num_experts())
-        .unwrap_or(usize::MAX);
+        .saturating_mul(cfg.num_experts());
     ConfigLimits::check(
         "num_experts (times MoE layers)",
         blocks,
