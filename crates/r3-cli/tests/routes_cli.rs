@@ -169,3 +169,26 @@ fn encode_then_decode_round_trips_and_diff_is_zero() {
     assert_eq!(d["compared_routers"], 2);
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn a_huge_layer_count_is_refused_before_allocating() {
+    // 2^40 layers with an empty payload (and with a layout of 2^40 layers): refused by the
+    // routing limits instead of allocating 2^40 columns.
+    for extra in [&[][..], &["--first-k-dense", "1"][..]] {
+        let mut args = vec![
+            "routes",
+            "decode",
+            "--format",
+            "sglang",
+            "--num-layers",
+            "1099511627776",
+            "--top-k",
+            "2",
+            "--num-experts",
+            "8",
+        ];
+        args.extend_from_slice(extra);
+        let out = r3(&args, b"");
+        assert_one_line_error(&out, "= 1099511627776 exceeds the limit of 4096");
+    }
+}

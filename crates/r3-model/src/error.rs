@@ -46,6 +46,26 @@ pub enum ModelError {
         /// its value
         second_value: usize,
     },
+    /// A size key above its documented limit ([`crate::config::ConfigLimits`]).
+    #[error("config.json `{key}` = {value} exceeds the limit of {max}")]
+    ConfigTooLarge {
+        /// config.json key
+        key: &'static str,
+        /// the value declared
+        value: usize,
+        /// the largest value accepted
+        max: usize,
+    },
+    /// A config value outside its valid range (`rms_norm_eps` ≤ 0, `eos_token_id` ≥ vocab, ...).
+    #[error("config.json `{key}` = {value}: {rule}")]
+    InvalidValue {
+        /// config.json key (dotted for nested keys, e.g. `rope_scaling.factor`)
+        key: String,
+        /// the value found
+        value: String,
+        /// what it must be
+        rule: String,
+    },
     /// Config values that contradict each other (head counts, group sizes, ...).
     #[error("invalid config: {0}")]
     InvalidConfig(String),
@@ -94,6 +114,16 @@ pub enum ModelError {
         used: Vec<u32>,
         /// expert ids the table gave (sorted)
         given: Vec<u32>,
+    },
+    /// A weight tensor holds NaN or ±inf (refused at load unless the caller allows it).
+    #[error("tensor `{tensor}` holds a non-finite value {value} at flat index {index} (pass the allow-non-finite option to load it anyway)")]
+    NonFiniteWeight {
+        /// HF tensor name
+        tensor: String,
+        /// flat row-major index of the first non-finite element
+        index: usize,
+        /// the value
+        value: f64,
     },
     /// Router scores are not finite, so top-k is undefined.
     #[error("non-finite router score at row {row}, expert {expert}: {value}")]

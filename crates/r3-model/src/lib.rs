@@ -18,12 +18,12 @@ pub mod token_stats;
 pub mod weights;
 
 pub use config::{
-    Architecture, AttentionConfig, Config, MoeConfig, MoeLayerRules, QkNorm, RopeConfig,
-    RopeScaling, RouterKind, SharedExpert,
+    Architecture, AttentionConfig, Config, ConfigLimits, MoeConfig, MoeLayerRules, QkNorm,
+    RopeConfig, RopeScaling, RouterKind, SharedExpert,
 };
 pub use error::{ModelError, Result};
 pub use model::{Batch, ForwardOutput, Model};
 pub use router::Router;
 pub use routing::{ReplayProof, ReplayRoutes, Routing};
 pub use spec::{tensor_specs, tensor_specs_in, ExpertLayout, TensorRole, TensorSpec};
-pub use weights::{RandomInit, Weights};
+pub use weights::{check_finite, LoadOptions, RandomInit, Weights};

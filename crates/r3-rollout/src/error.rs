@@ -129,6 +129,9 @@ fn weight_dir_is_clients(e: &r3_model::ModelError) -> bool {
         | M::MissingTensor(_)
         | M::TensorShape { .. }
         | M::InvalidConfig(_)
+        | M::InvalidValue { .. }
+        | M::ConfigTooLarge { .. }
+        | M::NonFiniteWeight { .. }
         | M::UnsupportedOption { .. }
         | M::UnsupportedModelType(_) => true,
         _ => false,

@@ -4,15 +4,10 @@
 //! Errors name the absolute token position, the global layer and the value.
 
 use crate::table::{IdStore, MAX_EXPERTS};
-use crate::{LayerSpace, RouteError, RouteTable};
+use crate::{DecodeLimits, LayerSpace, RouteError, RouteTable};
 
-/// Checks the parts of a table that do not depend on the ids.
-pub(crate) fn check_header(
-    num_experts: usize,
-    top_k: usize,
-    space: LayerSpace,
-    layers: &[usize],
-) -> Result<(), RouteError> {
+/// Checks the expert count and top_k of a table against each other and the limits.
+pub(crate) fn check_counts(num_experts: usize, top_k: usize) -> Result<(), RouteError> {
     if num_experts == 0 || num_experts > MAX_EXPERTS {
         return Err(RouteError::Argument(format!(
             "num_experts {num_experts} must be in [1, {MAX_EXPERTS}]"
@@ -23,11 +18,23 @@ pub(crate) fn check_header(
             "top_k {top_k} must be in [1, num_experts = {num_experts}]"
         )));
     }
+    DecodeLimits::check("top_k", top_k, DecodeLimits::MAX_TOP_K)
+}
+
+/// Checks the parts of a table that do not depend on the ids.
+pub(crate) fn check_header(
+    num_experts: usize,
+    top_k: usize,
+    space: LayerSpace,
+    layers: &[usize],
+) -> Result<(), RouteError> {
+    check_counts(num_experts, top_k)?;
     if layers.is_empty() {
         return Err(RouteError::Layout(
             "a route table needs at least one column (layer)".into(),
         ));
     }
+    DecodeLimits::check_layers("columns (layers)", layers.len())?;
     for w in layers.windows(2) {
         if w[0] >= w[1] {
             return Err(RouteError::Layout(format!(
@@ -35,6 +42,9 @@ pub(crate) fn check_header(
                 w[0], w[1]
             )));
         }
+    }
+    if let Some(&last) = layers.last() {
+        DecodeLimits::check("column layer index", last, DecodeLimits::MAX_LAYERS - 1)?;
     }
     if space == LayerSpace::AllLayers {
         if let Some((c, &l)) = layers.iter().enumerate().find(|(c, &l)| *c != l) {
@@ -161,13 +171,14 @@ impl RouteTable {
         num_tokens: usize,
     ) -> Result<RouteTable, RouteError> {
         check_header(num_experts, top_k, space, &layers)?;
+        DecodeLimits::check_tokens("num_tokens", num_tokens)?;
         if start_pos.checked_add(num_tokens).is_none() {
             return Err(RouteError::Overflow {
                 what: format!("start_pos {start_pos} + {num_tokens} rows"),
             });
         }
         let cells = checked_len(&[num_tokens, layers.len()], "route table")?;
-        let len = checked_len(&[cells, top_k], "route table")?;
+        let len = DecodeLimits::id_count(num_tokens, layers.len(), top_k)?;
         Ok(RouteTable {
             num_experts,
             top_k,

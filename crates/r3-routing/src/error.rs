@@ -173,6 +173,17 @@ pub enum RouteError {
         /// The quantity, with its operands.
         what: String,
     },
+    /// A declared size above the documented limit ([`crate::DecodeLimits`]); refused before
+    /// anything of that size is allocated.
+    #[error("{what} = {value} exceeds the limit of {max}")]
+    TooLarge {
+        /// The size (`num_tokens`, `num_hidden_layers`, `top_k`, ...).
+        what: &'static str,
+        /// The value declared.
+        value: usize,
+        /// The largest value accepted.
+        max: usize,
+    },
     /// A layer layout or placement that cannot be right (ordering, duplicates, coverage).
     #[error("invalid layout: {0}")]
     Layout(String),

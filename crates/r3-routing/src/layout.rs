@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::RouteError;
+use crate::{DecodeLimits, RouteError};
 
 /// Which layers a route table's columns are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -77,8 +77,9 @@ pub struct LayerLayout {
 
 impl LayerLayout {
     /// Builds a layout from an explicit list of MoE layer indices (any order, no duplicates,
-    /// all `< num_hidden_layers`).
+    /// all `< num_hidden_layers`); at most [`DecodeLimits::MAX_LAYERS`] layers.
     pub fn new(num_hidden_layers: usize, mut moe_layers: Vec<usize>) -> Result<Self, RouteError> {
+        DecodeLimits::check_layers("num_hidden_layers", num_hidden_layers)?;
         moe_layers.sort_unstable();
         for w in moe_layers.windows(2) {
             if w[0] == w[1] {
@@ -111,6 +112,8 @@ impl LayerLayout {
     /// Applies the HF rules: layer i is MoE iff num_experts > 0 && i >= first_k_dense_replace
     /// && i not in mlp_only_layers && (i+1) % decoder_sparse_step == 0 && i % moe_layer_freq == 0.
     pub fn from_rules(rules: &LayoutRules) -> Result<Self, RouteError> {
+        DecodeLimits::check_layers("num_hidden_layers", rules.num_hidden_layers)?;
+        DecodeLimits::check("num_experts", rules.num_experts, DecodeLimits::MAX_EXPERTS)?;
         if rules.decoder_sparse_step == 0 {
             return Err(RouteError::Layout(
                 "decoder_sparse_step must be > 0".to_string(),
@@ -142,7 +145,8 @@ impl LayerLayout {
         LayerLayout::new(rules.num_hidden_layers, moe)
     }
 
-    /// Layout of a model whose every layer is MoE.
+    /// Layout of a model whose every layer is MoE. Allocates `num_hidden_layers` entries:
+    /// callers pass a count they have checked (see [`DecodeLimits::check_layers`]).
     pub fn all_moe(num_hidden_layers: usize) -> Self {
         let moe_layers: Vec<usize> = (0..num_hidden_layers).collect();
         let column_of = moe_layers.iter().map(|&c| Some(c)).collect();
@@ -155,6 +159,7 @@ impl LayerLayout {
 
     /// Layout whose first `k` layers are dense and the rest MoE (DeepSeek-V3 style).
     pub fn first_k_dense(num_hidden_layers: usize, k: usize) -> Result<Self, RouteError> {
+        DecodeLimits::check_layers("num_hidden_layers", num_hidden_layers)?;
         if k > num_hidden_layers {
             return Err(RouteError::LayerOutOfRange {
                 what: "first_k_dense (layers before the first MoE layer)",

@@ -2,7 +2,7 @@
 //! that replicate hot experts execute on physical slots; replay needs logical ids (the
 //! physical-vs-logical bug of vLLM #33013), so physical tables are converted here, checked.
 
-use crate::{RouteError, RouteTable};
+use crate::{DecodeLimits, RouteError, RouteTable};
 
 /// Physical slot → logical expert map (EPLB). Every logical expert has at least one slot.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -13,8 +13,19 @@ pub struct ExpertPlacement {
 
 impl ExpertPlacement {
     /// Builds a placement; `slot_to_logical[s]` is the logical expert of physical slot `s`.
-    /// Errors if a logical id is out of range or a logical expert has no slot.
+    /// Errors if a logical id is out of range, a logical expert has no slot, or a count is
+    /// above [`DecodeLimits`].
     pub fn new(num_logical: usize, slot_to_logical: Vec<u32>) -> Result<Self, RouteError> {
+        DecodeLimits::check(
+            "num_logical experts",
+            num_logical,
+            DecodeLimits::MAX_EXPERTS,
+        )?;
+        DecodeLimits::check(
+            "physical slots",
+            slot_to_logical.len(),
+            DecodeLimits::MAX_SLOTS,
+        )?;
         let mut covered = vec![false; num_logical];
         for (slot, &l) in slot_to_logical.iter().enumerate() {
             let c = covered.get_mut(l as usize).ok_or_else(|| {

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use candle_core::Device;
 use clap::Args;
-use r3_model::{Batch, Config, Model, ReplayRoutes, Routing, Weights};
+use r3_model::{Batch, Config, LoadOptions, Model, ReplayRoutes, Routing, Weights};
 use r3_routing::RouteTable;
 use serde_json::{json, Value};
 
@@ -26,6 +26,10 @@ pub struct ForwardArgs {
     /// Write the JSON result here instead of stdout.
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// Load weights holding NaN or inf instead of refusing them (for inspecting a broken
+    /// checkpoint).
+    #[arg(long)]
+    pub allow_non_finite_weights: bool,
 }
 
 /// Reads one route table from canonical JSON (an object, or an array holding one object).
@@ -51,7 +55,10 @@ pub fn run(args: ForwardArgs) -> anyhow::Result<()> {
     let device = Device::Cpu;
     let cfg = Config::from_file(&args.model.join("config.json"))
         .with_context(|| format!("config of {}", args.model.display()))?;
-    let weights = Weights::load(&args.model, &cfg, &device)
+    let load = LoadOptions {
+        allow_non_finite: args.allow_non_finite_weights,
+    };
+    let weights = Weights::load_with(&args.model, &cfg, &device, &load)
         .with_context(|| format!("weights of {}", args.model.display()))?;
     let model = Model::new(&cfg, &weights)?;
     let batch = Batch::new(std::slice::from_ref(&args.input_ids), 0, &device)?;

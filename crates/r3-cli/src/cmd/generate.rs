@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
+use r3_model::LoadOptions;
 use r3_rollout::{Dtype, Engine, EngineConfig, GenerateRequest, SamplingParams};
 
 /// Arguments of `r3 generate`.
@@ -41,6 +42,10 @@ pub struct GenerateArgs {
     /// First position whose routes are returned.
     #[arg(long, default_value_t = 0)]
     pub routes_start_len: usize,
+    /// Load weights holding NaN or inf instead of refusing them (for inspecting a broken
+    /// checkpoint).
+    #[arg(long)]
+    pub allow_non_finite_weights: bool,
 }
 
 /// Runs `r3 generate`.
@@ -51,7 +56,10 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
         prefix_cache: false,
         ..EngineConfig::default()
     };
-    let mut engine = Engine::from_dir(&a.model, cfg)
+    let load = LoadOptions {
+        allow_non_finite: a.allow_non_finite_weights,
+    };
+    let mut engine = Engine::from_dir_with(&a.model, cfg, &load)
         .with_context(|| format!("loading model from {}", a.model.display()))?;
     let req = GenerateRequest {
         input_ids: a.input_ids,

@@ -1,9 +1,14 @@
 //! Model configuration: the normalised, validated view of an HF `config.json`.
 //!
 //! Parsing (key variants, HF defaults, rejection of unsupported options) lives in
-//! `parse.rs`; this module holds the typed result the rest of the crate builds on.
+//! `parse.rs`, size limits in `limits.rs`, value checks in `validate.rs`; this module holds
+//! the typed result the rest of the crate builds on.
 
+mod limits;
 mod parse;
+mod validate;
+
+pub use limits::ConfigLimits;
 
 use std::path::Path;
 

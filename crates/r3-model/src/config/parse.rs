@@ -4,8 +4,8 @@
 use serde::Deserialize;
 
 use super::{
-    Architecture, AttentionConfig, Config, MoeConfig, MoeLayerRules, QkNorm, RopeConfig,
-    RopeScaling, RouterKind, SharedExpert,
+    validate, Architecture, AttentionConfig, Config, ConfigLimits, MoeConfig, MoeLayerRules,
+    QkNorm, RopeConfig, RopeScaling, RouterKind, SharedExpert,
 };
 use crate::error::{ModelError, Result};
 use r3_routing::LayerLayout;
@@ -110,6 +110,7 @@ pub(super) fn parse(value: serde_json::Value) -> Result<Config> {
         })?;
     let arch = architecture(&raw.model_type)?;
     reject_unsupported(&raw, arch)?;
+    check_limits(&raw)?;
 
     let hidden_size = required(raw.hidden_size, "hidden_size", arch)?;
     let num_hidden_layers = required(raw.num_hidden_layers, "num_hidden_layers", arch)?;
@@ -133,7 +134,7 @@ pub(super) fn parse(value: serde_json::Value) -> Result<Config> {
         Architecture::Mixtral | Architecture::Olmoe => 1e-5,
         _ => 1e-6,
     };
-    Ok(Config {
+    let config = Config {
         architecture: arch,
         vocab_size,
         hidden_size,
@@ -149,7 +150,74 @@ pub(super) fn parse(value: serde_json::Value) -> Result<Config> {
         layer_rules,
         layout,
         raw: value,
-    })
+    };
+    validate::validate(&config)?;
+    Ok(config)
+}
+
+/// Every size key against [`ConfigLimits`], before anything is built from it.
+fn check_limits(raw: &RawConfig) -> Result<()> {
+    type L = ConfigLimits;
+    let sizes = [
+        ("num_hidden_layers", raw.num_hidden_layers, L::MAX_LAYERS),
+        (
+            "first_k_dense_replace",
+            raw.first_k_dense_replace,
+            L::MAX_LAYERS,
+        ),
+        (
+            "decoder_sparse_step",
+            raw.decoder_sparse_step,
+            L::MAX_LAYERS,
+        ),
+        ("moe_layer_freq", raw.moe_layer_freq, L::MAX_LAYERS),
+        ("vocab_size", raw.vocab_size, L::MAX_VOCAB),
+        ("hidden_size", raw.hidden_size, L::MAX_HIDDEN),
+        (
+            "intermediate_size",
+            raw.intermediate_size,
+            L::MAX_INTERMEDIATE,
+        ),
+        (
+            "moe_intermediate_size",
+            raw.moe_intermediate_size,
+            L::MAX_INTERMEDIATE,
+        ),
+        (
+            "shared_expert_intermediate_size",
+            raw.shared_expert_intermediate_size,
+            L::MAX_INTERMEDIATE,
+        ),
+        ("num_attention_heads", raw.num_attention_heads, L::MAX_HEADS),
+        ("num_key_value_heads", raw.num_key_value_heads, L::MAX_HEADS),
+        ("head_dim", raw.head_dim, L::MAX_HEAD_DIM),
+        (
+            "max_position_embeddings",
+            raw.max_position_embeddings,
+            L::MAX_POSITIONS,
+        ),
+        ("sliding_window", raw.sliding_window, L::MAX_POSITIONS),
+        ("num_experts", raw.num_experts, L::MAX_EXPERTS),
+        ("num_local_experts", raw.num_local_experts, L::MAX_EXPERTS),
+        ("n_routed_experts", raw.n_routed_experts, L::MAX_EXPERTS),
+        ("n_shared_experts", raw.n_shared_experts, L::MAX_EXPERTS),
+        ("n_group", raw.n_group, L::MAX_EXPERTS),
+        ("topk_group", raw.topk_group, L::MAX_EXPERTS),
+        ("num_experts_per_tok", raw.num_experts_per_tok, L::MAX_TOP_K),
+        ("q_lora_rank", raw.q_lora_rank, L::MAX_HIDDEN),
+        ("kv_lora_rank", raw.kv_lora_rank, L::MAX_HIDDEN),
+        ("qk_nope_head_dim", raw.qk_nope_head_dim, L::MAX_HEAD_DIM),
+        ("qk_rope_head_dim", raw.qk_rope_head_dim, L::MAX_HEAD_DIM),
+        ("v_head_dim", raw.v_head_dim, L::MAX_HEAD_DIM),
+    ];
+    for (key, value, max) in sizes {
+        L::check_opt(key, value, max)?;
+    }
+    L::check_opt(
+        "mlp_only_layers (entries)",
+        raw.mlp_only_layers.as_ref().map(Vec::len),
+        L::MAX_LAYERS,
+    )
 }
 
 /// Options that would change the math in ways this crate does not implement.
@@ -294,7 +362,13 @@ fn moe_config(raw: &RawConfig, arch: Architecture) -> Result<Option<MoeConfig>> 
             let shared = match raw.n_shared_experts.unwrap_or(0) {
                 0 => SharedExpert::None,
                 n => SharedExpert::Plain {
-                    intermediate_size: n * expert_intermediate_size,
+                    intermediate_size: n.checked_mul(expert_intermediate_size).ok_or(
+                        ModelError::ConfigTooLarge {
+                            key: "n_shared_experts",
+                            value: n,
+                            max: ConfigLimits::MAX_INTERMEDIATE / expert_intermediate_size,
+                        },
+                    )?,
                 },
             };
             (router, shared)

@@ -54,6 +54,7 @@ fn shard_files(index_path: &Path) -> Result<Vec<String>> {
 }
 
 fn read_file(path: &Path, device: &Device, out: &mut HashMap<String, Tensor>) -> Result<()> {
+    super::header::check_safetensors_file(path)?;
     let bytes = std::fs::read(path).map_err(io_err(path))?;
     let tensors = candle_core::safetensors::load_buffer(&bytes, device)
         .map_err(|e| checkpoint_err(path, e))?;

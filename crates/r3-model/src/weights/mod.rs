@@ -1,9 +1,14 @@
 //! Model weights as a map from HF tensor name to tensor: load from safetensors (single
-//! file or sharded, per-expert or fused 3-D experts), save in HF layout, seeded random
-//! init, and the bridge to a candle `VarMap` for training.
+//! file or sharded, per-expert or fused 3-D experts; header checked against the file,
+//! every tensor checked finite unless [`LoadOptions`] allows otherwise), save in HF layout,
+//! seeded random init, and the bridge to a candle `VarMap` for training.
 
+mod finite;
 mod fused;
+mod header;
 mod io;
+
+pub use finite::check_finite;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -50,6 +55,14 @@ impl RandomInit {
             bias_std: 0.05,
         }
     }
+}
+
+/// How [`Weights::load_with`] treats what it reads.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// Load tensors holding NaN or ±inf instead of refusing them (for inspecting a broken
+    /// checkpoint; a forward pass over them gives non-finite logits).
+    pub allow_non_finite: bool,
 }
 
 impl Weights {
@@ -116,8 +129,18 @@ impl Weights {
 
     /// Loads `model.safetensors` or `model.safetensors.index.json` from `dir` as f32,
     /// splitting fused 3-D expert tensors into HF per-expert names and validating
-    /// every tensor against `cfg`.
+    /// every tensor against `cfg`; a non-finite value is [`ModelError::NonFiniteWeight`].
     pub fn load(dir: &Path, cfg: &Config, device: &Device) -> Result<Self> {
+        Self::load_with(dir, cfg, device, &LoadOptions::default())
+    }
+
+    /// [`Weights::load`] with explicit options (e.g. accepting non-finite values).
+    pub fn load_with(
+        dir: &Path,
+        cfg: &Config,
+        device: &Device,
+        options: &LoadOptions,
+    ) -> Result<Self> {
         let raw = io::read_checkpoint(dir, device)?;
         let mut tensors = fused::unfuse_experts(raw, cfg)?;
         let mut out = BTreeMap::new();
@@ -132,7 +155,13 @@ impl Weights {
                     got: t.dims().to_vec(),
                 });
             }
+            if !options.allow_non_finite {
+                check_finite(&spec.name, &t)?;
+            }
             out.insert(spec.name.clone(), t.to_dtype(DType::F32)?);
+        }
+        if options.allow_non_finite {
+            tracing::warn!(dir = %dir.display(), "weights loaded without the finiteness check");
         }
         let unused = tensors.len();
         if unused > 0 {

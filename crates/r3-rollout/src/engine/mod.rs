@@ -10,7 +10,7 @@ mod step;
 use std::collections::{HashMap, VecDeque};
 use std::path::Path;
 
-use r3_model::Config;
+use r3_model::{Config, LoadOptions};
 use r3_routing::{ExpertPlacement, MergePolicy};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -18,7 +18,7 @@ use rand_chacha::ChaCha8Rng;
 use crate::dtype::Dtype;
 use crate::error::RolloutError;
 use crate::kv_pool::KvPool;
-use crate::model::tensors::{load_dir, TensorMap};
+use crate::model::tensors::{load_dir, load_dir_with, TensorMap};
 use crate::model::InferenceModel;
 use crate::prefix_cache::{PrefixCache, PrefixCacheStats};
 use crate::request::{GenerateRequest, GenerateResult, PartialRollout, RequestId};
@@ -78,8 +78,18 @@ pub struct Engine {
 impl Engine {
     /// Loads `config.json` and safetensors weights from a HF model directory.
     pub fn from_dir(dir: &Path, cfg: EngineConfig) -> Result<Self, RolloutError> {
+        Self::from_dir_with(dir, cfg, &LoadOptions::default())
+    }
+
+    /// [`Engine::from_dir`] with explicit weight-load options (e.g. accepting non-finite
+    /// weights, which are refused by default).
+    pub fn from_dir_with(
+        dir: &Path,
+        cfg: EngineConfig,
+        options: &LoadOptions,
+    ) -> Result<Self, RolloutError> {
         let model_cfg = Config::from_file(&dir.join("config.json"))?;
-        let tensors = load_dir(dir, &model_cfg)?;
+        let tensors = load_dir_with(dir, &model_cfg, options)?;
         Self::new(model_cfg, &tensors, cfg)
     }
 

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
-use r3_model::{tensor_specs_in, Config, ExpertLayout, Weights};
+use r3_model::{tensor_specs_in, Config, ExpertLayout, LoadOptions, Weights};
 
 use crate::error::RolloutError;
 
@@ -15,13 +15,24 @@ use crate::error::RolloutError;
 pub type TensorMap = BTreeMap<String, Tensor>;
 
 /// Reads a HF model directory (single-file or sharded safetensors, per-expert or fused
-/// experts) with r3-model's loader, which validates every tensor against `cfg`.
+/// experts) with r3-model's loader, which validates every tensor against `cfg` and refuses
+/// non-finite values.
 pub fn load_dir(dir: &Path, cfg: &Config) -> Result<TensorMap, RolloutError> {
-    let weights =
-        Weights::load(dir, cfg, &Device::Cpu).map_err(|source| RolloutError::WeightDir {
+    load_dir_with(dir, cfg, &LoadOptions::default())
+}
+
+/// [`load_dir`] with explicit load options (e.g. accepting non-finite weights).
+pub fn load_dir_with(
+    dir: &Path,
+    cfg: &Config,
+    options: &LoadOptions,
+) -> Result<TensorMap, RolloutError> {
+    let weights = Weights::load_with(dir, cfg, &Device::Cpu, options).map_err(|source| {
+        RolloutError::WeightDir {
             dir: dir.to_path_buf(),
             source: Box::new(source),
-        })?;
+        }
+    })?;
     Ok(weights.into_map())
 }
 

@@ -191,6 +191,19 @@ fn fused_experts(f: &Fetcher, moe_prefix: &str, dtype: Dtype) -> Result<Vec<Ffn>
             "{moe_prefix}: fused experts of shapes {gu_shape:?} / {down_shape:?}"
         )));
     };
+    // The spec checked the shapes; the buffers must still hold every expert in full, or the
+    // zip below would silently build fewer experts than the router can pick.
+    let (gu_len, down_len) = (
+        e.checked_mul(two_inter).and_then(|n| n.checked_mul(h)),
+        e.checked_mul(h).and_then(|n| n.checked_mul(inter)),
+    );
+    if e == 0 || gu_len != Some(gate_up.len()) || down_len != Some(down.len()) {
+        return Err(RolloutError::Weights(format!(
+            "{moe_prefix}: fused experts hold {} / {} values, which does not match shapes {gu_shape:?} / {down_shape:?}",
+            gate_up.len(),
+            down.len()
+        )));
+    }
     gate_up
         .chunks_exact(two_inter * h)
         .zip(down.chunks_exact(h * inter))

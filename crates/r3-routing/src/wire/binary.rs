@@ -14,9 +14,11 @@
 //! | width × tokens·columns·top_k | ids, token-major, little-endian; missing cells hold 0 |
 //! | 8 × tokens | weight versions (u64 LE), only if flag bit 0 |
 //!
-//! Decoding checks the total length before allocating and validates every cell.
+//! Decoding checks the declared sizes against [`DecodeLimits`] and the total length against
+//! the bytes present before allocating anything, then validates every cell.
 
-use crate::{LayerSpace, RouteError, RouteTable};
+use crate::build::check_counts;
+use crate::{DecodeLimits, LayerSpace, RouteError, RouteTable};
 
 const F: &str = "r3-bin";
 const MAGIC: &[u8; 4] = b"R3RT";
@@ -123,6 +125,15 @@ pub fn decode_binary(bytes: &[u8]) -> Result<RouteTable, RouteError> {
             format!("id width {width} for {num_experts} experts, expected {expected_width}"),
         ));
     }
+    // Everything that does not need the layer list is checked before any allocation.
+    if cols == 0 {
+        return Err(RouteError::Layout(
+            "a route table needs at least one column (layer)".into(),
+        ));
+    }
+    check_counts(num_experts, top_k)?;
+    DecodeLimits::check_layers("num_columns", cols)?;
+    DecodeLimits::check_tokens("num_tokens", tokens)?;
     let overflow = || RouteError::format(F, "declared sizes overflow");
     let cells = tokens.checked_mul(cols).ok_or_else(overflow)?;
     let id_count = cells.checked_mul(top_k).ok_or_else(overflow)?;

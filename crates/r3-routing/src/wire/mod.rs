@@ -12,7 +12,8 @@ pub mod vllm_json;
 
 use base64::Engine as _;
 
-use crate::{LayerLayout, LayerSpace, RouteError, RouteTable};
+use crate::build::check_counts;
+use crate::{DecodeLimits, LayerLayout, LayerSpace, RouteError, RouteTable};
 
 /// What the receiver knows about the model, needed to interpret a payload.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -59,18 +60,21 @@ impl WireShape {
         Ok(self)
     }
 
-    /// Values per row on the wire (`num_layers * top_k`), error if zero.
+    /// Values per row on the wire (`num_layers * top_k`), error if zero; the declared sizes
+    /// are checked against [`DecodeLimits`] first, so nothing is allocated from them.
     pub(crate) fn row_len(&self, format: &'static str) -> Result<usize, RouteError> {
-        match self.num_layers.checked_mul(self.top_k) {
-            Some(0) | None => Err(RouteError::format(
+        if self.num_layers == 0 || self.top_k == 0 {
+            return Err(RouteError::format(
                 format,
                 format!(
                     "num_layers {} x top_k {} gives no values per row",
                     self.num_layers, self.top_k
                 ),
-            )),
-            Some(n) => Ok(n),
+            ));
         }
+        DecodeLimits::check_layers("num_layers", self.num_layers)?;
+        check_counts(self.num_experts, self.top_k)?;
+        Ok(self.num_layers * self.top_k)
     }
 }
 
@@ -221,6 +225,8 @@ pub(crate) fn table_from_wire(
     rows: usize,
     get: impl Fn(usize) -> i64,
 ) -> Result<RouteTable, RouteError> {
+    shape.row_len("wire")?;
+    DecodeLimits::id_count(rows, shape.num_layers, shape.top_k)?;
     let (l, k) = (shape.num_layers, shape.top_k);
     let Some(layout) = &shape.layout else {
         return RouteTable::from_fn(

@@ -6,7 +6,7 @@
 use serde_json::{json, Value};
 
 use super::{table_from_wire, wire_values, WireDtype, WireShape};
-use crate::{LayerLayout, RouteError, RouteTable};
+use crate::{DecodeLimits, LayerLayout, RouteError, RouteTable};
 
 const F: &str = "vllm-json";
 
@@ -73,7 +73,8 @@ fn push_rows(
         .as_array()
         .ok_or_else(|| RouteError::format(F, format!("`{what}` must be an array of rows")))?;
     let (l, k) = (shape.num_layers, shape.top_k);
-    flat.reserve(rows.len() * l * k);
+    DecodeLimits::check_tokens("rows", first_row.saturating_add(rows.len()))?;
+    flat.reserve(DecodeLimits::id_count(rows.len(), l, k)?);
     for (r, row) in rows.iter().enumerate() {
         let token = shape.start_len.saturating_add(first_row + r);
         let cells = row.as_array().ok_or_else(|| {

@@ -7,6 +7,7 @@ mod canonical;
 mod divergence;
 mod fuzz;
 mod layout;
+mod limits;
 mod load;
 mod mismatch;
 mod placement;
