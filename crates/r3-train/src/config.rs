@@ -448,7 +448,7 @@ impl TrainConfig {
         if self.eval.temperature.is_nan() || self.eval.temperature < 0.0 {
             return bad("eval.temperature", "must be >= 0".into());
         }
-        Ok(())
+        crate::config_limits::check_limits(self)
     }
 
     /// The clip range of the configured loss.
