@@ -109,8 +109,8 @@ fn rms_bwd<T: Float>(x: &[T], w: &[T], g: &[T], eps: f64) -> (Vec<T>, Vec<T>) {
 }
 
 /// The element-wise sum of per-chunk vectors in one fixed order: each half of the chunk
-/// list summed from zero in chunk order, then the two halves added. (This is the order a
-/// one-thread rayon `reduce` used, so single-thread results are unchanged.)
+/// list summed from zero in chunk order, then the two halves added. The order depends only
+/// on the number of chunks, never on the pool.
 fn sum_chunks<T: Float>(parts: &[Vec<T>], d: usize) -> Vec<T> {
     let fold = |parts: &[Vec<T>]| {
         parts.iter().fold(vec![T::ZERO; d], |mut acc, p| {
