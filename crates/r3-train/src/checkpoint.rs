@@ -4,7 +4,10 @@
 //! dataset position — epoch and index — of a dataset run).
 //!
 //! A checkpoint is written into a temporary sibling directory and renamed into place, so
-//! a run killed mid-write never leaves a half checkpoint under a `step_<N>` name.
+//! a run killed mid-write never leaves a half checkpoint under a `step_<N>` name; its last
+//! file is `manifest.json` (sha256 of every other file), checked on resume: a resumed run
+//! takes the newest checkpoint that verifies and says why it skipped newer ones. Weights
+//! with a NaN or infinity are never written.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -14,6 +17,7 @@ use r3_tasks::{CharTokenizer, DatasetPosition};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError};
+use crate::manifest::{verify_manifest, write_manifest};
 use crate::optim::AdamW;
 use crate::policy::TrainablePolicy;
 
@@ -72,8 +76,9 @@ pub fn save_checkpoint(
     keep_last: usize,
 ) -> Result<PathBuf> {
     let root = checkpoints_dir(run_dir);
-    std::fs::create_dir_all(&root).map_err(TrainError::io(&root))?;
     let name = format!("{STEP_PREFIX}{}", state.step);
+    refuse_non_finite(policy, &root.join(&name))?;
+    std::fs::create_dir_all(&root).map_err(TrainError::io(&root))?;
     let tmp = root.join(format!("{TMP_PREFIX}{name}"));
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(TrainError::io(&tmp))?;
@@ -88,6 +93,7 @@ pub fn save_checkpoint(
         .map_err(TrainError::json("serialising trainer state"))?;
     let state_path = tmp.join(STATE_FILE);
     std::fs::write(&state_path, text).map_err(TrainError::io(&state_path))?;
+    write_manifest(&tmp)?;
     let dest = root.join(&name);
     if dest.exists() {
         std::fs::remove_dir_all(&dest).map_err(TrainError::io(&dest))?;
@@ -97,7 +103,28 @@ pub fn save_checkpoint(
     Ok(dest)
 }
 
-/// Complete checkpoints of a run as `(step, dir)`, oldest first.
+/// An error naming the first variable with a NaN or infinite value, if any.
+fn refuse_non_finite(policy: &TrainablePolicy, dest: &Path) -> Result<()> {
+    for (name, var) in policy.vars() {
+        let values = var
+            .as_tensor()
+            .flatten_all()?
+            .to_dtype(candle_core::DType::F32)?
+            .to_vec1::<f32>()?;
+        let count = values.iter().filter(|v| !v.is_finite()).count();
+        if count > 0 {
+            return Err(TrainError::NonFiniteWeights {
+                path: dest.to_path_buf(),
+                variable: name.clone(),
+                count,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The `step_<N>` checkpoint directories of a run as `(step, dir)`, oldest first (whether
+/// complete or not: [`verified_checkpoint`] checks).
 pub fn list_checkpoints(run_dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
     let root = checkpoints_dir(run_dir);
     if !root.exists() {
@@ -110,7 +137,7 @@ pub fn list_checkpoints(run_dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
         let Some(step) = name.strip_prefix(STEP_PREFIX).and_then(|s| s.parse().ok()) else {
             continue;
         };
-        if entry.path().join(STATE_FILE).is_file() {
+        if entry.path().is_dir() {
             out.push((step, entry.path()));
         }
     }
@@ -159,15 +186,65 @@ pub fn load_optimizer(dir: &Path, state: &TrainerState, optimizer: &mut AdamW) -
     Ok(())
 }
 
-/// The newest complete checkpoint of a run with its state, if any.
-pub fn latest_checkpoint(run_dir: &Path) -> Result<Option<(PathBuf, TrainerState)>> {
-    match list_checkpoints(run_dir)?.pop() {
-        Some((_, dir)) => {
-            let state = read_state(&dir)?;
-            Ok(Some((dir, state)))
-        }
-        None => Ok(None),
+/// The checkpoint a resumed run starts from, and the newer ones it passed over.
+#[derive(Debug, Clone)]
+pub struct ChosenCheckpoint {
+    /// The checkpoint directory.
+    pub dir: PathBuf,
+    /// Its trainer state.
+    pub state: TrainerState,
+    /// Newer checkpoints that failed verification, newest first, with the reason.
+    pub skipped: Vec<(PathBuf, String)>,
+}
+
+/// Checks one checkpoint: its manifest matches every file, and its state file parses and
+/// names the step of its directory.
+pub fn verify_checkpoint(dir: &Path, step: u64) -> Result<TrainerState> {
+    verify_manifest(dir)?;
+    let state = read_state(dir)?;
+    if state.step != step {
+        return Err(TrainError::CheckpointManifest {
+            path: dir.to_path_buf(),
+            reason: format!("trainer_state.json says step {}", state.step),
+        });
     }
+    Ok(state)
+}
+
+/// The newest checkpoint of a run that is complete and verified ([`verify_checkpoint`]),
+/// with the newer ones skipped; `None` when the run has no checkpoint directory at all, an
+/// error when it has some but none verifies.
+pub fn verified_checkpoint(run_dir: &Path) -> Result<Option<ChosenCheckpoint>> {
+    let all = list_checkpoints(run_dir)?;
+    if all.is_empty() {
+        return Ok(None);
+    }
+    let mut skipped = Vec::new();
+    for (step, dir) in all.into_iter().rev() {
+        match verify_checkpoint(&dir, step) {
+            Ok(state) => {
+                return Ok(Some(ChosenCheckpoint {
+                    dir,
+                    state,
+                    skipped,
+                }))
+            }
+            Err(e) => skipped.push((dir, e.to_string())),
+        }
+    }
+    Err(TrainError::NoVerifiedCheckpoint {
+        path: checkpoints_dir(run_dir),
+        reasons: skipped
+            .iter()
+            .map(|(_, why)| why.as_str())
+            .collect::<Vec<_>>()
+            .join("; "),
+    })
+}
+
+/// The newest complete and verified checkpoint of a run with its state, if any.
+pub fn latest_checkpoint(run_dir: &Path) -> Result<Option<(PathBuf, TrainerState)>> {
+    Ok(verified_checkpoint(run_dir)?.map(|c| (c.dir, c.state)))
 }
 
 /// A new state record for step `step`.

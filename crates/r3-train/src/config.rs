@@ -511,7 +511,8 @@ impl TrainConfig {
         if self.eval.temperature.is_nan() || self.eval.temperature < 0.0 {
             return bad("eval.temperature", "must be >= 0".into());
         }
-        self.validate_data_and_reward()
+        self.validate_data_and_reward()?;
+        crate::config_limits::check_limits(self)
     }
 
     /// The clip range of the configured loss.

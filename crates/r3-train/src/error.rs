@@ -269,6 +269,32 @@ pub enum TrainError {
         /// The config's seed.
         config: u64,
     },
+    /// A checkpoint refused because a weight is NaN or infinite (never written).
+    #[error("checkpoint {path} not written: {count} non-finite values in `{variable}`")]
+    NonFiniteWeights {
+        /// The checkpoint directory it would have been.
+        path: PathBuf,
+        /// The first variable with a non-finite value.
+        variable: String,
+        /// How many of its values are non-finite.
+        count: usize,
+    },
+    /// A checkpoint whose manifest is missing, unreadable or does not match its files.
+    #[error("checkpoint {path}: {reason}")]
+    CheckpointManifest {
+        /// The checkpoint directory.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// Checkpoints exist but none is complete and verified.
+    #[error("no usable checkpoint in {path}: {reasons}")]
+    NoVerifiedCheckpoint {
+        /// The checkpoints directory.
+        path: PathBuf,
+        /// Why each was skipped, newest first.
+        reasons: String,
+    },
     /// A checkpoint's optimiser moments that could not be read.
     #[error("checkpoint {path}: {source}")]
     CheckpointTensors {

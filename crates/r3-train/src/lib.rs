@@ -10,6 +10,7 @@
 pub mod advantage;
 pub mod agg;
 pub mod config;
+pub mod config_limits;
 pub mod error;
 pub mod grad_clip;
 pub mod logprob;
@@ -22,8 +23,10 @@ pub mod update;
 
 // The RL loop and pretraining (trainer helper).
 pub mod checkpoint;
+pub mod collapse;
 pub mod diagnostics;
 pub mod fleet_sync;
+pub mod manifest;
 pub mod metrics_log;
 pub mod minibatch;
 pub mod policy;
@@ -48,7 +51,7 @@ pub use loss::{
     PolicyLossMetrics,
 };
 pub use metrics_log::StepMetrics;
-pub use optim::{decay_matrices_only, AdamW, AdamWParams};
+pub use optim::{decay_matrices_only, AdamW, AdamWParams, AdamWStep};
 pub use policy::{ResponseBatch, TrainablePolicy};
 pub use pretrain::{pretrain, PretrainEvent, PretrainReport};
 pub use pretrain_config::PretrainConfig;
@@ -56,4 +59,7 @@ pub use rl_loop::{Observer, Quiet, Run, RunSummary};
 pub use rollout_is::{rollout_is_weights, IsConfig, IsLevel, IsMetrics, IsMode, IsWeights};
 pub use schedule::{LrDecay, LrSchedule};
 pub use trainer::Trainer;
-pub use update::{backward_and_step, guarded_step, SkipReason, UpdateOutcome};
+pub use update::{
+    backward_and_step, backward_and_step_with, guarded_step, guarded_step_with, GradHook,
+    SkipReason, UpdateOutcome,
+};

@@ -216,3 +216,16 @@ pub fn truncate_after_step(path: &Path, last_step: u64) -> Result<()> {
     std::fs::write(&tmp, kept).map_err(TrainError::io(&tmp))?;
     std::fs::rename(&tmp, path).map_err(TrainError::io(path))
 }
+
+/// The evaluation lines of an `eval.jsonl` that parse (a line torn by a kill is skipped);
+/// none when the file does not exist.
+pub fn read_eval_lines(path: &Path) -> Result<Vec<EvalLine>> {
+    if !path.exists() {
+        return Ok(Vec::new());
+    }
+    let text = std::fs::read_to_string(path).map_err(TrainError::io(path))?;
+    Ok(text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<EvalLine>(l).ok())
+        .collect())
+}

@@ -16,7 +16,7 @@ use crate::loss::{policy_loss, ClipRange, PolicyLossInput, PolicyLossKind, Polic
 use crate::optim::AdamW;
 use crate::policy::{score, ResponseBatch, TrainablePolicy};
 use crate::rollout_is::{rollout_is_weights, IsConfig};
-use crate::update::{backward_and_step, UpdateOutcome};
+use crate::update::{backward_and_step_with, GradHook, UpdateOutcome};
 
 /// The data of one mini-batch.
 #[derive(Debug)]
@@ -56,6 +56,8 @@ pub struct UpdateSettings {
     pub grad_clip: f64,
     /// The replay mode (names the mode in replay errors).
     pub mode: RouterReplay,
+    /// Test hook on the clipped gradients before the AdamW step (`None` in real runs).
+    pub grad_hook: Option<GradHook>,
 }
 
 /// What one mini-batch update did and saw.
@@ -122,7 +124,7 @@ pub fn update_minibatch(
         let bonus = masked_mean(&entropy_tensor, &mask)?.affine(s.entropy_coef, 0.0)?;
         loss = loss.sub(&bonus)?;
     }
-    let outcome = backward_and_step(optimizer, &loss, s.lr, s.grad_clip)?;
+    let outcome = backward_and_step_with(optimizer, &loss, s.lr, s.grad_clip, s.grad_hook)?;
     Ok(MiniBatchResult {
         outcome,
         loss_metrics,

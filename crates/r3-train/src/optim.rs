@@ -5,11 +5,12 @@
 //! `θ ← θ·(1 − lr·wd)`, `m ← β1·m + (1−β1)·g`, `v ← β2·v + (1−β2)·g²`,
 //! `θ ← θ − lr · (m / (1−β1ᵗ)) / (sqrt(v / (1−β2ᵗ)) + eps)`.
 //! A parameter without a gradient in a step (e.g. an expert no token was routed to) is left
-//! alone entirely: no decay, no moment update.
+//! alone entirely: no decay, no moment update. An update that would make any parameter or
+//! moment NaN or infinite is not applied at all (see [`AdamW::step`]).
 
 use crate::error::{Result, TrainError};
 use candle_core::backprop::GradStore;
-use candle_core::{Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 
@@ -49,6 +50,28 @@ struct Slot {
     decay: bool,
     m: Tensor,
     v: Tensor,
+}
+
+/// What [`AdamW::step`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AdamWStep {
+    /// Every variable with a gradient was updated.
+    Applied,
+    /// Nothing changed: the update would have made `what` of `variable` NaN or infinite.
+    NonFinite {
+        /// The first variable found non-finite.
+        variable: String,
+        /// `parameter`, `first moment` or `second moment`.
+        what: &'static str,
+    },
+}
+
+/// Whether every element of `t` is finite: the sum of finite values is finite (barring an
+/// overflow of values near the type's maximum, which is no sane weight either), and one
+/// NaN or infinity makes it NaN or infinite. One pass, no copy to the host.
+fn all_finite(t: &Tensor) -> Result<bool> {
+    let sum = t.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    Ok(sum.is_finite())
 }
 
 /// AdamW over a fixed, name-sorted list of variables.
@@ -102,8 +125,11 @@ impl AdamW {
         self.slots.iter().map(|s| (s.name.as_str(), &s.var))
     }
 
-    /// Applies one update with learning rate `lr`.
-    pub fn step(&mut self, grads: &GradStore, lr: f64) -> Result<()> {
+    /// Applies one update with learning rate `lr`, or none at all when it would leave a
+    /// parameter or moment NaN or infinite: every new value is computed into scratch
+    /// tensors and checked there, and the variables, moments and step count change only
+    /// when all are finite.
+    pub fn step(&mut self, grads: &GradStore, lr: f64) -> Result<AdamWStep> {
         let AdamWParams {
             beta1,
             beta2,
@@ -113,21 +139,22 @@ impl AdamW {
         let t = self.step + 1;
         let bc1 = 1.0 - beta1.powf(t as f64);
         let bc2 = 1.0 - beta2.powf(t as f64);
-        for slot in &mut self.slots {
+        let mut staged = Vec::with_capacity(self.slots.len());
+        for (i, slot) in self.slots.iter().enumerate() {
             let Some(g) = grads.get(slot.var.as_tensor()) else {
                 continue;
             };
             let g = g.detach();
-            slot.m = slot
+            let m = slot
                 .m
                 .affine(beta1, 0.0)?
                 .add(&g.affine(1.0 - beta1, 0.0)?)?;
-            slot.v = slot
+            let v = slot
                 .v
                 .affine(beta2, 0.0)?
                 .add(&g.sqr()?.affine(1.0 - beta2, 0.0)?)?;
-            let m_hat = slot.m.affine(1.0 / bc1, 0.0)?;
-            let denom = slot.v.affine(1.0 / bc2, 0.0)?.sqrt()?.affine(1.0, eps)?;
+            let m_hat = m.affine(1.0 / bc1, 0.0)?;
+            let denom = v.affine(1.0 / bc2, 0.0)?.sqrt()?.affine(1.0, eps)?;
             let theta = slot.var.as_detached_tensor();
             let decayed = if slot.decay && weight_decay != 0.0 {
                 theta.affine(1.0 - lr * weight_decay, 0.0)?
@@ -135,10 +162,28 @@ impl AdamW {
                 theta
             };
             let new = decayed.sub(&m_hat.div(&denom)?.affine(lr, 0.0)?)?;
+            for (what, tensor) in [
+                ("parameter", &new),
+                ("first moment", &m),
+                ("second moment", &v),
+            ] {
+                if !all_finite(tensor)? {
+                    return Ok(AdamWStep::NonFinite {
+                        variable: slot.name.clone(),
+                        what,
+                    });
+                }
+            }
+            staged.push((i, m, v, new));
+        }
+        for (i, m, v, new) in staged {
+            let slot = &mut self.slots[i];
             slot.var.set(&new)?;
+            slot.m = m;
+            slot.v = v;
         }
         self.step = t;
-        Ok(())
+        Ok(AdamWStep::Applied)
     }
 
     /// The moment tensors, named `adamw.m.<var>` and `adamw.v.<var>`.

@@ -1,15 +1,21 @@
 //! The RL run: the run directory (`config.toml`, `metrics.jsonl`, `eval.jsonl`,
 //! `checkpoints/`), the initial held-out evaluation, the step loop with periodic
-//! evaluation and atomic checkpoints, and resuming a killed run from its newest
+//! evaluation and atomic checkpoints, and resuming a killed run from its newest verified
 //! checkpoint. Progress is reported to an [`Observer`] (the CLI draws a progress bar).
+//!
+//! The base evaluation (step 0) is logged before step 1 whenever the log lacks it, so a
+//! run killed before it was written gets it on resume.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use crate::checkpoint::latest_checkpoint;
+use crate::checkpoint::verified_checkpoint;
+use crate::collapse::CollapseWatch;
 use crate::config::TrainConfig;
 use crate::error::{Result, TrainError};
-use crate::metrics_log::{truncate_after_step, EvalLine, JsonlWriter, StepMetrics};
+use crate::metrics_log::{
+    read_eval_lines, truncate_after_step, EvalLine, JsonlWriter, StepMetrics,
+};
 use crate::rollout::EvalResult;
 use crate::trainer::Trainer;
 
@@ -49,6 +55,9 @@ pub struct RunSummary {
     pub last_step: u64,
     /// Evaluations of this invocation as (step, accuracy).
     pub evals: Vec<(u64, f64)>,
+    /// The run's first evaluation as (step, accuracy) — the base model's (step 0), also
+    /// after a resume, read back from `eval.jsonl`.
+    pub eval_first: Option<(u64, f64)>,
     /// Wall-clock seconds of this invocation.
     pub wall_s: f64,
 }
@@ -60,7 +69,6 @@ pub struct Run {
     pub trainer: Trainer,
     /// The run directory.
     pub run_dir: PathBuf,
-    resumed: bool,
 }
 
 impl Run {
@@ -73,25 +81,31 @@ impl Run {
         std::fs::create_dir_all(&run_dir).map_err(TrainError::io(&run_dir))?;
         cfg.save(&run_dir.join(CONFIG_FILE))?;
         let trainer = Trainer::new(cfg)?;
-        Ok(Self {
-            trainer,
-            run_dir,
-            resumed: false,
-        })
+        Ok(Self { trainer, run_dir })
     }
 
-    /// Continues the run in `run_dir` from its newest checkpoint (or from the base model
-    /// when it has none), with the config saved in the run directory. Log lines after the
-    /// checkpoint's step are dropped, so the logs read as one uninterrupted run.
+    /// Continues the run in `run_dir` from its newest complete and verified checkpoint
+    /// (or from the base model when it has none), with the config saved in the run
+    /// directory; newer checkpoints that fail verification are skipped with a warning that
+    /// says why. Log lines after the checkpoint's step are dropped, so the logs read as one
+    /// uninterrupted run.
     pub fn resume(run_dir: &Path) -> Result<Self> {
         let cfg_path = run_dir.join(CONFIG_FILE);
         let text = std::fs::read_to_string(&cfg_path).map_err(TrainError::io(&cfg_path))?;
         let mut cfg = TrainConfig::from_toml_str(&text)?;
         cfg.run_dir = run_dir.to_path_buf();
-        let trainer = match latest_checkpoint(run_dir)? {
-            Some((dir, state)) => {
-                tracing::info!(step = state.step, dir = %dir.display(), "resuming from checkpoint");
-                Trainer::from_checkpoint(cfg, &dir)?
+        let trainer = match verified_checkpoint(run_dir)? {
+            Some(chosen) => {
+                for (dir, why) in &chosen.skipped {
+                    tracing::warn!(dir = %dir.display(), reason = %why, "skipping checkpoint");
+                }
+                tracing::info!(
+                    step = chosen.state.step,
+                    dir = %chosen.dir.display(),
+                    skipped = chosen.skipped.len(),
+                    "resuming from the newest verified checkpoint"
+                );
+                Trainer::from_checkpoint(cfg, &chosen.dir)?
             }
             None => {
                 tracing::warn!(run = %run_dir.display(), "no checkpoint yet: restarting from the base model");
@@ -103,7 +117,6 @@ impl Run {
         Ok(Self {
             trainer,
             run_dir: run_dir.to_path_buf(),
-            resumed: true,
         })
     }
 
@@ -114,11 +127,14 @@ impl Run {
         let total = t.total_steps();
         let first = t.step + 1;
         let mut metrics = JsonlWriter::append(&self.run_dir.join(METRICS_FILE))?;
-        let mut evals_log = JsonlWriter::append(&self.run_dir.join(EVAL_FILE))?;
+        let eval_path = self.run_dir.join(EVAL_FILE);
+        let has_base_eval = read_eval_lines(&eval_path)?.iter().any(|l| l.step == 0);
+        let mut evals_log = JsonlWriter::append(&eval_path)?;
         let mut evals = Vec::new();
+        let mut collapse = CollapseWatch::default();
         observer.started(first, total);
         let eval_every = t.cfg.eval.every;
-        if eval_every > 0 && t.step == 0 && !self.resumed {
+        if eval_every > 0 && t.step == 0 && !has_base_eval {
             let r = t.evaluate()?;
             evals_log.write(&eval_line(0, &r))?;
             evals.push((0, r.accuracy));
@@ -139,17 +155,23 @@ impl Run {
             metrics.write(&m)?;
             tracing::debug!(step, reward = m.reward_mean, k3_kl = ?m.k3_kl, "step done");
             observer.step_done(&m);
+            collapse.observe(&m);
             let every = t.cfg.checkpoint.every;
             if every > 0 && (step % every == 0 || step == total) {
                 let dir = t.save_checkpoint(&self.run_dir)?;
                 observer.checkpointed(step, &dir);
             }
         }
+        let eval_first = read_eval_lines(&eval_path)?
+            .iter()
+            .min_by_key(|l| l.step)
+            .map(|l| (l.step, l.eval_accuracy));
         Ok(RunSummary {
             run_dir: self.run_dir.clone(),
             steps_run: total.saturating_sub(first - 1),
             last_step: t.step,
             evals,
+            eval_first,
             wall_s: started.elapsed().as_secs_f64(),
         })
     }

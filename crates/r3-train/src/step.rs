@@ -369,6 +369,7 @@ fn update_settings(cfg: &TrainConfig) -> UpdateSettings {
         lr: 0.0,
         grad_clip: cfg.optim.grad_clip,
         mode: cfg.algo.router_replay,
+        grad_hook: None,
     }
 }
 

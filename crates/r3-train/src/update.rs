@@ -1,11 +1,12 @@
 //! One guarded optimiser update: backward, NaN/inf check, gradient clipping, AdamW step.
-//! A non-finite loss or gradient norm skips the update and leaves the weights and the
-//! optimiser state untouched, so the loop can report it and carry on.
+//! A non-finite loss or gradient norm, or an AdamW step that would leave a parameter or
+//! moment non-finite, skips the update and leaves the weights and the optimiser state
+//! untouched, so the loop can report it (`update.skipped`) and carry on.
 
 use crate::error::Result;
 use crate::grad_clip::{clip_grad_norm, GradNorm};
 use crate::logprob::scalar_f32;
-use crate::optim::AdamW;
+use crate::optim::{AdamW, AdamWStep};
 use candle_core::backprop::GradStore;
 use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
@@ -18,7 +19,13 @@ pub enum SkipReason {
     NonFiniteLoss,
     /// The global gradient norm was NaN or infinite.
     NonFiniteGradNorm,
+    /// The AdamW step would have left a parameter or moment NaN or infinite.
+    NonFiniteUpdate,
 }
+
+/// Edits the (clipped) gradients just before the AdamW step; tests pass one to inject what
+/// the loss and gradient-norm guards would not see.
+pub type GradHook = fn(&AdamW, &mut GradStore) -> Result<()>;
 
 /// What happened to one update.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -56,9 +63,21 @@ impl UpdateOutcome {
 pub fn guarded_step(
     opt: &mut AdamW,
     loss: f32,
+    grads: GradStore,
+    lr: f64,
+    max_grad_norm: f64,
+) -> Result<UpdateOutcome> {
+    guarded_step_with(opt, loss, grads, lr, max_grad_norm, None)
+}
+
+/// [`guarded_step`] with an optional [`GradHook`] run on the clipped gradients.
+pub fn guarded_step_with(
+    opt: &mut AdamW,
+    loss: f32,
     mut grads: GradStore,
     lr: f64,
     max_grad_norm: f64,
+    hook: Option<GradHook>,
 ) -> Result<UpdateOutcome> {
     if !loss.is_finite() {
         return Ok(UpdateOutcome::Skipped {
@@ -81,7 +100,23 @@ pub fn guarded_step(
             grad_norm: Some(grad_norm.norm),
         });
     }
-    opt.step(&grads, lr)?;
+    if let Some(hook) = hook {
+        hook(opt, &mut grads)?;
+    }
+    if let AdamWStep::NonFinite { variable, what } = opt.step(&grads, lr)? {
+        tracing::warn!(
+            loss,
+            lr,
+            variable = %variable,
+            what,
+            "the update would make weights non-finite: skipped, weights and optimiser kept"
+        );
+        return Ok(UpdateOutcome::Skipped {
+            reason: SkipReason::NonFiniteUpdate,
+            loss,
+            grad_norm: Some(grad_norm.norm),
+        });
+    }
     Ok(UpdateOutcome::Applied {
         loss,
         grad_norm,
@@ -97,6 +132,17 @@ pub fn backward_and_step(
     lr: f64,
     max_grad_norm: f64,
 ) -> Result<UpdateOutcome> {
+    backward_and_step_with(opt, loss, lr, max_grad_norm, None)
+}
+
+/// [`backward_and_step`] with an optional [`GradHook`] run on the clipped gradients.
+pub fn backward_and_step_with(
+    opt: &mut AdamW,
+    loss: &Tensor,
+    lr: f64,
+    max_grad_norm: f64,
+    hook: Option<GradHook>,
+) -> Result<UpdateOutcome> {
     let value = scalar_f32(loss)?;
     if !value.is_finite() {
         tracing::warn!(loss = value, "non-finite loss: update skipped");
@@ -107,5 +153,5 @@ pub fn backward_and_step(
         });
     }
     let grads = loss.backward()?;
-    guarded_step(opt, value, grads, lr, max_grad_norm)
+    guarded_step_with(opt, value, grads, lr, max_grad_norm, hook)
 }

@@ -182,6 +182,7 @@ fn a_nan_or_inf_loss_skips_the_update_and_leaves_weights_untouched() {
         lr: 1e-2,
         grad_clip: 1.0,
         mode: RouterReplay::Disabled,
+        grad_hook: None,
     };
     let before = values(&policy);
     for bad in [f32::NAN, f32::INFINITY] {

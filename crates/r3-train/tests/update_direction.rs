@@ -83,6 +83,7 @@ fn check(kind: PolicyLossKind, replay: bool) {
         lr: 1e-3,
         grad_clip: 1.0,
         mode: RouterReplay::R3,
+        grad_hook: None,
     };
     let r = update_minibatch(&policy, &mut opt, &mb, &settings).expect("update");
     assert!(r.outcome.applied());

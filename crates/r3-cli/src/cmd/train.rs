@@ -42,6 +42,23 @@ pub fn resolve_config(config: Option<&Path>, set: &[String]) -> anyhow::Result<T
     })
 }
 
+/// A relative `model_dir` resolved against the working directory (so the run's saved
+/// config works from anywhere), with a clear error when it does not exist: the built-in
+/// config names `models/arith-moe`, found only from the repository root.
+fn model_dir_from_cwd(model_dir: &Path) -> anyhow::Result<PathBuf> {
+    let cwd = std::env::current_dir().context("reading the working directory")?;
+    let dir = cwd.join(model_dir);
+    if !dir.is_dir() {
+        anyhow::bail!(
+            "model_dir `{}` not found (looked in {}): run from the repository root or pass \
+             --set model_dir=PATH",
+            model_dir.display(),
+            dir.display()
+        );
+    }
+    Ok(dir)
+}
+
 /// `dir`, or `dir-2`, `dir-3`, … — the first that does not hold a run yet.
 fn free_run_dir(dir: &Path) -> PathBuf {
     let taken = |d: &Path| d.join("metrics.jsonl").exists() || d.join("config.toml").exists();
@@ -61,6 +78,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         Some(dir) => Run::resume(dir).with_context(|| format!("resuming {}", dir.display()))?,
         None => {
             let mut cfg = resolve_config(a.config.as_deref(), &a.set)?;
+            cfg.model_dir = model_dir_from_cwd(&cfg.model_dir)?;
             let dir = free_run_dir(&cfg.run_dir);
             if dir != cfg.run_dir {
                 tracing::info!(run_dir = %dir.display(), "run_dir already holds a run: using a new one");
@@ -83,7 +101,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
     let mut progress = RunProgress::new(step_bar(total, a.no_progress, STEP_TEMPLATE)?);
     let summary = run.execute(&mut progress)?;
     progress.bar.finish();
-    let first = summary.evals.first().map(|e| e.1);
+    let first = summary.eval_first.map(|e| e.1);
     let last = summary.evals.last().map(|e| e.1);
     println!(
         "{}",

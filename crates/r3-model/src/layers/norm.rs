@@ -76,10 +76,14 @@ fn rms_fwd<T: Float>(x: &[T], w: &[T], eps: f64) -> Vec<T> {
 }
 
 /// `dx = r · (g·w − x̂ · mean(g·w·x̂))`, `dw = Σ_rows g · x̂`, with `x̂ = x · r`.
+///
+/// `dw` is summed per fixed chunk of [`ROWS_PER_TASK`] rows, and the chunk sums are combined
+/// in a fixed order ([`sum_chunks`]): the result does not depend on how rayon schedules the
+/// chunks, so a run is the same on any thread count.
 fn rms_bwd<T: Float>(x: &[T], w: &[T], g: &[T], eps: f64) -> (Vec<T>, Vec<T>) {
     let d = w.len();
     let mut dx = vec![T::ZERO; x.len()];
-    let dw = dx
+    let partials: Vec<Vec<T>> = dx
         .par_chunks_mut(d * ROWS_PER_TASK)
         .zip(x.par_chunks(d * ROWS_PER_TASK))
         .zip(g.par_chunks(d * ROWS_PER_TASK))
@@ -100,16 +104,31 @@ fn rms_bwd<T: Float>(x: &[T], w: &[T], g: &[T], eps: f64) -> (Vec<T>, Vec<T>) {
             }
             dw
         })
-        .reduce(
-            || vec![T::ZERO; d],
-            |mut a, b| {
-                for (a, b) in a.iter_mut().zip(b) {
-                    *a = *a + b;
-                }
-                a
-            },
-        );
-    (dx, dw)
+        .collect();
+    (dx, sum_chunks(&partials, d))
+}
+
+/// The element-wise sum of per-chunk vectors in one fixed order: each half of the chunk
+/// list summed from zero in chunk order, then the two halves added. The order depends only
+/// on the number of chunks, never on the pool.
+fn sum_chunks<T: Float>(parts: &[Vec<T>], d: usize) -> Vec<T> {
+    let fold = |parts: &[Vec<T>]| {
+        parts.iter().fold(vec![T::ZERO; d], |mut acc, p| {
+            for (a, &b) in acc.iter_mut().zip(p) {
+                *a = *a + b;
+            }
+            acc
+        })
+    };
+    if parts.len() < 2 {
+        return fold(parts);
+    }
+    let (left, right) = parts.split_at(parts.len() / 2);
+    let mut sum = fold(left);
+    for (a, b) in sum.iter_mut().zip(fold(right)) {
+        *a = *a + b;
+    }
+    sum
 }
 
 impl RmsNormOp {
@@ -200,6 +219,45 @@ mod tests {
         Tensor::from_vec(data, shape, &Device::Cpu)
             .and_then(|t| t.to_dtype(dtype))
             .expect("values")
+    }
+
+    /// The weight gradient over many row chunks is the same bit for bit in pools of 1 to 4
+    /// threads, and equals the plain sum over rows (in f64) to rounding.
+    #[test]
+    fn weight_gradient_does_not_depend_on_the_thread_count() {
+        let host = |shape: &[usize], salt| {
+            values(shape, salt, DType::F32)
+                .flatten_all()
+                .and_then(|t| t.to_vec1::<f32>())
+                .expect("host")
+        };
+        let (rows, d) = (40 * ROWS_PER_TASK + 7, 8);
+        let (x, w, g) = (host(&[rows, d], 1), host(&[d], 2), host(&[rows, d], 3));
+        let in_pool = |threads| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .expect("pool")
+                .install(|| rms_bwd(&x, &w, &g, 1e-6).1)
+        };
+        let one = in_pool(1);
+        for threads in 2..=4 {
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&in_pool(threads)), bits(&one), "{threads} threads");
+        }
+        for (j, &dw) in one.iter().enumerate() {
+            let exact: f64 = (0..rows)
+                .map(|r| {
+                    let row = &x[r * d..(r + 1) * d];
+                    let ms = row.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>() / d as f64;
+                    f64::from(g[r * d + j]) * f64::from(row[j]) / (ms + 1e-6).sqrt()
+                })
+                .sum();
+            assert!(
+                (f64::from(dw) - exact).abs() < 1e-3,
+                "dw[{j}] {dw} vs {exact}"
+            );
+        }
     }
 
     /// Values and both gradients equal candle's composed `rms_norm_slow`, over more rows than

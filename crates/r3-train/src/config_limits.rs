@@ -1,0 +1,110 @@
+//! Range checks on the numbers of a [`TrainConfig`] beyond their types: every float finite,
+//! every rate and coefficient inside the range where an update stays meaningful, every
+//! size that must count something at least 1. Each error names its key.
+
+use crate::config::TrainConfig;
+use crate::error::{Result, TrainError};
+
+/// Largest accepted `optim.lr`. An AdamW step moves each weight by about `lr`, so a rate
+/// near 1 already rewrites the model every step; larger ones only blow weights up.
+pub const MAX_LR: f64 = 1.0;
+
+/// Largest accepted sampling temperature (`rollout.temperature`, `eval.temperature`):
+/// far above it sampling is uniform noise.
+pub const MAX_TEMPERATURE: f64 = 100.0;
+
+fn invalid(field: &'static str, reason: String) -> TrainError {
+    TrainError::InvalidConfig { field, reason }
+}
+
+/// `value` must be finite and inside `[low, high]` (`open_low`: `low` itself excluded).
+fn in_range(field: &'static str, value: f64, low: f64, open_low: bool, high: f64) -> Result<()> {
+    let low_ok = if open_low { value > low } else { value >= low };
+    if !value.is_finite() || !low_ok || value > high {
+        let open = if open_low { "(" } else { "[" };
+        return Err(invalid(
+            field,
+            format!("{value} must be finite and in {open}{low}, {high}]"),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks the numeric ranges of `cfg` (called by [`TrainConfig::validate`]).
+pub fn check_limits(cfg: &TrainConfig) -> Result<()> {
+    let (o, a) = (&cfg.optim, &cfg.algo);
+    in_range("optim.lr", o.lr, 0.0, true, MAX_LR)?;
+    in_range("optim.beta1", o.beta1, 0.0, false, 1.0)?;
+    in_range("optim.beta2", o.beta2, 0.0, false, 1.0)?;
+    if o.beta1 >= 1.0 || o.beta2 >= 1.0 {
+        let (field, v) = match o.beta1 >= 1.0 {
+            true => ("optim.beta1", o.beta1),
+            false => ("optim.beta2", o.beta2),
+        };
+        return Err(invalid(field, format!("{v} must be in [0, 1)")));
+    }
+    in_range("optim.adam_eps", o.adam_eps, 0.0, true, 1.0)?;
+    // lr · weight_decay stays below 1, so decay shrinks weights and never flips their sign.
+    in_range("optim.weight_decay", o.weight_decay, 0.0, false, 1.0)?;
+    if o.weight_decay >= 1.0 {
+        return Err(invalid(
+            "optim.weight_decay",
+            format!("{} must be in [0, 1)", o.weight_decay),
+        ));
+    }
+    in_range("optim.grad_clip", o.grad_clip, 0.0, false, f64::MAX)?;
+    in_range("optim.min_lr_ratio", o.min_lr_ratio, 0.0, false, 1.0)?;
+    in_range(
+        "rollout.temperature",
+        cfg.rollout.temperature,
+        0.0,
+        true,
+        MAX_TEMPERATURE,
+    )?;
+    in_range(
+        "eval.temperature",
+        cfg.eval.temperature,
+        0.0,
+        false,
+        MAX_TEMPERATURE,
+    )?;
+    in_range(
+        "task.format_reward",
+        cfg.task.format_reward,
+        -1.0,
+        false,
+        1.0,
+    )?;
+    in_range("algo.eps_low", a.eps_low, 0.0, false, 1.0)?;
+    in_range("algo.eps_high", a.eps_high, 0.0, false, f64::MAX)?;
+    in_range("algo.gspo_eps_low", a.gspo_eps_low, 0.0, false, 1.0)?;
+    in_range("algo.gspo_eps_high", a.gspo_eps_high, 0.0, false, f64::MAX)?;
+    in_range("algo.is_threshold", a.is_threshold, 0.0, true, f64::MAX)?;
+    in_range(
+        "algo.entropy_coef",
+        a.entropy_coef,
+        -f64::MAX,
+        false,
+        f64::MAX,
+    )?;
+    // Dividing by the group std needs a positive epsilon (a uniform group has std 0).
+    in_range("algo.adv_eps", a.adv_eps, 0.0, a.adv_norm_by_std, 1.0)?;
+    for (field, count) in [
+        ("steps", cfg.steps as usize),
+        ("rollout.prompts_per_step", cfg.rollout.prompts_per_step),
+        ("rollout.group_size", cfg.rollout.group_size),
+        ("rollout.max_new_tokens", cfg.rollout.max_new_tokens),
+        ("algo.mini_batches", a.mini_batches),
+    ] {
+        if count == 0 {
+            return Err(invalid(field, "must be >= 1".into()));
+        }
+    }
+    if cfg.eval.every > 0 && cfg.eval.size == 0 {
+        return Err(invalid(
+            "eval.size",
+            "must be >= 1 when eval.every > 0".into(),
+        ));
+    }
+    Ok(())
+}
