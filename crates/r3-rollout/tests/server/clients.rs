@@ -208,8 +208,8 @@ fn non_neutral_unimplemented_fields_are_refused_by_name() {
             "sampling_params.beam_width",
         ),
         (
-            json!({"input_ids": [1], "logprob_start_len": 0, "return_logprob": true}),
-            "generate.logprob_start_len",
+            json!({"input_ids": [1], "logprob_start_len": -2, "return_logprob": true}),
+            "logprob_start_len must be",
         ),
     ] {
         let r = server.post("/generate", &body);
