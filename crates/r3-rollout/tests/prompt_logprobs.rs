@@ -45,7 +45,12 @@ fn training_log_softmax(name: &str, tokens: &[u32]) -> Vec<Vec<f64>> {
         .iter()
         .map(|row| {
             let max = row.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(v as f64));
-            let lse = max + row.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln();
+            let lse = max
+                + row
+                    .iter()
+                    .map(|&v| (v as f64 - max).exp())
+                    .sum::<f64>()
+                    .ln();
             row.iter().map(|&v| v as f64 - lse).collect()
         })
         .collect()
@@ -163,10 +168,16 @@ fn a_prefix_cache_hit_still_returns_every_prompt_logprob() {
         let input = prompt(8, 40);
         let mut warm = engine(name, Dtype::F32, true);
         // Fills the cache with the first 32 positions of `input`.
-        let first = run(&mut warm, GenerateRequest::new(input.clone(), SamplingParams::greedy(2)));
+        let first = run(
+            &mut warm,
+            GenerateRequest::new(input.clone(), SamplingParams::greedy(2)),
+        );
         assert_eq!(first.cached_tokens, 0);
         let r = run(&mut warm, asking(input.clone(), 0, 0, 2));
-        assert_eq!(r.cached_tokens, 0, "{name}: prompt log-probs recompute the prompt");
+        assert_eq!(
+            r.cached_tokens, 0,
+            "{name}: prompt log-probs recompute the prompt"
+        );
         let mut cold = engine(name, Dtype::F32, false);
         let want = run(&mut cold, asking(input.clone(), 0, 0, 2));
         let (a, b) = (
@@ -178,8 +189,14 @@ fn a_prefix_cache_hit_still_returns_every_prompt_logprob() {
             assert!((x - y).abs() < 1e-4, "{name}");
         }
         // The same prompt without prompt log-probs does hit the cache.
-        let hit = run(&mut warm, GenerateRequest::new(input, SamplingParams::greedy(2)));
-        assert!(hit.cached_tokens > 0, "{name}: the cache would have served it");
+        let hit = run(
+            &mut warm,
+            GenerateRequest::new(input, SamplingParams::greedy(2)),
+        );
+        assert!(
+            hit.cached_tokens > 0,
+            "{name}: the cache would have served it"
+        );
     }
 }
 

@@ -514,7 +514,11 @@ fn logprob_entry(state: &AppState, lp: f32, id: u32, with_text: bool) -> Value {
 /// SGLang's `input_token_logprobs` (`[logprob, id, text]` from the reported start to the
 /// prompt's end, the first logprob null: nothing scores the first reported token) and
 /// `input_top_logprobs` (null at the first entry, then the alternatives per position).
-fn prompt_logprob_entries(state: &AppState, r: &GenerateResult, spec: &ResponseSpec) -> (Value, Value) {
+fn prompt_logprob_entries(
+    state: &AppState,
+    r: &GenerateResult,
+    spec: &ResponseSpec,
+) -> (Value, Value) {
     let Some(p) = r.prompt_logprobs.as_ref() else {
         return (json!([]), json!([]));
     };

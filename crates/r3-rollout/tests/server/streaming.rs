@@ -128,7 +128,10 @@ fn generate_chunks_leave_while_generating_and_end_with_the_full_answer() {
     for w in chunks.windows(2) {
         let a = w[0]["output_ids"].as_array().expect("ids");
         let b = w[1]["output_ids"].as_array().expect("ids");
-        assert!(b.len() >= a.len() && b[..a.len()] == a[..], "chunks are cumulative");
+        assert!(
+            b.len() >= a.len() && b[..a.len()] == a[..],
+            "chunks are cumulative"
+        );
     }
     let last = chunks.last().expect("a chunk");
     for key in ["output_ids", "text"] {
@@ -175,7 +178,11 @@ fn completion_chunks_concatenate_to_the_non_streamed_text() {
             .iter()
             .map(|c| c["text"].as_str().unwrap_or_default())
             .collect();
-        assert_eq!(text, want["text"].as_str().unwrap_or_default(), "choice {i}");
+        assert_eq!(
+            text,
+            want["text"].as_str().unwrap_or_default(),
+            "choice {i}"
+        );
         let last = mine.last().expect("a chunk");
         assert_eq!(last["finish_reason"], want["finish_reason"]);
         assert_eq!(last["logprobs"], want["logprobs"]);
@@ -195,7 +202,10 @@ fn a_client_that_disconnects_aborts_its_streamed_request() {
     assert_eq!(loads["loads"][0]["num_total_reqs"], 0, "{loads}");
     // Finishing would have taken one step per token.
     let ran = steps(&server) - before;
-    assert!(ran < 120, "the request ran {ran} steps after its client left");
+    assert!(
+        ran < 120,
+        "the request ran {ran} steps after its client left"
+    );
 }
 
 #[test]
@@ -213,7 +223,11 @@ fn retracted_requests_are_re_prefilled_and_finish_unchanged() {
     let _ = s.first_event();
     let paused = server.post("/pause_generation", &json!({"mode": "retract"}));
     assert_eq!(paused.status, 200, "{}", paused.text);
-    assert_eq!(paused.body["aborted"], 1, "one request retracted: {}", paused.text);
+    assert_eq!(
+        paused.body["aborted"], 1,
+        "one request retracted: {}",
+        paused.text
+    );
     let loads = server.get("/v1/loads").body;
     assert_eq!(loads["loads"][0]["num_waiting_reqs"], 1, "{loads}");
     assert_eq!(loads["loads"][0]["num_running_reqs"], 0, "{loads}");
@@ -229,8 +243,7 @@ fn retracted_requests_are_re_prefilled_and_finish_unchanged() {
         let (a, b) = (a.as_array().expect("list"), b.as_array().expect("list"));
         a.len() == b.len()
             && a.iter().zip(b).all(|(x, y)| {
-                (x[0].as_f64().unwrap_or(f64::NAN) - y[0].as_f64().unwrap_or(f64::NAN)).abs()
-                    < 1e-4
+                (x[0].as_f64().unwrap_or(f64::NAN) - y[0].as_f64().unwrap_or(f64::NAN)).abs() < 1e-4
                     && x[1] == y[1]
             })
     };
@@ -307,5 +320,8 @@ fn prompt_logprobs_on_the_wire_match_teacher_forcing_and_echo() {
         .map(|t| format!("t{t}"))
         .collect::<Vec<_>>()
         .join(" ");
-    assert!(text.starts_with(&prompt_text), "{text} starts with the prompt");
+    assert!(
+        text.starts_with(&prompt_text),
+        "{text} starts with the prompt"
+    );
 }
