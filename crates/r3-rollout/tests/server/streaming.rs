@@ -118,7 +118,7 @@ fn generate_chunks_leave_while_generating_and_end_with_the_full_answer() {
     // Produced mid-generation: no finish reason yet, fewer tokens than the answer.
     assert_eq!(first["meta_info"]["finish_reason"], Value::Null, "{first}");
     let early = first["output_ids"].as_array().expect("ids").len();
-    assert!(early >= 1 && early < 100, "first chunk has {early} tokens");
+    assert!((1..100).contains(&early), "first chunk has {early} tokens");
     let r = s.finish();
     assert_eq!(r.status, 200);
     assert!(r.text.trim_end().ends_with("data: [DONE]"), "{}", r.text);
