@@ -30,5 +30,7 @@ pub use error::RolloutError;
 pub use kv_pool::{KvBlock, KvBlockId, KvBlockRef, KvLayout, KvPool};
 pub use model::tensors::{load_dir, TensorMap};
 pub use r3_routing::MergePolicy;
-pub use request::{FinishReason, GenerateRequest, GenerateResult, PartialRollout, RequestId};
+pub use request::{
+    FinishReason, GenerateRequest, GenerateResult, PartialRollout, PromptLogprobs, RequestId,
+};
 pub use sampler::SamplingParams;

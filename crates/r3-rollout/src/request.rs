@@ -52,6 +52,19 @@ pub enum FinishReason {
     StopString,
 }
 
+/// Log-probs of prompt tokens (SGLang `input_token_logprobs`) under the raw model
+/// distribution (temperature 1), f32.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PromptLogprobs {
+    /// First reported prompt position; it has no log-prob (SGLang reports null there).
+    pub start: usize,
+    /// `log softmax(logits[p - 1])[token p]` for positions `p = start + 1 ..` the prompt end.
+    pub logprobs: Vec<f32>,
+    /// The `sampling.top_logprobs` most likely `(token, log-prob)` at those positions, or
+    /// empty when not asked for.
+    pub top_logprobs: Vec<Vec<(u32, f32)>>,
+}
+
 /// The outcome of one request.
 #[derive(Debug, Clone)]
 pub struct GenerateResult {
@@ -67,6 +80,8 @@ pub struct GenerateResult {
     /// The `sampling.top_logprobs` most likely `(token, log-prob)` at each output position
     /// (raw distribution), or empty when not asked for.
     pub output_top_logprobs: Vec<Vec<(u32, f32)>>,
+    /// Prompt log-probs (of the original prompt), when `sampling.prompt_logprobs_from` asked.
+    pub prompt_logprobs: Option<PromptLogprobs>,
     /// Why generation ended.
     pub finish: FinishReason,
     /// Prompt tokens whose KV and routes came from the prefix cache (last call).
@@ -90,6 +105,8 @@ pub struct PartialRollout {
     pub output_logprobs: Vec<f32>,
     /// Their most likely alternatives (when asked for).
     pub output_top_logprobs: Vec<Vec<(u32, f32)>>,
+    /// Prompt log-probs computed before the abort (possibly fewer than asked for).
+    pub prompt_logprobs: Option<PromptLogprobs>,
     /// Routes captured so far (positions fed to the model before the abort).
     pub routes: Option<RouteTable>,
     /// Sampler state, so a resumed request continues the same random stream.

@@ -41,8 +41,12 @@ pub struct SamplingParams {
     pub min_new_tokens: usize,
     /// `(token, bias)` pairs added to the logits before sampling.
     pub logit_bias: Vec<(u32, f32)>,
-    /// Most likely alternatives (token, log-prob) to report per generated token; 0 = none.
+    /// Most likely alternatives (token, log-prob) to report per generated token (and per
+    /// prompt position when `prompt_logprobs_from` is set); 0 = none.
     pub top_logprobs: usize,
+    /// First prompt position of the prompt log-probs to return (SGLang `logprob_start_len`);
+    /// None = none. Costs one logits row per prompt position, so only asked-for requests pay.
+    pub prompt_logprobs_from: Option<usize>,
 }
 
 impl Default for SamplingParams {
@@ -61,6 +65,7 @@ impl Default for SamplingParams {
             min_new_tokens: 0,
             logit_bias: Vec::new(),
             top_logprobs: 0,
+            prompt_logprobs_from: None,
         }
     }
 }

@@ -268,6 +268,9 @@ impl Engine {
         let id = self.next_id;
         self.next_id += 1;
         let capture = (req.return_routes || self.cache.is_some()) && self.geo.row() > 0;
+        let prompt_logprobs_end = resume
+            .as_ref()
+            .map_or(req.input_ids.len(), |r| r.earlier.request.input_ids.len());
         self.waiting.push_back(Sequence {
             id,
             tokens: req.input_ids.clone(),
@@ -278,6 +281,9 @@ impl Engine {
             rng,
             logprobs: Vec::new(),
             top_logprobs: Vec::new(),
+            prompt_logprobs: Vec::new(),
+            prompt_top_logprobs: Vec::new(),
+            prompt_logprobs_end,
             routes: Vec::new(),
             route_versions: Vec::new(),
             capture,
@@ -329,10 +335,25 @@ impl Engine {
             output_ids: result.output_ids,
             output_logprobs: result.output_logprobs,
             output_top_logprobs: result.output_top_logprobs,
+            prompt_logprobs: result.prompt_logprobs,
             routes: result.routes,
             rng,
             weight_version: self.version,
         }))
+    }
+
+    /// Sends every running request back to the front of the queue and releases its KV
+    /// (SGLang's `retract`): on the next steps they are re-prefilled from their tokens and
+    /// continue where they were (same RNG stream, captured route rows kept). Returns how many.
+    pub fn retract_all(&mut self) -> usize {
+        let n = self.running.len();
+        for mut seq in self.running.drain(..).rev() {
+            seq.blocks.clear();
+            seq.computed = 0;
+            seq.prefix_checked = false;
+            self.waiting.push_front(seq);
+        }
+        n
     }
 
     /// Continues an aborted request (possibly under new weights): the prompt becomes the

@@ -5,7 +5,9 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::error::RolloutError;
 use crate::kv_pool::KvBlockRef;
-use crate::request::{FinishReason, GenerateRequest, GenerateResult, PartialRollout, RequestId};
+use crate::request::{
+    FinishReason, GenerateRequest, GenerateResult, PartialRollout, PromptLogprobs, RequestId,
+};
 
 /// What a resumed request carries over from the aborted call.
 #[derive(Debug, Clone)]
@@ -55,6 +57,13 @@ pub struct Sequence {
     pub logprobs: Vec<f32>,
     /// Most likely alternatives of each generated token (when `top_logprobs` > 0).
     pub top_logprobs: Vec<Vec<(u32, f32)>>,
+    /// Log-probs of prompt tokens `prompt_start + 1 ..` computed so far.
+    pub prompt_logprobs: Vec<f32>,
+    /// Their most likely alternatives (when `top_logprobs` > 0).
+    pub prompt_top_logprobs: Vec<Vec<(u32, f32)>>,
+    /// End of the prompt whose log-probs are reported (a resumed call's prompt also holds
+    /// the earlier output, which is not prompt to the client).
+    pub prompt_logprobs_end: usize,
     /// Captured route rows of positions `0..route_rows()` (row = `RouteGeometry::row` ids).
     pub routes: Vec<u16>,
     /// Weight version of each captured row.
@@ -87,6 +96,27 @@ impl Sequence {
     /// Tokens generated in this call.
     pub fn generated(&self) -> &[u32] {
         &self.tokens[self.prompt_len..]
+    }
+
+    /// First reported prompt position (its entry has no log-prob), when prompt log-probs
+    /// were asked for.
+    pub fn prompt_logprobs_start(&self) -> Option<usize> {
+        self.request
+            .sampling
+            .prompt_logprobs_from
+            .map(|s| s.min(self.prompt_logprobs_end.saturating_sub(1)))
+    }
+
+    /// Positions whose logits rows still have to be kept for prompt log-probs (the row at
+    /// `p` scores token `p + 1`); empty when none are asked for or all are done.
+    pub fn prompt_logit_positions(&self) -> std::ops::Range<usize> {
+        match self.prompt_logprobs_start() {
+            Some(s) => {
+                let from = s + self.prompt_logprobs.len();
+                from..self.prompt_logprobs_end.saturating_sub(1).max(from)
+            }
+            None => 0..0,
+        }
     }
 
     /// Tokens not yet fed to the model.
@@ -133,6 +163,11 @@ impl Sequence {
         let mut output_ids = self.generated().to_vec();
         let mut output_logprobs = self.logprobs.clone();
         let mut output_top_logprobs = self.top_logprobs.clone();
+        let prompt_logprobs = self.prompt_logprobs_start().map(|start| PromptLogprobs {
+            start,
+            logprobs: self.prompt_logprobs.clone(),
+            top_logprobs: self.prompt_top_logprobs.clone(),
+        });
         let mut prompt_tokens = self.prompt_len;
         let routes = match self.resume {
             Some(r) => {
@@ -159,6 +194,7 @@ impl Sequence {
             output_ids,
             output_logprobs,
             output_top_logprobs,
+            prompt_logprobs,
             finish: self.finish.unwrap_or(FinishReason::Abort),
             cached_tokens: self.cached_tokens,
             routes,

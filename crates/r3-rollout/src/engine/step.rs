@@ -39,7 +39,10 @@ impl Engine {
             };
             if !seq.prefix_checked {
                 seq.prefix_checked = true;
-                if let Some(cache) = self.cache.as_mut() {
+                // Prompt log-probs need the logits of the prompt positions, which a cache
+                // hit would skip: such requests recompute their prompt.
+                let wants_prompt_logits = !seq.prompt_logit_positions().is_empty();
+                if let (Some(cache), false) = (self.cache.as_mut(), wants_prompt_logits) {
                     seq.cached_tokens =
                         attach_cached_prefix(cache, &mut seq, &self.geo, self.version);
                 }
@@ -145,7 +148,8 @@ impl Engine {
         let mut tokens = Vec::new();
         let mut spans = Vec::new();
         let mut logit_rows = Vec::new();
-        let mut sampled = Vec::new(); // running index of each logits row
+        let mut sampled = Vec::new(); // (running index, logits row) of each sampled sequence
+        let mut prompt_rows = Vec::new(); // (running index, position, logits row)
         let mut span_of = Vec::new(); // running index of each span
         let mut capture = false;
         for (i, (seq, &n)) in self.running.iter().zip(&plan).enumerate() {
@@ -162,9 +166,17 @@ impl Engine {
             });
             span_of.push(i);
             capture |= seq.capture;
-            if seq.computed + n == seq.tokens.len() {
+            let wanted = seq.prompt_logit_positions();
+            let end = seq.computed + n;
+            // `wanted` ends before the last prompt position, so these rows never include
+            // the sampling row.
+            for p in wanted.start.max(seq.computed)..wanted.end.min(end) {
+                prompt_rows.push((i, p, logit_rows.len()));
+                logit_rows.push(first + (p - seq.computed));
+            }
+            if end == seq.tokens.len() {
+                sampled.push((i, logit_rows.len()));
                 logit_rows.push(first + n - 1);
-                sampled.push(i);
             }
         }
         let out = self.model.forward(
@@ -195,19 +207,29 @@ impl Engine {
             seq.computed += span.num_tokens;
             seq.kv_version.get_or_insert(version);
         }
-        // Sample every sequence that got logits (in parallel; each has its own RNG).
         let vocab = self.model.config().vocab_size;
-        let max_pos = self.model.config().max_position_embeddings;
+        for &(i, p, k) in &prompt_rows {
+            let seq = &mut self.running[i];
+            let logits = &out.logits[k * vocab..(k + 1) * vocab];
+            let next = seq.tokens[p + 1] as usize;
+            seq.prompt_logprobs.push(log_softmax_at(logits, next));
+            let top = seq.request.sampling.top_logprobs;
+            if top > 0 {
+                seq.prompt_top_logprobs.push(top_logprobs(logits, top));
+            }
+        }
+        // Sample every sequence that got logits (in parallel; each has its own RNG).
         let mut targets: Vec<(usize, &mut Sequence)> = Vec::with_capacity(sampled.len());
         {
             let mut k = 0;
             for (i, seq) in self.running.iter_mut().enumerate() {
-                if k < sampled.len() && sampled[k] == i {
-                    targets.push((k, seq));
+                if k < sampled.len() && sampled[k].0 == i {
+                    targets.push((sampled[k].1, seq));
                     k += 1;
                 }
             }
         }
+        let max_pos = self.model.config().max_position_embeddings;
         targets.par_iter_mut().for_each_init(
             || (SampleScratch::default(), Vec::new()),
             |(scratch, adjusted), (k, seq)| {

@@ -62,6 +62,12 @@ pub trait InferenceBackend: Send + 'static {
     fn flush_cache(&mut self) -> usize {
         0
     }
+    /// Sends every running request back to the queue, releasing its KV; it is re-prefilled
+    /// when next admitted (`/pause_generation` mode `retract`). Returns how many. A backend
+    /// without it keeps its requests where they are.
+    fn retract_all(&mut self) -> usize {
+        0
+    }
 }
 
 impl InferenceBackend for Engine {
@@ -117,5 +123,9 @@ impl InferenceBackend for Engine {
 
     fn flush_cache(&mut self) -> usize {
         Engine::flush_prefix_cache(self)
+    }
+
+    fn retract_all(&mut self) -> usize {
+        Engine::retract_all(self)
     }
 }

@@ -1,6 +1,8 @@
-//! OpenAI `/v1/completions` (also streamed, see [`super::sse`]): prompts as text or token ids, `n` samples per prompt, stop
-//! strings and token ids, penalties, choices with text and token ids, finish reasons, usage,
-//! and `logprobs` with up to [`MAX_LOGPROBS`] alternatives per token and `text_offset`.
+//! OpenAI `/v1/completions` (also streamed token by token, see [`super::sse`]): prompts as
+//! text or token ids, `n` samples per prompt, stop strings and token ids, penalties, choices
+//! with text and token ids, finish reasons, usage, and `logprobs` with up to [`MAX_LOGPROBS`] alternatives per token and `text_offset`.
+//! `echo: true` puts the prompt before each choice's text and, with `logprobs`, the prompt
+//! tokens' log-probs before the output's (the first one null, as OpenAI).
 
 use std::collections::BTreeMap;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -17,8 +19,8 @@ use super::error::ApiError;
 use super::fields::{kind, parse_body, token_list, token_prompts};
 use super::policy::COMPLETIONS;
 use super::sampling::SamplingBody;
-use super::sse::event_stream;
-use super::stop::response_text;
+use super::sse::{stream_jobs, ChunkBuilder};
+use super::stop::{response_text, TextOptions};
 use super::worker::{Finished, Job};
 use super::{read_body, AppState};
 use crate::request::{FinishReason, GenerateRequest};
@@ -68,7 +70,9 @@ struct CompletionBody {
     repetition_penalty: Option<f32>,
     /// Token id -> bias.
     logit_bias: Option<BTreeMap<String, f32>>,
-    /// Answer as server-sent events: one chunk per choice, then `[DONE]`.
+    /// Prefix each choice with its prompt (text, tokens and, with `logprobs`, log-probs).
+    echo: Option<bool>,
+    /// Answer as server-sent events, chunks as tokens are produced (see [`OpenAiChunks`]).
     stream: Option<bool>,
 }
 
@@ -89,6 +93,7 @@ pub async fn handle(
         }
     };
     let prompts = prompt_ids(&state, &body.prompt)?;
+    let echo = body.echo.unwrap_or(false);
     let n = body.n.unwrap_or(1);
     if n == 0 {
         return Err(ApiError::bad_request("n must be at least 1"));
@@ -130,6 +135,9 @@ pub async fn handle(
             let (mut params, text, stop) =
                 state.prepare(&sampling, input_ids.len(), i).map_err(at)?;
             params.top_logprobs = top_n.unwrap_or(0);
+            if echo && top_n.is_some() {
+                params.prompt_logprobs_from = Some(0);
+            }
             texts.push(text);
             jobs.push(Job {
                 rid: state.next_rid(),
@@ -143,53 +151,190 @@ pub async fn handle(
             });
         }
     }
-    let results = state.handle().generate(jobs).await?;
-    let mut choices = Vec::with_capacity(results.len());
-    for (index, (f, text)) in results.iter().zip(&texts).enumerate() {
-        let text = match state.text() {
-            Some(codec) => response_text(
-                codec,
-                &f.result.output_ids,
-                &f.result.finish,
-                f.matched_stop.as_deref(),
-                text,
-            )?,
-            None => String::new(),
-        };
-        choices.push(choice(&state, index, f, text, top_n));
-    }
-    let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
-    let completion_tokens: usize = results.iter().map(|f| f.result.output_ids.len()).sum();
     let created = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0);
-    let id = format!("cmpl-{}", state.next_rid());
-    let model = state.config().served_model_name.clone();
+    let reply = Reply {
+        id: format!("cmpl-{}", state.next_rid()),
+        created,
+        model: state.config().served_model_name.clone(),
+        prompts,
+        n,
+        echo,
+        top_n,
+        texts,
+    };
+    if body.stream.unwrap_or(false) {
+        let chunks = OpenAiChunks {
+            state: state.clone(),
+            sent: vec![String::new(); total],
+            so_far: vec![Vec::new(); total],
+            reply,
+        };
+        return stream_jobs(state.handle(), jobs, chunks).await;
+    }
+    let results = state.handle().generate(jobs).await?;
+    let choices = reply.choices(&state, &results)?;
+    let prompt_tokens: usize = reply.prompts.iter().map(Vec::len).sum();
+    let completion_tokens: usize = results.iter().map(|f| f.result.output_ids.len()).sum();
     let usage = json!({
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     });
-    if body.stream.unwrap_or(false) {
-        let chunks: Vec<Value> = choices
-            .into_iter()
-            .map(|c| {
-                json!({"id": id, "object": "text_completion", "created": created,
-                       "model": model, "choices": [c]})
-            })
-            .collect();
-        return Ok(event_stream(&chunks));
-    }
     Ok(Json(json!({
-        "id": id,
+        "id": reply.id,
         "object": "text_completion",
-        "created": created,
-        "model": model,
+        "created": reply.created,
+        "model": reply.model,
         "choices": choices,
         "usage": usage,
     }))
     .into_response())
+}
+
+/// What a completion answer is built from besides the engine's results.
+struct Reply {
+    id: String,
+    created: u64,
+    model: String,
+    prompts: Vec<Vec<u32>>,
+    n: usize,
+    echo: bool,
+    top_n: Option<usize>,
+    /// Text options of each choice.
+    texts: Vec<TextOptions>,
+}
+
+impl Reply {
+    /// The prompt of choice `index` (choices run prompt by prompt, `n` each).
+    fn prompt(&self, index: usize) -> &[u32] {
+        self.prompts
+            .get(index / self.n.max(1))
+            .map_or(&[], Vec::as_slice)
+    }
+
+    /// Every choice of a finished batch.
+    fn choices(&self, state: &AppState, results: &[Finished]) -> Result<Vec<Value>, ApiError> {
+        let mut choices = Vec::with_capacity(results.len());
+        for (index, (f, text)) in results.iter().zip(&self.texts).enumerate() {
+            let text = match state.text() {
+                Some(codec) => response_text(
+                    codec,
+                    &f.result.output_ids,
+                    &f.result.finish,
+                    f.matched_stop.as_deref(),
+                    text,
+                )?,
+                None => String::new(),
+            };
+            let echoed = self.echo.then(|| self.prompt(index));
+            choices.push(choice(state, index, f, text, self.top_n, echoed)?);
+        }
+        Ok(choices)
+    }
+
+    /// One streamed chunk holding `choice`.
+    fn chunk(&self, choice: Value) -> Value {
+        json!({"id": self.id, "object": "text_completion", "created": self.created,
+               "model": self.model, "choices": [choice]})
+    }
+}
+
+/// The chunks of a streamed completion (OpenAI's format): each chunk carries the text added
+/// since the previous one; the last chunk of a choice carries the rest of its text, its
+/// finish reason and (with `logprobs`) all of its log-probs. The text of a choice's chunks
+/// concatenates to the non-streamed choice's text.
+struct OpenAiChunks {
+    state: AppState,
+    reply: Reply,
+    /// Text sent so far per choice.
+    sent: Vec<String>,
+    /// Tokens generated so far per choice.
+    so_far: Vec<Vec<u32>>,
+}
+
+impl OpenAiChunks {
+    /// The text of choice `index` as it stands, echo included.
+    fn text_now(&self, index: usize) -> Option<String> {
+        let codec = self.state.text()?;
+        let opts = self.reply.texts.get(index)?;
+        let out = response_text(
+            codec,
+            self.so_far.get(index)?,
+            &FinishReason::Length,
+            None,
+            opts,
+        )
+        .ok()?;
+        let prefix = if self.reply.echo {
+            codec.decode(self.reply.prompt(index), false).ok()?
+        } else {
+            String::new()
+        };
+        Some(prefix + &out)
+    }
+}
+
+impl ChunkBuilder for OpenAiChunks {
+    fn opening(&mut self) -> Vec<Value> {
+        Vec::new()
+    }
+
+    fn delta(&mut self, index: usize, tokens: &[u32]) -> Vec<Value> {
+        let Some(cum) = self.so_far.get_mut(index) else {
+            return Vec::new();
+        };
+        cum.extend_from_slice(tokens);
+        let Some(text) = self.text_now(index) else {
+            return Vec::new();
+        };
+        // Hold back what may still change: an incomplete UTF-8 character (decoded as U+FFFD)
+        // and the tail a stop string could begin in (it is trimmed when completed).
+        let hold = self.reply.texts.get(index).map_or(0, |t| {
+            t.stop
+                .iter()
+                .map(|s| s.chars().count().saturating_sub(1))
+                .max()
+                .unwrap_or(0)
+        });
+        let mut stable: Vec<char> = text.chars().collect();
+        stable.truncate(stable.len().saturating_sub(hold));
+        while stable.last() == Some(&char::REPLACEMENT_CHARACTER) {
+            stable.pop();
+        }
+        let stable: String = stable.into_iter().collect();
+        let sent = &mut self.sent[index];
+        let Some(new) = stable.strip_prefix(sent.as_str()) else {
+            return Vec::new();
+        };
+        if new.is_empty() {
+            return Vec::new();
+        }
+        let new = new.to_string();
+        sent.push_str(&new);
+        let choice = json!({"index": index, "text": new, "logprobs": null, "finish_reason": null});
+        vec![self.reply.chunk(choice)]
+    }
+
+    fn finish(&mut self, results: &[Finished]) -> Result<Vec<Value>, ApiError> {
+        let choices = self.reply.choices(&self.state, results)?;
+        Ok(choices
+            .into_iter()
+            .enumerate()
+            .map(|(index, mut c)| {
+                let full = c["text"].as_str().unwrap_or_default().to_string();
+                let sent = self.sent.get(index).map_or("", String::as_str);
+                if let Some(rest) = full.strip_prefix(sent) {
+                    c["text"] = Value::String(rest.to_string());
+                } else {
+                    tracing::warn!(index, "streamed text is not a prefix of the final text");
+                }
+                self.reply.chunk(c)
+            })
+            .collect())
+    }
 }
 
 /// The prompts as token ids, whatever form they were sent in.
@@ -241,9 +386,21 @@ fn token_text(state: &AppState, id: u32) -> String {
     }
 }
 
-/// One OpenAI choice.
-fn choice(state: &AppState, index: usize, f: &Finished, text: String, top: Option<usize>) -> Value {
+/// One OpenAI choice; `echo` is the prompt to put before the output.
+fn choice(
+    state: &AppState,
+    index: usize,
+    f: &Finished,
+    text: String,
+    top: Option<usize>,
+    echo: Option<&[u32]>,
+) -> Result<Value, ApiError> {
     let r = &f.result;
+    let prompt = echo.unwrap_or_default();
+    let text = match (echo, state.text()) {
+        (Some(ids), Some(codec)) => codec.decode(ids, false)? + &text,
+        _ => text,
+    };
     let finish = match r.finish {
         FinishReason::Length => "length",
         FinishReason::Stop { .. } | FinishReason::StopString => "stop",
@@ -257,9 +414,9 @@ fn choice(state: &AppState, index: usize, f: &Finished, text: String, top: Optio
     let logprobs = match top {
         None => Value::Null,
         Some(k) => {
-            let tokens: Vec<String> = r
-                .output_ids
+            let tokens: Vec<String> = prompt
                 .iter()
+                .chain(&r.output_ids)
                 .map(|&id| token_text(state, id))
                 .collect();
             // Offsets into the choice's text, by the running length of the token texts (as
@@ -273,38 +430,48 @@ fn choice(state: &AppState, index: usize, f: &Finished, text: String, top: Optio
                     at
                 })
                 .collect();
+            let alternatives = |pos: &Vec<(u32, f32)>| {
+                let mut m = Map::new();
+                for &(id, lp) in pos.iter().take(k) {
+                    m.entry(token_text(state, id)).or_insert(json!(lp));
+                }
+                Value::Object(m)
+            };
+            // The echoed prompt: its first token has no log-prob (null), the rest come from
+            // the engine's prompt log-probs (asked for from position 0).
+            let (mut token_logprobs, mut prompt_tops) = (Vec::new(), Vec::new());
+            if !prompt.is_empty() {
+                let lp = r.prompt_logprobs.as_ref().ok_or_else(|| {
+                    ApiError::internal("the engine returned no prompt log-probs for echo")
+                })?;
+                token_logprobs.push(Value::Null);
+                prompt_tops.push(Value::Null);
+                token_logprobs.extend(lp.logprobs.iter().map(|&v| json!(v)));
+                prompt_tops.extend(lp.top_logprobs.iter().map(alternatives));
+            }
+            token_logprobs.extend(r.output_logprobs.iter().map(|&v| json!(v)));
             let top_logprobs = if k == 0 {
                 Value::Null
             } else {
-                Value::Array(
-                    r.output_top_logprobs
-                        .iter()
-                        .map(|pos| {
-                            let mut m = Map::new();
-                            for &(id, lp) in pos.iter().take(k) {
-                                m.entry(token_text(state, id)).or_insert(json!(lp));
-                            }
-                            Value::Object(m)
-                        })
-                        .collect(),
-                )
+                prompt_tops.extend(r.output_top_logprobs.iter().map(alternatives));
+                Value::Array(prompt_tops)
             };
             json!({
                 "tokens": tokens,
-                "token_logprobs": r.output_logprobs,
+                "token_logprobs": token_logprobs,
                 "top_logprobs": top_logprobs,
                 "text_offset": text_offset,
             })
         }
     };
-    json!({
+    Ok(json!({
         "index": index,
         "text": text,
         "token_ids": r.output_ids,
         "logprobs": logprobs,
         "finish_reason": finish,
         "matched_stop": matched,
-    })
+    }))
 }
 
 /// `POST /v1/chat/completions`: r3 renders no chat templates (the shipped models have none),

@@ -3,7 +3,8 @@
 //! tokens, finish reason, weight version, `output_token_logprobs`, `output_top_logprobs`,
 //! `routed_experts` base64 + `routed_experts_dtype`).
 //!
-//! With `stream: true` the same objects come as server-sent events ([`super::sse`]).
+//! With `stream: true` chunks leave as tokens are produced ([`super::sse`]): SGLang's
+//! cumulative `text` / `output_ids` per step, then the complete response of each request.
 //!
 //! `sampling_params.n = k` runs every prompt k times (SGLang's order: all prompts, then all
 //! prompts again); the response is then a list even for one prompt. With a client seed,
@@ -25,7 +26,7 @@ use super::error::ApiError;
 use super::fields::{parse_body, per_request, text_prompts, token_prompts};
 use super::policy::{GENERATE, SAMPLING};
 use super::sampling::SamplingBody;
-use super::sse::event_stream;
+use super::sse::{event_stream, stream_jobs, ChunkBuilder};
 use super::stop::{response_text, TextOptions};
 use super::worker::{Finished, Job};
 use super::{read_body, AppState};
@@ -42,8 +43,8 @@ struct GenerateBody {
     sampling_params: Option<Value>,
     /// Return `output_token_logprobs` (bool or one per prompt).
     return_logprob: Option<Value>,
-    /// Start of the prompt log-probs; r3 returns none, so with `return_logprob` only -1 (or
-    /// null) is accepted (any value when no log-probs are asked for).
+    /// First prompt position of `input_token_logprobs` (with `return_logprob`); -1 or null
+    /// means the last prompt token only (SGLang's default), so no prompt log-prob is computed.
     logprob_start_len: Option<Value>,
     /// Alternatives per output position in `output_top_logprobs` (number or one per prompt).
     top_logprobs_num: Option<Value>,
@@ -69,6 +70,8 @@ pub const MAX_TOP_LOGPROBS: usize = 20;
 struct ResponseSpec {
     rid: String,
     return_logprob: bool,
+    /// The prompt, kept to label `input_token_logprobs` (only with `return_logprob`).
+    prompt_ids: Vec<u32>,
     top_logprobs: usize,
     text_in_logprobs: bool,
     return_routes: bool,
@@ -92,34 +95,46 @@ pub async fn handle(
     let body: GenerateBody = GENERATE.parse(parse_body::<Value>(&bytes)?)?;
     let stream = body.stream.unwrap_or(false);
     let (plan, is_batch) = plan(&state, body)?;
-    let mut jobs = Vec::new();
-    for p in &plan {
-        if let Planned::Run(run) = p {
-            jobs.push(run.0.clone());
-        }
+    let jobs: Vec<Job> = plan
+        .iter()
+        .filter_map(|p| match p {
+            Planned::Run(run) => Some(run.0.clone()),
+            Planned::Answer(_) => None,
+        })
+        .collect();
+    if stream && !jobs.is_empty() {
+        let runs = jobs.len();
+        let chunks = SglangChunks {
+            state: state.clone(),
+            plan,
+            is_batch,
+            started,
+            so_far: vec![Vec::new(); runs],
+        };
+        return stream_jobs(state.handle(), jobs, chunks).await;
     }
     let finished = if jobs.is_empty() {
         Vec::new()
     } else {
         state.handle().generate(jobs).await?
     };
-    let mut finished = finished.into_iter();
     let latency = started.elapsed().as_secs_f64();
     let mut out = Vec::with_capacity(plan.len());
-    for p in plan {
+    let mut finished = finished.into_iter();
+    for p in &plan {
         match p {
-            Planned::Answer(v) => out.push(v),
+            Planned::Answer(v) => out.push(v.clone()),
             Planned::Run(run) => {
-                let spec = &run.1;
                 let f = finished
                     .next()
                     .ok_or_else(|| ApiError::internal("the engine returned too few results"))?;
-                out.push(response_for(&state, &f, spec, latency)?);
+                out.push(response_for(&state, &f, &run.1, latency)?);
             }
         }
     }
     if stream {
-        // SGLang tags each chunk of a batch with its index.
+        // Only answers known without the engine: SGLang tags each chunk of a batch with
+        // its index.
         if is_batch {
             for (i, v) in out.iter_mut().enumerate() {
                 v["index"] = Value::from(i);
@@ -133,6 +148,91 @@ pub async fn handle(
         out.pop()
             .map(|v| Json(v).into_response())
             .ok_or_else(|| ApiError::internal("the engine returned no result"))
+    }
+}
+
+/// The chunks of a streamed `/generate` (SGLang's format: each chunk carries the cumulative
+/// `text` and `output_ids`; the last chunk of a request is its complete response).
+struct SglangChunks {
+    state: AppState,
+    plan: Vec<Planned>,
+    is_batch: bool,
+    started: Instant,
+    /// Tokens streamed so far per job.
+    so_far: Vec<Vec<u32>>,
+}
+
+impl SglangChunks {
+    /// Plan index and spec of job `job`.
+    fn run(&self, job: usize) -> Option<(usize, &Job, &ResponseSpec)> {
+        self.plan
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| match p {
+                Planned::Run(run) => Some((i, &run.0, &run.1)),
+                Planned::Answer(_) => None,
+            })
+            .nth(job)
+    }
+
+    fn tag(&self, mut v: Value, index: usize) -> Value {
+        if self.is_batch {
+            v["index"] = Value::from(index);
+        }
+        v
+    }
+}
+
+impl ChunkBuilder for SglangChunks {
+    fn opening(&mut self) -> Vec<Value> {
+        self.plan
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| match p {
+                Planned::Answer(v) => Some(self.tag(v.clone(), i)),
+                Planned::Run(_) => None,
+            })
+            .collect()
+    }
+
+    fn delta(&mut self, index: usize, tokens: &[u32]) -> Vec<Value> {
+        let Some(cum) = self.so_far.get_mut(index) else {
+            return Vec::new();
+        };
+        cum.extend_from_slice(tokens);
+        let cum = cum.clone();
+        let Some((at, job, spec)) = self.run(index) else {
+            return Vec::new();
+        };
+        let mut chunk = json!({
+            "output_ids": cum,
+            "meta_info": {
+                "id": spec.rid,
+                "finish_reason": null,
+                "prompt_tokens": job.request.input_ids.len(),
+                "completion_tokens": cum.len(),
+                "weight_version": self.state.handle().stats().weight_version,
+            },
+        });
+        if let Some(codec) = self.state.text() {
+            let text = response_text(codec, &cum, &FinishReason::Length, None, &spec.text)
+                .unwrap_or_default();
+            chunk["text"] = Value::String(text);
+        }
+        vec![self.tag(chunk, at)]
+    }
+
+    fn finish(&mut self, results: &[Finished]) -> Result<Vec<Value>, ApiError> {
+        let latency = self.started.elapsed().as_secs_f64();
+        let mut out = Vec::with_capacity(results.len());
+        for (job, f) in results.iter().enumerate() {
+            let (at, _, spec) = self
+                .run(job)
+                .ok_or_else(|| ApiError::internal("the engine returned too many results"))?;
+            let v = response_for(&self.state, f, spec, latency)?;
+            out.push(self.tag(v, at));
+        }
+        Ok(out)
     }
 }
 
@@ -217,13 +317,9 @@ fn plan(state: &AppState, body: GenerateBody) -> Result<(Vec<Planned>, bool), Ap
         n,
         -1i64,
     )?;
-    if let Some((_, s)) = logprob
-        .iter()
-        .zip(&prompt_lp)
-        .find(|&(&want, &s)| want && s >= 0)
-    {
+    if let Some(s) = prompt_lp.iter().find(|&&s| s < -1) {
         return Err(ApiError::bad_request(format!(
-            "generate.logprob_start_len = {s}: r3 does not return prompt log-probs (input_token_logprobs); send -1 or null"
+            "logprob_start_len must be -1 (last prompt token only) or a prompt position >= 0, got {s}"
         )));
     }
     if let Some(t) = top.iter().find(|&&t| t > MAX_TOP_LOGPROBS) {
@@ -280,9 +376,21 @@ fn plan(state: &AppState, body: GenerateBody) -> Result<(Vec<Planned>, bool), Ap
             let return_routes = routes[i] && moe;
             let mut params = params;
             params.top_logprobs = top[i];
+            // SGLang reports the prompt from `logprob_start_len` (-1: its last token only);
+            // a start past the prompt is clipped to the last prompt token, as SGLang does.
+            params.prompt_logprobs_from = logprob[i].then(|| {
+                usize::try_from(prompt_lp[i])
+                    .unwrap_or(usize::MAX)
+                    .min(input_ids.len() - 1)
+            });
             let spec = ResponseSpec {
                 rid: rid.clone(),
                 return_logprob: logprob[i],
+                prompt_ids: if logprob[i] {
+                    input_ids.clone()
+                } else {
+                    Vec::new()
+                },
                 top_logprobs: top[i],
                 text_in_logprobs: body.return_text_in_logprobs.unwrap_or(false),
                 return_routes,
@@ -403,6 +511,44 @@ fn logprob_entry(state: &AppState, lp: f32, id: u32, with_text: bool) -> Value {
     json!([lp, id, text])
 }
 
+/// SGLang's `input_token_logprobs` (`[logprob, id, text]` from the reported start to the
+/// prompt's end, the first logprob null: nothing scores the first reported token) and
+/// `input_top_logprobs` (null at the first entry, then the alternatives per position).
+fn prompt_logprob_entries(
+    state: &AppState,
+    r: &GenerateResult,
+    spec: &ResponseSpec,
+) -> (Value, Value) {
+    let Some(p) = r.prompt_logprobs.as_ref() else {
+        return (json!([]), json!([]));
+    };
+    let with_text = spec.text_in_logprobs;
+    let ids = spec.prompt_ids.get(p.start..).unwrap_or_default();
+    let mut lps = Vec::with_capacity(ids.len());
+    let mut tops = Vec::with_capacity(ids.len());
+    for (j, &id) in ids.iter().enumerate() {
+        if j == 0 {
+            let text = logprob_entry(state, 0.0, id, with_text)[2].take();
+            lps.push(json!([null, id, text]));
+            tops.push(Value::Null);
+            continue;
+        }
+        // Fewer log-probs than positions only when the request was aborted mid-prefill.
+        let Some(&lp) = p.logprobs.get(j - 1) else {
+            break;
+        };
+        lps.push(logprob_entry(state, lp, id, with_text));
+        if let Some(pos) = p.top_logprobs.get(j - 1) {
+            tops.push(Value::Array(
+                pos.iter()
+                    .map(|&(t, lp)| logprob_entry(state, lp, t, with_text))
+                    .collect(),
+            ));
+        }
+    }
+    (Value::Array(lps), Value::Array(tops))
+}
+
 /// One response object.
 fn response_for(
     state: &AppState,
@@ -428,8 +574,10 @@ fn response_for(
             .map(|(&lp, &id)| logprob_entry(state, lp, id, spec.text_in_logprobs))
             .collect();
         meta["output_token_logprobs"] = Value::Array(lps);
-        meta["input_token_logprobs"] = json!([]);
+        let (input_lps, input_tops) = prompt_logprob_entries(state, r, spec);
+        meta["input_token_logprobs"] = input_lps;
         if spec.top_logprobs > 0 {
+            meta["input_top_logprobs"] = input_tops;
             let tops: Vec<Value> = r
                 .output_top_logprobs
                 .iter()

@@ -248,7 +248,7 @@ pub static COMPLETIONS: Schema = Schema {
         ("model", Ignored),
         ("prompt", Implemented),
         ("best_of", NeutralOnly(&["1"])),
-        ("echo", NeutralOnly(&[])),
+        ("echo", Implemented),
         ("frequency_penalty", Implemented),
         ("presence_penalty", Implemented),
         ("logit_bias", Implemented),

@@ -178,6 +178,7 @@ impl SamplingBody {
             min_new_tokens,
             logit_bias,
             top_logprobs: 0,
+            prompt_logprobs_from: None,
         };
         params
             .validate()

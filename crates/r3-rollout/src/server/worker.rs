@@ -52,18 +52,27 @@ pub enum PauseMode {
     Abort,
     /// Keep them where they are; they continue after `/continue_generation`.
     InPlace,
-    /// Keep them queued; r3's engine resumes them from their state, like `InPlace`.
+    /// Send them back to the queue and release their KV; on `/continue_generation` they are
+    /// re-prefilled from their tokens and continue (same sampler stream, routes kept).
     Retract,
 }
 
 /// Answer to a batch: one result per job, in job order.
 type BatchReply = oneshot::Sender<Result<Vec<Finished>, ApiError>>;
 
+/// Where a streamed batch's tokens go as they are produced: `(job index, new token ids)`
+/// after every engine step that added some.
+pub type ProgressSender = mpsc::UnboundedSender<(usize, Vec<u32>)>;
+
+/// The pending answer of a batch started with [`EngineHandle::start`].
+pub type BatchAnswer = oneshot::Receiver<Result<Vec<Finished>, ApiError>>;
+
 /// What handlers ask the worker to do.
 enum Command {
     Generate {
         jobs: Vec<Job>,
         reply: BatchReply,
+        progress: Option<ProgressSender>,
     },
     UpdateWeights {
         dir: PathBuf,
@@ -122,6 +131,8 @@ struct Slot {
     batch: u64,
     index: usize,
     stop: Option<StopMatcher>,
+    /// Streamed batches: where new tokens go, and how many were sent.
+    progress: Option<(ProgressSender, usize)>,
 }
 
 /// The worker's bookkeeping of which engine request belongs to which client batch.
@@ -174,9 +185,25 @@ impl EngineHandle {
 
     /// Runs a batch of jobs; results come back in job order once all have finished.
     pub async fn generate(&self, jobs: Vec<Job>) -> Result<Vec<Finished>, ApiError> {
-        let (reply, rx) = oneshot::channel();
-        self.send(Command::Generate { jobs, reply })?;
+        let rx = self.start(jobs, None)?;
         rx.await.map_err(|_| gone())?
+    }
+
+    /// Queues a batch of jobs and returns its pending answer at once; with `progress`, every
+    /// step's new tokens of each job are sent there (token-by-token streaming). Dropping the
+    /// answer (a client that went away) aborts the batch's requests.
+    pub fn start(
+        &self,
+        jobs: Vec<Job>,
+        progress: Option<ProgressSender>,
+    ) -> Result<BatchAnswer, ApiError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Generate {
+            jobs,
+            reply,
+            progress,
+        })?;
+        Ok(rx)
     }
 
     /// Loads new weights between steps; returns the new weight version label (`label`, or
@@ -204,7 +231,8 @@ impl EngineHandle {
         rx.await.map_err(|_| gone())
     }
 
-    /// Pauses generation; returns how many requests were aborted (mode `Abort`).
+    /// Pauses generation; returns how many requests were aborted (mode `Abort`) or
+    /// retracted (mode `Retract`).
     pub async fn pause(&self, mode: PauseMode) -> Result<usize, ApiError> {
         let (reply, rx) = oneshot::channel();
         self.send(Command::Pause { mode, reply })?;
@@ -276,6 +304,7 @@ fn run<B: InferenceBackend>(
             Err(_) => book.fail_all(&mut backend, &ApiError::internal("the engine panicked")),
         };
         finished += book.stop_on_strings(&mut backend);
+        book.send_progress(&backend);
         book.publish(&backend, |s| {
             s.steps += 1;
             s.finished_requests += finished as u64;
@@ -300,7 +329,11 @@ impl Book {
 
     fn handle<B: InferenceBackend>(&mut self, backend: &mut B, cmd: Command) {
         match cmd {
-            Command::Generate { jobs, reply } => self.submit(backend, jobs, reply),
+            Command::Generate {
+                jobs,
+                reply,
+                progress,
+            } => self.submit(backend, jobs, reply, progress),
             Command::UpdateWeights {
                 dir,
                 abort_all,
@@ -336,7 +369,8 @@ impl Book {
             Command::Pause { mode, reply } => {
                 let n = match mode {
                     PauseMode::Abort => self.abort_where(backend, |_| true),
-                    PauseMode::InPlace | PauseMode::Retract => 0,
+                    PauseMode::Retract => backend.retract_all(),
+                    PauseMode::InPlace => 0,
                 };
                 self.paused = true;
                 self.publish(backend, |_| {});
@@ -356,7 +390,13 @@ impl Book {
     }
 
     /// Submits every job of a batch, or none: on a rejected job the earlier ones are aborted.
-    fn submit<B: InferenceBackend>(&mut self, backend: &mut B, jobs: Vec<Job>, reply: BatchReply) {
+    fn submit<B: InferenceBackend>(
+        &mut self,
+        backend: &mut B,
+        jobs: Vec<Job>,
+        reply: BatchReply,
+        progress: Option<ProgressSender>,
+    ) {
         let total = jobs.len();
         if let Some(rid) = duplicate_rid(&jobs, &self.by_rid) {
             let _ = reply.send(Err(ApiError::bad_request(format!(
@@ -392,7 +432,16 @@ impl Book {
         let batch = self.next_batch;
         self.next_batch += 1;
         for (index, ((&id, rid), stop)) in ids.iter().zip(&rids).zip(stops).enumerate() {
-            self.slots.insert(id, Slot { batch, index, stop });
+            let progress = progress.clone().map(|p| (p, 0));
+            self.slots.insert(
+                id,
+                Slot {
+                    batch,
+                    index,
+                    stop,
+                    progress,
+                },
+            );
             self.by_rid.insert(rid.clone(), id);
         }
         let results = vec![None; ids.len()];
@@ -474,6 +523,23 @@ impl Book {
             }
         }
         n
+    }
+
+    /// Sends each streamed request's tokens produced since the last send. A closed channel
+    /// needs no handling here: its client dropped the batch answer too, which
+    /// `abort_abandoned` sees.
+    fn send_progress<B: InferenceBackend>(&mut self, backend: &B) {
+        for (&id, slot) in self.slots.iter_mut() {
+            let Some((tx, sent)) = slot.progress.as_mut() else {
+                continue;
+            };
+            let Some(tokens) = backend.generated_tokens(id) else {
+                continue;
+            };
+            if tokens.len() > *sent && tx.send((slot.index, tokens[*sent..].to_vec())).is_ok() {
+                *sent = tokens.len();
+            }
+        }
     }
 
     fn answer_if_complete(&mut self, batch: u64) {
@@ -581,6 +647,7 @@ fn aborted_result(id: RequestId, p: PartialRollout, weight_version: u64) -> Gene
         output_ids: p.output_ids,
         output_logprobs: p.output_logprobs,
         output_top_logprobs: p.output_top_logprobs,
+        prompt_logprobs: p.prompt_logprobs,
         finish: FinishReason::Abort,
         cached_tokens: 0,
         routes: p.routes,

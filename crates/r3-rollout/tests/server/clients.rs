@@ -131,7 +131,9 @@ fn areal_generate_and_weight_update_cycle() {
 /// request (volcengine/verl verl/workers/rollout/sglang_rollout/async_sglang_server.py @
 /// 01217507c266: `image_data`, `return_logprob`, verl's `repetition_penalty` 1.0) and
 /// sglang-router 0.3.2 (which adds `background`, `log_metrics`, `model`, `no_logs`,
-/// `return_bytes`, `return_entropy`, `return_hidden_states`) send them. Field list:
+/// `return_bytes`, `return_entropy`, `return_hidden_states`: its `GenerateRequest` serialises
+/// these without `skip_serializing_if`, sgl-project/sglang sgl-router/src/protocols/generate.rs
+/// @ b2e495858d2b) send them. Field list:
 /// sgl-project/sglang python/sglang/srt/managers/io_struct.py @ 001067fffe33.
 #[test]
 fn sglang_generate_req_input_defaults_are_accepted() {
@@ -208,8 +210,8 @@ fn non_neutral_unimplemented_fields_are_refused_by_name() {
             "sampling_params.beam_width",
         ),
         (
-            json!({"input_ids": [1], "logprob_start_len": 0, "return_logprob": true}),
-            "generate.logprob_start_len",
+            json!({"input_ids": [1], "logprob_start_len": -2, "return_logprob": true}),
+            "logprob_start_len must be",
         ),
     ] {
         let r = server.post("/generate", &body);

@@ -115,6 +115,7 @@ impl FakeEngine {
             prompt_tokens: r.req.input_ids.len(),
             output_logprobs: r.out.iter().map(|&t| logprob(t)).collect(),
             output_top_logprobs: Vec::new(),
+            prompt_logprobs: None,
             output_ids: r.out,
             finish,
             cached_tokens: 0,
@@ -193,6 +194,7 @@ impl InferenceBackend for FakeEngine {
         Ok(Some(PartialRollout {
             output_logprobs: r.out.iter().map(|&t| logprob(t)).collect(),
             output_top_logprobs: Vec::new(),
+            prompt_logprobs: None,
             output_ids: r.out,
             request: r.req,
             routes: None,

@@ -8,4 +8,5 @@ mod engine;
 mod fake;
 mod fake_http;
 mod malformed;
+mod streaming;
 mod support;

@@ -220,9 +220,9 @@ fn each_malformed_request_class_gets_a_4xx_and_the_server_keeps_serving() {
         ),
         (
             "/v1/completions",
-            json!({"prompt": [1], "echo": true}),
+            json!({"prompt": [1], "suffix": "x"}),
             400,
-            "completions.echo",
+            "completions.suffix",
         ),
         (
             "/v1/completions",

@@ -114,7 +114,7 @@ pub fn request(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> Reply
     parse_response(&raw)
 }
 
-fn parse_response(raw: &[u8]) -> Reply {
+pub fn parse_response(raw: &[u8]) -> Reply {
     let split = raw
         .windows(4)
         .position(|w| w == b"\r\n\r\n")
