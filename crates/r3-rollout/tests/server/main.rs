@@ -4,8 +4,11 @@
 
 #![recursion_limit = "512"]
 mod clients;
+mod connections;
 mod engine;
 mod fake;
 mod fake_http;
 mod malformed;
+mod security;
 mod support;
+mod weights_update;
