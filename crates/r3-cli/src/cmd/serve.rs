@@ -2,11 +2,15 @@
 //! worker (SGLang's `/generate`, OpenAI `/v1/completions`, and the control endpoints listed in
 //! `r3_rollout::server`). Runs until Ctrl-C.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use r3_rollout::server::{build_app, serve, ServerConfig, ServerLimits, TextCodec};
+use r3_rollout::server::{
+    build_app, serve_with_limits, ConnectionLimits, SecurityConfig, ServerConfig, ServerLimits,
+    TextCodec,
+};
 use r3_rollout::{Dtype, Engine, EngineConfig};
 
 /// Arguments of `r3 serve`.
@@ -53,6 +57,46 @@ pub struct ServeArgs {
     /// ask (sglang-router drops the per-request flag but passes `meta_info` through).
     #[arg(long)]
     pub return_routed_experts_by_default: bool,
+    /// Require `Authorization: Bearer KEY` on every endpoint except `/health*` (SGLang's
+    /// flag).
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// Require `Authorization: Bearer KEY` on the control endpoints (weight updates, abort,
+    /// pause, continue, flush); when set, `--api-key` does not open them.
+    #[arg(long)]
+    pub admin_api_key: Option<String>,
+    /// Browser origins (e.g. `http://localhost:3000`) whose requests are served; requests
+    /// from any other origin get 403. `*` allows all.
+    #[arg(long, value_delimiter = ',')]
+    pub allowed_origins: Vec<String>,
+    /// Host names accepted in the `Host` header besides `localhost` and IP addresses (DNS
+    /// rebinding protection); `*` accepts all.
+    #[arg(long, value_delimiter = ',')]
+    pub allowed_hosts: Vec<String>,
+    /// `/update_weights_from_disk` reads only directories under this one (default: the
+    /// model directory's parent).
+    #[arg(long)]
+    pub weights_root: Option<PathBuf>,
+    /// Seconds a client may take to send a request's headers, counted from when the server
+    /// waits for them (so also how long an idle keep-alive connection stays open).
+    #[arg(long, default_value_t = 30)]
+    pub header_timeout_secs: u64,
+    /// Seconds a client may take to send a request's body (then 408).
+    #[arg(long, default_value_t = 60)]
+    pub body_timeout_secs: u64,
+    /// Most client connections open at once (more get 503); keep it below the process's
+    /// open-file limit.
+    #[arg(long, default_value_t = 512)]
+    pub max_connections: usize,
+}
+
+/// The default weights root: the model directory's parent (where a trainer's sync
+/// directories sit beside the model), or the model directory when it has none.
+fn default_weights_root(model: &Path) -> anyhow::Result<PathBuf> {
+    let model = model
+        .canonicalize()
+        .with_context(|| format!("resolving {}", model.display()))?;
+    Ok(model.parent().map(Path::to_path_buf).unwrap_or(model))
 }
 
 /// Runs `r3 serve`.
@@ -84,7 +128,28 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
                 .unwrap_or_else(|| a.model.display().to_string())
         }),
         return_routed_experts_by_default: a.return_routed_experts_by_default,
+        security: SecurityConfig {
+            api_key: a.api_key.clone().filter(|k| !k.is_empty()),
+            admin_api_key: a.admin_api_key.clone().filter(|k| !k.is_empty()),
+            allowed_origins: a.allowed_origins.clone(),
+            allowed_hosts: a.allowed_hosts.clone(),
+        },
+        weights_root: Some(match &a.weights_root {
+            Some(root) => root
+                .canonicalize()
+                .with_context(|| format!("--weights-root {}", root.display()))?,
+            None => default_weights_root(&a.model)?,
+        }),
+        connections: ConnectionLimits {
+            header_timeout: Duration::from_secs(a.header_timeout_secs.max(1)),
+            body_timeout: Duration::from_secs(a.body_timeout_secs.max(1)),
+            max_connections: a.max_connections.max(1),
+        },
     };
+    let connections = config.connections;
+    if let Some(root) = &config.weights_root {
+        tracing::info!(root = %root.display(), "weight updates read only under this directory");
+    }
     let has_text = text.is_some();
     let app = build_app(engine, text, config).context("starting the engine worker")?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -103,7 +168,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
             let _ = tokio::signal::ctrl_c().await;
             tracing::info!("shutting down");
         };
-        serve(listener, app.router, shutdown)
+        serve_with_limits(listener, app.router, connections, shutdown)
             .await
             .context("serving HTTP")
     })

@@ -19,6 +19,7 @@ use crate::dtype::Dtype;
 use crate::error::RolloutError;
 use crate::kv_pool::KvPool;
 use crate::model::tensors::{load_dir, load_dir_with, TensorMap};
+use crate::model::weights::ModelWeights;
 use crate::model::InferenceModel;
 use crate::prefix_cache::{PrefixCache, PrefixCacheStats};
 use crate::request::{GenerateRequest, GenerateResult, PartialRollout, RequestId};
@@ -419,12 +420,25 @@ impl Engine {
     /// continue under the new weights; their route rows carry the version that produced them.
     pub fn update_weights(&mut self, tensors: &TensorMap) -> Result<u64, RolloutError> {
         self.model.load_weights(tensors)?;
+        Ok(self.weights_swapped())
+    }
+
+    /// Swaps in weights built elsewhere for this engine's config and dtype (the server builds
+    /// them on a loader thread while the engine keeps serving), with the same effects as
+    /// [`Engine::update_weights`]; the swap itself costs no loading.
+    pub fn swap_weights(&mut self, weights: ModelWeights) -> u64 {
+        self.model.set_weights(weights);
+        self.weights_swapped()
+    }
+
+    /// Bumps the version and drops the prefix cache after new weights are in place.
+    fn weights_swapped(&mut self) -> u64 {
         self.version += 1;
         if let Some(cache) = self.cache.as_mut() {
             drop(cache.clear());
         }
         tracing::debug!(version = self.version, "weights updated");
-        Ok(self.version)
+        self.version
     }
 
     /// [`Engine::update_weights`] from a safetensors directory.

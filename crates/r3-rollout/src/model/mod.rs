@@ -83,6 +83,11 @@ impl InferenceModel {
         Ok(())
     }
 
+    /// Replaces the weights with ones already built for this model's config and dtype.
+    pub fn set_weights(&mut self, weights: ModelWeights) {
+        self.weights = weights;
+    }
+
     /// Executes experts on physical slots of `placement` (EPLB replicas); captured ids stay
     /// logical. `None` restores one slot per expert.
     pub fn set_placement(

@@ -4,8 +4,6 @@
 //! (`/update_weights_from_disk`, `/abort_request`, `/pause_generation`,
 //! `/continue_generation`, `/flush_cache`).
 
-use std::path::PathBuf;
-
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
@@ -13,11 +11,14 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use super::backend::StagedWeights;
 use super::error::ApiError;
 use super::fields::parse_body;
 use super::policy::UPDATE_WEIGHTS;
+use super::weights_update::allowed_dir;
 use super::worker::{Job, PauseMode};
 use super::{read_body, AppState};
+use crate::error::RolloutError;
 use crate::request::GenerateRequest;
 use crate::sampler::SamplingParams;
 
@@ -144,8 +145,10 @@ struct UpdateWeightsBody {
     weight_version: Option<String>,
 }
 
-/// `POST /update_weights_from_disk`: reload weights between steps and set the weight
-/// version (the engine invalidates its prefix cache).
+/// `POST /update_weights_from_disk`: reads and checks the new weights on a loader thread
+/// while the engine keeps serving, then swaps them in between two steps and sets the weight
+/// version (the engine invalidates its prefix cache); `abort_all_requests` aborts only after
+/// the swap. Only directories under the weights root are read; one update at a time.
 pub async fn update_weights(
     State(state): State<AppState>,
     body: Result<Bytes, BytesRejection>,
@@ -160,17 +163,25 @@ pub async fn update_weights(
             )))
         }
     }
-    let dir = PathBuf::from(&body.model_path);
-    if !dir.is_dir() {
-        return Err(ApiError::bad_request(format!(
-            "model_path {:?} is not a directory",
-            body.model_path
-        )));
-    }
+    let dir = allowed_dir(state.config().weights_root.as_deref(), &body.model_path)?;
+    let _one_at_a_time = state.update_lock().lock().await;
+    let weights = match state.stager() {
+        Some(stager) => {
+            let from = dir.clone();
+            let staged = tokio::task::spawn_blocking(move || stager.stage(&from))
+                .await
+                .map_err(|_| ApiError::internal("the weight loader thread panicked"))?;
+            Some(staged.map_err(|e| match e {
+                RolloutError::WeightDir { .. } => ApiError::from(e),
+                e => ApiError::from(e).context(&format!("loading weights from {}", dir.display())),
+            })?)
+        }
+        None => None,
+    };
     let version = state
         .handle()
         .update_weights(
-            dir,
+            StagedWeights { dir, weights },
             body.abort_all_requests.unwrap_or(false),
             body.weight_version,
         )

@@ -2,12 +2,14 @@
 //! implemented by [`Engine`] and by test doubles, plus what the server needs to know about
 //! the model to validate requests and encode routes.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use r3_routing::LayerLayout;
 
+use super::weights_update::WeightStager;
 use crate::engine::Engine;
 use crate::error::RolloutError;
+use crate::model::weights::ModelWeights;
 use crate::prefix_cache::PrefixCacheStats;
 use crate::request::{GenerateRequest, GenerateResult, PartialRollout, RequestId};
 
@@ -30,6 +32,16 @@ pub struct ModelSummary {
     pub eos_token_ids: Vec<u32>,
 }
 
+/// New weights on their way to the engine worker: the checked directory, and the weights
+/// already built from it when the backend has a [`WeightStager`].
+#[derive(Debug)]
+pub struct StagedWeights {
+    /// The directory the weights come from (canonical, under the weights root).
+    pub dir: PathBuf,
+    /// Engine weights built on a loader thread; None: the backend loads `dir` itself.
+    pub weights: Option<ModelWeights>,
+}
+
 /// A batched generation engine the server's worker thread drives: requests are submitted
 /// between steps and finish in later steps (continuous batching).
 pub trait InferenceBackend: Send + 'static {
@@ -47,6 +59,17 @@ pub trait InferenceBackend: Send + 'static {
     fn update_weights_from_dir(&mut self, dir: &Path) -> Result<u64, RolloutError>;
     /// Current weight version.
     fn weight_version(&self) -> u64;
+    /// What builds this backend's weights away from its thread, so it keeps serving while
+    /// a checkpoint is read; None: [`InferenceBackend::swap_weights`] loads on the engine
+    /// thread.
+    fn weight_stager(&self) -> Option<WeightStager> {
+        None
+    }
+    /// Puts staged weights in place; returns the new weight version. Without built weights
+    /// it loads `staged.dir` with [`InferenceBackend::update_weights_from_dir`].
+    fn swap_weights(&mut self, staged: StagedWeights) -> Result<u64, RolloutError> {
+        self.update_weights_from_dir(&staged.dir)
+    }
     /// Prefix cache counters, if the backend has a prefix cache.
     fn prefix_cache_stats(&self) -> Option<PrefixCacheStats>;
     /// Requests waiting for admission and requests running.
@@ -107,6 +130,20 @@ impl InferenceBackend for Engine {
 
     fn weight_version(&self) -> u64 {
         Engine::weight_version(self)
+    }
+
+    fn weight_stager(&self) -> Option<WeightStager> {
+        Some(WeightStager::new(
+            self.model_config().clone(),
+            self.engine_config().dtype,
+        ))
+    }
+
+    fn swap_weights(&mut self, staged: StagedWeights) -> Result<u64, RolloutError> {
+        match staged.weights {
+            Some(weights) => Ok(Engine::swap_weights(self, weights)),
+            None => Engine::update_weights_from_dir(self, &staged.dir),
+        }
     }
 
     fn prefix_cache_stats(&self) -> Option<PrefixCacheStats> {

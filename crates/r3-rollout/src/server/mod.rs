@@ -18,17 +18,21 @@
 pub mod admin;
 pub mod backend;
 pub mod completions;
+pub mod connections;
 pub mod error;
 pub mod fields;
 pub mod generate;
 pub mod policy;
 pub mod sampling;
+pub mod security;
 pub mod sse;
 pub mod stop;
 pub mod text;
+pub mod weights_update;
 pub mod worker;
 
 use std::future::Future;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -37,19 +41,25 @@ use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::DefaultBodyLimit;
 use axum::http::StatusCode;
+use axum::middleware::from_fn_with_state;
 use axum::routing::{get, post};
 use axum::Router;
 
-pub use backend::{InferenceBackend, ModelSummary};
+pub use backend::{InferenceBackend, ModelSummary, StagedWeights};
+pub use connections::{serve_with_limits, ConnectionLimits};
 pub use error::ApiError;
+pub use security::SecurityConfig;
 pub use text::TextCodec;
+pub use weights_update::WeightStager;
 pub use worker::{EngineHandle, Finished, Job, PauseMode, WorkerStats};
 
 use crate::sampler::SamplingParams;
 use sampling::{ParamContext, SamplingBody};
 use stop::{StopMatcher, TextOptions};
 
-/// Size limits that protect the server from oversize requests.
+/// Size limits that protect the server from oversize requests. Per request, a client holds
+/// at most `max_batch_requests` sequences, each of at most the model's context
+/// (`max_position_embeddings`) tokens and at most `max_new_tokens` generated ones.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerLimits {
     /// Largest request body in bytes (larger: 413).
@@ -87,6 +97,14 @@ pub struct ServerConfig {
     /// Return routed experts for every `/generate` request, as if each asked for them
     /// (sglang-router drops the per-request flag but passes `meta_info` through).
     pub return_routed_experts_by_default: bool,
+    /// Keys, allowed origins and hosts.
+    pub security: SecurityConfig,
+    /// `/update_weights_from_disk` reads only directories under this one (canonicalised);
+    /// None: any directory (`r3 serve` always sets one, by default the model's parent).
+    pub weights_root: Option<PathBuf>,
+    /// Connection timeouts and the connection cap ([`serve_with_limits`]); the body timeout
+    /// is applied by the app itself.
+    pub connections: ConnectionLimits,
 }
 
 /// State shared by all handlers.
@@ -102,6 +120,10 @@ struct Shared {
     next_seed: AtomicU64,
     /// Requests given a server-made rid so far.
     next_rid: AtomicU64,
+    /// Builds new weights off the engine thread (None: the backend loads on its thread).
+    stager: Option<weights_update::WeightStager>,
+    /// Held while a weight update is read and swapped: one at a time.
+    update_lock: tokio::sync::Mutex<()>,
 }
 
 impl AppState {
@@ -118,6 +140,16 @@ impl AppState {
     /// The tokenizer, when the model directory has one.
     pub fn text(&self) -> Option<&TextCodec> {
         self.0.text.as_deref()
+    }
+
+    /// The backend's weight stager, if it builds weights off the engine thread.
+    pub fn stager(&self) -> Option<weights_update::WeightStager> {
+        self.0.stager.clone()
+    }
+
+    /// The lock that serialises weight updates.
+    pub fn update_lock(&self) -> &tokio::sync::Mutex<()> {
+        &self.0.update_lock
     }
 
     /// The server settings.
@@ -250,8 +282,11 @@ pub fn build_app<B: InferenceBackend>(
     text: Option<TextCodec>,
     config: ServerConfig,
 ) -> std::io::Result<App> {
+    let stager = backend.weight_stager();
     let (handle, summary, worker) = EngineHandle::spawn(backend)?;
     let body_limit = config.limits.max_body_bytes;
+    let body_timeout = config.connections.body_timeout;
+    let access = Arc::new(config.security.clone());
     let state = AppState(Arc::new(Shared {
         handle: handle.clone(),
         summary,
@@ -259,6 +294,8 @@ pub fn build_app<B: InferenceBackend>(
         config,
         next_seed: AtomicU64::new(0),
         next_rid: AtomicU64::new(0),
+        stager,
+        update_lock: tokio::sync::Mutex::new(()),
     }));
     let router = Router::new()
         .route("/health", get(admin::health).post(admin::health))
@@ -283,6 +320,12 @@ pub fn build_app<B: InferenceBackend>(
         )
         .fallback(|| async { ApiError::not_found("no such endpoint") })
         .layer(DefaultBodyLimit::max(body_limit))
+        .layer(from_fn_with_state(
+            (body_timeout, body_limit),
+            connections::body_deadline,
+        ))
+        // Outermost: a refused request is answered before its body is read.
+        .layer(from_fn_with_state(access, security::guard))
         .with_state(state);
     Ok(App {
         router,
@@ -291,13 +334,12 @@ pub fn build_app<B: InferenceBackend>(
     })
 }
 
-/// Serves `router` on `listener` until `shutdown` completes.
+/// Serves `router` on `listener` with the default [`ConnectionLimits`] until `shutdown`
+/// completes.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     router: Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown)
-        .await
+    serve_with_limits(listener, router, ConnectionLimits::default(), shutdown).await
 }

@@ -6,14 +6,13 @@
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 
 use serde::Serialize;
 use tokio::sync::{mpsc, oneshot};
 
-use super::backend::{InferenceBackend, ModelSummary};
+use super::backend::{InferenceBackend, ModelSummary, StagedWeights};
 use super::error::ApiError;
 use super::stop::StopMatcher;
 use crate::error::RolloutError;
@@ -75,7 +74,7 @@ enum Command {
         progress: Option<ProgressSender>,
     },
     UpdateWeights {
-        dir: PathBuf,
+        staged: StagedWeights,
         abort_all: bool,
         label: Option<String>,
         reply: oneshot::Sender<Result<String, ApiError>>,
@@ -206,17 +205,18 @@ impl EngineHandle {
         Ok(rx)
     }
 
-    /// Loads new weights between steps; returns the new weight version label (`label`, or
-    /// the backend's version number when None).
+    /// Swaps in new weights between steps, then (with `abort_all`) aborts the requests in
+    /// flight; returns the new weight version label (`label`, or the backend's version
+    /// number when None). Nothing is aborted when the swap fails.
     pub async fn update_weights(
         &self,
-        dir: PathBuf,
+        staged: StagedWeights,
         abort_all: bool,
         label: Option<String>,
     ) -> Result<String, ApiError> {
         let (reply, rx) = oneshot::channel();
         self.send(Command::UpdateWeights {
-            dir,
+            staged,
             abort_all,
             label,
             reply,
@@ -335,17 +335,21 @@ impl Book {
                 progress,
             } => self.submit(backend, jobs, reply, progress),
             Command::UpdateWeights {
-                dir,
+                staged,
                 abort_all,
                 label,
                 reply,
             } => {
-                if abort_all {
-                    self.abort_where(backend, |_| true);
-                }
+                let dir = staged.dir.clone();
+                // Aborted only once the new weights are in place (a refused update leaves
+                // every request running), and under the old label: their tokens came from
+                // the old weights.
                 let result = backend
-                    .update_weights_from_dir(&dir)
+                    .swap_weights(staged)
                     .map(|v| {
+                        if abort_all {
+                            self.abort_where(backend, |_| true);
+                        }
                         self.label = label.unwrap_or_else(|| v.to_string());
                         self.label.clone()
                     })

@@ -27,6 +27,7 @@ fn server(text: bool, config: impl FnOnce(&mut ServerConfig)) -> TestServer {
         model_name: "models/fake".into(),
         served_model_name: "fake".into(),
         return_routed_experts_by_default: false,
+        ..ServerConfig::default()
     };
     config(&mut cfg);
     let codec = if text {

@@ -4,9 +4,12 @@
 
 #![recursion_limit = "512"]
 mod clients;
+mod connections;
 mod engine;
 mod fake;
 mod fake_http;
 mod malformed;
+mod security;
 mod streaming;
 mod support;
+mod weights_update;

@@ -246,7 +246,7 @@ fn each_malformed_request_class_gets_a_4xx_and_the_server_keeps_serving() {
             "/update_weights_from_disk",
             json!({"model_path": "/no/such/dir"}),
             400,
-            "not a directory",
+            "not a weight directory",
         ),
         (
             "/update_weights_from_disk",

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use r3_rollout::server::{serve, App};
+use r3_rollout::server::{serve_with_limits, App, ConnectionLimits};
 use serde_json::Value;
 
 /// A server running on 127.0.0.1:<ephemeral> in a background thread; stopped on drop.
@@ -20,6 +20,11 @@ pub struct TestServer {
 impl TestServer {
     /// Serves `app` (its handle is dropped so the worker ends with the server).
     pub fn start(app: App) -> Self {
+        Self::start_with(app, ConnectionLimits::default())
+    }
+
+    /// Serves `app` with the given connection limits.
+    pub fn start_with(app: App, limits: ConnectionLimits) -> Self {
         let App { router, handle, .. } = app;
         drop(handle);
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind ephemeral port");
@@ -36,7 +41,7 @@ impl TestServer {
                 .expect("tokio runtime");
             rt.block_on(async move {
                 let listener = tokio::net::TcpListener::from_std(listener).expect("tokio listener");
-                serve(listener, router, async {
+                serve_with_limits(listener, router, limits, async {
                     let _ = rx.await;
                 })
                 .await
@@ -114,6 +119,38 @@ pub fn request(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> Reply
     parse_response(&raw)
 }
 
+/// One HTTP/1.1 request with exactly `headers` (plus `Host` unless given, `Content-Length`
+/// and `Connection: close`).
+pub fn request_with(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> Reply {
+    let mut stream = TcpStream::connect(addr).expect("connect to test server");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(120)))
+        .expect("read timeout");
+    let mut head = format!("{method} {path} HTTP/1.1\r\n");
+    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
+        head.push_str(&format!("Host: {addr}\r\n"));
+    }
+    for (k, v) in headers {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
+    head.push_str(&format!(
+        "Content-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    ));
+    stream.write_all(head.as_bytes()).expect("write head");
+    let _ = stream.write_all(body);
+    let mut raw = Vec::new();
+    let _ = stream.read_to_end(&mut raw);
+    parse_response(&raw)
+}
+
+/// Parses a raw HTTP/1.1 response.
 pub fn parse_response(raw: &[u8]) -> Reply {
     let split = raw
         .windows(4)
