@@ -174,7 +174,7 @@ impl ChatTemplate {
             vars.retain(|(k, _)| k != key);
             vars.push((key.clone(), Value::from(minijinja::value::Serde(value))));
         }
-        let ctx: Value = vars.into_iter().collect();
+        let ctx = Value::from_pairs(vars);
         template
             .render(ctx)
             .map_err(|source| TextError::Render { source })
