@@ -159,6 +159,7 @@ pub fn decode_reply(
             cached_tokens: count("cached_tokens").unwrap_or(0),
             routes,
             weight_version: version,
+            prompt_logprobs: None,
         },
         version,
     })

@@ -1,6 +1,8 @@
 //! `r3 generate`: one request through the rollout engine; prints JSON with the output ids,
 //! their log-probs (raw model distribution, temperature 1) and the captured routes in r3's
-//! canonical route JSON.
+//! canonical route JSON. The prompt is token ids, or text / chat messages tokenized with the
+//! model's tokenizer and chat template (r3-text, as `r3 serve` does); then the output text
+//! is printed too.
 
 use std::path::PathBuf;
 
@@ -8,6 +10,7 @@ use anyhow::Context;
 use clap::Args;
 use r3_model::LoadOptions;
 use r3_rollout::{Dtype, Engine, EngineConfig, GenerateRequest, SamplingParams};
+use r3_text::{ChatMessage, ChatTemplate, RenderOptions, TextTokenizer};
 
 /// Arguments of `r3 generate`.
 #[derive(Debug, Args)]
@@ -16,8 +19,19 @@ pub struct GenerateArgs {
     #[arg(long)]
     pub model: PathBuf,
     /// Prompt token ids, comma separated (e.g. `1,2,3`).
-    #[arg(long, value_delimiter = ',', required = true)]
+    #[arg(long, value_delimiter = ',', required_unless_present_any = ["text", "messages"], conflicts_with_all = ["text", "messages"])]
     pub input_ids: Vec<u32>,
+    /// Prompt text, tokenized with the model's tokenizer (special tokens added as its
+    /// tokenizer_config.json says, like transformers' `tokenizer(text)`).
+    #[arg(long, conflicts_with = "messages")]
+    pub text: Option<String>,
+    /// A JSON file holding a list of `{"role", "content"}` messages, rendered with the model's
+    /// chat template and an assistant generation prompt.
+    #[arg(long)]
+    pub messages: Option<PathBuf>,
+    /// Extra chat-template variables as a JSON object (e.g. `{"enable_thinking": false}`).
+    #[arg(long, requires = "messages")]
+    pub chat_template_kwargs: Option<String>,
     /// Tokens to generate at most.
     #[arg(long, default_value_t = 16)]
     pub max_new_tokens: usize,
@@ -30,7 +44,8 @@ pub struct GenerateArgs {
     /// Top-k truncation (0 = off).
     #[arg(long, default_value_t = 0)]
     pub top_k: usize,
-    /// Stop token ids, comma separated (the model's eos is not added implicitly).
+    /// Stop token ids, comma separated (the model's eos is not added implicitly for
+    /// `--input-ids`; with `--text` / `--messages` the tokenizer's stop ids are added).
     #[arg(long, value_delimiter = ',')]
     pub stop_token_ids: Vec<u32>,
     /// RNG seed of the request.
@@ -61,14 +76,19 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
     };
     let mut engine = Engine::from_dir_with(&a.model, cfg, &load)
         .with_context(|| format!("loading model from {}", a.model.display()))?;
+    let mut stop_token_ids = a.stop_token_ids.clone();
+    let (input_ids, tokenizer) = prompt_ids(&a)?;
+    if let Some(tok) = &tokenizer {
+        stop_token_ids.extend(tok.stop_token_ids().iter().copied());
+    }
     let req = GenerateRequest {
-        input_ids: a.input_ids,
+        input_ids,
         sampling: SamplingParams {
             temperature: a.temperature,
             top_p: a.top_p,
             top_k: a.top_k,
             max_new_tokens: a.max_new_tokens,
-            stop_token_ids: a.stop_token_ids,
+            stop_token_ids,
             seed: a.seed,
             ..SamplingParams::default()
         },
@@ -79,7 +99,12 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
         .generate(vec![req])?
         .pop()
         .context("the engine returned no result")?;
+    let text = match &tokenizer {
+        Some(tok) => Some(tok.decode(&result.output_ids, true)?),
+        None => None,
+    };
     let out = serde_json::json!({
+        "text": text,
         "output_ids": result.output_ids,
         "logprobs": result.output_logprobs,
         "logprob_definition": "log softmax(logits)[token], raw model distribution (temperature 1, before top-k/top-p)",
@@ -91,4 +116,45 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
     });
     println!("{}", serde_json::to_string(&out)?);
     Ok(())
+}
+
+/// The prompt ids of the request, with the tokenizer when text or messages were given.
+fn prompt_ids(a: &GenerateArgs) -> anyhow::Result<(Vec<u32>, Option<TextTokenizer>)> {
+    if a.text.is_none() && a.messages.is_none() {
+        return Ok((a.input_ids.clone(), None));
+    }
+    let tok = TextTokenizer::from_model_dir(&a.model)?;
+    if let Some(text) = &a.text {
+        let ids = tok.encode(text, true)?;
+        return Ok((ids, Some(tok)));
+    }
+    let path = a.messages.as_ref().context("--messages is required here")?;
+    let raw =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let messages: Vec<ChatMessage> = serde_json::from_str(&raw).with_context(|| {
+        format!(
+            "{}: expected a JSON list of {{\"role\", \"content\"}} messages",
+            path.display()
+        )
+    })?;
+    let kwargs = match &a.chat_template_kwargs {
+        Some(s) => {
+            serde_json::from_str(s).context("--chat-template-kwargs must be a JSON object")?
+        }
+        None => serde_json::Map::new(),
+    };
+    let template = ChatTemplate::from_model_dir(&a.model)?.with_context(|| {
+        format!(
+            "{} has no chat template (chat_template in tokenizer_config.json or chat_template.jinja)",
+            a.model.display()
+        )
+    })?;
+    let opts = RenderOptions {
+        add_generation_prompt: true,
+        kwargs,
+        ..RenderOptions::default()
+    };
+    let prompt = template.render(&messages, &opts)?;
+    let ids = tok.encode(&prompt, false)?;
+    Ok((ids, Some(tok)))
 }

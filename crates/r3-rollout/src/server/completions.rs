@@ -473,11 +473,3 @@ fn choice(
         "matched_stop": matched,
     }))
 }
-
-/// `POST /v1/chat/completions`: r3 renders no chat templates (the shipped models have none),
-/// so it answers 400 with what to use instead rather than a 404 clients read as "no server".
-pub async fn chat() -> ApiError {
-    ApiError::bad_request(
-        "/v1/chat/completions needs a chat template, which r3 does not render; send a templated prompt to /v1/completions or /generate",
-    )
-}

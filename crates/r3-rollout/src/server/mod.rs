@@ -1,6 +1,6 @@
 //! The HTTP server (axum + tokio), a drop-in SGLang worker for RL rollout clients: SGLang's
-//! native `/generate`, OpenAI `/v1/completions` and `/v1/models` (`/v1/chat/completions`: a
-//! clear 400, no chat templates), and the control endpoints
+//! native `/generate`, OpenAI `/v1/completions`, `/v1/chat/completions` (through the
+//! model's chat template) and `/v1/models`, and the control endpoints
 //! RL loops call (`/update_weights_from_disk`, `/pause_generation`, `/continue_generation`,
 //! `/flush_cache`, `/abort_request`, `/health`, `/health_generate`, `/get_weight_version`,
 //! `/get_model_info` = `/model_info`, `/get_server_info` = `/server_info`, `/v1/loads`).
@@ -17,6 +17,7 @@
 
 pub mod admin;
 pub mod backend;
+pub mod chat;
 pub mod completions;
 pub mod connections;
 pub mod error;
@@ -309,7 +310,7 @@ pub fn build_app<B: InferenceBackend>(
         .route("/v1/loads", get(admin::loads))
         .route("/generate", post(generate::handle))
         .route("/v1/completions", post(completions::handle))
-        .route("/v1/chat/completions", post(completions::chat))
+        .route("/v1/chat/completions", post(chat::handle))
         .route("/update_weights_from_disk", post(admin::update_weights))
         .route("/abort_request", post(admin::abort))
         .route("/pause_generation", post(admin::pause))

@@ -1,42 +1,59 @@
 //! Optional text support: when the model directory has a `tokenizer.json`, prompts may be
-//! given as text and responses carry decoded text.
+//! given as text, responses carry decoded text, and chat messages are rendered through the
+//! model's chat template (all through r3-text, as transformers would).
 
 use std::path::Path;
 
+use r3_text::{ChatMessage, ChatTemplate, RenderOptions, SpecialTokens, TextTokenizer};
 use tokenizers::Tokenizer;
 
 use super::error::ApiError;
 
-/// Text <-> token ids for the served model.
+/// Text <-> token ids and chat rendering for the served model.
 pub struct TextCodec {
-    tokenizer: Tokenizer,
+    tokenizer: TextTokenizer,
+    template: Option<ChatTemplate>,
 }
 
 impl std::fmt::Debug for TextCodec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TextCodec").finish_non_exhaustive()
+        f.debug_struct("TextCodec")
+            .field("tokenizer", &self.tokenizer)
+            .field("chat_template", &self.template.is_some())
+            .finish()
     }
 }
 
 impl TextCodec {
-    /// Loads `dir/tokenizer.json` if it exists (None if it does not; an error if it is bad).
+    /// Loads the directory's tokenizer and chat template if it has a `tokenizer.json` (None
+    /// if it does not; an error if a file is bad).
     pub fn from_model_dir(dir: &Path) -> Result<Option<Self>, String> {
-        let path = dir.join("tokenizer.json");
-        if !path.exists() {
+        if !dir.join("tokenizer.json").exists() {
             return Ok(None);
         }
-        let tokenizer =
-            Tokenizer::from_file(&path).map_err(|e| format!("loading {}: {e}", path.display()))?;
-        Ok(Some(TextCodec { tokenizer }))
+        let tokenizer = TextTokenizer::from_model_dir(dir).map_err(|e| e.to_string())?;
+        let template = ChatTemplate::from_model_dir(dir).map_err(|e| e.to_string())?;
+        Ok(Some(TextCodec {
+            tokenizer,
+            template,
+        }))
+    }
+
+    /// Builds a codec from an already loaded tokenizer (no special tokens, no template).
+    pub fn from_tokenizer(tokenizer: Tokenizer) -> Result<Self, String> {
+        let tokenizer = TextTokenizer::from_tokenizer(tokenizer, SpecialTokens::default())
+            .map_err(|e| e.to_string())?;
+        Ok(TextCodec {
+            tokenizer,
+            template: None,
+        })
     }
 
     /// Token ids of `text` (no special tokens added: the text is taken as it is).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, ApiError> {
-        let enc = self
-            .tokenizer
+        self.tokenizer
             .encode(text, false)
-            .map_err(|e| ApiError::bad_request(format!("cannot tokenize the text: {e}")))?;
-        Ok(enc.get_ids().to_vec())
+            .map_err(|e| ApiError::bad_request(format!("cannot tokenize the text: {e}")))
     }
 
     /// Text of `ids`, special tokens skipped or kept.
@@ -46,15 +63,37 @@ impl TextCodec {
             .map_err(|e| ApiError::internal(format!("cannot decode output ids: {e}")))
     }
 
-    /// Builds a codec from an already loaded tokenizer.
-    pub fn from_tokenizer(tokenizer: Tokenizer) -> Self {
-        TextCodec { tokenizer }
-    }
-
     /// The string of one token id (for OpenAI `logprobs.tokens`).
     pub fn token_str(&self, id: u32) -> String {
         self.tokenizer
-            .id_to_token(id)
+            .token_str(id)
             .unwrap_or_else(|| format!("token_id:{id}"))
+    }
+
+    /// The tokenizer with its special tokens.
+    pub fn tokenizer(&self) -> &TextTokenizer {
+        &self.tokenizer
+    }
+
+    /// The model's chat template, if it has one.
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.template.as_ref()
+    }
+
+    /// Renders chat messages through the model's template: a 400 when the model has no
+    /// template or the template refuses the conversation.
+    pub fn render_chat(
+        &self,
+        messages: &[ChatMessage],
+        opts: &RenderOptions,
+    ) -> Result<String, ApiError> {
+        let template = self.template.as_ref().ok_or_else(|| {
+            ApiError::bad_request(
+                "the model has no chat template (no chat_template in tokenizer_config.json and no chat_template.jinja); send a templated prompt to /v1/completions or /generate",
+            )
+        })?;
+        template
+            .render(messages, opts)
+            .map_err(|e| ApiError::bad_request(e.to_string()))
     }
 }

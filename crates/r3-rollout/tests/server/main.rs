@@ -3,6 +3,7 @@
 //! validation); `engine` tests serve the tiny HF oracle model with the real engine.
 
 #![recursion_limit = "512"]
+mod chat;
 mod clients;
 mod connections;
 mod engine;

@@ -1,0 +1,289 @@
+//! OpenAI `/v1/chat/completions`: `messages` rendered through the model's chat template
+//! (`add_generation_prompt`, default true, and `chat_template_kwargs` such as
+//! `enable_thinking`), tokenized without added special tokens, then sampled like
+//! `/v1/completions`; the model's stop ids (eos and `generation_config.json`'s) end a turn.
+//! `stream: true` answers one `chat.completion.chunk` per choice, then `[DONE]`.
+
+use std::collections::BTreeMap;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use r3_text::{ChatMessage, RenderOptions};
+use serde::Deserialize;
+use serde_json::{json, Map, Value};
+
+use super::error::ApiError;
+use super::fields::{kind, parse_body};
+use super::policy::FieldRule::{Ignored, Implemented, NeutralOnly};
+use super::policy::Schema;
+use super::sampling::SamplingBody;
+use super::sse::event_stream;
+use super::stop::response_text;
+use super::worker::Job;
+use super::{read_body, AppState};
+use crate::request::{FinishReason, GenerateRequest};
+
+/// OpenAI's chat completions request plus the SGLang / vLLM extensions r3 implements.
+pub static CHAT: Schema = Schema {
+    name: "chat/completions",
+    fields: &[
+        ("model", Ignored),
+        ("messages", Implemented),
+        ("add_generation_prompt", Implemented),
+        ("chat_template_kwargs", Implemented),
+        ("max_tokens", Implemented),
+        ("max_completion_tokens", Implemented),
+        ("temperature", Implemented),
+        ("top_p", Implemented),
+        ("top_k", Implemented),
+        ("min_p", Implemented),
+        ("min_tokens", Implemented),
+        ("n", Implemented),
+        ("seed", Implemented),
+        ("stop", Implemented),
+        ("stop_token_ids", Implemented),
+        ("no_stop_trim", Implemented),
+        ("ignore_eos", Implemented),
+        ("skip_special_tokens", Implemented),
+        ("frequency_penalty", Implemented),
+        ("presence_penalty", Implemented),
+        ("repetition_penalty", Implemented),
+        ("logit_bias", Implemented),
+        ("stream", Implemented),
+        ("stream_options", Ignored),
+        ("user", Ignored),
+        ("rid", Ignored),
+        ("separate_reasoning", Ignored),
+        ("logprobs", NeutralOnly(&[])),
+        ("top_logprobs", NeutralOnly(&[])),
+        ("tools", NeutralOnly(&[])),
+        ("tool_choice", NeutralOnly(&["\"none\"", "\"auto\""])),
+        ("parallel_tool_calls", Ignored),
+        ("response_format", NeutralOnly(&[])),
+        ("continue_final_message", NeutralOnly(&[])),
+        ("return_routed_experts", NeutralOnly(&[])),
+    ],
+};
+
+/// The `/v1/chat/completions` body, implemented fields only.
+#[derive(Debug, Deserialize)]
+struct ChatBody {
+    messages: Vec<Value>,
+    add_generation_prompt: Option<bool>,
+    chat_template_kwargs: Option<Map<String, Value>>,
+    max_tokens: Option<usize>,
+    max_completion_tokens: Option<usize>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    top_k: Option<i64>,
+    min_p: Option<f32>,
+    min_tokens: Option<usize>,
+    n: Option<usize>,
+    seed: Option<u64>,
+    stop: Option<Value>,
+    stop_token_ids: Option<Vec<u32>>,
+    no_stop_trim: Option<bool>,
+    ignore_eos: Option<bool>,
+    skip_special_tokens: Option<bool>,
+    frequency_penalty: Option<f32>,
+    presence_penalty: Option<f32>,
+    repetition_penalty: Option<f32>,
+    logit_bias: Option<BTreeMap<String, f32>>,
+    stream: Option<bool>,
+}
+
+/// One OpenAI message as a template message: `content` a string, a list of text parts
+/// (joined), or null (empty); other fields are passed to the template as they are.
+pub fn chat_message(v: &Value, i: usize) -> Result<ChatMessage, ApiError> {
+    let field = |name: &str| format!("messages[{i}].{name}");
+    let Value::Object(obj) = v else {
+        return Err(ApiError::bad_request(format!(
+            "messages[{i}] must be an object, got {}",
+            kind(v)
+        )));
+    };
+    let role = match obj.get("role") {
+        Some(Value::String(r)) => r.clone(),
+        _ => {
+            return Err(ApiError::bad_request(format!(
+                "{} must be a string",
+                field("role")
+            )))
+        }
+    };
+    let content = match obj.get("content") {
+        None | Some(Value::Null) => String::new(),
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for (j, part) in parts.iter().enumerate() {
+                match (part.get("type").and_then(Value::as_str), part.get("text")) {
+                    (Some("text"), Some(Value::String(t))) => text.push_str(t),
+                    _ => {
+                        return Err(ApiError::bad_request(format!(
+                            "{}[{j}]: r3 accepts only {{\"type\": \"text\", \"text\": ...}} parts",
+                            field("content")
+                        )))
+                    }
+                }
+            }
+            text
+        }
+        Some(other) => {
+            return Err(ApiError::bad_request(format!(
+                "{} must be a string or a list of text parts, got {}",
+                field("content"),
+                kind(other)
+            )))
+        }
+    };
+    let extra = obj
+        .iter()
+        .filter(|(k, _)| k.as_str() != "role" && k.as_str() != "content")
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    Ok(ChatMessage {
+        role,
+        content,
+        extra,
+    })
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn handle(
+    State(state): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let bytes = read_body(body, state.limits().max_body_bytes)?;
+    let body: ChatBody = CHAT.parse(parse_body::<Value>(&bytes)?)?;
+    let codec = state.text().ok_or_else(|| {
+        ApiError::bad_request(
+            "chat messages need a tokenizer.json and a chat template in the model directory; send token ids to /generate",
+        )
+    })?;
+    if body.messages.is_empty() {
+        return Err(ApiError::bad_request("messages is empty"));
+    }
+    let messages = body
+        .messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| chat_message(m, i))
+        .collect::<Result<Vec<_>, _>>()?;
+    let opts = RenderOptions {
+        add_generation_prompt: body.add_generation_prompt.unwrap_or(true),
+        kwargs: body.chat_template_kwargs.clone().unwrap_or_default(),
+        ..RenderOptions::default()
+    };
+    let prompt = codec.render_chat(&messages, &opts)?;
+    let input_ids = codec.encode(&prompt)?;
+    state.check_prompt(&input_ids, "rendered messages")?;
+    let n = body.n.unwrap_or(1);
+    if n == 0 {
+        return Err(ApiError::bad_request("n must be at least 1"));
+    }
+    state.check_batch_size(n)?;
+    // A chat turn ends at the model's stop ids (e.g. `<|im_end|>`), beside the client's own.
+    let mut stop_ids = body.stop_token_ids.clone().unwrap_or_default();
+    stop_ids.extend(codec.tokenizer().stop_token_ids().iter().copied());
+    let sampling = SamplingBody {
+        temperature: body.temperature,
+        top_p: body.top_p,
+        top_k: body.top_k,
+        min_p: body.min_p,
+        max_new_tokens: Some(
+            body.max_completion_tokens
+                .or(body.max_tokens)
+                .unwrap_or(state.limits().default_max_new_tokens),
+        ),
+        min_new_tokens: body.min_tokens,
+        stop_token_ids: Some(stop_ids),
+        stop: body.stop.clone(),
+        no_stop_trim: body.no_stop_trim,
+        ignore_eos: body.ignore_eos,
+        frequency_penalty: body.frequency_penalty,
+        presence_penalty: body.presence_penalty,
+        repetition_penalty: body.repetition_penalty,
+        logit_bias: body.logit_bias.clone(),
+        n: None,
+        seed: Some(body.seed.unwrap_or_else(|| state.next_seed())),
+        sampling_seed: None,
+        skip_special_tokens: body.skip_special_tokens,
+    };
+    let mut jobs = Vec::with_capacity(n);
+    let mut texts = Vec::with_capacity(n);
+    for i in 0..n {
+        let (params, text, stop) = state.prepare(&sampling, input_ids.len(), i)?;
+        texts.push(text);
+        jobs.push(Job {
+            rid: state.next_rid(),
+            request: GenerateRequest {
+                input_ids: input_ids.clone(),
+                sampling: params,
+                return_routes: false,
+                routed_experts_start_len: 0,
+            },
+            stop,
+        });
+    }
+    let results = state.handle().generate(jobs).await?;
+    let stream = body.stream.unwrap_or(false);
+    let mut choices = Vec::with_capacity(results.len());
+    for (index, (f, opts)) in results.iter().zip(&texts).enumerate() {
+        let r = &f.result;
+        let text = response_text(
+            codec,
+            &r.output_ids,
+            &r.finish,
+            f.matched_stop.as_deref(),
+            opts,
+        )?;
+        let finish = match r.finish {
+            FinishReason::Length => "length",
+            FinishReason::Stop { .. } | FinishReason::StopString => "stop",
+            FinishReason::Abort => "abort",
+        };
+        let message = json!({"role": "assistant", "content": text});
+        choices.push(if stream {
+            json!({"index": index, "delta": message, "finish_reason": finish})
+        } else {
+            json!({"index": index, "message": message, "finish_reason": finish,
+                   "token_ids": r.output_ids, "logprobs": null})
+        });
+    }
+    let completion_tokens: usize = results.iter().map(|f| f.result.output_ids.len()).sum();
+    let created = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let id = format!("chatcmpl-{}", state.next_rid());
+    let model = state.config().served_model_name.clone();
+    if stream {
+        let chunks: Vec<Value> = choices
+            .into_iter()
+            .map(|c| {
+                json!({"id": id, "object": "chat.completion.chunk", "created": created,
+                       "model": model, "choices": [c]})
+            })
+            .collect();
+        return Ok(event_stream(&chunks));
+    }
+    Ok(Json(json!({
+        "id": id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "prompt_token_ids": input_ids,
+        "usage": {
+            "prompt_tokens": input_ids.len(),
+            "completion_tokens": completion_tokens,
+            "total_tokens": input_ids.len() + completion_tokens,
+        },
+    }))
+    .into_response())
+}

@@ -1,0 +1,131 @@
+//! `/v1/chat/completions` against the fake engine: messages rendered through the model's
+//! chat template (with `add_generation_prompt` and `chat_template_kwargs`), the model's eos
+//! ending the turn, and a clear 400 when the model has no template or the template refuses.
+
+use r3_rollout::server::sse::parse_event_stream;
+use r3_rollout::server::{build_app, ServerConfig, ServerLimits, TextCodec};
+use serde_json::json;
+
+use crate::fake::{self, FakeEngine};
+use crate::support::{scratch_dir, write_tokenizer, TestServer};
+
+/// A template over the word-level test vocabulary: `t2 <content> t3` per message, `t4` as
+/// the generation prompt, `t5` when thinking is switched off; a `tool` role is refused.
+const TEMPLATE: &str = "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools here') }}{% endif %}t2 {{ m.content }} t3 {% endfor %}{% if add_generation_prompt %}t4{% endif %}{% if enable_thinking is defined and not enable_thinking %} t5{% endif %}";
+
+/// The id the tokenizer config names as eos (`t7`).
+const TEMPLATE_EOS: u32 = 7;
+
+fn server(template: Option<&str>) -> TestServer {
+    let cfg = ServerConfig {
+        limits: ServerLimits {
+            max_body_bytes: 1 << 16,
+            max_new_tokens: 32,
+            default_max_new_tokens: 8,
+            max_batch_requests: 16,
+        },
+        seed: 0,
+        model_name: "models/fake".into(),
+        served_model_name: "fake".into(),
+        return_routed_experts_by_default: false,
+        ..ServerConfig::default()
+    };
+    let dir = scratch_dir("chat-tokenizer");
+    write_tokenizer(&dir, fake::VOCAB);
+    let mut tc = json!({"eos_token": "t7"});
+    if let Some(t) = template {
+        tc["chat_template"] = json!(t);
+    }
+    std::fs::write(dir.join("tokenizer_config.json"), tc.to_string()).expect("write config");
+    let codec = TextCodec::from_model_dir(&dir).expect("tokenizer loads");
+    let _ = std::fs::remove_dir_all(&dir);
+    TestServer::start(build_app(FakeEngine::new(0), codec, cfg).expect("app builds"))
+}
+
+fn words(ids: &[u32]) -> String {
+    ids.iter()
+        .map(|i| format!("t{i}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[test]
+fn chat_renders_the_template_and_stops_at_the_models_eos() {
+    let server = server(Some(TEMPLATE));
+    let body = json!({"model": "fake", "seed": 3, "max_tokens": 12,
+        "messages": [{"role": "system", "content": "t9"}, {"role": "user", "content": "t10 t11"}]});
+    let r = server.post("/v1/chat/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.text);
+    let prompt = [2u32, 9, 3, 2, 10, 11, 3, 4];
+    assert_eq!(r.body["prompt_token_ids"], json!(prompt));
+    let (want, stopped) = fake::expected(&prompt, 12, &[fake::EOS, TEMPLATE_EOS], 3);
+    let choice = &r.body["choices"][0];
+    assert_eq!(choice["token_ids"], json!(want));
+    assert_eq!(choice["message"]["role"], "assistant");
+    let shown = if stopped {
+        &want[..want.len() - 1]
+    } else {
+        &want[..]
+    };
+    assert_eq!(choice["message"]["content"], words(shown));
+    assert_eq!(
+        choice["finish_reason"],
+        if stopped { "stop" } else { "length" }
+    );
+    assert_eq!(r.body["object"], "chat.completion");
+    assert_eq!(r.body["usage"]["prompt_tokens"], prompt.len());
+
+    // Without the generation prompt, and with a template kwarg, the prompt changes.
+    let body = json!({"seed": 3, "max_tokens": 2, "add_generation_prompt": false,
+        "chat_template_kwargs": {"enable_thinking": false},
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "t10"}]}]});
+    let r = server.post("/v1/chat/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.body["prompt_token_ids"], json!([2, 10, 3, 5]));
+}
+
+#[test]
+fn chat_streams_one_chunk_per_choice() {
+    let server = server(Some(TEMPLATE));
+    let body = json!({"seed": 1, "max_tokens": 4, "n": 2, "stream": true,
+        "messages": [{"role": "user", "content": "t10"}]});
+    let r = server.post("/v1/chat/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.text);
+    let chunks = parse_event_stream(&r.text);
+    assert_eq!(chunks.len(), 2, "{}", r.text);
+    for (i, c) in chunks.iter().enumerate() {
+        assert_eq!(c["object"], "chat.completion.chunk");
+        assert_eq!(c["choices"][0]["index"], i);
+        assert_eq!(c["choices"][0]["delta"]["role"], "assistant");
+    }
+}
+
+#[test]
+fn chat_without_a_template_or_refused_by_it_is_a_400() {
+    let r = server(None).post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "t1"}]}),
+    );
+    assert_eq!(r.status, 400, "{}", r.text);
+    assert!(r.error_message().contains("no chat template"), "{}", r.text);
+
+    let server = server(Some(TEMPLATE));
+    let r = server.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "tool", "content": "t1"}]}),
+    );
+    assert_eq!(r.status, 400, "{}", r.text);
+    assert!(r.error_message().contains("no tools here"), "{}", r.text);
+    let r = server.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"content": "t1"}]}),
+    );
+    assert_eq!(r.status, 400, "{}", r.text);
+    assert!(r.error_message().contains("messages[0].role"), "{}", r.text);
+    let r = server.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "t1"}], "tools": [{"type": "function"}]}),
+    );
+    assert_eq!(r.status, 400, "{}", r.text);
+    assert!(r.error_message().contains("tools"), "{}", r.text);
+}

@@ -1,0 +1,24 @@
+//! Text for r3: any Hugging Face `tokenizer.json` with its special tokens resolved the way
+//! transformers resolves them, and chat templates rendered the way transformers'
+//! `apply_chat_template` renders them (minijinja with the Python-compatible extras).
+//!
+//! A model directory is read as transformers reads it: `tokenizer.json`,
+//! `tokenizer_config.json` (special tokens, `add_bos_token`, `chat_template`),
+//! `chat_template.jinja`, `generation_config.json` and `config.json` (eos ids).
+
+mod bpe;
+mod error;
+mod jinja;
+mod message;
+mod model_files;
+mod special;
+mod strftime;
+mod template;
+mod tokenizer;
+
+pub use bpe::{train_bpe, write_tokenizer_config, BpeTrainSpec, CHATML_TEMPLATE};
+pub use error::{Result, TextError};
+pub use message::ChatMessage;
+pub use special::SpecialTokens;
+pub use template::{ChatTemplate, RenderOptions};
+pub use tokenizer::TextTokenizer;

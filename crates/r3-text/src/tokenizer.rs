@@ -1,0 +1,207 @@
+//! [`TextTokenizer`]: an HF `tokenizer.json` with bos / eos / pad and stop ids resolved the way
+//! transformers resolves them from `tokenizer_config.json`, `generation_config.json` and
+//! `config.json`.
+
+use std::path::Path;
+
+use tokenizers::Tokenizer;
+
+use crate::error::{Result, TextError};
+use crate::model_files::{id_list, read_json_opt};
+use crate::special::SpecialTokens;
+
+/// A tokenizer with its special tokens resolved.
+#[derive(Clone)]
+pub struct TextTokenizer {
+    inner: Tokenizer,
+    special: SpecialTokens,
+    bos_id: Option<u32>,
+    eos_ids: Vec<u32>,
+    pad_id: Option<u32>,
+    stop_ids: Vec<u32>,
+}
+
+impl std::fmt::Debug for TextTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TextTokenizer")
+            .field("vocab_size", &self.vocab_size())
+            .field("bos_id", &self.bos_id)
+            .field("eos_ids", &self.eos_ids)
+            .field("pad_id", &self.pad_id)
+            .finish_non_exhaustive()
+    }
+}
+
+fn push_unique(ids: &mut Vec<u32>, more: impl IntoIterator<Item = u32>) {
+    for id in more {
+        if !ids.contains(&id) {
+            ids.push(id);
+        }
+    }
+}
+
+/// The id of a special token named in the config; a token missing from the vocabulary is an error.
+fn special_id(inner: &Tokenizer, field: &'static str, token: Option<&str>) -> Result<Option<u32>> {
+    token
+        .map(|t| {
+            inner
+                .token_to_id(t)
+                .ok_or_else(|| TextError::UnknownSpecialToken {
+                    field,
+                    token: t.to_string(),
+                })
+        })
+        .transpose()
+}
+
+impl TextTokenizer {
+    /// Loads `dir/tokenizer.json` and resolves its special tokens from the directory's
+    /// `tokenizer_config.json`, `generation_config.json` and `config.json` (each optional).
+    pub fn from_model_dir(dir: &Path) -> Result<Self> {
+        let path = dir.join("tokenizer.json");
+        if !path.is_file() {
+            return Err(TextError::MissingTokenizer {
+                dir: dir.to_path_buf(),
+            });
+        }
+        let inner = Tokenizer::from_file(&path)
+            .map_err(|source| TextError::TokenizerFile { path, source })?;
+        let tc_path = dir.join("tokenizer_config.json");
+        let special = match read_json_opt(dir, "tokenizer_config.json")? {
+            Some(cfg) => SpecialTokens::from_config(&cfg, &tc_path)?,
+            None => SpecialTokens::default(),
+        };
+        let mut tok = Self::from_tokenizer(inner, special)?;
+        let gen_path = dir.join("generation_config.json");
+        let gen = read_json_opt(dir, "generation_config.json")?;
+        let cfg_path = dir.join("config.json");
+        let cfg = read_json_opt(dir, "config.json")?;
+        let field = |v: &Option<serde_json::Value>, p: &Path, name: &str| -> Result<Vec<u32>> {
+            id_list(v.as_ref().and_then(|v| v.get(name)), p, name)
+        };
+        // transformers takes the tokenizer's own tokens first and falls back on the model's
+        // configs; generation_config's eos list is what generate() stops on.
+        if tok.bos_id.is_none() {
+            tok.bos_id = field(&gen, &gen_path, "bos_token_id")?
+                .first()
+                .or(field(&cfg, &cfg_path, "bos_token_id")?.first())
+                .copied();
+        }
+        if tok.pad_id.is_none() {
+            tok.pad_id = field(&gen, &gen_path, "pad_token_id")?
+                .first()
+                .or(field(&cfg, &cfg_path, "pad_token_id")?.first())
+                .copied();
+        }
+        let gen_eos = field(&gen, &gen_path, "eos_token_id")?;
+        let cfg_eos = field(&cfg, &cfg_path, "eos_token_id")?;
+        push_unique(&mut tok.eos_ids, gen_eos);
+        push_unique(&mut tok.eos_ids, cfg_eos);
+        let eos = tok.eos_ids.clone();
+        push_unique(&mut tok.stop_ids, eos);
+        Ok(tok)
+    }
+
+    /// Wraps an already built tokenizer whose special tokens are given as text.
+    pub fn from_tokenizer(inner: Tokenizer, special: SpecialTokens) -> Result<Self> {
+        let bos_id = special_id(&inner, "bos_token", special.bos.as_deref())?;
+        let eos_id = special_id(&inner, "eos_token", special.eos.as_deref())?;
+        let pad_id = special_id(&inner, "pad_token", special.pad.as_deref())?;
+        special_id(&inner, "unk_token", special.unk.as_deref())?;
+        let eos_ids: Vec<u32> = eos_id.into_iter().collect();
+        Ok(Self {
+            inner,
+            special,
+            bos_id,
+            stop_ids: eos_ids.clone(),
+            eos_ids,
+            pad_id,
+        })
+    }
+
+    /// Adds ids that end generation besides the eos ids (e.g. `<|im_end|>` of a chat model).
+    pub fn add_stop_ids(&mut self, ids: impl IntoIterator<Item = u32>) {
+        push_unique(&mut self.stop_ids, ids);
+    }
+
+    /// Token ids of `text`; with `add_special_tokens`, bos / eos are added as transformers
+    /// adds them (`add_bos_token` / `add_eos_token` when the config sets either, else the
+    /// tokenizer's own post-processor).
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        let flags = (self.special.add_bos_token, self.special.add_eos_token);
+        let by_flags = add_special_tokens && (flags.0.is_some() || flags.1.is_some());
+        let enc = self
+            .inner
+            .encode(text, add_special_tokens && !by_flags)
+            .map_err(TextError::tk("encoding text"))?;
+        if !by_flags {
+            return Ok(enc.get_ids().to_vec());
+        }
+        let mut ids = Vec::with_capacity(enc.len() + 2);
+        if let (Some(true), Some(bos)) = (flags.0, self.bos_id) {
+            ids.push(bos);
+        }
+        ids.extend_from_slice(enc.get_ids());
+        if let (Some(true), Some(&eos)) = (flags.1, self.eos_ids.first()) {
+            ids.push(eos);
+        }
+        Ok(ids)
+    }
+
+    /// Text of `ids`, special tokens skipped or kept; an id outside the vocabulary is an error.
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        let size = self.vocab_size();
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= size) {
+            return Err(TextError::UnknownTokenId { id, size });
+        }
+        self.inner
+            .decode(ids, skip_special_tokens)
+            .map_err(TextError::tk("decoding ids"))
+    }
+
+    /// Id of the bos token, if the model has one.
+    pub fn bos_id(&self) -> Option<u32> {
+        self.bos_id
+    }
+
+    /// Eos ids: the tokenizer's eos token first, then those of `generation_config.json` and
+    /// `config.json`.
+    pub fn eos_ids(&self) -> &[u32] {
+        &self.eos_ids
+    }
+
+    /// Id of the padding token, if the model has one.
+    pub fn pad_id(&self) -> Option<u32> {
+        self.pad_id
+    }
+
+    /// Ids that end generation: the eos ids and any added with [`Self::add_stop_ids`].
+    pub fn stop_token_ids(&self) -> &[u32] {
+        &self.stop_ids
+    }
+
+    /// The vocabulary string of one id (`None` outside the vocabulary).
+    pub fn token_str(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    /// The id of one vocabulary string.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// Number of tokens, added tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// The special tokens as the config declares them.
+    pub fn special_tokens(&self) -> &SpecialTokens {
+        &self.special
+    }
+
+    /// The wrapped `tokenizers` tokenizer.
+    pub fn inner(&self) -> &Tokenizer {
+        &self.inner
+    }
+}
