@@ -100,10 +100,12 @@ pub fn check_limits(cfg: &TrainConfig) -> Result<()> {
             return Err(invalid(field, "must be >= 1".into()));
         }
     }
-    if cfg.eval.every > 0 && cfg.eval.size == 0 {
+    // With a dataset, eval.size 0 means "every validation row"; only the built-in task
+    // needs a held-out size to evaluate at all.
+    if cfg.eval.every > 0 && cfg.eval.size == 0 && cfg.data.train_files.is_empty() {
         return Err(invalid(
             "eval.size",
-            "must be >= 1 when eval.every > 0".into(),
+            "must be >= 1 when eval.every > 0 with the built-in task".into(),
         ));
     }
     Ok(())
