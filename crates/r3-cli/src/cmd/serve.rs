@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
+use r3_model::LoadOptions;
 use r3_rollout::server::{
     build_app, serve_with_limits, ConnectionLimits, SecurityConfig, ServerConfig, ServerLimits,
     TextCodec,
@@ -88,6 +89,10 @@ pub struct ServeArgs {
     /// open-file limit.
     #[arg(long, default_value_t = 512)]
     pub max_connections: usize,
+    /// Load the initial weights even when they hold NaN or inf (for inspecting a broken
+    /// checkpoint); weight updates from disk are always checked.
+    #[arg(long)]
+    pub allow_non_finite_weights: bool,
 }
 
 /// The default weights root: the model directory's parent (where a trainer's sync
@@ -110,7 +115,10 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         max_running: a.max_running,
         ..EngineConfig::default()
     };
-    let engine = Engine::from_dir(&a.model, cfg)
+    let load = LoadOptions {
+        allow_non_finite: a.allow_non_finite_weights,
+    };
+    let engine = Engine::from_dir_with(&a.model, cfg, &load)
         .with_context(|| format!("loading model from {}", a.model.display()))?;
     let text = TextCodec::from_model_dir(&a.model).map_err(anyhow::Error::msg)?;
     let config = ServerConfig {
