@@ -88,9 +88,10 @@ fn check_entry(path: &Path, name: &str, entry: &serde_json::Value, data_len: u64
     Ok(())
 }
 
-/// Checks the header of the safetensors file at `path` against the file's size, before the
-/// tensor data is read.
-pub(super) fn check_safetensors_file(path: &Path) -> Result<()> {
+/// Opens `path` only when it is a regular file (after symlinks) and returns it with its
+/// length. The type is checked before opening because opening a FIFO for reading blocks until
+/// a writer appears, which would hang a loader (e.g. the server's weight updates).
+pub(super) fn open_regular(path: &Path) -> Result<(std::fs::File, u64)> {
     let io = |source| ModelError::Io {
         path: path.to_path_buf(),
         source,
@@ -99,8 +100,18 @@ pub(super) fn check_safetensors_file(path: &Path) -> Result<()> {
     if !meta.is_file() {
         return Err(bad(path, "not a regular file"));
     }
-    let file_len = meta.len();
-    let mut file = std::fs::File::open(path).map_err(io)?;
+    let file = std::fs::File::open(path).map_err(io)?;
+    Ok((file, meta.len()))
+}
+
+/// Checks the header of the safetensors file at `path` against the file's size, before the
+/// tensor data is read.
+pub(super) fn check_safetensors_file(path: &Path) -> Result<()> {
+    let io = |source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let (mut file, file_len) = open_regular(path)?;
     let mut len_bytes = [0u8; 8];
     file.read_exact(&mut len_bytes).map_err(|_| {
         bad(

@@ -10,6 +10,8 @@ use crate::error::{ModelError, Result};
 
 const SINGLE_FILE: &str = "model.safetensors";
 const INDEX_FILE: &str = "model.safetensors.index.json";
+/// Largest `model.safetensors.index.json` read (real ones are well under 1 MB).
+const MAX_INDEX_BYTES: u64 = 64 << 20;
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ModelError + '_ {
     move |source| ModelError::Io {
@@ -27,7 +29,16 @@ fn checkpoint_err(path: &Path, msg: impl ToString) -> ModelError {
 
 /// The shard files named by an index.json's `weight_map`, deduplicated in order.
 fn shard_files(index_path: &Path) -> Result<Vec<String>> {
-    let text = std::fs::read_to_string(index_path).map_err(io_err(index_path))?;
+    let (file, len) = super::header::open_regular(index_path)?;
+    if len > MAX_INDEX_BYTES {
+        return Err(checkpoint_err(
+            index_path,
+            format!("{len} bytes, more than an index may hold ({MAX_INDEX_BYTES})"),
+        ));
+    }
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut std::io::Read::take(file, MAX_INDEX_BYTES), &mut text)
+        .map_err(io_err(index_path))?;
     let value: serde_json::Value =
         serde_json::from_str(&text).map_err(|source| ModelError::Json {
             path: index_path.to_path_buf(),
