@@ -6,12 +6,12 @@
 use r3_model::ReplayRoutes;
 use r3_rollout::{Engine, FinishReason, GenerateRequest, GenerateResult, SamplingParams};
 use r3_routing::{LayerLayout, RouteTable};
-use r3_tasks::{judge, CharTokenizer, Problem, Reward, RewardInput, Verdict, EOS_ID};
+use r3_tasks::{CharTokenizer, Problem, Reward, RewardInput, RewardSpec, EOS_ID};
 
 use crate::error::{Result, TrainError};
 use crate::fleet_sync::FleetRollout;
 use crate::policy::ResponseBatch;
-use crate::prompt_source::PromptItem;
+use crate::prompt_source::{arith_item, PromptItem};
 
 /// One sampled response with everything the trainer needs from the rollout.
 #[derive(Debug, Clone)]
@@ -307,8 +307,9 @@ pub fn evaluate_prompts(
     })
 }
 
-/// Answers every problem once with the engine (greedy when `temperature == 0`) and
-/// reports exact-match accuracy. Routes are not captured.
+/// Answers every problem of the built-in task once with the engine (greedy when
+/// `temperature == 0`) and reports exact-match accuracy: [`evaluate_prompts`] with the
+/// `arith` reward. Routes are not captured.
 pub fn evaluate(
     engine: &mut Engine,
     tokenizer: &CharTokenizer,
@@ -317,39 +318,18 @@ pub fn evaluate(
     temperature: f32,
     seed: u64,
 ) -> Result<EvalResult> {
-    if problems.is_empty() {
-        return Err(TrainError::EmptyEvalSet);
-    }
-    let stop = stop_ids(engine);
-    let requests = problems
+    let items = problems
         .iter()
-        .enumerate()
-        .map(|(i, p)| {
-            let sampling = SamplingParams {
-                temperature,
-                max_new_tokens,
-                stop_token_ids: stop.clone(),
-                seed: mix_seed(&[seed, i as u64]),
-                ..SamplingParams::default()
-            };
-            let mut req = GenerateRequest::new(tokenizer.encode_prompt(&p.prompt)?, sampling);
-            req.return_routes = false;
-            Ok(req)
-        })
+        .map(|p| arith_item(tokenizer, p))
         .collect::<Result<Vec<_>>>()?;
-    let results = engine.generate(requests)?;
-    let mut correct = 0usize;
-    let mut tokens = 0usize;
-    for (r, p) in results.iter().zip(problems) {
-        tokens += r.output_ids.len();
-        let completion = tokenizer.decode_completion(&r.output_ids)?;
-        if judge(&completion, p.answer) == Verdict::Correct {
-            correct += 1;
-        }
-    }
-    Ok(EvalResult {
-        accuracy: correct as f64 / problems.len() as f64,
-        n: problems.len(),
-        response_len_mean: tokens as f64 / problems.len() as f64,
-    })
+    let reward = Reward::from_spec(&RewardSpec::default(), 0.0);
+    evaluate_prompts(
+        engine,
+        tokenizer,
+        &items,
+        &reward,
+        max_new_tokens,
+        temperature,
+        seed,
+    )
 }
