@@ -198,9 +198,14 @@ pub fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
-/// A fresh scratch directory for one test (removed by the caller when done).
+/// A fresh scratch directory for one call (removed by the caller when done).
+///
+/// Tests run in parallel threads and several call this with the same tag, so each call gets
+/// its own directory: a shared one was deleted by one test while another was writing to it.
 pub fn scratch_dir(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("r3-server-{tag}-{}", std::process::id()));
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("r3-server-{tag}-{}-{n}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("create scratch dir");
     dir
