@@ -1,13 +1,24 @@
-//! The engine's compute precision: which float type weights are stored in and activations
-//! are rounded to around every matmul.
+//! The engine's compute precision: which float type weights are stored in, which activations
+//! are rounded to it and where, and the router's precision.
 
 use std::fmt;
 use std::str::FromStr;
 
+use half::bf16;
+use half::slice::HalfFloatSliceExt;
+
 use crate::error::RolloutError;
 
-/// Precision of the rollout engine's matmuls (weights and their inputs/outputs).
-/// Norms, softmax, residual stream, attention scores and sampling stay in f32 in both modes.
+/// Precision of the rollout engine.
+///
+/// * `F32`: full precision everywhere (reproduces the HF oracle).
+/// * `F16`: f16 weights; matmul inputs and outputs rounded to f16 (f32 accumulation); norms,
+///   residual stream, attention and sampling in f32 between matmuls.
+/// * `Bf16`: bf16 weights (norm scales included) and every activation rounded to bf16 at the
+///   op boundaries where SGLang / vLLM keep tensors in bf16: embeddings, norm outputs,
+///   projection outputs (bias added before rounding), rotated q/k (the KV cache), attention
+///   output, SwiGLU output, expert and MoE block outputs, and the residual stream after every
+///   addition. Inside an op the math is f32 (matmul accumulation, norm statistics, softmax).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Dtype {
     /// Half precision weights and matmul inputs/outputs (accumulation in f32): the fast mode.
@@ -15,6 +26,30 @@ pub enum Dtype {
     F16,
     /// Full precision everywhere: reproduces the HF oracle.
     F32,
+    /// bf16 weights and activations at the boundaries SGLang / vLLM use (see the type docs).
+    Bf16,
+}
+
+impl Dtype {
+    /// Rounds activations to this dtype where the engine keeps them in it between ops: bf16
+    /// only (f16 mode rounds around matmuls alone, f32 never).
+    #[inline]
+    pub fn round_activations(self, v: &mut [f32]) {
+        if self == Dtype::Bf16 {
+            round_to_bf16(v);
+        }
+    }
+}
+
+/// Rounds every value to the nearest bf16 (ties to even), in place.
+pub fn round_to_bf16(v: &mut [f32]) {
+    // Through a small stack buffer: this runs at every op boundary, so no heap temporary.
+    let mut h = [bf16::ZERO; 256];
+    for chunk in v.chunks_mut(256) {
+        let h = &mut h[..chunk.len()];
+        h.convert_from_f32_slice(chunk);
+        h.convert_to_f32_slice(chunk);
+    }
 }
 
 impl FromStr for Dtype {
@@ -23,8 +58,9 @@ impl FromStr for Dtype {
         match s {
             "f16" | "float16" => Ok(Dtype::F16),
             "f32" | "float32" => Ok(Dtype::F32),
+            "bf16" | "bfloat16" => Ok(Dtype::Bf16),
             other => Err(RolloutError::InvalidConfig(format!(
-                "unknown dtype {other:?}: expected f16 or f32"
+                "unknown dtype {other:?}: expected f16, bf16 or f32"
             ))),
         }
     }
@@ -35,6 +71,72 @@ impl fmt::Display for Dtype {
         f.write_str(match self {
             Dtype::F16 => "f16",
             Dtype::F32 => "f32",
+            Dtype::Bf16 => "bf16",
         })
+    }
+}
+
+/// Precision of the MoE router (gate) matmul.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RouterDtype {
+    /// The gate runs in the engine dtype like every other projection, its logits rounded to
+    /// it (vLLM / SGLang's default gate).
+    #[default]
+    Model,
+    /// An fp32 router: f32 gate weights, the (already rounded) hidden state widened to f32,
+    /// f32 logits (Megatron's `moe_router_dtype = fp32`, SGLang's fp32 gate option).
+    F32,
+}
+
+impl FromStr for RouterDtype {
+    type Err = RolloutError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "model" | "bf16" | "f16" => Ok(RouterDtype::Model),
+            "f32" | "fp32" | "float32" => Ok(RouterDtype::F32),
+            other => Err(RolloutError::InvalidConfig(format!(
+                "unknown router dtype {other:?}: expected bf16 (the model dtype) or f32"
+            ))),
+        }
+    }
+}
+
+impl fmt::Display for RouterDtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            RouterDtype::Model => "model",
+            RouterDtype::F32 => "f32",
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_rounding_keeps_eight_significant_bits_ties_to_even() {
+        // 1 + 2^-8 lies halfway between 1 and 1 + 2^-7: ties go to the even mantissa (1).
+        // 1 + 3·2^-8 lies halfway between 1 + 2^-7 and 1 + 2^-6: ties go to 1 + 2^-6.
+        let mut v = [1.0 + 2f32.powi(-8), 1.0 + 3.0 * 2f32.powi(-8), 3.0, -0.1];
+        round_to_bf16(&mut v);
+        assert_eq!(v[0], 1.0);
+        assert_eq!(v[1], 1.0 + 2f32.powi(-6));
+        assert_eq!(v[2], 3.0);
+        // -0.1 = -0x3DCCCCCD: the upper 16 bits 0xBDCD after rounding up the 0xCCCD tail.
+        assert_eq!(v[3].to_bits(), 0xBDCD_0000);
+    }
+
+    #[test]
+    fn only_bf16_rounds_activations() {
+        let x = 1.0 + 2f32.powi(-10);
+        for (d, want) in [(Dtype::F32, x), (Dtype::F16, x), (Dtype::Bf16, 1.0)] {
+            let mut v = [x];
+            d.round_activations(&mut v);
+            assert_eq!(v[0], want, "{d}");
+        }
+        assert_eq!("bf16".parse::<Dtype>().ok(), Some(Dtype::Bf16));
+        assert_eq!("f32".parse::<RouterDtype>().ok(), Some(RouterDtype::F32));
+        assert!("f8".parse::<Dtype>().is_err());
     }
 }

@@ -2,7 +2,7 @@
 //! records the routed experts of every position, a prefix cache that keeps routes beside KV,
 //! partial rollouts and in-process weight sync.
 //!
-//! The engine has its own inference path (f16 or f32 matmuls, fused row kernels, paged
+//! The engine has its own inference path (f16, bf16 or f32 matmuls, fused row kernels, paged
 //! attention); it shares only the config, the weight format and the router math with the
 //! training forward of `r3-model`.
 //!
@@ -24,7 +24,7 @@ pub mod sampler;
 #[cfg(feature = "server")]
 pub mod server;
 
-pub use dtype::Dtype;
+pub use dtype::{Dtype, RouterDtype};
 pub use engine::{CachedBlock, Engine, EngineConfig};
 pub use error::RolloutError;
 pub use kv_pool::{KvBlock, KvBlockId, KvBlockRef, KvLayout, KvPool};

@@ -9,6 +9,7 @@ use crate::agg::LossAgg;
 use crate::error::{Result, TrainError};
 use crate::loss::{ClipRange, PolicyLossKind};
 use crate::overrides::{apply_overrides, merge_known};
+use crate::precision::TrainPrecisionConfig;
 use crate::rollout_is::{IsConfig, IsLevel, IsMode};
 use crate::schedule::{LrDecay, LrSchedule};
 use r3_tasks::{RewardKind, RewardSpec};
@@ -105,6 +106,8 @@ pub struct TrainConfig {
     pub data: DataConfig,
     /// The reward of a response (default: the arithmetic task's `arith` rule).
     pub reward: RewardSpec,
+    /// Training-engine precision (`[train] dtype`, `router_dtype`).
+    pub train: TrainPrecisionConfig,
 }
 
 /// The arithmetic task.
@@ -130,8 +133,12 @@ pub struct RolloutConfig {
     pub max_new_tokens: usize,
     /// Sampling temperature (> 0). Default 1.0.
     pub temperature: f64,
-    /// Rollout engine precision: `f16` (fast inference path) or `f32`. Default `f16`.
+    /// Rollout engine precision: `f16` (fast inference path), `bf16` (weights and activations
+    /// in bf16 where SGLang / vLLM keep them) or `f32`. Default `f16`.
     pub dtype: String,
+    /// Rollout router precision: `bf16` / `model` (the gate in the engine dtype, as vLLM and
+    /// SGLang run it) or `f32` (an fp32 router). Default `model`.
+    pub router_dtype: String,
     /// Where rollouts come from: `engine` (the in-process engine) or `sglang` (SGLang
     /// `/generate` on the workers of `urls`: `r3 serve` processes, SGLang servers or one
     /// router). Default `engine`.
@@ -270,6 +277,7 @@ impl Default for TrainConfig {
             checkpoint: CheckpointConfig::default(),
             data: DataConfig::default(),
             reward: RewardSpec::default(),
+            train: TrainPrecisionConfig::default(),
         }
     }
 }
@@ -291,6 +299,7 @@ impl Default for RolloutConfig {
             max_new_tokens: 64,
             temperature: 1.0,
             dtype: "f16".into(),
+            router_dtype: "model".into(),
             backend: RolloutBackend::Engine,
             urls: Vec::new(),
             max_in_flight: 64,
@@ -430,6 +439,7 @@ impl TrainConfig {
         let bad =
             |field: &'static str, reason: String| Err(TrainError::InvalidConfig { field, reason });
         let (r, a, o) = (&self.rollout, &self.algo, &self.optim);
+        self.train.precision()?;
         if self.task.difficulty == 0 {
             return bad("task.difficulty", "levels start at 1".into());
         }
@@ -442,10 +452,19 @@ impl TrainConfig {
         if r.max_new_tokens == 0 {
             return bad("rollout.max_new_tokens", "must be >= 1".into());
         }
-        if r.dtype != "f16" && r.dtype != "f32" {
+        if !matches!(r.dtype.as_str(), "f16" | "bf16" | "f32") {
             return bad(
                 "rollout.dtype",
-                format!("`{}` must be `f16` or `f32`", r.dtype),
+                format!("`{}` must be `f16`, `bf16` or `f32`", r.dtype),
+            );
+        }
+        if !matches!(r.router_dtype.as_str(), "model" | "bf16" | "f16" | "f32") {
+            return bad(
+                "rollout.router_dtype",
+                format!(
+                    "`{}` must be `bf16` (the model dtype) or `f32`",
+                    r.router_dtype
+                ),
             );
         }
         if r.temperature.is_nan() || r.temperature <= 0.0 {

@@ -7,7 +7,7 @@
 use std::path::Path;
 use std::time::Instant;
 
-use r3_rollout::{Dtype, Engine, EngineConfig};
+use r3_rollout::{Dtype, Engine, EngineConfig, RouterDtype};
 use r3_tasks::{CharTokenizer, Reward};
 
 use crate::checkpoint::{load_optimizer, save_checkpoint, state_at, TrainerState};
@@ -42,7 +42,16 @@ pub struct Trainer {
     pub fleet: Option<FleetRollout>,
 }
 
-/// Parses the rollout precision (`f16` or `f32`).
+/// Parses the rollout router precision (`bf16` / `model` or `f32`).
+pub fn rollout_router_dtype(text: &str) -> Result<RouterDtype> {
+    text.parse::<RouterDtype>()
+        .map_err(|source| TrainError::RolloutDtype {
+            text: text.to_string(),
+            source: Box::new(source),
+        })
+}
+
+/// Parses the rollout precision (`f16`, `bf16` or `f32`).
 pub fn rollout_dtype(text: &str) -> Result<Dtype> {
     text.parse::<Dtype>()
         .map_err(|source| TrainError::RolloutDtype {
@@ -81,6 +90,8 @@ impl Trainer {
         tokenizer: CharTokenizer,
         resume: Option<(&Path, TrainerState)>,
     ) -> Result<Self> {
+        let mut policy = policy;
+        policy.set_precision(cfg.train.precision()?);
         if tokenizer.vocab_size() > policy.config().vocab_size {
             return Err(TrainError::VocabularyTooSmall {
                 tokenizer: tokenizer.vocab_size(),
@@ -96,6 +107,7 @@ impl Trainer {
         let mut optimizer = AdamW::new(policy.vars().to_vec(), params, decay_matrices_only)?;
         let engine_cfg = EngineConfig {
             dtype: rollout_dtype(&cfg.rollout.dtype)?,
+            router_dtype: rollout_router_dtype(&cfg.rollout.router_dtype)?,
             ..EngineConfig::default()
         };
         let engine = Engine::new(policy.config().clone(), &policy.tensor_map()?, engine_cfg)?;

@@ -33,7 +33,8 @@ pub struct BenchRolloutArgs {
     /// Generated tokens per request.
     #[arg(long, default_value_t = 64)]
     pub new_tokens: usize,
-    /// Matmul precision.
+    /// Compute precision (f16, bf16 or f32); any other than f16 is also timed against f16
+    /// in the same run (capture on).
     #[arg(long, default_value = "f16")]
     pub dtype: String,
     /// Also run every batch size with route capture off.
@@ -238,10 +239,17 @@ pub fn run(a: BenchRolloutArgs) -> anyhow::Result<()> {
         engine(&s, dtype, false)?.generate(requests(&a, vocab, 1, true)[..1].to_vec())?;
         for &b in &a.batches {
             let (mut on, mut off) = (None::<Throughput>, None::<Throughput>);
+            let mut f16 = None::<Throughput>;
             for _ in 0..a.repeats.max(1) {
                 let mut e = engine(&s, dtype, false)?;
                 let t = throughput(&mut e, requests(&a, vocab, b, true))?;
                 on = Some(on.map_or(t, |o| o.best_of(t)));
+                if dtype != Dtype::F16 {
+                    // Interleaved with the runs above, so both see the same machine load.
+                    let mut e = engine(&s, Dtype::F16, false)?;
+                    let t = throughput(&mut e, requests(&a, vocab, b, true))?;
+                    f16 = Some(f16.map_or(t, |o| o.best_of(t)));
+                }
                 if a.capture_off {
                     let mut e = engine(&s, dtype, false)?;
                     let t = throughput(&mut e, requests(&a, vocab, b, false))?;
@@ -270,6 +278,13 @@ pub fn run(a: BenchRolloutArgs) -> anyhow::Result<()> {
             }
             if let Some((_, hf)) = hf {
                 line += &format!(" | vs HF {hf:.0}: {:.2}x", on.tok_s / hf);
+            }
+            if let Some(f16) = f16 {
+                line += &format!(
+                    " | f16 {:>9.1} tok/s: {dtype} at {:.2}x f16",
+                    f16.tok_s,
+                    on.tok_s / f16.tok_s
+                );
             }
             println!("{line}");
             let work = generation_flops(&s.cfg, b, a.prompt_len, a.new_tokens);
@@ -305,6 +320,7 @@ pub fn run(a: BenchRolloutArgs) -> anyhow::Result<()> {
                 "capture_on_cpu_ms_per_tok": on.cpu_ms_per_tok,
                 "capture_work_share": on.capture_share,
                 "capture_off_cpu_ms_per_tok": off.and_then(|o| o.cpu_ms_per_tok),
+                "dtype": dtype.to_string(), "f16_capture_on_tok_s": f16.map(|t| t.tok_s),
             }));
         }
         if a.multi_turn_conversations > 0 {

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 use r3_model::LoadOptions;
-use r3_rollout::{Dtype, Engine, EngineConfig, GenerateRequest, SamplingParams};
+use r3_rollout::{Dtype, Engine, EngineConfig, GenerateRequest, RouterDtype, SamplingParams};
 use r3_text::{ChatMessage, ChatTemplate, RenderOptions, TextTokenizer};
 
 /// Arguments of `r3 generate`.
@@ -51,9 +51,13 @@ pub struct GenerateArgs {
     /// RNG seed of the request.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Matmul precision: f16 (fast) or f32 (reproduces HF).
+    /// Compute precision: f16 (fast), bf16 (weights and activations at the boundaries a bf16
+    /// SGLang / vLLM engine keeps in bf16) or f32 (reproduces HF).
     #[arg(long, default_value = "f16")]
     pub dtype: String,
+    /// MoE router precision: the model dtype (`bf16`, also accepted as `model`) or `f32`.
+    #[arg(long, default_value = "model")]
+    pub router_dtype: String,
     /// First position whose routes are returned.
     #[arg(long, default_value_t = 0)]
     pub routes_start_len: usize,
@@ -66,8 +70,10 @@ pub struct GenerateArgs {
 /// Runs `r3 generate`.
 pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
     let dtype: Dtype = a.dtype.parse()?;
+    let router_dtype: RouterDtype = a.router_dtype.parse()?;
     let cfg = EngineConfig {
         dtype,
+        router_dtype,
         prefix_cache: false,
         ..EngineConfig::default()
     };

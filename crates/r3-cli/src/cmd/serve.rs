@@ -12,7 +12,7 @@ use r3_rollout::server::{
     build_app, serve_with_limits, ConnectionLimits, SecurityConfig, ServerConfig, ServerLimits,
     TextCodec,
 };
-use r3_rollout::{Dtype, Engine, EngineConfig};
+use r3_rollout::{Dtype, Engine, EngineConfig, RouterDtype};
 
 /// Arguments of `r3 serve`.
 #[derive(Debug, Args)]
@@ -26,9 +26,13 @@ pub struct ServeArgs {
     /// Port to listen on (0 picks a free one; the chosen address is logged).
     #[arg(long, default_value_t = 30000)]
     pub port: u16,
-    /// Matmul precision: f16 (fast) or f32 (reproduces HF).
+    /// Compute precision: f16 (fast), bf16 (weights and activations at the boundaries a bf16
+    /// SGLang / vLLM engine keeps in bf16) or f32 (reproduces HF).
     #[arg(long, default_value = "f16")]
     pub dtype: String,
+    /// MoE router precision: the model dtype (`bf16`, also accepted as `model`) or `f32`.
+    #[arg(long, default_value = "model")]
+    pub router_dtype: String,
     /// KV cache budget in MiB.
     #[arg(long, default_value_t = 2048)]
     pub kv_cache_mib: usize,
@@ -107,8 +111,10 @@ fn default_weights_root(model: &Path) -> anyhow::Result<PathBuf> {
 /// Runs `r3 serve`.
 pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     let dtype: Dtype = a.dtype.parse()?;
+    let router_dtype: RouterDtype = a.router_dtype.parse()?;
     let cfg = EngineConfig {
         dtype,
+        router_dtype,
         kv_cache_bytes: a.kv_cache_mib << 20,
         prefix_cache: a.prefix_cache_mib > 0,
         prefix_cache_bytes: a.prefix_cache_mib << 20,

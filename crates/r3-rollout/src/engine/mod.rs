@@ -15,7 +15,7 @@ use r3_routing::{ExpertPlacement, MergePolicy};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-use crate::dtype::Dtype;
+use crate::dtype::{Dtype, RouterDtype};
 use crate::error::RolloutError;
 use crate::kv_pool::KvPool;
 use crate::model::tensors::{load_dir, load_dir_with, TensorMap};
@@ -29,8 +29,10 @@ use sequence::{ResumeState, RouteGeometry, Sequence};
 /// Engine settings.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
-    /// Matmul precision.
+    /// Compute precision (weights, matmuls and, in bf16, activations).
     pub dtype: Dtype,
+    /// Precision of the MoE router: the model dtype or f32.
+    pub router_dtype: RouterDtype,
     /// Token positions per KV block (and per prefix-cache block).
     pub block_size: usize,
     /// Memory budget of the KV pool in bytes.
@@ -49,6 +51,7 @@ impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
             dtype: Dtype::F16,
+            router_dtype: RouterDtype::Model,
             block_size: 16,
             kv_cache_bytes: 2 << 30,
             prefix_cache: true,
@@ -106,7 +109,7 @@ impl Engine {
             ));
         }
         let eos = eos_ids(&model_cfg.raw);
-        let model = InferenceModel::new(model_cfg, tensors, cfg.dtype)?;
+        let model = InferenceModel::with_router(model_cfg, tensors, cfg.dtype, cfg.router_dtype)?;
         let layout = model.kv_layout(cfg.block_size);
         let block_bytes = layout.block_floats() * 4;
         let max_blocks = (cfg.kv_cache_bytes / block_bytes.max(1)).max(1);
@@ -127,6 +130,7 @@ impl Engine {
         };
         tracing::info!(
             dtype = %cfg.dtype,
+            router_dtype = %cfg.router_dtype,
             weight_mb = model.weight_bytes() >> 20,
             kv_blocks = max_blocks,
             "rollout engine ready"

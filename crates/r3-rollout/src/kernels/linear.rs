@@ -5,14 +5,16 @@
 //! larger batches use the `gemm` crate. f16 weights are packed in column panels
 //! (`PackedF16`): up to `PANEL_M` input rows run the register-tiled panel kernel, more rows
 //! widen groups of panels to f32 and use `gemm`. In f16 mode the matmul inputs and outputs
-//! are rounded to f16 and accumulation is f32, which is what an f16 GPU kernel does.
+//! are rounded to f16 and accumulation is f32, which is what an f16 GPU kernel does. bf16
+//! weights use the same panels (widened by a shift); inputs and outputs are rounded to bf16,
+//! the bias added in f32 before the output rounding (a bf16 GEMM's epilogue).
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
-use super::packed_f16::{PackedF16, PanelKernel, PANEL};
-use crate::dtype::Dtype;
+use super::packed_f16::{HalfKind, PackedF16, PanelKernel, PANEL};
+use crate::dtype::{round_to_bf16, Dtype};
 use crate::error::RolloutError;
 
 /// Number of input rows up to which the row-streaming kernel beats `gemm` (f32 weights).
@@ -72,6 +74,10 @@ impl Linear {
                 PackedF16::pack(&weight, out_features, in_features),
                 PanelKernel::detect(),
             ),
+            Dtype::Bf16 => WeightData::F16(
+                PackedF16::pack_as(HalfKind::Bf16, &weight, out_features, in_features),
+                PanelKernel::detect(),
+            ),
         };
         Ok(Linear {
             weight,
@@ -89,6 +95,17 @@ impl Linear {
     /// Input width.
     pub fn in_features(&self) -> usize {
         self.in_features
+    }
+
+    /// The dtype the weight is stored in.
+    pub fn dtype(&self) -> Dtype {
+        match &self.weight {
+            WeightData::F32(_) => Dtype::F32,
+            WeightData::F16(w, _) => match w.kind() {
+                HalfKind::F16 => Dtype::F16,
+                HalfKind::Bf16 => Dtype::Bf16,
+            },
+        }
     }
 
     /// Bytes held by the weight and bias.
@@ -119,19 +136,34 @@ impl Linear {
                 }
             }
             WeightData::F16(w, kernel) => {
-                // Matmul inputs are f16 values: round once, up front.
+                // Matmul inputs are half values: round once, up front.
                 let mut xr = x.to_vec();
-                round_to_f16(&mut xr);
+                let bf16 = w.kind() == HalfKind::Bf16;
+                if bf16 {
+                    round_to_bf16(&mut xr);
+                } else {
+                    round_to_f16(&mut xr);
+                }
                 if m <= PANEL_M {
                     panels_f16(&xr, m, w, *kernel, n, out, parallel);
                 } else {
                     blocked_f16(&xr, m, k, w, n, out, parallel);
                 }
+                if bf16 {
+                    // The bias belongs to the epilogue, before the output is stored in bf16.
+                    self.add_bias(out);
+                    round_to_bf16(out);
+                    return;
+                }
                 round_to_f16(out);
             }
         }
+        self.add_bias(out);
+    }
+
+    fn add_bias(&self, out: &mut [f32]) {
         if let Some(b) = &self.bias {
-            for row in out.chunks_exact_mut(n) {
+            for row in out.chunks_exact_mut(self.out_features) {
                 for (o, bv) in row.iter_mut().zip(b) {
                     *o += bv;
                 }
@@ -472,15 +504,15 @@ mod tests {
             for (i, v) in want.iter_mut().enumerate() {
                 *v += b[i % n];
             }
-            for dtype in [Dtype::F32, Dtype::F16] {
+            for dtype in [Dtype::F32, Dtype::F16, Dtype::Bf16] {
                 let lin = Linear::new("t", w.clone(), n, k, Some(b.clone()), dtype).unwrap();
                 for par in [false, true] {
                     let mut out = vec![0f32; m * n];
                     lin.forward(&x, m, &mut out, par);
-                    let tol = if dtype == Dtype::F32 {
-                        1e-4
-                    } else {
-                        0.05 * (k as f32).sqrt()
+                    let tol = match dtype {
+                        Dtype::F32 => 1e-4,
+                        Dtype::F16 => 0.05 * (k as f32).sqrt(),
+                        Dtype::Bf16 => 0.2 * (k as f32).sqrt(),
                     };
                     for (a, b) in out.iter().zip(&want) {
                         assert!(
@@ -491,6 +523,40 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A hand-computed bf16 projection: inputs, weights, bias epilogue and output rounding.
+    #[test]
+    fn bf16_linear_rounds_inputs_weights_and_output_by_hand() {
+        // x = [1 + 2^-9, 3]: bf16 keeps 8 significant bits, so x becomes [1, 3].
+        // w = [[1 + 2^-9, 1], [0.5, -1 - 2^-7]]: bf16 rows [1, 1] and [0.5, -1 - 2^-7].
+        // bias [2^-8, 0].
+        // Row 0: 1·1 + 3·1 + 2^-8 = 4 + 2^-8; bf16 step at 4 is 2^-5, so the output is 4.
+        // Without the bias before rounding it would also be 4; the bias alone in f32 would
+        // leave 4 + 2^-8: the epilogue order is visible in the result.
+        // Row 1: 0.5 − 3·(1 + 2^-7) = −2.5234375 = −1.01000011b·2: nine significant bits,
+        // halfway between the bf16 values −1.0100001b·2 and −1.0100010b·2; ties go to the
+        // even mantissa, −1.0100010b·2 = −2.53125.
+        let x = [1.0 + 2f32.powi(-9), 3.0];
+        let w = vec![1.0 + 2f32.powi(-9), 1.0, 0.5, -1.0 - 2f32.powi(-7)];
+        let b = vec![2f32.powi(-8), 0.0];
+        let lin = Linear::new("hand", w, 2, 2, Some(b), Dtype::Bf16).unwrap();
+        let mut out = [0f32; 2];
+        lin.forward(&x, 1, &mut out, false);
+        assert_eq!(out, [4.0, -2.53125]);
+        assert_eq!(lin.dtype(), Dtype::Bf16);
+        // f16 keeps the bias after the rounded product: 4 + 2^-8 survives.
+        let w16 = vec![1.0, 1.0, 0.5, -1.0];
+        let lin16 = Linear::new(
+            "hand",
+            w16,
+            2,
+            2,
+            Some(vec![2f32.powi(-8), 0.0]),
+            Dtype::F16,
+        );
+        lin16.unwrap().forward(&[1.0, 3.0], 1, &mut out, false);
+        assert_eq!(out[0], 4.0 + 2f32.powi(-8));
     }
 
     #[test]

@@ -1,14 +1,43 @@
-//! f16 weights packed in column panels for the decode matmul `y = x · Wᵀ`.
+//! Half-precision (f16 or bf16) weights packed in column panels for the decode matmul
+//! `y = x · Wᵀ`.
 //!
 //! A panel holds `PANEL` consecutive output columns (weight rows) stored k-major, so step `c`
-//! of the reduction reads one contiguous line of `PANEL` f16 values. The kernel keeps an
+//! of the reduction reads one contiguous line of `PANEL` 16-bit values. The kernel keeps an
 //! `[rows × PANEL]` block of outputs in registers, widens each line to f32 in registers and
 //! does one broadcast-FMA per input row: no horizontal sums, no f32 copy of the weights, and
-//! the output lands row-major. With AVX-512 this runs on `vcvtph2ps` + `vfmadd231ps`; other
+//! the output lands row-major. With AVX-512 f16 widens with `vcvtph2ps` and bf16 with a zero
+//! extension and a 16-bit shift (bf16 is the upper half of an f32), then `vfmadd231ps`; other
 //! CPUs widen a panel to an f32 scratch and use portable loops.
 
-use half::f16;
-use half::slice::HalfFloatSliceExt;
+use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
+use half::{bf16, f16};
+
+/// Which 16-bit float format a packed weight holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HalfKind {
+    /// IEEE half precision (5 exponent bits, 10 mantissa bits).
+    F16,
+    /// bfloat16 (8 exponent bits, 7 mantissa bits).
+    Bf16,
+}
+
+impl HalfKind {
+    /// The bits of `v` rounded to this format (nearest, ties to even).
+    fn bits(self, v: f32) -> u16 {
+        match self {
+            HalfKind::F16 => f16::from_f32(v).to_bits(),
+            HalfKind::Bf16 => bf16::from_f32(v).to_bits(),
+        }
+    }
+
+    /// Widens 16-bit values of this format into `dst` (same length).
+    fn widen(self, src: &[u16], dst: &mut [f32]) {
+        match self {
+            HalfKind::F16 => src.reinterpret_cast::<f16>().convert_to_f32_slice(dst),
+            HalfKind::Bf16 => src.reinterpret_cast::<bf16>().convert_to_f32_slice(dst),
+        }
+    }
+}
 
 /// Output columns per panel (two 16-lane f32 vectors).
 pub const PANEL: usize = 32;
@@ -49,10 +78,11 @@ impl PanelKernel {
 }
 
 /// Weight `[n, k]` (row-major, as HF stores it) repacked into `ceil(n / PANEL)` panels of
-/// `[k][PANEL]` f16 values; the last panel's missing columns are zero.
+/// `[k][PANEL]` 16-bit values of one [`HalfKind`]; the last panel's missing columns are zero.
 #[derive(Debug, Clone)]
 pub struct PackedF16 {
-    data: Vec<f16>,
+    data: Vec<u16>,
+    kind: HalfKind,
     n: usize,
     k: usize,
 }
@@ -60,19 +90,29 @@ pub struct PackedF16 {
 impl PackedF16 {
     /// Packs row-major f32 weights `w [n, k]`, rounding to f16.
     pub fn pack(w: &[f32], n: usize, k: usize) -> Self {
+        Self::pack_as(HalfKind::F16, w, n, k)
+    }
+
+    /// Packs row-major f32 weights `w [n, k]`, rounding to `kind`.
+    pub fn pack_as(kind: HalfKind, w: &[f32], n: usize, k: usize) -> Self {
         debug_assert_eq!(w.len(), n * k);
         let panels = n.div_ceil(PANEL);
-        let mut data = vec![f16::ZERO; panels * k * PANEL];
+        let mut data = vec![0u16; panels * k * PANEL];
         for (p, panel) in data.chunks_exact_mut(k * PANEL).enumerate() {
             let cols = PANEL.min(n - p * PANEL);
             for j in 0..cols {
                 let row = &w[(p * PANEL + j) * k..(p * PANEL + j + 1) * k];
                 for (c, v) in row.iter().enumerate() {
-                    panel[c * PANEL + j] = f16::from_f32(*v);
+                    panel[c * PANEL + j] = kind.bits(*v);
                 }
             }
         }
-        PackedF16 { data, n, k }
+        PackedF16 { data, kind, n, k }
+    }
+
+    /// The format of the packed values.
+    pub fn kind(&self) -> HalfKind {
+        self.kind
     }
 
     /// Number of panels.
@@ -85,8 +125,8 @@ impl PackedF16 {
         self.data.len() * 2
     }
 
-    /// Panel `p` as `[k][PANEL]` f16 values.
-    fn panel(&self, p: usize) -> &[f16] {
+    /// Panel `p` as `[k][PANEL]` 16-bit values.
+    fn panel(&self, p: usize) -> &[u16] {
         &self.data[p * self.k * PANEL..(p + 1) * self.k * PANEL]
     }
 
@@ -106,7 +146,7 @@ impl PackedF16 {
         for p in p0..p1 {
             let pc = self.panel_cols(p);
             for (c, src) in self.panel(p).chunks_exact(PANEL).enumerate() {
-                src.convert_to_f32_slice(&mut line);
+                self.kind.widen(src, &mut line);
                 out[c * cols + col0..c * cols + col0 + pc].copy_from_slice(&line[..pc]);
             }
             col0 += pc;
@@ -140,10 +180,10 @@ impl PackedF16 {
                     // only where the CPU has AVX-512F; the slices cover `rows` input rows of k
                     // values, a k×PANEL panel, and `rows` output rows of stride ldo with `cols`
                     // valid columns (checked above).
-                    unsafe { avx512::tile(xs, rows, k, panel, os, ldo, cols) };
+                    unsafe { avx512::tile(self.kind, xs, rows, k, panel, os, ldo, cols) };
                 }
             }
-            _ => portable_panel(panel, x, m, k, out, ldo, cols),
+            _ => portable_panel(self.kind, panel, x, m, k, out, ldo, cols),
         }
     }
 }
@@ -161,8 +201,10 @@ fn row_tiles(m: usize) -> impl Iterator<Item = (usize, usize)> {
 }
 
 /// Portable panel kernel: widen once, then row-times-panel with plain loops.
+#[allow(clippy::too_many_arguments)]
 fn portable_panel(
-    panel: &[f16],
+    kind: HalfKind,
+    panel: &[u16],
     x: &[f32],
     m: usize,
     k: usize,
@@ -171,7 +213,7 @@ fn portable_panel(
     cols: usize,
 ) {
     let mut wide = vec![0f32; k * PANEL];
-    panel.convert_to_f32_slice(&mut wide);
+    kind.widen(panel, &mut wide);
     for r in 0..m {
         let mut acc = [0f32; PANEL];
         for (c, line) in wide.chunks_exact(PANEL).enumerate() {
@@ -186,43 +228,74 @@ fn portable_panel(
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{PANEL, TILE_ROWS};
-    use half::f16;
+    use super::{HalfKind, PANEL, TILE_ROWS};
     use std::arch::x86_64::*;
 
-    /// One register tile: `rows` (≤ TILE_ROWS) input rows times one panel.
+    /// One register tile: `rows` (≤ TILE_ROWS) input rows times one panel of `kind` values.
     ///
     /// # Safety
     /// The CPU must support AVX-512F; `x` holds `rows·k` values, `panel` `k·PANEL`, and `out`
     /// at least `(rows-1)·ldo + cols` values.
     #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn tile(
+        kind: HalfKind,
         x: &[f32],
         rows: usize,
         k: usize,
-        panel: &[f16],
+        panel: &[u16],
         out: &mut [f32],
         ldo: usize,
         cols: usize,
     ) {
-        match rows {
-            8 => tile_n::<8>(x, k, panel, out, ldo, cols),
-            7 => tile_n::<7>(x, k, panel, out, ldo, cols),
-            6 => tile_n::<6>(x, k, panel, out, ldo, cols),
-            5 => tile_n::<5>(x, k, panel, out, ldo, cols),
-            4 => tile_n::<4>(x, k, panel, out, ldo, cols),
-            3 => tile_n::<3>(x, k, panel, out, ldo, cols),
-            2 => tile_n::<2>(x, k, panel, out, ldo, cols),
-            _ => tile_n::<1>(x, k, panel, out, ldo, cols),
+        match kind {
+            HalfKind::F16 => tile_rows::<false>(x, rows, k, panel, out, ldo, cols),
+            HalfKind::Bf16 => tile_rows::<true>(x, rows, k, panel, out, ldo, cols),
         }
     }
 
     #[target_feature(enable = "avx512f")]
     #[inline]
-    unsafe fn tile_n<const R: usize>(
+    unsafe fn tile_rows<const BF16: bool>(
+        x: &[f32],
+        rows: usize,
+        k: usize,
+        panel: &[u16],
+        out: &mut [f32],
+        ldo: usize,
+        cols: usize,
+    ) {
+        match rows {
+            8 => tile_n::<8, BF16>(x, k, panel, out, ldo, cols),
+            7 => tile_n::<7, BF16>(x, k, panel, out, ldo, cols),
+            6 => tile_n::<6, BF16>(x, k, panel, out, ldo, cols),
+            5 => tile_n::<5, BF16>(x, k, panel, out, ldo, cols),
+            4 => tile_n::<4, BF16>(x, k, panel, out, ldo, cols),
+            3 => tile_n::<3, BF16>(x, k, panel, out, ldo, cols),
+            2 => tile_n::<2, BF16>(x, k, panel, out, ldo, cols),
+            _ => tile_n::<1, BF16>(x, k, panel, out, ldo, cols),
+        }
+    }
+
+    /// Sixteen 16-bit values at `p` widened to f32 lanes: f16 by conversion, bf16 by putting
+    /// its bits in the upper half of each lane (exact).
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn widen16<const BF16: bool>(p: *const __m256i) -> __m512 {
+        let v = _mm256_loadu_si256(p);
+        if BF16 {
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(v)))
+        } else {
+            _mm512_cvtph_ps(v)
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn tile_n<const R: usize, const BF16: bool>(
         x: &[f32],
         k: usize,
-        panel: &[f16],
+        panel: &[u16],
         out: &mut [f32],
         ldo: usize,
         cols: usize,
@@ -233,8 +306,8 @@ mod avx512 {
         let wp = panel.as_ptr() as *const __m256i;
         let xp = x.as_ptr();
         for c in 0..k {
-            let w0 = _mm512_cvtph_ps(_mm256_loadu_si256(wp.add(2 * c)));
-            let w1 = _mm512_cvtph_ps(_mm256_loadu_si256(wp.add(2 * c + 1)));
+            let w0 = widen16::<BF16>(wp.add(2 * c));
+            let w1 = widen16::<BF16>(wp.add(2 * c + 1));
             for (r, a) in acc.iter_mut().enumerate() {
                 let xb = _mm512_set1_ps(*xp.add(r * k + c));
                 a[0] = _mm512_fmadd_ps(xb, w0, a[0]);
@@ -279,13 +352,17 @@ mod tests {
             .collect()
     }
 
-    /// The exact f32 result of f16-rounded weights (f64 accumulation).
-    fn reference(x: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f32> {
+    /// The exact f32 result of weights rounded to `kind` (f64 accumulation).
+    fn reference(kind: HalfKind, x: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f32> {
+        let round = |v: f32| match kind {
+            HalfKind::F16 => f16::from_f32(v).to_f64(),
+            HalfKind::Bf16 => bf16::from_f32(v).to_f64(),
+        };
         let mut out = vec![0f32; m * n];
         for i in 0..m {
             for j in 0..n {
                 let s: f64 = (0..k)
-                    .map(|c| x[i * k + c] as f64 * f16::from_f32(w[j * k + c]).to_f64())
+                    .map(|c| x[i * k + c] as f64 * round(w[j * k + c]))
                     .sum();
                 out[i * n + j] = s as f32;
             }
@@ -306,9 +383,12 @@ mod tests {
         ] {
             let x = data(m * k, 1);
             let w = data(n * k, 2);
-            let want = reference(&x, m, k, &w, n);
-            let packed = PackedF16::pack(&w, n, k);
-            for kernel in kernels {
+            for (hk, kernel) in [HalfKind::F16, HalfKind::Bf16]
+                .into_iter()
+                .flat_map(|hk| kernels.map(|kn| (hk, kn)))
+            {
+                let want = reference(hk, &x, m, k, &w, n);
+                let packed = PackedF16::pack_as(hk, &w, n, k);
                 // Sentinels past column n must survive: the tail panel writes only its columns.
                 let ldo = n + 3;
                 let mut out = vec![f32::NAN; m * ldo];
@@ -320,7 +400,7 @@ mod tests {
                         let (a, b) = (out[i * ldo + j], want[i * n + j]);
                         assert!(
                             (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
-                            "{kernel:?} m={m} k={k} n={n} ({i},{j}): {a} vs {b}"
+                            "{hk:?} {kernel:?} m={m} k={k} n={n} ({i},{j}): {a} vs {b}"
                         );
                     }
                     assert!(
@@ -354,16 +434,20 @@ mod tests {
     fn widened_panels_are_the_transposed_weights() {
         let (n, k) = (70, 5);
         let w = data(n * k, 4);
-        let packed = PackedF16::pack(&w, n, k);
-        let mut wide = Vec::new();
-        let cols = packed.widen_panels(1, 3, &mut wide);
-        assert_eq!(cols, 38);
-        for c in 0..k {
-            for j in 0..cols {
-                assert_eq!(
-                    wide[c * cols + j],
-                    f16::from_f32(w[(32 + j) * k + c]).to_f32()
-                );
+        for kind in [HalfKind::F16, HalfKind::Bf16] {
+            let packed = PackedF16::pack_as(kind, &w, n, k);
+            let mut wide = Vec::new();
+            let cols = packed.widen_panels(1, 3, &mut wide);
+            assert_eq!(cols, 38);
+            for c in 0..k {
+                for j in 0..cols {
+                    let v = w[(32 + j) * k + c];
+                    let want = match kind {
+                        HalfKind::F16 => f16::from_f32(v).to_f32(),
+                        HalfKind::Bf16 => bf16::from_f32(v).to_f32(),
+                    };
+                    assert_eq!(wide[c * cols + j], want);
+                }
             }
         }
     }

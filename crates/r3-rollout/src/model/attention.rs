@@ -6,6 +6,7 @@
 use r3_model::layers::rope::mla_softmax_scale_multiplier;
 use r3_model::{AttentionConfig, Config, QkNorm};
 
+use crate::dtype::Dtype;
 use crate::kernels::attention::{paged_attention, AttnShape, SeqSpan};
 use crate::kernels::ops::{rms_norm_rows, Rope};
 use crate::kv_pool::KvPool;
@@ -99,8 +100,11 @@ impl AttnGeometry {
 pub type KvSlots = [(crate::kv_pool::KvBlockId, usize)];
 
 /// Runs one attention layer on normalised inputs `h [T, hidden]`; returns `[T, hidden]`.
+/// In bf16 mode q/k norm outputs, rotated q and k (what the KV cache holds), MLA's latent norm
+/// and the attention output are rounded to bf16, as a bf16 engine stores them.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward(
+    dtype: Dtype,
     w: &AttnWeights,
     g: &AttnGeometry,
     rope: &Rope,
@@ -139,12 +143,16 @@ pub fn attention_forward(
                         if let (Some(qn), Some(kn)) = (q_norm, k_norm) {
                             rms_norm_rows(qr, qn, g.eps);
                             rms_norm_rows(kr, kn, g.eps);
+                            dtype.round_activations(qr);
+                            dtype.round_activations(kr);
                         }
                     }
                 }
                 for head in qr.chunks_exact_mut(qk).chain(kr.chunks_exact_mut(qk)) {
                     rope.apply(&mut head[..g.rope_dim], positions[i]);
                 }
+                dtype.round_activations(qr);
+                dtype.round_activations(kr);
                 let (blk, slot) = slots[i];
                 pool.write(blk, layer, slot, kr, vr);
                 q[i * qd..(i + 1) * qd].copy_from_slice(qr);
@@ -165,6 +173,7 @@ pub fn attention_forward(
                     let mut c = vec![0f32; t * qa.out_features()];
                     qa.forward(h, t, &mut c, true);
                     rms_norm_rows(&mut c, qa_norm, g.eps);
+                    dtype.round_activations(&mut c);
                     q_b.forward(&c, t, &mut q, true);
                 }
                 None => q_b.forward(h, t, &mut q, true),
@@ -178,6 +187,7 @@ pub fn attention_forward(
                 lat[i * r..(i + 1) * r].copy_from_slice(&ckv[i * (r + rd)..i * (r + rd) + r]);
             }
             rms_norm_rows(&mut lat, kv_a_norm, g.eps);
+            dtype.round_activations(&mut lat);
             let kvb_w = nh * (nd + s.v_dim);
             let mut kvb = vec![0f32; t * kvb_w];
             kv_b.forward(&lat, t, &mut kvb, true);
@@ -187,6 +197,7 @@ pub fn attention_forward(
                 let pos = positions[i];
                 let mut k_pe = ckv[i * (r + rd) + r..(i + 1) * (r + rd)].to_vec();
                 rope.apply(&mut k_pe, pos);
+                dtype.round_activations(&mut k_pe);
                 for hh in 0..nh {
                     let src = &kvb[i * kvb_w + hh * (nd + s.v_dim)..][..nd + s.v_dim];
                     krow[hh * qk..hh * qk + nd].copy_from_slice(&src[..nd]);
@@ -194,6 +205,7 @@ pub fn attention_forward(
                     vrow[hh * s.v_dim..(hh + 1) * s.v_dim].copy_from_slice(&src[nd..]);
                     let qh = &mut q[(i * nh + hh) * qk..(i * nh + hh + 1) * qk];
                     rope.apply(&mut qh[nd..], pos);
+                    dtype.round_activations(&mut qh[nd..]);
                 }
                 let (blk, slot) = slots[i];
                 pool.write(blk, layer, slot, &krow, &vrow);
@@ -203,6 +215,7 @@ pub fn attention_forward(
     };
     let mut attn = vec![0f32; t * nh * s.v_dim];
     paged_attention(pool, layer, spans, &q, &mut attn, s, true);
+    dtype.round_activations(&mut attn);
     let mut out = vec![0f32; t * o_proj.out_features()];
     o_proj.forward(&attn, t, &mut out, true);
     out

@@ -10,7 +10,7 @@ pub mod weights;
 use r3_model::Config;
 use r3_routing::ExpertPlacement;
 
-use crate::dtype::Dtype;
+use crate::dtype::{Dtype, RouterDtype};
 use crate::error::RolloutError;
 use crate::kernels::attention::SeqSpan;
 use crate::kernels::ops::{rms_norm_into, rms_norm_rows, Rope};
@@ -47,6 +47,7 @@ pub struct BatchOutput {
 pub struct InferenceModel {
     cfg: Config,
     dtype: Dtype,
+    router_dtype: RouterDtype,
     weights: ModelWeights,
     geometry: AttnGeometry,
     rope: Rope,
@@ -54,9 +55,19 @@ pub struct InferenceModel {
 }
 
 impl InferenceModel {
-    /// Builds the model from a config and HF-named tensors.
+    /// Builds the model from a config and HF-named tensors (router in the model dtype).
     pub fn new(cfg: Config, tensors: &TensorMap, dtype: Dtype) -> Result<Self, RolloutError> {
-        let weights = ModelWeights::from_tensors(&cfg, tensors, dtype)?;
+        Self::with_router(cfg, tensors, dtype, RouterDtype::Model)
+    }
+
+    /// [`InferenceModel::new`] with the router's precision chosen separately.
+    pub fn with_router(
+        cfg: Config,
+        tensors: &TensorMap,
+        dtype: Dtype,
+        router_dtype: RouterDtype,
+    ) -> Result<Self, RolloutError> {
+        let weights = ModelWeights::from_tensors_with_router(&cfg, tensors, dtype, router_dtype)?;
         if let Some(m) = &cfg.moe {
             if m.num_experts > u16::MAX as usize {
                 return Err(RolloutError::Unsupported(format!(
@@ -70,6 +81,7 @@ impl InferenceModel {
         Ok(InferenceModel {
             cfg,
             dtype,
+            router_dtype,
             weights,
             geometry,
             rope,
@@ -79,7 +91,12 @@ impl InferenceModel {
 
     /// Replaces the weights (same config) from HF-named tensors.
     pub fn load_weights(&mut self, tensors: &TensorMap) -> Result<(), RolloutError> {
-        self.weights = ModelWeights::from_tensors(&self.cfg, tensors, self.dtype)?;
+        self.weights = ModelWeights::from_tensors_with_router(
+            &self.cfg,
+            tensors,
+            self.dtype,
+            self.router_dtype,
+        )?;
         Ok(())
     }
 
@@ -115,6 +132,11 @@ impl InferenceModel {
     /// Compute precision.
     pub fn dtype(&self) -> Dtype {
         self.dtype
+    }
+
+    /// Router precision.
+    pub fn router_dtype(&self) -> RouterDtype {
+        self.router_dtype
     }
 
     /// Bytes of weights.
@@ -168,6 +190,10 @@ impl InferenceModel {
             buffer
         });
         let eps = self.cfg.rms_norm_eps as f32;
+        let dtype = self.dtype;
+        // In bf16 mode every boundary below rounds (see `Dtype`): embeddings are already bf16
+        // values, norm outputs and the residual stream after each addition are rounded here,
+        // projections, attention and MoE outputs inside their ops.
         let mut x = vec![0f32; t * hidden];
         for (row, &tok) in x.chunks_exact_mut(hidden).zip(input.tokens) {
             let tok = tok as usize;
@@ -176,7 +202,9 @@ impl InferenceModel {
         let mut h = vec![0f32; t * hidden];
         for (li, layer) in self.weights.layers.iter().enumerate() {
             rms_norm_into(&x, &mut h, &layer.input_norm, eps);
+            dtype.round_activations(&mut h);
             let a = attention_forward(
+                self.dtype,
                 &layer.attn,
                 &self.geometry,
                 &self.rope,
@@ -188,9 +216,11 @@ impl InferenceModel {
                 &h,
             );
             x.iter_mut().zip(&a).for_each(|(xv, av)| *xv += av);
+            dtype.round_activations(&mut x);
             rms_norm_into(&x, &mut h, &layer.post_norm, eps);
+            dtype.round_activations(&mut h);
             let m = match &layer.mlp {
-                MlpWeights::Dense(f) => ffn_forward(f, &h, t, true),
+                MlpWeights::Dense(f) => ffn_forward(dtype, f, &h, t, true),
                 MlpWeights::Moe(mw) => {
                     let capture = routes.as_mut().map(|ids| CaptureSlot {
                         ids: ids.as_mut_slice(),
@@ -198,10 +228,11 @@ impl InferenceModel {
                         stride: cols * top_k,
                         offset: mw.column * top_k,
                     });
-                    moe_forward(mw, self.placement.as_ref(), &h, t, capture)?
+                    moe_forward(dtype, mw, self.placement.as_ref(), &h, t, capture)?
                 }
             };
             x.iter_mut().zip(&m).for_each(|(xv, mv)| *xv += mv);
+            dtype.round_activations(&mut x);
         }
         // Final norm and lm_head only for the rows whose logits are wanted.
         let n = input.logit_rows.len();
@@ -210,6 +241,7 @@ impl InferenceModel {
             last.extend_from_slice(&x[r * hidden..(r + 1) * hidden]);
         }
         rms_norm_rows(&mut last, &self.weights.norm, eps);
+        dtype.round_activations(&mut last);
         let vocab = self.cfg.vocab_size;
         let mut logits = vec![0f32; n * vocab];
         self.weights.lm_head.forward(&last, n, &mut logits, true);

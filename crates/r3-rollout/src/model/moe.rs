@@ -3,20 +3,26 @@
 //! MoE: router matmul for all tokens, per-token select + weigh on the host, then tokens are
 //! grouped by expert and every active expert runs one matmul pair over its tokens (experts
 //! in parallel). The chosen logical ids are written to the capture buffer when asked.
+//!
+//! bf16 mode: the SwiGLU output, each expert's output (its down projection) and the block's
+//! combined output are bf16; the gate-weighted sum over the top-k experts and the shared
+//! expert accumulates in f32 and is rounded once (a fused MoE kernel's reduction).
 
 use r3_routing::ExpertPlacement;
 use rayon::prelude::*;
 
+use crate::dtype::Dtype;
 use crate::error::RolloutError;
 use crate::kernels::ops::{sigmoid, swiglu_rows};
 use crate::model::weights::{Ffn, MoeWeights};
 
 /// Runs a SwiGLU block on `x [m, hidden]` into a new `[m, hidden]` buffer.
-pub fn ffn_forward(f: &Ffn, x: &[f32], m: usize, parallel: bool) -> Vec<f32> {
+pub fn ffn_forward(dtype: Dtype, f: &Ffn, x: &[f32], m: usize, parallel: bool) -> Vec<f32> {
     let mut gu = vec![0f32; m * 2 * f.inter];
     f.gate_up.forward(x, m, &mut gu, parallel);
     let mut act = vec![0f32; m * f.inter];
     swiglu_rows(&gu, f.inter, &mut act);
+    dtype.round_activations(&mut act);
     let mut out = vec![0f32; m * f.down.out_features()];
     f.down.forward(&act, m, &mut out, parallel);
     out
@@ -36,6 +42,7 @@ pub struct CaptureSlot<'a> {
 
 /// Runs a MoE block on `h [t, hidden]`; returns `[t, hidden]`.
 pub fn moe_forward(
+    dtype: Dtype,
     w: &MoeWeights,
     placement: Option<&ExpertPlacement>,
     h: &[f32],
@@ -94,12 +101,12 @@ pub fn moe_forward(
             let logical = placement
                 .and_then(|p| p.logical(*ex))
                 .map_or(*ex, |l| l as usize);
-            ffn_forward(&w.experts[logical], &x, toks.len(), false)
+            ffn_forward(dtype, &w.experts[logical], &x, toks.len(), false)
         })
         .collect();
     let mut out = match &w.shared {
         Some(s) => {
-            let mut sh = ffn_forward(s, h, t, true);
+            let mut sh = ffn_forward(dtype, s, h, t, true);
             if let Some(gate) = &w.shared_gate {
                 let mut gl = vec![0f32; t];
                 gate.forward(h, t, &mut gl, false);
@@ -120,6 +127,7 @@ pub fn moe_forward(
             }
         }
     }
+    dtype.round_activations(&mut out);
     Ok(out)
 }
 

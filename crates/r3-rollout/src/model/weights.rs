@@ -1,6 +1,7 @@
 //! The engine's own weight layout, built from HF-named tensors whose names and shapes come
 //! from r3-model's spec: fused q/k/v and gate/up projections, every matmul weight in the
-//! engine dtype, norms and biases in f32. Routed experts are read per expert or taken from
+//! engine dtype (the router in its own dtype), norms and biases in f32 buffers (holding bf16
+//! values in bf16 mode, as a bf16 checkpoint would). Routed experts are read per expert or taken from
 //! the fused `[E, 2I, H]` / `[E, H, I]` tensors as they are (gate rows first, as packed here).
 
 use r3_model::spec::{
@@ -10,7 +11,7 @@ use r3_model::spec::{
 };
 use r3_model::{AttentionConfig, Config, ExpertLayout, QkNorm, Router, RouterKind, SharedExpert};
 
-use crate::dtype::Dtype;
+use crate::dtype::{Dtype, RouterDtype};
 use crate::error::RolloutError;
 use crate::kernels::linear::Linear;
 use crate::model::tensors::{Fetcher, TensorMap};
@@ -112,6 +113,13 @@ pub struct ModelWeights {
     pub lm_head: Linear,
 }
 
+/// A norm scale or bias as the engine stores it: bf16 values in bf16 mode (where the whole
+/// checkpoint is bf16), f32 otherwise.
+fn stored(mut v: Vec<f32>, dtype: Dtype) -> Vec<f32> {
+    dtype.round_activations(&mut v);
+    v
+}
+
 /// A layer from a row-major matrix with the shape the spec checked.
 fn matrix(
     name: &str,
@@ -125,7 +133,7 @@ fn matrix(
             "{name}: expected a matrix, got shape {shape:?}"
         )));
     };
-    Linear::new(name, w, rows, cols, bias, dtype)
+    Linear::new(name, w, rows, cols, bias.map(|b| stored(b, dtype)), dtype)
 }
 
 /// The layer `{prefix}.weight` (and `{prefix}.bias` when `bias`).
@@ -158,7 +166,7 @@ fn stack(
         rows += shape[0];
         w.extend_from_slice(&values);
     }
-    Linear::new(name, w, rows, cols, bias, dtype)
+    Linear::new(name, w, rows, cols, bias.map(|b| stored(b, dtype)), dtype)
 }
 
 /// A SwiGLU block from its three HF projections under `prefix`.
@@ -261,7 +269,9 @@ fn attention(
             let qkv = stack(&name("qkv"), parts, bias, dtype)?;
             let norm = |leaf: &str| match qk_norm {
                 QkNorm::None => Ok(None),
-                QkNorm::PerHead | QkNorm::Full => f.vector(&spec::weight(&name(leaf))).map(Some),
+                QkNorm::PerHead | QkNorm::Full => f
+                    .vector(&spec::weight(&name(leaf)))
+                    .map(|v| Some(stored(v, dtype))),
             };
             Ok(AttnWeights::Gqa {
                 qkv,
@@ -275,7 +285,7 @@ fn attention(
                 Some(_) => (
                     Some((
                         linear(f, &name(MLA_Q_A), false, dtype)?,
-                        f.vector(&spec::weight(&name(MLA_Q_A_NORM)))?,
+                        stored(f.vector(&spec::weight(&name(MLA_Q_A_NORM)))?, dtype),
                     )),
                     linear(f, &name(MLA_Q_B), false, dtype)?,
                 ),
@@ -285,7 +295,7 @@ fn attention(
                 q_a,
                 q_b,
                 kv_a: linear(f, &name(MLA_KV_A), false, dtype)?,
-                kv_a_norm: f.vector(&spec::weight(&name(MLA_KV_A_NORM)))?,
+                kv_a_norm: stored(f.vector(&spec::weight(&name(MLA_KV_A_NORM)))?, dtype),
                 kv_b: linear(f, &name(MLA_KV_B), false, dtype)?,
                 o: linear(f, &name(O_PROJ), false, dtype)?,
             })
@@ -309,14 +319,24 @@ fn check_moe_layers(cfg: &Config) -> Result<(), RolloutError> {
     }
 }
 
-fn mlp(f: &Fetcher, cfg: &Config, layer: usize, dtype: Dtype) -> Result<MlpWeights, RolloutError> {
+fn mlp(
+    f: &Fetcher,
+    cfg: &Config,
+    layer: usize,
+    dtype: Dtype,
+    router_dtype: RouterDtype,
+) -> Result<MlpWeights, RolloutError> {
     let Some(column) = cfg.layer_layout().moe_column(layer) else {
         let dense = ffn(f, &spec::dense_mlp_prefix(layer), &SWIGLU_HF, dtype)?;
         return Ok(MlpWeights::Dense(dense));
     };
     let moe = cfg.moe.as_ref().ok_or_else(|| dense_config_error(layer))?;
     let m = spec::moe_prefix(cfg, layer);
-    let router = linear(f, &format!("{m}.{ROUTER}"), false, dtype)?;
+    let gate_dtype = match router_dtype {
+        RouterDtype::Model => dtype,
+        RouterDtype::F32 => Dtype::F32,
+    };
+    let router = linear(f, &format!("{m}.{ROUTER}"), false, gate_dtype)?;
     let score_bias = match moe.router {
         RouterKind::GroupedSigmoid { .. } => Some(f.vector(&format!("{m}.{SCORE_BIAS}"))?),
         RouterKind::Softmax { .. } => None,
@@ -356,27 +376,40 @@ fn mlp(f: &Fetcher, cfg: &Config, layer: usize, dtype: Dtype) -> Result<MlpWeigh
 impl ModelWeights {
     /// Builds the engine weights from HF-named tensors (experts per expert or fused); a
     /// missing or mis-shaped tensor is an error naming it, a MoE layer without MoE settings
-    /// is [`RolloutError::InconsistentMoeLayer`].
+    /// is [`RolloutError::InconsistentMoeLayer`]. The router runs in the model dtype.
     pub fn from_tensors(cfg: &Config, map: &TensorMap, dtype: Dtype) -> Result<Self, RolloutError> {
+        Self::from_tensors_with_router(cfg, map, dtype, RouterDtype::Model)
+    }
+
+    /// [`ModelWeights::from_tensors`] with the router's precision chosen separately.
+    pub fn from_tensors_with_router(
+        cfg: &Config,
+        map: &TensorMap,
+        dtype: Dtype,
+        router_dtype: RouterDtype,
+    ) -> Result<Self, RolloutError> {
         check_moe_layers(cfg)?;
         let f = Fetcher::new(map, cfg)?;
         let (embed, embed_shape) = f.get(&spec::weight(EMBED))?;
+        let norm_vec = |name: &str| Ok::<_, RolloutError>(stored(f.vector(name)?, dtype));
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| {
                 Ok(LayerWeights {
-                    input_norm: f.vector(&spec::weight(&spec::input_norm(i)))?,
-                    post_norm: f.vector(&spec::weight(&spec::post_attention_norm(i)))?,
+                    input_norm: norm_vec(&spec::weight(&spec::input_norm(i)))?,
+                    post_norm: norm_vec(&spec::weight(&spec::post_attention_norm(i)))?,
                     attn: attention(&f, cfg, i, dtype)?,
-                    mlp: mlp(&f, cfg, i, dtype)?,
+                    mlp: mlp(&f, cfg, i, dtype, router_dtype)?,
                 })
             })
             .collect::<Result<Vec<_>, RolloutError>>()?;
-        let norm = f.vector(&spec::weight(FINAL_NORM))?;
+        let norm = norm_vec(&spec::weight(FINAL_NORM))?;
         let lm_head = if cfg.tie_word_embeddings {
             matrix("lm_head (tied)", embed.clone(), &embed_shape, None, dtype)?
         } else {
             linear(&f, LM_HEAD, false, dtype)?
         };
+        // Rows are gathered, not multiplied: bf16 mode stores the bf16 values in f32.
+        let embed = stored(embed, dtype);
         Ok(ModelWeights {
             embed,
             layers,

@@ -133,10 +133,10 @@ impl InferenceBackend for Engine {
     }
 
     fn weight_stager(&self) -> Option<WeightStager> {
-        Some(WeightStager::new(
-            self.model_config().clone(),
-            self.engine_config().dtype,
-        ))
+        Some(
+            WeightStager::new(self.model_config().clone(), self.engine_config().dtype)
+                .with_router_dtype(self.engine_config().router_dtype),
+        )
     }
 
     fn swap_weights(&mut self, staged: StagedWeights) -> Result<u64, RolloutError> {

@@ -12,7 +12,7 @@ use candle_core::Device;
 use r3_model::{Config, Weights};
 
 use super::error::ApiError;
-use crate::dtype::Dtype;
+use crate::dtype::{Dtype, RouterDtype};
 use crate::error::RolloutError;
 use crate::model::tensors::TensorMap;
 use crate::model::weights::ModelWeights;
@@ -47,12 +47,23 @@ pub fn allowed_dir(root: Option<&Path>, requested: &str) -> Result<PathBuf, ApiE
 pub struct WeightStager {
     cfg: Config,
     dtype: Dtype,
+    router_dtype: RouterDtype,
 }
 
 impl WeightStager {
-    /// A stager for weights of `cfg` at `dtype`.
+    /// A stager for weights of `cfg` at `dtype` (router in the model dtype).
     pub fn new(cfg: Config, dtype: Dtype) -> Self {
-        WeightStager { cfg, dtype }
+        WeightStager {
+            cfg,
+            dtype,
+            router_dtype: RouterDtype::Model,
+        }
+    }
+
+    /// The same stager with the router built at `router_dtype`.
+    pub fn with_router_dtype(mut self, router_dtype: RouterDtype) -> Self {
+        self.router_dtype = router_dtype;
+        self
     }
 
     /// Reads `dir` and checks it completely with r3-model's loader (regular files only, sizes
@@ -65,6 +76,6 @@ impl WeightStager {
             }
         })?;
         let map: TensorMap = weights.into_map();
-        ModelWeights::from_tensors(&self.cfg, &map, self.dtype)
+        ModelWeights::from_tensors_with_router(&self.cfg, &map, self.dtype, self.router_dtype)
     }
 }
