@@ -8,6 +8,7 @@ mod host;
 pub mod layers;
 pub mod math;
 pub mod model;
+pub mod precision;
 pub mod presets;
 pub mod router;
 pub mod routing;
@@ -23,6 +24,7 @@ pub use config::{
 };
 pub use error::{ModelError, Result};
 pub use model::{Batch, ForwardOutput, Model};
+pub use precision::Precision;
 pub use router::Router;
 pub use routing::{ReplayProof, ReplayRoutes, Routing};
 pub use spec::{tensor_specs, tensor_specs_in, ExpertLayout, TensorRole, TensorSpec};

@@ -14,6 +14,7 @@ use crate::layers::mlp::SwiGlu;
 use crate::layers::moe::{MoeBlock, RoutedRows};
 use crate::layers::norm::RmsNorm;
 use crate::layers::rope::{Rope, RopeTables};
+use crate::precision::Precision;
 use crate::routing::{
     plan_replay, record_tables, verify_replay, ModelShape, ReplayPlan, ReplayProof, Routing,
 };
@@ -120,11 +121,43 @@ pub struct Model {
     norm: RmsNorm,
     lm_head: Linear,
     rope: Rope,
+    precision: Precision,
 }
 
 impl Model {
     /// Builds the model from validated weights (use `Weights::into_trainable` first to train).
     pub fn new(cfg: &Config, weights: &Weights) -> Result<Self> {
+        Self::with_precision(cfg, weights, Precision::F32)
+    }
+
+    /// [`Model::new`] with a mixed-precision forward (see [`Precision`]); the weights stay
+    /// the f32 tensors given (the master weights).
+    pub fn with_precision(cfg: &Config, weights: &Weights, precision: Precision) -> Result<Self> {
+        let mut model = Self::build(cfg, weights)?;
+        model.precision = precision;
+        for layer in &mut model.layers {
+            layer.input_norm.set_precision(precision);
+            layer.post_norm.set_precision(precision);
+            match &mut layer.attention {
+                Attention::Gqa(a) => a.set_precision(precision),
+                Attention::Mla(a) => a.set_precision(precision),
+            }
+            match &mut layer.ffn {
+                FeedForward::Dense(mlp) => mlp.set_precision(precision),
+                FeedForward::Moe(block) => block.set_precision(precision),
+            }
+        }
+        model.norm.set_precision(precision);
+        model.lm_head.set_precision(precision);
+        Ok(model)
+    }
+
+    /// The forward's precision.
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    fn build(cfg: &Config, weights: &Weights) -> Result<Self> {
         weights.validate(cfg)?;
         // The MoE blocks run stacked experts; fusing a per-expert map copies its experts once
         // (and stays differentiable if they are variables).
@@ -166,6 +199,7 @@ impl Model {
             norm: RmsNorm::new(weights, "model.norm", eps)?,
             lm_head: Linear::new(weights, lm_head_name, false)?,
             rope: Rope::new(&cfg.rope),
+            precision: Precision::F32,
         })
     }
 
@@ -218,9 +252,13 @@ impl Model {
 
         let ids = batch.input_ids.to_device(device)?.flatten_all()?;
         let mut x = self
-            .embed
-            .index_select(&ids, 0)?
-            .reshape((b, t, cfg.hidden_size))?;
+            .precision
+            .round(
+                &self
+                    .embed
+                    .index_select(&ids, 0)?
+                    .reshape((b, t, cfg.hidden_size))?,
+            )?;
         let mut hidden = capture_hidden.then(Vec::new);
         let mut moe = MoeRecord::default();
         for (i, layer) in self.layers.iter().enumerate() {
@@ -279,7 +317,7 @@ impl Model {
             Attention::Gqa(a) => a.forward(&normed, &ctx.rope, &ctx.mask)?,
             Attention::Mla(a) => a.forward(&normed, &ctx.rope, &ctx.mask)?,
         };
-        let h = (x + attn)?;
+        let h = self.precision.round(&(x + attn)?)?;
         let normed = layer
             .post_norm
             .forward(&h)?
@@ -298,7 +336,8 @@ impl Model {
                 out.output
             }
         };
-        Ok((h + ffn.reshape((b, t, cfg.hidden_size))?)?)
+        self.precision
+            .round(&(h + ffn.reshape((b, t, cfg.hidden_size))?)?)
     }
 
     /// What the routing mode returns: `Record` the chosen routes as tables, `Replay` the

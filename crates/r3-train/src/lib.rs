@@ -17,6 +17,7 @@ pub mod logprob;
 pub mod loss;
 pub mod optim;
 pub mod overrides;
+pub mod precision;
 pub mod rollout_is;
 pub mod schedule;
 pub mod update;

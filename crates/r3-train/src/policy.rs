@@ -6,7 +6,7 @@
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor, Var};
-use r3_model::{Batch, Config, Model, ReplayProof, Routing, Weights};
+use r3_model::{Batch, Config, Model, Precision, ReplayProof, Routing, Weights};
 use r3_routing::RouteTable;
 
 use crate::error::{Result, TrainError};
@@ -182,6 +182,7 @@ pub struct TrainablePolicy {
     cfg: Config,
     vars: Vec<(String, Var)>,
     weights: Weights,
+    precision: Precision,
 }
 
 impl TrainablePolicy {
@@ -196,7 +197,12 @@ impl TrainablePolicy {
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
         vars.sort_by(|a, b| a.0.cmp(&b.0));
-        Ok(Self { cfg, vars, weights })
+        Ok(Self {
+            cfg,
+            vars,
+            weights,
+            precision: Precision::F32,
+        })
     }
 
     /// Loads `config.json` + safetensors from an HF model directory (f32, CPU).
@@ -216,14 +222,33 @@ impl TrainablePolicy {
         &self.vars
     }
 
+    /// Sets the forward precision of the models handed out (the variables stay f32: the
+    /// master weights of mixed-precision training).
+    pub fn set_precision(&mut self, precision: Precision) {
+        self.precision = precision;
+    }
+
+    /// The forward precision of the models handed out.
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
+
     /// A model whose forward is differentiable in every variable.
     pub fn model(&self) -> Result<Model> {
-        Ok(Model::new(&self.cfg, &self.weights)?)
+        Ok(Model::with_precision(
+            &self.cfg,
+            &self.weights,
+            self.precision,
+        )?)
     }
 
     /// A model over detached views of the current values (no autograd graph is built).
     pub fn frozen_model(&self) -> Result<Model> {
-        Ok(Model::new(&self.cfg, &self.detached())?)
+        Ok(Model::with_precision(
+            &self.cfg,
+            &self.detached(),
+            self.precision,
+        )?)
     }
 
     /// Current values, detached, under HF names (routed experts fused, as trained).

@@ -11,6 +11,7 @@ use super::norm::RmsNorm;
 use super::rope::RopeTables;
 use crate::config::{AttentionConfig, Config, QkNorm};
 use crate::error::{ModelError, Result};
+use crate::precision::Precision;
 use crate::weights::Weights;
 
 /// Additive causal + key-padding (+ sliding window) mask, `[B, 1, 1, T, T]`.
@@ -118,6 +119,7 @@ pub struct GqaAttention {
     num_heads: usize,
     num_kv_heads: usize,
     head_dim: usize,
+    precision: Precision,
 }
 
 impl GqaAttention {
@@ -154,7 +156,25 @@ impl GqaAttention {
             num_heads: cfg.num_attention_heads,
             num_kv_heads: *num_kv_heads,
             head_dim: *head_dim,
+            precision: Precision::F32,
         })
+    }
+
+    /// Sets the precision of the projections and q/k norms; bf16 also rounds the rotated q
+    /// and k (what a bf16 engine's KV cache holds).
+    pub fn set_precision(&mut self, precision: Precision) {
+        self.precision = precision;
+        for l in [
+            &mut self.q_proj,
+            &mut self.k_proj,
+            &mut self.v_proj,
+            &mut self.o_proj,
+        ] {
+            l.set_precision(precision);
+        }
+        for n in [&mut self.q_norm, &mut self.k_norm].into_iter().flatten() {
+            n.set_precision(precision);
+        }
     }
 
     /// `[B, T, H]` → `[B, T, H]`.
@@ -179,8 +199,8 @@ impl GqaAttention {
             q = qn.forward(&q)?;
             k = kn.forward(&k)?;
         }
-        let q = rope.apply(&q.transpose(1, 2)?)?;
-        let k = rope.apply(&k.transpose(1, 2)?)?;
+        let q = self.precision.round(&rope.apply(&q.transpose(1, 2)?)?)?;
+        let k = self.precision.round(&rope.apply(&k.transpose(1, 2)?)?)?;
         let v = v.reshape((b, t, nkv, hd))?.transpose(1, 2)?;
         let groups = nh / nkv;
         let q = q.reshape((b, nkv, groups * t, hd))?;

@@ -13,6 +13,7 @@ use super::dispatch::Dispatch;
 use super::linear::matmul_wt;
 use super::routed_op::RoutedSwiGlu;
 use crate::error::{ModelError, Result};
+use crate::precision::Precision;
 use crate::spec::fused_expert_names;
 use crate::weights::Weights;
 
@@ -22,6 +23,7 @@ pub struct RoutedExperts {
     gate_up: Tensor,
     down: Tensor,
     intermediate: usize,
+    precision: Precision,
 }
 
 impl RoutedExperts {
@@ -43,7 +45,15 @@ impl RoutedExperts {
             gate_up,
             down,
             intermediate: i,
+            precision: Precision::F32,
         })
+    }
+
+    /// Sets the precision. bf16 runs the composed path with every expert matmul rounded
+    /// (inputs, weights, outputs) and the SwiGLU output rounded; the gate-weighted sum stays
+    /// f32 (the caller rounds the block output).
+    pub fn set_precision(&mut self, precision: Precision) {
+        self.precision = precision;
     }
 
     /// `y[r] = Σ_j gates[r, j] · SwiGLU_{e(r, j)}(x[r])` for `x` `[rows, H]` and `gates`
@@ -66,7 +76,7 @@ impl RoutedExperts {
             )));
         }
         let fused_dtype = matches!(x.dtype(), candle_core::DType::F32 | candle_core::DType::F64);
-        if x.device().is_cpu() && fused_dtype {
+        if x.device().is_cpu() && fused_dtype && !self.precision.is_bf16() {
             let rows_with_gates = Tensor::cat(&[x, &gates.to_dtype(x.dtype())?], 1)?;
             Ok(rows_with_gates.apply_op3(
                 &self.gate_up.contiguous()?,
@@ -90,10 +100,14 @@ impl RoutedExperts {
             if w[0] == w[1] {
                 continue;
             }
+            let p = self.precision;
             let xj = xs.narrow(0, w[0], w[1] - w[0])?;
-            let h = matmul_wt(&xj, &self.gate_up.get(j)?)?;
-            let a = (h.narrow(1, 0, i)?.silu()? * h.narrow(1, i, i)?)?;
-            outputs.push(matmul_wt(&a, &self.down.get(j)?)?);
+            let h = p.round(&matmul_wt(
+                &p.round(&xj)?,
+                &p.round(&self.gate_up.get(j)?)?,
+            )?)?;
+            let a = p.round(&(h.narrow(1, 0, i)?.silu()? * h.narrow(1, i, i)?)?)?;
+            outputs.push(p.round(&matmul_wt(&a, &p.round(&self.down.get(j)?)?)?)?);
         }
         if outputs.is_empty() {
             return Ok(x.zeros_like()?);
@@ -123,6 +137,7 @@ mod tests {
             gate_up: gu.as_tensor().clone(),
             down: dn.as_tensor().clone(),
             intermediate: i,
+            precision: Precision::F32,
         };
         (gu, dn, experts)
     }

@@ -10,6 +10,7 @@ use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 use super::gemm::{matmul, MatRef};
 use crate::error::Result;
 use crate::math::Float;
+use crate::precision::Precision;
 use crate::weights::Weights;
 
 /// `x [.., k] · w [n, k]ᵀ → [.., n]`, differentiable in both arguments. Leading dimensions
@@ -153,6 +154,7 @@ pub fn matmul_wt(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 pub struct Linear {
     weight: Tensor,
     bias: Option<Tensor>,
+    precision: Precision,
 }
 
 impl Linear {
@@ -164,7 +166,17 @@ impl Linear {
         } else {
             None
         };
-        Ok(Linear { weight, bias })
+        Ok(Linear {
+            weight,
+            bias,
+            precision: Precision::F32,
+        })
+    }
+
+    /// Sets the precision of the product (bf16: inputs, weight and bias rounded, f32
+    /// accumulation, output rounded after the bias).
+    pub fn set_precision(&mut self, precision: Precision) {
+        self.precision = precision;
     }
 
     /// The `[out, in]` weight.
@@ -174,6 +186,15 @@ impl Linear {
 
     /// Applies the projection to the last dimension of `x`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let p = self.precision;
+        if p.is_bf16() {
+            let y = matmul_wt(&p.round(x)?, &p.round(&self.weight)?)?;
+            let y = match &self.bias {
+                Some(b) => y.broadcast_add(&p.round(b)?)?,
+                None => y,
+            };
+            return p.round(&y);
+        }
         let y = matmul_wt(x, &self.weight)?;
         match &self.bias {
             Some(b) => Ok(y.broadcast_add(b)?),

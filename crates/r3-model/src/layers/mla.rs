@@ -9,6 +9,7 @@ use super::norm::RmsNorm;
 use super::rope::{mla_softmax_scale_multiplier, RopeTables};
 use crate::config::{AttentionConfig, Config};
 use crate::error::{ModelError, Result};
+use crate::precision::Precision;
 use crate::weights::Weights;
 
 /// How queries are projected.
@@ -34,6 +35,7 @@ pub struct MlaAttention {
     rope_dim: usize,
     v_dim: usize,
     scale: f64,
+    precision: Precision,
 }
 
 impl MlaAttention {
@@ -76,7 +78,26 @@ impl MlaAttention {
             rope_dim: *qk_rope_head_dim,
             v_dim: *v_head_dim,
             scale,
+            precision: Precision::F32,
         })
+    }
+
+    /// Sets the precision of the projections and norms; bf16 also rounds the rotated q and
+    /// k parts.
+    pub fn set_precision(&mut self, precision: Precision) {
+        self.precision = precision;
+        match &mut self.q {
+            QueryProj::LowRank { a, norm, b } => {
+                a.set_precision(precision);
+                norm.set_precision(precision);
+                b.set_precision(precision);
+            }
+            QueryProj::Plain(p) => p.set_precision(precision),
+        }
+        for l in [&mut self.kv_a, &mut self.kv_b, &mut self.o_proj] {
+            l.set_precision(precision);
+        }
+        self.kv_a_norm.set_precision(precision);
     }
 
     /// `[B, T, H]` → `[B, T, H]`.
@@ -89,7 +110,9 @@ impl MlaAttention {
         };
         let q = q.reshape((b, t, nh, nope + rd))?.transpose(1, 2)?;
         let q_pass = q.narrow(D::Minus1, 0, nope)?;
-        let q_rot = rope.apply(&q.narrow(D::Minus1, nope, rd)?)?;
+        let q_rot = self
+            .precision
+            .round(&rope.apply(&q.narrow(D::Minus1, nope, rd)?)?)?;
 
         let compressed = self.kv_a.forward(x)?;
         let k_pass = compressed.narrow(D::Minus1, 0, self.kv_lora_rank)?;
@@ -97,7 +120,10 @@ impl MlaAttention {
             .narrow(D::Minus1, self.kv_lora_rank, rd)?
             .reshape((b, t, 1, rd))?
             .transpose(1, 2)?;
-        let k_rot = rope.apply(&k_rot)?.broadcast_as((b, nh, t, rd))?;
+        let k_rot = self
+            .precision
+            .round(&rope.apply(&k_rot)?)?
+            .broadcast_as((b, nh, t, rd))?;
         let kv = self
             .kv_b
             .forward(&self.kv_a_norm.forward(&k_pass)?)?

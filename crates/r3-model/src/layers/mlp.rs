@@ -4,6 +4,7 @@ use candle_core::Tensor;
 
 use super::linear::Linear;
 use crate::error::Result;
+use crate::precision::Precision;
 use crate::spec::SwigluNames;
 use crate::weights::Weights;
 
@@ -13,6 +14,7 @@ pub struct SwiGlu {
     gate: Linear,
     up: Linear,
     down: Linear,
+    precision: Precision,
 }
 
 impl SwiGlu {
@@ -22,12 +24,21 @@ impl SwiGlu {
             gate: Linear::new(weights, &format!("{prefix}.{}", names.gate), false)?,
             up: Linear::new(weights, &format!("{prefix}.{}", names.up), false)?,
             down: Linear::new(weights, &format!("{prefix}.{}", names.down), false)?,
+            precision: Precision::F32,
         })
+    }
+
+    /// Sets the precision of the three projections and of the SwiGLU output.
+    pub fn set_precision(&mut self, precision: Precision) {
+        self.precision = precision;
+        for l in [&mut self.gate, &mut self.up, &mut self.down] {
+            l.set_precision(precision);
+        }
     }
 
     /// Applies the MLP to the last dimension of `x`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let hidden = (self.gate.forward(x)?.silu()? * self.up.forward(x)?)?;
-        self.down.forward(&hidden)
+        self.down.forward(&self.precision.round(&hidden)?)
     }
 }

@@ -13,6 +13,7 @@ use super::linear::Linear;
 use super::mlp::SwiGlu;
 use crate::config::{Config, SharedExpert};
 use crate::error::{ModelError, Result};
+use crate::precision::Precision;
 use crate::router::Router;
 use crate::routing::LayerPlan;
 use crate::spec::SWIGLU_HF;
@@ -34,6 +35,7 @@ pub struct MoeBlock {
     score_bias: Option<Vec<f32>>,
     experts: RoutedExperts,
     shared: Shared,
+    precision: Precision,
 }
 
 /// Rows of the batch a MoE layer routes (the real, non-padding tokens).
@@ -92,7 +94,23 @@ impl MoeBlock {
             score_bias,
             experts,
             shared,
+            precision: Precision::F32,
         })
+    }
+
+    /// Sets the precision of the router (see [`Precision::router`]), the experts, the shared
+    /// expert and the block output.
+    pub fn set_precision(&mut self, precision: Precision) {
+        self.precision = precision;
+        self.experts.set_precision(precision);
+        match &mut self.shared {
+            Shared::None => {}
+            Shared::Plain(mlp) => mlp.set_precision(precision),
+            Shared::Gated { mlp, gate } => {
+                mlp.set_precision(precision);
+                gate.set_precision(precision);
+            }
+        }
     }
 
     /// The router of this block.
@@ -102,7 +120,9 @@ impl MoeBlock {
 
     /// Router logits `[rows, E]` for `x` `[rows, H]`.
     pub fn router_logits(&self, x: &Tensor) -> Result<Tensor> {
-        super::linear::matmul_wt(x, &self.gate_weight)
+        let p = self.precision.router();
+        let logits = super::linear::matmul_wt(&p.round(x)?, &p.round(&self.gate_weight)?)?;
+        p.round(&logits)
     }
 
     /// Runs the block on `x` `[B·T, H]`, routing `rows`; `plan` forces ids on its rows.
@@ -172,6 +192,7 @@ impl MoeBlock {
                 (out + mlp.forward(x)?.broadcast_mul(&g)?)?
             }
         };
+        let output = self.precision.round(&output)?;
         Ok(MoeOutput {
             output,
             ids,

@@ -10,6 +10,7 @@ use rayon::prelude::*;
 use crate::error::Result;
 use crate::host::{contiguous, with_host};
 use crate::math::Float;
+use crate::precision::Precision;
 use crate::weights::Weights;
 
 /// RMSNorm with a learned scale.
@@ -17,6 +18,7 @@ use crate::weights::Weights;
 pub struct RmsNorm {
     weight: Tensor,
     eps: f32,
+    precision: Precision,
 }
 
 impl RmsNorm {
@@ -25,11 +27,26 @@ impl RmsNorm {
         Ok(RmsNorm {
             weight: weights.get(&format!("{prefix}.weight"))?.clone(),
             eps: eps as f32,
+            precision: Precision::F32,
         })
+    }
+
+    /// Sets the precision (bf16: the scale read as bf16, the output rounded to bf16).
+    pub fn set_precision(&mut self, precision: Precision) {
+        self.precision = precision;
     }
 
     /// Normalises the last dimension of `x`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let p = self.precision;
+        if p.is_bf16() {
+            let rounded = RmsNorm {
+                weight: p.round(&self.weight)?,
+                eps: self.eps,
+                precision: Precision::F32,
+            };
+            return p.round(&rounded.forward(x)?);
+        }
         let fused = x.device().is_cpu()
             && matches!(x.dtype(), DType::F32 | DType::F64)
             && x.dtype() == self.weight.dtype();
@@ -272,6 +289,7 @@ mod tests {
             let norm = RmsNorm {
                 weight: w.as_tensor().clone(),
                 eps: 1e-6,
+                precision: Precision::F32,
             };
             let fused = norm.forward(x.as_tensor()).expect("fused");
             let composed =

@@ -1,0 +1,80 @@
+//! The `[train]` section: the training forward's precision (Megatron-style mixed precision:
+//! f32 master weights and optimiser, bf16 matmuls and activations) and the router's.
+
+use r3_model::Precision;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Result, TrainError};
+
+/// Training-engine precision.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainPrecisionConfig {
+    /// `f32` (full precision) or `bf16` (matmul inputs/outputs and activations rounded to
+    /// bf16, f32 accumulation, f32 master weights and optimiser). Default `f32`.
+    pub dtype: String,
+    /// Router logits in bf16 mode: `bf16` / `model` (the gate as a bf16 projection) or `f32`
+    /// (Megatron's `moe_router_dtype = fp32`). Default `model`.
+    pub router_dtype: String,
+}
+
+impl Default for TrainPrecisionConfig {
+    fn default() -> Self {
+        Self {
+            dtype: "f32".into(),
+            router_dtype: "model".into(),
+        }
+    }
+}
+
+impl TrainPrecisionConfig {
+    /// The forward precision these settings name; an unknown value is a config error.
+    pub fn precision(&self) -> Result<Precision> {
+        let bad = |field: &'static str, reason: String| TrainError::InvalidConfig { field, reason };
+        let router_f32 = match self.router_dtype.as_str() {
+            "model" | "bf16" => false,
+            "f32" => true,
+            other => {
+                return Err(bad(
+                    "train.router_dtype",
+                    format!("`{other}` must be `bf16` (the model dtype) or `f32`"),
+                ))
+            }
+        };
+        match self.dtype.as_str() {
+            "f32" => Ok(Precision::F32),
+            "bf16" => Ok(Precision::Bf16 { router_f32 }),
+            other => Err(bad(
+                "train.dtype",
+                format!("`{other}` must be `f32` or `bf16`"),
+            )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_setting_and_rejects_others() {
+        let cfg = |dtype: &str, router: &str| TrainPrecisionConfig {
+            dtype: dtype.into(),
+            router_dtype: router.into(),
+        };
+        assert_eq!(
+            TrainPrecisionConfig::default().precision().ok(),
+            Some(Precision::F32)
+        );
+        assert_eq!(
+            cfg("bf16", "f32").precision().ok(),
+            Some(Precision::Bf16 { router_f32: true })
+        );
+        assert_eq!(
+            cfg("bf16", "bf16").precision().ok(),
+            Some(Precision::Bf16 { router_f32: false })
+        );
+        assert!(cfg("f16", "model").precision().is_err());
+        assert!(cfg("bf16", "f8").precision().is_err());
+    }
+}
