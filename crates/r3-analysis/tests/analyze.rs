@@ -30,6 +30,9 @@ fn options(out: &Path) -> AnalyzeOptions {
         temperature: 1.0,
         micro_batch: 4,
         seed: 5,
+        rollout_dtype: r3_rollout::Dtype::F16,
+        rollout_router_dtype: r3_rollout::RouterDtype::Model,
+        train_precision: r3_model::Precision::F32,
         out: out.to_path_buf(),
         command: "analyze test".into(),
     }

@@ -1,10 +1,12 @@
 //! The mismatch analysis behind `r3 analyze` (paper Section 3 and 4.3): rollouts from the
-//! f16 rollout engine, the same tokens recomputed by the f32 training engine natively and with
-//! R3 replay, a dense reference model, and two training passes compared with each other.
-//! Writes `summary.json`, `summary.md` and the PNGs into one directory.
+//! rollout engine (f16 by default, or bf16), the same tokens recomputed by the training engine
+//! (f32 by default, or bf16 mixed precision) natively and with R3 replay, a dense reference
+//! model, and two training passes compared with each other. Writes `summary.json`,
+//! `summary.md` and the PNGs into one directory; `grid` runs the precision grid.
 
 mod dense;
 mod figures;
+pub mod grid;
 mod prompts;
 mod rollout;
 mod stats;
@@ -16,8 +18,8 @@ use std::time::Instant;
 
 use candle_core::Device;
 use indicatif::ProgressBar;
-use r3_model::{Config, Model, Weights};
-use r3_rollout::{Dtype, Engine, EngineConfig};
+use r3_model::{Config, Model, Precision, Weights};
+use r3_rollout::{Dtype, Engine, EngineConfig, RouterDtype};
 use r3_routing::RouteTable;
 
 pub use summary::AnalysisSummary;
@@ -60,14 +62,20 @@ pub struct AnalyzeOptions {
     pub micro_batch: usize,
     /// Seed of prompts, sampling and random dense weights.
     pub seed: u64,
+    /// Rollout engine precision (f16 by default).
+    pub rollout_dtype: Dtype,
+    /// Rollout router precision.
+    pub rollout_router_dtype: RouterDtype,
+    /// Training forward precision (f32 by default).
+    pub train_precision: Precision,
     /// Output directory.
     pub out: PathBuf,
     /// The command line, recorded in the summary.
     pub command: String,
 }
 
-/// Loads a model's config and weights for the training engine.
-fn load_training_model(dir: &Path) -> Result<(Config, Model), AnalysisError> {
+/// Loads a model's config and weights for the training engine at `precision`.
+fn load_training_model(dir: &Path, precision: Precision) -> Result<(Config, Model), AnalysisError> {
     let cfg = Config::from_file(&dir.join("config.json")).map_err(AnalysisError::model(
         format!("reading {}/config.json", dir.display()),
     ))?;
@@ -75,16 +83,26 @@ fn load_training_model(dir: &Path) -> Result<(Config, Model), AnalysisError> {
         "loading weights from {}",
         dir.display()
     )))?;
-    let model =
-        Model::new(&cfg, &weights).map_err(AnalysisError::model("building the training model"))?;
+    let model = Model::with_precision(&cfg, &weights, precision)
+        .map_err(AnalysisError::model("building the training model"))?;
     Ok((cfg, model))
 }
 
-/// The f16 rollout engine config used for every rollout here.
-fn engine_config() -> EngineConfig {
+/// The rollout engine config used for every rollout of `opts`.
+fn engine_config(opts: &AnalyzeOptions) -> EngineConfig {
     EngineConfig {
-        dtype: Dtype::F16,
+        dtype: opts.rollout_dtype,
+        router_dtype: opts.rollout_router_dtype,
         ..EngineConfig::default()
+    }
+}
+
+/// The name of a training precision as the summaries print it.
+pub fn precision_name(p: Precision) -> &'static str {
+    match p {
+        Precision::F32 => "f32",
+        Precision::Bf16 { router_f32: false } => "bf16",
+        Precision::Bf16 { router_f32: true } => "bf16 (f32 router)",
     }
 }
 
@@ -149,7 +167,7 @@ struct Inputs {
 }
 
 fn load_inputs(opts: &AnalyzeOptions) -> Result<Inputs, AnalysisError> {
-    let (cfg, model) = load_training_model(&opts.model)?;
+    let (cfg, model) = load_training_model(&opts.model, opts.train_precision)?;
     if cfg.moe.is_none() {
         return Err(AnalysisError::Invalid(format!(
             "--model {} is a dense model; r3 analyze measures an MoE model (give the dense one \
@@ -237,21 +255,22 @@ fn moe_passes(
 
 /// The dense reference: its own rollouts (same prompts and seeds) and one native pass.
 fn dense_reference(
+    opts: &AnalyzeOptions,
     dense: &DenseModel,
     prompts: &[Vec<u32>],
     setup: SamplingSetup,
-    micro_batch: usize,
     progress: &ProgressBar,
 ) -> Result<(Vec<Sample>, PassResult), AnalysisError> {
+    let micro_batch = opts.micro_batch;
     let samples = {
         let mut engine = Engine::new(
             dense.config.clone(),
             dense.weights.tensors(),
-            engine_config(),
+            engine_config(opts),
         )?;
         generate_samples(&mut engine, prompts, setup)?
     };
-    let model = Model::new(&dense.config, &dense.weights)
+    let model = Model::with_precision(&dense.config, &dense.weights, opts.train_precision)
         .map_err(AnalysisError::model("building the dense training model"))?;
     let pass = training_pass(
         &model,
@@ -331,6 +350,7 @@ fn two_passes(
 
 /// Every figure of the analysis, drawn into `out`.
 fn draw_figures(
+    opts: &AnalyzeOptions,
     out: &Path,
     passes: &MoePasses,
     rollout_lp: &[Vec<f32>],
@@ -340,10 +360,12 @@ fn draw_figures(
 ) -> Result<FigureIndex, AnalysisError> {
     let (dense_pass, dense_lp, dense_native) = dense;
     let mut index = FigureIndex::new();
-    let prob_axes = (
-        "rollout engine probability (f16)",
-        "training engine probability (f32)",
+    let x_axis = format!("rollout engine probability ({})", opts.rollout_dtype);
+    let y_axis = format!(
+        "training engine probability ({})",
+        precision_name(opts.train_precision)
     );
+    let prob_axes = (x_axis.as_str(), y_axis.as_str());
     figures::scatter(
         &mut index,
         out,
@@ -447,7 +469,7 @@ pub fn run_analysis(opts: &AnalyzeOptions) -> Result<AnalysisSummary, AnalysisEr
     let t0 = Instant::now();
     let inputs = load_inputs(opts)?;
     let samples = {
-        let mut engine = Engine::from_dir(&opts.model, engine_config())?;
+        let mut engine = Engine::from_dir(&opts.model, engine_config(opts))?;
         generate_samples(&mut engine, &inputs.prompts.ids, setup)?
     };
     timings.rollout_s = t0.elapsed().as_secs_f64();
@@ -464,7 +486,7 @@ pub fn run_analysis(opts: &AnalyzeOptions) -> Result<AnalysisSummary, AnalysisEr
 
     let t0 = Instant::now();
     let (dense_samples, dense_pass) =
-        dense_reference(&inputs.dense, &inputs.prompts.ids, setup, mb, &progress)?;
+        dense_reference(opts, &inputs.dense, &inputs.prompts.ids, setup, &progress)?;
     timings.dense_s = t0.elapsed().as_secs_f64();
 
     let t0 = Instant::now();
@@ -491,6 +513,7 @@ pub fn run_analysis(opts: &AnalyzeOptions) -> Result<AnalysisSummary, AnalysisEr
         "re-batched vs first pass",
     )?;
     let figures = draw_figures(
+        opts,
         out,
         &passes,
         &rollout_lp,
@@ -507,14 +530,17 @@ pub fn run_analysis(opts: &AnalyzeOptions) -> Result<AnalysisSummary, AnalysisEr
         model: model_info(&opts.model, &inputs.cfg),
         prompts: inputs.prompts.source,
         rollout: RolloutInfo {
-            dtype: Dtype::F16.to_string(),
+            dtype: opts.rollout_dtype.to_string(),
             temperature: opts.temperature,
             max_new_tokens: opts.max_new_tokens,
             samples: n,
             response_tokens: moe.native.metrics.num_tokens,
             routed_positions: routes.iter().map(RouteTable::num_tokens).sum(),
         },
-        training_engine: format!("r3-train policy scoring, f32, {mb} sequences per call"),
+        training_engine: format!(
+            "r3-train policy scoring, {}, {mb} sequences per call",
+            precision_name(opts.train_precision)
+        ),
         moe,
         dense: DenseSection {
             source: inputs.dense.source.clone(),

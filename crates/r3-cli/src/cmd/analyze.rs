@@ -1,13 +1,17 @@
 //! `r3 analyze --model DIR`: the training–inference mismatch of an MoE model (paper Section
-//! 3): f16 rollouts, f32 training passes natively and with R3 replay, a dense reference, two
-//! training passes compared, written as summary.json, summary.md and PNGs.
+//! 3): rollouts (f16 or bf16), training passes (f32 or bf16) natively and with R3 replay, a
+//! dense reference, two training passes compared, written as summary.json, summary.md and
+//! PNGs; `--grid` runs every precision pair and writes grid.json / grid.md.
 
 use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
 
+use r3_analysis::mismatch::grid::{run_grid, GRID_JSON};
 use r3_analysis::mismatch::{run_analysis, AnalyzeOptions, SUMMARY_JSON};
+use r3_model::Precision;
+use r3_rollout::{Dtype, RouterDtype};
 
 /// Options of `r3 analyze`.
 #[derive(Debug, Args)]
@@ -37,9 +41,32 @@ pub struct AnalyzeArgs {
     /// Seed of prompts, sampling and random dense weights.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Rollout engine precision: f16 or bf16 (bf16 rounds activations where SGLang / vLLM
+    /// keep them in bf16).
+    #[arg(long, default_value = "f16")]
+    pub rollout_dtype: String,
+    /// Training forward precision: f32 or bf16 (Megatron-style mixed precision).
+    #[arg(long, default_value = "f32")]
+    pub train_dtype: String,
+    /// Router precision on both sides in bf16 mode: `bf16` (the model dtype) or `f32`.
+    #[arg(long, default_value = "bf16")]
+    pub router_dtype: String,
+    /// Run the grid rollout {f16, bf16} × training {f32, bf16} × {no replay, R3} instead of
+    /// one cell, then the full analysis (figures) of the bf16/bf16 cell in `OUT/bf16_bf16`.
+    #[arg(long)]
+    pub grid: bool,
     /// Output directory for summary.json, summary.md and the PNGs.
     #[arg(long, default_value = "analysis")]
     pub out: PathBuf,
+}
+
+/// The training precision named by `--train-dtype` and `--router-dtype`.
+fn train_precision(dtype: &str, router_f32: bool) -> anyhow::Result<Precision> {
+    match dtype {
+        "f32" => Ok(Precision::F32),
+        "bf16" => Ok(Precision::Bf16 { router_f32 }),
+        other => anyhow::bail!("--train-dtype must be f32 or bf16, got {other:?}"),
+    }
 }
 
 /// Runs the analysis and prints the path of summary.json on stdout.
@@ -51,6 +78,21 @@ pub fn run(a: AnalyzeArgs) -> anyhow::Result<()> {
     );
     anyhow::ensure!(a.max_new_tokens >= 1, "--max-new-tokens must be at least 1");
     let command: Vec<String> = std::env::args().collect();
+    let rollout_dtype: Dtype = a.rollout_dtype.parse()?;
+    anyhow::ensure!(
+        rollout_dtype != Dtype::F32,
+        "--rollout-dtype must be f16 or bf16 (an f32 rollout has no precision mismatch to measure)"
+    );
+    let router_f32 = match a.router_dtype.as_str() {
+        "bf16" | "model" => false,
+        "f32" => true,
+        other => anyhow::bail!("--router-dtype must be bf16 or f32, got {other:?}"),
+    };
+    let rollout_router_dtype = if router_f32 {
+        RouterDtype::F32
+    } else {
+        RouterDtype::Model
+    };
     let opts = AnalyzeOptions {
         model: a.model,
         dense_model: a.dense_model,
@@ -60,9 +102,27 @@ pub fn run(a: AnalyzeArgs) -> anyhow::Result<()> {
         temperature: a.temperature,
         micro_batch: a.micro_batch,
         seed: a.seed,
+        rollout_dtype,
+        rollout_router_dtype,
+        train_precision: train_precision(&a.train_dtype, router_f32)?,
         out: a.out,
         command: command.join(" "),
     };
+    if a.grid {
+        let bf16 = Precision::Bf16 { router_f32 };
+        let grid = run_grid(&opts, &[Dtype::F16, Dtype::Bf16], &[Precision::F32, bf16])
+            .context("r3 analyze --grid")?;
+        print!("{}", grid.to_markdown());
+        let cell = AnalyzeOptions {
+            rollout_dtype: Dtype::Bf16,
+            train_precision: bf16,
+            out: opts.out.join("bf16_bf16"),
+            ..opts.clone()
+        };
+        run_analysis(&cell).context("r3 analyze, bf16/bf16 cell")?;
+        println!("{}", opts.out.join(GRID_JSON).display());
+        return Ok(());
+    }
     let summary = run_analysis(&opts).context("r3 analyze")?;
     tracing::info!(
         k3_kl_native = summary.moe.native.metrics.k3_kl,
