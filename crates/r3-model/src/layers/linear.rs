@@ -215,6 +215,47 @@ mod tests {
         Tensor::from_vec(data, shape, &Device::Cpu).expect("tensor")
     }
 
+    /// A hand-computed bf16 projection (the rollout engine's bf16 linear test uses the same
+    /// numbers): inputs, weights and bias read as bf16, f32 accumulation, the output rounded
+    /// after the bias; gradients reach the f32 master weight unchanged by the rounding.
+    #[test]
+    fn bf16_projection_by_hand() {
+        // x = [1 + 2^-9, 3] reads as [1, 3]; w = [[1 + 2^-9, 1], [0.5, -1 - 2^-7]] reads as
+        // [[1, 1], [0.5, -1 - 2^-7]]; bias [2^-8, 0].
+        // Row 0: 4 + 2^-8 rounds to 4 (bf16 step at 4 is 2^-5).
+        // Row 1: 0.5 - 3(1 + 2^-7) = -2.5234375, a tie between -2.515625 and -2.53125; the
+        // even mantissa wins: -2.53125.
+        let dev = Device::Cpu;
+        let w = Var::from_slice(
+            &[1.0 + 2f32.powi(-9), 1.0, 0.5, -1.0 - 2f32.powi(-7)],
+            (2, 2),
+            &dev,
+        )
+        .expect("w");
+        let b = Tensor::from_slice(&[2f32.powi(-8), 0.0], 2, &dev).expect("b");
+        let mut lin = Linear {
+            weight: w.as_tensor().clone(),
+            bias: Some(b),
+            precision: Precision::F32,
+        };
+        lin.set_precision(Precision::Bf16 { router_f32: false });
+        let x = Tensor::from_slice(&[1.0 + 2f32.powi(-9), 3.0], (1, 2), &dev).expect("x");
+        let y = lin.forward(&x).expect("forward");
+        assert_eq!(
+            y.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("y"),
+            vec![4.0, -2.53125]
+        );
+        // d(sum y)/dW = x broadcast per row (straight through both roundings): the rounded x.
+        let grads = y.sum_all().and_then(|l| l.backward()).expect("backward");
+        let gw = grads.get(&w).expect("dw");
+        assert_eq!(
+            gw.flatten_all()
+                .and_then(|t| t.to_vec1::<f32>())
+                .expect("dw"),
+            vec![1.0, 3.0, 1.0, 3.0]
+        );
+    }
+
     /// The custom product on a 3-D input and on a transposed 2-D input equals candle's
     /// matmul: values and both gradients (f64, so equal to rounding).
     #[test]
