@@ -16,6 +16,8 @@ pub enum BenchCommand {
     Train(super::bench_train::BenchTrainArgs),
     /// Rollout through 1 and 2 local HTTP workers vs the in-process engine: overhead per token.
     Fleet(super::bench_fleet::BenchFleetArgs),
+    /// Reliability suite: load, slowloris, weight swaps under load, training kill/resume.
+    Reliability(super::bench_reliability::BenchReliabilityArgs),
 }
 
 /// Runs one benchmark.
@@ -25,5 +27,6 @@ pub fn run(command: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Rollout(a) => bench_rollout::run(a),
         BenchCommand::Train(a) => super::bench_train::run(a),
         BenchCommand::Fleet(a) => super::bench_fleet::run(a),
+        BenchCommand::Reliability(a) => super::bench_reliability::run(a),
     }
 }

@@ -9,8 +9,8 @@ use anyhow::Context;
 use clap::Args;
 use r3_model::LoadOptions;
 use r3_rollout::server::{
-    build_app, serve_with_limits, ConnectionLimits, SecurityConfig, ServerConfig, ServerLimits,
-    TextCodec,
+    build_app, serve_with_limits, ClientLimits, ConnectionLimits, SecurityConfig, ServerConfig,
+    ServerLimits, TextCodec,
 };
 use r3_rollout::{Dtype, Engine, EngineConfig, RouterDtype};
 
@@ -97,6 +97,18 @@ pub struct ServeArgs {
     /// checkpoint); weight updates from disk are always checked.
     #[arg(long)]
     pub allow_non_finite_weights: bool,
+    /// Most tokens one generating request may hold in flight (its prompts + n × their max
+    /// new tokens; more: 413). Default: 64 × the model's context; 0: no limit.
+    #[arg(long)]
+    pub max_tokens_per_request: Option<usize>,
+    /// Most generating requests one client (its IP address, or its key with `--api-key`)
+    /// may have in flight (more: 429); 0: no limit.
+    #[arg(long, default_value_t = r3_rollout::server::limits::DEFAULT_REQUESTS_PER_CLIENT)]
+    pub max_requests_per_client: usize,
+    /// Most tokens one client's requests may hold in flight together (more: 429). Default:
+    /// 256 × the model's context; 0: no limit.
+    #[arg(long)]
+    pub max_tokens_per_client: Option<usize>,
 }
 
 /// The default weights root: the model directory's parent (where a trainer's sync
@@ -158,6 +170,11 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
             header_timeout: Duration::from_secs(a.header_timeout_secs.max(1)),
             body_timeout: Duration::from_secs(a.body_timeout_secs.max(1)),
             max_connections: a.max_connections.max(1),
+        },
+        clients: ClientLimits {
+            max_tokens_per_request: a.max_tokens_per_request,
+            max_requests_per_client: a.max_requests_per_client,
+            max_tokens_per_client: a.max_tokens_per_client,
         },
     };
     let connections = config.connections;

@@ -23,7 +23,9 @@ pub mod connections;
 pub mod error;
 pub mod fields;
 pub mod generate;
+pub mod limits;
 pub mod policy;
+pub mod request_tokens;
 pub mod sampling;
 pub mod security;
 pub mod sse;
@@ -49,6 +51,7 @@ use axum::Router;
 pub use backend::{InferenceBackend, ModelSummary, StagedWeights};
 pub use connections::{serve_with_limits, ConnectionLimits};
 pub use error::ApiError;
+pub use limits::{ClientLedger, ClientLimits};
 pub use security::SecurityConfig;
 pub use text::TextCodec;
 pub use weights_update::WeightStager;
@@ -106,6 +109,8 @@ pub struct ServerConfig {
     /// Connection timeouts and the connection cap ([`serve_with_limits`]); the body timeout
     /// is applied by the app itself.
     pub connections: ConnectionLimits,
+    /// Per-request and per-client limits of tokens and requests in flight ([`limits`]).
+    pub clients: ClientLimits,
 }
 
 /// State shared by all handlers.
@@ -275,6 +280,8 @@ pub struct App {
     pub handle: EngineHandle,
     /// The engine worker thread; it ends once the router and every handle are dropped.
     pub worker: JoinHandle<()>,
+    /// What each client holds in flight (the per-client limits' counts).
+    pub clients: ClientLedger,
 }
 
 /// Starts the engine worker for `backend` and builds the routes.
@@ -288,6 +295,7 @@ pub fn build_app<B: InferenceBackend>(
     let body_limit = config.limits.max_body_bytes;
     let body_timeout = config.connections.body_timeout;
     let access = Arc::new(config.security.clone());
+    let client_limits = config.clients;
     let state = AppState(Arc::new(Shared {
         handle: handle.clone(),
         summary,
@@ -298,6 +306,8 @@ pub fn build_app<B: InferenceBackend>(
         stager,
         update_lock: tokio::sync::Mutex::new(()),
     }));
+    let clients = ClientLedger::default();
+    let admission = limits::Admission::new(state.clone(), &client_limits, clients.clone());
     let router = Router::new()
         .route("/health", get(admin::health).post(admin::health))
         .route("/health_generate", get(admin::health_generate))
@@ -321,6 +331,7 @@ pub fn build_app<B: InferenceBackend>(
         )
         .fallback(|| async { ApiError::not_found("no such endpoint") })
         .layer(DefaultBodyLimit::max(body_limit))
+        .layer(from_fn_with_state(admission, limits::admit))
         .layer(from_fn_with_state(
             (body_timeout, body_limit),
             connections::body_deadline,
@@ -332,6 +343,7 @@ pub fn build_app<B: InferenceBackend>(
         router,
         handle,
         worker,
+        clients,
     })
 }
 

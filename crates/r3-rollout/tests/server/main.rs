@@ -9,6 +9,7 @@ mod connections;
 mod engine;
 mod fake;
 mod fake_http;
+mod limits;
 mod malformed;
 mod security;
 mod streaming;
