@@ -524,7 +524,7 @@ fn server_latency(v: &Value) -> Option<u64> {
         other => other,
     };
     let s = reply.get("meta_info")?.get("e2e_latency")?.as_f64()?;
-    (s.is_finite() && s >= 0.0).then(|| (s * 1e9) as u64)
+    (s.is_finite() && s >= 0.0).then_some((s * 1e9) as u64)
 }
 
 /// [`decode_reply`], its time added to the batch's decode counter.
