@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use r3_routing::{LayerLayout, WireShape};
+use r3_routing::{LayerLayout, MergePolicy, WireShape};
 
 use crate::error::{FleetError, Result};
 
@@ -22,6 +22,22 @@ pub struct FleetConfig {
     pub api_key: Option<String>,
     /// Replies from weights at most this many versions old are accepted (and counted).
     pub max_staleness: u64,
+    /// What happens to a request a worker aborted (at a weight update).
+    pub partial: PartialMode,
+    /// How the route pieces of a resumed request are combined.
+    pub merge: MergePolicy,
+}
+
+/// What the client does with a request a worker aborted (finish reason `abort`, e.g. at
+/// a weight update with `abort_all_requests`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PartialMode {
+    /// Continue it after the sync from the tokens it already has (partial rollout).
+    #[default]
+    Resume,
+    /// Send it again from the prompt, dropping what was generated.
+    Restart,
 }
 
 impl FleetConfig {

@@ -5,6 +5,12 @@
 //! [`Fleet::sync`] moves every worker to a new weight version; a worker that was out is
 //! probed with `/health` before each batch and rejoins once a sync brings it to the
 //! current version.
+//!
+//! A request a worker aborts (a weight update with `abort_all_requests`, `/abort_request`,
+//! `/pause_generation` in abort mode) is continued after the sync from the tokens it has
+//! ([`crate::partial`]), or with `partial = restart` sent again from its prompt. `sync`
+//! and `generate` take `&self`, so a sync may run while a batch is in flight (one thread
+//! rolling out, another training and syncing); continuations wait until the sync is done.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,9 +22,10 @@ use serde_json::{json, Value};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
-use crate::config::{FleetConfig, ModelFacts};
+use crate::config::{FleetConfig, ModelFacts, PartialMode};
 use crate::error::{FleetError, Result};
 use crate::http::JsonClient;
+use crate::partial::Pieces;
 use crate::pool::WorkerPool;
 use crate::wire::{decode_reply, generate_body, parse_version, Reply};
 
@@ -26,6 +33,9 @@ use crate::wire::{decode_reply, generate_body, parse_version, Reply};
 const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Shortest wait allowed for `/update_weights_from_disk` (loading weights takes a while).
 const MIN_LOAD_TIMEOUT: Duration = Duration::from_secs(120);
+/// Aborts in a row that bring no new token before a request is given up (a worker that
+/// aborts everything it gets would otherwise be asked forever).
+const MAX_IDLE_ABORTS: u32 = 8;
 
 /// What one batch of requests cost besides the results.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -40,6 +50,22 @@ pub struct RolloutStats {
     pub workers_up: usize,
     /// Client seconds spent checking and decoding parsed replies, summed over requests.
     pub decode_s: f64,
+    /// Continuations sent for requests a worker aborted (`partial = resume`).
+    pub partial_resumed: u64,
+    /// Aborted requests sent again from their prompt (`partial = restart`).
+    pub partial_restarted: u64,
+    /// Results whose pieces came from more than one weight version.
+    pub spanning: usize,
+    /// Client seconds building request bodies, summed over requests.
+    pub encode_s: f64,
+    /// Client-observed seconds of the `/generate` calls (send to parsed reply), summed.
+    pub request_s: f64,
+    /// The workers' own time for those calls (`meta_info.e2e_latency`: from receiving the
+    /// request to having its result, before encoding the reply), summed over the calls
+    /// that report it.
+    pub server_s: f64,
+    /// Client-observed seconds of the calls that report `e2e_latency`, summed.
+    pub timed_request_s: f64,
 }
 
 /// Counters the request tasks of one batch add to.
@@ -47,9 +73,34 @@ pub struct RolloutStats {
 struct Counters {
     retries: AtomicU64,
     decode_ns: AtomicU64,
+    resumed: AtomicU64,
+    restarted: AtomicU64,
+    encode_ns: AtomicU64,
+    request_ns: AtomicU64,
+    server_ns: AtomicU64,
+    timed_request_ns: AtomicU64,
+}
+
+/// One finished request: the merged result and its pieces' weight versions.
+struct Done {
+    result: GenerateResult,
+    versions: Vec<u64>,
 }
 
 impl RolloutStats {
+    /// What HTTP, JSON and the client's checks cost as a fraction of the time requests
+    /// took as the client saw them: (call time − the worker's own time + encode + decode)
+    /// over (call time + encode + decode), over the calls whose worker reports its time.
+    pub fn wire_overhead_frac(&self) -> Option<f64> {
+        if self.timed_request_s <= 0.0 {
+            return None;
+        }
+        let client = self.timed_request_s + self.encode_s + self.decode_s;
+        let overhead =
+            (self.timed_request_s - self.server_s).max(0.0) + self.encode_s + self.decode_s;
+        Some(overhead / client)
+    }
+
     /// Fraction of results from older weights.
     pub fn stale_frac(&self) -> f64 {
         if self.results == 0 {
@@ -64,10 +115,8 @@ impl RolloutStats {
 pub struct Fleet {
     runtime: tokio::runtime::Runtime,
     shared: Arc<Shared>,
-    /// Weight version every reply should come from.
-    version: u64,
-    /// Checkpoint of `version`, for bringing a returning worker up to date.
-    synced_dir: Option<PathBuf>,
+    /// Checkpoint of the current version, for bringing a returning worker up to date.
+    synced_dir: Mutex<Option<PathBuf>>,
 }
 
 /// What the request tasks share.
@@ -77,13 +126,18 @@ struct Shared {
     cfg: FleetConfig,
     model: ModelFacts,
     next_rid: AtomicU64,
+    /// Weight version every new reply should come from.
+    version: AtomicU64,
+    /// Held (write) for the length of a sync; continuations of aborted requests take it
+    /// (read) first, so they run on the new weights.
+    sync_gate: tokio::sync::RwLock<()>,
 }
 
 impl std::fmt::Debug for Fleet {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Fleet")
             .field("urls", &self.shared.cfg.urls)
-            .field("version", &self.version)
+            .field("version", &self.version())
             .finish()
     }
 }
@@ -98,19 +152,18 @@ impl Shared {
         format!("{}{path}", self.pool().slots()[worker].url)
     }
 
-    /// The version check of a reply: current, or older within `max_staleness`.
-    fn check_version(&self, url: &str, reply: &Reply, current: u64) -> Result<bool> {
+    /// The version check of a reply to a request sent at version `sent`: not newer than
+    /// the current version, and at most `max_staleness` older than `sent`.
+    fn check_version(&self, url: &str, reply: &Reply, sent: u64) -> Result<()> {
         let max = self.cfg.max_staleness;
-        if reply.version == current {
-            return Ok(false);
-        }
-        if reply.version < current && current - reply.version <= max {
-            return Ok(true);
+        let current = self.version.load(Ordering::SeqCst);
+        if reply.version <= current && reply.version.saturating_add(max) >= sent {
+            return Ok(());
         }
         Err(FleetError::Stale {
             url: url.to_string(),
             got: reply.version.to_string(),
-            expected: current,
+            expected: sent,
             max_staleness: max,
         })
     }
@@ -120,7 +173,9 @@ impl Fleet {
     /// A client for the workers of `cfg` (none contacted yet: call [`Fleet::sync`] first).
     pub fn new(cfg: FleetConfig, model: ModelFacts) -> Result<Self> {
         cfg.validate()?;
-        let runtime = tokio::runtime::Builder::new_current_thread()
+        // Multi-threaded so that `sync` and `generate` may block on it from two threads.
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
             .enable_all()
             .build()
             .map_err(FleetError::Runtime)?;
@@ -134,18 +189,19 @@ impl Fleet {
             cfg,
             model,
             next_rid: AtomicU64::new(0),
+            version: AtomicU64::new(0),
+            sync_gate: tokio::sync::RwLock::new(()),
         });
         Ok(Fleet {
             runtime,
             shared,
-            version: 0,
-            synced_dir: None,
+            synced_dir: Mutex::new(None),
         })
     }
 
     /// The weight version replies must come from.
     pub fn version(&self) -> u64 {
-        self.version
+        self.shared.version.load(Ordering::SeqCst)
     }
 
     /// Workers up now.
@@ -162,13 +218,14 @@ impl Fleet {
     /// (`/pause_generation`, `/update_weights_from_disk`, `/continue_generation`, then
     /// `/get_weight_version` must say `version`). A worker that fails is taken out (it
     /// rejoins later); the sync fails only when no worker is left.
-    pub fn sync(&mut self, dir: &Path, version: u64) -> Result<()> {
-        self.version = version;
-        self.synced_dir = Some(dir.to_path_buf());
+    pub fn sync(&self, dir: &Path, version: u64) -> Result<()> {
+        *self.synced_dir.lock().unwrap_or_else(|p| p.into_inner()) = Some(dir.to_path_buf());
         let n = self.shared.pool().slots().len();
         let shared = Arc::clone(&self.shared);
         let dir = dir.to_path_buf();
         self.runtime.block_on(async move {
+            let _gate = shared.sync_gate.write().await;
+            shared.version.store(version, Ordering::SeqCst);
             let mut set = JoinSet::new();
             for w in 0..n {
                 let (shared, dir) = (Arc::clone(&shared), dir.clone());
@@ -187,8 +244,13 @@ impl Fleet {
 
     /// Probes every worker that is out with `/health`; one that answers is synced to the
     /// current version and rejoins. Returns the workers up afterwards.
-    pub fn rejoin(&mut self) -> usize {
-        let Some(dir) = self.synced_dir.clone() else {
+    pub fn rejoin(&self) -> usize {
+        let synced = self
+            .synced_dir
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let Some(dir) = synced else {
             return self.workers_up();
         };
         let down: Vec<usize> = {
@@ -201,7 +263,7 @@ impl Fleet {
             return self.workers_up();
         }
         let shared = Arc::clone(&self.shared);
-        let version = self.version;
+        let version = self.version();
         self.runtime.block_on(async move {
             let mut set = JoinSet::new();
             for w in down {
@@ -235,14 +297,13 @@ impl Fleet {
     /// `max_retries` times; the batch fails only when a request runs out of attempts or
     /// no worker is left.
     pub fn generate(
-        &mut self,
+        &self,
         requests: Vec<GenerateRequest>,
     ) -> Result<(Vec<GenerateResult>, RolloutStats)> {
         self.rejoin();
         self.require_workers()?;
         let n = requests.len();
         let shared = Arc::clone(&self.shared);
-        let version = self.version;
         let counters = Arc::new(Counters::default());
         let counter = Arc::clone(&counters);
         let outcome = self.runtime.block_on(async move {
@@ -256,10 +317,10 @@ impl Fleet {
                 );
                 set.spawn(async move {
                     let _permit = permits.acquire_owned().await;
-                    (i, run_request(&shared, i, &req, version, &counter).await)
+                    (i, run_request(&shared, i, &req, &counter).await)
                 });
             }
-            let mut slots: Vec<Option<(GenerateResult, bool)>> = vec![None; n];
+            let mut slots: Vec<Option<Done>> = (0..n).map(|_| None).collect();
             while let Some(done) = set.join_next().await {
                 let (i, res) = done.map_err(|e| FleetError::Transport {
                     url: "(local)".into(),
@@ -283,14 +344,18 @@ impl Fleet {
             Ok::<_, FleetError>(slots)
         })?;
         let mut results = Vec::with_capacity(n);
-        let mut stale = 0;
+        let (mut stale, mut spanning) = (0, 0);
+        // Stale: some piece came from weights older than the trainer's at the batch's end.
+        let current = self.version();
         for (i, slot) in outcome.into_iter().enumerate() {
-            let (mut r, was_stale) = slot.ok_or_else(|| FleetError::Transport {
+            let done = slot.ok_or_else(|| FleetError::Transport {
                 url: "(local)".into(),
                 message: format!("request {i} got no result"),
             })?;
+            let mut r = done.result;
             r.id = i as u64;
-            stale += usize::from(was_stale);
+            stale += usize::from(done.versions.iter().any(|&v| v < current));
+            spanning += usize::from(done.versions.windows(2).any(|w| w[0] != w[1]));
             results.push(r);
         }
         let stats = RolloutStats {
@@ -299,6 +364,13 @@ impl Fleet {
             results: results.len(),
             workers_up: self.workers_up(),
             decode_s: counters.decode_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+            partial_resumed: counters.resumed.load(Ordering::Relaxed),
+            partial_restarted: counters.restarted.load(Ordering::Relaxed),
+            spanning,
+            encode_s: secs(&counters.encode_ns),
+            request_s: secs(&counters.request_ns),
+            server_s: secs(&counters.server_ns),
+            timed_request_s: secs(&counters.timed_request_ns),
         };
         Ok((results, stats))
     }
@@ -315,23 +387,33 @@ impl Fleet {
     }
 }
 
-/// One request until it succeeds or runs out of attempts; the result and whether it came
-/// from older weights.
+/// One request until it completes or runs out of attempts: worker faults are retried on
+/// another worker; an aborted piece is continued (or restarted) after any sync under way.
 async fn run_request(
     shared: &Shared,
     index: usize,
     req: &GenerateRequest,
-    version: u64,
     counters: &Counters,
-) -> Result<(GenerateResult, bool)> {
-    let rid = format!(
-        "r3-train-{}-{index}",
-        shared.next_rid.fetch_add(1, Ordering::Relaxed)
-    );
-    let body = generate_body(req, &rid);
+) -> Result<Done> {
+    let merge = shared.cfg.merge;
+    let mut pieces = Pieces::new(req.clone());
     let mut avoid = Vec::new();
     let mut attempts = 0u32;
+    let mut idle_aborts = 0u32;
+    let mut after_abort = false;
     loop {
+        if after_abort {
+            drop(shared.sync_gate.read().await);
+        }
+        let piece_req = pieces.next_request(merge);
+        let rid = format!(
+            "r3-train-{}-{index}",
+            shared.next_rid.fetch_add(1, Ordering::Relaxed)
+        );
+        let encoding = std::time::Instant::now();
+        let body = generate_body(&piece_req, &rid);
+        add_elapsed(&counters.encode_ns, encoding);
+        let sent = shared.version.load(Ordering::SeqCst);
         let picked = shared.pool().acquire(&avoid);
         let Some(w) = picked else {
             let pool = shared.pool();
@@ -342,26 +424,70 @@ async fn run_request(
         };
         attempts += 1;
         let url = shared.url(w, "/generate");
+        let calling = std::time::Instant::now();
         let res = match shared
             .client
             .post(&url, &body, shared.cfg.request_timeout)
             .await
         {
-            Ok(v) => timed_decode(&url, &v, req, shared, counters).and_then(|reply| {
-                if reply.result.finish == r3_rollout::FinishReason::Abort {
-                    return Err(FleetError::BadReply {
-                        url: url.clone(),
-                        reason: "the request was aborted by the worker".into(),
-                    });
+            Ok(v) => {
+                let call = add_elapsed(&counters.request_ns, calling);
+                if let Some(server) = server_latency(&v) {
+                    counters.server_ns.fetch_add(server, Ordering::Relaxed);
+                    counters.timed_request_ns.fetch_add(call, Ordering::Relaxed);
                 }
-                let stale = shared.check_version(&url, &reply, version)?;
-                Ok((reply.result, stale))
-            }),
+                timed_decode(&url, &v, &piece_req, shared, counters).and_then(|reply| {
+                    shared.check_version(&url, &reply, sent)?;
+                    Ok(reply)
+                })
+            }
             Err(e) => Err(e),
         };
         shared.pool().release(w);
         match res {
-            Ok(r) => return Ok(r),
+            Ok(reply) => {
+                let aborted = reply.result.finish == r3_rollout::FinishReason::Abort;
+                let progress = !reply.result.output_ids.is_empty();
+                if aborted && shared.cfg.partial == PartialMode::Restart {
+                    tracing::debug!(request = index, worker = %url, "request aborted; restarting it");
+                    pieces = Pieces::new(req.clone());
+                    counters.restarted.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    let complete =
+                        pieces
+                            .add(reply.result, reply.version, merge)
+                            .map_err(|reason| FleetError::BadReply {
+                                url: url.clone(),
+                                reason,
+                            })?;
+                    if complete {
+                        let versions = pieces.versions().to_vec();
+                        let result = pieces.finish().ok_or_else(|| FleetError::BadReply {
+                            url: url.clone(),
+                            reason: "complete request without a result".into(),
+                        })?;
+                        return Ok(Done { result, versions });
+                    }
+                    tracing::debug!(request = index, worker = %url, generated = pieces.generated(), "request aborted; resuming it");
+                    counters.resumed.fetch_add(1, Ordering::Relaxed);
+                }
+                idle_aborts = if progress && shared.cfg.partial == PartialMode::Resume {
+                    0
+                } else {
+                    idle_aborts + 1
+                };
+                if idle_aborts > MAX_IDLE_ABORTS {
+                    return Err(FleetError::BadReply {
+                        url,
+                        reason: format!(
+                            "request {index} aborted {idle_aborts} times in a row without progress"
+                        ),
+                    });
+                }
+                attempts = 0;
+                avoid.clear();
+                after_abort = true;
+            }
             Err(e) if e.is_worker_fault() => {
                 tracing::warn!(request = index, attempt = attempts, error = %e, "rollout request failed; retrying on another worker");
                 shared.pool().mark_down(w, e.to_string());
@@ -378,6 +504,27 @@ async fn run_request(
             Err(e) => return Err(e),
         }
     }
+}
+
+/// Adds the nanoseconds since `from` to `counter`; returns them.
+fn add_elapsed(counter: &AtomicU64, from: std::time::Instant) -> u64 {
+    let ns = u64::try_from(from.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    counter.fetch_add(ns, Ordering::Relaxed);
+    ns
+}
+
+fn secs(counter: &AtomicU64) -> f64 {
+    counter.load(Ordering::Relaxed) as f64 * 1e-9
+}
+
+/// `meta_info.e2e_latency` of a reply (one object or a one-element list), in nanoseconds.
+fn server_latency(v: &Value) -> Option<u64> {
+    let reply = match v {
+        Value::Array(items) => items.first()?,
+        other => other,
+    };
+    let s = reply.get("meta_info")?.get("e2e_latency")?.as_f64()?;
+    (s.is_finite() && s >= 0.0).then_some((s * 1e9) as u64)
 }
 
 /// [`decode_reply`], its time added to the batch's decode counter.

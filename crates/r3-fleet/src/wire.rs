@@ -125,26 +125,8 @@ pub fn decode_reply(
                 meta.get("weight_version")
             ))
         })?;
-    let routes = if req.return_routes && finish != FinishReason::Abort {
-        let start = req.routed_experts_start_len;
-        let shape = model.wire_shape(start)?;
-        let mut table = decode_sglang_response(meta, &shape)
-            .map_err(|e| bad(format!("routed_experts: {e}")))?;
-        let total = req.input_ids.len() + output_ids.len();
-        let expected = total.checked_sub(1 + start).ok_or_else(|| {
-            bad(format!(
-                "routed_experts_start_len {start} past the sequence"
-            ))
-        })?;
-        if table.num_tokens() != expected || table.start_pos() != start {
-            return Err(bad(format!(
-                "routed_experts has {} rows from position {}, expected {expected} (tokens {total} - 1 - start_len {start})",
-                table.num_tokens(),
-                table.start_pos()
-            )));
-        }
-        table.set_version_all(version);
-        Some(table)
+    let routes = if req.return_routes {
+        decode_routes(meta, req, output_ids.len(), finish, model, version).map_err(&bad)?
     } else {
         None
     };
@@ -163,6 +145,57 @@ pub fn decode_reply(
         },
         version,
     })
+}
+
+/// The reply's route table: exactly `prompt + output − 1 − start_len` rows from
+/// `start_len`, or for an aborted request the rows fed before the abort (none, when the
+/// worker sent `null`), never more.
+fn decode_routes(
+    meta: &Value,
+    req: &GenerateRequest,
+    outputs: usize,
+    finish: FinishReason,
+    model: &ModelFacts,
+    version: u64,
+) -> std::result::Result<Option<r3_routing::RouteTable>, String> {
+    let start = req.routed_experts_start_len;
+    let total = req.input_ids.len() + outputs;
+    let expected = total
+        .checked_sub(1 + start)
+        .ok_or_else(|| format!("routed_experts_start_len {start} past the sequence"))?;
+    let shape = model.wire_shape(start).map_err(|e| e.to_string())?;
+    let aborted = finish == FinishReason::Abort;
+    let mut table = if aborted {
+        match meta.get("routed_experts") {
+            None | Some(Value::Null) => return Ok(None),
+            // The token counts give the full length; an aborted piece has fewer rows.
+            Some(payload) => {
+                let only_routes = json!({
+                    "routed_experts": payload,
+                    "routed_experts_dtype": meta.get("routed_experts_dtype").cloned().unwrap_or(Value::Null),
+                });
+                decode_sglang_response(&only_routes, &shape)
+            }
+        }
+    } else {
+        decode_sglang_response(meta, &shape)
+    }
+    .map_err(|e| format!("routed_experts: {e}"))?;
+    let rows_ok = if aborted {
+        table.num_tokens() <= expected
+    } else {
+        table.num_tokens() == expected
+    };
+    if !rows_ok || table.start_pos() != start {
+        return Err(format!(
+            "routed_experts has {} rows from position {}, expected {}{expected} (tokens {total} - 1 - start_len {start})",
+            table.num_tokens(),
+            table.start_pos(),
+            if aborted { "at most " } else { "" },
+        ));
+    }
+    table.set_version_all(version);
+    Ok(Some(table))
 }
 
 /// `output_ids`: a list of ids below the vocabulary size.

@@ -144,13 +144,15 @@ fn fleet(urls: Vec<String>, max_staleness: u64) -> Fleet {
         max_retries: 2,
         api_key: None,
         max_staleness,
+        partial: r3_fleet::PartialMode::Resume,
+        merge: r3_routing::MergePolicy::KeepPerTokenOrigin,
     };
     Fleet::new(cfg, facts()).expect("fleet")
 }
 
 /// The real server's reply to [`request`] at weight version 1.
 fn genuine_reply(real: &Server) -> Value {
-    let mut f = fleet(vec![real.url.clone()], 0);
+    let f = fleet(vec![real.url.clone()], 0);
     f.sync(&model_dir(), 1).expect("sync real server");
     let client_rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -286,7 +288,7 @@ fn a_bad_worker_is_retried_on_a_good_one_and_alone_fails_the_batch() {
         };
         let fake = fake_server(status, bad);
         // Fake first: ties in load go to the lowest index, so it gets the first attempt.
-        let mut f = fleet(vec![fake.url.clone(), real.url.clone()], 0);
+        let f = fleet(vec![fake.url.clone(), real.url.clone()], 0);
         f.sync(&model_dir(), 1).expect("sync");
         let (results, stats) = f.generate(vec![request()]).expect(what);
         assert_eq!(results.len(), 1, "{what}");
@@ -296,7 +298,7 @@ fn a_bad_worker_is_retried_on_a_good_one_and_alone_fails_the_batch() {
         assert_eq!(results[0].output_ids, want.result.output_ids, "{what}");
         assert_eq!(results[0].routes, want.result.routes, "{what}");
 
-        let mut alone = fleet(vec![fake.url.clone()], 0);
+        let alone = fleet(vec![fake.url.clone()], 0);
         alone.sync(&model_dir(), 1).expect("sync");
         let err = alone.generate(vec![request()]).expect_err(what);
         let text = err.to_string();
@@ -318,7 +320,7 @@ fn a_reply_within_max_staleness_is_accepted_and_counted() {
     let mut old = good.clone();
     old["meta_info"]["weight_version"] = json!("1");
     let fake = fake_server(StatusCode::OK, old);
-    let mut f = fleet(vec![fake.url.clone()], 1);
+    let f = fleet(vec![fake.url.clone()], 1);
     f.sync(&model_dir(), 2).expect("sync");
     let (results, stats) = f.generate(vec![request(), request()]).expect("stale ok");
     assert_eq!(results.len(), 2);
@@ -337,7 +339,7 @@ fn no_reachable_worker_is_one_clear_error() {
         .and_then(|l| l.local_addr())
         .expect("port")
         .port();
-    let mut f = fleet(vec![format!("http://127.0.0.1:{port}")], 0);
+    let f = fleet(vec![format!("http://127.0.0.1:{port}")], 0);
     let err = f.sync(&model_dir(), 1).expect_err("nothing listens");
     let text = err.to_string();
     assert!(matches!(err, FleetError::NoWorkers { .. }), "{text}");

@@ -161,6 +161,14 @@ pub struct RolloutConfig {
     pub max_staleness: u64,
     /// Bearer key sent to the workers (`r3 serve --api-key`); empty = none. Default empty.
     pub api_key: String,
+    /// A request a worker aborts (at a weight update): `resume` continues it from its
+    /// tokens so far (partial rollout), `restart` sends it again from the prompt.
+    /// Default `resume`.
+    pub partial: r3_fleet::PartialMode,
+    /// How a resumed request's route pieces merge: `keep_per_token_origin` (each row from
+    /// the call that fed it) or `replace_with_resumed` (the continuation re-reports every
+    /// row). Default `keep_per_token_origin`.
+    pub partial_merge: r3_routing::MergePolicy,
 }
 
 /// Where rollouts are generated.
@@ -308,6 +316,8 @@ impl Default for RolloutConfig {
             sync_dir: PathBuf::new(),
             max_staleness: 0,
             api_key: String::new(),
+            partial: r3_fleet::PartialMode::Resume,
+            partial_merge: r3_routing::MergePolicy::KeepPerTokenOrigin,
         }
     }
 }

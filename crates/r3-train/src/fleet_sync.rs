@@ -66,6 +66,8 @@ impl FleetRollout {
             max_retries: r.max_retries,
             api_key: (!r.api_key.is_empty()).then(|| r.api_key.clone()),
             max_staleness: r.max_staleness,
+            partial: r.partial,
+            merge: r.partial_merge,
         };
         let sync_dir = if r.sync_dir.as_os_str().is_empty() {
             cfg.run_dir.join(DEFAULT_SYNC_DIR)
@@ -107,6 +109,7 @@ impl FleetRollout {
         m.rollout_retries = Some(self.last.retries);
         m.rollout_stale_frac = Some(self.last.stale_frac());
         m.rollout_workers_up = Some(self.last.workers_up as u64);
+        m.rollout_partial_resumed = Some(self.last.partial_resumed);
     }
 }
 

@@ -92,6 +92,9 @@ pub struct StepMetrics {
     /// Rollout workers up after the step's rollout (fleet backend).
     #[serde(rename = "rollout.workers_up", default)]
     pub rollout_workers_up: Option<u64>,
+    /// Continuations sent for rollout requests a worker aborted (fleet backend).
+    #[serde(rename = "rollout.partial_resumed", default)]
+    pub rollout_partial_resumed: Option<u64>,
     /// Groups kept by dynamic sampling.
     pub groups_kept: u64,
     /// Groups dropped by dynamic sampling (all rewards equal).

@@ -43,6 +43,13 @@ impl Trajectory {
         t.extend_from_slice(&self.response_ids);
         t
     }
+
+    /// The oldest and newest weight version its route rows came from; they differ when a
+    /// fleet worker aborted it at a weight update and it was resumed on the new weights.
+    pub fn weight_versions(&self) -> Option<(u64, u64)> {
+        let v = self.routes.as_ref()?.versions()?;
+        Some((*v.iter().min()?, *v.iter().max()?))
+    }
 }
 
 /// How responses are sampled.
