@@ -38,6 +38,7 @@ fn tiny_model(dir: &Path) {
             rope_theta: 10000.0,
             init_std: 0.1,
             router_init_std: 0.3,
+            ..ModelShape::default()
         },
         ..PretrainConfig::default()
     };

@@ -269,6 +269,52 @@ impl TrainablePolicy {
         Ok(self.detached().into_map())
     }
 
+    /// Current value of the non-trainable buffer `name` (e.g. DeepSeek's
+    /// `e_score_correction_bias`) as f32 values.
+    pub fn buffer(&self, name: &str) -> Result<Vec<f32>> {
+        self.check_buffer(name)?;
+        Ok(self
+            .weights
+            .get(name)?
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1()?)
+    }
+
+    /// Replaces the non-trainable buffer `name` by `values` (same length); later
+    /// [`TrainablePolicy::model`]s see the new values.
+    pub fn set_buffer(&mut self, name: &str, values: Vec<f32>) -> Result<()> {
+        self.check_buffer(name)?;
+        let old = self.weights.get(name)?;
+        if old.elem_count() != values.len() {
+            return Err(TrainError::Length {
+                what: format!("buffer {name}"),
+                got: values.len(),
+                expected: old.elem_count(),
+            });
+        }
+        let new = Tensor::from_vec(values, old.shape(), old.device())?.to_dtype(old.dtype())?;
+        self.weights = Weights::from_map(
+            self.weights
+                .tensors()
+                .iter()
+                .map(|(k, t)| (k.clone(), if k == name { new.clone() } else { t.clone() }))
+                .collect(),
+        );
+        Ok(())
+    }
+
+    /// Errors unless `name` is a tensor of the model that is not a trainable variable.
+    fn check_buffer(&self, name: &str) -> Result<()> {
+        if self.vars.iter().any(|(n, _)| n == name) {
+            return Err(TrainError::InvalidConfig {
+                field: "buffer",
+                reason: format!("{name} is a trainable variable, not a buffer"),
+            });
+        }
+        Ok(())
+    }
+
     /// Writes `config.json` + `model.safetensors` into `dir`.
     pub fn save_hf(&self, dir: &Path) -> Result<()> {
         Ok(self.detached().save(dir, &self.cfg)?)

@@ -2,7 +2,9 @@
 //! `<eos>`) of arithmetic problems, a mixture of difficulty levels, AdamW with warm-up and
 //! cosine decay, held-out greedy accuracy through the rollout engine, and an HF-layout
 //! checkpoint (`config.json`, `model.safetensors`, `tokenizer.json`, `pretrain.json`)
-//! written atomically.
+//! written atomically. DeepSeek-V3 models also get the aux-loss-free update of their
+//! selection bias after every step; every run measures its expert load on a fixed probe
+//! batch before and after training.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -16,10 +18,11 @@ use r3_tasks::{
 use serde::Serialize;
 
 use crate::error::{Result, TrainError};
+use crate::expert_balance::{layer_counts, normalised_entropy, update_score_bias};
 use crate::logprob::{masked_mean, token_log_probs};
 use crate::optim::{decay_matrices_only, AdamW, AdamWParams};
 use crate::policy::TrainablePolicy;
-use crate::pretrain_config::PretrainConfig;
+use crate::pretrain_config::{PretrainArchitecture, PretrainConfig};
 use crate::rollout::{evaluate, EvalResult};
 use crate::schedule::{LrDecay, LrSchedule};
 use crate::update::{backward_and_step, UpdateOutcome};
@@ -58,6 +61,12 @@ pub struct PretrainReport {
     pub evals: Vec<(u64, f64)>,
     /// Difficulty of the evaluations.
     pub eval_difficulty: u32,
+    /// The MoE layers, in the order of the entropy lists.
+    pub moe_layers: Vec<usize>,
+    /// Normalised expert-load entropy per MoE layer on the probe batch at init (1 = uniform).
+    pub load_entropy_init: Vec<f64>,
+    /// The same after the last step.
+    pub load_entropy_final: Vec<f64>,
     /// The resolved config.
     pub config: PretrainConfig,
 }
@@ -84,6 +93,29 @@ fn to_tensors(b: &SupervisedBatch) -> Result<(Vec<Vec<u32>>, Tensor, Tensor)> {
     let targets = Tensor::from_vec(narrow(&b.target_ids), (n, longest), &Device::Cpu)?;
     let mask = Tensor::from_vec(mask, (n, longest), &Device::Cpu)?;
     Ok((seqs, targets, mask))
+}
+
+/// Per-layer normalised expert-load entropy of `policy`'s routing of `probe`, with the
+/// MoE layers it covers.
+pub fn probe_load_entropy(
+    policy: &TrainablePolicy,
+    probe: &[Vec<u32>],
+) -> Result<(Vec<usize>, Vec<f64>)> {
+    let model = policy.frozen_model()?;
+    let out = model.forward(&Batch::new(probe, PAD_ID, &Device::Cpu)?, Routing::Record)?;
+    let routes = out.routes.ok_or_else(|| TrainError::Length {
+        what: "route tables of the load probe (Record forward)".into(),
+        got: 0,
+        expected: probe.len(),
+    })?;
+    let loads = layer_counts(&routes)?;
+    Ok((
+        loads.iter().map(|l| l.layer).collect(),
+        loads
+            .iter()
+            .map(|l| normalised_entropy(&l.counts))
+            .collect(),
+    ))
 }
 
 /// Greedy held-out accuracy of `policy` through a fresh f16 rollout engine.
@@ -125,7 +157,12 @@ pub fn pretrain(
         bias_std: 0.0,
     };
     let weights = Weights::random(&model_cfg, &init, &Device::Cpu)?;
-    let policy = TrainablePolicy::new(model_cfg, weights)?;
+    let mut policy = TrainablePolicy::new(model_cfg, weights)?;
+    // Aux-loss-free balancing moves the selection bias from each step's own routes.
+    let bias_rate = match cfg.model.architecture {
+        PretrainArchitecture::DeepseekV3 => cfg.model.deepseek.bias_update_rate,
+        PretrainArchitecture::Qwen3Moe => 0.0,
+    };
     let params = AdamWParams {
         weight_decay: cfg.weight_decay,
         ..AdamWParams::default()
@@ -162,6 +199,19 @@ pub fn pretrain(
             )
         })
         .collect::<std::result::Result<Vec<_>, _>>()?;
+    let probe = SupervisedBatches::new(
+        &eval_task,
+        &tokenizer,
+        crate::rollout::mix_seed(&[cfg.seed, cfg.eval_seed, u64::from(cfg.eval_difficulty)]),
+        cfg.batch_size,
+        None,
+        LossOn::Solution,
+    )?
+    .next()
+    .ok_or(TrainError::ProblemStreamEnded)??;
+    let (probe_seqs, _, _) = to_tensors(&probe)?;
+    let (moe_layers, load_entropy_init) = probe_load_entropy(&policy, &probe_seqs)?;
+    tracing::info!(step = 0, entropy = ?rounded(&load_entropy_init), "expert load entropy per MoE layer");
     let mut evals = Vec::new();
     let mut recent = Vec::new();
     for step in 1..=cfg.steps {
@@ -169,7 +219,12 @@ pub fn pretrain(
         let batch = streams[k].next().ok_or(TrainError::ProblemStreamEnded)??;
         let (seqs, targets, mask) = to_tensors(&batch)?;
         let model = policy.model()?;
-        let out = model.forward(&Batch::new(&seqs, PAD_ID, &Device::Cpu)?, Routing::Native)?;
+        let routing = if bias_rate > 0.0 {
+            Routing::Record
+        } else {
+            Routing::Native
+        };
+        let out = model.forward(&Batch::new(&seqs, PAD_ID, &Device::Cpu)?, routing)?;
         let logp = token_log_probs(&out.logits, &targets)?;
         let loss = masked_mean(&logp, &mask)?.neg()?;
         let outcome = backward_and_step(&mut opt, &loss, schedule.lr_at(step - 1), cfg.grad_clip)?;
@@ -177,6 +232,9 @@ pub fn pretrain(
             UpdateOutcome::Applied { loss, .. } => (loss, true),
             UpdateOutcome::Skipped { loss, .. } => (loss, false),
         };
+        if let Some(routes) = out.routes.as_deref() {
+            update_score_bias(&mut policy, &layer_counts(routes)?, bias_rate)?;
+        }
         recent.push(f64::from(value));
         if recent.len() > cfg.log_every.max(1) as usize {
             recent.remove(0);
@@ -191,18 +249,32 @@ pub fn pretrain(
             let result = eval_policy(&policy, &tokenizer, &eval_task, cfg.max_new_tokens)?;
             evals.push((step, result.accuracy));
             on_event(PretrainEvent::Eval { step, result });
+            let (_, entropy) = probe_load_entropy(&policy, &probe_seqs)?;
+            tracing::info!(step, entropy = ?rounded(&entropy), "expert load entropy per MoE layer");
         }
     }
+    let (_, load_entropy_final) = probe_load_entropy(&policy, &probe_seqs)?;
     let report = PretrainReport {
         steps: cfg.steps,
         wall_s: started.elapsed().as_secs_f64(),
         final_loss: recent.iter().sum::<f64>() / recent.len().max(1) as f64,
         evals,
         eval_difficulty: cfg.eval_difficulty,
+        moe_layers,
+        load_entropy_init,
+        load_entropy_final,
         config: cfg.clone(),
     };
     write_checkpoint(&cfg.out_dir, &policy, &tokenizer, &report)?;
     Ok(report)
+}
+
+/// Values to 3 decimals for log lines.
+fn rounded(values: &[f64]) -> Vec<f64> {
+    values
+        .iter()
+        .map(|v| (v * 1000.0).round() / 1000.0)
+        .collect()
 }
 
 /// Writes the model directory via a temporary sibling and a rename.

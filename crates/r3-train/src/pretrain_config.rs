@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError};
 use crate::overrides::{apply_overrides, merge_known};
+pub use crate::pretrain_deepseek::{deepseek_hf_config, DeepseekShape, PretrainArchitecture};
 
 /// The whole pretraining run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -53,10 +54,12 @@ pub struct PretrainConfig {
     pub model: ModelShape,
 }
 
-/// Sizes of the Qwen3-MoE-style model.
+/// Sizes of the model (Qwen3-MoE style unless `architecture = "deepseek_v3"`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelShape {
+    /// Model family written to `config.json`. Default `qwen3_moe`.
+    pub architecture: PretrainArchitecture,
     /// Residual width. Default 64.
     pub hidden_size: usize,
     /// Transformer layers (all MoE). Default 4.
@@ -81,6 +84,11 @@ pub struct ModelShape {
     pub init_std: f64,
     /// Std of the random init of router matrices. Default 0.05.
     pub router_init_std: f64,
+    /// Renormalise the top-k gates to sum to 1. Default true.
+    pub norm_topk_prob: bool,
+    /// The DeepSeek-V3 keys, TOML `[model.deepseek]` (read only with
+    /// `architecture = "deepseek_v3"`).
+    pub deepseek: DeepseekShape,
 }
 
 impl Default for PretrainConfig {
@@ -110,6 +118,7 @@ impl Default for PretrainConfig {
 impl Default for ModelShape {
     fn default() -> Self {
         Self {
+            architecture: PretrainArchitecture::Qwen3Moe,
             hidden_size: 64,
             num_hidden_layers: 4,
             num_attention_heads: 4,
@@ -122,6 +131,8 @@ impl Default for ModelShape {
             rope_theta: 10000.0,
             init_std: 0.05,
             router_init_std: 0.05,
+            norm_topk_prob: true,
+            deepseek: DeepseekShape::default(),
         }
     }
 }
@@ -177,12 +188,20 @@ impl PretrainConfig {
                 m.num_experts_per_tok, m.num_experts
             ));
         }
+        if m.architecture == PretrainArchitecture::DeepseekV3 {
+            m.deepseek
+                .validate(m.num_experts, m.num_experts_per_tok, m.num_hidden_layers)
+                .or_else(bad)?;
+        }
         Ok(())
     }
 
     /// The HF `config.json` of the model for a vocabulary of `vocab_size` tokens.
     pub fn hf_config(&self, vocab_size: usize) -> serde_json::Value {
         let m = &self.model;
+        if m.architecture == PretrainArchitecture::DeepseekV3 {
+            return deepseek_hf_config(m, vocab_size);
+        }
         serde_json::json!({
             "architectures": ["Qwen3MoeForCausalLM"],
             "model_type": "qwen3_moe",
@@ -196,7 +215,7 @@ impl PretrainConfig {
             "head_dim": m.head_dim,
             "num_experts": m.num_experts,
             "num_experts_per_tok": m.num_experts_per_tok,
-            "norm_topk_prob": true,
+            "norm_topk_prob": m.norm_topk_prob,
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
             "hidden_act": "silu",

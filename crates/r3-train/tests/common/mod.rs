@@ -48,6 +48,7 @@ pub fn tiny_model(dir: &Path, seed: u64) -> Config {
         rope_theta: 10000.0,
         init_std: 0.1,
         router_init_std: 0.3,
+        ..ModelShape::default()
     };
     let pcfg = PretrainConfig {
         model: shape,
