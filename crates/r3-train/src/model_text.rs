@@ -126,10 +126,21 @@ impl ModelText {
                 *c = true;
             }
         }
-        if let Some((index, ch)) = text
+        if let Some(gap) = text
             .char_indices()
             .find(|&(i, c)| !c.is_whitespace() && !covered[i])
         {
+            // Offsets after a dropped character can be shifted: name the first character that
+            // encodes to nothing on its own, else the first gap.
+            let lost = text.char_indices().find(|&(_, c)| {
+                !c.is_whitespace()
+                    && self
+                        .tokenizer
+                        .inner()
+                        .encode(c.to_string(), false)
+                        .is_ok_and(|e| e.get_ids().is_empty())
+            });
+            let (index, ch) = lost.unwrap_or(gap);
             return Err(TrainError::UnspellableText {
                 ch,
                 index,

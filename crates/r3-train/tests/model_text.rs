@@ -38,7 +38,10 @@ fn text_outside_the_vocabulary_is_refused_not_dropped() {
     let text = ModelText::from_model_dir(&arith_model()).expect("model text");
     let err = text.encode_plain("12+x=3").expect_err("x is not a token");
     let msg = err.to_string();
-    assert!(msg.contains("'x'") && msg.contains("alphabet"), "{msg}");
+    assert!(
+        msg.contains("'x'") && msg.contains("character 3 ") && msg.contains("alphabet"),
+        "{msg}"
+    );
 }
 
 #[test]
