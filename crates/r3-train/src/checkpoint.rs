@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
-use r3_tasks::{CharTokenizer, DatasetPosition};
+use r3_tasks::DatasetPosition;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError};
@@ -71,7 +71,7 @@ pub fn save_checkpoint(
     run_dir: &Path,
     policy: &TrainablePolicy,
     optimizer: &AdamW,
-    tokenizer: &CharTokenizer,
+    tokenizer: &crate::model_text::ModelText,
     state: &TrainerState,
     keep_last: usize,
 ) -> Result<PathBuf> {
@@ -85,7 +85,7 @@ pub fn save_checkpoint(
     }
     std::fs::create_dir_all(&tmp).map_err(TrainError::io(&tmp))?;
     policy.save_hf(&tmp)?;
-    tokenizer.save(&tmp.join("tokenizer.json"))?;
+    tokenizer.save(&tmp)?;
     let moments: HashMap<String, Tensor> = optimizer.state_tensors();
     let opt_path = tmp.join(OPTIMIZER_FILE);
     candle_core::safetensors::save(&moments, &opt_path)?;

@@ -29,6 +29,27 @@ pub enum TrainError {
     /// Route tables or routing statistics failed.
     #[error("routes: {0}")]
     Route(#[from] r3_routing::RouteError),
+    /// Tokenizing, decoding or rendering a chat template failed.
+    #[error("text: {0}")]
+    Text(#[from] r3_text::TextError),
+    /// A model directory's tokenizer or chat template could not be loaded.
+    #[error("tokenizer / chat template of {dir}: {source}")]
+    ModelText {
+        /// The model directory.
+        dir: PathBuf,
+        /// What r3-text reported.
+        source: r3_text::TextError,
+    },
+    /// Text with a character no token of the vocabulary covers (it would be dropped).
+    #[error("the tokenizer cannot spell {ch:?} (character {index} of {text:?}): it is outside its alphabet")]
+    UnspellableText {
+        /// The character.
+        ch: char,
+        /// Its byte offset in the text.
+        index: usize,
+        /// The text.
+        text: String,
+    },
 
     /// A tensor whose shape does not fit the others.
     #[error("{what} has shape {got:?}, expected {expected}")]

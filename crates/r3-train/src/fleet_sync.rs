@@ -38,7 +38,7 @@ impl FleetRollout {
     pub fn connect(
         cfg: &TrainConfig,
         policy: &TrainablePolicy,
-        tokenizer: &r3_tasks::CharTokenizer,
+        tokenizer: &crate::model_text::ModelText,
         step: u64,
     ) -> Result<Option<Self>> {
         let r = &cfg.rollout;
@@ -96,7 +96,7 @@ impl FleetRollout {
     pub fn push(
         &mut self,
         policy: &TrainablePolicy,
-        tokenizer: &r3_tasks::CharTokenizer,
+        tokenizer: &crate::model_text::ModelText,
         version: u64,
     ) -> Result<()> {
         let dir = write_sync_checkpoint(&self.sync_dir, policy, tokenizer, version)?;
@@ -130,7 +130,7 @@ impl Trainer {
 pub fn write_sync_checkpoint(
     root: &Path,
     policy: &TrainablePolicy,
-    tokenizer: &r3_tasks::CharTokenizer,
+    tokenizer: &crate::model_text::ModelText,
     version: u64,
 ) -> Result<PathBuf> {
     let name = format!("{STEP_PREFIX}{version}");
@@ -143,7 +143,7 @@ pub fn write_sync_checkpoint(
     }
     std::fs::create_dir_all(&tmp).map_err(TrainError::io(&tmp))?;
     policy.save_hf(&tmp)?;
-    tokenizer.save(&tmp.join("tokenizer.json"))?;
+    tokenizer.save(&tmp)?;
     std::fs::rename(&tmp, &dest).map_err(TrainError::io(&dest))?;
     Ok(dest)
 }
@@ -202,8 +202,7 @@ mod tests {
         let cfg = TrainConfig::default();
         let policy_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/arith-moe");
         let policy = TrainablePolicy::load(&policy_dir).expect("policy");
-        let tokenizer =
-            r3_tasks::CharTokenizer::from_file(&policy_dir.join("tokenizer.json")).expect("tok");
+        let tokenizer = crate::model_text::ModelText::from_model_dir(&policy_dir).expect("tok");
         let fleet = FleetRollout::connect(&cfg, &policy, &tokenizer, 0).expect("connect");
         assert!(fleet.is_none());
     }

@@ -31,9 +31,11 @@ pub mod fleet_sync;
 pub mod manifest;
 pub mod metrics_log;
 pub mod minibatch;
+pub mod model_text;
 pub mod policy;
 pub mod pretrain;
 pub mod pretrain_config;
+pub mod pretrain_corpus;
 pub mod pretrain_deepseek;
 pub mod prompt_source;
 pub mod rl_loop;
@@ -54,6 +56,7 @@ pub use loss::{
     PolicyLossMetrics,
 };
 pub use metrics_log::StepMetrics;
+pub use model_text::ModelText;
 pub use optim::{decay_matrices_only, AdamW, AdamWParams, AdamWStep};
 pub use policy::{ResponseBatch, TrainablePolicy};
 pub use pretrain::{pretrain, PretrainEvent, PretrainReport};

@@ -1,5 +1,6 @@
 //! Supervised pretraining of the base model: next-token loss on the worked solution (and
-//! `<eos>`) of arithmetic problems, a mixture of difficulty levels, AdamW with warm-up and
+//! `<eos>`) of arithmetic problems (a mixture of difficulty levels, character tokenizer) or
+//! of GSM8K-format word problems (a BPE trained on them, ChatML prompts), AdamW with warm-up and
 //! cosine decay, held-out greedy accuracy through the rollout engine, and an HF-layout
 //! checkpoint (`config.json`, `model.safetensors`, `tokenizer.json`, `pretrain.json`)
 //! written atomically. DeepSeek-V3 models also get the aux-loss-free update of their
@@ -13,9 +14,20 @@ use candle_core::{Device, Tensor};
 use r3_model::{Batch, Config, RandomInit, Routing, Weights};
 use r3_rollout::{Dtype, Engine, EngineConfig};
 use r3_tasks::{
-    ArithmeticTask, CharTokenizer, Difficulty, LossOn, SupervisedBatch, SupervisedBatches, PAD_ID,
+    ArithmeticTask, CharTokenizer, Difficulty, LossOn, Reward, RewardKind, RewardSpec,
+    SupervisedBatch, SupervisedBatches, PAD_ID,
 };
+use r3_text::TextTokenizer;
 use serde::Serialize;
+
+use crate::config::DataConfig;
+use crate::model_text::ModelText;
+use crate::pretrain_config::Corpus;
+use crate::pretrain_corpus::{
+    batch_tensors, example, excluded_prompts, train_word_problem_tokenizer,
+    write_word_problem_tokenizer, WordProblemStream, PAD_TOKEN, TURN_END,
+};
+use crate::prompt_source::load_split;
 
 use crate::error::{Result, TrainError};
 use crate::expert_balance::{layer_counts, normalised_entropy, update_score_bias};
@@ -23,9 +35,13 @@ use crate::logprob::{masked_mean, token_log_probs};
 use crate::optim::{decay_matrices_only, AdamW, AdamWParams};
 use crate::policy::TrainablePolicy;
 use crate::pretrain_config::{PretrainArchitecture, PretrainConfig};
-use crate::rollout::{evaluate, EvalResult};
+use crate::rollout::{evaluate, evaluate_prompts, EvalResult};
 use crate::schedule::{LrDecay, LrSchedule};
 use crate::update::{backward_and_step, UpdateOutcome};
+
+/// Stream tag mixed into the seed of the word-problem corpus (distinct from `r3 data
+/// generate`'s seeds, and the validation questions are excluded besides).
+const WORD_PROBLEM_STREAM: u64 = 0x5750;
 
 /// Progress events of a pretraining run.
 #[derive(Debug, Clone, Copy)]
@@ -67,6 +83,8 @@ pub struct PretrainReport {
     pub load_entropy_init: Vec<f64>,
     /// The same after the last step.
     pub load_entropy_final: Vec<f64>,
+    /// Corpus draws skipped because their question is in an excluded (validation) file.
+    pub corpus_skipped: u64,
     /// The resolved config.
     pub config: PretrainConfig,
 }
@@ -101,6 +119,9 @@ pub fn probe_load_entropy(
     policy: &TrainablePolicy,
     probe: &[Vec<u32>],
 ) -> Result<(Vec<usize>, Vec<f64>)> {
+    if probe.is_empty() {
+        return Ok((Vec::new(), Vec::new()));
+    }
     let model = policy.frozen_model()?;
     let out = model.forward(&Batch::new(probe, PAD_ID, &Device::Cpu)?, Routing::Record)?;
     let routes = out.routes.ok_or_else(|| TrainError::Length {
@@ -118,19 +139,28 @@ pub fn probe_load_entropy(
     ))
 }
 
-/// Greedy held-out accuracy of `policy` through a fresh f16 rollout engine.
-pub fn eval_policy(
-    policy: &TrainablePolicy,
-    tokenizer: &CharTokenizer,
-    task: &ArithmeticTask,
-    max_new_tokens: usize,
-) -> Result<EvalResult> {
+/// A fresh f16 rollout engine holding `policy`'s weights (for evaluations).
+fn eval_engine(policy: &TrainablePolicy) -> Result<Engine> {
     let cfg = EngineConfig {
         dtype: Dtype::F16,
         prefix_cache: false,
         ..EngineConfig::default()
     };
-    let mut engine = Engine::new(policy.config().clone(), &policy.tensor_map()?, cfg)?;
+    Ok(Engine::new(
+        policy.config().clone(),
+        &policy.tensor_map()?,
+        cfg,
+    )?)
+}
+
+/// Greedy held-out accuracy of `policy` through a fresh f16 rollout engine.
+pub fn eval_policy(
+    policy: &TrainablePolicy,
+    tokenizer: &ModelText,
+    task: &ArithmeticTask,
+    max_new_tokens: usize,
+) -> Result<EvalResult> {
+    let mut engine = eval_engine(policy)?;
     evaluate(
         &mut engine,
         tokenizer,
@@ -141,14 +171,9 @@ pub fn eval_policy(
     )
 }
 
-/// Runs pretraining and writes the checkpoint to `cfg.out_dir`.
-pub fn pretrain(
-    cfg: &PretrainConfig,
-    on_event: &mut dyn FnMut(PretrainEvent),
-) -> Result<PretrainReport> {
-    let started = Instant::now();
-    let tokenizer = CharTokenizer::new()?;
-    let model_cfg = Config::from_value(cfg.hf_config(tokenizer.vocab_size()))?;
+/// A randomly initialised policy of `cfg`'s shape with HF config `hf`.
+fn init_policy(cfg: &PretrainConfig, hf: serde_json::Value) -> Result<TrainablePolicy> {
+    let model_cfg = Config::from_value(hf)?;
     let init = RandomInit {
         seed: cfg.seed,
         std: cfg.model.init_std,
@@ -157,12 +182,32 @@ pub fn pretrain(
         bias_std: 0.0,
     };
     let weights = Weights::random(&model_cfg, &init, &Device::Cpu)?;
-    let mut policy = TrainablePolicy::new(model_cfg, weights)?;
-    // Aux-loss-free balancing moves the selection bias from each step's own routes.
-    let bias_rate = match cfg.model.architecture {
-        PretrainArchitecture::DeepseekV3 => cfg.model.deepseek.bias_update_rate,
-        PretrainArchitecture::Qwen3Moe => 0.0,
-    };
+    TrainablePolicy::new(model_cfg, weights)
+}
+
+/// Input sequences, next-token targets `[B, T]` and loss mask `[B, T]` of one step.
+type StepBatch = (Vec<Vec<u32>>, Tensor, Tensor);
+
+/// What the training loop produced.
+struct LoopOutcome {
+    evals: Vec<(u64, f64)>,
+    final_loss: f64,
+    moe_layers: Vec<usize>,
+    load_entropy_init: Vec<f64>,
+    load_entropy_final: Vec<f64>,
+}
+
+/// The optimisation loop shared by every corpus: `next_batch` gives each step's batch,
+/// `evaluate` scores the policy every `eval_every` steps and at the end; the expert load of
+/// `probe` is measured before the first step, at each evaluation and after the last step.
+fn train_loop(
+    cfg: &PretrainConfig,
+    policy: &mut TrainablePolicy,
+    probe: &[Vec<u32>],
+    next_batch: &mut dyn FnMut(u64) -> Result<StepBatch>,
+    evaluate: &mut dyn FnMut(&TrainablePolicy) -> Result<EvalResult>,
+    on_event: &mut dyn FnMut(PretrainEvent),
+) -> Result<LoopOutcome> {
     let params = AdamWParams {
         weight_decay: cfg.weight_decay,
         ..AdamWParams::default()
@@ -175,6 +220,85 @@ pub fn pretrain(
         decay: LrDecay::Cosine,
         min_lr_ratio: cfg.min_lr_ratio,
     };
+    // Aux-loss-free balancing moves the selection bias from each step's own routes.
+    let bias_rate = match cfg.model.architecture {
+        PretrainArchitecture::DeepseekV3 => cfg.model.deepseek.bias_update_rate,
+        PretrainArchitecture::Qwen3Moe => 0.0,
+    };
+    let routing = if bias_rate > 0.0 {
+        Routing::Record
+    } else {
+        Routing::Native
+    };
+    let (moe_layers, load_entropy_init) = probe_load_entropy(policy, probe)?;
+    tracing::info!(step = 0, entropy = ?rounded(&load_entropy_init), "expert load entropy per MoE layer");
+    let mut evals = Vec::new();
+    let mut recent = Vec::new();
+    for step in 1..=cfg.steps {
+        let (seqs, targets, mask) = next_batch(step)?;
+        let model = policy.model()?;
+        let out = model.forward(&Batch::new(&seqs, PAD_ID, &Device::Cpu)?, routing)?;
+        let logp = token_log_probs(&out.logits, &targets)?;
+        let loss = masked_mean(&logp, &mask)?.neg()?;
+        let outcome = backward_and_step(&mut opt, &loss, schedule.lr_at(step - 1), cfg.grad_clip)?;
+        let (value, applied) = match outcome {
+            UpdateOutcome::Applied { loss, .. } => (loss, true),
+            UpdateOutcome::Skipped { loss, .. } => (loss, false),
+        };
+        if let Some(routes) = out.routes.as_deref() {
+            update_score_bias(policy, &layer_counts(routes)?, bias_rate)?;
+        }
+        recent.push(f64::from(value));
+        if recent.len() > cfg.log_every.max(1) as usize {
+            recent.remove(0);
+        }
+        on_event(PretrainEvent::Step {
+            step,
+            loss: value,
+            applied,
+        });
+        let due = cfg.eval_every > 0 && step % cfg.eval_every == 0;
+        if due || step == cfg.steps {
+            let result = evaluate(policy)?;
+            evals.push((step, result.accuracy));
+            on_event(PretrainEvent::Eval { step, result });
+            let (_, entropy) = probe_load_entropy(policy, probe)?;
+            tracing::info!(step, entropy = ?rounded(&entropy), "expert load entropy per MoE layer");
+        }
+    }
+    let (_, load_entropy_final) = probe_load_entropy(policy, probe)?;
+    Ok(LoopOutcome {
+        evals,
+        final_loss: recent.iter().sum::<f64>() / recent.len().max(1) as f64,
+        moe_layers,
+        load_entropy_init,
+        load_entropy_final,
+    })
+}
+
+/// Runs pretraining and writes the checkpoint to `cfg.out_dir`.
+pub fn pretrain(
+    cfg: &PretrainConfig,
+    on_event: &mut dyn FnMut(PretrainEvent),
+) -> Result<PretrainReport> {
+    match cfg.corpus {
+        Corpus::Arithmetic => pretrain_arithmetic(cfg, on_event),
+        Corpus::WordProblems => pretrain_word_problems(cfg, on_event),
+    }
+}
+
+/// Pretraining on worked arithmetic solutions with the character tokenizer.
+fn pretrain_arithmetic(
+    cfg: &PretrainConfig,
+    on_event: &mut dyn FnMut(PretrainEvent),
+) -> Result<PretrainReport> {
+    let started = Instant::now();
+    let tokenizer = CharTokenizer::new()?;
+    let text = ModelText::from_parts(
+        TextTokenizer::from_tokenizer(tokenizer.inner().clone(), CharTokenizer::special_tokens())?,
+        None,
+    );
+    let mut policy = init_policy(cfg, cfg.hf_config(tokenizer.vocab_size()))?;
     let tasks = cfg
         .difficulties
         .iter()
@@ -210,62 +334,139 @@ pub fn pretrain(
     .next()
     .ok_or(TrainError::ProblemStreamEnded)??;
     let (probe_seqs, _, _) = to_tensors(&probe)?;
-    let (moe_layers, load_entropy_init) = probe_load_entropy(&policy, &probe_seqs)?;
-    tracing::info!(step = 0, entropy = ?rounded(&load_entropy_init), "expert load entropy per MoE layer");
-    let mut evals = Vec::new();
-    let mut recent = Vec::new();
-    for step in 1..=cfg.steps {
+    let mut next_batch = |step: u64| -> Result<StepBatch> {
         let k = (step as usize - 1) % streams.len();
         let batch = streams[k].next().ok_or(TrainError::ProblemStreamEnded)??;
-        let (seqs, targets, mask) = to_tensors(&batch)?;
-        let model = policy.model()?;
-        let routing = if bias_rate > 0.0 {
-            Routing::Record
-        } else {
-            Routing::Native
-        };
-        let out = model.forward(&Batch::new(&seqs, PAD_ID, &Device::Cpu)?, routing)?;
-        let logp = token_log_probs(&out.logits, &targets)?;
-        let loss = masked_mean(&logp, &mask)?.neg()?;
-        let outcome = backward_and_step(&mut opt, &loss, schedule.lr_at(step - 1), cfg.grad_clip)?;
-        let (value, applied) = match outcome {
-            UpdateOutcome::Applied { loss, .. } => (loss, true),
-            UpdateOutcome::Skipped { loss, .. } => (loss, false),
-        };
-        if let Some(routes) = out.routes.as_deref() {
-            update_score_bias(&mut policy, &layer_counts(routes)?, bias_rate)?;
-        }
-        recent.push(f64::from(value));
-        if recent.len() > cfg.log_every.max(1) as usize {
-            recent.remove(0);
-        }
-        on_event(PretrainEvent::Step {
-            step,
-            loss: value,
-            applied,
-        });
-        let due = cfg.eval_every > 0 && step % cfg.eval_every == 0;
-        if due || step == cfg.steps {
-            let result = eval_policy(&policy, &tokenizer, &eval_task, cfg.max_new_tokens)?;
-            evals.push((step, result.accuracy));
-            on_event(PretrainEvent::Eval { step, result });
-            let (_, entropy) = probe_load_entropy(&policy, &probe_seqs)?;
-            tracing::info!(step, entropy = ?rounded(&entropy), "expert load entropy per MoE layer");
-        }
-    }
-    let (_, load_entropy_final) = probe_load_entropy(&policy, &probe_seqs)?;
+        to_tensors(&batch)
+    };
+    let mut evaluate = |p: &TrainablePolicy| eval_policy(p, &text, &eval_task, cfg.max_new_tokens);
+    let outcome = train_loop(
+        cfg,
+        &mut policy,
+        &probe_seqs,
+        &mut next_batch,
+        &mut evaluate,
+        on_event,
+    )?;
     let report = PretrainReport {
         steps: cfg.steps,
         wall_s: started.elapsed().as_secs_f64(),
-        final_loss: recent.iter().sum::<f64>() / recent.len().max(1) as f64,
-        evals,
+        final_loss: outcome.final_loss,
+        evals: outcome.evals,
         eval_difficulty: cfg.eval_difficulty,
-        moe_layers,
-        load_entropy_init,
-        load_entropy_final,
+        moe_layers: outcome.moe_layers,
+        load_entropy_init: outcome.load_entropy_init,
+        load_entropy_final: outcome.load_entropy_final,
+        corpus_skipped: 0,
         config: cfg.clone(),
     };
-    write_checkpoint(&cfg.out_dir, &policy, &tokenizer, &report)?;
+    write_checkpoint(&cfg.out_dir, &policy, &report, &|dir| {
+        Ok(tokenizer.save(&dir.join("tokenizer.json"))?)
+    })?;
+    Ok(report)
+}
+
+/// Pretraining on GSM8K-format word problems with a BPE trained on them first; the
+/// questions of `word_problems.exclude_files` never appear.
+fn pretrain_word_problems(
+    cfg: &PretrainConfig,
+    on_event: &mut dyn FnMut(PretrainEvent),
+) -> Result<PretrainReport> {
+    let started = Instant::now();
+    let wp = &cfg.word_problems;
+    let exclude = excluded_prompts(&wp.exclude_files)?;
+    let mut stream = WordProblemStream::new(
+        crate::rollout::mix_seed(&[cfg.seed, WORD_PROBLEM_STREAM]),
+        exclude,
+    );
+    let text = train_word_problem_tokenizer(&mut stream, &cfg.tokenizer, &wp.system_prompt)?;
+    tracing::info!(
+        vocab = text.vocab_size(),
+        texts = cfg.tokenizer.train_texts,
+        "BPE tokenizer trained"
+    );
+    let mut hf = cfg.hf_config(text.vocab_size());
+    // ChatML has no <bos>; generation ends at <|im_end|>.
+    let ids = |t: &str| text.tokenizer().token_id(t).map(serde_json::Value::from);
+    hf["bos_token_id"] = serde_json::Value::Null;
+    hf["eos_token_id"] = ids(TURN_END).unwrap_or_default();
+    hf["pad_token_id"] = ids(PAD_TOKEN).unwrap_or_default();
+    let mut policy = init_policy(cfg, hf)?;
+    let data = DataConfig {
+        apply_chat_template: true,
+        system_prompt: wp.system_prompt.clone(),
+        max_prompt_length: 0,
+        ..DataConfig::default()
+    };
+    let eval_items = match wp.eval_files.is_empty() {
+        true => Vec::new(),
+        false => {
+            let mut items = load_split(&wp.eval_files, &text, &data, "eval")?.items;
+            items.truncate(cfg.eval_size.max(1));
+            items
+        }
+    };
+    let reward = Reward::from_spec(
+        &RewardSpec {
+            kind: RewardKind::Math,
+            ..RewardSpec::default()
+        },
+        0.0,
+    );
+    let mut next_batch = |_step: u64| -> Result<StepBatch> {
+        let examples = (0..cfg.batch_size)
+            .map(|_| example(&text, &stream.next_problem()?, &wp.system_prompt))
+            .collect::<Result<Vec<_>>>()?;
+        batch_tensors(&examples)
+    };
+    let mut evaluate = |p: &TrainablePolicy| -> Result<EvalResult> {
+        if eval_items.is_empty() {
+            return Ok(EvalResult {
+                accuracy: f64::NAN,
+                n: 0,
+                response_len_mean: 0.0,
+            });
+        }
+        let mut engine = eval_engine(p)?;
+        evaluate_prompts(
+            &mut engine,
+            &text,
+            &eval_items,
+            &reward,
+            cfg.max_new_tokens,
+            wp.eval_temperature as f32,
+            cfg.eval_seed,
+        )
+    };
+    // The held-out prompts are the load probe (none without eval files).
+    let probe: Vec<Vec<u32>> = eval_items
+        .iter()
+        .take(cfg.batch_size)
+        .map(|item| item.ids.clone())
+        .collect();
+    let outcome = train_loop(
+        cfg,
+        &mut policy,
+        &probe,
+        &mut next_batch,
+        &mut evaluate,
+        on_event,
+    )?;
+    let report = PretrainReport {
+        steps: cfg.steps,
+        wall_s: started.elapsed().as_secs_f64(),
+        final_loss: outcome.final_loss,
+        evals: outcome.evals,
+        eval_difficulty: cfg.eval_difficulty,
+        moe_layers: outcome.moe_layers,
+        load_entropy_init: outcome.load_entropy_init,
+        load_entropy_final: outcome.load_entropy_final,
+        corpus_skipped: stream.skipped,
+        config: cfg.clone(),
+    };
+    write_checkpoint(&cfg.out_dir, &policy, &report, &|dir| {
+        write_word_problem_tokenizer(&text, dir)
+    })?;
     Ok(report)
 }
 
@@ -281,8 +482,8 @@ fn rounded(values: &[f64]) -> Vec<f64> {
 fn write_checkpoint(
     out: &Path,
     policy: &TrainablePolicy,
-    tokenizer: &CharTokenizer,
     report: &PretrainReport,
+    write_tokenizer: &dyn Fn(&Path) -> Result<()>,
 ) -> Result<()> {
     let name = out.file_name().ok_or_else(|| TrainError::UnnamedOutDir {
         path: out.to_path_buf(),
@@ -299,7 +500,7 @@ fn write_checkpoint(
         std::fs::remove_dir_all(&tmp).map_err(TrainError::io(&tmp))?;
     }
     policy.save_hf(&tmp)?;
-    tokenizer.save(&tmp.join("tokenizer.json"))?;
+    write_tokenizer(&tmp)?;
     let text = serde_json::to_string_pretty(report)
         .map_err(TrainError::json("serialising pretrain report"))?;
     let report_path = tmp.join("pretrain.json");

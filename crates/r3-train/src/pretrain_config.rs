@@ -52,6 +52,87 @@ pub struct PretrainConfig {
     pub log_every: u64,
     /// The model to train.
     pub model: ModelShape,
+    /// What the model learns from. Default `arithmetic`.
+    pub corpus: Corpus,
+    /// The tokenizer written with the model (`[tokenizer]`).
+    pub tokenizer: TokenizerSpec,
+    /// The word-problem corpus (`[word_problems]`; used when `corpus = "word_problems"`).
+    pub word_problems: WordProblemCorpus,
+}
+
+/// The pretraining corpus.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Corpus {
+    /// Worked arithmetic solutions of the built-in task (character tokenizer).
+    #[default]
+    Arithmetic,
+    /// GSM8K-format word problems of r3-tasks: the question rendered with the chat template
+    /// as the RL prompt will be, then the worked answer and `<|im_end|>`.
+    WordProblems,
+}
+
+/// Which tokenizer the model gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TokenizerKind {
+    /// r3's 23-token character tokenizer (arithmetic only).
+    #[default]
+    Char,
+    /// A byte-level BPE trained on the corpus, with a ChatML chat template.
+    Bpe,
+}
+
+/// The `[tokenizer]` section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TokenizerSpec {
+    /// `char` or `bpe`. Default `char`.
+    pub kind: TokenizerKind,
+    /// BPE vocabulary size (256 bytes + special tokens + merges). Default 512.
+    pub vocab_size: usize,
+    /// A pair must occur this often to be merged. Default 2.
+    pub min_frequency: u64,
+    /// Corpus texts the BPE is trained on. Default 4000.
+    pub train_texts: usize,
+}
+
+/// The `[word_problems]` section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WordProblemCorpus {
+    /// Datasets (verl schema) whose questions never enter the corpus: the RL validation
+    /// files, so the held-out accuracy measures problems the model never saw. Default empty.
+    pub exclude_files: Vec<PathBuf>,
+    /// Held-out prompts evaluated during pretraining (verl schema, `math` reward). Default
+    /// empty (no evaluation).
+    pub eval_files: Vec<PathBuf>,
+    /// Sampling temperature of those evaluations (0 = greedy). Default 1.0.
+    pub eval_temperature: f64,
+    /// System prompt of the chat template (as `data.system_prompt` of the RL run). Default "".
+    pub system_prompt: String,
+}
+
+impl Default for TokenizerSpec {
+    fn default() -> Self {
+        Self {
+            kind: TokenizerKind::Char,
+            vocab_size: 512,
+            min_frequency: 2,
+            train_texts: 4000,
+        }
+    }
+}
+
+impl Default for WordProblemCorpus {
+    fn default() -> Self {
+        Self {
+            exclude_files: Vec::new(),
+            eval_files: Vec::new(),
+            eval_temperature: 1.0,
+            system_prompt: String::new(),
+        }
+    }
 }
 
 /// Sizes of the model (Qwen3-MoE style unless `architecture = "deepseek_v3"`).
@@ -111,6 +192,9 @@ impl Default for PretrainConfig {
             max_new_tokens: 64,
             log_every: 50,
             model: ModelShape::default(),
+            corpus: Corpus::Arithmetic,
+            tokenizer: TokenizerSpec::default(),
+            word_problems: WordProblemCorpus::default(),
         }
     }
 }
@@ -193,7 +277,27 @@ impl PretrainConfig {
                 .validate(m.num_experts, m.num_experts_per_tok, m.num_hidden_layers)
                 .or_else(bad)?;
         }
-        Ok(())
+        self.validate_corpus()
+    }
+
+    /// Checks that the corpus and the tokenizer go together.
+    fn validate_corpus(&self) -> Result<()> {
+        let bad =
+            |field: &'static str, reason: String| Err(TrainError::InvalidConfig { field, reason });
+        match (self.corpus, self.tokenizer.kind) {
+            (Corpus::WordProblems, TokenizerKind::Char) => bad(
+                "tokenizer.kind",
+                "the character tokenizer cannot spell word problems; set kind = \"bpe\"".into(),
+            ),
+            (Corpus::Arithmetic, TokenizerKind::Bpe) => bad(
+                "tokenizer.kind",
+                "the arithmetic corpus uses the character tokenizer; set kind = \"char\"".into(),
+            ),
+            (Corpus::WordProblems, TokenizerKind::Bpe) if self.tokenizer.train_texts == 0 => {
+                bad("tokenizer.train_texts", "must be >= 1".into())
+            }
+            _ => Ok(()),
+        }
     }
 
     /// The HF `config.json` of the model for a vocabulary of `vocab_size` tokens.

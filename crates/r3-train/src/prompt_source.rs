@@ -7,10 +7,12 @@
 //! `data.max_prompt_length` tokens is dropped and counted, never truncated.
 
 use r3_tasks::{
-    load_dataset, ArithmeticTask, CharTokenizer, DatasetCursor, DatasetPosition, DatasetRow,
-    Problem, Prompt,
+    load_dataset, ArithmeticTask, DatasetCursor, DatasetPosition, DatasetRow, Problem, Prompt,
 };
+use r3_text::ChatMessage;
 use serde_json::Value;
+
+use crate::model_text::ModelText;
 
 use crate::config::{DataConfig, TrainConfig};
 use crate::error::{Result, TrainError};
@@ -33,35 +35,41 @@ pub struct PromptItem {
 /// Data source name of the built-in task's prompts.
 pub const ARITH_SOURCE: &str = "arith";
 
-/// Renders a dataset prompt as text: through the chat template when `apply_chat_template`,
+/// Renders a dataset prompt as text: through the model's chat template (with an
+/// assistant-turn header, `data.system_prompt` first) when `data.apply_chat_template`,
 /// otherwise the plain text (messages joined by newlines) after `system_prompt` and a newline.
-pub fn render_prompt(prompt: &Prompt, data: &DataConfig) -> Result<String> {
+pub fn render_prompt(text: &ModelText, prompt: &Prompt, data: &DataConfig) -> Result<String> {
     if data.apply_chat_template {
-        return Err(TrainError::InvalidConfig {
-            field: "data.apply_chat_template",
-            reason: "this model's tokenizer has no chat template (r3's character tokenizer); \
-                     set data.apply_chat_template = false"
-                .into(),
-        });
+        let messages: Vec<ChatMessage> = prompt
+            .messages()
+            .into_iter()
+            .map(|m| ChatMessage::new(m.role, m.content))
+            .collect();
+        return text.render_chat(&messages, &data.system_prompt);
     }
-    let text = prompt.plain_text();
+    let plain = prompt.plain_text();
     Ok(if data.system_prompt.is_empty() {
-        text
+        plain
     } else {
-        format!("{}\n{text}", data.system_prompt)
+        format!("{}\n{plain}", data.system_prompt)
     })
 }
 
-/// Encodes a rendered prompt into the ids a rollout starts from. The one place prompt text
-/// meets the tokenizer.
-pub fn encode_prompt(tokenizer: &CharTokenizer, text: &str) -> Result<Vec<u32>> {
-    Ok(tokenizer.encode_prompt(text)?)
+/// Encodes a rendered prompt into the ids a rollout starts from: a templated prompt as
+/// transformers does (no special tokens added), a plain one with `<bos>` first. The one
+/// place prompt text meets the tokenizer.
+pub fn encode_prompt(text: &ModelText, rendered: &str, data: &DataConfig) -> Result<Vec<u32>> {
+    if data.apply_chat_template {
+        text.encode_rendered(rendered)
+    } else {
+        text.encode_plain(rendered)
+    }
 }
 
-/// The built-in task's problem as a prompt item.
-pub fn arith_item(tokenizer: &CharTokenizer, p: &Problem) -> Result<PromptItem> {
+/// The built-in task's problem as a prompt item (plain text, `<bos>` first).
+pub fn arith_item(text: &ModelText, p: &Problem) -> Result<PromptItem> {
     Ok(PromptItem {
-        ids: encode_prompt(tokenizer, &p.prompt)?,
+        ids: text.encode_plain(&p.prompt)?,
         text: p.prompt.clone(),
         ground_truth: p.answer.to_string(),
         data_source: ARITH_SOURCE.into(),
@@ -70,15 +78,11 @@ pub fn arith_item(tokenizer: &CharTokenizer, p: &Problem) -> Result<PromptItem> 
 }
 
 /// A dataset row rendered and encoded.
-pub fn dataset_item(
-    tokenizer: &CharTokenizer,
-    row: &DatasetRow,
-    data: &DataConfig,
-) -> Result<PromptItem> {
-    let text = render_prompt(&row.prompt, data)?;
+pub fn dataset_item(text: &ModelText, row: &DatasetRow, data: &DataConfig) -> Result<PromptItem> {
+    let rendered = render_prompt(text, &row.prompt, data)?;
     Ok(PromptItem {
-        ids: encode_prompt(tokenizer, &text)?,
-        text,
+        ids: encode_prompt(text, &rendered, data)?,
+        text: rendered,
         ground_truth: row.ground_truth.clone(),
         data_source: row.data_source.clone(),
         extra_info: row.extra_info.clone(),
@@ -97,7 +101,7 @@ pub struct LoadedSplit {
 /// Loads, renders and encodes `files`, dropping (and counting) overlong prompts.
 pub fn load_split(
     files: &[std::path::PathBuf],
-    tokenizer: &CharTokenizer,
+    tokenizer: &ModelText,
     data: &DataConfig,
     split: &str,
 ) -> Result<LoadedSplit> {
@@ -159,7 +163,7 @@ impl PromptSource {
     /// `stream_pos` / `position` resume a checkpoint (None = the start).
     pub fn new(
         cfg: &TrainConfig,
-        tokenizer: &CharTokenizer,
+        tokenizer: &ModelText,
         stream_pos: Option<u128>,
         position: Option<DatasetPosition>,
     ) -> Result<Self> {
@@ -202,7 +206,7 @@ impl PromptSource {
         &mut self,
         n: usize,
         seed: u64,
-        tokenizer: &CharTokenizer,
+        tokenizer: &ModelText,
     ) -> Result<Vec<PromptItem>> {
         match self {
             PromptSource::Arithmetic { task, stream_pos } => {
@@ -221,7 +225,7 @@ impl PromptSource {
     }
 
     /// The held-out prompts.
-    pub fn eval_items(&self, tokenizer: &CharTokenizer) -> Result<Vec<PromptItem>> {
+    pub fn eval_items(&self, tokenizer: &ModelText) -> Result<Vec<PromptItem>> {
         match self {
             PromptSource::Arithmetic { task, .. } => task
                 .eval_set()

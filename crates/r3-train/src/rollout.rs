@@ -6,10 +6,11 @@
 use r3_model::ReplayRoutes;
 use r3_rollout::{Engine, FinishReason, GenerateRequest, GenerateResult, SamplingParams};
 use r3_routing::{LayerLayout, RouteTable};
-use r3_tasks::{CharTokenizer, Problem, Reward, RewardInput, RewardSpec, EOS_ID};
+use r3_tasks::{Problem, Reward, RewardInput, RewardSpec};
 
 use crate::error::{Result, TrainError};
 use crate::fleet_sync::FleetRollout;
+use crate::model_text::ModelText;
 use crate::policy::ResponseBatch;
 use crate::prompt_source::{arith_item, PromptItem};
 
@@ -75,10 +76,13 @@ pub fn mix_seed(parts: &[u64]) -> u64 {
     h
 }
 
-fn stop_ids(engine: &Engine) -> Vec<u32> {
+/// The engine's eos ids (from the model's `config.json`) and the tokenizer's stop ids.
+fn stop_ids(engine: &Engine, text: &ModelText) -> Vec<u32> {
     let mut ids = engine.eos_token_ids().to_vec();
-    if !ids.contains(&EOS_ID) {
-        ids.push(EOS_ID);
+    for &id in text.stop_ids() {
+        if !ids.contains(&id) {
+            ids.push(id);
+        }
     }
     ids
 }
@@ -156,14 +160,14 @@ pub fn sample_prompts_fleet(
 pub fn sample_groups(
     engine: &mut Engine,
     fleet: Option<&mut FleetRollout>,
-    tokenizer: &CharTokenizer,
+    tokenizer: &ModelText,
     items: &[PromptItem],
     spec: SamplingSpec,
     reward: &Reward,
     seed: u64,
     step: u64,
 ) -> Result<Vec<Trajectory>> {
-    let stop = stop_ids(engine);
+    let stop = stop_ids(engine, tokenizer);
     let prompts: Vec<Vec<u32>> = items.iter().map(|p| p.ids.clone()).collect();
     let results = match fleet {
         None => sample_prompts(engine, &prompts, spec, &stop, seed, step)?,
@@ -271,7 +275,7 @@ pub struct EvalResult {
 /// the fraction the reward judges correct. Routes are not captured.
 pub fn evaluate_prompts(
     engine: &mut Engine,
-    tokenizer: &CharTokenizer,
+    tokenizer: &ModelText,
     items: &[PromptItem],
     reward: &Reward,
     max_new_tokens: usize,
@@ -281,7 +285,7 @@ pub fn evaluate_prompts(
     if items.is_empty() {
         return Err(TrainError::EmptyEvalSet);
     }
-    let stop = stop_ids(engine);
+    let stop = stop_ids(engine, tokenizer);
     let requests = items
         .iter()
         .enumerate()
@@ -319,7 +323,7 @@ pub fn evaluate_prompts(
 /// `arith` reward. Routes are not captured.
 pub fn evaluate(
     engine: &mut Engine,
-    tokenizer: &CharTokenizer,
+    tokenizer: &ModelText,
     problems: &[Problem],
     max_new_tokens: usize,
     temperature: f32,

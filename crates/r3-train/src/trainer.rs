@@ -8,12 +8,13 @@ use std::path::Path;
 use std::time::Instant;
 
 use r3_rollout::{Dtype, Engine, EngineConfig, RouterDtype};
-use r3_tasks::{CharTokenizer, Reward};
+use r3_tasks::Reward;
 
 use crate::checkpoint::{load_optimizer, save_checkpoint, state_at, TrainerState};
 use crate::config::TrainConfig;
 use crate::error::{Result, TrainError};
 use crate::fleet_sync::FleetRollout;
+use crate::model_text::ModelText;
 use crate::optim::{decay_matrices_only, AdamW, AdamWParams};
 use crate::policy::TrainablePolicy;
 use crate::prompt_source::{PromptItem, PromptSource};
@@ -30,8 +31,8 @@ pub struct Trainer {
     pub optimizer: AdamW,
     /// The rollout engine (f16 by default) with the policy's current weights.
     pub engine: Engine,
-    /// Character tokenizer of the model.
-    pub tokenizer: CharTokenizer,
+    /// The model's tokenizer and chat template.
+    pub tokenizer: ModelText,
     /// Training and held-out prompts, and the position in them.
     pub prompts: PromptSource,
     /// Reward of a response.
@@ -65,7 +66,7 @@ impl Trainer {
     pub fn new(cfg: TrainConfig) -> Result<Self> {
         let dir = cfg.model_dir.clone();
         let policy = TrainablePolicy::load(&dir).map_err(|e| checkpoint_err(&dir, e))?;
-        let tokenizer = CharTokenizer::from_file(&dir.join("tokenizer.json"))?;
+        let tokenizer = ModelText::from_model_dir(&dir)?;
         Self::assemble(cfg, policy, tokenizer, None)
     }
 
@@ -80,14 +81,14 @@ impl Trainer {
             });
         }
         let policy = TrainablePolicy::load(dir).map_err(|e| checkpoint_err(dir, e))?;
-        let tokenizer = CharTokenizer::from_file(&dir.join("tokenizer.json"))?;
+        let tokenizer = ModelText::from_model_dir(dir)?;
         Self::assemble(cfg, policy, tokenizer, Some((dir, state)))
     }
 
     fn assemble(
         cfg: TrainConfig,
         policy: TrainablePolicy,
-        tokenizer: CharTokenizer,
+        tokenizer: ModelText,
         resume: Option<(&Path, TrainerState)>,
     ) -> Result<Self> {
         let mut policy = policy;

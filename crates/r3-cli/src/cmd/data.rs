@@ -1,8 +1,9 @@
 //! `r3 data`: inspecting and making RL datasets. `show` prints, for the first rows of a
-//! config's training data (or the built-in task's problems), the rendered prompt, its token
-//! ids, the ground truth and the reward of a given response, so a template and a reward can
-//! be checked before a run. `generate` writes the GSM8K-format word-problem dataset in
-//! verl's schema as JSONL and Parquet.
+//! config's training data (or the built-in task's problems), the prompt rendered as the
+//! trainer renders it (the model's chat template when `data.apply_chat_template`), its token
+//! ids from the model's tokenizer, the ground truth and the reward of a given response, so
+//! a template and a reward can be checked before a run. `generate` writes the GSM8K-format
+//! word-problem dataset in verl's schema as JSONL and Parquet.
 
 use std::path::PathBuf;
 
@@ -10,8 +11,9 @@ use anyhow::Context;
 use clap::{Args, Subcommand};
 use r3_tasks::dataset::jsonl::to_jsonl;
 use r3_tasks::dataset::write_parquet;
-use r3_tasks::{gsm8k_style_splits, load_dataset, CharTokenizer, Reward, RewardInput};
+use r3_tasks::{gsm8k_style_splits, load_dataset, Reward, RewardInput};
 use r3_train::prompt_source::{encode_prompt, render_prompt, PromptSource};
+use r3_train::ModelText;
 use serde_json::{json, Value};
 
 use super::train::resolve_config;
@@ -83,8 +85,7 @@ struct Shown {
 
 fn show(a: ShowArgs) -> anyhow::Result<()> {
     let cfg = resolve_config(a.config.as_deref(), &a.set)?;
-    let tok_path = cfg.model_dir.join("tokenizer.json");
-    let tokenizer = CharTokenizer::from_file(&tok_path)
+    let tokenizer = ModelText::from_model_dir(&cfg.model_dir)
         .with_context(|| format!("loading the tokenizer of {}", cfg.model_dir.display()))?;
     let rows: Vec<Shown> = if cfg.uses_dataset() {
         let files = if a.val {
@@ -96,8 +97,8 @@ fn show(a: ShowArgs) -> anyhow::Result<()> {
         rows.truncate(a.n);
         rows.into_iter()
             .map(|r| {
-                let text = render_prompt(&r.prompt, &cfg.data)?;
-                let ids = encode_prompt(&tokenizer, &text).map_err(|e| e.to_string());
+                let text = render_prompt(&tokenizer, &r.prompt, &cfg.data)?;
+                let ids = encode_prompt(&tokenizer, &text, &cfg.data).map_err(|e| e.to_string());
                 Ok(Shown {
                     text,
                     ids,
@@ -155,6 +156,7 @@ fn show(a: ShowArgs) -> anyhow::Result<()> {
             json!({
                 "row": i,
                 "data_source": r.data_source,
+                "chat_template": cfg.data.apply_chat_template && cfg.uses_dataset(),
                 "prompt_text": r.text,
                 "token_ids": ids,
                 "num_tokens": ids.map(Vec::len),

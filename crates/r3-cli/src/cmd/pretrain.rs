@@ -1,6 +1,7 @@
 //! `r3 pretrain`: supervised next-token training of the small Qwen3-MoE-style base model
-//! on worked arithmetic solutions; writes an HF-layout checkpoint (`config.json`,
-//! `model.safetensors`, `tokenizer.json`, `pretrain.json`).
+//! on worked arithmetic solutions or GSM8K-format word problems (with a BPE tokenizer and a
+//! ChatML template trained first); writes an HF-layout checkpoint (`config.json`,
+//! `model.safetensors`, `tokenizer.json`, `tokenizer_config.json` for a BPE, `pretrain.json`).
 
 use std::path::PathBuf;
 
