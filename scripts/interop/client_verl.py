@@ -5,7 +5,9 @@ uses to drive an SGLang server over HTTP. Its request methods (`generate`, `flus
 `launch_server=False` but without its `__init__`, which builds SGLang's `ServerArgs` (GPU
 probing) only to read host and port: those are set on the object instead. Stubbed at import
 (not called by these methods): sglang's server modules (`sglang.srt.*`, imported for the
-server launch and tensor weight updates), ray, tensordict (verl's DataProto).
+server launch and tensor weight updates), tensordict (verl's DataProto). sglang 0.5.23's
+`EngineBase` has two abstract methods verl 0.9.1 lacks; they are cleared so the class
+instantiates (a skew between the two packages).
 
 Usage: client_verl.py --url http://HOST:PORT --model-dir DIR
 """
@@ -25,10 +27,14 @@ def main():
     ap.add_argument("--url", required=True)
     ap.add_argument("--model-dir", required=True)
     a = ap.parse_args()
-    stubs.install(["sglang.srt", "ray", "tensordict", "torch_npu"])
+    stubs.install(["sglang.srt.entrypoints.http_server", "sglang.srt.managers", "sglang.srt.server_args",
+                   "sglang.srt.utils", "tensordict", "torch_npu"])
     from verl.workers.rollout.sglang_rollout import http_server_engine as hse
 
     host, port = a.url.rsplit("//", 1)[1].split(":")
+    # sglang 0.5.23's EngineBase declares begin/end_weight_update abstract and verl 0.9.1
+    # does not define them (a skew between the two packages, unrelated to the server).
+    hse.AsyncHttpServerAdapter.__abstractmethods__ = frozenset()
     eng = object.__new__(hse.AsyncHttpServerAdapter)
     eng.server_args = SimpleNamespace(host=host, port=int(port))
     eng.node_rank = 0
