@@ -1,11 +1,9 @@
 """Drives a running `r3 serve` with the clients RL frameworks use; exits non-zero on failure.
 
-Run through scripts/interop/run.sh. Checks: the `openai` client (models.list, completions
-with stop strings, neutral penalties, best_of / logit_bias / suffix and logprobs with
-text_offset, token-by-token streaming, echo with logprobs), prompt log-probs and streaming on
-/generate, a `retract` pause, SGLang-native /generate with slime's and AReaL's request bodies, the pause /
-update / continue cycle with a string weight_version, and, given --router, two workers behind
-sglang-router returning routed experts.
+Run through scripts/interop/run.sh, beside the real clients (client_*.py). Checks with plain
+HTTP what the clients' code paths do not reach: prompt log-probs and streaming on /generate, a
+`retract` pause, slime's and AReaL's request bodies, the pause / update / continue cycle with
+a string weight_version, /flush_cache and /v1/loads.
 """
 
 import argparse
@@ -13,6 +11,8 @@ import json
 import sys
 import time
 import urllib.request
+
+from report import result
 
 
 def call(base, path, body=None, method=None):
@@ -49,7 +49,7 @@ def wait_ready(base):
 
 
 def check(name, cond, detail=""):
-    print(("ok   " if cond else "FAIL ") + name + (f": {detail}" if detail and not cond else ""))
+    result("raw HTTP (check.py)", name, cond, detail)
     if not cond:
         check.failed = True
 
@@ -57,77 +57,13 @@ def check(name, cond, detail=""):
 check.failed = False
 
 
-def sglang_frontend(url):
-    """SGLang's own client, `RuntimeEndpoint`, through its frontend language (sglang installed
-    with --no-deps; torch stubbed: the HTTP client never calls it)."""
-    import stubs
-    stubs.install(["torch"])
-    try:
-        import sglang as sgl
-        from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
-    except ImportError as e:
-        print(f"skip sglang RuntimeEndpoint: {e}")
-        return
-    sgl.set_default_backend(RuntimeEndpoint(url))
-
-    @sgl.function
-    def arith(s, q):
-        s += q
-        s += sgl.gen("a", max_tokens=8, temperature=0, return_logprob=True,
-                     logprob_start_len=0, top_logprobs_num=2)
-
-    st = arith.run(q="12+7=")
-    meta = st.get_meta_info("a")
-    check("sglang RuntimeEndpoint gen", isinstance(st["a"], str) and meta["completion_tokens"] > 0,
-          str(meta)[:200])
-    check("sglang RuntimeEndpoint prompt log-probs",
-          meta["input_token_logprobs"][0][0] is None and len(meta["input_token_logprobs"]) > 1,
-          str(meta)[:200])
-    streamed = arith.run(q="12+7=", stream=True)
-    text = "".join(streamed.text_iter("a"))
-    check("sglang RuntimeEndpoint stream", text.endswith(st["a"]), f"{text!r} vs {st['a']!r}")
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--worker", required=True)
-    ap.add_argument("--router")
     ap.add_argument("--model-dir", required=True)
     a = ap.parse_args()
     wait_ready(a.worker)
 
-    from openai import OpenAI
-
-    client = OpenAI(base_url=a.worker + "/v1", api_key="none")
-    models = client.models.list()
-    check("openai models.list", len(models.data) == 1)
-    name = models.data[0].id
-    c = client.completions.create(
-        model=name, prompt="12+7=", max_tokens=12, temperature=0, stop=["#"],
-        presence_penalty=0.0, frequency_penalty=0.0, best_of=1, logit_bias={}, suffix="",
-        logprobs=2,
-    )
-    ch = c.choices[0]
-    check("openai completion stop string", "#" not in ch.text, ch.text)
-    check("openai logprobs.text_offset", len(ch.logprobs.text_offset) == len(ch.logprobs.tokens))
-    check("openai top_logprobs", all(len(t) <= 2 for t in ch.logprobs.top_logprobs))
-
-    # Token-by-token streaming through the openai client: several chunks, and their texts
-    # concatenate to the non-streamed text for the same seed.
-    kw = dict(model=name, prompt="12+7=", max_tokens=24, temperature=1.0, seed=3,
-              extra_body={"ignore_eos": True})
-    plain = client.completions.create(**kw).choices[0].text
-    parts = [ev.choices[0].text for ev in client.completions.create(stream=True, **kw)]
-    check("openai stream: chunks concatenate to the plain text", "".join(parts) == plain,
-          f"{parts!r} vs {plain!r}")
-    check("openai stream: token by token", len(parts) > 2, str(len(parts)))
-    # echo with logprobs (prompt scoring).
-    e = client.completions.create(model=name, prompt="12+7=", max_tokens=1, temperature=0,
-                                  echo=True, logprobs=1)
-    lp = e.choices[0].logprobs
-    check("openai echo + logprobs", e.choices[0].text.startswith("12+7=")
-          and lp.token_logprobs[0] is None
-          and all(v is not None for v in lp.token_logprobs[1:]), str(lp)[:200])
     # Prompt log-probs on /generate (reference / teacher calls).
     r = call(a.worker, "/generate", {"text": "12+7=19", "return_logprob": True,
                                       "logprob_start_len": 0, "top_logprobs_num": 2,
@@ -186,16 +122,6 @@ def main():
     loads = call(a.worker, "/v1/loads")
     check("v1/loads", "loads" in loads)
 
-    sglang_frontend(a.worker)
-
-    if a.router:
-        wait_ready(a.router)
-        r = call(a.router, "/generate", {"text": "3*4=", "return_routed_experts": True,
-                                          "sampling_params": {"max_new_tokens": 8}})
-        check("sglang-router generate with routes", bool(r["meta_info"].get("routed_experts")))
-        c = OpenAI(base_url=a.router + "/v1", api_key="none").completions.create(
-            model=name, prompt="3*4=", max_tokens=8)
-        check("sglang-router completions", len(c.choices) == 1)
     sys.exit(1 if check.failed else 0)
 
 

@@ -1,33 +1,116 @@
 #!/usr/bin/env bash
-# Interop check of `r3 serve` with real Python clients (not part of `cargo test`).
-# Usage: scripts/interop/run.sh [MODEL_DIR]   (default: models/arith-moe)
-# Creates a venv in target/interop-venv, installs `openai`, SGLang's client (`sglang --no-deps`)
-# and `sglang-router` when their wheels install, starts r3 serve on free local ports, runs check.py, and stops what it started.
-set -euo pipefail
+# Interop check of `r3 serve` with the real Python clients of the RL frameworks (not part of
+# `cargo test`: it needs Python and the package index). One command:
+#
+#   scripts/interop/run.sh [--bin PATH_TO_r3] [MODEL_DIR]      (default model: models/arith-moe)
+#
+# What it does (everything under target/):
+# - target/interop-venv: a venv with openai, sglang (--no-deps; its client modules' own deps),
+#   sglang-router, verl (--no-deps), areal (--no-deps) + torchdata, torch, transformers.
+# - target/interop-src/{slime,miles}: the frameworks' sources (git clone at the pinned commits
+#   below unless the directory is already there); they are imported from there.
+# - target/interop-model: MODEL_DIR's files plus a tokenizer_config.json (tokenizer class for
+#   transformers' AutoTokenizer, and a chat template that joins the messages' contents).
+# - two `r3 serve --return-routed-experts-by-default` workers and sglang-router (round robin)
+#   in front of them; each client_*.py drives its client's own code and prints RESULT lines.
+# Prints a table: client | path | result (ok, or the error). Exits non-zero if any failed.
+set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
-model="${1:-$root/models/arith-moe}"
+here="$root/scripts/interop"
+bin=""
+if [ "${1:-}" = "--bin" ]; then bin="$2"; shift 2; fi
+model_src="${1:-$root/models/arith-moe}"
 venv="$root/target/interop-venv"
-cd "$root"
-cargo build --release -p r3-cli
-python3 -m venv "$venv"
-"$venv/bin/pip" install --quiet openai requests
-# SGLang's client (RuntimeEndpoint) without its server deps: the wheel with --no-deps plus
-# what its client modules import; torch is stubbed at import time (scripts/interop/stubs.py).
-if "$venv/bin/pip" install --quiet --no-deps sglang; then
-  "$venv/bin/pip" install --quiet numpy tqdm psutil pybase64 packaging pillow msgspec pyzmq ipython || true
+src="$root/target/interop-src"
+logs="$root/target/interop-logs"
+model="$root/target/interop-model"
+py="$venv/bin/python"
+mkdir -p "$logs" "$src"
+
+SLIME_COMMIT=624b824a898ab0ec1fcb4d373004c7f3852bf515
+MILES_COMMIT=31f1ca961a94cb860cec3b2dea34ec332bfa8f76
+
+if [ -z "$bin" ]; then
+  (cd "$root" && cargo build --release -p r3-cli) || exit 1
+  bin="${CARGO_TARGET_DIR:-$root/target}/release/r3"
 fi
-router=0
-if "$venv/bin/pip" install --quiet sglang-router; then router=1; fi
-bin="$root/target/release/r3"
+
+if [ ! -x "$py" ]; then
+  python3 -m venv "$venv"
+fi
+pip() { "$venv/bin/pip" install --quiet "$@" >>"$logs/pip.log" 2>&1; }
+if ! "$py" -c "import openai, sglang, sglang_router, verl, areal, torch, transformers, torchdata" 2>/dev/null; then
+  echo "installing the clients into $venv (log: $logs/pip.log)"
+  pip openai requests sglang-router numpy tqdm httpx aiohttp pillow transformers tokenizers \
+    psutil pybase64 packaging msgspec pyzmq ipython pydantic uvloop orjson sympy torch
+  pip --no-deps sglang verl areal torchdata
+fi
+for pair in "slime https://github.com/THUDM/slime $SLIME_COMMIT" \
+            "miles https://github.com/radixark/miles $MILES_COMMIT"; do
+  set -- $pair
+  if [ ! -d "$src/$1" ]; then
+    git clone --quiet "$2" "$src/$1" && git -C "$src/$1" checkout --quiet "$3"
+  fi
+done
+
+mkdir -p "$model"
+cp "$model_src"/config.json "$model_src"/*.safetensors "$model_src"/tokenizer.json "$model/"
+cat >"$model/tokenizer_config.json" <<'EOF'
+{"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+ "pad_token": "<pad>", "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}
+EOF
+layers=$("$py" -c "import json,sys; print(json.load(open(sys.argv[1]))['num_hidden_layers'])" "$model/config.json")
+topk=$("$py" -c "import json,sys; print(json.load(open(sys.argv[1]))['num_experts_per_tok'])" "$model/config.json")
+
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
 trap cleanup EXIT
-"$bin" serve --model "$model" --port 31001 --return-routed-experts-by-default & pids+=($!)
-"$bin" serve --model "$model" --port 31002 --return-routed-experts-by-default & pids+=($!)
-if [ "$router" = 1 ]; then
-  "$venv/bin/python" -m sglang_router.launch_router \
-    --worker-urls http://127.0.0.1:31001 http://127.0.0.1:31002 --host 127.0.0.1 --port 31000 &
-  pids+=($!)
-fi
-"$venv/bin/python" "$root/scripts/interop/check.py" --worker http://127.0.0.1:31001 \
-  --model-dir "$model" $([ "$router" = 1 ] && echo --router http://127.0.0.1:31000)
+w1=http://127.0.0.1:31001 w2=http://127.0.0.1:31002 router=http://127.0.0.1:31000
+"$bin" serve --model "$model" --port 31001 --return-routed-experts-by-default >"$logs/worker1.log" 2>&1 &
+pids+=($!)
+"$bin" serve --model "$model" --port 31002 --return-routed-experts-by-default >"$logs/worker2.log" 2>&1 &
+pids+=($!)
+"$py" -m sglang_router.launch_router --worker-urls "$w1" "$w2" --policy round_robin \
+  --prometheus-port 31009 --host 127.0.0.1 --port 31000 >"$logs/router.log" 2>&1 &
+pids+=($!)
+for u in "$w1" "$w2" "$router"; do
+  for _ in $(seq 120); do curl -sf "$u/health" >/dev/null && break; sleep 0.5; done
+done
+# The router needs a moment to register its workers after it answers /health.
+for _ in $(seq 60); do
+  curl -sf "$router/v1/models" | grep -q '"id"' && break; sleep 0.5
+done
+
+out="$logs/results.tsv"
+: >"$out"
+run() {
+  local name="$1"; shift
+  echo "== $name" >>"$logs/clients.log"
+  (cd "$here" && timeout 900 "$py" "$@") >>"$logs/clients.log" 2>&1
+  local rc=$?
+  if ! grep -aq "^RESULT	$name	" "$logs/clients.log"; then
+    printf 'RESULT\t%s\t(start)\tFAIL: exit %s before any result, see %s\n' "$name" "$rc" "$logs/clients.log" >>"$logs/clients.log"
+  fi
+}
+: >"$logs/clients.log"
+run slime client_slime.py --pkg slime --src "$src/slime" --url "$router" --model-dir "$model" --layers "$layers" --top-k "$topk"
+run miles client_slime.py --pkg miles --src "$src/miles" --url "$router" --model-dir "$model" --layers "$layers" --top-k "$topk"
+run areal client_areal.py --urls "$w1" "$w2" --model-dir "$model"
+run verl client_verl.py --url "$w1" --model-dir "$model"
+run sglang client_sglang.py --url "$w1" --model-dir "$model"
+run openai client_openai.py --url "$w1"
+run sglang-router client_router.py --router "$router" --workers "$w1" "$w2" --layers "$layers" --top-k "$topk"
+run "raw HTTP (check.py)" check.py --worker "$w1" --model-dir "$model"
+
+grep -a '^RESULT' "$logs/clients.log" | cut -f2- >"$out"
+"$py" - "$out" <<'EOF'
+import sys
+rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1]) if l.strip()]
+w = [max(len(r[i]) for r in rows + [["client", "path", "result"]]) for i in range(2)]
+print(f"| {'client':<{w[0]}} | {'path':<{w[1]}} | result |")
+print(f"|{'-' * (w[0] + 2)}|{'-' * (w[1] + 2)}|--------|")
+for c, p, r in rows:
+    print(f"| {c:<{w[0]}} | {p:<{w[1]}} | {r} |")
+EOF
+echo "client output: $logs/clients.log"
+! grep -aq $'\tFAIL' "$out"

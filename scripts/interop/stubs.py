@@ -14,7 +14,7 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self.roots = set(roots)
 
     def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in self.roots:
+        if any(name == r or name.startswith(r + ".") for r in self.roots):
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
         return None
 
@@ -30,7 +30,8 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def install(roots):
-    """Makes `import ROOT` (and its submodules) succeed with MagicMock modules."""
+    """Makes `import ROOT` (and its submodules) succeed with MagicMock modules; a ROOT may
+    be a dotted module (`sglang.srt.server_args`) to stub only that part of a package."""
     for r in roots:
         print(f"stub {r} (import only)")
     sys.meta_path.insert(0, _StubFinder(roots))

@@ -2,7 +2,12 @@
 //! (`add_generation_prompt`, default true, and `chat_template_kwargs` such as
 //! `enable_thinking`), tokenized without added special tokens, then sampled like
 //! `/v1/completions`; the model's stop ids (eos and `generation_config.json`'s) end a turn.
-//! `stream: true` answers one `chat.completion.chunk` per choice, then `[DONE]`.
+//! `logprobs: true` (with `top_logprobs` up to [`MAX_TOP_LOGPROBS`] alternatives) answers
+//! OpenAI's `choices[].logprobs.content[]`, one entry per generated token. `stream: true`
+//! answers token by token: a `chat.completion.chunk` with the role per choice, then the new
+//! content as it is produced, and a last chunk per choice with the rest of its content, its
+//! finish reason and its log-probs; then `[DONE]`. The content of a choice's chunks
+//! concatenates to the non-streamed content.
 
 use std::collections::BTreeMap;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -16,16 +21,19 @@ use r3_text::{ChatMessage, RenderOptions};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
+use super::completions::token_text;
 use super::error::ApiError;
 use super::fields::{kind, parse_body};
+use super::generate::MAX_TOP_LOGPROBS;
 use super::policy::FieldRule::{Ignored, Implemented, NeutralOnly};
 use super::policy::Schema;
 use super::sampling::SamplingBody;
-use super::sse::event_stream;
-use super::stop::response_text;
-use super::worker::Job;
+use super::sse::{stream_jobs, ChunkBuilder};
+use super::stop::{response_text, TextOptions};
+use super::stream_text::{stop_hold, StreamedText};
+use super::worker::{Finished, Job};
 use super::{read_body, AppState};
-use crate::request::{FinishReason, GenerateRequest};
+use crate::request::{FinishReason, GenerateRequest, GenerateResult};
 
 /// OpenAI's chat completions request plus the SGLang / vLLM extensions r3 implements.
 pub static CHAT: Schema = Schema {
@@ -58,8 +66,8 @@ pub static CHAT: Schema = Schema {
         ("user", Ignored),
         ("rid", Ignored),
         ("separate_reasoning", Ignored),
-        ("logprobs", NeutralOnly(&[])),
-        ("top_logprobs", NeutralOnly(&[])),
+        ("logprobs", Implemented),
+        ("top_logprobs", Implemented),
         ("tools", NeutralOnly(&[])),
         ("tool_choice", NeutralOnly(&["\"none\"", "\"auto\""])),
         ("parallel_tool_calls", Ignored),
@@ -93,6 +101,8 @@ struct ChatBody {
     presence_penalty: Option<f32>,
     repetition_penalty: Option<f32>,
     logit_bias: Option<BTreeMap<String, f32>>,
+    logprobs: Option<bool>,
+    top_logprobs: Option<usize>,
     stream: Option<bool>,
 }
 
@@ -187,9 +197,12 @@ pub async fn handle(
         return Err(ApiError::bad_request("n must be at least 1"));
     }
     state.check_batch_size(n)?;
-    // A chat turn ends at the model's stop ids (e.g. `<|im_end|>`), beside the client's own.
+    // A chat turn ends at the model's stop ids (e.g. `<|im_end|>`), beside the client's own,
+    // unless `ignore_eos` asks to generate past them (as SGLang's `ignore_eos` does).
     let mut stop_ids = body.stop_token_ids.clone().unwrap_or_default();
-    stop_ids.extend(codec.tokenizer().stop_token_ids().iter().copied());
+    if !body.ignore_eos.unwrap_or(false) {
+        stop_ids.extend(codec.tokenizer().stop_token_ids().iter().copied());
+    }
     let sampling = SamplingBody {
         temperature: body.temperature,
         top_p: body.top_p,
@@ -214,10 +227,12 @@ pub async fn handle(
         sampling_seed: None,
         skip_special_tokens: body.skip_special_tokens,
     };
+    let top_n = logprobs_asked(body.logprobs, body.top_logprobs)?;
     let mut jobs = Vec::with_capacity(n);
     let mut texts = Vec::with_capacity(n);
     for i in 0..n {
-        let (params, text, stop) = state.prepare(&sampling, input_ids.len(), i)?;
+        let (mut params, text, stop) = state.prepare(&sampling, input_ids.len(), i)?;
+        params.top_logprobs = top_n.unwrap_or(0);
         texts.push(text);
         jobs.push(Job {
             rid: state.next_rid(),
@@ -230,53 +245,39 @@ pub async fn handle(
             stop,
         });
     }
-    let results = state.handle().generate(jobs).await?;
-    let stream = body.stream.unwrap_or(false);
-    let mut choices = Vec::with_capacity(results.len());
-    for (index, (f, opts)) in results.iter().zip(&texts).enumerate() {
-        let r = &f.result;
-        let text = response_text(
-            codec,
-            &r.output_ids,
-            &r.finish,
-            f.matched_stop.as_deref(),
-            opts,
-        )?;
-        let finish = match r.finish {
-            FinishReason::Length => "length",
-            FinishReason::Stop { .. } | FinishReason::StopString => "stop",
-            FinishReason::Abort => "abort",
-        };
-        let message = json!({"role": "assistant", "content": text});
-        choices.push(if stream {
-            json!({"index": index, "delta": message, "finish_reason": finish})
-        } else {
-            json!({"index": index, "message": message, "finish_reason": finish,
-                   "token_ids": r.output_ids, "logprobs": null})
-        });
-    }
-    let completion_tokens: usize = results.iter().map(|f| f.result.output_ids.len()).sum();
     let created = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0);
-    let id = format!("chatcmpl-{}", state.next_rid());
-    let model = state.config().served_model_name.clone();
-    if stream {
-        let chunks: Vec<Value> = choices
-            .into_iter()
-            .map(|c| {
-                json!({"id": id, "object": "chat.completion.chunk", "created": created,
-                       "model": model, "choices": [c]})
-            })
-            .collect();
-        return Ok(event_stream(&chunks));
+    let reply = ChatReply {
+        id: format!("chatcmpl-{}", state.next_rid()),
+        created,
+        model: state.config().served_model_name.clone(),
+        top_n,
+        texts,
+    };
+    if body.stream.unwrap_or(false) {
+        let chunks = ChatChunks {
+            state: state.clone(),
+            text: StreamedText::new(n),
+            reply,
+        };
+        return stream_jobs(state.handle(), jobs, chunks).await;
     }
+    let results = state.handle().generate(jobs).await?;
+    let mut choices = Vec::with_capacity(results.len());
+    for (index, f) in results.iter().enumerate() {
+        let c = reply.choice(&state, index, f)?;
+        choices.push(json!({"index": index,
+            "message": {"role": "assistant", "content": c.content},
+            "finish_reason": c.finish, "token_ids": f.result.output_ids, "logprobs": c.logprobs}));
+    }
+    let completion_tokens: usize = results.iter().map(|f| f.result.output_ids.len()).sum();
     Ok(Json(json!({
-        "id": id,
+        "id": reply.id,
         "object": "chat.completion",
-        "created": created,
-        "model": model,
+        "created": reply.created,
+        "model": reply.model,
         "choices": choices,
         "prompt_token_ids": input_ids,
         "usage": {
@@ -286,4 +287,155 @@ pub async fn handle(
         },
     }))
     .into_response())
+}
+
+/// Alternatives per token asked for by OpenAI's `logprobs` / `top_logprobs` (None: no
+/// log-probs); `top_logprobs` needs `logprobs: true`, as OpenAI's API says.
+fn logprobs_asked(logprobs: Option<bool>, top: Option<usize>) -> Result<Option<usize>, ApiError> {
+    match (logprobs.unwrap_or(false), top) {
+        (false, None | Some(0)) => Ok(None),
+        (false, Some(k)) => Err(ApiError::bad_request(format!(
+            "top_logprobs={k} needs logprobs: true"
+        ))),
+        (true, Some(k)) if k > MAX_TOP_LOGPROBS => Err(ApiError::bad_request(format!(
+            "top_logprobs={k}: r3 returns at most {MAX_TOP_LOGPROBS} alternatives per token"
+        ))),
+        (true, k) => Ok(Some(k.unwrap_or(0))),
+    }
+}
+
+/// What a chat answer is built from besides the engine's results.
+struct ChatReply {
+    id: String,
+    created: u64,
+    model: String,
+    /// Alternatives per token when log-probs were asked for.
+    top_n: Option<usize>,
+    /// Text options of each choice.
+    texts: Vec<TextOptions>,
+}
+
+/// The parts of one finished choice.
+struct ChatChoice {
+    content: String,
+    finish: &'static str,
+    logprobs: Value,
+}
+
+impl ChatReply {
+    /// Content, finish reason and log-probs of choice `index`.
+    fn choice(&self, state: &AppState, index: usize, f: &Finished) -> Result<ChatChoice, ApiError> {
+        let r = &f.result;
+        let content = match (state.text(), self.texts.get(index)) {
+            (Some(codec), Some(opts)) => response_text(
+                codec,
+                &r.output_ids,
+                &r.finish,
+                f.matched_stop.as_deref(),
+                opts,
+            )?,
+            _ => String::new(),
+        };
+        let finish = match r.finish {
+            FinishReason::Length => "length",
+            FinishReason::Stop { .. } | FinishReason::StopString => "stop",
+            FinishReason::Abort => "abort",
+        };
+        let logprobs = match self.top_n {
+            None => Value::Null,
+            Some(k) => json!({"content": logprob_content(state, r, k), "refusal": null}),
+        };
+        Ok(ChatChoice {
+            content,
+            finish,
+            logprobs,
+        })
+    }
+
+    /// One streamed chunk holding `choice`.
+    fn chunk(&self, choice: Value) -> Value {
+        json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+               "model": self.model, "choices": [choice]})
+    }
+}
+
+/// One token in OpenAI's chat log-prob format.
+fn token_entry(state: &AppState, id: u32, logprob: f32) -> Value {
+    let token = token_text(state, id);
+    json!({"token": token, "logprob": logprob, "bytes": token.as_bytes()})
+}
+
+/// `logprobs.content`: one entry per generated token, with its `k` best alternatives.
+fn logprob_content(state: &AppState, r: &GenerateResult, k: usize) -> Vec<Value> {
+    r.output_ids
+        .iter()
+        .zip(&r.output_logprobs)
+        .enumerate()
+        .map(|(j, (&id, &lp))| {
+            let top: Vec<Value> = r
+                .output_top_logprobs
+                .get(j)
+                .map(|pos| {
+                    pos.iter()
+                        .take(k)
+                        .map(|&(t, l)| token_entry(state, t, l))
+                        .collect()
+                })
+                .unwrap_or_default();
+            let mut e = token_entry(state, id, lp);
+            e["top_logprobs"] = Value::Array(top);
+            e
+        })
+        .collect()
+}
+
+/// The chunks of a streamed chat answer (OpenAI's format): the role first, then the
+/// content as it becomes final, then per choice the rest with its finish reason and
+/// log-probs.
+struct ChatChunks {
+    state: AppState,
+    reply: ChatReply,
+    text: StreamedText,
+}
+
+impl ChunkBuilder for ChatChunks {
+    fn opening(&mut self) -> Vec<Value> {
+        (0..self.reply.texts.len())
+            .map(|index| {
+                self.reply.chunk(json!({"index": index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": null, "finish_reason": null}))
+            })
+            .collect()
+    }
+
+    fn delta(&mut self, index: usize, tokens: &[u32]) -> Vec<Value> {
+        let Some(opts) = self.reply.texts.get(index) else {
+            return Vec::new();
+        };
+        let (hold, state) = (stop_hold(opts), &self.state);
+        let render =
+            |ids: &[u32]| response_text(state.text()?, ids, &FinishReason::Length, None, opts).ok();
+        let Some(new) = self.text.advance(index, tokens, hold, render) else {
+            return Vec::new();
+        };
+        vec![self
+            .reply
+            .chunk(json!({"index": index, "delta": {"content": new},
+            "logprobs": null, "finish_reason": null}))]
+    }
+
+    fn finish(&mut self, results: &[Finished]) -> Result<Vec<Value>, ApiError> {
+        let mut out = Vec::with_capacity(results.len());
+        for (index, f) in results.iter().enumerate() {
+            let c = self.reply.choice(&self.state, index, f)?;
+            let rest = self.text.rest(index, &c.content);
+            out.push(
+                self.reply
+                    .chunk(json!({"index": index, "delta": {"content": rest},
+                "logprobs": c.logprobs, "finish_reason": c.finish})),
+            );
+        }
+        Ok(out)
+    }
 }

@@ -21,6 +21,7 @@ use super::policy::COMPLETIONS;
 use super::sampling::SamplingBody;
 use super::sse::{stream_jobs, ChunkBuilder};
 use super::stop::{response_text, TextOptions};
+use super::stream_text::{stop_hold, StreamedText};
 use super::worker::{Finished, Job};
 use super::{read_body, AppState};
 use crate::request::{FinishReason, GenerateRequest};
@@ -168,8 +169,7 @@ pub async fn handle(
     if body.stream.unwrap_or(false) {
         let chunks = OpenAiChunks {
             state: state.clone(),
-            sent: vec![String::new(); total],
-            so_far: vec![Vec::new(); total],
+            text: StreamedText::new(total),
             reply,
         };
         return stream_jobs(state.handle(), jobs, chunks).await;
@@ -249,32 +249,20 @@ impl Reply {
 struct OpenAiChunks {
     state: AppState,
     reply: Reply,
-    /// Text sent so far per choice.
-    sent: Vec<String>,
-    /// Tokens generated so far per choice.
-    so_far: Vec<Vec<u32>>,
+    text: StreamedText,
 }
 
-impl OpenAiChunks {
-    /// The text of choice `index` as it stands, echo included.
-    fn text_now(&self, index: usize) -> Option<String> {
-        let codec = self.state.text()?;
-        let opts = self.reply.texts.get(index)?;
-        let out = response_text(
-            codec,
-            self.so_far.get(index)?,
-            &FinishReason::Length,
-            None,
-            opts,
-        )
-        .ok()?;
-        let prefix = if self.reply.echo {
-            codec.decode(self.reply.prompt(index), false).ok()?
-        } else {
-            String::new()
-        };
-        Some(prefix + &out)
-    }
+/// The text of choice `index` for its tokens so far `ids`, echo included.
+fn text_now(state: &AppState, reply: &Reply, index: usize, ids: &[u32]) -> Option<String> {
+    let codec = state.text()?;
+    let opts = reply.texts.get(index)?;
+    let out = response_text(codec, ids, &FinishReason::Length, None, opts).ok()?;
+    let prefix = if reply.echo {
+        codec.decode(reply.prompt(index), false).ok()?
+    } else {
+        String::new()
+    };
+    Some(prefix + &out)
 }
 
 impl ChunkBuilder for OpenAiChunks {
@@ -283,37 +271,13 @@ impl ChunkBuilder for OpenAiChunks {
     }
 
     fn delta(&mut self, index: usize, tokens: &[u32]) -> Vec<Value> {
-        let Some(cum) = self.so_far.get_mut(index) else {
+        let hold = self.reply.texts.get(index).map_or(0, stop_hold);
+        let (state, reply) = (&self.state, &self.reply);
+        let Some(new) = self.text.advance(index, tokens, hold, |ids| {
+            text_now(state, reply, index, ids)
+        }) else {
             return Vec::new();
         };
-        cum.extend_from_slice(tokens);
-        let Some(text) = self.text_now(index) else {
-            return Vec::new();
-        };
-        // Hold back what may still change: an incomplete UTF-8 character (decoded as U+FFFD)
-        // and the tail a stop string could begin in (it is trimmed when completed).
-        let hold = self.reply.texts.get(index).map_or(0, |t| {
-            t.stop
-                .iter()
-                .map(|s| s.chars().count().saturating_sub(1))
-                .max()
-                .unwrap_or(0)
-        });
-        let mut stable: Vec<char> = text.chars().collect();
-        stable.truncate(stable.len().saturating_sub(hold));
-        while stable.last() == Some(&char::REPLACEMENT_CHARACTER) {
-            stable.pop();
-        }
-        let stable: String = stable.into_iter().collect();
-        let sent = &mut self.sent[index];
-        let Some(new) = stable.strip_prefix(sent.as_str()) else {
-            return Vec::new();
-        };
-        if new.is_empty() {
-            return Vec::new();
-        }
-        let new = new.to_string();
-        sent.push_str(&new);
         let choice = json!({"index": index, "text": new, "logprobs": null, "finish_reason": null});
         vec![self.reply.chunk(choice)]
     }
@@ -325,12 +289,7 @@ impl ChunkBuilder for OpenAiChunks {
             .enumerate()
             .map(|(index, mut c)| {
                 let full = c["text"].as_str().unwrap_or_default().to_string();
-                let sent = self.sent.get(index).map_or("", String::as_str);
-                if let Some(rest) = full.strip_prefix(sent) {
-                    c["text"] = Value::String(rest.to_string());
-                } else {
-                    tracing::warn!(index, "streamed text is not a prefix of the final text");
-                }
+                c["text"] = Value::String(self.text.rest(index, &full).to_string());
                 self.reply.chunk(c)
             })
             .collect())
@@ -377,7 +336,7 @@ fn prompt_ids(state: &AppState, prompt: &Value) -> Result<Vec<Vec<u32>>, ApiErro
 }
 
 /// The text of one token for `logprobs` (its decoded text; `token_id:N` without tokenizer).
-fn token_text(state: &AppState, id: u32) -> String {
+pub(super) fn token_text(state: &AppState, id: u32) -> String {
     match state.text() {
         Some(codec) => codec
             .decode(&[id], false)

@@ -77,6 +77,9 @@ struct ResponseSpec {
     return_routes: bool,
     dtype: WireDtype,
     text: TextOptions,
+    /// `max_new_tokens: 0` (SGLang's prompt-only request: `select` scoring, reference
+    /// log-probs): the engine samples one token, which the answer leaves out.
+    prompt_only: bool,
 }
 
 /// One entry of the response: a job to run, or an answer known without running one.
@@ -204,6 +207,9 @@ impl ChunkBuilder for SglangChunks {
         let Some((at, job, spec)) = self.run(index) else {
             return Vec::new();
         };
+        if spec.prompt_only {
+            return Vec::new();
+        }
         let mut chunk = json!({
             "output_ids": cum,
             "meta_info": {
@@ -360,9 +366,21 @@ fn plan(state: &AppState, body: GenerateBody) -> Result<(Vec<Planned>, bool), Ap
                 }
             };
             state.check_prompt(input_ids, "input_ids").map_err(at)?;
-            let (params, text, stop) = state
-                .prepare(&sampling[i], input_ids.len(), k)
-                .map_err(at)?;
+            // SGLang answers `max_new_tokens: 0` with the prompt's log-probs and no output;
+            // the engine always samples, so one token is sampled and left out of the answer.
+            let prompt_only = sampling[i].max_new_tokens == Some(0);
+            let one_token;
+            let sampling_i = if prompt_only {
+                one_token = SamplingBody {
+                    max_new_tokens: Some(1),
+                    min_new_tokens: None,
+                    ..sampling[i].clone()
+                };
+                &one_token
+            } else {
+                &sampling[i]
+            };
+            let (params, text, stop) = state.prepare(sampling_i, input_ids.len(), k).map_err(at)?;
             let rid = rids[k * n + i].clone().unwrap_or_else(|| state.next_rid());
             if start_len[i] > input_ids.len() {
                 plan.push(Planned::Answer(start_past_prompt(
@@ -396,6 +414,7 @@ fn plan(state: &AppState, body: GenerateBody) -> Result<(Vec<Planned>, bool), Ap
                 return_routes,
                 dtype,
                 text,
+                prompt_only,
             };
             let job = Job {
                 rid,
@@ -556,6 +575,13 @@ fn response_for(
     spec: &ResponseSpec,
     latency: f64,
 ) -> Result<Value, ApiError> {
+    let trimmed;
+    let f = if spec.prompt_only {
+        trimmed = without_output(f)?;
+        &trimmed
+    } else {
+        f
+    };
     let r = &f.result;
     let mut meta = json!({
         "id": spec.rid,
@@ -606,6 +632,30 @@ fn response_for(
         )?);
     }
     Ok(out)
+}
+
+/// A prompt-only answer: the sampled token, its log-probs and its routing row left out
+/// (routes then cover `prompt - 1` positions, as `prompt + completion - 1` says).
+fn without_output(f: &Finished) -> Result<Finished, ApiError> {
+    let mut f = f.clone();
+    let r = &mut f.result;
+    r.output_ids.clear();
+    r.output_logprobs.clear();
+    r.output_top_logprobs.clear();
+    if r.finish != FinishReason::Abort {
+        r.finish = FinishReason::Length;
+    }
+    f.matched_stop = None;
+    if let Some(t) = r.routes.as_ref() {
+        let keep = (r.prompt_tokens.saturating_sub(1))
+            .saturating_sub(t.start_pos())
+            .min(t.num_tokens());
+        let sliced = t
+            .slice_rows(0, keep)
+            .map_err(|e| ApiError::internal(format!("trimming routed_experts: {e}")))?;
+        r.routes = Some(sliced);
+    }
+    Ok(f)
 }
 
 /// `routed_experts` (base64), its dtype and start in `meta`.

@@ -30,6 +30,7 @@ pub mod sampling;
 pub mod security;
 pub mod sse;
 pub mod stop;
+pub mod stream_text;
 pub mod text;
 pub mod weights_update;
 pub mod worker;

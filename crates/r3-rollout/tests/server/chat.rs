@@ -84,19 +84,67 @@ fn chat_renders_the_template_and_stops_at_the_models_eos() {
     assert_eq!(r.body["prompt_token_ids"], json!([2, 10, 3, 5]));
 }
 
+/// Streamed: per choice a role chunk, then the content; the last chunk of each choice has
+/// its finish reason, and the content adds up to the non-streamed choice's content.
 #[test]
-fn chat_streams_one_chunk_per_choice() {
+fn chat_streams_a_role_chunk_then_the_content_per_choice() {
     let server = server(Some(TEMPLATE));
-    let body = json!({"seed": 1, "max_tokens": 4, "n": 2, "stream": true,
+    let body = json!({"seed": 1, "max_tokens": 4, "n": 2,
+        "messages": [{"role": "user", "content": "t10"}]});
+    let plain = server.post("/v1/chat/completions", &body);
+    assert_eq!(plain.status, 200, "{}", plain.text);
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let r = server.post("/v1/chat/completions", &streamed);
+    assert_eq!(r.status, 200, "{}", r.text);
+    let chunks = parse_event_stream(&r.text);
+    for i in 0..2 {
+        let mine: Vec<&serde_json::Value> = chunks
+            .iter()
+            .inspect(|c| assert_eq!(c["object"], "chat.completion.chunk"))
+            .filter_map(|c| c["choices"].as_array()?.first())
+            .filter(|c| c["index"] == i)
+            .collect();
+        assert!(mine.len() >= 2, "{}", r.text);
+        assert_eq!(mine[0]["delta"]["role"], "assistant");
+        let content: String = mine
+            .iter()
+            .map(|c| c["delta"]["content"].as_str().unwrap_or_default())
+            .collect();
+        let want = &plain.body["choices"][i];
+        assert_eq!(
+            content,
+            want["message"]["content"].as_str().unwrap_or_default()
+        );
+        assert_eq!(
+            mine.last().expect("a chunk")["finish_reason"],
+            want["finish_reason"]
+        );
+    }
+}
+
+/// `logprobs: true`: one `content` entry per generated token, with the fake engine's
+/// log-prob of that token (`-id / 100`) and the token's text and bytes.
+#[test]
+fn chat_logprobs_list_every_generated_token() {
+    let server = server(Some(TEMPLATE));
+    let body = json!({"seed": 2, "max_tokens": 5, "logprobs": true,
         "messages": [{"role": "user", "content": "t10"}]});
     let r = server.post("/v1/chat/completions", &body);
     assert_eq!(r.status, 200, "{}", r.text);
-    let chunks = parse_event_stream(&r.text);
-    assert_eq!(chunks.len(), 2, "{}", r.text);
-    for (i, c) in chunks.iter().enumerate() {
-        assert_eq!(c["object"], "chat.completion.chunk");
-        assert_eq!(c["choices"][0]["index"], i);
-        assert_eq!(c["choices"][0]["delta"]["role"], "assistant");
+    let choice = &r.body["choices"][0];
+    let out = crate::support::ids(&choice["token_ids"]);
+    let content = choice["logprobs"]["content"].as_array().expect("content");
+    assert_eq!(content.len(), out.len(), "{}", r.text);
+    for (&t, e) in out.iter().zip(content) {
+        assert_eq!(e["token"], format!("t{t}"));
+        assert_eq!(e["bytes"], json!(format!("t{t}").into_bytes()));
+        let lp = e["logprob"].as_f64().expect("logprob");
+        assert!(
+            (lp - f64::from(fake::logprob(t))).abs() < 1e-6,
+            "{lp} for t{t}"
+        );
+        assert_eq!(e["top_logprobs"], json!([]));
     }
 }
 
@@ -128,4 +176,25 @@ fn chat_without_a_template_or_refused_by_it_is_a_400() {
     );
     assert_eq!(r.status, 400, "{}", r.text);
     assert!(r.error_message().contains("tools"), "{}", r.text);
+}
+
+/// `ignore_eos: true` generates past the model's stop ids too (the template's eos `t7`
+/// included), as SGLang's `ignore_eos`: for a seed whose output would stop at an eos, the
+/// answer runs to `max_tokens` with the fake engine's unstopped tokens.
+#[test]
+fn chat_ignore_eos_also_ignores_the_models_stop_ids() {
+    let server = server(Some(TEMPLATE));
+    let prompt = [2u32, 10, 3, 4];
+    let seed = (0..200u64)
+        .find(|&s| fake::expected(&prompt, 12, &[fake::EOS, TEMPLATE_EOS], s).1)
+        .expect("some seed reaches an eos within 12 tokens");
+    let body = json!({"seed": seed, "max_tokens": 12, "ignore_eos": true,
+        "messages": [{"role": "user", "content": "t10"}]});
+    let r = server.post("/v1/chat/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.body["prompt_token_ids"], json!(prompt));
+    let (want, stopped) = fake::expected(&prompt, 12, &[], seed);
+    assert!(!stopped);
+    assert_eq!(r.body["choices"][0]["token_ids"], json!(want));
+    assert_eq!(r.body["choices"][0]["finish_reason"], "length");
 }

@@ -524,3 +524,57 @@ fn streamed_responses_concatenate_to_the_non_streamed_ones() {
         assert_eq!(text, want["text"].as_str().unwrap_or_default());
     }
 }
+
+/// SGLang's frontend `select` (sgl-project/sglang python/sglang/lang/backend/runtime_endpoint.py,
+/// `RuntimeEndpoint.select`, sglang 0.5.23 from the package index) first sends
+/// `{"text": ..., "sampling_params": {"max_new_tokens": 0}}` and then scores each choice with
+/// `max_new_tokens: 0`, `return_logprob`, `return_text_in_logprobs` and a
+/// `logprob_start_len`: a prompt-only request, answered 200 with no output, finish reason
+/// `length` 0, and routes for the prompt's `prompt - 1` positions.
+#[test]
+fn sglang_select_prompt_only_requests() {
+    let server = server(true, |_| {});
+    let r = server.post(
+        "/generate",
+        &json!({"text": "t5 t9 t12", "sampling_params": {"max_new_tokens": 0}}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.body["output_ids"], json!([]));
+    assert_eq!(r.body["text"], "");
+    assert_eq!(r.body["meta_info"]["prompt_tokens"], 3);
+    assert_eq!(r.body["meta_info"]["completion_tokens"], 0);
+    assert_eq!(
+        r.body["meta_info"]["finish_reason"],
+        json!({"type": "length", "length": 0})
+    );
+    let r = server.post(
+        "/generate",
+        &json!({"text": ["t5 t9 t12 t2", "t5 t9 t12 t3"],
+                "sampling_params": {"max_new_tokens": 0, "temperature": 0},
+                "return_logprob": true, "return_text_in_logprobs": true,
+                "logprob_start_len": 1, "return_routed_experts": true}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text);
+    for (i, last) in [2u32, 3].into_iter().enumerate() {
+        let meta = &r.body[i]["meta_info"];
+        assert_eq!(r.body[i]["output_ids"], json!([]), "{}", r.text);
+        assert_eq!(meta["output_token_logprobs"], json!([]));
+        assert_eq!(meta["completion_tokens"], 0);
+        let prompt = [5u32, 9, 12, last];
+        let decoded = decode_sglang_response(meta, &wire_shape(0)).expect("routes decode");
+        assert_eq!(decoded.num_tokens(), prompt.len() - 1);
+        assert_eq!(decoded, fake::routes_of(&prompt, 0));
+    }
+    // Streamed, the answer is the one final chunk: no sampled token leaks out.
+    let r = server.post(
+        "/generate",
+        &json!({"input_ids": [5, 9], "stream": true, "sampling_params": {"max_new_tokens": 0}}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text);
+    let chunks = parse_event_stream(&r.text);
+    assert!(
+        chunks.iter().all(|c| c["output_ids"] == json!([])),
+        "{}",
+        r.text
+    );
+}

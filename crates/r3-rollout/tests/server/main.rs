@@ -4,6 +4,7 @@
 
 #![recursion_limit = "512"]
 mod chat;
+mod chat_engine;
 mod clients;
 mod connections;
 mod engine;

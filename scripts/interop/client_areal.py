@@ -1,0 +1,88 @@
+"""AReaL's `RemoteSGLangEngine` against r3 serve (areal 1.0.4 from the package index,
+installed --no-deps; areal/engine/sglang_remote.py + areal/infra/remote_inf_engine.py):
+`initialize(addr=...)` (health wait), `agenerate` with R3 (`return_routed_experts`) and with
+AReaL's default `max_new_tokens`, `pause_generation` / `continue_generation`, and
+`update_weights_from_disk` as its trainer drives it (the trainer's "saved" record put in
+AReaL's name_resolve, then the engine's update request to every server). Nothing is stubbed
+that these calls use; torch / torchdata are real packages.
+
+Usage: client_areal.py --urls URL1 URL2 --model-dir DIR
+"""
+
+import argparse
+import asyncio
+import tempfile
+import time
+
+import transformers  # noqa: F401
+
+from report import attempt
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--urls", nargs="+", required=True)
+    ap.add_argument("--model-dir", required=True)
+    a = ap.parse_args()
+    from areal.api.cli_args import GenerationHyperparameters, InferenceEngineConfig, NameResolveConfig
+    from areal.api.io_struct import ModelRequest, WeightUpdateMeta
+    from areal.engine.sglang_remote import RemoteSGLangEngine
+    from areal.utils import name_resolve, names
+
+    records = tempfile.mkdtemp(prefix="areal-names-")
+    name_resolve.reconfigure(NameResolveConfig(type="nfs", nfs_record_root=records))
+    config = InferenceEngineConfig(experiment_name="r3-interop", trial_name="t0",
+                                   max_concurrent_rollouts=4, consumer_batch_size=1,
+                                   request_timeout=120, setup_timeout=60,
+                                   return_routed_experts=True, pause_grace_period=0.1)
+    addrs = [u.rsplit("//", 1)[1] for u in a.urls]
+    eng = RemoteSGLangEngine(config)
+    c = "areal"
+    if not attempt(c, "RemoteSGLangEngine.initialize(addr=[2 servers])",
+                   lambda: (eng.initialize(addr=addrs), True)[1]):
+        return
+    tok = transformers.AutoTokenizer.from_pretrained(a.model_dir)
+    ids = tok.encode("12+7=", add_special_tokens=False)
+
+    def agenerate(max_new):
+        req = ModelRequest(input_ids=list(ids), tokenizer=tok,
+                           gconfig=GenerationHyperparameters(max_new_tokens=max_new, n_samples=1))
+        return asyncio.run(eng.agenerate(req))
+
+    def with_routes():
+        r = agenerate(8)
+        rows = len(r.input_tokens) + len(r.output_tokens) - 1
+        shape = None if r.routed_experts is None else r.routed_experts.shape
+        return (len(r.output_tokens) == len(r.output_logprobs) > 0 and shape is not None
+                and shape[0] == rows), f"stop {r.stop_reason}, routes {shape}, rows {rows}"
+
+    attempt(c, "agenerate with return_routed_experts", with_routes)
+
+    def default_len():
+        # GenerationHyperparameters' default max_new_tokens (16384) is far past the context:
+        # r3 clips it and answers `length`.
+        r = agenerate(GenerationHyperparameters().max_new_tokens)
+        return r.stop_reason in ("length", "stop") and len(r.output_tokens) > 0, f"{r.stop_reason} {len(r.output_tokens)}"
+
+    attempt(c, "agenerate with the default max_new_tokens", default_len)
+
+    def weight_cycle():
+        eng.pause_generation()
+        version = 1
+        eng.set_version(version - 1)
+        meta = WeightUpdateMeta(type="disk", path=a.model_dir, clear_checkpoint_after_load=False)
+        # What AReaL's trainer does after saving the checkpoint: announce it.
+        name_resolve.add(names.update_weights_from_disk(config.experiment_name, config.trial_name,
+                                                        version - 1), str(time.time()), replace=True)
+        eng.update_weights_from_disk(meta).result(timeout=120)
+        eng.continue_generation()
+        eng.set_version(version)
+        r = agenerate(4)
+        return len(r.output_tokens) > 0, f"after update: {r.stop_reason}"
+
+    attempt(c, "pause_generation / update_weights_from_disk / continue_generation", weight_cycle)
+    eng.destroy()
+
+
+if __name__ == "__main__":
+    main()
