@@ -147,9 +147,10 @@ fn each_malformed_request_class_gets_a_4xx_and_the_server_keeps_serving() {
         ),
         (
             "/generate",
-            json!({"input_ids": [1], "sampling_params": {"max_new_tokens": 0}}),
+            // 0 is SGLang's prompt-only request (clients.rs); a negative budget is malformed.
+            json!({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}),
             400,
-            "at least 1",
+            "integer `-1`",
         ),
         (
             "/generate",
