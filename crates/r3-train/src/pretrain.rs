@@ -197,6 +197,29 @@ struct LoopOutcome {
     load_entropy_final: Vec<f64>,
 }
 
+impl LoopOutcome {
+    /// The run's report, `started` being when the run began.
+    fn into_report(
+        self,
+        cfg: &PretrainConfig,
+        started: Instant,
+        corpus_skipped: u64,
+    ) -> PretrainReport {
+        PretrainReport {
+            steps: cfg.steps,
+            wall_s: started.elapsed().as_secs_f64(),
+            final_loss: self.final_loss,
+            evals: self.evals,
+            eval_difficulty: cfg.eval_difficulty,
+            moe_layers: self.moe_layers,
+            load_entropy_init: self.load_entropy_init,
+            load_entropy_final: self.load_entropy_final,
+            corpus_skipped,
+            config: cfg.clone(),
+        }
+    }
+}
+
 /// The optimisation loop shared by every corpus: `next_batch` gives each step's batch,
 /// `evaluate` scores the policy every `eval_every` steps and at the end; the expert load of
 /// `probe` is measured before the first step, at each evaluation and after the last step.
@@ -348,18 +371,7 @@ fn pretrain_arithmetic(
         &mut evaluate,
         on_event,
     )?;
-    let report = PretrainReport {
-        steps: cfg.steps,
-        wall_s: started.elapsed().as_secs_f64(),
-        final_loss: outcome.final_loss,
-        evals: outcome.evals,
-        eval_difficulty: cfg.eval_difficulty,
-        moe_layers: outcome.moe_layers,
-        load_entropy_init: outcome.load_entropy_init,
-        load_entropy_final: outcome.load_entropy_final,
-        corpus_skipped: 0,
-        config: cfg.clone(),
-    };
+    let report = outcome.into_report(cfg, started, 0);
     write_checkpoint(&cfg.out_dir, &policy, &report, &|dir| {
         Ok(tokenizer.save(&dir.join("tokenizer.json"))?)
     })?;
@@ -452,18 +464,7 @@ fn pretrain_word_problems(
         &mut evaluate,
         on_event,
     )?;
-    let report = PretrainReport {
-        steps: cfg.steps,
-        wall_s: started.elapsed().as_secs_f64(),
-        final_loss: outcome.final_loss,
-        evals: outcome.evals,
-        eval_difficulty: cfg.eval_difficulty,
-        moe_layers: outcome.moe_layers,
-        load_entropy_init: outcome.load_entropy_init,
-        load_entropy_final: outcome.load_entropy_final,
-        corpus_skipped: stream.skipped,
-        config: cfg.clone(),
-    };
+    let report = outcome.into_report(cfg, started, stream.skipped);
     write_checkpoint(&cfg.out_dir, &policy, &report, &|dir| {
         write_word_problem_tokenizer(&text, dir)
     })?;
