@@ -37,11 +37,7 @@ pub async fn run(
     seed: u64,
 ) -> LoadFigures {
     let t = run_clients(client, url, pool, clients, duration, seed).await;
-    let mismatches = t
-        .answers
-        .iter()
-        .filter(|(i, a)| a.aborted || a.tokens != reference[*i].tokens)
-        .count();
+    let mismatches = t.mismatches(reference);
     LoadFigures {
         clients,
         sent: t.sent,

@@ -147,11 +147,7 @@ pub async fn run(
             _ => connect_failures += 1,
         }
     }
-    let mismatches = t
-        .answers
-        .iter()
-        .filter(|(i, a)| a.aborted || a.tokens != reference[*i].tokens)
-        .count();
+    let mismatches = t.mismatches(reference);
     SlowlorisFigures {
         opened,
         connect_failures,

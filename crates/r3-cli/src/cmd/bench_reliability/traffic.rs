@@ -114,6 +114,14 @@ impl Tally {
         self.answers.extend(other.answers);
     }
 
+    /// Answers that were aborted or differ from the reference answer of their pool request.
+    pub fn mismatches(&self, reference: &[Answer]) -> usize {
+        self.answers
+            .iter()
+            .filter(|(i, a)| a.aborted || a.tokens != reference[*i].tokens)
+            .count()
+    }
+
     /// The `q` quantile of the latencies in ms (0 when none).
     pub fn quantile_ms(&self, q: f64) -> f64 {
         let mut l: Vec<f64> = self
