@@ -128,14 +128,26 @@ impl TextTokenizer {
     /// adds them (`add_bos_token` / `add_eos_token` when the config sets either, else the
     /// tokenizer's own post-processor).
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        Ok(self.encode_with_offsets(text, add_special_tokens)?.0)
+    }
+
+    /// As [`Self::encode`], with the byte span of `text` each token the tokenizer produced
+    /// covers (bos / eos added from the config have no span), so a caller can see what text
+    /// no token covers without encoding twice.
+    pub fn encode_with_offsets(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<(Vec<u32>, Vec<(usize, usize)>)> {
         let flags = (self.special.add_bos_token, self.special.add_eos_token);
         let by_flags = add_special_tokens && (flags.0.is_some() || flags.1.is_some());
         let enc = self
             .inner
             .encode(text, add_special_tokens && !by_flags)
             .map_err(TextError::tk("encoding text"))?;
+        let offsets = enc.get_offsets().to_vec();
         if !by_flags {
-            return Ok(enc.get_ids().to_vec());
+            return Ok((enc.get_ids().to_vec(), offsets));
         }
         let mut ids = Vec::with_capacity(enc.len() + 2);
         if let (Some(true), Some(bos)) = (flags.0, self.bos_id) {
@@ -145,7 +157,7 @@ impl TextTokenizer {
         if let (Some(true), Some(&eos)) = (flags.1, self.eos_ids.first()) {
             ids.push(eos);
         }
-        Ok(ids)
+        Ok((ids, offsets))
     }
 
     /// Text of `ids`, special tokens skipped or kept; an id outside the vocabulary is an error.

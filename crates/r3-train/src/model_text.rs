@@ -114,14 +114,11 @@ impl ModelText {
     /// Encodes `text`, refusing text the tokenizer would silently drop: a character no token
     /// covers (a vocabulary without `<unk>` loses it) is an error naming it.
     fn encode_checked(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        let enc = self.tokenizer.inner().encode(text, false).map_err(|e| {
-            TrainError::Text(r3_text::TextError::Tokenizers {
-                action: "encoding text",
-                source: e,
-            })
-        })?;
+        let (ids, offsets) = self
+            .tokenizer
+            .encode_with_offsets(text, add_special_tokens)?;
         let mut covered = vec![false; text.len()];
-        for &(start, end) in enc.get_offsets() {
+        for &(start, end) in &offsets {
             for c in covered.iter_mut().take(end.min(text.len())).skip(start) {
                 *c = true;
             }
@@ -147,7 +144,7 @@ impl ModelText {
                 text: text.to_string(),
             });
         }
-        Ok(self.tokenizer.encode(text, add_special_tokens)?)
+        Ok(ids)
     }
 
     /// Ids that end a response: the tokenizer's eos / stop ids.
