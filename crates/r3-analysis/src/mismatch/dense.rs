@@ -111,12 +111,6 @@ fn dense_config_json(moe: &Config) -> Result<(Value, usize, String), AnalysisErr
             "the model is already dense; give an MoE model to analyze".into(),
         ));
     };
-    if matches!(moe.attention, AttentionConfig::Mla { .. }) {
-        return Err(AnalysisError::Invalid(
-            "no dense counterpart is built for MLA attention (deepseek_v3); pass --dense-model"
-                .into(),
-        ));
-    }
     let shared = match m.shared {
         SharedExpert::None => 0,
         SharedExpert::Plain { intermediate_size } | SharedExpert::Gated { intermediate_size } => {
@@ -124,6 +118,15 @@ fn dense_config_json(moe: &Config) -> Result<(Value, usize, String), AnalysisErr
         }
     };
     let intermediate_size = m.top_k * m.expert_intermediate_size + shared;
+    if matches!(moe.attention, AttentionConfig::Mla { .. }) {
+        // The same DeepSeek-V3 config (MLA attention, dense first layers) with no routed
+        // experts: every layer is then a dense MLP of the MoE layers' active width.
+        let mut out = moe.raw.as_object().cloned().unwrap_or_default();
+        out.insert("n_routed_experts".into(), json!(0));
+        out.insert("intermediate_size".into(), json!(intermediate_size));
+        let model_type = moe.architecture.model_type().to_string();
+        return Ok((Value::Object(out), intermediate_size, model_type));
+    }
     let model_type = match moe.architecture.model_type() {
         "qwen3_moe" => "qwen3",
         "qwen2_moe" => "qwen2",
@@ -145,4 +148,36 @@ fn dense_config_json(moe: &Config) -> Result<(Value, usize, String), AnalysisErr
         intermediate_size,
         model_type.to_string(),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The shipped DeepSeek-V3-style model: its dense counterpart keeps MLA attention and the
+    /// depth, drops the routed experts, and has the MoE layers' active width (top-8 experts of
+    /// width 16 plus the shared expert's 16).
+    #[test]
+    fn mla_model_gets_a_dense_deepseek_counterpart_of_its_active_width() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/deep-moe");
+        let moe = Config::from_file(&dir.join("config.json")).expect("deep-moe config");
+        let dense = DenseModel::random_like(&moe, 3).expect("dense counterpart");
+        assert!(dense.config.moe.is_none());
+        assert!(matches!(
+            dense.config.attention,
+            AttentionConfig::Mla { .. }
+        ));
+        assert_eq!(dense.config.num_hidden_layers, moe.num_hidden_layers);
+        let m = moe.moe.as_ref().expect("moe");
+        let shared = match m.shared {
+            SharedExpert::Plain { intermediate_size }
+            | SharedExpert::Gated { intermediate_size } => intermediate_size,
+            SharedExpert::None => 0,
+        };
+        assert_eq!(
+            dense.config.intermediate_size,
+            m.top_k * m.expert_intermediate_size + shared
+        );
+        assert_eq!(dense.config.intermediate_size, 8 * 16 + 16);
+    }
 }
