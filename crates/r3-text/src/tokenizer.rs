@@ -10,6 +10,9 @@ use crate::error::{Result, TextError};
 use crate::model_files::{id_list, read_json_opt};
 use crate::special::SpecialTokens;
 
+/// A half-open byte range `[start, end)` of the encoded text.
+pub type ByteSpan = (usize, usize);
+
 /// A tokenizer with its special tokens resolved.
 #[derive(Clone)]
 pub struct TextTokenizer {
@@ -138,7 +141,7 @@ impl TextTokenizer {
         &self,
         text: &str,
         add_special_tokens: bool,
-    ) -> Result<(Vec<u32>, Vec<(usize, usize)>)> {
+    ) -> Result<(Vec<u32>, Vec<ByteSpan>)> {
         let flags = (self.special.add_bos_token, self.special.add_eos_token);
         let by_flags = add_special_tokens && (flags.0.is_some() || flags.1.is_some());
         let enc = self

@@ -49,6 +49,23 @@ fn config_text(model: &Path, run_dir: &Path, steps: usize) -> String {
     )
 }
 
+/// Step of the newest checkpoint in `run_dir` (0 when there is none yet).
+fn newest_checkpoint(run_dir: &Path) -> usize {
+    let Ok(entries) = std::fs::read_dir(run_dir.join("checkpoints")) else {
+        return 0;
+    };
+    entries
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            e.file_name()
+                .to_str()
+                .and_then(|n| n.strip_prefix("step_"))
+                .and_then(|n| n.parse().ok())
+        })
+        .max()
+        .unwrap_or(0)
+}
+
 /// Starts `r3 train` with `args`, its output appended to `log`.
 fn spawn(r3: &Path, args: &[&std::ffi::OsStr], log: &Path) -> anyhow::Result<std::process::Child> {
     let out = std::fs::OpenOptions::new()
@@ -108,7 +125,11 @@ pub fn run(
         };
         first = false;
         if delivered < kills {
-            let delay = Duration::from_secs_f64(reference_s * rng.random_range(0.1..0.9));
+            // Drawn over what is left of the run (a resume restarts at its newest checkpoint),
+            // so later kills land inside the shorter remaining runs instead of after them.
+            let left = steps.saturating_sub(newest_checkpoint(&killed_dir)) as f64;
+            let remaining_s = reference_s * left / steps.max(1) as f64;
+            let delay = Duration::from_secs_f64(remaining_s * rng.random_range(0.1..0.9));
             let deadline = Instant::now() + delay;
             while Instant::now() < deadline && child.try_wait()?.is_none() {
                 std::thread::sleep(Duration::from_millis(20));
