@@ -66,6 +66,13 @@ fn newest_checkpoint(run_dir: &Path) -> usize {
         .unwrap_or(0)
 }
 
+/// Steps the run has logged so far (lines of its `metrics.jsonl`).
+fn logged_steps(run_dir: &Path) -> usize {
+    std::fs::read(run_dir.join("metrics.jsonl"))
+        .map(|b| b.iter().filter(|&&c| c == b'\n').count())
+        .unwrap_or(0)
+}
+
 /// Starts `r3 train` with `args`, its output appended to `log`.
 fn spawn(r3: &Path, args: &[&std::ffi::OsStr], log: &Path) -> anyhow::Result<std::process::Child> {
     let out = std::fs::OpenOptions::new()
@@ -124,15 +131,22 @@ pub fn run(
             spawn(r3, &["--resume".as_ref(), killed_dir.as_os_str()], &log)?
         };
         first = false;
-        if delivered < kills {
-            // Drawn over what is left of the run (a resume restarts at its newest checkpoint),
-            // so later kills land inside the shorter remaining runs instead of after them.
-            let left = steps.saturating_sub(newest_checkpoint(&killed_dir)) as f64;
-            let remaining_s = reference_s * left / steps.max(1) as f64;
-            let delay = Duration::from_secs_f64(remaining_s * rng.random_range(0.1..0.9));
-            let deadline = Instant::now() + delay;
+        let done = newest_checkpoint(&killed_dir);
+        if delivered < kills && done + 1 < steps {
+            // The kill point is drawn over what is left of the run (a resume restarts at its
+            // newest checkpoint), within an even share of it per kill still to come so that
+            // every kill finds the run going: after a drawn step has been logged, plus a drawn
+            // part of one step's time, so kills land at any phase of a step.
+            let share = ((steps - done - 1) / (kills - delivered)).max(1);
+            let target = done + 1 + rng.random_range(0..share);
+            let step_s = reference_s / steps as f64;
+            let extra = Duration::from_secs_f64(step_s * rng.random_range(0.0..1.0));
+            while child.try_wait()?.is_none() && logged_steps(&killed_dir) < target {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let deadline = Instant::now() + extra;
             while Instant::now() < deadline && child.try_wait()?.is_none() {
-                std::thread::sleep(Duration::from_millis(20));
+                std::thread::sleep(Duration::from_millis(10));
             }
             if child.try_wait()?.is_none() {
                 child.kill().context("SIGKILL r3 train")?;
