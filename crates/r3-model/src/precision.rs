@@ -5,12 +5,13 @@
 //! projection outputs, rotated q/k, SwiGLU and expert outputs, MoE block output, residual
 //! stream). Rounding is a cast pair whose gradient passes straight through (candle's cast
 //! backward), so gradients reach the f32 master weights; the backward itself runs in f32.
+//! f16 mode rounds at the same points to f16 (the FP16 paper's training side).
 
 use candle_core::{DType, Tensor};
 
 use crate::error::Result;
 
-/// Where the training forward rounds to bf16.
+/// Where the training forward rounds to a 16-bit float.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Precision {
     /// Full f32 forward (the default; gradient checks run here).
@@ -22,29 +23,43 @@ pub enum Precision {
         /// fp32`); otherwise the gate is a bf16 projection like every other.
         router_f32: bool,
     },
+    /// The same rounding points in f16 (11 significant bits, largest finite 65504): the FP16
+    /// paper's training side. A value past the f16 range becomes infinite, so the loss turns
+    /// non-finite and the trainer's non-finite guard skips the update and says so.
+    F16 {
+        /// Router logits in f32 from the f32 gate weight.
+        router_f32: bool,
+    },
 }
 
 impl Precision {
-    /// Whether activations and matmuls are rounded to bf16.
-    pub fn is_bf16(self) -> bool {
-        matches!(self, Precision::Bf16 { .. })
+    /// Whether activations and matmuls are rounded to a 16-bit float (bf16 or f16).
+    pub fn is_mixed(self) -> bool {
+        !matches!(self, Precision::F32)
     }
 
     /// The precision of the router projection: f32 when the router is kept in f32.
     pub fn router(self) -> Precision {
         match self {
-            Precision::Bf16 { router_f32: true } => Precision::F32,
+            Precision::Bf16 { router_f32: true } | Precision::F16 { router_f32: true } => {
+                Precision::F32
+            }
             other => other,
         }
     }
 
-    /// `t` rounded to bf16 (nearest, ties to even) and widened back, in bf16 mode; `t` itself
-    /// otherwise. Differentiable: the gradient passes through unchanged.
+    /// `t` rounded to the 16-bit float of this precision (nearest, ties to even) and widened
+    /// back; `t` itself in f32 mode. Differentiable: the gradient passes through unchanged.
     pub fn round(self, t: &Tensor) -> Result<Tensor> {
-        if !self.is_bf16() || t.dtype() != DType::F32 {
+        let narrow = match self {
+            Precision::F32 => return Ok(t.clone()),
+            Precision::Bf16 { .. } => DType::BF16,
+            Precision::F16 { .. } => DType::F16,
+        };
+        if t.dtype() != DType::F32 {
             return Ok(t.clone());
         }
-        Ok(t.to_dtype(DType::BF16)?.to_dtype(DType::F32)?)
+        Ok(t.to_dtype(narrow)?.to_dtype(DType::F32)?)
     }
 }
 
@@ -80,5 +95,32 @@ mod tests {
             Precision::Bf16 { router_f32: true }.router(),
             Precision::F32
         );
+    }
+
+    /// f16 by hand: 11 significant bits, ties to even, past 65504 infinite, below half the
+    /// smallest subnormal zero; the router stays f32 when asked.
+    #[test]
+    fn f16_round_by_hand() {
+        let v = [
+            1.0 + 2f32.powi(-11),
+            1.0 + 3.0 * 2f32.powi(-11),
+            2.523_437_5,
+            70_000.0,
+            1e-8,
+        ];
+        let x = Tensor::from_slice(&v, 5, &Device::Cpu).expect("tensor");
+        let p = Precision::F16 { router_f32: false };
+        let got = p
+            .round(&x)
+            .expect("round")
+            .to_vec1::<f32>()
+            .expect("values");
+        assert_eq!(
+            got,
+            vec![1.0, 1.0 + 2f32.powi(-9), 2.523_437_5, f32::INFINITY, 0.0]
+        );
+        assert!(p.is_mixed());
+        assert_eq!(p.router(), p);
+        assert_eq!(Precision::F16 { router_f32: true }.router(), Precision::F32);
     }
 }

@@ -1,5 +1,5 @@
 //! The `[train]` section: the training forward's precision (Megatron-style mixed precision:
-//! f32 master weights and optimiser, bf16 matmuls and activations) and the router's.
+//! f32 master weights and optimiser, bf16 or f16 matmuls and activations) and the router's.
 
 use r3_model::Precision;
 use serde::{Deserialize, Serialize};
@@ -10,10 +10,12 @@ use crate::error::{Result, TrainError};
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TrainPrecisionConfig {
-    /// `f32` (full precision) or `bf16` (matmul inputs/outputs and activations rounded to
-    /// bf16, f32 accumulation, f32 master weights and optimiser). Default `f32`.
+    /// `f32` (full precision), `bf16` (matmul inputs/outputs and activations rounded to
+    /// bf16, f32 accumulation, f32 master weights and optimiser) or `f16` (the same rounding
+    /// points in f16, the FP16 paper's training side). Default `f32`.
     pub dtype: String,
-    /// Router logits in bf16 mode: `bf16` / `model` (the gate as a bf16 projection) or `f32`
+    /// Router logits in bf16 / f16 mode: `model` (or the dtype's name: the gate as a 16-bit
+    /// projection like every other) or `f32`
     /// (Megatron's `moe_router_dtype = fp32`). Default `model`.
     pub router_dtype: String,
 }
@@ -32,21 +34,24 @@ impl TrainPrecisionConfig {
     pub fn precision(&self) -> Result<Precision> {
         let bad = |field: &'static str, reason: String| TrainError::InvalidConfig { field, reason };
         let router_f32 = match self.router_dtype.as_str() {
-            "model" | "bf16" => false,
+            "model" | "bf16" | "f16" => false,
             "f32" => true,
             other => {
                 return Err(bad(
                     "train.router_dtype",
-                    format!("`{other}` must be `bf16` (the model dtype) or `f32`"),
+                    format!(
+                        "`{other}` must be `model` (the training dtype, `bf16`/`f16`) or `f32`"
+                    ),
                 ))
             }
         };
         match self.dtype.as_str() {
             "f32" => Ok(Precision::F32),
             "bf16" => Ok(Precision::Bf16 { router_f32 }),
+            "f16" => Ok(Precision::F16 { router_f32 }),
             other => Err(bad(
                 "train.dtype",
-                format!("`{other}` must be `f32` or `bf16`"),
+                format!("`{other}` must be `f32`, `bf16` or `f16`"),
             )),
         }
     }
@@ -74,7 +79,11 @@ mod tests {
             cfg("bf16", "bf16").precision().ok(),
             Some(Precision::Bf16 { router_f32: false })
         );
-        assert!(cfg("f16", "model").precision().is_err());
+        assert_eq!(
+            cfg("f16", "model").precision().ok(),
+            Some(Precision::F16 { router_f32: false })
+        );
+        assert!(cfg("f8", "model").precision().is_err());
         assert!(cfg("bf16", "f8").precision().is_err());
     }
 }

@@ -103,6 +103,8 @@ pub fn precision_name(p: Precision) -> &'static str {
         Precision::F32 => "f32",
         Precision::Bf16 { router_f32: false } => "bf16",
         Precision::Bf16 { router_f32: true } => "bf16 (f32 router)",
+        Precision::F16 { router_f32: false } => "f16",
+        Precision::F16 { router_f32: true } => "f16 (f32 router)",
     }
 }
 

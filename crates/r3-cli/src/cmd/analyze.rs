@@ -45,7 +45,7 @@ pub struct AnalyzeArgs {
     /// keep them in bf16).
     #[arg(long, default_value = "f16")]
     pub rollout_dtype: String,
-    /// Training forward precision: f32 or bf16 (Megatron-style mixed precision).
+    /// Training forward precision: f32, bf16 (Megatron-style mixed precision) or f16.
     #[arg(long, default_value = "f32")]
     pub train_dtype: String,
     /// Router precision on both sides in bf16 mode: `bf16` (the model dtype) or `f32`.
@@ -65,7 +65,8 @@ fn train_precision(dtype: &str, router_f32: bool) -> anyhow::Result<Precision> {
     match dtype {
         "f32" => Ok(Precision::F32),
         "bf16" => Ok(Precision::Bf16 { router_f32 }),
-        other => anyhow::bail!("--train-dtype must be f32 or bf16, got {other:?}"),
+        "f16" => Ok(Precision::F16 { router_f32 }),
+        other => anyhow::bail!("--train-dtype must be f32, bf16 or f16, got {other:?}"),
     }
 }
 

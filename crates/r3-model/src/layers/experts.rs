@@ -76,7 +76,7 @@ impl RoutedExperts {
             )));
         }
         let fused_dtype = matches!(x.dtype(), candle_core::DType::F32 | candle_core::DType::F64);
-        if x.device().is_cpu() && fused_dtype && !self.precision.is_bf16() {
+        if x.device().is_cpu() && fused_dtype && !self.precision.is_mixed() {
             let rows_with_gates = Tensor::cat(&[x, &gates.to_dtype(x.dtype())?], 1)?;
             Ok(rows_with_gates.apply_op3(
                 &self.gate_up.contiguous()?,

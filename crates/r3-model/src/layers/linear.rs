@@ -187,7 +187,7 @@ impl Linear {
     /// Applies the projection to the last dimension of `x`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let p = self.precision;
-        if p.is_bf16() {
+        if p.is_mixed() {
             let y = matmul_wt(&p.round(x)?, &p.round(&self.weight)?)?;
             let y = match &self.bias {
                 Some(b) => y.broadcast_add(&p.round(b)?)?,
@@ -253,6 +253,34 @@ mod tests {
                 .and_then(|t| t.to_vec1::<f32>())
                 .expect("dw"),
             vec![1.0, 3.0, 1.0, 3.0]
+        );
+    }
+
+    /// The same projection in f16 mode, by hand (f16 keeps 11 significant bits): the weight
+    /// 1 + 2^-12 and the input 1 + 2^-12 round to 1; row 0 is 4 + 2^-11, below half the f16
+    /// step at 4 (2^-8), so 4; row 1 is 0.5 - 3(1 + 2^-10) = -2.5 - 1.5 * 2^-9, a tie between
+    /// 257 and 258 steps of 2^-9 above 2: the even one, -2.50390625.
+    #[test]
+    fn f16_projection_rounds_inputs_weights_and_output_by_hand() {
+        let dev = Device::Cpu;
+        let w = Tensor::from_slice(
+            &[1.0 + 2f32.powi(-12), 1.0, 0.5, -1.0 - 2f32.powi(-10)],
+            (2, 2),
+            &dev,
+        )
+        .expect("w");
+        let b = Tensor::from_slice(&[2f32.powi(-11), 0.0], 2, &dev).expect("b");
+        let mut lin = Linear {
+            weight: w,
+            bias: Some(b),
+            precision: Precision::F32,
+        };
+        lin.set_precision(Precision::F16 { router_f32: false });
+        let x = Tensor::from_slice(&[1.0 + 2f32.powi(-12), 3.0], (1, 2), &dev).expect("x");
+        let y = lin.forward(&x).expect("forward");
+        assert_eq!(
+            y.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("y"),
+            vec![4.0, -2.503_906_25]
         );
     }
 

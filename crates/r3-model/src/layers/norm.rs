@@ -39,7 +39,7 @@ impl RmsNorm {
     /// Normalises the last dimension of `x`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let p = self.precision;
-        if p.is_bf16() {
+        if p.is_mixed() {
             let rounded = RmsNorm {
                 weight: p.round(&self.weight)?,
                 eps: self.eps,
