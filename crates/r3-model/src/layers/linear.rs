@@ -280,7 +280,7 @@ mod tests {
         let y = lin.forward(&x).expect("forward");
         assert_eq!(
             y.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("y"),
-            vec![4.0, -2.503_906_25]
+            vec![4.0, -(2.5 + 2f32.powi(-8))]
         );
     }
 
