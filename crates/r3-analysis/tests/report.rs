@@ -152,10 +152,15 @@ fn report_over_three_synthetic_runs() {
     assert!(rows[2]["scores"][0].is_null());
     let md = std::fs::read_to_string(out.join("results.md")).unwrap();
     assert!(
-        md.contains("| grpo | no replay · ppo | 40.00 (20) | 25 |"),
+        md.contains("| grpo | no replay · ppo | 40.00 (20) | 10.00 (50) | 25 |"),
         "{md}"
     );
-    assert!(md.contains("| r3 | R3 · ppo | 60.00 (50) | — |"), "{md}");
+    assert!(
+        md.contains("| r3 | R3 · ppo | 60.00 (50) | 60.00 (50) | — |"),
+        "{md}"
+    );
+    assert_eq!(rows[0]["final_score"]["value"], 0.1);
+    assert!(rows[2]["final_score"].is_null());
 
     // Page: self-contained, rule stated, every figure embedded, and the embedded k3 KL image
     // is byte-for-byte the PNG written beside it.

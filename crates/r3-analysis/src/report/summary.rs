@@ -174,6 +174,8 @@ pub struct RunSummary {
     pub last_step: Option<u64>,
     /// Best eval accuracy and its step.
     pub best_eval: Option<StepValue>,
+    /// Last eval accuracy and its step (paper Table 1 reports best and final).
+    pub final_eval: Option<StepValue>,
     /// Mean reward at the last step that logged one.
     pub final_reward: Option<StepValue>,
     /// Mean of mismatch.k3_kl over the steps that logged it.
@@ -192,6 +194,10 @@ pub fn summarize(run: &RunData, rule: &CrashRule) -> RunSummary {
         steps_logged: run.rows.len(),
         last_step: run.rows.last().map(|r| r.step),
         best_eval: best(&run.eval),
+        final_eval: run
+            .eval
+            .last()
+            .map(|&(step, value)| StepValue { step, value }),
         final_reward: reward
             .iter()
             .rev()

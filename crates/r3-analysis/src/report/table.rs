@@ -20,6 +20,8 @@ pub struct ResultsRow {
     pub scores: Vec<Option<StepValue>>,
     /// Mean of the best scores, when there are several columns and all have a score.
     pub average: Option<f64>,
+    /// The last score of the (single) eval column and its step, when known.
+    pub final_score: Option<StepValue>,
     /// Step of the first crash under the rule.
     pub crash_step: Option<u64>,
     /// Why it counts as a crash.
@@ -58,6 +60,7 @@ impl ResultsRow {
             setting: setting.to_string(),
             scores,
             average,
+            final_score: None,
             crash_step,
             crash_cause,
         }
@@ -71,7 +74,9 @@ impl ResultsTable {
             .iter()
             .map(|s| {
                 let crash = s.crash.map(|c| (c.step, c.describe()));
-                ResultsRow::new(&s.name, &s.setting, vec![s.best_eval], crash)
+                let mut row = ResultsRow::new(&s.name, &s.setting, vec![s.best_eval], crash);
+                row.final_score = s.final_eval;
+                row
             })
             .collect();
         Self {
@@ -94,6 +99,10 @@ impl ResultsTable {
         if with_avg {
             header.push("avg %".to_string());
         }
+        let with_final = self.rows.iter().any(|r| r.final_score.is_some());
+        if with_final {
+            header.push("final % (step)".to_string());
+        }
         header.push("crash step".to_string());
         let mut out = format!("| {} |\n", header.join(" | "));
         out.push_str(&format!("|{}\n", " --- |".repeat(header.len())));
@@ -108,6 +117,11 @@ impl ResultsTable {
                     row.average
                         .map_or("—".to_string(), |a| format!("{:.2}", 100.0 * a)),
                 );
+            }
+            if with_final {
+                cells.push(row.final_score.map_or("—".to_string(), |s| {
+                    format!("{:.2} ({})", 100.0 * s.value, s.step)
+                }));
             }
             cells.push(row.crash_step.map_or("—".to_string(), |s| s.to_string()));
             out.push_str(&format!("| {} |\n", cells.join(" | ")));
@@ -190,6 +204,30 @@ mod tests {
         );
         assert_eq!(lines[3], "| r3 | R3 · ppo | 31.25 (100) | — | — | — |");
         assert_eq!(lines[5], "Crash rule: rule text");
+    }
+
+    #[test]
+    fn final_column_appears_when_a_row_has_a_final_score() {
+        let mut t = table();
+        t.rows[1].final_score = Some(StepValue {
+            step: 120,
+            value: 0.125,
+        });
+        let md = t.to_markdown();
+        let lines: Vec<&str> = md.lines().collect();
+        assert!(
+            lines[0].ends_with("| avg % | final % (step) | crash step |"),
+            "{}",
+            lines[0]
+        );
+        assert_eq!(
+            lines[2],
+            "| grpo | no replay · ppo | 25.00 (40) | 50.00 (35) | 37.50 | — | 60 |"
+        );
+        assert_eq!(
+            lines[3],
+            "| r3 | R3 · ppo | 31.25 (100) | — | — | 12.50 (120) | — |"
+        );
     }
 
     #[test]
