@@ -52,8 +52,23 @@ pub const TABLE_STEM: &str = "results";
 /// File name of the HTML page in the output directory.
 pub const PAGE_FILE: &str = "report.html";
 
-/// Names runs by their directory, falling back to the full path where names collide.
+/// Names runs by their directory; where names collide (the same variant under several seeds)
+/// the seed is appended (`single-R3-s1`), and where that still collides the full path is used.
 fn disambiguate(runs: &mut [RunData]) {
+    let collides =
+        |runs: &[RunData], name: &str| runs.iter().filter(|r| r.name == name).count() > 1;
+    let seeded: Vec<Option<String>> = runs
+        .iter()
+        .map(|r| match r.seed {
+            Some(seed) if collides(runs, &r.name) => Some(format!("{}-s{seed}", r.name)),
+            _ => None,
+        })
+        .collect();
+    for (run, name) in runs.iter_mut().zip(seeded) {
+        if let Some(name) = name {
+            run.name = name;
+        }
+    }
     let names: Vec<String> = runs.iter().map(|r| r.name.clone()).collect();
     for run in runs.iter_mut() {
         if names.iter().filter(|n| **n == run.name).count() > 1 {
@@ -114,4 +129,51 @@ pub fn build_report(
         table_json,
         summaries,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(dir: &str, seed: Option<i64>) -> RunData {
+        let dir = PathBuf::from(dir);
+        RunData {
+            name: dir
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            dir,
+            setting: String::new(),
+            seed,
+            rows: Vec::new(),
+            eval: Vec::new(),
+        }
+    }
+
+    /// The same variant under three seeds gets the seed appended; a unique name stays; two
+    /// runs that collide even with their seed fall back to their paths.
+    #[test]
+    fn colliding_names_take_the_seed_then_the_path() {
+        let mut runs = vec![
+            run("s0/runs/single-R3", Some(0)),
+            run("s1/runs/single-R3", Some(1)),
+            run("s2/runs/single-R3", Some(2)),
+            run("s0/runs/multi-R3", Some(0)),
+            run("a/x", Some(5)),
+            run("b/x", Some(5)),
+        ];
+        disambiguate(&mut runs);
+        let names: Vec<&str> = runs.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "single-R3-s0",
+                "single-R3-s1",
+                "single-R3-s2",
+                "multi-R3",
+                "a/x",
+                "b/x"
+            ]
+        );
+    }
 }

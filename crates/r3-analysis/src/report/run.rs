@@ -16,6 +16,8 @@ pub struct RunData {
     pub name: String,
     /// What was run, e.g. "R3 · gspo"; empty if neither config nor metrics say.
     pub setting: String,
+    /// The run's seed (`seed` of its config.toml), when it has one.
+    pub seed: Option<i64>,
     /// Per-step metrics, sorted by step.
     pub rows: Vec<MetricsRow>,
     /// `(step, eval accuracy)`, sorted by step: from metrics.jsonl, plus eval.jsonl for steps
@@ -64,6 +66,10 @@ pub fn load_run(dir: &Path) -> Result<RunData, ReportError> {
         dir: dir.to_path_buf(),
         name,
         setting: setting(config.as_ref(), &rows),
+        seed: config
+            .as_ref()
+            .and_then(|c| c.get("seed"))
+            .and_then(toml::Value::as_integer),
         eval: merge_eval(series(&rows, keys::EVAL_ACCURACY), extra_eval),
         rows,
     })
