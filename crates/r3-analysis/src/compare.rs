@@ -1,7 +1,8 @@
 //! The `r3 compare` experiment (paper Table 1, Figs. 5–6): one RL run per (setting, replay
-//! mode, optional TIS / GSPO variant), all from the same config and seed, each in its own run
-//! directory under `<out>/runs/`, run in-process through r3-train's `Run` API; then one report
-//! over all of them with the Table-1-style results table.
+//! mode, optional TIS / GSPO variant) and seed, all from the same config, each in its own run
+//! directory under `<out>/runs/`, run in-process through r3-train's `Run` API (runs an earlier
+//! call left are skipped or resumed); then one report over all of them with the
+//! Table-1-style results table.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -119,6 +120,8 @@ pub struct RunOutcome {
     pub name: String,
     /// What was run.
     pub variant: Variant,
+    /// Its seed.
+    pub seed: u64,
     /// The run directory.
     pub run_dir: PathBuf,
     /// Steps completed.
@@ -134,8 +137,8 @@ pub struct RunOutcome {
 pub struct CompareSummary {
     /// The command line.
     pub command: String,
-    /// Shared seed of every run.
-    pub seed: u64,
+    /// The seeds; every variant runs once per seed.
+    pub seeds: Vec<u64>,
     /// RL steps per run.
     pub steps: u64,
     /// One entry per run, in the order run.
@@ -148,41 +151,117 @@ pub struct CompareSummary {
     pub wall_s: f64,
 }
 
-/// Runs every variant from `base` into `<out>/runs/<name>` in order, calling `on_run`
-/// before each; a run that fails is recorded and the rest still run.
+/// Run directory name of `v` under `seed`: the variant's name, with `-s<seed>` when several
+/// seeds run.
+pub fn run_name(v: &Variant, seed: u64, several_seeds: bool) -> String {
+    if several_seeds {
+        format!("{}-s{seed}", v.name())
+    } else {
+        v.name()
+    }
+}
+
+/// Runs every variant under every seed from `base` into `<out>/runs/<name>` in order, calling
+/// `on_run` with the run's name before each; a run that fails is recorded and the rest still
+/// run. A run directory already there from an earlier call with the same config is taken up
+/// again: skipped when its metrics cover every step, else resumed from its newest checkpoint
+/// (so a long comparison survives a stop); one with another config is an error naming it.
 pub fn run_variants(
     base: &TrainConfig,
     variants: &[Variant],
+    seeds: &[u64],
     out: &Path,
-    on_run: &mut dyn FnMut(usize, &Variant) -> Box<dyn r3_train::Observer>,
+    on_run: &mut dyn FnMut(usize, &str) -> Box<dyn r3_train::Observer>,
 ) -> Result<Vec<RunOutcome>, AnalysisError> {
     let runs_dir = out.join("runs");
     std::fs::create_dir_all(&runs_dir).map_err(AnalysisError::io(&runs_dir))?;
-    let mut outcomes = Vec::with_capacity(variants.len());
-    for (i, v) in variants.iter().enumerate() {
-        let name = v.name();
-        let run_dir = runs_dir.join(&name);
-        let cfg = v.apply(base, run_dir.clone());
-        let started = Instant::now();
-        let mut observer = on_run(i, v);
-        let result = Run::fresh(cfg).and_then(|mut run| run.execute(observer.as_mut()));
-        let (steps_run, error) = match result {
-            Ok(s) => (s.steps_run, None),
-            Err(e) => {
-                tracing::error!(run = %name, error = %e, "run stopped with an error");
-                (0, Some(e.to_string()))
-            }
-        };
-        outcomes.push(RunOutcome {
-            name,
-            variant: *v,
-            run_dir,
-            steps_run,
-            wall_s: started.elapsed().as_secs_f64(),
-            error,
-        });
+    let mut outcomes = Vec::with_capacity(variants.len() * seeds.len());
+    for &seed in seeds {
+        for v in variants {
+            let name = run_name(v, seed, seeds.len() > 1);
+            let run_dir = runs_dir.join(&name);
+            let mut cfg = v.apply(base, run_dir.clone());
+            cfg.seed = seed;
+            let started = Instant::now();
+            let mut observer = on_run(outcomes.len(), &name);
+            let result = match earlier_run(&cfg, &run_dir)? {
+                EarlierRun::None => Run::fresh(cfg)
+                    .and_then(|mut r| r.execute(observer.as_mut()))
+                    .map(|s| s.steps_run),
+                EarlierRun::Complete => {
+                    tracing::info!(run = %name, "already complete: skipped");
+                    Ok(0)
+                }
+                EarlierRun::Partial => {
+                    tracing::info!(run = %name, "resuming from its newest checkpoint");
+                    Run::resume(&run_dir)
+                        .and_then(|mut r| r.execute(observer.as_mut()))
+                        .map(|s| s.steps_run)
+                }
+            };
+            let (steps_run, error) = match result {
+                Ok(n) => (n, None),
+                Err(e) => {
+                    tracing::error!(run = %name, error = %e, "run stopped with an error");
+                    (0, Some(e.to_string()))
+                }
+            };
+            outcomes.push(RunOutcome {
+                name,
+                variant: *v,
+                seed,
+                run_dir,
+                steps_run,
+                wall_s: started.elapsed().as_secs_f64(),
+                error,
+            });
+        }
     }
     Ok(outcomes)
+}
+
+/// What an earlier call left in a run directory.
+enum EarlierRun {
+    /// Nothing: a fresh run.
+    None,
+    /// Metrics for every step.
+    Complete,
+    /// Some steps: resume.
+    Partial,
+}
+
+/// Reads what is in `run_dir` for `cfg`: nothing, a complete run or a partial one; a run
+/// there made with another config is an error naming the directory.
+fn earlier_run(cfg: &TrainConfig, run_dir: &Path) -> Result<EarlierRun, AnalysisError> {
+    let config_file = run_dir.join(r3_train::rl_loop::CONFIG_FILE);
+    if !config_file.is_file() {
+        return Ok(EarlierRun::None);
+    }
+    let text = std::fs::read_to_string(&config_file).map_err(AnalysisError::io(&config_file))?;
+    let mut saved = TrainConfig::from_toml_str(&text)
+        .map_err(|e| AnalysisError::Invalid(format!("{}: {e}", config_file.display())))?;
+    saved.run_dir = cfg.run_dir.clone();
+    if &saved != cfg {
+        return Err(AnalysisError::Invalid(format!(
+            "{} holds a run with another config; give another --out or remove it",
+            run_dir.display()
+        )));
+    }
+    let metrics = run_dir.join(r3_train::rl_loop::METRICS_FILE);
+    let last_step = std::fs::read_to_string(&metrics)
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+                .filter_map(|v| v["step"].as_u64())
+                .max()
+        })
+        .unwrap_or(0);
+    Ok(if last_step >= cfg.steps {
+        EarlierRun::Complete
+    } else {
+        EarlierRun::Partial
+    })
 }
 
 /// The report over every run that logged at least one step.
@@ -203,19 +282,20 @@ pub fn report(
     build_report(&dirs, opts).map_err(|e| AnalysisError::Invalid(format!("report: {e}")))
 }
 
-/// Runs every variant from `base` (see [`run_variants`]), reports over them into
+/// Runs every variant under every seed from `base` (see [`run_variants`]), reports over them into
 /// `<out>/report/`, copies the results table to `<out>/results.{md,json}` and writes
 /// `<out>/compare.json`; returns what compare.json records.
 pub fn run_compare(
     base: &TrainConfig,
     variants: &[Variant],
+    seeds: &[u64],
     out: &Path,
     crash_rule: CrashRule,
     command: String,
-    on_run: &mut dyn FnMut(usize, &Variant) -> Box<dyn r3_train::Observer>,
+    on_run: &mut dyn FnMut(usize, &str) -> Box<dyn r3_train::Observer>,
 ) -> Result<CompareSummary, AnalysisError> {
     let started = Instant::now();
-    let outcomes = run_variants(base, variants, out, on_run)?;
+    let outcomes = run_variants(base, variants, seeds, out, on_run)?;
     let opts = ReportOptions {
         out_dir: out.join("report"),
         crash_rule,
@@ -228,7 +308,7 @@ pub fn run_compare(
     std::fs::copy(&written.table_json, &table_json).map_err(AnalysisError::io(&table_json))?;
     let summary = CompareSummary {
         command,
-        seed: base.seed,
+        seeds: seeds.to_vec(),
         steps: base.steps,
         runs: outcomes,
         table_md,

@@ -83,6 +83,7 @@ fn compare_two_modes_two_steps_writes_runs_and_table() {
     let summary = run_compare(
         &base,
         &variants,
+        &[11],
         &out,
         rule,
         "compare test".into(),
@@ -138,5 +139,67 @@ fn compare_two_modes_two_steps_writes_runs_and_table() {
         assert_eq!(r["steps_run"], 2);
     }
     assert!(out.join("report").join("report.html").is_file());
+
+    // The same call again takes the finished runs up: nothing is rerun and the table is the
+    // same; a different config in the same --out is refused, naming the run directory.
+    let again = run_compare(
+        &base,
+        &variants,
+        &[11],
+        &out,
+        rule,
+        "compare test".into(),
+        &mut |_, _| Box::new(Quiet),
+    )
+    .expect("compare again");
+    assert!(again
+        .runs
+        .iter()
+        .all(|r| r.steps_run == 0 && r.error.is_none()));
+    assert_eq!(
+        std::fs::read_to_string(out.join("results.md")).expect("results.md"),
+        table
+    );
+    let mut other = base.clone();
+    other.optim.lr *= 2.0;
+    let refused = run_compare(
+        &other,
+        &variants,
+        &[11],
+        &out,
+        rule,
+        "compare test".into(),
+        &mut |_, _| Box::new(Quiet),
+    )
+    .expect_err("another config in the same --out");
+    assert!(refused.to_string().contains("single-disabled"), "{refused}");
+
+    // Several seeds: one run per variant and seed, named with the seed, each with its seed.
+    let seeded = root.join("seeded");
+    let one = plan(&[Setting::Single], &[RouterReplay::R3], false, false);
+    let summary = run_compare(
+        &base,
+        &one,
+        &[3, 4],
+        &seeded,
+        rule,
+        "compare seeds".into(),
+        &mut |_, _| Box::new(Quiet),
+    )
+    .expect("compare seeds");
+    assert_eq!(summary.seeds, vec![3, 4]);
+    for seed in [3, 4] {
+        let dir = seeded.join("runs").join(format!("single-R3-s{seed}"));
+        let cfg: toml::Table = std::fs::read_to_string(dir.join("config.toml"))
+            .expect("config.toml")
+            .parse()
+            .expect("toml");
+        assert_eq!(cfg["seed"].as_integer(), Some(seed));
+    }
+    let table = std::fs::read_to_string(seeded.join("results.md")).expect("results.md");
+    assert!(
+        table.contains("| single-R3-s3 |") && table.contains("| single-R3-s4 |"),
+        "{table}"
+    );
     let _ = std::fs::remove_dir_all(&root);
 }

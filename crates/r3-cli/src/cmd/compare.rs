@@ -1,5 +1,5 @@
 //! `r3 compare`: no replay vs R2 vs R3 (optionally with TIS and GSPO variants) from one
-//! config and seed, in the single- and multi-mini-step settings, each run in its own run
+//! config and one or several seeds, in the single- and multi-mini-step settings, each run in its own run
 //! directory via r3-train's library API; then the report (PNGs, HTML) and the Table-1-style
 //! results table with the crash rule stated.
 
@@ -14,7 +14,7 @@ use r3_train::RouterReplay;
 
 use super::progress::{step_bar, RunProgress};
 use super::train::resolve_config;
-use r3_analysis::compare::{plan, run_compare, Setting, Variant};
+use r3_analysis::compare::{plan, run_compare, Setting};
 use r3_analysis::report::{CrashRule, DEFAULT_KL_THRESHOLD};
 
 /// Options of `r3 compare`.
@@ -51,8 +51,12 @@ pub struct CompareArgs {
     #[arg(long, default_value_t = 4)]
     pub multi_mini_batches: usize,
     /// Seed of every run (default: the config's).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "seeds")]
     pub seed: Option<u64>,
+    /// Several seeds, comma separated: every variant runs once per seed, in
+    /// `runs/<variant>-s<seed>` (the paper's Table 1 over seeds).
+    #[arg(long, value_delimiter = ',')]
+    pub seeds: Vec<u64>,
     /// A step whose mismatch.k3_kl exceeds this counts as a crash.
     #[arg(long, default_value_t = DEFAULT_KL_THRESHOLD)]
     pub kl_threshold: f64,
@@ -108,28 +112,41 @@ pub fn run(a: CompareArgs) -> anyhow::Result<()> {
     tracing::info!(
         runs = variants.len(),
         steps = base.steps,
-        seed = base.seed,
+        seeds = ?a.seeds,
         model = %base.model_dir.display(),
         "compare"
     );
-    let total = variants.len();
+    let seeds = if a.seeds.is_empty() {
+        vec![base.seed]
+    } else {
+        a.seeds.clone()
+    };
+    let total = variants.len() * seeds.len();
     let no_progress = a.no_progress;
-    let mut on_run = |i: usize, v: &Variant| -> Box<dyn Observer> {
-        tracing::info!(run = %v.name(), "run {} of {total}", i + 1);
+    let mut on_run = |i: usize, name: &str| -> Box<dyn Observer> {
+        tracing::info!(run = %name, "run {} of {total}", i + 1);
         let bar = step_bar(
             0,
             no_progress,
             "{prefix:18} {elapsed_precise} [{bar:25}] {pos}/{len} {msg}",
         )
         .unwrap_or_else(|_| ProgressBar::hidden());
-        bar.set_prefix(v.name());
+        bar.set_prefix(name.to_string());
         Box::new(RunProgress::new(bar))
     };
     let crash_rule = CrashRule {
         kl_threshold: a.kl_threshold,
     };
     let command = std::env::args().collect::<Vec<_>>().join(" ");
-    let summary = run_compare(&base, &variants, &a.out, crash_rule, command, &mut on_run)?;
+    let summary = run_compare(
+        &base,
+        &variants,
+        &seeds,
+        &a.out,
+        crash_rule,
+        command,
+        &mut on_run,
+    )?;
     let failed = summary.runs.iter().filter(|r| r.error.is_some()).count();
     tracing::info!(
         wall_s = summary.wall_s,
