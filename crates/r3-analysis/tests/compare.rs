@@ -51,6 +51,27 @@ fn tiny_model(dir: &Path) {
         .expect("save tokenizer");
 }
 
+/// `run_compare` with quiet runs.
+fn compare(
+    base: &TrainConfig,
+    variants: &[r3_analysis::compare::Variant],
+    seeds: &[u64],
+    out: &Path,
+) -> Result<r3_analysis::compare::CompareSummary, r3_analysis::AnalysisError> {
+    let rule = CrashRule {
+        kl_threshold: DEFAULT_KL_THRESHOLD,
+    };
+    run_compare(
+        base,
+        variants,
+        seeds,
+        out,
+        rule,
+        "compare test".into(),
+        &mut |_, _| Box::new(Quiet),
+    )
+}
+
 /// r3's shipped default experiment, the base of every `r3 compare`.
 const DEFAULT_CONFIG: &str = include_str!("../../../configs/default.toml");
 
@@ -77,19 +98,7 @@ fn compare_two_modes_two_steps_writes_runs_and_table() {
     base.validate().expect("valid config");
     let modes = [RouterReplay::Disabled, RouterReplay::R3];
     let variants = plan(&[Setting::Single], &modes, false, false);
-    let rule = CrashRule {
-        kl_threshold: DEFAULT_KL_THRESHOLD,
-    };
-    let summary = run_compare(
-        &base,
-        &variants,
-        &[11],
-        &out,
-        rule,
-        "compare test".into(),
-        &mut |_, _| Box::new(Quiet),
-    )
-    .expect("compare");
+    let summary = compare(&base, &variants, &[11], &out).expect("compare");
     assert_eq!(summary.table_md, out.join("results.md"));
 
     for (name, mode) in [("single-disabled", "disabled"), ("single-R3", "R3")] {
@@ -142,16 +151,7 @@ fn compare_two_modes_two_steps_writes_runs_and_table() {
 
     // The same call again takes the finished runs up: nothing is rerun and the table is the
     // same; a different config in the same --out is refused, naming the run directory.
-    let again = run_compare(
-        &base,
-        &variants,
-        &[11],
-        &out,
-        rule,
-        "compare test".into(),
-        &mut |_, _| Box::new(Quiet),
-    )
-    .expect("compare again");
+    let again = compare(&base, &variants, &[11], &out).expect("compare again");
     assert!(again
         .runs
         .iter()
@@ -162,31 +162,14 @@ fn compare_two_modes_two_steps_writes_runs_and_table() {
     );
     let mut other = base.clone();
     other.optim.lr *= 2.0;
-    let refused = run_compare(
-        &other,
-        &variants,
-        &[11],
-        &out,
-        rule,
-        "compare test".into(),
-        &mut |_, _| Box::new(Quiet),
-    )
-    .expect_err("another config in the same --out");
+    let refused =
+        compare(&other, &variants, &[11], &out).expect_err("another config in the same --out");
     assert!(refused.to_string().contains("single-disabled"), "{refused}");
 
     // Several seeds: one run per variant and seed, named with the seed, each with its seed.
     let seeded = root.join("seeded");
     let one = plan(&[Setting::Single], &[RouterReplay::R3], false, false);
-    let summary = run_compare(
-        &base,
-        &one,
-        &[3, 4],
-        &seeded,
-        rule,
-        "compare seeds".into(),
-        &mut |_, _| Box::new(Quiet),
-    )
-    .expect("compare seeds");
+    let summary = compare(&base, &one, &[3, 4], &seeded).expect("compare seeds");
     assert_eq!(summary.seeds, vec![3, 4]);
     for seed in [3, 4] {
         let dir = seeded.join("runs").join(format!("single-R3-s{seed}"));
