@@ -223,6 +223,44 @@ fn two_workers_reach_the_engines_metrics_and_end_at_the_last_version() {
         .collect();
     kept.sort();
     assert_eq!(kept, vec!["step_2", "step_3"]);
+
+    // One-step off-policy: step 1 is the synchronous step; the batches of steps 2 and 3
+    // come from the weights one version behind the trainer's.
+    let async_run = root.join("async");
+    let mut settings = fleet_settings(root, &urls);
+    settings.extend([
+        "rollout.async=true".into(),
+        "rollout.max_staleness=1".into(),
+        format!("rollout.sync_dir={}", root.join("sync-async").display()),
+    ]);
+    assert_ok(&train(&train_args(&model, &async_run, &settings)));
+    let overlapped = metrics(&async_run);
+    assert_eq!(overlapped.len(), 3);
+    let (sync1, async1) = (&got[0], &overlapped[0]);
+    for (key, value) in sync1.as_object().expect("metrics object") {
+        if !key.starts_with("time.") && !key.starts_with("throughput.") {
+            assert_eq!(value, &async1[key], "async step 1: {key}");
+        }
+    }
+    assert!(async1.get("time.rollout_ahead_s").is_none());
+    for m in &overlapped[1..] {
+        let step = &m["step"];
+        assert_eq!(m["rollout.stale_frac"], 1.0, "async step {step}");
+        assert_eq!(m["replay.verified_frac"], 1.0, "async step {step}");
+        assert!(
+            m["time.rollout_ahead_s"].as_f64().is_some_and(|s| s > 0.0),
+            "async step {step}: the batch was generated ahead"
+        );
+    }
+    // Step 2's batch is step 2's prompts and seeds on the base weights, not step 2 of the
+    // synchronous run (which sampled on version 1).
+    assert_ne!(
+        overlapped[1]["mismatch.k3_kl"], got[1]["mismatch.k3_kl"],
+        "async step 2 trained on the same batch as the synchronous run"
+    );
+    for w in &workers {
+        assert_eq!(w.weight_version().as_deref(), Some("3"), "{}", w.url());
+    }
 }
 
 #[test]

@@ -159,6 +159,12 @@ pub struct RolloutConfig {
     /// Replies from weights up to this many versions older are accepted and counted in
     /// `rollout.stale_frac`; older ones are refused and retried. Default 0.
     pub max_staleness: u64,
+    /// One-step off-policy rollout (`backend = "sglang"` only): the fleet generates step
+    /// n+1's batch on the weights step n started from while step n updates, and step n's
+    /// weights reach the workers once that batch is in. Every batch after the first is one
+    /// version old, so it needs `max_staleness >= 1`. Default false.
+    #[serde(rename = "async")]
+    pub async_rollout: bool,
     /// Bearer key sent to the workers (`r3 serve --api-key`); empty = none. Default empty.
     pub api_key: String,
     /// A request a worker aborts (at a weight update): `resume` continues it from its
@@ -315,6 +321,7 @@ impl Default for RolloutConfig {
             max_retries: 3,
             sync_dir: PathBuf::new(),
             max_staleness: 0,
+            async_rollout: false,
             api_key: String::new(),
             partial: r3_fleet::PartialMode::Resume,
             partial_merge: r3_routing::MergePolicy::KeepPerTokenOrigin,
@@ -487,6 +494,20 @@ impl TrainConfig {
             return bad(
                 "rollout.urls",
                 "rollout.backend = \"sglang\" needs at least one worker URL".into(),
+            );
+        }
+        if r.async_rollout && r.backend != RolloutBackend::Sglang {
+            return bad(
+                "rollout.async",
+                "needs rollout.backend = \"sglang\" (the in-process engine shares the trainer's cores)"
+                    .into(),
+            );
+        }
+        if r.async_rollout && r.max_staleness == 0 {
+            return bad(
+                "rollout.max_staleness",
+                "rollout.async = true trains on batches one weight version old; set max_staleness >= 1"
+                    .into(),
             );
         }
         if r.max_in_flight == 0 {

@@ -191,6 +191,21 @@ pub enum TrainError {
         source: Box<r3_rollout::RolloutError>,
     },
 
+    /// A rollout came from weights older than `rollout.max_staleness` allows.
+    #[error("step {step}: a rollout came from weight version {version}, {age} versions behind the trainer's {policy} (rollout.max_staleness = {max})")]
+    StaleRollout {
+        /// The step it was for.
+        step: u64,
+        /// Oldest weight version in the batch.
+        version: u64,
+        /// The trainer's weight version.
+        policy: u64,
+        /// How far behind.
+        age: u64,
+        /// The allowed age.
+        max: u64,
+    },
+
     /// The engine answered a different number of requests than it was given.
     #[error("engine returned {got} results for {expected} requests")]
     EngineResults {

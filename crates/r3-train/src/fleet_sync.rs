@@ -104,10 +104,10 @@ impl FleetRollout {
         prune_sync_dirs(&self.sync_dir, self.keep)
     }
 
-    /// Adds the last batch's `rollout.*` metrics to a step's line.
+    /// Adds the last batch's `rollout.*` metrics to a step's line (the stale fraction is the
+    /// trainer's: it knows which version each batch should have come from).
     pub fn fill_metrics(&self, m: &mut StepMetrics) {
         m.rollout_retries = Some(self.last.retries);
-        m.rollout_stale_frac = Some(self.last.stale_frac());
         m.rollout_workers_up = Some(self.last.workers_up as u64);
         m.rollout_partial_resumed = Some(self.last.partial_resumed);
     }

@@ -40,6 +40,7 @@ pub mod pretrain_deepseek;
 pub mod prompt_source;
 pub mod rl_loop;
 pub mod rollout;
+pub mod rollout_ahead;
 pub mod step;
 pub mod trainer;
 

@@ -102,6 +102,14 @@ pub struct StepMetrics {
     /// Seconds generating rollouts.
     #[serde(rename = "time.rollout_s")]
     pub rollout_s: f64,
+    /// Seconds the fleet spent generating this step's batch while the previous step
+    /// updated (`rollout.async`; absent otherwise).
+    #[serde(
+        rename = "time.rollout_ahead_s",
+        skip_serializing_if = "Option::is_none",
+        default
+    )]
+    pub rollout_ahead_s: Option<f64>,
     /// Seconds computing old log-probs (and diagnostics).
     #[serde(rename = "time.old_logp_s")]
     pub old_logp_s: f64,

@@ -29,6 +29,9 @@ pub struct Trajectory {
     pub routes: Option<RouteTable>,
     /// Whether generation ended with `<eos>` (rather than the length limit).
     pub stopped: bool,
+    /// Weight version of the rollout's last piece (0 for the in-process engine's first
+    /// weights; a fleet reply's `meta_info.weight_version`).
+    pub weight_version: u64,
     /// The decoded completion (before `<eos>`).
     pub completion: String,
     /// Reward of the response.
@@ -50,6 +53,12 @@ impl Trajectory {
     pub fn weight_versions(&self) -> Option<(u64, u64)> {
         let v = self.routes.as_ref()?.versions()?;
         Some((*v.iter().min()?, *v.iter().max()?))
+    }
+
+    /// The oldest weight version any part of it came from.
+    pub fn oldest_version(&self) -> u64 {
+        self.weight_versions()
+            .map_or(self.weight_version, |(lo, _)| lo.min(self.weight_version))
     }
 }
 
@@ -153,31 +162,56 @@ pub fn sample_prompts_fleet(
     Ok(results)
 }
 
-/// Samples `spec.group_size` responses for every prompt (group-major order), the seed of
-/// sample `j` of prompt `i` being `mix_seed([seed, step, i, j])`, and scores them. With a
+/// Samples `spec.group_size` responses for every prompt of `items` (group-major order),
+/// the seed of sample `j` of prompt `i` being `mix_seed([seed, step, i, j])`. With a
 /// `fleet` the samples come from its workers, otherwise from `engine`.
-#[allow(clippy::too_many_arguments)]
-pub fn sample_groups(
+pub fn generate_groups(
     engine: &mut Engine,
     fleet: Option<&mut FleetRollout>,
     tokenizer: &ModelText,
     items: &[PromptItem],
     spec: SamplingSpec,
-    reward: &Reward,
     seed: u64,
     step: u64,
-) -> Result<Vec<Trajectory>> {
+) -> Result<Vec<GenerateResult>> {
     let stop = stop_ids(engine, tokenizer);
     let prompts: Vec<Vec<u32>> = items.iter().map(|p| p.ids.clone()).collect();
-    let results = match fleet {
-        None => sample_prompts(engine, &prompts, spec, &stop, seed, step)?,
-        Some(fleet) => sample_prompts_fleet(fleet, &prompts, spec, &stop, seed, step)?,
-    };
+    match fleet {
+        None => sample_prompts(engine, &prompts, spec, &stop, seed, step),
+        Some(fleet) => sample_prompts_fleet(fleet, &prompts, spec, &stop, seed, step),
+    }
+}
+
+/// The requests [`generate_groups`] sends for `items` (for generating them elsewhere, e.g.
+/// on the fleet while the trainer updates).
+pub fn group_requests(
+    engine: &Engine,
+    tokenizer: &ModelText,
+    items: &[PromptItem],
+    spec: SamplingSpec,
+    seed: u64,
+    step: u64,
+) -> Vec<GenerateRequest> {
+    let stop = stop_ids(engine, tokenizer);
+    let prompts: Vec<Vec<u32>> = items.iter().map(|p| p.ids.clone()).collect();
+    sampling_requests(&prompts, spec, &stop, seed, step)
+}
+
+/// Decodes and scores `results`, the `group_size` responses per prompt of `items`
+/// (group-major), into trajectories.
+pub fn score_groups(
+    tokenizer: &ModelText,
+    items: &[PromptItem],
+    results: Vec<GenerateResult>,
+    group_size: usize,
+    reward: &Reward,
+) -> Result<Vec<Trajectory>> {
+    check_count(results.len(), items.len() * group_size)?;
     let completions = results
         .iter()
         .map(|r| tokenizer.decode_completion(&r.output_ids))
         .collect::<std::result::Result<Vec<_>, _>>()?;
-    let groups: Vec<usize> = (0..results.len()).map(|n| n / spec.group_size).collect();
+    let groups: Vec<usize> = (0..results.len()).map(|n| n / group_size).collect();
     let scores = score_responses(reward, items, &groups, &completions)?;
     Ok(results
         .into_iter()
@@ -188,11 +222,12 @@ pub fn sample_groups(
             let group = groups[n];
             Trajectory {
                 group,
-                prompt_ids: prompts[group].clone(),
+                prompt_ids: items[group].ids.clone(),
                 stopped: matches!(r.finish, FinishReason::Stop { .. }),
                 response_ids: r.output_ids,
                 rollout_logp: r.output_logprobs,
                 routes: r.routes,
+                weight_version: r.weight_version,
                 reward: score.reward,
                 correct: score.correct,
                 completion,

@@ -28,7 +28,8 @@ use crate::metrics_log::StepMetrics;
 use crate::minibatch::{update_minibatch, MiniBatch, MiniBatchResult, UpdateSettings};
 use crate::policy::{score, ResponseBatch};
 use crate::rollout::{
-    mix_seed, response_batch, rollout_routes, sample_groups, SamplingSpec, Trajectory,
+    generate_groups, mix_seed, response_batch, rollout_routes, score_groups, SamplingSpec,
+    Trajectory,
 };
 use crate::trainer::Trainer;
 use crate::update::UpdateOutcome;
@@ -50,7 +51,7 @@ pub struct StepTrace {
 }
 
 /// The sampled and scored batch of a step: what the updates work on.
-struct StepBatch {
+pub(crate) struct StepBatch {
     trajs: Vec<Trajectory>,
     batch: ResponseBatch,
     /// Rollout log-probs per response token.
@@ -65,6 +66,10 @@ struct StepBatch {
     groups_kept: usize,
     groups_dropped: usize,
     rollout_s: f64,
+    /// Seconds the fleet generated this batch in the previous step's shadow (`rollout.async`).
+    rollout_ahead_s: Option<f64>,
+    /// Fraction of trajectories from weights older than the trainer's (fleet backend).
+    stale_frac: Option<f64>,
 }
 
 /// What the old-policy view of the batch gave.
@@ -77,7 +82,7 @@ struct OldView {
 }
 
 /// What the updates of a step did.
-struct Updates {
+pub(crate) struct Updates {
     view: OldView,
     results: Vec<MiniBatchResult>,
     old_logp_s: f64,
@@ -100,10 +105,10 @@ impl Trainer {
             trace.rollout_tables = data.routes.as_ref().map(|r| r.tables().to_vec());
         }
         let settings = update_settings(&cfg);
-        let updates = if cfg.algo.mini_batches > 1 {
-            self.minibatch_updates(step, &cfg, &data, settings, trace)?
+        let updates = if cfg.rollout.async_rollout && step < self.total_steps() {
+            self.updates_with_rollout_ahead(step, &cfg, &data, settings, trace)?
         } else {
-            self.single_update(&cfg, &data, settings, trace)?
+            self.updates(step, &cfg, &data, settings, trace)?
         };
         let train_lp = data.batch.gather_responses(&updates.view.logp)?;
         let mismatch = logp_mismatch(&train_lp, &data.rollout_lp)?;
@@ -120,26 +125,54 @@ impl Trainer {
         Ok(metrics)
     }
 
-    /// Rollout, rewards and advantages of step `step`.
+    /// The updates of step `step` on its batch: one, or one per mini-batch.
+    pub(crate) fn updates(
+        &mut self,
+        step: u64,
+        cfg: &TrainConfig,
+        data: &StepBatch,
+        settings: UpdateSettings,
+        trace: Option<&mut StepTrace>,
+    ) -> Result<Updates> {
+        if cfg.algo.mini_batches > 1 {
+            self.minibatch_updates(step, cfg, data, settings, trace)
+        } else {
+            self.single_update(cfg, data, settings, trace)
+        }
+    }
+
+    /// Rollout, rewards and advantages of step `step`: the batch generated ahead during
+    /// the previous step when there is one, otherwise sampled now.
     fn sample_step(&mut self, step: u64, cfg: &TrainConfig) -> Result<StepBatch> {
         let group = cfg.rollout.group_size;
         let t_rollout = Instant::now();
-        let prompts = self.next_prompts(cfg.rollout.prompts_per_step)?;
-        let spec = SamplingSpec {
-            group_size: group,
-            max_new_tokens: cfg.rollout.max_new_tokens,
-            temperature: cfg.rollout.temperature as f32,
+        let (prompts, results, rollout_ahead_s) = match self.ahead.take() {
+            Some(ahead) => {
+                debug_assert_eq!(ahead.step, step, "a batch generated ahead for another step");
+                if let Some(f) = self.fleet.as_mut() {
+                    f.last = ahead.stats;
+                }
+                (ahead.items, ahead.results, Some(ahead.generate_s))
+            }
+            None => {
+                let prompts = self.next_prompts(cfg.rollout.prompts_per_step)?;
+                let results = generate_groups(
+                    &mut self.engine,
+                    self.fleet.as_mut(),
+                    &self.tokenizer,
+                    &prompts,
+                    sampling_spec(cfg),
+                    cfg.seed,
+                    step,
+                )?;
+                (prompts, results, None)
+            }
         };
-        let trajs = sample_groups(
-            &mut self.engine,
-            self.fleet.as_mut(),
-            &self.tokenizer,
-            &prompts,
-            spec,
-            &self.reward,
-            cfg.seed,
-            step,
-        )?;
+        let trajs = score_groups(&self.tokenizer, &prompts, results, group, &self.reward)?;
+        let stale_frac = match self.fleet {
+            Some(_) => Some(stale_frac(&trajs, step, cfg.rollout.max_staleness)?),
+            None => None,
+        };
         let rollout_s = t_rollout.elapsed().as_secs_f64();
 
         let batch = response_batch(&trajs)?;
@@ -180,6 +213,8 @@ impl Trainer {
             groups_kept,
             groups_dropped,
             rollout_s,
+            rollout_ahead_s,
+            stale_frac,
         })
     }
 
@@ -393,6 +428,8 @@ fn finish_metrics(
     m.groups_kept = data.groups_kept as u64;
     m.groups_dropped = data.groups_dropped as u64;
     m.rollout_s = data.rollout_s;
+    m.rollout_ahead_s = data.rollout_ahead_s;
+    m.rollout_stale_frac = data.stale_frac;
     m.old_logp_s = updates.old_logp_s;
     m.update_s = updates.update_s;
     m.sync_s = sync_s;
@@ -404,6 +441,37 @@ fn finish_metrics(
         0.0
     };
     m
+}
+
+/// How step `step`'s batch is sampled.
+pub(crate) fn sampling_spec(cfg: &TrainConfig) -> SamplingSpec {
+    SamplingSpec {
+        group_size: cfg.rollout.group_size,
+        max_new_tokens: cfg.rollout.max_new_tokens,
+        temperature: cfg.rollout.temperature as f32,
+    }
+}
+
+/// The fraction of trajectories of step `step` from weights older than the trainer's
+/// (version `step − 1`); an error when one is more than `max_staleness` versions older.
+fn stale_frac(trajs: &[Trajectory], step: u64, max_staleness: u64) -> Result<f64> {
+    let policy = step - 1;
+    let mut stale = 0usize;
+    for t in trajs {
+        let version = t.oldest_version();
+        let age = policy.saturating_sub(version);
+        if age > max_staleness {
+            return Err(TrainError::StaleRollout {
+                step,
+                version,
+                policy,
+                age,
+                max: max_staleness,
+            });
+        }
+        stale += usize::from(age > 0);
+    }
+    Ok(stale as f64 / trajs.len().max(1) as f64)
 }
 
 fn mean(values: impl Iterator<Item = f64>) -> Option<f64> {
@@ -512,6 +580,7 @@ mod tests {
             rollout_logp: vec![-0.1, -0.2],
             routes: None,
             stopped: true,
+            weight_version: 0,
             completion: "3".into(),
             reward: 1.0,
             correct: true,
@@ -555,5 +624,31 @@ mod tests {
             "schema key present (null)"
         );
         assert!(line.get("eval_accuracy").is_none(), "absent off eval steps");
+    }
+
+    #[test]
+    fn staleness_counts_trajectories_behind_the_trainer_and_refuses_older_than_allowed() {
+        let traj = |version: u64| Trajectory {
+            group: 0,
+            prompt_ids: vec![1, 4],
+            response_ids: vec![5, 2],
+            rollout_logp: vec![-0.1, -0.2],
+            routes: None,
+            stopped: true,
+            weight_version: version,
+            completion: "3".into(),
+            reward: 1.0,
+            correct: true,
+        };
+        // Step 5 trains on version 4: two of four trajectories are one version behind.
+        let batch = [traj(4), traj(3), traj(4), traj(3)];
+        assert_eq!(stale_frac(&batch, 5, 1).expect("within staleness"), 0.5);
+        assert_eq!(stale_frac(&batch[..1], 5, 0).expect("fresh"), 0.0);
+        match stale_frac(&[traj(4), traj(2)], 5, 1) {
+            Err(TrainError::StaleRollout {
+                version, age, max, ..
+            }) => assert_eq!((version, age, max), (2, 2, 1)),
+            other => panic!("expected StaleRollout, got {other:?}"),
+        }
     }
 }

@@ -19,6 +19,7 @@ use crate::optim::{decay_matrices_only, AdamW, AdamWParams};
 use crate::policy::TrainablePolicy;
 use crate::prompt_source::{PromptItem, PromptSource};
 use crate::rollout::{evaluate_prompts, EvalResult};
+use crate::rollout_ahead::AheadBatch;
 
 /// Everything one RL run mutates.
 #[derive(Debug)]
@@ -41,6 +42,8 @@ pub struct Trainer {
     pub step: u64,
     /// The rollout fleet when `rollout.backend = "sglang"` (the engine then only evaluates).
     pub fleet: Option<FleetRollout>,
+    /// The next step's batch when the fleet generated it during this step (`rollout.async`).
+    pub ahead: Option<AheadBatch>,
 }
 
 /// Parses the rollout router precision (`bf16` / `model` or `f32`).
@@ -137,6 +140,7 @@ impl Trainer {
             reward,
             step,
             fleet,
+            ahead: None,
         })
     }
 

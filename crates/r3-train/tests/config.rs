@@ -116,6 +116,30 @@ fn override_errors_name_the_problem() {
         Err(TrainError::InvalidConfig { field, .. }) => assert_eq!(field, "algo.eps_low"),
         other => panic!("expected InvalidConfig, got {other:?}"),
     }
+    let fleet = "rollout.urls=[\"http://127.0.0.1:30000\"]";
+    for (sets, want) in [
+        (vec!["rollout.async=true"], "rollout.async"),
+        (
+            vec!["rollout.async=true", "rollout.backend=sglang", fleet],
+            "rollout.max_staleness",
+        ),
+    ] {
+        match TrainConfig::resolve(None, &set(&sets)) {
+            Err(TrainError::InvalidConfig { field, .. }) => assert_eq!(field, want, "{sets:?}"),
+            other => panic!("{sets:?}: expected InvalidConfig, got {other:?}"),
+        }
+    }
+    let ok = TrainConfig::resolve(
+        None,
+        &set(&[
+            "rollout.async=true",
+            "rollout.backend=sglang",
+            fleet,
+            "rollout.max_staleness=1",
+        ]),
+    )
+    .expect("a valid async config");
+    assert!(ok.rollout.async_rollout);
 }
 
 #[test]
