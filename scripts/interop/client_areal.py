@@ -31,7 +31,8 @@ def main():
 
     records = tempfile.mkdtemp(prefix="areal-names-")
     name_resolve.reconfigure(NameResolveConfig(type="nfs", nfs_record_root=records))
-    config = InferenceEngineConfig(experiment_name="r3-interop", trial_name="t0",
+    # `backend` has no default in areal 1.0.4 (MISSING): two SGLang servers, data parallel.
+    config = InferenceEngineConfig(experiment_name="r3-interop", trial_name="t0", backend="sglang:d2",
                                    max_concurrent_rollouts=4, consumer_batch_size=1,
                                    request_timeout=120, setup_timeout=60,
                                    return_routed_experts=True, pause_grace_period=0.1)

@@ -47,13 +47,25 @@ def runtime_endpoint(url):
     attempt("sglang", "RuntimeEndpoint stream", stream)
 
     @sgl.function
-    def choose(s):
+    def stop_at(s):
         s += "1+1="
-        s += sgl.gen("x", max_tokens=4, stop="#", temperature=0)
-        s += sgl.select("y", choices=["2", "3"])
+        s += sgl.gen("x", max_tokens=8, stop="=", temperature=0)
 
-    attempt("sglang", "RuntimeEndpoint stop + select",
-            lambda: (lambda r: (r["y"] in ("2", "3"), str(r))) (choose.run()))
+    attempt("sglang", "RuntimeEndpoint gen with a stop string",
+            lambda: (lambda r: ("=" not in r["x"], repr(r["x"])))(stop_at.run()))
+
+    # `select` asks for prompt log-probs from the prompt's second-to-last token and, when
+    # the prompt text ends with that token's text ("token healing"), subtracts the first
+    # entry — which SGLang's scheduler (`_process_input_token_logprobs`: `[None] + ...`)
+    # and r3 both send as null. A prompt whose last two characters differ (the test model's
+    # tokenizer is character-level) stays out of that branch, as it must with real SGLang.
+    @sgl.function
+    def choose(s):
+        s += "12+7="
+        s += sgl.select("y", choices=["19", "20"])
+
+    attempt("sglang", "RuntimeEndpoint select",
+            lambda: (lambda r: (r["y"] in ("19", "20"), str(r)))(choose.run()))
 
 
 def bench_serving(url, model_dir, backend):

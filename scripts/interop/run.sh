@@ -5,8 +5,9 @@
 #   scripts/interop/run.sh [--bin PATH_TO_r3] [MODEL_DIR]      (default model: models/arith-moe)
 #
 # What it does (everything under target/):
-# - target/interop-venv: a venv with openai, sglang (--no-deps; its client modules' own deps),
-#   sglang-router, verl (--no-deps), areal (--no-deps) + torchdata, torch, transformers.
+# - target/interop-venv: a venv with openai, sglang (--no-deps; its client modules' own deps,
+#   incl. torchvision, apache-tvm-ffi and datasets for bench_serving), sglang-router, verl and
+#   areal (--no-deps, plus what their client modules import), torchdata, torch, transformers.
 # - target/interop-src/{slime,miles}: the frameworks' sources (git clone at the pinned commits
 #   below unless the directory is already there); they are imported from there.
 # - target/interop-model: MODEL_DIR's files plus a tokenizer_config.json (tokenizer class for
@@ -39,11 +40,20 @@ if [ ! -x "$py" ]; then
   python3 -m venv "$venv"
 fi
 pip() { "$venv/bin/pip" install --quiet "$@" >>"$logs/pip.log" 2>&1; }
-if ! "$py" -c "import openai, sglang, sglang_router, verl, areal, torch, transformers, torchdata" 2>/dev/null; then
+# The package list below, as installed; a venv with another list is completed.
+packages="openai requests sglang-router numpy tqdm httpx aiohttp pillow transformers tokenizers
+  psutil pybase64 packaging msgspec pyzmq ipython pydantic uvloop orjson sympy torch
+  torchvision apache-tvm-ffi datasets
+  ray codetiming
+  colorlog tenacity flask lark hydra-core numba einops aiofiles"
+# torchvision, apache-tvm-ffi, datasets: imported by sglang.bench_serving at module load.
+# ray, codetiming: imported by verl at package load (verl itself goes in --no-deps).
+# colorlog ... aiofiles: imported by areal's client modules (areal goes in --no-deps).
+nodeps="sglang verl areal torchdata"
+marker="$venv/.r3-interop-packages"
+if [ "$(cat "$marker" 2>/dev/null)" != "$packages $nodeps" ]; then
   echo "installing the clients into $venv (log: $logs/pip.log)"
-  pip openai requests sglang-router numpy tqdm httpx aiohttp pillow transformers tokenizers \
-    psutil pybase64 packaging msgspec pyzmq ipython pydantic uvloop orjson sympy torch
-  pip --no-deps sglang verl areal torchdata
+  pip $packages && pip --no-deps $nodeps && printf '%s' "$packages $nodeps" >"$marker"
 fi
 for pair in "slime https://github.com/THUDM/slime $SLIME_COMMIT" \
             "miles https://github.com/radixark/miles $MILES_COMMIT"; do

@@ -7,7 +7,6 @@
 //! - a weight sync while a batch is in flight aborts its requests; they are resumed on
 //!   the new version, every result is complete and its rows carry old-then-new versions.
 
-use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -15,27 +14,13 @@ use axum::extract::State;
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use r3_fleet::http::JsonClient;
-use r3_fleet::{resume_seed, Fleet, FleetConfig, ModelFacts, PartialMode};
-use r3_rollout::server::{build_app, serve, ServerConfig};
-use r3_rollout::{Engine, EngineConfig, FinishReason, GenerateRequest, SamplingParams};
-use r3_routing::{LayerLayout, MergePolicy};
+use r3_fleet::{resume_seed, Fleet, FleetConfig, PartialMode};
+use r3_rollout::{FinishReason, GenerateRequest, SamplingParams};
+use r3_routing::MergePolicy;
 use serde_json::{json, Value};
 
-fn model_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/arith-moe")
-}
-
-fn facts() -> ModelFacts {
-    let text = std::fs::read_to_string(model_dir().join("config.json")).expect("config.json");
-    let cfg: Value = serde_json::from_str(&text).expect("config json");
-    let layers = cfg["num_hidden_layers"].as_u64().expect("layers") as usize;
-    ModelFacts {
-        vocab_size: cfg["vocab_size"].as_u64().expect("vocab") as usize,
-        layout: LayerLayout::all_moe(layers),
-        top_k: cfg["num_experts_per_tok"].as_u64().expect("top_k") as usize,
-        num_experts: cfg["num_experts"].as_u64().expect("experts") as usize,
-    }
-}
+mod common;
+use common::{facts, model_dir, Server};
 
 /// A request without stop ids (the proxies add `ignore_eos`, so it runs to its budget).
 fn request(temperature: f32, max_new_tokens: usize, seed: u64) -> GenerateRequest {
@@ -47,57 +32,6 @@ fn request(temperature: f32, max_new_tokens: usize, seed: u64) -> GenerateReques
         ..SamplingParams::default()
     };
     GenerateRequest::new(vec![1, 5, 9, 4, 12, 3], sampling)
-}
-
-/// A server on 127.0.0.1 with its own runtime; stops on drop.
-struct Server {
-    url: String,
-    runtime: tokio::runtime::Runtime,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-}
-
-impl Server {
-    fn runtime() -> tokio::runtime::Runtime {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .expect("runtime")
-    }
-
-    fn start(runtime: tokio::runtime::Runtime, router: Router) -> Self {
-        let listener = runtime
-            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-            .expect("bind");
-        let url = format!("http://{}", listener.local_addr().expect("addr"));
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        runtime.spawn(async move {
-            let _ = serve(listener, router, async {
-                let _ = rx.await;
-            })
-            .await;
-        });
-        Server {
-            url,
-            runtime,
-            stop: Some(tx),
-        }
-    }
-
-    fn real() -> Self {
-        let engine = Engine::from_dir(&model_dir(), EngineConfig::default()).expect("engine");
-        let app = build_app(engine, None, ServerConfig::default()).expect("app");
-        Self::start(Self::runtime(), app.router)
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        if let Some(tx) = self.stop.take() {
-            let _ = tx.send(());
-        }
-        let _ = &self.runtime;
-    }
 }
 
 /// The proxy's state: where to forward, the budget of the one `/generate` it cuts short,
@@ -175,7 +109,7 @@ fn proxy(target: &str, abort_after: Option<usize>) -> (Server, Proxy) {
         .route("/continue_generation", post(forward_post))
         .route("/update_weights_from_disk", post(forward_post))
         .with_state(state.clone());
-    (Server::start(runtime, router), state)
+    (Server::start_on(runtime, router), state)
 }
 
 fn fleet(urls: Vec<String>, merge: MergePolicy) -> Fleet {

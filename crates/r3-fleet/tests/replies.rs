@@ -5,7 +5,6 @@
 //! worker beside it the request is retried there and the result equals the good
 //! worker's; alone, the bad worker makes the batch fail, never a wrong route table.
 
-use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -15,28 +14,12 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use base64::Engine as _;
 use r3_fleet::wire::{decode_reply, generate_body};
-use r3_fleet::{Fleet, FleetConfig, FleetError, ModelFacts};
-use r3_rollout::server::{build_app, serve, ServerConfig};
+use r3_fleet::{Fleet, FleetConfig, FleetError};
 use r3_rollout::{Engine, EngineConfig, GenerateRequest, SamplingParams};
-use r3_routing::LayerLayout;
 use serde_json::{json, Value};
 
-fn model_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/arith-moe")
-}
-
-/// The shipped model's facts, read from its config.json (4 MoE layers, 8 experts, top-2).
-fn facts() -> ModelFacts {
-    let text = std::fs::read_to_string(model_dir().join("config.json")).expect("config.json");
-    let cfg: Value = serde_json::from_str(&text).expect("config json");
-    let layers = cfg["num_hidden_layers"].as_u64().expect("layers") as usize;
-    ModelFacts {
-        vocab_size: cfg["vocab_size"].as_u64().expect("vocab") as usize,
-        layout: LayerLayout::all_moe(layers),
-        top_k: cfg["num_experts_per_tok"].as_u64().expect("top_k") as usize,
-        num_experts: cfg["num_experts"].as_u64().expect("experts") as usize,
-    }
-}
+mod common;
+use common::{facts, model_dir, Server};
 
 fn request() -> GenerateRequest {
     let sampling = SamplingParams {
@@ -47,54 +30,6 @@ fn request() -> GenerateRequest {
         ..SamplingParams::default()
     };
     GenerateRequest::new(vec![1, 5, 9, 4, 12, 3], sampling)
-}
-
-/// A server on 127.0.0.1 with its own runtime; stops on drop.
-struct Server {
-    url: String,
-    runtime: tokio::runtime::Runtime,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-}
-
-impl Server {
-    fn start(router: Router) -> Self {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .expect("runtime");
-        let listener = runtime
-            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-            .expect("bind");
-        let url = format!("http://{}", listener.local_addr().expect("addr"));
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        runtime.spawn(async move {
-            let _ = serve(listener, router, async {
-                let _ = rx.await;
-            })
-            .await;
-        });
-        Server {
-            url,
-            runtime,
-            stop: Some(tx),
-        }
-    }
-
-    fn real() -> Self {
-        let engine = Engine::from_dir(&model_dir(), EngineConfig::default()).expect("engine");
-        let app = build_app(engine, None, ServerConfig::default()).expect("app");
-        Self::start(app.router)
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        if let Some(tx) = self.stop.take() {
-            let _ = tx.send(());
-        }
-        let _ = &self.runtime;
-    }
 }
 
 /// What the fake worker answers to `/generate`, and its weight version.

@@ -570,21 +570,26 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_skipped_mini_batch_is_reported_and_kept_out_of_the_loss_means() {
-        let cfg = crate::config::TrainConfig::default();
-        let traj = Trajectory {
+    /// A correct two-token response from weight version `version`.
+    fn trajectory(version: u64) -> Trajectory {
+        Trajectory {
             group: 0,
             prompt_ids: vec![1, 4],
             response_ids: vec![5, 2],
             rollout_logp: vec![-0.1, -0.2],
             routes: None,
             stopped: true,
-            weight_version: 0,
+            weight_version: version,
             completion: "3".into(),
             reward: 1.0,
             correct: true,
-        };
+        }
+    }
+
+    #[test]
+    fn a_skipped_mini_batch_is_reported_and_kept_out_of_the_loss_means() {
+        let cfg = crate::config::TrainConfig::default();
+        let traj = trajectory(0);
         let applied = UpdateOutcome::Applied {
             loss: 0.3,
             grad_norm: GradNorm {
@@ -628,18 +633,7 @@ mod tests {
 
     #[test]
     fn staleness_counts_trajectories_behind_the_trainer_and_refuses_older_than_allowed() {
-        let traj = |version: u64| Trajectory {
-            group: 0,
-            prompt_ids: vec![1, 4],
-            response_ids: vec![5, 2],
-            rollout_logp: vec![-0.1, -0.2],
-            routes: None,
-            stopped: true,
-            weight_version: version,
-            completion: "3".into(),
-            reward: 1.0,
-            correct: true,
-        };
+        let traj = trajectory;
         // Step 5 trains on version 4: two of four trajectories are one version behind.
         let batch = [traj(4), traj(3), traj(4), traj(3)];
         assert_eq!(stale_frac(&batch, 5, 1).expect("within staleness"), 0.5);

@@ -195,7 +195,7 @@ pub fn run(a: BenchFleetArgs) -> anyhow::Result<()> {
             let (call, server, encode) = s.unwrap_or_default();
             let overhead = (call - server).max(0.0) + encode + decode_s;
             println!(
-                "    HTTP + JSON + checks per request: {:.2} us/token = {:.2}% of request time \
+                "    HTTP + JSON + checks per request: {:.2} request-us/token = {:.2}% of request time \
                  (client call {:.3} s - worker e2e_latency {:.3} s + encode {:.4} s + decode {:.4} s, summed over requests)",
                 overhead * 1e6 / fleet_tokens.max(1) as f64,
                 100.0 * frac,

@@ -9,7 +9,6 @@
 //! finish reason and its log-probs; then `[DONE]`. The content of a choice's chunks
 //! concatenates to the non-streamed content.
 
-use std::collections::BTreeMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
@@ -25,9 +24,9 @@ use super::completions::token_text;
 use super::error::ApiError;
 use super::fields::{kind, parse_body};
 use super::generate::MAX_TOP_LOGPROBS;
+use super::openai_sampling::OpenAiSampling;
 use super::policy::FieldRule::{Ignored, Implemented, NeutralOnly};
 use super::policy::Schema;
-use super::sampling::SamplingBody;
 use super::sse::{stream_jobs, ChunkBuilder};
 use super::stop::{response_text, TextOptions};
 use super::stream_text::{stop_hold, StreamedText};
@@ -85,22 +84,9 @@ struct ChatBody {
     chat_template_kwargs: Option<Map<String, Value>>,
     max_tokens: Option<usize>,
     max_completion_tokens: Option<usize>,
-    temperature: Option<f32>,
-    top_p: Option<f32>,
-    top_k: Option<i64>,
-    min_p: Option<f32>,
-    min_tokens: Option<usize>,
     n: Option<usize>,
-    seed: Option<u64>,
-    stop: Option<Value>,
-    stop_token_ids: Option<Vec<u32>>,
-    no_stop_trim: Option<bool>,
-    ignore_eos: Option<bool>,
-    skip_special_tokens: Option<bool>,
-    frequency_penalty: Option<f32>,
-    presence_penalty: Option<f32>,
-    repetition_penalty: Option<f32>,
-    logit_bias: Option<BTreeMap<String, f32>>,
+    #[serde(flatten)]
+    sampling: OpenAiSampling,
     logprobs: Option<bool>,
     top_logprobs: Option<usize>,
     stream: Option<bool>,
@@ -199,34 +185,17 @@ pub async fn handle(
     state.check_batch_size(n)?;
     // A chat turn ends at the model's stop ids (e.g. `<|im_end|>`), beside the client's own,
     // unless `ignore_eos` asks to generate past them (as SGLang's `ignore_eos` does).
-    let mut stop_ids = body.stop_token_ids.clone().unwrap_or_default();
-    if !body.ignore_eos.unwrap_or(false) {
+    let mut stop_ids = body.sampling.stop_token_ids.clone().unwrap_or_default();
+    if !body.sampling.ignore_eos.unwrap_or(false) {
         stop_ids.extend(codec.tokenizer().stop_token_ids().iter().copied());
     }
-    let sampling = SamplingBody {
-        temperature: body.temperature,
-        top_p: body.top_p,
-        top_k: body.top_k,
-        min_p: body.min_p,
-        max_new_tokens: Some(
-            body.max_completion_tokens
-                .or(body.max_tokens)
-                .unwrap_or(state.limits().default_max_new_tokens),
-        ),
-        min_new_tokens: body.min_tokens,
-        stop_token_ids: Some(stop_ids),
-        stop: body.stop.clone(),
-        no_stop_trim: body.no_stop_trim,
-        ignore_eos: body.ignore_eos,
-        frequency_penalty: body.frequency_penalty,
-        presence_penalty: body.presence_penalty,
-        repetition_penalty: body.repetition_penalty,
-        logit_bias: body.logit_bias.clone(),
-        n: None,
-        seed: Some(body.seed.unwrap_or_else(|| state.next_seed())),
-        sampling_seed: None,
-        skip_special_tokens: body.skip_special_tokens,
-    };
+    let max_new_tokens = body
+        .max_completion_tokens
+        .or(body.max_tokens)
+        .unwrap_or(state.limits().default_max_new_tokens);
+    let sampling = body
+        .sampling
+        .to_native(max_new_tokens, Some(stop_ids), || state.next_seed());
     let top_n = logprobs_asked(body.logprobs, body.top_logprobs)?;
     let mut jobs = Vec::with_capacity(n);
     let mut texts = Vec::with_capacity(n);

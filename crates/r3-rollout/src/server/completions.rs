@@ -4,7 +4,6 @@
 //! `echo: true` puts the prompt before each choice's text and, with `logprobs`, the prompt
 //! tokens' log-probs before the output's (the first one null, as OpenAI).
 
-use std::collections::BTreeMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
@@ -17,8 +16,8 @@ use serde_json::{json, Map, Value};
 
 use super::error::ApiError;
 use super::fields::{kind, parse_body, token_list, token_prompts};
+use super::openai_sampling::OpenAiSampling;
 use super::policy::COMPLETIONS;
-use super::sampling::SamplingBody;
 use super::sse::{stream_jobs, ChunkBuilder};
 use super::stop::{response_text, TextOptions};
 use super::stream_text::{stop_hold, StreamedText};
@@ -37,40 +36,13 @@ struct CompletionBody {
     prompt: Value,
     /// Tokens to generate per choice (default 16, as OpenAI).
     max_tokens: Option<usize>,
-    /// Softmax temperature (default 1).
-    temperature: Option<f32>,
-    /// Nucleus mass (default 1).
-    top_p: Option<f32>,
-    /// Top-k cut (extension; -1 or 0 = off).
-    top_k: Option<i64>,
-    /// Min-p cut (extension).
-    min_p: Option<f32>,
-    /// Stop ids cannot be sampled before this many tokens (extension).
-    min_tokens: Option<usize>,
     /// Choices per prompt (default 1); choice `i` of a prompt samples with `seed + i`.
     n: Option<usize>,
-    /// Base seed.
-    seed: Option<u64>,
     /// Log-probs of the sampled tokens plus this many alternatives (0..=MAX_LOGPROBS).
     logprobs: Option<u32>,
-    /// Stop strings.
-    stop: Option<Value>,
-    /// Stop after these ids (extension, as vLLM / SGLang).
-    stop_token_ids: Option<Vec<u32>>,
-    /// Keep the matched stop string in the text (extension).
-    no_stop_trim: Option<bool>,
-    /// Do not stop at `eos_token_id` (extension).
-    ignore_eos: Option<bool>,
-    /// Skip special tokens in the text (extension, default true).
-    skip_special_tokens: Option<bool>,
-    /// OpenAI penalties (SGLang's formulas).
-    frequency_penalty: Option<f32>,
-    /// See `frequency_penalty`.
-    presence_penalty: Option<f32>,
-    /// Repetition penalty (extension).
-    repetition_penalty: Option<f32>,
-    /// Token id -> bias.
-    logit_bias: Option<BTreeMap<String, f32>>,
+    /// The sampling fields shared with chat.
+    #[serde(flatten)]
+    sampling: OpenAiSampling,
     /// Prefix each choice with its prompt (text, tokens and, with `logprobs`, log-probs).
     echo: Option<bool>,
     /// Answer as server-sent events, chunks as tokens are produced (see [`OpenAiChunks`]).
@@ -101,26 +73,11 @@ pub async fn handle(
     }
     let total = prompts.len().saturating_mul(n);
     state.check_batch_size(total)?;
-    let sampling = SamplingBody {
-        temperature: body.temperature,
-        top_p: body.top_p,
-        top_k: body.top_k,
-        min_p: body.min_p,
-        max_new_tokens: Some(body.max_tokens.unwrap_or(16)),
-        min_new_tokens: body.min_tokens,
-        stop_token_ids: body.stop_token_ids.clone(),
-        stop: body.stop.clone(),
-        no_stop_trim: body.no_stop_trim,
-        ignore_eos: body.ignore_eos,
-        frequency_penalty: body.frequency_penalty,
-        presence_penalty: body.presence_penalty,
-        repetition_penalty: body.repetition_penalty,
-        logit_bias: body.logit_bias.clone(),
-        n: None,
-        seed: Some(body.seed.unwrap_or_else(|| state.next_seed())),
-        sampling_seed: None,
-        skip_special_tokens: body.skip_special_tokens,
-    };
+    let sampling = body.sampling.to_native(
+        body.max_tokens.unwrap_or(16),
+        body.sampling.stop_token_ids.clone(),
+        || state.next_seed(),
+    );
     let mut jobs = Vec::with_capacity(total);
     let mut texts = Vec::with_capacity(total);
     for (p, input_ids) in prompts.iter().enumerate() {

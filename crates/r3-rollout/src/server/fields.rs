@@ -22,8 +22,20 @@ pub fn parse_body<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
             kind(&value)
         )));
     }
-    serde_json::from_value(value)
-        .map_err(|e| ApiError::bad_request(format!("invalid request: {e}")))
+    from_value_at(value, "invalid request")
+}
+
+/// Deserialises `value`, naming the field at fault in the error (`{context}.a.b: …`).
+pub fn from_value_at<T: DeserializeOwned>(value: Value, context: &str) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if path == "." {
+            ApiError::bad_request(format!("{context}: {inner}"))
+        } else {
+            ApiError::bad_request(format!("{context}.{path}: {inner}"))
+        }
+    })
 }
 
 /// One token list (`[1, 2]`) or a batch of them (`[[1, 2], [3]]`); returns the prompts and

@@ -24,6 +24,7 @@ pub mod error;
 pub mod fields;
 pub mod generate;
 pub mod limits;
+pub mod openai_sampling;
 pub mod policy;
 pub mod request_tokens;
 pub mod sampling;

@@ -88,8 +88,7 @@ impl Schema {
             )));
         };
         self.screen(&mut obj)?;
-        serde_json::from_value(Value::Object(obj))
-            .map_err(|e| ApiError::bad_request(format!("{}: {e}", self.name)))
+        super::fields::from_value_at(Value::Object(obj), self.name)
     }
 }
 

@@ -125,7 +125,7 @@ fn each_malformed_request_class_gets_a_4xx_and_the_server_keeps_serving() {
             "/generate",
             json!({"input_ids": [1], "sampling_params": {"temperature": "hot"}}),
             400,
-            "invalid type",
+            "sampling_params.temperature: invalid type",
         ),
         (
             "/generate",
