@@ -2,7 +2,8 @@
 (sglang installed with --no-deps; `triton_kernels`, imported through server utilities and
 not installable on a CPU machine, is stubbed; the HTTP client never calls it), and
 `python -m sglang.bench_serving` with `--backend sglang` and `--backend sglang-oai` on a few
-random prompts (run as the stock module, in a subprocess).
+random-token prompts (`--dataset-name random-ids`: plain `random` first downloads ShareGPT
+from the hub; run as the stock module, in a subprocess).
 
 Usage: client_sglang.py --url http://HOST:PORT --model-dir DIR
 """
@@ -74,7 +75,8 @@ def bench_serving(url, model_dir, backend):
         out = os.path.join(d, "bench.jsonl")
         cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", backend, "--host", host,
                "--port", port, "--model", model_dir, "--tokenizer", model_dir,
-               "--dataset-name", "random", "--random-input-len", "16", "--random-output-len", "16",
+               # random-ids: random token ids; "random" first downloads ShareGPT from the hub.
+               "--dataset-name", "random-ids", "--random-input-len", "16", "--random-output-len", "16",
                "--random-range-ratio", "1.0", "--num-prompts", "8", "--seed", "1",
                "--output-file", out, "--disable-tqdm"]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

@@ -6,7 +6,8 @@
 #
 # What it does (everything under target/):
 # - target/interop-venv: a venv with openai, sglang (--no-deps; its client modules' own deps,
-#   incl. torchvision, apache-tvm-ffi and datasets for bench_serving), sglang-router, verl and
+#   incl. torchvision, apache-tvm-ffi, datasets, sentencepiece, compressed-tensors, gguf for
+#   bench_serving), sglang-router, verl and
 #   areal (--no-deps, plus what their client modules import), torchdata, torch, transformers.
 # - target/interop-src/{slime,miles}: the frameworks' sources (git clone at the pinned commits
 #   below unless the directory is already there); they are imported from there.
@@ -43,10 +44,10 @@ pip() { "$venv/bin/pip" install --quiet "$@" >>"$logs/pip.log" 2>&1; }
 # The package list below, as installed; a venv with another list is completed.
 packages="openai requests sglang-router numpy tqdm httpx aiohttp pillow transformers tokenizers
   psutil pybase64 packaging msgspec pyzmq ipython pydantic uvloop orjson sympy torch
-  torchvision apache-tvm-ffi datasets
+  torchvision apache-tvm-ffi datasets sentencepiece compressed-tensors gguf
   ray codetiming
   colorlog tenacity flask lark hydra-core numba einops aiofiles"
-# torchvision, apache-tvm-ffi, datasets: imported by sglang.bench_serving at module load.
+# torchvision ... gguf: imported by sglang.bench_serving at module load.
 # ray, codetiming: imported by verl at package load (verl itself goes in --no-deps).
 # colorlog ... aiofiles: imported by areal's client modules (areal goes in --no-deps).
 nodeps="sglang verl areal torchdata"
