@@ -184,11 +184,9 @@ fn two_workers_reach_the_engines_metrics_and_end_at_the_last_version() {
     let engine_run = root.join("engine");
     assert_ok(&train(&train_args(&model, &engine_run, &[])));
     let fleet_run = root.join("fleet");
-    let out = train(&train_args(
-        &model,
-        &fleet_run,
-        &fleet_settings(root, &urls),
-    ));
+    let mut settings = fleet_settings(root, &urls);
+    settings.push("checkpoint.every=2".into());
+    let out = train(&train_args(&model, &fleet_run, &settings));
     assert_ok(&out);
 
     let (want, got) = (metrics(&engine_run), metrics(&fleet_run));
@@ -232,6 +230,7 @@ fn two_workers_reach_the_engines_metrics_and_end_at_the_last_version() {
         "rollout.async=true".into(),
         "rollout.max_staleness=1".into(),
         format!("rollout.sync_dir={}", root.join("sync-async").display()),
+        "checkpoint.every=2".into(),
     ]);
     assert_ok(&train(&train_args(&model, &async_run, &settings)));
     let overlapped = metrics(&async_run);
@@ -258,6 +257,14 @@ fn two_workers_reach_the_engines_metrics_and_end_at_the_last_version() {
         overlapped[1]["mismatch.k3_kl"], got[1]["mismatch.k3_kl"],
         "async step 2 trained on the same batch as the synchronous run"
     );
+    // The checkpoint after step 2 records the prompt stream before step 3's prompts, which
+    // were drawn ahead: the same state as the synchronous run's, so a resume redraws them.
+    let state = |run: &Path| -> Value {
+        let path = run.join("checkpoints/step_2/trainer_state.json");
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("trainer_state.json"))
+            .expect("state json")
+    };
+    assert_eq!(state(&async_run), state(&fleet_run));
     for w in &workers {
         assert_eq!(w.weight_version().as_deref(), Some("3"), "{}", w.url());
     }

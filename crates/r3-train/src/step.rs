@@ -115,7 +115,7 @@ impl Trainer {
         let sync_s = self.sync_weights()? + self.sync_fleet(step)?;
         self.step = step;
         let mut metrics = finish_metrics(step, &cfg, &data, &updates, mismatch.as_ref(), sync_s);
-        if let Some(pos) = self.prompts.dataset_position() {
+        if let Some(pos) = self.prompt_position().1 {
             metrics.data_epoch = Some(pos.epoch);
             metrics.data_filtered_prompts = Some(self.prompts.filtered() as u64);
         }

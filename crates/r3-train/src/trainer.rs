@@ -181,13 +181,14 @@ impl Trainer {
 
     /// Writes a checkpoint of the current step into the run directory.
     pub fn save_checkpoint(&self, run_dir: &Path) -> Result<std::path::PathBuf> {
+        let (stream_pos, dataset_position) = self.prompt_position();
         let mut state = state_at(
             self.step,
             self.optimizer.step_count(),
             self.cfg.seed,
-            self.prompts.stream_pos(),
+            stream_pos,
         );
-        state.dataset_position = self.prompts.dataset_position();
+        state.dataset_position = dataset_position;
         save_checkpoint(
             run_dir,
             &self.policy,
