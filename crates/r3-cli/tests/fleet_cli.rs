@@ -181,16 +181,30 @@ fn two_workers_reach_the_engines_metrics_and_end_at_the_last_version() {
     ];
     let urls: Vec<String> = workers.iter().map(Worker::url).collect();
 
+    // Held-out evaluation before step 1 and after step 3: the fleet run evaluates on its
+    // workers (it holds no engine), the engine run in process.
+    let eval = "eval.every=3".to_string();
     let engine_run = root.join("engine");
-    assert_ok(&train(&train_args(&model, &engine_run, &[])));
+    assert_ok(&train(&train_args(
+        &model,
+        &engine_run,
+        std::slice::from_ref(&eval),
+    )));
     let fleet_run = root.join("fleet");
     let mut settings = fleet_settings(root, &urls);
-    settings.push("checkpoint.every=2".into());
+    settings.extend(["checkpoint.every=2".into(), eval]);
     let out = train(&train_args(&model, &fleet_run, &settings));
     assert_ok(&out);
 
     let (want, got) = (metrics(&engine_run), metrics(&fleet_run));
     assert_eq!((want.len(), got.len()), (3, 3));
+    let evals = |run: &Path| std::fs::read_to_string(run.join("eval.jsonl")).expect("eval.jsonl");
+    assert_eq!(
+        evals(&engine_run).lines().count(),
+        2,
+        "evals at steps 0 and 3"
+    );
+    assert_eq!(evals(&fleet_run), evals(&engine_run));
     for (w, g) in want.iter().zip(&got) {
         let step = &g["step"];
         // Every non-timing metric is bit-identical: each request carries its own seed and

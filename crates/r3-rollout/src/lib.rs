@@ -25,7 +25,7 @@ pub mod sampler;
 pub mod server;
 
 pub use dtype::{Dtype, RouterDtype};
-pub use engine::{CachedBlock, Engine, EngineConfig};
+pub use engine::{config_eos_ids, CachedBlock, Engine, EngineConfig};
 pub use error::RolloutError;
 pub use kv_pool::{KvBlock, KvBlockId, KvBlockRef, KvLayout, KvPool};
 pub use model::tensors::{load_dir, TensorMap};

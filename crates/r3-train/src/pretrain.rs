@@ -35,7 +35,7 @@ use crate::logprob::{masked_mean, token_log_probs};
 use crate::optim::{decay_matrices_only, AdamW, AdamWParams};
 use crate::policy::TrainablePolicy;
 use crate::pretrain_config::{PretrainArchitecture, PretrainConfig};
-use crate::rollout::{evaluate, evaluate_prompts, EvalResult};
+use crate::rollout::{evaluate, evaluate_prompts, EvalResult, Generator};
 use crate::schedule::{LrDecay, LrSchedule};
 use crate::update::{backward_and_step, UpdateOutcome};
 
@@ -440,8 +440,10 @@ fn pretrain_word_problems(
             });
         }
         let mut engine = eval_engine(p)?;
+        let eos = engine.eos_token_ids().to_vec();
         evaluate_prompts(
-            &mut engine,
+            Generator::Engine(&mut engine),
+            &eos,
             &text,
             &eval_items,
             &reward,

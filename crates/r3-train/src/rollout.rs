@@ -85,15 +85,41 @@ pub fn mix_seed(parts: &[u64]) -> u64 {
     h
 }
 
-/// The engine's eos ids (from the model's `config.json`) and the tokenizer's stop ids.
-fn stop_ids(engine: &Engine, text: &ModelText) -> Vec<u32> {
-    let mut ids = engine.eos_token_ids().to_vec();
+/// The model's eos ids (from its `config.json`) and the tokenizer's stop ids.
+pub fn stop_ids(eos: &[u32], text: &ModelText) -> Vec<u32> {
+    let mut ids = eos.to_vec();
     for &id in text.stop_ids() {
         if !ids.contains(&id) {
             ids.push(id);
         }
     }
     ids
+}
+
+/// Where requests are generated: the in-process engine or the workers of a rollout fleet.
+#[derive(Debug)]
+pub enum Generator<'a> {
+    /// The in-process engine.
+    Engine(&'a mut Engine),
+    /// The fleet's workers; the batch's retries and staleness are kept in it.
+    Fleet(&'a mut FleetRollout),
+}
+
+impl Generator<'_> {
+    /// One result per request, in request order.
+    pub fn generate(&mut self, requests: Vec<GenerateRequest>) -> Result<Vec<GenerateResult>> {
+        let expected = requests.len();
+        let results = match self {
+            Generator::Engine(engine) => engine.generate(requests)?,
+            Generator::Fleet(fleet) => {
+                let (results, stats) = fleet.fleet.generate(requests)?;
+                fleet.last = stats;
+                results
+            }
+        };
+        check_count(results.len(), expected)?;
+        Ok(results)
+    }
 }
 
 /// Samples `spec.group_size` responses for every prompt (group-major order), stopping at
@@ -145,54 +171,32 @@ fn check_count(got: usize, expected: usize) -> Result<()> {
     Ok(())
 }
 
-/// [`sample_prompts`] on the workers of a rollout fleet: the same requests (seeds, stop
-/// ids), one checked result each; the batch's retries and staleness are kept in `fleet`.
-pub fn sample_prompts_fleet(
-    fleet: &mut FleetRollout,
-    prompts: &[Vec<u32>],
-    spec: SamplingSpec,
-    stop: &[u32],
-    seed: u64,
-    step: u64,
-) -> Result<Vec<GenerateResult>> {
-    let requests = sampling_requests(prompts, spec, stop, seed, step);
-    let (results, stats) = fleet.fleet.generate(requests)?;
-    check_count(results.len(), prompts.len() * spec.group_size)?;
-    fleet.last = stats;
-    Ok(results)
-}
-
-/// Samples `spec.group_size` responses for every prompt of `items` (group-major order),
-/// the seed of sample `j` of prompt `i` being `mix_seed([seed, step, i, j])`. With a
-/// `fleet` the samples come from its workers, otherwise from `engine`.
+/// Samples `spec.group_size` responses for every prompt of `items` (group-major order)
+/// with `generator`, stopping at `eos` and the tokenizer's stop ids, the seed of sample `j`
+/// of prompt `i` being `mix_seed([seed, step, i, j])`.
 pub fn generate_groups(
-    engine: &mut Engine,
-    fleet: Option<&mut FleetRollout>,
+    mut generator: Generator<'_>,
+    eos: &[u32],
     tokenizer: &ModelText,
     items: &[PromptItem],
     spec: SamplingSpec,
     seed: u64,
     step: u64,
 ) -> Result<Vec<GenerateResult>> {
-    let stop = stop_ids(engine, tokenizer);
-    let prompts: Vec<Vec<u32>> = items.iter().map(|p| p.ids.clone()).collect();
-    match fleet {
-        None => sample_prompts(engine, &prompts, spec, &stop, seed, step),
-        Some(fleet) => sample_prompts_fleet(fleet, &prompts, spec, &stop, seed, step),
-    }
+    generator.generate(group_requests(eos, tokenizer, items, spec, seed, step))
 }
 
 /// The requests [`generate_groups`] sends for `items` (for generating them elsewhere, e.g.
 /// on the fleet while the trainer updates).
 pub fn group_requests(
-    engine: &Engine,
+    eos: &[u32],
     tokenizer: &ModelText,
     items: &[PromptItem],
     spec: SamplingSpec,
     seed: u64,
     step: u64,
 ) -> Vec<GenerateRequest> {
-    let stop = stop_ids(engine, tokenizer);
+    let stop = stop_ids(eos, tokenizer);
     let prompts: Vec<Vec<u32>> = items.iter().map(|p| p.ids.clone()).collect();
     sampling_requests(&prompts, spec, &stop, seed, step)
 }
@@ -306,10 +310,13 @@ pub struct EvalResult {
     pub response_len_mean: f64,
 }
 
-/// Answers every prompt once with the engine (greedy when `temperature == 0`) and reports
-/// the fraction the reward judges correct. Routes are not captured.
+/// Answers every prompt once with `generator` (greedy when `temperature == 0`), stopping
+/// at `eos` and the tokenizer's stop ids, and reports the fraction the reward judges
+/// correct. Routes are not captured.
+#[allow(clippy::too_many_arguments)]
 pub fn evaluate_prompts(
-    engine: &mut Engine,
+    mut generator: Generator<'_>,
+    eos: &[u32],
     tokenizer: &ModelText,
     items: &[PromptItem],
     reward: &Reward,
@@ -320,7 +327,7 @@ pub fn evaluate_prompts(
     if items.is_empty() {
         return Err(TrainError::EmptyEvalSet);
     }
-    let stop = stop_ids(engine, tokenizer);
+    let stop = stop_ids(eos, tokenizer);
     let requests = items
         .iter()
         .enumerate()
@@ -337,7 +344,7 @@ pub fn evaluate_prompts(
             req
         })
         .collect::<Vec<_>>();
-    let results = engine.generate(requests)?;
+    let results = generator.generate(requests)?;
     let tokens: usize = results.iter().map(|r| r.output_ids.len()).sum();
     let completions = results
         .iter()
@@ -369,8 +376,10 @@ pub fn evaluate(
         .map(|p| arith_item(tokenizer, p))
         .collect::<Result<Vec<_>>>()?;
     let reward = Reward::from_spec(&RewardSpec::default(), 0.0);
+    let eos = engine.eos_token_ids().to_vec();
     evaluate_prompts(
-        engine,
+        Generator::Engine(engine),
+        &eos,
         tokenizer,
         &items,
         &reward,

@@ -47,7 +47,7 @@ impl Trainer {
     /// ahead when there is one.
     pub fn prompt_position(&self) -> (u128, Option<DatasetPosition>) {
         match &self.ahead {
-            Some(ahead) => (ahead.stream_pos, ahead.dataset_position.clone()),
+            Some(ahead) => (ahead.stream_pos, ahead.dataset_position),
             None => (self.prompts.stream_pos(), self.prompts.dataset_position()),
         }
     }
@@ -67,7 +67,7 @@ impl Trainer {
         let (stream_pos, dataset_position) = self.prompt_position();
         let items = self.next_prompts(cfg.rollout.prompts_per_step)?;
         let requests = group_requests(
-            &self.engine,
+            &self.eos,
             &self.tokenizer,
             &items,
             sampling_spec(cfg),

@@ -31,7 +31,7 @@ use crate::rollout::{
     generate_groups, mix_seed, response_batch, rollout_routes, score_groups, SamplingSpec,
     Trajectory,
 };
-use crate::trainer::Trainer;
+use crate::trainer::{generator, Trainer};
 use crate::update::UpdateOutcome;
 
 /// Which routes each pass of a step used, for checking the replay modes (opt in with
@@ -157,8 +157,8 @@ impl Trainer {
             None => {
                 let prompts = self.next_prompts(cfg.rollout.prompts_per_step)?;
                 let results = generate_groups(
-                    &mut self.engine,
-                    self.fleet.as_mut(),
+                    generator(&mut self.engine, &mut self.fleet)?,
+                    &self.eos,
                     &self.tokenizer,
                     &prompts,
                     sampling_spec(cfg),

@@ -1,24 +1,24 @@
 //! The trainer's state: the resolved config, the trainable policy and its AdamW, the
-//! rollout engine holding the same weights, the prompt source (the built-in task or a
-//! dataset) with its eval prompts and position, and the reward. Building it from a base
-//! model or a checkpoint, weight sync, evaluation and checkpoint writes live here; one RL
-//! step is in `step.rs`.
+//! rollout engine holding the same weights (or the fleet that replaces it), the prompt
+//! source (the built-in task or a dataset) with its eval prompts and position, and the
+//! reward. Building it from a base model or a checkpoint, weight sync, evaluation and
+//! checkpoint writes live here; one RL step is in `step.rs`.
 
 use std::path::Path;
 use std::time::Instant;
 
-use r3_rollout::{Dtype, Engine, EngineConfig, RouterDtype};
+use r3_rollout::{config_eos_ids, Dtype, Engine, EngineConfig, RouterDtype};
 use r3_tasks::Reward;
 
 use crate::checkpoint::{load_optimizer, save_checkpoint, state_at, TrainerState};
-use crate::config::TrainConfig;
+use crate::config::{RolloutBackend, TrainConfig};
 use crate::error::{Result, TrainError};
 use crate::fleet_sync::FleetRollout;
 use crate::model_text::ModelText;
 use crate::optim::{decay_matrices_only, AdamW, AdamWParams};
 use crate::policy::TrainablePolicy;
 use crate::prompt_source::{PromptItem, PromptSource};
-use crate::rollout::{evaluate_prompts, EvalResult};
+use crate::rollout::{evaluate_prompts, EvalResult, Generator};
 use crate::rollout_ahead::AheadBatch;
 
 /// Everything one RL run mutates.
@@ -30,8 +30,11 @@ pub struct Trainer {
     pub policy: TrainablePolicy,
     /// AdamW over the policy's variables.
     pub optimizer: AdamW,
-    /// The rollout engine (f16 by default) with the policy's current weights.
-    pub engine: Engine,
+    /// The rollout engine (f16 by default) with the policy's current weights; none when a
+    /// rollout fleet generates (`rollout.backend = "sglang"`: it samples and evaluates).
+    pub engine: Option<Engine>,
+    /// The model's `eos_token_id`s (from its config.json).
+    pub eos: Vec<u32>,
     /// The model's tokenizer and chat template.
     pub tokenizer: ModelText,
     /// Training and held-out prompts, and the position in them.
@@ -40,7 +43,7 @@ pub struct Trainer {
     pub reward: Reward,
     /// RL steps completed.
     pub step: u64,
-    /// The rollout fleet when `rollout.backend = "sglang"` (the engine then only evaluates).
+    /// The rollout fleet when `rollout.backend = "sglang"`.
     pub fleet: Option<FleetRollout>,
     /// The next step's batch when the fleet generated it during this step (`rollout.async`).
     pub ahead: Option<AheadBatch>,
@@ -114,7 +117,16 @@ impl Trainer {
             router_dtype: rollout_router_dtype(&cfg.rollout.router_dtype)?,
             ..EngineConfig::default()
         };
-        let engine = Engine::new(policy.config().clone(), &policy.tensor_map()?, engine_cfg)?;
+        // A fleet samples and evaluates: no second copy of the weights in this process.
+        let engine = match cfg.rollout.backend {
+            RolloutBackend::Engine => Some(Engine::new(
+                policy.config().clone(),
+                &policy.tensor_map()?,
+                engine_cfg,
+            )?),
+            RolloutBackend::Sglang => None,
+        };
+        let eos = config_eos_ids(policy.config());
         let reward = Reward::from_spec(&cfg.reward, cfg.task.format_reward as f32);
         let (step, prompts) = match resume {
             Some((dir, state)) => {
@@ -135,6 +147,7 @@ impl Trainer {
             policy,
             optimizer,
             engine,
+            eos,
             tokenizer,
             prompts,
             reward,
@@ -158,18 +171,23 @@ impl Trainer {
         self.cfg.total_steps(rows)
     }
 
-    /// Pushes the policy's current weights into the rollout engine; returns seconds taken.
+    /// Pushes the policy's current weights into the in-process rollout engine (if any);
+    /// returns seconds taken.
     pub fn sync_weights(&mut self) -> Result<f64> {
         let t = Instant::now();
-        self.engine.update_weights(&self.policy.tensor_map()?)?;
+        if let Some(engine) = self.engine.as_mut() {
+            engine.update_weights(&self.policy.tensor_map()?)?;
+        }
         Ok(t.elapsed().as_secs_f64())
     }
 
-    /// Held-out accuracy of the engine's current weights (native routing, eval settings).
+    /// Held-out accuracy of the current weights (native routing, eval settings), on the
+    /// in-process engine or the fleet's workers.
     pub fn evaluate(&mut self) -> Result<EvalResult> {
         let items = self.prompts.eval_items(&self.tokenizer)?;
         evaluate_prompts(
-            &mut self.engine,
+            generator(&mut self.engine, &mut self.fleet)?,
+            &self.eos,
             &self.tokenizer,
             &items,
             &self.reward,
@@ -197,6 +215,21 @@ impl Trainer {
             &state,
             self.cfg.checkpoint.keep_last,
         )
+    }
+}
+
+/// Where the trainer's requests go: the fleet when there is one, else the in-process engine.
+pub fn generator<'a>(
+    engine: &'a mut Option<Engine>,
+    fleet: &'a mut Option<FleetRollout>,
+) -> Result<Generator<'a>> {
+    match (fleet.as_mut(), engine.as_mut()) {
+        (Some(fleet), _) => Ok(Generator::Fleet(fleet)),
+        (None, Some(engine)) => Ok(Generator::Engine(engine)),
+        (None, None) => Err(TrainError::InvalidConfig {
+            field: "rollout.backend",
+            reason: "neither an in-process engine nor a fleet to generate with".into(),
+        }),
     }
 }
 

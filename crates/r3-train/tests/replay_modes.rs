@@ -37,7 +37,12 @@ fn r3_replays_the_rollout_routes_in_the_old_pass_and_every_update() {
             *t = t.neg().expect("negate");
         }
     }
-    trainer.engine.update_weights(&skewed).expect("skew engine");
+    trainer
+        .engine
+        .as_mut()
+        .expect("the engine backend has an engine")
+        .update_weights(&skewed)
+        .expect("skew engine");
     // A copy of the old weights (the step updates the variables in place), for an
     // independent native pass at the old weights.
     let old_weights = trainer.policy.detached().snapshot().expect("snapshot");

@@ -108,7 +108,7 @@ impl Engine {
                 "max_batch_tokens and max_running must be > 0".into(),
             ));
         }
-        let eos = eos_ids(&model_cfg.raw);
+        let eos = config_eos_ids(&model_cfg);
         let model = InferenceModel::with_router(model_cfg, tensors, cfg.dtype, cfg.router_dtype)?;
         let layout = model.kv_layout(cfg.block_size);
         let block_bytes = layout.block_floats() * 4;
@@ -461,9 +461,9 @@ impl Engine {
     }
 }
 
-/// `eos_token_id` of a config.json (a number or a list).
-fn eos_ids(raw: &serde_json::Value) -> Vec<u32> {
-    match raw.get("eos_token_id") {
+/// `eos_token_id` of a model's config.json (a number or a list; none when absent).
+pub fn config_eos_ids(cfg: &Config) -> Vec<u32> {
+    match cfg.raw.get("eos_token_id") {
         Some(serde_json::Value::Number(n)) => {
             n.as_u64().map(|v| vec![v as u32]).unwrap_or_default()
         }
