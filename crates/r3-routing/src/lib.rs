@@ -27,7 +27,7 @@ pub use divergence::{divergence, summarize, Divergence, DivergenceSummary, Layer
 pub use error::RouteError;
 pub use layout::{LayerLayout, LayerSpace, LayoutRules};
 pub use limits::DecodeLimits;
-pub use load::{expert_load, ExpertLoad, LayerLoad};
+pub use load::{expert_load, summed_expert_load, ExpertLoad, LayerLoad};
 pub use mismatch::{extreme_fraction_curve, mismatch_metrics, MismatchMetrics};
 pub use placement::ExpertPlacement;
 pub use table::{RouteTable, MAX_EXPERTS};

@@ -3,7 +3,7 @@
 
 use serde::Serialize;
 
-use crate::RouteTable;
+use crate::{RouteError, RouteTable};
 
 /// Load of one layer column.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -46,6 +46,48 @@ pub fn expert_load(table: &RouteTable) -> ExpertLoad {
             }
         })
         .collect();
+    summarise(per_layer)
+}
+
+/// The loads of several tables of one layout (e.g. the sequences of a batch) added up per
+/// layer and expert, with the violations of the sums; empty for no tables.
+pub fn summed_expert_load(tables: &[RouteTable]) -> Result<ExpertLoad, RouteError> {
+    let mut per_layer: Vec<LayerLoad> = Vec::new();
+    for (i, table) in tables.iter().enumerate() {
+        let load = expert_load(table);
+        if i == 0 {
+            per_layer = load.per_layer;
+            continue;
+        }
+        let layers = |l: &[LayerLoad]| l.iter().map(|x| x.layer).collect::<Vec<_>>();
+        if layers(&per_layer) != layers(&load.per_layer) {
+            return Err(RouteError::Shape {
+                what: "MoE layers",
+                left: format!("{:?}", layers(&per_layer)),
+                right: format!("{:?} (table {i})", layers(&load.per_layer)),
+            });
+        }
+        for (acc, l) in per_layer.iter_mut().zip(load.per_layer) {
+            if acc.counts.len() != l.counts.len() {
+                return Err(RouteError::Shape {
+                    what: "num_experts",
+                    left: acc.counts.len().to_string(),
+                    right: format!("{} (table {i}, layer {})", l.counts.len(), l.layer),
+                });
+            }
+            for (a, c) in acc.counts.iter_mut().zip(l.counts) {
+                *a += c;
+            }
+        }
+    }
+    for l in &mut per_layer {
+        l.max_violation = max_violation(&l.counts);
+    }
+    Ok(summarise(per_layer))
+}
+
+/// The statistics over layers of per-layer loads.
+fn summarise(per_layer: Vec<LayerLoad>) -> ExpertLoad {
     let n = per_layer.len();
     let mean_max_violation = if n == 0 {
         0.0

@@ -1,61 +1,14 @@
-//! Expert load of the pretraining forward: assignments per expert and MoE layer summed over
-//! a batch's route tables, its normalised entropy (1 = every expert equally loaded), and
+//! Expert balance of the pretraining forward (its per-layer loads summed over a batch by
+//! r3-routing's `summed_expert_load`): the normalised entropy of a load (1 = every expert
+//! equally loaded), and
 //! DeepSeek-V3's auxiliary-loss-free balancing, which moves each layer's
 //! `e_score_correction_bias` by a fixed step against the sign of the load error instead of
 //! adding a balance term to the loss.
 
-use r3_routing::{expert_load, RouteTable};
+use r3_routing::LayerLoad;
 
 use crate::error::{Result, TrainError};
 use crate::policy::TrainablePolicy;
-
-/// Assignments per expert of one MoE layer.
-#[derive(Debug, Clone, PartialEq)]
-pub struct LayerCounts {
-    /// Global layer index.
-    pub layer: usize,
-    /// Tokens × top-k routed to each expert.
-    pub counts: Vec<u64>,
-}
-
-/// Sums the per-layer expert loads of `tables` (one per sequence, same layout).
-pub fn layer_counts(tables: &[RouteTable]) -> Result<Vec<LayerCounts>> {
-    let mut out: Vec<LayerCounts> = Vec::new();
-    for table in tables {
-        let load = expert_load(table);
-        if out.is_empty() {
-            out = load
-                .per_layer
-                .into_iter()
-                .map(|l| LayerCounts {
-                    layer: l.layer,
-                    counts: l.counts,
-                })
-                .collect();
-            continue;
-        }
-        if load.per_layer.len() != out.len() {
-            return Err(TrainError::Length {
-                what: "route table MoE layers".into(),
-                got: load.per_layer.len(),
-                expected: out.len(),
-            });
-        }
-        for (acc, l) in out.iter_mut().zip(load.per_layer) {
-            if acc.layer != l.layer || acc.counts.len() != l.counts.len() {
-                return Err(TrainError::Length {
-                    what: format!("experts of layer {}", l.layer),
-                    got: l.counts.len(),
-                    expected: acc.counts.len(),
-                });
-            }
-            for (a, c) in acc.counts.iter_mut().zip(l.counts) {
-                *a += c;
-            }
-        }
-    }
-    Ok(out)
-}
 
 /// Entropy of the load distribution divided by `ln(num_experts)`: 1 when every expert gets
 /// the same share, 0 when one expert takes everything (0 for no assignments).
@@ -107,7 +60,7 @@ pub fn score_bias_name(layer: usize) -> String {
 /// Applies [`balanced_bias`] to every MoE layer's `e_score_correction_bias` of `policy`.
 pub fn update_score_bias(
     policy: &mut TrainablePolicy,
-    loads: &[LayerCounts],
+    loads: &[LayerLoad],
     rate: f64,
 ) -> Result<()> {
     for load in loads {

@@ -13,6 +13,7 @@ use std::time::Instant;
 use candle_core::{Device, Tensor};
 use r3_model::{Batch, Config, RandomInit, Routing, Weights};
 use r3_rollout::{Dtype, Engine, EngineConfig};
+use r3_routing::summed_expert_load;
 use r3_tasks::{
     ArithmeticTask, CharTokenizer, Difficulty, LossOn, Reward, RewardKind, RewardSpec,
     SupervisedBatch, SupervisedBatches, PAD_ID,
@@ -30,7 +31,7 @@ use crate::pretrain_corpus::{
 use crate::prompt_source::load_split;
 
 use crate::error::{Result, TrainError};
-use crate::expert_balance::{layer_counts, normalised_entropy, update_score_bias};
+use crate::expert_balance::{normalised_entropy, update_score_bias};
 use crate::logprob::{masked_mean, token_log_probs};
 use crate::optim::{decay_matrices_only, AdamW, AdamWParams};
 use crate::policy::TrainablePolicy;
@@ -129,7 +130,7 @@ pub fn probe_load_entropy(
         got: 0,
         expected: probe.len(),
     })?;
-    let loads = layer_counts(&routes)?;
+    let loads = summed_expert_load(&routes)?.per_layer;
     Ok((
         loads.iter().map(|l| l.layer).collect(),
         loads
@@ -269,7 +270,7 @@ fn train_loop(
             UpdateOutcome::Skipped { loss, .. } => (loss, false),
         };
         if let Some(routes) = out.routes.as_deref() {
-            update_score_bias(policy, &layer_counts(routes)?, bias_rate)?;
+            update_score_bias(policy, &summed_expert_load(routes)?.per_layer, bias_rate)?;
         }
         recent.push(f64::from(value));
         if recent.len() > cfg.log_every.max(1) as usize {
