@@ -633,12 +633,11 @@ mod tests {
 
     #[test]
     fn staleness_counts_trajectories_behind_the_trainer_and_refuses_older_than_allowed() {
-        let traj = trajectory;
         // Step 5 trains on version 4: two of four trajectories are one version behind.
-        let batch = [traj(4), traj(3), traj(4), traj(3)];
+        let batch = [trajectory(4), trajectory(3), trajectory(4), trajectory(3)];
         assert_eq!(stale_frac(&batch, 5, 1).expect("within staleness"), 0.5);
         assert_eq!(stale_frac(&batch[..1], 5, 0).expect("fresh"), 0.0);
-        match stale_frac(&[traj(4), traj(2)], 5, 1) {
+        match stale_frac(&[trajectory(4), trajectory(2)], 5, 1) {
             Err(TrainError::StaleRollout {
                 version, age, max, ..
             }) => assert_eq!((version, age, max), (2, 2, 1)),
