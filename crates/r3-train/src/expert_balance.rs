@@ -1,9 +1,8 @@
 //! Expert balance of the pretraining forward (its per-layer loads summed over a batch by
 //! r3-routing's `summed_expert_load`): the normalised entropy of a load (1 = every expert
-//! equally loaded), and
-//! DeepSeek-V3's auxiliary-loss-free balancing, which moves each layer's
-//! `e_score_correction_bias` by a fixed step against the sign of the load error instead of
-//! adding a balance term to the loss.
+//! equally loaded), and DeepSeek-V3's auxiliary-loss-free balancing, which moves each
+//! layer's `e_score_correction_bias` by a fixed step against the sign of the load error
+//! instead of adding a balance term to the loss.
 
 use r3_routing::LayerLoad;
 

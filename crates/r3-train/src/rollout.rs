@@ -133,10 +133,7 @@ pub fn sample_prompts(
     seed: u64,
     step: u64,
 ) -> Result<Vec<GenerateResult>> {
-    let requests = sampling_requests(prompts, spec, stop, seed, step);
-    let results = engine.generate(requests)?;
-    check_count(results.len(), prompts.len() * spec.group_size)?;
-    Ok(results)
+    Generator::Engine(engine).generate(sampling_requests(prompts, spec, stop, seed, step))
 }
 
 /// The requests of [`sample_prompts`]: `spec.group_size` per prompt, group-major, seeded
