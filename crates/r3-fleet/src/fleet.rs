@@ -126,8 +126,12 @@ struct Shared {
     cfg: FleetConfig,
     model: ModelFacts,
     next_rid: AtomicU64,
-    /// Weight version every new reply should come from.
+    /// Weight version every new reply should come from (set when a sync starts).
     version: AtomicU64,
+    /// Version of the last finished sync. A request sent during a sync may reach a worker
+    /// before its pause and be answered from the old weights, so staleness is judged
+    /// against this, not against `version`.
+    settled: AtomicU64,
     /// Held (write) for the length of a sync; continuations of aborted requests take it
     /// (read) first, so they run on the new weights.
     sync_gate: tokio::sync::RwLock<()>,
@@ -152,8 +156,9 @@ impl Shared {
         format!("{}{path}", self.pool().slots()[worker].url)
     }
 
-    /// The version check of a reply to a request sent at version `sent`: not newer than
-    /// the current version, and at most `max_staleness` older than `sent`.
+    /// The version check of a reply to a request sent when the last finished sync was
+    /// `sent`: not newer than the current version, and at most `max_staleness` older
+    /// than `sent`.
     fn check_version(&self, url: &str, reply: &Reply, sent: u64) -> Result<()> {
         let max = self.cfg.max_staleness;
         let current = self.version.load(Ordering::SeqCst);
@@ -190,6 +195,7 @@ impl Fleet {
             model,
             next_rid: AtomicU64::new(0),
             version: AtomicU64::new(0),
+            settled: AtomicU64::new(0),
             sync_gate: tokio::sync::RwLock::new(()),
         });
         Ok(Fleet {
@@ -238,6 +244,7 @@ impl Fleet {
                     Err(e) => shared.pool().mark_down(w, e.to_string()),
                 }
             }
+            shared.settled.store(version, Ordering::SeqCst);
         });
         self.require_workers()
     }
@@ -413,7 +420,7 @@ async fn run_request(
         let encoding = std::time::Instant::now();
         let body = generate_body(&piece_req, &rid);
         add_elapsed(&counters.encode_ns, encoding);
-        let sent = shared.version.load(Ordering::SeqCst);
+        let sent = shared.settled.load(Ordering::SeqCst);
         let picked = shared.pool().acquire(&avoid);
         let Some(w) = picked else {
             let pool = shared.pool();

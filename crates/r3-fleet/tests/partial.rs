@@ -5,8 +5,11 @@
 //!   equals one uninterrupted request to the same server: same tokens, the prompt-prefix
 //!   routes equal, the route rows the concatenation of the two pieces;
 //! - a weight sync while a batch is in flight aborts its requests; they are resumed on
-//!   the new version, every result is complete and its rows carry old-then-new versions.
+//!   the new version, every result is complete and its rows carry old-then-new versions;
+//! - a request sent after a sync has begun but before the worker's pause is answered from
+//!   the old weights, and that reply is accepted (counted stale), not refused.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -42,6 +45,10 @@ struct Proxy {
     client: JsonClient,
     abort_after: Arc<Mutex<Option<usize>>>,
     seen: Arc<Mutex<Vec<Value>>>,
+    /// How long `/pause_generation` is held before it is forwarded.
+    pause_delay: Duration,
+    /// Set when a `/pause_generation` arrives (before the delay).
+    pause_seen: Arc<AtomicBool>,
 }
 
 async fn proxy_generate(State(p): State<Proxy>, Json(mut body): Json<Value>) -> Json<Value> {
@@ -70,6 +77,10 @@ async fn forward_post(
     uri: axum::http::Uri,
     Json(body): Json<Value>,
 ) -> Json<Value> {
+    if uri.path() == "/pause_generation" {
+        p.pause_seen.store(true, Ordering::SeqCst);
+        tokio::time::sleep(p.pause_delay).await;
+    }
     let url = format!("{}{}", p.target, uri.path());
     Json(
         p.client
@@ -90,6 +101,14 @@ async fn forward_get(State(p): State<Proxy>, uri: axum::http::Uri) -> Json<Value
 }
 
 fn proxy(target: &str, abort_after: Option<usize>) -> (Server, Proxy) {
+    proxy_with_pause_delay(target, abort_after, Duration::ZERO)
+}
+
+fn proxy_with_pause_delay(
+    target: &str,
+    abort_after: Option<usize>,
+    pause_delay: Duration,
+) -> (Server, Proxy) {
     let runtime = Server::runtime();
     let client = {
         let _guard = runtime.enter();
@@ -100,6 +119,8 @@ fn proxy(target: &str, abort_after: Option<usize>) -> (Server, Proxy) {
         client,
         abort_after: Arc::new(Mutex::new(abort_after)),
         seen: Arc::new(Mutex::new(Vec::new())),
+        pause_delay,
+        pause_seen: Arc::new(AtomicBool::new(false)),
     };
     let router = Router::new()
         .route("/generate", post(proxy_generate))
@@ -266,4 +287,51 @@ fn a_sync_mid_batch_resumes_the_aborted_requests_on_the_new_version() {
         batch *= 4;
     }
     panic!("no batch was in flight at the sync");
+}
+
+#[test]
+fn a_request_sent_as_a_sync_begins_is_answered_from_the_old_weights() {
+    let real = Server::real();
+    let (slow_pause, state) = proxy_with_pause_delay(&real.url, None, Duration::from_secs(2));
+    let f = fleet(
+        vec![slow_pause.url.clone()],
+        MergePolicy::KeepPerTokenOrigin,
+    );
+    f.sync(&model_dir(), 1).expect("sync");
+    state.pause_seen.store(false, Ordering::SeqCst);
+    let (results, stats) = std::thread::scope(|s| {
+        let sync = s.spawn(|| f.sync(&model_dir(), 2));
+        let started = std::time::Instant::now();
+        while !state.pause_seen.load(Ordering::SeqCst) {
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "no pause arrived"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // The sync has begun (version 2 announced) but the worker still runs version 1.
+        let out = f.generate(vec![request(1.0, 8, 3)]);
+        sync.join().expect("sync thread").expect("sync to 2");
+        out
+    })
+    .expect("a reply from the weights the worker had when the request reached it");
+    let versions = results[0]
+        .routes
+        .as_ref()
+        .and_then(|t| t.versions())
+        .expect("versions");
+    assert!(versions.iter().all(|&v| v == 1), "{versions:?}");
+    assert_eq!(results[0].output_ids.len(), 8);
+    assert_eq!(stats.stale, 1, "{stats:?}");
+    assert_eq!(f.version(), 2);
+    // Once the sync is over, requests are served by the new weights.
+    let after = f
+        .generate(vec![request(1.0, 8, 3)])
+        .expect("after the sync");
+    let v = after.0[0]
+        .routes
+        .as_ref()
+        .and_then(|t| t.versions())
+        .expect("versions");
+    assert!(v.iter().all(|&x| x == 2), "{v:?}");
 }
