@@ -284,6 +284,20 @@ fn two_workers_reach_the_engines_metrics_and_end_at_the_last_version() {
     }
 }
 
+/// Lines in the run's `metrics.jsonl` (0 while it does not exist).
+fn steps_logged(run: &Path) -> usize {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .map(|t| t.lines().count())
+        .unwrap_or(0)
+}
+
+/// Requests running on the worker at `port` (0 when it does not answer).
+fn running_requests(port: u16) -> u64 {
+    http_get(port, "/v1/loads")
+        .and_then(|(_, v)| v["loads"][0]["num_running_reqs"].as_u64())
+        .unwrap_or(0)
+}
+
 #[test]
 fn a_worker_killed_mid_run_costs_retries_not_trajectories_and_rejoins() {
     let scratch = Scratch::new("kill");
@@ -295,10 +309,11 @@ fn a_worker_killed_mid_run_costs_retries_not_trajectories_and_rejoins() {
     ];
     let urls: Vec<String> = workers.iter().map(Worker::url).collect();
     let run = root.join("run");
-    // More steps and longer responses, so the kill lands while requests are in flight.
+    // Enough steps after the kill that some start after the restarted worker is up.
+    let steps = 10;
     let mut settings = fleet_settings(root, &urls);
     settings.extend([
-        "steps=4".to_string(),
+        format!("steps={steps}"),
         "rollout.prompts_per_step=16".into(),
         "rollout.max_new_tokens=40".into(),
     ]);
@@ -308,16 +323,18 @@ fn a_worker_killed_mid_run_costs_retries_not_trajectories_and_rejoins() {
         .stderr(std::fs::File::create(root.join("train.log")).expect("log file"))
         .spawn()
         .expect("spawn r3 train");
-    // Kill worker 1 once step 1 is logged (step 2's rollout is then running).
+    // Kill worker 1 while it runs step 2's requests (step 1 logged, requests running).
     let deadline = Instant::now() + Duration::from_secs(300);
-    while !run.join("metrics.jsonl").exists()
-        || std::fs::read_to_string(run.join("metrics.jsonl"))
-            .map(|t| t.lines().count())
-            .unwrap_or(0)
-            < 1
-    {
-        assert!(Instant::now() < deadline, "step 1 never finished");
-        std::thread::sleep(Duration::from_millis(20));
+    while steps_logged(&run) < 1 || running_requests(workers[1].port) == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "step 2's requests never reached worker 1"
+        );
+        assert!(
+            steps_logged(&run) < steps,
+            "the run ended before worker 1 could be killed"
+        );
+        std::thread::sleep(Duration::from_millis(2));
     }
     let killed_port = workers[1].port;
     workers[1].kill();
@@ -325,12 +342,14 @@ fn a_worker_killed_mid_run_costs_retries_not_trajectories_and_rejoins() {
     // the trainer's version before it gets requests again.
     std::thread::sleep(Duration::from_millis(300));
     workers[1] = Worker::start(&model, killed_port);
+    // Steps after the one under way now start with worker 1 answering `/health`.
+    let logged_at_restart = steps_logged(&run);
     let status = child.wait().expect("wait r3 train");
     let stderr = std::fs::read_to_string(root.join("train.log")).unwrap_or_default();
     assert!(status.success(), "r3 train failed:\n{stderr}");
 
     let lines = metrics(&run);
-    assert_eq!(lines.len(), 4);
+    assert_eq!(lines.len(), steps);
     let retries: u64 = lines
         .iter()
         .map(|m| m["rollout.retries"].as_u64().expect("retries"))
@@ -339,10 +358,19 @@ fn a_worker_killed_mid_run_costs_retries_not_trajectories_and_rejoins() {
         .iter()
         .map(|m| m["rollout.workers_up"].as_u64().expect("workers_up"))
         .collect();
-    eprintln!("retries {retries}, workers up per step {up:?}");
+    eprintln!("retries {retries}, workers up per step {up:?}, {logged_at_restart} steps logged at the restart");
     assert_eq!(up[0], 2);
     assert!(retries > 0, "requests to the killed worker were retried");
-    assert_eq!(up[3], 2, "the restarted worker rejoined");
+    // Step `logged_at_restart + 1` was under way at the restart; every later one began
+    // with worker 1 up, so it rejoined by then at the latest.
+    let after = logged_at_restart + 1;
+    assert!(
+        after < steps,
+        "the run ended before the restarted worker was up ({logged_at_restart} of {steps} steps logged)"
+    );
+    for (i, &n) in up.iter().enumerate().skip(after) {
+        assert_eq!(n, 2, "step {}: the restarted worker rejoined", i + 1);
+    }
     for m in &lines {
         assert_eq!(m["replay.verified_frac"], 1.0);
         // Every step trained on exactly prompts x group trajectories: the groups add up.
@@ -350,7 +378,13 @@ fn a_worker_killed_mid_run_costs_retries_not_trajectories_and_rejoins() {
             m["groups_kept"].as_u64().unwrap_or(0) + m["groups_dropped"].as_u64().unwrap_or(0);
         assert_eq!(groups, 16, "step {}", m["step"]);
     }
+    let last = steps.to_string();
     for w in &workers {
-        assert_eq!(w.weight_version().as_deref(), Some("4"), "{}", w.url());
+        assert_eq!(
+            w.weight_version().as_deref(),
+            Some(last.as_str()),
+            "{}",
+            w.url()
+        );
     }
 }
