@@ -1,7 +1,8 @@
 //! `r3 train` with `rollout.backend = "sglang"` against `r3 serve` workers started here on
 //! 127.0.0.1: the per-step metrics equal those of the in-process engine with the same
 //! seeds, every worker ends at the last weight version, and a worker killed in the middle
-//! of a run costs retries but no trajectory; restarted, it rejoins at the current version.
+//! of a run (synchronous or with `rollout.async`) costs retries but no trajectory;
+//! restarted, it rejoins at the current version.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -300,7 +301,18 @@ fn running_requests(port: u16) -> u64 {
 
 #[test]
 fn a_worker_killed_mid_run_costs_retries_not_trajectories_and_rejoins() {
-    let scratch = Scratch::new("kill");
+    worker_killed_mid_run(false);
+}
+
+#[test]
+fn a_worker_killed_mid_async_run_costs_retries_not_trajectories_and_rejoins() {
+    worker_killed_mid_run(true);
+}
+
+/// Kills worker 1 while it runs requests of a 10-step run, restarts it, and checks that
+/// the run lost no trajectory, retried, and took the worker back.
+fn worker_killed_mid_run(rollout_ahead: bool) {
+    let scratch = Scratch::new(if rollout_ahead { "kill-async" } else { "kill" });
     let root = &scratch.0;
     let model = model_copy(root);
     let mut workers = [
@@ -317,6 +329,12 @@ fn a_worker_killed_mid_run_costs_retries_not_trajectories_and_rejoins() {
         "rollout.prompts_per_step=16".into(),
         "rollout.max_new_tokens=40".into(),
     ]);
+    if rollout_ahead {
+        settings.extend([
+            "rollout.async=true".into(),
+            "rollout.max_staleness=1".into(),
+        ]);
+    }
     let mut child = Command::new(env!("CARGO_BIN_EXE_r3"))
         .args(train_args(&model, &run, &settings))
         .stdout(Stdio::null())
@@ -362,8 +380,9 @@ fn a_worker_killed_mid_run_costs_retries_not_trajectories_and_rejoins() {
     assert_eq!(up[0], 2);
     assert!(retries > 0, "requests to the killed worker were retried");
     // Step `logged_at_restart + 1` was under way at the restart; every later one began
-    // with worker 1 up, so it rejoined by then at the latest.
-    let after = logged_at_restart + 1;
+    // with worker 1 up, so it rejoined by then at the latest. With the rollout ahead, a
+    // step's batch was generated during the step before it.
+    let after = logged_at_restart + 1 + usize::from(rollout_ahead);
     assert!(
         after < steps,
         "the run ended before the restarted worker was up ({logged_at_restart} of {steps} steps logged)"
