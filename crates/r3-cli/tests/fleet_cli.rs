@@ -2,7 +2,8 @@
 //! 127.0.0.1: the per-step metrics equal those of the in-process engine with the same
 //! seeds, every worker ends at the last weight version, and a worker killed in the middle
 //! of a run (synchronous or with `rollout.async`) costs retries but no trajectory;
-//! restarted, it rejoins at the current version.
+//! restarted, it rejoins at the current version; an async run killed and resumed samples
+//! the batch it had drawn ahead again, as a synchronous resume would.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -397,6 +398,137 @@ fn worker_killed_mid_run(rollout_ahead: bool) {
             m["groups_kept"].as_u64().unwrap_or(0) + m["groups_dropped"].as_u64().unwrap_or(0);
         assert_eq!(groups, 16, "step {}", m["step"]);
     }
+    let last = steps.to_string();
+    for w in &workers {
+        assert_eq!(
+            w.weight_version().as_deref(),
+            Some(last.as_str()),
+            "{}",
+            w.url()
+        );
+    }
+}
+
+/// A recursive copy of `src` to `dst`.
+fn copy_dir(src: &Path, dst: &Path) {
+    std::fs::create_dir_all(dst).expect("create copy dir");
+    for entry in std::fs::read_dir(src).expect("read dir") {
+        let entry = entry.expect("dir entry");
+        let to = dst.join(entry.file_name());
+        if entry.file_type().expect("file type").is_dir() {
+            copy_dir(&entry.path(), &to);
+        } else {
+            std::fs::copy(entry.path(), &to).expect("copy file");
+        }
+    }
+}
+
+/// The metrics of `line` without timings, for comparing two runs' steps.
+fn untimed(line: &Value) -> serde_json::Map<String, Value> {
+    let mut m = line.as_object().expect("metrics object").clone();
+    m.retain(|k, _| !k.starts_with("time.") && !k.starts_with("throughput."));
+    m
+}
+
+#[test]
+fn an_async_run_killed_and_resumed_samples_its_next_batch_again() {
+    let scratch = Scratch::new("resume-async");
+    let root = &scratch.0;
+    let model = model_copy(root);
+    let workers = [
+        Worker::start(&model, free_port()),
+        Worker::start(&model, free_port()),
+    ];
+    let urls: Vec<String> = workers.iter().map(Worker::url).collect();
+    let run = root.join("run");
+    let steps = 8;
+    let mut settings = fleet_settings(root, &urls);
+    settings.extend([
+        format!("steps={steps}"),
+        "checkpoint.every=2".into(),
+        "rollout.async=true".into(),
+        "rollout.max_staleness=1".into(),
+    ]);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_r3"))
+        .args(train_args(&model, &run, &settings))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn r3 train");
+    // SIGKILL once step 3 is logged: the checkpoint of step 2 exists, and the batch of the
+    // step after the newest checkpoint has been generated ahead (or is being generated).
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while steps_logged(&run) < 3 {
+        assert!(Instant::now() < deadline, "step 3 never finished");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert!(
+        child.try_wait().expect("poll r3 train").is_none(),
+        "the run ended before it could be killed"
+    );
+    child.kill().expect("kill r3 train");
+    let _ = child.wait();
+    let before = std::fs::read_to_string(run.join("metrics.jsonl")).expect("metrics");
+    let newest = std::fs::read_dir(run.join("checkpoints"))
+        .expect("checkpoints")
+        .filter_map(|e| {
+            let name = e.ok()?.file_name().to_string_lossy().into_owned();
+            name.strip_prefix("step_")?.parse::<usize>().ok()
+        })
+        .max()
+        .expect("a checkpoint before the kill");
+    assert!(
+        newest >= 2 && newest + 2 <= steps,
+        "newest checkpoint {newest}"
+    );
+
+    // The same killed run resumed once as it was (async) and once synchronously.
+    let sync_run = root.join("run-sync");
+    copy_dir(&run, &sync_run);
+    let cfg_path = sync_run.join("config.toml");
+    let cfg = std::fs::read_to_string(&cfg_path).expect("config.toml");
+    assert!(cfg.contains("async = true"), "config.toml:\n{cfg}");
+    std::fs::write(&cfg_path, cfg.replace("async = true", "async = false")).expect("write cfg");
+    for dir in [&run, &sync_run] {
+        let mut args = vec![
+            "train".to_string(),
+            "--no-progress".into(),
+            "--resume".into(),
+        ];
+        args.push(dir.display().to_string());
+        assert_ok(&train(&args));
+    }
+    let (resumed, synced) = (metrics(&run), metrics(&sync_run));
+    for lines in [&resumed, &synced] {
+        let numbers: Vec<u64> = lines
+            .iter()
+            .map(|m| m["step"].as_u64().expect("step"))
+            .collect();
+        assert_eq!(
+            numbers,
+            (1..=steps as u64).collect::<Vec<_>>(),
+            "each step once"
+        );
+    }
+    // What the checkpoint covers is kept as it was written.
+    let kept: Vec<&str> = before.lines().take(newest).collect();
+    let now = std::fs::read_to_string(run.join("metrics.jsonl")).expect("metrics");
+    assert_eq!(now.lines().take(newest).collect::<Vec<_>>(), kept);
+    // The first step after the resume samples afresh on the checkpoint's weights: exactly
+    // the synchronous resume's step. Later steps are one version behind again.
+    let first = newest; // index of step newest + 1
+    assert_eq!(resumed[first]["rollout.stale_frac"], 0.0);
+    assert_eq!(untimed(&resumed[first]), untimed(&synced[first]));
+    for m in &resumed[first + 1..] {
+        let step = &m["step"];
+        assert_eq!(m["rollout.stale_frac"], 1.0, "step {step}");
+        assert_eq!(m["replay.verified_frac"], 1.0, "step {step}");
+    }
+    assert_ne!(
+        resumed[first + 1]["mismatch.k3_kl"],
+        synced[first + 1]["mismatch.k3_kl"],
+        "the step after was generated ahead, on older weights than the synchronous run's"
+    );
     let last = steps.to_string();
     for w in &workers {
         assert_eq!(
