@@ -139,6 +139,9 @@ fn train_args(model: &Path, run: &Path, extra: &[String]) -> Vec<String> {
     args
 }
 
+/// One-step off-policy rollout (`rollout.async` needs `max_staleness` >= 1).
+const ASYNC_SETTINGS: [&str; 2] = ["rollout.async=true", "rollout.max_staleness=1"];
+
 fn fleet_settings(root: &Path, urls: &[String]) -> Vec<String> {
     let list: Vec<String> = urls.iter().map(|u| format!("\"{u}\"")).collect();
     vec![
@@ -147,6 +150,37 @@ fn fleet_settings(root: &Path, urls: &[String]) -> Vec<String> {
         format!("rollout.sync_dir={}", root.join("sync").display()),
         "rollout.request_timeout_s=60".into(),
     ]
+}
+
+/// A scratch directory named `name` with a copy of the model, and two `r3 serve` workers
+/// on free ports serving it (and their URLs).
+fn fleet_setup(name: &str) -> (Scratch, PathBuf, [Worker; 2], Vec<String>) {
+    let scratch = Scratch::new(name);
+    let model = model_copy(&scratch.0);
+    let workers = [
+        Worker::start(&model, free_port()),
+        Worker::start(&model, free_port()),
+    ];
+    let urls = workers.iter().map(Worker::url).collect();
+    (scratch, model, workers, urls)
+}
+
+/// Every worker reports weight version `version`.
+fn assert_versions(workers: &[Worker], version: usize) {
+    for w in workers {
+        let got = w.weight_version();
+        assert_eq!(got, Some(version.to_string()), "{}", w.url());
+    }
+}
+
+/// `r3` with `args` in the background, its stderr to `log`.
+fn spawn_train(args: &[String], log: &Path) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_r3"))
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(log).expect("log file"))
+        .spawn()
+        .expect("spawn r3 train")
 }
 
 fn train(args: &[String]) -> Output {
@@ -174,14 +208,8 @@ fn assert_ok(out: &Output) {
 
 #[test]
 fn two_workers_reach_the_engines_metrics_and_end_at_the_last_version() {
-    let scratch = Scratch::new("same");
+    let (scratch, model, workers, urls) = fleet_setup("same");
     let root = &scratch.0;
-    let model = model_copy(root);
-    let workers = [
-        Worker::start(&model, free_port()),
-        Worker::start(&model, free_port()),
-    ];
-    let urls: Vec<String> = workers.iter().map(Worker::url).collect();
 
     // Held-out evaluation before step 1 and after step 3: the fleet run evaluates on its
     // workers (it holds no engine), the engine run in process.
@@ -227,9 +255,7 @@ fn two_workers_reach_the_engines_metrics_and_end_at_the_last_version() {
         assert_eq!(g["rollout.workers_up"], 2, "step {step}");
         assert_eq!(g["rollout.stale_frac"], 0.0, "step {step}");
     }
-    for w in &workers {
-        assert_eq!(w.weight_version().as_deref(), Some("3"), "{}", w.url());
-    }
+    assert_versions(&workers, 3);
     // Old sync directories are pruned: the newest two remain.
     let mut kept: Vec<String> = std::fs::read_dir(root.join("sync"))
         .expect("sync dir")
@@ -242,9 +268,8 @@ fn two_workers_reach_the_engines_metrics_and_end_at_the_last_version() {
     // come from the weights one version behind the trainer's.
     let async_run = root.join("async");
     let mut settings = fleet_settings(root, &urls);
+    settings.extend(ASYNC_SETTINGS.map(String::from));
     settings.extend([
-        "rollout.async=true".into(),
-        "rollout.max_staleness=1".into(),
         format!("rollout.sync_dir={}", root.join("sync-async").display()),
         "checkpoint.every=2".into(),
     ]);
@@ -281,9 +306,7 @@ fn two_workers_reach_the_engines_metrics_and_end_at_the_last_version() {
             .expect("state json")
     };
     assert_eq!(state(&async_run), state(&fleet_run));
-    for w in &workers {
-        assert_eq!(w.weight_version().as_deref(), Some("3"), "{}", w.url());
-    }
+    assert_versions(&workers, 3);
 }
 
 /// Lines in the run's `metrics.jsonl` (0 while it does not exist).
@@ -313,14 +336,9 @@ fn a_worker_killed_mid_async_run_costs_retries_not_trajectories_and_rejoins() {
 /// Kills worker 1 while it runs requests of a 10-step run, restarts it, and checks that
 /// the run lost no trajectory, retried, and took the worker back.
 fn worker_killed_mid_run(rollout_ahead: bool) {
-    let scratch = Scratch::new(if rollout_ahead { "kill-async" } else { "kill" });
+    let (scratch, model, mut workers, urls) =
+        fleet_setup(if rollout_ahead { "kill-async" } else { "kill" });
     let root = &scratch.0;
-    let model = model_copy(root);
-    let mut workers = [
-        Worker::start(&model, free_port()),
-        Worker::start(&model, free_port()),
-    ];
-    let urls: Vec<String> = workers.iter().map(Worker::url).collect();
     let run = root.join("run");
     // Enough steps after the kill that some start after the restarted worker is up.
     let steps = 10;
@@ -331,23 +349,19 @@ fn worker_killed_mid_run(rollout_ahead: bool) {
         "rollout.max_new_tokens=40".into(),
     ]);
     if rollout_ahead {
-        settings.extend([
-            "rollout.async=true".into(),
-            "rollout.max_staleness=1".into(),
-        ]);
+        settings.extend(ASYNC_SETTINGS.map(String::from));
     }
-    let mut child = Command::new(env!("CARGO_BIN_EXE_r3"))
-        .args(train_args(&model, &run, &settings))
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(root.join("train.log")).expect("log file"))
-        .spawn()
-        .expect("spawn r3 train");
-    // Kill worker 1 while it runs step 2's requests (step 1 logged, requests running).
+    let mut child = spawn_train(
+        &train_args(&model, &run, &settings),
+        &root.join("train.log"),
+    );
+    // Kill worker 1 while it runs requests, once step 1 is logged (step 2's batch, or with
+    // the rollout ahead step 3's).
     let deadline = Instant::now() + Duration::from_secs(300);
     while steps_logged(&run) < 1 || running_requests(workers[1].port) == 0 {
         assert!(
             Instant::now() < deadline,
-            "step 2's requests never reached worker 1"
+            "no requests reached worker 1 after step 1"
         );
         assert!(
             steps_logged(&run) < steps,
@@ -398,15 +412,7 @@ fn worker_killed_mid_run(rollout_ahead: bool) {
             m["groups_kept"].as_u64().unwrap_or(0) + m["groups_dropped"].as_u64().unwrap_or(0);
         assert_eq!(groups, 16, "step {}", m["step"]);
     }
-    let last = steps.to_string();
-    for w in &workers {
-        assert_eq!(
-            w.weight_version().as_deref(),
-            Some(last.as_str()),
-            "{}",
-            w.url()
-        );
-    }
+    assert_versions(&workers, steps);
 }
 
 /// A recursive copy of `src` to `dst`.
@@ -432,29 +438,17 @@ fn untimed(line: &Value) -> serde_json::Map<String, Value> {
 
 #[test]
 fn an_async_run_killed_and_resumed_samples_its_next_batch_again() {
-    let scratch = Scratch::new("resume-async");
+    let (scratch, model, workers, urls) = fleet_setup("resume-async");
     let root = &scratch.0;
-    let model = model_copy(root);
-    let workers = [
-        Worker::start(&model, free_port()),
-        Worker::start(&model, free_port()),
-    ];
-    let urls: Vec<String> = workers.iter().map(Worker::url).collect();
     let run = root.join("run");
     let steps = 8;
     let mut settings = fleet_settings(root, &urls);
-    settings.extend([
-        format!("steps={steps}"),
-        "checkpoint.every=2".into(),
-        "rollout.async=true".into(),
-        "rollout.max_staleness=1".into(),
-    ]);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_r3"))
-        .args(train_args(&model, &run, &settings))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn r3 train");
+    settings.extend([format!("steps={steps}"), "checkpoint.every=2".into()]);
+    settings.extend(ASYNC_SETTINGS.map(String::from));
+    let mut child = spawn_train(
+        &train_args(&model, &run, &settings),
+        &root.join("train.log"),
+    );
     // SIGKILL once step 3 is logged: the checkpoint of step 2 exists, and the batch of the
     // step after the newest checkpoint has been generated ahead (or is being generated).
     let deadline = Instant::now() + Duration::from_secs(300);
@@ -529,13 +523,5 @@ fn an_async_run_killed_and_resumed_samples_its_next_batch_again() {
         synced[first + 1]["mismatch.k3_kl"],
         "the step after was generated ahead, on older weights than the synchronous run's"
     );
-    let last = steps.to_string();
-    for w in &workers {
-        assert_eq!(
-            w.weight_version().as_deref(),
-            Some(last.as_str()),
-            "{}",
-            w.url()
-        );
-    }
+    assert_versions(&workers, steps);
 }
