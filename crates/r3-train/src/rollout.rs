@@ -168,23 +168,9 @@ fn check_count(got: usize, expected: usize) -> Result<()> {
     Ok(())
 }
 
-/// Samples `spec.group_size` responses for every prompt of `items` (group-major order)
-/// with `generator`, stopping at `eos` and the tokenizer's stop ids, the seed of sample `j`
-/// of prompt `i` being `mix_seed([seed, step, i, j])`.
-pub fn generate_groups(
-    mut generator: Generator<'_>,
-    eos: &[u32],
-    tokenizer: &ModelText,
-    items: &[PromptItem],
-    spec: SamplingSpec,
-    seed: u64,
-    step: u64,
-) -> Result<Vec<GenerateResult>> {
-    generator.generate(group_requests(eos, tokenizer, items, spec, seed, step))
-}
-
-/// The requests [`generate_groups`] sends for `items` (for generating them elsewhere, e.g.
-/// on the fleet while the trainer updates).
+/// The `spec.group_size` sampling requests for every prompt of `items` (group-major
+/// order), stopping at `eos` and the tokenizer's stop ids, the seed of sample `j` of
+/// prompt `i` being `mix_seed([seed, step, i, j])`.
 pub fn group_requests(
     eos: &[u32],
     tokenizer: &ModelText,

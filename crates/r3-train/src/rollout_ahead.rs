@@ -18,8 +18,7 @@ use crate::config::TrainConfig;
 use crate::error::{Result, TrainError};
 use crate::minibatch::UpdateSettings;
 use crate::prompt_source::PromptItem;
-use crate::rollout::group_requests;
-use crate::step::{sampling_spec, StepBatch, StepTrace, Updates};
+use crate::step::{StepBatch, StepTrace, Updates};
 use crate::trainer::Trainer;
 
 /// A step's rollout generated during the step before it.
@@ -66,14 +65,7 @@ impl Trainer {
         let next = step + 1;
         let (stream_pos, dataset_position) = self.prompt_position();
         let items = self.next_prompts(cfg.rollout.prompts_per_step)?;
-        let requests = group_requests(
-            &self.eos,
-            &self.tokenizer,
-            &items,
-            sampling_spec(cfg),
-            cfg.seed,
-            next,
-        );
+        let requests = self.step_requests(cfg, &items, next);
         let fleet = self.fleet.take().ok_or_else(|| TrainError::InvalidConfig {
             field: "rollout.async",
             reason: "needs rollout.backend = \"sglang\"".into(),

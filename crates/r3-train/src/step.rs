@@ -13,6 +13,7 @@ use std::time::Instant;
 
 use candle_core::{Device, Tensor};
 use r3_model::{ReplayProof, ReplayRoutes, Routing};
+use r3_rollout::GenerateRequest;
 use r3_routing::{MismatchMetrics, RouteTable};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -27,8 +28,9 @@ use crate::error::{Result, TrainError};
 use crate::metrics_log::StepMetrics;
 use crate::minibatch::{update_minibatch, MiniBatch, MiniBatchResult, UpdateSettings};
 use crate::policy::{score, ResponseBatch};
+use crate::prompt_source::PromptItem;
 use crate::rollout::{
-    generate_groups, mix_seed, response_batch, rollout_routes, score_groups, SamplingSpec,
+    group_requests, mix_seed, response_batch, rollout_routes, score_groups, SamplingSpec,
     Trajectory,
 };
 use crate::trainer::{generator, Trainer};
@@ -141,6 +143,23 @@ impl Trainer {
         }
     }
 
+    /// The `group_size` sampling requests per prompt of `items` for step `step`.
+    pub(crate) fn step_requests(
+        &self,
+        cfg: &TrainConfig,
+        items: &[PromptItem],
+        step: u64,
+    ) -> Vec<GenerateRequest> {
+        group_requests(
+            &self.eos,
+            &self.tokenizer,
+            items,
+            sampling_spec(cfg),
+            cfg.seed,
+            step,
+        )
+    }
+
     /// Rollout, rewards and advantages of step `step`: the batch generated ahead during
     /// the previous step when there is one, otherwise sampled now.
     fn sample_step(&mut self, step: u64, cfg: &TrainConfig) -> Result<StepBatch> {
@@ -156,15 +175,8 @@ impl Trainer {
             }
             None => {
                 let prompts = self.next_prompts(cfg.rollout.prompts_per_step)?;
-                let results = generate_groups(
-                    generator(&mut self.engine, &mut self.fleet)?,
-                    &self.eos,
-                    &self.tokenizer,
-                    &prompts,
-                    sampling_spec(cfg),
-                    cfg.seed,
-                    step,
-                )?;
+                let requests = self.step_requests(cfg, &prompts, step);
+                let results = generator(&mut self.engine, &mut self.fleet)?.generate(requests)?;
                 (prompts, results, None)
             }
         };
