@@ -6,8 +6,10 @@
 //! attention); it shares only the config, the weight format and the router math with the
 //! training forward of `r3-model`.
 //!
-//! The SGLang-compatible HTTP server (module `server`) is behind the `server` cargo feature, so a
-//! crate that only drives the engine in process (the trainer) does not compile axum or tokio.
+//! This crate is the engine alone: it has no HTTP and no async runtime. The SGLang-compatible
+//! HTTP server around it is the crate `r3-server` (axum + tokio), which depends on this one.
+//! The trainer drives the engine in process and does not build the server, though it does
+//! compile tokio and hyper through `r3-fleet`, its HTTP client for remote rollout workers.
 //!
 //! Log-probs: every reported log-prob is `log softmax(logits)[token]` under the raw model
 //! distribution (temperature 1, before top-k / top-p), in f32 from the engine's logits.
@@ -21,8 +23,6 @@ pub mod model;
 pub mod prefix_cache;
 pub mod request;
 pub mod sampler;
-#[cfg(feature = "server")]
-pub mod server;
 
 pub use dtype::{Dtype, RouterDtype};
 pub use engine::{config_eos_ids, CachedBlock, Engine, EngineConfig};

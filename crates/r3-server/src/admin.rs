@@ -18,9 +18,9 @@ use super::policy::UPDATE_WEIGHTS;
 use super::weights_update::allowed_dir;
 use super::worker::{Job, PauseMode};
 use super::{read_body, AppState};
-use crate::error::RolloutError;
-use crate::request::GenerateRequest;
-use crate::sampler::SamplingParams;
+use r3_rollout::error::RolloutError;
+use r3_rollout::request::GenerateRequest;
+use r3_rollout::sampler::SamplingParams;
 
 /// `GET|POST /health`: 200 while the engine worker is alive.
 pub async fn health(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {

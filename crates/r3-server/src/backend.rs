@@ -7,11 +7,11 @@ use std::path::{Path, PathBuf};
 use r3_routing::LayerLayout;
 
 use super::weights_update::WeightStager;
-use crate::engine::Engine;
-use crate::error::RolloutError;
-use crate::model::weights::ModelWeights;
-use crate::prefix_cache::PrefixCacheStats;
-use crate::request::{GenerateRequest, GenerateResult, PartialRollout, RequestId};
+use r3_rollout::engine::Engine;
+use r3_rollout::error::RolloutError;
+use r3_rollout::model::weights::ModelWeights;
+use r3_rollout::prefix_cache::PrefixCacheStats;
+use r3_rollout::request::{GenerateRequest, GenerateResult, PartialRollout, RequestId};
 
 /// What the server knows about the served model (fixed for the server's lifetime).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -9,30 +9,29 @@
 //! finish reason and its log-probs; then `[DONE]`. The content of a choice's chunks
 //! concatenates to the non-streamed content.
 
-use std::time::{SystemTime, UNIX_EPOCH};
-
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
-use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::response::Response;
 use r3_text::{ChatMessage, RenderOptions};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 use super::completions::token_text;
 use super::error::ApiError;
-use super::fields::{kind, parse_body};
+use super::fields::parse_body;
 use super::generate::MAX_TOP_LOGPROBS;
+use super::openai::{created_now, finish_reason, respond, SampleJobs};
 use super::openai_sampling::OpenAiSampling;
 use super::policy::FieldRule::{Ignored, Implemented, NeutralOnly};
 use super::policy::Schema;
-use super::sse::{stream_jobs, ChunkBuilder};
+use super::sse::ChunkBuilder;
 use super::stop::{response_text, TextOptions};
 use super::stream_text::{stop_hold, StreamedText};
-use super::worker::{Finished, Job};
+use super::worker::Finished;
 use super::{read_body, AppState};
-use crate::request::{FinishReason, GenerateRequest, GenerateResult};
+use r3_rollout::request::{FinishReason, GenerateResult};
+use r3_text::json_kind;
 
 /// OpenAI's chat completions request plus the SGLang / vLLM extensions r3 implements.
 pub static CHAT: Schema = Schema {
@@ -99,7 +98,7 @@ pub fn chat_message(v: &Value, i: usize) -> Result<ChatMessage, ApiError> {
     let Value::Object(obj) = v else {
         return Err(ApiError::bad_request(format!(
             "messages[{i}] must be an object, got {}",
-            kind(v)
+            json_kind(v)
         )));
     };
     let role = match obj.get("role") {
@@ -133,7 +132,7 @@ pub fn chat_message(v: &Value, i: usize) -> Result<ChatMessage, ApiError> {
             return Err(ApiError::bad_request(format!(
                 "{} must be a string or a list of text parts, got {}",
                 field("content"),
-                kind(other)
+                json_kind(other)
             )))
         }
     };
@@ -197,65 +196,47 @@ pub async fn handle(
         .sampling
         .to_native(max_new_tokens, Some(stop_ids), || state.next_seed());
     let top_n = logprobs_asked(body.logprobs, body.top_logprobs)?;
-    let mut jobs = Vec::with_capacity(n);
-    let mut texts = Vec::with_capacity(n);
-    for i in 0..n {
-        let (mut params, text, stop) = state.prepare(&sampling, input_ids.len(), i)?;
-        params.top_logprobs = top_n.unwrap_or(0);
-        texts.push(text);
-        jobs.push(Job {
-            rid: state.next_rid(),
-            request: GenerateRequest {
-                input_ids: input_ids.clone(),
-                sampling: params,
-                return_routes: false,
-                routed_experts_start_len: 0,
-            },
-            stop,
-        });
-    }
-    let created = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
+    let mut samples = SampleJobs::with_capacity(n);
+    samples.push_samples(&state, &sampling, &input_ids, n, top_n, false)?;
+    let created = created_now();
     let reply = ChatReply {
         id: format!("chatcmpl-{}", state.next_rid()),
         created,
         model: state.config().served_model_name.clone(),
         top_n,
-        texts,
+        texts: samples.texts,
     };
-    if body.stream.unwrap_or(false) {
-        let chunks = ChatChunks {
-            state: state.clone(),
-            text: StreamedText::new(n),
-            reply,
-        };
-        return stream_jobs(state.handle(), jobs, chunks).await;
-    }
-    let results = state.handle().generate(jobs).await?;
-    let mut choices = Vec::with_capacity(results.len());
-    for (index, f) in results.iter().enumerate() {
-        let c = reply.choice(&state, index, f)?;
-        choices.push(json!({"index": index,
-            "message": {"role": "assistant", "content": c.content},
-            "finish_reason": c.finish, "token_ids": f.result.output_ids, "logprobs": c.logprobs}));
-    }
-    let completion_tokens: usize = results.iter().map(|f| f.result.output_ids.len()).sum();
-    Ok(Json(json!({
-        "id": reply.id,
-        "object": "chat.completion",
-        "created": reply.created,
-        "model": reply.model,
-        "choices": choices,
-        "prompt_token_ids": input_ids,
-        "usage": {
-            "prompt_tokens": input_ids.len(),
-            "completion_tokens": completion_tokens,
-            "total_tokens": input_ids.len() + completion_tokens,
-        },
-    }))
-    .into_response())
+    let chunks = ChatChunks {
+        state: state.clone(),
+        text: StreamedText::new(n),
+        reply,
+    };
+    let stream = body.stream.unwrap_or(false);
+    respond(&state, samples.jobs, stream, chunks, |chunks, results| {
+        let reply = &chunks.reply;
+        let mut choices = Vec::with_capacity(results.len());
+        for (index, f) in results.iter().enumerate() {
+            let c = reply.choice(&state, index, f)?;
+            choices.push(json!({"index": index,
+                "message": {"role": "assistant", "content": c.content},
+                "finish_reason": c.finish, "token_ids": f.result.output_ids, "logprobs": c.logprobs}));
+        }
+        let completion_tokens: usize = results.iter().map(|f| f.result.output_ids.len()).sum();
+        Ok(json!({
+            "id": reply.id,
+            "object": "chat.completion",
+            "created": reply.created,
+            "model": reply.model,
+            "choices": choices,
+            "prompt_token_ids": input_ids,
+            "usage": {
+                "prompt_tokens": input_ids.len(),
+                "completion_tokens": completion_tokens,
+                "total_tokens": input_ids.len() + completion_tokens,
+            },
+        }))
+    })
+    .await
 }
 
 /// Alternatives per token asked for by OpenAI's `logprobs` / `top_logprobs` (None: no
@@ -305,11 +286,7 @@ impl ChatReply {
             )?,
             _ => String::new(),
         };
-        let finish = match r.finish {
-            FinishReason::Length => "length",
-            FinishReason::Stop { .. } | FinishReason::StopString => "stop",
-            FinishReason::Abort => "abort",
-        };
+        let finish = finish_reason(&r.finish);
         let logprobs = match self.top_n {
             None => Value::Null,
             Some(k) => json!({"content": logprob_content(state, r, k), "refusal": null}),

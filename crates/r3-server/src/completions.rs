@@ -4,26 +4,25 @@
 //! `echo: true` puts the prompt before each choice's text and, with `logprobs`, the prompt
 //! tokens' log-probs before the output's (the first one null, as OpenAI).
 
-use std::time::{SystemTime, UNIX_EPOCH};
-
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
-use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::response::Response;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 use super::error::ApiError;
-use super::fields::{kind, parse_body, token_list, token_prompts};
+use super::fields::{parse_body, token_list, token_prompts};
+use super::openai::{created_now, finish_reason, respond, SampleJobs};
 use super::openai_sampling::OpenAiSampling;
 use super::policy::COMPLETIONS;
-use super::sse::{stream_jobs, ChunkBuilder};
+use super::sse::ChunkBuilder;
 use super::stop::{response_text, TextOptions};
 use super::stream_text::{stop_hold, StreamedText};
-use super::worker::{Finished, Job};
+use super::worker::Finished;
 use super::{read_body, AppState};
-use crate::request::{FinishReason, GenerateRequest};
+use r3_rollout::request::FinishReason;
+use r3_text::json_kind;
 
 /// Most alternatives per token `logprobs` may ask for (OpenAI's own limit).
 pub const MAX_LOGPROBS: u32 = 5;
@@ -78,8 +77,7 @@ pub async fn handle(
         body.sampling.stop_token_ids.clone(),
         || state.next_seed(),
     );
-    let mut jobs = Vec::with_capacity(total);
-    let mut texts = Vec::with_capacity(total);
+    let mut samples = SampleJobs::with_capacity(total);
     for (p, input_ids) in prompts.iter().enumerate() {
         let at = |e: ApiError| {
             if prompts.len() > 1 {
@@ -89,66 +87,47 @@ pub async fn handle(
             }
         };
         state.check_prompt(input_ids, "prompt").map_err(at)?;
-        for i in 0..n {
-            let (mut params, text, stop) =
-                state.prepare(&sampling, input_ids.len(), i).map_err(at)?;
-            params.top_logprobs = top_n.unwrap_or(0);
-            if echo && top_n.is_some() {
-                params.prompt_logprobs_from = Some(0);
-            }
-            texts.push(text);
-            jobs.push(Job {
-                rid: state.next_rid(),
-                request: GenerateRequest {
-                    input_ids: input_ids.clone(),
-                    sampling: params,
-                    return_routes: false,
-                    routed_experts_start_len: 0,
-                },
-                stop,
-            });
-        }
+        let prompt_logprobs = echo && top_n.is_some();
+        samples
+            .push_samples(&state, &sampling, input_ids, n, top_n, prompt_logprobs)
+            .map_err(at)?;
     }
-    let created = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
     let reply = Reply {
         id: format!("cmpl-{}", state.next_rid()),
-        created,
+        created: created_now(),
         model: state.config().served_model_name.clone(),
         prompts,
         n,
         echo,
         top_n,
-        texts,
+        texts: samples.texts,
     };
-    if body.stream.unwrap_or(false) {
-        let chunks = OpenAiChunks {
-            state: state.clone(),
-            text: StreamedText::new(total),
-            reply,
-        };
-        return stream_jobs(state.handle(), jobs, chunks).await;
-    }
-    let results = state.handle().generate(jobs).await?;
-    let choices = reply.choices(&state, &results)?;
-    let prompt_tokens: usize = reply.prompts.iter().map(Vec::len).sum();
-    let completion_tokens: usize = results.iter().map(|f| f.result.output_ids.len()).sum();
-    let usage = json!({
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    });
-    Ok(Json(json!({
-        "id": reply.id,
-        "object": "text_completion",
-        "created": reply.created,
-        "model": reply.model,
-        "choices": choices,
-        "usage": usage,
-    }))
-    .into_response())
+    let chunks = OpenAiChunks {
+        state: state.clone(),
+        text: StreamedText::new(total),
+        reply,
+    };
+    let stream = body.stream.unwrap_or(false);
+    respond(&state, samples.jobs, stream, chunks, |chunks, results| {
+        let reply = &chunks.reply;
+        let choices = reply.choices(&state, &results)?;
+        let prompt_tokens: usize = reply.prompts.iter().map(Vec::len).sum();
+        let completion_tokens: usize = results.iter().map(|f| f.result.output_ids.len()).sum();
+        let usage = json!({
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        });
+        Ok(json!({
+            "id": reply.id,
+            "object": "text_completion",
+            "created": reply.created,
+            "model": reply.model,
+            "choices": choices,
+            "usage": usage,
+        }))
+    })
+    .await
 }
 
 /// What a completion answer is built from besides the engine's results.
@@ -264,7 +243,7 @@ fn prompt_ids(state: &AppState, prompt: &Value) -> Result<Vec<Vec<u32>>, ApiErro
         if !prompt.is_array() {
             return Err(ApiError::bad_request(format!(
                 "prompt must be a string, a list of strings, a list of token ids or a list of such lists, got {}",
-                kind(prompt)
+                json_kind(prompt)
             )));
         }
         return Ok(token_prompts(prompt, "prompt")?.0);
@@ -284,7 +263,7 @@ fn prompt_ids(state: &AppState, prompt: &Value) -> Result<Vec<Vec<u32>>, ApiErro
                 Value::Array(_) => token_list(t, &format!("prompt[{i}]")),
                 other => Err(ApiError::bad_request(format!(
                     "prompt[{i}] must be a string, got {}",
-                    kind(other)
+                    json_kind(other)
                 ))),
             })
             .collect(),
@@ -317,11 +296,7 @@ fn choice(
         (Some(ids), Some(codec)) => codec.decode(ids, false)? + &text,
         _ => text,
     };
-    let finish = match r.finish {
-        FinishReason::Length => "length",
-        FinishReason::Stop { .. } | FinishReason::StopString => "stop",
-        FinishReason::Abort => "abort",
-    };
+    let finish = finish_reason(&r.finish);
     let matched = match r.finish {
         FinishReason::Stop { token } => json!(token),
         FinishReason::StopString => json!(f.matched_stop),

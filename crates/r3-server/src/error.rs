@@ -6,7 +6,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
 
-use crate::error::RolloutError;
+use r3_rollout::error::RolloutError;
 
 /// An HTTP error with a message that names what is wrong.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -118,8 +118,8 @@ mod tests {
     use r3_model::{Config, ModelError};
 
     use super::ApiError;
-    use crate::error::RolloutError;
-    use crate::model::tensors::load_dir;
+    use r3_rollout::error::RolloutError;
+    use r3_rollout::model::tensors::load_dir;
 
     fn status(e: RolloutError) -> StatusCode {
         ApiError::from(e).status
@@ -201,8 +201,8 @@ mod tests {
     /// message names the directory.
     #[test]
     fn real_loader_failures_on_client_directories_are_400() {
-        let fixture =
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3_moe_tiny");
+        let fixture = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../r3-rollout/tests/fixtures/qwen3_moe_tiny");
         let cfg = Config::from_file(&fixture.join("config.json")).expect("fixture config");
         let scratch = std::env::temp_dir().join(format!("r3-weight-dir-{}", std::process::id()));
         std::fs::create_dir_all(&scratch).expect("scratch dir");

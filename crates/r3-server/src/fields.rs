@@ -2,6 +2,7 @@
 //! list or a batch of them, per-request options that are one value or one per prompt.
 //! Every error names the field and, for lists, the index.
 
+use r3_text::json_kind;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
@@ -19,7 +20,7 @@ pub fn parse_body<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     if !value.is_object() {
         return Err(ApiError::bad_request(format!(
             "the request body must be a JSON object, got {}",
-            kind(&value)
+            json_kind(&value)
         )));
     }
     from_value_at(value, "invalid request")
@@ -44,7 +45,7 @@ pub fn token_prompts(v: &Value, field: &str) -> Result<(Vec<Vec<u32>>, bool), Ap
     let Value::Array(items) = v else {
         return Err(ApiError::bad_request(format!(
             "{field} must be a list of token ids or a list of such lists, got {}",
-            kind(v)
+            json_kind(v)
         )));
     };
     if items.first().is_some_and(Value::is_array) {
@@ -64,7 +65,7 @@ pub fn token_list(v: &Value, field: &str) -> Result<Vec<u32>, ApiError> {
     let Value::Array(items) = v else {
         return Err(ApiError::bad_request(format!(
             "{field} must be a list of token ids, got {}",
-            kind(v)
+            json_kind(v)
         )));
     };
     items
@@ -94,7 +95,7 @@ pub fn text_prompts(v: &Value, field: &str) -> Result<(Vec<String>, bool), ApiEr
                     t.as_str().map(str::to_owned).ok_or_else(|| {
                         ApiError::bad_request(format!(
                             "{field}[{i}] must be a string, got {}",
-                            kind(t)
+                            json_kind(t)
                         ))
                     })
                 })
@@ -103,7 +104,7 @@ pub fn text_prompts(v: &Value, field: &str) -> Result<(Vec<String>, bool), ApiEr
         }
         other => Err(ApiError::bad_request(format!(
             "{field} must be a string or a list of strings, got {}",
-            kind(other)
+            json_kind(other)
         ))),
     }
 }
@@ -136,18 +137,6 @@ pub fn per_request<T: DeserializeOwned + Clone>(
                 .collect()
         }
         Some(one) => Ok(vec![parse(one, field)?; n]),
-    }
-}
-
-/// JSON type name for messages.
-pub fn kind(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "a list",
-        Value::Object(_) => "an object",
     }
 }
 

@@ -30,7 +30,7 @@ use super::sse::{event_stream, stream_jobs, ChunkBuilder};
 use super::stop::{response_text, TextOptions};
 use super::worker::{Finished, Job};
 use super::{read_body, AppState};
-use crate::request::{FinishReason, GenerateRequest, GenerateResult};
+use r3_rollout::request::{FinishReason, GenerateRequest, GenerateResult};
 
 /// The `/generate` body, implemented fields only (the rest is screened by [`GENERATE`]).
 #[derive(Debug, Deserialize)]

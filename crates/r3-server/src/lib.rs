@@ -1,6 +1,7 @@
-//! The HTTP server (axum + tokio), a drop-in SGLang worker for RL rollout clients: SGLang's
-//! native `/generate`, OpenAI `/v1/completions`, `/v1/chat/completions` (through the
-//! model's chat template) and `/v1/models`, and the control endpoints
+//! r3-server: the HTTP server (axum + tokio) around r3-rollout's engine, a drop-in SGLang
+//! worker for RL rollout clients: SGLang's native `/generate`, OpenAI `/v1/completions`,
+//! `/v1/chat/completions` (through the model's chat template) and `/v1/models`, and the
+//! control endpoints
 //! RL loops call (`/update_weights_from_disk`, `/pause_generation`, `/continue_generation`,
 //! `/flush_cache`, `/abort_request`, `/health`, `/health_generate`, `/get_weight_version`,
 //! `/get_model_info` = `/model_info`, `/get_server_info` = `/server_info`, `/v1/loads`).
@@ -24,6 +25,7 @@ pub mod error;
 pub mod fields;
 pub mod generate;
 pub mod limits;
+pub mod openai;
 pub mod openai_sampling;
 pub mod policy;
 pub mod request_tokens;
@@ -59,7 +61,7 @@ pub use text::TextCodec;
 pub use weights_update::WeightStager;
 pub use worker::{EngineHandle, Finished, Job, PauseMode, WorkerStats};
 
-use crate::sampler::SamplingParams;
+use r3_rollout::sampler::SamplingParams;
 use sampling::{ParamContext, SamplingBody};
 use stop::{StopMatcher, TextOptions};
 

@@ -4,11 +4,11 @@
 //! harmless defaults, so a field is refused (400 naming it) only when its value asks for
 //! behaviour r3 does not have; fields no schema knows are ignored with a `debug` log.
 
+use r3_text::json_kind;
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
 
 use super::error::ApiError;
-use super::fields::kind;
 
 /// How the server treats one field.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -84,7 +84,7 @@ impl Schema {
             return Err(ApiError::bad_request(format!(
                 "{} must be a JSON object, got {}",
                 self.name,
-                kind(&value)
+                json_kind(&value)
             )));
         };
         self.screen(&mut obj)?;
@@ -381,20 +381,20 @@ mod tests {
         }
     }
 
-    /// The README's field table says of every field what this module does with it.
+    /// The field table of `docs/serving.md` says of every field what this module does with it.
     #[test]
-    fn readme_table_matches_the_schemas() {
-        let readme = std::fs::read_to_string(
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../README.md"),
+    fn serving_doc_table_matches_the_schemas() {
+        let page = std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/serving.md"),
         )
-        .expect("README.md at the repository root");
-        let lines: Vec<&str> = readme.lines().collect();
+        .expect("docs/serving.md in the repository");
+        let lines: Vec<&str> = page.lines().collect();
         for schema in [&GENERATE, &SAMPLING, &COMPLETIONS, &UPDATE_WEIGHTS] {
             let head = format!("| `{}` | implemented |", schema.name);
             let at = lines
                 .iter()
                 .position(|l| l.starts_with(&head))
-                .unwrap_or_else(|| panic!("README has no row {head}"));
+                .unwrap_or_else(|| panic!("docs/serving.md has no row {head}"));
             for (field, rule) in schema.fields {
                 let row = match rule {
                     Implemented => lines[at],
@@ -403,7 +403,7 @@ mod tests {
                 };
                 assert!(
                     row.contains(&format!("`{field}`")),
-                    "README: {}.{field} is not in its row: {row}",
+                    "docs/serving.md: {}.{field} is not in its row: {row}",
                     schema.name
                 );
             }

@@ -15,7 +15,7 @@ use serde_json::Value;
 use super::error::ApiError;
 use super::stop::TextOptions;
 use super::ServerLimits;
-use crate::sampler::SamplingParams;
+use r3_rollout::sampler::SamplingParams;
 
 /// SGLang's `sampling_params` object, implemented fields only (the rest is screened by
 /// [`super::policy::SAMPLING`]).

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::error::ApiError;
 use super::text::TextCodec;
-use crate::request::FinishReason;
+use r3_rollout::request::FinishReason;
 
 /// Per-request text options (SGLang `stop`, `no_stop_trim`, `skip_special_tokens`).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -12,10 +12,10 @@ use candle_core::Device;
 use r3_model::{Config, Weights};
 
 use super::error::ApiError;
-use crate::dtype::{Dtype, RouterDtype};
-use crate::error::RolloutError;
-use crate::model::tensors::TensorMap;
-use crate::model::weights::ModelWeights;
+use r3_rollout::dtype::{Dtype, RouterDtype};
+use r3_rollout::error::RolloutError;
+use r3_rollout::model::tensors::TensorMap;
+use r3_rollout::model::weights::ModelWeights;
 
 /// The one answer to a `model_path` the server will not read, whatever the reason (outside
 /// the weights root, missing, not a directory, unreadable), so that answers cannot be used

@@ -15,9 +15,11 @@ use tokio::sync::{mpsc, oneshot};
 use super::backend::{InferenceBackend, ModelSummary, StagedWeights};
 use super::error::ApiError;
 use super::stop::StopMatcher;
-use crate::error::RolloutError;
-use crate::prefix_cache::PrefixCacheStats;
-use crate::request::{FinishReason, GenerateRequest, GenerateResult, PartialRollout, RequestId};
+use r3_rollout::error::RolloutError;
+use r3_rollout::prefix_cache::PrefixCacheStats;
+use r3_rollout::request::{
+    FinishReason, GenerateRequest, GenerateResult, PartialRollout, RequestId,
+};
 
 /// Weight version label before the first update (SGLang's default).
 pub const INITIAL_WEIGHT_VERSION: &str = "default";

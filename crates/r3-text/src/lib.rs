@@ -9,6 +9,7 @@
 mod bpe;
 mod error;
 mod jinja;
+mod json_kind;
 mod message;
 mod model_files;
 mod special;
@@ -18,6 +19,7 @@ mod tokenizer;
 
 pub use bpe::{train_bpe, write_tokenizer_config, BpeTrainSpec, CHATML_TEMPLATE};
 pub use error::{Result, TextError};
+pub use json_kind::json_kind;
 pub use message::ChatMessage;
 pub use special::SpecialTokens;
 pub use template::{ChatTemplate, RenderOptions};

@@ -12,8 +12,8 @@ use anyhow::Context;
 use clap::Args;
 use r3_fleet::{Fleet, FleetConfig, ModelFacts};
 use r3_model::Config;
-use r3_rollout::server::{build_app, serve, ServerConfig};
 use r3_rollout::{Dtype, Engine, EngineConfig, GenerateRequest, SamplingParams};
+use r3_server::{build_app, serve, ServerConfig};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 

@@ -1,6 +1,6 @@
 //! `r3 serve`: the rollout engine behind an HTTP server that RL clients use as an SGLang
 //! worker (SGLang's `/generate`, OpenAI `/v1/completions`, and the control endpoints listed in
-//! `r3_rollout::server`). Runs until Ctrl-C.
+//! `r3_server`). Runs until Ctrl-C.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -8,11 +8,11 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 use r3_model::LoadOptions;
-use r3_rollout::server::{
+use r3_rollout::{Dtype, Engine, EngineConfig, RouterDtype};
+use r3_server::{
     build_app, serve_with_limits, ClientLimits, ConnectionLimits, SecurityConfig, ServerConfig,
     ServerLimits, TextCodec,
 };
-use r3_rollout::{Dtype, Engine, EngineConfig, RouterDtype};
 
 /// Arguments of `r3 serve`.
 #[derive(Debug, Args)]
@@ -103,7 +103,7 @@ pub struct ServeArgs {
     pub max_tokens_per_request: Option<usize>,
     /// Most generating requests one client (its IP address, or its key with `--api-key`)
     /// may have in flight (more: 429); 0: no limit.
-    #[arg(long, default_value_t = r3_rollout::server::limits::DEFAULT_REQUESTS_PER_CLIENT)]
+    #[arg(long, default_value_t = r3_server::limits::DEFAULT_REQUESTS_PER_CLIENT)]
     pub max_requests_per_client: usize,
     /// Most tokens one client's requests may hold in flight together (more: 429). Default:
     /// 256 × the model's context; 0: no limit.

@@ -6,9 +6,9 @@ use std::path::{Path, PathBuf};
 
 use axum::Router;
 use r3_fleet::ModelFacts;
-use r3_rollout::server::{build_app, serve, ServerConfig};
 use r3_rollout::{Engine, EngineConfig};
 use r3_routing::LayerLayout;
+use r3_server::{build_app, serve, ServerConfig};
 use serde_json::Value;
 
 /// The shipped test model.

@@ -2,8 +2,8 @@
 //! chat template (with `add_generation_prompt` and `chat_template_kwargs`), the model's eos
 //! ending the turn, and a clear 400 when the model has no template or the template refuses.
 
-use r3_rollout::server::sse::parse_event_stream;
-use r3_rollout::server::{build_app, ServerConfig, ServerLimits, TextCodec};
+use r3_server::sse::parse_event_stream;
+use r3_server::{build_app, ServerConfig, ServerLimits, TextCodec};
 use serde_json::json;
 
 use crate::fake::{self, FakeEngine};

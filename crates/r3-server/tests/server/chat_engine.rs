@@ -2,9 +2,9 @@
 //! `logprobs` / `top_logprobs` agree with greedy choices, and a streamed chat answer arrives
 //! token by token and adds up to the non-streamed answer (content, finish reason, log-probs).
 
-use r3_rollout::server::sse::parse_event_stream;
-use r3_rollout::server::{build_app, ServerConfig, TextCodec};
 use r3_rollout::{Dtype, Engine, EngineConfig};
+use r3_server::sse::parse_event_stream;
+use r3_server::{build_app, ServerConfig, TextCodec};
 use serde_json::{json, Value};
 
 use crate::support::{fixture, ids, scratch_dir, write_tokenizer, TestServer};

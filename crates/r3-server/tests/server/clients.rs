@@ -6,9 +6,9 @@
 
 use std::time::Duration;
 
-use r3_rollout::server::sse::parse_event_stream;
-use r3_rollout::server::{build_app, ServerConfig, ServerLimits, TextCodec};
 use r3_routing::wire::sglang::decode_sglang_response;
+use r3_server::sse::parse_event_stream;
+use r3_server::{build_app, ServerConfig, ServerLimits, TextCodec};
 use serde_json::json;
 
 use crate::fake::{self, wire_shape, FakeEngine};

@@ -6,7 +6,7 @@ use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::time::{Duration, Instant};
 
-use r3_rollout::server::{build_app, ConnectionLimits, ServerConfig};
+use r3_server::{build_app, ConnectionLimits, ServerConfig};
 
 use crate::fake::FakeEngine;
 use crate::support::{parse_response, TestServer};

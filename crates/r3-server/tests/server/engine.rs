@@ -5,11 +5,11 @@
 
 use std::path::Path;
 
-use r3_rollout::server::{build_app, ServerConfig, TextCodec};
 use r3_rollout::{Dtype, Engine, EngineConfig, GenerateRequest, SamplingParams};
 use r3_routing::wire::sglang::decode_sglang_response;
 use r3_routing::wire::WireShape;
 use r3_routing::RouteTable;
+use r3_server::{build_app, ServerConfig, TextCodec};
 use serde_json::{json, Value};
 
 use crate::support::{fixture, ids, scratch_dir, write_tokenizer, TestServer};

@@ -6,12 +6,12 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use r3_rollout::prefix_cache::PrefixCacheStats;
-use r3_rollout::server::{InferenceBackend, ModelSummary};
 use r3_rollout::{
     FinishReason, GenerateRequest, GenerateResult, PartialRollout, RequestId, RolloutError,
 };
 use r3_routing::wire::WireShape;
 use r3_routing::{LayerLayout, LayerSpace, RouteTable};
+use r3_server::{InferenceBackend, ModelSummary};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 

@@ -1,8 +1,8 @@
 //! The HTTP layer over the fake engine: response shapes, batching of concurrent clients,
 //! routed_experts wire encoding, aborts, weight updates and the OpenAI endpoint.
 
-use r3_rollout::server::{build_app, ServerConfig, ServerLimits};
 use r3_routing::wire::sglang::decode_sglang_response;
+use r3_server::{build_app, ServerConfig, ServerLimits};
 use serde_json::{json, Value};
 
 use crate::fake::{self, wire_shape, FakeEngine};

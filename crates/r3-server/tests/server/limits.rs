@@ -8,8 +8,8 @@ use std::io::Write;
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use r3_rollout::server::limits::Usage;
-use r3_rollout::server::{build_app, ClientLedger, ClientLimits, ServerConfig};
+use r3_server::limits::Usage;
+use r3_server::{build_app, ClientLedger, ClientLimits, ServerConfig};
 use serde_json::{json, Value};
 
 use crate::fake::FakeEngine;

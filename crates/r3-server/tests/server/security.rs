@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use r3_rollout::server::{build_app, SecurityConfig, ServerConfig};
+use r3_server::{build_app, SecurityConfig, ServerConfig};
 use serde_json::json;
 
 use crate::fake::FakeEngine;

@@ -7,9 +7,9 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
-use r3_rollout::server::sse::parse_event_stream;
-use r3_rollout::server::{build_app, ServerConfig, TextCodec};
 use r3_rollout::{Dtype, Engine, EngineConfig};
+use r3_server::sse::parse_event_stream;
+use r3_server::{build_app, ServerConfig, TextCodec};
 use serde_json::{json, Value};
 
 use crate::support::{fixture, parse_response, scratch_dir, write_tokenizer, Reply, TestServer};

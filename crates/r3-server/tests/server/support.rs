@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use r3_rollout::server::{serve_with_limits, App, ConnectionLimits};
+use r3_server::{serve_with_limits, App, ConnectionLimits};
 use serde_json::Value;
 
 /// A server running on 127.0.0.1:<ephemeral> in a background thread; stopped on drop.
@@ -191,10 +191,10 @@ fn dechunk(mut data: &[u8]) -> Vec<u8> {
     }
 }
 
-/// Directory of a fixture model copied into this crate.
+/// Directory of a fixture model of the engine crate (`r3-rollout/tests/fixtures`).
 pub fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
+        .join("../r3-rollout/tests/fixtures")
         .join(name)
 }
 

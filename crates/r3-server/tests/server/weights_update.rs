@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use candle_core::{Device, Tensor};
-use r3_rollout::server::{build_app, ServerConfig};
 use r3_rollout::{Dtype, Engine, EngineConfig};
+use r3_server::{build_app, ServerConfig};
 use serde_json::json;
 
 use crate::support::{fixture, scratch_dir, TestServer};

@@ -2,6 +2,7 @@
 //! turned into JSON), every schema violation naming the file, the row and the field.
 
 use crate::error::{Result, TaskError};
+use r3_text::json_kind;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::path::Path;
@@ -85,22 +86,11 @@ impl RowLocation<'_> {
     }
 }
 
-fn type_name(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "a list",
-        Value::Object(_) => "an object",
-    }
-}
-
 impl DatasetRow {
     /// Reads a row from its JSON object; the prompt is in column `prompt_key`.
     pub fn from_json(value: &Value, prompt_key: &str, at: RowLocation<'_>) -> Result<Self> {
         let Value::Object(obj) = value else {
-            return Err(at.error("(row)", format!("is {}, not an object", type_name(value))));
+            return Err(at.error("(row)", format!("is {}, not an object", json_kind(value))));
         };
         let prompt = match obj.get(prompt_key) {
             None | Some(Value::Null) => return Err(at.error(prompt_key, "missing")),
@@ -117,14 +107,14 @@ impl DatasetRow {
                 Some(other) => {
                     return Err(at.error(
                         "reward_model.ground_truth",
-                        format!("is {}, expected a string or a number", type_name(other)),
+                        format!("is {}, expected a string or a number", json_kind(other)),
                     ))
                 }
             },
             Some(other) => {
                 return Err(at.error(
                     "reward_model",
-                    format!("is {}, expected an object", type_name(other)),
+                    format!("is {}, expected an object", json_kind(other)),
                 ))
             }
         };
@@ -134,7 +124,7 @@ impl DatasetRow {
             Some(other) => {
                 return Err(at.error(
                     "data_source",
-                    format!("is {}, expected a string", type_name(other)),
+                    format!("is {}, expected a string", json_kind(other)),
                 ))
             }
         };
@@ -182,7 +172,7 @@ fn parse_prompt(v: &Value, key: &str, at: RowLocation<'_>) -> Result<Prompt> {
                         &format!("{key}[{i}]"),
                         format!(
                             "is {}, expected a {{role, content}} object",
-                            type_name(item)
+                            json_kind(item)
                         ),
                     ));
                 };
@@ -193,7 +183,7 @@ fn parse_prompt(v: &Value, key: &str, at: RowLocation<'_>) -> Result<Prompt> {
                     }
                     Some(other) => Err(at.error(
                         &format!("{key}[{i}].{name}"),
-                        format!("is {}, expected a string", type_name(other)),
+                        format!("is {}, expected a string", json_kind(other)),
                     )),
                 };
                 messages.push(ChatMessage {
@@ -207,7 +197,7 @@ fn parse_prompt(v: &Value, key: &str, at: RowLocation<'_>) -> Result<Prompt> {
             key,
             format!(
                 "is {}, expected a string or a list of messages",
-                type_name(other)
+                json_kind(other)
             ),
         )),
     }

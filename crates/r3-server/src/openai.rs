@@ -1,0 +1,104 @@
+//! What OpenAI's `/v1/completions` and `/v1/chat/completions` handlers share once a body is
+//! read: the engine jobs of a request's samples, the answer's `created` time and finish
+//! reasons, and the answer itself, streamed as server-sent events or built in one piece once
+//! every job has finished. One place, so the two endpoints sample and answer alike.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use r3_rollout::request::{FinishReason, GenerateRequest};
+use serde_json::Value;
+
+use super::error::ApiError;
+use super::sampling::SamplingBody;
+use super::sse::{stream_jobs, ChunkBuilder};
+use super::stop::TextOptions;
+use super::worker::{Finished, Job};
+use super::AppState;
+
+/// The engine jobs of one request and the text options of each, in choice order.
+#[derive(Default)]
+pub struct SampleJobs {
+    /// One job per choice.
+    pub jobs: Vec<Job>,
+    /// The text options of each job (stop strings, special tokens).
+    pub texts: Vec<TextOptions>,
+}
+
+impl SampleJobs {
+    /// Room for `n` choices.
+    pub fn with_capacity(n: usize) -> Self {
+        SampleJobs {
+            jobs: Vec::with_capacity(n),
+            texts: Vec::with_capacity(n),
+        }
+    }
+
+    /// Adds `n` samples of `input_ids` (sample `i` seeded as [`AppState::prepare`] says),
+    /// each reporting `top_n` alternatives per token when log-probs are asked for and, with
+    /// `prompt_logprobs`, the prompt's log-probs from its first token.
+    pub fn push_samples(
+        &mut self,
+        state: &AppState,
+        sampling: &SamplingBody,
+        input_ids: &[u32],
+        n: usize,
+        top_n: Option<usize>,
+        prompt_logprobs: bool,
+    ) -> Result<(), ApiError> {
+        for i in 0..n {
+            let (mut params, text, stop) = state.prepare(sampling, input_ids.len(), i)?;
+            params.top_logprobs = top_n.unwrap_or(0);
+            if prompt_logprobs {
+                params.prompt_logprobs_from = Some(0);
+            }
+            self.texts.push(text);
+            self.jobs.push(Job {
+                rid: state.next_rid(),
+                request: GenerateRequest {
+                    input_ids: input_ids.to_vec(),
+                    sampling: params,
+                    return_routes: false,
+                    routed_experts_start_len: 0,
+                },
+                stop,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Seconds since the Unix epoch: an answer's `created`.
+pub fn created_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// OpenAI's `finish_reason` of a finished choice.
+pub fn finish_reason(finish: &FinishReason) -> &'static str {
+    match finish {
+        FinishReason::Length => "length",
+        FinishReason::Stop { .. } | FinishReason::StopString => "stop",
+        FinishReason::Abort => "abort",
+    }
+}
+
+/// Runs `jobs` and answers: with `stream`, as server-sent events built by `chunks`;
+/// otherwise as the JSON object `answer` builds from `chunks` (which holds what the reply
+/// is made of) and the finished jobs.
+pub async fn respond<C: ChunkBuilder>(
+    state: &AppState,
+    jobs: Vec<Job>,
+    stream: bool,
+    chunks: C,
+    answer: impl FnOnce(C, Vec<Finished>) -> Result<Value, ApiError>,
+) -> Result<Response, ApiError> {
+    if stream {
+        return stream_jobs(state.handle(), jobs, chunks).await;
+    }
+    let results = state.handle().generate(jobs).await?;
+    Ok(Json(answer(chunks, results)?).into_response())
+}
