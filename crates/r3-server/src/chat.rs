@@ -21,13 +21,15 @@ use super::completions::token_text;
 use super::error::ApiError;
 use super::fields::parse_body;
 use super::generate::MAX_TOP_LOGPROBS;
-use super::openai::{created_now, finish_reason, respond, SampleJobs};
+use super::openai::{
+    completion_tokens, finish_reason, respond, usage, AnswerHead, AnswerStream, SampleJobs,
+};
 use super::openai_sampling::OpenAiSampling;
 use super::policy::FieldRule::{Ignored, Implemented, NeutralOnly};
 use super::policy::Schema;
 use super::sse::ChunkBuilder;
 use super::stop::{response_text, TextOptions};
-use super::stream_text::{stop_hold, StreamedText};
+use super::stream_text::stop_hold;
 use super::worker::Finished;
 use super::{read_body, AppState};
 use r3_rollout::request::{FinishReason, GenerateResult};
@@ -198,19 +200,12 @@ pub async fn handle(
     let top_n = logprobs_asked(body.logprobs, body.top_logprobs)?;
     let mut samples = SampleJobs::with_capacity(n);
     samples.push_samples(&state, &sampling, &input_ids, n, top_n, false)?;
-    let created = created_now();
     let reply = ChatReply {
-        id: format!("chatcmpl-{}", state.next_rid()),
-        created,
-        model: state.config().served_model_name.clone(),
+        head: AnswerHead::new(&state, "chatcmpl"),
         top_n,
         texts: samples.texts,
     };
-    let chunks = ChatChunks {
-        state: state.clone(),
-        text: StreamedText::new(n),
-        reply,
-    };
+    let chunks = AnswerStream::new(&state, reply.texts.len(), reply);
     let stream = body.stream.unwrap_or(false);
     respond(&state, samples.jobs, stream, chunks, |chunks, results| {
         let reply = &chunks.reply;
@@ -221,20 +216,10 @@ pub async fn handle(
                 "message": {"role": "assistant", "content": c.content},
                 "finish_reason": c.finish, "token_ids": f.result.output_ids, "logprobs": c.logprobs}));
         }
-        let completion_tokens: usize = results.iter().map(|f| f.result.output_ids.len()).sum();
-        Ok(json!({
-            "id": reply.id,
-            "object": "chat.completion",
-            "created": reply.created,
-            "model": reply.model,
-            "choices": choices,
-            "prompt_token_ids": input_ids,
-            "usage": {
-                "prompt_tokens": input_ids.len(),
-                "completion_tokens": completion_tokens,
-                "total_tokens": input_ids.len() + completion_tokens,
-            },
-        }))
+        let mut answer = reply.head.object("chat.completion", json!(choices));
+        answer["usage"] = usage(input_ids.len(), completion_tokens(&results));
+        answer["prompt_token_ids"] = json!(input_ids);
+        Ok(answer)
     })
     .await
 }
@@ -256,9 +241,7 @@ fn logprobs_asked(logprobs: Option<bool>, top: Option<usize>) -> Result<Option<u
 
 /// What a chat answer is built from besides the engine's results.
 struct ChatReply {
-    id: String,
-    created: u64,
-    model: String,
+    head: AnswerHead,
     /// Alternatives per token when log-probs were asked for.
     top_n: Option<usize>,
     /// Text options of each choice.
@@ -300,8 +283,7 @@ impl ChatReply {
 
     /// One streamed chunk holding `choice`.
     fn chunk(&self, choice: Value) -> Value {
-        json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-               "model": self.model, "choices": [choice]})
+        self.head.object("chat.completion.chunk", json!([choice]))
     }
 }
 
@@ -338,11 +320,7 @@ fn logprob_content(state: &AppState, r: &GenerateResult, k: usize) -> Vec<Value>
 /// The chunks of a streamed chat answer (OpenAI's format): the role first, then the
 /// content as it becomes final, then per choice the rest with its finish reason and
 /// log-probs.
-struct ChatChunks {
-    state: AppState,
-    reply: ChatReply,
-    text: StreamedText,
-}
+type ChatChunks = AnswerStream<ChatReply>;
 
 impl ChunkBuilder for ChatChunks {
     fn opening(&mut self) -> Vec<Value> {

@@ -13,12 +13,14 @@ use serde_json::{json, Map, Value};
 
 use super::error::ApiError;
 use super::fields::{parse_body, token_list, token_prompts};
-use super::openai::{created_now, finish_reason, respond, SampleJobs};
+use super::openai::{
+    completion_tokens, finish_reason, respond, usage, AnswerHead, AnswerStream, SampleJobs,
+};
 use super::openai_sampling::OpenAiSampling;
 use super::policy::COMPLETIONS;
 use super::sse::ChunkBuilder;
 use super::stop::{response_text, TextOptions};
-use super::stream_text::{stop_hold, StreamedText};
+use super::stream_text::stop_hold;
 use super::worker::Finished;
 use super::{read_body, AppState};
 use r3_rollout::request::FinishReason;
@@ -93,48 +95,29 @@ pub async fn handle(
             .map_err(at)?;
     }
     let reply = Reply {
-        id: format!("cmpl-{}", state.next_rid()),
-        created: created_now(),
-        model: state.config().served_model_name.clone(),
+        head: AnswerHead::new(&state, "cmpl"),
         prompts,
         n,
         echo,
         top_n,
         texts: samples.texts,
     };
-    let chunks = OpenAiChunks {
-        state: state.clone(),
-        text: StreamedText::new(total),
-        reply,
-    };
+    let chunks = AnswerStream::new(&state, reply.texts.len(), reply);
     let stream = body.stream.unwrap_or(false);
     respond(&state, samples.jobs, stream, chunks, |chunks, results| {
         let reply = &chunks.reply;
         let choices = reply.choices(&state, &results)?;
         let prompt_tokens: usize = reply.prompts.iter().map(Vec::len).sum();
-        let completion_tokens: usize = results.iter().map(|f| f.result.output_ids.len()).sum();
-        let usage = json!({
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        });
-        Ok(json!({
-            "id": reply.id,
-            "object": "text_completion",
-            "created": reply.created,
-            "model": reply.model,
-            "choices": choices,
-            "usage": usage,
-        }))
+        let mut answer = reply.head.object("text_completion", json!(choices));
+        answer["usage"] = usage(prompt_tokens, completion_tokens(&results));
+        Ok(answer)
     })
     .await
 }
 
 /// What a completion answer is built from besides the engine's results.
 struct Reply {
-    id: String,
-    created: u64,
-    model: String,
+    head: AnswerHead,
     prompts: Vec<Vec<u32>>,
     n: usize,
     echo: bool,
@@ -173,8 +156,7 @@ impl Reply {
 
     /// One streamed chunk holding `choice`.
     fn chunk(&self, choice: Value) -> Value {
-        json!({"id": self.id, "object": "text_completion", "created": self.created,
-               "model": self.model, "choices": [choice]})
+        self.head.object("text_completion", json!([choice]))
     }
 }
 
@@ -182,11 +164,7 @@ impl Reply {
 /// since the previous one; the last chunk of a choice carries the rest of its text, its
 /// finish reason and (with `logprobs`) all of its log-probs. The text of a choice's chunks
 /// concatenates to the non-streamed choice's text.
-struct OpenAiChunks {
-    state: AppState,
-    reply: Reply,
-    text: StreamedText,
-}
+type OpenAiChunks = AnswerStream<Reply>;
 
 /// The text of choice `index` for its tokens so far `ids`, echo included.
 fn text_now(state: &AppState, reply: &Reply, index: usize, ids: &[u32]) -> Option<String> {

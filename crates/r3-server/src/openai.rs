@@ -8,12 +8,13 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use r3_rollout::request::{FinishReason, GenerateRequest};
-use serde_json::Value;
+use serde_json::{json, Value};
 
 use super::error::ApiError;
 use super::sampling::SamplingBody;
 use super::sse::{stream_jobs, ChunkBuilder};
 use super::stop::TextOptions;
+use super::stream_text::StreamedText;
 use super::worker::{Finished, Job};
 use super::AppState;
 
@@ -69,12 +70,72 @@ impl SampleJobs {
     }
 }
 
-/// Seconds since the Unix epoch: an answer's `created`.
-pub fn created_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
+/// What every object of one answer carries: its id, creation time and model name.
+pub struct AnswerHead {
+    /// `<prefix>-<server rid>`.
+    pub id: String,
+    /// Seconds since the Unix epoch when the answer was begun.
+    pub created: u64,
+    /// The served model's name.
+    pub model: String,
+}
+
+impl AnswerHead {
+    /// A fresh head whose id starts with `prefix` (`cmpl`, `chatcmpl`).
+    pub fn new(state: &AppState, prefix: &str) -> Self {
+        AnswerHead {
+            id: format!("{prefix}-{}", state.next_rid()),
+            created: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+            model: state.config().served_model_name.clone(),
+        }
+    }
+
+    /// An answer object of kind `object` (`text_completion`, `chat.completion.chunk`, …)
+    /// holding `choices`.
+    pub fn object(&self, object: &str, choices: Value) -> Value {
+        json!({"id": self.id, "object": object, "created": self.created,
+               "model": self.model, "choices": choices})
+    }
+}
+
+/// An answer under way: what it is built from (`reply`, one type per endpoint) and the text
+/// its streamed chunks have carried so far. Each endpoint's [`ChunkBuilder`] is
+/// `AnswerStream<its reply>`.
+pub struct AnswerStream<R> {
+    /// The server, for the tokenizer.
+    pub state: AppState,
+    /// What the answer is built from besides the engine's results.
+    pub reply: R,
+    /// The text sent so far per choice.
+    pub text: StreamedText,
+}
+
+impl<R> AnswerStream<R> {
+    /// The answer of `choices` choices built from `reply`, nothing sent yet.
+    pub fn new(state: &AppState, choices: usize, reply: R) -> Self {
+        AnswerStream {
+            state: state.clone(),
+            reply,
+            text: StreamedText::new(choices),
+        }
+    }
+}
+
+/// OpenAI's `usage` of an answer.
+pub fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    })
+}
+
+/// Generated tokens of all `results`.
+pub fn completion_tokens(results: &[Finished]) -> usize {
+    results.iter().map(|f| f.result.output_ids.len()).sum()
 }
 
 /// OpenAI's `finish_reason` of a finished choice.
