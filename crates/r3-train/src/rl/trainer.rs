@@ -1,25 +1,31 @@
-//! The trainer's state: the resolved config, the trainable policy and its AdamW, the
-//! rollout engine holding the same weights (or the fleet that replaces it), the prompt
-//! source (the built-in task or a dataset) with its eval prompts and position, and the
-//! reward. Building it from a base model or a checkpoint, weight sync, evaluation and
-//! checkpoint writes live here; one RL step is in `step.rs`.
+//! The trainer: its state (the resolved config, the trainable policy and its AdamW, the
+//! rollout backend, the prompt source with its eval prompts and position, the reward)
+//! and what it does: build itself from a base model or a checkpoint, run one RL step —
+//! rollout → reward → GRPO advantages (+ dynamic sampling) → the updates → weight sync
+//! to the rollout backend → metrics — evaluate, and write checkpoints. The step's data
+//! is in `step`, its updates in `updates`, its metrics line in `step_metrics`.
 
 use std::path::Path;
 use std::time::Instant;
 
-use r3_rollout::{config_eos_ids, Dtype, Engine, EngineConfig, RouterDtype};
-use r3_tasks::Reward;
+use r3_rollout::{config_eos_ids, GenerateRequest};
+use r3_tasks::{DatasetPosition, Reward};
 
-use crate::checkpoint::{load_optimizer, save_checkpoint, state_at, TrainerState};
-use crate::config::{RolloutBackend, TrainConfig};
+use crate::algo::optim::{decay_matrices_only, AdamW, AdamWParams};
+use crate::config::train::TrainConfig;
 use crate::error::{Result, TrainError};
-use crate::fleet_sync::FleetRollout;
-use crate::model_text::ModelText;
-use crate::optim::{decay_matrices_only, AdamW, AdamWParams};
-use crate::policy::TrainablePolicy;
-use crate::prompt_source::{PromptItem, PromptSource};
-use crate::rollout::{evaluate_prompts, EvalResult, Generator};
-use crate::rollout_ahead::AheadBatch;
+use crate::policy::model_text::ModelText;
+use crate::policy::trainable::TrainablePolicy;
+use crate::rl::ahead::{generate_while, AheadBatch};
+use crate::rl::backend::Backend;
+use crate::rl::checkpoint::{load_optimizer, save_checkpoint, state_at, TrainerState};
+use crate::rl::diagnostics::logp_mismatch;
+use crate::rl::metrics_log::StepMetrics;
+use crate::rl::prompt_source::{PromptItem, PromptSource};
+use crate::rl::sampling::{evaluate_prompts, group_requests, score_groups, EvalResult, Generate};
+use crate::rl::step::{sampling_spec, update_settings, StepBatch, StepContext, StepTrace};
+use crate::rl::step_metrics::{finish_metrics, stale_frac};
+use crate::rl::updates::{run_updates, Updates};
 
 /// Everything one RL run mutates.
 #[derive(Debug)]
@@ -30,9 +36,9 @@ pub struct Trainer {
     pub policy: TrainablePolicy,
     /// AdamW over the policy's variables.
     pub optimizer: AdamW,
-    /// The rollout engine (f16 by default) with the policy's current weights; none when a
-    /// rollout fleet generates (`rollout.backend = "sglang"`: it samples and evaluates).
-    pub engine: Option<Engine>,
+    /// Where rollouts are generated: the in-process engine with the policy's current
+    /// weights, or a rollout fleet (`rollout.backend = "sglang"`).
+    pub backend: Backend,
     /// The model's `eos_token_id`s (from its config.json).
     pub eos: Vec<u32>,
     /// The model's tokenizer and chat template.
@@ -43,28 +49,6 @@ pub struct Trainer {
     pub reward: Reward,
     /// RL steps completed.
     pub step: u64,
-    /// The rollout fleet when `rollout.backend = "sglang"`.
-    pub fleet: Option<FleetRollout>,
-    /// The next step's batch when the fleet generated it during this step (`rollout.async`).
-    pub ahead: Option<AheadBatch>,
-}
-
-/// Parses the rollout router precision (`bf16` / `model` or `f32`).
-pub fn rollout_router_dtype(text: &str) -> Result<RouterDtype> {
-    text.parse::<RouterDtype>()
-        .map_err(|source| TrainError::RolloutDtype {
-            text: text.to_string(),
-            source: Box::new(source),
-        })
-}
-
-/// Parses the rollout precision (`f16`, `bf16` or `f32`).
-pub fn rollout_dtype(text: &str) -> Result<Dtype> {
-    text.parse::<Dtype>()
-        .map_err(|source| TrainError::RolloutDtype {
-            text: text.to_string(),
-            source: Box::new(source),
-        })
 }
 
 impl Trainer {
@@ -78,7 +62,7 @@ impl Trainer {
 
     /// A trainer restored from checkpoint `dir` (weights, moments, step, stream position).
     pub fn from_checkpoint(cfg: TrainConfig, dir: &Path) -> Result<Self> {
-        let state = crate::checkpoint::read_state(dir)?;
+        let state = crate::rl::checkpoint::read_state(dir)?;
         if state.seed != cfg.seed {
             return Err(TrainError::CheckpointSeed {
                 path: dir.to_path_buf(),
@@ -112,20 +96,6 @@ impl Trainer {
             weight_decay: cfg.optim.weight_decay,
         };
         let mut optimizer = AdamW::new(policy.vars().to_vec(), params, decay_matrices_only)?;
-        let engine_cfg = EngineConfig {
-            dtype: rollout_dtype(&cfg.rollout.dtype)?,
-            router_dtype: rollout_router_dtype(&cfg.rollout.router_dtype)?,
-            ..EngineConfig::default()
-        };
-        // A fleet samples and evaluates: no second copy of the weights in this process.
-        let engine = match cfg.rollout.backend {
-            RolloutBackend::Engine => Some(Engine::new(
-                policy.config().clone(),
-                &policy.tensor_map()?,
-                engine_cfg,
-            )?),
-            RolloutBackend::Sglang => None,
-        };
         let eos = config_eos_ids(policy.config());
         let reward = Reward::from_spec(&cfg.reward, cfg.task.format_reward as f32);
         let (step, prompts) = match resume {
@@ -141,19 +111,18 @@ impl Trainer {
             }
             None => (0, PromptSource::new(&cfg, &tokenizer, None, None)?),
         };
-        let fleet = FleetRollout::connect(&cfg, &policy, &tokenizer, step)?;
+        // A fleet samples and evaluates: no second copy of the weights in this process.
+        let backend = Backend::connect(&cfg, &policy, &tokenizer, step)?;
         Ok(Self {
             cfg,
             policy,
             optimizer,
-            engine,
+            backend,
             eos,
             tokenizer,
             prompts,
             reward,
             step,
-            fleet,
-            ahead: None,
         })
     }
 
@@ -171,14 +140,13 @@ impl Trainer {
         self.cfg.total_steps(rows)
     }
 
-    /// Pushes the policy's current weights into the in-process rollout engine (if any);
-    /// returns seconds taken.
-    pub fn sync_weights(&mut self) -> Result<f64> {
-        let t = Instant::now();
-        if let Some(engine) = self.engine.as_mut() {
-            engine.update_weights(&self.policy.tensor_map()?)?;
+    /// The prompt stream's position after the last completed step: before the batch drawn
+    /// ahead when there is one.
+    pub fn prompt_position(&self) -> (u128, Option<DatasetPosition>) {
+        match self.backend.ahead() {
+            Some(ahead) => (ahead.stream_pos, ahead.dataset_position),
+            None => (self.prompts.stream_pos(), self.prompts.dataset_position()),
         }
-        Ok(t.elapsed().as_secs_f64())
     }
 
     /// Held-out accuracy of the current weights (native routing, eval settings), on the
@@ -186,7 +154,7 @@ impl Trainer {
     pub fn evaluate(&mut self) -> Result<EvalResult> {
         let items = self.prompts.eval_items(&self.tokenizer)?;
         evaluate_prompts(
-            generator(&mut self.engine, &mut self.fleet)?,
+            &mut self.backend,
             &self.eos,
             &self.tokenizer,
             &items,
@@ -216,20 +184,122 @@ impl Trainer {
             self.cfg.checkpoint.keep_last,
         )
     }
-}
 
-/// Where the trainer's requests go: the fleet when there is one, else the in-process engine.
-pub fn generator<'a>(
-    engine: &'a mut Option<Engine>,
-    fleet: &'a mut Option<FleetRollout>,
-) -> Result<Generator<'a>> {
-    match (fleet.as_mut(), engine.as_mut()) {
-        (Some(fleet), _) => Ok(Generator::Fleet(fleet)),
-        (None, Some(engine)) => Ok(Generator::Engine(engine)),
-        (None, None) => Err(TrainError::InvalidConfig {
-            field: "rollout.backend",
-            reason: "neither an in-process engine nor a fleet to generate with".into(),
-        }),
+    /// Runs RL step `self.step + 1` and returns its metrics line (without eval).
+    pub fn rl_step(&mut self) -> Result<StepMetrics> {
+        self.rl_step_with(None)
+    }
+
+    /// [`Trainer::rl_step`], also filling `trace` (when given) with the routes each pass used.
+    pub fn rl_step_with(&mut self, mut trace: Option<&mut StepTrace>) -> Result<StepMetrics> {
+        let step = self.step + 1;
+        let cfg = self.cfg.clone();
+        let data = self.sample_step(step, &cfg)?;
+        if let Some(trace) = trace.as_deref_mut() {
+            trace.sequences = data.batch.sequences().to_vec();
+            trace.rollout_tables = data.routes.as_ref().map(|r| r.tables().to_vec());
+        }
+        let ctx = StepContext {
+            step,
+            cfg: &cfg,
+            data: &data,
+            settings: update_settings(&cfg),
+            trace,
+        };
+        let updates = if cfg.rollout.async_rollout && step < self.total_steps() {
+            self.updates_drawing_ahead(ctx)?
+        } else {
+            run_updates(&self.policy, &mut self.optimizer, ctx)?
+        };
+        let train_lp = data.batch.gather_responses(&updates.view.logp)?;
+        let mismatch = logp_mismatch(&train_lp, &data.rollout_lp)?;
+        let sync_s = self.backend.sync(&self.policy, &self.tokenizer, step)?;
+        self.step = step;
+        let mut metrics = finish_metrics(step, &cfg, &data, &updates, mismatch.as_ref(), sync_s);
+        if let Some(pos) = self.prompt_position().1 {
+            metrics.data_epoch = Some(pos.epoch);
+            metrics.data_filtered_prompts = Some(self.prompts.filtered() as u64);
+        }
+        if let Some(f) = self.backend.fleet() {
+            f.fill_metrics(&mut metrics);
+        }
+        Ok(metrics)
+    }
+
+    /// The `group_size` sampling requests per prompt of `items` for step `step`.
+    fn step_requests(
+        &self,
+        cfg: &TrainConfig,
+        items: &[PromptItem],
+        step: u64,
+    ) -> Vec<GenerateRequest> {
+        group_requests(
+            &self.eos,
+            &self.tokenizer,
+            items,
+            sampling_spec(cfg),
+            cfg.seed,
+            step,
+        )
+    }
+
+    /// Rollout, rewards and advantages of step `step`: the batch generated ahead during
+    /// the previous step when there is one, otherwise sampled now.
+    fn sample_step(&mut self, step: u64, cfg: &TrainConfig) -> Result<StepBatch> {
+        let group = cfg.rollout.group_size;
+        let t_rollout = Instant::now();
+        let (prompts, results, rollout_ahead_s) = match self.backend.take_ahead() {
+            Some(ahead) => {
+                debug_assert_eq!(ahead.step, step, "a batch generated ahead for another step");
+                (ahead.items, ahead.results, Some(ahead.generate_s))
+            }
+            None => {
+                let prompts = self.next_prompts(cfg.rollout.prompts_per_step)?;
+                let requests = self.step_requests(cfg, &prompts, step);
+                let results = self.backend.generate_batch(requests)?;
+                (prompts, results, None)
+            }
+        };
+        let trajs = score_groups(&self.tokenizer, &prompts, results, group, &self.reward)?;
+        let stale_frac = match self.backend.fleet() {
+            Some(_) => Some(stale_frac(&trajs, step, cfg.rollout.max_staleness)?),
+            None => None,
+        };
+        let rollout_s = t_rollout.elapsed().as_secs_f64();
+        let layout = &self.policy.config().layout;
+        StepBatch::new(trajs, cfg, layout, rollout_s, rollout_ahead_s, stale_frac)
+    }
+
+    /// The step's updates, with step `step + 1`'s batch generated by the fleet on another
+    /// thread meanwhile (same prompts and seeds as the synchronous loop would use, on the
+    /// weights before this step's update); see `ahead`.
+    fn updates_drawing_ahead(&mut self, ctx: StepContext<'_>) -> Result<Updates> {
+        let next = ctx.step + 1;
+        let (stream_pos, dataset_position) = self.prompt_position();
+        let items = self.next_prompts(ctx.cfg.rollout.prompts_per_step)?;
+        let requests = self.step_requests(ctx.cfg, &items, next);
+        let Backend::Fleet(fleet) = &mut self.backend else {
+            return Err(TrainError::InvalidConfig {
+                field: "rollout.async",
+                reason: "needs rollout.backend = \"sglang\"".into(),
+            });
+        };
+        let (policy, optimizer) = (&self.policy, &mut self.optimizer);
+        let (updates, generated) = generate_while(&fleet.fleet, requests, || {
+            run_updates(policy, optimizer, ctx)
+        });
+        let updates = updates?;
+        let (results, stats, generate_s) = generated?;
+        fleet.ahead = Some(AheadBatch {
+            step: next,
+            items,
+            results,
+            stats,
+            generate_s,
+            stream_pos,
+            dataset_position,
+        });
+        Ok(updates)
     }
 }
 
