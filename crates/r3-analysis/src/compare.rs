@@ -233,7 +233,7 @@ enum EarlierRun {
 /// Reads what is in `run_dir` for `cfg`: nothing, a complete run or a partial one; a run
 /// there made with another config is an error naming the directory.
 fn earlier_run(cfg: &TrainConfig, run_dir: &Path) -> Result<EarlierRun, AnalysisError> {
-    let config_file = run_dir.join(r3_train::rl_loop::CONFIG_FILE);
+    let config_file = run_dir.join(r3_train::rl::run::CONFIG_FILE);
     if !config_file.is_file() {
         return Ok(EarlierRun::None);
     }
@@ -247,7 +247,7 @@ fn earlier_run(cfg: &TrainConfig, run_dir: &Path) -> Result<EarlierRun, Analysis
             run_dir.display()
         )));
     }
-    let metrics = run_dir.join(r3_train::rl_loop::METRICS_FILE);
+    let metrics = run_dir.join(r3_train::rl::run::METRICS_FILE);
     let last_step = std::fs::read_to_string(&metrics)
         .ok()
         .and_then(|t| {

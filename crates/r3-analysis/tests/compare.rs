@@ -11,7 +11,8 @@ use r3_analysis::report::{CrashRule, DEFAULT_KL_THRESHOLD};
 use r3_model::{Config, RandomInit, Weights};
 use r3_tasks::CharTokenizer;
 use r3_train::config::TrainConfig;
-use r3_train::pretrain_config::{ModelShape, PretrainConfig};
+use r3_train::pretrain::config::PretrainConfig;
+use r3_train::pretrain::shape::ModelShape;
 use r3_train::{Quiet, RouterReplay};
 use serde_json::Value;
 

@@ -6,8 +6,6 @@ use std::path::PathBuf;
 
 use candle_core::DType;
 
-use crate::config::RouterReplay;
-
 /// Everything that can stop training or reject its inputs.
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
@@ -235,8 +233,8 @@ pub enum TrainError {
     /// A replay pass did not use exactly the given experts on every cell.
     #[error("replay not verified ({mode} {pass} pass): {replayed} of {expected} (token, layer) cells were replayed")]
     ReplayNotVerified {
-        /// R2 or R3.
-        mode: RouterReplay,
+        /// The replay mode's name (`R2` or `R3`).
+        mode: &'static str,
         /// `old-logp` or `update`.
         pass: &'static str,
         /// Cells replayed.

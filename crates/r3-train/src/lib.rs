@@ -1,72 +1,48 @@
-//! The r3 training engine's pure pieces: token log-probs and entropy from logits, GRPO
-//! advantages and dynamic sampling, policy losses (PPO clip-higher, GSPO) with TIS/MIS
-//! correction and loss aggregation, AdamW with gradient clipping and an LR schedule, a
-//! NaN-guarded update, and the `r3 train` configuration.
+//! r3's training engine: the RL algorithm that learns from rollouts with router replay
+//! (R3, R2 or none), the loop that drives it against a rollout engine or fleet, and the
+//! supervised pretraining that makes the base models.
 //!
-//! Everything here works on f32 candle tensors with composed (autograd-safe) ops and
-//! takes what it needs as arguments; the RL loop composes these with the model and the
-//! rollout engine.
+//! The folders are the spine, each standing on the ones before it:
+//! - [`error`]: the crate's error type.
+//! - [`algo`]: the algorithm as pure tensor math (log-probs, GRPO advantages, PPO/GSPO
+//!   losses with rollout importance sampling, AdamW, clipping, LR schedule, the guarded
+//!   update), f32 candle tensors with composed (autograd-safe) ops.
+//! - [`policy`]: the model being trained, its precision and its tokenizer.
+//! - [`config`]: the `r3 train` configuration (TOML, `--set` overrides, checks).
+//! - [`rl`]: the RL loop: sample a step's rollouts, score them, update the policy, sync
+//!   the weights to the rollout side, log metrics, checkpoint and resume.
+//! - [`pretrain`]: `r3 pretrain`, supervised next-token training of the base models.
 
-pub mod advantage;
-pub mod agg;
+pub mod algo;
 pub mod config;
-pub mod config_limits;
 pub mod error;
-pub mod grad_clip;
-pub mod logprob;
-pub mod loss;
-pub mod optim;
-pub mod overrides;
-pub mod precision;
-pub mod rollout_is;
-pub mod schedule;
-pub mod update;
-
-// The RL loop and pretraining (trainer helper).
-pub mod checkpoint;
-pub mod collapse;
-pub mod diagnostics;
-pub mod expert_balance;
-pub mod fleet_sync;
-pub mod manifest;
-pub mod metrics_log;
-pub mod minibatch;
-pub mod model_text;
 pub mod policy;
 pub mod pretrain;
-pub mod pretrain_config;
-pub mod pretrain_corpus;
-pub mod pretrain_deepseek;
-pub mod prompt_source;
-pub mod rl_loop;
-pub mod rollout;
-pub mod rollout_ahead;
-pub mod step;
-pub mod trainer;
+pub mod rl;
 
-pub use advantage::{
+pub use algo::advantage::{
     filter_uniform_groups, grpo_advantages, AdvantageMetrics, GroupFilter, GrpoOptions,
 };
-pub use agg::{aggregate, LossAgg};
-pub use config::{RouterReplay, TrainConfig};
-pub use error::{Result, TrainError};
-pub use grad_clip::{clip_grad_norm, global_grad_norm, GradNorm};
-pub use logprob::{entropy_from_logits, masked_mean, token_log_probs};
-pub use loss::{
+pub use algo::agg::{aggregate, LossAgg};
+pub use algo::grad_clip::{clip_grad_norm, global_grad_norm, GradNorm};
+pub use algo::logprob::{entropy_from_logits, masked_mean, token_log_probs};
+pub use algo::loss::{
     gspo_loss, policy_loss, ppo_clip_loss, ClipRange, PolicyLossInput, PolicyLossKind,
     PolicyLossMetrics,
 };
-pub use metrics_log::StepMetrics;
-pub use model_text::ModelText;
-pub use optim::{decay_matrices_only, AdamW, AdamWParams, AdamWStep};
-pub use policy::{ResponseBatch, TrainablePolicy};
-pub use pretrain::{pretrain, PretrainEvent, PretrainReport};
-pub use pretrain_config::PretrainConfig;
-pub use rl_loop::{Observer, Quiet, Run, RunSummary};
-pub use rollout_is::{rollout_is_weights, IsConfig, IsLevel, IsMetrics, IsMode, IsWeights};
-pub use schedule::{LrDecay, LrSchedule};
-pub use trainer::Trainer;
-pub use update::{
+pub use algo::optim::{decay_matrices_only, AdamW, AdamWParams, AdamWStep};
+pub use algo::rollout_is::{rollout_is_weights, IsConfig, IsLevel, IsMetrics, IsMode, IsWeights};
+pub use algo::schedule::{LrDecay, LrSchedule};
+pub use algo::update::{
     backward_and_step, backward_and_step_with, guarded_step, guarded_step_with, GradHook,
     SkipReason, UpdateOutcome,
 };
+pub use config::{RouterReplay, TrainConfig};
+pub use error::{Result, TrainError};
+pub use policy::model_text::ModelText;
+pub use policy::{ResponseBatch, TrainablePolicy};
+pub use pretrain::config::PretrainConfig;
+pub use pretrain::run::{pretrain, PretrainEvent, PretrainReport};
+pub use rl::metrics_log::StepMetrics;
+pub use rl::run::{Observer, Quiet, Run, RunSummary};
+pub use rl::trainer::Trainer;

@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 
 use common::{tiny_config, tiny_model, Scratch};
 use r3_tasks::RewardKind;
-use r3_train::checkpoint::{list_checkpoints, read_state};
 use r3_train::config::{RouterReplay, TrainConfig};
+use r3_train::rl::checkpoint::{list_checkpoints, read_state};
 use r3_train::{Quiet, Run, Trainer};
 
 /// Arithmetic prompts (the character tokenizer's alphabet) in verl's schema.

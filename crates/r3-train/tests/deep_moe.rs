@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use candle_core::Device;
 use r3_model::config::{Architecture, AttentionConfig, RouterKind, SharedExpert};
 use r3_model::{Batch, Config, Routing};
-use r3_train::expert_balance::score_bias_name;
-use r3_train::pretrain_config::PretrainArchitecture;
+use r3_train::pretrain::deepseek::PretrainArchitecture;
+use r3_train::pretrain::expert_balance::score_bias_name;
 use r3_train::{pretrain, PretrainConfig, TrainablePolicy};
 
 fn repo_root() -> PathBuf {
@@ -55,6 +55,28 @@ fn deep_recipe_writes_the_deepseek_config_the_issue_asks_for() {
     assert_eq!(cfg.model.architecture, PretrainArchitecture::DeepseekV3);
     let parsed = Config::from_value(cfg.hf_config(23)).expect("parse as HF config");
     check_deepseek_shape(&parsed);
+}
+
+/// The `config.json` of a shipped model, as its `r3 pretrain` run wrote it.
+fn shipped_config(model: &str) -> serde_json::Value {
+    let path = repo_root().join("models").join(model).join("config.json");
+    let text = std::fs::read_to_string(&path).expect("shipped config.json");
+    serde_json::from_str(&text).expect("config.json is JSON")
+}
+
+#[test]
+fn the_recipes_write_the_shipped_models_configs_key_for_key() {
+    // Both families share most keys; they are written once, each family adding its own.
+    let qwen = PretrainConfig::resolve(Some(&repo_root().join("configs/pretrain.toml")), &[])
+        .expect("resolve");
+    let arith = shipped_config("arith-moe");
+    let vocab = arith["vocab_size"].as_u64().expect("vocab_size") as usize;
+    assert_eq!(qwen.hf_config(vocab), arith);
+    let deep = PretrainConfig::resolve(Some(&repo_root().join("configs/pretrain-deep.toml")), &[])
+        .expect("resolve");
+    let shipped = shipped_config("deep-moe");
+    let vocab = shipped["vocab_size"].as_u64().expect("vocab_size") as usize;
+    assert_eq!(deep.hf_config(vocab), shipped);
 }
 
 #[test]

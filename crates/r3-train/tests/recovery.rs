@@ -7,9 +7,9 @@ mod common;
 use std::path::Path;
 
 use common::{tiny_config, tiny_model, Scratch};
-use r3_train::checkpoint::verified_checkpoint;
 use r3_train::config::RouterReplay;
-use r3_train::manifest::{file_sha256, Manifest, MANIFEST_FILE};
+use r3_train::rl::checkpoint::verified_checkpoint;
+use r3_train::rl::manifest::{file_sha256, Manifest, MANIFEST_FILE};
 use r3_train::{Quiet, Run, TrainError};
 
 fn copy_dir(from: &Path, to: &Path) {

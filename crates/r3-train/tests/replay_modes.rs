@@ -11,7 +11,7 @@ use r3_model::{Model, Routing};
 use r3_routing::divergence;
 use r3_train::config::RouterReplay;
 use r3_train::policy::{score, ResponseBatch};
-use r3_train::step::StepTrace;
+use r3_train::rl::step::StepTrace;
 use r3_train::Trainer;
 
 /// Rows each update forward must have replayed per MoE layer, from the sequences.
@@ -38,8 +38,8 @@ fn r3_replays_the_rollout_routes_in_the_old_pass_and_every_update() {
         }
     }
     trainer
-        .engine
-        .as_mut()
+        .backend
+        .engine_mut()
         .expect("the engine backend has an engine")
         .update_weights(&skewed)
         .expect("skew engine");

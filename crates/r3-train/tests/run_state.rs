@@ -7,11 +7,11 @@ mod common;
 use candle_core::{Device, Tensor};
 use common::{tiny_config, tiny_model, Scratch};
 use r3_model::Routing;
-use r3_train::checkpoint::{latest_checkpoint, list_checkpoints, read_state};
+use r3_train::algo::optim::{decay_matrices_only, AdamW, AdamWParams};
 use r3_train::config::RouterReplay;
-use r3_train::minibatch::{update_minibatch, MiniBatch, UpdateSettings};
-use r3_train::optim::{decay_matrices_only, AdamW, AdamWParams};
 use r3_train::policy::{ResponseBatch, TrainablePolicy};
+use r3_train::rl::checkpoint::{latest_checkpoint, list_checkpoints, read_state};
+use r3_train::rl::minibatch::{update_minibatch, MiniBatch, UpdateSettings};
 use r3_train::{Quiet, Run, Trainer, UpdateOutcome};
 
 fn metrics_lines(path: &std::path::Path) -> Vec<serde_json::Value> {

@@ -8,10 +8,10 @@ use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 use common::{tiny_config, tiny_model, Scratch};
 use r3_model::Routing;
+use r3_train::algo::optim::{decay_matrices_only, AdamW, AdamWParams, AdamWStep};
 use r3_train::config::{RouterReplay, TrainConfig};
-use r3_train::minibatch::{update_minibatch, MiniBatch, UpdateSettings};
-use r3_train::optim::{decay_matrices_only, AdamW, AdamWParams, AdamWStep};
 use r3_train::policy::{ResponseBatch, TrainablePolicy};
+use r3_train::rl::minibatch::{update_minibatch, MiniBatch, UpdateSettings};
 use r3_train::{SkipReason, TrainError, Trainer, UpdateOutcome};
 
 fn refused_key(overrides: &[&str]) -> &'static str {

@@ -6,10 +6,10 @@ mod common;
 
 use common::{tiny_model, Scratch};
 use r3_model::{ReplayRoutes, Routing};
+use r3_train::algo::loss::{ClipRange, PolicyLossKind};
 use r3_train::config::RouterReplay;
-use r3_train::loss::{ClipRange, PolicyLossKind};
-use r3_train::minibatch::{update_minibatch, MiniBatch, UpdateSettings};
 use r3_train::policy::{score, ResponseBatch, TrainablePolicy};
+use r3_train::rl::minibatch::{update_minibatch, MiniBatch, UpdateSettings};
 use r3_train::{decay_matrices_only, AdamW, AdamWParams, IsConfig, IsLevel, IsMode, LossAgg};
 
 /// Sum of the response log-probs of each sequence.

@@ -10,15 +10,16 @@ use indicatif::ProgressBar;
 use r3_model::Precision;
 use r3_rollout::{Dtype, Engine};
 use r3_routing::mismatch::mismatch_metrics;
+use r3_train::rl::sampling::{rollout_tables, RolloutSample};
 use serde::Serialize;
 
-use super::rollout::{generate_samples, Sample, SamplingSetup};
+use super::rollout::{generate_samples, SamplingSetup};
 use super::stats::divergence_section;
 use super::summary::{ModelInfo, PaperReference, PAPER};
 use super::training::{training_pass, Batching, PassRouting};
 use super::{
     engine_config, load_inputs, load_training_model, model_info, precision_name, recorded_routes,
-    replay_check, rollout_logps, rollout_routes, AnalyzeOptions,
+    replay_check, rollout_logps, AnalyzeOptions,
 };
 use crate::AnalysisError;
 
@@ -107,7 +108,7 @@ pub struct GridSummary {
 /// The native and R3 cells of one (rollout, training) precision pair.
 fn cells_for(
     opts: &AnalyzeOptions,
-    samples: &[Sample],
+    samples: &[RolloutSample],
     rollout_dtype: Dtype,
     precision: Precision,
     progress: &ProgressBar,
@@ -132,7 +133,7 @@ fn cells_for(
         &format!("{label} R3"),
     )?;
     let rollout_lp = rollout_logps(samples);
-    let routes = rollout_routes(samples)?;
+    let routes = rollout_tables(samples)?;
     let div = divergence_section(
         &routes,
         recorded_routes(&native, "native")?,

@@ -21,6 +21,7 @@ use indicatif::ProgressBar;
 use r3_model::{Config, Model, Precision, Weights};
 use r3_rollout::{Dtype, Engine, EngineConfig, RouterDtype};
 use r3_routing::RouteTable;
+use r3_train::rl::sampling::{rollout_tables, RolloutSample};
 
 pub use summary::AnalysisSummary;
 
@@ -28,7 +29,7 @@ use crate::AnalysisError;
 use dense::DenseModel;
 use figures::FigureIndex;
 use prompts::Prompts;
-use rollout::{generate_samples, Sample, SamplingSetup};
+use rollout::{generate_samples, SamplingSetup};
 use stats::{divergence_section, mismatch_section, scatter_points, MismatchSection};
 use summary::{
     DenseSection, ModelInfo, MoeSection, ReplayCheck, RolloutInfo, Timings, TwoPasses, PAPER,
@@ -108,20 +109,7 @@ pub fn precision_name(p: Precision) -> &'static str {
     }
 }
 
-/// Routes of every sample (present for an MoE model, checked in `generate_samples`).
-fn rollout_routes(samples: &[Sample]) -> Result<Vec<RouteTable>, AnalysisError> {
-    samples
-        .iter()
-        .enumerate()
-        .map(|(i, s)| {
-            s.routes
-                .clone()
-                .ok_or_else(|| AnalysisError::Invalid(format!("rollout {i} has no routes")))
-        })
-        .collect()
-}
-
-fn rollout_logps(samples: &[Sample]) -> Vec<Vec<f32>> {
+fn rollout_logps(samples: &[RolloutSample]) -> Vec<Vec<f32>> {
     samples.iter().map(|s| s.rollout_logp.clone()).collect()
 }
 
@@ -139,7 +127,7 @@ fn recorded_routes<'a>(
 /// summary can be recomputed from the raw values.
 fn write_samples(
     path: &Path,
-    samples: &[Sample],
+    samples: &[RolloutSample],
     native: &[Vec<f32>],
     r3: &[Vec<f32>],
 ) -> Result<(), AnalysisError> {
@@ -147,8 +135,8 @@ fn write_samples(
     for (i, s) in samples.iter().enumerate() {
         let line = serde_json::json!({
             "index": i,
-            "prompt": s.prompt,
-            "output": s.output,
+            "prompt": s.prompt_ids,
+            "output": s.response_ids,
             "rollout_logp": s.rollout_logp,
             "train_native_logp": native.get(i),
             "train_r3_logp": r3.get(i),
@@ -221,7 +209,7 @@ fn rebatched(n: usize, micro_batch: usize) -> Batching {
 
 fn moe_passes(
     model: &Model,
-    samples: &[Sample],
+    samples: &[RolloutSample],
     micro_batch: usize,
     progress: &ProgressBar,
 ) -> Result<MoePasses, AnalysisError> {
@@ -262,7 +250,7 @@ fn dense_reference(
     prompts: &[Vec<u32>],
     setup: SamplingSetup,
     progress: &ProgressBar,
-) -> Result<(Vec<Sample>, PassResult), AnalysisError> {
+) -> Result<(Vec<RolloutSample>, PassResult), AnalysisError> {
     let micro_batch = opts.micro_batch;
     let samples = {
         let mut engine = Engine::new(
@@ -495,7 +483,7 @@ pub fn run_analysis(opts: &AnalyzeOptions) -> Result<AnalysisSummary, AnalysisEr
     let n = samples.len();
     let rollout_lp = rollout_logps(&samples);
     let dense_lp = rollout_logps(&dense_samples);
-    let routes = rollout_routes(&samples)?;
+    let routes = rollout_tables(&samples)?;
     let moe = moe_section(&passes, &rollout_lp, &routes)?;
     let dense_native = mismatch_section(&dense_pass.logp, &dense_lp, "dense vs rollout")?;
     let repeat_identical = two_passes(

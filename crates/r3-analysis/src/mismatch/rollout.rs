@@ -1,35 +1,11 @@
 //! The rollout side of the analysis: sampled completions from the rollout engine with their
-//! per-token log-probs and (for an MoE model) the routes it used, checked for alignment.
+//! per-token log-probs and (for an MoE model) the routes it used, checked for alignment, as
+//! r3-train's [`RolloutSample`]s (the same value the RL step's trajectories carry).
 
 use r3_rollout::{Engine, GenerateResult};
-use r3_routing::RouteTable;
-use r3_train::rollout::{sample_prompts, SamplingSpec};
+use r3_train::rl::sampling::{sample_prompts, RolloutSample, SamplingSpec};
 
 use crate::AnalysisError;
-
-/// One rollout: a prompt, the sampled completion and what the rollout engine reported.
-#[derive(Debug, Clone)]
-pub struct Sample {
-    /// Prompt token ids.
-    pub prompt: Vec<u32>,
-    /// Generated token ids (at least one).
-    pub output: Vec<u32>,
-    /// Rollout-engine log-prob of each output id (raw distribution, temperature 1).
-    pub rollout_logp: Vec<f32>,
-    /// Rollout routes of positions `[0, prompt + output − 1)`, MoE-only space; `None` for a
-    /// dense model.
-    pub routes: Option<RouteTable>,
-}
-
-impl Sample {
-    /// Prompt followed by output: the sequence the training engine scores.
-    pub fn tokens(&self) -> Vec<u32> {
-        let mut t = Vec::with_capacity(self.prompt.len() + self.output.len());
-        t.extend_from_slice(&self.prompt);
-        t.extend_from_slice(&self.output);
-        t
-    }
-}
 
 /// How the rollout engine samples.
 #[derive(Debug, Clone, Copy)]
@@ -50,7 +26,7 @@ pub fn generate_samples(
     engine: &mut Engine,
     prompts: &[Vec<u32>],
     setup: SamplingSetup,
-) -> Result<Vec<Sample>, AnalysisError> {
+) -> Result<Vec<RolloutSample>, AnalysisError> {
     let max_pos = engine.model_config().max_position_embeddings;
     let is_moe = engine.model_config().moe.is_some();
     let stop = engine.eos_token_ids().to_vec();
@@ -80,13 +56,13 @@ pub fn generate_samples(
         .collect()
 }
 
-/// The `i`-th rollout as a [`Sample`], after checking its log-probs and routes line up.
+/// The `i`-th rollout as a [`RolloutSample`], after checking its log-probs and routes line up.
 fn checked_sample(
     i: usize,
     prompt: &[u32],
     r: GenerateResult,
     is_moe: bool,
-) -> Result<Sample, AnalysisError> {
+) -> Result<RolloutSample, AnalysisError> {
     if r.output_ids.is_empty() {
         return Err(AnalysisError::Invalid(format!(
             "rollout {i} generated no token"
@@ -116,9 +92,9 @@ fn checked_sample(
         }
         (_, false) => {}
     }
-    Ok(Sample {
-        prompt: prompt.to_vec(),
-        output: r.output_ids,
+    Ok(RolloutSample {
+        prompt_ids: prompt.to_vec(),
+        response_ids: r.output_ids,
         rollout_logp: r.output_logprobs,
         routes: r.routes,
     })

@@ -5,12 +5,12 @@
 use indicatif::{ProgressBar, ProgressStyle};
 use r3_model::{Model, ReplayRoutes, Routing};
 use r3_routing::RouteTable;
-use r3_train::diagnostics::verify_proof;
 use r3_train::policy::{score, ResponseBatch};
+use r3_train::rl::diagnostics::verify_proof;
 use r3_train::RouterReplay;
 
-use super::rollout::Sample;
 use crate::AnalysisError;
+use r3_train::rl::sampling::RolloutSample;
 
 /// How the MoE layers route in a training pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,7 +68,7 @@ pub struct PassResult {
 /// log-probs of the output tokens) with `routing`, grouped into forward calls by `batching`.
 pub fn training_pass(
     model: &Model,
-    samples: &[Sample],
+    samples: &[RolloutSample],
     routing: PassRouting,
     batching: &Batching,
     progress: &ProgressBar,
@@ -77,8 +77,8 @@ pub fn training_pass(
     check_batching(batching, samples.len(), label)?;
     let is_moe = model.config().moe.is_some();
     let batch = ResponseBatch::new(
-        samples.iter().map(Sample::tokens).collect(),
-        samples.iter().map(|s| s.prompt.len()).collect(),
+        samples.iter().map(RolloutSample::tokens).collect(),
+        samples.iter().map(|s| s.prompt_ids.len()).collect(),
     )?;
     let mut logp: Vec<Vec<f32>> = vec![Vec::new(); samples.len()];
     let mut routes: Vec<Option<RouteTable>> = vec![None; samples.len()];
@@ -161,7 +161,10 @@ fn check_batching(batching: &Batching, n: usize, label: &str) -> Result<(), Anal
 }
 
 /// The rollout route tables of the samples `chunk`, in chunk order.
-fn rollout_tables(samples: &[Sample], chunk: &[usize]) -> Result<Vec<RouteTable>, AnalysisError> {
+fn rollout_tables(
+    samples: &[RolloutSample],
+    chunk: &[usize],
+) -> Result<Vec<RouteTable>, AnalysisError> {
     chunk
         .iter()
         .map(|&i| {
@@ -176,11 +179,11 @@ fn rollout_tables(samples: &[Sample], chunk: &[usize]) -> Result<Vec<RouteTable>
 /// A recorded table (`len` rows) cut to the rows the rollout routed (`len − 1`): the final
 /// position predicts nothing, so the rollout engine never ran it.
 fn rollout_rows(
-    sample: &Sample,
+    sample: &RolloutSample,
     recorded: &RouteTable,
     label: &str,
 ) -> Result<RouteTable, AnalysisError> {
-    let rows = sample.prompt.len() + sample.output.len() - 1;
+    let rows = sample.prompt_ids.len() + sample.response_ids.len() - 1;
     recorded
         .slice_rows(0, rows)
         .map_err(AnalysisError::route(format!("{label}: recorded routes")))

@@ -12,7 +12,7 @@ use clap::{Args, Subcommand};
 use r3_tasks::dataset::jsonl::to_jsonl;
 use r3_tasks::dataset::write_parquet;
 use r3_tasks::{gsm8k_style_splits, load_dataset, Reward, RewardInput};
-use r3_train::prompt_source::{encode_prompt, render_prompt, PromptSource};
+use r3_train::rl::prompt_source::{encode_prompt, render_prompt, PromptSource};
 use r3_train::ModelText;
 use serde_json::{json, Value};
 

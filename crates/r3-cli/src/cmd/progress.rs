@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use indicatif::{ProgressBar, ProgressStyle};
-use r3_train::rollout::EvalResult;
+use r3_train::rl::sampling::EvalResult;
 use r3_train::{Observer, StepMetrics};
 
 /// The bar layout of `pretrain` and `train`.

@@ -9,7 +9,8 @@ use candle_core::Device;
 use r3_model::{Config, RandomInit, Weights};
 use r3_tasks::CharTokenizer;
 use r3_train::config::{RouterReplay, TrainConfig};
-use r3_train::pretrain_config::{ModelShape, PretrainConfig};
+use r3_train::pretrain::config::PretrainConfig;
+use r3_train::pretrain::shape::ModelShape;
 
 /// A scratch directory removed on drop.
 pub struct Scratch(pub PathBuf);

@@ -7,16 +7,18 @@ use candle_core::{Device, Tensor};
 use r3_model::{ReplayProof, Routing};
 use r3_routing::RouteTable;
 
-use crate::agg::LossAgg;
-use crate::config::RouterReplay;
-use crate::diagnostics::verify_proof;
+use crate::algo::agg::LossAgg;
+use crate::algo::logprob::{entropy_from_logits, masked_mean};
+use crate::algo::loss::{
+    policy_loss, ClipRange, PolicyLossInput, PolicyLossKind, PolicyLossMetrics,
+};
+use crate::algo::optim::AdamW;
+use crate::algo::rollout_is::{rollout_is_weights, IsConfig};
+use crate::algo::update::{backward_and_step_with, GradHook, UpdateOutcome};
+use crate::config::train::RouterReplay;
 use crate::error::Result;
-use crate::logprob::{entropy_from_logits, masked_mean};
-use crate::loss::{policy_loss, ClipRange, PolicyLossInput, PolicyLossKind, PolicyLossMetrics};
-use crate::optim::AdamW;
-use crate::policy::{score, ResponseBatch, TrainablePolicy};
-use crate::rollout_is::{rollout_is_weights, IsConfig};
-use crate::update::{backward_and_step_with, GradHook, UpdateOutcome};
+use crate::policy::trainable::{score, ResponseBatch, TrainablePolicy};
+use crate::rl::diagnostics::verify_proof;
 
 /// The data of one mini-batch.
 #[derive(Debug)]

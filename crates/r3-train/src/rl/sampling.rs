@@ -1,7 +1,8 @@
-//! Sampling trajectories with the rollout engine: G seeded samples per prompt, each with
-//! its rollout log-probs and routes, decoded and scored by the configured reward (one batch
-//! per step, so an external verifier starts once per step); and evaluation on the held-out
-//! prompts.
+//! Sampling trajectories: G seeded requests per prompt, answered by whatever generates
+//! ([`Generate`]: the in-process engine, a fleet, the trainer's backend) with each
+//! response's rollout log-probs and routes, decoded and scored by the configured reward
+//! (one batch per step, so an external verifier starts once per step); and evaluation on
+//! the held-out prompts.
 
 use r3_model::ReplayRoutes;
 use r3_rollout::{Engine, FinishReason, GenerateRequest, GenerateResult, SamplingParams};
@@ -9,24 +10,42 @@ use r3_routing::{LayerLayout, RouteTable};
 use r3_tasks::{Problem, Reward, RewardInput, RewardSpec};
 
 use crate::error::{Result, TrainError};
-use crate::fleet_sync::FleetRollout;
-use crate::model_text::ModelText;
-use crate::policy::ResponseBatch;
-use crate::prompt_source::{arith_item, PromptItem};
+use crate::policy::model_text::ModelText;
+use crate::policy::trainable::ResponseBatch;
+use crate::rl::prompt_source::{arith_item, PromptItem};
 
-/// One sampled response with everything the trainer needs from the rollout.
+/// One sampled response as the rollout side returned it: what a training engine scores
+/// and replays (the RL step's trajectories and the mismatch analysis' samples alike).
 #[derive(Debug, Clone)]
-pub struct Trajectory {
-    /// Index of the prompt's group within the step.
-    pub group: usize,
+pub struct RolloutSample {
     /// Prompt tokens (`<bos>` first).
     pub prompt_ids: Vec<u32>,
     /// Generated tokens (including a final `<eos>` when it stopped).
     pub response_ids: Vec<u32>,
     /// Rollout log-prob of each response token (raw distribution, engine precision).
     pub rollout_logp: Vec<f32>,
-    /// Rollout routes of positions `[0, prompt + response − 1)` (MoE-only space).
+    /// Rollout routes of positions `[0, prompt + response − 1)` (MoE-only space); `None`
+    /// for a dense model or when routes were not asked for.
     pub routes: Option<RouteTable>,
+}
+
+impl RolloutSample {
+    /// Prompt followed by response: the sequence the training engine scores.
+    pub fn tokens(&self) -> Vec<u32> {
+        let mut t = Vec::with_capacity(self.prompt_ids.len() + self.response_ids.len());
+        t.extend_from_slice(&self.prompt_ids);
+        t.extend_from_slice(&self.response_ids);
+        t
+    }
+}
+
+/// One sampled response with everything the trainer needs from the rollout.
+#[derive(Debug, Clone)]
+pub struct Trajectory {
+    /// Index of the prompt's group within the step.
+    pub group: usize,
+    /// The tokens, rollout log-probs and routes.
+    pub sample: RolloutSample,
     /// Whether generation ended with `<eos>` (rather than the length limit).
     pub stopped: bool,
     /// Weight version of the rollout's last piece (0 for the in-process engine's first
@@ -41,17 +60,10 @@ pub struct Trajectory {
 }
 
 impl Trajectory {
-    /// Prompt followed by response.
-    pub fn tokens(&self) -> Vec<u32> {
-        let mut t = self.prompt_ids.clone();
-        t.extend_from_slice(&self.response_ids);
-        t
-    }
-
     /// The oldest and newest weight version its route rows came from; they differ when a
     /// fleet worker aborted it at a weight update and it was resumed on the new weights.
     pub fn weight_versions(&self) -> Option<(u64, u64)> {
-        let v = self.routes.as_ref()?.versions()?;
+        let v = self.sample.routes.as_ref()?.versions()?;
         Some((*v.iter().min()?, *v.iter().max()?))
     }
 
@@ -96,27 +108,17 @@ pub fn stop_ids(eos: &[u32], text: &ModelText) -> Vec<u32> {
     ids
 }
 
-/// Where requests are generated: the in-process engine or the workers of a rollout fleet.
-#[derive(Debug)]
-pub enum Generator<'a> {
-    /// The in-process engine.
-    Engine(&'a mut Engine),
-    /// The fleet's workers; the batch's retries and staleness are kept in it.
-    Fleet(&'a mut FleetRollout),
+/// What answers sampling requests: the in-process engine, the workers of a rollout fleet,
+/// or the trainer's backend (either of them).
+pub trait Generate {
+    /// One result per request, in request order (a count that differs is an error).
+    fn generate_batch(&mut self, requests: Vec<GenerateRequest>) -> Result<Vec<GenerateResult>>;
 }
 
-impl Generator<'_> {
-    /// One result per request, in request order.
-    pub fn generate(&mut self, requests: Vec<GenerateRequest>) -> Result<Vec<GenerateResult>> {
+impl Generate for Engine {
+    fn generate_batch(&mut self, requests: Vec<GenerateRequest>) -> Result<Vec<GenerateResult>> {
         let expected = requests.len();
-        let results = match self {
-            Generator::Engine(engine) => engine.generate(requests)?,
-            Generator::Fleet(fleet) => {
-                let (results, stats) = fleet.fleet.generate(requests)?;
-                fleet.last = stats;
-                results
-            }
-        };
+        let results = self.generate(requests)?;
         check_count(results.len(), expected)?;
         Ok(results)
     }
@@ -133,7 +135,7 @@ pub fn sample_prompts(
     seed: u64,
     step: u64,
 ) -> Result<Vec<GenerateResult>> {
-    Generator::Engine(engine).generate(sampling_requests(prompts, spec, stop, seed, step))
+    engine.generate_batch(sampling_requests(prompts, spec, stop, seed, step))
 }
 
 /// The requests of [`sample_prompts`]: `spec.group_size` per prompt, group-major, seeded
@@ -161,7 +163,8 @@ pub fn sampling_requests(
     requests
 }
 
-fn check_count(got: usize, expected: usize) -> Result<()> {
+/// An error unless `got` results answer `expected` requests.
+pub fn check_count(got: usize, expected: usize) -> Result<()> {
     if got != expected {
         return Err(TrainError::EngineResults { got, expected });
     }
@@ -209,11 +212,13 @@ pub fn score_groups(
             let group = groups[n];
             Trajectory {
                 group,
-                prompt_ids: items[group].ids.clone(),
                 stopped: matches!(r.finish, FinishReason::Stop { .. }),
-                response_ids: r.output_ids,
-                rollout_logp: r.output_logprobs,
-                routes: r.routes,
+                sample: RolloutSample {
+                    prompt_ids: items[group].ids.clone(),
+                    response_ids: r.output_ids,
+                    rollout_logp: r.output_logprobs,
+                    routes: r.routes,
+                },
                 weight_version: r.weight_version,
                 reward: score.reward,
                 correct: score.correct,
@@ -250,24 +255,28 @@ pub fn score_responses(
 /// The trajectories as a scoring batch (prompt + response, prompt lengths).
 pub fn response_batch(trajectories: &[Trajectory]) -> Result<ResponseBatch> {
     ResponseBatch::new(
-        trajectories.iter().map(Trajectory::tokens).collect(),
-        trajectories.iter().map(|t| t.prompt_ids.len()).collect(),
+        trajectories.iter().map(|t| t.sample.tokens()).collect(),
+        trajectories
+            .iter()
+            .map(|t| t.sample.prompt_ids.len())
+            .collect(),
     )
 }
 
-/// The rollout route tables of the trajectories, in the `len − 1`-row form replay accepts:
-/// where routes enter the trainer, so the one place their row range and coverage (a route
-/// in every cell, proven by [`ReplayRoutes`]) are checked.
-pub fn rollout_routes(trajectories: &[Trajectory], layout: &LayerLayout) -> Result<ReplayRoutes> {
-    let tables = trajectories
-        .iter()
+/// The rollout route tables of the samples, checked: one per sample, covering exactly
+/// the positions `[0, prompt + response − 1)` the rollout fed.
+pub fn rollout_tables<'a>(
+    samples: impl IntoIterator<Item = &'a RolloutSample>,
+) -> Result<Vec<RouteTable>> {
+    samples
+        .into_iter()
         .enumerate()
-        .map(|(i, t)| {
-            let table = t
+        .map(|(i, s)| {
+            let table = s
                 .routes
                 .clone()
                 .ok_or(TrainError::MissingRolloutRoutes { trajectory: i })?;
-            let expected = t.prompt_ids.len() + t.response_ids.len() - 1;
+            let expected = s.prompt_ids.len() + s.response_ids.len() - 1;
             if table.start_pos() != 0 || table.num_tokens() != expected {
                 return Err(TrainError::MisalignedRolloutRoutes {
                     trajectory: i,
@@ -278,8 +287,18 @@ pub fn rollout_routes(trajectories: &[Trajectory], layout: &LayerLayout) -> Resu
             }
             Ok(table)
         })
-        .collect::<Result<Vec<_>>>()?;
-    Ok(ReplayRoutes::new(tables, layout)?)
+        .collect()
+}
+
+/// The rollout routes of the samples in the `len − 1`-row form replay accepts: where
+/// routes enter a training engine, so the one place their row range
+/// ([`rollout_tables`]) and coverage (a route in every cell, proven by [`ReplayRoutes`])
+/// are checked.
+pub fn rollout_routes<'a>(
+    samples: impl IntoIterator<Item = &'a RolloutSample>,
+    layout: &LayerLayout,
+) -> Result<ReplayRoutes> {
+    Ok(ReplayRoutes::new(rollout_tables(samples)?, layout)?)
 }
 
 /// Result of a held-out evaluation.
@@ -298,7 +317,7 @@ pub struct EvalResult {
 /// correct. Routes are not captured.
 #[allow(clippy::too_many_arguments)]
 pub fn evaluate_prompts(
-    mut generator: Generator<'_>,
+    generator: &mut dyn Generate,
     eos: &[u32],
     tokenizer: &ModelText,
     items: &[PromptItem],
@@ -327,7 +346,7 @@ pub fn evaluate_prompts(
             req
         })
         .collect::<Vec<_>>();
-    let results = generator.generate(requests)?;
+    let results = generator.generate_batch(requests)?;
     let tokens: usize = results.iter().map(|r| r.output_ids.len()).sum();
     let completions = results
         .iter()
@@ -361,7 +380,7 @@ pub fn evaluate(
     let reward = Reward::from_spec(&RewardSpec::default(), 0.0);
     let eos = engine.eos_token_ids().to_vec();
     evaluate_prompts(
-        Generator::Engine(engine),
+        engine,
         &eos,
         tokenizer,
         &items,

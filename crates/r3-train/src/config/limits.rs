@@ -2,7 +2,7 @@
 //! every rate and coefficient inside the range where an update stays meaningful, every
 //! size that must count something at least 1. Each error names its key.
 
-use crate::config::TrainConfig;
+use crate::config::train::TrainConfig;
 use crate::error::{Result, TrainError};
 
 /// Largest accepted `optim.lr`. An AdamW step moves each weight by about `lr`, so a rate

@@ -1,7 +1,7 @@
 //! Loss aggregation: turning a `[B, T]` matrix of per-token losses into one scalar.
 
+use crate::algo::logprob::{masked_mean, masked_row_mean};
 use crate::error::{Result, TrainError};
-use crate::logprob::{masked_mean, masked_row_mean};
 use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 

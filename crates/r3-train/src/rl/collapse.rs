@@ -2,7 +2,7 @@
 //! to almost nothing is stuck on one wrong answer (or its weights have blown up) and will
 //! not recover by itself, so the run says so instead of training on silently.
 
-use crate::metrics_log::StepMetrics;
+use crate::rl::metrics_log::StepMetrics;
 
 /// Entropy (nats per response token) below which sampling is practically greedy.
 pub const ENTROPY_FLOOR: f64 = 0.05;

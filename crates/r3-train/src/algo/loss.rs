@@ -11,9 +11,9 @@
 //! and `is_weights` are detached here; `advantages` is `[B]` (broadcast over tokens) or
 //! `[B, T]`; `mask` is 1.0 on response tokens.
 
-use crate::agg::{aggregate, LossAgg};
+use crate::algo::agg::{aggregate, LossAgg};
+use crate::algo::logprob::{check_bt, masked_mean, scalar_f32};
 use crate::error::{Result, TrainError};
-use crate::logprob::{check_bt, masked_mean, scalar_f32};
 use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 

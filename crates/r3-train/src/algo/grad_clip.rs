@@ -1,7 +1,7 @@
 //! Global gradient-norm computation and clipping over a `GradStore`.
 
+use crate::algo::logprob::scalar_f32;
 use crate::error::Result;
-use crate::logprob::scalar_f32;
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 use serde::{Deserialize, Serialize};

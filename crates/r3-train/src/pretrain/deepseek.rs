@@ -1,11 +1,9 @@
 //! The DeepSeek-V3-style model `r3 pretrain` can write: the architecture switch of the
 //! `[model]` table, the `[model.deepseek]` keys (grouped sigmoid routing with a selection
 //! bias, shared expert, dense first layers, MLA sizes, the bias update rate) and the HF
-//! `config.json` they produce.
+//! `config.json` keys they add to those every family shares.
 
 use serde::{Deserialize, Serialize};
-
-use crate::pretrain_config::ModelShape;
 
 /// Model family `r3 pretrain` writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -124,59 +122,42 @@ impl DeepseekShape {
     }
 }
 
-/// The HF `config.json` of a DeepSeek-V3 model of shape `m` (`m.deepseek` read) over
-/// `vocab_size` tokens.
-pub fn deepseek_hf_config(m: &ModelShape, vocab_size: usize) -> serde_json::Value {
-    let d = &m.deepseek;
-    // Two literals: one would exceed `json!`'s macro recursion limit.
-    let mut cfg = serde_json::json!({
-        "architectures": ["DeepseekV3ForCausalLM"],
-        "model_type": "deepseek_v3",
-        "vocab_size": vocab_size,
-        "hidden_size": m.hidden_size,
-        "intermediate_size": d.intermediate_size,
-        "moe_intermediate_size": m.moe_intermediate_size,
-        "num_hidden_layers": m.num_hidden_layers,
-        "num_attention_heads": m.num_attention_heads,
-        "num_key_value_heads": m.num_attention_heads,
-        "n_shared_experts": d.n_shared_experts,
-        "n_routed_experts": m.num_experts,
-        "num_experts_per_tok": m.num_experts_per_tok,
-        "routed_scaling_factor": d.routed_scaling_factor,
-        "n_group": d.n_group,
-        "topk_group": d.topk_group,
-        "topk_method": "noaux_tc",
-        "scoring_func": "sigmoid",
-        "norm_topk_prob": m.norm_topk_prob,
-        "first_k_dense_replace": d.first_k_dense_replace,
-        "moe_layer_freq": 1,
-        "num_nextn_predict_layers": 0,
-    });
-    let attention = serde_json::json!({
-        "q_lora_rank": (d.q_lora_rank > 0).then_some(d.q_lora_rank),
-        "kv_lora_rank": d.kv_lora_rank,
-        "qk_nope_head_dim": d.qk_nope_head_dim,
-        "qk_rope_head_dim": d.qk_rope_head_dim,
-        "qk_head_dim": d.qk_nope_head_dim + d.qk_rope_head_dim,
-        "head_dim": d.qk_rope_head_dim,
-        "v_head_dim": d.v_head_dim,
-        "rope_interleave": true,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-        "rope_theta": m.rope_theta,
-        "max_position_embeddings": m.max_position_embeddings,
-        "attention_bias": false,
-        "attention_dropout": 0.0,
-        "tie_word_embeddings": false,
-        "initializer_range": m.init_std,
-        "bos_token_id": r3_tasks::BOS_ID,
-        "eos_token_id": r3_tasks::EOS_ID,
-        "pad_token_id": r3_tasks::PAD_ID,
-        "torch_dtype": "float32",
-        "use_cache": true
-    });
-    if let (Some(all), serde_json::Value::Object(rest)) = (cfg.as_object_mut(), attention) {
-        all.extend(rest);
+impl DeepseekShape {
+    /// The keys of a DeepSeek-V3 `config.json` beyond those every family shares, for a
+    /// model of `heads` attention heads (multi-head latent attention: as many key/value
+    /// heads), `experts` routed experts and init std `init_std`.
+    pub fn hf_keys(&self, heads: usize, experts: usize, init_std: f64) -> serde_json::Value {
+        // Two literals: one would exceed `json!`'s macro recursion limit.
+        let mut keys = serde_json::json!({
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "model_type": "deepseek_v3",
+            "intermediate_size": self.intermediate_size,
+            "num_key_value_heads": heads,
+            "n_shared_experts": self.n_shared_experts,
+            "n_routed_experts": experts,
+            "routed_scaling_factor": self.routed_scaling_factor,
+            "n_group": self.n_group,
+            "topk_group": self.topk_group,
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+            "first_k_dense_replace": self.first_k_dense_replace,
+            "moe_layer_freq": 1,
+            "num_nextn_predict_layers": 0,
+            "initializer_range": init_std
+        });
+        let attention = serde_json::json!({
+            "q_lora_rank": (self.q_lora_rank > 0).then_some(self.q_lora_rank),
+            "kv_lora_rank": self.kv_lora_rank,
+            "qk_nope_head_dim": self.qk_nope_head_dim,
+            "qk_rope_head_dim": self.qk_rope_head_dim,
+            "qk_head_dim": self.qk_nope_head_dim + self.qk_rope_head_dim,
+            "head_dim": self.qk_rope_head_dim,
+            "v_head_dim": self.v_head_dim,
+            "rope_interleave": true
+        });
+        if let (Some(all), serde_json::Value::Object(rest)) = (keys.as_object_mut(), attention) {
+            all.extend(rest);
+        }
+        keys
     }
-    cfg
 }

@@ -7,7 +7,7 @@
 use r3_routing::LayerLoad;
 
 use crate::error::{Result, TrainError};
-use crate::policy::TrainablePolicy;
+use crate::policy::trainable::TrainablePolicy;
 
 /// Entropy of the load distribution divided by `ln(num_experts)`: 1 when every expert gets
 /// the same share, 0 when one expert takes everything (0 for no assignments).

@@ -12,9 +12,9 @@ use r3_tasks::{
 use r3_text::ChatMessage;
 use serde_json::Value;
 
-use crate::model_text::ModelText;
+use crate::policy::model_text::ModelText;
 
-use crate::config::{DataConfig, TrainConfig};
+use crate::config::train::{DataConfig, TrainConfig};
 use crate::error::{Result, TrainError};
 
 /// One prompt of a step, ready for the engine and the reward.

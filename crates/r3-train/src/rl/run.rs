@@ -9,15 +9,15 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use crate::checkpoint::verified_checkpoint;
-use crate::collapse::CollapseWatch;
-use crate::config::TrainConfig;
+use crate::config::train::TrainConfig;
 use crate::error::{Result, TrainError};
-use crate::metrics_log::{
+use crate::rl::checkpoint::verified_checkpoint;
+use crate::rl::collapse::CollapseWatch;
+use crate::rl::metrics_log::{
     read_eval_lines, truncate_after_step, EvalLine, JsonlWriter, StepMetrics,
 };
-use crate::rollout::EvalResult;
-use crate::trainer::Trainer;
+use crate::rl::sampling::EvalResult;
+use crate::rl::trainer::Trainer;
 
 /// File names inside a run directory.
 pub const CONFIG_FILE: &str = "config.toml";

@@ -10,8 +10,8 @@
 //! response tokens, `exp(Σ_t (old − rollout))`, shared by every token of the sequence.
 //! All arithmetic is in log space, so huge ratios never overflow. Weights are detached.
 
+use crate::algo::logprob::{check_bt, masked_mean, scalar_f32};
 use crate::error::{Result, TrainError};
-use crate::logprob::{check_bt, masked_mean, scalar_f32};
 use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 

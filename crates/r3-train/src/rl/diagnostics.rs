@@ -6,7 +6,7 @@
 use r3_model::ReplayProof;
 use r3_routing::{divergence, mismatch_metrics, summarize, MismatchMetrics, RouteTable};
 
-use crate::config::RouterReplay;
+use crate::config::train::RouterReplay;
 use crate::error::{Result, TrainError};
 
 /// Mismatch of training vs rollout log-probs over all response tokens; `None` when there
@@ -99,7 +99,7 @@ pub fn verify_proof(
     let replayed = proof.total_replayed();
     if expected == 0 || replayed != expected {
         return Err(TrainError::ReplayNotVerified {
-            mode,
+            mode: mode.as_str(),
             pass,
             replayed,
             expected,

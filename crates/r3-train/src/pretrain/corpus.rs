@@ -17,8 +17,8 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use crate::error::{Result, TrainError};
-use crate::model_text::ModelText;
-use crate::pretrain_config::TokenizerSpec;
+use crate::policy::model_text::ModelText;
+use crate::pretrain::config::TokenizerSpec;
 
 /// Padding token of the BPE (id 0).
 pub const PAD_TOKEN: &str = "<|endoftext|>";

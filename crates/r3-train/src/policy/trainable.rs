@@ -9,8 +9,8 @@ use candle_core::{DType, Device, Tensor, Var};
 use r3_model::{Batch, Config, Model, Precision, ReplayProof, Routing, Weights};
 use r3_routing::RouteTable;
 
+use crate::algo::logprob::{entropy_from_logits, masked_mean, scalar_f32, token_log_probs};
 use crate::error::{Result, TrainError};
-use crate::logprob::{entropy_from_logits, masked_mean, scalar_f32, token_log_probs};
 
 /// Prompt+response token sequences and where each response starts.
 #[derive(Debug, Clone)]

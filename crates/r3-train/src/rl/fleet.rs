@@ -1,18 +1,23 @@
 //! The trainer's side of a rollout fleet (`rollout.backend = "sglang"`): connecting to the
 //! workers, writing the policy's weights as an HF checkpoint under `rollout.sync_dir`
 //! (temporary directory, then an atomic rename to `step_<N>`), moving every worker to
-//! weight version N, pruning old sync directories, and the step's fleet metrics.
+//! weight version N, pruning old sync directories, generating a step's requests (and
+//! holding the batch drawn ahead for the next step, `rollout.async`), and the step's
+//! fleet metrics.
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use r3_fleet::{Fleet, FleetConfig, ModelFacts, RolloutStats};
+use r3_rollout::{GenerateRequest, GenerateResult};
 
-use crate::config::{RolloutBackend, TrainConfig};
+use crate::config::train::TrainConfig;
 use crate::error::{Result, TrainError};
-use crate::metrics_log::StepMetrics;
-use crate::policy::TrainablePolicy;
-use crate::trainer::Trainer;
+use crate::policy::model_text::ModelText;
+use crate::policy::trainable::TrainablePolicy;
+use crate::rl::ahead::AheadBatch;
+use crate::rl::metrics_log::StepMetrics;
+use crate::rl::sampling::{check_count, Generate};
 
 const STEP_PREFIX: &str = "step_";
 const TMP_PREFIX: &str = ".tmp-";
@@ -30,21 +35,20 @@ pub struct FleetRollout {
     keep: usize,
     /// What the last rollout batch cost (retries, stale replies, workers up).
     pub last: RolloutStats,
+    /// The next step's batch when it was generated during this step (`rollout.async`).
+    pub ahead: Option<AheadBatch>,
 }
 
 impl FleetRollout {
     /// Connects to the workers of `cfg.rollout` and brings them all to the policy's
-    /// weights as version `step`; `None` for the in-process engine backend.
+    /// weights as version `step`.
     pub fn connect(
         cfg: &TrainConfig,
         policy: &TrainablePolicy,
-        tokenizer: &crate::model_text::ModelText,
+        tokenizer: &ModelText,
         step: u64,
-    ) -> Result<Option<Self>> {
+    ) -> Result<Self> {
         let r = &cfg.rollout;
-        if r.backend == RolloutBackend::Engine {
-            return Ok(None);
-        }
         let model = policy.config();
         let moe = model
             .moe
@@ -82,6 +86,7 @@ impl FleetRollout {
             sync_dir,
             keep: 2 + r.max_staleness as usize,
             last: RolloutStats::default(),
+            ahead: None,
         };
         this.push(policy, tokenizer, step)?;
         tracing::info!(
@@ -89,14 +94,14 @@ impl FleetRollout {
             version = step,
             "rollout fleet ready"
         );
-        Ok(Some(this))
+        Ok(this)
     }
 
     /// Writes the weights as `step_<version>` and loads them on every worker.
     pub fn push(
         &mut self,
         policy: &TrainablePolicy,
-        tokenizer: &crate::model_text::ModelText,
+        tokenizer: &ModelText,
         version: u64,
     ) -> Result<()> {
         let dir = write_sync_checkpoint(&self.sync_dir, policy, tokenizer, version)?;
@@ -111,17 +116,24 @@ impl FleetRollout {
         m.rollout_workers_up = Some(self.last.workers_up as u64);
         m.rollout_partial_resumed = Some(self.last.partial_resumed);
     }
+
+    /// The batch generated ahead for the next step, if any; its cost becomes the last
+    /// batch's.
+    pub fn take_ahead(&mut self) -> Option<AheadBatch> {
+        let ahead = self.ahead.take()?;
+        self.last = ahead.stats;
+        Some(ahead)
+    }
 }
 
-impl Trainer {
-    /// Moves the fleet (if any) to the policy's current weights as version `version`;
-    /// returns seconds taken.
-    pub fn sync_fleet(&mut self, version: u64) -> Result<f64> {
-        let t = Instant::now();
-        if let Some(f) = self.fleet.as_mut() {
-            f.push(&self.policy, &self.tokenizer, version)?;
-        }
-        Ok(t.elapsed().as_secs_f64())
+impl Generate for FleetRollout {
+    /// The workers' results; the batch's retries and staleness are kept in `last`.
+    fn generate_batch(&mut self, requests: Vec<GenerateRequest>) -> Result<Vec<GenerateResult>> {
+        let expected = requests.len();
+        let (results, stats) = self.fleet.generate(requests)?;
+        self.last = stats;
+        check_count(results.len(), expected)?;
+        Ok(results)
     }
 }
 
@@ -130,7 +142,7 @@ impl Trainer {
 pub fn write_sync_checkpoint(
     root: &Path,
     policy: &TrainablePolicy,
-    tokenizer: &crate::model_text::ModelText,
+    tokenizer: &ModelText,
     version: u64,
 ) -> Result<PathBuf> {
     let name = format!("{STEP_PREFIX}{version}");
@@ -195,15 +207,5 @@ mod tests {
         left.sort();
         assert_eq!(left, vec![".tmp-step_12", "notes", "step_10", "step_11"]);
         let _ = std::fs::remove_dir_all(&root);
-    }
-
-    #[test]
-    fn the_engine_backend_connects_to_nothing() {
-        let cfg = TrainConfig::default();
-        let policy_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/arith-moe");
-        let policy = TrainablePolicy::load(&policy_dir).expect("policy");
-        let tokenizer = crate::model_text::ModelText::from_model_dir(&policy_dir).expect("tok");
-        let fleet = FleetRollout::connect(&cfg, &policy, &tokenizer, 0).expect("connect");
-        assert!(fleet.is_none());
     }
 }

@@ -3,10 +3,10 @@
 //! moment non-finite, skips the update and leaves the weights and the optimiser state
 //! untouched, so the loop can report it (`update.skipped`) and carry on.
 
+use crate::algo::grad_clip::{clip_grad_norm, GradNorm};
+use crate::algo::logprob::scalar_f32;
+use crate::algo::optim::{AdamW, AdamWStep};
 use crate::error::Result;
-use crate::grad_clip::{clip_grad_norm, GradNorm};
-use crate::logprob::scalar_f32;
-use crate::optim::{AdamW, AdamWStep};
 use candle_core::backprop::GradStore;
 use candle_core::Tensor;
 use serde::{Deserialize, Serialize};

@@ -16,10 +16,10 @@ use candle_core::{Device, Tensor};
 use r3_tasks::DatasetPosition;
 use serde::{Deserialize, Serialize};
 
+use crate::algo::optim::AdamW;
 use crate::error::{Result, TrainError};
-use crate::manifest::{verify_manifest, write_manifest};
-use crate::optim::AdamW;
-use crate::policy::TrainablePolicy;
+use crate::policy::trainable::TrainablePolicy;
+use crate::rl::manifest::{verify_manifest, write_manifest};
 
 /// Format version of `trainer_state.json`.
 pub const STATE_FORMAT: u32 = 1;
@@ -71,7 +71,7 @@ pub fn save_checkpoint(
     run_dir: &Path,
     policy: &TrainablePolicy,
     optimizer: &AdamW,
-    tokenizer: &crate::model_text::ModelText,
+    tokenizer: &crate::policy::model_text::ModelText,
     state: &TrainerState,
     keep_last: usize,
 ) -> Result<PathBuf> {

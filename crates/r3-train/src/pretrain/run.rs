@@ -21,24 +21,25 @@ use r3_tasks::{
 use r3_text::TextTokenizer;
 use serde::Serialize;
 
-use crate::config::DataConfig;
-use crate::model_text::ModelText;
-use crate::pretrain_config::Corpus;
-use crate::pretrain_corpus::{
+use crate::config::train::DataConfig;
+use crate::policy::model_text::ModelText;
+use crate::pretrain::config::Corpus;
+use crate::pretrain::corpus::{
     batch_tensors, example, excluded_prompts, train_word_problem_tokenizer,
     write_word_problem_tokenizer, WordProblemStream, PAD_TOKEN, TURN_END,
 };
-use crate::prompt_source::load_split;
+use crate::rl::prompt_source::load_split;
 
+use crate::algo::logprob::{masked_mean, token_log_probs};
+use crate::algo::optim::{decay_matrices_only, AdamW, AdamWParams};
+use crate::algo::schedule::{LrDecay, LrSchedule};
+use crate::algo::update::{backward_and_step, UpdateOutcome};
 use crate::error::{Result, TrainError};
-use crate::expert_balance::{normalised_entropy, update_score_bias};
-use crate::logprob::{masked_mean, token_log_probs};
-use crate::optim::{decay_matrices_only, AdamW, AdamWParams};
-use crate::policy::TrainablePolicy;
-use crate::pretrain_config::{PretrainArchitecture, PretrainConfig};
-use crate::rollout::{evaluate, evaluate_prompts, EvalResult, Generator};
-use crate::schedule::{LrDecay, LrSchedule};
-use crate::update::{backward_and_step, UpdateOutcome};
+use crate::policy::trainable::TrainablePolicy;
+use crate::pretrain::config::PretrainConfig;
+use crate::pretrain::deepseek::PretrainArchitecture;
+use crate::pretrain::expert_balance::{normalised_entropy, update_score_bias};
+use crate::rl::sampling::{evaluate, evaluate_prompts, EvalResult};
 
 /// Stream tag mixed into the seed of the word-problem corpus (distinct from `r3 data
 /// generate`'s seeds, and the validation questions are excluded besides).
@@ -340,7 +341,7 @@ fn pretrain_arithmetic(
             SupervisedBatches::new(
                 t,
                 &tokenizer,
-                crate::rollout::mix_seed(&[cfg.seed, u64::from(l)]),
+                crate::rl::sampling::mix_seed(&[cfg.seed, u64::from(l)]),
                 cfg.batch_size,
                 None,
                 LossOn::Solution,
@@ -350,7 +351,7 @@ fn pretrain_arithmetic(
     let probe = SupervisedBatches::new(
         &eval_task,
         &tokenizer,
-        crate::rollout::mix_seed(&[cfg.seed, cfg.eval_seed, u64::from(cfg.eval_difficulty)]),
+        crate::rl::sampling::mix_seed(&[cfg.seed, cfg.eval_seed, u64::from(cfg.eval_difficulty)]),
         cfg.batch_size,
         None,
         LossOn::Solution,
@@ -389,7 +390,7 @@ fn pretrain_word_problems(
     let wp = &cfg.word_problems;
     let exclude = excluded_prompts(&wp.exclude_files)?;
     let mut stream = WordProblemStream::new(
-        crate::rollout::mix_seed(&[cfg.seed, WORD_PROBLEM_STREAM]),
+        crate::rl::sampling::mix_seed(&[cfg.seed, WORD_PROBLEM_STREAM]),
         exclude,
     );
     let text = train_word_problem_tokenizer(&mut stream, &cfg.tokenizer, &wp.system_prompt)?;
@@ -443,7 +444,7 @@ fn pretrain_word_problems(
         let mut engine = eval_engine(p)?;
         let eos = engine.eos_token_ids().to_vec();
         evaluate_prompts(
-            Generator::Engine(&mut engine),
+            &mut engine,
             &eos,
             &text,
             &eval_items,

@@ -1,0 +1,27 @@
+//! The RL loop around the algorithm, from the run down:
+//! - the run (`run`): steps, evaluations, metrics lines (`metrics_log`), the collapse
+//!   watch (`collapse`), checkpoints with their manifest and resume (`checkpoint`,
+//!   `manifest`);
+//! - the trainer and one step (`trainer`): the step's batch and context (`step`), its
+//!   updates under the replay mode (`updates`, `minibatch`, `diagnostics`), its metrics
+//!   line (`step_metrics`);
+//! - the rollout side: the prompts (`prompt_source`), sampling and scoring them
+//!   (`sampling`), the backend that generates them (`backend`): the in-process engine or
+//!   a fleet with its weight sync (`fleet`) and one-step-ahead generation (`ahead`).
+
+pub mod ahead;
+pub mod backend;
+pub mod checkpoint;
+pub mod collapse;
+pub mod diagnostics;
+pub mod fleet;
+pub mod manifest;
+pub mod metrics_log;
+pub mod minibatch;
+pub mod prompt_source;
+pub mod run;
+pub mod sampling;
+pub mod step;
+pub mod step_metrics;
+pub mod trainer;
+pub mod updates;

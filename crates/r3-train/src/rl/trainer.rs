@@ -1,0 +1,311 @@
+//! The trainer: its state (the resolved config, the trainable policy and its AdamW, the
+//! rollout backend, the prompt source with its eval prompts and position, the reward)
+//! and what it does: build itself from a base model or a checkpoint, run one RL step —
+//! rollout → reward → GRPO advantages (+ dynamic sampling) → the updates → weight sync
+//! to the rollout backend → metrics — evaluate, and write checkpoints. The step's data
+//! is in `step`, its updates in `updates`, its metrics line in `step_metrics`.
+
+use std::path::Path;
+use std::time::Instant;
+
+use r3_rollout::{config_eos_ids, GenerateRequest};
+use r3_tasks::{DatasetPosition, Reward};
+
+use crate::algo::optim::{decay_matrices_only, AdamW, AdamWParams};
+use crate::config::train::TrainConfig;
+use crate::error::{Result, TrainError};
+use crate::policy::model_text::ModelText;
+use crate::policy::trainable::TrainablePolicy;
+use crate::rl::ahead::{generate_while, AheadBatch};
+use crate::rl::backend::Backend;
+use crate::rl::checkpoint::{load_optimizer, save_checkpoint, state_at, TrainerState};
+use crate::rl::diagnostics::logp_mismatch;
+use crate::rl::metrics_log::StepMetrics;
+use crate::rl::prompt_source::{PromptItem, PromptSource};
+use crate::rl::sampling::{evaluate_prompts, group_requests, score_groups, EvalResult, Generate};
+use crate::rl::step::{sampling_spec, update_settings, StepBatch, StepContext, StepTrace};
+use crate::rl::step_metrics::{finish_metrics, stale_frac};
+use crate::rl::updates::{run_updates, Updates};
+
+/// Everything one RL run mutates.
+#[derive(Debug)]
+pub struct Trainer {
+    /// The resolved config.
+    pub cfg: TrainConfig,
+    /// Trainable weights (f32).
+    pub policy: TrainablePolicy,
+    /// AdamW over the policy's variables.
+    pub optimizer: AdamW,
+    /// Where rollouts are generated: the in-process engine with the policy's current
+    /// weights, or a rollout fleet (`rollout.backend = "sglang"`).
+    pub backend: Backend,
+    /// The model's `eos_token_id`s (from its config.json).
+    pub eos: Vec<u32>,
+    /// The model's tokenizer and chat template.
+    pub tokenizer: ModelText,
+    /// Training and held-out prompts, and the position in them.
+    pub prompts: PromptSource,
+    /// Reward of a response.
+    pub reward: Reward,
+    /// RL steps completed.
+    pub step: u64,
+}
+
+impl Trainer {
+    /// A fresh trainer on the base model of `cfg.model_dir`.
+    pub fn new(cfg: TrainConfig) -> Result<Self> {
+        let dir = cfg.model_dir.clone();
+        let policy = TrainablePolicy::load(&dir).map_err(|e| checkpoint_err(&dir, e))?;
+        let tokenizer = ModelText::from_model_dir(&dir)?;
+        Self::assemble(cfg, policy, tokenizer, None)
+    }
+
+    /// A trainer restored from checkpoint `dir` (weights, moments, step, stream position).
+    pub fn from_checkpoint(cfg: TrainConfig, dir: &Path) -> Result<Self> {
+        let state = crate::rl::checkpoint::read_state(dir)?;
+        if state.seed != cfg.seed {
+            return Err(TrainError::CheckpointSeed {
+                path: dir.to_path_buf(),
+                checkpoint: state.seed,
+                config: cfg.seed,
+            });
+        }
+        let policy = TrainablePolicy::load(dir).map_err(|e| checkpoint_err(dir, e))?;
+        let tokenizer = ModelText::from_model_dir(dir)?;
+        Self::assemble(cfg, policy, tokenizer, Some((dir, state)))
+    }
+
+    fn assemble(
+        cfg: TrainConfig,
+        policy: TrainablePolicy,
+        tokenizer: ModelText,
+        resume: Option<(&Path, TrainerState)>,
+    ) -> Result<Self> {
+        let mut policy = policy;
+        policy.set_precision(cfg.train.precision()?);
+        if tokenizer.vocab_size() > policy.config().vocab_size {
+            return Err(TrainError::VocabularyTooSmall {
+                tokenizer: tokenizer.vocab_size(),
+                model: policy.config().vocab_size,
+            });
+        }
+        let params = AdamWParams {
+            beta1: cfg.optim.beta1,
+            beta2: cfg.optim.beta2,
+            eps: cfg.optim.adam_eps,
+            weight_decay: cfg.optim.weight_decay,
+        };
+        let mut optimizer = AdamW::new(policy.vars().to_vec(), params, decay_matrices_only)?;
+        let eos = config_eos_ids(policy.config());
+        let reward = Reward::from_spec(&cfg.reward, cfg.task.format_reward as f32);
+        let (step, prompts) = match resume {
+            Some((dir, state)) => {
+                load_optimizer(dir, &state, &mut optimizer)?;
+                let prompts = PromptSource::new(
+                    &cfg,
+                    &tokenizer,
+                    Some(state.word_pos()?),
+                    state.dataset_position,
+                )?;
+                (state.step, prompts)
+            }
+            None => (0, PromptSource::new(&cfg, &tokenizer, None, None)?),
+        };
+        // A fleet samples and evaluates: no second copy of the weights in this process.
+        let backend = Backend::connect(&cfg, &policy, &tokenizer, step)?;
+        Ok(Self {
+            cfg,
+            policy,
+            optimizer,
+            backend,
+            eos,
+            tokenizer,
+            prompts,
+            reward,
+            step,
+        })
+    }
+
+    /// The next `n` training prompts (the seeded problem stream, or the dataset's epoch order).
+    pub fn next_prompts(&mut self, n: usize) -> Result<Vec<PromptItem>> {
+        self.prompts.next_items(n, self.cfg.seed, &self.tokenizer)
+    }
+
+    /// The steps this run takes: `steps`, or fewer when `data.total_epochs` ends first.
+    pub fn total_steps(&self) -> u64 {
+        let rows = match &self.prompts {
+            PromptSource::Arithmetic { .. } => None,
+            PromptSource::Dataset { train, .. } => Some(train.items.len()),
+        };
+        self.cfg.total_steps(rows)
+    }
+
+    /// The prompt stream's position after the last completed step: before the batch drawn
+    /// ahead when there is one.
+    pub fn prompt_position(&self) -> (u128, Option<DatasetPosition>) {
+        match self.backend.ahead() {
+            Some(ahead) => (ahead.stream_pos, ahead.dataset_position),
+            None => (self.prompts.stream_pos(), self.prompts.dataset_position()),
+        }
+    }
+
+    /// Held-out accuracy of the current weights (native routing, eval settings), on the
+    /// in-process engine or the fleet's workers.
+    pub fn evaluate(&mut self) -> Result<EvalResult> {
+        let items = self.prompts.eval_items(&self.tokenizer)?;
+        evaluate_prompts(
+            &mut self.backend,
+            &self.eos,
+            &self.tokenizer,
+            &items,
+            &self.reward,
+            self.cfg.rollout.max_new_tokens,
+            self.cfg.eval.temperature as f32,
+            self.cfg.eval.seed,
+        )
+    }
+
+    /// Writes a checkpoint of the current step into the run directory.
+    pub fn save_checkpoint(&self, run_dir: &Path) -> Result<std::path::PathBuf> {
+        let (stream_pos, dataset_position) = self.prompt_position();
+        let mut state = state_at(
+            self.step,
+            self.optimizer.step_count(),
+            self.cfg.seed,
+            stream_pos,
+        );
+        state.dataset_position = dataset_position;
+        save_checkpoint(
+            run_dir,
+            &self.policy,
+            &self.optimizer,
+            &self.tokenizer,
+            &state,
+            self.cfg.checkpoint.keep_last,
+        )
+    }
+
+    /// Runs RL step `self.step + 1` and returns its metrics line (without eval).
+    pub fn rl_step(&mut self) -> Result<StepMetrics> {
+        self.rl_step_with(None)
+    }
+
+    /// [`Trainer::rl_step`], also filling `trace` (when given) with the routes each pass used.
+    pub fn rl_step_with(&mut self, mut trace: Option<&mut StepTrace>) -> Result<StepMetrics> {
+        let step = self.step + 1;
+        let cfg = self.cfg.clone();
+        let data = self.sample_step(step, &cfg)?;
+        if let Some(trace) = trace.as_deref_mut() {
+            trace.sequences = data.batch.sequences().to_vec();
+            trace.rollout_tables = data.routes.as_ref().map(|r| r.tables().to_vec());
+        }
+        let ctx = StepContext {
+            step,
+            cfg: &cfg,
+            data: &data,
+            settings: update_settings(&cfg),
+            trace,
+        };
+        let updates = if cfg.rollout.async_rollout && step < self.total_steps() {
+            self.updates_drawing_ahead(ctx)?
+        } else {
+            run_updates(&self.policy, &mut self.optimizer, ctx)?
+        };
+        let train_lp = data.batch.gather_responses(&updates.view.logp)?;
+        let mismatch = logp_mismatch(&train_lp, &data.rollout_lp)?;
+        let sync_s = self.backend.sync(&self.policy, &self.tokenizer, step)?;
+        self.step = step;
+        let mut metrics = finish_metrics(step, &cfg, &data, &updates, mismatch.as_ref(), sync_s);
+        if let Some(pos) = self.prompt_position().1 {
+            metrics.data_epoch = Some(pos.epoch);
+            metrics.data_filtered_prompts = Some(self.prompts.filtered() as u64);
+        }
+        if let Some(f) = self.backend.fleet() {
+            f.fill_metrics(&mut metrics);
+        }
+        Ok(metrics)
+    }
+
+    /// The `group_size` sampling requests per prompt of `items` for step `step`.
+    fn step_requests(
+        &self,
+        cfg: &TrainConfig,
+        items: &[PromptItem],
+        step: u64,
+    ) -> Vec<GenerateRequest> {
+        group_requests(
+            &self.eos,
+            &self.tokenizer,
+            items,
+            sampling_spec(cfg),
+            cfg.seed,
+            step,
+        )
+    }
+
+    /// Rollout, rewards and advantages of step `step`: the batch generated ahead during
+    /// the previous step when there is one, otherwise sampled now.
+    fn sample_step(&mut self, step: u64, cfg: &TrainConfig) -> Result<StepBatch> {
+        let group = cfg.rollout.group_size;
+        let t_rollout = Instant::now();
+        let (prompts, results, rollout_ahead_s) = match self.backend.take_ahead() {
+            Some(ahead) => {
+                debug_assert_eq!(ahead.step, step, "a batch generated ahead for another step");
+                (ahead.items, ahead.results, Some(ahead.generate_s))
+            }
+            None => {
+                let prompts = self.next_prompts(cfg.rollout.prompts_per_step)?;
+                let requests = self.step_requests(cfg, &prompts, step);
+                let results = self.backend.generate_batch(requests)?;
+                (prompts, results, None)
+            }
+        };
+        let trajs = score_groups(&self.tokenizer, &prompts, results, group, &self.reward)?;
+        let stale_frac = match self.backend.fleet() {
+            Some(_) => Some(stale_frac(&trajs, step, cfg.rollout.max_staleness)?),
+            None => None,
+        };
+        let rollout_s = t_rollout.elapsed().as_secs_f64();
+        let layout = &self.policy.config().layout;
+        StepBatch::new(trajs, cfg, layout, rollout_s, rollout_ahead_s, stale_frac)
+    }
+
+    /// The step's updates, with step `step + 1`'s batch generated by the fleet on another
+    /// thread meanwhile (same prompts and seeds as the synchronous loop would use, on the
+    /// weights before this step's update); see `ahead`.
+    fn updates_drawing_ahead(&mut self, ctx: StepContext<'_>) -> Result<Updates> {
+        let next = ctx.step + 1;
+        let (stream_pos, dataset_position) = self.prompt_position();
+        let items = self.next_prompts(ctx.cfg.rollout.prompts_per_step)?;
+        let requests = self.step_requests(ctx.cfg, &items, next);
+        let Backend::Fleet(fleet) = &mut self.backend else {
+            return Err(TrainError::InvalidConfig {
+                field: "rollout.async",
+                reason: "needs rollout.backend = \"sglang\"".into(),
+            });
+        };
+        let (policy, optimizer) = (&self.policy, &mut self.optimizer);
+        let (updates, generated) = generate_while(&fleet.fleet, requests, || {
+            run_updates(policy, optimizer, ctx)
+        });
+        let updates = updates?;
+        let (results, stats, generate_s) = generated?;
+        fleet.ahead = Some(AheadBatch {
+            step: next,
+            items,
+            results,
+            stats,
+            generate_s,
+            stream_pos,
+            dataset_position,
+        });
+        Ok(updates)
+    }
+}
+
+fn checkpoint_err(dir: &Path, e: TrainError) -> TrainError {
+    TrainError::Load {
+        path: dir.to_path_buf(),
+        source: Box::new(e),
+    }
+}

@@ -1,0 +1,239 @@
+//! The updates of one RL step on its sampled batch, under the replay mode: R3 replays
+//! the rollout routes in the old-log-prob pass and every update; R2 records the old
+//! pass's routes and replays them in every update; disabled routes natively. With one
+//! mini-batch the old policy *is* the update forward (ratio 1, as in the paper's single
+//! mini-step), so no separate old pass runs: the update forward's detached log-probs
+//! serve as old log-probs and for the diagnostics. With more, the old log-probs come from
+//! a separate pass and the kept rows are shuffled into mini-batches.
+
+use std::time::Instant;
+
+use candle_core::{Device, Tensor};
+use r3_model::{ReplayProof, ReplayRoutes, Routing};
+use r3_routing::RouteTable;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+use crate::algo::optim::AdamW;
+use crate::config::train::RouterReplay;
+use crate::error::{Result, TrainError};
+use crate::policy::trainable::{score, ResponseBatch, TrainablePolicy};
+use crate::rl::diagnostics::{
+    proof_divergence, recorded_divergence, verify_proof, RouteDivergence,
+};
+use crate::rl::minibatch::{update_minibatch, MiniBatch, MiniBatchResult, UpdateSettings};
+use crate::rl::sampling::mix_seed;
+use crate::rl::step::StepContext;
+
+/// What the old-policy view of the batch gave.
+pub(crate) struct OldView {
+    pub(crate) logp: Tensor,
+    pub(crate) recorded: Option<Vec<RouteTable>>,
+    pub(crate) entropy: f32,
+    pub(crate) verified_frac: Option<f64>,
+    pub(crate) divergence: Option<RouteDivergence>,
+}
+
+/// What the updates of a step did.
+pub(crate) struct Updates {
+    pub(crate) view: OldView,
+    pub(crate) results: Vec<MiniBatchResult>,
+    pub(crate) old_logp_s: f64,
+    pub(crate) update_s: f64,
+}
+
+/// The updates of a step on its batch: one over the whole batch, or one per mini-batch
+/// (`algo.mini_batches`).
+pub(crate) fn run_updates(
+    policy: &TrainablePolicy,
+    optimizer: &mut AdamW,
+    ctx: StepContext<'_>,
+) -> Result<Updates> {
+    if ctx.cfg.algo.mini_batches > 1 {
+        minibatch_updates(policy, optimizer, ctx)
+    } else {
+        single_update(policy, optimizer, ctx)
+    }
+}
+
+/// One update over the whole batch: its forward is the old policy (R3 replays the
+/// rollout routes, R2 and disabled record native routes for the divergence), and rows
+/// dropped by dynamic sampling get loss weight 0.
+fn single_update(
+    policy: &TrainablePolicy,
+    optimizer: &mut AdamW,
+    ctx: StepContext<'_>,
+) -> Result<Updates> {
+    let StepContext {
+        cfg,
+        data,
+        settings,
+        trace,
+        ..
+    } = ctx;
+    let started = Instant::now();
+    let routing = match (cfg.algo.router_replay, &data.routes) {
+        (RouterReplay::R3, Some(routes)) => Routing::Replay(routes),
+        _ => Routing::Record,
+    };
+    let mut row_weight = vec![0f32; data.trajs.len()];
+    for &r in &data.kept_rows {
+        row_weight[r] = 1.0;
+    }
+    let s = UpdateSettings {
+        lr: cfg.lr_schedule().lr_at(optimizer.step_count()),
+        ..settings
+    };
+    let mb = MiniBatch {
+        batch: &data.batch,
+        old_logp: None,
+        rollout_logp: data.rollout_logp.clone(),
+        advantages: data.advantages.clone(),
+        row_weight: Some(row_weight),
+        routing,
+    };
+    let r = update_minibatch(policy, optimizer, &mb, &s)?;
+    if let Some(trace) = trace {
+        trace
+            .updates
+            .push(((0..data.trajs.len()).collect(), r.replay.clone()));
+    }
+    let update_s = started.elapsed().as_secs_f64();
+    let divergence = match (&r.replay, &r.routes, &data.routes) {
+        (Some(proof), _, _) => Some(proof_divergence(proof)),
+        (None, Some(recorded), Some(rollout)) => {
+            Some(recorded_divergence(rollout.tables(), recorded)?)
+        }
+        _ => None,
+    };
+    let view = OldView {
+        logp: r.logp.clone(),
+        recorded: None,
+        entropy: r.entropy,
+        verified_frac: r.verified_frac,
+        divergence,
+    };
+    Ok(Updates {
+        view,
+        results: vec![r],
+        old_logp_s: 0.0,
+        update_s,
+    })
+}
+
+/// The old-log-prob pass, then one update per mini-batch of the shuffled kept rows,
+/// each replaying the mode's routes (R3: rollout, R2: the old pass's) for its rows.
+fn minibatch_updates(
+    policy: &TrainablePolicy,
+    optimizer: &mut AdamW,
+    ctx: StepContext<'_>,
+) -> Result<Updates> {
+    let StepContext {
+        step,
+        cfg,
+        data,
+        settings,
+        mut trace,
+    } = ctx;
+    let mode = cfg.algo.router_replay;
+    let t_old = Instant::now();
+    let (view, proof) = old_pass(policy, &data.batch, data.routes.as_ref(), mode)?;
+    if let Some(trace) = trace.as_deref_mut() {
+        trace.old_proof = proof;
+        trace.old_recorded = view.recorded.clone();
+    }
+    let replayed = match mode {
+        RouterReplay::R3 => data.routes.clone(),
+        RouterReplay::R2 => {
+            let layout = &policy.config().layout;
+            let recorded = view.recorded.clone();
+            recorded.map(|t| ReplayRoutes::new(t, layout)).transpose()?
+        }
+        RouterReplay::Disabled => None,
+    };
+    let old_logp_s = t_old.elapsed().as_secs_f64();
+
+    let t_update = Instant::now();
+    let mut rows = data.kept_rows.clone();
+    rows.shuffle(&mut ChaCha8Rng::seed_from_u64(mix_seed(&[
+        cfg.seed, step, 0x5155,
+    ])));
+    let chunk = rows.len().div_ceil(cfg.algo.mini_batches).max(1);
+    let schedule = cfg.lr_schedule();
+    let mut results = Vec::new();
+    for part in rows.chunks(chunk) {
+        let mb_batch = data.batch.subset(part)?;
+        let width = mb_batch.width();
+        let idx = Tensor::from_vec(
+            part.iter().map(|&r| r as u32).collect(),
+            part.len(),
+            &Device::Cpu,
+        )?;
+        let pick = |t: &Tensor| -> Result<Tensor> {
+            Ok(t.index_select(&idx, 0)?.narrow(1, 0, width)?.contiguous()?)
+        };
+        let part_routes = replayed.as_ref().map(|r| r.select(part)).transpose()?;
+        let s = UpdateSettings {
+            lr: schedule.lr_at(optimizer.step_count()),
+            ..settings
+        };
+        let mb = MiniBatch {
+            batch: &mb_batch,
+            old_logp: Some(pick(&view.logp)?),
+            rollout_logp: pick(&data.rollout_logp)?,
+            advantages: part.iter().map(|&r| data.advantages[r]).collect(),
+            row_weight: None,
+            routing: part_routes
+                .as_ref()
+                .map_or(Routing::Native, Routing::Replay),
+        };
+        let r = update_minibatch(policy, optimizer, &mb, &s)?;
+        if let Some(trace) = trace.as_deref_mut() {
+            trace.updates.push((part.to_vec(), r.replay.clone()));
+        }
+        results.push(r);
+    }
+    Ok(Updates {
+        view,
+        results,
+        old_logp_s,
+        update_s: t_update.elapsed().as_secs_f64(),
+    })
+}
+
+/// The old-policy pass (no autograd graph) over the whole batch with the mode's
+/// routing: R3 replays the rollout routes, R2 and disabled record native routes.
+fn old_pass(
+    policy: &TrainablePolicy,
+    batch: &ResponseBatch,
+    routes: Option<&ReplayRoutes>,
+    mode: RouterReplay,
+) -> Result<(OldView, Option<ReplayProof>)> {
+    let model = policy.frozen_model()?;
+    let routing = match (mode, routes) {
+        (RouterReplay::R3, Some(r)) => Routing::Replay(r),
+        (RouterReplay::R3, None) => return Err(TrainError::MissingRolloutRoutes { trajectory: 0 }),
+        _ => Routing::Record,
+    };
+    let scored = score(&model, batch, routing)?;
+    let mask = batch.response_mask(None, &Device::Cpu)?;
+    let entropy = scored.mean_entropy(&mask)?;
+    let rollout = routes.map(ReplayRoutes::tables);
+    let (verified_frac, divergence) = match (&scored.replay, &scored.routes, rollout) {
+        (Some(proof), _, Some(t)) => (
+            Some(verify_proof(proof, t, mode, "old-logp")?),
+            Some(proof_divergence(proof)),
+        ),
+        (None, Some(rec), Some(t)) => (None, Some(recorded_divergence(t, rec)?)),
+        _ => (None, None),
+    };
+    let view = OldView {
+        logp: scored.logp.detach(),
+        recorded: scored.routes,
+        entropy,
+        verified_frac,
+        divergence,
+    };
+    Ok((view, scored.replay))
+}
