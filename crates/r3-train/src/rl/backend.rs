@@ -16,6 +16,9 @@ use crate::rl::fleet::FleetRollout;
 use crate::rl::sampling::Generate;
 
 /// Where the trainer's rollouts and evaluations are generated.
+// One value per trainer, built once and never moved in a loop: the engine's size costs
+// nothing, and boxing it would only add an indirection to every generate call.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum Backend {
     /// The in-process rollout engine (f16 by default) with the policy's current weights.
