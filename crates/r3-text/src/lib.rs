@@ -21,4 +21,4 @@ pub use error::{Result, TextError};
 pub use message::ChatMessage;
 pub use special::SpecialTokens;
 pub use template::{ChatTemplate, RenderOptions};
-pub use tokenizer::TextTokenizer;
+pub use tokenizer::{TextTokenizer, VOCAB_PADDING};
