@@ -125,6 +125,21 @@ pub enum ModelError {
         /// the value
         value: f64,
     },
+    /// A weight tensor holds a finite value past the range of the precision it is loaded
+    /// for (refused at load and on every update unless the caller allows it).
+    #[error("tensor `{tensor}` holds {value:e} at flat index {index}, outside the finite range of {precision} (±{max}): an {precision} engine would turn it into ±inf (pass the allow-non-finite option to load it anyway)")]
+    OutOfPrecisionRange {
+        /// HF tensor name
+        tensor: String,
+        /// flat row-major index of the first such element
+        index: usize,
+        /// the value
+        value: f64,
+        /// the precision that cannot hold it
+        precision: crate::weights::WeightPrecision,
+        /// its largest finite magnitude
+        max: f64,
+    },
     /// Router scores are not finite, so top-k is undefined.
     #[error("non-finite router score at row {row}, expert {expert}: {value}")]
     NonFiniteScore {

@@ -28,4 +28,6 @@ pub use precision::Precision;
 pub use router::Router;
 pub use routing::{ReplayProof, ReplayRoutes, Routing};
 pub use spec::{tensor_specs, tensor_specs_in, ExpertLayout, TensorRole, TensorSpec};
-pub use weights::{check_finite, LoadOptions, RandomInit, Weights};
+pub use weights::{
+    check_finite, check_holds, check_map_holds, LoadOptions, RandomInit, WeightPrecision, Weights,
+};

@@ -38,6 +38,17 @@ impl Precision {
         !matches!(self, Precision::F32)
     }
 
+    /// The format whose finite range the weights must lie in for this forward (they are
+    /// rounded to it at every matmul).
+    pub fn weight_precision(self) -> crate::weights::WeightPrecision {
+        use crate::weights::WeightPrecision as W;
+        match self {
+            Precision::F32 => W::F32,
+            Precision::Bf16 { .. } => W::Bf16,
+            Precision::F16 { .. } => W::F16,
+        }
+    }
+
     /// The precision of the router projection: f32 when the router is kept in f32.
     pub fn router(self) -> Precision {
         match self {

@@ -250,6 +250,7 @@ fn non_finite_weights_are_refused_naming_the_tensor_unless_allowed() {
         }
         let allowed = LoadOptions {
             allow_non_finite: true,
+            ..LoadOptions::default()
         };
         let loaded = Weights::load_with(&dir, &cfg, &Device::Cpu, &allowed).expect("allowed");
         let back = loaded

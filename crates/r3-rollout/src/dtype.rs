@@ -4,6 +4,8 @@
 use std::fmt;
 use std::str::FromStr;
 
+use r3_model::WeightPrecision;
+
 use crate::error::RolloutError;
 
 /// Precision of the rollout engine.
@@ -28,6 +30,17 @@ pub enum Dtype {
 }
 
 impl Dtype {
+    /// The precision whose finite range every weight must lie in for this engine: f16 and
+    /// bf16 engines hold (or round to) their weights in that format, so a value past its
+    /// range would turn into ±inf.
+    pub fn weight_precision(self) -> WeightPrecision {
+        match self {
+            Dtype::F16 => WeightPrecision::F16,
+            Dtype::Bf16 => WeightPrecision::Bf16,
+            Dtype::F32 => WeightPrecision::F32,
+        }
+    }
+
     /// Rounds activations to this dtype where the engine keeps them in it between ops: bf16
     /// only (f16 mode rounds around matmuls alone, f32 never).
     #[inline]

@@ -132,6 +132,7 @@ fn weight_dir_is_clients(e: &r3_model::ModelError) -> bool {
         | M::InvalidValue { .. }
         | M::ConfigTooLarge { .. }
         | M::NonFiniteWeight { .. }
+        | M::OutOfPrecisionRange { .. }
         | M::UnsupportedOption { .. }
         | M::UnsupportedModelType(_) => true,
         _ => false,

@@ -1,25 +1,34 @@
 //! The connection layer: an accept loop over HTTP/1.1 (hyper) with the limits that keep
 //! slow or idle clients from holding the server — a deadline for a request's headers that
-//! also closes idle keep-alive connections, a deadline for its body, and a cap on open
-//! connections (past it a connection gets an immediate 503 and is closed). Clients that
-//! half-close their write side after a full request still get their answer.
+//! also closes idle keep-alive connections, a deadline for its body, and caps on open
+//! connections, in all and per client (peer IP address). At a cap, the connection that has
+//! been idle longest (no request in flight: a kept-alive connection between requests, or one
+//! that has not sent a complete request header yet) is closed to make room, so a flood of
+//! idle or slow connections cannot lock real clients out; only when every connection has a
+//! request in flight does a new one get an immediate 503 (429 past the per-client cap).
+//! Clients that half-close their write side after a full request still get their answer.
 
+use std::collections::HashMap;
 use std::future::Future;
-use std::sync::Arc;
-use std::time::Duration;
+use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
-use axum::body::Body;
+use axum::body::{Body, Bytes, HttpBody};
 use axum::extract::{ConnectInfo, Request, State};
 use axum::http::header::CONTENT_LENGTH;
 use axum::http::StatusCode;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Router};
+use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
-use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, watch, Notify};
 
 use super::error::ApiError;
 
@@ -32,8 +41,13 @@ pub struct ConnectionLimits {
     pub header_timeout: Duration,
     /// How long a request's whole body may take to arrive (past it: 408).
     pub body_timeout: Duration,
-    /// Most connections open at once; one more gets 503 and is closed.
+    /// Most connections open at once; past it the longest-idle connection is closed to make
+    /// room, or, when every connection has a request in flight, the new one gets 503.
     pub max_connections: usize,
+    /// Most connections one client (peer IP address) may hold open at once; past it that
+    /// client's longest-idle connection is closed, or the new one gets 429. None: half of
+    /// `max_connections`.
+    pub max_connections_per_client: Option<usize>,
 }
 
 impl Default for ConnectionLimits {
@@ -42,25 +56,301 @@ impl Default for ConnectionLimits {
             header_timeout: Duration::from_secs(30),
             body_timeout: Duration::from_secs(60),
             max_connections: 512,
+            max_connections_per_client: None,
         }
     }
 }
 
-/// The answer to a connection over the cap, written without parsing its request.
-const BUSY: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
-connection: close\r\ncontent-length: 95\r\n\r\n\
-{\"error\":{\"message\":\"too many open connections; retry later\",\"type\":\"server_error\",\"code\":503}}";
+impl ConnectionLimits {
+    /// The per-client cap in force (at least one connection).
+    pub fn per_client(&self) -> usize {
+        self.max_connections_per_client
+            .unwrap_or(self.max_connections / 2)
+            .max(1)
+    }
+}
+
+/// File descriptors the process keeps for itself (model and checkpoint files, the listener,
+/// logs, the runtime) out of its open-file limit.
+pub const RESERVED_DESCRIPTORS: u64 = 64;
+
+/// The most connections a process with an open-file limit of `open_files` descriptors can
+/// hold: the limit less [`RESERVED_DESCRIPTORS`], less an eighth for the connections that
+/// are being refused or closed at any moment (each still holds its descriptor briefly).
+pub fn connections_for_open_files(open_files: u64) -> usize {
+    let usable = open_files.saturating_sub(RESERVED_DESCRIPTORS);
+    usize::try_from(usable - usable / 8)
+        .unwrap_or(usize::MAX)
+        .max(1)
+}
+
+/// A refusal written without parsing the request: `status` with a JSON error body naming
+/// the limit, and `connection: close`.
+fn refusal(status: StatusCode, message: &str) -> Vec<u8> {
+    let body = serde_json::json!({
+        "error": {"message": message, "type": "server_error", "code": status.as_u16()}
+    })
+    .to_string();
+    format!(
+        "HTTP/1.1 {} {}\r\ncontent-type: application/json\r\nconnection: close\r\n\
+         content-length: {}\r\n\r\n{body}",
+        status.as_u16(),
+        status.canonical_reason().unwrap_or(""),
+        body.len()
+    )
+    .into_bytes()
+}
+
+/// How long an evicted (or, at shutdown, closing) connection with no request in flight is
+/// still polled before it is dropped: a request that arrives meanwhile is answered (the
+/// connection then closes after it), and a kept-alive one finishes flushing.
+const CLOSE_GRACE: Duration = Duration::from_millis(50);
+
+/// One open connection as the table sees it.
+#[derive(Debug)]
+struct Conn {
+    ip: IpAddr,
+    /// Requests dispatched and not yet fully answered.
+    in_flight: AtomicUsize,
+    /// Milliseconds since the table's start when it last became idle (opened or answered).
+    idle_since_ms: AtomicU64,
+    /// Told when the table closes it to make room.
+    evict: Notify,
+}
+
+/// The open connections: counts in all and per client, and which to close at a cap.
+#[derive(Debug)]
+struct ConnTable {
+    started: Instant,
+    inner: Mutex<TableInner>,
+}
+
+#[derive(Debug, Default)]
+struct TableInner {
+    next_id: u64,
+    conns: HashMap<u64, Arc<Conn>>,
+    per_ip: HashMap<IpAddr, usize>,
+}
+
+/// What the table decided about a new connection.
+enum Admission {
+    /// Serve it (its id and state; any connection evicted for it has been told).
+    Open(u64, Arc<Conn>),
+    /// Refuse it: all connections (or all of this client's) have a request in flight.
+    Refuse(StatusCode, String),
+}
+
+impl ConnTable {
+    fn new() -> Self {
+        ConnTable {
+            started: Instant::now(),
+            inner: Mutex::new(TableInner::default()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, TableInner> {
+        // Every update is a single insert or remove, so a poisoned table is consistent.
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// Admits a connection from `ip` under `limits`, evicting the longest-idle connection of
+    /// the client (at its cap) or of anyone (at the total cap) when that makes room.
+    fn admit(&self, ip: IpAddr, limits: &ConnectionLimits) -> Admission {
+        let mut t = self.lock();
+        let per_client = limits.per_client();
+        if t.per_ip.get(&ip).copied().unwrap_or(0) >= per_client {
+            match t.longest_idle(Some(ip)) {
+                Some(id) => t.evict(id),
+                None => {
+                    return Admission::Refuse(
+                        StatusCode::TOO_MANY_REQUESTS,
+                        format!(
+                            "client {ip} has {per_client} open connections with requests in \
+                             flight; the limit is {per_client} per client \
+                             (--max-connections-per-client)"
+                        ),
+                    )
+                }
+            }
+        }
+        if t.conns.len() >= limits.max_connections.max(1) {
+            match t.longest_idle(None) {
+                Some(id) => t.evict(id),
+                None => {
+                    return Admission::Refuse(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "too many open connections; retry later".into(),
+                    )
+                }
+            }
+        }
+        let id = t.next_id;
+        t.next_id += 1;
+        let conn = Arc::new(Conn {
+            ip,
+            in_flight: AtomicUsize::new(0),
+            idle_since_ms: AtomicU64::new(self.now_ms()),
+            evict: Notify::new(),
+        });
+        t.conns.insert(id, Arc::clone(&conn));
+        *t.per_ip.entry(ip).or_default() += 1;
+        Admission::Open(id, conn)
+    }
+
+    /// Forgets connection `id` once it has ended (a no-op when it was evicted).
+    fn remove(&self, id: u64) {
+        self.lock().forget(id);
+    }
+
+    fn len(&self) -> usize {
+        self.lock().conns.len()
+    }
+}
+
+impl TableInner {
+    /// The connection (of `ip`, when given) with no request in flight that has been idle
+    /// longest; ties go to the oldest.
+    fn longest_idle(&self, ip: Option<IpAddr>) -> Option<u64> {
+        self.conns
+            .iter()
+            .filter(|(_, c)| ip.is_none_or(|ip| c.ip == ip))
+            .filter(|(_, c)| c.in_flight.load(Ordering::Acquire) == 0)
+            .min_by_key(|(&id, c)| (c.idle_since_ms.load(Ordering::Acquire), id))
+            .map(|(&id, _)| id)
+    }
+
+    fn forget(&mut self, id: u64) -> Option<Arc<Conn>> {
+        let conn = self.conns.remove(&id)?;
+        if let Some(n) = self.per_ip.get_mut(&conn.ip) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_ip.remove(&conn.ip);
+            }
+        }
+        Some(conn)
+    }
+
+    /// Takes connection `id` out of the counts and tells its task to close it.
+    fn evict(&mut self, id: u64) {
+        if let Some(conn) = self.forget(id) {
+            tracing::debug!(ip = %conn.ip, "closing the longest-idle connection to make room");
+            conn.evict.notify_one();
+        }
+    }
+}
+
+/// A request in flight on a connection: marks it busy until dropped.
+struct InFlight {
+    conn: Arc<Conn>,
+    table: Arc<ConnTable>,
+}
+
+impl InFlight {
+    fn start(conn: &Arc<Conn>, table: &Arc<ConnTable>) -> Self {
+        conn.in_flight.fetch_add(1, Ordering::AcqRel);
+        InFlight {
+            conn: Arc::clone(conn),
+            table: Arc::clone(table),
+        }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        // Stamp the idle time before the count reaches zero, so a scan never sees an idle
+        // connection with a stale stamp.
+        self.conn
+            .idle_since_ms
+            .store(self.table.now_ms(), Ordering::Release);
+        self.conn.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A response body that holds `guard` until the body is finished or dropped (a request's
+/// in-flight mark, a client's admission lease).
+pub(crate) struct GuardedBody<G> {
+    inner: Body,
+    guard: Option<G>,
+}
+
+impl<G: Send + Unpin + 'static> GuardedBody<G> {
+    /// `inner`, holding `guard` until it ends.
+    pub(crate) fn wrap(inner: Body, guard: G) -> Body {
+        Body::new(GuardedBody {
+            inner,
+            guard: Some(guard),
+        })
+    }
+}
+
+impl<G: Unpin> HttpBody for GuardedBody<G> {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, axum::Error>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Poll::Ready(None) = polled {
+            self.guard = None;
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// The router as one connection's hyper service: every request is marked in flight from
+/// its dispatch until its response body is finished or dropped.
+#[derive(Clone)]
+struct TrackedService {
+    inner: TowerToHyperService<Router>,
+    conn: Arc<Conn>,
+    table: Arc<ConnTable>,
+}
+
+type ServiceFuture =
+    Pin<Box<dyn Future<Output = Result<Response, std::convert::Infallible>> + Send>>;
+
+impl hyper::service::Service<hyper::Request<Incoming>> for TrackedService {
+    type Response = Response;
+    type Error = std::convert::Infallible;
+    type Future = ServiceFuture;
+
+    fn call(&self, req: hyper::Request<Incoming>) -> Self::Future {
+        // Marked at dispatch, synchronously: an eviction decided after this sees it busy.
+        let busy = InFlight::start(&self.conn, &self.table);
+        let answer = hyper::service::Service::call(&self.inner, req);
+        Box::pin(async move {
+            let response = answer.await?;
+            Ok(response.map(|body| GuardedBody::wrap(body, busy)))
+        })
+    }
+}
 
 /// Serves `router` on `listener` with `limits` until `shutdown` completes; then stops
-/// accepting and waits for open requests to be answered.
+/// accepting, answers the requests in flight and closes every connection.
 pub async fn serve_with_limits(
     listener: TcpListener,
     router: Router,
     limits: ConnectionLimits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
-    let graceful = GracefulShutdown::new();
+    let table = Arc::new(ConnTable::new());
+    let (stop_tx, stop_rx) = watch::channel(false);
+    // Every connection task holds a clone; `recv` returns None once all have ended.
+    let (alive_tx, mut alive_rx) = mpsc::channel::<()>(1);
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
         .timer(TokioTimer::new())
@@ -81,38 +371,94 @@ pub async fn serve_with_limits(
             },
             () = &mut shutdown => break,
         };
-        let Ok(permit) = Arc::clone(&slots).try_acquire_owned() else {
-            tracing::warn!(%peer, max = limits.max_connections, "connection refused: too many open");
-            tokio::spawn(async move {
-                let _ = tokio::time::timeout(Duration::from_secs(1), refuse_busy(stream)).await;
-            });
-            continue;
+        let (id, conn) = match table.admit(peer.ip(), &limits) {
+            Admission::Open(id, conn) => (id, conn),
+            Admission::Refuse(status, message) => {
+                tracing::warn!(%peer, open = table.len(), %message, "connection refused");
+                let reply = refusal(status, &message);
+                tokio::spawn(async move {
+                    let _ =
+                        tokio::time::timeout(Duration::from_secs(1), refuse(stream, &reply)).await;
+                });
+                continue;
+            }
         };
         let _ = stream.set_nodelay(true);
-        // The peer address, for the per-client limits (axum's `ConnectInfo`).
-        let service = TowerToHyperService::new(router.clone().layer(Extension(ConnectInfo(peer))));
-        let conn = builder.serve_connection(TokioIo::new(stream), service);
-        let conn = graceful.watch(conn);
+        let service = TrackedService {
+            // The peer address, for the per-client limits (axum's `ConnectInfo`).
+            inner: TowerToHyperService::new(router.clone().layer(Extension(ConnectInfo(peer)))),
+            conn: Arc::clone(&conn),
+            table: Arc::clone(&table),
+        };
+        let connection = builder.serve_connection(TokioIo::new(stream), service);
+        let table = Arc::clone(&table);
+        let stop = stop_rx.clone();
+        let alive = alive_tx.clone();
         tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!(%peer, error = %e, "connection ended with an error");
-            }
-            drop(permit);
+            drive(connection, &conn, stop, peer).await;
+            table.remove(id);
+            drop(alive);
         });
     }
     drop(listener);
-    graceful.shutdown().await;
+    let _ = stop_tx.send(true);
+    drop(alive_tx);
+    let _ = alive_rx.recv().await;
     Ok(())
 }
 
-/// Answers 503 on a connection over the cap and closes it: write the answer, half-close,
-/// then read what the client sent until it closes (closing with its request unread would
-/// reset the connection, and the reset can discard the answer before the client reads it).
-async fn refuse_busy(stream: tokio::net::TcpStream) -> std::io::Result<()> {
+/// One served connection: hyper's HTTP/1.1 state machine over the socket.
+type Connection = hyper::server::conn::http1::Connection<TokioIo<TcpStream>, TrackedService>;
+
+/// Runs one connection until it ends, or until it is evicted or the server stops: then it
+/// is shut down gracefully (a request in flight is answered, keep-alive is off) and dropped
+/// as soon as it has no request in flight.
+async fn drive(
+    connection: Connection,
+    conn: &Conn,
+    mut stop: watch::Receiver<bool>,
+    peer: SocketAddr,
+) {
+    tokio::pin!(connection);
+    let mut closing = *stop.borrow();
+    if closing {
+        connection.as_mut().graceful_shutdown();
+    }
+    loop {
+        tokio::select! {
+            result = connection.as_mut() => {
+                if let Err(e) = result {
+                    tracing::debug!(%peer, error = %e, "connection ended with an error");
+                }
+                return;
+            }
+            () = conn.evict.notified(), if !closing => {
+                closing = true;
+                connection.as_mut().graceful_shutdown();
+            }
+            changed = stop.changed(), if !closing => {
+                if changed.is_err() || *stop.borrow() {
+                    closing = true;
+                    connection.as_mut().graceful_shutdown();
+                }
+            }
+            () = tokio::time::sleep(CLOSE_GRACE), if closing => {
+                if conn.in_flight.load(Ordering::Acquire) == 0 {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Answers a refused connection and closes it: write the answer, half-close, then read
+/// what the client sent until it closes (closing with its request unread would reset the
+/// connection, and the reset can discard the answer before the client reads it).
+async fn refuse(stream: TcpStream, reply: &[u8]) -> std::io::Result<()> {
     let mut sent = 0;
-    while sent < BUSY.len() {
+    while sent < reply.len() {
         stream.writable().await?;
-        match stream.try_write(&BUSY[sent..]) {
+        match stream.try_write(&reply[sent..]) {
             Ok(n) => sent += n,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
             Err(e) => return Err(e),
@@ -193,14 +539,117 @@ fn is_length_limit(e: &axum::Error) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::BUSY;
+    use super::*;
 
     #[test]
-    fn busy_reply_declares_its_body_length() {
-        let text = std::str::from_utf8(BUSY).expect("ascii");
-        let (head, body) = text.split_once("\r\n\r\n").expect("head and body");
-        assert!(head.contains(&format!("content-length: {}", body.len())));
-        let json: serde_json::Value = serde_json::from_str(body).expect("json body");
-        assert_eq!(json["error"]["code"], 503);
+    fn refusals_declare_their_body_length() {
+        for status in [
+            StatusCode::SERVICE_UNAVAILABLE,
+            StatusCode::TOO_MANY_REQUESTS,
+        ] {
+            let raw = refusal(status, "too many open connections; retry later");
+            let text = String::from_utf8(raw).expect("ascii");
+            let (head, body) = text.split_once("\r\n\r\n").expect("head and body");
+            assert!(head.starts_with(&format!("HTTP/1.1 {} ", status.as_u16())));
+            assert!(head.contains(&format!("content-length: {}", body.len())));
+            let json: serde_json::Value = serde_json::from_str(body).expect("json body");
+            assert_eq!(json["error"]["code"], status.as_u16());
+        }
+    }
+
+    #[test]
+    fn the_open_file_limit_bounds_the_connections() {
+        // 1024 descriptors: 960 after the reserve, less an eighth for closing ones.
+        assert_eq!(connections_for_open_files(1024), 840);
+        assert_eq!(connections_for_open_files(10), 1);
+    }
+
+    fn limits(max: usize, per_client: usize) -> ConnectionLimits {
+        ConnectionLimits {
+            max_connections: max,
+            max_connections_per_client: Some(per_client),
+            ..ConnectionLimits::default()
+        }
+    }
+
+    fn opened(a: Admission) -> (u64, Arc<Conn>) {
+        match a {
+            Admission::Open(id, conn) => (id, conn),
+            Admission::Refuse(status, m) => panic!("refused with {status}: {m}"),
+        }
+    }
+
+    #[test]
+    fn at_the_cap_the_longest_idle_connection_makes_room() {
+        let table = Arc::new(ConnTable::new());
+        let a = IpAddr::from([127, 0, 0, 1]);
+        let b = IpAddr::from([127, 0, 0, 2]);
+        let caps = limits(3, 3);
+        let (_, first) = opened(table.admit(a, &caps));
+        let (_, second) = opened(table.admit(a, &caps));
+        let (_, third) = opened(table.admit(b, &caps));
+        // The first is busy; the second became idle before the third.
+        let busy = InFlight::start(&first, &table);
+        second.idle_since_ms.store(1, Ordering::Release);
+        third.idle_since_ms.store(2, Ordering::Release);
+        let (_, fourth) = opened(table.admit(b, &caps));
+        assert_eq!(table.len(), 3);
+        // The second was told to close (its permit is stored), the others were not.
+        tokio_test_notified(&second.evict, true);
+        tokio_test_notified(&third.evict, false);
+        tokio_test_notified(&first.evict, false);
+        // All busy: the next connection is refused with 503.
+        let _b3 = InFlight::start(&third, &table);
+        let _b4 = InFlight::start(&fourth, &table);
+        match table.admit(a, &caps) {
+            Admission::Refuse(status, _) => assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE),
+            Admission::Open(..) => panic!("opened past a cap of busy connections"),
+        }
+        // The first finishes its request: it is idle now and makes room.
+        drop(busy);
+        opened(table.admit(a, &caps));
+        tokio_test_notified(&first.evict, true);
+    }
+
+    #[test]
+    fn a_client_at_its_cap_makes_room_from_its_own_connections_only() {
+        let table = Arc::new(ConnTable::new());
+        let a = IpAddr::from([127, 0, 0, 1]);
+        let b = IpAddr::from([127, 0, 0, 2]);
+        let caps = limits(10, 2);
+        let (_, other) = opened(table.admit(b, &caps));
+        other.idle_since_ms.store(0, Ordering::Release);
+        let (_, a1) = opened(table.admit(a, &caps));
+        let (_, a2) = opened(table.admit(a, &caps));
+        let _busy = InFlight::start(&a2, &table);
+        a1.idle_since_ms.store(5, Ordering::Release);
+        let (_, a3) = opened(table.admit(a, &caps));
+        tokio_test_notified(&a1.evict, true);
+        tokio_test_notified(&other.evict, false);
+        // Both of a's connections busy now: refused with 429, b untouched.
+        let _busy3 = InFlight::start(&a3, &table);
+        match table.admit(a, &caps) {
+            Admission::Refuse(status, m) => {
+                assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+                assert!(m.contains("--max-connections-per-client"), "{m}");
+            }
+            Admission::Open(..) => panic!("opened past the per-client cap"),
+        }
+        tokio_test_notified(&other.evict, false);
+        assert_eq!(table.len(), 3);
+    }
+
+    /// Whether `notify` holds a stored permit (it was told to close), without waiting.
+    fn tokio_test_notified(notify: &Notify, expected: bool) {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .expect("runtime");
+        let got = rt.block_on(async {
+            tokio::time::timeout(Duration::from_millis(1), notify.notified())
+                .await
+                .is_ok()
+        });
+        assert_eq!(got, expected);
     }
 }

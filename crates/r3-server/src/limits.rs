@@ -12,11 +12,9 @@
 use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::net::{IpAddr, SocketAddr};
-use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::task::{Context, Poll};
 
-use axum::body::{Body, Bytes, HttpBody};
+use axum::body::Body;
 use axum::extract::{ConnectInfo, Request, State};
 use axum::http::header::AUTHORIZATION;
 use axum::http::{Method, StatusCode};
@@ -24,6 +22,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use serde_json::Value;
 
+use super::connections::GuardedBody;
 use super::error::ApiError;
 use super::request_tokens::{tokens_in_flight, TokenContext, GENERATING_PATHS};
 use super::AppState;
@@ -208,36 +207,6 @@ impl Drop for Lease {
     }
 }
 
-/// A response body that holds its request's lease until the body is finished or dropped.
-struct LeasedBody {
-    inner: Body,
-    lease: Option<Lease>,
-}
-
-impl HttpBody for LeasedBody {
-    type Data = Bytes;
-    type Error = axum::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<http_body::Frame<Bytes>, axum::Error>>> {
-        let polled = Pin::new(&mut self.inner).poll_frame(cx);
-        if let Poll::Ready(None) = polled {
-            self.lease = None;
-        }
-        polled
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.inner.size_hint()
-    }
-}
-
 /// The admission middleware's state: the app (model context, tokenizer, request limits),
 /// the limits in force and the ledger.
 #[derive(Clone)]
@@ -331,13 +300,7 @@ pub async fn admit(State(gate): State<Admission>, req: Request, next: Next) -> R
         .run(Request::from_parts(parts, Body::from(bytes)))
         .await;
     let (parts, body) = response.into_parts();
-    Response::from_parts(
-        parts,
-        Body::new(LeasedBody {
-            inner: body,
-            lease: Some(lease),
-        }),
-    )
+    Response::from_parts(parts, GuardedBody::wrap(body, lease))
 }
 
 #[cfg(test)]

@@ -3,13 +3,14 @@
 //! reading a checkpoint on a loader thread so the engine keeps serving, through r3-model's
 //! checked loader (only regular files, so a FIFO cannot block the reader; each file's size
 //! checked against its safetensors header before its data is read; every tensor present,
-//! shaped as the config says and finite), into engine-layout weights that the engine worker
+//! shaped as the config says, finite and within the engine precision's range), into
+//! engine-layout weights that the engine worker
 //! then swaps in at once.
 
 use std::path::{Path, PathBuf};
 
 use candle_core::Device;
-use r3_model::{Config, Weights};
+use r3_model::{Config, LoadOptions, Weights};
 
 use super::error::ApiError;
 use r3_rollout::dtype::{Dtype, RouterDtype};
@@ -67,14 +68,20 @@ impl WeightStager {
     }
 
     /// Reads `dir` and checks it completely with r3-model's loader (regular files only, sizes
-    /// against headers, every tensor present, shaped and finite); the engine is not touched.
+    /// against headers, every tensor present, shaped, finite and within the finite range of
+    /// the engine's precision); the engine is not touched.
     pub fn stage(&self, dir: &Path) -> Result<ModelWeights, RolloutError> {
-        let weights = Weights::load(dir, &self.cfg, &Device::Cpu).map_err(|source| {
-            RolloutError::WeightDir {
-                dir: dir.to_path_buf(),
-                source: Box::new(source),
-            }
-        })?;
+        let options = LoadOptions {
+            precision: self.dtype.weight_precision(),
+            ..LoadOptions::default()
+        };
+        let weights =
+            Weights::load_with(dir, &self.cfg, &Device::Cpu, &options).map_err(|source| {
+                RolloutError::WeightDir {
+                    dir: dir.to_path_buf(),
+                    source: Box::new(source),
+                }
+            })?;
         let map: TensorMap = weights.into_map();
         ModelWeights::from_tensors_with_router(&self.cfg, &map, self.dtype, self.router_dtype)
     }

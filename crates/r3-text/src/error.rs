@@ -94,6 +94,20 @@ pub enum TextError {
         /// The minijinja error.
         source: minijinja::Error,
     },
+    /// A tokenizer whose vocabulary does not fit the model it sits beside.
+    #[error(
+        "tokenizer.json has {tokenizer} tokens but the model's vocabulary (config.json \
+             vocab_size) is {model}: {consequence}; use the model's own tokenizer, or start \
+             without a tokenizer.json to work with token ids only"
+    )]
+    VocabularyMismatch {
+        /// Tokens of the tokenizer, added tokens included.
+        tokenizer: usize,
+        /// The model's `vocab_size`.
+        model: usize,
+        /// What would go wrong.
+        consequence: String,
+    },
     /// Invalid arguments to a BPE training run.
     #[error("BPE training: {0}")]
     BpeSpec(String),

@@ -23,4 +23,4 @@ pub use json_kind::json_kind;
 pub use message::ChatMessage;
 pub use special::SpecialTokens;
 pub use template::{ChatTemplate, RenderOptions};
-pub use tokenizer::TextTokenizer;
+pub use tokenizer::{TextTokenizer, VOCAB_PADDING};

@@ -13,6 +13,10 @@ use crate::special::SpecialTokens;
 /// A half-open byte range `[start, end)` of the encoded text.
 pub type ByteSpan = (usize, usize);
 
+/// The multiple a model's vocabulary may be padded to beyond its tokenizer's tokens (see
+/// [`TextTokenizer::check_fits_model`]).
+pub const VOCAB_PADDING: usize = 64;
+
 /// A tokenizer with its special tokens resolved.
 #[derive(Clone)]
 pub struct TextTokenizer {
@@ -208,6 +212,34 @@ impl TextTokenizer {
     /// Number of tokens, added tokens included.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
+    }
+
+    /// Checks that this tokenizer fits a model whose vocabulary is `model_vocab` ids: it may
+    /// not produce an id the model cannot embed (more tokens than the model), and the model
+    /// may not produce ids it cannot decode (fewer tokens), unless the model's vocabulary is
+    /// padded to a multiple of [`VOCAB_PADDING`] as HF checkpoints pad theirs for matrix
+    /// tiling (e.g. 151,936 rows for a 151,669-token tokenizer). The one check every command
+    /// that reads a model directory with a tokenizer applies.
+    pub fn check_fits_model(&self, model_vocab: usize) -> Result<()> {
+        let tokens = self.vocab_size();
+        let consequence = if tokens > model_vocab {
+            format!(
+                "the tokenizer makes ids up to {} that the model cannot embed",
+                tokens - 1
+            )
+        } else if tokens < model_vocab && model_vocab % VOCAB_PADDING != 0 {
+            format!(
+                "the model can produce ids {tokens}..{} that the tokenizer cannot decode",
+                model_vocab - 1
+            )
+        } else {
+            return Ok(());
+        };
+        Err(TextError::VocabularyMismatch {
+            tokenizer: tokens,
+            model: model_vocab,
+            consequence,
+        })
     }
 
     /// The special tokens as the config declares them.

@@ -245,14 +245,6 @@ pub enum TrainError {
     /// An evaluation over no problems.
     #[error("evaluation set is empty")]
     EmptyEvalSet,
-    /// The tokenizer has ids the model cannot embed.
-    #[error("tokenizer has {tokenizer} tokens, the model's vocabulary {model}")]
-    VocabularyTooSmall {
-        /// Tokenizer vocabulary.
-        tokenizer: usize,
-        /// Model vocabulary.
-        model: usize,
-    },
     /// A pretraining batch with an empty row.
     #[error("a pretraining batch has an empty row")]
     EmptyPretrainRow,
@@ -302,6 +294,18 @@ pub enum TrainError {
         checkpoint: u64,
         /// The config's seed.
         config: u64,
+    },
+    /// The rollout engine produced a NaN or infinite log-prob.
+    #[error("rollout request {request}, response token {token}: log-prob {value} is not finite; {location}")]
+    NonFiniteRollout {
+        /// Index of the request in its batch.
+        request: usize,
+        /// Index of the response token.
+        token: usize,
+        /// The log-prob.
+        value: f32,
+        /// Where a diagnostic re-run of the sequence first saw a non-finite value.
+        location: String,
     },
     /// A checkpoint refused because a weight is NaN or infinite (never written).
     #[error("checkpoint {path} not written: {count} non-finite values in `{variable}`")]

@@ -246,3 +246,82 @@ fn a_checkpoint_with_non_finite_weights_is_refused_and_not_written() {
         .unwrap_or_default();
     assert!(leftovers.is_empty(), "nothing written: {leftovers:?}");
 }
+
+/// A tiny model whose every embedding value is 65504, f16's largest finite value: an f16
+/// engine still holds it, but an update that makes any of them larger would not be.
+fn model_at_the_f16_limit(dir: &std::path::Path) {
+    let cfg = tiny_model(dir, 43);
+    let mut map = r3_model::Weights::load(dir, &cfg, &Device::Cpu)
+        .expect("load")
+        .into_map();
+    let embed = map.get("model.embed_tokens.weight").expect("embeddings");
+    let limit = Tensor::full(65504f32, embed.shape(), &Device::Cpu).expect("full");
+    map.insert("model.embed_tokens.weight".into(), limit);
+    r3_model::Weights::from_map(map)
+        .save(dir, &cfg)
+        .expect("save");
+}
+
+/// `update.skipped` of every line of a run's metrics.
+fn skipped_per_step(run_dir: &std::path::Path) -> Vec<u64> {
+    std::fs::read_to_string(run_dir.join("metrics.jsonl"))
+        .expect("metrics")
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("json line");
+            v["update.skipped"].as_u64().expect("update.skipped")
+        })
+        .collect()
+}
+
+#[test]
+fn an_update_past_the_rollout_precision_is_skipped_and_checkpoints_stay_servable() {
+    let dir = Scratch::new("guard-precision");
+    let model = dir.path().join("model");
+    model_at_the_f16_limit(&model);
+    let run = |dtype: &str| {
+        let run_dir = dir.path().join(format!("run-{dtype}"));
+        let mut cfg = tiny_config(&model, &run_dir, RouterReplay::R3, 1);
+        cfg.rollout.dtype = dtype.into();
+        // Adam's first steps move every weight with a gradient by about the learning rate:
+        // the embeddings are normalised, so their gradients have both signs and some
+        // values would grow past 65504.
+        cfg.optim.lr = 1.0;
+        cfg.optim.weight_decay = 0.0;
+        cfg.validate().expect("valid");
+        r3_train::Run::fresh(cfg)
+            .expect("run")
+            .execute(&mut r3_train::Quiet)
+            .expect("the run goes on past skipped updates");
+        run_dir
+    };
+    let f16_engine = r3_rollout::EngineConfig {
+        dtype: r3_rollout::Dtype::F16,
+        ..r3_rollout::EngineConfig::default()
+    };
+    // An f16 rollout: every update that would leave the f16 range is skipped and counted,
+    // and every checkpoint loads in an f16 engine.
+    let f16_run = run("f16");
+    let skipped = skipped_per_step(&f16_run);
+    assert_eq!(skipped.len(), 2, "two steps logged");
+    assert!(
+        skipped.iter().all(|&n| n >= 1),
+        "update.skipped {skipped:?}"
+    );
+    for step in ["step_1", "step_2"] {
+        let ckpt = f16_run.join("checkpoints").join(step);
+        r3_rollout::Engine::from_dir(&ckpt, f16_engine.clone())
+            .unwrap_or_else(|e| panic!("{step} does not load in an f16 engine: {e}"));
+    }
+    // The same run with an f32 rollout applies those updates: its checkpoint holds values
+    // an f16 engine refuses, naming the tensor.
+    let f32_run = run("f32");
+    assert!(skipped_per_step(&f32_run).iter().all(|&n| n == 0));
+    let ckpt = f32_run.join("checkpoints").join("step_1");
+    let e = r3_rollout::Engine::from_dir(&ckpt, f16_engine).expect_err("past f16's range");
+    let text = e.to_string();
+    assert!(
+        text.contains("model.embed_tokens.weight") && text.contains("f16"),
+        "{text}"
+    );
+}

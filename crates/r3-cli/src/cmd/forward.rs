@@ -1,4 +1,5 @@
-//! `r3 forward`: one training-engine (f32) forward pass over a token sequence, printing
+//! `r3 forward`: one training-engine forward pass (f32, or its mixed bf16 / f16 forward)
+//! over a token sequence, printing
 //! the logits and the routes (recorded, or replayed from a canonical route JSON file).
 
 use std::path::PathBuf;
@@ -6,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use candle_core::Device;
 use clap::Args;
-use r3_model::{Batch, Config, LoadOptions, Model, ReplayRoutes, Routing, Weights};
+use r3_model::{Batch, Config, LoadOptions, Model, Precision, ReplayRoutes, Routing, Weights};
 use r3_routing::RouteTable;
 use serde_json::{json, Value};
 
@@ -26,10 +27,25 @@ pub struct ForwardArgs {
     /// Write the JSON result here instead of stdout.
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// Load weights holding NaN or inf instead of refusing them (for inspecting a broken
-    /// checkpoint).
+    /// Precision of the forward: f32 (the default, reproduces HF), or the training engine's
+    /// mixed bf16 / f16 forward (matmuls and activations rounded to it). The weights must lie
+    /// in its finite range.
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    /// Load weights holding NaN or inf, or values past the `--dtype` range, instead of
+    /// refusing them (for inspecting a broken checkpoint).
     #[arg(long)]
     pub allow_non_finite_weights: bool,
+}
+
+/// The forward's precision named by `--dtype`.
+fn precision(dtype: &str) -> anyhow::Result<Precision> {
+    Ok(match dtype {
+        "f32" | "float32" => Precision::F32,
+        "bf16" | "bfloat16" => Precision::Bf16 { router_f32: false },
+        "f16" | "float16" => Precision::F16 { router_f32: false },
+        other => anyhow::bail!("unknown --dtype {other:?}: expected f32, bf16 or f16"),
+    })
 }
 
 /// Reads one route table from canonical JSON (an object, or an array holding one object).
@@ -55,12 +71,15 @@ pub fn run(args: ForwardArgs) -> anyhow::Result<()> {
     let device = Device::Cpu;
     let cfg = Config::from_file(&args.model.join("config.json"))
         .with_context(|| format!("config of {}", args.model.display()))?;
+    super::model_tokenizer(&args.model, cfg.vocab_size)?;
+    let precision = precision(&args.dtype)?;
     let load = LoadOptions {
         allow_non_finite: args.allow_non_finite_weights,
+        precision: precision.weight_precision(),
     };
     let weights = Weights::load_with(&args.model, &cfg, &device, &load)
         .with_context(|| format!("weights of {}", args.model.display()))?;
-    let model = Model::new(&cfg, &weights)?;
+    let model = Model::with_precision(&cfg, &weights, precision)?;
     let batch = Batch::new(std::slice::from_ref(&args.input_ids), 0, &device)?;
 
     let replayed = args.replay.as_ref().map(read_routes).transpose()?;

@@ -15,7 +15,8 @@ use r3_text::{ChatMessage, ChatTemplate, RenderOptions, TextTokenizer};
 /// Arguments of `r3 generate`.
 #[derive(Debug, Args)]
 pub struct GenerateArgs {
-    /// HF model directory (config.json + safetensors).
+    /// HF model directory (config.json + safetensors; a tokenizer.json there must fit the
+    /// model's vocabulary).
     #[arg(long)]
     pub model: PathBuf,
     /// Prompt token ids, comma separated (e.g. `1,2,3`).
@@ -61,8 +62,8 @@ pub struct GenerateArgs {
     /// First position whose routes are returned.
     #[arg(long, default_value_t = 0)]
     pub routes_start_len: usize,
-    /// Load weights holding NaN or inf instead of refusing them (for inspecting a broken
-    /// checkpoint).
+    /// Load weights holding NaN or inf, or values past the `--dtype` range (65504 for f16),
+    /// instead of refusing them (for inspecting a broken checkpoint).
     #[arg(long)]
     pub allow_non_finite_weights: bool,
 }
@@ -77,13 +78,16 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
         prefix_cache: false,
         ..EngineConfig::default()
     };
+    // The engine sets the precision the weights are checked against (its dtype).
     let load = LoadOptions {
         allow_non_finite: a.allow_non_finite_weights,
+        ..LoadOptions::default()
     };
     let mut engine = Engine::from_dir_with(&a.model, cfg, &load)
         .with_context(|| format!("loading model from {}", a.model.display()))?;
     let mut stop_token_ids = a.stop_token_ids.clone();
-    let (input_ids, tokenizer) = prompt_ids(&a)?;
+    let tokenizer = super::model_tokenizer(&a.model, engine.model_config().vocab_size)?;
+    let (input_ids, tokenizer) = prompt_ids(&a, tokenizer)?;
     if let Some(tok) = &tokenizer {
         stop_token_ids.extend(tok.stop_token_ids().iter().copied());
     }
@@ -124,12 +128,20 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The prompt ids of the request, with the tokenizer when text or messages were given.
-fn prompt_ids(a: &GenerateArgs) -> anyhow::Result<(Vec<u32>, Option<TextTokenizer>)> {
+/// The prompt ids of the request, with the model's tokenizer when text or messages were
+/// given (`tokenizer`: the directory's, already checked against the model).
+fn prompt_ids(
+    a: &GenerateArgs,
+    tokenizer: Option<TextTokenizer>,
+) -> anyhow::Result<(Vec<u32>, Option<TextTokenizer>)> {
     if a.text.is_none() && a.messages.is_none() {
         return Ok((a.input_ids.clone(), None));
     }
-    let tok = TextTokenizer::from_model_dir(&a.model)?;
+    let tok = match tokenizer {
+        Some(tok) => tok,
+        // No tokenizer.json: r3-text's own error names the directory.
+        None => TextTokenizer::from_model_dir(&a.model)?,
+    };
     if let Some(text) = &a.text {
         let ids = tok.encode(text, true)?;
         return Ok((ids, Some(tok)));

@@ -23,7 +23,11 @@ mod routes;
 mod serve;
 mod train;
 
+use std::path::Path;
+
+use anyhow::Context;
 use clap::{Parser, Subcommand};
+use r3_text::TextTokenizer;
 
 /// r3: RL for Mixture-of-Experts language models with Rollout Routing Replay.
 #[derive(Debug, Parser)]
@@ -86,4 +90,17 @@ pub fn run(command: Command) -> anyhow::Result<()> {
         Command::Serve(a) => serve::run(a),
         Command::Fleet(a) => fleet::run(a),
     }
+}
+
+/// The tokenizer of model directory `dir` when it has a `tokenizer.json`, checked to fit the
+/// model's `vocab_size` ids (a mismatched one is refused before anything runs).
+pub fn model_tokenizer(dir: &Path, vocab_size: usize) -> anyhow::Result<Option<TextTokenizer>> {
+    if !dir.join("tokenizer.json").is_file() {
+        return Ok(None);
+    }
+    let tok = TextTokenizer::from_model_dir(dir)
+        .with_context(|| format!("tokenizer of {}", dir.display()))?;
+    tok.check_fits_model(vocab_size)
+        .with_context(|| format!("model directory {}", dir.display()))?;
+    Ok(Some(tok))
 }

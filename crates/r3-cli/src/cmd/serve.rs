@@ -9,6 +9,7 @@ use anyhow::Context;
 use clap::Args;
 use r3_model::LoadOptions;
 use r3_rollout::{Dtype, Engine, EngineConfig, RouterDtype};
+use r3_server::connections::connections_for_open_files;
 use r3_server::{
     build_app, serve_with_limits, ClientLimits, ConnectionLimits, SecurityConfig, ServerConfig,
     ServerLimits, TextCodec,
@@ -17,7 +18,8 @@ use r3_server::{
 /// Arguments of `r3 serve`.
 #[derive(Debug, Args)]
 pub struct ServeArgs {
-    /// HF model directory (config.json + safetensors; tokenizer.json optional, enables text).
+    /// HF model directory (config.json + safetensors; tokenizer.json optional, enables text,
+    /// and must fit the model's vocabulary: serve token ids only from a directory without one).
     #[arg(long)]
     pub model: PathBuf,
     /// Address to listen on.
@@ -89,12 +91,21 @@ pub struct ServeArgs {
     /// Seconds a client may take to send a request's body (then 408).
     #[arg(long, default_value_t = 60)]
     pub body_timeout_secs: u64,
-    /// Most client connections open at once (more get 503); keep it below the process's
-    /// open-file limit.
+    /// Most client connections open at once. At the limit the connection idle longest (no
+    /// request in flight, including one still sending its headers) is closed to make room;
+    /// only when all have a request in flight does a new one get 503. Lowered to fit the
+    /// process's open-file limit (`ulimit -n`, less 64 descriptors and an eighth) when that
+    /// is lower.
     #[arg(long, default_value_t = 512)]
     pub max_connections: usize,
-    /// Load the initial weights even when they hold NaN or inf (for inspecting a broken
-    /// checkpoint); weight updates from disk are always checked.
+    /// Most connections one client (peer IP address) may hold open at once; past it that
+    /// client's longest-idle connection is closed, or the new one gets 429 when all of its
+    /// connections have a request in flight. Default: half of `--max-connections`.
+    #[arg(long)]
+    pub max_connections_per_client: Option<usize>,
+    /// Load the initial weights even when they hold NaN or inf, or values past the
+    /// `--dtype` range (65504 for f16), for inspecting a broken checkpoint; weight updates
+    /// from disk are always checked.
     #[arg(long)]
     pub allow_non_finite_weights: bool,
     /// Most tokens one generating request may hold in flight (its prompts + n × their max
@@ -120,6 +131,30 @@ fn default_weights_root(model: &Path) -> anyhow::Result<PathBuf> {
     Ok(model.parent().map(Path::to_path_buf).unwrap_or(model))
 }
 
+/// `max_connections`, or fewer when the process's open-file limit (RLIMIT_NOFILE, soft)
+/// cannot hold that many sockets besides the files the server needs itself.
+fn fit_open_file_limit(max_connections: usize) -> usize {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one `rlimit` through a valid, exclusive pointer.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        return max_connections;
+    }
+    let fits = connections_for_open_files(limit.rlim_cur);
+    if fits < max_connections {
+        tracing::warn!(
+            max_connections,
+            open_file_limit = limit.rlim_cur,
+            lowered_to = fits,
+            "--max-connections lowered to fit the open-file limit (raise it with ulimit -n)"
+        );
+        return fits;
+    }
+    max_connections
+}
+
 /// Runs `r3 serve`.
 pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     let dtype: Dtype = a.dtype.parse()?;
@@ -133,12 +168,20 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         max_running: a.max_running,
         ..EngineConfig::default()
     };
+    // The engine sets the precision the weights are checked against (its dtype).
     let load = LoadOptions {
         allow_non_finite: a.allow_non_finite_weights,
+        ..LoadOptions::default()
     };
     let engine = Engine::from_dir_with(&a.model, cfg, &load)
         .with_context(|| format!("loading model from {}", a.model.display()))?;
     let text = TextCodec::from_model_dir(&a.model).map_err(anyhow::Error::msg)?;
+    if let Some(codec) = &text {
+        codec
+            .tokenizer()
+            .check_fits_model(engine.model_config().vocab_size)
+            .with_context(|| format!("model directory {}", a.model.display()))?;
+    }
     let config = ServerConfig {
         limits: ServerLimits {
             max_body_bytes: a.max_body_mib << 20,
@@ -169,7 +212,8 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         connections: ConnectionLimits {
             header_timeout: Duration::from_secs(a.header_timeout_secs.max(1)),
             body_timeout: Duration::from_secs(a.body_timeout_secs.max(1)),
-            max_connections: a.max_connections.max(1),
+            max_connections: fit_open_file_limit(a.max_connections.max(1)),
+            max_connections_per_client: a.max_connections_per_client,
         },
         clients: ClientLimits {
             max_tokens_per_request: a.max_tokens_per_request,

@@ -1,8 +1,11 @@
-//! The finiteness scan of weight tensors: NaN or ±inf in a checkpoint is refused at load with
-//! the tensor and flat index named, before any forward pass turns it into `null` logits.
-//! The scan reads the tensor's storage in place (no copy for contiguous CPU tensors) and
-//! splits it into fixed chunks over rayon; the first bad element is the lowest index, so the
-//! error does not depend on the thread count.
+//! The range scan of weight tensors: NaN or ±inf in a checkpoint — or a value past the
+//! finite range of the precision an engine will hold the weights in (65504 for f16) — is
+//! refused at load with the tensor and flat index named, before any forward pass turns it
+//! into `null` logits. The scan reads the tensor's storage in place (no copy for contiguous
+//! CPU tensors) and splits it into fixed chunks over rayon; the first bad element is the
+//! lowest index, so the error does not depend on the thread count.
+
+use std::fmt;
 
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 use half::{bf16, f16};
@@ -13,23 +16,71 @@ use crate::error::{ModelError, Result};
 /// Elements per chunk of the parallel scan.
 const CHUNK: usize = 1 << 16;
 
-/// First non-finite element of `data` as (flat index, value as f64).
-fn first_non_finite<T: Copy + Sync>(
+/// The float format an engine holds weights in: every weight must lie in its finite range,
+/// or the engine would turn it into ±inf (and the forward pass into NaN).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum WeightPrecision {
+    /// f32: any finite value.
+    #[default]
+    F32,
+    /// bf16: f32's exponent range, largest finite 3.3895e38.
+    Bf16,
+    /// f16: largest finite 65504.
+    F16,
+}
+
+impl WeightPrecision {
+    /// The largest finite magnitude of the format.
+    pub fn max_finite(self) -> f64 {
+        match self {
+            WeightPrecision::F32 => f64::from(f32::MAX),
+            WeightPrecision::Bf16 => bf16::MAX.to_f64(),
+            WeightPrecision::F16 => f16::MAX.to_f64(),
+        }
+    }
+
+    /// Whether `value` is finite and no larger in magnitude than [`Self::max_finite`].
+    pub fn holds(self, value: f64) -> bool {
+        value.abs() <= self.max_finite()
+    }
+}
+
+impl fmt::Display for WeightPrecision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            WeightPrecision::F32 => "f32",
+            WeightPrecision::Bf16 => "bf16",
+            WeightPrecision::F16 => "f16",
+        })
+    }
+}
+
+/// First element of `data` outside `max` (NaN included) as (flat index, value as f64).
+fn first_outside<T: Copy + Sync>(
     data: &[T],
-    is_finite: impl Fn(T) -> bool + Sync,
-    widen: impl Fn(T) -> f64,
+    max: f64,
+    widen: impl Fn(T) -> f64 + Sync,
 ) -> Option<(usize, f64)> {
+    let outside = |x: T| !(widen(x).abs() <= max);
     let (chunk_index, chunk) = data
         .par_chunks(CHUNK)
         .enumerate()
-        .find_first(|(_, c)| c.iter().any(|&x| !is_finite(x)))?;
-    let offset = chunk.iter().position(|&x| !is_finite(x))?;
+        .find_first(|(_, c)| c.iter().any(|&x| outside(x)))?;
+    let offset = chunk.iter().position(|&x| outside(x))?;
     Some((chunk_index * CHUNK + offset, widen(chunk[offset])))
 }
 
 /// Checks that every element of the float tensor `tensor` is finite; an error names `name`,
 /// the first bad element's flat (row-major) index and its value. Integer tensors pass.
 pub fn check_finite(name: &str, tensor: &Tensor) -> Result<()> {
+    check_holds(name, tensor, WeightPrecision::F32)
+}
+
+/// Checks that `precision` holds every element of the float tensor `tensor` (finite, and
+/// within its finite range); an error names `name`, the first bad element's flat
+/// (row-major) index, its value and, for a finite value, the precision. Integer tensors
+/// pass.
+pub fn check_holds(name: &str, tensor: &Tensor, precision: WeightPrecision) -> Result<()> {
     if !tensor.dtype().is_float() {
         return Ok(());
     }
@@ -37,28 +88,21 @@ pub fn check_finite(name: &str, tensor: &Tensor) -> Result<()> {
         Device::Cpu => tensor.contiguous()?,
         _ => tensor.to_device(&Device::Cpu)?.contiguous()?,
     };
+    let max = precision.max_finite();
     let found = {
         let (storage, layout) = cpu.storage_and_layout();
         let (start, end) = layout.contiguous_offsets().ok_or_else(|| {
             ModelError::Input(format!("tensor `{name}` is not contiguous after a copy"))
         })?;
         match &*storage {
-            Storage::Cpu(CpuStorage::F32(v)) => {
-                Some(first_non_finite(&v[start..end], f32::is_finite, f64::from))
+            Storage::Cpu(CpuStorage::F32(v)) => Some(first_outside(&v[start..end], max, f64::from)),
+            Storage::Cpu(CpuStorage::F64(v)) => Some(first_outside(&v[start..end], max, |x| x)),
+            Storage::Cpu(CpuStorage::F16(v)) => {
+                Some(first_outside(&v[start..end], max, f16::to_f64))
             }
-            Storage::Cpu(CpuStorage::F64(v)) => {
-                Some(first_non_finite(&v[start..end], f64::is_finite, |x| x))
+            Storage::Cpu(CpuStorage::BF16(v)) => {
+                Some(first_outside(&v[start..end], max, bf16::to_f64))
             }
-            Storage::Cpu(CpuStorage::F16(v)) => Some(first_non_finite(
-                &v[start..end],
-                f16::is_finite,
-                f16::to_f64,
-            )),
-            Storage::Cpu(CpuStorage::BF16(v)) => Some(first_non_finite(
-                &v[start..end],
-                bf16::is_finite,
-                bf16::to_f64,
-            )),
             // Other float formats (f8, ...) are scanned as f32 below.
             _ => None,
         }
@@ -67,15 +111,71 @@ pub fn check_finite(name: &str, tensor: &Tensor) -> Result<()> {
         Some(f) => f,
         None => {
             let wide = cpu.to_dtype(DType::F32)?;
-            return check_finite(name, &wide);
+            return check_holds(name, &wide, precision);
         }
     };
     match found {
         None => Ok(()),
-        Some((index, value)) => Err(ModelError::NonFiniteWeight {
+        Some((index, value)) if !value.is_finite() => Err(ModelError::NonFiniteWeight {
             tensor: name.to_string(),
             index,
             value,
         }),
+        Some((index, value)) => Err(ModelError::OutOfPrecisionRange {
+            tensor: name.to_string(),
+            index,
+            value,
+            precision,
+            max: precision.max_finite(),
+        }),
+    }
+}
+
+/// [`check_holds`] over every tensor of a name → tensor map, in name order: the first
+/// tensor `precision` cannot hold is the error.
+pub fn check_map_holds<'a>(
+    tensors: impl IntoIterator<Item = (&'a String, &'a Tensor)>,
+    precision: WeightPrecision,
+) -> Result<()> {
+    for (name, t) in tensors {
+        check_holds(name, t, precision)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_precision_holds_up_to_its_largest_finite_value() {
+        let t = Tensor::new(&[1.0f32, -65504.0, 3.0], &Device::Cpu).expect("tensor");
+        check_holds("w", &t, WeightPrecision::F16).expect("65504 fits f16");
+        let t = Tensor::new(&[1.0f32, 2.0, -70000.0, 1e30], &Device::Cpu).expect("tensor");
+        match check_holds("w", &t, WeightPrecision::F16) {
+            Err(ModelError::OutOfPrecisionRange {
+                tensor,
+                index,
+                value,
+                precision,
+                ..
+            }) => {
+                assert_eq!((tensor.as_str(), index, value), ("w", 2, -70000.0));
+                assert_eq!(precision, WeightPrecision::F16);
+            }
+            other => panic!("expected an f16 range error, got {other:?}"),
+        }
+        check_holds("w", &t, WeightPrecision::Bf16).expect("1e30 fits bf16");
+        check_holds("w", &t, WeightPrecision::F32).expect("1e30 fits f32");
+        // A value past bf16's largest finite (3.3895e38) but within f32's.
+        let t = Tensor::new(&[3.4e38f32], &Device::Cpu).expect("tensor");
+        assert!(check_holds("w", &t, WeightPrecision::Bf16).is_err());
+        check_holds("w", &t, WeightPrecision::F32).expect("fits f32");
+        // Non-finite values keep their own error.
+        let t = Tensor::new(&[f32::NAN], &Device::Cpu).expect("tensor");
+        assert!(matches!(
+            check_holds("w", &t, WeightPrecision::F16),
+            Err(ModelError::NonFiniteWeight { .. })
+        ));
     }
 }

@@ -1,6 +1,7 @@
 //! Model weights as a map from HF tensor name to tensor: load from safetensors (single
 //! file or sharded, per-expert or fused 3-D experts; header checked against the file,
-//! every tensor checked finite unless [`LoadOptions`] allows otherwise), save in HF layout,
+//! every tensor checked finite and within the range of the precision it is loaded for unless
+//! [`LoadOptions`] allows otherwise), save in HF layout,
 //! seeded random init, and the bridge to a candle `VarMap` for training.
 
 mod finite;
@@ -8,7 +9,7 @@ mod fused;
 mod header;
 mod io;
 
-pub use finite::check_finite;
+pub use finite::{check_finite, check_holds, check_map_holds, WeightPrecision};
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -60,9 +61,13 @@ impl RandomInit {
 /// How [`Weights::load_with`] treats what it reads.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LoadOptions {
-    /// Load tensors holding NaN or ±inf instead of refusing them (for inspecting a broken
-    /// checkpoint; a forward pass over them gives non-finite logits).
+    /// Load tensors holding NaN or ±inf, or values `precision` cannot hold, instead of
+    /// refusing them (for inspecting a broken checkpoint; a forward pass over them gives
+    /// non-finite logits).
     pub allow_non_finite: bool,
+    /// The precision the weights are loaded for: a value past its finite range is refused
+    /// like a non-finite one (f32, the default, refuses only NaN and ±inf).
+    pub precision: WeightPrecision,
 }
 
 impl Weights {
@@ -156,12 +161,12 @@ impl Weights {
                 });
             }
             if !options.allow_non_finite {
-                check_finite(&spec.name, &t)?;
+                check_holds(&spec.name, &t, options.precision)?;
             }
             out.insert(spec.name.clone(), t.to_dtype(DType::F32)?);
         }
         if options.allow_non_finite {
-            tracing::warn!(dir = %dir.display(), "weights loaded without the finiteness check");
+            tracing::warn!(dir = %dir.display(), precision = %options.precision, "weights loaded without the finiteness and range check");
         }
         let unused = tensors.len();
         if unused > 0 {

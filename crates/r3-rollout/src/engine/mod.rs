@@ -10,17 +10,18 @@ mod step;
 use std::collections::{HashMap, VecDeque};
 use std::path::Path;
 
-use r3_model::{Config, LoadOptions};
+use r3_model::{check_map_holds, Config, LoadOptions};
 use r3_routing::{ExpertPlacement, MergePolicy};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use crate::dtype::{Dtype, RouterDtype};
 use crate::error::RolloutError;
+use crate::kernels::attention::SeqSpan;
 use crate::kv_pool::KvPool;
-use crate::model::tensors::{load_dir, load_dir_with, TensorMap};
+use crate::model::tensors::{load_dir_with, TensorMap};
 use crate::model::weights::ModelWeights;
-use crate::model::InferenceModel;
+use crate::model::{BatchInput, InferenceModel, Stage};
 use crate::prefix_cache::{PrefixCache, PrefixCacheStats};
 use crate::request::{GenerateRequest, GenerateResult, PartialRollout, RequestId};
 pub use prefix::CachedBlock;
@@ -93,12 +94,29 @@ impl Engine {
         options: &LoadOptions,
     ) -> Result<Self, RolloutError> {
         let model_cfg = Config::from_file(&dir.join("config.json"))?;
-        let tensors = load_dir_with(dir, &model_cfg, options)?;
-        Self::new(model_cfg, &tensors, cfg)
+        // The loader checks every value against the engine's precision (unless allowed).
+        let options = LoadOptions {
+            precision: cfg.dtype.weight_precision(),
+            ..*options
+        };
+        let tensors = load_dir_with(dir, &model_cfg, &options)?;
+        Self::build(model_cfg, &tensors, cfg)
     }
 
-    /// Builds an engine from a parsed config and HF-named tensors (e.g. the trainer's).
+    /// Builds an engine from a parsed config and HF-named tensors (e.g. the trainer's); a
+    /// tensor holding a value the engine's precision cannot hold (NaN, ±inf, or past its
+    /// finite range) is refused, naming it.
     pub fn new(
+        model_cfg: Config,
+        tensors: &TensorMap,
+        cfg: EngineConfig,
+    ) -> Result<Self, RolloutError> {
+        check_map_holds(tensors, cfg.dtype.weight_precision())?;
+        Self::build(model_cfg, tensors, cfg)
+    }
+
+    /// [`Engine::new`] without the range check (done by the loader, or allowed).
+    fn build(
         model_cfg: Config,
         tensors: &TensorMap,
         cfg: EngineConfig,
@@ -422,7 +440,10 @@ impl Engine {
     /// Loads new weights (same config) from HF-named tensors, e.g. the trainer's, without a
     /// restart. Bumps the weight version and invalidates the prefix cache. Requests in flight
     /// continue under the new weights; their route rows carry the version that produced them.
+    /// A tensor the engine's precision cannot hold is refused (naming it) and the old
+    /// weights are kept.
     pub fn update_weights(&mut self, tensors: &TensorMap) -> Result<u64, RolloutError> {
+        check_map_holds(tensors, self.cfg.dtype.weight_precision())?;
         self.model.load_weights(tensors)?;
         Ok(self.weights_swapped())
     }
@@ -447,8 +468,49 @@ impl Engine {
 
     /// [`Engine::update_weights`] from a safetensors directory.
     pub fn update_weights_from_dir(&mut self, dir: &Path) -> Result<u64, RolloutError> {
-        let tensors = load_dir(dir, self.model.config())?;
-        self.update_weights(&tensors)
+        let options = LoadOptions {
+            precision: self.cfg.dtype.weight_precision(),
+            ..LoadOptions::default()
+        };
+        let tensors = load_dir_with(dir, self.model.config(), &options)?;
+        self.model.load_weights(&tensors)?;
+        Ok(self.weights_swapped())
+    }
+
+    /// Where a forward over `tokens` (a prompt and its response) first turns non-finite:
+    /// the diagnostic re-run of a rollout whose log-probs were NaN or ±inf, on a KV cache of
+    /// its own (the engine's requests and cache are untouched). None when every stage's
+    /// output is finite.
+    pub fn locate_non_finite(&mut self, tokens: &[u32]) -> Result<Option<Stage>, RolloutError> {
+        if tokens.is_empty() {
+            return Ok(None);
+        }
+        let vocab = self.model.config().vocab_size;
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(RolloutError::InvalidRequest(format!(
+                "token id {t} is outside the vocabulary of {vocab}"
+            )));
+        }
+        let layout = self.model.kv_layout(self.cfg.block_size);
+        let blocks_needed = tokens.len().div_ceil(layout.block_size.max(1));
+        let mut pool = KvPool::new(layout, blocks_needed)?;
+        let blocks = (0..blocks_needed)
+            .map(|_| pool.allocate())
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| RolloutError::Weights("no KV block for the diagnostic pass".into()))?;
+        let spans = [SeqSpan {
+            first_token: 0,
+            num_tokens: tokens.len(),
+            start_pos: 0,
+            blocks: blocks.iter().map(|b| b.id()).collect(),
+        }];
+        let rows: Vec<usize> = (0..tokens.len()).collect();
+        let input = BatchInput {
+            tokens,
+            spans: &spans,
+            logit_rows: &rows,
+        };
+        self.model.first_non_finite_stage(&mut pool, &input)
     }
 
     /// Runs experts on the physical slots of an EPLB placement (replicas share weights);

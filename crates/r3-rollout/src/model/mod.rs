@@ -42,6 +42,34 @@ pub struct BatchOutput {
     pub capture_time: std::time::Duration,
 }
 
+/// A point of the forward pass whose output can be inspected (see
+/// [`InferenceModel::first_non_finite_stage`]), named by the HF module that computes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    /// The embedding rows (`model.embed_tokens`).
+    Embedding,
+    /// Layer `i`'s attention output (`model.layers.i.self_attn`).
+    Attention(usize),
+    /// Layer `i`'s MLP or MoE block output (`model.layers.i.mlp`).
+    Mlp(usize),
+    /// The final norm (`model.norm`).
+    FinalNorm,
+    /// The logits (`lm_head`).
+    LmHead,
+}
+
+impl std::fmt::Display for Stage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Stage::Embedding => f.write_str("the embeddings (model.embed_tokens)"),
+            Stage::Attention(i) => write!(f, "layer {i}'s attention (model.layers.{i}.self_attn)"),
+            Stage::Mlp(i) => write!(f, "layer {i}'s MLP / MoE block (model.layers.{i}.mlp)"),
+            Stage::FinalNorm => f.write_str("the final norm (model.norm)"),
+            Stage::LmHead => f.write_str("the logits (lm_head)"),
+        }
+    }
+}
+
 /// The inference model.
 #[derive(Debug)]
 pub struct InferenceModel {
@@ -167,6 +195,38 @@ impl InferenceModel {
         input: &BatchInput,
         capture: bool,
     ) -> Result<BatchOutput, RolloutError> {
+        self.forward_watched(pool, input, capture, &mut |_, _| true)?
+            .ok_or_else(|| RolloutError::Weights("a forward pass stopped without a watch".into()))
+    }
+
+    /// The first stage of the forward over `input` whose output holds NaN or ±inf (None when
+    /// every output is finite): the diagnostic re-run of a rollout that produced non-finite
+    /// log-probs. Logits are computed for every row of `input`.
+    pub fn first_non_finite_stage(
+        &mut self,
+        pool: &mut KvPool,
+        input: &BatchInput,
+    ) -> Result<Option<Stage>, RolloutError> {
+        let mut found = None;
+        self.forward_watched(pool, input, false, &mut |stage, out| {
+            if out.iter().all(|v| v.is_finite()) {
+                return true;
+            }
+            found = Some(stage);
+            false
+        })?;
+        Ok(found)
+    }
+
+    /// [`InferenceModel::forward`] showing every stage's output to `watch`, which stops the
+    /// pass (None) by returning false.
+    fn forward_watched(
+        &mut self,
+        pool: &mut KvPool,
+        input: &BatchInput,
+        capture: bool,
+        watch: &mut dyn FnMut(Stage, &[f32]) -> bool,
+    ) -> Result<Option<BatchOutput>, RolloutError> {
         let t = input.tokens.len();
         let hidden = self.cfg.hidden_size;
         let bs = pool.layout().block_size;
@@ -199,6 +259,9 @@ impl InferenceModel {
             let tok = tok as usize;
             row.copy_from_slice(&self.weights.embed[tok * hidden..(tok + 1) * hidden]);
         }
+        if !watch(Stage::Embedding, &x) {
+            return Ok(None);
+        }
         let mut h = vec![0f32; t * hidden];
         for (li, layer) in self.weights.layers.iter().enumerate() {
             rms_norm_into(&x, &mut h, &layer.input_norm, eps);
@@ -215,6 +278,9 @@ impl InferenceModel {
                 &slots,
                 &h,
             );
+            if !watch(Stage::Attention(li), &a) {
+                return Ok(None);
+            }
             x.iter_mut().zip(&a).for_each(|(xv, av)| *xv += av);
             dtype.round_activations(&mut x);
             rms_norm_into(&x, &mut h, &layer.post_norm, eps);
@@ -231,6 +297,9 @@ impl InferenceModel {
                     moe_forward(dtype, mw, self.placement.as_ref(), &h, t, capture)?
                 }
             };
+            if !watch(Stage::Mlp(li), &m) {
+                return Ok(None);
+            }
             x.iter_mut().zip(&m).for_each(|(xv, mv)| *xv += mv);
             dtype.round_activations(&mut x);
         }
@@ -242,13 +311,19 @@ impl InferenceModel {
         }
         rms_norm_rows(&mut last, &self.weights.norm, eps);
         dtype.round_activations(&mut last);
+        if !watch(Stage::FinalNorm, &last) {
+            return Ok(None);
+        }
         let vocab = self.cfg.vocab_size;
         let mut logits = vec![0f32; n * vocab];
         self.weights.lm_head.forward(&last, n, &mut logits, true);
-        Ok(BatchOutput {
+        if !watch(Stage::LmHead, &logits) {
+            return Ok(None);
+        }
+        Ok(Some(BatchOutput {
             logits,
             routes,
             capture_time,
-        })
+        }))
     }
 }

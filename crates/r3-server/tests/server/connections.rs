@@ -1,6 +1,8 @@
 //! Connection limits (over the fake engine): idle and slow-header connections are closed by
-//! the header timeout, a slow body gets 408, connections past the cap get 503, and a client
-//! that half-closes its write side after a full request still gets its answer.
+//! the header timeout, a slow body gets 408, a flood of idle connections past the limit
+//! makes room for real clients (the longest-idle are closed), connections past a cap of busy
+//! ones get 503 (429 per client), and a client that half-closes its write side after a full
+//! request still gets its answer.
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpStream};
@@ -29,6 +31,7 @@ fn limits(header_secs: u64, body_secs: u64, max_connections: usize) -> Connectio
         header_timeout: Duration::from_secs(header_secs),
         body_timeout: Duration::from_secs(body_secs),
         max_connections,
+        max_connections_per_client: None,
     }
 }
 
@@ -112,11 +115,33 @@ fn a_half_closed_request_is_answered() {
     assert_eq!(reply.body["output_ids"].as_array().map(Vec::len), Some(2));
 }
 
+/// A connection whose request is in flight: headers complete, body still arriving (the
+/// server waits for it up to the body timeout).
+fn busy_connection(s: &TestServer) -> TcpStream {
+    let mut stream = connect(s);
+    stream
+        .write_all(
+            b"POST /generate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
+              Content-Length: 100\r\n\r\n{\"input_ids\":",
+        )
+        .expect("write part of the body");
+    stream
+}
+
+/// Sends one request on a fresh connection; the status and how long the answer took.
+fn timed_request(s: &TestServer) -> (u16, Duration) {
+    let started = Instant::now();
+    let mut stream = connect(s);
+    let _ = stream.write_all(full_request(true).as_bytes());
+    let (_, raw) = closed_by_server(&mut stream);
+    (parse_response(&raw).status, started.elapsed())
+}
+
 #[test]
-fn connections_past_the_cap_get_503_and_the_slot_frees() {
+fn connections_past_the_cap_of_busy_ones_get_503_and_the_slot_frees() {
     let s = server(limits(30, 30, 2));
-    let held: Vec<TcpStream> = (0..2).map(|_| connect(&s)).collect();
-    // Each held connection is accepted before the next connect is tried.
+    let held = vec![busy_connection(&s), busy_connection(&s)];
+    // Each held connection is dispatched before the next connect is tried.
     std::thread::sleep(Duration::from_millis(300));
     let mut third = connect(&s);
     let (closed, raw) = closed_by_server(&mut third);
@@ -127,14 +152,98 @@ fn connections_past_the_cap_get_503_and_the_slot_frees() {
     let mut reply = None;
     for _ in 0..50 {
         std::thread::sleep(Duration::from_millis(100));
-        let mut again = connect(&s);
-        let _ = again.write_all(full_request(true).as_bytes());
-        let (_, raw) = closed_by_server(&mut again);
-        let status = parse_response(&raw).status;
+        let (status, _) = timed_request(&s);
         if status == 200 {
             reply = Some(status);
             break;
         }
     }
     assert_eq!(reply, Some(200));
+}
+
+#[test]
+fn a_client_past_its_connection_cap_with_all_busy_gets_429() {
+    let s = server(ConnectionLimits {
+        max_connections_per_client: Some(2),
+        ..limits(30, 30, 8)
+    });
+    let _held = [busy_connection(&s), busy_connection(&s)];
+    std::thread::sleep(Duration::from_millis(300));
+    let mut third = connect(&s);
+    let (closed, raw) = closed_by_server(&mut third);
+    assert!(closed);
+    let reply = parse_response(&raw);
+    assert_eq!(reply.status, 429, "{}", reply.text);
+    assert!(
+        reply.text.contains("--max-connections-per-client"),
+        "{}",
+        reply.text
+    );
+}
+
+#[test]
+fn an_idle_connection_flood_past_the_limit_does_not_lock_a_client_out() {
+    // A small limit, so the flood (three times the limit) fits CI's open-file limit.
+    let max = 16;
+    // Every test client is 127.0.0.1: a per-client cap as large as the limit makes the
+    // flood meet the limit itself (the per-client cap has its own test).
+    let s = server(ConnectionLimits {
+        max_connections_per_client: Some(max),
+        ..limits(30, 30, max)
+    });
+    let addr = s.addr;
+    let flooding = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let flood = {
+        let flooding = std::sync::Arc::clone(&flooding);
+        std::thread::spawn(move || {
+            // Idle sockets and sockets stuck in their headers, opened one every 40 ms and
+            // held (the header timeout is 30 s: only eviction closes them here).
+            let mut held = Vec::new();
+            for i in 0..3 * max {
+                let Ok(mut c) = TcpStream::connect(addr) else {
+                    continue;
+                };
+                if i % 2 == 1 {
+                    let _ = c.write_all(b"POST /generate HTTP/1.1\r\nHost: loc");
+                }
+                held.push(c);
+                std::thread::sleep(Duration::from_millis(40));
+            }
+            while flooding.load(std::sync::atomic::Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            held
+        })
+    };
+    // Real requests throughout the flood and after it, each on a fresh connection.
+    std::thread::sleep(Duration::from_millis(200));
+    let mut answers = Vec::new();
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(3) {
+        answers.push(timed_request(&s));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    flooding.store(false, std::sync::atomic::Ordering::Relaxed);
+    let mut held = flood.join().expect("flood thread");
+    assert!(answers.len() >= 20, "{} requests", answers.len());
+    for (i, (status, took)) in answers.iter().enumerate() {
+        assert_eq!(*status, 200, "request {i} of {} refused", answers.len());
+        assert!(*took < Duration::from_secs(1), "request {i} took {took:?}");
+    }
+    // The flood was held open past the limit: the server closed the oldest idle ones, and
+    // at most `max` of them can still be open.
+    let mut closed = 0;
+    for c in &mut held {
+        c.set_read_timeout(Some(Duration::from_millis(20)))
+            .expect("read timeout");
+        if closed_by_server(c).0 {
+            closed += 1;
+        }
+    }
+    assert_eq!(held.len(), 3 * max, "every flood socket connected");
+    assert!(
+        closed >= held.len() - max,
+        "{closed} of {} closed",
+        held.len()
+    );
 }

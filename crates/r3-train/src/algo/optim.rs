@@ -11,6 +11,7 @@
 use crate::error::{Result, TrainError};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
+use r3_model::WeightPrecision;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 
@@ -53,7 +54,7 @@ struct Slot {
 }
 
 /// What [`AdamW::step`] did.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum AdamWStep {
     /// Every variable with a gradient was updated.
     Applied,
@@ -63,6 +64,16 @@ pub enum AdamWStep {
         variable: String,
         /// `parameter`, `first moment` or `second moment`.
         what: &'static str,
+    },
+    /// Nothing changed: the update would have left a parameter of `variable` past the finite
+    /// range of the precision the weights are served in (see [`AdamW::set_weight_precision`]).
+    OutOfRange {
+        /// The first variable found out of range.
+        variable: String,
+        /// Its largest magnitude after the update.
+        value: f64,
+        /// The precision that cannot hold it.
+        precision: WeightPrecision,
     },
 }
 
@@ -74,12 +85,22 @@ fn all_finite(t: &Tensor) -> Result<bool> {
     Ok(sum.is_finite())
 }
 
+/// The largest magnitude in `t`.
+fn max_abs(t: &Tensor) -> Result<f64> {
+    Ok(t.abs()?
+        .max_all()?
+        .to_dtype(DType::F64)?
+        .to_scalar::<f64>()?)
+}
+
 /// AdamW over a fixed, name-sorted list of variables.
 #[derive(Debug)]
 pub struct AdamW {
     slots: Vec<Slot>,
     params: AdamWParams,
     step: u64,
+    /// Every parameter must stay within this precision's finite range.
+    precision: WeightPrecision,
 }
 
 impl AdamW {
@@ -112,7 +133,16 @@ impl AdamW {
             slots,
             params,
             step: 0,
+            precision: WeightPrecision::F32,
         })
+    }
+
+    /// Refuses (skips) any update that would leave a parameter past the finite range of
+    /// `precision` — the precision the weights are served in, so that no checkpoint or weight
+    /// sync holds a value its engine would turn into ±inf. f32 (the default) only refuses
+    /// non-finite values.
+    pub fn set_weight_precision(&mut self, precision: WeightPrecision) {
+        self.precision = precision;
     }
 
     /// Completed update steps.
@@ -126,9 +156,9 @@ impl AdamW {
     }
 
     /// Applies one update with learning rate `lr`, or none at all when it would leave a
-    /// parameter or moment NaN or infinite: every new value is computed into scratch
-    /// tensors and checked there, and the variables, moments and step count change only
-    /// when all are finite.
+    /// parameter or moment NaN or infinite, or a parameter past the weight precision's range:
+    /// every new value is computed into scratch tensors and checked there, and the variables,
+    /// moments and step count change only when all pass.
     pub fn step(&mut self, grads: &GradStore, lr: f64) -> Result<AdamWStep> {
         let AdamWParams {
             beta1,
@@ -171,6 +201,16 @@ impl AdamW {
                     return Ok(AdamWStep::NonFinite {
                         variable: slot.name.clone(),
                         what,
+                    });
+                }
+            }
+            if self.precision != WeightPrecision::F32 {
+                let value = max_abs(&new)?;
+                if !self.precision.holds(value) {
+                    return Ok(AdamWStep::OutOfRange {
+                        variable: slot.name.clone(),
+                        value,
+                        precision: self.precision,
                     });
                 }
             }

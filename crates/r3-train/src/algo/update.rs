@@ -1,6 +1,6 @@
 //! One guarded optimiser update: backward, NaN/inf check, gradient clipping, AdamW step.
 //! A non-finite loss or gradient norm, or an AdamW step that would leave a parameter or
-//! moment non-finite, skips the update and leaves the weights and the optimiser state
+//! moment non-finite (or a parameter past the rollout precision's range), skips the update and leaves the weights and the optimiser state
 //! untouched, so the loop can report it (`update.skipped`) and carry on.
 
 use crate::algo::grad_clip::{clip_grad_norm, GradNorm};
@@ -21,6 +21,9 @@ pub enum SkipReason {
     NonFiniteGradNorm,
     /// The AdamW step would have left a parameter or moment NaN or infinite.
     NonFiniteUpdate,
+    /// The AdamW step would have left a parameter past the finite range of the rollout
+    /// precision (a checkpoint or sync of it could not be served).
+    OutOfPrecisionRange,
 }
 
 /// Edits the (clipped) gradients just before the AdamW step; tests pass one to inject what
@@ -103,16 +106,38 @@ pub fn guarded_step_with(
     if let Some(hook) = hook {
         hook(opt, &mut grads)?;
     }
-    if let AdamWStep::NonFinite { variable, what } = opt.step(&grads, lr)? {
-        tracing::warn!(
-            loss,
-            lr,
-            variable = %variable,
-            what,
-            "the update would make weights non-finite: skipped, weights and optimiser kept"
-        );
+    let reason = match opt.step(&grads, lr)? {
+        AdamWStep::Applied => None,
+        AdamWStep::NonFinite { variable, what } => {
+            tracing::warn!(
+                loss,
+                lr,
+                variable = %variable,
+                what,
+                "the update would make weights non-finite: skipped, weights and optimiser kept"
+            );
+            Some(SkipReason::NonFiniteUpdate)
+        }
+        AdamWStep::OutOfRange {
+            variable,
+            value,
+            precision,
+        } => {
+            tracing::warn!(
+                loss,
+                lr,
+                variable = %variable,
+                value,
+                %precision,
+                "the update would leave a weight past the rollout precision's finite range: \
+                 skipped, weights and optimiser kept"
+            );
+            Some(SkipReason::OutOfPrecisionRange)
+        }
+    };
+    if let Some(reason) = reason {
         return Ok(UpdateOutcome::Skipped {
-            reason: SkipReason::NonFiniteUpdate,
+            reason,
             loss,
             grad_norm: Some(grad_norm.norm),
         });

@@ -118,10 +118,47 @@ pub trait Generate {
 impl Generate for Engine {
     fn generate_batch(&mut self, requests: Vec<GenerateRequest>) -> Result<Vec<GenerateResult>> {
         let expected = requests.len();
+        let prompts: Vec<Vec<u32>> = requests.iter().map(|r| r.input_ids.clone()).collect();
         let results = self.generate(requests)?;
+        refuse_non_finite_logprobs(self, &prompts, &results)?;
         check_count(results.len(), expected)?;
         Ok(results)
     }
+}
+
+/// An error naming where the forward first turned non-finite when a result holds a NaN
+/// or infinite log-prob: the sequence is run once more through `engine` with every stage
+/// checked (only on this failure path, so rollouts pay nothing for it).
+fn refuse_non_finite_logprobs(
+    engine: &mut Engine,
+    prompts: &[Vec<u32>],
+    results: &[GenerateResult],
+) -> Result<()> {
+    let bad = results
+        .iter()
+        .zip(prompts)
+        .enumerate()
+        .find_map(|(n, (r, prompt))| {
+            let token = r.output_logprobs.iter().position(|l| !l.is_finite())?;
+            Some((n, token, r.output_logprobs[token], prompt, r))
+        });
+    let Some((request, token, value, prompt, result)) = bad else {
+        return Ok(());
+    };
+    let mut ids = prompt.clone();
+    ids.extend_from_slice(&result.output_ids[..token]);
+    let stage = engine.locate_non_finite(&ids)?;
+    Err(TrainError::NonFiniteRollout {
+        request,
+        token,
+        value,
+        location: match stage {
+            Some(stage) => format!("first non-finite in {stage}"),
+            None => "every stage of a re-run was finite (the sampler's log-softmax turned it \
+                     non-finite)"
+                .into(),
+        },
+    })
 }
 
 /// Samples `spec.group_size` responses for every prompt (group-major order), stopping at

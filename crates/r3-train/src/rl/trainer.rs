@@ -8,6 +8,7 @@
 use std::path::Path;
 use std::time::Instant;
 
+use r3_model::check_map_holds;
 use r3_rollout::{config_eos_ids, GenerateRequest};
 use r3_tasks::{DatasetPosition, Reward};
 
@@ -83,19 +84,22 @@ impl Trainer {
     ) -> Result<Self> {
         let mut policy = policy;
         policy.set_precision(cfg.train.precision()?);
-        if tokenizer.vocab_size() > policy.config().vocab_size {
-            return Err(TrainError::VocabularyTooSmall {
-                tokenizer: tokenizer.vocab_size(),
-                model: policy.config().vocab_size,
-            });
-        }
+        tokenizer
+            .tokenizer()
+            .check_fits_model(policy.config().vocab_size)?;
         let params = AdamWParams {
             beta1: cfg.optim.beta1,
             beta2: cfg.optim.beta2,
             eps: cfg.optim.adam_eps,
             weight_decay: cfg.optim.weight_decay,
         };
+        // The rollout precision must hold every weight: at start (else the run stops, naming
+        // the tensor) and after every update (else the update is skipped and counted in
+        // `update.skipped`), so no checkpoint or sync holds a weight its engine cannot.
+        let rollout_precision = rollout_dtype(&cfg.rollout.dtype)?.weight_precision();
+        check_map_holds(&policy.tensor_map()?, rollout_precision)?;
         let mut optimizer = AdamW::new(policy.vars().to_vec(), params, decay_matrices_only)?;
+        optimizer.set_weight_precision(rollout_precision);
         let eos = config_eos_ids(policy.config());
         let reward = Reward::from_spec(&cfg.reward, cfg.task.format_reward as f32);
         let (step, prompts) = match resume {

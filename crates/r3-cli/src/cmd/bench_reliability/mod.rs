@@ -1,12 +1,15 @@
 //! `r3 bench reliability`: the longer reliability suite a user runs against the real
-//! binaries. It starts `r3 serve` and `r3 train` itself as child processes and runs four
+//! binaries. It starts `r3 serve` and `r3 train` itself as child processes and runs five
 //! parts, each in its own file: (a) [`load`], many concurrent clients with every answer
 //! checked against a single-client reference; (b) [`slowloris`], hundreds of stalled
 //! connections while real clients are served; (c) [`weights`], weight swaps under load,
 //! answers checked against the weights their version names; (d) [`kill_resume`], a training
-//! run SIGKILLed and resumed, compared bit for bit with an uninterrupted one. Prints the
-//! figures of each part; the quick checks of the same properties are `cargo test`.
+//! run SIGKILLed and resumed, compared bit for bit with an uninterrupted one; (e) [`flood`],
+//! more idle connections than the server's connection limit, kept up, while real clients
+//! are served. Prints the figures of each part; the quick checks of the same properties are
+//! `cargo test`.
 
+mod flood;
 mod kill_resume;
 mod load;
 mod server;
@@ -31,7 +34,8 @@ pub struct BenchReliabilityArgs {
     /// HF model directory served and trained (copied into the work directory).
     #[arg(long, default_value = "models/arith-moe")]
     pub model: PathBuf,
-    /// Wall time of parts (a)–(c) together, split evenly; (d) runs its kills on top.
+    /// Wall time of parts (a)–(c) together, split evenly; (e) runs one such share on top,
+    /// (d) its kills.
     #[arg(long, default_value_t = 3.0)]
     pub minutes: f64,
     /// Concurrent clients of the load part.
@@ -40,7 +44,14 @@ pub struct BenchReliabilityArgs {
     /// Stalled connections of the slowloris part (a third each idle, half-header, half-body).
     #[arg(long, default_value_t = 300)]
     pub slow_connections: usize,
-    /// Real clients served during the slowloris and weight-update parts.
+    /// Idle connections the flood part keeps open (reopened when the server closes them),
+    /// from several loopback addresses.
+    #[arg(long, default_value_t = 1100)]
+    pub flood_connections: usize,
+    /// `--max-connections` of the flood part's server (its default).
+    #[arg(long, default_value_t = 512)]
+    pub flood_max_connections: usize,
+    /// Real clients served during the slowloris, weight-update and flood parts.
     #[arg(long, default_value_t = 16)]
     pub side_clients: usize,
     /// Seconds between weight swaps in part (c).
@@ -58,11 +69,11 @@ pub struct BenchReliabilityArgs {
     /// Seed of prompts, client choices and kill times.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Parts to run, among load, slowloris, weights, kill.
+    /// Parts to run, among load, slowloris, weights, kill, flood.
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "load,slowloris,weights,kill"
+        default_value = "load,slowloris,weights,kill,flood"
     )]
     pub parts: Vec<String>,
     /// The `r3` binary to start (default: this one).
@@ -94,7 +105,7 @@ pub fn run(a: BenchReliabilityArgs) -> anyhow::Result<()> {
     );
     let wants = |p: &str| a.parts.iter().any(|x| x == p);
 
-    let server_parts = ["load", "slowloris", "weights"];
+    let server_parts = ["load", "slowloris", "weights", "flood"];
     if server_parts.iter().any(|p| wants(p)) {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -233,6 +244,56 @@ async fn serve_parts(
             f.failures,
             f.aborted,
             f.checked,
+            f.mismatches,
+            f.p50_ms,
+            f.p99_ms
+        );
+    }
+    if wants("flood") {
+        // Its own server at the flood limit, with a header timeout longer than the part, so
+        // every flood socket the server closes is closed to make room.
+        let header_secs = (share.as_secs() + 60).to_string();
+        let limit = a.flood_max_connections.to_string();
+        let extra: Vec<String> = [
+            "--max-connections",
+            &limit,
+            "--header-timeout-secs",
+            &header_secs,
+        ]
+        .map(String::from)
+        .to_vec();
+        let flood_server =
+            ServerProcess::start(r3, &dir_a, work, &work.join("serve-flood.log"), &extra).await?;
+        let addr = flood_server
+            .addr()
+            .parse()
+            .context("the flood server's address")?;
+        let f = flood::run(
+            &client,
+            addr,
+            &flood_server.url("/generate"),
+            Arc::clone(&pool),
+            &reference,
+            a.flood_connections,
+            a.side_clients,
+            share,
+            a.seed + 3,
+        )
+        .await;
+        println!(
+            "(e) flood: {} idle sockets from {} loopback addresses kept against \
+             --max-connections {} ({} connects, {} failed, {} closed by the server to make \
+             room); {} clients sent {} requests, {} failures, {} mismatches, p50 {:.0} ms, \
+             p99 {:.0} ms",
+            f.sockets,
+            flood::FLOOD_SOURCES,
+            a.flood_max_connections,
+            f.opened,
+            f.connect_failures,
+            f.closed_by_server,
+            f.clients,
+            f.sent,
+            f.failures,
             f.mismatches,
             f.p50_ms,
             f.p99_ms

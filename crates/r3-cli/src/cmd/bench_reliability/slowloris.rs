@@ -99,7 +99,7 @@ async fn write_all(s: &TcpStream, mut data: &[u8]) -> std::io::Result<()> {
 }
 
 /// Whether the peer has closed the connection (a read sees end of stream or an error).
-fn closed(s: &TcpStream) -> bool {
+pub(super) fn closed(s: &TcpStream) -> bool {
     let mut buf = [0u8; 512];
     loop {
         match s.try_read(&mut buf) {
