@@ -18,7 +18,7 @@ use crate::error::{Result, TrainError};
 use crate::policy::model_text::ModelText;
 use crate::policy::trainable::TrainablePolicy;
 use crate::rl::ahead::{generate_while, AheadBatch};
-use crate::rl::backend::Backend;
+use crate::rl::backend::{rollout_dtype, Backend};
 use crate::rl::checkpoint::{load_optimizer, save_checkpoint, state_at, TrainerState};
 use crate::rl::diagnostics::logp_mismatch;
 use crate::rl::metrics_log::StepMetrics;
