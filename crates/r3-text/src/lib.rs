@@ -12,7 +12,6 @@ mod jinja;
 mod message;
 mod model_files;
 mod special;
-mod strftime;
 mod template;
 mod tokenizer;
 
