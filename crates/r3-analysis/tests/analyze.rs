@@ -7,16 +7,11 @@ use std::path::{Path, PathBuf};
 
 use r3_analysis::mismatch::{run_analysis, AnalysisSummary, AnalyzeOptions, SUMMARY_JSON};
 use r3_analysis::AnalysisError;
+use r3_test_support::Scratch;
 use serde_json::Value;
 
 fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3_moe_tiny")
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("r3-analyze-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
 }
 
 /// The options the tests use: 6 prompts of up to 10 new tokens, 4 sequences per call, seed 5.
@@ -89,7 +84,7 @@ fn column(samples: &[Value], key: &str) -> Vec<f64> {
 
 #[test]
 fn analyze_tiny_moe_end_to_end() {
-    let out = scratch("e2e");
+    let out = Scratch::new("analyze-e2e");
     let summary = analyze(&options(&out)).expect("analysis");
     let s = read_json(&out.join(SUMMARY_JSON));
     assert_eq!(
@@ -254,7 +249,7 @@ fn analyze_tiny_moe_end_to_end() {
     assert!(md.contains("k3 KL, MoE + R3"));
 
     // Same seed, same numbers.
-    let again = scratch("e2e-again");
+    let again = Scratch::new("analyze-e2e-again");
     analyze(&options(&again)).expect("second analysis");
     let s2 = read_json(&again.join(SUMMARY_JSON));
     assert_eq!(
@@ -265,13 +260,11 @@ fn analyze_tiny_moe_end_to_end() {
         s["moe"]["routing_divergence"]["router_level"],
         s2["moe"]["routing_divergence"]["router_level"]
     );
-    let _ = std::fs::remove_dir_all(&out);
-    let _ = std::fs::remove_dir_all(&again);
 }
 
 #[test]
 fn analyze_rejects_bad_input_naming_it() {
-    let out = scratch("bad");
+    let out = Scratch::new("analyze-bad");
     let no_prompts = AnalyzeOptions {
         prompts: 0,
         ..options(&out)
@@ -294,5 +287,4 @@ fn analyze_rejects_bad_input_naming_it() {
         .expect_err("MoE as dense")
         .to_string();
     assert!(err.contains("is an MoE model"), "error: {err}");
-    let _ = std::fs::remove_dir_all(&out);
 }

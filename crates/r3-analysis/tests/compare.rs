@@ -3,54 +3,14 @@
 //! right resolved config, one metrics line per step, and the results table with one row per
 //! run and the crash rule.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use candle_core::Device;
 use r3_analysis::compare::{plan, run_compare, Setting};
 use r3_analysis::report::{CrashRule, DEFAULT_KL_THRESHOLD};
-use r3_model::{Config, RandomInit, Weights};
-use r3_tasks::CharTokenizer;
+use r3_test_support::{tiny_model, Scratch};
 use r3_train::config::TrainConfig;
-use r3_train::pretrain::config::PretrainConfig;
-use r3_train::pretrain::shape::ModelShape;
 use r3_train::{Quiet, RouterReplay};
 use serde_json::Value;
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("r3-compare-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("scratch dir");
-    dir
-}
-
-/// A tiny random Qwen3-MoE-style model with r3's tokenizer (2 layers, 4 experts, top-2).
-fn tiny_model(dir: &Path) {
-    let pcfg = PretrainConfig {
-        model: ModelShape {
-            hidden_size: 32,
-            num_hidden_layers: 2,
-            num_attention_heads: 2,
-            num_key_value_heads: 1,
-            head_dim: 16,
-            num_experts: 4,
-            num_experts_per_tok: 2,
-            moe_intermediate_size: 32,
-            max_position_embeddings: 64,
-            rope_theta: 10000.0,
-            init_std: 0.1,
-            router_init_std: 0.3,
-            ..ModelShape::default()
-        },
-        ..PretrainConfig::default()
-    };
-    let tokenizer = CharTokenizer::new().expect("tokenizer");
-    let cfg = Config::from_value(pcfg.hf_config(tokenizer.vocab_size())).expect("config");
-    let weights = Weights::random(&cfg, &RandomInit::new(3), &Device::Cpu).expect("weights");
-    weights.save(dir, &cfg).expect("save model");
-    tokenizer
-        .save(&dir.join("tokenizer.json"))
-        .expect("save tokenizer");
-}
 
 /// `run_compare` with quiet runs.
 fn compare(
@@ -78,9 +38,9 @@ const DEFAULT_CONFIG: &str = include_str!("../../../configs/default.toml");
 
 #[test]
 fn compare_two_modes_two_steps_writes_runs_and_table() {
-    let root = scratch("e2e");
+    let root = Scratch::new("compare-e2e");
     let model = root.join("model");
-    tiny_model(&model);
+    tiny_model(&model, 3);
     let out = root.join("out");
     let overrides: Vec<String> = vec![
         format!("model_dir={}", model.display()),
@@ -185,5 +145,4 @@ fn compare_two_modes_two_steps_writes_runs_and_table() {
         table.contains("| single-R3-s3 |") && table.contains("| single-R3-s4 |"),
         "{table}"
     );
-    let _ = std::fs::remove_dir_all(&root);
 }

@@ -2,17 +2,12 @@
 //! `r3 compare`): a result path on stdout, and every failure as one `error:` line on stderr.
 //! What the commands compute is tested in r3-analysis.
 
+use r3_test_support::Scratch;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../r3-analysis/tests/fixtures/qwen3_moe_tiny")
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("r3-cli-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
 }
 
 fn r3(args: &[&str]) -> Output {
@@ -37,7 +32,7 @@ fn one_error_line(out: &Output) -> String {
 
 #[test]
 fn analyze_prints_the_summary_path() {
-    let out = scratch("analyze");
+    let out = Scratch::new("cli-analyze");
     let model = fixture();
     let run = r3(&[
         "--log",
@@ -60,12 +55,11 @@ fn analyze_prints_the_summary_path() {
     let stdout = String::from_utf8_lossy(&run.stdout);
     assert_eq!(stdout.trim(), path(&out.join("summary.json")));
     assert!(out.join("summary.json").is_file());
-    let _ = std::fs::remove_dir_all(&out);
 }
 
 #[test]
 fn analysis_commands_fail_with_one_error_line() {
-    let out = scratch("errors");
+    let out = Scratch::new("cli-errors");
     let nowhere = out.join("nowhere");
     let err = one_error_line(&r3(&[
         "analyze",
@@ -81,5 +75,4 @@ fn analysis_commands_fail_with_one_error_line() {
 
     let err = one_error_line(&r3(&["compare", "--modes", "R4", "--out", path(&out)]));
     assert!(err.contains("router replay `R4` is none of"), "{err}");
-    let _ = std::fs::remove_dir_all(&out);
 }

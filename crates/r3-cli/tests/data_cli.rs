@@ -8,12 +8,7 @@ use std::process::{Command, Output};
 
 use r3_tasks::dataset::load_file;
 use r3_tasks::reward::answers::math_reward;
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("r3-cli-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
-}
+use r3_test_support::Scratch;
 
 fn r3(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_r3"))
@@ -32,7 +27,7 @@ fn arith_model() -> PathBuf {
 
 #[test]
 fn generate_writes_jsonl_and_parquet_twins() {
-    let out = scratch("data-generate");
+    let out = Scratch::new("cli-data-generate");
     let o = r3(&[
         "data",
         "generate",
@@ -52,12 +47,11 @@ fn generate_writes_jsonl_and_parquet_twins() {
         assert_eq!(j, p, "{split}");
         assert_eq!(j.len(), if split == "train" { 30 } else { 6 });
     }
-    let _ = std::fs::remove_dir_all(&out);
 }
 
 #[test]
 fn show_prints_prompt_ids_truth_and_reward() {
-    let out = scratch("data-show");
+    let out = Scratch::new("cli-data-show");
     let gen = r3(&[
         "data",
         "generate",
@@ -135,5 +129,4 @@ fn show_prints_prompt_ids_truth_and_reward() {
         .parse()
         .expect("int");
     assert_eq!(line["correct"], truth == 7);
-    let _ = std::fs::remove_dir_all(&out);
 }

@@ -11,7 +11,7 @@ pub mod model;
 pub mod precision;
 pub mod presets;
 pub mod router;
-pub mod routing;
+pub mod routing_mode;
 pub mod spec;
 #[cfg(test)]
 mod test_util;
@@ -26,7 +26,7 @@ pub use error::{ModelError, Result};
 pub use model::{Batch, ForwardOutput, Model};
 pub use precision::Precision;
 pub use router::Router;
-pub use routing::{ReplayProof, ReplayRoutes, Routing};
+pub use routing_mode::{ReplayProof, ReplayRoutes, Routing};
 pub use spec::{tensor_specs, tensor_specs_in, ExpertLayout, TensorRole, TensorSpec};
 pub use weights::{
     check_finite, check_holds, check_map_holds, LoadOptions, RandomInit, WeightPrecision, Weights,

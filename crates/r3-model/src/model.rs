@@ -15,10 +15,13 @@ use crate::layers::moe::{MoeBlock, RoutedRows};
 use crate::layers::norm::RmsNorm;
 use crate::layers::rope::{Rope, RopeTables};
 use crate::precision::Precision;
-use crate::routing::{
+use crate::routing_mode::{
     plan_replay, record_tables, verify_replay, ModelShape, ReplayPlan, ReplayProof, Routing,
 };
-use crate::spec::{layer_prefix, SWIGLU_HF};
+use crate::spec::{
+    attention_prefix, dense_mlp_prefix, input_norm, post_attention_norm, weight, EMBED, FINAL_NORM,
+    LM_HEAD, SWIGLU_HF,
+};
 use crate::weights::Weights;
 use r3_routing::RouteTable;
 
@@ -165,8 +168,7 @@ impl Model {
         let eps = cfg.rms_norm_eps;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
-            let p = layer_prefix(i);
-            let attn_prefix = format!("{p}.self_attn");
+            let attn_prefix = attention_prefix(i);
             let attention = match cfg.attention {
                 AttentionConfig::Gqa { .. } => {
                     Attention::Gqa(GqaAttention::new(cfg, weights, &attn_prefix)?)
@@ -178,25 +180,25 @@ impl Model {
             let ffn = if cfg.is_moe_layer(i) {
                 FeedForward::Moe(MoeBlock::new(cfg, weights, i)?)
             } else {
-                FeedForward::Dense(SwiGlu::new(weights, &format!("{p}.mlp"), &SWIGLU_HF)?)
+                FeedForward::Dense(SwiGlu::new(weights, &dense_mlp_prefix(i), &SWIGLU_HF)?)
             };
             layers.push(DecoderLayer {
-                input_norm: RmsNorm::new(weights, &format!("{p}.input_layernorm"), eps)?,
+                input_norm: RmsNorm::new(weights, &input_norm(i), eps)?,
                 attention,
-                post_norm: RmsNorm::new(weights, &format!("{p}.post_attention_layernorm"), eps)?,
+                post_norm: RmsNorm::new(weights, &post_attention_norm(i), eps)?,
                 ffn,
             });
         }
         let lm_head_name = if cfg.tie_word_embeddings {
-            "model.embed_tokens"
+            EMBED
         } else {
-            "lm_head"
+            LM_HEAD
         };
         Ok(Model {
             cfg: cfg.clone(),
-            embed: weights.get("model.embed_tokens.weight")?.clone(),
+            embed: weights.get(&weight(EMBED))?.clone(),
             layers,
-            norm: RmsNorm::new(weights, "model.norm", eps)?,
+            norm: RmsNorm::new(weights, FINAL_NORM, eps)?,
             lm_head: Linear::new(weights, lm_head_name, false)?,
             rope: Rope::new(&cfg.rope),
             precision: Precision::F32,

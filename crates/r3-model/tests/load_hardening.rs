@@ -5,19 +5,13 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 use common::{tiny_config, tiny_json, tiny_weights, FAMILIES};
 use r3_model::{check_finite, Config, LoadOptions, ModelError, Weights};
+use r3_test_support::Scratch;
 use serde_json::{json, Value};
-
-fn temp_dir(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("r3-model-load-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("mkdir");
-    dir
-}
 
 fn with(family: &str, key: &str, value: Value) -> Value {
     let mut v = tiny_json(family);
@@ -230,7 +224,7 @@ fn non_finite_weights_are_refused_naming_the_tensor_unless_allowed() {
         let poisoned = Tensor::from_vec(values, original.dims(), &Device::Cpu)
             .and_then(|t| t.to_dtype(dtype))
             .expect("poisoned");
-        let dir = temp_dir(&format!("nan-{dtype:?}"));
+        let dir = Scratch::new(&format!("model-load-nan-{dtype:?}"));
         save_with(&dir, &cfg, &weights, name, poisoned);
 
         match Weights::load(&dir, &cfg, &Device::Cpu) {
@@ -259,7 +253,6 @@ fn non_finite_weights_are_refused_naming_the_tensor_unless_allowed() {
             .expect("values");
         assert_eq!(back[index].is_nan(), bad.is_nan());
         assert_eq!(back[index].is_infinite(), bad.is_infinite());
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }
 
@@ -299,7 +292,7 @@ fn write_raw(path: &Path, header: &Value, data: &[u8]) {
 #[test]
 fn truncated_or_lying_safetensors_files_are_clear_errors() {
     let cfg = tiny_config("olmoe");
-    let dir = temp_dir("truncated");
+    let dir = Scratch::new("model-load-truncated");
     tiny_weights(&cfg, 1, DType::F32)
         .save(&dir, &cfg)
         .expect("save");
@@ -333,5 +326,4 @@ fn truncated_or_lying_safetensors_files_are_clear_errors() {
     write_raw(&file, &header, &[0u8; 8]);
     let err = Weights::load(&dir, &cfg, &Device::Cpu).expect_err("overflowing shape");
     assert!(err.to_string().contains("overflows"), "{err}");
-    let _ = std::fs::remove_dir_all(&dir);
 }

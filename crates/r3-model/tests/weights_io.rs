@@ -4,18 +4,12 @@
 mod common;
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 use common::{sequences, tiny_config, tiny_weights, FAMILIES};
 use r3_model::{Batch, Config, Model, ModelError, Routing, Weights};
-
-fn temp_dir(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("r3-model-test-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("mkdir");
-    dir
-}
+use r3_test_support::Scratch;
 
 fn logits(cfg: &Config, weights: &Weights) -> Vec<f32> {
     let model = Model::new(cfg, weights).expect("model");
@@ -37,7 +31,7 @@ fn save_then_load_round_trips_every_family() {
     for family in FAMILIES {
         let cfg = tiny_config(family);
         let weights = tiny_weights(&cfg, 2, DType::F32);
-        let dir = temp_dir(family);
+        let dir = Scratch::new(&format!("model-test-{family}"));
         weights.save(&dir, &cfg).expect("save");
         let cfg2 = Config::from_file(&dir.join("config.json")).expect("config back");
         let back = Weights::load(&dir, &cfg2, &Device::Cpu).expect("load back");
@@ -49,14 +43,13 @@ fn save_then_load_round_trips_every_family() {
             assert!(same, "{family}: {name} changed in the round trip");
         }
         assert_eq!(logits(&cfg, &weights), logits(&cfg2, &back), "{family}");
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }
 
 #[test]
 fn hf_names_are_written() {
     let cfg = tiny_config("mixtral");
-    let dir = temp_dir("names");
+    let dir = Scratch::new("model-test-names");
     tiny_weights(&cfg, 1, DType::F32)
         .save(&dir, &cfg)
         .expect("save");
@@ -71,7 +64,6 @@ fn hf_names_are_written() {
     ] {
         assert!(raw.contains_key(name), "missing {name}");
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Rewrites per-expert tensors of a checkpoint into the transformers-5 fused layout.
@@ -118,7 +110,7 @@ fn fused_expert_tensors_load() {
     for family in ["qwen3_moe", "mixtral", "deepseek_v3"] {
         let cfg = tiny_config(family);
         let weights = tiny_weights(&cfg, 4, DType::F32);
-        let dir = temp_dir(&format!("fused-{family}"));
+        let dir = Scratch::new(&format!("model-test-fused-{family}"));
         // transformers 5 keeps fused experts under `mlp.experts` for every family.
         let mut fused = fuse(&cfg, &weights, |l| format!("model.layers.{l}.mlp.experts"));
         if family == "mixtral" {
@@ -132,7 +124,6 @@ fn fused_expert_tensors_load() {
         write(&dir.join("model.safetensors"), fused);
         let back = Weights::load(&dir, &cfg, &Device::Cpu).expect("load fused");
         assert_eq!(logits(&cfg, &weights), logits(&cfg, &back), "{family}");
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }
 
@@ -140,7 +131,7 @@ fn fused_expert_tensors_load() {
 fn sharded_checkpoint_loads() {
     let cfg = tiny_config("qwen2_moe");
     let weights = tiny_weights(&cfg, 8, DType::F32);
-    let dir = temp_dir("sharded");
+    let dir = Scratch::new("model-test-sharded");
     let mut shards: [HashMap<String, Tensor>; 2] = [HashMap::new(), HashMap::new()];
     let mut map = serde_json::Map::new();
     for (i, (name, t)) in weights.tensors().iter().enumerate() {
@@ -174,14 +165,13 @@ fn sharded_checkpoint_loads() {
         .to_scalar::<f32>()
         .expect("s");
     assert_eq!(diff, 0.0);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn missing_and_misshaped_tensors_are_named() {
     let cfg = tiny_config("olmoe");
     let weights = tiny_weights(&cfg, 3, DType::F32);
-    let dir = temp_dir("bad");
+    let dir = Scratch::new("model-test-bad");
     let mut map: HashMap<String, Tensor> = weights.tensors().clone().into_iter().collect();
     map.remove("model.layers.1.mlp.experts.2.up_proj.weight");
     write(&dir.join("model.safetensors"), map.clone());
@@ -207,11 +197,9 @@ fn missing_and_misshaped_tensors_are_named() {
         }
         other => panic!("expected a shape error, got {other:?}"),
     }
-    let empty = temp_dir("empty");
+    let empty = Scratch::new("model-test-empty");
     let err = Weights::load(&empty, &cfg, &Device::Cpu).expect_err("no checkpoint");
     assert!(err.to_string().contains("model.safetensors"), "{err}");
-    let _ = std::fs::remove_dir_all(&dir);
-    let _ = std::fs::remove_dir_all(&empty);
 }
 
 /// Training holds experts fused; saving those weights writes HF per-expert tensors equal to
@@ -232,7 +220,7 @@ fn trainable_fused_experts_save_as_per_expert_tensors() {
             logits(&cfg, &trainable),
             "{family}: fused forward"
         );
-        let dir = temp_dir(&format!("fused-{family}"));
+        let dir = Scratch::new(&format!("model-test-fused-{family}"));
         trainable.save(&dir, &cfg).expect("save");
         let back = Weights::load(&dir, &cfg, &Device::Cpu).expect("load back");
         assert_eq!(back.expert_layout(&cfg), r3_model::ExpertLayout::PerExpert);
@@ -249,6 +237,5 @@ fn trainable_fused_experts_save_as_per_expert_tensors() {
             weights.tensors().keys().collect::<Vec<_>>(),
             "{family}: unfused names"
         );
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

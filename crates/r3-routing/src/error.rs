@@ -222,6 +222,11 @@ impl RouteError {
         }
     }
 
+    /// Shorthand for a mismatch of two layer lists, each abbreviated when long.
+    pub(crate) fn layers_shape(what: &'static str, left: &[usize], right: &[usize]) -> Self {
+        RouteError::shape(what, abbreviate(left), abbreviate(right))
+    }
+
     /// Shorthand for a length mismatch.
     pub fn length(what: impl Into<String>, expected: usize, got: usize) -> Self {
         RouteError::Length {
@@ -229,5 +234,20 @@ impl RouteError {
             expected,
             got,
         }
+    }
+}
+
+/// Short form of a layer list for error messages.
+fn abbreviate(layers: &[usize]) -> String {
+    if layers.len() <= 8 {
+        format!("{layers:?}")
+    } else {
+        format!(
+            "[{}, {}, ..., {}] ({} layers)",
+            layers[0],
+            layers[1],
+            layers[layers.len() - 1],
+            layers.len()
+        )
     }
 }

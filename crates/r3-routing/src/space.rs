@@ -66,11 +66,7 @@ impl RouteTable {
 
     fn check_layers(&self, expected: &[usize], what: &'static str) -> Result<(), RouteError> {
         if self.layers != expected {
-            return Err(RouteError::shape(
-                what,
-                abbreviate(&self.layers),
-                abbreviate(expected),
-            ));
+            return Err(RouteError::layers_shape(what, &self.layers, expected));
         }
         Ok(())
     }
@@ -116,20 +112,5 @@ impl RouteTable {
             present,
             versions: self.versions.clone(),
         }
-    }
-}
-
-/// Short form of a layer list for error messages.
-pub(crate) fn abbreviate(layers: &[usize]) -> String {
-    if layers.len() <= 8 {
-        format!("{layers:?}")
-    } else {
-        format!(
-            "[{}, {}, ..., {}] ({} layers)",
-            layers[0],
-            layers[1],
-            layers[layers.len() - 1],
-            layers.len()
-        )
     }
 }

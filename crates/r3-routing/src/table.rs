@@ -3,7 +3,6 @@
 //! presence mark per (token, column) cell and optional per-row weight versions.
 //! Construction and validation live in `build.rs`; space conversion in `space.rs`.
 
-use crate::space::abbreviate;
 use crate::{LayerSpace, RouteError};
 
 /// Largest expert count a table can hold (ids are stored as u16).
@@ -266,10 +265,10 @@ impl RouteTable {
             ));
         }
         if self.layers != other.layers {
-            return Err(RouteError::shape(
+            return Err(RouteError::layers_shape(
                 "layers",
-                abbreviate(&self.layers),
-                abbreviate(&other.layers),
+                &self.layers,
+                &other.layers,
             ));
         }
         Ok(())

@@ -5,10 +5,12 @@
 pub mod answers;
 pub mod combined;
 pub mod command;
+pub mod input;
 pub mod spec;
 
-pub use combined::{Reward, RewardInput, RewardScore};
+pub use combined::{Reward, RewardScore};
 pub use command::CommandReward;
+pub use input::RewardInput;
 pub use spec::{RewardFuncSpec, RewardKind, RewardSpec};
 
 use serde::{Deserialize, Serialize};

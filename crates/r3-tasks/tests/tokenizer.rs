@@ -3,12 +3,7 @@
 use r3_tasks::{
     ArithmeticTask, CharTokenizer, Difficulty, TaskError, ALPHABET, BOS_ID, EOS_ID, PAD_ID,
 };
-
-fn tmp_dir(name: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("r3-tasks-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("tmp dir");
-    dir
-}
+use r3_test_support::Scratch;
 
 #[test]
 fn ids_are_specials_then_alphabet_in_order() {
@@ -79,7 +74,7 @@ fn unknown_characters_and_ids_are_named() {
 
 #[test]
 fn saves_and_loads_hf_tokenizer_json() {
-    let dir = tmp_dir("save");
+    let dir = Scratch::new("tasks-save");
     let path = dir.join("tokenizer.json");
     let tok = CharTokenizer::new().expect("build");
     tok.save(&path).expect("save");
@@ -119,12 +114,11 @@ fn saves_and_loads_hf_tokenizer_json() {
             ("<eos>".to_string(), 2)
         ]
     );
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]
 fn loading_a_different_vocabulary_is_an_error() {
-    let dir = tmp_dir("mismatch");
+    let dir = Scratch::new("tasks-mismatch");
     let path = dir.join("tokenizer.json");
     CharTokenizer::new()
         .expect("build")
@@ -150,5 +144,4 @@ fn loading_a_different_vocabulary_is_an_error() {
         }
         other => panic!("expected TokenizerRead, got {other:?}"),
     }
-    std::fs::remove_dir_all(&dir).ok();
 }

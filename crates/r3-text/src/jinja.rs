@@ -3,6 +3,8 @@
 //! methods, and the globals `raise_exception` and `strftime_now` and a `tojson` filter that
 //! writes what Python's `json.dumps(..., ensure_ascii=False)` writes.
 
+use std::fmt::Write as _;
+
 use minijinja::value::{Kwargs, ValueKind};
 use minijinja::{Environment, Error, ErrorKind, Value};
 
@@ -27,13 +29,22 @@ fn raise_exception(message: String) -> Result<Value, Error> {
 }
 
 fn strftime_now(format: String) -> Result<String, Error> {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?
-        .as_secs();
-    let secs =
-        i64::try_from(secs).map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
-    Ok(crate::strftime::format_unix(secs, &format))
+    format_at(chrono::Utc::now(), &format)
+}
+
+/// `time` formatted as Python's `strftime` formats it (chrono's codes, a superset of the C
+/// ones templates use: `%d %b %Y`, `%-d`, `%e`, `%j`, `%p`, ...); a code chrono does not know
+/// is copied as it is, as glibc does.
+fn format_at(time: chrono::DateTime<chrono::Utc>, format: &str) -> Result<String, Error> {
+    let items = chrono::format::StrftimeItems::new_lenient(format);
+    let mut out = String::new();
+    write!(out, "{}", time.format_with_items(items)).map_err(|_| {
+        Error::new(
+            ErrorKind::InvalidOperation,
+            format!("strftime_now: cannot format the time with {format:?}"),
+        )
+    })?;
+    Ok(out)
 }
 
 /// `json.dumps(value, ensure_ascii=False, indent=indent)`: `", "` and `": "` separators
@@ -117,7 +128,66 @@ fn write_json(
 
 #[cfg(test)]
 mod tests {
+    use chrono::{DateTime, Utc};
     use minijinja::context;
+
+    use super::format_at;
+
+    fn at(unix_secs: i64) -> DateTime<Utc> {
+        DateTime::from_timestamp(unix_secs, 0).expect("in range")
+    }
+
+    #[test]
+    fn strftime_known_dates() {
+        // 2024-07-26 23:05:09 UTC (`date -u -d @1722035109`): a Friday, day 208 of a leap year.
+        let t = at(1_722_035_109);
+        assert_eq!(format_at(t, "%d %b %Y").expect("format"), "26 Jul 2024");
+        assert_eq!(
+            format_at(t, "%A %B %-d, %y %H:%M:%S %I%p %j %%").expect("format"),
+            "Friday July 26, 24 23:05:09 11PM 208 %"
+        );
+        // The epoch itself, and a day before it.
+        assert_eq!(
+            format_at(at(0), "%Y-%m-%d %a").expect("format"),
+            "1970-01-01 Thu"
+        );
+        assert_eq!(
+            format_at(at(-86_400), "%Y-%m-%d %a %j").expect("format"),
+            "1969-12-31 Wed 365"
+        );
+        // 2000 is a leap year: 29 Feb exists and 1 Mar is day 61.
+        assert_eq!(
+            format_at(at(951_868_800), "%Y-%m-%d %j").expect("format"),
+            "2000-03-01 061"
+        );
+    }
+
+    #[test]
+    fn strftime_hand_checked_leap_day_and_padding() {
+        // 2024-02-29 00:00:00 UTC = 19782 days × 86400 s after the epoch: leap day, a
+        // Thursday (19782 = 7·2826, and day 0 was a Thursday), day 31 + 29 = 60 of the year;
+        // midnight is 12 AM on a 12-hour clock.
+        let t = at(19_782 * 86_400);
+        assert_eq!(
+            format_at(t, "%Y-%m-%d %A %j %-d %I%p").expect("format"),
+            "2024-02-29 Thursday 060 29 12AM"
+        );
+        // One second before 1 March: the day is space-padded by %e, zero-padded by %d.
+        let t = at(19_783 * 86_400 - 1);
+        assert_eq!(
+            format_at(t, "%e|%d %H:%M:%S %I %p").expect("format"),
+            "29|29 23:59:59 11 PM"
+        );
+        assert_eq!(
+            format_at(at(19_783 * 86_400), "[%e]").expect("format"),
+            "[ 1]"
+        );
+    }
+
+    #[test]
+    fn strftime_copies_an_unknown_code() {
+        assert_eq!(format_at(at(0), "%Y %Q").expect("format"), "1970 %Q");
+    }
 
     fn render(src: &str, ctx: minijinja::Value) -> String {
         let env = super::environment().expect("env");

@@ -13,7 +13,6 @@ mod json_kind;
 mod message;
 mod model_files;
 mod special;
-mod strftime;
 mod template;
 mod tokenizer;
 

@@ -1,8 +1,9 @@
 //! Model configuration: the normalised, validated view of an HF `config.json`.
 //!
-//! Parsing (key variants, HF defaults, rejection of unsupported options) lives in
-//! `parse.rs`, size limits in `limits.rs`, value checks in `validate.rs`; this module holds
-//! the typed result the rest of the crate builds on.
+//! Parsing (key variants, HF defaults, rejection of unsupported options, and the
+//! `Config::from_*` constructors) lives in `parse.rs`, size limits in `limits.rs`, value
+//! checks in `validate.rs`; this module holds the typed result the rest of the crate builds
+//! on, and so needs none of them (the checks read `spec.rs`, which reads these types).
 
 mod limits;
 mod parse;
@@ -10,11 +11,7 @@ mod validate;
 
 pub use limits::ConfigLimits;
 
-use std::path::Path;
-
 use r3_routing::{LayerLayout, LayoutRules};
-
-use crate::error::{ModelError, Result};
 
 /// Transformer family; decides tensor names and block flavours.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -267,35 +264,6 @@ pub struct Config {
 }
 
 impl Config {
-    /// Parses and validates a config.json document.
-    pub fn from_json_str(text: &str) -> Result<Self> {
-        let value: serde_json::Value =
-            serde_json::from_str(text).map_err(|source| ModelError::Json {
-                path: "config.json".into(),
-                source,
-            })?;
-        Self::from_value(value)
-    }
-
-    /// Parses and validates a config.json value.
-    pub fn from_value(value: serde_json::Value) -> Result<Self> {
-        parse::parse(value)
-    }
-
-    /// Reads `config.json` from a file.
-    pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        let value: serde_json::Value =
-            serde_json::from_str(&text).map_err(|source| ModelError::Json {
-                path: path.to_path_buf(),
-                source,
-            })?;
-        Self::from_value(value)
-    }
-
     /// The HF layout rules of this config (for `LayerLayout::from_rules`).
     pub fn layout_rules(&self) -> LayoutRules {
         self.layer_rules

@@ -1,6 +1,8 @@
 //! config.json → [`Config`]: key variants real checkpoints use, HF defaults for
 //! flags, and an error naming every option whose math this crate does not implement.
 
+use std::path::Path;
+
 use serde::Deserialize;
 
 use super::{
@@ -101,8 +103,39 @@ fn architecture(model_type: &str) -> Result<Architecture> {
     })
 }
 
+impl Config {
+    /// Parses and validates a config.json document.
+    pub fn from_json_str(text: &str) -> Result<Self> {
+        let value: serde_json::Value =
+            serde_json::from_str(text).map_err(|source| ModelError::Json {
+                path: "config.json".into(),
+                source,
+            })?;
+        Self::from_value(value)
+    }
+
+    /// Parses and validates a config.json value.
+    pub fn from_value(value: serde_json::Value) -> Result<Self> {
+        parse(value)
+    }
+
+    /// Reads `config.json` from a file.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let value: serde_json::Value =
+            serde_json::from_str(&text).map_err(|source| ModelError::Json {
+                path: path.to_path_buf(),
+                source,
+            })?;
+        Self::from_value(value)
+    }
+}
+
 /// Parses a config.json value into a validated [`Config`].
-pub(super) fn parse(value: serde_json::Value) -> Result<Config> {
+fn parse(value: serde_json::Value) -> Result<Config> {
     let raw: RawConfig =
         serde_json::from_value(value.clone()).map_err(|source| ModelError::Json {
             path: "config.json".into(),

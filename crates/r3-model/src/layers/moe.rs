@@ -15,7 +15,7 @@ use crate::config::{Config, SharedExpert};
 use crate::error::{ModelError, Result};
 use crate::precision::Precision;
 use crate::router::Router;
-use crate::routing::LayerPlan;
+use crate::routing_mode::LayerPlan;
 use crate::spec::SWIGLU_HF;
 use crate::weights::Weights;
 

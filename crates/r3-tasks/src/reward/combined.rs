@@ -2,29 +2,13 @@
 //! responses. The first function decides correctness (score >= 1), so an accuracy metric
 //! stays meaningful when format or length terms are added behind it.
 
-use serde::Serialize;
-use serde_json::Value;
 use std::time::Duration;
 
 use crate::error::Result;
 use crate::reward::answers::{arith_reward, exact_reward, math_reward};
 use crate::reward::command::CommandReward;
+use crate::reward::input::RewardInput;
 use crate::reward::spec::{RewardKind, RewardSpec};
-
-/// What a reward function sees of one response (also the JSON a command verifier reads).
-#[derive(Debug, Clone, Copy, Serialize)]
-pub struct RewardInput<'a> {
-    /// The prompt as the model saw it (rendered text).
-    pub prompt: &'a str,
-    /// The decoded response.
-    pub response: &'a str,
-    /// The row's ground truth.
-    pub ground_truth: &'a str,
-    /// The row's data source.
-    pub data_source: &'a str,
-    /// The row's extra info.
-    pub extra_info: &'a Value,
-}
 
 /// The reward of one response.
 #[derive(Debug, Clone, Copy, PartialEq)]

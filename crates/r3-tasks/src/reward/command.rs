@@ -12,7 +12,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use crate::error::{Result, TaskError};
-use crate::reward::combined::RewardInput;
+use crate::reward::input::RewardInput;
 
 /// How often a running verifier is polled for its exit.
 const POLL: Duration = Duration::from_millis(5);
