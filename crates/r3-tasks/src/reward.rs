@@ -6,6 +6,7 @@ pub mod answers;
 pub mod combined;
 pub mod command;
 pub mod spec;
+pub mod vote;
 
 pub use combined::{Reward, RewardInput, RewardScore};
 pub use command::CommandReward;

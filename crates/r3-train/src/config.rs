@@ -264,6 +264,11 @@ pub struct EvalConfig {
     pub seed: u64,
     /// Eval sampling temperature; 0 = greedy. Default 0.0.
     pub temperature: f64,
+    /// Samples per held-out prompt (`k` of `mean@k`, `pass@k`, `maj@k`); more than one
+    /// needs `temperature > 0`. Default 1.
+    pub samples_per_prompt: usize,
+    /// Bootstrap resamples over prompts for `maj@k`'s interval; 0 = none. Default 1000.
+    pub bootstrap_resamples: usize,
 }
 
 /// Checkpointing.
@@ -374,6 +379,8 @@ impl Default for EvalConfig {
             size: 200,
             seed: 1234,
             temperature: 0.0,
+            samples_per_prompt: 1,
+            bootstrap_resamples: 1000,
         }
     }
 }
@@ -560,6 +567,19 @@ impl TrainConfig {
         }
         if self.eval.temperature.is_nan() || self.eval.temperature < 0.0 {
             return bad("eval.temperature", "must be >= 0".into());
+        }
+        if self.eval.samples_per_prompt == 0 {
+            return bad("eval.samples_per_prompt", "must be >= 1".into());
+        }
+        if self.eval.samples_per_prompt > 1 && self.eval.temperature == 0.0 {
+            return bad(
+                "eval.samples_per_prompt",
+                format!(
+                    "{k} samples per prompt at eval.temperature = 0 would be {k} identical \
+                     greedy answers; set eval.temperature > 0",
+                    k = self.eval.samples_per_prompt
+                ),
+            );
         }
         self.validate_data_and_reward()?;
         crate::config_limits::check_limits(self)

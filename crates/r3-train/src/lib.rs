@@ -26,6 +26,7 @@ pub mod update;
 pub mod checkpoint;
 pub mod collapse;
 pub mod diagnostics;
+pub mod evaluation;
 pub mod expert_balance;
 pub mod fleet_sync;
 pub mod manifest;

@@ -31,6 +31,7 @@ use crate::pretrain_corpus::{
 use crate::prompt_source::load_split;
 
 use crate::error::{Result, TrainError};
+use crate::evaluation::EvalSpec;
 use crate::expert_balance::{normalised_entropy, update_score_bias};
 use crate::logprob::{masked_mean, token_log_probs};
 use crate::optim::{decay_matrices_only, AdamW, AdamWParams};
@@ -45,7 +46,7 @@ use crate::update::{backward_and_step, UpdateOutcome};
 const WORD_PROBLEM_STREAM: u64 = 0x5750;
 
 /// Progress events of a pretraining run.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub enum PretrainEvent {
     /// A step finished.
     Step {
@@ -436,8 +437,7 @@ fn pretrain_word_problems(
         if eval_items.is_empty() {
             return Ok(EvalResult {
                 accuracy: f64::NAN,
-                n: 0,
-                response_len_mean: 0.0,
+                ..EvalResult::default()
             });
         }
         let mut engine = eval_engine(p)?;
@@ -448,9 +448,11 @@ fn pretrain_word_problems(
             &text,
             &eval_items,
             &reward,
-            cfg.max_new_tokens,
-            wp.eval_temperature as f32,
-            cfg.eval_seed,
+            &EvalSpec::single(
+                cfg.max_new_tokens,
+                wp.eval_temperature as f32,
+                cfg.eval_seed,
+            ),
         )
     };
     // The held-out prompts are the load probe (none without eval files).
