@@ -11,6 +11,9 @@ use super::frame::{draw_framed, Frame};
 use super::smooth::ema;
 use super::style::{series_color, LINE_WIDTH};
 
+/// A series split into runs of showable points (plot coordinates).
+type Segments = Vec<Vec<(f64, f64)>>;
+
 /// Opacity of a raw curve drawn under its smoothed line.
 const FAINT_ALPHA: f64 = 0.25;
 use super::{Canvas, PlotError};
@@ -216,7 +219,7 @@ pub fn line_plot(plot: &LinePlot<'_>, path: &Path) -> Result<(), PlotError> {
         x_tick_label: None,
         canvas: plot.canvas,
     };
-    let smoothed: Option<Vec<Vec<Vec<(f64, f64)>>>> = plot.smoothing.map(|w| {
+    let smoothed: Option<Vec<Segments>> = plot.smoothing.map(|w| {
         plot.series
             .iter()
             .map(|s| segments(&ema(&s.points, w), plot.x_scale, plot.y_scale))
