@@ -12,7 +12,7 @@ use r3_train::{IsMode, PolicyLossKind, RouterReplay, Run};
 use serde::Serialize;
 
 use crate::plot::Canvas;
-use crate::report::{build_report, CrashRule, ReportOptions, ReportOutput};
+use crate::report::{build_report, CrashRule, ReportOptions, ReportOutput, DEFAULT_SMOOTHING};
 use crate::AnalysisError;
 
 /// Single mini-step (whole batch, one update, old log-probs not recomputed) or multi
@@ -300,6 +300,7 @@ pub fn run_compare(
         out_dir: out.join("report"),
         crash_rule,
         canvas: Canvas::default(),
+        smoothing: DEFAULT_SMOOTHING,
     };
     let written = report(&outcomes, &opts)?;
     let table_md = out.join("results.md");

@@ -8,6 +8,7 @@ use base64::Engine;
 use r3_analysis::plot::Canvas;
 use r3_analysis::report::{
     build_report, CrashRule, ReportError, ReportOptions, ReportOutput, DEFAULT_KL_THRESHOLD,
+    DEFAULT_SMOOTHING,
 };
 
 /// A fresh directory under cargo's per-target temp dir.
@@ -24,6 +25,7 @@ fn report(runs: &[PathBuf], out: &Path, kl_threshold: f64) -> Result<ReportOutpu
         out_dir: out.to_path_buf(),
         crash_rule: CrashRule { kl_threshold },
         canvas: Canvas::default(),
+        smoothing: DEFAULT_SMOOTHING,
     };
     build_report(runs, &opts)
 }

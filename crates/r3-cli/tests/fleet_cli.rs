@@ -194,18 +194,20 @@ fn two_workers_reach_the_engines_metrics_and_end_at_the_last_version() {
     let (scratch, model, workers, urls) = fleet_setup("same");
     let root = &scratch.0;
 
-    // Held-out evaluation before step 1 and after step 3: the fleet run evaluates on its
-    // workers (it holds no engine), the engine run in process.
-    let eval = "eval.every=3".to_string();
+    // Held-out evaluation before step 1 and after step 3, 3 samples per prompt: the fleet run
+    // evaluates on its workers (it holds no engine), the engine run in process.
+    // (eval.size stays the default: the held-out set shapes the arithmetic training stream,
+    // which the async run below, without an eval, must share.)
+    let eval = [
+        "eval.every=3".to_string(),
+        "eval.samples_per_prompt=3".into(),
+    ];
     let engine_run = root.join("engine");
-    assert_ok(&train(&train_args(
-        &model,
-        &engine_run,
-        std::slice::from_ref(&eval),
-    )));
+    assert_ok(&train(&train_args(&model, &engine_run, &eval)));
     let fleet_run = root.join("fleet");
     let mut settings = fleet_settings(root, &urls);
-    settings.extend(["checkpoint.every=2".into(), eval]);
+    settings.push("checkpoint.every=2".into());
+    settings.extend(eval);
     let out = train(&train_args(&model, &fleet_run, &settings));
     assert_ok(&out);
 
@@ -218,6 +220,10 @@ fn two_workers_reach_the_engines_metrics_and_end_at_the_last_version() {
         "evals at steps 0 and 3"
     );
     assert_eq!(evals(&fleet_run), evals(&engine_run));
+    assert!(
+        evals(&engine_run).contains("\"samples_per_prompt\":3"),
+        "k = 3 estimates logged"
+    );
     for (w, g) in want.iter().zip(&got) {
         let step = &g["step"];
         // Every non-timing metric is bit-identical: each request carries its own seed and

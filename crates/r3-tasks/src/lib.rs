@@ -2,7 +2,8 @@
 //! answer extraction and exact-match reward, a held-out eval set, the character-level
 //! tokenizer (HF `tokenizer.json`), supervised batches for pretraining, and user datasets
 //! (verl's RL schema, JSONL / Parquet) with their rewards (math, exact, arith, an external
-//! command, weighted sums).
+//! command, weighted sums), and the estimators that summarise an evaluation (`mean@k`,
+//! `pass@k`, `maj@k`, paired differences, with their uncertainty).
 //!
 //! Text format (see [`problem`]): prompt `12+7*3=`, target `7*3=21;12+21=33#33`; a model
 //! sees `<bos>` + prompt and should write the target then `<eos>`.
@@ -10,6 +11,7 @@
 pub mod dataset;
 pub mod difficulty;
 pub mod error;
+pub mod estimators;
 pub mod math_answer;
 pub mod problem;
 pub mod reward;

@@ -207,7 +207,9 @@ fn strip_wrappers(s: &str) -> String {
     t.trim_start_matches('=').to_string()
 }
 
-fn normalise_text(s: &str) -> String {
+/// An answer as text compared: wrappers (`$`, `\text{…}`, spaces, a leading `=`) removed,
+/// lower-cased.
+pub fn normalise_text(s: &str) -> String {
     strip_wrappers(s).to_lowercase()
 }
 

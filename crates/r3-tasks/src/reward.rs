@@ -7,6 +7,7 @@ pub mod combined;
 pub mod command;
 pub mod input;
 pub mod spec;
+pub mod vote;
 
 pub use combined::{Reward, RewardScore};
 pub use command::CommandReward;

@@ -8,7 +8,14 @@ use plotters::prelude::*;
 
 use super::axis::{Axis, Scale};
 use super::frame::{draw_framed, Frame};
+use super::smooth::ema;
 use super::style::{series_color, LINE_WIDTH};
+
+/// A series split into runs of showable points (plot coordinates).
+type Segments = Vec<Vec<(f64, f64)>>;
+
+/// Opacity of a raw curve drawn under its smoothed line.
+const FAINT_ALPHA: f64 = 0.25;
 use super::{Canvas, PlotError};
 
 /// Where the legend box goes.
@@ -66,6 +73,12 @@ pub struct LinePlot<'a> {
     pub legend: LegendPosition,
     /// PNG size.
     pub canvas: Canvas,
+    /// EMA smoothing weight (see [`super::ema`]): each series is drawn raw and faint with
+    /// its smoothed line over it; `None` draws the raw lines only.
+    pub smoothing: Option<f64>,
+    /// Error bars: `errors[i][j]` is the half-height of the bar of point `j` of series `i`
+    /// (missing or non-finite entries draw none).
+    pub errors: &'a [Vec<f64>],
 }
 
 impl<'a> LinePlot<'a> {
@@ -86,6 +99,8 @@ impl<'a> LinePlot<'a> {
             markers: false,
             legend: LegendPosition::UpperRight,
             canvas: Canvas::default(),
+            smoothing: None,
+            errors: &[],
         }
     }
 
@@ -106,6 +121,8 @@ impl<'a> LinePlot<'a> {
             markers: false,
             legend: LegendPosition::UpperRight,
             canvas: Canvas::default(),
+            smoothing: None,
+            errors: &[],
         }
     }
 }
@@ -130,6 +147,33 @@ fn segments(points: &[(f64, f64)], xs: Scale, ys: Scale) -> Vec<Vec<(f64, f64)>>
     out
 }
 
+/// The error bars of every series as `(x, low, high)` in plot coordinates; bars whose point
+/// or ends cannot be shown are left out.
+fn error_bars(plot: &LinePlot<'_>) -> Vec<Vec<(f64, f64, f64)>> {
+    plot.series
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let Some(errs) = plot.errors.get(i) else {
+                return Vec::new();
+            };
+            s.points
+                .iter()
+                .zip(errs)
+                .filter_map(|(&(x, y), &e)| {
+                    if !e.is_finite() || e <= 0.0 {
+                        return None;
+                    }
+                    let px = plot.x_scale.to_plot(x)?;
+                    let lo = plot.y_scale.to_plot(y - e)?;
+                    let hi = plot.y_scale.to_plot(y + e)?;
+                    Some((px, lo, hi))
+                })
+                .collect()
+        })
+        .collect()
+}
+
 /// Smallest and largest of `values`, or `None` if there are none.
 pub(super) fn bounds(values: impl Iterator<Item = f64>) -> Option<(f64, f64)> {
     values.fold(None, |acc, v| match acc {
@@ -145,10 +189,13 @@ pub fn line_plot(plot: &LinePlot<'_>, path: &Path) -> Result<(), PlotError> {
         .iter()
         .map(|s| segments(&s.points, plot.x_scale, plot.y_scale))
         .collect();
+    let bars = error_bars(plot);
     let shown = || per_series.iter().flatten().flatten();
-    let (Some((x_lo, x_hi)), Some((y_lo, y_hi))) =
-        (bounds(shown().map(|p| p.0)), bounds(shown().map(|p| p.1)))
-    else {
+    let bar_ends = || bars.iter().flatten().flat_map(|b| [b.1, b.2]);
+    let (Some((x_lo, x_hi)), Some((y_lo, y_hi))) = (
+        bounds(shown().map(|p| p.0)),
+        bounds(shown().map(|p| p.1).chain(bar_ends())),
+    ) else {
         let total: usize = plot.series.iter().map(|s| s.points.len()).sum();
         let log_note = if plot.x_scale == Scale::Log10 || plot.y_scale == Scale::Log10 {
             " and positive on the log axis"
@@ -172,10 +219,36 @@ pub fn line_plot(plot: &LinePlot<'_>, path: &Path) -> Result<(), PlotError> {
         x_tick_label: None,
         canvas: plot.canvas,
     };
+    let smoothed: Option<Vec<Segments>> = plot.smoothing.map(|w| {
+        plot.series
+            .iter()
+            .map(|s| segments(&ema(&s.points, w), plot.x_scale, plot.y_scale))
+            .collect()
+    });
     draw_framed(path, &frame, |chart, ctx| {
-        for (i, (series, segs)) in plot.series.iter().zip(&per_series).enumerate() {
+        for (i, (series, raw)) in plot.series.iter().zip(&per_series).enumerate() {
             let color = series_color(i);
             let style = color.stroke_width(LINE_WIDTH);
+            // With smoothing the raw curve is a faint backdrop and the legend names the EMA.
+            let segs = match &smoothed {
+                Some(smooth) => {
+                    let faint = color.mix(FAINT_ALPHA).stroke_width(1);
+                    for seg in raw {
+                        chart
+                            .draw_series(LineSeries::new(seg.iter().copied(), faint))
+                            .map_err(|e| ctx.draw(e))?;
+                    }
+                    &smooth[i]
+                }
+                None => raw,
+            };
+            // Bars of overlaid series at the same x are set a little apart, so none hides
+            // another.
+            let dodge = (i as f64 - (plot.series.len() as f64 - 1.0) / 2.0) * 0.006 * (x_hi - x_lo);
+            let bar_lines = bars[i].iter().map(|&(x, lo, hi)| {
+                PathElement::new(vec![(x + dodge, lo), (x + dodge, hi)], style)
+            });
+            chart.draw_series(bar_lines).map_err(|e| ctx.draw(e))?;
             let label = if segs.is_empty() {
                 format!("{} (no data)", series.label)
             } else {

@@ -1,5 +1,5 @@
 //! PNG plot primitives for `r3 report` and `r3 analyze`: line plots over steps (several runs
-//! overlaid, optional log axes), probability scatter plots with the y = x diagonal, histograms,
+//! overlaid, optional log axes, raw curves drawn faint under an EMA line, error bars), probability scatter plots with the y = x diagonal, histograms,
 //! bar and grouped-bar plots.
 //!
 //! Each primitive takes plain data and an output path and returns `Result`. Non-finite values
@@ -14,6 +14,7 @@ mod frame;
 mod histogram;
 mod line;
 mod scatter;
+mod smooth;
 mod style;
 #[cfg(test)]
 pub(crate) mod testutil;
@@ -24,6 +25,7 @@ pub use histogram::{histogram_plot, HistogramPlot};
 pub use line::LegendPosition;
 pub use line::{line_plot, LinePlot, Series};
 pub use scatter::{scatter_plot, ScatterPlot};
+pub use smooth::ema;
 
 /// Smallest accepted canvas side in pixels: below it labels and legend no longer fit.
 pub const MIN_SIDE: u32 = 200;

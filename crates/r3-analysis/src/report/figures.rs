@@ -1,5 +1,7 @@
 //! The report's figures: metrics over training steps with every run overlaid (paper Fig. 5:
 //! k3 KL and F(τ=2); Fig. 6: response length, grad norm, entropy, eval score; plus reward).
+//! Per-step curves are drawn raw and faint under their EMA line; eval accuracy as points
+//! with ±1 standard-error bars.
 
 use std::path::{Path, PathBuf};
 
@@ -54,7 +56,7 @@ pub const STEP_FIGURES: [StepFigure; 7] = [
     },
     StepFigure {
         key: keys::EVAL_ACCURACY,
-        title: "Eval accuracy",
+        title: "Eval accuracy (bars: ±1 s.e. over prompts)",
         y_label: "accuracy",
         y_scale: Scale::Linear,
         file: "eval_accuracy.png",
@@ -132,6 +134,24 @@ fn figure_series(figure: &StepFigure, runs: &[RunData], rule: &CrashRule) -> Vec
     out
 }
 
+/// ±1 standard error per eval point of each run (NaN where eval.jsonl states none), in the
+/// order of `run.eval`.
+fn eval_errors(runs: &[RunData]) -> Vec<Vec<f64>> {
+    runs.iter()
+        .map(|run| {
+            run.eval
+                .iter()
+                .map(|(step, _)| {
+                    run.eval_stderr
+                        .iter()
+                        .find(|(s, _)| s == step)
+                        .map_or(f64::NAN, |&(_, e)| e)
+                })
+                .collect()
+        })
+        .collect()
+}
+
 /// Renders every figure of `STEP_FIGURES` into `out_dir`. A metric no run logged becomes a
 /// "no data" entry; any other plotting failure is an error.
 pub fn render_figures(
@@ -139,16 +159,26 @@ pub fn render_figures(
     rule: &CrashRule,
     out_dir: &Path,
     canvas: Canvas,
+    smoothing: f64,
 ) -> Result<Vec<RenderedFigure>, ReportError> {
     STEP_FIGURES
         .iter()
         .map(|figure| {
             let data = figure_series(figure, runs, rule);
+            let is_eval = figure.key == keys::EVAL_ACCURACY;
+            let errors = if is_eval {
+                eval_errors(runs)
+            } else {
+                Vec::new()
+            };
             let mut plot =
                 LinePlot::over_steps(figure.title, figure.y_label, &data, figure.y_scale);
             plot.canvas = canvas;
-            plot.markers = figure.key == keys::EVAL_ACCURACY;
+            plot.markers = is_eval;
             plot.legend = figure.legend;
+            // Eval points are few and each is an estimate with its own error bar: no EMA.
+            plot.smoothing = (!is_eval && smoothing > 0.0).then_some(smoothing);
+            plot.errors = &errors;
             let path = out_dir.join(figure.file);
             let png = match line_plot(&plot, &path) {
                 Ok(()) => Ok(path),

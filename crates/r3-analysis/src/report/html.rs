@@ -69,12 +69,22 @@ fn summary_row(s: &RunSummary) -> String {
     format!("<tr>{tds}</tr>\n")
 }
 
+/// What the page says besides tables and figures.
+#[derive(Debug, Clone, Default)]
+pub struct PageNotes {
+    /// EMA weight of the per-step curves (0: raw only).
+    pub smoothing: f64,
+    /// Paired comparisons, one sentence each.
+    pub paired: Vec<String>,
+}
+
 /// The whole page.
 pub fn render_page(
     runs: &[RunData],
     summaries: &[RunSummary],
     rule: &CrashRule,
     figures: &[PageFigure<'_>],
+    notes: &PageNotes,
 ) -> String {
     let mut page = format!(
         "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n\
@@ -101,7 +111,27 @@ pub fn render_page(
     for s in summaries {
         page.push_str(&summary_row(s));
     }
-    page.push_str("</table>\n<h2>Over training steps</h2>\n");
+    page.push_str("</table>\n");
+    if !notes.paired.is_empty() {
+        page.push_str(
+            "<h2>Paired comparisons</h2>\n<p>Final held-out evaluations, the same prompts \
+             paired, against the first run; 95% intervals (Student's t over prompts, or a \
+             two-level bootstrap over prompts and seeds).</p>\n<ul>\n",
+        );
+        for line in &notes.paired {
+            page.push_str(&format!("<li>{}</li>\n", escape(line)));
+        }
+        page.push_str("</ul>\n");
+    }
+    page.push_str("<h2>Over training steps</h2>\n");
+    if notes.smoothing > 0.0 {
+        page.push_str(&format!(
+            "<p>Per-step curves: raw values faint, the line an exponential moving average \
+             with weight {} (debiased, as TensorBoard / wandb draw it). Eval accuracy: \
+             bars ±1 standard error over prompts where the eval states one.</p>\n",
+            notes.smoothing
+        ));
+    }
     let b64 = base64::engine::general_purpose::STANDARD;
     for fig in figures {
         page.push_str(&format!("<h3>{}</h3>\n", escape(fig.title)));
@@ -143,7 +173,16 @@ mod tests {
                 png: Err("no run logged x".into()),
             },
         ];
-        let page = render_page(&[], &[], &rule, &figures);
+        let notes = PageNotes {
+            smoothing: 0.9,
+            paired: vec!["R3 − no replay: +1.0 <x>".into()],
+        };
+        let page = render_page(&[], &[], &rule, &figures, &notes);
+        assert!(
+            page.contains("<li>R3 − no replay: +1.0 &lt;x&gt;</li>"),
+            "{page}"
+        );
+        assert!(page.contains("weight 0.9"));
         // base64 of 89 50 4E 47 is "iVBORw==".
         assert!(
             page.contains("src=\"data:image/png;base64,iVBORw==\""),

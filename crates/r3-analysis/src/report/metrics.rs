@@ -21,6 +21,8 @@ pub mod keys {
     pub const REWARD: &str = "reward_mean";
     /// Eval accuracy, only on eval steps.
     pub const EVAL_ACCURACY: &str = "eval_accuracy";
+    /// Standard error of the eval accuracy over prompts (eval.jsonl).
+    pub const EVAL_ACCURACY_STDERR: &str = "eval_accuracy_stderr";
     /// Gradient norm before clipping.
     pub const GRAD_NORM: &str = "grad_norm";
     /// Mean token entropy of the policy.

@@ -1,12 +1,15 @@
 //! Reports over RL run directories (`r3 report`, later `r3 compare`): reads each run's
 //! metrics, summarises it (best eval, final reward, mean k3 KL, crash step under a stated
-//! rule), plots metrics over steps with all runs overlaid, and writes PNGs, one
-//! self-contained HTML page and a Table-1-style results table (Markdown + JSON).
+//! rule), plots metrics over steps with all runs overlaid (per-step curves raw and faint
+//! under an EMA line, eval accuracy with ±1 s.e. bars), states each run's final evaluation
+//! against the first run's as a paired difference with its 95% interval, and writes PNGs,
+//! one self-contained HTML page and a Table-1-style results table (Markdown + JSON).
 
 mod error;
 mod figures;
 mod html;
 mod metrics;
+mod paired_table;
 mod run;
 mod summary;
 mod table;
@@ -14,6 +17,7 @@ mod table;
 use std::path::PathBuf;
 
 pub use error::ReportError;
+pub use paired_table::PairedCell;
 pub use run::{load_run, RunData};
 pub use summary::{summarize, CrashRule, RunSummary, DEFAULT_KL_THRESHOLD};
 pub use table::ResultsTable;
@@ -30,7 +34,13 @@ pub struct ReportOptions {
     pub crash_rule: CrashRule,
     /// Size of each PNG.
     pub canvas: Canvas,
+    /// EMA weight of the per-step curves (drawn raw and faint under the smoothed line);
+    /// 0 draws them raw only. See [`crate::plot::ema`].
+    pub smoothing: f64,
 }
+
+/// Default EMA weight of the report's per-step curves: about a 10-step window.
+pub const DEFAULT_SMOOTHING: f64 = 0.9;
 
 /// What a report wrote.
 #[derive(Debug, Clone)]
@@ -100,7 +110,8 @@ pub fn build_report(
     let out = opts.out_dir.as_path();
     std::fs::create_dir_all(out).map_err(ReportError::io(out))?;
 
-    let rendered = figures::render_figures(&runs, &opts.crash_rule, out, opts.canvas)?;
+    let rendered =
+        figures::render_figures(&runs, &opts.crash_rule, out, opts.canvas, opts.smoothing)?;
     let mut page_figures = Vec::with_capacity(rendered.len());
     let mut pngs = Vec::new();
     for fig in &rendered {
@@ -117,10 +128,18 @@ pub fn build_report(
         });
     }
 
-    let table = ResultsTable::from_summaries(&summaries, &opts.crash_rule);
+    let mut table = ResultsTable::from_summaries(&summaries, &opts.crash_rule);
+    let paired = paired_table::paired_cells(&runs);
+    for (row, cell) in table.rows.iter_mut().zip(&paired) {
+        row.paired.clone_from(cell);
+    }
     let (table_md, table_json) = table.write(out, TABLE_STEM)?;
     let html = out.join(PAGE_FILE);
-    let page = html::render_page(&runs, &summaries, &opts.crash_rule, &page_figures);
+    let notes = html::PageNotes {
+        smoothing: opts.smoothing,
+        paired: paired_table::paired_lines(&runs, &paired),
+    };
+    let page = html::render_page(&runs, &summaries, &opts.crash_rule, &page_figures, &notes);
     std::fs::write(&html, page).map_err(ReportError::io(&html))?;
     Ok(ReportOutput {
         html,
@@ -147,6 +166,7 @@ mod tests {
             seed,
             rows: Vec::new(),
             eval: Vec::new(),
+            eval_stderr: Vec::new(),
         }
     }
 

@@ -23,6 +23,9 @@ pub struct RunData {
     /// `(step, eval accuracy)`, sorted by step: from metrics.jsonl, plus eval.jsonl for steps
     /// metrics.jsonl has no eval for.
     pub eval: Vec<(u64, f64)>,
+    /// `(step, standard error of the eval accuracy over prompts)` from eval.jsonl, where it
+    /// states one.
+    pub eval_stderr: Vec<(u64, f64)>,
 }
 
 impl RunData {
@@ -40,11 +43,12 @@ impl RunData {
 pub fn load_run(dir: &Path) -> Result<RunData, ReportError> {
     let rows = read_metrics(&dir.join("metrics.jsonl"))?;
     let eval_file = dir.join("eval.jsonl");
-    let extra_eval = if eval_file.is_file() {
-        series(&read_metrics(&eval_file)?, keys::EVAL_ACCURACY)
+    let eval_rows = if eval_file.is_file() {
+        read_metrics(&eval_file)?
     } else {
         Vec::new()
     };
+    let extra_eval = series(&eval_rows, keys::EVAL_ACCURACY);
     let config_file = dir.join("config.toml");
     let config = if config_file.is_file() {
         let text = std::fs::read_to_string(&config_file).map_err(ReportError::io(&config_file))?;
@@ -71,6 +75,7 @@ pub fn load_run(dir: &Path) -> Result<RunData, ReportError> {
             .and_then(|c| c.get("seed"))
             .and_then(toml::Value::as_integer),
         eval: merge_eval(series(&rows, keys::EVAL_ACCURACY), extra_eval),
+        eval_stderr: series(&eval_rows, keys::EVAL_ACCURACY_STDERR),
         rows,
     })
 }

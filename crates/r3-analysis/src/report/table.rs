@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
+use super::paired_table::PairedCell;
 use super::summary::{CrashRule, RunSummary, StepValue};
 use super::ReportError;
 
@@ -26,6 +27,10 @@ pub struct ResultsRow {
     pub crash_step: Option<u64>,
     /// Why it counts as a crash.
     pub crash_cause: Option<String>,
+    /// The final evaluation against the reference run's, prompts paired (`r3 report`: the
+    /// first run given).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub paired: Option<PairedCell>,
 }
 
 /// The whole table.
@@ -63,6 +68,7 @@ impl ResultsRow {
             final_score: None,
             crash_step,
             crash_cause,
+            paired: None,
         }
     }
 }
@@ -103,6 +109,13 @@ impl ResultsTable {
         if with_final {
             header.push("final % (step)".to_string());
         }
+        let paired_ref = self.rows.iter().find_map(|r| r.paired.as_ref());
+        if let Some(p) = paired_ref {
+            header.push(format!(
+                "final − {} (points, 95% CI)",
+                md_escape(&p.reference)
+            ));
+        }
         header.push("crash step".to_string());
         let mut out = format!("| {} |\n", header.join(" | "));
         out.push_str(&format!("|{}\n", " --- |".repeat(header.len())));
@@ -122,6 +135,9 @@ impl ResultsTable {
                 cells.push(row.final_score.map_or("—".to_string(), |s| {
                     format!("{:.2} ({})", 100.0 * s.value, s.step)
                 }));
+            }
+            if paired_ref.is_some() {
+                cells.push(row.paired.as_ref().map_or("—".to_string(), paired_cell));
             }
             cells.push(row.crash_step.map_or("—".to_string(), |s| s.to_string()));
             out.push_str(&format!("| {} |\n", cells.join(" | ")));
@@ -143,6 +159,18 @@ impl ResultsTable {
         std::fs::write(&json, self.to_json()? + "\n").map_err(ReportError::io(&json))?;
         Ok((md, json))
     }
+}
+
+/// `+2.8 [+0.1, +5.5] real` / `… noise`: the paired difference in points with its interval.
+fn paired_cell(p: &PairedCell) -> String {
+    let d = &p.difference;
+    format!(
+        "{:+.1} [{:+.1}, {:+.1}] {}",
+        100.0 * d.mean,
+        100.0 * d.low,
+        100.0 * d.high,
+        if p.inside_noise { "noise" } else { "real" }
+    )
 }
 
 /// Escapes what would break a Markdown table cell.
@@ -228,6 +256,39 @@ mod tests {
             lines[3],
             "| r3 | R3 · ppo | 31.25 (100) | — | — | 12.50 (120) | — |"
         );
+    }
+
+    #[test]
+    fn paired_column_says_real_or_noise() {
+        let mut t = table();
+        let cell = |mean: f64, low: f64, high: f64| PairedCell {
+            reference: "grpo".into(),
+            difference: r3_tasks::estimators::PairedDifference {
+                mean,
+                stderr: 0.01,
+                low,
+                high,
+                prompts: 200,
+                seeds: (1, 1),
+            },
+            inside_noise: low <= 0.0 && 0.0 <= high,
+        };
+        t.rows[1].paired = Some(cell(0.028, 0.001, 0.055));
+        let md = t.to_markdown();
+        let lines: Vec<&str> = md.lines().collect();
+        assert!(
+            lines[0].ends_with("| final − grpo (points, 95% CI) | crash step |"),
+            "{}",
+            lines[0]
+        );
+        assert!(lines[2].ends_with("| — | 60 |"), "{}", lines[2]);
+        assert!(
+            lines[3].ends_with("| +2.8 [+0.1, +5.5] real | — |"),
+            "{}",
+            lines[3]
+        );
+        t.rows[1].paired = Some(cell(0.01, -0.02, 0.04));
+        assert!(t.to_markdown().contains("| +1.0 [-2.0, +4.0] noise |"));
     }
 
     #[test]

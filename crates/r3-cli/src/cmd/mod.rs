@@ -12,6 +12,7 @@ mod bench_train;
 mod compare;
 mod cpu_time;
 mod data;
+mod eval;
 mod fleet;
 mod forward;
 mod generate;
@@ -58,6 +59,9 @@ pub enum Command {
     Compare(compare::CompareArgs),
     /// Supervised pretraining of the small MoE base model on worked arithmetic.
     Pretrain(pretrain::PretrainArgs),
+    /// Held-out evaluation of a model or checkpoint without training (mean@k, pass@k, maj@k
+    /// with standard errors; paired difference against a baseline evaluation).
+    Eval(eval::EvalArgs),
     /// RL with router replay (disabled | R2 | R3); no arguments = the default experiment.
     Train(train::TrainArgs),
     /// RL datasets: show rows as the trainer sees them (prompt, ids, reward); generate the
@@ -85,6 +89,7 @@ pub fn run(command: Command) -> anyhow::Result<()> {
         Command::Compare(a) => compare::run(a),
         Command::Pretrain(a) => pretrain::run(a),
         Command::Train(a) => train::run(a),
+        Command::Eval(a) => eval::run(a),
         Command::Data(c) => data::run(c),
         Command::Forward(a) => forward::run(a),
         Command::Serve(a) => serve::run(a),

@@ -9,6 +9,7 @@ use crate::reward::answers::{arith_reward, exact_reward, math_reward};
 use crate::reward::command::CommandReward;
 use crate::reward::input::RewardInput;
 use crate::reward::spec::{RewardKind, RewardSpec};
+use crate::reward::vote;
 
 /// The reward of one response.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -77,6 +78,19 @@ impl Reward {
             })
             .collect();
         Self { funcs }
+    }
+
+    /// The answer each response votes for under the first function (the one that decides
+    /// correctness; see [`crate::reward::vote`]); `None` when that function extracts no answer
+    /// (an external command).
+    pub fn vote_keys(&self, inputs: &[RewardInput<'_>]) -> Option<Vec<Option<String>>> {
+        let key: fn(&str) -> Option<String> = match &self.funcs.first()?.0 {
+            RewardFn::Math => vote::math_vote_key,
+            RewardFn::Exact => vote::exact_vote_key,
+            RewardFn::Arith { .. } => vote::arith_vote_key,
+            RewardFn::Command(_) => return None,
+        };
+        Some(inputs.iter().map(|i| key(i.response)).collect())
     }
 
     /// Scores a batch of responses, one score per input in order.

@@ -186,6 +186,19 @@ impl TrainConfig {
         if self.eval.temperature.is_nan() || self.eval.temperature < 0.0 {
             return bad("eval.temperature", "must be >= 0".into());
         }
+        if self.eval.samples_per_prompt == 0 {
+            return bad("eval.samples_per_prompt", "must be >= 1".into());
+        }
+        if self.eval.samples_per_prompt > 1 && self.eval.temperature == 0.0 {
+            return bad(
+                "eval.samples_per_prompt",
+                format!(
+                    "{k} samples per prompt at eval.temperature = 0 would be {k} identical \
+                     greedy answers; set eval.temperature > 0",
+                    k = self.eval.samples_per_prompt
+                ),
+            );
+        }
         self.validate_data_and_reward()?;
         check_limits(self)
     }

@@ -260,6 +260,11 @@ pub struct EvalConfig {
     pub seed: u64,
     /// Eval sampling temperature; 0 = greedy. Default 0.0.
     pub temperature: f64,
+    /// Samples per held-out prompt (`k` of `mean@k`, `pass@k`, `maj@k`); more than one
+    /// needs `temperature > 0`. Default 1.
+    pub samples_per_prompt: usize,
+    /// Bootstrap resamples over prompts for `maj@k`'s interval; 0 = none. Default 1000.
+    pub bootstrap_resamples: usize,
 }
 
 /// Checkpointing.
@@ -370,6 +375,8 @@ impl Default for EvalConfig {
             size: 200,
             seed: 1234,
             temperature: 0.0,
+            samples_per_prompt: 1,
+            bootstrap_resamples: 1000,
         }
     }
 }

@@ -40,13 +40,14 @@ use crate::pretrain::config::PretrainConfig;
 use crate::pretrain::deepseek::PretrainArchitecture;
 use crate::pretrain::expert_balance::{normalised_entropy, update_score_bias};
 use crate::rl::sampling::{evaluate, evaluate_prompts, EvalResult};
+use crate::rl::evaluation::EvalSpec;
 
 /// Stream tag mixed into the seed of the word-problem corpus (distinct from `r3 data
 /// generate`'s seeds, and the validation questions are excluded besides).
 const WORD_PROBLEM_STREAM: u64 = 0x5750;
 
 /// Progress events of a pretraining run.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub enum PretrainEvent {
     /// A step finished.
     Step {
@@ -437,8 +438,7 @@ fn pretrain_word_problems(
         if eval_items.is_empty() {
             return Ok(EvalResult {
                 accuracy: f64::NAN,
-                n: 0,
-                response_len_mean: 0.0,
+                ..EvalResult::default()
             });
         }
         let mut engine = eval_engine(p)?;
@@ -449,9 +449,11 @@ fn pretrain_word_problems(
             &text,
             &eval_items,
             &reward,
-            cfg.max_new_tokens,
-            wp.eval_temperature as f32,
-            cfg.eval_seed,
+            &EvalSpec::single(
+                cfg.max_new_tokens,
+                wp.eval_temperature as f32,
+                cfg.eval_seed,
+            ),
         )
     };
     // The held-out prompts are the load probe (none without eval files).

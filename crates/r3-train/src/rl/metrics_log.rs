@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError};
+use crate::rl::evaluation::{EvalResult, SourceEval};
 
 /// One RL step's metrics.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -196,6 +197,38 @@ pub struct EvalLine {
     pub n: usize,
     /// Mean response length.
     pub response_len_mean: f64,
+    /// Standard error of `eval_accuracy` over prompts (absent in logs before it existed).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub eval_accuracy_stderr: Option<f64>,
+    /// Samples per prompt (`k`; absent: 1).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub samples_per_prompt: Option<usize>,
+    /// `mean@k`, `pass@k`, `maj@k` with their errors, per data source.
+    #[serde(skip_serializing_if = "Vec::is_empty", default)]
+    pub sources: Vec<SourceEval>,
+    /// Each prompt's fraction correct, in eval-set order (what paired comparisons pair).
+    #[serde(skip_serializing_if = "Vec::is_empty", default)]
+    pub prompt_scores: Vec<f64>,
+    /// sha256 of the eval prompts and answers: evaluations pair only when equal.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub prompts_digest: Option<String>,
+}
+
+impl EvalLine {
+    /// The line of an evaluation after RL step `step`.
+    pub fn of(step: u64, r: &EvalResult) -> Self {
+        Self {
+            step,
+            eval_accuracy: r.accuracy,
+            n: r.n,
+            response_len_mean: r.response_len_mean,
+            eval_accuracy_stderr: Some(r.accuracy_stderr),
+            samples_per_prompt: Some(r.samples_per_prompt),
+            sources: r.sources.clone(),
+            prompt_scores: r.prompt_scores.clone(),
+            prompts_digest: Some(r.prompts_digest.clone()),
+        }
+    }
 }
 
 /// Keeps only the lines of a JSONL file whose `step` is at most `last_step` (a resumed run

@@ -6,7 +6,8 @@
 //!   updates under the replay mode (`updates`, `minibatch`, `diagnostics`), its metrics
 //!   line (`step_metrics`);
 //! - the rollout side: the prompts (`prompt_source`), sampling and scoring them
-//!   (`sampling`), the backend that generates them (`backend`): the in-process engine or
+//!   (`sampling`), held-out evaluation with k samples per prompt and its estimators
+//!   (`evaluation`), the backend that generates them (`backend`): the in-process engine or
 //!   a fleet with its weight sync (`fleet`) and one-step-ahead generation (`ahead`).
 
 pub mod ahead;
@@ -14,6 +15,7 @@ pub mod backend;
 pub mod checkpoint;
 pub mod collapse;
 pub mod diagnostics;
+pub mod evaluation;
 pub mod fleet;
 pub mod manifest;
 pub mod metrics_log;

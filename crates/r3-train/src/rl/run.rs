@@ -178,10 +178,5 @@ impl Run {
 }
 
 fn eval_line(step: u64, r: &EvalResult) -> EvalLine {
-    EvalLine {
-        step,
-        eval_accuracy: r.accuracy,
-        n: r.n,
-        response_len_mean: r.response_len_mean,
-    }
+    EvalLine::of(step, r)
 }

@@ -10,6 +10,8 @@ use r3_routing::{LayerLayout, RouteTable};
 use r3_tasks::{Problem, Reward, RewardInput, RewardSpec};
 
 use crate::error::{Result, TrainError};
+pub use crate::rl::evaluation::EvalResult;
+use crate::rl::evaluation::{eval_requests, summarise_eval, EvalSpec};
 use crate::policy::model_text::ModelText;
 use crate::policy::trainable::ResponseBatch;
 use crate::rl::prompt_source::{arith_item, PromptItem};
@@ -272,7 +274,16 @@ pub fn score_responses(
     prompt_of: &[usize],
     completions: &[String],
 ) -> Result<Vec<r3_tasks::RewardScore>> {
-    let inputs: Vec<RewardInput<'_>> = completions
+    Ok(reward.score_batch(&reward_inputs(items, prompt_of, completions))?)
+}
+
+/// What the reward sees of `completions[n]`, the response to prompt `items[prompt_of[n]]`.
+pub fn reward_inputs<'a>(
+    items: &'a [PromptItem],
+    prompt_of: &[usize],
+    completions: &'a [String],
+) -> Vec<RewardInput<'a>> {
+    completions
         .iter()
         .zip(prompt_of)
         .map(|(c, &i)| {
@@ -285,8 +296,7 @@ pub fn score_responses(
                 extra_info: &item.extra_info,
             }
         })
-        .collect();
-    Ok(reward.score_batch(&inputs)?)
+        .collect()
 }
 
 /// The trajectories as a scoring batch (prompt + response, prompt lengths).
@@ -338,65 +348,33 @@ pub fn rollout_routes<'a>(
     Ok(ReplayRoutes::new(rollout_tables(samples)?, layout)?)
 }
 
-/// Result of a held-out evaluation.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct EvalResult {
-    /// Fraction of problems answered exactly.
-    pub accuracy: f64,
-    /// Problems evaluated.
-    pub n: usize,
-    /// Mean response length in tokens.
-    pub response_len_mean: f64,
-}
-
-/// Answers every prompt once with `generator` (greedy when `temperature == 0`), stopping
-/// at `eos` and the tokenizer's stop ids, and reports the fraction the reward judges
-/// correct. Routes are not captured.
-#[allow(clippy::too_many_arguments)]
+/// Answers every prompt `spec.samples_per_prompt` times with `generator` (greedy when
+/// `spec.temperature == 0`), stopping at `eos` and the tokenizer's stop ids, and summarises
+/// what the reward judges correct per data source (`evaluation.rs`). Routes are not
+/// captured.
 pub fn evaluate_prompts(
     generator: &mut dyn Generate,
     eos: &[u32],
     tokenizer: &ModelText,
     items: &[PromptItem],
     reward: &Reward,
-    max_new_tokens: usize,
-    temperature: f32,
-    seed: u64,
+    spec: &EvalSpec,
 ) -> Result<EvalResult> {
     if items.is_empty() {
         return Err(TrainError::EmptyEvalSet);
     }
     let stop = stop_ids(eos, tokenizer);
-    let requests = items
-        .iter()
-        .enumerate()
-        .map(|(i, p)| {
-            let sampling = SamplingParams {
-                temperature,
-                max_new_tokens,
-                stop_token_ids: stop.clone(),
-                seed: mix_seed(&[seed, i as u64]),
-                ..SamplingParams::default()
-            };
-            let mut req = GenerateRequest::new(p.ids.clone(), sampling);
-            req.return_routes = false;
-            req
-        })
-        .collect::<Vec<_>>();
-    let results = generator.generate_batch(requests)?;
+    let results = generator.generate_batch(eval_requests(items, spec, &stop))?;
     let tokens: usize = results.iter().map(|r| r.output_ids.len()).sum();
     let completions = results
         .iter()
         .map(|r| tokenizer.decode_completion(&r.output_ids))
         .collect::<std::result::Result<Vec<_>, _>>()?;
-    let prompt_of: Vec<usize> = (0..items.len()).collect();
-    let scores = score_responses(reward, items, &prompt_of, &completions)?;
-    let correct = scores.iter().filter(|s| s.correct).count();
-    Ok(EvalResult {
-        accuracy: correct as f64 / items.len() as f64,
-        n: items.len(),
-        response_len_mean: tokens as f64 / items.len() as f64,
-    })
+    let k = spec.samples_per_prompt.max(1);
+    let prompt_of: Vec<usize> = (0..completions.len()).map(|n| n / k).collect();
+    let inputs = reward_inputs(items, &prompt_of, &completions);
+    let scores = reward.score_batch(&inputs)?;
+    summarise_eval(items, &scores, reward.vote_keys(&inputs), tokens, spec)
 }
 
 /// Answers every problem of the built-in task once with the engine (greedy when
@@ -422,8 +400,6 @@ pub fn evaluate(
         tokenizer,
         &items,
         &reward,
-        max_new_tokens,
-        temperature,
-        seed,
+        &EvalSpec::single(max_new_tokens, temperature, seed),
     )
 }

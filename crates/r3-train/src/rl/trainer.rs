@@ -153,8 +153,9 @@ impl Trainer {
         }
     }
 
-    /// Held-out accuracy of the current weights (native routing, eval settings), on the
-    /// in-process engine or the fleet's workers.
+    /// Held-out evaluation of the current weights (native routing, `[eval]` settings:
+    /// `samples_per_prompt` samples per prompt), on the in-process engine or the fleet's
+    /// workers.
     pub fn evaluate(&mut self) -> Result<EvalResult> {
         let items = self.prompts.eval_items(&self.tokenizer)?;
         evaluate_prompts(
@@ -163,9 +164,7 @@ impl Trainer {
             &self.tokenizer,
             &items,
             &self.reward,
-            self.cfg.rollout.max_new_tokens,
-            self.cfg.eval.temperature as f32,
-            self.cfg.eval.seed,
+            &self.cfg.eval_spec(),
         )
     }
 

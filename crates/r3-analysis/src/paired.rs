@@ -1,0 +1,185 @@
+//! Paired comparisons of held-out evaluations: loads the per-prompt scores an evaluation
+//! wrote (a run directory's `eval.jsonl`, or the JSON `r3 eval --out` writes) and states the
+//! difference between two models scored on the same prompts with its 95% interval (prompts
+//! paired; several runs per side are seeds, a second bootstrap level), through r3-tasks'
+//! estimators. Evaluations of different prompt sets are refused, not paired.
+
+use std::path::{Path, PathBuf};
+
+use r3_tasks::estimators::{paired_difference_seeds, PairedDifference};
+use r3_train::metrics_log::EvalLine;
+
+/// Bootstrap resamples of a comparison with several seeds per side.
+pub const PAIRED_RESAMPLES: usize = 2000;
+/// Seed of that bootstrap (fixed: the same inputs give the same interval).
+pub const PAIRED_SEED: u64 = 0;
+
+/// Why two evaluations cannot be compared.
+#[derive(Debug, thiserror::Error)]
+pub enum PairedError {
+    /// Reading a file failed.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// A line is not an evaluation record.
+    #[error("{}:{line}: not an evaluation line: {what}", path.display())]
+    Malformed {
+        /// The file.
+        path: PathBuf,
+        /// 1-based line.
+        line: usize,
+        /// The parser's message.
+        what: String,
+    },
+    /// No evaluation with per-prompt scores (at the step asked for).
+    #[error("{}: no evaluation with per-prompt scores{}", path.display(), step.map_or(String::new(), |s| format!(" at step {s}")))]
+    NoScores {
+        /// The file or run directory.
+        path: PathBuf,
+        /// The step asked for.
+        step: Option<u64>,
+    },
+    /// The two sides were evaluated on different prompts.
+    #[error("{} and {} were evaluated on different prompts ({what}): a paired difference needs the same eval set", a.display(), b.display())]
+    DifferentPrompts {
+        /// One evaluation.
+        a: PathBuf,
+        /// The other.
+        b: PathBuf,
+        /// What differs.
+        what: String,
+    },
+    /// A side has no evaluation.
+    #[error("a paired comparison needs at least one evaluation on each side")]
+    Empty,
+}
+
+/// One evaluation's per-prompt scores and where they came from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScoredEval {
+    /// The file or run directory read.
+    pub path: PathBuf,
+    /// The evaluation line.
+    pub line: EvalLine,
+}
+
+/// Reads the evaluation at `step` (the last one with per-prompt scores when `None`) from a
+/// run directory (its `eval.jsonl`) or a file of evaluation lines (`eval.jsonl`, or the one
+/// object `r3 eval --out` writes).
+pub fn load_eval(path: &Path, step: Option<u64>) -> Result<ScoredEval, PairedError> {
+    let file = if path.is_dir() {
+        path.join("eval.jsonl")
+    } else {
+        path.to_path_buf()
+    };
+    let text = std::fs::read_to_string(&file).map_err(|source| PairedError::Io {
+        path: file.clone(),
+        source,
+    })?;
+    let mut chosen = None;
+    for (i, l) in text.lines().enumerate() {
+        if l.trim().is_empty() {
+            continue;
+        }
+        let line: EvalLine = serde_json::from_str(l).map_err(|e| PairedError::Malformed {
+            path: file.clone(),
+            line: i + 1,
+            what: e.to_string(),
+        })?;
+        if !line.prompt_scores.is_empty() && step.is_none_or(|s| s == line.step) {
+            chosen = Some(line);
+        }
+    }
+    let line = chosen.ok_or(PairedError::NoScores {
+        path: file.clone(),
+        step,
+    })?;
+    Ok(ScoredEval { path: file, line })
+}
+
+/// The paired difference `a − b` of per-prompt scores (several evaluations per side are
+/// seeds of the same model or setting); an error when any two were scored on different
+/// prompts.
+pub fn compare_evals(a: &[ScoredEval], b: &[ScoredEval]) -> Result<PairedDifference, PairedError> {
+    let first = a.first().ok_or(PairedError::Empty)?;
+    for other in a.iter().chain(b).skip(1) {
+        same_prompts(first, other)?;
+    }
+    let scores = |side: &[ScoredEval]| -> Vec<Vec<f64>> {
+        side.iter().map(|e| e.line.prompt_scores.clone()).collect()
+    };
+    paired_difference_seeds(&scores(a), &scores(b), PAIRED_RESAMPLES, PAIRED_SEED)
+        .ok_or(PairedError::Empty)
+}
+
+fn same_prompts(x: &ScoredEval, y: &ScoredEval) -> Result<(), PairedError> {
+    let differ = |what: String| PairedError::DifferentPrompts {
+        a: x.path.clone(),
+        b: y.path.clone(),
+        what,
+    };
+    if x.line.prompt_scores.len() != y.line.prompt_scores.len() {
+        return Err(differ(format!(
+            "{} vs {} prompts",
+            x.line.prompt_scores.len(),
+            y.line.prompt_scores.len()
+        )));
+    }
+    match (&x.line.prompts_digest, &y.line.prompts_digest) {
+        (Some(dx), Some(dy)) if dx != dy => Err(differ("prompt digests differ".into())),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn line(step: u64, scores: &[f64], digest: &str) -> String {
+        serde_json::json!({
+            "step": step, "eval_accuracy": 0.5, "n": scores.len(), "response_len_mean": 3.0,
+            "prompt_scores": scores, "prompts_digest": digest,
+        })
+        .to_string()
+    }
+
+    #[test]
+    fn loads_runs_and_files_and_refuses_other_prompt_sets() {
+        let dir = std::env::temp_dir().join(format!("r3-paired-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let run = dir.join("eval.jsonl");
+        let text = [
+            line(0, &[0.0, 0.5, 1.0], "d"),
+            r#"{"step": 5, "eval_accuracy": 0.5, "n": 3, "response_len_mean": 1.0}"#.into(),
+            line(10, &[1.0, 0.5, 1.0], "d"),
+        ]
+        .join("\n");
+        std::fs::write(&run, text).unwrap();
+        let last = load_eval(&dir, None).unwrap();
+        assert_eq!(last.line.step, 10);
+        let base = load_eval(&run, Some(0)).unwrap();
+        assert_eq!(base.line.prompt_scores, vec![0.0, 0.5, 1.0]);
+        assert!(matches!(
+            load_eval(&run, Some(5)),
+            Err(PairedError::NoScores { step: Some(5), .. })
+        ));
+        let d = compare_evals(std::slice::from_ref(&last), std::slice::from_ref(&base)).unwrap();
+        assert!((d.mean - 1.0 / 3.0).abs() < 1e-15);
+        let other = dir.join("other.json");
+        std::fs::write(&other, line(0, &[0.0, 0.5, 1.0], "e")).unwrap();
+        let other = load_eval(&other, None).unwrap();
+        let err = compare_evals(&[last], &[other]).unwrap_err();
+        assert!(err.to_string().contains("different prompts"), "{err}");
+        let bad = dir.join("bad.jsonl");
+        std::fs::write(&bad, "{\"step\": 1}\n").unwrap();
+        assert!(matches!(
+            load_eval(&bad, None),
+            Err(PairedError::Malformed { line: 1, .. })
+        ));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
