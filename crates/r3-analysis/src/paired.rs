@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 
 use r3_tasks::estimators::{paired_difference_seeds, PairedDifference};
-use r3_train::metrics_log::EvalLine;
+use r3_train::rl::metrics_log::EvalLine;
 
 /// Bootstrap resamples of a comparison with several seeds per side.
 pub const PAIRED_RESAMPLES: usize = 2000;

@@ -5,6 +5,7 @@
 
 use std::path::Path;
 
+#[allow(unused_imports)]
 pub use r3_test_support::{tiny_model, Scratch};
 use r3_train::config::{RouterReplay, TrainConfig};
 
