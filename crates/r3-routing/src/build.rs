@@ -265,6 +265,19 @@ impl RouteTable {
         start_pos: usize,
         ids: &[i64],
     ) -> Result<RouteTable, RouteError> {
+        RouteTable::from_flat_values(num_experts, top_k, space, layers, start_pos, ids)
+    }
+
+    /// [`RouteTable::from_flat`] over ids of any integer type, read in place (a numpy array's
+    /// buffer as the Python binding hands it over).
+    pub fn from_flat_values<T: Copy + Into<i64>>(
+        num_experts: usize,
+        top_k: usize,
+        space: LayerSpace,
+        layers: Vec<usize>,
+        start_pos: usize,
+        ids: &[T],
+    ) -> Result<RouteTable, RouteError> {
         check_header(num_experts, top_k, space, &layers)?;
         let row = layers.len() * top_k;
         let num_tokens = if row == 0 {
@@ -293,7 +306,7 @@ impl RouteTable {
             layers,
             start_pos,
             num_tokens,
-            |i| ids[i],
+            |i| ids[i].into(),
         )
     }
 

@@ -217,6 +217,36 @@ pub(crate) fn decode_le(
     }
 }
 
+/// Decodes an in-memory all-layers array `[rows, num_layers, top_k]` (row-major, any
+/// integer type), as the wire decoders do: with a layout, dense columns must be empty and
+/// the table is MoE-only. The array is read in place.
+pub fn decode_values<T: Copy + Into<i64>>(
+    values: &[T],
+    shape: &WireShape,
+) -> Result<RouteTable, RouteError> {
+    let row = shape.row_len("array")?;
+    if !values.len().is_multiple_of(row) {
+        return Err(RouteError::Ragged {
+            what: "array values in rows of num_layers x top_k",
+            len: values.len(),
+            unit: row,
+        });
+    }
+    table_from_wire(shape, values.len() / row, |i| values[i].into())
+}
+
+/// A table as SGLang / vLLM would send it, as values `[rows, num_layers, top_k]`: dense
+/// columns 0, missing MoE cells -1.
+pub fn to_wire_values(table: &RouteTable, layout: &LayerLayout) -> Result<Vec<i64>, RouteError> {
+    wire_values(
+        table,
+        layout.num_hidden_layers(),
+        Some(layout),
+        WireDtype::I32,
+        "array",
+    )
+}
+
 /// Builds a table from an all-layers flat accessor over `[rows, num_layers, top_k]`
 /// (the caller has checked the length). With a layout, dense columns must hold only 0 or -1
 /// and the result is MoE-only.
