@@ -207,7 +207,7 @@ impl PipelineSplit {
             // stage is not uneven; with an uneven first stage, pp_rank 0 never reads it).
             let middle_rank =
                 pp_rank.saturating_sub(usize::from(self.first_stage_layers.is_some()));
-            let per_stage = |layers: usize| if stages == 0 { 0 } else { layers / stages };
+            let per_stage = |layers: usize| layers.checked_div(stages).unwrap_or(0);
             return Ok(match vp {
                 Some(v) => {
                     let (f, m, l) = (first / v, middle / v, last / v);
