@@ -153,12 +153,16 @@ impl PyRouteTable {
         start_len: usize,
     ) -> PyResult<Self> {
         let shape = layout.wire_shape(start_len)?;
+        let py = payload.py();
+        // The decoders run without the GIL: other Python threads go on meanwhile.
         let table = if let Ok(s) = payload.downcast::<PyString>() {
-            sglang::decode_sglang(&s.to_cow()?, parse_dtype(dtype)?, &shape)
+            let (text, dtype) = (s.to_cow()?, parse_dtype(dtype)?);
+            py.allow_threads(|| sglang::decode_sglang(&text, dtype, &shape))
         } else if let Ok(b) = payload.downcast::<PyBytes>() {
             let text = std::str::from_utf8(b.as_bytes())
                 .map_err(|e| arg_err(format!("sglang payload: not base64 text: {e}")))?;
-            sglang::decode_sglang(text, parse_dtype(dtype)?, &shape)
+            let dtype = parse_dtype(dtype)?;
+            py.allow_threads(|| sglang::decode_sglang(text, dtype, &shape))
         } else if payload.is_instance_of::<PyDict>() {
             sglang::decode_sglang_response(&json_value(payload)?, &shape)
         } else {
@@ -182,17 +186,19 @@ impl PyRouteTable {
     ) -> PyResult<Self> {
         let shape = layout.wire_shape(start_len)?;
         let obj = array_or_bytes;
+        let py = obj.py();
         let table = if let Ok(b) = obj.downcast::<PyBytes>() {
             let bytes = b.as_bytes();
             if bytes.starts_with(b"\x93NUMPY") {
-                vllm::decode_npy_routes(bytes, &shape)
+                py.allow_threads(|| vllm::decode_npy_routes(bytes, &shape))
             } else {
                 let text = std::str::from_utf8(bytes)
                     .map_err(|e| arg_err(format!("vllm payload: not .npy nor text: {e}")))?;
-                vllm::decode_vllm_payload(text, &shape)
+                py.allow_threads(|| vllm::decode_vllm_payload(text, &shape))
             }
         } else if let Ok(s) = obj.downcast::<PyString>() {
-            vllm::decode_vllm_payload(&s.to_cow()?, &shape)
+            let text = s.to_cow()?;
+            py.allow_threads(|| vllm::decode_vllm_payload(&text, &shape))
         } else if obj.is_instance_of::<PyDict>() {
             let v = json_value(obj)?;
             if is_nested_json(&v) {

@@ -112,3 +112,11 @@ def test_canonical_json_and_slices(rng, layout):
     assert (part.start_pos, part.num_rows) == (3, 3)
     np.testing.assert_array_equal(part.ids, table.ids[2:5])
     assert "RouteTable(rows=6" in repr(table)
+
+
+def test_base64_with_line_breaks_decodes_the_same(rng, layout):
+    wire = random_wire(rng, 9)
+    b64 = base64.b64encode(wire.tobytes()).decode()
+    wrapped = "\n".join(b64[i : i + 76] for i in range(0, len(b64), 76))
+    assert r3.RouteTable.from_sglang(wrapped, layout=layout) == \
+        r3.RouteTable.from_sglang(b64, layout=layout)

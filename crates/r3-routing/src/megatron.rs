@@ -98,6 +98,14 @@ impl PipelineSplit {
         }
     }
 
+    /// The layers an even split divides: the transformer layers, plus one each for the
+    /// embedding and the loss when they are accounted in the split.
+    fn split_layers(&self) -> usize {
+        self.num_layers
+            + usize::from(self.account_for_embedding)
+            + usize::from(self.account_for_loss)
+    }
+
     fn is_uneven(&self) -> bool {
         self.first_stage_layers.is_some() || self.last_stage_layers.is_some()
     }
@@ -159,10 +167,11 @@ impl PipelineSplit {
             }
             per
         } else {
-            let n = self.num_layers
-                + usize::from(self.account_for_embedding)
-                + usize::from(self.account_for_loss);
-            divide("layers over pipeline stages", n, self.pp_size)?
+            divide(
+                "layers over pipeline stages",
+                self.split_layers(),
+                self.pp_size,
+            )?
         };
         let vp = self.effective_vp();
         let mut build = match vp {
@@ -222,9 +231,7 @@ impl PipelineSplit {
                 None => middle_rank * per_stage(middle) + first,
             });
         }
-        let n = self.num_layers
-            + usize::from(self.account_for_embedding)
-            + usize::from(self.account_for_loss);
+        let n = self.split_layers();
         let per_stage = n / self.pp_size;
         let offset = match vp {
             Some(v) => vp_stage * (n / v) + pp_rank * (per_stage / v),

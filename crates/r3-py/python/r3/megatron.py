@@ -64,22 +64,15 @@ def replay_arrays(
     tables: Sequence[RouteTable],
     layout: LayerLayout,
     *,
-    pp_rank: int = 0,
-    pp_size: int = 1,
-    vp_stage: Optional[int] = None,
-    vp_size: Optional[int] = None,
     tp_sp: Optional[Tuple[int, int]] = None,
     cp: Optional[Tuple[int, int]] = None,
     packing: str = "thd",
-    **split,
+    **pipeline,
 ):
-    """:func:`replay_data` as one numpy int64 array ``[routers, tokens, top_k]`` (no torch)."""
-    layers = router_layers(
-        layout, pp_rank=pp_rank, pp_size=pp_size, vp_stage=vp_stage, vp_size=vp_size, **split
-    )
-    return replay_ids(
-        list(tables), layers, packing, _group(tp_sp, "tp_sp"), _group(cp, "cp")
-    )
+    """:func:`replay_data` as one numpy int64 array ``[routers, tokens, top_k]`` (no torch);
+    ``pipeline`` takes the keywords of :func:`router_layers`."""
+    layers = router_layers(layout, **pipeline)
+    return replay_ids(list(tables), layers, packing, _group(tp_sp, "tp_sp"), _group(cp, "cp"))
 
 
 def replay_data(
