@@ -118,45 +118,104 @@ pub(crate) fn check_cell(
     Ok(true)
 }
 
-/// A bitset over expert ids for the fast validity check of a cell: O(top_k) instead of the
-/// pairwise duplicate search. Anything it does not accept goes to [`check_cell`], which
-/// produces the precise error (or accepts an all-missing cell).
+/// The fast validity check of a cell: one stamp per expert id, so a cell's ids are checked
+/// for range and duplicates in one pass of O(top_k) with nothing to clear between cells.
+/// Anything it does not accept goes to [`check_cell`], which produces the precise error (or
+/// accepts an all-missing cell).
 struct SeenSet {
-    words: Vec<u64>,
-    num_experts: u64,
+    /// `stamp[e]` = the number of the last cell in which expert `e` was seen.
+    stamp: Vec<u32>,
+    /// The number of the current cell (starts at 1; 0 is "never").
+    current: u32,
 }
 
 impl SeenSet {
     fn new(num_experts: usize) -> Self {
         SeenSet {
-            words: vec![0; num_experts.div_ceil(64)],
-            num_experts: num_experts as u64,
+            stamp: vec![0; num_experts],
+            current: 0,
         }
     }
 
     /// True iff every id is in `[0, num_experts)` and all are distinct.
     #[inline]
     fn is_valid_route(&mut self, vals: &[i64]) -> bool {
-        let mut ok = true;
-        let mut marked = 0;
+        self.current = match self.current.checked_add(1) {
+            Some(c) => c,
+            None => {
+                self.stamp.fill(0);
+                1
+            }
+        };
         for &v in vals {
-            if v < 0 || v as u64 >= self.num_experts {
-                ok = false;
-                break;
+            let Some(s) = usize::try_from(v).ok().and_then(|i| self.stamp.get_mut(i)) else {
+                return false;
+            };
+            if *s == self.current {
+                return false;
             }
-            let (w, bit) = ((v as u64 / 64) as usize, 1u64 << (v as u64 % 64));
-            if self.words[w] & bit != 0 {
-                ok = false;
-                break;
-            }
-            self.words[w] |= bit;
-            marked += 1;
+            *s = self.current;
         }
-        for &v in &vals[..marked] {
-            self.words[(v as u64 / 64) as usize] = 0;
-        }
-        ok
+        true
     }
+}
+
+/// The storage width of ids (u8 or u16), written from checked values.
+trait IdSlot: Copy {
+    /// `v` has been checked to lie in `[0, num_experts)`, which picked the width.
+    fn from_checked(v: i64) -> Self;
+}
+
+impl IdSlot for u8 {
+    #[inline]
+    fn from_checked(v: i64) -> Self {
+        v as u8
+    }
+}
+
+impl IdSlot for u16 {
+    #[inline]
+    fn from_checked(v: i64) -> Self {
+        v as u16
+    }
+}
+
+/// The cell loop of [`RouteTable::from_cells`] for one storage width (matched once, not per
+/// id).
+#[allow(clippy::too_many_arguments)]
+fn fill_cells<S: IdSlot>(
+    ids: &mut [S],
+    present: &mut [bool],
+    layers: &[usize],
+    num_experts: usize,
+    top_k: usize,
+    start_pos: usize,
+    mut fill: impl FnMut(usize, &mut [i64]),
+) -> Result<(), RouteError> {
+    let cols = layers.len();
+    let mut buf = vec![0i64; top_k];
+    let mut seen = SeenSet::new(num_experts);
+    for (cell, (out, mark)) in ids
+        .chunks_exact_mut(top_k)
+        .zip(present.iter_mut())
+        .enumerate()
+    {
+        fill(cell, &mut buf);
+        let ok = seen.is_valid_route(&buf)
+            || check_cell(
+                &buf,
+                num_experts,
+                start_pos + cell / cols,
+                layers[cell % cols],
+            )?;
+        if ok {
+            *mark = true;
+            for (o, &v) in out.iter_mut().zip(&buf) {
+                *o = S::from_checked(v);
+            }
+        }
+    }
+    Ok(())
 }
 
 impl RouteTable {
@@ -201,28 +260,16 @@ impl RouteTable {
         layers: Vec<usize>,
         start_pos: usize,
         num_tokens: usize,
-        mut fill: impl FnMut(usize, &mut [i64]),
+        fill: impl FnMut(usize, &mut [i64]),
     ) -> Result<RouteTable, RouteError> {
         let mut t = RouteTable::missing(num_experts, top_k, space, layers, start_pos, num_tokens)?;
-        let cols = t.layers.len();
-        let mut buf = vec![0i64; top_k];
-        let mut seen = SeenSet::new(num_experts);
-        for tok in 0..num_tokens {
-            for c in 0..cols {
-                let cell = tok * cols + c;
-                fill(cell, &mut buf);
-                let present = if seen.is_valid_route(&buf) {
-                    true
-                } else {
-                    check_cell(&buf, num_experts, start_pos + tok, t.layers[c])?
-                };
-                if present {
-                    t.present[cell] = true;
-                    let base = cell * top_k;
-                    for (k, &v) in buf.iter().enumerate() {
-                        t.ids.set(base + k, v as u16);
-                    }
-                }
+        let (layers, present) = (&t.layers, &mut t.present);
+        match &mut t.ids {
+            IdStore::U8(ids) => {
+                fill_cells(ids, present, layers, num_experts, top_k, start_pos, fill)?
+            }
+            IdStore::U16(ids) => {
+                fill_cells(ids, present, layers, num_experts, top_k, start_pos, fill)?
             }
         }
         Ok(t)
@@ -265,6 +312,19 @@ impl RouteTable {
         start_pos: usize,
         ids: &[i64],
     ) -> Result<RouteTable, RouteError> {
+        RouteTable::from_flat_values(num_experts, top_k, space, layers, start_pos, ids)
+    }
+
+    /// [`RouteTable::from_flat`] over ids of any integer type, read in place (a numpy array's
+    /// buffer as the Python binding hands it over).
+    pub fn from_flat_values<T: Copy + Into<i64>>(
+        num_experts: usize,
+        top_k: usize,
+        space: LayerSpace,
+        layers: Vec<usize>,
+        start_pos: usize,
+        ids: &[T],
+    ) -> Result<RouteTable, RouteError> {
         check_header(num_experts, top_k, space, &layers)?;
         let row = layers.len() * top_k;
         let num_tokens = if row == 0 {
@@ -293,7 +353,7 @@ impl RouteTable {
             layers,
             start_pos,
             num_tokens,
-            |i| ids[i],
+            |i| ids[i].into(),
         )
     }
 

@@ -5,16 +5,19 @@
 //! missing. Around it: [`LayerLayout`] (which layers are MoE), [`ExpertPlacement`] (EPLB
 //! physical → logical), the SGLang / vLLM / canonical wire codecs ([`wire`]), alignment of
 //! rows with tokens ([`align`]), divergence statistics ([`divergence`]), training–inference
-//! mismatch metrics ([`mismatch`]) and expert-load statistics ([`load`]).
+//! mismatch metrics ([`mismatch`]), expert-load statistics ([`load`]), the routing keys of
+//! an HF config ([`RoutingConfig`]) and Megatron-Core's layer and token split ([`megatron`]).
 
 pub mod align;
 mod build;
 mod canonical;
 pub mod divergence;
 mod error;
+mod hf_config;
 mod layout;
 mod limits;
 pub mod load;
+pub mod megatron;
 pub mod mismatch;
 mod placement;
 mod space;
@@ -25,6 +28,7 @@ pub use align::{check_covers_sequence, expected_rows, merge_resumed, MergePolicy
 pub use canonical::{CANONICAL_FORMAT, CANONICAL_VERSION};
 pub use divergence::{divergence, summarize, Divergence, DivergenceSummary, LayerDivergence};
 pub use error::RouteError;
+pub use hf_config::RoutingConfig;
 pub use layout::{LayerLayout, LayerSpace, LayoutRules};
 pub use limits::DecodeLimits;
 pub use load::{expert_load, summed_expert_load, ExpertLoad, LayerLoad};

@@ -35,6 +35,26 @@ pub struct MismatchMetrics {
     pub prob_pearson: Option<f64>,
 }
 
+impl MismatchMetrics {
+    /// The metrics under the keys a run's `metrics.jsonl` logs them with, plus
+    /// `mismatch.num_tokens` and `mismatch.mean_log_ratio`.
+    pub fn log_fields(&self) -> Vec<(&'static str, Option<f64>)> {
+        vec![
+            ("mismatch.num_tokens", Some(self.num_tokens as f64)),
+            ("mismatch.k3_kl", Some(self.k3_kl)),
+            ("mismatch.f_tau2", Some(self.extreme_frac_tau2)),
+            ("mismatch.f_tau5", Some(self.extreme_frac_tau5)),
+            ("mismatch.mean_abs_delta", Some(self.mean_abs_log_diff)),
+            ("mismatch.mean_sq_delta", Some(self.mean_sq_log_diff)),
+            ("mismatch.mean_log_ratio", Some(self.mean_log_ratio)),
+            ("mismatch.prob_diff_max", Some(self.prob_diff_max)),
+            ("mismatch.prob_diff_mean", Some(self.prob_diff_mean)),
+            ("mismatch.prob_diff_std", Some(self.prob_diff_std)),
+            ("mismatch.pearson", self.prob_pearson),
+        ]
+    }
+}
+
 /// The Δ values of unmasked tokens, after checking lengths and finiteness.
 fn deltas(
     logp_train: &[f32],

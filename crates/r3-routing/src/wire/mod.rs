@@ -173,12 +173,16 @@ impl WireDtype {
 /// Decodes standard base64 (padding required), ignoring ASCII whitespace.
 pub(crate) fn decode_base64(s: &str, format: &'static str) -> Result<Vec<u8>, RouteError> {
     let engine = base64::engine::general_purpose::STANDARD;
-    let r = if s.bytes().any(|b| b.is_ascii_whitespace()) {
-        let clean: Vec<u8> = s.bytes().filter(|b| !b.is_ascii_whitespace()).collect();
-        engine.decode(clean)
-    } else {
-        engine.decode(s)
-    };
+    // Payloads rarely hold whitespace: decode first, strip only if that fails on it (one
+    // pass over a large payload instead of two).
+    let r = engine.decode(s).or_else(|e| {
+        if s.bytes().any(|b| b.is_ascii_whitespace()) {
+            let clean: Vec<u8> = s.bytes().filter(|b| !b.is_ascii_whitespace()).collect();
+            engine.decode(clean)
+        } else {
+            Err(e)
+        }
+    });
     r.map_err(|e| RouteError::format(format, format!("invalid base64: {e}")))
 }
 
@@ -215,6 +219,36 @@ pub(crate) fn decode_le(
         WireDtype::I16 => table_from_wire(shape, rows, |i| WireDtype::I16.read(bytes, i)),
         WireDtype::I32 => table_from_wire(shape, rows, |i| WireDtype::I32.read(bytes, i)),
     }
+}
+
+/// Decodes an in-memory all-layers array `[rows, num_layers, top_k]` (row-major, any
+/// integer type), as the wire decoders do: with a layout, dense columns must be empty and
+/// the table is MoE-only. The array is read in place.
+pub fn decode_values<T: Copy + Into<i64>>(
+    values: &[T],
+    shape: &WireShape,
+) -> Result<RouteTable, RouteError> {
+    let row = shape.row_len("array")?;
+    if !values.len().is_multiple_of(row) {
+        return Err(RouteError::Ragged {
+            what: "array values in rows of num_layers x top_k",
+            len: values.len(),
+            unit: row,
+        });
+    }
+    table_from_wire(shape, values.len() / row, |i| values[i].into())
+}
+
+/// A table as SGLang / vLLM would send it, as values `[rows, num_layers, top_k]`: dense
+/// columns 0, missing MoE cells -1.
+pub fn to_wire_values(table: &RouteTable, layout: &LayerLayout) -> Result<Vec<i64>, RouteError> {
+    wire_values(
+        table,
+        layout.num_hidden_layers(),
+        Some(layout),
+        WireDtype::I32,
+        "array",
+    )
 }
 
 /// Builds a table from an all-layers flat accessor over `[rows, num_layers, top_k]`

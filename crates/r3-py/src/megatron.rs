@@ -1,0 +1,129 @@
+//! Megatron-Core's layer and token split (r3-routing's `megatron` module) for the Python
+//! adapter `r3.megatron`, which turns the ids into torch tensors and hands them to
+//! `RouterReplay`.
+
+use pyo3::prelude::*;
+use r3_routing::megatron::{self as split, Packing, PipelineSplit, TokenSlot, TokenSplit};
+
+use crate::arrays::to_numpy;
+use crate::table::PyRouteTable;
+use crate::{arg_err, route_err};
+
+/// Megatron's split of the transformer layers over pipeline (and virtual) stages.
+#[pyclass(name = "PipelineSplit", module = "r3.megatron", frozen)]
+pub struct PyPipelineSplit {
+    split: PipelineSplit,
+}
+
+#[pymethods]
+impl PyPipelineSplit {
+    /// The fields of `TransformerConfig` that decide the split.
+    #[new]
+    #[pyo3(signature = (num_layers, pp_size = 1, *, vp_size = None, first_stage_layers = None,
+        last_stage_layers = None, account_for_embedding = false, account_for_loss = false))]
+    fn new(
+        num_layers: usize,
+        pp_size: usize,
+        vp_size: Option<usize>,
+        first_stage_layers: Option<usize>,
+        last_stage_layers: Option<usize>,
+        account_for_embedding: bool,
+        account_for_loss: bool,
+    ) -> Self {
+        PyPipelineSplit {
+            split: PipelineSplit {
+                num_layers,
+                pp_size,
+                vp_size,
+                first_stage_layers,
+                last_stage_layers,
+                account_for_embedding,
+                account_for_loss,
+            },
+        }
+    }
+
+    /// Megatron's `get_transformer_layer_offset(config, vp_stage, pp_rank)`.
+    #[pyo3(signature = (pp_rank, vp_stage = None))]
+    fn layer_offset(&self, pp_rank: usize, vp_stage: Option<usize>) -> PyResult<usize> {
+        self.split
+            .layer_offset(pp_rank, vp_stage)
+            .map_err(route_err)
+    }
+
+    /// Megatron's `get_num_layers_to_build(config, vp_stage, pp_rank)`.
+    #[pyo3(signature = (pp_rank, vp_stage = None))]
+    fn num_layers_to_build(&self, pp_rank: usize, vp_stage: Option<usize>) -> PyResult<usize> {
+        self.split
+            .num_layers_to_build(pp_rank, vp_stage)
+            .map_err(route_err)
+    }
+
+    /// Global layers of the rank in construction order (every model chunk when `vp_stage`
+    /// is None).
+    #[pyo3(signature = (pp_rank, vp_stage = None))]
+    fn local_layers(&self, pp_rank: usize, vp_stage: Option<usize>) -> PyResult<Vec<usize>> {
+        self.split
+            .local_layers(pp_rank, vp_stage)
+            .map_err(route_err)
+    }
+}
+
+fn token_split(
+    packing: &str,
+    sp: (usize, usize),
+    cp: (usize, usize),
+) -> PyResult<(Packing, TokenSplit)> {
+    let packing = Packing::parse(packing)
+        .ok_or_else(|| arg_err(format!("unknown packing {packing:?} (thd or bshd)")))?;
+    Ok((
+        packing,
+        TokenSplit {
+            sp_size: sp.0,
+            sp_rank: sp.1,
+            cp_size: cp.0,
+            cp_rank: cp.1,
+        },
+    ))
+}
+
+/// The (sequence, position) of every token the rank's routers see, int64 `[tokens, 2]`,
+/// `(-1, -1)` for padding. `sp` and `cp` are `(size, rank)`.
+#[pyfunction]
+#[pyo3(signature = (seq_lens, packing = "thd", sp = (1, 0), cp = (1, 0)))]
+pub(crate) fn rank_tokens<'py>(
+    py: Python<'py>,
+    seq_lens: Vec<usize>,
+    packing: &str,
+    sp: (usize, usize),
+    cp: (usize, usize),
+) -> PyResult<Bound<'py, PyAny>> {
+    let (packing, ts) = token_split(packing, sp, cp)?;
+    let slots = split::rank_tokens(&seq_lens, packing, ts).map_err(route_err)?;
+    let mut out = Vec::with_capacity(slots.len() * 2);
+    for s in &slots {
+        match *s {
+            TokenSlot::Token { seq, pos } => out.extend([seq as i64, pos as i64]),
+            TokenSlot::Pad => out.extend([-1, -1]),
+        }
+    }
+    to_numpy(py, out, &[slots.len(), 2])
+}
+
+/// Replay ids int64 `[routers, tokens, top_k]` for the routers of `router_layers` on one
+/// rank (see r3-routing's `megatron::replay_ids`).
+#[pyfunction]
+#[pyo3(signature = (tables, router_layers, packing = "thd", sp = (1, 0), cp = (1, 0)))]
+pub(crate) fn replay_ids<'py>(
+    py: Python<'py>,
+    tables: Vec<PyRef<'py, PyRouteTable>>,
+    router_layers: Vec<usize>,
+    packing: &str,
+    sp: (usize, usize),
+    cp: (usize, usize),
+) -> PyResult<Bound<'py, PyAny>> {
+    let (packing, ts) = token_split(packing, sp, cp)?;
+    let refs: Vec<&r3_routing::RouteTable> = tables.iter().map(|t| &t.table).collect();
+    let r = split::replay_ids(&refs, &router_layers, packing, ts).map_err(route_err)?;
+    to_numpy(py, r.ids, &[r.num_routers, r.num_tokens, r.top_k])
+}

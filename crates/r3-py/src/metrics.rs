@@ -1,0 +1,102 @@
+//! Module functions over tables and log-probs: resumed-call merging, sequence coverage,
+//! training–inference mismatch metrics and routing divergence (all computed by r3-routing).
+
+use numpy::PyArrayMethods;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use r3_routing::MergePolicy;
+
+use crate::arrays::vector;
+use crate::table::PyRouteTable;
+use crate::{arg_err, route_err};
+
+/// Merges the route tables of one request's calls (aborted, then resumed; in call order).
+#[pyfunction]
+#[pyo3(signature = (pieces, policy = "keep_per_token_origin"))]
+pub(crate) fn merge_resumed(
+    pieces: Vec<PyRef<'_, PyRouteTable>>,
+    policy: &str,
+) -> PyResult<PyRouteTable> {
+    let policy = match policy {
+        "keep_per_token_origin" => MergePolicy::KeepPerTokenOrigin,
+        "replace_with_resumed" => MergePolicy::ReplaceWithResumed,
+        other => {
+            return Err(arg_err(format!(
+                "unknown policy {other:?} (keep_per_token_origin or replace_with_resumed)"
+            )))
+        }
+    };
+    let (first, rest) = pieces
+        .split_first()
+        .ok_or_else(|| arg_err("merge_resumed needs at least one table"))?;
+    let mut merged = first.table.clone();
+    for next in rest {
+        merged = r3_routing::merge_resumed(&merged, &next.table, policy).map_err(route_err)?;
+    }
+    Ok(PyRouteTable {
+        table: merged,
+        layout: first.layout.clone(),
+    })
+}
+
+/// Raises `RouteError` unless `table` covers every fed position of a sequence of
+/// `total_tokens` tokens (`total_tokens - 1 - start_pos` rows).
+#[pyfunction]
+pub(crate) fn check_covers_sequence(
+    table: PyRef<'_, PyRouteTable>,
+    total_tokens: usize,
+) -> PyResult<()> {
+    r3_routing::check_covers_sequence(&table.table, total_tokens).map_err(route_err)
+}
+
+/// Training–inference mismatch metrics over the unmasked tokens, under the keys of
+/// `metrics.jsonl` (`mismatch.k3_kl`, `mismatch.f_tau2`, ...).
+#[pyfunction]
+#[pyo3(signature = (train_logp, rollout_logp, mask = None))]
+pub(crate) fn mismatch<'py>(
+    train_logp: &Bound<'py, PyAny>,
+    rollout_logp: &Bound<'py, PyAny>,
+    mask: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let py = train_logp.py();
+    let train = vector::<f32>(train_logp, "float32", "train_logp")?;
+    let rollout = vector::<f32>(rollout_logp, "float32", "rollout_logp")?;
+    let mask = mask
+        .map(|m| vector::<bool>(m, "bool", "mask"))
+        .transpose()?;
+    let (train, rollout) = (train.readonly(), rollout.readonly());
+    let mask_ro = mask.as_ref().map(|m| m.readonly());
+    let slice = |e: numpy::NotContiguousError| arg_err(e.to_string());
+    let mask_slice = match &mask_ro {
+        Some(m) => Some(m.as_slice().map_err(slice)?),
+        None => None,
+    };
+    let metrics = r3_routing::mismatch_metrics(
+        train.as_slice().map_err(slice)?,
+        rollout.as_slice().map_err(slice)?,
+        mask_slice,
+    )
+    .map_err(route_err)?;
+    let out = PyDict::new(py);
+    for (key, value) in metrics.log_fields() {
+        out.set_item(key, value)?;
+    }
+    Ok(out)
+}
+
+/// Divergence between two tables of the same positions (router / token fractions, the
+/// per-token histogram of differing layers, per-layer figures, mean overlap), with the two
+/// `metrics.jsonl` keys `divergence.router_frac` and `divergence.token_frac`.
+#[pyfunction]
+pub(crate) fn routing_divergence<'py>(
+    a: PyRef<'py, PyRouteTable>,
+    b: PyRef<'py, PyRouteTable>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let py = a.py();
+    let d = r3_routing::divergence(&a.table, &b.table).map_err(route_err)?;
+    let text = serde_json::to_string(&d).map_err(|e| arg_err(e.to_string()))?;
+    let out = py.import("json")?.call_method1("loads", (text,))?;
+    out.set_item("divergence.router_frac", d.router_diff_fraction)?;
+    out.set_item("divergence.token_frac", d.token_diff_fraction)?;
+    Ok(out)
+}

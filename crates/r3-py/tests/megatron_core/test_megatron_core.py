@@ -1,0 +1,223 @@
+"""r3.megatron against real Megatron-Core on the CPU (gloo, world size 1).
+
+Skipped unless torch and megatron.core import (scripts/py/megatron_check.sh installs the
+pinned versions and runs this). Two CPU shims, both outside the routing code under test:
+``Router.gating`` moves CPU weights to ``torch.cuda.current_device()``, so that returns the
+CPU device here; and megatron-core 0.16.1's ``moe_utils`` leaves ``te_general_gemm`` undefined
+without Transformer Engine, so it is defined as None (what the failed import means).
+"""
+
+import base64
+import tempfile
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+import r3  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
+from megatron.core.tensor_parallel.mappings import _split_along_first_dim  # noqa: E402
+from megatron.core.transformer.moe import moe_utils  # noqa: E402
+from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
+from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction  # noqa: E402
+from megatron.core.transformer.transformer_block import get_num_layers_to_build  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset  # noqa: E402
+from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: E402
+
+NUM_LAYERS, HIDDEN, EXPERTS, TOP_K = 4, 16, 8, 2
+
+
+@pytest.fixture(scope="module")
+def megatron_cpu():
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    if not torch.distributed.is_initialized():
+        store = tempfile.NamedTemporaryFile(delete=False)
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"file://{store.name}", rank=0, world_size=1
+        )
+    parallel_state.initialize_model_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+
+
+def moe_config(**kw):
+    return TransformerConfig(
+        num_layers=NUM_LAYERS, hidden_size=HIDDEN, num_attention_heads=2,
+        num_moe_experts=EXPERTS, moe_router_topk=TOP_K, moe_enable_routing_replay=True,
+        use_cpu_initialization=True, moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0, **kw,
+    )
+
+
+def build_routers(moe_layers):
+    """One TopKRouter per MoE layer, in layer order (Megatron's construction order)."""
+    RouterReplay.clear_global_router_replay_instances()
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    routers = []
+    for layer in moe_layers:
+        router = TopKRouter(moe_config(), pg_collection=pg)
+        router.set_layer_number(layer + 1)
+        routers.append(router)
+    assert len(RouterReplay.global_router_replay_instances) == len(routers)
+    return routers
+
+
+def chosen(routing_map):
+    """The sorted expert ids each token was dispatched to."""
+    return [sorted(row.nonzero().flatten().tolist()) for row in routing_map]
+
+
+def test_routers_replay_exactly_the_decoded_routes(megatron_cpu):
+    layout = r3.LayerLayout(NUM_LAYERS, [1, 2, 3], num_experts=EXPERTS, top_k=TOP_K)
+    routers = build_routers(layout.moe_layers)
+    torch.manual_seed(0)
+    lens = [7, 4]
+    hidden = [torch.randn(sum(lens), 1, HIDDEN) for _ in routers]  # THD: [tokens, 1, hidden]
+    # 1. Record natively.
+    RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
+    with torch.no_grad():
+        for router, h in zip(routers, hidden):
+            router(h)
+    recorded = [ids.clone() for ids in RouterReplay.get_recorded_data()]
+    # 2. Encode each sequence as SGLang's payload: all layers, dense layer 0 zeros, the
+    #    sequence's last token not routed.
+    payloads, start = [], 0
+    for n in lens:
+        wire = np.zeros((n - 1, NUM_LAYERS, TOP_K), dtype=np.int32)
+        for router_ids, layer in zip(recorded, layout.moe_layers):
+            wire[:, layer] = router_ids[start : start + n - 1].numpy()
+        payloads.append(base64.b64encode(wire.tobytes()).decode())
+        start += n
+    # 3. Decode with r3, hand to RouterReplay, perturb the routers so that free routing
+    #    would choose otherwise, replay.
+    tables = [r3.RouteTable.from_sglang(p, layout=layout) for p in payloads]
+    data = r3.megatron.set_replay(tables, layout)
+    assert [d.dtype for d in data] == [torch.int64] * 3
+    assert all(r.router_replay.router_replay_action == RouterReplayAction.REPLAY_FORWARD for r in routers)
+    with torch.no_grad():
+        for router in routers:
+            router.weight.add_(torch.randn_like(router.weight) * 5)
+    free_differs = False
+    for r_i, (router, h) in enumerate(zip(routers, hidden)):
+        router.weight.grad = None
+        probs, routing_map = router(h)
+        got = chosen(routing_map)
+        start = 0
+        for n in lens:
+            for t in range(n - 1):
+                assert got[start + t] == sorted(recorded[r_i][start + t].tolist())
+            # The last token replays the filler experts 0..top_k.
+            assert got[start + n - 1] == list(range(TOP_K))
+            start += n
+        # The gate weights of the replayed experts still carry gradients.
+        (probs * torch.randn_like(probs)).sum().backward()
+        assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+        with torch.no_grad():
+            free = torch.topk(h.view(-1, HIDDEN) @ router.weight.T, TOP_K).indices
+        free_differs |= any(sorted(f.tolist()) != g for f, g in zip(free, got))
+    assert free_differs, "the perturbation should have changed some free routing"
+    RouterReplay.clear_global_router_replay_action()
+    RouterReplay.clear_global_router_replay_instances()
+
+
+SPLITS = [
+    dict(num_layers=8, pp=2),
+    dict(num_layers=8, pp=2, vp=2),
+    dict(num_layers=8, pp=2, vp=4),
+    dict(num_layers=12, pp=4, vp=3),
+    dict(num_layers=12, pp=3),
+    dict(num_layers=10, pp=4, first=1, last=3),
+    dict(num_layers=10, pp=3, first=2),
+    dict(num_layers=9, pp=3, last=1),
+    dict(num_layers=12, pp=4, first=2, last=2, vp=2),
+    dict(num_layers=7, pp=4, emb=True),
+    dict(num_layers=6, pp=4, emb=True, loss=True),
+    dict(num_layers=6, pp=2, emb=True, loss=True, vp=2),
+]
+
+
+def pipeline_config(s):
+    return TransformerConfig(
+        num_layers=s["num_layers"], hidden_size=HIDDEN, num_attention_heads=2,
+        pipeline_model_parallel_size=s["pp"], virtual_pipeline_model_parallel_size=s.get("vp"),
+        num_layers_in_first_pipeline_stage=s.get("first"),
+        num_layers_in_last_pipeline_stage=s.get("last"),
+        account_for_embedding_in_pipeline_split=s.get("emb", False),
+        account_for_loss_in_pipeline_split=s.get("loss", False),
+        pipeline_dtype=torch.float32, use_cpu_initialization=True,
+    )
+
+
+@pytest.mark.parametrize("s", SPLITS, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
+def test_pipeline_split_equals_megatrons_functions(s):
+    config = pipeline_config(s)
+    split = r3.megatron.PipelineSplit(
+        s["num_layers"], s["pp"], vp_size=s.get("vp"), first_stage_layers=s.get("first"),
+        last_stage_layers=s.get("last"), account_for_embedding=s.get("emb", False),
+        account_for_loss=s.get("loss", False),
+    )
+    for pp_rank in range(s["pp"]):
+        for vp_stage in (range(s["vp"]) if s.get("vp") else [None]):
+            assert split.layer_offset(pp_rank, vp_stage) == get_transformer_layer_offset(
+                config, vp_stage=vp_stage, pp_rank=pp_rank
+            ), (pp_rank, vp_stage)
+            assert split.num_layers_to_build(pp_rank, vp_stage) == get_num_layers_to_build(
+                config, vp_stage=vp_stage, pp_rank=pp_rank
+            ), (pp_rank, vp_stage)
+
+
+class FakeGroup:
+    """What Megatron's split reads of a process group: its size and this rank."""
+
+    def __init__(self, size, rank):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+def megatron_cp_split(positions, cp_size, cp_rank, monkeypatch):
+    """Megatron's get_batch_on_this_cp_rank on a [batch, seq] tensor of positions."""
+    monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: cp_size)
+    monkeypatch.setattr(parallel_state, "get_context_parallel_rank", lambda: cp_rank)
+    return get_batch_on_this_cp_rank({"position_ids": positions})["position_ids"]
+
+
+@pytest.mark.parametrize("sp, cp", [(1, 2), (2, 1), (2, 2), (4, 1), (1, 3), (2, 3)])
+def test_token_slices_equal_megatrons_split_functions(sp, cp, monkeypatch):
+    lens = [9, 3, 14]
+    align = 2 * cp * sp if cp > 1 else sp
+    # BSHD: one padded batch [b, s] of "seq * 1000 + pos" (pads = -1); Megatron splits the
+    # sequence dim over CP, transposes to [s, b], splits the first dim over SP; the routers
+    # see it flattened.
+    s_len = -(-max(lens) // align) * align
+    ids = torch.full((len(lens), s_len), -1, dtype=torch.int64)
+    for b, n in enumerate(lens):
+        ids[b, :n] = b * 1000 + torch.arange(n)
+    # THD: each sequence padded to the alignment, split per sequence (TE's
+    # thd_get_partitioned_indices is the same zigzag per sub-sequence, so Megatron's bshd
+    # split is applied to each sequence alone), concatenated, then SP-split.
+    for cp_rank in range(cp):
+        bshd = megatron_cp_split(ids.clone(), cp, cp_rank, monkeypatch).T.contiguous()
+        thd = []
+        for b, n in enumerate(lens):
+            padded = torch.full((1, -(-n // align) * align), -1, dtype=torch.int64)
+            padded[0, :n] = b * 1000 + torch.arange(n)
+            thd.append(megatron_cp_split(padded, cp, cp_rank, monkeypatch)[0])
+        thd = torch.cat(thd)
+        for sp_rank in range(sp):
+            want_bshd = _split_along_first_dim(bshd, FakeGroup(sp, sp_rank)).flatten()
+            want_thd = _split_along_first_dim(thd, FakeGroup(sp, sp_rank))
+            for packing, want in (("bshd", want_bshd), ("thd", want_thd)):
+                slots = r3.megatron.rank_tokens(lens, packing, (sp, sp_rank), (cp, cp_rank))
+                got = np.where(slots[:, 0] >= 0, slots[:, 0] * 1000 + slots[:, 1], -1)
+                np.testing.assert_array_equal(got, want.numpy(), err_msg=f"{packing} sp{sp_rank} cp{cp_rank}")

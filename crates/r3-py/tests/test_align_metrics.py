@@ -1,0 +1,133 @@
+"""merge_resumed policies and sequence coverage; mismatch metrics and routing divergence
+against hand computations in numpy."""
+
+import numpy as np
+import pytest
+
+import r3
+from conftest import random_wire
+
+MOE = [1, 2, 3]
+
+
+def table(rng, layout, rows, start=0):
+    return r3.RouteTable.from_vllm(random_wire(rng, rows), layout=layout, start_len=start)
+
+
+def test_keep_per_token_origin_keeps_earlier_rows(rng, layout):
+    earlier = table(rng, layout, 5)  # positions 0..5, aborted
+    resumed = table(rng, layout, 8)  # positions 0..8, the resumed call re-reports all
+    merged = r3.merge_resumed([earlier, resumed])
+    assert (merged.start_pos, merged.num_rows) == (0, 8)
+    np.testing.assert_array_equal(merged.ids[:5], earlier.ids)
+    np.testing.assert_array_equal(merged.ids[5:], resumed.ids[5:])
+    # Incremental routes (the resumed call reports only the new rows) append.
+    tail = table(rng, layout, 3, start=5)
+    inc = r3.merge_resumed([earlier, tail], policy="keep_per_token_origin")
+    np.testing.assert_array_equal(inc.ids, np.concatenate([earlier.ids, tail.ids]))
+    # Three calls fold left to right.
+    third = table(rng, layout, 10)
+    three = r3.merge_resumed([earlier, resumed, third])
+    np.testing.assert_array_equal(three.ids[:8], merged.ids)
+    np.testing.assert_array_equal(three.ids[8:], third.ids[8:])
+
+
+def test_replace_with_resumed_takes_the_resumed_rows(rng, layout):
+    earlier = table(rng, layout, 5)
+    resumed = table(rng, layout, 8)
+    assert r3.merge_resumed([earlier, resumed], policy="replace_with_resumed") == resumed
+    with pytest.raises(r3.RouteError, match="start after the earlier call's start"):
+        r3.merge_resumed([earlier, table(rng, layout, 3, start=5)], policy="replace_with_resumed")
+
+
+def test_merge_refuses_gaps_losses_and_unknown_policies(rng, layout):
+    earlier = table(rng, layout, 5)
+    with pytest.raises(r3.RouteError, match="a gap"):
+        r3.merge_resumed([earlier, table(rng, layout, 2, start=6)])
+    with pytest.raises(r3.RouteError, match="rows would be lost"):
+        r3.merge_resumed([earlier, table(rng, layout, 3)])
+    with pytest.raises(r3.RouteError, match="unknown policy"):
+        r3.merge_resumed([earlier, earlier], policy="concat")
+    with pytest.raises(r3.RouteError, match="at least one"):
+        r3.merge_resumed([])
+
+
+def test_check_covers_sequence(rng, layout):
+    t = table(rng, layout, 9)
+    r3.check_covers_sequence(t, 10)
+    with pytest.raises(r3.RouteError, match="cover every fed position"):
+        r3.check_covers_sequence(t, 11)
+    late = table(rng, layout, 6, start=3)
+    r3.check_covers_sequence(late, 10)
+
+
+def hand_mismatch(train, rollout, mask):
+    t = train.astype(np.float64)[mask]
+    r = rollout.astype(np.float64)[mask]
+    d = t - r
+    pt, pr = np.exp(t), np.exp(r)
+    pd = np.abs(pt - pr)
+    return {
+        "mismatch.num_tokens": float(mask.sum()),
+        "mismatch.k3_kl": np.mean(np.exp(d) - 1 - d),
+        "mismatch.f_tau2": np.mean(np.abs(d) > np.log(2)),
+        "mismatch.f_tau5": np.mean(np.abs(d) > np.log(5)),
+        "mismatch.mean_abs_delta": np.mean(np.abs(d)),
+        "mismatch.mean_sq_delta": np.mean(d**2),
+        "mismatch.mean_log_ratio": np.mean(d),
+        "mismatch.prob_diff_max": pd.max(),
+        "mismatch.prob_diff_mean": pd.mean(),
+        "mismatch.prob_diff_std": pd.std(),
+        "mismatch.pearson": np.corrcoef(pt, pr)[0, 1],
+    }
+
+
+def test_mismatch_matches_numpy(rng):
+    n = 500
+    rollout = np.log(rng.uniform(0.01, 1.0, n)).astype(np.float32)
+    train = (rollout + rng.normal(0, 0.8, n)).astype(np.float32)
+    train = np.minimum(train, 0).astype(np.float32)
+    for mask in (None, rng.random(n) < 0.7):
+        got = r3.mismatch(train, rollout, mask)
+        want = hand_mismatch(train, rollout, np.ones(n, bool) if mask is None else mask)
+        assert set(got) == set(want)
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+    # float64 and list inputs are accepted (converted to float32 as the Rust API takes).
+    assert r3.mismatch(train.astype(np.float64).tolist(), rollout)["mismatch.k3_kl"] == \
+        pytest.approx(hand_mismatch(train, rollout, np.ones(n, bool))["mismatch.k3_kl"], rel=1e-9)
+
+
+def test_mismatch_refuses_bad_inputs():
+    with pytest.raises(r3.RouteError, match="expected 3, got 2"):
+        r3.mismatch([-1.0, -2.0, -3.0], [-1.0, -2.0])
+    with pytest.raises(r3.RouteError, match="token 1: log-probs must be finite"):
+        r3.mismatch([-1.0, float("nan")], [-1.0, -2.0])
+    with pytest.raises(r3.RouteError, match="no unmasked tokens"):
+        r3.mismatch([-1.0], [-1.0], [False])
+
+
+def test_routing_divergence_matches_numpy(rng, layout):
+    a_wire = random_wire(rng, 40)
+    b_wire = a_wire.copy()
+    flip = rng.random((40, 4)) < 0.3
+    flip[:, 0] = False
+    b_wire[flip] = random_wire(rng, 40)[flip]
+    a = r3.RouteTable.from_vllm(a_wire, layout=layout)
+    b = r3.RouteTable.from_vllm(b_wire, layout=layout)
+    d = r3.routing_divergence(a, b)
+    sa = [[set(c) for c in row] for row in a_wire[:, MOE].tolist()]
+    sb = [[set(c) for c in row] for row in b_wire[:, MOE].tolist()]
+    differ = np.array([[x != y for x, y in zip(ra, rb)] for ra, rb in zip(sa, sb)])
+    overlap = np.array([[len(x & y) / 2 for x, y in zip(ra, rb)] for ra, rb in zip(sa, sb)])
+    assert d["compared_routers"] == differ.size
+    assert d["differing_routers"] == differ.sum()
+    assert d["router_diff_fraction"] == pytest.approx(differ.mean())
+    assert d["divergence.router_frac"] == pytest.approx(differ.mean())
+    assert d["token_diff_fraction"] == pytest.approx(differ.any(axis=1).mean())
+    assert d["divergence.token_frac"] == pytest.approx(differ.any(axis=1).mean())
+    assert d["mean_overlap"] == pytest.approx(overlap.mean())
+    assert d["diff_layers_histogram"] == np.bincount(differ.sum(axis=1), minlength=4).tolist()
+    assert [p["layer"] for p in d["per_layer"]] == MOE
+    with pytest.raises(r3.RouteError, match="same positions"):
+        r3.routing_divergence(a, a.slice_rows(0, 5))

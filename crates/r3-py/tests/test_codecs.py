@@ -1,0 +1,122 @@
+"""Codec round trips, checked against payloads built independently with numpy and base64."""
+
+import base64
+import io
+import json
+
+import numpy as np
+import pytest
+
+import r3
+from conftest import NUM_EXPERTS, NUM_LAYERS, TOP_K, random_wire
+
+MOE = [1, 2, 3]
+
+
+def test_layout_from_hf_config_forms(tmp_path, layout):
+    assert layout.moe_layers == MOE
+    assert (layout.num_hidden_layers, layout.num_experts, layout.top_k) == (4, 8, 2)
+    assert not layout.is_moe(0) and layout.is_moe(3)
+    cfg = {"num_hidden_layers": 6, "num_experts": 8, "num_experts_per_tok": 2,
+           "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    for form in (cfg, json.dumps(cfg), str(tmp_path), tmp_path, tmp_path / "config.json"):
+        assert r3.LayerLayout.from_hf_config(form).moe_layers == [1, 5]
+    with pytest.raises(r3.RouteError, match="num_experts_per_tok"):
+        r3.LayerLayout.from_hf_config({"num_hidden_layers": 2, "num_experts": 4})
+    with pytest.raises(r3.RouteError, match="cannot read"):
+        r3.LayerLayout.from_hf_config(tmp_path / "missing.json")
+
+
+def test_sglang_payload_built_with_numpy_decodes_to_its_moe_columns(rng, layout):
+    wire = random_wire(rng, 7)
+    for dtype in ("int32", "uint16", "uint8"):
+        payload = base64.b64encode(wire.astype(dtype).tobytes()).decode()
+        table = r3.RouteTable.from_sglang(payload, layout=layout, dtype=dtype, start_len=3)
+        np.testing.assert_array_equal(table.ids, wire[:, MOE, :])
+        assert table.present.all() and table.present.shape == (7, 3)
+        assert (table.start_pos, table.num_rows, table.layers, len(table)) == (3, 7, MOE, 7)
+        # Encoding gives back the same bytes SGLang sent.
+        assert base64.b64decode(table.to_sglang(dtype)) == wire.astype(dtype).tobytes()
+        assert r3.RouteTable.from_sglang(payload.encode(), layout=layout, dtype=dtype) == \
+            r3.RouteTable.from_sglang(payload, layout=layout, dtype=dtype)
+    np.testing.assert_array_equal(table.to_numpy_all_layers(), wire)
+
+
+def test_sglang_response_dict_checks_token_counts(rng, layout):
+    wire = random_wire(rng, 5)
+    b64 = base64.b64encode(wire.tobytes()).decode()
+    meta = {"routed_experts": b64, "routed_experts_dtype": "int32",
+            "prompt_tokens": 4, "completion_tokens": 2}
+    table = r3.RouteTable.from_sglang({"meta_info": meta}, layout=layout)
+    np.testing.assert_array_equal(table.ids, wire[:, MOE])
+    meta["completion_tokens"] = 3
+    with pytest.raises(r3.RouteError, match="expected 6, got 5"):
+        r3.RouteTable.from_sglang({"meta_info": meta}, layout=layout)
+
+
+def npy_bytes(arr):
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    return buf.getvalue()
+
+
+def test_vllm_npy_from_numpy_save_in_every_form(rng, layout):
+    wire = random_wire(rng, 6)
+    for dtype in ("int16", "int32", "uint8", "uint16"):
+        arr = wire.astype(dtype)
+        raw = npy_bytes(arr)
+        b64 = base64.b64encode(raw).decode()
+        forms = [arr, raw, b64, b64.encode(), json.dumps({"routed_experts": b64}),
+                 {"choices": [{"routed_experts": b64}]}]
+        for form in forms:
+            table = r3.RouteTable.from_vllm(form, layout=layout)
+            np.testing.assert_array_equal(table.ids, wire[:, MOE])
+        back = np.load(io.BytesIO(base64.b64decode(table.to_vllm("int16"))))
+        np.testing.assert_array_equal(back, wire)
+
+
+def test_missing_cells_round_trip_as_minus_one(rng, layout):
+    wire = random_wire(rng, 5)
+    wire[2, 3] = -1
+    wire[4, 1] = -1
+    table = r3.RouteTable.from_vllm(wire, layout=layout)
+    expected_present = np.ones((5, 3), dtype=bool)
+    expected_present[2, 2] = expected_present[4, 0] = False
+    np.testing.assert_array_equal(table.present, expected_present)
+    np.testing.assert_array_equal(table.ids, wire[:, MOE])
+    np.testing.assert_array_equal(table.to_numpy_all_layers(), wire)
+    again = r3.RouteTable.from_sglang(table.to_sglang("int32"), layout=layout)
+    assert again == table
+    # An unsigned dtype cannot carry the missing mark.
+    with pytest.raises(r3.RouteError, match="cannot carry -1"):
+        table.to_sglang("uint8")
+
+
+def test_from_numpy_takes_moe_or_wire_columns_and_any_int_dtype(rng, layout):
+    wire = random_wire(rng, 4)
+    moe = wire[:, MOE]
+    a = r3.RouteTable.from_numpy(moe.astype(np.int64), layout=layout, start_pos=2)
+    b = r3.RouteTable.from_numpy(wire.astype(np.uint8), layout=layout, start_pos=2)
+    assert a == b and a.start_pos == 2
+    # A non-contiguous view (every other row) is read after one contiguous copy.
+    c = r3.RouteTable.from_numpy(moe[::2], layout=layout)
+    np.testing.assert_array_equal(c.ids, moe[::2])
+
+
+def test_canonical_json_and_slices(rng, layout):
+    table = r3.RouteTable.from_vllm(random_wire(rng, 6), layout=layout, start_len=1)
+    again = r3.RouteTable.from_json(table.to_json(), layout=layout)
+    assert again == table
+    part = table.slice_rows(2, 5)
+    assert (part.start_pos, part.num_rows) == (3, 3)
+    np.testing.assert_array_equal(part.ids, table.ids[2:5])
+    assert "RouteTable(rows=6" in repr(table)
+
+
+def test_base64_with_line_breaks_decodes_the_same(rng, layout):
+    wire = random_wire(rng, 9)
+    b64 = base64.b64encode(wire.tobytes()).decode()
+    wrapped = "\n".join(b64[i : i + 76] for i in range(0, len(b64), 76))
+    assert r3.RouteTable.from_sglang(wrapped, layout=layout) == \
+        r3.RouteTable.from_sglang(b64, layout=layout)

@@ -1,0 +1,532 @@
+//! Megatron-Core's split of a model and of a batch across ranks, as plain arithmetic, so that
+//! a training engine built on Megatron can be handed exactly the routes its local routers
+//! replay. [`PipelineSplit`] gives the transformer layers a pipeline stage (and virtual stage)
+//! builds — the numbers of Megatron's `get_num_layers_to_build` and
+//! `get_transformer_layer_offset`; [`rank_tokens`] gives the tokens of a batch one
+//! sequence-parallel × context-parallel rank's routers see, in the order they see them
+//! (Megatron's zigzag context-parallel split, then the sequence-parallel split of the first
+//! dimension); [`replay_ids`] gathers a rank's replay ids from route tables.
+//! Megatron's `RouterReplay` itself does none of this slicing: the caller must.
+
+use std::ops::Range;
+
+use crate::{RouteError, RouteTable};
+
+/// How Megatron divides `num_layers` transformer layers over `pp_size` pipeline stages and,
+/// optionally, `vp_size` virtual stages (model chunks) per stage.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PipelineSplit {
+    /// Transformer layers of the model (`TransformerConfig.num_layers`).
+    pub num_layers: usize,
+    /// Pipeline stages (`pipeline_model_parallel_size`).
+    pub pp_size: usize,
+    /// Model chunks per stage (`virtual_pipeline_model_parallel_size`), if interleaved.
+    pub vp_size: Option<usize>,
+    /// `num_layers_in_first_pipeline_stage` (uneven pipeline).
+    pub first_stage_layers: Option<usize>,
+    /// `num_layers_in_last_pipeline_stage` (uneven pipeline).
+    pub last_stage_layers: Option<usize>,
+    /// `account_for_embedding_in_pipeline_split`: the embedding counts as one layer.
+    pub account_for_embedding: bool,
+    /// `account_for_loss_in_pipeline_split`: the loss counts as one layer.
+    pub account_for_loss: bool,
+}
+
+fn arg(msg: String) -> RouteError {
+    RouteError::Argument(msg)
+}
+
+fn divide(what: &str, num: usize, den: usize) -> Result<usize, RouteError> {
+    if den == 0 || !num.is_multiple_of(den) {
+        return Err(arg(format!("{what}: {num} is not divisible by {den}")));
+    }
+    Ok(num / den)
+}
+
+impl PipelineSplit {
+    /// An even split of `num_layers` over `pp_size` stages, no virtual stages.
+    pub fn new(num_layers: usize, pp_size: usize) -> Self {
+        PipelineSplit {
+            num_layers,
+            pp_size,
+            vp_size: None,
+            first_stage_layers: None,
+            last_stage_layers: None,
+            account_for_embedding: false,
+            account_for_loss: false,
+        }
+    }
+
+    /// Sets the number of virtual stages per pipeline stage.
+    pub fn with_vp_size(mut self, vp_size: Option<usize>) -> Self {
+        self.vp_size = vp_size;
+        self
+    }
+
+    /// The virtual-pipeline size that takes effect: Megatron interleaves only with pp > 1.
+    fn effective_vp(&self) -> Option<usize> {
+        self.vp_size.filter(|_| self.pp_size > 1)
+    }
+
+    /// Checks the ranks against the sizes; returns the virtual stage to compute with.
+    fn check_ranks(&self, pp_rank: usize, vp_stage: Option<usize>) -> Result<usize, RouteError> {
+        if self.pp_size == 0 {
+            return Err(arg("pp_size must be >= 1".to_string()));
+        }
+        if pp_rank >= self.pp_size {
+            return Err(RouteError::OutOfRange {
+                what: "pp_rank",
+                index: pp_rank,
+                len: self.pp_size,
+            });
+        }
+        match (self.vp_size, vp_stage) {
+            (Some(0), _) => Err(arg("vp_size must be >= 1".to_string())),
+            (Some(v), _) if v > 1 && self.pp_size == 1 => Err(arg(format!(
+                "vp_size {v} needs pp_size > 1 (Megatron interleaves only across stages)"
+            ))),
+            (Some(v), Some(s)) if s >= v => Err(RouteError::OutOfRange {
+                what: "vp_stage",
+                index: s,
+                len: v,
+            }),
+            (Some(v), None) if v > 1 => Err(arg(format!(
+                "vp_stage is required with vp_size {v} (one model chunk at a time)"
+            ))),
+            (None, Some(s)) if s > 0 => Err(arg(format!("vp_stage {s} given without vp_size"))),
+            (_, s) => Ok(s.unwrap_or(0)),
+        }
+    }
+
+    /// The layers an even split divides: the transformer layers, plus one each for the
+    /// embedding and the loss when they are accounted in the split.
+    fn split_layers(&self) -> usize {
+        self.num_layers
+            + usize::from(self.account_for_embedding)
+            + usize::from(self.account_for_loss)
+    }
+
+    fn is_uneven(&self) -> bool {
+        self.first_stage_layers.is_some() || self.last_stage_layers.is_some()
+    }
+
+    /// Layers of the middle stages of an uneven split and how many stages share them.
+    fn uneven_middle(&self) -> Result<(usize, usize), RouteError> {
+        if self.account_for_embedding || self.account_for_loss {
+            return Err(arg(
+                "an uneven pipeline (first/last stage layers) cannot also account for the \
+                 embedding or loss in the split"
+                    .to_string(),
+            ));
+        }
+        let first = self.first_stage_layers.unwrap_or(0);
+        let last = self.last_stage_layers.unwrap_or(0);
+        let middle = self
+            .num_layers
+            .checked_sub(first)
+            .and_then(|n| n.checked_sub(last))
+            .ok_or_else(|| {
+                arg(format!(
+                    "first ({first}) + last ({last}) stage layers exceed num_layers {}",
+                    self.num_layers
+                ))
+            })?;
+        let uneven_stages = usize::from(self.first_stage_layers.is_some())
+            + usize::from(self.last_stage_layers.is_some());
+        let stages = self.pp_size.saturating_sub(uneven_stages);
+        if stages == 0 && middle > 0 {
+            return Err(arg(format!(
+                "{middle} layers are left for no middle stage (first + last stage layers must \
+                 equal num_layers {})",
+                self.num_layers
+            )));
+        }
+        Ok((middle, stages))
+    }
+
+    /// Layers the chunk (`pp_rank`, `vp_stage`) builds (Megatron's `get_num_layers_to_build`).
+    pub fn num_layers_to_build(
+        &self,
+        pp_rank: usize,
+        vp_stage: Option<usize>,
+    ) -> Result<usize, RouteError> {
+        let vp_stage = self.check_ranks(pp_rank, vp_stage)?;
+        let (first_pp, last_pp) = (pp_rank == 0, pp_rank + 1 == self.pp_size);
+        let per_stage = if self.is_uneven() {
+            let (middle, stages) = self.uneven_middle()?;
+            let mut per = if stages > 0 {
+                divide("middle-stage layers over middle stages", middle, stages)?
+            } else {
+                0
+            };
+            if let (true, Some(n)) = (first_pp, self.first_stage_layers) {
+                per = n;
+            }
+            if let (true, Some(n)) = (last_pp, self.last_stage_layers) {
+                per = n;
+            }
+            per
+        } else {
+            divide(
+                "layers over pipeline stages",
+                self.split_layers(),
+                self.pp_size,
+            )?
+        };
+        let vp = self.effective_vp();
+        let mut build = match vp {
+            Some(v) => divide("stage layers over virtual stages", per_stage, v)?,
+            None => per_stage,
+        };
+        let vp_size = vp.unwrap_or(1);
+        let drop = |build: usize, what: &str| {
+            build.checked_sub(1).ok_or_else(|| {
+                arg(format!(
+                    "no transformer layer is left in the {what} virtual stage for the {what} \
+                     layer it also holds"
+                ))
+            })
+        };
+        if self.account_for_embedding && first_pp && vp_stage == 0 {
+            build = drop(build, "first")?;
+        }
+        if self.account_for_loss && last_pp && vp_stage + 1 == vp_size {
+            build = drop(build, "last")?;
+        }
+        Ok(build)
+    }
+
+    /// Global index of the first layer of chunk (`pp_rank`, `vp_stage`) (Megatron's
+    /// `get_transformer_layer_offset`).
+    pub fn layer_offset(
+        &self,
+        pp_rank: usize,
+        vp_stage: Option<usize>,
+    ) -> Result<usize, RouteError> {
+        let vp_stage = self.check_ranks(pp_rank, vp_stage)?;
+        if self.pp_size == 1 {
+            return Ok(0);
+        }
+        let vp = self.effective_vp();
+        if self.is_uneven() {
+            let (middle, stages) = self.uneven_middle()?;
+            let first = self.first_stage_layers.unwrap_or(0);
+            let last = self.last_stage_layers.unwrap_or(0);
+            // The rank among the middle stages (pp_rank 0 is a middle stage when the first
+            // stage is not uneven; with an uneven first stage, pp_rank 0 never reads it).
+            let middle_rank =
+                pp_rank.saturating_sub(usize::from(self.first_stage_layers.is_some()));
+            let per_stage = |layers: usize| layers.checked_div(stages).unwrap_or(0);
+            return Ok(match vp {
+                Some(v) => {
+                    let (f, m, l) = (first / v, middle / v, last / v);
+                    let chunk = vp_stage * (f + m + l);
+                    if pp_rank == 0 {
+                        chunk
+                    } else {
+                        chunk + f + middle_rank * per_stage(m)
+                    }
+                }
+                None if pp_rank == 0 => 0,
+                None => middle_rank * per_stage(middle) + first,
+            });
+        }
+        let n = self.split_layers();
+        let per_stage = n / self.pp_size;
+        let offset = match vp {
+            Some(v) => vp_stage * (n / v) + pp_rank * (per_stage / v),
+            None => pp_rank * per_stage,
+        };
+        let holds_embedding = pp_rank == 0 && vp_stage == 0;
+        if self.account_for_embedding && !holds_embedding {
+            return offset
+                .checked_sub(1)
+                .ok_or_else(|| arg("layer offset below 0".to_string()));
+        }
+        Ok(offset)
+    }
+
+    /// The global layers of chunk (`pp_rank`, `vp_stage`), checked to lie in the model.
+    pub fn chunk_layers(
+        &self,
+        pp_rank: usize,
+        vp_stage: Option<usize>,
+    ) -> Result<Range<usize>, RouteError> {
+        let offset = self.layer_offset(pp_rank, vp_stage)?;
+        let end = offset + self.num_layers_to_build(pp_rank, vp_stage)?;
+        if end > self.num_layers {
+            return Err(RouteError::LayerOutOfRange {
+                what: "pipeline chunk end",
+                layer: end,
+                num_layers: self.num_layers,
+            });
+        }
+        Ok(offset..end)
+    }
+
+    /// The global layers a pipeline rank builds, in Megatron's construction order: with
+    /// virtual stages and `vp_stage` None, every model chunk of the rank in turn (the order
+    /// of `RouterReplay.global_router_replay_instances`); otherwise the one chunk.
+    pub fn local_layers(
+        &self,
+        pp_rank: usize,
+        vp_stage: Option<usize>,
+    ) -> Result<Vec<usize>, RouteError> {
+        match (self.effective_vp(), vp_stage) {
+            (Some(v), None) if v > 1 => {
+                let mut out = Vec::new();
+                for s in 0..v {
+                    out.extend(self.chunk_layers(pp_rank, Some(s))?);
+                }
+                Ok(out)
+            }
+            _ => Ok(self.chunk_layers(pp_rank, vp_stage)?.collect()),
+        }
+    }
+}
+
+/// How sequences are laid out in a micro-batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Packing {
+    /// Packed (THD): sequences one after another, each padded to the split's alignment; the
+    /// context-parallel split is per sequence.
+    Thd,
+    /// Padded batch (BSHD): every sequence padded to one length; Megatron's hidden states are
+    /// `[seq, batch, hidden]`, so the routers see tokens position-major.
+    Bshd,
+}
+
+impl Packing {
+    /// Parses `"thd"` or `"bshd"`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "thd" => Some(Packing::Thd),
+            "bshd" => Some(Packing::Bshd),
+            _ => None,
+        }
+    }
+}
+
+/// One rank's place in the sequence-parallel (the tensor-parallel group when
+/// `sequence_parallel` is on) and context-parallel groups.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct TokenSplit {
+    /// Sequence-parallel ranks (1 = no sequence parallelism).
+    pub sp_size: usize,
+    /// This rank's sequence-parallel rank.
+    pub sp_rank: usize,
+    /// Context-parallel ranks (1 = none).
+    pub cp_size: usize,
+    /// This rank's context-parallel rank.
+    pub cp_rank: usize,
+}
+
+impl TokenSplit {
+    /// No sequence or context parallelism.
+    pub fn single() -> Self {
+        TokenSplit {
+            sp_size: 1,
+            sp_rank: 0,
+            cp_size: 1,
+            cp_rank: 0,
+        }
+    }
+
+    fn check(&self) -> Result<(), RouteError> {
+        for (what, size, rank) in [
+            ("sp_rank", self.sp_size, self.sp_rank),
+            ("cp_rank", self.cp_size, self.cp_rank),
+        ] {
+            if size == 0 {
+                return Err(arg(format!("the group of {what} must have size >= 1")));
+            }
+            if rank >= size {
+                return Err(RouteError::OutOfRange {
+                    what,
+                    index: rank,
+                    len: size,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The length every sequence is padded to a multiple of: `2 · cp · sp` with context
+    /// parallelism (two zigzag chunks per rank, each split over sequence parallelism),
+    /// `sp` without.
+    pub fn alignment(&self) -> usize {
+        if self.cp_size > 1 {
+            2 * self.cp_size * self.sp_size
+        } else {
+            self.sp_size
+        }
+    }
+
+    /// The positions of a padded length this rank's context-parallel split keeps: zigzag
+    /// chunks `cp_rank` and `2·cp − 1 − cp_rank` of `2·cp` equal chunks.
+    fn cp_positions(&self, padded: usize) -> Vec<usize> {
+        if self.cp_size == 1 {
+            return (0..padded).collect();
+        }
+        let chunk = padded / (2 * self.cp_size);
+        let (a, b) = (self.cp_rank, 2 * self.cp_size - 1 - self.cp_rank);
+        (a * chunk..(a + 1) * chunk)
+            .chain(b * chunk..(b + 1) * chunk)
+            .collect()
+    }
+
+    /// The sequence-parallel share of `n` local items: rank `sp_rank` of `sp_size` equal
+    /// contiguous parts (Megatron's split along the first dimension).
+    fn sp_range(&self, n: usize) -> Range<usize> {
+        let part = n / self.sp_size;
+        self.sp_rank * part..(self.sp_rank + 1) * part
+    }
+}
+
+/// One token a rank's routers see: a position of a sequence, or padding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TokenSlot {
+    /// Position `pos` of sequence `seq`.
+    Token {
+        /// Index of the sequence in the batch.
+        seq: usize,
+        /// Position in the sequence.
+        pos: usize,
+    },
+    /// Alignment padding.
+    Pad,
+}
+
+fn round_up(n: usize, to: usize) -> usize {
+    n.div_ceil(to) * to
+}
+
+/// The tokens one rank's routers see for a batch of sequences of `seq_lens` tokens, in the
+/// order the routers see them (see [`Packing`] and [`TokenSplit`]).
+pub fn rank_tokens(
+    seq_lens: &[usize],
+    packing: Packing,
+    split: TokenSplit,
+) -> Result<Vec<TokenSlot>, RouteError> {
+    split.check()?;
+    let align = split.alignment();
+    let slot = |seq: usize, pos: usize| {
+        if pos < seq_lens[seq] {
+            TokenSlot::Token { seq, pos }
+        } else {
+            TokenSlot::Pad
+        }
+    };
+    match packing {
+        Packing::Thd => {
+            let mut local = Vec::new();
+            for (seq, &n) in seq_lens.iter().enumerate() {
+                let padded = round_up(n, align);
+                local.extend(split.cp_positions(padded).into_iter().map(|p| slot(seq, p)));
+            }
+            Ok(local[split.sp_range(local.len())].to_vec())
+        }
+        Packing::Bshd => {
+            let longest = seq_lens.iter().copied().max().unwrap_or(0);
+            let positions = split.cp_positions(round_up(longest, align));
+            let mine = &positions[split.sp_range(positions.len())];
+            let mut out = Vec::with_capacity(mine.len() * seq_lens.len());
+            for &p in mine {
+                out.extend((0..seq_lens.len()).map(|seq| slot(seq, p)));
+            }
+            Ok(out)
+        }
+    }
+}
+
+/// A rank's replay ids, router-major: `ids[r · num_tokens · top_k ..]` are the
+/// `[num_tokens, top_k]` ids of router `r`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplayIds {
+    /// Flat `[routers, num_tokens, top_k]` logical expert ids.
+    pub ids: Vec<i64>,
+    /// Routers (local MoE layers).
+    pub num_routers: usize,
+    /// Tokens the rank's routers see.
+    pub num_tokens: usize,
+    /// Experts per token.
+    pub top_k: usize,
+}
+
+/// Gathers the ids the routers of `router_layers` (global MoE layers, in construction order)
+/// replay on one rank. Sequence `i` is `tables[i].num_tokens() + 1` tokens long: its routes
+/// must start at position 0 and every cell of every router layer must be present, else the
+/// error names the sequence, token and layer. The sequence's last token (never fed to the
+/// rollout engine, so never routed) and alignment padding replay experts `0..top_k` — valid,
+/// distinct ids whose outputs no loss reads.
+pub fn replay_ids(
+    tables: &[&RouteTable],
+    router_layers: &[usize],
+    packing: Packing,
+    split: TokenSplit,
+) -> Result<ReplayIds, RouteError> {
+    let first = tables
+        .first()
+        .ok_or_else(|| arg("no route tables given".to_string()))?;
+    let top_k = first.top_k();
+    let mut columns = Vec::with_capacity(tables.len());
+    for (i, t) in tables.iter().enumerate() {
+        let in_seq = |e: RouteError| arg(format!("sequence {i}: {e}"));
+        first.check_same_shape(t).map_err(in_seq)?;
+        if t.start_pos() != 0 {
+            return Err(in_seq(RouteError::Misaligned {
+                what: "routes",
+                rows: t.start_pos()..t.end_pos(),
+                against: 0..t.end_pos(),
+                rule: "replay needs every fed position from 0 (capture the prompt's routes too)",
+            }));
+        }
+        let cols: Vec<usize> = router_layers
+            .iter()
+            .map(|&layer| {
+                t.column_of_layer(layer).ok_or_else(|| {
+                    in_seq(RouteError::Layout(format!(
+                        "the table has no column for MoE layer {layer} (its layers: {:?})",
+                        t.layers()
+                    )))
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        for &c in &cols {
+            if let Some(tok) = (0..t.num_tokens()).find(|&tok| !t.is_present(tok, c)) {
+                return Err(in_seq(RouteError::MissingRoute {
+                    token: tok,
+                    layer: t.layers()[c],
+                }));
+            }
+        }
+        columns.push(cols);
+    }
+    let seq_lens: Vec<usize> = tables.iter().map(|t| t.num_tokens() + 1).collect();
+    let slots = rank_tokens(&seq_lens, packing, split)?;
+    let (routers, n) = (router_layers.len(), slots.len());
+    let mut ids = vec![0i64; routers * n * top_k];
+    for r in 0..routers {
+        let out = &mut ids[r * n * top_k..(r + 1) * n * top_k];
+        for (cell, slot) in out.chunks_exact_mut(top_k).zip(&slots) {
+            let routed = match *slot {
+                TokenSlot::Token { seq, pos } if pos < tables[seq].num_tokens() => Some((seq, pos)),
+                _ => None,
+            };
+            for (k, v) in cell.iter_mut().enumerate() {
+                *v = match routed {
+                    Some((seq, pos)) => tables[seq]
+                        .expert_at(pos, columns[seq][r], k)
+                        .map_or(0, i64::from),
+                    None => k as i64,
+                };
+            }
+        }
+    }
+    Ok(ReplayIds {
+        ids,
+        num_routers: routers,
+        num_tokens: n,
+        top_k,
+    })
+}

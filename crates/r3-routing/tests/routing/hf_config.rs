@@ -1,0 +1,54 @@
+//! RoutingConfig from the routing keys of HF config.json documents of several families.
+
+use r3_routing::RoutingConfig;
+use serde_json::json;
+
+fn moe_layers(v: serde_json::Value) -> (Vec<usize>, usize, usize) {
+    let c = RoutingConfig::from_hf_config(&v).unwrap();
+    let layout = c.layout().unwrap();
+    (layout.moe_layers().to_vec(), c.rules.num_experts, c.top_k)
+}
+
+#[test]
+fn families() {
+    let deepseek = json!({"model_type": "deepseek_v3", "num_hidden_layers": 6,
+        "n_routed_experts": 16, "num_experts_per_tok": 4, "first_k_dense_replace": 2,
+        "moe_layer_freq": 1});
+    assert_eq!(moe_layers(deepseek), (vec![2, 3, 4, 5], 16, 4));
+    let qwen = json!({"model_type": "qwen2_moe", "num_hidden_layers": 6, "num_experts": 8,
+        "num_experts_per_tok": 2, "decoder_sparse_step": 2, "mlp_only_layers": [3]});
+    assert_eq!(moe_layers(qwen), (vec![1, 5], 8, 2));
+    let mixtral = json!({"num_hidden_layers": 3, "num_local_experts": 8,
+        "num_experts_per_tok": 2});
+    assert_eq!(moe_layers(mixtral), (vec![0, 1, 2], 8, 2));
+    let nested = json!({"model_type": "qwen3_vl_moe", "text_config": {
+        "num_hidden_layers": 2, "num_experts": 4, "num_experts_per_tok": 1}});
+    assert_eq!(moe_layers(nested), (vec![0, 1], 4, 1));
+}
+
+#[test]
+fn errors_name_the_key() {
+    let dense = json!({"num_hidden_layers": 4, "num_experts_per_tok": 2});
+    let e = RoutingConfig::from_hf_config(&dense)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("no routed experts"), "{e}");
+    let wrong = json!({"num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2,
+        "first_k_dense_replace": "two"});
+    let e = RoutingConfig::from_hf_config(&wrong)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("first_k_dense_replace") && e.contains("\"two\""),
+        "{e}"
+    );
+    let out = json!({"num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2,
+        "mlp_only_layers": [9]});
+    let e = RoutingConfig::from_hf_config(&out)
+        .unwrap()
+        .layout()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("9"), "{e}");
+    assert!(RoutingConfig::from_hf_config_str("{").is_err());
+}
