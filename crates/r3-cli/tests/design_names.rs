@@ -23,6 +23,8 @@ const OTHER_PROJECTS: &[&str] = &[
     "UpdateWeightFromDiskReqInput",
     // Megatron's router precision setting.
     "moe_router_dtype",
+    // libc's open-file limit (`r3 serve` fits its connection cap under it).
+    "RLIMIT_NOFILE",
     // candle's ops (the "candle notes").
     "softmax_last_dim",
     "rms_norm",
