@@ -21,8 +21,10 @@ const OTHER_PROJECTS: &[&str] = &[
     // SGLang's request classes (the server's field policy covers their fields).
     "GenerateReqInput",
     "UpdateWeightFromDiskReqInput",
-    // Megatron's router precision setting.
+    // Megatron's router precision setting and its pipeline layer offsets (r3-routing's
+    // `megatron.rs` is checked against the latter by the Python package's Megatron check).
     "moe_router_dtype",
+    "get_transformer_layer_offset",
     // libc's open-file limit (`r3 serve` fits its connection cap under it).
     "RLIMIT_NOFILE",
     // candle's ops (the "candle notes").
