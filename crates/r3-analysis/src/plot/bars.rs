@@ -161,7 +161,8 @@ fn draw_bars(plot: &GroupedBarPlot<'_>, path: &Path, legend: bool) -> Result<(),
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plot::testutil::{assert_png, TempDir};
+    use crate::plot::testutil::assert_png;
+    use r3_test_support::Scratch;
 
     fn names(n: usize) -> Vec<String> {
         (0..n).map(|i| i.to_string()).collect()
@@ -182,7 +183,7 @@ mod tests {
 
     #[test]
     fn router_count_frequencies_on_log_axis() {
-        let dir = TempDir::new("bars_log");
+        let dir = Scratch::new("bars_log");
         // 49 categories: labels are thinned to every 3rd.
         let cats = names(49);
         let values: Vec<f64> = (0..49).map(|k| 0.5f64.powi(k)).collect();
@@ -202,7 +203,7 @@ mod tests {
 
     #[test]
     fn grouped_bars_with_missing_values() {
-        let dir = TempDir::new("bars_grouped");
+        let dir = Scratch::new("bars_grouped");
         let cats = vec!["math".to_string(), "count".to_string(), "sort".to_string()];
         let series = vec![
             ("R3".to_string(), vec![0.6, 0.4, f64::NAN]),
@@ -228,7 +229,7 @@ mod tests {
 
     #[test]
     fn mismatched_lengths_and_empty_data_are_errors() {
-        let dir = TempDir::new("bars_err");
+        let dir = Scratch::new("bars_err");
         let cats = names(3);
         let series = vec![("short".to_string(), vec![1.0, 2.0])];
         let plot = GroupedBarPlot {

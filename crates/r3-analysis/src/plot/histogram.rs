@@ -103,7 +103,8 @@ pub fn histogram_plot(plot: &HistogramPlot<'_>, path: &Path) -> Result<(), PlotE
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plot::testutil::{assert_png, TempDir};
+    use crate::plot::testutil::assert_png;
+    use r3_test_support::Scratch;
 
     #[test]
     fn bins_are_checked() {
@@ -118,7 +119,7 @@ mod tests {
 
     #[test]
     fn divergence_histogram_linear_and_log() {
-        let dir = TempDir::new("hist");
+        let dir = Scratch::new("hist");
         let edges: Vec<f64> = (0..=24).map(|i| f64::from(i) * 0.5).collect();
         // A bump around 6 routers per token, like paper Fig. 3c, with one empty bin.
         let counts: Vec<f64> = (0..24)
@@ -152,7 +153,7 @@ mod tests {
 
     #[test]
     fn empty_and_nan_bins_are_no_data() {
-        let dir = TempDir::new("hist_empty");
+        let dir = Scratch::new("hist_empty");
         let mut plot = HistogramPlot {
             title: "empty",
             x_label: "x",

@@ -282,7 +282,8 @@ pub fn line_plot(plot: &LinePlot<'_>, path: &Path) -> Result<(), PlotError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plot::testutil::{assert_png, TempDir};
+    use crate::plot::testutil::assert_png;
+    use r3_test_support::Scratch;
 
     fn series(label: &str, points: &[(f64, f64)]) -> Series {
         Series {
@@ -314,7 +315,7 @@ mod tests {
 
     #[test]
     fn steps_plot_with_several_runs_and_log_y() {
-        let dir = TempDir::new("line_steps");
+        let dir = Scratch::new("line_steps");
         let runs = [
             series(
                 "R3",
@@ -344,7 +345,7 @@ mod tests {
 
     #[test]
     fn log_log_curve_plot() {
-        let dir = TempDir::new("line_loglog");
+        let dir = Scratch::new("line_loglog");
         let taus: Vec<f64> = (0..40).map(|i| 1.0 + 0.25 * f64::from(i)).collect();
         // F(τ) of a made-up heavy tail; F = 0 at large τ must be dropped, not crash.
         let curve = |scale: f64| Series {
@@ -363,7 +364,7 @@ mod tests {
 
     #[test]
     fn empty_and_non_finite_data_are_a_no_data_error() {
-        let dir = TempDir::new("line_empty");
+        let dir = Scratch::new("line_empty");
         let path = dir.path().join("empty.png");
         let none: [Series; 0] = [];
         let err = line_plot(
@@ -389,7 +390,7 @@ mod tests {
 
     #[test]
     fn bad_canvas_and_path_are_errors() {
-        let dir = TempDir::new("line_bad");
+        let dir = Scratch::new("line_bad");
         let data = [series("a", &[(0.0, 1.0), (1.0, 2.0)])];
         let mut plot = LinePlot::over_steps("tiny", "y", &data, Scale::Linear);
         plot.canvas = Canvas {

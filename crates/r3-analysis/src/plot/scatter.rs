@@ -119,7 +119,8 @@ pub fn scatter_plot(plot: &ScatterPlot<'_>, path: &Path) -> Result<(), PlotError
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plot::testutil::{assert_png, TempDir};
+    use crate::plot::testutil::assert_png;
+    use r3_test_support::Scratch;
 
     /// Deterministic pseudo-random numbers in [0, 1) (a 64-bit LCG; no rand dependency needed).
     fn lcg(n: usize, seed: u64) -> Vec<f64> {
@@ -136,7 +137,7 @@ mod tests {
 
     #[test]
     fn hundred_thousand_probability_pairs() {
-        let dir = TempDir::new("scatter_big");
+        let dir = Scratch::new("scatter_big");
         let xs = lcg(100_000, 1);
         let noise = lcg(100_000, 2);
         let points: Vec<(f64, f64)> = xs
@@ -152,7 +153,7 @@ mod tests {
 
     #[test]
     fn fitted_range_and_out_of_range_points() {
-        let dir = TempDir::new("scatter_fit");
+        let dir = Scratch::new("scatter_fit");
         let points = [(0.5, 0.4), (f64::NAN, 0.2), (2.0, 3.0), (-1.0, 0.1)];
         let mut plot = ScatterPlot::probabilities("fit", "x", "y", &points);
         plot.range = None;
@@ -167,7 +168,7 @@ mod tests {
 
     #[test]
     fn nothing_inside_the_range_is_no_data() {
-        let dir = TempDir::new("scatter_empty");
+        let dir = Scratch::new("scatter_empty");
         let points = [(1.5, 0.5), (f64::NAN, f64::NAN)];
         let plot = ScatterPlot::probabilities("out", "x", "y", &points);
         let err = scatter_plot(&plot, &dir.path().join("out.png"));

@@ -1,31 +1,8 @@
-//! Test helpers: a self-removing temporary directory and an independent PNG checker that
-//! walks the chunk structure, verifies every chunk's CRC-32 and reads the size from IHDR.
+//! Test helper: an independent PNG checker that walks the chunk structure, verifies every
+//! chunk's CRC-32 and reads the size from IHDR (scratch directories come from
+//! r3-test-support).
 
-use std::path::{Path, PathBuf};
-
-/// A fresh directory under the system temp dir, removed when dropped.
-pub struct TempDir(PathBuf);
-
-impl TempDir {
-    /// Creates `<tmp>/r3-cli-test-<pid>-<name>` (emptied first if it exists).
-    pub fn new(name: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!("r3-cli-test-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        Self(dir)
-    }
-
-    /// The directory.
-    pub fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+use std::path::Path;
 
 /// CRC-32 (IEEE 802.3, reflected, polynomial 0xEDB88320) as PNG chunks use it.
 fn crc32(bytes: &[u8]) -> u32 {
