@@ -139,9 +139,9 @@ fn timed_request(s: &TestServer) -> (u16, Duration) {
 
 #[test]
 fn connections_past_the_cap_of_busy_ones_get_503_and_the_slot_frees() {
-    // All test clients are one IP: a per-client cap as large as the total one.
+    // All test clients are one IP: a per-client cap above the total one.
     let s = server(ConnectionLimits {
-        max_connections_per_client: Some(2),
+        max_connections_per_client: Some(3),
         ..limits(30, 30, 2)
     });
     let held = vec![busy_connection(&s), busy_connection(&s)];
