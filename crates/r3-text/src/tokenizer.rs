@@ -227,7 +227,7 @@ impl TextTokenizer {
                 "the tokenizer makes ids up to {} that the model cannot embed",
                 tokens - 1
             )
-        } else if tokens < model_vocab && model_vocab % VOCAB_PADDING != 0 {
+        } else if tokens < model_vocab && !model_vocab.is_multiple_of(VOCAB_PADDING) {
             format!(
                 "the model can produce ids {tokens}..{} that the tokenizer cannot decode",
                 model_vocab - 1

@@ -61,7 +61,10 @@ fn first_outside<T: Copy + Sync>(
     max: f64,
     widen: impl Fn(T) -> f64 + Sync,
 ) -> Option<(usize, f64)> {
-    let outside = |x: T| !(widen(x).abs() <= max);
+    let outside = |x: T| {
+        let v = widen(x).abs();
+        v.is_nan() || v > max
+    };
     let (chunk_index, chunk) = data
         .par_chunks(CHUNK)
         .enumerate()

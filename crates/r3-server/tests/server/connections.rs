@@ -139,7 +139,11 @@ fn timed_request(s: &TestServer) -> (u16, Duration) {
 
 #[test]
 fn connections_past_the_cap_of_busy_ones_get_503_and_the_slot_frees() {
-    let s = server(limits(30, 30, 2));
+    // All test clients are one IP: a per-client cap above the total one.
+    let s = server(ConnectionLimits {
+        max_connections_per_client: Some(3),
+        ..limits(30, 30, 2)
+    });
     let held = vec![busy_connection(&s), busy_connection(&s)];
     // Each held connection is dispatched before the next connect is tried.
     std::thread::sleep(Duration::from_millis(300));
