@@ -11,7 +11,7 @@
 
 use std::time::Instant;
 
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use r3_model::{ReplayProof, ReplayRoutes, Routing};
 use r3_rollout::GenerateRequest;
 use r3_routing::{MismatchMetrics, RouteTable};
@@ -189,7 +189,7 @@ impl Trainer {
 
         let batch = response_batch(&trajs)?;
         let rollout_lp: Vec<Vec<f32>> = trajs.iter().map(|t| t.rollout_logp.clone()).collect();
-        let rollout_logp = batch.align(&rollout_lp, &Device::Cpu)?;
+        let rollout_logp = batch.align(&rollout_lp, &self.policy.device())?;
         let routes = match trajs.iter().all(|t| t.routes.is_some()) {
             true => Some(rollout_routes(&trajs, &self.policy.config().layout)?),
             false if cfg.algo.router_replay == RouterReplay::R3 => {
@@ -332,7 +332,7 @@ impl Trainer {
             let idx = Tensor::from_vec(
                 part.iter().map(|&r| r as u32).collect(),
                 part.len(),
-                &Device::Cpu,
+                &self.policy.device(),
             )?;
             let pick = |t: &Tensor| -> Result<Tensor> {
                 Ok(t.index_select(&idx, 0)?.narrow(1, 0, width)?.contiguous()?)
@@ -383,7 +383,7 @@ impl Trainer {
             _ => Routing::Record,
         };
         let scored = score(&model, batch, routing)?;
-        let mask = batch.response_mask(None, &Device::Cpu)?;
+        let mask = batch.response_mask(None, &self.policy.device())?;
         let entropy = scored.mean_entropy(&mask)?;
         let rollout = routes.map(ReplayRoutes::tables);
         let (verified_frac, divergence) = match (&scored.replay, &scored.routes, rollout) {
@@ -559,6 +559,7 @@ fn step_metrics(
 mod tests {
     use super::*;
     use crate::grad_clip::GradNorm;
+    use candle_core::Device;
     use crate::loss::PolicyLossMetrics;
     use crate::update::SkipReason;
 

@@ -71,7 +71,9 @@ impl Trainer {
     /// A fresh trainer on the base model of `cfg.model_dir`.
     pub fn new(cfg: TrainConfig) -> Result<Self> {
         let dir = cfg.model_dir.clone();
-        let policy = TrainablePolicy::load(&dir).map_err(|e| checkpoint_err(&dir, e))?;
+        let device = cfg.train.device_spec()?.open()?;
+        let policy =
+            TrainablePolicy::load_on(&dir, &device).map_err(|e| checkpoint_err(&dir, e))?;
         let tokenizer = ModelText::from_model_dir(&dir)?;
         Self::assemble(cfg, policy, tokenizer, None)
     }
@@ -86,7 +88,8 @@ impl Trainer {
                 config: cfg.seed,
             });
         }
-        let policy = TrainablePolicy::load(dir).map_err(|e| checkpoint_err(dir, e))?;
+        let device = cfg.train.device_spec()?.open()?;
+        let policy = TrainablePolicy::load_on(dir, &device).map_err(|e| checkpoint_err(dir, e))?;
         let tokenizer = ModelText::from_model_dir(dir)?;
         Self::assemble(cfg, policy, tokenizer, Some((dir, state)))
     }
