@@ -80,9 +80,9 @@ cd "$root"
 cargo build --release --locked -p r3-cli --features cuda
 cp "$CARGO_TARGET_DIR/release/r3" "$out/bin/r3"
 
-# The GPU tests: each `crate:test` below is a tests/<test>.rs gated on the crate's `cuda`
-# feature. `cargo test --no-run` prints the executable; it is copied under a stable name.
-for spec in ${R3_CUDA_TESTS:-r3-model:cuda r3-train:cuda}; do
+# The device tests: each `crate:test` below is a tests/<test>.rs whose CUDA half is gated on
+# the crate's `cuda` feature. `cargo test --no-run` prints the executable; copied under a stable name.
+for spec in r3-model:devices r3-train:devices; do
     crate=${spec%%:*}
     test=${spec#*:}
     exe=$(cargo test --release --locked -p "$crate" --features cuda --test "$test" --no-run \

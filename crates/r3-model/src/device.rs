@@ -83,7 +83,9 @@ impl DeviceSpec {
     fn open_with(&self, cuda_built: bool) -> Result<Device, DeviceError> {
         match *self {
             DeviceSpec::Cpu => Ok(Device::Cpu),
-            DeviceSpec::Cuda { .. } if !cuda_built => Err(DeviceError::CudaNotBuilt { spec: *self }),
+            DeviceSpec::Cuda { .. } if !cuda_built => {
+                Err(DeviceError::CudaNotBuilt { spec: *self })
+            }
             DeviceSpec::Cuda { ordinal } => {
                 Device::new_cuda(ordinal).map_err(|e| DeviceError::CudaUnavailable {
                     spec: *self,
@@ -139,8 +141,17 @@ mod tests {
         assert_eq!(parse("cuda:3"), Some(DeviceSpec::Cuda { ordinal: 3 }));
         assert_eq!(parse(" cuda:12 "), Some(DeviceSpec::Cuda { ordinal: 12 }));
         for bad in [
-            "", "gpu", "CPU", "cuda:", "cuda:-1", "cuda:+1", "cuda: 1", "cuda:1.5", "cuda0",
-            "metal", "cuda:99999999999999999999999",
+            "",
+            "gpu",
+            "CPU",
+            "cuda:",
+            "cuda:-1",
+            "cuda:+1",
+            "cuda: 1",
+            "cuda:1.5",
+            "cuda0",
+            "metal",
+            "cuda:99999999999999999999999",
         ] {
             let err = bad.parse::<DeviceSpec>().expect_err(bad).to_string();
             assert!(

@@ -111,6 +111,9 @@ mod tests {
             Some(DeviceSpec::Cuda { ordinal: 1 })
         );
         let err = with("gpu").device_spec().expect_err("gpu").to_string();
-        assert!(err.starts_with("train.device:") && err.contains("`gpu`"), "{err}");
+        assert!(
+            err.starts_with("train.device:") && err.contains("`gpu`"),
+            "{err}"
+        );
     }
 }

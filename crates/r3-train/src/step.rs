@@ -559,9 +559,9 @@ fn step_metrics(
 mod tests {
     use super::*;
     use crate::grad_clip::GradNorm;
-    use candle_core::Device;
     use crate::loss::PolicyLossMetrics;
     use crate::update::SkipReason;
+    use candle_core::Device;
 
     fn result(outcome: UpdateOutcome, pg_loss: f32) -> MiniBatchResult {
         MiniBatchResult {
