@@ -99,6 +99,9 @@ for line in sys.stdin:
     cp "$exe" "$out/bin/$crate-$test"
 done
 
+# Symbols are not needed on the GPU machine, and what travels there is limited (64 MiB).
+strip "$out/bin/"* 2>/dev/null || true
+
 end=$(date +%s)
 echo "build.sh: built in $((end - start)) s:"
 ls -l "$out/bin"
