@@ -35,6 +35,7 @@ struct Tolerance {
 
 /// f32 on a GPU: the bounds (logits within 1e-4 of HF's, gradients within 1e-4
 /// relative of the CPU's).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 const GPU_F32: Tolerance = Tolerance {
     values: 1e-4,
     gradients: 1e-4,
@@ -114,9 +115,12 @@ fn run(
     assert!(model.device().same_device(device), "model on {device:?}");
     let seqs = sequences(lengths, cfg.vocab_size, 3);
     let batch = Batch::new(&seqs, 0, device).expect("batch");
-    let recorded = model
-        .forward(&batch, Routing::Record)
-        .expect("record forward");
+    // A dense model has no routes to record.
+    let first = match cfg.moe {
+        Some(_) => Routing::Record,
+        None => Routing::Native,
+    };
+    let recorded = model.forward(&batch, first).expect("record forward");
     let routing = match replay {
         Some(r) => Routing::Replay(r),
         None => Routing::Native,

@@ -96,7 +96,7 @@ pub fn sequences(lengths: &[usize], vocab: usize, seed: u32) -> Vec<Vec<u32>> {
 }
 
 /// Tables whose cells cycle through all experts, so every expert gets rows.
-fn covering_tables(cfg: &Config, lengths: &[usize]) -> Vec<RouteTable> {
+pub fn covering_tables(cfg: &Config, lengths: &[usize]) -> Vec<RouteTable> {
     let (e, k) = (cfg.num_experts(), cfg.top_k());
     let mut row = 0;
     lengths
