@@ -3,6 +3,7 @@
 //! `Native` / `Record` / `Replay` routing.
 
 pub mod config;
+pub mod device;
 pub mod error;
 mod host;
 pub mod layers;
@@ -22,6 +23,7 @@ pub use config::{
     Architecture, AttentionConfig, Config, ConfigLimits, MoeConfig, MoeLayerRules, QkNorm,
     RopeConfig, RopeScaling, RouterKind, SharedExpert,
 };
+pub use device::{DeviceError, DeviceSpec};
 pub use error::{ModelError, Result};
 pub use model::{Batch, ForwardOutput, Model};
 pub use precision::Precision;

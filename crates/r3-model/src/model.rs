@@ -160,6 +160,11 @@ impl Model {
         self.precision
     }
 
+    /// The device the weights live on (every forward runs there).
+    pub fn device(&self) -> &Device {
+        self.embed.device()
+    }
+
     fn build(cfg: &Config, weights: &Weights) -> Result<Self> {
         weights.validate(cfg)?;
         // The MoE blocks run stacked experts; fusing a per-expert map copies its experts once

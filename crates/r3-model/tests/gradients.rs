@@ -6,7 +6,7 @@ mod common;
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarMap;
-use common::{sequences, tiny_config, tiny_weights, FAMILIES};
+use common::{covering_tables, sequences, tiny_config, tiny_weights, FAMILIES};
 use r3_model::{Batch, Config, Model, ReplayRoutes, Routing};
 use r3_routing::{LayerSpace, RouteTable};
 
@@ -32,37 +32,6 @@ fn probe(cfg: &Config, lengths: &[usize], dtype: DType) -> Tensor {
 fn loss(model: &Model, batch: &Batch, routing: Routing<'_>, probe: &Tensor) -> Tensor {
     let out = model.forward(batch, routing).expect("forward");
     (out.logits * probe).expect("mul").sum_all().expect("sum")
-}
-
-/// Tables whose cells cycle through all experts, so every expert gets rows.
-fn covering_tables(cfg: &Config, lengths: &[usize]) -> Vec<RouteTable> {
-    let (e, k) = (cfg.num_experts(), cfg.top_k());
-    let mut row = 0;
-    lengths
-        .iter()
-        .map(|&len| {
-            let columns: Vec<Vec<u32>> = cfg
-                .layout
-                .moe_layers()
-                .iter()
-                .map(|_| {
-                    (0..len)
-                        .flat_map(|t| (0..k).map(move |j| (((row + t) * k + j) % e) as u32))
-                        .collect()
-                })
-                .collect();
-            row += len;
-            RouteTable::from_columns(
-                e,
-                k,
-                LayerSpace::MoeOnly,
-                cfg.layout.moe_layers().to_vec(),
-                0,
-                &columns,
-            )
-            .expect("table")
-        })
-        .collect()
 }
 
 fn vars(varmap: &VarMap) -> Vec<(String, Var)> {

@@ -2,9 +2,12 @@
 //! `scripts/oracle/make_oracle.py` into tests/fixtures): logits, per-layer top-k
 //! sets, hidden states, and forced-routing (replay) logits, for Qwen3-MoE and DeepSeek-V3.
 
+mod common;
+
 use std::path::PathBuf;
 
 use candle_core::{Device, Tensor};
+use common::sorted_experts;
 use r3_model::{Batch, Config, ForwardOutput, Model, ReplayRoutes, Routing, Weights};
 use r3_routing::{LayerSpace, RouteTable};
 use serde_json::Value;
@@ -93,13 +96,7 @@ fn check_native(name: &str) {
     for (column, &layer) in cfg.layout.moe_layers().iter().enumerate() {
         let want = &layers[&layer.to_string()]["topk_idx_sorted"];
         for t in 0..ids.len() {
-            let mut got: Vec<u64> = table
-                .experts(t, column)
-                .expect("cell")
-                .iter()
-                .map(|&e| e as u64)
-                .collect();
-            got.sort_unstable();
+            let got = sorted_experts(table, t, column);
             let want: Vec<u64> = want[t]
                 .as_array()
                 .expect("row")

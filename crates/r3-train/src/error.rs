@@ -15,6 +15,9 @@ pub enum TrainError {
     /// The training model failed.
     #[error("training model: {0}")]
     Model(#[from] r3_model::ModelError),
+    /// `train.device` names no device, or one this build or machine cannot open.
+    #[error("train.device: {0}")]
+    Device(#[from] r3_model::DeviceError),
     /// The rollout engine failed.
     #[error("rollout engine: {0}")]
     Rollout(#[from] r3_rollout::RolloutError),

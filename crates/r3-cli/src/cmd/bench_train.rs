@@ -7,10 +7,12 @@
 use std::time::Instant;
 
 use anyhow::Context;
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use r3_model::{presets, Batch, Model, RandomInit, ReplayRoutes, Routing, Weights};
+use r3_model::{
+    presets, Batch, DeviceSpec, Model, Precision, RandomInit, ReplayRoutes, Routing, Weights,
+};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -34,6 +36,12 @@ pub struct BenchTrainArgs {
     /// Seed of weights and tokens.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Where the model trains: `cpu`, `cuda` or `cuda:N` (a build with the `cuda` feature).
+    #[arg(long, default_value = "cpu")]
+    pub device: DeviceSpec,
+    /// Forward precision: `f32`, or `bf16` (bf16 matmuls and activations, f32 master weights).
+    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
+    pub dtype: String,
 }
 
 /// One timed step: forward and backward wall seconds, the process's CPU seconds over both
@@ -111,8 +119,11 @@ fn step(
     }
     let logp = r3_model::token_stats::token_log_probs(&out.logits, targets)?;
     let loss = logp.neg()?.mean_all()?;
+    // A GPU runs queued kernels after the call returns: wait for them (no-op on the CPU).
+    model.device().synchronize()?;
     let t1 = Instant::now();
     let grads = loss.backward()?;
+    model.device().synchronize()?;
     let t2 = Instant::now();
     let cpu = cpu_seconds(cpu0, process_cpu_ns());
     drop(grads);
@@ -130,7 +141,11 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         args.batch > 0 && args.seq_len > 1,
         "need --batch ≥ 1 and --seq-len ≥ 2"
     );
-    let device = Device::Cpu;
+    let device = args.device.open()?;
+    let precision = match args.dtype.as_str() {
+        "bf16" => Precision::Bf16 { router_f32: false },
+        _ => Precision::F32,
+    };
     let cfg = presets::mid_size_bench_config()?;
     let mut init = RandomInit::new(args.seed);
     init.std = 0.02;
@@ -139,7 +154,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     let weights = Weights::random(&cfg, &init, &device)?;
     let (varmap, weights) = weights.into_trainable(&cfg)?;
     let params: usize = varmap.all_vars().iter().map(|v| v.elem_count()).sum();
-    let model = Model::new(&cfg, &weights)?;
+    let model = Model::with_precision(&cfg, &weights, precision)?;
 
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed ^ 0x7261_6e64);
     let seqs: Vec<Vec<u32>> = (0..args.batch)
@@ -175,8 +190,8 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         params as f64 / 1e6
     );
     println!(
-        "batch {} × seq {} = {tokens} tokens/step, f32, {} warm-up + {} timed steps per mode, seed {}",
-        args.batch, args.seq_len, args.warmup, args.steps, args.seed
+        "batch {} × seq {} = {tokens} tokens/step, {} on {}, {} warm-up + {} timed steps per mode, seed {}",
+        args.batch, args.seq_len, args.dtype, args.device, args.warmup, args.steps, args.seed
     );
 
     let bar = ProgressBar::new(((args.warmup + args.steps) * 2) as u64);

@@ -5,9 +5,10 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
-use candle_core::Device;
 use clap::Args;
-use r3_model::{Batch, Config, LoadOptions, Model, Precision, ReplayRoutes, Routing, Weights};
+use r3_model::{
+    Batch, Config, DeviceSpec, LoadOptions, Model, Precision, ReplayRoutes, Routing, Weights,
+};
 use r3_routing::RouteTable;
 use serde_json::{json, Value};
 
@@ -36,6 +37,9 @@ pub struct ForwardArgs {
     /// refusing them (for inspecting a broken checkpoint).
     #[arg(long)]
     pub allow_non_finite_weights: bool,
+    /// Where the forward runs: `cpu`, `cuda` or `cuda:N` (a build with the `cuda` feature).
+    #[arg(long, default_value = "cpu")]
+    pub device: DeviceSpec,
 }
 
 /// The forward's precision named by `--dtype`.
@@ -68,7 +72,7 @@ fn read_routes(path: &PathBuf) -> anyhow::Result<RouteTable> {
 
 /// Runs `r3 forward`.
 pub fn run(args: ForwardArgs) -> anyhow::Result<()> {
-    let device = Device::Cpu;
+    let device = args.device.open()?;
     let cfg = Config::from_file(&args.model.join("config.json"))
         .with_context(|| format!("config of {}", args.model.display()))?;
     super::model_tokenizer(&args.model, cfg.vocab_size)?;

@@ -3,6 +3,7 @@
 
 use candle_core::{DType, Device};
 use r3_model::{Config, Model, RandomInit, Weights};
+use r3_routing::{LayerSpace, RouteTable};
 
 /// A tiny config.json of `family` (dims small enough for finite differences).
 pub fn tiny_json(family: &str) -> serde_json::Value {
@@ -92,4 +93,48 @@ pub fn sequences(lengths: &[usize], vocab: usize, seed: u32) -> Vec<Vec<u32>> {
                 .collect()
         })
         .collect()
+}
+
+/// Tables whose cells cycle through all experts, so every expert gets rows.
+pub fn covering_tables(cfg: &Config, lengths: &[usize]) -> Vec<RouteTable> {
+    let (e, k) = (cfg.num_experts(), cfg.top_k());
+    let mut row = 0;
+    lengths
+        .iter()
+        .map(|&len| {
+            let columns: Vec<Vec<u32>> = cfg
+                .layout
+                .moe_layers()
+                .iter()
+                .map(|_| {
+                    (0..len)
+                        .flat_map(|t| (0..k).map(move |j| (((row + t) * k + j) % e) as u32))
+                        .collect()
+                })
+                .collect();
+            row += len;
+            RouteTable::from_columns(
+                e,
+                k,
+                LayerSpace::MoeOnly,
+                cfg.layout.moe_layers().to_vec(),
+                0,
+                &columns,
+            )
+            .expect("table")
+        })
+        .collect()
+}
+
+/// The experts of cell (`token`, `column`) of `table`, sorted (the HF oracle's
+/// `topk_idx_sorted` form).
+pub fn sorted_experts(table: &RouteTable, token: usize, column: usize) -> Vec<u64> {
+    let mut got: Vec<u64> = table
+        .experts(token, column)
+        .expect("cell")
+        .iter()
+        .map(|&e| e as u64)
+        .collect();
+    got.sort_unstable();
+    got
 }

@@ -1,7 +1,8 @@
 //! The `[train]` section: the training forward's precision (Megatron-style mixed precision:
-//! f32 master weights and optimiser, bf16 or f16 matmuls and activations) and the router's.
+//! f32 master weights and optimiser, bf16 or f16 matmuls and activations), the router's, and
+//! the device the training engine runs on.
 
-use r3_model::Precision;
+use r3_model::{DeviceSpec, Precision};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError};
@@ -18,6 +19,9 @@ pub struct TrainPrecisionConfig {
     /// projection like every other) or `f32`
     /// (Megatron's `moe_router_dtype = fp32`). Default `model`.
     pub router_dtype: String,
+    /// Where the policy, its gradients and the optimiser live: `cpu`, `cuda` or `cuda:N`
+    /// (needs a build with the `cuda` feature, `scripts/cuda/build.sh`). Default `cpu`.
+    pub device: String,
 }
 
 impl Default for TrainPrecisionConfig {
@@ -25,11 +29,17 @@ impl Default for TrainPrecisionConfig {
         Self {
             dtype: "f32".into(),
             router_dtype: "model".into(),
+            device: "cpu".into(),
         }
     }
 }
 
 impl TrainPrecisionConfig {
+    /// The device these settings name (not yet opened); an unknown name is an error.
+    pub fn device_spec(&self) -> Result<DeviceSpec> {
+        Ok(self.device.parse::<DeviceSpec>()?)
+    }
+
     /// The forward precision these settings name; an unknown value is a config error.
     pub fn precision(&self) -> Result<Precision> {
         let bad = |field: &'static str, reason: String| TrainError::InvalidConfig { field, reason };
@@ -66,6 +76,7 @@ mod tests {
         let cfg = |dtype: &str, router: &str| TrainPrecisionConfig {
             dtype: dtype.into(),
             router_dtype: router.into(),
+            device: "cpu".into(),
         };
         assert_eq!(
             TrainPrecisionConfig::default().precision().ok(),
@@ -85,5 +96,24 @@ mod tests {
         );
         assert!(cfg("f8", "model").precision().is_err());
         assert!(cfg("bf16", "f8").precision().is_err());
+    }
+
+    #[test]
+    fn device_defaults_to_the_cpu_and_bad_names_say_so() {
+        let default = TrainPrecisionConfig::default();
+        assert_eq!(default.device_spec().ok(), Some(DeviceSpec::Cpu));
+        let with = |device: &str| TrainPrecisionConfig {
+            device: device.into(),
+            ..TrainPrecisionConfig::default()
+        };
+        assert_eq!(
+            with("cuda:1").device_spec().ok(),
+            Some(DeviceSpec::Cuda { ordinal: 1 })
+        );
+        let err = with("gpu").device_spec().expect_err("gpu").to_string();
+        assert!(
+            err.starts_with("train.device:") && err.contains("`gpu`"),
+            "{err}"
+        );
     }
 }

@@ -161,8 +161,7 @@ impl Scored {
 /// Runs the training forward over `batch` with `routing` and takes the log-prob of every
 /// next token.
 pub fn score(model: &Model, batch: &ResponseBatch, routing: Routing<'_>) -> Result<Scored> {
-    // The training engine runs on the CPU.
-    let padded = Batch::new(batch.sequences(), 0, &Device::Cpu)?;
+    let padded = Batch::new(batch.sequences(), 0, model.device())?;
     let out = model.forward(&padded, routing)?;
     let t = padded.seq_len();
     let logits = out.logits.narrow(1, 0, t - 1)?;
@@ -207,9 +206,22 @@ impl TrainablePolicy {
 
     /// Loads `config.json` + safetensors from an HF model directory (f32, CPU).
     pub fn load(dir: &Path) -> Result<Self> {
+        Self::load_on(dir, &Device::Cpu)
+    }
+
+    /// Loads an HF model directory (f32) onto `device`: the variables, their gradients and
+    /// the optimiser's moments all live there.
+    pub fn load_on(dir: &Path, device: &Device) -> Result<Self> {
         let cfg = Config::from_file(&dir.join("config.json"))?;
-        let weights = Weights::load(dir, &cfg, &Device::Cpu)?;
+        let weights = Weights::load(dir, &cfg, device)?;
         Self::new(cfg, weights)
+    }
+
+    /// The device the variables live on.
+    pub fn device(&self) -> Device {
+        self.vars
+            .first()
+            .map_or(Device::Cpu, |(_, v)| v.as_tensor().device().clone())
     }
 
     /// The model config.
@@ -264,9 +276,15 @@ impl TrainablePolicy {
 
     /// Current values as the name→tensor map the rollout engine loads: HF names with the
     /// routed experts fused, as trained (the engine packs them directly; detached views, no
-    /// copy).
+    /// copy on the CPU).
     pub fn tensor_map(&self) -> Result<r3_rollout::TensorMap> {
-        Ok(self.detached().into_map())
+        // The rollout engine runs on the CPU: a GPU policy's weights cross once per sync (on
+        // the CPU `to_device` is the same tensor, no copy).
+        self.detached()
+            .into_map()
+            .into_iter()
+            .map(|(name, t)| Ok((name, t.to_device(&Device::Cpu)?)))
+            .collect()
     }
 
     /// Current value of the non-trainable buffer `name` (e.g. DeepSeek's

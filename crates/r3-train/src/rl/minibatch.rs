@@ -3,7 +3,7 @@
 //! backward + clip + AdamW step. A NaN/inf loss or gradient norm skips the step and
 //! leaves weights and optimiser state untouched.
 
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use r3_model::{ReplayProof, Routing};
 use r3_routing::RouteTable;
 
@@ -96,7 +96,7 @@ pub fn update_minibatch(
         }
         _ => None,
     };
-    let device = Device::Cpu;
+    let device = policy.device();
     let full_mask = mb.batch.response_mask(None, &device)?;
     let mask = match &mb.row_weight {
         Some(w) => mb.batch.response_mask(Some(w), &device)?,

@@ -56,11 +56,13 @@ pub(crate) struct StepBatch {
 impl StepBatch {
     /// The batch of the scored trajectories `trajs` (group-major, `cfg.rollout.group_size`
     /// per prompt): their rollout log-probs aligned, their routes checked against `layout`
-    /// (required under R3), GRPO advantages and the rows dynamic sampling keeps.
+    /// (required under R3), GRPO advantages and the rows dynamic sampling keeps; the
+    /// tensors on `device`, the policy's.
     pub(crate) fn new(
         trajs: Vec<Trajectory>,
         cfg: &TrainConfig,
         layout: &LayerLayout,
+        device: &Device,
         rollout_s: f64,
         rollout_ahead_s: Option<f64>,
         stale_frac: Option<f64>,
@@ -70,7 +72,7 @@ impl StepBatch {
             .iter()
             .map(|t| t.sample.rollout_logp.clone())
             .collect();
-        let rollout_logp = batch.align(&rollout_lp, &Device::Cpu)?;
+        let rollout_logp = batch.align(&rollout_lp, device)?;
         let routes = match trajs.iter().all(|t| t.sample.routes.is_some()) {
             true => Some(rollout_routes(trajs.iter().map(|t| &t.sample), layout)?),
             false if cfg.algo.router_replay == RouterReplay::R3 => {

@@ -8,7 +8,7 @@
 
 use std::time::Instant;
 
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use r3_model::{ReplayProof, ReplayRoutes, Routing};
 use r3_routing::RouteTable;
 use rand::seq::SliceRandom;
@@ -168,7 +168,7 @@ fn minibatch_updates(
         let idx = Tensor::from_vec(
             part.iter().map(|&r| r as u32).collect(),
             part.len(),
-            &Device::Cpu,
+            &policy.device(),
         )?;
         let pick = |t: &Tensor| -> Result<Tensor> {
             Ok(t.index_select(&idx, 0)?.narrow(1, 0, width)?.contiguous()?)
@@ -217,7 +217,7 @@ fn old_pass(
         _ => Routing::Record,
     };
     let scored = score(&model, batch, routing)?;
-    let mask = batch.response_mask(None, &Device::Cpu)?;
+    let mask = batch.response_mask(None, &policy.device())?;
     let entropy = scored.mean_entropy(&mask)?;
     let rollout = routes.map(ReplayRoutes::tables);
     let (verified_frac, divergence) = match (&scored.replay, &scored.routes, rollout) {

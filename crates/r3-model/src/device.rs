@@ -1,0 +1,207 @@
+//! Where the training engine's tensors live: a device named in a config or on the command
+//! line (`cpu`, `cuda`, `cuda:N`) as a value, and opening it into candle's [`Device`].
+//!
+//! A device is passed by argument like a dtype. Asking for CUDA never falls back to the CPU:
+//! a build without candle's CUDA backend, or a machine without a GPU or driver, is an error
+//! that says which of the two is missing.
+
+use std::fmt;
+use std::str::FromStr;
+
+use candle_core::{Device, DeviceLocation};
+
+/// The project script that builds `r3` with the `cuda` feature (named by the errors).
+pub const CUDA_BUILD_SCRIPT: &str = "scripts/cuda/build.sh";
+
+/// A device by name: the CPU or one CUDA GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeviceSpec {
+    /// The host CPU (the reference implementation of every op).
+    #[default]
+    Cpu,
+    /// CUDA GPU number `ordinal` (`cuda` is `cuda:0`).
+    Cuda {
+        /// The GPU's index among the visible ones.
+        ordinal: usize,
+    },
+}
+
+/// Why a device cannot be named or opened.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    /// The text names no device.
+    #[error("device `{text}` is not one of `cpu`, `cuda`, `cuda:N` (N the GPU's index)")]
+    Parse {
+        /// What was given.
+        text: String,
+    },
+    /// CUDA was asked of a build without candle's CUDA backend.
+    #[error(
+        "device `{spec}` needs the `cuda` feature, which this build of r3 lacks: build it with \
+         {CUDA_BUILD_SCRIPT} (cargo build --features cuda); nothing falls back to the CPU"
+    )]
+    CudaNotBuilt {
+        /// The device asked for.
+        spec: DeviceSpec,
+    },
+    /// The build has CUDA but the GPU or its driver cannot be opened.
+    #[error(
+        "device `{spec}`: no usable CUDA GPU or driver on this machine ({reason}); nothing \
+         falls back to the CPU"
+    )]
+    CudaUnavailable {
+        /// The device asked for.
+        spec: DeviceSpec,
+        /// candle's (cudarc's) error.
+        reason: String,
+    },
+}
+
+impl DeviceSpec {
+    /// True for the CPU.
+    pub fn is_cpu(&self) -> bool {
+        matches!(self, DeviceSpec::Cpu)
+    }
+
+    /// The spec naming an opened device (`cuda:N` for a GPU).
+    pub fn of(device: &Device) -> Self {
+        match device.location() {
+            DeviceLocation::Cuda { gpu_id } => DeviceSpec::Cuda { ordinal: gpu_id },
+            // Metal is not built by this project; a CPU build names every device `cpu`.
+            _ => DeviceSpec::Cpu,
+        }
+    }
+
+    /// Opens the device: the CPU always; a GPU only in a build with the `cuda` feature and
+    /// on a machine whose driver sees it.
+    pub fn open(&self) -> Result<Device, DeviceError> {
+        self.open_with(candle_core::utils::cuda_is_available())
+    }
+
+    /// [`DeviceSpec::open`] with the build's CUDA support given (so both answers are tested
+    /// in any build).
+    fn open_with(&self, cuda_built: bool) -> Result<Device, DeviceError> {
+        match *self {
+            DeviceSpec::Cpu => Ok(Device::Cpu),
+            DeviceSpec::Cuda { .. } if !cuda_built => {
+                Err(DeviceError::CudaNotBuilt { spec: *self })
+            }
+            DeviceSpec::Cuda { ordinal } => {
+                Device::new_cuda(ordinal).map_err(|e| DeviceError::CudaUnavailable {
+                    spec: *self,
+                    reason: e.to_string(),
+                })
+            }
+        }
+    }
+}
+
+impl FromStr for DeviceSpec {
+    type Err = DeviceError;
+
+    fn from_str(text: &str) -> Result<Self, DeviceError> {
+        let bad = || DeviceError::Parse {
+            text: text.to_string(),
+        };
+        match text.trim() {
+            "cpu" => Ok(DeviceSpec::Cpu),
+            "cuda" => Ok(DeviceSpec::Cuda { ordinal: 0 }),
+            other => {
+                let index = other.strip_prefix("cuda:").ok_or_else(bad)?;
+                // Digits only: `cuda:+1` or `cuda: 1` name nothing.
+                if index.is_empty() || !index.bytes().all(|b| b.is_ascii_digit()) {
+                    return Err(bad());
+                }
+                let ordinal = index.parse().map_err(|_| bad())?;
+                Ok(DeviceSpec::Cuda { ordinal })
+            }
+        }
+    }
+}
+
+impl fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DeviceSpec::Cpu => write!(f, "cpu"),
+            DeviceSpec::Cuda { ordinal } => write!(f, "cuda:{ordinal}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_form_and_rejects_others() {
+        let parse = |s: &str| s.parse::<DeviceSpec>().ok();
+        assert_eq!(parse("cpu"), Some(DeviceSpec::Cpu));
+        assert_eq!(parse("cuda"), Some(DeviceSpec::Cuda { ordinal: 0 }));
+        assert_eq!(parse("cuda:0"), Some(DeviceSpec::Cuda { ordinal: 0 }));
+        assert_eq!(parse("cuda:3"), Some(DeviceSpec::Cuda { ordinal: 3 }));
+        assert_eq!(parse(" cuda:12 "), Some(DeviceSpec::Cuda { ordinal: 12 }));
+        for bad in [
+            "",
+            "gpu",
+            "CPU",
+            "cuda:",
+            "cuda:-1",
+            "cuda:+1",
+            "cuda: 1",
+            "cuda:1.5",
+            "cuda0",
+            "metal",
+            "cuda:99999999999999999999999",
+        ] {
+            let err = bad.parse::<DeviceSpec>().expect_err(bad).to_string();
+            assert!(
+                err.contains(&format!("`{bad}`")) && err.contains("`cuda:N`"),
+                "{bad}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn display_round_trips() {
+        for spec in [DeviceSpec::Cpu, DeviceSpec::Cuda { ordinal: 2 }] {
+            assert_eq!(spec.to_string().parse::<DeviceSpec>().ok(), Some(spec));
+        }
+        assert_eq!(DeviceSpec::default(), DeviceSpec::Cpu);
+    }
+
+    #[test]
+    fn cpu_opens_to_the_cpu() {
+        let device = DeviceSpec::Cpu.open().expect("cpu");
+        assert!(device.is_cpu());
+        assert_eq!(DeviceSpec::of(&device), DeviceSpec::Cpu);
+    }
+
+    /// A build without the feature says so and names the build script, whatever the machine.
+    #[test]
+    fn cuda_without_the_feature_names_the_feature_and_the_script() {
+        let spec = DeviceSpec::Cuda { ordinal: 1 };
+        let err = spec.open_with(false).expect_err("no cuda feature");
+        assert!(matches!(err, DeviceError::CudaNotBuilt { .. }), "{err:?}");
+        let text = err.to_string();
+        for needle in ["`cuda:1`", "`cuda` feature", CUDA_BUILD_SCRIPT, "CPU"] {
+            assert!(text.contains(needle), "{needle} missing from: {text}");
+        }
+    }
+
+    /// In this build (CI: no `cuda` feature) opening a GPU is the feature error; in a CUDA
+    /// build on a machine without a GPU it is the driver error, never a CPU device.
+    #[test]
+    fn cuda_never_opens_to_the_cpu() {
+        match (DeviceSpec::Cuda { ordinal: 0 }).open() {
+            Ok(device) => assert!(device.is_cuda(), "cuda opened to {device:?}"),
+            Err(DeviceError::CudaNotBuilt { .. }) => {
+                assert!(!candle_core::utils::cuda_is_available())
+            }
+            Err(DeviceError::CudaUnavailable { reason, .. }) => {
+                assert!(candle_core::utils::cuda_is_available());
+                assert!(!reason.is_empty());
+            }
+            Err(other) => panic!("unexpected error {other}"),
+        }
+    }
+}

@@ -1,0 +1,364 @@
+//! The training forward and backward on another device against the CPU reference: the HF
+//! oracle fixtures, logits, recorded routes, replay (the same `ReplayProof` for the same
+//! tables), token log-probs, entropy and the gradient of every parameter, for every family's
+//! tiny config.
+//!
+//! Off the CPU every custom op takes its composed-candle path (dispatch on the tensor's
+//! device), so with `--features cuda` (`scripts/cuda/check.sh` on the GPU machine) these
+//! tests compare the composed GPU path with the fused CPU ops. Without the feature (CI) the
+//! same comparisons run with a second CPU model built from the same seed: there they demand
+//! bit-identical results (the engine is deterministic) and keep the harness the GPU run
+//! depends on checked.
+//!
+//! Fixtures are found relative to the working directory (the crate folder under `cargo test`
+//! and under check.sh), so the test binary can run on a machine without the source tree.
+
+mod common;
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+use common::{covering_tables, sequences, sorted_experts, tiny_config, tiny_weights, FAMILIES};
+use r3_model::token_stats::{entropy, token_log_probs};
+use r3_model::{Batch, Config, ForwardOutput, Model, ReplayRoutes, Routing, Weights};
+use r3_routing::{LayerSpace, RouteTable};
+use serde_json::Value;
+
+/// How close the other device must come to the CPU.
+#[derive(Debug, Clone, Copy)]
+struct Tolerance {
+    /// Largest |Δ| of logits, log-probs and entropies.
+    values: f32,
+    /// Largest |Δ| of a parameter's gradient relative to its largest |gradient|.
+    gradients: f32,
+}
+
+/// f32 on a GPU: the bounds (logits within 1e-4 of HF's, gradients within 1e-4
+/// relative of the CPU's).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const GPU_F32: Tolerance = Tolerance {
+    values: 1e-4,
+    gradients: 1e-4,
+};
+
+/// A second CPU model: the same ops in the same order, so the same bits.
+const SAME_BITS: Tolerance = Tolerance {
+    values: 0.0,
+    gradients: 0.0,
+};
+
+/// Every tensor of `weights` copied to `device`.
+fn on_device(weights: &Weights, device: &Device) -> Weights {
+    Weights::from_map(
+        weights
+            .tensors()
+            .iter()
+            .map(|(k, t)| (k.clone(), t.to_device(device).expect("to device")))
+            .collect(),
+    )
+}
+
+fn max_abs(t: &Tensor) -> f32 {
+    t.to_device(&Device::Cpu)
+        .and_then(|t| t.to_dtype(DType::F32))
+        .and_then(|t| t.abs())
+        .and_then(|t| t.flatten_all())
+        .and_then(|t| t.max(0))
+        .and_then(|t| t.to_scalar::<f32>())
+        .expect("max |x|")
+}
+
+/// max |a − b| with `b` brought to `a`'s device (the CPU).
+fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    let b = b.to_device(a.device()).expect("to cpu");
+    max_abs(&(a - b).expect("sub"))
+}
+
+/// A fixed projection of the logits so the loss reaches every output (zero on padding).
+fn probe(lengths: &[usize], vocab: usize, device: &Device) -> Tensor {
+    let t = lengths.iter().copied().max().unwrap_or(0);
+    let data: Vec<f32> = lengths
+        .iter()
+        .enumerate()
+        .flat_map(|(b, &len)| {
+            (0..t).flat_map(move |i| {
+                (0..vocab).map(move |j| match i < len {
+                    true => ((b * 31 + i * 17 + j * 7) % 23) as f32 / 23.0 - 0.5,
+                    false => 0.0,
+                })
+            })
+        })
+        .collect();
+    Tensor::from_vec(data, (lengths.len(), t, vocab), device).expect("probe")
+}
+
+/// What one device computed for one family: forward outputs and the gradient of a loss
+/// that goes through the logits, the token log-probs and the entropy.
+struct Run {
+    recorded: ForwardOutput,
+    replayed: Option<ForwardOutput>,
+    logp: Tensor,
+    entropy: Tensor,
+    grads: Vec<(String, Tensor)>,
+}
+
+/// Record forward (no graph), then a replayed (or, dense, native) forward with backward.
+fn run(
+    cfg: &Config,
+    weights: Weights,
+    device: &Device,
+    lengths: &[usize],
+    replay: Option<&ReplayRoutes>,
+) -> Run {
+    let (varmap, weights) = weights.into_trainable(cfg).expect("trainable");
+    let model = Model::new(cfg, &weights).expect("model");
+    assert!(model.device().same_device(device), "model on {device:?}");
+    let seqs = sequences(lengths, cfg.vocab_size, 3);
+    let batch = Batch::new(&seqs, 0, device).expect("batch");
+    // A dense model has no routes to record.
+    let first = match cfg.moe {
+        Some(_) => Routing::Record,
+        None => Routing::Native,
+    };
+    let recorded = model.forward(&batch, first).expect("record forward");
+    let routing = match replay {
+        Some(r) => Routing::Replay(r),
+        None => Routing::Native,
+    };
+    let out = model.forward(&batch, routing).expect("training forward");
+    let t = batch.seq_len();
+    let logits = out.logits.narrow(1, 0, t - 1).expect("narrow");
+    let targets = batch.input_ids().narrow(1, 1, t - 1).expect("targets");
+    let logp = token_log_probs(&logits, &targets).expect("log-probs");
+    let ent = entropy(&logits).expect("entropy");
+    let loss = (out.logits.clone() * probe(lengths, cfg.vocab_size, device))
+        .and_then(|l| l.sum_all())
+        .and_then(|l| l + logp.sum_all()?)
+        .and_then(|l| l + (ent.sum_all()? * 0.1)?)
+        .expect("loss");
+    let grads = loss.backward().expect("backward");
+    let mut named: Vec<(String, Tensor)> = varmap
+        .data()
+        .lock()
+        .expect("varmap")
+        .iter()
+        .map(|(name, var)| {
+            let g = grads
+                .get(var.as_tensor())
+                .unwrap_or_else(|| panic!("no gradient for {name} on {device:?}"));
+            (name.clone(), g.clone())
+        })
+        .collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    Run {
+        recorded,
+        replayed: replay.map(|_| out),
+        logp,
+        entropy: ent,
+        grads: named,
+    }
+}
+
+/// One family on `device` against the CPU.
+fn compare_family(family: &str, device: &Device, tol: Tolerance) {
+    let cfg = tiny_config(family);
+    let lengths = [7, 4, 1];
+    let tables = cfg
+        .moe
+        .as_ref()
+        .map(|_| ReplayRoutes::new(covering_tables(&cfg, &lengths), &cfg.layout).expect("tables"));
+    let cpu = run(
+        &cfg,
+        tiny_weights(&cfg, 5, DType::F32),
+        &Device::Cpu,
+        &lengths,
+        tables.as_ref(),
+    );
+    let weights = on_device(&tiny_weights(&cfg, 5, DType::F32), device);
+    let other = run(&cfg, weights, device, &lengths, tables.as_ref());
+
+    let d = max_diff(&cpu.recorded.logits, &other.recorded.logits);
+    assert!(d <= tol.values, "{family}: record logits max |Δ| = {d}");
+    // The router's choices are ids: equal, not close.
+    assert_eq!(
+        cpu.recorded.routes, other.recorded.routes,
+        "{family}: recorded routes differ"
+    );
+    if let (Some(c), Some(o)) = (&cpu.replayed, &other.replayed) {
+        let d = max_diff(&c.logits, &o.logits);
+        assert!(d <= tol.values, "{family}: replay logits max |Δ| = {d}");
+        assert!(c.replay.is_some(), "{family}: CPU replay gave no proof");
+        assert_eq!(c.replay, o.replay, "{family}: replay proofs differ");
+    }
+    for (what, a, b) in [
+        ("log-probs", &cpu.logp, &other.logp),
+        ("entropy", &cpu.entropy, &other.entropy),
+    ] {
+        let d = max_diff(a, b);
+        assert!(d <= tol.values, "{family}: {what} max |Δ| = {d}");
+    }
+    assert_eq!(cpu.grads.len(), other.grads.len(), "{family}: parameters");
+    for ((name, gc), (name2, go)) in cpu.grads.iter().zip(&other.grads) {
+        assert_eq!(name, name2);
+        assert!(
+            go.device().same_device(device),
+            "{family}: {name} grad device"
+        );
+        let scale = max_abs(gc);
+        let d = max_diff(gc, go);
+        assert!(
+            d <= tol.gradients * scale,
+            "{family}: gradient of {name}: max |Δ| = {d}, max |g| = {scale}"
+        );
+    }
+}
+
+/// The HF oracle fixtures (tests/fixtures, from `scripts/oracle/make_oracle.py`) on
+/// `device`: logits and per-layer top-k sets of the native forward, and logits under the
+/// oracle's forced routing.
+fn check_oracle(name: &str, device: &Device, tol: f32) {
+    let dir = Path::new("tests/fixtures");
+    let text = std::fs::read_to_string(dir.join("reference_outputs.json"))
+        .expect("tests/fixtures/reference_outputs.json (run from the crate folder)");
+    let all: Value = serde_json::from_str(&text).expect("reference json");
+    let ids: Vec<u32> = all["input_ids"][0]
+        .as_array()
+        .expect("input_ids")
+        .iter()
+        .map(|v| v.as_u64().expect("id") as u32)
+        .collect();
+    let reference = &all[name];
+    let cfg = Config::from_file(&dir.join(name).join("config.json")).expect("config");
+    let weights = Weights::load(&dir.join(name), &cfg, device).expect("weights");
+    let model = Model::new(&cfg, &weights).expect("model");
+    let batch = Batch::new(std::slice::from_ref(&ids), 0, device).expect("batch");
+    let out = model.forward(&batch, Routing::Record).expect("forward");
+    let logits = out.logits.squeeze(0).expect("squeeze");
+    let d = max_diff(&matrix(&reference["logits"]), &logits);
+    assert!(d < tol, "{name} on {device:?}: max |Δlogit| = {d}");
+    let table = &out.routes.expect("routes")[0];
+    let layers = reference["moe_layers"].as_object().expect("moe_layers");
+    for (column, layer) in cfg.layout.moe_layers().iter().enumerate() {
+        let sets = layers[&layer.to_string()]["topk_idx_sorted"]
+            .as_array()
+            .expect("topk");
+        for (t, set) in sets.iter().enumerate().take(ids.len()) {
+            let got = sorted_experts(table, t, column);
+            let want: Vec<u64> = set
+                .as_array()
+                .expect("set")
+                .iter()
+                .map(|v| v.as_u64().expect("id"))
+                .collect();
+            assert_eq!(got, want, "{name}: layer {layer}, token {t}");
+        }
+    }
+
+    // Forced routing: the oracle's `forced_topk_idx` replayed, every token.
+    let forced = &reference["routing_replay"];
+    let columns: Vec<Vec<u32>> = cfg
+        .layout
+        .moe_layers()
+        .iter()
+        .map(|layer| {
+            forced["forced_topk_idx"][layer.to_string()]
+                .as_array()
+                .expect("forced ids")
+                .iter()
+                .take(ids.len())
+                .flat_map(|row| {
+                    row.as_array()
+                        .expect("row")
+                        .iter()
+                        .map(|v| v.as_u64().expect("id") as u32)
+                        .collect::<Vec<_>>()
+                })
+                .collect()
+        })
+        .collect();
+    let table = RouteTable::from_columns(
+        cfg.num_experts(),
+        cfg.top_k(),
+        LayerSpace::MoeOnly,
+        cfg.layout.moe_layers().to_vec(),
+        0,
+        &columns,
+    )
+    .expect("forced table");
+    let routes = ReplayRoutes::new(vec![table], &cfg.layout).expect("replay routes");
+    let out = model
+        .forward(&batch, Routing::Replay(&routes))
+        .expect("replay forward");
+    let d = max_diff(
+        &matrix(&forced["logits"]),
+        &out.logits.squeeze(0).expect("squeeze"),
+    );
+    assert!(d < tol, "{name} on {device:?}: replay max |Δlogit| = {d}");
+    let proof = out.replay.expect("replay proof");
+    let n_moe = cfg.layout.moe_layers().len();
+    assert_eq!(proof.replayed_cells, vec![ids.len(); n_moe], "{name}");
+    // The oracle's forced ids are not its own top-k anywhere.
+    assert_eq!(proof.differs_from_native, vec![ids.len(); n_moe], "{name}");
+}
+
+/// A `[rows, width]` JSON matrix as a CPU tensor.
+fn matrix(v: &Value) -> Tensor {
+    let rows: Vec<Vec<f32>> = v
+        .as_array()
+        .expect("matrix")
+        .iter()
+        .map(|r| {
+            r.as_array()
+                .expect("row")
+                .iter()
+                .map(|x| x.as_f64().expect("number") as f32)
+                .collect()
+        })
+        .collect();
+    let shape = (rows.len(), rows.first().map_or(0, Vec::len));
+    let flat: Vec<f32> = rows.into_iter().flatten().collect();
+    Tensor::from_vec(flat, shape, &Device::Cpu).expect("reference tensor")
+}
+
+const ORACLES: [&str; 2] = ["qwen3_moe_tiny", "deepseek_v3_tiny"];
+
+#[test]
+fn a_second_cpu_model_gives_the_same_bits() {
+    for family in FAMILIES {
+        compare_family(family, &Device::Cpu, SAME_BITS);
+    }
+}
+
+#[test]
+fn oracle_fixtures_on_the_cpu() {
+    for name in ORACLES {
+        check_oracle(name, &Device::Cpu, 1e-4);
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+
+    fn gpu() -> Device {
+        r3_model::DeviceSpec::Cuda { ordinal: 0 }
+            .open()
+            .expect("a CUDA GPU (these tests run on the GPU machine)")
+    }
+
+    #[test]
+    fn every_family_on_cuda_matches_the_cpu() {
+        let device = gpu();
+        for family in FAMILIES {
+            compare_family(family, &device, GPU_F32);
+        }
+    }
+
+    #[test]
+    fn oracle_fixtures_on_cuda() {
+        let device = gpu();
+        for name in ORACLES {
+            check_oracle(name, &device, 1e-4);
+        }
+    }
+}

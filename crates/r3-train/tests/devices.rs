@@ -1,0 +1,190 @@
+//! The training engine's state on another device: the policy loaded there (variables,
+//! gradients, AdamW moments all on it), weights crossing to the CPU rollout engine, and the
+//! guarded AdamW update equal to the CPU's.
+//!
+//! With `--features cuda` (`scripts/cuda/check.sh` on the GPU machine) the comparisons run
+//! CUDA against the CPU; without it (CI) the same comparisons run against a second CPU copy
+//! and must give the same bits. Paths are relative to the working directory (the crate
+//! folder, under `cargo test` and under check.sh).
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor, Var};
+use r3_model::{Batch, Routing};
+use r3_train::{
+    backward_and_step, token_log_probs, AdamW, AdamWParams, TrainablePolicy, UpdateOutcome,
+};
+
+/// The shipped base model (repository root `models/arith-moe`).
+fn base_model() -> &'static Path {
+    Path::new("../../models/arith-moe")
+}
+
+/// Seeded values in [-1, 1) of `shape`, on the CPU.
+fn seeded(shape: &[usize], seed: u64) -> Tensor {
+    let n: usize = shape.iter().product();
+    let data: Vec<f32> = (0..n as u64)
+        .map(|i| {
+            let x = (i.wrapping_mul(2654435761).wrapping_add(seed * 97)) % 10007;
+            x as f32 / 5003.5 - 1.0
+        })
+        .collect();
+    Tensor::from_vec(data, shape, &Device::Cpu).expect("seeded")
+}
+
+fn values(t: &Tensor) -> Vec<f32> {
+    t.to_device(&Device::Cpu)
+        .and_then(|t| t.flatten_all())
+        .and_then(|t| t.to_vec1::<f32>())
+        .expect("values")
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// Three guarded AdamW updates (weight decay, clipping) of two variables on `device` with
+/// gradients given exactly (the loss `Σ θ ⊙ C_t`, so `∇ = C_t` on every device), then one
+/// update whose `C` holds an infinity, so its loss is not finite (skipped: nothing may
+/// change). Returns the variables' final values.
+fn adamw_run(device: &Device) -> Vec<Vec<f32>> {
+    let shapes: [&[usize]; 2] = [&[8, 16], &[16]];
+    let vars: Vec<(String, Var)> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let t = seeded(s, i as u64).to_device(device).expect("to device");
+            (format!("w{i}"), Var::from_tensor(&t).expect("var"))
+        })
+        .collect();
+    let params = AdamWParams {
+        weight_decay: 0.1,
+        ..AdamWParams::default()
+    };
+    let mut opt = AdamW::new(vars.clone(), params, |name, _| name == "w0").expect("adamw");
+    let loss_with = |step: u64, poison: bool| -> Tensor {
+        let mut loss = Tensor::zeros((), DType::F32, device).expect("zero");
+        for (i, (_, v)) in vars.iter().enumerate() {
+            let mut c = seeded(v.dims(), 10 + step * 7 + i as u64);
+            if poison && i == 1 {
+                let mut raw = values(&c);
+                raw[3] = f32::INFINITY;
+                c = Tensor::from_vec(raw, v.dims(), &Device::Cpu).expect("poisoned");
+            }
+            let c = c.to_device(device).expect("to device");
+            let term = (v.as_tensor() * c).and_then(|t| t.sum_all()).expect("term");
+            loss = (loss + term).expect("sum");
+        }
+        loss
+    };
+    for step in 0..3 {
+        // Clip at 5: the gradients' global norm is ≈ 7, so clipping is exercised.
+        let outcome =
+            backward_and_step(&mut opt, &loss_with(step, false), 1e-2, 5.0).expect("step");
+        assert!(
+            matches!(outcome, UpdateOutcome::Applied { .. }),
+            "{outcome:?}"
+        );
+        for (name, v) in &vars {
+            assert!(v.device().same_device(device), "{name} left {device:?}");
+        }
+    }
+    let before: Vec<Vec<f32>> = vars.iter().map(|(_, v)| values(v.as_tensor())).collect();
+    let outcome = backward_and_step(&mut opt, &loss_with(3, true), 1e-2, 5.0).expect("step");
+    assert!(
+        matches!(outcome, UpdateOutcome::Skipped { .. }),
+        "a non-finite gradient must skip the update on {device:?}: {outcome:?}"
+    );
+    let after: Vec<Vec<f32>> = vars.iter().map(|(_, v)| values(v.as_tensor())).collect();
+    assert_eq!(before, after, "a skipped update changed a variable");
+    assert_eq!(opt.step_count(), 3);
+    after
+}
+
+/// The policy loaded on `device` stays there; the rollout engine's copy is on the CPU and
+/// equals the loaded weights; a forward + backward + update runs there. Returns the update's
+/// new values of every variable and the loss.
+fn policy_update(device: &Device) -> (f32, Vec<(String, Vec<f32>)>) {
+    let policy = TrainablePolicy::load_on(base_model(), device).expect("policy");
+    assert!(policy.device().same_device(device));
+    let on_cpu = TrainablePolicy::load(base_model()).expect("cpu policy");
+    for (name, t) in policy.tensor_map().expect("tensor map") {
+        assert!(
+            t.device().is_cpu(),
+            "{name}: the rollout engine's copy is on the CPU"
+        );
+        let want = on_cpu.tensor_map().expect("cpu map")[&name].clone();
+        assert_eq!(
+            values(&t.to_dtype(DType::F32).expect("f32")),
+            values(&want.to_dtype(DType::F32).expect("f32")),
+            "{name}"
+        );
+    }
+    let model = policy.model().expect("model");
+    assert!(model.device().same_device(device));
+    let seqs: Vec<Vec<u32>> = (0..3u32)
+        .map(|b| (0..12u32).map(|i| 3 + (i * 5 + b * 7) % 20).collect())
+        .collect();
+    let batch = Batch::new(&seqs, 0, device).expect("batch");
+    let out = model.forward(&batch, Routing::Record).expect("forward");
+    let t = batch.seq_len();
+    let logp = token_log_probs(
+        &out.logits.narrow(1, 0, t - 1).expect("logits"),
+        &batch.input_ids().narrow(1, 1, t - 1).expect("targets"),
+    )
+    .expect("log-probs");
+    let loss = logp.mean_all().and_then(|l| l.neg()).expect("loss");
+    let loss_value = loss.to_scalar::<f32>().expect("loss value");
+    let mut opt =
+        AdamW::new(policy.vars().to_vec(), AdamWParams::default(), |_, _| true).expect("adamw");
+    let outcome = backward_and_step(&mut opt, &loss, 1e-3, 1.0).expect("update");
+    assert!(
+        matches!(outcome, UpdateOutcome::Applied { .. }),
+        "{outcome:?}"
+    );
+    let vars = policy
+        .vars()
+        .iter()
+        .map(|(n, v)| (n.clone(), values(v.as_tensor())))
+        .collect();
+    (loss_value, vars)
+}
+
+/// Compares `device`'s results with the CPU's: AdamW to `adam_tol` absolute (values near 1),
+/// the policy update's loss to `loss_tol` relative and every updated weight to `lr`-sized
+/// steps (one AdamW step moves a weight by at most ≈ lr, so a sign flip of a gradient that
+/// is zero to rounding moves it by at most 2·lr).
+fn compare(device: &Device, adam_tol: f32, loss_tol: f32, weight_tol: f32) {
+    for (a, b) in adamw_run(&Device::Cpu).iter().zip(adamw_run(device).iter()) {
+        let d = max_diff(a, b);
+        assert!(d <= adam_tol, "AdamW values differ by {d}");
+    }
+    let (cpu_loss, cpu_vars) = policy_update(&Device::Cpu);
+    let (loss, vars) = policy_update(device);
+    assert!(
+        (cpu_loss - loss).abs() <= loss_tol * cpu_loss.abs(),
+        "loss {loss} vs CPU {cpu_loss}"
+    );
+    for ((name, a), (_, b)) in cpu_vars.iter().zip(&vars) {
+        let d = max_diff(a, b);
+        assert!(d <= weight_tol, "{name}: updated weights differ by {d}");
+    }
+}
+
+#[test]
+fn a_second_cpu_copy_trains_to_the_same_bits() {
+    compare(&Device::Cpu, 0.0, 0.0, 0.0);
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_training_state_matches_the_cpu() {
+    let gpu = r3_model::DeviceSpec::Cuda { ordinal: 0 }
+        .open()
+        .expect("a CUDA GPU (this test runs on the GPU machine)");
+    compare(&gpu, 1e-5, 1e-5, 2e-3 + 1e-5);
+}

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# The GPU check, run on the GPU machine (CUDA 13 driver and libraries, Python with PyTorch;
+# no Rust, no network) from the repository root, with gpu/bin built by
+# scripts/cuda/build.sh on any machine and carried over:
+#
+#   bash scripts/cuda/check.sh [OUT]     # OUT: where logs go (default gpu/check)
+#
+# 1. the GPU tests (test binaries built with `--features cuda`): every family's tiny model
+#    on CUDA against the CPU (logits, routes, replay proofs, log-probs, entropy, every
+#    parameter's gradient), the HF oracle fixtures on CUDA, AdamW and the policy update;
+# 2. `r3 train --set train.device=cuda --set steps=20`: replay.verified_frac = 1 in every
+#    step and step 1's rewards equal to a CPU run's (the rollouts come from the same engine
+#    with the same weights and seed);
+# 3. `r3 bench train` on CUDA (f32, bf16) beside scripts/cuda/peer_hf.py (HF transformers
+#    on the same GPU, the same config and batch).
+# Ends with one summary line. Every step has a time limit so the whole stays under 5 min.
+set -uo pipefail
+
+root=$(cd "$(dirname "$0")/../.." && pwd)
+out=$(mkdir -p "${1:-$root/gpu/check}" && cd "${1:-$root/gpu/check}" && pwd)
+bin="$root/gpu/bin"
+cd "$root"
+python=$(command -v python3 || command -v python)
+verdicts=()
+verdict() { verdicts+=("$1=$2"); echo "== $1: $2"; }
+
+gpu_name=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -n 1)
+echo "== GPU: ${gpu_name:-unknown (nvidia-smi failed)}"
+for exe in r3 r3-model-devices r3-train-devices; do
+    if [ ! -x "$bin/$exe" ]; then
+        echo "check.sh: $bin/$exe is missing: run scripts/cuda/build.sh and carry gpu/bin" >&2
+        exit 2
+    fi
+done
+# The binaries link libcuda.so.1 and CUDA 13's cuBLAS / NVRTC / cuRAND: show where from.
+ldd "$bin/r3" | grep -E "cuda|cublas|nvrtc|curand" | tee "$out/ldd.txt"
+if ldd "$bin/r3" | grep -q "not found"; then
+    echo "check.sh: a CUDA library is not found (see $out/ldd.txt); set LD_LIBRARY_PATH" >&2
+    verdict libraries missing
+fi
+
+# 1. GPU tests (cwd = the crate folder: the tests find their fixtures relative to it).
+t0=$(date +%s)
+(cd crates/r3-model && timeout 150 "$bin/r3-model-devices" --test-threads=1) > "$out/test-model.txt" 2>&1
+rc=$?; tail -n 30 "$out/test-model.txt"
+verdict model-tests "$([ $rc = 0 ] && echo pass || echo "FAIL($rc)")"
+(cd crates/r3-train && timeout 60 "$bin/r3-train-devices" --test-threads=1) > "$out/test-train.txt" 2>&1
+rc=$?; tail -n 20 "$out/test-train.txt"
+verdict train-tests "$([ $rc = 0 ] && echo pass || echo "FAIL($rc)")"
+echo "   tests took $(( $(date +%s) - t0 )) s"
+
+# 2. The default task on the GPU, and step 1 on the CPU for the rewards.
+t0=$(date +%s)
+timeout 120 "$bin/r3" train --set train.device=cuda --set steps=20 --set eval.every=0 \
+    --set checkpoint.every=0 --set run_dir="$out/train-cuda" > "$out/train-cuda.txt" 2>&1
+rc_cuda=$?
+timeout 60 "$bin/r3" train --set steps=1 --set eval.every=0 --set checkpoint.every=0 \
+    --set run_dir="$out/train-cpu" > "$out/train-cpu.txt" 2>&1
+rc_cpu=$?
+tail -n 5 "$out/train-cuda.txt"
+train_verdict=$("$python" - "$out" "$rc_cuda" "$rc_cpu" <<'PY'
+import json, sys
+out, rc_cuda, rc_cpu = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+def rows(name):
+    try:
+        with open(f"{out}/{name}/metrics.jsonl") as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except OSError:
+        return []
+cuda, cpu = rows("train-cuda"), rows("train-cpu")
+if rc_cuda != 0 or len(cuda) < 20:
+    print(f"FAIL(cuda run rc {rc_cuda}, {len(cuda)} steps)"); sys.exit()
+verified = [r.get("replay.verified_frac") for r in cuda]
+bad = [i + 1 for i, v in enumerate(verified) if v != 1.0]
+same = bool(cpu) and cuda[0].get("reward_mean") == cpu[0].get("reward_mean")
+last = cuda[-1]
+print(("pass" if not bad and same else "FAIL")
+      + f"(verified_frac!=1 at steps {bad or 'none'}; step-1 reward cuda {cuda[0].get('reward_mean')}"
+      + f" cpu {cpu[0].get('reward_mean') if cpu else 'n/a'}; step 20 reward {last.get('reward_mean')})")
+PY
+)
+verdict train-cuda "$train_verdict"
+echo "   training runs took $(( $(date +%s) - t0 )) s"
+
+# 3. Speed beside HF transformers on the same GPU: r3 bench train's config (mid, 240 M).
+t0=$(date +%s)
+bench=()
+for dtype in f32 bf16; do
+    timeout 60 "$bin/r3" bench train --device cuda --dtype "$dtype" --batch 8 --seq-len 512 \
+        --steps 3 --warmup 1 > "$out/bench-r3-$dtype.txt" 2>&1
+    cat "$out/bench-r3-$dtype.txt"
+    r3_tps=$(grep -E "^native +mean" "$out/bench-r3-$dtype.txt" | sed -E 's/.* ([0-9.]+) tokens\/s +best.*/\1/')
+    replay_cost=$(grep -E "^replay cost" "$out/bench-r3-$dtype.txt" | sed -E 's/replay cost vs native: ([-+0-9.]+)% mean.*/\1/')
+    timeout 90 "$python" scripts/cuda/peer_hf.py --dtype "$dtype" --batch 8 --seq-len 512 \
+        --steps 3 > "$out/bench-hf-$dtype.txt" 2>&1
+    cat "$out/bench-hf-$dtype.txt"
+    hf_tps=$(grep -E "^peer " "$out/bench-hf-$dtype.txt" | sed -E 's/.* ([0-9.]+) tokens\/s.*/\1/')
+    bench+=("$dtype r3 ${r3_tps:-?} tok/s, HF ${hf_tps:-?} tok/s, replay ${replay_cost:-?}%")
+done
+verdict bench "$(IFS=';'; echo "${bench[*]}")"
+echo "   benchmarks took $(( $(date +%s) - t0 )) s"
+
+echo "SUMMARY gpu=[${gpu_name:-unknown}] $(IFS=' '; echo "${verdicts[*]}")" | tee "$out/summary.txt"
