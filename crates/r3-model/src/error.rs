@@ -136,7 +136,7 @@ pub enum ModelError {
         /// the value
         value: f64,
         /// the precision that cannot hold it
-        precision: crate::weights::WeightPrecision,
+        precision: crate::weights::precision::WeightPrecision,
         /// its largest finite magnitude
         max: f64,
     },

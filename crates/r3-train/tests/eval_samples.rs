@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 
 use common::{tiny_config, Scratch};
 use r3_train::config::RouterReplay;
-use r3_train::rl::metrics_log::read_eval_lines;
 use r3_train::rl::evaluation::EvalResult;
+use r3_train::rl::metrics_log::read_eval_lines;
 use r3_train::{Quiet, Run, TrainConfig, Trainer};
 
 fn arith_model() -> PathBuf {

@@ -11,8 +11,8 @@ use anyhow::Context;
 use clap::Args;
 use r3_analysis::paired::{compare_evals, load_eval, ScoredEval};
 use r3_tasks::estimators::{t_quantile_975, Estimate};
-use r3_train::rl::metrics_log::EvalLine;
 use r3_train::rl::evaluation::EvalResult;
+use r3_train::rl::metrics_log::EvalLine;
 use r3_train::Trainer;
 
 use super::train::resolve_config;

@@ -8,8 +8,10 @@ mod finite;
 mod fused;
 mod header;
 mod io;
+pub(crate) mod precision;
 
-pub use finite::{check_finite, check_holds, check_map_holds, WeightPrecision};
+pub use finite::{check_finite, check_holds, check_map_holds};
+pub use precision::WeightPrecision;
 
 use std::collections::BTreeMap;
 use std::path::Path;

@@ -39,8 +39,8 @@ use crate::policy::trainable::TrainablePolicy;
 use crate::pretrain::config::PretrainConfig;
 use crate::pretrain::deepseek::PretrainArchitecture;
 use crate::pretrain::expert_balance::{normalised_entropy, update_score_bias};
-use crate::rl::sampling::{evaluate, evaluate_prompts, EvalResult};
 use crate::rl::evaluation::EvalSpec;
+use crate::rl::sampling::{evaluate, evaluate_prompts, EvalResult};
 
 /// Stream tag mixed into the seed of the word-problem corpus (distinct from `r3 data
 /// generate`'s seeds, and the validation questions are excluded besides).

@@ -21,7 +21,7 @@ use sha2::{Digest, Sha256};
 use crate::config::TrainConfig;
 use crate::error::{Result, TrainError};
 use crate::rl::prompt_source::PromptItem;
-use crate::rl::sampling::mix_seed;
+use crate::rl::seed::mix_seed;
 
 /// How a held-out evaluation samples and summarises.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -5,8 +5,8 @@
 //! - the trainer and one step (`trainer`): the step's batch and context (`step`), its
 //!   updates under the replay mode (`updates`, `minibatch`, `diagnostics`), its metrics
 //!   line (`step_metrics`);
-//! - the rollout side: the prompts (`prompt_source`), sampling and scoring them
-//!   (`sampling`), held-out evaluation with k samples per prompt and its estimators
+//! - the rollout side: the seeds of its draws (`seed`), the prompts (`prompt_source`),
+//!   sampling and scoring them (`sampling`), held-out evaluation with k samples per prompt
 //!   (`evaluation`), the backend that generates them (`backend`): the in-process engine or
 //!   a fleet with its weight sync (`fleet`) and one-step-ahead generation (`ahead`).
 
@@ -23,6 +23,7 @@ pub mod minibatch;
 pub mod prompt_source;
 pub mod run;
 pub mod sampling;
+pub mod seed;
 pub mod step;
 pub mod step_metrics;
 pub mod trainer;

@@ -10,11 +10,12 @@ use r3_routing::{LayerLayout, RouteTable};
 use r3_tasks::{Problem, Reward, RewardInput, RewardSpec};
 
 use crate::error::{Result, TrainError};
-pub use crate::rl::evaluation::EvalResult;
-use crate::rl::evaluation::{eval_requests, summarise_eval, EvalSpec};
 use crate::policy::model_text::ModelText;
 use crate::policy::trainable::ResponseBatch;
+pub use crate::rl::evaluation::EvalResult;
+use crate::rl::evaluation::{eval_requests, summarise_eval, EvalSpec};
 use crate::rl::prompt_source::{arith_item, PromptItem};
+pub use crate::rl::seed::mix_seed;
 
 /// One sampled response as the rollout side returned it: what a training engine scores
 /// and replays (the RL step's trajectories and the mismatch analysis' samples alike).
@@ -85,18 +86,6 @@ pub struct SamplingSpec {
     pub max_new_tokens: usize,
     /// Sampling temperature (0 = greedy).
     pub temperature: f32,
-}
-
-/// SplitMix64 finaliser: decorrelates the per-request seeds derived from one run seed.
-pub fn mix_seed(parts: &[u64]) -> u64 {
-    let mut h: u64 = 0x9E37_79B9_7F4A_7C15;
-    for &p in parts {
-        let mut z = h ^ p.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        h = z ^ (z >> 31);
-    }
-    h
 }
 
 /// The model's eos ids (from its `config.json`) and the tokenizer's stop ids.
