@@ -33,6 +33,12 @@ const OTHER_PROJECTS: &[&str] = &[
     "scatter_add",
     "index_add",
     "arg_sort_last_dim",
+    "rope_slow",
+    "rms_norm_slow",
+    "index_select",
+    "log_softmax",
+    // The CUDA toolkit's root, which scripts/cuda/build.sh honours.
+    "CUDA_HOME",
 ];
 
 /// Spans that look like code names but are not: math symbols and plain words.
