@@ -4,7 +4,7 @@
 //!   `manifest`);
 //! - the trainer and one step (`trainer`): the step's batch and context (`step`), its
 //!   updates under the replay mode (`updates`, `minibatch`, `diagnostics`), its metrics
-//!   line (`step_metrics`);
+//!   line (`step_metrics`) with the memory high-water mark (`memory`);
 //! - the rollout side: the seeds of its draws (`seed`), the prompts (`prompt_source`),
 //!   sampling and scoring them (`sampling`), held-out evaluation with k samples per prompt
 //!   (`evaluation`), the backend that generates them (`backend`): the in-process engine or
@@ -18,6 +18,7 @@ pub mod diagnostics;
 pub mod evaluation;
 pub mod fleet;
 pub mod manifest;
+pub mod memory;
 pub mod metrics_log;
 pub mod minibatch;
 pub mod prompt_source;
