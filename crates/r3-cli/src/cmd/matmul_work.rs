@@ -1,8 +1,12 @@
 //! Matmul work of a generation workload (FLOPs of the projections, experts, attention and
-//! head, counted from the config) and this machine's f32 GEMM peak, measured on the spot:
-//! the two figures that say how far a throughput target is from what the CPU can do.
+//! head, counted from the config) and this machine's limits, measured on the spot: its f32
+//! GEMM peak and its streaming memory bandwidth, the figures that say how far a throughput
+//! target is from what the CPU can do (a phase's limit is the lower of compute and
+//! bandwidth for its arithmetic intensity).
 
 use std::time::Instant;
+
+use rayon::prelude::*;
 
 use r3_model::config::AttentionConfig;
 use r3_model::layers::gemm::{matmul, MatRef};
@@ -83,6 +87,33 @@ pub fn f32_gemm_peak(threads: usize) -> f64 {
     2.0 * (n * n * n) as f64 / best / 1e9
 }
 
+/// Best streaming memory bandwidth (GB/s, 1e9 bytes) of this machine on the rayon pool, by
+/// STREAM's triad `a = b + s·c` over three 64 MiB f32 arrays, far past any cache: 12 bytes
+/// counted per element (two read, one written), as STREAM counts them.
+pub fn stream_bandwidth() -> f64 {
+    let n = 16 << 20;
+    let b = vec![1.0f32; n];
+    let c = vec![2.0f32; n];
+    let mut a = vec![0f32; n];
+    let chunk = 1 << 16;
+    let mut best = f64::INFINITY;
+    for round in 0..6 {
+        let s = 0.5 + round as f32;
+        let t = Instant::now();
+        a.par_chunks_mut(chunk)
+            .zip(b.par_chunks(chunk).zip(c.par_chunks(chunk)))
+            .for_each(|(a, (b, c))| {
+                for ((a, b), c) in a.iter_mut().zip(b).zip(c) {
+                    *a = b + s * c;
+                }
+            });
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    // Keep the result alive so the triad cannot be dropped as dead work.
+    std::hint::black_box(&a);
+    12.0 * n as f64 / best / 1e9
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -116,5 +147,12 @@ mod tests {
         let per = |ctx: usize, head: bool| flops_per_token(&cfg, ctx, head).expect("gqa");
         let want = 3.0 * (per(1, false) + per(2, true) + per(3, true));
         assert_eq!(generation_flops(&cfg, 3, 2, 2), Some(want));
+    }
+
+    /// The probe reports a finite, positive rate (its absolute value is the machine's).
+    #[test]
+    fn stream_bandwidth_is_a_positive_rate() {
+        let bw = stream_bandwidth();
+        assert!(bw.is_finite() && bw > 0.0, "{bw}");
     }
 }
