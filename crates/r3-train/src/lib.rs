@@ -24,13 +24,16 @@ pub use algo::advantage::{
     filter_uniform_groups, grpo_advantages, AdvantageMetrics, GroupFilter, GrpoOptions,
 };
 pub use algo::agg::{aggregate, LossAgg};
-pub use algo::grad_clip::{clip_grad_norm, global_grad_norm, GradNorm};
+pub use algo::grad_clip::{
+    clip_grad_norm, global_grad_norm, global_grad_norm_composed, measure_grad_norm, scale_grads,
+    GradNorm,
+};
 pub use algo::logprob::{entropy_from_logits, masked_mean, token_log_probs};
 pub use algo::loss::{
     gspo_loss, policy_loss, ppo_clip_loss, ClipRange, PolicyLossInput, PolicyLossKind,
     PolicyLossMetrics,
 };
-pub use algo::optim::{decay_matrices_only, AdamW, AdamWParams, AdamWStep};
+pub use algo::optim::{decay_matrices_only, AdamW, AdamWKernel, AdamWParams, AdamWStep};
 pub use algo::rollout_is::{rollout_is_weights, IsConfig, IsLevel, IsMetrics, IsMode, IsWeights};
 pub use algo::schedule::{LrDecay, LrSchedule};
 pub use algo::update::{

@@ -1,9 +1,11 @@
 //! Global gradient-norm computation and clipping over a `GradStore`.
 
+use crate::algo::fused_optim::{sum_of_squares, HostF32};
 use crate::algo::logprob::scalar_f32;
 use crate::error::Result;
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 /// Result of measuring (and maybe clipping) the global gradient norm.
@@ -23,25 +25,92 @@ impl GradNorm {
 }
 
 /// L2 norm of all gradients of `vars` present in `grads` (variables without a gradient
-/// contribute nothing).
+/// contribute nothing): the per-tensor sums of squares added in `vars`' order, in f32.
+///
+/// When every gradient is a contiguous f32 CPU tensor, each sum is one fused read of the
+/// gradient (tensors in parallel) in candle's own summation order, so the norm is bit for bit
+/// candle's `sqr().sum_all()` composition, which any other device keeps.
 pub fn global_grad_norm<'a>(
     vars: impl IntoIterator<Item = &'a Var>,
     grads: &GradStore,
 ) -> Result<f32> {
+    let present: Vec<&Tensor> = vars
+        .into_iter()
+        .filter_map(|var| grads.get(var.as_tensor()))
+        .collect();
+    let views: Option<Vec<HostF32<'_>>> = present.iter().map(|g| HostF32::of(g)).collect();
+    if let Some(views) = views {
+        let sums: Vec<f32> = views
+            .par_iter()
+            .map(|g| sum_of_squares(g.slice()))
+            .collect();
+        // as the composed path: the first sum, then each next one added to the running total
+        let total = sums.into_iter().reduce(|total, sq| total + sq);
+        return Ok(total.map_or(0.0, f32::sqrt));
+    }
+    composed_sum_norm(present)
+}
+
+/// [`global_grad_norm`] by candle's composed ops on any device (`sqr().sum_all()` per
+/// gradient, summed on the device): the path of non-CPU gradients, and the reference that
+/// tests and `r3 bench optim` compare the fused pass with.
+pub fn global_grad_norm_composed<'a>(
+    vars: impl IntoIterator<Item = &'a Var>,
+    grads: &GradStore,
+) -> Result<f32> {
+    composed_sum_norm(
+        vars.into_iter()
+            .filter_map(|var| grads.get(var.as_tensor()))
+            .collect(),
+    )
+}
+
+fn composed_sum_norm(present: Vec<&Tensor>) -> Result<f32> {
     let mut total: Option<Tensor> = None;
-    for var in vars {
-        if let Some(g) = grads.get(var.as_tensor()) {
-            let sq = g.sqr()?.sum_all()?.to_dtype(candle_core::DType::F32)?;
-            total = Some(match total {
-                Some(t) => t.add(&sq)?,
-                None => sq,
-            });
-        }
+    for g in present {
+        let sq = g.sqr()?.sum_all()?.to_dtype(candle_core::DType::F32)?;
+        total = Some(match total {
+            Some(t) => t.add(&sq)?,
+            None => sq,
+        });
     }
     match total {
         Some(t) => Ok(scalar_f32(&t)?.sqrt()),
         None => Ok(0.0),
     }
+}
+
+/// Measures the global norm and the factor that would clip it to `max_norm > 0`
+/// (`max_norm / (norm + 1e-6)` when the norm is finite and above it, else 1), without touching
+/// the gradients: pass the factor to [`crate::AdamW::step_scaled`], which folds it into its
+/// pass. `max_norm <= 0` only measures.
+pub fn measure_grad_norm<'a>(
+    vars: impl IntoIterator<Item = &'a Var>,
+    grads: &GradStore,
+    max_norm: f64,
+) -> Result<GradNorm> {
+    let norm = global_grad_norm(vars, grads)?;
+    let mut scale = 1.0f32;
+    if norm.is_finite() && max_norm > 0.0 && f64::from(norm) > max_norm {
+        scale = (max_norm / (f64::from(norm) + 1e-6)) as f32;
+    }
+    Ok(GradNorm { norm, scale })
+}
+
+/// Multiplies every gradient of `vars` in `grads` by `scale` (a new tensor each, as
+/// `affine(scale, 0)`: gradients may share storage, so none is scaled in place).
+pub fn scale_grads<'a>(
+    vars: impl IntoIterator<Item = &'a Var>,
+    grads: &mut GradStore,
+    scale: f32,
+) -> Result<()> {
+    for var in vars {
+        if let Some(g) = grads.get(var.as_tensor()) {
+            let scaled = g.affine(f64::from(scale), 0.0)?;
+            grads.insert(var.as_tensor(), scaled);
+        }
+    }
+    Ok(())
 }
 
 /// Measures the global norm and, when it is finite and above `max_norm > 0`, scales every
@@ -52,16 +121,9 @@ pub fn clip_grad_norm<'a>(
     grads: &mut GradStore,
     max_norm: f64,
 ) -> Result<GradNorm> {
-    let norm = global_grad_norm(vars.clone(), grads)?;
-    let mut scale = 1.0f32;
-    if norm.is_finite() && max_norm > 0.0 && f64::from(norm) > max_norm {
-        scale = (max_norm / (f64::from(norm) + 1e-6)) as f32;
-        for var in vars {
-            if let Some(g) = grads.get(var.as_tensor()) {
-                let scaled = g.affine(f64::from(scale), 0.0)?;
-                grads.insert(var.as_tensor(), scaled);
-            }
-        }
+    let measured = measure_grad_norm(vars.clone(), grads, max_norm)?;
+    if measured.is_finite() && max_norm > 0.0 && f64::from(measured.norm) > max_norm {
+        scale_grads(vars, grads, measured.scale)?;
     }
-    Ok(GradNorm { norm, scale })
+    Ok(measured)
 }

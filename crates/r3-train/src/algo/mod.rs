@@ -4,6 +4,7 @@
 //! gradient clipping and an LR schedule, and the NaN-guarded update that applies them.
 
 pub mod advantage;
+pub(crate) mod fused_optim;
 pub mod agg;
 pub mod grad_clip;
 pub mod logprob;

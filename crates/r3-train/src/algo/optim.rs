@@ -7,10 +7,18 @@
 //! A parameter without a gradient in a step (e.g. an expert no token was routed to) is left
 //! alone entirely: no decay, no moment update. An update that would make any parameter or
 //! moment NaN or infinite is not applied at all (see [`AdamW::step`]).
+//!
+//! On the CPU each f32 parameter tensor is updated by one fused pass (see
+//! [`AdamW::step_scaled`] and `algo/fused_optim.rs`), bit-identical to the composed candle ops
+//! that any other device takes.
 
+use crate::algo::fused_optim::{
+    adamw_pass, commit_into, AdamWConstants, HostF32, StagedChecks, StagedUpdate,
+};
 use crate::error::{Result, TrainError};
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
+use rayon::prelude::*;
 use r3_model::WeightPrecision;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -35,6 +43,48 @@ impl Default for AdamWParams {
             beta2: 0.999,
             eps: 1e-8,
             weight_decay: 0.0,
+        }
+    }
+}
+
+impl AdamWParams {
+    /// The bias corrections `(1 − β1ᵗ, 1 − β2ᵗ)` of step `t` (1-based).
+    pub fn bias_corrections(&self, t: u64) -> (f64, f64) {
+        (
+            1.0 - self.beta1.powf(t as f64),
+            1.0 - self.beta2.powf(t as f64),
+        )
+    }
+}
+
+/// How [`AdamW::step`] computes the update of a tensor the fused pass can take (a CPU f32
+/// tensor); every other tensor takes the composed ops. Both give bit-identical results; the
+/// choice exists so tests and `r3 bench optim` can compare them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AdamWKernel {
+    /// One fused pass per tensor (the default).
+    #[default]
+    Fused,
+    /// candle's composed elementwise ops (about a dozen passes over the parameters).
+    Composed,
+}
+
+/// One slot's update, computed but not committed.
+enum Staged {
+    Fused(StagedUpdate),
+    Composed {
+        m: Tensor,
+        v: Tensor,
+        new: Tensor,
+        checks: StagedChecks,
+    },
+}
+
+impl Staged {
+    fn checks(&self) -> StagedChecks {
+        match self {
+            Staged::Fused(u) => u.checks,
+            Staged::Composed { checks, .. } => *checks,
         }
     }
 }
@@ -77,9 +127,10 @@ pub enum AdamWStep {
     },
 }
 
-/// Whether every element of `t` is finite: the sum of finite values is finite (barring an
-/// overflow of values near the type's maximum, which is no sane weight either), and one
-/// NaN or infinity makes it NaN or infinite. One pass, no copy to the host.
+/// Whether every element of `t` is finite, by the composed path's test: the sum of finite
+/// values is finite, and one NaN or infinity makes it NaN or infinite. The sum can also
+/// overflow on finite values near the type's maximum (no sane weight, but then a false skip);
+/// the fused pass checks each element instead. One pass, no copy to the host.
 fn all_finite(t: &Tensor) -> Result<bool> {
     let sum = t.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
     Ok(sum.is_finite())
@@ -101,6 +152,7 @@ pub struct AdamW {
     step: u64,
     /// Every parameter must stay within this precision's finite range.
     precision: WeightPrecision,
+    kernel: AdamWKernel,
 }
 
 impl AdamW {
@@ -134,6 +186,7 @@ impl AdamW {
             params,
             step: 0,
             precision: WeightPrecision::F32,
+            kernel: AdamWKernel::default(),
         })
     }
 
@@ -143,6 +196,12 @@ impl AdamW {
     /// non-finite values.
     pub fn set_weight_precision(&mut self, precision: WeightPrecision) {
         self.precision = precision;
+    }
+
+    /// Chooses how tensors the fused pass can take are updated (results are bit-identical
+    /// either way; [`AdamWKernel::Fused`] is the default).
+    pub fn set_kernel(&mut self, kernel: AdamWKernel) {
+        self.kernel = kernel;
     }
 
     /// Completed update steps.
@@ -157,73 +216,168 @@ impl AdamW {
 
     /// Applies one update with learning rate `lr`, or none at all when it would leave a
     /// parameter or moment NaN or infinite, or a parameter past the weight precision's range:
-    /// every new value is computed into scratch tensors and checked there, and the variables,
+    /// every new value is computed into scratch buffers and checked there, and the variables,
     /// moments and step count change only when all pass.
     pub fn step(&mut self, grads: &GradStore, lr: f64) -> Result<AdamWStep> {
+        self.step_scaled(grads, lr, None)
+    }
+
+    /// [`AdamW::step`] on the gradients multiplied by `grad_scale` (the gradient-clip factor,
+    /// `None` when not clipped), folded into the update's pass instead of a pass of its own:
+    /// the result is bit for bit that of scaling each gradient by `affine(scale, 0)` first.
+    ///
+    /// A CPU f32 tensor takes the fused pass ([`AdamWKernel::Fused`]): one read of θ, g, m, v,
+    /// one write of the staged θ, m, v, the guard's checks in the same pass, tensors and chunks
+    /// of big tensors in parallel on the rayon pool. Its finiteness check is per element; the
+    /// composed path's is the finiteness of the tensor's sum, which also fails on finite values
+    /// whose sum overflows (a false skip the fused check does not make). Committing swaps the
+    /// staged buffers in, copying nothing. Any other tensor (another device or dtype) takes the
+    /// composed candle ops.
+    pub fn step_scaled(
+        &mut self,
+        grads: &GradStore,
+        lr: f64,
+        grad_scale: Option<f32>,
+    ) -> Result<AdamWStep> {
+        let t = self.step + 1;
+        let with_grads: Vec<(usize, Tensor)> = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| grads.get(s.var.as_tensor()).map(|g| (i, g.detach())))
+            .collect();
+        let fused = |i: usize, g: &Tensor| -> Result<Option<StagedUpdate>> {
+            if self.kernel != AdamWKernel::Fused {
+                return Ok(None);
+            }
+            let slot = &self.slots[i];
+            let g = g.contiguous()?;
+            let theta = slot.var.as_tensor();
+            let views = (
+                HostF32::of(theta),
+                HostF32::of(&g),
+                HostF32::of(&slot.m),
+                HostF32::of(&slot.v),
+            );
+            let (Some(theta), Some(g), Some(m), Some(v)) = views else {
+                return Ok(None);
+            };
+            let n = theta.slice().len();
+            if [g.slice().len(), m.slice().len(), v.slice().len()] != [n; 3] {
+                return Ok(None);
+            }
+            let k = AdamWConstants::new(&self.params, t, lr, slot.decay, grad_scale);
+            Ok(Some(adamw_pass(
+                &k,
+                theta.slice(),
+                g.slice(),
+                m.slice(),
+                v.slice(),
+            )))
+        };
+        let fused: Vec<Option<StagedUpdate>> = with_grads
+            .par_iter()
+            .map(|(i, g)| fused(*i, g))
+            .collect::<Result<_>>()?;
+        let mut staged = Vec::with_capacity(with_grads.len());
+        for ((i, g), fused) in with_grads.into_iter().zip(fused) {
+            let stage = match fused {
+                Some(update) => Staged::Fused(update),
+                None => self.composed(i, &g, t, lr, grad_scale)?,
+            };
+            let checks = stage.checks();
+            let name = &self.slots[i].name;
+            for (what, ok) in [
+                ("parameter", checks.param_finite),
+                ("first moment", checks.m_finite),
+                ("second moment", checks.v_finite),
+            ] {
+                if !ok {
+                    return Ok(AdamWStep::NonFinite {
+                        variable: name.clone(),
+                        what,
+                    });
+                }
+            }
+            let value = f64::from(checks.max_abs);
+            if self.precision != WeightPrecision::F32 && !self.precision.holds(value) {
+                return Ok(AdamWStep::OutOfRange {
+                    variable: name.clone(),
+                    value,
+                    precision: self.precision,
+                });
+            }
+            staged.push((i, stage));
+        }
+        for (i, stage) in staged {
+            let slot = &mut self.slots[i];
+            match stage {
+                Staged::Fused(StagedUpdate { theta, m, v, .. }) => {
+                    let shape = slot.var.shape().clone();
+                    commit_into(&slot.var, theta)?;
+                    slot.m = Tensor::from_vec(m, &shape, &Device::Cpu)?;
+                    slot.v = Tensor::from_vec(v, shape, &Device::Cpu)?;
+                }
+                Staged::Composed { m, v, new, .. } => {
+                    slot.var.set(&new)?;
+                    slot.m = m;
+                    slot.v = v;
+                }
+            }
+        }
+        self.step = t;
+        Ok(AdamWStep::Applied)
+    }
+
+    /// The composed candle ops of one slot's update (any device), with their checks.
+    fn composed(
+        &self,
+        i: usize,
+        g: &Tensor,
+        t: u64,
+        lr: f64,
+        grad_scale: Option<f32>,
+    ) -> Result<Staged> {
         let AdamWParams {
             beta1,
             beta2,
             eps,
             weight_decay,
         } = self.params;
-        let t = self.step + 1;
-        let bc1 = 1.0 - beta1.powf(t as f64);
-        let bc2 = 1.0 - beta2.powf(t as f64);
-        let mut staged = Vec::with_capacity(self.slots.len());
-        for (i, slot) in self.slots.iter().enumerate() {
-            let Some(g) = grads.get(slot.var.as_tensor()) else {
-                continue;
-            };
-            let g = g.detach();
-            let m = slot
-                .m
-                .affine(beta1, 0.0)?
-                .add(&g.affine(1.0 - beta1, 0.0)?)?;
-            let v = slot
-                .v
-                .affine(beta2, 0.0)?
-                .add(&g.sqr()?.affine(1.0 - beta2, 0.0)?)?;
-            let m_hat = m.affine(1.0 / bc1, 0.0)?;
-            let denom = v.affine(1.0 / bc2, 0.0)?.sqrt()?.affine(1.0, eps)?;
-            let theta = slot.var.as_detached_tensor();
-            let decayed = if slot.decay && weight_decay != 0.0 {
-                theta.affine(1.0 - lr * weight_decay, 0.0)?
+        let (bc1, bc2) = self.params.bias_corrections(t);
+        let slot = &self.slots[i];
+        let g = match grad_scale {
+            Some(s) => g.affine(f64::from(s), 0.0)?,
+            None => g.clone(),
+        };
+        let m = slot
+            .m
+            .affine(beta1, 0.0)?
+            .add(&g.affine(1.0 - beta1, 0.0)?)?;
+        let v = slot
+            .v
+            .affine(beta2, 0.0)?
+            .add(&g.sqr()?.affine(1.0 - beta2, 0.0)?)?;
+        let m_hat = m.affine(1.0 / bc1, 0.0)?;
+        let denom = v.affine(1.0 / bc2, 0.0)?.sqrt()?.affine(1.0, eps)?;
+        let theta = slot.var.as_detached_tensor();
+        let decayed = if slot.decay && weight_decay != 0.0 {
+            theta.affine(1.0 - lr * weight_decay, 0.0)?
+        } else {
+            theta
+        };
+        let new = decayed.sub(&m_hat.div(&denom)?.affine(lr, 0.0)?)?;
+        let checks = StagedChecks {
+            param_finite: all_finite(&new)?,
+            m_finite: all_finite(&m)?,
+            v_finite: all_finite(&v)?,
+            max_abs: if self.precision != WeightPrecision::F32 {
+                max_abs(&new)? as f32
             } else {
-                theta
-            };
-            let new = decayed.sub(&m_hat.div(&denom)?.affine(lr, 0.0)?)?;
-            for (what, tensor) in [
-                ("parameter", &new),
-                ("first moment", &m),
-                ("second moment", &v),
-            ] {
-                if !all_finite(tensor)? {
-                    return Ok(AdamWStep::NonFinite {
-                        variable: slot.name.clone(),
-                        what,
-                    });
-                }
-            }
-            if self.precision != WeightPrecision::F32 {
-                let value = max_abs(&new)?;
-                if !self.precision.holds(value) {
-                    return Ok(AdamWStep::OutOfRange {
-                        variable: slot.name.clone(),
-                        value,
-                        precision: self.precision,
-                    });
-                }
-            }
-            staged.push((i, m, v, new));
-        }
-        for (i, m, v, new) in staged {
-            let slot = &mut self.slots[i];
-            slot.var.set(&new)?;
-            slot.m = m;
-            slot.v = v;
-        }
-        self.step = t;
-        Ok(AdamWStep::Applied)
+                0.0
+            },
+        };
+        Ok(Staged::Composed { m, v, new, checks })
     }
 
     /// The moment tensors, named `adamw.m.<var>` and `adamw.v.<var>`.

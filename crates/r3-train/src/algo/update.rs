@@ -3,7 +3,7 @@
 //! moment non-finite (or a parameter past the rollout precision's range), skips the update and leaves the weights and the optimiser state
 //! untouched, so the loop can report it (`update.skipped`) and carry on.
 
-use crate::algo::grad_clip::{clip_grad_norm, GradNorm};
+use crate::algo::grad_clip::{measure_grad_norm, scale_grads, GradNorm};
 use crate::algo::logprob::scalar_f32;
 use crate::algo::optim::{AdamW, AdamWStep};
 use crate::error::Result;
@@ -90,7 +90,7 @@ pub fn guarded_step_with(
         });
     }
     let vars: Vec<_> = opt.vars().map(|(_, v)| v.clone()).collect();
-    let grad_norm = clip_grad_norm(vars.iter(), &mut grads, max_grad_norm)?;
+    let grad_norm = measure_grad_norm(vars.iter(), &grads, max_grad_norm)?;
     if !grad_norm.is_finite() {
         tracing::warn!(
             loss,
@@ -103,10 +103,15 @@ pub fn guarded_step_with(
             grad_norm: Some(grad_norm.norm),
         });
     }
+    // The clip factor is folded into the optimiser's pass; a hook sees the clipped gradients.
+    let mut grad_scale = (grad_norm.scale != 1.0).then_some(grad_norm.scale);
     if let Some(hook) = hook {
+        if let Some(scale) = grad_scale.take() {
+            scale_grads(vars.iter(), &mut grads, scale)?;
+        }
         hook(opt, &mut grads)?;
     }
-    let reason = match opt.step(&grads, lr)? {
+    let reason = match opt.step_scaled(&grads, lr, grad_scale)? {
         AdamWStep::Applied => None,
         AdamWStep::NonFinite { variable, what } => {
             tracing::warn!(

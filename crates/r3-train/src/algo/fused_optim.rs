@@ -1,0 +1,297 @@
+//! The optimiser's fused CPU passes over f32 host memory: one AdamW pass per parameter
+//! tensor (new θ, m, v and the guard's checks in a single read of θ, g, m, v) and the sum of
+//! squares of a gradient in candle's own summation order.
+//!
+//! Each elementwise expression is the one candle's composed ops evaluate, operation for
+//! operation (candle's CPU `affine(mul, add)` is `x * (mul as f32) + (add as f32)`, two
+//! roundings, no fused multiply-add), so the fused results are bit-identical to the composed
+//! path's. Work is split into fixed chunks on the rayon pool; every output element depends only
+//! on its own inputs and the checks combine by AND and max, so nothing depends on the thread
+//! count.
+
+use candle_core::{CpuStorage, InplaceOp1, Layout, Storage, StorageRef, Tensor, Var};
+use r3_model::layers::gemm::{assume_init_vec, unfilled};
+use rayon::prelude::*;
+use std::mem::MaybeUninit;
+use std::sync::Mutex;
+
+/// Elements per parallel task: 128 KiB per stream, large enough to amortise a task, small
+/// enough to spread one big tensor over every core.
+const CHUNK: usize = 1 << 15;
+
+/// The contiguous f32 elements of a CPU tensor, read-locked for as long as the view lives.
+pub(crate) struct HostF32<'a> {
+    storage: StorageRef<'a>,
+    from: usize,
+    to: usize,
+}
+
+impl<'a> HostF32<'a> {
+    /// The view, or `None` when `t` is not a contiguous f32 tensor on the CPU (the caller then
+    /// takes the composed path).
+    pub(crate) fn of(t: &'a Tensor) -> Option<Self> {
+        let (storage, layout) = t.storage_and_layout();
+        let (from, to) = layout.contiguous_offsets()?;
+        matches!(&*storage, Storage::Cpu(CpuStorage::F32(_))).then_some(Self { storage, from, to })
+    }
+
+    /// The elements.
+    pub(crate) fn slice(&self) -> &[f32] {
+        match &*self.storage {
+            Storage::Cpu(CpuStorage::F32(data)) => &data[self.from..self.to],
+            // `of` admits only f32 CPU storage
+            _ => &[],
+        }
+    }
+}
+
+/// AdamW's per-step constants, rounded to f32 exactly where candle's `affine` rounds them.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AdamWConstants {
+    /// β1 and 1 − β1.
+    pub beta1: f32,
+    pub one_minus_beta1: f32,
+    /// β2 and 1 − β2.
+    pub beta2: f32,
+    pub one_minus_beta2: f32,
+    /// 1 / (1 − β1ᵗ) and 1 / (1 − β2ᵗ).
+    pub inv_bc1: f32,
+    pub inv_bc2: f32,
+    pub eps: f32,
+    pub lr: f32,
+    /// 1 − lr·wd for a decayed tensor, `None` for one left undecayed.
+    pub decay: Option<f32>,
+    /// The gradient-clip factor, `None` when the gradients are not clipped.
+    pub grad_scale: Option<f32>,
+}
+
+impl AdamWConstants {
+    /// The constants of step `t` (1-based) of `params` at learning rate `lr`; `decay` says
+    /// whether this tensor is decayed.
+    pub(crate) fn new(
+        params: &crate::algo::optim::AdamWParams,
+        t: u64,
+        lr: f64,
+        decay: bool,
+        grad_scale: Option<f32>,
+    ) -> Self {
+        let (bc1, bc2) = params.bias_corrections(t);
+        Self {
+            beta1: params.beta1 as f32,
+            one_minus_beta1: (1.0 - params.beta1) as f32,
+            beta2: params.beta2 as f32,
+            one_minus_beta2: (1.0 - params.beta2) as f32,
+            inv_bc1: (1.0 / bc1) as f32,
+            inv_bc2: (1.0 / bc2) as f32,
+            eps: params.eps as f32,
+            lr: lr as f32,
+            decay: (decay && params.weight_decay != 0.0)
+                .then_some((1.0 - lr * params.weight_decay) as f32),
+            grad_scale,
+        }
+    }
+}
+
+/// What the guard needs to know of one tensor's staged update.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct StagedChecks {
+    /// Every new parameter is finite.
+    pub param_finite: bool,
+    /// Every new first moment is finite.
+    pub m_finite: bool,
+    /// Every new second moment is finite.
+    pub v_finite: bool,
+    /// The largest magnitude of a new parameter (meaningful when all are finite).
+    pub max_abs: f32,
+}
+
+impl StagedChecks {
+    const ALL_GOOD: Self = Self {
+        param_finite: true,
+        m_finite: true,
+        v_finite: true,
+        max_abs: 0.0,
+    };
+
+    fn and(self, o: Self) -> Self {
+        Self {
+            param_finite: self.param_finite && o.param_finite,
+            m_finite: self.m_finite && o.m_finite,
+            v_finite: self.v_finite && o.v_finite,
+            max_abs: self.max_abs.max(o.max_abs),
+        }
+    }
+}
+
+/// One tensor's new θ, m and v, not yet committed, and their checks.
+#[derive(Debug)]
+pub(crate) struct StagedUpdate {
+    pub theta: Vec<f32>,
+    pub m: Vec<f32>,
+    pub v: Vec<f32>,
+    pub checks: StagedChecks,
+}
+
+/// One chunk of the AdamW pass: reads θ, g, m, v once, writes θ', m', v', returns the checks.
+/// Operation for operation the composed path (see `AdamW::step`).
+fn adamw_chunk(
+    k: &AdamWConstants,
+    (theta, g, m, v): (&[f32], &[f32], &[f32], &[f32]),
+    (theta_out, m_out, v_out): (
+        &mut [MaybeUninit<f32>],
+        &mut [MaybeUninit<f32>],
+        &mut [MaybeUninit<f32>],
+    ),
+) -> StagedChecks {
+    let mut checks = StagedChecks::ALL_GOOD;
+    let n = theta.len();
+    let (g, m, v) = (&g[..n], &m[..n], &v[..n]);
+    let (theta_out, m_out, v_out) = (&mut theta_out[..n], &mut m_out[..n], &mut v_out[..n]);
+    for i in 0..n {
+        let g = match k.grad_scale {
+            Some(s) => g[i] * s + 0.0,
+            None => g[i],
+        };
+        let m1 = (m[i] * k.beta1 + 0.0) + (g * k.one_minus_beta1 + 0.0);
+        let v1 = (v[i] * k.beta2 + 0.0) + ((g * g) * k.one_minus_beta2 + 0.0);
+        let m_hat = m1 * k.inv_bc1 + 0.0;
+        let denom = (v1 * k.inv_bc2 + 0.0).sqrt() * 1.0 + k.eps;
+        let decayed = match k.decay {
+            Some(d) => theta[i] * d + 0.0,
+            None => theta[i],
+        };
+        let new = decayed - ((m_hat / denom) * k.lr + 0.0);
+        theta_out[i].write(new);
+        m_out[i].write(m1);
+        v_out[i].write(v1);
+        checks.param_finite &= new.is_finite();
+        checks.m_finite &= m1.is_finite();
+        checks.v_finite &= v1.is_finite();
+        checks.max_abs = checks.max_abs.max(new.abs());
+    }
+    checks
+}
+
+/// The fused AdamW pass over one tensor: new θ, m, v into fresh buffers (nothing is written
+/// to the inputs), chunks in parallel. All four inputs have the same length.
+pub(crate) fn adamw_pass(
+    k: &AdamWConstants,
+    theta: &[f32],
+    g: &[f32],
+    m: &[f32],
+    v: &[f32],
+) -> StagedUpdate {
+    let n = theta.len();
+    let (mut theta_out, mut m_out, mut v_out) = (unfilled(n), unfilled(n), unfilled(n));
+    let checks = theta_out
+        .par_chunks_mut(CHUNK)
+        .zip(m_out.par_chunks_mut(CHUNK))
+        .zip(v_out.par_chunks_mut(CHUNK))
+        .enumerate()
+        .map(|(c, ((to, mo), vo))| {
+            let r = c * CHUNK..(c * CHUNK + to.len());
+            adamw_chunk(
+                k,
+                (&theta[r.clone()], &g[r.clone()], &m[r.clone()], &v[r]),
+                (to, mo, vo),
+            )
+        })
+        .reduce(|| StagedChecks::ALL_GOOD, StagedChecks::and);
+    // SAFETY: the chunks tile the three buffers and `adamw_chunk` wrote every element.
+    let (theta, m, v) = unsafe {
+        (
+            assume_init_vec(theta_out),
+            assume_init_vec(m_out),
+            assume_init_vec(v_out),
+        )
+    };
+    StagedUpdate {
+        theta,
+        m,
+        v,
+        checks,
+    }
+}
+
+/// Σ g² in f32 in exactly the order candle 0.11's CPU `g.sqr()?.sum_all()` adds on x86-64 with
+/// AVX2 (32 lane accumulators over the 32-aligned prefix, reduced pairwise as its `vec_reduce`
+/// does, then the tail one by one), and sequentially elsewhere (candle's scalar loop; on other
+/// SIMD targets candle's order may differ in the last bits). One read of `g`.
+pub(crate) fn sum_of_squares(g: &[f32]) -> f32 {
+    if !candle_lane_order() {
+        return g.iter().fold(0.0f32, |acc, &x| acc + x * x);
+    }
+    let body = g.len() & !31;
+    let mut lanes = [0.0f32; 32];
+    for block in g[..body].chunks_exact(32) {
+        for (acc, &x) in lanes.iter_mut().zip(block) {
+            *acc += x * x;
+        }
+    }
+    // vec_reduce: x0 += x1, x2 += x3, x0 += x2 (8 lanes each), then the two 4-lane halves
+    // added, then two horizontal adds.
+    let mut u = [0.0f32; 8];
+    for (j, u) in u.iter_mut().enumerate() {
+        *u = (lanes[j] + lanes[8 + j]) + (lanes[16 + j] + lanes[24 + j]);
+    }
+    let t0: [f32; 4] = std::array::from_fn(|j| u[j] + u[4 + j]);
+    let mut sum = (t0[0] + t0[1]) + (t0[2] + t0[3]);
+    for &x in &g[body..] {
+        sum += x * x;
+    }
+    sum
+}
+
+/// Whether candle sums f32 with its AVX2 kernel on this machine.
+fn candle_lane_order() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx2")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Replaces the elements of a CPU f32 variable by `data` without copying them when the
+/// variable owns its whole storage (the buffers are swapped; the old one is dropped), else by
+/// one copy. Views of the variable see the new values either way, as after `Var::set`.
+pub(crate) fn commit_into(var: &Var, data: Vec<f32>) -> candle_core::Result<()> {
+    if var.elem_count() != data.len() {
+        candle_core::bail!(
+            "optimiser commit: {} values for a variable of {} elements",
+            data.len(),
+            var.elem_count()
+        );
+    }
+    var.as_tensor().inplace_op1(&SwapIn(Mutex::new(data)))
+}
+
+/// The in-place op behind [`commit_into`].
+struct SwapIn(Mutex<Vec<f32>>);
+
+impl InplaceOp1 for SwapIn {
+    fn name(&self) -> &'static str {
+        "adamw-commit"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        let CpuStorage::F32(data) = storage else {
+            candle_core::bail!("optimiser commit: the variable is not f32");
+        };
+        let Some((from, to)) = layout.contiguous_offsets() else {
+            candle_core::bail!("optimiser commit: the variable is not contiguous");
+        };
+        let mut new = self
+            .0
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("optimiser commit: poisoned".into()))?;
+        if from == 0 && to == data.len() {
+            std::mem::swap(data, &mut *new);
+        } else {
+            data[from..to].copy_from_slice(&new);
+        }
+        Ok(())
+    }
+}
