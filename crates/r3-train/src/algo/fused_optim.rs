@@ -132,9 +132,17 @@ pub(crate) struct StagedUpdate {
     pub checks: StagedChecks,
 }
 
+/// The largest `|x|` bit pattern seen: for non-negative floats the integer order of the bits
+/// is the numeric order, and every NaN or infinity sorts above every finite value, so one
+/// integer max (which vectorises) yields both the finiteness and the largest magnitude.
+const ABS_BITS: u32 = 0x7fff_ffff;
+/// The bits of +∞: any `|x|` bit pattern at or above it is infinite or NaN.
+const INF_BITS: u32 = 0x7f80_0000;
+
 /// One chunk of the AdamW pass: reads θ, g, m, v once, writes θ', m', v', returns the checks.
-/// Operation for operation the composed path (see `AdamW::step`).
-fn adamw_chunk(
+/// Operation for operation the composed path (see `AdamW::step`). `DECAY` and `SCALE` are
+/// whether `k.decay` / `k.grad_scale` are set, as constants so the loop has no branch.
+fn adamw_chunk<const DECAY: bool, const SCALE: bool>(
     k: &AdamWConstants,
     (theta, g, m, v): (&[f32], &[f32], &[f32], &[f32]),
     (theta_out, m_out, v_out): (
@@ -143,33 +151,51 @@ fn adamw_chunk(
         &mut [MaybeUninit<f32>],
     ),
 ) -> StagedChecks {
-    let mut checks = StagedChecks::ALL_GOOD;
     let n = theta.len();
     let (g, m, v) = (&g[..n], &m[..n], &v[..n]);
     let (theta_out, m_out, v_out) = (&mut theta_out[..n], &mut m_out[..n], &mut v_out[..n]);
+    let decay = k.decay.unwrap_or(1.0);
+    let scale = k.grad_scale.unwrap_or(1.0);
+    let (mut theta_max, mut m_max, mut v_max) = (0u32, 0u32, 0u32);
     for i in 0..n {
-        let g = match k.grad_scale {
-            Some(s) => g[i] * s + 0.0,
-            None => g[i],
-        };
+        let g = if SCALE { g[i] * scale + 0.0 } else { g[i] };
         let m1 = (m[i] * k.beta1 + 0.0) + (g * k.one_minus_beta1 + 0.0);
         let v1 = (v[i] * k.beta2 + 0.0) + ((g * g) * k.one_minus_beta2 + 0.0);
         let m_hat = m1 * k.inv_bc1 + 0.0;
         let denom = (v1 * k.inv_bc2 + 0.0).sqrt() * 1.0 + k.eps;
-        let decayed = match k.decay {
-            Some(d) => theta[i] * d + 0.0,
-            None => theta[i],
-        };
+        let decayed = if DECAY { theta[i] * decay + 0.0 } else { theta[i] };
         let new = decayed - ((m_hat / denom) * k.lr + 0.0);
         theta_out[i].write(new);
         m_out[i].write(m1);
         v_out[i].write(v1);
-        checks.param_finite &= new.is_finite();
-        checks.m_finite &= m1.is_finite();
-        checks.v_finite &= v1.is_finite();
-        checks.max_abs = checks.max_abs.max(new.abs());
+        theta_max = theta_max.max(new.to_bits() & ABS_BITS);
+        m_max = m_max.max(m1.to_bits() & ABS_BITS);
+        v_max = v_max.max(v1.to_bits() & ABS_BITS);
     }
-    checks
+    StagedChecks {
+        param_finite: theta_max < INF_BITS,
+        m_finite: m_max < INF_BITS,
+        v_finite: v_max < INF_BITS,
+        max_abs: f32::from_bits(theta_max),
+    }
+}
+
+/// [`adamw_chunk`] with its constants chosen.
+fn adamw_chunk_dispatch(
+    k: &AdamWConstants,
+    inputs: (&[f32], &[f32], &[f32], &[f32]),
+    outputs: (
+        &mut [MaybeUninit<f32>],
+        &mut [MaybeUninit<f32>],
+        &mut [MaybeUninit<f32>],
+    ),
+) -> StagedChecks {
+    match (k.decay.is_some(), k.grad_scale.is_some()) {
+        (false, false) => adamw_chunk::<false, false>(k, inputs, outputs),
+        (false, true) => adamw_chunk::<false, true>(k, inputs, outputs),
+        (true, false) => adamw_chunk::<true, false>(k, inputs, outputs),
+        (true, true) => adamw_chunk::<true, true>(k, inputs, outputs),
+    }
 }
 
 /// The fused AdamW pass over one tensor: new θ, m, v into fresh buffers (nothing is written
@@ -190,7 +216,7 @@ pub(crate) fn adamw_pass(
         .enumerate()
         .map(|(c, ((to, mo), vo))| {
             let r = c * CHUNK..(c * CHUNK + to.len());
-            adamw_chunk(
+            adamw_chunk_dispatch(
                 k,
                 (&theta[r.clone()], &g[r.clone()], &m[r.clone()], &v[r]),
                 (to, mo, vo),

@@ -4,8 +4,11 @@
 //! Update per parameter θ with gradient g at step t (1-based), as PyTorch's AdamW:
 //! `θ ← θ·(1 − lr·wd)`, `m ← β1·m + (1−β1)·g`, `v ← β2·v + (1−β2)·g²`,
 //! `θ ← θ − lr · (m / (1−β1ᵗ)) / (sqrt(v / (1−β2ᵗ)) + eps)`.
-//! A parameter without a gradient in a step (e.g. an expert no token was routed to) is left
-//! alone entirely: no decay, no moment update. An update that would make any parameter or
+//! A variable without a gradient in a step is left alone entirely: no decay, no moment
+//! update. The policy's routed experts are fused into one variable per layer, so an expert no
+//! token was routed to is not such a variable: its slice has an all-zero gradient and gets
+//! what a zero gradient gets (moment decay, weight decay, the step of its old moments), as
+//! PyTorch's AdamW does for a fused expert tensor (`tests/every_param_updated.rs`). An update that would make any parameter or
 //! moment NaN or infinite is not applied at all (see [`AdamW::step`]).
 //!
 //! On the CPU each f32 parameter tensor is updated by one fused pass (see
