@@ -14,7 +14,10 @@ use r3_train::{decay_matrices_only, guarded_step, AdamW, AdamWParams};
 use std::collections::BTreeSet;
 
 fn values(t: &Tensor) -> Vec<f32> {
-    t.flatten_all().expect("flat").to_vec1::<f32>().expect("vec")
+    t.flatten_all()
+        .expect("flat")
+        .to_vec1::<f32>()
+        .expect("vec")
 }
 
 #[test]
@@ -35,7 +38,10 @@ fn every_trainable_variable_gets_a_gradient_and_moves() {
         .filter(|(_, v)| grads.get(v.as_tensor()).is_none())
         .map(|(n, _)| n.as_str())
         .collect();
-    assert!(missing.is_empty(), "variables without a gradient: {missing:?}");
+    assert!(
+        missing.is_empty(),
+        "variables without a gradient: {missing:?}"
+    );
 
     // The experts the forward routed a scored position to, per layer.
     let routes = scored.routes.expect("recorded routes");
@@ -67,12 +73,18 @@ fn every_trainable_variable_gets_a_gradient_and_moves() {
             if used[layer].contains(&e) {
                 assert!(nonzero, "{name}: routed expert {e} has a zero gradient");
             } else {
-                assert!(!nonzero, "{name}: expert {e}, routed no scored token, has a gradient");
+                assert!(
+                    !nonzero,
+                    "{name}: expert {e}, routed no scored token, has a gradient"
+                );
                 unrouted += 1;
             }
         }
     }
-    assert!(unrouted > 0, "the sequence is short enough to leave an expert unrouted");
+    assert!(
+        unrouted > 0,
+        "the sequence is short enough to leave an expert unrouted"
+    );
 
     let before: Vec<Vec<f32>> = policy
         .vars()

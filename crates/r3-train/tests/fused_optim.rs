@@ -7,7 +7,8 @@ use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 use r3_model::WeightPrecision;
 use r3_train::{
-    decay_matrices_only, global_grad_norm, global_grad_norm_composed, AdamW, AdamWKernel, AdamWParams, AdamWStep,
+    decay_matrices_only, global_grad_norm, global_grad_norm_composed, AdamW, AdamWKernel,
+    AdamWParams, AdamWStep,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -203,14 +204,20 @@ fn guard_verdicts_match_the_composed_path() {
             // the first Adam step moves by about lr: 60 000 + 10 000
             AdamWStep::OutOfRange {
                 variable, value, ..
-            } => assert!(variable == "big" && (value - 70_000.0).abs() < 1.0, "{value}"),
+            } => assert!(
+                variable == "big" && (value - 70_000.0).abs() < 1.0,
+                "{value}"
+            ),
             other => panic!("{kernel:?}: expected OutOfRange, got {other:?}"),
         }
         let untouched = Tensor::new(&[60_000f32, 1.0], &Device::Cpu).expect("t");
         assert_eq!(bits(big.as_tensor()), bits(&untouched));
         range_verdicts.push(verdict);
     }
-    assert_eq!(range_verdicts[0], range_verdicts[1], "same variable, same value");
+    assert_eq!(
+        range_verdicts[0], range_verdicts[1],
+        "same variable, same value"
+    );
 }
 
 #[test]
@@ -228,15 +235,28 @@ fn fused_grad_norm_is_candles_sum_bit_for_bit() {
     // the composed reference: candle's per-tensor `sqr().sum_all()` added in order
     let reference = global_grad_norm_composed(vars.iter(), &store).expect("composed");
     let fused = global_grad_norm(vars.iter(), &store).expect("norm");
-    assert_eq!(fused.to_bits(), reference.to_bits(), "{fused} vs {reference}");
+    assert_eq!(
+        fused.to_bits(),
+        reference.to_bits(),
+        "{fused} vs {reference}"
+    );
     // and a plain f64 sum agrees to f32 rounding: the order matters only in the last bits
     let exact: f64 = vars
         .iter()
-        .flat_map(|v| store.get(v.as_tensor()).expect("g").to_vec1::<f32>().expect("v"))
+        .flat_map(|v| {
+            store
+                .get(v.as_tensor())
+                .expect("g")
+                .to_vec1::<f32>()
+                .expect("v")
+        })
         .map(|x| f64::from(x) * f64::from(x))
         .sum::<f64>()
         .sqrt();
-    assert!((f64::from(fused) - exact).abs() < 1e-5 * exact, "{fused} vs {exact}");
+    assert!(
+        (f64::from(fused) - exact).abs() < 1e-5 * exact,
+        "{fused} vs {exact}"
+    );
 }
 
 #[test]
@@ -247,7 +267,10 @@ fn the_fused_check_is_per_element_where_the_composed_sum_overflows() {
         let w = Var::new(&[3e38f32, 3e38], &Device::Cpu).expect("var");
         let mut opt = optimiser(&[("w".into(), w.clone())], 0.0, kernel);
         let mut g = GradStore::default();
-        g.insert(w.as_tensor(), Tensor::new(&[1f32, 1.0], &Device::Cpu).expect("g"));
+        g.insert(
+            w.as_tensor(),
+            Tensor::new(&[1f32, 1.0], &Device::Cpu).expect("g"),
+        );
         opt.step(&g, 1e-3).expect("step")
     };
     assert_eq!(verdict(AdamWKernel::Fused), AdamWStep::Applied);

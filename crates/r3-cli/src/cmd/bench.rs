@@ -18,6 +18,8 @@ pub enum BenchCommand {
     Fleet(super::bench_fleet::BenchFleetArgs),
     /// Reliability suite: load, slowloris, weight swaps under load, training kill/resume.
     Reliability(super::bench_reliability::BenchReliabilityArgs),
+    /// Optimiser step (grad norm + AdamW), composed vs fused, against streaming bandwidth.
+    Optim(super::bench_optim::BenchOptimArgs),
 }
 
 /// Runs one benchmark.
@@ -28,5 +30,6 @@ pub fn run(command: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Train(a) => super::bench_train::run(a),
         BenchCommand::Fleet(a) => super::bench_fleet::run(a),
         BenchCommand::Reliability(a) => super::bench_reliability::run(a),
+        BenchCommand::Optim(a) => super::bench_optim::run(a),
     }
 }

@@ -5,6 +5,7 @@
 mod analyze;
 mod bench;
 mod bench_fleet;
+mod bench_optim;
 mod bench_reliability;
 mod bench_rollout;
 mod bench_routes;

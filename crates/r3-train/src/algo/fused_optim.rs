@@ -163,7 +163,11 @@ fn adamw_chunk<const DECAY: bool, const SCALE: bool>(
         let v1 = (v[i] * k.beta2 + 0.0) + ((g * g) * k.one_minus_beta2 + 0.0);
         let m_hat = m1 * k.inv_bc1 + 0.0;
         let denom = (v1 * k.inv_bc2 + 0.0).sqrt() * 1.0 + k.eps;
-        let decayed = if DECAY { theta[i] * decay + 0.0 } else { theta[i] };
+        let decayed = if DECAY {
+            theta[i] * decay + 0.0
+        } else {
+            theta[i]
+        };
         let new = decayed - ((m_hat / denom) * k.lr + 0.0);
         theta_out[i].write(new);
         m_out[i].write(m1);
@@ -198,17 +202,37 @@ fn adamw_chunk_dispatch(
     }
 }
 
-/// The fused AdamW pass over one tensor: new θ, m, v into fresh buffers (nothing is written
-/// to the inputs), chunks in parallel. All four inputs have the same length.
+/// Uninitialised buffers for one tensor's new θ, m and v.
+#[derive(Debug)]
+pub(crate) struct FusedOutputs {
+    theta: Vec<MaybeUninit<f32>>,
+    m: Vec<MaybeUninit<f32>>,
+    v: Vec<MaybeUninit<f32>>,
+}
+
+impl FusedOutputs {
+    /// Buffers of `n` elements each.
+    pub(crate) fn new(n: usize) -> Self {
+        Self {
+            theta: unfilled(n),
+            m: unfilled(n),
+            v: unfilled(n),
+        }
+    }
+}
+
+/// The fused AdamW pass over one tensor: new θ, m, v into `out` (nothing is written to the
+/// inputs `[θ, g, m, v]`, all of `out`'s length), chunks in parallel.
 pub(crate) fn adamw_pass(
     k: &AdamWConstants,
-    theta: &[f32],
-    g: &[f32],
-    m: &[f32],
-    v: &[f32],
+    [theta, g, m, v]: [&[f32]; 4],
+    out: FusedOutputs,
 ) -> StagedUpdate {
-    let n = theta.len();
-    let (mut theta_out, mut m_out, mut v_out) = (unfilled(n), unfilled(n), unfilled(n));
+    let FusedOutputs {
+        theta: mut theta_out,
+        m: mut m_out,
+        v: mut v_out,
+    } = out;
     let checks = theta_out
         .par_chunks_mut(CHUNK)
         .zip(m_out.par_chunks_mut(CHUNK))

@@ -4,8 +4,8 @@
 //! gradient clipping and an LR schedule, and the NaN-guarded update that applies them.
 
 pub mod advantage;
-pub(crate) mod fused_optim;
 pub mod agg;
+pub(crate) mod fused_optim;
 pub mod grad_clip;
 pub mod logprob;
 pub mod loss;

@@ -16,13 +16,13 @@
 //! that any other device takes.
 
 use crate::algo::fused_optim::{
-    adamw_pass, commit_into, AdamWConstants, HostF32, StagedChecks, StagedUpdate,
+    adamw_pass, commit_into, AdamWConstants, FusedOutputs, HostF32, StagedChecks, StagedUpdate,
 };
 use crate::error::{Result, TrainError};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
-use rayon::prelude::*;
 use r3_model::WeightPrecision;
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 
@@ -249,39 +249,44 @@ impl AdamW {
             .enumerate()
             .filter_map(|(i, s)| grads.get(s.var.as_tensor()).map(|g| (i, g.detach())))
             .collect();
-        let fused = |i: usize, g: &Tensor| -> Result<Option<StagedUpdate>> {
-            if self.kernel != AdamWKernel::Fused {
-                return Ok(None);
-            }
-            let slot = &self.slots[i];
-            let g = g.contiguous()?;
-            let theta = slot.var.as_tensor();
-            let views = (
-                HostF32::of(theta),
-                HostF32::of(&g),
-                HostF32::of(&slot.m),
-                HostF32::of(&slot.v),
-            );
-            let (Some(theta), Some(g), Some(m), Some(v)) = views else {
-                return Ok(None);
-            };
-            let n = theta.slice().len();
-            if [g.slice().len(), m.slice().len(), v.slice().len()] != [n; 3] {
-                return Ok(None);
-            }
-            let k = AdamWConstants::new(&self.params, t, lr, slot.decay, grad_scale);
-            Ok(Some(adamw_pass(
-                &k,
-                theta.slice(),
-                g.slice(),
-                m.slice(),
-                v.slice(),
-            )))
-        };
-        let fused: Vec<Option<StagedUpdate>> = with_grads
-            .par_iter()
-            .map(|(i, g)| fused(*i, g))
+        // On the calling thread: which tensors take the fused pass, and their output buffers
+        // (allocated here, not on the pool's threads, so they come from one heap and reuse
+        // the buffers the last step freed).
+        let plans: Vec<Option<(Tensor, FusedOutputs)>> = with_grads
+            .iter()
+            .map(|(i, g)| -> Result<_> {
+                if self.kernel != AdamWKernel::Fused {
+                    return Ok(None);
+                }
+                let slot = &self.slots[*i];
+                let g = g.contiguous()?;
+                let n = slot.var.elem_count();
+                let host = [slot.var.as_tensor(), &g, &slot.m, &slot.v]
+                    .into_iter()
+                    .all(|t| HostF32::of(t).is_some_and(|h| h.slice().len() == n));
+                Ok(host.then(|| (g, FusedOutputs::new(n))))
+            })
             .collect::<Result<_>>()?;
+        let fused: Vec<Option<StagedUpdate>> = plans
+            .into_par_iter()
+            .zip(with_grads.par_iter())
+            .map(|(plan, (i, _))| {
+                let (g, out) = plan?;
+                let slot = &self.slots[*i];
+                let theta = HostF32::of(slot.var.as_tensor())?;
+                let (g, m, v) = (
+                    HostF32::of(&g)?,
+                    HostF32::of(&slot.m)?,
+                    HostF32::of(&slot.v)?,
+                );
+                let k = AdamWConstants::new(&self.params, t, lr, slot.decay, grad_scale);
+                Some(adamw_pass(
+                    &k,
+                    [theta.slice(), g.slice(), m.slice(), v.slice()],
+                    out,
+                ))
+            })
+            .collect();
         let mut staged = Vec::with_capacity(with_grads.len());
         for ((i, g), fused) in with_grads.into_iter().zip(fused) {
             let stage = match fused {
