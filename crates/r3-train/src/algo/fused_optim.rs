@@ -139,17 +139,16 @@ const ABS_BITS: u32 = 0x7fff_ffff;
 /// The bits of +∞: any `|x|` bit pattern at or above it is infinite or NaN.
 const INF_BITS: u32 = 0x7f80_0000;
 
+/// One chunk of the unwritten θ', m', v' buffers.
+type OutChunks<'a> = [&'a mut [MaybeUninit<f32>]; 3];
+
 /// One chunk of the AdamW pass: reads θ, g, m, v once, writes θ', m', v', returns the checks.
 /// Operation for operation the composed path (see `AdamW::step`). `DECAY` and `SCALE` are
 /// whether `k.decay` / `k.grad_scale` are set, as constants so the loop has no branch.
 fn adamw_chunk<const DECAY: bool, const SCALE: bool>(
     k: &AdamWConstants,
     (theta, g, m, v): (&[f32], &[f32], &[f32], &[f32]),
-    (theta_out, m_out, v_out): (
-        &mut [MaybeUninit<f32>],
-        &mut [MaybeUninit<f32>],
-        &mut [MaybeUninit<f32>],
-    ),
+    [theta_out, m_out, v_out]: OutChunks<'_>,
 ) -> StagedChecks {
     let n = theta.len();
     let (g, m, v) = (&g[..n], &m[..n], &v[..n]);
@@ -188,11 +187,7 @@ fn adamw_chunk<const DECAY: bool, const SCALE: bool>(
 fn adamw_chunk_dispatch(
     k: &AdamWConstants,
     inputs: (&[f32], &[f32], &[f32], &[f32]),
-    outputs: (
-        &mut [MaybeUninit<f32>],
-        &mut [MaybeUninit<f32>],
-        &mut [MaybeUninit<f32>],
-    ),
+    outputs: OutChunks<'_>,
 ) -> StagedChecks {
     match (k.decay.is_some(), k.grad_scale.is_some()) {
         (false, false) => adamw_chunk::<false, false>(k, inputs, outputs),
@@ -243,7 +238,7 @@ pub(crate) fn adamw_pass(
             adamw_chunk_dispatch(
                 k,
                 (&theta[r.clone()], &g[r.clone()], &m[r.clone()], &v[r]),
-                (to, mo, vo),
+                [to, mo, vo],
             )
         })
         .reduce(|| StagedChecks::ALL_GOOD, StagedChecks::and);
