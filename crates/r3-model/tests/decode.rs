@@ -79,34 +79,46 @@ fn prefill_then_decode_equals_the_full_forward() {
         let mut cache = model.kv_cache();
         let prefill = 5;
         let mut worst = 0f32;
-        let mut check = |pos: usize, logits: &[f32], routes: &[Vec<u32>], time: usize, row: usize| {
-            let diff = logits
-                .iter()
-                .zip(&want[pos])
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
-            worst = worst.max(diff);
-            assert!(diff < 1e-4, "{family}: position {pos} logits differ by {diff}");
-            if let Some(table) = table {
-                assert_eq!(routes.len(), table.num_columns(), "{family}");
-                for (c, ids) in routes.iter().enumerate() {
-                    assert_eq!(ids.len(), time * k, "{family}: column {c}");
-                    let mut got: Vec<u64> =
-                        ids[row * k..(row + 1) * k].iter().map(|&e| e as u64).collect();
-                    got.sort_unstable();
-                    assert_eq!(got, sorted_experts(table, pos, c), "{family} pos {pos} col {c}");
+        let mut check =
+            |pos: usize, logits: &[f32], routes: &[Vec<u32>], time: usize, row: usize| {
+                let diff = logits
+                    .iter()
+                    .zip(&want[pos])
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                worst = worst.max(diff);
+                assert!(
+                    diff < 1e-4,
+                    "{family}: position {pos} logits differ by {diff}"
+                );
+                if let Some(table) = table {
+                    assert_eq!(routes.len(), table.num_columns(), "{family}");
+                    for (c, ids) in routes.iter().enumerate() {
+                        assert_eq!(ids.len(), time * k, "{family}: column {c}");
+                        let mut got: Vec<u64> = ids[row * k..(row + 1) * k]
+                            .iter()
+                            .map(|&e| e as u64)
+                            .collect();
+                        got.sort_unstable();
+                        assert_eq!(
+                            got,
+                            sorted_experts(table, pos, c),
+                            "{family} pos {pos} col {c}"
+                        );
+                    }
+                } else {
+                    assert!(routes.is_empty(), "{family}: a dense model routes nothing");
                 }
-            } else {
-                assert!(routes.is_empty(), "{family}: a dense model routes nothing");
-            }
-        };
+            };
         let (logits, routes) = feed(&model, &mut cache, &tokens, 0, prefill);
         for row in 0..prefill - 1 {
             // Only the last slot's logits come back; its routes cover every slot.
             if let Some(table) = table {
                 for (c, ids) in routes.iter().enumerate() {
-                    let mut got: Vec<u64> =
-                        ids[row * k..(row + 1) * k].iter().map(|&e| e as u64).collect();
+                    let mut got: Vec<u64> = ids[row * k..(row + 1) * k]
+                        .iter()
+                        .map(|&e| e as u64)
+                        .collect();
                     got.sort_unstable();
                     assert_eq!(got, sorted_experts(table, row, c), "{family} prefill {row}");
                 }

@@ -165,10 +165,10 @@ impl MlaAttention {
 
     /// The attention output `[B, NH, T, v]` back to `[B, T, H]` through `o_proj`.
     fn output(&self, out: &Tensor, b: usize, t: usize) -> Result<Tensor> {
-        let out = out
-            .transpose(1, 2)?
-            .contiguous()?
-            .reshape((b, t, self.num_heads * self.v_dim))?;
+        let out =
+            out.transpose(1, 2)?
+                .contiguous()?
+                .reshape((b, t, self.num_heads * self.v_dim))?;
         self.o_proj.forward(&out)
     }
 }

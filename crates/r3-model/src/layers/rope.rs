@@ -132,7 +132,10 @@ impl Rope {
 
     /// [`Rope::host_tables`] for the given positions, one row each (the same values as
     /// the full table's rows at those positions).
-    fn host_tables_at(&self, positions: impl ExactSizeIterator<Item = u32>) -> (Vec<f32>, Vec<f32>) {
+    fn host_tables_at(
+        &self,
+        positions: impl ExactSizeIterator<Item = u32>,
+    ) -> (Vec<f32>, Vec<f32>) {
         let half = self.inv_freq.len();
         let mut cos = Vec::with_capacity(positions.len() * half);
         let mut sin = Vec::with_capacity(positions.len() * half);
