@@ -25,6 +25,7 @@ pub mod prefix_cache;
 pub mod request;
 pub mod sampler;
 
+pub use device_engine::choice::{RolloutDevice, RolloutEngine};
 pub use device_engine::{DeviceEngine, DeviceEngineConfig};
 pub use dtype::{Dtype, RouterDtype};
 pub use engine::{config_eos_ids, CachedBlock, Engine, EngineConfig};

@@ -5,22 +5,75 @@
 //! reproduces itself and the CPU engine's tokens, a batch of prompts of different lengths
 //! equal to running them one at a time, an abort, and bad requests refused by name.
 
+//!
+//! The device is a value: the CPU in a default build (CI), CUDA GPU 0 in a build with
+//! `--features cuda` (`scripts/cuda/build.sh` builds this file as `r3-rollout-device_engine`
+//! and `scripts/cuda/check.sh` runs it on the GPU machine, from the crate folder: fixtures
+//! are found relative to the working directory, so the binary runs without the source tree).
+
 mod common;
 #[path = "../../r3-model/tests/common/mod.rs"]
 mod model_common;
 
+use std::path::PathBuf;
+
 use candle_core::DType;
-use common::{engine, ids, model_dir, oracle, MODELS};
+use common::{ids, MODELS};
 use model_common::{sequences, tiny_config, tiny_weights, FAMILIES};
-use r3_model::Config;
+use r3_model::{Config, DeviceSpec};
 use r3_rollout::{
     DeviceEngine, DeviceEngineConfig, Dtype, Engine, EngineConfig, GenerateRequest, GenerateResult,
     SamplingParams, TensorMap,
 };
 use r3_routing::RouteTable;
 
+/// Where the device engine runs in this build.
+#[cfg(not(feature = "cuda"))]
+const DEVICE: DeviceSpec = DeviceSpec::Cpu;
+#[cfg(feature = "cuda")]
+const DEVICE: DeviceSpec = DeviceSpec::Cuda { ordinal: 0 };
+
+/// How far the device engine's log-probs may be from the CPU engine's (f32): composed
+/// candle ops against the CPU engine's own kernels, and on a GPU cuBLAS and CUDA kernels.
+const LOGPROB_TOL: f32 = if cfg!(feature = "cuda") { 1e-3 } else { 1e-4 };
+/// How far a batched request's log-probs may be from the same request alone (padding keys
+/// add exact zeros, but reductions may group differently).
+const BATCH_TOL: f32 = if cfg!(feature = "cuda") { 1e-4 } else { 1e-5 };
+
+/// A fixture directory, relative to the crate folder (the working directory of tests).
+fn model_dir(name: &str) -> PathBuf {
+    PathBuf::from("tests/fixtures").join(name)
+}
+
+/// The oracle subset of both fixture models.
+fn oracle() -> serde_json::Value {
+    let text = std::fs::read_to_string(model_dir("oracle_subset.json")).expect("oracle fixture");
+    serde_json::from_str(&text).expect("oracle fixture is JSON")
+}
+
+fn device_config() -> DeviceEngineConfig {
+    DeviceEngineConfig {
+        device: DEVICE,
+        ..DeviceEngineConfig::default()
+    }
+}
+
 fn device_engine(name: &str) -> DeviceEngine {
-    DeviceEngine::from_dir(&model_dir(name), DeviceEngineConfig::default()).expect("loads")
+    DeviceEngine::from_dir(&model_dir(name), device_config()).expect("loads")
+}
+
+/// The CPU engine over a fixture model, f32, no prefix cache.
+fn cpu_engine(name: &str) -> Engine {
+    Engine::from_dir(
+        &model_dir(name),
+        EngineConfig {
+            dtype: Dtype::F32,
+            prefix_cache: false,
+            kv_cache_bytes: 64 << 20,
+            ..EngineConfig::default()
+        },
+    )
+    .expect("cpu engine")
 }
 
 /// Cells (token, column) whose expert sets differ between two tables of the same shape.
@@ -94,11 +147,11 @@ fn greedy_generation_equals_hf_and_the_cpu_engine() {
             want.len() - 1,
             "prompt + generated - 1 rows"
         );
-        let cpu = engine(name, Dtype::F32, false)
+        let cpu = cpu_engine(name)
             .generate(vec![req])
             .expect("cpu generate")
             .remove(0);
-        assert_same(name, &got, &cpu, 1e-4);
+        assert_same(name, &got, &cpu, LOGPROB_TOL);
     }
 }
 
@@ -115,7 +168,7 @@ fn both(cfg: &Config, map: &TensorMap) -> (Engine, DeviceEngine) {
         },
     )
     .expect("cpu engine");
-    let dev = DeviceEngine::new(cfg.clone(), map, DeviceEngineConfig::default()).expect("device");
+    let dev = DeviceEngine::new(cfg.clone(), map, device_config()).expect("device");
     (cpu, dev)
 }
 
@@ -140,8 +193,8 @@ fn every_family_generates_as_the_cpu_engine_greedy_and_seeded() {
         let reqs = vec![greedy, sampled.clone()];
         let want = cpu.generate(reqs.clone()).expect("cpu");
         let got = dev.generate(reqs).expect("device");
-        assert_same(&format!("{family} greedy"), &got[0], &want[0], 1e-4);
-        assert_same(&format!("{family} seeded"), &got[1], &want[1], 1e-4);
+        assert_same(&format!("{family} greedy"), &got[0], &want[0], LOGPROB_TOL);
+        assert_same(&format!("{family} seeded"), &got[1], &want[1], LOGPROB_TOL);
         // Same seed, same tokens: the sampled request again, alone.
         let again = dev.generate(vec![sampled]).expect("again").remove(0);
         assert_eq!(
@@ -178,7 +231,7 @@ fn a_batch_of_different_lengths_equals_one_at_a_time() {
     let batched = dev.generate(reqs.clone()).expect("batch");
     for (i, req) in reqs.into_iter().enumerate() {
         let alone = dev.generate(vec![req]).expect("alone").remove(0);
-        assert_same(&format!("request {i}"), &batched[i], &alone, 1e-5);
+        assert_same(&format!("request {i}"), &batched[i], &alone, BATCH_TOL);
         assert_eq!(batched[i].output_top_logprobs.len(), alone.output_ids.len());
     }
     // Requests finishing at different steps left the batch one by one.
@@ -221,8 +274,8 @@ fn an_aborted_request_leaves_the_others_running() {
     }
     done.sort_by_key(|r| r.id);
     assert_eq!(done.len(), 2);
-    assert_same("first", &done[0], &alone[0], 1e-5);
-    assert_same("third", &done[1], &alone[2], 1e-5);
+    assert_same("first", &done[0], &alone[0], BATCH_TOL);
+    assert_same("third", &done[1], &alone[2], BATCH_TOL);
 }
 
 #[test]
@@ -246,7 +299,7 @@ fn bad_requests_are_refused_naming_what_is_wrong() {
         &model_dir("qwen3_moe_tiny"),
         DeviceEngineConfig {
             kv_cache_bytes: 1024,
-            ..DeviceEngineConfig::default()
+            ..device_config()
         },
     )
     .expect("loads");
@@ -260,8 +313,9 @@ fn bad_requests_are_refused_naming_what_is_wrong() {
     );
 }
 
-/// The trainer's native routes (r3-model's `Record` forward over prompt + output, in the
-/// engine's precision) against the routes the device engine captured while generating.
+/// The trainer's native routes (r3-model's `Record` forward over prompt + output on the same
+/// device, in the engine's precision) against the routes the device engine captured while
+/// generating.
 #[test]
 fn captured_routes_equal_the_trainers_native_routes_f32_and_bf16() {
     use r3_model::{Batch, Model, Precision, Routing, Weights};
@@ -278,7 +332,7 @@ fn captured_routes_equal_the_trainers_native_routes_f32_and_bf16() {
                 &map,
                 DeviceEngineConfig {
                     dtype,
-                    ..DeviceEngineConfig::default()
+                    ..device_config()
                 },
             )
             .expect("device engine");
@@ -293,9 +347,14 @@ fn captured_routes_equal_the_trainers_native_routes_f32_and_bf16() {
             let mut fed = prompt;
             fed.extend_from_slice(&got.output_ids);
             fed.pop();
-            let trainer = Model::with_precision(&cfg, &Weights::from_map(map.clone()), precision)
+            let device = DEVICE.open().expect("device");
+            let on_device = map
+                .iter()
+                .map(|(k, t)| (k.clone(), t.to_device(&device).expect("to device")))
+                .collect();
+            let trainer = Model::with_precision(&cfg, &Weights::from_map(on_device), precision)
                 .expect("trainer model");
-            let batch = Batch::new(&[fed], 0, &candle_core::Device::Cpu).expect("batch");
+            let batch = Batch::new(&[fed], 0, &device).expect("batch");
             let out = trainer.forward(&batch, Routing::Record).expect("forward");
             let want = &out.routes.expect("recorded")[0];
             let differ = differing_cells(got.routes.as_ref().expect("routes"), want);

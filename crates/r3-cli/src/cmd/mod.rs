@@ -4,6 +4,7 @@
 
 mod analyze;
 mod bench;
+mod bench_decode;
 mod bench_fleet;
 mod bench_reliability;
 mod bench_rollout;

@@ -17,6 +17,7 @@
 //! paged cache, the prefix cache, prompt log-probs and resuming a partial rollout.
 
 pub mod batch;
+pub mod choice;
 
 use std::collections::VecDeque;
 use std::path::Path;
