@@ -29,13 +29,14 @@ fn causal(first: usize, time: usize, window: Option<usize>) -> Vec<f32> {
         .collect()
 }
 
-/// Feeds `tokens[first..first + time]` of one sequence; its last logits row and routes.
+/// Feeds `tokens[first..first + time]` of one sequence; its logits rows (every slot's with
+/// `all_logits`, else the last) and routes.
 fn feed(
     model: &Model,
     cache: &mut KvCache,
     tokens: &[u32],
-    first: usize,
-    time: usize,
+    (first, time): (usize, usize),
+    all_logits: bool,
 ) -> (Vec<f32>, Vec<Vec<u32>>) {
     let positions: Vec<u32> = (first..first + time).map(|p| p as u32).collect();
     let window = match model.config().attention {
@@ -49,6 +50,7 @@ fn feed(
         mask: &mask,
         batch: 1,
         time,
+        all_logits,
     };
     let out = model.forward_step(&step, cache).expect("step");
     let logits = out
@@ -110,23 +112,21 @@ fn prefill_then_decode_equals_the_full_forward() {
                     assert!(routes.is_empty(), "{family}: a dense model routes nothing");
                 }
             };
-        let (logits, routes) = feed(&model, &mut cache, &tokens, 0, prefill);
-        for row in 0..prefill - 1 {
-            // Only the last slot's logits come back; its routes cover every slot.
-            if let Some(table) = table {
-                for (c, ids) in routes.iter().enumerate() {
-                    let mut got: Vec<u64> = ids[row * k..(row + 1) * k]
-                        .iter()
-                        .map(|&e| e as u64)
-                        .collect();
-                    got.sort_unstable();
-                    assert_eq!(got, sorted_experts(table, row, c), "{family} prefill {row}");
-                }
-            }
+        // The prefill returns every slot's logits; each must be the full forward's row.
+        let (logits, routes) = feed(&model, &mut cache, &tokens, (0, prefill), true);
+        let vocab = cfg.vocab_size;
+        assert_eq!(logits.len(), prefill * vocab, "{family}: all prefill rows");
+        for row in 0..prefill {
+            check(
+                row,
+                &logits[row * vocab..(row + 1) * vocab],
+                &routes,
+                prefill,
+                row,
+            );
         }
-        check(prefill - 1, &logits, &routes, prefill, prefill - 1);
         for pos in prefill..tokens.len() {
-            let (logits, routes) = feed(&model, &mut cache, &tokens, pos, 1);
+            let (logits, routes) = feed(&model, &mut cache, &tokens, (pos, 1), false);
             check(pos, &logits, &routes, 1, 0);
         }
         assert_eq!(cache.slots(), tokens.len());
@@ -147,6 +147,7 @@ fn a_malformed_step_is_refused_naming_it() {
                 mask: &[0.0],
                 batch: 1,
                 time: 1,
+                all_logits: false,
             },
             &mut cache,
         )
@@ -160,6 +161,7 @@ fn a_malformed_step_is_refused_naming_it() {
                 mask: &[0.0],
                 batch: 1,
                 time: 2,
+                all_logits: false,
             },
             &mut cache,
         )

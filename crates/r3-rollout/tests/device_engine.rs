@@ -2,8 +2,9 @@
 //! device tensors) against independent truth, on the CPU device: greedy generation equal to
 //! the HF oracle's and to the CPU engine's, routes equal to the CPU engine's (counted cell by
 //! cell; a tie of two router logits within rounding would be reported), seeded sampling that
-//! reproduces itself and the CPU engine's tokens, a batch of prompts of different lengths
-//! equal to running them one at a time, an abort, and bad requests refused by name.
+//! reproduces itself and the CPU engine's tokens, prompt log-probs equal to the CPU engine's,
+//! a batch of prompts of different lengths equal to running them one at a time, an abort,
+//! and bad requests refused by name.
 
 //!
 //! The device is a value: the CPU in a default build (CI), CUDA GPU 0 in a build with
@@ -289,12 +290,6 @@ fn bad_requests_are_refused_naming_what_is_wrong() {
     let bad_id = GenerateRequest::new(vec![vocab as u32], SamplingParams::greedy(1));
     let err = dev.submit(bad_id).expect_err("id past the vocabulary");
     assert!(err.to_string().contains("vocabulary"), "{err}");
-    let mut with_prompt_logprobs = GenerateRequest::new(vec![1, 2], SamplingParams::greedy(1));
-    with_prompt_logprobs.sampling.prompt_logprobs_from = Some(0);
-    let err = dev
-        .submit(with_prompt_logprobs)
-        .expect_err("prompt log-probs");
-    assert!(err.to_string().contains("prompt log-probs"), "{err}");
     let mut small = DeviceEngine::from_dir(
         &model_dir("qwen3_moe_tiny"),
         DeviceEngineConfig {
@@ -311,6 +306,50 @@ fn bad_requests_are_refused_naming_what_is_wrong() {
         !dev.has_work() && !small.has_work(),
         "nothing refused was queued"
     );
+}
+
+#[test]
+fn prompt_logprobs_equal_the_cpu_engines_in_a_batch() {
+    let cfg = tiny_config("olmoe");
+    let map = tiny_weights(&cfg, 8, DType::F32).into_map();
+    let (mut cpu, mut dev) = both(&cfg, &map);
+    let prompts = sequences(&[6, 2, 9], cfg.vocab_size, 5);
+    let reqs: Vec<GenerateRequest> = prompts
+        .iter()
+        .zip([Some(0), Some(1), None])
+        .map(|(p, from)| {
+            let mut r = GenerateRequest::new(p.clone(), SamplingParams::greedy(3));
+            r.sampling.prompt_logprobs_from = from;
+            r.sampling.top_logprobs = 2;
+            r
+        })
+        .collect();
+    let want = cpu.generate(reqs.clone()).expect("cpu");
+    let got = dev.generate(reqs).expect("device");
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_same(&format!("request {i}"), g, w, LOGPROB_TOL);
+        match (&g.prompt_logprobs, &w.prompt_logprobs) {
+            (Some(a), Some(b)) => {
+                assert_eq!(a.start, b.start, "request {i}: start");
+                assert_eq!(
+                    a.logprobs.len(),
+                    prompts[i].len() - 1 - a.start,
+                    "request {i}"
+                );
+                let d = max_abs_diff(&a.logprobs, &b.logprobs);
+                assert!(
+                    d <= LOGPROB_TOL,
+                    "request {i}: prompt log-probs differ by {d}"
+                );
+                let ids = |t: &Vec<Vec<(u32, f32)>>| -> Vec<Vec<u32>> {
+                    t.iter().map(|r| r.iter().map(|e| e.0).collect()).collect()
+                };
+                assert_eq!(ids(&a.top_logprobs), ids(&b.top_logprobs), "request {i}");
+            }
+            (None, None) => {}
+            _ => panic!("request {i}: one engine reported prompt log-probs, the other not"),
+        }
+    }
 }
 
 /// The trainer's native routes (r3-model's `Record` forward over prompt + output on the same

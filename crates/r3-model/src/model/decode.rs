@@ -58,12 +58,15 @@ pub struct Step<'a> {
     pub batch: usize,
     /// Slots fed per sequence.
     pub time: usize,
+    /// Return the logits of every fed slot, not only the last (prompt log-probs).
+    pub all_logits: bool,
 }
 
 /// What one step computed.
 #[derive(Debug)]
 pub struct StepOutput {
-    /// `[batch, vocab]` logits of each sequence's last fed slot, on the device.
+    /// `[batch, rows, vocab]` logits on the device: of every fed slot (`rows = time`) with
+    /// `all_logits`, else of each sequence's last fed slot (`rows = 1`).
     pub logits: Tensor,
     /// Per MoE layer (in layer order, the route table's columns): the `[batch · time ·
     /// top_k]` experts the router chose at every fed slot, best first, on the host (the MoE
@@ -143,8 +146,12 @@ impl Model {
             x = self.feed_forward(i, layer, h, &rows, None, &mut moe)?;
         }
         cache.slots = s;
-        let last = self.norm.forward(&x.narrow(1, t - 1, 1)?)?;
-        let logits = self.lm_head.forward(&last)?.reshape((b, cfg.vocab_size))?;
+        let rows = if step.all_logits {
+            x
+        } else {
+            x.narrow(1, t - 1, 1)?
+        };
+        let logits = self.lm_head.forward(&self.norm.forward(&rows)?)?;
         Ok(StepOutput {
             logits,
             routes: moe.used,

@@ -32,6 +32,8 @@ pub struct Row {
     pub route_versions: Vec<u64>,
     /// Whether routes are captured.
     pub capture: bool,
+    /// Prompt log-probs, once the prefill computed them (when asked for).
+    pub prompt_logprobs: Option<crate::request::PromptLogprobs>,
     /// Why it finished, once it has.
     pub finish: Option<FinishReason>,
 }

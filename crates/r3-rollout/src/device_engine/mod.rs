@@ -13,8 +13,9 @@
 //! dispatch from host ids, so capture copies nothing from the device), one row per position
 //! of prompt + output except the last token, which is never fed.
 //!
-//! Not here yet (the CPU engine has them): continuous admission into a running batch, a
-//! paged cache, the prefix cache, prompt log-probs and resuming a partial rollout.
+//! Prompt log-probs (when asked) come from the prefill's logits of every prompt slot, copied
+//! to the host once. Not here yet (the CPU engine has them): continuous admission into a
+//! running batch, a paged cache, the prefix cache and resuming a partial rollout.
 
 pub mod batch;
 pub mod choice;
@@ -34,8 +35,11 @@ use crate::engine::next_token::{finish_after, sample_next};
 use crate::engine::sequence::RouteGeometry;
 use crate::engine::{config_eos_ids, validate_request};
 use crate::error::RolloutError;
+use crate::kernels::ops::log_softmax_at;
 use crate::model::tensors::{load_dir_with, TensorMap};
-use crate::request::{FinishReason, GenerateRequest, GenerateResult, PartialRollout, RequestId};
+use crate::request::{
+    FinishReason, GenerateRequest, GenerateResult, PartialRollout, PromptLogprobs, RequestId,
+};
 use crate::sampler::{top_logprobs, SampleScratch};
 use batch::{capture_routes, decode_layout, prefill_layout, Row};
 
@@ -248,13 +252,6 @@ impl DeviceEngine {
     /// Validates and queues a request; it runs in the next batch.
     pub fn submit(&mut self, req: GenerateRequest) -> Result<RequestId, RolloutError> {
         validate_request(&self.model_cfg, &req)?;
-        if req.sampling.prompt_logprobs_from.is_some() {
-            return Err(RolloutError::InvalidRequest(
-                "prompt log-probs are not computed by the device engine yet (use the CPU \
-                 engine, --device cpu)"
-                    .into(),
-            ));
-        }
         let need = (req.input_ids.len() + req.sampling.max_new_tokens) * self.slot_bytes();
         if need > self.cfg.kv_cache_bytes {
             return Err(RolloutError::InvalidRequest(format!(
@@ -312,6 +309,12 @@ impl DeviceEngine {
         } else {
             decode_layout(&running.rows, first, window)
         };
+        // Prompt log-probs need the prefill's logits at every prompt slot.
+        let all_logits = first == 0
+            && running
+                .rows
+                .iter()
+                .any(|r| r.request.sampling.prompt_logprobs_from.is_some());
         let out = self.model.forward_step(
             &Step {
                 tokens: &layout.tokens,
@@ -319,6 +322,7 @@ impl DeviceEngine {
                 mask: &layout.mask,
                 batch: running.rows.len(),
                 time: layout.time,
+                all_logits,
             },
             &mut running.cache,
         )?;
@@ -334,11 +338,18 @@ impl DeviceEngine {
         self.capture_time += started.elapsed();
         // One copy of the step's logits to the host.
         let logits = out.logits.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
-        let logits = logits.to_vec2::<f32>()?;
+        let mut logits = logits.to_vec3::<f32>()?;
+        if all_logits {
+            for (row, rows) in running.rows.iter_mut().zip(&mut logits) {
+                row.prompt_logprobs = prompt_logprobs(row, rows);
+                // Sampling reads the last slot's row.
+                rows.drain(..rows.len() - 1);
+            }
+        }
         let max_pos = self.model_cfg.max_position_embeddings;
         let mut scratch = SampleScratch::default();
         let mut adjusted = Vec::new();
-        for (row, logits) in running.rows.iter_mut().zip(&logits) {
+        for (row, logits) in running.rows.iter_mut().zip(logits.iter().flatten()) {
             let params = &row.request.sampling;
             let (tok, lp) = sample_next(
                 logits,
@@ -405,6 +416,7 @@ impl DeviceEngine {
                 routes: Vec::new(),
                 route_versions: Vec::new(),
                 capture: w.request.return_routes && self.geo.row() > 0,
+                prompt_logprobs: None,
                 finish: None,
                 request: w.request,
             });
@@ -467,7 +479,7 @@ impl DeviceEngine {
             output_ids: row.generated().to_vec(),
             output_logprobs: row.logprobs,
             output_top_logprobs: row.top_logprobs,
-            prompt_logprobs: None,
+            prompt_logprobs: row.prompt_logprobs,
             finish: row.finish.unwrap_or(FinishReason::Abort),
             cached_tokens: 0,
             routes,
@@ -515,7 +527,7 @@ impl DeviceEngine {
             output_ids: result.output_ids,
             output_logprobs: result.output_logprobs,
             output_top_logprobs: result.output_top_logprobs,
-            prompt_logprobs: None,
+            prompt_logprobs: result.prompt_logprobs,
             routes: result.routes,
             rng,
             weight_version: self.version,
@@ -542,6 +554,28 @@ impl DeviceEngine {
         let tensors = load_dir_with(dir, &self.model_cfg, &options)?;
         self.update_weights(&tensors)
     }
+}
+
+/// The prompt log-probs `row` asked for, from its prefill logits `rows` (one per slot of the
+/// padded batch): `log softmax(logits[p − 1])[token p]` for prompt positions after the first
+/// reported one (as the CPU engine reports them).
+fn prompt_logprobs(row: &Row, rows: &[Vec<f32>]) -> Option<PromptLogprobs> {
+    let from = row.request.sampling.prompt_logprobs_from?;
+    let start = from.min(row.prompt_len.saturating_sub(1));
+    let top = row.request.sampling.top_logprobs;
+    let mut out = PromptLogprobs {
+        start,
+        ..PromptLogprobs::default()
+    };
+    for p in start..row.prompt_len.saturating_sub(1) {
+        let logits = &rows[row.pad + p];
+        out.logprobs
+            .push(log_softmax_at(logits, row.tokens[p + 1] as usize));
+        if top > 0 {
+            out.top_logprobs.push(top_logprobs(logits, top));
+        }
+    }
+    Some(out)
 }
 
 /// r3-model's model on `device` from HF-named tensors (f32 master copies on the device).
