@@ -68,7 +68,7 @@ fn prefill_then_decode_equals_the_full_forward() {
         let tokens = sequences(&[12], cfg.vocab_size, 2).remove(0);
         let full = model
             .forward(
-                &Batch::new(&[tokens.clone()], 0, &Device::Cpu).expect("batch"),
+                &Batch::new(std::slice::from_ref(&tokens), 0, &Device::Cpu).expect("batch"),
                 match cfg.moe {
                     Some(_) => Routing::Record,
                     None => Routing::Native,
