@@ -13,7 +13,13 @@
 #    with the same weights and seed);
 # 3. `r3 bench train` on CUDA (f32, bf16) beside scripts/cuda/peer_hf.py (HF transformers
 #    on the same GPU, the same config and batch).
-# Ends with one summary line. Every step has a time limit so the whole stays under 5 min.
+# 4. The device rollout engine on CUDA (prepared, not yet run on a GPU): its tests (greedy =
+#    HF's on the oracle fixtures and = the CPU engine's, routes = the trainer's native routes
+#    on the GPU in f32 and bf16, seeded sampling reproducing itself, a batch = one at a time),
+#    `r3 generate --device cuda` = `--device cpu` on the oracle prompts, and `r3 bench decode
+#    --device cuda` at batch 1 / 64 / 256 (f32, bf16) beside scripts/cuda/peer_hf_generate.py.
+# Ends with one summary line. Every step has a time limit (steps 1-3 under 5 min; step 4
+# adds up to about 10 min at worst: run it with the rest, or alone by commenting 1-3 out).
 set -uo pipefail
 
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -26,7 +32,7 @@ verdict() { verdicts+=("$1=$2"); echo "== $1: $2"; }
 
 gpu_name=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -n 1)
 echo "== GPU: ${gpu_name:-unknown (nvidia-smi failed)}"
-for exe in r3 r3-model-devices r3-train-devices; do
+for exe in r3 r3-model-devices r3-train-devices r3-rollout-device_engine; do
     if [ ! -x "$bin/$exe" ]; then
         echo "check.sh: $bin/$exe is missing: run scripts/cuda/build.sh and carry gpu/bin" >&2
         exit 2
@@ -99,5 +105,75 @@ for dtype in f32 bf16; do
 done
 verdict bench "$(IFS=';'; echo "${bench[*]}")"
 echo "   benchmarks took $(( $(date +%s) - t0 )) s"
+
+# 4. The device rollout engine on the GPU.
+t0=$(date +%s)
+(cd crates/r3-rollout && timeout 90 "$bin/r3-rollout-device_engine" --test-threads=1 --nocapture) \
+    > "$out/test-rollout.txt" 2>&1
+rc=$?; grep -E "differ|test result|panicked" "$out/test-rollout.txt" | tail -n 40
+verdict rollout-tests "$([ $rc = 0 ] && echo pass || echo "FAIL($rc)")"
+generate_verdict=$("$python" - "$bin/r3" <<'PY'
+import json, subprocess, sys
+r3 = sys.argv[1]
+oracle = json.load(open("crates/r3-rollout/tests/fixtures/oracle_subset.json"))
+bad = []
+for name in ("qwen3_moe_tiny", "deepseek_v3_tiny"):
+    g = oracle[name]["greedy"]
+    prompt, want = g["prompt"], g["output_ids"]
+    outs = {}
+    for device in ("cuda", "cpu"):
+        p = subprocess.run([r3, "generate", "--model", f"crates/r3-rollout/tests/fixtures/{name}",
+                            "--input-ids", ",".join(map(str, prompt)), "--dtype", "f32",
+                            "--max-new-tokens", str(len(want) - len(prompt)), "--device", device],
+                           capture_output=True, text=True, timeout=60)
+        outs[device] = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else None
+    cuda, cpu = outs["cuda"], outs["cpu"]
+    if cuda is None or cpu is None:
+        bad.append(f"{name}: r3 generate failed"); continue
+    if cuda["output_ids"] != want[len(prompt):]:
+        bad.append(f"{name}: cuda tokens differ from HF's")
+    if cuda["output_ids"] != cpu["output_ids"]:
+        bad.append(f"{name}: cuda tokens differ from the CPU engine's")
+    if cuda["routes"] != cpu["routes"]:
+        bad.append(f"{name}: cuda routes differ from the CPU engine's (ties within rounding?)")
+print("pass" if not bad else "FAIL(" + "; ".join(bad) + ")")
+PY
+)
+verdict generate-cuda "$generate_verdict"
+# Both engines on the GPU: the default task, 5 steps (replay must verify every step).
+timeout 150 "$bin/r3" train --set train.device=cuda --set rollout.device=cuda --set steps=5 \
+    --set eval.every=0 --set checkpoint.every=0 --set run_dir="$out/train-both-cuda" \
+    > "$out/train-both-cuda.txt" 2>&1
+rc=$?; tail -n 3 "$out/train-both-cuda.txt"
+both_verdict=$("$python" - "$out/train-both-cuda/metrics.jsonl" "$rc" <<'PY'
+import json, sys
+try:
+    rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+except OSError:
+    rows = []
+if sys.argv[2] != "0" or len(rows) < 5:
+    print(f"FAIL(rc {sys.argv[2]}, {len(rows)} steps)"); sys.exit()
+bad = [i + 1 for i, r in enumerate(rows) if r.get("replay.verified_frac") != 1.0]
+split = {k: round(sum(r.get(k, 0) for r in rows[1:]) / max(len(rows) - 1, 1), 3)
+         for k in ("time.rollout_s", "time.old_logp_s", "time.update_s", "time.sync_s")}
+print(("pass" if not bad else "FAIL") + f"(verified_frac!=1 at {bad or 'none'}; mean s/step after 1: {split};"
+      + f" rewards {[r.get('reward_mean') for r in rows]})")
+PY
+)
+verdict train-both-cuda "$both_verdict"
+decode=()
+for dtype in f32 bf16; do
+    timeout 150 "$bin/r3" bench decode --device cuda --configs mid --batches 1,64,256 \
+        --dtype "$dtype" --prompt-len 32 --new-tokens 128 > "$out/decode-r3-$dtype.txt" 2>&1
+    cat "$out/decode-r3-$dtype.txt"
+    r3_tps=$(grep -E "^decode mid" "$out/decode-r3-$dtype.txt" | sed -E 's/.*batch ([0-9]+): ([0-9.]+) tokens\/s.*/\1:\2/' | tr '\n' ' ')
+    (cd scripts/cuda && timeout 150 "$python" peer_hf_generate.py --dtype "$dtype" \
+        --batches 1,64,256 --prompt-len 32 --new-tokens 128) > "$out/decode-hf-$dtype.txt" 2>&1
+    cat "$out/decode-hf-$dtype.txt"
+    hf_tps=$(grep -E "^peer-generate" "$out/decode-hf-$dtype.txt" | sed -E 's/.*batch ([0-9]+),.* ([0-9.]+) tokens\/s.*/\1:\2/' | tr '\n' ' ')
+    decode+=("$dtype r3 [${r3_tps:-?}] HF [${hf_tps:-?}] tok/s by batch")
+done
+verdict decode "$(IFS=';'; echo "${decode[*]}")"
+echo "   rollout engine checks took $(( $(date +%s) - t0 )) s"
 
 echo "SUMMARY gpu=[${gpu_name:-unknown}] $(IFS=' '; echo "${verdicts[*]}")" | tee "$out/summary.txt"

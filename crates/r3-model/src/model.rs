@@ -1,5 +1,8 @@
 //! The decoder-only MoE model: embeddings → decoder layers → norm → lm_head, run in f32
-//! over a right-padded batch with routing given as an argument.
+//! over a right-padded batch with routing given as an argument; [`decode`] runs it one step
+//! at a time over a KV cache.
+
+pub mod decode;
 
 use std::time::{Duration, Instant};
 
@@ -253,8 +256,6 @@ impl Model {
             mask: AttentionMask::new(lengths, t, window, device)?.to_dtype(self.embed.dtype())?,
             rows: routed_rows(lengths, t, device)?,
             plan: plan.as_ref(),
-            batch: b,
-            time: t,
         };
 
         let ids = batch.input_ids.to_device(device)?.flatten_all()?;
@@ -317,14 +318,29 @@ impl Model {
         ctx: &LayerContext<'_>,
         moe: &mut MoeRecord,
     ) -> Result<Tensor> {
-        let cfg = &self.cfg;
-        let (b, t) = (ctx.batch, ctx.time);
         let normed = layer.input_norm.forward(&x)?;
         let attn = match &layer.attention {
             Attention::Gqa(a) => a.forward(&normed, &ctx.rope, &ctx.mask)?,
             Attention::Mla(a) => a.forward(&normed, &ctx.rope, &ctx.mask)?,
         };
         let h = self.precision.round(&(x + attn)?)?;
+        self.feed_forward(i, layer, h, &ctx.rows, ctx.plan, moe)
+    }
+
+    /// The second half of decoder layer `i` on `h` `[B, T, H]` (the residual stream after
+    /// attention): the dense or MoE feed-forward routing `rows` (whose dispatched ids go to
+    /// `moe`; `plan` forces replayed ids), with its residual.
+    fn feed_forward(
+        &self,
+        i: usize,
+        layer: &DecoderLayer,
+        h: Tensor,
+        rows: &RoutedRows,
+        plan: Option<&ReplayPlan>,
+        moe: &mut MoeRecord,
+    ) -> Result<Tensor> {
+        let cfg = &self.cfg;
+        let (b, t, _) = h.dims3()?;
         let normed = layer
             .post_norm
             .forward(&h)?
@@ -335,8 +351,8 @@ impl Model {
                 let column = cfg.layout.moe_column(i).ok_or_else(|| {
                     ModelError::InvalidConfig(format!("layer {i} has no MoE column"))
                 })?;
-                let layer_plan = ctx.plan.and_then(|p| p.layers.get(column));
-                let out = block.forward(&normed, &ctx.rows, layer_plan)?;
+                let layer_plan = plan.and_then(|p| p.layers.get(column));
+                let out = block.forward(&normed, rows, layer_plan)?;
                 moe.used.push(out.ids);
                 moe.differs.push(out.differs_from_native);
                 moe.replay_time += out.replay_time;
@@ -406,8 +422,6 @@ struct LayerContext<'a> {
     mask: AttentionMask,
     rows: RoutedRows,
     plan: Option<&'a ReplayPlan>,
-    batch: usize,
-    time: usize,
 }
 
 /// What the MoE layers of one forward did, in layer order.

@@ -80,6 +80,9 @@ pub enum RolloutError {
     /// Error from the routing crate (building or merging route tables).
     #[error("routes: {0}")]
     Routes(#[from] r3_routing::RouteError),
+    /// The device asked for cannot be opened (a build without CUDA, no GPU or driver).
+    #[error(transparent)]
+    Device(#[from] r3_model::DeviceError),
     /// Error from candle (tensor conversion during weight loading).
     #[error("tensor: {0}")]
     Candle(#[from] candle_core::Error),

@@ -14,6 +14,7 @@
 //! Log-probs: every reported log-prob is `log softmax(logits)[token]` under the raw model
 //! distribution (temperature 1, before top-k / top-p), in f32 from the engine's logits.
 
+pub mod device_engine;
 pub mod dtype;
 pub mod engine;
 pub mod error;
@@ -24,6 +25,8 @@ pub mod prefix_cache;
 pub mod request;
 pub mod sampler;
 
+pub use device_engine::choice::{RolloutDevice, RolloutEngine};
+pub use device_engine::{DeviceEngine, DeviceEngineConfig};
 pub use dtype::{Dtype, RouterDtype};
 pub use engine::{config_eos_ids, CachedBlock, Engine, EngineConfig};
 pub use error::RolloutError;

@@ -32,6 +32,21 @@ pub struct ModelSummary {
     pub eos_token_ids: Vec<u32>,
 }
 
+impl ModelSummary {
+    /// The summary of a model config and its eos ids.
+    pub fn of(cfg: &r3_model::Config, eos_token_ids: &[u32]) -> Self {
+        ModelSummary {
+            model_type: cfg.architecture.model_type().to_string(),
+            vocab_size: cfg.vocab_size,
+            max_position_embeddings: cfg.max_position_embeddings,
+            layout: cfg.layer_layout().clone(),
+            top_k: cfg.top_k(),
+            num_experts: cfg.num_experts(),
+            eos_token_ids: eos_token_ids.to_vec(),
+        }
+    }
+}
+
 /// New weights on their way to the engine worker: the checked directory, and the weights
 /// already built from it when the backend has a [`WeightStager`].
 #[derive(Debug)]
@@ -95,16 +110,7 @@ pub trait InferenceBackend: Send + 'static {
 
 impl InferenceBackend for Engine {
     fn summary(&self) -> ModelSummary {
-        let cfg = self.model_config();
-        ModelSummary {
-            model_type: cfg.architecture.model_type().to_string(),
-            vocab_size: cfg.vocab_size,
-            max_position_embeddings: cfg.max_position_embeddings,
-            layout: cfg.layer_layout().clone(),
-            top_k: cfg.top_k(),
-            num_experts: cfg.num_experts(),
-            eos_token_ids: self.eos_token_ids().to_vec(),
-        }
+        ModelSummary::of(self.model_config(), self.eos_token_ids())
     }
 
     fn submit(&mut self, req: GenerateRequest) -> Result<RequestId, RolloutError> {

@@ -21,6 +21,7 @@ pub mod backend;
 pub mod chat;
 pub mod completions;
 pub mod connections;
+pub mod device_backend;
 pub mod error;
 pub mod fields;
 pub mod generate;

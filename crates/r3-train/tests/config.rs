@@ -112,6 +112,13 @@ fn override_errors_name_the_problem() {
         }
         other => panic!("expected InvalidConfig, got {other:?}"),
     }
+    match TrainConfig::resolve(None, &set(&["rollout.device=gpu"])) {
+        Err(TrainError::InvalidConfig { field, reason }) => {
+            assert_eq!(field, "rollout.device");
+            assert!(reason.contains("cpu-candle"), "{reason}");
+        }
+        other => panic!("expected InvalidConfig, got {other:?}"),
+    }
     match TrainConfig::resolve(None, &set(&["algo.eps_low=1.5"])) {
         Err(TrainError::InvalidConfig { field, .. }) => assert_eq!(field, "algo.eps_low"),
         other => panic!("expected InvalidConfig, got {other:?}"),

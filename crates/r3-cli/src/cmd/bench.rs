@@ -12,6 +12,9 @@ pub enum BenchCommand {
     Routes(bench_routes::BenchRoutesArgs),
     /// Rollout engine generation throughput (tokens/s), capture on/off, prefix cache.
     Rollout(bench_rollout::BenchRolloutArgs),
+    /// Decode throughput (tokens/s) of the device engine (`--device cuda`, `cpu-candle`) or
+    /// the CPU engine at batch 1 / 64 / 256, with the share spent on route capture.
+    Decode(super::bench_decode::BenchDecodeArgs),
     /// Training forward+backward throughput (tokens/s), Native vs Replay routing.
     Train(super::bench_train::BenchTrainArgs),
     /// Rollout through 1 and 2 local HTTP workers vs the in-process engine: overhead per token.
@@ -27,6 +30,7 @@ pub fn run(command: BenchCommand) -> anyhow::Result<()> {
     match command {
         BenchCommand::Routes(a) => bench_routes::run(a),
         BenchCommand::Rollout(a) => bench_rollout::run(a),
+        BenchCommand::Decode(a) => super::bench_decode::run(a),
         BenchCommand::Train(a) => super::bench_train::run(a),
         BenchCommand::Fleet(a) => super::bench_fleet::run(a),
         BenchCommand::Reliability(a) => super::bench_reliability::run(a),

@@ -54,7 +54,7 @@ pub struct BenchRolloutArgs {
 
 /// The bench configs: `mid` is `r3 bench train`'s documented mid-size config; `tiny` a
 /// four-layer, eight-expert model of the same family.
-fn bench_config(name: &str) -> anyhow::Result<Config> {
+pub(super) fn bench_config(name: &str) -> anyhow::Result<Config> {
     match name {
         "mid" => Ok(presets::mid_size_bench_config()?),
         "tiny" => Ok(Config::from_value(serde_json::json!({
@@ -94,7 +94,7 @@ fn engine(s: &Setup, dtype: Dtype, prefix_cache: bool) -> anyhow::Result<Engine>
 }
 
 /// splitmix64 for seeded prompts.
-fn prompt(seed: u64, i: usize, len: usize, vocab: usize) -> Vec<u32> {
+pub(super) fn prompt(seed: u64, i: usize, len: usize, vocab: usize) -> Vec<u32> {
     let mut x = seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     (0..len)
         .map(|_| {

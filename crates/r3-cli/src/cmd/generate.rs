@@ -9,7 +9,9 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 use r3_model::LoadOptions;
-use r3_rollout::{Dtype, Engine, EngineConfig, GenerateRequest, RouterDtype, SamplingParams};
+use r3_rollout::{
+    Dtype, EngineConfig, GenerateRequest, RolloutDevice, RolloutEngine, RouterDtype, SamplingParams,
+};
 use r3_text::{ChatMessage, ChatTemplate, RenderOptions, TextTokenizer};
 
 /// Arguments of `r3 generate`.
@@ -62,6 +64,11 @@ pub struct GenerateArgs {
     /// First position whose routes are returned.
     #[arg(long, default_value_t = 0)]
     pub routes_start_len: usize,
+    /// Which engine generates, and where: `cpu` (the CPU engine), `cpu-candle` (the device
+    /// engine on the CPU), `cuda` / `cuda:N` (the device engine on a GPU; needs a build
+    /// with the `cuda` feature).
+    #[arg(long, default_value = "cpu")]
+    pub device: RolloutDevice,
     /// Load weights holding NaN or inf, or values past the `--dtype` range (65504 for f16),
     /// instead of refusing them (for inspecting a broken checkpoint).
     #[arg(long)]
@@ -83,7 +90,7 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
         allow_non_finite: a.allow_non_finite_weights,
         ..LoadOptions::default()
     };
-    let mut engine = Engine::from_dir_with(&a.model, cfg, &load)
+    let mut engine = RolloutEngine::from_dir_with(a.device, &a.model, cfg, &load)
         .with_context(|| format!("loading model from {}", a.model.display()))?;
     let mut stop_token_ids = a.stop_token_ids.clone();
     let tokenizer = super::model_tokenizer(&a.model, engine.model_config().vocab_size)?;
@@ -121,6 +128,7 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
         "finish_reason": result.finish,
         "prompt_tokens": result.prompt_tokens,
         "dtype": dtype.to_string(),
+        "device": a.device.to_string(),
         "weight_version": result.weight_version,
         "routes": result.routes.map(|r| r.to_json()),
     });

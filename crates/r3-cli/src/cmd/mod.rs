@@ -4,6 +4,7 @@
 
 mod analyze;
 mod bench;
+mod bench_decode;
 mod bench_fleet;
 mod bench_optim;
 mod bench_reliability;

@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 use r3_model::LoadOptions;
-use r3_rollout::{Dtype, Engine, EngineConfig, RouterDtype};
+use r3_rollout::{Dtype, EngineConfig, RolloutDevice, RolloutEngine, RouterDtype};
 use r3_server::connections::connections_for_open_files;
 use r3_server::{
     build_app, serve_with_limits, ClientLimits, ConnectionLimits, SecurityConfig, ServerConfig,
@@ -35,6 +35,11 @@ pub struct ServeArgs {
     /// MoE router precision: the model dtype (`bf16`, also accepted as `model`) or `f32`.
     #[arg(long, default_value = "model")]
     pub router_dtype: String,
+    /// Which engine serves, and where: `cpu` (the CPU engine), `cpu-candle` (the device
+    /// engine on the CPU), `cuda` / `cuda:N` (the device engine on a GPU; needs a build
+    /// with the `cuda` feature). The device engine has no prefix cache.
+    #[arg(long, default_value = "cpu")]
+    pub device: RolloutDevice,
     /// KV cache budget in MiB.
     #[arg(long, default_value_t = 2048)]
     pub kv_cache_mib: usize,
@@ -173,7 +178,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         allow_non_finite: a.allow_non_finite_weights,
         ..LoadOptions::default()
     };
-    let engine = Engine::from_dir_with(&a.model, cfg, &load)
+    let engine = RolloutEngine::from_dir_with(a.device, &a.model, cfg, &load)
         .with_context(|| format!("loading model from {}", a.model.display()))?;
     let text = TextCodec::from_model_dir(&a.model).map_err(anyhow::Error::msg)?;
     if let Some(codec) = &text {
@@ -226,19 +231,24 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         tracing::info!(root = %root.display(), "weight updates read only under this directory");
     }
     let has_text = text.is_some();
-    let app = build_app(engine, text, config).context("starting the engine worker")?;
+    let app = match engine {
+        RolloutEngine::Cpu(engine) => build_app(engine, text, config),
+        RolloutEngine::Device(engine) => build_app(engine, text, config),
+    }
+    .context("starting the engine worker")?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(a.http_threads.max(1))
         .enable_all()
         .build()
         .context("starting the HTTP runtime")?;
     let addr = format!("{}:{}", a.host, a.port);
+    let device = a.device;
     runtime.block_on(async move {
         let listener = tokio::net::TcpListener::bind(&addr)
             .await
             .with_context(|| format!("binding {addr}"))?;
         let local = listener.local_addr().context("reading the bound address")?;
-        tracing::info!(%local, dtype = %dtype, text = has_text, "r3 serve listening");
+        tracing::info!(%local, dtype = %dtype, device = %device, text = has_text, "r3 serve listening");
         let shutdown = async {
             let _ = tokio::signal::ctrl_c().await;
             tracing::info!("shutting down");

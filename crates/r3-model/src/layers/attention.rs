@@ -8,7 +8,7 @@ use candle_core::{DType, Device, Tensor, D};
 use super::attention_op::MaskedAttention;
 use super::linear::Linear;
 use super::norm::RmsNorm;
-use super::rope::RopeTables;
+use super::rope::{PositionTables, RopeTables, Rotary};
 use crate::config::{AttentionConfig, Config, QkNorm};
 use crate::error::{ModelError, Result};
 use crate::precision::Precision;
@@ -95,14 +95,60 @@ pub fn attend_composed(
     scale: f64,
     groups: usize,
 ) -> Result<Tensor> {
+    attend_additive(q, k, v, &mask.additive, scale, groups)
+}
+
+/// [`attend_composed`] with `S` keys (`k` `[B, KV, S, Dq]`, `v` `[B, KV, S, Dv]`, a step
+/// over a KV cache has `S ≥ T`) and an additive mask broadcastable to `[B, 1, 1, T, S]`.
+pub fn attend_additive(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    additive: &Tensor,
+    scale: f64,
+    groups: usize,
+) -> Result<Tensor> {
     let (b, kv, gt, _) = q.dims4()?;
     let t = gt / groups.max(1);
+    let s = k.dim(2)?;
     let scores = (q.contiguous()?.matmul(&k.contiguous()?.t()?)? * scale)?;
     let scores = scores
-        .reshape((b, kv, groups, t, t))?
-        .broadcast_add(&mask.additive)?;
-    let probs = candle_nn::ops::softmax(&scores, D::Minus1)?.reshape((b, kv, gt, t))?;
+        .reshape((b, kv, groups, t, s))?
+        .broadcast_add(additive)?;
+    let probs = candle_nn::ops::softmax(&scores, D::Minus1)?.reshape((b, kv, gt, s))?;
     Ok(probs.matmul(&v.contiguous()?)?)
+}
+
+/// One attention layer's keys and values of the positions fed so far, `[B, KV, S, D]`
+/// device tensors (a padded batch: every sequence holds `S` slots).
+#[derive(Debug, Clone, Default)]
+pub struct LayerKv {
+    kv: Option<(Tensor, Tensor)>,
+}
+
+impl LayerKv {
+    /// Appends a step's `[B, KV, T, D]` keys and values; returns all of them.
+    pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (k, v) = match self.kv.take() {
+            None => (k.contiguous()?, v.contiguous()?),
+            Some((k0, v0)) => (Tensor::cat(&[&k0, k], 2)?, Tensor::cat(&[&v0, v], 2)?),
+        };
+        self.kv = Some((k.clone(), v.clone()));
+        Ok((k, v))
+    }
+
+    /// The device of the cached tensors (None while empty).
+    pub fn device(&self) -> Option<Device> {
+        self.kv.as_ref().map(|(k, _)| k.device().clone())
+    }
+
+    /// Keeps only the batch rows `rows` (a u32 index tensor), in that order.
+    pub fn keep_rows(&mut self, rows: &Tensor) -> Result<()> {
+        if let Some((k, v)) = self.kv.take() {
+            self.kv = Some((k.index_select(rows, 0)?, v.index_select(rows, 0)?));
+        }
+        Ok(())
+    }
 }
 
 /// GQA self-attention with optional qkv bias, q/k norm and qkv clipping.
@@ -180,6 +226,36 @@ impl GqaAttention {
     /// `[B, T, H]` → `[B, T, H]`.
     pub fn forward(&self, x: &Tensor, rope: &RopeTables, mask: &AttentionMask) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
+        let (q, k, v) = self.project(x, rope)?;
+        let hd = self.head_dim;
+        let groups = self.num_heads / self.num_kv_heads;
+        let out = attend(&q, &k, &v, mask, 1.0 / (hd as f64).sqrt(), groups)?;
+        self.output(&out, b, t)
+    }
+
+    /// One step over a KV cache: `x` `[B, T, H]` at the positions `rope` rotates with,
+    /// its keys and values appended to `cache`, the queries attending over every cached
+    /// slot under `additive` (`[B, 1, 1, T, S]`) → `[B, T, H]`.
+    pub fn forward_cached(
+        &self,
+        x: &Tensor,
+        rope: &PositionTables,
+        cache: &mut LayerKv,
+        additive: &Tensor,
+    ) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let (q, k, v) = self.project(x, rope)?;
+        let (k, v) = cache.append(&k, &v)?;
+        let hd = self.head_dim;
+        let groups = self.num_heads / self.num_kv_heads;
+        let out = attend_additive(&q, &k, &v, additive, 1.0 / (hd as f64).sqrt(), groups)?;
+        self.output(&out, b, t)
+    }
+
+    /// Rotated queries `[B, KV, G·T, D]` (G query heads per key/value head, stacked),
+    /// rotated keys and values `[B, KV, T, D]` of `x` `[B, T, H]`.
+    fn project(&self, x: &Tensor, rope: &impl Rotary) -> Result<(Tensor, Tensor, Tensor)> {
+        let (b, t, _) = x.dims3()?;
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let mut q = self.q_proj.forward(x)?;
         let mut k = self.k_proj.forward(x)?;
@@ -199,12 +275,17 @@ impl GqaAttention {
             q = qn.forward(&q)?;
             k = kn.forward(&k)?;
         }
-        let q = self.precision.round(&rope.apply(&q.transpose(1, 2)?)?)?;
-        let k = self.precision.round(&rope.apply(&k.transpose(1, 2)?)?)?;
+        let q = self.precision.round(&rope.rotate(&q.transpose(1, 2)?)?)?;
+        let k = self.precision.round(&rope.rotate(&k.transpose(1, 2)?)?)?;
         let v = v.reshape((b, t, nkv, hd))?.transpose(1, 2)?;
         let groups = nh / nkv;
         let q = q.reshape((b, nkv, groups * t, hd))?;
-        let out = attend(&q, &k, &v, mask, 1.0 / (hd as f64).sqrt(), groups)?;
+        Ok((q, k, v))
+    }
+
+    /// The attention output `[B, KV, G·T, D]` back to `[B, T, H]` through `o_proj`.
+    fn output(&self, out: &Tensor, b: usize, t: usize) -> Result<Tensor> {
+        let (nh, hd) = (self.num_heads, self.head_dim);
         let out = out
             .reshape((b, nh, t, hd))?
             .transpose(1, 2)?

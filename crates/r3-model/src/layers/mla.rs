@@ -3,10 +3,10 @@
 
 use candle_core::{Tensor, D};
 
-use super::attention::{attend, AttentionMask};
+use super::attention::{attend, attend_additive, AttentionMask, LayerKv};
 use super::linear::Linear;
 use super::norm::RmsNorm;
-use super::rope::{mla_softmax_scale_multiplier, RopeTables};
+use super::rope::{mla_softmax_scale_multiplier, PositionTables, RopeTables, Rotary};
 use crate::config::{AttentionConfig, Config};
 use crate::error::{ModelError, Result};
 use crate::precision::Precision;
@@ -103,6 +103,32 @@ impl MlaAttention {
     /// `[B, T, H]` → `[B, T, H]`.
     pub fn forward(&self, x: &Tensor, rope: &RopeTables, mask: &AttentionMask) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
+        let (q, k, v) = self.project(x, rope)?;
+        let out = attend(&q, &k, &v, mask, self.scale, 1)?;
+        self.output(&out, b, t)
+    }
+
+    /// One step over a KV cache (the per-head keys and values, decompressed, are what is
+    /// cached): `x` `[B, T, H]` at the positions `rope` rotates with, attending over every
+    /// cached slot under `additive` (`[B, 1, 1, T, S]`) → `[B, T, H]`.
+    pub fn forward_cached(
+        &self,
+        x: &Tensor,
+        rope: &PositionTables,
+        cache: &mut LayerKv,
+        additive: &Tensor,
+    ) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let (q, k, v) = self.project(x, rope)?;
+        let (k, v) = cache.append(&k, &v)?;
+        let out = attend_additive(&q, &k, &v, additive, self.scale, 1)?;
+        self.output(&out, b, t)
+    }
+
+    /// Queries and keys `[B, NH, T, nope + rope]` (rotary parts rotated) and values
+    /// `[B, NH, T, v]` of `x` `[B, T, H]`.
+    fn project(&self, x: &Tensor, rope: &impl Rotary) -> Result<(Tensor, Tensor, Tensor)> {
+        let (b, t, _) = x.dims3()?;
         let (nh, nope, rd, vd) = (self.num_heads, self.nope, self.rope_dim, self.v_dim);
         let q = match &self.q {
             QueryProj::LowRank { a, norm, b } => b.forward(&norm.forward(&a.forward(x)?)?)?,
@@ -112,7 +138,7 @@ impl MlaAttention {
         let q_pass = q.narrow(D::Minus1, 0, nope)?;
         let q_rot = self
             .precision
-            .round(&rope.apply(&q.narrow(D::Minus1, nope, rd)?)?)?;
+            .round(&rope.rotate(&q.narrow(D::Minus1, nope, rd)?)?)?;
 
         let compressed = self.kv_a.forward(x)?;
         let k_pass = compressed.narrow(D::Minus1, 0, self.kv_lora_rank)?;
@@ -122,7 +148,7 @@ impl MlaAttention {
             .transpose(1, 2)?;
         let k_rot = self
             .precision
-            .round(&rope.apply(&k_rot)?)?
+            .round(&rope.rotate(&k_rot)?)?
             .broadcast_as((b, nh, t, rd))?;
         let kv = self
             .kv_b
@@ -134,11 +160,15 @@ impl MlaAttention {
 
         let q = Tensor::cat(&[&q_pass, &q_rot], D::Minus1)?;
         let k = Tensor::cat(&[&k_nope, &k_rot], D::Minus1)?;
-        let out = attend(&q, &k, &v, mask, self.scale, 1)?;
-        let out = out
-            .transpose(1, 2)?
-            .contiguous()?
-            .reshape((b, t, nh * vd))?;
+        Ok((q, k, v))
+    }
+
+    /// The attention output `[B, NH, T, v]` back to `[B, T, H]` through `o_proj`.
+    fn output(&self, out: &Tensor, b: usize, t: usize) -> Result<Tensor> {
+        let out =
+            out.transpose(1, 2)?
+                .contiguous()?
+                .reshape((b, t, self.num_heads * self.v_dim))?;
         self.o_proj.forward(&out)
     }
 }

@@ -127,10 +127,19 @@ impl Rope {
     /// attention factor (YaRN's magnitude correction, 1 otherwise): the tables both engines
     /// rotate with.
     pub fn host_tables(&self, seq_len: usize) -> (Vec<f32>, Vec<f32>) {
+        self.host_tables_at((0..seq_len).map(|p| p as u32))
+    }
+
+    /// [`Rope::host_tables`] for the given positions, one row each (the same values as
+    /// the full table's rows at those positions).
+    fn host_tables_at(
+        &self,
+        positions: impl ExactSizeIterator<Item = u32>,
+    ) -> (Vec<f32>, Vec<f32>) {
         let half = self.inv_freq.len();
-        let mut cos = Vec::with_capacity(seq_len * half);
-        let mut sin = Vec::with_capacity(seq_len * half);
-        for pos in 0..seq_len {
+        let mut cos = Vec::with_capacity(positions.len() * half);
+        let mut sin = Vec::with_capacity(positions.len() * half);
+        for pos in positions {
             for &f in &self.inv_freq {
                 let angle = pos as f32 * f;
                 cos.push(angle.cos() * self.attention_factor);
@@ -138,6 +147,25 @@ impl Rope {
             }
         }
         (cos, sin)
+    }
+
+    /// cos/sin of `positions` (`[batch, time]` row-major: each sequence at its own
+    /// positions), for a step over a KV cache.
+    pub fn tables_at(
+        &self,
+        positions: &[u32],
+        batch: usize,
+        time: usize,
+        device: &Device,
+        dtype: DType,
+    ) -> Result<PositionTables> {
+        let half = self.inv_freq.len();
+        let (cos, sin) = self.host_tables_at(positions.iter().copied());
+        Ok(PositionTables {
+            cos: Tensor::from_vec(cos, (batch, time, half), device)?.to_dtype(dtype)?,
+            sin: Tensor::from_vec(sin, (batch, time, half), device)?.to_dtype(dtype)?,
+            interleaved: self.interleaved,
+        })
     }
 
     /// cos/sin tables for positions `0..seq_len` in `dtype`.
@@ -199,6 +227,40 @@ impl RopeTables {
             )?)
         } else {
             Ok(candle_nn::rotary_emb::rope_slow(&x, &self.cos, &self.sin)?)
+        }
+    }
+}
+
+/// What rotates q and k in an attention layer: the tables of positions `0..T` of a full
+/// forward ([`RopeTables`]) or the positions of a step over a KV cache ([`PositionTables`]).
+pub trait Rotary {
+    /// Rotates `x` `[batch, heads, seq, dim]`.
+    fn rotate(&self, x: &Tensor) -> Result<Tensor>;
+}
+
+impl Rotary for RopeTables {
+    fn rotate(&self, x: &Tensor) -> Result<Tensor> {
+        self.apply(x)
+    }
+}
+
+/// cos/sin `[batch, time, dim / 2]` of each sequence's own positions (one step of
+/// incremental decoding, where the sequences of a batch sit at different positions).
+#[derive(Debug, Clone)]
+pub struct PositionTables {
+    cos: Tensor,
+    sin: Tensor,
+    interleaved: bool,
+}
+
+impl Rotary for PositionTables {
+    /// candle's rope kernels (CPU, CUDA), which take per-sequence `[B, T, D/2]` tables.
+    fn rotate(&self, x: &Tensor) -> Result<Tensor> {
+        let x = x.contiguous()?;
+        if self.interleaved {
+            Ok(candle_nn::rotary_emb::rope_i(&x, &self.cos, &self.sin)?)
+        } else {
+            Ok(candle_nn::rotary_emb::rope(&x, &self.cos, &self.sin)?)
         }
     }
 }

@@ -2,9 +2,10 @@
 //! `submit` queues a request, `step` runs one batched forward over every running sequence
 //! (continuous batching: requests join and leave between steps).
 
+pub mod next_token;
 pub mod penalty;
 mod prefix;
-mod sequence;
+pub(crate) mod sequence;
 mod step;
 
 use std::collections::{HashMap, VecDeque};
@@ -230,45 +231,7 @@ impl Engine {
     }
 
     fn validate(&self, req: &GenerateRequest) -> Result<(), RolloutError> {
-        let vocab = self.model.config().vocab_size;
-        if req.input_ids.is_empty() {
-            return Err(RolloutError::InvalidRequest("input_ids is empty".into()));
-        }
-        if let Some((i, t)) = req
-            .input_ids
-            .iter()
-            .enumerate()
-            .find(|(_, &t)| t as usize >= vocab)
-        {
-            return Err(RolloutError::InvalidRequest(format!(
-                "input_ids[{i}] = {t} is not below the vocabulary size {vocab}"
-            )));
-        }
-        if let Some(t) = req
-            .sampling
-            .stop_token_ids
-            .iter()
-            .find(|&&t| t as usize >= vocab)
-        {
-            return Err(RolloutError::InvalidRequest(format!(
-                "stop token {t} is not below the vocabulary size {vocab}"
-            )));
-        }
-        req.sampling.validate()?;
-        let max_pos = self.model.config().max_position_embeddings;
-        if req.input_ids.len() >= max_pos {
-            return Err(RolloutError::InvalidRequest(format!(
-                "prompt of {} tokens does not leave room to generate within max_position_embeddings {max_pos}",
-                req.input_ids.len()
-            )));
-        }
-        if req.routed_experts_start_len > req.input_ids.len() {
-            return Err(RolloutError::InvalidRequest(format!(
-                "routed_experts_start_len {} is past the prompt ({} tokens)",
-                req.routed_experts_start_len,
-                req.input_ids.len()
-            )));
-        }
+        validate_request(self.model.config(), req)?;
         let need =
             (req.input_ids.len() + req.sampling.max_new_tokens).div_ceil(self.cfg.block_size);
         if need > self.pool.max_blocks() {
@@ -521,6 +484,52 @@ impl Engine {
     ) -> Result<(), RolloutError> {
         self.model.set_placement(placement)
     }
+}
+
+/// Checks a request against a model, whichever engine runs it: a non-empty prompt of ids
+/// below the vocabulary, stop ids likewise, valid sampling parameters, room to generate
+/// within `max_position_embeddings`, and `routed_experts_start_len` inside the prompt.
+pub fn validate_request(cfg: &Config, req: &GenerateRequest) -> Result<(), RolloutError> {
+    let vocab = cfg.vocab_size;
+    if req.input_ids.is_empty() {
+        return Err(RolloutError::InvalidRequest("input_ids is empty".into()));
+    }
+    if let Some((i, t)) = req
+        .input_ids
+        .iter()
+        .enumerate()
+        .find(|(_, &t)| t as usize >= vocab)
+    {
+        return Err(RolloutError::InvalidRequest(format!(
+            "input_ids[{i}] = {t} is not below the vocabulary size {vocab}"
+        )));
+    }
+    if let Some(t) = req
+        .sampling
+        .stop_token_ids
+        .iter()
+        .find(|&&t| t as usize >= vocab)
+    {
+        return Err(RolloutError::InvalidRequest(format!(
+            "stop token {t} is not below the vocabulary size {vocab}"
+        )));
+    }
+    req.sampling.validate()?;
+    let max_pos = cfg.max_position_embeddings;
+    if req.input_ids.len() >= max_pos {
+        return Err(RolloutError::InvalidRequest(format!(
+            "prompt of {} tokens does not leave room to generate within max_position_embeddings {max_pos}",
+            req.input_ids.len()
+        )));
+    }
+    if req.routed_experts_start_len > req.input_ids.len() {
+        return Err(RolloutError::InvalidRequest(format!(
+            "routed_experts_start_len {} is past the prompt ({} tokens)",
+            req.routed_experts_start_len,
+            req.input_ids.len()
+        )));
+    }
+    Ok(())
 }
 
 /// `eos_token_id` of a model's config.json (a number or a list; none when absent).

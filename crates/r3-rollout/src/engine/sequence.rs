@@ -34,6 +34,36 @@ impl RouteGeometry {
     pub fn row(&self) -> usize {
         self.layers.len() * self.top_k
     }
+
+    /// Route table of positions `[from, rows)` from captured rows (`row()` ids each,
+    /// position-major) and the weight version of each row.
+    pub fn table(
+        &self,
+        routes: &[u16],
+        versions: &[u64],
+        from: usize,
+    ) -> Result<RouteTable, RolloutError> {
+        let rows = if self.row() == 0 {
+            0
+        } else {
+            routes.len() / self.row()
+        };
+        let from = from.min(rows);
+        let ids: Vec<i64> = routes[from * self.row()..]
+            .iter()
+            .map(|&v| i64::from(v))
+            .collect();
+        let mut t = RouteTable::from_flat(
+            self.num_experts,
+            self.top_k,
+            LayerSpace::MoeOnly,
+            self.layers.clone(),
+            from,
+            &ids,
+        )?;
+        t.set_versions(versions[from..rows].to_vec())?;
+        Ok(t)
+    }
 }
 
 /// One request being served.
@@ -130,22 +160,7 @@ impl Sequence {
         geo: &RouteGeometry,
         from: usize,
     ) -> Result<RouteTable, RolloutError> {
-        let rows = self.route_rows(geo);
-        let from = from.min(rows);
-        let ids: Vec<i64> = self.routes[from * geo.row()..]
-            .iter()
-            .map(|&v| i64::from(v))
-            .collect();
-        let mut t = RouteTable::from_flat(
-            geo.num_experts,
-            geo.top_k,
-            LayerSpace::MoeOnly,
-            geo.layers.clone(),
-            from,
-            &ids,
-        )?;
-        t.set_versions(self.route_versions[from..rows].to_vec())?;
-        Ok(t)
+        geo.table(&self.routes, &self.route_versions, from)
     }
 
     /// The result of a finished (or aborted) sequence.

@@ -5,7 +5,7 @@
 
 use rayon::prelude::*;
 
-use super::penalty::adjust_logits;
+use super::next_token::{finish_after, sample_next};
 use super::prefix::{attach_cached_prefix, insert_sequence};
 use super::sequence::Sequence;
 use super::Engine;
@@ -13,8 +13,8 @@ use crate::error::RolloutError;
 use crate::kernels::attention::SeqSpan;
 use crate::kernels::ops::log_softmax_at;
 use crate::model::BatchInput;
-use crate::request::{FinishReason, GenerateResult};
-use crate::sampler::{sample, top_logprobs, SampleScratch};
+use crate::request::GenerateResult;
+use crate::sampler::{top_logprobs, SampleScratch};
 
 impl Engine {
     /// KV blocks `seq` still needs to hold `upto` positions.
@@ -235,32 +235,28 @@ impl Engine {
             |(scratch, adjusted), (k, seq)| {
                 let logits = &out.logits[*k * vocab..(*k + 1) * vocab];
                 let params = &seq.request.sampling;
-                let generated = seq.tokens.len() - seq.prompt_len;
-                let (tok, lp) = if params.adjusts_logits(generated) {
-                    // Penalties steer sampling; the reported log-prob stays the raw model's.
-                    adjusted.clear();
-                    adjusted.extend_from_slice(logits);
-                    let (prompt, output) = seq.tokens.split_at(seq.prompt_len);
-                    adjust_logits(adjusted, params, prompt, output);
-                    let (tok, _) = sample(adjusted, params, &mut seq.rng, scratch);
-                    (tok, log_softmax_at(logits, tok as usize))
-                } else {
-                    sample(logits, params, &mut seq.rng, scratch)
-                };
+                let (tok, lp) = sample_next(
+                    logits,
+                    params,
+                    &seq.tokens,
+                    seq.prompt_len,
+                    &mut seq.rng,
+                    scratch,
+                    adjusted,
+                );
                 if params.top_logprobs > 0 {
                     seq.top_logprobs
                         .push(top_logprobs(logits, params.top_logprobs));
                 }
                 seq.tokens.push(tok);
                 seq.logprobs.push(lp);
-                let params = &seq.request.sampling;
-                if params.stop_token_ids.contains(&tok) {
-                    seq.finish = Some(FinishReason::Stop { token: tok });
-                } else if seq.generated().len() >= params.max_new_tokens
-                    || seq.tokens.len() >= max_pos
-                {
-                    seq.finish = Some(FinishReason::Length);
-                }
+                seq.finish = finish_after(
+                    &seq.request.sampling,
+                    tok,
+                    seq.generated().len(),
+                    seq.tokens.len(),
+                    max_pos,
+                );
             },
         );
         drop(targets);

@@ -14,9 +14,9 @@ use serde_json::{json, Value};
 
 use crate::support::{fixture, ids, scratch_dir, write_tokenizer, TestServer};
 
-const MODEL: &str = "qwen3_moe_tiny";
+pub(crate) const MODEL: &str = "qwen3_moe_tiny";
 
-fn engine(dir: &Path) -> Engine {
+pub(crate) fn engine(dir: &Path) -> Engine {
     let cfg = EngineConfig {
         dtype: Dtype::F32,
         kv_cache_bytes: 32 << 20,
@@ -33,12 +33,12 @@ fn server(dir: &Path) -> TestServer {
 }
 
 /// What the engine alone gives for a request (the reference for the server's answers).
-fn alone(req: GenerateRequest) -> r3_rollout::GenerateResult {
+pub(crate) fn alone(req: GenerateRequest) -> r3_rollout::GenerateResult {
     let mut e = engine(&fixture(MODEL));
     e.generate(vec![req]).expect("engine generates").remove(0)
 }
 
-fn request(
+pub(crate) fn request(
     prompt: &[u32],
     max_new: usize,
     seed: u64,
@@ -66,7 +66,7 @@ fn request(
     (body, req)
 }
 
-fn wire_shape(e: &Engine, start_len: usize) -> WireShape {
+pub(crate) fn wire_shape(e: &Engine, start_len: usize) -> WireShape {
     let cfg = e.model_config();
     WireShape::new(cfg.num_hidden_layers, cfg.top_k(), cfg.num_experts())
         .with_start_len(start_len)
@@ -86,7 +86,7 @@ fn assert_same_routes(got: &RouteTable, want: &RouteTable) {
     }
 }
 
-fn check_answer(body: &Value, want: &r3_rollout::GenerateResult, shape: &WireShape) {
+pub(crate) fn check_answer(body: &Value, want: &r3_rollout::GenerateResult, shape: &WireShape) {
     assert_eq!(ids(&body["output_ids"]), want.output_ids);
     let lps = body["meta_info"]["output_token_logprobs"]
         .as_array()
@@ -100,6 +100,30 @@ fn check_answer(body: &Value, want: &r3_rollout::GenerateResult, shape: &WireSha
     }
     let table = decode_sglang_response(body, shape).expect("routed_experts decode");
     assert_same_routes(&table, want.routes.as_ref().expect("engine routes"));
+}
+
+/// `/generate` replies of one client thread per `(prompt, max_new_tokens, seed)` case, all
+/// in flight at once, in case order.
+pub(crate) fn concurrent_replies(
+    server: &TestServer,
+    cases: &[(Vec<u32>, usize, u64)],
+) -> Vec<Value> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = cases
+            .iter()
+            .map(|(prompt, max_new, seed)| {
+                s.spawn(move || {
+                    let r = server.post("/generate", &request(prompt, *max_new, *seed, 0).0);
+                    assert_eq!(r.status, 200, "{}", r.text);
+                    r.body
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("client thread"))
+            .collect()
+    })
 }
 
 #[test]
@@ -139,23 +163,7 @@ fn concurrent_clients_get_the_answers_they_would_get_alone() {
             )
         })
         .collect();
-    let replies: Vec<Value> = std::thread::scope(|s| {
-        let handles: Vec<_> = cases
-            .iter()
-            .map(|(prompt, max_new, seed)| {
-                let server = &server;
-                s.spawn(move || {
-                    let r = server.post("/generate", &request(prompt, *max_new, *seed, 0).0);
-                    assert_eq!(r.status, 200, "{}", r.text);
-                    r.body
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("client thread"))
-            .collect()
-    });
+    let replies = concurrent_replies(&server, &cases);
     for ((prompt, max_new, seed), body) in cases.iter().zip(&replies) {
         let want = alone(request(prompt, *max_new, *seed, 0).1);
         check_answer(body, &want, &wire_shape(&reference, 0));

@@ -7,6 +7,7 @@ mod chat;
 mod chat_engine;
 mod clients;
 mod connections;
+mod device_engine;
 mod engine;
 mod fake;
 mod fake_http;

@@ -110,6 +110,9 @@ impl TrainConfig {
                 ),
             );
         }
+        if let Err(e) = r.device.parse::<r3_rollout::RolloutDevice>() {
+            return bad("rollout.device", e.to_string());
+        }
         if r.temperature.is_nan() || r.temperature <= 0.0 {
             return bad(
                 "rollout.temperature",

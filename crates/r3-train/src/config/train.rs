@@ -135,6 +135,10 @@ pub struct RolloutConfig {
     /// Rollout router precision: `bf16` / `model` (the gate in the engine dtype, as vLLM and
     /// SGLang run it) or `f32` (an fp32 router). Default `model`.
     pub router_dtype: String,
+    /// Which in-process engine generates, and where (`backend = "engine"`): `cpu` (the CPU
+    /// engine), `cpu-candle` (the device engine on candle's CPU device), `cuda` / `cuda:N`
+    /// (the device engine on a GPU; needs a build with the `cuda` feature). Default `cpu`.
+    pub device: String,
     /// Where rollouts come from: `engine` (the in-process engine) or `sglang` (SGLang
     /// `/generate` on the workers of `urls`: `r3 serve` processes, SGLang servers or one
     /// router). Default `engine`.
@@ -315,6 +319,7 @@ impl Default for RolloutConfig {
             temperature: 1.0,
             dtype: "f16".into(),
             router_dtype: "model".into(),
+            device: "cpu".into(),
             backend: RolloutBackend::Engine,
             urls: Vec::new(),
             max_in_flight: 64,

@@ -5,7 +5,10 @@
 
 use std::time::Instant;
 
-use r3_rollout::{Dtype, Engine, EngineConfig, GenerateRequest, GenerateResult, RouterDtype};
+use r3_rollout::{
+    DeviceEngine, DeviceEngineConfig, Dtype, Engine, EngineConfig, GenerateRequest, GenerateResult,
+    RolloutDevice, RouterDtype,
+};
 
 use crate::config::train::{RolloutBackend, TrainConfig};
 use crate::error::{Result, TrainError};
@@ -13,7 +16,7 @@ use crate::policy::model_text::ModelText;
 use crate::policy::trainable::TrainablePolicy;
 use crate::rl::ahead::AheadBatch;
 use crate::rl::fleet::FleetRollout;
-use crate::rl::sampling::Generate;
+use crate::rl::sampling::{check_count, Generate};
 
 /// Where the trainer's rollouts and evaluations are generated.
 // One value per trainer, built once and never moved in a loop: the engine's size costs
@@ -23,6 +26,9 @@ use crate::rl::sampling::Generate;
 pub enum Backend {
     /// The in-process rollout engine (f16 by default) with the policy's current weights.
     Engine(Engine),
+    /// The in-process device engine (`rollout.device` = `cpu-candle`, `cuda`, `cuda:N`)
+    /// with the policy's current weights.
+    Device(DeviceEngine),
     /// A rollout fleet: its workers sample and evaluate, no weights held in this process.
     Fleet(FleetRollout),
 }
@@ -62,11 +68,21 @@ impl Backend {
                     ..EngineConfig::default()
                 };
                 let tensors = policy.tensor_map()?;
-                Ok(Backend::Engine(Engine::new(
-                    policy.config().clone(),
-                    &tensors,
-                    engine_cfg,
-                )?))
+                let device = cfg
+                    .rollout
+                    .device
+                    .parse::<RolloutDevice>()
+                    .map_err(TrainError::Rollout)?;
+                Ok(match device.candle() {
+                    None => {
+                        Backend::Engine(Engine::new(policy.config().clone(), &tensors, engine_cfg)?)
+                    }
+                    Some(spec) => Backend::Device(DeviceEngine::new(
+                        policy.config().clone(),
+                        &tensors,
+                        DeviceEngineConfig::from_engine_config(spec, &engine_cfg),
+                    )?),
+                })
             }
             RolloutBackend::Sglang => Ok(Backend::Fleet(FleetRollout::connect(
                 cfg, policy, tokenizer, step,
@@ -78,14 +94,14 @@ impl Backend {
     pub fn engine_mut(&mut self) -> Option<&mut Engine> {
         match self {
             Backend::Engine(engine) => Some(engine),
-            Backend::Fleet(_) => None,
+            Backend::Device(_) | Backend::Fleet(_) => None,
         }
     }
 
     /// The fleet, if this backend is one.
     pub fn fleet(&self) -> Option<&FleetRollout> {
         match self {
-            Backend::Engine(_) => None,
+            Backend::Engine(_) | Backend::Device(_) => None,
             Backend::Fleet(fleet) => Some(fleet),
         }
     }
@@ -93,7 +109,7 @@ impl Backend {
     /// The batch a fleet generated ahead for the next step, if any.
     pub fn take_ahead(&mut self) -> Option<AheadBatch> {
         match self {
-            Backend::Engine(_) => None,
+            Backend::Engine(_) | Backend::Device(_) => None,
             Backend::Fleet(fleet) => fleet.take_ahead(),
         }
     }
@@ -116,6 +132,9 @@ impl Backend {
             Backend::Engine(engine) => {
                 engine.update_weights(&policy.tensor_map()?)?;
             }
+            Backend::Device(engine) => {
+                engine.update_weights(&policy.tensor_map()?)?;
+            }
             Backend::Fleet(fleet) => fleet.push(policy, tokenizer, version)?,
         }
         Ok(t.elapsed().as_secs_f64())
@@ -126,8 +145,32 @@ impl Generate for Backend {
     fn generate_batch(&mut self, requests: Vec<GenerateRequest>) -> Result<Vec<GenerateResult>> {
         match self {
             Backend::Engine(engine) => engine.generate_batch(requests),
+            Backend::Device(engine) => engine.generate_batch(requests),
             Backend::Fleet(fleet) => fleet.generate_batch(requests),
         }
+    }
+}
+
+impl Generate for DeviceEngine {
+    fn generate_batch(&mut self, requests: Vec<GenerateRequest>) -> Result<Vec<GenerateResult>> {
+        let expected = requests.len();
+        let results = self.generate(requests)?;
+        // The device engine has no diagnostic re-run: the error says how to locate it.
+        if let Some((request, token, value)) = results.iter().enumerate().find_map(|(n, r)| {
+            let t = r.output_logprobs.iter().position(|l| !l.is_finite())?;
+            Some((n, t, r.output_logprobs[t]))
+        }) {
+            return Err(TrainError::NonFiniteRollout {
+                request,
+                token,
+                value,
+                location: "not located by the device engine (rollout.device = \"cpu\" re-runs \
+                           the sequence stage by stage)"
+                    .into(),
+            });
+        }
+        check_count(results.len(), expected)?;
+        Ok(results)
     }
 }
 
@@ -146,5 +189,23 @@ mod tests {
         assert!(backend.fleet().is_none());
         assert!(backend.engine_mut().is_some());
         assert!(backend.ahead().is_none());
+    }
+
+    #[test]
+    fn rollout_device_cpu_candle_builds_the_device_engine_and_syncs_it() {
+        let mut cfg = TrainConfig::default();
+        cfg.rollout.device = "cpu-candle".into();
+        let policy_dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/arith-moe");
+        let policy = TrainablePolicy::load(&policy_dir).expect("policy");
+        let tokenizer = ModelText::from_model_dir(&policy_dir).expect("tok");
+        let mut backend = Backend::connect(&cfg, &policy, &tokenizer, 0).expect("connect");
+        assert!(matches!(backend, Backend::Device(_)));
+        assert!(backend.engine_mut().is_none() && backend.fleet().is_none());
+        backend.sync(&policy, &tokenizer, 1).expect("sync");
+        let Backend::Device(engine) = &backend else {
+            unreachable!("checked above")
+        };
+        assert_eq!(engine.weight_version(), 1);
     }
 }

@@ -1,0 +1,107 @@
+//! `r3 bench decode`: generation throughput of one rollout engine, the device engine by
+//! default (`--device cuda` on a GPU, `cpu-candle` here) or the CPU engine (`--device cpu`),
+//! at batch 1 / 64 / 256 with `r3 bench rollout`'s configs and seeded random weights: greedy,
+//! 32-token prompts, 128 new tokens (the issue's HF `generate` setting), routes captured.
+//! One line per config and batch: generated tokens/s (prefill included, as HF's `generate`
+//! figures are) and the share of the time spent on route capture. Nothing is asserted.
+
+use std::time::Instant;
+
+use clap::Args;
+use r3_model::weights::{RandomInit, Weights};
+use r3_rollout::{
+    DeviceEngine, DeviceEngineConfig, Dtype, Engine, EngineConfig, GenerateRequest, RolloutDevice,
+    RolloutEngine, SamplingParams,
+};
+
+use super::bench_rollout::{bench_config, prompt};
+
+/// Options of `r3 bench decode`.
+#[derive(Debug, Args)]
+pub struct BenchDecodeArgs {
+    /// Which engine, and where: `cuda` / `cuda:N`, `cpu-candle` (the device engine) or `cpu`
+    /// (the CPU engine).
+    #[arg(long, default_value = "cpu-candle")]
+    pub device: RolloutDevice,
+    /// Batch sizes (concurrent requests).
+    #[arg(long, value_delimiter = ',', default_value = "1,64,256")]
+    pub batches: Vec<usize>,
+    /// Configs to run: `tiny`, `mid`.
+    #[arg(long, value_delimiter = ',', default_value = "tiny")]
+    pub configs: Vec<String>,
+    /// Prompt length.
+    #[arg(long, default_value_t = 32)]
+    pub prompt_len: usize,
+    /// Generated tokens per request.
+    #[arg(long, default_value_t = 128)]
+    pub new_tokens: usize,
+    /// Precision: f32, bf16 or f16.
+    #[arg(long, default_value = "f32")]
+    pub dtype: Dtype,
+    /// Timed runs per batch size (the best is reported; one untimed warm-up run first).
+    #[arg(long, default_value_t = 1)]
+    pub repeats: usize,
+    /// Seed of weights and prompts.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+/// Runs `r3 bench decode`.
+pub fn run(a: BenchDecodeArgs) -> anyhow::Result<()> {
+    for name in &a.configs {
+        let cfg = bench_config(name)?;
+        let tensors =
+            Weights::random(&cfg, &RandomInit::new(a.seed), &candle_core::Device::Cpu)?.into_map();
+        let engine_cfg = EngineConfig {
+            dtype: a.dtype,
+            prefix_cache: false,
+            max_running: a.batches.iter().copied().max().unwrap_or(1).max(1),
+            kv_cache_bytes: 16 << 30,
+            ..EngineConfig::default()
+        };
+        let mut engine = match a.device.candle() {
+            None => RolloutEngine::Cpu(Engine::new(cfg.clone(), &tensors, engine_cfg)?),
+            Some(spec) => RolloutEngine::Device(DeviceEngine::new(
+                cfg.clone(),
+                &tensors,
+                DeviceEngineConfig::from_engine_config(spec, &engine_cfg),
+            )?),
+        };
+        let requests = |batch: usize| -> Vec<GenerateRequest> {
+            (0..batch)
+                .map(|i| {
+                    GenerateRequest::new(
+                        prompt(a.seed, i, a.prompt_len, cfg.vocab_size),
+                        SamplingParams::greedy(a.new_tokens),
+                    )
+                })
+                .collect()
+        };
+        // Warm-up: the first launches compile kernels (CUDA) and fault pages in.
+        engine.generate(requests(1))?;
+        for &batch in &a.batches {
+            let (mut best, mut capture_share) = (0f64, 0f64);
+            for _ in 0..a.repeats.max(1) {
+                let capture0 = engine.capture_seconds();
+                let t0 = Instant::now();
+                let out = engine.generate(requests(batch))?;
+                let secs = t0.elapsed().as_secs_f64();
+                let tokens = out.iter().map(|r| r.output_ids.len()).sum::<usize>() as f64;
+                if tokens / secs > best {
+                    best = tokens / secs;
+                    capture_share = (engine.capture_seconds() - capture0) / secs;
+                }
+            }
+            println!(
+                "decode {name} {} {} batch {batch}: {best:.1} tokens/s ({} prompt + {} new \
+                 tokens, greedy), route capture {:.2}% of the time",
+                a.device,
+                a.dtype,
+                a.prompt_len,
+                a.new_tokens,
+                capture_share * 100.0
+            );
+        }
+    }
+    Ok(())
+}

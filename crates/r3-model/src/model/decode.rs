@@ -1,0 +1,160 @@
+//! Incremental decoding: the model run one step at a time over a KV cache of device
+//! tensors, the rollout engine's device path (any candle device, CUDA included).
+//!
+//! A step feeds a `[B, T]` block of tokens (a prefill has `T ≥ 1`, a decode step `T = 1`),
+//! each sequence at its own positions, and attends over every cached slot under an additive
+//! mask the caller builds (it knows which slots of its padded batch are padding). The layers
+//! are the training forward's own: the same weights, precision rounding points and router;
+//! only the RoPE positions and the attention over cached slots differ.
+
+use candle_core::Tensor;
+
+use super::{routed_rows, Attention, Model, MoeRecord};
+use crate::error::{ModelError, Result};
+use crate::layers::attention::LayerKv;
+
+/// Keys and values of every attention layer for a batch of sequences, each `[B, KV, S, D]`
+/// on the model's device (`S` = slots fed so far, the same for every sequence).
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    layers: Vec<LayerKv>,
+    slots: usize,
+}
+
+impl KvCache {
+    /// Slots fed so far (the keys the next step attends over, before its own).
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    /// Keeps only batch rows `rows`, in that order (finished sequences leave the batch).
+    pub fn keep_rows(&mut self, rows: &[u32]) -> Result<()> {
+        let Some(device) = self.device() else {
+            return Ok(());
+        };
+        let index = Tensor::from_slice(rows, rows.len(), &device)?;
+        for layer in &mut self.layers {
+            layer.keep_rows(&index)?;
+        }
+        Ok(())
+    }
+
+    fn device(&self) -> Option<candle_core::Device> {
+        self.layers.iter().find_map(LayerKv::device)
+    }
+}
+
+/// One step's input, host slices laid out row-major.
+#[derive(Debug, Clone, Copy)]
+pub struct Step<'a> {
+    /// `[batch, time]` token ids (padding slots hold any valid id).
+    pub tokens: &'a [u32],
+    /// `[batch, time]` RoPE position of each fed slot.
+    pub positions: &'a [u32],
+    /// `[batch, time, slots + time]` additive mask (0 where a query sees a key, −∞ where it
+    /// does not); every query row must see at least one key.
+    pub mask: &'a [f32],
+    /// Sequences.
+    pub batch: usize,
+    /// Slots fed per sequence.
+    pub time: usize,
+    /// Return the logits of every fed slot, not only the last (prompt log-probs).
+    pub all_logits: bool,
+}
+
+/// What one step computed.
+#[derive(Debug)]
+pub struct StepOutput {
+    /// `[batch, rows, vocab]` logits on the device: of every fed slot (`rows = time`) with
+    /// `all_logits`, else of each sequence's last fed slot (`rows = 1`).
+    pub logits: Tensor,
+    /// Per MoE layer (in layer order, the route table's columns): the `[batch · time ·
+    /// top_k]` experts the router chose at every fed slot, best first, on the host (the MoE
+    /// layers dispatch from host ids, so they are there already).
+    pub routes: Vec<Vec<u32>>,
+}
+
+impl Model {
+    /// An empty KV cache for this model.
+    pub fn kv_cache(&self) -> KvCache {
+        KvCache {
+            layers: vec![LayerKv::default(); self.layers.len()],
+            slots: 0,
+        }
+    }
+
+    /// Runs one step (native routing) over `cache`, appending the step's keys and values.
+    pub fn forward_step(&self, step: &Step<'_>, cache: &mut KvCache) -> Result<StepOutput> {
+        let cfg = &self.cfg;
+        let device = self.embed.device();
+        let dtype = self.embed.dtype();
+        let (b, t) = (step.batch, step.time);
+        let s = cache.slots + t;
+        if b == 0 || t == 0 {
+            return Err(ModelError::Input("a decode step needs tokens".into()));
+        }
+        if step.tokens.len() != b * t
+            || step.positions.len() != b * t
+            || step.mask.len() != b * t * s
+        {
+            return Err(ModelError::Input(format!(
+                "decode step of {b}×{t} over {} cached slots got {} tokens, {} positions, {} mask values",
+                cache.slots,
+                step.tokens.len(),
+                step.positions.len(),
+                step.mask.len()
+            )));
+        }
+        if cache.layers.len() != self.layers.len() {
+            return Err(ModelError::Input(format!(
+                "KV cache of {} layers for a model of {}",
+                cache.layers.len(),
+                self.layers.len()
+            )));
+        }
+        if let Some((n, &id)) = step
+            .tokens
+            .iter()
+            .enumerate()
+            .find(|(_, &id)| id as usize >= cfg.vocab_size)
+        {
+            return Err(ModelError::Input(format!(
+                "token id {id} at slot {n} of the step is outside the vocabulary of {}",
+                cfg.vocab_size
+            )));
+        }
+        let rope = self.rope.tables_at(step.positions, b, t, device, dtype)?;
+        let mask = Tensor::from_slice(step.mask, (b, 1, 1, t, s), device)?.to_dtype(dtype)?;
+        let rows = routed_rows(&vec![t; b], t, device)?;
+        let ids = Tensor::from_slice(step.tokens, b * t, device)?;
+        let mut x = self
+            .precision
+            .round(
+                &self
+                    .embed
+                    .index_select(&ids, 0)?
+                    .reshape((b, t, cfg.hidden_size))?,
+            )?;
+        let mut moe = MoeRecord::default();
+        for (i, (layer, kv)) in self.layers.iter().zip(&mut cache.layers).enumerate() {
+            let normed = layer.input_norm.forward(&x)?;
+            let attn = match &layer.attention {
+                Attention::Gqa(a) => a.forward_cached(&normed, &rope, kv, &mask)?,
+                Attention::Mla(a) => a.forward_cached(&normed, &rope, kv, &mask)?,
+            };
+            let h = self.precision.round(&(x + attn)?)?;
+            x = self.feed_forward(i, layer, h, &rows, None, &mut moe)?;
+        }
+        cache.slots = s;
+        let rows = if step.all_logits {
+            x
+        } else {
+            x.narrow(1, t - 1, 1)?
+        };
+        let logits = self.lm_head.forward(&self.norm.forward(&rows)?)?;
+        Ok(StepOutput {
+            logits,
+            routes: moe.used,
+        })
+    }
+}

@@ -1,0 +1,175 @@
+//! Which rollout engine runs and where, as a user names it (`--device`, `rollout.device`):
+//! `cpu` is the CPU engine with its own kernels (the default), `cpu-candle` the device
+//! engine on candle's CPU device (the same code a GPU runs, exercised without one),
+//! `cuda` / `cuda:N` the device engine on a GPU; and one engine value over both.
+
+use std::fmt;
+use std::path::Path;
+use std::str::FromStr;
+
+use r3_model::{Config, DeviceSpec, LoadOptions};
+
+use super::{DeviceEngine, DeviceEngineConfig};
+use crate::engine::{Engine, EngineConfig};
+use crate::error::RolloutError;
+use crate::request::{GenerateRequest, GenerateResult};
+
+/// Where rollouts are generated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RolloutDevice {
+    /// The CPU engine (packed f16/bf16 kernels, paged KV, prefix cache).
+    #[default]
+    Cpu,
+    /// The device engine (r3-model's layers on candle tensors) on this device.
+    Candle(DeviceSpec),
+}
+
+impl RolloutDevice {
+    /// The device of the device engine; None for the CPU engine.
+    pub fn candle(&self) -> Option<DeviceSpec> {
+        match self {
+            RolloutDevice::Cpu => None,
+            RolloutDevice::Candle(spec) => Some(*spec),
+        }
+    }
+}
+
+impl FromStr for RolloutDevice {
+    type Err = RolloutError;
+
+    fn from_str(text: &str) -> Result<Self, RolloutError> {
+        match text.trim() {
+            "cpu" => Ok(RolloutDevice::Cpu),
+            "cpu-candle" => Ok(RolloutDevice::Candle(DeviceSpec::Cpu)),
+            other => match other.parse::<DeviceSpec>() {
+                Ok(spec @ DeviceSpec::Cuda { .. }) => Ok(RolloutDevice::Candle(spec)),
+                _ => Err(RolloutError::InvalidConfig(format!(
+                    "rollout device `{text}` is not one of `cpu` (the CPU engine), `cpu-candle` \
+                     (the device engine on the CPU), `cuda`, `cuda:N` (N the GPU's index)"
+                ))),
+            },
+        }
+    }
+}
+
+impl fmt::Display for RolloutDevice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RolloutDevice::Cpu => write!(f, "cpu"),
+            RolloutDevice::Candle(DeviceSpec::Cpu) => write!(f, "cpu-candle"),
+            RolloutDevice::Candle(spec) => write!(f, "{spec}"),
+        }
+    }
+}
+
+impl DeviceEngineConfig {
+    /// The device engine's settings for `device` taken from the CPU engine's (dtype,
+    /// router dtype, batch size, KV budget; the paged-cache and prefix-cache settings have
+    /// no counterpart).
+    pub fn from_engine_config(device: DeviceSpec, cfg: &EngineConfig) -> Self {
+        DeviceEngineConfig {
+            device,
+            dtype: cfg.dtype,
+            router_dtype: cfg.router_dtype,
+            max_running: cfg.max_running,
+            kv_cache_bytes: cfg.kv_cache_bytes,
+        }
+    }
+}
+
+/// One of the two engines, chosen by a [`RolloutDevice`].
+// Built once per command, never moved in a loop: boxing would only add an indirection.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug)]
+pub enum RolloutEngine {
+    /// The CPU engine.
+    Cpu(Engine),
+    /// The device engine.
+    Device(DeviceEngine),
+}
+
+impl RolloutEngine {
+    /// Loads a HF model directory into the engine `device` names, with `cfg`'s settings.
+    pub fn from_dir_with(
+        device: RolloutDevice,
+        dir: &Path,
+        cfg: EngineConfig,
+        options: &LoadOptions,
+    ) -> Result<Self, RolloutError> {
+        Ok(match device.candle() {
+            None => RolloutEngine::Cpu(Engine::from_dir_with(dir, cfg, options)?),
+            Some(spec) => RolloutEngine::Device(DeviceEngine::from_dir_with(
+                dir,
+                DeviceEngineConfig::from_engine_config(spec, &cfg),
+                options,
+            )?),
+        })
+    }
+
+    /// The model config.
+    pub fn model_config(&self) -> &Config {
+        match self {
+            RolloutEngine::Cpu(e) => e.model_config(),
+            RolloutEngine::Device(e) => e.model_config(),
+        }
+    }
+
+    /// Submits all requests and steps until they finish; results in input order.
+    pub fn generate(
+        &mut self,
+        reqs: Vec<GenerateRequest>,
+    ) -> Result<Vec<GenerateResult>, RolloutError> {
+        match self {
+            RolloutEngine::Cpu(e) => e.generate(reqs),
+            RolloutEngine::Device(e) => e.generate(reqs),
+        }
+    }
+
+    /// Seconds spent on route capture so far.
+    pub fn capture_seconds(&self) -> f64 {
+        match self {
+            RolloutEngine::Cpu(e) => e.capture_seconds(),
+            RolloutEngine::Device(e) => e.capture_seconds(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_bad_names_are_refused() {
+        for text in ["cpu", "cpu-candle", "cuda:0", "cuda:3"] {
+            let d: RolloutDevice = text.parse().expect(text);
+            assert_eq!(d.to_string(), text);
+        }
+        assert_eq!(
+            "cuda".parse::<RolloutDevice>().ok(),
+            Some(RolloutDevice::Candle(DeviceSpec::Cuda { ordinal: 0 }))
+        );
+        assert_eq!(
+            "cpu".parse::<RolloutDevice>().ok(),
+            Some(RolloutDevice::Cpu)
+        );
+        for bad in ["gpu", "cuda:x", "", "cpu-cuda"] {
+            let err = bad.parse::<RolloutDevice>().expect_err(bad);
+            assert!(err.to_string().contains("cpu-candle"), "{err}");
+        }
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn cuda_without_the_feature_is_the_build_error() {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3_moe_tiny");
+        let err = RolloutEngine::from_dir_with(
+            "cuda".parse().expect("cuda"),
+            &dir,
+            EngineConfig::default(),
+            &LoadOptions::default(),
+        )
+        .expect_err("no CUDA in this build");
+        assert!(err.to_string().contains("scripts/cuda/build.sh"), "{err}");
+    }
+}

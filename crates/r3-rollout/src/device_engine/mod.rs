@@ -1,0 +1,597 @@
+//! The rollout engine on candle tensors (`DeviceEngine`): the same requests, seeded sampler,
+//! log-prob semantics and route tables as the CPU [`crate::Engine`], computed by r3-model's
+//! layers on any candle device (the CPU here, `Device::Cuda` in a `cuda` build) with the KV
+//! cache held as device tensors.
+//!
+//! Scheduling is a static batch: a step with no batch running admits waiting requests (up
+//! to `max_running` and the KV budget), prefills them left-padded to the longest prompt and
+//! samples their first tokens; every later step decodes one token for each running
+//! sequence; finished sequences leave the batch (their cache rows dropped) and new requests
+//! wait until it drains. Per step one `[batch, vocab]` logits tensor is copied to the host,
+//! where the CPU engine's sampler picks each sequence's token with its own seeded stream.
+//! Routes are the experts r3-model's router chose at every fed position (the MoE layers
+//! dispatch from host ids, so capture copies nothing from the device), one row per position
+//! of prompt + output except the last token, which is never fed.
+//!
+//! Prompt log-probs (when asked) come from the prefill's logits of every prompt slot, copied
+//! to the host once. Not here yet (the CPU engine has them): continuous admission into a
+//! running batch, a paged cache, the prefix cache and resuming a partial rollout.
+
+pub mod batch;
+pub mod choice;
+
+use std::collections::VecDeque;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device};
+use r3_model::model::decode::{KvCache, Step};
+use r3_model::{check_map_holds, Config, DeviceSpec, LoadOptions, Model, Precision, Weights};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+use crate::dtype::{Dtype, RouterDtype};
+use crate::engine::next_token::{finish_after, sample_next};
+use crate::engine::sequence::RouteGeometry;
+use crate::engine::{config_eos_ids, validate_request};
+use crate::error::RolloutError;
+use crate::kernels::ops::log_softmax_at;
+use crate::model::tensors::{load_dir_with, TensorMap};
+use crate::request::{
+    FinishReason, GenerateRequest, GenerateResult, PartialRollout, PromptLogprobs, RequestId,
+};
+use crate::sampler::{top_logprobs, SampleScratch};
+use batch::{capture_routes, decode_layout, prefill_layout, Row};
+
+/// Settings of the device engine.
+#[derive(Debug, Clone)]
+pub struct DeviceEngineConfig {
+    /// Where the model, its KV cache and its forward live.
+    pub device: DeviceSpec,
+    /// Rounding points of the forward: f32, or r3-model's bf16 / f16 mixed precision (f32
+    /// math rounded at the boundaries the trainer's mixed precision uses).
+    pub dtype: Dtype,
+    /// Router precision (f32 keeps the router projection in f32 under bf16 / f16).
+    pub router_dtype: RouterDtype,
+    /// Sequences in one batch at most.
+    pub max_running: usize,
+    /// Budget of the batch's KV cache in bytes (f32 keys and values of every layer for
+    /// every slot a batch can reach); a request that alone exceeds it is refused.
+    pub kv_cache_bytes: usize,
+}
+
+impl Default for DeviceEngineConfig {
+    fn default() -> Self {
+        DeviceEngineConfig {
+            device: DeviceSpec::Cpu,
+            dtype: Dtype::F32,
+            router_dtype: RouterDtype::Model,
+            max_running: 256,
+            kv_cache_bytes: 4 << 30,
+        }
+    }
+}
+
+/// r3-model's forward precision for an engine dtype.
+fn precision(dtype: Dtype, router: RouterDtype) -> Precision {
+    let router_f32 = router == RouterDtype::F32;
+    match dtype {
+        Dtype::F32 => Precision::F32,
+        Dtype::Bf16 => Precision::Bf16 { router_f32 },
+        Dtype::F16 => Precision::F16 { router_f32 },
+    }
+}
+
+/// A request waiting for the next batch.
+#[derive(Debug)]
+struct Waiting {
+    id: RequestId,
+    request: GenerateRequest,
+}
+
+/// The running batch and its cache.
+#[derive(Debug)]
+struct Running {
+    rows: Vec<Row>,
+    cache: KvCache,
+}
+
+/// The device engine; see the module docs.
+#[derive(Debug)]
+pub struct DeviceEngine {
+    model: Model,
+    model_cfg: Config,
+    cfg: DeviceEngineConfig,
+    device: Device,
+    geo: RouteGeometry,
+    eos: Vec<u32>,
+    version: u64,
+    next_id: RequestId,
+    waiting: VecDeque<Waiting>,
+    running: Option<Running>,
+    capture_time: Duration,
+}
+
+impl DeviceEngine {
+    /// Loads `config.json` and safetensors weights from a HF model directory.
+    pub fn from_dir(dir: &Path, cfg: DeviceEngineConfig) -> Result<Self, RolloutError> {
+        Self::from_dir_with(dir, cfg, &LoadOptions::default())
+    }
+
+    /// [`DeviceEngine::from_dir`] with explicit weight-load options.
+    pub fn from_dir_with(
+        dir: &Path,
+        cfg: DeviceEngineConfig,
+        options: &LoadOptions,
+    ) -> Result<Self, RolloutError> {
+        let model_cfg = Config::from_file(&dir.join("config.json"))?;
+        let options = LoadOptions {
+            precision: cfg.dtype.weight_precision(),
+            ..*options
+        };
+        let tensors = load_dir_with(dir, &model_cfg, &options)?;
+        Self::build(model_cfg, &tensors, cfg)
+    }
+
+    /// Builds the engine from a parsed config and HF-named tensors; a tensor the engine's
+    /// precision cannot hold is refused, naming it.
+    pub fn new(
+        model_cfg: Config,
+        tensors: &TensorMap,
+        cfg: DeviceEngineConfig,
+    ) -> Result<Self, RolloutError> {
+        check_map_holds(tensors, cfg.dtype.weight_precision())?;
+        Self::build(model_cfg, tensors, cfg)
+    }
+
+    fn build(
+        model_cfg: Config,
+        tensors: &TensorMap,
+        cfg: DeviceEngineConfig,
+    ) -> Result<Self, RolloutError> {
+        if cfg.max_running == 0 {
+            return Err(RolloutError::InvalidConfig(
+                "max_running must be > 0".into(),
+            ));
+        }
+        let device = cfg.device.open()?;
+        let model = build_model(&model_cfg, tensors, &cfg, &device)?;
+        let geo = RouteGeometry {
+            layers: model_cfg.layer_layout().moe_layers().to_vec(),
+            top_k: model_cfg.top_k(),
+            num_experts: model_cfg.num_experts(),
+        };
+        tracing::info!(device = %cfg.device, dtype = %cfg.dtype, "device rollout engine ready");
+        Ok(DeviceEngine {
+            model,
+            eos: config_eos_ids(&model_cfg),
+            model_cfg,
+            cfg,
+            device,
+            geo,
+            version: 0,
+            next_id: 0,
+            waiting: VecDeque::new(),
+            running: None,
+            capture_time: Duration::ZERO,
+        })
+    }
+
+    /// The model config.
+    pub fn model_config(&self) -> &Config {
+        &self.model_cfg
+    }
+
+    /// The engine settings.
+    pub fn engine_config(&self) -> &DeviceEngineConfig {
+        &self.cfg
+    }
+
+    /// `eos_token_id`(s) from config.json (not added to requests automatically).
+    pub fn eos_token_ids(&self) -> &[u32] {
+        &self.eos
+    }
+
+    /// Current weight version (0 at load, +1 per update).
+    pub fn weight_version(&self) -> u64 {
+        self.version
+    }
+
+    /// Seconds spent assembling route rows and tables (see [`crate::Engine::capture_seconds`]).
+    pub fn capture_seconds(&self) -> f64 {
+        self.capture_time.as_secs_f64()
+    }
+
+    /// Requests waiting for the next batch and requests running.
+    pub fn queue_lengths(&self) -> (usize, usize) {
+        (
+            self.waiting.len(),
+            self.running.as_ref().map_or(0, |r| r.rows.len()),
+        )
+    }
+
+    /// Whether any request is waiting or running.
+    pub fn has_work(&self) -> bool {
+        let (w, r) = self.queue_lengths();
+        w + r > 0
+    }
+
+    /// Tokens generated so far by a running request (None if unknown, waiting or finished).
+    pub fn generated_tokens(&self, id: RequestId) -> Option<&[u32]> {
+        self.running
+            .as_ref()?
+            .rows
+            .iter()
+            .find(|r| r.id == id)
+            .map(Row::generated)
+    }
+
+    /// KV bytes one slot of one sequence takes (f32 keys and values of every layer).
+    fn slot_bytes(&self) -> usize {
+        let c = &self.model_cfg;
+        let (k, v, heads) = match c.attention {
+            r3_model::AttentionConfig::Gqa {
+                num_kv_heads,
+                head_dim,
+                ..
+            } => (head_dim, head_dim, num_kv_heads),
+            r3_model::AttentionConfig::Mla {
+                qk_nope_head_dim,
+                qk_rope_head_dim,
+                v_head_dim,
+                ..
+            } => (
+                qk_nope_head_dim + qk_rope_head_dim,
+                v_head_dim,
+                c.num_attention_heads,
+            ),
+        };
+        c.num_hidden_layers * heads * (k + v) * 4
+    }
+
+    /// Validates and queues a request; it runs in the next batch.
+    pub fn submit(&mut self, req: GenerateRequest) -> Result<RequestId, RolloutError> {
+        validate_request(&self.model_cfg, &req)?;
+        let need = (req.input_ids.len() + req.sampling.max_new_tokens) * self.slot_bytes();
+        if need > self.cfg.kv_cache_bytes {
+            return Err(RolloutError::InvalidRequest(format!(
+                "a request of {} prompt + {} new tokens needs {need} bytes of KV cache on {}, \
+                 the budget is {} bytes",
+                req.input_ids.len(),
+                req.sampling.max_new_tokens,
+                self.cfg.device,
+                self.cfg.kv_cache_bytes
+            )));
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.waiting.push_back(Waiting { id, request: req });
+        Ok(id)
+    }
+
+    /// Submits all requests and steps until they finish; results in input order.
+    pub fn generate(
+        &mut self,
+        reqs: Vec<GenerateRequest>,
+    ) -> Result<Vec<GenerateResult>, RolloutError> {
+        let ids = reqs
+            .into_iter()
+            .map(|r| self.submit(r))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut done = std::collections::HashMap::new();
+        while ids.iter().any(|id| !done.contains_key(id)) {
+            if !self.has_work() {
+                return Err(RolloutError::InvalidRequest(
+                    "requests vanished before finishing (aborted?)".into(),
+                ));
+            }
+            for r in self.step()? {
+                done.insert(r.id, r);
+            }
+        }
+        Ok(ids.iter().filter_map(|id| done.remove(id)).collect())
+    }
+
+    /// Runs one step (a prefill of a new batch, or one decode token for the running one);
+    /// returns the requests that finished in it.
+    pub fn step(&mut self) -> Result<Vec<GenerateResult>, RolloutError> {
+        let window = self.window();
+        let mut running = match self.running.take() {
+            Some(r) => r,
+            None => match self.admit() {
+                Some(r) => r,
+                None => return Ok(Vec::new()),
+            },
+        };
+        let first = running.cache.slots();
+        let layout = if first == 0 {
+            prefill_layout(&running.rows, window)
+        } else {
+            decode_layout(&running.rows, first, window)
+        };
+        // Prompt log-probs need the prefill's logits at every prompt slot.
+        let all_logits = first == 0
+            && running
+                .rows
+                .iter()
+                .any(|r| r.request.sampling.prompt_logprobs_from.is_some());
+        let out = self.model.forward_step(
+            &Step {
+                tokens: &layout.tokens,
+                positions: &layout.positions,
+                mask: &layout.mask,
+                batch: running.rows.len(),
+                time: layout.time,
+                all_logits,
+            },
+            &mut running.cache,
+        )?;
+        let started = Instant::now();
+        capture_routes(
+            &mut running.rows,
+            &out.routes,
+            &self.geo,
+            first,
+            layout.time,
+            self.version,
+        );
+        self.capture_time += started.elapsed();
+        // One copy of the step's logits to the host.
+        let logits = out.logits.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
+        let mut logits = logits.to_vec3::<f32>()?;
+        if all_logits {
+            for (row, rows) in running.rows.iter_mut().zip(&mut logits) {
+                row.prompt_logprobs = prompt_logprobs(row, rows);
+                // Sampling reads the last slot's row.
+                rows.drain(..rows.len() - 1);
+            }
+        }
+        let max_pos = self.model_cfg.max_position_embeddings;
+        let mut scratch = SampleScratch::default();
+        let mut adjusted = Vec::new();
+        for (row, logits) in running.rows.iter_mut().zip(logits.iter().flatten()) {
+            let params = &row.request.sampling;
+            let (tok, lp) = sample_next(
+                logits,
+                params,
+                &row.tokens,
+                row.prompt_len,
+                &mut row.rng,
+                &mut scratch,
+                &mut adjusted,
+            );
+            if params.top_logprobs > 0 {
+                row.top_logprobs
+                    .push(top_logprobs(logits, params.top_logprobs));
+            }
+            row.tokens.push(tok);
+            row.logprobs.push(lp);
+            row.finish = finish_after(
+                params,
+                tok,
+                row.tokens.len() - row.prompt_len,
+                row.tokens.len(),
+                max_pos,
+            );
+        }
+        self.retire(running)
+    }
+
+    /// Sliding window of the attention, if any.
+    fn window(&self) -> Option<usize> {
+        match self.model_cfg.attention {
+            r3_model::AttentionConfig::Gqa { sliding_window, .. } => sliding_window,
+            r3_model::AttentionConfig::Mla { .. } => None,
+        }
+    }
+
+    /// Takes waiting requests into a new batch while the count and KV budget allow.
+    fn admit(&mut self) -> Option<Running> {
+        let slot_bytes = self.slot_bytes();
+        let (mut longest, mut new_tokens) = (0, 0);
+        let mut rows: Vec<Row> = Vec::new();
+        while rows.len() < self.cfg.max_running {
+            let Some(next) = self.waiting.front() else {
+                break;
+            };
+            let l = longest.max(next.request.input_ids.len());
+            let n = new_tokens.max(next.request.sampling.max_new_tokens);
+            // Every row of a padded batch holds as many slots as the longest one reaches.
+            if !rows.is_empty() && (rows.len() + 1) * (l + n) * slot_bytes > self.cfg.kv_cache_bytes
+            {
+                break;
+            }
+            let Some(w) = self.waiting.pop_front() else {
+                break;
+            };
+            (longest, new_tokens) = (l, n);
+            rows.push(Row {
+                id: w.id,
+                rng: ChaCha8Rng::seed_from_u64(w.request.sampling.seed),
+                tokens: w.request.input_ids.clone(),
+                prompt_len: w.request.input_ids.len(),
+                pad: 0,
+                logprobs: Vec::new(),
+                top_logprobs: Vec::new(),
+                routes: Vec::new(),
+                route_versions: Vec::new(),
+                capture: w.request.return_routes && self.geo.row() > 0,
+                prompt_logprobs: None,
+                finish: None,
+                request: w.request,
+            });
+        }
+        if rows.is_empty() {
+            return None;
+        }
+        for row in &mut rows {
+            row.pad = longest - row.prompt_len;
+        }
+        Some(Running {
+            rows,
+            cache: self.model.kv_cache(),
+        })
+    }
+
+    /// Returns finished rows as results and keeps the rest (and their cache rows) running.
+    fn retire(&mut self, mut running: Running) -> Result<Vec<GenerateResult>, RolloutError> {
+        let keep: Vec<u32> = (0..running.rows.len() as u32)
+            .filter(|&i| running.rows[i as usize].finish.is_none())
+            .collect();
+        let mut results = Vec::new();
+        if keep.len() < running.rows.len() {
+            let rows = std::mem::take(&mut running.rows);
+            for row in rows {
+                if row.finish.is_some() {
+                    results.push(self.result(row)?);
+                } else {
+                    running.rows.push(row);
+                }
+            }
+            if !running.rows.is_empty() {
+                running.cache.keep_rows(&keep)?;
+            }
+        }
+        if !running.rows.is_empty() {
+            self.running = Some(running);
+        }
+        Ok(results)
+    }
+
+    /// The result of a finished (or aborted) row.
+    fn result(&mut self, row: Row) -> Result<GenerateResult, RolloutError> {
+        let started = Instant::now();
+        let routes = if row.capture && row.request.return_routes {
+            Some(self.geo.table(
+                &row.routes,
+                &row.route_versions,
+                row.request.routed_experts_start_len,
+            )?)
+        } else {
+            None
+        };
+        if row.capture {
+            self.capture_time += started.elapsed();
+        }
+        Ok(GenerateResult {
+            id: row.id,
+            prompt_tokens: row.prompt_len,
+            output_ids: row.generated().to_vec(),
+            output_logprobs: row.logprobs,
+            output_top_logprobs: row.top_logprobs,
+            prompt_logprobs: row.prompt_logprobs,
+            finish: row.finish.unwrap_or(FinishReason::Abort),
+            cached_tokens: 0,
+            routes,
+            weight_version: self.version,
+        })
+    }
+
+    /// Stops a request; what it produced so far, or None if the id is unknown or finished.
+    /// (Resuming it is the CPU engine's: the device engine has no `resume` yet.)
+    pub fn abort(&mut self, id: RequestId) -> Result<Option<PartialRollout>, RolloutError> {
+        if let Some(i) = self.waiting.iter().position(|w| w.id == id) {
+            let Some(w) = self.waiting.remove(i) else {
+                return Ok(None);
+            };
+            return Ok(Some(PartialRollout {
+                rng: ChaCha8Rng::seed_from_u64(w.request.sampling.seed),
+                request: w.request,
+                output_ids: Vec::new(),
+                output_logprobs: Vec::new(),
+                output_top_logprobs: Vec::new(),
+                prompt_logprobs: None,
+                routes: None,
+                weight_version: self.version,
+            }));
+        }
+        let Some(mut running) = self.running.take() else {
+            return Ok(None);
+        };
+        let Some(i) = running.rows.iter().position(|r| r.id == id) else {
+            self.running = Some(running);
+            return Ok(None);
+        };
+        let row = running.rows.remove(i);
+        if !running.rows.is_empty() {
+            let keep: Vec<u32> = (0..=running.rows.len() as u32)
+                .filter(|&j| j as usize != i)
+                .collect();
+            running.cache.keep_rows(&keep)?;
+            self.running = Some(running);
+        }
+        let (request, rng) = (row.request.clone(), row.rng.clone());
+        let result = self.result(row)?;
+        Ok(Some(PartialRollout {
+            request,
+            output_ids: result.output_ids,
+            output_logprobs: result.output_logprobs,
+            output_top_logprobs: result.output_top_logprobs,
+            prompt_logprobs: result.prompt_logprobs,
+            routes: result.routes,
+            rng,
+            weight_version: self.version,
+        }))
+    }
+
+    /// Loads new weights (same config) from HF-named tensors, e.g. the trainer's; bumps the
+    /// weight version. A running batch continues under them (its route rows carry the
+    /// version that produced them). A tensor the precision cannot hold is refused and the
+    /// old weights are kept.
+    pub fn update_weights(&mut self, tensors: &TensorMap) -> Result<u64, RolloutError> {
+        check_map_holds(tensors, self.cfg.dtype.weight_precision())?;
+        self.model = build_model(&self.model_cfg, tensors, &self.cfg, &self.device)?;
+        self.version += 1;
+        Ok(self.version)
+    }
+
+    /// [`DeviceEngine::update_weights`] from a safetensors directory.
+    pub fn update_weights_from_dir(&mut self, dir: &Path) -> Result<u64, RolloutError> {
+        let options = LoadOptions {
+            precision: self.cfg.dtype.weight_precision(),
+            ..LoadOptions::default()
+        };
+        let tensors = load_dir_with(dir, &self.model_cfg, &options)?;
+        self.update_weights(&tensors)
+    }
+}
+
+/// The prompt log-probs `row` asked for, from its prefill logits `rows` (one per slot of the
+/// padded batch): `log softmax(logits[p − 1])[token p]` for prompt positions after the first
+/// reported one (as the CPU engine reports them).
+fn prompt_logprobs(row: &Row, rows: &[Vec<f32>]) -> Option<PromptLogprobs> {
+    let from = row.request.sampling.prompt_logprobs_from?;
+    let start = from.min(row.prompt_len.saturating_sub(1));
+    let top = row.request.sampling.top_logprobs;
+    let mut out = PromptLogprobs {
+        start,
+        ..PromptLogprobs::default()
+    };
+    for p in start..row.prompt_len.saturating_sub(1) {
+        let logits = &rows[row.pad + p];
+        out.logprobs
+            .push(log_softmax_at(logits, row.tokens[p + 1] as usize));
+        if top > 0 {
+            out.top_logprobs.push(top_logprobs(logits, top));
+        }
+    }
+    Some(out)
+}
+
+/// r3-model's model on `device` from HF-named tensors (f32 master copies on the device).
+fn build_model(
+    model_cfg: &Config,
+    tensors: &TensorMap,
+    cfg: &DeviceEngineConfig,
+    device: &Device,
+) -> Result<Model, RolloutError> {
+    let on_device = tensors
+        .iter()
+        .map(|(name, t)| Ok((name.clone(), t.to_dtype(DType::F32)?.to_device(device)?)))
+        .collect::<Result<TensorMap, RolloutError>>()?;
+    Ok(Model::with_precision(
+        model_cfg,
+        &Weights::from_map(on_device),
+        precision(cfg.dtype, cfg.router_dtype),
+    )?)
+}

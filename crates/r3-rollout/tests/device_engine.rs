@@ -1,0 +1,404 @@
+//! The device engine (`DeviceEngine`, r3-model's layers on candle tensors with a KV cache of
+//! device tensors) against independent truth, on the CPU device: greedy generation equal to
+//! the HF oracle's and to the CPU engine's, routes equal to the CPU engine's (counted cell by
+//! cell; a tie of two router logits within rounding would be reported), seeded sampling that
+//! reproduces itself and the CPU engine's tokens, prompt log-probs equal to the CPU engine's,
+//! a batch of prompts of different lengths equal to running them one at a time, an abort,
+//! and bad requests refused by name.
+
+//!
+//! The device is a value: the CPU in a default build (CI), CUDA GPU 0 in a build with
+//! `--features cuda` (`scripts/cuda/build.sh` builds this file as `r3-rollout-device_engine`
+//! and `scripts/cuda/check.sh` runs it on the GPU machine, from the crate folder: fixtures
+//! are found relative to the working directory, so the binary runs without the source tree).
+
+mod common;
+#[path = "../../r3-model/tests/common/mod.rs"]
+mod model_common;
+
+use std::path::PathBuf;
+
+use candle_core::DType;
+use common::{ids, MODELS};
+use model_common::{sequences, tiny_config, tiny_weights, FAMILIES};
+use r3_model::{Config, DeviceSpec};
+use r3_rollout::{
+    DeviceEngine, DeviceEngineConfig, Dtype, Engine, EngineConfig, GenerateRequest, GenerateResult,
+    SamplingParams, TensorMap,
+};
+use r3_routing::RouteTable;
+
+/// Where the device engine runs in this build.
+#[cfg(not(feature = "cuda"))]
+const DEVICE: DeviceSpec = DeviceSpec::Cpu;
+#[cfg(feature = "cuda")]
+const DEVICE: DeviceSpec = DeviceSpec::Cuda { ordinal: 0 };
+
+/// How far the device engine's log-probs may be from the CPU engine's (f32): composed
+/// candle ops against the CPU engine's own kernels, and on a GPU cuBLAS and CUDA kernels.
+const LOGPROB_TOL: f32 = if cfg!(feature = "cuda") { 1e-3 } else { 1e-4 };
+/// How far a batched request's log-probs may be from the same request alone (padding keys
+/// add exact zeros, but reductions may group differently).
+const BATCH_TOL: f32 = if cfg!(feature = "cuda") { 1e-4 } else { 1e-5 };
+
+/// A fixture directory, relative to the crate folder (the working directory of tests).
+fn model_dir(name: &str) -> PathBuf {
+    PathBuf::from("tests/fixtures").join(name)
+}
+
+/// The oracle subset of both fixture models.
+fn oracle() -> serde_json::Value {
+    let text = std::fs::read_to_string(model_dir("oracle_subset.json")).expect("oracle fixture");
+    serde_json::from_str(&text).expect("oracle fixture is JSON")
+}
+
+fn device_config() -> DeviceEngineConfig {
+    DeviceEngineConfig {
+        device: DEVICE,
+        ..DeviceEngineConfig::default()
+    }
+}
+
+fn device_engine(name: &str) -> DeviceEngine {
+    DeviceEngine::from_dir(&model_dir(name), device_config()).expect("loads")
+}
+
+/// The CPU engine over a fixture model, f32, no prefix cache.
+fn cpu_engine(name: &str) -> Engine {
+    Engine::from_dir(
+        &model_dir(name),
+        EngineConfig {
+            dtype: Dtype::F32,
+            prefix_cache: false,
+            kv_cache_bytes: 64 << 20,
+            ..EngineConfig::default()
+        },
+    )
+    .expect("cpu engine")
+}
+
+/// Cells (token, column) whose expert sets differ between two tables of the same shape.
+fn differing_cells(a: &RouteTable, b: &RouteTable) -> usize {
+    assert_eq!(a.num_tokens(), b.num_tokens(), "route rows");
+    assert_eq!(a.num_columns(), b.num_columns(), "route columns");
+    let mut differ = 0;
+    for t in 0..a.num_tokens() {
+        for c in 0..a.num_columns() {
+            let mut x = a.experts(t, c).expect("cell");
+            let mut y = b.experts(t, c).expect("cell");
+            x.sort_unstable();
+            y.sort_unstable();
+            differ += usize::from(x != y);
+        }
+    }
+    differ
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
+}
+
+/// Tokens, log-probs (within `tol`) and routes (cell for cell) of two results agree.
+fn assert_same(what: &str, got: &GenerateResult, want: &GenerateResult, tol: f32) {
+    assert_eq!(got.output_ids, want.output_ids, "{what}: tokens");
+    assert_eq!(got.finish, want.finish, "{what}: finish");
+    let d = max_abs_diff(&got.output_logprobs, &want.output_logprobs);
+    assert!(d <= tol, "{what}: log-probs differ by {d}");
+    match (&got.routes, &want.routes) {
+        (Some(a), Some(b)) => {
+            let differ = differing_cells(a, b);
+            println!("{what}: {differ} route cells differ, log-probs within {d:.2e}");
+            assert_eq!(differ, 0, "{what}: route cells differ");
+            assert_eq!(
+                a.start_pos(),
+                b.start_pos(),
+                "{what}: first routed position"
+            );
+        }
+        (None, None) => {}
+        _ => panic!("{what}: one engine returned routes, the other not"),
+    }
+}
+
+#[test]
+fn greedy_generation_equals_hf_and_the_cpu_engine() {
+    let o = oracle();
+    for name in MODELS {
+        let g = &o[name]["greedy"];
+        let prompt = ids(&g["prompt"]);
+        let want = ids(&g["output_ids"]);
+        let new = want.len() - prompt.len();
+        let req = GenerateRequest::new(prompt.clone(), SamplingParams::greedy(new));
+        let got = device_engine(name)
+            .generate(vec![req.clone()])
+            .expect("device generate")
+            .remove(0);
+        assert_eq!(
+            got.output_ids,
+            want[prompt.len()..],
+            "{name}: HF's greedy tokens"
+        );
+        let routes = got.routes.as_ref().expect("routes");
+        assert_eq!(
+            routes.num_tokens(),
+            want.len() - 1,
+            "prompt + generated - 1 rows"
+        );
+        let cpu = cpu_engine(name)
+            .generate(vec![req])
+            .expect("cpu generate")
+            .remove(0);
+        assert_same(name, &got, &cpu, LOGPROB_TOL);
+    }
+}
+
+/// A CPU engine and a device engine over the same tensors.
+fn both(cfg: &Config, map: &TensorMap) -> (Engine, DeviceEngine) {
+    let cpu = Engine::new(
+        cfg.clone(),
+        map,
+        EngineConfig {
+            dtype: Dtype::F32,
+            prefix_cache: false,
+            kv_cache_bytes: 64 << 20,
+            ..EngineConfig::default()
+        },
+    )
+    .expect("cpu engine");
+    let dev = DeviceEngine::new(cfg.clone(), map, device_config()).expect("device");
+    (cpu, dev)
+}
+
+#[test]
+fn every_family_generates_as_the_cpu_engine_greedy_and_seeded() {
+    for family in FAMILIES {
+        let cfg = tiny_config(family);
+        let map = tiny_weights(&cfg, 7, DType::F32).into_map();
+        let (mut cpu, mut dev) = both(&cfg, &map);
+        let prompt = sequences(&[9], cfg.vocab_size, 4).remove(0);
+        let greedy = GenerateRequest::new(prompt.clone(), SamplingParams::greedy(10));
+        let sampled = GenerateRequest::new(
+            prompt,
+            SamplingParams {
+                temperature: 1.0,
+                top_p: 0.95,
+                max_new_tokens: 10,
+                seed: 1234,
+                ..SamplingParams::default()
+            },
+        );
+        let reqs = vec![greedy, sampled.clone()];
+        let want = cpu.generate(reqs.clone()).expect("cpu");
+        let got = dev.generate(reqs).expect("device");
+        assert_same(&format!("{family} greedy"), &got[0], &want[0], LOGPROB_TOL);
+        assert_same(&format!("{family} seeded"), &got[1], &want[1], LOGPROB_TOL);
+        // Same seed, same tokens: the sampled request again, alone.
+        let again = dev.generate(vec![sampled]).expect("again").remove(0);
+        assert_eq!(
+            again.output_ids, got[1].output_ids,
+            "{family}: seed reproduces"
+        );
+    }
+}
+
+#[test]
+fn a_batch_of_different_lengths_equals_one_at_a_time() {
+    let cfg = tiny_config("qwen3_moe");
+    let map = tiny_weights(&cfg, 3, DType::F32).into_map();
+    let (_, mut dev) = both(&cfg, &map);
+    let prompts = sequences(&[3, 11, 6, 1], cfg.vocab_size, 9);
+    let reqs: Vec<GenerateRequest> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let mut r = GenerateRequest::new(
+                p.clone(),
+                SamplingParams {
+                    temperature: 0.8,
+                    max_new_tokens: 4 + 3 * i,
+                    seed: 50 + i as u64,
+                    top_logprobs: 2,
+                    ..SamplingParams::default()
+                },
+            );
+            r.routed_experts_start_len = i.min(p.len());
+            r
+        })
+        .collect();
+    let batched = dev.generate(reqs.clone()).expect("batch");
+    for (i, req) in reqs.into_iter().enumerate() {
+        let alone = dev.generate(vec![req]).expect("alone").remove(0);
+        assert_same(&format!("request {i}"), &batched[i], &alone, BATCH_TOL);
+        assert_eq!(batched[i].output_top_logprobs.len(), alone.output_ids.len());
+    }
+    // Requests finishing at different steps left the batch one by one.
+    let lengths: Vec<usize> = batched.iter().map(|r| r.output_ids.len()).collect();
+    assert_eq!(lengths, vec![4, 7, 10, 13]);
+}
+
+#[test]
+fn an_aborted_request_leaves_the_others_running() {
+    let cfg = tiny_config("mixtral");
+    let map = tiny_weights(&cfg, 5, DType::F32).into_map();
+    let (_, mut dev) = both(&cfg, &map);
+    let prompts = sequences(&[4, 7, 5], cfg.vocab_size, 1);
+    let reqs: Vec<GenerateRequest> = prompts
+        .iter()
+        .map(|p| GenerateRequest::new(p.clone(), SamplingParams::greedy(6)))
+        .collect();
+    let alone: Vec<GenerateResult> = reqs
+        .iter()
+        .map(|r| dev.generate(vec![r.clone()]).expect("alone").remove(0))
+        .collect();
+    let ids: Vec<u64> = reqs
+        .into_iter()
+        .map(|r| dev.submit(r).expect("submit"))
+        .collect();
+    assert!(dev.step().expect("prefill").is_empty());
+    assert!(dev.step().expect("decode").is_empty());
+    let partial = dev.abort(ids[1]).expect("abort").expect("running");
+    assert_eq!(
+        partial.output_ids,
+        alone[1].output_ids[..2],
+        "tokens so far"
+    );
+    let routes = partial.routes.expect("routes so far");
+    assert_eq!(routes.num_tokens(), 7 + 2 - 1, "fed positions");
+    assert!(dev.abort(ids[1]).expect("abort twice").is_none());
+    let mut done = Vec::new();
+    while dev.has_work() {
+        done.extend(dev.step().expect("step"));
+    }
+    done.sort_by_key(|r| r.id);
+    assert_eq!(done.len(), 2);
+    assert_same("first", &done[0], &alone[0], BATCH_TOL);
+    assert_same("third", &done[1], &alone[2], BATCH_TOL);
+}
+
+#[test]
+fn bad_requests_are_refused_naming_what_is_wrong() {
+    let mut dev = device_engine("qwen3_moe_tiny");
+    let max_pos = dev.model_config().max_position_embeddings;
+    let vocab = dev.model_config().vocab_size;
+    let too_long = GenerateRequest::new(vec![1; max_pos], SamplingParams::greedy(1));
+    let err = dev.submit(too_long).expect_err("prompt past the context");
+    assert!(err.to_string().contains("max_position_embeddings"), "{err}");
+    let bad_id = GenerateRequest::new(vec![vocab as u32], SamplingParams::greedy(1));
+    let err = dev.submit(bad_id).expect_err("id past the vocabulary");
+    assert!(err.to_string().contains("vocabulary"), "{err}");
+    let mut small = DeviceEngine::from_dir(
+        &model_dir("qwen3_moe_tiny"),
+        DeviceEngineConfig {
+            kv_cache_bytes: 1024,
+            ..device_config()
+        },
+    )
+    .expect("loads");
+    let err = small
+        .submit(GenerateRequest::new(vec![1; 8], SamplingParams::greedy(8)))
+        .expect_err("past the KV budget");
+    assert!(err.to_string().contains("KV cache"), "{err}");
+    assert!(
+        !dev.has_work() && !small.has_work(),
+        "nothing refused was queued"
+    );
+}
+
+#[test]
+fn prompt_logprobs_equal_the_cpu_engines_in_a_batch() {
+    let cfg = tiny_config("olmoe");
+    let map = tiny_weights(&cfg, 8, DType::F32).into_map();
+    let (mut cpu, mut dev) = both(&cfg, &map);
+    let prompts = sequences(&[6, 2, 9], cfg.vocab_size, 5);
+    let reqs: Vec<GenerateRequest> = prompts
+        .iter()
+        .zip([Some(0), Some(1), None])
+        .map(|(p, from)| {
+            let mut r = GenerateRequest::new(p.clone(), SamplingParams::greedy(3));
+            r.sampling.prompt_logprobs_from = from;
+            r.sampling.top_logprobs = 2;
+            r
+        })
+        .collect();
+    let want = cpu.generate(reqs.clone()).expect("cpu");
+    let got = dev.generate(reqs).expect("device");
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_same(&format!("request {i}"), g, w, LOGPROB_TOL);
+        match (&g.prompt_logprobs, &w.prompt_logprobs) {
+            (Some(a), Some(b)) => {
+                assert_eq!(a.start, b.start, "request {i}: start");
+                assert_eq!(
+                    a.logprobs.len(),
+                    prompts[i].len() - 1 - a.start,
+                    "request {i}"
+                );
+                let d = max_abs_diff(&a.logprobs, &b.logprobs);
+                assert!(
+                    d <= LOGPROB_TOL,
+                    "request {i}: prompt log-probs differ by {d}"
+                );
+                let ids = |t: &Vec<Vec<(u32, f32)>>| -> Vec<Vec<u32>> {
+                    t.iter().map(|r| r.iter().map(|e| e.0).collect()).collect()
+                };
+                assert_eq!(ids(&a.top_logprobs), ids(&b.top_logprobs), "request {i}");
+            }
+            (None, None) => {}
+            _ => panic!("request {i}: one engine reported prompt log-probs, the other not"),
+        }
+    }
+}
+
+/// The trainer's native routes (r3-model's `Record` forward over prompt + output on the same
+/// device, in the engine's precision) against the routes the device engine captured while
+/// generating.
+#[test]
+fn captured_routes_equal_the_trainers_native_routes_f32_and_bf16() {
+    use r3_model::{Batch, Model, Precision, Routing, Weights};
+    for family in ["qwen3_moe", "deepseek_v3"] {
+        let cfg = tiny_config(family);
+        let weights = tiny_weights(&cfg, 21, DType::F32);
+        let map = weights.clone().into_map();
+        for (dtype, precision) in [
+            (Dtype::F32, Precision::F32),
+            (Dtype::Bf16, Precision::Bf16 { router_f32: false }),
+        ] {
+            let mut dev = DeviceEngine::new(
+                cfg.clone(),
+                &map,
+                DeviceEngineConfig {
+                    dtype,
+                    ..device_config()
+                },
+            )
+            .expect("device engine");
+            let prompt = sequences(&[7], cfg.vocab_size, 2).remove(0);
+            let got = dev
+                .generate(vec![GenerateRequest::new(
+                    prompt.clone(),
+                    SamplingParams::greedy(8),
+                )])
+                .expect("generate")
+                .remove(0);
+            let mut fed = prompt;
+            fed.extend_from_slice(&got.output_ids);
+            fed.pop();
+            let device = DEVICE.open().expect("device");
+            let on_device = map
+                .iter()
+                .map(|(k, t)| (k.clone(), t.to_device(&device).expect("to device")))
+                .collect();
+            let trainer = Model::with_precision(&cfg, &Weights::from_map(on_device), precision)
+                .expect("trainer model");
+            let batch = Batch::new(&[fed], 0, &device).expect("batch");
+            let out = trainer.forward(&batch, Routing::Record).expect("forward");
+            let want = &out.routes.expect("recorded")[0];
+            let differ = differing_cells(got.routes.as_ref().expect("routes"), want);
+            println!("{family} {dtype}: {differ} route cells differ from the trainer's");
+            assert_eq!(differ, 0, "{family} {dtype}");
+        }
+    }
+}

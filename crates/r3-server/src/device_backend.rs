@@ -1,0 +1,57 @@
+//! The device engine ([`DeviceEngine`], r3-model's layers on candle tensors: `r3 serve
+//! --device cpu-candle | cuda`) behind the server's [`InferenceBackend`] seam, so every
+//! endpoint, field policy, limit and security flag works on it as on the CPU engine. It has
+//! no prefix cache (none to report or flush), builds new weights on the engine thread, and
+//! keeps running requests where they are on a `retract` pause.
+
+use std::path::Path;
+
+use r3_rollout::error::RolloutError;
+use r3_rollout::prefix_cache::PrefixCacheStats;
+use r3_rollout::request::{GenerateRequest, GenerateResult, PartialRollout, RequestId};
+use r3_rollout::DeviceEngine;
+
+use crate::backend::{InferenceBackend, ModelSummary};
+
+impl InferenceBackend for DeviceEngine {
+    fn summary(&self) -> ModelSummary {
+        ModelSummary::of(self.model_config(), self.eos_token_ids())
+    }
+
+    fn submit(&mut self, req: GenerateRequest) -> Result<RequestId, RolloutError> {
+        DeviceEngine::submit(self, req)
+    }
+
+    fn step(&mut self) -> Result<Vec<GenerateResult>, RolloutError> {
+        DeviceEngine::step(self)
+    }
+
+    fn in_flight(&self) -> usize {
+        let (waiting, running) = self.queue_lengths();
+        waiting + running
+    }
+
+    fn abort(&mut self, id: RequestId) -> Result<Option<PartialRollout>, RolloutError> {
+        DeviceEngine::abort(self, id)
+    }
+
+    fn update_weights_from_dir(&mut self, dir: &Path) -> Result<u64, RolloutError> {
+        DeviceEngine::update_weights_from_dir(self, dir)
+    }
+
+    fn weight_version(&self) -> u64 {
+        DeviceEngine::weight_version(self)
+    }
+
+    fn prefix_cache_stats(&self) -> Option<PrefixCacheStats> {
+        None
+    }
+
+    fn queue_lengths(&self) -> (usize, usize) {
+        DeviceEngine::queue_lengths(self)
+    }
+
+    fn generated_tokens(&self, id: RequestId) -> Option<Vec<u32>> {
+        DeviceEngine::generated_tokens(self, id).map(<[u32]>::to_vec)
+    }
+}
