@@ -72,7 +72,8 @@ fn the_table_names_every_phase_and_the_shares_make_the_step() {
         gflop.is_some_and(|g| g.parse::<f64>().is_ok_and(|v| v > 0.0)),
         "{old}"
     );
-    if cfg!(target_os = "linux") {
+    // The mark is known where the kernel lets a process reset it (as it lets this one).
+    if cfg!(target_os = "linux") && std::fs::write("/proc/self/clear_refs", "5").is_ok() {
         let peak = step_fields.last().expect("peak column");
         assert!(peak.parse::<f64>().is_ok_and(|v| v > 0.0), "{step}");
     }
