@@ -12,6 +12,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use r3_test_support::Scratch;
+use r3_train::rl::metrics_log::is_measurement;
 use serde_json::Value;
 
 /// A copy of the shipped model under `root` (workers may only load weights under the
@@ -229,7 +230,7 @@ fn two_workers_reach_the_engines_metrics_and_end_at_the_last_version() {
         // Every non-timing metric is bit-identical: each request carries its own seed and
         // a worker's tokens, log-probs and routes do not depend on what it batches with.
         for (key, value) in w.as_object().expect("metrics object") {
-            if key.starts_with("time.") || key.starts_with("throughput.") {
+            if is_measurement(key) {
                 continue;
             }
             if key.starts_with("rollout.") {
@@ -267,7 +268,7 @@ fn two_workers_reach_the_engines_metrics_and_end_at_the_last_version() {
     assert_eq!(overlapped.len(), 3);
     let (sync1, async1) = (&got[0], &overlapped[0]);
     for (key, value) in sync1.as_object().expect("metrics object") {
-        if !key.starts_with("time.") && !key.starts_with("throughput.") {
+        if !is_measurement(key) {
             assert_eq!(value, &async1[key], "async step 1: {key}");
         }
     }
@@ -421,7 +422,7 @@ fn copy_dir(src: &Path, dst: &Path) {
 /// The metrics of `line` without timings, for comparing two runs' steps.
 fn untimed(line: &Value) -> serde_json::Map<String, Value> {
     let mut m = line.as_object().expect("metrics object").clone();
-    m.retain(|k, _| !k.starts_with("time.") && !k.starts_with("throughput."));
+    m.retain(|k, _| !is_measurement(k));
     m
 }
 

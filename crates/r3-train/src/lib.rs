@@ -37,8 +37,8 @@ pub use algo::optim::{decay_matrices_only, AdamW, AdamWKernel, AdamWParams, Adam
 pub use algo::rollout_is::{rollout_is_weights, IsConfig, IsLevel, IsMetrics, IsMode, IsWeights};
 pub use algo::schedule::{LrDecay, LrSchedule};
 pub use algo::update::{
-    backward_and_step, backward_and_step_with, guarded_step, guarded_step_with, GradHook,
-    SkipReason, UpdateOutcome,
+    backward_and_step, backward_and_step_timed, backward_and_step_with, guarded_step,
+    guarded_step_timed, guarded_step_with, GradHook, SkipReason, UpdateOutcome, UpdateTimes,
 };
 pub use config::{RouterReplay, TrainConfig};
 pub use error::{Result, TrainError};

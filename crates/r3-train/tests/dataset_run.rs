@@ -10,6 +10,7 @@ use common::{tiny_config, tiny_model, Scratch};
 use r3_tasks::RewardKind;
 use r3_train::config::{RouterReplay, TrainConfig};
 use r3_train::rl::checkpoint::{list_checkpoints, read_state};
+use r3_train::rl::metrics_log::is_measurement;
 use r3_train::{Quiet, Run, Trainer};
 
 /// Arithmetic prompts (the character tokenizer's alphabet) in verl's schema.
@@ -62,7 +63,7 @@ fn metrics(run_dir: &Path) -> Vec<serde_json::Value> {
         .map(|l| {
             let mut v: serde_json::Value = serde_json::from_str(l).expect("json");
             let map = v.as_object_mut().expect("object");
-            map.retain(|k, _| !k.starts_with("time.") && !k.starts_with("throughput."));
+            map.retain(|k, _| !is_measurement(k));
             v
         })
         .collect()

@@ -11,6 +11,7 @@ use r3_train::algo::optim::{decay_matrices_only, AdamW, AdamWParams};
 use r3_train::config::RouterReplay;
 use r3_train::policy::{ResponseBatch, TrainablePolicy};
 use r3_train::rl::checkpoint::{latest_checkpoint, list_checkpoints, read_state};
+use r3_train::rl::metrics_log::is_measurement;
 use r3_train::rl::minibatch::{update_minibatch, MiniBatch, UpdateSettings};
 use r3_train::{Quiet, Run, Trainer, UpdateOutcome};
 
@@ -21,7 +22,7 @@ fn metrics_lines(path: &std::path::Path) -> Vec<serde_json::Value> {
         .map(|l| {
             let mut v: serde_json::Value = serde_json::from_str(l).expect("json line");
             let map = v.as_object_mut().expect("object");
-            map.retain(|k, _| !k.starts_with("time.") && !k.starts_with("throughput."));
+            map.retain(|k, _| !is_measurement(k));
             v
         })
         .collect()

@@ -17,6 +17,9 @@ pub enum BenchCommand {
     Decode(super::bench_decode::BenchDecodeArgs),
     /// Training forward+backward throughput (tokens/s), Native vs Replay routing.
     Train(super::bench_train::BenchTrainArgs),
+    /// Whole RL steps of a config: per phase time, share, matrix work, share of the
+    /// machine's measured limit and memory high-water mark.
+    Step(super::bench_step::BenchStepArgs),
     /// Rollout through 1 and 2 local HTTP workers vs the in-process engine: overhead per token.
     Fleet(super::bench_fleet::BenchFleetArgs),
     /// Reliability suite: load, slowloris, weight swaps under load, training kill/resume.
@@ -32,6 +35,7 @@ pub fn run(command: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Rollout(a) => bench_rollout::run(a),
         BenchCommand::Decode(a) => super::bench_decode::run(a),
         BenchCommand::Train(a) => super::bench_train::run(a),
+        BenchCommand::Step(a) => super::bench_step::run(a),
         BenchCommand::Fleet(a) => super::bench_fleet::run(a),
         BenchCommand::Reliability(a) => super::bench_reliability::run(a),
         BenchCommand::Optim(a) => super::bench_optim::run(a),

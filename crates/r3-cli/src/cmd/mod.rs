@@ -10,6 +10,7 @@ mod bench_optim;
 mod bench_reliability;
 mod bench_rollout;
 mod bench_routes;
+mod bench_step;
 mod bench_train;
 mod compare;
 mod cpu_time;

@@ -22,7 +22,8 @@ pub fn step_bar(len: u64, hidden: bool, template: &str) -> anyhow::Result<Progre
     Ok(bar)
 }
 
-/// Feeds an RL run's events to a bar: reward, k3 KL and the last eval accuracy.
+/// Feeds an RL run's events to a bar: reward, k3 KL, the last eval accuracy and the step's
+/// memory high-water mark.
 pub struct RunProgress {
     /// The bar drawn.
     pub bar: ProgressBar,
@@ -57,8 +58,11 @@ impl Observer for RunProgress {
         let eval = self
             .last_eval
             .map_or("-".to_string(), |v| format!("{v:.3}"));
+        let peak = m
+            .peak_mib
+            .map_or(String::new(), |p| format!(" peak {p:.0} MiB"));
         self.bar.set_message(format!(
-            "reward {:.3} k3 {k3} eval {eval}{}",
+            "reward {:.3} k3 {k3} eval {eval}{peak}{}",
             m.reward_mean,
             if m.skipped_update { " SKIPPED" } else { "" }
         ));

@@ -45,7 +45,7 @@ pub fn resolve_config(config: Option<&Path>, set: &[String]) -> anyhow::Result<T
 /// A relative `model_dir` resolved against the working directory (so the run's saved
 /// config works from anywhere), with a clear error when it does not exist: the built-in
 /// config names `models/arith-moe`, found only from the repository root.
-fn model_dir_from_cwd(model_dir: &Path) -> anyhow::Result<PathBuf> {
+pub(super) fn model_dir_from_cwd(model_dir: &Path) -> anyhow::Result<PathBuf> {
     let cwd = std::env::current_dir().context("reading the working directory")?;
     let dir = cwd.join(model_dir);
     if !dir.is_dir() {

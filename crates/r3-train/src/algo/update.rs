@@ -1,7 +1,10 @@
 //! One guarded optimiser update: backward, NaN/inf check, gradient clipping, AdamW step.
 //! A non-finite loss or gradient norm, or an AdamW step that would leave a parameter or
 //! moment non-finite (or a parameter past the rollout precision's range), skips the update and leaves the weights and the optimiser state
-//! untouched, so the loop can report it (`update.skipped`) and carry on.
+//! untouched, so the loop can report it (`update.skipped`) and carry on. The timed forms
+//! also return the seconds of the backward and the optimiser step, for the step's timings.
+
+use std::time::Instant;
 
 use crate::algo::grad_clip::{measure_grad_norm, scale_grads, GradNorm};
 use crate::algo::logprob::scalar_f32;
@@ -61,6 +64,26 @@ impl UpdateOutcome {
     }
 }
 
+/// Seconds one update spent in each of its parts (wall time; on a GPU, queued kernels
+/// land in the part that next waits for them).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct UpdateTimes {
+    /// The forward pass and the loss.
+    pub forward_s: f64,
+    /// The backward pass.
+    pub backward_s: f64,
+    /// The guarded optimiser step: gradient clipping, the checks and AdamW.
+    pub optim_s: f64,
+}
+
+impl std::ops::AddAssign for UpdateTimes {
+    fn add_assign(&mut self, other: Self) {
+        self.forward_s += other.forward_s;
+        self.backward_s += other.backward_s;
+        self.optim_s += other.optim_s;
+    }
+}
+
 /// Steps with precomputed gradients (e.g. accumulated over micro-batches) whose summed loss
 /// value was `loss`.
 pub fn guarded_step(
@@ -75,6 +98,32 @@ pub fn guarded_step(
 
 /// [`guarded_step`] with an optional [`GradHook`] run on the clipped gradients.
 pub fn guarded_step_with(
+    opt: &mut AdamW,
+    loss: f32,
+    grads: GradStore,
+    lr: f64,
+    max_grad_norm: f64,
+    hook: Option<GradHook>,
+) -> Result<UpdateOutcome> {
+    Ok(guarded_step_timed(opt, loss, grads, lr, max_grad_norm, hook)?.0)
+}
+
+/// [`guarded_step_with`], also returning its seconds (clipping, checks and AdamW: the
+/// optimiser part of [`UpdateTimes`]).
+pub fn guarded_step_timed(
+    opt: &mut AdamW,
+    loss: f32,
+    grads: GradStore,
+    lr: f64,
+    max_grad_norm: f64,
+    hook: Option<GradHook>,
+) -> Result<(UpdateOutcome, f64)> {
+    let started = Instant::now();
+    let outcome = guarded(opt, loss, grads, lr, max_grad_norm, hook)?;
+    Ok((outcome, started.elapsed().as_secs_f64()))
+}
+
+fn guarded(
     opt: &mut AdamW,
     loss: f32,
     mut grads: GradStore,
@@ -173,15 +222,36 @@ pub fn backward_and_step_with(
     max_grad_norm: f64,
     hook: Option<GradHook>,
 ) -> Result<UpdateOutcome> {
+    Ok(backward_and_step_timed(opt, loss, lr, max_grad_norm, hook)?.0)
+}
+
+/// [`backward_and_step_with`], also returning the seconds of its backward and optimiser
+/// parts (the forward's is the caller's to fill).
+pub fn backward_and_step_timed(
+    opt: &mut AdamW,
+    loss: &Tensor,
+    lr: f64,
+    max_grad_norm: f64,
+    hook: Option<GradHook>,
+) -> Result<(UpdateOutcome, UpdateTimes)> {
+    let started = Instant::now();
     let value = scalar_f32(loss)?;
     if !value.is_finite() {
         tracing::warn!(loss = value, "non-finite loss: update skipped");
-        return Ok(UpdateOutcome::Skipped {
+        let skipped = UpdateOutcome::Skipped {
             reason: SkipReason::NonFiniteLoss,
             loss: value,
             grad_norm: None,
-        });
+        };
+        return Ok((skipped, UpdateTimes::default()));
     }
     let grads = loss.backward()?;
-    guarded_step_with(opt, value, grads, lr, max_grad_norm, hook)
+    let backward_s = started.elapsed().as_secs_f64();
+    let (outcome, optim_s) = guarded_step_timed(opt, value, grads, lr, max_grad_norm, hook)?;
+    let times = UpdateTimes {
+        forward_s: 0.0,
+        backward_s,
+        optim_s,
+    };
+    Ok((outcome, times))
 }

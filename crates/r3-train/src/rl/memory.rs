@@ -32,6 +32,15 @@ pub fn reset_peak() -> bool {
     Path::new(CLEAR_REFS).exists() && std::fs::write(CLEAR_REFS, "5").is_ok()
 }
 
+/// The high-water mark since the last reset, in MiB, then a reset so the next phase
+/// reads its own: called at the end of each phase of a step, with one [`reset_peak`] at
+/// the step's start. `None` (unknown) where the kernel reports no memory or refuses the
+/// reset: a mark that was not reset would be the process's, not the phase's.
+pub fn lap_peak() -> Option<f64> {
+    let reading = read_memory()?;
+    reset_peak().then_some(reading.peak_mib)
+}
+
 /// `VmRSS` and `VmHWM` of a `/proc/<pid>/status` text, in MiB.
 fn parse_status(text: &str) -> Option<MemoryReading> {
     let field = |name: &str| -> Option<f64> {
@@ -79,5 +88,25 @@ mod tests {
         assert!(r.rss_mib >= 64.0, "{r:?}");
         assert!(r.peak_mib >= r.rss_mib, "{r:?}");
         assert_eq!(block.iter().map(|&b| b as usize).sum::<usize>(), 64 << 20);
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_lap_sees_a_block_freed_before_it_ended_and_the_next_lap_does_not() {
+        if !reset_peak() {
+            return; // a kernel that refuses the reset reports laps as unknown
+        }
+        let before = read_memory().expect("linux reports memory").rss_mib;
+        let block = vec![1u8; 256 << 20];
+        assert_eq!(block.iter().map(|&b| b as usize).sum::<usize>(), 256 << 20);
+        drop(block);
+        let lap = lap_peak().expect("reset works, so the lap is known");
+        assert!(lap >= before + 200.0, "lap {lap} MiB from {before} MiB");
+        // Other tests of this binary may allocate meanwhile, but not 256 MiB on top of it.
+        let next = lap_peak().expect("second lap");
+        assert!(
+            next < lap,
+            "the freed block is not in the next lap: {next} vs {lap}"
+        );
     }
 }

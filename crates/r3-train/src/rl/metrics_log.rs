@@ -117,6 +117,16 @@ pub struct StepMetrics {
     /// Seconds in forward/backward/optimiser updates.
     #[serde(rename = "time.update_s")]
     pub update_s: f64,
+    /// Seconds of the update forwards and their losses (part of `time.update_s`).
+    #[serde(rename = "time.update_forward_s", default)]
+    pub update_forward_s: f64,
+    /// Seconds of the update backwards (part of `time.update_s`).
+    #[serde(rename = "time.update_backward_s", default)]
+    pub update_backward_s: f64,
+    /// Seconds of the guarded optimiser steps: gradient clipping, the checks and AdamW
+    /// (part of `time.update_s`).
+    #[serde(rename = "time.update_optim_s", default)]
+    pub update_optim_s: f64,
     /// Seconds syncing weights to the rollout engine.
     #[serde(rename = "time.sync_s")]
     pub sync_s: f64,
@@ -126,6 +136,42 @@ pub struct StepMetrics {
     /// Rollout + training tokens processed per second of step time.
     #[serde(rename = "throughput.tokens_per_s")]
     pub tokens_per_s: f64,
+    /// The process's resident-memory high-water mark over the step, MiB (absent where the
+    /// kernel does not report it or refuses the reset of the mark).
+    #[serde(
+        rename = "memory.peak_mib",
+        skip_serializing_if = "Option::is_none",
+        default
+    )]
+    pub peak_mib: Option<f64>,
+    /// The high-water mark over the rollout (generation, rewards, the batch), MiB.
+    #[serde(
+        rename = "memory.rollout_peak_mib",
+        skip_serializing_if = "Option::is_none",
+        default
+    )]
+    pub rollout_peak_mib: Option<f64>,
+    /// The high-water mark over the separate old-log-prob pass, MiB (absent without one).
+    #[serde(
+        rename = "memory.old_logp_peak_mib",
+        skip_serializing_if = "Option::is_none",
+        default
+    )]
+    pub old_logp_peak_mib: Option<f64>,
+    /// The high-water mark over the updates (forward, backward, optimiser), MiB.
+    #[serde(
+        rename = "memory.update_peak_mib",
+        skip_serializing_if = "Option::is_none",
+        default
+    )]
+    pub update_peak_mib: Option<f64>,
+    /// The high-water mark over the weight sync, MiB.
+    #[serde(
+        rename = "memory.sync_peak_mib",
+        skip_serializing_if = "Option::is_none",
+        default
+    )]
+    pub sync_peak_mib: Option<f64>,
     /// Held-out accuracy after this step's update (eval steps only).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub eval_accuracy: Option<f64>,
@@ -146,14 +192,23 @@ pub struct StepMetrics {
 }
 
 impl StepMetrics {
-    /// The line as a JSON value, with the timing keys removed (for comparing runs).
+    /// The line as a JSON value, with the measurement keys (timings, throughput, memory)
+    /// removed (for comparing runs).
     pub fn without_timing(&self) -> Result<serde_json::Value> {
         let mut v = serde_json::to_value(self).map_err(TrainError::json("serialising metrics"))?;
         if let Some(map) = v.as_object_mut() {
-            map.retain(|k, _| !k.starts_with("time.") && !k.starts_with("throughput."));
+            map.retain(|k, _| !is_measurement(k));
         }
         Ok(v)
     }
+}
+
+/// Whether a metrics key is a measurement of the machine (`time.*`, `throughput.*`,
+/// `memory.*`): it varies from run to run, so comparisons of runs leave it out.
+pub fn is_measurement(key: &str) -> bool {
+    ["time.", "throughput.", "memory."]
+        .iter()
+        .any(|prefix| key.starts_with(prefix))
 }
 
 /// Appends JSON lines to a file, flushing after each one.

@@ -3,6 +3,8 @@
 //! backward + clip + AdamW step. A NaN/inf loss or gradient norm skips the step and
 //! leaves weights and optimiser state untouched.
 
+use std::time::Instant;
+
 use candle_core::Tensor;
 use r3_model::{ReplayProof, Routing};
 use r3_routing::RouteTable;
@@ -14,7 +16,7 @@ use crate::algo::loss::{
 };
 use crate::algo::optim::AdamW;
 use crate::algo::rollout_is::{rollout_is_weights, IsConfig};
-use crate::algo::update::{backward_and_step_with, GradHook, UpdateOutcome};
+use crate::algo::update::{backward_and_step_timed, GradHook, UpdateOutcome, UpdateTimes};
 use crate::config::train::RouterReplay;
 use crate::error::Result;
 use crate::policy::trainable::{score, ResponseBatch, TrainablePolicy};
@@ -79,6 +81,8 @@ pub struct MiniBatchResult {
     pub replay: Option<ReplayProof>,
     /// Verified fraction of a `Replay` forward.
     pub verified_frac: Option<f64>,
+    /// Seconds of its forward (with the loss), backward and optimiser step.
+    pub times: UpdateTimes,
 }
 
 /// Runs one mini-batch update on `policy` with `optimizer`.
@@ -88,6 +92,7 @@ pub fn update_minibatch(
     mb: &MiniBatch<'_>,
     s: &UpdateSettings,
 ) -> Result<MiniBatchResult> {
+    let started = Instant::now();
     let model = policy.model()?;
     let scored = score(&model, mb.batch, mb.routing)?;
     let verified_frac = match (&scored.replay, mb.routing) {
@@ -126,7 +131,10 @@ pub fn update_minibatch(
         let bonus = masked_mean(&entropy_tensor, &mask)?.affine(s.entropy_coef, 0.0)?;
         loss = loss.sub(&bonus)?;
     }
-    let outcome = backward_and_step_with(optimizer, &loss, s.lr, s.grad_clip, s.grad_hook)?;
+    let forward_s = started.elapsed().as_secs_f64();
+    let (outcome, mut times) =
+        backward_and_step_timed(optimizer, &loss, s.lr, s.grad_clip, s.grad_hook)?;
+    times.forward_s = forward_s;
     Ok(MiniBatchResult {
         outcome,
         loss_metrics,
@@ -135,5 +143,6 @@ pub fn update_minibatch(
         routes: scored.routes,
         replay: scored.replay,
         verified_frac,
+        times,
     })
 }

@@ -21,6 +21,8 @@ use crate::rl::sampling::{response_batch, rollout_routes, SamplingSpec, Trajecto
 pub struct StepTrace {
     /// Prompt+response tokens of the step's trajectories.
     pub sequences: Vec<Vec<u32>>,
+    /// Prompt tokens of each of those sequences (the rest is the response).
+    pub prompt_lens: Vec<usize>,
     /// Rollout route tables of the step's trajectories (`len − 1` rows each).
     pub rollout_tables: Option<Vec<RouteTable>>,
     /// Replay proof of the separate old-log-prob pass (R3, multi mini-step).

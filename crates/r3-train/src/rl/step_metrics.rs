@@ -5,7 +5,7 @@
 use r3_routing::MismatchMetrics;
 
 use crate::algo::loss::PolicyLossKind;
-use crate::algo::update::UpdateOutcome;
+use crate::algo::update::{UpdateOutcome, UpdateTimes};
 use crate::config::train::TrainConfig;
 use crate::error::{Result, TrainError};
 use crate::rl::metrics_log::StepMetrics;
@@ -38,6 +38,13 @@ pub(crate) fn finish_metrics(
     m.rollout_stale_frac = data.stale_frac;
     m.old_logp_s = updates.old_logp_s;
     m.update_s = updates.update_s;
+    let mut parts = UpdateTimes::default();
+    for r in &updates.results {
+        parts += r.times;
+    }
+    m.update_forward_s = parts.forward_s;
+    m.update_backward_s = parts.backward_s;
+    m.update_optim_s = parts.optim_s;
     m.sync_s = sync_s;
     let total_s = data.rollout_s + updates.old_logp_s + updates.update_s + sync_s;
     let tokens: usize = data.batch.sequences().iter().map(Vec::len).sum();
@@ -166,6 +173,7 @@ mod tests {
             routes: None,
             replay: None,
             verified_frac: None,
+            times: UpdateTimes::default(),
         }
     }
 

@@ -21,6 +21,7 @@ use crate::rl::ahead::{generate_while, AheadBatch};
 use crate::rl::backend::{rollout_dtype, Backend};
 use crate::rl::checkpoint::{load_optimizer, save_checkpoint, state_at, TrainerState};
 use crate::rl::diagnostics::logp_mismatch;
+use crate::rl::memory::{lap_peak, reset_peak};
 use crate::rl::metrics_log::StepMetrics;
 use crate::rl::prompt_source::{PromptItem, PromptSource};
 use crate::rl::sampling::{evaluate_prompts, group_requests, score_groups, EvalResult, Generate};
@@ -200,9 +201,19 @@ impl Trainer {
     pub fn rl_step_with(&mut self, mut trace: Option<&mut StepTrace>) -> Result<StepMetrics> {
         let step = self.step + 1;
         let cfg = self.cfg.clone();
+        // The memory high-water mark is reset here and read (then reset) after each phase:
+        // the step's mark is the highest of its phases'. Reading it computes nothing the
+        // metrics depend on.
+        let peaks_known = reset_peak();
         let data = self.sample_step(step, &cfg)?;
+        let rollout_peak_mib = lap_peak();
         if let Some(trace) = trace.as_deref_mut() {
             trace.sequences = data.batch.sequences().to_vec();
+            trace.prompt_lens = data
+                .trajs
+                .iter()
+                .map(|t| t.sample.prompt_ids.len())
+                .collect();
             trace.rollout_tables = data.routes.as_ref().map(|r| r.tables().to_vec());
         }
         let ctx = StepContext {
@@ -217,11 +228,30 @@ impl Trainer {
         } else {
             run_updates(&self.policy, &mut self.optimizer, ctx)?
         };
+        let update_peak_mib = lap_peak();
         let train_lp = data.batch.gather_responses(&updates.view.logp)?;
         let mismatch = logp_mismatch(&train_lp, &data.rollout_lp)?;
         let sync_s = self.backend.sync(&self.policy, &self.tokenizer, step)?;
+        let sync_peak_mib = lap_peak();
         self.step = step;
         let mut metrics = finish_metrics(step, &cfg, &data, &updates, mismatch.as_ref(), sync_s);
+        if peaks_known {
+            metrics.rollout_peak_mib = rollout_peak_mib;
+            metrics.old_logp_peak_mib = updates.old_logp_peak_mib;
+            metrics.update_peak_mib = update_peak_mib;
+            metrics.sync_peak_mib = sync_peak_mib;
+            // Known only when every phase's lap is: a missing one could hold the peak.
+            metrics.peak_mib = match (rollout_peak_mib, update_peak_mib, sync_peak_mib) {
+                (Some(r), Some(u), Some(s)) => Some(
+                    updates
+                        .old_logp_peak_mib
+                        .map_or(r, |o| r.max(o))
+                        .max(u)
+                        .max(s),
+                ),
+                _ => None,
+            };
+        }
         if let Some(pos) = self.prompt_position().1 {
             metrics.data_epoch = Some(pos.epoch);
             metrics.data_filtered_prompts = Some(self.prompts.filtered() as u64);

@@ -41,6 +41,8 @@ pub(crate) struct Updates {
     pub(crate) results: Vec<MiniBatchResult>,
     pub(crate) old_logp_s: f64,
     pub(crate) update_s: f64,
+    /// Memory high-water mark of the separate old-log-prob pass, MiB (none without one).
+    pub(crate) old_logp_peak_mib: Option<f64>,
 }
 
 /// The updates of a step on its batch: one over the whole batch, or one per mini-batch
@@ -119,6 +121,7 @@ fn single_update(
         results: vec![r],
         old_logp_s: 0.0,
         update_s,
+        old_logp_peak_mib: None,
     })
 }
 
@@ -153,6 +156,7 @@ fn minibatch_updates(
         RouterReplay::Disabled => None,
     };
     let old_logp_s = t_old.elapsed().as_secs_f64();
+    let old_logp_peak_mib = crate::rl::memory::lap_peak();
 
     let t_update = Instant::now();
     let mut rows = data.kept_rows.clone();
@@ -199,6 +203,7 @@ fn minibatch_updates(
         results,
         old_logp_s,
         update_s: t_update.elapsed().as_secs_f64(),
+        old_logp_peak_mib,
     })
 }
 

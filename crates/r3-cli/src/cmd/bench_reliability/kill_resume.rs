@@ -11,6 +11,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use r3_train::rl::metrics_log::is_measurement;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::Value;
@@ -206,7 +207,7 @@ fn lines_by_step(path: &Path) -> anyhow::Result<(BTreeMap<u64, Vec<Value>>, usiz
             torn += 1;
             continue;
         };
-        m.retain(|k, _| !k.starts_with("time.") && !k.starts_with("throughput."));
+        m.retain(|k, _| !is_measurement(k));
         let step = m.get("step").and_then(Value::as_u64).unwrap_or(u64::MAX);
         by_step.entry(step).or_default().push(Value::Object(m));
     }
