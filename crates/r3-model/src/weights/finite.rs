@@ -94,16 +94,20 @@ pub fn check_holds(name: &str, tensor: &Tensor, precision: WeightPrecision) -> R
     }
 }
 
-/// [`check_holds`] over every tensor of a name → tensor map, in name order: the first
-/// tensor `precision` cannot hold is the error.
+/// [`check_holds`] over every tensor of a name → tensor map, in the map's order: the first
+/// tensor `precision` cannot hold is the error. Tensors are scanned on the rayon pool (a
+/// weight sync checks every parameter); the reported error is still the first in order.
 pub fn check_map_holds<'a>(
     tensors: impl IntoIterator<Item = (&'a String, &'a Tensor)>,
     precision: WeightPrecision,
 ) -> Result<()> {
-    for (name, t) in tensors {
-        check_holds(name, t, precision)?;
-    }
-    Ok(())
+    let tensors: Vec<(&String, &Tensor)> = tensors.into_iter().collect();
+    tensors
+        .par_iter()
+        .map(|(name, t)| check_holds(name, t, precision))
+        .collect::<Vec<Result<()>>>()
+        .into_iter()
+        .collect()
 }
 
 #[cfg(test)]
