@@ -145,6 +145,7 @@ pub(crate) fn update_settings(cfg: &TrainConfig) -> UpdateSettings {
         grad_clip: cfg.optim.grad_clip,
         mode: cfg.algo.router_replay,
         grad_hook: None,
+        max_tokens_per_micro_batch: cfg.algo.max_tokens_per_micro_batch,
     }
 }
 
