@@ -46,7 +46,10 @@ pub fn sequence_lens(batch: &ResponseBatch) -> Vec<usize> {
 
 /// Adds the gradients of `next` to `acc` for every variable of `vars`: a variable with a
 /// gradient in either store ends with the sum of both (one missing in `acc` takes
-/// `next`'s as is), so no micro-batch's gradient is lost.
+/// `next`'s), so no micro-batch's gradient is lost. The sums are detached: a variable's
+/// gradient from candle's backward still records the op that made it, whose inputs are
+/// the forward's activations, so keeping it as it is would keep that micro-batch's whole
+/// graph alive until the step (measured: memory then grew with the batch, not the budget).
 pub fn accumulate_grads<'v>(
     acc: &mut GradStore,
     next: &GradStore,
@@ -57,8 +60,8 @@ pub fn accumulate_grads<'v>(
             continue;
         };
         let sum = match acc.get(var.as_tensor()) {
-            Some(a) => a.add(g)?,
-            None => g.clone(),
+            Some(a) => a.add(g)?.detach(),
+            None => g.detach(),
         };
         acc.insert(var.as_tensor(), sum);
     }

@@ -206,12 +206,11 @@ pub fn update_minibatch(
 }
 
 /// What the micro-batches of an update have added up so far.
-#[derive(Default)]
 struct Accumulated {
     /// Sum of the partial loss values.
     loss: f64,
-    /// Summed gradients; `None` before the first backward, and once a partial loss is
-    /// non-finite (the step is skipped, later backward passes would be wasted).
+    /// Summed gradients of the optimiser's variables, detached; `None` once a partial loss
+    /// is non-finite (the step is skipped, later backward passes would be wasted).
     grads: Option<GradStore>,
     sums: PolicyLossSums,
     /// `Σ entropy` over the response tokens (row weights ignored, as the metric).
@@ -221,21 +220,32 @@ struct Accumulated {
     replay: Vec<(Vec<usize>, ReplayProof)>,
 }
 
+impl Default for Accumulated {
+    fn default() -> Self {
+        Self {
+            loss: 0.0,
+            grads: Some(GradStore::default()),
+            sums: PolicyLossSums::default(),
+            entropy_sum: 0.0,
+            logp: Vec::new(),
+            routes: Vec::new(),
+            replay: Vec::new(),
+        }
+    }
+}
+
 impl Accumulated {
     /// Adds micro-batch `micro` of rows `rows`: its backward (unless the loss is already
     /// non-finite) into the gradients of `optimizer`'s variables, then drops its graph.
     fn add(&mut self, micro: Micro, rows: &[usize], optimizer: &AdamW) -> Result<()> {
         let value = scalar_f32(&micro.loss)?;
-        let finite_so_far = self.loss.is_finite() && value.is_finite();
         self.loss += f64::from(value);
-        if finite_so_far {
-            let next = micro.loss.backward()?;
-            match self.grads.as_mut() {
-                None => self.grads = Some(next),
-                Some(acc) => accumulate_grads(acc, &next, optimizer.vars().map(|(_, v)| v))?,
+        match (self.grads.as_mut(), value.is_finite()) {
+            (Some(acc), true) => {
+                let next = micro.loss.backward()?;
+                accumulate_grads(acc, &next, optimizer.vars().map(|(_, v)| v))?;
             }
-        } else {
-            self.grads = None;
+            _ => self.grads = None,
         }
         self.sums.add(&micro.sums);
         self.entropy_sum += micro.entropy_sum;

@@ -134,7 +134,7 @@ pub(crate) struct StepContext<'a> {
 }
 
 /// Loss and optimiser settings of the step's updates (the LR is set per update).
-pub(crate) fn update_settings(cfg: &TrainConfig) -> UpdateSettings {
+pub fn update_settings(cfg: &TrainConfig) -> UpdateSettings {
     UpdateSettings {
         loss: cfg.algo.loss,
         clip: cfg.clip_range(),
