@@ -24,6 +24,7 @@ fn options(out: &Path) -> AnalyzeOptions {
         max_new_tokens: 10,
         temperature: 1.0,
         micro_batch: 4,
+        max_tokens_per_micro_batch: 0,
         seed: 5,
         rollout_dtype: r3_rollout::Dtype::F16,
         rollout_router_dtype: r3_rollout::RouterDtype::Model,

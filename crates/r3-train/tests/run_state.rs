@@ -184,6 +184,7 @@ fn a_nan_or_inf_loss_skips_the_update_and_leaves_weights_untouched() {
         grad_clip: 1.0,
         mode: RouterReplay::Disabled,
         grad_hook: None,
+        max_tokens_per_micro_batch: 0,
     };
     let before = values(&policy);
     for bad in [f32::NAN, f32::INFINITY] {

@@ -136,6 +136,7 @@ fn an_injected_non_finite_gradient_is_skipped_with_state_restored_bit_for_bit() 
         grad_clip: 1.0,
         mode: RouterReplay::Disabled,
         grad_hook: None,
+        max_tokens_per_micro_batch: 0,
     };
     // One applied update first, so the moments are not all zero.
     let r = update_minibatch(&policy, &mut opt, &mb, &settings).expect("update");

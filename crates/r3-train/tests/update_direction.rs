@@ -84,6 +84,7 @@ fn check(kind: PolicyLossKind, replay: bool) {
         grad_clip: 1.0,
         mode: RouterReplay::R3,
         grad_hook: None,
+        max_tokens_per_micro_batch: 0,
     };
     let r = update_minibatch(&policy, &mut opt, &mb, &settings).expect("update");
     assert!(r.outcome.applied());

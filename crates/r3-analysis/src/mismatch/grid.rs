@@ -114,7 +114,11 @@ fn cells_for(
     progress: &ProgressBar,
 ) -> Result<[GridCell; 2], AnalysisError> {
     let (_, model) = load_training_model(&opts.model, precision)?;
-    let batching = Batching::in_order(samples.len(), opts.micro_batch);
+    let batching = Batching::in_order(
+        samples.len(),
+        opts.micro_batch,
+        opts.max_tokens_per_micro_batch,
+    );
     let label = format!("{rollout_dtype}/{}", precision_name(precision));
     let native = training_pass(
         &model,

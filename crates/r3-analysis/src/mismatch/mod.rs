@@ -61,6 +61,8 @@ pub struct AnalyzeOptions {
     pub temperature: f32,
     /// Sequences per training forward call.
     pub micro_batch: usize,
+    /// Token budget of one training forward call (rows × longest row); 0 = none.
+    pub max_tokens_per_micro_batch: usize,
     /// Seed of prompts, sampling and random dense weights.
     pub seed: u64,
     /// Rollout engine precision (f16 by default).
@@ -200,10 +202,11 @@ struct MoePasses {
 
 /// Reversed order and a different micro-batch size: every sequence shares its forward call
 /// with different neighbours and different padding.
-fn rebatched(n: usize, micro_batch: usize) -> Batching {
+fn rebatched(n: usize, micro_batch: usize, max_tokens: usize) -> Batching {
     Batching {
         order: (0..n).rev().collect(),
         micro_batch: if micro_batch > 1 { 1 } else { n.max(2) },
+        max_tokens,
     }
 }
 
@@ -211,10 +214,11 @@ fn moe_passes(
     model: &Model,
     samples: &[RolloutSample],
     micro_batch: usize,
+    max_tokens: usize,
     progress: &ProgressBar,
 ) -> Result<MoePasses, AnalysisError> {
-    let in_order = Batching::in_order(samples.len(), micro_batch);
-    let other_batching = rebatched(samples.len(), micro_batch);
+    let in_order = Batching::in_order(samples.len(), micro_batch, max_tokens);
+    let other_batching = rebatched(samples.len(), micro_batch, max_tokens);
     let pass = |routing, batching: &Batching, label: &str| {
         training_pass(model, samples, routing, batching, progress, label)
     };
@@ -266,7 +270,7 @@ fn dense_reference(
         &model,
         &samples,
         PassRouting::NativeRecorded,
-        &Batching::in_order(samples.len(), micro_batch),
+        &Batching::in_order(samples.len(), micro_batch, opts.max_tokens_per_micro_batch),
         progress,
         "training pass: dense",
     )?;
@@ -470,7 +474,13 @@ pub fn run_analysis(opts: &AnalyzeOptions) -> Result<AnalysisSummary, AnalysisEr
     );
 
     let t0 = Instant::now();
-    let passes = moe_passes(&inputs.model, &samples, mb, &progress)?;
+    let passes = moe_passes(
+        &inputs.model,
+        &samples,
+        mb,
+        opts.max_tokens_per_micro_batch,
+        &progress,
+    )?;
     timings.training_passes_s = t0.elapsed().as_secs_f64();
     drop(inputs.model);
 

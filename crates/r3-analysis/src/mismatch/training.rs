@@ -28,15 +28,43 @@ pub struct Batching {
     pub order: Vec<usize>,
     /// Sequences per forward call (right-padded to the longest in the call).
     pub micro_batch: usize,
+    /// Token budget of one forward call (rows × the longest row, prompt + output): a group
+    /// of `micro_batch` sequences past it is cut, in order, into calls within it (a single
+    /// longer sequence is a call of its own); 0 = no budget. Bounds the memory of the
+    /// logits, `[rows, T, vocab]`.
+    pub max_tokens: usize,
 }
 
 impl Batching {
-    /// Samples in their natural order, `micro_batch` per call.
-    pub fn in_order(n: usize, micro_batch: usize) -> Self {
+    /// Samples in their natural order, `micro_batch` per call, at most `max_tokens` tokens.
+    pub fn in_order(n: usize, micro_batch: usize, max_tokens: usize) -> Self {
         Self {
             order: (0..n).collect(),
             micro_batch,
+            max_tokens,
         }
+    }
+
+    /// The forward calls: groups of `micro_batch` in `order`, each cut in order where the
+    /// next sequence would take it past `max_tokens` (`lens[i]`: tokens of sample `i`).
+    pub fn calls(&self, lens: &[usize]) -> Vec<Vec<usize>> {
+        let mut calls = Vec::new();
+        for group in self.order.chunks(self.micro_batch.max(1)) {
+            let mut current: Vec<usize> = Vec::new();
+            let mut widest = 0;
+            for &i in group {
+                let width = widest.max(lens[i]);
+                let over = (current.len() + 1).saturating_mul(width) > self.max_tokens;
+                if self.max_tokens > 0 && !current.is_empty() && over {
+                    calls.push(std::mem::take(&mut current));
+                    widest = 0;
+                }
+                widest = widest.max(lens[i]);
+                current.push(i);
+            }
+            calls.push(current);
+        }
+        calls
     }
 }
 
@@ -87,7 +115,9 @@ pub fn training_pass(
     progress.set_length(samples.len() as u64);
     progress.set_position(0);
     progress.set_message(label.to_string());
-    for chunk in batching.order.chunks(batching.micro_batch) {
+    let lens: Vec<usize> = batch.sequences().iter().map(Vec::len).collect();
+    for chunk in &batching.calls(&lens) {
+        let chunk = chunk.as_slice();
         let micro = batch.subset(chunk)?;
         let tables = match (routing, is_moe) {
             (PassRouting::ReplayRollout, true) => Some(
@@ -193,4 +223,27 @@ fn rollout_rows(
 fn bar_style() -> ProgressStyle {
     ProgressStyle::with_template("{msg:28} [{bar:30}] {pos}/{len} {elapsed}")
         .unwrap_or_else(|_| ProgressStyle::default_bar())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Batching;
+
+    #[test]
+    fn calls_keep_the_order_and_cut_groups_past_the_token_budget() {
+        let lens = [4, 6, 3, 9, 5, 2];
+        // No budget: groups of 4 in order.
+        let plain = Batching::in_order(6, 4, 0);
+        assert_eq!(plain.calls(&lens), vec![vec![0, 1, 2, 3], vec![4, 5]]);
+        // Budget 12: [0, 1] costs 2 × 6; adding 2 would cost 18. [2] then 9 → 18: cut.
+        // Row 3 (9) alone; [4, 5] costs 10.
+        let budget = Batching::in_order(6, 4, 12);
+        assert_eq!(
+            budget.calls(&lens),
+            vec![vec![0, 1], vec![2], vec![3], vec![4, 5]]
+        );
+        // A sequence longer than the budget is a call of its own.
+        let tiny = Batching::in_order(6, 4, 3);
+        assert_eq!(tiny.calls(&lens).len(), 6);
+    }
 }

@@ -38,6 +38,10 @@ pub struct AnalyzeArgs {
     /// Sequences per training forward call.
     #[arg(long, default_value_t = 16)]
     pub micro_batch: usize,
+    /// Token budget of one training forward call (sequences × the longest, prompt +
+    /// output): a call past it is cut, in order; 0 = none (as `algo.max_tokens_per_micro_batch`).
+    #[arg(long, default_value_t = r3_train::config::DEFAULT_MAX_TOKENS_PER_MICRO_BATCH)]
+    pub max_tokens_per_micro_batch: usize,
     /// Seed of prompts, sampling and random dense weights.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -102,6 +106,7 @@ pub fn run(a: AnalyzeArgs) -> anyhow::Result<()> {
         max_new_tokens: a.max_new_tokens,
         temperature: a.temperature,
         micro_batch: a.micro_batch,
+        max_tokens_per_micro_batch: a.max_tokens_per_micro_batch,
         seed: a.seed,
         rollout_dtype,
         rollout_router_dtype,

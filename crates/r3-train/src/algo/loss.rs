@@ -11,8 +11,8 @@
 //! and `is_weights` are detached here; `advantages` is `[B]` (broadcast over tokens) or
 //! `[B, T]`; `mask` is 1.0 on response tokens.
 
-use crate::algo::agg::{aggregate, LossAgg};
-use crate::algo::logprob::{check_bt, masked_mean, scalar_f32};
+use crate::algo::agg::{aggregate_with, AggNorm, LossAgg};
+use crate::algo::logprob::{check_bt, scalar_f32};
 use crate::error::{Result, TrainError};
 use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
@@ -76,6 +76,62 @@ pub struct PolicyLossMetrics {
     pub ratio_mean: f32,
 }
 
+/// The sums behind [`PolicyLossMetrics`] over some rows of a mini-batch: numerators over
+/// response tokens (and the partial loss). Micro-batches of one mini-batch add theirs, and
+/// [`PolicyLossSums::finish`] divides by the mini-batch's token count once, so the metrics
+/// equal the one-batch values (no mean of means).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PolicyLossSums {
+    /// Sum of the partial losses (each already over the mini-batch's denominators).
+    pub pg_loss: f64,
+    /// `Σ mask · clipped`.
+    pub clip: f64,
+    /// `Σ mask · clipped · (ratio < 1)`.
+    pub clip_low: f64,
+    /// `Σ mask · clipped · (ratio > 1)`.
+    pub clip_high: f64,
+    /// `Σ mask · ratio`.
+    pub ratio: f64,
+    /// `Σ mask · (old − new)`.
+    pub kl: f64,
+    /// `Σ mask · (r − 1 − log r)`.
+    pub kl_k3: f64,
+}
+
+impl PolicyLossSums {
+    /// Adds the sums of other rows of the same mini-batch.
+    pub fn add(&mut self, other: &PolicyLossSums) {
+        self.pg_loss += other.pg_loss;
+        self.clip += other.clip;
+        self.clip_low += other.clip_low;
+        self.clip_high += other.clip_high;
+        self.ratio += other.ratio;
+        self.kl += other.kl;
+        self.kl_k3 += other.kl_k3;
+    }
+
+    /// The metrics: each numerator over `tokens`, the mini-batch's `max(Σ mask, 1e-8)`. The
+    /// division is in f32, as the one-batch masked mean's, so one micro-batch gives the
+    /// one-batch metrics bit for bit.
+    pub fn finish(&self, tokens: f32) -> PolicyLossMetrics {
+        let mean = |num: f64| num as f32 / tokens;
+        PolicyLossMetrics {
+            pg_loss: self.pg_loss as f32,
+            clip_frac: mean(self.clip),
+            clip_frac_low: mean(self.clip_low),
+            clip_frac_high: mean(self.clip_high),
+            ppo_kl: mean(self.kl),
+            ppo_kl_k3: mean(self.kl_k3),
+            ratio_mean: mean(self.ratio),
+        }
+    }
+}
+
+/// `Σ x · mask` as an f64 (a masked mean's numerator, as computed there).
+fn masked_sum(x: &Tensor, mask: &Tensor) -> Result<f64> {
+    Ok(f64::from(scalar_f32(&x.mul(mask)?.sum_all()?)?))
+}
+
 struct Checked {
     adv: Tensor,
     old: Tensor,
@@ -109,14 +165,16 @@ fn check_inputs(input: &PolicyLossInput) -> Result<Checked> {
     })
 }
 
-/// Shared clipped surrogate: per-token `max(−A·ρ, −A·clip(ρ))`, IS-weighted, aggregated.
+/// Shared clipped surrogate: per-token `max(−A·ρ, −A·clip(ρ))`, IS-weighted, aggregated
+/// over `norm`'s denominators; with the clip and ratio numerators.
 fn clipped_surrogate(
     ratio: &Tensor,
     adv: &Tensor,
     input: &PolicyLossInput,
     clip: ClipRange,
     agg: LossAgg,
-) -> Result<(Tensor, [f32; 4])> {
+    norm: &AggNorm,
+) -> Result<(Tensor, PolicyLossSums)> {
     if clip.low < 0.0 || clip.high < 0.0 || clip.low >= 1.0 {
         return Err(TrainError::ClipRange {
             low: clip.low,
@@ -130,46 +188,41 @@ fn clipped_surrogate(
     if let Some(w) = input.is_weights {
         per_token = per_token.mul(&w.detach())?;
     }
-    let loss = aggregate(&per_token, input.mask, agg)?;
+    let loss = aggregate_with(&per_token, input.mask, agg, norm)?;
     let mask = input.mask;
     let was_clipped = clipped.gt(&unclipped)?.to_dtype(mask.dtype())?;
     let above = ratio.gt(1.0)?.to_dtype(mask.dtype())?;
     let below = ratio.lt(1.0)?.to_dtype(mask.dtype())?;
-    let stats = [
-        scalar_f32(&masked_mean(&was_clipped, mask)?)?,
-        scalar_f32(&masked_mean(&was_clipped.mul(&below)?, mask)?)?,
-        scalar_f32(&masked_mean(&was_clipped.mul(&above)?, mask)?)?,
-        scalar_f32(&masked_mean(&ratio.detach(), mask)?)?,
-    ];
-    Ok((loss, stats))
+    let sums = PolicyLossSums {
+        pg_loss: f64::from(scalar_f32(&loss)?),
+        clip: masked_sum(&was_clipped, mask)?,
+        clip_low: masked_sum(&was_clipped.mul(&below)?, mask)?,
+        clip_high: masked_sum(&was_clipped.mul(&above)?, mask)?,
+        ratio: masked_sum(&ratio.detach(), mask)?,
+        kl: 0.0,
+        kl_k3: 0.0,
+    };
+    Ok((loss, sums))
 }
 
-/// Token-level KL estimates `(k1, k3)` of KL(old ‖ new) from `log_ratio = new − old`.
-fn kl_estimates(log_ratio: &Tensor, mask: &Tensor) -> Result<(f32, f32)> {
+/// Adds the numerators of the token-level KL estimates (k1, k3) of KL(old ‖ new), from
+/// `log_ratio = new − old`, to `sums`.
+fn with_kl(mut sums: PolicyLossSums, log_ratio: &Tensor, mask: &Tensor) -> Result<PolicyLossSums> {
     let lr = log_ratio.detach();
-    let k1 = scalar_f32(&masked_mean(&lr.neg()?, mask)?)?;
+    sums.kl = masked_sum(&lr.neg()?, mask)?;
     let k3 = lr.exp()?.sub(&lr)?.affine(1.0, -1.0)?;
-    Ok((k1, scalar_f32(&masked_mean(&k3, mask)?)?))
+    sums.kl_k3 = masked_sum(&k3, mask)?;
+    Ok(sums)
 }
 
-/// The metrics of a loss value, its clip statistics `[frac, low, high, ratio mean]` and the
-/// token log-ratios `new − old`.
-fn loss_metrics(
-    loss: &Tensor,
-    [clip_frac, clip_frac_low, clip_frac_high, ratio_mean]: [f32; 4],
-    log_ratio: &Tensor,
+/// The metrics of a loss over its own rows (the mini-batch is the input itself).
+fn own_metrics(
+    part: impl FnOnce(&AggNorm) -> Result<(Tensor, PolicyLossSums)>,
     mask: &Tensor,
-) -> Result<PolicyLossMetrics> {
-    let (ppo_kl, ppo_kl_k3) = kl_estimates(log_ratio, mask)?;
-    Ok(PolicyLossMetrics {
-        pg_loss: scalar_f32(loss)?,
-        clip_frac,
-        clip_frac_low,
-        clip_frac_high,
-        ppo_kl,
-        ppo_kl_k3,
-        ratio_mean,
-    })
+) -> Result<(Tensor, PolicyLossMetrics)> {
+    let norm = AggNorm::of(mask)?;
+    let (loss, sums) = part(&norm)?;
+    Ok((loss, sums.finish(scalar_f32(&norm.tokens)?)))
 }
 
 /// PPO clipped policy loss with clip-higher; `agg` reduces the per-token losses.
@@ -178,20 +231,40 @@ pub fn ppo_clip_loss(
     clip: ClipRange,
     agg: LossAgg,
 ) -> Result<(Tensor, PolicyLossMetrics)> {
+    own_metrics(|norm| ppo_clip_part(input, clip, agg, norm), input.mask)
+}
+
+/// [`ppo_clip_loss`] of rows of a larger mini-batch whose denominators are `norm`: the
+/// rows' share of its loss, and their metric sums.
+fn ppo_clip_part(
+    input: &PolicyLossInput,
+    clip: ClipRange,
+    agg: LossAgg,
+    norm: &AggNorm,
+) -> Result<(Tensor, PolicyLossSums)> {
     let c = check_inputs(input)?;
     let log_ratio = input
         .logp
         .sub(&c.old)?
         .clamp(-PPO_LOG_RATIO_LIMIT, PPO_LOG_RATIO_LIMIT)?;
     let ratio = log_ratio.exp()?;
-    let (loss, stats) = clipped_surrogate(&ratio, &c.adv, input, clip, agg)?;
-    let metrics = loss_metrics(&loss, stats, &log_ratio, input.mask)?;
-    Ok((loss, metrics))
+    let (loss, sums) = clipped_surrogate(&ratio, &c.adv, input, clip, agg, norm)?;
+    Ok((loss, with_kl(sums, &log_ratio, input.mask)?))
 }
 
 /// GSPO loss (token-level form with the stop-gradient trick); always aggregated
 /// sequence-mean of token-mean, which is how GSPO is defined.
 pub fn gspo_loss(input: &PolicyLossInput, clip: ClipRange) -> Result<(Tensor, PolicyLossMetrics)> {
+    own_metrics(|norm| gspo_part(input, clip, norm), input.mask)
+}
+
+/// [`gspo_loss`] of rows of a larger mini-batch whose denominators are `norm` (the
+/// sequence ratio is per row, so a row's loss does not depend on the others).
+fn gspo_part(
+    input: &PolicyLossInput,
+    clip: ClipRange,
+    norm: &AggNorm,
+) -> Result<(Tensor, PolicyLossSums)> {
     let c = check_inputs(input)?;
     let (b, t) = input.logp.dims2()?;
     let token_log_ratio = input.logp.sub(&c.old)?.mul(input.mask)?;
@@ -207,10 +280,9 @@ pub fn gspo_loss(input: &PolicyLossInput, clip: ClipRange) -> Result<(Tensor, Po
         .sub(&input.logp.detach())?
         .broadcast_add(&seq_log_ratio)?;
     let s = log_s.exp()?;
-    let (loss, stats) = clipped_surrogate(&s, &c.adv, input, clip, LossAgg::SeqMeanTokenMean)?;
+    let (loss, sums) = clipped_surrogate(&s, &c.adv, input, clip, LossAgg::SeqMeanTokenMean, norm)?;
     debug_assert_eq!(s.dims(), [b, t]);
-    let metrics = loss_metrics(&loss, stats, &token_log_ratio, input.mask)?;
-    Ok((loss, metrics))
+    Ok((loss, with_kl(sums, &token_log_ratio, input.mask)?))
 }
 
 /// Dispatches to [`ppo_clip_loss`] or [`gspo_loss`]; `agg` is ignored for GSPO.
@@ -220,8 +292,25 @@ pub fn policy_loss(
     clip: ClipRange,
     agg: LossAgg,
 ) -> Result<(Tensor, PolicyLossMetrics)> {
+    own_metrics(
+        |norm| policy_loss_part(kind, input, clip, agg, norm),
+        input.mask,
+    )
+}
+
+/// The policy loss of some rows of a mini-batch (a micro-batch) whose denominators are
+/// `norm` ([`AggNorm::of`] the whole mini-batch's mask): the partial losses of its
+/// micro-batches sum to the mini-batch's [`policy_loss`], and so do their gradients and
+/// [`PolicyLossSums`].
+pub fn policy_loss_part(
+    kind: PolicyLossKind,
+    input: &PolicyLossInput,
+    clip: ClipRange,
+    agg: LossAgg,
+    norm: &AggNorm,
+) -> Result<(Tensor, PolicyLossSums)> {
     match kind {
-        PolicyLossKind::Ppo => ppo_clip_loss(input, clip, agg),
-        PolicyLossKind::Gspo => gspo_loss(input, clip),
+        PolicyLossKind::Ppo => ppo_clip_part(input, clip, agg, norm),
+        PolicyLossKind::Gspo => gspo_part(input, clip, norm),
     }
 }

@@ -13,6 +13,11 @@ pub const MAX_LR: f64 = 1.0;
 /// far above it sampling is uniform noise.
 pub const MAX_TEMPERATURE: f64 = 100.0;
 
+/// Largest accepted `algo.max_tokens_per_micro_batch`: 2^30 tokens of activations is far
+/// past any machine's memory, so a larger budget is a typo (or a negative number's
+/// wrap-around), not a setting.
+pub const MAX_TOKENS_PER_MICRO_BATCH: usize = 1 << 30;
+
 fn invalid(field: &'static str, reason: String) -> TrainError {
     TrainError::InvalidConfig { field, reason }
 }
@@ -99,6 +104,16 @@ pub fn check_limits(cfg: &TrainConfig) -> Result<()> {
         if count == 0 {
             return Err(invalid(field, "must be >= 1".into()));
         }
+    }
+    if a.max_tokens_per_micro_batch > MAX_TOKENS_PER_MICRO_BATCH {
+        return Err(invalid(
+            "algo.max_tokens_per_micro_batch",
+            format!(
+                "{} is past the largest budget {MAX_TOKENS_PER_MICRO_BATCH} \
+                 (0 = one micro-batch per mini-batch)",
+                a.max_tokens_per_micro_batch
+            ),
+        ));
     }
     // With a dataset, eval.size 0 means "every validation row"; only the built-in task
     // needs a held-out size to evaluate at all.

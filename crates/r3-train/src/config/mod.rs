@@ -9,5 +9,5 @@ pub mod train;
 
 pub use train::{
     AlgoConfig, CheckpointConfig, DataConfig, EvalConfig, OptimConfig, RolloutBackend,
-    RolloutConfig, RouterReplay, TaskConfig, TrainConfig,
+    RolloutConfig, RouterReplay, TaskConfig, TrainConfig, DEFAULT_MAX_TOKENS_PER_MICRO_BATCH,
 };

@@ -188,6 +188,10 @@ pub enum RolloutBackend {
     Sglang,
 }
 
+/// Default `algo.max_tokens_per_micro_batch`: verl's default token budget per GPU
+/// micro-batch; the default run's 256 sequences of up to ~60 tokens fit in one.
+pub const DEFAULT_MAX_TOKENS_PER_MICRO_BATCH: usize = 16384;
+
 /// Policy optimisation.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -226,6 +230,15 @@ pub struct AlgoConfig {
     pub is_threshold: f64,
     /// Entropy bonus coefficient (loss −= coef · entropy); 0 disables. Default 0.0.
     pub entropy_coef: f64,
+    /// Token budget of one micro-batch in every training pass that holds activations (the
+    /// old-log-prob pass and each update): a micro-batch costs its rows × its longest
+    /// sequence (prompt + response, the width the forward pads to). Rows are sorted by
+    /// length and packed into micro-batches within the budget, their gradients summed
+    /// before the one optimiser step of the mini-batch (the same update to float rounding,
+    /// in memory that grows with the budget, not the batch). A single sequence longer than
+    /// the budget forms its own micro-batch. 0 = the whole mini-batch in one forward.
+    /// Default 16384 (verl's `ppo_max_token_len_per_gpu`).
+    pub max_tokens_per_micro_batch: usize,
 }
 
 /// AdamW and the learning-rate schedule.
@@ -353,6 +366,7 @@ impl Default for AlgoConfig {
             is_level: IsLevel::Token,
             is_threshold: 2.0,
             entropy_coef: 0.0,
+            max_tokens_per_micro_batch: DEFAULT_MAX_TOKENS_PER_MICRO_BATCH,
         }
     }
 }

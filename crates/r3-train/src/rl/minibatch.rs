@@ -1,26 +1,33 @@
 //! One mini-batch update: forward with the update pass's routing, policy loss (PPO
 //! clip-higher or GSPO, optional TIS/MIS weights), entropy bonus, then the guarded
-//! backward + clip + AdamW step. A NaN/inf loss or gradient norm skips the step and
-//! leaves weights and optimiser state untouched.
+//! clip + AdamW step. A NaN/inf loss or gradient norm skips the step and leaves weights
+//! and optimiser state untouched. With a token budget the mini-batch runs as micro-batches
+//! (forward, partial loss over the whole mini-batch's denominators, backward, one at a
+//! time), their gradients summed before the one step: the same update in bounded memory.
 
 use std::time::Instant;
 
-use candle_core::Tensor;
-use r3_model::{ReplayProof, Routing};
+use candle_core::backprop::GradStore;
+use candle_core::{Device, Tensor};
+use r3_model::{Model, ReplayProof, ReplayRoutes, Routing};
 use r3_routing::RouteTable;
 
-use crate::algo::agg::LossAgg;
-use crate::algo::logprob::{entropy_from_logits, masked_mean};
+use crate::algo::agg::{AggNorm, LossAgg};
+use crate::algo::logprob::{entropy_from_logits, scalar_f32};
 use crate::algo::loss::{
-    policy_loss, ClipRange, PolicyLossInput, PolicyLossKind, PolicyLossMetrics,
+    policy_loss_part, ClipRange, PolicyLossInput, PolicyLossKind, PolicyLossMetrics, PolicyLossSums,
 };
 use crate::algo::optim::AdamW;
 use crate::algo::rollout_is::{rollout_is_weights, IsConfig};
-use crate::algo::update::{backward_and_step_timed, GradHook, UpdateOutcome, UpdateTimes};
+use crate::algo::update::{guarded_step_timed, GradHook, SkipReason, UpdateOutcome, UpdateTimes};
 use crate::config::train::RouterReplay;
 use crate::error::Result;
 use crate::policy::trainable::{score, ResponseBatch, TrainablePolicy};
 use crate::rl::diagnostics::verify_proof;
+use crate::rl::micro_batches::{
+    accumulate_grads, merge_proofs, pack_micro_batches, pick_rows, place_rows, place_tables,
+    sequence_lens,
+};
 
 /// The data of one mini-batch.
 #[derive(Debug)]
@@ -62,6 +69,9 @@ pub struct UpdateSettings {
     pub mode: RouterReplay,
     /// Test hook on the clipped gradients before the AdamW step (`None` in real runs).
     pub grad_hook: Option<GradHook>,
+    /// Token budget of one micro-batch (rows × padded width, see
+    /// [`pack_micro_batches`]); 0 = the whole mini-batch in one forward.
+    pub max_tokens_per_micro_batch: usize,
 }
 
 /// What one mini-batch update did and saw.
@@ -81,30 +91,219 @@ pub struct MiniBatchResult {
     pub replay: Option<ReplayProof>,
     /// Verified fraction of a `Replay` forward.
     pub verified_frac: Option<f64>,
-    /// Seconds of its forward (with the loss), backward and optimiser step.
+    /// Seconds of its forwards (with the loss), backwards and optimiser step, summed over
+    /// its micro-batches.
     pub times: UpdateTimes,
 }
 
-/// Runs one mini-batch update on `policy` with `optimizer`.
+/// Runs one mini-batch update on `policy` with `optimizer`: one forward and backward per
+/// micro-batch of `s.max_tokens_per_micro_batch` tokens, then one guarded step on the
+/// summed gradients. One micro-batch (the mini-batch within the budget) computes exactly
+/// what a single forward over the mini-batch does.
 pub fn update_minibatch(
     policy: &TrainablePolicy,
     optimizer: &mut AdamW,
     mb: &MiniBatch<'_>,
     s: &UpdateSettings,
 ) -> Result<MiniBatchResult> {
-    let started = Instant::now();
     let model = policy.model()?;
-    let scored = score(&model, mb.batch, mb.routing)?;
-    let verified_frac = match (&scored.replay, mb.routing) {
+    let device = policy.device();
+    let n = mb.batch.len();
+    let parts = pack_micro_batches(&sequence_lens(mb.batch), s.max_tokens_per_micro_batch);
+    // The whole mini-batch's denominators: every micro-batch's loss and metrics use them.
+    let full_mask = mb.batch.response_mask(None, &device)?;
+    let mask = match &mb.row_weight {
+        Some(w) => mb.batch.response_mask(Some(w), &device)?,
+        None => full_mask.clone(),
+    };
+    let norm = AggNorm::of(&mask)?;
+    let tokens = scalar_f32(&norm.tokens)?;
+    let full_tokens = scalar_f32(&full_mask.sum_all()?.maximum(1e-8)?)?;
+    drop((full_mask, mask));
+
+    let mut acc = Accumulated::default();
+    if let [_] = parts.as_slice() {
+        let started = Instant::now();
+        let micro = micro_update(&model, mb, s, &norm, &device)?;
+        acc.times.forward_s += started.elapsed().as_secs_f64();
+        acc.add(micro, &(0..n).collect::<Vec<_>>(), optimizer)?;
+    } else {
+        for part in &parts {
+            let started = Instant::now();
+            let sub = mb.batch.subset(part)?;
+            let width = sub.width();
+            let routes: Option<ReplayRoutes> = match mb.routing {
+                Routing::Replay(r) => Some(r.select(part)?),
+                _ => None,
+            };
+            let sub_mb = MiniBatch {
+                batch: &sub,
+                old_logp: mb
+                    .old_logp
+                    .as_ref()
+                    .map(|t| pick_rows(t, part, width))
+                    .transpose()?,
+                rollout_logp: pick_rows(&mb.rollout_logp, part, width)?,
+                advantages: part.iter().map(|&r| mb.advantages[r]).collect(),
+                row_weight: mb
+                    .row_weight
+                    .as_ref()
+                    .map(|w| part.iter().map(|&r| w[r]).collect()),
+                routing: match (&routes, mb.routing) {
+                    (Some(r), _) => Routing::Replay(r),
+                    (None, routing) => routing,
+                },
+            };
+            let micro = micro_update(&model, &sub_mb, s, &norm, &device)?;
+            acc.times.forward_s += started.elapsed().as_secs_f64();
+            acc.add(micro, part, optimizer)?;
+        }
+    }
+    let Accumulated {
+        loss,
+        grads,
+        sums,
+        entropy_sum,
+        logp,
+        routes,
+        replay,
+        mut times,
+    } = acc;
+    let logp = match <[_; 1]>::try_from(logp) {
+        Ok([(_, whole)]) => whole,
+        Err(parts) => {
+            let width = mb.batch.width();
+            place_rows(&parts, n, width, &device)?
+        }
+    };
+    let routes = match routes.is_empty() {
+        true => None,
+        false => Some(place_tables(routes, n)?),
+    };
+    let replay = match replay.is_empty() {
+        true => None,
+        false => Some(merge_proofs(replay, n)?),
+    };
+    let verified_frac = match (&replay, mb.routing) {
         (Some(proof), Routing::Replay(routes)) => {
             Some(verify_proof(proof, routes.tables(), s.mode, "update")?)
         }
         _ => None,
     };
-    let device = policy.device();
-    let full_mask = mb.batch.response_mask(None, &device)?;
+    let loss = loss as f32;
+    let outcome = match grads {
+        Some(grads) if loss.is_finite() => {
+            let (outcome, optim_s) =
+                guarded_step_timed(optimizer, loss, grads, s.lr, s.grad_clip, s.grad_hook)?;
+            times.optim_s = optim_s;
+            outcome
+        }
+        _ => {
+            tracing::warn!(loss, "non-finite loss: update skipped");
+            UpdateOutcome::Skipped {
+                reason: SkipReason::NonFiniteLoss,
+                loss,
+                grad_norm: None,
+            }
+        }
+    };
+    Ok(MiniBatchResult {
+        outcome,
+        loss_metrics: sums.finish(tokens),
+        logp,
+        entropy: entropy_sum as f32 / full_tokens,
+        routes,
+        replay,
+        verified_frac,
+        times,
+    })
+}
+
+/// What the micro-batches of an update have added up so far.
+struct Accumulated {
+    /// Sum of the partial loss values.
+    loss: f64,
+    /// Summed gradients of the optimiser's variables, detached; `None` once a partial loss
+    /// is non-finite (the step is skipped, later backward passes would be wasted).
+    grads: Option<GradStore>,
+    sums: PolicyLossSums,
+    /// `Σ entropy` over the response tokens (row weights ignored, as the metric).
+    entropy_sum: f64,
+    logp: Vec<(Vec<usize>, Tensor)>,
+    routes: Vec<(Vec<usize>, Vec<RouteTable>)>,
+    replay: Vec<(Vec<usize>, ReplayProof)>,
+    /// Seconds of the forwards and backwards so far.
+    times: UpdateTimes,
+}
+
+impl Default for Accumulated {
+    fn default() -> Self {
+        Self {
+            loss: 0.0,
+            grads: Some(GradStore::default()),
+            sums: PolicyLossSums::default(),
+            entropy_sum: 0.0,
+            logp: Vec::new(),
+            routes: Vec::new(),
+            replay: Vec::new(),
+            times: UpdateTimes::default(),
+        }
+    }
+}
+
+impl Accumulated {
+    /// Adds micro-batch `micro` of rows `rows`: its backward (unless the loss is already
+    /// non-finite) into the gradients of `optimizer`'s variables, then drops its graph.
+    fn add(&mut self, micro: Micro, rows: &[usize], optimizer: &AdamW) -> Result<()> {
+        let value = scalar_f32(&micro.loss)?;
+        self.loss += f64::from(value);
+        match (self.grads.as_mut(), value.is_finite()) {
+            (Some(acc), true) => {
+                let started = Instant::now();
+                let next = micro.loss.backward()?;
+                accumulate_grads(acc, &next, optimizer.vars().map(|(_, v)| v))?;
+                self.times.backward_s += started.elapsed().as_secs_f64();
+            }
+            _ => self.grads = None,
+        }
+        self.sums.add(&micro.sums);
+        self.entropy_sum += micro.entropy_sum;
+        self.logp.push((rows.to_vec(), micro.logp));
+        if let Some(r) = micro.routes {
+            self.routes.push((rows.to_vec(), r));
+        }
+        if let Some(p) = micro.replay {
+            self.replay.push((rows.to_vec(), p));
+        }
+        Ok(())
+    }
+}
+
+/// One micro-batch's forward and partial loss.
+struct Micro {
+    /// Partial loss (with its graph): its rows' share of the mini-batch's loss.
+    loss: Tensor,
+    sums: PolicyLossSums,
+    entropy_sum: f64,
+    /// `[rows, w]` log-probs, detached.
+    logp: Tensor,
+    routes: Option<Vec<RouteTable>>,
+    replay: Option<ReplayProof>,
+}
+
+/// Forward over `mb` (a whole mini-batch or one micro-batch of it) and its partial loss
+/// over the mini-batch's denominators `norm`.
+fn micro_update(
+    model: &Model,
+    mb: &MiniBatch<'_>,
+    s: &UpdateSettings,
+    norm: &AggNorm,
+    device: &Device,
+) -> Result<Micro> {
+    let scored = score(model, mb.batch, mb.routing)?;
+    let full_mask = mb.batch.response_mask(None, device)?;
     let mask = match &mb.row_weight {
-        Some(w) => mb.batch.response_mask(Some(w), &device)?,
+        Some(w) => mb.batch.response_mask(Some(w), device)?,
         None => full_mask.clone(),
     };
     let old = match &mb.old_logp {
@@ -112,7 +311,7 @@ pub fn update_minibatch(
         None => scored.logp.detach(),
     };
     let is = rollout_is_weights(&old, &mb.rollout_logp, &mask, &s.is)?;
-    let advantages = Tensor::from_slice(&mb.advantages, mb.advantages.len(), &device)?;
+    let advantages = Tensor::from_slice(&mb.advantages, mb.advantages.len(), device)?;
     let input = PolicyLossInput {
         logp: &scored.logp,
         old_logp: &old,
@@ -120,29 +319,28 @@ pub fn update_minibatch(
         mask: &mask,
         is_weights: is.as_ref().map(|w| &w.weights),
     };
-    let (mut loss, loss_metrics) = policy_loss(s.loss, &input, s.clip, s.agg)?;
+    let (mut loss, sums) = policy_loss_part(s.loss, &input, s.clip, s.agg, norm)?;
     // Only an entropy bonus needs the entropy in the autograd graph.
     let entropy_tensor = match s.entropy_coef != 0.0 {
         true => entropy_from_logits(&scored.logits)?,
         false => entropy_from_logits(&scored.logits.detach())?,
     };
-    let entropy = masked_mean(&entropy_tensor, &full_mask)?;
+    let entropy_sum = scalar_f32(&entropy_tensor.detach().mul(&full_mask)?.sum_all()?)?;
     if s.entropy_coef != 0.0 {
-        let bonus = masked_mean(&entropy_tensor, &mask)?.affine(s.entropy_coef, 0.0)?;
+        // The masked mean over the whole mini-batch: this micro-batch's share of it.
+        let bonus = entropy_tensor
+            .mul(&mask)?
+            .sum_all()?
+            .div(&norm.tokens)?
+            .affine(s.entropy_coef, 0.0)?;
         loss = loss.sub(&bonus)?;
     }
-    let forward_s = started.elapsed().as_secs_f64();
-    let (outcome, mut times) =
-        backward_and_step_timed(optimizer, &loss, s.lr, s.grad_clip, s.grad_hook)?;
-    times.forward_s = forward_s;
-    Ok(MiniBatchResult {
-        outcome,
-        loss_metrics,
+    Ok(Micro {
+        loss,
+        sums,
+        entropy_sum: f64::from(entropy_sum),
         logp: scored.logp.detach(),
-        entropy: entropy.to_scalar::<f32>()?,
         routes: scored.routes,
         replay: scored.replay,
-        verified_frac,
-        times,
     })
 }

@@ -3,7 +3,8 @@
 //!   watch (`collapse`), checkpoints with their manifest and resume (`checkpoint`,
 //!   `manifest`);
 //! - the trainer and one step (`trainer`): the step's batch and context (`step`), its
-//!   updates under the replay mode (`updates`, `minibatch`, `diagnostics`), its metrics
+//!   updates under the replay mode (`updates`, `minibatch` in token-budgeted
+//!   `micro_batches`, `diagnostics`), its metrics
 //!   line (`step_metrics`) with the memory high-water mark (`memory`);
 //! - the rollout side: the seeds of its draws (`seed`), the prompts (`prompt_source`),
 //!   sampling and scoring them (`sampling`), held-out evaluation with k samples per prompt
@@ -20,6 +21,7 @@ pub mod fleet;
 pub mod manifest;
 pub mod memory;
 pub mod metrics_log;
+pub mod micro_batches;
 pub mod minibatch;
 pub mod prompt_source;
 pub mod run;

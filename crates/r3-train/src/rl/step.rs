@@ -136,7 +136,7 @@ pub(crate) struct StepContext<'a> {
 }
 
 /// Loss and optimiser settings of the step's updates (the LR is set per update).
-pub(crate) fn update_settings(cfg: &TrainConfig) -> UpdateSettings {
+pub fn update_settings(cfg: &TrainConfig) -> UpdateSettings {
     UpdateSettings {
         loss: cfg.algo.loss,
         clip: cfg.clip_range(),
@@ -147,6 +147,7 @@ pub(crate) fn update_settings(cfg: &TrainConfig) -> UpdateSettings {
         grad_clip: cfg.optim.grad_clip,
         mode: cfg.algo.router_replay,
         grad_hook: None,
+        max_tokens_per_micro_batch: cfg.algo.max_tokens_per_micro_batch,
     }
 }
 

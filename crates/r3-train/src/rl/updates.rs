@@ -15,12 +15,16 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
+use crate::algo::logprob::{entropy_from_logits, scalar_f32};
 use crate::algo::optim::AdamW;
 use crate::config::train::RouterReplay;
 use crate::error::{Result, TrainError};
 use crate::policy::trainable::{score, ResponseBatch, TrainablePolicy};
 use crate::rl::diagnostics::{
     proof_divergence, recorded_divergence, verify_proof, RouteDivergence,
+};
+use crate::rl::micro_batches::{
+    merge_proofs, pack_micro_batches, pick_rows, place_rows, place_tables, sequence_lens,
 };
 use crate::rl::minibatch::{update_minibatch, MiniBatch, MiniBatchResult, UpdateSettings};
 use crate::rl::sampling::mix_seed;
@@ -141,7 +145,13 @@ fn minibatch_updates(
     } = ctx;
     let mode = cfg.algo.router_replay;
     let t_old = Instant::now();
-    let (view, proof) = old_pass(policy, &data.batch, data.routes.as_ref(), mode)?;
+    let (view, proof) = old_pass(
+        policy,
+        &data.batch,
+        data.routes.as_ref(),
+        mode,
+        settings.max_tokens_per_micro_batch,
+    )?;
     if let Some(trace) = trace.as_deref_mut() {
         trace.old_proof = proof;
         trace.old_recorded = view.recorded.clone();
@@ -169,14 +179,7 @@ fn minibatch_updates(
     for part in rows.chunks(chunk) {
         let mb_batch = data.batch.subset(part)?;
         let width = mb_batch.width();
-        let idx = Tensor::from_vec(
-            part.iter().map(|&r| r as u32).collect(),
-            part.len(),
-            &policy.device(),
-        )?;
-        let pick = |t: &Tensor| -> Result<Tensor> {
-            Ok(t.index_select(&idx, 0)?.narrow(1, 0, width)?.contiguous()?)
-        };
+        let pick = |t: &Tensor| pick_rows(t, part, width);
         let part_routes = replayed.as_ref().map(|r| r.select(part)).transpose()?;
         let s = UpdateSettings {
             lr: schedule.lr_at(optimizer.step_count()),
@@ -208,24 +211,73 @@ fn minibatch_updates(
 }
 
 /// The old-policy pass (no autograd graph) over the whole batch with the mode's
-/// routing: R3 replays the rollout routes, R2 and disabled record native routes.
+/// routing: R3 replays the rollout routes, R2 and disabled record native routes. It runs
+/// in micro-batches of `max_tokens` tokens (0 = one forward): its logits, `[B, T, V]`, are
+/// what would otherwise hold the whole batch in memory.
 fn old_pass(
     policy: &TrainablePolicy,
     batch: &ResponseBatch,
     routes: Option<&ReplayRoutes>,
     mode: RouterReplay,
+    max_tokens: usize,
 ) -> Result<(OldView, Option<ReplayProof>)> {
     let model = policy.frozen_model()?;
-    let routing = match (mode, routes) {
-        (RouterReplay::R3, Some(r)) => Routing::Replay(r),
-        (RouterReplay::R3, None) => return Err(TrainError::MissingRolloutRoutes { trajectory: 0 }),
-        _ => Routing::Record,
+    if let (RouterReplay::R3, None) = (mode, routes) {
+        return Err(TrainError::MissingRolloutRoutes { trajectory: 0 });
+    }
+    let device = policy.device();
+    let n = batch.len();
+    let parts = pack_micro_batches(&sequence_lens(batch), max_tokens);
+    let (mut logps, mut recorded, mut proofs) = (Vec::new(), Vec::new(), Vec::new());
+    let mut entropy_sum = 0f64;
+    for part in &parts {
+        let sub = match parts.len() {
+            1 => None,
+            _ => Some(batch.subset(part)?),
+        };
+        let sub_batch = sub.as_ref().unwrap_or(batch);
+        let part_routes = match (mode, &sub, routes) {
+            (RouterReplay::R3, Some(_), Some(r)) => Some(r.select(part)?),
+            _ => None,
+        };
+        let routing = match (mode, part_routes.as_ref().or(routes)) {
+            (RouterReplay::R3, Some(r)) => Routing::Replay(r),
+            _ => Routing::Record,
+        };
+        let scored = score(&model, sub_batch, routing)?;
+        let mask = sub_batch.response_mask(None, &device)?;
+        let entropy = entropy_from_logits(&scored.logits.detach())?;
+        entropy_sum += f64::from(scalar_f32(&entropy.mul(&mask)?.sum_all()?)?);
+        logps.push((part.clone(), scored.logp.detach()));
+        if let Some(r) = scored.routes {
+            recorded.push((part.clone(), r));
+        }
+        if let Some(p) = scored.replay {
+            proofs.push((part.clone(), p));
+        }
+    }
+    let logp = match <[_; 1]>::try_from(logps) {
+        Ok([(_, whole)]) => whole,
+        Err(parts) => place_rows(&parts, n, batch.width(), &device)?,
     };
-    let scored = score(&model, batch, routing)?;
-    let mask = batch.response_mask(None, &policy.device())?;
-    let entropy = scored.mean_entropy(&mask)?;
+    let recorded = match recorded.is_empty() {
+        true => None,
+        false => Some(place_tables(recorded, n)?),
+    };
+    let replay = match proofs.is_empty() {
+        true => None,
+        false => Some(merge_proofs(proofs, n)?),
+    };
+    // The masked mean over the batch, divided in f32 as `masked_mean` does.
+    let tokens = scalar_f32(
+        &batch
+            .response_mask(None, &device)?
+            .sum_all()?
+            .maximum(1e-8)?,
+    )?;
+    let entropy = entropy_sum as f32 / tokens;
     let rollout = routes.map(ReplayRoutes::tables);
-    let (verified_frac, divergence) = match (&scored.replay, &scored.routes, rollout) {
+    let (verified_frac, divergence) = match (&replay, &recorded, rollout) {
         (Some(proof), _, Some(t)) => (
             Some(verify_proof(proof, t, mode, "old-logp")?),
             Some(proof_divergence(proof)),
@@ -234,11 +286,11 @@ fn old_pass(
         _ => (None, None),
     };
     let view = OldView {
-        logp: scored.logp.detach(),
-        recorded: scored.routes,
+        logp,
+        recorded,
         entropy,
         verified_frac,
         divergence,
     };
-    Ok((view, scored.replay))
+    Ok((view, replay))
 }

@@ -1,0 +1,182 @@
+//! Micro-batches of a mini-batch, for bounded memory: rows packed by a token budget (a
+//! forward pads every row to the longest, so a micro-batch costs rows × its widest row),
+//! gradients summed over the micro-batches, and what each micro-batch's forward returned
+//! (log-probs, recorded routes, replay proofs) put back in the mini-batch's row order.
+
+use candle_core::backprop::GradStore;
+use candle_core::{Device, Tensor, Var};
+use r3_model::ReplayProof;
+use r3_routing::RouteTable;
+
+use crate::error::{Result, TrainError};
+use crate::policy::trainable::ResponseBatch;
+
+/// The rows `0..lens.len()` of a mini-batch (sequence `i` has `lens[i]` tokens, prompt +
+/// response) grouped into micro-batches whose forward holds at most `budget` tokens
+/// (rows × the longest row's length). `budget` 0, or a mini-batch within it, gives one
+/// micro-batch in the original order. Otherwise the rows are sorted by length (ties by
+/// row) so each micro-batch pads little, and filled greedily; a single row longer than the
+/// budget forms its own micro-batch. Deterministic: no randomness, the same lengths give
+/// the same packing.
+pub fn pack_micro_batches(lens: &[usize], budget: usize) -> Vec<Vec<usize>> {
+    let widest = lens.iter().copied().max().unwrap_or(0);
+    if lens.is_empty() || budget == 0 || lens.len().saturating_mul(widest) <= budget {
+        return vec![(0..lens.len()).collect()];
+    }
+    let mut order: Vec<usize> = (0..lens.len()).collect();
+    order.sort_by_key(|&r| (lens[r], r));
+    let mut parts: Vec<Vec<usize>> = Vec::new();
+    let mut current: Vec<usize> = Vec::new();
+    for r in order {
+        // Rows come shortest first, so row `r` sets the padded width of `current`.
+        if !current.is_empty() && (current.len() + 1).saturating_mul(lens[r]) > budget {
+            parts.push(std::mem::take(&mut current));
+        }
+        current.push(r);
+    }
+    parts.push(current);
+    parts
+}
+
+/// Sequence lengths (prompt + response) of `batch`'s rows: what
+/// [`pack_micro_batches`] packs.
+pub fn sequence_lens(batch: &ResponseBatch) -> Vec<usize> {
+    batch.sequences().iter().map(Vec::len).collect()
+}
+
+/// Adds the gradients of `next` to `acc` for every variable of `vars`: a variable with a
+/// gradient in either store ends with the sum of both (one missing in `acc` takes
+/// `next`'s), so no micro-batch's gradient is lost. The sums are detached: a variable's
+/// gradient from candle's backward still records the op that made it, whose inputs are
+/// the forward's activations, so keeping it as it is would keep that micro-batch's whole
+/// graph alive until the step (measured: memory then grew with the batch, not the budget).
+pub fn accumulate_grads<'v>(
+    acc: &mut GradStore,
+    next: &GradStore,
+    vars: impl IntoIterator<Item = &'v Var>,
+) -> Result<()> {
+    for var in vars {
+        let Some(g) = next.get(var.as_tensor()) else {
+            continue;
+        };
+        let sum = match acc.get(var.as_tensor()) {
+            Some(a) => a.add(g)?.detach(),
+            None => g.detach(),
+        };
+        acc.insert(var.as_tensor(), sum);
+    }
+    Ok(())
+}
+
+/// `[rows.len(), width]`: the rows `rows` of `t` (`[n, W ≥ width]`), cut to `width` columns.
+pub fn pick_rows(t: &Tensor, rows: &[usize], width: usize) -> Result<Tensor> {
+    let idx = Tensor::from_vec(
+        rows.iter().map(|&r| r as u32).collect(),
+        rows.len(),
+        t.device(),
+    )?;
+    Ok(t.index_select(&idx, 0)?.narrow(1, 0, width)?.contiguous()?)
+}
+
+/// `[n, width]` from per-micro-batch `[rows, w ≤ width]` tensors: row `j` of the part for
+/// `rows` goes to row `rows[j]`, columns past a part's `w` are 0 (outside every response).
+pub fn place_rows(
+    parts: &[(Vec<usize>, Tensor)],
+    n: usize,
+    width: usize,
+    device: &Device,
+) -> Result<Tensor> {
+    let mut out = vec![0f32; n * width];
+    for (rows, t) in parts {
+        for (&r, values) in rows.iter().zip(t.to_vec2::<f32>()?) {
+            if r >= n || values.len() > width {
+                return Err(TrainError::RowOutOfRange { row: r, len: n });
+            }
+            out[r * width..r * width + values.len()].copy_from_slice(&values);
+        }
+    }
+    Ok(Tensor::from_vec(out, (n, width), device)?)
+}
+
+/// One table per row from per-micro-batch tables, back in row order.
+pub fn place_tables(
+    parts: Vec<(Vec<usize>, Vec<RouteTable>)>,
+    n: usize,
+) -> Result<Vec<RouteTable>> {
+    let mut out: Vec<Option<RouteTable>> = vec![None; n];
+    for (rows, tables) in parts {
+        for (r, table) in rows.into_iter().zip(tables) {
+            *out.get_mut(r)
+                .ok_or(TrainError::RowOutOfRange { row: r, len: n })? = Some(table);
+        }
+    }
+    out.into_iter()
+        .enumerate()
+        .map(|(row, t)| t.ok_or(TrainError::RowOutOfRange { row, len: n }))
+        .collect()
+}
+
+/// The proof of a forward over all `n` rows from its micro-batches' proofs: cell counts
+/// summed per MoE layer, each row's final-position flag back in row order.
+pub fn merge_proofs(parts: Vec<(Vec<usize>, ReplayProof)>, n: usize) -> Result<ReplayProof> {
+    let mut merged: Option<ReplayProof> = None;
+    let mut finals: Vec<Option<bool>> = vec![None; n];
+    for (rows, proof) in parts {
+        for (&r, &f) in rows.iter().zip(&proof.native_final_position) {
+            *finals
+                .get_mut(r)
+                .ok_or(TrainError::RowOutOfRange { row: r, len: n })? = Some(f);
+        }
+        match merged.as_mut() {
+            None => merged = Some(proof),
+            Some(m) => {
+                if m.layers != proof.layers {
+                    return Err(TrainError::Length {
+                        what: format!("replay proof MoE layers {:?}", proof.layers),
+                        got: proof.layers.len(),
+                        expected: m.layers.len(),
+                    });
+                }
+                let add = |a: &mut Vec<usize>, b: &[usize]| {
+                    a.iter_mut().zip(b).for_each(|(x, y)| *x += y);
+                };
+                add(&mut m.replayed_cells, &proof.replayed_cells);
+                add(&mut m.native_cells, &proof.native_cells);
+                add(&mut m.differs_from_native, &proof.differs_from_native);
+            }
+        }
+    }
+    let mut merged = merged.ok_or(TrainError::RowOutOfRange { row: 0, len: n })?;
+    merged.native_final_position = finals
+        .into_iter()
+        .enumerate()
+        .map(|(row, f)| f.ok_or(TrainError::RowOutOfRange { row, len: n }))
+        .collect::<Result<_>>()?;
+    Ok(merged)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_batch_within_the_budget_is_one_micro_batch_in_row_order() {
+        assert_eq!(pack_micro_batches(&[5, 3, 4], 0), vec![vec![0, 1, 2]]);
+        assert_eq!(pack_micro_batches(&[5, 3, 4], 15), vec![vec![0, 1, 2]]);
+    }
+
+    #[test]
+    fn rows_are_packed_shortest_first_within_the_budget() {
+        // Sorted: 1 (3), 2 (4), 0 (5), 3 (9). Budget 10: [1, 2] costs 2 × 4 = 8; adding
+        // row 0 would cost 3 × 5 = 15; [0] then [0, 3] would cost 18; row 3 alone is 9.
+        assert_eq!(
+            pack_micro_batches(&[5, 3, 4, 9], 10),
+            vec![vec![1, 2], vec![0], vec![3]]
+        );
+        // A row longer than the budget forms its own micro-batch.
+        assert_eq!(
+            pack_micro_batches(&[2, 12, 2], 5),
+            vec![vec![0, 2], vec![1]]
+        );
+    }
+}

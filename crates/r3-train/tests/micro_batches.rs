@@ -1,0 +1,607 @@
+//! Micro-batches with gradient accumulation, checked against independent truth: the
+//! one-batch update of the same mini-batch. The same update runs once as one forward and
+//! once in micro-batches of a small token budget (≥ 3 of unequal widths); the summed
+//! gradients, the parameters after the step, every loss metric, the entropy, the log-probs,
+//! the recorded routes and the replay proof must agree, for every loss aggregation and
+//! GSPO, with dynamic sampling's zero row weights, TIS/MIS weights, an entropy bonus and
+//! R3 replay.
+
+mod common;
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+
+use candle_core::backprop::GradStore;
+use common::{tiny_model, Scratch};
+use r3_model::{ReplayRoutes, Routing};
+use r3_train::algo::loss::{ClipRange, PolicyLossKind};
+use r3_train::config::RouterReplay;
+use r3_train::policy::{score, ResponseBatch, TrainablePolicy};
+use r3_train::rl::micro_batches::{accumulate_grads, pack_micro_batches, sequence_lens};
+use r3_train::rl::minibatch::{update_minibatch, MiniBatch, MiniBatchResult, UpdateSettings};
+use r3_train::{
+    decay_matrices_only, AdamW, AdamWParams, IsConfig, IsLevel, IsMode, LossAgg, TrainConfig,
+};
+
+thread_local! {
+    /// The gradients the step saw (name → values), stashed by [`stash_grads`].
+    static GRADS: RefCell<BTreeMap<String, Vec<f32>>> = const { RefCell::new(BTreeMap::new()) };
+}
+
+/// Grad hook: keeps a copy of every variable's gradient (grad clip 0: unclipped).
+fn stash_grads(opt: &AdamW, grads: &mut GradStore) -> r3_train::Result<()> {
+    let mut out = BTreeMap::new();
+    for (name, var) in opt.vars() {
+        if let Some(g) = grads.get(var.as_tensor()) {
+            out.insert(name.to_string(), g.flatten_all()?.to_vec1::<f32>()?);
+        }
+    }
+    GRADS.with(|g| *g.borrow_mut() = out);
+    Ok(())
+}
+
+/// Seven sequences of different prompt and response lengths (6 to 19 tokens).
+fn batch() -> ResponseBatch {
+    let lens = [(3, 4), (5, 9), (2, 4), (4, 15), (3, 3), (6, 7), (2, 11)];
+    let sequences = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &(p, r))| {
+            std::iter::once(1)
+                .chain((1..p + r).map(|j| 4 + ((i * 7 + j * 3) % 18) as u32))
+                .collect()
+        })
+        .collect();
+    ResponseBatch::new(sequences, lens.iter().map(|&(p, _)| p).collect()).expect("batch")
+}
+
+/// The token budget of the micro-batched run: 3 × 9 = 27 tokens; see
+/// `the_test_budget_packs_at_least_three_micro_batches_of_unequal_widths`.
+const BUDGET: usize = 27;
+
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    loss: PolicyLossKind,
+    agg: LossAgg,
+    is: IsMode,
+    is_level: IsLevel,
+    /// Old log-probs given (multi mini-step) or the forward's own (single mini-step).
+    old_given: bool,
+    routing: RoutingCase,
+    row_weights: bool,
+    entropy_coef: f64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum RoutingCase {
+    Native,
+    Record,
+    /// Replay routes recorded by another model (`len − 1` rows, as a rollout's).
+    Replay,
+}
+
+struct Run {
+    result: MiniBatchResult,
+    grads: BTreeMap<String, Vec<f32>>,
+    params: BTreeMap<String, Vec<f32>>,
+    /// Response log-probs per row.
+    logp: Vec<Vec<f32>>,
+}
+
+/// Response values per row, shifted by a deterministic pattern (as another engine's).
+fn shifted(values: &[Vec<f32>], scale: f32) -> Vec<Vec<f32>> {
+    values
+        .iter()
+        .enumerate()
+        .map(|(i, row)| {
+            row.iter()
+                .enumerate()
+                .map(|(j, v)| v + scale * ((i * 5 + j * 3) as f32).sin())
+                .collect()
+        })
+        .collect()
+}
+
+fn run(dir: &Scratch, case: Case, budget: usize) -> Run {
+    let policy = TrainablePolicy::load(&dir.path().join("model")).expect("policy");
+    let other = TrainablePolicy::load(&dir.path().join("other")).expect("other policy");
+    let batch = batch();
+    let device = policy.device();
+    let own = {
+        let model = policy.frozen_model().expect("model");
+        let scored = score(&model, &batch, Routing::Native).expect("score");
+        batch.gather_responses(&scored.logp).expect("gather")
+    };
+    let rollout_logp = batch.align(&shifted(&own, 0.4), &device).expect("rollout");
+    let old_logp = batch.align(&shifted(&own, 0.3), &device).expect("old");
+    let routes = {
+        let model = other.frozen_model().expect("model");
+        let recorded = score(&model, &batch, Routing::Record)
+            .expect("record")
+            .routes
+            .expect("routes");
+        let tables = recorded
+            .iter()
+            .map(|t| t.slice_rows(0, t.num_tokens() - 1).expect("rows"))
+            .collect();
+        ReplayRoutes::new(tables, &policy.config().layout).expect("routes")
+    };
+    let mut opt = AdamW::new(
+        policy.vars().to_vec(),
+        AdamWParams::default(),
+        decay_matrices_only,
+    )
+    .expect("optimizer");
+    let mb = MiniBatch {
+        batch: &batch,
+        old_logp: case.old_given.then_some(old_logp),
+        rollout_logp,
+        advantages: vec![1.0, -0.5, 0.8, -1.2, 0.3, -0.7, 1.5],
+        row_weight: case
+            .row_weights
+            .then(|| vec![1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0]),
+        routing: match case.routing {
+            RoutingCase::Native => Routing::Native,
+            RoutingCase::Record => Routing::Record,
+            RoutingCase::Replay => Routing::Replay(&routes),
+        },
+    };
+    let settings = UpdateSettings {
+        loss: case.loss,
+        clip: match case.loss {
+            PolicyLossKind::Ppo => ClipRange {
+                low: 0.2,
+                high: 0.27,
+            },
+            PolicyLossKind::Gspo => ClipRange {
+                low: 3e-4,
+                high: 4e-4,
+            },
+        },
+        agg: case.agg,
+        is: IsConfig {
+            mode: case.is,
+            level: case.is_level,
+            threshold: 1.2,
+        },
+        entropy_coef: case.entropy_coef,
+        lr: 1e-3,
+        grad_clip: 0.0,
+        mode: RouterReplay::R3,
+        grad_hook: Some(stash_grads),
+        max_tokens_per_micro_batch: budget,
+    };
+    GRADS.with(|g| g.borrow_mut().clear());
+    let result = update_minibatch(&policy, &mut opt, &mb, &settings).expect("update");
+    assert!(result.outcome.applied(), "{case:?}: {:?}", result.outcome);
+    let logp = batch.gather_responses(&result.logp).expect("gather");
+    let params = policy
+        .vars()
+        .iter()
+        .map(|(n, v)| {
+            let values = v.as_tensor().flatten_all().expect("flat").to_vec1();
+            (n.clone(), values.expect("values"))
+        })
+        .collect();
+    Run {
+        result,
+        grads: GRADS.with(|g| g.take()),
+        params,
+        logp,
+    }
+}
+
+/// Largest absolute difference and largest difference relative to the larger magnitude
+/// of the tensor (`max |a − b| / max |a|`) over matching entries.
+fn diff<'a>(pairs: impl Iterator<Item = (&'a [f32], &'a [f32])>) -> (f32, f32) {
+    let (mut abs, mut rel) = (0f32, 0f32);
+    for (a, b) in pairs {
+        assert_eq!(a.len(), b.len());
+        let scale = a.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-30);
+        let d = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        abs = abs.max(d);
+        rel = rel.max(d / scale);
+    }
+    (abs, rel)
+}
+
+/// `a` and `b` agree within `METRIC_REL_TOL` of their magnitude plus `METRIC_ABS_TOL` (a
+/// metric that is a small mean of terms of both signs, like the KL estimate, carries the
+/// log-probs' absolute rounding).
+fn close(what: &str, case: Case, a: f32, b: f32) {
+    let d = (a - b).abs();
+    let scale = a.abs().max(b.abs());
+    eprintln!("  {what}: abs {d:e} rel {:e}", d / scale.max(1e-30));
+    assert!(
+        d <= METRIC_REL_TOL * scale + METRIC_ABS_TOL,
+        "{case:?}: {what} {a} (one batch) vs {b} (micro-batches)"
+    );
+}
+
+fn check(name: &str, case: Case) {
+    let dir = Scratch::new(&format!("micro-{name}"));
+    tiny_model(&dir.path().join("model"), 5);
+    tiny_model(&dir.path().join("other"), 9);
+    let parts = pack_micro_batches(&sequence_lens(&batch()), BUDGET);
+    assert!(parts.len() >= 3, "the budget splits the batch: {parts:?}");
+
+    let one = run(&dir, case, 0);
+    let many = run(&dir, case, BUDGET);
+
+    // Every variable that has a gradient in one forward has one after accumulation, and no
+    // other; and with this batch every variable gets one.
+    assert_eq!(
+        one.grads.keys().collect::<Vec<_>>(),
+        many.grads.keys().collect::<Vec<_>>(),
+        "{case:?}: the accumulated gradient covers the same variables"
+    );
+    assert_eq!(
+        one.grads.len(),
+        one.params.len(),
+        "every variable gets a gradient"
+    );
+    let (g_abs, g_rel) = diff(
+        one.grads
+            .values()
+            .zip(many.grads.values())
+            .map(|(a, b)| (&a[..], &b[..])),
+    );
+    let (p_abs, p_rel) = diff(
+        one.params
+            .values()
+            .zip(many.params.values())
+            .map(|(a, b)| (&a[..], &b[..])),
+    );
+    let (l_abs, _) = diff(
+        one.logp
+            .iter()
+            .zip(&many.logp)
+            .map(|(a, b)| (&a[..], &b[..])),
+    );
+    eprintln!(
+        "{name}: grad max abs {g_abs:e} rel {g_rel:e}; params max abs {p_abs:e} rel {p_rel:e}; \
+         logp max abs {l_abs:e}"
+    );
+    assert!(
+        g_rel <= GRAD_REL_TOL,
+        "{case:?}: gradients differ by {g_rel:e} relative"
+    );
+    assert!(
+        p_abs <= PARAM_ABS_TOL,
+        "{case:?}: parameters differ by {p_abs:e}"
+    );
+    assert!(
+        l_abs <= LOGP_ABS_TOL,
+        "{case:?}: log-probs differ by {l_abs:e}"
+    );
+
+    let (a, b) = (one.result.loss_metrics, many.result.loss_metrics);
+    for (what, x, y) in [
+        ("pg_loss", a.pg_loss, b.pg_loss),
+        ("clip_frac", a.clip_frac, b.clip_frac),
+        ("clip_frac_low", a.clip_frac_low, b.clip_frac_low),
+        ("clip_frac_high", a.clip_frac_high, b.clip_frac_high),
+        ("ppo_kl", a.ppo_kl, b.ppo_kl),
+        ("ppo_kl_k3", a.ppo_kl_k3, b.ppo_kl_k3),
+        ("ratio_mean", a.ratio_mean, b.ratio_mean),
+        ("entropy", one.result.entropy, many.result.entropy),
+    ] {
+        close(what, case, x, y);
+    }
+    match (one.result.outcome, many.result.outcome) {
+        (
+            r3_train::UpdateOutcome::Applied {
+                loss: la,
+                grad_norm: ga,
+                ..
+            },
+            r3_train::UpdateOutcome::Applied {
+                loss: lb,
+                grad_norm: gb,
+                ..
+            },
+        ) => {
+            close("loss", case, la, lb);
+            close("grad norm", case, ga.norm, gb.norm);
+        }
+        other => panic!("{case:?}: {other:?}"),
+    }
+    assert_eq!(
+        one.result.replay, many.result.replay,
+        "{case:?}: replay proof"
+    );
+    assert_eq!(one.result.verified_frac, many.result.verified_frac);
+    assert_eq!(
+        one.result.routes, many.result.routes,
+        "{case:?}: recorded routes"
+    );
+    match case.routing {
+        RoutingCase::Replay => {
+            let proof = one.result.replay.as_ref().expect("proof");
+            assert!(proof.differs_from_native.iter().sum::<usize>() > 0);
+        }
+        RoutingCase::Record => assert!(one.result.routes.is_some()),
+        RoutingCase::Native => {}
+    }
+}
+
+// Tolerances just above the differences measured on this model (f32 rounding of sums in
+// another order, and of a row's forward in a narrower batch), over the five cases below
+// (`cargo test -p r3-train --test micro_batches -- --nocapture` prints them).
+
+/// Measured max relative gradient difference (`max |Δg| / max |g|` per variable): 1.2e-6.
+const GRAD_REL_TOL: f32 = 5e-6;
+/// Measured max parameter difference after the AdamW step (lr 1e-3): 4.4e-7.
+const PARAM_ABS_TOL: f32 = 2e-6;
+/// Measured max response log-prob difference: 4.8e-7.
+const LOGP_ABS_TOL: f32 = 2e-6;
+/// Measured max relative metric difference: 1.6e-6 (pg_loss, token-mean), besides the KL
+/// estimate below.
+const METRIC_REL_TOL: f32 = 5e-6;
+/// Absolute slack of the metrics: the k1 KL estimate, a mean of terms of both signs, is off
+/// by 3.6e-8 (1.2e-5 of its value).
+const METRIC_ABS_TOL: f32 = 2e-7;
+
+const BASE: Case = Case {
+    loss: PolicyLossKind::Ppo,
+    agg: LossAgg::TokenMean,
+    is: IsMode::Tis,
+    is_level: IsLevel::Token,
+    old_given: true,
+    routing: RoutingCase::Replay,
+    row_weights: true,
+    entropy_coef: 0.05,
+};
+
+#[test]
+fn token_mean_with_replay_tis_row_weights_and_entropy_bonus() {
+    check("token-mean", BASE);
+}
+
+#[test]
+fn seq_mean_token_mean_with_replay() {
+    check(
+        "seq-mean-token-mean",
+        Case {
+            agg: LossAgg::SeqMeanTokenMean,
+            ..BASE
+        },
+    );
+}
+
+#[test]
+fn seq_mean_token_sum_with_recorded_routes_sequence_mis_and_own_old_logp() {
+    check(
+        "seq-mean-token-sum",
+        Case {
+            agg: LossAgg::SeqMeanTokenSum,
+            is: IsMode::Mis,
+            is_level: IsLevel::Sequence,
+            old_given: false,
+            routing: RoutingCase::Record,
+            ..BASE
+        },
+    );
+}
+
+#[test]
+fn gspo_with_sequence_tis_and_replay() {
+    check(
+        "gspo",
+        Case {
+            loss: PolicyLossKind::Gspo,
+            agg: LossAgg::SeqMeanTokenMean,
+            is_level: IsLevel::Sequence,
+            ..BASE
+        },
+    );
+}
+
+#[test]
+fn native_routing_without_weights_or_bonus() {
+    check(
+        "plain",
+        Case {
+            is: IsMode::None,
+            routing: RoutingCase::Native,
+            row_weights: false,
+            entropy_coef: 0.0,
+            ..BASE
+        },
+    );
+}
+
+#[test]
+fn the_test_budget_packs_at_least_three_micro_batches_of_unequal_widths() {
+    let lens = sequence_lens(&batch());
+    let parts = pack_micro_batches(&lens, BUDGET);
+    let widths: Vec<usize> = parts
+        .iter()
+        .map(|p| p.iter().map(|&r| lens[r]).max().expect("non-empty"))
+        .collect();
+    assert!(parts.len() >= 3, "{parts:?}");
+    let mut distinct = widths.clone();
+    distinct.dedup();
+    assert!(distinct.len() >= 2, "unequal widths: {widths:?}");
+}
+
+/// Deterministic pseudo-random lengths (a fixed LCG: no unseeded randomness).
+fn lengths(seed: u64, n: usize) -> Vec<usize> {
+    let mut x = seed;
+    (0..n)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            1 + (x >> 33) as usize % 300
+        })
+        .collect()
+}
+
+#[test]
+fn packing_places_every_row_once_within_the_budget_and_is_deterministic() {
+    for (seed, n, budget) in [
+        (1, 1, 10),
+        (2, 50, 400),
+        (3, 256, 4096),
+        (4, 97, 1),
+        (5, 64, 299),
+    ] {
+        let lens = lengths(seed, n);
+        let parts = pack_micro_batches(&lens, budget);
+        let mut seen: Vec<usize> = parts.iter().flatten().copied().collect();
+        seen.sort_unstable();
+        assert_eq!(seen, (0..n).collect::<Vec<_>>(), "every row exactly once");
+        for p in &parts {
+            assert!(!p.is_empty());
+            let cost = p.len() * p.iter().map(|&r| lens[r]).max().expect("row");
+            assert!(
+                cost <= budget || p.len() == 1,
+                "a micro-batch of {} rows costs {cost} > {budget}",
+                p.len()
+            );
+        }
+        assert_eq!(parts, pack_micro_batches(&lens, budget), "deterministic");
+    }
+    // Budget 0: the whole batch, in row order.
+    let lens = lengths(6, 20);
+    assert_eq!(
+        pack_micro_batches(&lens, 0),
+        vec![(0..20).collect::<Vec<_>>()]
+    );
+}
+
+#[test]
+fn accumulation_keeps_a_gradient_present_in_only_one_store() {
+    use candle_core::{Device, Var};
+    let a = Var::from_vec(vec![1f32, 2.0], 2, &Device::Cpu).expect("a");
+    let b = Var::from_vec(vec![3f32], 1, &Device::Cpu).expect("b");
+    // Store 1 has only a's gradient (2·a), store 2 has a's (1) and b's (3).
+    let g1 = a
+        .as_tensor()
+        .sqr()
+        .expect("sq")
+        .sum_all()
+        .expect("sum")
+        .backward()
+        .expect("bw");
+    let g2 = a
+        .as_tensor()
+        .sum_all()
+        .expect("sum")
+        .add(
+            &b.as_tensor()
+                .affine(3.0, 0.0)
+                .expect("b")
+                .sum_all()
+                .expect("sum"),
+        )
+        .expect("add")
+        .backward()
+        .expect("bw");
+    let mut acc = g1;
+    accumulate_grads(&mut acc, &g2, [&a, &b]).expect("accumulate");
+    let ga = acc
+        .get(a.as_tensor())
+        .expect("a grad")
+        .to_vec1::<f32>()
+        .expect("v");
+    let gb = acc
+        .get(b.as_tensor())
+        .expect("b grad")
+        .to_vec1::<f32>()
+        .expect("v");
+    assert_eq!(ga, vec![3.0, 5.0]);
+    assert_eq!(gb, vec![3.0]);
+}
+
+#[test]
+fn a_budget_past_the_limit_is_a_config_error_naming_the_key() {
+    let mut cfg = TrainConfig::default();
+    cfg.algo.max_tokens_per_micro_batch = usize::MAX;
+    let err = cfg.validate().expect_err("absurd budget").to_string();
+    assert!(err.contains("algo.max_tokens_per_micro_batch"), "{err}");
+    let err = TrainConfig::resolve(None, &["algo.max_tokens_per_micro_batch=-5".into()])
+        .expect_err("negative budget")
+        .to_string();
+    assert!(err.contains("max_tokens_per_micro_batch"), "{err}");
+}
+
+/// Two steps of the RL loop on the tiny config, one micro-batch per mini-batch against a
+/// budget of 1 token (every row its own micro-batch), under `mode` with `mini_batches`
+/// updates per step (2: the old-log-prob pass runs too, in micro-batches). The
+/// trajectories, replay proofs and recorded routes must be the same, every metric within
+/// float rounding (measured: see the tolerance in the loop).
+fn trainer_steps_match(mode: RouterReplay, mini_batches: usize) {
+    let dir = Scratch::new(&format!("micro-trainer-{mode:?}-{mini_batches}"));
+    let model = dir.path().join("model");
+    tiny_model(&model, 13);
+    let run = |budget: usize, name: &str| {
+        let mut cfg = common::tiny_config(&model, &dir.path().join(name), mode, mini_batches);
+        cfg.algo.max_tokens_per_micro_batch = budget;
+        let mut trainer = r3_train::Trainer::new(cfg).expect("trainer");
+        (0..2)
+            .map(|_| {
+                let mut trace = r3_train::rl::step::StepTrace::default();
+                let m = trainer.rl_step_with(Some(&mut trace)).expect("step");
+                (serde_json::to_value(&m).expect("json"), trace)
+            })
+            .collect::<Vec<_>>()
+    };
+    let one = run(0, "one");
+    let many = run(1, "many");
+    for (step, ((a, ta), (b, tb))) in one.iter().zip(&many).enumerate() {
+        assert_eq!(ta.sequences, tb.sequences, "the same trajectories");
+        assert_eq!(ta.old_proof, tb.old_proof, "old pass replay proof");
+        assert_eq!(ta.old_recorded, tb.old_recorded, "old pass recorded routes");
+        assert_eq!(ta.updates, tb.updates, "update rows and proofs");
+        let (a, b) = (
+            a.as_object().expect("object"),
+            b.as_object().expect("object"),
+        );
+        assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+        for (key, x) in a {
+            let y = &b[key];
+            if key.starts_with("time.") || key.starts_with("throughput.") {
+                continue;
+            }
+            // After the first update the weights differ by f32 rounding (~1e-7); the f16
+            // rollout engine rounds them to f16, where such a difference can cross to the
+            // neighbouring f16 value and move rollout log-probs by ~1e-4: measured at step
+            // 2, `mismatch.mean_abs_delta` 1.98e-4 vs 1.68e-4 while every training-side
+            // metric (entropy, ppo_kl, grad_norm) still agrees to 3e-7. So the mismatch
+            // against the rollout is compared at the first step only.
+            if step > 0 && key.starts_with("mismatch.") {
+                continue;
+            }
+            match (x.as_f64(), y.as_f64()) {
+                (Some(x), Some(y)) => {
+                    let d = (x - y).abs();
+                    eprintln!("  {key}: {x} vs {y} (abs {d:e})");
+                    // Measured: at most 4.8e-7 (entropy ≈ 3.08, 1.5e-7 relative);
+                    // ppo_kl 2.9e-7 of 0.059.
+                    assert!(
+                        d <= 2e-6 * x.abs().max(y.abs()) + 5e-7,
+                        "{mode:?}/{mini_batches}: {key} {x} (one batch) vs {y} (micro-batches)"
+                    );
+                }
+                _ => assert_eq!(x, y, "{key}"),
+            }
+        }
+    }
+}
+
+#[test]
+fn r3_single_mini_step_in_micro_batches_matches_one_batch() {
+    trainer_steps_match(RouterReplay::R3, 1);
+}
+
+#[test]
+fn r3_old_pass_and_mini_batches_in_micro_batches_match_one_batch() {
+    trainer_steps_match(RouterReplay::R3, 2);
+}
+
+#[test]
+fn r2_old_pass_recording_in_micro_batches_matches_one_batch() {
+    trainer_steps_match(RouterReplay::R2, 2);
+}
