@@ -348,3 +348,29 @@ def r3_show(r3, config_args, n_rows, response):
         cmd += ["--response", response]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def main():
+    """`python3 scripts/peers/r3_rewards.py R3 [CONFIG ...]`: checks the port against the r3
+    binary on each config's first rows (default: the built-in task and gsm8k-style)."""
+    import sys
+    import tomllib
+
+    if len(sys.argv) < 2:
+        sys.exit("usage: r3_rewards.py R3_BINARY [CONFIG.toml ...]")
+    r3, configs = sys.argv[1], sys.argv[2:] or [None, "configs/gsm8k-style.toml"]
+    failed = False
+    for path in configs:
+        if path is None:
+            cfg, args = {"reward": {"kind": "arith"}}, []
+        else:
+            with open(path, "rb") as f:
+                cfg, args = tomllib.load(f), ["--config", path]
+        checked, bad = check_against_r3(r3, args, 4, reward_fn(cfg))
+        print(f"{path or 'default'}: {checked} (response, prompt) pairs, {len(bad)} differ {bad[:5]}")
+        failed |= bool(bad)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
