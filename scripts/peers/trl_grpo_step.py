@@ -38,6 +38,7 @@ import time
 import tomllib
 from pathlib import Path
 
+sys.dont_write_bytecode = True  # no __pycache__ beside the scripts in the work tree
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import r3_rewards  # noqa: E402
 
@@ -379,9 +380,10 @@ def main():
         print(f"{s['step']:>4}  {total:7.3f}  {s['rollout_s']:9.3f}  {s['generate_s']:10.3f}  {s['update_s']:8.3f}  {s['response_len_mean']:13.1f}")
     later = steps[1:] or steps
     summary = {k: statistics.median(s[k] for s in later) for k in ("total_s", "rollout_s", "generate_s", "update_s", "response_len_mean")}
+    span = f"steps 2..{len(steps)}" if len(steps) > 1 else "step 1"
     print(
-        "TRL median over steps 2..{n}: total {total_s:.3f} s (rollout {rollout_s:.3f} s, of which generate "
-        "{generate_s:.3f} s; update {update_s:.3f} s), response length {response_len_mean:.1f}".format(n=len(steps), **summary)
+        "TRL median over {span}: total {total_s:.3f} s (rollout {rollout_s:.3f} s, of which generate "
+        "{generate_s:.3f} s; update {update_s:.3f} s), response length {response_len_mean:.1f}".format(span=span, **summary)
     )
     if args.out:
         Path(args.out).write_text(
