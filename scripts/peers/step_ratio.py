@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The summary of scripts/peers/step_vs_trl.sh: per round the median step time of r3 (from
 its metrics.jsonl: `time.rollout_s + time.old_logp_s + time.update_s + time.sync_s`, the
-step as `throughput.tokens_per_s` counts it) and of TRL (trl_grpo_step.py's JSON), each over
+step as `throughput.tokens_per_s` counts it; the share of r3's wall clock outside those phases
+is printed beside it) and of TRL (trl_grpo_step.py's JSON), each over
 the steps after the first, and the ratio TRL / r3 of the medians over all rounds.
 
     python3 scripts/peers/step_ratio.py OUT_DIR/NAME
@@ -34,6 +35,18 @@ def r3_steps(metrics):
     return steps
 
 
+def r3_untimed(log, steps):
+    """The share of `r3 train`'s step loop (`wall_s` of its summary line: every step, the
+    first included, without loading) that its phase times do not cover."""
+    if not log.exists():
+        return None
+    for line in reversed(log.read_text().splitlines()):
+        if line.startswith("{") and '"wall_s"' in line:
+            wall = json.loads(line)["wall_s"]
+            return (wall - sum(s["total_s"] for s in steps)) / wall if wall > 0 else None
+    return None
+
+
 def after_first(steps):
     return steps[1:] or steps
 
@@ -56,6 +69,7 @@ def main():
             continue
         r3 = r3_steps(metrics)
         trl = json.loads(trl_json.read_text())["steps"]
+        untimed = r3_untimed(d / f"r3-round{k}.log", r3)
         all_r3 += after_first(r3)
         all_trl += after_first(trl)
         load = (d / f"load-round{k}.txt").read_text().split("\n") if (d / f"load-round{k}.txt").exists() else ["?", "?"]
@@ -67,6 +81,8 @@ def main():
             f"  {med(trl, 'total_s'):6.3f} ({med(trl, 'rollout_s'):.3f} [{med(trl, 'generate_s'):.3f}] + {med(trl, 'update_s'):.3f})"
             f"        {med(trl, 'response_len_mean'):5.1f}  {med(trl, 'total_s') / med(r3, 'total_s'):5.2f}x"
         )
+        if untimed is not None:
+            print(f"       r3 wall clock outside the timed phases: {untimed:.2%} of the run's steps")
     if not all_r3 or not all_trl:
         sys.exit("no complete round")
     r3_med = statistics.median(s["total_s"] for s in all_r3)
