@@ -13,7 +13,8 @@
 # reads the resolved config.toml of r3's run, so both sides use the same settings.
 # Options: --r3 PATH (default target/release/r3, else target/debug/r3), --steps N (per run,
 # default 4; medians skip each run's first step), --rounds R (default 2), --micro-batch N
-# (TRL sequences per forward/backward; default the whole batch, as r3), --as-shipped,
+# (TRL sequences per forward/backward; default the whole batch, as r3), --threads N (TRL's
+# torch threads; default all cores, as r3's thread pool), --as-shipped,
 # --out DIR (default target/peers/step_vs_trl), --venv DIR (default target/trl-venv).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -22,6 +23,7 @@ r3=""
 steps=4
 rounds=2
 micro=0
+threads="$(nproc)"
 shipped=0
 out="target/peers/step_vs_trl"
 venv="target/trl-venv"
@@ -32,10 +34,11 @@ while [ $# -gt 0 ]; do
     --steps) steps="$2"; shift 2 ;;
     --rounds) rounds="$2"; shift 2 ;;
     --micro-batch) micro="$2"; shift 2 ;;
+    --threads) threads="$2"; shift 2 ;;
     --as-shipped) shipped=1; shift ;;
     --out) out="$2"; shift 2 ;;
     --venv) venv="$2"; shift 2 ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     -*) echo "step_vs_trl.sh: unknown option $1" >&2; exit 2 ;;
     *) configs+=("$1"); shift ;;
   esac
@@ -70,7 +73,7 @@ for cfg in "${configs[@]}"; do
     echo "== $name round $k: TRL, load $load_trl"
     printf '%s\n%s\n' "$load_r3" "$load_trl" > "$dir/load-round$k.txt"
     "$venv/bin/python" scripts/peers/trl_grpo_step.py --config "$run/config.toml" --r3 "$r3" \
-      --steps "$steps" --micro-batch "$micro" --out "$dir/trl-round$k.json" \
+      --steps "$steps" --micro-batch "$micro" --threads "$threads" --out "$dir/trl-round$k.json" \
       > "$dir/trl-round$k.log" 2>&1 || { tail -20 "$dir/trl-round$k.log"; exit 1; }
     grep -E "^TRL median" "$dir/trl-round$k.log"
   done
