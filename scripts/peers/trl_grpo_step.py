@@ -113,7 +113,7 @@ def map_settings(cfg, n_steps, micro):
         sys.exit(f"algo.mini_batches = {mini} does not divide the batch of {batch} sequences")
     per_update = batch // mini
     micro = micro or per_update
-    if per_update % micro or micro % 1:
+    if micro <= 0 or per_update % micro:
         sys.exit(f"--micro-batch {micro} does not divide the {per_update} sequences of one update")
     accum = per_update // micro
     mapped, unmapped = [], []
