@@ -95,7 +95,7 @@ def last_boxed(text):
 
 def last_number(text):
     data = text.encode("utf-8")
-    isdig = lambda b: 48 <= b <= 57  # noqa: E731
+    isdig = lambda b: 48 <= b <= 57
     end = len(data)
     while end > 0 and not isdig(data[end - 1]):
         end -= 1
@@ -129,8 +129,7 @@ def extract_math_answer(text):
     if pos >= 0:
         rest = text[pos + 4 :]
         line = rest.split("\n", 1)[0] if rest else ""
-        if line.endswith("\r"):
-            line = line[:-1]
+        line = line.removesuffix("\r")
         line = rust_trim(line)
         if line:
             return line
@@ -150,7 +149,7 @@ def parse_decimal(s):
     if s.startswith("-"):
         neg, body = True, rust_trim_start(s[1:])
     else:
-        neg, body = False, (s[1:] if s.startswith("+") else s)
+        neg, body = False, (s.removeprefix("+"))
     int_part, _, frac_part = body.partition(".")
     if not valid_grouping(int_part) or not all_digits(frac_part):
         return None

@@ -60,7 +60,9 @@ def main():
     rounds = sorted(p.name.removeprefix("r3-round") for p in d.glob("r3-round*") if p.is_dir())
     all_r3, all_trl = [], []
     print(f"{d.name}: medians over the steps after the first of each run (s)")
-    print("round  load(r3 / TRL)         r3 step (rollout + update)  len   TRL step (rollout [generate] + update)  len   TRL/r3")
+    print(
+        "round  load(r3 / TRL)         r3 step (rollout + update)  len   TRL step (rollout [generate] + update)  len   TRL/r3"
+    )
     for k in rounds:
         metrics = d / f"r3-round{k}" / "metrics.jsonl"
         trl_json = d / f"trl-round{k}.json"
@@ -72,7 +74,11 @@ def main():
         untimed = r3_untimed(d / f"r3-round{k}.log", r3)
         all_r3 += after_first(r3)
         all_trl += after_first(trl)
-        load = (d / f"load-round{k}.txt").read_text().split("\n") if (d / f"load-round{k}.txt").exists() else ["?", "?"]
+        load = (
+            (d / f"load-round{k}.txt").read_text().split("\n")
+            if (d / f"load-round{k}.txt").exists()
+            else ["?", "?"]
+        )
         r3_load, trl_load = (load + ["?", "?"])[:2]
         print(
             f"{k:>5}  {r3_load.split(' ')[0]:>5} / {trl_load.split(' ')[0]:<5}        "

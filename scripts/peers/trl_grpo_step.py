@@ -40,7 +40,7 @@ from pathlib import Path
 
 sys.dont_write_bytecode = True  # no __pycache__ beside the scripts in the work tree
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import r3_rewards  # noqa: E402
+import r3_rewards
 
 # Keys of the resolved config this script reads; a config without them is not resolved.
 NEEDED = {
@@ -143,14 +143,30 @@ def map_settings(cfg, n_steps, micro):
         entropy_coef=float(a.get("entropy_coef", 0.0)),
     )
     mapped += [
-        ("rollout.prompts_per_step x group_size", batch, f"generation batch {batch} (steps_per_generation {mini * accum} x per_device_train_batch_size {micro})"),
+        (
+            "rollout.prompts_per_step x group_size",
+            batch,
+            f"generation batch {batch} (steps_per_generation {mini * accum} x per_device_train_batch_size {micro})",
+        ),
         ("rollout.group_size", r["group_size"], "num_generations"),
         ("rollout.max_new_tokens", r["max_new_tokens"], "max_completion_length"),
         ("rollout.temperature", r["temperature"], "temperature (top_p 1.0, top_k 0 = off)"),
-        ("algo.mini_batches", mini, f"{mini} optimiser step(s) per generation, gradient_accumulation_steps {accum}, num_iterations 1"),
+        (
+            "algo.mini_batches",
+            mini,
+            f"{mini} optimiser step(s) per generation, gradient_accumulation_steps {accum}, num_iterations 1",
+        ),
         ("optim.lr", o["lr"], "learning_rate"),
-        ("optim.warmup_steps / lr_decay", f"{o['warmup_steps']} / {o['lr_decay']}", "r3's own schedule as a LambdaLR"),
-        ("optim.beta1 / beta2 / adam_eps", f"{o['beta1']} / {o['beta2']} / {o['adam_eps']}", "adam_beta1 / adam_beta2 / adam_epsilon"),
+        (
+            "optim.warmup_steps / lr_decay",
+            f"{o['warmup_steps']} / {o['lr_decay']}",
+            "r3's own schedule as a LambdaLR",
+        ),
+        (
+            "optim.beta1 / beta2 / adam_eps",
+            f"{o['beta1']} / {o['beta2']} / {o['adam_eps']}",
+            "adam_beta1 / adam_beta2 / adam_epsilon",
+        ),
         ("optim.grad_clip", o["grad_clip"], "max_grad_norm"),
         ("optim.weight_decay", o.get("weight_decay", 0.0), "weight_decay"),
         ("algo.adv_norm_by_std", a["adv_norm_by_std"], f"scale_rewards={kw['scale_rewards']}"),
@@ -159,14 +175,24 @@ def map_settings(cfg, n_steps, micro):
         ("(no KL, no reference model)", "-", "beta=0.0"),
     ]
     if a["loss"] == "ppo":
-        kw.update(epsilon=float(a["eps_low"]), epsilon_high=float(a["eps_high"]), importance_sampling_level="token")
+        kw.update(
+            epsilon=float(a["eps_low"]), epsilon_high=float(a["eps_high"]), importance_sampling_level="token"
+        )
         agg = {"token-mean": "dapo", "seq-mean-token-mean": "grpo"}.get(a["loss_agg"])
         if agg is None:
-            sys.exit(f"algo.loss_agg = {a['loss_agg']!r} has no TRL loss_type (token-mean, seq-mean-token-mean)")
+            sys.exit(
+                f"algo.loss_agg = {a['loss_agg']!r} has no TRL loss_type (token-mean, seq-mean-token-mean)"
+            )
         kw["loss_type"] = agg
         mapped += [
             ("algo.eps_low / eps_high", f"{a['eps_low']} / {a['eps_high']}", "epsilon / epsilon_high"),
-            ("algo.loss_agg", a["loss_agg"], f"loss_type={agg} (tokens of the whole update batch)" if agg == "dapo" else f"loss_type={agg}"),
+            (
+                "algo.loss_agg",
+                a["loss_agg"],
+                f"loss_type={agg} (tokens of the whole update batch)"
+                if agg == "dapo"
+                else f"loss_type={agg}",
+            ),
         ]
     elif a["loss"] == "gspo":
         kw.update(
@@ -175,20 +201,46 @@ def map_settings(cfg, n_steps, micro):
             importance_sampling_level="sequence",
             loss_type="grpo",
         )
-        mapped.append(("algo.loss = gspo", f"{a['gspo_eps_low']} / {a['gspo_eps_high']}", "importance_sampling_level=sequence, loss_type=grpo"))
+        mapped.append(
+            (
+                "algo.loss = gspo",
+                f"{a['gspo_eps_low']} / {a['gspo_eps_high']}",
+                "importance_sampling_level=sequence, loss_type=grpo",
+            )
+        )
     else:
         sys.exit(f"algo.loss = {a['loss']!r} has no TRL counterpart here (ppo, gspo)")
     unmapped += [
-        ("algo.router_replay", a.get("router_replay"), "TRL has no routing replay (HF generate and the update share one model in one dtype)"),
-        ("algo.dynamic_sampling", a.get("dynamic_sampling"), "TRL keeps every group (uniform-reward groups get advantage 0)"),
+        (
+            "algo.router_replay",
+            a.get("router_replay"),
+            "TRL has no routing replay (HF generate and the update share one model in one dtype)",
+        ),
+        (
+            "algo.dynamic_sampling",
+            a.get("dynamic_sampling"),
+            "TRL keeps every group (uniform-reward groups get advantage 0)",
+        ),
         ("algo.adv_eps", a.get("adv_eps"), "TRL adds 1e-4 to the group std, fixed"),
         ("rollout.dtype", r["dtype"], "TRL without vLLM generates with the training model (f32 here)"),
         ("rollout.router_dtype", r.get("router_dtype"), "no separate rollout engine"),
         ("train.dtype", cfg.get("train", {}).get("dtype"), "TRL trains in f32 here (bf16=False)"),
         ("algo.is_mode", a.get("is_mode"), "TRL's importance-sampling correction is for vLLM rollouts only"),
-        ("sampling seeds", "mix_seed([seed, step, i, j])", "TRL samples from torch's global generator seeded once"),
-        ("optim.weight_decay parameter set", "matrices only", "HF Trainer: every parameter but biases and norm weights"),
-        ("data.shuffle", cfg.get("data", {}).get("shuffle"), "prompts are r3's first rows in file order (`r3 data show`), not its shuffled order"),
+        (
+            "sampling seeds",
+            "mix_seed([seed, step, i, j])",
+            "TRL samples from torch's global generator seeded once",
+        ),
+        (
+            "optim.weight_decay parameter set",
+            "matrices only",
+            "HF Trainer: every parameter but biases and norm weights",
+        ),
+        (
+            "data.shuffle",
+            cfg.get("data", {}).get("shuffle"),
+            "prompts are r3's first rows in file order (`r3 data show`), not its shuffled order",
+        ),
         ("eval, checkpoint", "-", "not part of a step: off on both sides"),
     ]
     if a.get("is_mode", "none") != "none":
@@ -198,7 +250,9 @@ def map_settings(cfg, n_steps, micro):
 
 def r3_prompts(r3, cfg_path, n, max_len):
     rows = r3_rewards.r3_show(r3, ["--config", cfg_path], n, None)
-    kept = [r for r in rows if r["token_ids"] is not None and (max_len == 0 or len(r["token_ids"]) <= max_len)]
+    kept = [
+        r for r in rows if r["token_ids"] is not None and (max_len == 0 or len(r["token_ids"]) <= max_len)
+    ]
     return kept, len(rows) - len(kept)
 
 
@@ -223,7 +277,9 @@ def main():
     per_step = r["prompts_per_step"]
     model_dir = Path(cfg["model_dir"])
 
-    print(f"versions: torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, datasets {datasets.__version__}")
+    print(
+        f"versions: torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, datasets {datasets.__version__}"
+    )
     print(f"torch threads {torch.get_num_threads()} (cores {os.cpu_count()})")
     print("mapped (r3 -> TRL):")
     for key, val, to in mapped:
@@ -244,7 +300,9 @@ def main():
         tok.eos_token = tok.convert_ids_to_tokens(eos_ids[0])
     if tok.pad_token is None and model_cfg.get("pad_token_id") is not None:
         tok.pad_token = tok.convert_ids_to_tokens(model_cfg["pad_token_id"])
-    model, info = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, output_loading_info=True)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, output_loading_info=True
+    )
     bad = {k: v for k, v in info.items() if v}
     if bad:
         sys.exit(f"{model_dir}: transformers did not load it cleanly: {bad}")
@@ -258,14 +316,18 @@ def main():
     # Prompts as r3 renders them, one batch per step, re-tokenised to exactly r3's ids.
     rows, dropped = r3_prompts(args.r3, args.config, per_step * args.steps, cfg["data"]["max_prompt_length"])
     if len(rows) < per_step * args.steps:
-        sys.exit(f"r3 data show gave {len(rows)} usable prompts ({dropped} over max_prompt_length), need {per_step * args.steps}")
+        sys.exit(
+            f"r3 data show gave {len(rows)} usable prompts ({dropped} over max_prompt_length), need {per_step * args.steps}"
+        )
     texts = [tok.decode(row["token_ids"], skip_special_tokens=False) for row in rows]
     for i, (text, row) in enumerate(zip(texts, rows)):
         ids = tok(text=text)["input_ids"]
         if ids != row["token_ids"]:
             sys.exit(f"prompt {i}: TRL's tokenizer gives {ids[:12]}..., r3 {row['token_ids'][:12]}...")
     lens = [len(row["token_ids"]) for row in rows]
-    print(f"prompts: {len(rows)} from r3 ({dropped} dropped over max_prompt_length), tokens mean {statistics.mean(lens):.1f}, ids identical to r3's")
+    print(
+        f"prompts: {len(rows)} from r3 ({dropped} dropped over max_prompt_length), tokens mean {statistics.mean(lens):.1f}, ids identical to r3's"
+    )
 
     score = r3_rewards.reward_fn(cfg)
     checked, bad = r3_rewards.check_against_r3(args.r3, ["--config", args.config], 4, score)
@@ -282,7 +344,11 @@ def main():
 
     reward.__name__ = f"r3_{cfg.get('reward', {}).get('kind', 'arith')}"
     train = datasets.Dataset.from_dict(
-        {"prompt": texts, "ground_truth": [row["ground_truth"] for row in rows], "row_index": list(range(len(rows)))}
+        {
+            "prompt": texts,
+            "ground_truth": [row["ground_truth"] for row in rows],
+            "row_index": list(range(len(rows))),
+        }
     )
 
     times = {"rollout": [], "generate": [], "tokens": [], "rewards": []}
@@ -377,19 +443,28 @@ def main():
             tokens=sum(toks),
         )
         steps.append(s)
-        print(f"{s['step']:>4}  {total:7.3f}  {s['rollout_s']:9.3f}  {s['generate_s']:10.3f}  {s['update_s']:8.3f}  {s['response_len_mean']:13.1f}")
+        print(
+            f"{s['step']:>4}  {total:7.3f}  {s['rollout_s']:9.3f}  {s['generate_s']:10.3f}  {s['update_s']:8.3f}  {s['response_len_mean']:13.1f}"
+        )
     later = steps[1:] or steps
-    summary = {k: statistics.median(s[k] for s in later) for k in ("total_s", "rollout_s", "generate_s", "update_s", "response_len_mean")}
+    summary = {
+        k: statistics.median(s[k] for s in later)
+        for k in ("total_s", "rollout_s", "generate_s", "update_s", "response_len_mean")
+    }
     span = f"steps 2..{len(steps)}" if len(steps) > 1 else "step 1"
     print(
         "TRL median over {span}: total {total_s:.3f} s (rollout {rollout_s:.3f} s, of which generate "
-        "{generate_s:.3f} s; update {update_s:.3f} s), response length {response_len_mean:.1f}".format(span=span, **summary)
+        "{generate_s:.3f} s; update {update_s:.3f} s), response length {response_len_mean:.1f}".format(
+            span=span, **summary
+        )
     )
     if args.out:
         Path(args.out).write_text(
             json.dumps(
                 dict(
-                    versions=dict(torch=torch.__version__, transformers=transformers.__version__, trl=trl.__version__),
+                    versions=dict(
+                        torch=torch.__version__, transformers=transformers.__version__, trl=trl.__version__
+                    ),
                     threads=torch.get_num_threads(),
                     mapped=mapped,
                     unmapped=unmapped,
