@@ -38,7 +38,7 @@ while [ $# -gt 0 ]; do
     --as-shipped) shipped=1; shift ;;
     --out) out="$2"; shift 2 ;;
     --venv) venv="$2"; shift 2 ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     -*) echo "step_vs_trl.sh: unknown option $1" >&2; exit 2 ;;
     *) configs+=("$1"); shift ;;
   esac
