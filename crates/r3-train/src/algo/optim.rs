@@ -430,3 +430,32 @@ impl AdamW {
         Ok(())
     }
 }
+
+/// The fused pass's constants are made here, beside the parameters they come from, so the
+/// pass (`fused_optim.rs`) does not depend back on this file.
+impl AdamWConstants {
+    /// The constants of step `t` (1-based) of `params` at learning rate `lr`; `decay` says
+    /// whether this tensor is decayed.
+    pub(crate) fn new(
+        params: &AdamWParams,
+        t: u64,
+        lr: f64,
+        decay: bool,
+        grad_scale: Option<f32>,
+    ) -> Self {
+        let (bc1, bc2) = params.bias_corrections(t);
+        Self {
+            beta1: params.beta1 as f32,
+            one_minus_beta1: (1.0 - params.beta1) as f32,
+            beta2: params.beta2 as f32,
+            one_minus_beta2: (1.0 - params.beta2) as f32,
+            inv_bc1: (1.0 / bc1) as f32,
+            inv_bc2: (1.0 / bc2) as f32,
+            eps: params.eps as f32,
+            lr: lr as f32,
+            decay: (decay && params.weight_decay != 0.0)
+                .then_some((1.0 - lr * params.weight_decay) as f32),
+            grad_scale,
+        }
+    }
+}
