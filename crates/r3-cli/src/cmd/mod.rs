@@ -25,6 +25,7 @@ mod progress;
 mod report;
 mod routes;
 mod serve;
+mod step_phases;
 mod train;
 
 use std::path::Path;

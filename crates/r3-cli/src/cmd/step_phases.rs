@@ -1,0 +1,447 @@
+//! The accounting of `r3 bench step`: the phases of an RL step as the bench names them,
+//! each phase's matrix work and memory traffic counted from the config and the step's own
+//! lengths, the machine's two limits (f32 GEMM peak, streaming bandwidth) and the roofline
+//! they give, and the table's rows (medians, shares, the share of the limit reached).
+
+use r3_model::Config;
+use r3_train::rl::step::StepTrace;
+use r3_train::StepMetrics;
+
+use super::matmul_work::{flops_per_token, generation_flops};
+
+/// The phases of a step as the bench names them, in the order they run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Phase {
+    Rollout,
+    OldLogp,
+    UpdateForward,
+    UpdateBackward,
+    Optimiser,
+    WeightSync,
+    Other,
+}
+
+pub(crate) const PHASES: [Phase; 7] = [
+    Phase::Rollout,
+    Phase::OldLogp,
+    Phase::UpdateForward,
+    Phase::UpdateBackward,
+    Phase::Optimiser,
+    Phase::WeightSync,
+    Phase::Other,
+];
+
+impl Phase {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Phase::Rollout => "rollout+capture",
+            Phase::OldLogp => "old log-probs",
+            Phase::UpdateForward => "update forward",
+            Phase::UpdateBackward => "update backward",
+            Phase::Optimiser => "optimiser",
+            Phase::WeightSync => "weight sync",
+            Phase::Other => "other",
+        }
+    }
+
+    /// Seconds of this phase in a step's metrics line; `Other` is the rest of `wall_s`.
+    pub(crate) fn seconds(self, m: &StepMetrics, wall_s: f64) -> f64 {
+        match self {
+            Phase::Rollout => m.rollout_s,
+            Phase::OldLogp => m.old_logp_s,
+            Phase::UpdateForward => m.update_forward_s,
+            Phase::UpdateBackward => m.update_backward_s,
+            Phase::Optimiser => m.update_optim_s,
+            Phase::WeightSync => m.sync_s,
+            Phase::Other => {
+                let named = m.rollout_s
+                    + m.old_logp_s
+                    + m.update_forward_s
+                    + m.update_backward_s
+                    + m.update_optim_s
+                    + m.sync_s;
+                (wall_s - named).max(0.0)
+            }
+        }
+    }
+
+    /// The memory high-water mark of the part of the step this phase is in (the update's
+    /// forward, backward and optimiser share the update's mark).
+    pub(crate) fn peak_mib(self, m: &StepMetrics) -> Option<f64> {
+        match self {
+            Phase::Rollout => m.rollout_peak_mib,
+            Phase::OldLogp => m.old_logp_peak_mib,
+            Phase::UpdateForward | Phase::UpdateBackward | Phase::Optimiser => m.update_peak_mib,
+            Phase::WeightSync => m.sync_peak_mib,
+            Phase::Other => None,
+        }
+    }
+}
+
+/// The matrix work and the memory traffic of a phase.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(crate) struct Work {
+    /// Multiply-add FLOPs (2 per MAC); `None` where the model's attention is not counted.
+    pub(crate) flops: Option<f64>,
+    /// Bytes the phase must at least move between memory and the cores.
+    pub(crate) bytes: f64,
+}
+
+/// This machine's two limits, measured on the spot.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Machine {
+    /// f32 GEMM peak, FLOP/s.
+    pub(crate) peak_flops: f64,
+    /// Streaming bandwidth, bytes/s.
+    pub(crate) bandwidth: f64,
+}
+
+impl Machine {
+    /// The roofline: the best FLOP rate at arithmetic intensity `flops_per_byte`.
+    pub(crate) fn attainable(&self, flops_per_byte: f64) -> f64 {
+        self.peak_flops.min(self.bandwidth * flops_per_byte)
+    }
+
+    /// Fewest seconds this machine needs for `w`: its FLOPs at the roofline's rate for its
+    /// intensity, or its bytes at the bandwidth where it does no counted matrix work.
+    pub(crate) fn limit_seconds(&self, w: Work) -> f64 {
+        match w.flops {
+            Some(f) if f > 0.0 && w.bytes > 0.0 => f / self.attainable(f / w.bytes),
+            Some(f) if f > 0.0 => f / self.peak_flops,
+            _ => w.bytes / self.bandwidth,
+        }
+    }
+}
+
+/// Each value's share of their sum, in percent (all 0 for a zero sum).
+pub(crate) fn shares_percent(values: &[f64]) -> Vec<f64> {
+    let total: f64 = values.iter().sum();
+    values
+        .iter()
+        .map(|v| if total > 0.0 { 100.0 * v / total } else { 0.0 })
+        .collect()
+}
+
+/// The median (the mean of the middle two for an even count); 0 for none.
+pub(crate) fn median(values: &[f64]) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+/// FLOPs of a training forward over one sequence of `len` tokens: every position through
+/// the model and the vocabulary head, attending over the positions before it.
+pub(crate) fn training_forward_flops(cfg: &Config, len: usize) -> Option<f64> {
+    (1..=len).map(|t| flops_per_token(cfg, t, true)).sum()
+}
+
+/// Sums `f` over `rows` of the step's sequences, `None` when any is uncounted.
+pub(crate) fn sum_rows(
+    trace: &StepTrace,
+    rows: impl Iterator<Item = usize>,
+    f: impl Fn(usize, usize) -> Option<f64>,
+) -> Option<f64> {
+    rows.map(|r| f(trace.sequences[r].len(), trace.prompt_lens[r]))
+        .sum()
+}
+
+/// What the bench knows of the model trained.
+pub(crate) struct ModelFacts<'a> {
+    pub(crate) cfg: &'a Config,
+    /// Trainable parameters.
+    pub(crate) params: f64,
+    /// Bytes per weight of the rollout engine's precision.
+    pub(crate) rollout_weight_bytes: f64,
+}
+
+/// Bytes of weights the rollout engine reads over the step: the whole model per forward,
+/// the routed experts only in the expected share a forward of `tokens` tokens hits (with
+/// routing uniform over the experts). The first forward is the prefill of every prompt,
+/// then one per new token of the longest response, over the sequences still generating
+/// (all at once: the step's sequences fit the engine's running batch).
+pub(crate) fn rollout_bytes(model: &ModelFacts<'_>, trace: &StepTrace) -> f64 {
+    let cfg = model.cfg;
+    let (experts, miss) = match &cfg.moe {
+        Some(moe) => {
+            let layers = (0..cfg.num_hidden_layers)
+                .filter(|&l| cfg.is_moe_layer(l))
+                .count();
+            let per_expert = 3.0 * (cfg.hidden_size * moe.expert_intermediate_size) as f64;
+            let experts = (layers * moe.num_experts) as f64 * per_expert;
+            (experts, 1.0 - moe.top_k as f64 / moe.num_experts as f64)
+        }
+        None => (0.0, 1.0),
+    };
+    let dense = model.params - experts;
+    let responses: Vec<usize> = (0..trace.sequences.len())
+        .map(|r| trace.sequences[r].len() - trace.prompt_lens[r])
+        .collect();
+    let longest = responses.iter().copied().max().unwrap_or(0);
+    (0..longest)
+        .map(|j| match j {
+            0 => trace.prompt_lens.iter().sum::<usize>(),
+            _ => responses.iter().filter(|&&n| n > j).count(),
+        })
+        .map(|tokens| {
+            let hit = 1.0 - miss.powi(i32::try_from(tokens).unwrap_or(i32::MAX));
+            (dense + experts * hit) * model.rollout_weight_bytes
+        })
+        .sum()
+}
+
+/// The work of each phase of one step, from what it ran: the sequences of its trace (their
+/// prompts and responses), the updates it applied, and whether it had an old-log-prob pass.
+pub(crate) fn step_work(model: &ModelFacts<'_>, trace: &StepTrace, old_pass: bool) -> [Work; 7] {
+    let cfg = model.cfg;
+    let n = trace.sequences.len();
+    let f32_weights = 4.0 * model.params;
+    let all_forward = sum_rows(trace, 0..n, |len, _| training_forward_flops(cfg, len));
+    let update_rows = trace
+        .updates
+        .iter()
+        .flat_map(|(rows, _)| rows.iter().copied());
+    let update_forward = sum_rows(trace, update_rows, |len, _| {
+        training_forward_flops(cfg, len)
+    });
+    let updates = trace.updates.len() as f64;
+    let mut work = [Work::default(); 7];
+    for (slot, phase) in work.iter_mut().zip(PHASES) {
+        *slot = match phase {
+            Phase::Rollout => Work {
+                flops: sum_rows(trace, 0..n, |len, prompt| {
+                    generation_flops(cfg, 1, prompt, len - prompt)
+                }),
+                bytes: rollout_bytes(model, trace),
+            },
+            Phase::OldLogp if old_pass => Work {
+                flops: all_forward,
+                bytes: f32_weights,
+            },
+            Phase::UpdateForward => Work {
+                flops: update_forward,
+                bytes: updates * f32_weights,
+            },
+            // Backward ≈ 2 × forward: the gradients of the activations and of the weights.
+            Phase::UpdateBackward => Work {
+                flops: update_forward.map(|f| 2.0 * f),
+                bytes: updates * 2.0 * f32_weights,
+            },
+            // AdamW reads parameter, gradient and both moments and writes parameter and
+            // moments: 7 f32 per parameter per update, no matrix work.
+            Phase::Optimiser => Work {
+                flops: None,
+                bytes: updates * 7.0 * f32_weights,
+            },
+            // The f32 map is read twice (range check, conversion) and written once at the
+            // rollout precision.
+            Phase::WeightSync => Work {
+                flops: None,
+                bytes: model.params * (8.0 + model.rollout_weight_bytes),
+            },
+            Phase::OldLogp | Phase::Other => Work::default(),
+        };
+    }
+    work
+}
+
+/// One measured step.
+pub(crate) struct Sample {
+    pub(crate) wall_s: f64,
+    pub(crate) seconds: [f64; 7],
+    pub(crate) work: [Work; 7],
+    pub(crate) metrics: StepMetrics,
+    pub(crate) tokens: usize,
+    pub(crate) sequences: usize,
+}
+
+/// The bench's result for one phase (or the whole step).
+#[derive(Debug, Clone)]
+pub(crate) struct Row {
+    pub(crate) name: &'static str,
+    pub(crate) seconds: f64,
+    pub(crate) share_pct: f64,
+    pub(crate) flops: Option<f64>,
+    pub(crate) bytes: f64,
+    pub(crate) limit_s: f64,
+    pub(crate) peak_mib: Option<f64>,
+}
+
+impl Row {
+    /// The share of the machine's limit the phase reaches (limit time over its time).
+    pub(crate) fn of_limit_pct(&self) -> Option<f64> {
+        (self.seconds > 0.0 && self.limit_s > 0.0).then(|| 100.0 * self.limit_s / self.seconds)
+    }
+
+    pub(crate) fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "phase": self.name,
+            "seconds": self.seconds,
+            "share_pct": self.share_pct,
+            "gflop": self.flops.map(|f| f / 1e9),
+            "gbytes": self.bytes / 1e9,
+            "limit_s": self.limit_s,
+            "of_limit_pct": self.of_limit_pct(),
+            "peak_mib": self.peak_mib,
+        })
+    }
+}
+
+/// The table's rows from the measured steps: medians of time and work per phase, shares
+/// of their sum, and the highest memory mark seen.
+pub(crate) fn summarise(samples: &[Sample], machine: &Machine) -> (Vec<Row>, Row) {
+    let times: Vec<f64> = (0..PHASES.len())
+        .map(|i| median(&samples.iter().map(|s| s.seconds[i]).collect::<Vec<_>>()))
+        .collect();
+    let shares = shares_percent(&times);
+    let max_of = |v: Vec<Option<f64>>| v.into_iter().flatten().reduce(f64::max);
+    let rows: Vec<Row> = PHASES
+        .iter()
+        .enumerate()
+        .map(|(i, &phase)| {
+            let flops: Option<Vec<f64>> = samples.iter().map(|s| s.work[i].flops).collect();
+            let work = Work {
+                flops: flops.map(|f| median(&f)),
+                bytes: median(&samples.iter().map(|s| s.work[i].bytes).collect::<Vec<_>>()),
+            };
+            Row {
+                name: phase.name(),
+                seconds: times[i],
+                share_pct: shares[i],
+                flops: work.flops,
+                bytes: work.bytes,
+                limit_s: machine.limit_seconds(work),
+                peak_mib: max_of(samples.iter().map(|s| phase.peak_mib(&s.metrics)).collect()),
+            }
+        })
+        .collect();
+    let step = Row {
+        name: "step",
+        seconds: rows.iter().map(|r| r.seconds).sum(),
+        share_pct: shares.iter().sum(),
+        // Counted where the rollout's is (the same attention counts every phase's).
+        flops: rows[0]
+            .flops
+            .map(|_| rows.iter().filter_map(|r| r.flops).sum()),
+        bytes: rows.iter().map(|r| r.bytes).sum(),
+        limit_s: rows.iter().map(|r| r.limit_s).sum(),
+        peak_mib: max_of(samples.iter().map(|s| s.metrics.peak_mib).collect()),
+    };
+    (rows, step)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny() -> Config {
+        Config::from_value(serde_json::json!({
+            "model_type": "qwen3_moe", "vocab_size": 10, "hidden_size": 4,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "head_dim": 2, "intermediate_size": 8, "moe_intermediate_size": 5,
+            "num_experts": 6, "num_experts_per_tok": 2, "norm_topk_prob": true,
+            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 64,
+            "tie_word_embeddings": false
+        }))
+        .expect("config")
+    }
+
+    #[test]
+    fn the_roofline_is_the_lower_of_compute_and_bandwidth() {
+        let m = Machine {
+            peak_flops: 100e9,
+            bandwidth: 10e9,
+        };
+        // 1 FLOP/byte: bandwidth-bound at 10 GFLOP/s; 100 FLOP/byte: compute-bound.
+        assert_eq!(m.attainable(1.0), 10e9);
+        assert_eq!(m.attainable(100.0), 100e9);
+        let low = Work {
+            flops: Some(1e9),
+            bytes: 1e9,
+        };
+        let high = Work {
+            flops: Some(100e9),
+            bytes: 1e9,
+        };
+        assert_eq!(m.limit_seconds(low), 0.1, "1 GB at 10 GB/s");
+        assert_eq!(m.limit_seconds(high), 1.0, "100 GFLOP at 100 GFLOP/s");
+        // the same as the larger of the two times, as a roofline must be
+        for w in [low, high] {
+            let f = w.flops.expect("counted");
+            assert_eq!(
+                m.limit_seconds(w),
+                (f / m.peak_flops).max(w.bytes / m.bandwidth)
+            );
+        }
+        // no matrix work: the bytes at the bandwidth; no bytes: the FLOPs at the peak
+        let optimiser = Work {
+            flops: None,
+            bytes: 28e9,
+        };
+        assert_eq!(m.limit_seconds(optimiser), 2.8);
+        let pure = Work {
+            flops: Some(50e9),
+            bytes: 0.0,
+        };
+        assert_eq!(m.limit_seconds(pure), 0.5);
+    }
+
+    #[test]
+    fn shares_add_up_and_the_median_takes_the_middle() {
+        let s = shares_percent(&[1.0, 3.0, 0.0, 4.0]);
+        assert_eq!(s, vec![12.5, 37.5, 0.0, 50.0]);
+        assert_eq!(s.iter().sum::<f64>(), 100.0);
+        assert_eq!(shares_percent(&[0.0, 0.0]), vec![0.0, 0.0]);
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert_eq!(median(&[]), 0.0);
+    }
+
+    /// By hand on matmul_work's tiny config: per token 2 · (48 projection MACs + 2·4·ctx
+    /// attention + 144 experts and router + 40 head) FLOPs.
+    #[test]
+    fn a_step_counts_its_work_by_hand() {
+        let cfg = tiny();
+        let per = |ctx: f64| 2.0 * (48.0 + 8.0 * ctx + 144.0 + 40.0);
+        // one sequence of 2 prompt + 1 response tokens, one update, an old pass
+        let trace = StepTrace {
+            sequences: vec![vec![1, 2, 3]],
+            prompt_lens: vec![2],
+            updates: vec![(vec![0], None)],
+            ..StepTrace::default()
+        };
+        let facts = ModelFacts {
+            cfg: &cfg,
+            params: 1000.0,
+            rollout_weight_bytes: 2.0,
+        };
+        let w = step_work(&facts, &trace, true);
+        let forward = per(1.0) + per(2.0) + per(3.0);
+        assert_eq!(w[1].flops, Some(forward), "old pass: all three positions");
+        assert_eq!(w[2].flops, Some(forward), "update forward");
+        assert_eq!(w[3].flops, Some(2.0 * forward), "backward = 2 × forward");
+        // rollout: prefill of 2 (head on the last only), then no decode step for 1 token
+        let prefill = per(1.0) - 2.0 * 40.0 + per(2.0);
+        assert_eq!(w[0].flops, Some(prefill));
+        // One forward (the prefill of 2 tokens): 360 expert weights (6 experts of 3·4·5),
+        // of which 2 tokens top-2 of 6 hit 1 − (4/6)² = 5/9; 640 others, all in f16.
+        assert!(
+            (w[0].bytes - (640.0 + 200.0) * 2.0).abs() < 1e-9,
+            "{}",
+            w[0].bytes
+        );
+        assert_eq!(w[4].bytes, 7.0 * 4.0 * 1000.0, "AdamW: 7 f32 per parameter");
+        assert_eq!(w[4].flops, None);
+        assert_eq!(
+            w[5].bytes,
+            1000.0 * 10.0,
+            "sync: f32 read twice, f16 written"
+        );
+        assert_eq!(w[6], Work::default());
+        // no old pass: no work there
+        assert_eq!(step_work(&facts, &trace, false)[1], Work::default());
+    }
+}
