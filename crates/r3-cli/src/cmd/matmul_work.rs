@@ -115,10 +115,12 @@ pub fn stream_bandwidth() -> f64 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn tiny() -> Config {
+    /// A one-layer Qwen3-MoE config small enough to count by hand (shared with
+    /// `step_phases.rs`'s tests).
+    pub(crate) fn tiny() -> Config {
         Config::from_value(serde_json::json!({
             "model_type": "qwen3_moe", "vocab_size": 10, "hidden_size": 4,
             "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,

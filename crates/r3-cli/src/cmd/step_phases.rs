@@ -337,17 +337,7 @@ pub(crate) fn summarise(samples: &[Sample], machine: &Machine) -> (Vec<Row>, Row
 mod tests {
     use super::*;
 
-    fn tiny() -> Config {
-        Config::from_value(serde_json::json!({
-            "model_type": "qwen3_moe", "vocab_size": 10, "hidden_size": 4,
-            "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
-            "head_dim": 2, "intermediate_size": 8, "moe_intermediate_size": 5,
-            "num_experts": 6, "num_experts_per_tok": 2, "norm_topk_prob": true,
-            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 64,
-            "tie_word_embeddings": false
-        }))
-        .expect("config")
-    }
+    use crate::cmd::matmul_work::tests::tiny;
 
     #[test]
     fn the_roofline_is_the_lower_of_compute_and_bandwidth() {
