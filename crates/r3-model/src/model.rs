@@ -218,6 +218,16 @@ impl Model {
         &self.cfg
     }
 
+    /// `[B, T, H]` embeddings of the `B·T` token `ids`, rounded at the precision's embedding
+    /// point: where the full forward and the cached decode step both start.
+    fn embed_tokens(&self, ids: &Tensor, b: usize, t: usize) -> Result<Tensor> {
+        let x = self
+            .embed
+            .index_select(ids, 0)?
+            .reshape((b, t, self.cfg.hidden_size))?;
+        self.precision.round(&x)
+    }
+
     /// Forward pass; see [`Routing`] for the modes.
     pub fn forward(&self, batch: &Batch, routing: Routing<'_>) -> Result<ForwardOutput> {
         self.forward_with(batch, routing, false)
@@ -259,14 +269,7 @@ impl Model {
         };
 
         let ids = batch.input_ids.to_device(device)?.flatten_all()?;
-        let mut x = self
-            .precision
-            .round(
-                &self
-                    .embed
-                    .index_select(&ids, 0)?
-                    .reshape((b, t, cfg.hidden_size))?,
-            )?;
+        let mut x = self.embed_tokens(&ids, b, t)?;
         let mut hidden = capture_hidden.then(Vec::new);
         let mut moe = MoeRecord::default();
         for (i, layer) in self.layers.iter().enumerate() {

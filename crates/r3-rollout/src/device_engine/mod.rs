@@ -540,19 +540,26 @@ impl DeviceEngine {
     /// old weights are kept.
     pub fn update_weights(&mut self, tensors: &TensorMap) -> Result<u64, RolloutError> {
         check_map_holds(tensors, self.cfg.dtype.weight_precision())?;
-        self.model = build_model(&self.model_cfg, tensors, &self.cfg, &self.device)?;
-        self.version += 1;
-        Ok(self.version)
+        self.swap_in(tensors)
     }
 
     /// [`DeviceEngine::update_weights`] from a safetensors directory.
     pub fn update_weights_from_dir(&mut self, dir: &Path) -> Result<u64, RolloutError> {
+        // The loader checks every value against the engine's precision, so the tensors are
+        // not scanned a second time.
         let options = LoadOptions {
             precision: self.cfg.dtype.weight_precision(),
             ..LoadOptions::default()
         };
         let tensors = load_dir_with(dir, &self.model_cfg, &options)?;
-        self.update_weights(&tensors)
+        self.swap_in(&tensors)
+    }
+
+    /// Builds the model from checked tensors and bumps the weight version.
+    fn swap_in(&mut self, tensors: &TensorMap) -> Result<u64, RolloutError> {
+        self.model = build_model(&self.model_cfg, tensors, &self.cfg, &self.device)?;
+        self.version += 1;
+        Ok(self.version)
     }
 }
 
