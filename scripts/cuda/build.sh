@@ -6,7 +6,8 @@
 #   CUDA_HOME=/usr/local/cuda scripts/cuda/build.sh   # a regular toolkit instead
 #
 # Output (ignored by git): gpu/bin/r3 and gpu/bin/<crate>-<test> — everything
-# scripts/cuda/check.sh needs on the GPU machine, which has CUDA 13 libraries but no Rust.
+# scripts/cuda/check.sh needs on the GPU machine, which has CUDA 13 libraries but no Rust —
+# and gpu/pack/bin.tar.xz, the same packed small enough to carry (carry=["gpu/pack"]).
 # The binaries look for CUDA's libraries in /usr/local/cuda/lib64 (rpath) and through the
 # loader's usual paths, so nothing but gpu/bin has to travel.
 #
@@ -102,6 +103,12 @@ done
 # Symbols are not needed on the GPU machine, and what travels there is limited (64 MiB).
 strip "$out/bin/"* 2>/dev/null || true
 
+# What travels to the GPU machine is limited to 64 MiB with the working tree: one xz archive
+# of all the binaries, whose dictionary spans them so the CUDA kernels (PTX) each one embeds
+# are stored once. check.sh unpacks it with Python's tarfile when gpu/bin is absent.
+mkdir -p "$out/pack"
+tar -C "$out" -cf - bin | xz -9 --lzma2=preset=9,dict=256MiB -T1 > "$out/pack/bin.tar.xz"
+
 end=$(date +%s)
 echo "build.sh: built in $((end - start)) s:"
-ls -l "$out/bin"
+ls -l "$out/bin" "$out/pack"

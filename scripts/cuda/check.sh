@@ -1,9 +1,17 @@
 #!/usr/bin/env bash
 # The GPU check, run on the GPU machine (CUDA 13 driver and libraries, Python with PyTorch;
-# no Rust, no network) from the repository root, with gpu/bin built by
-# scripts/cuda/build.sh on any machine and carried over:
+# no Rust, no network) from the repository root, with the binaries built by
+# scripts/cuda/build.sh on any machine and carried over (gpu/bin, or its archive
+# gpu/pack/bin.tar.xz, which is unpacked here when gpu/bin is absent):
 #
-#   bash scripts/cuda/check.sh [OUT]     # OUT: where logs go (default gpu/check)
+#   bash scripts/cuda/check.sh [OUT] [--steps 1,2,3,4] [--budget SECONDS]
+#
+# OUT: where logs go (default gpu/check). The detailed logs are written under a work folder
+# and packed into OUT/logs.tar.gz after every step (so a run stopped by its caller's time
+# limit still returns what it did); OUT/summary.txt holds the verdicts so far.
+# --steps: which of the steps below to run (default all). --budget: wall seconds the whole
+# check may take (default 480); each command's own limit is cut to what is left, and a step
+# that cannot start with a minute left is skipped and says so.
 #
 # 1. the GPU tests (test binaries built with `--features cuda`): every family's tiny model
 #    on CUDA against the CPU (logits, routes, replay proofs, log-probs, entropy, every
@@ -13,23 +21,56 @@
 #    with the same weights and seed);
 # 3. `r3 bench train` on CUDA (f32, bf16) beside scripts/cuda/peer_hf.py (HF transformers
 #    on the same GPU, the same config and batch).
-# 4. The device rollout engine on CUDA (prepared, not yet run on a GPU): its tests (greedy =
-#    HF's on the oracle fixtures and = the CPU engine's, routes = the trainer's native routes
-#    on the GPU in f32 and bf16, seeded sampling reproducing itself, a batch = one at a time),
-#    `r3 generate --device cuda` = `--device cpu` on the oracle prompts, and `r3 bench decode
-#    --device cuda` at batch 1 / 64 / 256 (f32, bf16) beside scripts/cuda/peer_hf_generate.py.
-# Ends with one summary line. Every step has a time limit (steps 1-3 under 5 min; step 4
-# adds up to about 10 min at worst: run it with the rest, or alone by commenting 1-3 out).
+# 4. The device rollout engine on CUDA: its tests (greedy = HF's on the oracle fixtures and
+#    = the CPU engine's, routes = the trainer's native routes on the GPU in f32 and bf16,
+#    seeded sampling reproducing itself, a batch = one at a time), `r3 generate --device
+#    cuda` = `--device cpu` on the oracle prompts, both engines on the GPU in `r3 train`, and
+#    `r3 bench decode --device cuda` at batch 1 / 64 / 256 (f32, bf16) beside
+#    scripts/cuda/peer_hf_generate.py.
+# Ends with one summary line.
 set -uo pipefail
 
 root=$(cd "$(dirname "$0")/../.." && pwd)
-out=$(mkdir -p "${1:-$root/gpu/check}" && cd "${1:-$root/gpu/check}" && pwd)
+out_arg=""
+steps="1,2,3,4"
+budget=480
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --steps) steps="$2"; shift 2 ;;
+        --budget) budget="$2"; shift 2 ;;
+        -*) echo "check.sh: unknown option $1" >&2; exit 2 ;;
+        *) out_arg="$1"; shift ;;
+    esac
+done
+out=$(mkdir -p "${out_arg:-$root/gpu/check}" && cd "${out_arg:-$root/gpu/check}" && pwd)
+# The logs live in a work folder; OUT gets one archive of them (few files travel back).
+work=$(mktemp -d /tmp/r3-check.XXXXXX)
+started=$(date +%s)
 bin="$root/gpu/bin"
 cd "$root"
 python=$(command -v python3 || command -v python)
 verdicts=()
-verdict() { verdicts+=("$1=$2"); echo "== $1: $2"; }
+pack_logs() {
+    tar -czf "$work/logs.tar.gz" -C "$work" . 2>/dev/null
+    echo "SUMMARY gpu=[${gpu_name:-unknown}] $(IFS=' '; echo "${verdicts[*]}")" > "$work/summary.txt"
+}
+verdict() { verdicts+=("$1=$2"); echo "== $1: $2"; pack_logs; }
+# Seconds left of the budget, less a reserve for packing the logs.
+left() { echo $(( budget - ($(date +%s) - started) - 10 )); }
+# limit N: the smaller of N and what is left (at least 1).
+limit() { local l; l=$(left); [ "$l" -lt "$1" ] && echo $(( l > 1 ? l : 1 )) || echo "$1"; }
+# wants STEP: whether STEP was asked for and a minute is left to start it.
+wants() {
+    case ",$steps," in *",$1,"*) ;; *) return 1 ;; esac
+    if [ "$(left)" -lt 60 ]; then verdict "step$1" "skipped(budget: $(left) s left)"; return 1; fi
+}
 
+if [ ! -d "$bin" ] && [ -f "$root/gpu/pack/bin.tar.xz" ]; then
+    t0=$(date +%s)
+    "$python" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
+        "$root/gpu/pack/bin.tar.xz" "$root/gpu" || { echo "check.sh: cannot unpack gpu/pack/bin.tar.xz" >&2; exit 2; }
+    echo "== unpacked gpu/pack/bin.tar.xz in $(( $(date +%s) - t0 )) s"
+fi
 gpu_name=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -n 1)
 echo "== GPU: ${gpu_name:-unknown (nvidia-smi failed)}"
 for exe in r3 r3-model-devices r3-train-devices r3-rollout-device_engine; do
@@ -39,32 +80,35 @@ for exe in r3 r3-model-devices r3-train-devices r3-rollout-device_engine; do
     fi
 done
 # The binaries link libcuda.so.1 and CUDA 13's cuBLAS / NVRTC / cuRAND: show where from.
-ldd "$bin/r3" | grep -E "cuda|cublas|nvrtc|curand" | tee "$out/ldd.txt"
+ldd "$bin/r3" | grep -E "cuda|cublas|nvrtc|curand" | tee "$work/ldd.txt"
 if ldd "$bin/r3" | grep -q "not found"; then
-    echo "check.sh: a CUDA library is not found (see $out/ldd.txt); set LD_LIBRARY_PATH" >&2
+    echo "check.sh: a CUDA library is not found (see $work/ldd.txt); set LD_LIBRARY_PATH" >&2
     verdict libraries missing
 fi
 
 # 1. GPU tests (cwd = the crate folder: the tests find their fixtures relative to it).
+if wants 1; then
 t0=$(date +%s)
-(cd crates/r3-model && timeout 150 "$bin/r3-model-devices" --test-threads=1) > "$out/test-model.txt" 2>&1
-rc=$?; tail -n 30 "$out/test-model.txt"
+(cd crates/r3-model && timeout "$(limit 150)" "$bin/r3-model-devices" --test-threads=1) > "$work/test-model.txt" 2>&1
+rc=$?; tail -n 30 "$work/test-model.txt"
 verdict model-tests "$([ $rc = 0 ] && echo pass || echo "FAIL($rc)")"
-(cd crates/r3-train && timeout 60 "$bin/r3-train-devices" --test-threads=1) > "$out/test-train.txt" 2>&1
-rc=$?; tail -n 20 "$out/test-train.txt"
+(cd crates/r3-train && timeout "$(limit 60)" "$bin/r3-train-devices" --test-threads=1) > "$work/test-train.txt" 2>&1
+rc=$?; tail -n 20 "$work/test-train.txt"
 verdict train-tests "$([ $rc = 0 ] && echo pass || echo "FAIL($rc)")"
 echo "   tests took $(( $(date +%s) - t0 )) s"
+fi
 
 # 2. The default task on the GPU, and step 1 on the CPU for the rewards.
+if wants 2; then
 t0=$(date +%s)
-timeout 120 "$bin/r3" train --set train.device=cuda --set steps=20 --set eval.every=0 \
-    --set checkpoint.every=0 --set run_dir="$out/train-cuda" > "$out/train-cuda.txt" 2>&1
+timeout "$(limit 120)" "$bin/r3" train --set train.device=cuda --set steps=20 --set eval.every=0 \
+    --set checkpoint.every=0 --set run_dir="$work/train-cuda" > "$work/train-cuda.txt" 2>&1
 rc_cuda=$?
-timeout 60 "$bin/r3" train --set steps=1 --set eval.every=0 --set checkpoint.every=0 \
-    --set run_dir="$out/train-cpu" > "$out/train-cpu.txt" 2>&1
+timeout "$(limit 60)" "$bin/r3" train --set steps=1 --set eval.every=0 --set checkpoint.every=0 \
+    --set run_dir="$work/train-cpu" > "$work/train-cpu.txt" 2>&1
 rc_cpu=$?
-tail -n 5 "$out/train-cuda.txt"
-train_verdict=$("$python" - "$out" "$rc_cuda" "$rc_cpu" <<'PY'
+tail -n 5 "$work/train-cuda.txt"
+train_verdict=$("$python" - "$work" "$rc_cuda" "$rc_cpu" <<'PY'
 import json, sys
 out, rc_cuda, rc_cpu = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 def rows(name):
@@ -87,30 +131,35 @@ PY
 )
 verdict train-cuda "$train_verdict"
 echo "   training runs took $(( $(date +%s) - t0 )) s"
+fi
 
 # 3. Speed beside HF transformers on the same GPU: r3 bench train's config (mid, 240 M).
+if wants 3; then
 t0=$(date +%s)
 bench=()
 for dtype in f32 bf16; do
-    timeout 60 "$bin/r3" bench train --device cuda --dtype "$dtype" --batch 8 --seq-len 512 \
-        --steps 3 --warmup 1 > "$out/bench-r3-$dtype.txt" 2>&1
-    cat "$out/bench-r3-$dtype.txt"
-    r3_tps=$(grep -E "^native +mean" "$out/bench-r3-$dtype.txt" | sed -E 's/.* ([0-9.]+) tokens\/s +best.*/\1/')
-    replay_cost=$(grep -E "^replay cost" "$out/bench-r3-$dtype.txt" | sed -E 's/replay cost vs native: ([-+0-9.]+)% mean.*/\1/')
-    timeout 90 "$python" scripts/cuda/peer_hf.py --dtype "$dtype" --batch 8 --seq-len 512 \
-        --steps 3 > "$out/bench-hf-$dtype.txt" 2>&1
-    cat "$out/bench-hf-$dtype.txt"
-    hf_tps=$(grep -E "^peer " "$out/bench-hf-$dtype.txt" | sed -E 's/.* ([0-9.]+) tokens\/s.*/\1/')
+    timeout "$(limit 60)" "$bin/r3" bench train --device cuda --dtype "$dtype" --batch 8 --seq-len 512 \
+        --steps 3 --warmup 1 > "$work/bench-r3-$dtype.txt" 2>&1
+    cat "$work/bench-r3-$dtype.txt"
+    r3_tps=$(grep -E "^native +mean" "$work/bench-r3-$dtype.txt" | sed -E 's/.* ([0-9.]+) tokens\/s +best.*/\1/')
+    replay_cost=$(grep -E "^replay cost" "$work/bench-r3-$dtype.txt" | sed -E 's/replay cost vs native: ([-+0-9.]+)% mean.*/\1/')
+    timeout "$(limit 90)" "$python" scripts/cuda/peer_hf.py --dtype "$dtype" --batch 8 --seq-len 512 \
+        --steps 3 > "$work/bench-hf-$dtype.txt" 2>&1
+    cat "$work/bench-hf-$dtype.txt"
+    hf_tps=$(grep -E "^peer " "$work/bench-hf-$dtype.txt" | sed -E 's/.* ([0-9.]+) tokens\/s.*/\1/')
     bench+=("$dtype r3 ${r3_tps:-?} tok/s, HF ${hf_tps:-?} tok/s, replay ${replay_cost:-?}%")
 done
 verdict bench "$(IFS=';'; echo "${bench[*]}")"
 echo "   benchmarks took $(( $(date +%s) - t0 )) s"
 
+fi
+
 # 4. The device rollout engine on the GPU.
+if wants 4; then
 t0=$(date +%s)
-(cd crates/r3-rollout && timeout 90 "$bin/r3-rollout-device_engine" --test-threads=1 --nocapture) \
-    > "$out/test-rollout.txt" 2>&1
-rc=$?; grep -E "differ|test result|panicked" "$out/test-rollout.txt" | tail -n 40
+(cd crates/r3-rollout && timeout "$(limit 90)" "$bin/r3-rollout-device_engine" --test-threads=1 --nocapture) \
+    > "$work/test-rollout.txt" 2>&1
+rc=$?; grep -E "differ|test result|panicked" "$work/test-rollout.txt" | tail -n 40
 verdict rollout-tests "$([ $rc = 0 ] && echo pass || echo "FAIL($rc)")"
 generate_verdict=$("$python" - "$bin/r3" <<'PY'
 import json, subprocess, sys
@@ -141,11 +190,11 @@ PY
 )
 verdict generate-cuda "$generate_verdict"
 # Both engines on the GPU: the default task, 5 steps (replay must verify every step).
-timeout 150 "$bin/r3" train --set train.device=cuda --set rollout.device=cuda --set steps=5 \
-    --set eval.every=0 --set checkpoint.every=0 --set run_dir="$out/train-both-cuda" \
-    > "$out/train-both-cuda.txt" 2>&1
-rc=$?; tail -n 3 "$out/train-both-cuda.txt"
-both_verdict=$("$python" - "$out/train-both-cuda/metrics.jsonl" "$rc" <<'PY'
+timeout "$(limit 150)" "$bin/r3" train --set train.device=cuda --set rollout.device=cuda --set steps=5 \
+    --set eval.every=0 --set checkpoint.every=0 --set run_dir="$work/train-both-cuda" \
+    > "$work/train-both-cuda.txt" 2>&1
+rc=$?; tail -n 3 "$work/train-both-cuda.txt"
+both_verdict=$("$python" - "$work/train-both-cuda/metrics.jsonl" "$rc" <<'PY'
 import json, sys
 try:
     rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
@@ -163,17 +212,19 @@ PY
 verdict train-both-cuda "$both_verdict"
 decode=()
 for dtype in f32 bf16; do
-    timeout 150 "$bin/r3" bench decode --device cuda --configs mid --batches 1,64,256 \
-        --dtype "$dtype" --prompt-len 32 --new-tokens 128 > "$out/decode-r3-$dtype.txt" 2>&1
-    cat "$out/decode-r3-$dtype.txt"
-    r3_tps=$(grep -E "^decode mid" "$out/decode-r3-$dtype.txt" | sed -E 's/.*batch ([0-9]+): ([0-9.]+) tokens\/s.*/\1:\2/' | tr '\n' ' ')
-    (cd scripts/cuda && timeout 150 "$python" peer_hf_generate.py --dtype "$dtype" \
-        --batches 1,64,256 --prompt-len 32 --new-tokens 128) > "$out/decode-hf-$dtype.txt" 2>&1
-    cat "$out/decode-hf-$dtype.txt"
-    hf_tps=$(grep -E "^peer-generate" "$out/decode-hf-$dtype.txt" | sed -E 's/.*batch ([0-9]+),.* ([0-9.]+) tokens\/s.*/\1:\2/' | tr '\n' ' ')
+    timeout "$(limit 150)" "$bin/r3" bench decode --device cuda --configs mid --batches 1,64,256 \
+        --dtype "$dtype" --prompt-len 32 --new-tokens 128 > "$work/decode-r3-$dtype.txt" 2>&1
+    cat "$work/decode-r3-$dtype.txt"
+    r3_tps=$(grep -E "^decode mid" "$work/decode-r3-$dtype.txt" | sed -E 's/.*batch ([0-9]+): ([0-9.]+) tokens\/s.*/\1:\2/' | tr '\n' ' ')
+    (cd scripts/cuda && timeout "$(limit 150)" "$python" peer_hf_generate.py --dtype "$dtype" \
+        --batches 1,64,256 --prompt-len 32 --new-tokens 128) > "$work/decode-hf-$dtype.txt" 2>&1
+    cat "$work/decode-hf-$dtype.txt"
+    hf_tps=$(grep -E "^peer-generate" "$work/decode-hf-$dtype.txt" | sed -E 's/.*batch ([0-9]+),.* ([0-9.]+) tokens\/s.*/\1:\2/' | tr '\n' ' ')
     decode+=("$dtype r3 [${r3_tps:-?}] HF [${hf_tps:-?}] tok/s by batch")
 done
 verdict decode "$(IFS=';'; echo "${decode[*]}")"
 echo "   rollout engine checks took $(( $(date +%s) - t0 )) s"
+fi
 
-echo "SUMMARY gpu=[${gpu_name:-unknown}] $(IFS=' '; echo "${verdicts[*]}")" | tee "$out/summary.txt"
+pack_logs
+cat "$out/summary.txt"
