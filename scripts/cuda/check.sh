@@ -51,8 +51,8 @@ cd "$root"
 python=$(command -v python3 || command -v python)
 verdicts=()
 pack_logs() {
-    tar -czf "$work/logs.tar.gz" -C "$work" . 2>/dev/null
-    echo "SUMMARY gpu=[${gpu_name:-unknown}] $(IFS=' '; echo "${verdicts[*]}")" > "$work/summary.txt"
+    tar -czf "$out/logs.tar.gz" -C "$work" . 2>/dev/null
+    echo "SUMMARY gpu=[${gpu_name:-unknown}] $(IFS=' '; echo "${verdicts[*]}")" > "$out/summary.txt"
 }
 verdict() { verdicts+=("$1=$2"); echo "== $1: $2"; pack_logs; }
 # Seconds left of the budget, less a reserve for packing the logs.
