@@ -59,13 +59,21 @@ impl Precision {
         }
     }
 
+    /// The 16-bit float this precision rounds to; None in f32.
+    pub fn narrow_dtype(self) -> Option<DType> {
+        match self {
+            Precision::F32 => None,
+            Precision::Bf16 { .. } => Some(DType::BF16),
+            Precision::F16 { .. } => Some(DType::F16),
+        }
+    }
+
     /// `t` rounded to the 16-bit float of this precision (nearest, ties to even) and widened
     /// back; `t` itself in f32 mode. Differentiable: the gradient passes through unchanged.
     pub fn round(self, t: &Tensor) -> Result<Tensor> {
-        let narrow = match self {
-            Precision::F32 => return Ok(t.clone()),
-            Precision::Bf16 { .. } => DType::BF16,
-            Precision::F16 { .. } => DType::F16,
+        let narrow = match self.narrow_dtype() {
+            None => return Ok(t.clone()),
+            Some(narrow) => narrow,
         };
         if t.dtype() != DType::F32 {
             return Ok(t.clone());

@@ -10,7 +10,7 @@
 use candle_core::{Tensor, D};
 
 use super::dispatch::Dispatch;
-use super::linear::matmul_wt;
+use super::linear::{matmul_wt, matmul_wt_at};
 use super::routed_op::RoutedSwiGlu;
 use crate::error::{ModelError, Result};
 use crate::precision::Precision;
@@ -83,9 +83,44 @@ impl RoutedExperts {
                 &self.down.contiguous()?,
                 RoutedSwiGlu::new(dispatch.clone()),
             )?)
+        } else if !x.device().is_cpu() && padded_fits(dispatch) {
+            self.forward_padded(x, gates, dispatch)
         } else {
             self.forward_composed(x, gates, dispatch)
         }
+    }
+
+    /// The same computation as three batched GEMMs over all experts at once, for a GPU: each
+    /// expert's rows gathered into a `[E, cap, H]` block (`cap` the busiest expert's row
+    /// count, shorter experts padded with a zero row), `[E, cap, H] · [E, H, 2I]`, SwiGLU,
+    /// `· [E, I, H]`, then the gate-weighted sum scattered back (padding carries weight 0 into
+    /// a dropped row). One launch per GEMM instead of one per expert, and the weights'
+    /// gradients come out of the batched GEMM's backward whole, where slicing each expert
+    /// out of the stacked weight would make candle's backward build a zero-filled copy of the
+    /// whole stack per expert. The same rounding points as `forward_composed`.
+    fn forward_padded(&self, x: &Tensor, gates: &Tensor, dispatch: &Dispatch) -> Result<Tensor> {
+        let i = self.intermediate;
+        let p = self.precision;
+        let device = x.device();
+        let (rows, h) = x.dims2()?;
+        let (gather, weight_slots, e, cap) = padded_layout(dispatch, rows);
+        let gather = Tensor::from_vec(gather, e * cap, device)?;
+        let weight_slots = Tensor::from_vec(weight_slots, e * cap, device)?;
+        // Row `rows` is the zero row padding reads and writes.
+        let x_pad = Tensor::cat(&[x, &Tensor::zeros((1, h), x.dtype(), device)?], 0)?;
+        let xs = x_pad.index_select(&gather, 0)?.reshape((e, cap, h))?;
+        let hidden = matmul_wt_at(p, &xs, &self.gate_up)?;
+        let a = p.round(&(hidden.narrow(2, 0, i)?.silu()? * hidden.narrow(2, i, i)?)?)?;
+        let y = matmul_wt_at(p, &a, &self.down)?.reshape((e * cap, h))?;
+        // Slot `rows · top_k` is the zero gate padding reads.
+        let gate_flat = gates.to_dtype(x.dtype())?.flatten_all()?;
+        let gate_pad = Tensor::cat(&[&gate_flat, &Tensor::zeros(1, x.dtype(), device)?], 0)?;
+        let weights = gate_pad
+            .index_select(&weight_slots, 0)?
+            .unsqueeze(D::Minus1)?;
+        let weighted = y.broadcast_mul(&weights)?;
+        let out = x_pad.zeros_like()?.index_add(&gather, &weighted, 0)?;
+        Ok(out.narrow(0, 0, rows)?)
     }
 
     /// The same computation from candle's composed ops, expert by expert (other devices and
@@ -122,6 +157,38 @@ impl RoutedExperts {
         let weighted = expert_out.broadcast_mul(&weights)?;
         Ok(x.zeros_like()?.index_add(&source, &weighted, 0)?)
     }
+}
+
+/// Whether the padded layout wastes at most as many rows as it uses: the busiest expert's
+/// count times the experts within twice the routed slots. Small batches (decode) spread few
+/// slots over many experts; there one GEMM per chosen expert reads only those experts'
+/// weights, where the padded GEMM would read every expert's.
+fn padded_fits(dispatch: &Dispatch) -> bool {
+    let offsets = dispatch.offsets();
+    let cap = offsets.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+    let experts = offsets.len().saturating_sub(1);
+    cap > 0 && experts * cap <= 2 * dispatch.slots().len()
+}
+
+/// The padded `[E, cap]` layout of `dispatch` over `rows` rows: for each place the row it
+/// reads (`rows`, the zero row, for padding) and the gate slot it is weighted by
+/// (`rows · top_k`, a zero gate, for padding), then `E` and `cap`.
+fn padded_layout(dispatch: &Dispatch, rows: usize) -> (Vec<u32>, Vec<u32>, usize, usize) {
+    let offsets = dispatch.offsets();
+    let e = offsets.len().saturating_sub(1);
+    let cap = offsets.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+    let k = dispatch.top_k();
+    let zero_row = rows as u32;
+    let zero_slot = (rows * k) as u32;
+    let mut gather = vec![zero_row; e * cap];
+    let mut weight_slots = vec![zero_slot; e * cap];
+    for (expert, w) in offsets.windows(2).enumerate() {
+        for (n, &slot) in dispatch.slots()[w[0]..w[1]].iter().enumerate() {
+            gather[expert * cap + n] = slot / k as u32;
+            weight_slots[expert * cap + n] = slot;
+        }
+    }
+    (gather, weight_slots, e, cap)
 }
 
 #[cfg(test)]
@@ -186,6 +253,83 @@ mod tests {
             let dw = gf.get(gu.as_tensor()).expect("grad").get(1).expect("e1");
             assert_eq!(max_abs_diff(&dw, &dw.zeros_like().expect("z")), 0.0);
         }
+    }
+
+    /// The padded batched layout (the GPU's path) equals the expert-by-expert composed ops
+    /// on outputs and on the gradients of the rows, the gates and both stacked weights, in
+    /// f64, f32 and bf16 rounding, with an expert no row goes to and uneven expert loads.
+    #[test]
+    fn padded_matches_composed_ops() {
+        let (e, h, i, k) = (5, 12, 7, 2);
+        let ids = [0, 2, 2, 4, 3, 0, 4, 2, 0, 4, 2, 0];
+        let rows = ids.len() / k;
+        let dispatch = Dispatch::new(&ids, k, e).expect("dispatch");
+        let (gather, slots, e_got, cap) = padded_layout(&dispatch, rows);
+        assert_eq!((e_got, cap), (5, 4), "expert 0 and 2 carry four rows each");
+        // expert 1 is all padding: the zero row and the zero gate
+        assert!(gather[cap..2 * cap].iter().all(|&r| r as usize == rows));
+        assert!(slots[cap..2 * cap].iter().all(|&s| s as usize == rows * k));
+        for (dtype, precision, tol) in [
+            (DType::F64, Precision::F32, 1e-12),
+            (DType::F32, Precision::F32, 2e-5),
+            // bf16: the two sum in different orders, so a rounding may land one ulp apart
+            (DType::F32, Precision::Bf16 { router_f32: false }, 1e-2),
+        ] {
+            let x = Var::from_tensor(&seeded_tensor(&[rows, h], 1, dtype)).expect("var");
+            let gates = Var::from_tensor(&seeded_tensor(&[rows, k], 5, dtype)).expect("var");
+            let (gu, dn, mut experts) = experts(e, h, i, dtype);
+            experts.set_precision(precision);
+            let probe = seeded_tensor(&[rows, h], 4, dtype);
+            let padded = experts
+                .forward_padded(x.as_tensor(), gates.as_tensor(), &dispatch)
+                .expect("padded");
+            let composed = experts
+                .forward_composed(x.as_tensor(), gates.as_tensor(), &dispatch)
+                .expect("composed");
+            let backward = |y: &Tensor| {
+                (y * &probe)
+                    .and_then(|l| l.sum_all())
+                    .and_then(|l| l.backward())
+                    .expect("backward")
+            };
+            let (gp, gc) = (backward(&padded), backward(&composed));
+            let scale = max_abs_diff(&composed, &composed.zeros_like().expect("z"));
+            assert!(scale > 0.1, "a non-trivial output");
+            assert!(
+                max_abs_diff(&padded, &composed) < tol * scale.max(1.0),
+                "{dtype:?} {precision:?} outputs"
+            );
+            for (name, v) in [
+                ("x", &x),
+                ("gates", &gates),
+                ("gate_up", &gu),
+                ("down", &dn),
+            ] {
+                let a = gp.get(v.as_tensor()).expect("padded grad");
+                let b = gc.get(v.as_tensor()).expect("composed grad");
+                let scale = max_abs_diff(b, &b.zeros_like().expect("z")).max(1.0);
+                assert!(
+                    max_abs_diff(a, b) < tol * scale,
+                    "{dtype:?} {precision:?} grad of {name}"
+                );
+            }
+        }
+    }
+
+    /// The padded layout is used only where it wastes at most as many rows as it uses.
+    #[test]
+    fn padding_is_chosen_for_even_loads_only() {
+        // 4 rows top-1 over 4 experts, one each: cap 1, 4 padded places for 4 slots
+        let even = Dispatch::new(&[0, 1, 2, 3], 1, 4).expect("dispatch");
+        assert!(padded_fits(&even));
+        // one row top-2 over 8 experts (a decode step): 8 places for 2 slots
+        let sparse = Dispatch::new(&[3, 5], 2, 8).expect("dispatch");
+        assert!(!padded_fits(&sparse));
+        // every row on one expert of two: 2 · 4 = 8 places for 4 slots, the limit
+        let skewed = Dispatch::new(&[1, 1, 1, 1], 1, 2).expect("dispatch");
+        assert!(padded_fits(&skewed));
+        let more_skewed = Dispatch::new(&[1, 1, 1, 1], 1, 3).expect("dispatch");
+        assert!(!padded_fits(&more_skewed));
     }
 
     /// One row, one expert, gate 1: the output is that expert's SwiGLU, computed by hand.

@@ -5,7 +5,7 @@
 //! accumulate it with a strided add, an extra full pass over every weight per step (the
 //! expert weights dominate this model's parameters).
 
-use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 
 use super::gemm::{matmul, MatRef};
 use crate::error::Result;
@@ -132,20 +132,39 @@ impl CustomOp2 for MatmulWt {
     }
 }
 
-/// `x [.., k] · w [n, k]ᵀ → [.., n]` with weight gradients that need no transpose pass.
+/// `x [.., k] · w [n, k]ᵀ → [.., n]` with weight gradients that need no transpose pass; a
+/// stacked `w [b, n, k]` multiplies `x [b, m, k]` batch by batch.
 pub fn matmul_wt(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    if x.device().is_cpu() && matches!(x.dtype(), candle_core::DType::F32 | candle_core::DType::F64)
-    {
+    if x.device().is_cpu() && w.rank() == 2 && matches!(x.dtype(), DType::F32 | DType::F64) {
         let x = if x.rank() > 2 {
             x.contiguous()?
         } else {
             x.clone()
         };
         Ok(x.apply_op2(w, MatmulWt)?)
-    } else if x.rank() == 2 {
+    } else if x.rank() == 2 && w.rank() == 2 {
         Ok(x.matmul(&w.t()?)?)
     } else {
         Ok(x.broadcast_matmul(&w.t()?)?)
+    }
+}
+
+/// `x · wᵀ` at precision `p`: in f32 the plain product; in bf16 / f16 the product of the
+/// rounded operands with f32 accumulation, rounded. On the CPU that is computed literally
+/// (round, f32 GEMM, round: the reference the CPU engines match); on a GPU it is one 16-bit
+/// tensor-core GEMM (cuBLAS accumulates in f32 and rounds its output once), the same value
+/// up to the order of the sum. Its backward on a GPU runs in the 16-bit format too (as
+/// Megatron's does), while the CPU's runs in f32.
+pub fn matmul_wt_at(p: Precision, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let narrow = match p.narrow_dtype() {
+        None => return matmul_wt(x, w),
+        Some(narrow) => narrow,
+    };
+    let f32_operands = x.dtype() == DType::F32 && w.dtype() == DType::F32;
+    if !x.device().is_cpu() && f32_operands {
+        Ok(matmul_wt(&x.to_dtype(narrow)?, &w.to_dtype(narrow)?)?.to_dtype(DType::F32)?)
+    } else {
+        p.round(&matmul_wt(&p.round(x)?, &p.round(w)?)?)
     }
 }
 
@@ -188,12 +207,14 @@ impl Linear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let p = self.precision;
         if p.is_mixed() {
-            let y = matmul_wt(&p.round(x)?, &p.round(&self.weight)?)?;
-            let y = match &self.bias {
-                Some(b) => y.broadcast_add(&p.round(b)?)?,
-                None => y,
+            // The bias joins before the one rounding of the output.
+            return match &self.bias {
+                Some(b) => {
+                    let y = matmul_wt(&p.round(x)?, &p.round(&self.weight)?)?;
+                    p.round(&y.broadcast_add(&p.round(b)?)?)
+                }
+                None => matmul_wt_at(p, x, &self.weight),
             };
-            return p.round(&y);
         }
         let y = matmul_wt(x, &self.weight)?;
         match &self.bias {

@@ -121,8 +121,7 @@ impl MoeBlock {
     /// Router logits `[rows, E]` for `x` `[rows, H]`.
     pub fn router_logits(&self, x: &Tensor) -> Result<Tensor> {
         let p = self.precision.router();
-        let logits = super::linear::matmul_wt(&p.round(x)?, &p.round(&self.gate_weight)?)?;
-        p.round(&logits)
+        super::linear::matmul_wt_at(p, x, &self.gate_weight)
     }
 
     /// Runs the block on `x` `[B·T, H]`, routing `rows`; `plan` forces ids on its rows.
