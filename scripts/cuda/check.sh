@@ -19,8 +19,8 @@
 # 2. `r3 train --set train.device=cuda --set steps=20`: replay.verified_frac = 1 in every
 #    step and step 1's rewards equal to a CPU run's (the rollouts come from the same engine
 #    with the same weights and seed);
-# 3. `r3 bench train` on CUDA (f32, bf16) beside scripts/cuda/peer_hf.py (HF transformers
-#    on the same GPU, the same config and batch).
+# 3. `r3 bench train` on CUDA beside scripts/cuda/peer_hf.py (HF transformers on the same
+#    GPU, the same config and batch): mid in f32 and bf16, the 8-layer 30B-A3B shape in bf16.
 # 4. The device rollout engine on CUDA: its tests (greedy = HF's on the oracle fixtures and
 #    = the CPU engine's, routes = the trainer's native routes on the GPU in f32 and bf16,
 #    seeded sampling reproducing itself, a batch = one at a time), `r3 generate --device
@@ -133,25 +133,42 @@ verdict train-cuda "$train_verdict"
 echo "   training runs took $(( $(date +%s) - t0 )) s"
 fi
 
-# 3. Speed beside HF transformers on the same GPU: r3 bench train's config (mid, 240 M).
+# 3. Speed beside HF transformers on the same GPU: r3 bench train's configs, mid (240 M; f32,
+#    bf16, batch 8 × 512) and Qwen3-30B-A3B's layer shape with 8 layers (5.6 B; bf16, batch
+#    4 × 512). GPU memory is read by nvidia-smi every 100 ms for both (the same meter: it
+#    counts the whole process, context and allocator pools included).
 if wants 3; then
 t0=$(date +%s)
 bench=()
-for dtype in f32 bf16; do
-    timeout "$(limit 60)" "$bin/r3" bench train --device cuda --dtype "$dtype" --batch 8 --seq-len 512 \
-        --steps 3 --warmup 1 > "$work/bench-r3-$dtype.txt" 2>&1
-    cat "$work/bench-r3-$dtype.txt"
-    r3_tps=$(grep -E "^native +mean" "$work/bench-r3-$dtype.txt" | sed -E 's/.* ([0-9.]+) tokens\/s +best.*/\1/')
-    replay_cost=$(grep -E "^replay cost" "$work/bench-r3-$dtype.txt" | sed -E 's/replay cost vs native: ([-+0-9.]+)% mean.*/\1/')
-    timeout "$(limit 90)" "$python" scripts/cuda/peer_hf.py --dtype "$dtype" --batch 8 --seq-len 512 \
-        --steps 3 > "$work/bench-hf-$dtype.txt" 2>&1
-    cat "$work/bench-hf-$dtype.txt"
-    hf_tps=$(grep -E "^peer " "$work/bench-hf-$dtype.txt" | sed -E 's/.* ([0-9.]+) tokens\/s.*/\1/')
-    bench+=("$dtype r3 ${r3_tps:-?} tok/s, HF ${hf_tps:-?} tok/s, replay ${replay_cost:-?}%")
+# gpu_peak FILE CMD...: runs CMD with nvidia-smi sampling used memory; prints the peak MiB.
+gpu_peak() {
+    local log="$1"; shift
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$log.mem" 2>/dev/null &
+    local smi=$!
+    "$@" > "$log" 2>&1
+    local rc=$?
+    kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null
+    sort -n "$log.mem" | tail -n 1
+    return $rc
+}
+for run in "mid f32 8 60" "mid bf16 8 60" "a3b-8l bf16 4 150"; do
+    read -r config dtype batch secs <<< "$run"
+    name="$config-$dtype"
+    if [ "$(left)" -lt 60 ]; then bench+=("$name skipped(budget)"); continue; fi
+    r3_mem=$(gpu_peak "$work/bench-r3-$name.txt" timeout "$(limit "$secs")" "$bin/r3" bench train \
+        --device cuda --config "$config" --dtype "$dtype" --batch "$batch" --seq-len 512 --steps 3 --warmup 1)
+    cat "$work/bench-r3-$name.txt"
+    r3_tps=$(grep -E "^native +mean" "$work/bench-r3-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s +best.*/\1/')
+    replay_cost=$(grep -E "^replay cost" "$work/bench-r3-$name.txt" | sed -E 's/replay cost vs native: ([-+0-9.]+)% mean.*/\1/')
+    hf_mem=$(gpu_peak "$work/bench-hf-$name.txt" timeout "$(limit "$secs")" "$python" scripts/cuda/peer_hf.py \
+        --config "$config" --dtype "$dtype" --batch "$batch" --seq-len 512 --steps 3)
+    cat "$work/bench-hf-$name.txt"
+    hf_tps=$(grep -E "^peer " "$work/bench-hf-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s.*/\1/')
+    bench+=("$name r3 ${r3_tps:-?} tok/s ${r3_mem:-?} MiB, HF ${hf_tps:-?} tok/s ${hf_mem:-?} MiB, replay ${replay_cost:-?}%")
+    echo "== bench $name: ${bench[-1]}"
 done
 verdict bench "$(IFS=';'; echo "${bench[*]}")"
 echo "   benchmarks took $(( $(date +%s) - t0 )) s"
-
 fi
 
 # 4. The device rollout engine on the GPU.

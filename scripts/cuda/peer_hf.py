@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The peer of `r3 bench train` on a GPU: forward + backward tokens/s of the same model
-(the mid-size Qwen3-MoE bench config, seeded random weights) with the same loss (mean
+(`--config mid`: the mid-size Qwen3-MoE bench config; `a3b-8l`: Qwen3-30B-A3B's layer shape
+with 8 layers; seeded random weights) with the same loss (mean
 next-token log-prob), batch and sequence length, on the same GPU.
 
 HF transformers (`Qwen3MoeForCausalLM`, eager attention, `grouped_mm` experts where the
@@ -41,23 +42,45 @@ MID = dict(
     hidden_act="silu",
 )
 
+# `r3_model::presets::qwen3_30b_a3b_layers_config(8)`: Qwen3-30B-A3B's layer shape, 8 layers.
+A3B_8L = dict(
+    MID,
+    vocab_size=151936,
+    hidden_size=2048,
+    num_hidden_layers=8,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_experts=128,
+    num_experts_per_tok=8,
+    max_position_embeddings=40960,
+)
 
-def hf_model(dtype):
-    """HF's Qwen3-MoE with the bench config, or None when transformers is not installed."""
+CONFIGS = {"mid": MID, "a3b-8l": A3B_8L}
+
+
+def hf_model(dtype, config=MID):
+    """HF's Qwen3-MoE with `config`, or None when transformers is not installed."""
     try:
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     except ImportError:
         return None, None
     import transformers
 
-    cfg = Qwen3MoeConfig(**MID, attn_implementation="eager")
+    cfg = Qwen3MoeConfig(**config, attn_implementation="eager")
     cfg.initializer_range = 0.02
     experts = "default"
-    try:
-        model = Qwen3MoeForCausalLM._from_config(cfg, experts_implementation="grouped_mm")
-        experts = "grouped_mm"
-    except (TypeError, ValueError, KeyError):
-        model = Qwen3MoeForCausalLM._from_config(cfg)
+    # Billions of parameters are initialised on the GPU (on the host, torch's init of the
+    # 5.6 B-parameter config takes minutes); the mid config keeps the host init.
+    where = torch.device("cuda") if config is not MID and torch.cuda.is_available() else torch.device("cpu")
+    with where:
+        try:
+            model = Qwen3MoeForCausalLM._from_config(cfg, experts_implementation="grouped_mm")
+            experts = "grouped_mm"
+        except (TypeError, ValueError, KeyError):
+            model = Qwen3MoeForCausalLM._from_config(cfg)
     return model.to(dtype), f"transformers {transformers.__version__} (eager attention, {experts} experts)"
 
 
@@ -180,6 +203,7 @@ class TorchQwen3Moe(torch.nn.Module):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
+    p.add_argument("--config", choices=sorted(CONFIGS), default="mid")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=3)
@@ -190,13 +214,14 @@ def main():
     torch.manual_seed(a.seed)
     dev = torch.device("cuda")
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-    model, label = (None, None) if a.torch_only else hf_model(dtype)
+    config = CONFIGS[a.config]
+    model, label = (None, None) if a.torch_only else hf_model(dtype, config)
     if model is None:
-        model = TorchQwen3Moe(MID).to(dtype)
+        model = TorchQwen3Moe(config).to(dtype)
         label = f"plain torch {torch.__version__} Qwen3-MoE"
     model = model.to(dev).train()
     params = sum(p.numel() for p in model.parameters())
-    ids = torch.randint(0, MID["vocab_size"], (a.batch, a.seq_len), device=dev)
+    ids = torch.randint(0, config["vocab_size"], (a.batch, a.seq_len), device=dev)
     targets = torch.roll(ids, -1, dims=1)
 
     def step():
@@ -220,7 +245,7 @@ def main():
     tokens = a.batch * a.seq_len
     mean = sum(times) / len(times)
     peak = torch.cuda.max_memory_allocated() / 2**30
-    print(f"peer {label}: {params / 1e6:.1f}M params, {a.dtype}, batch {a.batch} x {a.seq_len},"
+    print(f"peer {label}: {a.config}, {params / 1e6:.1f}M params, {a.dtype}, batch {a.batch} x {a.seq_len},"
           f" {torch.cuda.get_device_name()}, peak {peak:.2f} GiB,"
           f" mean {mean:.4f} s/step, best {min(times):.4f} s, {tokens / mean:.1f} tokens/s")
 

@@ -239,3 +239,27 @@ fn trainable_fused_experts_save_as_per_expert_tensors() {
         );
     }
 }
+
+/// Weights drawn by the device's generator are, on the CPU, exactly the host draws (the
+/// GPU's cuRAND draws are exercised by `r3 bench train --device cuda`); a model runs on them.
+#[test]
+fn device_drawn_random_weights_on_the_cpu_are_the_host_draws() {
+    let cfg = tiny_config("qwen3_moe");
+    let init = r3_model::RandomInit::new(7);
+    let a = Weights::random_on_device(&cfg, &init, &Device::Cpu).expect("device draws");
+    let host = Weights::random(&cfg, &init, &Device::Cpu).expect("host draws");
+    assert_eq!(a.tensors().len(), host.tensors().len());
+    for (name, t) in host.tensors() {
+        let va = a
+            .get(name)
+            .and_then(|t| Ok(t.flatten_all()?.to_vec1::<f32>()?));
+        let vh = t
+            .flatten_all()
+            .and_then(|t| t.to_vec1::<f32>())
+            .expect("host");
+        assert_eq!(va.expect("device"), vh, "{name}");
+    }
+    let model = Model::new(&cfg, &a).expect("model");
+    let batch = Batch::new(&sequences(&[4], cfg.vocab_size, 1), 0, &Device::Cpu).expect("batch");
+    model.forward(&batch, Routing::Native).expect("forward");
+}

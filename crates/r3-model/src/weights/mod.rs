@@ -205,6 +205,35 @@ impl Weights {
         Ok(Weights { tensors })
     }
 
+    /// Seeded random weights for `cfg` (f32) drawn by `device`'s own generator: on a GPU
+    /// cuRAND seeded with `init.seed` (the same distributions as [`Weights::random`] and the
+    /// same tensors for the same config, seed and device, but not its host draws); on the
+    /// CPU exactly [`Weights::random`]. For benchmarks of billions of parameters, which one
+    /// host thread would take minutes to draw.
+    pub fn random_on_device(cfg: &Config, init: &RandomInit, device: &Device) -> Result<Self> {
+        if device.is_cpu() {
+            return Self::random(cfg, init, device);
+        }
+        device.set_seed(init.seed)?;
+        let mut tensors = BTreeMap::new();
+        for spec in tensor_specs(cfg) {
+            let (mean, std) = match spec.role {
+                TensorRole::Matrix | TensorRole::Bias => (0.0, init.std),
+                TensorRole::Router => (0.0, init.router_std),
+                TensorRole::NormScale => (1.0, init.norm_jitter),
+                TensorRole::Buffer => (0.0, init.bias_std),
+            };
+            let shape = spec.shape.as_slice();
+            let t = if std > 0.0 {
+                Tensor::randn(mean as f32, std as f32, shape, device)?
+            } else {
+                Tensor::full(mean as f32, shape, device)?
+            };
+            tensors.insert(spec.name, t);
+        }
+        Ok(Weights { tensors })
+    }
+
     /// Makes every trainable tensor a candle `Var` (same dtype, fresh storage) registered in a
     /// new `VarMap` under its HF name, with routed experts fused (one variable per layer and
     /// projection pair, as grouped GEMMs want them); returns the map (for the optimiser) and
