@@ -10,6 +10,7 @@
 use candle_core::{Tensor, D};
 
 use super::dispatch::Dispatch;
+use super::gather_rows::GatherRows;
 use super::linear::{matmul_wt, matmul_wt_at};
 use super::routed_op::RoutedSwiGlu;
 use crate::error::{ModelError, Result};
@@ -93,34 +94,34 @@ impl RoutedExperts {
     /// The same computation as three batched GEMMs over all experts at once, for a GPU: each
     /// expert's rows gathered into a `[E, cap, H]` block (`cap` the busiest expert's row
     /// count, shorter experts padded with a zero row), `[E, cap, H] · [E, H, 2I]`, SwiGLU,
-    /// `· [E, I, H]`, then the gate-weighted sum scattered back (padding carries weight 0 into
-    /// a dropped row). One launch per GEMM instead of one per expert, and the weights'
-    /// gradients come out of the batched GEMM's backward whole, where slicing each expert
-    /// out of the stacked weight would make candle's backward build a zero-filled copy of the
-    /// whole stack per expert. The same rounding points as `forward_composed`.
+    /// `· [E, I, H]`, then each row's `top_k` outputs gathered back in slot order, weighted
+    /// by its gates and summed. One launch per GEMM instead of one per expert, and the
+    /// weights' gradients come out of the batched GEMM's backward whole (slicing each expert
+    /// out of the stacked weight would make candle's backward build a zero-filled copy of
+    /// the whole stack per expert). Both gathers are [`GatherRows`], whose backward is a
+    /// gather too (candle's `index_select` → `index_add` backward is serial over the rows on
+    /// a GPU). The same rounding points as `forward_composed`.
     fn forward_padded(&self, x: &Tensor, gates: &Tensor, dispatch: &Dispatch) -> Result<Tensor> {
         let i = self.intermediate;
         let p = self.precision;
         let device = x.device();
         let (rows, h) = x.dims2()?;
-        let (gather, weight_slots, e, cap) = padded_layout(dispatch, rows);
-        let gather = Tensor::from_vec(gather, e * cap, device)?;
-        let weight_slots = Tensor::from_vec(weight_slots, e * cap, device)?;
-        // Row `rows` is the zero row padding reads and writes.
+        let k = dispatch.top_k();
+        let layout = padded_layout(dispatch, rows);
+        let (e, cap) = (layout.experts, layout.cap);
+        // Row `rows` of `x_pad` is the zero row padding reads; it gets no gradient.
         let x_pad = Tensor::cat(&[x, &Tensor::zeros((1, h), x.dtype(), device)?], 0)?;
-        let xs = x_pad.index_select(&gather, 0)?.reshape((e, cap, h))?;
+        let xs = GatherRows::new(layout.gather, rows + 1, rows)?
+            .apply(&x_pad)?
+            .reshape((e, cap, h))?;
         let hidden = matmul_wt_at(p, &xs, &self.gate_up)?;
         let a = p.round(&(hidden.narrow(2, 0, i)?.silu()? * hidden.narrow(2, i, i)?)?)?;
         let y = matmul_wt_at(p, &a, &self.down)?.reshape((e * cap, h))?;
-        // Slot `rows · top_k` is the zero gate padding reads.
-        let gate_flat = gates.to_dtype(x.dtype())?.flatten_all()?;
-        let gate_pad = Tensor::cat(&[&gate_flat, &Tensor::zeros(1, x.dtype(), device)?], 0)?;
-        let weights = gate_pad
-            .index_select(&weight_slots, 0)?
-            .unsqueeze(D::Minus1)?;
-        let weighted = y.broadcast_mul(&weights)?;
-        let out = x_pad.zeros_like()?.index_add(&gather, &weighted, 0)?;
-        Ok(out.narrow(0, 0, rows)?)
+        let by_slot = GatherRows::new(layout.place_of_slot, e * cap, e * cap)?
+            .apply(&y)?
+            .reshape((rows, k, h))?;
+        let weights = gates.to_dtype(x.dtype())?.unsqueeze(D::Minus1)?;
+        Ok(by_slot.broadcast_mul(&weights)?.sum(1)?)
     }
 
     /// The same computation from candle's composed ops, expert by expert (other devices and
@@ -170,25 +171,39 @@ fn padded_fits(dispatch: &Dispatch) -> bool {
     cap > 0 && experts * cap <= 2 * dispatch.slots().len()
 }
 
-/// The padded `[E, cap]` layout of `dispatch` over `rows` rows: for each place the row it
-/// reads (`rows`, the zero row, for padding) and the gate slot it is weighted by
-/// (`rows · top_k`, a zero gate, for padding), then `E` and `cap`.
-fn padded_layout(dispatch: &Dispatch, rows: usize) -> (Vec<u32>, Vec<u32>, usize, usize) {
+/// The padded `[E, cap]` layout of a dispatch: `cap` places per expert, filled in the
+/// dispatch's order and padded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct PaddedLayout {
+    experts: usize,
+    cap: usize,
+    /// For each of the `E · cap` places the row it reads (`rows`, the zero row, for padding).
+    gather: Vec<u32>,
+    /// For each slot `r · top_k + j` its place.
+    place_of_slot: Vec<u32>,
+}
+
+/// The padded layout of `dispatch` over `rows` rows.
+fn padded_layout(dispatch: &Dispatch, rows: usize) -> PaddedLayout {
     let offsets = dispatch.offsets();
-    let e = offsets.len().saturating_sub(1);
+    let experts = offsets.len().saturating_sub(1);
     let cap = offsets.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
     let k = dispatch.top_k();
-    let zero_row = rows as u32;
-    let zero_slot = (rows * k) as u32;
-    let mut gather = vec![zero_row; e * cap];
-    let mut weight_slots = vec![zero_slot; e * cap];
+    let mut gather = vec![rows as u32; experts * cap];
+    let mut place_of_slot = vec![0u32; dispatch.slots().len()];
     for (expert, w) in offsets.windows(2).enumerate() {
         for (n, &slot) in dispatch.slots()[w[0]..w[1]].iter().enumerate() {
-            gather[expert * cap + n] = slot / k as u32;
-            weight_slots[expert * cap + n] = slot;
+            let place = expert * cap + n;
+            gather[place] = slot / k as u32;
+            place_of_slot[slot as usize] = place as u32;
         }
     }
-    (gather, weight_slots, e, cap)
+    PaddedLayout {
+        experts,
+        cap,
+        gather,
+        place_of_slot,
+    }
 }
 
 #[cfg(test)]
@@ -264,11 +279,25 @@ mod tests {
         let ids = [0, 2, 2, 4, 3, 0, 4, 2, 0, 4, 2, 0];
         let rows = ids.len() / k;
         let dispatch = Dispatch::new(&ids, k, e).expect("dispatch");
-        let (gather, slots, e_got, cap) = padded_layout(&dispatch, rows);
-        assert_eq!((e_got, cap), (5, 4), "expert 0 and 2 carry four rows each");
-        // expert 1 is all padding: the zero row and the zero gate
-        assert!(gather[cap..2 * cap].iter().all(|&r| r as usize == rows));
-        assert!(slots[cap..2 * cap].iter().all(|&s| s as usize == rows * k));
+        let layout = padded_layout(&dispatch, rows);
+        let cap = layout.cap;
+        assert_eq!(
+            (layout.experts, cap),
+            (5, 4),
+            "experts 0 and 2 carry four rows each"
+        );
+        // expert 1 is all padding: the zero row
+        assert!(layout.gather[cap..2 * cap]
+            .iter()
+            .all(|&r| r as usize == rows));
+        // every slot has its own place, and that place reads the slot's row
+        let mut places = layout.place_of_slot.clone();
+        places.sort_unstable();
+        places.dedup();
+        assert_eq!(places.len(), rows * k);
+        for (slot, &place) in layout.place_of_slot.iter().enumerate() {
+            assert_eq!(layout.gather[place as usize] as usize, slot / k);
+        }
         for (dtype, precision, tol) in [
             (DType::F64, Precision::F32, 1e-12),
             (DType::F32, Precision::F32, 2e-5),

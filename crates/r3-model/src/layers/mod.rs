@@ -4,6 +4,7 @@ pub mod attention;
 pub mod attention_op;
 pub mod dispatch;
 pub mod experts;
+pub mod gather_rows;
 pub mod gemm;
 pub mod linear;
 pub mod mla;

@@ -1,0 +1,206 @@
+//! A row gather whose backward is a gather too: `out[i] = src[ids[i]]`, with the gradient
+//! `d src[q] = Σ_{i : ids[i] = q} d out[i]` computed by gathering each source row's uses
+//! (a host-built fan-in table, padded with a zero row) and summing them.
+//!
+//! candle's `index_select` has `index_add` as its backward, and candle's CUDA `index_add`
+//! runs one thread per column that walks every id in sequence: for an MoE layer's tens of
+//! thousands of routed slots that one kernel took most of a GPU training step. The routed
+//! experts' dispatch and combine use this op on a GPU instead; each of its passes is one
+//! parallel gather.
+
+use std::sync::Arc;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
+
+use crate::error::{ModelError, Result};
+
+/// `out[i] = src[ids[i]]` over the first dimension of `src`, differentiable by gathers.
+#[derive(Debug, Clone)]
+pub struct GatherRows {
+    ids: Arc<Vec<u32>>,
+    /// `[grad_rows · width]`: for each source row below `grad_rows`, the output rows that
+    /// read it, padded with `ids.len()` (the zero row appended to the gradient).
+    fan_in: Arc<Vec<u32>>,
+    width: usize,
+    src_rows: usize,
+    grad_rows: usize,
+}
+
+impl GatherRows {
+    /// Gathers rows `ids` of a source of `src_rows` rows; source rows at or past `grad_rows`
+    /// (padding the caller appended) get no gradient. An id past the source is an error.
+    pub fn new(ids: Vec<u32>, src_rows: usize, grad_rows: usize) -> Result<Self> {
+        if grad_rows > src_rows {
+            return Err(ModelError::Input(format!(
+                "gather: {grad_rows} rows with gradients of a {src_rows}-row source"
+            )));
+        }
+        let mut uses = vec![0usize; grad_rows];
+        for &id in &ids {
+            let id = id as usize;
+            if id >= src_rows {
+                return Err(ModelError::Input(format!(
+                    "gather: row id {id} past a {src_rows}-row source"
+                )));
+            }
+            if id < grad_rows {
+                uses[id] += 1;
+            }
+        }
+        let width = uses.iter().copied().max().unwrap_or(0);
+        let zero_row = ids.len() as u32;
+        let mut fan_in = vec![zero_row; grad_rows * width];
+        let mut filled = vec![0usize; grad_rows];
+        for (i, &id) in ids.iter().enumerate() {
+            let id = id as usize;
+            if id < grad_rows {
+                fan_in[id * width + filled[id]] = i as u32;
+                filled[id] += 1;
+            }
+        }
+        Ok(GatherRows {
+            ids: Arc::new(ids),
+            fan_in: Arc::new(fan_in),
+            width,
+            src_rows,
+            grad_rows,
+        })
+    }
+
+    /// `src[ids]` for `src` of `src_rows` rows (any trailing shape).
+    pub fn apply(&self, src: &Tensor) -> Result<Tensor> {
+        if src.rank() == 0 || src.dim(0)? != self.src_rows {
+            return Err(ModelError::Input(format!(
+                "gather: source {:?} does not have {} rows",
+                src.dims(),
+                self.src_rows
+            )));
+        }
+        Ok(src.contiguous()?.apply_op1(self.clone())?)
+    }
+
+    /// The output shape for a source of shape `dims`.
+    fn out_shape(&self, dims: &[usize]) -> Shape {
+        let mut out = dims.to_vec();
+        out[0] = self.ids.len();
+        Shape::from(out)
+    }
+}
+
+impl CustomOp1 for GatherRows {
+    fn name(&self) -> &'static str {
+        "gather-rows"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &CpuStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let ids = CpuStorage::U32(self.ids.to_vec());
+        let out = storage.index_select(&ids, layout, &Layout::contiguous(self.ids.len()), 0)?;
+        Ok((out, self.out_shape(layout.dims())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        storage: &candle_core::CudaStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendDevice;
+        let ids = storage.device().storage_from_slice(self.ids.as_slice())?;
+        let out = storage.index_select(&ids, layout, &Layout::contiguous(self.ids.len()), 0)?;
+        Ok((out, self.out_shape(layout.dims())))
+    }
+
+    fn bwd(
+        &self,
+        arg: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        let dims = arg.dims();
+        let row: usize = dims[1..].iter().product();
+        let device = grad.device();
+        let mut parts = Vec::with_capacity(2);
+        if self.width > 0 && self.grad_rows > 0 {
+            let grad = grad.reshape((self.ids.len(), row))?;
+            let padded = Tensor::cat(&[&grad, &Tensor::zeros((1, row), grad.dtype(), device)?], 0)?;
+            let fan_in = Tensor::from_slice(self.fan_in.as_slice(), self.fan_in.len(), device)?;
+            let summed = padded
+                .index_select(&fan_in, 0)?
+                .reshape((self.grad_rows, self.width, row))?
+                .sum(1)?;
+            parts.push(summed);
+        }
+        let without = self.src_rows - if self.width > 0 { self.grad_rows } else { 0 };
+        if without > 0 {
+            parts.push(Tensor::zeros((without, row), grad.dtype(), device)?);
+        }
+        let whole = if parts.len() == 1 {
+            parts.remove(0)
+        } else {
+            Tensor::cat(&parts, 0)?
+        };
+        Ok(Some(whole.reshape(dims)?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_util::{max_abs_diff, seeded_tensor};
+    use candle_core::{DType, Var};
+
+    /// Output and gradient equal candle's `index_select` and its `index_add` backward,
+    /// with rows used several times, rows never used, and padding rows without gradient.
+    #[test]
+    fn matches_index_select_and_its_backward() {
+        let src_rows = 6;
+        let ids = vec![3u32, 0, 3, 5, 1, 3, 0, 5];
+        for dtype in [DType::F64, DType::F32] {
+            let src = Var::from_tensor(&seeded_tensor(&[src_rows, 4, 2], 1, dtype)).expect("v");
+            let probe = seeded_tensor(&[ids.len(), 4, 2], 2, dtype);
+            let ids_t = Tensor::new(ids.as_slice(), src.device()).expect("ids");
+            let want = src.as_tensor().index_select(&ids_t, 0).expect("select");
+            let op = GatherRows::new(ids.clone(), src_rows, src_rows).expect("op");
+            let got = op.apply(src.as_tensor()).expect("gather");
+            assert_eq!(max_abs_diff(&got, &want), 0.0, "{dtype:?} forward");
+            let grad = |y: &Tensor| {
+                let g = (y * &probe)
+                    .and_then(|l| l.sum_all())
+                    .and_then(|l| l.backward())
+                    .expect("backward");
+                g.get(src.as_tensor()).expect("grad").clone()
+            };
+            let (gw, gg) = (grad(&want), grad(&got));
+            let tol = if dtype == DType::F64 { 1e-15 } else { 1e-6 };
+            assert!(max_abs_diff(&gw, &gg) < tol, "{dtype:?} gradient");
+            // rows 2 and 4 are never read: exactly zero gradient
+            for r in [2, 4] {
+                let row = gg.get(r).expect("row");
+                assert_eq!(max_abs_diff(&row, &row.zeros_like().expect("z")), 0.0);
+            }
+            // the last row as padding: no gradient although it is read
+            let op = GatherRows::new(ids.clone(), src_rows, src_rows - 1).expect("op");
+            let g = grad(&op.apply(src.as_tensor()).expect("gather"));
+            let last = g.get(src_rows - 1).expect("row");
+            assert_eq!(max_abs_diff(&last, &last.zeros_like().expect("z")), 0.0);
+            let first = g.narrow(0, 0, src_rows - 1).expect("first");
+            let want_first = gw.narrow(0, 0, src_rows - 1).expect("first");
+            assert!(max_abs_diff(&first, &want_first) < tol);
+        }
+    }
+
+    #[test]
+    fn ids_past_the_source_and_wrong_sources_are_errors() {
+        let err = GatherRows::new(vec![0, 4], 4, 4).expect_err("id 4");
+        assert!(err.to_string().contains("row id 4"), "{err}");
+        let op = GatherRows::new(vec![0, 1], 4, 4).expect("op");
+        let wrong = seeded_tensor(&[3, 2], 1, DType::F32);
+        let err = op.apply(&wrong).expect_err("3 rows");
+        assert!(err.to_string().contains("4 rows"), "{err}");
+    }
+}
