@@ -27,6 +27,8 @@
 #    cuda` = `--device cpu` on the oracle prompts, both engines on the GPU in `r3 train`, and
 #    `r3 bench decode --device cuda` at batch 1 / 64 / 256 (f32, bf16) beside
 #    scripts/cuda/peer_hf_generate.py.
+# 5. Only with --steps 5: Nsight Compute's per-kernel time table of one mid bf16 training
+#    step (where a step's GPU time goes).
 # Ends with one summary line.
 set -uo pipefail
 
@@ -243,6 +245,48 @@ for dtype in f32 bf16; do
 done
 verdict decode "$(IFS=';'; echo "${decode[*]}")"
 echo "   rollout engine checks took $(( $(date +%s) - t0 )) s"
+fi
+
+# 5. (asked for by --steps 5 only) Where a training step's GPU time goes: Nsight Compute
+#    times every kernel of one mid bf16 step (forward + backward; `ncu` serialises the
+#    kernels, so only the per-kernel durations mean anything, not the wall time), and the
+#    table of kernels by total time is written to profile-kernels.txt.
+if wants 5; then
+t0=$(date +%s)
+if command -v ncu > /dev/null; then
+    timeout "$(limit 240)" ncu --metrics gpu__time_duration.sum --csv --print-units base \
+        --launch-count 20000 "$bin/r3" bench train --device cuda --config mid --dtype bf16 \
+        --batch 8 --seq-len 512 --steps 1 --warmup 0 > "$work/profile.csv" 2> "$work/profile.err"
+    rc=$?
+    profile=$("$python" - "$work/profile.csv" "$work/profile-kernels.txt" <<'PY'
+import collections, csv, sys
+rows = []
+with open(sys.argv[1]) as f:
+    lines = [l for l in f if l.startswith('"')]
+for r in csv.DictReader(lines):
+    if r.get("Metric Name") == "gpu__time_duration.sum":
+        try:
+            rows.append((r["Kernel Name"], float(r["Metric Value"].replace(",", ""))))
+        except (KeyError, ValueError):
+            pass
+total = sum(ns for _, ns in rows)
+by = collections.defaultdict(lambda: [0, 0.0])
+for name, ns in rows:
+    by[name.split("(")[0]][0] += 1
+    by[name.split("(")[0]][1] += ns
+with open(sys.argv[2], "w") as out:
+    out.write(f"{len(rows)} kernels, {total / 1e6:.1f} ms of GPU time in all\n")
+    for name, (n, ns) in sorted(by.items(), key=lambda kv: -kv[1][1])[:40]:
+        out.write(f"{ns / 1e6:9.2f} ms {100 * ns / max(total, 1):5.1f}% {n:6d}x  {name[:90]}\n")
+print(f"{len(rows)} kernels, {total / 1e6:.1f} ms GPU time")
+PY
+)
+    head -n 25 "$work/profile-kernels.txt" 2>/dev/null
+    verdict profile "rc $rc: ${profile:-no table}"
+else
+    verdict profile "skipped(no ncu on PATH)"
+fi
+echo "   profile took $(( $(date +%s) - t0 )) s"
 fi
 
 pack_logs
