@@ -31,7 +31,7 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use crate::dtype::{Dtype, RouterDtype};
-use crate::engine::next_token::{finish_after, sample_next};
+use crate::engine::next_token::{sample_slots, NextTokenSlot};
 use crate::engine::sequence::RouteGeometry;
 use crate::engine::{config_eos_ids, validate_request};
 use crate::error::RolloutError;
@@ -40,7 +40,7 @@ use crate::model::tensors::{load_dir_with, TensorMap};
 use crate::request::{
     FinishReason, GenerateRequest, GenerateResult, PartialRollout, PromptLogprobs, RequestId,
 };
-use crate::sampler::{top_logprobs, SampleScratch};
+use crate::sampler::top_logprobs;
 use batch::{capture_routes, decode_layout, prefill_layout, Row};
 
 /// Settings of the device engine.
@@ -347,33 +347,23 @@ impl DeviceEngine {
             }
         }
         let max_pos = self.model_cfg.max_position_embeddings;
-        let mut scratch = SampleScratch::default();
-        let mut adjusted = Vec::new();
-        for (row, logits) in running.rows.iter_mut().zip(logits.iter().flatten()) {
-            let params = &row.request.sampling;
-            let (tok, lp) = sample_next(
+        let mut slots: Vec<NextTokenSlot<'_>> = running
+            .rows
+            .iter_mut()
+            .zip(logits.iter().flatten())
+            .map(|(row, logits)| NextTokenSlot {
                 logits,
-                params,
-                &row.tokens,
-                row.prompt_len,
-                &mut row.rng,
-                &mut scratch,
-                &mut adjusted,
-            );
-            if params.top_logprobs > 0 {
-                row.top_logprobs
-                    .push(top_logprobs(logits, params.top_logprobs));
-            }
-            row.tokens.push(tok);
-            row.logprobs.push(lp);
-            row.finish = finish_after(
-                params,
-                tok,
-                row.tokens.len() - row.prompt_len,
-                row.tokens.len(),
-                max_pos,
-            );
-        }
+                params: &row.request.sampling,
+                prompt_len: row.prompt_len,
+                tokens: &mut row.tokens,
+                rng: &mut row.rng,
+                logprobs: &mut row.logprobs,
+                top_logprobs: &mut row.top_logprobs,
+                finish: &mut row.finish,
+            })
+            .collect();
+        sample_slots(&mut slots, max_pos);
+        drop(slots);
         self.retire(running)
     }
 

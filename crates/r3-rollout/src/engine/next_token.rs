@@ -4,11 +4,67 @@
 //! tokens from the same logits.
 
 use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
 
 use super::penalty::adjust_logits;
 use crate::kernels::ops::log_softmax_at;
 use crate::request::FinishReason;
-use crate::sampler::{sample, SampleScratch, SamplingParams};
+use crate::sampler::{sample, top_logprobs, SampleScratch, SamplingParams};
+
+/// One running sequence's sampling state for a step, borrowed from either engine's own
+/// bookkeeping: what [`sample_slots`] reads and appends to.
+pub struct NextTokenSlot<'a> {
+    /// The sequence's row of logits for this step.
+    pub logits: &'a [f32],
+    /// The request's sampling parameters.
+    pub params: &'a SamplingParams,
+    /// Prompt tokens at the front of `tokens`.
+    pub prompt_len: usize,
+    /// Prompt then output so far; the sampled token is appended.
+    pub tokens: &'a mut Vec<u32>,
+    /// The request's own seeded stream.
+    pub rng: &'a mut ChaCha8Rng,
+    /// Raw log-probs of the output so far; the new token's is appended.
+    pub logprobs: &'a mut Vec<f32>,
+    /// Top log-probs per output token, appended when the request asks for them.
+    pub top_logprobs: &'a mut Vec<Vec<(u32, f32)>>,
+    /// Set when the sequence ends with this token.
+    pub finish: &'a mut Option<FinishReason>,
+}
+
+/// Samples every slot's next token, in parallel over the slots: each draws from its own
+/// seeded stream, so the tokens do not depend on the number of threads or the order. The
+/// host's share of a decode step at large batches is mostly this (a log-softmax over the
+/// vocabulary per sequence).
+pub fn sample_slots(slots: &mut [NextTokenSlot<'_>], max_positions: usize) {
+    slots.par_iter_mut().for_each_init(
+        || (SampleScratch::default(), Vec::new()),
+        |(scratch, adjusted), slot| {
+            let (tok, lp) = sample_next(
+                slot.logits,
+                slot.params,
+                slot.tokens,
+                slot.prompt_len,
+                slot.rng,
+                scratch,
+                adjusted,
+            );
+            if slot.params.top_logprobs > 0 {
+                slot.top_logprobs
+                    .push(top_logprobs(slot.logits, slot.params.top_logprobs));
+            }
+            slot.tokens.push(tok);
+            slot.logprobs.push(lp);
+            *slot.finish = finish_after(
+                slot.params,
+                tok,
+                slot.tokens.len() - slot.prompt_len,
+                slot.tokens.len(),
+                max_positions,
+            );
+        },
+    );
+}
 
 /// Samples the token after `tokens` (`prompt_len` prompt tokens, then the output so far)
 /// from `logits`; returns it with its log-prob under the raw model distribution (penalties

@@ -3,9 +3,7 @@
 //! of every decoding sequence plus prefill chunks, then sample, record routes and retire
 //! finished sequences.
 
-use rayon::prelude::*;
-
-use super::next_token::{finish_after, sample_next};
+use super::next_token::{sample_slots, NextTokenSlot};
 use super::prefix::{attach_cached_prefix, insert_sequence};
 use super::sequence::Sequence;
 use super::Engine;
@@ -14,7 +12,7 @@ use crate::kernels::attention::SeqSpan;
 use crate::kernels::ops::log_softmax_at;
 use crate::model::BatchInput;
 use crate::request::GenerateResult;
-use crate::sampler::{top_logprobs, SampleScratch};
+use crate::sampler::top_logprobs;
 
 impl Engine {
     /// KV blocks `seq` still needs to hold `upto` positions.
@@ -230,35 +228,24 @@ impl Engine {
             }
         }
         let max_pos = self.model.config().max_position_embeddings;
-        targets.par_iter_mut().for_each_init(
-            || (SampleScratch::default(), Vec::new()),
-            |(scratch, adjusted), (k, seq)| {
-                let logits = &out.logits[*k * vocab..(*k + 1) * vocab];
-                let params = &seq.request.sampling;
-                let (tok, lp) = sample_next(
-                    logits,
-                    params,
-                    &seq.tokens,
-                    seq.prompt_len,
-                    &mut seq.rng,
-                    scratch,
-                    adjusted,
-                );
-                if params.top_logprobs > 0 {
-                    seq.top_logprobs
-                        .push(top_logprobs(logits, params.top_logprobs));
+        let mut slots: Vec<NextTokenSlot<'_>> = targets
+            .iter_mut()
+            .map(|(k, seq)| {
+                let seq = &mut **seq;
+                NextTokenSlot {
+                    logits: &out.logits[*k * vocab..(*k + 1) * vocab],
+                    params: &seq.request.sampling,
+                    prompt_len: seq.prompt_len,
+                    tokens: &mut seq.tokens,
+                    rng: &mut seq.rng,
+                    logprobs: &mut seq.logprobs,
+                    top_logprobs: &mut seq.top_logprobs,
+                    finish: &mut seq.finish,
                 }
-                seq.tokens.push(tok);
-                seq.logprobs.push(lp);
-                seq.finish = finish_after(
-                    &seq.request.sampling,
-                    tok,
-                    seq.generated().len(),
-                    seq.tokens.len(),
-                    max_pos,
-                );
-            },
-        );
+            })
+            .collect();
+        sample_slots(&mut slots, max_pos);
+        drop(slots);
         drop(targets);
         self.retire()
     }
