@@ -43,6 +43,12 @@ impl Row {
     pub fn generated(&self) -> &[u32] {
         &self.tokens[self.prompt_len..]
     }
+
+    /// The slots a padded batch holds for this row at most: its padding, prompt and every
+    /// token it may generate.
+    pub fn reach(&self) -> usize {
+        self.pad + self.prompt_len + self.request.sampling.max_new_tokens
+    }
 }
 
 /// What a step feeds, laid out for [`r3_model::model::decode::Step`].
