@@ -638,3 +638,62 @@ fn admission_waits_for_room_and_refuses_what_never_fits() {
         assert_same(&format!("request {i}"), &got[i], &alone[i], BATCH_TOL);
     }
 }
+
+#[test]
+fn an_aborted_request_resumes_into_the_uninterrupted_one() {
+    use r3_rollout::MergePolicy;
+    for family in ["qwen3_moe", "deepseek_v3"] {
+        let cfg = tiny_config(family);
+        let map = tiny_weights(&cfg, 23, DType::F32).into_map();
+        let (_, mut dev) = both(&cfg, &map);
+        let prompts = sequences(&[6, 4], cfg.vocab_size, 3);
+        let mut req = GenerateRequest::new(prompts[0].clone(), mixed_sampling(1, 12));
+        req.sampling.prompt_logprobs_from = Some(1);
+        req.routed_experts_start_len = 2;
+        let other = GenerateRequest::new(prompts[1].clone(), mixed_sampling(0, 9));
+        let want = each_alone(&mut dev, std::slice::from_ref(&req)).remove(0);
+        for policy in [
+            MergePolicy::KeepPerTokenOrigin,
+            MergePolicy::ReplaceWithResumed,
+        ] {
+            let what = format!("{family} {policy:?}");
+            let id = dev.submit(req.clone()).expect("submit");
+            let other_id = dev.submit(other.clone()).expect("submit");
+            for _ in 0..5 {
+                assert!(dev.step().expect("step").is_empty());
+            }
+            let partial = dev.abort(id).expect("abort").expect("running");
+            assert_eq!(partial.output_ids, want.output_ids[..5], "{what}");
+            // Resumed while the other request is still running: it joins that batch.
+            let rid = dev.resume(partial.clone(), policy).expect("resume");
+            let mut done = Vec::new();
+            while dev.has_work() {
+                done.extend(dev.step().expect("step"));
+            }
+            assert!(
+                done.iter().any(|r| r.id == other_id),
+                "{what}: the other finished"
+            );
+            let got = done.into_iter().find(|r| r.id == rid).expect("resumed");
+            // Same weights: both policies give the uninterrupted routes.
+            assert_same(&what, &got, &want, BATCH_TOL);
+            assert_eq!(got.prompt_tokens, prompts[0].len(), "{what}");
+            let (a, b) = (
+                got.prompt_logprobs.expect("prompt log-probs"),
+                want.prompt_logprobs.as_ref().expect("prompt log-probs"),
+            );
+            assert_eq!(
+                (a.start, a.logprobs.len()),
+                (b.start, b.logprobs.len()),
+                "{what}"
+            );
+            let d = max_abs_diff(&a.logprobs, &b.logprobs);
+            assert!(d <= BATCH_TOL, "{what}: prompt log-probs differ by {d}");
+            // A finished budget has nothing to resume.
+            let mut spent = partial;
+            spent.output_ids = want.output_ids.clone();
+            let err = dev.resume(spent, policy).expect_err("nothing left");
+            assert!(err.to_string().contains("nothing to resume"), "{err}");
+        }
+    }
+}

@@ -20,8 +20,9 @@
 //! of prompt + output except the last token, which is never fed.
 //!
 //! Prompt log-probs (when asked) come from the prefill's logits of every prompt slot, copied
-//! to the host once. Not here yet (the CPU engine has them): a paged cache, the prefix
-//! cache and resuming a partial rollout.
+//! to the host once. An aborted request resumes as on the CPU engine (its prompt extended by
+//! what it generated, its sampler stream carried over, routes merged by a `MergePolicy`).
+//! Not here yet (the CPU engine has them): a paged cache and the prefix cache.
 
 pub mod batch;
 pub mod choice;
@@ -33,12 +34,13 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device};
 use r3_model::model::decode::{KvCache, Step};
 use r3_model::{check_map_holds, Config, DeviceSpec, LoadOptions, Model, Precision, Weights};
+use r3_routing::MergePolicy;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use crate::dtype::{Dtype, RouterDtype};
 use crate::engine::next_token::{finish_after, sample_next};
-use crate::engine::sequence::RouteGeometry;
+use crate::engine::sequence::{ResumeState, RouteGeometry};
 use crate::engine::{config_eos_ids, validate_request};
 use crate::error::RolloutError;
 use crate::kernels::ops::log_softmax_at;
@@ -93,6 +95,10 @@ fn precision(dtype: Dtype, router: RouterDtype) -> Precision {
 struct Waiting {
     id: RequestId,
     request: GenerateRequest,
+    /// Sampler stream (seeded from the request, or carried over by a resume).
+    rng: ChaCha8Rng,
+    /// The aborted call a resumed request continues.
+    resume: Option<ResumeState>,
 }
 
 /// The running batch and its cache.
@@ -258,7 +264,46 @@ impl DeviceEngine {
     /// Validates and queues a request; it joins the running batch at the next `step` that
     /// has room for it (count and KV budget).
     pub fn submit(&mut self, req: GenerateRequest) -> Result<RequestId, RolloutError> {
-        validate_request(&self.model_cfg, &req)?;
+        self.validate(&req)?;
+        let rng = ChaCha8Rng::seed_from_u64(req.sampling.seed);
+        Ok(self.enqueue(req, rng, None))
+    }
+
+    /// Continues an aborted request (possibly under new weights), as the CPU engine's
+    /// [`crate::Engine::resume`] does: the prompt becomes the original prompt plus the
+    /// tokens generated so far, the remaining token budget and the sampler stream carry
+    /// over, and the final routes combine both calls by `policy`.
+    pub fn resume(
+        &mut self,
+        partial: PartialRollout,
+        policy: MergePolicy,
+    ) -> Result<RequestId, RolloutError> {
+        let done = partial.output_ids.len();
+        let mut req = partial.request.clone();
+        req.sampling.max_new_tokens = req
+            .sampling
+            .max_new_tokens
+            .checked_sub(done)
+            .filter(|&r| r > 0)
+            .ok_or_else(|| {
+                RolloutError::InvalidRequest(format!(
+                    "nothing to resume: {done} of max_new_tokens {} already generated",
+                    req.sampling.max_new_tokens
+                ))
+            })?;
+        req.input_ids.extend_from_slice(&partial.output_ids);
+        self.validate(&req)?;
+        let rng = partial.rng.clone();
+        let resume = ResumeState {
+            earlier: partial,
+            policy,
+        };
+        Ok(self.enqueue(req, rng, Some(resume)))
+    }
+
+    /// Refuses a request that is invalid for the model or alone exceeds the KV budget.
+    fn validate(&self, req: &GenerateRequest) -> Result<(), RolloutError> {
+        validate_request(&self.model_cfg, req)?;
         let need = (req.input_ids.len() + req.sampling.max_new_tokens) * self.slot_bytes();
         if need > self.cfg.kv_cache_bytes {
             return Err(RolloutError::InvalidRequest(format!(
@@ -270,10 +315,25 @@ impl DeviceEngine {
                 self.cfg.kv_cache_bytes
             )));
         }
+        Ok(())
+    }
+
+    /// Queues a checked request under a new id.
+    fn enqueue(
+        &mut self,
+        request: GenerateRequest,
+        rng: ChaCha8Rng,
+        resume: Option<ResumeState>,
+    ) -> RequestId {
         let id = self.next_id;
         self.next_id += 1;
-        self.waiting.push_back(Waiting { id, request: req });
-        Ok(id)
+        self.waiting.push_back(Waiting {
+            id,
+            request,
+            rng,
+            resume,
+        });
+        id
     }
 
     /// Submits all requests and steps until they finish; results in input order.
@@ -470,7 +530,7 @@ impl DeviceEngine {
     fn new_row(&self, w: Waiting) -> Row {
         Row {
             id: w.id,
-            rng: ChaCha8Rng::seed_from_u64(w.request.sampling.seed),
+            rng: w.rng,
             tokens: w.request.input_ids.clone(),
             prompt_len: w.request.input_ids.len(),
             pad: 0,
@@ -482,6 +542,7 @@ impl DeviceEngine {
             prompt_logprobs: None,
             finish: None,
             request: w.request,
+            resume: w.resume,
         }
     }
 
@@ -522,7 +583,7 @@ impl DeviceEngine {
         if row.capture {
             self.capture_time += started.elapsed();
         }
-        Ok(GenerateResult {
+        let mut result = GenerateResult {
             id: row.id,
             prompt_tokens: row.prompt_len,
             output_ids: row.generated().to_vec(),
@@ -533,18 +594,26 @@ impl DeviceEngine {
             cached_tokens: 0,
             routes,
             weight_version: self.version,
-        })
+        };
+        if let Some(resume) = &row.resume {
+            resume.complete(&mut result)?;
+        }
+        Ok(result)
     }
 
-    /// Stops a request; what it produced so far, or None if the id is unknown or finished.
-    /// (Resuming it is the CPU engine's: the device engine has no `resume` yet.)
+    /// Stops a request; what it produced so far (resumable with [`DeviceEngine::resume`]),
+    /// or None if the id is unknown or finished.
     pub fn abort(&mut self, id: RequestId) -> Result<Option<PartialRollout>, RolloutError> {
         if let Some(i) = self.waiting.iter().position(|w| w.id == id) {
             let Some(w) = self.waiting.remove(i) else {
                 return Ok(None);
             };
+            // A resumed request not yet admitted is still the call it continues.
+            if let Some(resume) = w.resume {
+                return Ok(Some(resume.earlier));
+            }
             return Ok(Some(PartialRollout {
-                rng: ChaCha8Rng::seed_from_u64(w.request.sampling.seed),
+                rng: w.rng,
                 request: w.request,
                 output_ids: Vec::new(),
                 output_logprobs: Vec::new(),
@@ -570,7 +639,11 @@ impl DeviceEngine {
             trim(&mut running)?;
             self.running = Some(running);
         }
-        let (request, rng) = (row.request.clone(), row.rng.clone());
+        let request = match &row.resume {
+            Some(r) => r.earlier.request.clone(),
+            None => row.request.clone(),
+        };
+        let rng = row.rng.clone();
         let result = self.result(row)?;
         Ok(Some(PartialRollout {
             request,
@@ -653,13 +726,14 @@ fn trim(batch: &mut Running) -> Result<(), RolloutError> {
 /// reported one (as the CPU engine reports them).
 fn prompt_logprobs(row: &Row, rows: &[Vec<f32>]) -> Option<PromptLogprobs> {
     let from = row.request.sampling.prompt_logprobs_from?;
-    let start = from.min(row.prompt_len.saturating_sub(1));
+    let end = row.prompt_logprobs_end();
+    let start = from.min(end.saturating_sub(1));
     let top = row.request.sampling.top_logprobs;
     let mut out = PromptLogprobs {
         start,
         ..PromptLogprobs::default()
     };
-    for p in start..row.prompt_len.saturating_sub(1) {
+    for p in start..end.saturating_sub(1) {
         let logits = &rows[row.pad + p];
         out.logprobs
             .push(log_softmax_at(logits, row.tokens[p + 1] as usize));
