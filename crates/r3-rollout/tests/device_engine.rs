@@ -405,7 +405,7 @@ fn captured_routes_equal_the_trainers_native_routes_f32_and_bf16() {
 
 /// Greedy (even `i`, with top log-probs) or seeded sampling (odd `i`) of `new` tokens.
 fn mixed_sampling(i: usize, new: usize) -> SamplingParams {
-    if i % 2 == 0 {
+    if i.is_multiple_of(2) {
         SamplingParams {
             top_logprobs: 2,
             ..SamplingParams::greedy(new)

@@ -278,20 +278,7 @@ impl DeviceEngine {
         partial: PartialRollout,
         policy: MergePolicy,
     ) -> Result<RequestId, RolloutError> {
-        let done = partial.output_ids.len();
-        let mut req = partial.request.clone();
-        req.sampling.max_new_tokens = req
-            .sampling
-            .max_new_tokens
-            .checked_sub(done)
-            .filter(|&r| r > 0)
-            .ok_or_else(|| {
-                RolloutError::InvalidRequest(format!(
-                    "nothing to resume: {done} of max_new_tokens {} already generated",
-                    req.sampling.max_new_tokens
-                ))
-            })?;
-        req.input_ids.extend_from_slice(&partial.output_ids);
+        let req = ResumeState::continuation(&partial)?;
         self.validate(&req)?;
         let rng = partial.rng.clone();
         let resume = ResumeState {
@@ -480,9 +467,9 @@ impl DeviceEngine {
     /// count and the KV budget allow them beside `running`, the batch they will join.
     ///
     /// A padded batch holds as many slots per row as its furthest-reaching row, so the
-    /// budget is rows × the furthest slot any row can reach: a running row reaches its pad
-    /// + prompt + max new tokens (its pad grows if a longer prompt joins), a newcomer the
-    /// joined batch's slots + its max new tokens.
+    /// budget is rows × the furthest slot any row can reach: a running row reaches its
+    /// padding, prompt and max new tokens (its padding grows if a longer prompt joins), a
+    /// newcomer the joined batch's slots and its max new tokens.
     fn admit(&mut self, running: Option<&Running>) -> Option<Running> {
         let slot_bytes = self.slot_bytes();
         let (running_rows, running_slots, running_reach) = match running {

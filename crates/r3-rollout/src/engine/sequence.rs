@@ -19,6 +19,26 @@ pub struct ResumeState {
 }
 
 impl ResumeState {
+    /// The request that continues `partial`: its prompt followed by what it generated, and
+    /// the token budget it has left; refused when nothing is left.
+    pub fn continuation(partial: &PartialRollout) -> Result<GenerateRequest, RolloutError> {
+        let done = partial.output_ids.len();
+        let mut req = partial.request.clone();
+        req.sampling.max_new_tokens = req
+            .sampling
+            .max_new_tokens
+            .checked_sub(done)
+            .filter(|&r| r > 0)
+            .ok_or_else(|| {
+                RolloutError::InvalidRequest(format!(
+                    "nothing to resume: {done} of max_new_tokens {} already generated",
+                    req.sampling.max_new_tokens
+                ))
+            })?;
+        req.input_ids.extend_from_slice(&partial.output_ids);
+        Ok(req)
+    }
+
     /// Completes the resumed call's `result` into the whole request's: the original prompt
     /// length, the aborted call's tokens, log-probs and alternatives in front of this call's,
     /// and the two calls' routes combined by the policy.
