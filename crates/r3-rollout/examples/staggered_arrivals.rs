@@ -5,7 +5,7 @@
 //! time until the last request finished, the mean latency (arrival to finish) and generated
 //! tokens/s of each, and checks that both gave every request the same tokens and routes.
 //!
-//! `cargo run --release -p r3-rollout --example staggered_arrivals -- [requests] [gap_ms]
+//! `cargo run -p r3-rollout --example staggered_arrivals -- [requests] [gap_ms]
 //! [prompt_len] [new_tokens] [repeats] [hidden]` (defaults 16, 20, 16, 128, 3, 128: the two
 //! schedules alternate, medians reported); a qwen3_moe-shaped model of 4 layers, 8 experts
 //! (2 per token), the given hidden size, random weights (seed 0), greedy decoding.
