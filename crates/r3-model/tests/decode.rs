@@ -2,7 +2,9 @@
 //! the same model: a prefill of part of a sequence then one token per step must give, at
 //! every step, the full forward's logits of that position and the experts its `Record`
 //! routing chose, on every family's tiny config (GQA with q/k norms, MLA, dense, shared
-//! experts, grouped sigmoid routers). A broken step is refused, naming what is wrong.
+//! experts, grouped sigmoid routers). Caches left-padded, joined into one batch and trimmed
+//! again (the device engine's continuous admission) decode each sequence as it decodes
+//! alone. A broken step, join or trim is refused, naming what is wrong.
 
 mod common;
 
@@ -168,4 +170,99 @@ fn a_malformed_step_is_refused_naming_it() {
         .expect_err("short mask");
     assert!(err.to_string().contains("mask values"), "{err}");
     assert_eq!(cache.slots(), 0, "a refused step caches nothing");
+}
+
+/// Logits rows of a step's output, `[batch · rows, vocab]` flattened per row.
+fn logit_rows(out: &r3_model::model::decode::StepOutput) -> Vec<Vec<f32>> {
+    let (b, r, v) = out.logits.dims3().expect("logits shape");
+    let flat = out
+        .logits
+        .flatten_all()
+        .and_then(|l| l.to_vec1::<f32>())
+        .expect("logits");
+    (0..b * r)
+        .map(|i| flat[i * v..(i + 1) * v].to_vec())
+        .collect()
+}
+
+#[test]
+fn caches_padded_joined_and_trimmed_decode_as_each_alone() {
+    for family in ["qwen3_moe", "mixtral", "deepseek_v3"] {
+        let (cfg, model) = tiny_model(family, 5);
+        let seqs = sequences(&[7, 4], cfg.vocab_size, 9);
+        let (a, b) = (&seqs[0], &seqs[1]);
+        let mut cache_a = model.kv_cache();
+        let mut cache_b = model.kv_cache();
+        feed(&model, &mut cache_a, a, (0, 6), false);
+        feed(&model, &mut cache_b, b, (0, 3), false);
+        // Each sequence's next step alone.
+        let (want_a, routes_a) = feed(&model, &mut cache_a.clone(), a, (6, 1), false);
+        let (want_b, routes_b) = feed(&model, &mut cache_b.clone(), b, (3, 1), false);
+
+        // b padded in front to a's 6 slots and joined below a: one step for both.
+        let mut joined = cache_a.clone();
+        let mut padded = cache_b.clone();
+        padded.pad_front(3).expect("pad");
+        assert_eq!(padded.slots(), 6);
+        joined.append_rows(&padded).expect("join");
+        let window = match cfg.attention {
+            AttentionConfig::Gqa { sliding_window, .. } => sliding_window,
+            AttentionConfig::Mla { .. } => None,
+        };
+        let mut mask = causal(6, 1, window);
+        // Row b: its slot p sits at 3 + p; the padding slots 0..3 are hidden.
+        mask.extend((0..7).map(|j| {
+            let visible = j >= 3 && window.is_none_or(|w| 6 - j < w);
+            if visible {
+                0.0
+            } else {
+                f32::NEG_INFINITY
+            }
+        }));
+        let out = model
+            .forward_step(
+                &Step {
+                    tokens: &[a[6], b[3]],
+                    positions: &[6, 3],
+                    mask: &mask,
+                    batch: 2,
+                    time: 1,
+                    all_logits: false,
+                },
+                &mut joined,
+            )
+            .expect("joined step");
+        let rows = logit_rows(&out);
+        let k = cfg.top_k();
+        for (row, (want, want_routes)) in [(&want_a, &routes_a), (&want_b, &routes_b)]
+            .into_iter()
+            .enumerate()
+        {
+            let diff = rows[row]
+                .iter()
+                .zip(want)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max);
+            assert!(diff < 1e-5, "{family} row {row}: logits differ by {diff}");
+            for (c, ids) in out.routes.iter().enumerate() {
+                assert_eq!(
+                    &ids[row * k..(row + 1) * k],
+                    &want_routes[c][..],
+                    "{family} row {row} column {c}"
+                );
+            }
+        }
+
+        // Padding dropped again: b alone decodes as before.
+        padded.drop_front(3).expect("trim");
+        assert_eq!(padded.slots(), 3);
+        let (again, _) = feed(&model, &mut padded, b, (3, 1), false);
+        assert_eq!(again, want_b, "{family}: trimmed cache");
+
+        // Mismatched joins and over-long trims are refused, naming the sizes.
+        let err = cache_a.append_rows(&cache_b).expect_err("6 slots and 3");
+        assert!(err.to_string().contains("slots"), "{err}");
+        let err = cache_b.drop_front(4).expect_err("only 3 slots");
+        assert!(err.to_string().contains("holding 3"), "{err}");
+    }
 }

@@ -402,3 +402,298 @@ fn captured_routes_equal_the_trainers_native_routes_f32_and_bf16() {
         }
     }
 }
+
+/// Greedy (even `i`, with top log-probs) or seeded sampling (odd `i`) of `new` tokens.
+fn mixed_sampling(i: usize, new: usize) -> SamplingParams {
+    if i.is_multiple_of(2) {
+        SamplingParams {
+            top_logprobs: 2,
+            ..SamplingParams::greedy(new)
+        }
+    } else {
+        SamplingParams {
+            temperature: 0.9,
+            top_p: 0.95,
+            max_new_tokens: new,
+            seed: 70 + i as u64,
+            ..SamplingParams::default()
+        }
+    }
+}
+
+/// Each request run alone on `dev`.
+fn each_alone(dev: &mut DeviceEngine, reqs: &[GenerateRequest]) -> Vec<GenerateResult> {
+    reqs.iter()
+        .map(|r| dev.generate(vec![r.clone()]).expect("alone").remove(0))
+        .collect()
+}
+
+/// Submits `reqs[i]` before step `arrivals[i]` and steps until all finish, checking after
+/// each step in `checks` that the queue lengths are as given; results in input order.
+fn staggered(
+    dev: &mut DeviceEngine,
+    reqs: &[GenerateRequest],
+    arrivals: &[usize],
+    checks: &[(usize, (usize, usize))],
+) -> Vec<GenerateResult> {
+    let mut ids = vec![None; reqs.len()];
+    let mut done = std::collections::HashMap::new();
+    let mut step = 0;
+    while done.len() < reqs.len() {
+        for (i, _) in arrivals.iter().enumerate().filter(|(_, &at)| at == step) {
+            ids[i] = Some(dev.submit(reqs[i].clone()).expect("submit"));
+        }
+        for r in dev.step().expect("step") {
+            done.insert(r.id, r);
+        }
+        for (_, want) in checks.iter().filter(|(at, _)| *at == step) {
+            assert_eq!(
+                dev.queue_lengths(),
+                *want,
+                "(waiting, running) after step {step}"
+            );
+        }
+        step += 1;
+        assert!(step < 1000, "requests never finished");
+    }
+    ids.iter()
+        .map(|id| done.remove(&id.expect("submitted")).expect("finished"))
+        .collect()
+}
+
+#[test]
+fn requests_admitted_mid_batch_equal_them_alone() {
+    // GQA, a sliding window (5) shorter than the sequences, and MLA.
+    for family in ["qwen3_moe", "mixtral", "deepseek_v3"] {
+        let cfg = tiny_config(family);
+        let map = tiny_weights(&cfg, 11, DType::F32).into_map();
+        let (_, mut dev) = both(&cfg, &map);
+        // Two requests from the start; at step 3 a prompt longer than the batch's slots
+        // (the running rows get padded) and a shorter one (it gets padded); at step 6, after
+        // the long one has left (its slots trimmed), one more.
+        let prompts = sequences(&[3, 5, 12, 2, 4], cfg.vocab_size, 13);
+        let new_tokens = [6, 12, 3, 10, 5];
+        let reqs: Vec<GenerateRequest> = prompts
+            .iter()
+            .zip(new_tokens)
+            .enumerate()
+            .map(|(i, (p, n))| {
+                let mut r = GenerateRequest::new(p.clone(), mixed_sampling(i, n));
+                r.routed_experts_start_len = i % 3;
+                r.sampling.prompt_logprobs_from = (i == 2).then_some(1);
+                r
+            })
+            .collect();
+        let alone = each_alone(&mut dev, &reqs);
+        let checks = [(2, (0, 2)), (3, (0, 4)), (5, (0, 2)), (6, (0, 3))];
+        let got = staggered(&mut dev, &reqs, &[0, 0, 3, 3, 6], &checks);
+        for (i, (g, a)) in got.iter().zip(&alone).enumerate() {
+            let what = format!("{family} request {i}");
+            assert_same(&what, g, a, BATCH_TOL);
+            assert_eq!(g.output_ids.len(), new_tokens[i], "{what}: length");
+            let tops = |r: &GenerateResult| -> Vec<Vec<u32>> {
+                let ids = |row: &Vec<(u32, f32)>| row.iter().map(|e| e.0).collect();
+                r.output_top_logprobs.iter().map(ids).collect()
+            };
+            assert_eq!(tops(g), tops(a), "{what}: top log-prob ids");
+            match (&g.prompt_logprobs, &a.prompt_logprobs) {
+                (Some(x), Some(y)) => {
+                    assert_eq!(x.start, y.start, "{what}");
+                    let d = max_abs_diff(&x.logprobs, &y.logprobs);
+                    assert!(d <= BATCH_TOL, "{what}: prompt log-probs differ by {d}");
+                }
+                (None, None) => {}
+                _ => panic!("{what}: prompt log-probs only on one side"),
+            }
+        }
+    }
+}
+
+#[test]
+fn aborting_while_others_are_admitted_returns_the_partial_rollout() {
+    let cfg = tiny_config("qwen2_moe");
+    let map = tiny_weights(&cfg, 17, DType::F32).into_map();
+    let (_, mut dev) = both(&cfg, &map);
+    let prompts = sequences(&[4, 6, 9, 3], cfg.vocab_size, 2);
+    let reqs: Vec<GenerateRequest> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| GenerateRequest::new(p.clone(), mixed_sampling(i, 7)))
+        .collect();
+    let alone = each_alone(&mut dev, &reqs);
+    let first: Vec<u64> = reqs[..2]
+        .iter()
+        .map(|r| dev.submit(r.clone()).expect("submit"))
+        .collect();
+    assert!(dev.step().expect("prefill").is_empty());
+    assert!(dev.step().expect("decode").is_empty());
+    let later: Vec<u64> = reqs[2..]
+        .iter()
+        .map(|r| dev.submit(r.clone()).expect("submit"))
+        .collect();
+    assert!(dev.step().expect("decode and admit").is_empty());
+    assert_eq!(dev.queue_lengths(), (0, 4), "both joined the batch");
+    // A request that ran from the start (3 tokens) and one just admitted (1 token).
+    for (id, i, n) in [(first[1], 1, 3), (later[0], 2, 1)] {
+        let partial = dev.abort(id).expect("abort").expect("running");
+        assert_eq!(partial.output_ids, alone[i].output_ids[..n], "request {i}");
+        let d = max_abs_diff(&partial.output_logprobs, &alone[i].output_logprobs[..n]);
+        assert!(d <= BATCH_TOL, "request {i}: log-probs differ by {d}");
+        let routes = partial.routes.expect("routes so far");
+        let want = alone[i].routes.as_ref().expect("routes");
+        assert_eq!(routes.num_tokens(), reqs[i].input_ids.len() + n - 1);
+        for t in 0..routes.num_tokens() {
+            for c in 0..routes.num_columns() {
+                assert_eq!(
+                    routes.experts(t, c),
+                    want.experts(t, c),
+                    "request {i} ({t}, {c})"
+                );
+            }
+        }
+    }
+    let mut done = Vec::new();
+    while dev.has_work() {
+        done.extend(dev.step().expect("step"));
+    }
+    done.sort_by_key(|r| r.id);
+    assert_eq!(done.len(), 2);
+    assert_same("ran from the start", &done[0], &alone[0], BATCH_TOL);
+    assert_same("admitted", &done[1], &alone[3], BATCH_TOL);
+}
+
+/// KV bytes of one slot of one sequence, as documented for `kv_cache_bytes`: f32 keys and
+/// values of every layer.
+fn slot_bytes(cfg: &Config) -> usize {
+    let r3_model::AttentionConfig::Gqa {
+        num_kv_heads,
+        head_dim,
+        ..
+    } = cfg.attention
+    else {
+        panic!("a GQA config");
+    };
+    cfg.num_hidden_layers * num_kv_heads * 2 * head_dim * 4
+}
+
+#[test]
+fn admission_waits_for_room_and_refuses_what_never_fits() {
+    let cfg = tiny_config("qwen3_moe");
+    let map = tiny_weights(&cfg, 4, DType::F32).into_map();
+    let prompts = sequences(&[5, 5, 5, 5], cfg.vocab_size, 8);
+    let reqs: Vec<GenerateRequest> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| GenerateRequest::new(p.clone(), mixed_sampling(i, 6)))
+        .collect();
+    // Room for one request of 5 + 6 slots at a time, not two.
+    let budget = slot_bytes(&cfg) * 11 * 3 / 2;
+    let mut small = DeviceEngine::new(
+        cfg.clone(),
+        &map,
+        DeviceEngineConfig {
+            kv_cache_bytes: budget,
+            ..device_config()
+        },
+    )
+    .expect("device engine");
+    let alone = each_alone(&mut small, &reqs[..2]);
+    // The second waits until the first has left, then runs alone.
+    let got = staggered(&mut small, &reqs[..2], &[0, 1], &[(1, (1, 1)), (5, (0, 1))]);
+    assert_same("first", &got[0], &alone[0], BATCH_TOL);
+    assert_same("second", &got[1], &alone[1], BATCH_TOL);
+    // While a batch runs: past the budget alone, and past the context, refused by name.
+    small.submit(reqs[0].clone()).expect("submit");
+    small.step().expect("prefill");
+    let huge = GenerateRequest::new(prompts[0].clone(), SamplingParams::greedy(100));
+    let err = small.submit(huge).expect_err("past the KV budget");
+    assert!(err.to_string().contains("KV cache"), "{err}");
+    let max_pos = cfg.max_position_embeddings;
+    let long = GenerateRequest::new(vec![1; max_pos], SamplingParams::greedy(1));
+    let err = small.submit(long).expect_err("past the context");
+    assert!(err.to_string().contains("max_position_embeddings"), "{err}");
+    assert_eq!(small.queue_lengths(), (0, 1), "nothing refused was queued");
+    while small.has_work() {
+        small.step().expect("step");
+    }
+
+    // At most `max_running` sequences: the third waits for a free row.
+    let mut two = DeviceEngine::new(
+        cfg.clone(),
+        &map,
+        DeviceEngineConfig {
+            max_running: 2,
+            ..device_config()
+        },
+    )
+    .expect("device engine");
+    let alone = each_alone(&mut two, &reqs[..3]);
+    let got = staggered(
+        &mut two,
+        &reqs[..3],
+        &[0, 0, 1],
+        &[(1, (1, 2)), (6, (0, 1))],
+    );
+    for i in 0..3 {
+        assert_same(&format!("request {i}"), &got[i], &alone[i], BATCH_TOL);
+    }
+}
+
+#[test]
+fn an_aborted_request_resumes_into_the_uninterrupted_one() {
+    use r3_rollout::MergePolicy;
+    for family in ["qwen3_moe", "deepseek_v3"] {
+        let cfg = tiny_config(family);
+        let map = tiny_weights(&cfg, 23, DType::F32).into_map();
+        let (_, mut dev) = both(&cfg, &map);
+        let prompts = sequences(&[6, 4], cfg.vocab_size, 3);
+        let mut req = GenerateRequest::new(prompts[0].clone(), mixed_sampling(1, 12));
+        req.sampling.prompt_logprobs_from = Some(1);
+        req.routed_experts_start_len = 2;
+        let other = GenerateRequest::new(prompts[1].clone(), mixed_sampling(0, 9));
+        let want = each_alone(&mut dev, std::slice::from_ref(&req)).remove(0);
+        for policy in [
+            MergePolicy::KeepPerTokenOrigin,
+            MergePolicy::ReplaceWithResumed,
+        ] {
+            let what = format!("{family} {policy:?}");
+            let id = dev.submit(req.clone()).expect("submit");
+            let other_id = dev.submit(other.clone()).expect("submit");
+            for _ in 0..5 {
+                assert!(dev.step().expect("step").is_empty());
+            }
+            let partial = dev.abort(id).expect("abort").expect("running");
+            assert_eq!(partial.output_ids, want.output_ids[..5], "{what}");
+            // Resumed while the other request is still running: it joins that batch.
+            let rid = dev.resume(partial.clone(), policy).expect("resume");
+            let mut done = Vec::new();
+            while dev.has_work() {
+                done.extend(dev.step().expect("step"));
+            }
+            assert!(
+                done.iter().any(|r| r.id == other_id),
+                "{what}: the other finished"
+            );
+            let got = done.into_iter().find(|r| r.id == rid).expect("resumed");
+            // Same weights: both policies give the uninterrupted routes.
+            assert_same(&what, &got, &want, BATCH_TOL);
+            assert_eq!(got.prompt_tokens, prompts[0].len(), "{what}");
+            let (a, b) = (
+                got.prompt_logprobs.expect("prompt log-probs"),
+                want.prompt_logprobs.as_ref().expect("prompt log-probs"),
+            );
+            assert_eq!(
+                (a.start, a.logprobs.len()),
+                (b.start, b.logprobs.len()),
+                "{what}"
+            );
+            let d = max_abs_diff(&a.logprobs, &b.logprobs);
+            assert!(d <= BATCH_TOL, "{what}: prompt log-probs differ by {d}");
+            // A finished budget has nothing to resume.
+            let mut spent = partial;
+            spent.output_ids = want.output_ids.clone();
+            let err = dev.resume(spent, policy).expect_err("nothing left");
+            assert!(err.to_string().contains("nothing to resume"), "{err}");
+        }
+    }
+}

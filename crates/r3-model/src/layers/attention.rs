@@ -129,9 +129,12 @@ pub struct LayerKv {
 impl LayerKv {
     /// Appends a step's `[B, KV, T, D]` keys and values; returns all of them.
     pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        // Contiguous parts keep the cache contiguous (candle concatenates strided tensors
+        // into a strided result, which `keep_rows`' index select refuses).
+        let (k, v) = (k.contiguous()?, v.contiguous()?);
         let (k, v) = match self.kv.take() {
-            None => (k.contiguous()?, v.contiguous()?),
-            Some((k0, v0)) => (Tensor::cat(&[&k0, k], 2)?, Tensor::cat(&[&v0, v], 2)?),
+            None => (k, v),
+            Some((k0, v0)) => (Tensor::cat(&[&k0, &k], 2)?, Tensor::cat(&[&v0, &v], 2)?),
         };
         self.kv = Some((k.clone(), v.clone()));
         Ok((k, v))
@@ -147,6 +150,44 @@ impl LayerKv {
         if let Some((k, v)) = self.kv.take() {
             self.kv = Some((k.index_select(rows, 0)?, v.index_select(rows, 0)?));
         }
+        Ok(())
+    }
+
+    /// Puts `n` zero slots in front of every row's keys and values (`S` grows by `n`); the
+    /// caller's mask must hide them.
+    pub fn pad_front(&mut self, n: usize) -> Result<()> {
+        let Some((k, v)) = self.kv.as_mut().filter(|_| n > 0) else {
+            return Ok(());
+        };
+        for t in [k, v] {
+            let (b, h, _, d) = t.dims4()?;
+            let zeros = Tensor::zeros((b, h, n, d), t.dtype(), t.device())?;
+            *t = Tensor::cat(&[&zeros, &*t], 2)?;
+        }
+        Ok(())
+    }
+
+    /// Drops the first `n` slots of every row (`S` shrinks by `n`).
+    pub fn drop_front(&mut self, n: usize) -> Result<()> {
+        let Some((k, v)) = self.kv.as_mut().filter(|_| n > 0) else {
+            return Ok(());
+        };
+        for t in [k, v] {
+            let s = t.dim(2)?;
+            *t = t.narrow(2, n, s - n)?.contiguous()?;
+        }
+        Ok(())
+    }
+
+    /// Appends the rows of `other` (the same slots) after this cache's rows.
+    pub fn append_rows(&mut self, other: &LayerKv) -> Result<()> {
+        self.kv = match (self.kv.take(), &other.kv) {
+            (Some((k, v)), Some((k2, v2))) => {
+                Some((Tensor::cat(&[&k, k2], 0)?, Tensor::cat(&[&v, v2], 0)?))
+            }
+            (mine, None) => mine,
+            (None, Some(theirs)) => Some(theirs.clone()),
+        };
         Ok(())
     }
 }

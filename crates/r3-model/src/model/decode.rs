@@ -39,6 +39,49 @@ impl KvCache {
         Ok(())
     }
 
+    /// Puts `n` empty slots in front of every row (a batch that joins a longer one is
+    /// left-padded to its slot count); the caller's masks must hide them.
+    pub fn pad_front(&mut self, n: usize) -> Result<()> {
+        for layer in &mut self.layers {
+            layer.pad_front(n)?;
+        }
+        self.slots += n;
+        Ok(())
+    }
+
+    /// Drops the first `n` slots of every row (slots no remaining row can see).
+    pub fn drop_front(&mut self, n: usize) -> Result<()> {
+        if n > self.slots {
+            return Err(ModelError::Input(format!(
+                "dropping {n} slots of a KV cache holding {}",
+                self.slots
+            )));
+        }
+        for layer in &mut self.layers {
+            layer.drop_front(n)?;
+        }
+        self.slots -= n;
+        Ok(())
+    }
+
+    /// Appends the rows of `other` after this cache's rows (a prefilled batch joining a
+    /// running one); both must hold the same slots and layers.
+    pub fn append_rows(&mut self, other: &KvCache) -> Result<()> {
+        if other.slots != self.slots || other.layers.len() != self.layers.len() {
+            return Err(ModelError::Input(format!(
+                "joining a KV cache of {} layers × {} slots to one of {} × {}",
+                other.layers.len(),
+                other.slots,
+                self.layers.len(),
+                self.slots
+            )));
+        }
+        for (mine, theirs) in self.layers.iter_mut().zip(&other.layers) {
+            mine.append_rows(theirs)?;
+        }
+        Ok(())
+    }
+
     fn device(&self) -> Option<candle_core::Device> {
         self.layers.iter().find_map(LayerKv::device)
     }

@@ -4,7 +4,7 @@
 
 use rand_chacha::ChaCha8Rng;
 
-use crate::engine::sequence::RouteGeometry;
+use crate::engine::sequence::{ResumeState, RouteGeometry};
 use crate::request::{FinishReason, GenerateRequest, RequestId};
 
 /// One request in the running batch.
@@ -36,12 +36,28 @@ pub struct Row {
     pub prompt_logprobs: Option<crate::request::PromptLogprobs>,
     /// Why it finished, once it has.
     pub finish: Option<FinishReason>,
+    /// The aborted call this row continues (its prompt holds that call's output too).
+    pub resume: Option<ResumeState>,
 }
 
 impl Row {
     /// Tokens generated so far.
     pub fn generated(&self) -> &[u32] {
         &self.tokens[self.prompt_len..]
+    }
+
+    /// End of the prompt whose log-probs are reported: the original prompt of a resumed
+    /// request (its prompt's tail is the earlier call's output).
+    pub fn prompt_logprobs_end(&self) -> usize {
+        self.resume
+            .as_ref()
+            .map_or(self.prompt_len, |r| r.earlier.request.input_ids.len())
+    }
+
+    /// The slots a padded batch holds for this row at most: its padding, prompt and every
+    /// token it may generate.
+    pub fn reach(&self) -> usize {
+        self.pad + self.prompt_len + self.request.sampling.max_new_tokens
     }
 }
 

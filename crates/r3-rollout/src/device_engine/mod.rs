@@ -3,19 +3,26 @@
 //! layers on any candle device (the CPU here, `Device::Cuda` in a `cuda` build) with the KV
 //! cache held as device tensors.
 //!
-//! Scheduling is a static batch: a step with no batch running admits waiting requests (up
-//! to `max_running` and the KV budget), prefills them left-padded to the longest prompt and
-//! samples their first tokens; every later step decodes one token for each running
-//! sequence; finished sequences leave the batch (their cache rows dropped) and new requests
-//! wait until it drains. Per step one `[batch, vocab]` logits tensor is copied to the host,
+//! Scheduling is continuous admission into one left-padded batch: every step decodes one
+//! token for each running sequence and, beside it, prefills the waiting requests that fit
+//! (up to `max_running` and the KV budget) as a batch of their own, left-padded to their
+//! longest prompt, and samples their first tokens; at the step boundary that batch joins
+//! the running one (whichever holds fewer cache slots is left-padded to the other's count,
+//! [`KvCache::pad_front`], and its rows' caches follow, [`KvCache::append_rows`]).
+//! Finished sequences leave the batch (their cache rows dropped) and slots that are
+//! padding for every remaining row are dropped from the front ([`KvCache::drop_front`]).
+//! Padding is masked and every sequence keeps its own RoPE positions, so a request's tokens,
+//! log-probs and routes do not depend on when it was admitted or beside whom.
+//! Per step one `[batch, vocab]` logits tensor is copied to the host,
 //! where the CPU engine's sampler picks each sequence's token with its own seeded stream.
 //! Routes are the experts r3-model's router chose at every fed position (the MoE layers
 //! dispatch from host ids, so capture copies nothing from the device), one row per position
 //! of prompt + output except the last token, which is never fed.
 //!
 //! Prompt log-probs (when asked) come from the prefill's logits of every prompt slot, copied
-//! to the host once. Not here yet (the CPU engine has them): continuous admission into a
-//! running batch, a paged cache, the prefix cache and resuming a partial rollout.
+//! to the host once. An aborted request resumes as on the CPU engine (its prompt extended by
+//! what it generated, its sampler stream carried over, routes merged by a `MergePolicy`).
+//! Not here yet (the CPU engine has them): a paged cache and the prefix cache.
 
 pub mod batch;
 pub mod choice;
@@ -27,12 +34,13 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device};
 use r3_model::model::decode::{KvCache, Step};
 use r3_model::{check_map_holds, Config, DeviceSpec, LoadOptions, Model, Precision, Weights};
+use r3_routing::MergePolicy;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use crate::dtype::{Dtype, RouterDtype};
 use crate::engine::next_token::{sample_slots, NextTokenSlot};
-use crate::engine::sequence::RouteGeometry;
+use crate::engine::sequence::{ResumeState, RouteGeometry};
 use crate::engine::{config_eos_ids, validate_request};
 use crate::error::RolloutError;
 use crate::kernels::ops::log_softmax_at;
@@ -82,11 +90,15 @@ fn precision(dtype: Dtype, router: RouterDtype) -> Precision {
     }
 }
 
-/// A request waiting for the next batch.
+/// A request waiting for admission.
 #[derive(Debug)]
 struct Waiting {
     id: RequestId,
     request: GenerateRequest,
+    /// Sampler stream (seeded from the request, or carried over by a resume).
+    rng: ChaCha8Rng,
+    /// The aborted call a resumed request continues.
+    resume: Option<ResumeState>,
 }
 
 /// The running batch and its cache.
@@ -202,7 +214,7 @@ impl DeviceEngine {
         self.capture_time.as_secs_f64()
     }
 
-    /// Requests waiting for the next batch and requests running.
+    /// Requests waiting for admission and requests running.
     pub fn queue_lengths(&self) -> (usize, usize) {
         (
             self.waiting.len(),
@@ -249,9 +261,36 @@ impl DeviceEngine {
         c.num_hidden_layers * heads * (k + v) * 4
     }
 
-    /// Validates and queues a request; it runs in the next batch.
+    /// Validates and queues a request; it joins the running batch at the next `step` that
+    /// has room for it (count and KV budget).
     pub fn submit(&mut self, req: GenerateRequest) -> Result<RequestId, RolloutError> {
-        validate_request(&self.model_cfg, &req)?;
+        self.validate(&req)?;
+        let rng = ChaCha8Rng::seed_from_u64(req.sampling.seed);
+        Ok(self.enqueue(req, rng, None))
+    }
+
+    /// Continues an aborted request (possibly under new weights), as the CPU engine's
+    /// [`crate::Engine::resume`] does: the prompt becomes the original prompt plus the
+    /// tokens generated so far, the remaining token budget and the sampler stream carry
+    /// over, and the final routes combine both calls by `policy`.
+    pub fn resume(
+        &mut self,
+        partial: PartialRollout,
+        policy: MergePolicy,
+    ) -> Result<RequestId, RolloutError> {
+        let req = ResumeState::continuation(&partial)?;
+        self.validate(&req)?;
+        let rng = partial.rng.clone();
+        let resume = ResumeState {
+            earlier: partial,
+            policy,
+        };
+        Ok(self.enqueue(req, rng, Some(resume)))
+    }
+
+    /// Refuses a request that is invalid for the model or alone exceeds the KV budget.
+    fn validate(&self, req: &GenerateRequest) -> Result<(), RolloutError> {
+        validate_request(&self.model_cfg, req)?;
         let need = (req.input_ids.len() + req.sampling.max_new_tokens) * self.slot_bytes();
         if need > self.cfg.kv_cache_bytes {
             return Err(RolloutError::InvalidRequest(format!(
@@ -263,10 +302,25 @@ impl DeviceEngine {
                 self.cfg.kv_cache_bytes
             )));
         }
+        Ok(())
+    }
+
+    /// Queues a checked request under a new id.
+    fn enqueue(
+        &mut self,
+        request: GenerateRequest,
+        rng: ChaCha8Rng,
+        resume: Option<ResumeState>,
+    ) -> RequestId {
         let id = self.next_id;
         self.next_id += 1;
-        self.waiting.push_back(Waiting { id, request: req });
-        Ok(id)
+        self.waiting.push_back(Waiting {
+            id,
+            request,
+            rng,
+            resume,
+        });
+        id
     }
 
     /// Submits all requests and steps until they finish; results in input order.
@@ -292,26 +346,50 @@ impl DeviceEngine {
         Ok(ids.iter().filter_map(|id| done.remove(id)).collect())
     }
 
-    /// Runs one step (a prefill of a new batch, or one decode token for the running one);
-    /// returns the requests that finished in it.
+    /// Runs one step: one decode token for every running sequence, then the prefill (and
+    /// first token) of the waiting requests that fit beside the sequences still running,
+    /// which join the batch; returns the requests that finished in it.
     pub fn step(&mut self) -> Result<Vec<GenerateResult>, RolloutError> {
+        let mut results = Vec::new();
+        let mut running = self.running.take();
+        if let Some(batch) = running.as_mut() {
+            self.advance(batch)?;
+            results.extend(self.retire(batch)?);
+        }
+        let mut running = running.filter(|b| !b.rows.is_empty());
+        if let Some(mut joining) = self.admit(running.as_ref()) {
+            self.advance(&mut joining)?;
+            results.extend(self.retire(&mut joining)?);
+            if !joining.rows.is_empty() {
+                running = Some(match running {
+                    Some(mut batch) => {
+                        join(&mut batch, joining)?;
+                        batch
+                    }
+                    None => joining,
+                });
+            }
+        }
+        if let Some(mut batch) = running {
+            trim(&mut batch)?;
+            self.running = Some(batch);
+        }
+        Ok(results)
+    }
+
+    /// Feeds `batch` one step (its prefill if its cache is empty, else one decode token per
+    /// row), captures its routes and samples each row's next token.
+    fn advance(&mut self, batch: &mut Running) -> Result<(), RolloutError> {
         let window = self.window();
-        let mut running = match self.running.take() {
-            Some(r) => r,
-            None => match self.admit() {
-                Some(r) => r,
-                None => return Ok(Vec::new()),
-            },
-        };
-        let first = running.cache.slots();
+        let first = batch.cache.slots();
         let layout = if first == 0 {
-            prefill_layout(&running.rows, window)
+            prefill_layout(&batch.rows, window)
         } else {
-            decode_layout(&running.rows, first, window)
+            decode_layout(&batch.rows, first, window)
         };
         // Prompt log-probs need the prefill's logits at every prompt slot.
         let all_logits = first == 0
-            && running
+            && batch
                 .rows
                 .iter()
                 .any(|r| r.request.sampling.prompt_logprobs_from.is_some());
@@ -320,15 +398,15 @@ impl DeviceEngine {
                 tokens: &layout.tokens,
                 positions: &layout.positions,
                 mask: &layout.mask,
-                batch: running.rows.len(),
+                batch: batch.rows.len(),
                 time: layout.time,
                 all_logits,
             },
-            &mut running.cache,
+            &mut batch.cache,
         )?;
         let started = Instant::now();
         capture_routes(
-            &mut running.rows,
+            &mut batch.rows,
             &out.routes,
             &self.geo,
             first,
@@ -340,14 +418,14 @@ impl DeviceEngine {
         let logits = out.logits.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
         let mut logits = logits.to_vec3::<f32>()?;
         if all_logits {
-            for (row, rows) in running.rows.iter_mut().zip(&mut logits) {
+            for (row, rows) in batch.rows.iter_mut().zip(&mut logits) {
                 row.prompt_logprobs = prompt_logprobs(row, rows);
                 // Sampling reads the last slot's row.
                 rows.drain(..rows.len() - 1);
             }
         }
         let max_pos = self.model_cfg.max_position_embeddings;
-        let mut slots: Vec<NextTokenSlot<'_>> = running
+        let mut slots: Vec<NextTokenSlot<'_>> = batch
             .rows
             .iter_mut()
             .zip(logits.iter().flatten())
@@ -363,8 +441,7 @@ impl DeviceEngine {
             })
             .collect();
         sample_slots(&mut slots, max_pos);
-        drop(slots);
-        self.retire(running)
+        Ok(())
     }
 
     /// Sliding window of the attention, if any.
@@ -375,41 +452,43 @@ impl DeviceEngine {
         }
     }
 
-    /// Takes waiting requests into a new batch while the count and KV budget allow.
-    fn admit(&mut self) -> Option<Running> {
+    /// Takes waiting requests (in arrival order) into a new batch to prefill, while the
+    /// count and the KV budget allow them beside `running`, the batch they will join.
+    ///
+    /// A padded batch holds as many slots per row as its furthest-reaching row, so the
+    /// budget is rows × the furthest slot any row can reach: a running row reaches its
+    /// padding, prompt and max new tokens (its padding grows if a longer prompt joins), a
+    /// newcomer the joined batch's slots and its max new tokens.
+    fn admit(&mut self, running: Option<&Running>) -> Option<Running> {
         let slot_bytes = self.slot_bytes();
+        let (running_rows, running_slots, running_reach) = match running {
+            Some(r) => (
+                r.rows.len(),
+                r.cache.slots(),
+                r.rows.iter().map(Row::reach).max().unwrap_or(0),
+            ),
+            None => (0, 0, 0),
+        };
         let (mut longest, mut new_tokens) = (0, 0);
         let mut rows: Vec<Row> = Vec::new();
-        while rows.len() < self.cfg.max_running {
+        while running_rows + rows.len() < self.cfg.max_running {
             let Some(next) = self.waiting.front() else {
                 break;
             };
             let l = longest.max(next.request.input_ids.len());
             let n = new_tokens.max(next.request.sampling.max_new_tokens);
-            // Every row of a padded batch holds as many slots as the longest one reaches.
-            if !rows.is_empty() && (rows.len() + 1) * (l + n) * slot_bytes > self.cfg.kv_cache_bytes
-            {
+            let slots = running_slots.max(l);
+            let reach = (running_reach + (slots - running_slots)).max(slots + n);
+            let count = running_rows + rows.len() + 1;
+            // A request alone always fits (`submit` checked it).
+            if count > 1 && count * reach * slot_bytes > self.cfg.kv_cache_bytes {
                 break;
             }
             let Some(w) = self.waiting.pop_front() else {
                 break;
             };
             (longest, new_tokens) = (l, n);
-            rows.push(Row {
-                id: w.id,
-                rng: ChaCha8Rng::seed_from_u64(w.request.sampling.seed),
-                tokens: w.request.input_ids.clone(),
-                prompt_len: w.request.input_ids.len(),
-                pad: 0,
-                logprobs: Vec::new(),
-                top_logprobs: Vec::new(),
-                routes: Vec::new(),
-                route_versions: Vec::new(),
-                capture: w.request.return_routes && self.geo.row() > 0,
-                prompt_logprobs: None,
-                finish: None,
-                request: w.request,
-            });
+            rows.push(self.new_row(w));
         }
         if rows.is_empty() {
             return None;
@@ -423,27 +502,44 @@ impl DeviceEngine {
         })
     }
 
-    /// Returns finished rows as results and keeps the rest (and their cache rows) running.
-    fn retire(&mut self, mut running: Running) -> Result<Vec<GenerateResult>, RolloutError> {
-        let keep: Vec<u32> = (0..running.rows.len() as u32)
-            .filter(|&i| running.rows[i as usize].finish.is_none())
+    /// A waiting request as a batch row (its pad set by the batch it is prefilled in).
+    fn new_row(&self, w: Waiting) -> Row {
+        Row {
+            id: w.id,
+            rng: w.rng,
+            tokens: w.request.input_ids.clone(),
+            prompt_len: w.request.input_ids.len(),
+            pad: 0,
+            logprobs: Vec::new(),
+            top_logprobs: Vec::new(),
+            routes: Vec::new(),
+            route_versions: Vec::new(),
+            capture: w.request.return_routes && self.geo.row() > 0,
+            prompt_logprobs: None,
+            finish: None,
+            request: w.request,
+            resume: w.resume,
+        }
+    }
+
+    /// Takes the finished rows out of `batch` (and their rows out of its cache); returns
+    /// them as results.
+    fn retire(&mut self, batch: &mut Running) -> Result<Vec<GenerateResult>, RolloutError> {
+        let keep: Vec<u32> = (0..batch.rows.len() as u32)
+            .filter(|&i| batch.rows[i as usize].finish.is_none())
             .collect();
         let mut results = Vec::new();
-        if keep.len() < running.rows.len() {
-            let rows = std::mem::take(&mut running.rows);
-            for row in rows {
+        if keep.len() < batch.rows.len() {
+            for row in std::mem::take(&mut batch.rows) {
                 if row.finish.is_some() {
                     results.push(self.result(row)?);
                 } else {
-                    running.rows.push(row);
+                    batch.rows.push(row);
                 }
             }
-            if !running.rows.is_empty() {
-                running.cache.keep_rows(&keep)?;
+            if !batch.rows.is_empty() {
+                batch.cache.keep_rows(&keep)?;
             }
-        }
-        if !running.rows.is_empty() {
-            self.running = Some(running);
         }
         Ok(results)
     }
@@ -463,7 +559,7 @@ impl DeviceEngine {
         if row.capture {
             self.capture_time += started.elapsed();
         }
-        Ok(GenerateResult {
+        let mut result = GenerateResult {
             id: row.id,
             prompt_tokens: row.prompt_len,
             output_ids: row.generated().to_vec(),
@@ -474,18 +570,26 @@ impl DeviceEngine {
             cached_tokens: 0,
             routes,
             weight_version: self.version,
-        })
+        };
+        if let Some(resume) = &row.resume {
+            resume.complete(&mut result)?;
+        }
+        Ok(result)
     }
 
-    /// Stops a request; what it produced so far, or None if the id is unknown or finished.
-    /// (Resuming it is the CPU engine's: the device engine has no `resume` yet.)
+    /// Stops a request; what it produced so far (resumable with [`DeviceEngine::resume`]),
+    /// or None if the id is unknown or finished.
     pub fn abort(&mut self, id: RequestId) -> Result<Option<PartialRollout>, RolloutError> {
         if let Some(i) = self.waiting.iter().position(|w| w.id == id) {
             let Some(w) = self.waiting.remove(i) else {
                 return Ok(None);
             };
+            // A resumed request not yet admitted is still the call it continues.
+            if let Some(resume) = w.resume {
+                return Ok(Some(resume.earlier));
+            }
             return Ok(Some(PartialRollout {
-                rng: ChaCha8Rng::seed_from_u64(w.request.sampling.seed),
+                rng: w.rng,
                 request: w.request,
                 output_ids: Vec::new(),
                 output_logprobs: Vec::new(),
@@ -508,9 +612,14 @@ impl DeviceEngine {
                 .filter(|&j| j as usize != i)
                 .collect();
             running.cache.keep_rows(&keep)?;
+            trim(&mut running)?;
             self.running = Some(running);
         }
-        let (request, rng) = (row.request.clone(), row.rng.clone());
+        let request = match &row.resume {
+            Some(r) => r.earlier.request.clone(),
+            None => row.request.clone(),
+        };
+        let rng = row.rng.clone();
         let result = self.result(row)?;
         Ok(Some(PartialRollout {
             request,
@@ -553,18 +662,54 @@ impl DeviceEngine {
     }
 }
 
+/// Joins the prefilled batch `joining` to `running` at a step boundary: whichever holds
+/// fewer slots is left-padded to the other's count (its rows' pads grow by as much, so each
+/// keeps its positions and sees none of the new slots), then the rows and cache rows of
+/// `joining` follow those of `running`.
+fn join(running: &mut Running, mut joining: Running) -> Result<(), RolloutError> {
+    let (have, come) = (running.cache.slots(), joining.cache.slots());
+    let shorter = if have < come {
+        &mut *running
+    } else {
+        &mut joining
+    };
+    let extra = have.abs_diff(come);
+    shorter.cache.pad_front(extra)?;
+    for row in &mut shorter.rows {
+        row.pad += extra;
+    }
+    running.cache.append_rows(&joining.cache)?;
+    running.rows.append(&mut joining.rows);
+    Ok(())
+}
+
+/// Drops the leading slots that are padding for every row of `batch` (left behind by rows
+/// that finished or by a long prompt that joined earlier), so the cache and the attention
+/// span stay as short as the rows still running need.
+fn trim(batch: &mut Running) -> Result<(), RolloutError> {
+    let unused = batch.rows.iter().map(|r| r.pad).min().unwrap_or(0);
+    if unused > 0 {
+        batch.cache.drop_front(unused)?;
+        for row in &mut batch.rows {
+            row.pad -= unused;
+        }
+    }
+    Ok(())
+}
+
 /// The prompt log-probs `row` asked for, from its prefill logits `rows` (one per slot of the
 /// padded batch): `log softmax(logits[p − 1])[token p]` for prompt positions after the first
 /// reported one (as the CPU engine reports them).
 fn prompt_logprobs(row: &Row, rows: &[Vec<f32>]) -> Option<PromptLogprobs> {
     let from = row.request.sampling.prompt_logprobs_from?;
-    let start = from.min(row.prompt_len.saturating_sub(1));
+    let end = row.prompt_logprobs_end();
+    let start = from.min(end.saturating_sub(1));
     let top = row.request.sampling.top_logprobs;
     let mut out = PromptLogprobs {
         start,
         ..PromptLogprobs::default()
     };
-    for p in start..row.prompt_len.saturating_sub(1) {
+    for p in start..end.saturating_sub(1) {
         let logits = &rows[row.pad + p];
         out.logprobs
             .push(log_softmax_at(logits, row.tokens[p + 1] as usize));

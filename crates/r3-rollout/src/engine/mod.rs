@@ -350,21 +350,7 @@ impl Engine {
         partial: PartialRollout,
         policy: MergePolicy,
     ) -> Result<RequestId, RolloutError> {
-        let done = partial.output_ids.len();
-        let mut req = partial.request.clone();
-        let remaining = req
-            .sampling
-            .max_new_tokens
-            .checked_sub(done)
-            .filter(|&r| r > 0)
-            .ok_or_else(|| {
-                RolloutError::InvalidRequest(format!(
-                    "nothing to resume: {done} of max_new_tokens {} already generated",
-                    req.sampling.max_new_tokens
-                ))
-            })?;
-        req.input_ids.extend_from_slice(&partial.output_ids);
-        req.sampling.max_new_tokens = remaining;
+        let req = ResumeState::continuation(&partial)?;
         self.validate(&req)?;
         let rng = partial.rng.clone();
         Ok(self.enqueue(

@@ -18,6 +18,49 @@ pub struct ResumeState {
     pub policy: MergePolicy,
 }
 
+impl ResumeState {
+    /// The request that continues `partial`: its prompt followed by what it generated, and
+    /// the token budget it has left; refused when nothing is left.
+    pub fn continuation(partial: &PartialRollout) -> Result<GenerateRequest, RolloutError> {
+        let done = partial.output_ids.len();
+        let mut req = partial.request.clone();
+        req.sampling.max_new_tokens = req
+            .sampling
+            .max_new_tokens
+            .checked_sub(done)
+            .filter(|&r| r > 0)
+            .ok_or_else(|| {
+                RolloutError::InvalidRequest(format!(
+                    "nothing to resume: {done} of max_new_tokens {} already generated",
+                    req.sampling.max_new_tokens
+                ))
+            })?;
+        req.input_ids.extend_from_slice(&partial.output_ids);
+        Ok(req)
+    }
+
+    /// Completes the resumed call's `result` into the whole request's: the original prompt
+    /// length, the aborted call's tokens, log-probs and alternatives in front of this call's,
+    /// and the two calls' routes combined by the policy.
+    pub fn complete(&self, result: &mut GenerateResult) -> Result<(), RolloutError> {
+        let earlier = &self.earlier;
+        result.prompt_tokens = earlier.request.input_ids.len();
+        result
+            .output_ids
+            .splice(0..0, earlier.output_ids.iter().copied());
+        result
+            .output_logprobs
+            .splice(0..0, earlier.output_logprobs.iter().copied());
+        result
+            .output_top_logprobs
+            .splice(0..0, earlier.output_top_logprobs.iter().cloned());
+        if let (Some(old), Some(new)) = (&earlier.routes, &result.routes) {
+            result.routes = Some(merge_resumed(old, new, self.policy)?);
+        }
+        Ok(())
+    }
+}
+
 /// Route geometry shared by all sequences of an engine.
 #[derive(Debug, Clone)]
 pub struct RouteGeometry {
@@ -175,45 +218,25 @@ impl Sequence {
         } else {
             None
         };
-        let mut output_ids = self.generated().to_vec();
-        let mut output_logprobs = self.logprobs.clone();
-        let mut output_top_logprobs = self.top_logprobs.clone();
-        let prompt_logprobs = self.prompt_logprobs_start().map(|start| PromptLogprobs {
-            start,
-            logprobs: self.prompt_logprobs.clone(),
-            top_logprobs: self.prompt_top_logprobs.clone(),
-        });
-        let mut prompt_tokens = self.prompt_len;
-        let routes = match self.resume {
-            Some(r) => {
-                prompt_tokens = r.earlier.request.input_ids.len();
-                let mut ids = r.earlier.output_ids.clone();
-                ids.append(&mut output_ids);
-                output_ids = ids;
-                let mut lps = r.earlier.output_logprobs.clone();
-                lps.append(&mut output_logprobs);
-                output_logprobs = lps;
-                let mut tops = r.earlier.output_top_logprobs.clone();
-                tops.append(&mut output_top_logprobs);
-                output_top_logprobs = tops;
-                match (&r.earlier.routes, routes) {
-                    (Some(old), Some(new)) => Some(merge_resumed(old, &new, r.policy)?),
-                    (_, new) => new,
-                }
-            }
-            None => routes,
-        };
-        Ok(GenerateResult {
+        let mut result = GenerateResult {
             id: self.id,
-            prompt_tokens,
-            output_ids,
-            output_logprobs,
-            output_top_logprobs,
-            prompt_logprobs,
+            prompt_tokens: self.prompt_len,
+            output_ids: self.generated().to_vec(),
+            output_logprobs: self.logprobs.clone(),
+            output_top_logprobs: self.top_logprobs.clone(),
+            prompt_logprobs: self.prompt_logprobs_start().map(|start| PromptLogprobs {
+                start,
+                logprobs: self.prompt_logprobs.clone(),
+                top_logprobs: self.prompt_top_logprobs.clone(),
+            }),
             finish: self.finish.unwrap_or(FinishReason::Abort),
             cached_tokens: self.cached_tokens,
             routes,
             weight_version: version,
-        })
+        };
+        if let Some(r) = &self.resume {
+            r.complete(&mut result)?;
+        }
+        Ok(result)
     }
 }
