@@ -54,6 +54,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         });
         println!("build engine weights ({dtype}):  {s:.3} s");
     }
+    for dtype in [Dtype::F32, Dtype::F16, Dtype::Bf16] {
+        let mut weights =
+            ModelWeights::from_tensors_with_router(&cfg, &map, dtype, RouterDtype::Model)?;
+        let s = best_of(reps, || {
+            weights
+                .refill(&cfg, &map, dtype, RouterDtype::Model)
+                .map_err(|e| e.to_string())
+        });
+        println!("refill engine weights ({dtype}): {s:.3} s");
+    }
     for dtype in [Dtype::F32, Dtype::F16] {
         let engine_cfg = EngineConfig {
             dtype,

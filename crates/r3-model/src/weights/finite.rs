@@ -15,20 +15,41 @@ use crate::weights::precision::WeightPrecision;
 /// Elements per chunk of the parallel scan.
 const CHUNK: usize = 1 << 16;
 
-/// First element of `data` outside `max` (NaN included) as (flat index, value as f64).
-fn first_outside<T: Copy + Sync>(
+/// A float type the scan compares in.
+trait Compared: Copy + Send + Sync {
+    /// Whether `self` is NaN or of magnitude above `max`.
+    fn outside(self, max: Self) -> bool;
+}
+
+impl Compared for f32 {
+    #[inline(always)]
+    fn outside(self, max: f32) -> bool {
+        // NaN compares false, so it is outside too.
+        !(self.abs() <= max)
+    }
+}
+
+impl Compared for f64 {
+    #[inline(always)]
+    fn outside(self, max: f64) -> bool {
+        !(self.abs() <= max)
+    }
+}
+
+/// First element of `data` outside `max` (NaN included) as (flat index, value widened to
+/// `W`, the type compared in).
+fn first_outside<T: Copy + Sync, W: Compared>(
     data: &[T],
-    max: f64,
-    widen: impl Fn(T) -> f64 + Sync,
-) -> Option<(usize, f64)> {
-    let outside = |x: T| {
-        let v = widen(x).abs();
-        v.is_nan() || v > max
-    };
+    max: W,
+    widen: impl Fn(T) -> W + Sync,
+) -> Option<(usize, W)> {
+    let outside = |x: T| widen(x).outside(max);
+    // Each chunk is tested without an early exit (an OR over every element, which
+    // vectorises); only a chunk holding a bad element is searched for its position.
     let (chunk_index, chunk) = data
         .par_chunks(CHUNK)
         .enumerate()
-        .find_first(|(_, c)| c.iter().any(|&x| outside(x)))?;
+        .find_first(|(_, c)| c.iter().fold(false, |bad, &x| bad | outside(x)))?;
     let offset = chunk.iter().position(|&x| outside(x))?;
     Some((chunk_index * CHUNK + offset, widen(chunk[offset])))
 }
@@ -58,6 +79,12 @@ pub fn check_holds(name: &str, tensor: &Tensor, precision: WeightPrecision) -> R
             ModelError::Input(format!("tensor `{name}` is not contiguous after a copy"))
         })?;
         match &*storage {
+            // Compared in f32 (half the vector width of f64) when `max` is an f32 value, as
+            // every precision's largest finite value is.
+            Storage::Cpu(CpuStorage::F32(v)) if f64::from(max as f32) == max => {
+                Some(first_outside(&v[start..end], max as f32, |x| x))
+                    .map(|found| found.map(|(i, x)| (i, f64::from(x))))
+            }
             Storage::Cpu(CpuStorage::F32(v)) => Some(first_outside(&v[start..end], max, f64::from)),
             Storage::Cpu(CpuStorage::F64(v)) => Some(first_outside(&v[start..end], max, |x| x)),
             Storage::Cpu(CpuStorage::F16(v)) => {

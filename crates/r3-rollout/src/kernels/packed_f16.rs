@@ -107,6 +107,8 @@ impl HalfKind {
 
 /// Output columns per panel (two 16-lane f32 vectors).
 pub const PANEL: usize = 32;
+/// Reduction steps per tile of [`PackedF16::repack`].
+const TILE_K: usize = 64;
 /// Input rows per register tile.
 const TILE_ROWS: usize = 8;
 
@@ -187,17 +189,27 @@ impl PackedF16 {
         self.data
             .par_chunks_mut(k * PANEL)
             .enumerate()
-            .for_each_init(
-                || vec![0u16; k],
-                |line, (p, panel)| {
-                    for j in 0..PANEL.min(n - p * PANEL) {
-                        kind.narrow(rows.row(p * PANEL + j), line);
-                        for (c, &h) in line.iter().enumerate() {
-                            panel[c * PANEL + j] = h;
+            .for_each(|(p, panel)| {
+                let cols = PANEL.min(n - p * PANEL);
+                // A tile of the panel's rows × TILE_K reduction steps is narrowed row by row
+                // (contiguous reads), then written out line by line (contiguous writes).
+                let mut tile = [[0u16; TILE_K]; PANEL];
+                for c0 in (0..k).step_by(TILE_K) {
+                    let width = TILE_K.min(k - c0);
+                    for (j, t) in tile.iter_mut().enumerate().take(cols) {
+                        let row = rows.row(p * PANEL + j);
+                        kind.narrow(&row[c0..c0 + width], &mut t[..width]);
+                    }
+                    for (c, line) in panel[c0 * PANEL..(c0 + width) * PANEL]
+                        .chunks_exact_mut(PANEL)
+                        .enumerate()
+                    {
+                        for (j, v) in line.iter_mut().enumerate().take(cols) {
+                            *v = tile[j][c];
                         }
                     }
-                },
-            );
+                }
+            });
     }
 
     /// Rows of the weight `[n, k]`.
