@@ -70,7 +70,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             ..EngineConfig::default()
         };
         let mut engine = Engine::new(cfg.clone(), &map, engine_cfg)?;
-        let s = best_of(reps, || engine.update_weights(&map).map_err(|e| e.to_string()));
+        let s = best_of(reps, || {
+            engine.update_weights(&map).map_err(|e| e.to_string())
+        });
         println!("Engine::update_weights ({dtype}): {s:.3} s");
     }
     Ok(())

@@ -58,9 +58,7 @@ fn a_sync_leaves_what_a_fresh_load_builds_bit_for_bit() {
                 };
                 let mut synced = build(&old_map);
                 let before = bits(&synced);
-                synced
-                    .refill(&cfg, &new_map, dtype, router)
-                    .expect(&case);
+                synced.refill(&cfg, &new_map, dtype, router).expect(&case);
                 let after = bits(&synced);
                 assert_eq!(after, bits(&build(&new_map)), "{case}");
                 assert_ne!(after, before, "{case}: the sync changed nothing");
@@ -81,11 +79,18 @@ fn a_synced_engine_model_computes_what_a_fresh_one_does() {
             let before = full_forward(&mut synced, tokens);
             synced.load_weights(&new).expect("sync");
             let mut fresh = InferenceModel::new(cfg.clone(), &new, dtype).expect("new model");
-            let (got, want) = (full_forward(&mut synced, tokens), full_forward(&mut fresh, tokens));
+            let (got, want) = (
+                full_forward(&mut synced, tokens),
+                full_forward(&mut fresh, tokens),
+            );
             let bits = |l: &[f32]| l.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&got.0), bits(&want.0), "{family} {dtype}: logits");
             assert_eq!(got.1, want.1, "{family} {dtype}: routes");
-            assert_ne!(bits(&got.0), bits(&before.0), "{family} {dtype}: nothing changed");
+            assert_ne!(
+                bits(&got.0),
+                bits(&before.0),
+                "{family} {dtype}: nothing changed"
+            );
         }
     }
 }
@@ -96,7 +101,10 @@ fn a_map_the_config_does_not_fit_is_refused_before_anything_is_written() {
     let old = map(&cfg, &tiny_weights(&cfg, 1, DType::F32), true);
     let mut bad = map(&cfg, &tiny_weights(&cfg, 2, DType::F32), true);
     let missing = "model.layers.2.self_attn.o_proj.weight";
-    assert!(bad.remove(missing).is_some(), "the test removes a real tensor");
+    assert!(
+        bad.remove(missing).is_some(),
+        "the test removes a real tensor"
+    );
     for dtype in [Dtype::F32, Dtype::F16] {
         let mut w = ModelWeights::from_tensors(&cfg, &old, dtype).expect("build");
         let before = bits(&w);

@@ -135,7 +135,11 @@ impl Linear {
                 rows.len(),
                 rows.width(),
                 if bias.is_some() { " with bias" } else { "" },
-                if self.bias.is_some() { " with bias" } else { "" },
+                if self.bias.is_some() {
+                    " with bias"
+                } else {
+                    ""
+                },
             )));
         }
         check_whole_rows(name, rows)?;

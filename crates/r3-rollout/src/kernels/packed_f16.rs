@@ -82,7 +82,9 @@ impl HalfKind {
     /// length): `f16::from_f32` / `bf16::from_f32` per value, in loops that vectorise.
     fn narrow(self, src: &[f32], dst: &mut [u16]) {
         match self {
-            HalfKind::F16 => dst.reinterpret_cast_mut::<f16>().convert_from_f32_slice(src),
+            HalfKind::F16 => dst
+                .reinterpret_cast_mut::<f16>()
+                .convert_from_f32_slice(src),
             HalfKind::Bf16 => {
                 for (d, s) in dst.iter_mut().zip(src) {
                     *d = bf16_bits(*s);

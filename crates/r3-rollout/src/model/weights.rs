@@ -190,7 +190,12 @@ fn linear(f: &Fetcher, prefix: &str, bias: bool, dtype: Dtype) -> Result<Linear,
 }
 
 /// [`linear`] into the existing layer `dst`, in place.
-fn refill_linear(f: &Fetcher, prefix: &str, bias: bool, dst: &mut Linear) -> Result<(), RolloutError> {
+fn refill_linear(
+    f: &Fetcher,
+    prefix: &str,
+    bias: bool,
+    dst: &mut Linear,
+) -> Result<(), RolloutError> {
     let (w, shape, b) = weight_and_bias(f, prefix, bias)?;
     let block = [&*w];
     let rows = StackedRows::new(&block, columns(prefix, &shape)?);
@@ -354,26 +359,27 @@ struct FusedExperts<'a> {
 impl<'a> FusedExperts<'a> {
     fn get(f: &Fetcher<'a>, moe_prefix: &str) -> Result<Self, RolloutError> {
         let (gate_up_name, down_name) = spec::fused_expert_names(moe_prefix);
-    let (gate_up, gu_shape) = f.get(&gate_up_name)?;
-    let (down, down_shape) = f.get(&down_name)?;
-    let (&[e, two_inter, h], &[_, _, inter]) = (gu_shape.as_slice(), down_shape.as_slice()) else {
-        return Err(RolloutError::Weights(format!(
-            "{moe_prefix}: fused experts of shapes {gu_shape:?} / {down_shape:?}"
-        )));
-    };
-    // The spec checked the shapes; the buffers must still hold every expert in full, or the
-    // zip below would silently build fewer experts than the router can pick.
-    let (gu_len, down_len) = (
-        e.checked_mul(two_inter).and_then(|n| n.checked_mul(h)),
-        e.checked_mul(h).and_then(|n| n.checked_mul(inter)),
-    );
-    if e == 0 || gu_len != Some(gate_up.len()) || down_len != Some(down.len()) {
-        return Err(RolloutError::Weights(format!(
+        let (gate_up, gu_shape) = f.get(&gate_up_name)?;
+        let (down, down_shape) = f.get(&down_name)?;
+        let (&[e, two_inter, h], &[_, _, inter]) = (gu_shape.as_slice(), down_shape.as_slice())
+        else {
+            return Err(RolloutError::Weights(format!(
+                "{moe_prefix}: fused experts of shapes {gu_shape:?} / {down_shape:?}"
+            )));
+        };
+        // The spec checked the shapes; the buffers must still hold every expert in full, or the
+        // zip below would silently build fewer experts than the router can pick.
+        let (gu_len, down_len) = (
+            e.checked_mul(two_inter).and_then(|n| n.checked_mul(h)),
+            e.checked_mul(h).and_then(|n| n.checked_mul(inter)),
+        );
+        if e == 0 || gu_len != Some(gate_up.len()) || down_len != Some(down.len()) {
+            return Err(RolloutError::Weights(format!(
             "{moe_prefix}: fused experts hold {} / {} values, which does not match shapes {gu_shape:?} / {down_shape:?}",
             gate_up.len(),
             down.len()
         )));
-    }
+        }
         Ok(FusedExperts {
             gate_up_name,
             down_name,
@@ -616,7 +622,10 @@ fn refill_all(
                 .map(|(i, l)| {
                     for (n, dst) in [
                         (spec::weight(&spec::input_norm(i)), &mut l.input_norm),
-                        (spec::weight(&spec::post_attention_norm(i)), &mut l.post_norm),
+                        (
+                            spec::weight(&spec::post_attention_norm(i)),
+                            &mut l.post_norm,
+                        ),
                     ] {
                         fill_stored(&n, dst, &f.get(&n)?.0, dtype)?;
                     }
