@@ -168,24 +168,27 @@ fn matrix(
     Linear::from_rows(name, &rows, bias.map(|b| stored(b, dtype)), dtype)
 }
 
+/// A tensor's f32 values and its shape, as [`Fetcher::get`] hands them out.
+type Fetched<'a> = (F32Values<'a>, Vec<usize>);
+
 /// The weight `{prefix}.weight`, its shape and (when `bias`) `{prefix}.bias`.
 fn weight_and_bias<'a>(
     f: &Fetcher<'a>,
     prefix: &str,
     bias: bool,
-) -> Result<(F32Values<'a>, Vec<usize>, Option<Vec<f32>>), RolloutError> {
+) -> Result<(Fetched<'a>, Option<Vec<f32>>), RolloutError> {
     let (w, shape) = f.get(&spec::weight(prefix))?;
     let b = if bias {
         Some(f.vector(&spec::bias(prefix))?)
     } else {
         None
     };
-    Ok((w, shape, b))
+    Ok(((w, shape), b))
 }
 
 /// The layer `{prefix}.weight` (and `{prefix}.bias` when `bias`).
 fn linear(f: &Fetcher, prefix: &str, bias: bool, dtype: Dtype) -> Result<Linear, RolloutError> {
-    let (w, shape, b) = weight_and_bias(f, prefix, bias)?;
+    let ((w, shape), b) = weight_and_bias(f, prefix, bias)?;
     matrix(prefix, &w, &shape, b, dtype)
 }
 
@@ -196,7 +199,7 @@ fn refill_linear(
     bias: bool,
     dst: &mut Linear,
 ) -> Result<(), RolloutError> {
-    let (w, shape, b) = weight_and_bias(f, prefix, bias)?;
+    let ((w, shape), b) = weight_and_bias(f, prefix, bias)?;
     let block = [&*w];
     let rows = StackedRows::new(&block, columns(prefix, &shape)?);
     dst.refill(prefix, &rows, b.as_deref())
@@ -206,7 +209,7 @@ fn refill_linear(
 /// projections), and that count.
 fn stacked<'v>(
     name: &str,
-    parts: &'v [(F32Values<'_>, Vec<usize>)],
+    parts: &'v [Fetched<'_>],
 ) -> Result<(Vec<&'v [f32]>, usize), RolloutError> {
     let cols = parts.first().and_then(|p| p.1.get(1).copied()).unwrap_or(0);
     for (_, shape) in parts {
@@ -222,7 +225,7 @@ fn stacked<'v>(
 /// Stacks row-major matrices with the same column count (used to fuse projections).
 fn stack(
     name: &str,
-    parts: &[(F32Values<'_>, Vec<usize>)],
+    parts: &[Fetched<'_>],
     bias: Option<Vec<f32>>,
     dtype: Dtype,
 ) -> Result<Linear, RolloutError> {
@@ -234,7 +237,7 @@ fn stack(
 /// [`stack`] into the existing layer `dst`, in place.
 fn refill_stack(
     name: &str,
-    parts: &[(F32Values<'_>, Vec<usize>)],
+    parts: &[Fetched<'_>],
     bias: Option<&[f32]>,
     dst: &mut Linear,
 ) -> Result<(), RolloutError> {
@@ -244,12 +247,11 @@ fn refill_stack(
 
 /// The gate and up projections of a SwiGLU block under `prefix`, the name of their stack
 /// and the block's hidden width.
-#[allow(clippy::type_complexity)] // a private pair of (values, shape) and two plain values
 fn gate_up<'a>(
     f: &Fetcher<'a>,
     prefix: &str,
     names: &SwigluNames,
-) -> Result<([(F32Values<'a>, Vec<usize>); 2], String, usize), RolloutError> {
+) -> Result<([Fetched<'a>; 2], String, usize), RolloutError> {
     let gate = f.get(&spec::weight(&format!("{prefix}.{}", names.gate)))?;
     let up = f.get(&spec::weight(&format!("{prefix}.{}", names.up)))?;
     let inter = gate.1.first().copied().unwrap_or(0);
