@@ -155,9 +155,10 @@ mod tests {
     #[test]
     fn the_first_bad_element_is_found_across_chunks_by_the_f32_bit_scan() {
         let mut v = vec![-65504.0f32; 3 * CHUNK];
-        v[2 * CHUNK + 1] = f32::NAN;
         let t = Tensor::from_vec(v.clone(), v.len(), &Device::Cpu).expect("tensor");
         check_holds("w", &t, WeightPrecision::F16).expect("65504 fits f16");
+        // A later chunk's bad element does not hide an earlier one.
+        v[2 * CHUNK + 1] = f32::NAN;
         v[CHUNK + 3] = -65504.01;
         let t = Tensor::from_vec(v.clone(), v.len(), &Device::Cpu).expect("tensor");
         match check_holds("w", &t, WeightPrecision::F16) {
