@@ -60,6 +60,12 @@ pub fn round_to_bf16(v: &mut [f32]) {
     }
 }
 
+/// The bits of the bf16 nearest to `v`: `half::bf16::from_f32(v).to_bits()`, branch-free.
+#[inline(always)]
+pub(crate) fn bf16_bits(v: f32) -> u16 {
+    (bf16_round_bits(v.to_bits()) >> 16) as u16
+}
+
 /// The f32 bits of the bf16 nearest to the f32 with bits `b`.
 #[inline(always)]
 fn bf16_round_bits(b: u32) -> u32 {

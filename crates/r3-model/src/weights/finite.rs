@@ -15,22 +15,54 @@ use crate::weights::precision::WeightPrecision;
 /// Elements per chunk of the parallel scan.
 const CHUNK: usize = 1 << 16;
 
-/// First element of `data` outside `max` (NaN included) as (flat index, value as f64).
-fn first_outside<T: Copy + Sync>(
+/// A float type the scan compares in.
+trait Compared: Copy + Send + Sync {
+    /// Whether `self` is NaN or of magnitude above `max`.
+    fn outside(self, max: Self) -> bool;
+}
+
+impl Compared for f32 {
+    #[inline(always)]
+    fn outside(self, max: f32) -> bool {
+        self.is_nan() || self.abs() > max
+    }
+}
+
+impl Compared for f64 {
+    #[inline(always)]
+    fn outside(self, max: f64) -> bool {
+        self.is_nan() || self.abs() > max
+    }
+}
+
+/// First element of `data` outside `max` (NaN included) as (flat index, value widened to
+/// `W`, the type compared in).
+fn first_outside<T: Copy + Sync, W: Compared>(
     data: &[T],
-    max: f64,
-    widen: impl Fn(T) -> f64 + Sync,
-) -> Option<(usize, f64)> {
-    let outside = |x: T| {
-        let v = widen(x).abs();
-        v.is_nan() || v > max
-    };
+    max: W,
+    widen: impl Fn(T) -> W + Sync,
+) -> Option<(usize, W)> {
+    let outside = |x: T| widen(x).outside(max);
+    // Each chunk is tested without an early exit (an OR over every element, which
+    // vectorises); only a chunk holding a bad element is searched for its position.
     let (chunk_index, chunk) = data
         .par_chunks(CHUNK)
         .enumerate()
-        .find_first(|(_, c)| c.iter().any(|&x| outside(x)))?;
+        .find_first(|(_, c)| c.iter().fold(false, |bad, &x| bad | outside(x)))?;
     let offset = chunk.iter().position(|&x| outside(x))?;
     Some((chunk_index * CHUNK + offset, widen(chunk[offset])))
+}
+
+/// [`first_outside`] for f32 values and an f32 `max` (≥ 0): a chunk's largest magnitude is
+/// an integer max over the bits without the sign (non-negative floats order as their bits,
+/// and NaN's lie above infinity's), which vectorises to one compare per lane.
+fn first_outside_f32(data: &[f32], max: f32) -> Option<(usize, f32)> {
+    let max_bits = max.to_bits();
+    let (chunk_index, chunk) = data.par_chunks(CHUNK).enumerate().find_first(|(_, c)| {
+        c.iter().fold(0u32, |m, x| m.max(x.to_bits() & 0x7FFF_FFFF)) > max_bits
+    })?;
+    let offset = chunk.iter().position(|&x| x.outside(max))?;
+    Some((chunk_index * CHUNK + offset, chunk[offset]))
 }
 
 /// Checks that every element of the float tensor `tensor` is finite; an error names `name`,
@@ -58,6 +90,12 @@ pub fn check_holds(name: &str, tensor: &Tensor, precision: WeightPrecision) -> R
             ModelError::Input(format!("tensor `{name}` is not contiguous after a copy"))
         })?;
         match &*storage {
+            // Compared in f32 (half the vector width of f64) when `max` is an f32 value, as
+            // every precision's largest finite value is.
+            Storage::Cpu(CpuStorage::F32(v)) if f64::from(max as f32) == max && max >= 0.0 => {
+                Some(first_outside_f32(&v[start..end], max as f32))
+                    .map(|found| found.map(|(i, x)| (i, f64::from(x))))
+            }
             Storage::Cpu(CpuStorage::F32(v)) => Some(first_outside(&v[start..end], max, f64::from)),
             Storage::Cpu(CpuStorage::F64(v)) => Some(first_outside(&v[start..end], max, |x| x)),
             Storage::Cpu(CpuStorage::F16(v)) => {
@@ -113,6 +151,34 @@ pub fn check_map_holds<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_first_bad_element_is_found_across_chunks_by_the_f32_bit_scan() {
+        let mut v = vec![-65504.0f32; 3 * CHUNK];
+        let t = Tensor::from_vec(v.clone(), v.len(), &Device::Cpu).expect("tensor");
+        check_holds("w", &t, WeightPrecision::F16).expect("65504 fits f16");
+        // A later chunk's bad element does not hide an earlier one.
+        v[2 * CHUNK + 1] = f32::NAN;
+        v[CHUNK + 3] = -65504.01;
+        let t = Tensor::from_vec(v.clone(), v.len(), &Device::Cpu).expect("tensor");
+        match check_holds("w", &t, WeightPrecision::F16) {
+            Err(ModelError::OutOfPrecisionRange { index, value, .. }) => {
+                assert_eq!((index, value), (CHUNK + 3, f64::from(-65504.01f32)));
+            }
+            other => panic!("expected an f16 range error, got {other:?}"),
+        }
+        for (bad, precision) in [
+            (f32::NEG_INFINITY, WeightPrecision::F32),
+            (f32::NAN, WeightPrecision::Bf16),
+        ] {
+            v[CHUNK + 3] = bad;
+            let t = Tensor::from_vec(v.clone(), v.len(), &Device::Cpu).expect("tensor");
+            match check_holds("w", &t, precision) {
+                Err(ModelError::NonFiniteWeight { index, .. }) => assert_eq!(index, CHUNK + 3),
+                other => panic!("expected a non-finite error, got {other:?}"),
+            }
+        }
+    }
 
     #[test]
     fn each_precision_holds_up_to_its_largest_finite_value() {

@@ -13,7 +13,7 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
-use super::packed_f16::{HalfKind, PackedF16, PanelKernel, PANEL};
+use super::packed_f16::{HalfKind, PackedF16, PanelKernel, StackedRows, PANEL};
 use crate::dtype::{round_to_bf16, Dtype};
 use crate::error::RolloutError;
 
@@ -60,14 +60,7 @@ impl Linear {
                 weight.len()
             )));
         }
-        if let Some(b) = &bias {
-            if b.len() != out_features {
-                return Err(RolloutError::Weights(format!(
-                    "{name} bias: expected {out_features} values, got {}",
-                    b.len()
-                )));
-            }
-        }
+        check_bias(name, bias.as_deref(), out_features)?;
         let weight = match dtype {
             Dtype::F32 => WeightData::F32(weight),
             Dtype::F16 => WeightData::F16(
@@ -85,6 +78,88 @@ impl Linear {
             out_features,
             in_features,
         })
+    }
+
+    /// Builds a layer from row blocks stacked in order (borrowed, e.g. a tensor's storage),
+    /// converting to `dtype`: the f16/bf16 panels are packed from the blocks directly.
+    pub fn from_rows(
+        name: &str,
+        rows: &StackedRows<'_>,
+        bias: Option<Vec<f32>>,
+        dtype: Dtype,
+    ) -> Result<Self, RolloutError> {
+        let (out_features, in_features) = (rows.len(), rows.width());
+        check_whole_rows(name, rows)?;
+        match dtype {
+            Dtype::F32 => Self::new(
+                name,
+                rows.parts().concat(),
+                out_features,
+                in_features,
+                bias,
+                dtype,
+            ),
+            Dtype::F16 | Dtype::Bf16 => {
+                check_bias(name, bias.as_deref(), out_features)?;
+                let kind = match dtype {
+                    Dtype::Bf16 => HalfKind::Bf16,
+                    _ => HalfKind::F16,
+                };
+                Ok(Linear {
+                    weight: WeightData::F16(
+                        PackedF16::pack_rows(kind, rows, out_features),
+                        PanelKernel::detect(),
+                    ),
+                    bias,
+                    out_features,
+                    in_features,
+                })
+            }
+        }
+    }
+
+    /// Overwrites the weight with `rows` and the bias with `bias` in place, in this layer's
+    /// dtype (the values [`Linear::from_rows`] would hold, without allocating): a weight
+    /// sync's path. The shape and whether there is a bias must be this layer's; else an
+    /// error naming `name`, and nothing is written.
+    pub fn refill(
+        &mut self,
+        name: &str,
+        rows: &StackedRows<'_>,
+        bias: Option<&[f32]>,
+    ) -> Result<(), RolloutError> {
+        let (n, k) = (self.out_features, self.in_features);
+        if (rows.len(), rows.width()) != (n, k) || bias.is_some() != self.bias.is_some() {
+            return Err(RolloutError::Weights(format!(
+                "{name}: a {}x{} update{} for a {n}x{k} layer{}",
+                rows.len(),
+                rows.width(),
+                if bias.is_some() { " with bias" } else { "" },
+                if self.bias.is_some() {
+                    " with bias"
+                } else {
+                    ""
+                },
+            )));
+        }
+        check_whole_rows(name, rows)?;
+        check_bias(name, bias, n)?;
+        let dtype = self.dtype();
+        match &mut self.weight {
+            WeightData::F32(w) => {
+                let mut at = 0;
+                for part in rows.parts() {
+                    copy_parallel(&mut w[at..at + part.len()], part);
+                    at += part.len();
+                }
+            }
+            WeightData::F16(w, _) => w.repack(rows),
+        }
+        if let (Some(dst), Some(src)) = (self.bias.as_mut(), bias) {
+            dst.copy_from_slice(src);
+            dtype.round_activations(dst);
+        }
+        Ok(())
     }
 
     /// Output width.
@@ -170,6 +245,37 @@ impl Linear {
             }
         }
     }
+}
+
+/// Errors unless `bias`, when given, holds `out_features` values.
+fn check_bias(name: &str, bias: Option<&[f32]>, out_features: usize) -> Result<(), RolloutError> {
+    match bias {
+        Some(b) if b.len() != out_features => Err(RolloutError::Weights(format!(
+            "{name} bias: expected {out_features} values, got {}",
+            b.len()
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Errors unless every block of `rows` is a whole number of rows.
+fn check_whole_rows(name: &str, rows: &StackedRows<'_>) -> Result<(), RolloutError> {
+    let values: usize = rows.parts().iter().map(|p| p.len()).sum();
+    if values != rows.len() * rows.width() {
+        return Err(RolloutError::Weights(format!(
+            "{name}: {values} values are not whole rows of {}",
+            rows.width()
+        )));
+    }
+    Ok(())
+}
+
+/// `dst.copy_from_slice(src)` in chunks on the rayon pool (weights run to tens of MB).
+pub(crate) fn copy_parallel(dst: &mut [f32], src: &[f32]) {
+    const CHUNK: usize = 1 << 16;
+    dst.par_chunks_mut(CHUNK)
+        .zip(src.par_chunks(CHUNK))
+        .for_each(|(d, s)| d.copy_from_slice(s));
 }
 
 /// Rounds every value to the nearest f16 (the output precision of an f16 matmul).

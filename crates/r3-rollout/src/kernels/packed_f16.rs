@@ -9,8 +9,64 @@
 //! extension and a 16-bit shift (bf16 is the upper half of an f32), then `vfmadd231ps`; other
 //! CPUs widen a panel to an f32 scratch and use portable loops.
 
+use half::f16;
 use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
-use half::{bf16, f16};
+use rayon::prelude::*;
+
+use crate::dtype::bf16_bits;
+
+/// A row-major matrix given as row blocks stacked in order (`[q; k; v]`, `[gate; up]`, or one
+/// block), each borrowed where it lies: packing reads the rows without first copying the
+/// blocks into one buffer.
+#[derive(Debug, Clone, Copy)]
+pub struct StackedRows<'a> {
+    parts: &'a [&'a [f32]],
+    width: usize,
+}
+
+impl<'a> StackedRows<'a> {
+    /// The blocks `parts`, each a whole number of rows of `width` values (a `width` of 0
+    /// holds no rows).
+    pub fn new(parts: &'a [&'a [f32]], width: usize) -> Self {
+        StackedRows { parts, width }
+    }
+
+    /// Values per row.
+    pub fn width(&self) -> usize {
+        self.width
+    }
+
+    /// Number of rows.
+    pub fn len(&self) -> usize {
+        match self.width {
+            0 => 0,
+            w => self.parts.iter().map(|p| p.len() / w).sum(),
+        }
+    }
+
+    /// Whether there are no rows.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Row `r` (panics past the last row, like an index).
+    pub fn row(&self, mut r: usize) -> &'a [f32] {
+        let w = self.width;
+        for part in self.parts {
+            let rows = part.len() / w.max(1);
+            if r < rows {
+                return &part[r * w..(r + 1) * w];
+            }
+            r -= rows;
+        }
+        panic!("row past the end of the stacked blocks")
+    }
+
+    /// The blocks in order.
+    pub fn parts(&self) -> &'a [&'a [f32]] {
+        self.parts
+    }
+}
 
 /// Which 16-bit float format a packed weight holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,11 +78,18 @@ pub enum HalfKind {
 }
 
 impl HalfKind {
-    /// The bits of `v` rounded to this format (nearest, ties to even).
-    fn bits(self, v: f32) -> u16 {
+    /// The bits of `src` rounded to this format (nearest, ties to even), into `dst` (same
+    /// length): `f16::from_f32` / `bf16::from_f32` per value, in loops that vectorise.
+    fn narrow(self, src: &[f32], dst: &mut [u16]) {
         match self {
-            HalfKind::F16 => f16::from_f32(v).to_bits(),
-            HalfKind::Bf16 => bf16::from_f32(v).to_bits(),
+            HalfKind::F16 => dst
+                .reinterpret_cast_mut::<f16>()
+                .convert_from_f32_slice(src),
+            HalfKind::Bf16 => {
+                for (d, s) in dst.iter_mut().zip(src) {
+                    *d = bf16_bits(*s);
+                }
+            }
         }
     }
 
@@ -46,6 +109,8 @@ impl HalfKind {
 
 /// Output columns per panel (two 16-lane f32 vectors).
 pub const PANEL: usize = 32;
+/// Reduction steps per tile of [`PackedF16::repack`].
+const TILE_K: usize = 64;
 /// Input rows per register tile.
 const TILE_ROWS: usize = 8;
 
@@ -100,19 +165,63 @@ impl PackedF16 {
 
     /// Packs row-major f32 weights `w [n, k]`, rounding to `kind`.
     pub fn pack_as(kind: HalfKind, w: &[f32], n: usize, k: usize) -> Self {
-        debug_assert_eq!(w.len(), n * k);
-        let panels = n.div_ceil(PANEL);
-        let mut data = vec![0u16; panels * k * PANEL];
-        for (p, panel) in data.chunks_exact_mut(k * PANEL).enumerate() {
-            let cols = PANEL.min(n - p * PANEL);
-            for j in 0..cols {
-                let row = &w[(p * PANEL + j) * k..(p * PANEL + j + 1) * k];
-                for (c, v) in row.iter().enumerate() {
-                    panel[c * PANEL + j] = kind.bits(*v);
+        Self::pack_rows(kind, &StackedRows::new(&[w], k), n)
+    }
+
+    /// Packs the `n` rows of `rows` (each `k = rows.width()` values), rounding to `kind`.
+    pub fn pack_rows(kind: HalfKind, rows: &StackedRows<'_>, n: usize) -> Self {
+        let k = rows.width();
+        let mut packed = PackedF16 {
+            data: vec![0u16; n.div_ceil(PANEL) * k * PANEL],
+            kind,
+            n,
+            k,
+        };
+        packed.repack(rows);
+        packed
+    }
+
+    /// Overwrites the packed values with `rows` (this weight's `n` rows of `k` values, the
+    /// caller checked), in place: a weight sync reuses the buffer instead of allocating (and
+    /// page-faulting) a new one. Panels are packed on the rayon pool; the tail panel's
+    /// missing columns are never written and stay zero.
+    pub fn repack(&mut self, rows: &StackedRows<'_>) {
+        let (kind, n, k) = (self.kind, self.n, self.k);
+        debug_assert_eq!((rows.len(), rows.width()), (n, k));
+        self.data
+            .par_chunks_mut(k * PANEL)
+            .enumerate()
+            .for_each(|(p, panel)| {
+                let cols = PANEL.min(n - p * PANEL);
+                // A tile of the panel's rows × TILE_K reduction steps is narrowed row by row
+                // (contiguous reads), then written out line by line (contiguous writes).
+                let mut tile = [[0u16; TILE_K]; PANEL];
+                for c0 in (0..k).step_by(TILE_K) {
+                    let width = TILE_K.min(k - c0);
+                    for (j, t) in tile.iter_mut().enumerate().take(cols) {
+                        let row = rows.row(p * PANEL + j);
+                        kind.narrow(&row[c0..c0 + width], &mut t[..width]);
+                    }
+                    for (c, line) in panel[c0 * PANEL..(c0 + width) * PANEL]
+                        .chunks_exact_mut(PANEL)
+                        .enumerate()
+                    {
+                        for (j, v) in line.iter_mut().enumerate().take(cols) {
+                            *v = tile[j][c];
+                        }
+                    }
                 }
-            }
-        }
-        PackedF16 { data, kind, n, k }
+            });
+    }
+
+    /// Rows of the weight `[n, k]`.
+    pub fn rows(&self) -> usize {
+        self.n
+    }
+
+    /// Columns of the weight `[n, k]`.
+    pub fn cols(&self) -> usize {
+        self.k
     }
 
     /// The format of the packed values.
@@ -347,6 +456,7 @@ mod avx512 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use half::bf16;
 
     fn data(len: usize, seed: u32) -> Vec<f32> {
         (0..len)
@@ -414,6 +524,53 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    #[test]
+    fn packing_rounds_each_value_like_half_and_stacked_blocks_like_one_matrix() {
+        // Ties, overflow past each format's range, subnormals, signed zeros and NaN.
+        let specials = [
+            0.0f32,
+            -0.0,
+            1.0 + f32::EPSILON * 4096.0,
+            1.0 + 1.0 / 256.0,
+            -(1.0 + 3.0 / 256.0),
+            65519.0,
+            65520.0,
+            3.4e38,
+            -f32::MAX,
+            f32::INFINITY,
+            f32::NAN,
+            1e-8,
+            -6.0e-8,
+            1e-40,
+        ];
+        let (n, k) = (37, 11);
+        let mut w = data(n * k, 9);
+        w[..specials.len()].copy_from_slice(&specials);
+        for kind in [HalfKind::F16, HalfKind::Bf16] {
+            let packed = PackedF16::pack_as(kind, &w, n, k);
+            for r in 0..n {
+                for c in 0..k {
+                    let v = w[r * k + c];
+                    let want = match kind {
+                        HalfKind::F16 => f16::from_f32(v).to_bits(),
+                        HalfKind::Bf16 => bf16::from_f32(v).to_bits(),
+                    };
+                    let got = packed.panel(r / PANEL)[c * PANEL + r % PANEL];
+                    assert_eq!(got, want, "{kind:?} ({r},{c}) {v}");
+                }
+            }
+            // Three blocks of 5, 20 and 12 rows pack as the matrix they stack into, and a
+            // repack over other values leaves what packing those values builds.
+            let blocks = [&w[..5 * k], &w[5 * k..25 * k], &w[25 * k..]];
+            let stacked = PackedF16::pack_rows(kind, &StackedRows::new(&blocks, k), n);
+            assert_eq!(stacked.data, packed.data, "{kind:?}");
+            let other = data(n * k, 10);
+            let mut reused = packed.clone();
+            reused.repack(&StackedRows::new(&[&other], k));
+            assert_eq!(reused.data, PackedF16::pack_as(kind, &other, n, k).data);
         }
     }
 

@@ -119,13 +119,8 @@ impl InferenceModel {
 
     /// Replaces the weights (same config) from HF-named tensors.
     pub fn load_weights(&mut self, tensors: &TensorMap) -> Result<(), RolloutError> {
-        self.weights = ModelWeights::from_tensors_with_router(
-            &self.cfg,
-            tensors,
-            self.dtype,
-            self.router_dtype,
-        )?;
-        Ok(())
+        self.weights
+            .refill(&self.cfg, tensors, self.dtype, self.router_dtype)
     }
 
     /// Replaces the weights with ones already built for this model's config and dtype.

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{CpuStorage, DType, Device, Storage, StorageRef, Tensor};
 use r3_model::{tensor_specs_in, Config, ExpertLayout, LoadOptions, Weights};
 
 use crate::error::RolloutError;
@@ -68,13 +68,14 @@ impl<'a> Fetcher<'a> {
         self.layout
     }
 
-    /// The tensor `name` as f32 values and its shape.
-    pub fn get(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>), RolloutError> {
+    /// The tensor `name` as f32 values and its shape: borrowed from the tensor's storage
+    /// when it is a contiguous f32 tensor on the CPU (the trainer's are), else converted.
+    pub fn get(&self, name: &str) -> Result<(F32Values<'a>, Vec<usize>), RolloutError> {
         let t = self
             .map
             .get(name)
             .ok_or_else(|| RolloutError::Weights(format!("missing tensor {name}")))?;
-        let values = to_f32_vec(t).map_err(|source| RolloutError::TensorConversion {
+        let values = F32Values::of(t).map_err(|source| RolloutError::TensorConversion {
             name: name.to_string(),
             source,
         })?;
@@ -83,10 +84,83 @@ impl<'a> Fetcher<'a> {
 
     /// The 1-D tensor `name` (a norm scale, a bias) as f32 values.
     pub fn vector(&self, name: &str) -> Result<Vec<f32>, RolloutError> {
-        Ok(self.get(name)?.0)
+        Ok(self.get(name)?.0.to_vec())
     }
 }
 
-fn to_f32_vec(t: &Tensor) -> candle_core::Result<Vec<f32>> {
-    t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
+/// A tensor's values as f32: its storage, read-locked and borrowed in place, or a converted
+/// copy. Dereferences to the flat row-major values.
+pub enum F32Values<'a> {
+    /// Elements `start..end` of a CPU f32 storage.
+    Borrowed {
+        /// The tensor's storage, read-locked while borrowed.
+        storage: StorageRef<'a>,
+        /// First element.
+        start: usize,
+        /// One past the last element.
+        end: usize,
+    },
+    /// Values converted from another dtype, device or layout.
+    Owned(Vec<f32>),
+}
+
+impl<'a> F32Values<'a> {
+    /// The values of `t`, borrowed when it is a contiguous f32 tensor on the CPU.
+    pub fn of(t: &'a Tensor) -> candle_core::Result<Self> {
+        if t.dtype() == DType::F32 && t.device().is_cpu() {
+            let (storage, layout) = t.storage_and_layout();
+            if let (Some((start, end)), Storage::Cpu(CpuStorage::F32(_))) =
+                (layout.contiguous_offsets(), &*storage)
+            {
+                return Ok(F32Values::Borrowed {
+                    storage,
+                    start,
+                    end,
+                });
+            }
+        }
+        Ok(F32Values::Owned(
+            t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?,
+        ))
+    }
+}
+
+impl std::ops::Deref for F32Values<'_> {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        match self {
+            F32Values::Borrowed {
+                storage,
+                start,
+                end,
+            } => match &**storage {
+                Storage::Cpu(CpuStorage::F32(v)) => &v[*start..*end],
+                // `of` borrows only f32 CPU storage.
+                _ => &[],
+            },
+            F32Values::Owned(v) => v,
+        }
+    }
+}
+
+/// `map` with every tensor a contiguous f32 tensor on the CPU (the others converted; the
+/// rest shared, no copy), so reading it cannot fail halfway through.
+pub fn cpu_f32_map(map: &TensorMap) -> Result<TensorMap, RolloutError> {
+    map.iter()
+        .map(|(name, t)| {
+            let ready = t.dtype() == DType::F32 && t.device().is_cpu() && t.is_contiguous();
+            let t = if ready {
+                t.clone()
+            } else {
+                t.to_device(&Device::Cpu)
+                    .and_then(|t| t.to_dtype(DType::F32))
+                    .and_then(|t| t.contiguous())
+                    .map_err(|source| RolloutError::TensorConversion {
+                        name: name.clone(),
+                        source,
+                    })?
+            };
+            Ok((name.clone(), t))
+        })
+        .collect()
 }
