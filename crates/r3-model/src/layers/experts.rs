@@ -160,13 +160,19 @@ impl RoutedExperts {
     }
 }
 
+/// The busiest expert's row count: the padded layout's places per expert.
+fn busiest(dispatch: &Dispatch) -> usize {
+    let offsets = dispatch.offsets();
+    offsets.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0)
+}
+
 /// Whether the padded layout wastes at most as many rows as it uses: the busiest expert's
 /// count times the experts within twice the routed slots. Small batches (decode) spread few
 /// slots over many experts; there one GEMM per chosen expert reads only those experts'
 /// weights, where the padded GEMM would read every expert's.
 fn padded_fits(dispatch: &Dispatch) -> bool {
     let offsets = dispatch.offsets();
-    let cap = offsets.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+    let cap = busiest(dispatch);
     let experts = offsets.len().saturating_sub(1);
     cap > 0 && experts * cap <= 2 * dispatch.slots().len()
 }
@@ -187,7 +193,7 @@ struct PaddedLayout {
 fn padded_layout(dispatch: &Dispatch, rows: usize) -> PaddedLayout {
     let offsets = dispatch.offsets();
     let experts = offsets.len().saturating_sub(1);
-    let cap = offsets.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+    let cap = busiest(dispatch);
     let k = dispatch.top_k();
     let mut gather = vec![rows as u32; experts * cap];
     let mut place_of_slot = vec![0u32; dispatch.slots().len()];
@@ -224,48 +230,84 @@ mod tests {
         (gu, dn, experts)
     }
 
+    /// The case both path comparisons run: 6 rows, top-2 over 5 experts of width 7
+    /// (expert 1 gets no row, expert 3 one), seeded rows, gates, weights and loss probe.
+    struct PathCase {
+        dispatch: Dispatch,
+        rows: usize,
+        x: Var,
+        gates: Var,
+        gu: Var,
+        dn: Var,
+        experts: RoutedExperts,
+        probe: Tensor,
+    }
+
+    impl PathCase {
+        fn new(dtype: DType, precision: Precision) -> Self {
+            let (e, h, i, k) = (5, 12, 7, 2);
+            let ids = [0, 2, 2, 4, 3, 0, 4, 2, 0, 4, 2, 0];
+            let rows = ids.len() / k;
+            let dispatch = Dispatch::new(&ids, k, e).expect("dispatch");
+            let x = Var::from_tensor(&seeded_tensor(&[rows, h], 1, dtype)).expect("var");
+            let gates = Var::from_tensor(&seeded_tensor(&[rows, k], 5, dtype)).expect("var");
+            let (gu, dn, mut experts) = experts(e, h, i, dtype);
+            experts.set_precision(precision);
+            let probe = seeded_tensor(&[rows, h], 4, dtype);
+            PathCase {
+                dispatch,
+                rows,
+                x,
+                gates,
+                gu,
+                dn,
+                experts,
+                probe,
+            }
+        }
+
+        /// The gradients of `sum(y · probe)`.
+        fn grads(&self, y: &Tensor) -> candle_core::backprop::GradStore {
+            (y * &self.probe)
+                .and_then(|l| l.sum_all())
+                .and_then(|l| l.backward())
+                .expect("backward")
+        }
+
+        /// The four variables, by name.
+        fn vars(&self) -> [(&'static str, &Var); 4] {
+            [
+                ("x", &self.x),
+                ("gates", &self.gates),
+                ("gate_up", &self.gu),
+                ("down", &self.dn),
+            ]
+        }
+    }
+
     /// The fused op and candle's composed ops agree on outputs and on the gradients of the
     /// rows, the gates and both expert weights, including an expert no row goes to.
     #[test]
     fn fused_matches_composed_ops() {
-        let (e, h, i, k) = (5, 12, 7, 2);
-        // 6 rows, top-2; expert 1 gets nothing, expert 3 gets one row
-        let ids = [0, 2, 2, 4, 3, 0, 4, 2, 0, 4, 2, 0];
-        let rows = ids.len() / k;
-        let dispatch = Dispatch::new(&ids, k, e).expect("dispatch");
-        assert_eq!(dispatch.offsets()[1], dispatch.offsets()[2]);
         for dtype in [DType::F64, DType::F32] {
-            let x = Var::from_tensor(&seeded_tensor(&[rows, h], 1, dtype)).expect("var");
-            let gates = Var::from_tensor(&seeded_tensor(&[rows, k], 5, dtype)).expect("var");
-            let (gu, dn, experts) = experts(e, h, i, dtype);
-            let probe = seeded_tensor(&[rows, h], 4, dtype);
-            let fused = experts
-                .forward(x.as_tensor(), gates.as_tensor(), &dispatch)
-                .expect("fused");
-            let composed = experts
-                .forward_composed(x.as_tensor(), gates.as_tensor(), &dispatch)
+            let c = PathCase::new(dtype, Precision::F32);
+            assert_eq!(c.dispatch.offsets()[1], c.dispatch.offsets()[2]);
+            let (x, gates) = (c.x.as_tensor(), c.gates.as_tensor());
+            let fused = c.experts.forward(x, gates, &c.dispatch).expect("fused");
+            let composed = c
+                .experts
+                .forward_composed(x, gates, &c.dispatch)
                 .expect("composed");
-            let backward = |y: &Tensor| {
-                (y * &probe)
-                    .and_then(|l| l.sum_all())
-                    .and_then(|l| l.backward())
-                    .expect("backward")
-            };
-            let (gf, gc) = (backward(&fused), backward(&composed));
+            let (gf, gc) = (c.grads(&fused), c.grads(&composed));
             let tol = if dtype == DType::F64 { 1e-12 } else { 2e-5 };
             assert!(max_abs_diff(&fused, &composed) < tol, "{dtype:?} outputs");
-            for (name, v) in [
-                ("x", &x),
-                ("gates", &gates),
-                ("gate_up", &gu),
-                ("down", &dn),
-            ] {
+            for (name, v) in c.vars() {
                 let a = gf.get(v.as_tensor()).expect("fused grad");
                 let b = gc.get(v.as_tensor()).expect("composed grad");
                 assert!(max_abs_diff(a, b) < tol, "{dtype:?} grad of {name}");
             }
             // expert 1 has no rows: its weight gradients are exactly zero
-            let dw = gf.get(gu.as_tensor()).expect("grad").get(1).expect("e1");
+            let dw = gf.get(c.gu.as_tensor()).expect("grad").get(1).expect("e1");
             assert_eq!(max_abs_diff(&dw, &dw.zeros_like().expect("z")), 0.0);
         }
     }
@@ -275,11 +317,10 @@ mod tests {
     /// f64, f32 and bf16 rounding, with an expert no row goes to and uneven expert loads.
     #[test]
     fn padded_matches_composed_ops() {
-        let (e, h, i, k) = (5, 12, 7, 2);
-        let ids = [0, 2, 2, 4, 3, 0, 4, 2, 0, 4, 2, 0];
-        let rows = ids.len() / k;
-        let dispatch = Dispatch::new(&ids, k, e).expect("dispatch");
-        let layout = padded_layout(&dispatch, rows);
+        let k = 2;
+        let case = PathCase::new(DType::F64, Precision::F32);
+        let rows = case.rows;
+        let layout = padded_layout(&case.dispatch, rows);
         let cap = layout.cap;
         assert_eq!(
             (layout.experts, cap),
@@ -304,36 +345,24 @@ mod tests {
             // bf16: the two sum in different orders, so a rounding may land one ulp apart
             (DType::F32, Precision::Bf16 { router_f32: false }, 1e-2),
         ] {
-            let x = Var::from_tensor(&seeded_tensor(&[rows, h], 1, dtype)).expect("var");
-            let gates = Var::from_tensor(&seeded_tensor(&[rows, k], 5, dtype)).expect("var");
-            let (gu, dn, mut experts) = experts(e, h, i, dtype);
-            experts.set_precision(precision);
-            let probe = seeded_tensor(&[rows, h], 4, dtype);
-            let padded = experts
-                .forward_padded(x.as_tensor(), gates.as_tensor(), &dispatch)
+            let c = PathCase::new(dtype, precision);
+            let (x, gates) = (c.x.as_tensor(), c.gates.as_tensor());
+            let padded = c
+                .experts
+                .forward_padded(x, gates, &c.dispatch)
                 .expect("padded");
-            let composed = experts
-                .forward_composed(x.as_tensor(), gates.as_tensor(), &dispatch)
+            let composed = c
+                .experts
+                .forward_composed(x, gates, &c.dispatch)
                 .expect("composed");
-            let backward = |y: &Tensor| {
-                (y * &probe)
-                    .and_then(|l| l.sum_all())
-                    .and_then(|l| l.backward())
-                    .expect("backward")
-            };
-            let (gp, gc) = (backward(&padded), backward(&composed));
+            let (gp, gc) = (c.grads(&padded), c.grads(&composed));
             let scale = max_abs_diff(&composed, &composed.zeros_like().expect("z"));
             assert!(scale > 0.1, "a non-trivial output");
             assert!(
                 max_abs_diff(&padded, &composed) < tol * scale.max(1.0),
                 "{dtype:?} {precision:?} outputs"
             );
-            for (name, v) in [
-                ("x", &x),
-                ("gates", &gates),
-                ("gate_up", &gu),
-                ("down", &dn),
-            ] {
+            for (name, v) in c.vars() {
                 let a = gp.get(v.as_tensor()).expect("padded grad");
                 let b = gc.get(v.as_tensor()).expect("composed grad");
                 let scale = max_abs_diff(b, &b.zeros_like().expect("z")).max(1.0);

@@ -259,6 +259,30 @@ fn gate_up<'a>(
     Ok(([gate, up], name, inter))
 }
 
+/// The q, k and v projections of the attention under `prefix`, to stack, and their biases
+/// concatenated in the same order when the config has them.
+fn qkv_parts<'a>(
+    f: &Fetcher<'a>,
+    prefix: &str,
+    with_bias: bool,
+) -> Result<(Vec<Fetched<'a>>, Option<Vec<f32>>), RolloutError> {
+    let name = |leaf: &str| format!("{prefix}.{leaf}");
+    let parts = QKV_PROJ
+        .iter()
+        .map(|p| f.get(&spec::weight(&name(p))))
+        .collect::<Result<Vec<_>, _>>()?;
+    let bias = if with_bias {
+        let mut b = Vec::new();
+        for p in QKV_PROJ {
+            b.extend(f.vector(&spec::bias(&name(p)))?);
+        }
+        Some(b)
+    } else {
+        None
+    };
+    Ok((parts, bias))
+}
+
 /// A SwiGLU block from its three HF projections under `prefix`.
 fn ffn(f: &Fetcher, prefix: &str, names: &SwigluNames, dtype: Dtype) -> Result<Ffn, RolloutError> {
     let (parts, name, inter) = gate_up(f, prefix, names)?;
@@ -415,19 +439,7 @@ fn attention(
         AttentionConfig::Gqa {
             qkv_bias, qk_norm, ..
         } => {
-            let parts = QKV_PROJ
-                .iter()
-                .map(|p| f.get(&spec::weight(&name(p))))
-                .collect::<Result<Vec<_>, _>>()?;
-            let bias = if *qkv_bias {
-                let mut b = Vec::new();
-                for p in QKV_PROJ {
-                    b.extend(f.vector(&spec::bias(&name(p)))?);
-                }
-                Some(b)
-            } else {
-                None
-            };
+            let (parts, bias) = qkv_parts(f, &prefix, *qkv_bias)?;
             let qkv = stack(&name("qkv"), &parts, bias, dtype)?;
             let norm = |leaf: &str| match qk_norm {
                 QkNorm::None => Ok(None),
@@ -491,19 +503,7 @@ fn refill_attention(
                 k_norm,
             },
         ) => {
-            let parts = QKV_PROJ
-                .iter()
-                .map(|p| f.get(&spec::weight(&name(p))))
-                .collect::<Result<Vec<_>, _>>()?;
-            let bias = if *qkv_bias {
-                let mut b = Vec::new();
-                for p in QKV_PROJ {
-                    b.extend(f.vector(&spec::bias(&name(p)))?);
-                }
-                Some(b)
-            } else {
-                None
-            };
+            let (parts, bias) = qkv_parts(f, &prefix, *qkv_bias)?;
             refill_stack(&name("qkv"), &parts, bias.as_deref(), qkv)?;
             refill_linear(f, &name(O_PROJ), false, o)?;
             for (leaf, dst) in [(Q_NORM, q_norm), (K_NORM, k_norm)] {
