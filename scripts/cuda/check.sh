@@ -155,12 +155,14 @@ gpu_peak() {
     sort -n "$log.mem" | tail -n 1
     return $rc
 }
-for run in "mid f32 8 60" "mid bf16 8 60" "a3b-8l bf16 2 120"; do
-    read -r config dtype batch secs <<< "$run"
+for run in "mid f32 8 70 --parts" "mid bf16 8 70 --parts" "a3b-8l bf16 2 120"; do
+    read -r config dtype batch secs parts <<< "$run"
     name="$config-$dtype"
     if [ "$(left)" -lt 60 ]; then bench+=("$name skipped(budget)"); continue; fi
+    # --parts: then each part of the model alone (embedding, attention, router, MoE block,
+    # head), forward and backward synchronised, beside the whole step.
     r3_mem=$(gpu_peak "$work/bench-r3-$name.txt" timeout "$(limit "$secs")" "$bin/r3" bench train \
-        --device cuda --config "$config" --dtype "$dtype" --batch "$batch" --seq-len 512 --steps 3 --warmup 1)
+        --device cuda --config "$config" --dtype "$dtype" --batch "$batch" --seq-len 512 --steps 3 --warmup 1 ${parts:-})
     cat "$work/bench-r3-$name.txt"
     r3_tps=$(grep -E "^native +mean" "$work/bench-r3-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s +best.*/\1/')
     replay_cost=$(grep -E "^replay cost" "$work/bench-r3-$name.txt" | sed -E 's/replay cost vs native: ([-+0-9.]+)% mean.*/\1/')

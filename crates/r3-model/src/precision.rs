@@ -3,11 +3,13 @@
 //! bf16, accumulates in f32 and rounds its output to bf16, and the activations between ops are
 //! bf16 at the same boundaries the rollout engine's bf16 mode uses (embeddings, norm outputs,
 //! projection outputs, rotated q/k, SwiGLU and expert outputs, MoE block output, residual
-//! stream). Rounding is a cast pair whose gradient passes straight through (candle's cast
-//! backward), so gradients reach the f32 master weights; the backward itself runs in f32.
+//! stream). Rounding is one op ([`RoundTo`]) whose gradient is the incoming gradient rounded
+//! to the same format (what the cast pair's backward computes), so gradients reach the f32
+//! master weights; the backward runs in f32 between rounding points.
 //! f16 mode rounds at the same points to f16 (the FP16 paper's training side).
 
-use candle_core::{DType, Tensor};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 
 use crate::error::Result;
 
@@ -69,7 +71,8 @@ impl Precision {
     }
 
     /// `t` rounded to the 16-bit float of this precision (nearest, ties to even) and widened
-    /// back; `t` itself in f32 mode. Differentiable: the gradient passes through unchanged.
+    /// back; `t` itself in f32 mode. Differentiable: the gradient is the incoming one rounded
+    /// the same way (as through `t.to_dtype(narrow).to_dtype(f32)`).
     pub fn round(self, t: &Tensor) -> Result<Tensor> {
         let narrow = match self.narrow_dtype() {
             None => return Ok(t.clone()),
@@ -78,7 +81,58 @@ impl Precision {
         if t.dtype() != DType::F32 {
             return Ok(t.clone());
         }
-        Ok(t.to_dtype(narrow)?.to_dtype(DType::F32)?)
+        Ok(t.apply_op1(RoundTo { narrow })?)
+    }
+}
+
+/// An f32 tensor rounded to a 16-bit float and widened back, as one op. The same values,
+/// forward and backward, as the cast pair `to_dtype(narrow).to_dtype(f32)`, but the graph
+/// keeps only the input: the pair kept the 16-bit copy alive until the backward as well,
+/// and each of its casts' backward filled a zero gradient to add the incoming one to (on a
+/// GPU: three buffers and five kernels per rounding point instead of one and two).
+#[derive(Debug, Clone, Copy)]
+pub struct RoundTo {
+    /// The 16-bit float rounded to.
+    pub narrow: DType,
+}
+
+impl RoundTo {
+    /// The rounded storage: the narrow cast of `storage` (any layout), widened back.
+    fn round<S: BackendStorage>(&self, storage: &S, layout: &Layout) -> candle_core::Result<S> {
+        let narrow = storage.to_dtype(layout, self.narrow)?;
+        narrow.to_dtype(&Layout::contiguous(layout.shape()), DType::F32)
+    }
+}
+
+impl CustomOp1 for RoundTo {
+    fn name(&self) -> &'static str {
+        "round-to-16-bit"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &CpuStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        Ok((self.round(storage, layout)?, layout.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        storage: &candle_core::CudaStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        Ok((self.round(storage, layout)?, layout.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _arg: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        Ok(Some(grad.to_dtype(self.narrow)?.to_dtype(DType::F32)?))
     }
 }
 
@@ -114,6 +168,70 @@ mod tests {
             Precision::Bf16 { router_f32: true }.router(),
             Precision::F32
         );
+    }
+
+    /// The op equals the cast pair it replaces, forward and backward (the incoming gradient
+    /// rounded), on a strided input, in bf16 and f16.
+    #[test]
+    fn round_op_equals_the_cast_pair_forward_and_backward() {
+        let n = 4096;
+        // Values spread over many binades, with ties and subnormals among them.
+        let v: Vec<f32> = (0..n)
+            .map(|i| {
+                let m = 1.0 + (i % 97) as f32 / 256.0 + (i % 5) as f32 * 2f32.powi(-9);
+                let e = (i % 61) - 40;
+                let s = if i % 3 == 0 { -1.0 } else { 1.0 };
+                s * m * 2f32.powi(e)
+            })
+            .collect();
+        let g: Vec<f32> = (0..n)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 1.0009)
+            .collect();
+        let x = Var::from_slice(&v, (64, 64), &Device::Cpu).expect("var");
+        let probe = Tensor::from_slice(&g, (64, 64), &Device::Cpu).expect("probe");
+        for p in [
+            Precision::Bf16 { router_f32: false },
+            Precision::F16 { router_f32: false },
+        ] {
+            let narrow = p.narrow_dtype().expect("narrow");
+            // a transposed (strided) input
+            let xt = x.as_tensor().t().expect("t");
+            let want = xt
+                .to_dtype(narrow)
+                .and_then(|t| t.to_dtype(DType::F32))
+                .expect("pair");
+            let got = p.round(&xt).expect("round");
+            let bits = |t: &Tensor| -> Vec<u32> {
+                t.flatten_all()
+                    .and_then(|t| t.to_vec1::<f32>())
+                    .expect("values")
+                    .iter()
+                    .map(|f| f.to_bits())
+                    .collect()
+            };
+            assert_eq!(bits(&got), bits(&want), "{p:?} forward");
+            let grad = |y: &Tensor| {
+                let grads = (y * &probe)
+                    .and_then(|l| l.sum_all())
+                    .and_then(|l| l.backward())
+                    .expect("backward");
+                grads.get(&x).expect("grad").clone()
+            };
+            let (gw, gg) = (grad(&want), grad(&got));
+            // Equal values (the pair's zero-filled sums may turn a -0 into +0).
+            let diff = (gw - &gg)
+                .and_then(|d| d.abs())
+                .and_then(|d| d.max_all())
+                .and_then(|d| d.to_scalar::<f32>())
+                .expect("diff");
+            assert_eq!(diff, 0.0, "{p:?} backward");
+            // the gradient was rounded, not passed through: some probe value is not a 16-bit float
+            assert_ne!(
+                bits(&gg),
+                bits(&probe.t().expect("t")),
+                "{p:?} gradient rounded"
+            );
+        }
     }
 
     /// f16 by hand: 11 significant bits, ties to even, past 65504 infinite, below half the

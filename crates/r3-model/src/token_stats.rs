@@ -11,6 +11,7 @@ use rayon::prelude::*;
 
 use crate::error::{ModelError, Result};
 use crate::host::{contiguous, with_host};
+use crate::layers::precomputed::{precomputed_fwd, Precomputed};
 use crate::math::{lane_sum, log_sum_exp, Float};
 
 /// `log softmax(logits)[target]` for every row: logits `[.., V]` (f32/f64, CPU), targets
@@ -35,9 +36,33 @@ pub fn token_log_probs(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let rows = lead.iter().product::<usize>();
     let logits2 = logits.reshape((rows, vocab))?.contiguous()?;
     let targets1 = targets.to_dtype(DType::U32)?.reshape(rows)?.contiguous()?;
-    let logp = log_softmax_composed(&logits2)?;
-    let out = logp.gather(&targets1.unsqueeze(1)?, 1)?.squeeze(1)?;
-    Ok(out.reshape(lead)?)
+    Ok(token_log_probs_recomputed(&logits2, &targets1)?.reshape(lead)?)
+}
+
+/// [`token_log_probs`] from candle's composed ops, `[R, V]` logits and `[R]` targets: the
+/// reference the fused op and [`token_log_probs_recomputed`] are tested against.
+pub fn token_log_probs_composed(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let logp = log_softmax_composed(logits)?;
+    Ok(logp.gather(&targets.unsqueeze(1)?, 1)?.squeeze(1)?)
+}
+
+/// [`token_log_probs_composed`]'s value (the same candle ops, run outside the graph) in an op
+/// whose backward recomputes the softmax from the logits: the graph keeps the logits alone,
+/// where the composed form kept three more logits-sized tensors (shifted, exponentiated,
+/// log-softmax) until the backward. Every device (the GPU's path).
+pub fn token_log_probs_recomputed(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let (rows, vocab) = logits.dims2()?;
+    if targets.dims() != [rows] {
+        return Err(ModelError::Input(format!(
+            "targets have shape {:?}, logits [{rows}, {vocab}]: expected [{rows}]",
+            targets.dims()
+        )));
+    }
+    let value = token_log_probs_composed(&logits.detach(), targets)?;
+    let op = RecomputedTokenLogProb {
+        value: Precomputed::new(value),
+    };
+    Ok(logits.contiguous()?.apply_op2(targets, op)?)
 }
 
 /// Entropy `−Σ p log p` of the softmax of every row: logits `[.., V]` → `[..]`,
@@ -68,6 +93,40 @@ fn log_softmax_composed(logits: &Tensor) -> Result<Tensor> {
     let shifted = logits.broadcast_sub(&max)?;
     let lse = shifted.exp()?.sum_keepdim(1)?.log()?;
     Ok(shifted.broadcast_sub(&lse)?)
+}
+
+/// [`token_log_probs_recomputed`]'s op: its value precomputed, its backward
+/// `d/dz_j = g · (1[j = target] − softmax_j)` with each row's log-sum-exp recovered from the
+/// value as `z[target] − logp`.
+#[derive(Debug)]
+struct RecomputedTokenLogProb {
+    value: Precomputed,
+}
+
+impl CustomOp2 for RecomputedTokenLogProb {
+    fn name(&self) -> &'static str {
+        "r3-token-logprob-recomputed"
+    }
+
+    precomputed_fwd!(2);
+
+    fn bwd(
+        &self,
+        logits: &Tensor,
+        targets: &Tensor,
+        logp: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let logits = logits.detach();
+        let targets = targets.detach().unsqueeze(1)?;
+        let grad = grad.detach().unsqueeze(1)?;
+        let lse = (logits.gather(&targets, 1)? - logp.detach().unsqueeze(1)?)?;
+        let d = logits
+            .broadcast_sub(&lse)?
+            .exp()?
+            .broadcast_mul(&grad.neg()?)?;
+        Ok((Some(d.scatter_add(&targets, &grad, 1)?), None))
+    }
 }
 
 /// The contiguous elements of `[.., vocab]` logits and `vocab`.
@@ -303,6 +362,27 @@ mod tests {
             .and_then(|l| l.backward())
             .expect("backward");
         grads.get(z.as_tensor()).expect("gradient").clone()
+    }
+
+    /// The recomputing op (the GPU's path) equals the composed ops: the value bit for bit,
+    /// the logits' gradient to rounding (f64 1e-13, f32 1e-6), rows sharing a target.
+    #[test]
+    fn recomputed_op_equals_the_composed_ops() {
+        for dtype in [DType::F64, DType::F32] {
+            let z = Var::from_tensor(&logits(6, 9, dtype)).expect("var");
+            let targets = Tensor::new(&[0u32, 8, 3, 3, 5, 1], &Device::Cpu).expect("t");
+            let w = Tensor::new(&[0.5f32, -1.0, 2.0, 0.25, 1.5, -0.75], &Device::Cpu)
+                .and_then(|w| w.to_dtype(dtype))
+                .expect("w");
+            let want = token_log_probs_composed(&z, &targets).expect("composed");
+            let got = token_log_probs_recomputed(&z, &targets).expect("recomputed");
+            assert_eq!(max_diff(&got, &want), 0.0, "{dtype:?} value");
+            let tol = if dtype == DType::F64 { 1e-13 } else { 1e-6 };
+            let err = max_diff(&grad_of(&got, &w, &z), &grad_of(&want, &w, &z));
+            assert!(err < tol, "{dtype:?} gradient {err}");
+            let bad = Tensor::new(&[1u32, 2], &Device::Cpu).expect("t");
+            assert!(token_log_probs_recomputed(&z, &bad).is_err());
+        }
     }
 
     /// `[B, T, V]` logits give the values and gradients of the same rows as `[B·T, V]`.

@@ -56,6 +56,10 @@ pub struct BenchTrainArgs {
     /// Forward precision: `f32`, or `bf16` (bf16 matmuls and activations, f32 master weights).
     #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
     pub dtype: String,
+    /// Then time each part of the model alone (embedding, attention, router, MoE block,
+    /// head), forward and backward synchronised, beside the whole step.
+    #[arg(long)]
+    pub parts: bool,
 }
 
 /// One timed step: forward and backward wall seconds, the process's CPU seconds over both
@@ -262,5 +266,17 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         "replay's own work (tables → per-layer ids, forced-id overrides, verification), timed where it runs: {:.3}% of replay step time (goal ≤ 1%)",
         replay.overhead_share() * 100.0
     );
+    if args.parts {
+        let setup = super::bench_train_parts::PartsSetup {
+            cfg: &cfg,
+            weights: &weights,
+            precision,
+            batch: args.batch,
+            seq_len: args.seq_len,
+            reps: args.steps,
+            seed: args.seed,
+        };
+        super::bench_train_parts::run(&setup, n)?;
+    }
     Ok(())
 }

@@ -12,6 +12,7 @@ mod bench_rollout;
 mod bench_routes;
 mod bench_step;
 mod bench_train;
+mod bench_train_parts;
 mod compare;
 mod cpu_time;
 mod data;

@@ -8,6 +8,7 @@
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 
 use super::gemm::{matmul, MatRef};
+use super::matmul16::matmul_wt_narrow;
 use crate::error::Result;
 use crate::math::Float;
 use crate::precision::Precision;
@@ -153,7 +154,8 @@ pub fn matmul_wt(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 /// rounded operands with f32 accumulation, rounded. On the CPU that is computed literally
 /// (round, f32 GEMM, round: the reference the CPU engines match); on a GPU it is one 16-bit
 /// tensor-core GEMM (cuBLAS accumulates in f32 and rounds its output once), the same value
-/// up to the order of the sum. Its backward on a GPU runs in the 16-bit format too (as
+/// up to the order of the sum, keeping only the f32 operands for its backward
+/// ([`matmul_wt_narrow`]). Its backward on a GPU runs in the 16-bit format too (as
 /// Megatron's does), while the CPU's runs in f32.
 pub fn matmul_wt_at(p: Precision, x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let narrow = match p.narrow_dtype() {
@@ -162,7 +164,7 @@ pub fn matmul_wt_at(p: Precision, x: &Tensor, w: &Tensor) -> Result<Tensor> {
     };
     let f32_operands = x.dtype() == DType::F32 && w.dtype() == DType::F32;
     if !x.device().is_cpu() && f32_operands {
-        Ok(matmul_wt(&x.to_dtype(narrow)?, &w.to_dtype(narrow)?)?.to_dtype(DType::F32)?)
+        matmul_wt_narrow(x, w, narrow)
     } else {
         p.round(&matmul_wt(&p.round(x)?, &p.round(w)?)?)
     }

@@ -2,15 +2,18 @@
 
 pub mod attention;
 pub mod attention_op;
+pub mod attention_recompute;
 pub mod dispatch;
 pub mod experts;
 pub mod gather_rows;
 pub mod gemm;
 pub mod linear;
+pub mod matmul16;
 pub mod mla;
 pub mod mlp;
 pub mod moe;
 pub mod norm;
+pub mod precomputed;
 pub mod rope;
 pub mod rope_op;
 mod routed_op;

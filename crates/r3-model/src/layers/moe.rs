@@ -124,6 +124,12 @@ impl MoeBlock {
         super::linear::matmul_wt_at(p, x, &self.gate_weight)
     }
 
+    /// Runs the block on `x` `[B·T, H]` with its own routing of `rows` (the Native mode;
+    /// `r3 bench train --parts` times a block alone with it).
+    pub fn forward_native(&self, x: &Tensor, rows: &RoutedRows) -> Result<MoeOutput> {
+        self.forward(x, rows, None)
+    }
+
     /// Runs the block on `x` `[B·T, H]`, routing `rows`; `plan` forces ids on its rows.
     pub(crate) fn forward(
         &self,

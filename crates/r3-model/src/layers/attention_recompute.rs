@@ -1,0 +1,87 @@
+//! Masked attention whose backward recomputes the probabilities (the memory trade of
+//! FlashAttention, from candle's ops): the forward is the composed attention's candle ops
+//! (`attention::attend_additive`'s, in its order) run outside the graph, and the graph keeps only `q`, `k`, `v`, the mask and the output. The
+//! composed form kept five score-sized tensors per layer (`[B, KV, G·T, S]` each: scores,
+//! scaled, masked, shifted, exponentiated) until the backward; here one is rebuilt per layer
+//! during the backward and freed. Used on devices without the fused CPU op (a GPU).
+
+use candle_core::{CustomOp3, Tensor, D};
+
+use super::precomputed::{precomputed_fwd, Precomputed};
+use crate::error::Result;
+
+/// `softmax(q kᵀ · scale + additive) v` with `q` `[B, KV, G·T, Dq]`, `k` `[B, KV, S, Dq]`,
+/// `v` `[B, KV, S, Dv]` and `additive` broadcastable to `[B, KV, G, T, S]`, differentiable
+/// in `q`, `k` and `v`, keeping only those (and the mask) for its backward.
+pub fn attend_recomputed(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    additive: &Tensor,
+    scale: f64,
+    groups: usize,
+) -> Result<Tensor> {
+    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    let mut op = RecomputedAttention {
+        value: Precomputed::empty(),
+        additive: additive.detach(),
+        scale,
+        groups,
+    };
+    let value = op.probs(&q.detach(), &k.detach())?.matmul(&v.detach())?;
+    op.value = Precomputed::new(value);
+    Ok(q.apply_op3(&k, &v, op)?)
+}
+
+/// The op: its value precomputed, its backward from `q`, `k`, `v` and the mask.
+#[derive(Debug)]
+struct RecomputedAttention {
+    value: Precomputed,
+    additive: Tensor,
+    scale: f64,
+    groups: usize,
+}
+
+impl RecomputedAttention {
+    /// The probabilities `softmax(q kᵀ · scale + mask)` `[B, KV, G·T, S]`, by the forward's ops.
+    fn probs(&self, q: &Tensor, k: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, kv, gt, _) = q.dims4()?;
+        let groups = self.groups.max(1);
+        let s = k.dim(2)?;
+        let scores = (q.matmul(&k.t()?)? * self.scale)?
+            .reshape((b, kv, groups, gt / groups, s))?
+            .broadcast_add(&self.additive)?;
+        candle_nn::ops::softmax(&scores, D::Minus1)?.reshape((b, kv, gt, s))
+    }
+}
+
+impl CustomOp3 for RecomputedAttention {
+    fn name(&self) -> &'static str {
+        "attention-recomputed"
+    }
+
+    precomputed_fwd!(3);
+
+    /// With `P` the probabilities and `O = P v`: `dv = Pᵀ dO`, `dP = dO vᵀ`,
+    /// `dS = P ⊙ (dP − rowsum(dO ⊙ O))`, `dq = dS k · scale`, `dk = dSᵀ q · scale`
+    /// (masked entries have `P = 0`, so no gradient).
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (q, k, v) = (q.detach(), k.detach(), v.detach());
+        let grad = grad.detach().contiguous()?;
+        let probs = self.probs(&q, &k)?;
+        let dv = probs.t()?.matmul(&grad)?;
+        let dp = grad.matmul(&v.t()?)?;
+        let row = (&grad * out.detach())?.sum_keepdim(D::Minus1)?;
+        let ds = (probs * dp.broadcast_sub(&row)?)?;
+        let dq = (ds.matmul(&k)? * self.scale)?;
+        let dk = (ds.t()?.matmul(&q)? * self.scale)?;
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}
