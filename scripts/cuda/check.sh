@@ -75,7 +75,7 @@ if [ ! -d "$bin" ] && [ -f "$root/gpu/pack/bin.tar.xz" ]; then
 fi
 gpu_name=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -n 1)
 echo "== GPU: ${gpu_name:-unknown (nvidia-smi failed)}"
-for exe in r3 r3-model-devices r3-train-devices r3-rollout-device_engine; do
+for exe in r3 r3-model-devices r3-train-devices r3-rollout-device_engine r3-rollout-device_prefix_cache; do
     if [ ! -x "$bin/$exe" ]; then
         echo "check.sh: $bin/$exe is missing: run scripts/cuda/build.sh and carry gpu/bin" >&2
         exit 2
@@ -180,7 +180,8 @@ fi
 # 4. The device rollout engine on the GPU.
 if wants 4; then
 t0=$(date +%s)
-(cd crates/r3-rollout && timeout "$(limit 90)" "$bin/r3-rollout-device_engine" --test-threads=1 --nocapture) \
+(cd crates/r3-rollout && timeout "$(limit 90)" "$bin/r3-rollout-device_engine" --test-threads=1 --nocapture \
+    && timeout "$(limit 60)" "$bin/r3-rollout-device_prefix_cache" --test-threads=1 --nocapture) \
     > "$work/test-rollout.txt" 2>&1
 rc=$?; grep -E "differ|test result|panicked" "$work/test-rollout.txt" | tail -n 40
 verdict rollout-tests "$([ $rc = 0 ] && echo pass || echo "FAIL($rc)")"

@@ -266,3 +266,95 @@ fn caches_padded_joined_and_trimmed_decode_as_each_alone() {
         assert!(err.to_string().contains("holding 3"), "{err}");
     }
 }
+
+/// A sequence's slots taken out of a batch in blocks (`KvCache::row_slots`), joined again
+/// (`RowKv::concat`) and put in front of a new batch (`Model::kv_cache_from`) decode as the
+/// cache they came from, bit for bit; a shorter prefix right-aligned beside them, its gap
+/// moved to the front (`KvCache::permute_slots`), decodes as it does alone. What the device
+/// engine's prefix cache does with a hit.
+#[test]
+fn slots_taken_out_and_put_back_decode_as_the_original_cache() {
+    use r3_model::model::decode::RowKv;
+    for family in ["qwen3_moe", "deepseek_v3"] {
+        let (cfg, model) = tiny_model(family, 7);
+        let a = sequences(&[10], cfg.vocab_size, 4).remove(0);
+        // a's first 8 positions in row 1 of a two-row batch (row 0 another sequence).
+        let other = sequences(&[8], cfg.vocab_size, 5).remove(0);
+        let mut batch = model.kv_cache();
+        feed(&model, &mut batch, &other, (0, 8), false);
+        let mut alone = model.kv_cache();
+        feed(&model, &mut alone, &a, (0, 8), false);
+        batch.append_rows(&alone).expect("join");
+        let (want, want_routes) = feed(&model, &mut alone.clone(), &a, (8, 2), false);
+
+        let blocks: Vec<RowKv> = [0, 4]
+            .iter()
+            .map(|&s| batch.row_slots(1, s, 4).expect("slots"))
+            .collect();
+        let joined = RowKv::concat(&[&blocks[0], &blocks[1]]).expect("concat");
+        assert_eq!(joined.slots(), 8);
+        assert_eq!(joined.bytes(), 2 * blocks[0].bytes());
+        let mut rebuilt = model.kv_cache_from(&[Some(&joined)]).expect("cache");
+        assert_eq!(rebuilt.slots(), 8);
+        let (got, routes) = feed(&model, &mut rebuilt, &a, (8, 2), false);
+        assert_eq!(got, want, "{family}: logits from the rebuilt cache");
+        assert_eq!(routes, want_routes, "{family}: routes");
+
+        // Row 0 the first 6 positions (two zero slots in front), row 1 nothing; row 0's
+        // zero slots moved behind its positions, then a[6..8] fed into slots 8, 9.
+        let six = batch.row_slots(1, 0, 6).expect("slots");
+        let mut mixed = model
+            .kv_cache_from(&[Some(&six), Some(&joined), None])
+            .expect("cache");
+        assert_eq!((mixed.slots(), mixed.rows().expect("rows")), (8, 3));
+        let mut order: Vec<u32> = (2..8).chain(0..2).collect();
+        order.extend(0..8);
+        order.extend(0..8);
+        mixed.permute_slots(&order).expect("permute");
+        mixed.keep_rows(&[0]).expect("row 0");
+        let mask: Vec<f32> = (0..2)
+            .flat_map(|q| {
+                (0..10).map(move |k| {
+                    if k < 6 || (8..=8 + q).contains(&k) {
+                        0.0
+                    } else {
+                        f32::NEG_INFINITY
+                    }
+                })
+            })
+            .collect();
+        let out = model
+            .forward_step(
+                &Step {
+                    tokens: &a[6..8],
+                    positions: &[6, 7],
+                    mask: &mask,
+                    batch: 1,
+                    time: 2,
+                    all_logits: false,
+                },
+                &mut mixed,
+            )
+            .expect("step");
+        let mut six_alone = model.kv_cache();
+        feed(&model, &mut six_alone, &a, (0, 6), false);
+        let (want6, routes6) = feed(&model, &mut six_alone, &a, (6, 2), false);
+        let got6 = logit_rows(&out).remove(0);
+        let diff = got6
+            .iter()
+            .zip(&want6)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            diff < 1e-5,
+            "{family}: logits after the gap differ by {diff}"
+        );
+        assert_eq!(out.routes, routes6, "{family}: routes after the gap");
+
+        // Out-of-range asks are refused, naming the sizes.
+        let err = batch.row_slots(2, 0, 4).expect_err("row 2 of 2");
+        assert!(err.to_string().contains("2 rows"), "{err}");
+        let err = batch.permute_slots(&[0; 3]).expect_err("short order");
+        assert!(err.to_string().contains("3 entries"), "{err}");
+    }
+}

@@ -52,9 +52,13 @@ fn oracle() -> serde_json::Value {
     serde_json::from_str(&text).expect("oracle fixture is JSON")
 }
 
+/// The device engine without its prefix cache: these tests compare batching, admission and
+/// aborts against runs alone, each computing every position (`device_prefix_cache.rs`
+/// compares the cache on against off).
 fn device_config() -> DeviceEngineConfig {
     DeviceEngineConfig {
         device: DEVICE,
+        prefix_cache: false,
         ..DeviceEngineConfig::default()
     }
 }

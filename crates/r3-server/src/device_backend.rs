@@ -1,8 +1,8 @@
 //! The device engine ([`DeviceEngine`], r3-model's layers on candle tensors: `r3 serve
 //! --device cpu-candle | cuda`) behind the server's [`InferenceBackend`] seam, so every
-//! endpoint, field policy, limit and security flag works on it as on the CPU engine. It has
-//! no prefix cache (none to report or flush), builds new weights on the engine thread, and
-//! keeps running requests where they are on a `retract` pause.
+//! endpoint, field policy, limit and security flag works on it as on the CPU engine. Its
+//! prefix cache is reported and flushed as the CPU engine's; it builds new weights on the
+//! engine thread, and keeps running requests where they are on a `retract` pause.
 
 use std::path::Path;
 
@@ -44,7 +44,11 @@ impl InferenceBackend for DeviceEngine {
     }
 
     fn prefix_cache_stats(&self) -> Option<PrefixCacheStats> {
-        None
+        DeviceEngine::prefix_cache_stats(self)
+    }
+
+    fn flush_cache(&mut self) -> usize {
+        DeviceEngine::flush_prefix_cache(self)
     }
 
     fn queue_lengths(&self) -> (usize, usize) {

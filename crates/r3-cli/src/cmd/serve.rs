@@ -37,7 +37,7 @@ pub struct ServeArgs {
     pub router_dtype: String,
     /// Which engine serves, and where: `cpu` (the CPU engine), `cpu-candle` (the device
     /// engine on the CPU), `cuda` / `cuda:N` (the device engine on a GPU; needs a build
-    /// with the `cuda` feature). The device engine has no prefix cache.
+    /// with the `cuda` feature). Both keep a prefix cache (`--prefix-cache-mib`).
     #[arg(long, default_value = "cpu")]
     pub device: RolloutDevice,
     /// KV cache budget in MiB.

@@ -186,6 +186,47 @@ impl LayerKv {
         Ok(())
     }
 
+    /// A layer cache holding `k` and `v` (`[B, KV, S, D]` each, contiguous).
+    pub fn from_parts(k: Tensor, v: Tensor) -> Self {
+        LayerKv { kv: Some((k, v)) }
+    }
+
+    /// The cached keys and values (None while empty).
+    pub fn parts(&self) -> Option<(&Tensor, &Tensor)> {
+        self.kv.as_ref().map(|(k, v)| (k, v))
+    }
+
+    /// Keys and values of batch row `row` at slots `index` (a u32 tensor), `[1, KV, n, D]`
+    /// each, in storage of their own: an index select always copies, where a narrow (or a
+    /// `contiguous` of a narrow that happens to be contiguous) would keep the whole batch's
+    /// storage alive.
+    pub fn row_slots(&self, row: usize, index: &Tensor) -> Result<Option<(Tensor, Tensor)>> {
+        let Some((k, v)) = &self.kv else {
+            return Ok(None);
+        };
+        let pick = |t: &Tensor| t.narrow(0, row, 1)?.contiguous()?.index_select(index, 2);
+        Ok(Some((pick(k)?, pick(v)?)))
+    }
+
+    /// Reorders every row's slots: `index` (u32, `[B · S]`) holds, for row `b` and slot `j`,
+    /// `b · S + s` where `s` is the slot of row `b` that moves to `j`.
+    pub fn permute_slots(&mut self, index: &Tensor) -> Result<()> {
+        let Some((k, v)) = self.kv.as_mut() else {
+            return Ok(());
+        };
+        for t in [k, v] {
+            let (b, h, s, d) = t.dims4()?;
+            // Slots next to rows, so one index select over `[B · S, KV, D]` moves them all.
+            let flat = t.transpose(1, 2)?.contiguous()?.reshape((b * s, h, d))?;
+            *t = flat
+                .index_select(index, 0)?
+                .reshape((b, s, h, d))?
+                .transpose(1, 2)?
+                .contiguous()?;
+        }
+        Ok(())
+    }
+
     /// Appends the rows of `other` (the same slots) after this cache's rows.
     pub fn append_rows(&mut self, other: &LayerKv) -> Result<()> {
         self.kv = match (self.kv.take(), &other.kv) {

@@ -82,8 +82,128 @@ impl KvCache {
         Ok(())
     }
 
+    /// Rows of the batch (0 while empty).
+    pub fn rows(&self) -> Result<usize> {
+        match self.layers.iter().find_map(LayerKv::parts) {
+            Some((k, _)) => Ok(k.dim(0)?),
+            None => Ok(0),
+        }
+    }
+
+    /// Slots `start..start + len` of batch row `row`, every layer, copied into storage of
+    /// their own (a prefix cache keeps them after the batch is gone).
+    pub fn row_slots(&self, row: usize, start: usize, len: usize) -> Result<RowKv> {
+        let rows = self.rows()?;
+        if len == 0 || start + len > self.slots || row >= rows {
+            return Err(ModelError::Input(format!(
+                "slots {start}..{} of row {row} asked of a KV cache of {rows} rows × {} slots",
+                start + len,
+                self.slots
+            )));
+        }
+        let Some(device) = self.device() else {
+            return Err(ModelError::Input("slots asked of an empty KV cache".into()));
+        };
+        let index: Vec<u32> = (start..start + len).map(|s| s as u32).collect();
+        let index = Tensor::from_slice(&index, len, &device)?;
+        let layers = self
+            .layers
+            .iter()
+            .map(|layer| {
+                layer.row_slots(row, &index)?.ok_or_else(|| {
+                    ModelError::Input("a layer of the KV cache holds no slots".into())
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(RowKv { layers, slots: len })
+    }
+
+    /// Reorders the slots of every row: `order` (`[rows · slots]`, row-major) holds, for
+    /// row `b` and slot `j`, the slot of row `b` whose keys and values move to `j` (the
+    /// device engine closes the gap a cached prefix leaves before its uncached tail).
+    pub fn permute_slots(&mut self, order: &[u32]) -> Result<()> {
+        let rows = self.rows()?;
+        let s = self.slots;
+        if order.len() != rows * s {
+            return Err(ModelError::Input(format!(
+                "a slot order of {} entries for a KV cache of {rows} rows × {s} slots",
+                order.len()
+            )));
+        }
+        if let Some(&bad) = order.iter().find(|&&o| o as usize >= s) {
+            return Err(ModelError::Input(format!(
+                "slot {bad} in a slot order of a KV cache holding {s}"
+            )));
+        }
+        let Some(device) = self.device() else {
+            return Ok(());
+        };
+        let global: Vec<u32> = order
+            .iter()
+            .enumerate()
+            .map(|(i, &o)| ((i / s) * s) as u32 + o)
+            .collect();
+        let index = Tensor::from_slice(&global, global.len(), &device)?;
+        for layer in &mut self.layers {
+            layer.permute_slots(&index)?;
+        }
+        Ok(())
+    }
+
     fn device(&self) -> Option<candle_core::Device> {
         self.layers.iter().find_map(LayerKv::device)
+    }
+}
+
+/// One sequence's keys and values over a run of slots in every attention layer,
+/// `[1, KV, n, D]` tensors on the model's device with storage of their own: what a prefix
+/// cache keeps of a sequence and puts back in front of a new one.
+#[derive(Debug, Clone)]
+pub struct RowKv {
+    layers: Vec<(Tensor, Tensor)>,
+    slots: usize,
+}
+
+impl RowKv {
+    /// Slots held.
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    /// Bytes of device memory the keys and values take.
+    pub fn bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|(k, v)| (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes())
+            .sum()
+    }
+
+    /// `parts` one after another along the slots (blocks of a cached prefix joined).
+    pub fn concat(parts: &[&RowKv]) -> Result<RowKv> {
+        let Some(first) = parts.first() else {
+            return Err(ModelError::Input("joining no KV slots".into()));
+        };
+        if let Some(other) = parts.iter().find(|p| p.layers.len() != first.layers.len()) {
+            return Err(ModelError::Input(format!(
+                "joining KV slots of {} layers to slots of {}",
+                other.layers.len(),
+                first.layers.len()
+            )));
+        }
+        if parts.len() == 1 {
+            return Ok((*first).clone());
+        }
+        let layers = (0..first.layers.len())
+            .map(|l| {
+                let ks: Vec<&Tensor> = parts.iter().map(|p| &p.layers[l].0).collect();
+                let vs: Vec<&Tensor> = parts.iter().map(|p| &p.layers[l].1).collect();
+                Ok((Tensor::cat(&ks, 2)?, Tensor::cat(&vs, 2)?))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(RowKv {
+            layers,
+            slots: parts.iter().map(|p| p.slots).sum(),
+        })
     }
 }
 
@@ -124,6 +244,54 @@ impl Model {
             layers: vec![LayerKv::default(); self.layers.len()],
             slots: 0,
         }
+    }
+
+    /// A batch cache whose row `b` holds `rows[b]`'s slots right-aligned to the longest
+    /// (zero slots in front, which the caller's masks hide) or, for `None`, zero slots only:
+    /// the device engine's prefill batch of requests with and without a cached prefix.
+    pub fn kv_cache_from(&self, rows: &[Option<&RowKv>]) -> Result<KvCache> {
+        let slots = rows.iter().flatten().map(|r| r.slots).max().unwrap_or(0);
+        let Some(template) = rows.iter().flatten().find(|r| r.slots > 0) else {
+            return Ok(self.kv_cache());
+        };
+        if let Some(other) = rows
+            .iter()
+            .flatten()
+            .find(|r| r.layers.len() != self.layers.len())
+        {
+            return Err(ModelError::Input(format!(
+                "KV slots of {} layers for a model of {}",
+                other.layers.len(),
+                self.layers.len()
+            )));
+        }
+        let front = |t: &Tensor, n: usize, have: Option<&Tensor>| -> Result<Tensor> {
+            let (_, h, _, d) = t.dims4()?;
+            let zeros = Tensor::zeros((1, h, n, d), t.dtype(), t.device())?;
+            Ok(match have {
+                Some(x) if n == 0 => x.clone(),
+                Some(x) => Tensor::cat(&[&zeros, x], 2)?,
+                None => zeros,
+            })
+        };
+        let layers = (0..self.layers.len())
+            .map(|l| {
+                let (tk, tv) = &template.layers[l];
+                let mut ks = Vec::with_capacity(rows.len());
+                let mut vs = Vec::with_capacity(rows.len());
+                for row in rows {
+                    let have = row.map(|r| &r.layers[l]);
+                    let n = slots - row.map_or(0, |r| r.slots);
+                    ks.push(front(tk, n, have.map(|(k, _)| k))?);
+                    vs.push(front(tv, n, have.map(|(_, v)| v))?);
+                }
+                Ok(LayerKv::from_parts(
+                    Tensor::cat(&ks, 0)?.contiguous()?,
+                    Tensor::cat(&vs, 0)?.contiguous()?,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(KvCache { layers, slots })
     }
 
     /// Runs one step (native routing) over `cache`, appending the step's keys and values.

@@ -20,8 +20,12 @@ pub struct Row {
     pub tokens: Vec<u32>,
     /// Prompt length.
     pub prompt_len: usize,
-    /// Padding slots in front of this sequence (its position `p` sits in slot `pad + p`).
+    /// Padding slots in front of this sequence (its position `p` sits in slot `pad + p`;
+    /// set by the prefill, which lays a row out its own way, `prefill_layout`).
     pub pad: usize,
+    /// Leading prompt positions served by the prefix cache: their keys and values were in
+    /// the batch's cache before its prefill, their route rows copied from the cache.
+    pub cached: usize,
     /// Log-prob of each generated token (raw distribution).
     pub logprobs: Vec<f32>,
     /// Most likely alternatives of each generated token (when asked for).
@@ -72,6 +76,9 @@ pub struct StepLayout {
     pub mask: Vec<f32>,
     /// Slots fed per sequence.
     pub time: usize,
+    /// Fed slots of each row that are padding before its first fed position (its route
+    /// rows start after them).
+    pub skip: Vec<usize>,
 }
 
 /// Whether the query in slot `query` of a sequence starting at slot `pad` sees the key in
@@ -84,17 +91,38 @@ fn visible(query: usize, key: usize, pad: usize, window: Option<usize>) -> bool 
     key >= pad && key <= query && window.is_none_or(|w| query - key < w)
 }
 
-/// The prefill of `rows` (prompts left-padded to the longest, padding slots fed token 0 at
-/// position 0).
-pub fn prefill_layout(rows: &[Row], window: Option<usize>) -> StepLayout {
-    let time = rows.iter().map(|r| r.tokens.len()).max().unwrap_or(0);
+/// The prefill of `rows` over a cache of `first` slots that holds each row's cached prefix
+/// right-aligned (its `cached` positions in slots `first − cached..first`, zeros in front;
+/// `first` = 0 when no row has one): each row's uncached tail is fed left-padded to the
+/// longest tail, in slots `first..first + time`. A row with a cached prefix and a tail
+/// shorter than the longest thus has a gap of padding slots between the two, which
+/// [`gap_order`] closes after the step. Padding slots are fed token 0 at position 0 and
+/// see only themselves; a real slot sees the real slots of its row up to its own position
+/// (within the sliding window, if any).
+pub fn prefill_layout(rows: &[Row], first: usize, window: Option<usize>) -> StepLayout {
+    let time = rows
+        .iter()
+        .map(|r| r.tokens.len() - r.cached)
+        .max()
+        .unwrap_or(0);
     let mut out = StepLayout {
         time,
         ..StepLayout::default()
     };
     for row in rows {
-        for slot in 0..time {
-            match slot.checked_sub(row.pad) {
+        let cached = row.cached;
+        let gap = time - (row.tokens.len() - cached);
+        // The position a slot of this row holds (None: padding).
+        let position = |slot: usize| {
+            if slot < first {
+                slot.checked_sub(first - cached)
+            } else {
+                (slot - first).checked_sub(gap).map(|j| cached + j)
+            }
+        };
+        for j in 0..time {
+            let query = position(first + j);
+            match query {
                 Some(p) => {
                     out.tokens.push(row.tokens[p]);
                     out.positions.push(p as u32);
@@ -104,19 +132,49 @@ pub fn prefill_layout(rows: &[Row], window: Option<usize>) -> StepLayout {
                     out.positions.push(0);
                 }
             }
-            for key in 0..time {
-                out.mask
-                    .push(mask_value(visible(slot, key, row.pad, window)));
+            for key in 0..first + time {
+                let seen = match query {
+                    None => key == first + j,
+                    Some(q) => {
+                        position(key).is_some_and(|k| k <= q && window.is_none_or(|w| q - k < w))
+                    }
+                };
+                out.mask.push(mask_value(seen));
             }
         }
+        out.skip.push(gap);
     }
     out
+}
+
+/// After [`prefill_layout`]'s step: the slot order (for `KvCache::permute_slots`) that
+/// moves each row's gap in front of its cached prefix, so every row's position `p` sits in
+/// slot `first + time − len + p` (the layout decoding assumes); None when no row has a gap
+/// (no cached prefix, or the longest tail).
+pub fn gap_order(rows: &[Row], first: usize, time: usize) -> Option<Vec<u32>> {
+    let gapped = |r: &Row| r.cached > 0 && r.tokens.len() - r.cached < time;
+    if !rows.iter().any(gapped) {
+        return None;
+    }
+    let slots = first + time;
+    let mut order = Vec::with_capacity(rows.len() * slots);
+    for row in rows {
+        if gapped(row) {
+            let (pad, gap) = (first - row.cached, time - (row.tokens.len() - row.cached));
+            order.extend((0..pad).chain(first..first + gap));
+            order.extend((pad..first).chain(first + gap..slots));
+        } else {
+            order.extend(0..slots);
+        }
+    }
+    Some(order.into_iter().map(|s| s as u32).collect())
 }
 
 /// One decode step: each row's last token into slot `slots` (the slots already cached).
 pub fn decode_layout(rows: &[Row], slots: usize, window: Option<usize>) -> StepLayout {
     let mut out = StepLayout {
         time: 1,
+        skip: vec![0; rows.len()],
         ..StepLayout::default()
     };
     for row in rows {
@@ -139,22 +197,23 @@ fn mask_value(visible: bool) -> f32 {
 }
 
 /// Appends to each capturing row the route rows of its real slots among the `time` slots a
-/// step fed from slot `first`: `routes` holds per MoE layer `[batch · time · top_k]` ids.
+/// step fed (row `b`'s after its first `skip[b]`): `routes` holds per MoE layer
+/// `[batch · time · top_k]` ids.
 pub fn capture_routes(
     rows: &mut [Row],
     routes: &[Vec<u32>],
     geo: &RouteGeometry,
-    first: usize,
+    skip: &[usize],
     time: usize,
     version: u64,
 ) {
     let k = geo.top_k;
-    for (b, row) in rows.iter_mut().enumerate() {
+    for (b, (row, &skip)) in rows.iter_mut().zip(skip).enumerate() {
         if !row.capture {
             continue;
         }
-        for slot in first.max(row.pad)..first + time {
-            let at = (b * time + slot - first) * k;
+        for j in skip..time {
+            let at = (b * time + j) * k;
             for column in routes {
                 row.routes
                     .extend(column[at..at + k].iter().map(|&e| e as u16));

@@ -20,7 +20,7 @@ pub enum RolloutDevice {
     /// The CPU engine (packed f16/bf16 kernels, paged KV, prefix cache).
     #[default]
     Cpu,
-    /// The device engine (r3-model's layers on candle tensors) on this device.
+    /// The device engine (r3-model's layers on candle tensors, prefix cache) on this device.
     Candle(DeviceSpec),
 }
 
@@ -64,8 +64,8 @@ impl fmt::Display for RolloutDevice {
 
 impl DeviceEngineConfig {
     /// The device engine's settings for `device` taken from the CPU engine's (dtype,
-    /// router dtype, batch size, KV budget; the paged-cache and prefix-cache settings have
-    /// no counterpart).
+    /// router dtype, batch size, KV budget, the prefix cache on or off, its budget and block
+    /// size; the token budget of a step has no counterpart).
     pub fn from_engine_config(device: DeviceSpec, cfg: &EngineConfig) -> Self {
         DeviceEngineConfig {
             device,
@@ -73,6 +73,9 @@ impl DeviceEngineConfig {
             router_dtype: cfg.router_dtype,
             max_running: cfg.max_running,
             kv_cache_bytes: cfg.kv_cache_bytes,
+            block_size: cfg.block_size,
+            prefix_cache: cfg.prefix_cache,
+            prefix_cache_bytes: cfg.prefix_cache_bytes,
         }
     }
 }

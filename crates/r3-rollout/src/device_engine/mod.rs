@@ -22,17 +22,28 @@
 //! Prompt log-probs (when asked) come from the prefill's logits of every prompt slot, copied
 //! to the host once. An aborted request resumes as on the CPU engine (its prompt extended by
 //! what it generated, its sampler stream carried over, routes merged by a `MergePolicy`).
-//! Not here yet (the CPU engine has them): a paged cache and the prefix cache.
+//!
+//! The prefix cache (`prefix.rs`, on the CPU engine's radix tree `crate::prefix_cache`)
+//! keeps, per full block of `block_size` fed positions, the keys and values of every layer
+//! as device tensors and the route rows of those positions. A request admitted with a
+//! cached prefix starts with it: its prefill batch's cache holds each row's cached prefix
+//! right-aligned before the step, the step feeds only the uncached tails (left-padded to the
+//! longest, so a row with a shorter tail has a gap between prefix and tail, masked), and
+//! after the step the gaps are moved to the front ([`KvCache::permute_slots`]), so the batch
+//! is the usual left-padded one. Its route rows for the cached positions are the cached
+//! ones — what the first prefill of those positions recorded. Finished and aborted rows offer
+//! their fed positions; a weight update empties the cache. Not here yet: a paged cache.
 
 pub mod batch;
 pub mod choice;
+pub mod prefix;
 
 use std::collections::VecDeque;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device};
-use r3_model::model::decode::{KvCache, Step};
+use r3_model::model::decode::{KvCache, RowKv, Step};
 use r3_model::{check_map_holds, Config, DeviceSpec, LoadOptions, Model, Precision, Weights};
 use r3_routing::MergePolicy;
 use rand::SeedableRng;
@@ -45,11 +56,13 @@ use crate::engine::{config_eos_ids, validate_request};
 use crate::error::RolloutError;
 use crate::kernels::ops::log_softmax_at;
 use crate::model::tensors::{load_dir_with, TensorMap};
+use crate::prefix_cache::{PrefixCache, PrefixCacheStats};
 use crate::request::{
     FinishReason, GenerateRequest, GenerateResult, PartialRollout, PromptLogprobs, RequestId,
 };
 use crate::sampler::top_logprobs;
-use batch::{capture_routes, decode_layout, prefill_layout, Row};
+use batch::{capture_routes, decode_layout, gap_order, prefill_layout, Row};
+use prefix::DeviceBlock;
 
 /// Settings of the device engine.
 #[derive(Debug, Clone)]
@@ -66,6 +79,15 @@ pub struct DeviceEngineConfig {
     /// Budget of the batch's KV cache in bytes (f32 keys and values of every layer for
     /// every slot a batch can reach); a request that alone exceeds it is refused.
     pub kv_cache_bytes: usize,
+    /// Token positions per prefix-cache block (only full blocks are cached and matched).
+    pub block_size: usize,
+    /// Keep finished prefixes (keys and values on the device, and their route rows) for
+    /// reuse by later requests that start with the same tokens.
+    pub prefix_cache: bool,
+    /// Memory budget of the prefix cache in bytes (device memory beside the batch's
+    /// `kv_cache_bytes`, not inside it: a cached block is a copy of its own); least recently
+    /// used blocks are evicted past it.
+    pub prefix_cache_bytes: usize,
 }
 
 impl Default for DeviceEngineConfig {
@@ -76,6 +98,9 @@ impl Default for DeviceEngineConfig {
             router_dtype: RouterDtype::Model,
             max_running: 256,
             kv_cache_bytes: 4 << 30,
+            block_size: 16,
+            prefix_cache: true,
+            prefix_cache_bytes: 1 << 30,
         }
     }
 }
@@ -106,6 +131,8 @@ struct Waiting {
 struct Running {
     rows: Vec<Row>,
     cache: KvCache,
+    /// Whether its prefill ran (before it, the cache holds only cached prefixes).
+    prefilled: bool,
 }
 
 /// The device engine; see the module docs.
@@ -121,6 +148,8 @@ pub struct DeviceEngine {
     next_id: RequestId,
     waiting: VecDeque<Waiting>,
     running: Option<Running>,
+    /// The prefix cache (None when off).
+    cache: Option<PrefixCache<DeviceBlock>>,
     capture_time: Duration,
 }
 
@@ -166,6 +195,14 @@ impl DeviceEngine {
                 "max_running must be > 0".into(),
             ));
         }
+        let cache = if cfg.prefix_cache {
+            Some(
+                PrefixCache::new(cfg.block_size, cfg.prefix_cache_bytes)
+                    .map_err(|e| RolloutError::InvalidConfig(e.to_string()))?,
+            )
+        } else {
+            None
+        };
         let device = cfg.device.open()?;
         let model = build_model(&model_cfg, tensors, &cfg, &device)?;
         let geo = RouteGeometry {
@@ -185,6 +222,7 @@ impl DeviceEngine {
             next_id: 0,
             waiting: VecDeque::new(),
             running: None,
+            cache,
             capture_time: Duration::ZERO,
         })
     }
@@ -212,6 +250,17 @@ impl DeviceEngine {
     /// Seconds spent assembling route rows and tables (see [`crate::Engine::capture_seconds`]).
     pub fn capture_seconds(&self) -> f64 {
         self.capture_time.as_secs_f64()
+    }
+
+    /// Prefix cache counters (None when the cache is off); `hit_blocks × block_size` are the
+    /// prompt positions served from it.
+    pub fn prefix_cache_stats(&self) -> Option<PrefixCacheStats> {
+        self.cache.as_ref().map(PrefixCache::stats)
+    }
+
+    /// Empties the prefix cache; returns how many blocks it released.
+    pub fn flush_prefix_cache(&mut self) -> usize {
+        self.cache.as_mut().map_or(0, |c| c.clear().len())
     }
 
     /// Requests waiting for admission and requests running.
@@ -357,10 +406,12 @@ impl DeviceEngine {
             results.extend(self.retire(batch)?);
         }
         let mut running = running.filter(|b| !b.rows.is_empty());
-        if let Some(mut joining) = self.admit(running.as_ref()) {
+        if let Some(mut joining) = self.admit(running.as_ref())? {
             self.advance(&mut joining)?;
             results.extend(self.retire(&mut joining)?);
             if !joining.rows.is_empty() {
+                // Cached prefixes and tails side by side can leave slots no row uses.
+                trim(&mut joining)?;
                 running = Some(match running {
                     Some(mut batch) => {
                         join(&mut batch, joining)?;
@@ -377,18 +428,19 @@ impl DeviceEngine {
         Ok(results)
     }
 
-    /// Feeds `batch` one step (its prefill if its cache is empty, else one decode token per
+    /// Feeds `batch` one step (its prefill if it has not run, else one decode token per
     /// row), captures its routes and samples each row's next token.
     fn advance(&mut self, batch: &mut Running) -> Result<(), RolloutError> {
         let window = self.window();
         let first = batch.cache.slots();
-        let layout = if first == 0 {
-            prefill_layout(&batch.rows, window)
+        let prefill = !batch.prefilled;
+        let layout = if prefill {
+            prefill_layout(&batch.rows, first, window)
         } else {
             decode_layout(&batch.rows, first, window)
         };
         // Prompt log-probs need the prefill's logits at every prompt slot.
-        let all_logits = first == 0
+        let all_logits = prefill
             && batch
                 .rows
                 .iter()
@@ -409,17 +461,27 @@ impl DeviceEngine {
             &mut batch.rows,
             &out.routes,
             &self.geo,
-            first,
+            &layout.skip,
             layout.time,
             self.version,
         );
         self.capture_time += started.elapsed();
+        if prefill {
+            // Every row's position `p` in slot `pad + p` from here on.
+            if let Some(order) = gap_order(&batch.rows, first, layout.time) {
+                batch.cache.permute_slots(&order)?;
+            }
+            for row in &mut batch.rows {
+                row.pad = first + layout.time - row.tokens.len();
+            }
+            batch.prefilled = true;
+        }
         // One copy of the step's logits to the host.
         let logits = out.logits.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
         let mut logits = logits.to_vec3::<f32>()?;
         if all_logits {
             for (row, rows) in batch.rows.iter_mut().zip(&mut logits) {
-                row.prompt_logprobs = prompt_logprobs(row, rows);
+                row.prompt_logprobs = prompt_logprobs(row, rows, first);
                 // Sampling reads the last slot's row.
                 rows.drain(..rows.len() - 1);
             }
@@ -453,13 +515,15 @@ impl DeviceEngine {
     }
 
     /// Takes waiting requests (in arrival order) into a new batch to prefill, while the
-    /// count and the KV budget allow them beside `running`, the batch they will join.
+    /// count and the KV budget allow them beside `running`, the batch they will join; each
+    /// starts with its cached prefix, if the prefix cache holds one.
     ///
     /// A padded batch holds as many slots per row as its furthest-reaching row, so the
     /// budget is rows × the furthest slot any row can reach: a running row reaches its
     /// padding, prompt and max new tokens (its padding grows if a longer prompt joins), a
-    /// newcomer the joined batch's slots and its max new tokens.
-    fn admit(&mut self, running: Option<&Running>) -> Option<Running> {
+    /// newcomer the joined batch's slots and its max new tokens. The prefill itself holds
+    /// the longest cached prefix and the longest uncached tail side by side.
+    fn admit(&mut self, running: Option<&Running>) -> Result<Option<Running>, RolloutError> {
         let slot_bytes = self.slot_bytes();
         let (running_rows, running_slots, running_reach) = match running {
             Some(r) => (
@@ -469,15 +533,19 @@ impl DeviceEngine {
             ),
             None => (0, 0, 0),
         };
-        let (mut longest, mut new_tokens) = (0, 0);
+        let (mut longest, mut new_tokens, mut most_cached, mut longest_tail) = (0, 0, 0, 0);
         let mut rows: Vec<Row> = Vec::new();
+        let mut hits: Vec<Option<RowKv>> = Vec::new();
         while running_rows + rows.len() < self.cfg.max_running {
             let Some(next) = self.waiting.front() else {
                 break;
             };
-            let l = longest.max(next.request.input_ids.len());
+            let len = next.request.input_ids.len();
+            let cached = self.peek_cached(next);
+            let l = longest.max(len);
             let n = new_tokens.max(next.request.sampling.max_new_tokens);
-            let slots = running_slots.max(l);
+            let (c, t) = (most_cached.max(cached), longest_tail.max(len - cached));
+            let slots = running_slots.max(l).max(c + t);
             let reach = (running_reach + (slots - running_slots)).max(slots + n);
             let count = running_rows + rows.len() + 1;
             // A request alone always fits (`submit` checked it).
@@ -487,19 +555,61 @@ impl DeviceEngine {
             let Some(w) = self.waiting.pop_front() else {
                 break;
             };
-            (longest, new_tokens) = (l, n);
-            rows.push(self.new_row(w));
+            (longest, new_tokens, most_cached, longest_tail) = (l, n, c, t);
+            let mut row = self.new_row(w);
+            hits.push(self.attach_prefix(&mut row)?);
+            rows.push(row);
         }
         if rows.is_empty() {
-            return None;
+            return Ok(None);
         }
-        for row in &mut rows {
-            row.pad = longest - row.prompt_len;
-        }
-        Some(Running {
+        let cache = if hits.iter().any(Option::is_some) {
+            let prefixes: Vec<Option<&RowKv>> = hits.iter().map(Option::as_ref).collect();
+            self.model.kv_cache_from(&prefixes)?
+        } else {
+            self.model.kv_cache()
+        };
+        Ok(Some(Running {
             rows,
-            cache: self.model.kv_cache(),
-        })
+            cache,
+            prefilled: false,
+        }))
+    }
+
+    /// Prompt positions of a waiting request the prefix cache holds now (0 without a
+    /// cache; counts nothing, so admission can plan with it).
+    fn peek_cached(&self, w: &Waiting) -> usize {
+        let Some(cache) = &self.cache else {
+            return 0;
+        };
+        if self.geo.row() == 0 {
+            return 0;
+        }
+        let tokens = &w.request.input_ids;
+        let end = w
+            .resume
+            .as_ref()
+            .map_or(tokens.len(), |r| r.earlier.request.input_ids.len());
+        let n = prefix::servable(tokens.len(), &w.request.sampling, end);
+        cache.peek_prefix(&tokens[..n], self.version)
+    }
+
+    /// Starts `row` with its cached prefix, if any: its route rows copied from the cache,
+    /// its keys and values returned for the prefill batch's cache.
+    fn attach_prefix(&mut self, row: &mut Row) -> Result<Option<RowKv>, RolloutError> {
+        let Some(cache) = self.cache.as_mut() else {
+            return Ok(None);
+        };
+        if !row.capture {
+            return Ok(None);
+        }
+        let Some(hit) = prefix::lookup(cache, row, self.version)? else {
+            return Ok(None);
+        };
+        row.cached = hit.tokens;
+        row.routes = hit.routes;
+        row.route_versions = vec![self.version; hit.tokens];
+        Ok(Some(hit.kv))
     }
 
     /// A waiting request as a batch row (its pad set by the batch it is prefilled in).
@@ -510,11 +620,14 @@ impl DeviceEngine {
             tokens: w.request.input_ids.clone(),
             prompt_len: w.request.input_ids.len(),
             pad: 0,
+            cached: 0,
             logprobs: Vec::new(),
             top_logprobs: Vec::new(),
             routes: Vec::new(),
             route_versions: Vec::new(),
-            capture: w.request.return_routes && self.geo.row() > 0,
+            // The prefix cache keeps route rows beside the keys and values, so with it every
+            // row captures them.
+            capture: (w.request.return_routes || self.cache.is_some()) && self.geo.row() > 0,
             prompt_logprobs: None,
             finish: None,
             request: w.request,
@@ -530,6 +643,11 @@ impl DeviceEngine {
             .collect();
         let mut results = Vec::new();
         if keep.len() < batch.rows.len() {
+            for (b, row) in batch.rows.iter().enumerate() {
+                if row.finish.is_some() {
+                    self.offer(row, &batch.cache, b)?;
+                }
+            }
             for row in std::mem::take(&mut batch.rows) {
                 if row.finish.is_some() {
                     results.push(self.result(row)?);
@@ -567,7 +685,7 @@ impl DeviceEngine {
             output_top_logprobs: row.top_logprobs,
             prompt_logprobs: row.prompt_logprobs,
             finish: row.finish.unwrap_or(FinishReason::Abort),
-            cached_tokens: 0,
+            cached_tokens: row.cached,
             routes,
             weight_version: self.version,
         };
@@ -607,6 +725,9 @@ impl DeviceEngine {
             return Ok(None);
         };
         let row = running.rows.remove(i);
+        // Its fed positions go to the prefix cache, so a resume under the same weights
+        // does not feed them again.
+        self.offer(&row, &running.cache, i)?;
         if !running.rows.is_empty() {
             let keep: Vec<u32> = (0..=running.rows.len() as u32)
                 .filter(|&j| j as usize != i)
@@ -654,11 +775,22 @@ impl DeviceEngine {
         self.swap_in(&tensors)
     }
 
-    /// Builds the model from checked tensors and bumps the weight version.
+    /// Builds the model from checked tensors, bumps the weight version and empties the
+    /// prefix cache (its keys, values and routes are the old weights'; the version in the
+    /// block hashes already keeps them from matching, this frees them).
     fn swap_in(&mut self, tensors: &TensorMap) -> Result<u64, RolloutError> {
         self.model = build_model(&self.model_cfg, tensors, &self.cfg, &self.device)?;
         self.version += 1;
+        self.flush_prefix_cache();
         Ok(self.version)
+    }
+
+    /// Offers the fed positions of `row` (row `b` of `kv`) to the prefix cache, if on.
+    fn offer(&mut self, row: &Row, kv: &KvCache, b: usize) -> Result<(), RolloutError> {
+        match self.cache.as_mut() {
+            Some(cache) => prefix::offer(cache, row, kv, b, self.version, &self.geo),
+            None => Ok(()),
+        }
     }
 }
 
@@ -697,10 +829,11 @@ fn trim(batch: &mut Running) -> Result<(), RolloutError> {
     Ok(())
 }
 
-/// The prompt log-probs `row` asked for, from its prefill logits `rows` (one per slot of the
-/// padded batch): `log softmax(logits[p − 1])[token p]` for prompt positions after the first
-/// reported one (as the CPU engine reports them).
-fn prompt_logprobs(row: &Row, rows: &[Vec<f32>]) -> Option<PromptLogprobs> {
+/// The prompt log-probs `row` asked for, from its prefill logits `rows` (one per fed slot,
+/// the first fed slot being slot `first` of the batch): `log softmax(logits[p − 1])[token
+/// p]` for prompt positions after the first reported one (as the CPU engine reports them).
+/// The prefix cache serves none of those positions (`prefix::servable`), so each was fed.
+fn prompt_logprobs(row: &Row, rows: &[Vec<f32>], first: usize) -> Option<PromptLogprobs> {
     let from = row.request.sampling.prompt_logprobs_from?;
     let end = row.prompt_logprobs_end();
     let start = from.min(end.saturating_sub(1));
@@ -710,7 +843,7 @@ fn prompt_logprobs(row: &Row, rows: &[Vec<f32>]) -> Option<PromptLogprobs> {
         ..PromptLogprobs::default()
     };
     for p in start..end.saturating_sub(1) {
-        let logits = &rows[row.pad + p];
+        let logits = &rows[row.pad + p - first];
         out.logprobs
             .push(log_softmax_at(logits, row.tokens[p + 1] as usize));
         if top > 0 {
