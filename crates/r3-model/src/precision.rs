@@ -71,13 +71,21 @@ impl Precision {
     }
 
     /// `t` rounded to the 16-bit float of this precision (nearest, ties to even) and widened
-    /// back; `t` itself in f32 mode. Differentiable: the gradient is the incoming one rounded
-    /// the same way (as through `t.to_dtype(narrow).to_dtype(f32)`).
+    /// back to f32; `t` itself in f32 mode. Differentiable: the gradient is the incoming one
+    /// rounded the same way (as through `t.to_dtype(narrow).to_dtype(f32)`). A tensor already
+    /// in the 16-bit float (an inference engine's weight copies, [`Weights::narrow_matrices`])
+    /// is only widened, the same values its f32 original rounds to; f64 and other floats are
+    /// returned as they are.
+    ///
+    /// [`Weights::narrow_matrices`]: crate::weights::Weights::narrow_matrices
     pub fn round(self, t: &Tensor) -> Result<Tensor> {
         let narrow = match self.narrow_dtype() {
             None => return Ok(t.clone()),
             Some(narrow) => narrow,
         };
+        if t.dtype() == narrow {
+            return Ok(t.to_dtype(DType::F32)?);
+        }
         if t.dtype() != DType::F32 {
             return Ok(t.clone());
         }

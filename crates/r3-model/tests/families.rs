@@ -209,3 +209,60 @@ fn bad_tokens_are_named() {
 fn covered(tables: &[RouteTable], cfg: &Config) -> ReplayRoutes {
     ReplayRoutes::new(tables.to_vec(), &cfg.layout).expect("every MoE cell routed")
 }
+
+/// An inference model whose weight matrices are stored in the 16-bit float
+/// (`Weights::narrow_matrices`) computes what the f32-weight model at that precision does:
+/// logits bit for bit and the same routes, in every family, in bf16 and f16, with an f32 and
+/// a 16-bit router; it holds the matrices in the narrow dtype (embedding and norms in f32).
+#[test]
+fn narrow_weight_copies_compute_what_the_f32_weights_do() {
+    use candle_core::DType;
+    use r3_model::{Model, Precision};
+    for family in FAMILIES {
+        let cfg = common::tiny_config(family);
+        let weights = common::tiny_weights(&cfg, 5, DType::F32)
+            .fuse_experts(&cfg)
+            .expect("fuse");
+        let seqs = sequences(&[6, 4], cfg.vocab_size, 3);
+        let batch = Batch::new(&seqs, 0, &Device::Cpu).expect("batch");
+        for precision in [
+            Precision::Bf16 { router_f32: false },
+            Precision::Bf16 { router_f32: true },
+            Precision::F16 { router_f32: true },
+        ] {
+            let narrow = precision.narrow_dtype().expect("16-bit");
+            let router_narrow = precision.router().narrow_dtype().is_some();
+            let narrowed = weights
+                .clone()
+                .narrow_matrices(&cfg, narrow, router_narrow)
+                .expect("narrow");
+            let dtypes: Vec<DType> = narrowed.tensors().values().map(|t| t.dtype()).collect();
+            assert!(dtypes.contains(&narrow), "{family}: nothing narrowed");
+            assert_eq!(
+                narrowed
+                    .get("model.embed_tokens.weight")
+                    .expect("embed")
+                    .dtype(),
+                DType::F32
+            );
+            let f32_model = Model::with_precision(&cfg, &weights, precision).expect("model");
+            let narrow_model = Model::with_precision(&cfg, &narrowed, precision).expect("model");
+            // A dense family has no routes to record.
+            let routing = if cfg.moe.is_some() {
+                Routing::Record
+            } else {
+                Routing::Native
+            };
+            let a = f32_model.forward(&batch, routing).expect("f32 weights");
+            let b = narrow_model
+                .forward(&batch, routing)
+                .expect("narrow weights");
+            assert_eq!(
+                max_diff(&a.logits, &b.logits),
+                0.0,
+                "{family} {precision:?}"
+            );
+            assert_eq!(a.routes, b.routes, "{family} {precision:?} routes");
+        }
+    }
+}

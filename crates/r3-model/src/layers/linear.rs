@@ -162,7 +162,8 @@ pub fn matmul_wt_at(p: Precision, x: &Tensor, w: &Tensor) -> Result<Tensor> {
         None => return matmul_wt(x, w),
         Some(narrow) => narrow,
     };
-    let f32_operands = x.dtype() == DType::F32 && w.dtype() == DType::F32;
+    // The weight may be an inference engine's 16-bit copy (`Weights::narrow_matrices`).
+    let f32_operands = x.dtype() == DType::F32 && (w.dtype() == DType::F32 || w.dtype() == narrow);
     if !x.device().is_cpu() && f32_operands {
         matmul_wt_narrow(x, w, narrow)
     } else {

@@ -15,12 +15,13 @@ use crate::error::{ModelError, Result};
 
 /// `x [.., k] · w [n, k]ᵀ → [.., n]` (or a stacked `w [b, n, k]` times `x [b, m, k]`) with
 /// both operands rounded to `narrow` (bf16 / f16), f32 accumulation, the output rounded to
-/// `narrow` and returned as f32. Differentiable in `x` and `w`, whose gradients are computed
-/// by 16-bit GEMMs too and returned as f32.
+/// `narrow` and returned as f32. `x` is f32; `w` is f32 or already `narrow` (an inference
+/// engine's weight copy: then no cast at all). Differentiable in `x` and `w`, whose
+/// gradients are computed by 16-bit GEMMs too and returned in their own dtypes.
 pub fn matmul_wt_narrow(x: &Tensor, w: &Tensor, narrow: DType) -> Result<Tensor> {
-    if x.dtype() != DType::F32 || w.dtype() != DType::F32 {
+    if x.dtype() != DType::F32 || !(w.dtype() == DType::F32 || w.dtype() == narrow) {
         return Err(ModelError::Input(format!(
-            "16-bit matmul of {:?} by {:?}: both operands must be f32",
+            "16-bit matmul of {:?} by {:?}: the input must be f32, the weight f32 or {narrow:?}",
             x.dtype(),
             w.dtype()
         )));
@@ -90,7 +91,7 @@ impl CustomOp2 for Matmul16 {
         };
         Ok((
             Some(dx.to_dtype(DType::F32)?),
-            Some(dw.to_dtype(DType::F32)?),
+            Some(dw.to_dtype(w.dtype())?),
         ))
     }
 }
@@ -158,6 +159,14 @@ mod tests {
                 }
             }
         }
+        // A weight already in the 16-bit float gives the same value as its f32 original.
+        let x = seeded_tensor(&[2, 3, 8], 40, DType::F32);
+        let w = seeded_tensor(&[5, 8], 41, DType::F32);
+        let wn = w.to_dtype(DType::BF16).expect("narrow");
+        let a = matmul_wt_narrow(&x, &w, DType::BF16).expect("f32 weight");
+        let b = matmul_wt_narrow(&x, &wn, DType::BF16).expect("bf16 weight");
+        assert_eq!(max_abs_diff(&a, &b), 0.0);
+        assert!(matmul_wt_narrow(&x, &w.to_dtype(DType::F16).expect("f16"), DType::BF16).is_err());
         let bad = Tensor::zeros((2, 3), DType::BF16, &candle_core::Device::Cpu).expect("t");
         let w = Tensor::zeros((4, 3), DType::F32, &candle_core::Device::Cpu).expect("t");
         assert!(matmul_wt_narrow(&bad, &w, DType::BF16).is_err());

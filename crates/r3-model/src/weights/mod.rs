@@ -24,7 +24,7 @@ use rand_distr_free::normal_samples;
 
 use crate::config::Config;
 use crate::error::{ModelError, Result};
-use crate::spec::{tensor_specs, tensor_specs_in, ExpertLayout, TensorRole};
+use crate::spec::{tensor_specs, tensor_specs_in, weight, ExpertLayout, TensorRole, EMBED};
 
 /// Named weights under HF names; routed experts per expert (as loaded) or fused (as trained).
 #[derive(Debug, Clone)]
@@ -241,7 +241,7 @@ impl Weights {
     /// every parameter. Buffers stay constants.
     pub fn into_trainable(self, cfg: &Config) -> Result<(VarMap, Weights)> {
         self.validate(cfg)?;
-        let fused = self.fuse_experts(cfg)?;
+        let mut fused = self.fuse_experts(cfg)?.tensors;
         let varmap = VarMap::new();
         let mut tensors = BTreeMap::new();
         {
@@ -250,9 +250,16 @@ impl Weights {
                 .lock()
                 .map_err(|_| ModelError::Input("VarMap lock poisoned".into()))?;
             for spec in tensor_specs_in(cfg, ExpertLayout::Fused) {
-                let t = fused.get(&spec.name)?;
+                // Taken out of the map, so each source tensor is freed once its variable
+                // exists: the model is held once plus one tensor, never twice (5.6 B f32
+                // parameters are 22 GB of a GPU).
+                let t = fused
+                    .remove(&spec.name)
+                    .ok_or_else(|| ModelError::MissingTensor(spec.name.clone()))?;
                 if spec.role.is_trainable() {
-                    let var = Var::from_tensor(&t.detach().copy()?)?;
+                    // `detach` makes even a variable's tensor a plain one, which
+                    // `Var::from_tensor` copies into fresh storage.
+                    let var = Var::from_tensor(&t.detach())?;
                     tensors.insert(spec.name.clone(), var.as_tensor().clone());
                     data.insert(spec.name, var);
                 } else {
@@ -261,6 +268,39 @@ impl Weights {
             }
         }
         Ok((varmap, Weights { tensors }))
+    }
+
+    /// For inference at a 16-bit precision (`Precision::narrow_dtype` gives `narrow`): every
+    /// weight matrix the forward rounds at each matmul stored rounded to `narrow` instead
+    /// (half the memory, and a GPU's tensor-core GEMM reads it with no cast per step), the
+    /// same values the forward would round it to; the router's gate too iff `router_narrow`
+    /// (its logits are not computed in f32). The embedding (its rows are looked up, and its
+    /// dtype is the model's), norm scales, biases and buffers stay f32. Not for training:
+    /// the optimiser needs the f32 master weights.
+    pub fn narrow_matrices(
+        self,
+        cfg: &Config,
+        narrow: DType,
+        router_narrow: bool,
+    ) -> Result<Weights> {
+        let layout = self.expert_layout(cfg);
+        let mut tensors = self.tensors;
+        for spec in tensor_specs_in(cfg, layout) {
+            let narrowed = match spec.role {
+                TensorRole::Matrix => spec.name != weight(EMBED),
+                TensorRole::Router => router_narrow,
+                _ => false,
+            };
+            if !narrowed {
+                continue;
+            }
+            if let Some(t) = tensors.get_mut(&spec.name) {
+                if t.dtype() == DType::F32 {
+                    *t = t.to_dtype(narrow)?;
+                }
+            }
+        }
+        Ok(Weights { tensors })
     }
 
     /// Snapshot of the current values: every tensor detached from the graph and copied.

@@ -853,7 +853,10 @@ fn prompt_logprobs(row: &Row, rows: &[Vec<f32>], first: usize) -> Option<PromptL
     Some(out)
 }
 
-/// r3-model's model on `device` from HF-named tensors (f32 master copies on the device).
+/// r3-model's model on `device` from HF-named tensors: f32 copies on the device, experts
+/// fused, and in bf16 / f16 the weight matrices stored in that format
+/// (`Weights::narrow_matrices`: the values the forward rounds them to at every matmul, at
+/// half the memory and with no cast per step).
 fn build_model(
     model_cfg: &Config,
     tensors: &TensorMap,
@@ -864,9 +867,11 @@ fn build_model(
         .iter()
         .map(|(name, t)| Ok((name.clone(), t.to_dtype(DType::F32)?.to_device(device)?)))
         .collect::<Result<TensorMap, RolloutError>>()?;
-    Ok(Model::with_precision(
-        model_cfg,
-        &Weights::from_map(on_device),
-        precision(cfg.dtype, cfg.router_dtype),
-    )?)
+    let precision = precision(cfg.dtype, cfg.router_dtype);
+    let mut weights = Weights::from_map(on_device).fuse_experts(model_cfg)?;
+    if let Some(narrow) = precision.narrow_dtype() {
+        let router_narrow = precision.router().narrow_dtype().is_some();
+        weights = weights.narrow_matrices(model_cfg, narrow, router_narrow)?;
+    }
+    Ok(Model::with_precision(model_cfg, &weights, precision)?)
 }
