@@ -36,12 +36,48 @@ pub(super) struct PartsSetup<'a> {
     pub seed: u64,
 }
 
-/// One part's median forward and backward seconds and how often the model runs it.
+/// One part's median forward and backward seconds, how often the model runs it, and its
+/// forward matrix FLOPs (the backward's are twice those).
 struct PartTime {
     name: &'static str,
     count: usize,
     forward: f64,
     backward: f64,
+    flops: f64,
+}
+
+impl PartTime {
+    /// Forward + backward matrix FLOPs per second.
+    fn flop_rate(&self) -> f64 {
+        3.0 * self.flops / (self.forward + self.backward).max(f64::MIN_POSITIVE)
+    }
+}
+
+/// Forward matrix FLOPs of the parts on `rows = b·t` tokens of `t` each: (attention:
+/// projections, `q kᵀ` and `P v`; router; routed experts' three matrices per chosen expert
+/// plus the router; head).
+fn part_flops(cfg: &Config, b: usize, t: usize) -> [f64; 4] {
+    let (rows, h) = ((b * t) as f64, cfg.hidden_size as f64);
+    let heads = cfg.num_attention_heads as f64;
+    let (kv, hd) = match cfg.attention {
+        AttentionConfig::Gqa {
+            num_kv_heads,
+            head_dim,
+            ..
+        } => (num_kv_heads as f64, head_dim as f64),
+        AttentionConfig::Mla { .. } => (heads, cfg.v_head_dim() as f64),
+    };
+    let projections = 2.0 * rows * h * (2.0 * heads * hd + 2.0 * kv * hd);
+    let scores = 2.0 * 2.0 * b as f64 * heads * (t * t) as f64 * hd;
+    let experts = cfg.num_experts() as f64;
+    let router = 2.0 * rows * h * experts;
+    let width = cfg
+        .moe
+        .as_ref()
+        .map_or(0.0, |m| m.expert_intermediate_size as f64);
+    let moe = router + 2.0 * rows * cfg.top_k() as f64 * 3.0 * h * width;
+    let head = 2.0 * rows * h * cfg.vocab_size as f64;
+    [projections + scores, router, moe, head]
 }
 
 /// The median of `v` (0 for none).
@@ -127,6 +163,7 @@ pub(super) fn run(setup: &PartsSetup<'_>, step_seconds: f64) -> anyhow::Result<(
         all: true,
     };
 
+    let flops = part_flops(cfg, b, t);
     let mut parts = Vec::new();
     let (f, bw) = time_part(&device, reps, || {
         let e = p.round(&embed.index_select(&ids, 0)?.reshape((b, t, h))?)?;
@@ -137,6 +174,7 @@ pub(super) fn run(setup: &PartsSetup<'_>, step_seconds: f64) -> anyhow::Result<(
         count: 1,
         forward: f,
         backward: bw,
+        flops: 0.0,
     });
 
     let norm = |name: &str| -> anyhow::Result<RmsNorm> {
@@ -156,6 +194,7 @@ pub(super) fn run(setup: &PartsSetup<'_>, step_seconds: f64) -> anyhow::Result<(
         count: layers,
         forward: f,
         backward: bw,
+        flops: flops[0],
     });
 
     let post_norm = norm(&post_attention_norm(first_moe))?;
@@ -180,6 +219,7 @@ pub(super) fn run(setup: &PartsSetup<'_>, step_seconds: f64) -> anyhow::Result<(
         count: moe_layers,
         forward: f,
         backward: bw,
+        flops: flops[1],
     });
     let (f, bw) = time_part(&device, reps, || {
         let out = block.forward_native(&post_norm.forward(&x_rows)?, &rows)?;
@@ -190,6 +230,7 @@ pub(super) fn run(setup: &PartsSetup<'_>, step_seconds: f64) -> anyhow::Result<(
         count: moe_layers,
         forward: f,
         backward: bw,
+        flops: flops[2],
     });
 
     let final_norm = norm(r3_model::spec::FINAL_NORM)?;
@@ -210,14 +251,15 @@ pub(super) fn run(setup: &PartsSetup<'_>, step_seconds: f64) -> anyhow::Result<(
         count: 1,
         forward: f,
         backward: bw,
+        flops: flops[3],
     });
 
     println!(
         "parts, each alone (median of {reps}; forward and backward each synchronised), scaled by their count in the model:"
     );
     println!(
-        "{:<44} {:>5} {:>10} {:>10} {:>12} {:>7}",
-        "part", "count", "fwd ms", "bwd ms", "× count ms", "share"
+        "{:<44} {:>5} {:>10} {:>10} {:>12} {:>7} {:>10}",
+        "part", "count", "fwd ms", "bwd ms", "× count ms", "share", "TFLOP/s"
     );
     let scaled = |p: &PartTime| (p.forward + p.backward) * p.count as f64;
     // The router is inside the MoE block: it is shown, but not added twice.
@@ -228,13 +270,14 @@ pub(super) fn run(setup: &PartsSetup<'_>, step_seconds: f64) -> anyhow::Result<(
         .sum();
     for part in &parts {
         println!(
-            "{:<44} {:>5} {:>10.3} {:>10.3} {:>12.2} {:>6.1}%",
+            "{:<44} {:>5} {:>10.3} {:>10.3} {:>12.2} {:>6.1}% {:>10.3}",
             part.name,
             part.count,
             part.forward * 1e3,
             part.backward * 1e3,
             scaled(part) * 1e3,
-            scaled(part) / total.max(f64::MIN_POSITIVE) * 100.0
+            scaled(part) / total.max(f64::MIN_POSITIVE) * 100.0,
+            part.flop_rate() / 1e12
         );
     }
     println!(
