@@ -7,7 +7,7 @@
 
 use std::time::Instant;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor, Var};
 use r3_model::layers::attention::{AttentionMask, GqaAttention};
 use r3_model::layers::linear::Linear;
 use r3_model::layers::moe::{MoeBlock, RoutedRows};
@@ -141,7 +141,11 @@ pub(super) fn run(setup: &PartsSetup<'_>, step_seconds: f64) -> anyhow::Result<(
     let mut rng = ChaCha8Rng::seed_from_u64(setup.seed ^ 0x7061_7274);
     let mut uniform =
         |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-1f32..1.0)).collect() };
-    let x = p.round(&Tensor::from_vec(uniform(b * t * h), (b, t, h), &device)?)?;
+    // A variable, so each part's backward also computes its input's gradient, as every
+    // layer's does inside the model.
+    let x =
+        Var::from_tensor(&p.round(&Tensor::from_vec(uniform(b * t * h), (b, t, h), &device)?)?)?;
+    let x = x.as_tensor();
     let probe_bth = Tensor::from_vec(uniform(b * t * h), (b, t, h), &device)?;
     let probe_rows = probe_bth.reshape((b * t, h))?;
     let ids: Vec<u32> = (0..b * t)
@@ -186,7 +190,7 @@ pub(super) fn run(setup: &PartsSetup<'_>, step_seconds: f64) -> anyhow::Result<(
     let mut attention = GqaAttention::new(cfg, w, &attention_prefix(first_moe))?;
     attention.set_precision(p);
     let (f, bw) = time_part(&device, reps, || {
-        let out = attention.forward(&in_norm.forward(&x)?, &rope, &mask)?;
+        let out = attention.forward(&in_norm.forward(x)?, &rope, &mask)?;
         probe_loss(&out, &probe_bth)
     })?;
     parts.push(PartTime {
@@ -242,7 +246,7 @@ pub(super) fn run(setup: &PartsSetup<'_>, step_seconds: f64) -> anyhow::Result<(
     let mut head = Linear::new(w, head_name, false)?;
     head.set_precision(p);
     let (f, bw) = time_part(&device, reps, || {
-        let logits = head.forward(&final_norm.forward(&x)?)?;
+        let logits = head.forward(&final_norm.forward(x)?)?;
         let logp = r3_model::token_stats::token_log_probs(&logits, &targets)?;
         Ok(logp.neg()?.mean_all()?)
     })?;
