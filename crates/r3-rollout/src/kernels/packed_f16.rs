@@ -147,11 +147,32 @@ impl PanelKernel {
     }
 }
 
+/// One line of a panel: the `PANEL` 16-bit values of one reduction step, 64 bytes on a cache
+/// line of their own, so the AVX-512 pack writes each with one aligned streaming store and
+/// the decode kernel's two loads per line touch one cache line.
+#[derive(Clone, Copy, PartialEq, Eq)]
+#[repr(C, align(64))]
+struct Line([u16; PANEL]);
+
+const _: () = assert!(std::mem::size_of::<Line>() == 2 * PANEL);
+
+impl Line {
+    /// A line of zeros (also the padding of a tail panel's missing columns).
+    const ZERO: Line = Line([0; PANEL]);
+}
+
+impl std::fmt::Debug for Line {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
 /// Weight `[n, k]` (row-major, as HF stores it) repacked into `ceil(n / PANEL)` panels of
 /// `[k][PANEL]` 16-bit values of one [`HalfKind`]; the last panel's missing columns are zero.
 #[derive(Debug, Clone)]
 pub struct PackedF16 {
-    data: Vec<u16>,
+    /// `panels · k` lines, panel after panel.
+    data: Vec<Line>,
     kind: HalfKind,
     n: usize,
     k: usize,
@@ -170,15 +191,19 @@ impl PackedF16 {
 
     /// Packs the `n` rows of `rows` (each `k = rows.width()` values), rounding to `kind`.
     pub fn pack_rows(kind: HalfKind, rows: &StackedRows<'_>, n: usize) -> Self {
-        let k = rows.width();
-        let mut packed = PackedF16 {
-            data: vec![0u16; n.div_ceil(PANEL) * k * PANEL],
+        let mut packed = Self::zeros(kind, n, rows.width());
+        packed.repack(rows);
+        packed
+    }
+
+    /// An `[n, k]` weight of zeros.
+    fn zeros(kind: HalfKind, n: usize, k: usize) -> Self {
+        PackedF16 {
+            data: vec![Line::ZERO; n.div_ceil(PANEL) * k],
             kind,
             n,
             k,
-        };
-        packed.repack(rows);
-        packed
+        }
     }
 
     /// Overwrites the packed values with `rows` (this weight's `n` rows of `k` values, the
@@ -191,10 +216,10 @@ impl PackedF16 {
 
     /// [`PackedF16::repack`] by the packing code of `kernel`. Every kernel writes the same
     /// bits (round to nearest, ties to even, as `f16::from_f32` / `bf16::from_f32`): the
-    /// AVX-512 one transposes 16×16 blocks in registers and narrows a whole panel line per
-    /// instruction, the portable one narrows row tiles and transposes them with scalar moves.
-    /// The tail panel's missing columns stay zero (the AVX-512 kernel writes them as the zero
-    /// they hold).
+    /// AVX-512 one transposes 16×16 blocks in registers, narrows 16 columns of a line per
+    /// instruction and streams each line out whole, the portable one narrows row tiles and
+    /// transposes them with scalar moves. The tail panel's missing columns stay zero (the
+    /// AVX-512 kernel writes them as the zero they hold).
     ///
     /// # Panics
     /// When `rows` is not `n` rows of `k` values (the unchecked loads below rely on it).
@@ -205,8 +230,9 @@ impl PackedF16 {
             (n, k),
             "repack: rows of the wrong shape"
         );
+        // `max(1)`: a weight with k = 0 holds no lines, and chunks must not be empty.
         self.data
-            .par_chunks_mut(k * PANEL)
+            .par_chunks_mut(k.max(1))
             .enumerate()
             .for_each(|(p, panel)| {
                 let cols = PANEL.min(n - p * PANEL);
@@ -220,7 +246,7 @@ impl PackedF16 {
                         // SAFETY: only `detect` builds an Avx512 kernel (the field is
                         // private), and only where the CPU has AVX-512F; each of the `cols`
                         // (≤ PANEL) rows holds k values (`row` slices whole rows of width k,
-                        // checked above) and the panel k·PANEL values (the chunk size).
+                        // checked above) and the panel k lines (the chunk size).
                         unsafe { avx512::pack_panel(kind, &panel_rows[..cols], k, panel) }
                     }
                     _ => portable_pack_panel(kind, rows, p, cols, panel),
@@ -250,12 +276,12 @@ impl PackedF16 {
 
     /// Bytes held.
     pub fn size_bytes(&self) -> usize {
-        self.data.len() * 2
+        self.data.len() * std::mem::size_of::<Line>()
     }
 
-    /// Panel `p` as `[k][PANEL]` 16-bit values.
-    fn panel(&self, p: usize) -> &[u16] {
-        &self.data[p * self.k * PANEL..(p + 1) * self.k * PANEL]
+    /// Panel `p` as its `k` lines.
+    fn panel(&self, p: usize) -> &[Line] {
+        &self.data[p * self.k..(p + 1) * self.k]
     }
 
     /// Valid output columns of panel `p`.
@@ -273,8 +299,8 @@ impl PackedF16 {
         let mut col0 = 0;
         for p in p0..p1 {
             let pc = self.panel_cols(p);
-            for (c, src) in self.panel(p).chunks_exact(PANEL).enumerate() {
-                self.kind.widen(src, &mut line);
+            for (c, src) in self.panel(p).iter().enumerate() {
+                self.kind.widen(&src.0, &mut line);
                 out[c * cols + col0..c * cols + col0 + pc].copy_from_slice(&line[..pc]);
             }
             col0 += pc;
@@ -332,7 +358,7 @@ fn row_tiles(m: usize) -> impl Iterator<Item = (usize, usize)> {
 #[allow(clippy::too_many_arguments)]
 fn portable_panel(
     kind: HalfKind,
-    panel: &[u16],
+    panel: &[Line],
     x: &[f32],
     m: usize,
     k: usize,
@@ -341,7 +367,9 @@ fn portable_panel(
     cols: usize,
 ) {
     let mut wide = vec![0f32; k * PANEL];
-    kind.widen(panel, &mut wide);
+    for (line, w) in panel.iter().zip(wide.chunks_exact_mut(PANEL)) {
+        kind.widen(&line.0, w);
+    }
     for r in 0..m {
         let mut acc = [0f32; PANEL];
         for (c, line) in wide.chunks_exact(PANEL).enumerate() {
@@ -362,7 +390,7 @@ fn portable_pack_panel(
     rows: &StackedRows<'_>,
     p: usize,
     cols: usize,
-    panel: &mut [u16],
+    panel: &mut [Line],
 ) {
     let k = rows.width();
     let mut tile = [[0u16; TILE_K]; PANEL];
@@ -372,11 +400,8 @@ fn portable_pack_panel(
             let row = rows.row(p * PANEL + j);
             kind.narrow(&row[c0..c0 + width], &mut t[..width]);
         }
-        for (c, line) in panel[c0 * PANEL..(c0 + width) * PANEL]
-            .chunks_exact_mut(PANEL)
-            .enumerate()
-        {
-            for (j, v) in line.iter_mut().enumerate().take(cols) {
+        for (c, line) in panel[c0..c0 + width].iter_mut().enumerate() {
+            for (j, v) in line.0.iter_mut().enumerate().take(cols) {
                 *v = tile[j][c];
             }
         }
@@ -385,13 +410,13 @@ fn portable_pack_panel(
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{HalfKind, PANEL, TILE_ROWS};
+    use super::{HalfKind, Line, PANEL, TILE_ROWS};
     use std::arch::x86_64::*;
 
     /// One register tile: `rows` (≤ TILE_ROWS) input rows times one panel of `kind` values.
     ///
     /// # Safety
-    /// The CPU must support AVX-512F; `x` holds `rows·k` values, `panel` `k·PANEL`, and `out`
+    /// The CPU must support AVX-512F; `x` holds `rows·k` values, `panel` `k` lines, and `out`
     /// at least `(rows-1)·ldo + cols` values.
     #[target_feature(enable = "avx512f")]
     #[allow(clippy::too_many_arguments)]
@@ -400,7 +425,7 @@ mod avx512 {
         x: &[f32],
         rows: usize,
         k: usize,
-        panel: &[u16],
+        panel: &[Line],
         out: &mut [f32],
         ldo: usize,
         cols: usize,
@@ -417,7 +442,7 @@ mod avx512 {
         x: &[f32],
         rows: usize,
         k: usize,
-        panel: &[u16],
+        panel: &[Line],
         out: &mut [f32],
         ldo: usize,
         cols: usize,
@@ -452,13 +477,13 @@ mod avx512 {
     unsafe fn tile_n<const R: usize, const BF16: bool>(
         x: &[f32],
         k: usize,
-        panel: &[u16],
+        panel: &[Line],
         out: &mut [f32],
         ldo: usize,
         cols: usize,
     ) {
         const { assert!(R <= TILE_ROWS && PANEL == 32) };
-        debug_assert!(x.len() >= R * k && panel.len() >= k * PANEL);
+        debug_assert!(x.len() >= R * k && panel.len() >= k);
         let mut acc = [[_mm512_setzero_ps(); 2]; R];
         let wp = panel.as_ptr() as *const __m256i;
         let xp = x.as_ptr();
@@ -499,18 +524,21 @@ mod avx512 {
     const LANES: usize = 16;
 
     /// Packs one panel: `rows` (≤ PANEL, each `k` values) narrowed to `kind` and written
-    /// k-major into `panel` (`k·PANEL` values). Each 16 rows × 16 reduction steps block is
-    /// loaded row by row, transposed in registers and narrowed one line of 16 columns per
-    /// instruction, so no value passes through memory between the load and the store (the
-    /// portable kernel's scalar transpose was half of the pack's time). A group of fewer than
-    /// 16 rows (the tail panel) is padded with zero rows, which narrow to the zero the
-    /// padding holds; the last block of a `k` that is not a multiple of 16 is loaded masked.
+    /// k-major into `panel` (`k` lines). Each 16 rows × 16 reduction steps block is loaded
+    /// row by row, transposed in registers and narrowed one half line per instruction, so no
+    /// value passes through memory between the load and the store (the portable kernel moves
+    /// each value through a tile and a scalar transpose). A group of fewer than 16 rows (the
+    /// tail panel) is padded with zero rows, which narrow to the zero the padding holds; the
+    /// last block of a `k` that is not a multiple of 16 is loaded masked. Lines are written
+    /// whole with streaming stores: nothing reads the packed weights again before the next
+    /// forward, so they bypass the cache, and the CPU need not first read each line it
+    /// overwrites (ordinary stores would add that read to the pack's memory traffic).
     ///
     /// # Safety
     /// The CPU must support AVX-512F; every row of `rows` holds at least `k` values,
-    /// `rows.len() ≤ PANEL` and `panel` holds at least `k·PANEL` values.
+    /// `rows.len() ≤ PANEL` and `panel` holds at least `k` lines.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn pack_panel(kind: HalfKind, rows: &[&[f32]], k: usize, panel: &mut [u16]) {
+    pub unsafe fn pack_panel(kind: HalfKind, rows: &[&[f32]], k: usize, panel: &mut [Line]) {
         match kind {
             HalfKind::F16 => pack_panel_as::<false>(rows, k, panel),
             HalfKind::Bf16 => pack_panel_as::<true>(rows, k, panel),
@@ -519,8 +547,8 @@ mod avx512 {
 
     #[target_feature(enable = "avx512f")]
     #[inline]
-    unsafe fn pack_panel_as<const BF16: bool>(rows: &[&[f32]], k: usize, panel: &mut [u16]) {
-        debug_assert!(rows.len() <= PANEL && panel.len() >= k * PANEL);
+    unsafe fn pack_panel_as<const BF16: bool>(rows: &[&[f32]], k: usize, panel: &mut [Line]) {
+        debug_assert!(rows.len() <= PANEL && panel.len() >= k);
         debug_assert!(rows.iter().all(|r| r.len() >= k));
         let out = panel.as_mut_ptr();
         for c0 in (0..k).step_by(LANES) {
@@ -531,6 +559,8 @@ mod avx512 {
             } else {
                 (1u16 << width) - 1
             };
+            // The two 16-column halves of each line of the block; a missing group stays zero.
+            let mut halves = [[_mm256_setzero_si256(); LANES]; 2];
             for (group, block) in rows.chunks(LANES).enumerate() {
                 let mut v = [_mm512_setzero_ps(); LANES];
                 for (lane, row) in v.iter_mut().zip(block) {
@@ -543,13 +573,20 @@ mod avx512 {
                     };
                 }
                 transpose16(&mut v);
-                for (c, line) in v.iter().take(width).enumerate() {
-                    let half = narrow16::<BF16>(*line);
-                    let dst = out.add((c0 + c) * PANEL + group * LANES);
-                    _mm256_storeu_si256(dst.cast::<__m256i>(), half);
+                for (half, column) in halves[group].iter_mut().zip(&v).take(width) {
+                    *half = narrow16::<BF16>(*column);
                 }
             }
+            let [lows, highs] = &halves;
+            for (c, (lo, hi)) in lows.iter().zip(highs).take(width).enumerate() {
+                let line = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(*lo), *hi);
+                // `Line` is 64-byte aligned, as the streaming store requires.
+                _mm512_stream_si512(out.add(c0 + c).cast::<__m512i>(), line);
+            }
         }
+        // Streaming stores are weakly ordered: fence them before the panel is handed back
+        // (the rayon join that follows orders ordinary stores only).
+        _mm_sfence();
     }
 
     /// Sixteen f32 lanes rounded to f16 or bf16 (nearest, ties to even), as 16-bit values.
@@ -713,7 +750,7 @@ mod tests {
                         HalfKind::F16 => f16::from_f32(v).to_bits(),
                         HalfKind::Bf16 => bf16::from_f32(v).to_bits(),
                     };
-                    let got = packed.panel(r / PANEL)[c * PANEL + r % PANEL];
+                    let got = packed.panel(r / PANEL)[c].0[r % PANEL];
                     assert_eq!(got, want, "{kind:?} ({r},{c}) {v}");
                 }
             }
@@ -922,12 +959,7 @@ mod tests {
             }
             for kind in [HalfKind::F16, HalfKind::Bf16] {
                 let mut packs = kernels.map(|kernel| {
-                    let mut p = PackedF16 {
-                        data: vec![0u16; n.div_ceil(PANEL) * k * PANEL],
-                        kind,
-                        n,
-                        k,
-                    };
+                    let mut p = PackedF16::zeros(kind, n, k);
                     p.repack_with(kernel, &StackedRows::new(&[&w], k));
                     p
                 });
@@ -939,7 +971,7 @@ mod tests {
                             HalfKind::Bf16 => bf16::from_f32(v).to_bits(),
                         };
                         for (kernel, p) in kernels.iter().zip(&packs) {
-                            let got = p.panel(r / PANEL)[c * PANEL + r % PANEL];
+                            let got = p.panel(r / PANEL)[c].0[r % PANEL];
                             assert_eq!(
                                 got, want,
                                 "{kind:?} {kernel:?} n={n} k={k} ({r},{c}) {v:e}"
