@@ -1,12 +1,15 @@
 //! Where a weight sync's time goes on `r3 bench step`'s mid-size config (240 M parameters,
 //! seeded random weights, experts fused as the trainer hands them over): the range scan,
-//! copying the tensors out of candle as f32, and building the engine weights per dtype.
+//! copying the tensors out of candle as f32, the f16 pack by each packing kernel, and building
+//! the engine weights per dtype.
 //! `cargo run --release -p r3-rollout --example sync_cost`
 
 use std::time::Instant;
 
 use candle_core::{DType, Device};
 use r3_model::{check_map_holds, presets, RandomInit, Weights};
+use r3_rollout::kernels::packed_f16::{HalfKind, PackedF16, PanelKernel, StackedRows};
+use r3_rollout::model::tensors::F32Values;
 use r3_rollout::model::weights::ModelWeights;
 use r3_rollout::{Dtype, Engine, EngineConfig, RouterDtype, TensorMap};
 
@@ -47,6 +50,30 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .collect::<Result<Vec<_>, _>>()
     });
     println!("copy out as f32 (serial):      {s:.3} s");
+    // Every matrix (rank ≥ 2, as [rows, last dim]) repacked to f16 in place by each kernel:
+    // the pack alone, without the walk over the layers around it.
+    let values = map
+        .values()
+        .filter(|t| t.rank() >= 2)
+        .map(|t| Ok((F32Values::of(t)?, t.dims().last().copied().unwrap_or(0))))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let mut packs: Vec<PackedF16> = values
+        .iter()
+        .map(|(v, k)| PackedF16::pack_as(HalfKind::F16, v, v.len() / k, *k))
+        .collect();
+    for (name, kernel) in [
+        ("portable", PanelKernel::portable()),
+        ("detected", PanelKernel::detect()),
+    ] {
+        let s = best_of(reps, || {
+            for ((v, k), p) in values.iter().zip(packs.iter_mut()) {
+                let block = [&**v];
+                p.repack_with(kernel, &StackedRows::new(&block, *k));
+            }
+        });
+        println!("f16 repack, {name} kernel ({kernel:?}): {s:.3} s");
+    }
+    drop(packs);
     for dtype in [Dtype::F32, Dtype::F16, Dtype::Bf16] {
         let s = best_of(reps, || {
             ModelWeights::from_tensors_with_router(&cfg, &map, dtype, RouterDtype::Model)

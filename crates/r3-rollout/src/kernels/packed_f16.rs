@@ -147,11 +147,32 @@ impl PanelKernel {
     }
 }
 
+/// One line of a panel: the `PANEL` 16-bit values of one reduction step, 64 bytes on a cache
+/// line of their own, so the AVX-512 pack writes each with one aligned streaming store and
+/// the decode kernel's two loads per line touch one cache line.
+#[derive(Clone, Copy, PartialEq, Eq)]
+#[repr(C, align(64))]
+struct Line([u16; PANEL]);
+
+const _: () = assert!(std::mem::size_of::<Line>() == 2 * PANEL);
+
+impl Line {
+    /// A line of zeros (also the padding of a tail panel's missing columns).
+    const ZERO: Line = Line([0; PANEL]);
+}
+
+impl std::fmt::Debug for Line {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
 /// Weight `[n, k]` (row-major, as HF stores it) repacked into `ceil(n / PANEL)` panels of
 /// `[k][PANEL]` 16-bit values of one [`HalfKind`]; the last panel's missing columns are zero.
 #[derive(Debug, Clone)]
 pub struct PackedF16 {
-    data: Vec<u16>,
+    /// `panels · k` lines, panel after panel.
+    data: Vec<Line>,
     kind: HalfKind,
     n: usize,
     k: usize,
@@ -170,46 +191,65 @@ impl PackedF16 {
 
     /// Packs the `n` rows of `rows` (each `k = rows.width()` values), rounding to `kind`.
     pub fn pack_rows(kind: HalfKind, rows: &StackedRows<'_>, n: usize) -> Self {
-        let k = rows.width();
-        let mut packed = PackedF16 {
-            data: vec![0u16; n.div_ceil(PANEL) * k * PANEL],
-            kind,
-            n,
-            k,
-        };
+        let mut packed = Self::zeros(kind, n, rows.width());
         packed.repack(rows);
         packed
     }
 
+    /// An `[n, k]` weight of zeros.
+    fn zeros(kind: HalfKind, n: usize, k: usize) -> Self {
+        PackedF16 {
+            data: vec![Line::ZERO; n.div_ceil(PANEL) * k],
+            kind,
+            n,
+            k,
+        }
+    }
+
     /// Overwrites the packed values with `rows` (this weight's `n` rows of `k` values, the
     /// caller checked), in place: a weight sync reuses the buffer instead of allocating (and
-    /// page-faulting) a new one. Panels are packed on the rayon pool; the tail panel's
-    /// missing columns are never written and stay zero.
+    /// page-faulting) a new one. Panels are packed on the rayon pool by the fastest packing
+    /// code this CPU runs ([`PackedF16::repack_with`]).
     pub fn repack(&mut self, rows: &StackedRows<'_>) {
+        self.repack_with(PanelKernel::detect(), rows);
+    }
+
+    /// [`PackedF16::repack`] by the packing code of `kernel`. Every kernel writes the same
+    /// bits (round to nearest, ties to even, as `f16::from_f32` / `bf16::from_f32`): the
+    /// AVX-512 one transposes 16×16 blocks in registers, narrows 16 columns of a line per
+    /// instruction and streams each line out whole, the portable one narrows row tiles and
+    /// transposes them with scalar moves. The tail panel's missing columns stay zero (the
+    /// AVX-512 kernel writes them as the zero they hold).
+    ///
+    /// # Panics
+    /// When `rows` is not `n` rows of `k` values (the unchecked loads below rely on it).
+    pub fn repack_with(&mut self, kernel: PanelKernel, rows: &StackedRows<'_>) {
         let (kind, n, k) = (self.kind, self.n, self.k);
-        debug_assert_eq!((rows.len(), rows.width()), (n, k));
+        assert_eq!(
+            (rows.len(), rows.width()),
+            (n, k),
+            "repack: rows of the wrong shape"
+        );
+        // `max(1)`: a weight with k = 0 holds no lines, and chunks must not be empty.
         self.data
-            .par_chunks_mut(k * PANEL)
+            .par_chunks_mut(k.max(1))
             .enumerate()
             .for_each(|(p, panel)| {
                 let cols = PANEL.min(n - p * PANEL);
-                // A tile of the panel's rows × TILE_K reduction steps is narrowed row by row
-                // (contiguous reads), then written out line by line (contiguous writes).
-                let mut tile = [[0u16; TILE_K]; PANEL];
-                for c0 in (0..k).step_by(TILE_K) {
-                    let width = TILE_K.min(k - c0);
-                    for (j, t) in tile.iter_mut().enumerate().take(cols) {
-                        let row = rows.row(p * PANEL + j);
-                        kind.narrow(&row[c0..c0 + width], &mut t[..width]);
-                    }
-                    for (c, line) in panel[c0 * PANEL..(c0 + width) * PANEL]
-                        .chunks_exact_mut(PANEL)
-                        .enumerate()
-                    {
-                        for (j, v) in line.iter_mut().enumerate().take(cols) {
-                            *v = tile[j][c];
+                match kernel.0 {
+                    #[cfg(target_arch = "x86_64")]
+                    KernelChoice::Avx512 => {
+                        let mut panel_rows: [&[f32]; PANEL] = [&[]; PANEL];
+                        for (j, r) in panel_rows.iter_mut().enumerate().take(cols) {
+                            *r = rows.row(p * PANEL + j);
                         }
+                        // SAFETY: only `detect` builds an Avx512 kernel (the field is
+                        // private), and only where the CPU has AVX-512F; each of the `cols`
+                        // (≤ PANEL) rows holds k values (`row` slices whole rows of width k,
+                        // checked above) and the panel k lines (the chunk size).
+                        unsafe { avx512::pack_panel(kind, &panel_rows[..cols], k, panel) }
                     }
+                    _ => portable_pack_panel(kind, rows, p, cols, panel),
                 }
             });
     }
@@ -236,12 +276,12 @@ impl PackedF16 {
 
     /// Bytes held.
     pub fn size_bytes(&self) -> usize {
-        self.data.len() * 2
+        self.data.len() * std::mem::size_of::<Line>()
     }
 
-    /// Panel `p` as `[k][PANEL]` 16-bit values.
-    fn panel(&self, p: usize) -> &[u16] {
-        &self.data[p * self.k * PANEL..(p + 1) * self.k * PANEL]
+    /// Panel `p` as its `k` lines.
+    fn panel(&self, p: usize) -> &[Line] {
+        &self.data[p * self.k..(p + 1) * self.k]
     }
 
     /// Valid output columns of panel `p`.
@@ -259,8 +299,8 @@ impl PackedF16 {
         let mut col0 = 0;
         for p in p0..p1 {
             let pc = self.panel_cols(p);
-            for (c, src) in self.panel(p).chunks_exact(PANEL).enumerate() {
-                self.kind.widen(src, &mut line);
+            for (c, src) in self.panel(p).iter().enumerate() {
+                self.kind.widen(&src.0, &mut line);
                 out[c * cols + col0..c * cols + col0 + pc].copy_from_slice(&line[..pc]);
             }
             col0 += pc;
@@ -318,7 +358,7 @@ fn row_tiles(m: usize) -> impl Iterator<Item = (usize, usize)> {
 #[allow(clippy::too_many_arguments)]
 fn portable_panel(
     kind: HalfKind,
-    panel: &[u16],
+    panel: &[Line],
     x: &[f32],
     m: usize,
     k: usize,
@@ -327,7 +367,9 @@ fn portable_panel(
     cols: usize,
 ) {
     let mut wide = vec![0f32; k * PANEL];
-    kind.widen(panel, &mut wide);
+    for (line, w) in panel.iter().zip(wide.chunks_exact_mut(PANEL)) {
+        kind.widen(&line.0, w);
+    }
     for r in 0..m {
         let mut acc = [0f32; PANEL];
         for (c, line) in wide.chunks_exact(PANEL).enumerate() {
@@ -340,15 +382,41 @@ fn portable_panel(
     }
 }
 
+/// Portable packing of panel `p` (`cols` valid columns, `k = rows.width()`): a tile of the
+/// panel's rows × TILE_K reduction steps is narrowed row by row (contiguous reads), then
+/// written out line by line (contiguous writes).
+fn portable_pack_panel(
+    kind: HalfKind,
+    rows: &StackedRows<'_>,
+    p: usize,
+    cols: usize,
+    panel: &mut [Line],
+) {
+    let k = rows.width();
+    let mut tile = [[0u16; TILE_K]; PANEL];
+    for c0 in (0..k).step_by(TILE_K) {
+        let width = TILE_K.min(k - c0);
+        for (j, t) in tile.iter_mut().enumerate().take(cols) {
+            let row = rows.row(p * PANEL + j);
+            kind.narrow(&row[c0..c0 + width], &mut t[..width]);
+        }
+        for (c, line) in panel[c0..c0 + width].iter_mut().enumerate() {
+            for (j, v) in line.0.iter_mut().enumerate().take(cols) {
+                *v = tile[j][c];
+            }
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{HalfKind, PANEL, TILE_ROWS};
+    use super::{HalfKind, Line, PANEL, TILE_ROWS};
     use std::arch::x86_64::*;
 
     /// One register tile: `rows` (≤ TILE_ROWS) input rows times one panel of `kind` values.
     ///
     /// # Safety
-    /// The CPU must support AVX-512F; `x` holds `rows·k` values, `panel` `k·PANEL`, and `out`
+    /// The CPU must support AVX-512F; `x` holds `rows·k` values, `panel` `k` lines, and `out`
     /// at least `(rows-1)·ldo + cols` values.
     #[target_feature(enable = "avx512f")]
     #[allow(clippy::too_many_arguments)]
@@ -357,7 +425,7 @@ mod avx512 {
         x: &[f32],
         rows: usize,
         k: usize,
-        panel: &[u16],
+        panel: &[Line],
         out: &mut [f32],
         ldo: usize,
         cols: usize,
@@ -374,7 +442,7 @@ mod avx512 {
         x: &[f32],
         rows: usize,
         k: usize,
-        panel: &[u16],
+        panel: &[Line],
         out: &mut [f32],
         ldo: usize,
         cols: usize,
@@ -409,13 +477,13 @@ mod avx512 {
     unsafe fn tile_n<const R: usize, const BF16: bool>(
         x: &[f32],
         k: usize,
-        panel: &[u16],
+        panel: &[Line],
         out: &mut [f32],
         ldo: usize,
         cols: usize,
     ) {
         const { assert!(R <= TILE_ROWS && PANEL == 32) };
-        debug_assert!(x.len() >= R * k && panel.len() >= k * PANEL);
+        debug_assert!(x.len() >= R * k && panel.len() >= k);
         let mut acc = [[_mm512_setzero_ps(); 2]; R];
         let wp = panel.as_ptr() as *const __m256i;
         let xp = x.as_ptr();
@@ -449,6 +517,130 @@ mod avx512 {
                 _mm512_mask_storeu_ps(op.add(r * ldo), m0, a[0]);
                 _mm512_mask_storeu_ps(op.add(r * ldo + 16), m1, a[1]);
             }
+        }
+    }
+
+    /// Lanes per vector: a 16×16 block of f32 is transposed in sixteen registers.
+    const LANES: usize = 16;
+
+    /// Packs one panel: `rows` (≤ PANEL, each `k` values) narrowed to `kind` and written
+    /// k-major into `panel` (`k` lines). Each 16 rows × 16 reduction steps block is loaded
+    /// row by row, transposed in registers and narrowed one half line per instruction, so no
+    /// value passes through memory between the load and the store (the portable kernel moves
+    /// each value through a tile and a scalar transpose). A group of fewer than 16 rows (the
+    /// tail panel) is padded with zero rows, which narrow to the zero the padding holds; the
+    /// last block of a `k` that is not a multiple of 16 is loaded masked. Lines are written
+    /// whole with streaming stores: nothing reads the packed weights again before the next
+    /// forward, so they bypass the cache, and the CPU need not first read each line it
+    /// overwrites (ordinary stores would add that read to the pack's memory traffic).
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F; every row of `rows` holds at least `k` values,
+    /// `rows.len() ≤ PANEL` and `panel` holds at least `k` lines.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn pack_panel(kind: HalfKind, rows: &[&[f32]], k: usize, panel: &mut [Line]) {
+        match kind {
+            HalfKind::F16 => pack_panel_as::<false>(rows, k, panel),
+            HalfKind::Bf16 => pack_panel_as::<true>(rows, k, panel),
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn pack_panel_as<const BF16: bool>(rows: &[&[f32]], k: usize, panel: &mut [Line]) {
+        debug_assert!(rows.len() <= PANEL && panel.len() >= k);
+        debug_assert!(rows.iter().all(|r| r.len() >= k));
+        let out = panel.as_mut_ptr();
+        for c0 in (0..k).step_by(LANES) {
+            let width = LANES.min(k - c0);
+            // width < 16 in the masked branch, so the shift cannot overflow.
+            let mask: __mmask16 = if width == LANES {
+                !0
+            } else {
+                (1u16 << width) - 1
+            };
+            // The two 16-column halves of each line of the block; a missing group stays zero.
+            let mut halves = [[_mm256_setzero_si256(); LANES]; 2];
+            for (group, block) in rows.chunks(LANES).enumerate() {
+                let mut v = [_mm512_setzero_ps(); LANES];
+                for (lane, row) in v.iter_mut().zip(block) {
+                    let at = row.as_ptr().add(c0);
+                    // Masked-off lanes are not read (AVX-512 suppresses their faults).
+                    *lane = if width == LANES {
+                        _mm512_loadu_ps(at)
+                    } else {
+                        _mm512_maskz_loadu_ps(mask, at)
+                    };
+                }
+                transpose16(&mut v);
+                for (half, column) in halves[group].iter_mut().zip(&v).take(width) {
+                    *half = narrow16::<BF16>(*column);
+                }
+            }
+            let [lows, highs] = &halves;
+            for (c, (lo, hi)) in lows.iter().zip(highs).take(width).enumerate() {
+                let line = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(*lo), *hi);
+                // `Line` is 64-byte aligned, as the streaming store requires.
+                _mm512_stream_si512(out.add(c0 + c).cast::<__m512i>(), line);
+            }
+        }
+        // Streaming stores are weakly ordered: fence them before the panel is handed back
+        // (the rayon join that follows orders ordinary stores only).
+        _mm_sfence();
+    }
+
+    /// Sixteen f32 lanes rounded to f16 or bf16 (nearest, ties to even), as 16-bit values.
+    /// f16: `vcvtps2ph` with the rounding given in the instruction (MXCSR's mode is not
+    /// consulted), the conversion `half` itself uses under F16C. bf16: the branch-free bit
+    /// rounding of [`crate::dtype::bf16_bits`] lane by lane (`vcvtneps2bf16` would flush
+    /// subnormals to zero, which `bf16::from_f32` does not).
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn narrow16<const BF16: bool>(v: __m512) -> __m256i {
+        if BF16 {
+            let b = _mm512_castps_si512(v);
+            let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
+            let bias = _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb);
+            let rounded = _mm512_add_epi32(b, bias);
+            let quiet = _mm512_or_si512(b, _mm512_set1_epi32(0x0040_0000));
+            let magnitude = _mm512_and_si512(b, _mm512_set1_epi32(0x7FFF_FFFF));
+            let nan = _mm512_cmpgt_epu32_mask(magnitude, _mm512_set1_epi32(0x7F80_0000));
+            let bits = _mm512_mask_blend_epi32(nan, rounded, quiet);
+            // After the shift every lane fits 16 bits: the truncating narrow keeps it whole.
+            _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(bits))
+        } else {
+            _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v)
+        }
+    }
+
+    /// Transposes the 16×16 f32 block held one row per register, in place: after it
+    /// register `c` holds column `c`. Unpacks interleave pairs of rows, then 64-bit shuffles
+    /// and two rounds of 128-bit lane shuffles finish the transpose (64 shuffles in all).
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn transpose16(r: &mut [__m512; LANES]) {
+        let mut t = [_mm512_setzero_ps(); LANES];
+        for i in 0..8 {
+            t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+        }
+        for i in 0..4 {
+            let b = 4 * i;
+            r[b] = _mm512_shuffle_ps::<0x44>(t[b], t[b + 2]);
+            r[b + 1] = _mm512_shuffle_ps::<0xEE>(t[b], t[b + 2]);
+            r[b + 2] = _mm512_shuffle_ps::<0x44>(t[b + 1], t[b + 3]);
+            r[b + 3] = _mm512_shuffle_ps::<0xEE>(t[b + 1], t[b + 3]);
+        }
+        for h in 0..2 {
+            let b = 8 * h;
+            for i in 0..4 {
+                t[b + i] = _mm512_shuffle_f32x4::<0x88>(r[b + i], r[b + 4 + i]);
+                t[b + 4 + i] = _mm512_shuffle_f32x4::<0xDD>(r[b + i], r[b + 4 + i]);
+            }
+        }
+        for i in 0..8 {
+            r[i] = _mm512_shuffle_f32x4::<0x88>(t[i], t[8 + i]);
+            r[8 + i] = _mm512_shuffle_f32x4::<0xDD>(t[i], t[8 + i]);
         }
     }
 }
@@ -558,7 +750,7 @@ mod tests {
                         HalfKind::F16 => f16::from_f32(v).to_bits(),
                         HalfKind::Bf16 => bf16::from_f32(v).to_bits(),
                     };
-                    let got = packed.panel(r / PANEL)[c * PANEL + r % PANEL];
+                    let got = packed.panel(r / PANEL)[c].0[r % PANEL];
                     assert_eq!(got, want, "{kind:?} ({r},{c}) {v}");
                 }
             }
@@ -571,6 +763,239 @@ mod tests {
             let mut reused = packed.clone();
             reused.repack(&StackedRows::new(&[&other], k));
             assert_eq!(reused.data, PackedF16::pack_as(kind, &other, n, k).data);
+        }
+    }
+
+    /// f16 bits of `v` rounded to nearest, ties to even, written from the IEEE definition
+    /// (independent of `half` and of the CPU's conversion): NaN keeps its sign and the top
+    /// of its payload and turns quiet, overflow goes to infinity.
+    fn f16_reference(v: f32) -> u16 {
+        let b = v.to_bits();
+        let sign = ((b >> 16) & 0x8000) as u16;
+        let exp = ((b >> 23) & 0xFF) as i32;
+        let man = b & 0x7F_FFFF;
+        if exp == 0xFF {
+            return sign
+                | 0x7C00
+                | if man == 0 {
+                    0
+                } else {
+                    0x0200 | (man >> 13) as u16
+                };
+        }
+        // The value is m · 2^(e) with m an integer of 24 bits (the implicit bit included).
+        let (m, e) = if exp == 0 {
+            (man, -149)
+        } else {
+            (man | 0x80_0000, exp - 150)
+        };
+        // f16 values are q · 2^(-24) for integer q (subnormals and normals alike) up to the
+        // exponent where the 11-bit significand needs a coarser step: round at the step of
+        // the binade the value lies in.
+        let binade = if m == 0 {
+            -24
+        } else {
+            (31 - m.leading_zeros() as i32) + e
+        };
+        let step = (binade - 10).max(-24);
+        let shift = step - e;
+        let q = if shift <= 0 {
+            u64::from(m) << (-shift)
+        } else if shift >= 40 {
+            0
+        } else {
+            let (whole, rest) = (u64::from(m) >> shift, u64::from(m) & ((1u64 << shift) - 1));
+            let halfway = 1u64 << (shift - 1);
+            whole + u64::from(rest > halfway || (rest == halfway && whole & 1 == 1))
+        };
+        // q · 2^step as f16 bits: the significand in q (possibly carried to 2^11), the
+        // exponent from step.
+        let (mut q, mut step) = (q, step);
+        if q >= 1 << 11 {
+            q >>= 1;
+            step += 1;
+        }
+        let bits = if q < 1 << 10 {
+            // Subnormal (step is -24 there) or zero.
+            q as u32
+        } else {
+            let biased = step + 10 + 15;
+            if biased >= 31 {
+                return sign | 0x7C00;
+            }
+            ((biased as u32) << 10) | (q as u32 & 0x3FF)
+        };
+        sign | bits as u16
+    }
+
+    /// Values that probe the rounding: signed zeros, f16 and bf16 subnormals and the
+    /// smallest normals, ties (to even, both ways) in each format, the edge of f16's range
+    /// (65504 stays, 65519.99 rounds down, 65520 overflows to infinity), f32's extremes,
+    /// infinities and NaNs (quiet, signalling, negative, with payload).
+    fn edge_values() -> Vec<f32> {
+        let mut v = vec![
+            0.0f32,
+            -0.0,
+            1.0,
+            -1.0,
+            f32::MIN_POSITIVE,
+            -f32::MIN_POSITIVE,
+            f32::from_bits(1),
+            f32::from_bits(0x8000_0001),
+            f32::from_bits(0x007F_FFFF),
+            65504.0,
+            -65504.0,
+            65519.99,
+            65520.0,
+            -65520.0,
+            65536.0,
+            3.4e38,
+            f32::MAX,
+            -f32::MAX,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -f32::NAN,
+            f32::from_bits(0x7F80_0001),
+            f32::from_bits(0xFF80_0001),
+            f32::from_bits(0x7FC0_1234),
+            f32::from_bits(0x7FBF_FFFF),
+            f32::from_bits(0x7F80_2000),
+        ];
+        // f16: the smallest subnormal 2^-24 and the ties around it and 2^-14 (smallest
+        // normal); ties between neighbours at 1 and 2048 (ulp 2^-10 and 2), odd and even.
+        for (x, ulp) in [
+            (2f32.powi(-24), 2f32.powi(-24)),
+            (2f32.powi(-14), 2f32.powi(-24)),
+        ] {
+            v.extend([
+                x,
+                x - ulp / 2.0,
+                x + ulp / 2.0,
+                x * 1.5,
+                x / 2.0,
+                x / 4.0,
+                x * 0.75,
+            ]);
+        }
+        for (x, ulp) in [
+            (1.0f32, 2f32.powi(-10)),
+            (2048.0, 2.0),
+            (0.5, 2f32.powi(-11)),
+        ] {
+            for j in 0..4 {
+                let t = x + ulp * (j as f32 + 0.5);
+                v.extend([t, -t, t.next_up(), t.next_down()]);
+            }
+        }
+        // bf16: ties at 1 (ulp 2^-7), subnormal ties, the largest finite value's tie.
+        for j in 0..4 {
+            let t = 1.0 + 2f32.powi(-7) * (j as f32 + 0.5);
+            v.extend([t, -t, t.next_up(), t.next_down()]);
+        }
+        v.extend([
+            f32::from_bits(0x0000_8000),
+            f32::from_bits(0x0001_8000),
+            f32::from_bits(0x7F7F_8000),
+            f32::from_bits(0x7F7F_7FFF),
+        ]);
+        v
+    }
+
+    /// `len` f32 bit patterns from a fixed LCG: every class (NaN, inf, subnormal, normal).
+    fn random_bits(len: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed;
+        (0..len)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                let b = (s >> 32) as u32;
+                // Half of them with the exponent pulled into f16's range and its edges.
+                if b & 1 == 0 {
+                    f32::from_bits(b)
+                } else {
+                    let exp = 100 + (b >> 1) % 50;
+                    f32::from_bits((b & 0x807F_FFFF) | (exp << 23))
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_reference_conversion_agrees_with_half() {
+        for v in edge_values().into_iter().chain(random_bits(200_000, 3)) {
+            assert_eq!(
+                f16_reference(v),
+                f16::from_f32(v).to_bits(),
+                "{v:e} ({:#010x})",
+                v.to_bits()
+            );
+        }
+    }
+
+    #[test]
+    fn every_pack_kernel_writes_the_bits_half_rounds_to() {
+        let kernels = [PanelKernel::portable(), PanelKernel::detect()];
+        let edges = edge_values();
+        // Ragged shapes: tail panels of 1–31 columns, a second row group of 1–15, k not a
+        // multiple of 16 (masked loads) and below 16.
+        for (case, &(n, k)) in [
+            (37, 11),
+            (64, 16),
+            (33, 35),
+            (5, 3),
+            (96, 48),
+            (17, 70),
+            (50, 100),
+        ]
+        .iter()
+        .enumerate()
+        {
+            let mut w = random_bits(n * k, case as u64);
+            let edge_at = (case * 7) % (n * k);
+            for (i, e) in edges.iter().enumerate() {
+                w[(edge_at + i) % (n * k)] = *e;
+            }
+            for kind in [HalfKind::F16, HalfKind::Bf16] {
+                let mut packs = kernels.map(|kernel| {
+                    let mut p = PackedF16::zeros(kind, n, k);
+                    p.repack_with(kernel, &StackedRows::new(&[&w], k));
+                    p
+                });
+                for r in 0..n {
+                    for c in 0..k {
+                        let v = w[r * k + c];
+                        let want = match kind {
+                            HalfKind::F16 => f16::from_f32(v).to_bits(),
+                            HalfKind::Bf16 => bf16::from_f32(v).to_bits(),
+                        };
+                        for (kernel, p) in kernels.iter().zip(&packs) {
+                            let got = p.panel(r / PANEL)[c].0[r % PANEL];
+                            assert_eq!(
+                                got, want,
+                                "{kind:?} {kernel:?} n={n} k={k} ({r},{c}) {v:e}"
+                            );
+                        }
+                    }
+                }
+                // Padding included: the kernels' buffers are equal as a whole.
+                assert_eq!(packs[0].data, packs[1].data, "{kind:?} n={n} k={k}");
+                // A repack over stacked blocks (rows of one panel from two blocks) by each
+                // kernel leaves what packing the stacked matrix does.
+                let split = (n / 3) * k;
+                let blocks = [&w[split..], &w[..split]];
+                let mut swapped = w[split..].to_vec();
+                swapped.extend_from_slice(&w[..split]);
+                for (kernel, p) in kernels.iter().zip(packs.iter_mut()) {
+                    p.repack_with(*kernel, &StackedRows::new(&blocks, k));
+                    assert_eq!(
+                        p.data,
+                        PackedF16::pack_as(kind, &swapped, n, k).data,
+                        "{kernel:?}"
+                    );
+                }
+            }
         }
     }
 
