@@ -16,6 +16,10 @@ pub enum AnalysisError {
         /// The model error (boxed: keeps the crate's `Result`s small).
         source: Box<r3_model::ModelError>,
     },
+    /// The device named for the rollouts or the training passes cannot be opened (a
+    /// `cuda` this build or machine lacks; nothing falls back to the CPU).
+    #[error("device: {0}")]
+    Device(#[from] r3_model::DeviceError),
     /// The rollout engine failed.
     #[error("rollout engine: {0}")]
     Rollout(#[from] r3_rollout::RolloutError),

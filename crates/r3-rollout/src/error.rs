@@ -29,6 +29,27 @@ pub enum RolloutError {
         /// KV blocks the pool has in all.
         pool_blocks: usize,
     },
+    /// A request whose forward step alone needs more device memory for its activations
+    /// than the device engine's budget for one step (`activation_bytes`).
+    #[error(
+        "a request of {prompt_tokens} prompt + {max_new_tokens} new tokens needs about \
+         {need_mib:.1} MiB of activations in one step on {device} ({step}), the activation \
+         budget is {budget_mib:.1} MiB"
+    )]
+    ActivationsTooLarge {
+        /// Tokens in the prompt.
+        prompt_tokens: usize,
+        /// Tokens the request may generate.
+        max_new_tokens: usize,
+        /// The engine's device.
+        device: String,
+        /// The estimate of its largest step, MiB.
+        need_mib: f64,
+        /// The budget, MiB.
+        budget_mib: f64,
+        /// Which step and its largest tensors.
+        step: String,
+    },
     /// The KV pool ran dry in the middle of a step although every admitted request fits
     /// alone: a fault of the engine's scheduling, not of any request.
     #[error("kv cache exhausted: {needed} more blocks needed, {free} free")]
@@ -104,6 +125,7 @@ impl RolloutError {
         match self {
             RolloutError::InvalidRequest(_)
             | RolloutError::RequestTooLong { .. }
+            | RolloutError::ActivationsTooLarge { .. }
             | RolloutError::UnknownRequest(_) => true,
             RolloutError::WeightDir { source, .. } => weight_dir_is_clients(source),
             _ => false,

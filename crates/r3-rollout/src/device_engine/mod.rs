@@ -36,6 +36,7 @@
 
 pub mod batch;
 pub mod choice;
+pub mod memory;
 pub mod prefix;
 
 use std::collections::VecDeque;
@@ -62,6 +63,7 @@ use crate::request::{
 };
 use crate::sampler::top_logprobs;
 use batch::{capture_routes, decode_layout, gap_order, prefill_layout, Row};
+use memory::{mib, step_activation_bytes, StepShape};
 use prefix::DeviceBlock;
 
 /// Settings of the device engine.
@@ -79,6 +81,12 @@ pub struct DeviceEngineConfig {
     /// Budget of the batch's KV cache in bytes (f32 keys and values of every layer for
     /// every slot a batch can reach); a request that alone exceeds it is refused.
     pub kv_cache_bytes: usize,
+    /// Budget of one step's activations in bytes (the estimate of [`memory`]: attention
+    /// scores, logits, hidden states of the step's tokens), beside `kv_cache_bytes`: a
+    /// request whose prefill or decode step alone exceeds it is refused, and waiting
+    /// requests join a batch only while the prefill they are fed in and the decode steps of
+    /// the batch they join stay within it.
+    pub activation_bytes: usize,
     /// Token positions per prefix-cache block (only full blocks are cached and matched).
     pub block_size: usize,
     /// Keep finished prefixes (keys and values on the device, and their route rows) for
@@ -98,6 +106,7 @@ impl Default for DeviceEngineConfig {
             router_dtype: RouterDtype::Model,
             max_running: 256,
             kv_cache_bytes: 4 << 30,
+            activation_bytes: 1 << 30,
             block_size: 16,
             prefix_cache: true,
             prefix_cache_bytes: 1 << 30,
@@ -337,9 +346,11 @@ impl DeviceEngine {
         Ok(self.enqueue(req, rng, Some(resume)))
     }
 
-    /// Refuses a request that is invalid for the model or alone exceeds the KV budget.
+    /// Refuses a request that is invalid for the model or alone exceeds the KV budget or
+    /// the activation budget.
     fn validate(&self, req: &GenerateRequest) -> Result<(), RolloutError> {
         validate_request(&self.model_cfg, req)?;
+        self.check_activations(req)?;
         let need = (req.input_ids.len() + req.sampling.max_new_tokens) * self.slot_bytes();
         if need > self.cfg.kv_cache_bytes {
             return Err(RolloutError::InvalidRequest(format!(
@@ -352,6 +363,56 @@ impl DeviceEngine {
             )));
         }
         Ok(())
+    }
+
+    /// Refuses a request whose prefill (cold: no cached prefix is counted on, as the cache
+    /// may have evicted it by admission) or last decode step, run alone, needs more than the
+    /// activation budget.
+    fn check_activations(&self, req: &GenerateRequest) -> Result<(), RolloutError> {
+        let len = req.input_ids.len();
+        let new = req.sampling.max_new_tokens;
+        let logit_positions = if req.sampling.prompt_logprobs_from.is_some() {
+            len
+        } else {
+            1
+        };
+        let prefill = StepShape {
+            rows: 1,
+            time: len,
+            slots: len,
+            logit_positions,
+        };
+        let decode = StepShape {
+            rows: 1,
+            time: 1,
+            slots: len + new,
+            logit_positions: 1,
+        };
+        let (p, d) = (
+            step_activation_bytes(&self.model_cfg, prefill),
+            step_activation_bytes(&self.model_cfg, decode),
+        );
+        let need = p.max(d);
+        if need <= self.cfg.activation_bytes {
+            return Ok(());
+        }
+        let c = &self.model_cfg;
+        let step = if p >= d {
+            format!(
+                "its prefill: attention scores 3 × {} heads × {len} × {len}, logits 2 ×                  {logit_positions} × {} vocabulary, f32",
+                c.num_attention_heads, c.vocab_size
+            )
+        } else {
+            format!("its last decode step over {} slots", len + new)
+        };
+        Err(RolloutError::ActivationsTooLarge {
+            prompt_tokens: len,
+            max_new_tokens: new,
+            device: self.cfg.device.to_string(),
+            need_mib: mib(need),
+            budget_mib: mib(self.cfg.activation_bytes),
+            step,
+        })
     }
 
     /// Queues a checked request under a new id.
@@ -534,6 +595,7 @@ impl DeviceEngine {
             None => (0, 0, 0),
         };
         let (mut longest, mut new_tokens, mut most_cached, mut longest_tail) = (0, 0, 0, 0);
+        let mut asks_prompt_logprobs = false;
         let mut rows: Vec<Row> = Vec::new();
         let mut hits: Vec<Option<RowKv>> = Vec::new();
         while running_rows + rows.len() < self.cfg.max_running {
@@ -548,14 +610,41 @@ impl DeviceEngine {
             let slots = running_slots.max(l).max(c + t);
             let reach = (running_reach + (slots - running_slots)).max(slots + n);
             let count = running_rows + rows.len() + 1;
+            // The prefill feeds the newcomers' tails over the prefixes, then the joined
+            // batch decodes over `reach` slots at most; the two steps run one after the
+            // other, so each alone has to fit the activation budget.
+            let logit_positions =
+                if asks_prompt_logprobs || next.request.sampling.prompt_logprobs_from.is_some() {
+                    t
+                } else {
+                    1
+                };
+            let prefill = StepShape {
+                rows: rows.len() + 1,
+                time: t,
+                slots: c + t,
+                logit_positions,
+            };
+            let decode = StepShape {
+                rows: count,
+                time: 1,
+                slots: reach,
+                logit_positions: 1,
+            };
+            let activations = step_activation_bytes(&self.model_cfg, prefill)
+                .max(step_activation_bytes(&self.model_cfg, decode));
             // A request alone always fits (`submit` checked it).
-            if count > 1 && count * reach * slot_bytes > self.cfg.kv_cache_bytes {
+            if count > 1
+                && (count * reach * slot_bytes > self.cfg.kv_cache_bytes
+                    || activations > self.cfg.activation_bytes)
+            {
                 break;
             }
             let Some(w) = self.waiting.pop_front() else {
                 break;
             };
             (longest, new_tokens, most_cached, longest_tail) = (l, n, c, t);
+            asks_prompt_logprobs = logit_positions > 1;
             let mut row = self.new_row(w);
             hits.push(self.attach_prefix(&mut row)?);
             rows.push(row);
