@@ -59,6 +59,22 @@ pub enum RolloutError {
         /// Blocks free when it gave up.
         free: usize,
     },
+    /// A forward step of the device engine failed (a device allocation, above all); its
+    /// requests are dropped, the engine serves the next ones.
+    #[error(
+        "a step of requests {requests:?} failed{}: {source}",
+        if *out_of_memory { " (the device ran out of memory; lower max_running, \
+         kv_cache_bytes or activation_bytes, or send shorter requests)" } else { "" }
+    )]
+    StepFailed {
+        /// The requests the failed step computed (all dropped).
+        requests: Vec<u64>,
+        /// Whether the device ran out of memory.
+        out_of_memory: bool,
+        /// The forward's error.
+        #[source]
+        source: Box<RolloutError>,
+    },
     /// A weight tensor is missing or has the wrong shape.
     #[error("weights: {0}")]
     Weights(String),

@@ -114,6 +114,24 @@ impl Default for DeviceEngineConfig {
     }
 }
 
+/// The error of a step whose forward failed: the requests it computed, and whether the
+/// device ran out of memory.
+fn step_failed(rows: &[Row], source: RolloutError) -> RolloutError {
+    RolloutError::StepFailed {
+        requests: rows.iter().map(|r| r.id).collect(),
+        out_of_memory: is_out_of_memory(&source),
+        source: Box::new(source),
+    }
+}
+
+/// Whether an error is a failed device allocation: CUDA's `CUDA_ERROR_OUT_OF_MEMORY`
+/// (cudarc's name in candle's error text) or an allocator's "out of memory". On the CPU an
+/// allocation failure aborts the process instead, so this is the GPU's case.
+fn is_out_of_memory(e: &RolloutError) -> bool {
+    let text = e.to_string().to_ascii_lowercase();
+    text.contains("out_of_memory") || text.contains("out of memory")
+}
+
 /// r3-model's forward precision for an engine dtype.
 fn precision(dtype: Dtype, router: RouterDtype) -> Precision {
     let router_f32 = router == RouterDtype::F32;
@@ -160,6 +178,8 @@ pub struct DeviceEngine {
     /// The prefix cache (None when off).
     cache: Option<PrefixCache<DeviceBlock>>,
     capture_time: Duration,
+    /// Results of a step whose later part failed, handed out by the next step.
+    finished: Vec<GenerateResult>,
 }
 
 impl DeviceEngine {
@@ -233,6 +253,7 @@ impl DeviceEngine {
             running: None,
             cache,
             capture_time: Duration::ZERO,
+            finished: Vec::new(),
         })
     }
 
@@ -283,7 +304,7 @@ impl DeviceEngine {
     /// Whether any request is waiting or running.
     pub fn has_work(&self) -> bool {
         let (w, r) = self.queue_lengths();
-        w + r > 0
+        w + r > 0 || !self.finished.is_empty()
     }
 
     /// Tokens generated so far by a running request (None if unknown, waiting or finished).
@@ -459,16 +480,29 @@ impl DeviceEngine {
     /// Runs one step: one decode token for every running sequence, then the prefill (and
     /// first token) of the waiting requests that fit beside the sequences still running,
     /// which join the batch; returns the requests that finished in it.
+    ///
+    /// A forward that fails (a device allocation that fails, above all) fails the requests
+    /// it was computing, not the engine: the error names them and says whether the device
+    /// ran out of memory; their rows and cache are dropped, the waiting requests stay
+    /// queued, and when it is the newcomers' prefill that failed, the running batch keeps
+    /// running and what finished in this step comes out of the next one.
     pub fn step(&mut self) -> Result<Vec<GenerateResult>, RolloutError> {
-        let mut results = Vec::new();
+        let mut results = std::mem::take(&mut self.finished);
         let mut running = self.running.take();
         if let Some(batch) = running.as_mut() {
-            self.advance(batch)?;
+            if let Err(e) = self.advance(batch) {
+                self.finished = results;
+                return Err(step_failed(&batch.rows, e));
+            }
             results.extend(self.retire(batch)?);
         }
         let mut running = running.filter(|b| !b.rows.is_empty());
         if let Some(mut joining) = self.admit(running.as_ref())? {
-            self.advance(&mut joining)?;
+            if let Err(e) = self.advance(&mut joining) {
+                self.running = running;
+                self.finished = results;
+                return Err(step_failed(&joining.rows, e));
+            }
             results.extend(self.retire(&mut joining)?);
             if !joining.rows.is_empty() {
                 // Cached prefixes and tails side by side can leave slots no row uses.
@@ -963,4 +997,22 @@ fn build_model(
         weights = weights.narrow_matrices(model_cfg, narrow, router_narrow)?;
     }
     Ok(Model::with_precision(model_cfg, &weights, precision)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cuda_allocation_failure_reads_as_out_of_memory() {
+        let oom = RolloutError::Candle(candle_core::Error::Msg(
+            "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")".into(),
+        ));
+        assert!(is_out_of_memory(&oom));
+        let other = RolloutError::Candle(candle_core::Error::Msg("shape mismatch".into()));
+        assert!(!is_out_of_memory(&other));
+        let failed = step_failed(&[], oom);
+        assert!(!failed.is_client_error());
+        assert!(failed.to_string().contains("out of memory"), "{failed}");
+    }
 }
