@@ -30,26 +30,10 @@ pub enum RolloutError {
         pool_blocks: usize,
     },
     /// A request whose forward step alone needs more device memory for its activations
-    /// than the device engine's budget for one step (`activation_bytes`).
-    #[error(
-        "a request of {prompt_tokens} prompt + {max_new_tokens} new tokens needs about \
-         {need_mib:.1} MiB of activations in one step on {device} ({step}), the activation \
-         budget is {budget_mib:.1} MiB"
-    )]
-    ActivationsTooLarge {
-        /// Tokens in the prompt.
-        prompt_tokens: usize,
-        /// Tokens the request may generate.
-        max_new_tokens: usize,
-        /// The engine's device.
-        device: String,
-        /// The estimate of its largest step, MiB.
-        need_mib: f64,
-        /// The budget, MiB.
-        budget_mib: f64,
-        /// Which step and its largest tensors.
-        step: String,
-    },
+    /// than the device engine's budget for one step (`activation_bytes`); the text names
+    /// the request's size, the estimate, the step and the budget.
+    #[error("{0}")]
+    ActivationsTooLarge(String),
     /// The KV pool ran dry in the middle of a step although every admitted request fits
     /// alone: a fault of the engine's scheduling, not of any request.
     #[error("kv cache exhausted: {needed} more blocks needed, {free} free")]
@@ -67,8 +51,9 @@ pub enum RolloutError {
          kv_cache_bytes or activation_bytes, or send shorter requests)" } else { "" }
     )]
     StepFailed {
-        /// The requests the failed step computed (all dropped).
-        requests: Vec<u64>,
+        /// The requests the failed step computed (all dropped; a boxed slice keeps every
+        /// engine `Result` small).
+        requests: Box<[u64]>,
         /// Whether the device ran out of memory.
         out_of_memory: bool,
         /// The forward's error.
@@ -83,9 +68,10 @@ pub enum RolloutError {
     TensorConversion {
         /// HF tensor name.
         name: String,
-        /// The conversion error.
+        /// The conversion error (boxed: the engine's error stays small enough to carry in
+        /// the trainer's without boxing there).
         #[source]
-        source: candle_core::Error,
+        source: Box<candle_core::Error>,
     },
     /// A weight directory could not be loaded (missing, unreadable or not a checkpoint of
     /// this model's config).
@@ -141,7 +127,7 @@ impl RolloutError {
         match self {
             RolloutError::InvalidRequest(_)
             | RolloutError::RequestTooLong { .. }
-            | RolloutError::ActivationsTooLarge { .. }
+            | RolloutError::ActivationsTooLarge(_)
             | RolloutError::UnknownRequest(_) => true,
             RolloutError::WeightDir { source, .. } => weight_dir_is_clients(source),
             _ => false,

@@ -157,17 +157,12 @@ mod tests {
 
     #[test]
     fn device_memory_refusals_and_failures_name_themselves() {
-        let too_big = RolloutError::ActivationsTooLarge {
-            prompt_tokens: 4096,
-            max_new_tokens: 16,
-            device: "cuda:0".into(),
-            need_mib: 9000.0,
-            budget_mib: 1024.0,
-            step: "its prefill".into(),
-        };
+        let too_big = RolloutError::ActivationsTooLarge(
+            "a request of 4096 prompt + 16 new tokens needs about 9000.0 MiB".into(),
+        );
         assert_eq!(status(too_big), StatusCode::BAD_REQUEST);
         let oom = RolloutError::StepFailed {
-            requests: vec![3, 4],
+            requests: vec![3, 4].into(),
             out_of_memory: true,
             source: Box::new(RolloutError::Candle(candle_core::Error::Msg(
                 "CUDA_ERROR_OUT_OF_MEMORY".into(),

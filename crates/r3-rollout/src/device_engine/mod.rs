@@ -426,14 +426,13 @@ impl DeviceEngine {
         } else {
             format!("its last decode step over {} slots", len + new)
         };
-        Err(RolloutError::ActivationsTooLarge {
-            prompt_tokens: len,
-            max_new_tokens: new,
-            device: self.cfg.device.to_string(),
-            need_mib: mib(need),
-            budget_mib: mib(self.cfg.activation_bytes),
-            step,
-        })
+        Err(RolloutError::ActivationsTooLarge(format!(
+            "a request of {len} prompt + {new} new tokens needs about {:.1} MiB of activations \
+             in one step on {} ({step}), the activation budget is {:.1} MiB",
+            mib(need),
+            self.cfg.device,
+            mib(self.cfg.activation_bytes)
+        )))
     }
 
     /// Queues a checked request under a new id.
