@@ -16,6 +16,11 @@ pub enum AnalysisError {
         /// The model error (boxed: keeps the crate's `Result`s small).
         source: Box<r3_model::ModelError>,
     },
+    /// The device named for the rollouts or the training passes cannot be opened (a
+    /// `cuda` this build or machine lacks; nothing falls back to the CPU).
+    /// (Boxed: keeps the crate's `Result`s small.)
+    #[error("device: {0}")]
+    Device(#[source] Box<r3_model::DeviceError>),
     /// The rollout engine failed.
     #[error("rollout engine: {0}")]
     Rollout(#[from] r3_rollout::RolloutError),
@@ -53,6 +58,12 @@ pub enum AnalysisError {
     /// The options or the data do not allow the analysis (named in the message).
     #[error("{0}")]
     Invalid(String),
+}
+
+impl From<r3_model::DeviceError> for AnalysisError {
+    fn from(e: r3_model::DeviceError) -> Self {
+        AnalysisError::Device(Box::new(e))
+    }
 }
 
 impl From<r3_train::TrainError> for AnalysisError {

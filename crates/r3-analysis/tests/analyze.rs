@@ -29,6 +29,8 @@ fn options(out: &Path) -> AnalyzeOptions {
         rollout_dtype: r3_rollout::Dtype::F16,
         rollout_router_dtype: r3_rollout::RouterDtype::Model,
         train_precision: r3_model::Precision::F32,
+        rollout_device: r3_rollout::RolloutDevice::Cpu,
+        train_device: r3_model::DeviceSpec::Cpu,
         out: out.to_path_buf(),
         command: "analyze test".into(),
     }
@@ -288,4 +290,131 @@ fn analyze_rejects_bad_input_naming_it() {
         .expect_err("MoE as dense")
         .to_string();
     assert!(err.contains("is an MoE model"), "error: {err}");
+}
+
+/// Every number of two summaries, leaf by leaf: integers, booleans and strings equal,
+/// floats within `tol` (absolute); `skip` names keys not compared (timings, the command,
+/// the device names).
+fn assert_close(a: &Value, b: &Value, path: &str, tol: f64, skip: &[&str]) {
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => {
+            let mut keys: Vec<&String> = x.keys().chain(y.keys()).collect();
+            keys.sort();
+            keys.dedup();
+            for k in keys.into_iter().filter(|k| !skip.contains(&k.as_str())) {
+                let (va, vb) = (&x[k.as_str()], &y[k.as_str()]);
+                assert_close(va, vb, &format!("{path}/{k}"), tol, skip);
+            }
+        }
+        (Value::Array(x), Value::Array(y)) => {
+            assert_eq!(x.len(), y.len(), "{path}: lengths");
+            for (i, (va, vb)) in x.iter().zip(y).enumerate() {
+                assert_close(va, vb, &format!("{path}/{i}"), tol, skip);
+            }
+        }
+        (Value::Number(x), Value::Number(y)) if x.is_f64() || y.is_f64() => {
+            let (x, y) = (
+                x.as_f64().unwrap_or(f64::NAN),
+                y.as_f64().unwrap_or(f64::NAN),
+            );
+            assert!((x - y).abs() <= tol, "{path}: {x} vs {y} (tolerance {tol})");
+        }
+        _ => assert_eq!(a, b, "{path}"),
+    }
+}
+
+/// `--device cpu-candle` against the CPU engine, both in f32 (the precision in which the two
+/// engines compute the same function; in f16 / bf16 they round at different points by
+/// design): the same sampled tokens and routes, rollout log-probs within 1e-5, so the
+/// training passes (on the CPU both times) are bit for bit the same and every summary number
+/// agrees within 1e-5.
+#[test]
+fn analyze_on_the_device_engine_equals_the_cpu_engine_in_f32() {
+    let scratch = Scratch::new("analyze-device");
+    let run = |device: &str| {
+        let out = scratch.path().join(device);
+        let opts = AnalyzeOptions {
+            rollout_dtype: r3_rollout::Dtype::F32,
+            rollout_device: device.parse().expect("device"),
+            ..options(&out)
+        };
+        analyze(&opts).expect("analysis");
+        let summary = read_json(&out.join(SUMMARY_JSON));
+        let samples: Vec<Value> = std::fs::read_to_string(out.join("samples.jsonl"))
+            .expect("samples")
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("json line"))
+            .collect();
+        (summary, samples)
+    };
+    let (cpu, cpu_samples) = run("cpu");
+    let (dev, dev_samples) = run("cpu-candle");
+    assert_eq!(dev["rollout"]["device"], "cpu-candle");
+    assert_eq!(cpu_samples.len(), dev_samples.len());
+    let mut worst = 0.0f64;
+    for (c, d) in cpu_samples.iter().zip(&dev_samples) {
+        assert_eq!(c["prompt"], d["prompt"]);
+        assert_eq!(c["output"], d["output"], "sampled tokens");
+        for key in ["train_native_logp", "train_r3_logp"] {
+            assert_eq!(
+                c[key], d[key],
+                "{key}: the same tokens and routes on the CPU trainer"
+            );
+        }
+        for (x, y) in column(std::slice::from_ref(c), "rollout_logp")
+            .into_iter()
+            .zip(column(std::slice::from_ref(d), "rollout_logp"))
+        {
+            worst = worst.max((x - y).abs());
+        }
+    }
+    assert!(worst <= 1e-5, "rollout log-probs differ by {worst}");
+    // Routes: the divergence sections compare the rollout routes with the training pass's,
+    // so equal integers there (cells, tokens, per layer) are equal rollout routes. The count
+    // of log-probs bitwise different from the rollout's is not compared: the two engines'
+    // f32 sums round apart in the last bits, which is what the 1e-5 allows.
+    assert_close(
+        &cpu,
+        &dev,
+        "",
+        1e-5,
+        &[
+            "timings",
+            "command",
+            "device",
+            "figures",
+            "differing_tokens",
+            "bitwise_identical",
+        ],
+    );
+    // The training passes compared with each other do not involve the rollout engine.
+    for key in ["repeat_identical", "repeat_rebatched"] {
+        assert_eq!(cpu[key], dev[key], "{key}");
+    }
+}
+
+/// A `cuda` rollout or training device in a build (or on a machine) without CUDA is the
+/// device error naming what is missing, never a silent CPU run.
+#[test]
+fn analyze_on_cuda_without_cuda_is_refused() {
+    if candle_core::utils::cuda_is_available() {
+        return;
+    }
+    let scratch = Scratch::new("analyze-cuda");
+    let rollout = AnalyzeOptions {
+        rollout_device: "cuda".parse().expect("device"),
+        ..options(scratch.path())
+    };
+    let err = analyze(&rollout).expect_err("no CUDA in this build");
+    assert!(err.to_string().contains("scripts/cuda/build.sh"), "{err}");
+    let train = AnalyzeOptions {
+        train_device: r3_model::DeviceSpec::Cuda { ordinal: 0 },
+        ..options(scratch.path())
+    };
+    let err = analyze(&train).expect_err("no CUDA in this build");
+    assert!(err.to_string().contains("scripts/cuda/build.sh"), "{err}");
+    assert!(
+        !scratch.path().join(SUMMARY_JSON).exists(),
+        "nothing was written"
+    );
 }

@@ -29,6 +29,11 @@ pub enum RolloutError {
         /// KV blocks the pool has in all.
         pool_blocks: usize,
     },
+    /// A request whose forward step alone needs more device memory for its activations
+    /// than the device engine's budget for one step (`activation_bytes`); the text names
+    /// the request's size, the estimate, the step and the budget.
+    #[error("{0}")]
+    ActivationsTooLarge(String),
     /// The KV pool ran dry in the middle of a step although every admitted request fits
     /// alone: a fault of the engine's scheduling, not of any request.
     #[error("kv cache exhausted: {needed} more blocks needed, {free} free")]
@@ -38,6 +43,23 @@ pub enum RolloutError {
         /// Blocks free when it gave up.
         free: usize,
     },
+    /// A forward step of the device engine failed (a device allocation, above all); its
+    /// requests are dropped, the engine serves the next ones.
+    #[error(
+        "a step of requests {requests:?} failed{}: {source}",
+        if *out_of_memory { " (the device ran out of memory; lower max_running, \
+         kv_cache_bytes or activation_bytes, or send shorter requests)" } else { "" }
+    )]
+    StepFailed {
+        /// The requests the failed step computed (all dropped; a boxed slice keeps every
+        /// engine `Result` small).
+        requests: Box<[u64]>,
+        /// Whether the device ran out of memory.
+        out_of_memory: bool,
+        /// The forward's error.
+        #[source]
+        source: Box<RolloutError>,
+    },
     /// A weight tensor is missing or has the wrong shape.
     #[error("weights: {0}")]
     Weights(String),
@@ -46,9 +68,10 @@ pub enum RolloutError {
     TensorConversion {
         /// HF tensor name.
         name: String,
-        /// The conversion error.
+        /// The conversion error (boxed: the engine's error stays small enough to carry in
+        /// the trainer's without boxing there).
         #[source]
-        source: candle_core::Error,
+        source: Box<candle_core::Error>,
     },
     /// A weight directory could not be loaded (missing, unreadable or not a checkpoint of
     /// this model's config).
@@ -104,6 +127,7 @@ impl RolloutError {
         match self {
             RolloutError::InvalidRequest(_)
             | RolloutError::RequestTooLong { .. }
+            | RolloutError::ActivationsTooLarge(_)
             | RolloutError::UnknownRequest(_) => true,
             RolloutError::WeightDir { source, .. } => weight_dir_is_clients(source),
             _ => false,

@@ -22,6 +22,7 @@ use candle_core::DType;
 use common::{ids, MODELS};
 use model_common::{sequences, tiny_config, tiny_weights, FAMILIES};
 use r3_model::{Config, DeviceSpec};
+use r3_rollout::device_engine::memory::{step_activation_bytes, StepShape};
 use r3_rollout::{
     DeviceEngine, DeviceEngineConfig, Dtype, Engine, EngineConfig, GenerateRequest, GenerateResult,
     SamplingParams, TensorMap,
@@ -641,6 +642,72 @@ fn admission_waits_for_room_and_refuses_what_never_fits() {
     for i in 0..3 {
         assert_same(&format!("request {i}"), &got[i], &alone[i], BATCH_TOL);
     }
+}
+
+/// The activation estimate of a request run alone: its cold prefill and its last decode step.
+fn alone_activations(cfg: &Config, prompt: usize, new: usize) -> usize {
+    let prefill = StepShape {
+        rows: 1,
+        time: prompt,
+        slots: prompt,
+        logit_positions: 1,
+    };
+    let decode = StepShape {
+        rows: 1,
+        time: 1,
+        slots: prompt + new,
+        logit_positions: 1,
+    };
+    step_activation_bytes(cfg, prefill).max(step_activation_bytes(cfg, decode))
+}
+
+#[test]
+fn admission_counts_the_steps_activations_and_refuses_what_never_fits() {
+    let cfg = tiny_config("qwen3_moe");
+    let map = tiny_weights(&cfg, 4, DType::F32).into_map();
+    let prompts = sequences(&[5, 5], cfg.vocab_size, 8);
+    let reqs: Vec<GenerateRequest> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| GenerateRequest::new(p.clone(), mixed_sampling(i, 6)))
+        .collect();
+    // One request's prefill fits, two prefilled side by side (twice the estimate) do not.
+    let budget = alone_activations(&cfg, 5, 6) * 3 / 2;
+    let mut small = DeviceEngine::new(
+        cfg.clone(),
+        &map,
+        DeviceEngineConfig {
+            activation_bytes: budget,
+            ..device_config()
+        },
+    )
+    .expect("device engine");
+    let alone = each_alone(&mut small, &reqs);
+    // Both arrive at once: the first is prefilled alone, the second waits a step (the KV
+    // budget, 4 GiB, would have taken both).
+    let got = staggered(&mut small, &reqs, &[0, 0], &[(0, (1, 1))]);
+    assert_same("first", &got[0], &alone[0], BATCH_TOL);
+    assert_same("second", &got[1], &alone[1], BATCH_TOL);
+
+    // A prompt whose prefill alone is past the budget (its attention scores grow with the
+    // prompt squared; prompt log-probs send every position through the head) is refused,
+    // naming the numbers, and nothing is queued.
+    let long = sequences(&[60], cfg.vocab_size, 9).remove(0);
+    let mut huge = GenerateRequest::new(long, SamplingParams::greedy(2));
+    huge.sampling.prompt_logprobs_from = Some(0);
+    let err = small.submit(huge).expect_err("past the activation budget");
+    let text = err.to_string();
+    assert!(err.is_client_error(), "{text}");
+    assert!(
+        text.contains("MiB of activations")
+            && text.contains("60 prompt")
+            && text.contains("prefill"),
+        "{text}"
+    );
+    assert!(!small.has_work(), "nothing refused was queued");
+    // The engine serves the next request as if nothing had happened.
+    let again = small.generate(vec![reqs[1].clone()]).expect("generate");
+    assert_same("after the refusal", &again[0], &alone[1], BATCH_TOL);
 }
 
 #[test]

@@ -87,6 +87,12 @@ impl From<RolloutError> for ApiError {
     fn from(e: RolloutError) -> Self {
         match e {
             RolloutError::UnknownRequest(_) => ApiError::not_found(e.to_string()),
+            // The device ran out of memory in a step: the server is out of room for now,
+            // not broken, so a client may retry later (or with a smaller request).
+            RolloutError::StepFailed {
+                out_of_memory: true,
+                ..
+            } => ApiError::unavailable(e.to_string()),
             e if e.is_client_error() => ApiError::bad_request(e.to_string()),
             e => ApiError::internal(e.to_string()),
         }
@@ -147,6 +153,24 @@ mod tests {
             status(RolloutError::UnknownRequest(3)),
             StatusCode::NOT_FOUND
         );
+    }
+
+    #[test]
+    fn device_memory_refusals_and_failures_name_themselves() {
+        let too_big = RolloutError::ActivationsTooLarge(
+            "a request of 4096 prompt + 16 new tokens needs about 9000.0 MiB".into(),
+        );
+        assert_eq!(status(too_big), StatusCode::BAD_REQUEST);
+        let oom = RolloutError::StepFailed {
+            requests: vec![3, 4].into(),
+            out_of_memory: true,
+            source: Box::new(RolloutError::Candle(candle_core::Error::Msg(
+                "CUDA_ERROR_OUT_OF_MEMORY".into(),
+            ))),
+        };
+        let api = ApiError::from(oom);
+        assert_eq!(api.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(api.message.contains("out of memory"), "{}", api.message);
     }
 
     #[test]

@@ -626,10 +626,16 @@ impl Book {
                 let _ = backend.abort(id);
                 n += 1;
             }
-            let _ = b.reply.send(Err(ApiError::internal(format!(
-                "engine step failed: {}",
-                err.message
-            ))));
+            let message = format!("engine step failed: {}", err.message);
+            // A step that ran the device out of memory is a 503 (retry later, or smaller);
+            // any other failed step is the server's fault.
+            let _ = b.reply.send(Err(
+                if err.status == axum::http::StatusCode::SERVICE_UNAVAILABLE {
+                    ApiError::unavailable(message)
+                } else {
+                    ApiError::internal(message)
+                },
+            ));
         }
         self.slots.clear();
         self.by_rid.clear();

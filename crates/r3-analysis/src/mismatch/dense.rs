@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use candle_core::Device;
-use r3_model::{AttentionConfig, Config, RandomInit, SharedExpert, Weights};
+use r3_model::{AttentionConfig, Config, DeviceSpec, RandomInit, SharedExpert, Weights};
 use serde::Serialize;
 use serde_json::{json, Map, Value};
 
@@ -101,6 +101,19 @@ impl DenseModel {
                 model_type,
             },
         })
+    }
+
+    /// Its weights on `device` for the training pass (the rollout engines read the CPU
+    /// copy; on the CPU this shares the tensors, copying nothing).
+    pub fn on_device(&self, device: DeviceSpec) -> Result<Weights, AnalysisError> {
+        let device = device.open()?;
+        let map = self
+            .weights
+            .tensors()
+            .iter()
+            .map(|(name, t)| Ok((name.clone(), t.to_device(&device)?)))
+            .collect::<Result<_, AnalysisError>>()?;
+        Ok(Weights::from_map(map))
     }
 }
 

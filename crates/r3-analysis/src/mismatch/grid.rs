@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use indicatif::ProgressBar;
 use r3_model::Precision;
-use r3_rollout::{Dtype, Engine};
+use r3_rollout::Dtype;
 use r3_routing::mismatch::mismatch_metrics;
 use r3_train::rl::sampling::{rollout_tables, RolloutSample};
 use serde::Serialize;
@@ -18,8 +18,8 @@ use super::stats::divergence_section;
 use super::summary::{ModelInfo, PaperReference, PAPER};
 use super::training::{training_pass, Batching, PassRouting};
 use super::{
-    engine_config, load_inputs, load_training_model, model_info, precision_name, recorded_routes,
-    replay_check, rollout_logps, AnalyzeOptions,
+    load_inputs, load_training_model, model_info, precision_name, recorded_routes, replay_check,
+    rollout_engine, rollout_logps, AnalyzeOptions,
 };
 use crate::AnalysisError;
 
@@ -113,7 +113,7 @@ fn cells_for(
     precision: Precision,
     progress: &ProgressBar,
 ) -> Result<[GridCell; 2], AnalysisError> {
-    let (_, model) = load_training_model(&opts.model, precision)?;
+    let (_, model) = load_training_model(&opts.model, precision, opts.train_device)?;
     let batching = Batching::in_order(
         samples.len(),
         opts.micro_batch,
@@ -193,7 +193,7 @@ pub fn run_grid(
             ..opts.clone()
         };
         let samples = {
-            let mut engine = Engine::from_dir(&opts.model, engine_config(&cell_opts))?;
+            let mut engine = rollout_engine(&cell_opts)?;
             generate_samples(&mut engine, &inputs.prompts.ids, setup)?
         };
         samples_per_dtype = samples.len();

@@ -16,10 +16,9 @@ mod training;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use candle_core::Device;
 use indicatif::ProgressBar;
-use r3_model::{Config, Model, Precision, Weights};
-use r3_rollout::{Dtype, Engine, EngineConfig, RouterDtype};
+use r3_model::{Config, DeviceSpec, Model, Precision, Weights};
+use r3_rollout::{Dtype, EngineConfig, RolloutDevice, RolloutEngine, RouterDtype};
 use r3_routing::RouteTable;
 use r3_train::rl::sampling::{rollout_tables, RolloutSample};
 
@@ -71,18 +70,30 @@ pub struct AnalyzeOptions {
     pub rollout_router_dtype: RouterDtype,
     /// Training forward precision (f32 by default).
     pub train_precision: Precision,
+    /// Which rollout engine generates the rollouts (the MoE model's and the dense
+    /// reference's) and where: the CPU engine (`cpu`, the default) or the device engine
+    /// (`cpu-candle`, `cuda`, `cuda:N`).
+    pub rollout_device: RolloutDevice,
+    /// Where the training passes (MoE and dense) run.
+    pub train_device: DeviceSpec,
     /// Output directory.
     pub out: PathBuf,
     /// The command line, recorded in the summary.
     pub command: String,
 }
 
-/// Loads a model's config and weights for the training engine at `precision`.
-fn load_training_model(dir: &Path, precision: Precision) -> Result<(Config, Model), AnalysisError> {
+/// Loads a model's config and weights for the training engine at `precision` onto `device`
+/// (opened first: a device this build or machine lacks is an error before any loading).
+fn load_training_model(
+    dir: &Path,
+    precision: Precision,
+    device: DeviceSpec,
+) -> Result<(Config, Model), AnalysisError> {
+    let device = device.open()?;
     let cfg = Config::from_file(&dir.join("config.json")).map_err(AnalysisError::model(
         format!("reading {}/config.json", dir.display()),
     ))?;
-    let weights = Weights::load(dir, &cfg, &Device::Cpu).map_err(AnalysisError::model(format!(
+    let weights = Weights::load(dir, &cfg, &device).map_err(AnalysisError::model(format!(
         "loading weights from {}",
         dir.display()
     )))?;
@@ -98,6 +109,16 @@ fn engine_config(opts: &AnalyzeOptions) -> EngineConfig {
         router_dtype: opts.rollout_router_dtype,
         ..EngineConfig::default()
     }
+}
+
+/// The rollout engine of `opts` (its device and precision) with the MoE model's weights.
+fn rollout_engine(opts: &AnalyzeOptions) -> Result<RolloutEngine, AnalysisError> {
+    Ok(RolloutEngine::from_dir_with(
+        opts.rollout_device,
+        &opts.model,
+        engine_config(opts),
+        &r3_model::LoadOptions::default(),
+    )?)
 }
 
 /// The name of a training precision as the summaries print it.
@@ -159,7 +180,12 @@ struct Inputs {
 }
 
 fn load_inputs(opts: &AnalyzeOptions) -> Result<Inputs, AnalysisError> {
-    let (cfg, model) = load_training_model(&opts.model, opts.train_precision)?;
+    // The rollout device is checked before the long work too (opening it is cheap), so a
+    // `cuda` the build lacks fails here and not after the training model has loaded.
+    if let Some(spec) = opts.rollout_device.candle() {
+        spec.open()?;
+    }
+    let (cfg, model) = load_training_model(&opts.model, opts.train_precision, opts.train_device)?;
     if cfg.moe.is_none() {
         return Err(AnalysisError::Invalid(format!(
             "--model {} is a dense model; r3 analyze measures an MoE model (give the dense one \
@@ -257,14 +283,16 @@ fn dense_reference(
 ) -> Result<(Vec<RolloutSample>, PassResult), AnalysisError> {
     let micro_batch = opts.micro_batch;
     let samples = {
-        let mut engine = Engine::new(
+        let mut engine = RolloutEngine::new(
+            opts.rollout_device,
             dense.config.clone(),
             dense.weights.tensors(),
             engine_config(opts),
         )?;
         generate_samples(&mut engine, prompts, setup)?
     };
-    let model = Model::with_precision(&dense.config, &dense.weights, opts.train_precision)
+    let weights = dense.on_device(opts.train_device)?;
+    let model = Model::with_precision(&dense.config, &weights, opts.train_precision)
         .map_err(AnalysisError::model("building the dense training model"))?;
     let pass = training_pass(
         &model,
@@ -463,7 +491,7 @@ pub fn run_analysis(opts: &AnalyzeOptions) -> Result<AnalysisSummary, AnalysisEr
     let t0 = Instant::now();
     let inputs = load_inputs(opts)?;
     let samples = {
-        let mut engine = Engine::from_dir(&opts.model, engine_config(opts))?;
+        let mut engine = rollout_engine(opts)?;
         generate_samples(&mut engine, &inputs.prompts.ids, setup)?
     };
     timings.rollout_s = t0.elapsed().as_secs_f64();
@@ -531,6 +559,7 @@ pub fn run_analysis(opts: &AnalyzeOptions) -> Result<AnalysisSummary, AnalysisEr
         prompts: inputs.prompts.source,
         rollout: RolloutInfo {
             dtype: opts.rollout_dtype.to_string(),
+            device: opts.rollout_device.to_string(),
             temperature: opts.temperature,
             max_new_tokens: opts.max_new_tokens,
             samples: n,
@@ -538,8 +567,9 @@ pub fn run_analysis(opts: &AnalyzeOptions) -> Result<AnalysisSummary, AnalysisEr
             routed_positions: routes.iter().map(RouteTable::num_tokens).sum(),
         },
         training_engine: format!(
-            "r3-train policy scoring, {}, {mb} sequences per call",
-            precision_name(opts.train_precision)
+            "r3-train policy scoring, {} on `{}`, {mb} sequences per call",
+            precision_name(opts.train_precision),
+            opts.train_device
         ),
         moe,
         dense: DenseSection {

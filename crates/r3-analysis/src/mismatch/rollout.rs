@@ -1,8 +1,9 @@
-//! The rollout side of the analysis: sampled completions from the rollout engine with their
+//! The rollout side of the analysis: sampled completions from the rollout engine (the CPU
+//! engine or the device engine, whichever `--device` names) with their
 //! per-token log-probs and (for an MoE model) the routes it used, checked for alignment, as
 //! r3-train's [`RolloutSample`]s (the same value the RL step's trajectories carry).
 
-use r3_rollout::{Engine, GenerateResult};
+use r3_rollout::{GenerateResult, RolloutEngine};
 use r3_train::rl::sampling::{sample_prompts, RolloutSample, SamplingSpec};
 
 use crate::AnalysisError;
@@ -23,7 +24,7 @@ pub struct SamplingSetup {
 /// seeding) and checks each result's shape: one log-prob per output id and, for an MoE
 /// model, exactly `prompt + output − 1` route rows from position 0.
 pub fn generate_samples(
-    engine: &mut Engine,
+    engine: &mut RolloutEngine,
     prompts: &[Vec<u32>],
     setup: SamplingSetup,
 ) -> Result<Vec<RolloutSample>, AnalysisError> {

@@ -70,6 +70,9 @@ pub struct ModelInfo {
 pub struct RolloutInfo {
     /// Engine precision ("f16").
     pub dtype: String,
+    /// Which engine and where (`cpu` = the CPU engine, `cpu-candle`, `cuda:N` = the
+    /// device engine).
+    pub device: String,
     /// Sampling temperature.
     pub temperature: f32,
     /// Most generated tokens per prompt.
@@ -199,7 +202,7 @@ impl AnalysisSummary {
         s.push_str(&format!("Command: `{}`\n\n", self.command));
         s.push_str(&format!(
             "Model `{}` ({}, {} layers, {} experts, top-{}); {} rollouts, {} response tokens; \
-             rollout engine {} (temperature {}), training engine {}.\n\n",
+             rollout engine {} on `{}` (temperature {}), training engine {}.\n\n",
             self.model.dir.display(),
             self.model.model_type,
             self.model.num_hidden_layers,
@@ -208,6 +211,7 @@ impl AnalysisSummary {
             self.rollout.samples,
             self.rollout.response_tokens,
             self.rollout.dtype,
+            self.rollout.device,
             self.rollout.temperature,
             self.training_engine,
         ));

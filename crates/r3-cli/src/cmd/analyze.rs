@@ -10,8 +10,8 @@ use clap::Args;
 
 use r3_analysis::mismatch::grid::{run_grid, GRID_JSON};
 use r3_analysis::mismatch::{run_analysis, AnalyzeOptions, SUMMARY_JSON};
-use r3_model::Precision;
-use r3_rollout::{Dtype, RouterDtype};
+use r3_model::{DeviceSpec, Precision};
+use r3_rollout::{Dtype, RolloutDevice, RouterDtype};
 
 /// Options of `r3 analyze`.
 #[derive(Debug, Args)]
@@ -59,6 +59,15 @@ pub struct AnalyzeArgs {
     /// one cell, then the full analysis (figures) of the bf16/bf16 cell in `OUT/bf16_bf16`.
     #[arg(long)]
     pub grid: bool,
+    /// Which rollout engine generates the rollouts (MoE and dense reference), and where:
+    /// `cpu` (the CPU engine), `cpu-candle` (the device engine on the CPU), `cuda` /
+    /// `cuda:N` (the device engine on a GPU; needs a build with the `cuda` feature).
+    #[arg(long, default_value = "cpu")]
+    pub device: RolloutDevice,
+    /// Where the training passes run: `cpu`, `cuda`, `cuda:N` (default: the GPU `--device`
+    /// names, else the CPU).
+    #[arg(long)]
+    pub train_device: Option<DeviceSpec>,
     /// Output directory for summary.json, summary.md and the PNGs.
     #[arg(long, default_value = "analysis")]
     pub out: PathBuf,
@@ -111,6 +120,12 @@ pub fn run(a: AnalyzeArgs) -> anyhow::Result<()> {
         rollout_dtype,
         rollout_router_dtype,
         train_precision: train_precision(&a.train_dtype, router_f32)?,
+        rollout_device: a.device,
+        // `--device cuda` alone puts the whole analysis on the GPU; `cpu-candle` is the
+        // device engine's CPU check, so its training passes stay on the CPU.
+        train_device: a
+            .train_device
+            .unwrap_or_else(|| a.device.candle().unwrap_or(DeviceSpec::Cpu)),
         out: a.out,
         command: command.join(" "),
     };

@@ -1,7 +1,9 @@
 //! `r3 bench rollout`: generation throughput of the rollout engine (generated tokens/s) at
 //! several batch sizes on a tiny and the mid-size Qwen3-MoE-style config with seeded random
 //! weights, route capture on vs off, and a multi-turn workload with and without the prefix
-//! cache. Prints figures and ratios; nothing is asserted.
+//! cache. `--device cpu-candle | cuda` runs the device engine instead and times the CPU
+//! engine beside it (capture on, the same requests). Prints figures and ratios; nothing is
+//! asserted.
 
 use std::time::Instant;
 
@@ -9,7 +11,9 @@ use anyhow::Context;
 use clap::Args;
 use r3_model::weights::{RandomInit, Weights};
 use r3_model::{presets, Config};
-use r3_rollout::{Dtype, Engine, EngineConfig, GenerateRequest, SamplingParams, TensorMap};
+use r3_rollout::{
+    Dtype, EngineConfig, GenerateRequest, RolloutDevice, RolloutEngine, SamplingParams, TensorMap,
+};
 
 use super::cpu_time::{cpu_seconds, process_cpu_ns};
 use super::matmul_work::{f32_gemm_peak, generation_flops};
@@ -50,6 +54,11 @@ pub struct BenchRolloutArgs {
     /// Seed of weights and prompts.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Which engine is timed, and where: `cpu` (the CPU engine), `cpu-candle` (the device
+    /// engine on the CPU), `cuda` / `cuda:N` (the device engine on a GPU; needs a build with
+    /// the `cuda` feature). Off `cpu`, the CPU engine is timed beside it.
+    #[arg(long, default_value = "cpu")]
+    pub device: RolloutDevice,
 }
 
 /// The bench configs: `mid` is `r3 bench train`'s documented mid-size config; `tiny` a
@@ -84,13 +93,18 @@ fn setup(name: &str, seed: u64) -> anyhow::Result<Setup> {
     })
 }
 
-fn engine(s: &Setup, dtype: Dtype, prefix_cache: bool) -> anyhow::Result<Engine> {
+fn engine(
+    s: &Setup,
+    device: RolloutDevice,
+    dtype: Dtype,
+    prefix_cache: bool,
+) -> anyhow::Result<RolloutEngine> {
     let cfg = EngineConfig {
         dtype,
         prefix_cache,
         ..EngineConfig::default()
     };
-    Ok(Engine::new(s.cfg.clone(), &s.tensors, cfg)?)
+    Ok(RolloutEngine::new(device, s.cfg.clone(), &s.tensors, cfg)?)
 }
 
 /// splitmix64 for seeded prompts.
@@ -154,7 +168,7 @@ impl Throughput {
 }
 
 /// Generated tokens per second (and CPU time per token) of one batch.
-fn throughput(e: &mut Engine, reqs: Vec<GenerateRequest>) -> anyhow::Result<Throughput> {
+fn throughput(e: &mut RolloutEngine, reqs: Vec<GenerateRequest>) -> anyhow::Result<Throughput> {
     let cpu0 = process_cpu_ns();
     let capture0 = e.capture_seconds();
     let t0 = Instant::now();
@@ -174,10 +188,11 @@ fn throughput(e: &mut Engine, reqs: Vec<GenerateRequest>) -> anyhow::Result<Thro
 fn multi_turn(
     s: &Setup,
     a: &BenchRolloutArgs,
+    device: RolloutDevice,
     dtype: Dtype,
     cache: bool,
 ) -> anyhow::Result<(f64, f64)> {
-    let mut e = engine(s, dtype, cache)?;
+    let mut e = engine(s, device, dtype, cache)?;
     let vocab = s.cfg.vocab_size;
     let n = a.multi_turn_conversations;
     let mut history: Vec<Vec<u32>> = (0..n)
@@ -219,8 +234,11 @@ fn multi_turn(
 /// Runs `r3 bench rollout`.
 pub fn run(a: BenchRolloutArgs) -> anyhow::Result<()> {
     let dtype: Dtype = a.dtype.parse()?;
+    let device = a.device;
+    // The CPU engine beside the device engine, on the same requests.
+    let beside = (device != RolloutDevice::Cpu).then_some(RolloutDevice::Cpu);
     println!(
-        "r3 bench rollout: {} threads, dtype {dtype}, prompt {} tokens, {} new tokens (generated tokens/s, best of {} runs)",
+        "r3 bench rollout: engine {device}, {} threads, dtype {dtype}, prompt {} tokens, {} new tokens (generated tokens/s, best of {} runs)",
         rayon_threads(),
         a.prompt_len,
         a.new_tokens,
@@ -236,22 +254,27 @@ pub fn run(a: BenchRolloutArgs) -> anyhow::Result<()> {
         let s = setup(name, a.seed).with_context(|| format!("building the {name} config"))?;
         let vocab = s.cfg.vocab_size;
         // Warm-up (page in weights, grow buffers).
-        engine(&s, dtype, false)?.generate(requests(&a, vocab, 1, true)[..1].to_vec())?;
+        engine(&s, device, dtype, false)?.generate(requests(&a, vocab, 1, true)[..1].to_vec())?;
         for &b in &a.batches {
             let (mut on, mut off) = (None::<Throughput>, None::<Throughput>);
-            let mut f16 = None::<Throughput>;
+            let (mut f16, mut cpu) = (None::<Throughput>, None::<Throughput>);
             for _ in 0..a.repeats.max(1) {
-                let mut e = engine(&s, dtype, false)?;
+                let mut e = engine(&s, device, dtype, false)?;
                 let t = throughput(&mut e, requests(&a, vocab, b, true))?;
                 on = Some(on.map_or(t, |o| o.best_of(t)));
                 if dtype != Dtype::F16 {
                     // Interleaved with the runs above, so both see the same machine load.
-                    let mut e = engine(&s, Dtype::F16, false)?;
+                    let mut e = engine(&s, device, Dtype::F16, false)?;
                     let t = throughput(&mut e, requests(&a, vocab, b, true))?;
                     f16 = Some(f16.map_or(t, |o| o.best_of(t)));
                 }
+                if let Some(other) = beside {
+                    let mut e = engine(&s, other, dtype, false)?;
+                    let t = throughput(&mut e, requests(&a, vocab, b, true))?;
+                    cpu = Some(cpu.map_or(t, |o| o.best_of(t)));
+                }
                 if a.capture_off {
-                    let mut e = engine(&s, dtype, false)?;
+                    let mut e = engine(&s, device, dtype, false)?;
                     let t = throughput(&mut e, requests(&a, vocab, b, false))?;
                     off = Some(off.map_or(t, |o| o.best_of(t)));
                 }
@@ -278,6 +301,13 @@ pub fn run(a: BenchRolloutArgs) -> anyhow::Result<()> {
             }
             if let Some((_, hf)) = hf {
                 line += &format!(" | vs HF {hf:.0}: {:.2}x", on.tok_s / hf);
+            }
+            if let Some(cpu) = cpu {
+                line += &format!(
+                    " | CPU engine {:>9.1} tok/s: {device} at {:.2}x",
+                    cpu.tok_s,
+                    on.tok_s / cpu.tok_s
+                );
             }
             if let Some(f16) = f16 {
                 line += &format!(
@@ -321,19 +351,28 @@ pub fn run(a: BenchRolloutArgs) -> anyhow::Result<()> {
                 "capture_work_share": on.capture_share,
                 "capture_off_cpu_ms_per_tok": off.and_then(|o| o.cpu_ms_per_tok),
                 "dtype": dtype.to_string(), "f16_capture_on_tok_s": f16.map(|t| t.tok_s),
+                "device": device.to_string(), "cpu_engine_capture_on_tok_s": cpu.map(|t| t.tok_s),
             }));
         }
         if a.multi_turn_conversations > 0 {
-            let (with, hit) = multi_turn(&s, &a, dtype, true)?;
-            let (without, _) = multi_turn(&s, &a, dtype, false)?;
-            println!(
+            let (with, hit) = multi_turn(&s, &a, device, dtype, true)?;
+            let (without, _) = multi_turn(&s, &a, device, dtype, false)?;
+            let mut line = format!(
                 "{name:>5} multi-turn ({} conversations x 4 turns, 32 new tokens/turn): prefix cache on {with:.1} tok/s \
                  ({:.0}% of prompt tokens cached) | off {without:.1} tok/s | speed-up {:.2}x",
                 a.multi_turn_conversations,
                 hit * 100.0,
                 with / without
             );
-            summary.push(serde_json::json!({"config": name, "multi_turn_cache_on_tok_s": with, "multi_turn_cache_off_tok_s": without, "cached_fraction": hit}));
+            let cpu = match beside {
+                Some(other) => Some(multi_turn(&s, &a, other, dtype, true)?.0),
+                None => None,
+            };
+            if let Some(cpu) = cpu {
+                line += &format!(" | CPU engine cache on {cpu:.1} tok/s");
+            }
+            println!("{line}");
+            summary.push(serde_json::json!({"config": name, "device": device.to_string(), "multi_turn_cache_on_tok_s": with, "multi_turn_cache_off_tok_s": without, "cached_fraction": hit, "cpu_engine_multi_turn_cache_on_tok_s": cpu}));
         }
     }
     println!("{}", serde_json::to_string(&summary)?);

@@ -12,6 +12,7 @@ use r3_model::{Config, DeviceSpec, LoadOptions};
 use super::{DeviceEngine, DeviceEngineConfig};
 use crate::engine::{Engine, EngineConfig};
 use crate::error::RolloutError;
+use crate::model::tensors::TensorMap;
 use crate::request::{GenerateRequest, GenerateResult};
 
 /// Where rollouts are generated.
@@ -65,7 +66,8 @@ impl fmt::Display for RolloutDevice {
 impl DeviceEngineConfig {
     /// The device engine's settings for `device` taken from the CPU engine's (dtype,
     /// router dtype, batch size, KV budget, the prefix cache on or off, its budget and block
-    /// size; the token budget of a step has no counterpart).
+    /// size; the token budget of a step has no counterpart, the activation budget is the
+    /// default's).
     pub fn from_engine_config(device: DeviceSpec, cfg: &EngineConfig) -> Self {
         DeviceEngineConfig {
             device,
@@ -73,6 +75,8 @@ impl DeviceEngineConfig {
             router_dtype: cfg.router_dtype,
             max_running: cfg.max_running,
             kv_cache_bytes: cfg.kv_cache_bytes,
+            // The CPU engine has no counterpart (its activations live in buffers sized once).
+            activation_bytes: DeviceEngineConfig::default().activation_bytes,
             block_size: cfg.block_size,
             prefix_cache: cfg.prefix_cache,
             prefix_cache_bytes: cfg.prefix_cache_bytes,
@@ -109,11 +113,37 @@ impl RolloutEngine {
         })
     }
 
+    /// Builds the engine `device` names from a parsed config and HF-named tensors (on the
+    /// CPU), with `cfg`'s settings.
+    pub fn new(
+        device: RolloutDevice,
+        model_cfg: Config,
+        tensors: &TensorMap,
+        cfg: EngineConfig,
+    ) -> Result<Self, RolloutError> {
+        Ok(match device.candle() {
+            None => RolloutEngine::Cpu(Engine::new(model_cfg, tensors, cfg)?),
+            Some(spec) => RolloutEngine::Device(DeviceEngine::new(
+                model_cfg,
+                tensors,
+                DeviceEngineConfig::from_engine_config(spec, &cfg),
+            )?),
+        })
+    }
+
     /// The model config.
     pub fn model_config(&self) -> &Config {
         match self {
             RolloutEngine::Cpu(e) => e.model_config(),
             RolloutEngine::Device(e) => e.model_config(),
+        }
+    }
+
+    /// `eos_token_id`(s) from config.json.
+    pub fn eos_token_ids(&self) -> &[u32] {
+        match self {
+            RolloutEngine::Cpu(e) => e.eos_token_ids(),
+            RolloutEngine::Device(e) => e.eos_token_ids(),
         }
     }
 

@@ -36,6 +36,7 @@
 
 pub mod batch;
 pub mod choice;
+pub mod memory;
 pub mod prefix;
 
 use std::collections::VecDeque;
@@ -62,6 +63,7 @@ use crate::request::{
 };
 use crate::sampler::top_logprobs;
 use batch::{capture_routes, decode_layout, gap_order, prefill_layout, Row};
+use memory::{mib, step_activation_bytes, StepShape};
 use prefix::DeviceBlock;
 
 /// Settings of the device engine.
@@ -79,6 +81,12 @@ pub struct DeviceEngineConfig {
     /// Budget of the batch's KV cache in bytes (f32 keys and values of every layer for
     /// every slot a batch can reach); a request that alone exceeds it is refused.
     pub kv_cache_bytes: usize,
+    /// Budget of one step's activations in bytes (the estimate of [`memory`]: attention
+    /// scores, logits, hidden states of the step's tokens), beside `kv_cache_bytes`: a
+    /// request whose prefill or decode step alone exceeds it is refused, and waiting
+    /// requests join a batch only while the prefill they are fed in and the decode steps of
+    /// the batch they join stay within it.
+    pub activation_bytes: usize,
     /// Token positions per prefix-cache block (only full blocks are cached and matched).
     pub block_size: usize,
     /// Keep finished prefixes (keys and values on the device, and their route rows) for
@@ -98,11 +106,30 @@ impl Default for DeviceEngineConfig {
             router_dtype: RouterDtype::Model,
             max_running: 256,
             kv_cache_bytes: 4 << 30,
+            activation_bytes: 1 << 30,
             block_size: 16,
             prefix_cache: true,
             prefix_cache_bytes: 1 << 30,
         }
     }
+}
+
+/// The error of a step whose forward failed: the requests it computed, and whether the
+/// device ran out of memory.
+fn step_failed(rows: &[Row], source: RolloutError) -> RolloutError {
+    RolloutError::StepFailed {
+        requests: rows.iter().map(|r| r.id).collect(),
+        out_of_memory: is_out_of_memory(&source),
+        source: Box::new(source),
+    }
+}
+
+/// Whether an error is a failed device allocation: CUDA's `CUDA_ERROR_OUT_OF_MEMORY`
+/// (cudarc's name in candle's error text) or an allocator's "out of memory". On the CPU an
+/// allocation failure aborts the process instead, so this is the GPU's case.
+fn is_out_of_memory(e: &RolloutError) -> bool {
+    let text = e.to_string().to_ascii_lowercase();
+    text.contains("out_of_memory") || text.contains("out of memory")
 }
 
 /// r3-model's forward precision for an engine dtype.
@@ -151,6 +178,8 @@ pub struct DeviceEngine {
     /// The prefix cache (None when off).
     cache: Option<PrefixCache<DeviceBlock>>,
     capture_time: Duration,
+    /// Results of a step whose later part failed, handed out by the next step.
+    finished: Vec<GenerateResult>,
 }
 
 impl DeviceEngine {
@@ -224,6 +253,7 @@ impl DeviceEngine {
             running: None,
             cache,
             capture_time: Duration::ZERO,
+            finished: Vec::new(),
         })
     }
 
@@ -274,7 +304,7 @@ impl DeviceEngine {
     /// Whether any request is waiting or running.
     pub fn has_work(&self) -> bool {
         let (w, r) = self.queue_lengths();
-        w + r > 0
+        w + r > 0 || !self.finished.is_empty()
     }
 
     /// Tokens generated so far by a running request (None if unknown, waiting or finished).
@@ -337,9 +367,11 @@ impl DeviceEngine {
         Ok(self.enqueue(req, rng, Some(resume)))
     }
 
-    /// Refuses a request that is invalid for the model or alone exceeds the KV budget.
+    /// Refuses a request that is invalid for the model or alone exceeds the KV budget or
+    /// the activation budget.
     fn validate(&self, req: &GenerateRequest) -> Result<(), RolloutError> {
         validate_request(&self.model_cfg, req)?;
+        self.check_activations(req)?;
         let need = (req.input_ids.len() + req.sampling.max_new_tokens) * self.slot_bytes();
         if need > self.cfg.kv_cache_bytes {
             return Err(RolloutError::InvalidRequest(format!(
@@ -352,6 +384,55 @@ impl DeviceEngine {
             )));
         }
         Ok(())
+    }
+
+    /// Refuses a request whose prefill (cold: no cached prefix is counted on, as the cache
+    /// may have evicted it by admission) or last decode step, run alone, needs more than the
+    /// activation budget.
+    fn check_activations(&self, req: &GenerateRequest) -> Result<(), RolloutError> {
+        let len = req.input_ids.len();
+        let new = req.sampling.max_new_tokens;
+        let logit_positions = if req.sampling.prompt_logprobs_from.is_some() {
+            len
+        } else {
+            1
+        };
+        let prefill = StepShape {
+            rows: 1,
+            time: len,
+            slots: len,
+            logit_positions,
+        };
+        let decode = StepShape {
+            rows: 1,
+            time: 1,
+            slots: len + new,
+            logit_positions: 1,
+        };
+        let (p, d) = (
+            step_activation_bytes(&self.model_cfg, prefill),
+            step_activation_bytes(&self.model_cfg, decode),
+        );
+        let need = p.max(d);
+        if need <= self.cfg.activation_bytes {
+            return Ok(());
+        }
+        let c = &self.model_cfg;
+        let step = if p >= d {
+            format!(
+                "its prefill: attention scores 3 × {} heads × {len} × {len}, logits 2 ×                  {logit_positions} × {} vocabulary, f32",
+                c.num_attention_heads, c.vocab_size
+            )
+        } else {
+            format!("its last decode step over {} slots", len + new)
+        };
+        Err(RolloutError::ActivationsTooLarge(format!(
+            "a request of {len} prompt + {new} new tokens needs about {:.1} MiB of activations \
+             in one step on {} ({step}), the activation budget is {:.1} MiB",
+            mib(need),
+            self.cfg.device,
+            mib(self.cfg.activation_bytes)
+        )))
     }
 
     /// Queues a checked request under a new id.
@@ -398,16 +479,29 @@ impl DeviceEngine {
     /// Runs one step: one decode token for every running sequence, then the prefill (and
     /// first token) of the waiting requests that fit beside the sequences still running,
     /// which join the batch; returns the requests that finished in it.
+    ///
+    /// A forward that fails (a device allocation that fails, above all) fails the requests
+    /// it was computing, not the engine: the error names them and says whether the device
+    /// ran out of memory; their rows and cache are dropped, the waiting requests stay
+    /// queued, and when it is the newcomers' prefill that failed, the running batch keeps
+    /// running and what finished in this step comes out of the next one.
     pub fn step(&mut self) -> Result<Vec<GenerateResult>, RolloutError> {
-        let mut results = Vec::new();
+        let mut results = std::mem::take(&mut self.finished);
         let mut running = self.running.take();
         if let Some(batch) = running.as_mut() {
-            self.advance(batch)?;
+            if let Err(e) = self.advance(batch) {
+                self.finished = results;
+                return Err(step_failed(&batch.rows, e));
+            }
             results.extend(self.retire(batch)?);
         }
         let mut running = running.filter(|b| !b.rows.is_empty());
         if let Some(mut joining) = self.admit(running.as_ref())? {
-            self.advance(&mut joining)?;
+            if let Err(e) = self.advance(&mut joining) {
+                self.running = running;
+                self.finished = results;
+                return Err(step_failed(&joining.rows, e));
+            }
             results.extend(self.retire(&mut joining)?);
             if !joining.rows.is_empty() {
                 // Cached prefixes and tails side by side can leave slots no row uses.
@@ -534,6 +628,7 @@ impl DeviceEngine {
             None => (0, 0, 0),
         };
         let (mut longest, mut new_tokens, mut most_cached, mut longest_tail) = (0, 0, 0, 0);
+        let mut asks_prompt_logprobs = false;
         let mut rows: Vec<Row> = Vec::new();
         let mut hits: Vec<Option<RowKv>> = Vec::new();
         while running_rows + rows.len() < self.cfg.max_running {
@@ -548,14 +643,41 @@ impl DeviceEngine {
             let slots = running_slots.max(l).max(c + t);
             let reach = (running_reach + (slots - running_slots)).max(slots + n);
             let count = running_rows + rows.len() + 1;
+            // The prefill feeds the newcomers' tails over the prefixes, then the joined
+            // batch decodes over `reach` slots at most; the two steps run one after the
+            // other, so each alone has to fit the activation budget.
+            let logit_positions =
+                if asks_prompt_logprobs || next.request.sampling.prompt_logprobs_from.is_some() {
+                    t
+                } else {
+                    1
+                };
+            let prefill = StepShape {
+                rows: rows.len() + 1,
+                time: t,
+                slots: c + t,
+                logit_positions,
+            };
+            let decode = StepShape {
+                rows: count,
+                time: 1,
+                slots: reach,
+                logit_positions: 1,
+            };
+            let activations = step_activation_bytes(&self.model_cfg, prefill)
+                .max(step_activation_bytes(&self.model_cfg, decode));
             // A request alone always fits (`submit` checked it).
-            if count > 1 && count * reach * slot_bytes > self.cfg.kv_cache_bytes {
+            if count > 1
+                && (count * reach * slot_bytes > self.cfg.kv_cache_bytes
+                    || activations > self.cfg.activation_bytes)
+            {
                 break;
             }
             let Some(w) = self.waiting.pop_front() else {
                 break;
             };
             (longest, new_tokens, most_cached, longest_tail) = (l, n, c, t);
+            asks_prompt_logprobs = logit_positions > 1;
             let mut row = self.new_row(w);
             hits.push(self.attach_prefix(&mut row)?);
             rows.push(row);
@@ -874,4 +996,22 @@ fn build_model(
         weights = weights.narrow_matrices(model_cfg, narrow, router_narrow)?;
     }
     Ok(Model::with_precision(model_cfg, &weights, precision)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cuda_allocation_failure_reads_as_out_of_memory() {
+        let oom = RolloutError::Candle(candle_core::Error::Msg(
+            "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")".into(),
+        ));
+        assert!(is_out_of_memory(&oom));
+        let other = RolloutError::Candle(candle_core::Error::Msg("shape mismatch".into()));
+        assert!(!is_out_of_memory(&other));
+        let failed = step_failed(&[], oom);
+        assert!(!failed.is_client_error());
+        assert!(failed.to_string().contains("out of memory"), "{failed}");
+    }
 }

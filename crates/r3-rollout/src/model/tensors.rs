@@ -77,7 +77,7 @@ impl<'a> Fetcher<'a> {
             .ok_or_else(|| RolloutError::Weights(format!("missing tensor {name}")))?;
         let values = F32Values::of(t).map_err(|source| RolloutError::TensorConversion {
             name: name.to_string(),
-            source,
+            source: Box::new(source),
         })?;
         Ok((values, t.dims().to_vec()))
     }
@@ -157,7 +157,7 @@ pub fn cpu_f32_map(map: &TensorMap) -> Result<TensorMap, RolloutError> {
                     .and_then(|t| t.contiguous())
                     .map_err(|source| RolloutError::TensorConversion {
                         name: name.clone(),
-                        source,
+                        source: Box::new(source),
                     })?
             };
             Ok((name.clone(), t))

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use r3_rollout::{
     DeviceEngine, DeviceEngineConfig, Dtype, Engine, EngineConfig, GenerateRequest, GenerateResult,
-    RolloutDevice, RouterDtype,
+    RolloutDevice, RolloutEngine, RouterDtype,
 };
 
 use crate::config::train::{RolloutBackend, TrainConfig};
@@ -147,6 +147,15 @@ impl Generate for Backend {
             Backend::Engine(engine) => engine.generate_batch(requests),
             Backend::Device(engine) => engine.generate_batch(requests),
             Backend::Fleet(fleet) => fleet.generate_batch(requests),
+        }
+    }
+}
+
+impl Generate for RolloutEngine {
+    fn generate_batch(&mut self, requests: Vec<GenerateRequest>) -> Result<Vec<GenerateResult>> {
+        match self {
+            RolloutEngine::Cpu(engine) => engine.generate_batch(requests),
+            RolloutEngine::Device(engine) => engine.generate_batch(requests),
         }
     }
 }

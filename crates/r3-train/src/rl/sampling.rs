@@ -155,8 +155,8 @@ fn refuse_non_finite_logprobs(
 /// Samples `spec.group_size` responses for every prompt (group-major order), stopping at
 /// `stop`, the seed of sample `j` of prompt `i` being `mix_seed([seed, step, i, j])`; the
 /// engine's results in request order, routes included.
-pub fn sample_prompts(
-    engine: &mut Engine,
+pub fn sample_prompts<G: Generate + ?Sized>(
+    engine: &mut G,
     prompts: &[Vec<u32>],
     spec: SamplingSpec,
     stop: &[u32],

@@ -1,0 +1,138 @@
+//! The device engine's memory plan: what one forward step needs on the device beyond the
+//! weights and the batch's KV cache, estimated from the step's shape before it runs, so
+//! admission can refuse or hold back a request instead of letting the device run out.
+//!
+//! The estimate counts what is alive at the peak of one step, in f32 (4 bytes, an upper
+//! bound in bf16 / f16, whose activations are f32 math rounded at the same points), for a
+//! step of `rows` sequences feeding `time` tokens each over `slots` cache slots (the cache's
+//! slots after the step) with `logit_positions` positions per row sent through the LM head
+//! (1, or `time` when prompt log-probs are asked):
+//!
+//! ```text
+//! bytes = 4 · ( 3 · rows · heads · time · slots            attention scores, masked scores, probabilities (one layer)
+//!             + 2 · rows · logit_positions · vocab          logits and their f32 copy for the host
+//!             + rows · time · (8·hidden + 3·q_width + 4·ffn_width + experts)   hidden states, q/k/v, feed-forward, router
+//!             + rows · slots · layer_kv )                   one layer's keys and values copied as a step appends to them
+//! ```
+//!
+//! `q_width` is `heads ×` the query head width, `ffn_width` the widest feed-forward a token
+//! passes (the dense MLP, or top-k experts plus the shared one), `layer_kv` one slot's keys
+//! and values in one layer. It is an estimate of the largest live set, not a measurement:
+//! the allocator's pools and kernels' workspaces come on top, which is what the headroom
+//! between the budgets and the device's memory is for.
+
+use r3_model::{AttentionConfig, Config, SharedExpert};
+
+/// The shape of one forward step of the device engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepShape {
+    /// Sequences in the step.
+    pub rows: usize,
+    /// Tokens fed per sequence (the longest uncached prompt tail in a prefill, 1 in decode).
+    pub time: usize,
+    /// Cache slots per sequence once the step's keys are appended.
+    pub slots: usize,
+    /// Positions per sequence whose logits are computed (1, or `time` for prompt log-probs).
+    pub logit_positions: usize,
+}
+
+/// Bytes of activations the step `shape` holds at its peak on the device (the module doc
+/// gives the formula).
+pub fn step_activation_bytes(cfg: &Config, shape: StepShape) -> usize {
+    let heads = cfg.num_attention_heads;
+    let (q_head, layer_kv) = match cfg.attention {
+        AttentionConfig::Gqa {
+            num_kv_heads,
+            head_dim,
+            ..
+        } => (head_dim, 2 * num_kv_heads * head_dim),
+        AttentionConfig::Mla {
+            qk_nope_head_dim,
+            qk_rope_head_dim,
+            v_head_dim,
+            ..
+        } => (
+            qk_nope_head_dim + qk_rope_head_dim,
+            heads * (qk_nope_head_dim + qk_rope_head_dim + v_head_dim),
+        ),
+    };
+    let (experts, routed) = match &cfg.moe {
+        Some(m) => {
+            let shared = match m.shared {
+                SharedExpert::None => 0,
+                SharedExpert::Plain { intermediate_size }
+                | SharedExpert::Gated { intermediate_size } => intermediate_size,
+            };
+            (m.num_experts, m.top_k * m.expert_intermediate_size + shared)
+        }
+        None => (0, 0),
+    };
+    let ffn_width = cfg.intermediate_size.max(routed);
+    let StepShape {
+        rows,
+        time,
+        slots,
+        logit_positions,
+    } = shape;
+    let per_token = 8 * cfg.hidden_size + 3 * heads * q_head + 4 * ffn_width + experts;
+    let floats = 3 * rows * heads * time * slots
+        + 2 * rows * logit_positions * cfg.vocab_size
+        + rows * time * per_token
+        + rows * slots * layer_kv;
+    floats.saturating_mul(4)
+}
+
+/// Mebibytes, for messages.
+pub(crate) fn mib(bytes: usize) -> f64 {
+    bytes as f64 / (1u64 << 20) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn qwen_tiny() -> Config {
+        Config::from_value(serde_json::json!({
+            "model_type": "qwen3_moe", "vocab_size": 1000, "hidden_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "intermediate_size": 64, "moe_intermediate_size": 32,
+            "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": true,
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0, "max_position_embeddings": 4096,
+            "tie_word_embeddings": false,
+        }))
+        .expect("config")
+    }
+
+    #[test]
+    fn the_estimate_is_the_documented_formula() {
+        let cfg = qwen_tiny();
+        let shape = StepShape {
+            rows: 3,
+            time: 10,
+            slots: 12,
+            logit_positions: 1,
+        };
+        // per token: 8·64 + 3·4·16 + 4·max(64, 2·32) + 8 = 512 + 192 + 256 + 8
+        let per_token = 968;
+        let want = 4 * (3 * 3 * 4 * 10 * 12 + 2 * 3 * 1000 + 3 * 10 * per_token + 3 * 12 * 64);
+        assert_eq!(step_activation_bytes(&cfg, shape), want);
+        // Prompt log-probs send every position through the head: the logits term grows by
+        // `time`; ten times the tokens over ten times the slots costs more than ten times as
+        // much (the scores grow with the prompt squared).
+        let all = StepShape {
+            logit_positions: 10,
+            ..shape
+        };
+        assert_eq!(
+            step_activation_bytes(&cfg, all) - step_activation_bytes(&cfg, shape),
+            4 * 2 * 3 * 9 * 1000
+        );
+        let long = StepShape {
+            time: 100,
+            slots: 100,
+            ..shape
+        };
+        assert!(step_activation_bytes(&cfg, long) > 10 * step_activation_bytes(&cfg, shape));
+    }
+}
