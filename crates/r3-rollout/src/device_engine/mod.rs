@@ -106,7 +106,9 @@ impl Default for DeviceEngineConfig {
             router_dtype: RouterDtype::Model,
             max_running: 256,
             kv_cache_bytes: 4 << 30,
-            activation_bytes: 1 << 30,
+            // Generous where no device memory is read yet: composed attention alone holds
+            // 3 · heads · T² f32 per prefill (a 32-head model's 4,096-token prompt: 6.4 GB).
+            activation_bytes: 8 << 30,
             block_size: 16,
             prefix_cache: true,
             prefix_cache_bytes: 1 << 30,
@@ -420,7 +422,7 @@ impl DeviceEngine {
         let c = &self.model_cfg;
         let step = if p >= d {
             format!(
-                "its prefill: attention scores 3 × {} heads × {len} × {len}, logits 2 ×                  {logit_positions} × {} vocabulary, f32",
+                "its prefill: attention scores 3 × {} heads × {len} × {len}, logits 2 × {logit_positions} × {} vocabulary, f32",
                 c.num_attention_heads, c.vocab_size
             )
         } else {
