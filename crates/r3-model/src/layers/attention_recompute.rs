@@ -1,9 +1,10 @@
 //! Masked attention whose backward recomputes the probabilities (the memory trade of
 //! FlashAttention, from candle's ops): the forward is the composed attention's candle ops
-//! (`attention::attend_additive`'s, in its order) run outside the graph, and the graph keeps only `q`, `k`, `v`, the mask and the output. The
-//! composed form kept five score-sized tensors per layer (`[B, KV, G·T, S]` each: scores,
-//! scaled, masked, shifted, exponentiated) until the backward; here one is rebuilt per layer
-//! during the backward and freed. Used on devices without the fused CPU op (a GPU).
+//! (`attention::attend_additive`'s, in its order) run outside the graph, and the graph keeps
+//! only `q`, `k`, `v`, the mask and the output. The composed form kept five score-sized
+//! tensors per layer (`[B, KV, G·T, S]` each: scores, scaled, masked, shifted,
+//! exponentiated) until the backward; here one is rebuilt per layer during the backward and
+//! freed. Used on devices without the fused CPU op (a GPU).
 
 use candle_core::{CustomOp3, Tensor, D};
 
