@@ -96,6 +96,24 @@ impl DeviceSpec {
     }
 }
 
+/// The device's free and total memory in bytes, as its driver reports them now: `None` on
+/// the CPU (whose memory the operating system manages); on a GPU, CUDA's `cuMemGetInfo`.
+pub fn device_memory(device: &Device) -> Result<Option<(usize, usize)>, DeviceError> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(gpu) => gpu
+            .cuda_stream()
+            .context()
+            .mem_get_info()
+            .map(Some)
+            .map_err(|e| DeviceError::CudaUnavailable {
+                spec: DeviceSpec::of(device),
+                reason: format!("cannot read its free memory: {e}"),
+            }),
+        _ => Ok(None),
+    }
+}
+
 impl FromStr for DeviceSpec {
     type Err = DeviceError;
 
@@ -131,6 +149,12 @@ impl fmt::Display for DeviceSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The CPU reports no device memory (the operating system manages it).
+    #[test]
+    fn the_cpu_reports_no_device_memory() {
+        assert_eq!(device_memory(&Device::Cpu).expect("cpu"), None);
+    }
 
     #[test]
     fn parses_every_form_and_rejects_others() {

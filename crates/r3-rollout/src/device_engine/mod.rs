@@ -236,6 +236,7 @@ impl DeviceEngine {
         };
         let device = cfg.device.open()?;
         let model = build_model(&model_cfg, tensors, &cfg, &device)?;
+        check_budgets_fit(&cfg, &device)?;
         let geo = RouteGeometry {
             layers: model_cfg.layer_layout().moe_layers().to_vec(),
             top_k: model_cfg.top_k(),
@@ -916,6 +917,37 @@ impl DeviceEngine {
             None => Ok(()),
         }
     }
+}
+
+/// Refuses budgets that the device cannot hold beside the loaded weights: on a GPU the KV
+/// cache, activation and prefix-cache budgets together must fit the memory its driver
+/// reports free once the model is on it, or admission's refusals would not keep a step from
+/// running out of memory. The CPU reports nothing (its memory is the operating system's).
+fn check_budgets_fit(cfg: &DeviceEngineConfig, device: &Device) -> Result<(), RolloutError> {
+    let Some((free, total)) = r3_model::device::device_memory(device)? else {
+        return Ok(());
+    };
+    let prefix = if cfg.prefix_cache {
+        cfg.prefix_cache_bytes
+    } else {
+        0
+    };
+    let budgets = cfg.kv_cache_bytes + cfg.activation_bytes + prefix;
+    if budgets <= free {
+        return Ok(());
+    }
+    Err(RolloutError::InvalidConfig(format!(
+        "the device engine's budgets (KV cache {:.0} MiB + activations {:.0} MiB + prefix cache \
+         {:.0} MiB = {:.0} MiB) exceed what {} has free with the model loaded ({:.0} MiB of \
+         {:.0} MiB): lower kv_cache_bytes, activation_bytes or prefix_cache_bytes",
+        mib(cfg.kv_cache_bytes),
+        mib(cfg.activation_bytes),
+        mib(prefix),
+        mib(budgets),
+        cfg.device,
+        mib(free),
+        mib(total)
+    )))
 }
 
 /// Joins the prefilled batch `joining` to `running` at a step boundary: whichever holds
