@@ -19,7 +19,7 @@ mod model_common;
 use std::path::PathBuf;
 
 use candle_core::DType;
-use common::{ids, MODELS};
+use common::{differing_cells, ids, max_abs_diff, mixed_sampling, MODELS};
 use model_common::{sequences, tiny_config, tiny_weights, FAMILIES};
 use r3_model::{Config, DeviceSpec};
 use r3_rollout::device_engine::memory::{step_activation_bytes, StepShape};
@@ -27,7 +27,6 @@ use r3_rollout::{
     DeviceEngine, DeviceEngineConfig, Dtype, Engine, EngineConfig, GenerateRequest, GenerateResult,
     SamplingParams, TensorMap,
 };
-use r3_routing::RouteTable;
 
 /// Where the device engine runs in this build.
 #[cfg(not(feature = "cuda"))]
@@ -80,31 +79,6 @@ fn cpu_engine(name: &str) -> Engine {
         },
     )
     .expect("cpu engine")
-}
-
-/// Cells (token, column) whose expert sets differ between two tables of the same shape.
-fn differing_cells(a: &RouteTable, b: &RouteTable) -> usize {
-    assert_eq!(a.num_tokens(), b.num_tokens(), "route rows");
-    assert_eq!(a.num_columns(), b.num_columns(), "route columns");
-    let mut differ = 0;
-    for t in 0..a.num_tokens() {
-        for c in 0..a.num_columns() {
-            let mut x = a.experts(t, c).expect("cell");
-            let mut y = b.experts(t, c).expect("cell");
-            x.sort_unstable();
-            y.sort_unstable();
-            differ += usize::from(x != y);
-        }
-    }
-    differ
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0f32, f32::max)
 }
 
 /// Tokens, log-probs (within `tol`) and routes (cell for cell) of two results agree.
@@ -408,24 +382,6 @@ fn captured_routes_equal_the_trainers_native_routes_f32_and_bf16() {
     }
 }
 
-/// Greedy (even `i`, with top log-probs) or seeded sampling (odd `i`) of `new` tokens.
-fn mixed_sampling(i: usize, new: usize) -> SamplingParams {
-    if i.is_multiple_of(2) {
-        SamplingParams {
-            top_logprobs: 2,
-            ..SamplingParams::greedy(new)
-        }
-    } else {
-        SamplingParams {
-            temperature: 0.9,
-            top_p: 0.95,
-            max_new_tokens: new,
-            seed: 70 + i as u64,
-            ..SamplingParams::default()
-        }
-    }
-}
-
 /// Each request run alone on `dev`.
 fn each_alone(dev: &mut DeviceEngine, reqs: &[GenerateRequest]) -> Vec<GenerateResult> {
     reqs.iter()
@@ -483,7 +439,7 @@ fn requests_admitted_mid_batch_equal_them_alone() {
             .zip(new_tokens)
             .enumerate()
             .map(|(i, (p, n))| {
-                let mut r = GenerateRequest::new(p.clone(), mixed_sampling(i, n));
+                let mut r = GenerateRequest::new(p.clone(), mixed_sampling(i, n, 70));
                 r.routed_experts_start_len = i % 3;
                 r.sampling.prompt_logprobs_from = (i == 2).then_some(1);
                 r
@@ -523,7 +479,7 @@ fn aborting_while_others_are_admitted_returns_the_partial_rollout() {
     let reqs: Vec<GenerateRequest> = prompts
         .iter()
         .enumerate()
-        .map(|(i, p)| GenerateRequest::new(p.clone(), mixed_sampling(i, 7)))
+        .map(|(i, p)| GenerateRequest::new(p.clone(), mixed_sampling(i, 7, 70)))
         .collect();
     let alone = each_alone(&mut dev, &reqs);
     let first: Vec<u64> = reqs[..2]
@@ -589,7 +545,7 @@ fn admission_waits_for_room_and_refuses_what_never_fits() {
     let reqs: Vec<GenerateRequest> = prompts
         .iter()
         .enumerate()
-        .map(|(i, p)| GenerateRequest::new(p.clone(), mixed_sampling(i, 6)))
+        .map(|(i, p)| GenerateRequest::new(p.clone(), mixed_sampling(i, 6, 70)))
         .collect();
     // Room for one request of 5 + 6 slots at a time, not two.
     let budget = slot_bytes(&cfg) * 11 * 3 / 2;
@@ -669,7 +625,7 @@ fn admission_counts_the_steps_activations_and_refuses_what_never_fits() {
     let reqs: Vec<GenerateRequest> = prompts
         .iter()
         .enumerate()
-        .map(|(i, p)| GenerateRequest::new(p.clone(), mixed_sampling(i, 6)))
+        .map(|(i, p)| GenerateRequest::new(p.clone(), mixed_sampling(i, 6, 70)))
         .collect();
     // One request's prefill fits, two prefilled side by side (twice the estimate) do not.
     let budget = alone_activations(&cfg, 5, 6) * 3 / 2;
@@ -718,10 +674,10 @@ fn an_aborted_request_resumes_into_the_uninterrupted_one() {
         let map = tiny_weights(&cfg, 23, DType::F32).into_map();
         let (_, mut dev) = both(&cfg, &map);
         let prompts = sequences(&[6, 4], cfg.vocab_size, 3);
-        let mut req = GenerateRequest::new(prompts[0].clone(), mixed_sampling(1, 12));
+        let mut req = GenerateRequest::new(prompts[0].clone(), mixed_sampling(1, 12, 70));
         req.sampling.prompt_logprobs_from = Some(1);
         req.routed_experts_start_len = 2;
-        let other = GenerateRequest::new(prompts[1].clone(), mixed_sampling(0, 9));
+        let other = GenerateRequest::new(prompts[1].clone(), mixed_sampling(0, 9, 70));
         let want = each_alone(&mut dev, std::slice::from_ref(&req)).remove(0);
         for policy in [
             MergePolicy::KeepPerTokenOrigin,

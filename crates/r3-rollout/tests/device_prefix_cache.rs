@@ -23,6 +23,7 @@ mod common;
 mod model_common;
 
 use candle_core::DType;
+use common::{differing_cells, max_abs_diff, mixed_sampling};
 use model_common::{sequences, tiny_config, tiny_weights};
 use r3_model::{Config, DeviceSpec};
 use r3_rollout::{
@@ -62,31 +63,6 @@ fn on_and_off(cfg: &Config, map: &TensorMap, bytes: usize) -> (DeviceEngine, Dev
     (on, off)
 }
 
-/// Cells (token, column) whose expert sets differ between two tables of the same shape.
-fn differing_cells(a: &RouteTable, b: &RouteTable) -> usize {
-    assert_eq!(a.num_tokens(), b.num_tokens(), "route rows");
-    assert_eq!(a.num_columns(), b.num_columns(), "route columns");
-    let mut differ = 0;
-    for t in 0..a.num_tokens() {
-        for c in 0..a.num_columns() {
-            let mut x = a.experts(t, c).expect("cell");
-            let mut y = b.experts(t, c).expect("cell");
-            x.sort_unstable();
-            y.sort_unstable();
-            differ += usize::from(x != y);
-        }
-    }
-    differ
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0f32, f32::max)
-}
-
 /// Tokens, finish, routes (cell for cell, weight versions too) and log-probs (within `tol`)
 /// of two results agree; returns the log-prob difference.
 fn assert_same(what: &str, got: &GenerateResult, want: &GenerateResult, tol: f32) -> f32 {
@@ -108,24 +84,6 @@ fn assert_same(what: &str, got: &GenerateResult, want: &GenerateResult, tol: f32
     d
 }
 
-/// Greedy (even `i`, with top log-probs) or seeded sampling (odd `i`) of `new` tokens.
-fn sampling(i: usize, new: usize) -> SamplingParams {
-    if i.is_multiple_of(2) {
-        SamplingParams {
-            top_logprobs: 2,
-            ..SamplingParams::greedy(new)
-        }
-    } else {
-        SamplingParams {
-            temperature: 0.9,
-            top_p: 0.95,
-            max_new_tokens: new,
-            seed: 90 + i as u64,
-            ..SamplingParams::default()
-        }
-    }
-}
-
 /// The next turn of a conversation: its prompt, what the model answered and `more` new
 /// tokens (the user's next message).
 fn next_turn(req: &GenerateRequest, answer: &GenerateResult, more: &[u32]) -> Vec<u32> {
@@ -142,19 +100,20 @@ fn rounds(vocab: usize, first: &[GenerateResult]) -> Vec<GenerateRequest> {
     let p = sequences(&[20, 9, 7, 3], vocab, 3);
     match first {
         [] => vec![
-            GenerateRequest::new(p[0].clone(), sampling(0, 8)),
-            GenerateRequest::new(p[1].clone(), sampling(1, 6)),
+            GenerateRequest::new(p[0].clone(), mixed_sampling(0, 8, 90)),
+            GenerateRequest::new(p[1].clone(), mixed_sampling(1, 6, 90)),
         ],
         [a, b] => {
             let r0 = rounds(vocab, &[]);
-            let mut logprobs = GenerateRequest::new(p[0].clone(), sampling(2, 4));
+            let mut logprobs = GenerateRequest::new(p[0].clone(), mixed_sampling(2, 4, 90));
             logprobs.sampling.prompt_logprobs_from = Some(9);
-            let mut extended = GenerateRequest::new(next_turn(&r0[1], b, &p[3]), sampling(3, 5));
+            let mut extended =
+                GenerateRequest::new(next_turn(&r0[1], b, &p[3]), mixed_sampling(3, 5, 90));
             extended.routed_experts_start_len = 2;
             vec![
-                GenerateRequest::new(next_turn(&r0[0], a, &p[3][..2]), sampling(0, 6)),
+                GenerateRequest::new(next_turn(&r0[0], a, &p[3][..2]), mixed_sampling(0, 6, 90)),
                 extended,
-                GenerateRequest::new(p[2].clone(), sampling(5, 4)),
+                GenerateRequest::new(p[2].clone(), mixed_sampling(5, 4, 90)),
                 logprobs,
             ]
         }
@@ -379,9 +338,9 @@ fn an_aborted_request_resumes_from_its_cached_positions() {
         let map = tiny_weights(&cfg, 61, DType::F32).into_map();
         let (mut on, mut off) = on_and_off(&cfg, &map, 64 << 20);
         let prompts = sequences(&[10, 5], cfg.vocab_size, 7);
-        let mut req = GenerateRequest::new(prompts[0].clone(), sampling(1, 12));
+        let mut req = GenerateRequest::new(prompts[0].clone(), mixed_sampling(1, 12, 90));
         req.routed_experts_start_len = 3;
-        let other = GenerateRequest::new(prompts[1].clone(), sampling(0, 9));
+        let other = GenerateRequest::new(prompts[1].clone(), mixed_sampling(0, 9, 90));
         let want = off
             .generate(vec![req.clone()])
             .expect("uninterrupted")

@@ -36,26 +36,37 @@ pub struct StepShape {
     pub logit_positions: usize,
 }
 
-/// Bytes of activations the step `shape` holds at its peak on the device (the module doc
-/// gives the formula).
-pub fn step_activation_bytes(cfg: &Config, shape: StepShape) -> usize {
-    let heads = cfg.num_attention_heads;
-    let (q_head, layer_kv) = match cfg.attention {
+/// Floats of keys and values one cache slot holds in one layer: GQA's key and value heads,
+/// or MLA's expanded per-head keys (no-RoPE and RoPE parts) and values.
+pub fn layer_kv_floats(cfg: &Config) -> usize {
+    match cfg.attention {
         AttentionConfig::Gqa {
             num_kv_heads,
             head_dim,
             ..
-        } => (head_dim, 2 * num_kv_heads * head_dim),
+        } => 2 * num_kv_heads * head_dim,
         AttentionConfig::Mla {
             qk_nope_head_dim,
             qk_rope_head_dim,
             v_head_dim,
             ..
-        } => (
-            qk_nope_head_dim + qk_rope_head_dim,
-            heads * (qk_nope_head_dim + qk_rope_head_dim + v_head_dim),
-        ),
+        } => cfg.num_attention_heads * (qk_nope_head_dim + qk_rope_head_dim + v_head_dim),
+    }
+}
+
+/// Bytes of activations the step `shape` holds at its peak on the device (the module doc
+/// gives the formula).
+pub fn step_activation_bytes(cfg: &Config, shape: StepShape) -> usize {
+    let heads = cfg.num_attention_heads;
+    let q_head = match cfg.attention {
+        AttentionConfig::Gqa { head_dim, .. } => head_dim,
+        AttentionConfig::Mla {
+            qk_nope_head_dim,
+            qk_rope_head_dim,
+            ..
+        } => qk_nope_head_dim + qk_rope_head_dim,
     };
+    let layer_kv = layer_kv_floats(cfg);
     let (experts, routed) = match &cfg.moe {
         Some(m) => {
             let shared = match m.shared {

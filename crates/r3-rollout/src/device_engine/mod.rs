@@ -322,25 +322,7 @@ impl DeviceEngine {
 
     /// KV bytes one slot of one sequence takes (f32 keys and values of every layer).
     fn slot_bytes(&self) -> usize {
-        let c = &self.model_cfg;
-        let (k, v, heads) = match c.attention {
-            r3_model::AttentionConfig::Gqa {
-                num_kv_heads,
-                head_dim,
-                ..
-            } => (head_dim, head_dim, num_kv_heads),
-            r3_model::AttentionConfig::Mla {
-                qk_nope_head_dim,
-                qk_rope_head_dim,
-                v_head_dim,
-                ..
-            } => (
-                qk_nope_head_dim + qk_rope_head_dim,
-                v_head_dim,
-                c.num_attention_heads,
-            ),
-        };
-        c.num_hidden_layers * heads * (k + v) * 4
+        self.model_cfg.num_hidden_layers * memory::layer_kv_floats(&self.model_cfg) * 4
     }
 
     /// Validates and queues a request; it joins the running batch at the next `step` that

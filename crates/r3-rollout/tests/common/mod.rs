@@ -1,4 +1,5 @@
-//! Shared helpers of the rollout integration tests: fixture paths and oracle data.
+//! Shared helpers of the rollout integration tests: fixture paths, oracle data and the
+//! comparisons of two engines' results.
 
 #![allow(dead_code)]
 
@@ -6,7 +7,8 @@ use std::path::PathBuf;
 
 use r3_rollout::kernels::attention::SeqSpan;
 use r3_rollout::model::{BatchInput, InferenceModel};
-use r3_rollout::{Dtype, Engine, EngineConfig, KvPool};
+use r3_rollout::{Dtype, Engine, EngineConfig, KvPool, SamplingParams};
+use r3_routing::RouteTable;
 
 /// Directory of a copied HF oracle checkpoint.
 pub fn model_dir(name: &str) -> PathBuf {
@@ -68,4 +70,49 @@ pub fn full_forward(model: &mut InferenceModel, tokens: &[u32]) -> (Vec<f32>, Ve
     };
     let out = model.forward(&mut pool, &input, true).expect("forward");
     (out.logits, out.routes.expect("routes captured"))
+}
+
+/// Cells (token, column) whose expert sets differ between two tables of the same shape.
+pub fn differing_cells(a: &RouteTable, b: &RouteTable) -> usize {
+    assert_eq!(a.num_tokens(), b.num_tokens(), "route rows");
+    assert_eq!(a.num_columns(), b.num_columns(), "route columns");
+    let mut differ = 0;
+    for t in 0..a.num_tokens() {
+        for c in 0..a.num_columns() {
+            let mut x = a.experts(t, c).expect("cell");
+            let mut y = b.experts(t, c).expect("cell");
+            x.sort_unstable();
+            y.sort_unstable();
+            differ += usize::from(x != y);
+        }
+    }
+    differ
+}
+
+/// Largest absolute difference of two equally long slices.
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
+}
+
+/// Greedy (even `i`, with top log-probs) or seeded sampling (odd `i`, seed `seed_base + i`)
+/// of `new` tokens.
+pub fn mixed_sampling(i: usize, new: usize, seed_base: u64) -> SamplingParams {
+    if i.is_multiple_of(2) {
+        SamplingParams {
+            top_logprobs: 2,
+            ..SamplingParams::greedy(new)
+        }
+    } else {
+        SamplingParams {
+            temperature: 0.9,
+            top_p: 0.95,
+            max_new_tokens: new,
+            seed: seed_base + i as u64,
+            ..SamplingParams::default()
+        }
+    }
 }
