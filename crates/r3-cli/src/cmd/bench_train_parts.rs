@@ -15,8 +15,12 @@ use r3_model::layers::norm::RmsNorm;
 use r3_model::layers::rope::Rope;
 use r3_model::spec::{attention_prefix, input_norm, post_attention_norm, weight, EMBED, LM_HEAD};
 use r3_model::{AttentionConfig, Config, Precision, Weights};
+
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+
+use super::matmul_work;
+use super::step_phases::median;
 
 /// What the parts are timed on.
 pub(super) struct PartsSetup<'a> {
@@ -53,37 +57,20 @@ impl PartTime {
     }
 }
 
-/// Forward matrix FLOPs of the parts on `rows = b·t` tokens of `t` each: (attention:
-/// projections, `q kᵀ` and `P v`; router; routed experts' three matrices per chosen expert
-/// plus the router; head).
-fn part_flops(cfg: &Config, b: usize, t: usize) -> [f64; 4] {
-    let (rows, h) = ((b * t) as f64, cfg.hidden_size as f64);
-    let heads = cfg.num_attention_heads as f64;
-    let (kv, hd) = match cfg.attention {
-        AttentionConfig::Gqa {
-            num_kv_heads,
-            head_dim,
-            ..
-        } => (num_kv_heads as f64, head_dim as f64),
-        AttentionConfig::Mla { .. } => (heads, cfg.v_head_dim() as f64),
-    };
-    let projections = 2.0 * rows * h * (2.0 * heads * hd + 2.0 * kv * hd);
-    let scores = 2.0 * 2.0 * b as f64 * heads * (t * t) as f64 * hd;
-    let experts = cfg.num_experts() as f64;
-    let router = 2.0 * rows * h * experts;
-    let width = cfg
-        .moe
-        .as_ref()
-        .map_or(0.0, |m| m.expert_intermediate_size as f64);
-    let moe = router + 2.0 * rows * cfg.top_k() as f64 * 3.0 * h * width;
-    let head = 2.0 * rows * h * cfg.vocab_size as f64;
-    [projections + scores, router, moe, head]
-}
-
-/// The median of `v` (0 for none).
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
+/// Forward matrix FLOPs of the parts on `b` sequences of `t` tokens (attention over all `t`
+/// positions, as the dense mask computes it; router; the first MoE layer `moe_layer`'s
+/// block; head), from `matmul_work`'s per-token counts.
+fn part_flops(cfg: &Config, b: usize, t: usize, moe_layer: usize) -> anyhow::Result<[f64; 4]> {
+    let rows = (b * t) as f64;
+    let attention = matmul_work::attention_macs(cfg, t)
+        .ok_or_else(|| anyhow::anyhow!("--parts counts GQA attention only"))?;
+    Ok([
+        attention,
+        matmul_work::router_macs(cfg),
+        matmul_work::ffn_macs(cfg, moe_layer),
+        matmul_work::head_macs(cfg),
+    ]
+    .map(|macs| 2.0 * rows * macs))
 }
 
 /// Times `forward` (returning a scalar loss) and its backward, each synchronised.
@@ -108,7 +95,7 @@ fn time_part(
             b.push((t2 - t1).as_secs_f64());
         }
     }
-    Ok((median(f), median(b)))
+    Ok((median(&f), median(&b)))
 }
 
 /// A scalar that depends on every element of `t` with a non-uniform gradient.
@@ -167,7 +154,7 @@ pub(super) fn run(setup: &PartsSetup<'_>, step_seconds: f64) -> anyhow::Result<(
         all: true,
     };
 
-    let flops = part_flops(cfg, b, t);
+    let flops = part_flops(cfg, b, t, first_moe)?;
     let mut parts = Vec::new();
     let (f, bw) = time_part(&device, reps, || {
         let e = p.round(&embed.index_select(&ids, 0)?.reshape((b, t, h))?)?;

@@ -12,9 +12,10 @@ use r3_model::config::AttentionConfig;
 use r3_model::layers::gemm::{matmul, MatRef};
 use r3_model::Config;
 
-/// Multiply-add FLOPs (2 per MAC) of one token through the model, attending over `context`
-/// positions, with the vocabulary head when `head`; `None` for MLA attention (not counted).
-pub fn flops_per_token(cfg: &Config, context: usize, head: bool) -> Option<f64> {
+/// Multiply-adds of one token through one GQA attention layer attending over `context`
+/// positions: q, k, v and o projections, then scores and weighted values; `None` for MLA
+/// attention (not counted).
+pub fn attention_macs(cfg: &Config, context: usize) -> Option<f64> {
     let AttentionConfig::Gqa {
         num_kv_heads,
         head_dim,
@@ -26,21 +27,43 @@ pub fn flops_per_token(cfg: &Config, context: usize, head: bool) -> Option<f64> 
     let h = cfg.hidden_size as f64;
     let q = (cfg.num_attention_heads * head_dim) as f64;
     let kv = (num_kv_heads * head_dim) as f64;
-    // q, k, v and o projections, then scores and weighted values over the context
-    let attention = h * (2.0 * q + 2.0 * kv) + 2.0 * q * context as f64;
-    let mut macs = 0.0;
-    for layer in 0..cfg.num_hidden_layers {
-        let ffn = match &cfg.moe {
-            Some(moe) if cfg.is_moe_layer(layer) => {
-                let i = moe.expert_intermediate_size as f64;
-                moe.top_k as f64 * 3.0 * h * i + h * moe.num_experts as f64
-            }
-            _ => 3.0 * h * cfg.intermediate_size as f64,
-        };
-        macs += attention + ffn;
+    Some(h * (2.0 * q + 2.0 * kv) + 2.0 * q * context as f64)
+}
+
+/// Multiply-adds of one token through a MoE layer's router.
+pub fn router_macs(cfg: &Config) -> f64 {
+    cfg.moe
+        .as_ref()
+        .map_or(0.0, |moe| (cfg.hidden_size * moe.num_experts) as f64)
+}
+
+/// Multiply-adds of one token through layer `layer`'s feed-forward: the router and `top_k`
+/// SwiGLU experts in a MoE layer, the dense SwiGLU otherwise.
+pub fn ffn_macs(cfg: &Config, layer: usize) -> f64 {
+    let h = cfg.hidden_size as f64;
+    match &cfg.moe {
+        Some(moe) if cfg.is_moe_layer(layer) => {
+            let i = moe.expert_intermediate_size as f64;
+            moe.top_k as f64 * 3.0 * h * i + router_macs(cfg)
+        }
+        _ => 3.0 * h * cfg.intermediate_size as f64,
     }
+}
+
+/// Multiply-adds of one token through the vocabulary head.
+pub fn head_macs(cfg: &Config) -> f64 {
+    (cfg.hidden_size * cfg.vocab_size) as f64
+}
+
+/// Multiply-add FLOPs (2 per MAC) of one token through the model, attending over `context`
+/// positions, with the vocabulary head when `head`; `None` for MLA attention (not counted).
+pub fn flops_per_token(cfg: &Config, context: usize, head: bool) -> Option<f64> {
+    let attention = attention_macs(cfg, context)?;
+    let mut macs: f64 = (0..cfg.num_hidden_layers)
+        .map(|layer| attention + ffn_macs(cfg, layer))
+        .sum();
     if head {
-        macs += h * cfg.vocab_size as f64;
+        macs += head_macs(cfg);
     }
     Some(2.0 * macs)
 }
