@@ -59,6 +59,10 @@ pub fn token_log_probs_recomputed(logits: &Tensor, targets: &Tensor) -> Result<T
         )));
     }
     let value = token_log_probs_composed(&logits.detach(), targets)?;
+    if !logits.track_op() {
+        // Nothing to differentiate (inference): the value, without the op's copy of it.
+        return Ok(value);
+    }
     let op = RecomputedTokenLogProb {
         value: Precomputed::new(value),
     };

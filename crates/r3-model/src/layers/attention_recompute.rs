@@ -30,6 +30,10 @@ pub fn attend_recomputed(
         groups,
     };
     let value = op.probs(&q.detach(), &k.detach())?.matmul(&v.detach())?;
+    if !q.track_op() && !k.track_op() && !v.track_op() {
+        // Nothing to differentiate (inference): the value, without the op's copy of it.
+        return Ok(value);
+    }
     op.value = Precomputed::new(value);
     Ok(q.apply_op3(&k, &v, op)?)
 }

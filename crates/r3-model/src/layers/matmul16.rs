@@ -44,8 +44,13 @@ pub fn matmul_wt_narrow(x: &Tensor, w: &Tensor, narrow: DType) -> Result<Tensor>
     } else {
         xn.broadcast_matmul(&wn.t()?)?
     };
+    let value = value.to_dtype(DType::F32)?;
+    if !x.track_op() && !w.track_op() {
+        // Nothing to differentiate (inference): the value, without the op's copy of it.
+        return Ok(value);
+    }
     let op = Matmul16 {
-        value: Precomputed::new(value.to_dtype(DType::F32)?),
+        value: Precomputed::new(value),
         narrow,
         stacked,
     };
