@@ -147,6 +147,24 @@ pub fn lane_sum<T: Float>(row: &[T], f: impl Fn(T) -> T) -> f64 {
     acc.iter().map(|v| v.to_f64()).sum::<f64>() + rem.iter().map(|&v| f(v).to_f64()).sum::<f64>()
 }
 
+/// `Σ a·b` over two rows of equal length, accumulated in `LANES` lanes and reduced in f64.
+#[inline(always)]
+pub fn lane_dot<T: Float>(a: &[T], b: &[T]) -> f64 {
+    let mut acc = [T::ZERO; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for i in 0..LANES {
+            acc[i] = acc[i] + x[i] * y[i];
+        }
+    }
+    acc.iter().map(|v| v.to_f64()).sum::<f64>()
+        + ra.iter()
+            .zip(rb)
+            .map(|(&x, &y)| (x * y).to_f64())
+            .sum::<f64>()
+}
+
 /// The largest value of a row (`-inf` for an empty one), in `LANES` lanes.
 #[inline(always)]
 pub fn row_max<T: Float>(row: &[T]) -> T {
@@ -187,6 +205,17 @@ mod tests {
         assert_eq!(fast_exp(-200.0), fast_exp(-87.3));
         assert_eq!(fast_exp(0.0), 1.0);
         assert!(fast_exp(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn lane_dot_equals_the_f64_dot_product() {
+        // 37 values: two full chunks of lanes and a remainder.
+        let a: Vec<f32> = (0..37).map(|i| (i as f32 * 0.37).sin()).collect();
+        let b: Vec<f32> = (0..37).map(|i| (i as f32 * 1.3).cos()).collect();
+        let want: f64 = a.iter().zip(&b).map(|(&x, &y)| x as f64 * y as f64).sum();
+        assert!((lane_dot(&a, &b) - want).abs() < 1e-6);
+        assert_eq!(lane_dot::<f32>(&[], &[]), 0.0);
+        assert_eq!(lane_dot(&[2.0f64; 3], &[0.5; 3]), 3.0);
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! `r3 bench train`: training-engine forward + backward throughput (tokens/s) on the
-//! documented mid-size MoE config with seeded random weights, Native against Replay routing.
+//! documented mid-size MoE config with seeded random weights (or a model directory's own
+//! weights), Native against Replay routing.
 //!
 //! Reference point: HF transformers (PyTorch, CPU, 2 threads) trains this config at about
 //! 320 tokens/s on the project machine.
@@ -11,7 +12,8 @@ use candle_core::Tensor;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use r3_model::{
-    presets, Batch, DeviceSpec, Model, Precision, RandomInit, ReplayRoutes, Routing, Weights,
+    presets, Batch, Config, DeviceSpec, Model, Precision, RandomInit, ReplayRoutes, Routing,
+    Weights,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -35,6 +37,10 @@ pub struct BenchTrainArgs {
     /// weights are drawn by the GPU's own seeded generator (minutes faster at 5.6 B).
     #[arg(long, value_enum, default_value = "mid")]
     pub config: BenchModel,
+    /// Train this HF model directory (`config.json` + safetensors, e.g. `models/gsm8k-moe`)
+    /// with its own weights instead of `--config`'s random ones.
+    #[arg(long, conflicts_with = "config")]
+    pub model_dir: Option<std::path::PathBuf>,
     /// Sequences per step.
     #[arg(long, default_value_t = 4)]
     pub batch: usize,
@@ -164,15 +170,27 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         "bf16" => Precision::Bf16 { router_f32: false },
         _ => Precision::F32,
     };
-    let cfg = match args.config {
-        BenchModel::Mid => presets::mid_size_bench_config()?,
-        BenchModel::A3b8l => presets::qwen3_30b_a3b_layers_config(8)?,
+    let (cfg, weights) = match &args.model_dir {
+        Some(dir) => {
+            let cfg = Config::from_file(&dir.join("config.json"))
+                .with_context(|| format!("reading {}/config.json", dir.display()))?;
+            let weights = Weights::load(dir, &cfg, &device)
+                .with_context(|| format!("loading the weights of {}", dir.display()))?;
+            (cfg, weights)
+        }
+        None => {
+            let cfg = match args.config {
+                BenchModel::Mid => presets::mid_size_bench_config()?,
+                BenchModel::A3b8l => presets::qwen3_30b_a3b_layers_config(8)?,
+            };
+            let mut init = RandomInit::new(args.seed);
+            init.std = 0.02;
+            init.router_std = 0.02;
+            init.norm_jitter = 0.0;
+            let weights = Weights::random_on_device(&cfg, &init, &device)?;
+            (cfg, weights)
+        }
     };
-    let mut init = RandomInit::new(args.seed);
-    init.std = 0.02;
-    init.router_std = 0.02;
-    init.norm_jitter = 0.0;
-    let weights = Weights::random_on_device(&cfg, &init, &device)?;
     let (varmap, weights) = weights.into_trainable(&cfg)?;
     let params: usize = varmap.all_vars().iter().map(|v| v.elem_count()).sum();
     let model = Model::with_precision(&cfg, &weights, precision)?;

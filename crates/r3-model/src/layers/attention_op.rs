@@ -14,7 +14,7 @@ use rayon::prelude::*;
 
 use super::gemm::{matmul, MatRef};
 use crate::host::{contiguous, with_host};
-use crate::math::Float;
+use crate::math::{lane_dot, lane_sum, row_max, Float};
 
 /// The attention op: `q` `[B, KV, G·T, Dq]` (G query heads per key/value head, stacked),
 /// `k` `[B, KV, T, Dq]`, `v` `[B, KV, T, Dv]` → `[B, KV, G·T, Dv]`.
@@ -82,31 +82,29 @@ impl MaskedAttention {
     }
 
     /// Scores → probabilities in place for one job: row `r` is query position `r % T` of
-    /// sequence `seq`. Masked keys get exactly zero probability.
+    /// sequence `seq`. Masked keys get exactly zero probability. Each step is its own pass
+    /// without a branch or a running scalar, so that it vectorises (a fused loop with a
+    /// running max and sum ran at scalar speed and was the layer's costliest part on small
+    /// models); the sum is taken in lanes and reduced in f64 ([`lane_sum`]).
     fn softmax_rows<T: Float>(&self, s: &mut [T], seq: usize, d: Dims) {
         let scale = T::from_f64(self.scale);
         for (r, row) in s.chunks_exact_mut(d.t).enumerate() {
             let i = r % d.t;
             let mask = &self.mask[(seq * d.t + i) * d.t..(seq * d.t + i + 1) * d.t];
-            let mut max = T::NEG_INFINITY;
             for (x, &m) in row.iter_mut().zip(mask) {
+                let scored = *x * scale + T::from_f64(m as f64);
                 *x = if m == f32::NEG_INFINITY {
                     T::NEG_INFINITY
                 } else {
-                    *x * scale + T::from_f64(m as f64)
+                    scored
                 };
-                max = max.max(*x);
             }
-            let mut sum = T::ZERO;
+            let max = row_max(row);
             for x in row.iter_mut() {
-                *x = if *x == T::NEG_INFINITY {
-                    T::ZERO
-                } else {
-                    (*x - max).exp()
-                };
-                sum = sum + *x;
+                let e = (*x - max).exp();
+                *x = if *x == T::NEG_INFINITY { T::ZERO } else { e };
             }
-            let inv = T::from_f64(1.0 / sum.to_f64());
+            let inv = T::from_f64(1.0 / lane_sum(row, |x| x));
             row.iter_mut().for_each(|x| *x = *x * inv);
         }
     }
@@ -158,10 +156,7 @@ impl MaskedAttention {
         matmul(d.rows, d.t, d.dv, &mut ds, a, b, 1);
         let scale = T::from_f64(self.scale);
         for (dsr, pr) in ds.chunks_exact_mut(d.t).zip(p.chunks_exact(d.t)) {
-            let delta = dsr
-                .iter()
-                .zip(pr)
-                .fold(T::ZERO, |acc, (&g, &pv)| acc + g * pv);
+            let delta = T::from_f64(lane_dot(dsr, pr));
             for (g, &pv) in dsr.iter_mut().zip(pr) {
                 *g = pv * (*g - delta) * scale;
             }
