@@ -16,7 +16,10 @@ use r3_rollout::{
 };
 
 use super::cpu_time::{cpu_seconds, process_cpu_ns};
-use super::matmul_work::{f32_gemm_peak, generation_flops};
+use super::matmul_work::{
+    f32_gemm_peak, generation_flops, generation_roofline, stream_bandwidth, MachineLimits,
+    StorageBytes,
+};
 
 /// HF transformers `generate` (PyTorch, CPU, 2 threads) on the mid-size config, tokens/s at
 /// batch 1 / 16 / 64 (measured on this machine; see the issue).
@@ -245,10 +248,15 @@ pub fn run(a: BenchRolloutArgs) -> anyhow::Result<()> {
         a.repeats.max(1)
     );
     let peak = f32_gemm_peak(rayon_threads());
+    let bandwidth = stream_bandwidth();
     println!(
-        "f32 GEMM peak of this machine, measured now (1024³, {} threads): {peak:.1} GFLOP/s",
+        "f32 GEMM peak of this machine, measured now (1024³, {} threads): {peak:.1} GFLOP/s; streaming bandwidth (STREAM triad): {bandwidth:.1} GB/s",
         rayon_threads()
     );
+    let limits = MachineLimits {
+        peak_gflops: peak,
+        bandwidth_gbs: bandwidth,
+    };
     let mut summary = Vec::new();
     for name in &a.configs {
         let s = setup(name, a.seed).with_context(|| format!("building the {name} config"))?;
@@ -344,7 +352,27 @@ pub fn run(a: BenchRolloutArgs) -> anyhow::Result<()> {
                 }
                 println!("{line}");
             }
+            // The CPU engine's roofline on this machine (the limits above are the CPU's).
+            let storage = StorageBytes {
+                weight: if dtype == Dtype::F32 { 4.0 } else { 2.0 },
+                kv: 4.0,
+            };
+            let roofline = (device == RolloutDevice::Cpu)
+                .then(|| {
+                    generation_roofline(&s.cfg, b, a.prompt_len, a.new_tokens, storage, limits)
+                })
+                .flatten()
+                .map(|secs| (b * a.new_tokens) as f64 / secs);
+            if let Some(limit) = roofline {
+                println!(
+                    "{:>17} roofline {limit:.1} tok/s (each step at the slower of its FLOPs at the peak and its bytes at the bandwidth: {} B weights, f32 KV): this run at {:.0}% of it",
+                    "",
+                    storage.weight,
+                    on.tok_s / limit * 100.0
+                );
+            }
             summary.push(serde_json::json!({
+                "roofline_tok_s": roofline,
                 "config": name, "batch": b,
                 "capture_on_tok_s": on.tok_s, "capture_off_tok_s": off.map(|o| o.tok_s),
                 "capture_on_cpu_ms_per_tok": on.cpu_ms_per_tok,

@@ -86,6 +86,106 @@ pub fn generation_flops(
     Some(total * batch as f64)
 }
 
+/// What a phase can reach on this machine: the f32 GEMM peak and the streaming bandwidth,
+/// both measured on the spot.
+#[derive(Debug, Clone, Copy)]
+pub struct MachineLimits {
+    /// f32 GEMM rate, GFLOP/s.
+    pub peak_gflops: f64,
+    /// Streaming memory bandwidth, GB/s.
+    pub bandwidth_gbs: f64,
+}
+
+impl MachineLimits {
+    /// Roofline seconds of one step: its FLOPs at the peak or its bytes at the bandwidth,
+    /// whichever takes longer.
+    pub fn step_seconds(&self, flops: f64, bytes: f64) -> f64 {
+        (flops / (self.peak_gflops * 1e9)).max(bytes / (self.bandwidth_gbs * 1e9))
+    }
+}
+
+/// How the rollout engine stores what a generation step reads.
+#[derive(Debug, Clone, Copy)]
+pub struct StorageBytes {
+    /// Bytes per weight (f16/bf16 panels: 2, f32: 4).
+    pub weight: f64,
+    /// Bytes per cached key or value element (the CPU engine's KV pool holds f32: 4).
+    pub kv: f64,
+}
+
+/// Weights a step of `tokens` tokens reads in layer `layer` (elements): the attention
+/// projections, and in a MoE layer the router plus the experts those tokens are expected to
+/// reach under uniform routing, `E · (1 − (1 − k/E)^tokens)` (a step touches each expert it
+/// routes to once, however many of its tokens go there), or the dense MLP. `None` for MLA.
+pub fn layer_weights_read(cfg: &Config, layer: usize, tokens: usize) -> Option<f64> {
+    let projections = attention_macs(cfg, 0)?;
+    let h = cfg.hidden_size as f64;
+    let ffn = match &cfg.moe {
+        Some(moe) if cfg.is_moe_layer(layer) => {
+            let (e, k) = (moe.num_experts as f64, moe.top_k as f64);
+            let reached = e * (1.0 - (1.0 - k / e).powi(tokens.min(i32::MAX as usize) as i32));
+            reached * 3.0 * h * moe.expert_intermediate_size as f64 + router_macs(cfg)
+        }
+        _ => 3.0 * h * cfg.intermediate_size as f64,
+    };
+    Some(projections + ffn)
+}
+
+/// Cached key and value elements of one position in one layer. `None` for MLA.
+fn kv_elements_per_position(cfg: &Config) -> Option<f64> {
+    let AttentionConfig::Gqa {
+        num_kv_heads,
+        head_dim,
+        ..
+    } = cfg.attention
+    else {
+        return None;
+    };
+    Some(2.0 * (num_kv_heads * head_dim) as f64)
+}
+
+/// Roofline seconds of [`generation_flops`]'s workload: one prefill step of all prompts,
+/// then `new_tokens − 1` decode steps of `batch` tokens, each step at
+/// [`MachineLimits::step_seconds`] of its FLOPs and of the bytes it must read (the weights
+/// it touches, [`layer_weights_read`], and the head; every cached key and value its tokens
+/// attend to; the prefill also writes its keys and values). The time no engine can beat on
+/// this machine: decode at small batch is bound by bandwidth, prefill by compute.
+pub fn generation_roofline(
+    cfg: &Config,
+    batch: usize,
+    prompt: usize,
+    new_tokens: usize,
+    bytes: StorageBytes,
+    limits: MachineLimits,
+) -> Option<f64> {
+    let layers = cfg.num_hidden_layers;
+    let kv_per_position = kv_elements_per_position(cfg)? * layers as f64;
+    let weights = |tokens: usize| -> Option<f64> {
+        let mut w = head_macs(cfg);
+        for layer in 0..layers {
+            w += layer_weights_read(cfg, layer, tokens)?;
+        }
+        Some(w * bytes.weight)
+    };
+    let mut prefill_flops = 0.0;
+    for t in 0..prompt {
+        prefill_flops += flops_per_token(cfg, t + 1, t + 1 == prompt)?;
+    }
+    // Keys and values written once and read by the later prompt positions (from cache).
+    let prefill_kv = (batch * prompt) as f64 * kv_per_position * bytes.kv * 2.0;
+    let mut total = limits.step_seconds(
+        prefill_flops * batch as f64,
+        weights(batch * prompt)? + prefill_kv,
+    );
+    for step in 1..new_tokens {
+        let context = prompt + step;
+        let flops = flops_per_token(cfg, context, true)? * batch as f64;
+        let kv = (batch * context) as f64 * kv_per_position * bytes.kv;
+        total += limits.step_seconds(flops, weights(batch)? + kv);
+    }
+    Some(total)
+}
+
 /// Best f32 GEMM rate (GFLOP/s) of this machine over a few square products on `threads`
 /// threads, through the same kernels the training engine uses.
 pub fn f32_gemm_peak(threads: usize) -> f64 {
@@ -172,6 +272,46 @@ pub(crate) mod tests {
         let per = |ctx: usize, head: bool| flops_per_token(&cfg, ctx, head).expect("gqa");
         let want = 3.0 * (per(1, false) + per(2, true) + per(3, true));
         assert_eq!(generation_flops(&cfg, 3, 2, 2), Some(want));
+    }
+
+    /// By hand on [`tiny`]: at one token a step reads the projections (48), the router (24),
+    /// the 2 experts it routes to (2 · 3 · 4 · 5 = 120) and the head (40); with many tokens
+    /// all 6 experts (360). A decode step reads the cached keys and values of every position
+    /// (1 layer · 2 · 1 head · 2 wide = 4 elements each).
+    #[test]
+    fn roofline_counts_a_tiny_config_by_hand() {
+        let cfg = tiny();
+        let one = layer_weights_read(&cfg, 0, 1).expect("gqa");
+        assert!((one - (48.0 + 24.0 + 120.0)).abs() < 1e-9, "{one}");
+        let many = layer_weights_read(&cfg, 0, 1_000).expect("gqa");
+        assert!((many - (48.0 + 24.0 + 360.0)).abs() < 1e-9, "{many}");
+        // Two tokens reach 6 · (1 − (2/3)²) = 10/3 experts on average.
+        let two = layer_weights_read(&cfg, 0, 2).expect("gqa");
+        assert!((two - (72.0 + 10.0 / 3.0 * 60.0)).abs() < 1e-9, "{two}");
+
+        // Bandwidth-bound limits (1 FLOP/s is never the binding side here at 1e12).
+        let limits = MachineLimits {
+            peak_gflops: 1e3,
+            bandwidth_gbs: 1e-9,
+        };
+        let bytes = StorageBytes {
+            weight: 2.0,
+            kv: 4.0,
+        };
+        // batch 1, prompt 2, 2 new tokens: prefill reads the weights at 2 tokens and writes
+        // 2 positions' KV (read back: × 2); the decode step at context 3 reads 3 positions.
+        let prefill = (two + 40.0) * 2.0 + 2.0 * 4.0 * 4.0 * 2.0;
+        let decode = (48.0 + 24.0 + 120.0 + 40.0) * 2.0 + 3.0 * 4.0 * 4.0;
+        let got = generation_roofline(&cfg, 1, 2, 2, bytes, limits).expect("gqa");
+        assert!((got - (prefill + decode)).abs() < 1e-6, "{got}");
+        // Compute-bound: the FLOPs at the peak.
+        let fast_memory = MachineLimits {
+            peak_gflops: 1e-9,
+            bandwidth_gbs: 1e3,
+        };
+        let got = generation_roofline(&cfg, 3, 2, 2, bytes, fast_memory).expect("gqa");
+        let want = generation_flops(&cfg, 3, 2, 2).expect("gqa");
+        assert!((got - want).abs() < 1e-6 * want, "{got} vs {want}");
     }
 
     /// The probe reports a finite, positive rate (its absolute value is the machine's).
