@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
-use super::gemm::{matmul, MatRef};
+use super::gemm::{matmul_block, MatRef};
 use crate::host::{contiguous, with_host};
 use crate::math::{lane_dot, lane_sum, row_max, Float};
 
@@ -81,32 +81,60 @@ impl MaskedAttention {
         })
     }
 
-    /// Scores → probabilities in place for one job: row `r` is query position `r % T` of
-    /// sequence `seq`. Masked keys get exactly zero probability. Each step is its own pass
-    /// without a branch or a running scalar, so that it vectorises (a fused loop with a
-    /// running max and sum ran at scalar speed and was the layer's costliest part on small
-    /// models); the sum is taken in lanes and reduced in f64 ([`lane_sum`]).
-    fn softmax_rows<T: Float>(&self, s: &mut [T], seq: usize, d: Dims) {
+    /// Scores → probabilities in place for one query row (its keys up to the block's
+    /// last visible one; `mask` the same keys' mask). Masked keys get exactly zero
+    /// probability. Each step is its own pass without a branch or a running scalar, so that
+    /// it vectorises (a fused loop with a running max and sum ran at scalar speed and was the
+    /// layer's costliest part on small models); the sum is taken in lanes and reduced in f64
+    /// ([`lane_sum`]).
+    fn softmax_row<T: Float>(&self, row: &mut [T], mask: &[f32]) {
         let scale = T::from_f64(self.scale);
-        for (r, row) in s.chunks_exact_mut(d.t).enumerate() {
-            let i = r % d.t;
-            let mask = &self.mask[(seq * d.t + i) * d.t..(seq * d.t + i + 1) * d.t];
-            for (x, &m) in row.iter_mut().zip(mask) {
-                let scored = *x * scale + T::from_f64(m as f64);
-                *x = if m == f32::NEG_INFINITY {
-                    T::NEG_INFINITY
-                } else {
-                    scored
-                };
-            }
-            let max = row_max(row);
-            for x in row.iter_mut() {
-                let e = (*x - max).exp();
-                *x = if *x == T::NEG_INFINITY { T::ZERO } else { e };
-            }
-            let inv = T::from_f64(1.0 / lane_sum(row, |x| x));
-            row.iter_mut().for_each(|x| *x = *x * inv);
+        for (x, &m) in row.iter_mut().zip(mask) {
+            let scored = *x * scale + T::from_f64(m as f64);
+            *x = if m == f32::NEG_INFINITY {
+                T::NEG_INFINITY
+            } else {
+                scored
+            };
         }
+        let max = row_max(row);
+        for x in row.iter_mut() {
+            let e = (*x - max).exp();
+            *x = if *x == T::NEG_INFINITY { T::ZERO } else { e };
+        }
+        let inv = T::from_f64(1.0 / lane_sum(row, |x| x));
+        row.iter_mut().for_each(|x| *x = *x * inv);
+    }
+
+    /// The query blocks of job `j`: per group, runs of [`QUERY_BLOCK`] positions, each with
+    /// the number of keys its rows can see (one past the last visible key of any of them;
+    /// all `T` keys where none is visible, which keeps a fully masked row's arithmetic).
+    fn blocks(&self, j: usize, d: Dims) -> Vec<QueryBlock> {
+        let seq = j / d.kv;
+        let groups = d.rows / d.t;
+        let mut out = Vec::with_capacity(groups * d.t.div_ceil(QUERY_BLOCK));
+        for i0 in (0..d.t).step_by(QUERY_BLOCK) {
+            let i1 = (i0 + QUERY_BLOCK).min(d.t);
+            let keys = (i0..i1)
+                .map(|i| {
+                    let mask = &self.mask[(seq * d.t + i) * d.t..(seq * d.t + i + 1) * d.t];
+                    mask.iter()
+                        .rposition(|&m| m != f32::NEG_INFINITY)
+                        .map_or(0, |last| last + 1)
+                })
+                .max()
+                .filter(|&k| k > 0)
+                .unwrap_or(d.t);
+            for g in 0..groups {
+                out.push(QueryBlock {
+                    row: g * d.t + i0,
+                    pos: i0,
+                    rows: i1 - i0,
+                    keys,
+                });
+            }
+        }
+        out
     }
 
     fn fwd_typed<T: Float + WithDType>(
@@ -122,10 +150,14 @@ impl MaskedAttention {
             .zip(out.par_chunks_mut(d.rows * d.dv))
             .enumerate()
             .for_each(|(j, (p, o))| {
-                self.job_probs(q, k, j, d, p);
                 let vj = &v[j * d.t * d.dv..(j + 1) * d.t * d.dv];
-                let (a, b) = (MatRef::row_major(p, d.t), MatRef::row_major(vj, d.dv));
-                matmul(d.rows, d.dv, d.t, o, a, b, 1);
+                for blk in self.blocks(j, d) {
+                    self.block_probs(q, k, j, d, blk, p);
+                    let a = MatRef::row_major(&p[blk.row * d.t..], d.t);
+                    let b = MatRef::row_major(vj, d.dv);
+                    let dst = &mut o[blk.row * d.dv..];
+                    matmul_block(blk.rows, d.dv, blk.keys, dst, d.dv, false, a, b);
+                }
             });
         *self.probs_cache()? = Some(wrap(probs));
         Ok(wrap(out))
@@ -137,35 +169,61 @@ impl MaskedAttention {
             .map_err(|_| candle_core::Error::Msg("attention: probability cache poisoned".into()))
     }
 
-    /// `(dq, dk, dv)` for one job from its probabilities and the output gradient.
+    /// `(dq, dk, dv)` for job `j` from its probabilities and the output gradient, query
+    /// block by query block over the keys each block sees (`dk`, `dv` zero on entry, summed
+    /// over the blocks).
     #[allow(clippy::too_many_arguments)]
     fn backward_job<T: Float>(
         &self,
+        j: usize,
         (q, k, v): (&[T], &[T], &[T]),
         p: &[T],
         go: &[T],
         (dq, dk, dv): (&mut [T], &mut [T], &mut [T]),
         d: Dims,
     ) {
-        // dV = Pᵀ dO
-        let (a, b) = (MatRef::transposed(p, d.t), MatRef::row_major(go, d.dv));
-        matmul(d.t, d.dv, d.rows, dv, a, b, 1);
-        // dP = dO Vᵀ, then dS = P ⊙ (dP − rowsum(P ⊙ dP)) · scale, in place.
-        let mut ds = vec![T::ZERO; d.rows * d.t];
-        let (a, b) = (MatRef::row_major(go, d.dv), MatRef::transposed(v, d.dv));
-        matmul(d.rows, d.t, d.dv, &mut ds, a, b, 1);
         let scale = T::from_f64(self.scale);
-        for (dsr, pr) in ds.chunks_exact_mut(d.t).zip(p.chunks_exact(d.t)) {
-            let delta = T::from_f64(lane_dot(dsr, pr));
-            for (g, &pv) in dsr.iter_mut().zip(pr) {
-                *g = pv * (*g - delta) * scale;
+        let mut ds = Vec::new();
+        for blk in self.blocks(j, d) {
+            let (n, keys) = (blk.rows, blk.keys);
+            let pb = &p[blk.row * d.t..];
+            let gb = &go[blk.row * d.dv..(blk.row + n) * d.dv];
+            // dV += Pᵀ dO
+            let a = MatRef {
+                data: pb,
+                row_stride: 1,
+                col_stride: d.t,
+            };
+            matmul_block(
+                keys,
+                d.dv,
+                n,
+                dv,
+                d.dv,
+                true,
+                a,
+                MatRef::row_major(gb, d.dv),
+            );
+            // dP = dO Vᵀ, then dS = P ⊙ (dP − rowsum(P ⊙ dP)) · scale, in place.
+            ds.clear();
+            ds.resize(n * keys, T::ZERO);
+            let (a, b) = (MatRef::row_major(gb, d.dv), MatRef::transposed(v, d.dv));
+            matmul_block(n, keys, d.dv, &mut ds, keys, false, a, b);
+            for (r, dsr) in ds.chunks_exact_mut(keys).enumerate() {
+                let pr = &pb[r * d.t..r * d.t + keys];
+                let delta = T::from_f64(lane_dot(dsr, pr));
+                for (g, &pv) in dsr.iter_mut().zip(pr) {
+                    *g = pv * (*g - delta) * scale;
+                }
             }
+            // dQ = dS K, dK += dSᵀ Q
+            let (a, b) = (MatRef::row_major(&ds, keys), MatRef::row_major(k, d.dq));
+            let dqb = &mut dq[blk.row * d.dq..];
+            matmul_block(n, d.dq, keys, dqb, d.dq, false, a, b);
+            let qb = &q[blk.row * d.dq..(blk.row + n) * d.dq];
+            let (a, b) = (MatRef::transposed(&ds, keys), MatRef::row_major(qb, d.dq));
+            matmul_block(keys, d.dq, n, dk, d.dq, true, a, b);
         }
-        // dQ = dS K, dK = dSᵀ Q
-        let (a, b) = (MatRef::row_major(&ds, d.t), MatRef::row_major(k, d.dq));
-        matmul(d.rows, d.dq, d.t, dq, a, b, 1);
-        let (a, b) = (MatRef::transposed(&ds, d.t), MatRef::row_major(q, d.dq));
-        matmul(d.t, d.dq, d.rows, dk, a, b, 1);
     }
 
     fn bwd_typed<T: Float + WithDType>(
@@ -199,7 +257,7 @@ impl MaskedAttention {
                                 let vj = &vv[j * d.t * d.dv..(j + 1) * d.t * d.dv];
                                 let pj = &probs[j * d.rows * d.t..(j + 1) * d.rows * d.t];
                                 let gj = &gv[j * d.rows * d.dv..(j + 1) * d.rows * d.dv];
-                                self.backward_job((qj, kj, vj), pj, gj, (dqj, dkj, dvj), d);
+                                self.backward_job(j, (qj, kj, vj), pj, gj, (dqj, dkj, dvj), d);
                             });
                         Ok(())
                     })
@@ -220,18 +278,55 @@ impl MaskedAttention {
         probs
             .par_chunks_mut(d.rows * d.t)
             .enumerate()
-            .for_each(|(j, p)| self.job_probs(q, k, j, d, p));
+            .for_each(|(j, p)| {
+                for blk in self.blocks(j, d) {
+                    self.block_probs(q, k, j, d, blk, p);
+                }
+            });
         probs
     }
 
-    /// Job `j`'s probabilities `softmax(q kᵀ · scale + mask)` into `p` (`[G·T, T]`).
-    fn job_probs<T: Float>(&self, q: &[T], k: &[T], j: usize, d: Dims, p: &mut [T]) {
-        let qj = &q[j * d.rows * d.dq..(j + 1) * d.rows * d.dq];
+    /// Block `blk` of job `j`'s probabilities `softmax(q kᵀ · scale + mask)` into its rows
+    /// of `p` (`[G·T, T]`, zero beyond the keys the block sees, which `p` holds already).
+    fn block_probs<T: Float>(
+        &self,
+        q: &[T],
+        k: &[T],
+        j: usize,
+        d: Dims,
+        blk: QueryBlock,
+        p: &mut [T],
+    ) {
+        let qb = &q[(j * d.rows + blk.row) * d.dq..(j * d.rows + blk.row + blk.rows) * d.dq];
         let kj = &k[j * d.t * d.dq..(j + 1) * d.t * d.dq];
-        let (a, b) = (MatRef::row_major(qj, d.dq), MatRef::transposed(kj, d.dq));
-        matmul(d.rows, d.t, d.dq, p, a, b, 1);
-        self.softmax_rows(p, j / d.kv, d);
+        let (a, b) = (MatRef::row_major(qb, d.dq), MatRef::transposed(kj, d.dq));
+        let pb = &mut p[blk.row * d.t..];
+        matmul_block(blk.rows, blk.keys, d.dq, pb, d.t, false, a, b);
+        let seq = j / d.kv;
+        for (r, row) in pb.chunks_mut(d.t).take(blk.rows).enumerate() {
+            let i = blk.pos + r;
+            let mask = &self.mask[(seq * d.t + i) * d.t..][..blk.keys];
+            self.softmax_row(&mut row[..blk.keys], mask);
+        }
     }
+}
+
+/// Query positions per block: a block computes scores only up to the last key any of its
+/// rows sees, so a causal mask costs about half the products of a full one (and padding
+/// rows, which see one key, almost none).
+const QUERY_BLOCK: usize = 64;
+
+/// One block of a job's query rows.
+#[derive(Debug, Clone, Copy)]
+struct QueryBlock {
+    /// First row in the job's `[G·T]` query rows.
+    row: usize,
+    /// Query position of that row.
+    pos: usize,
+    /// Rows in the block (consecutive positions).
+    rows: usize,
+    /// Keys the block's rows see: `0..keys`.
+    keys: usize,
 }
 
 impl CustomOp3 for MaskedAttention {
@@ -299,14 +394,24 @@ mod tests {
     use candle_core::{DType, Device, Var};
 
     /// Fused op against candle's composed ops: output and the gradients of q, k and v, with
-    /// right padding, grouped heads, a window, and query/key width ≠ value width.
+    /// right padding, grouped heads, a window, and query/key width ≠ value width; on one
+    /// query block and on three (the last partial, the second sequence's padding starting
+    /// inside the second), where each block sees its own number of keys.
     #[test]
     fn fused_attention_matches_composed_ops() {
+        check_against_composed(6, &[6, 4]);
+        check_against_composed(
+            2 * super::QUERY_BLOCK + 9,
+            &[2 * super::QUERY_BLOCK + 9, 90],
+        );
+    }
+
+    fn check_against_composed(t: usize, lengths: &[usize]) {
         let dev = Device::Cpu;
-        let (b, kv, groups, t, dq, dv) = (2, 2, 3, 6, 5, 4);
+        let (b, kv, groups, dq, dv) = (lengths.len(), 2, 3, 5, 4);
         for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 2e-5)] {
             for window in [None, Some(3)] {
-                let mask = AttentionMask::new(&[6, 4], t, window, &dev)
+                let mask = AttentionMask::new(lengths, t, window, &dev)
                     .and_then(|m| m.to_dtype(dtype))
                     .expect("mask");
                 let q = Var::from_tensor(&rand_tensor(&[b, kv, groups * t, dq], 1, dtype)).unwrap();

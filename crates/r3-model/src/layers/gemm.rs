@@ -117,6 +117,67 @@ pub fn matmul_unfilled<'d, T: Float>(
     }
 }
 
+/// `dst [m, n]` with rows `ld` apart `= a [m, k] · b [k, n]`, or `+= a · b` when
+/// `accumulate`: a block of a larger row-major matrix, written in place (one thread).
+///
+/// Panics if a view is too short for its shape or `ld < n` (a bug here, as for [`matmul`]).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_block<T: Float>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [T],
+    ld: usize,
+    accumulate: bool,
+    a: MatRef<'_, T>,
+    b: MatRef<'_, T>,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(
+        ld >= n && dst.len() >= (m - 1) * ld + n,
+        "gemm: destination block {m}x{n} (rows {ld} apart) does not fit {} elements",
+        dst.len()
+    );
+    assert!(a.fits(m, k), "gemm: left operand shorter than {m}x{k}");
+    assert!(b.fits(k, n), "gemm: right operand shorter than {k}x{n}");
+    if k == 0 {
+        if !accumulate {
+            dst.chunks_mut(ld)
+                .take(m)
+                .for_each(|r| r[..n].fill(T::ZERO));
+        }
+        return;
+    }
+    // SAFETY: the asserts above bound every element the strides address inside its slice;
+    // `dst` is a distinct, mutable, initialised buffer holding the `[m, n]` block with rows
+    // `ld` apart, read only when accumulating.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            ld as isize,
+            accumulate,
+            a.data.as_ptr(),
+            a.col_stride as isize,
+            a.row_stride as isize,
+            b.data.as_ptr(),
+            b.col_stride as isize,
+            b.row_stride as isize,
+            T::ONE,
+            T::ONE,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+}
+
 /// Zero-fills `buf` and returns it initialised.
 pub fn fill_zero<T: Float>(buf: &mut [MaybeUninit<T>]) -> &mut [T] {
     buf.fill(MaybeUninit::new(T::ZERO));
@@ -147,4 +208,43 @@ pub unsafe fn assume_init_slice<T>(buf: &mut [MaybeUninit<T>]) -> &mut [T] {
 pub unsafe fn assume_init_vec<T>(buf: Vec<MaybeUninit<T>>) -> Vec<T> {
     let mut buf = std::mem::ManuallyDrop::new(buf);
     Vec::from_raw_parts(buf.as_mut_ptr().cast::<T>(), buf.len(), buf.capacity())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A block product inside a wider matrix equals the naive sum, written or accumulated,
+    /// and leaves the elements outside the block alone.
+    #[test]
+    fn block_product_equals_the_naive_sum() {
+        let (m, n, k, ld) = (3, 4, 5, 7);
+        let a: Vec<f64> = (0..m * k).map(|i| (i as f64 * 0.37).sin()).collect();
+        // b stored transposed ([n, k] row-major) to exercise column strides.
+        let bt: Vec<f64> = (0..n * k).map(|i| (i as f64 * 1.3).cos()).collect();
+        let want = |i: usize, j: usize| (0..k).map(|c| a[i * k + c] * bt[j * k + c]).sum::<f64>();
+        let mut dst = vec![2.0f64; (m - 1) * ld + n + 2];
+        let (av, bv) = (MatRef::row_major(&a, k), MatRef::transposed(&bt, k));
+        matmul_block(m, n, k, &mut dst, ld, false, av, bv);
+        for i in 0..m {
+            for j in 0..ld {
+                let got = dst.get(i * ld + j).copied();
+                match j < n {
+                    true => assert!((got.unwrap_or(f64::NAN) - want(i, j)).abs() < 1e-12),
+                    false => assert!(got.is_none_or(|v| v == 2.0), "({i}, {j}) touched"),
+                }
+            }
+        }
+        matmul_block(m, n, k, &mut dst, ld, true, av, bv);
+        for i in 0..m {
+            for j in 0..n {
+                assert!((dst[i * ld + j] - 2.0 * want(i, j)).abs() < 1e-12);
+            }
+        }
+        // An empty inner dimension writes zeros, or leaves an accumulated block alone.
+        matmul_block(m, n, 0, &mut dst, ld, true, av, bv);
+        assert!((dst[0] - 2.0 * want(0, 0)).abs() < 1e-12);
+        matmul_block(m, n, 0, &mut dst, ld, false, av, bv);
+        assert_eq!(dst[ld + 1], 0.0);
+    }
 }
