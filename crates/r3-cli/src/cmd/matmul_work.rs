@@ -16,14 +16,7 @@ use r3_model::Config;
 /// positions: q, k, v and o projections, then scores and weighted values; `None` for MLA
 /// attention (not counted).
 pub fn attention_macs(cfg: &Config, context: usize) -> Option<f64> {
-    let AttentionConfig::Gqa {
-        num_kv_heads,
-        head_dim,
-        ..
-    } = cfg.attention
-    else {
-        return None;
-    };
+    let (num_kv_heads, head_dim) = gqa_heads(cfg)?;
     let h = cfg.hidden_size as f64;
     let q = (cfg.num_attention_heads * head_dim) as f64;
     let kv = (num_kv_heads * head_dim) as f64;
@@ -131,16 +124,21 @@ pub fn layer_weights_read(cfg: &Config, layer: usize, tokens: usize) -> Option<f
     Some(projections + ffn)
 }
 
+/// Key/value heads and head width of GQA attention; `None` for MLA (not counted).
+fn gqa_heads(cfg: &Config) -> Option<(usize, usize)> {
+    match cfg.attention {
+        AttentionConfig::Gqa {
+            num_kv_heads,
+            head_dim,
+            ..
+        } => Some((num_kv_heads, head_dim)),
+        _ => None,
+    }
+}
+
 /// Cached key and value elements of one position in one layer. `None` for MLA.
 fn kv_elements_per_position(cfg: &Config) -> Option<f64> {
-    let AttentionConfig::Gqa {
-        num_kv_heads,
-        head_dim,
-        ..
-    } = cfg.attention
-    else {
-        return None;
-    };
+    let (num_kv_heads, head_dim) = gqa_heads(cfg)?;
     Some(2.0 * (num_kv_heads * head_dim) as f64)
 }
 

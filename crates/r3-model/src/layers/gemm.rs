@@ -92,29 +92,55 @@ pub fn matmul_unfilled<'d, T: Float>(
     // and `dst` is a distinct, mutable, row-major `[m, n]` buffer that the product only
     // writes (`read_dst` false), every element of it.
     unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
+        raw_gemm(
+            (m, n, k),
             dst.as_mut_ptr().cast::<T>(),
-            1,
-            n as isize,
+            n,
             false,
-            a.data.as_ptr(),
-            a.col_stride as isize,
-            a.row_stride as isize,
-            b.data.as_ptr(),
-            b.col_stride as isize,
-            b.row_stride as isize,
-            T::ZERO,
-            T::ONE,
-            false,
-            false,
-            false,
+            a,
+            b,
             parallelism,
         );
         assume_init_slice(dst)
     }
+}
+
+/// `dst = a · b` (or `dst += a · b` when `read_dst`) through the `gemm` crate, `dst` rows
+/// `ld` apart.
+///
+/// # Safety
+/// Every element the shapes and strides address lies inside `dst`, `a` and `b`; `dst` is
+/// valid for writes (and initialised where `read_dst`) and overlaps neither operand.
+unsafe fn raw_gemm<T: Float>(
+    (m, n, k): (usize, usize, usize),
+    dst: *mut T,
+    ld: usize,
+    read_dst: bool,
+    a: MatRef<'_, T>,
+    b: MatRef<'_, T>,
+    parallelism: gemm::Parallelism,
+) {
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        1,
+        ld as isize,
+        read_dst,
+        a.data.as_ptr(),
+        a.col_stride as isize,
+        a.row_stride as isize,
+        b.data.as_ptr(),
+        b.col_stride as isize,
+        b.row_stride as isize,
+        if read_dst { T::ONE } else { T::ZERO },
+        T::ONE,
+        false,
+        false,
+        false,
+        parallelism,
+    );
 }
 
 /// `dst [m, n]` with rows `ld` apart `= a [m, k] · b [k, n]`, or `+= a · b` when
@@ -154,25 +180,13 @@ pub fn matmul_block<T: Float>(
     // `dst` is a distinct, mutable, initialised buffer holding the `[m, n]` block with rows
     // `ld` apart, read only when accumulating.
     unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
+        raw_gemm(
+            (m, n, k),
             dst.as_mut_ptr(),
-            1,
-            ld as isize,
+            ld,
             accumulate,
-            a.data.as_ptr(),
-            a.col_stride as isize,
-            a.row_stride as isize,
-            b.data.as_ptr(),
-            b.col_stride as isize,
-            b.row_stride as isize,
-            T::ONE,
-            T::ONE,
-            false,
-            false,
-            false,
+            a,
+            b,
             gemm::Parallelism::None,
         );
     }
