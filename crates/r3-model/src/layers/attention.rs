@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, D};
 
-use super::attention_op::MaskedAttention;
+use super::attention_op::{visible_key_ends, MaskedAttention};
 use super::attention_recompute::attend_recomputed;
 use super::linear::Linear;
 use super::norm::RmsNorm;
@@ -21,6 +21,8 @@ pub struct AttentionMask {
     additive: Tensor,
     /// The same values on the host, `[B, T, T]`, for the fused CPU attention op.
     host: Arc<Vec<f32>>,
+    /// One past each query row's last visible key, `[B, T]` (the op's query blocks).
+    pub(crate) key_ends: Arc<Vec<usize>>,
 }
 
 impl AttentionMask {
@@ -52,6 +54,7 @@ impl AttentionMask {
         let additive = Tensor::from_slice(&data, (lengths.len(), 1, 1, seq_len, seq_len), device)?;
         Ok(AttentionMask {
             additive,
+            key_ends: Arc::new(visible_key_ends(&data, seq_len)),
             host: Arc::new(data),
         })
     }
@@ -66,6 +69,7 @@ impl AttentionMask {
         Ok(AttentionMask {
             additive: self.additive.to_dtype(dtype)?,
             host: self.host.clone(),
+            key_ends: self.key_ends.clone(),
         })
     }
 }
@@ -84,7 +88,7 @@ pub fn attend(
     groups: usize,
 ) -> Result<Tensor> {
     if q.device().is_cpu() && matches!(q.dtype(), DType::F32 | DType::F64) {
-        let op = MaskedAttention::new(mask.host.clone(), scale, groups);
+        let op = MaskedAttention::new(mask.host.clone(), mask.key_ends.clone(), scale, groups);
         return Ok(q
             .contiguous()?
             .apply_op3(&k.contiguous()?, &v.contiguous()?, op)?);

@@ -21,6 +21,9 @@ use crate::math::{lane_dot, lane_sum, row_max, Float};
 pub struct MaskedAttention {
     /// Additive mask `[B, T, T]` (0 or −∞), shared by every head.
     pub mask: Arc<Vec<f32>>,
+    /// Per query row of the mask (`[B, T]`), one past its last visible key
+    /// ([`visible_key_ends`]), shared by every layer of a batch.
+    pub key_ends: Arc<Vec<usize>>,
     /// Multiplier of `q·k`.
     pub scale: f64,
     /// Query heads per key/value head.
@@ -48,9 +51,10 @@ struct Dims {
 
 impl MaskedAttention {
     /// The op for one layer's call.
-    pub fn new(mask: Arc<Vec<f32>>, scale: f64, groups: usize) -> Self {
+    pub fn new(mask: Arc<Vec<f32>>, key_ends: Arc<Vec<usize>>, scale: f64, groups: usize) -> Self {
         MaskedAttention {
             mask,
+            key_ends,
             scale,
             groups,
             probs: Mutex::new(None),
@@ -64,11 +68,12 @@ impl MaskedAttention {
         if b2 != b || b3 != b || kv2 != kv || kv3 != kv || dq2 != dq || t3 != t {
             candle_core::bail!("attention: q {q:?}, k {k:?}, v {v:?} do not fit");
         }
-        if rows != self.groups * t || self.mask.len() != b * t * t {
+        if rows != self.groups * t || self.mask.len() != b * t * t || self.key_ends.len() != b * t {
             candle_core::bail!(
-                "attention: {rows} query rows, {} groups, {t} keys and a mask of {} values do not fit",
+                "attention: {rows} query rows, {} groups, {t} keys, a mask of {} values and {} key ends do not fit",
                 self.groups,
-                self.mask.len()
+                self.mask.len(),
+                self.key_ends.len()
             );
         }
         Ok(Dims {
@@ -115,13 +120,9 @@ impl MaskedAttention {
         let mut out = Vec::with_capacity(groups * d.t.div_ceil(QUERY_BLOCK));
         for i0 in (0..d.t).step_by(QUERY_BLOCK) {
             let i1 = (i0 + QUERY_BLOCK).min(d.t);
-            let keys = (i0..i1)
-                .map(|i| {
-                    let mask = &self.mask[(seq * d.t + i) * d.t..(seq * d.t + i + 1) * d.t];
-                    mask.iter()
-                        .rposition(|&m| m != f32::NEG_INFINITY)
-                        .map_or(0, |last| last + 1)
-                })
+            let keys = self.key_ends[seq * d.t + i0..seq * d.t + i1]
+                .iter()
+                .copied()
                 .max()
                 .filter(|&k| k > 0)
                 .unwrap_or(d.t);
@@ -311,6 +312,18 @@ impl MaskedAttention {
     }
 }
 
+/// One past the last visible key of every query row of a `[B, T, T]` additive mask (0 for a
+/// row that sees none), `[B, T]`.
+pub fn visible_key_ends(mask: &[f32], t: usize) -> Vec<usize> {
+    mask.chunks_exact(t.max(1))
+        .map(|row| {
+            row.iter()
+                .rposition(|&m| m != f32::NEG_INFINITY)
+                .map_or(0, |last| last + 1)
+        })
+        .collect()
+}
+
 /// Query positions per block: a block computes scores only up to the last key any of its
 /// rows sees, so a causal mask costs about half the products of a full one (and padding
 /// rows, which see one key, almost none).
@@ -404,6 +417,17 @@ mod tests {
             2 * super::QUERY_BLOCK + 9,
             &[2 * super::QUERY_BLOCK + 9, 90],
         );
+    }
+
+    /// By hand: real query `i` sees keys up to `i`, a padding query key 0, a fully masked row
+    /// none.
+    #[test]
+    fn key_ends_follow_the_mask() {
+        let inf = f32::NEG_INFINITY;
+        let mask = [0.0, inf, inf, 0.0, 0.0, inf, inf, inf, inf];
+        assert_eq!(super::visible_key_ends(&mask, 3), vec![1, 2, 0]);
+        let causal = AttentionMask::new(&[3, 1], 3, None, &Device::Cpu).expect("mask");
+        assert_eq!(causal.key_ends.as_slice(), &[1, 2, 3, 1, 1, 1]);
     }
 
     fn check_against_composed(t: usize, lengths: &[usize]) {
