@@ -724,3 +724,44 @@ fn an_aborted_request_resumes_into_the_uninterrupted_one() {
         }
     }
 }
+
+/// The engine keeps its own copy of what it loads: a trainer's variables written in place
+/// after a sync (as its optimiser does) leave the engine's weights, and so its generation
+/// and log-probs, those of the version it loaded, until the next sync.
+#[test]
+fn weights_written_in_place_after_a_sync_do_not_reach_the_engine() {
+    let cfg = tiny_config("qwen3_moe");
+    let map = tiny_weights(&cfg, 5, DType::F32).into_map();
+    // Variables over the map's values, on the engine's device, as a trainer holds them.
+    let device = DEVICE.open().expect("device");
+    let vars: Vec<(String, candle_core::Var)> = map
+        .iter()
+        .map(|(name, t)| {
+            let t = t.to_device(&device).expect("to device");
+            (
+                name.clone(),
+                candle_core::Var::from_tensor(&t).expect("var"),
+            )
+        })
+        .collect();
+    let trainer_map: TensorMap = vars
+        .iter()
+        .map(|(name, v)| (name.clone(), v.as_tensor().detach()))
+        .collect();
+    let mut dev = DeviceEngine::new(cfg.clone(), &map, device_config()).expect("device");
+    dev.update_weights(&trainer_map).expect("sync");
+    let prompt = sequences(&[8], cfg.vocab_size, 2).remove(0);
+    let req = GenerateRequest::new(prompt, SamplingParams::greedy(6));
+    let before = dev.generate(vec![req.clone()]).expect("before").remove(0);
+    for (_, v) in &vars {
+        let scaled = (v.as_tensor() * 3.0).expect("scale");
+        v.set(&scaled).expect("write in place");
+    }
+    let after = dev.generate(vec![req.clone()]).expect("after").remove(0);
+    assert_eq!(after.output_ids, before.output_ids);
+    assert_eq!(after.output_logprobs, before.output_logprobs);
+    // The next sync takes the new values.
+    dev.update_weights(&trainer_map).expect("sync");
+    let synced = dev.generate(vec![req]).expect("synced").remove(0);
+    assert_ne!(synced.output_logprobs, before.output_logprobs);
+}

@@ -79,11 +79,22 @@ pub fn check_holds(name: &str, tensor: &Tensor, precision: WeightPrecision) -> R
     if !tensor.dtype().is_float() {
         return Ok(());
     }
+    let max = precision.max_finite();
     let cpu = match tensor.device() {
         Device::Cpu => tensor.contiguous()?,
-        _ => tensor.to_device(&Device::Cpu)?.contiguous()?,
+        _ => {
+            // On a GPU the weights are checked where they are; only a tensor that may hold
+            // a bad value is copied to the host to name the first one.
+            let reducible = matches!(
+                tensor.dtype(),
+                DType::F16 | DType::BF16 | DType::F32 | DType::F64
+            );
+            if reducible && holds_on_device(tensor, max, DEVICE_CHUNK)? {
+                return Ok(());
+            }
+            tensor.to_device(&Device::Cpu)?.contiguous()?
+        }
     };
-    let max = precision.max_finite();
     let found = {
         let (storage, layout) = cpu.storage_and_layout();
         let (start, end) = layout.contiguous_offsets().ok_or_else(|| {
@@ -132,14 +143,46 @@ pub fn check_holds(name: &str, tensor: &Tensor, precision: WeightPrecision) -> R
     }
 }
 
+/// Elements per reduction of [`holds_on_device`] (bounds its temporary to one chunk).
+const DEVICE_CHUNK: usize = 1 << 24;
+
+/// Whether every element of the float tensor `tensor` is finite and of magnitude at most
+/// `max`, decided on the tensor's own device in chunks of `chunk` elements: per chunk the
+/// largest magnitude (exact in any dtype, compared on the host in f64) and the sum (NaN and
+/// ±inf propagate through any summation order, where a maximum may skip NaN), two scalars to
+/// the host. `false` means some element may be outside: a sum that overflows is a false
+/// alarm (the caller's host scan then finds nothing), never a missed value.
+fn holds_on_device(tensor: &Tensor, max: f64, chunk: usize) -> Result<bool> {
+    let flat = tensor.flatten_all()?;
+    let n = flat.dim(0)?;
+    let mut start = 0;
+    while start < n {
+        let part = flat.narrow(0, start, chunk.max(1).min(n - start))?;
+        let scalar = |t: Tensor| -> Result<f64> { Ok(t.to_dtype(DType::F64)?.to_scalar::<f64>()?) };
+        let max_abs = scalar(part.abs()?.max_all()?)?;
+        let sum = scalar(part.sum_all()?)?;
+        if !(max_abs <= max && sum.is_finite()) {
+            return Ok(false);
+        }
+        start += part.dim(0)?;
+    }
+    Ok(true)
+}
+
 /// [`check_holds`] over every tensor of a name → tensor map, in the map's order: the first
-/// tensor `precision` cannot hold is the error. Tensors are scanned on the rayon pool (a
+/// tensor `precision` cannot hold is the error. CPU tensors are scanned on the rayon pool (a
 /// weight sync checks every parameter); the reported error is still the first in order.
+/// Tensors on a GPU are checked one after another on their device.
 pub fn check_map_holds<'a>(
     tensors: impl IntoIterator<Item = (&'a String, &'a Tensor)>,
     precision: WeightPrecision,
 ) -> Result<()> {
     let tensors: Vec<(&String, &Tensor)> = tensors.into_iter().collect();
+    if !tensors.iter().all(|(_, t)| t.device().is_cpu()) {
+        return tensors
+            .iter()
+            .try_for_each(|(name, t)| check_holds(name, t, precision));
+    }
     tensors
         .par_iter()
         .map(|(name, t)| check_holds(name, t, precision))
@@ -151,6 +194,46 @@ pub fn check_map_holds<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The device-side filter agrees with the host scan on the CPU: clean tensors pass (in
+    /// chunks that split them), NaN, ±inf and values past the precision's range do not,
+    /// including a bf16 value the f16 limit would round to when compared in bf16.
+    #[test]
+    fn the_device_filter_never_passes_a_value_the_host_scan_refuses() {
+        let dev = Device::Cpu;
+        let f16_max = WeightPrecision::F16.max_finite();
+        let clean = Tensor::from_vec(vec![1.0f32, -65504.0, 3.5, 0.0, 7.0], 5, &dev).unwrap();
+        for chunk in [1, 2, 5, 64] {
+            assert!(
+                holds_on_device(&clean, f16_max, chunk).unwrap(),
+                "chunk {chunk}"
+            );
+        }
+        for bad in [
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            65520.0,
+            -70000.0,
+        ] {
+            let t = Tensor::from_vec(vec![1.0f32, 2.0, bad, 4.0], (2, 2), &dev).unwrap();
+            for chunk in [1, 3, 64] {
+                assert!(
+                    !holds_on_device(&t, f16_max, chunk).unwrap(),
+                    "{bad} chunk {chunk}"
+                );
+            }
+            assert!(check_holds("t", &t, WeightPrecision::F16).is_err());
+        }
+        // 65536 is a bf16 value; the f16 limit 65504 rounds to it in bf16.
+        let bf = Tensor::from_vec(vec![1.0f32, 65536.0], 2, &dev)
+            .and_then(|t| t.to_dtype(DType::BF16))
+            .unwrap();
+        assert!(!holds_on_device(&bf, f16_max, 64).unwrap());
+        assert!(holds_on_device(&bf, WeightPrecision::F32.max_finite(), 64).unwrap());
+        let wide = Tensor::from_vec(vec![1e300f64, -2.0], 2, &dev).unwrap();
+        assert!(!holds_on_device(&wide, WeightPrecision::F32.max_finite(), 64).unwrap());
+    }
 
     #[test]
     fn the_first_bad_element_is_found_across_chunks_by_the_f32_bit_scan() {

@@ -1003,7 +1003,18 @@ fn build_model(
 ) -> Result<Model, RolloutError> {
     let on_device = tensors
         .iter()
-        .map(|(name, t)| Ok((name.clone(), t.to_dtype(DType::F32)?.to_device(device)?)))
+        .map(|(name, t)| {
+            let t = t.to_dtype(DType::F32)?;
+            // A tensor already on the engine's device may be the trainer's own storage (its
+            // optimiser writes variables in place): the engine keeps a copy, so its weights
+            // stay those of the version it loaded. The copy stays on the device.
+            let t = if t.device().same_device(device) {
+                t.copy()?
+            } else {
+                t.to_device(device)?
+            };
+            Ok((name.clone(), t))
+        })
         .collect::<Result<TensorMap, RolloutError>>()?;
     let precision = precision(cfg.dtype, cfg.router_dtype);
     let mut weights = Weights::from_map(on_device).fuse_experts(model_cfg)?;

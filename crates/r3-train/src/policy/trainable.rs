@@ -287,6 +287,14 @@ impl TrainablePolicy {
             .collect()
     }
 
+    /// Current values as the name→tensor map, left on the device the variables live on
+    /// (detached views, no copy): for the device rollout engine, which copies what it keeps
+    /// onto its own device, so a GPU policy's weights reach a GPU engine without crossing the
+    /// host.
+    pub fn device_tensor_map(&self) -> r3_rollout::TensorMap {
+        self.detached().into_map()
+    }
+
     /// Current value of the non-trainable buffer `name` (e.g. DeepSeek's
     /// `e_score_correction_bias`) as f32 values.
     pub fn buffer(&self, name: &str) -> Result<Vec<f32>> {

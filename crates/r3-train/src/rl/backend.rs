@@ -133,7 +133,7 @@ impl Backend {
                 engine.update_weights(&policy.tensor_map()?)?;
             }
             Backend::Device(engine) => {
-                engine.update_weights(&policy.tensor_map()?)?;
+                engine.update_weights(&policy.device_tensor_map())?;
             }
             Backend::Fleet(fleet) => fleet.push(policy, tokenizer, version)?,
         }
