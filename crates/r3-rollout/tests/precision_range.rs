@@ -86,3 +86,22 @@ fn a_non_finite_forward_is_located_at_its_first_stage() {
         None
     );
 }
+
+/// A sync with a range proof: a proof for a precision as narrow as the engine's is taken
+/// (no scan), one for a wider precision is scanned and a value the engine cannot hold is
+/// refused as on every other way in, the engine keeping its weights.
+#[test]
+fn a_held_update_is_scanned_where_its_proof_is_wider_than_the_engine() {
+    let (cfg, original) = fixture_with(EMBED, Clone::clone);
+    let (_, scaled) = fixture_with(EMBED, |t| t.affine(1e6, 0.0).expect("scale"));
+    let mut engine = Engine::new(cfg, &original, engine_config(Dtype::F16)).expect("engine");
+    let v0 = engine.weight_version();
+    let proof = r3_model::HeldTensors::check(&scaled, r3_model::WeightPrecision::F32)
+        .expect("f32 holds it");
+    let e = engine.update_weights_held(proof).expect_err("refused");
+    assert!(e.to_string().contains(EMBED), "{e}");
+    assert_eq!(engine.weight_version(), v0);
+    let held = r3_model::HeldTensors::check(&original, r3_model::WeightPrecision::F16)
+        .expect("f16 holds the fixture");
+    assert_eq!(engine.update_weights_held(held).expect("taken"), v0 + 1);
+}

@@ -5,6 +5,8 @@
 //! CPU tensors) and splits it into fixed chunks over rayon; the first bad element is the
 //! lowest index, so the error does not depend on the thread count.
 
+use std::collections::BTreeMap;
+
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 use half::{bf16, f16};
 use rayon::prelude::*;
@@ -191,9 +193,79 @@ pub fn check_map_holds<'a>(
         .collect()
 }
 
+/// A name → tensor map every value of which a precision holds: made by
+/// [`HeldTensors::check`] (the range scan) or, where the maker keeps that invariant itself,
+/// [`HeldTensors::vouched`]. An engine loading it scans only what the proof does not cover.
+#[derive(Debug, Clone, Copy)]
+pub struct HeldTensors<'a> {
+    tensors: &'a BTreeMap<String, Tensor>,
+    precision: WeightPrecision,
+}
+
+impl<'a> HeldTensors<'a> {
+    /// Scans `tensors` ([`check_map_holds`]): an error names the first tensor `precision`
+    /// cannot hold.
+    pub fn check(
+        tensors: &'a BTreeMap<String, Tensor>,
+        precision: WeightPrecision,
+    ) -> Result<Self> {
+        check_map_holds(tensors, precision)?;
+        Ok(HeldTensors { tensors, precision })
+    }
+
+    /// Without a scan, on the caller's word that `precision` holds every value: for a maker
+    /// that keeps the invariant itself (the RL trainer checks its weights at start and its
+    /// guarded update refuses any step that would leave one outside). A value outside would
+    /// reach the engine unchecked.
+    pub fn vouched(tensors: &'a BTreeMap<String, Tensor>, precision: WeightPrecision) -> Self {
+        HeldTensors { tensors, precision }
+    }
+
+    /// The tensors.
+    pub fn tensors(&self) -> &'a BTreeMap<String, Tensor> {
+        self.tensors
+    }
+
+    /// Whether every value is known to fit `precision` (held for one at most as wide).
+    pub fn fit(&self, precision: WeightPrecision) -> bool {
+        self.precision.max_finite() <= precision.max_finite()
+    }
+
+    /// Checks that `precision` holds every value: nothing to do where the proof covers it,
+    /// else the scan.
+    pub fn ensure(&self, precision: WeightPrecision) -> Result<()> {
+        if self.fit(precision) {
+            return Ok(());
+        }
+        check_map_holds(self.tensors, precision)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A check-made proof covers its precision and narrower ones only; a wider precision is
+    /// scanned; a vouched map is taken at its word.
+    #[test]
+    fn a_held_map_is_scanned_only_where_its_proof_does_not_reach() {
+        let dev = Device::Cpu;
+        let big = Tensor::from_vec(vec![1.0f32, 70000.0], 2, &dev).unwrap();
+        let map: BTreeMap<String, Tensor> = [("w".to_string(), big)].into();
+        assert!(HeldTensors::check(&map, WeightPrecision::F16).is_err());
+        let held = HeldTensors::check(&map, WeightPrecision::F32).unwrap();
+        assert!(held.ensure(WeightPrecision::F32).is_ok());
+        assert!(
+            held.ensure(WeightPrecision::F16).is_err(),
+            "f16 is narrower: scanned"
+        );
+        let vouched = HeldTensors::vouched(&map, WeightPrecision::F16);
+        assert!(vouched.fit(WeightPrecision::Bf16) && vouched.fit(WeightPrecision::F16));
+        assert!(
+            vouched.ensure(WeightPrecision::F16).is_ok(),
+            "taken at its word"
+        );
+    }
 
     /// The device-side filter agrees with the host scan on the CPU: clean tensors pass (in
     /// chunks that split them), NaN, ±inf and values past the precision's range do not,

@@ -10,7 +10,7 @@ mod header;
 mod io;
 pub(crate) mod precision;
 
-pub use finite::{check_finite, check_holds, check_map_holds};
+pub use finite::{check_finite, check_holds, check_map_holds, HeldTensors};
 pub use precision::WeightPrecision;
 
 use std::collections::BTreeMap;

@@ -45,7 +45,9 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device};
 use r3_model::model::decode::{KvCache, RowKv, Step};
-use r3_model::{check_map_holds, Config, DeviceSpec, LoadOptions, Model, Precision, Weights};
+use r3_model::{
+    check_map_holds, Config, DeviceSpec, HeldTensors, LoadOptions, Model, Precision, Weights,
+};
 use r3_routing::MergePolicy;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -866,8 +868,16 @@ impl DeviceEngine {
     /// version that produced them). A tensor the precision cannot hold is refused and the
     /// old weights are kept.
     pub fn update_weights(&mut self, tensors: &TensorMap) -> Result<u64, RolloutError> {
-        check_map_holds(tensors, self.cfg.dtype.weight_precision())?;
-        self.swap_in(tensors)
+        let held = HeldTensors::check(tensors, self.cfg.dtype.weight_precision())?;
+        self.update_weights_held(held)
+    }
+
+    /// [`DeviceEngine::update_weights`] from tensors whose range is already known
+    /// ([`HeldTensors`]): scanned only where that proof does not cover this engine's
+    /// precision.
+    pub fn update_weights_held(&mut self, held: HeldTensors<'_>) -> Result<u64, RolloutError> {
+        held.ensure(self.cfg.dtype.weight_precision())?;
+        self.swap_in(held.tensors())
     }
 
     /// [`DeviceEngine::update_weights`] from a safetensors directory.

@@ -11,7 +11,7 @@ mod step;
 use std::collections::{HashMap, VecDeque};
 use std::path::Path;
 
-use r3_model::{check_map_holds, Config, LoadOptions};
+use r3_model::{check_map_holds, Config, HeldTensors, LoadOptions};
 use r3_routing::{ExpertPlacement, MergePolicy};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -392,8 +392,17 @@ impl Engine {
     /// A tensor the engine's precision cannot hold is refused (naming it) and the old
     /// weights are kept.
     pub fn update_weights(&mut self, tensors: &TensorMap) -> Result<u64, RolloutError> {
-        check_map_holds(tensors, self.cfg.dtype.weight_precision())?;
-        self.model.load_weights(tensors)?;
+        let held = HeldTensors::check(tensors, self.cfg.dtype.weight_precision())?;
+        self.update_weights_held(held)
+    }
+
+    /// [`Engine::update_weights`] from tensors whose range is already known
+    /// ([`HeldTensors`]): scanned only where that proof does not cover this engine's
+    /// precision (a trainer whose guarded update keeps its weights in range vouches for
+    /// them, and the sync skips a pass over every weight).
+    pub fn update_weights_held(&mut self, held: HeldTensors<'_>) -> Result<u64, RolloutError> {
+        held.ensure(self.cfg.dtype.weight_precision())?;
+        self.model.load_weights(held.tensors())?;
         Ok(self.weights_swapped())
     }
 

@@ -201,6 +201,11 @@ impl AdamW {
         self.precision = precision;
     }
 
+    /// The precision every weight is kept within (see [`AdamW::set_weight_precision`]).
+    pub fn weight_precision(&self) -> WeightPrecision {
+        self.precision
+    }
+
     /// Chooses how tensors the fused pass can take are updated (results are bit-identical
     /// either way; [`AdamWKernel::Fused`] is the default).
     pub fn set_kernel(&mut self, kernel: AdamWKernel) {

@@ -5,6 +5,8 @@
 
 use std::time::Instant;
 
+use r3_model::{HeldTensors, WeightPrecision};
+
 use r3_rollout::{
     DeviceEngine, DeviceEngineConfig, Dtype, Engine, EngineConfig, GenerateRequest, GenerateResult,
     RolloutDevice, RolloutEngine, RouterDtype,
@@ -120,20 +122,25 @@ impl Backend {
     }
 
     /// Moves the backend to the policy's current weights, as weight version `version`
-    /// for a fleet; returns seconds taken.
+    /// for a fleet; returns seconds taken. `held` is the precision the trainer keeps every
+    /// weight within (checked at start, kept by the guarded update): an in-process engine
+    /// whose precision that covers loads them without scanning them again.
     pub fn sync(
         &mut self,
         policy: &TrainablePolicy,
         tokenizer: &ModelText,
         version: u64,
+        held: WeightPrecision,
     ) -> Result<f64> {
         let t = Instant::now();
         match self {
             Backend::Engine(engine) => {
-                engine.update_weights(&policy.tensor_map()?)?;
+                let map = policy.tensor_map()?;
+                engine.update_weights_held(HeldTensors::vouched(&map, held))?;
             }
             Backend::Device(engine) => {
-                engine.update_weights(&policy.device_tensor_map())?;
+                let map = policy.device_tensor_map();
+                engine.update_weights_held(HeldTensors::vouched(&map, held))?;
             }
             Backend::Fleet(fleet) => fleet.push(policy, tokenizer, version)?,
         }
@@ -211,7 +218,10 @@ mod tests {
         let mut backend = Backend::connect(&cfg, &policy, &tokenizer, 0).expect("connect");
         assert!(matches!(backend, Backend::Device(_)));
         assert!(backend.engine_mut().is_none() && backend.fleet().is_none());
-        backend.sync(&policy, &tokenizer, 1).expect("sync");
+        // The default f16 rollout: the trainer's weights as checked at start.
+        backend
+            .sync(&policy, &tokenizer, 1, WeightPrecision::F16)
+            .expect("sync");
         let Backend::Device(engine) = &backend else {
             unreachable!("checked above")
         };

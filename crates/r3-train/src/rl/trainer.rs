@@ -8,7 +8,7 @@
 use std::path::Path;
 use std::time::Instant;
 
-use r3_model::check_map_holds;
+use r3_model::{check_map_holds, WeightPrecision};
 use r3_rollout::{config_eos_ids, GenerateRequest};
 use r3_tasks::{DatasetPosition, Reward};
 
@@ -51,6 +51,8 @@ pub struct Trainer {
     pub reward: Reward,
     /// RL steps completed.
     pub step: u64,
+    /// The precision every weight was checked against at start (the rollout's).
+    start_precision: WeightPrecision,
 }
 
 impl Trainer {
@@ -131,6 +133,7 @@ impl Trainer {
             prompts,
             reward,
             step,
+            start_precision: rollout_precision,
         })
     }
 
@@ -231,7 +234,19 @@ impl Trainer {
         let update_peak_mib = lap_peak();
         let train_lp = data.batch.gather_responses(&updates.view.logp)?;
         let mismatch = logp_mismatch(&train_lp, &data.rollout_lp)?;
-        let sync_s = self.backend.sync(&self.policy, &self.tokenizer, step)?;
+        // Every weight was checked at start and every update is kept by the optimiser's
+        // guard, so the wider of those two precisions holds them all (the rollout's, unless
+        // the guard was changed) and the engine need not scan them again. This rests on the
+        // weights changing only through `step`'s update.
+        let guard = self.optimizer.weight_precision();
+        let held = if guard.max_finite() >= self.start_precision.max_finite() {
+            guard
+        } else {
+            self.start_precision
+        };
+        let sync_s = self
+            .backend
+            .sync(&self.policy, &self.tokenizer, step, held)?;
         let sync_peak_mib = lap_peak();
         self.step = step;
         let mut metrics = finish_metrics(step, &cfg, &data, &updates, mismatch.as_ref(), sync_s);
