@@ -34,28 +34,26 @@
 //! ones — what the first prefill of those positions recorded. Finished and aborted rows offer
 //! their fed positions; a weight update empties the cache. Not here yet: a paged cache.
 
+mod admission;
 pub mod batch;
 pub mod choice;
 pub mod memory;
 pub mod prefix;
+mod weights;
 
 use std::collections::VecDeque;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device};
-use r3_model::model::decode::{KvCache, RowKv, Step};
-use r3_model::{
-    check_map_holds, Config, DeviceSpec, HeldTensors, LoadOptions, Model, Precision, Weights,
-};
-use r3_routing::MergePolicy;
-use rand::SeedableRng;
+use r3_model::model::decode::{KvCache, Step};
+use r3_model::{check_map_holds, Config, DeviceSpec, LoadOptions, Model};
 use rand_chacha::ChaCha8Rng;
 
 use crate::dtype::{Dtype, RouterDtype};
+use crate::engine::config_eos_ids;
 use crate::engine::next_token::{sample_slots, NextTokenSlot};
 use crate::engine::sequence::{ResumeState, RouteGeometry};
-use crate::engine::{config_eos_ids, validate_request};
 use crate::error::RolloutError;
 use crate::kernels::ops::log_softmax_at;
 use crate::model::tensors::{load_dir_with, TensorMap};
@@ -65,8 +63,8 @@ use crate::request::{
 };
 use crate::sampler::top_logprobs;
 use batch::{capture_routes, decode_layout, gap_order, prefill_layout, Row};
-use memory::{mib, step_activation_bytes, StepShape};
 use prefix::DeviceBlock;
+use weights::{build_model, check_budgets_fit};
 
 /// Settings of the device engine.
 #[derive(Debug, Clone)]
@@ -134,16 +132,6 @@ fn step_failed(rows: &[Row], source: RolloutError) -> RolloutError {
 fn is_out_of_memory(e: &RolloutError) -> bool {
     let text = e.to_string().to_ascii_lowercase();
     text.contains("out_of_memory") || text.contains("out of memory")
-}
-
-/// r3-model's forward precision for an engine dtype.
-fn precision(dtype: Dtype, router: RouterDtype) -> Precision {
-    let router_f32 = router == RouterDtype::F32;
-    match dtype {
-        Dtype::F32 => Precision::F32,
-        Dtype::Bf16 => Precision::Bf16 { router_f32 },
-        Dtype::F16 => Precision::F16 { router_f32 },
-    }
 }
 
 /// A request waiting for admission.
@@ -327,119 +315,6 @@ impl DeviceEngine {
         self.model_cfg.num_hidden_layers * memory::layer_kv_floats(&self.model_cfg) * 4
     }
 
-    /// Validates and queues a request; it joins the running batch at the next `step` that
-    /// has room for it (count and KV budget).
-    pub fn submit(&mut self, req: GenerateRequest) -> Result<RequestId, RolloutError> {
-        self.validate(&req)?;
-        let rng = ChaCha8Rng::seed_from_u64(req.sampling.seed);
-        Ok(self.enqueue(req, rng, None))
-    }
-
-    /// Continues an aborted request (possibly under new weights), as the CPU engine's
-    /// [`crate::Engine::resume`] does: the prompt becomes the original prompt plus the
-    /// tokens generated so far, the remaining token budget and the sampler stream carry
-    /// over, and the final routes combine both calls by `policy`.
-    pub fn resume(
-        &mut self,
-        partial: PartialRollout,
-        policy: MergePolicy,
-    ) -> Result<RequestId, RolloutError> {
-        let req = ResumeState::continuation(&partial)?;
-        self.validate(&req)?;
-        let rng = partial.rng.clone();
-        let resume = ResumeState {
-            earlier: partial,
-            policy,
-        };
-        Ok(self.enqueue(req, rng, Some(resume)))
-    }
-
-    /// Refuses a request that is invalid for the model or alone exceeds the KV budget or
-    /// the activation budget.
-    fn validate(&self, req: &GenerateRequest) -> Result<(), RolloutError> {
-        validate_request(&self.model_cfg, req)?;
-        self.check_activations(req)?;
-        let need = (req.input_ids.len() + req.sampling.max_new_tokens) * self.slot_bytes();
-        if need > self.cfg.kv_cache_bytes {
-            return Err(RolloutError::InvalidRequest(format!(
-                "a request of {} prompt + {} new tokens needs {need} bytes of KV cache on {}, \
-                 the budget is {} bytes",
-                req.input_ids.len(),
-                req.sampling.max_new_tokens,
-                self.cfg.device,
-                self.cfg.kv_cache_bytes
-            )));
-        }
-        Ok(())
-    }
-
-    /// Refuses a request whose prefill (cold: no cached prefix is counted on, as the cache
-    /// may have evicted it by admission) or last decode step, run alone, needs more than the
-    /// activation budget.
-    fn check_activations(&self, req: &GenerateRequest) -> Result<(), RolloutError> {
-        let len = req.input_ids.len();
-        let new = req.sampling.max_new_tokens;
-        let logit_positions = if req.sampling.prompt_logprobs_from.is_some() {
-            len
-        } else {
-            1
-        };
-        let prefill = StepShape {
-            rows: 1,
-            time: len,
-            slots: len,
-            logit_positions,
-        };
-        let decode = StepShape {
-            rows: 1,
-            time: 1,
-            slots: len + new,
-            logit_positions: 1,
-        };
-        let (p, d) = (
-            step_activation_bytes(&self.model_cfg, prefill),
-            step_activation_bytes(&self.model_cfg, decode),
-        );
-        let need = p.max(d);
-        if need <= self.cfg.activation_bytes {
-            return Ok(());
-        }
-        let c = &self.model_cfg;
-        let step = if p >= d {
-            format!(
-                "its prefill: attention scores 3 × {} heads × {len} × {len}, logits 2 × {logit_positions} × {} vocabulary, f32",
-                c.num_attention_heads, c.vocab_size
-            )
-        } else {
-            format!("its last decode step over {} slots", len + new)
-        };
-        Err(RolloutError::ActivationsTooLarge(format!(
-            "a request of {len} prompt + {new} new tokens needs about {:.1} MiB of activations \
-             in one step on {} ({step}), the activation budget is {:.1} MiB",
-            mib(need),
-            self.cfg.device,
-            mib(self.cfg.activation_bytes)
-        )))
-    }
-
-    /// Queues a checked request under a new id.
-    fn enqueue(
-        &mut self,
-        request: GenerateRequest,
-        rng: ChaCha8Rng,
-        resume: Option<ResumeState>,
-    ) -> RequestId {
-        let id = self.next_id;
-        self.next_id += 1;
-        self.waiting.push_back(Waiting {
-            id,
-            request,
-            rng,
-            resume,
-        });
-        id
-    }
-
     /// Submits all requests and steps until they finish; results in input order.
     pub fn generate(
         &mut self,
@@ -595,155 +470,6 @@ impl DeviceEngine {
         }
     }
 
-    /// Takes waiting requests (in arrival order) into a new batch to prefill, while the
-    /// count and the KV budget allow them beside `running`, the batch they will join; each
-    /// starts with its cached prefix, if the prefix cache holds one.
-    ///
-    /// A padded batch holds as many slots per row as its furthest-reaching row, so the
-    /// budget is rows × the furthest slot any row can reach: a running row reaches its
-    /// padding, prompt and max new tokens (its padding grows if a longer prompt joins), a
-    /// newcomer the joined batch's slots and its max new tokens. The prefill itself holds
-    /// the longest cached prefix and the longest uncached tail side by side.
-    fn admit(&mut self, running: Option<&Running>) -> Result<Option<Running>, RolloutError> {
-        let slot_bytes = self.slot_bytes();
-        let (running_rows, running_slots, running_reach) = match running {
-            Some(r) => (
-                r.rows.len(),
-                r.cache.slots(),
-                r.rows.iter().map(Row::reach).max().unwrap_or(0),
-            ),
-            None => (0, 0, 0),
-        };
-        let (mut longest, mut new_tokens, mut most_cached, mut longest_tail) = (0, 0, 0, 0);
-        let mut asks_prompt_logprobs = false;
-        let mut rows: Vec<Row> = Vec::new();
-        let mut hits: Vec<Option<RowKv>> = Vec::new();
-        while running_rows + rows.len() < self.cfg.max_running {
-            let Some(next) = self.waiting.front() else {
-                break;
-            };
-            let len = next.request.input_ids.len();
-            let cached = self.peek_cached(next);
-            let l = longest.max(len);
-            let n = new_tokens.max(next.request.sampling.max_new_tokens);
-            let (c, t) = (most_cached.max(cached), longest_tail.max(len - cached));
-            let slots = running_slots.max(l).max(c + t);
-            let reach = (running_reach + (slots - running_slots)).max(slots + n);
-            let count = running_rows + rows.len() + 1;
-            // The prefill feeds the newcomers' tails over the prefixes, then the joined
-            // batch decodes over `reach` slots at most; the two steps run one after the
-            // other, so each alone has to fit the activation budget.
-            let logit_positions =
-                if asks_prompt_logprobs || next.request.sampling.prompt_logprobs_from.is_some() {
-                    t
-                } else {
-                    1
-                };
-            let prefill = StepShape {
-                rows: rows.len() + 1,
-                time: t,
-                slots: c + t,
-                logit_positions,
-            };
-            let decode = StepShape {
-                rows: count,
-                time: 1,
-                slots: reach,
-                logit_positions: 1,
-            };
-            let activations = step_activation_bytes(&self.model_cfg, prefill)
-                .max(step_activation_bytes(&self.model_cfg, decode));
-            // A request alone always fits (`submit` checked it).
-            if count > 1
-                && (count * reach * slot_bytes > self.cfg.kv_cache_bytes
-                    || activations > self.cfg.activation_bytes)
-            {
-                break;
-            }
-            let Some(w) = self.waiting.pop_front() else {
-                break;
-            };
-            (longest, new_tokens, most_cached, longest_tail) = (l, n, c, t);
-            asks_prompt_logprobs = logit_positions > 1;
-            let mut row = self.new_row(w);
-            hits.push(self.attach_prefix(&mut row)?);
-            rows.push(row);
-        }
-        if rows.is_empty() {
-            return Ok(None);
-        }
-        let cache = if hits.iter().any(Option::is_some) {
-            let prefixes: Vec<Option<&RowKv>> = hits.iter().map(Option::as_ref).collect();
-            self.model.kv_cache_from(&prefixes)?
-        } else {
-            self.model.kv_cache()
-        };
-        Ok(Some(Running {
-            rows,
-            cache,
-            prefilled: false,
-        }))
-    }
-
-    /// Prompt positions of a waiting request the prefix cache holds now (0 without a
-    /// cache; counts nothing, so admission can plan with it).
-    fn peek_cached(&self, w: &Waiting) -> usize {
-        let Some(cache) = &self.cache else {
-            return 0;
-        };
-        if self.geo.row() == 0 {
-            return 0;
-        }
-        let tokens = &w.request.input_ids;
-        let end = w
-            .resume
-            .as_ref()
-            .map_or(tokens.len(), |r| r.earlier.request.input_ids.len());
-        let n = prefix::servable(tokens.len(), &w.request.sampling, end);
-        cache.peek_prefix(&tokens[..n], self.version)
-    }
-
-    /// Starts `row` with its cached prefix, if any: its route rows copied from the cache,
-    /// its keys and values returned for the prefill batch's cache.
-    fn attach_prefix(&mut self, row: &mut Row) -> Result<Option<RowKv>, RolloutError> {
-        let Some(cache) = self.cache.as_mut() else {
-            return Ok(None);
-        };
-        if !row.capture {
-            return Ok(None);
-        }
-        let Some(hit) = prefix::lookup(cache, row, self.version)? else {
-            return Ok(None);
-        };
-        row.cached = hit.tokens;
-        row.routes = hit.routes;
-        row.route_versions = vec![self.version; hit.tokens];
-        Ok(Some(hit.kv))
-    }
-
-    /// A waiting request as a batch row (its pad set by the batch it is prefilled in).
-    fn new_row(&self, w: Waiting) -> Row {
-        Row {
-            id: w.id,
-            rng: w.rng,
-            tokens: w.request.input_ids.clone(),
-            prompt_len: w.request.input_ids.len(),
-            pad: 0,
-            cached: 0,
-            logprobs: Vec::new(),
-            top_logprobs: Vec::new(),
-            routes: Vec::new(),
-            route_versions: Vec::new(),
-            // The prefix cache keeps route rows beside the keys and values, so with it every
-            // row captures them.
-            capture: (w.request.return_routes || self.cache.is_some()) && self.geo.row() > 0,
-            prompt_logprobs: None,
-            finish: None,
-            request: w.request,
-            resume: w.resume,
-        }
-    }
-
     /// Takes the finished rows out of `batch` (and their rows out of its cache); returns
     /// them as results.
     fn retire(&mut self, batch: &mut Running) -> Result<Vec<GenerateResult>, RolloutError> {
@@ -863,45 +589,6 @@ impl DeviceEngine {
         }))
     }
 
-    /// Loads new weights (same config) from HF-named tensors, e.g. the trainer's; bumps the
-    /// weight version. A running batch continues under them (its route rows carry the
-    /// version that produced them). A tensor the precision cannot hold is refused and the
-    /// old weights are kept.
-    pub fn update_weights(&mut self, tensors: &TensorMap) -> Result<u64, RolloutError> {
-        let held = HeldTensors::check(tensors, self.cfg.dtype.weight_precision())?;
-        self.update_weights_held(held)
-    }
-
-    /// [`DeviceEngine::update_weights`] from tensors whose range is already known
-    /// ([`HeldTensors`]): scanned only where that proof does not cover this engine's
-    /// precision.
-    pub fn update_weights_held(&mut self, held: HeldTensors<'_>) -> Result<u64, RolloutError> {
-        held.ensure(self.cfg.dtype.weight_precision())?;
-        self.swap_in(held.tensors())
-    }
-
-    /// [`DeviceEngine::update_weights`] from a safetensors directory.
-    pub fn update_weights_from_dir(&mut self, dir: &Path) -> Result<u64, RolloutError> {
-        // The loader checks every value against the engine's precision, so the tensors are
-        // not scanned a second time.
-        let options = LoadOptions {
-            precision: self.cfg.dtype.weight_precision(),
-            ..LoadOptions::default()
-        };
-        let tensors = load_dir_with(dir, &self.model_cfg, &options)?;
-        self.swap_in(&tensors)
-    }
-
-    /// Builds the model from checked tensors, bumps the weight version and empties the
-    /// prefix cache (its keys, values and routes are the old weights'; the version in the
-    /// block hashes already keeps them from matching, this frees them).
-    fn swap_in(&mut self, tensors: &TensorMap) -> Result<u64, RolloutError> {
-        self.model = build_model(&self.model_cfg, tensors, &self.cfg, &self.device)?;
-        self.version += 1;
-        self.flush_prefix_cache();
-        Ok(self.version)
-    }
-
     /// Offers the fed positions of `row` (row `b` of `kv`) to the prefix cache, if on.
     fn offer(&mut self, row: &Row, kv: &KvCache, b: usize) -> Result<(), RolloutError> {
         match self.cache.as_mut() {
@@ -909,37 +596,6 @@ impl DeviceEngine {
             None => Ok(()),
         }
     }
-}
-
-/// Refuses budgets that the device cannot hold beside the loaded weights: on a GPU the KV
-/// cache, activation and prefix-cache budgets together must fit the memory its driver
-/// reports free once the model is on it, or admission's refusals would not keep a step from
-/// running out of memory. The CPU reports nothing (its memory is the operating system's).
-fn check_budgets_fit(cfg: &DeviceEngineConfig, device: &Device) -> Result<(), RolloutError> {
-    let Some((free, total)) = r3_model::device::device_memory(device)? else {
-        return Ok(());
-    };
-    let prefix = if cfg.prefix_cache {
-        cfg.prefix_cache_bytes
-    } else {
-        0
-    };
-    let budgets = cfg.kv_cache_bytes + cfg.activation_bytes + prefix;
-    if budgets <= free {
-        return Ok(());
-    }
-    Err(RolloutError::InvalidConfig(format!(
-        "the device engine's budgets (KV cache {:.0} MiB + activations {:.0} MiB + prefix cache \
-         {:.0} MiB = {:.0} MiB) exceed what {} has free with the model loaded ({:.0} MiB of \
-         {:.0} MiB): lower kv_cache_bytes, activation_bytes or prefix_cache_bytes",
-        mib(cfg.kv_cache_bytes),
-        mib(cfg.activation_bytes),
-        mib(prefix),
-        mib(budgets),
-        cfg.device,
-        mib(free),
-        mib(total)
-    )))
 }
 
 /// Joins the prefilled batch `joining` to `running` at a step boundary: whichever holds
@@ -999,40 +655,6 @@ fn prompt_logprobs(row: &Row, rows: &[Vec<f32>], first: usize) -> Option<PromptL
         }
     }
     Some(out)
-}
-
-/// r3-model's model on `device` from HF-named tensors: f32 copies on the device, experts
-/// fused, and in bf16 / f16 the weight matrices stored in that format
-/// (`Weights::narrow_matrices`: the values the forward rounds them to at every matmul, at
-/// half the memory and with no cast per step).
-fn build_model(
-    model_cfg: &Config,
-    tensors: &TensorMap,
-    cfg: &DeviceEngineConfig,
-    device: &Device,
-) -> Result<Model, RolloutError> {
-    let on_device = tensors
-        .iter()
-        .map(|(name, t)| {
-            let t = t.to_dtype(DType::F32)?;
-            // A tensor already on the engine's device may be the trainer's own storage (its
-            // optimiser writes variables in place): the engine keeps a copy, so its weights
-            // stay those of the version it loaded. The copy stays on the device.
-            let t = if t.device().same_device(device) {
-                t.copy()?
-            } else {
-                t.to_device(device)?
-            };
-            Ok((name.clone(), t))
-        })
-        .collect::<Result<TensorMap, RolloutError>>()?;
-    let precision = precision(cfg.dtype, cfg.router_dtype);
-    let mut weights = Weights::from_map(on_device).fuse_experts(model_cfg)?;
-    if let Some(narrow) = precision.narrow_dtype() {
-        let router_narrow = precision.router().narrow_dtype().is_some();
-        weights = weights.narrow_matrices(model_cfg, narrow, router_narrow)?;
-    }
-    Ok(Model::with_precision(model_cfg, &weights, precision)?)
 }
 
 #[cfg(test)]

@@ -1,0 +1,283 @@
+//! Admission: requests in (submit, resume), checked against the engine's limits (sizes, KV
+//! and activation budgets), queued, and taken into a prefill batch beside the running one
+//! when they fit, each starting with its cached prefix if the prefix cache holds one.
+
+use r3_model::model::decode::RowKv;
+use r3_routing::MergePolicy;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+use super::batch::Row;
+use super::memory::{mib, step_activation_bytes, StepShape};
+use super::{prefix, DeviceEngine, Running, Waiting};
+use crate::engine::sequence::ResumeState;
+use crate::engine::validate_request;
+use crate::error::RolloutError;
+use crate::request::{GenerateRequest, PartialRollout, RequestId};
+
+impl DeviceEngine {
+    /// Validates and queues a request; it joins the running batch at the next `step` that
+    /// has room for it (count and KV budget).
+    pub fn submit(&mut self, req: GenerateRequest) -> Result<RequestId, RolloutError> {
+        self.validate(&req)?;
+        let rng = ChaCha8Rng::seed_from_u64(req.sampling.seed);
+        Ok(self.enqueue(req, rng, None))
+    }
+
+    /// Continues an aborted request (possibly under new weights), as the CPU engine's
+    /// [`crate::Engine::resume`] does: the prompt becomes the original prompt plus the
+    /// tokens generated so far, the remaining token budget and the sampler stream carry
+    /// over, and the final routes combine both calls by `policy`.
+    pub fn resume(
+        &mut self,
+        partial: PartialRollout,
+        policy: MergePolicy,
+    ) -> Result<RequestId, RolloutError> {
+        let req = ResumeState::continuation(&partial)?;
+        self.validate(&req)?;
+        let rng = partial.rng.clone();
+        let resume = ResumeState {
+            earlier: partial,
+            policy,
+        };
+        Ok(self.enqueue(req, rng, Some(resume)))
+    }
+
+    /// Refuses a request that is invalid for the model or alone exceeds the KV budget or
+    /// the activation budget.
+    fn validate(&self, req: &GenerateRequest) -> Result<(), RolloutError> {
+        validate_request(&self.model_cfg, req)?;
+        self.check_activations(req)?;
+        let need = (req.input_ids.len() + req.sampling.max_new_tokens) * self.slot_bytes();
+        if need > self.cfg.kv_cache_bytes {
+            return Err(RolloutError::InvalidRequest(format!(
+                "a request of {} prompt + {} new tokens needs {need} bytes of KV cache on {}, \
+                 the budget is {} bytes",
+                req.input_ids.len(),
+                req.sampling.max_new_tokens,
+                self.cfg.device,
+                self.cfg.kv_cache_bytes
+            )));
+        }
+        Ok(())
+    }
+
+    /// Refuses a request whose prefill (cold: no cached prefix is counted on, as the cache
+    /// may have evicted it by admission) or last decode step, run alone, needs more than the
+    /// activation budget.
+    fn check_activations(&self, req: &GenerateRequest) -> Result<(), RolloutError> {
+        let len = req.input_ids.len();
+        let new = req.sampling.max_new_tokens;
+        let logit_positions = if req.sampling.prompt_logprobs_from.is_some() {
+            len
+        } else {
+            1
+        };
+        let prefill = StepShape {
+            rows: 1,
+            time: len,
+            slots: len,
+            logit_positions,
+        };
+        let decode = StepShape {
+            rows: 1,
+            time: 1,
+            slots: len + new,
+            logit_positions: 1,
+        };
+        let (p, d) = (
+            step_activation_bytes(&self.model_cfg, prefill),
+            step_activation_bytes(&self.model_cfg, decode),
+        );
+        let need = p.max(d);
+        if need <= self.cfg.activation_bytes {
+            return Ok(());
+        }
+        let c = &self.model_cfg;
+        let step = if p >= d {
+            format!(
+                "its prefill: attention scores 3 × {} heads × {len} × {len}, logits 2 × {logit_positions} × {} vocabulary, f32",
+                c.num_attention_heads, c.vocab_size
+            )
+        } else {
+            format!("its last decode step over {} slots", len + new)
+        };
+        Err(RolloutError::ActivationsTooLarge(format!(
+            "a request of {len} prompt + {new} new tokens needs about {:.1} MiB of activations \
+             in one step on {} ({step}), the activation budget is {:.1} MiB",
+            mib(need),
+            self.cfg.device,
+            mib(self.cfg.activation_bytes)
+        )))
+    }
+
+    /// Queues a checked request under a new id.
+    fn enqueue(
+        &mut self,
+        request: GenerateRequest,
+        rng: ChaCha8Rng,
+        resume: Option<ResumeState>,
+    ) -> RequestId {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.waiting.push_back(Waiting {
+            id,
+            request,
+            rng,
+            resume,
+        });
+        id
+    }
+
+    /// Takes waiting requests (in arrival order) into a new batch to prefill, while the
+    /// count and the KV budget allow them beside `running`, the batch they will join; each
+    /// starts with its cached prefix, if the prefix cache holds one.
+    ///
+    /// A padded batch holds as many slots per row as its furthest-reaching row, so the
+    /// budget is rows × the furthest slot any row can reach: a running row reaches its
+    /// padding, prompt and max new tokens (its padding grows if a longer prompt joins), a
+    /// newcomer the joined batch's slots and its max new tokens. The prefill itself holds
+    /// the longest cached prefix and the longest uncached tail side by side.
+    pub(super) fn admit(
+        &mut self,
+        running: Option<&Running>,
+    ) -> Result<Option<Running>, RolloutError> {
+        let slot_bytes = self.slot_bytes();
+        let (running_rows, running_slots, running_reach) = match running {
+            Some(r) => (
+                r.rows.len(),
+                r.cache.slots(),
+                r.rows.iter().map(Row::reach).max().unwrap_or(0),
+            ),
+            None => (0, 0, 0),
+        };
+        let (mut longest, mut new_tokens, mut most_cached, mut longest_tail) = (0, 0, 0, 0);
+        let mut asks_prompt_logprobs = false;
+        let mut rows: Vec<Row> = Vec::new();
+        let mut hits: Vec<Option<RowKv>> = Vec::new();
+        while running_rows + rows.len() < self.cfg.max_running {
+            let Some(next) = self.waiting.front() else {
+                break;
+            };
+            let len = next.request.input_ids.len();
+            let cached = self.peek_cached(next);
+            let l = longest.max(len);
+            let n = new_tokens.max(next.request.sampling.max_new_tokens);
+            let (c, t) = (most_cached.max(cached), longest_tail.max(len - cached));
+            let slots = running_slots.max(l).max(c + t);
+            let reach = (running_reach + (slots - running_slots)).max(slots + n);
+            let count = running_rows + rows.len() + 1;
+            // The prefill feeds the newcomers' tails over the prefixes, then the joined
+            // batch decodes over `reach` slots at most; the two steps run one after the
+            // other, so each alone has to fit the activation budget.
+            let logit_positions =
+                if asks_prompt_logprobs || next.request.sampling.prompt_logprobs_from.is_some() {
+                    t
+                } else {
+                    1
+                };
+            let prefill = StepShape {
+                rows: rows.len() + 1,
+                time: t,
+                slots: c + t,
+                logit_positions,
+            };
+            let decode = StepShape {
+                rows: count,
+                time: 1,
+                slots: reach,
+                logit_positions: 1,
+            };
+            let activations = step_activation_bytes(&self.model_cfg, prefill)
+                .max(step_activation_bytes(&self.model_cfg, decode));
+            // A request alone always fits (`submit` checked it).
+            if count > 1
+                && (count * reach * slot_bytes > self.cfg.kv_cache_bytes
+                    || activations > self.cfg.activation_bytes)
+            {
+                break;
+            }
+            let Some(w) = self.waiting.pop_front() else {
+                break;
+            };
+            (longest, new_tokens, most_cached, longest_tail) = (l, n, c, t);
+            asks_prompt_logprobs = logit_positions > 1;
+            let mut row = self.new_row(w);
+            hits.push(self.attach_prefix(&mut row)?);
+            rows.push(row);
+        }
+        if rows.is_empty() {
+            return Ok(None);
+        }
+        let cache = if hits.iter().any(Option::is_some) {
+            let prefixes: Vec<Option<&RowKv>> = hits.iter().map(Option::as_ref).collect();
+            self.model.kv_cache_from(&prefixes)?
+        } else {
+            self.model.kv_cache()
+        };
+        Ok(Some(Running {
+            rows,
+            cache,
+            prefilled: false,
+        }))
+    }
+
+    /// Prompt positions of a waiting request the prefix cache holds now (0 without a
+    /// cache; counts nothing, so admission can plan with it).
+    fn peek_cached(&self, w: &Waiting) -> usize {
+        let Some(cache) = &self.cache else {
+            return 0;
+        };
+        if self.geo.row() == 0 {
+            return 0;
+        }
+        let tokens = &w.request.input_ids;
+        let end = w
+            .resume
+            .as_ref()
+            .map_or(tokens.len(), |r| r.earlier.request.input_ids.len());
+        let n = prefix::servable(tokens.len(), &w.request.sampling, end);
+        cache.peek_prefix(&tokens[..n], self.version)
+    }
+
+    /// Starts `row` with its cached prefix, if any: its route rows copied from the cache,
+    /// its keys and values returned for the prefill batch's cache.
+    fn attach_prefix(&mut self, row: &mut Row) -> Result<Option<RowKv>, RolloutError> {
+        let Some(cache) = self.cache.as_mut() else {
+            return Ok(None);
+        };
+        if !row.capture {
+            return Ok(None);
+        }
+        let Some(hit) = prefix::lookup(cache, row, self.version)? else {
+            return Ok(None);
+        };
+        row.cached = hit.tokens;
+        row.routes = hit.routes;
+        row.route_versions = vec![self.version; hit.tokens];
+        Ok(Some(hit.kv))
+    }
+
+    /// A waiting request as a batch row (its pad set by the batch it is prefilled in).
+    fn new_row(&self, w: Waiting) -> Row {
+        Row {
+            id: w.id,
+            rng: w.rng,
+            tokens: w.request.input_ids.clone(),
+            prompt_len: w.request.input_ids.len(),
+            pad: 0,
+            cached: 0,
+            logprobs: Vec::new(),
+            top_logprobs: Vec::new(),
+            routes: Vec::new(),
+            route_versions: Vec::new(),
+            // The prefix cache keeps route rows beside the keys and values, so with it every
+            // row captures them.
+            capture: (w.request.return_routes || self.cache.is_some()) && self.geo.row() > 0,
+            prompt_logprobs: None,
+            finish: None,
+            request: w.request,
+            resume: w.resume,
+        }
+    }
+}
