@@ -33,13 +33,8 @@ impl DeviceEngine {
         partial: PartialRollout,
         policy: MergePolicy,
     ) -> Result<RequestId, RolloutError> {
-        let req = ResumeState::continuation(&partial)?;
+        let (req, rng, resume) = ResumeState::start(partial, policy)?;
         self.validate(&req)?;
-        let rng = partial.rng.clone();
-        let resume = ResumeState {
-            earlier: partial,
-            policy,
-        };
         Ok(self.enqueue(req, rng, Some(resume)))
     }
 

@@ -350,17 +350,9 @@ impl Engine {
         partial: PartialRollout,
         policy: MergePolicy,
     ) -> Result<RequestId, RolloutError> {
-        let req = ResumeState::continuation(&partial)?;
+        let (req, rng, resume) = ResumeState::start(partial, policy)?;
         self.validate(&req)?;
-        let rng = partial.rng.clone();
-        Ok(self.enqueue(
-            req,
-            rng,
-            Some(ResumeState {
-                earlier: partial,
-                policy,
-            }),
-        ))
+        Ok(self.enqueue(req, rng, Some(resume)))
     }
 
     /// Submits all requests and steps until they finish; results in input order.

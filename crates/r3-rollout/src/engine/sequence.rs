@@ -39,6 +39,21 @@ impl ResumeState {
         Ok(req)
     }
 
+    /// How both engines start a resume: the continuation request, the sampler stream that
+    /// carries over, and the state that completes the result under `policy`.
+    pub fn start(
+        partial: PartialRollout,
+        policy: MergePolicy,
+    ) -> Result<(GenerateRequest, ChaCha8Rng, ResumeState), RolloutError> {
+        let req = Self::continuation(&partial)?;
+        let rng = partial.rng.clone();
+        let state = ResumeState {
+            earlier: partial,
+            policy,
+        };
+        Ok((req, rng, state))
+    }
+
     /// Completes the resumed call's `result` into the whole request's: the original prompt
     /// length, the aborted call's tokens, log-probs and alternatives in front of this call's,
     /// and the two calls' routes combined by the policy.
