@@ -218,7 +218,9 @@ mod tests {
         let mut backend = Backend::connect(&cfg, &policy, &tokenizer, 0).expect("connect");
         assert!(matches!(backend, Backend::Device(_)));
         assert!(backend.engine_mut().is_none() && backend.fleet().is_none());
-        // The default f16 rollout: the trainer's weights as checked at start.
+        // The default f16 rollout: the weights checked as the trainer checks them at start.
+        r3_model::check_map_holds(&policy.tensor_map().expect("map"), WeightPrecision::F16)
+            .expect("f16 holds the model");
         backend
             .sync(&policy, &tokenizer, 1, WeightPrecision::F16)
             .expect("sync");
