@@ -69,10 +69,7 @@ pub fn generation_flops(
     prompt: usize,
     new_tokens: usize,
 ) -> Option<f64> {
-    let mut total = 0.0;
-    for t in 0..prompt {
-        total += flops_per_token(cfg, t + 1, t + 1 == prompt)?;
-    }
+    let mut total = prefill_flops(cfg, prompt)?;
     for step in 1..new_tokens {
         total += flops_per_token(cfg, prompt + step, true)?;
     }
@@ -165,14 +162,10 @@ pub fn generation_roofline(
         }
         Some(w * bytes.weight)
     };
-    let mut prefill_flops = 0.0;
-    for t in 0..prompt {
-        prefill_flops += flops_per_token(cfg, t + 1, t + 1 == prompt)?;
-    }
     // Keys and values written once and read by the later prompt positions (from cache).
     let prefill_kv = (batch * prompt) as f64 * kv_per_position * bytes.kv * 2.0;
     let mut total = limits.step_seconds(
-        prefill_flops * batch as f64,
+        prefill_flops(cfg, prompt)? * batch as f64,
         weights(batch * prompt)? + prefill_kv,
     );
     for step in 1..new_tokens {
@@ -180,6 +173,15 @@ pub fn generation_roofline(
         let flops = flops_per_token(cfg, context, true)? * batch as f64;
         let kv = (batch * context) as f64 * kv_per_position * bytes.kv;
         total += limits.step_seconds(flops, weights(batch)? + kv);
+    }
+    Some(total)
+}
+
+/// FLOPs of one sequence's prefill of `prompt` tokens (the head on the last only).
+fn prefill_flops(cfg: &Config, prompt: usize) -> Option<f64> {
+    let mut total = 0.0;
+    for t in 0..prompt {
+        total += flops_per_token(cfg, t + 1, t + 1 == prompt)?;
     }
     Some(total)
 }

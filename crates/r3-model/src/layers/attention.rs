@@ -119,15 +119,27 @@ pub fn attend_additive(
     scale: f64,
     groups: usize,
 ) -> Result<Tensor> {
-    let (b, kv, gt, _) = q.dims4()?;
-    let t = gt / groups.max(1);
-    let s = k.dim(2)?;
-    let scores = (q.contiguous()?.matmul(&k.contiguous()?.t()?)? * scale)?;
-    let scores = scores
-        .reshape((b, kv, groups, t, s))?
-        .broadcast_add(additive)?;
-    let probs = candle_nn::ops::softmax(&scores, D::Minus1)?.reshape((b, kv, gt, s))?;
+    let probs = attention_probs(&q.contiguous()?, &k.contiguous()?, additive, scale, groups)?;
     Ok(probs.matmul(&v.contiguous()?)?)
+}
+
+/// The probabilities `softmax(q kᵀ · scale + additive)` `[B, KV, G·T, S]` of contiguous `q`
+/// `[B, KV, G·T, Dq]` and `k` `[B, KV, S, Dq]`, from candle's ops: the composed attention's
+/// and the recomputing op's (forward and backward), so all three round alike.
+pub(crate) fn attention_probs(
+    q: &Tensor,
+    k: &Tensor,
+    additive: &Tensor,
+    scale: f64,
+    groups: usize,
+) -> candle_core::Result<Tensor> {
+    let (b, kv, gt, _) = q.dims4()?;
+    let groups = groups.max(1);
+    let s = k.dim(2)?;
+    let scores = (q.matmul(&k.t()?)? * scale)?
+        .reshape((b, kv, groups, gt / groups, s))?
+        .broadcast_add(additive)?;
+    candle_nn::ops::softmax(&scores, D::Minus1)?.reshape((b, kv, gt, s))
 }
 
 /// One attention layer's keys and values of the positions fed so far, `[B, KV, S, D]`

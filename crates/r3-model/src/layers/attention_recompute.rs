@@ -8,6 +8,7 @@
 
 use candle_core::{CustomOp3, Tensor, D};
 
+use super::attention::attention_probs;
 use super::precomputed::{precomputed_fwd, Precomputed};
 use crate::error::Result;
 
@@ -50,13 +51,7 @@ struct RecomputedAttention {
 impl RecomputedAttention {
     /// The probabilities `softmax(q kᵀ · scale + mask)` `[B, KV, G·T, S]`, by the forward's ops.
     fn probs(&self, q: &Tensor, k: &Tensor) -> candle_core::Result<Tensor> {
-        let (b, kv, gt, _) = q.dims4()?;
-        let groups = self.groups.max(1);
-        let s = k.dim(2)?;
-        let scores = (q.matmul(&k.t()?)? * self.scale)?
-            .reshape((b, kv, groups, gt / groups, s))?
-            .broadcast_add(&self.additive)?;
-        candle_nn::ops::softmax(&scores, D::Minus1)?.reshape((b, kv, gt, s))
+        attention_probs(q, k, &self.additive, self.scale, self.groups)
     }
 }
 

@@ -157,10 +157,10 @@ const DEVICE_CHUNK: usize = 1 << 24;
 fn holds_on_device(tensor: &Tensor, max: f64, chunk: usize) -> Result<bool> {
     let flat = tensor.flatten_all()?;
     let n = flat.dim(0)?;
+    let scalar = |t: Tensor| -> Result<f64> { Ok(t.to_dtype(DType::F64)?.to_scalar::<f64>()?) };
     let mut start = 0;
     while start < n {
         let part = flat.narrow(0, start, chunk.max(1).min(n - start))?;
-        let scalar = |t: Tensor| -> Result<f64> { Ok(t.to_dtype(DType::F64)?.to_scalar::<f64>()?) };
         let max_abs = scalar(part.abs()?.max_all()?)?;
         let sum = scalar(part.sum_all()?)?;
         if !(max_abs <= max && sum.is_finite()) {

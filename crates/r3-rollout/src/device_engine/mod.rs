@@ -216,22 +216,12 @@ impl DeviceEngine {
                 "max_running must be > 0".into(),
             ));
         }
-        let cache = if cfg.prefix_cache {
-            Some(
-                PrefixCache::new(cfg.block_size, cfg.prefix_cache_bytes)
-                    .map_err(|e| RolloutError::InvalidConfig(e.to_string()))?,
-            )
-        } else {
-            None
-        };
+        let cache =
+            PrefixCache::for_engine(cfg.prefix_cache, cfg.block_size, cfg.prefix_cache_bytes)?;
         let device = cfg.device.open()?;
         let model = build_model(&model_cfg, tensors, &cfg, &device)?;
         check_budgets_fit(&cfg, &device)?;
-        let geo = RouteGeometry {
-            layers: model_cfg.layer_layout().moe_layers().to_vec(),
-            top_k: model_cfg.top_k(),
-            num_experts: model_cfg.num_experts(),
-        };
+        let geo = RouteGeometry::of(&model_cfg);
         tracing::info!(device = %cfg.device, dtype = %cfg.dtype, "device rollout engine ready");
         Ok(DeviceEngine {
             model,

@@ -101,14 +101,14 @@ pub(super) fn build_model(
     let on_device = tensors
         .iter()
         .map(|(name, t)| {
-            let t = t.to_dtype(DType::F32)?;
-            // A tensor already on the engine's device may be the trainer's own storage (its
-            // optimiser writes variables in place): the engine keeps a copy, so its weights
-            // stay those of the version it loaded. The copy stays on the device.
-            let t = if t.device().same_device(device) {
+            // A tensor already in f32 on the engine's device may be the trainer's own
+            // storage (its optimiser writes variables in place): the engine keeps a copy, so
+            // its weights stay those of the version it loaded; the copy stays on the device.
+            // A conversion or a move copies already.
+            let t = if t.dtype() == DType::F32 && t.device().same_device(device) {
                 t.copy()?
             } else {
-                t.to_device(device)?
+                t.to_dtype(DType::F32)?.to_device(device)?
             };
             Ok((name.clone(), t))
         })

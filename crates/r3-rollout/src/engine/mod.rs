@@ -133,20 +133,9 @@ impl Engine {
         let block_bytes = layout.block_floats() * 4;
         let max_blocks = (cfg.kv_cache_bytes / block_bytes.max(1)).max(1);
         let pool = KvPool::new(layout, max_blocks)?;
-        let cache = if cfg.prefix_cache {
-            Some(
-                PrefixCache::new(cfg.block_size, cfg.prefix_cache_bytes)
-                    .map_err(|e| RolloutError::InvalidConfig(e.to_string()))?,
-            )
-        } else {
-            None
-        };
-        let mc = model.config();
-        let geo = RouteGeometry {
-            layers: mc.layer_layout().moe_layers().to_vec(),
-            top_k: mc.top_k(),
-            num_experts: mc.num_experts(),
-        };
+        let cache =
+            PrefixCache::for_engine(cfg.prefix_cache, cfg.block_size, cfg.prefix_cache_bytes)?;
+        let geo = RouteGeometry::of(model.config());
         tracing::info!(
             dtype = %cfg.dtype,
             router_dtype = %cfg.router_dtype,

@@ -88,6 +88,15 @@ pub struct RouteGeometry {
 }
 
 impl RouteGeometry {
+    /// The geometry of a model config: its MoE layers, `top_k` and experts per layer.
+    pub fn of(cfg: &r3_model::Config) -> Self {
+        RouteGeometry {
+            layers: cfg.layer_layout().moe_layers().to_vec(),
+            top_k: cfg.top_k(),
+            num_experts: cfg.num_experts(),
+        }
+    }
+
     /// Ids per route row.
     pub fn row(&self) -> usize {
         self.layers.len() * self.top_k

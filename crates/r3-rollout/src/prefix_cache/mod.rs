@@ -51,6 +51,17 @@ pub struct PrefixCache<P> {
 }
 
 impl<P: BlockPayload> PrefixCache<P> {
+    /// An engine's cache when `on` (else None), a zero block size read as a config error.
+    pub fn for_engine(
+        on: bool,
+        block_size: usize,
+        budget_bytes: usize,
+    ) -> Result<Option<Self>, crate::error::RolloutError> {
+        on.then(|| Self::new(block_size, budget_bytes))
+            .transpose()
+            .map_err(|e| crate::error::RolloutError::InvalidConfig(e.to_string()))
+    }
+
     /// An empty cache of `block_size`-token blocks keeping at most `budget_bytes` of payload.
     pub fn new(block_size: usize, budget_bytes: usize) -> Result<Self, PrefixCacheError> {
         if block_size == 0 {
