@@ -1,0 +1,198 @@
+//! candle's backward as this workspace builds it (`vendor/candle-core`: a gradient's first
+//! contribution is stored as it is instead of being added to a zero-filled tensor) sums
+//! every contribution exactly once: gradients of tensors read several times, through a
+//! subtraction, a broadcast, a transpose and a fused op's own backward, each checked
+//! against values computed by hand. Every stored gradient is contiguous, as a sum was.
+
+use candle_core::{DType, Device, Tensor, Var, D};
+
+fn var(values: &[f32], shape: &[usize]) -> Var {
+    let t = Tensor::from_slice(values, shape, &Device::Cpu).expect("tensor");
+    Var::from_tensor(&t).expect("var")
+}
+
+fn constant(values: &[f32], shape: &[usize]) -> Tensor {
+    Tensor::from_slice(values, shape, &Device::Cpu).expect("tensor")
+}
+
+fn flat(t: &Tensor) -> Vec<f32> {
+    t.flatten_all()
+        .expect("flat")
+        .to_vec1::<f32>()
+        .expect("vec")
+}
+
+fn assert_close(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((g - w).abs() <= 1e-6, "{what}[{i}]: got {g}, want {w}");
+    }
+}
+
+#[test]
+fn a_tensor_read_three_times_gets_the_sum_of_its_three_gradients() {
+    // loss = Σ (x·a + x·b + x)  →  ∂/∂x = a + b + 1, ∂/∂a = x, ∂/∂b = x
+    let x = var(&[1.0, -2.0, 3.0], &[3]);
+    let a = var(&[0.5, 4.0, -1.0], &[3]);
+    let b = var(&[2.0, 0.25, 7.0], &[3]);
+    let y = ((x.as_tensor() * a.as_tensor()).expect("xa")
+        + (x.as_tensor() * b.as_tensor()).expect("xb"))
+    .expect("sum")
+    .add(x.as_tensor())
+    .expect("plus x");
+    let grads = y.sum_all().expect("loss").backward().expect("backward");
+    let gx = grads.get(x.as_tensor()).expect("x has a gradient");
+    assert_close(&flat(gx), &[3.5, 5.25, 7.0], "dx");
+    assert_close(
+        &flat(grads.get(a.as_tensor()).expect("a")),
+        &[1.0, -2.0, 3.0],
+        "da",
+    );
+    assert_close(
+        &flat(grads.get(b.as_tensor()).expect("b")),
+        &[1.0, -2.0, 3.0],
+        "db",
+    );
+}
+
+#[test]
+fn a_subtracted_tensor_s_first_gradient_is_negated() {
+    // loss = Σ (p − q)·c  →  ∂/∂p = c, ∂/∂q = −c (q's only contribution is the subtraction's)
+    let p = var(&[1.0, 2.0], &[2]);
+    let q = var(&[3.0, -4.0], &[2]);
+    let c = constant(&[5.0, -6.0], &[2]);
+    let loss = (p.as_tensor() - q.as_tensor())
+        .expect("sub")
+        .mul(&c)
+        .expect("mul")
+        .sum_all()
+        .expect("loss");
+    let grads = loss.backward().expect("backward");
+    assert_close(
+        &flat(grads.get(p.as_tensor()).expect("p")),
+        &[5.0, -6.0],
+        "dp",
+    );
+    assert_close(
+        &flat(grads.get(q.as_tensor()).expect("q")),
+        &[-5.0, 6.0],
+        "dq",
+    );
+    // q also read once more, after the subtraction: its two contributions add
+    let loss = (p.as_tensor() - q.as_tensor())
+        .expect("sub")
+        .mul(&c)
+        .expect("mul")
+        .add(q.as_tensor())
+        .expect("plus q")
+        .sum_all()
+        .expect("loss");
+    let grads = loss.backward().expect("backward");
+    assert_close(
+        &flat(grads.get(q.as_tensor()).expect("q")),
+        &[-4.0, 7.0],
+        "dq twice",
+    );
+}
+
+#[test]
+fn a_transposed_or_broadcast_first_gradient_is_stored_contiguous_with_its_values() {
+    // W [2, 3] read as Wᵀ: ∂/∂W Σ Wᵀ ⊙ M = Mᵀ, which candle's transpose backward hands over
+    // as a strided view; the bias [3] broadcast over 2 rows gets its column sums.
+    let w = var(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3]);
+    let bias = var(&[0.1, 0.2, 0.3], &[3]);
+    let m = constant(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[3, 2]);
+    let wt = w.as_tensor().t().expect("transpose");
+    let loss = (wt.mul(&m).expect("mul").sum_all().expect("sum")
+        + w.as_tensor()
+            .broadcast_add(bias.as_tensor())
+            .expect("bias")
+            .sqr()
+            .expect("sqr")
+            .sum_all()
+            .expect("sum"))
+    .expect("loss");
+    let grads = loss.backward().expect("backward");
+    let gw = grads.get(w.as_tensor()).expect("w");
+    let gb = grads.get(bias.as_tensor()).expect("bias");
+    assert!(gw.is_contiguous(), "W's gradient is contiguous");
+    assert!(gb.is_contiguous(), "the bias's gradient is contiguous");
+    // Mᵀ + 2(W + bias)
+    let wv = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0];
+    let bv = [0.1f32, 0.2, 0.3];
+    let mt = [1.0f32, 3.0, 5.0, 2.0, 4.0, 6.0];
+    let want_w: Vec<f32> = (0..6).map(|i| mt[i] + 2.0 * (wv[i] + bv[i % 3])).collect();
+    assert_close(&flat(gw), &want_w, "dW");
+    let want_b: Vec<f32> = (0..3)
+        .map(|j| 2.0 * (wv[j] + bv[j]) + 2.0 * (wv[3 + j] + bv[j]))
+        .collect();
+    assert_close(&flat(gb), &want_b, "dbias");
+
+    // V read only through its transpose: its one gradient is the strided view itself
+    let v = var(&[1.0, -1.0, 2.0, -2.0, 3.0, -3.0], &[2, 3]);
+    let loss = v
+        .as_tensor()
+        .t()
+        .expect("transpose")
+        .mul(&m)
+        .expect("mul")
+        .sum_all()
+        .expect("loss");
+    let grads = loss.backward().expect("backward");
+    let gv = grads.get(v.as_tensor()).expect("v");
+    assert!(
+        gv.is_contiguous(),
+        "a strided first gradient is stored contiguous"
+    );
+    assert_eq!(gv.dims(), &[2, 3]);
+    assert_close(&flat(gv), &mt, "dV");
+}
+
+#[test]
+fn gradients_through_a_fused_op_and_a_softmax_match_finite_differences() {
+    // A small graph through candle's softmax (a fused op with its own backward), a matmul
+    // and a residual: each of x's gradients against a central difference in f64.
+    let dev = Device::Cpu;
+    let xs: Vec<f64> = (0..12).map(|i| ((i * 7 % 11) as f64 - 5.0) / 4.0).collect();
+    let ws: Vec<f64> = (0..16).map(|i| ((i * 5 % 13) as f64 - 6.0) / 5.0).collect();
+    let wt = Tensor::from_slice(&ws, (4, 4), &dev).expect("w");
+    let f = |x: &Tensor| -> Tensor {
+        let h = x.matmul(&wt).expect("matmul");
+        let p = candle_nn::ops::softmax(&h, D::Minus1).expect("softmax");
+        (p + x)
+            .expect("residual")
+            .sqr()
+            .expect("sqr")
+            .sum_all()
+            .expect("loss")
+    };
+    let x = Var::from_tensor(&Tensor::from_slice(&xs, (3, 4), &dev).expect("x")).expect("var");
+    let grads = f(x.as_tensor()).backward().expect("backward");
+    let gx = grads
+        .get(x.as_tensor())
+        .expect("x")
+        .flatten_all()
+        .expect("flat")
+        .to_vec1::<f64>()
+        .expect("vec");
+    let h = 1e-6;
+    for i in 0..xs.len() {
+        let mut up = xs.clone();
+        up[i] += h;
+        let mut down = xs.clone();
+        down[i] -= h;
+        let at = |v: &[f64]| -> f64 {
+            f(&Tensor::from_slice(v, (3, 4), &dev).expect("x"))
+                .to_dtype(DType::F64)
+                .expect("f64")
+                .to_scalar::<f64>()
+                .expect("scalar")
+        };
+        let numeric = (at(&up) - at(&down)) / (2.0 * h);
+        assert!(
+            (gx[i] - numeric).abs() <= 1e-6 * (1.0 + numeric.abs()),
+            "dx[{i}]: backward {}, finite difference {numeric}",
+            gx[i]
+        );
+    }
+}
