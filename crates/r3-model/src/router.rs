@@ -24,16 +24,28 @@ pub struct Router {
     pub top_k: usize,
 }
 
-/// Indices of the `k` largest values, largest first; ties go to the lower index.
+/// Indices of the `k` largest values, largest first; ties go to the lower index (the order
+/// a stable sort by `total_cmp`, descending, gives). One pass keeping the best `k` in
+/// `out` by insertion, no allocation: a token's router row is short and this runs once per
+/// token and MoE layer. Requires `k <= values.len()`, `out.len() == k`.
 fn top_k_desc(values: &[f32], k: usize, out: &mut [u32]) {
-    let mut order: Vec<u32> = (0..values.len() as u32).collect();
-    // total_cmp keeps the order deterministic; callers reject NaN beforehand.
-    order.sort_by(|&a, &b| {
-        values[b as usize]
-            .total_cmp(&values[a as usize])
-            .then(a.cmp(&b))
-    });
-    out.copy_from_slice(&order[..k]);
+    debug_assert!(k <= values.len() && out.len() == k);
+    let mut kept = 0usize;
+    for (i, v) in values.iter().enumerate() {
+        // Scanning in index order, a value equal to a kept one never displaces it: only a
+        // strictly greater value moves ahead, so ties keep the lower index first.
+        let beats = |id: u32| v.total_cmp(&values[id as usize]).is_gt();
+        if kept == k && (k == 0 || !beats(out[k - 1])) {
+            continue;
+        }
+        let mut pos = kept.min(k - 1);
+        while pos > 0 && beats(out[pos - 1]) {
+            out[pos] = out[pos - 1];
+            pos -= 1;
+        }
+        out[pos] = i as u32;
+        kept = (kept + 1).min(k);
+    }
 }
 
 impl Router {
@@ -208,5 +220,49 @@ impl Router {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::top_k_desc;
+
+    /// The reference: a stable descending sort of the indices by `total_cmp`.
+    fn sorted_top_k(values: &[f32], k: usize) -> Vec<u32> {
+        let mut order: Vec<u32> = (0..values.len() as u32).collect();
+        order.sort_by(|&a, &b| values[b as usize].total_cmp(&values[a as usize]));
+        order.truncate(k);
+        order
+    }
+
+    #[test]
+    fn selection_equals_the_stable_sort_with_ties_and_signed_zeros() {
+        // values from a small set so that ties are common; ±0 and ±inf included
+        let pool = [
+            0.5f32,
+            -1.0,
+            0.0,
+            -0.0,
+            2.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            0.5,
+        ];
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for _ in 0..2000 {
+            let n = 1 + (next() % 12) as usize;
+            let values: Vec<f32> = (0..n).map(|_| pool[(next() % 8) as usize]).collect();
+            for k in 0..=n {
+                let mut out = vec![u32::MAX; k];
+                top_k_desc(&values, k, &mut out);
+                assert_eq!(out, sorted_top_k(&values, k), "values {values:?}, k {k}");
+            }
+        }
     }
 }

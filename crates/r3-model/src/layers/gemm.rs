@@ -65,6 +65,31 @@ pub fn matmul<T: Float>(
     matmul_unfilled(m, n, k, dst, a, b, threads);
 }
 
+/// [`matmul`] into a new `[m, n]` vector, never zero-filled first (the product writes every
+/// element).
+pub fn matmul_vec<T: Float>(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: MatRef<'_, T>,
+    b: MatRef<'_, T>,
+    threads: usize,
+) -> Vec<T> {
+    let mut dst = Vec::with_capacity(m * n);
+    matmul_unfilled(
+        m,
+        n,
+        k,
+        &mut dst.spare_capacity_mut()[..m * n],
+        a,
+        b,
+        threads,
+    );
+    // SAFETY: `matmul_unfilled` wrote each of the first `m·n` elements.
+    unsafe { dst.set_len(m * n) };
+    dst
+}
+
 /// [`matmul`] into a destination that need not be initialised; returns its first `m·n`
 /// elements, now written.
 pub fn matmul_unfilled<'d, T: Float>(

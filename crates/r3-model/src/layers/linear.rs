@@ -7,7 +7,7 @@
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 
-use super::gemm::{matmul, MatRef};
+use super::gemm::{matmul_vec, MatRef};
 use super::matmul16::matmul_wt_narrow;
 use crate::error::Result;
 use crate::math::Float;
@@ -58,16 +58,7 @@ fn gemm_xwt<T: Float>(
         row_stride: ws[1],
         col_stride: ws[0],
     };
-    let mut dst = vec![T::ZERO; m * n];
-    matmul(
-        m,
-        n,
-        k,
-        &mut dst,
-        x,
-        wt,
-        candle_core::utils::get_num_threads(),
-    );
+    let dst = matmul_vec(m, n, k, x, wt, candle_core::utils::get_num_threads());
     let mut out_dims = xl.shape().dims().to_vec();
     if let Some(last) = out_dims.last_mut() {
         *last = n;

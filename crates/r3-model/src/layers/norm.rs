@@ -80,15 +80,19 @@ fn inv_rms<T: Float>(row: &[T], eps: f64) -> T {
 
 fn rms_fwd<T: Float>(x: &[T], w: &[T], eps: f64) -> Vec<T> {
     let d = w.len();
-    let mut y = vec![T::ZERO; x.len()];
-    y.par_chunks_mut(d)
+    // Not zero-filled first: every element is written below.
+    let mut y = Vec::with_capacity(x.len());
+    y.spare_capacity_mut()[..x.len()]
+        .par_chunks_mut(d)
         .zip(x.par_chunks(d))
         .for_each(|(yr, xr)| {
             let r = inv_rms(xr, eps);
             for ((y, &x), &w) in yr.iter_mut().zip(xr).zip(w) {
-                *y = x * r * w;
+                y.write(x * r * w);
             }
         });
+    // SAFETY: the chunks cover all `x.len()` elements and each element was written.
+    unsafe { y.set_len(x.len()) };
     y
 }
 
@@ -99,8 +103,16 @@ fn rms_fwd<T: Float>(x: &[T], w: &[T], eps: f64) -> Vec<T> {
 /// chunks, so a run is the same on any thread count.
 fn rms_bwd<T: Float>(x: &[T], w: &[T], g: &[T], eps: f64) -> (Vec<T>, Vec<T>) {
     let d = w.len();
-    let mut dx = vec![T::ZERO; x.len()];
-    let partials: Vec<Vec<T>> = dx
+    // The writes below cover `dx` only if `g` is as long as `x` (candle hands the op a
+    // gradient of its output's shape: a mismatch is a bug, not input).
+    assert_eq!(
+        g.len(),
+        x.len(),
+        "rms norm backward: gradient and input lengths differ"
+    );
+    // Not zero-filled first: every element is written below.
+    let mut dx = Vec::with_capacity(x.len());
+    let partials: Vec<Vec<T>> = dx.spare_capacity_mut()[..x.len()]
         .par_chunks_mut(d * ROWS_PER_TASK)
         .zip(x.par_chunks(d * ROWS_PER_TASK))
         .zip(g.par_chunks(d * ROWS_PER_TASK))
@@ -116,12 +128,15 @@ fn rms_bwd<T: Float>(x: &[T], w: &[T], g: &[T], eps: f64) -> (Vec<T>, Vec<T>) {
                 }
                 let mean = T::from_f64(dot / d as f64);
                 for (((dx, &x), &g), &w) in dxr.iter_mut().zip(xr).zip(gr).zip(w) {
-                    *dx = r * (g * w - x * r * mean);
+                    dx.write(r * (g * w - x * r * mean));
                 }
             }
             dw
         })
         .collect();
+    // SAFETY: the row chunks of `dx`, `x` and `g` (one length, asserted above) pair up
+    // element for element, and each element of `dx` was written (a row is at most `d` long).
+    unsafe { dx.set_len(x.len()) };
     (dx, sum_chunks(&partials, d))
 }
 

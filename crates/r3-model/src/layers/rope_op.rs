@@ -3,7 +3,10 @@
 //! needs no copy) and writes the rotated tensor contiguous. Candle's composed `rope_slow`
 //! builds ~7 autograd nodes per call, each with a zero-filled gradient buffer in the backward.
 
+use std::mem::MaybeUninit;
 use std::sync::Arc;
+
+use rayon::prelude::*;
 
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor, WithDType};
 
@@ -21,6 +24,27 @@ pub struct RotaryOp {
     pub interleaved: bool,
 }
 
+/// One pair `(a, b)` rotated by `(c, s)`, or rotated back with `inverse`: the arithmetic
+/// both [`rotate_row`] and the training op use, so the engines round alike.
+#[inline(always)]
+fn rotate_pair<T: Float>(xa: T, xb: T, c: T, s: T, inverse: bool) -> (T, T) {
+    if inverse {
+        (xa * c + xb * s, xb * c - xa * s)
+    } else {
+        (xa * c - xb * s, xb * c + xa * s)
+    }
+}
+
+/// The element indices of pair `i` of a row with `half` pairs.
+#[inline(always)]
+fn pair_index(i: usize, half: usize, interleaved: bool) -> (usize, usize) {
+    if interleaved {
+        (2 * i, 2 * i + 1)
+    } else {
+        (i, i + half)
+    }
+}
+
 /// Rotates (or, with `inverse`, rotates back) one head row of `2·cos.len()` values in place
 /// by one position's `cos`/`sin`: half-split pairs `(i, i + half)` or interleaved `(2i, 2i+1)`.
 /// The rotation of both engines (the rollout calls it per head on the host).
@@ -34,37 +58,37 @@ pub fn rotate_row<T: Float>(
 ) {
     let half = cos.len();
     for (i, (&c, &s)) in cos.iter().zip(sin).enumerate() {
-        let (a, b) = if interleaved {
-            (2 * i, 2 * i + 1)
-        } else {
-            (i, i + half)
-        };
+        let (a, b) = pair_index(i, half, interleaved);
         let (c, s) = (T::from_f64(c as f64), T::from_f64(s as f64));
-        let (xa, xb) = (row[a], row[b]);
-        if inverse {
-            row[a] = xa * c + xb * s;
-            row[b] = xb * c - xa * s;
-        } else {
-            row[a] = xa * c - xb * s;
-            row[b] = xb * c + xa * s;
-        }
+        (row[a], row[b]) = rotate_pair(row[a], row[b], c, s, inverse);
+    }
+}
+
+/// [`rotate_row`] from `src` into `dst` (same length), which need not be initialised:
+/// every element is written.
+#[inline]
+fn rotate_row_into<T: Float>(
+    src: &[T],
+    dst: &mut [MaybeUninit<T>],
+    cos: &[f32],
+    sin: &[f32],
+    interleaved: bool,
+    inverse: bool,
+) {
+    let half = cos.len();
+    debug_assert!(src.len() == 2 * half && dst.len() == 2 * half && sin.len() == half);
+    for (i, (&c, &s)) in cos.iter().zip(sin).enumerate() {
+        let (a, b) = pair_index(i, half, interleaved);
+        let (c, s) = (T::from_f64(c as f64), T::from_f64(s as f64));
+        let (ya, yb) = rotate_pair(src[a], src[b], c, s, inverse);
+        dst[a].write(ya);
+        dst[b].write(yb);
     }
 }
 
 impl RotaryOp {
-    /// Rotates (or, with `inverse`, rotates back) one row of `2·half` values in place.
-    #[inline]
-    fn rotate_row<T: Float>(&self, row: &mut [T], pos: usize, half: usize, inverse: bool) {
-        rotate_row(
-            row,
-            &self.cos[pos * half..(pos + 1) * half],
-            &self.sin[pos * half..(pos + 1) * half],
-            self.interleaved,
-            inverse,
-        );
-    }
-
-    /// `[B, H, T, D]` elements read through `layout` (last dim contiguous), rotated.
+    /// `[B, H, T, D]` elements read through `layout` (last dim contiguous), rotated into a
+    /// new contiguous `[B, H, T, D]` vector; one parallel task per (batch row, head).
     fn run<T: Float + WithDType>(
         &self,
         x: &[T],
@@ -85,17 +109,42 @@ impl RotaryOp {
                 self.cos.len()
             );
         }
-        let mut out = Vec::with_capacity(b * h * t * d);
-        for bi in 0..b {
-            for hi in 0..h {
-                for ti in 0..t {
-                    let from = layout.start_offset() + bi * st[0] + hi * st[1] + ti * st[2];
-                    let start = out.len();
-                    out.extend_from_slice(&x[from..from + d]);
-                    self.rotate_row(&mut out[start..], ti, half, inverse);
-                }
-            }
+        let n = b * h * t * d;
+        if n == 0 {
+            return Ok(Vec::new());
         }
+        // Every element the strides address must lie inside `x` before any is read.
+        let last = layout.start_offset() + (b - 1) * st[0] + (h - 1) * st[1] + (t - 1) * st[2];
+        if last + d > x.len() {
+            candle_core::bail!(
+                "rope: input {:?} (strides {st:?}, offset {}) reaches past its {} elements",
+                layout.shape(),
+                layout.start_offset(),
+                x.len()
+            );
+        }
+        let mut out = Vec::with_capacity(n);
+        out.spare_capacity_mut()[..n]
+            .par_chunks_mut(t * d)
+            .enumerate()
+            .for_each(|(task, rows)| {
+                let (bi, hi) = (task / h, task % h);
+                let base = layout.start_offset() + bi * st[0] + hi * st[1];
+                for (ti, row) in rows.chunks_exact_mut(d).enumerate() {
+                    let from = base + ti * st[2];
+                    rotate_row_into(
+                        &x[from..from + d],
+                        row,
+                        &self.cos[ti * half..(ti + 1) * half],
+                        &self.sin[ti * half..(ti + 1) * half],
+                        self.interleaved,
+                        inverse,
+                    );
+                }
+            });
+        // SAFETY: the tasks cover all `n` elements in rows of `d`, and `rotate_row_into`
+        // writes every element of each row.
+        unsafe { out.set_len(n) };
         Ok(out)
     }
 }
