@@ -2,8 +2,8 @@
 //! backward (CPU, f32/f64).
 //!
 //! Composed from candle ops, one attention layer is ~10 autograd nodes over `[B, H, T, T]`
-//! score tensors, and candle's backward materialises a zero tensor plus an addition for every
-//! node's gradient. Here the forward keeps the probabilities `P` and the backward computes
+//! score tensors, each with a gradient pass of that size in candle's backward (upstream
+//! candle also materialised a zero tensor plus an addition per node). Here the forward keeps the probabilities `P` and the backward computes
 //! `dV = Pᵀ dO`, `dS = P ⊙ (dO Vᵀ − rowsum(P ⊙ dO Vᵀ))`, `dQ = dS K · scale` and
 //! `dK = dSᵀ Q · scale` per (sequence, key/value head) with GEMMs, in parallel over those.
 

@@ -4,8 +4,9 @@
 //!
 //! On CPU in f32/f64 the whole layer (dispatch, grouped GEMMs with experts in parallel,
 //! combine) is one custom op with its own backward (`routed_op`); candle's autograd would
-//! otherwise build ~10 nodes per expert and, for each node, materialise a zero-filled
-//! gradient of its input — most of a training step's time at 32 experts.
+//! otherwise build ~10 nodes per expert, each with a gradient pass over its input (upstream
+//! candle, measured then, also zero-filled one per node) — most of a training step's time at
+//! 32 experts.
 
 use candle_core::{Tensor, D};
 

@@ -15,8 +15,9 @@ use crate::precision::Precision;
 use crate::weights::Weights;
 
 /// `x [.., k] · w [n, k]ᵀ → [.., n]`, differentiable in both arguments. Leading dimensions
-/// are read as rows in the op itself, so a 3-D activation needs no reshape nodes (each would
-/// cost a zero-filled gradient buffer and an addition in candle's backward).
+/// are read as rows in the op itself, so a 3-D activation needs no reshape nodes (each one
+/// more node in candle's backward; upstream candle zero-filled and added a gradient buffer
+/// per node).
 struct MatmulWt;
 
 /// Rows `m`, width `k` and the (row, column) strides of `x` read as an `[m, k]` matrix:

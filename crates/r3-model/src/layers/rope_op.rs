@@ -1,7 +1,7 @@
 //! Rotary embedding as one custom op with its own backward (CPU, f32/f64): reads `x`
 //! `[B, H, T, D]` through its strides (so the usual `[B, T, H, D]` → `[B, H, T, D]` transpose
 //! needs no copy) and writes the rotated tensor contiguous. Candle's composed `rope_slow`
-//! builds ~7 autograd nodes per call, each with a zero-filled gradient buffer in the backward.
+//! builds ~7 autograd nodes per call, each with its own gradient pass in the backward.
 
 use std::mem::MaybeUninit;
 use std::sync::Arc;

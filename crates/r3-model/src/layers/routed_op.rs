@@ -3,8 +3,9 @@
 //! the grouped expert GEMMs (experts in parallel) to the gate-weighted combine.
 //!
 //! Built from candle's ops the same layer is a row gather, the experts, a gate multiply and
-//! an `index_add`, each over `[rows · top_k, H]` and each with a zero-filled gradient and an
-//! add in the backward. Here the `[rows · top_k, H]` intermediates stay inside the op.
+//! an `index_add`, each over `[rows · top_k, H]` and each with its own gradient pass in the
+//! backward (upstream candle also zero-filled and added a buffer per node; the vendored one
+//! does not). Here the `[rows · top_k, H]` intermediates stay inside the op.
 //!
 //! Candle's custom ops take at most three operands, so the gates travel with the rows: the
 //! first operand is `[rows, H + top_k]`, each row's hidden state followed by its gates, and
