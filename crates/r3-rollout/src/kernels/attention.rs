@@ -47,10 +47,95 @@ pub struct AttnShape {
 /// `out[j] = q · keys[j][from .. from + q.len()] · scale` for every key of one head, out
 /// of line so that the dot product stays vectorised along the head dimension (inlined into
 /// the context loop, the compiler vectorised across keys with shuffles).
+///
+/// Keys go eight at a time ([`eight_dots`]): one horizontal reduction for eight keys instead
+/// of one per key, in the same per-key order as [`short_dot`], so every score is bit for bit
+/// the one-key-at-a-time value.
 #[inline(never)]
 fn head_scores(q: &[f32], keys: &[&[f32]], from: usize, scale: f32, out: &mut [f32]) {
-    for (sc, k) in out.iter_mut().zip(keys) {
-        *sc = short_dot(q, &k[from..from + q.len()]) * scale;
+    let d = q.len();
+    let n = out.len().min(keys.len());
+    let mut j = 0;
+    while j + 8 <= n {
+        let rows: [&[f32]; 8] = std::array::from_fn(|i| &keys[j + i][from..from + d]);
+        let dots = eight_dots(q, &rows);
+        for (o, dot) in out[j..j + 8].iter_mut().zip(dots) {
+            *o = dot * scale;
+        }
+        j += 8;
+    }
+    for (sc, k) in out[j..n].iter_mut().zip(&keys[j..n]) {
+        *sc = short_dot(q, &k[from..from + d]) * scale;
+    }
+}
+
+/// `[a · b_0, …, a · b_7]`, each exactly [`short_dot`]`(a, b_i)`: the same 8-wide FMA
+/// chunks into one register per key, then the eight registers reduced together by
+/// shuffles — per key the same pairs in the same order (`lo + hi` halves, then lanes
+/// `0 + 2` and `1 + 3`, then those two) — and the scalar tail per key as `short_dot` adds it.
+#[inline(always)]
+fn eight_dots(a: &[f32], b: &[&[f32]; 8]) -> [f32; 8] {
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))]
+    {
+        let d = a.len();
+        let full = d - d % 8;
+        let mut reduced = [0f32; 8];
+        // SAFETY: the build enables AVX2 and FMA (the cfg above); every load reads 8 floats
+        // at an offset `c < full ≤ len` of `a` and of each `b[i]` (each as long as `a`, by
+        // the caller's slicing), and the store writes the 8 floats of `reduced`.
+        unsafe {
+            use std::arch::x86_64::*;
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for c in (0..full).step_by(8) {
+                let x = _mm256_loadu_ps(a.as_ptr().add(c));
+                for (acc, row) in acc.iter_mut().zip(b) {
+                    *acc = _mm256_fmadd_ps(x, _mm256_loadu_ps(row[..d].as_ptr().add(c)), *acc);
+                }
+            }
+            // lo + hi halves: [s4 of key 2p | s4 of key 2p+1]
+            let halves = |p: usize| {
+                let lo = _mm256_permute2f128_ps(acc[2 * p], acc[2 * p + 1], 0x20);
+                let hi = _mm256_permute2f128_ps(acc[2 * p], acc[2 * p + 1], 0x31);
+                _mm256_add_ps(lo, hi)
+            };
+            let (h01, h23, h45, h67) = (halves(0), halves(1), halves(2), halves(3));
+            // lanes 0 + 2 and 1 + 3: per 128-bit half [s2 of key i (2), s2 of key i+2 (2)]
+            let pairs = |x: __m256, y: __m256| {
+                _mm256_add_ps(
+                    _mm256_shuffle_ps(x, y, 0b01_00_01_00),
+                    _mm256_shuffle_ps(x, y, 0b11_10_11_10),
+                )
+            };
+            let (q0123, q4567) = (pairs(h01, h23), pairs(h45, h67));
+            // the two lanes of each s2: keys [0, 2, 4, 6 | 1, 3, 5, 7]
+            let sums = _mm256_add_ps(
+                _mm256_shuffle_ps(q0123, q4567, 0b10_00_10_00),
+                _mm256_shuffle_ps(q0123, q4567, 0b11_01_11_01),
+            );
+            _mm256_storeu_ps(reduced.as_mut_ptr(), sums);
+        }
+        const KEY_OF_LANE: [usize; 8] = [0, 2, 4, 6, 1, 3, 5, 7];
+        let mut out = [0f32; 8];
+        for (lane, &key) in KEY_OF_LANE.iter().enumerate() {
+            let mut s = reduced[lane];
+            for (x, y) in a[full..].iter().zip(&b[key][full..d]) {
+                s = x.mul_add(*y, s);
+            }
+            out[key] = s;
+        }
+        out
+    }
+    #[cfg(not(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    )))]
+    {
+        std::array::from_fn(|i| short_dot(a, b[i]))
     }
 }
 
@@ -200,6 +285,37 @@ pub fn paged_attention(
 mod tests {
     use super::*;
     use crate::kv_pool::KvLayout;
+
+    #[test]
+    fn eight_keys_at_a_time_score_bit_for_bit_as_one_at_a_time() {
+        // head widths with and without a scalar tail, below one chunk, and key counts
+        // around multiples of eight; values of mixed sign and magnitude so that the
+        // summation order shows in the low bits
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2f32.powi((state % 9) as i32 - 4)
+        };
+        for d in [3usize, 8, 12, 16, 20, 24, 64, 72, 128] {
+            for n in [0usize, 1, 7, 8, 9, 16, 23, 40] {
+                let from = 5;
+                let q: Vec<f32> = (0..d).map(|_| next()).collect();
+                let rows: Vec<Vec<f32>> = (0..n)
+                    .map(|_| (0..from + d + 3).map(|_| next()).collect())
+                    .collect();
+                let keys: Vec<&[f32]> = rows.iter().map(Vec::as_slice).collect();
+                let scale = 0.37f32;
+                let mut got = vec![f32::NAN; n];
+                head_scores(&q, &keys, from, scale, &mut got);
+                for (j, (g, k)) in got.iter().zip(&keys).enumerate() {
+                    let want = short_dot(&q, &k[from..from + d]) * scale;
+                    assert_eq!(g.to_bits(), want.to_bits(), "d {d}, n {n}, key {j}");
+                }
+            }
+        }
+    }
 
     /// Dense reference: one sequence, all positions given as plain arrays.
     fn reference(q: &[f32], k: &[f32], v: &[f32], t: usize, sh: AttnShape) -> Vec<f32> {
