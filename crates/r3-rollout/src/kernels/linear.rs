@@ -487,11 +487,6 @@ fn gemm_f32(x: &[f32], m: usize, k: usize, w: &[f32], n: usize, out: &mut [f32],
     gemm_rhs(x, m, k, w, n, (k as isize, 1), out, par);
 }
 
-/// `out = x · wt` with the gemm crate, f32, `wt` row-major `[k, n]` (the transposed weight).
-fn gemm_f32_t(x: &[f32], m: usize, k: usize, wt: &[f32], n: usize, out: &mut [f32], par: bool) {
-    gemm_rhs(x, m, k, wt, n, (1, n as isize), out, par);
-}
-
 /// `out[m, n] = x[m, k] · rhs` where `rhs` is the `[k, n]` matrix with (column, row) strides
 /// `rhs_strides`.
 #[allow(clippy::too_many_arguments)]
@@ -537,31 +532,97 @@ fn gemm_rhs(
 const BLOCK_PANELS: usize = 4;
 
 /// `out = x · wᵀ` for f16 weights and many input rows: each block of panels is widened to
-/// f32 once (cost amortised over the m rows) and multiplied with the f32 gemm kernel.
+/// f32 once (cost amortised over the m rows) and multiplied with the f32 gemm kernel
+/// straight into its columns of `out` (rows `n` apart), which no pass zero-fills or copies.
 /// (The gemm crate's own f16 kernel is several times slower on this CPU.)
 fn blocked_f16(x: &[f32], m: usize, k: usize, w: &PackedF16, n: usize, out: &mut [f32], par: bool) {
-    let mut blocks: Vec<Vec<f32>> = vec![Vec::new(); w.panels().div_ceil(BLOCK_PANELS)];
+    assert!(
+        x.len() >= m * k && out.len() >= m * n,
+        "blocked_f16: short operand"
+    );
+    let blocks = w.panels().div_ceil(BLOCK_PANELS);
     // A single block (a narrow layer, e.g. the router) parallelises inside gemm instead.
-    let gemm_par = par && blocks.len() == 1;
-    let task = |(b, ob): (usize, &mut Vec<f32>)| {
+    let gemm_par = par && blocks == 1;
+    let dst = ColumnBlocks(out.as_mut_ptr());
+    let task = |b: usize| {
         let p0 = b * BLOCK_PANELS;
         let mut wt = Vec::new();
         let cols = w.widen_panels(p0, (p0 + BLOCK_PANELS).min(w.panels()), &mut wt);
-        ob.resize(m * cols, 0.0);
-        gemm_f32_t(x, m, k, &wt, cols, ob, gemm_par);
+        let n0 = p0 * PANEL;
+        assert!(
+            n0 + cols <= n,
+            "blocked_f16: panels past the output's columns"
+        );
+        // SAFETY: `out` holds `m` rows of `n` (asserted above); this block writes only the
+        // columns `n0 .. n0 + cols ≤ n` of each, and no two blocks share a column, so the
+        // tasks' writes are disjoint. `wt` is `[k, cols]` row-major, `x` `[m, k]`.
+        unsafe { gemm_f32_t_into(x, m, k, &wt, cols, dst.at(n0), n, gemm_par) };
     };
     if par && !gemm_par {
-        blocks.par_iter_mut().enumerate().for_each(task);
+        (0..blocks).into_par_iter().for_each(task);
     } else {
-        blocks.iter_mut().enumerate().for_each(task);
+        (0..blocks).for_each(task);
     }
-    for (b, ob) in blocks.iter().enumerate() {
-        let n0 = b * BLOCK_PANELS * PANEL;
-        let cols = ob.len() / m;
-        for i in 0..m {
-            out[i * n + n0..i * n + n0 + cols].copy_from_slice(&ob[i * cols..(i + 1) * cols]);
-        }
+}
+
+/// The output of [`blocked_f16`] shared by its parallel blocks, each writing its own columns.
+#[derive(Clone, Copy)]
+struct ColumnBlocks(*mut f32);
+
+// SAFETY: the pointer is only written through by blocks whose column ranges are disjoint
+// (see `blocked_f16`), while the `&mut` borrow it came from is held.
+unsafe impl Send for ColumnBlocks {}
+// SAFETY: as above.
+unsafe impl Sync for ColumnBlocks {}
+
+impl ColumnBlocks {
+    /// The pointer to column `col` of row 0.
+    ///
+    /// # Safety
+    /// `col` is inside the output's first row.
+    unsafe fn at(self, col: usize) -> *mut f32 {
+        self.0.add(col)
     }
+}
+
+/// `dst[m, n] = x · wt` with `wt` row-major `[k, n]` and `dst`'s rows `ld` apart.
+///
+/// # Safety
+/// `dst` is valid for writes of `m` rows of `n` elements `ld ≥ n` apart, and no one else
+/// writes or reads them meanwhile; `x` holds `[m, k]` and `wt` `[k, n]`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_f32_t_into(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    wt: &[f32],
+    n: usize,
+    dst: *mut f32,
+    ld: usize,
+    par: bool,
+) {
+    assert!(x.len() >= m * k && wt.len() >= k * n && ld >= n);
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        1,
+        ld as isize,
+        false,
+        x.as_ptr(),
+        1,
+        k as isize,
+        wt.as_ptr(),
+        1,
+        n as isize,
+        0.0f32,
+        1.0f32,
+        false,
+        false,
+        false,
+        parallelism(par),
+    );
 }
 
 #[cfg(test)]
@@ -590,6 +651,48 @@ mod tests {
                     - 1.0
             })
             .collect()
+    }
+
+    /// What `blocked_f16` computed before it wrote into `out` directly: each block widened,
+    /// multiplied into a scratch of its own, then copied into its columns.
+    fn blocked_f16_through_scratch(
+        x: &[f32],
+        m: usize,
+        k: usize,
+        w: &PackedF16,
+        n: usize,
+    ) -> Vec<f32> {
+        let mut out = vec![0f32; m * n];
+        for b in 0..w.panels().div_ceil(BLOCK_PANELS) {
+            let p0 = b * BLOCK_PANELS;
+            let mut wt = Vec::new();
+            let cols = w.widen_panels(p0, (p0 + BLOCK_PANELS).min(w.panels()), &mut wt);
+            let mut ob = vec![0f32; m * cols];
+            gemm_rhs(x, m, k, &wt, cols, (1, cols as isize), &mut ob, false);
+            let n0 = p0 * PANEL;
+            for i in 0..m {
+                out[i * n + n0..i * n + n0 + cols].copy_from_slice(&ob[i * cols..(i + 1) * cols]);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn blocked_f16_writes_what_the_scratch_blocks_computed_bit_for_bit() {
+        for &(m, k, n) in &[(2, 64, 65), (17, 96, 384), (64, 40, 1000), (5, 128, 16)] {
+            let x = data(m * k, 3);
+            let w = PackedF16::pack(&data(n * k, 11), n, k);
+            let want = blocked_f16_through_scratch(&x, m, k, &w, n);
+            for par in [false, true] {
+                let mut got = vec![f32::NAN; m * n];
+                blocked_f16(&x, m, k, &w, n, &mut got, par);
+                let same = got
+                    .iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "m {m}, k {k}, n {n}, parallel {par}");
+            }
+        }
     }
 
     #[test]
