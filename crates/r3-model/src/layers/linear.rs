@@ -5,11 +5,12 @@
 //! accumulate it with a strided add, an extra full pass over every weight per step (the
 //! expert weights dominate this model's parameters).
 
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor, WithDType};
 
 use super::gemm::{matmul_vec, MatRef};
 use super::matmul16::matmul_wt_narrow;
 use crate::error::Result;
+use crate::host::with_host;
 use crate::math::Float;
 use crate::precision::Precision;
 use crate::weights::Weights;
@@ -101,6 +102,13 @@ impl CustomOp2 for MatmulWt {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        if grad.device().is_cpu() {
+            match grad.dtype() {
+                DType::F32 => return host_bwd::<f32>(x, w, grad),
+                DType::F64 => return host_bwd::<f64>(x, w, grad),
+                _ => {}
+            }
+        }
         // Gradients flow detached here, so these reshapes build no graph.
         let n = w.dim(0)?;
         let k = w.dim(1)?;
@@ -123,6 +131,48 @@ impl CustomOp2 for MatmulWt {
         };
         Ok((dx, dw))
     }
+}
+
+/// [`MatmulWt`]'s backward on the CPU: `dx = g · w` and `dw = gᵀ · x` through r3's gemm
+/// straight into new buffers (candle's matmul zero-fills its output first), the same gemm
+/// calls as candle's, so the same values.
+fn host_bwd<T: Float + WithDType>(
+    x: &Tensor,
+    w: &Tensor,
+    grad: &Tensor,
+) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+    let (n, k) = w.dims2()?;
+    let rows = grad.elem_count() / n.max(1);
+    if rows * k != x.elem_count() || rows * n != grad.elem_count() {
+        candle_core::bail!(
+            "linear backward: gradient {:?} does not fit input {:?} and weight {:?}",
+            grad.shape(),
+            x.shape(),
+            w.shape()
+        );
+    }
+    let threads = candle_core::utils::get_num_threads();
+    with_host::<T, _>(grad, |g| {
+        let dx = if x.track_op() {
+            with_host::<T, _>(w, |wv| {
+                let a = MatRef::row_major(g, n);
+                let v = matmul_vec(rows, k, n, a, MatRef::row_major(wv, k), threads);
+                Ok(Some(Tensor::from_vec(v, x.shape(), x.device())?))
+            })?
+        } else {
+            None
+        };
+        let dw = if w.track_op() {
+            with_host::<T, _>(x, |xv| {
+                let a = MatRef::transposed(g, n);
+                let v = matmul_vec(n, k, rows, a, MatRef::row_major(xv, k), threads);
+                Ok(Some(Tensor::from_vec(v, (n, k), w.device())?))
+            })?
+        } else {
+            None
+        };
+        Ok((dx, dw))
+    })
 }
 
 /// `x [.., k] · w [n, k]ᵀ → [.., n]` with weight gradients that need no transpose pass; a
