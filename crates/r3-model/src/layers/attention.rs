@@ -20,7 +20,7 @@ use crate::weights::Weights;
 pub struct AttentionMask {
     additive: Tensor,
     /// The same values on the host, `[B, T, T]`, for the fused CPU attention op.
-    host: Arc<Vec<f32>>,
+    pub(crate) host: Arc<Vec<f32>>,
     /// One past each query row's last visible key, `[B, T]` (the op's query blocks).
     pub(crate) key_ends: Arc<Vec<usize>>,
 }

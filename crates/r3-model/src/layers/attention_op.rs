@@ -7,12 +7,15 @@
 //! `dV = Pᵀ dO`, `dS = P ⊙ (dO Vᵀ − rowsum(P ⊙ dO Vᵀ))`, `dQ = dS K · scale` and
 //! `dK = dSᵀ Q · scale` per (sequence, key/value head) with GEMMs, in parallel over those.
 
+use std::mem::MaybeUninit;
 use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
-use super::gemm::{matmul_block, MatRef};
+use super::gemm::{
+    assume_init_slice, assume_init_vec, matmul_block, matmul_unfilled, unfilled, MatRef,
+};
 use crate::host::{contiguous, with_host};
 use crate::math::{lane_dot, lane_sum, row_max, Float};
 
@@ -28,7 +31,8 @@ pub struct MaskedAttention {
     pub scale: f64,
     /// Query heads per key/value head.
     pub groups: usize,
-    /// Softmax probabilities of the forward, `[B, KV, G·T, T]`, for the backward.
+    /// Softmax probabilities of the forward for the backward: per job (sequence, key/value
+    /// head) its query blocks' `[rows, keys]`, one after another.
     probs: Mutex<Option<CpuStorage>>,
 }
 
@@ -138,28 +142,47 @@ impl MaskedAttention {
         out
     }
 
+    /// Every job's query blocks and the size of its probabilities (`Σ rows · keys`): the
+    /// probabilities are kept block by block, each `[rows, keys]` dense, jobs one after
+    /// another, so nothing beyond the keys a block sees is stored or zero-filled.
+    fn plans(&self, d: Dims) -> Vec<(Vec<QueryBlock>, usize)> {
+        (0..d.jobs)
+            .map(|j| {
+                let blocks = self.blocks(j, d);
+                let size = blocks.iter().map(|b| b.rows * b.keys).sum();
+                (blocks, size)
+            })
+            .collect()
+    }
+
     fn fwd_typed<T: Float + WithDType>(
         &self,
         (q, k, v): (&[T], &[T], &[T]),
         d: Dims,
         wrap: fn(Vec<T>) -> CpuStorage,
     ) -> candle_core::Result<CpuStorage> {
-        let mut probs = vec![T::ZERO; d.jobs * d.rows * d.t];
+        let plans = self.plans(d);
+        let mut probs = unfilled::<T>(plans.iter().map(|(_, size)| size).sum());
         let mut out = vec![T::ZERO; d.jobs * d.rows * d.dv];
-        probs
-            .par_chunks_mut(d.rows * d.t)
+        job_regions(&mut probs, &plans)
+            .into_par_iter()
             .zip(out.par_chunks_mut(d.rows * d.dv))
             .enumerate()
-            .for_each(|(j, (p, o))| {
+            .for_each(|(j, (region, o))| {
                 let vj = &v[j * d.t * d.dv..(j + 1) * d.t * d.dv];
-                for blk in self.blocks(j, d) {
-                    self.block_probs(q, k, j, d, blk, p);
-                    let a = MatRef::row_major(&p[blk.row * d.t..], d.t);
+                let p = self.job_probs(q, k, j, d, &plans[j].0, region);
+                let mut off = 0;
+                for blk in &plans[j].0 {
+                    let pb = &p[off..off + blk.rows * blk.keys];
+                    off += blk.rows * blk.keys;
+                    let a = MatRef::row_major(pb, blk.keys);
                     let b = MatRef::row_major(vj, d.dv);
                     let dst = &mut o[blk.row * d.dv..];
                     matmul_block(blk.rows, d.dv, blk.keys, dst, d.dv, false, a, b);
                 }
             });
+        // SAFETY: `job_probs` wrote each job's whole region, and the regions tile `probs`.
+        let probs = unsafe { assume_init_vec(probs) };
         *self.probs_cache()? = Some(wrap(probs));
         Ok(wrap(out))
     }
@@ -176,7 +199,7 @@ impl MaskedAttention {
     #[allow(clippy::too_many_arguments)]
     fn backward_job<T: Float>(
         &self,
-        j: usize,
+        blocks: &[QueryBlock],
         (q, k, v): (&[T], &[T], &[T]),
         p: &[T],
         go: &[T],
@@ -185,15 +208,17 @@ impl MaskedAttention {
     ) {
         let scale = T::from_f64(self.scale);
         let mut ds = Vec::new();
-        for blk in self.blocks(j, d) {
+        let mut off = 0;
+        for blk in blocks {
             let (n, keys) = (blk.rows, blk.keys);
-            let pb = &p[blk.row * d.t..];
+            let pb = &p[off..off + n * keys];
+            off += n * keys;
             let gb = &go[blk.row * d.dv..(blk.row + n) * d.dv];
             // dV += Pᵀ dO
             let a = MatRef {
                 data: pb,
                 row_stride: 1,
-                col_stride: d.t,
+                col_stride: keys,
             };
             matmul_block(
                 keys,
@@ -211,7 +236,7 @@ impl MaskedAttention {
             let (a, b) = (MatRef::row_major(gb, d.dv), MatRef::transposed(v, d.dv));
             matmul_block(n, keys, d.dv, &mut ds, keys, false, a, b);
             for (r, dsr) in ds.chunks_exact_mut(keys).enumerate() {
-                let pr = &pb[r * d.t..r * d.t + keys];
+                let pr = &pb[r * keys..(r + 1) * keys];
                 let delta = T::from_f64(lane_dot(dsr, pr));
                 for (g, &pv) in dsr.iter_mut().zip(pr) {
                     *g = pv * (*g - delta) * scale;
@@ -239,15 +264,28 @@ impl MaskedAttention {
             with_host::<T, _>(k, |kv| {
                 with_host::<T, _>(v, |vv| {
                     with_host::<T, _>(grad, |gv| {
+                        let plans = self.plans(d);
+                        let total: usize = plans.iter().map(|(_, size)| size).sum();
                         let cached = self.probs_cache()?;
                         let recomputed;
                         let probs = match cached.as_ref().map(|c| c.as_slice::<T>()) {
                             Some(p) => p?,
                             None => {
-                                recomputed = self.recompute_probs(qv, kv, d);
+                                recomputed = self.recompute_probs(qv, kv, d, &plans);
                                 &recomputed
                             }
                         };
+                        if probs.len() != total {
+                            candle_core::bail!(
+                                "attention: {} cached probabilities for {total} expected",
+                                probs.len()
+                            );
+                        }
+                        let mut bases = Vec::with_capacity(plans.len());
+                        plans.iter().fold(0, |base, (_, size)| {
+                            bases.push(base);
+                            base + size
+                        });
                         dq.par_chunks_mut(d.rows * d.dq)
                             .zip(dk.par_chunks_mut(d.t * d.dq))
                             .zip(dv.par_chunks_mut(d.t * d.dv))
@@ -256,9 +294,11 @@ impl MaskedAttention {
                                 let qj = &qv[j * d.rows * d.dq..(j + 1) * d.rows * d.dq];
                                 let kj = &kv[j * d.t * d.dq..(j + 1) * d.t * d.dq];
                                 let vj = &vv[j * d.t * d.dv..(j + 1) * d.t * d.dv];
-                                let pj = &probs[j * d.rows * d.t..(j + 1) * d.rows * d.t];
+                                let (blocks, size) = &plans[j];
+                                let pj = &probs[bases[j]..bases[j] + size];
                                 let gj = &gv[j * d.rows * d.dv..(j + 1) * d.rows * d.dv];
-                                self.backward_job(j, (qj, kj, vj), pj, gj, (dqj, dkj, dvj), d);
+                                let grads = (dqj, dkj, dvj);
+                                self.backward_job(blocks, (qj, kj, vj), pj, gj, grads, d);
                             });
                         Ok(())
                     })
@@ -273,43 +313,78 @@ impl MaskedAttention {
         ))
     }
 
-    /// The forward's probabilities again (when the cache is empty, e.g. a second backward).
-    fn recompute_probs<T: Float>(&self, q: &[T], k: &[T], d: Dims) -> Vec<T> {
-        let mut probs = vec![T::ZERO; d.jobs * d.rows * d.t];
-        probs
-            .par_chunks_mut(d.rows * d.t)
+    /// The forward's probabilities again (when the cache is empty, e.g. a second backward),
+    /// in the forward's layout.
+    fn recompute_probs<T: Float>(
+        &self,
+        q: &[T],
+        k: &[T],
+        d: Dims,
+        plans: &[(Vec<QueryBlock>, usize)],
+    ) -> Vec<T> {
+        let mut probs = unfilled::<T>(plans.iter().map(|(_, size)| size).sum());
+        job_regions(&mut probs, plans)
+            .into_par_iter()
             .enumerate()
-            .for_each(|(j, p)| {
-                for blk in self.blocks(j, d) {
-                    self.block_probs(q, k, j, d, blk, p);
-                }
+            .for_each(|(j, region)| {
+                self.job_probs(q, k, j, d, &plans[j].0, region);
             });
-        probs
+        // SAFETY: `job_probs` wrote each job's whole region, and the regions tile `probs`.
+        unsafe { assume_init_vec(probs) }
     }
 
-    /// Block `blk` of job `j`'s probabilities `softmax(q kᵀ · scale + mask)` into its rows
-    /// of `p` (`[G·T, T]`, zero beyond the keys the block sees, which `p` holds already).
-    fn block_probs<T: Float>(
+    /// Job `j`'s probabilities `softmax(q kᵀ · scale + mask)`, block after block, each
+    /// `[rows, keys]` dense, into `region` (exactly `Σ rows · keys` long), which need not be
+    /// initialised: every element is written. Returns the region, written.
+    fn job_probs<'r, T: Float>(
         &self,
         q: &[T],
         k: &[T],
         j: usize,
         d: Dims,
-        blk: QueryBlock,
-        p: &mut [T],
-    ) {
-        let qb = &q[(j * d.rows + blk.row) * d.dq..(j * d.rows + blk.row + blk.rows) * d.dq];
+        blocks: &[QueryBlock],
+        region: &'r mut [MaybeUninit<T>],
+    ) -> &'r mut [T] {
         let kj = &k[j * d.t * d.dq..(j + 1) * d.t * d.dq];
-        let (a, b) = (MatRef::row_major(qb, d.dq), MatRef::transposed(kj, d.dq));
-        let pb = &mut p[blk.row * d.t..];
-        matmul_block(blk.rows, blk.keys, d.dq, pb, d.t, false, a, b);
         let seq = j / d.kv;
-        for (r, row) in pb.chunks_mut(d.t).take(blk.rows).enumerate() {
-            let i = blk.pos + r;
-            let mask = &self.mask[(seq * d.t + i) * d.t..][..blk.keys];
-            self.softmax_row(&mut row[..blk.keys], mask);
+        let mut rest = &mut region[..];
+        for blk in blocks {
+            let (block, tail) = std::mem::take(&mut rest).split_at_mut(blk.rows * blk.keys);
+            rest = tail;
+            let from = (j * d.rows + blk.row) * d.dq;
+            let qb = &q[from..from + blk.rows * d.dq];
+            let (a, b) = (MatRef::row_major(qb, d.dq), MatRef::transposed(kj, d.dq));
+            let pb = matmul_unfilled(blk.rows, blk.keys, d.dq, block, a, b, 1);
+            for (r, row) in pb.chunks_mut(blk.keys).enumerate() {
+                let i = blk.pos + r;
+                let mask = &self.mask[(seq * d.t + i) * d.t..][..blk.keys];
+                self.softmax_row(row, mask);
+            }
         }
+        assert!(
+            rest.is_empty(),
+            "attention: a job's region is longer than its blocks"
+        );
+        // SAFETY: the blocks tile the region (asserted: nothing is left over) and
+        // `matmul_unfilled` wrote each block whole.
+        unsafe { assume_init_slice(region) }
     }
+}
+
+/// `probs` cut into the jobs' regions, one after another, each its plan's size.
+fn job_regions<'p, T>(
+    probs: &'p mut [MaybeUninit<T>],
+    plans: &[(Vec<QueryBlock>, usize)],
+) -> Vec<&'p mut [MaybeUninit<T>]> {
+    let mut rest = probs;
+    plans
+        .iter()
+        .map(|(_, size)| {
+            let (region, tail) = std::mem::take(&mut rest).split_at_mut(*size);
+            rest = tail;
+            region
+        })
+        .collect()
 }
 
 /// One past the last visible key of every query row of a `[B, T, T]` additive mask (0 for a
@@ -403,8 +478,11 @@ impl CustomOp3 for MaskedAttention {
 #[cfg(test)]
 mod tests {
     use super::super::attention::{attend, attend_composed, AttentionMask};
+    use super::MaskedAttention;
     use crate::test_util::{max_abs_diff as max_diff, seeded_tensor as rand_tensor};
+    use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
     use candle_core::{DType, Device, Var};
+    use std::sync::Arc;
 
     /// Fused op against candle's composed ops: output and the gradients of q, k and v, with
     /// right padding, grouped heads, a window, and query/key width ≠ value width; on one
@@ -417,6 +495,80 @@ mod tests {
             2 * super::QUERY_BLOCK + 9,
             &[2 * super::QUERY_BLOCK + 9, 90],
         );
+    }
+
+    /// The op behind a handle the test keeps, to empty its cache between the passes.
+    struct Shared(Arc<MaskedAttention>);
+
+    impl CustomOp3 for Shared {
+        fn name(&self) -> &'static str {
+            self.0.name()
+        }
+
+        fn cpu_fwd(
+            &self,
+            q: &CpuStorage,
+            ql: &Layout,
+            k: &CpuStorage,
+            kl: &Layout,
+            v: &CpuStorage,
+            vl: &Layout,
+        ) -> candle_core::Result<(CpuStorage, Shape)> {
+            self.0.cpu_fwd(q, ql, k, kl, v, vl)
+        }
+
+        fn bwd(
+            &self,
+            q: &Tensor,
+            k: &Tensor,
+            v: &Tensor,
+            res: &Tensor,
+            grad: &Tensor,
+        ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+            self.0.bwd(q, k, v, res, grad)
+        }
+    }
+
+    /// A backward whose forward left no probabilities (the cache emptied) recomputes them in
+    /// the forward's block layout: the gradients equal the cached run's bit for bit.
+    #[test]
+    fn recomputed_probabilities_give_the_cached_gradients() {
+        let dev = Device::Cpu;
+        let t = super::QUERY_BLOCK + 7;
+        let lengths = [t, 20];
+        let (b, kv, groups, dq, dv) = (lengths.len(), 2, 2, 4, 3);
+        let mask = AttentionMask::new(&lengths, t, Some(40), &dev).expect("mask");
+        let q = Var::from_tensor(&rand_tensor(&[b, kv, groups * t, dq], 5, DType::F32)).unwrap();
+        let k = Var::from_tensor(&rand_tensor(&[b, kv, t, dq], 6, DType::F32)).unwrap();
+        let v = Var::from_tensor(&rand_tensor(&[b, kv, t, dv], 7, DType::F32)).unwrap();
+        let w = rand_tensor(&[b, kv, groups * t, dv], 8, DType::F32);
+        let run = |clear: bool| {
+            let op = Arc::new(MaskedAttention::new(
+                mask.host.clone(),
+                mask.key_ends.clone(),
+                0.41,
+                groups,
+            ));
+            let out = q
+                .as_tensor()
+                .apply_op3(k.as_tensor(), v.as_tensor(), Shared(op.clone()))
+                .expect("attend");
+            if clear {
+                *op.probs_cache().expect("cache") = None;
+            }
+            let grads = (&out * &w)
+                .and_then(|l| l.sum_all())
+                .and_then(|l| l.backward())
+                .expect("backward");
+            let flat = |x: &Var| {
+                let g = grads.get(x).expect("gradient");
+                g.flatten_all()
+                    .and_then(|g| g.to_vec1::<f32>())
+                    .expect("vec")
+            };
+            (flat(&q), flat(&k), flat(&v))
+        };
+        assert_eq!(run(false), run(true));
     }
 
     /// By hand: real query `i` sees keys up to `i`, a padding query key 0, a fully masked row

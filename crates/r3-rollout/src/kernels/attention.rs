@@ -211,8 +211,8 @@ fn weighted_rows(probs: &[f32], rows: &[&[f32]], from: usize, out: &mut [f32]) {
 }
 
 /// `out[t, h*v_dim..]` = softmax(q_t,h · K / scale) · V for every token `t` of every span.
-pub fn paged_attention(
-    pool: &KvPool,
+pub fn paged_attention<'p>(
+    pool: &'p KvPool,
     layer: usize,
     spans: &[SeqSpan],
     q: &[f32],
@@ -237,7 +237,9 @@ pub fn paged_attention(
             owner.push((s, span.start_pos + i));
         }
     }
-    let task = |(t, o): (usize, &mut [f32])| {
+    // Per worker: the context's key and value rows and the scores, reused token after token
+    // (three allocations per token and layer otherwise).
+    let task = |scratch: &mut ContextScratch<'p>, (t, o): (usize, &mut [f32])| {
         let (s, pos) = owner[t];
         let span = &spans[s];
         let qt = &q[(span.first_token + (pos - span.start_pos)) * num_heads * qk_dim..]
@@ -245,22 +247,23 @@ pub fn paged_attention(
         let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
         let n = pos + 1 - lo;
         // The context's key and value rows, looked up once.
-        let (keys, values): (Vec<&[f32]>, Vec<&[f32]>) = (lo..=pos)
-            .map(|abs| {
-                let (b, slot) = (span.blocks[abs / bs], abs % bs);
-                (pool.key(b, layer, slot), pool.value(b, layer, slot))
-            })
-            .unzip();
-        let mut scores = vec![0f32; num_heads * n];
+        let ContextScratch {
+            keys,
+            values,
+            scores,
+        } = scratch;
+        keys.clear();
+        values.clear();
+        for abs in lo..=pos {
+            let (b, slot) = (span.blocks[abs / bs], abs % bs);
+            keys.push(pool.key(b, layer, slot));
+            values.push(pool.value(b, layer, slot));
+        }
+        scores.clear();
+        scores.resize(num_heads * n, 0.0);
         for h in 0..num_heads {
             let (qh, g) = (&qt[h * qk_dim..(h + 1) * qk_dim], h / group);
-            head_scores(
-                qh,
-                &keys,
-                g * qk_dim,
-                scale,
-                &mut scores[h * n..(h + 1) * n],
-            );
+            head_scores(qh, keys, g * qk_dim, scale, &mut scores[h * n..(h + 1) * n]);
             crate::kernels::ops::softmax_in_place(&mut scores[h * n..(h + 1) * n]);
         }
         for h in 0..num_heads {
@@ -269,16 +272,30 @@ pub fn paged_attention(
             // Output chunks small enough to stay in registers across the whole context.
             for (c, oc) in oh.chunks_mut(V_CHUNK).enumerate() {
                 let from = g * v_dim + c * V_CHUNK;
-                weighted_rows(probs, &values, from, oc);
+                weighted_rows(probs, values, from, oc);
             }
         }
     };
     let row = num_heads * v_dim;
     if parallel && owner.len() > 1 {
-        out.par_chunks_mut(row).enumerate().for_each(task);
+        out.par_chunks_mut(row)
+            .enumerate()
+            .for_each_init(ContextScratch::default, task);
     } else {
-        out.chunks_mut(row).enumerate().for_each(task);
+        let mut scratch = ContextScratch::default();
+        out.chunks_mut(row)
+            .enumerate()
+            .for_each(|item| task(&mut scratch, item));
     }
+}
+
+/// One worker's buffers for [`paged_attention`]: a token's context key and value rows and
+/// its scores (every head's, `[heads, context]`).
+#[derive(Default)]
+struct ContextScratch<'p> {
+    keys: Vec<&'p [f32]>,
+    values: Vec<&'p [f32]>,
+    scores: Vec<f32>,
 }
 
 #[cfg(test)]
