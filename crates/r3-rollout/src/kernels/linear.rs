@@ -502,30 +502,51 @@ fn gemm_rhs(
 ) {
     assert!(x.len() >= m * k && rhs.len() >= n * k && out.len() >= m * n);
     // SAFETY: the slices hold at least the elements the strides address (asserted above): x
-    // is [m, k] row-major, rhs a [k, n] matrix either way round, out is [m, n] row-major.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            out.as_mut_ptr(),
-            1,
-            n as isize,
-            false,
-            x.as_ptr(),
-            1,
-            k as isize,
-            rhs.as_ptr(),
-            rhs_strides.0,
-            rhs_strides.1,
-            0.0f32,
-            1.0f32,
-            false,
-            false,
-            false,
-            parallelism(par),
-        );
-    }
+    // is [m, k] row-major, rhs a [k, n] matrix either way round, out is [m, n] row-major and
+    // borrowed mutably here.
+    unsafe { gemm_into(x, m, k, rhs, n, rhs_strides, out.as_mut_ptr(), n, par) }
+}
+
+/// `dst[m, n] = x[m, k] · rhs` with `rhs` the `[k, n]` matrix with (column, row) strides
+/// `rhs_strides` and `dst`'s rows `ld` apart.
+///
+/// # Safety
+/// `x` and `rhs` hold every element their shapes and strides address; `dst` is valid for
+/// writes of `m` rows of `n` elements `ld ≥ n` apart that no one else reads or writes
+/// meanwhile.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_into(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    rhs: &[f32],
+    n: usize,
+    rhs_strides: (isize, isize),
+    dst: *mut f32,
+    ld: usize,
+    par: bool,
+) {
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        1,
+        ld as isize,
+        false,
+        x.as_ptr(),
+        1,
+        k as isize,
+        rhs.as_ptr(),
+        rhs_strides.0,
+        rhs_strides.1,
+        0.0f32,
+        1.0f32,
+        false,
+        false,
+        false,
+        parallelism(par),
+    );
 }
 
 /// Panels per block of the f16 large-batch path.
@@ -553,10 +574,26 @@ fn blocked_f16(x: &[f32], m: usize, k: usize, w: &PackedF16, n: usize, out: &mut
             n0 + cols <= n,
             "blocked_f16: panels past the output's columns"
         );
+        assert!(
+            wt.len() >= k * cols,
+            "blocked_f16: widened panels shorter than [k, cols]"
+        );
         // SAFETY: `out` holds `m` rows of `n` (asserted above); this block writes only the
         // columns `n0 .. n0 + cols ≤ n` of each, and no two blocks share a column, so the
-        // tasks' writes are disjoint. `wt` is `[k, cols]` row-major, `x` `[m, k]`.
-        unsafe { gemm_f32_t_into(x, m, k, &wt, cols, dst.at(n0), n, gemm_par) };
+        // tasks' writes are disjoint. `wt` holds `[k, cols]` row-major, `x` `[m, k]`.
+        unsafe {
+            gemm_into(
+                x,
+                m,
+                k,
+                &wt,
+                cols,
+                (1, cols as isize),
+                dst.at(n0),
+                n,
+                gemm_par,
+            )
+        };
     };
     if par && !gemm_par {
         (0..blocks).into_par_iter().for_each(task);
@@ -583,46 +620,6 @@ impl ColumnBlocks {
     unsafe fn at(self, col: usize) -> *mut f32 {
         self.0.add(col)
     }
-}
-
-/// `dst[m, n] = x · wt` with `wt` row-major `[k, n]` and `dst`'s rows `ld` apart.
-///
-/// # Safety
-/// `dst` is valid for writes of `m` rows of `n` elements `ld ≥ n` apart, and no one else
-/// writes or reads them meanwhile; `x` holds `[m, k]` and `wt` `[k, n]`.
-#[allow(clippy::too_many_arguments)]
-unsafe fn gemm_f32_t_into(
-    x: &[f32],
-    m: usize,
-    k: usize,
-    wt: &[f32],
-    n: usize,
-    dst: *mut f32,
-    ld: usize,
-    par: bool,
-) {
-    assert!(x.len() >= m * k && wt.len() >= k * n && ld >= n);
-    gemm::gemm(
-        m,
-        n,
-        k,
-        dst,
-        1,
-        ld as isize,
-        false,
-        x.as_ptr(),
-        1,
-        k as isize,
-        wt.as_ptr(),
-        1,
-        n as isize,
-        0.0f32,
-        1.0f32,
-        false,
-        false,
-        false,
-        parallelism(par),
-    );
 }
 
 #[cfg(test)]
