@@ -75,19 +75,10 @@ pub fn matmul_vec<T: Float>(
     b: MatRef<'_, T>,
     threads: usize,
 ) -> Vec<T> {
-    let mut dst = Vec::with_capacity(m * n);
-    matmul_unfilled(
-        m,
-        n,
-        k,
-        &mut dst.spare_capacity_mut()[..m * n],
-        a,
-        b,
-        threads,
-    );
-    // SAFETY: `matmul_unfilled` wrote each of the first `m·n` elements.
-    unsafe { dst.set_len(m * n) };
-    dst
+    let mut dst = unfilled(m * n);
+    matmul_unfilled(m, n, k, &mut dst, a, b, threads);
+    // SAFETY: `matmul_unfilled` wrote each of the `m·n` elements.
+    unsafe { assume_init_vec(dst) }
 }
 
 /// [`matmul`] into a destination that need not be initialised; returns its first `m·n`

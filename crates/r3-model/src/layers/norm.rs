@@ -7,6 +7,7 @@
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
+use super::gemm::{assume_init_vec, unfilled};
 use crate::error::Result;
 use crate::host::{contiguous, with_host};
 use crate::math::Float;
@@ -81,9 +82,8 @@ fn inv_rms<T: Float>(row: &[T], eps: f64) -> T {
 fn rms_fwd<T: Float>(x: &[T], w: &[T], eps: f64) -> Vec<T> {
     let d = w.len();
     // Not zero-filled first: every element is written below.
-    let mut y = Vec::with_capacity(x.len());
-    y.spare_capacity_mut()[..x.len()]
-        .par_chunks_mut(d)
+    let mut y = unfilled(x.len());
+    y.par_chunks_mut(d)
         .zip(x.par_chunks(d))
         .for_each(|(yr, xr)| {
             let r = inv_rms(xr, eps);
@@ -92,8 +92,7 @@ fn rms_fwd<T: Float>(x: &[T], w: &[T], eps: f64) -> Vec<T> {
             }
         });
     // SAFETY: the chunks cover all `x.len()` elements and each element was written.
-    unsafe { y.set_len(x.len()) };
-    y
+    unsafe { assume_init_vec(y) }
 }
 
 /// `dx = r · (g·w − x̂ · mean(g·w·x̂))`, `dw = Σ_rows g · x̂`, with `x̂ = x · r`.
@@ -111,8 +110,8 @@ fn rms_bwd<T: Float>(x: &[T], w: &[T], g: &[T], eps: f64) -> (Vec<T>, Vec<T>) {
         "rms norm backward: gradient and input lengths differ"
     );
     // Not zero-filled first: every element is written below.
-    let mut dx = Vec::with_capacity(x.len());
-    let partials: Vec<Vec<T>> = dx.spare_capacity_mut()[..x.len()]
+    let mut dx = unfilled(x.len());
+    let partials: Vec<Vec<T>> = dx
         .par_chunks_mut(d * ROWS_PER_TASK)
         .zip(x.par_chunks(d * ROWS_PER_TASK))
         .zip(g.par_chunks(d * ROWS_PER_TASK))
@@ -136,7 +135,7 @@ fn rms_bwd<T: Float>(x: &[T], w: &[T], g: &[T], eps: f64) -> (Vec<T>, Vec<T>) {
         .collect();
     // SAFETY: the row chunks of `dx`, `x` and `g` (one length, asserted above) pair up
     // element for element, and each element of `dx` was written (a row is at most `d` long).
-    unsafe { dx.set_len(x.len()) };
+    let dx = unsafe { assume_init_vec(dx) };
     (dx, sum_chunks(&partials, d))
 }
 

@@ -10,6 +10,7 @@ use rayon::prelude::*;
 
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor, WithDType};
 
+use super::gemm::{assume_init_vec, unfilled};
 use crate::host::with_host;
 use crate::math::Float;
 
@@ -123,9 +124,8 @@ impl RotaryOp {
                 x.len()
             );
         }
-        let mut out = Vec::with_capacity(n);
-        out.spare_capacity_mut()[..n]
-            .par_chunks_mut(t * d)
+        let mut out = unfilled(n);
+        out.par_chunks_mut(t * d)
             .enumerate()
             .for_each(|(task, rows)| {
                 let (bi, hi) = (task / h, task % h);
@@ -144,8 +144,7 @@ impl RotaryOp {
             });
         // SAFETY: the tasks cover all `n` elements in rows of `d`, and `rotate_row_into`
         // writes every element of each row.
-        unsafe { out.set_len(n) };
-        Ok(out)
+        Ok(unsafe { assume_init_vec(out) })
     }
 }
 
