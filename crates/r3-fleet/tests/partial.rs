@@ -240,13 +240,16 @@ fn a_sync_mid_batch_resumes_the_aborted_requests_on_the_new_version() {
     let f = fleet(vec![plain.url.clone()], MergePolicy::KeepPerTokenOrigin);
     f.sync(&model_dir(), 1).expect("sync");
     let mut batch = 16;
-    // A batch that finishes before the sync starts shows nothing: grow it until one is cut.
-    for _ in 0..4 {
+    // A batch that finishes before the sync starts, or is cut before any token, shows
+    // nothing: grow it until one is cut mid-decode.
+    for attempt in 0..4u64 {
         let version = f.version();
         let reqs: Vec<GenerateRequest> = (0..batch).map(|i| request(1.0, 96, i as u64)).collect();
         let (results, stats) = std::thread::scope(|s| {
             let rollout = s.spawn(|| f.generate(reqs.clone()));
             wait_running(&real.url);
+            // After a try whose sync landed in prefill, give the batch time to decode.
+            std::thread::sleep(Duration::from_millis(25 * attempt));
             f.sync(&model_dir(), version + 1).expect("sync mid batch");
             rollout.join().expect("rollout thread")
         })
@@ -269,8 +272,18 @@ fn a_sync_mid_batch_resumes_the_aborted_requests_on_the_new_version() {
             );
             assert!(v.iter().all(|&x| x == version || x == version + 1));
         }
-        if stats.partial_resumed > 0 {
-            assert!(stats.spanning > 0, "{stats:?}");
+        // A request aborted before its first token is resumed from scratch on the new
+        // weights (its empty piece leaves no version behind), so `partial_resumed > 0` alone
+        // does not show a request that spans the sync; on a loaded machine a sync can land
+        // while the whole batch is still in prefill. Only a spanning request shows the merge.
+        if stats.spanning == 0 {
+            assert!(
+                stats.partial_resumed as usize <= batch,
+                "at most one resume per request here: {stats:?}"
+            );
+        }
+        if stats.spanning > 0 {
+            assert!(stats.partial_resumed > 0, "{stats:?}");
             assert!(stats.stale >= stats.spanning, "{stats:?}");
             assert_eq!(stats.retries, 0, "an abort is not a worker fault");
             assert_eq!(f.workers_up(), 1);
