@@ -4,10 +4,27 @@
 use r3_train::config::{RouterReplay, TrainConfig};
 use r3_train::{IsMode, LossAgg, PolicyLossKind, TrainError};
 
-fn tmp(name: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("r3-train-cfg-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("dir");
-    dir.join(name)
+/// A scratch directory of one test, removed when the test ends (pass or fail).
+struct Scratch(std::path::PathBuf);
+
+impl Scratch {
+    /// A fresh directory named after the test, so tests running in parallel do not share it.
+    fn new(test: &str) -> Scratch {
+        let dir = std::env::temp_dir().join(format!("r3-train-cfg-{test}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("scratch dir");
+        Scratch(dir)
+    }
+
+    fn file(&self, name: &str) -> std::path::PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 fn set(items: &[&str]) -> Vec<String> {
@@ -151,7 +168,8 @@ fn override_errors_name_the_problem() {
 
 #[test]
 fn file_layers_between_defaults_and_overrides() {
-    let path = tmp("layer.toml");
+    let scratch = Scratch::new("layers");
+    let path = scratch.file("layer.toml");
     std::fs::write(
         &path,
         "steps = 5\n[algo]\nmini_batches = 4\nis_mode = \"mis\"\n[optim]\nlr = 3e-6\n",
@@ -176,7 +194,7 @@ fn file_layers_between_defaults_and_overrides() {
         Err(TrainError::ConfigParse { .. })
     ));
     assert!(matches!(
-        TrainConfig::resolve(Some(&tmp("missing.toml")), &[]),
+        TrainConfig::resolve(Some(&scratch.file("missing.toml")), &[]),
         Err(TrainError::Io { .. })
     ));
 }
@@ -185,7 +203,8 @@ fn file_layers_between_defaults_and_overrides() {
 fn saved_config_reloads_identically() {
     let cfg = TrainConfig::resolve(None, &set(&["seed=99", "algo.loss=gspo", "optim.lr=3e-6"]))
         .expect("resolve");
-    let path = tmp("resolved.toml");
+    let scratch = Scratch::new("saved");
+    let path = scratch.file("resolved.toml");
     cfg.save(&path).expect("save");
     let back = TrainConfig::resolve(Some(&path), &[]).expect("reload");
     assert_eq!(back, cfg);
