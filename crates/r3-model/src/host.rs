@@ -28,3 +28,16 @@ pub(crate) fn with_host<T: WithDType, R>(
     };
     f(contiguous(cpu.as_slice::<T>()?, layout, "tensor")?)
 }
+
+/// Runs `f` on a CPU tensor's whole storage slice of element type `T` and its layout, with
+/// no copy: for kernels that read strided operands through the layout.
+pub(crate) fn with_host_strided<T: WithDType, R>(
+    t: &Tensor,
+    f: impl FnOnce(&[T], &Layout) -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    let (storage, layout) = t.storage_and_layout();
+    let candle_core::Storage::Cpu(cpu) = &*storage else {
+        candle_core::bail!("tensor is not on the CPU");
+    };
+    f(cpu.as_slice::<T>()?, layout)
+}

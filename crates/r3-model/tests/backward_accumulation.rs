@@ -2,9 +2,12 @@
 //! contribution is stored as it is instead of being added to a zero-filled tensor) sums
 //! every contribution exactly once: gradients of tensors read several times, through a
 //! subtraction, a broadcast, a transpose and a fused op's own backward, each checked
-//! against values computed by hand. Every stored gradient is contiguous, as a sum was.
+//! against values computed by hand. Every gradient handed out is contiguous, as a sum was; a
+//! strided gradient that a transpose's rule turns back into a contiguous one is not copied.
 
-use candle_core::{DType, Device, Tensor, Var, D};
+use std::sync::Mutex;
+
+use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor, Var, D};
 
 fn var(values: &[f32], shape: &[usize]) -> Var {
     let t = Tensor::from_slice(values, shape, &Device::Cpu).expect("tensor");
@@ -195,4 +198,82 @@ fn gradients_through_a_fused_op_and_a_softmax_match_finite_differences() {
             gx[i]
         );
     }
+}
+
+/// `y = 3·x` for a 2-D f32 `x` read through its strides, whose backward hands the input gradient back as the
+/// transpose of a contiguous buffer (as r3's attention and RoPE ops do for the transposed
+/// views they read) and remembers where that buffer's data lies.
+struct TripleWithTransposedGrad(Mutex<Option<usize>>);
+
+fn data_address(t: &Tensor) -> usize {
+    let (storage, layout) = t.storage_and_layout();
+    let candle_core::Storage::Cpu(cpu) = &*storage else {
+        panic!("not on the CPU")
+    };
+    let data = cpu.as_slice::<f32>().expect("f32");
+    data[layout.start_offset()..].as_ptr() as usize
+}
+
+impl CustomOp1 for TripleWithTransposedGrad {
+    fn name(&self) -> &'static str {
+        "triple-with-transposed-grad"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let data = x.as_slice::<f32>()?;
+        let (rows, cols) = l.shape().dims2()?;
+        let (st, start) = (l.stride(), l.start_offset());
+        let v: Vec<f32> = (0..rows * cols)
+            .map(|i| 3.0 * data[start + (i / cols) * st[0] + (i % cols) * st[1]])
+            .collect();
+        Ok((CpuStorage::F32(v), l.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        let buffer = (grad.t()?.contiguous()? * 3.0)?;
+        *self.0.lock().expect("lock") = Some(data_address(&buffer));
+        Ok(Some(buffer.t()?))
+    }
+}
+
+#[test]
+fn a_transposed_gradient_transposed_back_reaches_the_variable_without_a_copy() {
+    // loss = Σ op(Xᵀ) ⊙ M with op = 3·: ∂/∂X = 3 Mᵀ. The op reads X [2, 3] through a
+    // transpose and returns that view's gradient as a transposed view; the transpose's rule
+    // re-views it, and X's gradient is the op's own buffer.
+    let x = var(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3]);
+    let m = constant(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[3, 2]);
+    let op = std::sync::Arc::new(TripleWithTransposedGrad(Mutex::new(None)));
+    struct Shared(std::sync::Arc<TripleWithTransposedGrad>);
+    impl CustomOp1 for Shared {
+        fn name(&self) -> &'static str {
+            self.0.name()
+        }
+        fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+            self.0.cpu_fwd(s, l)
+        }
+        fn bwd(&self, x: &Tensor, r: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
+            self.0.bwd(x, r, g)
+        }
+    }
+    let xt = x.as_tensor().t().expect("transpose");
+    let y = xt.apply_op1(Shared(op.clone())).expect("op");
+    let loss = y.mul(&m).expect("mul").sum_all().expect("loss");
+    let grads = loss.backward().expect("backward");
+    let gx = grads.get(x.as_tensor()).expect("x");
+    assert!(gx.is_contiguous(), "X's gradient is handed out contiguous");
+    let mt = [1.0f32, 3.0, 5.0, 2.0, 4.0, 6.0];
+    let want: Vec<f32> = mt.iter().map(|v| 3.0 * v).collect();
+    assert_close(&flat(gx), &want, "dX");
+    let buffer = op.0.lock().expect("lock").expect("the op's backward ran");
+    assert_eq!(
+        data_address(gx),
+        buffer,
+        "X's gradient is the op's buffer, not a copy of it"
+    );
 }

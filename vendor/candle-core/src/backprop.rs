@@ -173,6 +173,13 @@ impl Tensor {
             let grad = grads
                 .remove(node)
                 .expect("candle internal error - grad not populated");
+            // r3 patch: first gradients are stored as they come (see `first_grad`); a rule
+            // other than a transpose or permute (which only re-views its gradient) gets it
+            // contiguous, as upstream's zeros-plus-gradient sum always was.
+            let grad = match node.op() {
+                Some(Op::Transpose(..)) | Some(Op::Permute(..)) => grad,
+                _ => grad.contiguous()?,
+            };
             // https://github.com/huggingface/candle/issues/1241
             // Ideally, we would make these operations in place where possible to ensure that we
             // do not have to allocate too often. Here we just call `.detach` to avoid computing
@@ -660,6 +667,13 @@ impl Tensor {
                 };
             }
         }
+        // r3 patch: what is left in the store (the variables' gradients, and those of
+        // tensors no variable depends on) is handed out contiguous, as upstream's sums were.
+        for grad in grads.0.values_mut() {
+            if !grad.is_contiguous() {
+                *grad = grad.contiguous()?;
+            }
+        }
         Ok(grads)
     }
 }
@@ -775,15 +789,17 @@ impl GradStore {
     }
 }
 
-/// r3 patch: the first gradient of `tensor`: `grad` itself, contiguous, where it has the
-/// tensor's shape, dtype and device; otherwise what upstream computed (zeros plus `grad`),
-/// so a mismatch fails with the same error as before.
+/// r3 patch: the first gradient of `tensor`: `grad` itself where it has the tensor's shape,
+/// dtype and device — a strided view stays a view until a rule consumes it (`backward` makes
+/// it contiguous there, so a transpose's gradient that is transposed back is never copied);
+/// otherwise what upstream computed (zeros plus `grad`), so a mismatch fails with the same
+/// error as before.
 fn first_grad(tensor: &Tensor, grad: &Tensor) -> Result<Tensor> {
     if grad.shape() == tensor.shape()
         && grad.dtype() == tensor.dtype()
         && grad.device().same_device(tensor.device())
     {
-        grad.contiguous()
+        Ok(grad.clone())
     } else {
         tensor.zeros_like()?.add(grad)
     }

@@ -75,10 +75,12 @@ impl AttentionMask {
 }
 
 /// `softmax(q kᵀ · scale + mask) v` with `q` `[B, KV, G·T, Dq]` (G query heads per
-/// key/value head, stacked), `k` `[B, KV, T, Dq]`, `v` `[B, KV, T, Dv]` → `[B, KV, G·T, Dv]`.
-/// On CPU in f32/f64 one fused op with its own backward ([`MaskedAttention`]); elsewhere
-/// candle's composed ops in an op that recomputes the probabilities in its backward
-/// ([`attend_recomputed`]: the graph keeps no score-sized tensor).
+/// key/value head, stacked), `k` `[B, KV, T, Dq]`, `v` `[B, KV, T, Dv]` → `[B, T, KV·G·Dv]`
+/// (each position's heads side by side, head `kv·G + g`: what the output projection reads).
+/// On CPU in f32/f64 one fused op with its own backward ([`MaskedAttention`], which reads `v`
+/// through its strides and writes this layout directly); elsewhere candle's composed ops in
+/// an op that recomputes the probabilities in its backward ([`attend_recomputed`]: the graph
+/// keeps no score-sized tensor), then [`heads_to_tokens`].
 pub fn attend(
     q: &Tensor,
     k: &Tensor,
@@ -89,11 +91,19 @@ pub fn attend(
 ) -> Result<Tensor> {
     if q.device().is_cpu() && matches!(q.dtype(), DType::F32 | DType::F64) {
         let op = MaskedAttention::new(mask.host.clone(), mask.key_ends.clone(), scale, groups);
-        return Ok(q
-            .contiguous()?
-            .apply_op3(&k.contiguous()?, &v.contiguous()?, op)?);
+        // The op reads rows of contiguous values through any other strides.
+        let v = if v.stride().last() == Some(&1) {
+            v.clone()
+        } else {
+            v.contiguous()?
+        };
+        return Ok(q.contiguous()?.apply_op3(&k.contiguous()?, &v, op)?);
     }
-    attend_recomputed(q, k, v, &mask.additive, scale, groups)
+    let t = k.dim(2)?;
+    heads_to_tokens(
+        &attend_recomputed(q, k, v, &mask.additive, scale, groups)?,
+        t,
+    )
 }
 
 /// [`attend`] from candle's composed ops (other devices and dtypes, and the reference the
@@ -106,7 +116,20 @@ pub fn attend_composed(
     scale: f64,
     groups: usize,
 ) -> Result<Tensor> {
-    attend_additive(q, k, v, &mask.additive, scale, groups)
+    let t = k.dim(2)?;
+    heads_to_tokens(&attend_additive(q, k, v, &mask.additive, scale, groups)?, t)
+}
+
+/// An attention output `[B, KV, G·T, D]` (query heads stacked per key/value head) as
+/// `[B, T, KV·G·D]`, each position's heads side by side (head `kv·G + g`).
+pub fn heads_to_tokens(out: &Tensor, t: usize) -> Result<Tensor> {
+    let (b, kv, rows, d) = out.dims4()?;
+    let heads = kv * (rows / t.max(1));
+    Ok(out
+        .reshape((b, heads, t, d))?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape((b, t, heads * d))?)
 }
 
 /// [`attend_composed`] with `S` keys (`k` `[B, KV, S, Dq]`, `v` `[B, KV, S, Dv]`, a step
@@ -330,12 +353,11 @@ impl GqaAttention {
 
     /// `[B, T, H]` → `[B, T, H]`.
     pub fn forward(&self, x: &Tensor, rope: &RopeTables, mask: &AttentionMask) -> Result<Tensor> {
-        let (b, t, _) = x.dims3()?;
         let (q, k, v) = self.project(x, rope)?;
         let hd = self.head_dim;
         let groups = self.num_heads / self.num_kv_heads;
         let out = attend(&q, &k, &v, mask, 1.0 / (hd as f64).sqrt(), groups)?;
-        self.output(&out, b, t)
+        self.o_proj.forward(&out)
     }
 
     /// One step over a KV cache: `x` `[B, T, H]` at the positions `rope` rotates with,
@@ -348,13 +370,13 @@ impl GqaAttention {
         cache: &mut LayerKv,
         additive: &Tensor,
     ) -> Result<Tensor> {
-        let (b, t, _) = x.dims3()?;
+        let t = x.dim(1)?;
         let (q, k, v) = self.project(x, rope)?;
         let (k, v) = cache.append(&k, &v)?;
         let hd = self.head_dim;
         let groups = self.num_heads / self.num_kv_heads;
         let out = attend_additive(&q, &k, &v, additive, 1.0 / (hd as f64).sqrt(), groups)?;
-        self.output(&out, b, t)
+        self.o_proj.forward(&heads_to_tokens(&out, t)?)
     }
 
     /// Rotated queries `[B, KV, G·T, D]` (G query heads per key/value head, stacked),
@@ -387,17 +409,6 @@ impl GqaAttention {
         let q = q.reshape((b, nkv, groups * t, hd))?;
         Ok((q, k, v))
     }
-
-    /// The attention output `[B, KV, G·T, D]` back to `[B, T, H]` through `o_proj`.
-    fn output(&self, out: &Tensor, b: usize, t: usize) -> Result<Tensor> {
-        let (nh, hd) = (self.num_heads, self.head_dim);
-        let out = out
-            .reshape((b, nh, t, hd))?
-            .transpose(1, 2)?
-            .contiguous()?
-            .reshape((b, t, nh * hd))?;
-        self.o_proj.forward(&out)
-    }
 }
 
 #[cfg(test)]
@@ -424,7 +435,8 @@ mod tests {
                 let v = Var::from_tensor(&seeded_tensor(&[b, kv, t, d + 1], 3, dtype)).expect("v");
                 let probe = seeded_tensor(&[b, kv, groups * t, d + 1], 4, dtype);
                 let scale = 1.0 / (d as f64).sqrt();
-                let want = attend_composed(&q, &k, &v, &mask, scale, groups).expect("composed");
+                let want =
+                    attend_additive(&q, &k, &v, mask.additive(), scale, groups).expect("composed");
                 let got = attend_recomputed(&q, &k, &v, mask.additive(), scale, groups)
                     .expect("recomputed");
                 assert_eq!(

@@ -14,13 +14,18 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
 use super::gemm::{
-    assume_init_slice, assume_init_vec, matmul_block, matmul_unfilled, unfilled, MatRef,
+    assume_init_slice, assume_init_vec, matmul_block, matmul_block_shared, matmul_unfilled,
+    unfilled, MatRef, SharedBuf,
 };
-use crate::host::{contiguous, with_host};
+use crate::host::{contiguous, with_host, with_host_strided};
 use crate::math::{lane_dot, lane_sum, row_max, Float};
 
-/// The attention op: `q` `[B, KV, G·T, Dq]` (G query heads per key/value head, stacked),
-/// `k` `[B, KV, T, Dq]`, `v` `[B, KV, T, Dv]` → `[B, KV, G·T, Dv]`.
+/// The attention op: `q` `[B, KV, G·T, Dq]` (G query heads per key/value head, stacked) and
+/// `k` `[B, KV, T, Dq]` contiguous, `v` `[B, KV, T, Dv]` through its strides (the usual
+/// transposed view of the value projection, read without a copy) → `[B, T, KV·G·Dv]`, the
+/// heads of each position side by side (head `kv·G + g`), the layout the output projection
+/// reads (no transpose and copy after the op; its backward reads the output gradient as it
+/// comes and hands `v`'s gradient back in `v`'s own layout).
 pub struct MaskedAttention {
     /// Additive mask `[B, T, T]` (0 or −∞), shared by every head.
     pub mask: Arc<Vec<f32>>,
@@ -51,6 +56,67 @@ struct Dims {
     dv: usize,
     /// Key/value heads per sequence.
     kv: usize,
+    /// Query heads per sequence (`kv · G`).
+    heads: usize,
+}
+
+impl Dims {
+    /// Query heads per key/value head.
+    fn groups(&self) -> usize {
+        self.heads / self.kv
+    }
+
+    /// Offset in the `[B, T, heads·dv]` output (and its gradient) of job `j`'s query row
+    /// `row` (group `row / t`, position `row % t`); rows of one group are `heads·dv` apart.
+    fn out_offset(&self, j: usize, row: usize) -> usize {
+        let (seq, kvh) = (j / self.kv, j % self.kv);
+        let (g, pos) = (row / self.t, row % self.t);
+        ((seq * self.t + pos) * self.heads + kvh * self.groups() + g) * self.dv
+    }
+}
+
+/// Where job `j`'s value rows lie in a `[B, KV, T, Dv]` tensor's storage: rows `row`
+/// elements apart from `start + seq · b + head · h` (the last dimension contiguous).
+#[derive(Debug, Clone, Copy)]
+struct ValueRows {
+    start: usize,
+    seq: usize,
+    head: usize,
+    row: usize,
+}
+
+impl ValueRows {
+    /// The rows of `layout` (`[B, KV, T, Dv]`), checked to lie inside `len` elements.
+    fn new(layout: &Layout, len: usize) -> candle_core::Result<Self> {
+        let (b, kv, t, dv) = layout.shape().dims4()?;
+        let st = layout.stride();
+        let rows = ValueRows {
+            start: layout.start_offset(),
+            seq: st[0],
+            head: st[1],
+            row: st[2],
+        };
+        if b * kv * t * dv > 0 {
+            let last = rows.start + (b - 1) * st[0] + (kv - 1) * st[1] + (t - 1) * st[2] + dv;
+            if st[3] != 1 || last > len {
+                candle_core::bail!(
+                    "attention: v {:?} (strides {st:?}, offset {}) is not rows of contiguous values inside its {len} elements",
+                    layout.shape(),
+                    rows.start
+                );
+            }
+        }
+        Ok(rows)
+    }
+
+    /// Job `j`'s `[T, Dv]` value rows in `v` (`kv` heads per sequence).
+    fn job<'v, T>(&self, v: &'v [T], j: usize, kv: usize) -> MatRef<'v, T> {
+        MatRef {
+            data: &v[self.start + (j / kv) * self.seq + (j % kv) * self.head..],
+            row_stride: self.row,
+            col_stride: 1,
+        }
+    }
 }
 
 impl MaskedAttention {
@@ -87,6 +153,7 @@ impl MaskedAttention {
             dq,
             dv,
             kv,
+            heads: kv * self.groups,
         })
     }
 
@@ -158,27 +225,39 @@ impl MaskedAttention {
     fn fwd_typed<T: Float + WithDType>(
         &self,
         (q, k, v): (&[T], &[T], &[T]),
+        v_rows: ValueRows,
         d: Dims,
         wrap: fn(Vec<T>) -> CpuStorage,
     ) -> candle_core::Result<CpuStorage> {
         let plans = self.plans(d);
         let mut probs = unfilled::<T>(plans.iter().map(|(_, size)| size).sum());
         let mut out = vec![T::ZERO; d.jobs * d.rows * d.dv];
+        let shared = (SharedBuf(out.as_mut_ptr()), out.len());
         job_regions(&mut probs, &plans)
             .into_par_iter()
-            .zip(out.par_chunks_mut(d.rows * d.dv))
             .enumerate()
-            .for_each(|(j, (region, o))| {
-                let vj = &v[j * d.t * d.dv..(j + 1) * d.t * d.dv];
+            .for_each(|(j, region)| {
+                let vj = v_rows.job(v, j, d.kv);
                 let p = self.job_probs(q, k, j, d, &plans[j].0, region);
                 let mut off = 0;
                 for blk in &plans[j].0 {
                     let pb = &p[off..off + blk.rows * blk.keys];
                     off += blk.rows * blk.keys;
                     let a = MatRef::row_major(pb, blk.keys);
-                    let b = MatRef::row_major(vj, d.dv);
-                    let dst = &mut o[blk.row * d.dv..];
-                    matmul_block(blk.rows, d.dv, blk.keys, dst, d.dv, false, a, b);
+                    // SAFETY: `out` outlives the loop and is not touched otherwise while it
+                    // runs; job `j` alone writes its heads' rows of the output (blocks of
+                    // one job never share a row).
+                    unsafe {
+                        matmul_block_shared(
+                            (blk.rows, d.dv, blk.keys),
+                            shared,
+                            d.out_offset(j, blk.row),
+                            d.heads * d.dv,
+                            false,
+                            a,
+                            vj,
+                        );
+                    }
                 }
             });
         // SAFETY: `job_probs` wrote each job's whole region, and the regions tile `probs`.
@@ -193,48 +272,54 @@ impl MaskedAttention {
             .map_err(|_| candle_core::Error::Msg("attention: probability cache poisoned".into()))
     }
 
-    /// `(dq, dk, dv)` for job `j` from its probabilities and the output gradient, query
-    /// block by query block over the keys each block sees (`dk`, `dv` zero on entry, summed
-    /// over the blocks).
+    /// `(dq, dk, dv)` for job `j` from its probabilities and the output gradient `go`
+    /// (`[B, T, heads·dv]`), query block by query block over the keys each block sees (`dk`
+    /// and the job's rows of `dv` zero on entry, summed over the blocks; `dv` is the shared
+    /// `[B, T, KV, dv]` buffer, in which job `j` alone writes its rows).
     #[allow(clippy::too_many_arguments)]
     fn backward_job<T: Float>(
         &self,
-        blocks: &[QueryBlock],
-        (q, k, v): (&[T], &[T], &[T]),
+        (j, blocks): (usize, &[QueryBlock]),
+        (q, k, v): (&[T], &[T], MatRef<'_, T>),
         p: &[T],
         go: &[T],
-        (dq, dk, dv): (&mut [T], &mut [T], &mut [T]),
+        (dq, dk, dv): (&mut [T], &mut [T], (SharedBuf<T>, usize)),
         d: Dims,
     ) {
         let scale = T::from_f64(self.scale);
+        let row_stride = d.heads * d.dv;
+        let dv_at = ((j / d.kv) * d.t * d.kv + j % d.kv) * d.dv;
         let mut ds = Vec::new();
         let mut off = 0;
         for blk in blocks {
             let (n, keys) = (blk.rows, blk.keys);
             let pb = &p[off..off + n * keys];
             off += n * keys;
-            let gb = &go[blk.row * d.dv..(blk.row + n) * d.dv];
+            let gb = MatRef {
+                data: &go[d.out_offset(j, blk.row)..],
+                row_stride,
+                col_stride: 1,
+            };
             // dV += Pᵀ dO
             let a = MatRef {
                 data: pb,
                 row_stride: 1,
                 col_stride: keys,
             };
-            matmul_block(
-                keys,
-                d.dv,
-                n,
-                dv,
-                d.dv,
-                true,
-                a,
-                MatRef::row_major(gb, d.dv),
-            );
+            // SAFETY: the caller's `dv` buffer outlives the call and job `j` alone writes
+            // its rows (`kv · dv` apart from `dv_at`).
+            unsafe {
+                matmul_block_shared((keys, d.dv, n), dv, dv_at, d.kv * d.dv, true, a, gb);
+            }
             // dP = dO Vᵀ, then dS = P ⊙ (dP − rowsum(P ⊙ dP)) · scale, in place.
             ds.clear();
             ds.resize(n * keys, T::ZERO);
-            let (a, b) = (MatRef::row_major(gb, d.dv), MatRef::transposed(v, d.dv));
-            matmul_block(n, keys, d.dv, &mut ds, keys, false, a, b);
+            let vt = MatRef {
+                data: v.data,
+                row_stride: v.col_stride,
+                col_stride: v.row_stride,
+            };
+            matmul_block(n, keys, d.dv, &mut ds, keys, false, gb, vt);
             for (r, dsr) in ds.chunks_exact_mut(keys).enumerate() {
                 let pr = &pb[r * keys..(r + 1) * keys];
                 let delta = T::from_f64(lane_dot(dsr, pr));
@@ -260,9 +345,11 @@ impl MaskedAttention {
         let mut dq = vec![T::ZERO; d.jobs * d.rows * d.dq];
         let mut dk = vec![T::ZERO; d.jobs * d.t * d.dq];
         let mut dv = vec![T::ZERO; d.jobs * d.t * d.dv];
+        let dv_shared = (SharedBuf(dv.as_mut_ptr()), dv.len());
         with_host::<T, _>(q, |qv| {
             with_host::<T, _>(k, |kv| {
-                with_host::<T, _>(v, |vv| {
+                with_host_strided::<T, _>(v, |vv, vl| {
+                    let v_rows = ValueRows::new(vl, vv.len())?;
                     with_host::<T, _>(grad, |gv| {
                         let plans = self.plans(d);
                         let total: usize = plans.iter().map(|(_, size)| size).sum();
@@ -275,10 +362,12 @@ impl MaskedAttention {
                                 &recomputed
                             }
                         };
-                        if probs.len() != total {
+                        if probs.len() != total || gv.len() != d.jobs * d.rows * d.dv {
                             candle_core::bail!(
-                                "attention: {} cached probabilities for {total} expected",
-                                probs.len()
+                                "attention: {} cached probabilities for {total} expected, an output gradient of {} values for {}",
+                                probs.len(),
+                                gv.len(),
+                                d.jobs * d.rows * d.dv
                             );
                         }
                         let mut bases = Vec::with_capacity(plans.len());
@@ -288,17 +377,15 @@ impl MaskedAttention {
                         });
                         dq.par_chunks_mut(d.rows * d.dq)
                             .zip(dk.par_chunks_mut(d.t * d.dq))
-                            .zip(dv.par_chunks_mut(d.t * d.dv))
                             .enumerate()
-                            .for_each(|(j, ((dqj, dkj), dvj))| {
+                            .for_each(|(j, (dqj, dkj))| {
                                 let qj = &qv[j * d.rows * d.dq..(j + 1) * d.rows * d.dq];
                                 let kj = &kv[j * d.t * d.dq..(j + 1) * d.t * d.dq];
-                                let vj = &vv[j * d.t * d.dv..(j + 1) * d.t * d.dv];
+                                let vj = v_rows.job(vv, j, d.kv);
                                 let (blocks, size) = &plans[j];
                                 let pj = &probs[bases[j]..bases[j] + size];
-                                let gj = &gv[j * d.rows * d.dv..(j + 1) * d.rows * d.dv];
-                                let grads = (dqj, dkj, dvj);
-                                self.backward_job(blocks, (qj, kj, vj), pj, gj, grads, d);
+                                let grads = (dqj, dkj, dv_shared);
+                                self.backward_job((j, blocks), (qj, kj, vj), pj, gv, grads, d);
                             });
                         Ok(())
                     })
@@ -306,10 +393,13 @@ impl MaskedAttention {
             })
         })?;
         let dev = q.device();
+        let (b, kvh, t, dvw) = v.dims4()?;
         Ok((
             Tensor::from_vec(dq, q.shape(), dev)?,
             Tensor::from_vec(dk, k.shape(), dev)?,
-            Tensor::from_vec(dv, v.shape(), dev)?,
+            // v's gradient in `[B, T, KV, Dv]` order, v's usual layout, so the transpose
+            // that made v hands it back contiguous.
+            Tensor::from_vec(dv, (b, t, kvh, dvw), dev)?.transpose(1, 2)?,
         ))
     }
 
@@ -434,27 +524,21 @@ impl CustomOp3 for MaskedAttention {
         let d = self.dims(ql.shape(), kl.shape(), vl.shape())?;
         let out = match (q, k, v) {
             (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => self.fwd_typed(
-                (
-                    contiguous(q, ql, "q")?,
-                    contiguous(k, kl, "k")?,
-                    contiguous(v, vl, "v")?,
-                ),
+                (contiguous(q, ql, "q")?, contiguous(k, kl, "k")?, v),
+                ValueRows::new(vl, v.len())?,
                 d,
                 CpuStorage::F32,
             )?,
             (CpuStorage::F64(q), CpuStorage::F64(k), CpuStorage::F64(v)) => self.fwd_typed(
-                (
-                    contiguous(q, ql, "q")?,
-                    contiguous(k, kl, "k")?,
-                    contiguous(v, vl, "v")?,
-                ),
+                (contiguous(q, ql, "q")?, contiguous(k, kl, "k")?, v),
+                ValueRows::new(vl, v.len())?,
                 d,
                 CpuStorage::F64,
             )?,
             _ => candle_core::bail!("attention: q, k and v must all be f32 or all f64"),
         };
-        let (b, kv, rows, _) = ql.shape().dims4()?;
-        Ok((out, Shape::from((b, kv, rows, d.dv))))
+        let b = ql.shape().dims4()?.0;
+        Ok((out, Shape::from((b, d.t, d.heads * d.dv))))
     }
 
     fn bwd(
@@ -541,7 +625,7 @@ mod tests {
         let q = Var::from_tensor(&rand_tensor(&[b, kv, groups * t, dq], 5, DType::F32)).unwrap();
         let k = Var::from_tensor(&rand_tensor(&[b, kv, t, dq], 6, DType::F32)).unwrap();
         let v = Var::from_tensor(&rand_tensor(&[b, kv, t, dv], 7, DType::F32)).unwrap();
-        let w = rand_tensor(&[b, kv, groups * t, dv], 8, DType::F32);
+        let w = rand_tensor(&[b, t, kv * groups * dv], 8, DType::F32);
         let run = |clear: bool| {
             let op = Arc::new(MaskedAttention::new(
                 mask.host.clone(),
@@ -582,26 +666,42 @@ mod tests {
         assert_eq!(causal.key_ends.as_slice(), &[1, 2, 3, 1, 1, 1]);
     }
 
+    /// With `v` a contiguous `[B, KV, T, Dv]` and as the transposed view of a `[B, T, KV, Dv]`
+    /// (the layout the model passes, read through its strides).
     fn check_against_composed(t: usize, lengths: &[usize]) {
         let dev = Device::Cpu;
         let (b, kv, groups, dq, dv) = (lengths.len(), 2, 3, 5, 4);
         for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 2e-5)] {
-            for window in [None, Some(3)] {
+            for (window, v_token_major) in [(None, false), (Some(3), false), (None, true)] {
                 let mask = AttentionMask::new(lengths, t, window, &dev)
                     .and_then(|m| m.to_dtype(dtype))
                     .expect("mask");
                 let q = Var::from_tensor(&rand_tensor(&[b, kv, groups * t, dq], 1, dtype)).unwrap();
                 let k = Var::from_tensor(&rand_tensor(&[b, kv, t, dq], 2, dtype)).unwrap();
-                let v = Var::from_tensor(&rand_tensor(&[b, kv, t, dv], 3, dtype)).unwrap();
-                let w = rand_tensor(&[b, kv, groups * t, dv], 4, dtype);
+                let v_shape = if v_token_major {
+                    [b, t, kv, dv]
+                } else {
+                    [b, kv, t, dv]
+                };
+                let v = Var::from_tensor(&rand_tensor(&v_shape, 3, dtype)).unwrap();
+                let w = rand_tensor(&[b, t, kv * groups * dv], 4, dtype);
                 let run = |fused: bool| {
                     let f = if fused { attend } else { attend_composed };
-                    let out = f(&q, &k, &v, &mask, 0.37, groups).expect("attend");
+                    let vt = if v_token_major {
+                        v.transpose(1, 2).expect("transpose")
+                    } else {
+                        v.as_tensor().clone()
+                    };
+                    let out = f(&q, &k, &vt, &mask, 0.37, groups).expect("attend");
                     let grads = (&out * &w)
                         .and_then(|l| l.sum_all())
                         .and_then(|l| l.backward())
                         .expect("backward");
-                    let g = |x: &Var| grads.get(x).expect("gradient").clone();
+                    let g = |x: &Var| {
+                        let g = grads.get(x).expect("gradient").clone();
+                        assert!(g.is_contiguous(), "a variable's gradient is contiguous");
+                        g
+                    };
                     (out, g(&q), g(&k), g(&v))
                 };
                 let (fo, fq, fk, fv) = run(true);
@@ -613,7 +713,10 @@ mod tests {
                     ("dv", &fv, &cv),
                 ] {
                     let d = max_diff(a, c);
-                    assert!(d < tol, "{dtype:?} window {window:?} {what}: max diff {d}");
+                    assert!(
+                        d < tol,
+                        "{dtype:?} window {window:?} v token-major {v_token_major} {what}: max diff {d}"
+                    );
                 }
             }
         }

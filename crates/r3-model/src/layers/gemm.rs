@@ -174,39 +174,83 @@ pub fn matmul_block<T: Float>(
     a: MatRef<'_, T>,
     b: MatRef<'_, T>,
 ) {
-    if m == 0 || n == 0 {
-        return;
-    }
-    assert!(
-        ld >= n && dst.len() >= (m - 1) * ld + n,
-        "gemm: destination block {m}x{n} (rows {ld} apart) does not fit {} elements",
-        dst.len()
-    );
-    assert!(a.fits(m, k), "gemm: left operand shorter than {m}x{k}");
-    assert!(b.fits(k, n), "gemm: right operand shorter than {k}x{n}");
-    if k == 0 {
-        if !accumulate {
-            dst.chunks_mut(ld)
-                .take(m)
-                .for_each(|r| r[..n].fill(T::ZERO));
-        }
-        return;
-    }
-    // SAFETY: the asserts above bound every element the strides address inside its slice;
-    // `dst` is a distinct, mutable, initialised buffer holding the `[m, n]` block with rows
-    // `ld` apart, read only when accumulating.
+    let len = dst.len();
+    // SAFETY: `dst` is borrowed exclusively for the call, initialised, and distinct from the
+    // operands (which are shared borrows).
     unsafe {
-        raw_gemm(
+        matmul_block_shared(
             (m, n, k),
-            dst.as_mut_ptr(),
+            (SharedBuf(dst.as_mut_ptr()), len),
+            0,
             ld,
             accumulate,
             a,
             b,
-            gemm::Parallelism::None,
         );
     }
 }
+
+/// [`matmul_block`] into a block of a buffer that other threads write at the same time
+/// (their rows interleaved with this block's, so no `&mut` slice of the block can exist):
+/// `dst` points at the block's first element, the buffer's `len` elements start at `base`.
+///
+/// Panics if the block reaches outside the buffer or a view is too short for its shape.
+///
+/// # Safety
+/// `base` is valid for reads and writes of `len` initialised elements for the whole call, no
+/// other thread reads or writes the `[m, n]` block's elements during it, and the block
+/// overlaps neither operand.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn matmul_block_shared<T: Float>(
+    (m, n, k): (usize, usize, usize),
+    (base, len): (SharedBuf<T>, usize),
+    offset: usize,
+    ld: usize,
+    accumulate: bool,
+    a: MatRef<'_, T>,
+    b: MatRef<'_, T>,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(
+        ld >= n && offset + (m - 1) * ld + n <= len,
+        "gemm: shared block {m}x{n} at {offset} (rows {ld} apart) does not fit {len} elements"
+    );
+    assert!(a.fits(m, k), "gemm: left operand shorter than {m}x{k}");
+    assert!(b.fits(k, n), "gemm: right operand shorter than {k}x{n}");
+    let dst = base.0.add(offset);
+    if k == 0 {
+        if !accumulate {
+            for r in 0..m {
+                for c in 0..n {
+                    dst.add(r * ld + c).write(T::ZERO);
+                }
+            }
+        }
+        return;
+    }
+    raw_gemm(
+        (m, n, k),
+        dst,
+        ld,
+        accumulate,
+        a,
+        b,
+        gemm::Parallelism::None,
+    );
+}
+
+/// The start of a buffer written by several threads at once, each only its own elements
+/// ([`matmul_block_shared`]).
+#[derive(Debug, Clone, Copy)]
+pub struct SharedBuf<T>(pub *mut T);
+
+// SAFETY: the pointer is only dereferenced through `matmul_block_shared`, whose callers
+// guarantee that no two threads touch the same elements.
+unsafe impl<T: Send> Send for SharedBuf<T> {}
+// SAFETY: as for `Send`.
+unsafe impl<T: Send> Sync for SharedBuf<T> {}
 
 /// Zero-fills `buf` and returns it initialised.
 pub fn fill_zero<T: Float>(buf: &mut [MaybeUninit<T>]) -> &mut [T] {

@@ -3,7 +3,7 @@
 
 use candle_core::{Tensor, D};
 
-use super::attention::{attend, attend_additive, AttentionMask, LayerKv};
+use super::attention::{attend, attend_additive, heads_to_tokens, AttentionMask, LayerKv};
 use super::linear::Linear;
 use super::norm::RmsNorm;
 use super::rope::{mla_softmax_scale_multiplier, PositionTables, RopeTables, Rotary};
@@ -102,10 +102,9 @@ impl MlaAttention {
 
     /// `[B, T, H]` → `[B, T, H]`.
     pub fn forward(&self, x: &Tensor, rope: &RopeTables, mask: &AttentionMask) -> Result<Tensor> {
-        let (b, t, _) = x.dims3()?;
         let (q, k, v) = self.project(x, rope)?;
         let out = attend(&q, &k, &v, mask, self.scale, 1)?;
-        self.output(&out, b, t)
+        self.o_proj.forward(&out)
     }
 
     /// One step over a KV cache (the per-head keys and values, decompressed, are what is
@@ -118,11 +117,11 @@ impl MlaAttention {
         cache: &mut LayerKv,
         additive: &Tensor,
     ) -> Result<Tensor> {
-        let (b, t, _) = x.dims3()?;
+        let t = x.dim(1)?;
         let (q, k, v) = self.project(x, rope)?;
         let (k, v) = cache.append(&k, &v)?;
         let out = attend_additive(&q, &k, &v, additive, self.scale, 1)?;
-        self.output(&out, b, t)
+        self.o_proj.forward(&heads_to_tokens(&out, t)?)
     }
 
     /// Queries and keys `[B, NH, T, nope + rope]` (rotary parts rotated) and values
@@ -161,14 +160,5 @@ impl MlaAttention {
         let q = Tensor::cat(&[&q_pass, &q_rot], D::Minus1)?;
         let k = Tensor::cat(&[&k_nope, &k_rot], D::Minus1)?;
         Ok((q, k, v))
-    }
-
-    /// The attention output `[B, NH, T, v]` back to `[B, T, H]` through `o_proj`.
-    fn output(&self, out: &Tensor, b: usize, t: usize) -> Result<Tensor> {
-        let out =
-            out.transpose(1, 2)?
-                .contiguous()?
-                .reshape((b, t, self.num_heads * self.v_dim))?;
-        self.o_proj.forward(&out)
     }
 }

@@ -88,6 +88,28 @@ fn rotate_row_into<T: Float>(
 }
 
 impl RotaryOp {
+    /// The head row at the start of `src` (`dst.len()` values) rotated by position `pos`'s
+    /// angles into `dst`.
+    #[inline]
+    fn rotate_at<T: Float>(
+        &self,
+        src: &[T],
+        dst: &mut [MaybeUninit<T>],
+        pos: usize,
+        inverse: bool,
+    ) {
+        let d = dst.len();
+        let half = d / 2;
+        rotate_row_into(
+            &src[..d],
+            dst,
+            &self.cos[pos * half..(pos + 1) * half],
+            &self.sin[pos * half..(pos + 1) * half],
+            self.interleaved,
+            inverse,
+        );
+    }
+
     /// `[B, H, T, D]` elements read through `layout` (last dim contiguous), rotated into a
     /// new contiguous `[B, H, T, D]` vector; one parallel task per (batch row, head).
     fn run<T: Float + WithDType>(
@@ -131,20 +153,52 @@ impl RotaryOp {
                 let (bi, hi) = (task / h, task % h);
                 let base = layout.start_offset() + bi * st[0] + hi * st[1];
                 for (ti, row) in rows.chunks_exact_mut(d).enumerate() {
-                    let from = base + ti * st[2];
-                    rotate_row_into(
-                        &x[from..from + d],
-                        row,
-                        &self.cos[ti * half..(ti + 1) * half],
-                        &self.sin[ti * half..(ti + 1) * half],
-                        self.interleaved,
-                        inverse,
-                    );
+                    self.rotate_at(&x[base + ti * st[2]..], row, ti, inverse);
                 }
             });
         // SAFETY: the tasks cover all `n` elements in rows of `d`, and `rotate_row_into`
         // writes every element of each row.
         Ok(unsafe { assume_init_vec(out) })
+    }
+
+    /// [`RotaryOp::run`] on a contiguous `[B, H, T, D]` `x`, written in `[B, T, H, D]` order
+    /// (one parallel task per (batch row, position)).
+    fn run_token_major<T: Float + WithDType>(
+        &self,
+        x: &[T],
+        (b, h, t, d): (usize, usize, usize, usize),
+        inverse: bool,
+    ) -> candle_core::Result<Vec<T>> {
+        let half = d / 2;
+        let n = b * h * t * d;
+        if d != 2 * half || x.len() != n || self.cos.len() < t * half {
+            candle_core::bail!(
+                "rope: {} values for [{b}, {h}, {t}, {d}] with tables of {} values",
+                x.len(),
+                self.cos.len()
+            );
+        }
+        let mut out = unfilled(n);
+        out.par_chunks_mut(h * d)
+            .enumerate()
+            .for_each(|(task, heads)| {
+                let (bi, ti) = (task / t, task % t);
+                for (hi, row) in heads.chunks_exact_mut(d).enumerate() {
+                    self.rotate_at(&x[((bi * h + hi) * t + ti) * d..], row, ti, inverse);
+                }
+            });
+        // SAFETY: the tasks cover all `n` elements in rows of `d`, and `rotate_row_into`
+        // writes every element of each row.
+        Ok(unsafe { assume_init_vec(out) })
+    }
+}
+
+/// Whether `x` `[B, H, T, D]` is the `(1, 2)` transpose of a contiguous `[B, T, H, D]` (the
+/// usual input: projections reshaped to heads, then transposed).
+fn is_token_major(x: &Tensor) -> bool {
+    match x.dims() {
+        &[_, h, t, d] => x.stride() == [t * h * d, d, h * d, 1],
+        _ => false,
     }
 }
 
@@ -163,6 +217,24 @@ impl CustomOp1 for RotaryOp {
     }
 
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        if is_token_major(x) {
+            // The gradient in x's own layout: the transpose before the op hands it back
+            // contiguous, so the projections' backward reads it without a copy.
+            let (b, h, t, d) = x.dims4()?;
+            let dims = (b, h, t, d);
+            let dx = match grad.dtype() {
+                candle_core::DType::F32 => {
+                    let v = with_host::<f32, _>(grad, |g| self.run_token_major(g, dims, true))?;
+                    Tensor::from_vec(v, (b, t, h, d), x.device())?
+                }
+                candle_core::DType::F64 => {
+                    let v = with_host::<f64, _>(grad, |g| self.run_token_major(g, dims, true))?;
+                    Tensor::from_vec(v, (b, t, h, d), x.device())?
+                }
+                dt => candle_core::bail!("rope: no backward for {dt:?}"),
+            };
+            return Ok(Some(dx.transpose(1, 2)?));
+        }
         let layout = Layout::contiguous(grad.shape());
         let dx = match grad.dtype() {
             candle_core::DType::F32 => {
@@ -186,12 +258,12 @@ mod tests {
     use crate::test_util::{max_abs_diff as max_diff, seeded_tensor as rand_tensor};
     use candle_core::{DType, Device, Var};
 
-    /// Fused rope against candle's composed ops on a transposed (strided) input: values and
-    /// input gradients, half-split and interleaved, f32 and f64.
+    /// Fused rope against candle's composed ops on a transposed (strided) input and on a
+    /// contiguous one: values and input gradients, half-split and interleaved, f32 and f64.
     #[test]
     fn fused_rope_matches_composed_ops() {
         let (b, t, h, d) = (2, 5, 3, 8);
-        for interleaved in [false, true] {
+        for (interleaved, transposed) in [(false, true), (true, true), (false, false)] {
             let rope = Rope::new(&RopeConfig {
                 theta: 10000.0,
                 dim: d,
@@ -200,10 +272,19 @@ mod tests {
             });
             for (dtype, tol) in [(DType::F64, 0.0), (DType::F32, 0.0)] {
                 let tables = rope.tables(t, &Device::Cpu, dtype).expect("tables");
-                let x = Var::from_tensor(&rand_tensor(&[b, t, h, d], 1, dtype)).unwrap();
+                let shape = if transposed {
+                    [b, t, h, d]
+                } else {
+                    [b, h, t, d]
+                };
+                let x = Var::from_tensor(&rand_tensor(&shape, 1, dtype)).unwrap();
                 let w = rand_tensor(&[b, h, t, d], 2, dtype);
                 let run = |fused: bool| {
-                    let xt = x.transpose(1, 2).expect("transpose");
+                    let xt = if transposed {
+                        x.transpose(1, 2).expect("transpose")
+                    } else {
+                        x.as_tensor().clone()
+                    };
                     let y = if fused {
                         tables.apply(&xt)
                     } else {
@@ -214,7 +295,12 @@ mod tests {
                         .and_then(|l| l.sum_all())
                         .and_then(|l| l.backward())
                         .expect("backward");
-                    (y, grads.get(&x).expect("gradient").clone())
+                    let g = grads.get(&x).expect("gradient").clone();
+                    assert!(
+                        g.is_contiguous(),
+                        "a variable's gradient is handed out contiguous"
+                    );
+                    (y, g)
                 };
                 let (fy, fg) = run(true);
                 let (cy, cg) = run(false);
