@@ -189,25 +189,46 @@ fn short_dot(a: &[f32], b: &[f32]) -> f32 {
 const V_CHUNK: usize = 32;
 
 /// `out = Σ_j probs[j] · rows[j][from .. from + out.len()]`.
+///
+/// Widths of 8, 16, 24 and 32 (a head's value chunk: [`V_CHUNK`], or a narrower head) keep
+/// the sums in registers across the whole context ([`weighted_rows_fixed`]); a sum kept in
+/// `out` was loaded and stored again for every key (small heads spent most of the
+/// attention's time there). Every width adds the same products in the same order.
 #[inline]
 fn weighted_rows(probs: &[f32], rows: &[&[f32]], from: usize, out: &mut [f32]) {
-    if out.len() == V_CHUNK {
-        let mut acc = [0f32; V_CHUNK];
-        for (p, r) in probs.iter().zip(rows) {
-            let r = &r[from..from + V_CHUNK];
-            for i in 0..V_CHUNK {
-                acc[i] = p.mul_add(r[i], acc[i]);
-            }
-        }
-        out.copy_from_slice(&acc);
-    } else {
-        out.fill(0.0);
-        for (p, r) in probs.iter().zip(rows) {
-            for (o, v) in out.iter_mut().zip(&r[from..]) {
-                *o = p.mul_add(*v, *o);
+    match out.len() {
+        32 => weighted_rows_fixed::<32>(probs, rows, from, out),
+        24 => weighted_rows_fixed::<24>(probs, rows, from, out),
+        16 => weighted_rows_fixed::<16>(probs, rows, from, out),
+        8 => weighted_rows_fixed::<8>(probs, rows, from, out),
+        _ => {
+            out.fill(0.0);
+            for (p, r) in probs.iter().zip(rows) {
+                for (o, v) in out.iter_mut().zip(&r[from..]) {
+                    *o = p.mul_add(*v, *o);
+                }
             }
         }
     }
+}
+
+/// [`weighted_rows`] for `W` (= `out.len()`) columns, the sums in a local array the compiler
+/// keeps in registers.
+#[inline(always)]
+fn weighted_rows_fixed<const W: usize>(
+    probs: &[f32],
+    rows: &[&[f32]],
+    from: usize,
+    out: &mut [f32],
+) {
+    let mut acc = [0f32; W];
+    for (p, r) in probs.iter().zip(rows) {
+        let r = &r[from..from + W];
+        for i in 0..W {
+            acc[i] = p.mul_add(r[i], acc[i]);
+        }
+    }
+    out[..W].copy_from_slice(&acc);
 }
 
 /// `out[t, h*v_dim..]` = softmax(q_t,h · K / scale) · V for every token `t` of every span.
@@ -329,6 +350,36 @@ mod tests {
                 for (j, (g, k)) in got.iter().zip(&keys).enumerate() {
                     let want = short_dot(&q, &k[from..from + d]) * scale;
                     assert_eq!(g.to_bits(), want.to_bits(), "d {d}, n {n}, key {j}");
+                }
+            }
+        }
+    }
+
+    /// Every width of the weighted sum, the register-held ones (8, 16, 24, 32) and the
+    /// others, adds the same products in the same order as a plain loop: bit for bit.
+    #[test]
+    fn weighted_rows_equal_the_plain_sum_bit_for_bit() {
+        let f = |i: usize, s: f32| (i as f32 * s).sin() * 2f32.powi((i % 7) as i32 - 3);
+        for width in [1usize, 3, 8, 12, 16, 20, 24, 32] {
+            for n in [0usize, 1, 5, 33] {
+                let from = 3;
+                let rows: Vec<Vec<f32>> = (0..n)
+                    .map(|j| (0..from + width + 2).map(|i| f(i + 50 * j, 0.77)).collect())
+                    .collect();
+                let refs: Vec<&[f32]> = rows.iter().map(Vec::as_slice).collect();
+                let probs: Vec<f32> = (0..n).map(|j| f(j, 1.9).abs()).collect();
+                let mut got = vec![f32::NAN; width];
+                weighted_rows(&probs, &refs, from, &mut got);
+                for (c, g) in got.iter().enumerate() {
+                    let mut want = 0f32;
+                    for (p, r) in probs.iter().zip(&refs) {
+                        want = p.mul_add(r[from + c], want);
+                    }
+                    assert_eq!(
+                        g.to_bits(),
+                        want.to_bits(),
+                        "width {width}, n {n}, column {c}"
+                    );
                 }
             }
         }
