@@ -178,6 +178,9 @@ impl RotaryOp {
                 self.cos.len()
             );
         }
+        if n == 0 {
+            return Ok(Vec::new());
+        }
         let mut out = unfilled(n);
         out.par_chunks_mut(h * d)
             .enumerate()
