@@ -219,7 +219,7 @@ pub unsafe fn matmul_block_shared<T: Float>(
     );
     assert!(a.fits(m, k), "gemm: left operand shorter than {m}x{k}");
     assert!(b.fits(k, n), "gemm: right operand shorter than {k}x{n}");
-    let dst = base.0.add(offset);
+    let dst = base.at(offset);
     if k == 0 {
         if !accumulate {
             for r in 0..m {
@@ -242,12 +242,22 @@ pub unsafe fn matmul_block_shared<T: Float>(
 }
 
 /// The start of a buffer written by several threads at once, each only its own elements
-/// ([`matmul_block_shared`]).
+/// (rows of a block in [`matmul_block_shared`], the rollout's column blocks of an output).
 #[derive(Debug, Clone, Copy)]
 pub struct SharedBuf<T>(pub *mut T);
 
-// SAFETY: the pointer is only dereferenced through `matmul_block_shared`, whose callers
-// guarantee that no two threads touch the same elements.
+impl<T> SharedBuf<T> {
+    /// The pointer to element `offset`.
+    ///
+    /// # Safety
+    /// `offset` lies inside the buffer.
+    pub unsafe fn at(self, offset: usize) -> *mut T {
+        self.0.add(offset)
+    }
+}
+
+// SAFETY: the pointer is only dereferenced in unsafe code whose callers guarantee that no two
+// threads touch the same elements while the buffer's owner lends it out.
 unsafe impl<T: Send> Send for SharedBuf<T> {}
 // SAFETY: as for `Send`.
 unsafe impl<T: Send> Sync for SharedBuf<T> {}

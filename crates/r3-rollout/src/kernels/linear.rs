@@ -11,6 +11,7 @@
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
+use r3_model::layers::gemm::SharedBuf;
 use rayon::prelude::*;
 
 use super::packed_f16::{HalfKind, PackedF16, PanelKernel, StackedRows, PANEL};
@@ -564,7 +565,7 @@ fn blocked_f16(x: &[f32], m: usize, k: usize, w: &PackedF16, n: usize, out: &mut
     let blocks = w.panels().div_ceil(BLOCK_PANELS);
     // A single block (a narrow layer, e.g. the router) parallelises inside gemm instead.
     let gemm_par = par && blocks == 1;
-    let dst = ColumnBlocks(out.as_mut_ptr());
+    let dst = SharedBuf(out.as_mut_ptr());
     let task = |b: usize| {
         let p0 = b * BLOCK_PANELS;
         let mut wt = Vec::new();
@@ -599,26 +600,6 @@ fn blocked_f16(x: &[f32], m: usize, k: usize, w: &PackedF16, n: usize, out: &mut
         (0..blocks).into_par_iter().for_each(task);
     } else {
         (0..blocks).for_each(task);
-    }
-}
-
-/// The output of [`blocked_f16`] shared by its parallel blocks, each writing its own columns.
-#[derive(Clone, Copy)]
-struct ColumnBlocks(*mut f32);
-
-// SAFETY: the pointer is only written through by blocks whose column ranges are disjoint
-// (see `blocked_f16`), while the `&mut` borrow it came from is held.
-unsafe impl Send for ColumnBlocks {}
-// SAFETY: as above.
-unsafe impl Sync for ColumnBlocks {}
-
-impl ColumnBlocks {
-    /// The pointer to column `col` of row 0.
-    ///
-    /// # Safety
-    /// `col` is inside the output's first row.
-    unsafe fn at(self, col: usize) -> *mut f32 {
-        self.0.add(col)
     }
 }
 
