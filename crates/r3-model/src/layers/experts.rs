@@ -86,43 +86,70 @@ impl RoutedExperts {
                 RoutedSwiGlu::new(dispatch.clone()),
             )?)
         } else if !x.device().is_cpu() && padded_fits(dispatch) {
-            self.forward_padded(x, gates, dispatch)
+            self.forward_padded(x, gates, dispatch, OVERFLOW_BLOCK_ROWS)
         } else {
             self.forward_composed(x, gates, dispatch)
         }
     }
 
-    /// The same computation as three batched GEMMs over all experts at once, for a GPU: each
-    /// expert's rows gathered into a `[E, cap, H]` block (`cap` the busiest expert's row
-    /// count, shorter experts padded with a zero row), `[E, cap, H] · [E, H, 2I]`, SwiGLU,
-    /// `· [E, I, H]`, then each row's `top_k` outputs gathered back in slot order, weighted
-    /// by its gates and summed. One launch per GEMM instead of one per expert, and the
-    /// weights' gradients come out of the batched GEMM's backward whole (slicing each expert
-    /// out of the stacked weight would make candle's backward build a zero-filled copy of
-    /// the whole stack per expert). Both gathers are [`GatherRows`], whose backward is a
-    /// gather too (candle's `index_select` → `index_add` backward is serial over the rows on
-    /// a GPU). The same rounding points as `forward_composed`.
-    fn forward_padded(&self, x: &Tensor, gates: &Tensor, dispatch: &Dispatch) -> Result<Tensor> {
-        let i = self.intermediate;
-        let p = self.precision;
+    /// The same computation as batched GEMMs over all experts at once, for a GPU: each
+    /// expert's first `cap` rows gathered into an `[E, cap, H]` block (shorter experts padded
+    /// with a zero row), an expert's rows past `cap` into further `cap`-row overflow blocks
+    /// (`[m, cap, H]`, their weights gathered from the stack), `· [·, H, 2I]`, SwiGLU,
+    /// `· [·, I, H]`, then each row's `top_k` outputs gathered back in slot order, weighted
+    /// by its gates and summed. A few launches per layer instead of three per expert, and
+    /// the stacked weights' gradients come out of the batched GEMMs' backward whole (slicing
+    /// each expert out of the stack would make candle's backward build a zero-filled copy of
+    /// the whole stack per expert: 4 s of a 30B-A3B-shaped step on an H200). The row gathers
+    /// are [`GatherRows`], whose backward is a gather too (candle's `index_select` →
+    /// `index_add` backward is serial over the rows on a GPU); the overflow blocks' weight
+    /// gather is an `index_select` over whole experts, whose `index_add` backward runs one
+    /// thread per weight element. The same rounding points as `forward_composed`. Each
+    /// overflow block counts as `overflow_cost` padded rows when the block size is chosen
+    /// ([`OVERFLOW_BLOCK_ROWS`] in the model).
+    fn forward_padded(
+        &self,
+        x: &Tensor,
+        gates: &Tensor,
+        dispatch: &Dispatch,
+        overflow_cost: usize,
+    ) -> Result<Tensor> {
         let device = x.device();
         let (rows, h) = x.dims2()?;
         let k = dispatch.top_k();
-        let layout = padded_layout(dispatch, rows);
-        let (e, cap) = (layout.experts, layout.cap);
+        let layout = padded_layout(dispatch, rows, overflow_cost);
+        let (e, cap, m) = (layout.experts, layout.cap, layout.overflow.len());
         // Row `rows` of `x_pad` is the zero row padding reads; it gets no gradient.
         let x_pad = Tensor::cat(&[x, &Tensor::zeros((1, h), x.dtype(), device)?], 0)?;
-        let xs = GatherRows::new(layout.gather, rows + 1, rows)?
+        let (main_rows, overflow_rows) = layout.gather.split_at(e * cap);
+        let xs = GatherRows::new(main_rows.to_vec(), rows + 1, rows)?
             .apply(&x_pad)?
             .reshape((e, cap, h))?;
-        let hidden = matmul_wt_at(p, &xs, &self.gate_up)?;
-        let a = p.round(&(hidden.narrow(2, 0, i)?.silu()? * hidden.narrow(2, i, i)?)?)?;
-        let y = matmul_wt_at(p, &a, &self.down)?.reshape((e * cap, h))?;
-        let by_slot = GatherRows::new(layout.place_of_slot, e * cap, e * cap)?
+        let mut ys = vec![self.swiglu_block(&xs, &self.gate_up, &self.down)?];
+        if m > 0 {
+            let xo = GatherRows::new(overflow_rows.to_vec(), rows + 1, rows)?
+                .apply(&x_pad)?
+                .reshape((m, cap, h))?;
+            let experts = Tensor::from_vec(layout.overflow.clone(), m, device)?;
+            let gate_up = self.gate_up.index_select(&experts, 0)?;
+            let down = self.down.index_select(&experts, 0)?;
+            ys.push(self.swiglu_block(&xo, &gate_up, &down)?);
+        }
+        let y = Tensor::cat(&ys, 0)?.reshape(((e + m) * cap, h))?;
+        let by_slot = GatherRows::new(layout.place_of_slot, (e + m) * cap, (e + m) * cap)?
             .apply(&y)?
             .reshape((rows, k, h))?;
         let weights = gates.to_dtype(x.dtype())?.unsqueeze(D::Minus1)?;
         Ok(by_slot.broadcast_mul(&weights)?.sum(1)?)
+    }
+
+    /// One padded block's SwiGLU: `xs` `[n, cap, H]` through `gate_up` `[n, 2I, H]` and
+    /// `down` `[n, H, I]` as batched GEMMs, rounded where `forward_composed` rounds.
+    fn swiglu_block(&self, xs: &Tensor, gate_up: &Tensor, down: &Tensor) -> Result<Tensor> {
+        let (i, p) = (self.intermediate, self.precision);
+        let hidden = matmul_wt_at(p, xs, gate_up)?;
+        let a = p.round(&(hidden.narrow(2, 0, i)?.silu()? * hidden.narrow(2, i, i)?)?)?;
+        matmul_wt_at(p, &a, down)
     }
 
     /// The same computation from candle's composed ops, expert by expert (other devices and
@@ -161,46 +188,115 @@ impl RoutedExperts {
     }
 }
 
-/// The busiest expert's row count: the padded layout's places per expert.
-fn busiest(dispatch: &Dispatch) -> usize {
-    let offsets = dispatch.offsets();
-    offsets.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0)
-}
-
-/// Whether the padded layout wastes at most as many rows as it uses: the busiest expert's
-/// count times the experts within twice the routed slots. Small batches (decode) spread few
-/// slots over many experts; there one GEMM per chosen expert reads only those experts'
-/// weights, where the padded GEMM would read every expert's.
+/// Whether the padded layout serves this dispatch: at least one routed slot per expert on
+/// average. Sparser dispatches (decode steps of a few rows) leave most experts idle; there
+/// one GEMM per chosen expert reads only those experts' weights, where the padded GEMM would
+/// read every expert's.
 fn padded_fits(dispatch: &Dispatch) -> bool {
-    let offsets = dispatch.offsets();
-    let cap = busiest(dispatch);
-    let experts = offsets.len().saturating_sub(1);
-    cap > 0 && experts * cap <= 2 * dispatch.slots().len()
+    let experts = dispatch.offsets().len().saturating_sub(1);
+    experts > 0 && dispatch.slots().len() >= experts
 }
 
-/// The padded `[E, cap]` layout of a dispatch: `cap` places per expert, filled in the
-/// dispatch's order and padded.
+/// The padded layout of a dispatch: `cap` places per expert in the main `[E, cap]` block,
+/// filled in the dispatch's order; an expert's rows past `cap` fill overflow blocks of
+/// `cap` places each, one expert per block.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct PaddedLayout {
     experts: usize,
     cap: usize,
-    /// For each of the `E · cap` places the row it reads (`rows`, the zero row, for padding).
+    /// The expert of each overflow block, in block order.
+    overflow: Vec<u32>,
+    /// For each of the `(E + overflow) · cap` places the row it reads (`rows`, the zero
+    /// row, for padding): the main block's places first, then the overflow blocks'.
     gather: Vec<u32>,
     /// For each slot `r · top_k + j` its place.
     place_of_slot: Vec<u32>,
 }
 
-/// The padded layout of `dispatch` over `rows` rows.
-fn padded_layout(dispatch: &Dispatch, rows: usize) -> PaddedLayout {
+/// What one overflow block costs beyond its places, in padded rows: its two expert weight
+/// matrices are gathered (read, written, read again by the GEMM: 36·I·H bytes in f32) where a
+/// padded row costs the GEMMs 6·I·H FLOPs; on an H200 (4.8 TB/s, ~50 TFLOP/s in f32, more in
+/// bf16) that is about 60 rows in f32 GEMMs. Decode steps, whose GEMMs are bound by reading
+/// weights, pay more per weight copy, so the estimate is rounded up. With a cost of zero a
+/// decode step at batch 256 split its ~32 rows per expert into overflow blocks and ran
+/// slower (H200, 2026-11-27; the cost itself not yet measured on a GPU).
+const OVERFLOW_BLOCK_ROWS: usize = 128;
+
+/// The places a block size of `cap` takes for these expert loads: every expert's main block
+/// plus one more block per `cap` rows past its first `cap`.
+fn places_for(counts: &[usize], cap: usize) -> usize {
+    counts.iter().map(|&c| c.div_ceil(cap).max(1) * cap).sum()
+}
+
+/// The cost of a block size in padded rows: its places, plus `overflow_cost` for each
+/// overflow block.
+fn cost_of(counts: &[usize], cap: usize, overflow_cost: usize) -> usize {
+    let places = places_for(counts, cap);
+    let overflow_blocks = places / cap.max(1) - counts.len();
+    places + overflow_blocks * overflow_cost
+}
+
+/// The block size of least cost ([`cost_of`]: places, padding included, and each overflow
+/// block's weight gather) for these loads, between the mean load (overflow blocks then
+/// number at most the experts, so the gathered weights are at most one more copy of the
+/// stack) and the busiest expert's (no overflow); among equals the largest. The cost is the
+/// size times a block count, plus the count's excess, and the count only falls where some
+/// expert's rows fill `j` blocks exactly (`⌈c / j⌉`), so those points and the mean are the
+/// only candidates: at most twice the experts of them.
+fn block_size(counts: &[usize], overflow_cost: usize) -> usize {
+    let slots: usize = counts.iter().sum();
+    let busiest = counts.iter().copied().max().unwrap_or(0);
+    let low = slots.div_ceil(counts.len().max(1)).max(1);
+    if busiest <= low {
+        return low;
+    }
+    let mut candidates: Vec<usize> = counts
+        .iter()
+        .flat_map(|&c| (1..=c.div_ceil(low)).map(move |j| c.div_ceil(j)))
+        .filter(|&cap| cap >= low && cap <= busiest)
+        .chain([low])
+        .collect();
+    candidates.sort_unstable();
+    candidates.dedup();
+    let mut best = busiest;
+    let mut best_cost = cost_of(counts, busiest, overflow_cost);
+    for &cap in candidates.iter().rev() {
+        let cost = cost_of(counts, cap, overflow_cost);
+        if cost < best_cost {
+            (best, best_cost) = (cap, cost);
+        }
+    }
+    best
+}
+
+/// The padded layout of `dispatch` over `rows` rows, each overflow block costing
+/// `overflow_cost` padded rows when the block size is chosen.
+fn padded_layout(dispatch: &Dispatch, rows: usize, overflow_cost: usize) -> PaddedLayout {
     let offsets = dispatch.offsets();
     let experts = offsets.len().saturating_sub(1);
-    let cap = busiest(dispatch);
+    let counts: Vec<usize> = offsets.windows(2).map(|w| w[1] - w[0]).collect();
+    let cap = block_size(&counts, overflow_cost);
     let k = dispatch.top_k();
-    let mut gather = vec![rows as u32; experts * cap];
+    let mut overflow = Vec::new();
+    for (expert, &c) in counts.iter().enumerate() {
+        overflow.extend(std::iter::repeat_n(
+            expert as u32,
+            c.div_ceil(cap).saturating_sub(1),
+        ));
+    }
+    let mut gather = vec![rows as u32; (experts + overflow.len()) * cap];
     let mut place_of_slot = vec![0u32; dispatch.slots().len()];
+    let mut next_block = experts;
     for (expert, w) in offsets.windows(2).enumerate() {
         for (n, &slot) in dispatch.slots()[w[0]..w[1]].iter().enumerate() {
-            let place = expert * cap + n;
+            let place = if n < cap {
+                expert * cap + n
+            } else {
+                if n % cap == 0 {
+                    next_block += 1;
+                }
+                (next_block - 1) * cap + n % cap
+            };
             gather[place] = slot / k as u32;
             place_of_slot[slot as usize] = place as u32;
         }
@@ -208,6 +304,7 @@ fn padded_layout(dispatch: &Dispatch, rows: usize) -> PaddedLayout {
     PaddedLayout {
         experts,
         cap,
+        overflow,
         gather,
         place_of_slot,
     }
@@ -246,10 +343,14 @@ mod tests {
 
     impl PathCase {
         fn new(dtype: DType, precision: Precision) -> Self {
+            Self::with_ids(dtype, precision, &[0, 2, 2, 4, 3, 0, 4, 2, 0, 4, 2, 0])
+        }
+
+        /// The case with each row's two experts (of five) given by `ids`.
+        fn with_ids(dtype: DType, precision: Precision, ids: &[u32]) -> Self {
             let (e, h, i, k) = (5, 12, 7, 2);
-            let ids = [0, 2, 2, 4, 3, 0, 4, 2, 0, 4, 2, 0];
             let rows = ids.len() / k;
-            let dispatch = Dispatch::new(&ids, k, e).expect("dispatch");
+            let dispatch = Dispatch::new(ids, k, e).expect("dispatch");
             let x = Var::from_tensor(&seeded_tensor(&[rows, h], 1, dtype)).expect("var");
             let gates = Var::from_tensor(&seeded_tensor(&[rows, k], 5, dtype)).expect("var");
             let (gu, dn, mut experts) = experts(e, h, i, dtype);
@@ -313,44 +414,51 @@ mod tests {
         }
     }
 
-    /// The padded batched layout (the GPU's path) equals the expert-by-expert composed ops
-    /// on outputs and on the gradients of the rows, the gates and both stacked weights, in
-    /// f64, f32 and bf16 rounding, with an expert no row goes to and uneven expert loads.
-    #[test]
-    fn padded_matches_composed_ops() {
-        let k = 2;
-        let case = PathCase::new(DType::F64, Precision::F32);
-        let rows = case.rows;
-        let layout = padded_layout(&case.dispatch, rows);
-        let cap = layout.cap;
-        assert_eq!(
-            (layout.experts, cap),
-            (5, 4),
-            "experts 0 and 2 carry four rows each"
-        );
-        // expert 1 is all padding: the zero row
-        assert!(layout.gather[cap..2 * cap]
-            .iter()
-            .all(|&r| r as usize == rows));
-        // every slot has its own place, and that place reads the slot's row
+    /// Every slot has its own place, that place reads the slot's row, every other place
+    /// reads the zero row, and each overflow block holds rows of its own expert only.
+    fn assert_layout_places_every_slot(dispatch: &Dispatch, layout: &PaddedLayout, rows: usize) {
+        let k = dispatch.top_k();
+        let blocks = layout.experts + layout.overflow.len();
+        assert_eq!(layout.gather.len(), blocks * layout.cap);
         let mut places = layout.place_of_slot.clone();
         places.sort_unstable();
         places.dedup();
-        assert_eq!(places.len(), rows * k);
+        assert_eq!(places.len(), dispatch.slots().len(), "one place per slot");
         for (slot, &place) in layout.place_of_slot.iter().enumerate() {
             assert_eq!(layout.gather[place as usize] as usize, slot / k);
         }
+        let used = layout
+            .gather
+            .iter()
+            .filter(|&&r| r as usize != rows)
+            .count();
+        assert_eq!(used, dispatch.slots().len(), "padding reads the zero row");
+        let ids = dispatch.experts_of_rows();
+        for (slot, &place) in layout.place_of_slot.iter().enumerate() {
+            let block = place as usize / layout.cap;
+            let expert = if block < layout.experts {
+                block
+            } else {
+                layout.overflow[block - layout.experts] as usize
+            };
+            assert!(ids[slot / k].contains(&(expert as u32)), "slot {slot}");
+        }
+    }
+
+    /// The padded path and the composed ops agree on outputs and on the gradients of the
+    /// rows, the gates and both stacked weights, in f64, f32 and bf16 rounding.
+    fn assert_padded_matches_composed(ids: &[u32], overflow_cost: usize) {
         for (dtype, precision, tol) in [
             (DType::F64, Precision::F32, 1e-12),
             (DType::F32, Precision::F32, 2e-5),
             // bf16: the two sum in different orders, so a rounding may land one ulp apart
             (DType::F32, Precision::Bf16 { router_f32: false }, 1e-2),
         ] {
-            let c = PathCase::new(dtype, precision);
+            let c = PathCase::with_ids(dtype, precision, ids);
             let (x, gates) = (c.x.as_tensor(), c.gates.as_tensor());
             let padded = c
                 .experts
-                .forward_padded(x, gates, &c.dispatch)
+                .forward_padded(x, gates, &c.dispatch, overflow_cost)
                 .expect("padded");
             let composed = c
                 .experts
@@ -375,20 +483,105 @@ mod tests {
         }
     }
 
-    /// The padded layout is used only where it wastes at most as many rows as it uses.
+    /// The padded batched layout (the GPU's path) equals the expert-by-expert composed ops,
+    /// with an expert no row goes to and uneven expert loads.
     #[test]
-    fn padding_is_chosen_for_even_loads_only() {
-        // 4 rows top-1 over 4 experts, one each: cap 1, 4 padded places for 4 slots
+    fn padded_matches_composed_ops() {
+        let case = PathCase::new(DType::F64, Precision::F32);
+        let rows = case.rows;
+        let layout = padded_layout(&case.dispatch, rows, 0);
+        let cap = layout.cap;
+        // loads 4, 0, 4, 1, 3: one block of 4 each has the fewest places (20; 3 would take 21)
+        assert_eq!(
+            (layout.experts, cap, layout.overflow.len()),
+            (5, 4, 0),
+            "experts 0 and 2 carry four rows each"
+        );
+        // expert 1 is all padding: the zero row
+        assert!(layout.gather[cap..2 * cap]
+            .iter()
+            .all(|&r| r as usize == rows));
+        assert_layout_places_every_slot(&case.dispatch, &layout, rows);
+        assert_padded_matches_composed(&[0, 2, 2, 4, 3, 0, 4, 2, 0, 4, 2, 0], 0);
+    }
+
+    /// A skewed load spills past the block size into overflow blocks (their weights gathered
+    /// from the stack), and still equals the composed ops, gradients of the stack included.
+    #[test]
+    fn overflow_blocks_match_composed_ops() {
+        // ten rows: expert 0 in every row, expert 2 in six, 3 in three, 4 in one, 1 in none
+        let ids = [0, 2, 2, 0, 0, 3, 0, 2, 4, 0, 0, 2, 3, 0, 0, 2, 0, 3, 2, 0];
+        let case = PathCase::with_ids(DType::F64, Precision::F32, &ids);
+        let layout = padded_layout(&case.dispatch, case.rows, 0);
+        // loads 10, 0, 6, 3, 1 (mean 4): blocks of 4 take 32 places (expert 0 in three
+        // blocks, expert 2 in two), of 5 35, of 6 36, one block of 10 each 50
+        assert_eq!((layout.cap, layout.overflow.clone()), (4, vec![0, 0, 2]));
+        assert_layout_places_every_slot(&case.dispatch, &layout, case.rows);
+        assert_padded_matches_composed(&ids, 0);
+        // each overflow block costing 128 rows, one block of 10 each (50 places) is cheaper
+        let costed = padded_layout(&case.dispatch, case.rows, OVERFLOW_BLOCK_ROWS);
+        assert_eq!((costed.cap, costed.overflow.len()), (10, 0));
+    }
+
+    /// The block size: the mean load when loads are even, the busiest load when one block
+    /// each costs least, overflow blocks when one expert takes far more than the rest.
+    #[test]
+    fn the_block_size_takes_the_least_cost() {
+        assert_eq!(block_size(&[4, 4, 4, 4], 0), 4);
+        // 20 places either way: the busiest load's size, with no overflow block
+        assert_eq!(block_size(&[5, 4, 4, 3], 0), 5);
+        // 20 places against 24: the mean, expert 0 in two blocks; not when a block costs 8
+        assert_eq!(block_size(&[6, 4, 4, 2], 0), 4);
+        assert_eq!(block_size(&[6, 4, 4, 2], 8), 6);
+        // one expert with all 64 slots of 8 experts: blocks of 8 (8 + 7 · 8 = 64 + 56 places)
+        // beat one block of 64 each (512 places); at 128 rows per overflow block, blocks of
+        // 32 (9 · 32 + 128 = 416) beat both 8 (120 + 7 · 128) and 64 (512)
+        let skewed = [64, 0, 0, 0, 0, 0, 0, 0];
+        assert_eq!(block_size(&skewed, 0), 8);
+        assert_eq!(places_for(&skewed, 8), 120);
+        assert_eq!(cost_of(&skewed, 8, 128), 120 + 7 * 128);
+        assert_eq!(cost_of(&skewed, 32, 128), 416);
+        assert_eq!(block_size(&skewed, 128), 32);
+        // brute force: no block size between the mean and the busiest load costs less
+        for counts in [
+            vec![7, 1, 9, 3],
+            vec![100, 3, 5, 40, 2],
+            vec![5, 5, 6, 5],
+            vec![300, 0, 0, 1, 2, 0, 0, 9, 50, 0],
+            vec![1000, 999, 17, 0],
+            vec![4000, 500, 510, 490, 20, 700, 505, 512],
+        ] {
+            for overflow_cost in [0, 1, 16, 128] {
+                let chosen = cost_of(&counts, block_size(&counts, overflow_cost), overflow_cost);
+                let low = counts.iter().sum::<usize>().div_ceil(counts.len());
+                let busiest = *counts.iter().max().expect("max");
+                for cap in low..=busiest {
+                    let cost = cost_of(&counts, cap, overflow_cost);
+                    assert!(cost >= chosen, "{counts:?} cost {overflow_cost} cap {cap}");
+                }
+            }
+        }
+        // a training-sized skew (mid's 32 experts, 16,384 slots): overflow blocks pay
+        let mut training = vec![512; 32];
+        training[0] = 1100;
+        training[1] = 0;
+        training[2] = 436;
+        let cap = block_size(&training, OVERFLOW_BLOCK_ROWS);
+        assert!(cap < 1100, "{cap}");
+    }
+
+    /// The padded layout is used where the slots number at least the experts.
+    #[test]
+    fn padding_is_chosen_for_dense_dispatches_only() {
+        // 4 rows top-1 over 4 experts, one each: 4 slots for 4 experts
         let even = Dispatch::new(&[0, 1, 2, 3], 1, 4).expect("dispatch");
         assert!(padded_fits(&even));
-        // one row top-2 over 8 experts (a decode step): 8 places for 2 slots
+        // one row top-2 over 8 experts (a decode step): 2 slots for 8 experts
         let sparse = Dispatch::new(&[3, 5], 2, 8).expect("dispatch");
         assert!(!padded_fits(&sparse));
-        // every row on one expert of two: 2 · 4 = 8 places for 4 slots, the limit
-        let skewed = Dispatch::new(&[1, 1, 1, 1], 1, 2).expect("dispatch");
+        // every row on one expert of three: skewed, but overflow blocks take the load
+        let skewed = Dispatch::new(&[1, 1, 1, 1], 1, 3).expect("dispatch");
         assert!(padded_fits(&skewed));
-        let more_skewed = Dispatch::new(&[1, 1, 1, 1], 1, 3).expect("dispatch");
-        assert!(!padded_fits(&more_skewed));
     }
 
     /// One row, one expert, gate 1: the output is that expert's SwiGLU, computed by hand.

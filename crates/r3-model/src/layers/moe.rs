@@ -9,6 +9,7 @@ use candle_core::Tensor;
 
 use super::dispatch::Dispatch;
 use super::experts::RoutedExperts;
+use super::gather_rows::GatherRows;
 use super::linear::Linear;
 use super::mlp::SwiGlu;
 use crate::config::{Config, SharedExpert};
@@ -141,8 +142,13 @@ impl MoeBlock {
         let e = self.router.num_experts;
         let x_routed = if rows.all {
             x.clone()
-        } else {
+        } else if x.device().is_cpu() {
             x.index_select(&rows.tensor, 0)?
+        } else {
+            // On a GPU candle's `index_select` backward (`index_add`) is one serial pass
+            // over the rows per column; GatherRows' backward is a parallel gather.
+            let batch_rows = x.dim(0)?;
+            GatherRows::new(rows.host.clone(), batch_rows, batch_rows)?.apply(x)?
         };
         let logits = self.router_logits(&x_routed)?;
         let host = logits
@@ -186,8 +192,10 @@ impl MoeBlock {
         let routed = self.experts.forward(&x_routed, &gates, &dispatch)?;
         let out = if rows.all {
             routed
-        } else {
+        } else if x.device().is_cpu() {
             Tensor::zeros(x.dims2()?, x.dtype(), x.device())?.index_add(&rows.tensor, &routed, 0)?
+        } else {
+            scatter_rows(&routed, &rows.host, x.dim(0)?)?
         };
         let output = match &self.shared {
             Shared::None => out,
@@ -207,6 +215,28 @@ impl MoeBlock {
     }
 }
 
+/// `routed` `[n, H]` placed at the batch rows `at` of a zero `[batch_rows, H]`, as a gather
+/// (each batch row reads its routed row, or a zero row appended after them), so that its
+/// backward is a gather too: the GPU's form of `zeros.index_add(at, routed)`.
+fn scatter_rows(routed: &Tensor, at: &[u32], batch_rows: usize) -> Result<Tensor> {
+    let (n, h) = routed.dims2()?;
+    let mut source = vec![n as u32; batch_rows];
+    for (j, &row) in at.iter().enumerate() {
+        let slot = source.get_mut(row as usize).ok_or_else(|| {
+            ModelError::Input(format!("routed row {row} past a {batch_rows}-row batch"))
+        })?;
+        *slot = j as u32;
+    }
+    let padded = Tensor::cat(
+        &[
+            routed,
+            &Tensor::zeros((1, h), routed.dtype(), routed.device())?,
+        ],
+        0,
+    )?;
+    GatherRows::new(source, n + 1, n)?.apply(&padded)
+}
+
 /// Errors if a row was dispatched to other experts than the ones routing chose for it.
 fn check_dispatch(dispatch: &Dispatch, ids: &[u32], k: usize) -> Result<()> {
     for (r, dispatched) in dispatch.experts_of_rows().into_iter().enumerate() {
@@ -219,4 +249,48 @@ fn check_dispatch(dispatch: &Dispatch, ids: &[u32], k: usize) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_util::{max_abs_diff, seeded_tensor};
+    use candle_core::{DType, Device, Var};
+
+    /// The gather form of the scatter equals `zeros.index_add` bit for bit, and so does its
+    /// gradient (the probe's routed rows), with padding rows left at zero.
+    #[test]
+    fn scatter_rows_equals_index_add_forward_and_backward() {
+        let at = [4u32, 0, 2, 5];
+        let routed = Var::from_tensor(&seeded_tensor(&[4, 3], 7, DType::F64)).expect("var");
+        let probe = seeded_tensor(&[6, 3], 8, DType::F64);
+        let ids = Tensor::new(&at, &Device::Cpu).expect("ids");
+        let gathered = scatter_rows(routed.as_tensor(), &at, 6).expect("scatter");
+        let added = Tensor::zeros((6, 3), DType::F64, &Device::Cpu)
+            .and_then(|z| z.index_add(&ids, routed.as_tensor(), 0))
+            .expect("index_add");
+        assert_eq!(max_abs_diff(&gathered, &added), 0.0);
+        let pad = gathered
+            .get(1)
+            .and_then(|r| r.to_vec1::<f64>())
+            .expect("row 1");
+        assert_eq!(pad, vec![0.0; 3]);
+        let grad = |y: &Tensor| {
+            let g = (y * &probe)
+                .and_then(|l| l.sum_all())
+                .and_then(|l| l.backward())
+                .expect("backward");
+            g.get(routed.as_tensor()).expect("grad").clone()
+        };
+        assert_eq!(max_abs_diff(&grad(&gathered), &grad(&added)), 0.0);
+        let want = probe.index_select(&ids, 0).expect("select");
+        assert_eq!(max_abs_diff(&grad(&gathered), &want), 0.0);
+    }
+
+    #[test]
+    fn a_routed_row_past_the_batch_is_an_error() {
+        let routed = seeded_tensor(&[2, 3], 7, DType::F32);
+        let err = scatter_rows(&routed, &[0, 9], 4).expect_err("past the batch");
+        assert!(err.to_string().contains("routed row 9"), "{err}");
+    }
 }
