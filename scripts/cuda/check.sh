@@ -13,7 +13,8 @@
 # check may take (default 480); each command's own limit is cut to what is left, and a step
 # that cannot start with a minute left is skipped and says so.
 #
-# 1. the GPU tests (test binaries built with `--features cuda`): every family's tiny model
+# 1. the GPU tests (test binaries built with `--features cuda`): r3's own CUDA kernels one op
+#    at a time against the CPU (kernels.rs), then every family's tiny model
 #    on CUDA against the CPU (logits, routes, replay proofs, log-probs, entropy, every
 #    parameter's gradient), the HF oracle fixtures on CUDA, AdamW and the policy update;
 # 2. `r3 train --set train.device=cuda --set steps=20`: replay.verified_frac = 1 in every
@@ -27,8 +28,8 @@
 #    cuda` = `--device cpu` on the oracle prompts, both engines on the GPU in `r3 train`, and
 #    `r3 bench decode --device cuda` at batch 1 / 64 / 256 (f32, bf16) beside
 #    scripts/cuda/peer_hf_generate.py.
-# 5. Only with --steps 5: Nsight Compute's per-kernel time table of one mid bf16 training
-#    step (where a step's GPU time goes).
+# 5. Only with --steps 5: Nsight Compute's per-kernel time table of one bf16 training step
+#    of mid and of the 30B-A3B shape (where a step's GPU time goes).
 # Ends with one summary line.
 set -uo pipefail
 
@@ -75,7 +76,7 @@ if [ ! -d "$bin" ] && [ -f "$root/gpu/pack/bin.tar.xz" ]; then
 fi
 gpu_name=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -n 1)
 echo "== GPU: ${gpu_name:-unknown (nvidia-smi failed)}"
-for exe in r3 r3-model-devices r3-train-devices r3-rollout-device_engine r3-rollout-device_prefix_cache; do
+for exe in r3 r3-model-devices r3-model-kernels r3-train-devices r3-rollout-device_engine r3-rollout-device_prefix_cache; do
     if [ ! -x "$bin/$exe" ]; then
         echo "check.sh: $bin/$exe is missing: run scripts/cuda/build.sh and carry gpu/bin" >&2
         exit 2
@@ -91,6 +92,9 @@ fi
 # 1. GPU tests (cwd = the crate folder: the tests find their fixtures relative to it).
 if wants 1; then
 t0=$(date +%s)
+(cd crates/r3-model && timeout "$(limit 60)" "$bin/r3-model-kernels" --test-threads=1 --nocapture) > "$work/test-kernels.txt" 2>&1
+rc=$?; grep -E "max|test result|panicked" "$work/test-kernels.txt" | tail -n 30
+verdict kernel-tests "$([ $rc = 0 ] && echo pass || echo "FAIL($rc)")"
 (cd crates/r3-model && timeout "$(limit 150)" "$bin/r3-model-devices" --test-threads=1) > "$work/test-model.txt" 2>&1
 rc=$?; tail -n 30 "$work/test-model.txt"
 verdict model-tests "$([ $rc = 0 ] && echo pass || echo "FAIL($rc)")"
@@ -251,19 +255,24 @@ echo "   rollout engine checks took $(( $(date +%s) - t0 )) s"
 fi
 
 # 5. (asked for by --steps 5 only) Where a training step's GPU time goes: Nsight Compute
-#    times every kernel of one mid bf16 step (forward + backward; `ncu` serialises the
-#    kernels, so only the per-kernel durations mean anything, not the wall time), and the
-#    table of kernels by total time is written to profile-kernels.txt.
+#    times every kernel of one bf16 training step (forward + backward; `ncu` serialises the
+#    kernels, so only the per-kernel durations mean anything, not the wall time), on mid and
+#    on the 30B-A3B shape: `r3 bench train --profile-step` opens the profiler's capture range
+#    around its first timed Native step only (ncu --profile-from-start off), and the table of
+#    kernels by total time is written to profile-kernels-CONFIG.txt.
 if wants 5; then
 t0=$(date +%s)
 if command -v ncu > /dev/null; then
-    # The first ~1,870 kernels draw the weights (curand, one per tensor); the next 4,000
-    # cover a step (ncu spends ≈ 10 ms per kernel, so all of a run would not fit the budget).
-    timeout "$(limit 240)" ncu --metrics gpu__time_duration.sum --csv --print-units base \
-        --launch-skip 1800 --launch-count 4000 "$bin/r3" bench train --device cuda --config mid --dtype bf16 \
-        --batch 8 --seq-len 512 --steps 1 --warmup 0 > "$work/profile.csv" 2> "$work/profile.err"
-    rc=$?
-    profile=$("$python" - "$work/profile.csv" "$work/profile-kernels.txt" <<'PY'
+    profiles=()
+    for run in "mid 8 150" "a3b-8l 2 200"; do
+        read -r config batch secs <<< "$run"
+        if [ "$(left)" -lt 60 ]; then profiles+=("$config skipped(budget)"); continue; fi
+        timeout "$(limit "$secs")" ncu --metrics gpu__time_duration.sum --csv --print-units base \
+            --profile-from-start off "$bin/r3" bench train --device cuda --config "$config" \
+            --dtype bf16 --batch "$batch" --seq-len 512 --steps 1 --warmup 1 --profile-step \
+            > "$work/profile-$config.csv" 2> "$work/profile-$config.err"
+        rc=$?
+        table=$("$python" - "$work/profile-$config.csv" "$work/profile-kernels-$config.txt" <<'PY'
 import collections, csv, sys
 rows = []
 with open(sys.argv[1]) as f:
@@ -286,8 +295,10 @@ with open(sys.argv[2], "w") as out:
 print(f"{len(rows)} kernels, {total / 1e6:.1f} ms GPU time")
 PY
 )
-    head -n 25 "$work/profile-kernels.txt" 2>/dev/null
-    verdict profile "rc $rc: ${profile:-no table}"
+        head -n 25 "$work/profile-kernels-$config.txt" 2>/dev/null
+        profiles+=("$config rc $rc: ${table:-no table}")
+    done
+    verdict profile "$(IFS=';'; echo "${profiles[*]}")"
 else
     verdict profile "skipped(no ncu on PATH)"
 fi

@@ -114,6 +114,32 @@ pub fn device_memory(device: &Device) -> Result<Option<(usize, usize)>, DeviceEr
     }
 }
 
+/// Opens (`capture = true`) or closes CUDA's profiler capture range, so that a profiler
+/// started with capture off (`ncu --profile-from-start off`) records only the work in
+/// between (a benchmark's timed step, not the weights' drawing); waits for the device's
+/// queued work first, so the range holds exactly what was launched inside it. Nothing on the
+/// CPU.
+#[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+pub fn profiler_capture(device: &Device, capture: bool) -> Result<(), DeviceError> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            let failed = |e: String| DeviceError::CudaUnavailable {
+                spec: DeviceSpec::of(device),
+                reason: format!("cannot switch the profiler's capture: {e}"),
+            };
+            device.synchronize().map_err(|e| failed(e.to_string()))?;
+            let switched = if capture {
+                candle_core::cuda_backend::cudarc::driver::profiler_start()
+            } else {
+                candle_core::cuda_backend::cudarc::driver::profiler_stop()
+            };
+            switched.map_err(|e| failed(e.to_string()))
+        }
+        _ => Ok(()),
+    }
+}
+
 impl FromStr for DeviceSpec {
     type Err = DeviceError;
 

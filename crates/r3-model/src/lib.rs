@@ -3,6 +3,8 @@
 //! `Native` / `Record` / `Replay` routing.
 
 pub mod config;
+#[cfg(feature = "cuda")]
+mod cuda;
 pub mod device;
 pub mod error;
 mod host;
@@ -16,6 +18,7 @@ pub mod routing_mode;
 pub mod spec;
 #[cfg(test)]
 mod test_util;
+mod token_rows;
 pub mod token_stats;
 pub mod weights;
 

@@ -92,6 +92,52 @@ impl Float for f64 {
     }
 }
 
+/// Float arithmetic with std's `exp` and `ln`, the functions candle's composed CPU ops use: for
+/// the CPU twins of r3's CUDA kernels (`layers/attention_softmax.rs`, `token_rows.rs`), which
+/// equal those ops bit for bit ([`Float`]'s f32 `exp` is the faster [`fast_exp`]).
+pub trait StdFloat:
+    Copy
+    + PartialOrd
+    + std::ops::Add<Output = Self>
+    + std::ops::Sub<Output = Self>
+    + std::ops::Mul<Output = Self>
+    + std::ops::Div<Output = Self>
+{
+    /// Additive identity.
+    const ZERO: Self;
+    /// Negative infinity.
+    const NEG_INFINITY: Self;
+    /// Not a number.
+    const NAN: Self;
+    /// `e^x`, std's.
+    fn exp(self) -> Self;
+    /// Natural logarithm, std's.
+    fn ln(self) -> Self;
+    /// Narrowing from f64.
+    fn from_f64(x: f64) -> Self;
+}
+
+macro_rules! std_float {
+    ($t:ty) => {
+        impl StdFloat for $t {
+            const ZERO: Self = 0.0;
+            const NEG_INFINITY: Self = <$t>::NEG_INFINITY;
+            const NAN: Self = <$t>::NAN;
+            fn exp(self) -> Self {
+                <$t>::exp(self)
+            }
+            fn ln(self) -> Self {
+                <$t>::ln(self)
+            }
+            fn from_f64(x: f64) -> Self {
+                x as $t
+            }
+        }
+    };
+}
+std_float!(f32);
+std_float!(f64);
+
 /// `e^x` for f32 with a Cody–Waite range reduction and a degree-6 polynomial (max relative
 /// error about 2e-7, i.e. within a couple of ulp of libm), written so it vectorises: no
 /// rounding or float-to-int calls, which LLVM leaves scalar; the input is clamped to

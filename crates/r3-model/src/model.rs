@@ -263,16 +263,7 @@ impl Model {
         };
         let ctx = LayerContext {
             rope: self.rope.tables(t, device, self.embed.dtype())?,
-            mask: {
-                let mask =
-                    AttentionMask::new(lengths, t, window, device)?.to_dtype(self.embed.dtype())?;
-                // Off the CPU every layer's composed attention adds it: expanded once.
-                if device.is_cpu() {
-                    mask
-                } else {
-                    mask.expand_to_heads(cfg.num_attention_heads)?
-                }
-            },
+            mask: AttentionMask::new(lengths, t, window, device)?.to_dtype(self.embed.dtype())?,
             rows: routed_rows(lengths, t, device)?,
             plan: plan.as_ref(),
         };

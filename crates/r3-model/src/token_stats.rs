@@ -13,6 +13,7 @@ use crate::error::{ModelError, Result};
 use crate::host::{contiguous, with_host};
 use crate::layers::precomputed::{precomputed_fwd, Precomputed};
 use crate::math::{lane_sum, log_sum_exp, Float};
+use crate::token_rows;
 
 /// `log softmax(logits)[target]` for every row: logits `[.., V]` (f32/f64, CPU), targets
 /// `[..]` u32 → `[..]`, differentiable in the logits.
@@ -46,10 +47,12 @@ pub fn token_log_probs_composed(logits: &Tensor, targets: &Tensor) -> Result<Ten
     Ok(logp.gather(&targets.unsqueeze(1)?, 1)?.squeeze(1)?)
 }
 
-/// [`token_log_probs_composed`]'s value (the same candle ops, run outside the graph) in an op
-/// whose backward recomputes the softmax from the logits: the graph keeps the logits alone,
-/// where the composed form kept three more logits-sized tensors (shifted, exponentiated,
-/// log-softmax) until the backward. Every device (the GPU's path).
+/// [`token_log_probs_composed`]'s value (the same arithmetic, outside the graph: one pass per
+/// row where `token_rows` runs, else the composed ops) in an op whose backward recomputes the
+/// softmax from the logits: the graph keeps the logits alone, where the composed form kept
+/// three more logits-sized tensors (shifted, exponentiated, log-softmax) until the backward.
+/// Every device (the GPU's path). A target past the vocabulary is an error (one scalar read
+/// back from the device).
 pub fn token_log_probs_recomputed(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let (rows, vocab) = logits.dims2()?;
     if targets.dims() != [rows] {
@@ -58,7 +61,20 @@ pub fn token_log_probs_recomputed(logits: &Tensor, targets: &Tensor) -> Result<T
             targets.dims()
         )));
     }
-    let value = token_log_probs_composed(&logits.detach(), targets)?;
+    if rows > 0 {
+        let largest = targets.to_dtype(DType::U32)?.max(0)?.to_scalar::<u32>()?;
+        if largest as usize >= vocab {
+            return Err(ModelError::Input(format!(
+                "token stats: target {largest} is outside the vocabulary of {vocab}"
+            )));
+        }
+    }
+    let value = if token_rows::supported(logits) {
+        // One pass per row (the same arithmetic as the composed ops).
+        token_rows::token_logp_rows(&logits.detach(), targets)?
+    } else {
+        token_log_probs_composed(&logits.detach(), targets)?
+    };
     if !logits.track_op() {
         // Nothing to differentiate (inference): the value, without the op's copy of it.
         return Ok(value);
@@ -125,6 +141,12 @@ impl CustomOp2 for RecomputedTokenLogProb {
         let targets = targets.detach().unsqueeze(1)?;
         let grad = grad.detach().unsqueeze(1)?;
         let lse = (logits.gather(&targets, 1)? - logp.detach().unsqueeze(1)?)?;
+        if token_rows::supported(&logits) && grad.dtype() == logits.dtype() {
+            // One pass over the logits (the same arithmetic as the composed form below).
+            let row_stats = Tensor::cat(&[&lse, &grad], 1)?;
+            let d = token_rows::token_logp_grad_rows(&logits, &targets.squeeze(1)?, &row_stats)?;
+            return Ok((Some(d), None));
+        }
         let d = logits
             .broadcast_sub(&lse)?
             .exp()?
@@ -472,5 +494,8 @@ mod tests {
         assert!(err.to_string().contains("target 5 in row 1"), "{err}");
         let bad_shape = Tensor::new(&[1u32, 2, 3], &Device::Cpu).expect("t");
         assert!(token_log_probs(&z, &bad_shape).is_err());
+        // the recomputing op (a GPU's path) names it too
+        let err = token_log_probs_recomputed(&z, &t).expect_err("out of range");
+        assert!(err.to_string().contains("target 5"), "{err}");
     }
 }

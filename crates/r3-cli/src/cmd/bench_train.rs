@@ -66,6 +66,10 @@ pub struct BenchTrainArgs {
     /// head), forward and backward synchronised, beside the whole step.
     #[arg(long)]
     pub parts: bool,
+    /// Open CUDA's profiler capture range around the first timed Native step only (for
+    /// `ncu --profile-from-start off`: one step's kernels, none of the weights' drawing).
+    #[arg(long)]
+    pub profile_step: bool,
 }
 
 /// One timed step: forward and backward wall seconds, the process's CPU seconds over both
@@ -247,7 +251,14 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
                 Routing::Replay(&routes)
             };
             bar.set_message(mode);
+            let profiled = args.profile_step && i == args.warmup && mode == "native";
+            if profiled {
+                r3_model::device::profiler_capture(&device, true)?;
+            }
             let t = step(&model, &batch, &targets, routing)?;
+            if profiled {
+                r3_model::device::profiler_capture(&device, false)?;
+            }
             if i >= args.warmup {
                 timing.steps.push(t);
             }

@@ -7,6 +7,7 @@ use candle_core::{DType, Device, Tensor, D};
 
 use super::attention_op::{visible_key_ends, MaskedAttention};
 use super::attention_recompute::attend_recomputed;
+use super::attention_softmax::masked_softmax;
 use super::linear::Linear;
 use super::norm::RmsNorm;
 use super::rope::{PositionTables, RopeTables, Rotary};
@@ -19,9 +20,6 @@ use crate::weights::Weights;
 #[derive(Debug, Clone)]
 pub struct AttentionMask {
     additive: Tensor,
-    /// The same mask expanded to every head, `[B, H, T, T]` contiguous (see
-    /// [`AttentionMask::expand_to_heads`]); `None` until asked for.
-    per_head: Option<Tensor>,
     /// The same values on the host, `[B, T, T]`, for the fused CPU attention op.
     pub(crate) host: Arc<Vec<f32>>,
     /// One past each query row's last visible key, `[B, T]` (the op's query blocks).
@@ -57,7 +55,6 @@ impl AttentionMask {
         let additive = Tensor::from_slice(&data, (lengths.len(), 1, 1, seq_len, seq_len), device)?;
         Ok(AttentionMask {
             additive,
-            per_head: None,
             key_ends: Arc::new(visible_key_ends(&data, seq_len)),
             host: Arc::new(data),
         })
@@ -68,40 +65,10 @@ impl AttentionMask {
         &self.additive
     }
 
-    /// The mask expanded once to `heads` heads, `[B, heads, T, T]` contiguous, for the
-    /// composed attention of every layer of one forward: adding a mask of the scores' own
-    /// shape is one contiguous pass, where candle's broadcast add (and the copy that would
-    /// expand it per layer) computes strided indices per element (0.52 ms of a mid layer's
-    /// 5.6 ms forward on an H200, in one bf16 training step's kernel profile). Costs one
-    /// score-sized tensor for the forward's lifetime; the CPU's fused op does not use it.
-    pub fn expand_to_heads(mut self, heads: usize) -> Result<Self> {
-        let (b, _, _, t, s) = self.additive.dims5()?;
-        let per_head = self
-            .additive
-            .broadcast_as((b, heads, 1, t, s))?
-            .contiguous()?
-            .reshape((b, heads, t, s))?;
-        self.per_head = Some(per_head);
-        Ok(self)
-    }
-
-    /// The mask for `heads` query heads: the expanded one when it has that many heads,
-    /// else the broadcastable `[B, 1, 1, T, T]` one.
-    fn for_heads(&self, heads: usize) -> &Tensor {
-        match &self.per_head {
-            Some(m) if m.dim(1).ok() == Some(heads) => m,
-            _ => &self.additive,
-        }
-    }
-
     /// The same mask in another float dtype.
     pub fn to_dtype(&self, dtype: candle_core::DType) -> Result<Self> {
         Ok(AttentionMask {
             additive: self.additive.to_dtype(dtype)?,
-            per_head: match &self.per_head {
-                Some(m) => Some(m.to_dtype(dtype)?),
-                None => None,
-            },
             host: self.host.clone(),
             key_ends: self.key_ends.clone(),
         })
@@ -134,9 +101,8 @@ pub fn attend(
         return Ok(q.contiguous()?.apply_op3(&k.contiguous()?, &v, op)?);
     }
     let t = k.dim(2)?;
-    let heads = q.dim(1)? * groups.max(1);
     heads_to_tokens(
-        &attend_recomputed(q, k, v, mask.for_heads(heads), scale, groups)?,
+        &attend_recomputed(q, k, v, &mask.additive, scale, groups)?,
         t,
     )
 }
@@ -182,8 +148,10 @@ pub fn attend_additive(
 }
 
 /// The probabilities `softmax(q kᵀ · scale + additive)` `[B, KV, G·T, S]` of contiguous `q`
-/// `[B, KV, G·T, Dq]` and `k` `[B, KV, S, Dq]`, from candle's ops: the composed attention's
-/// and the recomputing op's (forward and backward), so all three round alike.
+/// `[B, KV, G·T, Dq]` and `k` `[B, KV, S, Dq]`: the composed attention's and the recomputing
+/// op's (forward and backward). Where nothing is differentiated through them and the mask is
+/// `[B, 1, 1, T, S]`, one pass ([`masked_softmax`], the same arithmetic as candle's ops, bit
+/// for bit on the CPU); else candle's composed ops.
 pub(crate) fn attention_probs(
     q: &Tensor,
     k: &Tensor,
@@ -194,22 +162,16 @@ pub(crate) fn attention_probs(
     let (b, kv, gt, _) = q.dims4()?;
     let groups = groups.max(1);
     let s = k.dim(2)?;
-    let scores = (q.matmul(&k.t()?)? * scale)?.reshape((b, kv, groups, gt / groups, s))?;
-    let scores = if additive.elem_count() == scores.elem_count() {
-        // A mask expanded to every head (`AttentionMask::expand_to_heads`, head
-        // `kv·G + g`): the same shape, one contiguous add.
-        (scores.clone() + additive.reshape(scores.shape())?)?
-    } else {
-        scores.broadcast_add(additive)?
-    };
-    let probs = if scores.track_op() {
-        candle_nn::ops::softmax(&scores, D::Minus1)?
-    } else {
-        // Nothing to differentiate through (inference, and the probabilities the
-        // recomputing op builds from detached inputs): candle's one-kernel softmax instead
-        // of five passes over the scores (max, subtract, exp, sum, divide).
-        candle_nn::ops::softmax_last_dim(&scores)?
-    };
+    let raw = q.matmul(&k.t()?)?;
+    // Nothing differentiated through the probabilities (the recomputing op builds them from
+    // detached inputs; inference): one pass reading the mask per query row.
+    if let Some(probs) = masked_softmax(&raw, additive, scale)? {
+        return Ok(probs);
+    }
+    let scores = (raw * scale)?
+        .reshape((b, kv, groups, gt / groups, s))?
+        .broadcast_add(additive)?;
+    let probs = candle_nn::ops::softmax(&scores, D::Minus1)?;
     probs.reshape((b, kv, gt, s))
 }
 
@@ -507,44 +469,6 @@ mod tests {
                     let err = max_abs_diff(gw, gg);
                     assert!(err < tol, "{dtype:?} {window:?} d{name}: {err}");
                 }
-            }
-        }
-    }
-
-    /// The mask expanded to every head gives the broadcast mask's values and gradients bit
-    /// for bit, with padding, a sliding window and grouped queries; a head count it was not
-    /// expanded for falls back to the broadcast mask.
-    #[test]
-    fn a_mask_expanded_to_the_heads_equals_the_broadcast_one() {
-        let (b, kv, groups, t, d) = (2, 2, 3, 6, 4);
-        for window in [None, Some(2)] {
-            let mask = AttentionMask::new(&[6, 3], t, window, &Device::Cpu)
-                .and_then(|m| m.to_dtype(DType::F64))
-                .expect("mask");
-            let expanded = mask.clone().expand_to_heads(kv * groups).expect("expand");
-            assert_eq!(
-                expanded.for_heads(kv * groups).dims(),
-                [b, kv * groups, t, t]
-            );
-            assert_eq!(expanded.for_heads(kv).dims(), [b, 1, 1, t, t]);
-            let q = Var::from_tensor(&seeded_tensor(&[b, kv, groups * t, d], 5, DType::F64))
-                .expect("q");
-            let k = Var::from_tensor(&seeded_tensor(&[b, kv, t, d], 6, DType::F64)).expect("k");
-            let v = Var::from_tensor(&seeded_tensor(&[b, kv, t, d], 7, DType::F64)).expect("v");
-            let probe = seeded_tensor(&[b, kv, groups * t, d], 8, DType::F64);
-            let run = |m: &Tensor| {
-                let y = attend_recomputed(&q, &k, &v, m, 0.5, groups).expect("attend");
-                let g = (&y * &probe)
-                    .and_then(|l| l.sum_all())
-                    .and_then(|l| l.backward())
-                    .expect("backward");
-                (y, [&q, &k, &v].map(|x| g.get(x).expect("grad").clone()))
-            };
-            let (want, want_grads) = run(mask.additive());
-            let (got, got_grads) = run(expanded.for_heads(kv * groups));
-            assert_eq!(max_abs_diff(&got, &want), 0.0, "{window:?} forward");
-            for (a, b) in got_grads.iter().zip(&want_grads) {
-                assert_eq!(max_abs_diff(a, b), 0.0, "{window:?} gradients");
             }
         }
     }

@@ -9,6 +9,7 @@
 use candle_core::{CustomOp3, Tensor, D};
 
 use super::attention::attention_probs;
+use super::attention_softmax::softmax_grad;
 use super::precomputed::{precomputed_fwd, Precomputed};
 use crate::error::Result;
 
@@ -79,7 +80,10 @@ impl CustomOp3 for RecomputedAttention {
         let dv = probs.t()?.matmul(&grad)?;
         let dp = grad.matmul(&v.t()?)?;
         let row = (&grad * out.detach())?.sum_keepdim(D::Minus1)?;
-        let ds = (probs * dp.broadcast_sub(&row)?)?;
+        let ds = match softmax_grad(&probs, &dp, &row)? {
+            Some(ds) => ds,
+            None => (probs * dp.broadcast_sub(&row)?)?,
+        };
         let dq = (ds.matmul(&k)? * self.scale)?;
         let dk = (ds.t()?.matmul(&q)? * self.scale)?;
         Ok((Some(dq), Some(dk), Some(dv)))

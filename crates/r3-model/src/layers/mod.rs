@@ -3,6 +3,7 @@
 pub mod attention;
 pub mod attention_op;
 pub mod attention_recompute;
+mod attention_softmax;
 pub mod dispatch;
 pub mod experts;
 pub mod gather_rows;

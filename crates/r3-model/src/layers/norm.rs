@@ -4,7 +4,7 @@
 //! fused kernel has no gradient, and the composed `rms_norm_slow` costs six ops forward and
 //! about twice that backward, each a full pass with a fresh buffer, five times per layer.
 
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor, WithDType};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
 use super::gemm::{assume_init_vec, unfilled};
@@ -48,9 +48,12 @@ impl RmsNorm {
             };
             return p.round(&rounded.forward(x)?);
         }
-        let fused = x.device().is_cpu()
-            && matches!(x.dtype(), DType::F32 | DType::F64)
-            && x.dtype() == self.weight.dtype();
+        // The CPU's fused kernels in f32 / f64; r3's CUDA kernels in f32 on a GPU.
+        let fused = match x.dtype() {
+            DType::F32 => x.device().is_cpu() || x.device().is_cuda(),
+            DType::F64 => x.device().is_cpu(),
+            _ => false,
+        } && x.dtype() == self.weight.dtype();
         if fused {
             let x = x.contiguous()?;
             Ok(x.apply_op2(
@@ -72,6 +75,9 @@ struct RmsNormOp {
 
 /// Rows per parallel task (the weight gradient is summed per task, then across tasks).
 const ROWS_PER_TASK: usize = 64;
+
+// The CUDA kernel `r3_rms_norm_dw_chunks_f32` holds a chunk's inverse RMS values in 64 slots.
+const _: () = assert!(ROWS_PER_TASK <= 64);
 
 /// `1 / sqrt(mean(row²) + eps)`.
 fn inv_rms<T: Float>(row: &[T], eps: f64) -> T {
@@ -101,6 +107,13 @@ fn rms_fwd<T: Float>(x: &[T], w: &[T], eps: f64) -> Vec<T> {
 /// in a fixed order ([`sum_chunks`]): the result does not depend on how rayon schedules the
 /// chunks, so a run is the same on any thread count.
 fn rms_bwd<T: Float>(x: &[T], w: &[T], g: &[T], eps: f64) -> (Vec<T>, Vec<T>) {
+    let (dx, partials) = rms_bwd_parts(x, w, g, eps);
+    (dx, sum_chunks(&partials, w.len()))
+}
+
+/// [`rms_bwd`]'s `dx` and its per-chunk `dw` sums, before the chunks are combined (the CUDA
+/// kernels `r3_rms_norm_dx_f32` and `r3_rms_norm_dw_chunks_f32` compute the same).
+fn rms_bwd_parts<T: Float>(x: &[T], w: &[T], g: &[T], eps: f64) -> (Vec<T>, Vec<Vec<T>>) {
     let d = w.len();
     // The writes below cover `dx` only if `g` is as long as `x` (candle hands the op a
     // gradient of its output's shape: a mismatch is a bug, not input).
@@ -136,7 +149,7 @@ fn rms_bwd<T: Float>(x: &[T], w: &[T], g: &[T], eps: f64) -> (Vec<T>, Vec<T>) {
     // SAFETY: the row chunks of `dx`, `x` and `g` (one length, asserted above) pair up
     // element for element, and each element of `dx` was written (a row is at most `d` long).
     let dx = unsafe { assume_init_vec(dx) };
-    (dx, sum_chunks(&partials, d))
+    (dx, partials)
 }
 
 /// The element-wise sum of per-chunk vectors in one fixed order: each half of the chunk
@@ -221,6 +234,34 @@ impl CustomOp2 for RmsNormOp {
         Ok((y, xl.shape().clone()))
     }
 
+    /// r3's CUDA kernels (`r3_rms_norm_f32`): one pass per row; the squares summed in f64
+    /// as on the CPU.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        w: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use crate::cuda;
+        let d = weight_width(xl, wl)?;
+        let n = xl.shape().elem_count();
+        // Each block reads and writes its own row of `d`.
+        let y = cuda::launch_f32!(
+            cuda::device(x),
+            "r3_rms_norm_f32",
+            n,
+            cuda::per_row(n / d, cuda::row_threads(d))?,
+            [
+                cuda::view::<f32>(x, xl, "rms norm input")?,
+                cuda::view::<f32>(w, wl, "rms norm weight")?
+            ],
+            [d as u32, self.eps]
+        );
+        Ok((y, xl.shape().clone()))
+    }
+
     fn bwd(
         &self,
         x: &Tensor,
@@ -228,11 +269,213 @@ impl CustomOp2 for RmsNormOp {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        if x.device().is_cuda() {
+            // r3's CUDA kernels: `dx` one pass per row, `dw` per chunk of rows then summed.
+            let eps = self.eps;
+            let grad = grad.contiguous()?;
+            let dx = x
+                .track_op()
+                .then(|| x.apply_op3_no_bwd(w, &grad, &RmsNormDx { eps }))
+                .transpose()?;
+            let dw = w
+                .track_op()
+                .then(|| x.apply_op2_no_bwd(&grad, &RmsNormDwChunks { eps })?.sum(0))
+                .transpose()?;
+            return Ok((dx, dw));
+        }
         match x.dtype() {
             DType::F32 => self.bwd_typed::<f32>(x, w, grad),
             DType::F64 => self.bwd_typed::<f64>(x, w, grad),
             dt => candle_core::bail!("rms norm: no backward for {dt:?}"),
         }
+    }
+}
+
+/// The row width `d` of an RMSNorm: the weight's length, which must end the input's shape.
+fn weight_width(xl: &Layout, wl: &Layout) -> candle_core::Result<usize> {
+    let d = wl.shape().elem_count();
+    if xl.shape().dims().last() != Some(&d) || wl.shape().rank() != 1 || d == 0 {
+        candle_core::bail!(
+            "rms norm: input {:?} does not end in the weight's {d}",
+            xl.shape()
+        );
+    }
+    Ok(d)
+}
+
+/// The input gradient of [`RmsNormOp`] as an op `(x, w, g) → dx` (a GPU's backward).
+struct RmsNormDx {
+    eps: f64,
+}
+
+impl CustomOp3 for RmsNormDx {
+    fn name(&self) -> &'static str {
+        "r3-rms-norm-dx"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        xl: &Layout,
+        w: &CpuStorage,
+        wl: &Layout,
+        g: &CpuStorage,
+        gl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        weight_width(xl, wl)?;
+        let dx = match (x, w, g) {
+            (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(g)) => CpuStorage::F32(
+                rms_bwd_parts(
+                    contiguous(x, xl, "rms norm input")?,
+                    contiguous(w, wl, "rms norm weight")?,
+                    contiguous(g, gl, "rms norm gradient")?,
+                    self.eps,
+                )
+                .0,
+            ),
+            (CpuStorage::F64(x), CpuStorage::F64(w), CpuStorage::F64(g)) => CpuStorage::F64(
+                rms_bwd_parts(
+                    contiguous(x, xl, "rms norm input")?,
+                    contiguous(w, wl, "rms norm weight")?,
+                    contiguous(g, gl, "rms norm gradient")?,
+                    self.eps,
+                )
+                .0,
+            ),
+            _ => candle_core::bail!("rms norm: operands must be all f32 or all f64"),
+        };
+        Ok((dx, xl.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        w: &candle_core::CudaStorage,
+        wl: &Layout,
+        g: &candle_core::CudaStorage,
+        gl: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use crate::cuda;
+        let d = weight_width(xl, wl)?;
+        let n = xl.shape().elem_count();
+        if gl.shape().elem_count() != n {
+            candle_core::bail!(
+                "rms norm: gradient {:?} for input {:?}",
+                gl.shape(),
+                xl.shape()
+            );
+        }
+        // Each block reads and writes its own row of `d`.
+        let dx = cuda::launch_f32!(
+            cuda::device(x),
+            "r3_rms_norm_dx_f32",
+            n,
+            cuda::per_row(n / d, cuda::row_threads(d))?,
+            [
+                cuda::view::<f32>(x, xl, "rms norm input")?,
+                cuda::view::<f32>(w, wl, "rms norm weight")?,
+                cuda::view::<f32>(g, gl, "rms norm gradient")?
+            ],
+            [d as u32, self.eps]
+        );
+        Ok((dx, xl.shape().clone()))
+    }
+}
+
+/// The weight gradient of [`RmsNormOp`] per chunk of [`ROWS_PER_TASK`] rows, as an op
+/// `(x, g) → [chunks, d]` (a GPU's backward; the caller sums the chunks).
+struct RmsNormDwChunks {
+    eps: f64,
+}
+
+impl RmsNormDwChunks {
+    /// The chunks' sums of an input of `n` elements in rows of `d`, as `[chunks, d]`.
+    fn shape(n: usize, d: usize) -> Shape {
+        Shape::from(((n / d).div_ceil(ROWS_PER_TASK), d))
+    }
+}
+
+impl CustomOp2 for RmsNormDwChunks {
+    fn name(&self) -> &'static str {
+        "r3-rms-norm-dw-chunks"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        xl: &Layout,
+        g: &CpuStorage,
+        gl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let d = *xl.shape().dims().last().unwrap_or(&0);
+        if d == 0 || gl.shape() != xl.shape() {
+            candle_core::bail!(
+                "rms norm: gradient {:?} for input {:?}",
+                gl.shape(),
+                xl.shape()
+            );
+        }
+        // The weight only scales `dx`: the chunks' `dw` sums do not read it.
+        let parts = match (x, g) {
+            (CpuStorage::F32(x), CpuStorage::F32(g)) => CpuStorage::F32(
+                rms_bwd_parts(
+                    contiguous(x, xl, "rms norm input")?,
+                    &vec![1.0; d],
+                    contiguous(g, gl, "rms norm gradient")?,
+                    self.eps,
+                )
+                .1
+                .concat(),
+            ),
+            (CpuStorage::F64(x), CpuStorage::F64(g)) => CpuStorage::F64(
+                rms_bwd_parts(
+                    contiguous(x, xl, "rms norm input")?,
+                    &vec![1.0; d],
+                    contiguous(g, gl, "rms norm gradient")?,
+                    self.eps,
+                )
+                .1
+                .concat(),
+            ),
+            _ => candle_core::bail!("rms norm: operands must both be f32 or both f64"),
+        };
+        Ok((parts, Self::shape(xl.shape().elem_count(), d)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        g: &candle_core::CudaStorage,
+        gl: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use crate::cuda;
+        let d = *xl.shape().dims().last().unwrap_or(&0);
+        if d == 0 || gl.shape() != xl.shape() {
+            candle_core::bail!(
+                "rms norm: gradient {:?} for input {:?}",
+                gl.shape(),
+                xl.shape()
+            );
+        }
+        let rows = xl.shape().elem_count() / d;
+        let shape = Self::shape(xl.shape().elem_count(), d);
+        // Block `c` writes chunk `c`'s row of `d` sums.
+        let parts = cuda::launch_f32!(
+            cuda::device(x),
+            "r3_rms_norm_dw_chunks_f32",
+            shape.elem_count(),
+            cuda::per_row(shape.dims()[0], cuda::row_threads(d))?,
+            [
+                cuda::view::<f32>(x, xl, "rms norm input")?,
+                cuda::view::<f32>(g, gl, "rms norm gradient")?
+            ],
+            [rows as u32, d as u32, ROWS_PER_TASK as u32, self.eps]
+        );
+        Ok((parts, shape))
     }
 }
 
@@ -323,6 +566,52 @@ mod tests {
                     gc.get(v.as_tensor()).expect("g"),
                 );
                 assert!(max_diff(a, b) < tol, "{dtype:?} gradient of {name}");
+            }
+        }
+    }
+
+    /// The GPU backward's two ops (input gradient; weight gradient per chunk, then summed)
+    /// equal the fused CPU backward: `dx` bit for bit, `dw` to rounding (the chunks summed
+    /// in another order), over several chunks and a short last one.
+    #[test]
+    fn the_gpu_backward_ops_equal_the_fused_backward() {
+        let host = |t: &Tensor| {
+            t.flatten_all()
+                .and_then(|t| t.to_dtype(DType::F64))
+                .and_then(|t| t.to_vec1::<f64>())
+                .expect("host")
+        };
+        let (rows, d) = (3 * ROWS_PER_TASK + 5, 12);
+        for dtype in [DType::F64, DType::F32] {
+            let x = values(&[rows, d], 1, dtype);
+            let w = values(&[d], 2, dtype);
+            let g = values(&[rows, d], 3, dtype);
+            let (dx_cpu, dw_cpu) = match dtype {
+                DType::F32 => {
+                    let f = |t: &Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f32>());
+                    let (dx, dw) = rms_bwd(
+                        &f(&x).expect("x"),
+                        &f(&w).expect("w"),
+                        &f(&g).expect("g"),
+                        1e-6,
+                    );
+                    let wide = |v: Vec<f32>| v.into_iter().map(f64::from).collect::<Vec<_>>();
+                    (wide(dx), wide(dw))
+                }
+                _ => rms_bwd(&host(&x), &host(&w), &host(&g), 1e-6),
+            };
+            let dx = x
+                .apply_op3_no_bwd(&w, &g, &RmsNormDx { eps: 1e-6 })
+                .expect("dx");
+            let parts = x
+                .apply_op2_no_bwd(&g, &RmsNormDwChunks { eps: 1e-6 })
+                .expect("dw chunks");
+            assert_eq!(parts.dims(), &[4, d]);
+            assert_eq!(host(&dx), dx_cpu, "{dtype:?} dx");
+            let tol = if dtype == DType::F64 { 1e-12 } else { 1e-4 };
+            let dw = host(&parts.sum(0).expect("dw"));
+            for (a, b) in dw.iter().zip(&dw_cpu) {
+                assert!((a - b).abs() < tol, "{dtype:?} dw {a} vs {b}");
             }
         }
     }

@@ -1,0 +1,102 @@
+//! r3's own CUDA kernels (`kernels.cu`, compiled to PTX by the crate's build script with the
+//! `cuda` feature) and the plumbing the ops use to launch them on a candle CUDA storage. Each
+//! kernel has a CPU twin that the CPU tests check against candle's composed ops; the device
+//! tests (`tests/devices.rs`, run on a GPU by `scripts/cuda/check.sh`) check the kernels
+//! against the CPU.
+
+use std::sync::Arc;
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaStream, CudaView, DeviceRepr, LaunchConfig,
+};
+use candle_core::cuda_backend::CudaDType;
+use candle_core::{CudaDevice, CudaStorage, Layout, Result};
+
+/// The kernels' PTX, written by build.rs.
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/r3_kernels.ptx"));
+
+/// The name the PTX module is loaded under (once per device, by candle).
+const MODULE: &str = "r3_kernels";
+
+/// The kernel `name` of r3's module on `dev`, and the stream candle runs `dev`'s work on
+/// (the kernel is launched there, ordered with candle's own kernels).
+pub(crate) fn kernel(dev: &CudaDevice, name: &str) -> Result<(CudaFunction, Arc<CudaStream>)> {
+    let func = dev.get_or_load_custom_func(name, MODULE, PTX)?;
+    Ok((func.into_cuda_function(), dev.cuda_stream()))
+}
+
+/// The contiguous elements of a storage of this layout, as a device view.
+pub(crate) fn view<'a, T: CudaDType + DeviceRepr>(
+    storage: &'a CudaStorage,
+    layout: &Layout,
+    what: &str,
+) -> Result<CudaView<'a, T>> {
+    let slice = storage.as_cuda_slice::<T>()?;
+    match layout.contiguous_offsets() {
+        Some((start, end)) => Ok(slice.slice(start..end)),
+        None => candle_core::bail!("{what} must be contiguous for r3's CUDA kernel"),
+    }
+}
+
+/// One block of `threads` (a multiple of 32, at most 1024) per row.
+pub(crate) fn per_row(rows: usize, threads: u32) -> Result<LaunchConfig> {
+    let rows = u32::try_from(rows)
+        .map_err(|_| candle_core::Error::Msg(format!("{rows} rows exceed a CUDA grid")))?;
+    Ok(LaunchConfig {
+        grid_dim: (rows.max(1), 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// Threads for a row of `cols` entries: one per four entries, a whole number of warps,
+/// between one warp and 1,024 threads.
+pub(crate) fn row_threads(cols: usize) -> u32 {
+    (cols.div_ceil(4).div_ceil(32) * 32).clamp(32, 1024) as u32
+}
+
+/// A grid-stride launch over `n` elements.
+pub(crate) fn elementwise(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(256).clamp(1, 65_535) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The device of a storage.
+pub(crate) fn device(storage: &CudaStorage) -> CudaDevice {
+    storage.device().clone()
+}
+
+/// Launches r3's kernel `$name` on `$dev` with `$cfg`: `$len` fresh f32 outputs, passed after
+/// the arguments `[$before]` and before `[$after]` (each argument bound to a local that lives
+/// until the launch, as the launcher holds pointers to them); evaluates to the outputs as a
+/// CUDA storage. The caller guarantees that the kernel writes every output element and that
+/// the arguments are the kernel's signature.
+macro_rules! launch_f32 {
+    ($dev:expr, $name:expr, $len:expr, $cfg:expr, [$($before:expr),*], [$($after:expr),*]) => {{
+        use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+        use candle_core::cuda_backend::WrapErr;
+        let dev: candle_core::CudaDevice = $dev;
+        // SAFETY: every element is written by the kernel (the macro's contract).
+        let out = unsafe { dev.alloc::<f32>($len) }?;
+        let (func, stream) = $crate::cuda::kernel(&dev, $name)?;
+        let mut launch = stream.launch_builder(&func);
+        $(
+            let arg = $before;
+            launch.arg(&arg);
+        )*
+        launch.arg(&out);
+        $(
+            let arg = $after;
+            launch.arg(&arg);
+        )*
+        // SAFETY: the arguments are the kernel's signature (the macro's contract).
+        unsafe { launch.launch($cfg) }.w()?;
+        candle_core::CudaStorage::wrap_cuda_slice(out, dev)
+    }};
+}
+pub(crate) use launch_f32;

@@ -1,0 +1,180 @@
+//! r3's own row ops one at a time on another device against the CPU: the attention that
+//! recomputes its probabilities (masked softmax forward, softmax backward), RMSNorm (value,
+//! input and weight gradients), the recomputing token log-prob (value and logits gradient)
+//! and bf16 / f16 rounding (value and gradient).
+//! On a GPU each runs r3's CUDA kernel (`src/cuda/kernels.cu`), so a failure here names the
+//! kernel where `devices.rs` would only name a model. Without the `cuda` feature (CI) the
+//! same comparisons run against a second CPU computation and demand the same bits.
+
+use candle_core::{DType, Device, Tensor, Var};
+use r3_model::layers::attention::AttentionMask;
+use r3_model::layers::attention_recompute::attend_recomputed;
+use r3_model::layers::norm::RmsNorm;
+use r3_model::token_stats::token_log_probs_recomputed;
+use r3_model::{Precision, Weights};
+
+/// A seeded tensor of `shape` on `device`, values in [−3, 3).
+fn seeded(shape: &[usize], seed: u64, device: &Device) -> Tensor {
+    let n: usize = shape.iter().product();
+    let mut s = seed
+        .wrapping_mul(6_364_136_223_846_793_005)
+        .wrapping_add(1_442_695_040_888_963_407);
+    let data: Vec<f32> = (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 6.0 - 3.0
+        })
+        .collect();
+    Tensor::from_vec(data, shape, device).expect("seeded tensor")
+}
+
+/// max |a − b| and max |b| (both brought to the CPU).
+fn diff_and_scale(a: &Tensor, b: &Tensor) -> (f32, f32) {
+    let host = |t: &Tensor| {
+        t.to_device(&Device::Cpu)
+            .and_then(|t| t.to_dtype(DType::F32))
+            .and_then(|t| t.flatten_all())
+            .and_then(|t| t.to_vec1::<f32>())
+            .expect("to host")
+    };
+    let (a, b) = (host(a), host(b));
+    assert_eq!(a.len(), b.len(), "shapes differ");
+    let diff = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    let scale = b.iter().map(|y| y.abs()).fold(0f32, f32::max);
+    (diff, scale)
+}
+
+/// `a` within `tol` of `b` relative to `b`'s largest entry (at least 1), naming `what`.
+fn assert_close(what: &str, a: &Tensor, b: &Tensor, tol: f32) {
+    let (diff, scale) = diff_and_scale(a, b);
+    println!("{what}: max |Δ| {diff:.3e} (largest |x| {scale:.3e})");
+    assert!(
+        diff <= tol * scale.max(1.0),
+        "{what}: max |Δ| {diff} over {tol} × {scale}"
+    );
+}
+
+/// The recomputing attention's value and its q, k, v gradients on `device` (GQA with three
+/// query heads per key/value head, key padding, a sliding window).
+fn attention(device: &Device, window: Option<usize>) -> [Tensor; 4] {
+    let (b, kv, groups, t, d) = (2, 2, 3, 37, 16);
+    let mask = AttentionMask::new(&[37, 20], t, window, device).expect("mask");
+    let q = Var::from_tensor(&seeded(&[b, kv, groups * t, d], 1, device)).expect("q");
+    let k = Var::from_tensor(&seeded(&[b, kv, t, d], 2, device)).expect("k");
+    let v = Var::from_tensor(&seeded(&[b, kv, t, d], 3, device)).expect("v");
+    let probe = seeded(&[b, kv, groups * t, d], 4, device);
+    let y = attend_recomputed(&q, &k, &v, mask.additive(), 0.25, groups).expect("attend");
+    let grads = (&y * &probe)
+        .and_then(|l| l.sum_all())
+        .and_then(|l| l.backward())
+        .expect("backward");
+    let g = |x: &Var| grads.get(x.as_tensor()).expect("gradient").clone();
+    [y, g(&q), g(&k), g(&v)]
+}
+
+/// The recomputing token log-probs and the logits' gradient on `device` (a vocabulary wider
+/// than one block's threads, rows sharing a target).
+fn token_logprobs(device: &Device) -> [Tensor; 2] {
+    let (rows, vocab) = (9, 3001);
+    let z =
+        Var::from_tensor(&(seeded(&[rows, vocab], 5, device) * 4.0).expect("scale")).expect("z");
+    let targets =
+        Tensor::new(&[0u32, 3000, 17, 17, 1500, 2, 999, 1024, 7], device).expect("targets");
+    let w = seeded(&[rows], 6, device);
+    let lp = token_log_probs_recomputed(&z, &targets).expect("log-probs");
+    let grads = (&lp * &w)
+        .and_then(|l| l.sum_all())
+        .and_then(|l| l.backward())
+        .expect("backward");
+    [lp, grads.get(z.as_tensor()).expect("gradient").clone()]
+}
+
+/// A rounded tensor and the rounded gradient coming back through it, on `device`.
+fn rounding(device: &Device, precision: Precision) -> [Tensor; 2] {
+    let x = Var::from_tensor(&(seeded(&[3, 1000], 7, device) * 1000.0).expect("x")).expect("x");
+    let probe = (seeded(&[3, 1000], 8, device) * 0.001).expect("probe");
+    let y = precision.round(&x).expect("round");
+    let grads = (&y * &probe)
+        .and_then(|l| l.sum_all())
+        .and_then(|l| l.backward())
+        .expect("backward");
+    [y, grads.get(x.as_tensor()).expect("gradient").clone()]
+}
+
+/// RMSNorm's value and the gradients of its input and weight on `device` (more rows than
+/// one weight-gradient chunk holds, a width over one block's threads).
+fn rms_norm(device: &Device) -> [Tensor; 3] {
+    let (rows, d) = (150, 1300);
+    let x = Var::from_tensor(&seeded(&[rows, d], 9, device)).expect("x");
+    let w = Var::from_tensor(&seeded(&[d], 10, device)).expect("w");
+    let weights = Weights::from_map([("n.weight".to_string(), w.as_tensor().clone())].into());
+    let norm = RmsNorm::new(&weights, "n", 1e-6).expect("norm");
+    let probe = seeded(&[rows, d], 11, device);
+    let y = norm.forward(&x).expect("forward");
+    let grads = (&y * &probe)
+        .and_then(|l| l.sum_all())
+        .and_then(|l| l.backward())
+        .expect("backward");
+    let g = |v: &Var| grads.get(v.as_tensor()).expect("gradient").clone();
+    [y, g(&x), g(&w)]
+}
+
+/// Every op on `device` against the CPU: attention and log-probs within `tol` (relative),
+/// rounding bit for bit (round to nearest even has one answer).
+fn compare(device: &Device, tol: f32) {
+    for window in [None, Some(9)] {
+        let names = ["value", "dq", "dk", "dv"];
+        for ((got, want), name) in attention(device, window)
+            .iter()
+            .zip(attention(&Device::Cpu, window).iter())
+            .zip(names)
+        {
+            assert_close(&format!("attention {window:?} {name}"), got, want, tol);
+        }
+    }
+    for ((got, want), name) in rms_norm(device)
+        .iter()
+        .zip(rms_norm(&Device::Cpu).iter())
+        .zip(["value", "dx", "dw"])
+    {
+        assert_close(&format!("rms norm {name}"), got, want, tol);
+    }
+    let [lp, dz] = token_logprobs(device);
+    let [lp_cpu, dz_cpu] = token_logprobs(&Device::Cpu);
+    assert_close("token log-probs", &lp, &lp_cpu, tol);
+    assert_close("token log-probs dz", &dz, &dz_cpu, tol);
+    for precision in [
+        Precision::Bf16 { router_f32: false },
+        Precision::F16 { router_f32: false },
+    ] {
+        let [y, dx] = rounding(device, precision);
+        let [y_cpu, dx_cpu] = rounding(&Device::Cpu, precision);
+        assert_close(&format!("{precision:?} rounding"), &y, &y_cpu, 0.0);
+        assert_close(
+            &format!("{precision:?} rounding gradient"),
+            &dx,
+            &dx_cpu,
+            0.0,
+        );
+    }
+}
+
+#[test]
+fn a_second_cpu_computation_gives_the_same_bits() {
+    compare(&Device::Cpu, 0.0);
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn each_kernel_on_cuda_matches_the_cpu() {
+    let device = r3_model::DeviceSpec::Cuda { ordinal: 0 }
+        .open()
+        .expect("a CUDA GPU (this test runs on the GPU machine)");
+    compare(&device, 1e-4);
+}
