@@ -141,7 +141,10 @@ impl CustomOp1 for RoundTo {
             DType::F16 => "r3_round_f16_f32",
             _ => return Ok((self.round(storage, layout)?, layout.shape().clone())),
         };
-        if storage.dtype() != DType::F32 || !layout.is_contiguous() {
+        if storage.dtype() != DType::F32
+            || !layout.is_contiguous()
+            || layout.shape().elem_count() == 0
+        {
             return Ok((self.round(storage, layout)?, layout.shape().clone()));
         }
         let n = layout.shape().elem_count();

@@ -13,13 +13,14 @@ use crate::host::contiguous;
 use crate::math::StdFloat;
 
 /// Whether the row ops run on this tensor's device and dtype (f32 / f64 on the CPU, f32 on
-/// a GPU).
+/// a GPU) and it has rows (empty tensors take the composed ops).
 pub(crate) fn supported(t: &Tensor) -> bool {
-    match t.dtype() {
-        DType::F32 => t.device().is_cpu() || t.device().is_cuda(),
-        DType::F64 => t.device().is_cpu(),
-        _ => false,
-    }
+    t.elem_count() > 0
+        && match t.dtype() {
+            DType::F32 => t.device().is_cpu() || t.device().is_cuda(),
+            DType::F64 => t.device().is_cpu(),
+            _ => false,
+        }
 }
 
 /// `log softmax(logits)[target]` per row of contiguous `[rows, vocab]` logits (no gradient;

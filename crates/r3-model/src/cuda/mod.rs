@@ -39,12 +39,16 @@ pub(crate) fn view<'a, T: CudaDType + DeviceRepr>(
     }
 }
 
-/// One block of `threads` (a multiple of 32, at most 1024) per row.
+/// One block of `threads` (a multiple of 32, at most 1024) per row; at least one row (the
+/// ops send empty tensors down candle's own paths: a kernel would read a row that is not
+/// there, and CUDA allocates no zero-byte buffer).
 pub(crate) fn per_row(rows: usize, threads: u32) -> Result<LaunchConfig> {
     let rows = u32::try_from(rows)
-        .map_err(|_| candle_core::Error::Msg(format!("{rows} rows exceed a CUDA grid")))?;
+        .ok()
+        .filter(|&r| r > 0)
+        .ok_or_else(|| candle_core::Error::Msg(format!("{rows} rows for a CUDA grid")))?;
     Ok(LaunchConfig {
-        grid_dim: (rows.max(1), 1, 1),
+        grid_dim: (rows, 1, 1),
         block_dim: (threads, 1, 1),
         shared_mem_bytes: 0,
     })

@@ -20,7 +20,12 @@ pub(crate) fn masked_softmax(scores: &Tensor, mask: &Tensor, scale: f64) -> Resu
     let (b, kv, gt, s) = scores.dims4()?;
     let fits_mask =
         matches!(mask.dims(), &[mb, 1, 1, t, ms] if mb == b && ms == s && t > 0 && gt % t == 0);
-    if !fits_mask || scores.track_op() || mask.dtype() != scores.dtype() || !supported(scores) {
+    if !fits_mask
+        || scores.track_op()
+        || mask.dtype() != scores.dtype()
+        || !supported(scores)
+        || scores.elem_count() == 0
+    {
         return Ok(None);
     }
     let t = mask.dim(3)?;
@@ -45,6 +50,7 @@ pub(crate) fn softmax_grad(p: &Tensor, dp: &Tensor, row_dot: &Tensor) -> Result<
         || p.dtype() != dp.dtype()
         || p.dtype() != row_dot.dtype()
         || !supported(p)
+        || p.elem_count() == 0
     {
         return Ok(None);
     }
@@ -305,6 +311,10 @@ mod tests {
         assert!(masked_softmax(&half, &half_mask, 1.0)
             .expect("op")
             .is_none());
+        // an empty batch takes candle's own ops (no zero-row launch on a GPU)
+        let empty = Tensor::zeros((0, 1, 4, 4), DType::F32, &Device::Cpu).expect("empty");
+        let empty_mask = Tensor::zeros((0, 1, 1, 4, 4), DType::F32, &Device::Cpu).expect("m");
+        assert!(masked_softmax(&empty, &empty_mask, 1.0).expect("op").is_none());
         // three query rows per head do not divide into the mask's four
         let odd = seeded_tensor(&[1, 1, 3, 4], 1, DType::F32);
         assert!(masked_softmax(&odd, mask.additive(), 1.0)

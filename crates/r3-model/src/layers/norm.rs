@@ -53,7 +53,8 @@ impl RmsNorm {
             DType::F32 => x.device().is_cpu() || x.device().is_cuda(),
             DType::F64 => x.device().is_cpu(),
             _ => false,
-        } && x.dtype() == self.weight.dtype();
+        } && x.dtype() == self.weight.dtype()
+            && x.elem_count() > 0;
         if fused {
             let x = x.contiguous()?;
             Ok(x.apply_op2(
