@@ -226,6 +226,33 @@ pub(crate) fn plan_replay(
     })
 }
 
+/// Whether two rows of expert ids hold the same experts in any order (as multisets). Equal
+/// rows (the common case: a replayed row is dispatched as given) answer at once; otherwise
+/// both are sorted on the stack up to top-16, so the per-row checks of replay allocate
+/// nothing (they ran once per token, layer and step).
+pub(crate) fn same_experts(a: &[u32], b: &[u32]) -> bool {
+    const ON_STACK: usize = 16;
+    if a == b {
+        return true;
+    }
+    if a.len() != b.len() {
+        return false;
+    }
+    if a.len() <= ON_STACK {
+        let (mut x, mut y) = ([0u32; ON_STACK], [0u32; ON_STACK]);
+        let (x, y) = (&mut x[..a.len()], &mut y[..b.len()]);
+        x.copy_from_slice(a);
+        y.copy_from_slice(b);
+        x.sort_unstable();
+        y.sort_unstable();
+        return x == y;
+    }
+    let (mut x, mut y) = (a.to_vec(), b.to_vec());
+    x.sort_unstable();
+    y.sort_unstable();
+    x == y
+}
+
 /// Checks that every replayed cell used exactly the table's experts (as sets) and builds
 /// the proof. `used[c]` is `[rows * top_k]` ids as dispatched in MoE layer column `c`.
 pub(crate) fn verify_replay(
@@ -248,16 +275,17 @@ pub(crate) fn verify_replay(
             // The table covers its rows (`ReplayRoutes`); rows past it route natively.
             let rows = table.num_tokens().min(len);
             native_cells[c] += len - rows;
+            let column = table
+                .column_ids_range(c, 0, rows)
+                .map_err(|e| mismatch(b, e.to_string()))?;
             for t in 0..rows {
                 let row = offset + t;
-                let mut given: Vec<u32> = (0..top_k)
-                    .filter_map(|k| table.expert_at(t, c, k))
-                    .map(u32::from)
-                    .collect();
-                let mut got = used[row * top_k..(row + 1) * top_k].to_vec();
-                given.sort_unstable();
-                got.sort_unstable();
-                if given != got {
+                let given = column.get(t * top_k..(t + 1) * top_k).unwrap_or(&[]);
+                let got = used.get(row * top_k..(row + 1) * top_k).unwrap_or(&[]);
+                if given.len() != top_k || !same_experts(given, got) {
+                    let (mut given, mut got) = (given.to_vec(), got.to_vec());
+                    given.sort_unstable();
+                    got.sort_unstable();
                     return Err(ModelError::ReplayNotHonoured {
                         layer,
                         sequence: b,
@@ -306,4 +334,59 @@ pub(crate) fn record_tables(
         offset += len;
     }
     Ok(tables)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The proof accepts dispatched rows that hold the table's experts in another order and
+    /// refuses a row with another expert, naming its layer, sequence and token.
+    #[test]
+    fn verification_names_the_first_cell_not_honoured() {
+        let layout = LayerLayout::all_moe(2);
+        // one sequence of 3 tokens, top-2 of 4 experts, two MoE layers
+        let columns = vec![vec![0, 1, 2, 3, 1, 2], vec![3, 0, 0, 2, 1, 3]];
+        let table = RouteTable::from_columns(4, 2, LayerSpace::MoeOnly, vec![0, 1], 0, &columns)
+            .expect("table");
+        let routes = ReplayRoutes::new(vec![table], &layout).expect("routes");
+        let shape = ModelShape {
+            layout: &layout,
+            num_experts: 4,
+            top_k: 2,
+        };
+        let plan = plan_replay(&routes, &[3], &shape).expect("plan");
+        let permuted = vec![vec![1, 0, 3, 2, 2, 1], vec![0, 3, 2, 0, 3, 1]];
+        let proof = verify_replay(&plan, &permuted, &[0, 0], &[3], &layout, 2).expect("proof");
+        assert_eq!(proof.replayed_cells, vec![3, 3]);
+        let mut wrong = permuted.clone();
+        wrong[1][5] = 0; // layer 1, token 2: experts {3, 0} where the table says {1, 3}
+        match verify_replay(&plan, &wrong, &[0, 0], &[3], &layout, 2) {
+            Err(ModelError::ReplayNotHonoured {
+                layer,
+                sequence,
+                token,
+                used,
+                given,
+            }) => {
+                assert_eq!((layer, sequence, token), (1, 0, 2));
+                assert_eq!((used, given), (vec![0, 3], vec![1, 3]));
+            }
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+    }
+
+    /// Rows hold the same experts in any order, as multisets; longer than the stack's 16 too.
+    #[test]
+    fn same_experts_compares_rows_as_multisets() {
+        assert!(same_experts(&[3, 1, 7], &[3, 1, 7]));
+        assert!(same_experts(&[3, 1, 7], &[7, 3, 1]));
+        assert!(!same_experts(&[3, 1, 7], &[3, 1, 6]));
+        assert!(!same_experts(&[3, 3, 1], &[3, 1, 1]));
+        assert!(!same_experts(&[3, 1], &[3, 1, 7]));
+        let long: Vec<u32> = (0..20).collect();
+        let reversed: Vec<u32> = (0..20).rev().collect();
+        assert!(same_experts(&long, &reversed));
+        assert!(!same_experts(&long, &(1..21).collect::<Vec<u32>>()));
+    }
 }

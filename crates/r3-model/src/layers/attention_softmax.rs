@@ -314,7 +314,9 @@ mod tests {
         // an empty batch takes candle's own ops (no zero-row launch on a GPU)
         let empty = Tensor::zeros((0, 1, 4, 4), DType::F32, &Device::Cpu).expect("empty");
         let empty_mask = Tensor::zeros((0, 1, 1, 4, 4), DType::F32, &Device::Cpu).expect("m");
-        assert!(masked_softmax(&empty, &empty_mask, 1.0).expect("op").is_none());
+        assert!(masked_softmax(&empty, &empty_mask, 1.0)
+            .expect("op")
+            .is_none());
         // three query rows per head do not divide into the mask's four
         let odd = seeded_tensor(&[1, 1, 3, 4], 1, DType::F32);
         assert!(masked_softmax(&odd, mask.additive(), 1.0)

@@ -16,7 +16,7 @@ use crate::config::{Config, SharedExpert};
 use crate::error::{ModelError, Result};
 use crate::precision::Precision;
 use crate::router::Router;
-use crate::routing_mode::LayerPlan;
+use crate::routing_mode::{same_experts, LayerPlan};
 use crate::spec::SWIGLU_HF;
 use crate::weights::Weights;
 
@@ -171,11 +171,7 @@ impl MoeBlock {
             for r in (0..n).filter(|&r| plan.forced[r]) {
                 let given = &plan.ids[r * k..(r + 1) * k];
                 let own = &mut ids[r * k..(r + 1) * k];
-                let mut a = given.to_vec();
-                let mut b = own.to_vec();
-                a.sort_unstable();
-                b.sort_unstable();
-                differs += usize::from(a != b);
+                differs += usize::from(!same_experts(given, own));
                 own.copy_from_slice(given);
             }
             replay_time = started.elapsed();
