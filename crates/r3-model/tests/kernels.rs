@@ -1,7 +1,8 @@
 //! r3's own row ops one at a time on another device against the CPU: the attention that
 //! recomputes its probabilities (masked softmax forward, softmax backward), RMSNorm (value,
 //! input and weight gradients), the recomputing token log-prob (value and logits gradient)
-//! and bf16 / f16 rounding (value and gradient).
+//! and bf16 / f16 rounding (value and gradient); and the routed experts under a skewed load,
+//! which a GPU runs as padded batched GEMMs with overflow blocks (the CPU as its fused op).
 //! On a GPU each runs r3's CUDA kernel (`src/cuda/kernels.cu`), so a failure here names the
 //! kernel where `devices.rs` would only name a model. Without the `cuda` feature (CI) the
 //! same comparisons run against a second CPU computation and demand the same bits.
@@ -9,6 +10,8 @@
 use candle_core::{DType, Device, Tensor, Var};
 use r3_model::layers::attention::AttentionMask;
 use r3_model::layers::attention_recompute::attend_recomputed;
+use r3_model::layers::dispatch::Dispatch;
+use r3_model::layers::experts::RoutedExperts;
 use r3_model::layers::norm::RmsNorm;
 use r3_model::token_stats::token_log_probs_recomputed;
 use r3_model::{Precision, Weights};
@@ -125,6 +128,44 @@ fn rms_norm(device: &Device) -> [Tensor; 3] {
     [y, g(&x), g(&w)]
 }
 
+/// The routed experts' output and the gradients of rows, gates and both stacked weights on
+/// `device`, under a load skewed enough that a GPU's padded layout spills expert 0 into
+/// overflow blocks (1,400 of 2,000 rows on one of four experts, top-1: blocks of 500 with
+/// two overflow blocks cost 3,256 padded rows, one block of 1,400 each 5,600).
+fn skewed_experts(device: &Device) -> [Tensor; 5] {
+    let (e, h, i, rows) = (4, 16, 8, 2000);
+    let ids: Vec<u32> = (0..rows as u32)
+        .map(|r| if r % 10 < 7 { 0 } else { 1 + r % 3 })
+        .collect();
+    let dispatch = Dispatch::new(&ids, 1, e).expect("dispatch");
+    let gate_up =
+        Var::from_tensor(&(seeded(&[e, 2 * i, h], 12, device) * 0.3).expect("w")).expect("gate_up");
+    let down = Var::from_tensor(&(seeded(&[e, h, i], 13, device) * 0.3).expect("w")).expect("down");
+    let weights = Weights::from_map(
+        [
+            (
+                "m.experts.gate_up_proj".to_string(),
+                gate_up.as_tensor().clone(),
+            ),
+            ("m.experts.down_proj".to_string(), down.as_tensor().clone()),
+        ]
+        .into(),
+    );
+    let experts = RoutedExperts::new(&weights, "m", e).expect("experts");
+    let x = Var::from_tensor(&seeded(&[rows, h], 14, device)).expect("x");
+    let gates = Var::from_tensor(&(seeded(&[rows, 1], 15, device) * 0.2).expect("g")).expect("g");
+    let probe = seeded(&[rows, h], 16, device);
+    let y = experts
+        .forward(&x, &gates, &dispatch)
+        .expect("experts forward");
+    let grads = (&y * &probe)
+        .and_then(|l| l.sum_all())
+        .and_then(|l| l.backward())
+        .expect("backward");
+    let g = |v: &Var| grads.get(v.as_tensor()).expect("gradient").clone();
+    [y, g(&x), g(&gates), g(&gate_up), g(&down)]
+}
+
 /// Every op on `device` against the CPU: attention and log-probs within `tol` (relative),
 /// rounding bit for bit (round to nearest even has one answer).
 fn compare(device: &Device, tol: f32) {
@@ -144,6 +185,13 @@ fn compare(device: &Device, tol: f32) {
         .zip(["value", "dx", "dw"])
     {
         assert_close(&format!("rms norm {name}"), got, want, tol);
+    }
+    for ((got, want), name) in skewed_experts(device)
+        .iter()
+        .zip(skewed_experts(&Device::Cpu).iter())
+        .zip(["value", "dx", "dgates", "dgate_up", "ddown"])
+    {
+        assert_close(&format!("skewed experts {name}"), got, want, tol);
     }
     let [lp, dz] = token_logprobs(device);
     let [lp_cpu, dz_cpu] = token_logprobs(&Device::Cpu);
