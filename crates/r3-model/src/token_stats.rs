@@ -61,8 +61,10 @@ pub fn token_log_probs_recomputed(logits: &Tensor, targets: &Tensor) -> Result<T
             targets.dims()
         )));
     }
+    // u32 from here on (the row ops' index type; a no-op for the trainer's own targets).
+    let targets = &targets.to_dtype(DType::U32)?;
     if rows > 0 {
-        let largest = targets.to_dtype(DType::U32)?.max(0)?.to_scalar::<u32>()?;
+        let largest = targets.max(0)?.to_scalar::<u32>()?;
         if largest as usize >= vocab {
             return Err(ModelError::Input(format!(
                 "token stats: target {largest} is outside the vocabulary of {vocab}"
