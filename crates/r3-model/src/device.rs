@@ -114,6 +114,18 @@ pub fn device_memory(device: &Device) -> Result<Option<(usize, usize)>, DeviceEr
     }
 }
 
+/// Whether r3's own row ops run on this tensor: f32 or f64 on the CPU (the CPU
+/// implementations), f32 on a GPU (the CUDA kernels of `cuda/kernels.cu`), and not empty
+/// (empty tensors take candle's own ops: a kernel grid needs a row, CUDA a non-empty buffer).
+pub(crate) fn row_ops_run_on(t: &candle_core::Tensor) -> bool {
+    let device_has_them = match t.dtype() {
+        candle_core::DType::F32 => t.device().is_cpu() || t.device().is_cuda(),
+        candle_core::DType::F64 => t.device().is_cpu(),
+        _ => false,
+    };
+    device_has_them && t.elem_count() > 0
+}
+
 /// Opens (`capture = true`) or closes CUDA's profiler capture range, so that a profiler
 /// started with capture off (`ncu --profile-from-start off`) records only the work in
 /// between (a benchmark's timed step, not the weights' drawing); waits for the device's

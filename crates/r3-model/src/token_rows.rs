@@ -7,21 +7,10 @@
 //! CPU implementation, which the tests hold to candle's composed ops, and a CUDA kernel
 //! (`cuda/kernels.cu`, the same arithmetic) that the device tests hold to the CPU.
 
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
 use crate::host::contiguous;
 use crate::math::StdFloat;
-
-/// Whether the row ops run on this tensor's device and dtype (f32 / f64 on the CPU, f32 on
-/// a GPU) and it has rows (empty tensors take the composed ops).
-pub(crate) fn supported(t: &Tensor) -> bool {
-    t.elem_count() > 0
-        && match t.dtype() {
-            DType::F32 => t.device().is_cpu() || t.device().is_cuda(),
-            DType::F64 => t.device().is_cpu(),
-            _ => false,
-        }
-}
 
 /// `log softmax(logits)[target]` per row of contiguous `[rows, vocab]` logits (no gradient;
 /// the caller's op supplies it); NaN for a target past the vocabulary.
@@ -237,16 +226,12 @@ impl CustomOp3 for TokenLogProbGrad {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_util::max_abs_diff;
-    use candle_core::{Device, D};
+    use crate::test_util::{max_abs_diff, seeded_tensor};
+    use candle_core::{DType, Device, D};
 
+    /// Seeded `[rows, vocab]` logits spread wide enough that rows differ in their maxima.
     fn logits(rows: usize, vocab: usize, dtype: DType) -> Tensor {
-        let data: Vec<f64> = (0..rows * vocab)
-            .map(|i| (((i * 53 + 7) % 97) as f64 / 97.0 - 0.5) * 9.0)
-            .collect();
-        Tensor::from_vec(data, (rows, vocab), &Device::Cpu)
-            .and_then(|t| t.to_dtype(dtype))
-            .expect("logits")
+        (seeded_tensor(&[rows, vocab], 7, dtype) * 9.0).expect("logits")
     }
 
     /// Each row's value equals candle's composed `log_softmax` + `gather` bit for bit; a

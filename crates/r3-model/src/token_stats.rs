@@ -9,6 +9,7 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
+use crate::device::row_ops_run_on;
 use crate::error::{ModelError, Result};
 use crate::host::{contiguous, with_host};
 use crate::layers::precomputed::{precomputed_fwd, Precomputed};
@@ -48,7 +49,7 @@ pub fn token_log_probs_composed(logits: &Tensor, targets: &Tensor) -> Result<Ten
 }
 
 /// [`token_log_probs_composed`]'s value (the same arithmetic, outside the graph: one pass per
-/// row where `token_rows` runs, else the composed ops) in an op whose backward recomputes the
+/// row where r3's row ops run, else the composed ops) in an op whose backward recomputes the
 /// softmax from the logits: the graph keeps the logits alone, where the composed form kept
 /// three more logits-sized tensors (shifted, exponentiated, log-softmax) until the backward.
 /// Every device (the GPU's path). A target past the vocabulary is an error (one scalar read
@@ -71,7 +72,7 @@ pub fn token_log_probs_recomputed(logits: &Tensor, targets: &Tensor) -> Result<T
             )));
         }
     }
-    let value = if token_rows::supported(logits) {
+    let value = if row_ops_run_on(logits) {
         // One pass per row (the same arithmetic as the composed ops).
         token_rows::token_logp_rows(&logits.detach(), targets)?
     } else {
@@ -143,7 +144,7 @@ impl CustomOp2 for RecomputedTokenLogProb {
         let targets = targets.detach().unsqueeze(1)?;
         let grad = grad.detach().unsqueeze(1)?;
         let lse = (logits.gather(&targets, 1)? - logp.detach().unsqueeze(1)?)?;
-        if token_rows::supported(&logits) && grad.dtype() == logits.dtype() {
+        if row_ops_run_on(&logits) && grad.dtype() == logits.dtype() {
             // One pass over the logits (the same arithmetic as the composed form below).
             let row_stats = Tensor::cat(&[&lse, &grad], 1)?;
             let d = token_rows::token_logp_grad_rows(&logits, &targets.squeeze(1)?, &row_stats)?;

@@ -8,45 +8,39 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-__device__ __forceinline__ float warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+// fmaxf's NaN rule (a NaN operand loses) across the block, as the per-thread maxima use it.
+struct MaxOp {
+    __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+struct SumOp {
+    template <typename T> __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
+};
+
+template <typename T, typename Op> __device__ __forceinline__ T warp_reduce(T v, Op op) {
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-// Block-wide max and sum for a blockDim.x that is a multiple of 32 (≤ 1024); every thread
-// gets the result. `shared` holds 32 floats.
-__device__ float block_max(float v, float *shared) {
+// Block-wide reduction for a blockDim.x that is a multiple of 32 (≤ 1024); every thread gets
+// the result. `identity` is the reduction's neutral value; `shared` holds 32 values.
+template <typename T, typename Op>
+__device__ T block_reduce(T v, T identity, T *shared, Op op) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_max(v);
+    v = warp_reduce(v, op);
     if (lane == 0) shared[warp] = v;
     __syncthreads();
-    v = threadIdx.x < (blockDim.x >> 5) ? shared[threadIdx.x] : -INFINITY;
-    if (warp == 0) v = warp_max(v);
+    v = threadIdx.x < (blockDim.x >> 5) ? shared[threadIdx.x] : identity;
+    if (warp == 0) v = warp_reduce(v, op);
     if (threadIdx.x == 0) shared[0] = v;
     __syncthreads();
-    const float r = shared[0];
+    const T r = shared[0];
     __syncthreads();
     return r;
 }
 
-__device__ float block_sum(float v, float *shared) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_sum(v);
-    if (lane == 0) shared[warp] = v;
-    __syncthreads();
-    v = threadIdx.x < (blockDim.x >> 5) ? shared[threadIdx.x] : 0.0f;
-    if (warp == 0) v = warp_sum(v);
-    if (threadIdx.x == 0) shared[0] = v;
-    __syncthreads();
-    const float r = shared[0];
-    __syncthreads();
-    return r;
-}
+__device__ float block_max(float v, float *shared) { return block_reduce(v, -INFINITY, shared, MaxOp()); }
+__device__ float block_sum(float v, float *shared) { return block_reduce(v, 0.0f, shared, SumOp()); }
+__device__ double block_sum_f64(double v, double *shared) { return block_reduce(v, 0.0, shared, SumOp()); }
 
 // One block per row of `scores` [rows, cols]: probs = softmax(scores · scale + mask) over the
 // row, the mask row of batch b and query t (`mask` [B, T, cols], rows ordered (b, head, t)
@@ -137,22 +131,6 @@ extern "C" __global__ void r3_round_f16_f32(const float *x, float *y, size_t n) 
          i += (size_t)blockDim.x * gridDim.x) {
         y[i] = __half2float(__float2half_rn(x[i]));
     }
-}
-
-__device__ double block_sum_f64(double v, double *shared) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (lane == 0) shared[warp] = v;
-    __syncthreads();
-    v = threadIdx.x < (blockDim.x >> 5) ? shared[threadIdx.x] : 0.0;
-    if (warp == 0) {
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    }
-    if (threadIdx.x == 0) shared[0] = v;
-    __syncthreads();
-    const double r = shared[0];
-    __syncthreads();
-    return r;
 }
 
 // 1 / sqrt(mean(x²) + eps) of a row of `d`, the squares summed in f64 (every thread gets it).

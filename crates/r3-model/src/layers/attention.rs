@@ -171,8 +171,7 @@ pub(crate) fn attention_probs(
     let scores = (raw * scale)?
         .reshape((b, kv, groups, gt / groups, s))?
         .broadcast_add(additive)?;
-    let probs = candle_nn::ops::softmax(&scores, D::Minus1)?;
-    probs.reshape((b, kv, gt, s))
+    candle_nn::ops::softmax(&scores, D::Minus1)?.reshape((b, kv, gt, s))
 }
 
 /// One attention layer's keys and values of the positions fed so far, `[B, KV, S, D]`

@@ -7,8 +7,9 @@
 //! took ≈ 2 ms of a mid layer's 5.6 ms forward: candle's broadcast kernels compute strided
 //! indices per element.
 
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
+use crate::device::row_ops_run_on;
 use crate::host::contiguous;
 use crate::math::StdFloat;
 
@@ -20,11 +21,7 @@ pub(crate) fn masked_softmax(scores: &Tensor, mask: &Tensor, scale: f64) -> Resu
     let (b, kv, gt, s) = scores.dims4()?;
     let fits_mask =
         matches!(mask.dims(), &[mb, 1, 1, t, ms] if mb == b && ms == s && t > 0 && gt % t == 0);
-    if !fits_mask
-        || scores.track_op()
-        || mask.dtype() != scores.dtype()
-        || !supported(scores)
-        || scores.elem_count() == 0
+    if !fits_mask || scores.track_op() || mask.dtype() != scores.dtype() || !row_ops_run_on(scores)
     {
         return Ok(None);
     }
@@ -49,8 +46,7 @@ pub(crate) fn softmax_grad(p: &Tensor, dp: &Tensor, row_dot: &Tensor) -> Result<
         || row_dot.elem_count() != rows
         || p.dtype() != dp.dtype()
         || p.dtype() != row_dot.dtype()
-        || !supported(p)
-        || p.elem_count() == 0
+        || !row_ops_run_on(p)
     {
         return Ok(None);
     }
@@ -59,15 +55,6 @@ pub(crate) fn softmax_grad(p: &Tensor, dp: &Tensor, row_dot: &Tensor) -> Result<
         &row_dot.contiguous()?,
         &SoftmaxGrad,
     )?))
-}
-
-/// Whether the ops run on this tensor's device and dtype.
-fn supported(t: &Tensor) -> bool {
-    match t.dtype() {
-        DType::F32 => t.device().is_cpu() || t.device().is_cuda(),
-        DType::F64 => t.device().is_cpu(),
-        _ => false,
-    }
 }
 
 /// [`masked_softmax`]'s op.
@@ -260,7 +247,7 @@ mod tests {
     use super::*;
     use crate::layers::attention::AttentionMask;
     use crate::test_util::{max_abs_diff, seeded_tensor};
-    use candle_core::{Device, Var, D};
+    use candle_core::{DType, Device, Var, D};
 
     /// The composed form the op replaces.
     fn composed(scores: &Tensor, mask: &Tensor, scale: f64, groups: usize) -> Tensor {

@@ -8,6 +8,7 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor
 use rayon::prelude::*;
 
 use super::gemm::{assume_init_vec, unfilled};
+use crate::device::row_ops_run_on;
 use crate::error::Result;
 use crate::host::{contiguous, with_host};
 use crate::math::Float;
@@ -49,12 +50,7 @@ impl RmsNorm {
             return p.round(&rounded.forward(x)?);
         }
         // The CPU's fused kernels in f32 / f64; r3's CUDA kernels in f32 on a GPU.
-        let fused = match x.dtype() {
-            DType::F32 => x.device().is_cpu() || x.device().is_cuda(),
-            DType::F64 => x.device().is_cpu(),
-            _ => false,
-        } && x.dtype() == self.weight.dtype()
-            && x.elem_count() > 0;
+        let fused = row_ops_run_on(x) && x.dtype() == self.weight.dtype();
         if fused {
             let x = x.contiguous()?;
             Ok(x.apply_op2(
@@ -212,13 +208,7 @@ impl CustomOp2 for RmsNormOp {
         w: &CpuStorage,
         wl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let d = wl.shape().elem_count();
-        if xl.shape().dims().last() != Some(&d) || wl.shape().rank() != 1 {
-            candle_core::bail!(
-                "rms norm: input {:?} does not end in the weight's {d}",
-                xl.shape()
-            );
-        }
+        weight_width(xl, wl)?;
         let y = match (x, w) {
             (CpuStorage::F32(x), CpuStorage::F32(w)) => CpuStorage::F32(rms_fwd(
                 contiguous(x, xl, "rms norm input")?,
@@ -304,6 +294,20 @@ fn weight_width(xl: &Layout, wl: &Layout) -> candle_core::Result<usize> {
     Ok(d)
 }
 
+/// The row width of an RMSNorm backward: the input's last dimension, checked against the
+/// incoming gradient's shape.
+fn gradient_width(xl: &Layout, gl: &Layout) -> candle_core::Result<usize> {
+    let d = *xl.shape().dims().last().unwrap_or(&0);
+    if d == 0 || gl.shape() != xl.shape() {
+        candle_core::bail!(
+            "rms norm: gradient {:?} for input {:?}",
+            gl.shape(),
+            xl.shape()
+        );
+    }
+    Ok(d)
+}
+
 /// The input gradient of [`RmsNormOp`] as an op `(x, w, g) → dx` (a GPU's backward).
 struct RmsNormDx {
     eps: f64,
@@ -324,6 +328,7 @@ impl CustomOp3 for RmsNormDx {
         gl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         weight_width(xl, wl)?;
+        gradient_width(xl, gl)?;
         let dx = match (x, w, g) {
             (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(g)) => CpuStorage::F32(
                 rms_bwd_parts(
@@ -360,14 +365,8 @@ impl CustomOp3 for RmsNormDx {
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         use crate::cuda;
         let d = weight_width(xl, wl)?;
+        gradient_width(xl, gl)?;
         let n = xl.shape().elem_count();
-        if gl.shape().elem_count() != n {
-            candle_core::bail!(
-                "rms norm: gradient {:?} for input {:?}",
-                gl.shape(),
-                xl.shape()
-            );
-        }
         // Each block reads and writes its own row of `d`.
         let dx = cuda::launch_f32!(
             cuda::device(x),
@@ -410,14 +409,7 @@ impl CustomOp2 for RmsNormDwChunks {
         g: &CpuStorage,
         gl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let d = *xl.shape().dims().last().unwrap_or(&0);
-        if d == 0 || gl.shape() != xl.shape() {
-            candle_core::bail!(
-                "rms norm: gradient {:?} for input {:?}",
-                gl.shape(),
-                xl.shape()
-            );
-        }
+        let d = gradient_width(xl, gl)?;
         // The weight only scales `dx`: the chunks' `dw` sums do not read it.
         let parts = match (x, g) {
             (CpuStorage::F32(x), CpuStorage::F32(g)) => CpuStorage::F32(
@@ -454,14 +446,7 @@ impl CustomOp2 for RmsNormDwChunks {
         gl: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         use crate::cuda;
-        let d = *xl.shape().dims().last().unwrap_or(&0);
-        if d == 0 || gl.shape() != xl.shape() {
-            candle_core::bail!(
-                "rms norm: gradient {:?} for input {:?}",
-                gl.shape(),
-                xl.shape()
-            );
-        }
+        let d = gradient_width(xl, gl)?;
         let rows = xl.shape().elem_count() / d;
         let shape = Self::shape(xl.shape().elem_count(), d);
         // Block `c` writes chunk `c`'s row of `d` sums.
