@@ -2,6 +2,7 @@
 //! weights with HF names, the router (select + weigh) and the f32 training forward with
 //! `Native` / `Record` / `Replay` routing.
 
+pub mod cast16;
 pub mod config;
 #[cfg(feature = "cuda")]
 mod cuda;

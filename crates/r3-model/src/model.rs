@@ -11,6 +11,7 @@ use candle_core::{Device, Tensor};
 use crate::config::{AttentionConfig, Config};
 use crate::error::{ModelError, Result};
 use crate::layers::attention::{AttentionMask, GqaAttention};
+use crate::layers::embedding_rows::embedding_rows;
 use crate::layers::linear::Linear;
 use crate::layers::mla::MlaAttention;
 use crate::layers::mlp::SwiGlu;
@@ -32,6 +33,9 @@ use r3_routing::RouteTable;
 #[derive(Debug, Clone)]
 pub struct Batch {
     input_ids: Tensor,
+    /// `input_ids` on the host, flattened (the embedding's backward groups positions by
+    /// token from them).
+    host_ids: Vec<u32>,
     lengths: Vec<usize>,
     tokens: Vec<Vec<u32>>,
 }
@@ -52,7 +56,8 @@ impl Batch {
             flat.extend(std::iter::repeat_n(pad_id, t - s.len()));
         }
         Ok(Batch {
-            input_ids: Tensor::from_vec(flat, (sequences.len(), t), device)?,
+            input_ids: Tensor::from_slice(&flat, (sequences.len(), t), device)?,
+            host_ids: flat,
             lengths: sequences.iter().map(Vec::len).collect(),
             tokens: sequences.to_vec(),
         })
@@ -220,11 +225,9 @@ impl Model {
 
     /// `[B, T, H]` embeddings of the `B·T` token `ids`, rounded at the precision's embedding
     /// point: where the full forward and the cached decode step both start.
-    fn embed_tokens(&self, ids: &Tensor, b: usize, t: usize) -> Result<Tensor> {
-        let x = self
-            .embed
-            .index_select(ids, 0)?
-            .reshape((b, t, self.cfg.hidden_size))?;
+    fn embed_tokens(&self, ids: &Tensor, host_ids: &[u32], b: usize, t: usize) -> Result<Tensor> {
+        let x =
+            embedding_rows(&self.embed, ids, host_ids)?.reshape((b, t, self.cfg.hidden_size))?;
         self.precision.round(&x)
     }
 
@@ -269,7 +272,7 @@ impl Model {
         };
 
         let ids = batch.input_ids.to_device(device)?.flatten_all()?;
-        let mut x = self.embed_tokens(&ids, b, t)?;
+        let mut x = self.embed_tokens(&ids, &batch.host_ids, b, t)?;
         let mut hidden = capture_hidden.then(Vec::new);
         let mut moe = MoeRecord::default();
         for (i, layer) in self.layers.iter().enumerate() {

@@ -4,6 +4,7 @@
 //! forward used exactly the given experts.
 
 use r3_routing::{LayerLayout, LayerSpace, RouteTable};
+use rayon::prelude::*;
 
 use crate::error::{ModelError, Result};
 
@@ -161,6 +162,8 @@ pub(crate) fn plan_replay(
         .collect();
     let mut native_final_position = Vec::with_capacity(tables.len());
     let mut converted = Vec::with_capacity(tables.len());
+    // Each table's first batch row and its row count.
+    let mut placed = Vec::with_capacity(tables.len());
     let mut offset = 0;
     for (b, (table, &len)) in tables.iter().zip(lengths).enumerate() {
         let table = match table.space() {
@@ -210,15 +213,23 @@ pub(crate) fn plan_replay(
             ));
         }
         native_final_position.push(rows + 1 == len);
-        // Every cell is present (`ReplayRoutes`), so a column reads whole.
-        for (c, plan) in layers.iter_mut().enumerate() {
-            let ids = table.column_ids(c)?;
-            plan.ids[offset * k..(offset + rows) * k].copy_from_slice(&ids);
-            plan.forced[offset..offset + rows].fill(true);
-        }
+        placed.push((offset, rows));
         converted.push(table);
         offset += len;
     }
+    // Every cell is present (`ReplayRoutes`), so a column reads whole; the layers are laid
+    // out side by side (a GPU waits on this host work at the start of a replayed forward).
+    layers
+        .par_iter_mut()
+        .enumerate()
+        .try_for_each(|(c, plan)| -> Result<()> {
+            for (table, &(offset, rows)) in converted.iter().zip(&placed) {
+                let ids = table.column_ids(c)?;
+                plan.ids[offset * k..(offset + rows) * k].copy_from_slice(&ids);
+                plan.forced[offset..offset + rows].fill(true);
+            }
+            Ok(())
+        })?;
     Ok(ReplayPlan {
         layers,
         native_final_position,
@@ -264,40 +275,19 @@ pub(crate) fn verify_replay(
     top_k: usize,
 ) -> Result<ReplayProof> {
     let layers = layout.moe_layers().to_vec();
-    let mut replayed_cells = vec![0; layers.len()];
-    let mut native_cells = vec![0; layers.len()];
-    for (c, &layer) in layers.iter().enumerate() {
-        let used = used.get(c).ok_or_else(|| {
-            ModelError::Input(format!("no dispatch record for MoE layer {layer}"))
-        })?;
-        let mut offset = 0;
-        for (b, (table, &len)) in plan.tables.iter().zip(lengths).enumerate() {
-            // The table covers its rows (`ReplayRoutes`); rows past it route natively.
-            let rows = table.num_tokens().min(len);
-            native_cells[c] += len - rows;
-            let column = table
-                .column_ids_range(c, 0, rows)
-                .map_err(|e| mismatch(b, e.to_string()))?;
-            for t in 0..rows {
-                let row = offset + t;
-                let given = column.get(t * top_k..(t + 1) * top_k).unwrap_or(&[]);
-                let got = used.get(row * top_k..(row + 1) * top_k).unwrap_or(&[]);
-                if given.len() != top_k || !same_experts(given, got) {
-                    let (mut given, mut got) = (given.to_vec(), got.to_vec());
-                    given.sort_unstable();
-                    got.sort_unstable();
-                    return Err(ModelError::ReplayNotHonoured {
-                        layer,
-                        sequence: b,
-                        token: t,
-                        used: got,
-                        given,
-                    });
-                }
-                replayed_cells[c] += 1;
-            }
-            offset += len;
-        }
+    // The layers are checked side by side (a GPU waits on this host work at the end of a
+    // replayed forward); an error names the first bad cell in layer order.
+    let counted: Vec<Result<(usize, usize)>> = layers
+        .par_iter()
+        .enumerate()
+        .map(|(c, &layer)| verify_layer(plan, used, lengths, c, layer, top_k))
+        .collect();
+    let mut replayed_cells = Vec::with_capacity(layers.len());
+    let mut native_cells = Vec::with_capacity(layers.len());
+    for result in counted {
+        let (replayed, native) = result?;
+        replayed_cells.push(replayed);
+        native_cells.push(native);
     }
     Ok(ReplayProof {
         layers,
@@ -306,6 +296,51 @@ pub(crate) fn verify_replay(
         differs_from_native: differs.to_vec(),
         native_final_position: plan.native_final_position.clone(),
     })
+}
+
+/// [`verify_replay`] of MoE layer column `c` (model layer `layer`): its replayed and native
+/// cell counts, or the first cell whose experts differ from the table's.
+fn verify_layer(
+    plan: &ReplayPlan,
+    used: &[Vec<u32>],
+    lengths: &[usize],
+    c: usize,
+    layer: usize,
+    top_k: usize,
+) -> Result<(usize, usize)> {
+    let used = used
+        .get(c)
+        .ok_or_else(|| ModelError::Input(format!("no dispatch record for MoE layer {layer}")))?;
+    let (mut replayed, mut native) = (0, 0);
+    let mut offset = 0;
+    for (b, (table, &len)) in plan.tables.iter().zip(lengths).enumerate() {
+        // The table covers its rows (`ReplayRoutes`); rows past it route natively.
+        let rows = table.num_tokens().min(len);
+        native += len - rows;
+        let column = table
+            .column_ids_range(c, 0, rows)
+            .map_err(|e| mismatch(b, e.to_string()))?;
+        for t in 0..rows {
+            let row = offset + t;
+            let given = column.get(t * top_k..(t + 1) * top_k).unwrap_or(&[]);
+            let got = used.get(row * top_k..(row + 1) * top_k).unwrap_or(&[]);
+            if given.len() != top_k || !same_experts(given, got) {
+                let (mut given, mut got) = (given.to_vec(), got.to_vec());
+                given.sort_unstable();
+                got.sort_unstable();
+                return Err(ModelError::ReplayNotHonoured {
+                    layer,
+                    sequence: b,
+                    token: t,
+                    used: got,
+                    given,
+                });
+            }
+            replayed += 1;
+        }
+        offset += len;
+    }
+    Ok((replayed, native))
 }
 
 /// One MoE-only [`RouteTable`] per sequence from per-layer dispatched ids over real rows.

@@ -1,20 +1,26 @@
 //! r3's own row ops one at a time on another device against the CPU: the attention that
 //! recomputes its probabilities (masked softmax forward, softmax backward), RMSNorm (value,
-//! input and weight gradients), the recomputing token log-prob (value and logits gradient)
-//! and bf16 / f16 rounding (value and gradient); and the routed experts under a skewed load,
-//! which a GPU runs as padded batched GEMMs with overflow blocks (the CPU as its fused op).
+//! input and weight gradients), the recomputing token log-prob (value and logits gradient),
+//! bf16 / f16 rounding (value and gradient), the f32 ↔ bf16 / f16 casts, rotary embedding
+//! (candle's kernel with r3's backward on a GPU), the token embedding's backward, and the
+//! routed experts under a skewed load, which a GPU runs as padded batched GEMMs with
+//! overflow blocks and one combine op (the CPU as its fused op).
 //! On a GPU each runs r3's CUDA kernel (`src/cuda/kernels.cu`), so a failure here names the
 //! kernel where `devices.rs` would only name a model. Without the `cuda` feature (CI) the
 //! same comparisons run against a second CPU computation and demand the same bits.
 
 use candle_core::{DType, Device, Tensor, Var};
+use r3_model::cast16::cast16;
 use r3_model::layers::attention::AttentionMask;
 use r3_model::layers::attention_recompute::attend_recomputed;
 use r3_model::layers::dispatch::Dispatch;
+use r3_model::layers::embedding_rows::embedding_rows;
 use r3_model::layers::experts::RoutedExperts;
 use r3_model::layers::norm::RmsNorm;
+use r3_model::layers::rope::Rope;
 use r3_model::token_stats::token_log_probs_recomputed;
 use r3_model::{Precision, Weights};
+use r3_model::{RopeConfig, RopeScaling};
 
 /// A seeded tensor of `shape` on `device`, values in [−3, 3).
 fn seeded(shape: &[usize], seed: u64, device: &Device) -> Tensor {
@@ -131,7 +137,8 @@ fn rms_norm(device: &Device) -> [Tensor; 3] {
 /// The routed experts' output and the gradients of rows, gates and both stacked weights on
 /// `device`, under a load skewed enough that a GPU's padded layout spills expert 0 into
 /// overflow blocks (1,400 of 2,000 rows on one of four experts, top-1: blocks of 500 with
-/// two overflow blocks cost 3,256 padded rows, one block of 1,400 each 5,600).
+/// two overflow blocks cost 3,256 padded rows and 4 · 192 for the stack's gradient passes,
+/// one block of 1,400 each 5,600).
 fn skewed_experts(device: &Device) -> [Tensor; 5] {
     let (e, h, i, rows) = (4, 16, 8, 2000);
     let ids: Vec<u32> = (0..rows as u32)
@@ -166,9 +173,110 @@ fn skewed_experts(device: &Device) -> [Tensor; 5] {
     [y, g(&x), g(&gates), g(&gate_up), g(&down)]
 }
 
+/// Rotary embedding on `device` of a transposed `[B, T, H, D]` input (a GPU: candle's rope
+/// kernel with r3's backward) and the input's gradient, half-split or interleaved.
+fn rope(device: &Device, interleaved: bool) -> [Tensor; 2] {
+    let (b, t, h, d) = (2, 33, 3, 16);
+    let rope = Rope::new(&RopeConfig {
+        theta: 10000.0,
+        dim: d,
+        interleaved,
+        scaling: RopeScaling::None,
+    });
+    let tables = rope.tables(t, device, DType::F32).expect("tables");
+    let x = Var::from_tensor(&seeded(&[b, t, h, d], 18, device)).expect("x");
+    let probe = seeded(&[b, h, t, d], 19, device);
+    let y = tables
+        .apply(&x.transpose(1, 2).expect("transpose"))
+        .expect("rope");
+    let grads = (&y * &probe)
+        .and_then(|l| l.sum_all())
+        .and_then(|l| l.backward())
+        .expect("backward");
+    [y, grads.get(x.as_tensor()).expect("gradient").clone()]
+}
+
+/// Token embedding rows on `device` and the table's gradient (repeated and unused tokens).
+fn embedding(device: &Device) -> [Tensor; 2] {
+    let host: Vec<u32> = (0..300u32).map(|p| (p * p + 7 * p) % 97).collect();
+    let table = Var::from_tensor(&seeded(&[120, 40], 20, device)).expect("table");
+    let ids = Tensor::new(host.as_slice(), device).expect("ids");
+    let probe = seeded(&[host.len(), 40], 21, device);
+    let y = embedding_rows(table.as_tensor(), &ids, &host).expect("rows");
+    let grads = (&y * &probe)
+        .and_then(|l| l.sum_all())
+        .and_then(|l| l.backward())
+        .expect("backward");
+    [y, grads.get(table.as_tensor()).expect("gradient").clone()]
+}
+
+/// The f32 bits of a tensor's values (brought to the CPU and widened: exact for 16-bit).
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.to_device(&Device::Cpu)
+        .and_then(|t| t.to_dtype(DType::F32))
+        .and_then(|t| t.flatten_all())
+        .and_then(|t| t.to_vec1::<f32>())
+        .expect("to host")
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
+}
+
+/// `cast16` on `device` both ways against the CPU's cast, bit for bit: ties, infinities,
+/// signed zeros, values past the 16-bit ranges and subnormals; a length that is not a
+/// multiple of four (the kernels' tail), a view starting on a four-element boundary (the
+/// kernel) and one starting off it (candle's cast).
+fn casts_match_the_cpu(device: &Device) {
+    let mut values: Vec<f32> = vec![
+        1.0 + 2f32.powi(-8),
+        1.0 + 3.0 * 2f32.powi(-8),
+        1.0 + 2f32.powi(-11),
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        -0.0,
+        0.0,
+        1e-40,
+        -3e38,
+        70_000.0,
+        6e-8,
+    ];
+    let spread = seeded(&[1000], 17, &Device::Cpu)
+        .to_vec1::<f32>()
+        .expect("spread");
+    values.extend(
+        spread
+            .iter()
+            .enumerate()
+            .map(|(i, v)| v * 10f32.powi(i as i32 % 9 - 4)),
+    );
+    let host = Tensor::from_vec(values.clone(), values.len(), &Device::Cpu).expect("host");
+    let on = host.to_device(device).expect("to device");
+    for narrow in [DType::BF16, DType::F16] {
+        for start in [0, 4, 1] {
+            let len = values.len() - start;
+            let (x, x_cpu) = (
+                on.narrow(0, start, len).expect("view"),
+                host.narrow(0, start, len).expect("view"),
+            );
+            let want = x_cpu.to_dtype(narrow).expect("cpu cast");
+            let got = cast16(&x, narrow).expect("cast");
+            assert_eq!(got.dtype(), narrow);
+            assert!(bits(&got) == bits(&want), "{narrow:?} narrow from {start}");
+            let back = cast16(&got, DType::F32).expect("widen");
+            let want_back = want.to_dtype(DType::F32).expect("cpu widen");
+            assert!(
+                bits(&back) == bits(&want_back),
+                "{narrow:?} widen from {start}"
+            );
+        }
+    }
+    println!("casts f32 ↔ bf16 / f16: bit for bit");
+}
+
 /// Every op on `device` against the CPU: attention and log-probs within `tol` (relative),
 /// rounding bit for bit (round to nearest even has one answer).
 fn compare(device: &Device, tol: f32) {
+    casts_match_the_cpu(device);
     for window in [None, Some(9)] {
         let names = ["value", "dq", "dk", "dv"];
         for ((got, want), name) in attention(device, window)
@@ -192,6 +300,27 @@ fn compare(device: &Device, tol: f32) {
         .zip(["value", "dx", "dgates", "dgate_up", "ddown"])
     {
         assert_close(&format!("skewed experts {name}"), got, want, tol);
+    }
+    for interleaved in [false, true] {
+        for ((got, want), name) in rope(device, interleaved)
+            .iter()
+            .zip(rope(&Device::Cpu, interleaved).iter())
+            .zip(["value", "dx"])
+        {
+            assert_close(
+                &format!("rope interleaved={interleaved} {name}"),
+                got,
+                want,
+                tol,
+            );
+        }
+    }
+    for ((got, want), name) in embedding(device)
+        .iter()
+        .zip(embedding(&Device::Cpu).iter())
+        .zip(["value", "dtable"])
+    {
+        assert_close(&format!("embedding {name}"), got, want, tol);
     }
     let [lp, dz] = token_logprobs(device);
     let [lp_cpu, dz_cpu] = token_logprobs(&Device::Cpu);

@@ -75,18 +75,18 @@ pub(crate) fn device(storage: &CudaStorage) -> CudaDevice {
     storage.device().clone()
 }
 
-/// Launches r3's kernel `$name` on `$dev` with `$cfg`: `$len` fresh f32 outputs, passed after
-/// the arguments `[$before]` and before `[$after]` (each argument bound to a local that lives
-/// until the launch, as the launcher holds pointers to them); evaluates to the outputs as a
-/// CUDA storage. The caller guarantees that the kernel writes every output element and that
-/// the arguments are the kernel's signature.
-macro_rules! launch_f32 {
-    ($dev:expr, $name:expr, $len:expr, $cfg:expr, [$($before:expr),*], [$($after:expr),*]) => {{
+/// Launches r3's kernel `$name` on `$dev` with `$cfg`: `$len` fresh outputs of type `$ty`,
+/// passed after the arguments `[$before]` and before `[$after]` (each argument bound to a
+/// local that lives until the launch, as the launcher holds pointers to them); evaluates to
+/// the outputs as a CUDA storage. The caller guarantees that the kernel writes every output
+/// element and that the arguments are the kernel's signature.
+macro_rules! launch_typed {
+    ($dev:expr, $name:expr, $ty:ty, $len:expr, $cfg:expr, [$($before:expr),*], [$($after:expr),*]) => {{
         use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
         use candle_core::cuda_backend::WrapErr;
         let dev: candle_core::CudaDevice = $dev;
         // SAFETY: every element is written by the kernel (the macro's contract).
-        let out = unsafe { dev.alloc::<f32>($len) }?;
+        let out = unsafe { dev.alloc::<$ty>($len) }?;
         let (func, stream) = $crate::cuda::kernel(&dev, $name)?;
         let mut launch = stream.launch_builder(&func);
         $(
@@ -102,5 +102,13 @@ macro_rules! launch_f32 {
         unsafe { launch.launch($cfg) }.w()?;
         candle_core::CudaStorage::wrap_cuda_slice(out, dev)
     }};
+}
+pub(crate) use launch_typed;
+
+/// [`launch_typed`] with f32 outputs.
+macro_rules! launch_f32 {
+    ($dev:expr, $name:expr, $len:expr, $cfg:expr, [$($before:expr),*], [$($after:expr),*]) => {
+        $crate::cuda::launch_typed!($dev, $name, f32, $len, $cfg, [$($before),*], [$($after),*])
+    };
 }
 pub(crate) use launch_f32;

@@ -10,10 +10,12 @@
 
 use candle_core::{Tensor, D};
 
+use super::combine_slots::combine_slots;
 use super::dispatch::Dispatch;
 use super::gather_rows::GatherRows;
 use super::linear::{matmul_wt, matmul_wt_at};
 use super::routed_op::RoutedSwiGlu;
+use super::swiglu_halves::swiglu_halves;
 use crate::error::{ModelError, Result};
 use crate::precision::Precision;
 use crate::spec::fused_expert_names;
@@ -86,7 +88,9 @@ impl RoutedExperts {
                 RoutedSwiGlu::new(dispatch.clone()),
             )?)
         } else if !x.device().is_cpu() && padded_fits(dispatch) {
-            self.forward_padded(x, gates, dispatch, OVERFLOW_BLOCK_ROWS)
+            let gradients = self.gate_up.track_op() || self.down.track_op();
+            let cost = OverflowCost::for_stack(e, gradients);
+            self.forward_padded(x, gates, dispatch, cost)
         } else {
             self.forward_composed(x, gates, dispatch)
         }
@@ -96,23 +100,23 @@ impl RoutedExperts {
     /// expert's first `cap` rows gathered into an `[E, cap, H]` block (shorter experts padded
     /// with a zero row), an expert's rows past `cap` into further `cap`-row overflow blocks
     /// (`[m, cap, H]`, their weights gathered from the stack), `· [·, H, 2I]`, SwiGLU,
-    /// `· [·, I, H]`, then each row's `top_k` outputs gathered back in slot order, weighted
-    /// by its gates and summed. A few launches per layer instead of three per expert, and
+    /// `· [·, I, H]`, then each row's `top_k` outputs read back in slot order, weighted by
+    /// its gates and summed (one op, [`combine_slots`], where the device has it). A few launches per layer instead of three per expert, and
     /// the stacked weights' gradients come out of the batched GEMMs' backward whole (slicing
     /// each expert out of the stack would make candle's backward build a zero-filled copy of
     /// the whole stack per expert: 4 s of a 30B-A3B-shaped step on an H200). The row gathers
     /// are [`GatherRows`], whose backward is a gather too (candle's `index_select` →
     /// `index_add` backward is serial over the rows on a GPU); the overflow blocks' weight
     /// gather is an `index_select` over whole experts, whose `index_add` backward runs one
-    /// thread per weight element. The same rounding points as `forward_composed`. Each
-    /// overflow block counts as `overflow_cost` padded rows when the block size is chosen
-    /// ([`OVERFLOW_BLOCK_ROWS`] in the model).
+    /// thread per weight element. The same rounding points as `forward_composed`. The block
+    /// size weighs padded rows against what overflow blocks cost (`overflow_cost`,
+    /// [`OverflowCost::for_stack`] in the model).
     fn forward_padded(
         &self,
         x: &Tensor,
         gates: &Tensor,
         dispatch: &Dispatch,
-        overflow_cost: usize,
+        overflow_cost: OverflowCost,
     ) -> Result<Tensor> {
         let device = x.device();
         let (rows, h) = x.dims2()?;
@@ -136,11 +140,16 @@ impl RoutedExperts {
             ys.push(self.swiglu_block(&xo, &gate_up, &down)?);
         }
         let y = Tensor::cat(&ys, 0)?.reshape(((e + m) * cap, h))?;
+        let gates = gates.to_dtype(x.dtype())?;
+        if let Some(out) = combine_slots(&y, &gates, &layout.place_of_slot)? {
+            return Ok(out);
+        }
         let by_slot = GatherRows::new(layout.place_of_slot, (e + m) * cap, (e + m) * cap)?
             .apply(&y)?
             .reshape((rows, k, h))?;
-        let weights = gates.to_dtype(x.dtype())?.unsqueeze(D::Minus1)?;
-        Ok(by_slot.broadcast_mul(&weights)?.sum(1)?)
+        Ok(by_slot
+            .broadcast_mul(&gates.unsqueeze(D::Minus1)?)?
+            .sum(1)?)
     }
 
     /// One padded block's SwiGLU: `xs` `[n, cap, H]` through `gate_up` `[n, 2I, H]` and
@@ -148,8 +157,11 @@ impl RoutedExperts {
     fn swiglu_block(&self, xs: &Tensor, gate_up: &Tensor, down: &Tensor) -> Result<Tensor> {
         let (i, p) = (self.intermediate, self.precision);
         let hidden = matmul_wt_at(p, xs, gate_up)?;
-        let a = p.round(&(hidden.narrow(2, 0, i)?.silu()? * hidden.narrow(2, i, i)?)?)?;
-        matmul_wt_at(p, &a, down)
+        let a = match swiglu_halves(&hidden)? {
+            Some(a) => a,
+            None => (hidden.narrow(2, 0, i)?.silu()? * hidden.narrow(2, i, i)?)?,
+        };
+        matmul_wt_at(p, &p.round(&a)?, down)
     }
 
     /// The same computation from candle's composed ops, expert by expert (other devices and
@@ -213,14 +225,67 @@ struct PaddedLayout {
     place_of_slot: Vec<u32>,
 }
 
+/// What overflow blocks cost beyond their places, in padded rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct OverflowCost {
+    /// Each overflow block: its two expert weight matrices gathered from the stack.
+    per_block: usize,
+    /// Once, if there is any overflow block: with gradients, the gather's backward builds a
+    /// zero-filled gradient the size of the whole stack, adds into it, and the stack's
+    /// gradient from the main block is summed with it.
+    any: usize,
+}
+
 /// What one overflow block costs beyond its places, in padded rows: its two expert weight
 /// matrices are gathered (read, written, read again by the GEMM: 36·I·H bytes in f32) where a
 /// padded row costs the GEMMs 6·I·H FLOPs; on an H200 (4.8 TB/s, ~50 TFLOP/s in f32, more in
 /// bf16) that is about 60 rows in f32 GEMMs. Decode steps, whose GEMMs are bound by reading
 /// weights, pay more per weight copy, so the estimate is rounded up. With a cost of zero a
 /// decode step at batch 256 split its ~32 rows per expert into overflow blocks and ran
-/// slower (H200, 2026-11-27; the cost itself not yet measured on a GPU).
+/// slower (H200, 2026-11-27).
 const OVERFLOW_BLOCK_ROWS: usize = 128;
+
+/// What having any overflow block costs a forward whose stacked weights take gradients, in
+/// padded rows per expert of the stack. Measured on an H200 (2026-11-27, `ncu` over a bf16
+/// training step): the stack-sized zero-fill, `index_add` and gradient sum took ≈ 5 ms per
+/// layer of the 30B-A3B shape (128 experts) and ≈ 0.3 ms of mid (32 experts), where a padded
+/// row's GEMMs forward and backward took ≈ 0.2 µs and ≈ 0.05 µs: ≈ 190 rows per expert on
+/// both. With 128 rows per block alone, the 30B-A3B shape's random-router loads (mean 64,
+/// busiest ≈ 100) were split into overflow blocks whose gradient passes were a third of the
+/// step.
+const TRAINING_OVERFLOW_ROWS_PER_EXPERT: usize = 192;
+
+impl OverflowCost {
+    /// The cost for a stack of `experts` experts, whose weights take gradients or not.
+    fn for_stack(experts: usize, gradients: bool) -> Self {
+        OverflowCost {
+            per_block: OVERFLOW_BLOCK_ROWS,
+            any: if gradients {
+                experts * TRAINING_OVERFLOW_ROWS_PER_EXPERT
+            } else {
+                0
+            },
+        }
+    }
+
+    /// Only the places count (the layout tests' reference).
+    #[cfg(test)]
+    fn places_only() -> Self {
+        OverflowCost {
+            per_block: 0,
+            any: 0,
+        }
+    }
+
+    /// `per_block` rows per overflow block and nothing else.
+    #[cfg(test)]
+    fn per_block(rows: usize) -> Self {
+        OverflowCost {
+            per_block: rows,
+            any: 0,
+        }
+    }
+}
 
 /// The places a block size of `cap` takes for these expert loads: every expert's main block
 /// plus one more block per `cap` rows past its first `cap`.
@@ -228,12 +293,13 @@ fn places_for(counts: &[usize], cap: usize) -> usize {
     counts.iter().map(|&c| c.div_ceil(cap).max(1) * cap).sum()
 }
 
-/// The cost of a block size in padded rows: its places, plus `overflow_cost` for each
-/// overflow block.
-fn cost_of(counts: &[usize], cap: usize, overflow_cost: usize) -> usize {
+/// The cost of a block size in padded rows: its places, plus what its overflow blocks cost
+/// ([`OverflowCost`]).
+fn cost_of(counts: &[usize], cap: usize, overflow: OverflowCost) -> usize {
     let places = places_for(counts, cap);
     let overflow_blocks = places / cap.max(1) - counts.len();
-    places + overflow_blocks * overflow_cost
+    let any = if overflow_blocks > 0 { overflow.any } else { 0 };
+    places + overflow_blocks * overflow.per_block + any
 }
 
 /// The block size of least cost ([`cost_of`]: places, padding included, and each overflow
@@ -243,7 +309,7 @@ fn cost_of(counts: &[usize], cap: usize, overflow_cost: usize) -> usize {
 /// size times a block count, plus the count's excess, and the count only falls where some
 /// expert's rows fill `j` blocks exactly (`⌈c / j⌉`), so those points and the mean are the
 /// only candidates: at most twice the experts of them.
-fn block_size(counts: &[usize], overflow_cost: usize) -> usize {
+fn block_size(counts: &[usize], overflow_cost: OverflowCost) -> usize {
     let slots: usize = counts.iter().sum();
     let busiest = counts.iter().copied().max().unwrap_or(0);
     let low = slots.div_ceil(counts.len().max(1)).max(1);
@@ -269,9 +335,9 @@ fn block_size(counts: &[usize], overflow_cost: usize) -> usize {
     best
 }
 
-/// The padded layout of `dispatch` over `rows` rows, each overflow block costing
-/// `overflow_cost` padded rows when the block size is chosen.
-fn padded_layout(dispatch: &Dispatch, rows: usize, overflow_cost: usize) -> PaddedLayout {
+/// The padded layout of `dispatch` over `rows` rows, overflow blocks costing `overflow_cost`
+/// when the block size is chosen.
+fn padded_layout(dispatch: &Dispatch, rows: usize, overflow_cost: OverflowCost) -> PaddedLayout {
     let offsets = dispatch.offsets();
     let experts = offsets.len().saturating_sub(1);
     let counts: Vec<usize> = offsets.windows(2).map(|w| w[1] - w[0]).collect();
@@ -447,7 +513,7 @@ mod tests {
 
     /// The padded path and the composed ops agree on outputs and on the gradients of the
     /// rows, the gates and both stacked weights, in f64, f32 and bf16 rounding.
-    fn assert_padded_matches_composed(ids: &[u32], overflow_cost: usize) {
+    fn assert_padded_matches_composed(ids: &[u32], overflow_cost: OverflowCost) {
         for (dtype, precision, tol) in [
             (DType::F64, Precision::F32, 1e-12),
             (DType::F32, Precision::F32, 2e-5),
@@ -489,7 +555,7 @@ mod tests {
     fn padded_matches_composed_ops() {
         let case = PathCase::new(DType::F64, Precision::F32);
         let rows = case.rows;
-        let layout = padded_layout(&case.dispatch, rows, 0);
+        let layout = padded_layout(&case.dispatch, rows, OverflowCost::places_only());
         let cap = layout.cap;
         // loads 4, 0, 4, 1, 3: one block of 4 each has the fewest places (20; 3 would take 21)
         assert_eq!(
@@ -502,7 +568,10 @@ mod tests {
             .iter()
             .all(|&r| r as usize == rows));
         assert_layout_places_every_slot(&case.dispatch, &layout, rows);
-        assert_padded_matches_composed(&[0, 2, 2, 4, 3, 0, 4, 2, 0, 4, 2, 0], 0);
+        assert_padded_matches_composed(
+            &[0, 2, 2, 4, 3, 0, 4, 2, 0, 4, 2, 0],
+            OverflowCost::places_only(),
+        );
     }
 
     /// A skewed load spills past the block size into overflow blocks (their weights gathered
@@ -512,14 +581,14 @@ mod tests {
         // ten rows: expert 0 in every row, expert 2 in six, 3 in three, 4 in one, 1 in none
         let ids = [0, 2, 2, 0, 0, 3, 0, 2, 4, 0, 0, 2, 3, 0, 0, 2, 0, 3, 2, 0];
         let case = PathCase::with_ids(DType::F64, Precision::F32, &ids);
-        let layout = padded_layout(&case.dispatch, case.rows, 0);
+        let layout = padded_layout(&case.dispatch, case.rows, OverflowCost::places_only());
         // loads 10, 0, 6, 3, 1 (mean 4): blocks of 4 take 32 places (expert 0 in three
         // blocks, expert 2 in two), of 5 35, of 6 36, one block of 10 each 50
         assert_eq!((layout.cap, layout.overflow.clone()), (4, vec![0, 0, 2]));
         assert_layout_places_every_slot(&case.dispatch, &layout, case.rows);
-        assert_padded_matches_composed(&ids, 0);
+        assert_padded_matches_composed(&ids, OverflowCost::places_only());
         // each overflow block costing 128 rows, one block of 10 each (50 places) is cheaper
-        let costed = padded_layout(&case.dispatch, case.rows, OVERFLOW_BLOCK_ROWS);
+        let costed = padded_layout(&case.dispatch, case.rows, OverflowCost::per_block(128));
         assert_eq!((costed.cap, costed.overflow.len()), (10, 0));
     }
 
@@ -527,21 +596,24 @@ mod tests {
     /// each costs least, overflow blocks when one expert takes far more than the rest.
     #[test]
     fn the_block_size_takes_the_least_cost() {
-        assert_eq!(block_size(&[4, 4, 4, 4], 0), 4);
+        assert_eq!(block_size(&[4, 4, 4, 4], OverflowCost::places_only()), 4);
         // 20 places either way: the busiest load's size, with no overflow block
-        assert_eq!(block_size(&[5, 4, 4, 3], 0), 5);
+        assert_eq!(block_size(&[5, 4, 4, 3], OverflowCost::places_only()), 5);
         // 20 places against 24: the mean, expert 0 in two blocks; not when a block costs 8
-        assert_eq!(block_size(&[6, 4, 4, 2], 0), 4);
-        assert_eq!(block_size(&[6, 4, 4, 2], 8), 6);
+        assert_eq!(block_size(&[6, 4, 4, 2], OverflowCost::places_only()), 4);
+        assert_eq!(block_size(&[6, 4, 4, 2], OverflowCost::per_block(8)), 6);
         // one expert with all 64 slots of 8 experts: blocks of 8 (8 + 7 · 8 = 64 + 56 places)
         // beat one block of 64 each (512 places); at 128 rows per overflow block, blocks of
         // 32 (9 · 32 + 128 = 416) beat both 8 (120 + 7 · 128) and 64 (512)
         let skewed = [64, 0, 0, 0, 0, 0, 0, 0];
-        assert_eq!(block_size(&skewed, 0), 8);
+        assert_eq!(block_size(&skewed, OverflowCost::places_only()), 8);
         assert_eq!(places_for(&skewed, 8), 120);
-        assert_eq!(cost_of(&skewed, 8, 128), 120 + 7 * 128);
-        assert_eq!(cost_of(&skewed, 32, 128), 416);
-        assert_eq!(block_size(&skewed, 128), 32);
+        assert_eq!(
+            cost_of(&skewed, 8, OverflowCost::per_block(128)),
+            120 + 7 * 128
+        );
+        assert_eq!(cost_of(&skewed, 32, OverflowCost::per_block(128)), 416);
+        assert_eq!(block_size(&skewed, OverflowCost::per_block(128)), 32);
         // brute force: no block size between the mean and the busiest load costs less
         for counts in [
             vec![7, 1, 9, 3],
@@ -551,13 +623,20 @@ mod tests {
             vec![1000, 999, 17, 0],
             vec![4000, 500, 510, 490, 20, 700, 505, 512],
         ] {
-            for overflow_cost in [0, 1, 16, 128] {
+            for overflow_cost in [0, 1, 16, 128]
+                .map(OverflowCost::per_block)
+                .into_iter()
+                .chain([OverflowCost::for_stack(counts.len(), true)])
+            {
                 let chosen = cost_of(&counts, block_size(&counts, overflow_cost), overflow_cost);
                 let low = counts.iter().sum::<usize>().div_ceil(counts.len());
                 let busiest = *counts.iter().max().expect("max");
                 for cap in low..=busiest {
                     let cost = cost_of(&counts, cap, overflow_cost);
-                    assert!(cost >= chosen, "{counts:?} cost {overflow_cost} cap {cap}");
+                    assert!(
+                        cost >= chosen,
+                        "{counts:?} cost {overflow_cost:?} cap {cap}"
+                    );
                 }
             }
         }
@@ -566,8 +645,24 @@ mod tests {
         training[0] = 1100;
         training[1] = 0;
         training[2] = 436;
-        let cap = block_size(&training, OVERFLOW_BLOCK_ROWS);
+        let cap = block_size(&training, OverflowCost::per_block(OVERFLOW_BLOCK_ROWS));
         assert!(cap < 1100, "{cap}");
+        // ... and they still do with gradients: 2 blocks of 512 past expert 0's first (17,408
+        // places + 2 · 128 + the stack's 32 · 192) against 35,200 places in one block each
+        let with_gradients = OverflowCost::for_stack(32, true);
+        assert_eq!(block_size(&training, with_gradients), 512);
+        // a 30B-A3B-like load (128 experts, 64 rows on most, 100 on eight, 150 on one): at
+        // 128 rows a block, blocks of 67 cost least (8,576 places + 10 overflow blocks of
+        // 67 + 128 = 10,526, against 19,200 places in one block each), but not once the
+        // stack's gradient passes count (128 · 192 = 24,576 more)
+        let mut a3b = vec![64; 128];
+        a3b[..8].fill(100);
+        a3b[8] = 150;
+        let per_block = OverflowCost::per_block(OVERFLOW_BLOCK_ROWS);
+        assert_eq!(block_size(&a3b, per_block), 67);
+        assert_eq!(cost_of(&a3b, 67, per_block), 10_526);
+        assert_eq!(block_size(&a3b, OverflowCost::for_stack(128, false)), 67);
+        assert_eq!(block_size(&a3b, OverflowCost::for_stack(128, true)), 150);
     }
 
     /// The padded layout is used where the slots number at least the experts.

@@ -11,6 +11,7 @@
 use candle_core::{CustomOp2, DType, Tensor};
 
 use super::precomputed::{precomputed_fwd, Precomputed};
+use crate::cast16::cast16;
 use crate::error::{ModelError, Result};
 
 /// `x [.., k] · w [n, k]ᵀ → [.., n]` (or a stacked `w [b, n, k]` times `x [b, m, k]`) with
@@ -38,13 +39,13 @@ pub fn matmul_wt_narrow(x: &Tensor, w: &Tensor, narrow: DType) -> Result<Tensor>
         }
     };
     let x = x.contiguous()?;
-    let (xn, wn) = (x.detach().to_dtype(narrow)?, w.detach().to_dtype(narrow)?);
+    let (xn, wn) = (cast16(&x.detach(), narrow)?, cast16(&w.detach(), narrow)?);
     let value = if x.rank() == 2 && !stacked {
         xn.matmul(&wn.t()?)?
     } else {
         xn.broadcast_matmul(&wn.t()?)?
     };
-    let value = value.to_dtype(DType::F32)?;
+    let value = cast16(&value, DType::F32)?;
     if !x.track_op() && !w.track_op() {
         // Nothing to differentiate (inference): the value, without the op's copy of it.
         return Ok(value);
@@ -82,9 +83,9 @@ impl CustomOp2 for Matmul16 {
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         let n = self.narrow;
-        let xn = x.detach().to_dtype(n)?;
-        let wn = w.detach().to_dtype(n)?;
-        let gn = grad.detach().to_dtype(n)?;
+        let xn = cast16(&x.detach(), n)?;
+        let wn = cast16(&w.detach(), n)?;
+        let gn = cast16(&grad.detach(), n)?;
         let (dx, dw) = if self.stacked {
             (gn.matmul(&wn)?, gn.t()?.matmul(&xn)?)
         } else {
@@ -95,8 +96,8 @@ impl CustomOp2 for Matmul16 {
             (g2.matmul(&wn)?.reshape(x.dims())?, g2.t()?.matmul(&x2)?)
         };
         Ok((
-            Some(dx.to_dtype(DType::F32)?),
-            Some(dw.to_dtype(w.dtype())?),
+            Some(cast16(&dx, DType::F32)?),
+            Some(cast16(&dw, w.dtype())?),
         ))
     }
 }

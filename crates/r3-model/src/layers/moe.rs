@@ -6,6 +6,7 @@
 use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
+use rayon::prelude::*;
 
 use super::dispatch::Dispatch;
 use super::experts::RoutedExperts;
@@ -19,6 +20,9 @@ use crate::router::Router;
 use crate::routing_mode::{same_experts, LayerPlan};
 use crate::spec::SWIGLU_HF;
 use crate::weights::Weights;
+
+/// Rows per parallel task when replay puts the plan's ids in place of the router's.
+const OVERRIDE_ROWS_PER_TASK: usize = 512;
 
 /// The always-on expert.
 #[derive(Debug, Clone)]
@@ -168,12 +172,19 @@ impl MoeBlock {
                     plan.forced.len()
                 )));
             }
-            for r in (0..n).filter(|&r| plan.forced[r]) {
-                let given = &plan.ids[r * k..(r + 1) * k];
-                let own = &mut ids[r * k..(r + 1) * k];
-                differs += usize::from(!same_experts(given, own));
-                own.copy_from_slice(given);
-            }
+            // Rows side by side: a GPU waits on this host work between router and experts.
+            differs = ids
+                .par_chunks_mut(k.max(1))
+                .zip(plan.ids.par_chunks(k.max(1)))
+                .zip(plan.forced.par_iter())
+                .with_min_len(OVERRIDE_ROWS_PER_TASK)
+                .filter(|(_, &forced)| forced)
+                .map(|((own, given), _)| {
+                    let differs = usize::from(!same_experts(given, own));
+                    own.copy_from_slice(given);
+                    differs
+                })
+                .sum();
             replay_time = started.elapsed();
         }
         let ids_tensor = Tensor::from_vec(ids.clone(), (n, k), x.device())?;

@@ -71,8 +71,26 @@ impl Precomputed {
 }
 
 /// The `cpu_fwd` and `cuda_fwd` of a custom op whose value is its [`Precomputed`] field
-/// `value`, for ops of 2 or 3 arguments: `precomputed_fwd!(2);` inside `impl CustomOp2`.
+/// `value`, for ops of 1, 2 or 3 arguments: `precomputed_fwd!(2);` inside `impl CustomOp2`.
 macro_rules! precomputed_fwd {
+    (1) => {
+        fn cpu_fwd(
+            &self,
+            _: &candle_core::CpuStorage,
+            _: &candle_core::Layout,
+        ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+            self.value.cpu(self.name())
+        }
+
+        #[cfg(feature = "cuda")]
+        fn cuda_fwd(
+            &self,
+            _: &candle_core::CudaStorage,
+            _: &candle_core::Layout,
+        ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+            self.value.cuda(self.name())
+        }
+    };
     (2) => {
         fn cpu_fwd(
             &self,

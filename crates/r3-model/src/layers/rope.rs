@@ -1,11 +1,12 @@
 //! Rotary position embeddings: frequency tables (plain, linear, YaRN) and their
-//! application — a fused custom op on CPU, candle's composed `rope_slow` (half-split) /
-//! `rope_i_slow` (interleaved) elsewhere.
+//! application — a fused custom op on CPU, candle's rope kernel with a backward on a GPU,
+//! candle's composed `rope_slow` (half-split) / `rope_i_slow` (interleaved) elsewhere.
 
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{CustomOp1, DType, Device, Tensor};
 
+use super::precomputed::{precomputed_fwd, Precomputed};
 use super::rope_op::RotaryOp;
 
 use crate::config::{RopeConfig, RopeScaling};
@@ -172,9 +173,11 @@ impl Rope {
     pub fn tables(&self, seq_len: usize, device: &Device, dtype: DType) -> Result<RopeTables> {
         let half = self.inv_freq.len();
         let (cos, sin) = self.host_tables(seq_len);
+        let sin_t = Tensor::from_slice(&sin, (seq_len, half), device)?.to_dtype(dtype)?;
         Ok(RopeTables {
             cos: Tensor::from_slice(&cos, (seq_len, half), device)?.to_dtype(dtype)?,
-            sin: Tensor::from_slice(&sin, (seq_len, half), device)?.to_dtype(dtype)?,
+            neg_sin: sin_t.neg()?,
+            sin: sin_t,
             cos_host: Arc::new(cos),
             sin_host: Arc::new(sin),
             interleaved: self.interleaved,
@@ -187,6 +190,8 @@ impl Rope {
 pub struct RopeTables {
     cos: Tensor,
     sin: Tensor,
+    /// `−sin`: rotating by `−θ` (a GPU's backward).
+    neg_sin: Tensor,
     /// The f32 tables on the host for the fused CPU op (`cos`/`sin` are these, converted).
     cos_host: Arc<Vec<f32>>,
     sin_host: Arc<Vec<f32>>,
@@ -199,8 +204,12 @@ impl RopeTables {
     /// HF DeepSeek's interleaved variant permutes pairs to half-split before rotating;
     /// rotating pairs in place (`rope_i`) gives the same q·k since q and k share the permutation.
     /// On CPU in f32/f64 this is one fused op ([`RotaryOp`]) that reads `x` through its
-    /// strides; elsewhere candle's composed ops.
+    /// strides; on a GPU in f32 candle's rope kernel with a backward ([`RotateBack`]);
+    /// elsewhere candle's composed ops.
     pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
+        if x.device().is_cuda() && x.dtype() == DType::F32 && x.rank() == 4 {
+            return self.apply_kernel(x);
+        }
         let fused = x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64);
         if fused && x.rank() == 4 {
             // The op reads rows through the strides but needs each row contiguous.
@@ -217,6 +226,31 @@ impl RopeTables {
         self.apply_composed(x)
     }
 
+    /// candle's fused rope kernel (`rope` / `rope_i`, which has no backward) on detached
+    /// `x`, in an op whose backward is the same kernel rotating the gradient back by `−θ`
+    /// (the rotation's transpose). The composed `rope_slow` was ~7 kernels each way, ≈ 1 ms
+    /// of a mid layer's step on an H200. Also the CPU path of the device tests' reference.
+    pub fn apply_kernel(&self, x: &Tensor) -> Result<Tensor> {
+        let x = x.contiguous()?;
+        let value = self.rope_kernel(&x.detach(), &self.sin)?;
+        if !x.track_op() {
+            return Ok(value);
+        }
+        Ok(x.apply_op1(RotateBack {
+            value: Precomputed::new(value),
+            tables: self.clone(),
+        })?)
+    }
+
+    /// candle's rope kernel on contiguous `x` with `sin` (the tables' own or negated).
+    fn rope_kernel(&self, x: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
+        if self.interleaved {
+            candle_nn::rotary_emb::rope_i(x, &self.cos, sin)
+        } else {
+            candle_nn::rotary_emb::rope(x, &self.cos, sin)
+        }
+    }
+
     /// [`RopeTables::apply`] from candle's composed ops (other devices and dtypes, and the
     /// reference the fused op is tested against).
     pub fn apply_composed(&self, x: &Tensor) -> Result<Tensor> {
@@ -228,6 +262,32 @@ impl RopeTables {
         } else {
             Ok(candle_nn::rotary_emb::rope_slow(&x, &self.cos, &self.sin)?)
         }
+    }
+}
+
+/// [`RopeTables::apply_kernel`]'s op: its value precomputed by candle's rope kernel, its
+/// backward the kernel with `sin` negated.
+#[derive(Debug)]
+struct RotateBack {
+    value: Precomputed,
+    tables: RopeTables,
+}
+
+impl CustomOp1 for RotateBack {
+    fn name(&self) -> &'static str {
+        "rope-kernel"
+    }
+
+    precomputed_fwd!(1);
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        let grad = grad.contiguous()?;
+        Ok(Some(self.tables.rope_kernel(&grad, &self.tables.neg_sin)?))
     }
 }
 

@@ -338,7 +338,7 @@ impl Model {
         let mask = Tensor::from_slice(step.mask, (b, 1, 1, t, s), device)?.to_dtype(dtype)?;
         let rows = routed_rows(&vec![t; b], t, device)?;
         let ids = Tensor::from_slice(step.tokens, b * t, device)?;
-        let mut x = self.embed_tokens(&ids, b, t)?;
+        let mut x = self.embed_tokens(&ids, step.tokens, b, t)?;
         let mut moe = MoeRecord::default();
         for (i, (layer, kv)) in self.layers.iter().zip(&mut cache.layers).enumerate() {
             let normed = layer.input_norm.forward(&x)?;

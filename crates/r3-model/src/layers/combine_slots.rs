@@ -1,0 +1,450 @@
+//! The routed experts' combine as one op: each row's output is the gate-weighted sum of its
+//! `top_k` expert outputs, read straight from the padded expert blocks —
+//! `out[r] = Σ_j gates[r, j] · y[place(r, j)]` — with its backward as two more single passes
+//! (`dy[place(r, j)] = gates[r, j] · d out[r]`, zero on padding places;
+//! `d gates[r, j] = d out[r] · y[place(r, j)]`).
+//!
+//! Composed from candle's ops (gather the slots' rows into `[rows, top_k, H]`, broadcast
+//! multiply by the gates, sum over the slots) it was eight kernels forward and backward and
+//! two slot-sized buffers, ≈ 8 ms of a mid bf16 training step on an H200 (candle's broadcast
+//! kernels compute strided indices per element). Each op here has a CPU implementation that
+//! the tests hold to the composed ops, and a CUDA kernel (`cuda/kernels.cu`, the same
+//! arithmetic) that the device tests hold to the CPU.
+
+use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
+
+use crate::device::row_ops_run_on;
+use crate::error::{ModelError, Result};
+use crate::host::contiguous;
+use crate::math::StdFloat;
+
+/// A place no slot reads (padding), in the place → slot table.
+const NO_SLOT: u32 = u32::MAX;
+
+/// `out[r] = Σ_j gates[r, j] · y[place_of_slot[r · top_k + j]]` for `y` `[places, H]` and
+/// `gates` `[rows, top_k]`, differentiable in both; None where the op does not apply (another
+/// device or dtype: the caller composes). Each place is read by at most one slot.
+pub(crate) fn combine_slots(
+    y: &Tensor,
+    gates: &Tensor,
+    place_of_slot: &[u32],
+) -> Result<Option<Tensor>> {
+    let (places, _) = y.dims2()?;
+    let (rows, top_k) = gates.dims2()?;
+    if place_of_slot.len() != rows * top_k {
+        return Err(ModelError::Input(format!(
+            "combine: {} slot places for {rows} rows of {top_k} slots",
+            place_of_slot.len()
+        )));
+    }
+    if !row_ops_run_on(y) || gates.dtype() != y.dtype() || rows == 0 {
+        return Ok(None);
+    }
+    let mut slot_of_place = vec![NO_SLOT; places];
+    for (slot, &place) in place_of_slot.iter().enumerate() {
+        match slot_of_place.get_mut(place as usize) {
+            Some(s) if *s == NO_SLOT => *s = slot as u32,
+            Some(_) => {
+                return Err(ModelError::Input(format!(
+                    "combine: place {place} is read by two slots"
+                )))
+            }
+            None => {
+                return Err(ModelError::Input(format!(
+                    "combine: place {place} past {places} places"
+                )))
+            }
+        }
+    }
+    let device = y.device();
+    let place = Tensor::from_slice(place_of_slot, rows * top_k, device)?;
+    let op = CombineSlots {
+        top_k,
+        slot_of_place: Tensor::from_vec(slot_of_place, places, device)?,
+    };
+    Ok(Some(y.contiguous()?.apply_op3(
+        &gates.contiguous()?,
+        &place,
+        op,
+    )?))
+}
+
+/// The combine op `(y, gates, place) → out`; it keeps the place → slot table for `dy`.
+#[derive(Debug, Clone)]
+struct CombineSlots {
+    top_k: usize,
+    slot_of_place: Tensor,
+}
+
+/// The row width of `y` `[places, H]`.
+fn width(yl: &Layout) -> usize {
+    yl.shape().dims().last().copied().unwrap_or(1).max(1)
+}
+
+/// The forward's CPU implementation (the kernel `r3_combine_slots_f32` does the same):
+/// products added in slot order from zero.
+fn combine_rows<T: StdFloat>(y: &[T], gates: &[T], place: &[u32], k: usize, h: usize) -> Vec<T> {
+    let rows = gates.len() / k;
+    let mut out = vec![T::ZERO; rows * h];
+    for (r, dst) in out.chunks_mut(h).enumerate() {
+        for j in 0..k {
+            let g = gates[r * k + j];
+            let src = &y[place[r * k + j] as usize * h..][..h];
+            for (d, &v) in dst.iter_mut().zip(src) {
+                *d = *d + g * v;
+            }
+        }
+    }
+    out
+}
+
+impl CustomOp3 for CombineSlots {
+    fn name(&self) -> &'static str {
+        "r3-combine-slots"
+    }
+
+    fn cpu_fwd(
+        &self,
+        y: &CpuStorage,
+        yl: &Layout,
+        g: &CpuStorage,
+        gl: &Layout,
+        p: &CpuStorage,
+        pl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (h, k) = (width(yl), self.top_k);
+        let place = match p {
+            CpuStorage::U32(p) => contiguous(p, pl, "slot places")?,
+            _ => candle_core::bail!("combine: slot places must be u32"),
+        };
+        let out = match (y, g) {
+            (CpuStorage::F32(y), CpuStorage::F32(g)) => CpuStorage::F32(combine_rows(
+                contiguous(y, yl, "expert outputs")?,
+                contiguous(g, gl, "gates")?,
+                place,
+                k,
+                h,
+            )),
+            (CpuStorage::F64(y), CpuStorage::F64(g)) => CpuStorage::F64(combine_rows(
+                contiguous(y, yl, "expert outputs")?,
+                contiguous(g, gl, "gates")?,
+                place,
+                k,
+                h,
+            )),
+            _ => candle_core::bail!("combine: expert outputs and gates must be both f32 or f64"),
+        };
+        Ok((out, Shape::from((gl.shape().elem_count() / k, h))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        y: &candle_core::CudaStorage,
+        yl: &Layout,
+        g: &candle_core::CudaStorage,
+        gl: &Layout,
+        p: &candle_core::CudaStorage,
+        pl: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use crate::cuda;
+        let (h, k) = (width(yl), self.top_k);
+        let rows = gl.shape().elem_count() / k;
+        // Block `r` writes output row `r`.
+        let out = cuda::launch_f32!(
+            cuda::device(y),
+            "r3_combine_slots_f32",
+            rows * h,
+            cuda::per_row(rows, cuda::row_threads(h))?,
+            [
+                cuda::view::<f32>(y, yl, "expert outputs")?,
+                cuda::view::<f32>(g, gl, "gates")?,
+                cuda::view::<u32>(p, pl, "slot places")?
+            ],
+            [k as u32, h as u32]
+        );
+        Ok((out, Shape::from((rows, h))))
+    }
+
+    fn bwd(
+        &self,
+        y: &Tensor,
+        gates: &Tensor,
+        place: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let grad = grad.contiguous()?;
+        let k = self.top_k;
+        let dy = grad.apply_op3_no_bwd(gates, &self.slot_of_place, &CombineDy { top_k: k })?;
+        let dg = y.apply_op3_no_bwd(&grad, place, &CombineDgates { top_k: k })?;
+        Ok((Some(dy), Some(dg), None))
+    }
+}
+
+/// `dy[p] = gates[s] · d out[s / top_k]` for the slot `s` reading place `p`, zero where no
+/// slot does: `(d out, gates, slot_of_place) → dy` `[places, H]`.
+#[derive(Debug, Clone, Copy)]
+struct CombineDy {
+    top_k: usize,
+}
+
+/// [`CombineDy`]'s CPU implementation (the kernel `r3_combine_slots_dy_f32` does the same).
+fn combine_dy_rows<T: StdFloat>(
+    dout: &[T],
+    gates: &[T],
+    slot_of_place: &[u32],
+    k: usize,
+    h: usize,
+) -> Vec<T> {
+    let mut dy = vec![T::ZERO; slot_of_place.len() * h];
+    for (dst, &s) in dy.chunks_mut(h).zip(slot_of_place) {
+        if s == NO_SLOT {
+            continue;
+        }
+        let g = gates[s as usize];
+        let src = &dout[s as usize / k * h..][..h];
+        for (d, &v) in dst.iter_mut().zip(src) {
+            *d = g * v;
+        }
+    }
+    dy
+}
+
+impl CustomOp3 for CombineDy {
+    fn name(&self) -> &'static str {
+        "r3-combine-slots-dy"
+    }
+
+    fn cpu_fwd(
+        &self,
+        d: &CpuStorage,
+        dl: &Layout,
+        g: &CpuStorage,
+        gl: &Layout,
+        s: &CpuStorage,
+        sl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let h = width(dl);
+        let slots = match s {
+            CpuStorage::U32(s) => contiguous(s, sl, "place slots")?,
+            _ => candle_core::bail!("combine: place slots must be u32"),
+        };
+        let dy = match (d, g) {
+            (CpuStorage::F32(d), CpuStorage::F32(g)) => CpuStorage::F32(combine_dy_rows(
+                contiguous(d, dl, "output gradient")?,
+                contiguous(g, gl, "gates")?,
+                slots,
+                self.top_k,
+                h,
+            )),
+            (CpuStorage::F64(d), CpuStorage::F64(g)) => CpuStorage::F64(combine_dy_rows(
+                contiguous(d, dl, "output gradient")?,
+                contiguous(g, gl, "gates")?,
+                slots,
+                self.top_k,
+                h,
+            )),
+            _ => candle_core::bail!("combine: gradient and gates must be both f32 or f64"),
+        };
+        Ok((dy, Shape::from((slots.len(), h))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        d: &candle_core::CudaStorage,
+        dl: &Layout,
+        g: &candle_core::CudaStorage,
+        gl: &Layout,
+        s: &candle_core::CudaStorage,
+        sl: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use crate::cuda;
+        let h = width(dl);
+        let places = sl.shape().elem_count();
+        // Block `p` writes row `p` of `dy` (zeros for a padding place).
+        let dy = cuda::launch_f32!(
+            cuda::device(d),
+            "r3_combine_slots_dy_f32",
+            places * h,
+            cuda::per_row(places, cuda::row_threads(h))?,
+            [
+                cuda::view::<f32>(d, dl, "output gradient")?,
+                cuda::view::<f32>(g, gl, "gates")?,
+                cuda::view::<u32>(s, sl, "place slots")?
+            ],
+            [self.top_k as u32, h as u32, NO_SLOT]
+        );
+        Ok((dy, Shape::from((places, h))))
+    }
+}
+
+/// `d gates[s] = d out[s / top_k] · y[place[s]]`: `(y, d out, place) → d gates`
+/// `[rows, top_k]`.
+#[derive(Debug, Clone, Copy)]
+struct CombineDgates {
+    top_k: usize,
+}
+
+/// [`CombineDgates`]'s CPU implementation (the kernel `r3_combine_slots_dgates_f32` sums the
+/// products in another order: a block reduction).
+fn combine_dgates_rows<T: StdFloat>(
+    y: &[T],
+    dout: &[T],
+    place: &[u32],
+    k: usize,
+    h: usize,
+) -> Vec<T> {
+    place
+        .iter()
+        .enumerate()
+        .map(|(s, &p)| {
+            let yr = &y[p as usize * h..][..h];
+            let dr = &dout[s / k * h..][..h];
+            yr.iter().zip(dr).fold(T::ZERO, |acc, (&a, &b)| acc + a * b)
+        })
+        .collect()
+}
+
+impl CustomOp3 for CombineDgates {
+    fn name(&self) -> &'static str {
+        "r3-combine-slots-dgates"
+    }
+
+    fn cpu_fwd(
+        &self,
+        y: &CpuStorage,
+        yl: &Layout,
+        d: &CpuStorage,
+        dl: &Layout,
+        p: &CpuStorage,
+        pl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let h = width(yl);
+        let place = match p {
+            CpuStorage::U32(p) => contiguous(p, pl, "slot places")?,
+            _ => candle_core::bail!("combine: slot places must be u32"),
+        };
+        let dg = match (y, d) {
+            (CpuStorage::F32(y), CpuStorage::F32(d)) => CpuStorage::F32(combine_dgates_rows(
+                contiguous(y, yl, "expert outputs")?,
+                contiguous(d, dl, "output gradient")?,
+                place,
+                self.top_k,
+                h,
+            )),
+            (CpuStorage::F64(y), CpuStorage::F64(d)) => CpuStorage::F64(combine_dgates_rows(
+                contiguous(y, yl, "expert outputs")?,
+                contiguous(d, dl, "output gradient")?,
+                place,
+                self.top_k,
+                h,
+            )),
+            _ => candle_core::bail!("combine: expert outputs and gradient must be both f32 or f64"),
+        };
+        Ok((dg, Shape::from((place.len() / self.top_k, self.top_k))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        y: &candle_core::CudaStorage,
+        yl: &Layout,
+        d: &candle_core::CudaStorage,
+        dl: &Layout,
+        p: &candle_core::CudaStorage,
+        pl: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use crate::cuda;
+        let h = width(yl);
+        let slots = pl.shape().elem_count();
+        // Block `s` writes slot `s`'s gate gradient.
+        let dg = cuda::launch_f32!(
+            cuda::device(y),
+            "r3_combine_slots_dgates_f32",
+            slots,
+            cuda::per_row(slots, cuda::row_threads(h))?,
+            [
+                cuda::view::<f32>(y, yl, "expert outputs")?,
+                cuda::view::<f32>(d, dl, "output gradient")?,
+                cuda::view::<u32>(p, pl, "slot places")?
+            ],
+            [self.top_k as u32, h as u32]
+        );
+        Ok((dg, Shape::from((slots / self.top_k, self.top_k))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layers::gather_rows::GatherRows;
+    use crate::test_util::{max_abs_diff, seeded_tensor};
+    use candle_core::{DType, Var, D};
+
+    /// The composed form the op replaces: gather the slots' rows, weight, sum.
+    fn composed(y: &Tensor, gates: &Tensor, place: &[u32]) -> Tensor {
+        let (rows, k) = gates.dims2().expect("gates");
+        let (places, h) = y.dims2().expect("y");
+        GatherRows::new(place.to_vec(), places, places)
+            .and_then(|g| g.apply(y))
+            .and_then(|s| Ok(s.reshape((rows, k, h))?))
+            .and_then(|s| Ok(s.broadcast_mul(&gates.unsqueeze(D::Minus1)?)?.sum(1)?))
+            .expect("composed")
+    }
+
+    /// Value and both gradients equal the composed ops (f64 to 1e-12, f32 to 1e-6), with
+    /// padding places that get exactly zero gradient.
+    #[test]
+    fn equals_the_composed_gather_weight_sum() {
+        // 5 rows top-2 over 12 places; places 7 and 11 are padding
+        let place = [0u32, 4, 1, 5, 2, 6, 8, 9, 10, 3];
+        for dtype in [DType::F64, DType::F32] {
+            let y = Var::from_tensor(&seeded_tensor(&[12, 6], 1, dtype)).expect("y");
+            let gates = Var::from_tensor(&seeded_tensor(&[5, 2], 2, dtype)).expect("gates");
+            let probe = seeded_tensor(&[5, 6], 3, dtype);
+            let want = composed(y.as_tensor(), gates.as_tensor(), &place);
+            let got = combine_slots(y.as_tensor(), gates.as_tensor(), &place)
+                .expect("combine")
+                .expect("applies on the CPU");
+            let tol = if dtype == DType::F64 { 1e-12 } else { 1e-6 };
+            assert!(max_abs_diff(&got, &want) < tol, "{dtype:?} value");
+            let grads = |out: &Tensor| {
+                let g = (out * &probe)
+                    .and_then(|l| l.sum_all())
+                    .and_then(|l| l.backward())
+                    .expect("backward");
+                [&y, &gates].map(|v| g.get(v.as_tensor()).expect("grad").clone())
+            };
+            let (gw, gg) = (grads(&want), grads(&got));
+            for (name, (a, b)) in ["dy", "dgates"].iter().zip(gw.iter().zip(gg.iter())) {
+                assert!(max_abs_diff(a, b) < tol, "{dtype:?} {name}");
+            }
+            for padding in [7, 11] {
+                let row = gg[0].get(padding).expect("row");
+                assert_eq!(max_abs_diff(&row, &row.zeros_like().expect("z")), 0.0);
+            }
+        }
+    }
+
+    /// Places read twice or past the expert outputs, and a slot count that does not fit the
+    /// gates, are errors naming what is wrong.
+    #[test]
+    fn bad_places_are_errors() {
+        let y = seeded_tensor(&[4, 3], 1, DType::F32);
+        let gates = seeded_tensor(&[2, 1], 2, DType::F32);
+        let twice = combine_slots(&y, &gates, &[1, 1]).expect_err("twice");
+        assert!(
+            twice.to_string().contains("place 1 is read by two slots"),
+            "{twice}"
+        );
+        let past = combine_slots(&y, &gates, &[0, 4]).expect_err("past");
+        assert!(past.to_string().contains("place 4 past 4 places"), "{past}");
+        let short = combine_slots(&y, &gates, &[0]).expect_err("short");
+        assert!(
+            short.to_string().contains("1 slot places for 2 rows"),
+            "{short}"
+        );
+    }
+}

@@ -1,0 +1,215 @@
+//! SwiGLU over a fused gate-up projection's two halves as one op:
+//! `silu(h[.., :I]) · h[.., I:]`, and its backward as one pass writing both halves' gradients
+//! (`d gate = d · up · σ(g) · (1 + g · (1 − σ(g)))`, `d up = d · silu(g)`).
+//!
+//! Composed from candle's ops (two strided `narrow`s, `silu`, a multiply) it was two copies
+//! forward, and backward the multiply's two products, silu's five kernels and two
+//! zero-padded copies back into the halves: ≈ 7 ms of a mid bf16 training step on an H200.
+//! The op has a CPU implementation, whose value the tests hold to the composed ops bit for
+//! bit, and a CUDA kernel (`cuda/kernels.cu`, the same arithmetic) that the device tests
+//! hold to the CPU.
+
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor};
+
+use crate::device::row_ops_run_on;
+use crate::error::Result;
+use crate::host::contiguous;
+use crate::math::StdFloat;
+
+/// `silu(h[.., :I]) · h[.., I:]` for `hidden` `[.., 2I]`, differentiable; None where the op
+/// does not apply (another device or dtype: the caller composes).
+pub(crate) fn swiglu_halves(hidden: &Tensor) -> Result<Option<Tensor>> {
+    let two_i = hidden.dims().last().copied().unwrap_or(0);
+    if two_i == 0 || !two_i.is_multiple_of(2) || !row_ops_run_on(hidden) {
+        return Ok(None);
+    }
+    Ok(Some(hidden.contiguous()?.apply_op1(SwigluHalves)?))
+}
+
+/// The forward op `[.., 2I] → [.., I]`.
+#[derive(Debug, Clone, Copy)]
+struct SwigluHalves;
+
+/// `silu(g)` as candle computes it: `g / (1 + exp(−g))`.
+fn silu<T: StdFloat>(g: T) -> T {
+    let one = T::from_f64(1.0);
+    g / (one + (T::ZERO - g).exp())
+}
+
+/// The forward's CPU implementation (the kernel `r3_swiglu_f32` does the same).
+fn swiglu_rows<T: StdFloat>(h: &[T], i: usize) -> Vec<T> {
+    h.chunks(2 * i)
+        .flat_map(|row| {
+            let (gate, up) = row.split_at(i);
+            gate.iter().zip(up).map(|(&g, &u)| silu(g) * u)
+        })
+        .collect()
+}
+
+/// The halves' width `I` of a `[.., 2I]` layout.
+fn half_width(l: &Layout) -> usize {
+    l.shape().dims().last().copied().unwrap_or(0) / 2
+}
+
+/// The output shape `[.., I]` of a `[.., 2I]` input.
+fn halved(l: &Layout) -> Shape {
+    let mut dims = l.shape().dims().to_vec();
+    if let Some(last) = dims.last_mut() {
+        *last /= 2;
+    }
+    Shape::from(dims)
+}
+
+impl CustomOp1 for SwigluHalves {
+    fn name(&self) -> &'static str {
+        "r3-swiglu-halves"
+    }
+
+    fn cpu_fwd(&self, h: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let i = half_width(l);
+        let out = match h {
+            CpuStorage::F32(h) => CpuStorage::F32(swiglu_rows(contiguous(h, l, "gate-up")?, i)),
+            CpuStorage::F64(h) => CpuStorage::F64(swiglu_rows(contiguous(h, l, "gate-up")?, i)),
+            _ => candle_core::bail!("swiglu: the gate-up projection must be f32 or f64"),
+        };
+        Ok((out, halved(l)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        h: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use crate::cuda;
+        let shape = halved(l);
+        let n = shape.elem_count();
+        // A grid-stride loop writing every output element.
+        let out = cuda::launch_f32!(
+            cuda::device(h),
+            "r3_swiglu_f32",
+            n,
+            cuda::elementwise(n),
+            [cuda::view::<f32>(h, l, "gate-up")?],
+            [n as u64, half_width(l) as u32]
+        );
+        Ok((out, shape))
+    }
+
+    fn bwd(&self, h: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        Ok(Some(h.apply_op2_no_bwd(&grad.contiguous()?, &SwigluGrad)?))
+    }
+}
+
+/// The backward op `(h [.., 2I], d [.., I]) → dh [.., 2I]`.
+#[derive(Debug, Clone, Copy)]
+struct SwigluGrad;
+
+/// The backward's CPU implementation (the kernel `r3_swiglu_grad_f32` does the same).
+fn swiglu_grad_rows<T: StdFloat>(h: &[T], d: &[T], i: usize) -> Vec<T> {
+    let one = T::from_f64(1.0);
+    let mut dh = vec![T::ZERO; h.len()];
+    for ((dst, row), dr) in dh.chunks_mut(2 * i).zip(h.chunks(2 * i)).zip(d.chunks(i)) {
+        let (dgate, dup) = dst.split_at_mut(i);
+        let (gate, up) = row.split_at(i);
+        for j in 0..i {
+            let (g, u, dd) = (gate[j], up[j], dr[j]);
+            let s = one / (one + (T::ZERO - g).exp());
+            dgate[j] = dd * u * (s * (one + g * (one - s)));
+            dup[j] = dd * silu(g);
+        }
+    }
+    dh
+}
+
+impl CustomOp2 for SwigluGrad {
+    fn name(&self) -> &'static str {
+        "r3-swiglu-halves-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        h: &CpuStorage,
+        hl: &Layout,
+        d: &CpuStorage,
+        dl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let i = half_width(hl);
+        let dh = match (h, d) {
+            (CpuStorage::F32(h), CpuStorage::F32(d)) => CpuStorage::F32(swiglu_grad_rows(
+                contiguous(h, hl, "gate-up")?,
+                contiguous(d, dl, "swiglu gradient")?,
+                i,
+            )),
+            (CpuStorage::F64(h), CpuStorage::F64(d)) => CpuStorage::F64(swiglu_grad_rows(
+                contiguous(h, hl, "gate-up")?,
+                contiguous(d, dl, "swiglu gradient")?,
+                i,
+            )),
+            _ => candle_core::bail!("swiglu: gate-up and gradient must be both f32 or f64"),
+        };
+        Ok((dh, hl.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        h: &candle_core::CudaStorage,
+        hl: &Layout,
+        d: &candle_core::CudaStorage,
+        dl: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use crate::cuda;
+        let n = dl.shape().elem_count();
+        // A grid-stride loop over the `[.., I]` gradient writing both halves of each row.
+        let dh = cuda::launch_f32!(
+            cuda::device(h),
+            "r3_swiglu_grad_f32",
+            2 * n,
+            cuda::elementwise(n),
+            [
+                cuda::view::<f32>(h, hl, "gate-up")?,
+                cuda::view::<f32>(d, dl, "swiglu gradient")?
+            ],
+            [n as u64, half_width(hl) as u32]
+        );
+        Ok((dh, hl.shape().clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_util::{max_abs_diff, seeded_tensor};
+    use candle_core::{DType, Var};
+
+    /// The value equals candle's composed `silu(gate) · up` bit for bit; the gradient equals
+    /// the composed backward (f64 to 1e-12, f32 to 1e-5), for a 3-D input.
+    #[test]
+    fn equals_the_composed_ops() {
+        for dtype in [DType::F64, DType::F32] {
+            let h = Var::from_tensor(&(seeded_tensor(&[2, 3, 10], 1, dtype) * 4.0).expect("h"))
+                .expect("var");
+            let probe = seeded_tensor(&[2, 3, 5], 2, dtype);
+            let composed = h
+                .narrow(2, 0, 5)
+                .and_then(|g| g.silu())
+                .and_then(|g| g * h.narrow(2, 5, 5)?)
+                .expect("composed");
+            let fused = swiglu_halves(&h).expect("op").expect("applies on the CPU");
+            assert_eq!(max_abs_diff(&fused, &composed), 0.0, "{dtype:?} value");
+            let grad = |y: &Tensor| {
+                let g = (y * &probe)
+                    .and_then(|l| l.sum_all())
+                    .and_then(|l| l.backward())
+                    .expect("backward");
+                g.get(h.as_tensor()).expect("grad").clone()
+            };
+            let tol = if dtype == DType::F64 { 1e-12 } else { 1e-5 };
+            let err = max_abs_diff(&grad(&fused), &grad(&composed));
+            assert!(err < tol, "{dtype:?} gradient: {err}");
+        }
+        let odd = seeded_tensor(&[2, 3], 3, DType::F32);
+        assert!(swiglu_halves(&odd).expect("odd").is_none());
+    }
+}
