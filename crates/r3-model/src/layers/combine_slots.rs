@@ -6,7 +6,7 @@
 //!
 //! Composed from candle's ops (gather the slots' rows into `[rows, top_k, H]`, broadcast
 //! multiply by the gates, sum over the slots) it was eight kernels forward and backward and
-//! two slot-sized buffers, ≈ 8 ms of a mid bf16 training step on an H200 (candle's broadcast
+//! two slot-sized buffers, ≈ 6 ms of a mid bf16 training step on an H200 (candle's broadcast
 //! kernels compute strided indices per element). Each op here has a CPU implementation that
 //! the tests hold to the composed ops, and a CUDA kernel (`cuda/kernels.cu`, the same
 //! arithmetic) that the device tests hold to the CPU.

@@ -101,10 +101,11 @@ impl RoutedExperts {
     /// with a zero row), an expert's rows past `cap` into further `cap`-row overflow blocks
     /// (`[m, cap, H]`, their weights gathered from the stack), `· [·, H, 2I]`, SwiGLU,
     /// `· [·, I, H]`, then each row's `top_k` outputs read back in slot order, weighted by
-    /// its gates and summed (one op, [`combine_slots`], where the device has it). A few launches per layer instead of three per expert, and
-    /// the stacked weights' gradients come out of the batched GEMMs' backward whole (slicing
-    /// each expert out of the stack would make candle's backward build a zero-filled copy of
-    /// the whole stack per expert: 4 s of a 30B-A3B-shaped step on an H200). The row gathers
+    /// its gates and summed (one op, [`combine_slots`], where the device has it). A few
+    /// launches per layer instead of three per expert, and the stacked weights' gradients
+    /// come out of the batched GEMMs' backward whole (slicing each expert out of the stack
+    /// would make candle's backward build a zero-filled copy of the whole stack per expert:
+    /// 4 s of a 30B-A3B-shaped step on an H200). The row gathers
     /// are [`GatherRows`], whose backward is a gather too (candle's `index_select` →
     /// `index_add` backward is serial over the rows on a GPU); the overflow blocks' weight
     /// gather is an `index_select` over whole experts, whose `index_add` backward runs one
@@ -250,9 +251,9 @@ const OVERFLOW_BLOCK_ROWS: usize = 128;
 /// training step): the stack-sized zero-fill, `index_add` and gradient sum took ≈ 5 ms per
 /// layer of the 30B-A3B shape (128 experts) and ≈ 0.3 ms of mid (32 experts), where a padded
 /// row's GEMMs forward and backward took ≈ 0.2 µs and ≈ 0.05 µs: ≈ 190 rows per expert on
-/// both. With 128 rows per block alone, the 30B-A3B shape's random-router loads (mean 64,
-/// busiest ≈ 100) were split into overflow blocks whose gradient passes were a third of the
-/// step.
+/// both. (The 30B-A3B shape's random-weight router sends most tokens to a few experts, so
+/// overflow blocks still cost least there with this term counted: what is left to remove
+/// is the weight copies themselves.)
 const TRAINING_OVERFLOW_ROWS_PER_EXPERT: usize = 192;
 
 impl OverflowCost {
