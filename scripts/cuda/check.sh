@@ -30,6 +30,9 @@
 #    scripts/cuda/peer_hf_generate.py.
 # 5. Only with --steps 5: Nsight Compute's per-kernel time table of one bf16 training step
 #    of mid and of the 30B-A3B shape (where a step's GPU time goes).
+# 6. Only with --steps 6: Nsight Systems' CUDA API table of one mid bf16 training step (where
+#    the host's time between kernels goes: launches, allocations, cudarc's per-argument
+#    event records and waits, the routing's device-to-host copies).
 # Ends with one summary line.
 set -uo pipefail
 
@@ -303,6 +306,35 @@ else
     verdict profile "skipped(no ncu on PATH)"
 fi
 echo "   profile took $(( $(date +%s) - t0 )) s"
+fi
+
+# 6. (asked for by --steps 6 only) The host side of one mid bf16 training step: Nsight
+#    Systems traces the CUDA API calls inside `r3 bench train --profile-step`'s capture range
+#    and its `cuda_api_sum` report (time, calls and average per API function) is kept.
+if wants 6; then
+t0=$(date +%s)
+if command -v nsys > /dev/null; then
+    timeout "$(limit 150)" nsys profile --trace cuda --capture-range cudaProfilerApi \
+        --force-overwrite true -o "$work/nsys-mid" "$bin/r3" bench train --device cuda \
+        --config mid --dtype bf16 --batch 8 --seq-len 512 --steps 1 --warmup 1 --profile-step \
+        > "$work/nsys-mid.txt" 2>&1
+    rc=$?
+    # The report's name changed across Nsight Systems versions.
+    for report in cuda_api_sum cudaapisum; do
+        nsys stats --report "$report" --format csv --output "$work/nsys-api" \
+            "$work/nsys-mid.nsys-rep" > "$work/nsys-stats.txt" 2>&1 && break
+    done
+    api=$(ls "$work"/nsys-api*.csv 2>/dev/null | head -n 1)
+    head -n 16 "${api:-/dev/null}"
+    if [ -n "$api" ]; then
+        verdict nsys "rc $rc: $(basename "$api")"
+    else
+        verdict nsys "rc $rc: no API table (see nsys-stats.txt)"
+    fi
+else
+    verdict nsys "skipped(no nsys on PATH)"
+fi
+echo "   nsys took $(( $(date +%s) - t0 )) s"
 fi
 
 pack_logs
