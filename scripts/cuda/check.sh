@@ -26,8 +26,8 @@
 #    = the CPU engine's, routes = the trainer's native routes on the GPU in f32 and bf16,
 #    seeded sampling reproducing itself, a batch = one at a time), `r3 generate --device
 #    cuda` = `--device cpu` on the oracle prompts, both engines on the GPU in `r3 train`, and
-#    `r3 bench decode --device cuda` at batch 1 / 64 / 256 (f32, bf16) beside
-#    scripts/cuda/peer_hf_generate.py.
+#    `r3 bench decode --device cuda` at batch 1 / 64 / 256 (mid in f32 and bf16, the 30B-A3B
+#    shape in bf16) beside scripts/cuda/peer_hf_generate.py.
 # 5. Only with --steps 5: Nsight Compute's per-kernel time table of one bf16 training step
 #    of mid and of the 30B-A3B shape (where a step's GPU time goes).
 # 6. Only with --steps 6: Nsight Systems' CUDA API table of one mid bf16 training step (where
@@ -242,16 +242,19 @@ PY
 )
 verdict train-both-cuda "$both_verdict"
 decode=()
-for dtype in f32 bf16; do
-    timeout "$(limit 150)" "$bin/r3" bench decode --device cuda --configs mid --batches 1,64,256 \
-        --dtype "$dtype" --prompt-len 32 --new-tokens 128 > "$work/decode-r3-$dtype.txt" 2>&1
-    cat "$work/decode-r3-$dtype.txt"
-    r3_tps=$(grep -E "^decode mid" "$work/decode-r3-$dtype.txt" | sed -E 's/.*batch ([0-9]+): ([0-9.]+) tokens\/s.*/\1:\2/' | tr '\n' ' ')
-    (cd scripts/cuda && timeout "$(limit 150)" "$python" peer_hf_generate.py --dtype "$dtype" \
-        --batches 1,64,256 --prompt-len 32 --new-tokens 128) > "$work/decode-hf-$dtype.txt" 2>&1
-    cat "$work/decode-hf-$dtype.txt"
-    hf_tps=$(grep -E "^peer-generate" "$work/decode-hf-$dtype.txt" | sed -E 's/.*batch ([0-9]+),.* ([0-9.]+) tokens\/s.*/\1:\2/' | tr '\n' ' ')
-    decode+=("$dtype r3 [${r3_tps:-?}] HF [${hf_tps:-?}] tok/s by batch")
+for run in "mid f32" "mid bf16" "a3b-8l bf16"; do
+    read -r config dtype <<< "$run"
+    if [ "$(left)" -lt 60 ]; then decode+=("$config $dtype skipped(budget)"); continue; fi
+    timeout "$(limit 150)" "$bin/r3" bench decode --device cuda --configs "$config" --batches 1,64,256 \
+        --dtype "$dtype" --prompt-len 32 --new-tokens 128 > "$work/decode-r3-$config-$dtype.txt" 2>&1
+    cat "$work/decode-r3-$config-$dtype.txt"
+    r3_tps=$(grep -E "^decode $config" "$work/decode-r3-$config-$dtype.txt" | sed -E 's/.*batch ([0-9]+): ([0-9.]+) tokens\/s.*/\1:\2/' | tr '\n' ' ')
+    (cd scripts/cuda && timeout "$(limit 150)" "$python" peer_hf_generate.py --config "$config" \
+        --dtype "$dtype" --batches 1,64,256 --prompt-len 32 --new-tokens 128) \
+        > "$work/decode-hf-$config-$dtype.txt" 2>&1
+    cat "$work/decode-hf-$config-$dtype.txt"
+    hf_tps=$(grep -E "^peer-generate" "$work/decode-hf-$config-$dtype.txt" | sed -E 's/.*batch ([0-9]+),.* ([0-9.]+) tokens\/s.*/\1:\2/' | tr '\n' ' ')
+    decode+=("$config $dtype r3 [${r3_tps:-?}] HF [${hf_tps:-?}] tok/s by batch")
 done
 verdict decode "$(IFS=';'; echo "${decode[*]}")"
 echo "   rollout engine checks took $(( $(date +%s) - t0 )) s"

@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """The peer of `r3 bench decode` on a GPU: HF transformers `generate` tokens/s on the same
-mid-size Qwen3-MoE config (`peer_hf.py`'s, seeded random weights), greedy, the same prompt
-length and new tokens, at each batch size, on the same GPU.
+Qwen3-MoE config (`peer_hf.py`'s `--config`: mid, or a3b-8l, Qwen3-30B-A3B's layer shape with
+8 layers; seeded random weights), greedy, the same prompt length and new tokens, at each
+batch size, on the same GPU.
 
 Needs transformers (HF's own KV cache and `generate`); without it one line says the peer was
 skipped. Every sequence generates exactly `--new-tokens` (no eos), as `r3 bench decode` does.
 
-    python3 scripts/cuda/peer_hf_generate.py --dtype bf16 --batches 1,64,256
+    python3 scripts/cuda/peer_hf_generate.py --dtype bf16 --batches 1,64,256 [--config a3b-8l]
 """
 
 import argparse
@@ -14,11 +15,12 @@ import time
 
 import torch
 
-from peer_hf import MID, hf_model
+from peer_hf import CONFIGS, hf_model
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", choices=sorted(CONFIGS), default="mid")
     p.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
     p.add_argument("--batches", default="1,64,256")
     p.add_argument("--prompt-len", type=int, default=32)
@@ -27,7 +29,8 @@ def main():
     a = p.parse_args()
     torch.manual_seed(a.seed)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-    model, label = hf_model(dtype)
+    config = CONFIGS[a.config]
+    model, label = hf_model(dtype, config)
     if model is None:
         print("peer-generate skipped: transformers is not installed")
         return
@@ -35,7 +38,7 @@ def main():
     model = model.to(dev).eval()
 
     def generate(batch):
-        ids = torch.randint(3, MID["vocab_size"], (batch, a.prompt_len), device=dev)
+        ids = torch.randint(3, config["vocab_size"], (batch, a.prompt_len), device=dev)
         with torch.no_grad():
             out = model.generate(
                 ids,
@@ -53,7 +56,7 @@ def main():
         t0 = time.perf_counter()
         tokens = generate(batch)
         secs = time.perf_counter() - t0
-        print(f"peer-generate {label}: {a.dtype} batch {batch}, {torch.cuda.get_device_name()},"
+        print(f"peer-generate {label}: {a.config} {a.dtype} batch {batch}, {torch.cuda.get_device_name()},"
               f" {tokens / secs:.1f} tokens/s")
 
 

@@ -65,10 +65,12 @@ pub struct BenchRolloutArgs {
 }
 
 /// The bench configs: `mid` is `r3 bench train`'s documented mid-size config; `tiny` a
-/// four-layer, eight-expert model of the same family.
+/// four-layer, eight-expert model of the same family; `a3b-8l` Qwen3-30B-A3B's layer shape
+/// with 8 layers (5.6 B parameters: a GPU's config, `r3 bench decode --device cuda`).
 pub(super) fn bench_config(name: &str) -> anyhow::Result<Config> {
     match name {
         "mid" => Ok(presets::mid_size_bench_config()?),
+        "a3b-8l" => Ok(presets::qwen3_30b_a3b_layers_config(8)?),
         "tiny" => Ok(Config::from_value(serde_json::json!({
             "model_type": "qwen3_moe", "vocab_size": 256, "hidden_size": 64,
             "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -78,7 +80,7 @@ pub(super) fn bench_config(name: &str) -> anyhow::Result<Config> {
             "rope_theta": 1000000.0, "max_position_embeddings": 4096,
             "tie_word_embeddings": false,
         }))?),
-        other => anyhow::bail!("unknown bench config {other:?}: expected tiny or mid"),
+        other => anyhow::bail!("unknown bench config {other:?}: expected tiny, mid or a3b-8l"),
     }
 }
 
