@@ -8,7 +8,7 @@
 //! experts' dispatch and combine use this op on a GPU instead; each of its passes is one
 //! parallel gather.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
@@ -19,12 +19,45 @@ use crate::error::{ModelError, Result};
 #[derive(Debug, Clone)]
 pub struct GatherRows {
     ids: Arc<Vec<u32>>,
-    /// `[grad_rows · width]`: for each source row below `grad_rows`, the output rows that
-    /// read it, padded with `ids.len()` (the zero row appended to the gradient).
-    fan_in: Arc<Vec<u32>>,
-    width: usize,
+    /// The backward's fan-in table, built when the backward first needs it: a forward
+    /// without a backward (inference) never pays for it, and a training forward does not
+    /// build it between a layer's routing and its experts, while the GPU waits on the host.
+    fan_in: Arc<OnceLock<FanIn>>,
     src_rows: usize,
     grad_rows: usize,
+}
+
+/// For each source row below `grad_rows`, the output rows that read it (`width` slots a
+/// row), padded with `ids.len()` (the zero row appended to the gradient).
+#[derive(Debug)]
+struct FanIn {
+    table: Vec<u32>,
+    width: usize,
+}
+
+impl FanIn {
+    /// The fan-in table of `ids` over the first `grad_rows` source rows (ids already checked
+    /// against the source).
+    fn of(ids: &[u32], grad_rows: usize) -> Self {
+        let mut uses = vec![0usize; grad_rows];
+        for &id in ids {
+            if let Some(u) = uses.get_mut(id as usize) {
+                *u += 1;
+            }
+        }
+        let width = uses.iter().copied().max().unwrap_or(0);
+        let zero_row = ids.len() as u32;
+        let mut table = vec![zero_row; grad_rows * width];
+        let mut filled = vec![0usize; grad_rows];
+        for (i, &id) in ids.iter().enumerate() {
+            let id = id as usize;
+            if id < grad_rows {
+                table[id * width + filled[id]] = i as u32;
+                filled[id] += 1;
+            }
+        }
+        FanIn { table, width }
+    }
 }
 
 impl GatherRows {
@@ -36,33 +69,14 @@ impl GatherRows {
                 "gather: {grad_rows} rows with gradients of a {src_rows}-row source"
             )));
         }
-        let mut uses = vec![0usize; grad_rows];
-        for &id in &ids {
-            let id = id as usize;
-            if id >= src_rows {
-                return Err(ModelError::Input(format!(
-                    "gather: row id {id} past a {src_rows}-row source"
-                )));
-            }
-            if id < grad_rows {
-                uses[id] += 1;
-            }
-        }
-        let width = uses.iter().copied().max().unwrap_or(0);
-        let zero_row = ids.len() as u32;
-        let mut fan_in = vec![zero_row; grad_rows * width];
-        let mut filled = vec![0usize; grad_rows];
-        for (i, &id) in ids.iter().enumerate() {
-            let id = id as usize;
-            if id < grad_rows {
-                fan_in[id * width + filled[id]] = i as u32;
-                filled[id] += 1;
-            }
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= src_rows) {
+            return Err(ModelError::Input(format!(
+                "gather: row id {id} past a {src_rows}-row source"
+            )));
         }
         Ok(GatherRows {
             ids: Arc::new(ids),
-            fan_in: Arc::new(fan_in),
-            width,
+            fan_in: Arc::new(OnceLock::new()),
             src_rows,
             grad_rows,
         })
@@ -124,18 +138,22 @@ impl CustomOp1 for GatherRows {
         let dims = arg.dims();
         let row: usize = dims[1..].iter().product();
         let device = grad.device();
+        let fan_in = self
+            .fan_in
+            .get_or_init(|| FanIn::of(&self.ids, self.grad_rows));
+        let width = fan_in.width;
         let mut parts = Vec::with_capacity(2);
-        if self.width > 0 && self.grad_rows > 0 {
+        if width > 0 && self.grad_rows > 0 {
             let grad = grad.reshape((self.ids.len(), row))?;
             let padded = Tensor::cat(&[&grad, &Tensor::zeros((1, row), grad.dtype(), device)?], 0)?;
-            let fan_in = Tensor::from_slice(self.fan_in.as_slice(), self.fan_in.len(), device)?;
+            let table = Tensor::from_slice(fan_in.table.as_slice(), fan_in.table.len(), device)?;
             let summed = padded
-                .index_select(&fan_in, 0)?
-                .reshape((self.grad_rows, self.width, row))?
+                .index_select(&table, 0)?
+                .reshape((self.grad_rows, width, row))?
                 .sum(1)?;
             parts.push(summed);
         }
-        let without = self.src_rows - if self.width > 0 { self.grad_rows } else { 0 };
+        let without = self.src_rows - if width > 0 { self.grad_rows } else { 0 };
         if without > 0 {
             parts.push(Tensor::zeros((without, row), grad.dtype(), device)?);
         }
