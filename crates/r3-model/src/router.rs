@@ -34,14 +34,18 @@ fn top_k_desc(values: &[f32], k: usize, out: &mut [u32]) {
     if k == 0 {
         return;
     }
-    if k > KEPT_ON_STACK {
-        return top_k_desc_by_index(values, k, out);
-    }
     // The kept values' keys beside their indices: one integer compare per value, no
     // indirect load of the kept value (through the kept index with `total_cmp`, a 4,096-row
     // layer of 32 experts took 0.76 ms on one core here, 0.6 ms with the keys; a GPU idles
     // meanwhile, so `select_rows` also spreads the rows over the pool).
-    let mut keys = [0i32; KEPT_ON_STACK];
+    let mut on_stack = [0i32; KEPT_ON_STACK];
+    let mut on_heap = Vec::new();
+    let keys: &mut [i32] = if k <= KEPT_ON_STACK {
+        &mut on_stack[..k]
+    } else {
+        on_heap.resize(k, 0);
+        &mut on_heap
+    };
     let mut kept = 0usize;
     for (i, &v) in values.iter().enumerate() {
         let key = total_order_key(v);
@@ -64,8 +68,8 @@ fn top_k_desc(values: &[f32], k: usize, out: &mut [u32]) {
 /// Router rows per parallel task of [`Router::select_rows`].
 const ROWS_PER_TASK: usize = 256;
 
-/// The most experts per token [`top_k_desc`] keeps on the stack; more go through
-/// [`top_k_desc_by_index`].
+/// The most experts per token whose keys [`top_k_desc`] keeps on the stack (more: on the
+/// heap, one allocation per row).
 const KEPT_ON_STACK: usize = 32;
 
 /// `f32::total_cmp`'s order as an integer: the same bit flip `total_cmp` applies, so
@@ -74,24 +78,6 @@ const KEPT_ON_STACK: usize = 32;
 fn total_order_key(v: f32) -> i32 {
     let bits = v.to_bits() as i32;
     bits ^ (((bits >> 31) as u32) >> 1) as i32
-}
-
-/// [`top_k_desc`] for any `k`, comparing through the kept indices.
-fn top_k_desc_by_index(values: &[f32], k: usize, out: &mut [u32]) {
-    let mut kept = 0usize;
-    for (i, v) in values.iter().enumerate() {
-        let beats = |id: u32| v.total_cmp(&values[id as usize]).is_gt();
-        if kept == k && (k == 0 || !beats(out[k - 1])) {
-            continue;
-        }
-        let mut pos = kept.min(k - 1);
-        while pos > 0 && beats(out[pos - 1]) {
-            out[pos] = out[pos - 1];
-            pos -= 1;
-        }
-        out[pos] = i as u32;
-        kept = (kept + 1).min(k);
-    }
 }
 
 impl Router {
@@ -274,7 +260,7 @@ impl Router {
 
 #[cfg(test)]
 mod tests {
-    use super::{top_k_desc, top_k_desc_by_index, Router};
+    use super::{top_k_desc, Router};
     use crate::config::RouterKind;
     use crate::error::ModelError;
 
@@ -313,12 +299,9 @@ mod tests {
                 let mut out = vec![u32::MAX; k];
                 top_k_desc(&values, k, &mut out);
                 assert_eq!(out, sorted_top_k(&values, k), "values {values:?}, k {k}");
-                let mut by_index = vec![u32::MAX; k];
-                top_k_desc_by_index(&values, k, &mut by_index);
-                assert_eq!(by_index, out, "values {values:?}, k {k}");
             }
         }
-        // rows longer than the stack's 32 kept values, k on both sides of it
+        // rows longer than the stack's 32 kept keys, k on both sides of it
         for _ in 0..50 {
             let values: Vec<f32> = (0..100).map(|_| pool[(next() % 8) as usize]).collect();
             for k in [1, 8, 31, 32, 33, 64, 100] {

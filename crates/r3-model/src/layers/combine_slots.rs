@@ -11,6 +11,8 @@
 //! the tests hold to the composed ops, and a CUDA kernel (`cuda/kernels.cu`, the same
 //! arithmetic) that the device tests hold to the CPU.
 
+use std::sync::Arc;
+
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 
 use crate::device::row_ops_run_on;
@@ -60,7 +62,7 @@ pub(crate) fn combine_slots(
     let place = Tensor::from_slice(place_of_slot, rows * top_k, device)?;
     let op = CombineSlots {
         top_k,
-        slot_of_place: Tensor::from_vec(slot_of_place, places, device)?,
+        slot_of_place: Arc::new(slot_of_place),
     };
     Ok(Some(y.contiguous()?.apply_op3(
         &gates.contiguous()?,
@@ -69,11 +71,12 @@ pub(crate) fn combine_slots(
     )?))
 }
 
-/// The combine op `(y, gates, place) → out`; it keeps the place → slot table for `dy`.
+/// The combine op `(y, gates, place) → out`; it keeps the place → slot table for `dy` on the
+/// host (it reaches the device only in a backward: inference does not upload it).
 #[derive(Debug, Clone)]
 struct CombineSlots {
     top_k: usize,
-    slot_of_place: Tensor,
+    slot_of_place: Arc<Vec<u32>>,
 }
 
 /// The row width of `y` `[places, H]`.
@@ -176,7 +179,12 @@ impl CustomOp3 for CombineSlots {
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let grad = grad.contiguous()?;
         let k = self.top_k;
-        let dy = grad.apply_op3_no_bwd(gates, &self.slot_of_place, &CombineDy { top_k: k })?;
+        let slots = Tensor::from_slice(
+            self.slot_of_place.as_slice(),
+            self.slot_of_place.len(),
+            grad.device(),
+        )?;
+        let dy = grad.apply_op3_no_bwd(gates, &slots, &CombineDy { top_k: k })?;
         let dg = y.apply_op3_no_bwd(&grad, place, &CombineDgates { top_k: k })?;
         Ok((Some(dy), Some(dg), None))
     }
