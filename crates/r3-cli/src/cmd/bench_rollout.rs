@@ -17,8 +17,8 @@ use r3_rollout::{
 
 use super::cpu_time::{cpu_seconds, process_cpu_ns};
 use super::matmul_work::{
-    f32_gemm_peak, generation_flops, generation_roofline, stream_bandwidth, MachineLimits,
-    StorageBytes,
+    f32_gemm_peak, generation_flops, generation_roofline, machine_threads, stream_bandwidth,
+    MachineLimits, StorageBytes,
 };
 
 /// HF transformers `generate` (PyTorch, CPU, 2 threads) on the mid-size config, tokens/s at
@@ -244,16 +244,16 @@ pub fn run(a: BenchRolloutArgs) -> anyhow::Result<()> {
     let beside = (device != RolloutDevice::Cpu).then_some(RolloutDevice::Cpu);
     println!(
         "r3 bench rollout: engine {device}, {} threads, dtype {dtype}, prompt {} tokens, {} new tokens (generated tokens/s, best of {} runs)",
-        rayon_threads(),
+        machine_threads(),
         a.prompt_len,
         a.new_tokens,
         a.repeats.max(1)
     );
-    let peak = f32_gemm_peak(rayon_threads());
+    let peak = f32_gemm_peak(machine_threads());
     let bandwidth = stream_bandwidth();
     println!(
         "f32 GEMM peak of this machine, measured now (1024³, {} threads): {peak:.1} GFLOP/s; streaming bandwidth (STREAM triad): {bandwidth:.1} GB/s",
-        rayon_threads()
+        machine_threads()
     );
     let limits = MachineLimits {
         peak_gflops: peak,
@@ -407,8 +407,4 @@ pub fn run(a: BenchRolloutArgs) -> anyhow::Result<()> {
     }
     println!("{}", serde_json::to_string(&summary)?);
     Ok(())
-}
-
-fn rayon_threads() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
 }

@@ -20,7 +20,7 @@ use r3_model::{presets, Config, RandomInit, Weights};
 use r3_train::rl::step::StepTrace;
 use r3_train::{ModelText, Trainer};
 
-use super::matmul_work::{f32_gemm_peak, flops_per_token, stream_bandwidth};
+use super::matmul_work::{f32_gemm_peak, flops_per_token, machine_threads, stream_bandwidth};
 use super::step_phases::{median, step_work, summarise, Machine, ModelFacts, Row, Sample, PHASES};
 use super::train::{model_dir_from_cwd, resolve_config};
 
@@ -93,10 +93,6 @@ fn measure_machine(threads: usize) -> Machine {
     }
 }
 
-fn rayon_threads() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
-}
-
 fn fmt_opt(v: Option<f64>, f: impl Fn(f64) -> String) -> String {
     v.map_or("-".into(), f)
 }
@@ -140,7 +136,7 @@ pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
         params: params as f64,
         rollout_weight_bytes,
     };
-    let threads = rayon_threads();
+    let threads = machine_threads();
     let before = measure_machine(threads);
 
     let total = args.warmup + args.steps;

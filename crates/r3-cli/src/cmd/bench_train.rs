@@ -19,6 +19,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::cpu_time::{cpu_seconds, process_cpu_ns};
+use super::matmul_work::{f32_gemm_peak, machine_threads};
+use super::step_phases::training_forward_flops;
 
 /// The model `r3 bench train` trains.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -237,6 +239,10 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         args.batch, args.seq_len, args.dtype, args.device, args.warmup, args.steps, args.seed
     );
 
+    // On the CPU the step's share of the machine's limit is measured in the same run: the
+    // GEMM peak before the steps and after them (the better of the two: a neighbour's burst
+    // can only lower a measurement).
+    let peak_before = device.is_cpu().then(|| f32_gemm_peak(machine_threads()));
     let bar = ProgressBar::new(((args.warmup + args.steps) * 2) as u64);
     bar.set_style(ProgressStyle::with_template(
         "{bar:30} {pos}/{len} steps {msg}",
@@ -295,6 +301,28 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         "replay's own work (tables → per-layer ids, forced-id overrides, verification), timed where it runs: {:.3}% of replay step time (goal ≤ 1%)",
         replay.overhead_share() * 100.0
     );
+    if let Some(before) = peak_before {
+        let after = f32_gemm_peak(machine_threads());
+        let peak = before.max(after);
+        match training_forward_flops(&cfg, args.seq_len) {
+            Some(forward) => {
+                // The backward does twice the forward's matrix work (input and weight
+                // gradients of every product).
+                let step_flops = 3.0 * forward * args.batch as f64;
+                let rate = |secs: f64| step_flops / secs / 1e9;
+                println!(
+                    "matrix work {:.1} GFLOP per step (3 × the forward's, counted from the config): native {:.1} GFLOP/s mean, {:.1} best step = {:.0}% / {:.0}% of the f32 GEMM peak measured in this run ({peak:.1} GFLOP/s, {} threads; {before:.1} before the steps, {after:.1} after) (goal ≥ 70%)",
+                    step_flops / 1e9,
+                    rate(n),
+                    rate(nb),
+                    100.0 * rate(n) / peak,
+                    100.0 * rate(nb) / peak,
+                    machine_threads()
+                );
+            }
+            None => println!("matrix work not counted (MLA attention)"),
+        }
+    }
     if args.parts {
         let setup = super::bench_train_parts::PartsSetup {
             cfg: &cfg,

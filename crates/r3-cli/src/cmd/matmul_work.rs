@@ -186,6 +186,12 @@ fn prefill_flops(cfg: &Config, prompt: usize) -> Option<f64> {
     Some(total)
 }
 
+/// Threads the rayon pool runs on this machine (one per logical CPU): the thread count the
+/// limits are measured with.
+pub fn machine_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
 /// Best f32 GEMM rate (GFLOP/s) of this machine over a few square products on `threads`
 /// threads, through the same kernels the training engine uses.
 pub fn f32_gemm_peak(threads: usize) -> f64 {
