@@ -160,13 +160,31 @@ fn transpose_into<'d, T: Float>(
     dst: &'d mut [MaybeUninit<T>],
     threads: usize,
 ) -> &'d mut [T] {
-    // 16 output rows a block: each block reads 16 consecutive values of every input row.
+    // 16 output rows a block: each block reads 16 consecutive values of every input row,
+    // eight input rows at a time through a tile, so that each output row gets runs of eight
+    // consecutive values rather than single scattered ones.
     const BLOCK: usize = 16;
+    const GROUP: usize = 8;
     assert!(t.len() == rows * cols && dst.len() == rows * cols);
     let block = |(b, out): (usize, &mut [MaybeUninit<T>])| {
         let c0 = b * BLOCK;
         let width = out.len() / rows.max(1);
-        for r in 0..rows {
+        let mut r = 0;
+        while r + GROUP <= rows {
+            let mut tile = [[T::ZERO; BLOCK]; GROUP];
+            for (i, line) in tile.iter_mut().enumerate() {
+                let from = (r + i) * cols + c0;
+                line[..width].copy_from_slice(&t[from..from + width]);
+            }
+            for c in 0..width {
+                let run = &mut out[c * rows + r..c * rows + r + GROUP];
+                for (o, line) in run.iter_mut().zip(&tile) {
+                    *o = MaybeUninit::new(line[c]);
+                }
+            }
+            r += GROUP;
+        }
+        for r in r..rows {
             let src = &t[r * cols + c0..r * cols + c0 + width];
             for (c, &v) in src.iter().enumerate() {
                 out[c * rows + r] = MaybeUninit::new(v);
