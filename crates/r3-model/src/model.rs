@@ -68,6 +68,11 @@ impl Batch {
         &self.input_ids
     }
 
+    /// `input_ids` on the host, row-major `[B·T]`: what was uploaded.
+    pub fn host_ids(&self) -> &[u32] {
+        &self.host_ids
+    }
+
     /// Real length of each sequence.
     pub fn lengths(&self) -> &[usize] {
         &self.lengths

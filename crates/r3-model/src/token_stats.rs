@@ -41,6 +41,46 @@ pub fn token_log_probs(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     Ok(token_log_probs_recomputed(&logits2, &targets1)?.reshape(lead)?)
 }
 
+/// [`token_log_probs`] with the targets also given on the host (`host_targets`, the same
+/// values as `targets`, row-major): the vocabulary check runs on them, so a GPU is not
+/// stopped to read the largest target back before the log-probs (a target past the
+/// vocabulary is an error naming its row). The trainer holds its targets on the host; where
+/// the two disagree the device's kernels still never read past a row (they give NaN for a
+/// target outside the vocabulary).
+pub fn token_log_probs_host_checked(
+    logits: &Tensor,
+    targets: &Tensor,
+    host_targets: &[u32],
+) -> Result<Tensor> {
+    let dims = logits.dims();
+    let Some((&vocab, lead)) = dims.split_last() else {
+        return Err(ModelError::Input("token log-probs of a scalar".into()));
+    };
+    if targets.dims() != lead || host_targets.len() != targets.elem_count() {
+        return Err(ModelError::Input(format!(
+            "targets have shape {:?} ({} on the host), logits {dims:?}: expected {lead:?}",
+            targets.dims(),
+            host_targets.len()
+        )));
+    }
+    if let Some((row, t)) = host_targets
+        .iter()
+        .enumerate()
+        .find(|(_, &t)| t as usize >= vocab)
+    {
+        return Err(ModelError::Input(format!(
+            "token stats: target {t} in row {row} is outside the vocabulary of {vocab}"
+        )));
+    }
+    if fused(logits) {
+        return token_log_probs(logits, targets);
+    }
+    let rows = lead.iter().product::<usize>();
+    let logits2 = logits.reshape((rows, vocab))?.contiguous()?;
+    let targets1 = targets.to_dtype(DType::U32)?.reshape(rows)?.contiguous()?;
+    Ok(recomputed_in_range(&logits2, &targets1)?.reshape(lead)?)
+}
+
 /// [`token_log_probs`] from candle's composed ops, `[R, V]` logits and `[R]` targets: the
 /// reference the fused op and [`token_log_probs_recomputed`] are tested against.
 pub fn token_log_probs_composed(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
@@ -53,7 +93,7 @@ pub fn token_log_probs_composed(logits: &Tensor, targets: &Tensor) -> Result<Ten
 /// softmax from the logits: the graph keeps the logits alone, where the composed form kept
 /// three more logits-sized tensors (shifted, exponentiated, log-softmax) until the backward.
 /// Every device (the GPU's path). A target past the vocabulary is an error (one scalar read
-/// back from the device).
+/// back from the device; [`token_log_probs_host_checked`] checks host targets instead).
 pub fn token_log_probs_recomputed(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let (rows, vocab) = logits.dims2()?;
     if targets.dims() != [rows] {
@@ -72,6 +112,12 @@ pub fn token_log_probs_recomputed(logits: &Tensor, targets: &Tensor) -> Result<T
             )));
         }
     }
+    recomputed_in_range(logits, targets)
+}
+
+/// [`token_log_probs_recomputed`] of u32 `targets` `[rows]` already known to lie inside the
+/// vocabulary of `logits` `[rows, V]`.
+fn recomputed_in_range(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let value = if row_ops_run_on(logits) {
         // One pass per row (the same arithmetic as the composed ops).
         token_rows::token_logp_rows(&logits.detach(), targets)?
@@ -487,6 +533,30 @@ mod tests {
         assert!((lp[0] + 4f64.ln()).abs() < 1e-15);
         let h = entropy(&u).expect("h").to_vec1::<f64>().expect("h");
         assert!((h[0] - 4f64.ln()).abs() < 1e-15);
+    }
+
+    /// Targets checked on the host give the very values and gradients of targets checked
+    /// on the device, on the fused path (f32) and the other (bf16 logits); a target past
+    /// the vocabulary, or host targets of another count, are errors naming them.
+    #[test]
+    fn host_checked_targets_equal_device_checked_ones() {
+        let host = [0u32, 8, 3, 3, 5, 1];
+        let targets = Tensor::new(&host, &Device::Cpu).expect("t");
+        for dtype in [DType::F32, DType::BF16] {
+            let z = Var::from_tensor(&logits(6, 9, dtype)).expect("var");
+            let want = token_log_probs(&z, &targets).expect("device-checked");
+            let got = token_log_probs_host_checked(&z, &targets, &host).expect("host-checked");
+            let w = Tensor::ones(6, dtype, &Device::Cpu).expect("w");
+            assert_eq!(max_diff(&got, &want), 0.0, "{dtype:?} value");
+            let (a, b) = (grad_of(&got, &w, &z), grad_of(&want, &w, &z));
+            assert_eq!(max_diff(&a, &b), 0.0, "{dtype:?} gradient");
+        }
+        let z = logits(2, 5, DType::F32);
+        let t = Tensor::new(&[1u32, 5], &Device::Cpu).expect("t");
+        let err = token_log_probs_host_checked(&z, &t, &[1, 5]).expect_err("out of range");
+        assert!(err.to_string().contains("target 5 in row 1"), "{err}");
+        let err = token_log_probs_host_checked(&z, &t, &[1]).expect_err("short host targets");
+        assert!(err.to_string().contains("1 on the host"), "{err}");
     }
 
     #[test]

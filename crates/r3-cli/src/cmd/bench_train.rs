@@ -138,7 +138,7 @@ impl Timing {
 fn step(
     model: &Model,
     batch: &Batch,
-    targets: &Tensor,
+    (targets, host_targets): (&Tensor, &[u32]),
     routing: Routing<'_>,
 ) -> anyhow::Result<StepTime> {
     let cpu0 = process_cpu_ns();
@@ -147,7 +147,8 @@ fn step(
     if let (Routing::Replay(_), None) = (routing, &out.replay) {
         anyhow::bail!("replayed forward returned no replay proof");
     }
-    let logp = r3_model::token_stats::token_log_probs(&out.logits, targets)?;
+    let logp =
+        r3_model::token_stats::token_log_probs_host_checked(&out.logits, targets, host_targets)?;
     let loss = logp.neg()?.mean_all()?;
     // A GPU runs queued kernels after the call returns: wait for them (no-op on the CPU).
     model.device().synchronize()?;
@@ -214,7 +215,8 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         .iter()
         .flat_map(|s| s[1..].iter().copied().chain(std::iter::once(s[0])))
         .collect();
-    let targets = Tensor::from_vec(targets, (args.batch, args.seq_len), &device)?;
+    let host_targets = targets;
+    let targets = Tensor::from_slice(&host_targets, (args.batch, args.seq_len), &device)?;
     let routes = ReplayRoutes::new(
         model
             .forward(&batch, Routing::Record)?
@@ -261,7 +263,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
             if profiled {
                 r3_model::device::profiler_capture(&device, true)?;
             }
-            let t = step(&model, &batch, &targets, routing)?;
+            let t = step(&model, &batch, (&targets, &host_targets), routing)?;
             if profiled {
                 r3_model::device::profiler_capture(&device, false)?;
             }

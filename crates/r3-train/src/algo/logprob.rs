@@ -43,6 +43,28 @@ pub fn token_log_probs(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     Ok(r3_model::token_stats::token_log_probs(logits, targets)?)
 }
 
+/// [`token_log_probs`] with the targets also on the host (`host_targets`, row-major `[B·T]`,
+/// the same values): checked there, so a GPU is not stopped to read them back.
+pub fn token_log_probs_host_checked(
+    logits: &Tensor,
+    targets: &Tensor,
+    host_targets: &[u32],
+) -> Result<Tensor> {
+    let (b, t, _v) = logits_dims(logits)?;
+    if targets.dims() != [b, t] {
+        return Err(TrainError::shape(
+            "targets",
+            targets.dims(),
+            format!("[{b}, {t}] like the logits"),
+        ));
+    }
+    Ok(r3_model::token_stats::token_log_probs_host_checked(
+        logits,
+        targets,
+        host_targets,
+    )?)
+}
+
 /// Entropy of the next-token distribution at every position, `[B, T, V]` → `[B, T]`.
 pub fn entropy_from_logits(logits: &Tensor) -> Result<Tensor> {
     logits_dims(logits)?;

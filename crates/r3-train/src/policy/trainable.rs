@@ -9,7 +9,9 @@ use candle_core::{DType, Device, Tensor, Var};
 use r3_model::{Batch, Config, Model, Precision, ReplayProof, Routing, Weights};
 use r3_routing::RouteTable;
 
-use crate::algo::logprob::{entropy_from_logits, masked_mean, scalar_f32, token_log_probs};
+use crate::algo::logprob::{
+    entropy_from_logits, masked_mean, scalar_f32, token_log_probs_host_checked,
+};
 use crate::error::{Result, TrainError};
 
 /// Prompt+response token sequences and where each response starts.
@@ -166,7 +168,14 @@ pub fn score(model: &Model, batch: &ResponseBatch, routing: Routing<'_>) -> Resu
     let t = padded.seq_len();
     let logits = out.logits.narrow(1, 0, t - 1)?;
     let targets = padded.input_ids().narrow(1, 1, t - 1)?;
-    let logp = token_log_probs(&logits, &targets)?;
+    // The same targets on the host, where their range is checked (a device read per
+    // forward otherwise).
+    let host_targets: Vec<u32> = padded
+        .host_ids()
+        .chunks(t)
+        .flat_map(|row| row[1..].iter().copied())
+        .collect();
+    let logp = token_log_probs_host_checked(&logits, &targets, &host_targets)?;
     Ok(Scored {
         logp,
         logits,
