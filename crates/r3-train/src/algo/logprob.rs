@@ -30,8 +30,8 @@ fn logits_dims(logits: &Tensor) -> Result<(usize, usize, usize)> {
         .map_err(|_| TrainError::shape("logits", logits.dims(), "[batch, time, vocab]"))
 }
 
-/// Log-probabilities of `targets` `[B, T]` (u32) under `logits` `[B, T, V]` → `[B, T]`.
-pub fn token_log_probs(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+/// `logits` are `[B, T, V]` f32 and `targets` `[B, T]`.
+fn check_targets(logits: &Tensor, targets: &Tensor) -> Result<()> {
     let (b, t, _v) = logits_dims(logits)?;
     if targets.dims() != [b, t] {
         return Err(TrainError::shape(
@@ -40,6 +40,12 @@ pub fn token_log_probs(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
             format!("[{b}, {t}] like the logits"),
         ));
     }
+    Ok(())
+}
+
+/// Log-probabilities of `targets` `[B, T]` (u32) under `logits` `[B, T, V]` → `[B, T]`.
+pub fn token_log_probs(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    check_targets(logits, targets)?;
     Ok(r3_model::token_stats::token_log_probs(logits, targets)?)
 }
 
@@ -50,14 +56,7 @@ pub fn token_log_probs_host_checked(
     targets: &Tensor,
     host_targets: &[u32],
 ) -> Result<Tensor> {
-    let (b, t, _v) = logits_dims(logits)?;
-    if targets.dims() != [b, t] {
-        return Err(TrainError::shape(
-            "targets",
-            targets.dims(),
-            format!("[{b}, {t}] like the logits"),
-        ));
-    }
+    check_targets(logits, targets)?;
     Ok(r3_model::token_stats::token_log_probs_host_checked(
         logits,
         targets,
