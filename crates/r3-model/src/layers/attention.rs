@@ -3,11 +3,11 @@
 
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor};
 
 use super::attention_op::{visible_key_ends, MaskedAttention};
 use super::attention_recompute::attend_recomputed;
-use super::attention_softmax::masked_softmax;
+use super::attention_softmax::attention_probs;
 use super::linear::Linear;
 use super::norm::RmsNorm;
 use super::rope::{PositionTables, RopeTables, Rotary};
@@ -145,33 +145,6 @@ pub fn attend_additive(
 ) -> Result<Tensor> {
     let probs = attention_probs(&q.contiguous()?, &k.contiguous()?, additive, scale, groups)?;
     Ok(probs.matmul(&v.contiguous()?)?)
-}
-
-/// The probabilities `softmax(q kᵀ · scale + additive)` `[B, KV, G·T, S]` of contiguous `q`
-/// `[B, KV, G·T, Dq]` and `k` `[B, KV, S, Dq]`: the composed attention's and the recomputing
-/// op's (forward and backward). Where nothing is differentiated through them and the mask is
-/// `[B, 1, 1, T, S]`, one pass ([`masked_softmax`], the same arithmetic as candle's ops, bit
-/// for bit on the CPU); else candle's composed ops.
-pub(crate) fn attention_probs(
-    q: &Tensor,
-    k: &Tensor,
-    additive: &Tensor,
-    scale: f64,
-    groups: usize,
-) -> candle_core::Result<Tensor> {
-    let (b, kv, gt, _) = q.dims4()?;
-    let groups = groups.max(1);
-    let s = k.dim(2)?;
-    let raw = q.matmul(&k.t()?)?;
-    // Nothing differentiated through the probabilities (the recomputing op builds them from
-    // detached inputs; inference): one pass reading the mask per query row.
-    if let Some(probs) = masked_softmax(&raw, additive, scale)? {
-        return Ok(probs);
-    }
-    let scores = (raw * scale)?
-        .reshape((b, kv, groups, gt / groups, s))?
-        .broadcast_add(additive)?;
-    candle_nn::ops::softmax(&scores, D::Minus1)?.reshape((b, kv, gt, s))
 }
 
 /// One attention layer's keys and values of the positions fed so far, `[B, KV, S, D]`

@@ -8,8 +8,7 @@
 
 use candle_core::{CustomOp3, Tensor, D};
 
-use super::attention::attention_probs;
-use super::attention_softmax::softmax_grad;
+use super::attention_softmax::{attention_probs, softmax_grad};
 use super::precomputed::{precomputed_fwd, Precomputed};
 use crate::error::Result;
 

@@ -5,13 +5,42 @@
 //! which the tests hold to candle's composed ops, and a CUDA kernel (`cuda/kernels.cu`, the
 //! same arithmetic) that the device tests hold to the CPU. On an H200 the composed forms
 //! took ≈ 2 ms of a mid layer's 5.6 ms forward: candle's broadcast kernels compute strided
-//! indices per element.
+//! indices per element. `attention_probs` builds the probabilities on them for the composed
+//! attention and the recomputing op alike (one home, so neither attention file imports the
+//! other).
 
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor, D};
 
 use crate::device::row_ops_run_on;
 use crate::host::contiguous;
 use crate::math::StdFloat;
+
+/// The probabilities `softmax(q kᵀ · scale + additive)` `[B, KV, G·T, S]` of contiguous `q`
+/// `[B, KV, G·T, Dq]` and `k` `[B, KV, S, Dq]`: the composed attention's and the recomputing
+/// op's (forward and backward). Where nothing is differentiated through them and the mask is
+/// `[B, 1, 1, T, S]`, one pass ([`masked_softmax`], the same arithmetic as candle's ops, bit
+/// for bit on the CPU); else candle's composed ops.
+pub(crate) fn attention_probs(
+    q: &Tensor,
+    k: &Tensor,
+    additive: &Tensor,
+    scale: f64,
+    groups: usize,
+) -> candle_core::Result<Tensor> {
+    let (b, kv, gt, _) = q.dims4()?;
+    let groups = groups.max(1);
+    let s = k.dim(2)?;
+    let raw = q.matmul(&k.t()?)?;
+    // Nothing differentiated through the probabilities (the recomputing op builds them from
+    // detached inputs; inference): one pass reading the mask per query row.
+    if let Some(probs) = masked_softmax(&raw, additive, scale)? {
+        return Ok(probs);
+    }
+    let scores = (raw * scale)?
+        .reshape((b, kv, groups, gt / groups, s))?
+        .broadcast_add(additive)?;
+    candle_nn::ops::softmax(&scores, D::Minus1)?.reshape((b, kv, gt, s))
+}
 
 /// `softmax(scores · scale + mask)` over the last dimension of contiguous `scores`
 /// `[B, KV, G·T, S]` (rows ordered batch, head, query) with `mask` `[B, 1, 1, T, S]`; None
