@@ -398,6 +398,7 @@ fn portable_pack_panel(
         let width = TILE_K.min(k - c0);
         for (j, t) in tile.iter_mut().enumerate().take(cols) {
             let row = rows.row(p * PANEL + j);
+            prefetch_next_tile(row, c0 + TILE_K);
             kind.narrow(&row[c0..c0 + width], &mut t[..width]);
         }
         for (c, line) in panel[c0..c0 + width].iter_mut().enumerate() {
@@ -406,6 +407,24 @@ fn portable_pack_panel(
             }
         }
     }
+}
+
+/// Asks for the cache lines of `row[from .. from + TILE_K]` ahead of their use: a panel
+/// reads its 32 rows side by side, more streams than the hardware prefetcher follows (the
+/// AVX-512 pack ran twice as fast with it). A hint only: nothing is read or written.
+#[inline]
+fn prefetch_next_tile(row: &[f32], from: usize) {
+    #[cfg(target_arch = "x86_64")]
+    for at in (from..row.len().min(from + TILE_K)).step_by(16) {
+        // SAFETY: `at` indexes `row`; a prefetch never faults and changes no memory, and
+        // SSE (which has it) is part of every x86-64 CPU.
+        unsafe {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            _mm_prefetch::<_MM_HINT_T0>(row.as_ptr().add(at).cast::<i8>());
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (row, from);
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -523,6 +542,10 @@ mod avx512 {
     /// Lanes per vector: a 16×16 block of f32 is transposed in sixteen registers.
     const LANES: usize = 16;
 
+    /// Values ahead of the block each row's next cache line is asked for: a panel reads its
+    /// 32 rows side by side, more streams than the hardware prefetcher follows.
+    const PREFETCH_AHEAD: usize = 64;
+
     /// Packs one panel: `rows` (≤ PANEL, each `k` values) narrowed to `kind` and written
     /// k-major into `panel` (`k` lines). Each 16 rows × 16 reduction steps block is loaded
     /// row by row, transposed in registers and narrowed one half line per instruction, so no
@@ -565,6 +588,9 @@ mod avx512 {
                 let mut v = [_mm512_setzero_ps(); LANES];
                 for (lane, row) in v.iter_mut().zip(block) {
                     let at = row.as_ptr().add(c0);
+                    if c0 + PREFETCH_AHEAD < k {
+                        _mm_prefetch::<_MM_HINT_T0>(at.add(PREFETCH_AHEAD).cast::<i8>());
+                    }
                     // Masked-off lanes are not read (AVX-512 suppresses their faults).
                     *lane = if width == LANES {
                         _mm512_loadu_ps(at)
