@@ -7,7 +7,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::thread::Thread;
 
-const DEFAULT_BARRIER_POOL_SPIN_LIMIT: u32 = 25_000;
+// r3: 2_000 instead of upstream's 25_000 (see vendor/README.md): a worker spinning that long
+// after each elementwise op kept a core from the rayon pool's work on small machines.
+const DEFAULT_BARRIER_POOL_SPIN_LIMIT: u32 = 2_000;
 
 /// Per-worker control on its own 64-byte cache line to prevent false sharing.
 #[repr(C, align(64))]
