@@ -84,6 +84,43 @@ fn width(yl: &Layout) -> usize {
     yl.shape().dims().last().copied().unwrap_or(1).max(1)
 }
 
+/// The rows function of one of the combine ops' CPU passes, for one float type: two float
+/// operands, the u32 table, `top_k` and the row width.
+type RowsFn<T> = fn(&[T], &[T], &[u32], usize, usize) -> Vec<T>;
+
+/// One combine op's CPU pass: `rows` over two contiguous float operands of one dtype (f32 or
+/// f64) and a contiguous u32 table, each operand named for its errors; the table's length
+/// comes back with the result (the ops' output shapes follow from it).
+fn cpu_pass(
+    [(a, al, a_name), (b, bl, b_name)]: [(&CpuStorage, &Layout, &str); 2],
+    (ids, il, ids_name): (&CpuStorage, &Layout, &str),
+    (k, h): (usize, usize),
+    (rows32, rows64): (RowsFn<f32>, RowsFn<f64>),
+) -> candle_core::Result<(CpuStorage, usize)> {
+    let ids = match ids {
+        CpuStorage::U32(ids) => contiguous(ids, il, ids_name)?,
+        _ => candle_core::bail!("combine: {ids_name} must be u32"),
+    };
+    let out = match (a, b) {
+        (CpuStorage::F32(a), CpuStorage::F32(b)) => CpuStorage::F32(rows32(
+            contiguous(a, al, a_name)?,
+            contiguous(b, bl, b_name)?,
+            ids,
+            k,
+            h,
+        )),
+        (CpuStorage::F64(a), CpuStorage::F64(b)) => CpuStorage::F64(rows64(
+            contiguous(a, al, a_name)?,
+            contiguous(b, bl, b_name)?,
+            ids,
+            k,
+            h,
+        )),
+        _ => candle_core::bail!("combine: {a_name} and {b_name} must be both f32 or f64"),
+    };
+    Ok((out, ids.len()))
+}
+
 /// The forward's CPU implementation (the kernel `r3_combine_slots_f32` does the same):
 /// products added in slot order from zero.
 fn combine_rows<T: StdFloat>(y: &[T], gates: &[T], place: &[u32], k: usize, h: usize) -> Vec<T> {
@@ -116,28 +153,13 @@ impl CustomOp3 for CombineSlots {
         pl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (h, k) = (width(yl), self.top_k);
-        let place = match p {
-            CpuStorage::U32(p) => contiguous(p, pl, "slot places")?,
-            _ => candle_core::bail!("combine: slot places must be u32"),
-        };
-        let out = match (y, g) {
-            (CpuStorage::F32(y), CpuStorage::F32(g)) => CpuStorage::F32(combine_rows(
-                contiguous(y, yl, "expert outputs")?,
-                contiguous(g, gl, "gates")?,
-                place,
-                k,
-                h,
-            )),
-            (CpuStorage::F64(y), CpuStorage::F64(g)) => CpuStorage::F64(combine_rows(
-                contiguous(y, yl, "expert outputs")?,
-                contiguous(g, gl, "gates")?,
-                place,
-                k,
-                h,
-            )),
-            _ => candle_core::bail!("combine: expert outputs and gates must be both f32 or f64"),
-        };
-        Ok((out, Shape::from((gl.shape().elem_count() / k, h))))
+        let (out, slots) = cpu_pass(
+            [(y, yl, "expert outputs"), (g, gl, "gates")],
+            (p, pl, "slot places"),
+            (k, h),
+            (combine_rows, combine_rows),
+        )?;
+        Ok((out, Shape::from((slots / k, h))))
     }
 
     #[cfg(feature = "cuda")]
@@ -234,28 +256,13 @@ impl CustomOp3 for CombineDy {
         sl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let h = width(dl);
-        let slots = match s {
-            CpuStorage::U32(s) => contiguous(s, sl, "place slots")?,
-            _ => candle_core::bail!("combine: place slots must be u32"),
-        };
-        let dy = match (d, g) {
-            (CpuStorage::F32(d), CpuStorage::F32(g)) => CpuStorage::F32(combine_dy_rows(
-                contiguous(d, dl, "output gradient")?,
-                contiguous(g, gl, "gates")?,
-                slots,
-                self.top_k,
-                h,
-            )),
-            (CpuStorage::F64(d), CpuStorage::F64(g)) => CpuStorage::F64(combine_dy_rows(
-                contiguous(d, dl, "output gradient")?,
-                contiguous(g, gl, "gates")?,
-                slots,
-                self.top_k,
-                h,
-            )),
-            _ => candle_core::bail!("combine: gradient and gates must be both f32 or f64"),
-        };
-        Ok((dy, Shape::from((slots.len(), h))))
+        let (dy, places) = cpu_pass(
+            [(d, dl, "output gradient"), (g, gl, "gates")],
+            (s, sl, "place slots"),
+            (self.top_k, h),
+            (combine_dy_rows, combine_dy_rows),
+        )?;
+        Ok((dy, Shape::from((places, h))))
     }
 
     #[cfg(feature = "cuda")]
@@ -330,28 +337,13 @@ impl CustomOp3 for CombineDgates {
         pl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let h = width(yl);
-        let place = match p {
-            CpuStorage::U32(p) => contiguous(p, pl, "slot places")?,
-            _ => candle_core::bail!("combine: slot places must be u32"),
-        };
-        let dg = match (y, d) {
-            (CpuStorage::F32(y), CpuStorage::F32(d)) => CpuStorage::F32(combine_dgates_rows(
-                contiguous(y, yl, "expert outputs")?,
-                contiguous(d, dl, "output gradient")?,
-                place,
-                self.top_k,
-                h,
-            )),
-            (CpuStorage::F64(y), CpuStorage::F64(d)) => CpuStorage::F64(combine_dgates_rows(
-                contiguous(y, yl, "expert outputs")?,
-                contiguous(d, dl, "output gradient")?,
-                place,
-                self.top_k,
-                h,
-            )),
-            _ => candle_core::bail!("combine: expert outputs and gradient must be both f32 or f64"),
-        };
-        Ok((dg, Shape::from((place.len() / self.top_k, self.top_k))))
+        let (dg, slots) = cpu_pass(
+            [(y, yl, "expert outputs"), (d, dl, "output gradient")],
+            (p, pl, "slot places"),
+            (self.top_k, h),
+            (combine_dgates_rows, combine_dgates_rows),
+        )?;
+        Ok((dg, Shape::from((slots / self.top_k, self.top_k))))
     }
 
     #[cfg(feature = "cuda")]
