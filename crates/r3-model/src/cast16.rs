@@ -61,41 +61,25 @@ impl CustomOp1 for Cast16 {
         }
         let dev = cuda::device(storage);
         let grid = cuda::elementwise(n.div_ceil(4));
+        // One kernel per direction (`r3_narrow_*` / `r3_widen_*`), reading `$in`, writing `$out`.
+        macro_rules! cast {
+            ($kernel:literal, $in:ty, $out:ty) => {
+                cuda::launch_typed!(
+                    dev,
+                    $kernel,
+                    $out,
+                    n,
+                    grid,
+                    [cuda::view::<$in>(storage, layout, "cast input")?],
+                    [n as u64]
+                )
+            };
+        }
         let out = match (storage.dtype(), self.to) {
-            (DType::F32, DType::BF16) => cuda::launch_typed!(
-                dev,
-                "r3_narrow_bf16",
-                bf16,
-                n,
-                grid,
-                [cuda::view::<f32>(storage, layout, "cast input")?],
-                [n as u64]
-            ),
-            (DType::F32, DType::F16) => cuda::launch_typed!(
-                dev,
-                "r3_narrow_f16",
-                f16,
-                n,
-                grid,
-                [cuda::view::<f32>(storage, layout, "cast input")?],
-                [n as u64]
-            ),
-            (DType::BF16, DType::F32) => cuda::launch_f32!(
-                dev,
-                "r3_widen_bf16",
-                n,
-                grid,
-                [cuda::view::<bf16>(storage, layout, "cast input")?],
-                [n as u64]
-            ),
-            (DType::F16, DType::F32) => cuda::launch_f32!(
-                dev,
-                "r3_widen_f16",
-                n,
-                grid,
-                [cuda::view::<f16>(storage, layout, "cast input")?],
-                [n as u64]
-            ),
+            (DType::F32, DType::BF16) => cast!("r3_narrow_bf16", f32, bf16),
+            (DType::F32, DType::F16) => cast!("r3_narrow_f16", f32, f16),
+            (DType::BF16, DType::F32) => cast!("r3_widen_bf16", bf16, f32),
+            (DType::F16, DType::F32) => cast!("r3_widen_f16", f16, f32),
             _ => storage.to_dtype(layout, self.to)?,
         };
         Ok((out, shape))
