@@ -19,26 +19,7 @@ use crate::token_rows;
 /// `log softmax(logits)[target]` for every row: logits `[.., V]` (f32/f64, CPU), targets
 /// `[..]` u32 → `[..]`, differentiable in the logits.
 pub fn token_log_probs(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    let dims = logits.dims();
-    let Some((&vocab, lead)) = dims.split_last() else {
-        return Err(ModelError::Input("token log-probs of a scalar".into()));
-    };
-    if targets.dims() != lead {
-        return Err(ModelError::Input(format!(
-            "targets have shape {:?}, logits {dims:?}: expected {lead:?}",
-            targets.dims()
-        )));
-    }
-    if fused(logits) {
-        // The op reads `[.., V]` as rows and returns `[..]`: no reshape nodes whose
-        // backward would each fill and add a logits-sized gradient.
-        let targets = targets.to_dtype(DType::U32)?.contiguous()?;
-        return Ok(logits.contiguous()?.apply_op2(&targets, TokenLogProb)?);
-    }
-    let rows = lead.iter().product::<usize>();
-    let logits2 = logits.reshape((rows, vocab))?.contiguous()?;
-    let targets1 = targets.to_dtype(DType::U32)?.reshape(rows)?.contiguous()?;
-    Ok(token_log_probs_recomputed(&logits2, &targets1)?.reshape(lead)?)
+    log_probs_of(logits, targets, None)
 }
 
 /// [`token_log_probs`] with the targets also given on the host (`host_targets`, the same
@@ -52,19 +33,27 @@ pub fn token_log_probs_host_checked(
     targets: &Tensor,
     host_targets: &[u32],
 ) -> Result<Tensor> {
+    log_probs_of(logits, targets, Some(host_targets))
+}
+
+/// [`token_log_probs`], the targets' range checked on `host_targets` where given, else where
+/// the log-probs are computed (the fused CPU op, or one scalar read back from a device).
+fn log_probs_of(logits: &Tensor, targets: &Tensor, host_targets: Option<&[u32]>) -> Result<Tensor> {
     let dims = logits.dims();
     let Some((&vocab, lead)) = dims.split_last() else {
         return Err(ModelError::Input("token log-probs of a scalar".into()));
     };
-    if targets.dims() != lead || host_targets.len() != targets.elem_count() {
+    let host_len_fits = host_targets.is_none_or(|h| h.len() == targets.elem_count());
+    if targets.dims() != lead || !host_len_fits {
+        let on_host = host_targets.map_or(String::new(), |h| format!(" ({} on the host)", h.len()));
         return Err(ModelError::Input(format!(
-            "targets have shape {:?} ({} on the host), logits {dims:?}: expected {lead:?}",
-            targets.dims(),
-            host_targets.len()
+            "targets have shape {:?}{on_host}, logits {dims:?}: expected {lead:?}",
+            targets.dims()
         )));
     }
     if let Some((row, t)) = host_targets
-        .iter()
+        .into_iter()
+        .flatten()
         .enumerate()
         .find(|(_, &t)| t as usize >= vocab)
     {
@@ -73,12 +62,19 @@ pub fn token_log_probs_host_checked(
         )));
     }
     if fused(logits) {
-        return token_log_probs(logits, targets);
+        // The op reads `[.., V]` as rows and returns `[..]`: no reshape nodes whose
+        // backward would each fill and add a logits-sized gradient.
+        let targets = targets.to_dtype(DType::U32)?.contiguous()?;
+        return Ok(logits.contiguous()?.apply_op2(&targets, TokenLogProb)?);
     }
     let rows = lead.iter().product::<usize>();
     let logits2 = logits.reshape((rows, vocab))?.contiguous()?;
     let targets1 = targets.to_dtype(DType::U32)?.reshape(rows)?.contiguous()?;
-    Ok(recomputed_in_range(&logits2, &targets1)?.reshape(lead)?)
+    let value = match host_targets {
+        Some(_) => recomputed_in_range(&logits2, &targets1)?,
+        None => token_log_probs_recomputed(&logits2, &targets1)?,
+    };
+    Ok(value.reshape(lead)?)
 }
 
 /// [`token_log_probs`] from candle's composed ops, `[R, V]` logits and `[R]` targets: the
