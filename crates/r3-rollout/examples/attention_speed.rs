@@ -1,0 +1,114 @@
+//! Decode-step paged attention on a GRPO-shaped batch: groups of sequences sharing their
+//! prompt's full KV blocks (as the prefix cache hands them out), each with its own blocks
+//! for the rest, one query token per sequence, every layer of the gsm8k-moe geometry (4
+//! heads over 2 key/value heads of width 24, 4 layers, 16-token blocks).
+//!
+//! ```text
+//! cargo run --release -p r3-rollout --example attention_speed -- [GROUPS GROUP PROMPT GENERATED [PARALLEL]]
+//! ```
+//! Defaults: 32 groups of 8, a 63-token prompt, 34 generated tokens (gsm8k-style's mean
+//! point of a rollout), parallel 1 (rayon; 0 = the calling thread alone). Prints the best of
+//! five runs' time per decode step.
+
+use r3_rollout::kernels::attention::{paged_attention, AttnShape, SeqSpan};
+use r3_rollout::{KvBlockRef, KvLayout, KvPool};
+use std::time::Instant;
+
+const HEADS: usize = 4;
+const KV_HEADS: usize = 2;
+const HEAD_DIM: usize = 24;
+const LAYERS: usize = 4;
+const BLOCK: usize = 16;
+
+fn main() -> Result<(), String> {
+    let given: Vec<String> = std::env::args().skip(1).collect();
+    let arg = |i: usize, default: usize| -> Result<usize, String> {
+        given.get(i).map_or(Ok(default), |a| {
+            a.parse()
+                .map_err(|_| format!("argument {} ({a:?}) is not a count", i + 1))
+        })
+    };
+    let (groups, group, prompt, generated) = (arg(0, 32)?, arg(1, 8)?, arg(2, 63)?, arg(3, 34)?);
+    let parallel = arg(4, 1)? != 0;
+    let layout = KvLayout {
+        num_layers: LAYERS,
+        k_dim: KV_HEADS * HEAD_DIM,
+        v_dim: KV_HEADS * HEAD_DIM,
+        block_size: BLOCK,
+    };
+    let context = prompt + generated + 1;
+    let blocks_per_seq = context.div_ceil(BLOCK);
+    let shared = (prompt / BLOCK).min(blocks_per_seq);
+    let total_blocks = groups * (shared + group * (blocks_per_seq - shared));
+    let mut pool = KvPool::new(layout, total_blocks.max(1)).map_err(|e| e.to_string())?;
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut draw = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+    };
+    let row: Vec<f32> = (0..2 * KV_HEADS * HEAD_DIM).map(|_| draw()).collect();
+    let (k, v) = row.split_at(KV_HEADS * HEAD_DIM);
+    let filled = |pool: &mut KvPool| -> Result<KvBlockRef, String> {
+        let block = pool.allocate().ok_or("the pool ran out of blocks")?;
+        for layer in 0..LAYERS {
+            for slot in 0..BLOCK {
+                pool.write(block.id(), layer, slot, k, v);
+            }
+        }
+        Ok(block)
+    };
+    let mut held = Vec::new();
+    let mut spans = Vec::new();
+    for _ in 0..groups {
+        let prefix = (0..shared)
+            .map(|_| filled(&mut pool))
+            .collect::<Result<Vec<_>, _>>()?;
+        for _ in 0..group {
+            let mut blocks: Vec<_> = prefix.iter().map(|b| b.id()).collect();
+            for _ in shared..blocks_per_seq {
+                let block = filled(&mut pool)?;
+                blocks.push(block.id());
+                held.push(block);
+            }
+            spans.push(SeqSpan {
+                first_token: spans.len(),
+                num_tokens: 1,
+                start_pos: context - 1,
+                blocks,
+            });
+        }
+        held.extend(prefix);
+    }
+    let rows = spans.len();
+    let q: Vec<f32> = (0..rows * HEADS * HEAD_DIM).map(|_| draw()).collect();
+    let mut out = vec![0f32; rows * HEADS * HEAD_DIM];
+    let shape = AttnShape {
+        num_heads: HEADS,
+        num_kv_heads: KV_HEADS,
+        qk_dim: HEAD_DIM,
+        v_dim: HEAD_DIM,
+        scale: 1.0 / (HEAD_DIM as f32).sqrt(),
+        window: None,
+    };
+    let iters = 200;
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let started = Instant::now();
+        for _ in 0..iters {
+            for layer in 0..LAYERS {
+                paged_attention(&pool, layer, &spans, &q, &mut out, shape, parallel);
+            }
+        }
+        best = best.min(started.elapsed().as_secs_f64() / iters as f64);
+    }
+    let scores = rows * LAYERS * HEADS * context;
+    println!(
+        "{rows} rows, context {context}, parallel {parallel}: {:.3} ms per decode step ({LAYERS} layers), {:.2} ns per (key, head); checksum {}",
+        best * 1e3,
+        best * 1e9 / scores as f64,
+        out.iter().sum::<f32>()
+    );
+    Ok(())
+}
