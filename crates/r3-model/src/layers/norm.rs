@@ -82,16 +82,58 @@ fn inv_rms<T: Float>(row: &[T], eps: f64) -> T {
     T::from_f64(1.0 / (ms + eps).sqrt())
 }
 
+/// Rows whose sums advance side by side ([`inv_rms_group`], [`dot_group`]).
+const ROW_GROUP: usize = 8;
+
+/// [`inv_rms`] of each of the `ROW_GROUP` rows of width `d` that lie one after another in
+/// `rows` (`[ROW_GROUP · d]`). Each row's squares are summed in column order from zero, as
+/// `inv_rms` sums them (the same bits); the rows' sums advance side by side, so their
+/// chains of f64 additions overlap instead of each waiting on the adder's latency
+/// (measured: one row's chain made the norms ≈ 12% of a small model's training step).
+fn inv_rms_group<T: Float>(rows: &[T], d: usize, eps: f64) -> [T; ROW_GROUP] {
+    let row: [&[T]; ROW_GROUP] = std::array::from_fn(|i| &rows[i * d..(i + 1) * d]);
+    let mut sums = [0f64; ROW_GROUP];
+    for c in 0..d {
+        for (sum, row) in sums.iter_mut().zip(&row) {
+            *sum += (row[c] * row[c]).to_f64();
+        }
+    }
+    sums.map(|sum| T::from_f64(1.0 / (sum / d as f64 + eps).sqrt()))
+}
+
+/// Per row of a `ROW_GROUP`-row block, `mean(g·w·x̂)` with `x̂ = x · r` as [`rms_bwd_parts`]
+/// sums it row by row (column order from zero, in f64): the same bits, the rows side by
+/// side as in [`inv_rms_group`].
+fn dot_group<T: Float>(xs: &[T], gs: &[T], w: &[T], r: &[T; ROW_GROUP]) -> [T; ROW_GROUP] {
+    let d = w.len();
+    let x: [&[T]; ROW_GROUP] = std::array::from_fn(|i| &xs[i * d..(i + 1) * d]);
+    let g: [&[T]; ROW_GROUP] = std::array::from_fn(|i| &gs[i * d..(i + 1) * d]);
+    let mut dots = [0f64; ROW_GROUP];
+    for (c, &w) in w.iter().enumerate() {
+        for (i, dot) in dots.iter_mut().enumerate() {
+            let xhat = x[i][c] * r[i];
+            *dot += (g[i][c] * w * xhat).to_f64();
+        }
+    }
+    dots.map(|dot| T::from_f64(dot / d as f64))
+}
+
 fn rms_fwd<T: Float>(x: &[T], w: &[T], eps: f64) -> Vec<T> {
     let d = w.len();
     // Not zero-filled first: every element is written below.
     let mut y = unfilled(x.len());
-    y.par_chunks_mut(d)
-        .zip(x.par_chunks(d))
-        .for_each(|(yr, xr)| {
-            let r = inv_rms(xr, eps);
-            for ((y, &x), &w) in yr.iter_mut().zip(xr).zip(w) {
-                y.write(x * r * w);
+    y.par_chunks_mut(d * ROW_GROUP)
+        .zip(x.par_chunks(d * ROW_GROUP))
+        .for_each(|(ys, xs)| {
+            let group = match xs.len() == d * ROW_GROUP {
+                true => Some(inv_rms_group(xs, d, eps)),
+                false => None,
+            };
+            for (i, (yr, xr)) in ys.chunks_mut(d).zip(xs.chunks(d)).enumerate() {
+                let r = group.map_or_else(|| inv_rms(xr, eps), |g| g[i]);
+                for ((y, &x), &w) in yr.iter_mut().zip(xr).zip(w) {
+                    y.write(x * r * w);
+                }
             }
         });
     // SAFETY: the chunks cover all `x.len()` elements and each element was written.
@@ -127,17 +169,38 @@ fn rms_bwd_parts<T: Float>(x: &[T], w: &[T], g: &[T], eps: f64) -> (Vec<T>, Vec<
         .zip(g.par_chunks(d * ROWS_PER_TASK))
         .map(|((dxs, xs), gs)| {
             let mut dw = vec![T::ZERO; d];
-            for ((dxr, xr), gr) in dxs.chunks_mut(d).zip(xs.chunks(d)).zip(gs.chunks(d)) {
-                let r = inv_rms(xr, eps);
-                let mut dot = 0f64;
-                for (((&x, &g), &w), dw) in xr.iter().zip(gr).zip(w).zip(dw.iter_mut()) {
-                    let xhat = x * r;
-                    *dw = *dw + g * xhat;
-                    dot += (g * w * xhat).to_f64();
-                }
-                let mean = T::from_f64(dot / d as f64);
-                for (((dx, &x), &g), &w) in dxr.iter_mut().zip(xr).zip(gr).zip(w) {
-                    dx.write(r * (g * w - x * r * mean));
+            let blocks = dxs
+                .chunks_mut(d * ROW_GROUP)
+                .zip(xs.chunks(d * ROW_GROUP))
+                .zip(gs.chunks(d * ROW_GROUP));
+            for ((dxb, xb), gb) in blocks {
+                // A full block's inverse RMS and means side by side; a short one row by row.
+                let group = match xb.len() == d * ROW_GROUP {
+                    true => {
+                        let r = inv_rms_group(xb, d, eps);
+                        Some((r, dot_group(xb, gb, w, &r)))
+                    }
+                    false => None,
+                };
+                let rows = dxb.chunks_mut(d).zip(xb.chunks(d)).zip(gb.chunks(d));
+                for (i, ((dxr, xr), gr)) in rows.enumerate() {
+                    let (r, mean) = match group {
+                        Some((r, means)) => (r[i], means[i]),
+                        None => {
+                            let r = inv_rms(xr, eps);
+                            let mut dot = 0f64;
+                            for ((&x, &g), &w) in xr.iter().zip(gr).zip(w) {
+                                dot += (g * w * (x * r)).to_f64();
+                            }
+                            (r, T::from_f64(dot / d as f64))
+                        }
+                    };
+                    for ((&x, &g), dw) in xr.iter().zip(gr).zip(dw.iter_mut()) {
+                        *dw = *dw + g * (x * r);
+                    }
+                    for (((dx, &x), &g), &w) in dxr.iter_mut().zip(xr).zip(gr).zip(w) {
+                        dx.write(r * (g * w - x * r * mean));
+                    }
                 }
             }
             dw
