@@ -5,6 +5,7 @@
 use r3_model::layers::rope::Rope as ModelRope;
 use r3_model::layers::rope_op::rotate_row;
 use r3_model::RopeConfig;
+use rayon::prelude::*;
 
 /// In-place RMSNorm of every `dim`-wide row: `x · w / sqrt(mean(x²) + eps)`.
 pub fn rms_norm_rows(x: &mut [f32], weight: &[f32], eps: f32) {
@@ -18,10 +19,23 @@ pub fn rms_norm_rows(x: &mut [f32], weight: &[f32], eps: f32) {
     }
 }
 
-/// RMSNorm of `src` rows into `dst` (same shape).
+/// RMSNorm of `src` rows into `dst` (same shape), blocks of rows side by side (each row's
+/// values are the same whichever thread runs it).
 pub fn rms_norm_into(src: &[f32], dst: &mut [f32], weight: &[f32], eps: f32) {
-    dst.copy_from_slice(src);
-    rms_norm_rows(dst, weight, eps);
+    /// Rows a task takes at least: a decode step's few rows stay on one thread.
+    const ROWS_PER_TASK: usize = 32;
+    assert_eq!(
+        src.len(),
+        dst.len(),
+        "rms norm: source and destination lengths differ"
+    );
+    let block = weight.len().max(1) * ROWS_PER_TASK;
+    dst.par_chunks_mut(block)
+        .zip(src.par_chunks(block))
+        .for_each(|(dst, src)| {
+            dst.copy_from_slice(src);
+            rms_norm_rows(dst, weight, eps);
+        });
 }
 
 /// SiLU (x·sigmoid(x)), on the vectorisable `fast_exp`.
