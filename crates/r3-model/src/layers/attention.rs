@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
+use rayon::prelude::*;
 
 use super::attention_op::{visible_key_ends, MaskedAttention};
 use super::attention_recompute::attend_recomputed;
@@ -15,6 +16,9 @@ use crate::config::{AttentionConfig, Config, QkNorm};
 use crate::error::{ModelError, Result};
 use crate::precision::Precision;
 use crate::weights::Weights;
+
+/// Mask rows a task of [`AttentionMask::new`] writes at least.
+const MASK_ROWS_PER_TASK: usize = 64;
 
 /// Additive causal + key-padding (+ sliding window) mask, `[B, 1, 1, T, T]`.
 #[derive(Debug, Clone)]
@@ -35,23 +39,22 @@ impl AttentionMask {
         window: Option<usize>,
         device: &Device,
     ) -> Result<Self> {
-        let mut data = vec![0f32; lengths.len() * seq_len * seq_len];
-        for (b, &len) in lengths.iter().enumerate() {
-            for i in 0..seq_len {
-                for j in 0..seq_len {
-                    // Padding queries look at the first token only, so that no row is
-                    // fully masked (a NaN row would poison later layers through 0·NaN).
-                    let visible = if i >= len {
-                        j == 0
-                    } else {
-                        j <= i && window.is_none_or(|w| i - j < w)
-                    };
-                    if !visible {
-                        data[(b * seq_len + i) * seq_len + j] = f32::NEG_INFINITY;
-                    }
-                }
-            }
-        }
+        let mut data = vec![f32::NEG_INFINITY; lengths.len() * seq_len * seq_len];
+        // Query rows side by side (a micro-batch's mask is ~1 M values, built while the
+        // other threads wait); each row is the same whichever thread writes it.
+        data.par_chunks_mut(seq_len.max(1))
+            .enumerate()
+            .with_min_len(MASK_ROWS_PER_TASK)
+            .for_each(|(r, row)| {
+                let (b, i) = (r / seq_len, r % seq_len);
+                // Padding queries look at the first token only, so that no row is fully
+                // masked (a NaN row would poison later layers through 0·NaN).
+                let visible = match i >= lengths[b] {
+                    true => 0..1,
+                    false => window.map_or(0, |w| (i + 1).saturating_sub(w))..i + 1,
+                };
+                row[visible].fill(0.0);
+            });
         let additive = Tensor::from_slice(&data, (lengths.len(), 1, 1, seq_len, seq_len), device)?;
         Ok(AttentionMask {
             additive,
@@ -398,6 +401,42 @@ mod tests {
     use super::*;
     use crate::test_util::{max_abs_diff, seeded_tensor};
     use candle_core::{DType, Device, Var};
+
+    /// Every mask value is the definition's: a real query `i` sees keys `j ≤ i` within the
+    /// window, a padding query key 0 alone (0 where visible, −∞ where not), and the key ends
+    /// are one past each row's last visible key; with lengths at, under and (never) past the
+    /// padded width, windows of 0, 1, 3 and none, and rows enough for several tasks.
+    #[test]
+    fn mask_values_follow_the_definition() {
+        for (lengths, t) in [
+            (vec![5usize, 2, 0], 5usize),
+            (vec![70, 131, 1], 131),
+            (vec![1], 1),
+        ] {
+            for window in [None, Some(0), Some(1), Some(3)] {
+                let mask = AttentionMask::new(&lengths, t, window, &Device::Cpu).expect("mask");
+                for (b, &len) in lengths.iter().enumerate() {
+                    for i in 0..t {
+                        let row = &mask.host[(b * t + i) * t..][..t];
+                        for (j, &m) in row.iter().enumerate() {
+                            let visible = if i >= len {
+                                j == 0
+                            } else {
+                                j <= i && window.is_none_or(|w| i - j < w)
+                            };
+                            let want = if visible { 0.0 } else { f32::NEG_INFINITY };
+                            assert_eq!(
+                                m, want,
+                                "lengths {lengths:?}, window {window:?}, ({b}, {i}, {j})"
+                            );
+                        }
+                        let end = row.iter().rposition(|&m| m == 0.0).map_or(0, |l| l + 1);
+                        assert_eq!(mask.key_ends[b * t + i], end, "key end of ({b}, {i})");
+                    }
+                }
+            }
+        }
+    }
 
     /// The forward equals the composed ops bit for bit; the gradients of `q`, `k`, `v` equal
     /// the composed ops' backward (f64: 1e-12; f32: 1e-5), with padding, a sliding window and

@@ -480,7 +480,7 @@ fn job_regions<'p, T>(
 /// One past the last visible key of every query row of a `[B, T, T]` additive mask (0 for a
 /// row that sees none), `[B, T]`.
 pub fn visible_key_ends(mask: &[f32], t: usize) -> Vec<usize> {
-    mask.chunks_exact(t.max(1))
+    mask.par_chunks_exact(t.max(1))
         .map(|row| {
             row.iter()
                 .rposition(|&m| m != f32::NEG_INFINITY)

@@ -40,6 +40,10 @@ pub struct CaptureSlot<'a> {
     pub offset: usize,
 }
 
+/// Rows a task of the router's selection takes at least: a decode step's few rows stay on
+/// one thread.
+const ROUTER_ROWS_PER_TASK: usize = 64;
+
 /// Runs a MoE block on `h [t, hidden]`; returns `[t, hidden]`.
 pub fn moe_forward(
     dtype: Dtype,
@@ -58,12 +62,17 @@ pub fn moe_forward(
     // Select and weigh with r3-model's router math (the same functions the trainer uses).
     let mut ids32 = vec![0u32; t * top_k];
     let mut gates = vec![0f32; t * top_k];
-    for i in 0..t {
-        let row = &logits[i * e..(i + 1) * e];
-        let out = &mut ids32[i * top_k..(i + 1) * top_k];
-        router.select_row(i, row, w.score_bias.as_deref(), out)?;
-        router.weigh_row(row, out, &mut gates[i * top_k..(i + 1) * top_k])?;
-    }
+    // Rows side by side (each row's choice is the same whichever thread makes it).
+    ids32
+        .par_chunks_mut(top_k.max(1))
+        .zip(gates.par_chunks_mut(top_k.max(1)))
+        .zip(logits.par_chunks(e.max(1)))
+        .enumerate()
+        .with_min_len(ROUTER_ROWS_PER_TASK)
+        .try_for_each(|(i, ((out, gates), row))| {
+            router.select_row(i, row, w.score_bias.as_deref(), out)?;
+            router.weigh_row(row, out, gates)
+        })?;
     let ids: Vec<u16> = ids32.iter().map(|&v| v as u16).collect();
     if let Some(c) = capture {
         let start = std::time::Instant::now();
