@@ -166,7 +166,9 @@ pub fn score(model: &Model, batch: &ResponseBatch, routing: Routing<'_>) -> Resu
     let padded = Batch::new(batch.sequences(), 0, model.device())?;
     let out = model.forward(&padded, routing)?;
     let t = padded.seq_len();
-    let logits = out.logits.narrow(1, 0, t - 1)?;
+    // Made contiguous once here: the token log-probs and the entropy each copied the
+    // narrowed view again (two serial copies of every micro-batch's logits).
+    let logits = out.logits.narrow(1, 0, t - 1)?.contiguous()?;
     let targets = padded.input_ids().narrow(1, 1, t - 1)?;
     // The same targets on the host, where their range is checked (a device read per
     // forward otherwise).
