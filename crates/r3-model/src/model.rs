@@ -272,7 +272,7 @@ impl Model {
         let ctx = LayerContext {
             rope: self.rope.tables(t, device, self.embed.dtype())?,
             mask: AttentionMask::new(lengths, t, window, device)?.to_dtype(self.embed.dtype())?,
-            rows: routed_rows(lengths, t, device)?,
+            rows: routed_rows(lengths, t),
             plan: plan.as_ref(),
         };
 
@@ -447,13 +447,12 @@ struct MoeRecord {
 }
 
 /// Flattened `[B·T]` indices of the real tokens, sequence-major.
-fn routed_rows(lengths: &[usize], t: usize, device: &Device) -> Result<RoutedRows> {
+fn routed_rows(lengths: &[usize], t: usize) -> RoutedRows {
     let host: Vec<u32> = lengths
         .iter()
         .enumerate()
         .flat_map(|(b, &len)| (0..len).map(move |i| (b * t + i) as u32))
         .collect();
     let all = host.len() == lengths.len() * t;
-    let tensor = Tensor::from_slice(&host, host.len(), device)?;
-    Ok(RoutedRows { host, tensor, all })
+    RoutedRows { host, all }
 }

@@ -149,7 +149,6 @@ pub(super) fn run(setup: &PartsSetup<'_>, step_seconds: f64) -> anyhow::Result<(
     let rope = Rope::new(&cfg.rope).tables(t, &device, DType::F32)?;
     let rows_host: Vec<u32> = (0..(b * t) as u32).collect();
     let rows = RoutedRows {
-        tensor: Tensor::from_slice(&rows_host, rows_host.len(), &device)?,
         host: rows_host,
         all: true,
     };

@@ -11,9 +11,15 @@
 use std::sync::{Arc, OnceLock};
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor, WithDType};
+use rayon::prelude::*;
 
 use crate::error::{ModelError, Result};
+use crate::host::{contiguous, with_host};
+use crate::math::Float;
+
+/// Rows a task of the host gather and scatter copies at least.
+const ROWS_PER_TASK: usize = 64;
 
 /// `out[i] = src[ids[i]]` over the first dimension of `src`, differentiable by gathers.
 #[derive(Debug, Clone)]
@@ -112,9 +118,17 @@ impl CustomOp1 for GatherRows {
         storage: &CpuStorage,
         layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let ids = CpuStorage::U32(self.ids.to_vec());
-        let out = storage.index_select(&ids, layout, &Layout::contiguous(self.ids.len()), 0)?;
-        Ok((out, self.out_shape(layout.dims())))
+        let shape = self.out_shape(layout.dims());
+        let row = layout.dims()[1..].iter().product::<usize>();
+        let out = match storage {
+            CpuStorage::F32(v) => CpuStorage::F32(self.gather(contiguous(v, layout, "src")?, row)),
+            CpuStorage::F64(v) => CpuStorage::F64(self.gather(contiguous(v, layout, "src")?, row)),
+            _ => {
+                let ids = CpuStorage::U32(self.ids.to_vec());
+                storage.index_select(&ids, layout, &Layout::contiguous(self.ids.len()), 0)?
+            }
+        };
+        Ok((out, shape))
     }
 
     #[cfg(feature = "cuda")]
@@ -141,6 +155,72 @@ impl CustomOp1 for GatherRows {
         let fan_in = self
             .fan_in
             .get_or_init(|| FanIn::of(&self.ids, self.grad_rows));
+        let width = fan_in.width;
+        if device.is_cpu() && width <= 1 {
+            return match grad.dtype() {
+                DType::F32 => self.scatter_once::<f32>(grad, fan_in, row, dims).map(Some),
+                DType::F64 => self.scatter_once::<f64>(grad, fan_in, row, dims).map(Some),
+                _ => self.bwd_composed(arg, grad, fan_in, row),
+            };
+        }
+        self.bwd_composed(arg, grad, fan_in, row)
+    }
+}
+
+impl GatherRows {
+    /// `src[ids]` on the host, rows copied side by side (candle's CPU `index_select` copies
+    /// them in turn while the other threads wait).
+    fn gather<T: Copy + Send + Sync + Default>(&self, src: &[T], row: usize) -> Vec<T> {
+        let mut out = vec![T::default(); self.ids.len() * row];
+        out.par_chunks_mut(row.max(1))
+            .zip(self.ids.par_iter())
+            .with_min_len(ROWS_PER_TASK)
+            .for_each(|(o, &id)| {
+                let id = id as usize;
+                o.copy_from_slice(&src[id * row..(id + 1) * row]);
+            });
+        out
+    }
+
+    /// The backward on the host where every source row is read at most once: each source
+    /// row's gradient is zero plus its one use's (the composed form's sum over a fan-in of
+    /// one, the same bits), rows side by side.
+    fn scatter_once<T: Float + WithDType>(
+        &self,
+        grad: &Tensor,
+        fan_in: &FanIn,
+        row: usize,
+        dims: &[usize],
+    ) -> candle_core::Result<Tensor> {
+        let mut out = vec![T::ZERO; self.src_rows * row];
+        with_host::<T, _>(grad, |g| {
+            let rows = out[..self.grad_rows * row].par_chunks_mut(row.max(1));
+            rows.zip(fan_in.table.par_chunks(fan_in.width.max(1)))
+                .with_min_len(ROWS_PER_TASK)
+                .for_each(|(o, uses)| {
+                    for &i in uses.iter().filter(|&&i| (i as usize) < self.ids.len()) {
+                        let i = i as usize;
+                        for (o, &g) in o.iter_mut().zip(&g[i * row..(i + 1) * row]) {
+                            *o += g;
+                        }
+                    }
+                });
+            Ok(())
+        })?;
+        Tensor::from_vec(out, dims, grad.device())
+    }
+
+    /// The backward from candle ops: each source row's uses gathered through the fan-in
+    /// table (padded with a zero row) and summed.
+    fn bwd_composed(
+        &self,
+        arg: &Tensor,
+        grad: &Tensor,
+        fan_in: &FanIn,
+        row: usize,
+    ) -> candle_core::Result<Option<Tensor>> {
+        let dims = arg.dims();
+        let device = grad.device();
         let width = fan_in.width;
         let mut parts = Vec::with_capacity(2);
         if width > 0 && self.grad_rows > 0 {
@@ -209,6 +289,53 @@ mod tests {
             let first = g.narrow(0, 0, src_rows - 1).expect("first");
             let want_first = gw.narrow(0, 0, src_rows - 1).expect("first");
             assert!(max_abs_diff(&first, &want_first) < tol);
+        }
+    }
+
+    /// Rows read at most once (the MoE block's real rows out of a padded batch, 150 of
+    /// them: several host tasks): forward and gradient are bit for bit candle's
+    /// `index_select` and its `index_add` backward, on rows with and without a gradient.
+    #[test]
+    fn rows_read_once_equal_index_select_and_its_backward_bit_for_bit() {
+        let bits = |t: &Tensor| -> Vec<u64> {
+            let t = t
+                .flatten_all()
+                .and_then(|t| t.to_dtype(DType::F64))
+                .expect("flat");
+            t.to_vec1::<f64>()
+                .expect("values")
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+        };
+        let src_rows = 200;
+        let ids: Vec<u32> = (0..src_rows as u32).filter(|r| r % 4 != 3).collect();
+        for dtype in [DType::F64, DType::F32] {
+            let src = Var::from_tensor(&seeded_tensor(&[src_rows, 3, 2], 5, dtype)).expect("v");
+            let probe = seeded_tensor(&[ids.len(), 3, 2], 6, dtype);
+            let ids_t = Tensor::new(ids.as_slice(), src.device()).expect("ids");
+            for grad_rows in [src_rows, src_rows - 7] {
+                let want = src.as_tensor().index_select(&ids_t, 0).expect("select");
+                let op = GatherRows::new(ids.clone(), src_rows, grad_rows).expect("op");
+                let got = op.apply(src.as_tensor()).expect("gather");
+                assert_eq!(bits(&got), bits(&want), "{dtype:?} forward");
+                let grad = |y: &Tensor| {
+                    let g = (y * &probe)
+                        .and_then(|l| l.sum_all())
+                        .and_then(|l| l.backward())
+                        .expect("backward");
+                    g.get(src.as_tensor()).expect("grad").clone()
+                };
+                let (gw, gg) = (grad(&want), grad(&got));
+                // past `grad_rows` the op gives no gradient (padding the caller appended)
+                let kept = |g: &Tensor| bits(&g.narrow(0, 0, grad_rows).expect("rows"));
+                assert_eq!(kept(&gg), kept(&gw), "{dtype:?} gradient");
+                let rest = bits(&gg.narrow(0, grad_rows, src_rows - grad_rows).expect("rest"));
+                assert!(
+                    rest.iter().all(|&b| b == 0),
+                    "{dtype:?}: padding rows' gradient"
+                );
+            }
         }
     }
 

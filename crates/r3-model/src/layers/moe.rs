@@ -48,8 +48,6 @@ pub struct MoeBlock {
 pub struct RoutedRows {
     /// index of each routed row in the flattened `[B·T]` batch
     pub host: Vec<u32>,
-    /// the same as a u32 tensor
-    pub tensor: Tensor,
     /// whether every row of the batch is routed (no padding)
     pub all: bool,
 }
@@ -146,11 +144,10 @@ impl MoeBlock {
         let e = self.router.num_experts;
         let x_routed = if rows.all {
             x.clone()
-        } else if x.device().is_cpu() {
-            x.index_select(&rows.tensor, 0)?
         } else {
-            // On a GPU candle's `index_select` backward (`index_add`) is one serial pass
-            // over the rows per column; GatherRows' backward is a parallel gather.
+            // candle's `index_select` and its `index_add` backward copy row after row (one
+            // serial pass per column on a GPU, one thread on the CPU); GatherRows' passes
+            // are parallel gathers.
             let batch_rows = x.dim(0)?;
             GatherRows::new(rows.host.clone(), batch_rows, batch_rows)?.apply(x)?
         };
@@ -199,8 +196,6 @@ impl MoeBlock {
         let routed = self.experts.forward(&x_routed, &gates, &dispatch)?;
         let out = if rows.all {
             routed
-        } else if x.device().is_cpu() {
-            Tensor::zeros(x.dims2()?, x.dtype(), x.device())?.index_add(&rows.tensor, &routed, 0)?
         } else {
             scatter_rows(&routed, &rows.host, x.dim(0)?)?
         };

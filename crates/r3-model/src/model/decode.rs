@@ -336,7 +336,7 @@ impl Model {
         }
         let rope = self.rope.tables_at(step.positions, b, t, device, dtype)?;
         let mask = Tensor::from_slice(step.mask, (b, 1, 1, t, s), device)?.to_dtype(dtype)?;
-        let rows = routed_rows(&vec![t; b], t, device)?;
+        let rows = routed_rows(&vec![t; b], t);
         let ids = Tensor::from_slice(step.tokens, b * t, device)?;
         let mut x = self.embed_tokens(&ids, step.tokens, b, t)?;
         let mut moe = MoeRecord::default();
