@@ -252,6 +252,15 @@ mod tests {
     use crate::test_util::{max_abs_diff, seeded_tensor};
     use candle_core::{DType, Var};
 
+    /// The gradient of `Σ y ⊙ probe` with respect to `src`.
+    fn grad_of(src: &Var, y: &Tensor, probe: &Tensor) -> Tensor {
+        let g = (y * probe)
+            .and_then(|l| l.sum_all())
+            .and_then(|l| l.backward())
+            .expect("backward");
+        g.get(src.as_tensor()).expect("grad").clone()
+    }
+
     /// Output and gradient equal candle's `index_select` and its `index_add` backward,
     /// with rows used several times, rows never used, and padding rows without gradient.
     #[test]
@@ -266,13 +275,7 @@ mod tests {
             let op = GatherRows::new(ids.clone(), src_rows, src_rows).expect("op");
             let got = op.apply(src.as_tensor()).expect("gather");
             assert_eq!(max_abs_diff(&got, &want), 0.0, "{dtype:?} forward");
-            let grad = |y: &Tensor| {
-                let g = (y * &probe)
-                    .and_then(|l| l.sum_all())
-                    .and_then(|l| l.backward())
-                    .expect("backward");
-                g.get(src.as_tensor()).expect("grad").clone()
-            };
+            let grad = |y: &Tensor| grad_of(&src, y, &probe);
             let (gw, gg) = (grad(&want), grad(&got));
             let tol = if dtype == DType::F64 { 1e-15 } else { 1e-6 };
             assert!(max_abs_diff(&gw, &gg) < tol, "{dtype:?} gradient");
@@ -319,13 +322,7 @@ mod tests {
                 let op = GatherRows::new(ids.clone(), src_rows, grad_rows).expect("op");
                 let got = op.apply(src.as_tensor()).expect("gather");
                 assert_eq!(bits(&got), bits(&want), "{dtype:?} forward");
-                let grad = |y: &Tensor| {
-                    let g = (y * &probe)
-                        .and_then(|l| l.sum_all())
-                        .and_then(|l| l.backward())
-                        .expect("backward");
-                    g.get(src.as_tensor()).expect("grad").clone()
-                };
+                let grad = |y: &Tensor| grad_of(&src, y, &probe);
                 let (gw, gg) = (grad(&want), grad(&got));
                 // past `grad_rows` the op gives no gradient (padding the caller appended)
                 let kept = |g: &Tensor| bits(&g.narrow(0, 0, grad_rows).expect("rows"));
