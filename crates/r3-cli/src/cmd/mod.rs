@@ -88,19 +88,26 @@ pub enum Command {
 const COMPUTE_STACK_BYTES: usize = 8 << 20;
 
 /// Runs one parsed command. A command that computes on its own thread (training,
-/// generation, analysis, the benchmarks) runs on a worker of a rayon pool built for it, so
-/// each parallel op's tasks start on that worker's own queue and the caller works beside
-/// the other workers; called from outside a pool, every op was handed across to the
-/// pool's threads while the caller slept, and woken again (measured: ≈ 10% of a
-/// gsm8k-style RL step on 2 cores). `serve` and `fleet` stay on this thread: their engines
-/// run on threads of their own.
+/// generation, analysis, the benchmarks) runs with this thread as worker 0 of a rayon pool
+/// built for it, so each parallel op's tasks start on this thread's own queue and it works
+/// beside the other workers; called from outside a pool, every op was handed across to the
+/// pool's threads while this thread slept, and woken again (measured: ≈ 10% of a
+/// gsm8k-style RL step on 2 cores). This thread rather than a fresh one: its allocations
+/// stay in glibc's main arena, which `allocator::keep_freed_buffers` keeps whole — a
+/// thread's arena gives a heap back to the kernel as soon as it empties, and the mid
+/// config's training step then spent its time faulting fresh pages in (73% → 52–58% of the
+/// GEMM peak). `serve` and `fleet` stay off the pool: their engines run on threads of their
+/// own.
 pub fn run(command: Command) -> anyhow::Result<()> {
     if matches!(command, Command::Serve(_) | Command::Fleet(_)) {
         return dispatch(command);
     }
+    // Dropped on this thread, at the end of this call, as a pool this thread works in
+    // must be.
     let pool = rayon::ThreadPoolBuilder::new()
         .thread_name(|i| format!("r3-compute-{i}"))
         .stack_size(COMPUTE_STACK_BYTES)
+        .use_current_thread()
         .build()
         .context("starting the compute thread pool")?;
     pool.install(|| dispatch(command))
