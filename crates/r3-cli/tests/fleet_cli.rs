@@ -330,8 +330,9 @@ fn worker_killed_mid_run(rollout_ahead: bool) {
         fleet_setup(if rollout_ahead { "kill-async" } else { "kill" });
     let root = &scratch.0;
     let run = root.join("run");
-    // Enough steps after the kill that some start after the restarted worker is up.
-    let steps = 10;
+    // Enough steps after the kill that some start after the restarted worker is up (with
+    // 10, a run on 2 cores had logged 8 by the time the worker answered again).
+    let steps = 16;
     let mut settings = fleet_settings(root, &urls);
     settings.extend([
         format!("steps={steps}"),
