@@ -6,7 +6,10 @@
 //! runs one thread per column that walks every id in sequence: for an MoE layer's tens of
 //! thousands of routed slots that one kernel took most of a GPU training step. The routed
 //! experts' dispatch and combine use this op on a GPU instead; each of its passes is one
-//! parallel gather.
+//! parallel gather. The MoE block's real rows of a padded batch go through it on both
+//! devices: on the host its forward, and its backward where each source row is read at most
+//! once, copy rows side by side (candle's CPU `index_select` and `index_add` copy them in
+//! turn).
 
 use std::sync::{Arc, OnceLock};
 
