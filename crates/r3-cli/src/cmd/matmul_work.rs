@@ -186,10 +186,11 @@ fn prefill_flops(cfg: &Config, prompt: usize) -> Option<f64> {
     Some(total)
 }
 
-/// Threads the rayon pool runs on this machine (one per logical CPU): the thread count the
-/// limits are measured with.
+/// Threads of the rayon pool the command runs in (one per logical CPU unless
+/// `RAYON_NUM_THREADS` says otherwise): the thread count the limits are measured with, so
+/// that a step and the peak it is held to run on the same threads.
 pub fn machine_threads() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
+    rayon::current_num_threads()
 }
 
 /// Best f32 GEMM rate (GFLOP/s) of this machine over a few square products on `threads`

@@ -83,10 +83,6 @@ pub enum Command {
     Fleet(fleet::FleetArgs),
 }
 
-/// Stack of each compute pool thread: the size of a main thread's usual stack (candle's
-/// backward walks the graph recursively; rayon's threads default to Rust's 2 MiB).
-const COMPUTE_STACK_BYTES: usize = 8 << 20;
-
 /// Runs one parsed command. A command that computes on its own thread (training,
 /// generation, analysis, the benchmarks) runs with this thread as worker 0 of a rayon pool
 /// built for it, so each parallel op's tasks start on this thread's own queue and it works
@@ -106,7 +102,6 @@ pub fn run(command: Command) -> anyhow::Result<()> {
     // must be.
     let pool = rayon::ThreadPoolBuilder::new()
         .thread_name(|i| format!("r3-compute-{i}"))
-        .stack_size(COMPUTE_STACK_BYTES)
         .use_current_thread()
         .build()
         .context("starting the compute thread pool")?;

@@ -17,6 +17,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
+use super::gemm::{assume_init_vec, unfilled};
 use crate::error::{ModelError, Result};
 use crate::host::{contiguous, with_host};
 use crate::math::Float;
@@ -173,16 +174,21 @@ impl CustomOp1 for GatherRows {
 impl GatherRows {
     /// `src[ids]` on the host, rows copied side by side (candle's CPU `index_select` copies
     /// them in turn while the other threads wait).
-    fn gather<T: Copy + Send + Sync + Default>(&self, src: &[T], row: usize) -> Vec<T> {
-        let mut out = vec![T::default(); self.ids.len() * row];
+    fn gather<T: Copy + Send + Sync>(&self, src: &[T], row: usize) -> Vec<T> {
+        // Not zero-filled first: every element is written below.
+        let mut out = unfilled::<T>(self.ids.len() * row);
         out.par_chunks_mut(row.max(1))
             .zip(self.ids.par_iter())
             .with_min_len(ROWS_PER_TASK)
             .for_each(|(o, &id)| {
                 let id = id as usize;
-                o.copy_from_slice(&src[id * row..(id + 1) * row]);
+                for (o, &v) in o.iter_mut().zip(&src[id * row..(id + 1) * row]) {
+                    o.write(v);
+                }
             });
-        out
+        // SAFETY: one chunk of `row` elements per id tiles `out`, and each chunk was written
+        // whole from its source row (`row` long: the slice above is checked).
+        unsafe { assume_init_vec(out) }
     }
 
     /// The backward on the host where every source row is read at most once: each source

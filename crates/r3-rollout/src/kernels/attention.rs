@@ -12,6 +12,7 @@ use rayon::prelude::*;
     target_feature = "fma"
 )))]
 use crate::kernels::linear::dot;
+use crate::kernels::ops::{prefetch_lines, CacheLevel};
 use crate::kv_pool::{KvBlockId, KvPool};
 
 /// One sequence's part of a batch: its query tokens and where its context lives.
@@ -417,8 +418,8 @@ pub fn paged_attention<'p>(
         // scores overlaps their misses (measured, `examples/attention_speed.rs`: a decode
         // step's attention at 256 rows of a GRPO batch ≈ 15–20% faster).
         for (k, v) in keys.iter().zip(values.iter()) {
-            prefetch_lines(k);
-            prefetch_lines(v);
+            prefetch_lines(k, CacheLevel::L2);
+            prefetch_lines(v, CacheLevel::L2);
         }
         scores.clear();
         scores.resize(num_heads * n, 0.0);
@@ -440,25 +441,6 @@ pub fn paged_attention<'p>(
             .enumerate()
             .for_each(|item| task(&mut scratch, item));
     }
-}
-
-/// Asks for every cache line of `xs` to be brought into L2 (a hint: no effect on results).
-#[inline(always)]
-fn prefetch_lines(xs: &[f32]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
-        // Sixteen floats per 64-byte line, and the last float for a row that ends past its
-        // start's last line.
-        let last = xs.len().checked_sub(1);
-        for i in (0..xs.len()).step_by(16).chain(last) {
-            // SAFETY: `i < xs.len()`: the address lies inside `xs`; a prefetch reads nothing
-            // the program sees.
-            unsafe { _mm_prefetch::<_MM_HINT_T1>(xs.as_ptr().add(i).cast::<i8>()) };
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = xs;
 }
 
 /// One worker's buffers for [`paged_attention`]: a token's context key and value rows and

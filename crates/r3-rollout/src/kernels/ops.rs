@@ -38,6 +38,42 @@ pub fn rms_norm_into(src: &[f32], dst: &mut [f32], weight: &[f32], eps: f32) {
         });
 }
 
+/// The cache level [`prefetch_lines`] asks lines into.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum CacheLevel {
+    /// The core's first-level cache: lines wanted within a few hundred cycles.
+    L1,
+    /// The second level: a larger set wanted soon (a whole context's rows).
+    L2,
+}
+
+/// Asks for every cache line of `xs` to be brought into `level`: a hint for reads the
+/// hardware prefetcher would not foresee (many short streams side by side); nothing is
+/// read or written, so results never change.
+#[inline(always)]
+pub(crate) fn prefetch_lines(xs: &[f32], level: CacheLevel) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
+        // Sixteen floats per 64-byte line, and the last float for a slice that ends past
+        // its start's last line.
+        let last = xs.len().checked_sub(1);
+        for i in (0..xs.len()).step_by(16).chain(last) {
+            let at = xs[i..].as_ptr().cast::<i8>();
+            // SAFETY: `at` points inside `xs`; a prefetch never faults and changes no
+            // memory, and SSE (which has it) is part of every x86-64 CPU.
+            unsafe {
+                match level {
+                    CacheLevel::L1 => _mm_prefetch::<_MM_HINT_T0>(at),
+                    CacheLevel::L2 => _mm_prefetch::<_MM_HINT_T1>(at),
+                }
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (xs, level);
+}
+
 /// SiLU (x·sigmoid(x)), on the vectorisable `fast_exp`.
 #[inline]
 pub fn silu(x: f32) -> f32 {

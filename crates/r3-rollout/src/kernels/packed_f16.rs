@@ -14,6 +14,7 @@ use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 use rayon::prelude::*;
 
 use crate::dtype::bf16_bits;
+use crate::kernels::ops::{prefetch_lines, CacheLevel};
 
 /// A row-major matrix given as row blocks stacked in order (`[q; k; v]`, `[gate; up]`, or one
 /// block), each borrowed where it lies: packing reads the rows without first copying the
@@ -398,7 +399,11 @@ fn portable_pack_panel(
         let width = TILE_K.min(k - c0);
         for (j, t) in tile.iter_mut().enumerate().take(cols) {
             let row = rows.row(p * PANEL + j);
-            prefetch_next_tile(row, c0 + TILE_K);
+            // The row's next tile, ahead of its use: a panel reads its 32 rows side by
+            // side, more streams than the hardware prefetcher follows (the AVX-512 pack ran
+            // twice as fast with it).
+            let next = (c0 + TILE_K).min(k)..(c0 + 2 * TILE_K).min(k);
+            prefetch_lines(&row[next], CacheLevel::L1);
             kind.narrow(&row[c0..c0 + width], &mut t[..width]);
         }
         for (c, line) in panel[c0..c0 + width].iter_mut().enumerate() {
@@ -407,24 +412,6 @@ fn portable_pack_panel(
             }
         }
     }
-}
-
-/// Asks for the cache lines of `row[from .. from + TILE_K]` ahead of their use: a panel
-/// reads its 32 rows side by side, more streams than the hardware prefetcher follows (the
-/// AVX-512 pack ran twice as fast with it). A hint only: nothing is read or written.
-#[inline]
-fn prefetch_next_tile(row: &[f32], from: usize) {
-    #[cfg(target_arch = "x86_64")]
-    for at in (from..row.len().min(from + TILE_K)).step_by(16) {
-        // SAFETY: `at` indexes `row`; a prefetch never faults and changes no memory, and
-        // SSE (which has it) is part of every x86-64 CPU.
-        unsafe {
-            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-            _mm_prefetch::<_MM_HINT_T0>(row.as_ptr().add(at).cast::<i8>());
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (row, from);
 }
 
 #[cfg(target_arch = "x86_64")]
