@@ -12,8 +12,9 @@ use candle_core::{Tensor, D};
 
 use super::combine_slots::combine_slots;
 use super::dispatch::Dispatch;
+use super::expert_gemm::expert_blocks_matmul;
 use super::gather_rows::GatherRows;
-use super::linear::{matmul_wt, matmul_wt_at};
+use super::linear::matmul_wt;
 use super::routed_op::RoutedSwiGlu;
 use super::swiglu_halves::swiglu_halves;
 use crate::error::{ModelError, Result};
@@ -88,9 +89,7 @@ impl RoutedExperts {
                 RoutedSwiGlu::new(dispatch.clone()),
             )?)
         } else if !x.device().is_cpu() && padded_fits(dispatch) {
-            let gradients = self.gate_up.track_op() || self.down.track_op();
-            let cost = OverflowCost::for_stack(e, gradients);
-            self.forward_padded(x, gates, dispatch, cost)
+            self.forward_padded(x, gates, dispatch, OverflowCost::GPU)
         } else {
             self.forward_composed(x, gates, dispatch)
         }
@@ -98,20 +97,18 @@ impl RoutedExperts {
 
     /// The same computation as batched GEMMs over all experts at once, for a GPU: each
     /// expert's first `cap` rows gathered into an `[E, cap, H]` block (shorter experts padded
-    /// with a zero row), an expert's rows past `cap` into further `cap`-row overflow blocks
-    /// (`[m, cap, H]`, their weights gathered from the stack), `· [·, H, 2I]`, SwiGLU,
-    /// `· [·, I, H]`, then each row's `top_k` outputs read back in slot order, weighted by
-    /// its gates and summed (one op, [`combine_slots`], where the device has it). A few
-    /// launches per layer instead of three per expert, and the stacked weights' gradients
-    /// come out of the batched GEMMs' backward whole (slicing each expert out of the stack
-    /// would make candle's backward build a zero-filled copy of the whole stack per expert:
-    /// 4 s of a 30B-A3B-shaped step on an H200). The row gathers
-    /// are [`GatherRows`], whose backward is a gather too (candle's `index_select` →
-    /// `index_add` backward is serial over the rows on a GPU); the overflow blocks' weight
-    /// gather is an `index_select` over whole experts, whose `index_add` backward runs one
-    /// thread per weight element. The same rounding points as `forward_composed`. The block
-    /// size weighs padded rows against what overflow blocks cost (`overflow_cost`,
-    /// [`OverflowCost::for_stack`] in the model).
+    /// with a zero row), an expert's rows past `cap` into further `cap`-row overflow blocks,
+    /// every block `· [H, 2I]` of its expert, SwiGLU, `· [I, H]`, the experts' matrices read
+    /// in place from the stacks and their gradients written into the stacks' gradients
+    /// ([`expert_blocks_matmul`]), then each row's `top_k` outputs read back in slot order,
+    /// weighted by its gates and summed (one op, [`combine_slots`], where the device has it).
+    /// A few launches per layer instead of three per expert (slicing each expert out of the
+    /// stack would make candle's backward build a zero-filled copy of the whole stack per
+    /// expert: 4 s of a 30B-A3B-shaped step on an H200). The row gathers are [`GatherRows`],
+    /// whose backward is a gather too (candle's `index_select` → `index_add` backward is
+    /// serial over the rows on a GPU). The same rounding points as `forward_composed`. The
+    /// block size weighs padded rows against what overflow blocks cost (`overflow_cost`,
+    /// [`OverflowCost::GPU`] in the model).
     fn forward_padded(
         &self,
         x: &Tensor,
@@ -126,21 +123,16 @@ impl RoutedExperts {
         let (e, cap, m) = (layout.experts, layout.cap, layout.overflow.len());
         // Row `rows` of `x_pad` is the zero row padding reads; it gets no gradient.
         let x_pad = Tensor::cat(&[x, &Tensor::zeros((1, h), x.dtype(), device)?], 0)?;
-        let (main_rows, overflow_rows) = layout.gather.split_at(e * cap);
-        let xs = GatherRows::new(main_rows.to_vec(), rows + 1, rows)?
+        // Main blocks are experts 0..E in turn, then each overflow block's expert.
+        let block_experts: Vec<u32> = (0..e as u32)
+            .chain(layout.overflow.iter().copied())
+            .collect();
+        let xs = GatherRows::new(layout.gather, rows + 1, rows)?
             .apply(&x_pad)?
-            .reshape((e, cap, h))?;
-        let mut ys = vec![self.swiglu_block(&xs, &self.gate_up, &self.down)?];
-        if m > 0 {
-            let xo = GatherRows::new(overflow_rows.to_vec(), rows + 1, rows)?
-                .apply(&x_pad)?
-                .reshape((m, cap, h))?;
-            let experts = Tensor::from_vec(layout.overflow.clone(), m, device)?;
-            let gate_up = self.gate_up.index_select(&experts, 0)?;
-            let down = self.down.index_select(&experts, 0)?;
-            ys.push(self.swiglu_block(&xo, &gate_up, &down)?);
-        }
-        let y = Tensor::cat(&ys, 0)?.reshape(((e + m) * cap, h))?;
+            .reshape((e + m, cap, h))?;
+        let y = self
+            .swiglu_blocks(&xs, &block_experts)?
+            .reshape(((e + m) * cap, h))?;
         let gates = gates.to_dtype(x.dtype())?;
         if let Some(out) = combine_slots(&y, &gates, &layout.place_of_slot)? {
             return Ok(out);
@@ -153,16 +145,17 @@ impl RoutedExperts {
             .sum(1)?)
     }
 
-    /// One padded block's SwiGLU: `xs` `[n, cap, H]` through `gate_up` `[n, 2I, H]` and
-    /// `down` `[n, H, I]` as batched GEMMs, rounded where `forward_composed` rounds.
-    fn swiglu_block(&self, xs: &Tensor, gate_up: &Tensor, down: &Tensor) -> Result<Tensor> {
+    /// The padded blocks' SwiGLU: `xs` `[blocks, cap, H]`, block `b` through expert
+    /// `experts[b]`'s `gate_up` `[2I, H]` and `down` `[H, I]`, read in place from the stacks
+    /// ([`expert_blocks_matmul`]), rounded where `forward_composed` rounds.
+    fn swiglu_blocks(&self, xs: &Tensor, experts: &[u32]) -> Result<Tensor> {
         let (i, p) = (self.intermediate, self.precision);
-        let hidden = matmul_wt_at(p, xs, gate_up)?;
+        let hidden = expert_blocks_matmul(p, xs, &self.gate_up, experts)?;
         let a = match swiglu_halves(&hidden)? {
             Some(a) => a,
             None => (hidden.narrow(2, 0, i)?.silu()? * hidden.narrow(2, i, i)?)?,
         };
-        matmul_wt_at(p, &p.round(&a)?, down)
+        expert_blocks_matmul(p, &p.round(&a)?, &self.down, experts)
     }
 
     /// The same computation from candle's composed ops, expert by expert (other devices and
@@ -229,62 +222,39 @@ struct PaddedLayout {
 /// What overflow blocks cost beyond their places, in padded rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct OverflowCost {
-    /// Each overflow block: its two expert weight matrices gathered from the stack.
+    /// Each overflow block: its expert's two weight matrices read once more by the forward
+    /// and the input gradient's GEMMs, and the run's own weight-gradient GEMM.
     per_block: usize,
-    /// Once, if there is any overflow block: with gradients, the gather's backward builds a
-    /// zero-filled gradient the size of the whole stack, adds into it, and the stack's
-    /// gradient from the main block is summed with it.
-    any: usize,
 }
 
-/// What one overflow block costs beyond its places, in padded rows: its two expert weight
-/// matrices are gathered (read, written, read again by the GEMM: 36·I·H bytes in f32) where a
-/// padded row costs the GEMMs 6·I·H FLOPs; on an H200 (4.8 TB/s, ~50 TFLOP/s in f32, more in
-/// bf16) that is about 60 rows in f32 GEMMs. Decode steps, whose GEMMs are bound by reading
-/// weights, pay more per weight copy, so the estimate is rounded up. With a cost of zero a
-/// decode step at batch 256 split its ~32 rows per expert into overflow blocks and ran
-/// slower (H200, 2026-11-27).
+/// What one overflow block costs beyond its places, in padded rows: its expert's two weight
+/// matrices are read again by the forward and the input-gradient GEMMs (12·I·H bytes in
+/// bf16) where a padded row costs the GEMMs 18·I·H FLOPs forward and backward; on an H200
+/// (4.8 TB/s, several hundred TFLOP/s in bf16) that is about 70 rows, and a run of overflow
+/// blocks adds a weight-gradient GEMM of its own. Decode steps, whose GEMMs are bound by
+/// reading weights, pay more per extra read, so the estimate is rounded up. With a cost of
+/// zero a decode step at batch 256 split its ~32 rows per expert into overflow blocks and
+/// ran slower (H200, 2026-11-27). (Before the weights were read in place each block's
+/// matrices were copied, and any overflow block brought stack-sized gradient passes: ≈ 5 ms
+/// a 30B-A3B layer.)
 const OVERFLOW_BLOCK_ROWS: usize = 128;
 
-/// What having any overflow block costs a forward whose stacked weights take gradients, in
-/// padded rows per expert of the stack. Measured on an H200 (2026-11-27, `ncu` over a bf16
-/// training step): the stack-sized zero-fill, `index_add` and gradient sum took ≈ 5 ms per
-/// layer of the 30B-A3B shape (128 experts) and ≈ 0.3 ms of mid (32 experts), where a padded
-/// row's GEMMs forward and backward took ≈ 0.2 µs and ≈ 0.05 µs: ≈ 190 rows per expert on
-/// both. (The 30B-A3B shape's random-weight router sends most tokens to a few experts, so
-/// overflow blocks still cost least there with this term counted: what is left to remove
-/// is the weight copies themselves.)
-const TRAINING_OVERFLOW_ROWS_PER_EXPERT: usize = 192;
-
 impl OverflowCost {
-    /// The cost for a stack of `experts` experts, whose weights take gradients or not.
-    fn for_stack(experts: usize, gradients: bool) -> Self {
-        OverflowCost {
-            per_block: OVERFLOW_BLOCK_ROWS,
-            any: if gradients {
-                experts * TRAINING_OVERFLOW_ROWS_PER_EXPERT
-            } else {
-                0
-            },
-        }
-    }
+    /// The cost on a GPU ([`OVERFLOW_BLOCK_ROWS`] per overflow block).
+    const GPU: OverflowCost = OverflowCost {
+        per_block: OVERFLOW_BLOCK_ROWS,
+    };
 
     /// Only the places count (the layout tests' reference).
     #[cfg(test)]
     fn places_only() -> Self {
-        OverflowCost {
-            per_block: 0,
-            any: 0,
-        }
+        OverflowCost { per_block: 0 }
     }
 
-    /// `per_block` rows per overflow block and nothing else.
+    /// `per_block` rows per overflow block.
     #[cfg(test)]
     fn per_block(rows: usize) -> Self {
-        OverflowCost {
-            per_block: rows,
-            any: 0,
-        }
+        OverflowCost { per_block: rows }
     }
 }
 
@@ -299,8 +269,7 @@ fn places_for(counts: &[usize], cap: usize) -> usize {
 fn cost_of(counts: &[usize], cap: usize, overflow: OverflowCost) -> usize {
     let places = places_for(counts, cap);
     let overflow_blocks = places / cap.max(1) - counts.len();
-    let any = if overflow_blocks > 0 { overflow.any } else { 0 };
-    places + overflow_blocks * overflow.per_block + any
+    places + overflow_blocks * overflow.per_block
 }
 
 /// The block size of least cost ([`cost_of`]: places, padding included, and each overflow
@@ -624,11 +593,7 @@ mod tests {
             vec![1000, 999, 17, 0],
             vec![4000, 500, 510, 490, 20, 700, 505, 512],
         ] {
-            for overflow_cost in [0, 1, 16, 128]
-                .map(OverflowCost::per_block)
-                .into_iter()
-                .chain([OverflowCost::for_stack(counts.len(), true)])
-            {
+            for overflow_cost in [0, 1, 16, 128].map(OverflowCost::per_block) {
                 let chosen = cost_of(&counts, block_size(&counts, overflow_cost), overflow_cost);
                 let low = counts.iter().sum::<usize>().div_ceil(counts.len());
                 let busiest = *counts.iter().max().expect("max");
@@ -641,29 +606,22 @@ mod tests {
                 }
             }
         }
-        // a training-sized skew (mid's 32 experts, 16,384 slots): overflow blocks pay
+        // a training-sized skew (mid's 32 experts, 16,384 slots): overflow blocks pay, 2
+        // blocks of 512 past expert 0's first (17,408 places + 2 · 128) against 35,200
+        // places in one block each
         let mut training = vec![512; 32];
         training[0] = 1100;
         training[1] = 0;
         training[2] = 436;
-        let cap = block_size(&training, OverflowCost::per_block(OVERFLOW_BLOCK_ROWS));
-        assert!(cap < 1100, "{cap}");
-        // ... and they still do with gradients: 2 blocks of 512 past expert 0's first (17,408
-        // places + 2 · 128 + the stack's 32 · 192) against 35,200 places in one block each
-        let with_gradients = OverflowCost::for_stack(32, true);
-        assert_eq!(block_size(&training, with_gradients), 512);
+        assert_eq!(block_size(&training, OverflowCost::GPU), 512);
         // a 30B-A3B-like load (128 experts, 64 rows on most, 100 on eight, 150 on one): at
         // 128 rows a block, blocks of 67 cost least (8,576 places + 10 overflow blocks of
-        // 67 + 128 = 10,526, against 19,200 places in one block each), but not once the
-        // stack's gradient passes count (128 · 192 = 24,576 more)
+        // 67 + 128 = 10,526, against 19,200 places in one block each)
         let mut a3b = vec![64; 128];
         a3b[..8].fill(100);
         a3b[8] = 150;
-        let per_block = OverflowCost::per_block(OVERFLOW_BLOCK_ROWS);
-        assert_eq!(block_size(&a3b, per_block), 67);
-        assert_eq!(cost_of(&a3b, 67, per_block), 10_526);
-        assert_eq!(block_size(&a3b, OverflowCost::for_stack(128, false)), 67);
-        assert_eq!(block_size(&a3b, OverflowCost::for_stack(128, true)), 150);
+        assert_eq!(block_size(&a3b, OverflowCost::GPU), 67);
+        assert_eq!(cost_of(&a3b, 67, OverflowCost::GPU), 10_526);
     }
 
     /// The padded layout is used where the slots number at least the experts.

@@ -7,6 +7,7 @@ mod attention_softmax;
 mod combine_slots;
 pub mod dispatch;
 pub mod embedding_rows;
+pub mod expert_gemm;
 pub mod experts;
 pub mod gather_rows;
 pub mod gemm;

@@ -1,0 +1,735 @@
+//! Batched GEMMs over blocks of rows where each block multiplies one expert's weights, read
+//! in place from the layer's stacked tensor: the routed experts' GEMMs of the padded layout
+//! (`experts.rs`), forward and backward.
+//!
+//! The padded layout puts each expert's first `cap` rows in a main block and its rows past
+//! `cap` in overflow blocks of the same size. Composed from candle's ops, the overflow blocks'
+//! weights had to be gathered from the stack (`index_select`: a copy of two expert matrices
+//! per block), and the gather's backward built a zero-filled gradient the size of the whole
+//! stack and summed it with the main blocks' (on an H200, 60 ms of a 30B-A3B-shaped bf16
+//! step's 148 ms of kernels). Here every block's GEMM points at its expert's matrices where
+//! they lie (cuBLAS's batched GEMM over pointer arrays), and the weight gradient is written
+//! by GEMMs into the stack's gradient directly: the main blocks first (each expert once), then
+//! each expert's overflow rows — contiguous in the layout — added in f32.
+//!
+//! Which GEMMs run is a [`GemmPlan`] made on the host from the block → expert map alone; a
+//! GPU runs it through cuBLAS, the CPU (the tests) through a plain column-major GEMM, so the
+//! plan's offsets and accumulation order are checked in CI against candle's composed ops.
+
+use std::sync::Arc;
+
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
+
+use super::linear::matmul_wt_at;
+use super::precomputed::{precomputed_fwd, Precomputed};
+use crate::cast16::cast16;
+use crate::error::{ModelError, Result};
+use crate::precision::Precision;
+
+/// `y[b] = x[b] · w[experts[b]]ᵀ` for `x` `[blocks, cap, k]` and the stack `w` `[E, n, k]`,
+/// rounded as [`matmul_wt_at`] rounds at precision `p` (16-bit operands and output, f32
+/// accumulation; the weight may already be the 16-bit copy). Differentiable in `x` and `w`;
+/// on a GPU the weights are read in place and their gradient accumulated in f32 (see the
+/// module doc), elsewhere the blocks' weights are gathered and multiplied by candle's ops.
+pub fn expert_blocks_matmul(
+    p: Precision,
+    x: &Tensor,
+    w: &Tensor,
+    experts: &[u32],
+) -> Result<Tensor> {
+    let map = BlockMap::new(x, w, experts)?;
+    let compute = p.narrow_dtype().unwrap_or(DType::F32);
+    let in_place = x.device().is_cuda()
+        && x.dtype() == DType::F32
+        && (w.dtype() == DType::F32 || w.dtype() == compute);
+    if in_place {
+        return in_place_matmul(x, w, map, compute);
+    }
+    let identity = experts.iter().enumerate().all(|(b, &e)| b == e as usize);
+    let blocks = if identity && experts.len() == map.stack {
+        w.clone()
+    } else {
+        let ids = Tensor::from_vec(experts.to_vec(), experts.len(), w.device())?;
+        w.index_select(&ids, 0)?
+    };
+    matmul_wt_at(p, x, &blocks)
+}
+
+/// The blocks' shapes and experts, checked against the operands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct BlockMap {
+    /// The expert of each block.
+    experts: Vec<u32>,
+    /// Experts in the stack (`E`).
+    stack: usize,
+    /// Rows per block.
+    cap: usize,
+    /// Output columns (`n`) and the shared inner size (`k`).
+    n: usize,
+    k: usize,
+}
+
+impl BlockMap {
+    fn new(x: &Tensor, w: &Tensor, experts: &[u32]) -> Result<Self> {
+        let shape_error = || {
+            ModelError::Input(format!(
+                "expert blocks: input {:?} and stacked weights {:?} are not [blocks, cap, k] and [E, n, k] with {} blocks",
+                x.dims(),
+                w.dims(),
+                experts.len()
+            ))
+        };
+        let (blocks, cap, k) = x.dims3().map_err(|_| shape_error())?;
+        let (stack, n, k2) = w.dims3().map_err(|_| shape_error())?;
+        if k2 != k || blocks != experts.len() {
+            return Err(shape_error());
+        }
+        if let Some(&bad) = experts.iter().find(|&&e| e as usize >= stack) {
+            return Err(ModelError::Input(format!(
+                "expert blocks: expert {bad} of a stack of {stack}"
+            )));
+        }
+        let fits = |v: usize| i32::try_from(v).is_ok();
+        if !(fits(n) && fits(k) && fits(cap.saturating_mul(blocks)) && fits(blocks)) {
+            return Err(ModelError::Input(format!(
+                "expert blocks: {blocks} blocks of {cap} × {k} by {n} exceed a 32-bit GEMM size"
+            )));
+        }
+        Ok(BlockMap {
+            experts: experts.to_vec(),
+            stack,
+            cap,
+            n,
+            k,
+        })
+    }
+}
+
+/// The op on a GPU: the value from the forward plan, the gradients from the two backward
+/// plans, operands cast to `compute` (f32, bf16 or f16) around them.
+fn in_place_matmul(x: &Tensor, w: &Tensor, map: BlockMap, compute: DType) -> Result<Tensor> {
+    let map = Arc::new(map);
+    let x = x.contiguous()?;
+    let xn = cast16(&x.detach(), compute)?;
+    let wn = cast16(&w.detach().contiguous()?, compute)?;
+    let y = xn.apply_op2_no_bwd(&wn, &PlannedGemm::new(Pass::Forward, &map))?;
+    let value = cast16(&y, DType::F32)?;
+    if !x.track_op() && !w.track_op() {
+        return Ok(value);
+    }
+    let op = ExpertBlocksMatmul {
+        value: Precomputed::new(value),
+        map,
+        compute,
+    };
+    Ok(x.apply_op2(w, op)?)
+}
+
+/// The differentiable op: its value precomputed, its backward two planned GEMM passes.
+#[derive(Debug)]
+struct ExpertBlocksMatmul {
+    value: Precomputed,
+    map: Arc<BlockMap>,
+    compute: DType,
+}
+
+impl CustomOp2 for ExpertBlocksMatmul {
+    fn name(&self) -> &'static str {
+        "expert-blocks-matmul"
+    }
+
+    precomputed_fwd!(2);
+
+    /// `dx[b] = g[b] · w[e_b]` (rounded to the compute type, as the forward's output) and
+    /// `dw[e] = Σ_{b: e_b = e} g[b]ᵀ x[b]`, accumulated in f32 and returned in `w`'s dtype.
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let c = self.compute;
+        let gn = cast16(&grad.detach().contiguous()?, c)?;
+        let dx = if x.track_op() {
+            let wn = cast16(&w.detach().contiguous()?, c)?;
+            let dx = gn.apply_op2_no_bwd(&wn, &PlannedGemm::new(Pass::InputGrad, &self.map))?;
+            Some(cast16(&dx, DType::F32)?)
+        } else {
+            None
+        };
+        let dw = if w.track_op() {
+            let xn = cast16(&x.detach().contiguous()?, c)?;
+            let dw = gn.apply_op2_no_bwd(&xn, &PlannedGemm::new(Pass::WeightGrad, &self.map))?;
+            Some(cast16(&dw, w.dtype())?)
+        } else {
+            None
+        };
+        Ok((dx, dw))
+    }
+}
+
+/// Which product a plan computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pass {
+    /// `(x, w) → y [blocks, cap, n]`.
+    Forward,
+    /// `(g, w) → dx [blocks, cap, k]`.
+    InputGrad,
+    /// `(g, x) → dw [E, n, k]` in f32.
+    WeightGrad,
+}
+
+/// One cuBLAS-style GEMM shape, column-major: `C (m × n) = op(A) · op(B) (+ C)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct GemmShape {
+    trans_a: bool,
+    trans_b: bool,
+    m: usize,
+    n: usize,
+    k: usize,
+    lda: usize,
+    ldb: usize,
+    ldc: usize,
+}
+
+/// A batch of GEMMs of one shape, each at its own element offsets into A, B and C.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct BatchedGemm {
+    shape: GemmShape,
+    /// `(a, b, c)` element offsets of each GEMM of the batch.
+    offsets: Vec<[usize; 3]>,
+    /// Add into C (a later round of the weight gradient) instead of overwriting it.
+    accumulate: bool,
+}
+
+/// The GEMMs of one pass, in the order they must run, and the output's size.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct GemmPlan {
+    calls: Vec<BatchedGemm>,
+    /// Elements of the output.
+    out_len: usize,
+    /// The output must start zeroed (an expert of the stack has no block, so no GEMM
+    /// writes its gradient).
+    zeroed: bool,
+}
+
+impl GemmPlan {
+    /// The plan of `pass` over these blocks. Row-major operands seen column-major are
+    /// transposed, so `y = x wᵀ` is the column-major `yᵀ = w xᵀ`, and so on.
+    fn new(pass: Pass, map: &BlockMap) -> Self {
+        let (cap, n, k) = (map.cap, map.n, map.k);
+        let blocks = map.experts.len();
+        match pass {
+            Pass::Forward | Pass::InputGrad => {
+                let (shape, out_width) = if pass == Pass::Forward {
+                    // yᵀ (n × cap) = (w_e: k × n col-major)ᵀ · (xᵀ: k × cap)
+                    let s = GemmShape {
+                        trans_a: true,
+                        trans_b: false,
+                        m: n,
+                        n: cap,
+                        k,
+                        lda: k,
+                        ldb: k,
+                        ldc: n,
+                    };
+                    (s, n)
+                } else {
+                    // dxᵀ (k × cap) = (w_e: k × n col-major) · (gᵀ: n × cap)
+                    let s = GemmShape {
+                        trans_a: false,
+                        trans_b: false,
+                        m: k,
+                        n: cap,
+                        k: n,
+                        lda: k,
+                        ldb: n,
+                        ldc: k,
+                    };
+                    (s, k)
+                };
+                let in_width = if pass == Pass::Forward { k } else { n };
+                let offsets = map
+                    .experts
+                    .iter()
+                    .enumerate()
+                    .map(|(b, &e)| [e as usize * n * k, b * cap * in_width, b * cap * out_width])
+                    .collect();
+                GemmPlan {
+                    calls: vec![BatchedGemm {
+                        shape,
+                        offsets,
+                        accumulate: false,
+                    }],
+                    out_len: blocks * cap * out_width,
+                    zeroed: false,
+                }
+            }
+            Pass::WeightGrad => Self::weight_grad(map),
+        }
+    }
+
+    /// `dwᵀ (k × n) = (xᵀ: k × rows) · (gᵀ: n × rows)ᵀ` per run of consecutive blocks of one
+    /// expert (their rows are contiguous, so a run is one GEMM over `len · cap` rows). The
+    /// `r`-th run of every expert forms round `r`; a round's runs are distinct experts, so
+    /// they run side by side, batched by run length; round 0 writes, later rounds add.
+    fn weight_grad(map: &BlockMap) -> Self {
+        let (cap, n, k) = (map.cap, map.n, map.k);
+        // (expert, first block, blocks) of each run, in block order.
+        let mut runs: Vec<(usize, usize, usize)> = Vec::new();
+        for (b, &e) in map.experts.iter().enumerate() {
+            match runs.last_mut() {
+                Some(run) if run.0 == e as usize && run.1 + run.2 == b => run.2 += 1,
+                _ => runs.push((e as usize, b, 1)),
+            }
+        }
+        let mut round_of_run = Vec::with_capacity(runs.len());
+        let mut seen = vec![0usize; map.stack];
+        for &(e, _, _) in &runs {
+            round_of_run.push(seen[e]);
+            seen[e] += 1;
+        }
+        let rounds = seen.iter().copied().max().unwrap_or(0);
+        let mut calls = Vec::new();
+        for round in 0..rounds {
+            let mut lengths: Vec<usize> = runs
+                .iter()
+                .zip(&round_of_run)
+                .filter(|(_, &r)| r == round)
+                .map(|(run, _)| run.2)
+                .collect();
+            lengths.sort_unstable();
+            lengths.dedup();
+            for len in lengths {
+                let offsets = runs
+                    .iter()
+                    .zip(&round_of_run)
+                    .filter(|(run, &r)| r == round && run.2 == len)
+                    .map(|(&(e, first, _), _)| [first * cap * k, first * cap * n, e * n * k])
+                    .collect();
+                calls.push(BatchedGemm {
+                    shape: GemmShape {
+                        trans_a: false,
+                        trans_b: true,
+                        m: k,
+                        n,
+                        k: len * cap,
+                        lda: k,
+                        ldb: n,
+                        ldc: k,
+                    },
+                    offsets,
+                    accumulate: round > 0,
+                });
+            }
+        }
+        GemmPlan {
+            calls,
+            out_len: map.stack * n * k,
+            zeroed: seen.contains(&0),
+        }
+    }
+
+    /// The plan run by a plain column-major GEMM on host slices (f32 accumulation): the
+    /// CPU twin of the cuBLAS calls.
+    fn run_host(&self, a: &[f32], b: &[f32]) -> Vec<f32> {
+        let mut c = vec![0f32; self.out_len];
+        for call in &self.calls {
+            let s = call.shape;
+            for &[oa, ob, oc] in &call.offsets {
+                for j in 0..s.n {
+                    for i in 0..s.m {
+                        let mut sum = 0f32;
+                        for l in 0..s.k {
+                            let av = if s.trans_a {
+                                a[oa + l + i * s.lda]
+                            } else {
+                                a[oa + i + l * s.lda]
+                            };
+                            let bv = if s.trans_b {
+                                b[ob + j + l * s.ldb]
+                            } else {
+                                b[ob + l + j * s.ldb]
+                            };
+                            sum += av * bv;
+                        }
+                        let out = &mut c[oc + i + j * s.ldc];
+                        *out = if call.accumulate { *out + sum } else { sum };
+                    }
+                }
+            }
+        }
+        c
+    }
+}
+
+/// The output shape of `pass` over `map`.
+fn out_shape(pass: Pass, map: &BlockMap) -> Shape {
+    let blocks = map.experts.len();
+    match pass {
+        Pass::Forward => Shape::from((blocks, map.cap, map.n)),
+        Pass::InputGrad => Shape::from((blocks, map.cap, map.k)),
+        Pass::WeightGrad => Shape::from((map.stack, map.n, map.k)),
+    }
+}
+
+/// One pass's GEMMs as a no-gradient op over its two operands (both of the compute type).
+#[derive(Debug, Clone)]
+struct PlannedGemm {
+    pass: Pass,
+    map: Arc<BlockMap>,
+}
+
+impl PlannedGemm {
+    fn new(pass: Pass, map: &Arc<BlockMap>) -> Self {
+        PlannedGemm {
+            pass,
+            map: Arc::clone(map),
+        }
+    }
+}
+
+impl CustomOp2 for PlannedGemm {
+    fn name(&self) -> &'static str {
+        "expert-blocks-gemm"
+    }
+
+    /// The host twin, f32 only (the tests' path).
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let contiguous = |s: &CpuStorage, l: &Layout| -> candle_core::Result<Vec<f32>> {
+            match (s, l.contiguous_offsets()) {
+                (CpuStorage::F32(v), Some((start, end))) => Ok(v[start..end].to_vec()),
+                _ => candle_core::bail!("expert blocks gemm on the host takes contiguous f32"),
+            }
+        };
+        let plan = GemmPlan::new(self.pass, &self.map);
+        // The plan's A is the op's second operand in every pass (the weight, or the input
+        // rows of the weight gradient), B its first.
+        let (a, b) = (contiguous(s2, l2)?, contiguous(s1, l1)?);
+        Ok((
+            CpuStorage::F32(plan.run_host(&a, &b)),
+            out_shape(self.pass, &self.map),
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let plan = GemmPlan::new(self.pass, &self.map);
+        // A is the second operand (the weight, or the input rows), B the first.
+        let out = cuda::run_plan(&plan, self.pass, s2, l2, s1, l1)?;
+        Ok((out, out_shape(self.pass, &self.map)))
+    }
+}
+
+/// The plans on cuBLAS.
+#[cfg(feature = "cuda")]
+mod cuda {
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::cublas::sys;
+    use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut};
+    use candle_core::cuda_backend::WrapErr;
+    use candle_core::{CudaStorage, DType, Layout};
+
+    use super::{GemmPlan, Pass};
+
+    /// The cuBLAS data type of a storage dtype the plans take.
+    fn data_type(dtype: DType) -> candle_core::Result<sys::cudaDataType_t> {
+        Ok(match dtype {
+            DType::F32 => sys::cudaDataType_t::CUDA_R_32F,
+            DType::BF16 => sys::cudaDataType_t::CUDA_R_16BF,
+            DType::F16 => sys::cudaDataType_t::CUDA_R_16F,
+            other => candle_core::bail!("expert blocks gemm: {other:?} operands"),
+        })
+    }
+
+    /// The device address of a storage's first element under `layout` (contiguous).
+    fn base(
+        storage: &CudaStorage,
+        layout: &Layout,
+        stream: &candle_core::cuda_backend::cudarc::driver::CudaStream,
+    ) -> candle_core::Result<u64> {
+        let start = match layout.contiguous_offsets() {
+            Some((start, _)) => start,
+            None => candle_core::bail!("expert blocks gemm: operands must be contiguous"),
+        };
+        let size = storage.dtype().size_in_bytes();
+        macro_rules! ptr {
+            ($t:ty) => {{
+                let (p, _sync) = storage.as_cuda_slice::<$t>()?.device_ptr(stream);
+                p
+            }};
+        }
+        let ptr = match storage.dtype() {
+            DType::F32 => ptr!(f32),
+            DType::BF16 => ptr!(half::bf16),
+            DType::F16 => ptr!(half::f16),
+            other => candle_core::bail!("expert blocks gemm: {other:?} operands"),
+        };
+        Ok(ptr + (start * size) as u64)
+    }
+
+    /// Runs `plan` with A = `(sa, la)` and B = `(sb, lb)` (one dtype), into a fresh output:
+    /// of that dtype for the forward and input gradient, f32 for the weight gradient.
+    pub(super) fn run_plan(
+        plan: &GemmPlan,
+        pass: Pass,
+        sa: &CudaStorage,
+        la: &Layout,
+        sb: &CudaStorage,
+        lb: &Layout,
+    ) -> candle_core::Result<CudaStorage> {
+        let dev = sa.device().clone();
+        let stream = dev.cuda_stream();
+        if sa.dtype() != sb.dtype() {
+            candle_core::bail!(
+                "expert blocks gemm: operands {:?} and {:?}",
+                sa.dtype(),
+                sb.dtype()
+            );
+        }
+        let in_type = data_type(sa.dtype())?;
+        let out_dtype = if pass == Pass::WeightGrad {
+            DType::F32
+        } else {
+            sa.dtype()
+        };
+        let out_type = data_type(out_dtype)?;
+        let (a0, b0) = (base(sa, la, &stream)?, base(sb, lb, &stream)?);
+        let (in_size, out_size) = (sa.dtype().size_in_bytes(), out_dtype.size_in_bytes());
+        macro_rules! alloc {
+            ($t:ty) => {
+                if plan.zeroed {
+                    dev.alloc_zeros::<$t>(plan.out_len)?
+                } else {
+                    // SAFETY: without `zeroed` the plan's first GEMMs write every element.
+                    unsafe { dev.alloc::<$t>(plan.out_len)? }
+                }
+            };
+        }
+        macro_rules! run {
+            ($t:ty) => {{
+                let mut out = alloc!($t);
+                {
+                    let (c0, _sync) = out.device_ptr_mut(&stream);
+                    launch(
+                        plan,
+                        [a0, b0, c0],
+                        [in_size, in_size, out_size],
+                        in_type,
+                        out_type,
+                        &dev,
+                    )?;
+                }
+                CudaStorage::wrap_cuda_slice(out, dev.clone())
+            }};
+        }
+        Ok(match out_dtype {
+            DType::F32 => run!(f32),
+            DType::BF16 => run!(half::bf16),
+            DType::F16 => run!(half::f16),
+            other => candle_core::bail!("expert blocks gemm: {other:?} output"),
+        })
+    }
+
+    /// One `cublasGemmBatchedEx` per batched call of the plan, its pointer arrays uploaded
+    /// first (stream-ordered: freed after the GEMM has run).
+    fn launch(
+        plan: &GemmPlan,
+        bases: [u64; 3],
+        sizes: [usize; 3],
+        in_type: sys::cudaDataType_t,
+        out_type: sys::cudaDataType_t,
+        dev: &candle_core::CudaDevice,
+    ) -> candle_core::Result<()> {
+        let stream = dev.cuda_stream();
+        let blas = dev.cublas_handle();
+        let op = |t: bool| {
+            if t {
+                sys::cublasOperation_t::CUBLAS_OP_T
+            } else {
+                sys::cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        let int = |v: usize| {
+            i32::try_from(v).map_err(|_| {
+                candle_core::Error::Msg(format!("expert blocks gemm: {v} exceeds a 32-bit size"))
+            })
+        };
+        for call in &plan.calls {
+            let count = call.offsets.len();
+            // [A pointers | B pointers | C pointers]
+            let mut ptrs = vec![0u64; 3 * count];
+            for (i, offsets) in call.offsets.iter().enumerate() {
+                for (which, &offset) in offsets.iter().enumerate() {
+                    ptrs[which * count + i] = bases[which] + (offset * sizes[which]) as u64;
+                }
+            }
+            let table = stream.clone_htod(&ptrs).w()?;
+            let (table_ptr, _sync) = table.device_ptr(&stream);
+            let at = |which: usize| table_ptr + (which * count * 8) as u64;
+            let (alpha, beta) = (1f32, if call.accumulate { 1f32 } else { 0f32 });
+            let s = call.shape;
+            // SAFETY: every pointer lies inside its operand (the plan's offsets are made from
+            // the operands' checked shapes), the output was allocated for the plan, and the
+            // handle is candle's, bound to the stream the pointer table was written on.
+            unsafe {
+                sys::cublasGemmBatchedEx(
+                    *blas.handle(),
+                    op(s.trans_a),
+                    op(s.trans_b),
+                    int(s.m)?,
+                    int(s.n)?,
+                    int(s.k)?,
+                    &alpha as *const f32 as *const _,
+                    at(0) as *const *const _,
+                    in_type,
+                    int(s.lda)?,
+                    at(1) as *const *const _,
+                    in_type,
+                    int(s.ldb)?,
+                    &beta as *const f32 as *const _,
+                    at(2) as *const *mut _,
+                    out_type,
+                    int(s.ldc)?,
+                    int(count)?,
+                    sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP,
+                )
+                .result()
+                .w()?;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_util::{max_abs_diff, seeded_tensor};
+    use candle_core::Var;
+
+    /// The blocks of a padded layout over 3 experts: main blocks 0, 1, 2, then overflow
+    /// blocks of expert 2 (three) and expert 0 (one).
+    const EXPERTS: [u32; 7] = [0, 1, 2, 2, 2, 2, 0];
+
+    /// Each pass's host plan equals candle's composed ops: the forward and input gradient bit
+    /// for bit per block's dot products (the same f32 sums, in `k` order), the weight
+    /// gradient summed over every block of an expert (overflow runs added after the main
+    /// block, to rounding).
+    #[test]
+    fn the_plans_equal_the_gathered_weights_products() {
+        let (cap, n, k, stack) = (3, 5, 4, 3);
+        let blocks = EXPERTS.len();
+        let x = seeded_tensor(&[blocks, cap, k], 1, DType::F32);
+        let w = seeded_tensor(&[stack, n, k], 2, DType::F32);
+        let g = seeded_tensor(&[blocks, cap, n], 3, DType::F32);
+        let map = Arc::new(BlockMap::new(&x, &w, &EXPERTS).expect("map"));
+        let ids = Tensor::from_vec(EXPERTS.to_vec(), blocks, x.device()).expect("ids");
+        let wb = w.index_select(&ids, 0).expect("gather");
+        let y = x
+            .apply_op2_no_bwd(&w, &PlannedGemm::new(Pass::Forward, &map))
+            .expect("forward");
+        let want = x.matmul(&wb.transpose(1, 2).expect("t")).expect("y");
+        assert!(max_abs_diff(&y, &want) < 1e-5, "forward");
+        let dx = g
+            .apply_op2_no_bwd(&w, &PlannedGemm::new(Pass::InputGrad, &map))
+            .expect("dx");
+        let want_dx = g.matmul(&wb).expect("dx");
+        assert!(max_abs_diff(&dx, &want_dx) < 1e-5, "input gradient");
+        let dw = g
+            .apply_op2_no_bwd(&x, &PlannedGemm::new(Pass::WeightGrad, &map))
+            .expect("dw");
+        let per_block = g
+            .transpose(1, 2)
+            .and_then(|gt| gt.matmul(&x))
+            .expect("per-block dw");
+        let want_dw = Tensor::zeros((stack, n, k), DType::F32, x.device())
+            .and_then(|z| z.index_add(&ids, &per_block, 0))
+            .expect("sum");
+        assert!(max_abs_diff(&dw, &want_dw) < 1e-4, "weight gradient");
+    }
+
+    /// The weight gradient's rounds: the main blocks overwrite, each later run adds, runs of
+    /// one length share a call, and an expert without blocks leaves a zeroed gradient.
+    #[test]
+    fn the_weight_gradient_plan_writes_once_then_adds() {
+        let x = seeded_tensor(&[EXPERTS.len(), 2, 4], 1, DType::F32);
+        let w = seeded_tensor(&[4, 5, 4], 2, DType::F32);
+        let map = BlockMap::new(&x, &w, &EXPERTS).expect("map");
+        let plan = GemmPlan::new(Pass::WeightGrad, &map);
+        let summary: Vec<(usize, usize, bool)> = plan
+            .calls
+            .iter()
+            .map(|c| (c.offsets.len(), c.shape.k, c.accumulate))
+            .collect();
+        // round 0: experts 0 and 1 one block each, expert 2's main block and its three
+        // overflow blocks (contiguous: one run of 4 blocks, 8 rows) in a call of its own;
+        // round 1: expert 0's overflow block, added.
+        assert_eq!(summary, vec![(2, 2, false), (1, 8, false), (1, 2, true)]);
+        assert!(plan.zeroed, "expert 3 has no block");
+        let full =
+            BlockMap::new(&x, &seeded_tensor(&[3, 5, 4], 2, DType::F32), &EXPERTS).expect("map");
+        assert!(!GemmPlan::new(Pass::WeightGrad, &full).zeroed);
+    }
+
+    /// The GPU's differentiable op, run on the host plans: value and both gradients equal
+    /// the gathered-weights composition's (the backward's two passes wired to the right
+    /// operands, the weight gradient summed over an expert's main and overflow blocks).
+    #[test]
+    fn the_in_place_op_has_the_compositions_gradients() {
+        let (cap, n, k, stack) = (3, 5, 4, 3);
+        let x =
+            Var::from_tensor(&seeded_tensor(&[EXPERTS.len(), cap, k], 1, DType::F32)).expect("x");
+        let w = Var::from_tensor(&seeded_tensor(&[stack, n, k], 2, DType::F32)).expect("w");
+        let probe = seeded_tensor(&[EXPERTS.len(), cap, n], 3, DType::F32);
+        let map = BlockMap::new(&x, &w, &EXPERTS).expect("map");
+        let got = in_place_matmul(&x, &w, map, DType::F32).expect("op");
+        let want = expert_blocks_matmul(Precision::F32, &x, &w, &EXPERTS).expect("composed");
+        assert!(max_abs_diff(&got, &want) < 1e-5, "value");
+        let grads = |y: &Tensor| {
+            let g = (y * &probe)
+                .and_then(|l| l.sum_all())
+                .and_then(|l| l.backward())
+                .expect("backward");
+            [&x, &w].map(|v| g.get(v).expect("gradient").clone())
+        };
+        for (name, (a, b)) in ["dx", "dw"]
+            .iter()
+            .zip(grads(&got).iter().zip(&grads(&want)))
+        {
+            assert!(max_abs_diff(a, b) < 1e-4, "{name}");
+        }
+    }
+
+    /// The differentiable wrapper off a GPU is the gathered-weights product, its gradients
+    /// those of the composition; a bad map is an error naming it.
+    #[test]
+    fn the_wrapper_checks_its_map() {
+        let x = Var::from_tensor(&seeded_tensor(&[2, 3, 4], 1, DType::F32)).expect("x");
+        let w = Var::from_tensor(&seeded_tensor(&[2, 5, 4], 2, DType::F32)).expect("w");
+        let y = expert_blocks_matmul(Precision::F32, &x, &w, &[0, 1]).expect("identity");
+        let want = x
+            .matmul(&w.transpose(1, 2).expect("t"))
+            .expect("batched matmul");
+        assert_eq!(max_abs_diff(&y, &want), 0.0);
+        let err = expert_blocks_matmul(Precision::F32, &x, &w, &[0, 2])
+            .expect_err("expert out of range")
+            .to_string();
+        assert!(err.contains("expert 2 of a stack of 2"), "{err}");
+        assert!(expert_blocks_matmul(Precision::F32, &x, &w, &[0]).is_err());
+    }
+}
