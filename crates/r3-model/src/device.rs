@@ -87,12 +87,51 @@ impl DeviceSpec {
                 Err(DeviceError::CudaNotBuilt { spec: *self })
             }
             DeviceSpec::Cuda { ordinal } => {
-                Device::new_cuda(ordinal).map_err(|e| DeviceError::CudaUnavailable {
+                let unavailable = |reason: String| DeviceError::CudaUnavailable {
                     spec: *self,
-                    reason: e.to_string(),
-                })
+                    reason,
+                };
+                let device = Device::new_cuda(ordinal).map_err(|e| unavailable(e.to_string()))?;
+                keep_freed_memory(&device).map_err(unavailable)?;
+                Ok(device)
             }
         }
+    }
+}
+
+/// Makes the GPU's stream-ordered memory pool keep the memory freed into it instead of
+/// returning it to the driver. candle allocates every tensor from the device's default pool
+/// (`cuMemAllocAsync`), whose release threshold is 0: at each synchronisation — the routing
+/// copies router logits to the host a few times per layer — the pool unmapped all freed
+/// memory, and the next allocations mapped it again (gigabytes a step on a 5.6 B-parameter
+/// model, the GPU waiting meanwhile). With no threshold the pool holds what a step freed for
+/// the next step, as PyTorch's caching allocator does; the driver still reclaims it if
+/// another allocation of this process needs it. No effect off a GPU.
+fn keep_freed_memory(device: &Device) -> Result<(), String> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(gpu) => {
+            use candle_core::cuda_backend::cudarc::driver::sys;
+            let context = gpu.cuda_stream().context().clone();
+            let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+            let mut threshold = u64::MAX;
+            // SAFETY: `pool` receives the device's default pool handle, which stays valid for
+            // the context's life; the attribute takes a `u64` by pointer.
+            unsafe {
+                sys::cuDeviceGetDefaultMemPool(&mut pool, context.cu_device())
+                    .result()
+                    .map_err(|e| format!("cannot read its memory pool: {e}"))?;
+                sys::cuMemPoolSetAttribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                    &mut threshold as *mut u64 as *mut std::ffi::c_void,
+                )
+                .result()
+                .map_err(|e| format!("cannot set its memory pool's release threshold: {e}"))?;
+            }
+            Ok(())
+        }
+        _ => Ok(()),
     }
 }
 

@@ -16,6 +16,7 @@ use r3_model::layers::attention_recompute::attend_recomputed;
 use r3_model::layers::dispatch::Dispatch;
 use r3_model::layers::embedding_rows::embedding_rows;
 use r3_model::layers::experts::RoutedExperts;
+use r3_model::layers::gather_rows::GatherRows;
 use r3_model::layers::norm::RmsNorm;
 use r3_model::layers::rope::Rope;
 use r3_model::token_stats::token_log_probs_recomputed;
@@ -211,6 +212,34 @@ fn embedding(device: &Device) -> [Tensor; 2] {
     [y, grads.get(table.as_tensor()).expect("gradient").clone()]
 }
 
+/// Rows gathered by `GatherRows` on `device` (a GPU: r3's row-copy kernel, 16-byte copies
+/// where the row allows) and the source's gradient (a gather over each row's fan-in), for
+/// rows of 8 and of 6 floats and a source starting 3 floats into its storage.
+fn gathered_rows(device: &Device) -> Vec<Tensor> {
+    let ids: Vec<u32> = (0..50u32).map(|i| (i * 7 + 3) % 20).collect();
+    let mut out = Vec::new();
+    for (width, skip) in [(8, 0), (6, 0), (8, 3)] {
+        let flat = seeded(&[20 * width + skip], 30 + width as u64, device);
+        let src = Var::from_tensor(
+            &flat
+                .narrow(0, skip, 20 * width)
+                .and_then(|t| t.reshape((20, width)))
+                .expect("source"),
+        )
+        .expect("var");
+        let op = GatherRows::new(ids.clone(), 20, 20).expect("op");
+        let y = op.apply(src.as_tensor()).expect("gather");
+        let probe = seeded(&[ids.len(), width], 31, device);
+        let grads = (&y * &probe)
+            .and_then(|l| l.sum_all())
+            .and_then(|l| l.backward())
+            .expect("backward");
+        out.push(y);
+        out.push(grads.get(src.as_tensor()).expect("gradient").clone());
+    }
+    out
+}
+
 /// The f32 bits of a tensor's values (brought to the CPU and widened: exact for 16-bit).
 fn bits(t: &Tensor) -> Vec<u32> {
     t.to_device(&Device::Cpu)
@@ -335,6 +364,24 @@ fn compare(device: &Device, tol: f32) {
         .zip(["value", "dtable"])
     {
         assert_close(&format!("embedding {name}"), got, want, tol);
+    }
+    // The gather copies (bit for bit); the gradient sums each row's fan-in.
+    for (i, (got, want)) in gathered_rows(device)
+        .iter()
+        .zip(gathered_rows(&Device::Cpu).iter())
+        .enumerate()
+    {
+        let (name, tol) = if i % 2 == 0 {
+            ("value", 0.0)
+        } else {
+            ("dsrc", tol)
+        };
+        assert_close(
+            &format!("gathered rows case {} {name}", i / 2),
+            got,
+            want,
+            tol,
+        );
     }
     let [lp, dz] = token_logprobs(device);
     let [lp_cpu, dz_cpu] = token_logprobs(&Device::Cpu);

@@ -141,10 +141,35 @@ impl CustomOp1 for GatherRows {
         storage: &candle_core::CudaStorage,
         layout: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use crate::cuda;
         use candle_core::backend::BackendDevice;
+        let shape = self.out_shape(layout.dims());
+        let row = layout.dims()[1..].iter().product::<usize>();
         let ids = storage.device().storage_from_slice(self.ids.as_slice())?;
-        let out = storage.index_select(&ids, layout, &Layout::contiguous(self.ids.len()), 0)?;
-        Ok((out, self.out_shape(layout.dims())))
+        let ids_layout = Layout::contiguous(self.ids.len());
+        // r3's kernel for f32 rows (whole-row copies), candle's index_select otherwise.
+        let kernel = storage.dtype() == DType::F32
+            && layout.is_contiguous()
+            && row > 0
+            && !self.ids.is_empty()
+            && u32::try_from(row).is_ok();
+        if !kernel {
+            let out = storage.index_select(&ids, layout, &ids_layout, 0)?;
+            return Ok((out, shape));
+        }
+        let quads = row.is_multiple_of(4) && layout.start_offset().is_multiple_of(4);
+        let out = cuda::launch_f32!(
+            cuda::device(storage),
+            "r3_gather_rows_f32",
+            shape.elem_count(),
+            cuda::per_row(self.ids.len(), cuda::row_threads(row))?,
+            [
+                cuda::view::<f32>(storage, layout, "gathered rows")?,
+                cuda::view::<u32>(&ids, &ids_layout, "row ids")?
+            ],
+            [row as u32, u32::from(quads)]
+        );
+        Ok((out, shape))
     }
 
     fn bwd(
