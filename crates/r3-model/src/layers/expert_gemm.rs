@@ -439,7 +439,9 @@ impl CustomOp2 for PlannedGemm {
 mod cuda {
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::cublas::sys;
-    use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut};
+    use candle_core::cuda_backend::cudarc::driver::{
+        CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop,
+    };
     use candle_core::cuda_backend::WrapErr;
     use candle_core::{CudaStorage, DType, Layout};
 
@@ -455,30 +457,26 @@ mod cuda {
         })
     }
 
-    /// The device address of a storage's first element under `layout` (contiguous).
-    fn base(
-        storage: &CudaStorage,
+    /// The device address of a storage's first element under `layout` (contiguous), and the
+    /// guard that records the read on `stream` when dropped: held until the GEMMs reading it
+    /// are queued, so that another stream writing the buffer later waits for them.
+    fn base<'a>(
+        storage: &'a CudaStorage,
         layout: &Layout,
-        stream: &candle_core::cuda_backend::cudarc::driver::CudaStream,
-    ) -> candle_core::Result<u64> {
+        stream: &'a CudaStream,
+    ) -> candle_core::Result<(u64, SyncOnDrop<'a>)> {
         let start = match layout.contiguous_offsets() {
             Some((start, _)) => start,
             None => candle_core::bail!("expert blocks gemm: operands must be contiguous"),
         };
-        let size = storage.dtype().size_in_bytes();
-        macro_rules! ptr {
-            ($t:ty) => {{
-                let (p, _sync) = storage.as_cuda_slice::<$t>()?.device_ptr(stream);
-                p
-            }};
-        }
-        let ptr = match storage.dtype() {
-            DType::F32 => ptr!(f32),
-            DType::BF16 => ptr!(half::bf16),
-            DType::F16 => ptr!(half::f16),
+        let offset = (start * storage.dtype().size_in_bytes()) as u64;
+        let (ptr, guard) = match storage.dtype() {
+            DType::F32 => storage.as_cuda_slice::<f32>()?.device_ptr(stream),
+            DType::BF16 => storage.as_cuda_slice::<half::bf16>()?.device_ptr(stream),
+            DType::F16 => storage.as_cuda_slice::<half::f16>()?.device_ptr(stream),
             other => candle_core::bail!("expert blocks gemm: {other:?} operands"),
         };
-        Ok(ptr + (start * size) as u64)
+        Ok((ptr + offset, guard))
     }
 
     /// Runs `plan` with A = `(sa, la)` and B = `(sb, lb)` (one dtype), into a fresh output:
@@ -507,7 +505,8 @@ mod cuda {
             sa.dtype()
         };
         let out_type = data_type(out_dtype)?;
-        let (a0, b0) = (base(sa, la, &stream)?, base(sb, lb, &stream)?);
+        let (a0, _read_a) = base(sa, la, &stream)?;
+        let (b0, _read_b) = base(sb, lb, &stream)?;
         let (in_size, out_size) = (sa.dtype().size_in_bytes(), out_dtype.size_in_bytes());
         macro_rules! alloc {
             ($t:ty) => {
