@@ -39,7 +39,10 @@ pub fn expert_blocks_matmul(
 ) -> Result<Tensor> {
     let map = BlockMap::new(x, w, experts)?;
     let compute = p.narrow_dtype().unwrap_or(DType::F32);
+    // Empty operands take candle's ops (CUDA allocates no zero-byte buffer).
     let in_place = x.device().is_cuda()
+        && x.elem_count() > 0
+        && w.elem_count() > 0
         && x.dtype() == DType::F32
         && (w.dtype() == DType::F32 || w.dtype() == compute);
     if in_place {
