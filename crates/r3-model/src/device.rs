@@ -112,15 +112,10 @@ fn keep_freed_memory(device: &Device) -> Result<(), String> {
         #[cfg(feature = "cuda")]
         Device::Cuda(gpu) => {
             use candle_core::cuda_backend::cudarc::driver::sys;
-            let context = gpu.cuda_stream().context().clone();
-            let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+            let pool = default_pool(gpu)?;
             let mut threshold = u64::MAX;
-            // SAFETY: `pool` receives the device's default pool handle, which stays valid for
-            // the context's life; the attribute takes a `u64` by pointer.
+            // SAFETY: the attribute takes a `u64` by pointer; the pool handle is valid.
             unsafe {
-                sys::cuDeviceGetDefaultMemPool(&mut pool, context.cu_device())
-                    .result()
-                    .map_err(|e| format!("cannot read its memory pool: {e}"))?;
                 sys::cuMemPoolSetAttribute(
                     pool,
                     sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
@@ -135,20 +130,52 @@ fn keep_freed_memory(device: &Device) -> Result<(), String> {
     }
 }
 
+/// The default stream-ordered memory pool of a GPU's device (candle allocates from it).
+#[cfg(feature = "cuda")]
+fn default_pool(
+    gpu: &candle_core::CudaDevice,
+) -> Result<candle_core::cuda_backend::cudarc::driver::sys::CUmemoryPool, String> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: `pool` receives the device's default pool handle, which stays valid for the
+    // context's life.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(&mut pool, gpu.cuda_stream().context().cu_device())
+            .result()
+            .map_err(|e| format!("cannot read its memory pool: {e}"))?;
+    }
+    Ok(pool)
+}
+
 /// The device's free and total memory in bytes, as its driver reports them now: `None` on
-/// the CPU (whose memory the operating system manages); on a GPU, CUDA's `cuMemGetInfo`.
+/// the CPU (whose memory the operating system manages); on a GPU, CUDA's `cuMemGetInfo`
+/// after the work queued so far has run and the memory pool has handed back what it keeps
+/// unused ([`keep_freed_memory`] keeps freed memory in the pool, where the driver counts it
+/// as used).
 pub fn device_memory(device: &Device) -> Result<Option<(usize, usize)>, DeviceError> {
     match device {
         #[cfg(feature = "cuda")]
-        Device::Cuda(gpu) => gpu
-            .cuda_stream()
-            .context()
-            .mem_get_info()
-            .map(Some)
-            .map_err(|e| DeviceError::CudaUnavailable {
+        Device::Cuda(gpu) => {
+            use candle_core::cuda_backend::cudarc::driver::sys;
+            let unavailable = |reason: String| DeviceError::CudaUnavailable {
                 spec: DeviceSpec::of(device),
-                reason: format!("cannot read its free memory: {e}"),
-            }),
+                reason,
+            };
+            let stream = gpu.cuda_stream();
+            stream
+                .synchronize()
+                .map_err(|e| unavailable(format!("cannot finish its queued work: {e}")))?;
+            let pool = default_pool(gpu).map_err(unavailable)?;
+            // SAFETY: a valid pool handle; trimming releases only memory no allocation holds.
+            unsafe { sys::cuMemPoolTrimTo(pool, 0) }
+                .result()
+                .map_err(|e| unavailable(format!("cannot trim its memory pool: {e}")))?;
+            stream
+                .context()
+                .mem_get_info()
+                .map(Some)
+                .map_err(|e| unavailable(format!("cannot read its free memory: {e}")))
+        }
         _ => Ok(None),
     }
 }
