@@ -180,7 +180,24 @@ impl EngineHandle {
         };
         let thread = std::thread::Builder::new()
             .name("r3-engine".into())
-            .spawn(move || run(backend, rx, book))?;
+            .spawn(move || {
+                // The engine thread is worker 0 of a compute pool of its own, so each
+                // parallel op of a step starts on its own queue and it works beside the
+                // other workers; from outside a pool, every op was handed across to the
+                // global pool's threads while it slept, and woken again. The pool is
+                // dropped here, on the thread it was built on, as rayon requires.
+                match rayon::ThreadPoolBuilder::new()
+                    .thread_name(|i| format!("r3-engine-compute-{i}"))
+                    .use_current_thread()
+                    .build()
+                {
+                    Ok(pool) => pool.install(|| run(backend, rx, book)),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "no compute pool for the engine thread; its parallel ops use the global pool");
+                        run(backend, rx, book)
+                    }
+                }
+            })?;
         Ok((EngineHandle { tx, stats }, summary, thread))
     }
 

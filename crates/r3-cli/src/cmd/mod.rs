@@ -93,7 +93,7 @@ pub enum Command {
 /// thread's arena gives a heap back to the kernel as soon as it empties, and the mid
 /// config's training step then spent its time faulting fresh pages in (73% → 52–58% of the
 /// GEMM peak). `serve` and `fleet` stay off the pool: their engines run on threads of their
-/// own.
+/// own, each worker 0 of its own pool (`r3_server`'s engine worker).
 pub fn run(command: Command) -> anyhow::Result<()> {
     if matches!(command, Command::Serve(_) | Command::Fleet(_)) {
         return dispatch(command);
