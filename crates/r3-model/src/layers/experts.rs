@@ -88,17 +88,20 @@ impl RoutedExperts {
                 &self.down.contiguous()?,
                 RoutedSwiGlu::new(dispatch.clone()),
             )?)
-        } else if !x.device().is_cpu() && padded_fits(dispatch) {
+        } else if !x.device().is_cpu() && !dispatch.slots().is_empty() {
             self.forward_padded(x, gates, dispatch, OverflowCost::GPU)
         } else {
             self.forward_composed(x, gates, dispatch)
         }
     }
 
-    /// The same computation as batched GEMMs over all experts at once, for a GPU: each
-    /// expert's first `cap` rows gathered into an `[E, cap, H]` block (shorter experts padded
-    /// with a zero row), an expert's rows past `cap` into further `cap`-row overflow blocks,
-    /// every block `· [H, 2I]` of its expert, SwiGLU, `· [I, H]`, the experts' matrices read
+    /// The same computation as batched GEMMs over all experts at once, for a GPU: the first
+    /// `cap` rows of each expert that has any gathered into a main block (shorter experts
+    /// padded with a zero row; an expert without rows has no block, so a decode step of a few
+    /// rows reads only its chosen experts' weights), an expert's rows past `cap` into further
+    /// `cap`-row overflow blocks, every block `· [H, 2I]` of its expert, SwiGLU, `· [I, H]`
+    /// (two batched GEMMs for the whole layer, where one GEMM per chosen expert took about
+    /// ten launches each), the experts' matrices read
     /// in place from the stacks and their gradients written into the stacks' gradients
     /// ([`expert_blocks_matmul`]), then each row's `top_k` outputs read back in slot order,
     /// weighted by its gates and summed (one op, [`combine_slots`], where the device has it).
@@ -120,12 +123,15 @@ impl RoutedExperts {
         let (rows, h) = x.dims2()?;
         let k = dispatch.top_k();
         let layout = padded_layout(dispatch, rows, overflow_cost);
-        let (e, cap, m) = (layout.experts, layout.cap, layout.overflow.len());
+        let (e, cap, m) = (layout.main.len(), layout.cap, layout.overflow.len());
         // Row `rows` of `x_pad` is the zero row padding reads; it gets no gradient.
         let x_pad = Tensor::cat(&[x, &Tensor::zeros((1, h), x.dtype(), device)?], 0)?;
-        // Main blocks are experts 0..E in turn, then each overflow block's expert.
-        let block_experts: Vec<u32> = (0..e as u32)
-            .chain(layout.overflow.iter().copied())
+        // The main blocks' experts in turn, then each overflow block's.
+        let block_experts: Vec<u32> = layout
+            .main
+            .iter()
+            .chain(&layout.overflow)
+            .copied()
             .collect();
         let xs = GatherRows::new(layout.gather, rows + 1, rows)?
             .apply(&x_pad)?
@@ -194,26 +200,18 @@ impl RoutedExperts {
     }
 }
 
-/// Whether the padded layout serves this dispatch: at least one routed slot per expert on
-/// average. Sparser dispatches (decode steps of a few rows) leave most experts idle; there
-/// one GEMM per chosen expert reads only those experts' weights, where the padded GEMM would
-/// read every expert's.
-fn padded_fits(dispatch: &Dispatch) -> bool {
-    let experts = dispatch.offsets().len().saturating_sub(1);
-    experts > 0 && dispatch.slots().len() >= experts
-}
-
-/// The padded layout of a dispatch: `cap` places per expert in the main `[E, cap]` block,
+/// The padded layout of a dispatch: a main block of `cap` places for each expert with rows,
 /// filled in the dispatch's order; an expert's rows past `cap` fill overflow blocks of
 /// `cap` places each, one expert per block.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct PaddedLayout {
-    experts: usize,
+    /// The expert of each main block, in expert order (the experts with rows).
+    main: Vec<u32>,
     cap: usize,
     /// The expert of each overflow block, in block order.
     overflow: Vec<u32>,
-    /// For each of the `(E + overflow) · cap` places the row it reads (`rows`, the zero
-    /// row, for padding): the main block's places first, then the overflow blocks'.
+    /// For each of the `(main + overflow) · cap` places the row it reads (`rows`, the zero
+    /// row, for padding): the main blocks' places first, then the overflow blocks'.
     gather: Vec<u32>,
     /// For each slot `r · top_k + j` its place.
     place_of_slot: Vec<u32>,
@@ -306,27 +304,29 @@ fn block_size(counts: &[usize], overflow_cost: OverflowCost) -> usize {
 }
 
 /// The padded layout of `dispatch` over `rows` rows, overflow blocks costing `overflow_cost`
-/// when the block size is chosen.
+/// when the block size is chosen (over the loads of the experts with rows).
 fn padded_layout(dispatch: &Dispatch, rows: usize, overflow_cost: OverflowCost) -> PaddedLayout {
     let offsets = dispatch.offsets();
-    let experts = offsets.len().saturating_sub(1);
     let counts: Vec<usize> = offsets.windows(2).map(|w| w[1] - w[0]).collect();
-    let cap = block_size(&counts, overflow_cost);
+    let main: Vec<u32> = (0..counts.len() as u32)
+        .filter(|&e| counts[e as usize] > 0)
+        .collect();
+    let loads: Vec<usize> = main.iter().map(|&e| counts[e as usize]).collect();
+    let cap = block_size(&loads, overflow_cost);
     let k = dispatch.top_k();
     let mut overflow = Vec::new();
-    for (expert, &c) in counts.iter().enumerate() {
-        overflow.extend(std::iter::repeat_n(
-            expert as u32,
-            c.div_ceil(cap).saturating_sub(1),
-        ));
+    for &expert in &main {
+        let extra = counts[expert as usize].div_ceil(cap).saturating_sub(1);
+        overflow.extend(std::iter::repeat_n(expert, extra));
     }
-    let mut gather = vec![rows as u32; (experts + overflow.len()) * cap];
+    let mut gather = vec![rows as u32; (main.len() + overflow.len()) * cap];
     let mut place_of_slot = vec![0u32; dispatch.slots().len()];
-    let mut next_block = experts;
-    for (expert, w) in offsets.windows(2).enumerate() {
+    let mut next_block = main.len();
+    for (block, &expert) in main.iter().enumerate() {
+        let w = &offsets[expert as usize..expert as usize + 2];
         for (n, &slot) in dispatch.slots()[w[0]..w[1]].iter().enumerate() {
             let place = if n < cap {
-                expert * cap + n
+                block * cap + n
             } else {
                 if n % cap == 0 {
                     next_block += 1;
@@ -338,7 +338,7 @@ fn padded_layout(dispatch: &Dispatch, rows: usize, overflow_cost: OverflowCost) 
         }
     }
     PaddedLayout {
-        experts,
+        main,
         cap,
         overflow,
         gather,
@@ -454,7 +454,7 @@ mod tests {
     /// reads the zero row, and each overflow block holds rows of its own expert only.
     fn assert_layout_places_every_slot(dispatch: &Dispatch, layout: &PaddedLayout, rows: usize) {
         let k = dispatch.top_k();
-        let blocks = layout.experts + layout.overflow.len();
+        let blocks = layout.main.len() + layout.overflow.len();
         assert_eq!(layout.gather.len(), blocks * layout.cap);
         let mut places = layout.place_of_slot.clone();
         places.sort_unstable();
@@ -472,12 +472,11 @@ mod tests {
         let ids = dispatch.experts_of_rows();
         for (slot, &place) in layout.place_of_slot.iter().enumerate() {
             let block = place as usize / layout.cap;
-            let expert = if block < layout.experts {
-                block
-            } else {
-                layout.overflow[block - layout.experts] as usize
+            let expert = match layout.main.get(block) {
+                Some(&e) => e,
+                None => layout.overflow[block - layout.main.len()],
             };
-            assert!(ids[slot / k].contains(&(expert as u32)), "slot {slot}");
+            assert!(ids[slot / k].contains(&expert), "slot {slot}");
         }
     }
 
@@ -527,14 +526,15 @@ mod tests {
         let rows = case.rows;
         let layout = padded_layout(&case.dispatch, rows, OverflowCost::places_only());
         let cap = layout.cap;
-        // loads 4, 0, 4, 1, 3: one block of 4 each has the fewest places (20; 3 would take 21)
+        // loads 4, 0, 4, 1, 3: expert 1 has no block; one block of 4 for each of the other
+        // four has the fewest places (16; blocks of 3 would take 18)
         assert_eq!(
-            (layout.experts, cap, layout.overflow.len()),
-            (5, 4, 0),
+            (layout.main.clone(), cap, layout.overflow.len()),
+            (vec![0, 2, 3, 4], 4, 0),
             "experts 0 and 2 carry four rows each"
         );
-        // expert 1 is all padding: the zero row
-        assert!(layout.gather[cap..2 * cap]
+        // expert 3's block (the third) holds its one row, then padding: the zero row
+        assert!(layout.gather[2 * cap + 1..3 * cap]
             .iter()
             .all(|&r| r as usize == rows));
         assert_layout_places_every_slot(&case.dispatch, &layout, rows);
@@ -544,20 +544,23 @@ mod tests {
         );
     }
 
-    /// A skewed load spills past the block size into overflow blocks (their weights gathered
-    /// from the stack), and still equals the composed ops, gradients of the stack included.
+    /// A skewed load spills past the block size into overflow blocks (their weights read
+    /// in place from the stack), and still equals the composed ops, gradients of the stack
+    /// included.
     #[test]
     fn overflow_blocks_match_composed_ops() {
         // ten rows: expert 0 in every row, expert 2 in six, 3 in three, 4 in one, 1 in none
         let ids = [0, 2, 2, 0, 0, 3, 0, 2, 4, 0, 0, 2, 3, 0, 0, 2, 0, 3, 2, 0];
         let case = PathCase::with_ids(DType::F64, Precision::F32, &ids);
         let layout = padded_layout(&case.dispatch, case.rows, OverflowCost::places_only());
-        // loads 10, 0, 6, 3, 1 (mean 4): blocks of 4 take 32 places (expert 0 in three
-        // blocks, expert 2 in two), of 5 35, of 6 36, one block of 10 each 50
-        assert_eq!((layout.cap, layout.overflow.clone()), (4, vec![0, 0, 2]));
+        // loads 10, 6, 3, 1 on the four experts with rows (mean 5): blocks of 5 take 30
+        // places (experts 0 and 2 in two blocks each), of 6 also 30 (expert 0 in two: the
+        // larger of equals is kept), one block of 10 each 40
+        assert_eq!((layout.cap, layout.overflow.clone()), (6, vec![0]));
+        assert_eq!(layout.main, vec![0, 2, 3, 4]);
         assert_layout_places_every_slot(&case.dispatch, &layout, case.rows);
         assert_padded_matches_composed(&ids, OverflowCost::places_only());
-        // each overflow block costing 128 rows, one block of 10 each (50 places) is cheaper
+        // each overflow block costing 128 rows, one block of 10 each (40 places) is cheaper
         let costed = padded_layout(&case.dispatch, case.rows, OverflowCost::per_block(128));
         assert_eq!((costed.cap, costed.overflow.len()), (10, 0));
     }
@@ -624,18 +627,19 @@ mod tests {
         assert_eq!(cost_of(&a3b, 67, OverflowCost::GPU), 10_526);
     }
 
-    /// The padded layout is used where the slots number at least the experts.
+    /// A decode step's sparse dispatch lays out blocks for its chosen experts only (one row
+    /// each: blocks of one place), and the padded path still equals the composed ops.
     #[test]
-    fn padding_is_chosen_for_dense_dispatches_only() {
-        // 4 rows top-1 over 4 experts, one each: 4 slots for 4 experts
-        let even = Dispatch::new(&[0, 1, 2, 3], 1, 4).expect("dispatch");
-        assert!(padded_fits(&even));
-        // one row top-2 over 8 experts (a decode step): 2 slots for 8 experts
-        let sparse = Dispatch::new(&[3, 5], 2, 8).expect("dispatch");
-        assert!(!padded_fits(&sparse));
-        // every row on one expert of three: skewed, but overflow blocks take the load
-        let skewed = Dispatch::new(&[1, 1, 1, 1], 1, 3).expect("dispatch");
-        assert!(padded_fits(&skewed));
+    fn sparse_dispatches_get_blocks_for_their_experts_only() {
+        // one row top-2 over 8 experts (a decode step): two blocks of one place
+        let sparse = Dispatch::new(&[5, 3], 2, 8).expect("dispatch");
+        let layout = padded_layout(&sparse, 1, OverflowCost::GPU);
+        assert_eq!((layout.main.clone(), layout.cap), (vec![3, 5], 1));
+        assert!(layout.overflow.is_empty());
+        assert_layout_places_every_slot(&sparse, &layout, 1);
+        // two rows over five experts: experts 1 and 4 only, then 0, 2, 3 in turn
+        assert_padded_matches_composed(&[1, 4, 4, 1], OverflowCost::GPU);
+        assert_padded_matches_composed(&[0, 2, 3, 0], OverflowCost::GPU);
     }
 
     /// One row, one expert, gate 1: the output is that expert's SwiGLU, computed by hand.
