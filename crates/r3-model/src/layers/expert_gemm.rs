@@ -24,6 +24,7 @@ use super::linear::matmul_wt_at;
 use super::precomputed::{precomputed_fwd, Precomputed};
 use crate::cast16::cast16;
 use crate::error::{ModelError, Result};
+use crate::host::contiguous;
 use crate::precision::Precision;
 
 /// `y[b] = x[b] · w[experts[b]]ᵀ` for `x` `[blocks, cap, k]` and the stack `w` `[E, n, k]`,
@@ -225,7 +226,7 @@ impl GemmPlan {
         let blocks = map.experts.len();
         match pass {
             Pass::Forward | Pass::InputGrad => {
-                let (shape, out_width) = if pass == Pass::Forward {
+                let (shape, in_width, out_width) = if pass == Pass::Forward {
                     // yᵀ (n × cap) = (w_e: k × n col-major)ᵀ · (xᵀ: k × cap)
                     let s = GemmShape {
                         trans_a: true,
@@ -237,7 +238,7 @@ impl GemmPlan {
                         ldb: k,
                         ldc: n,
                     };
-                    (s, n)
+                    (s, k, n)
                 } else {
                     // dxᵀ (k × cap) = (w_e: k × n col-major) · (gᵀ: n × cap)
                     let s = GemmShape {
@@ -250,9 +251,8 @@ impl GemmPlan {
                         ldb: n,
                         ldc: k,
                     };
-                    (s, k)
+                    (s, n, k)
                 };
-                let in_width = if pass == Pass::Forward { k } else { n };
                 let offsets = map
                     .experts
                     .iter()
@@ -406,18 +406,12 @@ impl CustomOp2 for PlannedGemm {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let contiguous = |s: &CpuStorage, l: &Layout| -> candle_core::Result<Vec<f32>> {
-            match (s, l.contiguous_offsets()) {
-                (CpuStorage::F32(v), Some((start, end))) => Ok(v[start..end].to_vec()),
-                _ => candle_core::bail!("expert blocks gemm on the host takes contiguous f32"),
-            }
-        };
         let plan = GemmPlan::new(self.pass, &self.map);
         // The plan's A is the op's second operand in every pass (the weight, or the input
         // rows of the weight gradient), B its first.
-        let (a, b) = (contiguous(s2, l2)?, contiguous(s1, l1)?);
+        let (a, b) = (host_f32(s2, l2, "A")?, host_f32(s1, l1, "B")?);
         Ok((
-            CpuStorage::F32(plan.run_host(&a, &b)),
+            CpuStorage::F32(plan.run_host(a, b)),
             out_shape(self.pass, &self.map),
         ))
     }
@@ -434,6 +428,14 @@ impl CustomOp2 for PlannedGemm {
         // A is the second operand (the weight, or the input rows), B the first.
         let out = cuda::run_plan(&plan, self.pass, s2, l2, s1, l1)?;
         Ok((out, out_shape(self.pass, &self.map)))
+    }
+}
+
+/// The contiguous f32 elements of a host operand (the host plans take f32 only).
+fn host_f32<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a [f32]> {
+    match s {
+        CpuStorage::F32(v) => contiguous(v, l, what),
+        _ => candle_core::bail!("expert blocks gemm on the host takes f32 {what}"),
     }
 }
 

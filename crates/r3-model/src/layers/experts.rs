@@ -89,7 +89,7 @@ impl RoutedExperts {
                 RoutedSwiGlu::new(dispatch.clone()),
             )?)
         } else if !x.device().is_cpu() && !dispatch.slots().is_empty() {
-            self.forward_padded(x, gates, dispatch, OverflowCost::GPU)
+            self.forward_padded(x, gates, dispatch, OVERFLOW_BLOCK_ROWS)
         } else {
             self.forward_composed(x, gates, dispatch)
         }
@@ -110,19 +110,19 @@ impl RoutedExperts {
     /// expert: 4 s of a 30B-A3B-shaped step on an H200). The row gathers are [`GatherRows`],
     /// whose backward is a gather too (candle's `index_select` → `index_add` backward is
     /// serial over the rows on a GPU). The same rounding points as `forward_composed`. The
-    /// block size weighs padded rows against what overflow blocks cost (`overflow_cost`,
-    /// [`OverflowCost::GPU`] in the model).
+    /// block size weighs padded rows against what overflow blocks cost (`overflow_rows` per
+    /// block, [`OVERFLOW_BLOCK_ROWS`] in the model).
     fn forward_padded(
         &self,
         x: &Tensor,
         gates: &Tensor,
         dispatch: &Dispatch,
-        overflow_cost: OverflowCost,
+        overflow_rows: usize,
     ) -> Result<Tensor> {
         let device = x.device();
         let (rows, h) = x.dims2()?;
         let k = dispatch.top_k();
-        let layout = padded_layout(dispatch, rows, overflow_cost);
+        let layout = padded_layout(dispatch, rows, overflow_rows);
         let (e, cap, m) = (layout.main.len(), layout.cap, layout.overflow.len());
         // Row `rows` of `x_pad` is the zero row padding reads; it gets no gradient.
         let x_pad = Tensor::cat(&[x, &Tensor::zeros((1, h), x.dtype(), device)?], 0)?;
@@ -217,14 +217,6 @@ struct PaddedLayout {
     place_of_slot: Vec<u32>,
 }
 
-/// What overflow blocks cost beyond their places, in padded rows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct OverflowCost {
-    /// Each overflow block: its expert's two weight matrices read once more by the forward
-    /// and the input gradient's GEMMs, and the run's own weight-gradient GEMM.
-    per_block: usize,
-}
-
 /// What one overflow block costs beyond its places, in padded rows: its expert's two weight
 /// matrices are read again by the forward and the input-gradient GEMMs (12·I·H bytes in
 /// bf16) where a padded row costs the GEMMs 18·I·H FLOPs forward and backward; on an H200
@@ -237,47 +229,27 @@ struct OverflowCost {
 /// a 30B-A3B layer.)
 const OVERFLOW_BLOCK_ROWS: usize = 128;
 
-impl OverflowCost {
-    /// The cost on a GPU ([`OVERFLOW_BLOCK_ROWS`] per overflow block).
-    const GPU: OverflowCost = OverflowCost {
-        per_block: OVERFLOW_BLOCK_ROWS,
-    };
-
-    /// Only the places count (the layout tests' reference).
-    #[cfg(test)]
-    fn places_only() -> Self {
-        OverflowCost { per_block: 0 }
-    }
-
-    /// `per_block` rows per overflow block.
-    #[cfg(test)]
-    fn per_block(rows: usize) -> Self {
-        OverflowCost { per_block: rows }
-    }
-}
-
 /// The places a block size of `cap` takes for these expert loads: every expert's main block
 /// plus one more block per `cap` rows past its first `cap`.
 fn places_for(counts: &[usize], cap: usize) -> usize {
     counts.iter().map(|&c| c.div_ceil(cap).max(1) * cap).sum()
 }
 
-/// The cost of a block size in padded rows: its places, plus what its overflow blocks cost
-/// ([`OverflowCost`]).
-fn cost_of(counts: &[usize], cap: usize, overflow: OverflowCost) -> usize {
+/// The cost of a block size in padded rows: its places, plus `overflow_rows` for each of its
+/// overflow blocks ([`OVERFLOW_BLOCK_ROWS`] on a GPU).
+fn cost_of(counts: &[usize], cap: usize, overflow_rows: usize) -> usize {
     let places = places_for(counts, cap);
     let overflow_blocks = places / cap.max(1) - counts.len();
-    places + overflow_blocks * overflow.per_block
+    places + overflow_blocks * overflow_rows
 }
 
 /// The block size of least cost ([`cost_of`]: places, padding included, and each overflow
-/// block's weight gather) for these loads, between the mean load (overflow blocks then
-/// number at most the experts, so the gathered weights are at most one more copy of the
-/// stack) and the busiest expert's (no overflow); among equals the largest. The cost is the
+/// block's weight re-read) for these loads, between the mean load (overflow blocks then
+/// number at most the experts, so the weights are read at most once more) and the busiest expert's (no overflow); among equals the largest. The cost is the
 /// size times a block count, plus the count's excess, and the count only falls where some
 /// expert's rows fill `j` blocks exactly (`⌈c / j⌉`), so those points and the mean are the
 /// only candidates: at most twice the experts of them.
-fn block_size(counts: &[usize], overflow_cost: OverflowCost) -> usize {
+fn block_size(counts: &[usize], overflow_rows: usize) -> usize {
     let slots: usize = counts.iter().sum();
     let busiest = counts.iter().copied().max().unwrap_or(0);
     let low = slots.div_ceil(counts.len().max(1)).max(1);
@@ -293,9 +265,9 @@ fn block_size(counts: &[usize], overflow_cost: OverflowCost) -> usize {
     candidates.sort_unstable();
     candidates.dedup();
     let mut best = busiest;
-    let mut best_cost = cost_of(counts, busiest, overflow_cost);
+    let mut best_cost = cost_of(counts, busiest, overflow_rows);
     for &cap in candidates.iter().rev() {
-        let cost = cost_of(counts, cap, overflow_cost);
+        let cost = cost_of(counts, cap, overflow_rows);
         if cost < best_cost {
             (best, best_cost) = (cap, cost);
         }
@@ -303,16 +275,16 @@ fn block_size(counts: &[usize], overflow_cost: OverflowCost) -> usize {
     best
 }
 
-/// The padded layout of `dispatch` over `rows` rows, overflow blocks costing `overflow_cost`
+/// The padded layout of `dispatch` over `rows` rows, overflow blocks costing `overflow_rows`
 /// when the block size is chosen (over the loads of the experts with rows).
-fn padded_layout(dispatch: &Dispatch, rows: usize, overflow_cost: OverflowCost) -> PaddedLayout {
+fn padded_layout(dispatch: &Dispatch, rows: usize, overflow_rows: usize) -> PaddedLayout {
     let offsets = dispatch.offsets();
     let counts: Vec<usize> = offsets.windows(2).map(|w| w[1] - w[0]).collect();
     let main: Vec<u32> = (0..counts.len() as u32)
         .filter(|&e| counts[e as usize] > 0)
         .collect();
     let loads: Vec<usize> = main.iter().map(|&e| counts[e as usize]).collect();
-    let cap = block_size(&loads, overflow_cost);
+    let cap = block_size(&loads, overflow_rows);
     let k = dispatch.top_k();
     let mut overflow = Vec::new();
     for &expert in &main {
@@ -482,7 +454,7 @@ mod tests {
 
     /// The padded path and the composed ops agree on outputs and on the gradients of the
     /// rows, the gates and both stacked weights, in f64, f32 and bf16 rounding.
-    fn assert_padded_matches_composed(ids: &[u32], overflow_cost: OverflowCost) {
+    fn assert_padded_matches_composed(ids: &[u32], overflow_rows: usize) {
         for (dtype, precision, tol) in [
             (DType::F64, Precision::F32, 1e-12),
             (DType::F32, Precision::F32, 2e-5),
@@ -493,7 +465,7 @@ mod tests {
             let (x, gates) = (c.x.as_tensor(), c.gates.as_tensor());
             let padded = c
                 .experts
-                .forward_padded(x, gates, &c.dispatch, overflow_cost)
+                .forward_padded(x, gates, &c.dispatch, overflow_rows)
                 .expect("padded");
             let composed = c
                 .experts
@@ -524,7 +496,7 @@ mod tests {
     fn padded_matches_composed_ops() {
         let case = PathCase::new(DType::F64, Precision::F32);
         let rows = case.rows;
-        let layout = padded_layout(&case.dispatch, rows, OverflowCost::places_only());
+        let layout = padded_layout(&case.dispatch, rows, 0);
         let cap = layout.cap;
         // loads 4, 0, 4, 1, 3: expert 1 has no block; one block of 4 for each of the other
         // four has the fewest places (16; blocks of 3 would take 18)
@@ -538,10 +510,7 @@ mod tests {
             .iter()
             .all(|&r| r as usize == rows));
         assert_layout_places_every_slot(&case.dispatch, &layout, rows);
-        assert_padded_matches_composed(
-            &[0, 2, 2, 4, 3, 0, 4, 2, 0, 4, 2, 0],
-            OverflowCost::places_only(),
-        );
+        assert_padded_matches_composed(&[0, 2, 2, 4, 3, 0, 4, 2, 0, 4, 2, 0], 0);
     }
 
     /// A skewed load spills past the block size into overflow blocks (their weights read
@@ -552,16 +521,16 @@ mod tests {
         // ten rows: expert 0 in every row, expert 2 in six, 3 in three, 4 in one, 1 in none
         let ids = [0, 2, 2, 0, 0, 3, 0, 2, 4, 0, 0, 2, 3, 0, 0, 2, 0, 3, 2, 0];
         let case = PathCase::with_ids(DType::F64, Precision::F32, &ids);
-        let layout = padded_layout(&case.dispatch, case.rows, OverflowCost::places_only());
+        let layout = padded_layout(&case.dispatch, case.rows, 0);
         // loads 10, 6, 3, 1 on the four experts with rows (mean 5): blocks of 5 take 30
         // places (experts 0 and 2 in two blocks each), of 6 also 30 (expert 0 in two: the
         // larger of equals is kept), one block of 10 each 40
         assert_eq!((layout.cap, layout.overflow.clone()), (6, vec![0]));
         assert_eq!(layout.main, vec![0, 2, 3, 4]);
         assert_layout_places_every_slot(&case.dispatch, &layout, case.rows);
-        assert_padded_matches_composed(&ids, OverflowCost::places_only());
+        assert_padded_matches_composed(&ids, 0);
         // each overflow block costing 128 rows, one block of 10 each (40 places) is cheaper
-        let costed = padded_layout(&case.dispatch, case.rows, OverflowCost::per_block(128));
+        let costed = padded_layout(&case.dispatch, case.rows, 128);
         assert_eq!((costed.cap, costed.overflow.len()), (10, 0));
     }
 
@@ -569,24 +538,21 @@ mod tests {
     /// each costs least, overflow blocks when one expert takes far more than the rest.
     #[test]
     fn the_block_size_takes_the_least_cost() {
-        assert_eq!(block_size(&[4, 4, 4, 4], OverflowCost::places_only()), 4);
+        assert_eq!(block_size(&[4, 4, 4, 4], 0), 4);
         // 20 places either way: the busiest load's size, with no overflow block
-        assert_eq!(block_size(&[5, 4, 4, 3], OverflowCost::places_only()), 5);
+        assert_eq!(block_size(&[5, 4, 4, 3], 0), 5);
         // 20 places against 24: the mean, expert 0 in two blocks; not when a block costs 8
-        assert_eq!(block_size(&[6, 4, 4, 2], OverflowCost::places_only()), 4);
-        assert_eq!(block_size(&[6, 4, 4, 2], OverflowCost::per_block(8)), 6);
+        assert_eq!(block_size(&[6, 4, 4, 2], 0), 4);
+        assert_eq!(block_size(&[6, 4, 4, 2], 8), 6);
         // one expert with all 64 slots of 8 experts: blocks of 8 (8 + 7 · 8 = 64 + 56 places)
         // beat one block of 64 each (512 places); at 128 rows per overflow block, blocks of
         // 32 (9 · 32 + 128 = 416) beat both 8 (120 + 7 · 128) and 64 (512)
         let skewed = [64, 0, 0, 0, 0, 0, 0, 0];
-        assert_eq!(block_size(&skewed, OverflowCost::places_only()), 8);
+        assert_eq!(block_size(&skewed, 0), 8);
         assert_eq!(places_for(&skewed, 8), 120);
-        assert_eq!(
-            cost_of(&skewed, 8, OverflowCost::per_block(128)),
-            120 + 7 * 128
-        );
-        assert_eq!(cost_of(&skewed, 32, OverflowCost::per_block(128)), 416);
-        assert_eq!(block_size(&skewed, OverflowCost::per_block(128)), 32);
+        assert_eq!(cost_of(&skewed, 8, 128), 120 + 7 * 128);
+        assert_eq!(cost_of(&skewed, 32, 128), 416);
+        assert_eq!(block_size(&skewed, 128), 32);
         // brute force: no block size between the mean and the busiest load costs less
         for counts in [
             vec![7, 1, 9, 3],
@@ -596,16 +562,13 @@ mod tests {
             vec![1000, 999, 17, 0],
             vec![4000, 500, 510, 490, 20, 700, 505, 512],
         ] {
-            for overflow_cost in [0, 1, 16, 128].map(OverflowCost::per_block) {
-                let chosen = cost_of(&counts, block_size(&counts, overflow_cost), overflow_cost);
+            for overflow_rows in [0, 1, 16, 128] {
+                let chosen = cost_of(&counts, block_size(&counts, overflow_rows), overflow_rows);
                 let low = counts.iter().sum::<usize>().div_ceil(counts.len());
                 let busiest = *counts.iter().max().expect("max");
                 for cap in low..=busiest {
-                    let cost = cost_of(&counts, cap, overflow_cost);
-                    assert!(
-                        cost >= chosen,
-                        "{counts:?} cost {overflow_cost:?} cap {cap}"
-                    );
+                    let cost = cost_of(&counts, cap, overflow_rows);
+                    assert!(cost >= chosen, "{counts:?} cost {overflow_rows} cap {cap}");
                 }
             }
         }
@@ -616,15 +579,15 @@ mod tests {
         training[0] = 1100;
         training[1] = 0;
         training[2] = 436;
-        assert_eq!(block_size(&training, OverflowCost::GPU), 512);
+        assert_eq!(block_size(&training, OVERFLOW_BLOCK_ROWS), 512);
         // a 30B-A3B-like load (128 experts, 64 rows on most, 100 on eight, 150 on one): at
         // 128 rows a block, blocks of 67 cost least (8,576 places + 10 overflow blocks of
         // 67 + 128 = 10,526, against 19,200 places in one block each)
         let mut a3b = vec![64; 128];
         a3b[..8].fill(100);
         a3b[8] = 150;
-        assert_eq!(block_size(&a3b, OverflowCost::GPU), 67);
-        assert_eq!(cost_of(&a3b, 67, OverflowCost::GPU), 10_526);
+        assert_eq!(block_size(&a3b, OVERFLOW_BLOCK_ROWS), 67);
+        assert_eq!(cost_of(&a3b, 67, OVERFLOW_BLOCK_ROWS), 10_526);
     }
 
     /// A decode step's sparse dispatch lays out blocks for its chosen experts only (one row
@@ -633,13 +596,13 @@ mod tests {
     fn sparse_dispatches_get_blocks_for_their_experts_only() {
         // one row top-2 over 8 experts (a decode step): two blocks of one place
         let sparse = Dispatch::new(&[5, 3], 2, 8).expect("dispatch");
-        let layout = padded_layout(&sparse, 1, OverflowCost::GPU);
+        let layout = padded_layout(&sparse, 1, OVERFLOW_BLOCK_ROWS);
         assert_eq!((layout.main.clone(), layout.cap), (vec![3, 5], 1));
         assert!(layout.overflow.is_empty());
         assert_layout_places_every_slot(&sparse, &layout, 1);
         // two rows over five experts: experts 1 and 4 only, then 0, 2, 3 in turn
-        assert_padded_matches_composed(&[1, 4, 4, 1], OverflowCost::GPU);
-        assert_padded_matches_composed(&[0, 2, 3, 0], OverflowCost::GPU);
+        assert_padded_matches_composed(&[1, 4, 4, 1], OVERFLOW_BLOCK_ROWS);
+        assert_padded_matches_composed(&[0, 2, 3, 0], OVERFLOW_BLOCK_ROWS);
     }
 
     /// One row, one expert, gate 1: the output is that expert's SwiGLU, computed by hand.

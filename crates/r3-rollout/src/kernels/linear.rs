@@ -281,13 +281,19 @@ pub(crate) fn copy_parallel(dst: &mut [f32], src: &[f32]) {
 /// 64 on mid, most of them the `[rows, vocab]` logits).
 const ROUND_ELEMS_PER_TASK: usize = 1 << 14;
 
+/// Elements per parallel rounding task: whole rows of `width`, about
+/// [`ROUND_ELEMS_PER_TASK`] of them.
+fn round_chunk(width: usize) -> usize {
+    let width = width.max(1);
+    (ROUND_ELEMS_PER_TASK / width).max(1) * width
+}
+
 /// `round` applied to `v`, rows of `width` side by side when `parallel`.
 fn round_rows(v: &mut [f32], width: usize, round: fn(&mut [f32]), parallel: bool) {
     if !parallel || v.len() <= ROUND_ELEMS_PER_TASK {
         return round(v);
     }
-    let rows = (ROUND_ELEMS_PER_TASK / width.max(1)).max(1);
-    v.par_chunks_mut(rows * width.max(1)).for_each(round);
+    v.par_chunks_mut(round_chunk(width)).for_each(round);
 }
 
 /// `x` copied and rounded by `round` in one pass, rows of `width` side by side when
@@ -299,7 +305,7 @@ fn rounded_copy(x: &[f32], width: usize, round: fn(&mut [f32]), parallel: bool) 
         return xr;
     }
     let mut xr = vec![0f32; x.len()];
-    let chunk = (ROUND_ELEMS_PER_TASK / width.max(1)).max(1) * width.max(1);
+    let chunk = round_chunk(width);
     xr.par_chunks_mut(chunk)
         .zip(x.par_chunks(chunk))
         .for_each(|(d, s)| {
