@@ -20,8 +20,13 @@ use crate::error::RolloutError;
 
 /// Number of input rows up to which the row-streaming kernel beats `gemm` (f32 weights).
 const SMALL_M: usize = 32;
-/// Number of input rows up to which the f16 panel kernel beats widening + `gemm`.
-const PANEL_M: usize = 128;
+/// Number of input rows up to which the f16 panel kernel runs instead of widening + `gemm`.
+/// Since the panel kernel writes its output in place it is the faster one for a decode step's
+/// rows (`r3 bench rollout --configs mid --batches 256`, three rounds alternated: 2,540–2,590
+/// → 2,621–2,755 tokens/s with the `[256, 32000]` logits and the projections moved over) and
+/// as fast on a prefill's thousands (tried up to 8,192); beyond this many its panel-by-panel
+/// pass, which reads every input row once per panel, leaves cache blocking to `gemm`.
+const PANEL_M: usize = 512;
 /// Panels per parallel task of the f16 panel kernel.
 const PANELS_PER_TASK: usize = 2;
 /// Output columns per parallel task of the small-batch kernel.
@@ -420,9 +425,10 @@ fn small_m_f32(x: &[f32], m: usize, k: usize, w: &[f32], n: usize, out: &mut [f3
     column_tasks(m, n, out, par, task);
 }
 
-/// f16 panel kernel over all output columns: tasks of `PANELS_PER_TASK` panels; with one
-/// input row each task writes its slice of `out` directly, otherwise a `[m, task columns]`
-/// scratch that is copied into place.
+/// f16 panel kernel over all output columns: tasks of `PANELS_PER_TASK` panels, each writing
+/// its columns of every row of `out` in place (a scratch per task, zero-filled and copied
+/// into place after a serial wait, cost the 256-row decode projections a fifth of their
+/// time).
 fn panels_f16(
     x: &[f32],
     m: usize,
@@ -432,48 +438,28 @@ fn panels_f16(
     out: &mut [f32],
     par: bool,
 ) {
-    let task_cols = PANEL * PANELS_PER_TASK;
-    let panel_range = |t: usize| {
-        (
+    assert!(
+        out.len() >= m * n && w.rows() == n,
+        "panels_f16: output shorter than [m, n]"
+    );
+    let dst = SharedBuf(out.as_mut_ptr());
+    let task = |t: usize| {
+        let (p0, p1) = (
             t * PANELS_PER_TASK,
             ((t + 1) * PANELS_PER_TASK).min(w.panels()),
-        )
-    };
-    if m == 1 {
-        let task = |(t, o): (usize, &mut [f32])| {
-            let (p0, p1) = panel_range(t);
-            for p in p0..p1 {
-                w.panel_times(kernel, p, x, 1, &mut o[(p - p0) * PANEL..], task_cols);
-            }
-        };
-        if par {
-            out.par_chunks_mut(task_cols).enumerate().for_each(task);
-        } else {
-            out.chunks_mut(task_cols).enumerate().for_each(task);
-        }
-        return;
-    }
-    let tasks = n.div_ceil(task_cols);
-    let task = |t: usize| {
-        let (p0, p1) = panel_range(t);
-        let mut o = vec![0f32; m * task_cols];
+        );
         for p in p0..p1 {
-            w.panel_times(kernel, p, x, m, &mut o[(p - p0) * PANEL..], task_cols);
+            // SAFETY: `out` holds m rows of n (asserted above) and panel p's columns start at
+            // p·PANEL < n; each panel belongs to one task, so no two tasks write the same
+            // element, and `out` stays borrowed mutably until every task is done.
+            unsafe { w.panel_times_into(kernel, p, x, m, dst.at(p * PANEL), n) };
         }
-        o
     };
-    let blocks: Vec<Vec<f32>> = if par {
-        (0..tasks).into_par_iter().map(task).collect()
+    let tasks = w.panels().div_ceil(PANELS_PER_TASK);
+    if par {
+        (0..tasks).into_par_iter().for_each(task);
     } else {
-        (0..tasks).map(task).collect()
-    };
-    for (t, o) in blocks.iter().enumerate() {
-        let n0 = t * task_cols;
-        let cols = task_cols.min(n - n0);
-        for i in 0..m {
-            out[i * n + n0..i * n + n0 + cols]
-                .copy_from_slice(&o[i * task_cols..i * task_cols + cols]);
-        }
+        (0..tasks).for_each(task);
     }
 }
 

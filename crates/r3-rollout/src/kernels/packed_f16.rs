@@ -320,9 +320,32 @@ impl PackedF16 {
         out: &mut [f32],
         ldo: usize,
     ) {
-        let k = self.k;
-        assert!(x.len() >= m * k);
         assert!(m == 0 || out.len() >= (m - 1) * ldo + self.panel_cols(p));
+        // SAFETY: `out` holds every element the call writes (asserted above) and is borrowed
+        // mutably for its duration.
+        unsafe { self.panel_times_into(kernel, p, x, m, out.as_mut_ptr(), ldo) }
+    }
+
+    /// [`PackedF16::panel_times`] into a raw output, for tasks that write disjoint columns of
+    /// one shared output side by side (no task holds a `&mut` to all of it).
+    ///
+    /// # Panics
+    /// When `x` holds fewer than `m` rows of this weight's `k` values, or `p` is not a panel.
+    ///
+    /// # Safety
+    /// `out` is valid for writes of `m` rows `ldo` apart of this panel's columns
+    /// ([`PackedF16::panel_cols`]), and no one else reads or writes those elements meanwhile.
+    pub unsafe fn panel_times_into(
+        &self,
+        kernel: PanelKernel,
+        p: usize,
+        x: &[f32],
+        m: usize,
+        out: *mut f32,
+        ldo: usize,
+    ) {
+        let k = self.k;
+        assert!(x.len() >= m * k, "panel_times: short input");
         let panel = self.panel(p);
         let cols = self.panel_cols(p);
         match kernel.0 {
@@ -330,12 +353,13 @@ impl PackedF16 {
             KernelChoice::Avx512 => {
                 for (r0, rows) in row_tiles(m) {
                     let xs = &x[r0 * k..(r0 + rows) * k];
-                    let os = &mut out[r0 * ldo..];
                     // SAFETY: only `detect` builds an Avx512 kernel (the field is private), and
                     // only where the CPU has AVX-512F; the slices cover `rows` input rows of k
-                    // values, a k×PANEL panel, and `rows` output rows of stride ldo with `cols`
-                    // valid columns (checked above).
-                    unsafe { avx512::tile(self.kind, xs, rows, k, panel, os, ldo, cols) };
+                    // values and a k×PANEL panel; `out` is writable for `rows` rows of stride
+                    // ldo with `cols` valid columns from row r0 on (the caller's contract).
+                    unsafe {
+                        avx512::tile(self.kind, xs, rows, k, panel, out.add(r0 * ldo), ldo, cols)
+                    };
                 }
             }
             _ => portable_panel(self.kind, panel, x, m, k, out, ldo, cols),
@@ -356,14 +380,18 @@ fn row_tiles(m: usize) -> impl Iterator<Item = (usize, usize)> {
 }
 
 /// Portable panel kernel: widen once, then row-times-panel with plain loops.
+///
+/// # Safety
+/// `out` is valid for writes of `m` rows `ldo` apart of `cols` values each, which no one else
+/// touches meanwhile.
 #[allow(clippy::too_many_arguments)]
-fn portable_panel(
+unsafe fn portable_panel(
     kind: HalfKind,
     panel: &[Line],
     x: &[f32],
     m: usize,
     k: usize,
-    out: &mut [f32],
+    out: *mut f32,
     ldo: usize,
     cols: usize,
 ) {
@@ -379,7 +407,8 @@ fn portable_panel(
                 *a = xv.mul_add(*w, *a);
             }
         }
-        out[r * ldo..r * ldo + cols].copy_from_slice(&acc[..cols]);
+        // SAFETY: row r's `cols` values lie in the caller's writable rows.
+        unsafe { std::ptr::copy_nonoverlapping(acc.as_ptr(), out.add(r * ldo), cols) };
     }
 }
 
@@ -423,7 +452,7 @@ mod avx512 {
     ///
     /// # Safety
     /// The CPU must support AVX-512F; `x` holds `rows·k` values, `panel` `k` lines, and `out`
-    /// at least `(rows-1)·ldo + cols` values.
+    /// is writable for `rows` rows `ldo` apart of `cols` values, untouched by others meanwhile.
     #[target_feature(enable = "avx512f")]
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn tile(
@@ -432,7 +461,7 @@ mod avx512 {
         rows: usize,
         k: usize,
         panel: &[Line],
-        out: &mut [f32],
+        out: *mut f32,
         ldo: usize,
         cols: usize,
     ) {
@@ -449,7 +478,7 @@ mod avx512 {
         rows: usize,
         k: usize,
         panel: &[Line],
-        out: &mut [f32],
+        out: *mut f32,
         ldo: usize,
         cols: usize,
     ) {
@@ -484,7 +513,7 @@ mod avx512 {
         x: &[f32],
         k: usize,
         panel: &[Line],
-        out: &mut [f32],
+        out: *mut f32,
         ldo: usize,
         cols: usize,
     ) {
@@ -510,7 +539,7 @@ mod avx512 {
                 a[1] = _mm512_fmadd_ps(xb, w1, a[1]);
             }
         }
-        let op = out.as_mut_ptr();
+        let op = out;
         if cols == PANEL {
             for (r, a) in acc.iter().enumerate() {
                 _mm512_storeu_ps(op.add(r * ldo), a[0]);
