@@ -136,9 +136,67 @@ impl fmt::Display for RouterDtype {
     }
 }
 
+/// What the CPU engine's KV cache stores keys and values in (SGLang's `--kv-cache-dtype`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvCacheDtype {
+    /// The engine's own dtype, as an f16 / bf16 GPU engine's cache holds them (SGLang's and
+    /// vLLM's `auto`): an f16 engine rounds keys to f16 after RoPE.
+    #[default]
+    Auto,
+    /// This dtype whatever the engine's: `f32` keeps an f16 engine's keys exact (twice the
+    /// memory and the attention's reads).
+    Fixed(Dtype),
+}
+
+impl KvCacheDtype {
+    /// The dtype the cache of an engine computing in `engine` holds.
+    pub fn resolve(self, engine: Dtype) -> Dtype {
+        match self {
+            KvCacheDtype::Auto => engine,
+            KvCacheDtype::Fixed(d) => d,
+        }
+    }
+}
+
+impl FromStr for KvCacheDtype {
+    type Err = RolloutError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s == "auto" {
+            return Ok(KvCacheDtype::Auto);
+        }
+        s.parse::<Dtype>().map(KvCacheDtype::Fixed).map_err(|_| {
+            RolloutError::InvalidConfig(format!(
+                "unknown KV cache dtype {s:?}: expected auto (the engine's dtype), f16, bf16 or f32"
+            ))
+        })
+    }
+}
+
+impl fmt::Display for KvCacheDtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KvCacheDtype::Auto => f.write_str("auto"),
+            KvCacheDtype::Fixed(d) => d.fmt(f),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kv_cache_dtypes_parse_print_and_resolve() {
+        for text in ["auto", "f16", "bf16", "f32"] {
+            let d: KvCacheDtype = text.parse().expect("known");
+            assert_eq!(d.to_string(), text);
+        }
+        assert_eq!(KvCacheDtype::Auto.resolve(Dtype::Bf16), Dtype::Bf16);
+        let f32_cache: KvCacheDtype = "float32".parse().expect("alias");
+        assert_eq!(f32_cache.resolve(Dtype::F16), Dtype::F32);
+        let err = "fp8".parse::<KvCacheDtype>().expect_err("unknown");
+        assert!(err.to_string().contains("fp8"), "{err}");
+    }
 
     #[test]
     fn bf16_rounding_keeps_eight_significant_bits_ties_to_even() {

@@ -27,7 +27,7 @@ pub mod sampler;
 
 pub use device_engine::choice::{RolloutDevice, RolloutEngine};
 pub use device_engine::{DeviceEngine, DeviceEngineConfig};
-pub use dtype::{Dtype, RouterDtype};
+pub use dtype::{Dtype, KvCacheDtype, RouterDtype};
 pub use engine::{config_eos_ids, CachedBlock, Engine, EngineConfig};
 pub use error::RolloutError;
 pub use kv_pool::{KvBlock, KvBlockId, KvBlockRef, KvLayout, KvPool};

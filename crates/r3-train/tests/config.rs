@@ -136,6 +136,23 @@ fn override_errors_name_the_problem() {
         }
         other => panic!("expected InvalidConfig, got {other:?}"),
     }
+    // The KV cache dtype: a known one for the CPU engine; only `auto` for the device engine.
+    TrainConfig::resolve(None, &set(&["rollout.kv_cache_dtype=f32"])).expect("f32 cache");
+    for (sets, needle) in [
+        (vec!["rollout.kv_cache_dtype=fp8"], "fp8"),
+        (
+            vec!["rollout.kv_cache_dtype=f32", "rollout.device=cpu-candle"],
+            "compute dtype",
+        ),
+    ] {
+        match TrainConfig::resolve(None, &set(&sets)) {
+            Err(TrainError::InvalidConfig { field, reason }) => {
+                assert_eq!(field, "rollout.kv_cache_dtype");
+                assert!(reason.contains(needle), "{sets:?}: {reason}");
+            }
+            other => panic!("{sets:?}: expected InvalidConfig, got {other:?}"),
+        }
+    }
     match TrainConfig::resolve(None, &set(&["algo.eps_low=1.5"])) {
         Err(TrainError::InvalidConfig { field, .. }) => assert_eq!(field, "algo.eps_low"),
         other => panic!("expected InvalidConfig, got {other:?}"),

@@ -355,9 +355,11 @@ pub fn run(a: BenchRolloutArgs) -> anyhow::Result<()> {
                 println!("{line}");
             }
             // The CPU engine's roofline on this machine (the limits above are the CPU's).
+            // Weights and the KV cache are both held in the engine's dtype.
+            let width = if dtype == Dtype::F32 { 4.0 } else { 2.0 };
             let storage = StorageBytes {
-                weight: if dtype == Dtype::F32 { 4.0 } else { 2.0 },
-                kv: 4.0,
+                weight: width,
+                kv: width,
             };
             let roofline = (device == RolloutDevice::Cpu)
                 .then(|| {
@@ -367,7 +369,7 @@ pub fn run(a: BenchRolloutArgs) -> anyhow::Result<()> {
                 .map(|secs| (b * a.new_tokens) as f64 / secs);
             if let Some(limit) = roofline {
                 println!(
-                    "{:>17} roofline {limit:.1} tok/s (each step at the slower of its FLOPs at the peak and its bytes at the bandwidth: {} B weights, f32 KV): this run at {:.0}% of it",
+                    "{:>17} roofline {limit:.1} tok/s (each step at the slower of its FLOPs at the peak and its bytes at the bandwidth: {} B weights and KV values): this run at {:.0}% of it",
                     "",
                     storage.weight,
                     on.tok_s / limit * 100.0

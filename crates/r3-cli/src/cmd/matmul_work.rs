@@ -99,7 +99,8 @@ impl MachineLimits {
 pub struct StorageBytes {
     /// Bytes per weight (f16/bf16 panels: 2, f32: 4).
     pub weight: f64,
-    /// Bytes per cached key or value element (the CPU engine's KV pool holds f32: 4).
+    /// Bytes per cached key or value element (the CPU engine's KV pool holds the engine's
+    /// dtype: 2 for f16/bf16, 4 for f32).
     pub kv: f64,
 }
 

@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 use r3_model::LoadOptions;
-use r3_rollout::{Dtype, EngineConfig, RolloutDevice, RolloutEngine, RouterDtype};
+use r3_rollout::{Dtype, EngineConfig, KvCacheDtype, RolloutDevice, RolloutEngine, RouterDtype};
 use r3_server::connections::connections_for_open_files;
 use r3_server::{
     build_app, serve_with_limits, ClientLimits, ConnectionLimits, SecurityConfig, ServerConfig,
@@ -43,6 +43,11 @@ pub struct ServeArgs {
     /// KV cache budget in MiB.
     #[arg(long, default_value_t = 2048)]
     pub kv_cache_mib: usize,
+    /// What the CPU engine's KV cache holds keys and values in: `auto` (the engine's dtype,
+    /// as SGLang's and vLLM's caches do), `f32`, `f16` or `bf16`. The device engine keeps its
+    /// cache in its compute dtype.
+    #[arg(long, default_value = "auto")]
+    pub kv_cache_dtype: KvCacheDtype,
     /// Prefix cache budget in MiB (0 disables the prefix cache).
     #[arg(long, default_value_t = 1024)]
     pub prefix_cache_mib: usize,
@@ -164,10 +169,18 @@ fn fit_open_file_limit(max_connections: usize) -> usize {
 pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     let dtype: Dtype = a.dtype.parse()?;
     let router_dtype: RouterDtype = a.router_dtype.parse()?;
+    if a.kv_cache_dtype != KvCacheDtype::Auto && a.device != RolloutDevice::Cpu {
+        anyhow::bail!(
+            "--kv-cache-dtype {} is for the CPU engine; the device engine (--device {}) keeps its cache in its compute dtype (auto)",
+            a.kv_cache_dtype,
+            a.device
+        );
+    }
     let cfg = EngineConfig {
         dtype,
         router_dtype,
         kv_cache_bytes: a.kv_cache_mib << 20,
+        kv_cache_dtype: a.kv_cache_dtype,
         prefix_cache: a.prefix_cache_mib > 0,
         prefix_cache_bytes: a.prefix_cache_mib << 20,
         max_running: a.max_running,

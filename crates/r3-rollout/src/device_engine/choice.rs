@@ -67,7 +67,8 @@ impl DeviceEngineConfig {
     /// The device engine's settings for `device` taken from the CPU engine's (dtype,
     /// router dtype, batch size, KV budget, the prefix cache on or off, its budget and block
     /// size; the token budget of a step has no counterpart, the activation budget is the
-    /// default's).
+    /// default's, and the KV cache holds the compute dtype whatever `kv_cache_dtype` says:
+    /// callers that take a user's choice refuse any other for this engine).
     pub fn from_engine_config(device: DeviceSpec, cfg: &EngineConfig) -> Self {
         DeviceEngineConfig {
             device,

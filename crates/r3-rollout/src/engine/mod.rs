@@ -16,7 +16,7 @@ use r3_routing::{ExpertPlacement, MergePolicy};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-use crate::dtype::{Dtype, RouterDtype};
+use crate::dtype::{Dtype, KvCacheDtype, RouterDtype};
 use crate::error::RolloutError;
 use crate::kernels::attention::SeqSpan;
 use crate::kv_pool::KvPool;
@@ -39,6 +39,8 @@ pub struct EngineConfig {
     pub block_size: usize,
     /// Memory budget of the KV pool in bytes.
     pub kv_cache_bytes: usize,
+    /// What the KV pool stores keys and values in (default: the engine's dtype).
+    pub kv_cache_dtype: KvCacheDtype,
     /// Keep finished prefixes (KV + routes) for reuse.
     pub prefix_cache: bool,
     /// Memory budget of the prefix cache in bytes (counted inside the KV budget).
@@ -56,6 +58,7 @@ impl Default for EngineConfig {
             router_dtype: RouterDtype::Model,
             block_size: 16,
             kv_cache_bytes: 2 << 30,
+            kv_cache_dtype: KvCacheDtype::Auto,
             prefix_cache: true,
             prefix_cache_bytes: 1 << 30,
             max_batch_tokens: 4096,
@@ -130,9 +133,11 @@ impl Engine {
         let eos = config_eos_ids(&model_cfg);
         let model = InferenceModel::with_router(model_cfg, tensors, cfg.dtype, cfg.router_dtype)?;
         let layout = model.kv_layout(cfg.block_size);
-        let block_bytes = layout.block_floats() * 4;
+        // By default the cache holds keys and values in the engine's dtype (see `kv_pool`).
+        let kv_dtype = cfg.kv_cache_dtype.resolve(cfg.dtype);
+        let block_bytes = KvPool::block_bytes_of(&layout, kv_dtype);
         let max_blocks = (cfg.kv_cache_bytes / block_bytes.max(1)).max(1);
-        let pool = KvPool::new(layout, max_blocks)?;
+        let pool = KvPool::new(layout, max_blocks, kv_dtype)?;
         let cache =
             PrefixCache::for_engine(cfg.prefix_cache, cfg.block_size, cfg.prefix_cache_bytes)?;
         let geo = RouteGeometry::of(model.config());
@@ -140,6 +145,7 @@ impl Engine {
             dtype = %cfg.dtype,
             router_dtype = %cfg.router_dtype,
             weight_mb = model.weight_bytes() >> 20,
+            kv_dtype = %kv_dtype,
             kv_blocks = max_blocks,
             "rollout engine ready"
         );
@@ -296,7 +302,7 @@ impl Engine {
                 &seq,
                 &self.geo,
                 self.version,
-                self.pool.layout().block_floats() * 4,
+                self.pool.block_bytes(),
             );
         }
         let original = match &seq.resume {
@@ -432,7 +438,7 @@ impl Engine {
         }
         let layout = self.model.kv_layout(self.cfg.block_size);
         let blocks_needed = tokens.len().div_ceil(layout.block_size.max(1));
-        let mut pool = KvPool::new(layout, blocks_needed)?;
+        let mut pool = KvPool::new(layout, blocks_needed, self.pool.dtype())?;
         let blocks = (0..blocks_needed)
             .map(|_| pool.allocate())
             .collect::<Option<Vec<_>>>()

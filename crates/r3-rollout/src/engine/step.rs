@@ -266,7 +266,7 @@ impl Engine {
                     &seq,
                     &self.geo,
                     self.version,
-                    self.pool.layout().block_floats() * 4,
+                    self.pool.block_bytes(),
                 );
             }
             // Route-table building is capture work; the rest of into_result is not, but it

@@ -3,6 +3,8 @@
 //! Each query token belongs to one sequence span and attends to every cached position of its
 //! sequence up to and including its own (the caller has already written this step's keys
 //! and values). Grouped-query attention maps head `h` to kv head `h / (heads / kv_heads)`.
+//! The cached rows are read in the pool's stored type ([`KvLanes`]: f32, f16 or bf16),
+//! widened to f32 in registers; queries, scores and sums are f32.
 
 use rayon::prelude::*;
 
@@ -13,7 +15,90 @@ use rayon::prelude::*;
 )))]
 use crate::kernels::linear::dot;
 use crate::kernels::ops::{prefetch_lines, CacheLevel};
-use crate::kv_pool::{KvBlockId, KvPool};
+use crate::kv_pool::{KvBlockId, KvElement, KvPool, KvRows, KvView};
+
+/// A cached value type the attention kernels read eight at a time, widened to f32 lanes
+/// (on builds without AVX2 and FMA the kernels widen value by value, [`KvElement::widen`]).
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+mod lanes {
+    use std::arch::x86_64::*;
+
+    use half::{bf16, f16};
+
+    use crate::kv_pool::KvElement;
+
+    /// A cached value type the attention kernels read eight at a time.
+    pub trait KvLanes: KvElement {
+        /// Eight values at `p` as f32 lanes (exact).
+        ///
+        /// # Safety
+        /// `p` points at eight readable values.
+        unsafe fn load8(p: *const Self) -> __m256;
+    }
+
+    impl KvLanes for f32 {
+        #[inline(always)]
+        unsafe fn load8(p: *const Self) -> __m256 {
+            // SAFETY: the caller's eight readable floats.
+            unsafe { _mm256_loadu_ps(p) }
+        }
+    }
+
+    impl KvLanes for f16 {
+        #[inline(always)]
+        unsafe fn load8(p: *const Self) -> __m256 {
+            #[cfg(target_feature = "f16c")]
+            // SAFETY: the caller's eight readable halves (16 bytes); the build enables F16C.
+            unsafe {
+                _mm256_cvtph_ps(_mm_loadu_si128(p.cast::<__m128i>()))
+            }
+            #[cfg(not(target_feature = "f16c"))]
+            {
+                // SAFETY: the caller's eight readable halves.
+                let v: [f32; 8] = std::array::from_fn(|i| unsafe { (*p.add(i)).to_f32() });
+                // SAFETY: `v` holds eight floats.
+                unsafe { _mm256_loadu_ps(v.as_ptr()) }
+            }
+        }
+    }
+
+    impl KvLanes for bf16 {
+        #[inline(always)]
+        unsafe fn load8(p: *const Self) -> __m256 {
+            // bf16 is the upper half of an f32: zero-extend each to 32 bits and shift.
+            // SAFETY: the caller's eight readable bf16 values (16 bytes); the build enables
+            // AVX2.
+            unsafe {
+                let wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast::<__m128i>()));
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wide))
+            }
+        }
+    }
+}
+
+/// A cached value type the attention kernels read (this build widens value by value).
+#[cfg(not(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+)))]
+mod lanes {
+    use half::{bf16, f16};
+
+    use crate::kv_pool::KvElement;
+
+    /// A cached value type the attention kernels read.
+    pub trait KvLanes: KvElement {}
+    impl KvLanes for f32 {}
+    impl KvLanes for f16 {}
+    impl KvLanes for bf16 {}
+}
+
+pub use lanes::KvLanes;
 
 /// One sequence's part of a batch: its query tokens and where its context lives.
 #[derive(Debug, Clone)]
@@ -53,12 +138,12 @@ pub struct AttnShape {
 /// of one per key, in the same per-key order as [`short_dot`], so every score is bit for bit
 /// the one-key-at-a-time value.
 #[inline(never)]
-fn head_scores(q: &[f32], keys: &[&[f32]], from: usize, scale: f32, out: &mut [f32]) {
+fn head_scores<E: KvLanes>(q: &[f32], keys: &[&[E]], from: usize, scale: f32, out: &mut [f32]) {
     let d = q.len();
     let n = out.len().min(keys.len());
     let mut j = 0;
     while j + 8 <= n {
-        let rows: [&[f32]; 8] = std::array::from_fn(|i| &keys[j + i][from..from + d]);
+        let rows: [&[E]; 8] = std::array::from_fn(|i| &keys[j + i][from..from + d]);
         let dots = eight_dots(q, &rows);
         for (o, dot) in out[j..j + 8].iter_mut().zip(dots) {
             *o = dot * scale;
@@ -75,7 +160,7 @@ fn head_scores(q: &[f32], keys: &[&[f32]], from: usize, scale: f32, out: &mut [f
 /// shuffles — per key the same pairs in the same order (`lo + hi` halves, then lanes
 /// `0 + 2` and `1 + 3`, then those two) — and the scalar tail per key as `short_dot` adds it.
 #[inline(always)]
-fn eight_dots(a: &[f32], b: &[&[f32]; 8]) -> [f32; 8] {
+fn eight_dots<E: KvLanes>(a: &[f32], b: &[&[E]; 8]) -> [f32; 8] {
     #[cfg(all(
         target_arch = "x86_64",
         target_feature = "avx2",
@@ -94,7 +179,7 @@ fn eight_dots(a: &[f32], b: &[&[f32]; 8]) -> [f32; 8] {
             for c in (0..full).step_by(8) {
                 let x = _mm256_loadu_ps(a.as_ptr().add(c));
                 for (acc, row) in acc.iter_mut().zip(b) {
-                    *acc = _mm256_fmadd_ps(x, _mm256_loadu_ps(row[..d].as_ptr().add(c)), *acc);
+                    *acc = _mm256_fmadd_ps(x, E::load8(row[..d].as_ptr().add(c)), *acc);
                 }
             }
             // lo + hi halves: [s4 of key 2p | s4 of key 2p+1]
@@ -124,7 +209,7 @@ fn eight_dots(a: &[f32], b: &[&[f32]; 8]) -> [f32; 8] {
         for (lane, &key) in KEY_OF_LANE.iter().enumerate() {
             let mut s = reduced[lane];
             for (x, y) in a[full..].iter().zip(&b[key][full..d]) {
-                s = x.mul_add(*y, s);
+                s = x.mul_add(y.widen(), s);
             }
             out[key] = s;
         }
@@ -145,7 +230,7 @@ fn eight_dots(a: &[f32], b: &[&[f32]; 8]) -> [f32; 8] {
 /// remainder (a 24-wide head spent most of its time in the remainder's dependent FMAs)
 /// outweighed its throughput on long rows.
 #[inline(always)]
-fn short_dot(a: &[f32], b: &[f32]) -> f32 {
+fn short_dot<E: KvLanes>(a: &[f32], b: &[E]) -> f32 {
     #[cfg(all(
         target_arch = "x86_64",
         target_feature = "avx2",
@@ -160,18 +245,14 @@ fn short_dot(a: &[f32], b: &[f32]) -> f32 {
             let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
             let (ra, rb) = (ca.remainder(), cb.remainder());
             for (x, y) in ca.zip(cb) {
-                acc = _mm256_fmadd_ps(
-                    _mm256_loadu_ps(x.as_ptr()),
-                    _mm256_loadu_ps(y.as_ptr()),
-                    acc,
-                );
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr()), E::load8(y.as_ptr()), acc);
             }
             let s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
             let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
             let s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
             let mut s = _mm_cvtss_f32(s1);
             for (x, y) in ra.iter().zip(rb) {
-                s = x.mul_add(*y, s);
+                s = x.mul_add(y.widen(), s);
             }
             s
         }
@@ -182,7 +263,8 @@ fn short_dot(a: &[f32], b: &[f32]) -> f32 {
         target_feature = "fma"
     )))]
     {
-        dot(a, b)
+        let widened: Vec<f32> = b.iter().map(|v| v.widen()).collect();
+        dot(a, &widened)
     }
 }
 
@@ -196,17 +278,17 @@ const V_CHUNK: usize = 32;
 /// `out` was loaded and stored again for every key (small heads spent most of the
 /// attention's time there). Every width adds the same products in the same order.
 #[inline]
-fn weighted_rows(probs: &[f32], rows: &[&[f32]], from: usize, out: &mut [f32]) {
+fn weighted_rows<E: KvElement>(probs: &[f32], rows: &[&[E]], from: usize, out: &mut [f32]) {
     match out.len() {
-        32 => weighted_rows_fixed::<32>(probs, rows, from, out),
-        24 => weighted_rows_fixed::<24>(probs, rows, from, out),
-        16 => weighted_rows_fixed::<16>(probs, rows, from, out),
-        8 => weighted_rows_fixed::<8>(probs, rows, from, out),
+        32 => weighted_rows_fixed::<32, E>(probs, rows, from, out),
+        24 => weighted_rows_fixed::<24, E>(probs, rows, from, out),
+        16 => weighted_rows_fixed::<16, E>(probs, rows, from, out),
+        8 => weighted_rows_fixed::<8, E>(probs, rows, from, out),
         _ => {
             out.fill(0.0);
             for (p, r) in probs.iter().zip(rows) {
                 for (o, v) in out.iter_mut().zip(&r[from..]) {
-                    *o = p.mul_add(*v, *o);
+                    *o = p.mul_add(v.widen(), *o);
                 }
             }
         }
@@ -216,9 +298,9 @@ fn weighted_rows(probs: &[f32], rows: &[&[f32]], from: usize, out: &mut [f32]) {
 /// [`weighted_rows`] for `W` (= `out.len()`) columns, the sums in a local array the compiler
 /// keeps in registers.
 #[inline(always)]
-fn weighted_rows_fixed<const W: usize>(
+fn weighted_rows_fixed<const W: usize, E: KvElement>(
     probs: &[f32],
-    rows: &[&[f32]],
+    rows: &[&[E]],
     from: usize,
     out: &mut [f32],
 ) {
@@ -226,7 +308,7 @@ fn weighted_rows_fixed<const W: usize>(
     for (p, r) in probs.iter().zip(rows) {
         let r = &r[from..from + W];
         for i in 0..W {
-            acc[i] = p.mul_add(r[i], acc[i]);
+            acc[i] = p.mul_add(r[i].widen(), acc[i]);
         }
     }
     out[..W].copy_from_slice(&acc);
@@ -240,10 +322,10 @@ fn weighted_rows_fixed<const W: usize>(
 /// then took longer than its scores); a pass over several heads keeps the FMA units busy.
 /// Each column still adds its products one key after another from zero, as
 /// [`weighted_rows`] does: the same bits.
-fn weighted_heads(
+fn weighted_heads<E: KvLanes>(
     probs: &[f32],
     n: usize,
-    rows: &[&[f32]],
+    rows: &[&[E]],
     group: usize,
     v_dim: usize,
     out: &mut [f32],
@@ -258,8 +340,9 @@ fn weighted_heads(
         let per_head = v_dim / 8;
         // A full tile's heads and chunks (twelve accumulators, chunks dividing a head's),
         // and its one-head form for the heads left over.
-        type Sum = fn(TileAt, &[f32], &[&[f32]], &mut [f32]);
-        let (tile_heads, tile_chunks, wide, narrow): (usize, usize, Sum, Sum) = match per_head {
+        type Sum<E> = fn(TileAt, &[f32], &[&[E]], &mut [f32]);
+        let (tile_heads, tile_chunks, wide, narrow): (usize, usize, Sum<E>, Sum<E>) = match per_head
+        {
             p if p % 3 == 0 => (4, 3, HeadTile::<4, 3>::sum, HeadTile::<1, 3>::sum),
             p if p % 4 == 0 => (3, 4, HeadTile::<3, 4>::sum, HeadTile::<1, 4>::sum),
             p if p % 2 == 0 => (6, 2, HeadTile::<6, 2>::sum, HeadTile::<1, 2>::sum),
@@ -325,7 +408,7 @@ struct HeadTile<const H: usize, const C: usize>;
 ))]
 impl<const H: usize, const C: usize> HeadTile<H, C> {
     /// Heads `at.head .. + H`, chunks `at.chunk .. + C` of each, over the whole context.
-    fn sum(at: TileAt, probs: &[f32], rows: &[&[f32]], out: &mut [f32]) {
+    fn sum<E: KvLanes>(at: TileAt, probs: &[f32], rows: &[&[E]], out: &mut [f32]) {
         let TileAt {
             n,
             group,
@@ -349,7 +432,7 @@ impl<const H: usize, const C: usize> HeadTile<H, C> {
                 for ((acc, probs), &col) in acc.iter_mut().zip(&probs).zip(&col) {
                     let p = _mm256_set1_ps(*probs.get_unchecked(j));
                     for (c, acc) in acc.iter_mut().enumerate() {
-                        let v = _mm256_loadu_ps(row.add(col + 8 * c));
+                        let v = E::load8(row.add(col + 8 * c));
                         *acc = _mm256_fmadd_ps(p, v, *acc);
                     }
                 }
@@ -365,8 +448,8 @@ impl<const H: usize, const C: usize> HeadTile<H, C> {
 }
 
 /// `out[t, h*v_dim..]` = softmax(q_t,h · K / scale) · V for every token `t` of every span.
-pub fn paged_attention<'p>(
-    pool: &'p KvPool,
+pub fn paged_attention(
+    pool: &KvPool,
     layer: usize,
     spans: &[SeqSpan],
     q: &[f32],
@@ -374,7 +457,40 @@ pub fn paged_attention<'p>(
     shape: AttnShape,
     parallel: bool,
 ) {
-    let bs = pool.layout().block_size;
+    let block_size = pool.layout().block_size;
+    let at = AttendAt {
+        layer,
+        block_size,
+        spans,
+        shape,
+        parallel,
+    };
+    match pool.view() {
+        KvView::F32(rows) => attend(rows, at, q, out),
+        KvView::F16(rows) => attend(rows, at, q, out),
+        KvView::Bf16(rows) => attend(rows, at, q, out),
+    }
+}
+
+/// What [`attend`] attends over besides the rows: the layer, the spans and the shape.
+#[derive(Clone, Copy)]
+struct AttendAt<'s> {
+    layer: usize,
+    block_size: usize,
+    spans: &'s [SeqSpan],
+    shape: AttnShape,
+    parallel: bool,
+}
+
+/// [`paged_attention`] over a pool's rows stored as `E`.
+fn attend<'p, E: KvLanes>(pool: KvRows<'p, E>, at: AttendAt<'_>, q: &[f32], out: &mut [f32]) {
+    let AttendAt {
+        layer,
+        block_size: bs,
+        spans,
+        shape,
+        parallel,
+    } = at;
     let AttnShape {
         num_heads,
         num_kv_heads,
@@ -393,7 +509,7 @@ pub fn paged_attention<'p>(
     }
     // Per worker: the context's key and value rows and the scores, reused token after token
     // (three allocations per token and layer otherwise).
-    let task = |scratch: &mut ContextScratch<'p>, (t, o): (usize, &mut [f32])| {
+    let task = |scratch: &mut ContextScratch<'p, E>, (t, o): (usize, &mut [f32])| {
         let (s, pos) = owner[t];
         let span = &spans[s];
         let qt = &q[(span.first_token + (pos - span.start_pos)) * num_heads * qk_dim..]
@@ -445,16 +561,26 @@ pub fn paged_attention<'p>(
 
 /// One worker's buffers for [`paged_attention`]: a token's context key and value rows and
 /// its scores (every head's, `[heads, context]`).
-#[derive(Default)]
-struct ContextScratch<'p> {
-    keys: Vec<&'p [f32]>,
-    values: Vec<&'p [f32]>,
+struct ContextScratch<'p, E> {
+    keys: Vec<&'p [E]>,
+    values: Vec<&'p [E]>,
     scores: Vec<f32>,
+}
+
+impl<E> Default for ContextScratch<'_, E> {
+    fn default() -> Self {
+        ContextScratch {
+            keys: Vec::new(),
+            values: Vec::new(),
+            scores: Vec::new(),
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dtype::Dtype;
     use crate::kv_pool::KvLayout;
 
     #[test]
@@ -603,6 +729,20 @@ mod tests {
         out
     }
 
+    /// Queries, keys and values of `t` tokens for 4 query heads over 2 key/value heads, each
+    /// element `f(index, stream's frequency)`.
+    fn four_heads_over_two(
+        t: usize,
+        qk_dim: usize,
+        v_dim: usize,
+        f: impl Fn(usize, f32) -> f32,
+    ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let q = (0..t * 4 * qk_dim).map(|i| f(i, 0.37)).collect();
+        let k = (0..t * 2 * qk_dim).map(|i| f(i, 0.91)).collect();
+        let v = (0..t * 2 * v_dim).map(|i| f(i, 1.3)).collect();
+        (q, k, v)
+    }
+
     /// Paged attention of one 7-token sequence (3-token blocks) against the dense reference:
     /// as one prefill span, as prefill(4) + decode spans, and with a sliding window.
     fn check_paged_against_dense(qk_dim: usize, v_dim: usize) {
@@ -615,17 +755,14 @@ mod tests {
             window: None,
         };
         let (t, kd, vd) = (7, 2 * qk_dim, 2 * v_dim);
-        let f = |i: usize, s: f32| (i as f32 * s).sin() * 2.0;
-        let q: Vec<f32> = (0..t * 4 * qk_dim).map(|i| f(i, 0.37)).collect();
-        let k: Vec<f32> = (0..t * kd).map(|i| f(i, 0.91)).collect();
-        let v: Vec<f32> = (0..t * vd).map(|i| f(i, 1.3)).collect();
+        let (q, k, v) = four_heads_over_two(t, qk_dim, v_dim, |i, s| (i as f32 * s).sin() * 2.0);
         let layout = KvLayout {
             num_layers: 1,
             k_dim: kd,
             v_dim: vd,
             block_size: 3,
         };
-        let mut pool = KvPool::new(layout, 4).unwrap();
+        let mut pool = KvPool::new(layout, 4, Dtype::F32).unwrap();
         let blocks: Vec<_> = (0..3).map(|_| pool.allocate().unwrap()).collect();
         for p in 0..t {
             pool.write(
@@ -670,5 +807,65 @@ mod tests {
         check_paged_against_dense(3, 2);
         // Value heads wider than one register chunk, with a ragged last chunk.
         check_paged_against_dense(20, V_CHUNK + 8);
+    }
+
+    /// An f16 or bf16 pool gives, bit for bit, what an f32 pool holding the same keys and
+    /// values rounded to that type gives: the kernels widen the stored values exactly and
+    /// add the same products in the same order. Head widths with and without eight-value
+    /// chunks and a scalar tail, value heads over the tiled and the plain sums, contexts
+    /// across several eight-key groups.
+    #[test]
+    fn half_pools_attend_bit_for_bit_as_f32_pools_of_the_rounded_values() {
+        let f = |i: usize, s: f32| (i as f32 * s).sin() * 2f32.powi((i % 5) as i32 - 2);
+        for (qk_dim, v_dim) in [(64usize, 64usize), (24, 24), (20, 40), (3, 2)] {
+            let sh = AttnShape {
+                num_heads: 4,
+                num_kv_heads: 2,
+                qk_dim,
+                v_dim,
+                scale: 0.3,
+                window: None,
+            };
+            let (t, kd, vd, bs) = (19, 2 * qk_dim, 2 * v_dim, 4);
+            let (q, k, v) = four_heads_over_two(t, qk_dim, v_dim, f);
+            let layout = KvLayout {
+                num_layers: 1,
+                k_dim: kd,
+                v_dim: vd,
+                block_size: bs,
+            };
+            for dtype in [Dtype::F16, Dtype::Bf16] {
+                let round = |x: &f32| match dtype {
+                    Dtype::F16 => half::f16::from_f32(*x).to_f32(),
+                    _ => half::bf16::from_f32(*x).to_f32(),
+                };
+                let (kr, vr): (Vec<f32>, Vec<f32>) =
+                    (k.iter().map(round).collect(), v.iter().map(round).collect());
+                let attend_with = |pool_dtype: Dtype, k: &[f32], v: &[f32]| {
+                    let mut pool = KvPool::new(layout, t.div_ceil(bs), pool_dtype).unwrap();
+                    let blocks: Vec<_> = (0..t.div_ceil(bs))
+                        .map(|_| pool.allocate().unwrap())
+                        .collect();
+                    for p in 0..t {
+                        let (kp, vp) = (&k[p * kd..(p + 1) * kd], &v[p * vd..(p + 1) * vd]);
+                        pool.write(blocks[p / bs].id(), 0, p % bs, kp, vp);
+                    }
+                    let span = SeqSpan {
+                        first_token: 0,
+                        num_tokens: t,
+                        start_pos: 0,
+                        blocks: blocks.iter().map(|b| b.id()).collect(),
+                    };
+                    let mut out = vec![0f32; t * 4 * v_dim];
+                    paged_attention(&pool, 0, &[span], &q, &mut out, sh, true);
+                    out
+                };
+                let half = attend_with(dtype, &k, &v);
+                let wide = attend_with(Dtype::F32, &kr, &vr);
+                for (i, (a, b)) in half.iter().zip(&wide).enumerate() {
+                    assert_eq!(a.to_bits(), b.to_bits(), "{dtype} {qk_dim}/{v_dim}: {i}");
+                }
+            }
+        }
     }
 }

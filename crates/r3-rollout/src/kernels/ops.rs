@@ -51,14 +51,15 @@ pub(crate) enum CacheLevel {
 /// hardware prefetcher would not foresee (many short streams side by side); nothing is
 /// read or written, so results never change.
 #[inline(always)]
-pub(crate) fn prefetch_lines(xs: &[f32], level: CacheLevel) {
+pub(crate) fn prefetch_lines<T>(xs: &[T], level: CacheLevel) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
-        // Sixteen floats per 64-byte line, and the last float for a slice that ends past
-        // its start's last line.
+        // The elements of one 64-byte line, and the last element for a slice that ends
+        // past its start's last line.
+        let per_line = (64 / std::mem::size_of::<T>().max(1)).max(1);
         let last = xs.len().checked_sub(1);
-        for i in (0..xs.len()).step_by(16).chain(last) {
+        for i in (0..xs.len()).step_by(per_line).chain(last) {
             let at = xs[i..].as_ptr().cast::<i8>();
             // SAFETY: `at` points inside `xs`; a prefetch never faults and changes no
             // memory, and SSE (which has it) is part of every x86-64 CPU.

@@ -52,7 +52,7 @@ pub const MODELS: [&str; 2] = ["qwen3_moe_tiny", "deepseek_v3_tiny"];
 /// `tokens` through the engine's model (one sequence, fresh KV blocks, every row's logits).
 pub fn full_forward(model: &mut InferenceModel, tokens: &[u32]) -> (Vec<f32>, Vec<u16>) {
     let t = tokens.len();
-    let mut pool = KvPool::new(model.kv_layout(16), 8).expect("pool");
+    let mut pool = KvPool::new(model.kv_layout(16), 8, model.dtype()).expect("pool");
     let blocks: Vec<_> = (0..t.div_ceil(16))
         .map(|_| pool.allocate().expect("block"))
         .collect();

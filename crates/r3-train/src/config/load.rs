@@ -110,8 +110,22 @@ impl TrainConfig {
                 ),
             );
         }
-        if let Err(e) = r.device.parse::<r3_rollout::RolloutDevice>() {
-            return bad("rollout.device", e.to_string());
+        let device = match r.device.parse::<r3_rollout::RolloutDevice>() {
+            Ok(device) => device,
+            Err(e) => return bad("rollout.device", e.to_string()),
+        };
+        match r.kv_cache_dtype.parse::<r3_rollout::KvCacheDtype>() {
+            Err(e) => return bad("rollout.kv_cache_dtype", e.to_string()),
+            Ok(kv) if kv != r3_rollout::KvCacheDtype::Auto && device.candle().is_some() => {
+                return bad(
+                    "rollout.kv_cache_dtype",
+                    format!(
+                        "`{kv}` is for the CPU engine; the device engine (`rollout.device = \"{}\"`) keeps its cache in its compute dtype (`auto`)",
+                        r.device
+                    ),
+                );
+            }
+            Ok(_) => {}
         }
         if r.temperature.is_nan() || r.temperature <= 0.0 {
             return bad(

@@ -135,6 +135,9 @@ pub struct RolloutConfig {
     /// Rollout router precision: `bf16` / `model` (the gate in the engine dtype, as vLLM and
     /// SGLang run it) or `f32` (an fp32 router). Default `model`.
     pub router_dtype: String,
+    /// What the CPU engine's KV cache holds keys and values in: `auto` (the engine's dtype,
+    /// as SGLang's and vLLM's caches do), `f32`, `f16` or `bf16`. Default `auto`.
+    pub kv_cache_dtype: String,
     /// Which in-process engine generates, and where (`backend = "engine"`): `cpu` (the CPU
     /// engine), `cpu-candle` (the device engine on candle's CPU device), `cuda` / `cuda:N`
     /// (the device engine on a GPU; needs a build with the `cuda` feature). Default `cpu`.
@@ -332,6 +335,7 @@ impl Default for RolloutConfig {
             temperature: 1.0,
             dtype: "f16".into(),
             router_dtype: "model".into(),
+            kv_cache_dtype: "auto".into(),
             device: "cpu".into(),
             backend: RolloutBackend::Engine,
             urls: Vec::new(),

@@ -67,6 +67,11 @@ impl Backend {
                 let engine_cfg = EngineConfig {
                     dtype: rollout_dtype(&cfg.rollout.dtype)?,
                     router_dtype: rollout_router_dtype(&cfg.rollout.router_dtype)?,
+                    kv_cache_dtype: cfg
+                        .rollout
+                        .kv_cache_dtype
+                        .parse()
+                        .map_err(TrainError::Rollout)?,
                     ..EngineConfig::default()
                 };
                 let tensors = policy.tensor_map()?;
