@@ -17,8 +17,9 @@ use crate::kernels::linear::dot;
 use crate::kernels::ops::{prefetch_lines, CacheLevel};
 use crate::kv_pool::{KvBlockId, KvElement, KvPool, KvRows, KvView};
 
-/// A cached value type the attention kernels read eight at a time, widened to f32 lanes
-/// (on builds without AVX2 and FMA the kernels widen value by value, [`KvElement::widen`]).
+/// [`KvLanes`]: how the attention kernels read each cached value type, eight values widened
+/// to f32 lanes per load (on builds without AVX2 and FMA, value by value through
+/// [`KvElement::widen`]).
 #[cfg(all(
     target_arch = "x86_64",
     target_feature = "avx2",
@@ -80,7 +81,7 @@ mod lanes {
     }
 }
 
-/// A cached value type the attention kernels read (this build widens value by value).
+/// [`KvLanes`] on builds without AVX2 and FMA: the kernels widen value by value.
 #[cfg(not(all(
     target_arch = "x86_64",
     target_feature = "avx2",

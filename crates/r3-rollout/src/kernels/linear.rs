@@ -727,6 +727,8 @@ mod tests {
             (9, 64, 64),
             (40, 100, 70),
             (131, 48, 150),
+            // past PANEL_M: widened blocks through gemm
+            (PANEL_M + 9, 24, 70),
         ] {
             let x = data(m * k, 1);
             let w = data(n * k, 2);

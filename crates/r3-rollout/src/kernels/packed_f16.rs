@@ -333,8 +333,9 @@ impl PackedF16 {
     /// When `x` holds fewer than `m` rows of this weight's `k` values, or `p` is not a panel.
     ///
     /// # Safety
-    /// `out` is valid for writes of `m` rows `ldo` apart of this panel's columns
-    /// ([`PackedF16::panel_cols`]), and no one else reads or writes those elements meanwhile.
+    /// `out` is valid for writes of `m` rows `ldo` apart of this panel's columns (`PANEL`, or
+    /// what is left of the weight's rows for the last panel), and no one else reads or writes
+    /// those elements meanwhile.
     pub unsafe fn panel_times_into(
         &self,
         kernel: PanelKernel,
@@ -539,11 +540,10 @@ mod avx512 {
                 a[1] = _mm512_fmadd_ps(xb, w1, a[1]);
             }
         }
-        let op = out;
         if cols == PANEL {
             for (r, a) in acc.iter().enumerate() {
-                _mm512_storeu_ps(op.add(r * ldo), a[0]);
-                _mm512_storeu_ps(op.add(r * ldo + 16), a[1]);
+                _mm512_storeu_ps(out.add(r * ldo), a[0]);
+                _mm512_storeu_ps(out.add(r * ldo + 16), a[1]);
             }
         } else {
             let m0: __mmask16 = if cols >= 16 {
@@ -557,8 +557,8 @@ mod avx512 {
                 ((1u32 << (cols - 16)) - 1) as u16
             };
             for (r, a) in acc.iter().enumerate() {
-                _mm512_mask_storeu_ps(op.add(r * ldo), m0, a[0]);
-                _mm512_mask_storeu_ps(op.add(r * ldo + 16), m1, a[1]);
+                _mm512_mask_storeu_ps(out.add(r * ldo), m0, a[0]);
+                _mm512_mask_storeu_ps(out.add(r * ldo + 16), m1, a[1]);
             }
         }
     }
