@@ -169,13 +169,7 @@ fn fit_open_file_limit(max_connections: usize) -> usize {
 pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     let dtype: Dtype = a.dtype.parse()?;
     let router_dtype: RouterDtype = a.router_dtype.parse()?;
-    if a.kv_cache_dtype != KvCacheDtype::Auto && a.device != RolloutDevice::Cpu {
-        anyhow::bail!(
-            "--kv-cache-dtype {} is for the CPU engine; the device engine (--device {}) keeps its cache in its compute dtype (auto)",
-            a.kv_cache_dtype,
-            a.device
-        );
-    }
+    check_kv_cache_dtype(a.kv_cache_dtype, a.device)?;
     let cfg = EngineConfig {
         dtype,
         router_dtype,
@@ -270,4 +264,34 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
             .await
             .context("serving HTTP")
     })
+}
+
+/// Refuses a KV cache dtype other than `auto` for the device engine, whose cache holds its
+/// compute dtype (the choice is the CPU engine's).
+fn check_kv_cache_dtype(kv: KvCacheDtype, device: RolloutDevice) -> anyhow::Result<()> {
+    if kv != KvCacheDtype::Auto && device != RolloutDevice::Cpu {
+        anyhow::bail!(
+            "--kv-cache-dtype {kv} is for the CPU engine; the device engine (--device {device}) keeps its cache in its compute dtype (auto)"
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_cpu_engine_takes_a_kv_cache_dtype() {
+        let candle: RolloutDevice = "cpu-candle".parse().expect("device");
+        let f32_cache: KvCacheDtype = "f32".parse().expect("dtype");
+        check_kv_cache_dtype(f32_cache, RolloutDevice::Cpu).expect("CPU engine");
+        check_kv_cache_dtype(KvCacheDtype::Auto, candle).expect("auto anywhere");
+        let err = check_kv_cache_dtype(f32_cache, candle).expect_err("device engine");
+        let text = err.to_string();
+        assert!(
+            text.contains("--kv-cache-dtype f32") && text.contains("cpu-candle"),
+            "{text}"
+        );
+    }
 }
