@@ -10,9 +10,10 @@
 //!
 //! The pool stores keys and values in the engine's dtype, as an f16 or bf16 GPU engine's
 //! cache does (SGLang's and vLLM's `auto` KV dtype): an f16 engine's keys are rounded to f16
-//! after RoPE when written, and a decode step reads half the bytes an f32 cache would need
-//! (the attention is bound by those reads). The bf16 engine already rounds keys and values to
-//! bf16 before they are written, so its cache holds the same values in half the memory.
+//! after RoPE when written, and a decode step's attention reads half the bytes an f32 cache
+//! would need. The bf16 engine already rounds keys and values to bf16 before they are
+//! written, so its cache holds the same values in half the memory. `KvCacheDtype` lets a user
+//! keep f32 instead (the engine's `kv_cache_dtype`).
 
 use std::sync::{Arc, Mutex};
 
