@@ -41,6 +41,14 @@ impl Dtype {
         }
     }
 
+    /// Bytes of one value stored in this dtype (a packed weight, a cached key or value).
+    pub fn bytes(self) -> usize {
+        match self {
+            Dtype::F32 => 4,
+            Dtype::F16 | Dtype::Bf16 => 2,
+        }
+    }
+
     /// Rounds activations to this dtype where the engine keeps them in it between ops: bf16
     /// only (f16 mode rounds around matmuls alone, f32 never).
     #[inline]

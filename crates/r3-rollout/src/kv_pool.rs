@@ -157,6 +157,11 @@ pub struct KvRows<'a, E> {
 }
 
 impl<'a, E: KvElement> KvRows<'a, E> {
+    /// Token positions per block.
+    pub fn block_size(&self) -> usize {
+        self.layout.block_size
+    }
+
     /// Key row (`k_dim` values) of `slot` in `block` for `layer`.
     #[inline]
     pub fn key(&self, block: KvBlockId, layer: usize, slot: usize) -> &'a [E] {
@@ -237,11 +242,7 @@ impl KvPool {
 
     /// Bytes one block of `layout` holds in `dtype`.
     pub fn block_bytes_of(layout: &KvLayout, dtype: Dtype) -> usize {
-        let width = match dtype {
-            Dtype::F32 => 4,
-            Dtype::F16 | Dtype::Bf16 => 2,
-        };
-        layout.block_floats() * width
+        layout.block_floats() * dtype.bytes()
     }
 
     /// Bytes one block holds.

@@ -356,7 +356,7 @@ pub fn run(a: BenchRolloutArgs) -> anyhow::Result<()> {
             }
             // The CPU engine's roofline on this machine (the limits above are the CPU's).
             // Weights and the KV cache are both held in the engine's dtype.
-            let width = if dtype == Dtype::F32 { 4.0 } else { 2.0 };
+            let width = dtype.bytes() as f64;
             let storage = StorageBytes {
                 weight: width,
                 kv: width,

@@ -458,40 +458,24 @@ pub fn paged_attention(
     shape: AttnShape,
     parallel: bool,
 ) {
-    let block_size = pool.layout().block_size;
-    let at = AttendAt {
-        layer,
-        block_size,
-        spans,
-        shape,
-        parallel,
-    };
     match pool.view() {
-        KvView::F32(rows) => attend(rows, at, q, out),
-        KvView::F16(rows) => attend(rows, at, q, out),
-        KvView::Bf16(rows) => attend(rows, at, q, out),
+        KvView::F32(rows) => attend(rows, layer, spans, q, out, shape, parallel),
+        KvView::F16(rows) => attend(rows, layer, spans, q, out, shape, parallel),
+        KvView::Bf16(rows) => attend(rows, layer, spans, q, out, shape, parallel),
     }
 }
 
-/// What [`attend`] attends over besides the rows: the layer, the spans and the shape.
-#[derive(Clone, Copy)]
-struct AttendAt<'s> {
+/// [`paged_attention`] over a pool's rows stored as `E`.
+fn attend<'p, E: KvLanes>(
+    pool: KvRows<'p, E>,
     layer: usize,
-    block_size: usize,
-    spans: &'s [SeqSpan],
+    spans: &[SeqSpan],
+    q: &[f32],
+    out: &mut [f32],
     shape: AttnShape,
     parallel: bool,
-}
-
-/// [`paged_attention`] over a pool's rows stored as `E`.
-fn attend<'p, E: KvLanes>(pool: KvRows<'p, E>, at: AttendAt<'_>, q: &[f32], out: &mut [f32]) {
-    let AttendAt {
-        layer,
-        block_size: bs,
-        spans,
-        shape,
-        parallel,
-    } = at;
+) {
+    let bs = pool.block_size();
     let AttnShape {
         num_heads,
         num_kv_heads,
