@@ -4,16 +4,20 @@
 //! blocks).
 //!
 //! ```text
-//! cargo run --release -p r3-rollout --example attention_speed -- [GROUPS GROUP PROMPT GENERATED [PARALLEL [DTYPE [GEOMETRY]]]]
+//! cargo run --release -p r3-rollout --example attention_speed -- [GROUPS GROUP PROMPT GENERATED [PARALLEL [DTYPE [GEOMETRY [CACHE]]]]]
 //! ```
 //! Defaults: 32 groups of 8, a 63-token prompt, 34 generated tokens (gsm8k-style's mean
 //! point of a rollout), parallel 1 (rayon; 0 = the calling thread alone), the cache in f32
 //! (`f16` / `bf16`: the f16 and bf16 engines' caches), the gsm8k-moe geometry (4 heads over
 //! 2 key/value heads of width 24, 4 layers; `mid`: the mid bench config's 8 heads over 4 of
-//! width 64, 8 layers). Prints the best of five runs' time per decode step.
+//! width 64, 8 layers), the context left in the caches between layers (`warm`; `cold`: 64 MB
+//! read on the rayon pool before each layer, as a decode step's expert weights stream
+//! through the caches between two attention layers, and only the attention timed). Prints the
+//! best of five runs' time per decode step.
 
 use r3_rollout::kernels::attention::{paged_attention, AttnShape, SeqSpan};
 use r3_rollout::{Dtype, KvBlockRef, KvLayout, KvPool};
+use rayon::prelude::*;
 use std::time::Instant;
 
 /// Token positions per KV block.
@@ -127,17 +131,34 @@ fn main() -> Result<(), String> {
         scale: 1.0 / (head_dim as f32).sqrt(),
         window: None,
     };
-    let iters = 200;
+    let flush = match given.get(7).map(String::as_str) {
+        None | Some("warm") => false,
+        Some("cold") => true,
+        Some(other) => return Err(format!("argument 8 ({other:?}) is not warm or cold")),
+    };
+    let junk: Vec<u64> = vec![1; if flush { 8 << 20 } else { 0 }];
+    let iters = if flush { 40 } else { 200 };
     let mut best = f64::MAX;
+    let mut sink = 0u64;
     for _ in 0..5 {
-        let started = Instant::now();
+        let mut spent = 0.0;
         for _ in 0..iters {
             for layer in 0..layers {
+                if flush {
+                    sink = sink.wrapping_add(
+                        junk.par_chunks(1 << 16)
+                            .map(|c| c.iter().sum::<u64>())
+                            .sum::<u64>(),
+                    );
+                }
+                let started = Instant::now();
                 paged_attention(&pool, layer, &spans, &q, &mut out, shape, parallel);
+                spent += started.elapsed().as_secs_f64();
             }
         }
-        best = best.min(started.elapsed().as_secs_f64() / iters as f64);
+        best = best.min(spent / iters as f64);
     }
+    std::hint::black_box(sink);
     let scores = rows * layers * heads * context;
     println!(
         "{rows} rows, context {context}, parallel {parallel}, {dtype} cache: {:.3} ms per decode step ({layers} layers), {:.2} ns per (key, head); checksum {}",

@@ -6,7 +6,7 @@
 //! ```text
 //! cargo run --release -p r3-rollout --example expert_stream
 //! ```
-//! Prints, per rows an expert (4, 8, 16, 32: batch 32 / 64 / 128 / 256 at top-4 of 32), the
+//! Prints, per rows an expert (4, 8, 12, 16, 32: batch 32 / 64 / 96 / 128 / 256 at top-4 of 32), the
 //! best of five runs on the rayon pool, its FLOP rate and the weight bytes per second.
 
 use r3_rollout::kernels::linear::Linear;
@@ -49,7 +49,7 @@ fn main() -> Result<(), RolloutError> {
             })
         })
         .collect::<Result<Vec<Ffn>, RolloutError>>()?;
-    for rows in [4usize, 8, 16, 32] {
+    for rows in [4usize, 8, 12, 16, 32] {
         let x: Vec<f32> = (0..rows * HIDDEN)
             .map(|i| ((i * 31) % 100) as f32 / 100.0)
             .collect();

@@ -32,13 +32,60 @@ mod lanes {
 
     use crate::kv_pool::KvElement;
 
-    /// A cached value type the attention kernels read eight at a time.
+    /// A cached value type the attention kernels read eight (AVX2) or sixteen (AVX-512) at
+    /// a time, widened to f32 lanes exactly.
     pub trait KvLanes: KvElement {
-        /// Eight values at `p` as f32 lanes (exact).
+        /// Eight values at `p` as f32 lanes.
         ///
         /// # Safety
         /// `p` points at eight readable values.
         unsafe fn load8(p: *const Self) -> __m256;
+
+        /// Sixteen values at `p` as f32 lanes.
+        ///
+        /// # Safety
+        /// The CPU supports AVX-512F; `p` points at sixteen readable values.
+        unsafe fn load16(p: *const Self) -> __m512;
+
+        /// Eight values at `a` in lanes 0–7 and eight at `b` in lanes 8–15.
+        ///
+        /// # Safety
+        /// The CPU supports AVX-512F; `a` and `b` each point at eight readable values.
+        unsafe fn load8x2(a: *const Self, b: *const Self) -> __m512;
+
+        /// Eight values at `p` in lanes 0–7 and again in lanes 8–15 ([`KvLanes::load8x2`]
+        /// of `p` twice, reading them once).
+        ///
+        /// # Safety
+        /// The CPU supports AVX-512F; `p` points at eight readable values.
+        unsafe fn load8_twice(p: *const Self) -> __m512;
+    }
+
+    /// Two 256-bit halves as one 512-bit register (AVX-512F alone: the f32x8 insert needs DQ).
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn join(lo: __m256, hi: __m256) -> __m512 {
+        _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+            _mm512_castps_pd(_mm512_castps256_ps512(lo)),
+            _mm256_castps_pd(hi),
+        ))
+    }
+
+    /// Sixteen bytes at `a` in the low half and sixteen at `b` in the high half.
+    ///
+    /// # Safety
+    /// `a` and `b` each point at sixteen readable bytes.
+    #[inline(always)]
+    unsafe fn two_blocks(a: *const __m128i, b: *const __m128i) -> __m256i {
+        // SAFETY: the caller's sixteen readable bytes at each pointer; the build enables AVX2.
+        unsafe { _mm256_set_m128i(_mm_loadu_si128(b), _mm_loadu_si128(a)) }
+    }
+
+    /// bf16 bits zero-extended and shifted into the upper half of each f32 lane (exact).
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn widen_bf16x16(bits: __m256i) -> __m512 {
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(bits)))
     }
 
     impl KvLanes for f32 {
@@ -46,6 +93,29 @@ mod lanes {
         unsafe fn load8(p: *const Self) -> __m256 {
             // SAFETY: the caller's eight readable floats.
             unsafe { _mm256_loadu_ps(p) }
+        }
+
+        #[target_feature(enable = "avx512f")]
+        #[inline]
+        unsafe fn load16(p: *const Self) -> __m512 {
+            // SAFETY: the caller's sixteen readable floats.
+            unsafe { _mm512_loadu_ps(p) }
+        }
+
+        #[target_feature(enable = "avx512f")]
+        #[inline]
+        unsafe fn load8x2(a: *const Self, b: *const Self) -> __m512 {
+            // SAFETY: the caller's eight readable floats at each pointer.
+            unsafe { join(_mm256_loadu_ps(a), _mm256_loadu_ps(b)) }
+        }
+
+        #[target_feature(enable = "avx512f")]
+        #[inline]
+        unsafe fn load8_twice(p: *const Self) -> __m512 {
+            // SAFETY: the caller's eight readable floats.
+            unsafe {
+                _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(p))))
+            }
         }
     }
 
@@ -65,6 +135,27 @@ mod lanes {
                 unsafe { _mm256_loadu_ps(v.as_ptr()) }
             }
         }
+
+        #[target_feature(enable = "avx512f")]
+        #[inline]
+        unsafe fn load16(p: *const Self) -> __m512 {
+            // SAFETY: the caller's sixteen readable halves (32 bytes).
+            unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast::<__m256i>())) }
+        }
+
+        #[target_feature(enable = "avx512f")]
+        #[inline]
+        unsafe fn load8x2(a: *const Self, b: *const Self) -> __m512 {
+            // SAFETY: the caller's eight readable halves (16 bytes) at each pointer.
+            unsafe { _mm512_cvtph_ps(two_blocks(a.cast(), b.cast())) }
+        }
+
+        #[target_feature(enable = "avx512f")]
+        #[inline]
+        unsafe fn load8_twice(p: *const Self) -> __m512 {
+            // SAFETY: the caller's eight readable halves (16 bytes).
+            unsafe { _mm512_cvtph_ps(_mm256_broadcastsi128_si256(_mm_loadu_si128(p.cast()))) }
+        }
     }
 
     impl KvLanes for bf16 {
@@ -77,6 +168,27 @@ mod lanes {
                 let wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast::<__m128i>()));
                 _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wide))
             }
+        }
+
+        #[target_feature(enable = "avx512f")]
+        #[inline]
+        unsafe fn load16(p: *const Self) -> __m512 {
+            // SAFETY: the caller's sixteen readable bf16 values (32 bytes).
+            unsafe { widen_bf16x16(_mm256_loadu_si256(p.cast::<__m256i>())) }
+        }
+
+        #[target_feature(enable = "avx512f")]
+        #[inline]
+        unsafe fn load8x2(a: *const Self, b: *const Self) -> __m512 {
+            // SAFETY: the caller's eight readable bf16 values (16 bytes) at each pointer.
+            unsafe { widen_bf16x16(two_blocks(a.cast(), b.cast())) }
+        }
+
+        #[target_feature(enable = "avx512f")]
+        #[inline]
+        unsafe fn load8_twice(p: *const Self) -> __m512 {
+            // SAFETY: the caller's eight readable bf16 values (16 bytes).
+            unsafe { widen_bf16x16(_mm256_broadcastsi128_si256(_mm_loadu_si128(p.cast()))) }
         }
     }
 }
@@ -100,6 +212,89 @@ mod lanes {
 }
 
 pub use lanes::KvLanes;
+
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+mod avx512;
+
+/// The token kernels the CPU runs: the AVX-512 ones ([`avx512`]) where detected and the head
+/// widths fit, else the AVX2 / portable ones below. Both give the same bits.
+#[derive(Debug, Clone, Copy)]
+struct TokenKernels {
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))]
+    avx512: Option<avx512::Avx512>,
+}
+
+impl TokenKernels {
+    /// The kernels of this CPU.
+    fn detect() -> Self {
+        TokenKernels {
+            #[cfg(all(
+                target_arch = "x86_64",
+                target_feature = "avx2",
+                target_feature = "fma"
+            ))]
+            avx512: avx512::Avx512::detect(),
+        }
+    }
+
+    /// Every head's scores over `keys` (`scores[h·n + j]`, `n = keys.len()`): head `h` reads
+    /// key columns `(h / group)·qk_dim ..` of each row.
+    fn scores<E: KvLanes>(self, q: &[f32], keys: &[&[E]], shape: AttnShape, scores: &mut [f32]) {
+        #[cfg(all(
+            target_arch = "x86_64",
+            target_feature = "avx2",
+            target_feature = "fma"
+        ))]
+        if let Some(k) = self
+            .avx512
+            .filter(|_| avx512::Avx512::fits_scores(shape.qk_dim))
+        {
+            return k.scores(q, keys, shape, scores);
+        }
+        let (n, d, group) = (keys.len(), shape.qk_dim, shape.group());
+        for h in 0..shape.num_heads {
+            let qh = &q[h * d..(h + 1) * d];
+            head_scores(
+                qh,
+                keys,
+                h / group * d,
+                shape.scale,
+                &mut scores[h * n..(h + 1) * n],
+            );
+        }
+    }
+
+    /// [`weighted_heads`] on these kernels.
+    fn weighted<E: KvLanes>(
+        self,
+        probs: &[f32],
+        n: usize,
+        rows: &[&[E]],
+        shape: AttnShape,
+        out: &mut [f32],
+    ) {
+        #[cfg(all(
+            target_arch = "x86_64",
+            target_feature = "avx2",
+            target_feature = "fma"
+        ))]
+        if let Some(k) = self
+            .avx512
+            .filter(|_| avx512::Avx512::fits_weighted(shape.v_dim))
+        {
+            return k.weighted(probs, n, rows, shape, out);
+        }
+        weighted_heads(probs, n, rows, shape.group(), shape.v_dim, out);
+    }
+}
 
 /// One sequence's part of a batch: its query tokens and where its context lives.
 #[derive(Debug, Clone)]
@@ -129,6 +324,13 @@ pub struct AttnShape {
     pub scale: f32,
     /// Sliding window: a query at position `i` sees keys `j` with `i - j < window`.
     pub window: Option<usize>,
+}
+
+impl AttnShape {
+    /// Query heads per key/value head (at least 1).
+    pub fn group(&self) -> usize {
+        (self.num_heads / self.num_kv_heads.max(1)).max(1)
+    }
 }
 
 /// `out[j] = q · keys[j][from .. from + q.len()] · scale` for every key of one head, out
@@ -170,11 +372,10 @@ fn eight_dots<E: KvLanes>(a: &[f32], b: &[&[E]; 8]) -> [f32; 8] {
     {
         let d = a.len();
         let full = d - d % 8;
-        let mut reduced = [0f32; 8];
         // SAFETY: the build enables AVX2 and FMA (the cfg above); every load reads 8 floats
         // at an offset `c < full ≤ len` of `a` and of each `b[i]` (each as long as `a`, by
-        // the caller's slicing), and the store writes the 8 floats of `reduced`.
-        unsafe {
+        // the caller's slicing).
+        let mut reduced = unsafe {
             use std::arch::x86_64::*;
             let mut acc = [_mm256_setzero_ps(); 8];
             for c in (0..full).step_by(8) {
@@ -183,38 +384,10 @@ fn eight_dots<E: KvLanes>(a: &[f32], b: &[&[E]; 8]) -> [f32; 8] {
                     *acc = _mm256_fmadd_ps(x, E::load8(row[..d].as_ptr().add(c)), *acc);
                 }
             }
-            // lo + hi halves: [s4 of key 2p | s4 of key 2p+1]
-            let halves = |p: usize| {
-                let lo = _mm256_permute2f128_ps(acc[2 * p], acc[2 * p + 1], 0x20);
-                let hi = _mm256_permute2f128_ps(acc[2 * p], acc[2 * p + 1], 0x31);
-                _mm256_add_ps(lo, hi)
-            };
-            let (h01, h23, h45, h67) = (halves(0), halves(1), halves(2), halves(3));
-            // lanes 0 + 2 and 1 + 3: per 128-bit half [s2 of key i (2), s2 of key i+2 (2)]
-            let pairs = |x: __m256, y: __m256| {
-                _mm256_add_ps(
-                    _mm256_shuffle_ps(x, y, 0b01_00_01_00),
-                    _mm256_shuffle_ps(x, y, 0b11_10_11_10),
-                )
-            };
-            let (q0123, q4567) = (pairs(h01, h23), pairs(h45, h67));
-            // the two lanes of each s2: keys [0, 2, 4, 6 | 1, 3, 5, 7]
-            let sums = _mm256_add_ps(
-                _mm256_shuffle_ps(q0123, q4567, 0b10_00_10_00),
-                _mm256_shuffle_ps(q0123, q4567, 0b11_01_11_01),
-            );
-            _mm256_storeu_ps(reduced.as_mut_ptr(), sums);
-        }
-        const KEY_OF_LANE: [usize; 8] = [0, 2, 4, 6, 1, 3, 5, 7];
-        let mut out = [0f32; 8];
-        for (lane, &key) in KEY_OF_LANE.iter().enumerate() {
-            let mut s = reduced[lane];
-            for (x, y) in a[full..].iter().zip(&b[key][full..d]) {
-                s = x.mul_add(y.widen(), s);
-            }
-            out[key] = s;
-        }
-        out
+            reduce_eight(&acc)
+        };
+        add_tails(a, b, full, &mut reduced);
+        reduced
     }
     #[cfg(not(all(
         target_arch = "x86_64",
@@ -223,6 +396,65 @@ fn eight_dots<E: KvLanes>(a: &[f32], b: &[&[E]; 8]) -> [f32; 8] {
     )))]
     {
         std::array::from_fn(|i| short_dot(a, b[i]))
+    }
+}
+
+/// Eight keys' 8-lane dot-product accumulators reduced to one sum per key, in key order:
+/// per key the same pairs in the same order as [`short_dot`] (`lo + hi` halves, then lanes
+/// `0 + 2` and `1 + 3`, then those two), the eight keys side by side through shuffles.
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+#[inline(always)]
+fn reduce_eight(acc: &[std::arch::x86_64::__m256; 8]) -> [f32; 8] {
+    use std::arch::x86_64::*;
+    let mut reduced = [0f32; 8];
+    // SAFETY: the build enables AVX2 (the cfg above); the store writes the 8 floats of
+    // `reduced`.
+    unsafe {
+        // lo + hi halves: [s4 of key 2p | s4 of key 2p+1]
+        let halves = |p: usize| {
+            let lo = _mm256_permute2f128_ps(acc[2 * p], acc[2 * p + 1], 0x20);
+            let hi = _mm256_permute2f128_ps(acc[2 * p], acc[2 * p + 1], 0x31);
+            _mm256_add_ps(lo, hi)
+        };
+        let (h01, h23, h45, h67) = (halves(0), halves(1), halves(2), halves(3));
+        // lanes 0 + 2 and 1 + 3: per 128-bit half [s2 of key i (2), s2 of key i+2 (2)]
+        let pairs = |x: __m256, y: __m256| {
+            _mm256_add_ps(
+                _mm256_shuffle_ps(x, y, 0b01_00_01_00),
+                _mm256_shuffle_ps(x, y, 0b11_10_11_10),
+            )
+        };
+        let (q0123, q4567) = (pairs(h01, h23), pairs(h45, h67));
+        // the two lanes of each s2: keys [0, 2, 4, 6 | 1, 3, 5, 7]
+        let sums = _mm256_add_ps(
+            _mm256_shuffle_ps(q0123, q4567, 0b10_00_10_00),
+            _mm256_shuffle_ps(q0123, q4567, 0b11_01_11_01),
+        );
+        _mm256_storeu_ps(reduced.as_mut_ptr(), sums);
+    }
+    // The lanes hold keys [0, 2, 4, 6, 1, 3, 5, 7]: key i sits in lane LANE_OF_KEY[i].
+    const LANE_OF_KEY: [usize; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
+    LANE_OF_KEY.map(|lane| reduced[lane])
+}
+
+/// Adds each key's scalar tail (the `d % 8` values past `full`) to its reduced sum, one FMA
+/// after another as [`short_dot`] adds them.
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+#[inline(always)]
+fn add_tails<E: KvElement>(a: &[f32], b: &[&[E]; 8], full: usize, sums: &mut [f32; 8]) {
+    let d = a.len();
+    for (s, row) in sums.iter_mut().zip(b) {
+        for (x, y) in a[full..].iter().zip(&row[full..d]) {
+            *s = x.mul_add(y.widen(), *s);
+        }
     }
 }
 
@@ -478,13 +710,12 @@ fn attend<'p, E: KvLanes>(
     let bs = pool.block_size();
     let AttnShape {
         num_heads,
-        num_kv_heads,
         qk_dim,
         v_dim,
-        scale,
         window,
+        ..
     } = shape;
-    let group = num_heads / num_kv_heads;
+    let kernels = TokenKernels::detect();
     // (span index, absolute position) of every flat token.
     let mut owner = Vec::with_capacity(out.len() / (num_heads * v_dim));
     for (s, span) in spans.iter().enumerate() {
@@ -524,12 +755,11 @@ fn attend<'p, E: KvLanes>(
         }
         scores.clear();
         scores.resize(num_heads * n, 0.0);
-        for h in 0..num_heads {
-            let (qh, g) = (&qt[h * qk_dim..(h + 1) * qk_dim], h / group);
-            head_scores(qh, keys, g * qk_dim, scale, &mut scores[h * n..(h + 1) * n]);
-            crate::kernels::ops::softmax_in_place(&mut scores[h * n..(h + 1) * n]);
+        kernels.scores(qt, keys, shape, scores);
+        for head in scores.chunks_exact_mut(n) {
+            crate::kernels::ops::softmax_in_place(head);
         }
-        weighted_heads(scores, n, values, group, v_dim, o);
+        kernels.weighted(scores, n, values, shape, o);
     };
     let row = num_heads * v_dim;
     if parallel && owner.len() > 1 {
@@ -679,6 +909,107 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The token kernels this CPU runs (AVX-512 where it has it: two heads per register,
+    /// sixteen value columns per register) score and sum bit for bit as the AVX2 ones one
+    /// head at a time, for f32, f16 and bf16 rows: head widths with and without a scalar
+    /// tail and past the pair kernel's widest, query heads in pairs sharing a key/value head
+    /// and not, an odd head left over, value widths on the sixteen-column kernel and off it,
+    /// contexts around multiples of eight keys.
+    #[test]
+    fn token_kernels_score_and_sum_bit_for_bit_as_one_head_at_a_time() {
+        fn check<E: KvLanes>(narrow: fn(f32) -> E) {
+            let f = |i: usize, s: f32| (i as f32 * s).sin() * 2f32.powi((i % 7) as i32 - 3);
+            let kernels = TokenKernels::detect();
+            for (heads, group) in [
+                (1usize, 1usize),
+                (2, 1),
+                (2, 2),
+                (3, 1),
+                (5, 5),
+                (8, 2),
+                (8, 4),
+                (6, 3),
+            ] {
+                let kv = heads / group;
+                let shape = |width: usize| AttnShape {
+                    num_heads: heads,
+                    num_kv_heads: kv,
+                    qk_dim: width,
+                    v_dim: width,
+                    scale: 0.3,
+                    window: None,
+                };
+                for d in [3usize, 8, 20, 64, 72, 264] {
+                    for n in [0usize, 1, 7, 8, 9, 17, 40] {
+                        let rows: Vec<Vec<E>> = (0..n)
+                            .map(|j| {
+                                (0..kv * d + 5)
+                                    .map(|i| narrow(f(i + 331 * j, 0.71)))
+                                    .collect()
+                            })
+                            .collect();
+                        let keys: Vec<&[E]> = rows.iter().map(Vec::as_slice).collect();
+                        let q: Vec<f32> = (0..heads * d).map(|i| f(i, 1.7)).collect();
+                        let mut got = vec![f32::NAN; heads * n];
+                        kernels.scores(&q, &keys, shape(d), &mut got);
+                        for h in 0..heads {
+                            let mut want = vec![f32::NAN; n];
+                            head_scores(
+                                &q[h * d..(h + 1) * d],
+                                &keys,
+                                h / group * d,
+                                0.3,
+                                &mut want,
+                            );
+                            for (j, (g, w)) in got[h * n..(h + 1) * n].iter().zip(&want).enumerate()
+                            {
+                                assert_eq!(
+                                    g.to_bits(),
+                                    w.to_bits(),
+                                    "scores d {d}, heads {heads}/{group}, n {n}: head {h} key {j}"
+                                );
+                            }
+                        }
+                    }
+                }
+                for v_dim in [16usize, 24, 32, 48, 64, 128] {
+                    for n in [0usize, 1, 9, 33] {
+                        let rows: Vec<Vec<E>> = (0..n)
+                            .map(|j| {
+                                (0..kv * v_dim)
+                                    .map(|i| narrow(f(i + 977 * j, 0.61)))
+                                    .collect()
+                            })
+                            .collect();
+                        let refs: Vec<&[E]> = rows.iter().map(Vec::as_slice).collect();
+                        let probs: Vec<f32> = (0..heads * n).map(|j| f(j, 1.3).abs()).collect();
+                        let mut got = vec![f32::NAN; heads * v_dim];
+                        kernels.weighted(&probs, n, &refs, shape(v_dim), &mut got);
+                        for h in 0..heads {
+                            let mut want = vec![f32::NAN; v_dim];
+                            weighted_rows(
+                                &probs[h * n..(h + 1) * n],
+                                &refs,
+                                h / group * v_dim,
+                                &mut want,
+                            );
+                            for (c, (g, w)) in got[h * v_dim..(h + 1) * v_dim]
+                                .iter()
+                                .zip(&want)
+                                .enumerate()
+                            {
+                                assert_eq!(g.to_bits(), w.to_bits(), "sums v_dim {v_dim}, heads {heads}/{group}, n {n}: head {h} column {c}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        check::<f32>(|v| v);
+        check::<half::f16>(half::f16::from_f32);
+        check::<half::bf16>(half::bf16::from_f32);
     }
 
     /// Dense reference: one sequence, all positions given as plain arrays.
