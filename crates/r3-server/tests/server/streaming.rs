@@ -1,7 +1,8 @@
 //! Token-by-token streaming, prompt log-probs and `/pause_generation` mode `retract` over
 //! the real engine (tiny HF Qwen3-MoE fixture): chunks leave while the request is still
-//! generating, a client that disconnects aborts its request, streamed chunks add up to the
-//! non-streamed answer, and a retracted request is re-prefilled and finishes unchanged.
+//! generating, streamed chunks add up to the non-streamed answer, and a retracted request is
+//! re-prefilled and finishes unchanged; and, over a paced fake engine, a client that
+//! disconnects aborts its request.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -12,6 +13,7 @@ use r3_server::sse::parse_event_stream;
 use r3_server::{build_app, ServerConfig, TextCodec};
 use serde_json::{json, Value};
 
+use crate::fake::FakeEngine;
 use crate::support::{fixture, parse_response, scratch_dir, write_tokenizer, Reply, TestServer};
 
 const MODEL: &str = "qwen3_moe_tiny";
@@ -191,7 +193,12 @@ fn completion_chunks_concatenate_to_the_non_streamed_text() {
 
 #[test]
 fn a_client_that_disconnects_aborts_its_streamed_request() {
-    let server = server();
+    // On a fake engine taking 2 ms a step, finishing the 120 tokens would take at least
+    // 240 ms, far longer than the server takes to see the client gone, on a loaded machine
+    // too (the fixture model runs 120 steps in a few ms, and under CPU contention its engine
+    // could finish before the disconnect was seen).
+    let engine = FakeEngine::new(0).with_pace(Duration::from_millis(2));
+    let server = TestServer::start(build_app(engine, None, ServerConfig::default()).expect("app"));
     let body = json!({"input_ids": [3, 4], "stream": true,
                       "sampling_params": {"max_new_tokens": 120, "ignore_eos": true}});
     let before = steps(&server);
