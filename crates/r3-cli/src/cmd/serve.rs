@@ -267,14 +267,12 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
 }
 
 /// Refuses a KV cache dtype other than `auto` for the device engine, whose cache holds its
-/// compute dtype (the choice is the CPU engine's).
+/// compute dtype (`RolloutDevice::check_kv_cache_dtype`), naming the flag, before anything
+/// loads.
 fn check_kv_cache_dtype(kv: KvCacheDtype, device: RolloutDevice) -> anyhow::Result<()> {
-    if kv != KvCacheDtype::Auto && device != RolloutDevice::Cpu {
-        anyhow::bail!(
-            "--kv-cache-dtype {kv} is for the CPU engine; the device engine (--device {device}) keeps its cache in its compute dtype (auto)"
-        );
-    }
-    Ok(())
+    device
+        .check_kv_cache_dtype(kv)
+        .map_err(|e| anyhow::anyhow!("--kv-cache-dtype {kv}: {e}"))
 }
 
 #[cfg(test)]

@@ -10,6 +10,7 @@ use std::str::FromStr;
 use r3_model::{Config, DeviceSpec, LoadOptions};
 
 use super::{DeviceEngine, DeviceEngineConfig};
+use crate::dtype::KvCacheDtype;
 use crate::engine::{Engine, EngineConfig};
 use crate::error::RolloutError;
 use crate::model::tensors::TensorMap;
@@ -32,6 +33,18 @@ impl RolloutDevice {
             RolloutDevice::Cpu => None,
             RolloutDevice::Candle(spec) => Some(*spec),
         }
+    }
+
+    /// Errors unless the engine this names can keep its KV cache in `kv`: the CPU engine any
+    /// dtype, the device engine only `auto` (its cache holds its compute dtype).
+    pub fn check_kv_cache_dtype(&self, kv: KvCacheDtype) -> Result<(), RolloutError> {
+        if kv != KvCacheDtype::Auto && self.candle().is_some() {
+            return Err(RolloutError::InvalidConfig(format!(
+                "KV cache dtype `{kv}` is for the CPU engine; the device engine ({self}) keeps \
+                 its cache in its compute dtype (`auto`)"
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -67,8 +80,8 @@ impl DeviceEngineConfig {
     /// The device engine's settings for `device` taken from the CPU engine's (dtype,
     /// router dtype, batch size, KV budget, the prefix cache on or off, its budget and block
     /// size; the token budget of a step has no counterpart, the activation budget is the
-    /// default's, and the KV cache holds the compute dtype whatever `kv_cache_dtype` says:
-    /// callers that take a user's choice refuse any other for this engine).
+    /// default's, and the KV cache holds the compute dtype: [`RolloutEngine`]'s constructors
+    /// refuse any other `kv_cache_dtype` than `auto` for this engine).
     pub fn from_engine_config(device: DeviceSpec, cfg: &EngineConfig) -> Self {
         DeviceEngineConfig {
             device,
@@ -104,6 +117,7 @@ impl RolloutEngine {
         cfg: EngineConfig,
         options: &LoadOptions,
     ) -> Result<Self, RolloutError> {
+        device.check_kv_cache_dtype(cfg.kv_cache_dtype)?;
         Ok(match device.candle() {
             None => RolloutEngine::Cpu(Engine::from_dir_with(dir, cfg, options)?),
             Some(spec) => RolloutEngine::Device(DeviceEngine::from_dir_with(
@@ -122,6 +136,7 @@ impl RolloutEngine {
         tensors: &TensorMap,
         cfg: EngineConfig,
     ) -> Result<Self, RolloutError> {
+        device.check_kv_cache_dtype(cfg.kv_cache_dtype)?;
         Ok(match device.candle() {
             None => RolloutEngine::Cpu(Engine::new(model_cfg, tensors, cfg)?),
             Some(spec) => RolloutEngine::Device(DeviceEngine::new(
@@ -171,6 +186,35 @@ impl RolloutEngine {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dtype::Dtype;
+
+    /// A KV cache dtype other than `auto` is the CPU engine's: the device engine refuses it
+    /// where it is built, naming it, and the CPU engine takes it.
+    #[test]
+    fn only_the_cpu_engine_takes_a_kv_cache_dtype() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3_moe_tiny");
+        let cfg = EngineConfig {
+            dtype: Dtype::F16,
+            kv_cache_dtype: KvCacheDtype::Fixed(Dtype::F32),
+            kv_cache_bytes: 4 << 20,
+            prefix_cache_bytes: 1 << 20,
+            ..EngineConfig::default()
+        };
+        let options = LoadOptions::default();
+        let cpu = RolloutEngine::from_dir_with(RolloutDevice::Cpu, &dir, cfg.clone(), &options);
+        assert!(matches!(cpu, Ok(RolloutEngine::Cpu(_))), "{cpu:?}");
+        let candle = RolloutDevice::Candle(DeviceSpec::Cpu);
+        let err = RolloutEngine::from_dir_with(candle, &dir, cfg.clone(), &options)
+            .expect_err("the device engine keeps its cache in its compute dtype");
+        assert!(err.to_string().contains("KV cache dtype `f32`"), "{err}");
+        let auto = EngineConfig {
+            kv_cache_dtype: KvCacheDtype::Auto,
+            ..cfg
+        };
+        candle
+            .check_kv_cache_dtype(auto.kv_cache_dtype)
+            .expect("auto on every engine");
+    }
 
     #[test]
     fn names_round_trip_and_bad_names_are_refused() {

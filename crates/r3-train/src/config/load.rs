@@ -114,18 +114,12 @@ impl TrainConfig {
             Ok(device) => device,
             Err(e) => return bad("rollout.device", e.to_string()),
         };
-        match r.kv_cache_dtype.parse::<r3_rollout::KvCacheDtype>() {
-            Err(e) => return bad("rollout.kv_cache_dtype", e.to_string()),
-            Ok(kv) if kv != r3_rollout::KvCacheDtype::Auto && device.candle().is_some() => {
-                return bad(
-                    "rollout.kv_cache_dtype",
-                    format!(
-                        "`{kv}` is for the CPU engine; the device engine (`rollout.device = \"{}\"`) keeps its cache in its compute dtype (`auto`)",
-                        r.device
-                    ),
-                );
-            }
-            Ok(_) => {}
+        if let Err(e) = r
+            .kv_cache_dtype
+            .parse::<r3_rollout::KvCacheDtype>()
+            .and_then(|kv| device.check_kv_cache_dtype(kv))
+        {
+            return bad("rollout.kv_cache_dtype", e.to_string());
         }
         if r.temperature.is_nan() || r.temperature <= 0.0 {
             return bad(

@@ -128,8 +128,12 @@ impl Avx512 {
             .unwrap_or(1);
         let mut h = 0;
         while h < heads {
-            // Heads h .. h + take share key/value head h / group (tiles never cross a group).
-            let take = tile_heads.min(heads - h).min(group - h % group);
+            // Heads h .. h + take share key/value head h / group (tiles never cross a group;
+            // what no whole tile covers goes one head at a time).
+            let take = match tile_heads.min(heads - h).min(group - h % group) {
+                t @ (4 | 2) => t,
+                _ => 1,
+            };
             let col = h / group * v_dim;
             for c in (0..per_head).step_by(chunks) {
                 let at = TileAt {
@@ -156,10 +160,7 @@ impl Avx512 {
                     }
                 }
             }
-            h += match take {
-                t @ (4 | 2) => t,
-                _ => 1,
-            };
+            h += take;
         }
     }
 }
