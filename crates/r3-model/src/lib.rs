@@ -14,6 +14,7 @@ pub mod math;
 pub mod model;
 pub mod precision;
 pub mod presets;
+pub mod round16;
 pub mod router;
 pub mod routing_mode;
 pub mod spec;

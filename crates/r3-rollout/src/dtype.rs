@@ -59,32 +59,7 @@ impl Dtype {
     }
 }
 
-/// Rounds every value to the nearest bf16 (ties to even), in place; the same values as
-/// `half::bf16::from_f32` (NaN stays a quiet NaN, overflow goes to infinity), computed on the
-/// bits without branches so the loop vectorises (it runs at every op boundary).
-pub fn round_to_bf16(v: &mut [f32]) {
-    for x in v.iter_mut() {
-        *x = f32::from_bits(bf16_round_bits(x.to_bits()));
-    }
-}
-
-/// The bits of the bf16 nearest to `v`: `half::bf16::from_f32(v).to_bits()`, branch-free.
-#[inline(always)]
-pub(crate) fn bf16_bits(v: f32) -> u16 {
-    (bf16_round_bits(v.to_bits()) >> 16) as u16
-}
-
-/// The f32 bits of the bf16 nearest to the f32 with bits `b`.
-#[inline(always)]
-fn bf16_round_bits(b: u32) -> u32 {
-    let rounded = b.wrapping_add(0x7FFF + ((b >> 16) & 1)) & 0xFFFF_0000;
-    let quiet_nan = (b | 0x0040_0000) & 0xFFFF_0000;
-    if (b & 0x7FFF_FFFF) > 0x7F80_0000 {
-        quiet_nan
-    } else {
-        rounded
-    }
-}
+pub use r3_model::round16::{bf16_bits, round_to_bf16};
 
 impl FromStr for Dtype {
     type Err = RolloutError;
@@ -204,46 +179,6 @@ mod tests {
         assert_eq!(f32_cache.resolve(Dtype::F16), Dtype::F32);
         let err = "fp8".parse::<KvCacheDtype>().expect_err("unknown");
         assert!(err.to_string().contains("fp8"), "{err}");
-    }
-
-    #[test]
-    fn bf16_rounding_keeps_eight_significant_bits_ties_to_even() {
-        // 1 + 2^-8 lies halfway between 1 and 1 + 2^-7: ties go to the even mantissa (1).
-        // 1 + 3·2^-8 lies halfway between 1 + 2^-7 and 1 + 2^-6: ties go to 1 + 2^-6.
-        let mut v = [1.0 + 2f32.powi(-8), 1.0 + 3.0 * 2f32.powi(-8), 3.0, -0.1];
-        round_to_bf16(&mut v);
-        assert_eq!(v[0], 1.0);
-        assert_eq!(v[1], 1.0 + 2f32.powi(-6));
-        assert_eq!(v[2], 3.0);
-        // -0.1 = -0x3DCCCCCD: the upper 16 bits 0xBDCD after rounding up the 0xCCCD tail.
-        assert_eq!(v[3].to_bits(), 0xBDCD_0000);
-    }
-
-    #[test]
-    fn bit_rounding_equals_half_on_edge_cases_and_a_sweep() {
-        let mut values = vec![
-            0.0,
-            -0.0,
-            f32::INFINITY,
-            f32::NEG_INFINITY,
-            f32::NAN,
-            f32::MAX,
-            f32::MIN_POSITIVE,
-            1e-45,
-            3.3961514e38,
-        ];
-        // A sweep over exponents and low mantissa bits, ties included.
-        values.extend((0..200_000u32).map(|i| f32::from_bits(i.wrapping_mul(0x9E37_79B1))));
-        let mut got = values.clone();
-        round_to_bf16(&mut got);
-        for (v, g) in values.iter().zip(&got) {
-            let want = half::bf16::from_f32(*v).to_f32();
-            assert!(
-                g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
-                "{v:e} ({:#x}): {g:e} vs half {want:e}",
-                v.to_bits()
-            );
-        }
     }
 
     #[test]

@@ -54,9 +54,9 @@ impl RoutedExperts {
         })
     }
 
-    /// Sets the precision. bf16 runs the composed path with every expert matmul rounded
-    /// (inputs, weights, outputs) and the SwiGLU output rounded; the gate-weighted sum stays
-    /// f32 (the caller rounds the block output).
+    /// Sets the precision. bf16 rounds every expert matmul (inputs, weights, outputs) and
+    /// the SwiGLU output (on the CPU inside the fused op, elsewhere in the padded or composed
+    /// ops); the gate-weighted sum stays f32 (the caller rounds the block output).
     pub fn set_precision(&mut self, precision: Precision) {
         self.precision = precision;
     }
@@ -80,13 +80,20 @@ impl RoutedExperts {
                 gates.dims()
             )));
         }
-        let fused_dtype = matches!(x.dtype(), candle_core::DType::F32 | candle_core::DType::F64);
-        if x.device().is_cpu() && fused_dtype && !self.precision.is_mixed() {
+        // The fused op takes rows and stacks of one dtype (not an engine's 16-bit copies of
+        // the stacks) and rounds to a 16-bit float on f32 operands only.
+        let fused_dtype = match x.dtype() {
+            candle_core::DType::F32 => true,
+            candle_core::DType::F64 => !self.precision.is_mixed(),
+            _ => false,
+        } && self.gate_up.dtype() == x.dtype()
+            && self.down.dtype() == x.dtype();
+        if x.device().is_cpu() && fused_dtype {
             let rows_with_gates = Tensor::cat(&[x, &gates.to_dtype(x.dtype())?], 1)?;
             Ok(rows_with_gates.apply_op3(
                 &self.gate_up.contiguous()?,
                 &self.down.contiguous()?,
-                RoutedSwiGlu::new(dispatch.clone()),
+                RoutedSwiGlu::new(dispatch.clone(), self.precision),
             )?)
         } else if !x.device().is_cpu() && !dispatch.slots().is_empty() {
             self.forward_padded(x, gates, dispatch, OVERFLOW_BLOCK_ROWS)
@@ -384,6 +391,20 @@ mod tests {
                 .expect("backward")
         }
 
+        /// The layer's output by `forward` (the fused op on the CPU) and by the composed ops.
+        fn fused_and_composed(&self) -> (Tensor, Tensor) {
+            let (x, gates) = (self.x.as_tensor(), self.gates.as_tensor());
+            let fused = self
+                .experts
+                .forward(x, gates, &self.dispatch)
+                .expect("fused");
+            let composed = self
+                .experts
+                .forward_composed(x, gates, &self.dispatch)
+                .expect("composed");
+            (fused, composed)
+        }
+
         /// The four variables, by name.
         fn vars(&self) -> [(&'static str, &Var); 4] {
             [
@@ -402,12 +423,7 @@ mod tests {
         for dtype in [DType::F64, DType::F32] {
             let c = PathCase::new(dtype, Precision::F32);
             assert_eq!(c.dispatch.offsets()[1], c.dispatch.offsets()[2]);
-            let (x, gates) = (c.x.as_tensor(), c.gates.as_tensor());
-            let fused = c.experts.forward(x, gates, &c.dispatch).expect("fused");
-            let composed = c
-                .experts
-                .forward_composed(x, gates, &c.dispatch)
-                .expect("composed");
+            let (fused, composed) = c.fused_and_composed();
             let (gf, gc) = (c.grads(&fused), c.grads(&composed));
             let tol = if dtype == DType::F64 { 1e-12 } else { 2e-5 };
             assert!(max_abs_diff(&fused, &composed) < tol, "{dtype:?} outputs");
@@ -419,6 +435,64 @@ mod tests {
             // expert 1 has no rows: its weight gradients are exactly zero
             let dw = gf.get(c.gu.as_tensor()).expect("grad").get(1).expect("e1");
             assert_eq!(max_abs_diff(&dw, &dw.zeros_like().expect("z")), 0.0);
+        }
+    }
+
+    /// Mean absolute difference of two tensors.
+    fn mean_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+        (a - b)
+            .and_then(|d| d.abs())
+            .and_then(|d| d.mean_all())
+            .and_then(|d| d.to_dtype(DType::F64))
+            .and_then(|d| d.to_scalar::<f64>())
+            .expect("mean abs diff")
+    }
+
+    /// In bf16 and f16 the fused op rounds where the composed ops round, forward and
+    /// backward: its output and the gradients of the rows, the gates and both stacks equal
+    /// the composed ops' up to a rounding landing one ulp apart (the two sum in different
+    /// orders), and on average they lie far closer to them than the unrounded f32 values do
+    /// (a rounding point missing from the op, in the forward or in a gradient, would put
+    /// its tensor as far off as f32 is).
+    #[test]
+    fn fused_rounds_where_the_composed_ops_round() {
+        for precision in [
+            Precision::Bf16 { router_f32: false },
+            Precision::F16 { router_f32: false },
+        ] {
+            let c = PathCase::new(DType::F32, precision);
+            let (fused, composed) = c.fused_and_composed();
+            let mut unrounded = c.experts.clone();
+            unrounded.set_precision(Precision::F32);
+            let (x, gates) = (c.x.as_tensor(), c.gates.as_tensor());
+            let exact = unrounded.forward(x, gates, &c.dispatch).expect("f32");
+            let (gf, gc, ge) = (c.grads(&fused), c.grads(&composed), c.grads(&exact));
+            let mut pairs = vec![("output", fused, composed, exact)];
+            for (name, v) in c.vars() {
+                let get = |g: &candle_core::backprop::GradStore| {
+                    g.get(v.as_tensor()).expect("grad").clone()
+                };
+                pairs.push((name, get(&gf), get(&gc), get(&ge)));
+            }
+            for (name, fused, composed, exact) in pairs {
+                let scale = max_abs_diff(&composed, &composed.zeros_like().expect("zeros"));
+                assert!(
+                    max_abs_diff(&fused, &composed) <= 1e-2 * scale.max(1.0),
+                    "{precision:?} {name}: fused and composed differ by more than a rounding"
+                );
+                let (near, far) = (
+                    mean_abs_diff(&fused, &composed),
+                    mean_abs_diff(&exact, &composed),
+                );
+                assert!(
+                    far > 0.0,
+                    "{precision:?} {name}: f32 equals the rounded ops"
+                );
+                assert!(
+                    near < 0.1 * far,
+                    "{precision:?} {name}: fused {near:e} from the composed ops, f32 {far:e}"
+                );
+            }
         }
     }
 

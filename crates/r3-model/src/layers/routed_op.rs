@@ -10,17 +10,27 @@
 //! Candle's custom ops take at most three operands, so the gates travel with the rows: the
 //! first operand is `[rows, H + top_k]`, each row's hidden state followed by its gates, and
 //! its gradient is laid out the same way.
+//!
+//! In bf16 / f16 training ([`Precision`]) the op rounds where the composed ops round (each
+//! expert's input rows and weights, its gate/up product, SwiGLU output and output), and its
+//! backward rounds each gradient where the composed ops' rounding points do (a rounding's
+//! gradient is the incoming one rounded): the same values up to the order of the f32 sums.
+//! Composed, the bf16 layer sliced every expert out of the stacks, and candle's backward built
+//! a zero-filled stack-sized gradient per expert and added them (5× slower than f32 on the
+//! CPU); each expert's weights are rounded here into a scratch buffer its job reuses.
 
 use std::mem::MaybeUninit;
 use std::sync::Mutex;
 
-use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor, WithDType};
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
 use super::dispatch::Dispatch;
 use super::gemm::{assume_init_vec, fill_zero, matmul_unfilled, unfilled, MatRef};
 use crate::host::{contiguous, with_host};
 use crate::math::Float;
+use crate::precision::Precision;
+use crate::round16::rounding_to;
 
 /// Hidden and intermediate widths of the experts.
 #[derive(Debug, Clone, Copy)]
@@ -39,15 +49,46 @@ struct Saved {
 /// The routed-experts op `(rows with gates, gate_up, down) → y`.
 pub(crate) struct RoutedSwiGlu {
     dispatch: Dispatch,
+    /// The 16-bit float the rounding points round to; None in f32 / f64.
+    narrow: Option<DType>,
     saved: Mutex<Option<Saved>>,
 }
 
 impl RoutedSwiGlu {
-    /// The op for one dispatch.
-    pub fn new(dispatch: Dispatch) -> Self {
+    /// The op for one dispatch, rounding as `precision` rounds (bf16 / f16 need f32 operands).
+    pub fn new(dispatch: Dispatch, precision: Precision) -> Self {
         RoutedSwiGlu {
             dispatch,
+            narrow: precision.narrow_dtype(),
             saved: Mutex::new(None),
+        }
+    }
+}
+
+/// The op's rounding points: each one rounds a buffer in place to the op's 16-bit float, or
+/// leaves it as it is (f32 / f64).
+#[derive(Clone, Copy)]
+struct Rounding<T>(Option<fn(&mut [T])>);
+
+impl<T: Copy> Rounding<T> {
+    /// Rounds `v` in place.
+    fn apply(self, v: &mut [T]) {
+        if let Some(round) = self.0 {
+            round(v);
+        }
+    }
+
+    /// The weights `w` as the products read them: `w` itself, or its rounded copy in
+    /// `scratch` (one expert's matrix: the job's own buffer, reused from expert to expert).
+    fn weights<'a>(self, w: &'a [T], scratch: &'a mut Vec<T>) -> &'a [T] {
+        match self.0 {
+            None => w,
+            Some(round) => {
+                scratch.clear();
+                scratch.extend_from_slice(w);
+                round(scratch);
+                scratch
+            }
         }
     }
 }
@@ -198,6 +239,7 @@ fn routed_forward<T: Float>(
     w2: &[T],
     disp: &Dispatch,
     d: Dims,
+    round: Rounding<T>,
 ) -> Forward<T> {
     let (hd, id) = (d.hidden, d.inter);
     let offsets = disp.offsets();
@@ -212,12 +254,26 @@ fn routed_forward<T: Float>(
         if m == 0 {
             return;
         }
-        let xj = rows.gather(&disp.slots()[from..to]);
-        let w1j = MatRef::transposed(&w1[j * 2 * id * hd..(j + 1) * 2 * id * hd], hd);
+        let mut xj = rows.gather(&disp.slots()[from..to]);
+        round.apply(&mut xj);
+        let mut scratch = Vec::new();
+        let w1j = round.weights(&w1[j * 2 * id * hd..(j + 1) * 2 * id * hd], &mut scratch);
+        let w1j = MatRef::transposed(w1j, hd);
         let hj = matmul_unfilled(m, 2 * id, hd, hj, MatRef::row_major(&xj, hd), w1j, threads);
-        let a = swiglu_rows(hj, id);
-        let w2j = MatRef::transposed(&w2[j * hd * id..(j + 1) * hd * id], id);
-        matmul_unfilled(m, hd, id, oj, MatRef::row_major(&a, id), w2j, threads);
+        round.apply(hj);
+        let mut a = swiglu_rows(hj, id);
+        round.apply(&mut a);
+        let w2j = round.weights(&w2[j * hd * id..(j + 1) * hd * id], &mut scratch);
+        let w2j = MatRef::transposed(w2j, id);
+        round.apply(matmul_unfilled(
+            m,
+            hd,
+            id,
+            oj,
+            MatRef::row_major(&a, id),
+            w2j,
+            threads,
+        ));
     };
     let jobs: Vec<_> = split_groups(&mut h, offsets, 2 * id)
         .into_iter()
@@ -282,6 +338,7 @@ fn routed_backward<T: Float>(
     disp: &Dispatch,
     d: Dims,
     wanted: Wanted,
+    round: Rounding<T>,
 ) -> RoutedGrads<T> {
     let (hd, id) = (d.hidden, d.inter);
     let offsets = disp.offsets();
@@ -307,7 +364,7 @@ fn routed_backward<T: Float>(
         .map(|(j, ((a, b), c))| (j, a, b, c))
         .collect();
     run_jobs(jobs, threads, |job| {
-        expert_backward(job, &inp, disp, d, threads)
+        expert_backward(job, &inp, disp, d, threads, round)
     });
     // SAFETY: the jobs tile each wanted buffer and every job wrote all of its slices.
     let (dxp, dw1, dw2) = unsafe {
@@ -325,13 +382,15 @@ fn routed_backward<T: Float>(
 }
 
 /// One expert's share of the backward: from the gate-weighted output gradient of its rows
-/// through its SwiGLU to its slices of `dW2`, `dW1` and the per-place input gradient.
+/// through its SwiGLU to its slices of `dW2`, `dW1` and the per-place input gradient, each
+/// gradient rounded where the forward rounded the value it belongs to.
 fn expert_backward<T: Float>(
     (j, dxj, dw1j, dw2j): ExpertJob<'_, T>,
     inp: &BackwardInputs<'_, T>,
     disp: &Dispatch,
     d: Dims,
     threads: usize,
+    round: Rounding<T>,
 ) {
     let (hd, id) = (d.hidden, d.inter);
     let (rows, dy) = (inp.rows, inp.dy);
@@ -352,9 +411,11 @@ fn expert_backward<T: Float>(
         let r = s / disp.top_k();
         go.extend(dy[r * hd..(r + 1) * hd].iter().map(|&v| g * v));
     }
+    // the gradient at the rounded expert output
+    round.apply(&mut go);
     let hj = &inp.h[from * 2 * id..to * 2 * id];
-    let w1j = &inp.w1[j * 2 * id * hd..(j + 1) * 2 * id * hd];
-    let w2j = &inp.w2[j * hd * id..(j + 1) * hd * id];
+    let mut scratch = Vec::new();
+    let w2j = round.weights(&inp.w2[j * hd * id..(j + 1) * hd * id], &mut scratch);
     // da = go · W2 (W2 is [H, I], read as-is)
     let mut da = unfilled::<T>(m * id);
     let da = matmul_unfilled(
@@ -366,10 +427,16 @@ fn expert_backward<T: Float>(
         MatRef::row_major(w2j, id),
         threads,
     );
-    let (a, dh) = swiglu_backward_rows(hj, da, id);
+    // at the rounded SwiGLU output
+    round.apply(da);
+    let (mut a, mut dh) = swiglu_backward_rows(hj, da, id);
+    // the SwiGLU output as the forward's second product read it; the gradient at the
+    // rounded gate/up product
+    round.apply(&mut a);
+    round.apply(&mut dh);
     if let Some(dw2j) = dw2j {
-        // dW2 = goᵀ · a
-        matmul_unfilled(
+        // dW2 = goᵀ · a, at the rounded weights
+        round.apply(matmul_unfilled(
             hd,
             id,
             m,
@@ -377,12 +444,13 @@ fn expert_backward<T: Float>(
             MatRef::transposed(&go, hd),
             MatRef::row_major(&a, id),
             threads,
-        );
+        ));
     }
     if let Some(dw1j) = dw1j {
-        // dW1 = dhᵀ · x
-        let xj = rows.gather(slots);
-        matmul_unfilled(
+        // dW1 = dhᵀ · x, at the rounded weights
+        let mut xj = rows.gather(slots);
+        round.apply(&mut xj);
+        round.apply(matmul_unfilled(
             2 * id,
             hd,
             m,
@@ -390,11 +458,15 @@ fn expert_backward<T: Float>(
             MatRef::transposed(&dh, 2 * id),
             MatRef::row_major(&xj, hd),
             threads,
-        );
+        ));
     }
     if let Some(dxj) = dxj {
-        // dx = dh · W1 (W1 is [2I, H], read as-is), per place
-        matmul_unfilled(
+        // dx = dh · W1 (W1 is [2I, H], read as-is), per place, at the rounded input rows
+        let w1j = round.weights(
+            &inp.w1[j * 2 * id * hd..(j + 1) * 2 * id * hd],
+            &mut scratch,
+        );
+        round.apply(matmul_unfilled(
             m,
             hd,
             2 * id,
@@ -402,7 +474,7 @@ fn expert_backward<T: Float>(
             MatRef::row_major(&dh, 2 * id),
             MatRef::row_major(w1j, hd),
             threads,
-        );
+        ));
     }
 }
 
@@ -467,6 +539,21 @@ impl RoutedSwiGlu {
         }
     }
 
+    /// The rounding points of an f32 op: its 16-bit float's rounding, if any.
+    fn f32_rounding(&self) -> Rounding<f32> {
+        Rounding(self.narrow.and_then(rounding_to))
+    }
+
+    /// The rounding points of an f64 op: none (a 16-bit rounding needs f32 operands).
+    fn f64_rounding(&self) -> candle_core::Result<Rounding<f64>> {
+        match self.narrow {
+            None => Ok(Rounding(None)),
+            Some(narrow) => candle_core::bail!(
+                "routed experts: rounding to {narrow:?} needs f32 operands, got f64"
+            ),
+        }
+    }
+
     fn fwd_typed<T: Float + WithDType>(
         &self,
         x: &[T],
@@ -474,8 +561,9 @@ impl RoutedSwiGlu {
         w2: &[T],
         d: Dims,
         wrap: fn(Vec<T>) -> CpuStorage,
+        round: Rounding<T>,
     ) -> candle_core::Result<CpuStorage> {
-        let f = routed_forward(self.rows(x, d), w1, w2, &self.dispatch, d);
+        let f = routed_forward(self.rows(x, d), w1, w2, &self.dispatch, d, round);
         let mut saved = self
             .saved
             .lock()
@@ -492,6 +580,7 @@ impl RoutedSwiGlu {
         (x, w1, w2, grad): (&Tensor, &Tensor, &Tensor, &Tensor),
         d: Dims,
         wanted: Wanted,
+        round: Rounding<T>,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let grads = with_host::<T, _>(x, |xv| {
             with_host::<T, _>(w1, |w1v| {
@@ -505,7 +594,8 @@ impl RoutedSwiGlu {
                         let (h, o) = match saved.as_ref() {
                             Some(s) => (s.h.as_slice::<T>()?, s.o.as_slice::<T>()?),
                             None => {
-                                recomputed = routed_forward(rows, w1v, w2v, &self.dispatch, d);
+                                recomputed =
+                                    routed_forward(rows, w1v, w2v, &self.dispatch, d, round);
                                 (&recomputed.h[..], &recomputed.o[..])
                             }
                         };
@@ -517,7 +607,7 @@ impl RoutedSwiGlu {
                             o,
                             dy,
                         };
-                        Ok(routed_backward(inputs, &self.dispatch, d, wanted))
+                        Ok(routed_backward(inputs, &self.dispatch, d, wanted, round))
                     })
                 })
             })
@@ -556,6 +646,7 @@ impl CustomOp3 for RoutedSwiGlu {
                 contiguous(w2, w2l, "down")?,
                 d,
                 CpuStorage::F32,
+                self.f32_rounding(),
             )?,
             (CpuStorage::F64(x), CpuStorage::F64(w1), CpuStorage::F64(w2)) => self.fwd_typed(
                 contiguous(x, xl, "rows")?,
@@ -563,6 +654,7 @@ impl CustomOp3 for RoutedSwiGlu {
                 contiguous(w2, w2l, "down")?,
                 d,
                 CpuStorage::F64,
+                self.f64_rounding()?,
             )?,
             _ => candle_core::bail!("routed experts: operands must all be f32 or all f64"),
         };
@@ -584,8 +676,8 @@ impl CustomOp3 for RoutedSwiGlu {
             dw2: w2.track_op(),
         };
         match x.dtype() {
-            candle_core::DType::F32 => self.bwd_typed::<f32>((x, w1, w2, grad), d, wanted),
-            candle_core::DType::F64 => self.bwd_typed::<f64>((x, w1, w2, grad), d, wanted),
+            DType::F32 => self.bwd_typed::<f32>((x, w1, w2, grad), d, wanted, self.f32_rounding()),
+            DType::F64 => self.bwd_typed::<f64>((x, w1, w2, grad), d, wanted, self.f64_rounding()?),
             dt => candle_core::bail!("routed experts: no backward for {dt:?}"),
         }
     }

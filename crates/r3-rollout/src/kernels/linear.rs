@@ -9,14 +9,13 @@
 //! weights use the same panels (widened by a shift); inputs and outputs are rounded to bf16,
 //! the bias added in f32 before the output rounding (a bf16 GEMM's epilogue).
 
-use half::f16;
-use half::slice::HalfFloatSliceExt;
 use r3_model::layers::gemm::SharedBuf;
 use rayon::prelude::*;
 
 use super::packed_f16::{HalfKind, PackedF16, PanelKernel, StackedRows, PANEL};
-use crate::dtype::{round_to_bf16, Dtype};
+use crate::dtype::Dtype;
 use crate::error::RolloutError;
+use r3_model::round16::{round_to_bf16, round_to_f16};
 
 /// Number of input rows up to which the row-streaming kernel beats `gemm` (f32 weights).
 const SMALL_M: usize = 32;
@@ -318,16 +317,6 @@ fn rounded_copy(x: &[f32], width: usize, round: fn(&mut [f32]), parallel: bool) 
             round(d);
         });
     xr
-}
-
-fn round_to_f16(v: &mut [f32]) {
-    // Through a small stack buffer: this runs on every matmul, so no heap temporary.
-    let mut h = [f16::ZERO; 256];
-    for chunk in v.chunks_mut(256) {
-        let h = &mut h[..chunk.len()];
-        h.convert_from_f32_slice(chunk);
-        h.convert_to_f32_slice(chunk);
-    }
 }
 
 /// Dot product with eight independent FMA lanes (vectorises to one ymm FMA per step).
