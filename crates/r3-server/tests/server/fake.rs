@@ -94,7 +94,6 @@ pub struct FakeEngine {
     version: u64,
     min_batch: usize,
     gate_since: Option<Instant>,
-    pace: Duration,
 }
 
 impl FakeEngine {
@@ -105,15 +104,7 @@ impl FakeEngine {
             version: 0,
             min_batch,
             gate_since: None,
-            pace: Duration::ZERO,
         }
-    }
-
-    /// This engine taking at least `pace` for every step that has requests in flight: a
-    /// request of n tokens then lasts n · pace whatever the machine's load.
-    pub fn with_pace(mut self, pace: Duration) -> Self {
-        self.pace = pace;
-        self
     }
 
     fn result(&self, r: Running, finish: FinishReason) -> GenerateResult {
@@ -167,9 +158,6 @@ impl InferenceBackend for FakeEngine {
             }
         }
         self.min_batch = 0;
-        if !self.running.is_empty() && !self.pace.is_zero() {
-            std::thread::sleep(self.pace);
-        }
         let mut done = Vec::new();
         let mut still = Vec::new();
         for mut r in std::mem::take(&mut self.running) {

@@ -13,6 +13,7 @@ mod fake;
 mod fake_http;
 mod limits;
 mod malformed;
+mod paced;
 mod security;
 mod streaming;
 mod support;

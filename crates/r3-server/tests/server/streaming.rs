@@ -14,11 +14,21 @@ use r3_server::{build_app, ServerConfig, TextCodec};
 use serde_json::{json, Value};
 
 use crate::fake::FakeEngine;
+use crate::paced::Paced;
 use crate::support::{fixture, parse_response, scratch_dir, write_tokenizer, Reply, TestServer};
 
 const MODEL: &str = "qwen3_moe_tiny";
 
 fn server() -> TestServer {
+    serve(None)
+}
+
+/// The fixture engine served at one step per `pace` at most ([`Paced`]).
+fn paced_server(pace: Duration) -> TestServer {
+    serve(Some(pace))
+}
+
+fn serve(pace: Option<Duration>) -> TestServer {
     let cfg = EngineConfig {
         dtype: Dtype::F32,
         kv_cache_bytes: 32 << 20,
@@ -31,8 +41,12 @@ fn server() -> TestServer {
     write_tokenizer(&dir, vocab);
     let codec = TextCodec::from_model_dir(&dir).expect("tokenizer loads");
     let _ = std::fs::remove_dir_all(&dir);
-    let app = build_app(engine, codec, ServerConfig::default()).expect("app builds");
-    TestServer::start(app)
+    let config = ServerConfig::default();
+    let app = match pace {
+        None => build_app(engine, codec, config),
+        Some(pace) => build_app(Paced::new(engine, pace), codec, config),
+    };
+    TestServer::start(app.expect("app builds"))
 }
 
 /// An open streamed request: the raw bytes read so far.
@@ -197,7 +211,7 @@ fn a_client_that_disconnects_aborts_its_streamed_request() {
     // 240 ms, far longer than the server takes to see the client gone, on a loaded machine
     // too (the fixture model runs 120 steps in a few ms, and under CPU contention its engine
     // could finish before the disconnect was seen).
-    let engine = FakeEngine::new(0).with_pace(Duration::from_millis(2));
+    let engine = Paced::new(FakeEngine::new(0), Duration::from_millis(2));
     let server = TestServer::start(build_app(engine, None, ServerConfig::default()).expect("app"));
     let body = json!({"input_ids": [3, 4], "stream": true,
                       "sampling_params": {"max_new_tokens": 120, "ignore_eos": true}});
@@ -217,7 +231,9 @@ fn a_client_that_disconnects_aborts_its_streamed_request() {
 
 #[test]
 fn retracted_requests_are_re_prefilled_and_finish_unchanged() {
-    let server = server();
+    // Paced, so the streamed request is still running when the pause arrives (110 tokens
+    // take ≥ 220 ms; unpaced the fixture finished them in a few ms and could win the race).
+    let server = paced_server(Duration::from_millis(2));
     let body = json!({"input_ids": [7, 8, 9], "return_routed_experts": true,
                       "return_logprob": true,
                       "sampling_params": {"max_new_tokens": 110, "seed": 2,
