@@ -17,8 +17,7 @@ use r3_rollout::{
 
 use super::cpu_time::{cpu_seconds, process_cpu_ns};
 use super::matmul_work::{
-    f32_gemm_peak, generation_flops, generation_roofline, machine_threads, stream_bandwidth,
-    MachineLimits, StorageBytes,
+    generation_flops, generation_roofline, machine_threads, MachineLimits, StorageBytes,
 };
 
 /// HF transformers `generate` (PyTorch, CPU, 2 threads) on the mid-size config, tokens/s at
@@ -249,16 +248,13 @@ pub fn run(a: BenchRolloutArgs) -> anyhow::Result<()> {
         a.new_tokens,
         a.repeats.max(1)
     );
-    let peak = f32_gemm_peak(machine_threads());
-    let bandwidth = stream_bandwidth();
+    let mut limits = MachineLimits::measure(machine_threads());
     println!(
-        "f32 GEMM peak of this machine, measured now (1024³, {} threads): {peak:.1} GFLOP/s; streaming bandwidth (STREAM triad): {bandwidth:.1} GB/s",
-        machine_threads()
+        "f32 GEMM peak of this machine, measured now (1024³, {} threads): {:.1} GFLOP/s; streaming bandwidth (STREAM triad): {:.1} GB/s (measured again after every batch; each batch is held to the highest readings so far)",
+        machine_threads(),
+        limits.peak_gflops,
+        limits.bandwidth_gbs
     );
-    let limits = MachineLimits {
-        peak_gflops: peak,
-        bandwidth_gbs: bandwidth,
-    };
     let mut summary = Vec::new();
     for name in &a.configs {
         let s = setup(name, a.seed).with_context(|| format!("building the {name} config"))?;
@@ -290,6 +286,16 @@ pub fn run(a: BenchRolloutArgs) -> anyhow::Result<()> {
                 }
             }
             let on = on.unwrap_or_default();
+            let after = MachineLimits::measure(machine_threads());
+            if after.peak_gflops > limits.peak_gflops || after.bandwidth_gbs > limits.bandwidth_gbs
+            {
+                limits = limits.highest(after);
+                println!(
+                    "{:>17} limits measured again, higher: peak {:.1} GFLOP/s, bandwidth {:.1} GB/s (used from this batch on)",
+                    "", limits.peak_gflops, limits.bandwidth_gbs
+                );
+            }
+            let peak = limits.peak_gflops;
             let hf = HF_REFERENCE
                 .iter()
                 .find(|(hb, _)| *hb == b)

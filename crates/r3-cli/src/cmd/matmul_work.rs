@@ -87,6 +87,24 @@ pub struct MachineLimits {
 }
 
 impl MachineLimits {
+    /// Both limits measured now on `threads` threads ([`f32_gemm_peak`], [`stream_bandwidth`]).
+    pub fn measure(threads: usize) -> Self {
+        MachineLimits {
+            peak_gflops: f32_gemm_peak(threads),
+            bandwidth_gbs: stream_bandwidth(),
+        }
+    }
+
+    /// The higher reading of each limit: a run held to the best the machine showed at any
+    /// point of it, so a reading taken while something else loaded the machine cannot
+    /// flatter the run's share of it.
+    pub fn highest(self, other: MachineLimits) -> Self {
+        MachineLimits {
+            peak_gflops: self.peak_gflops.max(other.peak_gflops),
+            bandwidth_gbs: self.bandwidth_gbs.max(other.bandwidth_gbs),
+        }
+    }
+
     /// Roofline seconds of one step: its FLOPs at the peak or its bytes at the bandwidth,
     /// whichever takes longer.
     pub fn step_seconds(&self, flops: f64, bytes: f64) -> f64 {
@@ -320,6 +338,13 @@ pub(crate) mod tests {
         let got = generation_roofline(&cfg, 3, 2, 2, bytes, fast_memory).expect("gqa");
         let want = generation_flops(&cfg, 3, 2, 2).expect("gqa");
         assert!((got - want).abs() < 1e-6 * want, "{got} vs {want}");
+        // Held to the higher reading of each limit, whichever measurement showed it.
+        let best = limits.highest(fast_memory);
+        assert_eq!((best.peak_gflops, best.bandwidth_gbs), (1e3, 1e3));
+        assert_eq!(
+            fast_memory.highest(limits).step_seconds(1e3, 1e3),
+            best.step_seconds(1e3, 1e3)
+        );
     }
 
     /// The probe reports a finite, positive rate (its absolute value is the machine's).

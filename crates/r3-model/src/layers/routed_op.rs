@@ -17,7 +17,7 @@
 //! gradient is the incoming one rounded): the same values up to the order of the f32 sums.
 //! Composed, the bf16 layer sliced every expert out of the stacks, and candle's backward built
 //! a zero-filled stack-sized gradient per expert and added them (5× slower than f32 on the
-//! CPU); each expert's weights are rounded here into a scratch buffer its job reuses.
+//! CPU); here each expert's job rounds its two matrices into one scratch buffer in turn.
 
 use std::mem::MaybeUninit;
 use std::sync::Mutex;
@@ -79,7 +79,7 @@ impl<T: Copy> Rounding<T> {
     }
 
     /// The weights `w` as the products read them: `w` itself, or its rounded copy in
-    /// `scratch` (one expert's matrix: the job's own buffer, reused from expert to expert).
+    /// `scratch` (one expert's matrix, in its job's own buffer).
     fn weights<'a>(self, w: &'a [T], scratch: &'a mut Vec<T>) -> &'a [T] {
         match self.0 {
             None => w,
