@@ -59,7 +59,8 @@ impl Dtype {
     }
 }
 
-pub use r3_model::round16::{bf16_bits, round_to_bf16};
+pub(crate) use r3_model::round16::bf16_bits;
+pub use r3_model::round16::round_to_bf16;
 
 impl FromStr for Dtype {
     type Err = RolloutError;
