@@ -367,6 +367,7 @@ impl Model {
                 moe.used.push(out.ids);
                 moe.differs.push(out.differs_from_native);
                 moe.replay_time += out.replay_time;
+                moe.device_wait += out.device_wait;
                 out.output
             }
         };
@@ -444,6 +445,8 @@ struct MoeRecord {
     differs: Vec<usize>,
     /// time spent forcing the plan's ids
     replay_time: Duration,
+    /// time the host waited for the router logits
+    device_wait: Duration,
 }
 
 /// Flattened `[B·T]` indices of the real tokens, sequence-major.

@@ -135,6 +135,25 @@ fn greedy_generation_equals_hf_and_the_cpu_engine() {
     }
 }
 
+/// The host's waits for the device are counted where they happen, inside the generation's
+/// wall time: every step copies its logits, and every MoE layer its router logits.
+#[test]
+fn the_hosts_waits_for_the_device_are_counted_within_the_wall_time() {
+    let mut engine = device_engine(MODELS[0]);
+    assert_eq!(engine.device_wait_seconds(), 0.0);
+    let started = std::time::Instant::now();
+    let reqs = (0..3u32)
+        .map(|i| GenerateRequest::new(vec![3 + i, 5, 7], SamplingParams::greedy(6)))
+        .collect();
+    engine.generate(reqs).expect("generate");
+    let wall = started.elapsed().as_secs_f64();
+    let waited = engine.device_wait_seconds();
+    assert!(
+        waited > 0.0 && waited < wall,
+        "waited {waited} s of {wall} s"
+    );
+}
+
 /// A CPU engine and a device engine over the same tensors.
 fn both(cfg: &Config, map: &TensorMap) -> (Engine, DeviceEngine) {
     let cpu = Engine::new(

@@ -3,7 +3,10 @@
 //! at batch 1 / 64 / 256 with `r3 bench rollout`'s configs and seeded random weights: greedy,
 //! 32-token prompts, 128 new tokens (the issue's HF `generate` setting), routes captured.
 //! One line per config and batch: generated tokens/s (prefill included, as HF's `generate`
-//! figures are) and the share of the time spent on route capture. Nothing is asserted.
+//! figures are), the share of the time spent on route capture and, for the device engine,
+//! the share the host spent waiting for the device (the rest is the host's own work and
+//! kernel launches: near 100% the step is bound by the device's kernels). Nothing is
+//! asserted.
 
 use std::time::Instant;
 
@@ -88,8 +91,10 @@ pub fn run(a: BenchDecodeArgs) -> anyhow::Result<()> {
         engine.generate(requests(1))?;
         for &batch in &a.batches {
             let (mut best, mut capture_share) = (0f64, 0f64);
+            let mut wait_share = None;
             for _ in 0..a.repeats.max(1) {
                 let capture0 = engine.capture_seconds();
+                let wait0 = engine.device_wait_seconds();
                 let t0 = Instant::now();
                 let out = engine.generate(requests(batch))?;
                 let secs = t0.elapsed().as_secs_f64();
@@ -97,11 +102,18 @@ pub fn run(a: BenchDecodeArgs) -> anyhow::Result<()> {
                 if tokens / secs > best {
                     best = tokens / secs;
                     capture_share = (engine.capture_seconds() - capture0) / secs;
+                    wait_share = engine
+                        .device_wait_seconds()
+                        .zip(wait0)
+                        .map(|(now, before)| (now - before) / secs);
                 }
             }
+            let waiting = wait_share.map_or(String::new(), |w| {
+                format!(", the host waiting for the device {:.1}% of it", w * 100.0)
+            });
             println!(
                 "decode {name} {} {} batch {batch}: {best:.1} tokens/s ({} prompt + {} new \
-                 tokens, greedy), route capture {:.2}% of the time",
+                 tokens, greedy), route capture {:.2}% of the time{waiting}",
                 a.device,
                 a.dtype,
                 a.prompt_len,

@@ -63,6 +63,9 @@ pub struct MoeOutput {
     pub differs_from_native: usize,
     /// wall time spent putting the replay plan's ids in place of the router's own
     pub replay_time: Duration,
+    /// wall time the host waited for the router logits: on a GPU the queued work before
+    /// them, then their copy (routing reads them on the host)
+    pub device_wait: Duration,
 }
 
 impl MoeBlock {
@@ -152,11 +155,13 @@ impl MoeBlock {
             GatherRows::new(rows.host.clone(), batch_rows, batch_rows)?.apply(x)?
         };
         let logits = self.router_logits(&x_routed)?;
+        let waiting = Instant::now();
         let host = logits
             .detach()
             .flatten_all()?
             .to_dtype(candle_core::DType::F32)?
             .to_vec1::<f32>()?;
+        let device_wait = waiting.elapsed();
         let mut ids = self.router.select_rows(&host, self.score_bias.as_deref())?;
         let n = rows.host.len();
         let mut differs = 0;
@@ -213,6 +218,7 @@ impl MoeBlock {
             ids,
             differs_from_native: differs,
             replay_time,
+            device_wait,
         })
     }
 }

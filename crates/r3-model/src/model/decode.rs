@@ -235,6 +235,9 @@ pub struct StepOutput {
     /// top_k]` experts the router chose at every fed slot, best first, on the host (the MoE
     /// layers dispatch from host ids, so they are there already).
     pub routes: Vec<Vec<u32>>,
+    /// Wall time the host waited for the MoE layers' router logits (on a GPU: the work
+    /// queued before each copy, then the copy), one wait per MoE layer.
+    pub device_wait: std::time::Duration,
 }
 
 impl Model {
@@ -359,6 +362,7 @@ impl Model {
         Ok(StepOutput {
             logits,
             routes: moe.used,
+            device_wait: moe.device_wait,
         })
     }
 }

@@ -181,6 +181,15 @@ impl RolloutEngine {
             RolloutEngine::Device(e) => e.capture_seconds(),
         }
     }
+
+    /// Seconds the host waited for the device so far ([`DeviceEngine::device_wait_seconds`]);
+    /// None for the CPU engine, which has no device to wait for.
+    pub fn device_wait_seconds(&self) -> Option<f64> {
+        match self {
+            RolloutEngine::Cpu(_) => None,
+            RolloutEngine::Device(e) => Some(e.device_wait_seconds()),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -170,6 +170,9 @@ pub struct DeviceEngine {
     /// The prefix cache (None when off).
     cache: Option<PrefixCache<DeviceBlock>>,
     capture_time: Duration,
+    /// Wall time the host waited for the device: each MoE layer's router logits and each
+    /// step's logits (the queued work before a copy, then the copy).
+    device_wait: Duration,
     /// Results of a step whose later part failed, handed out by the next step.
     finished: Vec<GenerateResult>,
 }
@@ -236,6 +239,7 @@ impl DeviceEngine {
             running: None,
             cache,
             capture_time: Duration::ZERO,
+            device_wait: Duration::ZERO,
             finished: Vec::new(),
         })
     }
@@ -263,6 +267,14 @@ impl DeviceEngine {
     /// Seconds spent assembling route rows and tables (see [`crate::Engine::capture_seconds`]).
     pub fn capture_seconds(&self) -> f64 {
         self.capture_time.as_secs_f64()
+    }
+
+    /// Seconds the host spent waiting for the device so far: the copies routing and sampling
+    /// read (each waits for the work queued before it). Against the wall time, the share of a
+    /// step the host had nothing to do: near 1, the device's kernels bound the step; near 0,
+    /// the host's own work and launches do.
+    pub fn device_wait_seconds(&self) -> f64 {
+        self.device_wait.as_secs_f64()
     }
 
     /// Prefix cache counters (None when the cache is off); `hit_blocks × block_size` are the
@@ -402,6 +414,7 @@ impl DeviceEngine {
             },
             &mut batch.cache,
         )?;
+        self.device_wait += out.device_wait;
         let started = Instant::now();
         capture_routes(
             &mut batch.rows,
@@ -423,7 +436,9 @@ impl DeviceEngine {
             batch.prefilled = true;
         }
         // One copy of the step's logits to the host.
+        let waiting = Instant::now();
         let logits = out.logits.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
+        self.device_wait += waiting.elapsed();
         let mut logits = logits.to_vec3::<f32>()?;
         if all_logits {
             for (row, rows) in batch.rows.iter_mut().zip(&mut logits) {
