@@ -21,7 +21,9 @@
 #    step and step 1's rewards equal to a CPU run's (the rollouts come from the same engine
 #    with the same weights and seed);
 # 3. `r3 bench train` on CUDA beside scripts/cuda/peer_hf.py (HF transformers on the same
-#    GPU, the same config and batch): mid in f32 and bf16, the 8-layer 30B-A3B shape in bf16.
+#    GPU, the same config and batch): mid in f32 and bf16, the 8-layer 30B-A3B shape in bf16;
+#    each bf16 run also beside HF with f32 parameters under autocast (`--dtype amp-bf16`, its
+#    Trainer's bf16: r3's own precision scheme) while the budget lasts.
 # 4. The device rollout engine on CUDA: its tests (greedy = HF's on the oracle fixtures and
 #    = the CPU engine's, routes = the trainer's native routes on the GPU in f32 and bf16,
 #    seeded sampling reproducing itself, a batch = one at a time), `r3 generate --device
@@ -177,7 +179,17 @@ for run in "mid f32 8 70 --parts" "mid bf16 8 70 --parts" "a3b-8l bf16 2 120"; d
         --config "$config" --dtype "$dtype" --batch "$batch" --seq-len 512 --steps 3)
     cat "$work/bench-hf-$name.txt"
     hf_tps=$(grep -E "^peer " "$work/bench-hf-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s.*/\1/')
-    bench+=("$name r3 ${r3_tps:-?} tok/s ${r3_mem:-?} MiB, HF ${hf_tps:-?} tok/s ${hf_mem:-?} MiB, replay ${replay_cost:-?}%")
+    line="$name r3 ${r3_tps:-?} tok/s ${r3_mem:-?} MiB, HF ${hf_tps:-?} tok/s ${hf_mem:-?} MiB, replay ${replay_cost:-?}%"
+    # bf16 also beside HF the way its Trainer runs bf16 (f32 parameters under autocast): r3's
+    # own scheme (f32 master weights, bf16 matmuls), so the like-for-like peer.
+    if [ "$dtype" = bf16 ] && [ "$(left)" -ge 60 ]; then
+        amp_mem=$(gpu_peak "$work/bench-hf-amp-$name.txt" timeout "$(limit "$secs")" "$python" \
+            scripts/cuda/peer_hf.py --config "$config" --dtype amp-bf16 --batch "$batch" --seq-len 512 --steps 3)
+        cat "$work/bench-hf-amp-$name.txt"
+        amp_tps=$(grep -E "^peer " "$work/bench-hf-amp-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s.*/\1/')
+        line+=", HF amp-bf16 ${amp_tps:-?} tok/s ${amp_mem:-?} MiB"
+    fi
+    bench+=("$line")
     echo "== bench $name: ${bench[-1]}"
 done
 verdict bench "$(IFS=';'; echo "${bench[*]}")"

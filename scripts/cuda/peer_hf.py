@@ -10,8 +10,16 @@ torch (this file's `TorchQwen3Moe`: RMSNorm, q/k norm, RoPE, GQA attention, soft
 router with renormalised weights, SwiGLU experts), so the check runs on a machine with torch
 alone. The output's first word says which peer ran.
 
+`--dtype bf16` is the model held in bf16 (weights and gradients; no f32 master copy).
+`--dtype amp-bf16` is what HF's `Trainer` / TRL do with `bf16=True`: f32 parameters and
+gradients, the forward under `torch.autocast(bfloat16)` — the same precision scheme as
+`r3 train`'s `train.dtype = "bf16"` (f32 master weights, matmuls on bf16 operands), so its
+time and memory are the like-for-like peer of r3's bf16 figures.
+
     python3 scripts/cuda/peer_hf.py --dtype bf16 --batch 8 --seq-len 512 --steps 3
 """
+
+import contextlib
 
 import argparse
 import math
@@ -61,8 +69,9 @@ A3B_8L = dict(
 CONFIGS = {"mid": MID, "a3b-8l": A3B_8L}
 
 
-def hf_model(dtype, config=MID):
-    """HF's Qwen3-MoE with `config`, or None when transformers is not installed."""
+def hf_model(dtype, config=MID, grouped=True):
+    """HF's Qwen3-MoE with `config` (`grouped_mm` experts where available and `grouped`), or
+    None when transformers is not installed."""
     try:
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     except ImportError:
@@ -76,10 +85,14 @@ def hf_model(dtype, config=MID):
     # 5.6 B-parameter config takes minutes); the mid config keeps the host init.
     where = torch.device("cuda") if config is not MID and torch.cuda.is_available() else torch.device("cpu")
     with where:
-        try:
-            model = Qwen3MoeForCausalLM._from_config(cfg, experts_implementation="grouped_mm")
-            experts = "grouped_mm"
-        except (TypeError, ValueError, KeyError):
+        model = None
+        if grouped:
+            try:
+                model = Qwen3MoeForCausalLM._from_config(cfg, experts_implementation="grouped_mm")
+                experts = "grouped_mm"
+            except (TypeError, ValueError, KeyError):
+                model = None
+        if model is None:
             model = Qwen3MoeForCausalLM._from_config(cfg)
     return model.to(dtype), f"transformers {transformers.__version__} (eager attention, {experts} experts)"
 
@@ -202,7 +215,7 @@ class TorchQwen3Moe(torch.nn.Module):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
+    p.add_argument("--dtype", choices=["f32", "bf16", "amp-bf16"], default="f32")
     p.add_argument("--config", choices=sorted(CONFIGS), default="mid")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=512)
@@ -210,10 +223,18 @@ def main():
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--torch-only", action="store_true", help="skip transformers")
+    p.add_argument("--device", default="cuda", help="cuda (the check) or cpu (a smoke run)")
     a = p.parse_args()
     torch.manual_seed(a.seed)
-    dev = torch.device("cuda")
+    dev = torch.device(a.device)
+    cuda = dev.type == "cuda"
+    # amp-bf16 keeps f32 parameters; autocast runs the matmuls on bf16 copies.
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    autocast = (
+        (lambda: torch.autocast(dev.type, dtype=torch.bfloat16))
+        if a.dtype == "amp-bf16"
+        else contextlib.nullcontext
+    )
     config = CONFIGS[a.config]
     model, label = (None, None) if a.torch_only else hf_model(dtype, config)
     if model is None:
@@ -224,29 +245,48 @@ def main():
     ids = torch.randint(0, config["vocab_size"], (a.batch, a.seq_len), device=dev)
     targets = torch.roll(ids, -1, dims=1)
 
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
     def step():
-        out = model(ids)
+        with autocast():
+            out = model(ids)
         logits = out.logits if hasattr(out, "logits") else out
         logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1))
         loss = -logp.mean()
         loss.backward()
         model.zero_grad(set_to_none=True)
 
-    for _ in range(a.warmup):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    try:
+        for _ in range(a.warmup):
+            step()
+    except RuntimeError as err:
+        # grouped_mm may refuse autocast's mixed operands (f32 expert weights, bf16 rows):
+        # then HF's default experts, said in the label.
+        if "grouped_mm" not in (label or "") or a.dtype != "amp-bf16":
+            raise
+        print(f"note: grouped_mm under autocast failed ({str(err)[:120]}); default experts")
+        del model
+        model, label = hf_model(dtype, config, grouped=False)
+        model = model.to(dev).train()
+        for _ in range(a.warmup):
+            step()
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(a.steps):
         t0 = time.perf_counter()
         step()
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t0)
     tokens = a.batch * a.seq_len
     mean = sum(times) / len(times)
-    peak = torch.cuda.max_memory_allocated() / 2**30
+    where = torch.cuda.get_device_name() if cuda else "cpu"
+    peak = f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if cuda else "peak n/a"
     print(f"peer {label}: {a.config}, {params / 1e6:.1f}M params, {a.dtype}, batch {a.batch} x {a.seq_len},"
-          f" {torch.cuda.get_device_name()}, peak {peak:.2f} GiB,"
+          f" {where}, {peak},"
           f" mean {mean:.4f} s/step, best {min(times):.4f} s, {tokens / mean:.1f} tokens/s")
 
 
