@@ -2,7 +2,8 @@
 //! rows first) and `down` `[E, H, I]`, the transformers-5 fused layout — and the gate-weighted
 //! sum of their SwiGLUs over each row's chosen experts.
 //!
-//! On CPU in f32/f64 the whole layer (dispatch, grouped GEMMs with experts in parallel,
+//! On CPU in f32/f64, and in bf16 / f16 training on f32 operands (the op rounding where the
+//! composed ops do), the whole layer (dispatch, grouped GEMMs with experts in parallel,
 //! combine) is one custom op with its own backward (`routed_op`); candle's autograd would
 //! otherwise build ~10 nodes per expert, each with a gradient pass over its input (upstream
 //! candle, measured then, also zero-filled one per node) — most of a training step's time at
