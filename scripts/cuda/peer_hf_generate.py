@@ -26,6 +26,7 @@ def main():
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda", help="cuda (the check) or cpu (the CPU peer)")
     a = p.parse_args()
     torch.manual_seed(a.seed)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
@@ -34,7 +35,8 @@ def main():
     if model is None:
         print("peer-generate skipped: transformers is not installed")
         return
-    dev = torch.device("cuda")
+    dev = torch.device(a.device)
+    cuda = dev.type == "cuda"
     model = model.to(dev).eval()
 
     def generate(batch):
@@ -48,7 +50,8 @@ def main():
                 do_sample=False,
                 pad_token_id=0,
             )
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         return out.shape[0] * (out.shape[1] - a.prompt_len)
 
     generate(1)  # warm-up
@@ -56,7 +59,8 @@ def main():
         t0 = time.perf_counter()
         tokens = generate(batch)
         secs = time.perf_counter() - t0
-        print(f"peer-generate {label}: {a.config} {a.dtype} batch {batch}, {torch.cuda.get_device_name()},"
+        where = torch.cuda.get_device_name() if cuda else f"cpu, {torch.get_num_threads()} threads"
+        print(f"peer-generate {label}: {a.config} {a.dtype} batch {batch}, {where},"
               f" {tokens / secs:.1f} tokens/s")
 
 
