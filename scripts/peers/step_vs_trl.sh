@@ -14,8 +14,10 @@
 # Options: --r3 PATH (default target/release/r3, else target/debug/r3), --steps N (per run,
 # default 4; medians skip each run's first step), --rounds R (default 2), --micro-batch N
 # (TRL sequences per forward/backward; default the whole batch, as r3), --threads N (TRL's
-# torch threads; default all cores, as r3's thread pool), --as-shipped,
-# --out DIR (default target/peers/step_vs_trl), --venv DIR (default target/trl-venv).
+# torch threads; default all cores, as r3's thread pool), --as-shipped, --bf16 (both sides
+# in bf16: r3 with train.dtype and rollout.dtype bf16, TRL with bf16=True, f32 parameters
+# under autocast), --out DIR (default target/peers/step_vs_trl), --venv DIR (default
+# target/trl-venv).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$root"
@@ -25,6 +27,7 @@ rounds=2
 micro=0
 threads="$(nproc)"
 shipped=0
+bf16=0
 out="target/peers/step_vs_trl"
 venv="target/trl-venv"
 configs=()
@@ -36,9 +39,10 @@ while [ $# -gt 0 ]; do
     --micro-batch) micro="$2"; shift 2 ;;
     --threads) threads="$2"; shift 2 ;;
     --as-shipped) shipped=1; shift ;;
+    --bf16) bf16=1; shift ;;
     --out) out="$2"; shift 2 ;;
     --venv) venv="$2"; shift 2 ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     -*) echo "step_vs_trl.sh: unknown option $1" >&2; exit 2 ;;
     *) configs+=("$1"); shift ;;
   esac
@@ -55,7 +59,12 @@ esac
 
 same_work=(--set algo.dynamic_sampling=false --set algo.router_replay=disabled --set rollout.dtype=f32)
 [ "$shipped" = 1 ] && same_work=()
-echo "r3: $r3 ($("$r3" --version 2>/dev/null || echo '?')); cores $(nproc); steps $steps x rounds $rounds; $([ "$shipped" = 1 ] && echo 'r3 as shipped' || echo 'r3 on the same work: f32 rollout, no replay, no dynamic sampling')"
+trl_bf16=()
+if [ "$bf16" = 1 ]; then
+  same_work=(--set algo.dynamic_sampling=false --set algo.router_replay=disabled --set rollout.dtype=bf16 --set train.dtype=bf16)
+  trl_bf16=(--bf16)
+fi
+echo "r3: $r3 ($("$r3" --version 2>/dev/null || echo '?')); cores $(nproc); steps $steps x rounds $rounds; $([ "$shipped" = 1 ] && echo 'r3 as shipped' || { [ "$bf16" = 1 ] && echo 'both in bf16: r3 bf16 rollout and training, TRL bf16=True; no replay, no dynamic sampling' || echo 'r3 on the same work: f32 rollout, no replay, no dynamic sampling'; })"
 
 for cfg in "${configs[@]}"; do
   if [ "$cfg" = default ]; then name=default; cfg_args=(); else name="$(basename "$cfg" .toml)"; cfg_args=(--config "$cfg"); fi
@@ -73,7 +82,7 @@ for cfg in "${configs[@]}"; do
     echo "== $name round $k: TRL, load $load_trl"
     printf '%s\n%s\n' "$load_r3" "$load_trl" > "$dir/load-round$k.txt"
     "$venv/bin/python" scripts/peers/trl_grpo_step.py --config "$run/config.toml" --r3 "$r3" \
-      --steps "$steps" --micro-batch "$micro" --threads "$threads" --out "$dir/trl-round$k.json" \
+      --steps "$steps" --micro-batch "$micro" --threads "$threads" --out "$dir/trl-round$k.json" ${trl_bf16[@]+"${trl_bf16[@]}"} \
       > "$dir/trl-round$k.log" 2>&1 || { tail -20 "$dir/trl-round$k.log"; exit 1; }
     grep -E "^TRL median" "$dir/trl-round$k.log"
   done

@@ -66,6 +66,12 @@ def parse_args():
     )
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
     p.add_argument("--out", help="write the per-step times and the settings here (JSON)")
+    p.add_argument(
+        "--bf16",
+        action="store_true",
+        help="GRPOConfig(bf16=True): f32 parameters under bf16 autocast, the Trainer's bf16 "
+        "(r3's counterpart: train.dtype and rollout.dtype bf16); default f32",
+    )
     return p.parse_args()
 
 
@@ -103,7 +109,7 @@ def r3_lr_lambda(cfg, total_steps):
     return ratio
 
 
-def map_settings(cfg, n_steps, micro):
+def map_settings(cfg, n_steps, micro, bf16=False):
     """GRPOConfig keyword arguments from r3's config, the (r3 key, value, TRL setting) rows
     mapped, and the (r3 key, value, why) rows that cannot be."""
     r, a, o = cfg["rollout"], cfg["algo"], cfg["optim"]
@@ -222,9 +228,21 @@ def map_settings(cfg, n_steps, micro):
             "TRL keeps every group (uniform-reward groups get advantage 0)",
         ),
         ("algo.adv_eps", a.get("adv_eps"), "TRL adds 1e-4 to the group std, fixed"),
-        ("rollout.dtype", r["dtype"], "TRL without vLLM generates with the training model (f32 here)"),
+        (
+            "rollout.dtype",
+            r["dtype"],
+            "TRL without vLLM generates with the training model ("
+            + ("f32 parameters under bf16 autocast" if bf16 else "f32")
+            + " here)",
+        ),
         ("rollout.router_dtype", r.get("router_dtype"), "no separate rollout engine"),
-        ("train.dtype", cfg.get("train", {}).get("dtype"), "TRL trains in f32 here (bf16=False)"),
+        (
+            "train.dtype",
+            cfg.get("train", {}).get("dtype"),
+            "TRL trains with f32 parameters under bf16 autocast here (bf16=True)"
+            if bf16
+            else "TRL trains in f32 here (bf16=False)",
+        ),
         ("algo.is_mode", a.get("is_mode"), "TRL's importance-sampling correction is for vLLM rollouts only"),
         (
             "sampling seeds",
@@ -272,7 +290,7 @@ def main():
     datasets.disable_progress_bars()
     transformers.logging.set_verbosity_error()
 
-    kw, mapped, unmapped = map_settings(cfg, args.steps, args.micro_batch)
+    kw, mapped, unmapped = map_settings(cfg, args.steps, args.micro_batch, args.bf16)
     r = cfg["rollout"]
     per_step = r["prompts_per_step"]
     model_dir = Path(cfg["model_dir"])
@@ -389,7 +407,7 @@ def main():
         grpo = GRPOConfig(
             output_dir=out_dir,
             use_cpu=True,
-            bf16=False,
+            bf16=args.bf16,
             fp16=False,
             activation_checkpointing=False,
             use_vllm=False,
