@@ -81,6 +81,33 @@ mod lanes {
         unsafe { _mm256_set_m128i(_mm_loadu_si128(b), _mm_loadu_si128(a)) }
     }
 
+    /// The AVX-512 loads of [`KvLanes`] for a 16-bit type: its sixteen values (32 bytes) read
+    /// as one 256-bit register and widened to f32 lanes by `$widen`.
+    macro_rules! sixteen_bit_wide_loads {
+        ($widen:path) => {
+            #[target_feature(enable = "avx512f")]
+            #[inline]
+            unsafe fn load16(p: *const Self) -> __m512 {
+                // SAFETY: the caller's sixteen readable values (32 bytes).
+                unsafe { $widen(_mm256_loadu_si256(p.cast::<__m256i>())) }
+            }
+
+            #[target_feature(enable = "avx512f")]
+            #[inline]
+            unsafe fn load8x2(a: *const Self, b: *const Self) -> __m512 {
+                // SAFETY: the caller's eight readable values (16 bytes) at each pointer.
+                unsafe { $widen(two_blocks(a.cast(), b.cast())) }
+            }
+
+            #[target_feature(enable = "avx512f")]
+            #[inline]
+            unsafe fn load8_twice(p: *const Self) -> __m512 {
+                // SAFETY: the caller's eight readable values (16 bytes).
+                unsafe { $widen(_mm256_broadcastsi128_si256(_mm_loadu_si128(p.cast()))) }
+            }
+        };
+    }
+
     /// bf16 bits zero-extended and shifted into the upper half of each f32 lane (exact).
     #[target_feature(enable = "avx512f")]
     #[inline]
@@ -136,26 +163,7 @@ mod lanes {
             }
         }
 
-        #[target_feature(enable = "avx512f")]
-        #[inline]
-        unsafe fn load16(p: *const Self) -> __m512 {
-            // SAFETY: the caller's sixteen readable halves (32 bytes).
-            unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast::<__m256i>())) }
-        }
-
-        #[target_feature(enable = "avx512f")]
-        #[inline]
-        unsafe fn load8x2(a: *const Self, b: *const Self) -> __m512 {
-            // SAFETY: the caller's eight readable halves (16 bytes) at each pointer.
-            unsafe { _mm512_cvtph_ps(two_blocks(a.cast(), b.cast())) }
-        }
-
-        #[target_feature(enable = "avx512f")]
-        #[inline]
-        unsafe fn load8_twice(p: *const Self) -> __m512 {
-            // SAFETY: the caller's eight readable halves (16 bytes).
-            unsafe { _mm512_cvtph_ps(_mm256_broadcastsi128_si256(_mm_loadu_si128(p.cast()))) }
-        }
+        sixteen_bit_wide_loads!(_mm512_cvtph_ps);
     }
 
     impl KvLanes for bf16 {
@@ -170,26 +178,7 @@ mod lanes {
             }
         }
 
-        #[target_feature(enable = "avx512f")]
-        #[inline]
-        unsafe fn load16(p: *const Self) -> __m512 {
-            // SAFETY: the caller's sixteen readable bf16 values (32 bytes).
-            unsafe { widen_bf16x16(_mm256_loadu_si256(p.cast::<__m256i>())) }
-        }
-
-        #[target_feature(enable = "avx512f")]
-        #[inline]
-        unsafe fn load8x2(a: *const Self, b: *const Self) -> __m512 {
-            // SAFETY: the caller's eight readable bf16 values (16 bytes) at each pointer.
-            unsafe { widen_bf16x16(two_blocks(a.cast(), b.cast())) }
-        }
-
-        #[target_feature(enable = "avx512f")]
-        #[inline]
-        unsafe fn load8_twice(p: *const Self) -> __m512 {
-            // SAFETY: the caller's eight readable bf16 values (16 bytes).
-            unsafe { widen_bf16x16(_mm256_broadcastsi128_si256(_mm_loadu_si128(p.cast()))) }
-        }
+        sixteen_bit_wide_loads!(widen_bf16x16);
     }
 }
 
