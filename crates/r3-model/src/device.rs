@@ -93,6 +93,7 @@ impl DeviceSpec {
                 };
                 let device = Device::new_cuda(ordinal).map_err(|e| unavailable(e.to_string()))?;
                 keep_freed_memory(&device).map_err(unavailable)?;
+                skip_unused_events(&device);
                 Ok(device)
             }
         }
@@ -127,6 +128,26 @@ fn keep_freed_memory(device: &Device) -> Result<(), String> {
             Ok(())
         }
         _ => Ok(()),
+    }
+}
+
+/// Stops cudarc from creating the two CUDA events it gives every new allocation for tracking
+/// the buffer's uses across streams. cudarc only records and waits on those events once its
+/// context is in multi-stream mode, which only its `new_stream` enters; candle's
+/// `Device::new_cuda` works on the per-thread default stream and never calls it, and neither
+/// does r3. So the events were created and destroyed with every tensor (two `cuEventCreate`
+/// and two `cuEventDestroy` calls each, some thousands a training step and dozens per layer
+/// of a decode step) and never used: turning the tracking off removes host work without
+/// changing what is synchronised. Were a second stream ever made on this context, buffers
+/// allocated from here on would not be tracked; nothing in r3 makes one. No effect off a GPU.
+#[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+fn skip_unused_events(device: &Device) {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(gpu) = device {
+        // SAFETY: the context works on one stream per thread and is not in cudarc's
+        // multi-stream mode, in which alone the events would be recorded and waited on;
+        // ordering between threads' streams was never managed by them (see above).
+        unsafe { gpu.disable_event_tracking() }
     }
 }
 

@@ -361,4 +361,21 @@ mod cuda {
             check_oracle(name, &device, 1e-4);
         }
     }
+
+    /// An opened GPU gives its buffers no use-tracking events (the device is opened with
+    /// them off), and a whole forward and backward leaves its context on one stream per
+    /// thread: the condition under which cudarc would never have used those events.
+    #[test]
+    fn the_gpu_context_stays_on_one_stream_without_tracking_events() {
+        let device = gpu();
+        let Device::Cuda(cuda) = &device else {
+            panic!("opened `cuda:0` as {device:?}");
+        };
+        assert!(!cuda.is_event_tracking(), "event tracking left on");
+        compare_family(FAMILIES[0], &device, GPU_F32);
+        assert!(
+            !cuda.cuda_stream().context().is_in_multi_stream_mode(),
+            "something made a second stream on the training engine's context"
+        );
+    }
 }
