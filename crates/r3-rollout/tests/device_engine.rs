@@ -203,6 +203,77 @@ fn every_family_generates_as_the_cpu_engine_greedy_and_seeded() {
     }
 }
 
+/// Greedy requests whose pick is reduced on the device (plain greedy, top-k 1) batched with
+/// greedy requests that need their whole row on the host (a repetition penalty, a logit
+/// bias, a minimum length that holds the end-of-sequence token back for the first steps,
+/// top log-probs) and a sampled one: every request's tokens, log-probs and routes equal the
+/// CPU engine's, whose sampler reads every row.
+#[test]
+fn greedy_picks_on_the_device_beside_rows_sampled_on_the_host_equal_the_cpu_engine() {
+    let cfg = tiny_config("qwen3_moe");
+    let map = tiny_weights(&cfg, 11, DType::F32).into_map();
+    let (mut cpu, mut dev) = both(&cfg, &map);
+    let prompts = sequences(&[5, 9, 3, 7, 6, 4], cfg.vocab_size, 21);
+    let greedy = SamplingParams::greedy(8);
+    let variants = [
+        greedy.clone(),
+        SamplingParams {
+            temperature: 0.7,
+            top_k: 1,
+            ..greedy.clone()
+        },
+        SamplingParams {
+            repetition_penalty: 1.3,
+            ..greedy.clone()
+        },
+        SamplingParams {
+            logit_bias: vec![(3, 2.5)],
+            ..greedy.clone()
+        },
+        SamplingParams {
+            min_new_tokens: 3,
+            stop_token_ids: vec![prompts[4][0]],
+            ..greedy.clone()
+        },
+        SamplingParams {
+            top_logprobs: 2,
+            ..greedy
+        },
+    ];
+    let mut reqs: Vec<GenerateRequest> = prompts
+        .iter()
+        .zip(variants)
+        .map(|(p, s)| GenerateRequest::new(p.clone(), s))
+        .collect();
+    reqs.push(GenerateRequest::new(
+        prompts[0].clone(),
+        SamplingParams {
+            temperature: 1.0,
+            max_new_tokens: 8,
+            seed: 77,
+            ..SamplingParams::default()
+        },
+    ));
+    let want = cpu.generate(reqs.clone()).expect("cpu");
+    let got = dev.generate(reqs).expect("device");
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_same(&format!("request {i}"), g, w, LOGPROB_TOL);
+        let tops = |r: &GenerateResult| -> Vec<u32> {
+            r.output_top_logprobs
+                .iter()
+                .flatten()
+                .map(|e| e.0)
+                .collect()
+        };
+        assert_eq!(tops(g), tops(w), "request {i}: top log-prob ids");
+        assert_eq!(
+            g.output_top_logprobs.len(),
+            if i == 5 { g.output_ids.len() } else { 0 },
+            "request {i}: top log-probs per token"
+        );
+    }
+}
+
 #[test]
 fn a_batch_of_different_lengths_equals_one_at_a_time() {
     let cfg = tiny_config("qwen3_moe");

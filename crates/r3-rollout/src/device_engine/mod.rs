@@ -13,8 +13,10 @@
 //! padding for every remaining row are dropped from the front ([`KvCache::drop_front`]).
 //! Padding is masked and every sequence keeps its own RoPE positions, so a request's tokens,
 //! log-probs and routes do not depend on when it was admitted or beside whom.
-//! Per step one `[batch, vocab]` logits tensor is copied to the host,
-//! where the CPU engine's sampler picks each sequence's token with its own seeded stream.
+//! Per step the rows of logits the sampler needs are copied to the host, where the CPU
+//! engine's sampler picks each sequence's token with its own seeded stream; a row whose
+//! sampling is plain greedy (no penalty, bias, minimum length or top log-probs this step)
+//! stays on the device, which reduces it to its argmax and log-sum-exp (`greedy.rs`).
 //! Routes are the experts r3-model's router chose at every fed position (the MoE layers
 //! dispatch from host ids, so capture copies nothing from the device), one row per position
 //! of prompt + output except the last token, which is never fed.
@@ -37,6 +39,7 @@
 mod admission;
 pub mod batch;
 pub mod choice;
+mod greedy;
 pub mod memory;
 pub mod prefix;
 mod weights;
@@ -45,14 +48,16 @@ use std::collections::VecDeque;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
 use r3_model::model::decode::{KvCache, Step};
 use r3_model::{check_map_holds, Config, DeviceSpec, LoadOptions, Model};
 use rand_chacha::ChaCha8Rng;
 
 use crate::dtype::{Dtype, RouterDtype};
 use crate::engine::config_eos_ids;
-use crate::engine::next_token::{sample_slots, NextTokenSlot};
+use crate::engine::next_token::{
+    greedy_pick_suffices, sample_slots, NextTokenLogits, NextTokenSlot,
+};
 use crate::engine::sequence::{ResumeState, RouteGeometry};
 use crate::error::RolloutError;
 use crate::kernels::ops::log_softmax_at;
@@ -63,6 +68,7 @@ use crate::request::{
 };
 use crate::sampler::top_logprobs;
 use batch::{capture_routes, decode_layout, gap_order, prefill_layout, Row};
+use greedy::greedy_picks;
 use prefix::DeviceBlock;
 use weights::{build_model, check_budgets_fit};
 
@@ -435,11 +441,43 @@ impl DeviceEngine {
             }
             batch.prefilled = true;
         }
-        // One copy of the step's logits to the host.
+        // Rows that need only their greedy pick get it reduced on the device; the others'
+        // rows of logits are copied to the host, where the CPU engine's sampler reads them.
         let waiting = Instant::now();
-        let logits = out.logits.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
+        let greedy: Vec<bool> = batch
+            .rows
+            .iter()
+            .map(|r| {
+                !all_logits
+                    && greedy_pick_suffices(&r.request.sampling, r.tokens.len() - r.prompt_len)
+            })
+            .collect();
+        let picks = if greedy.contains(&true) {
+            // Sampling reads each row's last slot (the only one without prompt log-probs).
+            let (rows, slots, vocab) = out.logits.dims3()?;
+            let last = out.logits.narrow(1, slots.saturating_sub(1), 1)?;
+            greedy_picks(&last.reshape((rows, vocab))?)?
+        } else {
+            None
+        };
+        // With no picks (none asked, or a row not finite) every row is copied.
+        let copied: Vec<u32> = (0..batch.rows.len() as u32)
+            .filter(|&i| picks.is_none() || !greedy[i as usize])
+            .collect();
+        let mut logits = if copied.is_empty() {
+            Vec::new()
+        } else {
+            let rows = if copied.len() == batch.rows.len() {
+                out.logits
+            } else {
+                let ids = Tensor::new(copied.as_slice(), out.logits.device())?;
+                out.logits.index_select(&ids, 0)?
+            };
+            rows.to_dtype(DType::F32)?
+                .to_device(&Device::Cpu)?
+                .to_vec3::<f32>()?
+        };
         self.device_wait += waiting.elapsed();
-        let mut logits = logits.to_vec3::<f32>()?;
         if all_logits {
             for (row, rows) in batch.rows.iter_mut().zip(&mut logits) {
                 row.prompt_logprobs = prompt_logprobs(row, rows, first);
@@ -448,11 +486,19 @@ impl DeviceEngine {
             }
         }
         let max_pos = self.model_cfg.max_position_embeddings;
-        let mut slots: Vec<NextTokenSlot<'_>> = batch
-            .rows
-            .iter_mut()
-            .zip(logits.iter().flatten())
-            .map(|(row, logits)| NextTokenSlot {
+        // The copied rows in batch order: one for each row without a pick.
+        let copied_rows: Vec<&[f32]> = logits.iter().flatten().map(Vec::as_slice).collect();
+        let mut next_copied = 0;
+        let mut slots: Vec<NextTokenSlot<'_>> = Vec::with_capacity(batch.rows.len());
+        for (i, row) in batch.rows.iter_mut().enumerate() {
+            let logits = match picks.as_ref().filter(|_| greedy[i]) {
+                Some(picks) => NextTokenLogits::Greedy(picks[i]),
+                None => {
+                    next_copied += 1;
+                    NextTokenLogits::Row(copied_rows[next_copied - 1])
+                }
+            };
+            slots.push(NextTokenSlot {
                 logits,
                 params: &row.request.sampling,
                 prompt_len: row.prompt_len,
@@ -461,8 +507,8 @@ impl DeviceEngine {
                 logprobs: &mut row.logprobs,
                 top_logprobs: &mut row.top_logprobs,
                 finish: &mut row.finish,
-            })
-            .collect();
+            });
+        }
         sample_slots(&mut slots, max_pos);
         Ok(())
     }

@@ -14,8 +14,8 @@ use crate::sampler::{sample, top_logprobs, SampleScratch, SamplingParams};
 /// One running sequence's sampling state for a step, borrowed from either engine's own
 /// bookkeeping: what [`sample_slots`] reads and appends to.
 pub struct NextTokenSlot<'a> {
-    /// The sequence's row of logits for this step.
-    pub logits: &'a [f32],
+    /// The sequence's row of logits for this step, or its greedy pick made where they live.
+    pub logits: NextTokenLogits<'a>,
     /// The request's sampling parameters.
     pub params: &'a SamplingParams,
     /// Prompt tokens at the front of `tokens`.
@@ -32,6 +32,35 @@ pub struct NextTokenSlot<'a> {
     pub finish: &'a mut Option<FinishReason>,
 }
 
+/// What a slot's next token is chosen from.
+#[derive(Debug, Clone, Copy)]
+pub enum NextTokenLogits<'a> {
+    /// The sequence's whole row of logits.
+    Row(&'a [f32]),
+    /// The row's greedy pick, reduced where the logits live (only for a slot whose
+    /// sampling [`greedy_pick_suffices`] says needs nothing else of the row).
+    Greedy(GreedyPick),
+}
+
+/// A next token decided from the raw logits alone: their argmax (the first index of the
+/// largest value) and its log-prob under the raw distribution.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GreedyPick {
+    /// The first index of the row's largest logit.
+    pub token: u32,
+    /// `log softmax(row)[token]`.
+    pub logprob: f32,
+}
+
+/// Whether a sequence with `generated` output tokens so far needs only its row's greedy
+/// pick: greedy sampling ([`sample`]'s argmax branch: temperature 0 or top-k 1), no
+/// penalty, bias or minimum length adjusting the logits this step, no top log-probs.
+pub fn greedy_pick_suffices(params: &SamplingParams, generated: usize) -> bool {
+    (params.temperature == 0.0 || params.top_k == 1)
+        && !params.adjusts_logits(generated)
+        && params.top_logprobs == 0
+}
+
 /// Samples every slot's next token, in parallel over the slots: each draws from its own
 /// seeded stream, so the tokens do not depend on the number of threads or the order. The
 /// host's share of a decode step at large batches is mostly this (a log-softmax over the
@@ -40,19 +69,27 @@ pub fn sample_slots(slots: &mut [NextTokenSlot<'_>], max_positions: usize) {
     slots.par_iter_mut().for_each_init(
         || (SampleScratch::default(), Vec::new()),
         |(scratch, adjusted), slot| {
-            let (tok, lp) = sample_next(
-                slot.logits,
-                slot.params,
-                slot.tokens,
-                slot.prompt_len,
-                slot.rng,
-                scratch,
-                adjusted,
-            );
-            if slot.params.top_logprobs > 0 {
-                slot.top_logprobs
-                    .push(top_logprobs(slot.logits, slot.params.top_logprobs));
-            }
+            let (tok, lp) = match slot.logits {
+                NextTokenLogits::Row(logits) => {
+                    let picked = sample_next(
+                        logits,
+                        slot.params,
+                        slot.tokens,
+                        slot.prompt_len,
+                        slot.rng,
+                        scratch,
+                        adjusted,
+                    );
+                    if slot.params.top_logprobs > 0 {
+                        slot.top_logprobs
+                            .push(top_logprobs(logits, slot.params.top_logprobs));
+                    }
+                    picked
+                }
+                // The argmax branch draws nothing from the stream, so skipping it leaves the
+                // stream where sampling the row would have.
+                NextTokenLogits::Greedy(pick) => (pick.token, pick.logprob),
+            };
             slot.tokens.push(tok);
             slot.logprobs.push(lp);
             *slot.finish = finish_after(

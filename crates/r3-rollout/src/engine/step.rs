@@ -3,7 +3,7 @@
 //! of every decoding sequence plus prefill chunks, then sample, record routes and retire
 //! finished sequences.
 
-use super::next_token::{sample_slots, NextTokenSlot};
+use super::next_token::{sample_slots, NextTokenLogits, NextTokenSlot};
 use super::prefix::{attach_cached_prefix, insert_sequence};
 use super::sequence::Sequence;
 use super::Engine;
@@ -233,7 +233,7 @@ impl Engine {
             .map(|(k, seq)| {
                 let seq = &mut **seq;
                 NextTokenSlot {
-                    logits: &out.logits[*k * vocab..(*k + 1) * vocab],
+                    logits: NextTokenLogits::Row(&out.logits[*k * vocab..(*k + 1) * vocab]),
                     params: &seq.request.sampling,
                     prompt_len: seq.prompt_len,
                     tokens: &mut seq.tokens,
