@@ -100,6 +100,10 @@ for line in sys.stdin:
     cp "$exe" "$out/bin/$crate-$test"
 done
 
+# The 16-bit GEMM experiment (check.sh step 7): how bf16 training could call cuBLAS.
+cargo build --release --locked -p r3-model --features cuda --example gemm16_modes
+cp "$CARGO_TARGET_DIR/release/examples/gemm16_modes" "$out/bin/r3-model-gemm16_modes"
+
 # Symbols are not needed on the GPU machine, and what travels there is limited (64 MiB).
 strip "$out/bin/"* 2>/dev/null || true
 

@@ -35,6 +35,7 @@
 # 6. Only with --steps 6: Nsight Systems' CUDA API table of one mid bf16 training step (where
 #    the host's time between kernels goes: launches, allocations, cudarc's per-argument
 #    event records and waits, the routing's device-to-host copies).
+# 7. Only with --steps 7: the 16-bit GEMM experiment (`gemm16_modes`, below).
 # Ends with one summary line.
 set -uo pipefail
 
@@ -353,6 +354,24 @@ else
     verdict nsys "skipped(no nsys on PATH)"
 fi
 echo "   nsys took $(( $(date +%s) - t0 )) s"
+fi
+
+# 7. (asked for by --steps 7 only) How bf16 training's GEMMs could call cuBLAS: the
+#    `gemm16_modes` example times r3's cast-then-bf16-GEMM against a weight already held in
+#    bf16, cuBLAS's FAST_16BF compute on the f32 operands and plain f32 (30B-A3B expert and mid
+#    dense shapes), and finds how FAST_16BF rounds an f32 operand (it can replace the casts
+#    only if it rounds to nearest-even, as r3 does).
+if wants 7; then
+t0=$(date +%s)
+if [ -x "$bin/r3-model-gemm16_modes" ]; then
+    timeout "$(limit 90)" "$bin/r3-model-gemm16_modes" > "$work/gemm16.txt" 2>&1
+    rc=$?
+    cat "$work/gemm16.txt"
+    verdict gemm16 "$([ $rc = 0 ] && grep -o 'fast16bf_rounding=[a-z-]*' "$work/gemm16.txt" || echo "FAIL($rc)")"
+else
+    verdict gemm16 "skipped(no gpu/bin/r3-model-gemm16_modes: rebuild with scripts/cuda/build.sh)"
+fi
+echo "   gemm16 took $(( $(date +%s) - t0 )) s"
 fi
 
 pack_logs
