@@ -9,6 +9,7 @@ mod cuda;
 pub mod device;
 pub mod error;
 mod host;
+pub mod host_staging;
 pub mod layers;
 pub mod math;
 pub mod model;
@@ -30,6 +31,7 @@ pub use config::{
 };
 pub use device::{DeviceError, DeviceSpec};
 pub use error::{ModelError, Result};
+pub use host_staging::HostStaging;
 pub use model::{Batch, ForwardOutput, Model};
 pub use precision::Precision;
 pub use router::Router;

@@ -362,6 +362,45 @@ mod cuda {
         }
     }
 
+    /// Copies from the GPU through page-locked memory read back the tensor's values: sizes
+    /// growing past the buffer and shrinking back, a strided view, a bf16 tensor, and a copy
+    /// queued right behind the kernel that writes its values.
+    #[test]
+    fn host_staging_copies_gpu_tensors_exactly() {
+        let device = gpu();
+        let mut staging = r3_model::HostStaging::new();
+        for (rows, cols) in [(2usize, 5usize), (64, 1000), (300, 3001), (3, 7)] {
+            let values: Vec<f32> = (0..rows * cols)
+                .map(|i| ((i * 7919) % 1000) as f32 / 7.0 - 50.0)
+                .collect();
+            let t = Tensor::from_vec(values.clone(), (rows, cols), &device).expect("t");
+            assert_eq!(staging.copy_f32(&t).expect("copy"), values.as_slice());
+            // Written by a kernel just queued: the copy waits for it.
+            let doubled = (&t * 2.0).expect("double");
+            let want: Vec<f32> = values.iter().map(|v| v * 2.0).collect();
+            assert_eq!(staging.copy_f32(&doubled).expect("after"), want.as_slice());
+            let strided = t.t().expect("transpose");
+            let want: Vec<f32> = strided
+                .to_device(&Device::Cpu)
+                .and_then(|s| s.contiguous())
+                .and_then(|s| s.flatten_all())
+                .and_then(|s| s.to_vec1())
+                .expect("want");
+            assert_eq!(
+                staging.copy_f32(&strided).expect("strided"),
+                want.as_slice()
+            );
+            let half = t.to_dtype(DType::BF16).expect("bf16");
+            let want: Vec<f32> = half
+                .to_device(&Device::Cpu)
+                .and_then(|s| s.to_dtype(DType::F32))
+                .and_then(|s| s.flatten_all())
+                .and_then(|s| s.to_vec1())
+                .expect("widened");
+            assert_eq!(staging.copy_f32(&half).expect("bf16"), want.as_slice());
+        }
+    }
+
     /// An opened GPU gives its buffers no use-tracking events (the device is opened with
     /// them off), and a whole forward and backward leaves its context on one stream per
     /// thread: the condition under which cudarc would never have used those events.

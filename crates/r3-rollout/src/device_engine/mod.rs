@@ -48,9 +48,9 @@ use std::collections::VecDeque;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use r3_model::model::decode::{KvCache, Step};
-use r3_model::{check_map_holds, Config, DeviceSpec, LoadOptions, Model};
+use r3_model::{check_map_holds, Config, DeviceSpec, HostStaging, LoadOptions, Model};
 use rand_chacha::ChaCha8Rng;
 
 use crate::dtype::{Dtype, RouterDtype};
@@ -179,6 +179,8 @@ pub struct DeviceEngine {
     /// Wall time the host waited for the device: each MoE layer's router logits and each
     /// step's logits (the queued work before a copy, then the copy).
     device_wait: Duration,
+    /// Where each step's copied rows of logits land on the host (page-locked on a GPU).
+    staging: HostStaging,
     /// Results of a step whose later part failed, handed out by the next step.
     finished: Vec<GenerateResult>,
 }
@@ -246,6 +248,7 @@ impl DeviceEngine {
             cache,
             capture_time: Duration::ZERO,
             device_wait: Duration::ZERO,
+            staging: HostStaging::new(),
             finished: Vec::new(),
         })
     }
@@ -464,38 +467,39 @@ impl DeviceEngine {
         let copied: Vec<u32> = (0..batch.rows.len() as u32)
             .filter(|&i| picks.is_none() || !greedy[i as usize])
             .collect();
-        let mut logits = if copied.is_empty() {
-            Vec::new()
+        let (slots_per_row, vocab) = (out.logits.dim(1)?, out.logits.dim(2)?);
+        // The copied rows, `[copied, slots_per_row, vocab]` row-major, in batch order.
+        let copied_logits: &[f32] = if copied.is_empty() {
+            &[]
+        } else if copied.len() == batch.rows.len() {
+            self.staging.copy_f32(&out.logits)?
         } else {
-            let rows = if copied.len() == batch.rows.len() {
-                out.logits
-            } else {
-                let ids = Tensor::new(copied.as_slice(), out.logits.device())?;
-                out.logits.index_select(&ids, 0)?
-            };
-            rows.to_dtype(DType::F32)?
-                .to_device(&Device::Cpu)?
-                .to_vec3::<f32>()?
+            let ids = Tensor::new(copied.as_slice(), out.logits.device())?;
+            self.staging.copy_f32(&out.logits.index_select(&ids, 0)?)?
         };
         self.device_wait += waiting.elapsed();
+        let row_span = slots_per_row * vocab;
         if all_logits {
-            for (row, rows) in batch.rows.iter_mut().zip(&mut logits) {
-                row.prompt_logprobs = prompt_logprobs(row, rows, first);
-                // Sampling reads the last slot's row.
-                rows.drain(..rows.len() - 1);
+            // Every row was copied (none is reduced when prompt log-probs are asked for).
+            for (row, rows) in batch
+                .rows
+                .iter_mut()
+                .zip(copied_logits.chunks_exact(row_span.max(1)))
+            {
+                row.prompt_logprobs = prompt_logprobs(row, rows, vocab, first);
             }
         }
         let max_pos = self.model_cfg.max_position_embeddings;
-        // The copied rows in batch order: one for each row without a pick.
-        let copied_rows: Vec<&[f32]> = logits.iter().flatten().map(Vec::as_slice).collect();
         let mut next_copied = 0;
         let mut slots: Vec<NextTokenSlot<'_>> = Vec::with_capacity(batch.rows.len());
         for (i, row) in batch.rows.iter_mut().enumerate() {
             let logits = match picks.as_ref().filter(|_| greedy[i]) {
                 Some(picks) => NextTokenLogits::Greedy(picks[i]),
                 None => {
+                    // Sampling reads the row's last slot.
+                    let last = next_copied * row_span + row_span - vocab;
                     next_copied += 1;
-                    NextTokenLogits::Row(copied_rows[next_copied - 1])
+                    NextTokenLogits::Row(&copied_logits[last..last + vocab])
                 }
             };
             slots.push(NextTokenSlot {
@@ -684,11 +688,11 @@ fn trim(batch: &mut Running) -> Result<(), RolloutError> {
     Ok(())
 }
 
-/// The prompt log-probs `row` asked for, from its prefill logits `rows` (one per fed slot,
-/// the first fed slot being slot `first` of the batch): `log softmax(logits[p − 1])[token
+/// The prompt log-probs `row` asked for, from its prefill logits `rows` (`vocab` values per
+/// fed slot, row-major, the first fed slot being slot `first` of the batch): `log softmax(logits[p − 1])[token
 /// p]` for prompt positions after the first reported one (as the CPU engine reports them).
 /// The prefix cache serves none of those positions (`prefix::servable`), so each was fed.
-fn prompt_logprobs(row: &Row, rows: &[Vec<f32>], first: usize) -> Option<PromptLogprobs> {
+fn prompt_logprobs(row: &Row, rows: &[f32], vocab: usize, first: usize) -> Option<PromptLogprobs> {
     let from = row.request.sampling.prompt_logprobs_from?;
     let end = row.prompt_logprobs_end();
     let start = from.min(end.saturating_sub(1));
@@ -698,7 +702,8 @@ fn prompt_logprobs(row: &Row, rows: &[Vec<f32>], first: usize) -> Option<PromptL
         ..PromptLogprobs::default()
     };
     for p in start..end.saturating_sub(1) {
-        let logits = &rows[row.pad + p - first];
+        let slot = row.pad + p - first;
+        let logits = &rows[slot * vocab..(slot + 1) * vocab];
         out.logprobs
             .push(log_softmax_at(logits, row.tokens[p + 1] as usize));
         if top > 0 {

@@ -1,0 +1,164 @@
+//! A reusable host buffer that a device tensor's values are copied into for reading on the
+//! host (the device rollout engine's rows of logits, each step).
+//!
+//! On a GPU the buffer is page-locked memory: a copy into ordinary (pageable) memory is
+//! staged by the driver through a bounce buffer of its own, at a fraction of the link's
+//! speed, where a copy into page-locked memory is one DMA. The buffer is allocated once and
+//! grown when a copy needs more, so a step pays no allocation. On the CPU the values are
+//! read into an ordinary vector.
+
+use candle_core::{DType, Tensor};
+
+use crate::error::Result;
+
+/// Host memory that tensors' f32 values are copied into, reused copy after copy.
+#[derive(Default)]
+pub struct HostStaging {
+    /// Page-locked memory for copies from a GPU (allocated on first use, grown as needed).
+    #[cfg(feature = "cuda")]
+    pinned: Option<candle_core::cuda_backend::cudarc::driver::PinnedHostSlice<f32>>,
+    /// The values of a copy from the CPU.
+    host: Vec<f32>,
+}
+
+impl std::fmt::Debug for HostStaging {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostStaging")
+            .field("host_len", &self.host.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl HostStaging {
+    /// An empty staging buffer.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The values of `t` as f32 in row-major order (cast first if `t` is another dtype),
+    /// copied to the host and waited for; the slice is valid until the next copy.
+    pub fn copy_f32(&mut self, t: &Tensor) -> Result<&[f32]> {
+        let t = t.to_dtype(DType::F32)?.contiguous()?;
+        #[cfg(feature = "cuda")]
+        if let candle_core::Device::Cuda(gpu) = t.device() {
+            let n = t.elem_count();
+            let pinned = pinned_of_len(&mut self.pinned, gpu, n)?;
+            return copy_into_pinned(&t, gpu, pinned, n);
+        }
+        self.host = t.flatten_all()?.to_vec1::<f32>()?;
+        Ok(&self.host)
+    }
+}
+
+/// The page-locked buffer in `slot`, reallocated when it holds fewer than `n` values (to
+/// `n` with a quarter to spare, so a batch growing a few rows at a time does not reallocate
+/// at every step).
+#[cfg(feature = "cuda")]
+fn pinned_of_len<'a>(
+    slot: &'a mut Option<candle_core::cuda_backend::cudarc::driver::PinnedHostSlice<f32>>,
+    gpu: &candle_core::CudaDevice,
+    n: usize,
+) -> Result<&'a mut candle_core::cuda_backend::cudarc::driver::PinnedHostSlice<f32>> {
+    use crate::error::ModelError;
+    if slot.as_ref().is_none_or(|p| p.len() < n.max(1)) {
+        // Free the old buffer before taking a bigger one.
+        *slot = None;
+        let len = n.max(1).saturating_add(n / 4);
+        // SAFETY: the values are unset until a copy writes them, and only the `n` a copy
+        // wrote are read. No flags: cudarc's default (`alloc_pinned`) is write-combined
+        // memory, fast for the device to read but uncached for the host, which reads these.
+        let buffer = unsafe {
+            gpu.cuda_stream()
+                .context()
+                .alloc_pinned_with_flags::<f32>(len, 0)
+        }
+        .map_err(|e| {
+            ModelError::Input(format!(
+                "cannot allocate {len} f32 of page-locked host memory: {e}"
+            ))
+        })?;
+        *slot = Some(buffer);
+    }
+    slot.as_mut().ok_or_else(|| {
+        ModelError::Input("page-locked host buffer missing after its allocation".into())
+    })
+}
+
+/// Copies the `n` values of the contiguous f32 GPU tensor `t` into `pinned` and waits for
+/// the copy: the slice it returns holds them.
+#[cfg(feature = "cuda")]
+fn copy_into_pinned<'a>(
+    t: &Tensor,
+    gpu: &candle_core::CudaDevice,
+    pinned: &'a mut candle_core::cuda_backend::cudarc::driver::PinnedHostSlice<f32>,
+    n: usize,
+) -> Result<&'a [f32]> {
+    use crate::error::ModelError;
+    use candle_core::backend::BackendStorage;
+    let failed = |what: &str, e: String| ModelError::Input(format!("{what}: {e}"));
+    let stream = gpu.cuda_stream();
+    {
+        let (storage, layout) = t.storage_and_layout();
+        let candle_core::Storage::Cuda(cuda) = &*storage else {
+            return Err(ModelError::Input("a GPU tensor without GPU storage".into()));
+        };
+        let (start, end) = layout
+            .contiguous_offsets()
+            .ok_or_else(|| ModelError::Input("copy of a strided tensor".into()))?;
+        if end - start != n || cuda.dtype() != DType::F32 {
+            return Err(ModelError::Input(format!(
+                "copy of {} values as {n} f32",
+                end - start
+            )));
+        }
+        let slice = cuda.as_cuda_slice::<f32>()?;
+        let view = slice.slice(start..end);
+        stream
+            .memcpy_dtoh(&view, pinned)
+            .map_err(|e| failed("copy to page-locked memory", e.to_string()))?;
+    }
+    // The copy is asynchronous, and the buffer's own event is recorded only when cudarc
+    // manages several streams (it does not here), so wait for the stream itself.
+    stream
+        .synchronize()
+        .map_err(|e| failed("waiting for the copy", e.to_string()))?;
+    let all = pinned
+        .as_slice()
+        .map_err(|e| failed("reading page-locked memory", e.to_string()))?;
+    Ok(&all[..n])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// Copies of tensors of several shapes and dtypes read back their values, one copy after
+    /// another through the same buffer (a larger one after a smaller, a strided one).
+    #[test]
+    fn copies_read_back_the_values() {
+        let mut staging = HostStaging::new();
+        for (rows, cols) in [(3usize, 5usize), (1, 1), (7, 11), (2, 4)] {
+            let values: Vec<f32> = (0..rows * cols).map(|i| i as f32 * 0.25 - 3.0).collect();
+            let t = Tensor::from_vec(values.clone(), (rows, cols), &Device::Cpu).expect("t");
+            assert_eq!(staging.copy_f32(&t).expect("copy"), values.as_slice());
+            let strided = t.t().expect("transpose");
+            let want: Vec<f32> = strided
+                .contiguous()
+                .and_then(|s| s.flatten_all())
+                .and_then(|s| s.to_vec1())
+                .expect("want");
+            assert_eq!(
+                staging.copy_f32(&strided).expect("strided"),
+                want.as_slice()
+            );
+            let half = t.to_dtype(DType::BF16).expect("bf16");
+            let widened: Vec<f32> = half
+                .to_dtype(DType::F32)
+                .and_then(|s| s.flatten_all())
+                .and_then(|s| s.to_vec1())
+                .expect("widened");
+            assert_eq!(staging.copy_f32(&half).expect("bf16"), widened.as_slice());
+        }
+    }
+}
