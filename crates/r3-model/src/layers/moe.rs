@@ -130,6 +130,26 @@ impl MoeBlock {
         super::linear::matmul_wt_at(p, x, &self.gate_weight)
     }
 
+    /// The gates `[n, k]` of the rows' chosen `ids` (`n · k`) from their router logits
+    /// `host` (`n · E`, on the host), by [`Router::weigh_row`], rows side by side.
+    fn host_gates(
+        &self,
+        host: &[f32],
+        ids: &[u32],
+        device: &candle_core::Device,
+    ) -> Result<Tensor> {
+        let (e, k) = (self.router.num_experts.max(1), self.router.top_k.max(1));
+        let n = ids.len() / k;
+        let mut gates = vec![0f32; n * k];
+        gates
+            .par_chunks_mut(k)
+            .zip(ids.par_chunks(k))
+            .zip(host.par_chunks(e))
+            .with_min_len(OVERRIDE_ROWS_PER_TASK)
+            .try_for_each(|((out, ids), logits)| self.router.weigh_row(logits, ids, out))?;
+        Ok(Tensor::from_vec(gates, (n, k), device)?)
+    }
+
     /// Runs the block on `x` `[B·T, H]` with its own routing of `rows` (the Native mode;
     /// `r3 bench train --parts` times a block alone with it).
     pub fn forward_native(&self, x: &Tensor, rows: &RoutedRows) -> Result<MoeOutput> {
@@ -189,8 +209,17 @@ impl MoeBlock {
                 .sum();
             replay_time = started.elapsed();
         }
-        let ids_tensor = Tensor::from_vec(ids.clone(), (n, k), x.device())?;
-        let gates = self.router.weigh(&logits, &ids_tensor)?;
+        let gates = if logits.track_op() {
+            let ids_tensor = Tensor::from_vec(ids.clone(), (n, k), x.device())?;
+            self.router.weigh(&logits, &ids_tensor)?
+        } else {
+            // Nothing differentiates through the gates (inference), and the host holds the
+            // logits already: the gates by the row form the CPU rollout engine weighs with,
+            // one upload instead of the ids' upload and four kernels (softmax, gather, sum,
+            // divide) on a GPU.
+            self.host_gates(&host, &ids, x.device())?
+                .to_dtype(logits.dtype())?
+        };
 
         let dispatch = Dispatch::new(&ids, k, e)?;
         // The replay proof compares the tables with `ids`; that the experts ran exactly
