@@ -689,8 +689,9 @@ fn trim(batch: &mut Running) -> Result<(), RolloutError> {
 }
 
 /// The prompt log-probs `row` asked for, from its prefill logits `rows` (`vocab` values per
-/// fed slot, row-major, the first fed slot being slot `first` of the batch): `log softmax(logits[p − 1])[token
-/// p]` for prompt positions after the first reported one (as the CPU engine reports them).
+/// fed slot, row-major, the first fed slot being slot `first` of the batch):
+/// `log softmax(logits[p − 1])[token p]` for prompt positions after the first reported one
+/// (as the CPU engine reports them).
 /// The prefix cache serves none of those positions (`prefix::servable`), so each was fed.
 fn prompt_logprobs(row: &Row, rows: &[f32], vocab: usize, first: usize) -> Option<PromptLogprobs> {
     let from = row.request.sampling.prompt_logprobs_from?;
