@@ -167,7 +167,9 @@ fn candidates(v: f32) -> [f32; 3] {
 /// How `CUBLAS_COMPUTE_32F_FAST_16BF` converts f32 operands: counts of outputs matching each
 /// rule, over random values and exact ties.
 fn rounding_rule(gpu: &candle_core::CudaDevice, device: &Device) -> Result<[usize; 4], Error> {
-    let (m, k) = (4096usize, 16usize);
+    // 64 output columns and 64 reduction steps: a shape cuBLAS runs on tensor cores (a
+    // one-column product may take a GEMV path that converts nothing).
+    let (m, n, k) = (4096usize, 64usize, 64usize);
     let mut state = 0x2545_f491_4f6c_dd1du64;
     let mut values = Vec::with_capacity(m);
     for i in 0..m {
@@ -183,15 +185,18 @@ fn rounding_rule(gpu: &candle_core::CudaDevice, device: &Device) -> Result<[usiz
         let sign = ((state >> 59) & 1) as u32;
         values.push(f32::from_bits(sign << 31 | exponent << 23 | mantissa));
     }
-    // x [1, m, k]: the values in column 0; w [1, 1, k]: a one in column 0.
+    // x [1, m, k]: the values in column 0; w [1, n, k]: every row a one in column 0, so
+    // every output of row i is x[i, 0] as converted, times one.
     let mut x = vec![0f32; m * k];
     for (i, v) in values.iter().enumerate() {
         x[i * k] = *v;
     }
-    let mut w = vec![0f32; k];
-    w[0] = 1.0;
+    let mut w = vec![0f32; n * k];
+    for j in 0..n {
+        w[j * k] = 1.0;
+    }
     let x = Tensor::from_vec(x, (1, m, k), device)?;
-    let w = Tensor::from_vec(w, (1, 1, k), device)?;
+    let w = Tensor::from_vec(w, (1, n, k), device)?;
     let got = batched(
         gpu,
         &x,
@@ -199,10 +204,15 @@ fn rounding_rule(gpu: &candle_core::CudaDevice, device: &Device) -> Result<[usiz
         DType::F32,
         sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF,
     )?
-    .flatten_all()?
-    .to_vec1::<f32>()?;
+    .squeeze(0)?
+    .to_vec2::<f32>()?;
     let mut counts = [0usize; 4];
-    for (v, g) in values.iter().zip(&got) {
+    for (v, row) in values.iter().zip(&got) {
+        // Every column holds the same product; one that differs is counted as no rule.
+        let g = &row[0];
+        if row.iter().any(|c| c.to_bits() != g.to_bits()) {
+            continue;
+        }
         let c = candidates(*v);
         for (rule, want) in c.iter().enumerate() {
             counts[rule] += usize::from(g.to_bits() == want.to_bits());
