@@ -13,6 +13,7 @@ pub mod host_staging;
 pub mod layers;
 pub mod math;
 pub mod model;
+pub mod optim_pass;
 pub mod precision;
 pub mod presets;
 pub mod round16;

@@ -105,6 +105,54 @@ fn adamw_run(device: &Device) -> Vec<Vec<f32>> {
     after
 }
 
+/// The optimiser alone on `device`: three AdamW steps of three variables (one large enough
+/// for many blocks of a GPU kernel; weight decay on two; a fixed gradient-clip factor on the
+/// last step) on gradients that are exact on every device (`∇ Σ θ ⊙ C = C`), no global norm
+/// (whose sum order differs by device). Returns every variable and moment after the steps.
+fn adamw_alone(device: &Device) -> Vec<Vec<f32>> {
+    let shapes: [&[usize]; 3] = [&[300, 701], &[16], &[33, 5]];
+    let vars: Vec<(String, Var)> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let t = seeded(s, 40 + i as u64)
+                .to_device(device)
+                .expect("to device");
+            (format!("w{i}"), Var::from_tensor(&t).expect("var"))
+        })
+        .collect();
+    let params = AdamWParams {
+        weight_decay: 0.05,
+        ..AdamWParams::default()
+    };
+    let mut opt = AdamW::new(vars.clone(), params, |name, _| name != "w1").expect("adamw");
+    for step in 0..3u64 {
+        let mut loss = Tensor::zeros((), DType::F32, device).expect("zero");
+        for (i, (_, v)) in vars.iter().enumerate() {
+            let c = seeded(v.dims(), 50 + step * 5 + i as u64)
+                .to_device(device)
+                .expect("to device");
+            let term = (v.as_tensor() * c).and_then(|t| t.sum_all()).expect("term");
+            loss = (loss + term).expect("sum");
+        }
+        let grads = loss.backward().expect("backward");
+        let scale = (step == 2).then_some(0.37f32);
+        let outcome = opt.step_scaled(&grads, 3e-2, scale).expect("step");
+        assert_eq!(outcome, r3_train::AdamWStep::Applied, "step {step}");
+    }
+    let mut state: Vec<(String, Tensor)> = opt.state_tensors().into_iter().collect();
+    state.sort_by(|a, b| a.0.cmp(&b.0));
+    vars.iter()
+        .map(|(_, v)| values(v.as_tensor()))
+        .chain(state.iter().map(|(_, t)| values(t)))
+        .collect()
+}
+
+#[test]
+fn the_optimiser_alone_gives_the_same_bits_on_a_second_cpu_copy() {
+    assert_eq!(adamw_alone(&Device::Cpu), adamw_alone(&Device::Cpu));
+}
+
 /// The policy loaded on `device` stays there; the rollout engine's copy is on the CPU and
 /// equals the loaded weights; a forward + backward + update runs there. Returns the update's
 /// new values of every variable and the loss.
@@ -178,6 +226,31 @@ fn compare(device: &Device, adam_tol: f32, loss_tol: f32, weight_tol: f32) {
 #[test]
 fn a_second_cpu_copy_trains_to_the_same_bits() {
     compare(&Device::Cpu, 0.0, 0.0, 0.0);
+}
+
+/// The GPU's fused AdamW pass (`r3_adamw_f32`) is the CPU pass's arithmetic operation for
+/// operation: the same variables and moments, bit for bit.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_adamw_pass_equals_the_cpu_bit_for_bit() {
+    let gpu = r3_model::DeviceSpec::Cuda { ordinal: 0 }
+        .open()
+        .expect("a CUDA GPU (this test runs on the GPU machine)");
+    let (cpu, on_gpu) = (adamw_alone(&Device::Cpu), adamw_alone(&gpu));
+    for (i, (a, b)) in cpu.iter().zip(&on_gpu).enumerate() {
+        let differ = a
+            .iter()
+            .zip(b)
+            .filter(|(x, y)| x.to_bits() != y.to_bits())
+            .count();
+        assert_eq!(
+            differ,
+            0,
+            "tensor {i}: {differ} of {} values differ (largest by {})",
+            a.len(),
+            max_diff(a, b)
+        );
+    }
 }
 
 #[cfg(feature = "cuda")]

@@ -365,3 +365,51 @@ extern "C" __global__ void r3_swiglu_grad_f32(const float *h, const float *d, fl
         dh[at + half] = dd * silu_of(g);
     }
 }
+
+// One AdamW update of n f32 parameters: θ, g, m, v in, the staged θ', m', v' out (nothing
+// written to the inputs), and the largest |θ'|, |m'|, |v'| as bit patterns folded into
+// `maxima` [3] (which starts at zero): for non-negative floats the bit order is the numeric
+// order and a NaN or infinity sorts above every finite value, so the host reads finiteness
+// and the largest magnitude from one integer max each. Operation for operation the CPU pass
+// (r3-train `fused_optim.rs` `adamw_chunk`, itself candle's composed ops: `affine` is
+// x · mul + add with two roundings), each operation rounded on its own (no contraction into
+// fused multiply-adds), so the results are the CPU's bit for bit.
+extern "C" __global__ void r3_adamw_f32(const float *theta, const float *g, const float *m,
+                                        const float *v, float *theta_out, float *m_out,
+                                        float *v_out, uint32_t *maxima, size_t n,
+                                        float beta1, float one_minus_beta1, float beta2,
+                                        float one_minus_beta2, float inv_bc1, float inv_bc2,
+                                        float eps, float lr, float decay, float scale,
+                                        uint32_t use_decay, uint32_t use_scale) {
+    uint32_t tmax = 0, mmax = 0, vmax = 0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const float gi = use_scale ? __fadd_rn(__fmul_rn(g[i], scale), 0.0f) : g[i];
+        const float m1 = __fadd_rn(__fadd_rn(__fmul_rn(m[i], beta1), 0.0f),
+                                   __fadd_rn(__fmul_rn(gi, one_minus_beta1), 0.0f));
+        const float v1 = __fadd_rn(__fadd_rn(__fmul_rn(v[i], beta2), 0.0f),
+                                   __fadd_rn(__fmul_rn(__fmul_rn(gi, gi), one_minus_beta2), 0.0f));
+        const float m_hat = __fadd_rn(__fmul_rn(m1, inv_bc1), 0.0f);
+        const float denom =
+            __fadd_rn(__fmul_rn(__fsqrt_rn(__fadd_rn(__fmul_rn(v1, inv_bc2), 0.0f)), 1.0f), eps);
+        const float decayed = use_decay ? __fadd_rn(__fmul_rn(theta[i], decay), 0.0f) : theta[i];
+        const float updated =
+            __fsub_rn(decayed, __fadd_rn(__fmul_rn(__fdiv_rn(m_hat, denom), lr), 0.0f));
+        theta_out[i] = updated;
+        m_out[i] = m1;
+        v_out[i] = v1;
+        tmax = max(tmax, __float_as_uint(updated) & 0x7fffffffu);
+        mmax = max(mmax, __float_as_uint(m1) & 0x7fffffffu);
+        vmax = max(vmax, __float_as_uint(v1) & 0x7fffffffu);
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        tmax = max(tmax, __shfl_xor_sync(0xffffffffu, tmax, o));
+        mmax = max(mmax, __shfl_xor_sync(0xffffffffu, mmax, o));
+        vmax = max(vmax, __shfl_xor_sync(0xffffffffu, vmax, o));
+    }
+    if ((threadIdx.x & 31) == 0) {
+        atomicMax(&maxima[0], tmax);
+        atomicMax(&maxima[1], mmax);
+        atomicMax(&maxima[2], vmax);
+    }
+}

@@ -45,25 +45,9 @@ impl<'a> HostF32<'a> {
     }
 }
 
-/// AdamW's per-step constants, rounded to f32 exactly where candle's `affine` rounds them.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct AdamWConstants {
-    /// β1 and 1 − β1.
-    pub beta1: f32,
-    pub one_minus_beta1: f32,
-    /// β2 and 1 − β2.
-    pub beta2: f32,
-    pub one_minus_beta2: f32,
-    /// 1 / (1 − β1ᵗ) and 1 / (1 − β2ᵗ).
-    pub inv_bc1: f32,
-    pub inv_bc2: f32,
-    pub eps: f32,
-    pub lr: f32,
-    /// 1 − lr·wd for a decayed tensor, `None` for one left undecayed.
-    pub decay: Option<f32>,
-    /// The gradient-clip factor, `None` when the gradients are not clipped.
-    pub grad_scale: Option<f32>,
-}
+/// AdamW's per-step constants, rounded to f32 exactly where candle's `affine` rounds them:
+/// one definition for the CPU pass here and the GPU pass (`r3_model::optim_pass`).
+pub(crate) use r3_model::optim_pass::AdamWPassConstants as AdamWConstants;
 
 /// What the guard needs to know of one tensor's staged update.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -79,12 +63,24 @@ pub(crate) struct StagedChecks {
 }
 
 impl StagedChecks {
-    const ALL_GOOD: Self = Self {
+    /// Checks that pass (the identity of [`StagedChecks::and`]).
+    pub(crate) const ALL_GOOD: Self = Self {
         param_finite: true,
         m_finite: true,
         v_finite: true,
         max_abs: 0.0,
     };
+
+    /// The checks of an update from the bit patterns (sign cleared) of its largest |θ'|,
+    /// |m'| and |v'|: finite below the bits of +∞, and the largest |θ'| itself.
+    pub(crate) fn from_maxima([theta, m, v]: [u32; 3]) -> Self {
+        Self {
+            param_finite: theta < INF_BITS,
+            m_finite: m < INF_BITS,
+            v_finite: v < INF_BITS,
+            max_abs: f32::from_bits(theta),
+        }
+    }
 
     fn and(self, o: Self) -> Self {
         Self {
@@ -148,12 +144,7 @@ fn adamw_chunk<const DECAY: bool, const SCALE: bool>(
         m_max = m_max.max(m1.to_bits() & ABS_BITS);
         v_max = v_max.max(v1.to_bits() & ABS_BITS);
     }
-    StagedChecks {
-        param_finite: theta_max < INF_BITS,
-        m_finite: m_max < INF_BITS,
-        v_finite: v_max < INF_BITS,
-        max_abs: f32::from_bits(theta_max),
-    }
+    StagedChecks::from_maxima([theta_max, m_max, v_max])
 }
 
 /// [`adamw_chunk`] with its constants chosen.

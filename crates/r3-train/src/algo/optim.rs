@@ -21,6 +21,7 @@ use crate::algo::fused_optim::{
 use crate::error::{Result, TrainError};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
+use r3_model::optim_pass::{adamw_pass_on_device, StagedOnDevice};
 use r3_model::WeightPrecision;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -75,6 +76,8 @@ pub enum AdamWKernel {
 /// One slot's update, computed but not committed.
 enum Staged {
     Fused(StagedUpdate),
+    /// The fused pass on a GPU; its checks are read from the device once for all tensors.
+    OnDevice(StagedOnDevice, StagedChecks),
     Composed {
         m: Tensor,
         v: Tensor,
@@ -87,6 +90,7 @@ impl Staged {
     fn checks(&self) -> StagedChecks {
         match self {
             Staged::Fused(u) => u.checks,
+            Staged::OnDevice(_, checks) => *checks,
             Staged::Composed { checks, .. } => *checks,
         }
     }
@@ -284,7 +288,7 @@ impl AdamW {
                     HostF32::of(&slot.m)?,
                     HostF32::of(&slot.v)?,
                 );
-                let k = AdamWConstants::new(&self.params, t, lr, slot.decay, grad_scale);
+                let k = adamw_constants(&self.params, t, lr, slot.decay, grad_scale);
                 Some(adamw_pass(
                     &k,
                     [theta.slice(), g.slice(), m.slice(), v.slice()],
@@ -296,8 +300,20 @@ impl AdamW {
         for ((i, g), fused) in with_grads.into_iter().zip(fused) {
             let stage = match fused {
                 Some(update) => Staged::Fused(update),
-                None => self.composed(i, &g, t, lr, grad_scale)?,
+                None => match self.on_device(
+                    &self.slots[i],
+                    &g,
+                    &adamw_constants(&self.params, t, lr, self.slots[i].decay, grad_scale),
+                )? {
+                    Some(update) => Staged::OnDevice(update, StagedChecks::ALL_GOOD),
+                    None => self.composed(i, &g, t, lr, grad_scale)?,
+                },
             };
+            staged.push((i, stage));
+        }
+        read_device_checks(&mut staged)?;
+        for (i, stage) in &staged {
+            let i = *i;
             let checks = stage.checks();
             let name = &self.slots[i].name;
             for (what, ok) in [
@@ -320,7 +336,6 @@ impl AdamW {
                     precision: self.precision,
                 });
             }
-            staged.push((i, stage));
         }
         for (i, stage) in staged {
             let slot = &mut self.slots[i];
@@ -331,6 +346,11 @@ impl AdamW {
                     slot.m = Tensor::from_vec(m, &shape, &Device::Cpu)?;
                     slot.v = Tensor::from_vec(v, shape, &Device::Cpu)?;
                 }
+                Staged::OnDevice(StagedOnDevice { theta, m, v, .. }, _) => {
+                    slot.var.set(&theta)?;
+                    slot.m = m;
+                    slot.v = v;
+                }
                 Staged::Composed { m, v, new, .. } => {
                     slot.var.set(&new)?;
                     slot.m = m;
@@ -340,6 +360,26 @@ impl AdamW {
         }
         self.step = t;
         Ok(AdamWStep::Applied)
+    }
+
+    /// The fused pass of one slot's update on its GPU (`None` off a GPU, for a tensor that
+    /// is not f32, or when [`AdamWKernel::Composed`] is chosen).
+    fn on_device(
+        &self,
+        slot: &Slot,
+        g: &Tensor,
+        k: &AdamWConstants,
+    ) -> Result<Option<StagedOnDevice>> {
+        if self.kernel != AdamWKernel::Fused {
+            return Ok(None);
+        }
+        Ok(adamw_pass_on_device(
+            slot.var.as_tensor(),
+            g,
+            &slot.m,
+            &slot.v,
+            k,
+        )?)
     }
 
     /// The composed candle ops of one slot's update (any device), with their checks.
@@ -436,31 +476,58 @@ impl AdamW {
     }
 }
 
-/// The fused pass's constants are made here, beside the parameters they come from, so the
-/// pass (`fused_optim.rs`) does not depend back on this file.
-impl AdamWConstants {
-    /// The constants of step `t` (1-based) of `params` at learning rate `lr`; `decay` says
-    /// whether this tensor is decayed.
-    pub(crate) fn new(
-        params: &AdamWParams,
-        t: u64,
-        lr: f64,
-        decay: bool,
-        grad_scale: Option<f32>,
-    ) -> Self {
-        let (bc1, bc2) = params.bias_corrections(t);
-        Self {
-            beta1: params.beta1 as f32,
-            one_minus_beta1: (1.0 - params.beta1) as f32,
-            beta2: params.beta2 as f32,
-            one_minus_beta2: (1.0 - params.beta2) as f32,
-            inv_bc1: (1.0 / bc1) as f32,
-            inv_bc2: (1.0 / bc2) as f32,
-            eps: params.eps as f32,
-            lr: lr as f32,
-            decay: (decay && params.weight_decay != 0.0)
-                .then_some((1.0 - lr * params.weight_decay) as f32),
-            grad_scale,
+/// The checks of every update staged on a GPU, read from the devices in one copy (each
+/// tensor's three maxima side by side), in place of their placeholders.
+fn read_device_checks(staged: &mut [(usize, Staged)]) -> Result<()> {
+    let maxima: Vec<Tensor> = staged
+        .iter()
+        .filter_map(|(_, s)| match s {
+            Staged::OnDevice(u, _) => Some(u.maxima.clone()),
+            _ => None,
+        })
+        .collect();
+    if maxima.is_empty() {
+        return Ok(());
+    }
+    let bits = Tensor::cat(&maxima, 0)?.to_vec1::<u32>()?;
+    let mut read = bits.chunks_exact(3);
+    for (_, stage) in staged.iter_mut() {
+        if let Staged::OnDevice(_, checks) = stage {
+            match read.next() {
+                Some(&[t, m, v]) => *checks = StagedChecks::from_maxima([t, m, v]),
+                _ => {
+                    return Err(TrainError::Candle(candle_core::Error::Msg(
+                        "optimiser: fewer device checks read back than updates staged".into(),
+                    )))
+                }
+            }
         }
+    }
+    Ok(())
+}
+
+/// The fused passes' constants of step `t` (1-based) of `params` at learning rate `lr`;
+/// `decay` says whether this tensor is decayed. Made here, beside the parameters they come
+/// from, so the passes do not depend back on this file.
+fn adamw_constants(
+    params: &AdamWParams,
+    t: u64,
+    lr: f64,
+    decay: bool,
+    grad_scale: Option<f32>,
+) -> AdamWConstants {
+    let (bc1, bc2) = params.bias_corrections(t);
+    AdamWConstants {
+        beta1: params.beta1 as f32,
+        one_minus_beta1: (1.0 - params.beta1) as f32,
+        beta2: params.beta2 as f32,
+        one_minus_beta2: (1.0 - params.beta2) as f32,
+        inv_bc1: (1.0 / bc1) as f32,
+        inv_bc2: (1.0 / bc2) as f32,
+        eps: params.eps as f32,
+        lr: lr as f32,
+        decay: (decay && params.weight_decay != 0.0)
+            .then_some((1.0 - lr * params.weight_decay) as f32),
+        grad_scale,
     }
 }

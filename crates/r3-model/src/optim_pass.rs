@@ -1,0 +1,185 @@
+//! The GPU half of the training engine's fused AdamW pass: one kernel per parameter tensor
+//! (`r3_adamw_f32` in `cuda/kernels.cu`) reads θ, g, m, v once and writes the staged θ', m',
+//! v' and the largest |θ'|, |m'|, |v'| the guard checks, where candle's composed ops took
+//! about seventeen kernels and a host round trip for each of three or four checks per tensor.
+//! The CPU half, the guard and the commit are r3-train's (`algo/fused_optim.rs`,
+//! `algo/optim.rs`); the kernel is here because this crate builds r3's CUDA kernels. Its
+//! arithmetic is the CPU pass's operation for operation, so a GPU update equals a CPU update
+//! bit for bit.
+
+use candle_core::Tensor;
+
+use crate::error::Result;
+
+/// AdamW's constants for one tensor's pass, each rounded to f32 where candle's `affine`
+/// rounds it (r3-train makes them from its parameters and the step).
+#[derive(Debug, Clone, Copy)]
+pub struct AdamWPassConstants {
+    /// β1.
+    pub beta1: f32,
+    /// 1 − β1.
+    pub one_minus_beta1: f32,
+    /// β2.
+    pub beta2: f32,
+    /// 1 − β2.
+    pub one_minus_beta2: f32,
+    /// 1 / (1 − β1ᵗ).
+    pub inv_bc1: f32,
+    /// 1 / (1 − β2ᵗ).
+    pub inv_bc2: f32,
+    /// The denominator's epsilon.
+    pub eps: f32,
+    /// The learning rate.
+    pub lr: f32,
+    /// 1 − lr·wd for a decayed tensor, `None` for one left undecayed.
+    pub decay: Option<f32>,
+    /// The gradient-clip factor, `None` when the gradients are not clipped.
+    pub grad_scale: Option<f32>,
+}
+
+/// One tensor's update staged on its GPU: the new θ, m and v (nothing written to the
+/// variable or the old moments yet) and `maxima`, a `[3]` u32 device tensor of the bit
+/// patterns of the largest |θ'|, |m'| and |v'| (any at or above the bits of +∞ means a NaN
+/// or an infinity).
+#[derive(Debug)]
+pub struct StagedOnDevice {
+    /// θ'.
+    pub theta: Tensor,
+    /// m'.
+    pub m: Tensor,
+    /// v'.
+    pub v: Tensor,
+    /// The three maxima as bit patterns.
+    pub maxima: Tensor,
+}
+
+/// The fused pass over one tensor on a GPU: `None` where it does not apply (a tensor off a
+/// GPU or not f32, or the four of different lengths), and the caller composes candle's ops.
+#[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+pub fn adamw_pass_on_device(
+    theta: &Tensor,
+    g: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    k: &AdamWPassConstants,
+) -> Result<Option<StagedOnDevice>> {
+    #[cfg(feature = "cuda")]
+    {
+        let n = theta.elem_count();
+        let applies = [theta, g, m, v].iter().all(|t| {
+            t.device().is_cuda() && t.dtype() == candle_core::DType::F32 && t.elem_count() == n
+        }) && n > 0;
+        if applies {
+            return gpu::pass(theta, g, m, v, k).map(Some);
+        }
+    }
+    Ok(None)
+}
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+    use candle_core::cuda_backend::WrapErr;
+    use candle_core::op::BackpropOp;
+    use candle_core::{CudaStorage, Storage, Tensor};
+
+    use super::{AdamWPassConstants, StagedOnDevice};
+    use crate::cuda;
+    use crate::error::{ModelError, Result};
+
+    /// The launch: contiguous views of the four inputs, three fresh outputs, zeroed maxima.
+    pub(super) fn pass(
+        theta: &Tensor,
+        g: &Tensor,
+        m: &Tensor,
+        v: &Tensor,
+        k: &AdamWPassConstants,
+    ) -> Result<StagedOnDevice> {
+        let n = theta.elem_count();
+        let inputs = [theta, g, m, v].map(|t| t.contiguous());
+        let [theta_c, g_c, m_c, v_c] = inputs;
+        let (theta_c, g_c, m_c, v_c) = (theta_c?, g_c?, m_c?, v_c?);
+        let (st, lt) = theta_c.storage_and_layout();
+        let (sg, lg) = g_c.storage_and_layout();
+        let (sm, lm) = m_c.storage_and_layout();
+        let (sv, lv) = v_c.storage_and_layout();
+        let (Storage::Cuda(st), Storage::Cuda(sg), Storage::Cuda(sm), Storage::Cuda(sv)) =
+            (&*st, &*sg, &*sm, &*sv)
+        else {
+            return Err(ModelError::Input(
+                "the fused AdamW pass on a GPU got a tensor off the GPU".into(),
+            ));
+        };
+        let dev = cuda::device(st);
+        let (vt, vg, vm, vv) = (
+            cuda::view::<f32>(st, lt, "θ")?,
+            cuda::view::<f32>(sg, lg, "gradient")?,
+            cuda::view::<f32>(sm, lm, "first moment")?,
+            cuda::view::<f32>(sv, lv, "second moment")?,
+        );
+        // SAFETY: the kernel writes every element of the three outputs (its loop covers n).
+        let (theta_out, m_out, v_out) = unsafe {
+            (
+                dev.alloc::<f32>(n)?,
+                dev.alloc::<f32>(n)?,
+                dev.alloc::<f32>(n)?,
+            )
+        };
+        let maxima = dev.alloc_zeros::<u32>(3)?;
+        let (func, stream) = cuda::kernel(&dev, "r3_adamw_f32")?;
+        let (n64, decay, scale) = (
+            n as u64,
+            k.decay.unwrap_or(1.0),
+            k.grad_scale.unwrap_or(1.0),
+        );
+        let (use_decay, use_scale) = (
+            u32::from(k.decay.is_some()),
+            u32::from(k.grad_scale.is_some()),
+        );
+        let mut launch = stream.launch_builder(&func);
+        launch
+            .arg(&vt)
+            .arg(&vg)
+            .arg(&vm)
+            .arg(&vv)
+            .arg(&theta_out)
+            .arg(&m_out)
+            .arg(&v_out)
+            .arg(&maxima)
+            .arg(&n64)
+            .arg(&k.beta1)
+            .arg(&k.one_minus_beta1)
+            .arg(&k.beta2)
+            .arg(&k.one_minus_beta2)
+            .arg(&k.inv_bc1)
+            .arg(&k.inv_bc2)
+            .arg(&k.eps)
+            .arg(&k.lr)
+            .arg(&decay)
+            .arg(&scale)
+            .arg(&use_decay)
+            .arg(&use_scale);
+        // SAFETY: the arguments are `r3_adamw_f32`'s signature, the views hold n elements.
+        unsafe { launch.launch(cuda::elementwise(n)) }.w()?;
+        let shape = theta.shape().clone();
+        let wrap = |slice, shape: candle_core::Shape| {
+            Tensor::from_storage(
+                Storage::Cuda(CudaStorage::wrap_cuda_slice(slice, dev.clone())),
+                shape,
+                BackpropOp::none(),
+                false,
+            )
+        };
+        Ok(StagedOnDevice {
+            theta: wrap(theta_out, shape.clone()),
+            m: wrap(m_out, shape.clone()),
+            v: wrap(v_out, shape),
+            maxima: Tensor::from_storage(
+                Storage::Cuda(CudaStorage::wrap_cuda_slice(maxima, dev.clone())),
+                3,
+                BackpropOp::none(),
+                false,
+            ),
+        })
+    }
+}
