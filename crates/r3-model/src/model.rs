@@ -15,7 +15,7 @@ use crate::layers::embedding_rows::embedding_rows;
 use crate::layers::linear::Linear;
 use crate::layers::mla::MlaAttention;
 use crate::layers::mlp::SwiGlu;
-use crate::layers::moe::{MoeBlock, RoutedRows};
+use crate::layers::moe::{Gates, MoeBlock, RoutedRows};
 use crate::layers::norm::RmsNorm;
 use crate::layers::rope::{Rope, RopeTables};
 use crate::precision::Precision;
@@ -335,12 +335,14 @@ impl Model {
             Attention::Mla(a) => a.forward(&normed, &ctx.rope, &ctx.mask)?,
         };
         let h = self.precision.round(&(x + attn)?)?;
-        self.feed_forward(i, layer, h, &ctx.rows, ctx.plan, moe)
+        self.feed_forward(i, layer, h, &ctx.rows, ctx.plan, Gates::Differentiable, moe)
     }
 
     /// The second half of decoder layer `i` on `h` `[B, T, H]` (the residual stream after
     /// attention): the dense or MoE feed-forward routing `rows` (whose dispatched ids go to
-    /// `moe`; `plan` forces replayed ids), with its residual.
+    /// `moe`; `plan` forces replayed ids; `gates` says where the gates are weighed), with its
+    /// residual.
+    #[allow(clippy::too_many_arguments)]
     fn feed_forward(
         &self,
         i: usize,
@@ -348,6 +350,7 @@ impl Model {
         h: Tensor,
         rows: &RoutedRows,
         plan: Option<&ReplayPlan>,
+        gates: Gates,
         moe: &mut MoeRecord,
     ) -> Result<Tensor> {
         let cfg = &self.cfg;
@@ -363,7 +366,7 @@ impl Model {
                     ModelError::InvalidConfig(format!("layer {i} has no MoE column"))
                 })?;
                 let layer_plan = plan.and_then(|p| p.layers.get(column));
-                let out = block.forward(&normed, rows, layer_plan)?;
+                let out = block.forward(&normed, rows, layer_plan, gates)?;
                 moe.used.push(out.ids);
                 moe.differs.push(out.differs_from_native);
                 moe.replay_time += out.replay_time;

@@ -21,6 +21,17 @@ use crate::routing_mode::{same_experts, LayerPlan};
 use crate::spec::SWIGLU_HF;
 use crate::weights::Weights;
 
+/// Where a MoE block weighs its chosen experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gates {
+    /// By candle's ops on the logits' device: differentiable, and the same ops as every
+    /// training forward (a frozen old-policy pass gives the update pass's bits).
+    Differentiable,
+    /// On the host by [`Router::weigh_row`] when nothing tracks the logits (the rollout
+    /// engine's steps), else as [`Gates::Differentiable`].
+    HostWhenUntracked,
+}
+
 /// Rows per parallel task when replay puts the plan's ids in place of the router's.
 const OVERRIDE_ROWS_PER_TASK: usize = 512;
 
@@ -153,15 +164,17 @@ impl MoeBlock {
     /// Runs the block on `x` `[B·T, H]` with its own routing of `rows` (the Native mode;
     /// `r3 bench train --parts` times a block alone with it).
     pub fn forward_native(&self, x: &Tensor, rows: &RoutedRows) -> Result<MoeOutput> {
-        self.forward(x, rows, None)
+        self.forward(x, rows, None, Gates::Differentiable)
     }
 
-    /// Runs the block on `x` `[B·T, H]`, routing `rows`; `plan` forces ids on its rows.
+    /// Runs the block on `x` `[B·T, H]`, routing `rows`; `plan` forces ids on its rows;
+    /// `gates` says where the chosen experts are weighed.
     pub(crate) fn forward(
         &self,
         x: &Tensor,
         rows: &RoutedRows,
         plan: Option<&LayerPlan>,
+        gates: Gates,
     ) -> Result<MoeOutput> {
         let k = self.router.top_k;
         let e = self.router.num_experts;
@@ -209,16 +222,16 @@ impl MoeBlock {
                 .sum();
             replay_time = started.elapsed();
         }
-        let gates = if logits.track_op() {
-            let ids_tensor = Tensor::from_vec(ids.clone(), (n, k), x.device())?;
-            self.router.weigh(&logits, &ids_tensor)?
-        } else {
-            // Nothing differentiates through the gates (inference), and the host holds the
-            // logits already: the gates by the row form the CPU rollout engine weighs with,
-            // one upload instead of the ids' upload and four kernels (softmax, gather, sum,
+        let gates = if gates == Gates::HostWhenUntracked && !logits.track_op() {
+            // Nothing differentiates through the gates, and the host holds the logits
+            // already: the gates by the row form the CPU rollout engine weighs with, one
+            // upload instead of the ids' upload and four kernels (softmax, gather, sum,
             // divide) on a GPU.
             self.host_gates(&host, &ids, x.device())?
                 .to_dtype(logits.dtype())?
+        } else {
+            let ids_tensor = Tensor::from_vec(ids.clone(), (n, k), x.device())?;
+            self.router.weigh(&logits, &ids_tensor)?
         };
 
         let dispatch = Dispatch::new(&ids, k, e)?;

@@ -12,6 +12,7 @@ use candle_core::Tensor;
 use super::{routed_rows, Attention, Model, MoeRecord};
 use crate::error::{ModelError, Result};
 use crate::layers::attention::LayerKv;
+use crate::layers::moe::Gates;
 
 /// Keys and values of every attention layer for a batch of sequences, each `[B, KV, S, D]`
 /// on the model's device (`S` = slots fed so far, the same for every sequence).
@@ -350,7 +351,9 @@ impl Model {
                 Attention::Mla(a) => a.forward_cached(&normed, &rope, kv, &mask)?,
             };
             let h = self.precision.round(&(x + attn)?)?;
-            x = self.feed_forward(i, layer, h, &rows, None, &mut moe)?;
+            // A step of the rollout engine: nothing differentiates it, and its gates are
+            // weighed on the host from the logits the selection read (one upload a layer).
+            x = self.feed_forward(i, layer, h, &rows, None, Gates::HostWhenUntracked, &mut moe)?;
         }
         cache.slots = s;
         let rows = if step.all_logits {
