@@ -43,7 +43,10 @@ fn a_frozen_forward_gives_the_training_forwards_bits() {
         };
         let a = frozen.forward(&batch, routing).expect("frozen");
         let b = training.forward(&batch, routing).expect("training");
-        assert!(!a.logits.track_op() && b.logits.track_op(), "{family}: the two paths");
+        assert!(
+            !a.logits.track_op() && b.logits.track_op(),
+            "{family}: the two paths"
+        );
         assert_eq!(max_diff(&a.logits, &b.logits), 0.0, "{family}: logits");
         assert_eq!(a.routes, b.routes, "{family}: routes");
     }
