@@ -29,7 +29,8 @@
 #    seeded sampling reproducing itself, a batch = one at a time), `r3 generate --device
 #    cuda` = `--device cpu` on the oracle prompts, both engines on the GPU in `r3 train`, and
 #    `r3 bench decode --device cuda` at batch 1 / 64 / 256 (mid in f32 and bf16, the 30B-A3B
-#    shape in bf16) beside scripts/cuda/peer_hf_generate.py.
+#    shape in bf16) beside scripts/cuda/peer_hf_generate.py, and mid bf16 sampled at
+#    temperature 1 (an RL rollout's setting).
 # 5. Only with --steps 5: Nsight Compute's per-kernel time table of one bf16 training step
 #    of mid and of the 30B-A3B shape (where a step's GPU time goes).
 # 6. Only with --steps 6: Nsight Systems' CUDA API table of one mid bf16 training step (where
@@ -273,6 +274,15 @@ for run in "mid f32" "mid bf16" "a3b-8l bf16"; do
     decode+=("$config $dtype r3 [${r3_tps:-?}] HF [${hf_tps:-?}] tok/s by batch, r3's host waiting for the GPU [${r3_wait:-?}]")
 done
 verdict decode "$(IFS=';'; echo "${decode[*]}")"
+# Sampled at temperature 1 (an RL rollout: every row's logits go to the host's sampler each
+# step, through page-locked memory), mid bf16, beside the greedy figures above.
+if [ "$(left)" -ge 45 ]; then
+    timeout "$(limit 90)" "$bin/r3" bench decode --device cuda --configs mid --batches 64,256 \
+        --dtype bf16 --prompt-len 32 --new-tokens 128 --temperature 1 > "$work/decode-r3-sampled.txt" 2>&1
+    cat "$work/decode-r3-sampled.txt"
+    sampled=$(grep -E "^decode mid" "$work/decode-r3-sampled.txt" | sed -E 's/.*batch ([0-9]+): ([0-9.]+) tokens\/s.*waiting for the device ([0-9.]+)%.*/\1:\2 (wait \3%)/' | tr '\n' ' ')
+    verdict decode-sampled "mid bf16 r3 [${sampled:-?}] tok/s by batch at temperature 1"
+fi
 echo "   rollout engine checks took $(( $(date +%s) - t0 )) s"
 fi
 

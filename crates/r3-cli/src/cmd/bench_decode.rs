@@ -1,7 +1,8 @@
 //! `r3 bench decode`: generation throughput of one rollout engine, the device engine by
 //! default (`--device cuda` on a GPU, `cpu-candle` here) or the CPU engine (`--device cpu`),
-//! at batch 1 / 64 / 256 with `r3 bench rollout`'s configs and seeded random weights: greedy,
-//! 32-token prompts, 128 new tokens (the issue's HF `generate` setting), routes captured.
+//! at batch 1 / 64 / 256 with `r3 bench rollout`'s configs and seeded random weights: greedy
+//! (or sampled, `--temperature`), 32-token prompts, 128 new tokens (the issue's HF
+//! `generate` setting), routes captured.
 //! One line per config and batch: generated tokens/s (prefill included, as HF's `generate`
 //! figures are), the share of the time spent on route capture and, for the device engine,
 //! the share the host spent waiting for the device (the rest is the host's own work and
@@ -48,6 +49,11 @@ pub struct BenchDecodeArgs {
     /// Seed of weights and prompts.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Sampling temperature: 0 (the default) decodes greedily, as HF's `generate` figures
+    /// do; above 0 each request samples from the whole distribution with its own seed (an
+    /// RL rollout's setting: its rows of logits go to the host's sampler every step).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
 }
 
 /// Runs `r3 bench decode`.
@@ -77,15 +83,32 @@ pub fn run(a: BenchDecodeArgs) -> anyhow::Result<()> {
                 DeviceEngineConfig::from_engine_config(spec, &engine_cfg),
             )?),
         };
+        let sampling = |i: usize| -> SamplingParams {
+            if a.temperature > 0.0 {
+                SamplingParams {
+                    temperature: a.temperature,
+                    max_new_tokens: a.new_tokens,
+                    seed: a.seed.wrapping_add(i as u64),
+                    ..SamplingParams::default()
+                }
+            } else {
+                SamplingParams::greedy(a.new_tokens)
+            }
+        };
         let requests = |batch: usize| -> Vec<GenerateRequest> {
             (0..batch)
                 .map(|i| {
                     GenerateRequest::new(
                         prompt(a.seed, i, a.prompt_len, cfg.vocab_size),
-                        SamplingParams::greedy(a.new_tokens),
+                        sampling(i),
                     )
                 })
                 .collect()
+        };
+        let how = if a.temperature > 0.0 {
+            format!("sampled at temperature {}", a.temperature)
+        } else {
+            "greedy".to_string()
         };
         // Warm-up: the first launches compile kernels (CUDA) and fault pages in.
         engine.generate(requests(1))?;
@@ -113,7 +136,7 @@ pub fn run(a: BenchDecodeArgs) -> anyhow::Result<()> {
             });
             println!(
                 "decode {name} {} {} batch {batch}: {best:.1} tokens/s ({} prompt + {} new \
-                 tokens, greedy), route capture {:.2}% of the time{waiting}",
+                 tokens, {how}), route capture {:.2}% of the time{waiting}",
                 a.device,
                 a.dtype,
                 a.prompt_len,
