@@ -96,8 +96,7 @@ mod gpu {
         k: &AdamWPassConstants,
     ) -> Result<StagedOnDevice> {
         let n = theta.elem_count();
-        let inputs = [theta, g, m, v].map(|t| t.contiguous());
-        let [theta_c, g_c, m_c, v_c] = inputs;
+        let [theta_c, g_c, m_c, v_c] = [theta, g, m, v].map(Tensor::contiguous);
         let (theta_c, g_c, m_c, v_c) = (theta_c?, g_c?, m_c?, v_c?);
         let (st, lt) = theta_c.storage_and_layout();
         let (sg, lg) = g_c.storage_and_layout();

@@ -455,10 +455,10 @@ impl DeviceEngine {
                     && greedy_pick_suffices(&r.request.sampling, r.tokens.len() - r.prompt_len)
             })
             .collect();
+        let (rows, slots_per_row, vocab) = out.logits.dims3()?;
         let picks = if greedy.contains(&true) {
             // Sampling reads each row's last slot (the only one without prompt log-probs).
-            let (rows, slots, vocab) = out.logits.dims3()?;
-            let last = out.logits.narrow(1, slots.saturating_sub(1), 1)?;
+            let last = out.logits.narrow(1, slots_per_row.saturating_sub(1), 1)?;
             greedy_picks(&last.reshape((rows, vocab))?)?
         } else {
             None
@@ -467,7 +467,6 @@ impl DeviceEngine {
         let copied: Vec<u32> = (0..batch.rows.len() as u32)
             .filter(|&i| picks.is_none() || !greedy[i as usize])
             .collect();
-        let (slots_per_row, vocab) = (out.logits.dim(1)?, out.logits.dim(2)?);
         // The copied rows, `[copied, slots_per_row, vocab]` row-major, in batch order.
         let copied_logits: &[f32] = if copied.is_empty() {
             &[]
