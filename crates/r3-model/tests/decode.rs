@@ -196,12 +196,24 @@ fn caches_padded_joined_and_trimmed_decode_as_each_alone() {
         feed(&model, &mut cache_a, a, (0, 6), false);
         feed(&model, &mut cache_b, b, (0, 3), false);
         // Each sequence's next step alone.
-        let (want_a, routes_a) = feed(&model, &mut cache_a.clone(), a, (6, 1), false);
-        let (want_b, routes_b) = feed(&model, &mut cache_b.clone(), b, (3, 1), false);
+        let (want_a, routes_a) = feed(
+            &model,
+            &mut cache_a.try_clone().expect("copy"),
+            a,
+            (6, 1),
+            false,
+        );
+        let (want_b, routes_b) = feed(
+            &model,
+            &mut cache_b.try_clone().expect("copy"),
+            b,
+            (3, 1),
+            false,
+        );
 
         // b padded in front to a's 6 slots and joined below a: one step for both.
-        let mut joined = cache_a.clone();
-        let mut padded = cache_b.clone();
+        let mut joined = cache_a.try_clone().expect("copy");
+        let mut padded = cache_b.try_clone().expect("copy");
         padded.pad_front(3).expect("pad");
         assert_eq!(padded.slots(), 6);
         joined.append_rows(&padded).expect("join");
@@ -285,7 +297,13 @@ fn slots_taken_out_and_put_back_decode_as_the_original_cache() {
         let mut alone = model.kv_cache();
         feed(&model, &mut alone, &a, (0, 8), false);
         batch.append_rows(&alone).expect("join");
-        let (want, want_routes) = feed(&model, &mut alone.clone(), &a, (8, 2), false);
+        let (want, want_routes) = feed(
+            &model,
+            &mut alone.try_clone().expect("copy"),
+            &a,
+            (8, 2),
+            false,
+        );
 
         let blocks: Vec<RowKv> = [0, 4]
             .iter()

@@ -637,8 +637,9 @@ fn admission_waits_for_room_and_refuses_what_never_fits() {
         .enumerate()
         .map(|(i, p)| GenerateRequest::new(p.clone(), mixed_sampling(i, 6, 70)))
         .collect();
-    // Room for one request of 5 + 6 slots at a time, not two.
-    let budget = slot_bytes(&cfg) * 11 * 3 / 2;
+    // Room for one request of 5 + 6 slots at a time (in a cache buffer with room for
+    // `kv_capacity_for(11)`), not two.
+    let budget = slot_bytes(&cfg) * r3_model::layers::attention::kv_capacity_for(11) * 3 / 2;
     let mut small = DeviceEngine::new(
         cfg.clone(),
         &map,

@@ -146,34 +146,122 @@ pub fn attend_additive(
     scale: f64,
     groups: usize,
 ) -> Result<Tensor> {
-    let probs = attention_probs(&q.contiguous()?, &k.contiguous()?, additive, scale, groups)?;
-    Ok(probs.matmul(&v.contiguous()?)?)
+    // A KV cache's keys and values are views of longer buffers, which the matmuls read as
+    // they are; anything else is made contiguous.
+    let probs = attention_probs(&q.contiguous()?, &packed(k)?, additive, scale, groups)?;
+    Ok(probs.matmul(&packed(v)?)?)
+}
+
+/// Whether `t` `[B, H, S, D]` is a matmul operand as it is, for candle's CPU and CUDA
+/// matmuls alike: unit stride along `D`, each (batch, head)'s `S` rows of `D` packed, and
+/// the heads of every batch row evenly spaced — a contiguous tensor, or the first `S` slots of
+/// a longer `[B, H, capacity, D]` buffer ([`LayerKv`]'s views).
+fn rows_packed(t: &Tensor) -> bool {
+    let (Ok((b, h, _, d)), stride) = (t.dims4(), t.stride()) else {
+        return false;
+    };
+    stride.len() == 4
+        && stride[3] == 1
+        && stride[2] == d
+        && (b == 1 || h == 1 || stride[0] == stride[1] * h)
+}
+
+/// `t` itself where [`rows_packed`], else a contiguous copy.
+fn packed(t: &Tensor) -> Result<Tensor> {
+    Ok(if rows_packed(t) {
+        t.clone()
+    } else {
+        t.contiguous()?
+    })
+}
+
+/// Slots a [`LayerKv`] buffer holds once it must hold `needed`: room for an eighth more (at
+/// least 16 slots), so appending a token copies the cache once every `needed / 8` steps
+/// instead of at every step.
+pub fn kv_capacity_for(needed: usize) -> usize {
+    needed + (needed / 8).max(16)
 }
 
 /// One attention layer's keys and values of the positions fed so far, `[B, KV, S, D]`
 /// device tensors (a padded batch: every sequence holds `S` slots).
-#[derive(Debug, Clone, Default)]
+///
+/// They live in `[B, KV, capacity, D]` buffers of which slots `0..S` are filled: a step's keys
+/// and values are written in place after them, and attention reads the first `S` slots as a
+/// view (its matmuls take the buffer's strides). Concatenating instead copied the whole cache
+/// at every step — twice the bytes the attention itself reads, growing with the context. Not
+/// `Clone`: two caches sharing a buffer would write over each other's free slots.
+#[derive(Debug, Default)]
 pub struct LayerKv {
     kv: Option<(Tensor, Tensor)>,
+    len: usize,
 }
 
 impl LayerKv {
-    /// Appends a step's `[B, KV, T, D]` keys and values; returns all of them.
+    /// Appends a step's `[B, KV, T, D]` keys and values; returns all of them (views of the
+    /// first `S + T` slots of the buffers).
     pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
-        // Contiguous parts keep the cache contiguous (candle concatenates strided tensors
-        // into a strided result, which `keep_rows`' index select refuses).
         let (k, v) = (k.contiguous()?, v.contiguous()?);
-        let (k, v) = match self.kv.take() {
-            None => (k, v),
-            Some((k0, v0)) => (Tensor::cat(&[&k0, &k], 2)?, Tensor::cat(&[&v0, &v], 2)?),
+        let (t, rows) = (k.dim(2)?, k.dim(0)?);
+        if v.dim(2)? != t || v.dim(0)? != rows || (self.kv.is_some() && self.rows()? != rows) {
+            return Err(ModelError::Input(format!(
+                "appending keys {:?} and values {:?} to a KV cache of {} rows × {} slots",
+                k.dims(),
+                v.dims(),
+                self.rows()?,
+                self.len
+            )));
+        }
+        let len = self.len + t;
+        let (kb, vb) = match self.kv.take() {
+            Some((kb, vb)) if kb.dim(2)? >= len => (kb, vb),
+            held => {
+                // Out of room (or empty): new buffers with headroom, the filled slots
+                // copied over once.
+                let capacity = kv_capacity_for(len);
+                let grow = |part: &Tensor, old: Option<&Tensor>| -> Result<Tensor> {
+                    let (b, h, _, d) = part.dims4()?;
+                    let buf = Tensor::zeros((b, h, capacity, d), part.dtype(), part.device())?;
+                    if let Some(old) = old.filter(|_| self.len > 0) {
+                        buf.slice_set(&old.narrow(2, 0, self.len)?.contiguous()?, 2, 0)?;
+                    }
+                    Ok(buf)
+                };
+                let (ok, ov) = match &held {
+                    Some((a, b)) => (Some(a), Some(b)),
+                    None => (None, None),
+                };
+                (grow(&k, ok)?, grow(&v, ov)?)
+            }
         };
-        self.kv = Some((k.clone(), v.clone()));
-        Ok((k, v))
+        kb.slice_set(&k, 2, self.len)?;
+        vb.slice_set(&v, 2, self.len)?;
+        let views = (kb.narrow(2, 0, len)?, vb.narrow(2, 0, len)?);
+        self.kv = Some((kb, vb));
+        self.len = len;
+        Ok(views)
     }
 
     /// The device of the cached tensors (None while empty).
     pub fn device(&self) -> Option<Device> {
         self.kv.as_ref().map(|(k, _)| k.device().clone())
+    }
+
+    /// Slots held (`S`).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no slot is held.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Slots the buffers hold room for (`S` and the free slots after them).
+    pub fn capacity(&self) -> usize {
+        self.kv
+            .as_ref()
+            .and_then(|(k, _)| k.dim(2).ok())
+            .unwrap_or(0)
     }
 
     /// Keeps only the batch rows `rows` (a u32 index tensor), in that order.
@@ -184,46 +272,91 @@ impl LayerKv {
         Ok(())
     }
 
+    /// The filled slots of both buffers as contiguous tensors of their own.
+    fn filled(&self) -> Result<Option<(Tensor, Tensor)>> {
+        let Some((k, v)) = &self.kv else {
+            return Ok(None);
+        };
+        let take = |t: &Tensor| t.narrow(2, 0, self.len)?.contiguous();
+        Ok(Some((take(k)?, take(v)?)))
+    }
+
     /// Puts `n` zero slots in front of every row's keys and values (`S` grows by `n`); the
     /// caller's mask must hide them.
     pub fn pad_front(&mut self, n: usize) -> Result<()> {
-        let Some((k, v)) = self.kv.as_mut().filter(|_| n > 0) else {
+        let Some((k, v)) = self.filled()?.filter(|_| n > 0) else {
             return Ok(());
         };
-        for t in [k, v] {
+        let pad = |t: &Tensor| -> Result<Tensor> {
             let (b, h, _, d) = t.dims4()?;
             let zeros = Tensor::zeros((b, h, n, d), t.dtype(), t.device())?;
-            *t = Tensor::cat(&[&zeros, &*t], 2)?;
-        }
-        Ok(())
+            Ok(Tensor::cat(&[&zeros, t], 2)?)
+        };
+        self.set_filled(pad(&k)?, pad(&v)?)
     }
 
     /// Drops the first `n` slots of every row (`S` shrinks by `n`).
     pub fn drop_front(&mut self, n: usize) -> Result<()> {
-        let Some((k, v)) = self.kv.as_mut().filter(|_| n > 0) else {
+        if n > self.len {
+            return Err(ModelError::Input(format!(
+                "dropping {n} slots of a layer's KV cache holding {}",
+                self.len
+            )));
+        }
+        let Some((k, v)) = self.kv.as_ref().filter(|_| n > 0) else {
             return Ok(());
         };
-        for t in [k, v] {
-            let s = t.dim(2)?;
-            *t = t.narrow(2, n, s - n)?.contiguous()?;
+        let rest = |t: &Tensor| t.narrow(2, n, self.len - n)?.contiguous();
+        let (k, v) = (rest(k)?, rest(v)?);
+        self.set_filled(k, v)
+    }
+
+    /// A copy in storage of its own (the filled slots only).
+    pub fn try_clone(&self) -> Result<LayerKv> {
+        let mut copy = LayerKv::default();
+        if let Some((k, v)) = self.filled()? {
+            // `filled` may return the buffers themselves where a narrow is contiguous.
+            copy.set_filled(k.copy()?, v.copy()?)?;
         }
+        Ok(copy)
+    }
+
+    /// Holds `k` and `v` (`[B, KV, S, D]`, contiguous) as the filled slots, with no room
+    /// after them (the next append makes its own).
+    fn set_filled(&mut self, k: Tensor, v: Tensor) -> Result<()> {
+        self.len = k.dim(2)?;
+        self.kv = Some((k, v));
         Ok(())
     }
 
     /// A layer cache holding `k` and `v` (`[B, KV, S, D]` each, contiguous).
-    pub fn from_parts(k: Tensor, v: Tensor) -> Self {
-        LayerKv { kv: Some((k, v)) }
+    pub fn from_parts(k: Tensor, v: Tensor) -> Result<Self> {
+        let mut layer = LayerKv::default();
+        layer.set_filled(k, v)?;
+        Ok(layer)
     }
 
-    /// The cached keys and values (None while empty).
-    pub fn parts(&self) -> Option<(&Tensor, &Tensor)> {
-        self.kv.as_ref().map(|(k, v)| (k, v))
+    /// The filled slots' keys and values, views of the buffers (None while empty).
+    pub fn parts(&self) -> Option<(Tensor, Tensor)> {
+        let (k, v) = self.kv.as_ref()?;
+        Some((
+            k.narrow(2, 0, self.len).ok()?,
+            v.narrow(2, 0, self.len).ok()?,
+        ))
     }
 
-    /// Keys and values of batch row `row` at slots `index` (a u32 tensor), `[1, KV, n, D]`
-    /// each, in storage of their own: an index select always copies, where a narrow (or a
-    /// `contiguous` of a narrow that happens to be contiguous) would keep the whole batch's
-    /// storage alive.
+    /// Rows of the batch (0 while empty).
+    pub fn rows(&self) -> Result<usize> {
+        match &self.kv {
+            Some((k, _)) => Ok(k.dim(0)?),
+            None => Ok(0),
+        }
+    }
+
+    /// Keys and values of batch row `row` at slots `index` (a u32 tensor of filled slots),
+    /// `[1, KV, n, D]` each, in storage of their own: an index select always copies, where a
+    /// narrow (or a `contiguous` of a narrow that happens to be contiguous) would keep the
+    /// whole batch's storage alive.
     pub fn row_slots(&self, row: usize, index: &Tensor) -> Result<Option<(Tensor, Tensor)>> {
         let Some((k, v)) = &self.kv else {
             return Ok(None);
@@ -235,32 +368,31 @@ impl LayerKv {
     /// Reorders every row's slots: `index` (u32, `[B · S]`) holds, for row `b` and slot `j`,
     /// `b · S + s` where `s` is the slot of row `b` that moves to `j`.
     pub fn permute_slots(&mut self, index: &Tensor) -> Result<()> {
-        let Some((k, v)) = self.kv.as_mut() else {
+        let Some((k, v)) = self.filled()? else {
             return Ok(());
         };
-        for t in [k, v] {
+        let permute = |t: &Tensor| -> Result<Tensor> {
             let (b, h, s, d) = t.dims4()?;
             // Slots next to rows, so one index select over `[B · S, KV, D]` moves them all.
             let flat = t.transpose(1, 2)?.contiguous()?.reshape((b * s, h, d))?;
-            *t = flat
+            Ok(flat
                 .index_select(index, 0)?
                 .reshape((b, s, h, d))?
                 .transpose(1, 2)?
-                .contiguous()?;
-        }
-        Ok(())
+                .contiguous()?)
+        };
+        self.set_filled(permute(&k)?, permute(&v)?)
     }
 
     /// Appends the rows of `other` (the same slots) after this cache's rows.
     pub fn append_rows(&mut self, other: &LayerKv) -> Result<()> {
-        self.kv = match (self.kv.take(), &other.kv) {
+        match (self.filled()?, other.filled()?) {
             (Some((k, v)), Some((k2, v2))) => {
-                Some((Tensor::cat(&[&k, k2], 0)?, Tensor::cat(&[&v, v2], 0)?))
+                self.set_filled(Tensor::cat(&[&k, &k2], 0)?, Tensor::cat(&[&v, &v2], 0)?)
             }
-            (mine, None) => mine,
-            (None, Some(theirs)) => Some(theirs.clone()),
-        };
-        Ok(())
+            (_, None) => Ok(()),
+            (None, Some((k2, v2))) => self.set_filled(k2, v2),
+        }
     }
 }
 
@@ -482,5 +614,206 @@ mod tests {
                 }
             }
         }
+    }
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        t.flatten_all()
+            .and_then(|t| t.to_vec1::<f32>())
+            .expect("values")
+            .iter()
+            .map(|x| x.to_bits())
+            .collect()
+    }
+
+    fn cat2(a: &Tensor, b: &Tensor) -> Tensor {
+        Tensor::cat(&[a, b], 2).expect("cat")
+    }
+
+    /// A layer's cache read back after every append (a chunk, then one slot at a time past
+    /// several regrowths, then a chunk again) equals the concatenation of everything
+    /// appended, bit for bit; its buffers regrow only when full (7 times over 107 slots, not
+    /// at each of the 97 appends), and the views it returns are strided ones of a longer
+    /// buffer, which attention reads in place.
+    #[test]
+    fn a_layer_cache_reads_back_what_was_appended() {
+        let (b, kv, d) = (2, 3, 4);
+        let mut cache = LayerKv::default();
+        let (mut want_k, mut want_v): (Option<Tensor>, Option<Tensor>) = (None, None);
+        let (mut regrowths, mut capacity, mut strided) = (0, 0, 0);
+        let sizes = std::iter::once(5)
+            .chain(std::iter::repeat_n(1, 95))
+            .chain([7]);
+        for (i, t) in sizes.enumerate() {
+            let k = seeded_tensor(&[b, kv, t, d], 2 * i as u64 + 1, DType::F32);
+            let v = seeded_tensor(&[b, kv, t, d + 1], 2 * i as u64 + 2, DType::F32);
+            let (got_k, got_v) = cache.append(&k, &v).expect("append");
+            let wk = want_k.map_or(k.clone(), |w| cat2(&w, &k));
+            let wv = want_v.map_or(v.clone(), |w| cat2(&w, &v));
+            assert_eq!(bits(&got_k), bits(&wk), "keys after append {i}");
+            assert_eq!(bits(&got_v), bits(&wv), "values after append {i}");
+            assert_eq!(cache.len(), wk.dim(2).expect("slots"));
+            assert!(cache.capacity() >= cache.len());
+            if cache.capacity() != capacity {
+                (regrowths, capacity) = (regrowths + 1, cache.capacity());
+            }
+            strided += usize::from(!got_k.is_contiguous() && rows_packed(&got_k));
+            (want_k, want_v) = (Some(wk), Some(wv));
+        }
+        assert_eq!(cache.len(), 107);
+        assert_eq!(regrowths, 7, "the buffers regrew {regrowths} times");
+        assert!(
+            strided > 90,
+            "{strided} of 97 reads were views of a longer buffer"
+        );
+    }
+
+    /// Attention over a cache's strided view gives the bits attention over its contiguous
+    /// copy gives (the matmuls read the buffer in place, with the same arithmetic), under a
+    /// mask that hides some slots, with grouped queries.
+    #[test]
+    fn attention_reads_a_cache_view_as_its_contiguous_copy() {
+        let (b, kv, groups, d) = (2, 2, 3, 8);
+        let mut cache = LayerKv::default();
+        cache
+            .append(
+                &seeded_tensor(&[b, kv, 9, d], 1, DType::F32),
+                &seeded_tensor(&[b, kv, 9, d], 2, DType::F32),
+            )
+            .expect("prefill");
+        for step in 0..3u64 {
+            let (k, v) = cache
+                .append(
+                    &seeded_tensor(&[b, kv, 1, d], 10 + 2 * step, DType::F32),
+                    &seeded_tensor(&[b, kv, 1, d], 11 + 2 * step, DType::F32),
+                )
+                .expect("step");
+            assert!(
+                !k.is_contiguous() && !v.is_contiguous(),
+                "views of a longer buffer"
+            );
+            let s = k.dim(2).expect("slots");
+            let mask: Vec<f32> = (0..b * s)
+                .map(|i| if i % 4 == 1 { f32::NEG_INFINITY } else { 0.0 })
+                .collect();
+            let mask = Tensor::from_vec(mask, (b, 1, 1, 1, s), &Device::Cpu).expect("mask");
+            let q = seeded_tensor(&[b, kv, groups, d], 20 + step, DType::F32);
+            let scale = 1.0 / (d as f64).sqrt();
+            let got = attend_additive(&q, &k, &v, &mask, scale, groups).expect("view");
+            let want = attend_additive(
+                &q,
+                &k.copy().expect("copy"),
+                &v.copy().expect("copy"),
+                &mask,
+                scale,
+                groups,
+            )
+            .expect("copy");
+            assert_eq!(bits(&got), bits(&want), "step {step}");
+        }
+    }
+
+    /// Every reshaping of a cache (rows kept, slots padded in front or dropped, slots
+    /// permuted, another cache's rows appended, a copy taken) leaves the views the same
+    /// operation gives on the concatenated tensors, and appends after it still read back
+    /// right; a copy and its original take different steps without touching each other.
+    #[test]
+    fn reshaping_a_cache_keeps_its_slots() {
+        let (b, kv, d) = (3, 2, 4);
+        let grown = |seed: u64| {
+            let mut cache = LayerKv::default();
+            let mut want = Vec::new();
+            for (i, t) in [4usize, 1, 1].into_iter().enumerate() {
+                let k = seeded_tensor(&[b, kv, t, d], seed + 2 * i as u64, DType::F32);
+                let v = seeded_tensor(&[b, kv, t, d], seed + 2 * i as u64 + 1, DType::F32);
+                cache.append(&k, &v).expect("append");
+                want.push((k, v));
+            }
+            let ks: Vec<&Tensor> = want.iter().map(|(k, _)| k).collect();
+            let vs: Vec<&Tensor> = want.iter().map(|(_, v)| v).collect();
+            let want = (
+                Tensor::cat(&ks, 2).expect("k"),
+                Tensor::cat(&vs, 2).expect("v"),
+            );
+            (cache, want)
+        };
+        let check = |cache: &LayerKv, want: &(Tensor, Tensor), what: &str| {
+            let (k, v) = cache.parts().expect("parts");
+            assert_eq!(bits(&k), bits(&want.0), "{what}: keys");
+            assert_eq!(bits(&v), bits(&want.1), "{what}: values");
+            assert_eq!(cache.len(), want.0.dim(2).expect("slots"), "{what}: slots");
+        };
+        let each =
+            |want: &(Tensor, Tensor), f: &dyn Fn(&Tensor) -> Tensor| (f(&want.0), f(&want.1));
+        // After the reshaping, one more slot appended to both the cache and the reference.
+        let then_append = |mut cache: LayerKv, want: (Tensor, Tensor), what: &str| {
+            check(&cache, &want, what);
+            let rows = want.0.dim(0).expect("rows");
+            let k = seeded_tensor(&[rows, kv, 1, d], 90, DType::F32);
+            let v = seeded_tensor(&[rows, kv, 1, d], 91, DType::F32);
+            cache.append(&k, &v).expect("append");
+            check(
+                &cache,
+                &(cat2(&want.0, &k), cat2(&want.1, &v)),
+                &format!("{what}, then a step"),
+            );
+        };
+
+        let (mut cache, want) = grown(1);
+        let rows = Tensor::new(&[2u32, 0], &Device::Cpu).expect("rows");
+        cache.keep_rows(&rows).expect("keep");
+        let kept = each(&want, &|t| t.index_select(&rows, 0).expect("select"));
+        then_append(cache, kept, "rows kept");
+
+        let (mut cache, want) = grown(2);
+        cache.pad_front(3).expect("pad");
+        let padded = each(&want, &|t| {
+            cat2(
+                &Tensor::zeros((b, kv, 3, d), DType::F32, &Device::Cpu).expect("zeros"),
+                t,
+            )
+        });
+        then_append(cache, padded, "padded in front");
+
+        let (mut cache, want) = grown(3);
+        cache.drop_front(2).expect("drop");
+        let dropped = each(&want, &|t| t.narrow(2, 2, 4).expect("narrow"));
+        then_append(cache, dropped, "front dropped");
+        let (mut cache, _) = grown(3);
+        assert!(cache.drop_front(7).is_err(), "more slots dropped than held");
+
+        let (mut cache, want) = grown(4);
+        let s = 6;
+        let order: Vec<u32> = (0..b * s)
+            .map(|i| ((i / s) * s + (s - 1 - i % s)) as u32)
+            .collect();
+        cache
+            .permute_slots(&Tensor::new(order.as_slice(), &Device::Cpu).expect("order"))
+            .expect("permute");
+        let reversed: Vec<u32> = (0..s as u32).rev().collect();
+        let reversed = Tensor::new(reversed.as_slice(), &Device::Cpu).expect("reversed");
+        let permuted = each(&want, &|t| t.index_select(&reversed, 2).expect("select"));
+        then_append(cache, permuted, "slots permuted");
+
+        let (mut cache, want) = grown(5);
+        let (other, theirs) = grown(6);
+        cache.append_rows(&other).expect("join");
+        let joined = (
+            Tensor::cat(&[&want.0, &theirs.0], 0).expect("k"),
+            Tensor::cat(&[&want.1, &theirs.1], 0).expect("v"),
+        );
+        then_append(cache, joined, "rows appended");
+        check(&other, &theirs, "the appended cache itself");
+
+        // The original steps first, then the copy: a copy sharing the buffers would write its
+        // step into the slot the original's view has just read back.
+        let (mut cache, want) = grown(7);
+        let copy = cache.try_clone().expect("copy");
+        let k = seeded_tensor(&[b, kv, 1, d], 70, DType::F32);
+        let v = seeded_tensor(&[b, kv, 1, d], 71, DType::F32);
+        cache.append(&k, &v).expect("append");
+        let stepped = (cat2(&want.0, &k), cat2(&want.1, &v));
+        check(&cache, &stepped, "the original after a step");
+        then_append(copy, want, "a copy");
+        check(&cache, &stepped, "the original after its copy took a step");
     }
 }

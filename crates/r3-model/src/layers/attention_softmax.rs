@@ -16,7 +16,8 @@ use crate::host::contiguous;
 use crate::math::StdFloat;
 
 /// The probabilities `softmax(q kᵀ · scale + additive)` `[B, KV, G·T, S]` of contiguous `q`
-/// `[B, KV, G·T, Dq]` and `k` `[B, KV, S, Dq]`: the composed attention's and the recomputing
+/// `[B, KV, G·T, Dq]` and `k` `[B, KV, S, Dq]` (contiguous, or a KV cache's view of the
+/// first `S` slots of a longer buffer: the matmul reads its strides): the composed attention's and the recomputing
 /// op's (forward and backward). Where nothing is differentiated through them and the mask is
 /// `[B, 1, 1, T, S]`, one pass ([`masked_softmax`], the same arithmetic as candle's ops, bit
 /// for bit on the CPU); else candle's composed ops.

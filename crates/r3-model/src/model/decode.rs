@@ -15,8 +15,9 @@ use crate::layers::attention::LayerKv;
 use crate::layers::moe::Gates;
 
 /// Keys and values of every attention layer for a batch of sequences, each `[B, KV, S, D]`
-/// on the model's device (`S` = slots fed so far, the same for every sequence).
-#[derive(Debug, Clone)]
+/// on the model's device (`S` = slots fed so far, the same for every sequence). Not `Clone`:
+/// its layers write each step's keys in place into room their buffers keep.
+#[derive(Debug)]
 pub struct KvCache {
     layers: Vec<LayerKv>,
     slots: usize,
@@ -26,6 +27,19 @@ impl KvCache {
     /// Slots fed so far (the keys the next step attends over, before its own).
     pub fn slots(&self) -> usize {
         self.slots
+    }
+
+    /// A copy in storage of its own: the two caches can then take different steps (a clone
+    /// sharing the buffers would write both into the same free slots).
+    pub fn try_clone(&self) -> Result<KvCache> {
+        Ok(KvCache {
+            layers: self
+                .layers
+                .iter()
+                .map(LayerKv::try_clone)
+                .collect::<Result<_>>()?,
+            slots: self.slots,
+        })
     }
 
     /// Keeps only batch rows `rows`, in that order (finished sequences leave the batch).
@@ -85,8 +99,8 @@ impl KvCache {
 
     /// Rows of the batch (0 while empty).
     pub fn rows(&self) -> Result<usize> {
-        match self.layers.iter().find_map(LayerKv::parts) {
-            Some((k, _)) => Ok(k.dim(0)?),
+        match self.layers.iter().find(|l| l.device().is_some()) {
+            Some(layer) => layer.rows(),
             None => Ok(0),
         }
     }
@@ -245,7 +259,7 @@ impl Model {
     /// An empty KV cache for this model.
     pub fn kv_cache(&self) -> KvCache {
         KvCache {
-            layers: vec![LayerKv::default(); self.layers.len()],
+            layers: self.layers.iter().map(|_| LayerKv::default()).collect(),
             slots: 0,
         }
     }
@@ -289,10 +303,10 @@ impl Model {
                     ks.push(front(tk, n, have.map(|(k, _)| k))?);
                     vs.push(front(tv, n, have.map(|(_, v)| v))?);
                 }
-                Ok(LayerKv::from_parts(
+                LayerKv::from_parts(
                     Tensor::cat(&ks, 0)?.contiguous()?,
                     Tensor::cat(&vs, 0)?.contiguous()?,
-                ))
+                )
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(KvCache { layers, slots })

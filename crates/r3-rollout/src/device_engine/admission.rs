@@ -2,6 +2,7 @@
 //! and activation budgets), queued, and taken into a prefill batch beside the running one
 //! when they fit, each starting with its cached prefix if the prefix cache holds one.
 
+use r3_model::layers::attention::kv_capacity_for;
 use r3_model::model::decode::RowKv;
 use r3_routing::MergePolicy;
 use rand::SeedableRng;
@@ -43,7 +44,9 @@ impl DeviceEngine {
     fn validate(&self, req: &GenerateRequest) -> Result<(), RolloutError> {
         validate_request(&self.model_cfg, req)?;
         self.check_activations(req)?;
-        let need = (req.input_ids.len() + req.sampling.max_new_tokens) * self.slot_bytes();
+        // The cache's buffers keep room past the slots they hold (`kv_capacity_for`).
+        let need =
+            kv_capacity_for(req.input_ids.len() + req.sampling.max_new_tokens) * self.slot_bytes();
         if need > self.cfg.kv_cache_bytes {
             return Err(RolloutError::InvalidRequest(format!(
                 "a request of {} prompt + {} new tokens needs {need} bytes of KV cache on {}, \
@@ -187,7 +190,7 @@ impl DeviceEngine {
                 .max(step_activation_bytes(&self.model_cfg, decode));
             // A request alone always fits (`submit` checked it).
             if count > 1
-                && (count * reach * slot_bytes > self.cfg.kv_cache_bytes
+                && (count * kv_capacity_for(reach) * slot_bytes > self.cfg.kv_cache_bytes
                     || activations > self.cfg.activation_bytes)
             {
                 break;

@@ -12,17 +12,20 @@
 //! bytes = 4 · ( 3 · rows · heads · time · slots            attention scores, masked scores, probabilities (one layer)
 //!             + 3 · rows · logit_positions · vocab          logits and two more of their size
 //!             + rows · time · (8·hidden + 3·q_width + 4·ffn_width + experts)   hidden states, q/k/v, feed-forward, router
-//!             + rows · slots · layer_kv )                   one layer's keys and values copied as a step appends to them
+//!             + rows · capacity(slots) · layer_kv )         one layer's keys and values regrown as a step outgrows their buffer
 //! ```
 //!
 //! The logits' two companions are the greedy picks' shifted and exponentiated rows
 //! (`greedy.rs`), or the rows copied out for the host and their f32 cast. `q_width` is
 //! `heads ×` the query head width, `ffn_width` the widest feed-forward a token
 //! passes (the dense MLP, or top-k experts plus the shared one), `layer_kv` one slot's keys
-//! and values in one layer. It is an estimate of the largest live set, not a measurement:
+//! and values in one layer, `capacity(n)` the slots a cache buffer holding `n` may have room
+//! for (`r3_model::layers::attention::kv_capacity_for`: an eighth more, at least 16; the KV
+//! budget counts the batch's cache the same way). It is an estimate of the largest live set, not a measurement:
 //! the allocator's pools and kernels' workspaces come on top, which is what the headroom
 //! between the budgets and the device's memory is for.
 
+use r3_model::layers::attention::kv_capacity_for;
 use r3_model::{AttentionConfig, Config, SharedExpert};
 
 /// The shape of one forward step of the device engine.
@@ -91,7 +94,7 @@ pub fn step_activation_bytes(cfg: &Config, shape: StepShape) -> usize {
     let floats = 3 * rows * heads * time * slots
         + 3 * rows * logit_positions * cfg.vocab_size
         + rows * time * per_token
-        + rows * slots * layer_kv;
+        + rows * kv_capacity_for(slots) * layer_kv;
     floats.saturating_mul(4)
 }
 
@@ -128,7 +131,8 @@ mod tests {
         };
         // per token: 8·64 + 3·4·16 + 4·max(64, 2·32) + 8 = 512 + 192 + 256 + 8
         let per_token = 968;
-        let want = 4 * (3 * 3 * 4 * 10 * 12 + 3 * 3 * 1000 + 3 * 10 * per_token + 3 * 12 * 64);
+        // 12 slots live in a buffer with room for 12 + 16.
+        let want = 4 * (3 * 3 * 4 * 10 * 12 + 3 * 3 * 1000 + 3 * 10 * per_token + 3 * 28 * 64);
         assert_eq!(step_activation_bytes(&cfg, shape), want);
         // Prompt log-probs send every position through the head: the logits term grows by
         // `time`; ten times the tokens over ten times the slots costs more than ten times as
