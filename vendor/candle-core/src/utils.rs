@@ -382,6 +382,13 @@ pub fn init_global_threadpool() {
 }
 
 fn default_num_threads() -> usize {
+    // r3: worked out once (see vendor/README.md). `num_cpus::get_physical` parses
+    // /proc/cpuinfo at every call, and every CPU matmul asks for the thread count.
+    static THREADS: OnceLock<usize> = OnceLock::new();
+    *THREADS.get_or_init(detect_num_threads)
+}
+
+fn detect_num_threads() -> usize {
     let physical = {
         #[cfg(target_os = "macos")]
         {
