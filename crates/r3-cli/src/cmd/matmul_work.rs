@@ -174,26 +174,80 @@ pub fn generation_roofline(
 ) -> Option<f64> {
     let layers = cfg.num_hidden_layers;
     let kv_per_position = kv_elements_per_position(cfg)? * layers as f64;
-    let weights = |tokens: usize| -> Option<f64> {
-        let mut w = head_macs(cfg);
-        for layer in 0..layers {
-            w += layer_weights_read(cfg, layer, tokens)?;
-        }
-        Some(w * bytes.weight)
-    };
-    // Keys and values written once and read by the later prompt positions (from cache).
-    let prefill_kv = (batch * prompt) as f64 * kv_per_position * bytes.kv * 2.0;
-    let mut total = limits.step_seconds(
-        prefill_flops(cfg, prompt)? * batch as f64,
-        weights(batch * prompt)? + prefill_kv,
-    );
+    let weights = weights_read(cfg, batch, bytes)?;
+    let mut total = prefill_roofline(cfg, batch, prompt, bytes, limits)?;
     for step in 1..new_tokens {
         let context = prompt + step;
         let flops = flops_per_token(cfg, context, true)? * batch as f64;
         let kv = (batch * context) as f64 * kv_per_position * bytes.kv;
-        total += limits.step_seconds(flops, weights(batch)? + kv);
+        total += limits.step_seconds(flops, weights + kv);
     }
     Some(total)
+}
+
+/// [`generation_roofline`] with each decode step split into the phases every engine runs one
+/// after another (a layer's attention projections, its attention over the cache, its
+/// feed-forward, then the head after the last layer), each at the slower of its own FLOPs at
+/// the peak and its own bytes at the bandwidth. Never faster than the whole-step figure (a
+/// sum of maxima is at least the maximum of the sums): the step's bytes are not spread over
+/// its FLOPs but come in phases — the routed experts' weights all at once, bound by bandwidth,
+/// the head's GEMM bound by compute — so this is the time an engine that overlaps no phase
+/// with another can reach. The prefill is counted as there.
+pub fn generation_phase_roofline(
+    cfg: &Config,
+    batch: usize,
+    prompt: usize,
+    new_tokens: usize,
+    bytes: StorageBytes,
+    limits: MachineLimits,
+) -> Option<f64> {
+    let b = batch as f64;
+    let projections = attention_macs(cfg, 0)?;
+    let kv_per_position = kv_elements_per_position(cfg)?;
+    // The phases whose work does not grow with the context.
+    let head = head_macs(cfg);
+    let mut fixed = limits.step_seconds(2.0 * b * head, head * bytes.weight);
+    for layer in 0..cfg.num_hidden_layers {
+        let ffn_weights = layer_weights_read(cfg, layer, batch)? - projections;
+        fixed += limits.step_seconds(2.0 * b * projections, projections * bytes.weight)
+            + limits.step_seconds(2.0 * b * ffn_macs(cfg, layer), ffn_weights * bytes.weight);
+    }
+    let mut total = prefill_roofline(cfg, batch, prompt, bytes, limits)?;
+    for step in 1..new_tokens {
+        let context = prompt + step;
+        let attention = 2.0 * b * (attention_macs(cfg, context)? - projections);
+        let kv = b * context as f64 * kv_per_position * bytes.kv;
+        total += fixed + cfg.num_hidden_layers as f64 * limits.step_seconds(attention, kv);
+    }
+    Some(total)
+}
+
+/// Bytes of weights a step of `tokens` tokens reads: every layer's ([`layer_weights_read`])
+/// and the head.
+fn weights_read(cfg: &Config, tokens: usize, bytes: StorageBytes) -> Option<f64> {
+    let mut w = head_macs(cfg);
+    for layer in 0..cfg.num_hidden_layers {
+        w += layer_weights_read(cfg, layer, tokens)?;
+    }
+    Some(w * bytes.weight)
+}
+
+/// Roofline seconds of the prefill step of `batch` prompts of `prompt` tokens: its FLOPs,
+/// and the weights it touches plus the keys and values it writes and reads back.
+fn prefill_roofline(
+    cfg: &Config,
+    batch: usize,
+    prompt: usize,
+    bytes: StorageBytes,
+    limits: MachineLimits,
+) -> Option<f64> {
+    let kv_per_position = kv_elements_per_position(cfg)? * cfg.num_hidden_layers as f64;
+    // Keys and values written once and read by the later prompt positions (from cache).
+    let prefill_kv = (batch * prompt) as f64 * kv_per_position * bytes.kv * 2.0;
+    Some(limits.step_seconds(
+        prefill_flops(cfg, prompt)? * batch as f64,
+        weights_read(cfg, batch * prompt, bytes)? + prefill_kv,
+    ))
 }
 
 /// FLOPs of one sequence's prefill of `prompt` tokens (the head on the last only).
@@ -345,6 +399,50 @@ pub(crate) mod tests {
             fast_memory.highest(limits).step_seconds(1e3, 1e3),
             best.step_seconds(1e3, 1e3)
         );
+    }
+
+    /// By hand on [`tiny`], batch 4 at 2 FLOP/s and 1 B/s (2-byte weights, 4-byte KV): the
+    /// decode step at context 3 is projections max(4·96 / 2, 96) = 192 (compute), attention
+    /// max(4·48 / 2, 4·3·4·4) = 192 (bandwidth), feed-forward max(4·288 / 2, (e·60 + 24)·2)
+    /// with e = 6·(1 − (2/3)⁴) experts reached (bandwidth), head max(4·80 / 2, 80) = 160
+    /// (compute); the whole-step roofline, which spreads the bytes over the FLOPs, is faster.
+    #[test]
+    fn phase_roofline_counts_a_tiny_config_by_hand() {
+        let cfg = tiny();
+        let limits = MachineLimits {
+            peak_gflops: 2e-9,
+            bandwidth_gbs: 1e-9,
+        };
+        let bytes = StorageBytes {
+            weight: 2.0,
+            kv: 4.0,
+        };
+        let phases = |new| generation_phase_roofline(&cfg, 4, 2, new, bytes, limits);
+        let whole = |new| generation_roofline(&cfg, 4, 2, new, bytes, limits);
+        let (prefill, one_step) = (phases(1).expect("gqa"), phases(2).expect("gqa"));
+        assert_eq!(Some(prefill), whole(1), "the prefill is counted alike");
+        let reached = 6.0 * (1.0 - (2.0f64 / 3.0).powi(4));
+        let want =
+            192.0 + 192.0 + (4.0 * 288.0 / 2.0f64).max((reached * 60.0 + 24.0) * 2.0) + 160.0;
+        let got = one_step - prefill;
+        assert!((got - want).abs() < 1e-6 * want, "{got} vs {want}");
+        let whole_step = whole(2).expect("gqa") - prefill;
+        assert!(whole_step < got, "{whole_step} vs {got}");
+        // Where every phase is bound by the same side, the two agree.
+        for side in [
+            MachineLimits {
+                peak_gflops: 1e-9,
+                bandwidth_gbs: 1e3,
+            },
+            MachineLimits {
+                peak_gflops: 1e3,
+                bandwidth_gbs: 1e-9,
+            },
+        ] {
+            let split = generation_phase_roofline(&cfg, 4, 2, 3, bytes, side).expect("gqa");
+            let joint = generation_roofline(&cfg, 4, 2, 3, bytes, side).expect("gqa");
+            assert!((split - joint).abs() < 1e-9 * joint, "{split} vs {joint}");
+        }
     }
 
     /// The probe reports a finite, positive rate (its absolute value is the machine's).
