@@ -417,4 +417,83 @@ mod cuda {
             "something made a second stream on the training engine's context"
         );
     }
+
+    /// A layer's KV cache on the GPU: each step's keys and values written in place into its
+    /// buffers read back as the concatenation of everything appended (exactly), and the
+    /// attention over the cache's strided views — which cuBLAS reads with the buffer's batch
+    /// stride, nothing copied — equals the attention over contiguous copies on the GPU and
+    /// over the same values on the CPU.
+    #[test]
+    fn a_kv_cache_attends_in_place_on_cuda() {
+        use r3_model::layers::attention::{attend_additive, LayerKv};
+        let device = gpu();
+        let (b, kv, groups, d) = (3, 2, 4, 16);
+        let seeded = |shape: &[usize], seed: usize| -> Tensor {
+            let n: usize = shape.iter().product();
+            let values: Vec<f32> = (0..n)
+                .map(|i| (((i + 31 * seed) * 7919) % 2001) as f32 / 1000.0 - 1.0)
+                .collect();
+            Tensor::from_vec(values, shape, &Device::Cpu).expect("seeded")
+        };
+        let mut cache = LayerKv::default();
+        let (mut all_k, mut all_v): (Vec<Tensor>, Vec<Tensor>) = (Vec::new(), Vec::new());
+        for (step, t) in std::iter::once(9)
+            .chain(std::iter::repeat_n(1, 20))
+            .enumerate()
+        {
+            let k = seeded(&[b, kv, t, d], 2 * step);
+            let v = seeded(&[b, kv, t, d], 2 * step + 1);
+            let (gk, gv) = cache
+                .append(
+                    &k.to_device(&device).expect("k"),
+                    &v.to_device(&device).expect("v"),
+                )
+                .expect("append");
+            all_k.push(k);
+            all_v.push(v);
+            let want_k = Tensor::cat(&all_k.iter().collect::<Vec<_>>(), 2).expect("k");
+            let want_v = Tensor::cat(&all_v.iter().collect::<Vec<_>>(), 2).expect("v");
+            let back = |t: &Tensor| t.to_device(&Device::Cpu).expect("to host");
+            assert_eq!(max_diff(&back(&gk), &want_k), 0.0, "keys after step {step}");
+            assert_eq!(
+                max_diff(&back(&gv), &want_v),
+                0.0,
+                "values after step {step}"
+            );
+            let s = want_k.dim(2).expect("slots");
+            let mask: Vec<f32> = (0..b * s)
+                .map(|i| if i % 5 == 2 { f32::NEG_INFINITY } else { 0.0 })
+                .collect();
+            let mask = Tensor::from_vec(mask, (b, 1, 1, 1, s), &Device::Cpu).expect("mask");
+            let q = seeded(&[b, kv, groups, d], 100 + step);
+            let scale = 0.25;
+            let on_gpu = |t: &Tensor| t.to_device(&device).expect("to gpu");
+            let got = attend_additive(&on_gpu(&q), &gk, &gv, &on_gpu(&mask), scale, groups)
+                .expect("over the views");
+            let copied = attend_additive(
+                &on_gpu(&q),
+                &gk.contiguous().expect("k"),
+                &gv.contiguous().expect("v"),
+                &on_gpu(&mask),
+                scale,
+                groups,
+            )
+            .expect("over copies");
+            let cpu = attend_additive(&q, &want_k, &want_v, &mask, scale, groups).expect("cpu");
+            assert!(
+                max_diff(&back(&got), &back(&copied)) <= 1e-6,
+                "step {step}: views against copies on the GPU"
+            );
+            assert!(
+                max_diff(&back(&got), &cpu) <= 1e-5,
+                "step {step}: the GPU against the CPU"
+            );
+            if step > 0 {
+                assert!(
+                    !gk.is_contiguous(),
+                    "step {step}: a view of a longer buffer"
+                );
+            }
+        }
+    }
 }
