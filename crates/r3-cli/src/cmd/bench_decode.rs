@@ -40,6 +40,13 @@ pub struct BenchDecodeArgs {
     /// Generated tokens per request.
     #[arg(long, default_value_t = 128)]
     pub new_tokens: usize,
+    /// Fewest generated tokens of a request: with it, the requests' lengths are spread over
+    /// `--min-new-tokens ..= --new-tokens` (request `i` at `(i · 2654435769) mod` the range's
+    /// width past the minimum), so rows leave the batch one after another as RL rollouts
+    /// that stop at their end-of-sequence tokens do; without it every request generates
+    /// `--new-tokens`.
+    #[arg(long)]
+    pub min_new_tokens: Option<usize>,
     /// Precision: f32, bf16 or f16.
     #[arg(long, default_value = "f32")]
     pub dtype: Dtype,
@@ -83,16 +90,25 @@ pub fn run(a: BenchDecodeArgs) -> anyhow::Result<()> {
                 DeviceEngineConfig::from_engine_config(spec, &engine_cfg),
             )?),
         };
+        let least = a.min_new_tokens.unwrap_or(a.new_tokens);
+        if least == 0 || least > a.new_tokens {
+            anyhow::bail!(
+                "--min-new-tokens {least} must be between 1 and --new-tokens {}",
+                a.new_tokens
+            );
+        }
+        let new_tokens =
+            |i: usize| least + i.wrapping_mul(2_654_435_769) % (a.new_tokens - least + 1);
         let sampling = |i: usize| -> SamplingParams {
             if a.temperature > 0.0 {
                 SamplingParams {
                     temperature: a.temperature,
-                    max_new_tokens: a.new_tokens,
+                    max_new_tokens: new_tokens(i),
                     seed: a.seed.wrapping_add(i as u64),
                     ..SamplingParams::default()
                 }
             } else {
-                SamplingParams::greedy(a.new_tokens)
+                SamplingParams::greedy(new_tokens(i))
             }
         };
         let requests = |batch: usize| -> Vec<GenerateRequest> {
@@ -134,13 +150,17 @@ pub fn run(a: BenchDecodeArgs) -> anyhow::Result<()> {
             let waiting = wait_share.map_or(String::new(), |w| {
                 format!(", the host waiting for the device {:.1}% of it", w * 100.0)
             });
+            let lengths = if least < a.new_tokens {
+                format!("{least}–{}", a.new_tokens)
+            } else {
+                a.new_tokens.to_string()
+            };
             println!(
-                "decode {name} {} {} batch {batch}: {best:.1} tokens/s ({} prompt + {} new \
-                 tokens, {how}), route capture {:.2}% of the time{waiting}",
+                "decode {name} {} {} batch {batch}: {best:.1} tokens/s ({} prompt + {lengths} \
+                 new tokens, {how}), route capture {:.2}% of the time{waiting}",
                 a.device,
                 a.dtype,
                 a.prompt_len,
-                a.new_tokens,
                 capture_share * 100.0
             );
         }

@@ -185,60 +185,69 @@ pub fn kv_capacity_for(needed: usize) -> usize {
 /// One attention layer's keys and values of the positions fed so far, `[B, KV, S, D]`
 /// device tensors (a padded batch: every sequence holds `S` slots).
 ///
-/// They live in `[B, KV, capacity, D]` buffers of which slots `0..S` are filled: a step's keys
-/// and values are written in place after them, and attention reads the first `S` slots as a
-/// view (its matmuls take the buffer's strides). Concatenating instead copied the whole cache
-/// at every step — twice the bytes the attention itself reads, growing with the context. Not
-/// `Clone`: two caches sharing a buffer would write over each other's free slots.
+/// They live in `[B', KV, capacity, D]` buffers (`B' ≥ B`): rows `0..B` are the batch's,
+/// slots `start..start + S` are filled. A step's keys and values are written in place after
+/// them and attention reads the filled slots as a view (its matmuls take the buffer's
+/// strides); dropping slots from the front moves `start`, and a finished row is replaced by
+/// the batch's last row (one row copied, rows `B..B'` left unused). Concatenating, and
+/// selecting the kept rows, had copied the whole cache at every step and at every finished
+/// row — twice the bytes the attention itself reads, growing with the context. Not `Clone`:
+/// two caches sharing a buffer would write over each other's free slots.
 #[derive(Debug, Default)]
 pub struct LayerKv {
     kv: Option<(Tensor, Tensor)>,
+    start: usize,
     len: usize,
+    rows: usize,
+    /// The buffers are this cache's alone (it made them), so it may write into them; held
+    /// tensors a caller handed over may share storage with others (a prefix cache's blocks).
+    owned: bool,
 }
 
 impl LayerKv {
     /// Appends a step's `[B, KV, T, D]` keys and values; returns all of them (views of the
-    /// first `S + T` slots of the buffers).
+    /// buffers' filled slots).
     pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let (k, v) = (k.contiguous()?, v.contiguous()?);
         let (t, rows) = (k.dim(2)?, k.dim(0)?);
-        if v.dim(2)? != t || v.dim(0)? != rows || (self.kv.is_some() && self.rows()? != rows) {
+        if v.dim(2)? != t || v.dim(0)? != rows || (self.kv.is_some() && self.rows != rows) {
             return Err(ModelError::Input(format!(
                 "appending keys {:?} and values {:?} to a KV cache of {} rows × {} slots",
                 k.dims(),
                 v.dims(),
-                self.rows()?,
+                self.rows,
                 self.len
             )));
         }
-        let len = self.len + t;
-        let (kb, vb) = match self.kv.take() {
-            Some((kb, vb)) if kb.dim(2)? >= len => (kb, vb),
-            held => {
-                // Out of room (or empty): new buffers with headroom, the filled slots
-                // copied over once.
-                let capacity = kv_capacity_for(len);
-                let grow = |part: &Tensor, old: Option<&Tensor>| -> Result<Tensor> {
-                    let (b, h, _, d) = part.dims4()?;
-                    let buf = Tensor::zeros((b, h, capacity, d), part.dtype(), part.device())?;
-                    if let Some(old) = old.filter(|_| self.len > 0) {
-                        buf.slice_set(&old.narrow(2, 0, self.len)?.contiguous()?, 2, 0)?;
-                    }
-                    Ok(buf)
-                };
-                let (ok, ov) = match &held {
-                    Some((a, b)) => (Some(a), Some(b)),
-                    None => (None, None),
-                };
-                (grow(&k, ok)?, grow(&v, ov)?)
-            }
-        };
-        kb.slice_set(&k, 2, self.len)?;
-        vb.slice_set(&v, 2, self.len)?;
-        let views = (kb.narrow(2, 0, len)?, vb.narrow(2, 0, len)?);
-        self.kv = Some((kb, vb));
-        self.len = len;
-        Ok(views)
+        let fits = self.owned && self.start + self.len + t <= self.capacity();
+        if !fits {
+            // Out of room (or empty): new buffers with headroom, the filled slots copied to
+            // their front once.
+            let capacity = kv_capacity_for(self.len + t);
+            let filled = self.filled()?;
+            let grow = |part: &Tensor, old: Option<&Tensor>| -> Result<Tensor> {
+                let (b, h, _, d) = part.dims4()?;
+                let buf = Tensor::zeros((b, h, capacity, d), part.dtype(), part.device())?;
+                if let Some(old) = old {
+                    buf.slice_set(old, 2, 0)?;
+                }
+                Ok(buf)
+            };
+            let (ok, ov) = match &filled {
+                Some((a, b)) => (Some(a), Some(b)),
+                None => (None, None),
+            };
+            self.kv = Some((grow(&k, ok)?, grow(&v, ov)?));
+            (self.start, self.rows, self.owned) = (0, rows, true);
+        }
+        let at = self.start + self.len;
+        if let Some((kb, vb)) = &self.kv {
+            kb.narrow(0, 0, rows)?.slice_set(&k, 2, at)?;
+            vb.narrow(0, 0, rows)?.slice_set(&v, 2, at)?;
+        }
+        self.len += t;
+        self.parts()
+            .ok_or_else(|| ModelError::Input("a KV cache lost its buffers".into()))
     }
 
     /// The device of the cached tensors (None while empty).
@@ -256,7 +265,7 @@ impl LayerKv {
         self.len == 0
     }
 
-    /// Slots the buffers hold room for (`S` and the free slots after them).
+    /// Slots the buffers hold room for (dropped front slots, `S` and the free slots after).
     pub fn capacity(&self) -> usize {
         self.kv
             .as_ref()
@@ -264,27 +273,82 @@ impl LayerKv {
             .unwrap_or(0)
     }
 
+    /// Rows of the batch (0 while empty).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
     /// Keeps only the batch rows `rows` (a u32 index tensor), in that order.
     pub fn keep_rows(&mut self, rows: &Tensor) -> Result<()> {
-        if let Some((k, v)) = self.kv.take() {
-            self.kv = Some((k.index_select(rows, 0)?, v.index_select(rows, 0)?));
+        if let Some((k, v)) = self.filled()? {
+            self.set_filled(k.index_select(rows, 0)?, v.index_select(rows, 0)?, true)?;
         }
         Ok(())
     }
 
-    /// The filled slots of both buffers as contiguous tensors of their own.
+    /// Makes the buffers this cache's own (a copy of the filled slots where they were handed
+    /// over), before it writes into them.
+    fn own(&mut self) -> Result<()> {
+        if !self.owned {
+            if let Some((k, v)) = self.filled()? {
+                self.set_filled(k.copy()?, v.copy()?, true)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes batch row `row` by moving the last row into its place (`Vec::swap_remove`'s
+    /// order): one row copied, not the batch.
+    pub fn swap_remove_row(&mut self, row: usize) -> Result<()> {
+        if row >= self.rows {
+            return Err(ModelError::Input(format!(
+                "removing row {row} of a KV cache of {} rows",
+                self.rows
+            )));
+        }
+        let last = self.rows - 1;
+        if row < last {
+            self.own()?;
+        }
+        if let (Some((k, v)), true) = (&self.kv, row < last) {
+            for buf in [k, v] {
+                // The whole row of the buffer (contiguous), copied out first: a buffer
+                // cannot be written from its own storage.
+                let moved = buf.narrow(0, last, 1)?.copy()?;
+                buf.slice_set(&moved, 0, row)?;
+            }
+        }
+        self.rows = last;
+        Ok(())
+    }
+
+    /// The filled slots of both buffers as contiguous tensors (None while empty).
     fn filled(&self) -> Result<Option<(Tensor, Tensor)>> {
-        let Some((k, v)) = &self.kv else {
-            return Ok(None);
-        };
-        let take = |t: &Tensor| t.narrow(2, 0, self.len)?.contiguous();
-        Ok(Some((take(k)?, take(v)?)))
+        match self.parts() {
+            Some((k, v)) => Ok(Some((k.contiguous()?, v.contiguous()?))),
+            None => Ok(None),
+        }
     }
 
     /// Puts `n` zero slots in front of every row's keys and values (`S` grows by `n`); the
     /// caller's mask must hide them.
     pub fn pad_front(&mut self, n: usize) -> Result<()> {
-        let Some((k, v)) = self.filled()?.filter(|_| n > 0) else {
+        let Some((kb, vb)) = self.kv.as_ref().filter(|_| n > 0) else {
+            return Ok(());
+        };
+        if self.start >= n && self.owned {
+            // Room in front (slots dropped earlier): zero it and take it back.
+            for buf in [kb, vb] {
+                let (_, h, _, d) = buf.dims4()?;
+                let zeros = Tensor::zeros((self.rows, h, n, d), buf.dtype(), buf.device())?;
+                buf.narrow(0, 0, self.rows)?
+                    .slice_set(&zeros, 2, self.start - n)?;
+            }
+            self.start -= n;
+            self.len += n;
+            return Ok(());
+        }
+        let Some((k, v)) = self.filled()? else {
             return Ok(());
         };
         let pad = |t: &Tensor| -> Result<Tensor> {
@@ -292,10 +356,10 @@ impl LayerKv {
             let zeros = Tensor::zeros((b, h, n, d), t.dtype(), t.device())?;
             Ok(Tensor::cat(&[&zeros, t], 2)?)
         };
-        self.set_filled(pad(&k)?, pad(&v)?)
+        self.set_filled(pad(&k)?, pad(&v)?, true)
     }
 
-    /// Drops the first `n` slots of every row (`S` shrinks by `n`).
+    /// Drops the first `n` slots of every row (`S` shrinks by `n`; nothing is copied).
     pub fn drop_front(&mut self, n: usize) -> Result<()> {
         if n > self.len {
             return Err(ModelError::Input(format!(
@@ -303,66 +367,53 @@ impl LayerKv {
                 self.len
             )));
         }
-        let Some((k, v)) = self.kv.as_ref().filter(|_| n > 0) else {
-            return Ok(());
-        };
-        let rest = |t: &Tensor| t.narrow(2, n, self.len - n)?.contiguous();
-        let (k, v) = (rest(k)?, rest(v)?);
-        self.set_filled(k, v)
+        self.start += n;
+        self.len -= n;
+        Ok(())
     }
 
     /// A copy in storage of its own (the filled slots only).
     pub fn try_clone(&self) -> Result<LayerKv> {
         let mut copy = LayerKv::default();
         if let Some((k, v)) = self.filled()? {
-            // `filled` may return the buffers themselves where a narrow is contiguous.
-            copy.set_filled(k.copy()?, v.copy()?)?;
+            // `filled` may return the buffers themselves where a view is contiguous.
+            copy.set_filled(k.copy()?, v.copy()?, true)?;
         }
         Ok(copy)
     }
 
     /// Holds `k` and `v` (`[B, KV, S, D]`, contiguous) as the filled slots, with no room
-    /// after them (the next append makes its own).
-    fn set_filled(&mut self, k: Tensor, v: Tensor) -> Result<()> {
-        self.len = k.dim(2)?;
-        self.kv = Some((k, v));
+    /// around them (the next append makes its own); `owned` where they were made here.
+    fn set_filled(&mut self, k: Tensor, v: Tensor, owned: bool) -> Result<()> {
+        (self.start, self.len, self.rows) = (0, k.dim(2)?, k.dim(0)?);
+        (self.kv, self.owned) = (Some((k, v)), owned);
         Ok(())
     }
 
     /// A layer cache holding `k` and `v` (`[B, KV, S, D]` each, contiguous).
     pub fn from_parts(k: Tensor, v: Tensor) -> Result<Self> {
         let mut layer = LayerKv::default();
-        layer.set_filled(k, v)?;
+        layer.set_filled(k, v, false)?;
         Ok(layer)
     }
 
     /// The filled slots' keys and values, views of the buffers (None while empty).
     pub fn parts(&self) -> Option<(Tensor, Tensor)> {
         let (k, v) = self.kv.as_ref()?;
-        Some((
-            k.narrow(2, 0, self.len).ok()?,
-            v.narrow(2, 0, self.len).ok()?,
-        ))
+        let view = |t: &Tensor| t.narrow(0, 0, self.rows)?.narrow(2, self.start, self.len);
+        Some((view(k).ok()?, view(v).ok()?))
     }
 
-    /// Rows of the batch (0 while empty).
-    pub fn rows(&self) -> Result<usize> {
-        match &self.kv {
-            Some((k, _)) => Ok(k.dim(0)?),
-            None => Ok(0),
-        }
-    }
-
-    /// Keys and values of batch row `row` at slots `index` (a u32 tensor of filled slots),
+    /// Keys and values of batch row `row` at filled slots `index` (a u32 tensor),
     /// `[1, KV, n, D]` each, in storage of their own: an index select always copies, where a
     /// narrow (or a `contiguous` of a narrow that happens to be contiguous) would keep the
     /// whole batch's storage alive.
     pub fn row_slots(&self, row: usize, index: &Tensor) -> Result<Option<(Tensor, Tensor)>> {
-        let Some((k, v)) = &self.kv else {
+        let Some((k, v)) = self.parts() else {
             return Ok(None);
         };
         let pick = |t: &Tensor| t.narrow(0, row, 1)?.contiguous()?.index_select(index, 2);
-        Ok(Some((pick(k)?, pick(v)?)))
+        Ok(Some((pick(&k)?, pick(&v)?)))
     }
 
     /// Reorders every row's slots: `index` (u32, `[B · S]`) holds, for row `b` and slot `j`,
@@ -381,17 +432,20 @@ impl LayerKv {
                 .transpose(1, 2)?
                 .contiguous()?)
         };
-        self.set_filled(permute(&k)?, permute(&v)?)
+        self.set_filled(permute(&k)?, permute(&v)?, true)
     }
 
     /// Appends the rows of `other` (the same slots) after this cache's rows.
     pub fn append_rows(&mut self, other: &LayerKv) -> Result<()> {
         match (self.filled()?, other.filled()?) {
-            (Some((k, v)), Some((k2, v2))) => {
-                self.set_filled(Tensor::cat(&[&k, &k2], 0)?, Tensor::cat(&[&v, &v2], 0)?)
-            }
+            (Some((k, v)), Some((k2, v2))) => self.set_filled(
+                Tensor::cat(&[&k, &k2], 0)?,
+                Tensor::cat(&[&v, &v2], 0)?,
+                true,
+            ),
             (_, None) => Ok(()),
-            (None, Some((k2, v2))) => self.set_filled(k2, v2),
+            // `other`'s storage, possibly: held as handed over, not written into.
+            (None, Some((k2, v2))) => self.set_filled(k2, v2, false),
         }
     }
 }
@@ -780,6 +834,53 @@ mod tests {
         then_append(cache, dropped, "front dropped");
         let (mut cache, _) = grown(3);
         assert!(cache.drop_front(7).is_err(), "more slots dropped than held");
+
+        // A finished row replaced by the last (one row copied), the last row removed, and
+        // front slots dropped then taken back as zeros in place.
+        let (mut cache, want) = grown(8);
+        cache.swap_remove_row(0).expect("swap remove");
+        let order = Tensor::new(&[2u32, 1], &Device::Cpu).expect("order");
+        let swapped = each(&want, &|t| t.index_select(&order, 0).expect("select"));
+        check(&cache, &swapped, "the first row swap-removed");
+        cache.swap_remove_row(1).expect("last removed");
+        let first = each(&swapped, &|t| t.narrow(0, 0, 1).expect("row"));
+        then_append(cache, first, "then the last row removed");
+        assert!(
+            grown(8).0.swap_remove_row(3).is_err(),
+            "a row past the batch"
+        );
+        let (mut cache, want) = grown(9);
+        cache.drop_front(2).expect("drop");
+        cache.pad_front(1).expect("pad in place");
+        let repadded = each(&want, &|t| {
+            let kept = t.narrow(2, 2, 4).expect("narrow");
+            cat2(
+                &Tensor::zeros((b, kv, 1, d), DType::F32, &Device::Cpu).expect("zeros"),
+                &kept,
+            )
+        });
+        then_append(cache, repadded, "front dropped, then padded in place");
+
+        // Buffers handed over (a prefix cache's blocks) are never written into: removing a
+        // row and padding after a drop leave the caller's tensors as they were.
+        let k0 = seeded_tensor(&[b, kv, 5, d], 60, DType::F32);
+        let v0 = seeded_tensor(&[b, kv, 5, d], 61, DType::F32);
+        let (k_bits, v_bits) = (bits(&k0), bits(&v0));
+        let handed = || LayerKv::from_parts(k0.clone(), v0.clone()).expect("handed over");
+        handed().swap_remove_row(0).expect("swap remove");
+        let mut cache = handed();
+        cache.drop_front(1).expect("drop");
+        cache.pad_front(1).expect("pad");
+        let mut joined = LayerKv::default();
+        joined
+            .append_rows(&LayerKv::from_parts(k0.clone(), v0.clone()).expect("other"))
+            .expect("join an empty cache");
+        joined.swap_remove_row(1).expect("swap remove");
+        assert_eq!(
+            (bits(&k0), bits(&v0)),
+            (k_bits, v_bits),
+            "handed-over tensors"
+        );
 
         let (mut cache, want) = grown(4);
         let s = 6;

@@ -54,6 +54,15 @@ impl KvCache {
         Ok(())
     }
 
+    /// Removes batch row `row` by moving the last row into its place, as `Vec::swap_remove`
+    /// does (the caller's rows must follow): one row of each layer copied, not the batch.
+    pub fn swap_remove_row(&mut self, row: usize) -> Result<()> {
+        for layer in &mut self.layers {
+            layer.swap_remove_row(row)?;
+        }
+        Ok(())
+    }
+
     /// Puts `n` empty slots in front of every row (a batch that joins a longer one is
     /// left-padded to its slot count); the caller's masks must hide them.
     pub fn pad_front(&mut self, n: usize) -> Result<()> {
@@ -99,10 +108,7 @@ impl KvCache {
 
     /// Rows of the batch (0 while empty).
     pub fn rows(&self) -> Result<usize> {
-        match self.layers.iter().find(|l| l.device().is_some()) {
-            Some(layer) => layer.rows(),
-            None => Ok(0),
-        }
+        Ok(self.layers.first().map_or(0, LayerKv::rows))
     }
 
     /// Slots `start..start + len` of batch row `row`, every layer, copied into storage of

@@ -525,30 +525,23 @@ impl DeviceEngine {
     }
 
     /// Takes the finished rows out of `batch` (and their rows out of its cache); returns
-    /// them as results.
+    /// them as results, in batch order.
     fn retire(&mut self, batch: &mut Running) -> Result<Vec<GenerateResult>, RolloutError> {
-        let keep: Vec<u32> = (0..batch.rows.len() as u32)
-            .filter(|&i| batch.rows[i as usize].finish.is_none())
+        let finished: Vec<usize> = (0..batch.rows.len())
+            .filter(|&b| batch.rows[b].finish.is_some())
             .collect();
-        let mut results = Vec::new();
-        if keep.len() < batch.rows.len() {
-            for (b, row) in batch.rows.iter().enumerate() {
-                if row.finish.is_some() {
-                    self.offer(row, &batch.cache, b)?;
-                }
-            }
-            for row in std::mem::take(&mut batch.rows) {
-                if row.finish.is_some() {
-                    results.push(self.result(row)?);
-                } else {
-                    batch.rows.push(row);
-                }
-            }
-            if !batch.rows.is_empty() {
-                batch.cache.keep_rows(&keep)?;
-            }
+        for &b in &finished {
+            self.offer(&batch.rows[b], &batch.cache, b)?;
         }
-        Ok(results)
+        // Each leaves as `Vec::swap_remove` takes it, the highest index first, and its cache
+        // row the same way: the batch's last row moves into its place (one row of the cache
+        // copied, where selecting the kept rows copied all of them).
+        let mut gone = Vec::with_capacity(finished.len());
+        for &b in finished.iter().rev() {
+            gone.push(batch.rows.swap_remove(b));
+            batch.cache.swap_remove_row(b)?;
+        }
+        gone.into_iter().rev().map(|row| self.result(row)).collect()
     }
 
     /// The result of a finished (or aborted) row.
@@ -613,15 +606,13 @@ impl DeviceEngine {
             self.running = Some(running);
             return Ok(None);
         };
-        let row = running.rows.remove(i);
         // Its fed positions go to the prefix cache, so a resume under the same weights
         // does not feed them again.
-        self.offer(&row, &running.cache, i)?;
+        self.offer(&running.rows[i], &running.cache, i)?;
+        // The batch's last row takes its place, in the cache too (as in `retire`).
+        let row = running.rows.swap_remove(i);
+        running.cache.swap_remove_row(i)?;
         if !running.rows.is_empty() {
-            let keep: Vec<u32> = (0..=running.rows.len() as u32)
-                .filter(|&j| j as usize != i)
-                .collect();
-            running.cache.keep_rows(&keep)?;
             trim(&mut running)?;
             self.running = Some(running);
         }
