@@ -300,6 +300,10 @@ impl LayerKv {
     /// Removes batch row `row` by moving the last row into its place (`Vec::swap_remove`'s
     /// order): one row copied, not the batch.
     pub fn swap_remove_row(&mut self, row: usize) -> Result<()> {
+        if self.kv.is_none() {
+            // Nothing fed yet: no row to move.
+            return Ok(());
+        }
         if row >= self.rows {
             return Err(ModelError::Input(format!(
                 "removing row {row} of a KV cache of {} rows",
