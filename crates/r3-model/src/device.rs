@@ -171,7 +171,7 @@ fn default_pool(
 /// The device's free and total memory in bytes, as its driver reports them now: `None` on
 /// the CPU (whose memory the operating system manages); on a GPU, CUDA's `cuMemGetInfo`
 /// after the work queued so far has run and the memory pool has handed back what it keeps
-/// unused ([`keep_freed_memory`] keeps freed memory in the pool, where the driver counts it
+/// unused (`keep_freed_memory` keeps freed memory in the pool, where the driver counts it
 /// as used).
 pub fn device_memory(device: &Device) -> Result<Option<(usize, usize)>, DeviceError> {
     match device {

@@ -4,7 +4,7 @@
 //! space, the global layer of every column, its first token position and which cells are
 //! missing. Around it: [`LayerLayout`] (which layers are MoE), [`ExpertPlacement`] (EPLB
 //! physical → logical), the SGLang / vLLM / canonical wire codecs ([`wire`]), alignment of
-//! rows with tokens ([`align`]), divergence statistics ([`divergence`]), training–inference
+//! rows with tokens ([`align`]), divergence statistics ([`divergence`](mod@divergence)), training–inference
 //! mismatch metrics ([`mismatch`]), expert-load statistics ([`load`]), the routing keys of
 //! an HF config ([`RoutingConfig`]) and Megatron-Core's layer and token split ([`megatron`]).
 

@@ -11,7 +11,7 @@
 //! - [`config`]: the `r3 train` configuration (TOML, `--set` overrides, checks).
 //! - [`rl`]: the RL loop: sample a step's rollouts, score them, update the policy, sync
 //!   the weights to the rollout side, log metrics, checkpoint and resume.
-//! - [`pretrain`]: `r3 pretrain`, supervised next-token training of the base models.
+//! - [`pretrain`](mod@pretrain): `r3 pretrain`, supervised next-token training of the base models.
 
 pub mod algo;
 pub mod config;

@@ -32,7 +32,7 @@ pub struct CompareArgs {
     /// Evaluate every N steps (and after the last).
     #[arg(long, default_value_t = 4)]
     pub eval_every: u64,
-    /// Output directory: runs/<name>/ per run, the report, results.{md,json}, compare.json.
+    /// Output directory: `runs/<name>/` per run, the report, results.{md,json}, compare.json.
     #[arg(long, default_value = "compare")]
     pub out: PathBuf,
     /// Replay modes, comma separated: disabled, R2, R3.

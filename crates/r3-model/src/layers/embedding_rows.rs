@@ -16,7 +16,7 @@ use crate::host::contiguous;
 use crate::math::StdFloat;
 
 /// Rows `ids` of `table` `[V, H]` (`ids` the same on the host and as a u32 tensor on the
-/// table's device), differentiable in `table` by [`EmbeddingRows`]; candle's `index_select`
+/// table's device), differentiable in `table` by `EmbeddingRows`; candle's `index_select`
 /// where the op does not apply (another device or dtype, or no gradient wanted).
 pub fn embedding_rows(table: &Tensor, ids: &Tensor, host_ids: &[u32]) -> Result<Tensor> {
     let (vocab, _) = table.dims2()?;

@@ -12,7 +12,7 @@
 //! by GEMMs into the stack's gradient directly: the main blocks first (each expert once), then
 //! each expert's overflow rows — contiguous in the layout — added in f32.
 //!
-//! Which GEMMs run is a [`GemmPlan`] made on the host from the block → expert map alone; a
+//! Which GEMMs run is a `GemmPlan` made on the host from the block → expert map alone; a
 //! GPU runs it through cuBLAS, the CPU (the tests) through a plain column-major GEMM, so the
 //! plan's offsets and accumulation order are checked in CI against candle's composed ops.
 

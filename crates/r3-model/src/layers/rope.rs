@@ -204,7 +204,7 @@ impl RopeTables {
     /// HF DeepSeek's interleaved variant permutes pairs to half-split before rotating;
     /// rotating pairs in place (`rope_i`) gives the same q·k since q and k share the permutation.
     /// On CPU in f32/f64 this is one fused op ([`RotaryOp`]) that reads `x` through its
-    /// strides; on a GPU in f32 candle's rope kernel with a backward ([`RotateBack`]);
+    /// strides; on a GPU in f32 candle's rope kernel with a backward (`RotateBack`);
     /// elsewhere candle's composed ops.
     pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
         if x.device().is_cuda() && x.dtype() == DType::F32 && x.rank() == 4 {

@@ -85,7 +85,8 @@ pub struct DeviceEngineConfig {
     /// Sequences in one batch at most.
     pub max_running: usize,
     /// Budget of the batch's KV cache in bytes (f32 keys and values of every layer for
-    /// every slot a batch can reach); a request that alone exceeds it is refused.
+    /// every slot a batch can reach, and the room its buffers keep past them:
+    /// `kv_capacity_for`); a request that alone exceeds it is refused.
     pub kv_cache_bytes: usize,
     /// Budget of one step's activations in bytes (the estimate of [`memory`]: attention
     /// scores, logits, hidden states of the step's tokens), beside `kv_cache_bytes`: a

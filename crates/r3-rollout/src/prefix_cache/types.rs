@@ -55,7 +55,7 @@ pub enum PrefixCacheError {
 }
 
 /// A hold on a chain of cached blocks (from the first block up to `last`): none of them is
-/// evicted until the lease is given back with [`PrefixCache::release`]. Not `Clone`, so each
+/// evicted until the lease is given back with [`PrefixCache::release`](super::PrefixCache::release). Not `Clone`, so each
 /// hold is released once.
 #[derive(Debug, PartialEq, Eq)]
 #[must_use = "a lease pins cache blocks until it is released"]
@@ -76,7 +76,7 @@ impl PrefixLease {
     }
 }
 
-/// Result of [`PrefixCache::match_prefix`].
+/// Result of [`PrefixCache::match_prefix`](super::PrefixCache::match_prefix).
 #[derive(Debug)]
 #[must_use = "the match holds a lease that must be released"]
 pub struct PrefixMatch<P> {
@@ -90,7 +90,7 @@ pub struct PrefixMatch<P> {
     pub lease: PrefixLease,
 }
 
-/// Result of [`PrefixCache::insert`].
+/// Result of [`PrefixCache::insert`](super::PrefixCache::insert).
 #[derive(Debug)]
 #[must_use = "the insert holds a lease that must be released"]
 pub struct InsertOutcome<P> {
