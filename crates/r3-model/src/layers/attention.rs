@@ -222,16 +222,16 @@ impl LayerKv {
         let fits = self.owned && self.start + self.len + t <= self.capacity();
         if !fits {
             // Out of room (or empty): new buffers with headroom, the filled slots copied to
-            // their front once.
+            // their front in the same pass (candle's cat reads the strided views as they are).
             let capacity = kv_capacity_for(self.len + t);
-            let filled = self.filled()?;
+            let filled = self.parts();
             let grow = |part: &Tensor, old: Option<&Tensor>| -> Result<Tensor> {
                 let (b, h, _, d) = part.dims4()?;
-                let buf = Tensor::zeros((b, h, capacity, d), part.dtype(), part.device())?;
-                if let Some(old) = old {
-                    buf.slice_set(old, 2, 0)?;
-                }
-                Ok(buf)
+                let room = |slots| Tensor::zeros((b, h, slots, d), part.dtype(), part.device());
+                Ok(match old {
+                    Some(old) => Tensor::cat(&[old, &room(capacity - self.len)?], 2)?,
+                    None => room(capacity)?,
+                })
             };
             let (ok, ov) = match &filled {
                 Some((a, b)) => (Some(a), Some(b)),
@@ -290,8 +290,8 @@ impl LayerKv {
     /// over), before it writes into them.
     fn own(&mut self) -> Result<()> {
         if !self.owned {
-            if let Some((k, v)) = self.filled()? {
-                self.set_filled(k.copy()?, v.copy()?, true)?;
+            if let Some((k, v)) = self.copied()? {
+                self.set_filled(k, v, true)?;
             }
         }
         Ok(())
@@ -326,10 +326,26 @@ impl LayerKv {
         Ok(())
     }
 
-    /// The filled slots of both buffers as contiguous tensors (None while empty).
+    /// The filled slots of both buffers as contiguous tensors (None while empty); where a
+    /// view is contiguous already, the buffer's own storage.
     fn filled(&self) -> Result<Option<(Tensor, Tensor)>> {
         match self.parts() {
             Some((k, v)) => Ok(Some((k.contiguous()?, v.contiguous()?))),
+            None => Ok(None),
+        }
+    }
+
+    /// The filled slots copied into storage of their own, one copy each (None while empty).
+    fn copied(&self) -> Result<Option<(Tensor, Tensor)>> {
+        let copy = |t: Tensor| {
+            if t.is_contiguous() {
+                t.copy()
+            } else {
+                t.contiguous()
+            }
+        };
+        match self.parts() {
+            Some((k, v)) => Ok(Some((copy(k)?, copy(v)?))),
             None => Ok(None),
         }
     }
@@ -352,7 +368,8 @@ impl LayerKv {
             self.len += n;
             return Ok(());
         }
-        let Some((k, v)) = self.filled()? else {
+        // The views go into the cat as they are (one copy).
+        let Some((k, v)) = self.parts() else {
             return Ok(());
         };
         let pad = |t: &Tensor| -> Result<Tensor> {
@@ -379,9 +396,8 @@ impl LayerKv {
     /// A copy in storage of its own (the filled slots only).
     pub fn try_clone(&self) -> Result<LayerKv> {
         let mut copy = LayerKv::default();
-        if let Some((k, v)) = self.filled()? {
-            // `filled` may return the buffers themselves where a view is contiguous.
-            copy.set_filled(k.copy()?, v.copy()?, true)?;
+        if let Some((k, v)) = self.copied()? {
+            copy.set_filled(k, v, true)?;
         }
         Ok(copy)
     }
@@ -423,7 +439,7 @@ impl LayerKv {
     /// Reorders every row's slots: `index` (u32, `[B · S]`) holds, for row `b` and slot `j`,
     /// `b · S + s` where `s` is the slot of row `b` that moves to `j`.
     pub fn permute_slots(&mut self, index: &Tensor) -> Result<()> {
-        let Some((k, v)) = self.filled()? else {
+        let Some((k, v)) = self.parts() else {
             return Ok(());
         };
         let permute = |t: &Tensor| -> Result<Tensor> {

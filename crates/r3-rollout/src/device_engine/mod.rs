@@ -161,6 +161,16 @@ struct Running {
     prefilled: bool,
 }
 
+impl Running {
+    /// Takes row `i` out as `Vec::swap_remove` does — the last row moves into its place —
+    /// and its cache row the same way (one row of the cache copied, not the batch), so rows
+    /// and cache rows stay side by side.
+    fn swap_remove(&mut self, i: usize) -> Result<Row, RolloutError> {
+        self.cache.swap_remove_row(i)?;
+        Ok(self.rows.swap_remove(i))
+    }
+}
+
 /// The device engine; see the module docs.
 #[derive(Debug)]
 pub struct DeviceEngine {
@@ -534,14 +544,12 @@ impl DeviceEngine {
         for &b in &finished {
             self.offer(&batch.rows[b], &batch.cache, b)?;
         }
-        // Each leaves as `Vec::swap_remove` takes it, the highest index first, and its cache
-        // row the same way: the batch's last row moves into its place (one row of the cache
-        // copied, where selecting the kept rows copied all of them).
-        let mut gone = Vec::with_capacity(finished.len());
-        for &b in finished.iter().rev() {
-            gone.push(batch.rows.swap_remove(b));
-            batch.cache.swap_remove_row(b)?;
-        }
+        // The highest index first, so the row moved into each place is one that stays.
+        let gone = finished
+            .iter()
+            .rev()
+            .map(|&b| batch.swap_remove(b))
+            .collect::<Result<Vec<_>, _>>()?;
         gone.into_iter().rev().map(|row| self.result(row)).collect()
     }
 
@@ -610,9 +618,7 @@ impl DeviceEngine {
         // Its fed positions go to the prefix cache, so a resume under the same weights
         // does not feed them again.
         self.offer(&running.rows[i], &running.cache, i)?;
-        // The batch's last row takes its place, in the cache too (as in `retire`).
-        let row = running.rows.swap_remove(i);
-        running.cache.swap_remove_row(i)?;
+        let row = running.swap_remove(i)?;
         if !running.rows.is_empty() {
             trim(&mut running)?;
             self.running = Some(running);
