@@ -29,8 +29,9 @@
 #    seeded sampling reproducing itself, a batch = one at a time), `r3 generate --device
 #    cuda` = `--device cpu` on the oracle prompts, both engines on the GPU in `r3 train`, and
 #    `r3 bench decode --device cuda` at batch 1 / 64 / 256 (mid in f32 and bf16, the 30B-A3B
-#    shape in bf16) beside scripts/cuda/peer_hf_generate.py, and mid bf16 sampled at
-#    temperature 1 (an RL rollout's setting).
+#    shape in bf16) beside scripts/cuda/peer_hf_generate.py, small batches routed on the
+#    host against routed on the device (`--routing`), and mid bf16 sampled at temperature 1
+#    (an RL rollout's setting).
 # 5. Only with --steps 5: Nsight Compute's per-kernel time table of one bf16 training step
 #    of mid and of the 30B-A3B shape (where a step's GPU time goes).
 # 6. Only with --steps 6: Nsight Systems' CUDA API table of one mid bf16 training step (where
@@ -274,6 +275,24 @@ for run in "mid f32" "mid bf16" "a3b-8l bf16"; do
     decode+=("$config $dtype r3 [${r3_tps:-?}] HF [${hf_tps:-?}] tok/s by batch, r3's host waiting for the GPU [${r3_wait:-?}]")
 done
 verdict decode "$(IFS=';'; echo "${decode[*]}")"
+# The runs above route on the device where `auto` says (a GPU's steps of a few rows: each
+# MoE layer's top-k, gates and experts without the host); the same small batches routed on
+# the host (one wait a layer) say what that saved.
+routing=()
+for run in "mid f32 1,8" "mid bf16 1,8" "a3b-8l bf16 1"; do
+    read -r config dtype batches <<< "$run"
+    if [ "$(left)" -lt 50 ]; then routing+=("$config $dtype skipped(budget)"); continue; fi
+    for place in host device; do
+        timeout "$(limit 90)" "$bin/r3" bench decode --device cuda --configs "$config" --batches "$batches" \
+            --dtype "$dtype" --prompt-len 32 --new-tokens 128 --routing "$place" \
+            > "$work/decode-routing-$place-$config-$dtype.txt" 2>&1
+        cat "$work/decode-routing-$place-$config-$dtype.txt"
+    done
+    host=$(grep -E "^decode $config" "$work/decode-routing-host-$config-$dtype.txt" | sed -E 's/.*batch ([0-9]+): ([0-9.]+) tokens\/s.*waiting for the device ([0-9.]+)%.*/\1:\2 (wait \3%)/' | tr '\n' ' ')
+    dev=$(grep -E "^decode $config" "$work/decode-routing-device-$config-$dtype.txt" | sed -E 's/.*batch ([0-9]+): ([0-9.]+) tokens\/s.*waiting for the device ([0-9.]+)%.*/\1:\2 (wait \3%)/' | tr '\n' ' ')
+    routing+=("$config $dtype routed on the host [${host:-?}] on the device [${dev:-?}] tok/s by batch")
+done
+verdict decode-routing "$(IFS=';'; echo "${routing[*]}")"
 # Sampled at temperature 1 (an RL rollout: every row's logits go to the host's sampler each
 # step, through page-locked memory), mid bf16, beside the greedy figures above.
 if [ "$(left)" -ge 45 ]; then

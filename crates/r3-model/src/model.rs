@@ -228,6 +228,29 @@ impl Model {
         &self.cfg
     }
 
+    /// The MoE blocks, in layer order.
+    fn moe_blocks(&self) -> impl Iterator<Item = &MoeBlock> {
+        self.layers.iter().filter_map(|l| match &l.ffn {
+            FeedForward::Moe(block) => Some(block),
+            FeedForward::Dense(_) => None,
+        })
+    }
+
+    /// Whether every MoE layer can choose its experts on the device
+    /// ([`decode::StepRouting::Device`]; see [`MoeBlock::routes_on_device`]).
+    pub fn routes_on_device(&self) -> bool {
+        self.moe_blocks().all(MoeBlock::routes_on_device)
+    }
+
+    /// Bytes of the largest routed expert's matrices (0 without MoE layers): what a
+    /// device-routed step gathers per (row, slot) and MoE layer.
+    pub fn routed_expert_bytes(&self) -> usize {
+        self.moe_blocks()
+            .map(MoeBlock::expert_bytes)
+            .max()
+            .unwrap_or(0)
+    }
+
     /// `[B, T, H]` embeddings of the `B·T` token `ids`, rounded at the precision's embedding
     /// point: where the full forward and the cached decode step both start.
     fn embed_tokens(&self, ids: &Tensor, host_ids: &[u32], b: usize, t: usize) -> Result<Tensor> {
@@ -353,29 +376,38 @@ impl Model {
         gates: Gates,
         moe: &mut MoeRecord,
     ) -> Result<Tensor> {
-        let cfg = &self.cfg;
-        let (b, t, _) = h.dims3()?;
-        let normed = layer
-            .post_norm
-            .forward(&h)?
-            .reshape((b * t, cfg.hidden_size))?;
-        let ffn = match &layer.ffn {
-            FeedForward::Dense(mlp) => mlp.forward(&normed)?,
-            FeedForward::Moe(block) => {
-                let column = cfg.layout.moe_column(i).ok_or_else(|| {
+        self.feed_forward_with(layer, h, |block, normed| {
+            let column =
+                self.cfg.layout.moe_column(i).ok_or_else(|| {
                     ModelError::InvalidConfig(format!("layer {i} has no MoE column"))
                 })?;
-                let layer_plan = plan.and_then(|p| p.layers.get(column));
-                let out = block.forward(&normed, rows, layer_plan, gates)?;
-                moe.used.push(out.ids);
-                moe.differs.push(out.differs_from_native);
-                moe.replay_time += out.replay_time;
-                moe.device_wait += out.device_wait;
-                out.output
-            }
+            let layer_plan = plan.and_then(|p| p.layers.get(column));
+            let out = block.forward(normed, rows, layer_plan, gates)?;
+            moe.used.push(out.ids);
+            moe.differs.push(out.differs_from_native);
+            moe.replay_time += out.replay_time;
+            moe.device_wait += out.device_wait;
+            Ok(out.output)
+        })
+    }
+
+    /// The second half of a decoder layer on `h` `[B, T, H]`: its post-attention norm, the
+    /// dense MLP or `moe_block` (a MoE layer's block output from the normed `[B·T, H]` rows),
+    /// and the residual.
+    fn feed_forward_with<'m>(
+        &self,
+        layer: &'m DecoderLayer,
+        h: Tensor,
+        moe_block: impl FnOnce(&'m MoeBlock, &Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let hidden = self.cfg.hidden_size;
+        let (b, t, _) = h.dims3()?;
+        let normed = layer.post_norm.forward(&h)?.reshape((b * t, hidden))?;
+        let ffn = match &layer.ffn {
+            FeedForward::Dense(mlp) => mlp.forward(&normed)?,
+            FeedForward::Moe(block) => moe_block(block, &normed)?,
         };
-        self.precision
-            .round(&(h + ffn.reshape((b, t, cfg.hidden_size))?)?)
+        self.precision.round(&(h + ffn.reshape((b, t, hidden))?)?)
     }
 
     /// What the routing mode returns: `Record` the chosen routes as tables, `Replay` the

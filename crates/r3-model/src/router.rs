@@ -29,7 +29,7 @@ pub struct Router {
 /// a stable sort by `total_cmp`, descending, gives). One pass keeping the best `k` in
 /// `out` by insertion, no allocation: a token's router row is short and this runs once per
 /// token and MoE layer. Requires `k <= values.len()`, `out.len() == k`.
-fn top_k_desc(values: &[f32], k: usize, out: &mut [u32]) {
+pub(crate) fn top_k_desc(values: &[f32], k: usize, out: &mut [u32]) {
     debug_assert!(k <= values.len() && out.len() == k);
     if k == 0 {
         return;
@@ -79,6 +79,10 @@ fn total_order_key(v: f32) -> i32 {
     let bits = v.to_bits() as i32;
     bits ^ (((bits >> 31) as u32) >> 1) as i32
 }
+
+/// The most experts [`Router::select_on_device`] ranks: its GPU kernel ranks a row in one
+/// thread block, each thread scanning its share of the columns once per chosen expert.
+pub const DEVICE_SELECT_MAX_EXPERTS: usize = 4096;
 
 impl Router {
     /// The router of a MoE config.
@@ -207,6 +211,38 @@ impl Router {
                 Ok((gates * routed_scaling_factor)?)
             }
         }
+    }
+
+    /// Whether [`Router::select_on_device`] applies: a softmax router (its top-k is the
+    /// top-k of the logits) over at most [`DEVICE_SELECT_MAX_EXPERTS`] experts. DeepSeek-V3's
+    /// grouped sigmoid selection (group scores, kept groups, the correction bias) stays on
+    /// the host.
+    pub fn selects_on_device(&self) -> bool {
+        matches!(self.kind, RouterKind::Softmax { .. })
+            && self.num_experts <= DEVICE_SELECT_MAX_EXPERTS
+            && self.top_k <= self.num_experts
+    }
+
+    /// The `[rows, top_k]` u32 ids of each row's `top_k` largest logits, largest first,
+    /// computed where the logits are (`logits` `[rows, E]`; nothing is copied to the host).
+    /// The experts [`Router::select_row`]'s softmax selection chooses, in its order (ties to
+    /// the lower index, on a GPU too: r3's top-k op). Non-finite logits are not checked here
+    /// (the caller checks them once a step).
+    pub fn select_on_device(&self, logits: &Tensor) -> Result<Tensor> {
+        if !self.selects_on_device() {
+            return Err(ModelError::Input(format!(
+                "the {:?} router of {} experts chooses its experts on the host",
+                self.kind, self.num_experts
+            )));
+        }
+        let (_, e) = logits.dims2()?;
+        if e != self.num_experts {
+            return Err(ModelError::Input(format!(
+                "router logits of {e} experts for a router of {}",
+                self.num_experts
+            )));
+        }
+        crate::layers::top_k::top_k_rows(&logits.to_dtype(candle_core::DType::F32)?, self.top_k)
     }
 
     /// Plain-slice form of [`Router::weigh`] for one token: logits `[E]`, ids `[k]` → gates `[k]`.

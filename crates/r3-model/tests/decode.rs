@@ -8,10 +8,10 @@
 
 mod common;
 
-use candle_core::Device;
-use common::{sequences, sorted_experts, tiny_model, FAMILIES};
-use r3_model::model::decode::{KvCache, Step};
-use r3_model::{AttentionConfig, Batch, Model, Routing};
+use candle_core::{DType, Device};
+use common::{sequences, sorted_experts, tiny_config, tiny_model, tiny_weights, FAMILIES};
+use r3_model::model::decode::{KvCache, Step, StepRouting};
+use r3_model::{AttentionConfig, Batch, Model, ModelError, Routing, Weights};
 
 /// Causal additive mask (within the sliding window, if any) of one sequence fed at slots
 /// `first..first + time`.
@@ -40,6 +40,25 @@ fn feed(
     (first, time): (usize, usize),
     all_logits: bool,
 ) -> (Vec<f32>, Vec<Vec<u32>>) {
+    feed_routed(
+        model,
+        cache,
+        tokens,
+        (first, time),
+        all_logits,
+        StepRouting::Host,
+    )
+}
+
+/// [`feed`] with the MoE layers choosing their experts where `routing` says.
+fn feed_routed(
+    model: &Model,
+    cache: &mut KvCache,
+    tokens: &[u32],
+    (first, time): (usize, usize),
+    all_logits: bool,
+    routing: StepRouting,
+) -> (Vec<f32>, Vec<Vec<u32>>) {
     let positions: Vec<u32> = (first..first + time).map(|p| p as u32).collect();
     let window = match model.config().attention {
         AttentionConfig::Gqa { sliding_window, .. } => sliding_window,
@@ -53,6 +72,7 @@ fn feed(
         batch: 1,
         time,
         all_logits,
+        routing,
     };
     let out = model.forward_step(&step, cache).expect("step");
     let logits = out
@@ -65,8 +85,61 @@ fn feed(
 
 #[test]
 fn prefill_then_decode_equals_the_full_forward() {
+    steps_equal_the_full_forward(StepRouting::Host);
+}
+
+/// Routed on the device (top-k, gates and gathered experts without the host, the routes
+/// copied once a step), every family whose routers allow it gives the full forward's logits
+/// and experts; DeepSeek-V3's grouped selection is refused with a clear error.
+#[test]
+fn device_routed_steps_equal_the_full_forward() {
+    steps_equal_the_full_forward(StepRouting::Device);
+    let mut refused = 0;
     for family in FAMILIES {
         let (cfg, model) = tiny_model(family, 11);
+        if model.routes_on_device() {
+            continue;
+        }
+        refused += 1;
+        let tokens = sequences(&[4], cfg.vocab_size, 2).remove(0);
+        let err = first_step(&model, &tokens, StepRouting::Device).expect_err("refused");
+        assert!(
+            err.to_string().contains("choose on the host"),
+            "{family}: {err}"
+        );
+    }
+    assert!(refused > 0, "no family routes on the host only");
+}
+
+/// One sequence's first step over an empty cache, feeding all of `tokens`.
+fn first_step(
+    model: &Model,
+    tokens: &[u32],
+    routing: StepRouting,
+) -> r3_model::Result<r3_model::model::decode::StepOutput> {
+    let time = tokens.len();
+    let positions: Vec<u32> = (0..time as u32).collect();
+    let mask = causal(0, time, None);
+    let step = Step {
+        tokens,
+        positions: &positions,
+        mask: &mask,
+        batch: 1,
+        time,
+        all_logits: false,
+        routing,
+    };
+    model.forward_step(&step, &mut model.kv_cache())
+}
+
+/// Prefill then decode steps, routed as `routing` says, against the full forward: every
+/// slot's logits within 1e-4 and its experts those the full forward recorded.
+fn steps_equal_the_full_forward(routing: StepRouting) {
+    for family in FAMILIES {
+        let (cfg, model) = tiny_model(family, 11);
+        if routing == StepRouting::Device && !model.routes_on_device() {
+            continue;
+        }
         let tokens = sequences(&[12], cfg.vocab_size, 2).remove(0);
         let full = model
             .forward(
@@ -115,7 +188,8 @@ fn prefill_then_decode_equals_the_full_forward() {
                 }
             };
         // The prefill returns every slot's logits; each must be the full forward's row.
-        let (logits, routes) = feed(&model, &mut cache, &tokens, (0, prefill), true);
+        let (logits, routes) =
+            feed_routed(&model, &mut cache, &tokens, (0, prefill), true, routing);
         let vocab = cfg.vocab_size;
         assert_eq!(logits.len(), prefill * vocab, "{family}: all prefill rows");
         for row in 0..prefill {
@@ -128,11 +202,12 @@ fn prefill_then_decode_equals_the_full_forward() {
             );
         }
         for pos in prefill..tokens.len() {
-            let (logits, routes) = feed(&model, &mut cache, &tokens, (pos, 1), false);
+            let (logits, routes) =
+                feed_routed(&model, &mut cache, &tokens, (pos, 1), false, routing);
             check(pos, &logits, &routes, 1, 0);
         }
         assert_eq!(cache.slots(), tokens.len());
-        println!("{family}: max |step logits − full forward| = {worst:.2e}");
+        println!("{family} ({routing:?}): max |step logits − full forward| = {worst:.2e}");
     }
 }
 
@@ -150,6 +225,7 @@ fn a_malformed_step_is_refused_naming_it() {
                 batch: 1,
                 time: 1,
                 all_logits: false,
+                routing: StepRouting::Host,
             },
             &mut cache,
         )
@@ -164,6 +240,7 @@ fn a_malformed_step_is_refused_naming_it() {
                 batch: 1,
                 time: 2,
                 all_logits: false,
+                routing: StepRouting::Host,
             },
             &mut cache,
         )
@@ -240,6 +317,7 @@ fn caches_padded_joined_and_trimmed_decode_as_each_alone() {
                     batch: 2,
                     time: 1,
                     all_logits: false,
+                    routing: StepRouting::Host,
                 },
                 &mut joined,
             )
@@ -350,6 +428,7 @@ fn slots_taken_out_and_put_back_decode_as_the_original_cache() {
                     batch: 1,
                     time: 2,
                     all_logits: false,
+                    routing: StepRouting::Host,
                 },
                 &mut mixed,
             )
@@ -374,5 +453,31 @@ fn slots_taken_out_and_put_back_decode_as_the_original_cache() {
         assert!(err.to_string().contains("2 rows"), "{err}");
         let err = batch.permute_slots(&[0; 3]).expect_err("short order");
         assert!(err.to_string().contains("3 entries"), "{err}");
+    }
+}
+
+/// Router logits that overflow are the selection's error routed either way: on the device
+/// the step's one check finds the layer, and the host's selection names the row and expert.
+#[test]
+fn non_finite_router_logits_are_refused_naming_them_routed_either_way() {
+    let cfg = tiny_config("qwen3_moe");
+    let mut map = tiny_weights(&cfg, 11, DType::F32).into_map();
+    let gate = map
+        .keys()
+        .find(|k| k.ends_with("mlp.gate.weight"))
+        .cloned()
+        .expect("a router weight");
+    let huge = (map[&gate].ones_like().expect("ones") * 1e38).expect("scale");
+    map.insert(gate.clone(), huge);
+    let model = Model::new(&cfg, &Weights::from_map(map)).expect("model");
+    let tokens = sequences(&[4], cfg.vocab_size, 2).remove(0);
+    for routing in [StepRouting::Host, StepRouting::Device] {
+        match first_step(&model, &tokens, routing) {
+            Err(ModelError::NonFiniteScore { row, expert, value }) => {
+                assert!(!value.is_finite(), "{routing:?}: {value}");
+                assert!(row < 4 && expert < cfg.num_experts(), "{routing:?}");
+            }
+            other => panic!("{routing:?} ({gate}): expected NonFiniteScore, got {other:?}"),
+        }
     }
 }

@@ -401,6 +401,97 @@ mod cuda {
         }
     }
 
+    /// The router's top-k on the GPU (r3's kernel) chooses exactly what the host selection
+    /// chooses, ties to the lower index and −0 below +0 included, rows narrower and wider
+    /// than a block's threads.
+    #[test]
+    fn the_top_k_on_cuda_is_the_host_selection() {
+        let device = gpu();
+        for (experts, top_k) in [(8usize, 2usize), (128, 8), (3000, 6)] {
+            let router = r3_model::Router {
+                kind: r3_model::RouterKind::Softmax {
+                    norm_topk_prob: true,
+                },
+                num_experts: experts,
+                top_k,
+            };
+            let rows = 37;
+            let logits: Vec<f32> = (0..rows * experts)
+                .map(|i| match i % 7 {
+                    0 => 0.0,
+                    1 => -0.0,
+                    _ => ((i * 7919) % 13) as f32 / 4.0 - 1.5,
+                })
+                .collect();
+            let want = router.select_rows(&logits, None).expect("host");
+            let t = Tensor::from_vec(logits, (rows, experts), &device).expect("logits");
+            let got = router
+                .select_on_device(&t)
+                .and_then(|ids| Ok(ids.flatten_all()?.to_vec1::<u32>()?))
+                .expect("on the GPU");
+            assert_eq!(got, want, "{experts} experts, top-{top_k}");
+        }
+    }
+
+    /// Steps routed on the GPU (top-k, gates and the experts' pointer GEMMs without the host)
+    /// give the steps routed on the host: the same experts at every slot, logits within
+    /// 1e-4, for every family whose routers allow it, a prefill then decode steps.
+    #[test]
+    fn steps_routed_on_cuda_equal_steps_routed_on_the_host() {
+        use r3_model::model::decode::{Step, StepRouting};
+        let device = gpu();
+        let mut checked = 0;
+        for family in FAMILIES {
+            let cfg = tiny_config(family);
+            let weights = on_device(&tiny_weights(&cfg, 11, DType::F32), &device);
+            let model = Model::new(&cfg, &weights).expect("model");
+            if cfg.moe.is_none() || !model.routes_on_device() {
+                continue;
+            }
+            checked += 1;
+            let tokens = sequences(&[12], cfg.vocab_size, 2).remove(0);
+            let mut caches = [model.kv_cache(), model.kv_cache()];
+            let places = [StepRouting::Host, StepRouting::Device];
+            let mut first = 0;
+            for time in [5usize, 1, 1, 1, 1, 1, 1, 1] {
+                let positions: Vec<u32> = (first..first + time).map(|p| p as u32).collect();
+                let slots = first + time;
+                let mask: Vec<f32> = (0..time)
+                    .flat_map(|q| {
+                        (0..slots).map(move |s| {
+                            if s <= first + q {
+                                0.0
+                            } else {
+                                f32::NEG_INFINITY
+                            }
+                        })
+                    })
+                    .collect();
+                let mut outs = Vec::new();
+                for (cache, routing) in caches.iter_mut().zip(places) {
+                    let step = Step {
+                        tokens: &tokens[first..first + time],
+                        positions: &positions,
+                        mask: &mask,
+                        batch: 1,
+                        time,
+                        all_logits: false,
+                        routing,
+                    };
+                    outs.push(model.forward_step(&step, cache).expect("step"));
+                }
+                assert_eq!(
+                    outs[0].routes, outs[1].routes,
+                    "{family}: routes at {first}"
+                );
+                let d = max_diff(&outs[0].logits, &outs[1].logits);
+                assert!(d < 1e-4, "{family}: logits at {first} differ by {d}");
+                first += time;
+            }
+        }
+        assert!(checked >= 4, "{checked} families routed on the GPU");
+    }
+
     /// An opened GPU gives its buffers no use-tracking events (the device is opened with
     /// them off), and a whole forward and backward leaves its context on one stream per
     /// thread: the condition under which cudarc would never have used those events.

@@ -26,7 +26,7 @@ pub mod request;
 pub mod sampler;
 
 pub use device_engine::choice::{RolloutDevice, RolloutEngine};
-pub use device_engine::{DeviceEngine, DeviceEngineConfig};
+pub use device_engine::{DeviceEngine, DeviceEngineConfig, RoutingPlace};
 pub use dtype::{Dtype, KvCacheDtype, RouterDtype};
 pub use engine::{config_eos_ids, CachedBlock, Engine, EngineConfig};
 pub use error::RolloutError;

@@ -15,7 +15,7 @@ use clap::Args;
 use r3_model::weights::{RandomInit, Weights};
 use r3_rollout::{
     DeviceEngine, DeviceEngineConfig, Dtype, Engine, EngineConfig, GenerateRequest, RolloutDevice,
-    RolloutEngine, SamplingParams,
+    RolloutEngine, RoutingPlace, SamplingParams,
 };
 
 use super::bench_rollout::{bench_config, prompt};
@@ -61,6 +61,10 @@ pub struct BenchDecodeArgs {
     /// RL rollout's setting: its rows of logits go to the host's sampler every step).
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,
+    /// Where the device engine's MoE layers choose their experts: `auto` (on the device for
+    /// a GPU's decode steps of a few rows), `host` or `device`.
+    #[arg(long, default_value = "auto")]
+    pub routing: RoutingPlace,
 }
 
 /// Runs `r3 bench decode`.
@@ -87,7 +91,10 @@ pub fn run(a: BenchDecodeArgs) -> anyhow::Result<()> {
             Some(spec) => RolloutEngine::Device(DeviceEngine::new(
                 cfg.clone(),
                 &tensors,
-                DeviceEngineConfig::from_engine_config(spec, &engine_cfg),
+                DeviceEngineConfig {
+                    routing: a.routing,
+                    ..DeviceEngineConfig::from_engine_config(spec, &engine_cfg)
+                },
             )?),
         };
         let least = a.min_new_tokens.unwrap_or(a.new_tokens);
@@ -155,9 +162,13 @@ pub fn run(a: BenchDecodeArgs) -> anyhow::Result<()> {
             } else {
                 a.new_tokens.to_string()
             };
+            let routing = match &engine {
+                RolloutEngine::Cpu(_) => String::new(),
+                RolloutEngine::Device(_) => format!(" routing {}", a.routing),
+            };
             println!(
-                "decode {name} {} {} batch {batch}: {best:.1} tokens/s ({} prompt + {lengths} \
-                 new tokens, {how}), route capture {:.2}% of the time{waiting}",
+                "decode {name} {} {}{routing} batch {batch}: {best:.1} tokens/s ({} prompt + \
+                 {lengths} new tokens, {how}), route capture {:.2}% of the time{waiting}",
                 a.device,
                 a.dtype,
                 a.prompt_len,

@@ -413,3 +413,88 @@ extern "C" __global__ void r3_adamw_f32(const float *theta, const float *g, cons
         atomicMax(&maxima[2], vmax);
     }
 }
+
+// The pointer table of one batched GEMM per routed slot (`expert_gemm.rs`, `run_slots`):
+// slot s multiplies its row (B at b0 + s·b_step bytes) by its expert's matrix (A at a0 +
+// ids[s]·a_step) into its output row (C at c0 + s·c_step); the table holds the A pointers,
+// then the B pointers, then the C pointers. The ids come from the router's own top-k on the
+// device, so each lies in the stack; one past it (never made) reads expert 0 rather than
+// past the stack. CPU twin: the gathered matrices' product (`expert_slots_matmul`).
+extern "C" __global__ void r3_expert_slot_pointers(const uint32_t *ids, uint64_t *table,
+                                                   uint32_t slots, uint32_t stack, uint64_t a0,
+                                                   uint64_t a_step, uint64_t b0, uint64_t b_step,
+                                                   uint64_t c0, uint64_t c_step) {
+    for (uint32_t s = blockIdx.x * blockDim.x + threadIdx.x; s < slots;
+         s += gridDim.x * blockDim.x) {
+        const uint64_t e = ids[s] < stack ? ids[s] : 0;
+        table[s] = a0 + e * a_step;
+        table[slots + s] = b0 + (uint64_t)s * b_step;
+        table[2 * (uint64_t)slots + s] = c0 + (uint64_t)s * c_step;
+    }
+}
+
+// `f32::total_cmp`'s order as an integer (router.rs `total_order_key`).
+__device__ __forceinline__ int total_order_key(float v) {
+    const int bits = __float_as_int(v);
+    return bits ^ (int)(((unsigned)(bits >> 31)) >> 1);
+}
+
+// Whether candidate (key, index) ranks before the kept one: a larger key, or an equal key at a
+// lower index; UINT32_MAX is "none".
+__device__ __forceinline__ bool ranks_before(int key, uint32_t index, int kept_key,
+                                             uint32_t kept) {
+    return index != UINT32_MAX &&
+           (kept == UINT32_MAX || key > kept_key || (key == kept_key && index < kept));
+}
+
+// The warp's first-ranked (key, index) in every lane.
+__device__ __forceinline__ void warp_rank_first(int &key, uint32_t &index) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const int other_key = __shfl_xor_sync(0xffffffffu, key, o);
+        const uint32_t other = __shfl_xor_sync(0xffffffffu, index, o);
+        if (ranks_before(other_key, other, key, index)) {
+            key = other_key;
+            index = other;
+        }
+    }
+}
+
+// Each row's k largest values, largest first, ties to the lower index, in total_cmp's order:
+// k rounds of a block-wide arg-max over the columns not chosen yet. One block per row (a
+// whole number of warps). CPU twin: `top_k_desc` (router.rs), through `layers/top_k.rs`.
+extern "C" __global__ void r3_top_k_f32(const float *x, uint32_t *ids, uint32_t cols,
+                                        uint32_t k) {
+    __shared__ int keys[32];
+    __shared__ uint32_t indices[32];
+    const float *row = x + (size_t)blockIdx.x * cols;
+    uint32_t *out = ids + (size_t)blockIdx.x * k;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (uint32_t j = 0; j < k; ++j) {
+        int best_key = 0;
+        uint32_t best = UINT32_MAX;
+        for (uint32_t c = threadIdx.x; c < cols; c += blockDim.x) {
+            bool taken = false;
+            for (uint32_t t = 0; t < j; ++t) taken |= out[t] == c;
+            const int key = total_order_key(row[c]);
+            if (!taken && ranks_before(key, c, best_key, best)) {
+                best_key = key;
+                best = c;
+            }
+        }
+        warp_rank_first(best_key, best);
+        if (lane == 0) {
+            keys[warp] = best_key;
+            indices[warp] = best;
+        }
+        __syncthreads();
+        if (warp == 0) {
+            const bool held = lane < (int)(blockDim.x >> 5);
+            best_key = held ? keys[lane] : 0;
+            best = held ? indices[lane] : UINT32_MAX;
+            warp_rank_first(best_key, best);
+            if (lane == 0) out[j] = best;
+        }
+        // The pick is read by every thread's next round.
+        __syncthreads();
+    }
+}

@@ -15,10 +15,14 @@
 //! Which GEMMs run is a `GemmPlan` made on the host from the block → expert map alone; a
 //! GPU runs it through cuBLAS, the CPU (the tests) through a plain column-major GEMM, so the
 //! plan's offsets and accumulation order are checked in CI against candle's composed ops.
+//!
+//! A step routed on the device has its experts only as a device tensor: its GEMMs
+//! (`expert_slots_matmul`, one row a slot) take their pointer table from a kernel that reads
+//! the ids where they are, so the host never waits for them.
 
 use std::sync::Arc;
 
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
 
 use super::linear::matmul_wt_at;
 use super::precomputed::{precomputed_fwd, Precomputed};
@@ -57,6 +61,85 @@ pub fn expert_blocks_matmul(
         w.index_select(&ids, 0)?
     };
     matmul_wt_at(p, x, &blocks)
+}
+
+/// `y [slots, 1, n] = x [slots, 1, k] · w[ids[s]]ᵀ` for the stack `w` `[E, n, k]` and the
+/// slots' experts `ids` `[slots]` (u32, on the device, each below `E`: the router's own
+/// top-k), at precision `p`. On a GPU one batched cuBLAS GEMM whose pointer table a kernel
+/// writes from `ids` (`r3_expert_slot_pointers`): the experts' matrices read in place and the
+/// ids never copied to the host. Elsewhere, or with an operand to differentiate, the product
+/// of the gathered matrices. The forward's rounding points either way ([`matmul_wt_at`]).
+pub(crate) fn expert_slots_matmul(
+    p: Precision,
+    x: &Tensor,
+    w: &Tensor,
+    ids: &Tensor,
+) -> Result<Tensor> {
+    let (slots, one, k) = x.dims3()?;
+    let (_, _, k2) = w.dims3()?;
+    if one != 1 || k2 != k || ids.dims() != [slots] || ids.dtype() != DType::U32 {
+        return Err(ModelError::Input(format!(
+            "expert slots: input {:?}, stacked weights {:?} and ids {:?} ({:?}) are not \
+             [slots, 1, k], [E, n, k] and [slots] u32",
+            x.dims(),
+            w.dims(),
+            ids.dims(),
+            ids.dtype()
+        )));
+    }
+    let compute = p.narrow_dtype().unwrap_or(DType::F32);
+    let in_place = x.device().is_cuda()
+        && slots > 0
+        && w.elem_count() > 0
+        && !x.track_op()
+        && !w.track_op()
+        && x.dtype() == DType::F32
+        && (w.dtype() == DType::F32 || w.dtype() == compute);
+    if in_place {
+        let xn = cast16(&x.contiguous()?, compute)?;
+        let wn = cast16(&w.contiguous()?, compute)?;
+        let y = xn.apply_op3_no_bwd(&wn, &ids.contiguous()?, &SlotsGemm)?;
+        return Ok(cast16(&y, DType::F32)?);
+    }
+    matmul_wt_at(p, x, &w.index_select(ids, 0)?)
+}
+
+/// The slots' GEMM as an op over (rows, stack, ids), all on a GPU.
+#[derive(Debug, Clone, Copy)]
+struct SlotsGemm;
+
+impl CustomOp3 for SlotsGemm {
+    fn name(&self) -> &'static str {
+        "expert-slots-gemm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        candle_core::bail!("the expert slots' pointer GEMM runs on a GPU only")
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        sx: &candle_core::CudaStorage,
+        lx: &Layout,
+        sw: &candle_core::CudaStorage,
+        lw: &Layout,
+        sids: &candle_core::CudaStorage,
+        lids: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let (slots, _, k) = lx.shape().dims3()?;
+        let (stack, n, _) = lw.shape().dims3()?;
+        let out = cuda::run_slots(sx, lx, sw, lw, sids, lids, [slots, stack, n, k])?;
+        Ok((out, Shape::from((slots, 1, n))))
+    }
 }
 
 /// The blocks' shapes and experts, checked against the operands.
@@ -545,6 +628,113 @@ mod cuda {
             DType::BF16 => run!(half::bf16),
             DType::F16 => run!(half::f16),
             other => candle_core::bail!("expert blocks gemm: {other:?} output"),
+        })
+    }
+
+    /// [`super::SlotsGemm`]: slot `s`'s row `[1, k]` of `sx` times expert `ids[s]`'s `[n, k]`
+    /// of the stack `sw`, transposed, into row `s` of a fresh `[slots, 1, n]` output of the
+    /// operands' dtype. A kernel writes the pointer table from the ids on the device, then
+    /// one `cublasGemmBatchedEx` (the forward plan's shape with one row a block) reads it.
+    pub(super) fn run_slots(
+        sx: &CudaStorage,
+        lx: &Layout,
+        sw: &CudaStorage,
+        lw: &Layout,
+        sids: &CudaStorage,
+        lids: &Layout,
+        [slots, stack, n, k]: [usize; 4],
+    ) -> candle_core::Result<CudaStorage> {
+        use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+        let dev = sx.device().clone();
+        let stream = dev.cuda_stream();
+        if sx.dtype() != sw.dtype() {
+            candle_core::bail!(
+                "expert slots gemm: operands {:?} and {:?}",
+                sx.dtype(),
+                sw.dtype()
+            );
+        }
+        let dtype = sx.dtype();
+        let data = data_type(dtype)?;
+        let size = dtype.size_in_bytes() as u64;
+        let int = |v: usize| {
+            i32::try_from(v).map_err(|_| {
+                candle_core::Error::Msg(format!("expert slots gemm: {v} exceeds a 32-bit size"))
+            })
+        };
+        let (slots32, stack32) = (int(slots)? as u32, int(stack)? as u32);
+        let (x0, _read_x) = base(sx, lx, &stream)?;
+        let (w0, _read_w) = base(sw, lw, &stream)?;
+        let ids = crate::cuda::view::<u32>(sids, lids, "expert ids")?;
+        macro_rules! run {
+            ($t:ty) => {{
+                // SAFETY: one GEMM per slot writes its whole output row.
+                let mut out = unsafe { dev.alloc::<$t>(slots * n)? };
+                {
+                    let (y0, _write_y) = out.device_ptr_mut(&stream);
+                    // SAFETY: the kernel writes all 3 · slots pointers.
+                    let mut table = unsafe { dev.alloc::<u64>(3 * slots)? };
+                    let (func, kernel_stream) =
+                        crate::cuda::kernel(&dev, "r3_expert_slot_pointers")?;
+                    let (a_step, b_step, c_step) =
+                        ((n * k) as u64 * size, k as u64 * size, n as u64 * size);
+                    let mut launch = kernel_stream.launch_builder(&func);
+                    launch
+                        .arg(&ids)
+                        .arg(&mut table)
+                        .arg(&slots32)
+                        .arg(&stack32)
+                        .arg(&w0)
+                        .arg(&a_step)
+                        .arg(&x0)
+                        .arg(&b_step)
+                        .arg(&y0)
+                        .arg(&c_step);
+                    // SAFETY: the arguments are the kernel's signature; the ids view holds
+                    // `slots` ids and the table 3 · slots pointers.
+                    unsafe { launch.launch(crate::cuda::elementwise(slots)) }.w()?;
+                    let (table_ptr, _sync) = table.device_ptr(&stream);
+                    let at = |which: usize| table_ptr + (which * slots * 8) as u64;
+                    let (alpha, beta) = (1f32, 0f32);
+                    let blas = dev.cublas_handle();
+                    // SAFETY: every pointer the kernel wrote lies inside its operand (ids
+                    // below the stack, the rows and outputs allocated for `slots`); the
+                    // handle is candle's, bound to the stream the table was written on.
+                    unsafe {
+                        sys::cublasGemmBatchedEx(
+                            *blas.handle(),
+                            sys::cublasOperation_t::CUBLAS_OP_T,
+                            sys::cublasOperation_t::CUBLAS_OP_N,
+                            int(n)?,
+                            1,
+                            int(k)?,
+                            &alpha as *const f32 as *const _,
+                            at(0) as *const *const _,
+                            data,
+                            int(k)?,
+                            at(1) as *const *const _,
+                            data,
+                            int(k)?,
+                            &beta as *const f32 as *const _,
+                            at(2) as *const *mut _,
+                            data,
+                            int(n)?,
+                            int(slots)?,
+                            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                            sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP,
+                        )
+                        .result()
+                        .w()?;
+                    }
+                }
+                CudaStorage::wrap_cuda_slice(out, dev.clone())
+            }};
+        }
+        Ok(match dtype {
+            DType::F32 => run!(f32),
+            DType::BF16 => run!(half::bf16),
+            DType::F16 => run!(half::f16),
+            other => candle_core::bail!("expert slots gemm: {other:?} operands"),
         })
     }
 

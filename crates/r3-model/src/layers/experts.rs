@@ -13,7 +13,7 @@ use candle_core::{Tensor, D};
 
 use super::combine_slots::combine_slots;
 use super::dispatch::Dispatch;
-use super::expert_gemm::expert_blocks_matmul;
+use super::expert_gemm::{expert_blocks_matmul, expert_slots_matmul};
 use super::gather_rows::GatherRows;
 use super::linear::matmul_wt;
 use super::routed_op::RoutedSwiGlu;
@@ -101,6 +101,61 @@ impl RoutedExperts {
         } else {
             self.forward_composed(x, gates, dispatch)
         }
+    }
+
+    /// Bytes of one expert's two matrices (what [`RoutedExperts::forward_gathered`] copies
+    /// for each slot).
+    pub fn expert_bytes(&self) -> usize {
+        let per_expert = |t: &Tensor| {
+            let e = t.dim(0).unwrap_or(1).max(1);
+            t.elem_count() / e * t.dtype().size_in_bytes()
+        };
+        per_expert(&self.gate_up) + per_expert(&self.down)
+    }
+
+    /// The same sum with the chosen experts given as a device tensor: `ids` `[rows, top_k]`
+    /// (u32, on `x`'s device), so that a step routed on the device never waits for the host.
+    /// Each (row, slot) runs through its expert's matrices, one row per block of two batched
+    /// GEMMs ([`expert_slots_matmul`]: on a GPU read in place through a pointer table
+    /// written on the device, elsewhere gathered), then the slots are weighted and summed in
+    /// slot order ([`combine_slots`], slot `r · top_k + j` at place `r · top_k + j`). Every
+    /// slot reads its expert's matrices, even where rows share one, so this is for a few
+    /// rows: a decode step at a small batch. The rounding points of the dispatched forms.
+    pub fn forward_gathered(&self, x: &Tensor, gates: &Tensor, ids: &Tensor) -> Result<Tensor> {
+        let (rows, h) = x.dims2()?;
+        let k = ids.dim(1)?;
+        if ids.dims() != [rows, k] || gates.dims() != [rows, k] {
+            return Err(ModelError::Input(format!(
+                "device-routed experts: ids {:?} and gates {:?} are not both [{rows}, top_k]",
+                ids.dims(),
+                gates.dims()
+            )));
+        }
+        let (slots, i, p) = (rows * k, self.intermediate, self.precision);
+        if slots == 0 {
+            return Ok(x.zeros_like()?);
+        }
+        let chosen = ids.flatten_all()?;
+        // Row r once per slot: [rows · top_k, 1, H].
+        let xs = x
+            .unsqueeze(1)?
+            .broadcast_as((rows, k, h))?
+            .contiguous()?
+            .reshape((slots, 1, h))?;
+        let hidden = expert_slots_matmul(p, &xs, &self.gate_up, &chosen)?;
+        let a = match swiglu_halves(&hidden)? {
+            Some(a) => a,
+            None => (hidden.narrow(2, 0, i)?.silu()? * hidden.narrow(2, i, i)?)?,
+        };
+        let y = expert_slots_matmul(p, &p.round(&a)?, &self.down, &chosen)?.reshape((slots, h))?;
+        let gates = gates.to_dtype(x.dtype())?;
+        let in_order: Vec<u32> = (0..slots as u32).collect();
+        if let Some(out) = combine_slots(&y, &gates, &in_order)? {
+            return Ok(out);
+        }
+        Ok(y.reshape((rows, k, h))?
+            .broadcast_mul(&gates.unsqueeze(D::Minus1)?)?
+            .sum(1)?)
     }
 
     /// The same computation as batched GEMMs over all experts at once, for a GPU: the first

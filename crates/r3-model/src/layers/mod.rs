@@ -22,3 +22,4 @@ pub mod rope;
 pub mod rope_op;
 mod routed_op;
 mod swiglu_halves;
+pub(crate) mod top_k;

@@ -1,7 +1,8 @@
 //! Sparse MoE block: router logits → ids (own top-k, or forced by replay) → gates
 //! (`Router::weigh`, kept in the autograd graph) → rows grouped by expert (`Dispatch`) →
 //! the gate-weighted sum of the chosen experts' SwiGLUs (`RoutedExperts`), plus the shared
-//! expert where the architecture has one.
+//! expert where the architecture has one. A decode step of a few rows can instead keep its
+//! ids on the device (`MoeBlock::forward_routed_on_device`: no host wait inside the layer).
 
 use std::time::{Duration, Instant};
 
@@ -246,15 +247,7 @@ impl MoeBlock {
         } else {
             scatter_rows(&routed, &rows.host, x.dim(0)?)?
         };
-        let output = match &self.shared {
-            Shared::None => out,
-            Shared::Plain(mlp) => (out + mlp.forward(x)?)?,
-            Shared::Gated { mlp, gate } => {
-                let g = candle_nn::ops::sigmoid(&gate.forward(x)?)?;
-                (out + mlp.forward(x)?.broadcast_mul(&g)?)?
-            }
-        };
-        let output = self.precision.round(&output)?;
+        let output = self.with_shared(x, out)?;
         Ok(MoeOutput {
             output,
             ids,
@@ -263,6 +256,85 @@ impl MoeBlock {
             device_wait,
         })
     }
+}
+
+impl MoeBlock {
+    /// The block output from the routed experts' sum `routed`: the shared expert's output
+    /// added where the architecture has one, rounded at the block's precision.
+    fn with_shared(&self, x: &Tensor, routed: Tensor) -> Result<Tensor> {
+        let output = match &self.shared {
+            Shared::None => routed,
+            Shared::Plain(mlp) => (routed + mlp.forward(x)?)?,
+            Shared::Gated { mlp, gate } => {
+                let g = candle_nn::ops::sigmoid(&gate.forward(x)?)?;
+                (routed + mlp.forward(x)?.broadcast_mul(&g)?)?
+            }
+        };
+        self.precision.round(&output)
+    }
+
+    /// Whether this block can choose its experts on the device
+    /// ([`MoeBlock::forward_routed_on_device`]): see [`Router::selects_on_device`].
+    pub fn routes_on_device(&self) -> bool {
+        self.router.selects_on_device() && self.score_bias.is_none()
+    }
+
+    /// Bytes of one routed expert's matrices (what a device-routed step gathers per slot).
+    pub fn expert_bytes(&self) -> usize {
+        self.experts.expert_bytes()
+    }
+
+    /// Runs the block on every row of `x` `[rows, H]` (native routing, nothing
+    /// differentiated) with the experts chosen on the device: the router's top-k
+    /// ([`Router::select_on_device`]), its gates by [`Router::weigh`] (the training
+    /// forward's ops) and the experts through [`RoutedExperts::forward_gathered`]. Nothing
+    /// waits for the host, so a GPU runs the layer while the host queues the next; the
+    /// chosen ids stay on the device for one copy a step. For the rows of a decode step at a
+    /// small batch (gathering copies each slot's expert).
+    pub(crate) fn forward_routed_on_device(&self, x: &Tensor) -> Result<DeviceRouted> {
+        let logits = self.router_logits(x)?;
+        let ids = self.router.select_on_device(&logits)?;
+        let gates = self.router.weigh(&logits, &ids)?;
+        let routed = self.experts.forward_gathered(x, &gates, &ids)?;
+        let output = self.with_shared(x, routed)?;
+        // 0 where every logit is finite, NaN where one is not (0 · ±∞ and 0 · NaN are NaN):
+        // one value to read back with the step's routes instead of the logits.
+        let finite_probe = logits
+            .to_dtype(candle_core::DType::F32)?
+            .affine(0.0, 0.0)?
+            .sum_all()?;
+        Ok(DeviceRouted {
+            output,
+            ids,
+            logits,
+            finite_probe,
+        })
+    }
+
+    /// The host's check of router logits a device-routed layer found non-finite: the
+    /// selection's own error naming the first row and expert ([`Router::select_rows`]).
+    pub(crate) fn check_logits_on_host(&self, logits: &Tensor) -> Result<()> {
+        let host = logits
+            .flatten_all()?
+            .to_dtype(candle_core::DType::F32)?
+            .to_vec1::<f32>()?;
+        self.router.select_rows(&host, self.score_bias.as_deref())?;
+        Ok(())
+    }
+}
+
+/// What a MoE layer routed on the device computed ([`MoeBlock::forward_routed_on_device`]),
+/// all on the device.
+#[derive(Debug)]
+pub(crate) struct DeviceRouted {
+    /// `[rows, H]` block output.
+    pub output: Tensor,
+    /// `[rows, top_k]` u32 chosen experts, best first.
+    pub ids: Tensor,
+    /// `[rows, E]` router logits (kept for the host's check when the probe is not finite).
+    pub logits: Tensor,
+    /// Scalar: 0 when every router logit is finite, NaN otherwise.
+    pub finite_probe: Tensor,
 }
 
 /// `routed` `[n, H]` placed at the batch rows `at` of a zero `[batch_rows, H]`, as a gather

@@ -5,14 +5,16 @@
 //! each sequence at its own positions, and attends over every cached slot under an additive
 //! mask the caller builds (it knows which slots of its padded batch are padding). The layers
 //! are the training forward's own: the same weights, precision rounding points and router;
-//! only the RoPE positions and the attention over cached slots differ.
+//! only the RoPE positions and the attention over cached slots differ. A step's MoE layers
+//! choose their experts on the host (each layer's router logits copied there) or, for a few
+//! rows, on the device ([`StepRouting`]), the routes then copied once at the step's end.
 
 use candle_core::Tensor;
 
 use super::{routed_rows, Attention, Model, MoeRecord};
 use crate::error::{ModelError, Result};
 use crate::layers::attention::LayerKv;
-use crate::layers::moe::Gates;
+use crate::layers::moe::{DeviceRouted, Gates, MoeBlock};
 
 /// Keys and values of every attention layer for a batch of sequences, each `[B, KV, S, D]`
 /// on the model's device (`S` = slots fed so far, the same for every sequence). Not `Clone`:
@@ -244,6 +246,22 @@ pub struct Step<'a> {
     pub time: usize,
     /// Return the logits of every fed slot, not only the last (prompt log-probs).
     pub all_logits: bool,
+    /// Where the MoE layers choose their experts.
+    pub routing: StepRouting,
+}
+
+/// Where a step's MoE layers choose their experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StepRouting {
+    /// On the host, from each layer's router logits copied there (the host waits for the
+    /// device once a layer): every router kind, any number of rows, the experts' weights
+    /// read in place.
+    #[default]
+    Host,
+    /// On the device ([`Model::routes_on_device`] models only): each layer's top-k, gates and
+    /// experts without the host, the routes copied once at the end of the step. Each
+    /// (row, slot) gathers its expert's weights, so this is for steps of a few rows.
+    Device,
 }
 
 /// What one step computed.
@@ -253,11 +271,12 @@ pub struct StepOutput {
     /// `all_logits`, else of each sequence's last fed slot (`rows = 1`).
     pub logits: Tensor,
     /// Per MoE layer (in layer order, the route table's columns): the `[batch · time ·
-    /// top_k]` experts the router chose at every fed slot, best first, on the host (the MoE
-    /// layers dispatch from host ids, so they are there already).
+    /// top_k]` experts the router chose at every fed slot, best first, on the host (routed
+    /// on the host they are there already; routed on the device, copied in one go).
     pub routes: Vec<Vec<u32>>,
-    /// Wall time the host waited for the MoE layers' router logits (on a GPU: the work
-    /// queued before each copy, then the copy), one wait per MoE layer.
+    /// Wall time the host waited for the device: routed on the host, for each MoE layer's
+    /// router logits (on a GPU the work queued before each copy, then the copy); routed on
+    /// the device, for the one copy of the step's routes.
     pub device_wait: std::time::Duration,
 }
 
@@ -363,7 +382,19 @@ impl Model {
         let rows = routed_rows(&vec![t; b], t);
         let ids = Tensor::from_slice(step.tokens, b * t, device)?;
         let mut x = self.embed_tokens(&ids, step.tokens, b, t)?;
+        let on_device = match step.routing {
+            StepRouting::Host => false,
+            StepRouting::Device if self.routes_on_device() => true,
+            StepRouting::Device => {
+                return Err(ModelError::Input(
+                    "a step routed on the device, for a model whose routers choose on the host \
+                     (DeepSeek-V3's grouped selection, or more experts than the device's sort takes)"
+                        .into(),
+                ))
+            }
+        };
         let mut moe = MoeRecord::default();
+        let mut on_device_layers = Vec::new();
         for (i, (layer, kv)) in self.layers.iter().zip(&mut cache.layers).enumerate() {
             let normed = layer.input_norm.forward(&x)?;
             let attn = match &layer.attention {
@@ -371,9 +402,24 @@ impl Model {
                 Attention::Mla(a) => a.forward_cached(&normed, &rope, kv, &mask)?,
             };
             let h = self.precision.round(&(x + attn)?)?;
-            // A step of the rollout engine: nothing differentiates it, and its gates are
-            // weighed on the host from the logits the selection read (one upload a layer).
-            x = self.feed_forward(i, layer, h, &rows, None, Gates::HostWhenUntracked, &mut moe)?;
+            x = if on_device {
+                self.feed_forward_with(layer, h, |block, normed| {
+                    let routed = block.forward_routed_on_device(normed)?;
+                    let output = routed.output.clone();
+                    on_device_layers.push((block, routed));
+                    Ok(output)
+                })?
+            } else {
+                // A step of the rollout engine: nothing differentiates it, and its gates are
+                // weighed on the host from the logits the selection read (one upload a
+                // layer).
+                self.feed_forward(i, layer, h, &rows, None, Gates::HostWhenUntracked, &mut moe)?
+            };
+        }
+        if on_device {
+            let waiting = std::time::Instant::now();
+            moe.used = routes_to_host(&on_device_layers)?;
+            moe.device_wait += waiting.elapsed();
         }
         cache.slots = s;
         let rows = if step.all_logits {
@@ -388,4 +434,28 @@ impl Model {
             device_wait: moe.device_wait,
         })
     }
+}
+
+/// The routes of a step's device-routed MoE layers, per layer on the host: one copy of all
+/// their ids (the host's one wait of the step) after a check that every layer's router
+/// logits were finite (one value a layer; a layer that was not is checked again on the host,
+/// whose selection names the row and expert).
+fn routes_to_host(layers: &[(&MoeBlock, DeviceRouted)]) -> Result<Vec<Vec<u32>>> {
+    if layers.is_empty() {
+        return Ok(Vec::new());
+    }
+    let probes: Vec<&Tensor> = layers.iter().map(|(_, r)| &r.finite_probe).collect();
+    let probes = Tensor::stack(&probes, 0)?.to_vec1::<f32>()?;
+    for ((block, routed), probe) in layers.iter().zip(probes) {
+        if !probe.is_finite() {
+            block.check_logits_on_host(&routed.logits)?;
+            return Err(ModelError::Input(
+                "a MoE layer's router logits are not finite".into(),
+            ));
+        }
+    }
+    let ids: Vec<&Tensor> = layers.iter().map(|(_, r)| &r.ids).collect();
+    let per_layer = layers[0].1.ids.elem_count();
+    let all = Tensor::cat(&ids, 0)?.flatten_all()?.to_vec1::<u32>()?;
+    Ok(all.chunks(per_layer.max(1)).map(<[u32]>::to_vec).collect())
 }

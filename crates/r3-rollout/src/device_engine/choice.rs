@@ -9,7 +9,7 @@ use std::str::FromStr;
 
 use r3_model::{Config, DeviceSpec, LoadOptions};
 
-use super::{DeviceEngine, DeviceEngineConfig};
+use super::{DeviceEngine, DeviceEngineConfig, RoutingPlace};
 use crate::dtype::KvCacheDtype;
 use crate::engine::{Engine, EngineConfig};
 use crate::error::RolloutError;
@@ -94,6 +94,9 @@ impl DeviceEngineConfig {
             block_size: cfg.block_size,
             prefix_cache: cfg.prefix_cache,
             prefix_cache_bytes: cfg.prefix_cache_bytes,
+            // The CPU engine routes on the host, where its logits are; the choice per step
+            // is the device engine's own.
+            routing: RoutingPlace::Auto,
         }
     }
 }

@@ -42,6 +42,7 @@ pub mod choice;
 mod greedy;
 pub mod memory;
 pub mod prefix;
+pub mod routing;
 mod weights;
 
 use std::collections::VecDeque;
@@ -52,6 +53,7 @@ use candle_core::{Device, Tensor};
 use r3_model::model::decode::{KvCache, Step};
 use r3_model::{check_map_holds, Config, DeviceSpec, HostStaging, LoadOptions, Model};
 use rand_chacha::ChaCha8Rng;
+pub use routing::RoutingPlace;
 
 use crate::dtype::{Dtype, RouterDtype};
 use crate::engine::config_eos_ids;
@@ -103,6 +105,8 @@ pub struct DeviceEngineConfig {
     /// `kv_cache_bytes`, not inside it: a cached block is a copy of its own); least recently
     /// used blocks are evicted past it.
     pub prefix_cache_bytes: usize,
+    /// Where the MoE layers choose their experts, step by step.
+    pub routing: RoutingPlace,
 }
 
 impl Default for DeviceEngineConfig {
@@ -119,6 +123,7 @@ impl Default for DeviceEngineConfig {
             block_size: 16,
             prefix_cache: true,
             prefix_cache_bytes: 1 << 30,
+            routing: RoutingPlace::Auto,
         }
     }
 }
@@ -242,6 +247,14 @@ impl DeviceEngine {
             PrefixCache::for_engine(cfg.prefix_cache, cfg.block_size, cfg.prefix_cache_bytes)?;
         let device = cfg.device.open()?;
         let model = build_model(&model_cfg, tensors, &cfg, &device)?;
+        if cfg.routing == RoutingPlace::Device && !model.routes_on_device() {
+            return Err(RolloutError::InvalidConfig(
+                "routing = device: this model's routers choose their experts on the host \
+                 (DeepSeek-V3's grouped selection, or more experts than the device's sort \
+                 takes); use auto or host"
+                    .into(),
+            ));
+        }
         check_budgets_fit(&cfg, &device)?;
         let geo = RouteGeometry::of(&model_cfg);
         tracing::info!(device = %cfg.device, dtype = %cfg.dtype, "device rollout engine ready");
@@ -431,6 +444,13 @@ impl DeviceEngine {
                 batch: batch.rows.len(),
                 time: layout.time,
                 all_logits,
+                routing: self.cfg.routing.for_step(
+                    batch.rows.len() * layout.time,
+                    self.model_cfg.top_k(),
+                    self.model.routed_expert_bytes(),
+                    self.device.is_cuda(),
+                    self.model.routes_on_device(),
+                ),
             },
             &mut batch.cache,
         )?;
