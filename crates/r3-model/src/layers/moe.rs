@@ -297,12 +297,10 @@ impl MoeBlock {
         let gates = self.router.weigh(&logits, &ids)?;
         let routed = self.experts.forward_gathered(x, &gates, &ids)?;
         let output = self.with_shared(x, routed)?;
-        // 0 where every logit is finite, NaN where one is not (0 · ±∞ and 0 · NaN are NaN):
-        // one value to read back with the step's routes instead of the logits.
-        let finite_probe = logits
-            .to_dtype(candle_core::DType::F32)?
-            .affine(0.0, 0.0)?
-            .sum_all()?;
+        // The logits' sum: not finite where a logit is not (or, rarely, where finite ones
+        // overflow it, which the host's check then clears): one value to read back with the
+        // step's routes instead of the logits, one kernel.
+        let finite_probe = logits.sum_all()?;
         Ok(DeviceRouted {
             output,
             ids,
@@ -311,8 +309,9 @@ impl MoeBlock {
         })
     }
 
-    /// The host's check of router logits a device-routed layer found non-finite: the
-    /// selection's own error naming the first row and expert ([`Router::select_rows`]).
+    /// The host's check of router logits whose device probe was not finite: the selection's
+    /// own error naming the first row and expert ([`Router::select_rows`]), or Ok where every
+    /// logit is finite after all (finite logits whose sum overflowed).
     pub(crate) fn check_logits_on_host(&self, logits: &Tensor) -> Result<()> {
         let host = logits
             .flatten_all()?
@@ -333,7 +332,7 @@ pub(crate) struct DeviceRouted {
     pub ids: Tensor,
     /// `[rows, E]` router logits (kept for the host's check when the probe is not finite).
     pub logits: Tensor,
-    /// Scalar: 0 when every router logit is finite, NaN otherwise.
+    /// Scalar, the logits' dtype: finite when every router logit is (the sum of the logits).
     pub finite_probe: Tensor,
 }
 
