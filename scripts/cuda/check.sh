@@ -267,12 +267,14 @@ for run in "mid f32" "mid bf16" "a3b-8l bf16"; do
     # The share of each run the host spent waiting for the GPU (near 100%: kernel-bound;
     # low: bound by the host's own work and launches).
     r3_wait=$(grep -E "^decode $config" "$work/decode-r3-$config-$dtype.txt" | sed -nE 's/.*batch ([0-9]+): .*waiting for the device ([0-9.]+)%.*/\1:\2%/p' | tr '\n' ' ')
+    # The share of each batch's steps `auto` routed on the device.
+    r3_routed=$(grep -E "^decode $config" "$work/decode-r3-$config-$dtype.txt" | sed -nE 's/.*\(([0-9]+)% of steps on the device\) batch ([0-9]+):.*/\2:\1%/p' | tr '\n' ' ')
     (cd scripts/cuda && timeout "$(limit 150)" "$python" peer_hf_generate.py --config "$config" \
         --dtype "$dtype" --batches 1,64,256 --prompt-len 32 --new-tokens 128) \
         > "$work/decode-hf-$config-$dtype.txt" 2>&1
     cat "$work/decode-hf-$config-$dtype.txt"
     hf_tps=$(grep -E "^peer-generate" "$work/decode-hf-$config-$dtype.txt" | sed -E 's/.*batch ([0-9]+),.* ([0-9.]+) tokens\/s.*/\1:\2/' | tr '\n' ' ')
-    decode+=("$config $dtype r3 [${r3_tps:-?}] HF [${hf_tps:-?}] tok/s by batch, r3's host waiting for the GPU [${r3_wait:-?}]")
+    decode+=("$config $dtype r3 [${r3_tps:-?}] HF [${hf_tps:-?}] tok/s by batch, r3's host waiting for the GPU [${r3_wait:-?}], steps routed on the GPU [${r3_routed:-?}]")
 done
 verdict decode "$(IFS=';'; echo "${decode[*]}")"
 # The runs above route on the device where `auto` says (a GPU's steps of a few rows: each

@@ -259,6 +259,12 @@ fn routed_on_the_device_every_family_generates_as_routed_on_the_host() {
             ));
             let want = host.generate(reqs.clone()).expect("routed on the host");
             let got = dev.generate(reqs).expect("routed on the device");
+            let (on_device, steps) = dev.steps_routed_on_device();
+            assert!(
+                steps >= 8 && on_device == steps,
+                "{family}: {on_device} of {steps}"
+            );
+            assert_eq!(host.steps_routed_on_device().0, 0, "{family}: host routing");
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 assert_same(&format!("{family} {dtype} request {i}"), g, w, BATCH_TOL);
             }

@@ -138,6 +138,7 @@ pub fn run(a: BenchDecodeArgs) -> anyhow::Result<()> {
         for &batch in &a.batches {
             let (mut best, mut capture_share) = (0f64, 0f64);
             let mut wait_share = None;
+            let routed0 = engine.steps_routed_on_device();
             for _ in 0..a.repeats.max(1) {
                 let capture0 = engine.capture_seconds();
                 let wait0 = engine.device_wait_seconds();
@@ -162,9 +163,14 @@ pub fn run(a: BenchDecodeArgs) -> anyhow::Result<()> {
             } else {
                 a.new_tokens.to_string()
             };
-            let routing = match &engine {
-                RolloutEngine::Cpu(_) => String::new(),
-                RolloutEngine::Device(_) => format!(" routing {}", a.routing),
+            // The share of this batch's steps auto (or the flag) routed on the device.
+            let routing = match (engine.steps_routed_on_device(), routed0) {
+                (Some((d1, n1)), Some((d0, n0))) if n1 > n0 => format!(
+                    " routing {} ({:.0}% of steps on the device)",
+                    a.routing,
+                    (d1 - d0) as f64 * 100.0 / (n1 - n0) as f64
+                ),
+                _ => String::new(),
             };
             println!(
                 "decode {name} {} {}{routing} batch {batch}: {best:.1} tokens/s ({} prompt + \

@@ -193,6 +193,16 @@ impl RolloutEngine {
             RolloutEngine::Device(e) => Some(e.device_wait_seconds()),
         }
     }
+
+    /// Steps so far routed on the device and all steps
+    /// ([`DeviceEngine::steps_routed_on_device`]); None for the CPU engine, which routes on
+    /// the host.
+    pub fn steps_routed_on_device(&self) -> Option<(u64, u64)> {
+        match self {
+            RolloutEngine::Cpu(_) => None,
+            RolloutEngine::Device(e) => Some(e.steps_routed_on_device()),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -50,7 +50,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
-use r3_model::model::decode::{KvCache, Step};
+use r3_model::model::decode::{KvCache, Step, StepRouting};
 use r3_model::{check_map_holds, Config, DeviceSpec, HostStaging, LoadOptions, Model};
 use rand_chacha::ChaCha8Rng;
 pub use routing::RoutingPlace;
@@ -195,6 +195,8 @@ pub struct DeviceEngine {
     /// Wall time the host waited for the device: each MoE layer's router logits and each
     /// step's logits (the queued work before a copy, then the copy).
     device_wait: Duration,
+    /// Steps whose MoE layers chose their experts on the device, and all steps.
+    steps_routed_on_device: (u64, u64),
     /// Where each step's copied rows of logits land on the host (page-locked on a GPU).
     staging: HostStaging,
     /// Results of a step whose later part failed, handed out by the next step.
@@ -272,6 +274,7 @@ impl DeviceEngine {
             cache,
             capture_time: Duration::ZERO,
             device_wait: Duration::ZERO,
+            steps_routed_on_device: (0, 0),
             staging: HostStaging::new(),
             finished: Vec::new(),
         })
@@ -308,6 +311,12 @@ impl DeviceEngine {
     /// the host's own work and launches do.
     pub fn device_wait_seconds(&self) -> f64 {
         self.device_wait.as_secs_f64()
+    }
+
+    /// Steps so far whose MoE layers chose their experts on the device, and all steps (see
+    /// [`DeviceEngineConfig::routing`]).
+    pub fn steps_routed_on_device(&self) -> (u64, u64) {
+        self.steps_routed_on_device
     }
 
     /// Prefix cache counters (None when the cache is off); `hit_blocks × block_size` are the
@@ -436,6 +445,13 @@ impl DeviceEngine {
                 .rows
                 .iter()
                 .any(|r| r.request.sampling.prompt_logprobs_from.is_some());
+        let routing = self.cfg.routing.for_step(
+            batch.rows.len() * layout.time,
+            self.model_cfg.top_k(),
+            self.model.routed_expert_bytes(),
+            self.device.is_cuda(),
+            self.model.routes_on_device(),
+        );
         let out = self.model.forward_step(
             &Step {
                 tokens: &layout.tokens,
@@ -444,16 +460,12 @@ impl DeviceEngine {
                 batch: batch.rows.len(),
                 time: layout.time,
                 all_logits,
-                routing: self.cfg.routing.for_step(
-                    batch.rows.len() * layout.time,
-                    self.model_cfg.top_k(),
-                    self.model.routed_expert_bytes(),
-                    self.device.is_cuda(),
-                    self.model.routes_on_device(),
-                ),
+                routing,
             },
             &mut batch.cache,
         )?;
+        self.steps_routed_on_device.0 += u64::from(routing == StepRouting::Device);
+        self.steps_routed_on_device.1 += 1;
         self.device_wait += out.device_wait;
         let started = Instant::now();
         capture_routes(
