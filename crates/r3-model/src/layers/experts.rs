@@ -116,9 +116,9 @@ impl RoutedExperts {
     /// The same sum with the chosen experts given as a device tensor: `ids` `[rows, top_k]`
     /// (u32, on `x`'s device), so that a step routed on the device never waits for the host.
     /// Each (row, slot) runs through its expert's matrices, one row per block of two batched
-    /// GEMMs ([`expert_slots_matmul`]: on a GPU read in place through a pointer table
+    /// GEMMs (`expert_slots_matmul`: on a GPU read in place through a pointer table
     /// written on the device, elsewhere gathered), then the slots are weighted and summed in
-    /// slot order ([`combine_slots`], slot `r · top_k + j` at place `r · top_k + j`). Every
+    /// slot order (`combine_slots`, slot `r · top_k + j` at place `r · top_k + j`). Every
     /// slot reads its expert's matrices, even where rows share one, so this is for a few
     /// rows: a decode step at a small batch. The rounding points of the dispatched forms.
     pub fn forward_gathered(&self, x: &Tensor, gates: &Tensor, ids: &Tensor) -> Result<Tensor> {

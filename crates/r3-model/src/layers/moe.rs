@@ -274,7 +274,7 @@ impl MoeBlock {
     }
 
     /// Whether this block can choose its experts on the device
-    /// ([`MoeBlock::forward_routed_on_device`]): see [`Router::selects_on_device`].
+    /// (`MoeBlock::forward_routed_on_device`): see [`Router::selects_on_device`].
     pub fn routes_on_device(&self) -> bool {
         self.router.selects_on_device() && self.score_bias.is_none()
     }
