@@ -12,6 +12,7 @@ use crate::config::{AttentionConfig, Config};
 use crate::error::{ModelError, Result};
 use crate::layers::attention::{AttentionMask, GqaAttention};
 use crate::layers::embedding_rows::embedding_rows;
+use crate::layers::expert_gemm::ExpertGemmInputs;
 use crate::layers::linear::Linear;
 use crate::layers::mla::MlaAttention;
 use crate::layers::mlp::SwiGlu;
@@ -166,6 +167,16 @@ impl Model {
         model.norm.set_precision(precision);
         model.lm_head.set_precision(precision);
         Ok(model)
+    }
+
+    /// Sets how every MoE layer's routed-expert GEMMs take their f32 operands on a GPU in
+    /// bf16 ([`ExpertGemmInputs`]; the CPU and other precisions are unaffected).
+    pub fn set_expert_gemm_inputs(&mut self, inputs: ExpertGemmInputs) {
+        for layer in &mut self.layers {
+            if let FeedForward::Moe(block) = &mut layer.ffn {
+                block.set_expert_gemm_inputs(inputs);
+            }
+        }
     }
 
     /// The forward's precision.

@@ -416,3 +416,49 @@ fn each_kernel_on_cuda_matches_the_cpu() {
         .expect("a CUDA GPU (this test runs on the GPU machine)");
     compare(&device, 1e-4);
 }
+
+/// The routed experts' bf16 GEMMs on cuBLAS's FAST_16BF (f32 operands converted inside the
+/// GEMM) against the cast path on the same GPU: values and input gradients within a bf16
+/// step of the largest, the weight gradient within 1%, the value and `dx` bf16 numbers.
+/// Whether FAST_16BF rounds as r3's casts do is `gemm16_modes`' question (check.sh step 7);
+/// this checks the path's plumbing (operand types, pointers, passes).
+#[cfg(feature = "cuda")]
+#[test]
+fn expert_gemms_on_fast16bf_match_the_cast_path_on_cuda() {
+    use r3_model::layers::expert_gemm::{expert_blocks_matmul, ExpertGemmInputs};
+    let device = r3_model::DeviceSpec::Cuda { ordinal: 0 }
+        .open()
+        .expect("a CUDA GPU (this test runs on the GPU machine)");
+    let experts = [0u32, 1, 2, 2, 2, 0, 3];
+    let (cap, k, n, stack) = (5, 64, 96, 4);
+    let bf16 = Precision::Bf16 { router_f32: false };
+    let probe = seeded(&[experts.len(), cap, n], 3, &device);
+    let run = |inputs| {
+        let x = Var::from_tensor(&seeded(&[experts.len(), cap, k], 1, &device)).expect("x");
+        let w = Var::from_tensor(&seeded(&[stack, n, k], 2, &device)).expect("w");
+        let y = expert_blocks_matmul(bf16, &x, &w, &experts, inputs).expect("gemm");
+        let grads = (&y * &probe)
+            .and_then(|l| l.sum_all())
+            .and_then(|l| l.backward())
+            .expect("backward");
+        let dx = grads.get(&x).expect("dx").clone();
+        let dw = grads.get(&w).expect("dw").clone();
+        (y, dx, dw)
+    };
+    let (y_cast, dx_cast, dw_cast) = run(ExpertGemmInputs::Cast);
+    let (y_fast, dx_fast, dw_fast) = run(ExpertGemmInputs::Fast16bf);
+    for (name, fast, cast, tol) in [
+        ("value", &y_fast, &y_cast, 1.0 / 128.0),
+        ("dx", &dx_fast, &dx_cast, 1.0 / 128.0),
+        ("dw", &dw_fast, &dw_cast, 1e-2),
+    ] {
+        let (d, scale) = diff_and_scale(fast, cast);
+        println!("fast16bf {name}: max |Δ| {d:.3e} of {scale:.3e}");
+        assert!(d <= tol * scale, "{name}: {d} of {scale}");
+    }
+    for (name, t) in [("value", &y_fast), ("dx", &dx_fast)] {
+        let rounded = cast16(&cast16(t, DType::BF16).expect("bf16"), DType::F32).expect("f32");
+        let (d, _) = diff_and_scale(t, &rounded);
+        assert_eq!(d, 0.0, "{name} is a bf16 number");
+    }
+}

@@ -31,16 +31,35 @@ use crate::error::{ModelError, Result};
 use crate::host::contiguous;
 use crate::precision::Precision;
 
+/// How the routed experts' bf16 GEMMs take their f32 operands on a GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ExpertGemmInputs {
+    /// Cast to bf16 first by r3's cast kernel (round to nearest, ties to even: the CPU
+    /// engines' rounding), a bf16 GEMM with f32 accumulation: a pass over every expert stack
+    /// for the forward and again for the input gradient.
+    #[default]
+    Cast,
+    /// cuBLAS's `CUBLAS_COMPUTE_32F_FAST_16BF` on the f32 operands as they lie: the GEMM
+    /// converts them to bf16 itself (no cast passes, no 16-bit copies), then the output is
+    /// rounded to bf16 as the cast path's is. Its conversion is cuBLAS's, which
+    /// `gemm16_modes` (check.sh step 7) compares with round-to-nearest-even; opt in only
+    /// where that check says it rounds as r3 does. Only bf16 precision on a GPU; elsewhere
+    /// the same as `Cast`.
+    Fast16bf,
+}
+
 /// `y[b] = x[b] · w[experts[b]]ᵀ` for `x` `[blocks, cap, k]` and the stack `w` `[E, n, k]`,
 /// rounded as [`matmul_wt_at`] rounds at precision `p` (16-bit operands and output, f32
 /// accumulation; the weight may already be the 16-bit copy). Differentiable in `x` and `w`;
 /// on a GPU the weights are read in place and their gradient accumulated in f32 (see the
-/// module doc), elsewhere the blocks' weights are gathered and multiplied by candle's ops.
+/// module doc), the operands turned into bf16 as `inputs` says; elsewhere the blocks'
+/// weights are gathered and multiplied by candle's ops.
 pub fn expert_blocks_matmul(
     p: Precision,
     x: &Tensor,
     w: &Tensor,
     experts: &[u32],
+    inputs: ExpertGemmInputs,
 ) -> Result<Tensor> {
     let map = BlockMap::new(x, w, experts)?;
     let compute = p.narrow_dtype().unwrap_or(DType::F32);
@@ -51,7 +70,10 @@ pub fn expert_blocks_matmul(
         && x.dtype() == DType::F32
         && (w.dtype() == DType::F32 || w.dtype() == compute);
     if in_place {
-        return in_place_matmul(x, w, map, compute);
+        let fast = inputs == ExpertGemmInputs::Fast16bf
+            && compute == DType::BF16
+            && w.dtype() == DType::F32;
+        return in_place_matmul(x, w, map, compute, fast);
     }
     let identity = experts.iter().enumerate().all(|(b, &e)| b == e as usize);
     let blocks = if identity && experts.len() == map.stack {
@@ -193,14 +215,30 @@ impl BlockMap {
 }
 
 /// The op on a GPU: the value from the forward plan, the gradients from the two backward
-/// plans, operands cast to `compute` (f32, bf16 or f16) around them.
-fn in_place_matmul(x: &Tensor, w: &Tensor, map: BlockMap, compute: DType) -> Result<Tensor> {
+/// plans, operands cast to `compute` (f32, bf16 or f16) around them, or with `fast16bf` (bf16
+/// compute, f32 operands) left f32 for cuBLAS's own conversion and the outputs rounded to
+/// bf16 where the cast path's are bf16.
+fn in_place_matmul(
+    x: &Tensor,
+    w: &Tensor,
+    map: BlockMap,
+    compute: DType,
+    fast16bf: bool,
+) -> Result<Tensor> {
     let map = Arc::new(map);
     let x = x.contiguous()?;
-    let xn = cast16(&x.detach(), compute)?;
-    let wn = cast16(&w.detach().contiguous()?, compute)?;
-    let y = xn.apply_op2_no_bwd(&wn, &PlannedGemm::new(Pass::Forward, &map))?;
-    let value = cast16(&y, DType::F32)?;
+    let value = if fast16bf {
+        let y = x.detach().apply_op2_no_bwd(
+            &w.detach().contiguous()?,
+            &PlannedGemm::fast(Pass::Forward, &map),
+        )?;
+        round_bf16(&y)?
+    } else {
+        let xn = cast16(&x.detach(), compute)?;
+        let wn = cast16(&w.detach().contiguous()?, compute)?;
+        let y = xn.apply_op2_no_bwd(&wn, &PlannedGemm::new(Pass::Forward, &map))?;
+        cast16(&y, DType::F32)?
+    };
     if !x.track_op() && !w.track_op() {
         return Ok(value);
     }
@@ -208,8 +246,14 @@ fn in_place_matmul(x: &Tensor, w: &Tensor, map: BlockMap, compute: DType) -> Res
         value: Precomputed::new(value),
         map,
         compute,
+        fast16bf,
     };
     Ok(x.apply_op2(w, op)?)
+}
+
+/// An f32 tensor rounded to bf16 (nearest, ties to even) and widened back: r3's casts.
+fn round_bf16(t: &Tensor) -> candle_core::Result<Tensor> {
+    cast16(&cast16(t, DType::BF16)?, DType::F32)
 }
 
 /// The differentiable op: its value precomputed, its backward two planned GEMM passes.
@@ -218,6 +262,8 @@ struct ExpertBlocksMatmul {
     value: Precomputed,
     map: Arc<BlockMap>,
     compute: DType,
+    /// The operands stay f32 for cuBLAS's `FAST_16BF` conversion ([`ExpertGemmInputs`]).
+    fast16bf: bool,
 }
 
 impl CustomOp2 for ExpertBlocksMatmul {
@@ -236,6 +282,9 @@ impl CustomOp2 for ExpertBlocksMatmul {
         _: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        if self.fast16bf {
+            return self.fast16bf_bwd(x, w, grad);
+        }
         let c = self.compute;
         let gn = cast16(&grad.detach().contiguous()?, c)?;
         let dx = if x.track_op() {
@@ -249,6 +298,33 @@ impl CustomOp2 for ExpertBlocksMatmul {
             let xn = cast16(&x.detach().contiguous()?, c)?;
             let dw = gn.apply_op2_no_bwd(&xn, &PlannedGemm::new(Pass::WeightGrad, &self.map))?;
             Some(cast16(&dw, w.dtype())?)
+        } else {
+            None
+        };
+        Ok((dx, dw))
+    }
+}
+
+impl ExpertBlocksMatmul {
+    /// The backward on f32 operands through `FAST_16BF`: `dx` rounded to bf16 (the cast
+    /// path's GEMM writes it in bf16), `dw` in f32 as the cast path's.
+    fn fast16bf_bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let g = grad.detach().contiguous()?;
+        let dx = if x.track_op() {
+            let w = w.detach().contiguous()?;
+            let dx = g.apply_op2_no_bwd(&w, &PlannedGemm::fast(Pass::InputGrad, &self.map))?;
+            Some(round_bf16(&dx)?)
+        } else {
+            None
+        };
+        let dw = if w.track_op() {
+            let x = x.detach().contiguous()?;
+            Some(g.apply_op2_no_bwd(&x, &PlannedGemm::fast(Pass::WeightGrad, &self.map))?)
         } else {
             None
         };
@@ -460,11 +536,15 @@ fn out_shape(pass: Pass, map: &BlockMap) -> Shape {
     }
 }
 
-/// One pass's GEMMs as a no-gradient op over its two operands (both of the compute type).
+/// One pass's GEMMs as a no-gradient op over its two operands (both of the compute type, or
+/// both f32 for `FAST_16BF`).
 #[derive(Debug, Clone)]
 struct PlannedGemm {
     pass: Pass,
     map: Arc<BlockMap>,
+    /// f32 operands converted to bf16 inside cuBLAS (`CUBLAS_COMPUTE_32F_FAST_16BF`), f32
+    /// output.
+    fast16bf: bool,
 }
 
 impl PlannedGemm {
@@ -472,6 +552,15 @@ impl PlannedGemm {
         PlannedGemm {
             pass,
             map: Arc::clone(map),
+            fast16bf: false,
+        }
+    }
+
+    /// The pass on f32 operands through `FAST_16BF`.
+    fn fast(pass: Pass, map: &Arc<BlockMap>) -> Self {
+        PlannedGemm {
+            fast16bf: true,
+            ..Self::new(pass, map)
         }
     }
 }
@@ -481,7 +570,8 @@ impl CustomOp2 for PlannedGemm {
         "expert-blocks-gemm"
     }
 
-    /// The host twin, f32 only (the tests' path).
+    /// The host twin, f32 only (the tests' path); `FAST_16BF`'s twin rounds the operands to
+    /// bf16 first (nearest, ties to even: what r3 requires of cuBLAS's conversion).
     fn cpu_fwd(
         &self,
         s1: &CpuStorage,
@@ -493,10 +583,17 @@ impl CustomOp2 for PlannedGemm {
         // The plan's A is the op's second operand in every pass (the weight, or the input
         // rows of the weight gradient), B its first.
         let (a, b) = (host_f32(s2, l2, "A")?, host_f32(s1, l1, "B")?);
-        Ok((
-            CpuStorage::F32(plan.run_host(a, b)),
-            out_shape(self.pass, &self.map),
-        ))
+        let out = if self.fast16bf {
+            let bf16 = |v: &[f32]| -> Vec<f32> {
+                v.iter()
+                    .map(|&x| half::bf16::from_f32(x).to_f32())
+                    .collect()
+            };
+            plan.run_host(&bf16(a), &bf16(b))
+        } else {
+            plan.run_host(a, b)
+        };
+        Ok((CpuStorage::F32(out), out_shape(self.pass, &self.map)))
     }
 
     #[cfg(feature = "cuda")]
@@ -509,7 +606,7 @@ impl CustomOp2 for PlannedGemm {
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         let plan = GemmPlan::new(self.pass, &self.map);
         // A is the second operand (the weight, or the input rows), B the first.
-        let out = cuda::run_plan(&plan, self.pass, s2, l2, s1, l1)?;
+        let out = cuda::run_plan(&plan, self.pass, s2, l2, s1, l1, self.fast16bf)?;
         Ok((out, out_shape(self.pass, &self.map)))
     }
 }
@@ -568,7 +665,9 @@ mod cuda {
     }
 
     /// Runs `plan` with A = `(sa, la)` and B = `(sb, lb)` (one dtype), into a fresh output:
-    /// of that dtype for the forward and input gradient, f32 for the weight gradient.
+    /// of that dtype for the forward and input gradient, f32 for the weight gradient. With
+    /// `fast16bf` the operands are f32 and cuBLAS converts them to bf16 itself
+    /// (`CUBLAS_COMPUTE_32F_FAST_16BF`), the output f32.
     pub(super) fn run_plan(
         plan: &GemmPlan,
         pass: Pass,
@@ -576,6 +675,7 @@ mod cuda {
         la: &Layout,
         sb: &CudaStorage,
         lb: &Layout,
+        fast16bf: bool,
     ) -> candle_core::Result<CudaStorage> {
         let dev = sa.device().clone();
         let stream = dev.cuda_stream();
@@ -586,6 +686,17 @@ mod cuda {
                 sb.dtype()
             );
         }
+        if fast16bf && sa.dtype() != DType::F32 {
+            candle_core::bail!(
+                "expert blocks gemm: FAST_16BF takes f32 operands, not {:?}",
+                sa.dtype()
+            );
+        }
+        let compute_type = if fast16bf {
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF
+        } else {
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
+        };
         let in_type = data_type(sa.dtype())?;
         let out_dtype = if pass == Pass::WeightGrad {
             DType::F32
@@ -615,8 +726,8 @@ mod cuda {
                         plan,
                         [a0, b0, c0],
                         [in_size, in_size, out_size],
-                        in_type,
-                        out_type,
+                        [in_type, out_type],
+                        compute_type,
                         &dev,
                     )?;
                 }
@@ -744,8 +855,8 @@ mod cuda {
         plan: &GemmPlan,
         bases: [u64; 3],
         sizes: [usize; 3],
-        in_type: sys::cudaDataType_t,
-        out_type: sys::cudaDataType_t,
+        [in_type, out_type]: [sys::cudaDataType_t; 2],
+        compute_type: sys::cublasComputeType_t,
         dev: &candle_core::CudaDevice,
     ) -> candle_core::Result<()> {
         let stream = dev.cuda_stream();
@@ -799,7 +910,7 @@ mod cuda {
                     out_type,
                     int(s.ldc)?,
                     int(count)?,
-                    sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    compute_type,
                     sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP,
                 )
                 .result()
@@ -857,6 +968,32 @@ mod tests {
         assert!(max_abs_diff(&dw, &want_dw) < 1e-4, "weight gradient");
     }
 
+    /// The `FAST_16BF` plans' host twin is the plans over the operands rounded to bf16
+    /// (nearest, ties to even) first, bit for bit: the semantics r3 asks of cuBLAS's own
+    /// conversion (check.sh step 7 checks that cuBLAS has them).
+    #[test]
+    fn the_fast16bf_plans_are_the_plans_of_bf16_rounded_operands() {
+        let (cap, k, stack, n) = (3, 4, 3, 5);
+        let x = (seeded_tensor(&[EXPERTS.len(), cap, k], 1, DType::F32) * 1.37).expect("x");
+        let w = (seeded_tensor(&[stack, n, k], 2, DType::F32) * 0.71).expect("w");
+        let map = Arc::new(BlockMap::new(&x, &w, &EXPERTS).expect("map"));
+        let rounded = |t: &Tensor| round_bf16(t).expect("round");
+        let fast = x
+            .apply_op2_no_bwd(&w, &PlannedGemm::fast(Pass::Forward, &map))
+            .expect("fast");
+        let exact = rounded(&x)
+            .apply_op2_no_bwd(&rounded(&w), &PlannedGemm::new(Pass::Forward, &map))
+            .expect("rounded operands");
+        assert_eq!(max_abs_diff(&fast, &exact), 0.0);
+        let unrounded = x
+            .apply_op2_no_bwd(&w, &PlannedGemm::new(Pass::Forward, &map))
+            .expect("f32");
+        assert!(
+            max_abs_diff(&fast, &unrounded) > 0.0,
+            "the operands were rounded"
+        );
+    }
+
     /// The weight gradient's rounds: the main blocks overwrite, each later run adds, runs of
     /// one length share a call, and an expert without blocks leaves a zeroed gradient.
     #[test]
@@ -885,28 +1022,82 @@ mod tests {
     /// operands, the weight gradient summed over an expert's main and overflow blocks).
     #[test]
     fn the_in_place_op_has_the_compositions_gradients() {
-        let (cap, n, k, stack) = (3, 5, 4, 3);
-        let x =
-            Var::from_tensor(&seeded_tensor(&[EXPERTS.len(), cap, k], 1, DType::F32)).expect("x");
-        let w = Var::from_tensor(&seeded_tensor(&[stack, n, k], 2, DType::F32)).expect("w");
-        let probe = seeded_tensor(&[EXPERTS.len(), cap, n], 3, DType::F32);
-        let map = BlockMap::new(&x, &w, &EXPERTS).expect("map");
-        let got = in_place_matmul(&x, &w, map, DType::F32).expect("op");
-        let want = expert_blocks_matmul(Precision::F32, &x, &w, &EXPERTS).expect("composed");
+        let case = OpCase::new();
+        let (x, w) = (&case.x, &case.w);
+        let got = in_place_matmul(x, w, case.map.clone(), DType::F32, false).expect("op");
+        let want = expert_blocks_matmul(Precision::F32, x, w, &EXPERTS, ExpertGemmInputs::Cast)
+            .expect("composed");
         assert!(max_abs_diff(&got, &want) < 1e-5, "value");
-        let grads = |y: &Tensor| {
-            let g = (y * &probe)
-                .and_then(|l| l.sum_all())
-                .and_then(|l| l.backward())
-                .expect("backward");
-            [&x, &w].map(|v| g.get(v).expect("gradient").clone())
-        };
         for (name, (a, b)) in ["dx", "dw"]
             .iter()
-            .zip(grads(&got).iter().zip(&grads(&want)))
+            .zip(case.grads(&got).iter().zip(&case.grads(&want)))
         {
             assert!(max_abs_diff(a, b) < 1e-4, "{name}");
         }
+    }
+
+    /// The `FAST_16BF` op, run on the host plans (operands rounded to bf16 first): its value
+    /// and input gradient are the bf16 composition's (rounded operands, f32 sums, rounded
+    /// output) to within the order of the sums; its weight gradient stays f32, where the
+    /// CPU composition rounds it to bf16 (as the cast path on a GPU leaves it f32 too).
+    #[test]
+    fn the_fast16bf_op_has_the_bf16_compositions_values_and_gradients() {
+        let case = OpCase::new();
+        let (x, w) = (&case.x, &case.w);
+        let got = in_place_matmul(x, w, case.map.clone(), DType::BF16, true).expect("op");
+        let bf16 = Precision::Bf16 { router_f32: false };
+        let want =
+            expert_blocks_matmul(bf16, x, w, &EXPERTS, ExpertGemmInputs::Cast).expect("composed");
+        // One bf16 step of the largest output at most (sums in another order may round to
+        // the neighbouring bf16 value).
+        let step = max_abs(&want) / 128.0;
+        assert!(max_abs_diff(&got, &want) <= step, "value");
+        let is_bf16 = |t: &Tensor| max_abs_diff(&round_bf16(t).expect("round"), t) == 0.0;
+        assert!(is_bf16(&got), "the value is rounded to bf16");
+        let (got, want) = (case.grads(&got), case.grads(&want));
+        assert!(is_bf16(&got[0]), "dx is rounded to bf16");
+        for (name, (a, b)) in ["dx", "dw"].iter().zip(got.iter().zip(&want)) {
+            let step = max_abs(b) / 128.0;
+            assert!(max_abs_diff(a, b) <= step, "{name}");
+        }
+    }
+
+    /// The in-place op's test case: seeded rows and stack over [`EXPERTS`], a loss probe.
+    struct OpCase {
+        x: Var,
+        w: Var,
+        probe: Tensor,
+        map: BlockMap,
+    }
+
+    impl OpCase {
+        fn new() -> Self {
+            let (cap, n, k, stack) = (3, 5, 4, 3);
+            let x = Var::from_tensor(&seeded_tensor(&[EXPERTS.len(), cap, k], 1, DType::F32))
+                .expect("x");
+            let w = Var::from_tensor(&seeded_tensor(&[stack, n, k], 2, DType::F32)).expect("w");
+            let probe = seeded_tensor(&[EXPERTS.len(), cap, n], 3, DType::F32);
+            let map = BlockMap::new(&x, &w, &EXPERTS).expect("map");
+            OpCase { x, w, probe, map }
+        }
+
+        /// `[dx, dw]` of `sum(y · probe)`.
+        fn grads(&self, y: &Tensor) -> [Tensor; 2] {
+            let g = (y * &self.probe)
+                .and_then(|l| l.sum_all())
+                .and_then(|l| l.backward())
+                .expect("backward");
+            [&self.x, &self.w].map(|v| g.get(v).expect("gradient").clone())
+        }
+    }
+
+    fn max_abs(t: &Tensor) -> f64 {
+        t.abs()
+            .and_then(|a| a.flatten_all())
+            .and_then(|a| a.max(0))
+            .and_then(|a| a.to_scalar::<f32>())
+            .expect("max")
+            .into()
     }
 
     /// The differentiable wrapper off a GPU is the gathered-weights product, its gradients
@@ -915,15 +1106,18 @@ mod tests {
     fn the_wrapper_checks_its_map() {
         let x = Var::from_tensor(&seeded_tensor(&[2, 3, 4], 1, DType::F32)).expect("x");
         let w = Var::from_tensor(&seeded_tensor(&[2, 5, 4], 2, DType::F32)).expect("w");
-        let y = expert_blocks_matmul(Precision::F32, &x, &w, &[0, 1]).expect("identity");
+        let y = expert_blocks_matmul(Precision::F32, &x, &w, &[0, 1], ExpertGemmInputs::Cast)
+            .expect("identity");
         let want = x
             .matmul(&w.transpose(1, 2).expect("t"))
             .expect("batched matmul");
         assert_eq!(max_abs_diff(&y, &want), 0.0);
-        let err = expert_blocks_matmul(Precision::F32, &x, &w, &[0, 2])
+        let err = expert_blocks_matmul(Precision::F32, &x, &w, &[0, 2], ExpertGemmInputs::Cast)
             .expect_err("expert out of range")
             .to_string();
         assert!(err.contains("expert 2 of a stack of 2"), "{err}");
-        assert!(expert_blocks_matmul(Precision::F32, &x, &w, &[0]).is_err());
+        assert!(
+            expert_blocks_matmul(Precision::F32, &x, &w, &[0], ExpertGemmInputs::Cast).is_err()
+        );
     }
 }

@@ -13,7 +13,7 @@ use candle_core::{Tensor, D};
 
 use super::combine_slots::combine_slots;
 use super::dispatch::Dispatch;
-use super::expert_gemm::{expert_blocks_matmul, expert_slots_matmul};
+use super::expert_gemm::{expert_blocks_matmul, expert_slots_matmul, ExpertGemmInputs};
 use super::gather_rows::GatherRows;
 use super::linear::matmul_wt;
 use super::routed_op::RoutedSwiGlu;
@@ -30,6 +30,7 @@ pub struct RoutedExperts {
     down: Tensor,
     intermediate: usize,
     precision: Precision,
+    gemm_inputs: ExpertGemmInputs,
 }
 
 impl RoutedExperts {
@@ -52,6 +53,7 @@ impl RoutedExperts {
             down,
             intermediate: i,
             precision: Precision::F32,
+            gemm_inputs: ExpertGemmInputs::Cast,
         })
     }
 
@@ -60,6 +62,11 @@ impl RoutedExperts {
     /// ops); the gate-weighted sum stays f32 (the caller rounds the block output).
     pub fn set_precision(&mut self, precision: Precision) {
         self.precision = precision;
+    }
+
+    /// Sets how the GEMMs of the padded layout take their f32 operands on a GPU in bf16.
+    pub fn set_gemm_inputs(&mut self, inputs: ExpertGemmInputs) {
+        self.gemm_inputs = inputs;
     }
 
     /// `y[r] = Σ_j gates[r, j] · SwiGLU_{e(r, j)}(x[r])` for `x` `[rows, H]` and `gates`
@@ -219,12 +226,12 @@ impl RoutedExperts {
     /// ([`expert_blocks_matmul`]), rounded where `forward_composed` rounds.
     fn swiglu_blocks(&self, xs: &Tensor, experts: &[u32]) -> Result<Tensor> {
         let (i, p) = (self.intermediate, self.precision);
-        let hidden = expert_blocks_matmul(p, xs, &self.gate_up, experts)?;
+        let hidden = expert_blocks_matmul(p, xs, &self.gate_up, experts, self.gemm_inputs)?;
         let a = match swiglu_halves(&hidden)? {
             Some(a) => a,
             None => (hidden.narrow(2, 0, i)?.silu()? * hidden.narrow(2, i, i)?)?,
         };
-        expert_blocks_matmul(p, &p.round(&a)?, &self.down, experts)
+        expert_blocks_matmul(p, &p.round(&a)?, &self.down, experts, self.gemm_inputs)
     }
 
     /// The same computation from candle's composed ops, expert by expert (other devices and
@@ -395,6 +402,7 @@ mod tests {
             down: dn.as_tensor().clone(),
             intermediate: i,
             precision: Precision::F32,
+            gemm_inputs: ExpertGemmInputs::Cast,
         };
         (gu, dn, experts)
     }

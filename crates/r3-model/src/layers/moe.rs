@@ -10,6 +10,7 @@ use candle_core::Tensor;
 use rayon::prelude::*;
 
 use super::dispatch::Dispatch;
+use super::expert_gemm::ExpertGemmInputs;
 use super::experts::RoutedExperts;
 use super::gather_rows::GatherRows;
 use super::linear::Linear;
@@ -129,6 +130,11 @@ impl MoeBlock {
                 gate.set_precision(precision);
             }
         }
+    }
+
+    /// Sets how the routed experts' GEMMs take their f32 operands on a GPU in bf16.
+    pub fn set_expert_gemm_inputs(&mut self, inputs: ExpertGemmInputs) {
+        self.experts.set_gemm_inputs(inputs);
     }
 
     /// The router of this block.
