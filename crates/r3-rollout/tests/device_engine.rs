@@ -266,7 +266,9 @@ fn routed_on_the_device_every_family_generates_as_routed_on_the_host() {
             );
             assert_eq!(host.steps_routed_on_device().0, 0, "{family}: host routing");
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                assert_same(&format!("{family} {dtype} request {i}"), g, w, BATCH_TOL);
+                // Other GEMM shapes (one row a slot against one block an expert): the
+                // device engine's tolerance against the CPU engine's sums.
+                assert_same(&format!("{family} {dtype} request {i}"), g, w, LOGPROB_TOL);
             }
             checked += 1;
         }
