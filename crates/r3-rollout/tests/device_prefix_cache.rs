@@ -28,7 +28,7 @@ use model_common::{sequences, tiny_config, tiny_weights};
 use r3_model::{Config, DeviceSpec};
 use r3_rollout::{
     DeviceEngine, DeviceEngineConfig, Dtype, Engine, EngineConfig, GenerateRequest, GenerateResult,
-    MergePolicy, SamplingParams, TensorMap,
+    MergePolicy, RoutingPlace, SamplingParams, TensorMap,
 };
 use r3_routing::RouteTable;
 
@@ -198,6 +198,54 @@ fn cache_on_equals_cache_off_and_the_cpu_engines_cache() {
             assert_same(&format!("{family} request {i} (CPU)"), g, c, CPU_TOL);
         }
         println!("{family}: cache on vs off, log-probs within {worst:.2e}; {stats:?}");
+    }
+}
+
+/// Routed on the device (each step's top-k, gates and experts without the host), the cache's
+/// hits, the gaps their tails leave and prompt log-probs give what routing on the host with
+/// the cache off computes: tokens, routes (cached rows and fed rows alike), log-probs within
+/// the device engine's tolerance.
+#[test]
+fn routed_on_the_device_the_cache_serves_what_host_routing_computes() {
+    for family in ["qwen3_moe", "mixtral"] {
+        let cfg = tiny_config(family);
+        let map = tiny_weights(&cfg, 31, DType::F32).into_map();
+        let engine = |cache: bool, routing: RoutingPlace| {
+            let settings = DeviceEngineConfig {
+                routing,
+                ..config(cache, if cache { 64 << 20 } else { 0 })
+            };
+            DeviceEngine::new(cfg.clone(), &map, settings).expect("engine")
+        };
+        let (mut on, mut off) = (
+            engine(true, RoutingPlace::Device),
+            engine(false, RoutingPlace::Host),
+        );
+        let first = rounds(cfg.vocab_size, &[]);
+        let got1 = on.generate(first.clone()).expect("on");
+        let want1 = off.generate(first).expect("off");
+        let second = rounds(cfg.vocab_size, &want1);
+        let got2 = on.generate(second.clone()).expect("on");
+        let want2 = off.generate(second).expect("off");
+        for (i, (g, w)) in got1
+            .iter()
+            .chain(&got2)
+            .zip(want1.iter().chain(&want2))
+            .enumerate()
+        {
+            assert_same(&format!("{family} request {i}"), g, w, CPU_TOL);
+        }
+        let cached: Vec<usize> = got2.iter().map(|r| r.cached_tokens).collect();
+        assert_eq!(
+            cached,
+            vec![24, 12, 0, 8],
+            "{family}: cached prompt positions"
+        );
+        let (routed, steps) = on.steps_routed_on_device();
+        assert!(
+            steps > 0 && routed == steps,
+            "{family}: {routed} of {steps} on the device"
+        );
     }
 }
 
