@@ -291,13 +291,14 @@ impl MoeBlock {
     }
 
     /// Runs the block on every row of `x` `[rows, H]` (native routing, nothing
-    /// differentiated) with the experts chosen on the device: the router's top-k
+    /// differentiated) with the experts chosen on the device; returns the `[rows, H]` block
+    /// output and the choice: the router's top-k
     /// ([`Router::select_on_device`]), its gates by [`Router::weigh`] (the training
     /// forward's ops) and the experts through [`RoutedExperts::forward_gathered`]. Nothing
     /// waits for the host, so a GPU runs the layer while the host queues the next; the
     /// chosen ids stay on the device for one copy a step. For the rows of a decode step at a
     /// small batch (gathering copies each slot's expert).
-    pub(crate) fn forward_routed_on_device(&self, x: &Tensor) -> Result<DeviceRouted> {
+    pub(crate) fn forward_routed_on_device(&self, x: &Tensor) -> Result<(Tensor, DeviceRoutes)> {
         let logits = self.router_logits(x)?;
         let ids = self.router.select_on_device(&logits)?;
         let gates = self.router.weigh(&logits, &ids)?;
@@ -307,12 +308,14 @@ impl MoeBlock {
         // overflow it, which the host's check then clears): one value to read back with the
         // step's routes instead of the logits, one kernel.
         let finite_probe = logits.sum_all()?;
-        Ok(DeviceRouted {
+        Ok((
             output,
-            ids,
-            logits,
-            finite_probe,
-        })
+            DeviceRoutes {
+                ids,
+                logits,
+                finite_probe,
+            },
+        ))
     }
 
     /// The host's check of router logits whose device probe was not finite: the selection's
@@ -328,12 +331,10 @@ impl MoeBlock {
     }
 }
 
-/// What a MoE layer routed on the device computed ([`MoeBlock::forward_routed_on_device`]),
-/// all on the device.
+/// What a MoE layer routed on the device chose ([`MoeBlock::forward_routed_on_device`]),
+/// all on the device, kept until the step's routes are copied.
 #[derive(Debug)]
-pub(crate) struct DeviceRouted {
-    /// `[rows, H]` block output.
-    pub output: Tensor,
+pub(crate) struct DeviceRoutes {
     /// `[rows, top_k]` u32 chosen experts, best first.
     pub ids: Tensor,
     /// `[rows, E]` router logits (kept for the host's check when the probe is not finite).

@@ -14,7 +14,7 @@ use candle_core::Tensor;
 use super::{routed_rows, Attention, Model, MoeRecord};
 use crate::error::{ModelError, Result};
 use crate::layers::attention::LayerKv;
-use crate::layers::moe::{DeviceRouted, Gates, MoeBlock};
+use crate::layers::moe::{DeviceRoutes, Gates, MoeBlock};
 
 /// Keys and values of every attention layer for a batch of sequences, each `[B, KV, S, D]`
 /// on the model's device (`S` = slots fed so far, the same for every sequence). Not `Clone`:
@@ -260,7 +260,8 @@ pub enum StepRouting {
     Host,
     /// On the device ([`Model::routes_on_device`] models only): each layer's top-k, gates and
     /// experts without the host, the routes copied once at the end of the step. Each
-    /// (row, slot) gathers its expert's weights, so this is for steps of a few rows.
+    /// (row, slot) reads its expert's weights, even where rows share one, so this is for
+    /// steps of a few rows.
     Device,
 }
 
@@ -388,7 +389,7 @@ impl Model {
             StepRouting::Device => {
                 return Err(ModelError::Input(
                     "a step routed on the device, for a model whose routers choose on the host \
-                     (DeepSeek-V3's grouped selection, or more experts than the device's sort takes)"
+                     (DeepSeek-V3's grouped selection, or more experts than the device's top-k takes)"
                         .into(),
                 ))
             }
@@ -404,9 +405,8 @@ impl Model {
             let h = self.precision.round(&(x + attn)?)?;
             x = if on_device {
                 self.feed_forward_with(layer, h, |block, normed| {
-                    let routed = block.forward_routed_on_device(normed)?;
-                    let output = routed.output.clone();
-                    on_device_layers.push((block, routed));
+                    let (output, routes) = block.forward_routed_on_device(normed)?;
+                    on_device_layers.push((block, routes));
                     Ok(output)
                 })?
             } else {
@@ -440,7 +440,7 @@ impl Model {
 /// their ids (the host's one wait of the step) after a check that every layer's router
 /// logits were finite (one value a layer, their sum; a layer whose sum is not finite is
 /// checked again on the host, whose selection names the row and expert).
-fn routes_to_host(layers: &[(&MoeBlock, DeviceRouted)]) -> Result<Vec<Vec<u32>>> {
+fn routes_to_host(layers: &[(&MoeBlock, DeviceRoutes)]) -> Result<Vec<Vec<u32>>> {
     if layers.is_empty() {
         return Ok(Vec::new());
     }
