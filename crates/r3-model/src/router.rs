@@ -29,7 +29,7 @@ pub struct Router {
 /// a stable sort by `total_cmp`, descending, gives). One pass keeping the best `k` in
 /// `out` by insertion, no allocation: a token's router row is short and this runs once per
 /// token and MoE layer. Requires `k <= values.len()`, `out.len() == k`.
-pub(crate) fn top_k_desc(values: &[f32], k: usize, out: &mut [u32]) {
+fn top_k_desc(values: &[f32], k: usize, out: &mut [u32]) {
     debug_assert!(k <= values.len() && out.len() == k);
     if k == 0 {
         return;
@@ -226,8 +226,8 @@ impl Router {
     /// The `[rows, top_k]` u32 ids of each row's `top_k` largest logits, largest first,
     /// computed where the logits are (`logits` `[rows, E]`; nothing is copied to the host).
     /// The experts [`Router::select_row`]'s softmax selection chooses, in its order (ties to
-    /// the lower index, on a GPU too: r3's top-k op). Non-finite logits are not checked here
-    /// (the caller checks them once a step).
+    /// the lower index, on a GPU too: the choice op `route_softmax_rows`, whose gates this
+    /// drops). A row with a non-finite logit gets meaningless ids here (the op flags it).
     pub fn select_on_device(&self, logits: &Tensor) -> Result<Tensor> {
         if !self.selects_on_device() {
             return Err(ModelError::Input(format!(
@@ -242,7 +242,7 @@ impl Router {
                 self.num_experts
             )));
         }
-        crate::layers::top_k::top_k_rows(&logits.to_dtype(candle_core::DType::F32)?, self.top_k)
+        Ok(crate::layers::route_rows::route_softmax_rows(self, logits)?.ids)
     }
 
     /// Plain-slice form of [`Router::weigh`] for one token: logits `[E]`, ids `[k]` → gates `[k]`.

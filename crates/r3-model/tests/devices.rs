@@ -433,6 +433,54 @@ mod cuda {
         }
     }
 
+    /// A softmax router's choice on the GPU (`r3_route_softmax_f32`: top-k, gates, finiteness
+    /// in one kernel) equals the CPU's (the host selection and weighing): the same experts,
+    /// gates within 1e-6, renormalised or not, a row with a NaN flagged on both.
+    #[test]
+    fn the_routers_choice_on_cuda_is_the_cpus() {
+        use r3_model::layers::route_rows::route_softmax_rows;
+        let device = gpu();
+        for (experts, top_k, norm) in [(8usize, 2usize, true), (128, 8, true), (60, 4, false)] {
+            let router = r3_model::Router {
+                kind: r3_model::RouterKind::Softmax {
+                    norm_topk_prob: norm,
+                },
+                num_experts: experts,
+                top_k,
+            };
+            let rows = 33;
+            let mut logits: Vec<f32> = (0..rows * experts)
+                .map(|i| ((i * 7919) % 29) as f32 / 7.0 - 2.0)
+                .collect();
+            logits[7 * experts + 3] = f32::NAN;
+            let host = Tensor::from_vec(logits, (rows, experts), &Device::Cpu).expect("logits");
+            let want = route_softmax_rows(&router, &host).expect("cpu");
+            let got =
+                route_softmax_rows(&router, &host.to_device(&device).expect("gpu")).expect("gpu");
+            let ids = |t: &Tensor| {
+                t.flatten_all()
+                    .and_then(|t| t.to_vec1::<u32>())
+                    .expect("ids")
+            };
+            let flags = |t: &Tensor| t.to_vec1::<f32>().expect("flags");
+            let (got_ids, want_ids) = (ids(&got.ids), ids(&want.ids));
+            let (got_flags, want_flags) = (flags(&got.finite), flags(&want.finite));
+            assert_eq!(got_flags, want_flags, "{experts} experts: flags");
+            for r in (0..rows).filter(|&r| want_flags[r] == 1.0) {
+                let row = r * top_k..(r + 1) * top_k;
+                assert_eq!(
+                    got_ids[row.clone()],
+                    want_ids[row],
+                    "{experts} experts, row {r}"
+                );
+            }
+            assert!(
+                max_diff(&got.gates, &want.gates) < 1e-6,
+                "{experts} experts: gates"
+            );
+        }
+    }
+
     /// Steps routed on the GPU (top-k, gates and the experts' pointer GEMMs without the host)
     /// give the steps routed on the host: the same experts at every slot, logits within
     /// 1e-4, for every family whose routers allow it, a prefill then decode steps.

@@ -459,15 +459,12 @@ __device__ __forceinline__ void warp_rank_first(int &key, uint32_t &index) {
     }
 }
 
-// Each row's k largest values, largest first, ties to the lower index, in total_cmp's order:
-// k rounds of a block-wide arg-max over the columns not chosen yet. One block per row (a
-// whole number of warps). CPU twin: `top_k_desc` (router.rs), through `layers/top_k.rs`.
-extern "C" __global__ void r3_top_k_f32(const float *x, uint32_t *ids, uint32_t cols,
-                                        uint32_t k) {
+// One row's k largest values into `out` (k indices), largest first, ties to the lower index,
+// in total_cmp's order: k rounds of a block-wide arg-max over the columns not chosen yet (the
+// whole block calls it; `out` is global or shared memory every thread reads).
+__device__ void top_k_row(const float *row, uint32_t *out, uint32_t cols, uint32_t k) {
     __shared__ int keys[32];
     __shared__ uint32_t indices[32];
-    const float *row = x + (size_t)blockIdx.x * cols;
-    uint32_t *out = ids + (size_t)blockIdx.x * k;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (uint32_t j = 0; j < k; ++j) {
         int best_key = 0;
@@ -496,5 +493,50 @@ extern "C" __global__ void r3_top_k_f32(const float *x, uint32_t *ids, uint32_t 
         }
         // The pick is read by every thread's next round.
         __syncthreads();
+    }
+}
+
+// The most experts a token chooses that `r3_route_softmax_f32` keeps in shared memory.
+#define ROUTE_MAX_TOP_K 64
+
+// A softmax router's whole choice for each row of logits, one block per row: the top-k
+// (`top_k_row`), their gates softmax(logits)[id] (renormalised over the k when `norm`), and
+// whether every logit is finite. Written into `packed` = [gates (rows·k) | ids as floats
+// (rows·k) | flags (rows): 1 finite, 0 not]. A row with a non-finite logit gets zero gates and
+// its flag 0 (the host's selection then names it). CPU twin: `Router::select_row` and
+// `Router::weigh_row` (`layers/route_rows.rs`), whose sums run in another order.
+extern "C" __global__ void r3_route_softmax_f32(const float *x, float *packed, uint32_t rows,
+                                                uint32_t cols, uint32_t k, uint32_t norm) {
+    __shared__ float scratch[32];
+    __shared__ uint32_t chosen[ROUTE_MAX_TOP_K];
+    const size_t r = blockIdx.x;
+    const float *row = x + r * cols;
+    float top = -INFINITY;
+    float bad = 0.0f;
+    for (uint32_t c = threadIdx.x; c < cols; c += blockDim.x) {
+        const float v = row[c];
+        bad = isfinite(v) ? bad : 1.0f;
+        top = fmaxf(top, v);
+    }
+    top = block_reduce(top, -INFINITY, scratch, MaxOp());
+    bad = block_reduce(bad, 0.0f, scratch, MaxOp());
+    float sum = 0.0f;
+    for (uint32_t c = threadIdx.x; c < cols; c += blockDim.x) sum += expf(row[c] - top);
+    sum = block_reduce(sum, 0.0f, scratch, SumOp());
+    top_k_row(row, chosen, cols, k);
+    if (threadIdx.x == 0) {
+        float *gates = packed + r * k;
+        float *ids = packed + (size_t)rows * k + r * k;
+        float kept = 0.0f;
+        for (uint32_t j = 0; j < k; ++j) {
+            const float g = bad > 0.0f ? 0.0f : expf(row[chosen[j]] - top) / sum;
+            gates[j] = g;
+            kept += g;
+            ids[j] = (float)chosen[j];
+        }
+        if (norm && bad == 0.0f) {
+            for (uint32_t j = 0; j < k; ++j) gates[j] /= kept;
+        }
+        packed[2 * (size_t)rows * k + r] = bad > 0.0f ? 0.0f : 1.0f;
     }
 }

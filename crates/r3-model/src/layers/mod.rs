@@ -20,6 +20,6 @@ pub mod norm;
 pub mod precomputed;
 pub mod rope;
 pub mod rope_op;
+pub mod route_rows;
 mod routed_op;
 mod swiglu_halves;
-pub(crate) mod top_k;

@@ -15,6 +15,7 @@ use super::experts::RoutedExperts;
 use super::gather_rows::GatherRows;
 use super::linear::Linear;
 use super::mlp::SwiGlu;
+use super::route_rows::route_softmax_rows;
 use crate::config::{Config, SharedExpert};
 use crate::error::{ModelError, Result};
 use crate::precision::Precision;
@@ -292,35 +293,30 @@ impl MoeBlock {
 
     /// Runs the block on every row of `x` `[rows, H]` (native routing, nothing
     /// differentiated) with the experts chosen on the device; returns the `[rows, H]` block
-    /// output and the choice: the router's top-k
-    /// ([`Router::select_on_device`]), its gates by [`Router::weigh`] (the training
-    /// forward's ops) and the experts through [`RoutedExperts::forward_gathered`]. Nothing
-    /// waits for the host, so a GPU runs the layer while the host queues the next; the
-    /// chosen ids stay on the device for one copy a step. For the rows of a decode step at a
-    /// small batch (gathering copies each slot's expert).
+    /// output and the choice: the router's top-k and gates in one op (`route_softmax_rows`:
+    /// the host selection's experts and `Router::weigh_row`'s gates) and the experts through
+    /// [`RoutedExperts::forward_gathered`]. Nothing waits for the host, so a GPU runs the
+    /// layer while the host queues the next; the chosen ids stay on the device for one copy a
+    /// step. For the rows of a decode step at a small batch (each slot reads its expert).
     pub(crate) fn forward_routed_on_device(&self, x: &Tensor) -> Result<(Tensor, DeviceRoutes)> {
         let logits = self.router_logits(x)?;
-        let ids = self.router.select_on_device(&logits)?;
-        let gates = self.router.weigh(&logits, &ids)?;
-        let routed = self.experts.forward_gathered(x, &gates, &ids)?;
+        let choice = route_softmax_rows(&self.router, &logits)?;
+        let routed = self
+            .experts
+            .forward_gathered(x, &choice.gates, &choice.ids)?;
         let output = self.with_shared(x, routed)?;
-        // The logits' sum: not finite where a logit is not (or, rarely, where finite ones
-        // overflow it, which the host's check then clears): one value to read back with the
-        // step's routes instead of the logits, one kernel.
-        let finite_probe = logits.sum_all()?;
         Ok((
             output,
             DeviceRoutes {
-                ids,
+                ids: choice.ids,
                 logits,
-                finite_probe,
+                finite: choice.finite,
             },
         ))
     }
 
-    /// The host's check of router logits whose device probe was not finite: the selection's
-    /// own error naming the first row and expert ([`Router::select_rows`]), or Ok where every
-    /// logit is finite after all (finite logits whose sum overflowed).
+    /// The host's check of router logits the device flagged not finite: the selection's own
+    /// error naming the first row and expert ([`Router::select_rows`]).
     pub(crate) fn check_logits_on_host(&self, logits: &Tensor) -> Result<()> {
         let host = logits
             .flatten_all()?
@@ -337,10 +333,10 @@ impl MoeBlock {
 pub(crate) struct DeviceRoutes {
     /// `[rows, top_k]` u32 chosen experts, best first.
     pub ids: Tensor,
-    /// `[rows, E]` router logits (kept for the host's check when the probe is not finite).
+    /// `[rows, E]` router logits (kept for the host's check of a row flagged not finite).
     pub logits: Tensor,
-    /// Scalar, the logits' dtype: finite when every router logit is (the sum of the logits).
-    pub finite_probe: Tensor,
+    /// `[rows]` f32: 1 where every logit of the row is finite, 0 where one is not.
+    pub finite: Tensor,
 }
 
 /// `routed` `[n, H]` placed at the batch rows `at` of a zero `[batch_rows, H]`, as a gather

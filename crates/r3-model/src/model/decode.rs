@@ -438,19 +438,22 @@ impl Model {
 
 /// The routes of a step's device-routed MoE layers, per layer on the host: one copy of all
 /// their ids (the host's one wait of the step) after a check that every layer's router
-/// logits were finite (one value a layer, their sum; a layer whose sum is not finite is
-/// checked again on the host, whose selection names the row and expert).
+/// logits were finite (a flag a row; a flagged layer is checked again on the host, whose
+/// selection names the row and expert).
 fn routes_to_host(layers: &[(&MoeBlock, DeviceRoutes)]) -> Result<Vec<Vec<u32>>> {
     if layers.is_empty() {
         return Ok(Vec::new());
     }
-    let probes: Vec<&Tensor> = layers.iter().map(|(_, r)| &r.finite_probe).collect();
-    let probes = Tensor::stack(&probes, 0)?
-        .to_dtype(candle_core::DType::F32)?
-        .to_vec1::<f32>()?;
-    for ((block, routed), probe) in layers.iter().zip(probes) {
-        if !probe.is_finite() {
+    let flags: Vec<&Tensor> = layers.iter().map(|(_, r)| &r.finite).collect();
+    let flags = Tensor::cat(&flags, 0)?.to_vec1::<f32>()?;
+    for ((block, routed), layer_flags) in
+        layers.iter().zip(flags.chunks(flags.len() / layers.len()))
+    {
+        if layer_flags.iter().any(|&f| f != 1.0) {
             block.check_logits_on_host(&routed.logits)?;
+            return Err(ModelError::Input(
+                "the device flagged router logits that the host finds finite".into(),
+            ));
         }
     }
     let ids: Vec<&Tensor> = layers.iter().map(|(_, r)| &r.ids).collect();
