@@ -415,20 +415,20 @@ extern "C" __global__ void r3_adamw_f32(const float *theta, const float *g, cons
 }
 
 // The pointer table of one batched GEMM per routed slot (`expert_gemm.rs`, `run_slots`):
-// slot s multiplies its row (B at b0 + s·b_step bytes) by its expert's matrix (A at a0 +
-// ids[s]·a_step) into its output row (C at c0 + s·c_step); the table holds the A pointers,
-// then the B pointers, then the C pointers. The ids come from the router's own top-k on the
+// slot s multiplies its row (B at b0 + (s / share)·b_step bytes: `share` consecutive slots
+// read one row) by its expert's matrix (A at a0 + ids[s]·a_step) into its output row (C at
+// c0 + s·c_step); the table holds the A pointers, then the B pointers, then the C pointers. The ids come from the router's own top-k on the
 // device, so each lies in the stack; one past it (never made) reads expert 0 rather than
 // past the stack. CPU twin: the gathered matrices' product (`expert_slots_matmul`).
 extern "C" __global__ void r3_expert_slot_pointers(const uint32_t *ids, uint64_t *table,
                                                    uint32_t slots, uint32_t stack, uint64_t a0,
                                                    uint64_t a_step, uint64_t b0, uint64_t b_step,
-                                                   uint64_t c0, uint64_t c_step) {
+                                                   uint32_t share, uint64_t c0, uint64_t c_step) {
     for (uint32_t s = blockIdx.x * blockDim.x + threadIdx.x; s < slots;
          s += gridDim.x * blockDim.x) {
         const uint64_t e = ids[s] < stack ? ids[s] : 0;
         table[s] = a0 + e * a_step;
-        table[slots + s] = b0 + (uint64_t)s * b_step;
+        table[slots + s] = b0 + (uint64_t)(s / share) * b_step;
         table[2 * (uint64_t)slots + s] = c0 + (uint64_t)s * c_step;
     }
 }

@@ -85,24 +85,33 @@ pub fn expert_blocks_matmul(
     matmul_wt_at(p, x, &blocks)
 }
 
-/// `y [slots, 1, n] = x [slots, 1, k] · w[ids[s]]ᵀ` for the stack `w` `[E, n, k]` and the
-/// slots' experts `ids` `[slots]` (u32, on the device, each below `E`: the router's own
-/// top-k), at precision `p`. On a GPU one batched cuBLAS GEMM whose pointer table a kernel
-/// writes from `ids` (`r3_expert_slot_pointers`): the experts' matrices read in place and the
-/// ids never copied to the host. Elsewhere, or with an operand to differentiate, the product
-/// of the gathered matrices. The forward's rounding points either way ([`matmul_wt_at`]).
+/// `y [slots, 1, n] = x[s / share] · w[ids[s]]ᵀ` for rows `x` `[slots / share, 1, k]` (each
+/// row read by `share` consecutive slots: a token's `top_k` slots read its row once each),
+/// the stack `w` `[E, n, k]` and the slots' experts `ids` `[slots]` (u32, on the device, each
+/// below `E`: the router's own top-k), at precision `p`. On a GPU one batched cuBLAS GEMM
+/// whose pointer table a kernel writes from `ids` (`r3_expert_slot_pointers`): the experts'
+/// matrices and the rows read in place, the ids never copied to the host. Elsewhere, or with
+/// an operand to differentiate, the product of the gathered matrices with the rows repeated.
+/// The forward's rounding points either way ([`matmul_wt_at`]).
 pub(crate) fn expert_slots_matmul(
     p: Precision,
     x: &Tensor,
     w: &Tensor,
     ids: &Tensor,
 ) -> Result<Tensor> {
-    let (slots, one, k) = x.dims3()?;
+    let (rows, one, k) = x.dims3()?;
     let (_, _, k2) = w.dims3()?;
-    if one != 1 || k2 != k || ids.dims() != [slots] || ids.dtype() != DType::U32 {
+    let slots = ids.elem_count();
+    let share = slots.checked_div(rows).unwrap_or(0);
+    if one != 1
+        || k2 != k
+        || ids.dims() != [slots]
+        || ids.dtype() != DType::U32
+        || share * rows != slots
+    {
         return Err(ModelError::Input(format!(
             "expert slots: input {:?}, stacked weights {:?} and ids {:?} ({:?}) are not \
-             [slots, 1, k], [E, n, k] and [slots] u32",
+             [rows, 1, k], [E, n, k] and [slots] u32 with slots a multiple of rows",
             x.dims(),
             w.dims(),
             ids.dims(),
@@ -120,15 +129,25 @@ pub(crate) fn expert_slots_matmul(
     if in_place {
         let xn = cast16(&x.contiguous()?, compute)?;
         let wn = cast16(&w.contiguous()?, compute)?;
-        let y = xn.apply_op3_no_bwd(&wn, &ids.contiguous()?, &SlotsGemm)?;
+        let y = xn.apply_op3_no_bwd(&wn, &ids.contiguous()?, &SlotsGemm { share })?;
         return Ok(cast16(&y, DType::F32)?);
     }
-    matmul_wt_at(p, x, &w.index_select(ids, 0)?)
+    let repeated = if share == 1 {
+        x.clone()
+    } else {
+        x.broadcast_as((rows, share, k))?
+            .contiguous()?
+            .reshape((slots, 1, k))?
+    };
+    matmul_wt_at(p, &repeated, &w.index_select(ids, 0)?)
 }
 
-/// The slots' GEMM as an op over (rows, stack, ids), all on a GPU.
+/// The slots' GEMM as an op over (rows, stack, ids), all on a GPU: `share` consecutive
+/// slots read one row.
 #[derive(Debug, Clone, Copy)]
-struct SlotsGemm;
+struct SlotsGemm {
+    share: usize,
+}
 
 impl CustomOp3 for SlotsGemm {
     fn name(&self) -> &'static str {
@@ -144,7 +163,10 @@ impl CustomOp3 for SlotsGemm {
         _: &CpuStorage,
         _: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        candle_core::bail!("the expert slots' pointer GEMM runs on a GPU only")
+        candle_core::bail!(
+            "the expert slots' pointer GEMM (a row per {} slots) runs on a GPU only",
+            self.share
+        )
     }
 
     #[cfg(feature = "cuda")]
@@ -157,9 +179,10 @@ impl CustomOp3 for SlotsGemm {
         sids: &candle_core::CudaStorage,
         lids: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let (slots, _, k) = lx.shape().dims3()?;
+        let (_, _, k) = lx.shape().dims3()?;
         let (stack, n, _) = lw.shape().dims3()?;
-        let out = cuda::run_slots(sx, lx, sw, lw, sids, lids, [slots, stack, n, k])?;
+        let slots = lids.shape().elem_count();
+        let out = cuda::run_slots(sx, lx, sw, lw, sids, lids, [slots, stack, n, k, self.share])?;
         Ok((out, Shape::from((slots, 1, n))))
     }
 }
@@ -742,7 +765,7 @@ mod cuda {
         })
     }
 
-    /// [`super::SlotsGemm`]: slot `s`'s row `[1, k]` of `sx` times expert `ids[s]`'s `[n, k]`
+    /// [`super::SlotsGemm`]: row `s / share` `[1, k]` of `sx` times expert `ids[s]`'s `[n, k]`
     /// of the stack `sw`, transposed, into row `s` of a fresh `[slots, 1, n]` output of the
     /// operands' dtype. A kernel writes the pointer table from the ids on the device, then
     /// one `cublasGemmBatchedEx` (the forward plan's shape with one row a block) reads it.
@@ -753,7 +776,7 @@ mod cuda {
         lw: &Layout,
         sids: &CudaStorage,
         lids: &Layout,
-        [slots, stack, n, k]: [usize; 4],
+        [slots, stack, n, k, share]: [usize; 5],
     ) -> candle_core::Result<CudaStorage> {
         use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
         let dev = sx.device().clone();
@@ -773,7 +796,11 @@ mod cuda {
                 candle_core::Error::Msg(format!("expert slots gemm: {v} exceeds a 32-bit size"))
             })
         };
-        let (slots32, stack32) = (int(slots)? as u32, int(stack)? as u32);
+        let (slots32, stack32, share32) = (
+            int(slots)? as u32,
+            int(stack)? as u32,
+            int(share.max(1))? as u32,
+        );
         let (x0, _read_x) = base(sx, lx, &stream)?;
         let (w0, _read_w) = base(sw, lw, &stream)?;
         let ids = crate::cuda::view::<u32>(sids, lids, "expert ids")?;
@@ -799,6 +826,7 @@ mod cuda {
                         .arg(&a_step)
                         .arg(&x0)
                         .arg(&b_step)
+                        .arg(&share32)
                         .arg(&y0)
                         .arg(&c_step);
                     // SAFETY: the arguments are the kernel's signature; the ids view holds

@@ -143,13 +143,8 @@ impl RoutedExperts {
             return Ok(x.zeros_like()?);
         }
         let chosen = ids.flatten_all()?;
-        // Row r once per slot: [rows · top_k, 1, H].
-        let xs = x
-            .unsqueeze(1)?
-            .broadcast_as((rows, k, h))?
-            .contiguous()?
-            .reshape((slots, 1, h))?;
-        let hidden = expert_slots_matmul(p, &xs, &self.gate_up, &chosen)?;
+        // Row r read by its top_k slots (`expert_slots_matmul` points each slot at it).
+        let hidden = expert_slots_matmul(p, &x.unsqueeze(1)?, &self.gate_up, &chosen)?;
         let a = match swiglu_halves(&hidden)? {
             Some(a) => a,
             None => (hidden.narrow(2, 0, i)?.silu()? * hidden.narrow(2, i, i)?)?,
