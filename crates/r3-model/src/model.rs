@@ -254,7 +254,7 @@ impl Model {
     }
 
     /// Bytes of the largest routed expert's matrices (0 without MoE layers): what a
-    /// device-routed step gathers per (row, slot) and MoE layer.
+    /// device-routed step reads per (row, slot) and MoE layer.
     pub fn routed_expert_bytes(&self) -> usize {
         self.moe_blocks()
             .map(MoeBlock::expert_bytes)

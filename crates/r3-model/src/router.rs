@@ -80,9 +80,14 @@ fn total_order_key(v: f32) -> i32 {
     bits ^ (((bits >> 31) as u32) >> 1) as i32
 }
 
-/// The most experts [`Router::select_on_device`] ranks: its GPU kernel ranks a row in one
+/// The most experts the selection on the device
+/// ([`crate::layers::route_rows::route_softmax_rows`]) ranks: its GPU kernel ranks a row in one
 /// thread block, each thread scanning its share of the columns once per chosen expert.
 pub const DEVICE_SELECT_MAX_EXPERTS: usize = 4096;
+
+/// The most experts a token chooses that the selection on the device takes: its GPU kernel
+/// keeps a row's choice in shared memory (`ROUTE_MAX_TOP_K` in `kernels.cu`).
+pub const DEVICE_SELECT_MAX_TOP_K: usize = 64;
 
 impl Router {
     /// The router of a MoE config.
@@ -213,36 +218,15 @@ impl Router {
         }
     }
 
-    /// Whether [`Router::select_on_device`] applies: a softmax router (its top-k is the
-    /// top-k of the logits) over at most [`DEVICE_SELECT_MAX_EXPERTS`] experts. DeepSeek-V3's
-    /// grouped sigmoid selection (group scores, kept groups, the correction bias) stays on
-    /// the host.
+    /// Whether the selection on the device
+    /// ([`crate::layers::route_rows::route_softmax_rows`]) applies: a softmax router (its top-k is the
+    /// top-k of the logits) over at most [`DEVICE_SELECT_MAX_EXPERTS`] experts choosing 1 to
+    /// [`DEVICE_SELECT_MAX_TOP_K`]. DeepSeek-V3's grouped sigmoid selection (group scores,
+    /// kept groups, the correction bias) stays on the host.
     pub fn selects_on_device(&self) -> bool {
         matches!(self.kind, RouterKind::Softmax { .. })
             && self.num_experts <= DEVICE_SELECT_MAX_EXPERTS
-            && self.top_k <= self.num_experts
-    }
-
-    /// The `[rows, top_k]` u32 ids of each row's `top_k` largest logits, largest first,
-    /// computed where the logits are (`logits` `[rows, E]`; nothing is copied to the host).
-    /// The experts [`Router::select_row`]'s softmax selection chooses, in its order (ties to
-    /// the lower index, on a GPU too: the choice op `route_softmax_rows`, whose gates this
-    /// drops). A row with a non-finite logit gets meaningless ids here (the op flags it).
-    pub fn select_on_device(&self, logits: &Tensor) -> Result<Tensor> {
-        if !self.selects_on_device() {
-            return Err(ModelError::Input(format!(
-                "the {:?} router of {} experts chooses its experts on the host",
-                self.kind, self.num_experts
-            )));
-        }
-        let (_, e) = logits.dims2()?;
-        if e != self.num_experts {
-            return Err(ModelError::Input(format!(
-                "router logits of {e} experts for a router of {}",
-                self.num_experts
-            )));
-        }
-        Ok(crate::layers::route_rows::route_softmax_rows(self, logits)?.ids)
+            && (1..=DEVICE_SELECT_MAX_TOP_K.min(self.num_experts)).contains(&self.top_k)
     }
 
     /// Plain-slice form of [`Router::weigh`] for one token: logits `[E]`, ids `[k]` → gates `[k]`.

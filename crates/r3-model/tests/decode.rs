@@ -9,27 +9,9 @@
 mod common;
 
 use candle_core::{DType, Device};
-use common::{sequences, sorted_experts, tiny_config, tiny_model, tiny_weights, FAMILIES};
+use common::{causal, sequences, sorted_experts, tiny_config, tiny_model, tiny_weights, FAMILIES};
 use r3_model::model::decode::{KvCache, Step, StepRouting};
 use r3_model::{AttentionConfig, Batch, Model, ModelError, Routing, Weights};
-
-/// Causal additive mask (within the sliding window, if any) of one sequence fed at slots
-/// `first..first + time`.
-fn causal(first: usize, time: usize, window: Option<usize>) -> Vec<f32> {
-    let s = first + time;
-    (0..time)
-        .flat_map(|i| {
-            let q = first + i;
-            (0..s).map(move |j| {
-                if j <= q && window.is_none_or(|w| q - j < w) {
-                    0.0
-                } else {
-                    f32::NEG_INFINITY
-                }
-            })
-        })
-        .collect()
-}
 
 /// Feeds `tokens[first..first + time]` of one sequence; its logits rows (every slot's with
 /// `all_logits`, else the last) and routes.

@@ -338,7 +338,9 @@ fn oracle_fixtures_on_the_cpu() {
 
 #[cfg(feature = "cuda")]
 mod cuda {
+    use super::common::{causal, softmax_router, tied_logits};
     use super::*;
+    use r3_model::layers::route_rows::route_softmax_rows;
 
     fn gpu() -> Device {
         r3_model::DeviceSpec::Cuda { ordinal: 0 }
@@ -408,26 +410,13 @@ mod cuda {
     fn the_top_k_on_cuda_is_the_host_selection() {
         let device = gpu();
         for (experts, top_k) in [(8usize, 2usize), (128, 8), (3000, 6)] {
-            let router = r3_model::Router {
-                kind: r3_model::RouterKind::Softmax {
-                    norm_topk_prob: true,
-                },
-                num_experts: experts,
-                top_k,
-            };
+            let router = softmax_router(experts, top_k, true);
             let rows = 37;
-            let logits: Vec<f32> = (0..rows * experts)
-                .map(|i| match i % 7 {
-                    0 => 0.0,
-                    1 => -0.0,
-                    _ => ((i * 7919) % 13) as f32 / 4.0 - 1.5,
-                })
-                .collect();
+            let logits = tied_logits(rows, experts);
             let want = router.select_rows(&logits, None).expect("host");
             let t = Tensor::from_vec(logits, (rows, experts), &device).expect("logits");
-            let got = router
-                .select_on_device(&t)
-                .and_then(|ids| Ok(ids.flatten_all()?.to_vec1::<u32>()?))
+            let got = route_softmax_rows(&router, &t)
+                .and_then(|choice| Ok(choice.ids.flatten_all()?.to_vec1::<u32>()?))
                 .expect("on the GPU");
             assert_eq!(got, want, "{experts} experts, top-{top_k}");
         }
@@ -438,20 +427,11 @@ mod cuda {
     /// gates within 1e-6, renormalised or not, a row with a NaN flagged on both.
     #[test]
     fn the_routers_choice_on_cuda_is_the_cpus() {
-        use r3_model::layers::route_rows::route_softmax_rows;
         let device = gpu();
         for (experts, top_k, norm) in [(8usize, 2usize, true), (128, 8, true), (60, 4, false)] {
-            let router = r3_model::Router {
-                kind: r3_model::RouterKind::Softmax {
-                    norm_topk_prob: norm,
-                },
-                num_experts: experts,
-                top_k,
-            };
+            let router = softmax_router(experts, top_k, norm);
             let rows = 33;
-            let mut logits: Vec<f32> = (0..rows * experts)
-                .map(|i| ((i * 7919) % 29) as f32 / 7.0 - 2.0)
-                .collect();
+            let mut logits = tied_logits(rows, experts);
             logits[7 * experts + 3] = f32::NAN;
             let host = Tensor::from_vec(logits, (rows, experts), &Device::Cpu).expect("logits");
             let want = route_softmax_rows(&router, &host).expect("cpu");
@@ -503,18 +483,7 @@ mod cuda {
             let mut first = 0;
             for time in [5usize, 1, 1, 1, 1, 1, 1, 1] {
                 let positions: Vec<u32> = (first..first + time).map(|p| p as u32).collect();
-                let slots = first + time;
-                let mask: Vec<f32> = (0..time)
-                    .flat_map(|q| {
-                        (0..slots).map(move |s| {
-                            if s <= first + q {
-                                0.0
-                            } else {
-                                f32::NEG_INFINITY
-                            }
-                        })
-                    })
-                    .collect();
+                let mask = causal(first, time, None);
                 let mut outs = Vec::new();
                 for (cache, routing) in caches.iter_mut().zip(places) {
                     let step = Step {

@@ -1,7 +1,11 @@
 //! Router math on hand-computed cases: softmax top-k, DeepSeek grouped top-k with the
 //! correction bias, gate formulas, and agreement of the tensor and plain-slice halves.
 
+mod common;
+
 use candle_core::{Device, Tensor};
+use common::{softmax_router, tied_logits};
+use r3_model::layers::route_rows::route_softmax_rows;
 use r3_model::{ModelError, Router, RouterKind};
 
 fn grouped() -> Router {
@@ -125,17 +129,6 @@ fn non_finite_scores_are_errors() {
     }
 }
 
-/// Rows of router logits with planted ties (many equal values, −0 beside +0), `experts` wide.
-fn tied_logits(rows: usize, experts: usize) -> Vec<f32> {
-    (0..rows * experts)
-        .map(|i| match i % 7 {
-            0 => 0.0,
-            1 => -0.0,
-            _ => ((i * 7919) % 13) as f32 / 4.0 - 1.5,
-        })
-        .collect()
-}
-
 /// The selection on the device (the engine's step routed without the host) chooses exactly
 /// what the host selection chooses, in its order: ties to the lower index, −0 below +0,
 /// rows wider than a GPU block's threads. On the CPU device here; `tests/devices.rs` runs the
@@ -143,36 +136,20 @@ fn tied_logits(rows: usize, experts: usize) -> Vec<f32> {
 #[test]
 fn the_selection_on_the_device_is_the_host_selection() {
     for (experts, top_k) in [(8usize, 2usize), (128, 8), (3000, 6)] {
-        let router = Router {
-            kind: RouterKind::Softmax {
-                norm_topk_prob: true,
-            },
-            num_experts: experts,
-            top_k,
-        };
+        let router = softmax_router(experts, top_k, true);
         assert!(router.selects_on_device());
         let rows = 37;
         let logits = tied_logits(rows, experts);
         let want = router.select_rows(&logits, None).expect("host");
         let t = Tensor::from_vec(logits, (rows, experts), &Device::Cpu).expect("logits");
-        let got = router
-            .select_on_device(&t)
-            .and_then(|ids| Ok(ids.flatten_all()?.to_vec1::<u32>()?))
+        let got = route_softmax_rows(&router, &t)
+            .and_then(|choice| Ok(choice.ids.flatten_all()?.to_vec1::<u32>()?))
             .expect("device");
         assert_eq!(got, want, "{experts} experts, top-{top_k}");
     }
-    let grouped = Router {
-        kind: RouterKind::GroupedSigmoid {
-            n_group: 2,
-            topk_group: 1,
-            norm_topk_prob: true,
-            routed_scaling_factor: 1.0,
-        },
-        num_experts: 8,
-        top_k: 2,
-    };
+    let grouped = grouped();
     assert!(!grouped.selects_on_device());
     let t = Tensor::zeros((1, 8), candle_core::DType::F32, &Device::Cpu).expect("logits");
-    let err = grouped.select_on_device(&t).expect_err("on the host only");
+    let err = route_softmax_rows(&grouped, &t).expect_err("on the host only");
     assert!(err.to_string().contains("on the host"), "{err}");
 }

@@ -84,6 +84,23 @@ fn assert_same(what: &str, got: &GenerateResult, want: &GenerateResult, tol: f32
     d
 }
 
+/// [`assert_same`] over every request of two rounds, request `i` labelled `what request i`
+/// (counted across both rounds); returns the largest log-prob difference.
+fn assert_rounds_same(
+    what: &str,
+    got: [&[GenerateResult]; 2],
+    want: [&[GenerateResult]; 2],
+    tol: f32,
+) -> f32 {
+    let (got, want) = (got.concat(), want.concat());
+    assert_eq!(got.len(), want.len(), "{what}: requests");
+    got.iter()
+        .zip(&want)
+        .enumerate()
+        .map(|(i, (g, w))| assert_same(&format!("{what} request {i}"), g, w, tol))
+        .fold(0f32, f32::max)
+}
+
 /// The next turn of a conversation: its prompt, what the model answered and `more` new
 /// tokens (the user's next message).
 fn next_turn(req: &GenerateRequest, answer: &GenerateResult, more: &[u32]) -> Vec<u32> {
@@ -150,14 +167,12 @@ fn cache_on_equals_cache_off_and_the_cpu_engines_cache() {
         let want2 = off.generate(second.clone()).expect("off");
         let cpu2 = cpu.generate(second.clone()).expect("cpu");
         let mut worst = 0f32;
-        for (i, (g, w)) in got1
-            .iter()
-            .chain(&got2)
-            .zip(want1.iter().chain(&want2))
-            .enumerate()
-        {
-            worst = worst.max(assert_same(&format!("{family} request {i}"), g, w, TOL));
-        }
+        worst = worst.max(assert_rounds_same(
+            family,
+            [&got1, &got2],
+            [&want1, &want2],
+            TOL,
+        ));
         // Cached: 24 of the first conversation's 27 fed positions, 12 of the second's 13,
         // nothing of the new prompt, and of the prompt log-prob request only the 8 before
         // its first reported position.
@@ -189,14 +204,12 @@ fn cache_on_equals_cache_off_and_the_cpu_engines_cache() {
                 "{family} request {i}: as the CPU"
             );
         }
-        for (i, (g, c)) in got1
-            .iter()
-            .chain(&got2)
-            .zip(cpu1.iter().chain(&cpu2))
-            .enumerate()
-        {
-            assert_same(&format!("{family} request {i} (CPU)"), g, c, CPU_TOL);
-        }
+        assert_rounds_same(
+            &format!("{family} (CPU)"),
+            [&got1, &got2],
+            [&cpu1, &cpu2],
+            CPU_TOL,
+        );
         println!("{family}: cache on vs off, log-probs within {worst:.2e}; {stats:?}");
     }
 }
@@ -227,14 +240,7 @@ fn routed_on_the_device_the_cache_serves_what_host_routing_computes() {
         let second = rounds(cfg.vocab_size, &want1);
         let got2 = on.generate(second.clone()).expect("on");
         let want2 = off.generate(second).expect("off");
-        for (i, (g, w)) in got1
-            .iter()
-            .chain(&got2)
-            .zip(want1.iter().chain(&want2))
-            .enumerate()
-        {
-            assert_same(&format!("{family} request {i}"), g, w, CPU_TOL);
-        }
+        assert_rounds_same(family, [&got1, &got2], [&want1, &want2], CPU_TOL);
         let cached: Vec<usize> = got2.iter().map(|r| r.cached_tokens).collect();
         assert_eq!(
             cached,
@@ -355,14 +361,12 @@ fn a_small_budget_evicts_and_stays_correct() {
             .collect::<Vec<_>>();
         let got2 = on.generate(second.clone()).expect("on");
         let want2 = off.generate(second).expect("off");
-        for (i, (g, w)) in got1
-            .iter()
-            .chain(&got2)
-            .zip(want1.iter().chain(&want2))
-            .enumerate()
-        {
-            assert_same(&format!("seed {seed} request {i}"), g, w, TOL);
-        }
+        assert_rounds_same(
+            &format!("seed {seed}"),
+            [&got1, &got2],
+            [&want1, &want2],
+            TOL,
+        );
         results.extend(got2);
         let s = on.prefix_cache_stats().expect("on");
         assert!(

@@ -77,27 +77,8 @@ pub struct BenchTrainArgs {
     /// cast kernels first, round to nearest even) or `fast16bf` (cuBLAS's
     /// `CUBLAS_COMPUTE_32F_FAST_16BF` converting them itself: no cast passes; its rounding is
     /// what `check.sh --steps 7` checks).
-    #[arg(long, value_enum, default_value = "cast")]
-    pub expert_gemm: ExpertGemmArg,
-}
-
-/// `--expert-gemm`'s values.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum ExpertGemmArg {
-    /// Cast the operands to bf16 first.
-    Cast,
-    /// cuBLAS's FAST_16BF compute on the f32 operands.
-    #[value(name = "fast16bf")]
-    Fast16bf,
-}
-
-impl From<ExpertGemmArg> for ExpertGemmInputs {
-    fn from(a: ExpertGemmArg) -> Self {
-        match a {
-            ExpertGemmArg::Cast => ExpertGemmInputs::Cast,
-            ExpertGemmArg::Fast16bf => ExpertGemmInputs::Fast16bf,
-        }
-    }
+    #[arg(long, default_value = "cast")]
+    pub expert_gemm: ExpertGemmInputs,
 }
 
 /// One timed step: forward and backward wall seconds, the process's CPU seconds over both
@@ -227,7 +208,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     let (varmap, weights) = weights.into_trainable(&cfg)?;
     let params: usize = varmap.all_vars().iter().map(|v| v.elem_count()).sum();
     let mut model = Model::with_precision(&cfg, &weights, precision)?;
-    model.set_expert_gemm_inputs(args.expert_gemm.into());
+    model.set_expert_gemm_inputs(args.expert_gemm);
 
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed ^ 0x7261_6e64);
     let seqs: Vec<Vec<u32>> = (0..args.batch)
@@ -264,7 +245,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         params as f64 / 1e6
     );
     println!(
-        "batch {} × seq {} = {tokens} tokens/step, {} on {}, {} warm-up + {} timed steps per mode, seed {}, expert GEMM inputs {:?}",
+        "batch {} × seq {} = {tokens} tokens/step, {} on {}, {} warm-up + {} timed steps per mode, seed {}, expert GEMM inputs {}",
         args.batch,
         args.seq_len,
         args.dtype,

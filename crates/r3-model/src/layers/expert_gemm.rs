@@ -29,7 +29,7 @@ use super::precomputed::{precomputed_fwd, Precomputed};
 use crate::cast16::cast16;
 use crate::error::{ModelError, Result};
 use crate::host::contiguous;
-use crate::precision::Precision;
+use crate::precision::{Precision, RoundTo};
 
 /// How the routed experts' bf16 GEMMs take their f32 operands on a GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -48,6 +48,29 @@ pub enum ExpertGemmInputs {
     Fast16bf,
 }
 
+impl std::fmt::Display for ExpertGemmInputs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ExpertGemmInputs::Cast => "cast",
+            ExpertGemmInputs::Fast16bf => "fast16bf",
+        })
+    }
+}
+
+impl std::str::FromStr for ExpertGemmInputs {
+    type Err = ModelError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "cast" => Ok(ExpertGemmInputs::Cast),
+            "fast16bf" => Ok(ExpertGemmInputs::Fast16bf),
+            other => Err(ModelError::Input(format!(
+                "expert GEMM inputs {other:?}: expected cast or fast16bf"
+            ))),
+        }
+    }
+}
+
 /// `y[b] = x[b] · w[experts[b]]ᵀ` for `x` `[blocks, cap, k]` and the stack `w` `[E, n, k]`,
 /// rounded as [`matmul_wt_at`] rounds at precision `p` (16-bit operands and output, f32
 /// accumulation; the weight may already be the 16-bit copy). Differentiable in `x` and `w`;
@@ -63,13 +86,7 @@ pub fn expert_blocks_matmul(
 ) -> Result<Tensor> {
     let map = BlockMap::new(x, w, experts)?;
     let compute = p.narrow_dtype().unwrap_or(DType::F32);
-    // Empty operands take candle's ops (CUDA allocates no zero-byte buffer).
-    let in_place = x.device().is_cuda()
-        && x.elem_count() > 0
-        && w.elem_count() > 0
-        && x.dtype() == DType::F32
-        && (w.dtype() == DType::F32 || w.dtype() == compute);
-    if in_place {
+    if reads_weights_in_place(x, w, compute) {
         let fast = inputs == ExpertGemmInputs::Fast16bf
             && compute == DType::BF16
             && w.dtype() == DType::F32;
@@ -83,6 +100,17 @@ pub fn expert_blocks_matmul(
         w.index_select(&ids, 0)?
     };
     matmul_wt_at(p, x, &blocks)
+}
+
+/// Whether the experts' GEMMs run on cuBLAS reading the stack `w` in place: on a GPU, f32
+/// rows, the stack f32 or already in the `compute` dtype, neither operand empty (empty
+/// operands take candle's ops: CUDA allocates no zero-byte buffer).
+fn reads_weights_in_place(x: &Tensor, w: &Tensor, compute: DType) -> bool {
+    x.device().is_cuda()
+        && x.elem_count() > 0
+        && w.elem_count() > 0
+        && x.dtype() == DType::F32
+        && (w.dtype() == DType::F32 || w.dtype() == compute)
 }
 
 /// `y [slots, 1, n] = x[s / share] · w[ids[s]]ᵀ` for rows `x` `[slots / share, 1, k]` (each
@@ -119,14 +147,8 @@ pub(crate) fn expert_slots_matmul(
         )));
     }
     let compute = p.narrow_dtype().unwrap_or(DType::F32);
-    let in_place = x.device().is_cuda()
-        && slots > 0
-        && w.elem_count() > 0
-        && !x.track_op()
-        && !w.track_op()
-        && x.dtype() == DType::F32
-        && (w.dtype() == DType::F32 || w.dtype() == compute);
-    if in_place {
+    // The pointer GEMM has no backward: a differentiated operand takes the gathered form.
+    if reads_weights_in_place(x, w, compute) && slots > 0 && !x.track_op() && !w.track_op() {
         let xn = cast16(&x.contiguous()?, compute)?;
         let wn = cast16(&w.contiguous()?, compute)?;
         let y = xn.apply_op3_no_bwd(&wn, &ids.contiguous()?, &SlotsGemm { share })?;
@@ -274,9 +296,12 @@ fn in_place_matmul(
     Ok(x.apply_op2(w, op)?)
 }
 
-/// An f32 tensor rounded to bf16 (nearest, ties to even) and widened back: r3's casts.
+/// An f32 tensor rounded to bf16 (nearest, ties to even) and widened back: the forward's
+/// rounding op ([`RoundTo`], one kernel on a GPU), nothing to differentiate.
 fn round_bf16(t: &Tensor) -> candle_core::Result<Tensor> {
-    cast16(&cast16(t, DType::BF16)?, DType::F32)
+    t.apply_op1_no_bwd(&RoundTo {
+        narrow: DType::BF16,
+    })
 }
 
 /// The differentiable op: its value precomputed, its backward two planned GEMM passes.
@@ -994,6 +1019,18 @@ mod tests {
             .and_then(|z| z.index_add(&ids, &per_block, 0))
             .expect("sum");
         assert!(max_abs_diff(&dw, &want_dw) < 1e-4, "weight gradient");
+    }
+
+    #[test]
+    fn expert_gemm_inputs_parse_back_and_others_are_refused() {
+        for inputs in [ExpertGemmInputs::Cast, ExpertGemmInputs::Fast16bf] {
+            assert_eq!(
+                inputs.to_string().parse::<ExpertGemmInputs>().ok(),
+                Some(inputs)
+            );
+        }
+        let err = "tf32".parse::<ExpertGemmInputs>().expect_err("not a mode");
+        assert!(err.to_string().contains("cast or fast16bf"), "{err}");
     }
 
     /// The `FAST_16BF` plans' host twin is the plans over the operands rounded to bf16

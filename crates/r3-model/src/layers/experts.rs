@@ -110,7 +110,7 @@ impl RoutedExperts {
         }
     }
 
-    /// Bytes of one expert's two matrices (what [`RoutedExperts::forward_gathered`] copies
+    /// Bytes of one expert's two matrices (what [`RoutedExperts::forward_gathered`] reads
     /// for each slot).
     pub fn expert_bytes(&self) -> usize {
         let per_expert = |t: &Tensor| {

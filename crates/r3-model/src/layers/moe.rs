@@ -263,9 +263,7 @@ impl MoeBlock {
             device_wait,
         })
     }
-}
 
-impl MoeBlock {
     /// The block output from the routed experts' sum `routed`: the shared expert's output
     /// added where the architecture has one, rounded at the block's precision.
     fn with_shared(&self, x: &Tensor, routed: Tensor) -> Result<Tensor> {
@@ -286,7 +284,7 @@ impl MoeBlock {
         self.router.selects_on_device() && self.score_bias.is_none()
     }
 
-    /// Bytes of one routed expert's matrices (what a device-routed step gathers per slot).
+    /// Bytes of one routed expert's matrices (what a device-routed step reads per slot).
     pub fn expert_bytes(&self) -> usize {
         self.experts.expert_bytes()
     }

@@ -10,13 +10,9 @@
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::config::RouterKind;
 use crate::error::{ModelError, Result};
 use crate::host::contiguous;
 use crate::router::Router;
-
-/// The most experts a token chooses that the GPU kernel keeps in shared memory.
-const MAX_TOP_K: usize = 64;
 
 /// What a softmax router chose for `rows` rows, on the logits' device.
 #[derive(Debug)]
@@ -35,16 +31,15 @@ pub struct DeviceChoice {
 pub fn route_softmax_rows(router: &Router, logits: &Tensor) -> Result<DeviceChoice> {
     let (rows, e) = logits.dims2()?;
     let k = router.top_k;
-    let RouterKind::Softmax { .. } = router.kind else {
+    if !router.selects_on_device() {
         return Err(ModelError::Input(format!(
-            "the {:?} router chooses its experts on the host",
-            router.kind
+            "the {:?} top-{k} router of {} experts chooses its experts on the host",
+            router.kind, router.num_experts
         )));
-    };
-    if !router.selects_on_device() || e != router.num_experts || k == 0 || k > MAX_TOP_K {
+    }
+    if e != router.num_experts {
         return Err(ModelError::Input(format!(
-            "routing rows of {e} logits on the device for a top-{k} router of {} experts \
-             (at most {MAX_TOP_K} chosen)",
+            "router logits of {e} experts for a router of {}",
             router.num_experts
         )));
     }
@@ -123,7 +118,7 @@ impl CustomOp1 for RouteSoftmax {
         let k = self.router.top_k;
         let norm = matches!(
             self.router.kind,
-            RouterKind::Softmax {
+            crate::config::RouterKind::Softmax {
                 norm_topk_prob: true
             }
         );
@@ -147,6 +142,7 @@ impl CustomOp1 for RouteSoftmax {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::RouterKind;
     use candle_core::Device;
 
     fn softmax_router(experts: usize, top_k: usize, norm: bool) -> Router {
@@ -199,7 +195,7 @@ mod tests {
     }
 
     /// Logits of another width, or no expert to choose, are refused (DeepSeek-V3's grouped
-    /// router is refused in `tests/router.rs`, through `Router::select_on_device`).
+    /// router is refused in `tests/router.rs`).
     #[test]
     fn shapes_that_do_not_fit_are_refused() {
         let t = Tensor::zeros((2, 8), DType::F32, &Device::Cpu).expect("logits");

@@ -383,17 +383,17 @@ impl Model {
         let rows = routed_rows(&vec![t; b], t);
         let ids = Tensor::from_slice(step.tokens, b * t, device)?;
         let mut x = self.embed_tokens(&ids, step.tokens, b, t)?;
-        let on_device = match step.routing {
-            StepRouting::Host => false,
-            StepRouting::Device if self.routes_on_device() => true,
-            StepRouting::Device => {
-                return Err(ModelError::Input(
+        let on_device =
+            match step.routing {
+                StepRouting::Host => false,
+                StepRouting::Device if self.routes_on_device() => true,
+                StepRouting::Device => return Err(ModelError::Input(
                     "a step routed on the device, for a model whose routers choose on the host \
-                     (DeepSeek-V3's grouped selection, or more experts than the device's top-k takes)"
+                     (DeepSeek-V3's grouped selection, or more experts or a larger top-k than \
+                     the device's selection takes)"
                         .into(),
-                ))
-            }
-        };
+                )),
+            };
         let mut moe = MoeRecord::default();
         let mut on_device_layers = Vec::new();
         for (i, (layer, kv)) in self.layers.iter().zip(&mut cache.layers).enumerate() {

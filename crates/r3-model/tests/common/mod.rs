@@ -138,3 +138,44 @@ pub fn sorted_experts(table: &RouteTable, token: usize, column: usize) -> Vec<u6
     got.sort_unstable();
     got
 }
+
+/// A softmax router of `experts` experts choosing `top_k`, renormalised iff `norm`.
+pub fn softmax_router(experts: usize, top_k: usize, norm: bool) -> r3_model::Router {
+    r3_model::Router {
+        kind: r3_model::RouterKind::Softmax {
+            norm_topk_prob: norm,
+        },
+        num_experts: experts,
+        top_k,
+    }
+}
+
+/// `rows` rows of `experts` router logits with planted ties: many equal values, and −0
+/// beside +0 (which `f32::total_cmp` orders).
+pub fn tied_logits(rows: usize, experts: usize) -> Vec<f32> {
+    (0..rows * experts)
+        .map(|i| match i % 7 {
+            0 => 0.0,
+            1 => -0.0,
+            _ => ((i * 7919) % 13) as f32 / 4.0 - 1.5,
+        })
+        .collect()
+}
+
+/// The additive causal mask `[time, first + time]` of `time` query slots after `first`
+/// cached ones (0 where a query sees a key, −∞ where not), within `window` when given.
+pub fn causal(first: usize, time: usize, window: Option<usize>) -> Vec<f32> {
+    let s = first + time;
+    (0..time)
+        .flat_map(|i| {
+            let q = first + i;
+            (0..s).map(move |j| {
+                if j <= q && window.is_none_or(|w| q - j < w) {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+        })
+        .collect()
+}
