@@ -30,7 +30,8 @@
 #    seeded sampling reproducing itself, a batch = one at a time), `r3 generate --device
 #    cuda` = `--device cpu` on the oracle prompts, both engines on the GPU in `r3 train`, and
 #    `r3 bench decode --device cuda` at batch 1 / 64 / 256 (mid in f32 and bf16, the 30B-A3B
-#    shape in bf16) beside scripts/cuda/peer_hf_generate.py, small batches routed on the
+#    shape in bf16) beside scripts/cuda/peer_hf_generate.py (each the best of two timed
+#    runs: batch 1 moves by a third between runs on a GPU host), small batches routed on the
 #    host against routed on the device (`--routing`), and mid bf16 sampled at temperature 1
 #    (an RL rollout's setting).
 # 5. Only with --steps 5: Nsight Compute's per-kernel time table of one bf16 training step
@@ -273,7 +274,7 @@ for run in "mid f32" "mid bf16" "a3b-8l bf16"; do
     read -r config dtype <<< "$run"
     if [ "$(left)" -lt 60 ]; then decode+=("$config $dtype skipped(budget)"); continue; fi
     timeout "$(limit 150)" "$bin/r3" bench decode --device cuda --configs "$config" --batches 1,64,256 \
-        --dtype "$dtype" --prompt-len 32 --new-tokens 128 > "$work/decode-r3-$config-$dtype.txt" 2>&1
+        --dtype "$dtype" --prompt-len 32 --new-tokens 128 --repeats 2 > "$work/decode-r3-$config-$dtype.txt" 2>&1
     cat "$work/decode-r3-$config-$dtype.txt"
     r3_tps=$(grep -E "^decode $config" "$work/decode-r3-$config-$dtype.txt" | sed -E 's/.*batch ([0-9]+): ([0-9.]+) tokens\/s.*/\1:\2/' | tr '\n' ' ')
     # The share of each run the host spent waiting for the GPU (near 100%: kernel-bound;
@@ -282,7 +283,7 @@ for run in "mid f32" "mid bf16" "a3b-8l bf16"; do
     # The share of each batch's steps `auto` routed on the device.
     r3_routed=$(grep -E "^decode $config" "$work/decode-r3-$config-$dtype.txt" | sed -nE 's/.*\(([0-9]+)% of steps on the device\) batch ([0-9]+):.*/\2:\1%/p' | tr '\n' ' ')
     (cd scripts/cuda && timeout "$(limit 150)" "$python" peer_hf_generate.py --config "$config" \
-        --dtype "$dtype" --batches 1,64,256 --prompt-len 32 --new-tokens 128) \
+        --dtype "$dtype" --batches 1,64,256 --prompt-len 32 --new-tokens 128 --repeats 2) \
         > "$work/decode-hf-$config-$dtype.txt" 2>&1
     cat "$work/decode-hf-$config-$dtype.txt"
     hf_tps=$(grep -E "^peer-generate" "$work/decode-hf-$config-$dtype.txt" | sed -E 's/.*batch ([0-9]+),.* ([0-9.]+) tokens\/s.*/\1:\2/' | tr '\n' ' ')

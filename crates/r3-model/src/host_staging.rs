@@ -113,8 +113,20 @@ fn copy_into_pinned<'a>(
         }
         let slice = cuda.as_cuda_slice::<f32>()?;
         let view = slice.slice(start..end);
+        // cudarc copies as many bytes as the destination holds, so the destination is the
+        // buffer's first `n` values (the buffer has room to spare): still page-locked
+        // memory, which the driver recognises by its address.
+        let whole = pinned
+            .as_mut_slice()
+            .map_err(|e| failed("writing page-locked memory", e.to_string()))?;
+        let held = whole.len();
+        let dst = whole.get_mut(..n).ok_or_else(|| {
+            ModelError::Input(format!(
+                "a page-locked buffer of {held} values for a copy of {n}"
+            ))
+        })?;
         stream
-            .memcpy_dtoh(&view, pinned)
+            .memcpy_dtoh(&view, dst)
             .map_err(|e| failed("copy to page-locked memory", e.to_string()))?;
     }
     // The copy is asynchronous, and the buffer's own event is recorded only when cudarc
