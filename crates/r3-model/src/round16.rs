@@ -72,6 +72,12 @@ pub fn rounded_copy(src: &[f32], round: fn(&mut [f32])) -> Vec<f32> {
     dst
 }
 
+/// Rounds `values` by `round` in place, chunks side by side on the rayon pool (each value is
+/// rounded on its own: the result does not depend on the threads).
+pub fn round_in_place(values: &mut [f32], round: fn(&mut [f32])) {
+    values.par_chunks_mut(ELEMS_PER_TASK).for_each(round);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

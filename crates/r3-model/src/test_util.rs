@@ -1,4 +1,5 @@
-//! Helpers of the custom ops' unit tests: seeded tensors and the largest difference.
+//! Helpers of the custom ops' unit tests: seeded tensors, the largest difference and the
+//! bits of a tensor's values.
 
 use candle_core::{DType, Device, Tensor};
 
@@ -28,4 +29,15 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
         .and_then(|d| d.to_dtype(DType::F64))
         .and_then(|d| d.to_scalar::<f64>())
         .expect("max abs diff")
+}
+
+/// The bit patterns of an f32 tensor's values in row-major order (bit-for-bit comparisons:
+/// `-0.0` and `0.0` differ, a NaN equals itself).
+pub fn f32_bits(t: &Tensor) -> Vec<u32> {
+    t.flatten_all()
+        .and_then(|t| t.to_vec1::<f32>())
+        .expect("f32 values")
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
 }

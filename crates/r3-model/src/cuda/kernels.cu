@@ -195,15 +195,26 @@ __device__ float row_inv_rms(const float *x, uint32_t d, double eps, double *sha
     return (float)(1.0 / sqrt(acc / (double)d + eps));
 }
 
-// One block per row: y = x · r · w. CPU twin: norm.rs `rms_fwd`.
+// v rounded to bf16 (round 1) or f16 (round 2), nearest, ties to even, as f32; v as it is
+// (round 0). The conversions of `r3_round_bf16_f32` / `r3_round_f16_f32`.
+__device__ __forceinline__ float rounded_as(float v, uint32_t round) {
+    if (round == 1) return __bfloat162float(__float2bfloat16_rn(v));
+    if (round == 2) return __half2float(__float2half_rn(v));
+    return v;
+}
+
+// One block per row: y = x · r · w, with the scale w read rounded and y rounded (a mixed
+// forward's two rounding points in the same pass) when `round` names a 16-bit float. CPU
+// twin: norm.rs `RmsNormOp::cpu_fwd` (`rms_fwd`).
 extern "C" __global__ void r3_rms_norm_f32(const float *x, const float *w, float *y, uint32_t d,
-                                           double eps) {
+                                           double eps, uint32_t round) {
     __shared__ double shared[32];
     const size_t row = blockIdx.x;
     const float *xr = x + row * d;
     float *yr = y + row * d;
     const float r = row_inv_rms(xr, d, eps, shared);
-    for (uint32_t j = threadIdx.x; j < d; j += blockDim.x) yr[j] = xr[j] * r * w[j];
+    for (uint32_t j = threadIdx.x; j < d; j += blockDim.x)
+        yr[j] = rounded_as(xr[j] * r * rounded_as(w[j], round), round);
 }
 
 // One block per row: dx = r · (g·w − x·r · mean(g·w·x̂)), the mean's sum in f64. CPU twin:
@@ -292,6 +303,21 @@ extern "C" __global__ void r3_combine_slots_f32(const float *y, const float *g,
             acc = acc + g[r * k + j] * y[(size_t)place[r * k + j] * h + c];
         }
         out[r * h + c] = acc;
+    }
+}
+
+// The combine for slots in order (place r·k + j for slot j of row r: a device-routed decode
+// step), nothing uploaded; the output rounded by `rounded_as` (a mixed forward's rounding of
+// the block output in the same pass). CPU twin: combine_slots.rs `CombineInOrder::cpu_fwd`.
+extern "C" __global__ void r3_combine_in_order_f32(const float *y, const float *g, float *out,
+                                                   uint32_t k, uint32_t h, uint32_t round) {
+    const size_t r = blockIdx.x;
+    for (uint32_t c = threadIdx.x; c < h; c += blockDim.x) {
+        float acc = 0.0f;
+        for (uint32_t j = 0; j < k; j++) {
+            acc = acc + g[r * k + j] * y[(r * k + j) * h + c];
+        }
+        out[r * h + c] = rounded_as(acc, round);
     }
 }
 

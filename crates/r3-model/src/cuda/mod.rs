@@ -19,6 +19,17 @@ const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/r3_kernels.ptx"));
 /// The name the PTX module is loaded under (once per device, by candle).
 const MODULE: &str = "r3_kernels";
 
+/// The code r3's kernels take for an output rounding (`rounded_as` in `kernels.cu`): 0
+/// none, 1 bf16, 2 f16 (nearest, ties to even).
+pub(crate) fn round_code(round: Option<candle_core::DType>) -> Result<u32> {
+    match round {
+        None => Ok(0),
+        Some(candle_core::DType::BF16) => Ok(1),
+        Some(candle_core::DType::F16) => Ok(2),
+        Some(dt) => candle_core::bail!("no kernel rounding to {dt:?}"),
+    }
+}
+
 /// The kernel `name` of r3's module on `dev`, and the stream candle runs `dev`'s work on
 /// (the kernel is launched there, ordered with candle's own kernels).
 pub(crate) fn kernel(dev: &CudaDevice, name: &str) -> Result<(CudaFunction, Arc<CudaStream>)> {

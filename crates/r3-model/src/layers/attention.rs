@@ -575,9 +575,17 @@ impl GqaAttention {
     fn project(&self, x: &Tensor, rope: &impl Rotary) -> Result<(Tensor, Tensor, Tensor)> {
         let (b, t, _) = x.dims3()?;
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let mut q = self.q_proj.forward(x)?;
-        let mut k = self.k_proj.forward(x)?;
-        let mut v = self.v_proj.forward(x)?;
+        let (mut q, mut k, mut v) =
+            match Linear::forward_sharing_input(&[&self.q_proj, &self.k_proj, &self.v_proj], x)?
+                .as_slice()
+            {
+                [q, k, v] => (q.clone(), k.clone(), v.clone()),
+                _ => {
+                    return Err(ModelError::Input(
+                        "q, k and v projections gave other than three outputs".into(),
+                    ))
+                }
+            };
         if let Some(c) = self.clip_qkv {
             q = q.clamp(-c, c)?;
             k = k.clamp(-c, c)?;

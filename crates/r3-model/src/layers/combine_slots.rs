@@ -13,12 +13,13 @@
 
 use std::sync::Arc;
 
-use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
 
 use crate::device::row_ops_run_on;
 use crate::error::{ModelError, Result};
 use crate::host::contiguous;
 use crate::math::StdFloat;
+use crate::round16::{round_in_place, rounding_to};
 
 /// A place no slot reads (padding), in the place → slot table.
 const NO_SLOT: u32 = u32::MAX;
@@ -69,6 +70,122 @@ pub(crate) fn combine_slots(
         &place,
         op,
     )?))
+}
+
+/// [`combine_slots`]' value for slots in order (slot `r · top_k + j` at place
+/// `r · top_k + j`: a device-routed decode step's slots) with nothing differentiated, the
+/// output rounded to `round` (a mixed forward's rounding of the block output, in the same
+/// pass) where given: one kernel on a GPU, no place table uploaded. `y` `[rows · top_k, H]`,
+/// `gates` `[rows, top_k]`; None where the op does not apply (another device or dtype, or an
+/// operand to differentiate: the caller takes [`combine_slots`]).
+pub(crate) fn combine_slots_in_order(
+    y: &Tensor,
+    gates: &Tensor,
+    round: Option<DType>,
+) -> Result<Option<Tensor>> {
+    let (places, _) = y.dims2()?;
+    let (rows, top_k) = gates.dims2()?;
+    if places != rows * top_k {
+        return Err(ModelError::Input(format!(
+            "combine in order: {places} expert outputs for {rows} rows of {top_k} slots"
+        )));
+    }
+    let applies = row_ops_run_on(y)
+        && gates.dtype() == y.dtype()
+        && rows > 0
+        && !y.track_op()
+        && !gates.track_op()
+        && (round.is_none() || y.dtype() == DType::F32);
+    if !applies {
+        return Ok(None);
+    }
+    Ok(Some(y.contiguous()?.apply_op2_no_bwd(
+        &gates.contiguous()?,
+        &CombineInOrder { top_k, round },
+    )?))
+}
+
+/// The in-order combine `(y, gates) → out`, forward only ([`combine_slots_in_order`]).
+#[derive(Debug, Clone, Copy)]
+struct CombineInOrder {
+    top_k: usize,
+    /// The 16-bit float the output is rounded to, if any (f32 operands only).
+    round: Option<DType>,
+}
+
+impl CustomOp2 for CombineInOrder {
+    fn name(&self) -> &'static str {
+        "r3-combine-slots-in-order"
+    }
+
+    /// [`combine_rows`] over the identity places, then the output rounded.
+    fn cpu_fwd(
+        &self,
+        y: &CpuStorage,
+        yl: &Layout,
+        g: &CpuStorage,
+        gl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (h, k) = (width(yl), self.top_k);
+        let rows = gl.shape().elem_count() / k.max(1);
+        let in_order: Vec<u32> = (0..(rows * k) as u32).collect();
+        let out = match (y, g, self.round) {
+            (CpuStorage::F32(y), CpuStorage::F32(g), round) => {
+                let mut out = combine_rows(
+                    contiguous(y, yl, "expert outputs")?,
+                    contiguous(g, gl, "gates")?,
+                    &in_order,
+                    k,
+                    h,
+                );
+                if let Some(narrow) = round {
+                    match rounding_to(narrow) {
+                        Some(round) => round_in_place(&mut out, round),
+                        None => candle_core::bail!("combine: no rounding to {narrow:?}"),
+                    }
+                }
+                CpuStorage::F32(out)
+            }
+            (CpuStorage::F64(y), CpuStorage::F64(g), None) => CpuStorage::F64(combine_rows(
+                contiguous(y, yl, "expert outputs")?,
+                contiguous(g, gl, "gates")?,
+                &in_order,
+                k,
+                h,
+            )),
+            _ => candle_core::bail!(
+                "combine in order: expert outputs and gates must be both f32 (or both f64, \
+                 unrounded)"
+            ),
+        };
+        Ok((out, Shape::from((rows, h))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        y: &candle_core::CudaStorage,
+        yl: &Layout,
+        g: &candle_core::CudaStorage,
+        gl: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use crate::cuda;
+        let (h, k) = (width(yl), self.top_k);
+        let rows = gl.shape().elem_count() / k.max(1);
+        // Block `r` writes output row `r`.
+        let out = cuda::launch_f32!(
+            cuda::device(y),
+            "r3_combine_in_order_f32",
+            rows * h,
+            cuda::per_row(rows, cuda::row_threads(h))?,
+            [
+                cuda::view::<f32>(y, yl, "expert outputs")?,
+                cuda::view::<f32>(g, gl, "gates")?
+            ],
+            [k as u32, h as u32, cuda::round_code(self.round)?]
+        );
+        Ok((out, Shape::from((rows, h))))
+    }
 }
 
 /// The combine op `(y, gates, place) → out`; it keeps the place → slot table for `dy` on the
@@ -430,6 +547,49 @@ mod tests {
 
     /// Places read twice or past the expert outputs, and a slot count that does not fit the
     /// gates, are errors naming what is wrong.
+    /// The in-order combine equals `combine_slots` over the identity places bit for bit,
+    /// then `Precision::round` where it rounds (bf16, f16; f32 and f64 unrounded); it does
+    /// not apply to an operand being differentiated, and a mismatched shape is an error.
+    #[test]
+    fn the_in_order_combine_equals_the_combine_then_the_rounding() {
+        use crate::precision::Precision;
+        let bits = |t: &Tensor| {
+            t.flatten_all()
+                .and_then(|t| t.to_dtype(DType::F64))
+                .and_then(|t| t.to_vec1::<f64>())
+                .expect("host")
+                .iter()
+                .map(|v| v.to_bits())
+                .collect::<Vec<u64>>()
+        };
+        let (rows, k, h) = (5, 3, 7);
+        let in_order: Vec<u32> = (0..(rows * k) as u32).collect();
+        for (dtype, precision) in [
+            (DType::F64, Precision::F32),
+            (DType::F32, Precision::F32),
+            (DType::F32, Precision::Bf16 { router_f32: false }),
+            (DType::F32, Precision::F16 { router_f32: false }),
+        ] {
+            let y = seeded_tensor(&[rows * k, h], 4, dtype);
+            let gates = seeded_tensor(&[rows, k], 5, dtype);
+            let want = combine_slots(&y, &gates, &in_order)
+                .expect("combine")
+                .expect("applies");
+            let want = precision.round(&want).expect("rounded");
+            let got = combine_slots_in_order(&y, &gates, precision.narrow_dtype())
+                .expect("in order")
+                .expect("applies on the CPU");
+            assert_eq!(bits(&got), bits(&want), "{dtype:?} {precision:?}");
+        }
+        let y = Var::from_tensor(&seeded_tensor(&[rows * k, h], 4, DType::F32)).expect("y");
+        let gates = seeded_tensor(&[rows, k], 5, DType::F32);
+        assert!(combine_slots_in_order(y.as_tensor(), &gates, None)
+            .expect("tracked")
+            .is_none());
+        let short = seeded_tensor(&[rows * k - 1, h], 4, DType::F32);
+        assert!(combine_slots_in_order(&short, &gates, None).is_err());
+    }
+
     #[test]
     fn bad_places_are_errors() {
         let y = seeded_tensor(&[4, 3], 1, DType::F32);

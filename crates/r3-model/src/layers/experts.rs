@@ -11,7 +11,7 @@
 
 use candle_core::{Tensor, D};
 
-use super::combine_slots::combine_slots;
+use super::combine_slots::{combine_slots, combine_slots_in_order};
 use super::dispatch::Dispatch;
 use super::expert_gemm::{expert_blocks_matmul, expert_slots_matmul, ExpertGemmInputs};
 use super::gather_rows::GatherRows;
@@ -59,7 +59,8 @@ impl RoutedExperts {
 
     /// Sets the precision. bf16 rounds every expert matmul (inputs, weights, outputs) and
     /// the SwiGLU output (on the CPU inside the fused op, elsewhere in the padded or composed
-    /// ops); the gate-weighted sum stays f32 (the caller rounds the block output).
+    /// ops); the gate-weighted sum stays f32 (the caller rounds the block output, or asks
+    /// [`RoutedExperts::forward_gathered`] to).
     pub fn set_precision(&mut self, precision: Precision) {
         self.precision = precision;
     }
@@ -127,8 +128,16 @@ impl RoutedExperts {
     /// written on the device, elsewhere gathered), then the slots are weighted and summed in
     /// slot order (`combine_slots`, slot `r · top_k + j` at place `r · top_k + j`). Every
     /// slot reads its expert's matrices, even where rows share one, so this is for a few
-    /// rows: a decode step at a small batch. The rounding points of the dispatched forms.
-    pub fn forward_gathered(&self, x: &Tensor, gates: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    /// rows: a decode step at a small batch. The rounding points of the dispatched forms;
+    /// with `round_output` the sum is also rounded at this block's precision (the MoE
+    /// block's output rounding, where nothing is added to it: done in the combine's pass).
+    pub fn forward_gathered(
+        &self,
+        x: &Tensor,
+        gates: &Tensor,
+        ids: &Tensor,
+        round_output: bool,
+    ) -> Result<Tensor> {
         let (rows, h) = x.dims2()?;
         let k = ids.dim(1)?;
         if ids.dims() != [rows, k] || gates.dims() != [rows, k] {
@@ -149,15 +158,28 @@ impl RoutedExperts {
             Some(a) => a,
             None => (hidden.narrow(2, 0, i)?.silu()? * hidden.narrow(2, i, i)?)?,
         };
-        let y = expert_slots_matmul(p, &p.round(&a)?, &self.down, &chosen)?.reshape((slots, h))?;
+        // The down projection rounds its input itself (every form of
+        // `expert_slots_matmul`); the rounding point here matters only to a gradient
+        // passing back through it, so with nothing differentiated it is left out.
+        let a = if a.track_op() { p.round(&a)? } else { a };
+        let y = expert_slots_matmul(p, &a, &self.down, &chosen)?.reshape((slots, h))?;
         let gates = gates.to_dtype(x.dtype())?;
-        let in_order: Vec<u32> = (0..slots as u32).collect();
-        if let Some(out) = combine_slots(&y, &gates, &in_order)? {
+        let round = p.narrow_dtype().filter(|_| round_output);
+        if let Some(out) = combine_slots_in_order(&y, &gates, round)? {
             return Ok(out);
         }
-        Ok(y.reshape((rows, k, h))?
-            .broadcast_mul(&gates.unsqueeze(D::Minus1)?)?
-            .sum(1)?)
+        let in_order: Vec<u32> = (0..slots as u32).collect();
+        let out = match combine_slots(&y, &gates, &in_order)? {
+            Some(out) => out,
+            None => y
+                .reshape((rows, k, h))?
+                .broadcast_mul(&gates.unsqueeze(D::Minus1)?)?
+                .sum(1)?,
+        };
+        if round_output {
+            return p.round(&out);
+        }
+        Ok(out)
     }
 
     /// The same computation as batched GEMMs over all experts at once, for a GPU: the first

@@ -39,13 +39,8 @@ pub fn matmul_wt_narrow(x: &Tensor, w: &Tensor, narrow: DType) -> Result<Tensor>
         }
     };
     let x = x.contiguous()?;
-    let (xn, wn) = (cast16(&x.detach(), narrow)?, cast16(&w.detach(), narrow)?);
-    let value = if x.rank() == 2 && !stacked {
-        xn.matmul(&wn.t()?)?
-    } else {
-        xn.broadcast_matmul(&wn.t()?)?
-    };
-    let value = cast16(&value, DType::F32)?;
+    let xn = cast16(&x.detach(), narrow)?;
+    let value = narrowed_product(&xn, w, narrow, stacked)?;
     if !x.track_op() && !w.track_op() {
         // Nothing to differentiate (inference): the value, without the op's copy of it.
         return Ok(value);
@@ -56,6 +51,40 @@ pub fn matmul_wt_narrow(x: &Tensor, w: &Tensor, narrow: DType) -> Result<Tensor>
         stacked,
     };
     Ok(x.apply_op2(w, op)?)
+}
+
+/// `xn · w` for the input already in `narrow` (`xn`, contiguous) and `w` f32 or `narrow`:
+/// the weight cast, one 16-bit GEMM, the output widened to f32.
+fn narrowed_product(xn: &Tensor, w: &Tensor, narrow: DType, stacked: bool) -> Result<Tensor> {
+    let wn = cast16(&w.detach(), narrow)?;
+    let value = if xn.rank() == 2 && !stacked {
+        xn.matmul(&wn.t()?)?
+    } else {
+        xn.broadcast_matmul(&wn.t()?)?
+    };
+    Ok(cast16(&value, DType::F32)?)
+}
+
+/// [`matmul_wt_narrow`]'s value for several `[n, k]` weights sharing the input `x` (f32),
+/// nothing differentiated: the input cast to `narrow` once for all of them (a layer's q, k
+/// and v projections: two kernels fewer than three separate products).
+pub(crate) fn matmul_wt_narrow_shared(
+    x: &Tensor,
+    ws: &[&Tensor],
+    narrow: DType,
+) -> Result<Vec<Tensor>> {
+    let fits = |w: &Tensor| w.rank() == 2 && (w.dtype() == DType::F32 || w.dtype() == narrow);
+    if x.dtype() != DType::F32 || !ws.iter().all(|w| fits(w)) {
+        return Err(ModelError::Input(format!(
+            "16-bit matmuls sharing an input: the input ({:?}) must be f32, the weights \
+             [n, k] in f32 or {narrow:?}",
+            x.dtype()
+        )));
+    }
+    let xn = cast16(&x.contiguous()?.detach(), narrow)?;
+    ws.iter()
+        .map(|w| narrowed_product(&xn, w, narrow, false))
+        .collect()
 }
 
 /// The op: its value precomputed, its backward from the f32 operands.

@@ -299,16 +299,22 @@ impl MoeBlock {
     pub(crate) fn forward_routed_on_device(&self, x: &Tensor) -> Result<(Tensor, DeviceRoutes)> {
         let logits = self.router_logits(x)?;
         let choice = route_softmax_rows(&self.router, &logits)?;
+        // Without a shared expert the block output is the routed sum rounded: the experts
+        // round it in their combine's pass.
+        let alone = matches!(self.shared, Shared::None);
         let routed = self
             .experts
-            .forward_gathered(x, &choice.gates, &choice.ids)?;
-        let output = self.with_shared(x, routed)?;
+            .forward_gathered(x, &choice.gates, &choice.ids, alone)?;
+        let output = if alone {
+            routed
+        } else {
+            self.with_shared(x, routed)?
+        };
         Ok((
             output,
             DeviceRoutes {
-                ids: choice.ids,
+                record: choice.record,
                 logits,
-                finite: choice.finite,
             },
         ))
     }
@@ -329,12 +335,11 @@ impl MoeBlock {
 /// all on the device, kept until the step's routes are copied.
 #[derive(Debug)]
 pub(crate) struct DeviceRoutes {
-    /// `[rows, top_k]` u32 chosen experts, best first.
-    pub ids: Tensor,
+    /// `[rows · top_k + rows]` f32: the chosen experts (best first, exact in f32), then per
+    /// row 1 where every logit was finite, 0 where one was not (`DeviceChoice::record`).
+    pub record: Tensor,
     /// `[rows, E]` router logits (kept for the host's check of a row flagged not finite).
     pub logits: Tensor,
-    /// `[rows]` f32: 1 where every logit of the row is finite, 0 where one is not.
-    pub finite: Tensor,
 }
 
 /// `routed` `[n, H]` placed at the batch rows `at` of a zero `[batch_rows, H]`, as a gather

@@ -12,7 +12,8 @@ use crate::device::row_ops_run_on;
 use crate::error::Result;
 use crate::host::{contiguous, with_host};
 use crate::math::Float;
-use crate::precision::Precision;
+use crate::precision::{Precision, RoundTo};
+use crate::round16::{round_in_place, rounding_to};
 use crate::weights::Weights;
 
 /// RMSNorm with a learned scale.
@@ -41,6 +42,22 @@ impl RmsNorm {
     /// Normalises the last dimension of `x`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let p = self.precision;
+        // The CPU's fused kernels in f32 / f64; r3's CUDA kernels in f32 on a GPU.
+        let fused = row_ops_run_on(x) && x.dtype() == self.weight.dtype();
+        if fused {
+            // A mixed forward's two rounding points (the scale read as the 16-bit float, the
+            // output rounded to it) happen inside the op's own pass: on a GPU two kernels
+            // fewer per norm, which bound a decode step of a few rows by their launches.
+            let round = p.narrow_dtype().filter(|_| x.dtype() == DType::F32);
+            let x = x.contiguous()?;
+            return Ok(x.apply_op2(
+                &self.weight,
+                RmsNormOp {
+                    eps: self.eps as f64,
+                    round,
+                },
+            )?);
+        }
         if p.is_mixed() {
             let rounded = RmsNorm {
                 weight: p.round(&self.weight)?,
@@ -49,25 +66,17 @@ impl RmsNorm {
             };
             return p.round(&rounded.forward(x)?);
         }
-        // The CPU's fused kernels in f32 / f64; r3's CUDA kernels in f32 on a GPU.
-        let fused = row_ops_run_on(x) && x.dtype() == self.weight.dtype();
-        if fused {
-            let x = x.contiguous()?;
-            Ok(x.apply_op2(
-                &self.weight,
-                RmsNormOp {
-                    eps: self.eps as f64,
-                },
-            )?)
-        } else {
-            Ok(candle_nn::ops::rms_norm_slow(x, &self.weight, self.eps)?)
-        }
+        Ok(candle_nn::ops::rms_norm_slow(x, &self.weight, self.eps)?)
     }
 }
 
 /// The fused RMSNorm op `(x, w) → y`.
 struct RmsNormOp {
     eps: f64,
+    /// The 16-bit float the scale is read as and the output rounded to (f32 values rounded
+    /// to nearest, ties to even: [`Precision::round`]'s values at both points); None for the
+    /// plain norm. The op's value and gradients equal rounding around the plain op.
+    round: Option<DType>,
 }
 
 /// Rows per parallel task (the weight gradient is summed per task, then across tasks).
@@ -241,21 +250,48 @@ impl RmsNormOp {
         x: &Tensor,
         w: &Tensor,
         grad: &Tensor,
+        (want_dx, want_dw): (bool, bool),
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         let (dx, dw) = with_host::<T, _>(x, |xv| {
             with_host::<T, _>(w, |wv| {
                 with_host::<T, _>(grad, |gv| Ok(rms_bwd(xv, wv, gv, self.eps)))
             })
         })?;
-        let dx = x
-            .track_op()
+        let dx = want_dx
             .then(|| Tensor::from_vec(dx, x.shape(), x.device()))
             .transpose()?;
-        let dw = w
-            .track_op()
+        let dw = want_dw
             .then(|| Tensor::from_vec(dw, w.shape(), w.device()))
             .transpose()?;
         Ok((dx, dw))
+    }
+
+    /// The plain norm's gradients of `x` and `w` (those wanted) for the output gradient
+    /// `grad`.
+    fn plain_bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        grad: &Tensor,
+        (want_dx, want_dw): (bool, bool),
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        if x.device().is_cuda() {
+            // r3's CUDA kernels: `dx` one pass per row, `dw` per chunk of rows then summed.
+            let eps = self.eps;
+            let grad = grad.contiguous()?;
+            let dx = want_dx
+                .then(|| x.apply_op3_no_bwd(w, &grad, &RmsNormDx { eps }))
+                .transpose()?;
+            let dw = want_dw
+                .then(|| x.apply_op2_no_bwd(&grad, &RmsNormDwChunks { eps })?.sum(0))
+                .transpose()?;
+            return Ok((dx, dw));
+        }
+        match x.dtype() {
+            DType::F32 => self.bwd_typed::<f32>(x, w, grad, (want_dx, want_dw)),
+            DType::F64 => self.bwd_typed::<f64>(x, w, grad, (want_dx, want_dw)),
+            dt => candle_core::bail!("rms norm: no backward for {dt:?}"),
+        }
     }
 }
 
@@ -272,12 +308,33 @@ impl CustomOp2 for RmsNormOp {
         wl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         weight_width(xl, wl)?;
+        let rounding = match self.round {
+            None => None,
+            Some(narrow) => match rounding_to(narrow) {
+                Some(round) => Some(round),
+                None => candle_core::bail!("rms norm: no rounding to {narrow:?}"),
+            },
+        };
         let y = match (x, w) {
-            (CpuStorage::F32(x), CpuStorage::F32(w)) => CpuStorage::F32(rms_fwd(
-                contiguous(x, xl, "rms norm input")?,
-                contiguous(w, wl, "rms norm weight")?,
-                self.eps,
-            )),
+            (CpuStorage::F32(x), CpuStorage::F32(w)) => {
+                let (x, w) = (
+                    contiguous(x, xl, "rms norm input")?,
+                    contiguous(w, wl, "rms norm weight")?,
+                );
+                CpuStorage::F32(match rounding {
+                    None => rms_fwd(x, w, self.eps),
+                    Some(round) => {
+                        let mut scale = w.to_vec();
+                        round(&mut scale);
+                        let mut y = rms_fwd(x, &scale, self.eps);
+                        round_in_place(&mut y, round);
+                        y
+                    }
+                })
+            }
+            (CpuStorage::F64(_), CpuStorage::F64(_)) if rounding.is_some() => {
+                candle_core::bail!("rms norm: the 16-bit rounding applies to f32 operands")
+            }
             (CpuStorage::F64(x), CpuStorage::F64(w)) => CpuStorage::F64(rms_fwd(
                 contiguous(x, xl, "rms norm input")?,
                 contiguous(w, wl, "rms norm weight")?,
@@ -289,7 +346,7 @@ impl CustomOp2 for RmsNormOp {
     }
 
     /// r3's CUDA kernels (`r3_rms_norm_f32`): one pass per row; the squares summed in f64
-    /// as on the CPU.
+    /// as on the CPU, the scale and the output rounded in the same pass when asked.
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
@@ -311,7 +368,7 @@ impl CustomOp2 for RmsNormOp {
                 cuda::view::<f32>(x, xl, "rms norm input")?,
                 cuda::view::<f32>(w, wl, "rms norm weight")?
             ],
-            [d as u32, self.eps]
+            [d as u32, self.eps, cuda::round_code(self.round)?]
         );
         Ok((y, xl.shape().clone()))
     }
@@ -323,25 +380,19 @@ impl CustomOp2 for RmsNormOp {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        if x.device().is_cuda() {
-            // r3's CUDA kernels: `dx` one pass per row, `dw` per chunk of rows then summed.
-            let eps = self.eps;
-            let grad = grad.contiguous()?;
-            let dx = x
-                .track_op()
-                .then(|| x.apply_op3_no_bwd(w, &grad, &RmsNormDx { eps }))
-                .transpose()?;
-            let dw = w
-                .track_op()
-                .then(|| x.apply_op2_no_bwd(&grad, &RmsNormDwChunks { eps })?.sum(0))
-                .transpose()?;
-            return Ok((dx, dw));
-        }
-        match x.dtype() {
-            DType::F32 => self.bwd_typed::<f32>(x, w, grad),
-            DType::F64 => self.bwd_typed::<f64>(x, w, grad),
-            dt => candle_core::bail!("rms norm: no backward for {dt:?}"),
-        }
+        let wants = (x.track_op(), w.track_op());
+        let Some(narrow) = self.round else {
+            return self.plain_bwd(x, w, grad, wants);
+        };
+        // What the rounding points around the plain norm give (`RoundTo`'s backward rounds
+        // the gradient passing through it): the output gradient rounded, the plain norm's
+        // gradients at the rounded scale, the scale's gradient rounded.
+        let round = RoundTo { narrow };
+        let grad = grad.apply_op1_no_bwd(&round)?;
+        let scale = w.apply_op1_no_bwd(&round)?;
+        let (dx, dw) = self.plain_bwd(x, &scale, &grad, wants)?;
+        let dw = dw.map(|dw| dw.apply_op1_no_bwd(&round)).transpose()?;
+        Ok((dx, dw))
     }
 }
 
@@ -620,6 +671,65 @@ mod tests {
                 );
                 assert!(max_diff(a, b) < tol, "{dtype:?} gradient of {name}");
             }
+        }
+    }
+
+    /// In a mixed forward the op rounds the scale and the output in its own pass: its value
+    /// and both gradients equal the rounding points around the plain norm (`RoundTo` on the
+    /// scale and on the output, the plain fused op between) bit for bit, in bf16 and f16,
+    /// over more rows than one parallel task holds.
+    #[test]
+    fn the_rounded_norm_equals_rounding_around_the_plain_norm() {
+        let bits = crate::test_util::f32_bits;
+        for p in [
+            Precision::Bf16 { router_f32: false },
+            Precision::F16 { router_f32: false },
+        ] {
+            let x = Var::from_tensor(&values(&[3, 50, 8], 1, DType::F32)).expect("x");
+            let w = Var::from_tensor(&values(&[8], 2, DType::F32)).expect("w");
+            let probe = values(&[3, 50, 8], 3, DType::F32);
+            let norm = RmsNorm {
+                weight: w.as_tensor().clone(),
+                eps: 1e-6,
+                precision: p,
+            };
+            let fused = norm.forward(x.as_tensor()).expect("fused");
+            let plain = RmsNorm {
+                weight: p.round(w.as_tensor()).expect("scale"),
+                eps: 1e-6,
+                precision: Precision::F32,
+            };
+            let around = p
+                .round(&plain.forward(x.as_tensor()).expect("plain"))
+                .expect("rounded");
+            assert_eq!(bits(&fused), bits(&around), "{p:?} values");
+            let grads = |y: &Tensor| {
+                (y * &probe)
+                    .and_then(|t| t.sum_all())
+                    .and_then(|l| l.backward())
+                    .expect("backward")
+            };
+            let (gf, ga) = (grads(&fused), grads(&around));
+            for (name, v) in [("x", &x), ("w", &w)] {
+                let (a, b) = (
+                    gf.get(v.as_tensor()).expect("g"),
+                    ga.get(v.as_tensor()).expect("g"),
+                );
+                assert_eq!(bits(a), bits(b), "{p:?} gradient of {name}");
+            }
+            // The rounding is not a no-op on these values: the plain norm differs.
+            let unrounded = RmsNorm {
+                weight: w.as_tensor().clone(),
+                eps: 1e-6,
+                precision: Precision::F32,
+            }
+            .forward(x.as_tensor())
+            .expect("f32");
+            assert_ne!(
+                bits(&fused),
+                bits(&unrounded),
+                "{p:?} rounding changed nothing"
+            );
         }
     }
 

@@ -24,6 +24,9 @@ pub struct DeviceChoice {
     /// `[rows]` f32: 1 where every logit of the row is finite, 0 where one is not (that
     /// row's gates are zero and its ids meaningless: the host's selection names it).
     pub finite: Tensor,
+    /// `[rows · k + rows]` f32, contiguous: the ids (exact in f32) then the finiteness flags,
+    /// what a step copies to the host (one copy for both, one slice of the op's output).
+    pub record: Tensor,
 }
 
 /// The choice of `router` (a softmax router that selects on the device) over `logits`
@@ -56,6 +59,7 @@ pub fn route_softmax_rows(router: &Router, logits: &Tensor) -> Result<DeviceChoi
             .to_dtype(DType::U32)?
             .reshape((rows, k))?,
         finite: packed.narrow(0, 2 * slots, rows)?,
+        record: packed.narrow(0, slots, slots + rows)?,
     })
 }
 

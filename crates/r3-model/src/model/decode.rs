@@ -437,27 +437,36 @@ impl Model {
 }
 
 /// The routes of a step's device-routed MoE layers, per layer on the host: one copy of all
-/// their ids (the host's one wait of the step) after a check that every layer's router
-/// logits were finite (a flag a row; a flagged layer is checked again on the host, whose
-/// selection names the row and expert).
+/// their records (ids and finiteness flags side by side: the host's one wait of the step),
+/// then a check that every layer's router logits were finite (a flag a row; a flagged layer
+/// is checked again on the host, whose selection names the row and expert).
 fn routes_to_host(layers: &[(&MoeBlock, DeviceRoutes)]) -> Result<Vec<Vec<u32>>> {
     if layers.is_empty() {
         return Ok(Vec::new());
     }
-    let flags: Vec<&Tensor> = layers.iter().map(|(_, r)| &r.finite).collect();
-    let flags = Tensor::cat(&flags, 0)?.to_vec1::<f32>()?;
-    for ((block, routed), layer_flags) in
-        layers.iter().zip(flags.chunks(flags.len() / layers.len()))
-    {
-        if layer_flags.iter().any(|&f| f != 1.0) {
+    let records: Vec<&Tensor> = layers.iter().map(|(_, r)| &r.record).collect();
+    let all = Tensor::cat(&records, 0)?.to_vec1::<f32>()?;
+    let mut routes = Vec::with_capacity(layers.len());
+    let mut at = 0;
+    for (block, routed) in layers {
+        let (rows, _) = routed.logits.dims2()?;
+        let len = routed.record.elem_count();
+        let record = all.get(at..at + len).ok_or_else(|| {
+            ModelError::Input(format!(
+                "routes copied from the device: {} values, a layer's record past them",
+                all.len()
+            ))
+        })?;
+        at += len;
+        let (ids, flags) = record.split_at(len.saturating_sub(rows));
+        if flags.iter().any(|&f| f != 1.0) {
             block.check_logits_on_host(&routed.logits)?;
             return Err(ModelError::Input(
                 "the device flagged router logits that the host finds finite".into(),
             ));
         }
+        // Expert ids below 2^24 are exact in f32 (`Router::selects_on_device` caps them).
+        routes.push(ids.iter().map(|&id| id as u32).collect());
     }
-    let ids: Vec<&Tensor> = layers.iter().map(|(_, r)| &r.ids).collect();
-    let per_layer = layers[0].1.ids.elem_count();
-    let all = Tensor::cat(&ids, 0)?.flatten_all()?.to_vec1::<u32>()?;
-    Ok(all.chunks(per_layer.max(1)).map(<[u32]>::to_vec).collect())
+    Ok(routes)
 }
