@@ -524,6 +524,61 @@ mod cuda {
         );
     }
 
+    /// The greedy reduction on the GPU equals the CPU's: the same largest value and first
+    /// column on every row (planted ties at three columns, a row of equal values, `−∞`
+    /// entries), the log-sum-exp within 1e-5 relative (f32 sums of up to 151,936 terms, the
+    /// CPU's in column order, the GPU's in the block's: a few 1e-5 apart at most), NaN
+    /// where a row holds a NaN or `+∞`, no column for a row of `−∞`; over a 151,936-token
+    /// vocabulary and a short one.
+    #[test]
+    fn the_greedy_reduction_on_cuda_is_the_cpus() {
+        use r3_model::greedy_rows::greedy_rows;
+        let device = gpu();
+        for vocab in [151_936usize, 40] {
+            let rows = 9;
+            let mut v: Vec<f32> = (0..rows * vocab)
+                .map(|i| (((i * 7919) % 4001) as f32 / 400.0) - 5.0)
+                .collect();
+            for c in [vocab - 1, 7, vocab / 2] {
+                v[vocab + c] = 11.0;
+            }
+            v[2 * vocab..3 * vocab].fill(0.5);
+            for c in (0..vocab).step_by(3) {
+                v[3 * vocab + c] = f32::NEG_INFINITY;
+            }
+            v[4 * vocab + 17] = f32::NAN;
+            v[5 * vocab + 3] = f32::INFINITY;
+            v[6 * vocab..7 * vocab].fill(f32::NEG_INFINITY);
+            let cpu = Tensor::from_vec(v, (rows, vocab), &Device::Cpu).expect("logits");
+            let on = |d: &Device| {
+                greedy_rows(&cpu.to_device(d).expect("to device"))
+                    .and_then(|t| Ok(t.to_vec2::<f32>()?))
+                    .expect("greedy rows")
+            };
+            let (got, want) = (on(&device), on(&Device::Cpu));
+            for r in 0..rows {
+                let (g, w) = (&got[r], &want[r]);
+                assert_eq!(
+                    g[0].to_bits(),
+                    w[0].to_bits(),
+                    "vocab {vocab} row {r} largest"
+                );
+                assert_eq!(g[2], w[2], "vocab {vocab} row {r} first column");
+                if w[1].is_nan() {
+                    assert!(g[1].is_nan(), "vocab {vocab} row {r}: {g:?}");
+                } else {
+                    let tol = 1e-5 * w[1].abs().max(1.0);
+                    assert!(
+                        (g[1] - w[1]).abs() <= tol,
+                        "vocab {vocab} row {r}: {g:?} {w:?}"
+                    );
+                }
+            }
+            assert_eq!(got[1][2], 7.0);
+            assert_eq!(got[6][2], vocab as f32);
+        }
+    }
+
     /// An opened GPU gives its buffers no use-tracking events (the device is opened with
     /// them off), and a whole forward and backward leaves its context on one stream per
     /// thread: the condition under which cudarc would never have used those events.

@@ -485,6 +485,66 @@ __device__ __forceinline__ void warp_rank_first(int &key, uint32_t &index) {
     }
 }
 
+// The greedy reduction of each row of logits [rows, cols] (greedy_rows.rs): out[row] =
+// (largest value, log Σ exp(x − largest) + largest, first column holding the largest; cols
+// where no value exceeds −∞). The largest by `>` (a NaN never wins, so a NaN or +∞ in the
+// row turns the sum NaN), equal values to the lower column. One block per row. CPU twin:
+// greedy_rows.rs `reduce_row` (its sum in column order, here in the block's order).
+extern "C" __global__ void r3_greedy_rows_f32(const float *logits, float *out, uint32_t cols) {
+    __shared__ float best_values[32];
+    __shared__ uint32_t best_columns[32];
+    __shared__ float shared[32];
+    const size_t row = blockIdx.x;
+    const float *z = logits + row * cols;
+    float best = -INFINITY;
+    uint32_t first = UINT32_MAX;
+    for (uint32_t j = threadIdx.x; j < cols; j += blockDim.x) {
+        const float v = z[j];
+        if (v > best) {
+            best = v;
+            first = j;
+        }
+    }
+    // Warp, then block: the larger value, or the lower column of equal ones.
+    for (int o = 16; o > 0; o >>= 1) {
+        const float other = __shfl_xor_sync(0xffffffffu, best, o);
+        const uint32_t other_first = __shfl_xor_sync(0xffffffffu, first, o);
+        if (other > best || (other == best && other_first < first)) {
+            best = other;
+            first = other_first;
+        }
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        best_values[warp] = best;
+        best_columns[warp] = first;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (uint32_t w = 1; w < (blockDim.x >> 5); ++w) {
+            const float other = best_values[w];
+            const uint32_t other_first = best_columns[w];
+            if (other > best || (other == best && other_first < first)) {
+                best = other;
+                first = other_first;
+            }
+        }
+        best_values[0] = best;
+        best_columns[0] = first;
+    }
+    __syncthreads();
+    best = best_values[0];
+    first = best_columns[0];
+    float sum = 0.0f;
+    for (uint32_t j = threadIdx.x; j < cols; j += blockDim.x) sum += expf(z[j] - best);
+    sum = block_sum(sum, shared);
+    if (threadIdx.x == 0) {
+        out[row * 3] = best;
+        out[row * 3 + 1] = logf(sum) + best;
+        out[row * 3 + 2] = first == UINT32_MAX ? (float)cols : (float)first;
+    }
+}
+
 // One row's k largest values into `out` (k indices), largest first, ties to the lower index,
 // in total_cmp's order: k rounds of a block-wide arg-max over the columns not chosen yet (the
 // whole block calls it; `out` is global or shared memory every thread reads).

@@ -5,13 +5,16 @@
 //! A step's logits are `[batch, vocab]` f32 (1 MB per 8 rows of a 32,000-token vocabulary,
 //! 4.9 MB per 8 rows of Qwen3's 151,936): copied to the host each step, they were the step's
 //! largest transfer at large batches, and the host then walked every row for its argmax and
-//! log-softmax. The reduction is three candle reductions over the rows on the device. It
+//! log-softmax. The reduction is one kernel on a GPU (`r3_model::greedy_rows`) and candle's
+//! reductions over the rows elsewhere. It
 //! keeps the sampler's definition ([`crate::sampler::sample`]'s greedy branch: the first
 //! index of the largest value, `argmax`, and its log-prob under the raw distribution); the
 //! log-sum-exp is summed in the device's order (a rounding away from the host's, as the
 //! engines' logits already are).
 
 use candle_core::{DType, Device, Tensor, D};
+
+use r3_model::greedy_rows::greedy_rows;
 
 use crate::engine::next_token::GreedyPick;
 use crate::error::RolloutError;
@@ -26,6 +29,32 @@ pub fn greedy_picks(logits: &Tensor) -> Result<Option<Vec<GreedyPick>>, RolloutE
     if rows == 0 {
         return Ok(Some(Vec::new()));
     }
+    // On a GPU one kernel (`r3_model::greedy_rows`): composed, the reduction below was a
+    // dozen launches a step and an upload of the column indices.
+    let reduced = if logits.device().is_cuda() {
+        greedy_rows(&logits)?
+    } else {
+        composed_reduction(&logits)?
+    };
+    let reduced = reduced.to_device(&Device::Cpu)?.to_vec2::<f32>()?;
+    let mut picks = Vec::with_capacity(rows);
+    for row in reduced {
+        let (max, lse, first) = (row[0], row[1], row[2]);
+        if !(max.is_finite() && lse.is_finite()) || first.is_nan() || first >= vocab as f32 {
+            return Ok(None);
+        }
+        picks.push(GreedyPick {
+            token: first as u32,
+            logprob: max - lse,
+        });
+    }
+    Ok(Some(picks))
+}
+
+/// `[rows, 3]` of (largest logit, log-sum-exp, first index of the largest) from candle's ops
+/// (the CPU device's form, whose sums the CPU engine's tests were written against).
+fn composed_reduction(logits: &Tensor) -> Result<Tensor, RolloutError> {
+    let (rows, vocab) = logits.dims2()?;
     let max = logits.max_keepdim(D::Minus1)?;
     // The first index holding the maximum: every other column reads `vocab`, then the row's
     // smallest. Indices below 2^24 are exact in f32 (the largest vocabularies are ~2^18).
@@ -42,21 +71,7 @@ pub fn greedy_picks(logits: &Tensor) -> Result<Option<Vec<GreedyPick>>, RolloutE
     let sum = logits.broadcast_sub(&max)?.exp()?.sum_keepdim(D::Minus1)?;
     let lse = (sum.log()? + &max)?;
     // One copy: [rows, 3] of (max, log-sum-exp, first index).
-    let reduced = Tensor::cat(&[&max, &lse, &first], 1)?
-        .to_device(&Device::Cpu)?
-        .to_vec2::<f32>()?;
-    let mut picks = Vec::with_capacity(rows);
-    for row in reduced {
-        let (max, lse, first) = (row[0], row[1], row[2]);
-        if !(max.is_finite() && lse.is_finite()) || first.is_nan() || first >= vocab as f32 {
-            return Ok(None);
-        }
-        picks.push(GreedyPick {
-            token: first as u32,
-            logprob: max - lse,
-        });
-    }
-    Ok(Some(picks))
+    Ok(Tensor::cat(&[&max, &lse, &first], 1)?)
 }
 
 #[cfg(test)]
