@@ -309,16 +309,33 @@ extern "C" __global__ void r3_combine_slots_f32(const float *y, const float *g,
 // The combine for slots in order (place r·k + j for slot j of row r: a device-routed decode
 // step), nothing uploaded; the output rounded by `rounded_as` (a mixed forward's rounding of
 // the block output in the same pass). CPU twin: combine_slots.rs `CombineInOrder::cpu_fwd`.
-extern "C" __global__ void r3_combine_in_order_f32(const float *y, const float *g, float *out,
-                                                   uint32_t k, uint32_t h, uint32_t round) {
+// The expert outputs y may be f32 or 16-bit (widened exactly as they are read: the values
+// of a widen kernel before the f32 form).
+__device__ __forceinline__ float load1(const float *p) { return *p; }
+template <typename Y>
+__device__ void combine_in_order(const Y *y, const float *g, float *out, uint32_t k, uint32_t h,
+                                 uint32_t round) {
     const size_t r = blockIdx.x;
     for (uint32_t c = threadIdx.x; c < h; c += blockDim.x) {
         float acc = 0.0f;
         for (uint32_t j = 0; j < k; j++) {
-            acc = acc + g[r * k + j] * y[(r * k + j) * h + c];
+            acc = acc + g[r * k + j] * load1(y + (r * k + j) * h + c);
         }
         out[r * h + c] = rounded_as(acc, round);
     }
+}
+extern "C" __global__ void r3_combine_in_order_f32(const float *y, const float *g, float *out,
+                                                   uint32_t k, uint32_t h, uint32_t round) {
+    combine_in_order(y, g, out, k, h, round);
+}
+extern "C" __global__ void r3_combine_in_order_bf16(const __nv_bfloat16 *y, const float *g,
+                                                    float *out, uint32_t k, uint32_t h,
+                                                    uint32_t round) {
+    combine_in_order(y, g, out, k, h, round);
+}
+extern "C" __global__ void r3_combine_in_order_f16(const __half *y, const float *g, float *out,
+                                                   uint32_t k, uint32_t h, uint32_t round) {
+    combine_in_order(y, g, out, k, h, round);
 }
 
 // One block per place p: dy[p] = g[s] · dout[s / k] for the slot s reading p, zeros where
@@ -375,6 +392,29 @@ extern "C" __global__ void r3_swiglu_f32(const float *h, float *y, size_t n, uin
         const float g = h[r * 2 * half + j], u = h[r * 2 * half + half + j];
         y[i] = silu_of(g) * u;
     }
+}
+
+// r3_swiglu_f32 over 16-bit halves, written in the same 16-bit float (nearest, ties to
+// even): a device-routed decode step's experts keep their activations in the format their
+// GEMMs read and write, with the f32 arithmetic of r3_swiglu_f32 between (the values of
+// widen → r3_swiglu_f32 → narrow, two kernels fewer). CPU twin: swiglu_halves.rs
+// `SwigluHalvesNarrow::cpu_fwd`.
+template <typename H>
+__device__ void swiglu_narrow(const H *h, H *y, size_t n, uint32_t half) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)blockDim.x * gridDim.x) {
+        const size_t r = i / half, j = i % half;
+        const float g = load1(h + r * 2 * half + j), u = load1(h + r * 2 * half + half + j);
+        store1(y + i, silu_of(g) * u);
+    }
+}
+extern "C" __global__ void r3_swiglu_narrow_bf16(const __nv_bfloat16 *h, __nv_bfloat16 *y,
+                                                 size_t n, uint32_t half) {
+    swiglu_narrow(h, y, n, half);
+}
+extern "C" __global__ void r3_swiglu_narrow_f16(const __half *h, __half *y, size_t n,
+                                                uint32_t half) {
+    swiglu_narrow(h, y, n, half);
 }
 
 // Its backward, both halves of dh from d [rows, I]: d gate = d · u · σ(g) · (1 + g · (1 − σ(g))),

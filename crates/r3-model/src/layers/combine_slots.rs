@@ -90,12 +90,15 @@ pub(crate) fn combine_slots_in_order(
             "combine in order: {places} expert outputs for {rows} rows of {top_k} slots"
         )));
     }
-    let applies = row_ops_run_on(y)
-        && gates.dtype() == y.dtype()
+    // f32 / f64 outputs with gates of their dtype, or 16-bit outputs (a device-routed
+    // step's experts in their GEMMs' format, on the CPU or a GPU) with f32 gates.
+    let sixteen = matches!(y.dtype(), DType::BF16 | DType::F16) && gates.dtype() == DType::F32;
+    let applies = ((row_ops_run_on(y) && gates.dtype() == y.dtype()) || sixteen)
+        && y.elem_count() > 0
         && rows > 0
         && !y.track_op()
         && !gates.track_op()
-        && (round.is_none() || y.dtype() == DType::F32);
+        && (round.is_none() || gates.dtype() == DType::F32);
     if !applies {
         return Ok(None);
     }
@@ -129,15 +132,30 @@ impl CustomOp2 for CombineInOrder {
         let (h, k) = (width(yl), self.top_k);
         let rows = gl.shape().elem_count() / k.max(1);
         let in_order: Vec<u32> = (0..(rows * k) as u32).collect();
-        let out = match (y, g, self.round) {
-            (CpuStorage::F32(y), CpuStorage::F32(g), round) => {
-                let mut out = combine_rows(
-                    contiguous(y, yl, "expert outputs")?,
-                    contiguous(g, gl, "gates")?,
-                    &in_order,
-                    k,
-                    h,
-                );
+        // 16-bit outputs are widened first (exactly: the values the f32 form reads).
+        let widened: Option<Vec<f32>> = match y {
+            CpuStorage::BF16(y) => Some(
+                contiguous(y, yl, "expert outputs")?
+                    .iter()
+                    .map(|v| v.to_f32())
+                    .collect(),
+            ),
+            CpuStorage::F16(y) => Some(
+                contiguous(y, yl, "expert outputs")?
+                    .iter()
+                    .map(|v| v.to_f32())
+                    .collect(),
+            ),
+            _ => None,
+        };
+        let y32 = match (y, &widened) {
+            (_, Some(wide)) => Some(wide.as_slice()),
+            (CpuStorage::F32(y), None) => Some(contiguous(y, yl, "expert outputs")?),
+            _ => None,
+        };
+        let out = match (y32, y, g, self.round) {
+            (Some(y), _, CpuStorage::F32(g), round) => {
+                let mut out = combine_rows(y, contiguous(g, gl, "gates")?, &in_order, k, h);
                 if let Some(narrow) = round {
                     match rounding_to(narrow) {
                         Some(round) => round_in_place(&mut out, round),
@@ -146,7 +164,7 @@ impl CustomOp2 for CombineInOrder {
                 }
                 CpuStorage::F32(out)
             }
-            (CpuStorage::F64(y), CpuStorage::F64(g), None) => CpuStorage::F64(combine_rows(
+            (None, CpuStorage::F64(y), CpuStorage::F64(g), None) => CpuStorage::F64(combine_rows(
                 contiguous(y, yl, "expert outputs")?,
                 contiguous(g, gl, "gates")?,
                 &in_order,
@@ -154,8 +172,8 @@ impl CustomOp2 for CombineInOrder {
                 h,
             )),
             _ => candle_core::bail!(
-                "combine in order: expert outputs and gates must be both f32 (or both f64, \
-                 unrounded)"
+                "combine in order: expert outputs f32, bf16 or f16 with f32 gates (or both \
+                 f64, unrounded)"
             ),
         };
         Ok((out, Shape::from((rows, h))))
@@ -172,18 +190,30 @@ impl CustomOp2 for CombineInOrder {
         use crate::cuda;
         let (h, k) = (width(yl), self.top_k);
         let rows = gl.shape().elem_count() / k.max(1);
-        // Block `r` writes output row `r`.
-        let out = cuda::launch_f32!(
-            cuda::device(y),
-            "r3_combine_in_order_f32",
-            rows * h,
-            cuda::per_row(rows, cuda::row_threads(h))?,
-            [
-                cuda::view::<f32>(y, yl, "expert outputs")?,
-                cuda::view::<f32>(g, gl, "gates")?
-            ],
-            [k as u32, h as u32, cuda::round_code(self.round)?]
-        );
+        use candle_core::backend::BackendStorage;
+        let round = cuda::round_code(self.round)?;
+        macro_rules! combine {
+            ($kernel:literal, $y:ty) => {
+                // Block `r` writes output row `r`.
+                cuda::launch_f32!(
+                    cuda::device(y),
+                    $kernel,
+                    rows * h,
+                    cuda::per_row(rows, cuda::row_threads(h))?,
+                    [
+                        cuda::view::<$y>(y, yl, "expert outputs")?,
+                        cuda::view::<f32>(g, gl, "gates")?
+                    ],
+                    [k as u32, h as u32, round]
+                )
+            };
+        }
+        let out = match y.dtype() {
+            DType::F32 => combine!("r3_combine_in_order_f32", f32),
+            DType::BF16 => combine!("r3_combine_in_order_bf16", half::bf16),
+            DType::F16 => combine!("r3_combine_in_order_f16", half::f16),
+            dt => candle_core::bail!("combine in order: expert outputs of {dt:?} on a GPU"),
+        };
         Ok((out, Shape::from((rows, h))))
     }
 }
@@ -580,6 +610,21 @@ mod tests {
                 .expect("in order")
                 .expect("applies on the CPU");
             assert_eq!(bits(&got), bits(&want), "{dtype:?} {precision:?}");
+        }
+        // 16-bit expert outputs with f32 gates: the values of the f32 outputs they widen to.
+        for narrow in [DType::BF16, DType::F16] {
+            let y = seeded_tensor(&[rows * k, h], 4, narrow);
+            let gates = seeded_tensor(&[rows, k], 5, DType::F32);
+            let wide = y.to_dtype(DType::F32).expect("widened");
+            for round in [None, Some(narrow)] {
+                let got = combine_slots_in_order(&y, &gates, round)
+                    .expect("16-bit")
+                    .expect("applies on the CPU");
+                let want = combine_slots_in_order(&wide, &gates, round)
+                    .expect("f32")
+                    .expect("applies");
+                assert_eq!(bits(&got), bits(&want), "{narrow:?} {round:?}");
+            }
         }
         let y = Var::from_tensor(&seeded_tensor(&[rows * k, h], 4, DType::F32)).expect("y");
         let gates = seeded_tensor(&[rows, k], 5, DType::F32);

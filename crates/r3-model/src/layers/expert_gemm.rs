@@ -127,6 +127,62 @@ pub(crate) fn expert_slots_matmul(
     w: &Tensor,
     ids: &Tensor,
 ) -> Result<Tensor> {
+    let share = slots_share(x, w, ids)?;
+    let compute = p.narrow_dtype().unwrap_or(DType::F32);
+    // The pointer GEMM has no backward: a differentiated operand takes the gathered form.
+    if reads_weights_in_place(x, w, compute) {
+        if let Some(y) = expert_slots_matmul_narrow(x, w, ids, compute)? {
+            return Ok(cast16(&y, DType::F32)?);
+        }
+    }
+    let (rows, _, k) = x.dims3()?;
+    let slots = ids.elem_count();
+    let repeated = if share == 1 {
+        x.clone()
+    } else {
+        x.broadcast_as((rows, share, k))?
+            .contiguous()?
+            .reshape((slots, 1, k))?
+    };
+    matmul_wt_at(p, &repeated, &w.index_select(ids, 0)?)
+}
+
+/// [`expert_slots_matmul`]'s pointer GEMM on a GPU with its output left in `compute` (the
+/// 16-bit float of a mixed precision, or f32), its rows `x` f32 or already in `compute`:
+/// the same values as the f32 form before its widening, for a chain of ops that read the
+/// 16-bit output as it is (a device-routed decode step's experts: no widen and narrow pair
+/// between the GEMMs and the SwiGLU). None where it does not apply (not a GPU, an operand
+/// to differentiate, no slots, the stack in another dtype).
+pub(crate) fn expert_slots_matmul_narrow(
+    x: &Tensor,
+    w: &Tensor,
+    ids: &Tensor,
+    compute: DType,
+) -> Result<Option<Tensor>> {
+    let share = slots_share(x, w, ids)?;
+    let applies = x.device().is_cuda()
+        && (x.dtype() == DType::F32 || x.dtype() == compute)
+        && (w.dtype() == DType::F32 || w.dtype() == compute)
+        && x.elem_count() > 0
+        && w.elem_count() > 0
+        && ids.elem_count() > 0
+        && !x.track_op()
+        && !w.track_op();
+    if !applies {
+        return Ok(None);
+    }
+    let xn = cast16(&x.contiguous()?, compute)?;
+    let wn = cast16(&w.contiguous()?, compute)?;
+    Ok(Some(xn.apply_op3_no_bwd(
+        &wn,
+        &ids.contiguous()?,
+        &SlotsGemm { share },
+    )?))
+}
+
+/// The slots a row of `x` `[rows, 1, k]` is read by, with `x`, the stack `w` `[E, n, k]` and
+/// the slots' experts `ids` `[slots]` (u32) checked against each other.
+fn slots_share(x: &Tensor, w: &Tensor, ids: &Tensor) -> Result<usize> {
     let (rows, one, k) = x.dims3()?;
     let (_, _, k2) = w.dims3()?;
     let slots = ids.elem_count();
@@ -146,22 +202,7 @@ pub(crate) fn expert_slots_matmul(
             ids.dtype()
         )));
     }
-    let compute = p.narrow_dtype().unwrap_or(DType::F32);
-    // The pointer GEMM has no backward: a differentiated operand takes the gathered form.
-    if reads_weights_in_place(x, w, compute) && slots > 0 && !x.track_op() && !w.track_op() {
-        let xn = cast16(&x.contiguous()?, compute)?;
-        let wn = cast16(&w.contiguous()?, compute)?;
-        let y = xn.apply_op3_no_bwd(&wn, &ids.contiguous()?, &SlotsGemm { share })?;
-        return Ok(cast16(&y, DType::F32)?);
-    }
-    let repeated = if share == 1 {
-        x.clone()
-    } else {
-        x.broadcast_as((rows, share, k))?
-            .contiguous()?
-            .reshape((slots, 1, k))?
-    };
-    matmul_wt_at(p, &repeated, &w.index_select(ids, 0)?)
+    Ok(share)
 }
 
 /// The slots' GEMM as an op over (rows, stack, ids), all on a GPU: `share` consecutive

@@ -9,15 +9,17 @@
 //! candle, measured then, also zero-filled one per node) — most of a training step's time at
 //! 32 experts.
 
-use candle_core::{Tensor, D};
+use candle_core::{DType, Tensor, D};
 
 use super::combine_slots::{combine_slots, combine_slots_in_order};
 use super::dispatch::Dispatch;
-use super::expert_gemm::{expert_blocks_matmul, expert_slots_matmul, ExpertGemmInputs};
+use super::expert_gemm::{
+    expert_blocks_matmul, expert_slots_matmul, expert_slots_matmul_narrow, ExpertGemmInputs,
+};
 use super::gather_rows::GatherRows;
 use super::linear::matmul_wt;
 use super::routed_op::RoutedSwiGlu;
-use super::swiglu_halves::swiglu_halves;
+use super::swiglu_halves::{swiglu_halves, swiglu_halves_narrow};
 use crate::error::{ModelError, Result};
 use crate::precision::Precision;
 use crate::spec::fused_expert_names;
@@ -152,6 +154,9 @@ impl RoutedExperts {
             return Ok(x.zeros_like()?);
         }
         let chosen = ids.flatten_all()?;
+        if let Some(out) = self.forward_gathered_narrow(x, gates, &chosen, round_output)? {
+            return Ok(out);
+        }
         // Row r read by its top_k slots (`expert_slots_matmul` points each slot at it).
         let hidden = expert_slots_matmul(p, &x.unsqueeze(1)?, &self.gate_up, &chosen)?;
         let a = match swiglu_halves(&hidden)? {
@@ -180,6 +185,43 @@ impl RoutedExperts {
             return p.round(&out);
         }
         Ok(out)
+    }
+
+    /// [`RoutedExperts::forward_gathered`] on a GPU in bf16 / f16 with nothing
+    /// differentiated, the experts' activations kept in the 16-bit float between its ops:
+    /// the gate-up GEMM's output read by a 16-bit SwiGLU whose output the down GEMM reads,
+    /// whose output the combine reads (`expert_slots_matmul_narrow`, `swiglu_halves_narrow`,
+    /// `combine_slots_in_order`). The same values as the f32 forms, which widen each GEMM's
+    /// 16-bit output and narrow the SwiGLU's (exact conversions and the same rounding), in
+    /// three kernels fewer. None where it does not apply.
+    fn forward_gathered_narrow(
+        &self,
+        x: &Tensor,
+        gates: &Tensor,
+        chosen: &Tensor,
+        round_output: bool,
+    ) -> Result<Option<Tensor>> {
+        let Some(narrow) = self.precision.narrow_dtype() else {
+            return Ok(None);
+        };
+        if gates.track_op() {
+            return Ok(None);
+        }
+        let h = x.dim(1)?;
+        let hidden =
+            match expert_slots_matmul_narrow(&x.unsqueeze(1)?, &self.gate_up, chosen, narrow)? {
+                Some(hidden) => hidden,
+                None => return Ok(None),
+            };
+        let Some(a) = swiglu_halves_narrow(&hidden)? else {
+            return Ok(None);
+        };
+        let Some(y) = expert_slots_matmul_narrow(&a, &self.down, chosen, narrow)? else {
+            return Ok(None);
+        };
+        let y = y.reshape((chosen.elem_count(), h))?;
+        let gates = gates.to_dtype(DType::F32)?;
+        combine_slots_in_order(&y, &gates, Some(narrow).filter(|_| round_output))
     }
 
     /// The same computation as batched GEMMs over all experts at once, for a GPU: the first

@@ -10,7 +10,7 @@
 //! bit, and a CUDA kernel (`cuda/kernels.cu`, the same arithmetic) that the device tests
 //! hold to the CPU.
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Tensor};
 
 use crate::device::row_ops_run_on;
 use crate::error::Result;
@@ -178,11 +178,134 @@ impl CustomOp2 for SwigluGrad {
     }
 }
 
+/// `silu(h[.., :I]) · h[.., I:]` for a 16-bit `hidden` `[.., 2I]` (bf16 or f16), computed in
+/// f32 and written in the same 16-bit float (nearest, ties to even), nothing differentiated:
+/// the values of widening, [`swiglu_halves`] and narrowing, in one pass. None where the op
+/// does not apply (another dtype, an operand to differentiate).
+pub(crate) fn swiglu_halves_narrow(hidden: &Tensor) -> Result<Option<Tensor>> {
+    let two_i = hidden.dims().last().copied().unwrap_or(0);
+    let sixteen = matches!(hidden.dtype(), DType::BF16 | DType::F16);
+    if two_i == 0 || !two_i.is_multiple_of(2) || !sixteen || hidden.track_op() {
+        return Ok(None);
+    }
+    Ok(Some(
+        hidden.contiguous()?.apply_op1_no_bwd(&SwigluHalvesNarrow)?,
+    ))
+}
+
+/// The 16-bit op `[.., 2I] → [.., I]` ([`swiglu_halves_narrow`]).
+#[derive(Debug, Clone, Copy)]
+struct SwigluHalvesNarrow;
+
+impl CustomOp1 for SwigluHalvesNarrow {
+    fn name(&self) -> &'static str {
+        "r3-swiglu-halves-16-bit"
+    }
+
+    /// Widened to f32, [`swiglu_rows`], narrowed (`half`'s conversions: nearest, ties to
+    /// even).
+    fn cpu_fwd(&self, h: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let i = half_width(l);
+        let out = match h {
+            CpuStorage::BF16(h) => {
+                let wide: Vec<f32> = contiguous(h, l, "gate-up")?
+                    .iter()
+                    .map(|v| v.to_f32())
+                    .collect();
+                CpuStorage::BF16(
+                    swiglu_rows(&wide, i)
+                        .into_iter()
+                        .map(half::bf16::from_f32)
+                        .collect(),
+                )
+            }
+            CpuStorage::F16(h) => {
+                let wide: Vec<f32> = contiguous(h, l, "gate-up")?
+                    .iter()
+                    .map(|v| v.to_f32())
+                    .collect();
+                CpuStorage::F16(
+                    swiglu_rows(&wide, i)
+                        .into_iter()
+                        .map(half::f16::from_f32)
+                        .collect(),
+                )
+            }
+            _ => candle_core::bail!("16-bit swiglu: the gate-up projection must be bf16 or f16"),
+        };
+        Ok((out, halved(l)))
+    }
+
+    /// `r3_swiglu_narrow_bf16` / `r3_swiglu_narrow_f16`.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        h: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use crate::cuda;
+        use candle_core::backend::BackendStorage;
+        let shape = halved(l);
+        let n = shape.elem_count();
+        let half = half_width(l) as u32;
+        // A grid-stride loop writing every output element.
+        let out = match h.dtype() {
+            DType::BF16 => cuda::launch_typed!(
+                cuda::device(h),
+                "r3_swiglu_narrow_bf16",
+                half::bf16,
+                n,
+                cuda::elementwise(n),
+                [cuda::view::<half::bf16>(h, l, "gate-up")?],
+                [n as u64, half]
+            ),
+            DType::F16 => cuda::launch_typed!(
+                cuda::device(h),
+                "r3_swiglu_narrow_f16",
+                half::f16,
+                n,
+                cuda::elementwise(n),
+                [cuda::view::<half::f16>(h, l, "gate-up")?],
+                [n as u64, half]
+            ),
+            dt => candle_core::bail!("16-bit swiglu: the gate-up projection is {dt:?}"),
+        };
+        Ok((out, shape))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::test_util::{max_abs_diff, seeded_tensor};
-    use candle_core::{DType, Var};
+    use candle_core::Var;
+
+    /// The 16-bit op equals widening, the f32 op and narrowing bit for bit, in bf16 and
+    /// f16; it does not apply to f32 input or to an operand being differentiated.
+    #[test]
+    fn the_16_bit_op_equals_the_f32_op_between_casts() {
+        let bits = |t: &Tensor| crate::test_util::f32_bits(&t.to_dtype(DType::F32).expect("f32"));
+        for narrow in [DType::BF16, DType::F16] {
+            let h = (seeded_tensor(&[3, 2, 10], 7, DType::F32) * 4.0)
+                .and_then(|t| t.to_dtype(narrow))
+                .expect("hidden");
+            let got = swiglu_halves_narrow(&h).expect("op").expect("applies");
+            assert_eq!(got.dtype(), narrow);
+            let want = swiglu_halves(&h.to_dtype(DType::F32).expect("wide"))
+                .expect("f32 op")
+                .expect("applies")
+                .to_dtype(narrow)
+                .expect("narrowed");
+            assert_eq!(got.dims(), want.dims());
+            assert_eq!(bits(&got), bits(&want), "{narrow:?}");
+        }
+        let wide = seeded_tensor(&[2, 8], 1, DType::F32);
+        assert!(swiglu_halves_narrow(&wide).expect("f32").is_none());
+        let tracked = Var::from_tensor(&wide.to_dtype(DType::BF16).expect("bf16")).expect("var");
+        assert!(swiglu_halves_narrow(tracked.as_tensor())
+            .expect("tracked")
+            .is_none());
+    }
 
     /// The value equals candle's composed `silu(gate) · up` bit for bit; the gradient equals
     /// the composed backward (f64 to 1e-12, f32 to 1e-5), for a 3-D input.
