@@ -193,6 +193,13 @@ pub(crate) fn swiglu_halves_narrow(hidden: &Tensor) -> Result<Option<Tensor>> {
     ))
 }
 
+/// [`swiglu_rows`] over 16-bit values: each widened by `wide`, the result narrowed by
+/// `narrow`.
+fn swiglu_rows_16<H: Copy>(h: &[H], i: usize, wide: fn(H) -> f32, narrow: fn(f32) -> H) -> Vec<H> {
+    let h: Vec<f32> = h.iter().map(|&v| wide(v)).collect();
+    swiglu_rows(&h, i).into_iter().map(narrow).collect()
+}
+
 /// The 16-bit op `[.., 2I] → [.., I]` ([`swiglu_halves_narrow`]).
 #[derive(Debug, Clone, Copy)]
 struct SwigluHalvesNarrow;
@@ -207,30 +214,18 @@ impl CustomOp1 for SwigluHalvesNarrow {
     fn cpu_fwd(&self, h: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let i = half_width(l);
         let out = match h {
-            CpuStorage::BF16(h) => {
-                let wide: Vec<f32> = contiguous(h, l, "gate-up")?
-                    .iter()
-                    .map(|v| v.to_f32())
-                    .collect();
-                CpuStorage::BF16(
-                    swiglu_rows(&wide, i)
-                        .into_iter()
-                        .map(half::bf16::from_f32)
-                        .collect(),
-                )
-            }
-            CpuStorage::F16(h) => {
-                let wide: Vec<f32> = contiguous(h, l, "gate-up")?
-                    .iter()
-                    .map(|v| v.to_f32())
-                    .collect();
-                CpuStorage::F16(
-                    swiglu_rows(&wide, i)
-                        .into_iter()
-                        .map(half::f16::from_f32)
-                        .collect(),
-                )
-            }
+            CpuStorage::BF16(h) => CpuStorage::BF16(swiglu_rows_16(
+                contiguous(h, l, "gate-up")?,
+                i,
+                half::bf16::to_f32,
+                half::bf16::from_f32,
+            )),
+            CpuStorage::F16(h) => CpuStorage::F16(swiglu_rows_16(
+                contiguous(h, l, "gate-up")?,
+                i,
+                half::f16::to_f32,
+                half::f16::from_f32,
+            )),
             _ => candle_core::bail!("16-bit swiglu: the gate-up projection must be bf16 or f16"),
         };
         Ok((out, halved(l)))
