@@ -585,6 +585,27 @@ extern "C" __global__ void r3_greedy_rows_f32(const float *logits, float *out, u
     }
 }
 
+// A decode step's rotary embedding and its rounding point (layers/rope_rounded.rs): x
+// [B, H, T, D] rotated by cos / sin [B, T, D/2] (half-split pairs (i, i + D/2), or
+// interleaved (2i, 2i + 1)), candle's rope expressions, each output rounded by `rounded_as`.
+// A thread per pair. CPU twin: rope_rounded.rs `RopeRounded::cpu_fwd`.
+extern "C" __global__ void r3_rope_rounded_f32(const float *x, const float *cos, const float *sin,
+                                               float *out, size_t pairs, uint32_t h, uint32_t t,
+                                               uint32_t d, uint32_t interleaved, uint32_t round) {
+    const uint32_t half = d / 2;
+    for (size_t p = (size_t)blockIdx.x * blockDim.x + threadIdx.x; p < pairs;
+         p += (size_t)blockDim.x * gridDim.x) {
+        const size_t row = p / half, i = p % half;
+        const size_t bi = row / ((size_t)h * t), ti = row % t;
+        const size_t table = (bi * t + ti) * half + i;
+        const size_t i1 = row * d + (interleaved ? 2 * i : i);
+        const size_t i2 = i1 + (interleaved ? 1 : half);
+        const float c = cos[table], s = sin[table], x1 = x[i1], x2 = x[i2];
+        out[i1] = rounded_as(x1 * c - x2 * s, round);
+        out[i2] = rounded_as(x1 * s + x2 * c, round);
+    }
+}
+
 // One row's k largest values into `out` (k indices), largest first, ties to the lower index,
 // in total_cmp's order: k rounds of a block-wide arg-max over the columns not chosen yet (the
 // whole block calls it; `out` is global or shared memory every thread reads).

@@ -601,8 +601,8 @@ impl GqaAttention {
             q = qn.forward(&q)?;
             k = kn.forward(&k)?;
         }
-        let q = self.precision.round(&rope.rotate(&q.transpose(1, 2)?)?)?;
-        let k = self.precision.round(&rope.rotate(&k.transpose(1, 2)?)?)?;
+        let q = rope.rotate_rounded(&q.transpose(1, 2)?, self.precision)?;
+        let k = rope.rotate_rounded(&k.transpose(1, 2)?, self.precision)?;
         let v = v.reshape((b, t, nkv, hd))?.transpose(1, 2)?;
         let groups = nh / nkv;
         let q = q.reshape((b, nkv, groups * t, hd))?;

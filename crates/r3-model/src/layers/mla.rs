@@ -135,9 +135,7 @@ impl MlaAttention {
         };
         let q = q.reshape((b, t, nh, nope + rd))?.transpose(1, 2)?;
         let q_pass = q.narrow(D::Minus1, 0, nope)?;
-        let q_rot = self
-            .precision
-            .round(&rope.rotate(&q.narrow(D::Minus1, nope, rd)?)?)?;
+        let q_rot = rope.rotate_rounded(&q.narrow(D::Minus1, nope, rd)?, self.precision)?;
 
         let compressed = self.kv_a.forward(x)?;
         let k_pass = compressed.narrow(D::Minus1, 0, self.kv_lora_rank)?;
@@ -145,9 +143,8 @@ impl MlaAttention {
             .narrow(D::Minus1, self.kv_lora_rank, rd)?
             .reshape((b, t, 1, rd))?
             .transpose(1, 2)?;
-        let k_rot = self
-            .precision
-            .round(&rope.rotate(&k_rot)?)?
+        let k_rot = rope
+            .rotate_rounded(&k_rot, self.precision)?
             .broadcast_as((b, nh, t, rd))?;
         let kv = self
             .kv_b

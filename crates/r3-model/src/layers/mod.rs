@@ -20,6 +20,7 @@ pub mod norm;
 pub mod precomputed;
 pub mod rope;
 pub mod rope_op;
+mod rope_rounded;
 pub mod route_rows;
 mod routed_op;
 mod swiglu_halves;

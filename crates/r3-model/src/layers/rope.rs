@@ -8,9 +8,11 @@ use candle_core::{CustomOp1, DType, Device, Tensor};
 
 use super::precomputed::{precomputed_fwd, Precomputed};
 use super::rope_op::RotaryOp;
+use super::rope_rounded::rope_rounded;
 
 use crate::config::{RopeConfig, RopeScaling};
 use crate::error::Result;
+use crate::precision::Precision;
 
 /// Inverse frequencies and the cos/sin scale of one model.
 #[derive(Debug, Clone)]
@@ -297,6 +299,11 @@ impl CustomOp1 for RotateBack {
 pub trait Rotary {
     /// Rotates `x` `[batch, heads, seq, dim]`.
     fn rotate(&self, x: &Tensor) -> Result<Tensor>;
+
+    /// Rotates `x` and rounds the result at `precision` (the rounding point after RoPE).
+    fn rotate_rounded(&self, x: &Tensor, precision: Precision) -> Result<Tensor> {
+        precision.round(&self.rotate(x)?)
+    }
 }
 
 impl Rotary for RopeTables {
@@ -323,5 +330,16 @@ impl Rotary for PositionTables {
         } else {
             Ok(candle_nn::rotary_emb::rope(&x, &self.cos, &self.sin)?)
         }
+    }
+
+    /// In bf16 / f16 with nothing differentiated, the rotation and its rounding in one op
+    /// (`rope_rounded`: the same values, one kernel on a GPU where they were two).
+    fn rotate_rounded(&self, x: &Tensor, precision: Precision) -> Result<Tensor> {
+        if let Some(narrow) = precision.narrow_dtype() {
+            if let Some(y) = rope_rounded(x, &self.cos, &self.sin, self.interleaved, narrow)? {
+                return Ok(y);
+            }
+        }
+        precision.round(&self.rotate(x)?)
     }
 }
