@@ -368,7 +368,7 @@ impl Model {
             Attention::Gqa(a) => a.forward(&normed, &ctx.rope, &ctx.mask)?,
             Attention::Mla(a) => a.forward(&normed, &ctx.rope, &ctx.mask)?,
         };
-        let h = self.precision.round(&(x + attn)?)?;
+        let h = self.precision.add_rounded(&x, &attn)?;
         self.feed_forward(i, layer, h, &ctx.rows, ctx.plan, Gates::Differentiable, moe)
     }
 
@@ -418,7 +418,8 @@ impl Model {
             FeedForward::Dense(mlp) => mlp.forward(&normed)?,
             FeedForward::Moe(block) => moe_block(block, &normed)?,
         };
-        self.precision.round(&(h + ffn.reshape((b, t, hidden))?)?)
+        self.precision
+            .add_rounded(&h, &ffn.reshape((b, t, hidden))?)
     }
 
     /// What the routing mode returns: `Record` the chosen routes as tables, `Replay` the

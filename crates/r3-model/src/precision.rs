@@ -92,6 +92,32 @@ impl Precision {
         }
         Ok(t.apply_op1(RoundTo { narrow })?)
     }
+
+    /// `a + b` rounded at this precision (the residual stream's rounding point): in bf16 /
+    /// f16 with nothing differentiated, for same-shaped f32 operands on the CPU or a GPU, one
+    /// pass ([`AddRounded`]: on a GPU one kernel where the sum and the rounding were two);
+    /// otherwise `round(a + b)`. The same values either way.
+    pub fn add_rounded(self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        let fused = match self.narrow_dtype() {
+            Some(narrow) => {
+                a.dims() == b.dims()
+                    && a.dtype() == DType::F32
+                    && b.dtype() == DType::F32
+                    && !a.track_op()
+                    && !b.track_op()
+                    && crate::device::row_ops_run_on(a)
+                    && a.device().same_device(b.device())
+                    && rounding_to(narrow).is_some()
+            }
+            None => false,
+        };
+        match self.narrow_dtype() {
+            Some(narrow) if fused => Ok(a
+                .contiguous()?
+                .apply_op2_no_bwd(&b.contiguous()?, &AddRounded { narrow })?),
+            _ => self.round(&(a + b)?),
+        }
+    }
 }
 
 /// An f32 tensor rounded to a 16-bit float and widened back, as one op. The same values,
@@ -110,6 +136,83 @@ impl RoundTo {
     fn round<S: BackendStorage>(&self, storage: &S, layout: &Layout) -> candle_core::Result<S> {
         let narrow = storage.to_dtype(layout, self.narrow)?;
         narrow.to_dtype(&Layout::contiguous(layout.shape()), DType::F32)
+    }
+}
+
+/// `a + b` of two same-shaped contiguous f32 tensors, rounded to a 16-bit float and widened
+/// back, as one op with no backward ([`Precision::add_rounded`]).
+#[derive(Debug, Clone, Copy)]
+pub struct AddRounded {
+    /// The 16-bit float rounded to.
+    pub narrow: DType,
+}
+
+impl candle_core::CustomOp2 for AddRounded {
+    fn name(&self) -> &'static str {
+        "add-rounded-to-16-bit"
+    }
+
+    /// The f32 sums, then the rounding ([`crate::round16::round_in_place`]).
+    fn cpu_fwd(
+        &self,
+        a: &CpuStorage,
+        al: &Layout,
+        b: &CpuStorage,
+        bl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (CpuStorage::F32(a), CpuStorage::F32(b)) = (a, b) else {
+            candle_core::bail!("add rounded: the operands must be f32");
+        };
+        let (a, b) = (
+            crate::host::contiguous(a, al, "sum's first operand")?,
+            crate::host::contiguous(b, bl, "sum's second operand")?,
+        );
+        if a.len() != b.len() {
+            candle_core::bail!(
+                "add rounded: operands of {} and {} values",
+                a.len(),
+                b.len()
+            );
+        }
+        let Some(round) = rounding_to(self.narrow) else {
+            candle_core::bail!("add rounded: no rounding to {:?}", self.narrow);
+        };
+        let mut sum: Vec<f32> = a.iter().zip(b).map(|(x, y)| x + y).collect();
+        crate::round16::round_in_place(&mut sum, round);
+        Ok((CpuStorage::F32(sum), al.shape().clone()))
+    }
+
+    /// One kernel (`r3_add_rounded_f32`).
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        a: &candle_core::CudaStorage,
+        al: &Layout,
+        b: &candle_core::CudaStorage,
+        bl: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use crate::cuda;
+        let n = al.shape().elem_count();
+        if bl.shape().elem_count() != n {
+            candle_core::bail!(
+                "add rounded: operands of {:?} and {:?}",
+                al.shape(),
+                bl.shape()
+            );
+        }
+        // A grid-stride loop writing every element.
+        let out = cuda::launch_f32!(
+            cuda::device(a),
+            "r3_add_rounded_f32",
+            n,
+            cuda::elementwise(n),
+            [
+                cuda::view::<f32>(a, al, "sum's first operand")?,
+                cuda::view::<f32>(b, bl, "sum's second operand")?
+            ],
+            [n as u64, cuda::round_code(Some(self.narrow))?]
+        );
+        Ok((out, al.shape().clone()))
     }
 }
 
@@ -190,6 +293,35 @@ mod tests {
 
     /// Values checked by hand: bf16 keeps 8 significant bits, ties to even; the gradient of
     /// the rounding is the identity.
+    /// The residual sum's rounding in one op equals `round(a + b)` bit for bit in bf16 and
+    /// f16 (and is the plain sum in f32); with an operand to differentiate it takes the
+    /// composed form, through which the gradient still flows.
+    #[test]
+    fn add_rounded_equals_the_rounded_sum() {
+        let bits = crate::test_util::f32_bits;
+        let a = (crate::test_util::seeded_tensor(&[3, 5, 70], 1, DType::F32) * 7.0).expect("a");
+        let b = crate::test_util::seeded_tensor(&[3, 5, 70], 2, DType::F32);
+        for p in [
+            Precision::F32,
+            Precision::Bf16 { router_f32: false },
+            Precision::F16 { router_f32: false },
+        ] {
+            let got = p.add_rounded(&a, &b).expect("fused");
+            let want = p.round(&(&a + &b).expect("sum")).expect("rounded");
+            assert_eq!(bits(&got), bits(&want), "{p:?}");
+        }
+        let p = Precision::Bf16 { router_f32: false };
+        let va = Var::from_tensor(&a).expect("var");
+        let y = p.add_rounded(va.as_tensor(), &b).expect("tracked");
+        let want = p.round(&(&a + &b).expect("sum")).expect("rounded");
+        assert_eq!(bits(&y), bits(&want));
+        let grads = y.sum_all().and_then(|l| l.backward()).expect("backward");
+        assert!(
+            grads.get(va.as_tensor()).is_some(),
+            "no gradient through the sum"
+        );
+    }
+
     #[test]
     fn bf16_round_by_hand_with_straight_through_gradient() {
         let v = [

@@ -184,6 +184,17 @@ extern "C" __global__ void r3_round_f16_f32(const float *x, float *y, size_t n) 
     }
 }
 
+// y = a + b rounded to bf16 (round 1) or f16 (round 2) and widened back, one pass (the
+// residual stream's rounding point). CPU twin: precision.rs `AddRounded`.
+extern "C" __global__ void r3_add_rounded_f32(const float *a, const float *b, float *y, size_t n,
+                                              uint32_t round) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)blockDim.x * gridDim.x) {
+        y[i] = round == 1 ? __bfloat162float(__float2bfloat16_rn(a[i] + b[i]))
+                          : __half2float(__float2half_rn(a[i] + b[i]));
+    }
+}
+
 // 1 / sqrt(mean(x²) + eps) of a row of `d`, the squares summed in f64 (every thread gets it).
 __device__ float row_inv_rms(const float *x, uint32_t d, double eps, double *shared) {
     double acc = 0.0;

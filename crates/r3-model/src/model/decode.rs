@@ -402,7 +402,7 @@ impl Model {
                 Attention::Gqa(a) => a.forward_cached(&normed, &rope, kv, &mask)?,
                 Attention::Mla(a) => a.forward_cached(&normed, &rope, kv, &mask)?,
             };
-            let h = self.precision.round(&(x + attn)?)?;
+            let h = self.precision.add_rounded(&x, &attn)?;
             x = if on_device {
                 self.feed_forward_with(layer, h, |block, normed| {
                     let (output, routes) = block.forward_routed_on_device(normed)?;
