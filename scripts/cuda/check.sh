@@ -41,7 +41,7 @@
 #    event records and waits, the routing's device-to-host copies).
 # 7. Only with --steps 7: the 16-bit GEMM experiment (`gemm16_modes`, below).
 # 8. Only with --steps 8: the kernels one decode step launches at batch 1 (mid, bf16 and
-#    f32), by Nsight Compute.
+#    f32), by Nsight Compute (≈ 60–80 s a dtype: each kernel is profiled).
 # Ends with one summary line.
 set -uo pipefail
 
@@ -423,60 +423,52 @@ fi
 # 8. (asked for by --steps 8 only) Decode at batch 1 is bound by the host (it waits for the
 #    GPU an eighth of the time), so what matters is how many kernels a step launches and
 #    which. Nsight Compute lists every kernel of `r3 bench decode --batches 1` (mid, bf16 then
-#    f32) run twice, with 4 and with 12 new tokens: both runs load the model and make the
-#    same prefills, so the difference of their tables divided by the 16 decode steps more
-#    (a warm-up generate and a timed one, 8 tokens more each) is what one decode step
-#    launches, by kernel.
+#    f32; a warm-up and a timed generate of 4 new tokens); every greedy step ends in one
+#    `r3_greedy_rows_f32` launch, so the kernels between two of them are one step's: the
+#    counts of each such step are listed, and the last one's kernels by name.
 if wants 8; then
 t0=$(date +%s)
 if command -v ncu > /dev/null; then
     traced=()
     for dtype in bf16 f32; do
-        for tokens in 4 12; do
-            if [ "$(left)" -lt 30 ]; then break; fi
-            timeout "$(limit 80)" ncu --metrics gpu__time_duration.sum --csv --print-units base \
-                "$bin/r3" bench decode --device cuda --configs mid --dtype "$dtype" --batches 1 \
-                --prompt-len 8 --new-tokens "$tokens" \
-                > "$work/decode-trace-$dtype-$tokens.csv" 2> "$work/decode-trace-$dtype-$tokens.err"
-        done
+        if [ "$(left)" -lt 40 ]; then traced+=("mid $dtype skipped(budget)"); continue; fi
+        timeout "$(limit 100)" ncu --metrics gpu__time_duration.sum --csv --print-units base \
+            "$bin/r3" bench decode --device cuda --configs mid --dtype "$dtype" --batches 1 \
+            --prompt-len 8 --new-tokens 4 \
+            > "$work/decode-trace-$dtype.csv" 2> "$work/decode-trace-$dtype.err"
         per_step=$("$python" - "$work" "$dtype" <<'PY'
 import collections, csv, sys
 work, dtype = sys.argv[1], sys.argv[2]
-def kernels(tokens):
-    by = collections.defaultdict(lambda: [0, 0.0])
-    try:
-        with open(f"{work}/decode-trace-{dtype}-{tokens}.csv") as f:
-            lines = [l for l in f if l.startswith('"')]
-    except OSError:
-        return None
-    for r in csv.DictReader(lines):
-        if r.get("Metric Name") == "gpu__time_duration.sum":
-            try:
-                ns = float(r["Metric Value"].replace(",", ""))
-            except (KeyError, ValueError):
-                continue
-            name = r.get("Kernel Name", "?").split("(")[0]
-            by[name][0] += 1
-            by[name][1] += ns
-    return by
-short, long = kernels(4), kernels(12)
-if not short or not long:
-    print("no kernel table"); sys.exit()
-steps = 16
-rows = []
-for name in set(short) | set(long):
-    n = long.get(name, [0, 0.0])[0] - short.get(name, [0, 0.0])[0]
-    ns = long.get(name, [0, 0.0])[1] - short.get(name, [0, 0.0])[1]
-    if n > 0:
-        rows.append((n / steps, ns / steps, name))
-rows.sort(key=lambda r: -r[0])
-total_n = sum(r[0] for r in rows)
-total_us = sum(r[1] for r in rows) / 1e3
+names = []
+try:
+    with open(f"{work}/decode-trace-{dtype}.csv") as f:
+        lines = [l for l in f if l.startswith('"')]
+except OSError:
+    lines = []
+for r in csv.DictReader(lines):
+    if r.get("Metric Name") == "gpu__time_duration.sum":
+        try:
+            ns = float(r["Metric Value"].replace(",", ""))
+        except (KeyError, ValueError):
+            continue
+        names.append((r.get("Kernel Name", "?").split("(")[0], ns))
+marks = [i for i, (n, _) in enumerate(names) if n.startswith("r3_greedy_rows")]
+if len(marks) < 2:
+    print(f"no step boundaries ({len(names)} kernels traced)"); sys.exit()
+steps = [names[a + 1:b + 1] for a, b in zip(marks, marks[1:])]
+last = steps[-1]
+by = collections.defaultdict(lambda: [0, 0.0])
+for n, ns in last:
+    by[n][0] += 1
+    by[n][1] += ns
 with open(f"{work}/decode-trace-{dtype}.txt", "w") as out:
-    out.write(f"mid {dtype} batch 1: {total_n:.1f} kernels a decode step, {total_us:.1f} us of GPU time\n")
-    for n, ns, name in rows[:45]:
-        out.write(f"{n:7.2f} a step {ns / 1e3:8.2f} us a step  {name[:100]}\n")
-print(f"{total_n:.0f} kernels a decode step, {total_us:.0f} us of GPU time")
+    out.write(f"mid {dtype} batch 1: kernels of each step between greedy picks "
+              f"{[len(s) for s in steps]}; the last, {len(last)} kernels, "
+              f"{sum(ns for _, ns in last) / 1e3:.1f} us of GPU time:\n")
+    for n, (k, ns) in sorted(by.items(), key=lambda kv: -kv[1][0]):
+        out.write(f"{k:5d}x {ns / 1e3:8.2f} us  {n[:100]}\n")
+print(f"{len(last)} kernels a decode step ({[len(s) for s in steps]} between picks), "
+      f"{sum(ns for _, ns in last) / 1e3:.0f} us of GPU time")
 PY
 )
         head -n 45 "$work/decode-trace-$dtype.txt" 2>/dev/null
