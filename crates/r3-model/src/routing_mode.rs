@@ -217,17 +217,29 @@ pub(crate) fn plan_replay(
         converted.push(table);
         offset += len;
     }
-    // Every cell is present (`ReplayRoutes`), so a column reads whole; the layers are laid
-    // out side by side (a GPU waits on this host work at the start of a replayed forward).
-    layers
+    // Every cell is present (`ReplayRoutes`). Each table writes its rows of every layer in
+    // one pass over its token-major cells, the tables side by side (a GPU waits on this host
+    // work at the start of a replayed forward; a pass per layer read each table strided).
+    let mut per_table: Vec<Vec<&mut [u32]>> = placed.iter().map(|_| Vec::new()).collect();
+    for plan in &mut layers {
+        let mut rest: &mut [u32] = &mut plan.ids;
+        let mut at = 0;
+        for (&(offset, rows), columns) in placed.iter().zip(per_table.iter_mut()) {
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut((offset - at) * k);
+            let (rows_ids, tail) = tail.split_at_mut(rows * k);
+            columns.push(rows_ids);
+            rest = tail;
+            at = offset + rows;
+        }
+        for &(offset, rows) in &placed {
+            plan.forced[offset..offset + rows].fill(true);
+        }
+    }
+    per_table
         .par_iter_mut()
-        .enumerate()
-        .try_for_each(|(c, plan)| -> Result<()> {
-            for (table, &(offset, rows)) in converted.iter().zip(&placed) {
-                let ids = table.column_ids(c)?;
-                plan.ids[offset * k..(offset + rows) * k].copy_from_slice(&ids);
-                plan.forced[offset..offset + rows].fill(true);
-            }
+        .zip(converted.par_iter())
+        .try_for_each(|(columns, table)| -> Result<()> {
+            table.write_columns(0, table.num_tokens(), columns)?;
             Ok(())
         })?;
     Ok(ReplayPlan {
@@ -275,6 +287,15 @@ pub(crate) fn verify_replay(
     top_k: usize,
 ) -> Result<ReplayProof> {
     let layers = layout.moe_layers().to_vec();
+    if let Some((replayed, native)) = exactly_as_tables(plan, used, lengths, top_k) {
+        return Ok(ReplayProof {
+            replayed_cells: vec![replayed; layers.len()],
+            native_cells: vec![native; layers.len()],
+            layers,
+            differs_from_native: differs.to_vec(),
+            native_final_position: plan.native_final_position.clone(),
+        });
+    }
     // The layers are checked side by side (a GPU waits on this host work at the end of a
     // replayed forward); an error names the first bad cell in layer order.
     let counted: Vec<Result<(usize, usize)>> = layers
@@ -296,6 +317,44 @@ pub(crate) fn verify_replay(
         differs_from_native: differs.to_vec(),
         native_final_position: plan.native_final_position.clone(),
     })
+}
+
+/// [`verify_replay`]'s common case in one pass over each table's token-major cells, the
+/// tables side by side: when every replayed cell of every layer was dispatched with exactly
+/// the table's experts in the table's order (a replayed row is dispatched as given), the
+/// replayed and native cell counts of each layer (the same for all); None otherwise (the
+/// same experts in another order, a wrong cell, a missing record), which the per-layer
+/// check then answers, naming the first bad cell.
+fn exactly_as_tables(
+    plan: &ReplayPlan,
+    used: &[Vec<u32>],
+    lengths: &[usize],
+    top_k: usize,
+) -> Option<(usize, usize)> {
+    let mut spans = Vec::with_capacity(lengths.len());
+    let (mut offset, mut replayed, mut native) = (0, 0, 0);
+    for (table, &len) in plan.tables.iter().zip(lengths) {
+        let rows = table.num_tokens().min(len);
+        spans.push((offset, rows));
+        replayed += rows;
+        native += len - rows;
+        offset += len;
+    }
+    if plan.tables.len() != lengths.len() || used.len() != plan.layers.len() {
+        return None;
+    }
+    let exact = plan
+        .tables
+        .par_iter()
+        .zip(&spans)
+        .all(|(table, &(offset, rows))| {
+            let columns: Option<Vec<&[u32]>> = used
+                .iter()
+                .map(|u| u.get(offset * top_k..(offset + rows) * top_k))
+                .collect();
+            columns.is_some_and(|columns| table.columns_equal(0, rows, &columns) == Ok(true))
+        });
+    exact.then_some((replayed, native))
 }
 
 /// [`verify_replay`] of MoE layer column `c` (model layer `layer`): its replayed and native

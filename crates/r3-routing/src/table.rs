@@ -210,6 +210,115 @@ impl RouteTable {
         Ok(out)
     }
 
+    /// Rows `[from, to)` of every column at once: `columns[c]` gets column `c`'s
+    /// `(to − from) · top_k` ids in row order (what [`RouteTable::column_ids_range`] gives
+    /// each column), read in one pass over the token-major cells instead of one strided pass
+    /// per column. Errors name the first missing cell in row order, or a destination of
+    /// another length or count.
+    pub fn write_columns(
+        &self,
+        from: usize,
+        to: usize,
+        columns: &mut [&mut [u32]],
+    ) -> Result<(), RouteError> {
+        self.check_row_range(from, to)?;
+        self.check_destinations(from, to, columns.iter().map(|c| c.len()))?;
+        let k = self.top_k;
+        for t in from..to {
+            for (c, column) in columns.iter_mut().enumerate() {
+                let cell = self.present_cell(t, c)?;
+                let dst = &mut column[(t - from) * k..(t - from + 1) * k];
+                match &self.ids {
+                    IdStore::U8(v) => {
+                        for (d, &e) in dst.iter_mut().zip(&v[cell * k..(cell + 1) * k]) {
+                            *d = u32::from(e);
+                        }
+                    }
+                    IdStore::U16(v) => {
+                        for (d, &e) in dst.iter_mut().zip(&v[cell * k..(cell + 1) * k]) {
+                            *d = u32::from(e);
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether rows `[from, to)` of every column hold exactly `columns[c]`'s ids in the same
+    /// order (`columns[c]` laid out as [`RouteTable::write_columns`] writes it), in one pass
+    /// over the token-major cells. Errors as `write_columns`.
+    pub fn columns_equal(
+        &self,
+        from: usize,
+        to: usize,
+        columns: &[&[u32]],
+    ) -> Result<bool, RouteError> {
+        self.check_row_range(from, to)?;
+        self.check_destinations(from, to, columns.iter().map(|c| c.len()))?;
+        let k = self.top_k;
+        for t in from..to {
+            for (c, column) in columns.iter().enumerate() {
+                let cell = self.present_cell(t, c)?;
+                let want = &column[(t - from) * k..(t - from + 1) * k];
+                let same = match &self.ids {
+                    IdStore::U8(v) => v[cell * k..(cell + 1) * k]
+                        .iter()
+                        .zip(want)
+                        .all(|(&e, &w)| u32::from(e) == w),
+                    IdStore::U16(v) => v[cell * k..(cell + 1) * k]
+                        .iter()
+                        .zip(want)
+                        .all(|(&e, &w)| u32::from(e) == w),
+                };
+                if !same {
+                    return Ok(false);
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    /// The cell index of (row `t`, `column`), or the error naming it as missing.
+    fn present_cell(&self, t: usize, column: usize) -> Result<usize, RouteError> {
+        let cell = self.cell_index(t, column);
+        if self.present[cell] {
+            Ok(cell)
+        } else {
+            Err(RouteError::MissingRoute {
+                token: self.start_pos + t,
+                layer: self.layers[column],
+            })
+        }
+    }
+
+    /// That `lens` are one per column, each `(to − from) · top_k` long.
+    fn check_destinations(
+        &self,
+        from: usize,
+        to: usize,
+        lens: impl ExactSizeIterator<Item = usize>,
+    ) -> Result<(), RouteError> {
+        let want = (to - from) * self.top_k;
+        if lens.len() != self.layers.len() {
+            return Err(RouteError::Argument(format!(
+                "{} column destinations for a table of {} columns",
+                lens.len(),
+                self.layers.len()
+            )));
+        }
+        for (c, len) in lens.enumerate() {
+            if len != want {
+                return Err(RouteError::Argument(format!(
+                    "column {c}'s destination holds {len} ids for {} rows of top-{}",
+                    to - from,
+                    self.top_k
+                )));
+            }
+        }
+        Ok(())
+    }
+
     fn check_row_range(&self, from: usize, to: usize) -> Result<(), RouteError> {
         if from > to {
             return Err(RouteError::Argument(format!(

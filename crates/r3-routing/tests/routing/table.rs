@@ -258,3 +258,75 @@ fn set_and_clear_cells() {
         RouteTable::missing(16, 2, LayerSpace::MoeOnly, vec![3], 0, 2).unwrap()
     );
 }
+
+/// Every column written in one row-major pass equals `column_ids_range` per column, on
+/// generated tables of u8 and u16 ids over row ranges; `columns_equal` accepts exactly what
+/// was written and rejects one changed id (and the same experts in another order); a
+/// missing cell is the error `column_ids_range` names, and wrong destinations are errors.
+#[test]
+fn columns_at_once_equal_columns_one_by_one() {
+    use crate::common::{moe_table, Spec};
+    for (num_experts, seed) in [(64, 1u64), (300, 2)] {
+        let spec = Spec {
+            num_experts,
+            top_k: 3,
+            num_layers: 5,
+            first_k_dense: 1,
+            tokens: 37,
+            start_pos: 4,
+            missing_pct: 0,
+            seed,
+        };
+        let t = moe_table(&spec);
+        let (k, cols) = (t.top_k(), t.num_columns());
+        for (from, to) in [(0, t.num_tokens()), (5, 19), (7, 7)] {
+            let want: Vec<Vec<u32>> = (0..cols)
+                .map(|c| t.column_ids_range(c, from, to).expect("column"))
+                .collect();
+            let mut got: Vec<Vec<u32>> =
+                (0..cols).map(|_| vec![u32::MAX; (to - from) * k]).collect();
+            let mut dst: Vec<&mut [u32]> = got.iter_mut().map(|c| c.as_mut_slice()).collect();
+            t.write_columns(from, to, &mut dst).expect("write");
+            assert_eq!(got, want, "{num_experts} experts, rows {from}..{to}");
+            let views: Vec<&[u32]> = got.iter().map(|c| c.as_slice()).collect();
+            assert!(t.columns_equal(from, to, &views).expect("equal"));
+            if to > from {
+                let mut changed = got.clone();
+                changed[cols - 1][0] = (changed[cols - 1][0] + 1) % num_experts as u32;
+                let views: Vec<&[u32]> = changed.iter().map(|c| c.as_slice()).collect();
+                assert!(!t.columns_equal(from, to, &views).expect("changed"));
+                let mut swapped = got.clone();
+                swapped[0].swap(0, 1);
+                let views: Vec<&[u32]> = swapped.iter().map(|c| c.as_slice()).collect();
+                assert!(!t.columns_equal(from, to, &views).expect("reordered"));
+            }
+        }
+        let mut short = vec![vec![0u32; 2]; cols];
+        let mut dst: Vec<&mut [u32]> = short.iter_mut().map(|c| c.as_mut_slice()).collect();
+        assert!(
+            t.write_columns(0, 5, &mut dst).is_err(),
+            "short destinations"
+        );
+        let mut few = vec![vec![0u32; 5 * k]; cols - 1];
+        let mut dst: Vec<&mut [u32]> = few.iter_mut().map(|c| c.as_mut_slice()).collect();
+        assert!(t.write_columns(0, 5, &mut dst).is_err(), "a column short");
+    }
+    let gap = RouteTable::from_flat(
+        8,
+        2,
+        LayerSpace::MoeOnly,
+        vec![1, 3],
+        10,
+        &[0, 1, -1, -1, 2, 3, 4, 5],
+    )
+    .expect("table");
+    let mut cols = vec![vec![0u32; 4]; 2];
+    let mut dst: Vec<&mut [u32]> = cols.iter_mut().map(|c| c.as_mut_slice()).collect();
+    assert_eq!(
+        gap.write_columns(0, 2, &mut dst).unwrap_err(),
+        RouteError::MissingRoute {
+            token: 10,
+            layer: 3
+        }
+    );
+}
