@@ -617,6 +617,53 @@ extern "C" __global__ void r3_rope_rounded_f32(const float *x, const float *cos,
     }
 }
 
+// A decode step's attention, one block per query row (layers/attention_rows.rs): q [B, KV,
+// rows, dq] with rows = G·T ordered (g, t), keys / values [B, KV, S, d] at the given batch
+// and head strides (a KV cache's views; rows packed), mask [B, T, S]. The scores
+// q·k_j · scale + mask_j (each dot in order of d) in shared memory, p_j = exp(x_j − max) / Σ,
+// out_d = Σ_j p_j v_j[d] in order of j. Dynamic shared memory: S + dq floats. CPU twin:
+// attention_rows.rs `attend_row`.
+extern "C" __global__ void r3_attend_rows_f32(const float *q, const float *k, const float *v,
+                                              const float *mask, float *out, uint32_t kv,
+                                              uint32_t rows, uint32_t t, uint32_t s,
+                                              uint32_t dq, uint32_t dv, uint64_t k_batch,
+                                              uint64_t k_head, uint64_t v_batch,
+                                              uint64_t v_head, float scale) {
+    extern __shared__ float smem[];
+    float *scores = smem, *qs = smem + s;
+    __shared__ float shared[32];
+    const size_t r = blockIdx.x;
+    const size_t row = r % rows, h = (r / rows) % kv, b = r / ((size_t)rows * kv);
+    const float *kb = k + b * k_batch + h * k_head;
+    const float *vb = v + b * v_batch + h * v_head;
+    const float *mk = mask + (b * t + row % t) * s;
+    for (uint32_t d = threadIdx.x; d < dq; d += blockDim.x) qs[d] = q[r * dq + d];
+    __syncthreads();
+    float m = -INFINITY;
+    for (uint32_t j = threadIdx.x; j < s; j += blockDim.x) {
+        const float *kj = kb + (size_t)j * dq;
+        float dot = 0.0f;
+        for (uint32_t d = 0; d < dq; ++d) dot = dot + qs[d] * kj[d];
+        const float x = dot * scale + mk[j];
+        scores[j] = x;
+        m = fmaxf(m, x);
+    }
+    m = block_max(m, shared);
+    float sum = 0.0f;
+    for (uint32_t j = threadIdx.x; j < s; j += blockDim.x) {
+        const float e = expf(scores[j] - m);
+        scores[j] = e;
+        sum += e;
+    }
+    sum = block_sum(sum, shared);
+    // block_sum's barriers order every thread's writes of `scores` before the reads below.
+    for (uint32_t d = threadIdx.x; d < dv; d += blockDim.x) {
+        float acc = 0.0f;
+        for (uint32_t j = 0; j < s; ++j) acc = acc + (scores[j] / sum) * vb[(size_t)j * dv + d];
+        out[r * dv + d] = acc;
+    }
+}
+
 // One row's k largest values into `out` (k indices), largest first, ties to the lower index,
 // in total_cmp's order: k rounds of a block-wide arg-max over the columns not chosen yet (the
 // whole block calls it; `out` is global or shared memory every thread reads).

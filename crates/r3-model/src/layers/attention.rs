@@ -8,6 +8,7 @@ use rayon::prelude::*;
 
 use super::attention_op::{visible_key_ends, MaskedAttention};
 use super::attention_recompute::attend_recomputed;
+use super::attention_rows::attend_rows;
 use super::attention_softmax::attention_probs;
 use super::linear::Linear;
 use super::norm::RmsNorm;
@@ -146,6 +147,11 @@ pub fn attend_additive(
     scale: f64,
     groups: usize,
 ) -> Result<Tensor> {
+    // On a GPU with nothing differentiated, one kernel per step (`attend_rows`) where the
+    // composed form launches three.
+    if let Some(out) = attend_rows(q, k, v, additive, scale)? {
+        return Ok(out);
+    }
     // A KV cache's keys and values are views of longer buffers, which the matmuls read as
     // they are; anything else is made contiguous.
     let probs = attention_probs(&q.contiguous()?, &packed(k)?, additive, scale, groups)?;

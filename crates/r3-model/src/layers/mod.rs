@@ -3,6 +3,7 @@
 pub mod attention;
 pub mod attention_op;
 pub mod attention_recompute;
+mod attention_rows;
 mod attention_softmax;
 mod combine_slots;
 pub mod dispatch;
