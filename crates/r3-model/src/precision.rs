@@ -174,9 +174,7 @@ impl candle_core::CustomOp2 for AddRounded {
                 b.len()
             );
         }
-        let Some(round) = rounding_to(self.narrow) else {
-            candle_core::bail!("add rounded: no rounding to {:?}", self.narrow);
-        };
+        let round = crate::round16::rounding_for(self.narrow, "add rounded")?;
         let mut sum: Vec<f32> = a.iter().zip(b).map(|(x, y)| x + y).collect();
         crate::round16::round_in_place(&mut sum, round);
         Ok((CpuStorage::F32(sum), al.shape().clone()))

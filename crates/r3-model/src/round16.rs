@@ -55,6 +55,15 @@ pub fn rounding_to(narrow: DType) -> Option<fn(&mut [f32])> {
     }
 }
 
+/// [`rounding_to`] for an op's kernel: the error names `what` when `narrow` is not a
+/// 16-bit float.
+pub fn rounding_for(narrow: DType, what: &str) -> candle_core::Result<fn(&mut [f32])> {
+    match rounding_to(narrow) {
+        Some(round) => Ok(round),
+        None => candle_core::bail!("{what}: no rounding to {narrow:?}"),
+    }
+}
+
 /// Values a task of [`rounded_copy`] takes: large enough that a task outweighs its dispatch,
 /// small enough that a bf16 training step's activations split over every thread.
 const ELEMS_PER_TASK: usize = 1 << 16;

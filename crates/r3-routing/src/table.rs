@@ -189,22 +189,17 @@ impl RouteTable {
         from: usize,
         to: usize,
     ) -> Result<Vec<u32>, RouteError> {
-        let layer = *self.layers.get(column).ok_or(RouteError::OutOfRange {
-            what: "column",
-            index: column,
-            len: self.layers.len(),
-        })?;
+        if column >= self.layers.len() {
+            return Err(RouteError::OutOfRange {
+                what: "column",
+                index: column,
+                len: self.layers.len(),
+            });
+        }
         self.check_row_range(from, to)?;
         let mut out = Vec::with_capacity((to - from) * self.top_k);
         for t in from..to {
-            let cell = self.cell_index(t, column);
-            if !self.present[cell] {
-                return Err(RouteError::MissingRoute {
-                    token: self.start_pos + t,
-                    layer,
-                });
-            }
-            let base = cell * self.top_k;
+            let base = self.present_cell(t, column)? * self.top_k;
             out.extend((base..base + self.top_k).map(|i| u32::from(self.ids.get(i))));
         }
         Ok(out)
@@ -228,17 +223,8 @@ impl RouteTable {
             for (c, column) in columns.iter_mut().enumerate() {
                 let cell = self.present_cell(t, c)?;
                 let dst = &mut column[(t - from) * k..(t - from + 1) * k];
-                match &self.ids {
-                    IdStore::U8(v) => {
-                        for (d, &e) in dst.iter_mut().zip(&v[cell * k..(cell + 1) * k]) {
-                            *d = u32::from(e);
-                        }
-                    }
-                    IdStore::U16(v) => {
-                        for (d, &e) in dst.iter_mut().zip(&v[cell * k..(cell + 1) * k]) {
-                            *d = u32::from(e);
-                        }
-                    }
+                for (e, d) in dst.iter_mut().enumerate() {
+                    *d = u32::from(self.ids.get(cell * k + e));
                 }
             }
         }
@@ -261,16 +247,10 @@ impl RouteTable {
             for (c, column) in columns.iter().enumerate() {
                 let cell = self.present_cell(t, c)?;
                 let want = &column[(t - from) * k..(t - from + 1) * k];
-                let same = match &self.ids {
-                    IdStore::U8(v) => v[cell * k..(cell + 1) * k]
-                        .iter()
-                        .zip(want)
-                        .all(|(&e, &w)| u32::from(e) == w),
-                    IdStore::U16(v) => v[cell * k..(cell + 1) * k]
-                        .iter()
-                        .zip(want)
-                        .all(|(&e, &w)| u32::from(e) == w),
-                };
+                let same = want
+                    .iter()
+                    .enumerate()
+                    .all(|(e, &w)| u32::from(self.ids.get(cell * k + e)) == w);
                 if !same {
                     return Ok(false);
                 }

@@ -184,14 +184,21 @@ extern "C" __global__ void r3_round_f16_f32(const float *x, float *y, size_t n) 
     }
 }
 
-// y = a + b rounded to bf16 (round 1) or f16 (round 2) and widened back, one pass (the
-// residual stream's rounding point). CPU twin: precision.rs `AddRounded`.
+// v rounded to bf16 (round 1) or f16 (round 2), nearest, ties to even, as f32; v as it is
+// (round 0). The conversions of `r3_round_bf16_f32` / `r3_round_f16_f32`.
+__device__ __forceinline__ float rounded_as(float v, uint32_t round) {
+    if (round == 1) return __bfloat162float(__float2bfloat16_rn(v));
+    if (round == 2) return __half2float(__float2half_rn(v));
+    return v;
+}
+
+// y = a + b rounded by `rounded_as` (the residual stream's rounding point), one pass. CPU
+// twin: precision.rs `AddRounded`.
 extern "C" __global__ void r3_add_rounded_f32(const float *a, const float *b, float *y, size_t n,
                                               uint32_t round) {
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (size_t)blockDim.x * gridDim.x) {
-        y[i] = round == 1 ? __bfloat162float(__float2bfloat16_rn(a[i] + b[i]))
-                          : __half2float(__float2half_rn(a[i] + b[i]));
+        y[i] = rounded_as(a[i] + b[i], round);
     }
 }
 
@@ -204,14 +211,6 @@ __device__ float row_inv_rms(const float *x, uint32_t d, double eps, double *sha
     }
     acc = block_sum_f64(acc, shared);
     return (float)(1.0 / sqrt(acc / (double)d + eps));
-}
-
-// v rounded to bf16 (round 1) or f16 (round 2), nearest, ties to even, as f32; v as it is
-// (round 0). The conversions of `r3_round_bf16_f32` / `r3_round_f16_f32`.
-__device__ __forceinline__ float rounded_as(float v, uint32_t round) {
-    if (round == 1) return __bfloat162float(__float2bfloat16_rn(v));
-    if (round == 2) return __half2float(__float2half_rn(v));
-    return v;
 }
 
 // One block per row: y = x · r · w, with the scale w read rounded and y rounded (a mixed

@@ -8,7 +8,7 @@ use rayon::prelude::*;
 
 use super::attention_op::{visible_key_ends, MaskedAttention};
 use super::attention_recompute::attend_recomputed;
-use super::attention_rows::attend_rows;
+use super::attention_rows::{attend_rows, rows_packed};
 use super::attention_softmax::attention_probs;
 use super::linear::Linear;
 use super::norm::RmsNorm;
@@ -158,23 +158,9 @@ pub fn attend_additive(
     Ok(probs.matmul(&packed(v)?)?)
 }
 
-/// Whether `t` `[B, H, S, D]` is a matmul operand as it is, for candle's CPU and CUDA
-/// matmuls alike: unit stride along `D`, each (batch, head)'s `S` rows of `D` packed, and
-/// the heads of every batch row evenly spaced — a contiguous tensor, or the first `S` slots of
-/// a longer `[B, H, capacity, D]` buffer ([`LayerKv`]'s views).
-fn rows_packed(t: &Tensor) -> bool {
-    let (Ok((b, h, _, d)), stride) = (t.dims4(), t.stride()) else {
-        return false;
-    };
-    stride.len() == 4
-        && stride[3] == 1
-        && stride[2] == d
-        && (b == 1 || h == 1 || stride[0] == stride[1] * h)
-}
-
 /// `t` itself where [`rows_packed`], else a contiguous copy.
 fn packed(t: &Tensor) -> Result<Tensor> {
-    Ok(if rows_packed(t) {
+    Ok(if rows_packed(t.layout()) {
         t.clone()
     } else {
         t.contiguous()?
@@ -744,7 +730,7 @@ mod tests {
             if cache.capacity() != capacity {
                 (regrowths, capacity) = (regrowths + 1, cache.capacity());
             }
-            strided += usize::from(!got_k.is_contiguous() && rows_packed(&got_k));
+            strided += usize::from(!got_k.is_contiguous() && rows_packed(got_k.layout()));
             (want_k, want_v) = (Some(wk), Some(wv));
         }
         assert_eq!(cache.len(), 107);

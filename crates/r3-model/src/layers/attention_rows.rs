@@ -36,9 +36,9 @@ pub(crate) fn attend_rows(
     mask: &Tensor,
     scale: f64,
 ) -> Result<Option<Tensor>> {
-    Ok(match rows_shape(q, k, v, mask) {
-        Some(_) if q.device().is_cuda() => Some(apply(q, k, v, mask, scale)?),
-        _ => None,
+    Ok(match q.device().is_cuda() && fits(q, k, v, mask) {
+        true => Some(apply(q, k, v, mask, scale)?),
+        false => None,
     })
 }
 
@@ -54,17 +54,19 @@ fn apply(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, scale: f64) -> Resul
     )?)
 }
 
-/// `(T, S)` when the operands fit the op.
-fn rows_shape(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Option<(usize, usize)> {
-    let (b, kv, gt, dq) = q.dims4().ok()?;
-    let (kb, kkv, s, kd) = k.dims4().ok()?;
-    let (vb, vkv, vs, dv) = v.dims4().ok()?;
+/// Whether the operands fit the op.
+fn fits(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> bool {
+    let (Ok((b, kv, gt, dq)), Ok((kb, kkv, s, kd)), Ok((vb, vkv, vs, dv))) =
+        (q.dims4(), k.dims4(), v.dims4())
+    else {
+        return false;
+    };
     let &[mb, 1, 1, t, ms] = mask.dims() else {
-        return None;
+        return false;
     };
     let f32s = [q, k, v, mask].iter().all(|x| x.dtype() == DType::F32);
     let tracked = [q, k, v, mask].iter().any(|x| x.track_op());
-    let fits = (kb, kkv, kd) == (b, kv, dq)
+    let shapes = (kb, kkv, kd) == (b, kv, dq)
         && (vb, vkv, vs) == (b, kv, s)
         && (mb, ms) == (b, s)
         && t > 0
@@ -77,14 +79,21 @@ fn rows_shape(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Option<(usiz
         && b * kv * gt <= MAX_QUERY_ROWS
         && rows_packed(k.layout())
         && rows_packed(v.layout());
-    (f32s && !tracked && fits).then_some((t, s))
+    f32s && !tracked && shapes
 }
 
-/// Whether each head's rows of a `[B, H, S, D]` layout are packed: unit stride along `D`,
-/// `D` between rows.
-fn rows_packed(l: &Layout) -> bool {
-    let st = l.stride();
-    matches!(l.shape().dims(), &[_, _, _, d] if st.len() == 4 && st[3] == 1 && st[2] == d)
+/// Whether a `[B, H, S, D]` layout is a matmul operand as it is, for candle's CPU and CUDA
+/// matmuls and this op alike: unit stride along `D`, each (batch, head)'s `S` rows of `D`
+/// packed, and the heads of every batch row evenly spaced — a contiguous tensor, or the
+/// first `S` slots of a longer `[B, H, capacity, D]` buffer (`LayerKv`'s views).
+pub(crate) fn rows_packed(l: &Layout) -> bool {
+    let (&[b, h, _, d], stride) = (l.shape().dims(), l.stride()) else {
+        return false;
+    };
+    stride.len() == 4
+        && stride[3] == 1
+        && stride[2] == d
+        && (b == 1 || h == 1 || stride[0] == stride[1] * h)
 }
 
 /// The op `(q, k, v) → out`, its mask and scale held.

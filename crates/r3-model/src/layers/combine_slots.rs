@@ -19,7 +19,7 @@ use crate::device::row_ops_run_on;
 use crate::error::{ModelError, Result};
 use crate::host::contiguous;
 use crate::math::StdFloat;
-use crate::round16::{round_in_place, rounding_to};
+use crate::round16::{round_in_place, rounding_for};
 
 /// A place no slot reads (padding), in the place → slot table.
 const NO_SLOT: u32 = u32::MAX;
@@ -132,39 +132,33 @@ impl CustomOp2 for CombineInOrder {
         let (h, k) = (width(yl), self.top_k);
         let rows = gl.shape().elem_count() / k.max(1);
         let in_order: Vec<u32> = (0..(rows * k) as u32).collect();
-        // 16-bit outputs are widened first (exactly: the values the f32 form reads).
-        let widened: Option<Vec<f32>> = match y {
-            CpuStorage::BF16(y) => Some(
-                contiguous(y, yl, "expert outputs")?
-                    .iter()
-                    .map(|v| v.to_f32())
-                    .collect(),
-            ),
-            CpuStorage::F16(y) => Some(
-                contiguous(y, yl, "expert outputs")?
-                    .iter()
-                    .map(|v| v.to_f32())
-                    .collect(),
-            ),
+        use candle_core::backend::BackendStorage;
+        // 16-bit outputs are widened first by candle's cast (exactly: the values the f32 form
+        // reads).
+        let widened = match y {
+            CpuStorage::BF16(_) | CpuStorage::F16(_) => Some(y.to_dtype(yl, DType::F32)?),
             _ => None,
         };
-        let y32 = match (y, &widened) {
-            (_, Some(wide)) => Some(wide.as_slice()),
-            (CpuStorage::F32(y), None) => Some(contiguous(y, yl, "expert outputs")?),
-            _ => None,
+        let contiguous_layout = Layout::contiguous(yl.shape());
+        let (y, yl) = match &widened {
+            Some(wide) => (wide, &contiguous_layout),
+            None => (y, yl),
         };
-        let out = match (y32, y, g, self.round) {
-            (Some(y), _, CpuStorage::F32(g), round) => {
-                let mut out = combine_rows(y, contiguous(g, gl, "gates")?, &in_order, k, h);
+        let out = match (y, g, self.round) {
+            (CpuStorage::F32(y), CpuStorage::F32(g), round) => {
+                let mut out = combine_rows(
+                    contiguous(y, yl, "expert outputs")?,
+                    contiguous(g, gl, "gates")?,
+                    &in_order,
+                    k,
+                    h,
+                );
                 if let Some(narrow) = round {
-                    match rounding_to(narrow) {
-                        Some(round) => round_in_place(&mut out, round),
-                        None => candle_core::bail!("combine: no rounding to {narrow:?}"),
-                    }
+                    round_in_place(&mut out, rounding_for(narrow, "combine in order")?);
                 }
                 CpuStorage::F32(out)
             }
-            (None, CpuStorage::F64(y), CpuStorage::F64(g), None) => CpuStorage::F64(combine_rows(
+            (CpuStorage::F64(y), CpuStorage::F64(g), None) => CpuStorage::F64(combine_rows(
                 contiguous(y, yl, "expert outputs")?,
                 contiguous(g, gl, "gates")?,
                 &in_order,

@@ -131,7 +131,7 @@ pub(crate) fn expert_slots_matmul(
     let compute = p.narrow_dtype().unwrap_or(DType::F32);
     // The pointer GEMM has no backward: a differentiated operand takes the gathered form.
     if reads_weights_in_place(x, w, compute) {
-        if let Some(y) = expert_slots_matmul_narrow(x, w, ids, compute)? {
+        if let Some(y) = slots_gemm(x, w, ids, compute, share)? {
             return Ok(cast16(&y, DType::F32)?);
         }
     }
@@ -160,6 +160,19 @@ pub(crate) fn expert_slots_matmul_narrow(
     compute: DType,
 ) -> Result<Option<Tensor>> {
     let share = slots_share(x, w, ids)?;
+    slots_gemm(x, w, ids, compute, share)
+}
+
+/// The pointer GEMM of `share`-slot rows (operands checked by [`slots_share`]), its output
+/// in `compute`; None where it does not apply (not a GPU, operands in another dtype, one
+/// empty or differentiated).
+fn slots_gemm(
+    x: &Tensor,
+    w: &Tensor,
+    ids: &Tensor,
+    compute: DType,
+    share: usize,
+) -> Result<Option<Tensor>> {
     let applies = x.device().is_cuda()
         && (x.dtype() == DType::F32 || x.dtype() == compute)
         && (w.dtype() == DType::F32 || w.dtype() == compute)

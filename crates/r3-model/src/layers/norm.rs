@@ -13,7 +13,7 @@ use crate::error::Result;
 use crate::host::{contiguous, with_host};
 use crate::math::Float;
 use crate::precision::{Precision, RoundTo};
-use crate::round16::{round_in_place, rounding_to};
+use crate::round16::{round_in_place, rounding_for};
 use crate::weights::Weights;
 
 /// RMSNorm with a learned scale.
@@ -308,13 +308,10 @@ impl CustomOp2 for RmsNormOp {
         wl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         weight_width(xl, wl)?;
-        let rounding = match self.round {
-            None => None,
-            Some(narrow) => match rounding_to(narrow) {
-                Some(round) => Some(round),
-                None => candle_core::bail!("rms norm: no rounding to {narrow:?}"),
-            },
-        };
+        let rounding = self
+            .round
+            .map(|narrow| rounding_for(narrow, "rms norm"))
+            .transpose()?;
         let y = match (x, w) {
             (CpuStorage::F32(x), CpuStorage::F32(w)) => {
                 let (x, w) = (

@@ -13,7 +13,7 @@ use rayon::prelude::*;
 use crate::device::row_ops_run_on;
 use crate::error::Result;
 use crate::host::contiguous;
-use crate::round16::{round_in_place, rounding_to};
+use crate::round16::{round_in_place, rounding_for, rounding_to};
 
 /// `x` rotated by `cos` / `sin` and rounded to `narrow` (bf16 or f16), nothing
 /// differentiated; None where the op does not apply (not f32 on the CPU or a GPU, tables not
@@ -93,9 +93,7 @@ impl CustomOp3 for RopeRounded {
         );
         let (_, h, t, d) = xl.shape().dims4()?;
         let half = d / 2;
-        let Some(round) = rounding_to(self.narrow) else {
-            candle_core::bail!("rope rounded: no rounding to {:?}", self.narrow);
-        };
+        let round = rounding_for(self.narrow, "rope rounded")?;
         let mut out = vec![0f32; x.len()];
         out.par_chunks_mut(d)
             .zip(x.par_chunks(d))

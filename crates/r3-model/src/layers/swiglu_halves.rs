@@ -193,13 +193,6 @@ pub(crate) fn swiglu_halves_narrow(hidden: &Tensor) -> Result<Option<Tensor>> {
     ))
 }
 
-/// [`swiglu_rows`] over 16-bit values: each widened by `wide`, the result narrowed by
-/// `narrow`.
-fn swiglu_rows_16<H: Copy>(h: &[H], i: usize, wide: fn(H) -> f32, narrow: fn(f32) -> H) -> Vec<H> {
-    let h: Vec<f32> = h.iter().map(|&v| wide(v)).collect();
-    swiglu_rows(&h, i).into_iter().map(narrow).collect()
-}
-
 /// The 16-bit op `[.., 2I] → [.., I]` ([`swiglu_halves_narrow`]).
 #[derive(Debug, Clone, Copy)]
 struct SwigluHalvesNarrow;
@@ -209,26 +202,20 @@ impl CustomOp1 for SwigluHalvesNarrow {
         "r3-swiglu-halves-16-bit"
     }
 
-    /// Widened to f32, [`swiglu_rows`], narrowed (`half`'s conversions: nearest, ties to
-    /// even).
+    /// Widened to f32, [`swiglu_rows`], narrowed (candle's casts: exact, then nearest with
+    /// ties to even).
     fn cpu_fwd(&self, h: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let i = half_width(l);
-        let out = match h {
-            CpuStorage::BF16(h) => CpuStorage::BF16(swiglu_rows_16(
-                contiguous(h, l, "gate-up")?,
-                i,
-                half::bf16::to_f32,
-                half::bf16::from_f32,
-            )),
-            CpuStorage::F16(h) => CpuStorage::F16(swiglu_rows_16(
-                contiguous(h, l, "gate-up")?,
-                i,
-                half::f16::to_f32,
-                half::f16::from_f32,
-            )),
-            _ => candle_core::bail!("16-bit swiglu: the gate-up projection must be bf16 or f16"),
+        use candle_core::backend::BackendStorage;
+        let narrow = h.dtype();
+        if !matches!(narrow, DType::BF16 | DType::F16) {
+            candle_core::bail!("16-bit swiglu: the gate-up projection must be bf16 or f16");
+        }
+        let CpuStorage::F32(wide) = h.to_dtype(l, DType::F32)? else {
+            candle_core::bail!("16-bit swiglu: the widened gate-up is not f32");
         };
-        Ok((out, halved(l)))
+        let shape = halved(l);
+        let y = CpuStorage::F32(swiglu_rows(&wide, half_width(l)));
+        Ok((y.to_dtype(&Layout::contiguous(&shape), narrow)?, shape))
     }
 
     /// `r3_swiglu_narrow_bf16` / `r3_swiglu_narrow_f16`.
