@@ -23,8 +23,9 @@
 # 3. `r3 bench train` on CUDA beside scripts/cuda/peer_hf.py (HF transformers on the same
 #    GPU, the same config and batch): mid in f32 and bf16, the 8-layer 30B-A3B shape in bf16;
 #    each bf16 run also beside HF with f32 parameters under autocast (`--dtype amp-bf16`, its
-#    Trainer's bf16: r3's own precision scheme) while the budget lasts, and the 30B-A3B shape
-#    again with its expert GEMMs on cuBLAS's FAST_16BF (`--expert-gemm fast16bf`).
+#    Trainer's bf16: r3's own precision scheme) while the budget lasts; bf16 runs hold bf16
+#    copies of the weights (rewritten once per step), and the 30B-A3B shape runs again
+#    without them (`--narrow-copies off`: a cast of every weight at every use).
 # 4. The device rollout engine on CUDA: its tests (greedy = HF's on the oracle fixtures and
 #    = the CPU engine's, routes = the trainer's native routes on the GPU in f32 and bf16,
 #    seeded sampling reproducing itself, a batch = one at a time), `r3 generate --device
@@ -196,16 +197,17 @@ for run in "mid f32 8 70 --parts" "mid bf16 8 70 --parts" "a3b-8l bf16 2 120"; d
         amp_tps=$(grep -E "^peer " "$work/bench-hf-amp-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s.*/\1/')
         line+=", HF amp-bf16 ${amp_tps:-?} tok/s ${amp_mem:-?} MiB"
     fi
-    # The 30B-A3B shape's routed-expert GEMMs on cuBLAS's FAST_16BF (no casts of the f32
-    # master stacks, a quarter of its kernel time in call 10), beside the cast run above;
-    # step 7 says whether its conversion rounds as r3 does.
+    # bf16 runs hold a bf16 copy of every weight matrix (`--narrow-copies auto`: on a GPU),
+    # rewritten once per step; the 30B-A3B shape also runs without them (every matmul casts
+    # its f32 weight, the scheme before), so the copies' gain and memory are measured in one
+    # call.
     if [ "$config" = a3b-8l ] && [ "$(left)" -ge 60 ]; then
-        fast_mem=$(gpu_peak "$work/bench-r3-fast16bf-$name.txt" timeout "$(limit "$secs")" "$bin/r3" \
+        cast_mem=$(gpu_peak "$work/bench-r3-cast-$name.txt" timeout "$(limit "$secs")" "$bin/r3" \
             bench train --device cuda --config "$config" --dtype "$dtype" --batch "$batch" \
-            --seq-len 512 --steps 3 --warmup 1 --expert-gemm fast16bf)
-        cat "$work/bench-r3-fast16bf-$name.txt"
-        fast_tps=$(grep -E "^native +mean" "$work/bench-r3-fast16bf-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s +best.*/\1/')
-        line+=", r3 expert GEMMs on FAST_16BF ${fast_tps:-?} tok/s ${fast_mem:-?} MiB"
+            --seq-len 512 --steps 3 --warmup 1 --narrow-copies off)
+        cat "$work/bench-r3-cast-$name.txt"
+        cast_tps=$(grep -E "^native +mean" "$work/bench-r3-cast-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s +best.*/\1/')
+        line+=", r3 without weight copies ${cast_tps:-?} tok/s ${cast_mem:-?} MiB"
     fi
     bench+=("$line")
     echo "== bench $name: ${bench[-1]}"

@@ -86,10 +86,132 @@ impl CustomOp1 for Cast16 {
     }
 }
 
+/// Writes `src` (f32) cast to `dst`'s 16-bit float (bf16 or f16) into `dst`'s own storage,
+/// in place: the values of `cast16(src, dst.dtype())`, without a new buffer and a second copy
+/// into `dst` (a held weight copy's rewrite after each update: one pass that reads 4 bytes
+/// and writes 2 a value). Both contiguous, of one shape; on a GPU r3's cast kernel, whose
+/// 16-byte loads want each start on a 4-element boundary (a variable's own storage is).
+pub fn cast16_into(src: &Tensor, dst: &Tensor) -> candle_core::Result<()> {
+    if src.dtype() != DType::F32
+        || !matches!(dst.dtype(), DType::BF16 | DType::F16)
+        || src.dims() != dst.dims()
+        || !src.is_contiguous()
+        || !dst.is_contiguous()
+    {
+        candle_core::bail!(
+            "cast into place: {:?} {:?} into {:?} {:?} (f32 into bf16 / f16 of one shape, both \
+             contiguous)",
+            src.dtype(),
+            src.dims(),
+            dst.dtype(),
+            dst.dims()
+        );
+    }
+    dst.inplace_op2(src, &CastInto)
+}
+
+/// The in-place op behind [`cast16_into`] (the first operand written, the second read).
+struct CastInto;
+
+impl candle_core::InplaceOp2 for CastInto {
+    fn name(&self) -> &'static str {
+        "cast-16-bit-into"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dst: &mut CpuStorage,
+        dl: &Layout,
+        src: &CpuStorage,
+        sl: &Layout,
+    ) -> candle_core::Result<()> {
+        let CpuStorage::F32(src) = src else {
+            candle_core::bail!("cast into place: the source is not f32");
+        };
+        let src = crate::host::contiguous(src, sl, "cast source")?;
+        let Some((start, end)) = dl.contiguous_offsets() else {
+            candle_core::bail!("cast into place: the destination is not contiguous");
+        };
+        // half's conversions: nearest, ties to even, as candle's casts.
+        match dst {
+            CpuStorage::BF16(d) => d[start..end]
+                .iter_mut()
+                .zip(src)
+                .for_each(|(o, &v)| *o = half::bf16::from_f32(v)),
+            CpuStorage::F16(d) => d[start..end]
+                .iter_mut()
+                .zip(src)
+                .for_each(|(o, &v)| *o = half::f16::from_f32(v)),
+            _ => candle_core::bail!("cast into place: the destination is not bf16 or f16"),
+        }
+        Ok(())
+    }
+
+    /// r3's narrowing kernel (`r3_narrow_*`) writing into the destination's slice.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        dst: &mut candle_core::CudaStorage,
+        dl: &Layout,
+        src: &candle_core::CudaStorage,
+        sl: &Layout,
+    ) -> candle_core::Result<()> {
+        use crate::cuda;
+        use candle_core::backend::BackendStorage;
+        use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+        use candle_core::cuda_backend::WrapErr;
+        use half::{bf16, f16};
+
+        let (Some((start, end)), Some((s0, _))) =
+            (dl.contiguous_offsets(), sl.contiguous_offsets())
+        else {
+            candle_core::bail!("cast into place: operands must be contiguous");
+        };
+        let n = end - start;
+        if n == 0 {
+            return Ok(());
+        }
+        if !(start.is_multiple_of(4) && s0.is_multiple_of(4)) {
+            candle_core::bail!(
+                "cast into place: offsets {start} and {s0} are not on a 4-element boundary"
+            );
+        }
+        let dev = cuda::device(src);
+        let input = cuda::view::<f32>(src, sl, "cast source")?;
+        let grid = cuda::elementwise(n.div_ceil(4));
+        // The launch holds pointers to its arguments until it returns.
+        macro_rules! launch {
+            ($kernel:literal, $ty:ty) => {{
+                let mut out = dst.as_cuda_slice_mut::<$ty>()?.slice_mut(start..end);
+                let (func, stream) = cuda::kernel(&dev, $kernel)?;
+                let count = n as u64;
+                let mut builder = stream.launch_builder(&func);
+                builder.arg(&input);
+                builder.arg(&mut out);
+                builder.arg(&count);
+                // SAFETY: `r3_narrow_*(const float *x, H *y, size_t n)`: `input` and `out`
+                // hold `n` values each (contiguous, checked above), aligned as it loads them.
+                unsafe { builder.launch(grid) }.w()?;
+            }};
+        }
+        match dst.dtype() {
+            DType::BF16 => launch!("r3_narrow_bf16", bf16),
+            DType::F16 => launch!("r3_narrow_f16", f16),
+            other => candle_core::bail!("cast into place: the destination is {other:?}"),
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_util::seeded_tensor;
+    use crate::test_util::{f32_bits, seeded_tensor};
+
+    /// The bits of a tensor's values widened to f32 (exact from bf16 / f16).
+    fn widened_bits(t: &Tensor) -> Vec<u32> {
+        f32_bits(&t.to_dtype(DType::F32).expect("widen"))
+    }
 
     /// The CPU form is candle's cast, bit for bit, both ways and for a strided input.
     #[test]
@@ -98,15 +220,7 @@ mod tests {
         for narrow in [DType::BF16, DType::F16] {
             let n = cast16(&x, narrow).expect("narrow");
             let want = x.to_dtype(narrow).expect("to_dtype");
-            let bits = |t: &Tensor| {
-                t.to_dtype(DType::F32)
-                    .and_then(|t| t.flatten_all())
-                    .and_then(|t| t.to_vec1::<f32>())
-                    .expect("values")
-                    .iter()
-                    .map(|v| v.to_bits())
-                    .collect::<Vec<_>>()
-            };
+            let bits = widened_bits;
             assert_eq!(bits(&n), bits(&want), "{narrow:?}");
             // the op itself (a GPU's path) on the CPU storage
             let op = x.apply_op1_no_bwd(&Cast16 { to: narrow }).expect("op");
@@ -124,5 +238,23 @@ mod tests {
             );
         }
         assert_eq!(cast16(&x, DType::F32).expect("same").dtype(), DType::F32);
+    }
+
+    /// Casting into a tensor's own storage gives the cast's values, visible through another
+    /// handle on that storage; a source of another dtype or shape is refused.
+    #[test]
+    fn casting_into_place_equals_the_cast() {
+        let x = seeded_tensor(&[5, 9], 6, DType::F32);
+        for narrow in [DType::BF16, DType::F16] {
+            let var =
+                candle_core::Var::zeros((5, 9), narrow, &candle_core::Device::Cpu).expect("var");
+            let view = var.as_tensor().detach();
+            cast16_into(&x, var.as_tensor()).expect("cast into");
+            let want = x.to_dtype(narrow).expect("cast");
+            assert_eq!(widened_bits(&view), widened_bits(&want), "{narrow:?}");
+            assert!(cast16_into(&x.t().expect("t"), &view).is_err(), "shape");
+            assert!(cast16_into(&want, &view).is_err(), "a 16-bit source");
+            assert!(cast16_into(&x, &x).is_err(), "an f32 destination");
+        }
     }
 }

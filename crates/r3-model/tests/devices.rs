@@ -18,7 +18,9 @@ mod common;
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
-use common::{covering_tables, sequences, sorted_experts, tiny_config, tiny_weights, FAMILIES};
+use common::{
+    bits, covering_tables, sequences, sorted_experts, tiny_config, tiny_weights, FAMILIES,
+};
 use r3_model::token_stats::{entropy, token_log_probs};
 use r3_model::{Batch, Config, ForwardOutput, Model, ReplayRoutes, Routing, Weights};
 use r3_routing::{LayerSpace, RouteTable};
@@ -322,6 +324,83 @@ fn matrix(v: &Value) -> Tensor {
 
 const ORACLES: [&str; 2] = ["qwen3_moe_tiny", "deepseek_v3_tiny"];
 
+/// A mixed-precision model that reads held 16-bit copies of its weights
+/// (`Weights::hold_narrow_copies`) computes on `device` bit for bit what it computes casting
+/// (on the CPU: rounding) every weight at every use — the logits of a replayed forward, the
+/// gradient of every parameter, and the logits of a forward with nothing differentiated — for
+/// every family, in bf16 and f16: a copy holds exactly the cast's values. On a GPU this is
+/// where the copies are read in place of the casts (the GEMMs' operands), so it is the test
+/// of the trainer's `narrow_weight_copies`.
+fn held_copies_give_the_same_bits(device: &Device) {
+    use r3_model::Precision;
+    for family in FAMILIES {
+        let cfg = tiny_config(family);
+        let lengths = [6, 4];
+        let batch = Batch::new(&sequences(&lengths, cfg.vocab_size, 3), 0, device).expect("batch");
+        let tables = cfg.moe.as_ref().map(|_| {
+            ReplayRoutes::new(covering_tables(&cfg, &lengths), &cfg.layout).expect("covered")
+        });
+        for (precision, narrow) in [
+            (Precision::Bf16 { router_f32: false }, DType::BF16),
+            (Precision::F16 { router_f32: true }, DType::F16),
+        ] {
+            let run = |held: bool| {
+                let (varmap, mut weights) = on_device(&tiny_weights(&cfg, 5, DType::F32), device)
+                    .into_trainable(&cfg)
+                    .expect("trainable");
+                if held {
+                    let copies = weights.hold_narrow_copies(&cfg, narrow).expect("copies");
+                    assert!(!copies.is_empty(), "{family}");
+                }
+                let model = Model::with_precision(&cfg, &weights, precision).expect("model");
+                let routing = match &tables {
+                    Some(t) => Routing::Replay(t),
+                    None => Routing::Native,
+                };
+                let logits = model.forward(&batch, routing).expect("forward").logits;
+                let grads = (&logits * probe(&lengths, cfg.vocab_size, device))
+                    .and_then(|l| l.sum_all())
+                    .and_then(|l| l.backward())
+                    .expect("backward");
+                let mut named: Vec<(String, Vec<u32>)> = varmap
+                    .data()
+                    .lock()
+                    .expect("vars")
+                    .iter()
+                    .map(|(name, var)| {
+                        (
+                            name.clone(),
+                            bits(grads.get(var.as_tensor()).expect("gradient")),
+                        )
+                    })
+                    .collect();
+                named.sort();
+                let frozen = Model::with_precision(&cfg, &weights.detached(), precision)
+                    .expect("frozen model");
+                let native = frozen
+                    .forward(&batch, Routing::Native)
+                    .expect("forward")
+                    .logits;
+                (bits(&logits), named, bits(&native))
+            };
+            let (cast, held) = (run(false), run(true));
+            assert!(cast.0 == held.0, "{family} {narrow:?}: logits");
+            for ((name, a), (_, b)) in cast.1.iter().zip(&held.1) {
+                assert!(a == b, "{family} {narrow:?}: gradient of {name}");
+            }
+            assert!(
+                cast.2 == held.2,
+                "{family} {narrow:?}: logits of the frozen model"
+            );
+        }
+    }
+}
+
+#[test]
+fn held_weight_copies_give_the_same_bits_on_the_cpu() {
+    held_copies_give_the_same_bits(&Device::Cpu);
+}
+
 #[test]
 fn a_second_cpu_model_gives_the_same_bits() {
     for family in FAMILIES {
@@ -364,6 +443,11 @@ mod cuda {
         for family in FAMILIES {
             compare_family(family, &device, GPU_F32);
         }
+    }
+
+    #[test]
+    fn held_weight_copies_give_the_same_bits_on_cuda() {
+        held_copies_give_the_same_bits(&gpu());
     }
 
     #[test]

@@ -433,6 +433,39 @@ fn each_kernel_on_cuda_matches_the_cpu() {
     compare(&device, 1e-4);
 }
 
+/// Casting into a tensor's own storage on the GPU (`cast16_into`: r3's narrowing kernel
+/// writing into the destination, a held weight copy's rewrite) gives the CPU cast's bits,
+/// for lengths with and without a tail past the kernel's four-value steps.
+#[cfg(feature = "cuda")]
+#[test]
+fn casting_into_place_on_cuda_is_the_cpus_cast() {
+    use r3_model::cast16::cast16_into;
+    let device = r3_model::DeviceSpec::Cuda { ordinal: 0 }
+        .open()
+        .expect("a CUDA GPU (this test runs on the GPU machine)");
+    for n in [4usize, 1027, 65_536 + 3] {
+        let x = seeded(&[n], 9, &Device::Cpu);
+        for narrow in [DType::BF16, DType::F16] {
+            let dst = Var::zeros(n, narrow, &device).expect("destination");
+            cast16_into(&x.to_device(&device).expect("x"), dst.as_tensor()).expect("cast into");
+            let bits = |t: &Tensor| -> Vec<u32> {
+                t.to_device(&Device::Cpu)
+                    .and_then(|t| t.to_dtype(DType::F32))
+                    .and_then(|t| t.to_vec1::<f32>())
+                    .expect("values")
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect()
+            };
+            let want = x.to_dtype(narrow).expect("cpu cast");
+            assert!(
+                bits(dst.as_tensor()) == bits(&want),
+                "{n} values, {narrow:?}"
+            );
+        }
+    }
+}
+
 /// The routed experts' bf16 GEMMs on cuBLAS's FAST_16BF (f32 operands converted inside the
 /// GEMM) against the cast path on the same GPU: values and input gradients within a bf16
 /// step of the largest, the weight gradient within 1%, the value and `dx` bf16 numbers.
@@ -449,10 +482,11 @@ fn expert_gemms_on_fast16bf_match_the_cast_path_on_cuda() {
     let (cap, k, n, stack) = (5, 64, 96, 4);
     let bf16 = Precision::Bf16 { router_f32: false };
     let probe = seeded(&[experts.len(), cap, n], 3, &device);
-    let run = |inputs| {
+    let run_with = |inputs, held: bool| {
         let x = Var::from_tensor(&seeded(&[experts.len(), cap, k], 1, &device)).expect("x");
         let w = Var::from_tensor(&seeded(&[stack, n, k], 2, &device)).expect("w");
-        let y = expert_blocks_matmul(bf16, &x, &w, &experts, inputs).expect("gemm");
+        let copy = held.then(|| cast16(w.as_tensor(), DType::BF16).expect("copy"));
+        let y = expert_blocks_matmul(bf16, &x, &w, copy.as_ref(), &experts, inputs).expect("gemm");
         let grads = (&y * &probe)
             .and_then(|l| l.sum_all())
             .and_then(|l| l.backward())
@@ -461,8 +495,22 @@ fn expert_gemms_on_fast16bf_match_the_cast_path_on_cuda() {
         let dw = grads.get(&w).expect("dw").clone();
         (y, dx, dw)
     };
+    let run = |inputs| run_with(inputs, false);
     let (y_cast, dx_cast, dw_cast) = run(ExpertGemmInputs::Cast);
     let (y_fast, dx_fast, dw_fast) = run(ExpertGemmInputs::Fast16bf);
+    // The stack's held bf16 copy (a trainer's, `Weights::hold_narrow_copies`) gives the cast
+    // path's value and gradients bit for bit, whichever inputs are asked for.
+    for inputs in [ExpertGemmInputs::Cast, ExpertGemmInputs::Fast16bf] {
+        let (y, dx, dw) = run_with(inputs, true);
+        for (name, held, cast) in [
+            ("value", &y, &y_cast),
+            ("dx", &dx, &dx_cast),
+            ("dw", &dw, &dw_cast),
+        ] {
+            let (d, _) = diff_and_scale(held, cast);
+            assert_eq!(d, 0.0, "{inputs} with the held copy: {name}");
+        }
+    }
     for (name, fast, cast, tol) in [
         ("value", &y_fast, &y_cast, 1.0 / 128.0),
         ("dx", &dx_fast, &dx_cast, 1.0 / 128.0),

@@ -156,6 +156,18 @@ fn the_optimiser_alone_gives_the_same_bits_on_a_second_cpu_copy() {
 /// The policy loaded on `device` stays there; the rollout engine's copy is on the CPU and
 /// equals the loaded weights; a forward + backward + update runs there. Returns the update's
 /// new values of every variable and the loss.
+/// The mean next-token negative log-likelihood of `batch` under `model`.
+fn mean_nll(model: &r3_model::Model, batch: &Batch, routing: Routing<'_>) -> Tensor {
+    let out = model.forward(batch, routing).expect("forward");
+    let t = batch.seq_len();
+    let logp = token_log_probs(
+        &out.logits.narrow(1, 0, t - 1).expect("logits"),
+        &batch.input_ids().narrow(1, 1, t - 1).expect("targets"),
+    )
+    .expect("log-probs");
+    logp.mean_all().and_then(|l| l.neg()).expect("loss")
+}
+
 fn policy_update(device: &Device) -> (f32, Vec<(String, Vec<f32>)>) {
     let policy = TrainablePolicy::load_on(base_model(), device).expect("policy");
     assert!(policy.device().same_device(device));
@@ -178,14 +190,7 @@ fn policy_update(device: &Device) -> (f32, Vec<(String, Vec<f32>)>) {
         .map(|b| (0..12u32).map(|i| 3 + (i * 5 + b * 7) % 20).collect())
         .collect();
     let batch = Batch::new(&seqs, 0, device).expect("batch");
-    let out = model.forward(&batch, Routing::Record).expect("forward");
-    let t = batch.seq_len();
-    let logp = token_log_probs(
-        &out.logits.narrow(1, 0, t - 1).expect("logits"),
-        &batch.input_ids().narrow(1, 1, t - 1).expect("targets"),
-    )
-    .expect("log-probs");
-    let loss = logp.mean_all().and_then(|l| l.neg()).expect("loss");
+    let loss = mean_nll(&model, &batch, Routing::Record);
     let loss_value = loss.to_scalar::<f32>().expect("loss value");
     let mut opt =
         AdamW::new(policy.vars().to_vec(), AdamWParams::default(), |_, _| true).expect("adamw");
@@ -221,6 +226,85 @@ fn compare(device: &Device, adam_tol: f32, loss_tol: f32, weight_tol: f32) {
         let d = max_diff(a, b);
         assert!(d <= weight_tol, "{name}: updated weights differ by {d}");
     }
+}
+
+/// Two guarded bf16 updates on `device` by a policy holding bf16 copies of its weights and by
+/// one that casts them per use: after each, every copy holds its variable cast to bf16 (the
+/// optimiser's in-place rewrite: on a GPU r3's cast kernel writing into the copy), and the
+/// two policies' weights and frozen-model logits are the same bits.
+fn held_copies_follow_the_updates(device: &Device) {
+    use r3_model::cast16::cast16;
+    use r3_model::Precision;
+    let bits = |t: &Tensor| -> Vec<u32> {
+        values(&t.to_dtype(DType::F32).expect("f32"))
+            .iter()
+            .map(|v| v.to_bits())
+            .collect()
+    };
+    let load = || {
+        let mut p = TrainablePolicy::load_on(base_model(), device).expect("policy");
+        p.set_precision(Precision::Bf16 { router_f32: false });
+        p
+    };
+    let optimiser =
+        |p: &TrainablePolicy| AdamW::new(p.vars().to_vec(), AdamWParams::default(), |_, _| true);
+    let plain = load();
+    let mut held = load();
+    let mut plain_opt = optimiser(&plain).expect("adamw");
+    let mut held_opt = optimiser(&held).expect("adamw");
+    held_opt
+        .hold_narrow_copies(held.hold_narrow_copies().expect("copies"))
+        .expect("held");
+    let seqs: Vec<Vec<u32>> = (0..3u32)
+        .map(|b| (0..12u32).map(|i| 3 + (i * 5 + b * 7) % 20).collect())
+        .collect();
+    let batch = Batch::new(&seqs, 0, device).expect("batch");
+    let logits = |p: &TrainablePolicy| {
+        let out = p
+            .frozen_model()
+            .expect("model")
+            .forward(&batch, Routing::Native);
+        bits(&out.expect("forward").logits)
+    };
+    for step in 1..=2 {
+        for (policy, opt) in [(&plain, &mut plain_opt), (&held, &mut held_opt)] {
+            let loss = mean_nll(&policy.model().expect("model"), &batch, Routing::Native);
+            let outcome = backward_and_step(opt, &loss, 1e-3, 1.0).expect("update");
+            assert!(
+                matches!(outcome, UpdateOutcome::Applied { .. }),
+                "{outcome:?}"
+            );
+        }
+        let weights = held.detached();
+        let copies = weights.narrow_copies();
+        assert!(!copies.is_empty());
+        for (name, copy) in copies {
+            let master = weights.get(name).expect("master");
+            let want = cast16(master, DType::BF16).expect("cast");
+            assert!(bits(copy) == bits(&want), "step {step}: the copy of {name}");
+        }
+        for ((name, a), (_, b)) in plain.vars().iter().zip(held.vars()) {
+            assert!(
+                bits(a.as_tensor()) == bits(b.as_tensor()),
+                "step {step}: {name}"
+            );
+        }
+        assert!(logits(&plain) == logits(&held), "step {step}: logits");
+    }
+}
+
+#[test]
+fn held_weight_copies_follow_the_updates_on_the_cpu() {
+    held_copies_follow_the_updates(&Device::Cpu);
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn held_weight_copies_follow_the_updates_on_cuda() {
+    let gpu = r3_model::DeviceSpec::Cuda { ordinal: 0 }
+        .open()
+        .expect("a CUDA GPU (this test runs on the GPU machine)");
+    held_copies_follow_the_updates(&gpu);
 }
 
 #[test]

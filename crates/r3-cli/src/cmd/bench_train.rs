@@ -8,9 +8,10 @@
 use std::time::Instant;
 
 use anyhow::Context;
-use candle_core::Tensor;
+use candle_core::{Tensor, Var};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
+use r3_model::cast16::cast16_into;
 use r3_model::layers::expert_gemm::ExpertGemmInputs;
 use r3_model::{
     presets, Batch, Config, DeviceSpec, Model, Precision, RandomInit, ReplayRoutes, Routing,
@@ -79,6 +80,12 @@ pub struct BenchTrainArgs {
     /// what `check.sh --steps 7` checks).
     #[arg(long, default_value = "cast")]
     pub expert_gemm: ExpertGemmInputs,
+    /// In bf16: hold a bf16 copy of every weight matrix beside its f32 master, read by the
+    /// matmuls instead of a cast per use, and rewrite the copies once per step as a trainer's
+    /// optimiser does (timed, and counted in the step): `auto` (on a GPU), `on` or `off`
+    /// (`train.narrow_weight_copies`).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "on", "off"])]
+    pub narrow_copies: String,
 }
 
 /// One timed step: forward and backward wall seconds, the process's CPU seconds over both
@@ -88,8 +95,17 @@ pub struct BenchTrainArgs {
 struct StepTime {
     forward: f64,
     backward: f64,
+    /// Rewriting the held 16-bit weight copies from the masters (0 without copies).
+    refresh: f64,
     cpu: Option<f64>,
     routing_overhead: f64,
+}
+
+impl StepTime {
+    /// The step's wall seconds: forward, backward and the copies' refresh.
+    fn wall(&self) -> f64 {
+        self.forward + self.backward + self.refresh
+    }
 }
 
 /// The timed steps of one mode.
@@ -99,20 +115,19 @@ struct Timing {
 }
 
 impl Timing {
-    /// Mean forward and backward seconds per step.
-    fn mean(&self) -> (f64, f64) {
+    /// Mean forward, backward and copies' refresh seconds per step.
+    fn mean(&self) -> (f64, f64, f64) {
         let n = self.steps.len().max(1) as f64;
-        let (f, b) = self
-            .steps
-            .iter()
-            .fold((0.0, 0.0), |(f, b), s| (f + s.forward, b + s.backward));
-        (f / n, b / n)
+        let (f, b, r) = self.steps.iter().fold((0.0, 0.0, 0.0), |(f, b, r), s| {
+            (f + s.forward, b + s.backward, r + s.refresh)
+        });
+        (f / n, b / n, r / n)
     }
 
     /// Share of the steps' wall time the routing mode's own host work took.
     fn overhead_share(&self) -> f64 {
         let (wall, extra) = self.steps.iter().fold((0.0, 0.0), |(w, o), s| {
-            (w + s.forward + s.backward, o + s.routing_overhead)
+            (w + s.wall(), o + s.routing_overhead)
         });
         if wall > 0.0 {
             extra / wall
@@ -133,20 +148,22 @@ impl Timing {
     }
 
     /// The fastest step: on a shared machine, the least disturbed by other tenants.
-    fn best(&self) -> (f64, f64) {
+    fn best(&self) -> (f64, f64, f64) {
         self.steps
             .iter()
-            .min_by(|a, b| (a.forward + a.backward).total_cmp(&(b.forward + b.backward)))
-            .map_or((0.0, 0.0), |s| (s.forward, s.backward))
+            .min_by(|a, b| a.wall().total_cmp(&b.wall()))
+            .map_or((0.0, 0.0, 0.0), |s| (s.forward, s.backward, s.refresh))
     }
 }
 
-/// One forward (+ next-token cross-entropy) and backward, timed.
+/// One forward (+ next-token cross-entropy) and backward, then the rewrite of each held
+/// 16-bit copy from its master (`copies`: (master, copy) pairs), timed.
 fn step(
     model: &Model,
     batch: &Batch,
     (targets, host_targets): (&Tensor, &[u32]),
     routing: Routing<'_>,
+    copies: &[(Var, Var)],
 ) -> anyhow::Result<StepTime> {
     let cpu0 = process_cpu_ns();
     let t0 = Instant::now();
@@ -163,11 +180,17 @@ fn step(
     let grads = loss.backward()?;
     model.device().synchronize()?;
     let t2 = Instant::now();
-    let cpu = cpu_seconds(cpu0, process_cpu_ns());
     drop(grads);
+    for (master, copy) in copies {
+        cast16_into(master.as_tensor(), copy.as_tensor())?;
+    }
+    model.device().synchronize()?;
+    let t3 = Instant::now();
+    let cpu = cpu_seconds(cpu0, process_cpu_ns());
     Ok(StepTime {
         forward: (t1 - t0).as_secs_f64(),
         backward: (t2 - t1).as_secs_f64(),
+        refresh: (t3 - t2).as_secs_f64(),
         cpu,
         routing_overhead: out.routing_overhead.as_secs_f64(),
     })
@@ -205,8 +228,32 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
             (cfg, weights)
         }
     };
-    let (varmap, weights) = weights.into_trainable(&cfg)?;
+    let (varmap, mut weights) = weights.into_trainable(&cfg)?;
     let params: usize = varmap.all_vars().iter().map(|v| v.elem_count()).sum();
+    let hold_copies = match (args.narrow_copies.as_str(), precision.narrow_dtype()) {
+        (_, None) | ("off", _) => None,
+        ("auto", Some(_)) if device.is_cpu() => None,
+        (_, Some(narrow)) => Some(narrow),
+    };
+    let copies: Vec<(Var, Var)> = match hold_copies {
+        Some(narrow) => {
+            let masters = varmap
+                .data()
+                .lock()
+                .map_err(|_| anyhow::anyhow!("VarMap lock"))?;
+            weights
+                .hold_narrow_copies(&cfg, narrow)?
+                .into_iter()
+                .map(|(name, copy)| {
+                    let master = masters
+                        .get(&name)
+                        .with_context(|| format!("no variable {name} for its copy"))?;
+                    Ok((master.clone(), copy))
+                })
+                .collect::<anyhow::Result<_>>()?
+        }
+        None => Vec::new(),
+    };
     let mut model = Model::with_precision(&cfg, &weights, precision)?;
     model.set_expert_gemm_inputs(args.expert_gemm);
 
@@ -245,7 +292,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         params as f64 / 1e6
     );
     println!(
-        "batch {} × seq {} = {tokens} tokens/step, {} on {}, {} warm-up + {} timed steps per mode, seed {}, expert GEMM inputs {}",
+        "batch {} × seq {} = {tokens} tokens/step, {} on {}, {} warm-up + {} timed steps per mode, seed {}, expert GEMM inputs {}, {}",
         args.batch,
         args.seq_len,
         args.dtype,
@@ -253,7 +300,20 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         args.warmup,
         args.steps,
         args.seed,
-        args.expert_gemm
+        args.expert_gemm,
+        if copies.is_empty() {
+            "weights cast per use".to_string()
+        } else {
+            format!(
+                "16-bit copies of {} weight matrices held ({:.1} MB, rewritten once per step)",
+                copies.len(),
+                copies
+                    .iter()
+                    .map(|(_, c)| c.elem_count() * c.dtype().size_in_bytes())
+                    .sum::<usize>() as f64
+                    / 1e6
+            )
+        }
     );
 
     // On the CPU the step's share of the machine's limit is measured in the same run: the
@@ -278,7 +338,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
             if profiled {
                 r3_model::device::profiler_capture(&device, true)?;
             }
-            let t = step(&model, &batch, (&targets, &host_targets), routing)?;
+            let t = step(&model, &batch, (&targets, &host_targets), routing, &copies)?;
             if profiled {
                 r3_model::device::profiler_capture(&device, false)?;
             }
@@ -290,15 +350,26 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     }
     bar.finish_and_clear();
 
+    // The copies' rewrite is part of every step where they are held (a trainer's optimiser
+    // does it once per update).
+    let refresh = |r: f64| {
+        if copies.is_empty() {
+            String::new()
+        } else {
+            format!("  copies' rewrite {r:6.3} s")
+        }
+    };
     let report = |name: &str, t: &Timing| {
-        let (f, b) = t.mean();
-        let (bf, bb) = t.best();
+        let (f, b, r) = t.mean();
+        let (bf, bb, br) = t.best();
         println!(
-            "{name:<7} mean: forward {f:6.3} s  backward {b:6.3} s  {:7.1} tokens/s   best step: forward {bf:6.3} s  backward {bb:6.3} s  {:7.1} tokens/s",
-            tokens as f64 / (f + b),
-            tokens as f64 / (bf + bb)
+            "{name:<7} mean: forward {f:6.3} s  backward {b:6.3} s{}  {:7.1} tokens/s   best step: forward {bf:6.3} s  backward {bb:6.3} s{}  {:7.1} tokens/s",
+            refresh(r),
+            tokens as f64 / (f + b + r),
+            refresh(br),
+            tokens as f64 / (bf + bb + br)
         );
-        (f + b, bf + bb)
+        (f + b + r, bf + bb + br)
     };
     let (n, nb) = report("native", &native);
     let (r, rb) = report("replay", &replay);

@@ -29,7 +29,7 @@ use super::precomputed::{precomputed_fwd, Precomputed};
 use crate::cast16::cast16;
 use crate::error::{ModelError, Result};
 use crate::host::contiguous;
-use crate::precision::{Precision, RoundTo};
+use crate::precision::{check_narrow_copy, Precision, RoundTo};
 
 /// How the routed experts' bf16 GEMMs take their f32 operands on a GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -76,30 +76,48 @@ impl std::str::FromStr for ExpertGemmInputs {
 /// accumulation; the weight may already be the 16-bit copy). Differentiable in `x` and `w`;
 /// on a GPU the weights are read in place and their gradient accumulated in f32 (see the
 /// module doc), the operands turned into bf16 as `inputs` says; elsewhere the blocks'
-/// weights are gathered and multiplied by candle's ops.
+/// weights are gathered and multiplied by candle's ops. `copy` is the stack's held 16-bit
+/// copy where a trainer keeps one ([`Weights::hold_narrow_copies`]): the rounded weights are
+/// read from it (forward and input gradient; on a GPU no cast of the stack at all, even
+/// where `inputs` asks for `FAST_16BF`).
+///
+/// [`Weights::hold_narrow_copies`]: crate::weights::Weights::hold_narrow_copies
 pub fn expert_blocks_matmul(
     p: Precision,
     x: &Tensor,
     w: &Tensor,
+    copy: Option<&Tensor>,
     experts: &[u32],
     inputs: ExpertGemmInputs,
 ) -> Result<Tensor> {
     let map = BlockMap::new(x, w, experts)?;
     let compute = p.narrow_dtype().unwrap_or(DType::F32);
+    // A copy is read only at a 16-bit precision.
+    let copy = match (p.narrow_dtype(), copy) {
+        (Some(narrow), Some(copy)) => {
+            check_narrow_copy(w, copy, narrow)?;
+            Some(copy)
+        }
+        _ => None,
+    };
     if reads_weights_in_place(x, w, compute) {
         let fast = inputs == ExpertGemmInputs::Fast16bf
             && compute == DType::BF16
-            && w.dtype() == DType::F32;
-        return in_place_matmul(x, w, map, compute, fast);
+            && w.dtype() == DType::F32
+            && copy.is_none();
+        return in_place_matmul(x, w, copy, map, compute, fast);
     }
     let identity = experts.iter().enumerate().all(|(b, &e)| b == e as usize);
-    let blocks = if identity && experts.len() == map.stack {
-        w.clone()
-    } else {
-        let ids = Tensor::from_vec(experts.to_vec(), experts.len(), w.device())?;
-        w.index_select(&ids, 0)?
+    let gather = |t: &Tensor| -> Result<Tensor> {
+        if identity && experts.len() == map.stack {
+            Ok(t.clone())
+        } else {
+            let ids = Tensor::from_vec(experts.to_vec(), experts.len(), t.device())?;
+            Ok(t.index_select(&ids, 0)?)
+        }
     };
-    matmul_wt_at(p, x, &blocks)
+    let copy_blocks = copy.map(gather).transpose()?;
+    matmul_wt_at(p, x, &gather(w)?, copy_blocks.as_ref())
 }
 
 /// Whether the experts' GEMMs run on cuBLAS reading the stack `w` in place: on a GPU, f32
@@ -144,7 +162,7 @@ pub(crate) fn expert_slots_matmul(
             .contiguous()?
             .reshape((slots, 1, k))?
     };
-    matmul_wt_at(p, &repeated, &w.index_select(ids, 0)?)
+    matmul_wt_at(p, &repeated, &w.index_select(ids, 0)?, None)
 }
 
 /// [`expert_slots_matmul`]'s pointer GEMM on a GPU with its output left in `compute` (the
@@ -320,6 +338,7 @@ impl BlockMap {
 fn in_place_matmul(
     x: &Tensor,
     w: &Tensor,
+    copy: Option<&Tensor>,
     map: BlockMap,
     compute: DType,
     fast16bf: bool,
@@ -334,7 +353,10 @@ fn in_place_matmul(
         round_bf16(&y)?
     } else {
         let xn = cast16(&x.detach(), compute)?;
-        let wn = cast16(&w.detach().contiguous()?, compute)?;
+        let wn = match copy {
+            Some(copy) => copy.detach().contiguous()?,
+            None => cast16(&w.detach().contiguous()?, compute)?,
+        };
         let y = xn.apply_op2_no_bwd(&wn, &PlannedGemm::new(Pass::Forward, &map))?;
         cast16(&y, DType::F32)?
     };
@@ -346,6 +368,7 @@ fn in_place_matmul(
         map,
         compute,
         fast16bf,
+        copy: copy.map(Tensor::detach),
     };
     Ok(x.apply_op2(w, op)?)
 }
@@ -366,6 +389,8 @@ struct ExpertBlocksMatmul {
     compute: DType,
     /// The operands stay f32 for cuBLAS's `FAST_16BF` conversion ([`ExpertGemmInputs`]).
     fast16bf: bool,
+    /// The stack's held 16-bit copy, read by the input gradient instead of a cast.
+    copy: Option<Tensor>,
 }
 
 impl CustomOp2 for ExpertBlocksMatmul {
@@ -390,7 +415,10 @@ impl CustomOp2 for ExpertBlocksMatmul {
         let c = self.compute;
         let gn = cast16(&grad.detach().contiguous()?, c)?;
         let dx = if x.track_op() {
-            let wn = cast16(&w.detach().contiguous()?, c)?;
+            let wn = match &self.copy {
+                Some(copy) => copy.contiguous()?,
+                None => cast16(&w.detach().contiguous()?, c)?,
+            };
             let dx = gn.apply_op2_no_bwd(&wn, &PlannedGemm::new(Pass::InputGrad, &self.map))?;
             Some(cast16(&dx, DType::F32)?)
         } else {
@@ -684,18 +712,36 @@ impl CustomOp2 for PlannedGemm {
         let plan = GemmPlan::new(self.pass, &self.map);
         // The plan's A is the op's second operand in every pass (the weight, or the input
         // rows of the weight gradient), B its first.
-        let (a, b) = (host_f32(s2, l2, "A")?, host_f32(s1, l1, "B")?);
+        let ((a, a_dtype), (b, b_dtype)) = (host_values(s2, l2, "A")?, host_values(s1, l1, "B")?);
+        if a_dtype != b_dtype || (self.fast16bf && a_dtype != DType::F32) {
+            candle_core::bail!(
+                "expert blocks gemm on the host: operands {a_dtype:?} and {b_dtype:?} (one \
+                 dtype; f32 for FAST_16BF)"
+            );
+        }
         let out = if self.fast16bf {
             let bf16 = |v: &[f32]| -> Vec<f32> {
                 v.iter()
                     .map(|&x| half::bf16::from_f32(x).to_f32())
                     .collect()
             };
-            plan.run_host(&bf16(a), &bf16(b))
+            plan.run_host(&bf16(&a), &bf16(&b))
         } else {
-            plan.run_host(a, b)
+            plan.run_host(&a, &b)
         };
-        Ok((CpuStorage::F32(out), out_shape(self.pass, &self.map)))
+        // As cuBLAS writes it: in the operands' dtype (a 16-bit output rounded once), the
+        // weight gradient in f32.
+        let out = match (a_dtype, self.pass) {
+            (_, Pass::WeightGrad) | (DType::F32, _) => CpuStorage::F32(out),
+            (DType::BF16, _) => {
+                CpuStorage::BF16(out.iter().map(|&v| half::bf16::from_f32(v)).collect())
+            }
+            (DType::F16, _) => {
+                CpuStorage::F16(out.iter().map(|&v| half::f16::from_f32(v)).collect())
+            }
+            (other, _) => candle_core::bail!("expert blocks gemm on the host: {other:?}"),
+        };
+        Ok((out, out_shape(self.pass, &self.map)))
     }
 
     #[cfg(feature = "cuda")]
@@ -713,12 +759,26 @@ impl CustomOp2 for PlannedGemm {
     }
 }
 
-/// The contiguous f32 elements of a host operand (the host plans take f32 only).
-fn host_f32<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a [f32]> {
-    match s {
-        CpuStorage::F32(v) => contiguous(v, l, what),
-        _ => candle_core::bail!("expert blocks gemm on the host takes f32 {what}"),
-    }
+/// The contiguous elements of a host operand as f32 (bf16 and f16 widened, exactly), and
+/// its dtype.
+fn host_values<'a>(
+    s: &'a CpuStorage,
+    l: &Layout,
+    what: &str,
+) -> candle_core::Result<(std::borrow::Cow<'a, [f32]>, DType)> {
+    use std::borrow::Cow;
+    Ok(match s {
+        CpuStorage::F32(v) => (Cow::Borrowed(contiguous(v, l, what)?), DType::F32),
+        CpuStorage::BF16(v) => (
+            Cow::Owned(contiguous(v, l, what)?.iter().map(|x| x.to_f32()).collect()),
+            DType::BF16,
+        ),
+        CpuStorage::F16(v) => (
+            Cow::Owned(contiguous(v, l, what)?.iter().map(|x| x.to_f32()).collect()),
+            DType::F16,
+        ),
+        _ => candle_core::bail!("expert blocks gemm on the host takes f32, bf16 or f16 {what}"),
+    })
 }
 
 /// The plans on cuBLAS.
@@ -1143,9 +1203,10 @@ mod tests {
     fn the_in_place_op_has_the_compositions_gradients() {
         let case = OpCase::new();
         let (x, w) = (&case.x, &case.w);
-        let got = in_place_matmul(x, w, case.map.clone(), DType::F32, false).expect("op");
-        let want = expert_blocks_matmul(Precision::F32, x, w, &EXPERTS, ExpertGemmInputs::Cast)
-            .expect("composed");
+        let got = in_place_matmul(x, w, None, case.map.clone(), DType::F32, false).expect("op");
+        let want =
+            expert_blocks_matmul(Precision::F32, x, w, None, &EXPERTS, ExpertGemmInputs::Cast)
+                .expect("composed");
         assert!(max_abs_diff(&got, &want) < 1e-5, "value");
         for (name, (a, b)) in ["dx", "dw"]
             .iter()
@@ -1163,10 +1224,10 @@ mod tests {
     fn the_fast16bf_op_has_the_bf16_compositions_values_and_gradients() {
         let case = OpCase::new();
         let (x, w) = (&case.x, &case.w);
-        let got = in_place_matmul(x, w, case.map.clone(), DType::BF16, true).expect("op");
+        let got = in_place_matmul(x, w, None, case.map.clone(), DType::BF16, true).expect("op");
         let bf16 = Precision::Bf16 { router_f32: false };
-        let want =
-            expert_blocks_matmul(bf16, x, w, &EXPERTS, ExpertGemmInputs::Cast).expect("composed");
+        let want = expert_blocks_matmul(bf16, x, w, None, &EXPERTS, ExpertGemmInputs::Cast)
+            .expect("composed");
         // One bf16 step of the largest output at most (sums in another order may round to
         // the neighbouring bf16 value).
         let step = max_abs(&want) / 128.0;
@@ -1179,6 +1240,31 @@ mod tests {
             let step = max_abs(b) / 128.0;
             assert!(max_abs_diff(a, b) <= step, "{name}");
         }
+    }
+
+    /// The GPU's op reading the stack's held bf16 copy, run on the host plans: value and
+    /// both gradients bit for bit the op's casting the stack itself; a copy made different
+    /// changes the value and the input gradient (both read it), not the weight gradient.
+    #[test]
+    fn the_in_place_op_reads_a_held_copy_as_its_cast() {
+        let case = OpCase::new();
+        let (x, w) = (&case.x, &case.w);
+        let bits = crate::test_util::f32_bits;
+        let run = |copy: Option<&Tensor>| {
+            let y = in_place_matmul(x, w, copy, case.map.clone(), DType::BF16, false).expect("op");
+            let [dx, dw] = case.grads(&y);
+            [bits(&y), bits(&dx), bits(&dw)]
+        };
+        let cast = run(None);
+        let copy = cast16(w.as_tensor(), DType::BF16).expect("copy");
+        assert!(run(Some(&copy)) == cast, "the held copy is the cast");
+        let other = cast16(&(w.as_tensor() * 0.5).expect("half"), DType::BF16).expect("other");
+        let [y, dx, dw] = run(Some(&other));
+        assert!(
+            y != cast[0] && dx != cast[1],
+            "the value and dx read the copy"
+        );
+        assert!(dw == cast[2], "dw reads no weight");
     }
 
     /// The in-place op's test case: seeded rows and stack over [`EXPERTS`], a loss probe.
@@ -1225,18 +1311,33 @@ mod tests {
     fn the_wrapper_checks_its_map() {
         let x = Var::from_tensor(&seeded_tensor(&[2, 3, 4], 1, DType::F32)).expect("x");
         let w = Var::from_tensor(&seeded_tensor(&[2, 5, 4], 2, DType::F32)).expect("w");
-        let y = expert_blocks_matmul(Precision::F32, &x, &w, &[0, 1], ExpertGemmInputs::Cast)
-            .expect("identity");
+        let y = expert_blocks_matmul(
+            Precision::F32,
+            &x,
+            &w,
+            None,
+            &[0, 1],
+            ExpertGemmInputs::Cast,
+        )
+        .expect("identity");
         let want = x
             .matmul(&w.transpose(1, 2).expect("t"))
             .expect("batched matmul");
         assert_eq!(max_abs_diff(&y, &want), 0.0);
-        let err = expert_blocks_matmul(Precision::F32, &x, &w, &[0, 2], ExpertGemmInputs::Cast)
-            .expect_err("expert out of range")
-            .to_string();
+        let err = expert_blocks_matmul(
+            Precision::F32,
+            &x,
+            &w,
+            None,
+            &[0, 2],
+            ExpertGemmInputs::Cast,
+        )
+        .expect_err("expert out of range")
+        .to_string();
         assert!(err.contains("expert 2 of a stack of 2"), "{err}");
         assert!(
-            expert_blocks_matmul(Precision::F32, &x, &w, &[0], ExpertGemmInputs::Cast).is_err()
+            expert_blocks_matmul(Precision::F32, &x, &w, None, &[0], ExpertGemmInputs::Cast)
+                .is_err()
         );
     }
 }

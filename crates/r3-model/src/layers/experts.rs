@@ -30,6 +30,10 @@ use crate::weights::Weights;
 pub struct RoutedExperts {
     gate_up: Tensor,
     down: Tensor,
+    /// The stacks' held 16-bit copies, where a trainer keeps them
+    /// ([`Weights::hold_narrow_copies`]): read by the GPU's GEMMs instead of casting the
+    /// stacks per use. The CPU's fused op rounds the stacks itself (the same values).
+    copies: Option<(Tensor, Tensor)>,
     intermediate: usize,
     precision: Precision,
     gemm_inputs: ExpertGemmInputs,
@@ -50,9 +54,17 @@ impl RoutedExperts {
                 got: gate_up.dims().to_vec(),
             });
         }
+        let copies = match (
+            weights.narrow_copy(&gate_up_name),
+            weights.narrow_copy(&down_name),
+        ) {
+            (Some(g), Some(d)) => Some((g.clone(), d.clone())),
+            _ => None,
+        };
         Ok(RoutedExperts {
             gate_up,
             down,
+            copies,
             intermediate: i,
             precision: Precision::F32,
             gemm_inputs: ExpertGemmInputs::Cast,
@@ -157,8 +169,9 @@ impl RoutedExperts {
         if let Some(out) = self.forward_gathered_narrow(x, gates, &chosen, round_output)? {
             return Ok(out);
         }
+        let (gate_up, down) = self.stacks_read();
         // Row r read by its top_k slots (`expert_slots_matmul` points each slot at it).
-        let hidden = expert_slots_matmul(p, &x.unsqueeze(1)?, &self.gate_up, &chosen)?;
+        let hidden = expert_slots_matmul(p, &x.unsqueeze(1)?, gate_up, &chosen)?;
         let a = match swiglu_halves(&hidden)? {
             Some(a) => a,
             None => (hidden.narrow(2, 0, i)?.silu()? * hidden.narrow(2, i, i)?)?,
@@ -167,7 +180,7 @@ impl RoutedExperts {
         // `expert_slots_matmul`); the rounding point here matters only to a gradient
         // passing back through it, so with nothing differentiated it is left out.
         let a = if a.track_op() { p.round(&a)? } else { a };
-        let y = expert_slots_matmul(p, &a, &self.down, &chosen)?.reshape((slots, h))?;
+        let y = expert_slots_matmul(p, &a, down, &chosen)?.reshape((slots, h))?;
         let gates = gates.to_dtype(x.dtype())?;
         let round = p.narrow_dtype().filter(|_| round_output);
         if let Some(out) = combine_slots_in_order(&y, &gates, round)? {
@@ -208,15 +221,15 @@ impl RoutedExperts {
             return Ok(None);
         }
         let h = x.dim(1)?;
-        let hidden =
-            match expert_slots_matmul_narrow(&x.unsqueeze(1)?, &self.gate_up, chosen, narrow)? {
-                Some(hidden) => hidden,
-                None => return Ok(None),
-            };
+        let (gate_up, down) = self.stacks_read();
+        let hidden = match expert_slots_matmul_narrow(&x.unsqueeze(1)?, gate_up, chosen, narrow)? {
+            Some(hidden) => hidden,
+            None => return Ok(None),
+        };
         let Some(a) = swiglu_halves_narrow(&hidden)? else {
             return Ok(None);
         };
-        let Some(y) = expert_slots_matmul_narrow(&a, &self.down, chosen, narrow)? else {
+        let Some(y) = expert_slots_matmul_narrow(&a, down, chosen, narrow)? else {
             return Ok(None);
         };
         let y = y.reshape((chosen.elem_count(), h))?;
@@ -280,17 +293,45 @@ impl RoutedExperts {
             .sum(1)?)
     }
 
+    /// The stacks a forward with nothing to differentiate in them reads: their held 16-bit
+    /// copies where there are some (the values the forward rounds the stacks to, so no cast
+    /// per use), else the stacks.
+    fn stacks_read(&self) -> (&Tensor, &Tensor) {
+        match &self.copies {
+            Some((g, d)) if !self.gate_up.track_op() && !self.down.track_op() => (g, d),
+            _ => (&self.gate_up, &self.down),
+        }
+    }
+
     /// The padded blocks' SwiGLU: `xs` `[blocks, cap, H]`, block `b` through expert
     /// `experts[b]`'s `gate_up` `[2I, H]` and `down` `[H, I]`, read in place from the stacks
     /// ([`expert_blocks_matmul`]), rounded where `forward_composed` rounds.
     fn swiglu_blocks(&self, xs: &Tensor, experts: &[u32]) -> Result<Tensor> {
         let (i, p) = (self.intermediate, self.precision);
-        let hidden = expert_blocks_matmul(p, xs, &self.gate_up, experts, self.gemm_inputs)?;
+        let (gate_up_copy, down_copy) = match &self.copies {
+            Some((g, d)) => (Some(g), Some(d)),
+            None => (None, None),
+        };
+        let hidden = expert_blocks_matmul(
+            p,
+            xs,
+            &self.gate_up,
+            gate_up_copy,
+            experts,
+            self.gemm_inputs,
+        )?;
         let a = match swiglu_halves(&hidden)? {
             Some(a) => a,
             None => (hidden.narrow(2, 0, i)?.silu()? * hidden.narrow(2, i, i)?)?,
         };
-        expert_blocks_matmul(p, &p.round(&a)?, &self.down, experts, self.gemm_inputs)
+        expert_blocks_matmul(
+            p,
+            &p.round(&a)?,
+            &self.down,
+            down_copy,
+            experts,
+            self.gemm_inputs,
+        )
     }
 
     /// The same computation from candle's composed ops, expert by expert (other devices and
@@ -459,6 +500,7 @@ mod tests {
         let experts = RoutedExperts {
             gate_up: gu.as_tensor().clone(),
             down: dn.as_tensor().clone(),
+            copies: None,
             intermediate: i,
             precision: Precision::F32,
             gemm_inputs: ExpertGemmInputs::Cast,

@@ -198,8 +198,11 @@ pub fn matmul_wt(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 /// tensor-core GEMM (cuBLAS accumulates in f32 and rounds its output once), the same value
 /// up to the order of the sum, keeping only the f32 operands for its backward
 /// ([`matmul_wt_narrow`]). Its backward on a GPU runs in the 16-bit format too (as
-/// Megatron's does), while the CPU's runs in f32.
-pub fn matmul_wt_at(p: Precision, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+/// Megatron's does), while the CPU's runs in f32. `copy` is `w`'s held 16-bit copy where a
+/// trainer keeps one ([`Weights::hold_narrow_copies`]): the rounded weight is read from it.
+///
+/// [`Weights::hold_narrow_copies`]: crate::weights::Weights::hold_narrow_copies
+pub fn matmul_wt_at(p: Precision, x: &Tensor, w: &Tensor, copy: Option<&Tensor>) -> Result<Tensor> {
     let narrow = match p.narrow_dtype() {
         None => return matmul_wt(x, w),
         Some(narrow) => narrow,
@@ -207,9 +210,9 @@ pub fn matmul_wt_at(p: Precision, x: &Tensor, w: &Tensor) -> Result<Tensor> {
     // The weight may be an inference engine's 16-bit copy (`Weights::narrow_matrices`).
     let f32_operands = x.dtype() == DType::F32 && (w.dtype() == DType::F32 || w.dtype() == narrow);
     if !x.device().is_cpu() && f32_operands {
-        matmul_wt_narrow(x, w, narrow)
+        matmul_wt_narrow(x, w, copy, narrow)
     } else {
-        p.round(&matmul_wt(&p.round(x)?, &p.round(w)?)?)
+        p.round(&matmul_wt(&p.round(x)?, &p.round_weight(w, copy)?)?)
     }
 }
 
@@ -217,14 +220,19 @@ pub fn matmul_wt_at(p: Precision, x: &Tensor, w: &Tensor) -> Result<Tensor> {
 #[derive(Debug, Clone)]
 pub struct Linear {
     weight: Tensor,
+    /// The weight's held 16-bit copy, where a trainer keeps one.
+    copy: Option<Tensor>,
     bias: Option<Tensor>,
     precision: Precision,
 }
 
 impl Linear {
-    /// Loads `{prefix}.weight` (and `{prefix}.bias` if `bias`).
+    /// Loads `{prefix}.weight` (and `{prefix}.bias` if `bias`), and the weight's held 16-bit
+    /// copy where `weights` has one.
     pub fn new(weights: &Weights, prefix: &str, bias: bool) -> Result<Self> {
-        let weight = weights.get(&format!("{prefix}.weight"))?.clone();
+        let name = format!("{prefix}.weight");
+        let weight = weights.get(&name)?.clone();
+        let copy = weights.narrow_copy(&name).cloned();
         let bias = if bias {
             Some(weights.get(&format!("{prefix}.bias"))?.clone())
         } else {
@@ -232,6 +240,7 @@ impl Linear {
         };
         Ok(Linear {
             weight,
+            copy,
             bias,
             precision: Precision::F32,
         })
@@ -266,7 +275,11 @@ impl Linear {
             Some(narrow) if shared => narrow,
             _ => return projections.iter().map(|l| l.forward(x)).collect(),
         };
-        let weights: Vec<&Tensor> = projections.iter().map(|l| &l.weight).collect();
+        // Nothing is differentiated: a held copy serves as the weight itself.
+        let weights: Vec<&Tensor> = projections
+            .iter()
+            .map(|l| l.copy.as_ref().unwrap_or(&l.weight))
+            .collect();
         let f32_operands = x.dtype() == DType::F32
             && weights
                 .iter()
@@ -289,10 +302,11 @@ impl Linear {
             // The bias joins before the one rounding of the output.
             return match &self.bias {
                 Some(b) => {
-                    let y = matmul_wt(&p.round(x)?, &p.round(&self.weight)?)?;
+                    let w = p.round_weight(&self.weight, self.copy.as_ref())?;
+                    let y = matmul_wt(&p.round(x)?, &w)?;
                     p.round(&y.broadcast_add(&p.round(b)?)?)
                 }
-                None => matmul_wt_at(p, x, &self.weight),
+                None => matmul_wt_at(p, x, &self.weight, self.copy.as_ref()),
             };
         }
         let y = matmul_wt(x, &self.weight)?;
@@ -334,6 +348,7 @@ mod tests {
                     .enumerate()
                     .map(|(i, &(n, step))| Linear {
                         weight: f32(ramp(&[n, 12], step)),
+                        copy: None,
                         bias: (with_bias && i == 1).then(|| f32(ramp(&[n], 0.5))),
                         precision,
                     })
@@ -373,6 +388,7 @@ mod tests {
         let b = Tensor::from_slice(&[2f32.powi(-8), 0.0], 2, &dev).expect("b");
         let mut lin = Linear {
             weight: w.as_tensor().clone(),
+            copy: None,
             bias: Some(b),
             precision: Precision::F32,
         };
@@ -410,6 +426,7 @@ mod tests {
         let b = Tensor::from_slice(&[2f32.powi(-11), 0.0], 2, &dev).expect("b");
         let mut lin = Linear {
             weight: w,
+            copy: None,
             bias: Some(b),
             precision: Precision::F32,
         };

@@ -13,13 +13,23 @@ use candle_core::{CustomOp2, DType, Tensor};
 use super::precomputed::{precomputed_fwd, Precomputed};
 use crate::cast16::cast16;
 use crate::error::{ModelError, Result};
+use crate::precision::check_narrow_copy;
 
 /// `x [.., k] · w [n, k]ᵀ → [.., n]` (or a stacked `w [b, n, k]` times `x [b, m, k]`) with
 /// both operands rounded to `narrow` (bf16 / f16), f32 accumulation, the output rounded to
 /// `narrow` and returned as f32. `x` is f32; `w` is f32 or already `narrow` (an inference
-/// engine's weight copy: then no cast at all). Differentiable in `x` and `w`, whose
+/// engine's weight copy: then no cast at all). `copy`, where given, is `w`'s 16-bit copy held
+/// beside it by a trainer ([`Weights::hold_narrow_copies`]): the forward and the input
+/// gradient read it instead of casting `w` again. Differentiable in `x` and `w`, whose
 /// gradients are computed by 16-bit GEMMs too and returned in their own dtypes.
-pub fn matmul_wt_narrow(x: &Tensor, w: &Tensor, narrow: DType) -> Result<Tensor> {
+///
+/// [`Weights::hold_narrow_copies`]: crate::weights::Weights::hold_narrow_copies
+pub fn matmul_wt_narrow(
+    x: &Tensor,
+    w: &Tensor,
+    copy: Option<&Tensor>,
+    narrow: DType,
+) -> Result<Tensor> {
     if x.dtype() != DType::F32 || !(w.dtype() == DType::F32 || w.dtype() == narrow) {
         return Err(ModelError::Input(format!(
             "16-bit matmul of {:?} by {:?}: the input must be f32, the weight f32 or {narrow:?}",
@@ -38,9 +48,12 @@ pub fn matmul_wt_narrow(x: &Tensor, w: &Tensor, narrow: DType) -> Result<Tensor>
             )))
         }
     };
+    if let Some(copy) = copy {
+        check_narrow_copy(w, copy, narrow)?;
+    }
     let x = x.contiguous()?;
     let xn = cast16(&x.detach(), narrow)?;
-    let value = narrowed_product(&xn, w, narrow, stacked)?;
+    let value = narrowed_product(&xn, copy.unwrap_or(w), narrow, stacked)?;
     if !x.track_op() && !w.track_op() {
         // Nothing to differentiate (inference): the value, without the op's copy of it.
         return Ok(value);
@@ -49,6 +62,7 @@ pub fn matmul_wt_narrow(x: &Tensor, w: &Tensor, narrow: DType) -> Result<Tensor>
         value: Precomputed::new(value),
         narrow,
         stacked,
+        copy: copy.map(Tensor::detach),
     };
     Ok(x.apply_op2(w, op)?)
 }
@@ -94,6 +108,8 @@ struct Matmul16 {
     narrow: DType,
     /// `w` is `[b, n, k]`, one matrix per leading index of `x` `[b, m, k]`.
     stacked: bool,
+    /// `w`'s held 16-bit copy, read by the input gradient instead of a cast of `w`.
+    copy: Option<Tensor>,
 }
 
 impl CustomOp2 for Matmul16 {
@@ -113,7 +129,10 @@ impl CustomOp2 for Matmul16 {
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         let n = self.narrow;
         let xn = cast16(&x.detach(), n)?;
-        let wn = cast16(&w.detach(), n)?;
+        let wn = match &self.copy {
+            Some(copy) => copy.clone(),
+            None => cast16(&w.detach(), n)?,
+        };
         let gn = cast16(&grad.detach(), n)?;
         let (dx, dw) = if self.stacked {
             (gn.matmul(&wn)?, gn.t()?.matmul(&xn)?)
@@ -166,7 +185,7 @@ mod tests {
                 let x = Var::from_tensor(&seeded_tensor(xs, 10 + i as u64, DType::F32)).expect("x");
                 let w = Var::from_tensor(&seeded_tensor(ws, 20 + i as u64, DType::F32)).expect("w");
                 let want = composed(&x, &w, n);
-                let got = matmul_wt_narrow(&x, &w, n).expect("op");
+                let got = matmul_wt_narrow(&x, &w, None, n).expect("op");
                 assert_eq!(max_abs_diff(&got, &want), 0.0, "{n:?} case {i} value");
                 let probe = seeded_tensor(want.dims(), 30 + i as u64, DType::F32);
                 let grads = |y: &Tensor| {
@@ -198,12 +217,54 @@ mod tests {
         let x = seeded_tensor(&[2, 3, 8], 40, DType::F32);
         let w = seeded_tensor(&[5, 8], 41, DType::F32);
         let wn = w.to_dtype(DType::BF16).expect("narrow");
-        let a = matmul_wt_narrow(&x, &w, DType::BF16).expect("f32 weight");
-        let b = matmul_wt_narrow(&x, &wn, DType::BF16).expect("bf16 weight");
+        let a = matmul_wt_narrow(&x, &w, None, DType::BF16).expect("f32 weight");
+        let b = matmul_wt_narrow(&x, &wn, None, DType::BF16).expect("bf16 weight");
         assert_eq!(max_abs_diff(&a, &b), 0.0);
-        assert!(matmul_wt_narrow(&x, &w.to_dtype(DType::F16).expect("f16"), DType::BF16).is_err());
+        assert!(
+            matmul_wt_narrow(&x, &w.to_dtype(DType::F16).expect("f16"), None, DType::BF16).is_err()
+        );
         let bad = Tensor::zeros((2, 3), DType::BF16, &candle_core::Device::Cpu).expect("t");
         let w = Tensor::zeros((4, 3), DType::F32, &candle_core::Device::Cpu).expect("t");
-        assert!(matmul_wt_narrow(&bad, &w, DType::BF16).is_err());
+        assert!(matmul_wt_narrow(&bad, &w, None, DType::BF16).is_err());
+    }
+
+    /// With the weight's held 16-bit copy, value and both gradients are bit for bit the
+    /// product's without it (the copy holds the values the op would cast to). A copy made
+    /// different from the weight shows that the forward and the input gradient read it (the
+    /// weight gradient, `gᵀ x`, reads no weight). A copy of another dtype or shape is
+    /// refused.
+    #[test]
+    fn a_held_copy_of_the_weight_gives_the_same_product_and_gradients() {
+        let bits = crate::test_util::f32_bits;
+        for n in [DType::BF16, DType::F16] {
+            let x = Var::from_tensor(&seeded_tensor(&[2, 3, 8], 50, DType::F32)).expect("x");
+            let w = Var::from_tensor(&seeded_tensor(&[5, 8], 51, DType::F32)).expect("w");
+            let probe = seeded_tensor(&[2, 3, 5], 52, DType::F32);
+            let run = |copy: Option<&Tensor>| {
+                let y = matmul_wt_narrow(&x, &w, copy, n).expect("op");
+                let g = (&y * &probe)
+                    .and_then(|l| l.sum_all())
+                    .and_then(|l| l.backward())
+                    .expect("backward");
+                let dx = g.get(&x).expect("dx").clone();
+                let dw = g.get(&w).expect("dw").clone();
+                [y, dx, dw].map(|t| bits(&t))
+            };
+            let copy = w.to_dtype(n).expect("copy");
+            assert_eq!(run(Some(&copy)), run(None), "{n:?}");
+            let other = (w.as_tensor() * 1.5)
+                .and_then(|t| t.to_dtype(n))
+                .expect("other");
+            let [y, dx, dw] = run(Some(&other));
+            let [y0, dx0, dw0] = run(None);
+            assert_ne!(y, y0, "{n:?}: the forward read the copy");
+            assert_ne!(dx, dx0, "{n:?}: the input gradient read the copy");
+            assert_eq!(dw, dw0, "{n:?}: the weight gradient reads no weight");
+            let wrong_shape = seeded_tensor(&[5, 7], 53, DType::F32)
+                .to_dtype(n)
+                .expect("t");
+            assert!(matmul_wt_narrow(&x, &w, Some(&wrong_shape), n).is_err());
+            assert!(matmul_wt_narrow(&x, &w, Some(w.as_tensor()), n).is_err());
+        }
     }
 }

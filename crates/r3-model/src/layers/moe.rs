@@ -146,7 +146,7 @@ impl MoeBlock {
     /// Router logits `[rows, E]` for `x` `[rows, H]`.
     pub fn router_logits(&self, x: &Tensor) -> Result<Tensor> {
         let p = self.precision.router();
-        super::linear::matmul_wt_at(p, x, &self.gate_weight)
+        super::linear::matmul_wt_at(p, x, &self.gate_weight, None)
     }
 
     /// The gates `[n, k]` of the rows' chosen `ids` (`n · k`) from their router logits

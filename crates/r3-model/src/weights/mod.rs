@@ -8,6 +8,7 @@ mod finite;
 mod fused;
 mod header;
 mod io;
+mod narrow_copies;
 pub(crate) mod precision;
 
 pub use finite::{check_finite, check_holds, check_map_holds, HeldTensors};
@@ -30,6 +31,9 @@ use crate::spec::{tensor_specs, tensor_specs_in, weight, ExpertLayout, TensorRol
 #[derive(Debug, Clone)]
 pub struct Weights {
     tensors: BTreeMap<String, Tensor>,
+    /// 16-bit copies of some f32 matrices, held beside them for a mixed-precision trainer
+    /// (`narrow_copies.rs`); none unless [`Weights::hold_narrow_copies`] made them.
+    copies: BTreeMap<String, Tensor>,
 }
 
 /// Scales of seeded random init.
@@ -75,7 +79,10 @@ pub struct LoadOptions {
 impl Weights {
     /// Wraps an existing name→tensor map (not validated; see [`Weights::validate`]).
     pub fn from_map(tensors: BTreeMap<String, Tensor>) -> Self {
-        Weights { tensors }
+        Weights {
+            tensors,
+            copies: BTreeMap::new(),
+        }
     }
 
     /// The name→tensor map.
@@ -102,8 +109,10 @@ impl Weights {
 
     /// The same weights with every MoE layer's experts fused (copies the expert tensors).
     pub fn fuse_experts(self, cfg: &Config) -> Result<Weights> {
+        // Held copies are of trained (fused) weights: their names do not change.
         Ok(Weights {
             tensors: fused::fuse_experts(self.tensors, cfg)?,
+            copies: self.copies,
         })
     }
 
@@ -113,9 +122,7 @@ impl Weights {
             return Ok(self);
         }
         let split = fused::unfuse_experts(self.tensors.into_iter().collect(), cfg)?;
-        Ok(Weights {
-            tensors: split.into_iter().collect(),
-        })
+        Ok(Weights::from_map(split.into_iter().collect()))
     }
 
     /// Checks that every tensor the config requires is present with its shape, with the
@@ -175,7 +182,7 @@ impl Weights {
             let first = tensors.keys().min().cloned().unwrap_or_default();
             tracing::warn!(unused, first = %first, "checkpoint tensors not used by the config (e.g. MTP layers)");
         }
-        Ok(Weights { tensors: out })
+        Ok(Weights::from_map(out))
     }
 
     /// Writes `config.json` and `model.safetensors` (HF per-expert names, current dtypes)
@@ -202,7 +209,7 @@ impl Weights {
             let t = Tensor::from_vec(data, spec.shape.as_slice(), device)?;
             tensors.insert(spec.name, t);
         }
-        Ok(Weights { tensors })
+        Ok(Weights::from_map(tensors))
     }
 
     /// Seeded random weights for `cfg` (f32) drawn by `device`'s own generator: on a GPU
@@ -231,7 +238,7 @@ impl Weights {
             };
             tensors.insert(spec.name, t);
         }
-        Ok(Weights { tensors })
+        Ok(Weights::from_map(tensors))
     }
 
     /// Makes every trainable tensor a candle `Var` (same dtype, fresh storage) registered in a
@@ -267,7 +274,7 @@ impl Weights {
                 }
             }
         }
-        Ok((varmap, Weights { tensors }))
+        Ok((varmap, Weights::from_map(tensors)))
     }
 
     /// For inference at a 16-bit precision (`Precision::narrow_dtype` gives `narrow`): every
@@ -300,7 +307,21 @@ impl Weights {
                 }
             }
         }
-        Ok(Weights { tensors })
+        Ok(Weights::from_map(tensors))
+    }
+
+    /// The same weights as detached views (no copy; a variable's view sees its later
+    /// updates), with the same held 16-bit copies: a model built from them builds no autograd
+    /// graph.
+    pub fn detached(&self) -> Weights {
+        Weights {
+            tensors: self
+                .tensors
+                .iter()
+                .map(|(k, t)| (k.clone(), t.detach()))
+                .collect(),
+            copies: self.copies.clone(),
+        }
     }
 
     /// Snapshot of the current values: every tensor detached from the graph and copied.
@@ -309,7 +330,7 @@ impl Weights {
         for (name, t) in &self.tensors {
             tensors.insert(name.clone(), t.detach().copy()?);
         }
-        Ok(Weights { tensors })
+        Ok(Weights::from_map(tensors))
     }
 
     /// Converts every tensor to `dtype` (e.g. f16 for an inference engine).
@@ -318,7 +339,7 @@ impl Weights {
         for (name, t) in &self.tensors {
             tensors.insert(name.clone(), t.to_dtype(dtype)?);
         }
-        Ok(Weights { tensors })
+        Ok(Weights::from_map(tensors))
     }
 }
 

@@ -58,6 +58,19 @@ pub const FAMILIES: [&str; 7] = [
     "qwen3",
 ];
 
+/// The bits of a tensor's values (on any device, widened to f32: exact from bf16 / f16), for
+/// bit-for-bit comparisons.
+pub fn bits(t: &candle_core::Tensor) -> Vec<u32> {
+    t.to_device(&Device::Cpu)
+        .and_then(|t| t.to_dtype(DType::F32))
+        .and_then(|t| t.flatten_all())
+        .and_then(|t| t.to_vec1::<f32>())
+        .expect("values")
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
+}
+
 /// Parsed tiny config.
 pub fn tiny_config(family: &str) -> Config {
     Config::from_value(tiny_json(family)).expect("tiny config")

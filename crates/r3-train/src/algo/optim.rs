@@ -21,6 +21,7 @@ use crate::algo::fused_optim::{
 use crate::error::{Result, TrainError};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
+use r3_model::cast16::cast16_into;
 use r3_model::optim_pass::{adamw_pass_on_device, StagedOnDevice};
 use r3_model::WeightPrecision;
 use rayon::prelude::*;
@@ -108,6 +109,20 @@ struct Slot {
     decay: bool,
     m: Tensor,
     v: Tensor,
+    /// The variable's held 16-bit copy, rewritten after each update of the variable
+    /// ([`AdamW::hold_narrow_copies`]).
+    copy: Option<Var>,
+}
+
+impl Slot {
+    /// Rewrites the held copy (if any) from the variable's current values, in place.
+    fn refresh_copy(&self) -> Result<()> {
+        if let Some(copy) = &self.copy {
+            // One pass into the copy's own storage (no new buffer, no second copy).
+            cast16_into(self.var.as_tensor(), copy.as_tensor())?;
+        }
+        Ok(())
+    }
 }
 
 /// What [`AdamW::step`] did.
@@ -185,6 +200,7 @@ impl AdamW {
                     m: zeros.clone(),
                     v: zeros,
                     var,
+                    copy: None,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -214,6 +230,50 @@ impl AdamW {
     /// either way; [`AdamWKernel::Fused`] is the default).
     pub fn set_kernel(&mut self, kernel: AdamWKernel) {
         self.kernel = kernel;
+    }
+
+    /// Holds 16-bit copies of variables (`Weights::hold_narrow_copies`: each named as its
+    /// variable, of its shape, in bf16 or f16): each is rewritten from its variable now and
+    /// after every update that changes it, in the update's commit, so a forward that reads
+    /// the copies always reads the current weights rounded (Megatron's bf16 model parameters
+    /// refreshed from its fp32 main parameters). A name that is not a variable here, or a
+    /// copy of another shape or of a dtype other than bf16 / f16, is refused and nothing is
+    /// held.
+    pub fn hold_narrow_copies(&mut self, copies: Vec<(String, Var)>) -> Result<()> {
+        let mut placed = Vec::with_capacity(copies.len());
+        for (name, copy) in copies {
+            let i = self
+                .slots
+                .binary_search_by(|s| s.name.as_str().cmp(&name))
+                .map_err(|_| TrainError::InvalidConfig {
+                    field: "narrow weight copies",
+                    reason: format!("{name} is not a variable of the optimiser"),
+                })?;
+            let var = &self.slots[i].var;
+            if !matches!(copy.dtype(), DType::BF16 | DType::F16) || copy.dims() != var.dims() {
+                return Err(TrainError::InvalidConfig {
+                    field: "narrow weight copies",
+                    reason: format!(
+                        "the copy of {name} is {:?} {:?}, the variable {:?}: expected bf16 or \
+                         f16 of the variable's shape",
+                        copy.dtype(),
+                        copy.dims(),
+                        var.dims()
+                    ),
+                });
+            }
+            placed.push((i, copy));
+        }
+        for (i, copy) in placed {
+            self.slots[i].copy = Some(copy);
+            self.slots[i].refresh_copy()?;
+        }
+        Ok(())
+    }
+
+    /// How many variables have a held 16-bit copy.
+    pub fn narrow_copies_held(&self) -> usize {
+        self.slots.iter().filter(|s| s.copy.is_some()).count()
     }
 
     /// Completed update steps.
@@ -357,6 +417,7 @@ impl AdamW {
                     slot.v = v;
                 }
             }
+            slot.refresh_copy()?;
         }
         self.step = t;
         Ok(AdamWStep::Applied)

@@ -22,6 +22,13 @@ pub struct TrainPrecisionConfig {
     /// Where the policy, its gradients and the optimiser live: `cpu`, `cuda` or `cuda:N`
     /// (needs a build with the `cuda` feature, `scripts/cuda/build.sh`). Default `cpu`.
     pub device: String,
+    /// In bf16 / f16: whether a 16-bit copy of every weight matrix is held beside its f32
+    /// master weight, rewritten by the optimiser after each update and read by the matmuls
+    /// instead of a cast of the weight at every use (Megatron's bf16 model parameters; 2
+    /// bytes more per parameter, the same results bit for bit). `auto` (on a GPU, where the
+    /// casts are a pass over every weight each; on the CPU the rounding costs the same
+    /// either way), `on` or `off`. Default `auto`.
+    pub narrow_weight_copies: String,
 }
 
 impl Default for TrainPrecisionConfig {
@@ -30,6 +37,7 @@ impl Default for TrainPrecisionConfig {
             dtype: "f32".into(),
             router_dtype: "model".into(),
             device: "cpu".into(),
+            narrow_weight_copies: "auto".into(),
         }
     }
 }
@@ -38,6 +46,25 @@ impl TrainPrecisionConfig {
     /// The device these settings name (not yet opened); an unknown name is an error.
     pub fn device_spec(&self) -> Result<DeviceSpec> {
         Ok(self.device.parse::<DeviceSpec>()?)
+    }
+
+    /// Whether the policy holds 16-bit copies of its weights (`narrow_weight_copies`) when
+    /// it lives on `device`; an unknown value, or `on` in f32, is a config error.
+    pub fn holds_narrow_copies(&self, device: &candle_core::Device) -> Result<bool> {
+        let mixed = self.precision()?.is_mixed();
+        match self.narrow_weight_copies.as_str() {
+            "auto" => Ok(mixed && !device.is_cpu()),
+            "on" if mixed => Ok(true),
+            "on" => Err(TrainError::InvalidConfig {
+                field: "train.narrow_weight_copies",
+                reason: "`on` needs train.dtype = bf16 or f16 (f32 has nothing to copy)".into(),
+            }),
+            "off" => Ok(false),
+            other => Err(TrainError::InvalidConfig {
+                field: "train.narrow_weight_copies",
+                reason: format!("`{other}` must be `auto`, `on` or `off`"),
+            }),
+        }
     }
 
     /// The forward precision these settings name; an unknown value is a config error.
@@ -76,7 +103,7 @@ mod tests {
         let cfg = |dtype: &str, router: &str| TrainPrecisionConfig {
             dtype: dtype.into(),
             router_dtype: router.into(),
-            device: "cpu".into(),
+            ..TrainPrecisionConfig::default()
         };
         assert_eq!(
             TrainPrecisionConfig::default().precision().ok(),
@@ -96,6 +123,43 @@ mod tests {
         );
         assert!(cfg("f8", "model").precision().is_err());
         assert!(cfg("bf16", "f8").precision().is_err());
+    }
+
+    /// `auto` holds copies in bf16 / f16 off the CPU only; `on` holds them in bf16 / f16
+    /// anywhere and is refused in f32; `off` never; other values are refused.
+    #[test]
+    fn narrow_weight_copies_follow_the_setting_the_dtype_and_the_device() {
+        let cpu = candle_core::Device::Cpu;
+        let with = |dtype: &str, copies: &str| TrainPrecisionConfig {
+            dtype: dtype.into(),
+            narrow_weight_copies: copies.into(),
+            ..TrainPrecisionConfig::default()
+        };
+        assert_eq!(
+            with("bf16", "auto").holds_narrow_copies(&cpu).ok(),
+            Some(false)
+        );
+        assert_eq!(
+            with("bf16", "on").holds_narrow_copies(&cpu).ok(),
+            Some(true)
+        );
+        assert_eq!(with("f16", "on").holds_narrow_copies(&cpu).ok(), Some(true));
+        assert_eq!(
+            with("bf16", "off").holds_narrow_copies(&cpu).ok(),
+            Some(false)
+        );
+        assert_eq!(
+            with("f32", "auto").holds_narrow_copies(&cpu).ok(),
+            Some(false)
+        );
+        let err = with("f32", "on")
+            .holds_narrow_copies(&cpu)
+            .expect_err("f32 on");
+        assert!(
+            err.to_string().contains("train.narrow_weight_copies"),
+            "{err}"
+        );
+        assert!(with("bf16", "yes").holds_narrow_copies(&cpu).is_err());
     }
 
     #[test]

@@ -274,15 +274,32 @@ impl TrainablePolicy {
         )?)
     }
 
-    /// Current values, detached, under HF names (routed experts fused, as trained).
+    /// Holds a 16-bit copy (the precision's: bf16 or f16) of every weight matrix beside its
+    /// f32 variable (`Weights::hold_narrow_copies`), read by the models handed out from now
+    /// on instead of a cast of the weight at every matmul. Returns the copies for the
+    /// optimiser, which must rewrite them after each update (`AdamW::hold_narrow_copies`):
+    /// until it holds them, do not update the variables. An f32 precision has nothing to
+    /// copy and is refused.
+    pub fn hold_narrow_copies(&mut self) -> Result<Vec<(String, Var)>> {
+        let narrow = self
+            .precision
+            .narrow_dtype()
+            .ok_or_else(|| TrainError::InvalidConfig {
+                field: "train.narrow_weight_copies",
+                reason: "16-bit weight copies need train.dtype = bf16 or f16".into(),
+            })?;
+        Ok(self.weights.hold_narrow_copies(&self.cfg, narrow)?)
+    }
+
+    /// Whether 16-bit copies of the weights are held ([`TrainablePolicy::hold_narrow_copies`]).
+    pub fn holds_narrow_copies(&self) -> bool {
+        !self.weights.narrow_copies().is_empty()
+    }
+
+    /// Current values, detached, under HF names (routed experts fused, as trained), with the
+    /// held 16-bit copies where there are some (detached views: no copy).
     pub fn detached(&self) -> Weights {
-        Weights::from_map(
-            self.weights
-                .tensors()
-                .iter()
-                .map(|(k, t)| (k.clone(), t.detach()))
-                .collect(),
-        )
+        self.weights.detached()
     }
 
     /// Current values as the name→tensor map the rollout engine loads: HF names with the

@@ -106,6 +106,10 @@ impl Trainer {
         check_map_holds(&policy.tensor_map()?, rollout_precision)?;
         let mut optimizer = AdamW::new(policy.vars().to_vec(), params, decay_matrices_only)?;
         optimizer.set_weight_precision(rollout_precision);
+        if cfg.train.holds_narrow_copies(&policy.device())? {
+            // The optimiser rewrites the copies after every update it applies.
+            optimizer.hold_narrow_copies(policy.hold_narrow_copies()?)?;
+        }
         let eos = config_eos_ids(policy.config());
         let reward = Reward::from_spec(&cfg.reward, cfg.task.format_reward as f32);
         let (step, prompts) = match resume {
