@@ -145,6 +145,10 @@ fn the_optimiser_keeps_the_copies_current_and_stale_ones_would_show() {
         .hold_narrow_copies(held.hold_narrow_copies().expect("copies"))
         .expect("held");
     assert!(held_opt.narrow_copies_held() > 0 && held.holds_narrow_copies());
+    assert!(
+        held.hold_narrow_copies().is_err(),
+        "a second set of copies is refused"
+    );
     // Copies the optimiser does not know of: they go stale.
     let mut stale = policy();
     let _unrefreshed = stale.hold_narrow_copies().expect("copies");

@@ -116,17 +116,14 @@ impl RouteGeometry {
             routes.len() / self.row()
         };
         let from = from.min(rows);
-        let ids: Vec<i64> = routes[from * self.row()..]
-            .iter()
-            .map(|&v| i64::from(v))
-            .collect();
-        let mut t = RouteTable::from_flat(
+        // Read in place (no widened copy of every id first).
+        let mut t = RouteTable::from_flat_values(
             self.num_experts,
             self.top_k,
             LayerSpace::MoeOnly,
             self.layers.clone(),
             from,
-            &ids,
+            &routes[from * self.row()..],
         )?;
         t.set_versions(versions[from..rows].to_vec())?;
         Ok(t)

@@ -279,8 +279,15 @@ impl TrainablePolicy {
     /// on instead of a cast of the weight at every matmul. Returns the copies for the
     /// optimiser, which must rewrite them after each update (`AdamW::hold_narrow_copies`):
     /// until it holds them, do not update the variables. An f32 precision has nothing to
-    /// copy and is refused.
+    /// copy and is refused, and so is a second call (the copies the optimiser holds would no
+    /// longer be the ones read).
     pub fn hold_narrow_copies(&mut self) -> Result<Vec<(String, Var)>> {
+        if self.holds_narrow_copies() {
+            return Err(TrainError::InvalidConfig {
+                field: "train.narrow_weight_copies",
+                reason: "the policy holds 16-bit weight copies already".into(),
+            });
+        }
         let narrow = self
             .precision
             .narrow_dtype()

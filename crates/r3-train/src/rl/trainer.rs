@@ -108,7 +108,17 @@ impl Trainer {
         optimizer.set_weight_precision(rollout_precision);
         if cfg.train.holds_narrow_copies(&policy.device())? {
             // The optimiser rewrites the copies after every update it applies.
-            optimizer.hold_narrow_copies(policy.hold_narrow_copies()?)?;
+            let copies = policy.hold_narrow_copies()?;
+            let bytes: usize = copies
+                .iter()
+                .map(|(_, c)| c.elem_count() * c.dtype().size_in_bytes())
+                .sum();
+            tracing::info!(
+                matrices = copies.len(),
+                mib = bytes >> 20,
+                "holding 16-bit copies of the weight matrices (train.narrow_weight_copies)"
+            );
+            optimizer.hold_narrow_copies(copies)?;
         }
         let eos = config_eos_ids(policy.config());
         let reward = Reward::from_spec(&cfg.reward, cfg.task.format_reward as f32);
