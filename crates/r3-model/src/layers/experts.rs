@@ -145,9 +145,13 @@ impl RoutedExperts {
     /// rows: a decode step at a small batch. The rounding points of the dispatched forms;
     /// with `round_output` the sum is also rounded at this block's precision (the MoE
     /// block's output rounding, where nothing is added to it: done in the combine's pass).
+    /// `narrowed`, where given, is `x` already cast to this block's 16-bit float (a GPU step
+    /// narrows the block input once for the router's GEMM and these): the 16-bit GEMMs read
+    /// it instead of casting `x` again.
     pub fn forward_gathered(
         &self,
         x: &Tensor,
+        narrowed: Option<&Tensor>,
         gates: &Tensor,
         ids: &Tensor,
         round_output: bool,
@@ -166,7 +170,12 @@ impl RoutedExperts {
             return Ok(x.zeros_like()?);
         }
         let chosen = ids.flatten_all()?;
-        if let Some(out) = self.forward_gathered_narrow(x, gates, &chosen, round_output)? {
+        let rows_narrow = narrowed.filter(|n| {
+            Some(n.dtype()) == p.narrow_dtype() && n.dims() == x.dims() && !n.track_op()
+        });
+        if let Some(out) =
+            self.forward_gathered_narrow(rows_narrow.unwrap_or(x), gates, &chosen, round_output)?
+        {
             return Ok(out);
         }
         let (gate_up, down) = self.stacks_read();
@@ -206,7 +215,8 @@ impl RoutedExperts {
     /// whose output the combine reads (`expert_slots_matmul_narrow`, `swiglu_halves_narrow`,
     /// `combine_slots_in_order`). The same values as the f32 forms, which widen each GEMM's
     /// 16-bit output and narrow the SwiGLU's (exact conversions and the same rounding), in
-    /// three kernels fewer. None where it does not apply.
+    /// three kernels fewer. `x` is f32 or already in the 16-bit float. None where it does
+    /// not apply.
     fn forward_gathered_narrow(
         &self,
         x: &Tensor,

@@ -69,7 +69,12 @@ pub fn matmul_wt_narrow(
 
 /// `xn · w` for the input already in `narrow` (`xn`, contiguous) and `w` f32 or `narrow`:
 /// the weight cast, one 16-bit GEMM, the output widened to f32.
-fn narrowed_product(xn: &Tensor, w: &Tensor, narrow: DType, stacked: bool) -> Result<Tensor> {
+pub(crate) fn narrowed_product(
+    xn: &Tensor,
+    w: &Tensor,
+    narrow: DType,
+    stacked: bool,
+) -> Result<Tensor> {
     let wn = cast16(&w.detach(), narrow)?;
     let value = if xn.rank() == 2 && !stacked {
         xn.matmul(&wn.t()?)?

@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use rayon::prelude::*;
 
 use super::dispatch::Dispatch;
@@ -14,8 +14,10 @@ use super::expert_gemm::ExpertGemmInputs;
 use super::experts::RoutedExperts;
 use super::gather_rows::GatherRows;
 use super::linear::Linear;
+use super::matmul16::narrowed_product;
 use super::mlp::SwiGlu;
 use super::route_rows::route_softmax_rows;
+use crate::cast16::cast16;
 use crate::config::{Config, SharedExpert};
 use crate::error::{ModelError, Result};
 use crate::precision::Precision;
@@ -297,14 +299,33 @@ impl MoeBlock {
     /// layer while the host queues the next; the chosen ids stay on the device for one copy a
     /// step. For the rows of a decode step at a small batch (each slot reads its expert).
     pub(crate) fn forward_routed_on_device(&self, x: &Tensor) -> Result<(Tensor, DeviceRoutes)> {
-        let logits = self.router_logits(x)?;
+        // Where the router's GEMM and the experts' share a 16-bit input on a GPU, the input is
+        // narrowed once for both (each GEMM cast it before): the same values, a kernel fewer.
+        let shared_narrow = match (self.precision.narrow_dtype(), self.precision.router()) {
+            (Some(narrow), router) if router.narrow_dtype() == Some(narrow) => Some(narrow),
+            _ => None,
+        }
+        .filter(|_| x.device().is_cuda() && x.dtype() == DType::F32 && !x.track_op());
+        let narrowed = match shared_narrow {
+            Some(narrow) => Some((cast16(&x.contiguous()?, narrow)?, narrow)),
+            None => None,
+        };
+        let logits = match &narrowed {
+            // `matmul_wt_at`'s GPU form on the input it would have cast.
+            Some((xn, narrow)) => narrowed_product(xn, &self.gate_weight, *narrow, false)?,
+            None => self.router_logits(x)?,
+        };
         let choice = route_softmax_rows(&self.router, &logits)?;
         // Without a shared expert the block output is the routed sum rounded: the experts
         // round it in their combine's pass.
         let alone = matches!(self.shared, Shared::None);
-        let routed = self
-            .experts
-            .forward_gathered(x, &choice.gates, &choice.ids, alone)?;
+        let routed = self.experts.forward_gathered(
+            x,
+            narrowed.as_ref().map(|(xn, _)| xn),
+            &choice.gates,
+            &choice.ids,
+            alone,
+        )?;
         let output = if alone {
             routed
         } else {
