@@ -66,7 +66,7 @@ pub fn rounding_for(narrow: DType, what: &str) -> candle_core::Result<fn(&mut [f
 
 /// Values a task of [`rounded_copy`] takes: large enough that a task outweighs its dispatch,
 /// small enough that a bf16 training step's activations split over every thread.
-const ELEMS_PER_TASK: usize = 1 << 16;
+pub(crate) const ELEMS_PER_TASK: usize = 1 << 16;
 
 /// `src` rounded by `round` into a new vector, in one pass, chunks side by side on the rayon
 /// pool (every value is rounded on its own, so the result does not depend on the threads).
