@@ -179,3 +179,28 @@ fn the_optimiser_keeps_the_copies_current_and_stale_ones_would_show() {
     copies[0].0 = "no.such.weight".into();
     assert!(optimiser(&other).hold_narrow_copies(copies).is_err());
 }
+
+/// Replacing a buffer (DeepSeek's selection bias, which aux-loss-free balancing updates)
+/// keeps the held copies: models handed out afterwards still read them.
+#[test]
+fn a_buffer_update_keeps_the_copies() {
+    let deep = Path::new("../../models/deep-moe");
+    let mut policy = TrainablePolicy::load(deep).expect("deep-moe");
+    policy.set_precision(Precision::Bf16 { router_f32: false });
+    let _copies = policy.hold_narrow_copies().expect("copies");
+    let name = policy
+        .detached()
+        .tensors()
+        .keys()
+        .find(|k| k.ends_with("e_score_correction_bias"))
+        .cloned()
+        .expect("a selection bias buffer");
+    let values = policy.buffer(&name).expect("buffer");
+    policy
+        .set_buffer(&name, values.iter().map(|v| v + 0.01).collect())
+        .expect("set");
+    assert!(
+        policy.holds_narrow_copies(),
+        "the copies survive a buffer update"
+    );
+}

@@ -355,13 +355,16 @@ impl TrainablePolicy {
             });
         }
         let new = Tensor::from_vec(values, old.shape(), old.device())?.to_dtype(old.dtype())?;
+        // A buffer has no copy; the matrices' held copies stay (the optimiser rewrites them).
+        let copies = self.weights.narrow_copies().clone();
         self.weights = Weights::from_map(
             self.weights
                 .tensors()
                 .iter()
                 .map(|(k, t)| (k.clone(), if k == name { new.clone() } else { t.clone() }))
                 .collect(),
-        );
+        )
+        .with_narrow_copies(copies)?;
         Ok(())
     }
 
