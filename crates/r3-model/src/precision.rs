@@ -93,30 +93,6 @@ impl Precision {
         Ok(t.apply_op1(RoundTo { narrow })?)
     }
 
-    /// A weight `w` (f32) rounded at this precision ([`Precision::round`]), read from `copy`
-    /// where one is given: the weight's 16-bit copy held beside it
-    /// ([`Weights::hold_narrow_copies`]), whose values are the rounding's, so nothing is
-    /// rounded per use. The gradient reaches `w` as through [`Precision::round`]. A `copy`
-    /// not in this precision's 16-bit float or not shaped as `w` is refused; in f32 mode the
-    /// copy is not read.
-    ///
-    /// [`Weights::hold_narrow_copies`]: crate::weights::Weights::hold_narrow_copies
-    pub fn round_weight(self, w: &Tensor, copy: Option<&Tensor>) -> Result<Tensor> {
-        let (narrow, copy) = match (self.narrow_dtype(), copy) {
-            (Some(narrow), Some(copy)) if w.dtype() == DType::F32 => (narrow, copy),
-            _ => return self.round(w),
-        };
-        check_narrow_copy(w, copy, narrow)?;
-        let value = crate::cast16::cast16(&copy.detach(), DType::F32)?;
-        if !w.track_op() {
-            return Ok(value);
-        }
-        Ok(w.apply_op1(WeightFromCopy {
-            value: crate::layers::precomputed::Precomputed::new(value),
-            narrow,
-        })?)
-    }
-
     /// `a + b` rounded at this precision (the residual stream's rounding point): in bf16 /
     /// f16 with nothing differentiated, for same-shaped f32 operands on the CPU or a GPU, one
     /// pass ([`AddRounded`]: on a GPU one kernel where the sum and the rounding were two);
@@ -176,34 +152,6 @@ pub(crate) fn check_narrow_copy(w: &Tensor, copy: &Tensor, narrow: DType) -> Res
         )));
     }
     Ok(())
-}
-
-/// A weight rounded to a 16-bit float, its value read from the weight's held copy
-/// ([`Precision::round_weight`]); the backward is [`RoundTo`]'s.
-#[derive(Debug)]
-struct WeightFromCopy {
-    value: crate::layers::precomputed::Precomputed,
-    narrow: DType,
-}
-
-impl CustomOp1 for WeightFromCopy {
-    fn name(&self) -> &'static str {
-        "weight-from-16-bit-copy"
-    }
-
-    crate::layers::precomputed::precomputed_fwd!(1);
-
-    fn bwd(
-        &self,
-        arg: &Tensor,
-        res: &Tensor,
-        grad: &Tensor,
-    ) -> candle_core::Result<Option<Tensor>> {
-        RoundTo {
-            narrow: self.narrow,
-        }
-        .bwd(arg, res, grad)
-    }
 }
 
 /// `a + b` of two same-shaped contiguous f32 tensors, rounded to a 16-bit float and widened

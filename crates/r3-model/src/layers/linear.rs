@@ -5,14 +5,16 @@
 //! accumulate it with a strided add, an extra full pass over every weight per step (the
 //! expert weights dominate this model's parameters).
 
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor, WithDType};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Tensor, WithDType};
 
 use super::gemm::{matmul_vec, MatRef};
 use super::matmul16::{matmul_wt_narrow, matmul_wt_narrow_shared};
+use super::precomputed::{precomputed_fwd, Precomputed};
+use crate::cast16::cast16;
 use crate::error::Result;
 use crate::host::with_host;
 use crate::math::Float;
-use crate::precision::Precision;
+use crate::precision::{check_narrow_copy, Precision, RoundTo};
 use crate::weights::Weights;
 
 /// `x [.., k] · w [n, k]ᵀ → [.., n]`, differentiable in both arguments. Leading dimensions
@@ -212,7 +214,58 @@ pub fn matmul_wt_at(p: Precision, x: &Tensor, w: &Tensor, copy: Option<&Tensor>)
     if !x.device().is_cpu() && f32_operands {
         matmul_wt_narrow(x, w, copy, narrow)
     } else {
-        p.round(&matmul_wt(&p.round(x)?, &p.round_weight(w, copy)?)?)
+        p.round(&matmul_wt(&p.round(x)?, &round_weight(p, w, copy)?)?)
+    }
+}
+
+/// A weight `w` (f32) rounded at precision `p` ([`Precision::round`]), read from `copy` where
+/// one is given: the weight's 16-bit copy held beside it ([`Weights::hold_narrow_copies`]),
+/// whose values are the rounding's, so nothing is rounded per use. The gradient reaches `w`
+/// as through [`Precision::round`]. A `copy` not in `p`'s 16-bit float or not shaped as `w`
+/// is refused; in f32 the copy is not read.
+///
+/// [`Weights::hold_narrow_copies`]: crate::weights::Weights::hold_narrow_copies
+pub(crate) fn round_weight(p: Precision, w: &Tensor, copy: Option<&Tensor>) -> Result<Tensor> {
+    let (narrow, copy) = match (p.narrow_dtype(), copy) {
+        (Some(narrow), Some(copy)) if w.dtype() == DType::F32 => (narrow, copy),
+        _ => return p.round(w),
+    };
+    check_narrow_copy(w, copy, narrow)?;
+    let value = cast16(&copy.detach(), DType::F32)?;
+    if !w.track_op() {
+        return Ok(value);
+    }
+    Ok(w.apply_op1(WeightFromCopy {
+        value: Precomputed::new(value),
+        narrow,
+    })?)
+}
+
+/// A weight rounded to a 16-bit float, its value read from the weight's held copy
+/// ([`round_weight`]); the backward is [`RoundTo`]'s.
+#[derive(Debug)]
+struct WeightFromCopy {
+    value: Precomputed,
+    narrow: DType,
+}
+
+impl CustomOp1 for WeightFromCopy {
+    fn name(&self) -> &'static str {
+        "weight-from-16-bit-copy"
+    }
+
+    precomputed_fwd!(1);
+
+    fn bwd(
+        &self,
+        arg: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        RoundTo {
+            narrow: self.narrow,
+        }
+        .bwd(arg, res, grad)
     }
 }
 
@@ -302,7 +355,7 @@ impl Linear {
             // The bias joins before the one rounding of the output.
             return match &self.bias {
                 Some(b) => {
-                    let w = p.round_weight(&self.weight, self.copy.as_ref())?;
+                    let w = round_weight(p, &self.weight, self.copy.as_ref())?;
                     let y = matmul_wt(&p.round(x)?, &w)?;
                     p.round(&y.broadcast_add(&p.round(b)?)?)
                 }
