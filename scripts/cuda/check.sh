@@ -19,7 +19,8 @@
 #    parameter's gradient), the HF oracle fixtures on CUDA, AdamW and the policy update;
 # 2. `r3 train --set train.device=cuda --set steps=20`: replay.verified_frac = 1 in every
 #    step and step 1's rewards equal to a CPU run's (the rollouts come from the same engine
-#    with the same weights and seed);
+#    with the same weights and seed); then 3 bf16 steps with the held bf16 weight copies and
+#    3 without, their metrics compared (`train-bf16-copies`: same or where they differ);
 # 3. `r3 bench train` on CUDA beside scripts/cuda/peer_hf.py (HF transformers on the same
 #    GPU, the same config and batch): mid in f32 and bf16, the 8-layer 30B-A3B shape in bf16;
 #    each bf16 run also beside HF with f32 parameters under autocast (`--dtype amp-bf16`, its
@@ -149,6 +150,39 @@ print(("pass" if not bad and same else "FAIL")
 PY
 )
 verdict train-cuda "$train_verdict"
+# bf16 training on the GPU with its held bf16 weight copies (`auto` there) and without them
+# (every matmul casting its f32 weight): the same arithmetic, so the same metrics if the GPU's
+# kernels are deterministic run to run (reported, not required: cuBLAS may pick another
+# algorithm).
+if [ "$(left)" -ge 60 ]; then
+    for copies in on off; do
+        timeout "$(limit 40)" "$bin/r3" train --set train.device=cuda --set train.dtype=bf16 \
+            --set train.narrow_weight_copies=$copies --set steps=3 --set eval.every=0 \
+            --set checkpoint.every=0 --set run_dir="$work/train-bf16-$copies" \
+            > "$work/train-bf16-$copies.txt" 2>&1
+    done
+    copies_verdict=$("$python" - "$work" <<'PY'
+import json, sys
+out = sys.argv[1]
+def rows(name):
+    try:
+        with open(f"{out}/{name}/metrics.jsonl") as f:
+            return [{k: v for k, v in json.loads(line).items()
+                     if not k.startswith(("time.", "throughput.", "memory."))}
+                    for line in f if line.strip()]
+    except OSError:
+        return []
+on, off = rows("train-bf16-on"), rows("train-bf16-off")
+if len(on) < 3 or len(off) < 3:
+    print(f"FAIL({len(on)} / {len(off)} steps with / without copies)"); sys.exit()
+diff = [(i + 1, k) for i, (a, b) in enumerate(zip(on, off)) for k in a if a[k] != b.get(k)]
+verified = all(r.get("replay.verified_frac") == 1.0 for r in on)
+print(("same" if not diff else f"differ(first at step {diff[0][0]}: {diff[0][1]})")
+      + f"(verified_frac=1 every step: {verified})")
+PY
+)
+    verdict train-bf16-copies "$copies_verdict"
+fi
 echo "   training runs took $(( $(date +%s) - t0 )) s"
 fi
 
