@@ -139,21 +139,6 @@ impl RoundTo {
     }
 }
 
-/// Refuses a weight's 16-bit copy that is not `narrow` or not shaped as the weight `w`.
-pub(crate) fn check_narrow_copy(w: &Tensor, copy: &Tensor, narrow: DType) -> Result<()> {
-    if copy.dtype() != narrow || copy.dims() != w.dims() {
-        return Err(crate::error::ModelError::Input(format!(
-            "a weight's 16-bit copy is {:?} {:?}, its weight {:?} {:?}: expected {narrow:?} of \
-             the weight's shape",
-            copy.dtype(),
-            copy.dims(),
-            w.dtype(),
-            w.dims()
-        )));
-    }
-    Ok(())
-}
-
 /// `a + b` of two same-shaped contiguous f32 tensors, rounded to a 16-bit float and widened
 /// back, as one op with no backward ([`Precision::add_rounded`]).
 #[derive(Debug, Clone, Copy)]

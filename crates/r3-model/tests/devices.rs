@@ -19,7 +19,7 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 use common::{
-    bits, covering_tables, sequences, sorted_experts, tiny_config, tiny_weights, FAMILIES,
+    bits, covering_tables, probe, sequences, sorted_experts, tiny_config, tiny_weights, FAMILIES,
 };
 use r3_model::token_stats::{entropy, token_log_probs};
 use r3_model::{Batch, Config, ForwardOutput, Model, ReplayRoutes, Routing, Weights};
@@ -74,24 +74,6 @@ fn max_abs(t: &Tensor) -> f32 {
 fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
     let b = b.to_device(a.device()).expect("to cpu");
     max_abs(&(a - b).expect("sub"))
-}
-
-/// A fixed projection of the logits so the loss reaches every output (zero on padding).
-fn probe(lengths: &[usize], vocab: usize, device: &Device) -> Tensor {
-    let t = lengths.iter().copied().max().unwrap_or(0);
-    let data: Vec<f32> = lengths
-        .iter()
-        .enumerate()
-        .flat_map(|(b, &len)| {
-            (0..t).flat_map(move |i| {
-                (0..vocab).map(move |j| match i < len {
-                    true => ((b * 31 + i * 17 + j * 7) % 23) as f32 / 23.0 - 0.5,
-                    false => 0.0,
-                })
-            })
-        })
-        .collect();
-    Tensor::from_vec(data, (lengths.len(), t, vocab), device).expect("probe")
 }
 
 /// What one device computed for one family: forward outputs and the gradient of a loss

@@ -9,7 +9,7 @@ mod common;
 use std::collections::BTreeMap;
 
 use candle_core::{DType, Device, Tensor, Var};
-use common::{bits, covering_tables, sequences, tiny_config, tiny_weights};
+use common::{bits, covering_tables, probe, sequences, tiny_config, tiny_weights};
 use r3_model::{Batch, Config, Model, Precision, ReplayRoutes, Routing, Weights};
 
 /// Logits and every variable's gradient of a probe loss, in `precision`, routes replayed
@@ -32,16 +32,7 @@ fn logits_and_grads(
         Routing::Native
     };
     let logits = model.forward(&batch, routing).expect("forward").logits;
-    // The same probe for every run: a function of the element index alone.
-    let probe = Tensor::from_vec(
-        (0..logits.elem_count())
-            .map(|i| ((i * 37 % 101) as f32 / 101.0) - 0.5)
-            .collect::<Vec<f32>>(),
-        logits.dims(),
-        &Device::Cpu,
-    )
-    .expect("probe");
-    let grads = (&logits * &probe)
+    let grads = (&logits * probe(&lengths, cfg.vocab_size, &Device::Cpu))
         .and_then(|l| l.sum_all())
         .and_then(|l| l.backward())
         .expect("backward");

@@ -29,7 +29,8 @@ use super::precomputed::{precomputed_fwd, Precomputed};
 use crate::cast16::cast16;
 use crate::error::{ModelError, Result};
 use crate::host::contiguous;
-use crate::precision::{check_narrow_copy, Precision, RoundTo};
+use crate::precision::{Precision, RoundTo};
+use crate::weights::check_narrow_copy;
 
 /// How the routed experts' bf16 GEMMs take their f32 operands on a GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -95,7 +96,7 @@ pub fn expert_blocks_matmul(
     // A copy is read only at a 16-bit precision.
     let copy = match (p.narrow_dtype(), copy) {
         (Some(narrow), Some(copy)) => {
-            check_narrow_copy(w, copy, narrow)?;
+            check_narrow_copy(w, copy, Some(narrow))?;
             Some(copy)
         }
         _ => None,

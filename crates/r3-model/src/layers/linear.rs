@@ -14,7 +14,8 @@ use crate::cast16::cast16;
 use crate::error::Result;
 use crate::host::with_host;
 use crate::math::Float;
-use crate::precision::{check_narrow_copy, Precision, RoundTo};
+use crate::precision::{Precision, RoundTo};
+use crate::weights::check_narrow_copy;
 use crate::weights::Weights;
 
 /// `x [.., k] · w [n, k]ᵀ → [.., n]`, differentiable in both arguments. Leading dimensions
@@ -230,7 +231,7 @@ pub(crate) fn round_weight(p: Precision, w: &Tensor, copy: Option<&Tensor>) -> R
         (Some(narrow), Some(copy)) if w.dtype() == DType::F32 => (narrow, copy),
         _ => return p.round(w),
     };
-    check_narrow_copy(w, copy, narrow)?;
+    check_narrow_copy(w, copy, Some(narrow))?;
     let value = cast16(&copy.detach(), DType::F32)?;
     if !w.track_op() {
         return Ok(value);

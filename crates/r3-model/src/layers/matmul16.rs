@@ -13,7 +13,7 @@ use candle_core::{CustomOp2, DType, Tensor};
 use super::precomputed::{precomputed_fwd, Precomputed};
 use crate::cast16::cast16;
 use crate::error::{ModelError, Result};
-use crate::precision::check_narrow_copy;
+use crate::weights::check_narrow_copy;
 
 /// `x [.., k] · w [n, k]ᵀ → [.., n]` (or a stacked `w [b, n, k]` times `x [b, m, k]`) with
 /// both operands rounded to `narrow` (bf16 / f16), f32 accumulation, the output rounded to
@@ -49,7 +49,7 @@ pub fn matmul_wt_narrow(
         }
     };
     if let Some(copy) = copy {
-        check_narrow_copy(w, copy, narrow)?;
+        check_narrow_copy(w, copy, Some(narrow))?;
     }
     let x = x.contiguous()?;
     let xn = cast16(&x.detach(), narrow)?;

@@ -301,18 +301,16 @@ impl MoeBlock {
     pub(crate) fn forward_routed_on_device(&self, x: &Tensor) -> Result<(Tensor, DeviceRoutes)> {
         // Where the router's GEMM and the experts' share a 16-bit input on a GPU, the input is
         // narrowed once for both (each GEMM cast it before): the same values, a kernel fewer.
-        let shared_narrow = match (self.precision.narrow_dtype(), self.precision.router()) {
-            (Some(narrow), router) if router.narrow_dtype() == Some(narrow) => Some(narrow),
+        // The router's precision is the block's, or f32 (then nothing is shared).
+        let narrowed = match self.precision.router().narrow_dtype() {
+            Some(narrow) if x.device().is_cuda() && x.dtype() == DType::F32 && !x.track_op() => {
+                Some(cast16(&x.contiguous()?, narrow)?)
+            }
             _ => None,
-        }
-        .filter(|_| x.device().is_cuda() && x.dtype() == DType::F32 && !x.track_op());
-        let narrowed = match shared_narrow {
-            Some(narrow) => Some((cast16(&x.contiguous()?, narrow)?, narrow)),
-            None => None,
         };
         let logits = match &narrowed {
             // `matmul_wt_at`'s GPU form on the input it would have cast.
-            Some((xn, narrow)) => narrowed_product(xn, &self.gate_weight, *narrow, false)?,
+            Some(xn) => narrowed_product(xn, &self.gate_weight, xn.dtype(), false)?,
             None => self.router_logits(x)?,
         };
         let choice = route_softmax_rows(&self.router, &logits)?;
@@ -321,7 +319,7 @@ impl MoeBlock {
         let alone = matches!(self.shared, Shared::None);
         let routed = self.experts.forward_gathered(
             x,
-            narrowed.as_ref().map(|(xn, _)| xn),
+            narrowed.as_ref(),
             &choice.gates,
             &choice.ids,
             alone,

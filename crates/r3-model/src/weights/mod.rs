@@ -12,6 +12,7 @@ mod narrow_copies;
 pub(crate) mod precision;
 
 pub use finite::{check_finite, check_holds, check_map_holds, HeldTensors};
+pub use narrow_copies::check_narrow_copy;
 pub use precision::WeightPrecision;
 
 use std::collections::BTreeMap;

@@ -20,6 +20,28 @@ use crate::config::Config;
 use crate::error::{ModelError, Result};
 use crate::spec::{tensor_specs_in, weight, TensorRole, EMBED};
 
+/// Refuses `copy` as the held 16-bit copy of the weight `w` unless `w` is f32 and `copy` is
+/// shaped as `w`, in `narrow` where that is given, else in bf16 or f16. The one check every
+/// holder and reader of a copy makes (`with_narrow_copies`, the 16-bit GEMMs, the optimiser).
+pub fn check_narrow_copy(w: &Tensor, copy: &Tensor, narrow: Option<DType>) -> Result<()> {
+    let dtype_fits = match narrow {
+        Some(narrow) => copy.dtype() == narrow,
+        None => matches!(copy.dtype(), DType::BF16 | DType::F16),
+    };
+    if !dtype_fits || w.dtype() != DType::F32 || copy.dims() != w.dims() {
+        let wanted = narrow.map_or("bf16 or f16".to_string(), |n| format!("{n:?}"));
+        return Err(ModelError::Input(format!(
+            "a 16-bit weight copy is {:?} {:?}, its weight {:?} {:?}: expected {wanted} of the \
+             shape of an f32 weight",
+            copy.dtype(),
+            copy.dims(),
+            w.dtype(),
+            w.dims()
+        )));
+    }
+    Ok(())
+}
+
 impl Weights {
     /// The held 16-bit copy of the weight `name`, where one is held.
     pub fn narrow_copy(&self, name: &str) -> Option<&Tensor> {
@@ -35,17 +57,8 @@ impl Weights {
     /// its name, the shape of that weight), replacing any held before.
     pub fn with_narrow_copies(mut self, copies: BTreeMap<String, Tensor>) -> Result<Self> {
         for (name, copy) in &copies {
-            let w = self.get(name)?;
-            let sixteen = matches!(copy.dtype(), DType::BF16 | DType::F16);
-            if !sixteen || w.dtype() != DType::F32 || copy.dims() != w.dims() {
-                return Err(ModelError::Input(format!(
-                    "the 16-bit copy of {name} is {:?} {:?}, the weight {:?} {:?}",
-                    copy.dtype(),
-                    copy.dims(),
-                    w.dtype(),
-                    w.dims()
-                )));
-            }
+            check_narrow_copy(self.get(name)?, copy, None)
+                .map_err(|e| ModelError::Input(format!("{name}: {e}")))?;
         }
         self.copies = copies;
         Ok(self)

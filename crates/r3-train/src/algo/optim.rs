@@ -23,6 +23,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use r3_model::cast16::cast16_into;
 use r3_model::optim_pass::{adamw_pass_on_device, StagedOnDevice};
+use r3_model::weights::check_narrow_copy;
 use r3_model::WeightPrecision;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -249,19 +250,12 @@ impl AdamW {
                     field: "narrow weight copies",
                     reason: format!("{name} is not a variable of the optimiser"),
                 })?;
-            let var = &self.slots[i].var;
-            if !matches!(copy.dtype(), DType::BF16 | DType::F16) || copy.dims() != var.dims() {
-                return Err(TrainError::InvalidConfig {
+            check_narrow_copy(self.slots[i].var.as_tensor(), copy.as_tensor(), None).map_err(
+                |e| TrainError::InvalidConfig {
                     field: "narrow weight copies",
-                    reason: format!(
-                        "the copy of {name} is {:?} {:?}, the variable {:?}: expected bf16 or \
-                         f16 of the variable's shape",
-                        copy.dtype(),
-                        copy.dims(),
-                        var.dims()
-                    ),
-                });
-            }
+                    reason: format!("{name}: {e}"),
+                },
+            )?;
             placed.push((i, copy));
         }
         for (i, copy) in placed {
