@@ -319,10 +319,19 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         .iter()
         .map(|v| bytes_of(v.as_tensor()))
         .sum();
-    let copies_gb: f64 = copies.iter().map(|(_, c)| bytes_of(c.as_tensor())).sum();
+    // A fold from +0 (a float `sum` of nothing is −0, which printed as "-0.00 GB").
+    let copies_gb = copies
+        .iter()
+        .map(|(_, c)| bytes_of(c.as_tensor()))
+        .fold(0.0, |a, b| a + b);
     println!(
-        "parameters hold {:.2} GB: f32 weights {master_gb:.2} GB + f32 gradients {master_gb:.2} GB + 16-bit copies {copies_gb:.2} GB",
-        2.0 * master_gb + copies_gb
+        "parameters hold {:.2} GB: f32 weights {master_gb:.2} GB + f32 gradients {master_gb:.2} GB{}",
+        2.0 * master_gb + copies_gb,
+        if copies.is_empty() {
+            String::new()
+        } else {
+            format!(" + 16-bit copies {copies_gb:.2} GB")
+        }
     );
 
     // On the CPU the step's share of the machine's limit is measured in the same run: the

@@ -52,7 +52,9 @@ use std::time::{Duration, Instant};
 use candle_core::{Device, Tensor};
 use r3_model::model::decode::{KvCache, Step, StepRouting};
 use r3_model::{check_map_holds, Config, DeviceSpec, HostStaging, LoadOptions, Model};
+use r3_routing::RouteTable;
 use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
 pub use routing::RoutingPlace;
 
 use crate::dtype::{Dtype, RouterDtype};
@@ -577,29 +579,32 @@ impl DeviceEngine {
             self.offer(&batch.rows[b], &batch.cache, b)?;
         }
         // The highest index first, so the row moved into each place is one that stays.
-        let gone = finished
+        let mut gone = finished
             .iter()
             .rev()
             .map(|&b| batch.swap_remove(b))
             .collect::<Result<Vec<_>, _>>()?;
-        gone.into_iter().rev().map(|row| self.result(row)).collect()
-    }
-
-    /// The result of a finished (or aborted) row.
-    fn result(&mut self, row: Row) -> Result<GenerateResult, RolloutError> {
+        gone.reverse();
+        // A batch's rows often finish together (greedy runs of one length: all of them at
+        // once), so their route tables, each a checked copy of the row's whole route
+        // history, are built side by side.
         let started = Instant::now();
-        let routes = if row.capture && row.request.return_routes {
-            Some(self.geo.table(
-                &row.routes,
-                &row.route_versions,
-                row.request.routed_experts_start_len,
-            )?)
-        } else {
-            None
-        };
-        if row.capture {
+        let geo = &self.geo;
+        let tables = gone
+            .par_iter_mut()
+            .map(|row| route_table(geo, row))
+            .collect::<Vec<_>>();
+        if gone.iter().any(|row| row.capture) {
             self.capture_time += started.elapsed();
         }
+        gone.into_iter()
+            .zip(tables)
+            .map(|(row, routes)| self.result(row, routes?))
+            .collect()
+    }
+
+    /// The result of a finished (or aborted) row, with its route table.
+    fn result(&self, row: Row, routes: Option<RouteTable>) -> Result<GenerateResult, RolloutError> {
         let mut result = GenerateResult {
             id: row.id,
             prompt_tokens: row.prompt_len,
@@ -650,7 +655,7 @@ impl DeviceEngine {
         // Its fed positions go to the prefix cache, so a resume under the same weights
         // does not feed them again.
         self.offer(&running.rows[i], &running.cache, i)?;
-        let row = running.swap_remove(i)?;
+        let mut row = running.swap_remove(i)?;
         if !running.rows.is_empty() {
             trim(&mut running)?;
             self.running = Some(running);
@@ -660,7 +665,12 @@ impl DeviceEngine {
             None => row.request.clone(),
         };
         let rng = row.rng.clone();
-        let result = self.result(row)?;
+        let started = Instant::now();
+        let routes = route_table(&self.geo, &mut row)?;
+        if row.capture {
+            self.capture_time += started.elapsed();
+        }
+        let result = self.result(row, routes)?;
         Ok(Some(PartialRollout {
             request,
             output_ids: result.output_ids,
@@ -741,6 +751,21 @@ fn prompt_logprobs(row: &Row, rows: &[f32], vocab: usize, first: usize) -> Optio
         }
     }
     Some(out)
+}
+
+/// The route table `row` returns (when it captured and its request asked for routes), its
+/// captured rows then dropped.
+fn route_table(geo: &RouteGeometry, row: &mut Row) -> Result<Option<RouteTable>, RolloutError> {
+    if !(row.capture && row.request.return_routes) {
+        return Ok(None);
+    }
+    let table = geo.table(
+        &row.routes,
+        &row.route_versions,
+        row.request.routed_experts_start_len,
+    )?;
+    row.routes = Vec::new();
+    Ok(Some(table))
 }
 
 #[cfg(test)]

@@ -3,6 +3,8 @@
 //! of every decoding sequence plus prefill chunks, then sample, record routes and retire
 //! finished sequences.
 
+use rayon::prelude::*;
+
 use super::next_token::{sample_slots, NextTokenLogits, NextTokenSlot};
 use super::prefix::{attach_cached_prefix, insert_sequence};
 use super::sequence::Sequence;
@@ -252,7 +254,7 @@ impl Engine {
 
     /// Removes finished sequences, offering their prefixes to the cache.
     fn retire(&mut self) -> Result<Vec<GenerateResult>, RolloutError> {
-        let mut results = Vec::new();
+        let mut finished = Vec::new();
         let mut i = 0;
         while i < self.running.len() {
             if self.running[i].finish.is_none() {
@@ -269,14 +271,20 @@ impl Engine {
                     self.pool.block_bytes(),
                 );
             }
-            // Route-table building is capture work; the rest of into_result is not, but it
-            // is small, so timing the whole call over-counts capture slightly.
-            let start = std::time::Instant::now();
-            let capturing = seq.capture;
-            results.push(seq.into_result(&self.geo, self.version)?);
-            if capturing {
-                self.capture_time += start.elapsed();
-            }
+            finished.push(seq);
+        }
+        // Route-table building is capture work; the rest of into_result is not, but it is
+        // small, so timing the whole call over-counts capture slightly. Sequences that finish
+        // together (a batch of one length: all at once) build their tables side by side.
+        let start = std::time::Instant::now();
+        let capturing = finished.iter().any(|seq| seq.capture);
+        let (geo, version) = (&self.geo, self.version);
+        let results = finished
+            .into_par_iter()
+            .map(|seq| seq.into_result(geo, version))
+            .collect::<Result<Vec<_>, _>>()?;
+        if capturing {
+            self.capture_time += start.elapsed();
         }
         Ok(results)
     }
