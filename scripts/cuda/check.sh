@@ -26,7 +26,8 @@
 #    each bf16 run also beside HF with f32 parameters under autocast (`--dtype amp-bf16`, its
 #    Trainer's bf16: r3's own precision scheme) while the budget lasts; bf16 runs hold bf16
 #    copies of the weights (rewritten once per step), and the 30B-A3B shape runs again
-#    without them (`--narrow-copies off`: a cast of every weight at every use).
+#    without them (`--narrow-copies off`: a cast of every weight at every use); bf16 runs
+#    again with activation checkpointing (`--gradient-checkpointing`), memory beside HF's.
 # 4. The device rollout engine on CUDA: its tests (greedy = HF's on the oracle fixtures and
 #    = the CPU engine's, routes = the trainer's native routes on the GPU in f32 and bf16,
 #    seeded sampling reproducing itself, a batch = one at a time), `r3 generate --device
@@ -242,6 +243,16 @@ for run in "mid f32 8 70 --parts" "mid bf16 8 70 --parts" "a3b-8l bf16 2 120"; d
         cat "$work/bench-r3-cast-$name.txt"
         cast_tps=$(grep -E "^native +mean" "$work/bench-r3-cast-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s +best.*/\1/')
         line+=", r3 without weight copies ${cast_tps:-?} tok/s ${cast_mem:-?} MiB"
+    fi
+    # bf16 runs again with activation checkpointing (each layer run again in the backward:
+    # the same gradients, one layer's activations held at a time), its memory beside HF's.
+    if [ "$dtype" = bf16 ] && [ "$(left)" -ge 60 ]; then
+        ckpt_mem=$(gpu_peak "$work/bench-r3-ckpt-$name.txt" timeout "$(limit "$secs")" "$bin/r3" \
+            bench train --device cuda --config "$config" --dtype "$dtype" --batch "$batch" \
+            --seq-len 512 --steps 3 --warmup 1 --gradient-checkpointing)
+        cat "$work/bench-r3-ckpt-$name.txt"
+        ckpt_tps=$(grep -E "^native +mean" "$work/bench-r3-ckpt-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s +best.*/\1/')
+        line+=", r3 with gradient checkpointing ${ckpt_tps:-?} tok/s ${ckpt_mem:-?} MiB"
     fi
     bench+=("$line")
     echo "== bench $name: ${bench[-1]}"

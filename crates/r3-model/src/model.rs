@@ -3,10 +3,14 @@
 //! at a time over a KV cache.
 
 pub mod decode;
+mod recompute;
+
+pub use recompute::LayerRecompute;
+use recompute::RecomputeInputs;
 
 use std::time::{Duration, Instant};
 
-use candle_core::{Device, Tensor};
+use candle_core::{Device, Tensor, Var};
 
 use crate::config::{AttentionConfig, Config};
 use crate::error::{ModelError, Result};
@@ -21,7 +25,8 @@ use crate::layers::norm::RmsNorm;
 use crate::layers::rope::{Rope, RopeTables};
 use crate::precision::Precision;
 use crate::routing_mode::{
-    plan_replay, record_tables, verify_replay, ModelShape, ReplayPlan, ReplayProof, Routing,
+    plan_replay, record_tables, verify_replay, LayerPlan, ModelShape, ReplayPlan, ReplayProof,
+    Routing,
 };
 use crate::spec::{
     attention_prefix, dense_mlp_prefix, input_norm, post_attention_norm, weight, EMBED, FINAL_NORM,
@@ -282,6 +287,40 @@ impl Model {
         routing: Routing<'_>,
         capture_hidden: bool,
     ) -> Result<ForwardOutput> {
+        Ok(self
+            .forward_layers(batch, routing, capture_hidden, false)?
+            .0)
+    }
+
+    /// The forward of [`Model::forward`] keeping only what its backward needs to run each
+    /// decoder layer again (activation checkpointing: HF's `gradient_checkpointing`,
+    /// Megatron's full recompute): each layer's input and the experts it dispatched. The
+    /// logits' graph reaches back to the last layer's output only; [`LayerRecompute::backward`]
+    /// gives the gradients of the whole model, the same values [`Model::forward`]'s graph
+    /// gives. Every layer runs twice, so a step costs about one more forward; what the graph
+    /// holds at a time is one layer's activations instead of every layer's.
+    pub fn forward_recomputing(
+        &self,
+        batch: &Batch,
+        routing: Routing<'_>,
+    ) -> Result<(ForwardOutput, LayerRecompute<'_>)> {
+        match self.forward_layers(batch, routing, false, true)? {
+            (out, Some(recompute)) => Ok((out, recompute)),
+            (_, None) => Err(ModelError::Input(
+                "a recomputing forward kept no layer inputs".into(),
+            )),
+        }
+    }
+
+    /// The forward of [`Model::forward_with`]; with `recompute`, each layer's graph is
+    /// dropped once it has run, and what its backward needs to run it again is returned.
+    fn forward_layers(
+        &self,
+        batch: &Batch,
+        routing: Routing<'_>,
+        capture_hidden: bool,
+        recompute: bool,
+    ) -> Result<(ForwardOutput, Option<LayerRecompute<'_>>)> {
         let cfg = &self.cfg;
         let device = self.embed.device();
         let (b, t) = batch.input_ids.dims2()?;
@@ -307,37 +346,78 @@ impl Model {
             rope: self.rope.tables(t, device, self.embed.dtype())?,
             mask: AttentionMask::new(lengths, t, window, device)?.to_dtype(self.embed.dtype())?,
             rows: routed_rows(lengths, t),
-            plan: plan.as_ref(),
+            plan: plan.as_ref().map(|p| p.layers.as_slice()),
         };
 
         let ids = batch.input_ids.to_device(device)?.flatten_all()?;
         let mut x = self.embed_tokens(&ids, &batch.host_ids, b, t)?;
         let mut hidden = capture_hidden.then(Vec::new);
         let mut moe = MoeRecord::default();
+        let mut inputs = Vec::new();
         for (i, layer) in self.layers.iter().enumerate() {
             if let Some(h) = hidden.as_mut() {
                 h.push(x.clone());
             }
-            x = self.layer_forward(i, layer, x, &ctx, &mut moe)?;
+            x = match recompute {
+                // The layer's graph goes with its detached output; its input stays.
+                true => {
+                    let input = x.detach();
+                    inputs.push(input.clone());
+                    self.layer_forward(i, layer, input, &ctx, &mut moe)?
+                        .detach()
+                }
+                false => self.layer_forward(i, layer, x, &ctx, &mut moe)?,
+            };
         }
         routing_overhead += moe.replay_time;
+        // The logits' graph starts at the last layer's output, a variable whose gradient
+        // the layers' backward starts from.
+        let top = match recompute {
+            true => {
+                let top = Var::from_tensor(&x)?;
+                x = top.as_tensor().clone();
+                Some(top)
+            }
+            false => None,
+        };
         let x = self.norm.forward(&x)?;
         if let Some(h) = hidden.as_mut() {
             h.push(x.clone());
         }
         let logits = self.lm_head.forward(&x)?;
+        // What a recomputed layer shares with this pass (the replay plan's borrow ends here).
+        let LayerContext {
+            rope, mask, rows, ..
+        } = ctx;
         let started = Instant::now();
         let (routes, replay) = self.routing_result(routing, plan, &moe, lengths)?;
         if !matches!(routing, Routing::Native) {
             routing_overhead += started.elapsed();
         }
-        Ok(ForwardOutput {
+        let recompute = match top {
+            Some(top) => Some(LayerRecompute::new(
+                self,
+                RecomputeInputs {
+                    top,
+                    inputs,
+                    dispatched: moe.used.clone(),
+                    ids,
+                    host_ids: batch.host_ids.clone(),
+                    rope,
+                    mask,
+                    rows,
+                },
+            )),
+            None => None,
+        };
+        let out = ForwardOutput {
             logits,
             routes,
             replay,
             hidden_states: hidden,
             routing_overhead,
-        })
+        };
+        Ok((out, recompute))
     }
 
     /// The replay plan of a `Replay` forward (tables checked against the model and batch).
@@ -383,7 +463,7 @@ impl Model {
         layer: &DecoderLayer,
         h: Tensor,
         rows: &RoutedRows,
-        plan: Option<&ReplayPlan>,
+        plan: Option<&[LayerPlan]>,
         gates: Gates,
         moe: &mut MoeRecord,
     ) -> Result<Tensor> {
@@ -392,7 +472,7 @@ impl Model {
                 self.cfg.layout.moe_column(i).ok_or_else(|| {
                     ModelError::InvalidConfig(format!("layer {i} has no MoE column"))
                 })?;
-            let layer_plan = plan.and_then(|p| p.layers.get(column));
+            let layer_plan = plan.and_then(|p| p.get(column));
             let out = block.forward(normed, rows, layer_plan, gates)?;
             moe.used.push(out.ids);
             moe.differs.push(out.differs_from_native);
@@ -480,7 +560,8 @@ struct LayerContext<'a> {
     rope: RopeTables,
     mask: AttentionMask,
     rows: RoutedRows,
-    plan: Option<&'a ReplayPlan>,
+    /// Per MoE column, the ids forced on its rows (a replay, or a recomputed layer).
+    plan: Option<&'a [LayerPlan]>,
 }
 
 /// What the MoE layers of one forward did, in layer order.

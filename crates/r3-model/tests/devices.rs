@@ -306,6 +306,25 @@ fn matrix(v: &Value) -> Tensor {
 
 const ORACLES: [&str; 2] = ["qwen3_moe_tiny", "deepseek_v3_tiny"];
 
+/// Every variable's gradient as bits, by name (a variable without one fails).
+fn gradient_bits(
+    varmap: &candle_nn::VarMap,
+    grads: &candle_core::backprop::GradStore,
+) -> Vec<(String, Vec<u32>)> {
+    let mut named: Vec<(String, Vec<u32>)> = varmap
+        .data()
+        .lock()
+        .expect("vars")
+        .iter()
+        .map(|(name, var)| {
+            let grad = grads.get(var.as_tensor()).expect("gradient");
+            (name.clone(), bits(grad))
+        })
+        .collect();
+    named.sort();
+    named
+}
+
 /// A mixed-precision model that reads held 16-bit copies of its weights
 /// (`Weights::hold_narrow_copies`) computes on `device` bit for bit what it computes casting
 /// (on the CPU: rounding) every weight at every use — the logits of a replayed forward, the
@@ -344,19 +363,7 @@ fn held_copies_give_the_same_bits(device: &Device) {
                     .and_then(|l| l.sum_all())
                     .and_then(|l| l.backward())
                     .expect("backward");
-                let mut named: Vec<(String, Vec<u32>)> = varmap
-                    .data()
-                    .lock()
-                    .expect("vars")
-                    .iter()
-                    .map(|(name, var)| {
-                        (
-                            name.clone(),
-                            bits(grads.get(var.as_tensor()).expect("gradient")),
-                        )
-                    })
-                    .collect();
-                named.sort();
+                let named = gradient_bits(&varmap, &grads);
                 let frozen = Model::with_precision(&cfg, &weights.detached(), precision)
                     .expect("frozen model");
                 let native = frozen
@@ -376,6 +383,87 @@ fn held_copies_give_the_same_bits(device: &Device) {
             );
         }
     }
+}
+
+/// A recomputing forward (activation checkpointing) gives the plain forward's logits and
+/// routes, and its layer-by-layer backward every parameter's gradient, to the bit: every
+/// family, f32 / bf16 with held weight copies / f16, Native, Record and Replay routing, and a
+/// tied embedding (whose gradient sums the head's part and the embedding's).
+fn recomputed_layers_give_the_same_bits(device: &Device) {
+    use r3_model::Precision;
+    let mut configs: Vec<(String, Config)> = FAMILIES
+        .iter()
+        .map(|f| (f.to_string(), tiny_config(f)))
+        .collect();
+    let mut tied = common::tiny_json("qwen3_moe");
+    tied["tie_word_embeddings"] = serde_json::json!(true);
+    configs.push((
+        "qwen3_moe tied".into(),
+        Config::from_value(tied).expect("tied config"),
+    ));
+    for (family, cfg) in &configs {
+        let lengths = [6, 4];
+        let batch = Batch::new(&sequences(&lengths, cfg.vocab_size, 3), 0, device).expect("batch");
+        let tables = cfg.moe.as_ref().map(|_| {
+            ReplayRoutes::new(covering_tables(cfg, &lengths), &cfg.layout).expect("covered")
+        });
+        for (precision, copies, mode) in [
+            (Precision::F32, None, 0),
+            (Precision::F32, None, 2),
+            (Precision::Bf16 { router_f32: false }, Some(DType::BF16), 2),
+            (Precision::F16 { router_f32: true }, None, 1),
+        ] {
+            let what = format!("{family} {precision:?} mode {mode}");
+            let run = |recompute: bool| {
+                let (varmap, mut weights) = on_device(&tiny_weights(cfg, 5, DType::F32), device)
+                    .into_trainable(cfg)
+                    .expect("trainable");
+                if let Some(narrow) = copies {
+                    weights.hold_narrow_copies(cfg, narrow).expect("copies");
+                }
+                let model = Model::with_precision(cfg, &weights, precision).expect("model");
+                let routing = match (&tables, mode) {
+                    (Some(t), 2) => Routing::Replay(t),
+                    (Some(_), 1) => Routing::Record,
+                    _ => Routing::Native,
+                };
+                let vars = varmap.all_vars();
+                let loss_of = |out: &ForwardOutput| {
+                    (&out.logits * probe(&lengths, cfg.vocab_size, device))
+                        .and_then(|l| l.sum_all())
+                        .expect("loss")
+                };
+                let (out, grads) = if recompute {
+                    let (out, layers) = model
+                        .forward_recomputing(&batch, routing)
+                        .expect("recomputing forward");
+                    let grads = layers.backward(&loss_of(&out), &vars).expect("backward");
+                    (out, grads)
+                } else {
+                    let out = model.forward(&batch, routing).expect("forward");
+                    let grads = loss_of(&out).backward().expect("backward");
+                    (out, grads)
+                };
+                let named = gradient_bits(&varmap, &grads);
+                let proof = out.replay.as_ref().map(|p| format!("{p:?}"));
+                let routes = out.routes.as_ref().map(|r| format!("{r:?}"));
+                (bits(&out.logits), named, routes, proof)
+            };
+            let (plain, recomputed) = (run(false), run(true));
+            assert!(plain.0 == recomputed.0, "{what}: logits");
+            assert_eq!(plain.1.len(), recomputed.1.len(), "{what}");
+            for ((name, a), (_, b)) in plain.1.iter().zip(&recomputed.1) {
+                assert!(a == b, "{what}: gradient of {name}");
+            }
+            assert_eq!(plain.2, recomputed.2, "{what}: recorded routes");
+            assert_eq!(plain.3, recomputed.3, "{what}: replay proof");
+        }
+    }
+}
+
+#[test]
+fn recomputed_layers_give_the_same_bits_on_the_cpu() {
+    recomputed_layers_give_the_same_bits(&Device::Cpu);
 }
 
 #[test]
@@ -430,6 +518,11 @@ mod cuda {
     #[test]
     fn held_weight_copies_give_the_same_bits_on_cuda() {
         held_copies_give_the_same_bits(&gpu());
+    }
+
+    #[test]
+    fn recomputed_layers_give_the_same_bits_on_cuda() {
+        recomputed_layers_give_the_same_bits(&gpu());
     }
 
     #[test]

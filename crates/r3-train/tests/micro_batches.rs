@@ -103,7 +103,7 @@ fn shifted(values: &[Vec<f32>], scale: f32) -> Vec<Vec<f32>> {
         .collect()
 }
 
-fn run(dir: &Scratch, case: Case, budget: usize) -> Run {
+fn run(dir: &Scratch, case: Case, budget: usize, checkpointing: bool) -> Run {
     let policy = TrainablePolicy::load(&dir.path().join("model")).expect("policy");
     let other = TrainablePolicy::load(&dir.path().join("other")).expect("other policy");
     let batch = batch();
@@ -171,6 +171,7 @@ fn run(dir: &Scratch, case: Case, budget: usize) -> Run {
         mode: RouterReplay::R3,
         grad_hook: Some(stash_grads),
         max_tokens_per_micro_batch: budget,
+        gradient_checkpointing: checkpointing,
     };
     GRADS.with(|g| g.borrow_mut().clear());
     let result = update_minibatch(&policy, &mut opt, &mb, &settings).expect("update");
@@ -226,8 +227,8 @@ fn check(name: &str, case: Case) {
     let parts = pack_micro_batches(&sequence_lens(&batch()), BUDGET);
     assert!(parts.len() >= 3, "the budget splits the batch: {parts:?}");
 
-    let one = run(&dir, case, 0);
-    let many = run(&dir, case, BUDGET);
+    let one = run(&dir, case, 0, false);
+    let many = run(&dir, case, BUDGET, false);
 
     // Every variable that has a gradient in one forward has one after accumulation, and no
     // other; and with this batch every variable gets one.
@@ -606,4 +607,50 @@ fn r3_old_pass_and_mini_batches_in_micro_batches_match_one_batch() {
 #[test]
 fn r2_old_pass_recording_in_micro_batches_matches_one_batch() {
     trainer_steps_match(RouterReplay::R2, 2);
+}
+
+/// Gradient checkpointing (each layer run again in the backward, its dispatched experts
+/// forced) gives the same update bit for bit: gradients, parameters after the step,
+/// log-probs and loss metrics, in one forward and in micro-batches, with replayed and with
+/// recorded routes and an entropy bonus (whose gradient reaches the layers through the
+/// logits too).
+#[test]
+fn gradient_checkpointing_gives_the_same_update_bit_for_bit() {
+    let dir = Scratch::new("micro-checkpointing");
+    tiny_model(&dir.path().join("model"), 5);
+    tiny_model(&dir.path().join("other"), 9);
+    let record = Case {
+        routing: RoutingCase::Record,
+        old_given: false,
+        ..BASE
+    };
+    for (case, budget) in [(BASE, 0), (BASE, BUDGET), (record, BUDGET)] {
+        let plain = run(&dir, case, budget, false);
+        let recomputed = run(&dir, case, budget, true);
+        assert_eq!(
+            plain.grads.len(),
+            plain.params.len(),
+            "{case:?}: every variable"
+        );
+        assert!(
+            plain.grads == recomputed.grads,
+            "{case:?} budget {budget}: gradients"
+        );
+        assert!(
+            plain.params == recomputed.params,
+            "{case:?} budget {budget}: parameters after the step"
+        );
+        assert!(plain.logp == recomputed.logp, "{case:?}: log-probs");
+        let (a, b) = (plain.result.loss_metrics, recomputed.result.loss_metrics);
+        assert_eq!(
+            (a.pg_loss, a.clip_frac, a.ppo_kl, plain.result.entropy),
+            (b.pg_loss, b.clip_frac, b.ppo_kl, recomputed.result.entropy),
+            "{case:?}: metrics"
+        );
+        assert_eq!(
+            format!("{:?}", plain.result.replay),
+            format!("{:?}", recomputed.result.replay),
+            "{case:?}: replay proof"
+        );
+    }
 }

@@ -85,6 +85,7 @@ fn check(kind: PolicyLossKind, replay: bool) {
         mode: RouterReplay::R3,
         grad_hook: None,
         max_tokens_per_micro_batch: 0,
+        gradient_checkpointing: false,
     };
     let r = update_minibatch(&policy, &mut opt, &mb, &settings).expect("update");
     assert!(r.outcome.applied());

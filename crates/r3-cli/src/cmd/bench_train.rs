@@ -86,6 +86,12 @@ pub struct BenchTrainArgs {
     /// (`train.narrow_weight_copies`).
     #[arg(long, default_value = "auto", value_parser = ["auto", "on", "off"])]
     pub narrow_copies: String,
+    /// Activation checkpointing (`algo.gradient_checkpointing`): the forward keeps only each
+    /// decoder layer's input, the backward runs every layer again before differentiating it
+    /// (the same gradients; one more forward's work, counted in the backward's time). On the
+    /// CPU each step's resident-memory high-water mark over its start is printed beside.
+    #[arg(long)]
+    pub gradient_checkpointing: bool,
 }
 
 /// One timed step: forward and backward wall seconds, the process's CPU seconds over both
@@ -157,27 +163,39 @@ impl Timing {
 }
 
 /// One forward (+ next-token cross-entropy) and backward, then the rewrite of each held
-/// 16-bit copy from its master (`copies`: (master, copy) pairs), timed.
+/// 16-bit copy from its master (`copies`: (master, copy) pairs), timed; with `recompute`
+/// (the model's variables given) by a recomputing forward and its layer-by-layer backward.
 fn step(
     model: &Model,
     batch: &Batch,
     (targets, host_targets): (&Tensor, &[u32]),
     routing: Routing<'_>,
     copies: &[(Var, Var)],
+    recompute: Option<&[Var]>,
 ) -> anyhow::Result<StepTime> {
     let cpu0 = process_cpu_ns();
     let t0 = Instant::now();
-    let out = model.forward(batch, routing)?;
+    let (out, layers) = match recompute {
+        Some(_) => {
+            let (out, layers) = model.forward_recomputing(batch, routing)?;
+            (out, Some(layers))
+        }
+        None => (model.forward(batch, routing)?, None),
+    };
     if let (Routing::Replay(_), None) = (routing, &out.replay) {
         anyhow::bail!("replayed forward returned no replay proof");
     }
+    let routing_overhead = out.routing_overhead.as_secs_f64();
     let logp =
         r3_model::token_stats::token_log_probs_host_checked(&out.logits, targets, host_targets)?;
     let loss = logp.neg()?.mean_all()?;
     // A GPU runs queued kernels after the call returns: wait for them (no-op on the CPU).
     model.device().synchronize()?;
     let t1 = Instant::now();
-    let grads = loss.backward()?;
+    let grads = match (layers, recompute) {
+        (Some(layers), Some(vars)) => layers.backward(&loss, vars)?,
+        _ => loss.backward()?,
+    };
     model.device().synchronize()?;
     let t2 = Instant::now();
     drop(grads);
@@ -192,7 +210,7 @@ fn step(
         backward: (t2 - t1).as_secs_f64(),
         refresh: (t3 - t2).as_secs_f64(),
         cpu,
-        routing_overhead: out.routing_overhead.as_secs_f64(),
+        routing_overhead,
     })
 }
 
@@ -229,7 +247,8 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         }
     };
     let (varmap, mut weights) = weights.into_trainable(&cfg)?;
-    let params: usize = varmap.all_vars().iter().map(|v| v.elem_count()).sum();
+    let vars = varmap.all_vars();
+    let params: usize = vars.iter().map(|v| v.elem_count()).sum();
     let hold_copies = match (args.narrow_copies.as_str(), precision.narrow_dtype()) {
         (_, None) | ("off", _) => None,
         ("auto", Some(_)) if device.is_cpu() => None,
@@ -292,7 +311,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         params as f64 / 1e6
     );
     println!(
-        "batch {} × seq {} = {tokens} tokens/step, {} on {}, {} warm-up + {} timed steps per mode, seed {}, expert GEMM inputs {}, {}",
+        "batch {} × seq {} = {tokens} tokens/step, {} on {}, {} warm-up + {} timed steps per mode, seed {}, expert GEMM inputs {}, {}{}",
         args.batch,
         args.seq_len,
         args.dtype,
@@ -308,6 +327,11 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
                 "16-bit copies of {} weight matrices held, rewritten once per step",
                 copies.len()
             )
+        },
+        if args.gradient_checkpointing {
+            ", gradient checkpointing (each layer run again in the backward)"
+        } else {
+            ""
         }
     );
     // What the parameters hold by construction (not measured): the f32 masters, as much
@@ -344,6 +368,11 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     )?);
     let mut native = Timing::default();
     let mut replay = Timing::default();
+    // The steps' resident-memory high-water mark, the mark reset before them: their
+    // activations and gradients at the fullest (on the CPU; a GPU's is nvidia-smi's to read).
+    let memory_before = r3_train::rl::memory::reset_peak()
+        .then(r3_train::rl::memory::read_memory)
+        .flatten();
     for i in 0..args.warmup + args.steps {
         for (mode, timing) in [("native", &mut native), ("replay", &mut replay)] {
             let routing = if mode == "native" {
@@ -356,7 +385,14 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
             if profiled {
                 r3_model::device::profiler_capture(&device, true)?;
             }
-            let t = step(&model, &batch, (&targets, &host_targets), routing, &copies)?;
+            let t = step(
+                &model,
+                &batch,
+                (&targets, &host_targets),
+                routing,
+                &copies,
+                args.gradient_checkpointing.then_some(vars.as_slice()),
+            )?;
             if profiled {
                 r3_model::device::profiler_capture(&device, false)?;
             }
@@ -414,6 +450,20 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         "replay's own work (tables → per-layer ids, forced-id overrides, verification), timed where it runs: {:.3}% of replay step time (goal ≤ 1%)",
         replay.overhead_share() * 100.0
     );
+    if let (true, Some(before), Some(after)) = (
+        device.is_cpu(),
+        memory_before,
+        r3_train::rl::memory::read_memory(),
+    ) {
+        // The process's resident set, whose allocator keeps freed buffers for reuse
+        // (`allocator.rs`): compare peaks of runs that differ in one setting.
+        println!(
+            "memory: resident high-water mark during the steps {:.0} MiB (the resident set before them {:.0} MiB; gradient checkpointing {})",
+            after.peak_mib,
+            before.rss_mib,
+            if args.gradient_checkpointing { "on" } else { "off" }
+        );
+    }
     if let Some(before) = peak_before {
         let after = f32_gemm_peak(machine_threads());
         let peak = before.max(after);

@@ -242,6 +242,13 @@ pub struct AlgoConfig {
     /// the budget forms its own micro-batch. 0 = the whole mini-batch in one forward.
     /// Default 16384 (verl's `ppo_max_token_len_per_gpu`).
     pub max_tokens_per_micro_batch: usize,
+    /// Activation checkpointing of the update's forwards (HF's `gradient_checkpointing`,
+    /// verl's `enable_gradient_checkpointing`, Megatron's full recompute): each forward keeps
+    /// only every decoder layer's input and the experts it dispatched, and the backward runs
+    /// each layer again, its dispatched experts forced, before differentiating it. The same
+    /// gradients bit for bit, in memory that holds one layer's activations instead of all of
+    /// them, for about one more forward per update. Default false.
+    pub gradient_checkpointing: bool,
 }
 
 /// AdamW and the learning-rate schedule.
@@ -371,6 +378,7 @@ impl Default for AlgoConfig {
             is_threshold: 2.0,
             entropy_coef: 0.0,
             max_tokens_per_micro_batch: DEFAULT_MAX_TOKENS_PER_MICRO_BATCH,
+            gradient_checkpointing: false,
         }
     }
 }

@@ -6,6 +6,7 @@
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor, Var};
+use r3_model::model::LayerRecompute;
 use r3_model::{Batch, Config, Model, Precision, ReplayProof, Routing, Weights};
 use r3_routing::RouteTable;
 
@@ -163,8 +164,26 @@ impl Scored {
 /// Runs the training forward over `batch` with `routing` and takes the log-prob of every
 /// next token.
 pub fn score(model: &Model, batch: &ResponseBatch, routing: Routing<'_>) -> Result<Scored> {
+    Ok(score_with(model, batch, routing, false)?.0)
+}
+
+/// [`score`]; with `recompute`, by a recomputing forward (activation checkpointing), whose
+/// layers then give the gradients of a loss of the returned log-probs
+/// ([`LayerRecompute::backward`]).
+pub fn score_with<'m>(
+    model: &'m Model,
+    batch: &ResponseBatch,
+    routing: Routing<'_>,
+    recompute: bool,
+) -> Result<(Scored, Option<LayerRecompute<'m>>)> {
     let padded = Batch::new(batch.sequences(), 0, model.device())?;
-    let out = model.forward(&padded, routing)?;
+    let (out, layers) = match recompute {
+        true => {
+            let (out, layers) = model.forward_recomputing(&padded, routing)?;
+            (out, Some(layers))
+        }
+        false => (model.forward(&padded, routing)?, None),
+    };
     let t = padded.seq_len();
     // Made contiguous once here: the token log-probs and the entropy each copied the
     // narrowed view again (two serial copies of every micro-batch's logits).
@@ -178,12 +197,13 @@ pub fn score(model: &Model, batch: &ResponseBatch, routing: Routing<'_>) -> Resu
         .flat_map(|row| row[1..].iter().copied())
         .collect();
     let logp = token_log_probs_host_checked(&logits, &targets, &host_targets)?;
-    Ok(Scored {
+    let scored = Scored {
         logp,
         logits,
         routes: out.routes,
         replay: out.replay,
-    })
+    };
+    Ok((scored, layers))
 }
 
 /// Trainable weights: every trainable tensor is a `Var` registered under its HF name.

@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor};
+use r3_model::model::LayerRecompute;
 use r3_model::{Model, ReplayProof, ReplayRoutes, Routing};
 use r3_routing::RouteTable;
 
@@ -22,7 +23,7 @@ use crate::algo::rollout_is::{rollout_is_weights, IsConfig};
 use crate::algo::update::{guarded_step_timed, GradHook, SkipReason, UpdateOutcome, UpdateTimes};
 use crate::config::train::RouterReplay;
 use crate::error::Result;
-use crate::policy::trainable::{score, ResponseBatch, TrainablePolicy};
+use crate::policy::trainable::{score_with, ResponseBatch, TrainablePolicy};
 use crate::rl::diagnostics::verify_proof;
 use crate::rl::micro_batches::{
     accumulate_grads, merge_proofs, pack_micro_batches, pick_rows, place_rows, place_tables,
@@ -72,6 +73,9 @@ pub struct UpdateSettings {
     /// Token budget of one micro-batch (rows × padded width, see
     /// [`pack_micro_batches`]); 0 = the whole mini-batch in one forward.
     pub max_tokens_per_micro_batch: usize,
+    /// Each update forward keeps only its layers' inputs and runs every layer again in the
+    /// backward (activation checkpointing; the same gradients).
+    pub gradient_checkpointing: bool,
 }
 
 /// What one mini-batch update did and saw.
@@ -254,13 +258,18 @@ impl Default for Accumulated {
 impl Accumulated {
     /// Adds micro-batch `micro` of rows `rows`: its backward (unless the loss is already
     /// non-finite) into the gradients of `optimizer`'s variables, then drops its graph.
-    fn add(&mut self, micro: Micro, rows: &[usize], optimizer: &AdamW) -> Result<()> {
+    fn add(&mut self, micro: Micro<'_>, rows: &[usize], optimizer: &AdamW) -> Result<()> {
         let value = scalar_f32(&micro.loss)?;
         self.loss += f64::from(value);
         match (self.grads.as_mut(), value.is_finite()) {
             (Some(acc), true) => {
                 let started = Instant::now();
-                let next = micro.loss.backward()?;
+                let next = match micro.layers {
+                    Some(layers) => {
+                        layers.backward(&micro.loss, optimizer.vars().map(|(_, v)| v))?
+                    }
+                    None => micro.loss.backward()?,
+                };
                 accumulate_grads(acc, &next, optimizer.vars().map(|(_, v)| v))?;
                 self.times.backward_s += started.elapsed().as_secs_f64();
             }
@@ -280,9 +289,11 @@ impl Accumulated {
 }
 
 /// One micro-batch's forward and partial loss.
-struct Micro {
+struct Micro<'m> {
     /// Partial loss (with its graph): its rows' share of the mini-batch's loss.
     loss: Tensor,
+    /// With gradient checkpointing, the layers the backward runs again.
+    layers: Option<LayerRecompute<'m>>,
     sums: PolicyLossSums,
     entropy_sum: f64,
     /// `[rows, w]` log-probs, detached.
@@ -293,14 +304,14 @@ struct Micro {
 
 /// Forward over `mb` (a whole mini-batch or one micro-batch of it) and its partial loss
 /// over the mini-batch's denominators `norm`.
-fn micro_update(
-    model: &Model,
+fn micro_update<'m>(
+    model: &'m Model,
     mb: &MiniBatch<'_>,
     s: &UpdateSettings,
     norm: &AggNorm,
     device: &Device,
-) -> Result<Micro> {
-    let scored = score(model, mb.batch, mb.routing)?;
+) -> Result<Micro<'m>> {
+    let (scored, layers) = score_with(model, mb.batch, mb.routing, s.gradient_checkpointing)?;
     let full_mask = mb.batch.response_mask(None, device)?;
     let mask = match &mb.row_weight {
         Some(w) => mb.batch.response_mask(Some(w), device)?,
@@ -337,6 +348,7 @@ fn micro_update(
     }
     Ok(Micro {
         loss,
+        layers,
         sums,
         entropy_sum: f64::from(entropy_sum),
         logp: scored.logp.detach(),

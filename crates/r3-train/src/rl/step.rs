@@ -148,6 +148,7 @@ pub fn update_settings(cfg: &TrainConfig) -> UpdateSettings {
         mode: cfg.algo.router_replay,
         grad_hook: None,
         max_tokens_per_micro_batch: cfg.algo.max_tokens_per_micro_batch,
+        gradient_checkpointing: cfg.algo.gradient_checkpointing,
     }
 }
 

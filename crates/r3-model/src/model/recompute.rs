@@ -1,0 +1,146 @@
+//! The backward of a recomputing forward ([`Model::forward_recomputing`], activation
+//! checkpointing): the forward kept each decoder layer's input and the experts each MoE layer
+//! dispatched, and dropped every layer's graph. The backward runs from the loss to the last
+//! layer's output, then layer by layer from the top: the layer runs again on its kept input
+//! with the experts it dispatched forced on its rows (so a recomputed router cannot choose
+//! differently, whatever its logits' rounding: the R3 replay, applied to the model's own
+//! routes), and its graph is differentiated from the gradient of its output and dropped
+//! before the layer below runs. The gradients are the ones the whole forward's graph gives:
+//! each weight's gradient comes from the one layer that reads it, and the gradient at each
+//! layer's output is the same sum of the same terms.
+
+use std::collections::HashSet;
+
+use candle_core::backprop::GradStore;
+use candle_core::{Tensor, TensorId, Var};
+
+use super::{LayerContext, Model, MoeRecord};
+use crate::error::{ModelError, Result};
+use crate::layers::attention::AttentionMask;
+use crate::layers::moe::RoutedRows;
+use crate::layers::rope::RopeTables;
+use crate::routing_mode::LayerPlan;
+
+/// What a recomputing forward keeps for its backward.
+pub(super) struct RecomputeInputs {
+    /// The last layer's output as a variable: where the logits' graph starts.
+    pub top: Var,
+    /// Each decoder layer's input `[B, T, H]`, detached.
+    pub inputs: Vec<Tensor>,
+    /// Per MoE layer, the `[rows · top_k]` experts its rows were dispatched to.
+    pub dispatched: Vec<Vec<u32>>,
+    /// The `[B·T]` token ids on the device, and on the host (the embedding's backward).
+    pub ids: Tensor,
+    /// The same ids on the host.
+    pub host_ids: Vec<u32>,
+    /// The forward's rotary tables.
+    pub rope: RopeTables,
+    /// The forward's attention mask.
+    pub mask: AttentionMask,
+    /// The forward's routed rows (the real tokens).
+    pub rows: RoutedRows,
+}
+
+/// The layers of a recomputing forward, waiting for the loss: [`LayerRecompute::backward`]
+/// gives every weight's gradient.
+pub struct LayerRecompute<'m> {
+    model: &'m Model,
+    kept: RecomputeInputs,
+}
+
+impl std::fmt::Debug for LayerRecompute<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LayerRecompute")
+            .field("layers", &self.kept.inputs.len())
+            .finish()
+    }
+}
+
+impl<'m> LayerRecompute<'m> {
+    pub(super) fn new(model: &'m Model, kept: RecomputeInputs) -> Self {
+        LayerRecompute { model, kept }
+    }
+
+    /// The gradients of `loss` (a scalar computed from the recomputing forward's logits) for
+    /// `vars`, the model's variables: the loss's own backward down to the last layer's
+    /// output, then each layer run again and differentiated, from the top. The store holds
+    /// what `loss.backward()` over [`Model::forward`]'s graph holds for `vars` (and may hold
+    /// gradients of other tensors of the loss's graph).
+    pub fn backward<'v>(
+        self,
+        loss: &Tensor,
+        vars: impl IntoIterator<Item = &'v Var>,
+    ) -> Result<GradStore> {
+        let vars: HashSet<TensorId> = vars.into_iter().map(|v| v.as_tensor().id()).collect();
+        let model = self.model;
+        let kept = self.kept;
+        let mut grads = loss.backward()?;
+        let mut grad = grads.remove(kept.top.as_tensor()).ok_or_else(|| {
+            ModelError::Input("the loss does not depend on the recomputing forward's logits".into())
+        })?;
+        let forced: Vec<LayerPlan> = kept
+            .dispatched
+            .into_iter()
+            .map(|ids| LayerPlan {
+                forced: vec![true; kept.rows.host.len()],
+                ids,
+            })
+            .collect();
+        let ctx = LayerContext {
+            rope: kept.rope,
+            mask: kept.mask,
+            rows: kept.rows,
+            plan: Some(&forced),
+        };
+        for ((i, layer), input) in model.layers.iter().enumerate().zip(&kept.inputs).rev() {
+            let input = Var::from_tensor(input)?;
+            let mut moe = MoeRecord::default();
+            let output =
+                model.layer_forward(i, layer, input.as_tensor().clone(), &ctx, &mut moe)?;
+            let local = seeded_backward(&output, &grad)?;
+            grad = take_grad(&local, input.as_tensor(), i)?;
+            add_grads(&mut grads, &local, &vars)?;
+        }
+        let (b, t) = (kept
+            .inputs
+            .first()
+            .map_or(Ok((0, 0)), |x| x.dims3().map(|(b, t, _)| (b, t))))?;
+        let embedded = model.embed_tokens(&kept.ids, &kept.host_ids, b, t)?;
+        if embedded.track_op() {
+            let local = seeded_backward(&embedded, &grad)?;
+            add_grads(&mut grads, &local, &vars)?;
+        }
+        Ok(grads)
+    }
+}
+
+/// The backward of `output`'s graph from the gradient `grad` of `output`: of
+/// `Σ output ⊙ grad`, whose gradient at `output` is `grad` exactly (`1 · grad`).
+fn seeded_backward(output: &Tensor, grad: &Tensor) -> Result<GradStore> {
+    Ok(output.mul(grad)?.sum_all()?.backward()?)
+}
+
+/// The gradient `local` holds for the recomputed input of layer `i`.
+fn take_grad(local: &GradStore, input: &Tensor, i: usize) -> Result<Tensor> {
+    local.get(input).cloned().ok_or_else(|| {
+        ModelError::Input(format!(
+            "layer {i}'s recomputed output does not depend on its input"
+        ))
+    })
+}
+
+/// Adds the gradients `local` holds for `vars` into `grads` (a weight read by several
+/// layers, such as a tied embedding, sums its parts).
+fn add_grads(grads: &mut GradStore, local: &GradStore, vars: &HashSet<TensorId>) -> Result<()> {
+    for &id in local.get_ids().filter(|id| vars.contains(id)) {
+        let Some(part) = local.get_id(id) else {
+            continue;
+        };
+        let sum = match grads.get_id(id) {
+            Some(acc) => acc.add(part)?,
+            None => part.clone(),
+        };
+        grads.insert_id(id, sum);
+    }
+    Ok(())
+}
