@@ -400,7 +400,7 @@ impl Model {
                 RecomputeInputs {
                     top,
                     inputs,
-                    dispatched: moe.used.clone(),
+                    dispatched: moe.used,
                     ids,
                     host_ids: batch.host_ids.clone(),
                     rope,

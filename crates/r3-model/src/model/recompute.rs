@@ -29,7 +29,7 @@ pub(super) struct RecomputeInputs {
     pub inputs: Vec<Tensor>,
     /// Per MoE layer, the `[rows · top_k]` experts its rows were dispatched to.
     pub dispatched: Vec<Vec<u32>>,
-    /// The `[B·T]` token ids on the device, and on the host (the embedding's backward).
+    /// The `[B·T]` token ids on the device (the embedding's backward reads them again).
     pub ids: Tensor,
     /// The same ids on the host.
     pub host_ids: Vec<u32>,
@@ -57,6 +57,7 @@ impl std::fmt::Debug for LayerRecompute<'_> {
 }
 
 impl<'m> LayerRecompute<'m> {
+    /// What `model`'s recomputing forward kept, waiting for the loss.
     pub(super) fn new(model: &'m Model, kept: RecomputeInputs) -> Self {
         LayerRecompute { model, kept }
     }
@@ -92,8 +93,17 @@ impl<'m> LayerRecompute<'m> {
             rows: kept.rows,
             plan: Some(&forced),
         };
-        for ((i, layer), input) in model.layers.iter().enumerate().zip(&kept.inputs).rev() {
-            let input = Var::from_tensor(input)?;
+        let (b, t) = match kept.inputs.first() {
+            Some(x) => x.dims3().map(|(b, t, _)| (b, t))?,
+            None => (0, 0),
+        };
+        // Each layer's input is let go once its layer has run again.
+        let mut inputs = kept.inputs;
+        for (i, layer) in model.layers.iter().enumerate().rev() {
+            let input = inputs.pop().ok_or_else(|| {
+                ModelError::Input(format!("no kept input for layer {i} to run again"))
+            })?;
+            let input = Var::from_tensor(&input)?;
             let mut moe = MoeRecord::default();
             let output =
                 model.layer_forward(i, layer, input.as_tensor().clone(), &ctx, &mut moe)?;
@@ -101,10 +111,6 @@ impl<'m> LayerRecompute<'m> {
             grad = take_grad(&local, input.as_tensor(), i)?;
             add_grads(&mut grads, &local, &vars)?;
         }
-        let (b, t) = (kept
-            .inputs
-            .first()
-            .map_or(Ok((0, 0)), |x| x.dims3().map(|(b, t, _)| (b, t))))?;
         let embedded = model.embed_tokens(&kept.ids, &kept.host_ids, b, t)?;
         if embedded.track_op() {
             let local = seeded_backward(&embedded, &grad)?;

@@ -247,7 +247,8 @@ pub struct AlgoConfig {
     /// only every decoder layer's input and the experts it dispatched, and the backward runs
     /// each layer again, its dispatched experts forced, before differentiating it. The same
     /// gradients bit for bit, in memory that holds one layer's activations instead of all of
-    /// them, for about one more forward per update. Default false.
+    /// them, for about one more forward per update (timed in `time.update_backward_s`).
+    /// Default false.
     pub gradient_checkpointing: bool,
 }
 
