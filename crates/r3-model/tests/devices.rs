@@ -466,6 +466,34 @@ fn recomputed_layers_give_the_same_bits_on_the_cpu() {
     recomputed_layers_give_the_same_bits(&Device::Cpu);
 }
 
+/// A loss that does not read the recomputing forward's logits has no gradient to run the
+/// layers back from: an error that says so, not a store of zeros.
+#[test]
+fn a_loss_beside_the_recomputed_logits_is_refused() {
+    let cfg = tiny_config("qwen3_moe");
+    let (varmap, weights) = tiny_weights(&cfg, 5, DType::F32)
+        .into_trainable(&cfg)
+        .expect("trainable");
+    let model = Model::new(&cfg, &weights).expect("model");
+    let batch = Batch::new(&sequences(&[5], cfg.vocab_size, 1), 0, &Device::Cpu).expect("batch");
+    let (_, layers) = model
+        .forward_recomputing(&batch, Routing::Native)
+        .expect("forward");
+    let vars = varmap.all_vars();
+    let unrelated = vars[0]
+        .as_tensor()
+        .sum_all()
+        .expect("a loss of one weight alone");
+    let err = layers
+        .backward(&unrelated, &vars)
+        .expect_err("no gradient at the last layer's output");
+    assert!(
+        err.to_string()
+            .contains("does not depend on the recomputing forward's logits"),
+        "{err}"
+    );
+}
+
 #[test]
 fn held_weight_copies_give_the_same_bits_on_the_cpu() {
     held_copies_give_the_same_bits(&Device::Cpu);

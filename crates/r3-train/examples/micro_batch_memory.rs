@@ -8,6 +8,7 @@
 //!
 //! One setting per process, so each peak is its own:
 //! `cargo run -p r3-train --example micro_batch_memory -- models/gsm8k-moe 256 4096`
+//! (a fourth argument `checkpointing` turns on `algo.gradient_checkpointing`)
 //!
 //! Measured 2026-11-26 on models/gsm8k-moe (dev profile, shared 2-core machine), peak over
 //! the resident set before the update: at a budget of 4096 tokens, 32 / 128 / 256 sequences
@@ -51,8 +52,14 @@ fn synthetic_batch(n: usize, vocab: u32) -> Result<ResponseBatch, Box<dyn std::e
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let [model, n, budget] = args.as_slice() else {
-        return Err("usage: micro_batch_memory MODEL_DIR SEQUENCES TOKEN_BUDGET".into());
+    let (model, n, budget, checkpointing) = match args.as_slice() {
+        [model, n, budget] => (model, n, budget, false),
+        [model, n, budget, flag] if flag == "checkpointing" => (model, n, budget, true),
+        _ => {
+            return Err(
+                "usage: micro_batch_memory MODEL_DIR SEQUENCES TOKEN_BUDGET [checkpointing]".into(),
+            )
+        }
     };
     let n: usize = n.parse().map_err(|e| format!("SEQUENCES {n:?}: {e}"))?;
     let budget: usize = budget
@@ -82,6 +89,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // The default config's loss and optimiser settings, with the budget under test.
     let settings = UpdateSettings {
         max_tokens_per_micro_batch: budget,
+        gradient_checkpointing: checkpointing,
         lr: 1e-4,
         ..update_settings(&TrainConfig::default())
     };
@@ -94,7 +102,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let seconds = started.elapsed().as_secs_f64();
     let after = read_memory().ok_or("no /proc/self/status")?;
     println!(
-        "{{\"sequences\": {n}, \"tokens\": {}, \"padded_tokens\": {}, \"budget\": {budget}, \
+        "{{\"sequences\": {n}, \"tokens\": {}, \"padded_tokens\": {}, \"budget\": {budget}, \"checkpointing\": {checkpointing}, \
          \"micro_batches\": {}, \"rss_before_mib\": {:.0}, \"update_peak_mib\": {:.0}, \
          \"peak_over_base_mib\": {:.0}, \"rss_after_mib\": {:.0}, \"peak_reset\": {reset}, \"applied\": {}, \
          \"seconds\": {seconds:.2}}}",
