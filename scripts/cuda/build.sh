@@ -107,6 +107,14 @@ cp "$CARGO_TARGET_DIR/release/examples/gemm16_modes" "$out/bin/r3-model-gemm16_m
 # Symbols are not needed on the GPU machine, and what travels there is limited (64 MiB).
 strip "$out/bin/"* 2>/dev/null || true
 
+# Which source the binaries are: check.sh prints it, so figures are read against the commit
+# they came from (a pack left from an earlier build is otherwise indistinguishable).
+{
+    echo "commit $(git -C "$root" rev-parse HEAD 2>/dev/null || echo unknown)"
+    echo "uncommitted changes $(git -C "$root" status --porcelain --untracked-files=no 2>/dev/null | wc -l)"
+    echo "built $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+} > "$out/bin/BUILT_FROM"
+
 # What travels to the GPU machine is limited to 64 MiB with the working tree: one xz archive
 # of all the binaries, whose dictionary spans them so the CUDA kernels (PTX) each one embeds
 # are stored once. check.sh unpacks it with Python's tarfile when gpu/bin is absent.

@@ -89,6 +89,11 @@ if [ ! -d "$bin" ] && [ -f "$root/gpu/pack/bin.tar.xz" ]; then
         "$root/gpu/pack/bin.tar.xz" "$root/gpu" || { echo "check.sh: cannot unpack gpu/pack/bin.tar.xz" >&2; exit 2; }
     echo "== unpacked gpu/pack/bin.tar.xz in $(( $(date +%s) - t0 )) s"
 fi
+if [ -f "$bin/BUILT_FROM" ]; then
+    verdict binaries "$(tr '\n' ';' < "$bin/BUILT_FROM")"
+else
+    verdict binaries "no BUILT_FROM (built before build.sh wrote one)"
+fi
 gpu_name=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -n 1)
 echo "== GPU: ${gpu_name:-unknown (nvidia-smi failed)}"
 for exe in r3 r3-model-devices r3-model-kernels r3-train-devices r3-rollout-device_engine r3-rollout-device_prefix_cache; do
