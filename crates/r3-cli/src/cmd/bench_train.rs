@@ -89,7 +89,7 @@ pub struct BenchTrainArgs {
     /// Activation checkpointing (`algo.gradient_checkpointing`): the forward keeps only each
     /// decoder layer's input, the backward runs every layer again before differentiating it
     /// (the same gradients; one more forward's work, counted in the backward's time). On the
-    /// CPU each step's resident-memory high-water mark over its start is printed beside.
+    /// CPU the steps' resident-memory high-water mark is printed either way, to compare.
     #[arg(long)]
     pub gradient_checkpointing: bool,
 }
