@@ -110,6 +110,10 @@ pub(crate) struct LayerPlan {
     pub ids: Vec<u32>,
     /// `[rows]` whether the row's ids come from a table
     pub forced: Vec<bool>,
+    /// Whether the layer also routes natively, to count the forced rows whose experts differ
+    /// from its router's own choice (a replay's routing divergence). Without it, and with
+    /// every row forced, the router's logits serve the gates alone and never go to the host.
+    pub count_differences: bool,
 }
 
 /// Forced ids for every MoE layer, plus which sequences route their final position natively.
@@ -158,6 +162,7 @@ pub(crate) fn plan_replay(
         .map(|_| LayerPlan {
             ids: vec![0; total * k],
             forced: vec![false; total],
+            count_differences: true,
         })
         .collect();
     let mut native_final_position = Vec::with_capacity(tables.len());

@@ -198,25 +198,39 @@ impl MoeBlock {
             GatherRows::new(rows.host.clone(), batch_rows, batch_rows)?.apply(x)?
         };
         let logits = self.router_logits(&x_routed)?;
-        let waiting = Instant::now();
-        let host = logits
-            .detach()
-            .flatten_all()?
-            .to_dtype(candle_core::DType::F32)?
-            .to_vec1::<f32>()?;
-        let device_wait = waiting.elapsed();
-        let mut ids = self.router.select_rows(&host, self.score_bias.as_deref())?;
         let n = rows.host.len();
-        let mut differs = 0;
-        let mut replay_time = Duration::ZERO;
         if let Some(plan) = plan {
-            let started = Instant::now();
             if plan.forced.len() != n || plan.ids.len() != n * k {
                 return Err(ModelError::Input(format!(
                     "replay plan covers {} rows, layer routes {n}",
                     plan.forced.len()
                 )));
             }
+        }
+        // Every row forced and no divergence counted (a layer run again for its backward):
+        // the router's own choice is not needed, so its logits stay on the device (no host
+        // round trip on a GPU) and serve the gates alone.
+        let forced_ids = plan
+            .filter(|p| !p.count_differences && p.forced.iter().all(|&f| f))
+            .map(|p| p.ids.clone());
+        let (mut ids, host, device_wait) = match forced_ids {
+            Some(ids) => (ids, None, Duration::ZERO),
+            None => {
+                let waiting = Instant::now();
+                let host = logits
+                    .detach()
+                    .flatten_all()?
+                    .to_dtype(candle_core::DType::F32)?
+                    .to_vec1::<f32>()?;
+                let device_wait = waiting.elapsed();
+                let ids = self.router.select_rows(&host, self.score_bias.as_deref())?;
+                (ids, Some(host), device_wait)
+            }
+        };
+        let mut differs = 0;
+        let mut replay_time = Duration::ZERO;
+        if let Some(plan) = plan.filter(|_| host.is_some()) {
+            let started = Instant::now();
             // Rows side by side: a GPU waits on this host work between router and experts.
             differs = ids
                 .par_chunks_mut(k.max(1))
@@ -232,12 +246,14 @@ impl MoeBlock {
                 .sum();
             replay_time = started.elapsed();
         }
-        let gates = if gates == Gates::HostWhenUntracked && !logits.track_op() {
+        let gates = if let (Gates::HostWhenUntracked, false, Some(host)) =
+            (gates, logits.track_op(), host.as_ref())
+        {
             // Nothing differentiates through the gates, and the host holds the logits
             // already: the gates by the row form the CPU rollout engine weighs with, one
             // upload instead of the ids' upload and four kernels (softmax, gather, sum,
             // divide) on a GPU.
-            self.host_gates(&host, &ids, x.device())?
+            self.host_gates(host, &ids, x.device())?
                 .to_dtype(logits.dtype())?
         } else {
             let ids_tensor = Tensor::from_vec(ids.clone(), (n, k), x.device())?;
@@ -431,6 +447,65 @@ mod tests {
         assert_eq!(max_abs_diff(&grad(&gathered), &grad(&added)), 0.0);
         let want = probe.index_select(&ids, 0).expect("select");
         assert_eq!(max_abs_diff(&grad(&gathered), &want), 0.0);
+    }
+
+    /// A layer run with every row forced and no divergence counted (a recomputed layer)
+    /// dispatches the forced experts without its router's logits going to the host: no wait,
+    /// no native choice compared; its output and ids are those of the same plan counting
+    /// the divergence (where the host routes natively and then overrides every row).
+    #[test]
+    fn a_fully_forced_layer_skips_the_native_choice_and_gives_the_same_output() {
+        use crate::config::Config;
+        use crate::weights::{RandomInit, Weights};
+        let cfg = Config::from_value(serde_json::json!({
+            "model_type": "qwen3_moe", "vocab_size": 32, "hidden_size": 16,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 8, "intermediate_size": 24, "max_position_embeddings": 64,
+            "rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": false,
+            "rope_theta": 10000.0, "num_experts": 6, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 8, "norm_topk_prob": true, "decoder_sparse_step": 1,
+            "mlp_only_layers": []
+        }))
+        .expect("config");
+        let weights = Weights::random(&cfg, &RandomInit::new(3), &Device::Cpu)
+            .and_then(|w| w.fuse_experts(&cfg))
+            .expect("weights");
+        let block = MoeBlock::new(&cfg, &weights, 0).expect("block");
+        let n = 9;
+        let x = seeded_tensor(&[n, 16], 4, DType::F32);
+        let rows = RoutedRows {
+            host: (0..n as u32).collect(),
+            all: true,
+        };
+        // Experts (r, r + 1) mod 6: not what the router picks for most rows.
+        let ids: Vec<u32> = (0..n as u32).flat_map(|r| [r % 6, (r + 1) % 6]).collect();
+        let run = |count_differences: bool| {
+            let plan = LayerPlan {
+                ids: ids.clone(),
+                forced: vec![true; n],
+                count_differences,
+            };
+            block
+                .forward(&x, &rows, Some(&plan), Gates::Differentiable)
+                .expect("forward")
+        };
+        let (skipped, counted) = (run(false), run(true));
+        assert_eq!(skipped.ids, ids);
+        assert_eq!(counted.ids, ids);
+        assert_eq!(
+            skipped.device_wait,
+            Duration::ZERO,
+            "no host copy of the logits"
+        );
+        assert_eq!(skipped.differs_from_native, 0);
+        assert!(
+            counted.differs_from_native > 0,
+            "the plan differs from the router"
+        );
+        assert_eq!(
+            crate::test_util::f32_bits(&skipped.output),
+            crate::test_util::f32_bits(&counted.output)
+        );
     }
 
     #[test]

@@ -85,6 +85,7 @@ impl<'m> LayerRecompute<'m> {
             .map(|ids| LayerPlan {
                 forced: vec![true; kept.rows.host.len()],
                 ids,
+                count_differences: false,
             })
             .collect();
         let ctx = LayerContext {
