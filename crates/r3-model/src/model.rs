@@ -402,6 +402,7 @@ impl Model {
                     inputs,
                     dispatched: moe.used,
                     ids,
+                    batch_shape: (b, t),
                     host_ids: batch.host_ids.clone(),
                     rope,
                     mask,

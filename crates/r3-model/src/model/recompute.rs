@@ -31,6 +31,8 @@ pub(super) struct RecomputeInputs {
     pub dispatched: Vec<Vec<u32>>,
     /// The `[B·T]` token ids on the device (the embedding's backward reads them again).
     pub ids: Tensor,
+    /// The batch's `(B, T)`.
+    pub batch_shape: (usize, usize),
     /// The same ids on the host.
     pub host_ids: Vec<u32>,
     /// The forward's rotary tables.
@@ -94,10 +96,6 @@ impl<'m> LayerRecompute<'m> {
             rows: kept.rows,
             plan: Some(&forced),
         };
-        let (b, t) = match kept.inputs.first() {
-            Some(x) => x.dims3().map(|(b, t, _)| (b, t))?,
-            None => (0, 0),
-        };
         // Each layer's input is let go once its layer has run again.
         let mut inputs = kept.inputs;
         for (i, layer) in model.layers.iter().enumerate().rev() {
@@ -112,6 +110,7 @@ impl<'m> LayerRecompute<'m> {
             grad = take_grad(&local, input.as_tensor(), i)?;
             add_grads(&mut grads, &local, &vars)?;
         }
+        let (b, t) = kept.batch_shape;
         let embedded = model.embed_tokens(&kept.ids, &kept.host_ids, b, t)?;
         if embedded.track_op() {
             let local = seeded_backward(&embedded, &grad)?;
