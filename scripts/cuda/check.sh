@@ -223,11 +223,14 @@ for run in "mid f32 8 70 --parts" "mid bf16 8 70 --parts" "a3b-8l bf16 2 120"; d
     cat "$work/bench-r3-$name.txt"
     r3_tps=$(grep -E "^native +mean" "$work/bench-r3-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s +best.*/\1/')
     replay_cost=$(grep -E "^replay cost" "$work/bench-r3-$name.txt" | sed -E 's/replay cost vs native: ([-+0-9.]+)% mean.*/\1/')
+    # The tensors' own high-water mark (the memory pool's), beside nvidia-smi's whole process.
+    tensors_mib() { grep -E "^device memory" "$1" | sed -E 's/.*during the steps ([0-9]+) MiB.*/\1/'; }
+    r3_tensors=$(tensors_mib "$work/bench-r3-$name.txt")
     hf_mem=$(gpu_peak "$work/bench-hf-$name.txt" timeout "$(limit "$secs")" "$python" scripts/cuda/peer_hf.py \
         --config "$config" --dtype "$dtype" --batch "$batch" --seq-len 512 --steps 3)
     cat "$work/bench-hf-$name.txt"
     hf_tps=$(grep -E "^peer " "$work/bench-hf-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s.*/\1/')
-    line="$name r3 ${r3_tps:-?} tok/s ${r3_mem:-?} MiB, HF ${hf_tps:-?} tok/s ${hf_mem:-?} MiB, replay ${replay_cost:-?}%"
+    line="$name r3 ${r3_tps:-?} tok/s ${r3_mem:-?} MiB (tensors ${r3_tensors:-?} MiB), HF ${hf_tps:-?} tok/s ${hf_mem:-?} MiB, replay ${replay_cost:-?}%"
     # bf16 also beside HF the way its Trainer runs bf16 (f32 parameters under autocast): r3's
     # own scheme (f32 master weights, bf16 matmuls), so the like-for-like peer.
     if [ "$dtype" = bf16 ] && [ "$(left)" -ge 60 ]; then
@@ -257,7 +260,7 @@ for run in "mid f32 8 70 --parts" "mid bf16 8 70 --parts" "a3b-8l bf16 2 120"; d
             --seq-len 512 --steps 3 --warmup 1 --gradient-checkpointing)
         cat "$work/bench-r3-ckpt-$name.txt"
         ckpt_tps=$(grep -E "^native +mean" "$work/bench-r3-ckpt-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s +best.*/\1/')
-        line+=", r3 with gradient checkpointing ${ckpt_tps:-?} tok/s ${ckpt_mem:-?} MiB"
+        line+=", r3 with gradient checkpointing ${ckpt_tps:-?} tok/s ${ckpt_mem:-?} MiB (tensors $(tensors_mib "$work/bench-r3-ckpt-$name.txt") MiB)"
     fi
     bench+=("$line")
     echo "== bench $name: ${bench[-1]}"

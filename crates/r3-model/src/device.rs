@@ -201,6 +201,79 @@ pub fn device_memory(device: &Device) -> Result<Option<(usize, usize)>, DeviceEr
     }
 }
 
+/// The most memory the device's tensors held at once since [`reset_device_memory_peak`], in
+/// bytes, once the work queued so far has run: on a GPU the high-water mark of its
+/// stream-ordered memory pool, from which candle allocates every tensor (what PyTorch's
+/// `max_memory_allocated` reports; cuBLAS's workspace and the context are not in it);
+/// `None` on the CPU, whose memory is the process's resident set.
+pub fn device_memory_peak(device: &Device) -> Result<Option<u64>, DeviceError> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(gpu) => {
+            use candle_core::cuda_backend::cudarc::driver::sys;
+            let unavailable = |reason: String| DeviceError::CudaUnavailable {
+                spec: DeviceSpec::of(device),
+                reason,
+            };
+            gpu.cuda_stream()
+                .synchronize()
+                .map_err(|e| unavailable(format!("cannot finish its queued work: {e}")))?;
+            let pool = default_pool(gpu).map_err(unavailable)?;
+            let mut high = 0u64;
+            // SAFETY: the attribute is a `u64` written through the pointer; the pool handle
+            // is valid for the context's life.
+            unsafe {
+                sys::cuMemPoolGetAttribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                    &mut high as *mut u64 as *mut std::ffi::c_void,
+                )
+            }
+            .result()
+            .map_err(|e| {
+                unavailable(format!(
+                    "cannot read its memory pool's high-water mark: {e}"
+                ))
+            })?;
+            Ok(Some(high))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// Starts [`device_memory_peak`]'s mark again from what the device's tensors hold now (the
+/// driver resets a pool's high-water mark to zero, and it climbs back with the next
+/// allocation past that); nothing on the CPU.
+pub fn reset_device_memory_peak(device: &Device) -> Result<(), DeviceError> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(gpu) => {
+            use candle_core::cuda_backend::cudarc::driver::sys;
+            let unavailable = |reason: String| DeviceError::CudaUnavailable {
+                spec: DeviceSpec::of(device),
+                reason,
+            };
+            let pool = default_pool(gpu).map_err(unavailable)?;
+            let mut zero = 0u64;
+            // SAFETY: as above; zero is the one value the driver accepts for this attribute.
+            unsafe {
+                sys::cuMemPoolSetAttribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                    &mut zero as *mut u64 as *mut std::ffi::c_void,
+                )
+            }
+            .result()
+            .map_err(|e| {
+                unavailable(format!(
+                    "cannot reset its memory pool's high-water mark: {e}"
+                ))
+            })
+        }
+        _ => Ok(()),
+    }
+}
+
 /// Whether r3's own row ops run on this tensor: f32 or f64 on the CPU (the CPU
 /// implementations), f32 on a GPU (the CUDA kernels of `cuda/kernels.cu`), and not empty
 /// (empty tensors take candle's own ops: a kernel grid needs a row, CUDA a non-empty buffer).
@@ -279,6 +352,8 @@ mod tests {
     #[test]
     fn the_cpu_reports_no_device_memory() {
         assert_eq!(device_memory(&Device::Cpu).expect("cpu"), None);
+        reset_device_memory_peak(&Device::Cpu).expect("nothing to reset");
+        assert_eq!(device_memory_peak(&Device::Cpu).expect("cpu"), None);
     }
 
     #[test]

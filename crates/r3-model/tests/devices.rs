@@ -553,6 +553,31 @@ mod cuda {
         recomputed_layers_give_the_same_bits(&gpu());
     }
 
+    /// The device's memory high-water mark counts a tensor while it is held, and a reset
+    /// after it went starts the mark below it.
+    #[test]
+    fn the_device_memory_peak_follows_the_tensors_held() {
+        use r3_model::device::{device_memory_peak, reset_device_memory_peak};
+        let device = gpu();
+        reset_device_memory_peak(&device).expect("reset");
+        let big = Tensor::zeros((16, 1 << 20), DType::F32, &device).expect("64 MiB");
+        let with = device_memory_peak(&device)
+            .expect("peak")
+            .expect("a GPU's peak");
+        assert!(with >= 64 << 20, "{with} bytes with a 64 MiB tensor held");
+        drop(big);
+        reset_device_memory_peak(&device).expect("reset");
+        let small = Tensor::zeros(1024, DType::F32, &device).expect("4 KiB");
+        let without = device_memory_peak(&device)
+            .expect("peak")
+            .expect("a GPU's peak");
+        assert!(
+            without < with,
+            "{without} bytes after it went, {with} with it"
+        );
+        drop(small);
+    }
+
     #[test]
     fn oracle_fixtures_on_cuda() {
         let device = gpu();

@@ -373,6 +373,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     let memory_before = r3_train::rl::memory::reset_peak()
         .then(r3_train::rl::memory::read_memory)
         .flatten();
+    r3_model::device::reset_device_memory_peak(&device)?;
     for i in 0..args.warmup + args.steps {
         for (mode, timing) in [("native", &mut native), ("replay", &mut replay)] {
             let routing = if mode == "native" {
@@ -461,6 +462,13 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
             "memory: resident high-water mark during the steps {:.0} MiB (the resident set before them {:.0} MiB; gradient checkpointing {})",
             after.peak_mib,
             before.rss_mib,
+            if args.gradient_checkpointing { "on" } else { "off" }
+        );
+    }
+    if let Some(peak) = r3_model::device::device_memory_peak(&device)? {
+        println!(
+            "device memory: the tensors' high-water mark during the steps {:.0} MiB (the memory pool's, as PyTorch's max_memory_allocated; nvidia-smi also counts the context, cuBLAS's workspace and the pool's kept memory; gradient checkpointing {})",
+            peak as f64 / (1024.0 * 1024.0),
             if args.gradient_checkpointing { "on" } else { "off" }
         );
     }

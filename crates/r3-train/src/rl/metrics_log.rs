@@ -172,6 +172,15 @@ pub struct StepMetrics {
         default
     )]
     pub sync_peak_mib: Option<f64>,
+    /// On a GPU, the most memory its tensors held at once over the step (its memory pool's
+    /// high-water mark: both engines' when the rollout engine shares the device), MiB;
+    /// absent on the CPU.
+    #[serde(
+        rename = "memory.device_peak_mib",
+        skip_serializing_if = "Option::is_none",
+        default
+    )]
+    pub device_peak_mib: Option<f64>,
     /// Held-out accuracy after this step's update (eval steps only).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub eval_accuracy: Option<f64>,

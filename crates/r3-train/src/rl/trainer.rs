@@ -222,6 +222,9 @@ impl Trainer {
         // the step's mark is the highest of its phases'. Reading it computes nothing the
         // metrics depend on.
         let peaks_known = reset_peak();
+        // On a GPU also the device's: its tensors' high-water mark over the step.
+        let device = self.policy.device();
+        r3_model::device::reset_device_memory_peak(&device)?;
         let data = self.sample_step(step, &cfg)?;
         let rollout_peak_mib = lap_peak();
         if let Some(trace) = trace.as_deref_mut() {
@@ -281,6 +284,8 @@ impl Trainer {
                 _ => None,
             };
         }
+        metrics.device_peak_mib = r3_model::device::device_memory_peak(&device)?
+            .map(|bytes| bytes as f64 / (1024.0 * 1024.0));
         if let Some(pos) = self.prompt_position().1 {
             metrics.data_epoch = Some(pos.epoch);
             metrics.data_filtered_prompts = Some(self.prompts.filtered() as u64);
