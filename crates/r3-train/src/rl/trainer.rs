@@ -222,9 +222,16 @@ impl Trainer {
         // the step's mark is the highest of its phases'. Reading it computes nothing the
         // metrics depend on.
         let peaks_known = reset_peak();
-        // On a GPU also the device's: its tensors' high-water mark over the step.
+        // On a GPU also the device's: its tensors' high-water mark over the step. A metric
+        // the driver refuses is left out with a warning; it never stops the run.
         let device = self.policy.device();
-        r3_model::device::reset_device_memory_peak(&device)?;
+        let device_peak_known = match r3_model::device::reset_device_memory_peak(&device) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!("memory.device_peak_mib left out: {e}");
+                false
+            }
+        };
         let data = self.sample_step(step, &cfg)?;
         let rollout_peak_mib = lap_peak();
         if let Some(trace) = trace.as_deref_mut() {
@@ -284,8 +291,15 @@ impl Trainer {
                 _ => None,
             };
         }
-        metrics.device_peak_mib = r3_model::device::device_memory_peak(&device)?
-            .map(|bytes| bytes as f64 / (1024.0 * 1024.0));
+        if device_peak_known {
+            metrics.device_peak_mib = match r3_model::device::device_memory_peak(&device) {
+                Ok(peak) => peak.map(|bytes| bytes as f64 / (1024.0 * 1024.0)),
+                Err(e) => {
+                    tracing::warn!("memory.device_peak_mib left out: {e}");
+                    None
+                }
+            };
+        }
         if let Some(pos) = self.prompt_position().1 {
             metrics.data_epoch = Some(pos.epoch);
             metrics.data_filtered_prompts = Some(self.prompts.filtered() as u64);
