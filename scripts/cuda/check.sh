@@ -212,6 +212,9 @@ gpu_peak() {
     sort -n "$log.mem" | tail -n 1
     return $rc
 }
+# tensors_mib FILE: the tensors' own high-water mark (the memory pool's) r3 bench train
+# printed, beside nvidia-smi's whole process.
+tensors_mib() { grep -E "^device memory" "$1" | sed -E 's/.*during the steps ([0-9]+) MiB.*/\1/'; }
 for run in "mid f32 8 70 --parts" "mid bf16 8 70 --parts" "a3b-8l bf16 2 120"; do
     read -r config dtype batch secs parts <<< "$run"
     name="$config-$dtype"
@@ -223,8 +226,6 @@ for run in "mid f32 8 70 --parts" "mid bf16 8 70 --parts" "a3b-8l bf16 2 120"; d
     cat "$work/bench-r3-$name.txt"
     r3_tps=$(grep -E "^native +mean" "$work/bench-r3-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s +best.*/\1/')
     replay_cost=$(grep -E "^replay cost" "$work/bench-r3-$name.txt" | sed -E 's/replay cost vs native: ([-+0-9.]+)% mean.*/\1/')
-    # The tensors' own high-water mark (the memory pool's), beside nvidia-smi's whole process.
-    tensors_mib() { grep -E "^device memory" "$1" | sed -E 's/.*during the steps ([0-9]+) MiB.*/\1/'; }
     r3_tensors=$(tensors_mib "$work/bench-r3-$name.txt")
     hf_mem=$(gpu_peak "$work/bench-hf-$name.txt" timeout "$(limit "$secs")" "$python" scripts/cuda/peer_hf.py \
         --config "$config" --dtype "$dtype" --batch "$batch" --seq-len 512 --steps 3)

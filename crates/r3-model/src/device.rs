@@ -112,20 +112,9 @@ fn keep_freed_memory(device: &Device) -> Result<(), String> {
     match device {
         #[cfg(feature = "cuda")]
         Device::Cuda(gpu) => {
-            use candle_core::cuda_backend::cudarc::driver::sys;
-            let pool = default_pool(gpu)?;
-            let mut threshold = u64::MAX;
-            // SAFETY: the attribute takes a `u64` by pointer; the pool handle is valid.
-            unsafe {
-                sys::cuMemPoolSetAttribute(
-                    pool,
-                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                    &mut threshold as *mut u64 as *mut std::ffi::c_void,
-                )
-                .result()
-                .map_err(|e| format!("cannot set its memory pool's release threshold: {e}"))?;
-            }
-            Ok(())
+            use candle_core::cuda_backend::cudarc::driver::sys::CUmemPool_attribute as Attr;
+            set_pool_attribute(gpu, Attr::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, u64::MAX)
+                .map_err(|e| format!("cannot set its memory pool's release threshold: {e}"))
         }
         _ => Ok(()),
     }
@@ -178,10 +167,7 @@ pub fn device_memory(device: &Device) -> Result<Option<(usize, usize)>, DeviceEr
         #[cfg(feature = "cuda")]
         Device::Cuda(gpu) => {
             use candle_core::cuda_backend::cudarc::driver::sys;
-            let unavailable = |reason: String| DeviceError::CudaUnavailable {
-                spec: DeviceSpec::of(device),
-                reason,
-            };
+            let unavailable = |reason: String| unavailable(device, reason);
             let stream = gpu.cuda_stream();
             stream
                 .synchronize()
@@ -210,32 +196,18 @@ pub fn device_memory_peak(device: &Device) -> Result<Option<u64>, DeviceError> {
     match device {
         #[cfg(feature = "cuda")]
         Device::Cuda(gpu) => {
-            use candle_core::cuda_backend::cudarc::driver::sys;
-            let unavailable = |reason: String| DeviceError::CudaUnavailable {
-                spec: DeviceSpec::of(device),
-                reason,
-            };
+            use candle_core::cuda_backend::cudarc::driver::sys::CUmemPool_attribute as Attr;
             gpu.cuda_stream()
                 .synchronize()
-                .map_err(|e| unavailable(format!("cannot finish its queued work: {e}")))?;
-            let pool = default_pool(gpu).map_err(unavailable)?;
-            let mut high = 0u64;
-            // SAFETY: the attribute is a `u64` written through the pointer; the pool handle
-            // is valid for the context's life.
-            unsafe {
-                sys::cuMemPoolGetAttribute(
-                    pool,
-                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-                    &mut high as *mut u64 as *mut std::ffi::c_void,
-                )
-            }
-            .result()
-            .map_err(|e| {
-                unavailable(format!(
-                    "cannot read its memory pool's high-water mark: {e}"
-                ))
-            })?;
-            Ok(Some(high))
+                .map_err(|e| unavailable(device, format!("cannot finish its queued work: {e}")))?;
+            pool_attribute(gpu, Attr::CU_MEMPOOL_ATTR_USED_MEM_HIGH)
+                .map(Some)
+                .map_err(|e| {
+                    unavailable(
+                        device,
+                        format!("cannot read its memory pool's high-water mark: {e}"),
+                    )
+                })
         }
         _ => Ok(None),
     }
@@ -248,30 +220,70 @@ pub fn reset_device_memory_peak(device: &Device) -> Result<(), DeviceError> {
     match device {
         #[cfg(feature = "cuda")]
         Device::Cuda(gpu) => {
-            use candle_core::cuda_backend::cudarc::driver::sys;
-            let unavailable = |reason: String| DeviceError::CudaUnavailable {
-                spec: DeviceSpec::of(device),
-                reason,
-            };
-            let pool = default_pool(gpu).map_err(unavailable)?;
-            let mut zero = 0u64;
-            // SAFETY: as above; zero is the one value the driver accepts for this attribute.
-            unsafe {
-                sys::cuMemPoolSetAttribute(
-                    pool,
-                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-                    &mut zero as *mut u64 as *mut std::ffi::c_void,
+            use candle_core::cuda_backend::cudarc::driver::sys::CUmemPool_attribute as Attr;
+            // Zero is the one value the driver accepts for this attribute.
+            set_pool_attribute(gpu, Attr::CU_MEMPOOL_ATTR_USED_MEM_HIGH, 0).map_err(|e| {
+                unavailable(
+                    device,
+                    format!("cannot reset its memory pool's high-water mark: {e}"),
                 )
-            }
-            .result()
-            .map_err(|e| {
-                unavailable(format!(
-                    "cannot reset its memory pool's high-water mark: {e}"
-                ))
             })
         }
         _ => Ok(()),
     }
+}
+
+/// The error of a GPU that cannot do what was asked of it, and why.
+#[cfg(feature = "cuda")]
+fn unavailable(device: &Device, reason: String) -> DeviceError {
+    DeviceError::CudaUnavailable {
+        spec: DeviceSpec::of(device),
+        reason,
+    }
+}
+
+/// A `u64` attribute of the GPU's default memory pool.
+#[cfg(feature = "cuda")]
+fn pool_attribute(
+    gpu: &candle_core::CudaDevice,
+    attribute: candle_core::cuda_backend::cudarc::driver::sys::CUmemPool_attribute,
+) -> Result<u64, String> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let pool = default_pool(gpu)?;
+    let mut value = 0u64;
+    // SAFETY: the attributes read here are `u64`s written through the pointer; the pool
+    // handle is valid for the context's life.
+    unsafe {
+        sys::cuMemPoolGetAttribute(
+            pool,
+            attribute,
+            &mut value as *mut u64 as *mut std::ffi::c_void,
+        )
+    }
+    .result()
+    .map_err(|e| e.to_string())?;
+    Ok(value)
+}
+
+/// Sets a `u64` attribute of the GPU's default memory pool.
+#[cfg(feature = "cuda")]
+fn set_pool_attribute(
+    gpu: &candle_core::CudaDevice,
+    attribute: candle_core::cuda_backend::cudarc::driver::sys::CUmemPool_attribute,
+    mut value: u64,
+) -> Result<(), String> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let pool = default_pool(gpu)?;
+    // SAFETY: the attributes set here take a `u64` by pointer; the pool handle is valid.
+    unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            attribute,
+            &mut value as *mut u64 as *mut std::ffi::c_void,
+        )
+    }
+    .result()
+    .map_err(|e| e.to_string())
 }
 
 /// Whether r3's own row ops run on this tensor: f32 or f64 on the CPU (the CPU
