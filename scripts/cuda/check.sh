@@ -254,14 +254,16 @@ for run in "mid f32 8 70 --parts" "mid bf16 8 70 --parts" "a3b-8l bf16 2 120"; d
         line+=", r3 without weight copies ${cast_tps:-?} tok/s ${cast_mem:-?} MiB"
     fi
     # bf16 runs again with activation checkpointing (each layer run again in the backward:
-    # the same gradients, one layer's activations held at a time), its memory beside HF's.
+    # the same gradients, one layer's activations held at a time, the weight gradients kept
+    # in bf16 where exact), its memory beside HF's.
     if [ "$dtype" = bf16 ] && [ "$(left)" -ge 60 ]; then
         ckpt_mem=$(gpu_peak "$work/bench-r3-ckpt-$name.txt" timeout "$(limit "$secs")" "$bin/r3" \
             bench train --device cuda --config "$config" --dtype "$dtype" --batch "$batch" \
             --seq-len 512 --steps 3 --warmup 1 --gradient-checkpointing)
         cat "$work/bench-r3-ckpt-$name.txt"
         ckpt_tps=$(grep -E "^native +mean" "$work/bench-r3-ckpt-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s +best.*/\1/')
-        line+=", r3 with gradient checkpointing ${ckpt_tps:-?} tok/s ${ckpt_mem:-?} MiB (tensors $(tensors_mib "$work/bench-r3-ckpt-$name.txt") MiB)"
+        ckpt_grads=$(grep -E "^gradients at the backward's end" "$work/bench-r3-ckpt-$name.txt" | sed -E "s/.*end: ([0-9.]+) GB, ([0-9]+) of ([0-9]+) tensors.*/\1 GB, \2 of \3 in bf16/")
+        line+=", r3 with gradient checkpointing ${ckpt_tps:-?} tok/s ${ckpt_mem:-?} MiB (tensors $(tensors_mib "$work/bench-r3-ckpt-$name.txt") MiB; gradients ${ckpt_grads:-?})"
     fi
     bench+=("$line")
     echo "== bench $name: ${bench[-1]}"

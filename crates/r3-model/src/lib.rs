@@ -14,6 +14,7 @@ pub mod host_staging;
 pub mod layers;
 pub mod math;
 pub mod model;
+pub mod narrow_grads;
 pub mod optim_pass;
 pub mod precision;
 pub mod presets;

@@ -325,6 +325,27 @@ fn gradient_bits(
     named
 }
 
+/// The names of the variables whose gradient `grads` holds in a 16-bit dtype.
+fn narrow_gradients(
+    varmap: &candle_nn::VarMap,
+    grads: &candle_core::backprop::GradStore,
+) -> Vec<String> {
+    let mut names: Vec<String> = varmap
+        .data()
+        .lock()
+        .expect("vars")
+        .iter()
+        .filter(|(_, var)| {
+            grads
+                .get(var.as_tensor())
+                .is_some_and(|g| matches!(g.dtype(), DType::BF16 | DType::F16))
+        })
+        .map(|(name, _)| name.clone())
+        .collect();
+    names.sort();
+    names
+}
+
 /// A mixed-precision model that reads held 16-bit copies of its weights
 /// (`Weights::hold_narrow_copies`) computes on `device` bit for bit what it computes casting
 /// (on the CPU: rounding) every weight at every use — the logits of a replayed forward, the
@@ -388,7 +409,9 @@ fn held_copies_give_the_same_bits(device: &Device) {
 /// A recomputing forward (activation checkpointing) gives the plain forward's logits and
 /// routes, and its layer-by-layer backward every parameter's gradient, to the bit: every
 /// family, f32 / bf16 with held weight copies / f16, Native, Record and Replay routing, and a
-/// tied embedding (whose gradient sums the head's part and the embedding's).
+/// tied embedding (whose gradient sums the head's part and the embedding's). In bf16 and f16
+/// the backward run again keeping the gradients narrow (`LayerRecompute::keep_gradients_narrow`)
+/// gives the same bits widened, with the gradients it should narrow held in 16 bits.
 fn recomputed_layers_give_the_same_bits(device: &Device) {
     use r3_model::Precision;
     let mut configs: Vec<(String, Config)> = FAMILIES
@@ -414,7 +437,7 @@ fn recomputed_layers_give_the_same_bits(device: &Device) {
             (Precision::F16 { router_f32: true }, None, 1),
         ] {
             let what = format!("{family} {precision:?} mode {mode}");
-            let run = |recompute: bool| {
+            let run = |recompute: bool, narrow_grads: bool| {
                 let (varmap, mut weights) = on_device(&tiny_weights(cfg, 5, DType::F32), device)
                     .into_trainable(cfg)
                     .expect("trainable");
@@ -434,9 +457,13 @@ fn recomputed_layers_give_the_same_bits(device: &Device) {
                         .expect("loss")
                 };
                 let (out, grads) = if recompute {
-                    let (out, layers) = model
+                    let (out, mut layers) = model
                         .forward_recomputing(&batch, routing)
                         .expect("recomputing forward");
+                    if narrow_grads {
+                        let narrow = precision.narrow_dtype().expect("a 16-bit precision");
+                        layers = layers.keep_gradients_narrow(narrow);
+                    }
                     let grads = layers.backward(&loss_of(&out), &vars).expect("backward");
                     (out, grads)
                 } else {
@@ -447,16 +474,56 @@ fn recomputed_layers_give_the_same_bits(device: &Device) {
                 let named = gradient_bits(&varmap, &grads);
                 let proof = out.replay.as_ref().map(|p| format!("{p:?}"));
                 let routes = out.routes.as_ref().map(|r| format!("{r:?}"));
-                (bits(&out.logits), named, routes, proof)
+                let narrow = narrow_gradients(&varmap, &grads);
+                (bits(&out.logits), named, routes, proof, narrow)
             };
-            let (plain, recomputed) = (run(false), run(true));
-            assert!(plain.0 == recomputed.0, "{what}: logits");
-            assert_eq!(plain.1.len(), recomputed.1.len(), "{what}");
-            for ((name, a), (_, b)) in plain.1.iter().zip(&recomputed.1) {
-                assert!(a == b, "{what}: gradient of {name}");
+            let plain = run(false, false);
+            let mut runs = vec![("recomputed", run(true, false))];
+            if precision.narrow_dtype().is_some() {
+                runs.push(("recomputed, gradients kept narrow", run(true, true)));
             }
-            assert_eq!(plain.2, recomputed.2, "{what}: recorded routes");
-            assert_eq!(plain.3, recomputed.3, "{what}: replay proof");
+            for (how, recomputed) in &runs {
+                let what = format!("{what}, {how}");
+                assert!(plain.0 == recomputed.0, "{what}: logits");
+                assert_eq!(plain.1.len(), recomputed.1.len(), "{what}");
+                // Widened, a gradient kept narrow has every bit of the f32 one.
+                for ((name, a), (_, b)) in plain.1.iter().zip(&recomputed.1) {
+                    assert!(a == b, "{what}: gradient of {name}");
+                }
+                assert_eq!(plain.2, recomputed.2, "{what}: recorded routes");
+                assert_eq!(plain.3, recomputed.3, "{what}: replay proof");
+            }
+            assert!(
+                plain.4.is_empty() && runs[0].1 .4.is_empty(),
+                "{what}: unasked narrowing"
+            );
+            // Kept narrow: on the CPU every gradient but an f32 router's and a tied
+            // embedding's (the sum of the head's part and the embedding's is not a 16-bit
+            // value); on any device every projection's and the head's (the weight matrices,
+            // where the memory is: their gradients come out of 16-bit GEMMs on a GPU).
+            if let (
+                Some((_, kept)),
+                Precision::Bf16 { router_f32 } | Precision::F16 { router_f32 },
+            ) = (runs.get(1), precision)
+            {
+                let f32_router = |name: &str| router_f32 && name.ends_with(".gate.weight");
+                let tied =
+                    |name: &str| family.ends_with("tied") && name == "model.embed_tokens.weight";
+                let matrix = |name: &str| name.contains("proj") || name == "lm_head.weight";
+                let wide: Vec<&String> = plain
+                    .1
+                    .iter()
+                    .map(|(name, _)| name)
+                    .filter(|name| !kept.4.contains(name))
+                    .collect();
+                let allowed = |name: &str| {
+                    f32_router(name) || tied(name) || (!device.is_cpu() && !matrix(name))
+                };
+                assert!(
+                    wide.iter().all(|name| allowed(name)),
+                    "{what}: gradients left f32: {wide:?}"
+                );
+            }
         }
     }
 }

@@ -13,7 +13,8 @@ use std::collections::BTreeMap;
 
 use candle_core::backprop::GradStore;
 use common::{tiny_model, Scratch};
-use r3_model::{ReplayRoutes, Routing};
+use r3_model::narrow_grads::in_dtype_of;
+use r3_model::{Precision, ReplayRoutes, Routing};
 use r3_train::algo::loss::{ClipRange, PolicyLossKind};
 use r3_train::config::RouterReplay;
 use r3_train::policy::{score, ResponseBatch, TrainablePolicy};
@@ -27,17 +28,24 @@ use r3_train::{
 thread_local! {
     /// The gradients the step saw (name → values), stashed by [`stash_grads`].
     static GRADS: RefCell<BTreeMap<String, Vec<f32>>> = const { RefCell::new(BTreeMap::new()) };
+    /// How many of them the step held in a 16-bit dtype (`r3_model::narrow_grads`).
+    static NARROW: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 /// Grad hook: keeps a copy of every variable's gradient (grad clip 0: unclipped).
 fn stash_grads(opt: &AdamW, grads: &mut GradStore) -> r3_train::Result<()> {
     let mut out = BTreeMap::new();
+    let mut narrow = 0;
     for (name, var) in opt.vars() {
         if let Some(g) = grads.get(var.as_tensor()) {
+            // Widened where the backward kept it in 16 bits (`r3_model::narrow_grads`).
+            narrow += usize::from(g.dtype() != var.dtype());
+            let g = in_dtype_of(g, var.as_tensor())?;
             out.insert(name.to_string(), g.flatten_all()?.to_vec1::<f32>()?);
         }
     }
     GRADS.with(|g| *g.borrow_mut() = out);
+    NARROW.with(|n| n.set(narrow));
     Ok(())
 }
 
@@ -84,6 +92,8 @@ enum RoutingCase {
 struct Run {
     result: MiniBatchResult,
     grads: BTreeMap<String, Vec<f32>>,
+    /// How many gradients the optimiser was handed in a 16-bit dtype.
+    narrow_grads: usize,
     params: BTreeMap<String, Vec<f32>>,
     /// Response log-probs per row.
     logp: Vec<Vec<f32>>,
@@ -104,7 +114,20 @@ fn shifted(values: &[Vec<f32>], scale: f32) -> Vec<Vec<f32>> {
 }
 
 fn run(dir: &Scratch, case: Case, budget: usize, checkpointing: bool) -> Run {
-    let policy = TrainablePolicy::load(&dir.path().join("model")).expect("policy");
+    run_in(dir, case, budget, checkpointing, (Precision::F32, 0.0))
+}
+
+/// [`run`] with the policy's forward in `precision` and the gradients clipped to norm
+/// `grad_clip` (0: measured only).
+fn run_in(
+    dir: &Scratch,
+    case: Case,
+    budget: usize,
+    checkpointing: bool,
+    (precision, grad_clip): (Precision, f64),
+) -> Run {
+    let mut policy = TrainablePolicy::load(&dir.path().join("model")).expect("policy");
+    policy.set_precision(precision);
     let other = TrainablePolicy::load(&dir.path().join("other")).expect("other policy");
     let batch = batch();
     let device = policy.device();
@@ -167,7 +190,7 @@ fn run(dir: &Scratch, case: Case, budget: usize, checkpointing: bool) -> Run {
         },
         entropy_coef: case.entropy_coef,
         lr: 1e-3,
-        grad_clip: 0.0,
+        grad_clip,
         mode: RouterReplay::R3,
         grad_hook: Some(stash_grads),
         max_tokens_per_micro_batch: budget,
@@ -188,6 +211,7 @@ fn run(dir: &Scratch, case: Case, budget: usize, checkpointing: bool) -> Run {
     Run {
         result,
         grads: GRADS.with(|g| g.take()),
+        narrow_grads: NARROW.with(|n| n.take()),
         params,
         logp,
     }
@@ -613,7 +637,9 @@ fn r2_old_pass_recording_in_micro_batches_matches_one_batch() {
 /// forced) gives the same update bit for bit: gradients, parameters after the step,
 /// log-probs and loss metrics, in one forward and in micro-batches, with replayed and with
 /// recorded routes and an entropy bonus (whose gradient reaches the layers through the
-/// logits too).
+/// logits too). In bf16 the recomputing backward keeps the weight gradients in bf16
+/// (`r3_model::narrow_grads`): the gradient norm, the accumulation over micro-batches and
+/// AdamW read them widened, and the update is still the same bits.
 #[test]
 fn gradient_checkpointing_gives_the_same_update_bit_for_bit() {
     let dir = Scratch::new("micro-checkpointing");
@@ -624,9 +650,38 @@ fn gradient_checkpointing_gives_the_same_update_bit_for_bit() {
         old_given: false,
         ..BASE
     };
-    for (case, budget) in [(BASE, 0), (BASE, BUDGET), (record, BUDGET)] {
-        let plain = run(&dir, case, budget, false);
-        let recomputed = run(&dir, case, budget, true);
+    // In one forward unclipped, AdamW reads the narrow gradients widened; in micro-batches
+    // their sums are f32, and clipped to a norm of 10⁻³ (far below theirs) the clip reads them.
+    let bf16 = Precision::Bf16 { router_f32: false };
+    let f32 = (Precision::F32, 0.0);
+    for (case, budget, precision) in [
+        (BASE, 0, f32),
+        (BASE, BUDGET, f32),
+        (record, BUDGET, f32),
+        (BASE, 0, (bf16, 0.0)),
+        (record, BUDGET, (bf16, 1e-3)),
+    ] {
+        let plain = run_in(&dir, case, budget, false, precision);
+        let recomputed = run_in(&dir, case, budget, true, precision);
+        assert_eq!(
+            plain.narrow_grads, 0,
+            "{case:?} {precision:?}: narrow without asking"
+        );
+        if precision == (bf16, 0.0) {
+            // All but the embedding (a sum over the batch's repeated tokens) and the
+            // optimiser takes them as they are.
+            assert!(
+                recomputed.narrow_grads + 1 >= recomputed.grads.len(),
+                "{case:?}: {} of {} gradients kept in bf16",
+                recomputed.narrow_grads,
+                recomputed.grads.len()
+            );
+        }
+        assert_eq!(
+            format!("{:?}", plain.result.outcome),
+            format!("{:?}", recomputed.result.outcome),
+            "{case:?} {precision:?}: loss, gradient norm and clip"
+        );
         assert_eq!(
             plain.grads.len(),
             plain.params.len(),

@@ -8,7 +8,7 @@
 use std::time::Instant;
 
 use anyhow::Context;
-use candle_core::{Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use r3_model::cast16::cast16_into;
@@ -105,6 +105,30 @@ struct StepTime {
     refresh: f64,
     cpu: Option<f64>,
     routing_overhead: f64,
+    /// What the variables' gradients held at the backward's end.
+    gradients: GradientBytes,
+}
+
+/// The variables' gradients at a backward's end: their bytes, and how many were kept in 16
+/// bits (`r3_model::narrow_grads`, with gradient checkpointing in a 16-bit precision).
+#[derive(Debug, Clone, Copy, Default)]
+struct GradientBytes {
+    bytes: usize,
+    tensors: usize,
+    narrow: usize,
+}
+
+impl GradientBytes {
+    /// Counts the gradients `grads` holds for `vars`.
+    fn of(grads: &candle_core::backprop::GradStore, vars: &[Var]) -> Self {
+        vars.iter()
+            .filter_map(|v| grads.get(v.as_tensor()))
+            .fold(Self::default(), |acc, g| GradientBytes {
+                bytes: acc.bytes + g.elem_count() * g.dtype().size_in_bytes(),
+                tensors: acc.tensors + 1,
+                narrow: acc.narrow + usize::from(matches!(g.dtype(), DType::BF16 | DType::F16)),
+            })
+    }
 }
 
 impl StepTime {
@@ -171,16 +195,22 @@ fn step(
     (targets, host_targets): (&Tensor, &[u32]),
     routing: Routing<'_>,
     copies: &[(Var, Var)],
-    recompute: Option<&[Var]>,
+    vars: &[Var],
+    recompute: bool,
 ) -> anyhow::Result<StepTime> {
     let cpu0 = process_cpu_ns();
     let t0 = Instant::now();
     let (out, layers) = match recompute {
-        Some(_) => {
+        true => {
             let (out, layers) = model.forward_recomputing(batch, routing)?;
+            // As the trainer: a 16-bit forward's weight gradients kept in 16 bits.
+            let layers = match model.precision().narrow_dtype() {
+                Some(narrow) => layers.keep_gradients_narrow(narrow),
+                None => layers,
+            };
             (out, Some(layers))
         }
-        None => (model.forward(batch, routing)?, None),
+        false => (model.forward(batch, routing)?, None),
     };
     if let (Routing::Replay(_), None) = (routing, &out.replay) {
         anyhow::bail!("replayed forward returned no replay proof");
@@ -192,12 +222,13 @@ fn step(
     // A GPU runs queued kernels after the call returns: wait for them (no-op on the CPU).
     model.device().synchronize()?;
     let t1 = Instant::now();
-    let grads = match (layers, recompute) {
-        (Some(layers), Some(vars)) => layers.backward(&loss, vars)?,
-        _ => loss.backward()?,
+    let grads = match layers {
+        Some(layers) => layers.backward(&loss, vars)?,
+        None => loss.backward()?,
     };
     model.device().synchronize()?;
     let t2 = Instant::now();
+    let gradients = GradientBytes::of(&grads, vars);
     drop(grads);
     for (master, copy) in copies {
         cast16_into(master.as_tensor(), copy.as_tensor())?;
@@ -211,6 +242,7 @@ fn step(
         refresh: (t3 - t2).as_secs_f64(),
         cpu,
         routing_overhead,
+        gradients,
     })
 }
 
@@ -334,9 +366,9 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
             ""
         }
     );
-    // What the parameters hold by construction (not measured): the f32 masters, as much
-    // again in f32 gradients during the backward, and the copies. Activations, workspace and
-    // the allocator's pools come on top (a GPU's peak is what nvidia-smi reads).
+    // What the parameters hold by construction (not measured): the f32 masters and the
+    // copies. Their gradients are counted after the backward (below); activations, workspace
+    // and the allocator's pools come on top (a GPU's peak is what nvidia-smi reads).
     let bytes_of = |t: &Tensor| (t.elem_count() * t.dtype().size_in_bytes()) as f64 / 1e9;
     let master_gb: f64 = varmap
         .all_vars()
@@ -349,8 +381,8 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         .map(|(_, c)| bytes_of(c.as_tensor()))
         .fold(0.0, |a, b| a + b);
     println!(
-        "parameters hold {:.2} GB: f32 weights {master_gb:.2} GB + f32 gradients {master_gb:.2} GB{}",
-        2.0 * master_gb + copies_gb,
+        "parameters hold {:.2} GB: f32 weights {master_gb:.2} GB{} (gradients: below)",
+        master_gb + copies_gb,
         if copies.is_empty() {
             String::new()
         } else {
@@ -395,7 +427,8 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
                 (&targets, &host_targets),
                 routing,
                 &copies,
-                args.gradient_checkpointing.then_some(vars.as_slice()),
+                &vars,
+                args.gradient_checkpointing,
             )?;
             if profiled {
                 r3_model::device::profiler_capture(&device, false)?;
@@ -454,6 +487,14 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         "replay's own work (tables → per-layer ids, forced-id overrides, verification), timed where it runs: {:.3}% of replay step time (goal ≤ 1%)",
         replay.overhead_share() * 100.0
     );
+    if let Some(g) = native.steps.last().map(|s| s.gradients) {
+        println!(
+            "gradients at the backward's end: {:.2} GB, {} of {} tensors kept in 16 bits (exact: a 16-bit forward's weight gradients, with gradient checkpointing), the rest f32",
+            g.bytes as f64 / 1e9,
+            g.narrow,
+            g.tensors
+        );
+    }
     if let (true, Some(before), Some(after)) = (
         device.is_cpu(),
         memory_before,

@@ -9,16 +9,17 @@
 //! each weight's gradient comes from the one layer that reads it, and the gradient at each
 //! layer's output is the same sum of the same terms.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 
 use candle_core::backprop::GradStore;
-use candle_core::{Tensor, TensorId, Var};
+use candle_core::{DType, Tensor, TensorId, Var};
 
 use super::{LayerContext, Model, MoeRecord};
 use crate::error::{ModelError, Result};
 use crate::layers::attention::AttentionMask;
 use crate::layers::moe::RoutedRows;
 use crate::layers::rope::RopeTables;
+use crate::narrow_grads::narrow_where_exact;
 use crate::routing_mode::LayerPlan;
 
 /// What a recomputing forward keeps for its backward.
@@ -48,6 +49,8 @@ pub(super) struct RecomputeInputs {
 pub struct LayerRecompute<'m> {
     model: &'m Model,
     kept: RecomputeInputs,
+    /// The 16-bit dtype the variables' gradients are kept in where it holds them exactly.
+    narrow_grads: Option<DType>,
 }
 
 impl std::fmt::Debug for LayerRecompute<'_> {
@@ -61,26 +64,48 @@ impl std::fmt::Debug for LayerRecompute<'_> {
 impl<'m> LayerRecompute<'m> {
     /// What `model`'s recomputing forward kept, waiting for the loss.
     pub(super) fn new(model: &'m Model, kept: RecomputeInputs) -> Self {
-        LayerRecompute { model, kept }
+        LayerRecompute {
+            model,
+            kept,
+            narrow_grads: None,
+        }
+    }
+
+    /// Keeps each variable's gradient in `narrow` (bf16 or f16) where that dtype holds it
+    /// exactly ([`narrow_where_exact`]: a 16-bit forward's weight gradients are 16-bit
+    /// values), as each layer's backward delivers it: 2 bytes a parameter instead of 4 for
+    /// the rest of the backward and after it. Readers widen them ([`in_dtype_of`]).
+    ///
+    /// [`in_dtype_of`]: crate::narrow_grads::in_dtype_of
+    pub fn keep_gradients_narrow(mut self, narrow: DType) -> Self {
+        self.narrow_grads = Some(narrow);
+        self
     }
 
     /// The gradients of `loss` (a scalar computed from the recomputing forward's logits) for
     /// `vars`, the model's variables: the loss's own backward down to the last layer's
     /// output, then each layer run again and differentiated, from the top. The store holds
-    /// what `loss.backward()` over [`Model::forward`]'s graph holds for `vars` (and may hold
-    /// gradients of other tensors of the loss's graph).
+    /// what `loss.backward()` over [`Model::forward`]'s graph holds for `vars`, detached (in
+    /// 16 bits where [`LayerRecompute::keep_gradients_narrow`] asked for it and they hold it
+    /// exactly), and nothing else: the gradients of the loss's other tensors (the logits')
+    /// are let go before the layers run again.
     pub fn backward<'v>(
         self,
         loss: &Tensor,
         vars: impl IntoIterator<Item = &'v Var>,
     ) -> Result<GradStore> {
-        let vars: HashSet<TensorId> = vars.into_iter().map(|v| v.as_tensor().id()).collect();
-        let model = self.model;
-        let kept = self.kept;
-        let mut grads = loss.backward()?;
-        let mut grad = grads.remove(kept.top.as_tensor()).ok_or_else(|| {
+        let vars: HashMap<TensorId, DType> = vars
+            .into_iter()
+            .map(|v| (v.as_tensor().id(), v.dtype()))
+            .collect();
+        let (model, kept, narrow) = (self.model, self.kept, self.narrow_grads);
+        let mut top = loss.backward()?;
+        let mut grad = top.remove(kept.top.as_tensor()).ok_or_else(|| {
             ModelError::Input("the loss does not depend on the recomputing forward's logits".into())
         })?;
+        let mut grads = GradStore::default();
+        add_grads(&mut grads, &top, &vars, narrow)?;
+        drop(top);
         let forced: Vec<LayerPlan> = kept
             .dispatched
             .into_iter()
@@ -108,13 +133,13 @@ impl<'m> LayerRecompute<'m> {
                 model.layer_forward(i, layer, input.as_tensor().clone(), &ctx, &mut moe)?;
             let local = seeded_backward(&output, &grad)?;
             grad = take_grad(&local, input.as_tensor(), i)?;
-            add_grads(&mut grads, &local, &vars)?;
+            add_grads(&mut grads, &local, &vars, narrow)?;
         }
         let (b, t) = kept.batch_shape;
         let embedded = model.embed_tokens(&kept.ids, &kept.host_ids, b, t)?;
         if embedded.track_op() {
             let local = seeded_backward(&embedded, &grad)?;
-            add_grads(&mut grads, &local, &vars)?;
+            add_grads(&mut grads, &local, &vars, narrow)?;
         }
         Ok(grads)
     }
@@ -135,18 +160,29 @@ fn take_grad(local: &GradStore, input: &Tensor, i: usize) -> Result<Tensor> {
     })
 }
 
-/// Adds the gradients `local` holds for `vars` into `grads` (a weight read by several
-/// layers, such as a tied embedding, sums its parts).
-fn add_grads(grads: &mut GradStore, local: &GradStore, vars: &HashSet<TensorId>) -> Result<()> {
-    for &id in local.get_ids().filter(|id| vars.contains(id)) {
-        let Some(part) = local.get_id(id) else {
+/// Adds the gradients `local` holds for `vars` (their ids and dtypes) into `grads`, detached
+/// (a gradient from a backward still records the ops that made it, which would keep the
+/// layer's activations alive) and kept in `narrow` where that holds them exactly. A weight
+/// read by several layers, such as a tied embedding, sums its parts in its own dtype.
+fn add_grads(
+    grads: &mut GradStore,
+    local: &GradStore,
+    vars: &HashMap<TensorId, DType>,
+    narrow: Option<DType>,
+) -> Result<()> {
+    for id in local.get_ids() {
+        let (Some(&dtype), Some(part)) = (vars.get(id), local.get_id(*id)) else {
             continue;
         };
-        let sum = match grads.get_id(id) {
-            Some(acc) => acc.add(part)?,
-            None => part.clone(),
+        let sum = match grads.get_id(*id) {
+            Some(acc) => acc.to_dtype(dtype)?.add(&part.to_dtype(dtype)?)?,
+            None => part.detach(),
         };
-        grads.insert_id(id, sum);
+        let sum = match narrow {
+            Some(narrow) => narrow_where_exact(&sum, narrow)?,
+            None => sum.detach(),
+        };
+        grads.insert_id(*id, sum);
     }
     Ok(())
 }

@@ -4,7 +4,8 @@ use crate::algo::fused_optim::{sum_of_squares, HostF32};
 use crate::algo::logprob::scalar_f32;
 use crate::error::Result;
 use candle_core::backprop::GradStore;
-use candle_core::{Tensor, Var};
+use candle_core::{DType, Tensor, Var};
+use r3_model::narrow_grads::in_dtype_of;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
@@ -25,28 +26,35 @@ impl GradNorm {
 }
 
 /// L2 norm of all gradients of `vars` present in `grads` (variables without a gradient
-/// contribute nothing): the per-tensor sums of squares added in `vars`' order, in f32.
+/// contribute nothing): the per-tensor sums of squares added in `vars`' order, in f32. A
+/// gradient kept in 16 bits (`r3_model::narrow_grads`) is read widened to its variable's
+/// dtype, one tensor at a time.
 ///
-/// When every gradient is a contiguous f32 CPU tensor, each sum is one fused read of the
-/// gradient (tensors in parallel) in candle's own summation order, so the norm is bit for bit
-/// candle's `sqr().sum_all()` composition, which any other device keeps.
+/// When every gradient is on the CPU and every variable f32, each sum is one fused read of
+/// the (widened) gradient (tensors in parallel) in candle's own summation order, so the norm
+/// is bit for bit candle's `sqr().sum_all()` composition, which any other device keeps.
 pub fn global_grad_norm<'a>(
     vars: impl IntoIterator<Item = &'a Var>,
     grads: &GradStore,
 ) -> Result<f32> {
-    let present: Vec<&Tensor> = vars
-        .into_iter()
-        .filter_map(|var| grads.get(var.as_tensor()))
-        .collect();
-    let views: Option<Vec<HostF32<'_>>> = present.iter().map(|g| HostF32::of(g)).collect();
-    if let Some(views) = views {
-        let sums: Vec<f32> = views
+    let present = present_grads(vars, grads);
+    let on_host = present
+        .iter()
+        .all(|(var, g)| var.dtype() == DType::F32 && g.device().is_cpu());
+    if on_host {
+        let sums: Vec<Option<f32>> = present
             .par_iter()
-            .map(|g| sum_of_squares(g.slice()))
-            .collect();
-        // as the composed path: the first sum, then each next one added to the running total
-        let total = sums.into_iter().reduce(|total, sq| total + sq);
-        return Ok(total.map_or(0.0, f32::sqrt));
+            .map(|(var, g)| -> Result<Option<f32>> {
+                let g = in_dtype_of(g, var)?.contiguous()?;
+                Ok(HostF32::of(&g).map(|h| sum_of_squares(h.slice())))
+            })
+            .collect::<Result<_>>()?;
+        if let Some(sums) = sums.into_iter().collect::<Option<Vec<f32>>>() {
+            // as the composed path: the first sum, then each next one added to the running
+            // total
+            let total = sums.into_iter().reduce(|total, sq| total + sq);
+            return Ok(total.map_or(0.0, f32::sqrt));
+        }
     }
     composed_sum_norm(present)
 }
@@ -58,17 +66,26 @@ pub fn global_grad_norm_composed<'a>(
     vars: impl IntoIterator<Item = &'a Var>,
     grads: &GradStore,
 ) -> Result<f32> {
-    composed_sum_norm(
-        vars.into_iter()
-            .filter_map(|var| grads.get(var.as_tensor()))
-            .collect(),
-    )
+    composed_sum_norm(present_grads(vars, grads))
 }
 
-fn composed_sum_norm(present: Vec<&Tensor>) -> Result<f32> {
+/// Each of `vars` that has a gradient in `grads`, as its tensor beside that gradient.
+fn present_grads<'a, 'g>(
+    vars: impl IntoIterator<Item = &'a Var>,
+    grads: &'g GradStore,
+) -> Vec<(&'a Tensor, &'g Tensor)> {
+    vars.into_iter()
+        .filter_map(|var| grads.get(var.as_tensor()).map(|g| (var.as_tensor(), g)))
+        .collect()
+}
+
+fn composed_sum_norm(present: Vec<(&Tensor, &Tensor)>) -> Result<f32> {
     let mut total: Option<Tensor> = None;
-    for g in present {
-        let sq = g.sqr()?.sum_all()?.to_dtype(candle_core::DType::F32)?;
+    for (var, g) in present {
+        let sq = in_dtype_of(g, var)?
+            .sqr()?
+            .sum_all()?
+            .to_dtype(DType::F32)?;
         total = Some(match total {
             Some(t) => t.add(&sq)?,
             None => sq,
@@ -98,7 +115,8 @@ pub fn measure_grad_norm<'a>(
 }
 
 /// Multiplies every gradient of `vars` in `grads` by `scale` (a new tensor each, as
-/// `affine(scale, 0)`: gradients may share storage, so none is scaled in place).
+/// `affine(scale, 0)`: gradients may share storage, so none is scaled in place), in its
+/// variable's dtype (one kept in 16 bits is widened first).
 pub fn scale_grads<'a>(
     vars: impl IntoIterator<Item = &'a Var>,
     grads: &mut GradStore,
@@ -106,7 +124,7 @@ pub fn scale_grads<'a>(
 ) -> Result<()> {
     for var in vars {
         if let Some(g) = grads.get(var.as_tensor()) {
-            let scaled = g.affine(f64::from(scale), 0.0)?;
+            let scaled = in_dtype_of(g, var.as_tensor())?.affine(f64::from(scale), 0.0)?;
             grads.insert(var.as_tensor(), scaled);
         }
     }

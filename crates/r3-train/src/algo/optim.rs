@@ -22,6 +22,7 @@ use crate::error::{Result, TrainError};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use r3_model::cast16::cast16_into;
+use r3_model::narrow_grads::in_dtype_of;
 use r3_model::optim_pass::{adamw_pass_on_device, StagedOnDevice};
 use r3_model::weights::check_narrow_copy;
 use r3_model::WeightPrecision;
@@ -298,7 +299,8 @@ impl AdamW {
     /// composed path's is the finiteness of the tensor's sum, which also fails on finite values
     /// whose sum overflows (a false skip the fused check does not make). Committing swaps the
     /// staged buffers in, copying nothing. Any other tensor (another device or dtype) takes the
-    /// composed candle ops.
+    /// composed candle ops. A gradient a backward kept in 16 bits (`r3_model::narrow_grads`)
+    /// is widened to its variable's dtype for its own tensor's pass only.
     pub fn step_scaled(
         &mut self,
         grads: &GradStore,
@@ -315,53 +317,62 @@ impl AdamW {
         // On the calling thread: which tensors take the fused pass, and their output buffers
         // (allocated here, not on the pool's threads, so they come from one heap and reuse
         // the buffers the last step freed).
-        let plans: Vec<Option<(Tensor, FusedOutputs)>> = with_grads
+        let plans: Vec<Option<FusedOutputs>> = with_grads
             .iter()
             .map(|(i, g)| -> Result<_> {
                 if self.kernel != AdamWKernel::Fused {
                     return Ok(None);
                 }
                 let slot = &self.slots[*i];
-                let g = g.contiguous()?;
                 let n = slot.var.elem_count();
-                let host = [slot.var.as_tensor(), &g, &slot.m, &slot.v]
+                let host = [slot.var.as_tensor(), &slot.m, &slot.v]
                     .into_iter()
-                    .all(|t| HostF32::of(t).is_some_and(|h| h.slice().len() == n));
-                Ok(host.then(|| (g, FusedOutputs::new(n))))
+                    .all(|t| HostF32::of(t).is_some_and(|h| h.slice().len() == n))
+                    && g.device().is_cpu()
+                    && g.elem_count() == n;
+                Ok(host.then(|| FusedOutputs::new(n)))
             })
             .collect::<Result<_>>()?;
         let fused: Vec<Option<StagedUpdate>> = plans
             .into_par_iter()
             .zip(with_grads.par_iter())
-            .map(|(plan, (i, _))| {
-                let (g, out) = plan?;
+            .map(|(plan, (i, g))| -> Result<Option<StagedUpdate>> {
+                let Some(out) = plan else {
+                    return Ok(None);
+                };
                 let slot = &self.slots[*i];
-                let theta = HostF32::of(slot.var.as_tensor())?;
-                let (g, m, v) = (
-                    HostF32::of(&g)?,
-                    HostF32::of(&slot.m)?,
-                    HostF32::of(&slot.v)?,
+                // Widened here, one tensor at a time, where a backward kept it in 16 bits.
+                let g = in_dtype_of(g, slot.var.as_tensor())?.contiguous()?;
+                let views = (
+                    HostF32::of(slot.var.as_tensor()),
+                    HostF32::of(&g),
+                    HostF32::of(&slot.m),
+                    HostF32::of(&slot.v),
                 );
+                let (Some(theta), Some(g), Some(m), Some(v)) = views else {
+                    return Ok(None);
+                };
                 let k = adamw_constants(&self.params, t, lr, slot.decay, grad_scale);
-                Some(adamw_pass(
+                Ok(Some(adamw_pass(
                     &k,
                     [theta.slice(), g.slice(), m.slice(), v.slice()],
                     out,
-                ))
+                )))
             })
-            .collect();
+            .collect::<Result<_>>()?;
         let mut staged = Vec::with_capacity(with_grads.len());
         for ((i, g), fused) in with_grads.into_iter().zip(fused) {
             let stage = match fused {
                 Some(update) => Staged::Fused(update),
-                None => match self.on_device(
-                    &self.slots[i],
-                    &g,
-                    &adamw_constants(&self.params, t, lr, self.slots[i].decay, grad_scale),
-                )? {
-                    Some(update) => Staged::OnDevice(update, StagedChecks::ALL_GOOD),
-                    None => self.composed(i, &g, t, lr, grad_scale)?,
-                },
+                None => {
+                    // Widened (where a backward kept it in 16 bits) for this tensor's pass only.
+                    let g = in_dtype_of(&g, self.slots[i].var.as_tensor())?;
+                    let k = adamw_constants(&self.params, t, lr, self.slots[i].decay, grad_scale);
+                    match self.on_device(&self.slots[i], &g, &k)? {
+                        Some(update) => Staged::OnDevice(update, StagedChecks::ALL_GOOD),
+                        None => self.composed(i, &g, t, lr, grad_scale)?,
+                    }
+                }
             };
             staged.push((i, stage));
         }

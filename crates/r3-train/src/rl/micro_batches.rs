@@ -5,6 +5,7 @@
 
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
+use r3_model::narrow_grads::in_dtype_of;
 use r3_model::ReplayProof;
 use r3_routing::RouteTable;
 
@@ -50,6 +51,8 @@ pub fn sequence_lens(batch: &ResponseBatch) -> Vec<usize> {
 /// gradient from candle's backward still records the op that made it, whose inputs are
 /// the forward's activations, so keeping it as it is would keep that micro-batch's whole
 /// graph alive until the step (measured: memory then grew with the batch, not the budget).
+/// A gradient kept in 16 bits (`r3_model::narrow_grads`) stays so while it is alone and is
+/// summed in its variable's dtype.
 pub fn accumulate_grads<'v>(
     acc: &mut GradStore,
     next: &GradStore,
@@ -60,7 +63,9 @@ pub fn accumulate_grads<'v>(
             continue;
         };
         let sum = match acc.get(var.as_tensor()) {
-            Some(a) => a.add(g)?.detach(),
+            Some(a) => in_dtype_of(a, var.as_tensor())?
+                .add(&in_dtype_of(g, var.as_tensor())?)?
+                .detach(),
             None => g.detach(),
         };
         acc.insert(var.as_tensor(), sum);
