@@ -167,14 +167,88 @@ fn widen_on_host(grad: &Tensor) -> Result<Option<Tensor>> {
     )?))
 }
 
-/// `grad` in `narrow` where that holds its values exactly, by casts and a comparison on any
-/// device (r3's cast kernels on a GPU): narrowed and widened again they equal the originals
-/// everywhere (a NaN never equals itself). One read of the host's for the verdict.
+/// `grad` (contiguous f32) in `narrow` where that holds its values exactly, off the CPU: on a
+/// GPU one kernel that narrows and checks in the same pass (`r3_narrow_exact_*`), elsewhere
+/// casts and a comparison. One read of the host's for the verdict.
 fn narrow_on_device(grad: &Tensor, narrow: DType) -> Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    if grad.device().is_cuda() {
+        return gpu::narrow_exact(grad, narrow);
+    }
+    narrow_composed(grad, narrow)
+}
+
+/// [`narrow_on_device`] by candle's ops on any device: narrowed and widened again, the values
+/// equal the originals everywhere (a NaN never equals itself).
+fn narrow_composed(grad: &Tensor, narrow: DType) -> Result<Option<Tensor>> {
     let narrowed = cast16(grad, narrow)?;
     let back = cast16(&narrowed, DType::F32)?;
     let exact = back.eq(grad)?.flatten_all()?.min(0)?.to_scalar::<u8>()? == 1;
     Ok(exact.then_some(narrowed))
+}
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+    use candle_core::cuda_backend::WrapErr;
+    use candle_core::op::BackpropOp;
+    use candle_core::{CudaStorage, DType, Storage, Tensor};
+
+    use crate::cuda;
+    use crate::error::{ModelError, Result};
+
+    /// `r3_narrow_exact_bf16` / `_f16` over a contiguous f32 gradient on a GPU: the narrowed
+    /// tensor when the kernel found every value exact, `None` when it did not.
+    pub(super) fn narrow_exact(grad: &Tensor, narrow: DType) -> Result<Option<Tensor>> {
+        let n = grad.elem_count();
+        let (storage, layout) = grad.storage_and_layout();
+        let Storage::Cuda(storage) = &*storage else {
+            return Err(ModelError::Input("a GPU gradient off the GPU".into()));
+        };
+        let dev = cuda::device(storage);
+        let x = cuda::view::<f32>(storage, layout, "gradient")?;
+        let inexact = dev.alloc_zeros::<u32>(1)?;
+        let n64 = n as u64;
+        // The narrowed values as a CUDA storage: `$ty`'s kernel writes each of the n.
+        macro_rules! narrowed {
+            ($kernel:literal, $ty:ty) => {{
+                // SAFETY: the kernel's grid-stride loop writes every one of the n elements.
+                let out = unsafe { dev.alloc::<$ty>(n) }?;
+                let (func, stream) = cuda::kernel(&dev, $kernel)?;
+                let mut launch = stream.launch_builder(&func);
+                launch.arg(&x).arg(&out).arg(&inexact).arg(&n64);
+                // SAFETY: the arguments are the kernel's signature; `x` and `out` hold n
+                // elements, `inexact` one.
+                unsafe { launch.launch(cuda::elementwise(n)) }.w()?;
+                CudaStorage::wrap_cuda_slice(out, dev.clone())
+            }};
+        }
+        let out = match narrow {
+            DType::BF16 => narrowed!("r3_narrow_exact_bf16", half::bf16),
+            DType::F16 => narrowed!("r3_narrow_exact_f16", half::f16),
+            other => {
+                return Err(ModelError::Input(format!(
+                    "no kernel narrows a gradient to {other:?}"
+                )))
+            }
+        };
+        let flag = Tensor::from_storage(
+            Storage::Cuda(CudaStorage::wrap_cuda_slice(inexact, dev.clone())),
+            1,
+            BackpropOp::none(),
+            false,
+        )
+        .to_vec1::<u32>()?;
+        if flag.first().copied() != Some(0) {
+            return Ok(None);
+        }
+        Ok(Some(Tensor::from_storage(
+            Storage::Cuda(out),
+            grad.shape().clone(),
+            BackpropOp::none(),
+            false,
+        )))
+    }
 }
 
 #[cfg(test)]
@@ -259,7 +333,7 @@ mod tests {
                 let host = narrow_on_host(&g, narrow)
                     .expect("host")
                     .expect("a host tensor");
-                let device = narrow_on_device(&g, narrow).expect("device");
+                let device = narrow_composed(&g, narrow).expect("composed");
                 assert_eq!(host.is_some(), device.is_some(), "{values:?} {narrow:?}");
                 if let (Some(host), Some(device)) = (host, device) {
                     assert_eq!(bits(&host), bits(&device), "{values:?} {narrow:?}");

@@ -602,6 +602,44 @@ mod cuda {
             .expect("a CUDA GPU (these tests run on the GPU machine)")
     }
 
+    /// `r3_narrow_exact_*` keeps a gradient in bf16 / f16 exactly where the CPU's pass does,
+    /// with the same bits: 16-bit values (one chunk and many), one value off a 16-bit grid,
+    /// a NaN, f16's range and subnormals.
+    #[test]
+    fn gradients_kept_narrow_on_cuda_as_on_the_cpu() {
+        use r3_model::narrow_grads::narrow_where_exact;
+        let device = gpu();
+        let grid = seeded(&[3, 70_001], 4)
+            .to_dtype(DType::BF16)
+            .and_then(|t| t.to_dtype(DType::F32))
+            .expect("bf16 values");
+        let with = |i: usize, v: f32| {
+            let mut values = grid
+                .flatten_all()
+                .and_then(|t| t.to_vec1::<f32>())
+                .expect("values");
+            values[i] = v;
+            Tensor::from_vec(values, grid.dims(), &Device::Cpu).expect("tensor")
+        };
+        let cases = [
+            grid.clone(),
+            with(200_000, 1.0 + 2f32.powi(-12)),
+            with(5, f32::NAN),
+            with(77, 70_000.0),
+            with(9, 2f32.powi(-24)),
+            seeded(&[5], 1),
+        ];
+        for (c, host) in cases.iter().enumerate() {
+            for narrow in [DType::BF16, DType::F16] {
+                let want = narrow_where_exact(host, narrow).expect("host");
+                let got = narrow_where_exact(&host.to_device(&device).expect("upload"), narrow)
+                    .expect("gpu");
+                assert_eq!(got.dtype(), want.dtype(), "case {c} {narrow:?}");
+                assert!(bits(&got) == bits(&want), "case {c} {narrow:?}: values");
+            }
+        }
+    }
+
     #[test]
     fn every_family_on_cuda_matches_the_cpu() {
         let device = gpu();

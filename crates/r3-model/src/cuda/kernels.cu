@@ -168,6 +168,32 @@ extern "C" __global__ void r3_widen_f16(const __half *x, float *y, size_t n) {
     widen_quads<__half, __half2>(x, y, n);
 }
 
+// y = x narrowed to bf16 / f16 (nearest, ties to even), and *inexact set to 1 where a value
+// does not widen back to itself (a NaN never does): a gradient kept in 16 bits only where
+// that holds it exactly, checked in the same pass that narrows it. CPU twin: narrow_grads.rs
+// `narrow_on_host`.
+template <typename H> __device__ void narrow_exact(const float *x, H *y, uint32_t *inexact, size_t n) {
+    bool exact = true;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)blockDim.x * gridDim.x) {
+        const float v = x[i];
+        H h;
+        store1(&h, v);
+        y[i] = h;
+        exact = exact && load1(&h) == v;
+    }
+    if (!exact) atomicOr(inexact, 1u);
+}
+
+extern "C" __global__ void r3_narrow_exact_bf16(const float *x, __nv_bfloat16 *y,
+                                                uint32_t *inexact, size_t n) {
+    narrow_exact<__nv_bfloat16>(x, y, inexact, n);
+}
+extern "C" __global__ void r3_narrow_exact_f16(const float *x, __half *y, uint32_t *inexact,
+                                               size_t n) {
+    narrow_exact<__half>(x, y, inexact, n);
+}
+
 // y = x rounded to bf16 / f16 (nearest, ties to even) and widened back to f32, one pass
 // (candle's cast pair is two kernels and a 16-bit buffer). CPU twin: precision.rs `RoundTo`.
 extern "C" __global__ void r3_round_bf16_f32(const float *x, float *y, size_t n) {
