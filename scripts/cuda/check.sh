@@ -215,6 +215,12 @@ gpu_peak() {
 # tensors_mib FILE: the tensors' own high-water mark (the memory pool's) r3 bench train
 # printed, beside nvidia-smi's whole process.
 tensors_mib() { grep -E "^device memory" "$1" | sed -E 's/.*during the steps ([0-9]+) MiB.*/\1/'; }
+# grads_kept FILE: the gradients' size at the backward's end and how many r3 bench train kept
+# in bf16 (--narrow-gradients).
+grads_kept() {
+    grep -E "^gradients at the backward's end" "$1" \
+        | sed -E 's/.*end: ([0-9.]+) GB, ([0-9]+) of ([0-9]+) tensors.*/\1 GB, \2 of \3 in bf16/'
+}
 for run in "mid f32 8 70 --parts" "mid bf16 8 70 --parts" "a3b-8l bf16 2 120"; do
     read -r config dtype batch secs parts <<< "$run"
     name="$config-$dtype"
@@ -253,17 +259,30 @@ for run in "mid f32 8 70 --parts" "mid bf16 8 70 --parts" "a3b-8l bf16 2 120"; d
         cast_tps=$(grep -E "^native +mean" "$work/bench-r3-cast-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s +best.*/\1/')
         line+=", r3 without weight copies ${cast_tps:-?} tok/s ${cast_mem:-?} MiB"
     fi
-    # bf16 runs again with activation checkpointing (each layer run again in the backward:
-    # the same gradients, one layer's activations held at a time, the weight gradients kept
-    # in bf16 where exact), its memory beside HF's.
+    # The 30B-A3B shape without copies and with its weight gradients kept in bf16 where
+    # exact (--narrow-gradients: 2 bytes a parameter instead of 4, the same gradients): the
+    # memory of r3's own scheme at full speed, beside HF amp-bf16's.
+    if [ "$config" = a3b-8l ] && [ "$(left)" -ge 60 ]; then
+        narrow_mem=$(gpu_peak "$work/bench-r3-narrow-$name.txt" timeout "$(limit "$secs")" "$bin/r3" \
+            bench train --device cuda --config "$config" --dtype "$dtype" --batch "$batch" \
+            --seq-len 512 --steps 3 --warmup 1 --narrow-copies off --narrow-gradients)
+        cat "$work/bench-r3-narrow-$name.txt"
+        narrow_tps=$(grep -E "^native +mean" "$work/bench-r3-narrow-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s +best.*/\1/')
+        line+=", r3 without copies, gradients in bf16 ${narrow_tps:-?} tok/s ${narrow_mem:-?} MiB (tensors $(tensors_mib "$work/bench-r3-narrow-$name.txt") MiB; gradients $(grads_kept "$work/bench-r3-narrow-$name.txt"))"
+    fi
+    # bf16 runs again in the leanest memory: activation checkpointing (each layer run again
+    # in the backward: one layer's activations held at a time), the weight gradients kept in
+    # bf16 where exact, and on the 30B-A3B shape no weight copies; the same gradients, the
+    # memory beside HF's.
     if [ "$dtype" = bf16 ] && [ "$(left)" -ge 60 ]; then
+        lean=(--gradient-checkpointing --narrow-gradients)
+        if [ "$config" = a3b-8l ]; then lean+=(--narrow-copies off); fi
         ckpt_mem=$(gpu_peak "$work/bench-r3-ckpt-$name.txt" timeout "$(limit "$secs")" "$bin/r3" \
             bench train --device cuda --config "$config" --dtype "$dtype" --batch "$batch" \
-            --seq-len 512 --steps 3 --warmup 1 --gradient-checkpointing)
+            --seq-len 512 --steps 3 --warmup 1 "${lean[@]}")
         cat "$work/bench-r3-ckpt-$name.txt"
         ckpt_tps=$(grep -E "^native +mean" "$work/bench-r3-ckpt-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s +best.*/\1/')
-        ckpt_grads=$(grep -E "^gradients at the backward's end" "$work/bench-r3-ckpt-$name.txt" | sed -E "s/.*end: ([0-9.]+) GB, ([0-9]+) of ([0-9]+) tensors.*/\1 GB, \2 of \3 in bf16/")
-        line+=", r3 with gradient checkpointing ${ckpt_tps:-?} tok/s ${ckpt_mem:-?} MiB (tensors $(tensors_mib "$work/bench-r3-ckpt-$name.txt") MiB; gradients ${ckpt_grads:-?})"
+        line+=", r3 lean (${lean[*]}) ${ckpt_tps:-?} tok/s ${ckpt_mem:-?} MiB (tensors $(tensors_mib "$work/bench-r3-ckpt-$name.txt") MiB; gradients $(grads_kept "$work/bench-r3-ckpt-$name.txt"))"
     fi
     bench+=("$line")
     echo "== bench $name: ${bench[-1]}"

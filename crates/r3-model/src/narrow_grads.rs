@@ -13,6 +13,7 @@
 
 use std::mem::MaybeUninit;
 
+use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 use rayon::prelude::*;
 
@@ -41,6 +42,21 @@ pub fn narrow_where_exact(grad: &Tensor, narrow: DType) -> Result<Tensor> {
         None => narrow_on_device(&grad, narrow)?,
     };
     Ok(narrowed.unwrap_or(grad))
+}
+
+/// The gradients of `loss` for every variable of its graph, each kept in `narrow` (bf16 or
+/// f16) from the moment the backward completes it, where that holds it exactly
+/// ([`narrow_where_exact`], through candle's `Tensor::backward_with`): they never all sit in
+/// f32 at once. Every other tensor's gradient is as `loss.backward()` gives it.
+pub fn backward_narrowing(loss: &Tensor, narrow: DType) -> Result<GradStore> {
+    if !matches!(narrow, DType::BF16 | DType::F16) {
+        return Err(ModelError::Input(format!(
+            "gradients can be kept narrow in bf16 or f16, not {narrow:?}"
+        )));
+    }
+    Ok(loss.backward_with(|_, grad| {
+        narrow_where_exact(&grad, narrow).map_err(|e| candle_core::Error::Msg(e.to_string()))
+    })?)
 }
 
 /// `grad` in the dtype of its variable `var`: itself, or widened where a backward kept it

@@ -277,3 +277,72 @@ fn a_transposed_gradient_transposed_back_reaches_the_variable_without_a_copy() {
         "X's gradient is the op's buffer, not a copy of it"
     );
 }
+
+/// `backward_with` hands each variable's gradient to its hook once, whole (here after three
+/// contributions, one through a transpose), and stores what the hook returns: the store
+/// holds the hook's tensor, and the other variables' gradients are those `backward` gives.
+#[test]
+fn the_variable_hook_sees_each_whole_gradient_once() {
+    // loss = Σ (x·a) + Σ (x·x) + Σ (xᵀ·b)ᵀ  →  ∂/∂x = a + 2x + b, ∂/∂a = x, ∂/∂b = x
+    let x = var(&[1.0, -2.0, 3.0, 0.5], &[2, 2]);
+    let a = var(&[0.5, 4.0, -1.0, 2.0], &[2, 2]);
+    let b = var(&[2.0, 0.25, 7.0, -3.0], &[2, 2]);
+    let loss = || {
+        let xa = (x.as_tensor() * a.as_tensor()).expect("xa");
+        let xx = (x.as_tensor() * x.as_tensor()).expect("xx");
+        let xb = (x.as_tensor().t().expect("t") * b.as_tensor().t().expect("bt"))
+            .and_then(|t| t.t())
+            .expect("xb");
+        (xa + xx)
+            .and_then(|s| s + xb)
+            .and_then(|s| s.sum_all())
+            .expect("loss")
+    };
+    let mut seen: Vec<(candle_core::TensorId, Vec<f32>)> = Vec::new();
+    let grads = loss()
+        .backward_with(|node, grad| {
+            seen.push((node.id(), flat(&grad)));
+            // The store keeps what the hook returns: x's gradient tripled.
+            if node.id() == x.as_tensor().id() {
+                grad.affine(3.0, 0.0)
+            } else {
+                Ok(grad)
+            }
+        })
+        .expect("backward");
+    let plain = loss().backward().expect("plain backward");
+    let want_x = [
+        0.5 + 2.0 + 2.0,
+        4.0 - 4.0 + 0.25,
+        -1.0 + 6.0 + 7.0,
+        2.0 + 1.0 - 3.0,
+    ];
+    for (v, want) in [
+        (&x, want_x.to_vec()),
+        (&a, flat(x.as_tensor())),
+        (&b, flat(x.as_tensor())),
+    ] {
+        let at = seen
+            .iter()
+            .filter(|(id, _)| *id == v.as_tensor().id())
+            .collect::<Vec<_>>();
+        assert_eq!(at.len(), 1, "each variable once");
+        assert_close(&at[0].1, &want, "the hook's gradient");
+        assert_close(
+            &flat(plain.get(v.as_tensor()).expect("plain")),
+            &want,
+            "backward's",
+        );
+    }
+    let tripled: Vec<f32> = want_x.iter().map(|g| 3.0 * g).collect();
+    assert_close(
+        &flat(grads.get(x.as_tensor()).expect("x")),
+        &tripled,
+        "the stored x",
+    );
+    assert_close(
+        &flat(grads.get(a.as_tensor()).expect("a")),
+        &flat(x.as_tensor()),
+        "the stored a",
+    );
+}

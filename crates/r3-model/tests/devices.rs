@@ -21,6 +21,7 @@ use candle_core::{DType, Device, Tensor};
 use common::{
     bits, covering_tables, probe, sequences, sorted_experts, tiny_config, tiny_weights, FAMILIES,
 };
+use r3_model::narrow_grads::backward_narrowing;
 use r3_model::token_stats::{entropy, token_log_probs};
 use r3_model::{Batch, Config, ForwardOutput, Model, ReplayRoutes, Routing, Weights};
 use r3_routing::{LayerSpace, RouteTable};
@@ -410,8 +411,9 @@ fn held_copies_give_the_same_bits(device: &Device) {
 /// routes, and its layer-by-layer backward every parameter's gradient, to the bit: every
 /// family, f32 / bf16 with held weight copies / f16, Native, Record and Replay routing, and a
 /// tied embedding (whose gradient sums the head's part and the embedding's). In bf16 and f16
-/// the backward run again keeping the gradients narrow (`LayerRecompute::keep_gradients_narrow`)
-/// gives the same bits widened, with the gradients it should narrow held in 16 bits.
+/// the backward run again keeping the gradients narrow (`LayerRecompute::keep_gradients_narrow`),
+/// and the plain one (`narrow_grads::backward_narrowing`), give the same bits widened, with
+/// the gradients they should narrow held in 16 bits.
 fn recomputed_layers_give_the_same_bits(device: &Device) {
     use r3_model::Precision;
     let mut configs: Vec<(String, Config)> = FAMILIES
@@ -468,7 +470,12 @@ fn recomputed_layers_give_the_same_bits(device: &Device) {
                     (out, grads)
                 } else {
                     let out = model.forward(&batch, routing).expect("forward");
-                    let grads = loss_of(&out).backward().expect("backward");
+                    let loss = loss_of(&out);
+                    let grads = match precision.narrow_dtype().filter(|_| narrow_grads) {
+                        Some(narrow) => backward_narrowing(&loss, narrow),
+                        None => loss.backward().map_err(Into::into),
+                    }
+                    .expect("backward");
                     (out, grads)
                 };
                 let named = gradient_bits(&varmap, &grads);
@@ -481,6 +488,7 @@ fn recomputed_layers_give_the_same_bits(device: &Device) {
             let mut runs = vec![("recomputed", run(true, false))];
             if precision.narrow_dtype().is_some() {
                 runs.push(("recomputed, gradients kept narrow", run(true, true)));
+                runs.push(("gradients kept narrow", run(false, true)));
             }
             for (how, recomputed) in &runs {
                 let what = format!("{what}, {how}");
@@ -501,11 +509,12 @@ fn recomputed_layers_give_the_same_bits(device: &Device) {
             // embedding's (the sum of the head's part and the embedding's is not a 16-bit
             // value); on any device every projection's and the head's (the weight matrices,
             // where the memory is: their gradients come out of 16-bit GEMMs on a GPU).
-            if let (
-                Some((_, kept)),
-                Precision::Bf16 { router_f32 } | Precision::F16 { router_f32 },
-            ) = (runs.get(1), precision)
-            {
+            for (kept, router_f32) in runs[1..].iter().filter_map(|(_, run)| match precision {
+                Precision::Bf16 { router_f32 } | Precision::F16 { router_f32 } => {
+                    Some((run, router_f32))
+                }
+                Precision::F32 => None,
+            }) {
                 let f32_router = |name: &str| router_f32 && name.ends_with(".gate.weight");
                 let tied =
                     |name: &str| family.ends_with("tied") && name == "model.embed_tokens.weight";

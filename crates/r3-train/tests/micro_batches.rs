@@ -114,17 +114,23 @@ fn shifted(values: &[Vec<f32>], scale: f32) -> Vec<Vec<f32>> {
 }
 
 fn run(dir: &Scratch, case: Case, budget: usize, checkpointing: bool) -> Run {
-    run_in(dir, case, budget, checkpointing, (Precision::F32, 0.0))
+    run_in(
+        dir,
+        case,
+        budget,
+        checkpointing,
+        (Precision::F32, 0.0, false),
+    )
 }
 
-/// [`run`] with the policy's forward in `precision` and the gradients clipped to norm
-/// `grad_clip` (0: measured only).
+/// [`run`] with the policy's forward in `precision`, the gradients clipped to norm
+/// `grad_clip` (0: measured only) and kept narrow when `narrow_gradients`.
 fn run_in(
     dir: &Scratch,
     case: Case,
     budget: usize,
     checkpointing: bool,
-    (precision, grad_clip): (Precision, f64),
+    (precision, grad_clip, narrow_gradients): (Precision, f64, bool),
 ) -> Run {
     let mut policy = TrainablePolicy::load(&dir.path().join("model")).expect("policy");
     policy.set_precision(precision);
@@ -195,6 +201,7 @@ fn run_in(
         grad_hook: Some(stash_grads),
         max_tokens_per_micro_batch: budget,
         gradient_checkpointing: checkpointing,
+        narrow_gradients,
     };
     GRADS.with(|g| g.borrow_mut().clear());
     let result = update_minibatch(&policy, &mut opt, &mb, &settings).expect("update");
@@ -637,9 +644,9 @@ fn r2_old_pass_recording_in_micro_batches_matches_one_batch() {
 /// forced) gives the same update bit for bit: gradients, parameters after the step,
 /// log-probs and loss metrics, in one forward and in micro-batches, with replayed and with
 /// recorded routes and an entropy bonus (whose gradient reaches the layers through the
-/// logits too). In bf16 the recomputing backward keeps the weight gradients in bf16
-/// (`r3_model::narrow_grads`): the gradient norm, the accumulation over micro-batches and
-/// AdamW read them widened, and the update is still the same bits.
+/// logits too). So do bf16 gradients kept narrow (`train.narrow_gradients`), with and
+/// without checkpointing: the gradient norm, the clip, the sums over micro-batches and AdamW
+/// read them widened.
 #[test]
 fn gradient_checkpointing_gives_the_same_update_bit_for_bit() {
     let dir = Scratch::new("micro-checkpointing");
@@ -653,59 +660,74 @@ fn gradient_checkpointing_gives_the_same_update_bit_for_bit() {
     // In one forward unclipped, AdamW reads the narrow gradients widened; in micro-batches
     // their sums are f32, and clipped to a norm of 10⁻³ (far below theirs) the clip reads them.
     let bf16 = Precision::Bf16 { router_f32: false };
-    let f32 = (Precision::F32, 0.0);
-    for (case, budget, precision) in [
-        (BASE, 0, f32),
-        (BASE, BUDGET, f32),
-        (record, BUDGET, f32),
-        (BASE, 0, (bf16, 0.0)),
-        (record, BUDGET, (bf16, 1e-3)),
+    for (case, budget, precision, grad_clip) in [
+        (BASE, 0, Precision::F32, 0.0),
+        (BASE, BUDGET, Precision::F32, 0.0),
+        (record, BUDGET, Precision::F32, 0.0),
+        (BASE, 0, bf16, 0.0),
+        (record, BUDGET, bf16, 1e-3),
     ] {
-        let plain = run_in(&dir, case, budget, false, precision);
-        let recomputed = run_in(&dir, case, budget, true, precision);
+        let plain = run_in(&dir, case, budget, false, (precision, grad_clip, false));
+        let mut variants = vec![(
+            "recomputed",
+            run_in(&dir, case, budget, true, (precision, grad_clip, false)),
+        )];
+        if precision != Precision::F32 {
+            for (how, checkpointing) in [("narrow", false), ("recomputed, narrow", true)] {
+                let run = run_in(
+                    &dir,
+                    case,
+                    budget,
+                    checkpointing,
+                    (precision, grad_clip, true),
+                );
+                variants.push((how, run));
+            }
+        }
+        assert_eq!(plain.narrow_grads, 0, "{case:?}: narrow without asking");
         assert_eq!(
-            plain.narrow_grads, 0,
-            "{case:?} {precision:?}: narrow without asking"
+            variants[0].1.narrow_grads, 0,
+            "{case:?}: narrow without asking"
         );
-        if precision == (bf16, 0.0) {
-            // All but the embedding (a sum over the batch's repeated tokens) and the
-            // optimiser takes them as they are.
+        for (how, other) in &variants {
+            let what = format!("{case:?} {precision:?} budget {budget}, {how}");
+            if how.contains("narrow") && budget == 0 && grad_clip == 0.0 {
+                // All but the embedding (a sum over the batch's repeated tokens), handed to
+                // the optimiser as they are.
+                assert!(
+                    other.narrow_grads + 1 >= other.grads.len(),
+                    "{what}: {} of {} gradients kept in bf16",
+                    other.narrow_grads,
+                    other.grads.len()
+                );
+            }
+            assert_eq!(
+                format!("{:?}", plain.result.outcome),
+                format!("{:?}", other.result.outcome),
+                "{what}: loss, gradient norm and clip"
+            );
+            assert_eq!(
+                plain.grads.len(),
+                plain.params.len(),
+                "{what}: every variable"
+            );
+            assert!(plain.grads == other.grads, "{what}: gradients");
             assert!(
-                recomputed.narrow_grads + 1 >= recomputed.grads.len(),
-                "{case:?}: {} of {} gradients kept in bf16",
-                recomputed.narrow_grads,
-                recomputed.grads.len()
+                plain.params == other.params,
+                "{what}: parameters after the step"
+            );
+            assert!(plain.logp == other.logp, "{what}: log-probs");
+            let (a, b) = (&plain.result.loss_metrics, &other.result.loss_metrics);
+            assert_eq!(
+                (a.pg_loss, a.clip_frac, a.ppo_kl, plain.result.entropy),
+                (b.pg_loss, b.clip_frac, b.ppo_kl, other.result.entropy),
+                "{what}: metrics"
+            );
+            assert_eq!(
+                format!("{:?}", plain.result.replay),
+                format!("{:?}", other.result.replay),
+                "{what}: replay proof"
             );
         }
-        assert_eq!(
-            format!("{:?}", plain.result.outcome),
-            format!("{:?}", recomputed.result.outcome),
-            "{case:?} {precision:?}: loss, gradient norm and clip"
-        );
-        assert_eq!(
-            plain.grads.len(),
-            plain.params.len(),
-            "{case:?}: every variable"
-        );
-        assert!(
-            plain.grads == recomputed.grads,
-            "{case:?} budget {budget}: gradients"
-        );
-        assert!(
-            plain.params == recomputed.params,
-            "{case:?} budget {budget}: parameters after the step"
-        );
-        assert!(plain.logp == recomputed.logp, "{case:?}: log-probs");
-        let (a, b) = (plain.result.loss_metrics, recomputed.result.loss_metrics);
-        assert_eq!(
-            (a.pg_loss, a.clip_frac, a.ppo_kl, plain.result.entropy),
-            (b.pg_loss, b.clip_frac, b.ppo_kl, recomputed.result.entropy),
-            "{case:?}: metrics"
-        );
-        assert_eq!(
-            format!("{:?}", plain.result.replay),
-            format!("{:?}", recomputed.result.replay),
-            "{case:?}: replay proof"
-        );
     }
 }

@@ -163,11 +163,37 @@ impl Tensor {
     }
 
     pub fn backward(&self) -> Result<GradStore> {
+        self.backward_hooked(None)
+    }
+
+    /// r3 patch: [`Tensor::backward`], handing each variable's gradient to `at_variable` once
+    /// it is complete (every tensor computed from the variable has passed its gradient on,
+    /// which the reverse topological order reaches before the variable) and storing what it
+    /// returns instead: a caller can keep it in another form from then on (r3 keeps a 16-bit
+    /// forward's weight gradients in 16 bits) while the rest of the backward runs. The
+    /// gradient may be a strided view; what the hook returns is made contiguous at the end,
+    /// as every gradient left in the store is.
+    pub fn backward_with<F>(&self, mut at_variable: F) -> Result<GradStore>
+    where
+        F: FnMut(&Tensor, Tensor) -> Result<Tensor>,
+    {
+        self.backward_hooked(Some(&mut at_variable))
+    }
+
+    fn backward_hooked(
+        &self,
+        mut at_variable: Option<&mut dyn FnMut(&Tensor, Tensor) -> Result<Tensor>>,
+    ) -> Result<GradStore> {
         let sorted_nodes = self.sorted_nodes();
         let mut grads = GradStore::new();
         grads.insert(self, self.ones_like()?.contiguous()?);
         for node in sorted_nodes.iter() {
             if node.is_variable() {
+                if let Some(hook) = at_variable.as_mut() {
+                    if let Some(grad) = grads.remove(node) {
+                        grads.insert(node, hook(node, grad)?);
+                    }
+                }
                 continue;
             }
             let grad = grads

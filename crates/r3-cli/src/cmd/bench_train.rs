@@ -13,6 +13,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use r3_model::cast16::cast16_into;
 use r3_model::layers::expert_gemm::ExpertGemmInputs;
+use r3_model::narrow_grads::backward_narrowing;
 use r3_model::{
     presets, Batch, Config, DeviceSpec, Model, Precision, RandomInit, ReplayRoutes, Routing,
     Weights,
@@ -92,6 +93,11 @@ pub struct BenchTrainArgs {
     /// CPU the steps' resident-memory high-water mark is printed either way, to compare.
     #[arg(long)]
     pub gradient_checkpointing: bool,
+    /// In bf16 (`--dtype bf16`): each weight's gradient kept in bf16 from the moment the
+    /// backward completes it, where bf16 holds it exactly (`train.narrow_gradients`; the same
+    /// gradients, 2 bytes a parameter instead of 4)
+    #[arg(long)]
+    pub narrow_gradients: bool,
 }
 
 /// One timed step: forward and backward wall seconds, the process's CPU seconds over both
@@ -196,15 +202,14 @@ fn step(
     routing: Routing<'_>,
     copies: &[(Var, Var)],
     vars: &[Var],
-    recompute: bool,
+    (recompute, narrow): (bool, Option<DType>),
 ) -> anyhow::Result<StepTime> {
     let cpu0 = process_cpu_ns();
     let t0 = Instant::now();
     let (out, layers) = match recompute {
         true => {
             let (out, layers) = model.forward_recomputing(batch, routing)?;
-            // As the trainer: a 16-bit forward's weight gradients kept in 16 bits.
-            let layers = match model.precision().narrow_dtype() {
+            let layers = match narrow {
                 Some(narrow) => layers.keep_gradients_narrow(narrow),
                 None => layers,
             };
@@ -222,9 +227,10 @@ fn step(
     // A GPU runs queued kernels after the call returns: wait for them (no-op on the CPU).
     model.device().synchronize()?;
     let t1 = Instant::now();
-    let grads = match layers {
-        Some(layers) => layers.backward(&loss, vars)?,
-        None => loss.backward()?,
+    let grads = match (layers, narrow) {
+        (Some(layers), _) => layers.backward(&loss, vars)?,
+        (None, Some(narrow)) => backward_narrowing(&loss, narrow)?,
+        (None, None) => loss.backward()?,
     };
     model.device().synchronize()?;
     let t2 = Instant::now();
@@ -256,6 +262,11 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     let precision = match args.dtype.as_str() {
         "bf16" => Precision::Bf16 { router_f32: false },
         _ => Precision::F32,
+    };
+    let narrow_grads = match (args.narrow_gradients, precision.narrow_dtype()) {
+        (false, _) => None,
+        (true, Some(narrow)) => Some(narrow),
+        (true, None) => anyhow::bail!("--narrow-gradients needs --dtype bf16"),
     };
     let (cfg, weights) = match &args.model_dir {
         Some(dir) => {
@@ -343,7 +354,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         params as f64 / 1e6
     );
     println!(
-        "batch {} × seq {} = {tokens} tokens/step, {} on {}, {} warm-up + {} timed steps per mode, seed {}, expert GEMM inputs {}, {}{}",
+        "batch {} × seq {} = {tokens} tokens/step, {} on {}, {} warm-up + {} timed steps per mode, seed {}, expert GEMM inputs {}, {}{}{}",
         args.batch,
         args.seq_len,
         args.dtype,
@@ -362,6 +373,11 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         },
         if args.gradient_checkpointing {
             ", gradient checkpointing (each layer run again in the backward)"
+        } else {
+            ""
+        },
+        if narrow_grads.is_some() {
+            ", gradients kept in bf16 where exact"
         } else {
             ""
         }
@@ -428,7 +444,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
                 routing,
                 &copies,
                 &vars,
-                args.gradient_checkpointing,
+                (args.gradient_checkpointing, narrow_grads),
             )?;
             if profiled {
                 r3_model::device::profiler_capture(&device, false)?;
@@ -489,7 +505,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     );
     if let Some(g) = native.steps.last().map(|s| s.gradients) {
         println!(
-            "gradients at the backward's end: {:.2} GB, {} of {} tensors kept in 16 bits (exact: a 16-bit forward's weight gradients, with gradient checkpointing), the rest f32",
+            "gradients at the backward's end: {:.2} GB, {} of {} tensors kept in 16 bits (--narrow-gradients: where exact, as a 16-bit forward's weight gradients are), the rest f32",
             g.bytes as f64 / 1e9,
             g.narrow,
             g.tensors

@@ -82,6 +82,7 @@ impl TrainConfig {
             |field: &'static str, reason: String| Err(TrainError::InvalidConfig { field, reason });
         let (r, a, o) = (&self.rollout, &self.algo, &self.optim);
         self.train.precision()?;
+        self.train.check_narrow_gradients()?;
         self.train.device_spec()?;
         if self.task.difficulty == 0 {
             return bad("task.difficulty", "levels start at 1".into());

@@ -29,6 +29,12 @@ pub struct TrainPrecisionConfig {
     /// casts are a pass over every weight each; on the CPU the rounding costs the same
     /// either way), `on` or `off`. Default `auto`.
     pub narrow_weight_copies: String,
+    /// In bf16 / f16: whether each weight's gradient is kept in 16 bits from the moment the
+    /// backward completes it, where 16 bits hold it exactly, which a 16-bit forward's weight
+    /// gradients do (Megatron's bf16 gradients beside fp32 main parameters): 2 bytes a
+    /// parameter instead of 4 until the optimiser, the same update bit for bit, for one pass
+    /// over each gradient. Default false.
+    pub narrow_gradients: bool,
 }
 
 impl Default for TrainPrecisionConfig {
@@ -38,6 +44,7 @@ impl Default for TrainPrecisionConfig {
             router_dtype: "model".into(),
             device: "cpu".into(),
             narrow_weight_copies: "auto".into(),
+            narrow_gradients: false,
         }
     }
 }
@@ -65,6 +72,19 @@ impl TrainPrecisionConfig {
                 reason: format!("`{other}` must be `auto`, `on` or `off`"),
             }),
         }
+    }
+
+    /// Refuses `narrow_gradients` in f32, where there is no 16-bit dtype to keep the
+    /// gradients in.
+    pub fn check_narrow_gradients(&self) -> Result<()> {
+        if self.narrow_gradients && !self.precision()?.is_mixed() {
+            return Err(TrainError::InvalidConfig {
+                field: "train.narrow_gradients",
+                reason: "needs train.dtype = bf16 or f16 (f32 gradients have no narrower form)"
+                    .into(),
+            });
+        }
+        Ok(())
     }
 
     /// The forward precision these settings name; an unknown value is a config error.
@@ -160,6 +180,32 @@ mod tests {
             "{err}"
         );
         assert!(with("bf16", "yes").holds_narrow_copies(&cpu).is_err());
+    }
+
+    /// `narrow_gradients` is refused in f32 (no 16-bit dtype to keep the gradients in) with
+    /// the field named, and accepted in bf16 and f16; off, any dtype passes.
+    #[test]
+    fn narrow_gradients_need_a_sixteen_bit_dtype() {
+        let with = |dtype: &str, narrow: bool| TrainPrecisionConfig {
+            dtype: dtype.into(),
+            narrow_gradients: narrow,
+            ..TrainPrecisionConfig::default()
+        };
+        let err = with("f32", true)
+            .check_narrow_gradients()
+            .expect_err("f32 refused");
+        assert!(err.to_string().contains("train.narrow_gradients"), "{err}");
+        for (dtype, narrow) in [
+            ("bf16", true),
+            ("f16", true),
+            ("f32", false),
+            ("bf16", false),
+        ] {
+            assert!(
+                with(dtype, narrow).check_narrow_gradients().is_ok(),
+                "{dtype} {narrow}"
+            );
+        }
     }
 
     #[test]

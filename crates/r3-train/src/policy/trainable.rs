@@ -169,9 +169,7 @@ pub fn score(model: &Model, batch: &ResponseBatch, routing: Routing<'_>) -> Resu
 
 /// [`score`]; with `recompute`, by a recomputing forward (activation checkpointing), whose
 /// layers then give the gradients of a loss of the returned log-probs
-/// ([`LayerRecompute::backward`]); in a 16-bit precision they keep those gradients in 16 bits
-/// where that holds them exactly ([`LayerRecompute::keep_gradients_narrow`]), so readers
-/// widen them (`r3_model::narrow_grads::in_dtype_of`).
+/// ([`LayerRecompute::backward`]).
 pub fn score_with<'m>(
     model: &'m Model,
     batch: &ResponseBatch,
@@ -182,10 +180,6 @@ pub fn score_with<'m>(
     let (out, layers) = match recompute {
         true => {
             let (out, layers) = model.forward_recomputing(&padded, routing)?;
-            let layers = match model.precision().narrow_dtype() {
-                Some(narrow) => layers.keep_gradients_narrow(narrow),
-                None => layers,
-            };
             (out, Some(layers))
         }
         false => (model.forward(&padded, routing)?, None),

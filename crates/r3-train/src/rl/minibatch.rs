@@ -8,8 +8,9 @@
 use std::time::Instant;
 
 use candle_core::backprop::GradStore;
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use r3_model::model::LayerRecompute;
+use r3_model::narrow_grads::backward_narrowing;
 use r3_model::{Model, ReplayProof, ReplayRoutes, Routing};
 use r3_routing::RouteTable;
 
@@ -76,6 +77,9 @@ pub struct UpdateSettings {
     /// Each update forward keeps only its layers' inputs and runs every layer again in the
     /// backward (activation checkpointing; the same gradients).
     pub gradient_checkpointing: bool,
+    /// In a 16-bit precision, each weight's gradient is kept in 16 bits from the moment it
+    /// is complete, where that holds it exactly (`train.narrow_gradients`; the same update).
+    pub narrow_gradients: bool,
 }
 
 /// What one mini-batch update did and saw.
@@ -268,7 +272,10 @@ impl Accumulated {
                     Some(layers) => {
                         layers.backward(&micro.loss, optimizer.vars().map(|(_, v)| v))?
                     }
-                    None => micro.loss.backward()?,
+                    None => match micro.narrow_grads {
+                        Some(narrow) => backward_narrowing(&micro.loss, narrow)?,
+                        None => micro.loss.backward()?,
+                    },
                 };
                 accumulate_grads(acc, &next, optimizer.vars().map(|(_, v)| v))?;
                 self.times.backward_s += started.elapsed().as_secs_f64();
@@ -294,6 +301,9 @@ struct Micro<'m> {
     loss: Tensor,
     /// With gradient checkpointing, the layers the backward runs again.
     layers: Option<LayerRecompute<'m>>,
+    /// The 16-bit dtype the backward keeps the weights' gradients in where exact
+    /// (`narrow_gradients` in a 16-bit precision).
+    narrow_grads: Option<DType>,
     sums: PolicyLossSums,
     entropy_sum: f64,
     /// `[rows, w]` log-probs, detached.
@@ -312,6 +322,14 @@ fn micro_update<'m>(
     device: &Device,
 ) -> Result<Micro<'m>> {
     let (scored, layers) = score_with(model, mb.batch, mb.routing, s.gradient_checkpointing)?;
+    let narrow_grads = model
+        .precision()
+        .narrow_dtype()
+        .filter(|_| s.narrow_gradients);
+    let layers = match (layers, narrow_grads) {
+        (Some(layers), Some(narrow)) => Some(layers.keep_gradients_narrow(narrow)),
+        (layers, _) => layers,
+    };
     let full_mask = mb.batch.response_mask(None, device)?;
     let mask = match &mb.row_weight {
         Some(w) => mb.batch.response_mask(Some(w), device)?,
@@ -349,6 +367,7 @@ fn micro_update<'m>(
     Ok(Micro {
         loss,
         layers,
+        narrow_grads,
         sums,
         entropy_sum: f64::from(entropy_sum),
         logp: scored.logp.detach(),

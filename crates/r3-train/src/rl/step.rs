@@ -149,6 +149,7 @@ pub fn update_settings(cfg: &TrainConfig) -> UpdateSettings {
         grad_hook: None,
         max_tokens_per_micro_batch: cfg.algo.max_tokens_per_micro_batch,
         gradient_checkpointing: cfg.algo.gradient_checkpointing,
+        narrow_gradients: cfg.train.narrow_gradients,
     }
 }
 
