@@ -25,8 +25,9 @@ const CHUNK: usize = 1 << 16;
 
 /// `grad` stored in `narrow` (bf16 or f16) when every value of it is exactly a `narrow`
 /// value (none NaN), else `grad` itself. Widening the result ([`in_dtype_of`]) gives `grad`'s
-/// values bit for bit. A gradient that is not f32 is returned as it is. On the CPU the check
-/// and the narrowing are one parallel pass; elsewhere candle's casts and a comparison.
+/// values bit for bit. A gradient that is not f32 is returned as it is. On the CPU one
+/// parallel pass over the gradient (each chunk checked, then written while in cache); on a
+/// GPU one kernel; elsewhere candle's casts and a comparison.
 pub fn narrow_where_exact(grad: &Tensor, narrow: DType) -> Result<Tensor> {
     if !matches!(narrow, DType::BF16 | DType::F16) {
         return Err(ModelError::Input(format!(
