@@ -33,7 +33,9 @@ pub use algo::loss::{
     gspo_loss, policy_loss, ppo_clip_loss, ClipRange, PolicyLossInput, PolicyLossKind,
     PolicyLossMetrics,
 };
-pub use algo::optim::{decay_matrices_only, AdamW, AdamWKernel, AdamWParams, AdamWStep};
+pub use algo::optim::{
+    decay_matrices_only, AdamW, AdamWKernel, AdamWParams, AdamWStep, UpdateStaging,
+};
 pub use algo::rollout_is::{rollout_is_weights, IsConfig, IsLevel, IsMetrics, IsMode, IsWeights};
 pub use algo::schedule::{LrDecay, LrSchedule};
 pub use algo::update::{

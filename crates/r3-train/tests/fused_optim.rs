@@ -282,3 +282,87 @@ fn the_fused_check_is_per_element_where_the_composed_sum_overflows() {
         }
     );
 }
+
+/// Staging tensor by tensor (every update checked and let go, then each computed again and
+/// committed) gives the whole step's parameters and moments bit for bit, with either kernel,
+/// and its guard commits nothing when a later tensor fails: the tensors checked before it
+/// stay untouched. Gradients a backward kept in bf16 give the same step as those values in
+/// f32.
+#[test]
+fn tensor_by_tensor_staging_equals_the_whole_step_and_guards_it() {
+    use r3_train::UpdateStaging;
+    let staged = |v: &[(String, Var)], kernel, staging| {
+        let mut opt = optimiser(v, 0.1, kernel);
+        opt.set_staging(staging);
+        opt
+    };
+    for kernel in [AdamWKernel::Fused, AdamWKernel::Composed] {
+        let (va, vb) = (vars(12), vars(12));
+        let mut whole = staged(&va, kernel, UpdateStaging::WholeStep);
+        let mut lean = staged(&vb, kernel, UpdateStaging::TensorByTensor);
+        let (mut ra, mut rb) = (ChaCha8Rng::seed_from_u64(13), ChaCha8Rng::seed_from_u64(13));
+        for step in 0..4 {
+            let scale = (step % 2 == 0).then_some(0.5f32);
+            let lr = 1e-2 * (step + 1) as f64;
+            let a = whole.step_scaled(&grads(&va, &mut ra, step), lr, scale);
+            let b = lean.step_scaled(&grads(&vb, &mut rb, step), lr, scale);
+            assert_eq!(a.expect("whole"), AdamWStep::Applied);
+            assert_eq!(b.expect("lean"), AdamWStep::Applied);
+            assert_same_state(&whole, &lean, &format!("{kernel:?} step {step}"));
+        }
+
+        // An infinite gradient in w2: w0 and w1 pass their checks first, and are not
+        // committed either.
+        let v = vars(14);
+        let before: Vec<Vec<u32>> = v.iter().map(|(_, v)| bits(v.as_tensor())).collect();
+        let mut opt = staged(&v, kernel, UpdateStaging::TensorByTensor);
+        let mut g = grads(&v, &mut ChaCha8Rng::seed_from_u64(15), 0);
+        let w2 = v[2].1.as_tensor();
+        g.insert(
+            w2,
+            w2.ones_like()
+                .and_then(|t| t.affine(f64::INFINITY, 0.0))
+                .expect("inf"),
+        );
+        let out = opt.step(&g, 1e-2).expect("step");
+        assert_eq!(
+            out,
+            AdamWStep::NonFinite {
+                variable: "w2".into(),
+                what: "parameter"
+            },
+            "{kernel:?}"
+        );
+        let after: Vec<Vec<u32>> = v.iter().map(|(_, v)| bits(v.as_tensor())).collect();
+        assert!(before == after, "{kernel:?}: nothing committed");
+        assert_eq!(opt.step_count(), 0);
+    }
+
+    // bf16 gradients (as `train.narrow_gradients` keeps them) against their values in f32.
+    for staging in [UpdateStaging::WholeStep, UpdateStaging::TensorByTensor] {
+        let (va, vb) = (vars(16), vars(16));
+        let mut wide = staged(&va, AdamWKernel::Fused, staging);
+        let mut narrow = staged(&vb, AdamWKernel::Fused, staging);
+        let mut rng = ChaCha8Rng::seed_from_u64(17);
+        let g = grads(&va, &mut rng, 0);
+        let (mut g_wide, mut g_narrow) = (GradStore::default(), GradStore::default());
+        for ((_, a), (_, b)) in va.iter().zip(&vb) {
+            let n = g
+                .get(a.as_tensor())
+                .expect("g")
+                .to_dtype(candle_core::DType::BF16)
+                .expect("bf16");
+            g_wide.insert(
+                a.as_tensor(),
+                n.to_dtype(candle_core::DType::F32).expect("f32"),
+            );
+            g_narrow.insert(b.as_tensor(), n);
+        }
+        assert_eq!(wide.step(&g_wide, 1e-2).expect("wide"), AdamWStep::Applied);
+        assert_eq!(
+            narrow.step(&g_narrow, 1e-2).expect("narrow"),
+            AdamWStep::Applied
+        );
+        assert_same_state(&wide, &narrow, &format!("{staging:?}: bf16 gradients"));
+    }
+}

@@ -11,7 +11,7 @@ use clap::Args;
 use r3_model::{presets, tensor_specs_in, ExpertLayout};
 use r3_train::{
     decay_matrices_only, global_grad_norm, global_grad_norm_composed, AdamW, AdamWKernel,
-    AdamWParams, AdamWStep,
+    AdamWParams, AdamWStep, UpdateStaging,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -34,6 +34,30 @@ pub struct BenchOptimArgs {
     /// Seed of the parameters and gradients.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// How each step is staged before it commits (`optim.update_staging`): `whole-step`
+    /// or `tensor-by-tensor` (checked tensor by tensor, then each computed again: twice the
+    /// arithmetic, one tensor's staged values held instead of the whole model's). The steps'
+    /// resident-memory high-water mark is printed either way, to compare.
+    #[arg(long, value_enum, default_value_t = StagingArg::WholeStep)]
+    pub update_staging: StagingArg,
+}
+
+/// `--update-staging`'s values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum StagingArg {
+    /// Every tensor staged, then all committed.
+    WholeStep,
+    /// Checked tensor by tensor, then each computed again and committed.
+    TensorByTensor,
+}
+
+impl From<StagingArg> for UpdateStaging {
+    fn from(s: StagingArg) -> Self {
+        match s {
+            StagingArg::WholeStep => UpdateStaging::WholeStep,
+            StagingArg::TensorByTensor => UpdateStaging::TensorByTensor,
+        }
+    }
 }
 
 /// The bytes one optimiser step must move for a set of f32 parameters.
@@ -122,6 +146,7 @@ pub fn run(args: BenchOptimArgs) -> anyhow::Result<()> {
         ..AdamWParams::default()
     };
     let mut opt = AdamW::new(vars, adamw_params, decay_matrices_only)?;
+    opt.set_staging(args.update_staging.into());
     let bytes = optimiser_bytes(params);
     println!(
         "r3 bench optim: {:.1}M f32 parameters in {} tensors ({}), {} warm-up + {} timed steps per kernel, seed {}",
@@ -135,10 +160,16 @@ pub fn run(args: BenchOptimArgs) -> anyhow::Result<()> {
         args.steps,
         args.seed
     );
+    println!("update staging: {:?}", args.update_staging);
     // The machine's bandwidth is measured between the steps too, and the best kept: on a
     // shared machine one measurement may fall in a loaded moment the steps do not.
     let mut bandwidth = stream_bandwidth();
 
+    // The steps' resident high-water mark, the mark reset before them (the allocator keeps
+    // freed buffers: compare runs that differ in one setting).
+    let memory_before = r3_train::rl::memory::reset_peak()
+        .then(r3_train::rl::memory::read_memory)
+        .flatten();
     let kernels = [AdamWKernel::Composed, AdamWKernel::Fused];
     let mut adamw_times = [Vec::new(), Vec::new()];
     let mut norm_times = [Vec::new(), Vec::new()];
@@ -206,6 +237,12 @@ pub fn run(args: BenchOptimArgs) -> anyhow::Result<()> {
         "gradient norm {:.6} (fused and composed bit-identical)",
         norms[1]
     );
+    if let (Some(before), Some(after)) = (memory_before, r3_train::rl::memory::read_memory()) {
+        println!(
+            "memory: resident high-water mark during the steps {:.0} MiB (the resident set before them {:.0} MiB; update staging {:?})",
+            after.peak_mib, before.rss_mib, args.update_staging
+        );
+    }
     std::hint::black_box(opt.step_count());
     Ok(())
 }

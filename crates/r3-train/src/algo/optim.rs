@@ -76,6 +76,22 @@ pub enum AdamWKernel {
     Composed,
 }
 
+/// How [`AdamW::step`] keeps the guard's promise that a step is applied whole or not at all.
+/// Both give bit-identical results.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UpdateStaging {
+    /// Every tensor's new θ, m and v are computed and checked, then all committed: the
+    /// fastest, holding a staged copy of the parameters and both moments (12 bytes a
+    /// parameter) until the commit (the default).
+    #[default]
+    WholeStep,
+    /// Every tensor's update is computed and checked and let go; when all pass, each is
+    /// computed again and committed at once: twice the optimiser's arithmetic, one tensor's
+    /// staged values at a time (a model that barely fits beside its optimiser state).
+    TensorByTensor,
+}
+
 /// One slot's update, computed but not committed.
 enum Staged {
     Fused(StagedUpdate),
@@ -177,6 +193,7 @@ pub struct AdamW {
     /// Every parameter must stay within this precision's finite range.
     precision: WeightPrecision,
     kernel: AdamWKernel,
+    staging: UpdateStaging,
 }
 
 impl AdamW {
@@ -212,6 +229,7 @@ impl AdamW {
             step: 0,
             precision: WeightPrecision::F32,
             kernel: AdamWKernel::default(),
+            staging: UpdateStaging::default(),
         })
     }
 
@@ -232,6 +250,12 @@ impl AdamW {
     /// either way; [`AdamWKernel::Fused`] is the default).
     pub fn set_kernel(&mut self, kernel: AdamWKernel) {
         self.kernel = kernel;
+    }
+
+    /// Chooses how a step is staged before it is committed (bit-identical results;
+    /// [`UpdateStaging::WholeStep`] is the default).
+    pub fn set_staging(&mut self, staging: UpdateStaging) {
+        self.staging = staging;
     }
 
     /// Holds 16-bit copies of variables (`Weights::hold_narrow_copies`: each named as its
@@ -283,8 +307,9 @@ impl AdamW {
 
     /// Applies one update with learning rate `lr`, or none at all when it would leave a
     /// parameter or moment NaN or infinite, or a parameter past the weight precision's range:
-    /// every new value is computed into scratch buffers and checked there, and the variables,
-    /// moments and step count change only when all pass.
+    /// every new value is computed into scratch buffers and checked there (all tensors'
+    /// at once, or one tensor's at a time and then again: [`AdamW::set_staging`]), and the
+    /// variables, moments and step count change only when all pass.
     pub fn step(&mut self, grads: &GradStore, lr: f64) -> Result<AdamWStep> {
         self.step_scaled(grads, lr, None)
     }
@@ -314,6 +339,9 @@ impl AdamW {
             .enumerate()
             .filter_map(|(i, s)| grads.get(s.var.as_tensor()).map(|g| (i, g.detach())))
             .collect();
+        if self.staging == UpdateStaging::TensorByTensor {
+            return self.step_tensor_by_tensor(with_grads, t, lr, grad_scale);
+        }
         // On the calling thread: which tensors take the fused pass, and their output buffers
         // (allocated here, not on the pool's threads, so they come from one heap and reuse
         // the buffers the last step freed).
@@ -377,9 +405,95 @@ impl AdamW {
             staged.push((i, stage));
         }
         read_device_checks(&mut staged)?;
-        for (i, stage) in &staged {
-            let i = *i;
-            let checks = stage.checks();
+        if let Some(refused) = self.verdict(staged.iter().map(|(i, s)| (*i, s.checks()))) {
+            return Ok(refused);
+        }
+        for (i, stage) in staged {
+            self.commit(i, stage)?;
+        }
+        self.step = t;
+        Ok(AdamWStep::Applied)
+    }
+
+    /// [`UpdateStaging::TensorByTensor`]: each tensor's update computed, checked and let go
+    /// (a GPU's checks read back in one copy at the end); when every one passes, each computed
+    /// again, by the same arithmetic, and committed at once.
+    fn step_tensor_by_tensor(
+        &mut self,
+        with_grads: Vec<(usize, Tensor)>,
+        t: u64,
+        lr: f64,
+        grad_scale: Option<f32>,
+    ) -> Result<AdamWStep> {
+        let mut checks = Vec::with_capacity(with_grads.len());
+        let mut on_device = Vec::new();
+        for (i, g) in &with_grads {
+            match self.stage_one(*i, g, t, lr, grad_scale)? {
+                Staged::OnDevice(update, _) => {
+                    on_device.push((checks.len(), update.maxima));
+                    checks.push((*i, StagedChecks::ALL_GOOD));
+                }
+                other => checks.push((*i, other.checks())),
+            }
+        }
+        if !on_device.is_empty() {
+            let maxima: Vec<Tensor> = on_device.iter().map(|(_, m)| m.clone()).collect();
+            let bits = Tensor::cat(&maxima, 0)?.to_vec1::<u32>()?;
+            for ((at, _), read) in on_device.iter().zip(bits.chunks_exact(3)) {
+                checks[*at].1 = StagedChecks::from_maxima([read[0], read[1], read[2]]);
+            }
+        }
+        if let Some(refused) = self.verdict(checks.into_iter()) {
+            return Ok(refused);
+        }
+        for (i, g) in &with_grads {
+            let stage = self.stage_one(*i, g, t, lr, grad_scale)?;
+            self.commit(*i, stage)?;
+        }
+        self.step = t;
+        Ok(AdamWStep::Applied)
+    }
+
+    /// Slot `i`'s update from its gradient `g` (widened first where a backward kept it in 16
+    /// bits), computed into new buffers: the fused pass for a CPU f32 tensor (chunks in
+    /// parallel), the GPU's fused pass, or the composed ops, as in a whole step.
+    fn stage_one(
+        &self,
+        i: usize,
+        g: &Tensor,
+        t: u64,
+        lr: f64,
+        grad_scale: Option<f32>,
+    ) -> Result<Staged> {
+        let slot = &self.slots[i];
+        let g = in_dtype_of(g, slot.var.as_tensor())?.contiguous()?;
+        let k = adamw_constants(&self.params, t, lr, slot.decay, grad_scale);
+        if self.kernel == AdamWKernel::Fused {
+            let n = slot.var.elem_count();
+            let views = (
+                HostF32::of(slot.var.as_tensor()),
+                HostF32::of(&g),
+                HostF32::of(&slot.m),
+                HostF32::of(&slot.v),
+            );
+            if let (Some(theta), Some(gv), Some(m), Some(v)) = views {
+                let slices = [theta.slice(), gv.slice(), m.slice(), v.slice()];
+                if slices.iter().all(|s| s.len() == n) {
+                    return Ok(Staged::Fused(adamw_pass(&k, slices, FusedOutputs::new(n))));
+                }
+            }
+        }
+        Ok(match self.on_device(slot, &g, &k)? {
+            Some(update) => Staged::OnDevice(update, StagedChecks::ALL_GOOD),
+            None => self.composed(i, &g, t, lr, grad_scale)?,
+        })
+    }
+
+    /// The guard's verdict on staged updates' checks: the refusal of the first that would
+    /// leave a parameter or moment non-finite, or a parameter past the weight precision's
+    /// range; `None` when every one passes.
+    fn verdict(&self, checks: impl Iterator<Item = (usize, StagedChecks)>) -> Option<AdamWStep> {
+        for (i, checks) in checks {
             let name = &self.slots[i].name;
             for (what, ok) in [
                 ("parameter", checks.param_finite),
@@ -387,7 +501,7 @@ impl AdamW {
                 ("second moment", checks.v_finite),
             ] {
                 if !ok {
-                    return Ok(AdamWStep::NonFinite {
+                    return Some(AdamWStep::NonFinite {
                         variable: name.clone(),
                         what,
                     });
@@ -395,37 +509,39 @@ impl AdamW {
             }
             let value = f64::from(checks.max_abs);
             if self.precision != WeightPrecision::F32 && !self.precision.holds(value) {
-                return Ok(AdamWStep::OutOfRange {
+                return Some(AdamWStep::OutOfRange {
                     variable: name.clone(),
                     value,
                     precision: self.precision,
                 });
             }
         }
-        for (i, stage) in staged {
-            let slot = &mut self.slots[i];
-            match stage {
-                Staged::Fused(StagedUpdate { theta, m, v, .. }) => {
-                    let shape = slot.var.shape().clone();
-                    commit_into(&slot.var, theta)?;
-                    slot.m = Tensor::from_vec(m, &shape, &Device::Cpu)?;
-                    slot.v = Tensor::from_vec(v, shape, &Device::Cpu)?;
-                }
-                Staged::OnDevice(StagedOnDevice { theta, m, v, .. }, _) => {
-                    slot.var.set(&theta)?;
-                    slot.m = m;
-                    slot.v = v;
-                }
-                Staged::Composed { m, v, new, .. } => {
-                    slot.var.set(&new)?;
-                    slot.m = m;
-                    slot.v = v;
-                }
+        None
+    }
+
+    /// Writes slot `i`'s staged update into its variable and moments (and its 16-bit copy).
+    fn commit(&mut self, i: usize, stage: Staged) -> Result<()> {
+        let slot = &mut self.slots[i];
+        match stage {
+            Staged::Fused(StagedUpdate { theta, m, v, .. }) => {
+                let shape = slot.var.shape().clone();
+                commit_into(&slot.var, theta)?;
+                slot.m = Tensor::from_vec(m, &shape, &Device::Cpu)?;
+                slot.v = Tensor::from_vec(v, shape, &Device::Cpu)?;
             }
-            slot.refresh_copy()?;
+            Staged::OnDevice(StagedOnDevice { theta, m, v, .. }, _) => {
+                slot.var.set(&theta)?;
+                slot.m = m;
+                slot.v = v;
+            }
+            Staged::Composed { m, v, new, .. } => {
+                slot.var.set(&new)?;
+                slot.m = m;
+                slot.v = v;
+            }
         }
-        self.step = t;
-        Ok(AdamWStep::Applied)
+        slot.refresh_copy()?;
+        Ok(())
     }
 
     /// The fused pass of one slot's update on its GPU (`None` off a GPU, for a tensor that

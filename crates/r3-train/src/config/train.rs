@@ -4,6 +4,7 @@
 
 use crate::algo::agg::LossAgg;
 use crate::algo::loss::{ClipRange, PolicyLossKind};
+use crate::algo::optim::UpdateStaging;
 use crate::algo::rollout_is::{IsConfig, IsLevel, IsMode};
 use crate::algo::schedule::{LrDecay, LrSchedule};
 use crate::error::{Result, TrainError};
@@ -274,6 +275,12 @@ pub struct OptimConfig {
     pub adam_eps: f64,
     /// Global gradient-norm clip; 0 disables (the norm is still measured). Default 1.0.
     pub grad_clip: f64,
+    /// How the guarded update is staged before it commits: `whole_step` (every tensor's new
+    /// parameters and moments computed and checked, then committed: 12 bytes a parameter
+    /// held meanwhile) or `tensor_by_tensor` (checked one tensor at a time, then each
+    /// computed again and committed: twice the optimiser's arithmetic, one tensor's worth
+    /// held). The same update either way. Default `whole_step`.
+    pub update_staging: UpdateStaging,
 }
 
 /// Held-out evaluation.
@@ -396,6 +403,7 @@ impl Default for OptimConfig {
             beta2: 0.999,
             adam_eps: 1e-8,
             grad_clip: 1.0,
+            update_staging: UpdateStaging::WholeStep,
         }
     }
 }

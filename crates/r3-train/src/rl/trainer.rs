@@ -106,6 +106,7 @@ impl Trainer {
         check_map_holds(&policy.tensor_map()?, rollout_precision)?;
         let mut optimizer = AdamW::new(policy.vars().to_vec(), params, decay_matrices_only)?;
         optimizer.set_weight_precision(rollout_precision);
+        optimizer.set_staging(cfg.optim.update_staging);
         if cfg.train.holds_narrow_copies(&policy.device())? {
             // The optimiser rewrites the copies after every update it applies.
             let copies = policy.hold_narrow_copies()?;
