@@ -163,32 +163,38 @@ fn fused_results_do_not_depend_on_the_thread_count() {
     assert_eq!(run(1), run(4));
 }
 
+/// An infinite gradient in w2 (after w0 and w1, whose updates pass their checks): its new θ
+/// (inf / inf), first and second moments go non-finite, the parameter is reported first, and
+/// nothing is committed, w0 and w1 included.
+fn assert_an_infinite_gradient_is_refused(kernel: AdamWKernel, staging: r3_train::UpdateStaging) {
+    let v = vars(6);
+    let before: Vec<Vec<u32>> = v.iter().map(|(_, v)| bits(v.as_tensor())).collect();
+    let mut opt = optimiser(&v, 0.0, kernel);
+    opt.set_staging(staging);
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let mut g = grads(&v, &mut rng, 0);
+    let w2 = v[2].1.as_tensor();
+    let inf = w2.ones_like().expect("ones").affine(f64::INFINITY, 0.0);
+    g.insert(w2, inf.expect("inf"));
+    let out = opt.step(&g, 1e-2).expect("step");
+    assert_eq!(
+        out,
+        AdamWStep::NonFinite {
+            variable: "w2".into(),
+            what: "parameter"
+        },
+        "{kernel:?} {staging:?}"
+    );
+    let after: Vec<Vec<u32>> = v.iter().map(|(_, v)| bits(v.as_tensor())).collect();
+    assert!(before == after, "{kernel:?} {staging:?}: nothing committed");
+    assert_eq!(opt.step_count(), 0);
+}
+
 #[test]
 fn guard_verdicts_match_the_composed_path() {
     let mut range_verdicts = Vec::new();
     for kernel in [AdamWKernel::Fused, AdamWKernel::Composed] {
-        // an infinite gradient in w2: its new θ (inf / inf), first and second moments go
-        // non-finite, the parameter is reported first; nothing is committed
-        let v = vars(6);
-        let before: Vec<Vec<u32>> = v.iter().map(|(_, v)| bits(v.as_tensor())).collect();
-        let mut opt = optimiser(&v, 0.0, kernel);
-        let mut rng = ChaCha8Rng::seed_from_u64(7);
-        let mut g = grads(&v, &mut rng, 0);
-        let w2 = v[2].1.as_tensor();
-        let inf = w2.ones_like().expect("ones").affine(f64::INFINITY, 0.0);
-        g.insert(w2, inf.expect("inf"));
-        let out = opt.step(&g, 1e-2).expect("step");
-        assert_eq!(
-            out,
-            AdamWStep::NonFinite {
-                variable: "w2".into(),
-                what: "parameter"
-            },
-            "{kernel:?}"
-        );
-        let after: Vec<Vec<u32>> = v.iter().map(|(_, v)| bits(v.as_tensor())).collect();
-        assert_eq!(before, after, "{kernel:?}: nothing committed");
-        assert_eq!(opt.step_count(), 0);
+        assert_an_infinite_gradient_is_refused(kernel, r3_train::UpdateStaging::WholeStep);
 
         // a weight pushed past f16's range by a large step: refused, with the same value
         let big = Var::new(&[60_000f32, 1.0], &Device::Cpu).expect("var");
@@ -311,31 +317,7 @@ fn tensor_by_tensor_staging_equals_the_whole_step_and_guards_it() {
             assert_same_state(&whole, &lean, &format!("{kernel:?} step {step}"));
         }
 
-        // An infinite gradient in w2: w0 and w1 pass their checks first, and are not
-        // committed either.
-        let v = vars(14);
-        let before: Vec<Vec<u32>> = v.iter().map(|(_, v)| bits(v.as_tensor())).collect();
-        let mut opt = staged(&v, kernel, UpdateStaging::TensorByTensor);
-        let mut g = grads(&v, &mut ChaCha8Rng::seed_from_u64(15), 0);
-        let w2 = v[2].1.as_tensor();
-        g.insert(
-            w2,
-            w2.ones_like()
-                .and_then(|t| t.affine(f64::INFINITY, 0.0))
-                .expect("inf"),
-        );
-        let out = opt.step(&g, 1e-2).expect("step");
-        assert_eq!(
-            out,
-            AdamWStep::NonFinite {
-                variable: "w2".into(),
-                what: "parameter"
-            },
-            "{kernel:?}"
-        );
-        let after: Vec<Vec<u32>> = v.iter().map(|(_, v)| bits(v.as_tensor())).collect();
-        assert!(before == after, "{kernel:?}: nothing committed");
-        assert_eq!(opt.step_count(), 0);
+        assert_an_infinite_gradient_is_refused(kernel, UpdateStaging::TensorByTensor);
     }
 
     // bf16 gradients (as `train.narrow_gradients` keeps them) against their values in f32.
