@@ -12,7 +12,7 @@ use r3_model::{check_map_holds, WeightPrecision};
 use r3_rollout::{config_eos_ids, GenerateRequest};
 use r3_tasks::{DatasetPosition, Reward};
 
-use crate::algo::optim::{decay_matrices_only, AdamW, AdamWParams};
+use crate::algo::optim::{decay_matrices_only, AdamW, AdamWParams, UpdateStaging};
 use crate::config::train::TrainConfig;
 use crate::error::{Result, TrainError};
 use crate::policy::model_text::ModelText;
@@ -120,6 +120,15 @@ impl Trainer {
                 "holding 16-bit copies of the weight matrices (train.narrow_weight_copies)"
             );
             optimizer.hold_narrow_copies(copies)?;
+        }
+        // The memory settings that change no value, said once so a run's log shows them.
+        if cfg.train.narrow_gradients || cfg.optim.update_staging != UpdateStaging::WholeStep {
+            tracing::info!(
+                narrow_gradients = cfg.train.narrow_gradients,
+                update_staging = ?cfg.optim.update_staging,
+                "memory: weight gradients kept in 16 bits where exact (train.narrow_gradients), \
+                 the guarded update staged as optim.update_staging says"
+            );
         }
         let eos = config_eos_ids(policy.config());
         let reward = Reward::from_spec(&cfg.reward, cfg.task.format_reward as f32);
