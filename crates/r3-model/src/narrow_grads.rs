@@ -29,11 +29,7 @@ const CHUNK: usize = 1 << 16;
 /// parallel pass over the gradient (each chunk checked, then written while in cache); on a
 /// GPU one kernel; elsewhere candle's casts and a comparison.
 pub fn narrow_where_exact(grad: &Tensor, narrow: DType) -> Result<Tensor> {
-    if !matches!(narrow, DType::BF16 | DType::F16) {
-        return Err(ModelError::Input(format!(
-            "gradients can be kept narrow in bf16 or f16, not {narrow:?}"
-        )));
-    }
+    check_narrow(narrow)?;
     if grad.dtype() != DType::F32 || grad.elem_count() == 0 {
         return Ok(grad.clone());
     }
@@ -50,14 +46,20 @@ pub fn narrow_where_exact(grad: &Tensor, narrow: DType) -> Result<Tensor> {
 /// ([`narrow_where_exact`], through candle's `Tensor::backward_with`): they never all sit in
 /// f32 at once. Every other tensor's gradient is as `loss.backward()` gives it.
 pub fn backward_narrowing(loss: &Tensor, narrow: DType) -> Result<GradStore> {
-    if !matches!(narrow, DType::BF16 | DType::F16) {
-        return Err(ModelError::Input(format!(
-            "gradients can be kept narrow in bf16 or f16, not {narrow:?}"
-        )));
-    }
+    check_narrow(narrow)?;
     Ok(loss.backward_with(|_, grad| {
         narrow_where_exact(&grad, narrow).map_err(|e| candle_core::Error::Msg(e.to_string()))
     })?)
+}
+
+/// Refuses a dtype other than bf16 and f16 to keep gradients in.
+fn check_narrow(narrow: DType) -> Result<()> {
+    match narrow {
+        DType::BF16 | DType::F16 => Ok(()),
+        other => Err(ModelError::Input(format!(
+            "gradients can be kept narrow in bf16 or f16, not {other:?}"
+        ))),
+    }
 }
 
 /// `grad` in the dtype of its variable `var`: itself, or widened where a backward kept it

@@ -176,7 +176,7 @@ fn add_grads(
         };
         let sum = match grads.get_id(*id) {
             Some(acc) => acc.to_dtype(dtype)?.add(&part.to_dtype(dtype)?)?,
-            None => part.detach(),
+            None => part.clone(),
         };
         let sum = match narrow {
             Some(narrow) => narrow_where_exact(&sum, narrow)?,

@@ -92,6 +92,15 @@ pub enum UpdateStaging {
     TensorByTensor,
 }
 
+/// What one step's every tensor pass shares: the step `t` (1-based), the learning rate and
+/// the gradient-clip factor (`None` when not clipped).
+#[derive(Debug, Clone, Copy)]
+struct UpdateAt {
+    t: u64,
+    lr: f64,
+    grad_scale: Option<f32>,
+}
+
 /// One slot's update, computed but not committed.
 enum Staged {
     Fused(StagedUpdate),
@@ -333,6 +342,7 @@ impl AdamW {
         grad_scale: Option<f32>,
     ) -> Result<AdamWStep> {
         let t = self.step + 1;
+        let at = UpdateAt { t, lr, grad_scale };
         let with_grads: Vec<(usize, Tensor)> = self
             .slots
             .iter()
@@ -340,67 +350,31 @@ impl AdamW {
             .filter_map(|(i, s)| grads.get(s.var.as_tensor()).map(|g| (i, g.detach())))
             .collect();
         if self.staging == UpdateStaging::TensorByTensor {
-            return self.step_tensor_by_tensor(with_grads, t, lr, grad_scale);
+            return self.step_tensor_by_tensor(with_grads, at);
         }
         // On the calling thread: which tensors take the fused pass, and their output buffers
         // (allocated here, not on the pool's threads, so they come from one heap and reuse
         // the buffers the last step freed).
         let plans: Vec<Option<FusedOutputs>> = with_grads
             .iter()
-            .map(|(i, g)| -> Result<_> {
-                if self.kernel != AdamWKernel::Fused {
-                    return Ok(None);
-                }
-                let slot = &self.slots[*i];
-                let n = slot.var.elem_count();
-                let host = [slot.var.as_tensor(), &slot.m, &slot.v]
-                    .into_iter()
-                    .all(|t| HostF32::of(t).is_some_and(|h| h.slice().len() == n))
-                    && g.device().is_cpu()
-                    && g.elem_count() == n;
-                Ok(host.then(|| FusedOutputs::new(n)))
+            .map(|(i, g)| {
+                self.takes_fused_pass(*i, g)
+                    .then(|| FusedOutputs::new(self.slots[*i].var.elem_count()))
             })
-            .collect::<Result<_>>()?;
+            .collect();
         let fused: Vec<Option<StagedUpdate>> = plans
             .into_par_iter()
             .zip(with_grads.par_iter())
-            .map(|(plan, (i, g))| -> Result<Option<StagedUpdate>> {
-                let Some(out) = plan else {
-                    return Ok(None);
-                };
-                let slot = &self.slots[*i];
-                // Widened here, one tensor at a time, where a backward kept it in 16 bits.
-                let g = in_dtype_of(g, slot.var.as_tensor())?.contiguous()?;
-                let views = (
-                    HostF32::of(slot.var.as_tensor()),
-                    HostF32::of(&g),
-                    HostF32::of(&slot.m),
-                    HostF32::of(&slot.v),
-                );
-                let (Some(theta), Some(g), Some(m), Some(v)) = views else {
-                    return Ok(None);
-                };
-                let k = adamw_constants(&self.params, t, lr, slot.decay, grad_scale);
-                Ok(Some(adamw_pass(
-                    &k,
-                    [theta.slice(), g.slice(), m.slice(), v.slice()],
-                    out,
-                )))
+            .map(|(plan, (i, g))| match plan {
+                Some(out) => self.fused_update(*i, g, at, out),
+                None => Ok(None),
             })
             .collect::<Result<_>>()?;
         let mut staged = Vec::with_capacity(with_grads.len());
         for ((i, g), fused) in with_grads.into_iter().zip(fused) {
             let stage = match fused {
                 Some(update) => Staged::Fused(update),
-                None => {
-                    // Widened (where a backward kept it in 16 bits) for this tensor's pass only.
-                    let g = in_dtype_of(&g, self.slots[i].var.as_tensor())?;
-                    let k = adamw_constants(&self.params, t, lr, self.slots[i].decay, grad_scale);
-                    match self.on_device(&self.slots[i], &g, &k)? {
-                        Some(update) => Staged::OnDevice(update, StagedChecks::ALL_GOOD),
-                        None => self.composed(i, &g, t, lr, grad_scale)?,
-                    }
-                }
+                None => self.staged_elsewhere(i, &g, at)?,
             };
             staged.push((i, stage));
         }
@@ -421,14 +395,12 @@ impl AdamW {
     fn step_tensor_by_tensor(
         &mut self,
         with_grads: Vec<(usize, Tensor)>,
-        t: u64,
-        lr: f64,
-        grad_scale: Option<f32>,
+        at: UpdateAt,
     ) -> Result<AdamWStep> {
         let mut checks = Vec::with_capacity(with_grads.len());
         let mut on_device = Vec::new();
         for (i, g) in &with_grads {
-            match self.stage_one(*i, g, t, lr, grad_scale)? {
+            match self.stage_one(*i, g, at)? {
                 Staged::OnDevice(update, _) => {
                     on_device.push((checks.len(), update.maxima));
                     checks.push((*i, StagedChecks::ALL_GOOD));
@@ -436,56 +408,86 @@ impl AdamW {
                 other => checks.push((*i, other.checks())),
             }
         }
-        if !on_device.is_empty() {
-            let maxima: Vec<Tensor> = on_device.iter().map(|(_, m)| m.clone()).collect();
-            let bits = Tensor::cat(&maxima, 0)?.to_vec1::<u32>()?;
-            for ((at, _), read) in on_device.iter().zip(bits.chunks_exact(3)) {
-                checks[*at].1 = StagedChecks::from_maxima([read[0], read[1], read[2]]);
-            }
+        let maxima: Vec<Tensor> = on_device.iter().map(|(_, m)| m.clone()).collect();
+        for ((at, _), read) in on_device.iter().zip(read_maxima(&maxima)?) {
+            checks[*at].1 = read;
         }
         if let Some(refused) = self.verdict(checks.into_iter()) {
             return Ok(refused);
         }
         for (i, g) in &with_grads {
-            let stage = self.stage_one(*i, g, t, lr, grad_scale)?;
+            let stage = self.stage_one(*i, g, at)?;
             self.commit(*i, stage)?;
         }
-        self.step = t;
+        self.step = at.t;
         Ok(AdamWStep::Applied)
     }
 
     /// Slot `i`'s update from its gradient `g` (widened first where a backward kept it in 16
     /// bits), computed into new buffers: the fused pass for a CPU f32 tensor (chunks in
     /// parallel), the GPU's fused pass, or the composed ops, as in a whole step.
-    fn stage_one(
+    fn stage_one(&self, i: usize, g: &Tensor, at: UpdateAt) -> Result<Staged> {
+        if self.takes_fused_pass(i, g) {
+            let out = FusedOutputs::new(self.slots[i].var.elem_count());
+            if let Some(update) = self.fused_update(i, g, at, out)? {
+                return Ok(Staged::Fused(update));
+            }
+        }
+        self.staged_elsewhere(i, g, at)
+    }
+
+    /// Whether slot `i`'s update takes the CPU's fused pass: the fused kernel chosen, the
+    /// variable and its moments contiguous f32 on the CPU, the gradient `g` on the CPU with
+    /// as many values.
+    fn takes_fused_pass(&self, i: usize, g: &Tensor) -> bool {
+        let slot = &self.slots[i];
+        let n = slot.var.elem_count();
+        self.kernel == AdamWKernel::Fused
+            && [slot.var.as_tensor(), &slot.m, &slot.v]
+                .into_iter()
+                .all(|t| HostF32::of(t).is_some_and(|h| h.slice().len() == n))
+            && g.device().is_cpu()
+            && g.elem_count() == n
+    }
+
+    /// The CPU's fused pass of slot `i` into `out`, its gradient `g` widened first where a
+    /// backward kept it in 16 bits (one tensor at a time); `None` where a view is not a
+    /// contiguous f32 one.
+    fn fused_update(
         &self,
         i: usize,
         g: &Tensor,
-        t: u64,
-        lr: f64,
-        grad_scale: Option<f32>,
-    ) -> Result<Staged> {
+        at: UpdateAt,
+        out: FusedOutputs,
+    ) -> Result<Option<StagedUpdate>> {
         let slot = &self.slots[i];
         let g = in_dtype_of(g, slot.var.as_tensor())?.contiguous()?;
-        let k = adamw_constants(&self.params, t, lr, slot.decay, grad_scale);
-        if self.kernel == AdamWKernel::Fused {
-            let n = slot.var.elem_count();
-            let views = (
-                HostF32::of(slot.var.as_tensor()),
-                HostF32::of(&g),
-                HostF32::of(&slot.m),
-                HostF32::of(&slot.v),
-            );
-            if let (Some(theta), Some(gv), Some(m), Some(v)) = views {
-                let slices = [theta.slice(), gv.slice(), m.slice(), v.slice()];
-                if slices.iter().all(|s| s.len() == n) {
-                    return Ok(Staged::Fused(adamw_pass(&k, slices, FusedOutputs::new(n))));
-                }
-            }
-        }
+        let views = (
+            HostF32::of(slot.var.as_tensor()),
+            HostF32::of(&g),
+            HostF32::of(&slot.m),
+            HostF32::of(&slot.v),
+        );
+        let (Some(theta), Some(g), Some(m), Some(v)) = views else {
+            return Ok(None);
+        };
+        let k = adamw_constants(&self.params, at, slot.decay);
+        Ok(Some(adamw_pass(
+            &k,
+            [theta.slice(), g.slice(), m.slice(), v.slice()],
+            out,
+        )))
+    }
+
+    /// Slot `i`'s update off the CPU's fused pass: the GPU's fused pass, else the composed
+    /// ops, its gradient widened for this tensor only where a backward kept it in 16 bits.
+    fn staged_elsewhere(&self, i: usize, g: &Tensor, at: UpdateAt) -> Result<Staged> {
+        let slot = &self.slots[i];
+        let g = in_dtype_of(g, slot.var.as_tensor())?;
+        let k = adamw_constants(&self.params, at, slot.decay);
         Ok(match self.on_device(slot, &g, &k)? {
             Some(update) => Staged::OnDevice(update, StagedChecks::ALL_GOOD),
-            None => self.composed(i, &g, t, lr, grad_scale)?,
+            None => self.composed(i, &g, at)?,
         })
     }
 
@@ -565,20 +567,14 @@ impl AdamW {
     }
 
     /// The composed candle ops of one slot's update (any device), with their checks.
-    fn composed(
-        &self,
-        i: usize,
-        g: &Tensor,
-        t: u64,
-        lr: f64,
-        grad_scale: Option<f32>,
-    ) -> Result<Staged> {
+    fn composed(&self, i: usize, g: &Tensor, at: UpdateAt) -> Result<Staged> {
         let AdamWParams {
             beta1,
             beta2,
             eps,
             weight_decay,
         } = self.params;
+        let UpdateAt { t, lr, grad_scale } = at;
         let (bc1, bc2) = self.params.bias_corrections(t);
         let slot = &self.slots[i];
         let g = match grad_scale {
@@ -668,36 +664,41 @@ fn read_device_checks(staged: &mut [(usize, Staged)]) -> Result<()> {
             _ => None,
         })
         .collect();
-    if maxima.is_empty() {
-        return Ok(());
-    }
-    let bits = Tensor::cat(&maxima, 0)?.to_vec1::<u32>()?;
-    let mut read = bits.chunks_exact(3);
-    for (_, stage) in staged.iter_mut() {
-        if let Staged::OnDevice(_, checks) = stage {
-            match read.next() {
-                Some(&[t, m, v]) => *checks = StagedChecks::from_maxima([t, m, v]),
-                _ => {
-                    return Err(TrainError::Candle(candle_core::Error::Msg(
-                        "optimiser: fewer device checks read back than updates staged".into(),
-                    )))
-                }
-            }
-        }
+    let on_device = staged.iter_mut().filter_map(|(_, s)| match s {
+        Staged::OnDevice(_, checks) => Some(checks),
+        _ => None,
+    });
+    // `read_maxima` gives one check per maxima tensor, in order.
+    for (checks, read) in on_device.zip(read_maxima(&maxima)?) {
+        *checks = read;
     }
     Ok(())
 }
 
-/// The fused passes' constants of step `t` (1-based) of `params` at learning rate `lr`;
+/// The checks of GPU passes from their `[3]` maxima tensors, read in one copy (nothing read
+/// when there are none).
+fn read_maxima(maxima: &[Tensor]) -> Result<Vec<StagedChecks>> {
+    if maxima.is_empty() {
+        return Ok(Vec::new());
+    }
+    let bits = Tensor::cat(maxima, 0)?.to_vec1::<u32>()?;
+    let checks: Vec<StagedChecks> = bits
+        .chunks_exact(3)
+        .map(|r| StagedChecks::from_maxima([r[0], r[1], r[2]]))
+        .collect();
+    if checks.len() != maxima.len() {
+        return Err(TrainError::Candle(candle_core::Error::Msg(
+            "optimiser: fewer device checks read back than updates staged".into(),
+        )));
+    }
+    Ok(checks)
+}
+
+/// The fused passes' constants of step `at.t` (1-based) of `params` at learning rate `at.lr`;
 /// `decay` says whether this tensor is decayed. Made here, beside the parameters they come
 /// from, so the passes do not depend back on this file.
-fn adamw_constants(
-    params: &AdamWParams,
-    t: u64,
-    lr: f64,
-    decay: bool,
-    grad_scale: Option<f32>,
-) -> AdamWConstants {
+fn adamw_constants(params: &AdamWParams, at: UpdateAt, decay: bool) -> AdamWConstants {
+    let UpdateAt { t, lr, grad_scale } = at;
     let (bc1, bc2) = params.bias_corrections(t);
     AdamWConstants {
         beta1: params.beta1 as f32,
