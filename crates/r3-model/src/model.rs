@@ -16,7 +16,7 @@ use crate::config::{AttentionConfig, Config};
 use crate::error::{ModelError, Result};
 use crate::layers::attention::{AttentionMask, GqaAttention};
 use crate::layers::embedding_rows::embedding_rows;
-use crate::layers::expert_gemm::ExpertGemmInputs;
+use crate::layers::expert_gemm::{ExpertGemmInputs, StackGradients};
 use crate::layers::linear::Linear;
 use crate::layers::mla::MlaAttention;
 use crate::layers::mlp::SwiGlu;
@@ -180,6 +180,17 @@ impl Model {
         for layer in &mut self.layers {
             if let FeedForward::Moe(block) = &mut layer.ffn {
                 block.set_expert_gemm_inputs(inputs);
+            }
+        }
+    }
+
+    /// Sets the dtype every MoE layer's routed-expert stacks' gradients leave the GPU's
+    /// GEMMs in at a 16-bit precision ([`StackGradients`]: the same values either way;
+    /// narrow for a trainer that keeps its weight gradients in 16 bits).
+    pub fn set_expert_stack_gradients(&mut self, grads: StackGradients) {
+        for layer in &mut self.layers {
+            if let FeedForward::Moe(block) = &mut layer.ffn {
+                block.set_expert_stack_gradients(grads);
             }
         }
     }

@@ -346,3 +346,67 @@ fn the_variable_hook_sees_each_whole_gradient_once() {
         "the stored a",
     );
 }
+
+/// Doubles its input; its backward hands the gradient back in bf16 (as r3's GPU expert
+/// GEMMs do for a trainer keeping 16-bit gradients).
+struct DoubleWithBf16Grad;
+
+impl CustomOp1 for DoubleWithBf16Grad {
+    fn name(&self) -> &'static str {
+        "double-with-bf16-grad"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let data = x.as_slice::<f32>()?;
+        let v: Vec<f32> = data[l.start_offset()..][..l.shape().elem_count()]
+            .iter()
+            .map(|v| 2.0 * v)
+            .collect();
+        Ok((CpuStorage::F32(v), l.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        Ok(Some((grad * 2.0)?.to_dtype(DType::BF16)?))
+    }
+}
+
+/// A 16-bit first gradient of an f32 variable is stored as it is, in bf16 (where upstream's
+/// zeros-plus-gradient failed on the dtypes); a second contribution is summed in f32:
+/// `x · 3 + double(x)` gets 3 + 2 at each element, `double(x)` alone 2 in bf16.
+#[test]
+fn a_sixteen_bit_gradient_of_an_f32_variable_is_kept_then_summed_in_f32() {
+    let x = var(&[1.0, -2.0, 0.5], &[3]);
+    let probe = constant(&[1.0, 0.25, -3.0], &[3]);
+    let alone = (x.apply_op1(DoubleWithBf16Grad).expect("op") * &probe)
+        .and_then(|l| l.sum_all())
+        .and_then(|l| l.backward())
+        .expect("backward");
+    let g = alone.get(x.as_tensor()).expect("gradient");
+    assert_eq!(g.dtype(), DType::BF16, "kept as the op gave it");
+    assert_close(
+        &flat(&g.to_dtype(DType::F32).expect("f32")),
+        &[2.0, 0.5, -6.0],
+        "alone",
+    );
+    for first_narrow in [true, false] {
+        let doubled = x.apply_op1(DoubleWithBf16Grad).expect("op");
+        let tripled = (x.as_tensor() * 3.0).expect("affine");
+        let sum = match first_narrow {
+            // The reverse topological order reaches the later operand of an add first.
+            true => (tripled + doubled).expect("sum"),
+            false => (doubled + tripled).expect("sum"),
+        };
+        let grads = (sum * &probe)
+            .and_then(|l| l.sum_all())
+            .and_then(|l| l.backward())
+            .expect("backward");
+        let g = grads.get(x.as_tensor()).expect("gradient");
+        assert_eq!(g.dtype(), DType::F32, "summed in f32");
+        assert_close(&flat(g), &[5.0, 1.25, -15.0], "both");
+    }
+}

@@ -1,6 +1,6 @@
 //! Methods for backpropagation of gradients.
 use crate::op::{BinaryOp, Op, ReduceOp, UnaryOp};
-use crate::{Error, Result, Tensor, TensorId};
+use crate::{DType, Error, Result, Tensor, TensorId};
 use std::collections::{hash_map::Entry, HashMap};
 
 // arg has been reduced to node via reduce_dims, expand it back to arg.
@@ -755,11 +755,13 @@ impl GradStore {
     /// r3 patch: adds `grad` to the gradient of `tensor`. The first gradient a tensor gets
     /// is stored as it is (contiguous, as a sum would be) instead of being added to a fresh
     /// tensor of zeros: upstream's `or_insert` + `add` allocated, zero-filled and summed once
-    /// per edge of the graph, which on a small model was a sixth of the backward.
+    /// per edge of the graph, which on a small model was a sixth of the backward. Where a
+    /// narrow gradient was stored (see `first_grad`), later ones are summed in the tensor's
+    /// dtype.
     fn accumulate(&mut self, tensor: &Tensor, grad: &Tensor) -> Result<()> {
         match self.0.entry(tensor.id()) {
             Entry::Occupied(mut entry) => {
-                let sum = entry.get().add(grad)?;
+                let sum = in_dtype(entry.get(), tensor)?.add(&in_dtype(grad, tensor)?)?;
                 *entry.get_mut() = sum;
             }
             Entry::Vacant(entry) => {
@@ -773,7 +775,7 @@ impl GradStore {
     fn accumulate_neg(&mut self, tensor: &Tensor, grad: &Tensor) -> Result<()> {
         match self.0.entry(tensor.id()) {
             Entry::Occupied(mut entry) => {
-                let difference = entry.get().sub(grad)?;
+                let difference = in_dtype(entry.get(), tensor)?.sub(&in_dtype(grad, tensor)?)?;
                 *entry.get_mut() = difference;
             }
             Entry::Vacant(entry) => {
@@ -819,14 +821,31 @@ impl GradStore {
 /// dtype and device — a strided view stays a view until a rule consumes it (`backward` makes
 /// it contiguous there, so a transpose's gradient that is transposed back is never copied);
 /// otherwise what upstream computed (zeros plus `grad`), so a mismatch fails with the same
-/// error as before.
+/// error as before. A bf16 / f16 gradient of an f32 tensor is stored as it is too: an op
+/// whose gradient is a 16-bit value (r3's GPU expert GEMMs at a 16-bit precision) may hand
+/// it back in 16 bits for a trainer that keeps its weight gradients so.
 fn first_grad(tensor: &Tensor, grad: &Tensor) -> Result<Tensor> {
     if grad.shape() == tensor.shape()
-        && grad.dtype() == tensor.dtype()
+        && (grad.dtype() == tensor.dtype() || narrower(grad, tensor))
         && grad.device().same_device(tensor.device())
     {
         Ok(grad.clone())
     } else {
         tensor.zeros_like()?.add(grad)
+    }
+}
+
+/// r3 patch: whether `grad` is a 16-bit float gradient of an f32 `tensor`.
+fn narrower(grad: &Tensor, tensor: &Tensor) -> bool {
+    tensor.dtype() == DType::F32 && matches!(grad.dtype(), DType::BF16 | DType::F16)
+}
+
+/// r3 patch: a gradient stored narrow (`first_grad`) widened to its tensor's dtype before a
+/// sum; any other as it is.
+fn in_dtype(grad: &Tensor, tensor: &Tensor) -> Result<Tensor> {
+    if narrower(grad, tensor) {
+        grad.to_dtype(tensor.dtype())
+    } else {
+        Ok(grad.clone())
     }
 }

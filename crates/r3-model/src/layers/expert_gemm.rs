@@ -72,11 +72,28 @@ impl std::str::FromStr for ExpertGemmInputs {
     }
 }
 
+/// The dtype the routed experts' stacks' gradients leave a 16-bit backward in on a GPU.
+/// Either way they hold the same values: the gradient of the stack rounded to the 16-bit
+/// float (what the forward reads), which is that float's value, as every other weight's
+/// gradient of a 16-bit forward is (a rounding's gradient is the incoming one rounded).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StackGradients {
+    /// In the stack's own dtype (an f32 master stack's in f32): widened from the GEMM's
+    /// 16-bit output.
+    #[default]
+    InStackDtype,
+    /// In the 16-bit float as the GEMMs wrote it (2 bytes a parameter, no widening pass): a
+    /// trainer keeping its weight gradients in 16 bits (`train.narrow_gradients`), whose
+    /// readers widen them.
+    Narrow,
+}
+
 /// `y[b] = x[b] · w[experts[b]]ᵀ` for `x` `[blocks, cap, k]` and the stack `w` `[E, n, k]`,
 /// rounded as [`matmul_wt_at`] rounds at precision `p` (16-bit operands and output, f32
 /// accumulation; the weight may already be the 16-bit copy). Differentiable in `x` and `w`;
-/// on a GPU the weights are read in place and their gradient accumulated in f32 (see the
-/// module doc), the operands turned into bf16 as `inputs` says; elsewhere the blocks'
+/// on a GPU the weights are read in place and their gradient written by the GEMMs (see the
+/// module doc; at a 16-bit precision a 16-bit value, in the dtype `grads` says), the
+/// operands turned into bf16 as `inputs` says; elsewhere the blocks'
 /// weights are gathered and multiplied by candle's ops. `copy` is the stack's held 16-bit
 /// copy where a trainer keeps one ([`Weights::hold_narrow_copies`]): the rounded weights are
 /// read from it (forward and input gradient; on a GPU no cast of the stack at all, even
@@ -90,6 +107,7 @@ pub fn expert_blocks_matmul(
     copy: Option<&Tensor>,
     experts: &[u32],
     inputs: ExpertGemmInputs,
+    grads: StackGradients,
 ) -> Result<Tensor> {
     let map = BlockMap::new(x, w, experts)?;
     let compute = p.narrow_dtype().unwrap_or(DType::F32);
@@ -106,7 +124,7 @@ pub fn expert_blocks_matmul(
             && compute == DType::BF16
             && w.dtype() == DType::F32
             && copy.is_none();
-        return in_place_matmul(x, w, copy, map, compute, fast);
+        return in_place_matmul(x, w, copy, map, compute, fast, grads);
     }
     let identity = experts.iter().enumerate().all(|(b, &e)| b == e as usize);
     let gather = |t: &Tensor| -> Result<Tensor> {
@@ -335,7 +353,7 @@ impl BlockMap {
 /// The op on a GPU: the value from the forward plan, the gradients from the two backward
 /// plans, operands cast to `compute` (f32, bf16 or f16) around them, or with `fast16bf` (bf16
 /// compute, f32 operands) left f32 for cuBLAS's own conversion and the outputs rounded to
-/// bf16 where the cast path's are bf16.
+/// bf16 where the cast path's are bf16; the stack's gradient in the dtype `grads` says.
 fn in_place_matmul(
     x: &Tensor,
     w: &Tensor,
@@ -343,6 +361,7 @@ fn in_place_matmul(
     map: BlockMap,
     compute: DType,
     fast16bf: bool,
+    grads: StackGradients,
 ) -> Result<Tensor> {
     let map = Arc::new(map);
     let x = x.contiguous()?;
@@ -370,6 +389,7 @@ fn in_place_matmul(
         compute,
         fast16bf,
         copy: copy.map(Tensor::detach),
+        grads,
     };
     Ok(x.apply_op2(w, op)?)
 }
@@ -392,6 +412,8 @@ struct ExpertBlocksMatmul {
     fast16bf: bool,
     /// The stack's held 16-bit copy, read by the input gradient instead of a cast.
     copy: Option<Tensor>,
+    /// The dtype the stack's gradient is returned in.
+    grads: StackGradients,
 }
 
 impl CustomOp2 for ExpertBlocksMatmul {
@@ -402,7 +424,7 @@ impl CustomOp2 for ExpertBlocksMatmul {
     precomputed_fwd!(2);
 
     /// `dx[b] = g[b] · w[e_b]` (rounded to the compute type, as the forward's output) and
-    /// `dw[e] = Σ_{b: e_b = e} g[b]ᵀ x[b]`, accumulated in f32 and returned in `w`'s dtype.
+    /// `dw[e] = Σ_{b: e_b = e} g[b]ᵀ x[b]` ([`ExpertBlocksMatmul::weight_grad`]).
     fn bwd(
         &self,
         x: &Tensor,
@@ -427,8 +449,7 @@ impl CustomOp2 for ExpertBlocksMatmul {
         };
         let dw = if w.track_op() {
             let xn = cast16(&x.detach().contiguous()?, c)?;
-            let dw = gn.apply_op2_no_bwd(&xn, &PlannedGemm::new(Pass::WeightGrad, &self.map))?;
-            Some(cast16(&dw, w.dtype())?)
+            Some(self.weight_grad(&gn, &xn, w)?)
         } else {
             None
         };
@@ -437,8 +458,36 @@ impl CustomOp2 for ExpertBlocksMatmul {
 }
 
 impl ExpertBlocksMatmul {
+    /// The stack's gradient from the operands `g` and `x` of the weight-gradient plan (of
+    /// the compute type, or f32 through `FAST_16BF`). At a 16-bit compute type it is the
+    /// gradient at the rounded stack the forward read, so a 16-bit value, as a 16-bit GEMM
+    /// writes it: in that dtype by the GEMMs themselves where one round writes every
+    /// expert's (no overflow block), else (or through `FAST_16BF`, whose GEMMs write f32
+    /// only) summed in f32 and rounded once.
+    /// Then widened to the stack's dtype unless `grads` keeps it narrow. In f32, f32.
+    fn weight_grad(&self, g: &Tensor, x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+        let plan = match self.fast16bf {
+            true => PlannedGemm::fast(Pass::WeightGrad, &self.map),
+            false => PlannedGemm::new(Pass::WeightGrad, &self.map),
+        };
+        let c = self.compute;
+        if c == DType::F32 {
+            return cast16(&g.apply_op2_no_bwd(x, &plan)?, w.dtype());
+        }
+        // FAST_16BF's GEMMs write f32 only.
+        let dw = if self.fast16bf || GemmPlan::new(Pass::WeightGrad, &self.map).accumulates() {
+            cast16(&g.apply_op2_no_bwd(x, &plan)?, c)?
+        } else {
+            g.apply_op2_no_bwd(x, &plan.writing_weight_grad_in(c))?
+        };
+        match self.grads {
+            StackGradients::Narrow => Ok(dw),
+            StackGradients::InStackDtype => cast16(&dw, w.dtype()),
+        }
+    }
+
     /// The backward on f32 operands through `FAST_16BF`: `dx` rounded to bf16 (the cast
-    /// path's GEMM writes it in bf16), `dw` in f32 as the cast path's.
+    /// path's GEMM writes it in bf16), `dw` as the cast path's ([`Self::weight_grad`]).
     fn fast16bf_bwd(
         &self,
         x: &Tensor,
@@ -454,8 +503,7 @@ impl ExpertBlocksMatmul {
             None
         };
         let dw = if w.track_op() {
-            let x = x.detach().contiguous()?;
-            Some(g.apply_op2_no_bwd(&x, &PlannedGemm::fast(Pass::WeightGrad, &self.map))?)
+            Some(self.weight_grad(&g, &x.detach().contiguous()?, w)?)
         } else {
             None
         };
@@ -470,7 +518,7 @@ enum Pass {
     Forward,
     /// `(g, w) → dx [blocks, cap, k]`.
     InputGrad,
-    /// `(g, x) → dw [E, n, k]` in f32.
+    /// `(g, x) → dw [E, n, k]`, in f32 or written once in a 16-bit float.
     WeightGrad,
 }
 
@@ -509,6 +557,12 @@ struct GemmPlan {
 }
 
 impl GemmPlan {
+    /// Whether a later round adds into what an earlier one wrote (an expert's overflow
+    /// blocks: its gradient is a sum of GEMM outputs, which must be kept in f32).
+    fn accumulates(&self) -> bool {
+        self.calls.iter().any(|c| c.accumulate)
+    }
+
     /// The plan of `pass` over these blocks. Row-major operands seen column-major are
     /// transposed, so `y = x wᵀ` is the column-major `yᵀ = w xᵀ`, and so on.
     fn new(pass: Pass, map: &BlockMap) -> Self {
@@ -676,6 +730,9 @@ struct PlannedGemm {
     /// f32 operands converted to bf16 inside cuBLAS (`CUBLAS_COMPUTE_32F_FAST_16BF`), f32
     /// output.
     fast16bf: bool,
+    /// The dtype the weight gradient is written in: f32, or a 16-bit float (each value
+    /// rounded once from the f32 sum; only a plan that never accumulates).
+    weight_grad: DType,
 }
 
 impl PlannedGemm {
@@ -684,7 +741,32 @@ impl PlannedGemm {
             pass,
             map: Arc::clone(map),
             fast16bf: false,
+            weight_grad: DType::F32,
         }
+    }
+
+    /// The pass writing the weight gradient in `dtype`.
+    fn writing_weight_grad_in(self, dtype: DType) -> Self {
+        PlannedGemm {
+            weight_grad: dtype,
+            ..self
+        }
+    }
+
+    /// The dtype of the output, given the operands': theirs, the weight gradient's own
+    /// (refused in 16 bits where the plan adds rounds: a sum rounded twice).
+    fn out_dtype(&self, plan: &GemmPlan, operands: DType) -> candle_core::Result<DType> {
+        if self.pass != Pass::WeightGrad {
+            return Ok(operands);
+        }
+        if self.weight_grad != DType::F32 && plan.accumulates() {
+            candle_core::bail!(
+                "expert blocks gemm: a weight gradient summed over rounds is written in f32, \
+                 not {:?}",
+                self.weight_grad
+            );
+        }
+        Ok(self.weight_grad)
     }
 
     /// The pass on f32 operands through `FAST_16BF`.
@@ -731,16 +813,12 @@ impl CustomOp2 for PlannedGemm {
             plan.run_host(&a, &b)
         };
         // As cuBLAS writes it: in the operands' dtype (a 16-bit output rounded once), the
-        // weight gradient in f32.
-        let out = match (a_dtype, self.pass) {
-            (_, Pass::WeightGrad) | (DType::F32, _) => CpuStorage::F32(out),
-            (DType::BF16, _) => {
-                CpuStorage::BF16(out.iter().map(|&v| half::bf16::from_f32(v)).collect())
-            }
-            (DType::F16, _) => {
-                CpuStorage::F16(out.iter().map(|&v| half::f16::from_f32(v)).collect())
-            }
-            (other, _) => candle_core::bail!("expert blocks gemm on the host: {other:?}"),
+        // weight gradient in its own.
+        let out = match self.out_dtype(&plan, a_dtype)? {
+            DType::F32 => CpuStorage::F32(out),
+            DType::BF16 => CpuStorage::BF16(out.iter().map(|&v| half::bf16::from_f32(v)).collect()),
+            DType::F16 => CpuStorage::F16(out.iter().map(|&v| half::f16::from_f32(v)).collect()),
+            other => candle_core::bail!("expert blocks gemm on the host: {other:?}"),
         };
         Ok((out, out_shape(self.pass, &self.map)))
     }
@@ -754,8 +832,9 @@ impl CustomOp2 for PlannedGemm {
         l2: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         let plan = GemmPlan::new(self.pass, &self.map);
+        let out_dtype = self.out_dtype(&plan, s2.dtype())?;
         // A is the second operand (the weight, or the input rows), B the first.
-        let out = cuda::run_plan(&plan, self.pass, s2, l2, s1, l1, self.fast16bf)?;
+        let out = cuda::run_plan(&plan, out_dtype, s2, l2, s1, l1, self.fast16bf)?;
         Ok((out, out_shape(self.pass, &self.map)))
     }
 }
@@ -793,7 +872,7 @@ mod cuda {
     use candle_core::cuda_backend::WrapErr;
     use candle_core::{CudaStorage, DType, Layout};
 
-    use super::{GemmPlan, Pass};
+    use super::GemmPlan;
 
     /// The cuBLAS data type of a storage dtype the plans take.
     fn data_type(dtype: DType) -> candle_core::Result<sys::cudaDataType_t> {
@@ -827,13 +906,13 @@ mod cuda {
         Ok((ptr + offset, guard))
     }
 
-    /// Runs `plan` with A = `(sa, la)` and B = `(sb, lb)` (one dtype), into a fresh output:
-    /// of that dtype for the forward and input gradient, f32 for the weight gradient. With
-    /// `fast16bf` the operands are f32 and cuBLAS converts them to bf16 itself
-    /// (`CUBLAS_COMPUTE_32F_FAST_16BF`), the output f32.
+    /// Runs `plan` with A = `(sa, la)` and B = `(sb, lb)` (one dtype), into a fresh output
+    /// of `out_dtype` (the operands' for the forward and input gradient; the weight
+    /// gradient's own). With `fast16bf` the operands are f32 and cuBLAS converts them to
+    /// bf16 itself (`CUBLAS_COMPUTE_32F_FAST_16BF`).
     pub(super) fn run_plan(
         plan: &GemmPlan,
-        pass: Pass,
+        out_dtype: DType,
         sa: &CudaStorage,
         la: &Layout,
         sb: &CudaStorage,
@@ -861,11 +940,6 @@ mod cuda {
             sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
         };
         let in_type = data_type(sa.dtype())?;
-        let out_dtype = if pass == Pass::WeightGrad {
-            DType::F32
-        } else {
-            sa.dtype()
-        };
         let out_type = data_type(out_dtype)?;
         let (a0, _read_a) = base(sa, la, &stream)?;
         let (b0, _read_b) = base(sb, lb, &stream)?;
@@ -1093,11 +1167,13 @@ mod cuda {
 mod tests {
     use super::*;
     use crate::test_util::{max_abs_diff, seeded_tensor};
-    use candle_core::Var;
+    use candle_core::{Device, Var};
 
     /// The blocks of a padded layout over 3 experts: main blocks 0, 1, 2, then overflow
     /// blocks of expert 2 (three) and expert 0 (one).
     const EXPERTS: [u32; 7] = [0, 1, 2, 2, 2, 2, 0];
+    const CAST: ExpertGemmInputs = ExpertGemmInputs::Cast;
+    const WIDE: StackGradients = StackGradients::InStackDtype;
 
     /// Each pass's host plan equals candle's composed ops: the forward and input gradient bit
     /// for bit per block's dot products (the same f32 sums, in `k` order), the weight
@@ -1204,10 +1280,10 @@ mod tests {
     fn the_in_place_op_has_the_compositions_gradients() {
         let case = OpCase::new();
         let (x, w) = (&case.x, &case.w);
-        let got = in_place_matmul(x, w, None, case.map.clone(), DType::F32, false).expect("op");
-        let want =
-            expert_blocks_matmul(Precision::F32, x, w, None, &EXPERTS, ExpertGemmInputs::Cast)
-                .expect("composed");
+        let got =
+            in_place_matmul(x, w, None, case.map.clone(), DType::F32, false, WIDE).expect("op");
+        let want = expert_blocks_matmul(Precision::F32, x, w, None, &EXPERTS, CAST, WIDE)
+            .expect("composed");
         assert!(max_abs_diff(&got, &want) < 1e-5, "value");
         for (name, (a, b)) in ["dx", "dw"]
             .iter()
@@ -1219,16 +1295,16 @@ mod tests {
 
     /// The `FAST_16BF` op, run on the host plans (operands rounded to bf16 first): its value
     /// and input gradient are the bf16 composition's (rounded operands, f32 sums, rounded
-    /// output) to within the order of the sums; its weight gradient stays f32, where the
-    /// CPU composition rounds it to bf16 (as the cast path on a GPU leaves it f32 too).
+    /// output) to within the order of the sums; so is its weight gradient, rounded to bf16
+    /// as the composition's and the cast path's.
     #[test]
     fn the_fast16bf_op_has_the_bf16_compositions_values_and_gradients() {
         let case = OpCase::new();
         let (x, w) = (&case.x, &case.w);
-        let got = in_place_matmul(x, w, None, case.map.clone(), DType::BF16, true).expect("op");
+        let got =
+            in_place_matmul(x, w, None, case.map.clone(), DType::BF16, true, WIDE).expect("op");
         let bf16 = Precision::Bf16 { router_f32: false };
-        let want = expert_blocks_matmul(bf16, x, w, None, &EXPERTS, ExpertGemmInputs::Cast)
-            .expect("composed");
+        let want = expert_blocks_matmul(bf16, x, w, None, &EXPERTS, CAST, WIDE).expect("composed");
         // One bf16 step of the largest output at most (sums in another order may round to
         // the neighbouring bf16 value).
         let step = max_abs(&want) / 128.0;
@@ -1237,9 +1313,80 @@ mod tests {
         assert!(is_bf16(&got), "the value is rounded to bf16");
         let (got, want) = (case.grads(&got), case.grads(&want));
         assert!(is_bf16(&got[0]), "dx is rounded to bf16");
+        assert!(is_bf16(&got[1]), "dw is rounded to bf16");
         for (name, (a, b)) in ["dx", "dw"].iter().zip(got.iter().zip(&want)) {
             let step = max_abs(b) / 128.0;
             assert!(max_abs_diff(a, b) <= step, "{name}");
+        }
+    }
+
+    /// At a 16-bit precision the op's stack gradient is the gradient at the rounded stack:
+    /// the plan's f32 sum over each expert's blocks rounded once to bf16, bit for bit, both
+    /// where one round of GEMMs writes it in bf16 (no overflow block) and where the rounds
+    /// add in f32 (overflow blocks); within a bf16 step of candle's composition (rounded
+    /// operands, f32 products and `index_add`, rounded); kept narrow, the same bits in bf16.
+    /// A plan that adds rounds refuses to write them in 16 bits.
+    #[test]
+    fn the_stacks_gradient_is_its_rounded_sum_in_either_dtype() {
+        let (cap, n, k, stack) = (3, 5, 4, 3);
+        let bits = crate::test_util::f32_bits;
+        let bf16 = |t: &Tensor| cast16(t, DType::BF16).expect("bf16");
+        for experts in [&EXPERTS[..], &[2, 0, 1][..]] {
+            let blocks = experts.len();
+            let x = Var::from_tensor(&seeded_tensor(&[blocks, cap, k], 1, DType::F32)).expect("x");
+            let w = Var::from_tensor(&seeded_tensor(&[stack, n, k], 2, DType::F32)).expect("w");
+            let probe = seeded_tensor(&[blocks, cap, n], 3, DType::F32);
+            let map = BlockMap::new(&x, &w, experts).expect("map");
+            let dw = |grads| {
+                let y = in_place_matmul(&x, &w, None, map.clone(), DType::BF16, false, grads)
+                    .expect("op");
+                let g = (&y * &probe)
+                    .and_then(|l| l.sum_all())
+                    .and_then(|l| l.backward())
+                    .expect("backward");
+                g.get(&w).expect("dw").clone()
+            };
+            let (wide, narrow) = (dw(WIDE), dw(StackGradients::Narrow));
+            assert_eq!((wide.dtype(), narrow.dtype()), (DType::F32, DType::BF16));
+            let widened = cast16(&narrow, DType::F32).expect("widen");
+            assert!(bits(&wide) == bits(&widened), "{experts:?}: narrow = wide");
+            let map = Arc::new(map);
+            let plan = PlannedGemm::new(Pass::WeightGrad, &map);
+            let sum = bf16(&probe)
+                .apply_op2_no_bwd(&bf16(&x), &plan)
+                .expect("f32 sum");
+            let once = cast16(&bf16(&sum), DType::F32).expect("rounded once");
+            assert!(
+                bits(&wide) == bits(&once),
+                "{experts:?}: the sum rounded once"
+            );
+            let ids = Tensor::from_vec(experts.to_vec(), blocks, &Device::Cpu).expect("ids");
+            let rounded = |t: &Tensor| cast16(&bf16(t), DType::F32).expect("rounded");
+            let composed = rounded(&probe)
+                .transpose(1, 2)
+                .and_then(|gt| gt.matmul(&rounded(&x)))
+                .and_then(|per_block| {
+                    Tensor::zeros((stack, n, k), DType::F32, &Device::Cpu)?
+                        .index_add(&ids, &per_block, 0)
+                })
+                .expect("composed");
+            let step = max_abs(&composed) / 128.0;
+            assert!(
+                max_abs_diff(&wide, &rounded(&composed)) <= step,
+                "{experts:?}"
+            );
+            let in_bf16 = bf16(&probe)
+                .apply_op2_no_bwd(&bf16(&x), &plan.clone().writing_weight_grad_in(DType::BF16));
+            let accumulates = GemmPlan::new(Pass::WeightGrad, &map).accumulates();
+            assert_eq!(accumulates, experts.len() > stack, "{experts:?}");
+            match in_bf16 {
+                Ok(dw) => {
+                    assert!(
+                        !accumulates && bits(&cast16(&dw, DType::F32).expect("f32")) == bits(&wide)
+                    )
+                }
+                Err(e) => assert!(accumulates && e.to_string().contains("summed over rounds")),
+            }
         }
     }
 
@@ -1252,7 +1399,8 @@ mod tests {
         let (x, w) = (&case.x, &case.w);
         let bits = crate::test_util::f32_bits;
         let run = |copy: Option<&Tensor>| {
-            let y = in_place_matmul(x, w, copy, case.map.clone(), DType::BF16, false).expect("op");
+            let y = in_place_matmul(x, w, copy, case.map.clone(), DType::BF16, false, WIDE)
+                .expect("op");
             let [dx, dw] = case.grads(&y);
             [bits(&y), bits(&dx), bits(&dw)]
         };
@@ -1312,33 +1460,16 @@ mod tests {
     fn the_wrapper_checks_its_map() {
         let x = Var::from_tensor(&seeded_tensor(&[2, 3, 4], 1, DType::F32)).expect("x");
         let w = Var::from_tensor(&seeded_tensor(&[2, 5, 4], 2, DType::F32)).expect("w");
-        let y = expert_blocks_matmul(
-            Precision::F32,
-            &x,
-            &w,
-            None,
-            &[0, 1],
-            ExpertGemmInputs::Cast,
-        )
-        .expect("identity");
+        let y = expert_blocks_matmul(Precision::F32, &x, &w, None, &[0, 1], CAST, WIDE)
+            .expect("identity");
         let want = x
             .matmul(&w.transpose(1, 2).expect("t"))
             .expect("batched matmul");
         assert_eq!(max_abs_diff(&y, &want), 0.0);
-        let err = expert_blocks_matmul(
-            Precision::F32,
-            &x,
-            &w,
-            None,
-            &[0, 2],
-            ExpertGemmInputs::Cast,
-        )
-        .expect_err("expert out of range")
-        .to_string();
+        let err = expert_blocks_matmul(Precision::F32, &x, &w, None, &[0, 2], CAST, WIDE)
+            .expect_err("expert out of range")
+            .to_string();
         assert!(err.contains("expert 2 of a stack of 2"), "{err}");
-        assert!(
-            expert_blocks_matmul(Precision::F32, &x, &w, None, &[0], ExpertGemmInputs::Cast)
-                .is_err()
-        );
+        assert!(expert_blocks_matmul(Precision::F32, &x, &w, None, &[0], CAST, WIDE).is_err());
     }
 }

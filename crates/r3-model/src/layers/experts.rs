@@ -15,6 +15,7 @@ use super::combine_slots::{combine_slots, combine_slots_in_order};
 use super::dispatch::Dispatch;
 use super::expert_gemm::{
     expert_blocks_matmul, expert_slots_matmul, expert_slots_matmul_narrow, ExpertGemmInputs,
+    StackGradients,
 };
 use super::gather_rows::GatherRows;
 use super::linear::matmul_wt;
@@ -37,6 +38,7 @@ pub struct RoutedExperts {
     intermediate: usize,
     precision: Precision,
     gemm_inputs: ExpertGemmInputs,
+    stack_grads: StackGradients,
 }
 
 impl RoutedExperts {
@@ -68,6 +70,7 @@ impl RoutedExperts {
             intermediate: i,
             precision: Precision::F32,
             gemm_inputs: ExpertGemmInputs::Cast,
+            stack_grads: StackGradients::InStackDtype,
         })
     }
 
@@ -82,6 +85,11 @@ impl RoutedExperts {
     /// Sets how the GEMMs of the padded layout take their f32 operands on a GPU in bf16.
     pub fn set_gemm_inputs(&mut self, inputs: ExpertGemmInputs) {
         self.gemm_inputs = inputs;
+    }
+
+    /// Sets the dtype the stacks' gradients leave the GPU's GEMMs in ([`StackGradients`]).
+    pub fn set_stack_gradients(&mut self, grads: StackGradients) {
+        self.stack_grads = grads;
     }
 
     /// `y[r] = Σ_j gates[r, j] · SwiGLU_{e(r, j)}(x[r])` for `x` `[rows, H]` and `gates`
@@ -329,6 +337,7 @@ impl RoutedExperts {
             gate_up_copy,
             experts,
             self.gemm_inputs,
+            self.stack_grads,
         )?;
         let a = match swiglu_halves(&hidden)? {
             Some(a) => a,
@@ -341,6 +350,7 @@ impl RoutedExperts {
             down_copy,
             experts,
             self.gemm_inputs,
+            self.stack_grads,
         )
     }
 
@@ -514,6 +524,7 @@ mod tests {
             intermediate: i,
             precision: Precision::F32,
             gemm_inputs: ExpertGemmInputs::Cast,
+            stack_grads: StackGradients::InStackDtype,
         };
         (gu, dn, experts)
     }

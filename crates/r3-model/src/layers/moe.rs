@@ -10,7 +10,7 @@ use candle_core::{DType, Tensor};
 use rayon::prelude::*;
 
 use super::dispatch::Dispatch;
-use super::expert_gemm::ExpertGemmInputs;
+use super::expert_gemm::{ExpertGemmInputs, StackGradients};
 use super::experts::RoutedExperts;
 use super::gather_rows::GatherRows;
 use super::linear::Linear;
@@ -138,6 +138,11 @@ impl MoeBlock {
     /// Sets how the routed experts' GEMMs take their f32 operands on a GPU in bf16.
     pub fn set_expert_gemm_inputs(&mut self, inputs: ExpertGemmInputs) {
         self.experts.set_gemm_inputs(inputs);
+    }
+
+    /// Sets the dtype the routed experts' stacks' gradients leave the GPU's GEMMs in.
+    pub fn set_expert_stack_gradients(&mut self, grads: StackGradients) {
+        self.experts.set_stack_gradients(grads);
     }
 
     /// The router of this block.

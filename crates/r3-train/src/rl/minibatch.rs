@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
+use r3_model::layers::expert_gemm::StackGradients;
 use r3_model::model::LayerRecompute;
 use r3_model::narrow_grads::backward_narrowing;
 use r3_model::{Model, ReplayProof, ReplayRoutes, Routing};
@@ -114,7 +115,12 @@ pub fn update_minibatch(
     mb: &MiniBatch<'_>,
     s: &UpdateSettings,
 ) -> Result<MiniBatchResult> {
-    let model = policy.model()?;
+    let mut model = policy.model()?;
+    if s.narrow_gradients {
+        // The routed experts' stacks' gradients leave their GPU GEMMs in 16 bits as they
+        // are written (no f32 copy to narrow again).
+        model.set_expert_stack_gradients(StackGradients::Narrow);
+    }
     let device = policy.device();
     let n = mb.batch.len();
     let parts = pack_micro_batches(&sequence_lens(mb.batch), s.max_tokens_per_micro_batch);
