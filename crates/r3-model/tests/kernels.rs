@@ -474,11 +474,12 @@ fn casting_into_place_on_cuda_is_the_cpus_cast() {
 #[cfg(feature = "cuda")]
 #[test]
 fn expert_gemms_on_fast16bf_match_the_cast_path_on_cuda() {
-    use r3_model::layers::expert_gemm::{expert_blocks_matmul, ExpertGemmInputs};
+    use r3_model::layers::expert_gemm::{expert_blocks_matmul, ExpertGemmInputs, StackGradients};
     let device = r3_model::DeviceSpec::Cuda { ordinal: 0 }
         .open()
         .expect("a CUDA GPU (this test runs on the GPU machine)");
     let experts = [0u32, 1, 2, 2, 2, 0, 3];
+    let wide = StackGradients::InStackDtype;
     let (cap, k, n, stack) = (5, 64, 96, 4);
     let bf16 = Precision::Bf16 { router_f32: false };
     let probe = seeded(&[experts.len(), cap, n], 3, &device);
@@ -486,7 +487,8 @@ fn expert_gemms_on_fast16bf_match_the_cast_path_on_cuda() {
         let x = Var::from_tensor(&seeded(&[experts.len(), cap, k], 1, &device)).expect("x");
         let w = Var::from_tensor(&seeded(&[stack, n, k], 2, &device)).expect("w");
         let copy = held.then(|| cast16(w.as_tensor(), DType::BF16).expect("copy"));
-        let y = expert_blocks_matmul(bf16, &x, &w, copy.as_ref(), &experts, inputs).expect("gemm");
+        let y = expert_blocks_matmul(bf16, &x, &w, copy.as_ref(), &experts, inputs, wide)
+            .expect("gemm");
         let grads = (&y * &probe)
             .and_then(|l| l.sum_all())
             .and_then(|l| l.backward())
@@ -520,9 +522,61 @@ fn expert_gemms_on_fast16bf_match_the_cast_path_on_cuda() {
         println!("fast16bf {name}: max |Δ| {d:.3e} of {scale:.3e}");
         assert!(d <= tol * scale, "{name}: {d} of {scale}");
     }
-    for (name, t) in [("value", &y_fast), ("dx", &dx_fast)] {
+    for (name, t) in [("value", &y_fast), ("dx", &dx_fast), ("dw", &dw_fast)] {
         let rounded = cast16(&cast16(t, DType::BF16).expect("bf16"), DType::F32).expect("f32");
         let (d, _) = diff_and_scale(t, &rounded);
         assert_eq!(d, 0.0, "{name} is a bf16 number");
+    }
+}
+
+/// The routed experts' stack gradient on cuBLAS in bf16 is a bf16 number, both where the
+/// GEMMs write it in bf16 themselves (no overflow block) and where their f32 rounds are
+/// summed and rounded once (an expert with overflow blocks); handed back narrow
+/// (`StackGradients::Narrow`) it has the same bits in bf16; it is within a bf16 step of the
+/// CPU's composition (rounded operands, each block's product rounded, summed).
+#[cfg(feature = "cuda")]
+#[test]
+fn expert_stack_gradients_on_cuda_are_bf16_numbers_in_either_dtype() {
+    use r3_model::layers::expert_gemm::{expert_blocks_matmul, ExpertGemmInputs, StackGradients};
+    let device = r3_model::DeviceSpec::Cuda { ordinal: 0 }
+        .open()
+        .expect("a CUDA GPU (this test runs on the GPU machine)");
+    let (cap, k, n, stack) = (5, 64, 96, 4);
+    let bf16 = Precision::Bf16 { router_f32: false };
+    for experts in [&[0u32, 1, 2, 2, 2, 0, 3][..], &[3, 0, 2, 1][..]] {
+        let dw_on = |device: &Device, grads| {
+            let x = Var::from_tensor(&seeded(&[experts.len(), cap, k], 1, device)).expect("x");
+            let w = Var::from_tensor(&seeded(&[stack, n, k], 2, device)).expect("w");
+            let probe = seeded(&[experts.len(), cap, n], 3, device);
+            let y =
+                expert_blocks_matmul(bf16, &x, &w, None, experts, ExpertGemmInputs::Cast, grads)
+                    .expect("gemm");
+            let g = (&y * &probe)
+                .and_then(|l| l.sum_all())
+                .and_then(|l| l.backward())
+                .expect("backward");
+            g.get(&w).expect("dw").clone()
+        };
+        let wide = dw_on(&device, StackGradients::InStackDtype);
+        let narrow = dw_on(&device, StackGradients::Narrow);
+        assert_eq!(
+            (wide.dtype(), narrow.dtype()),
+            (DType::F32, DType::BF16),
+            "{experts:?}"
+        );
+        assert_eq!(
+            diff_and_scale(&wide, &narrow).0,
+            0.0,
+            "{experts:?}: narrow = wide"
+        );
+        let rounded = cast16(&cast16(&wide, DType::BF16).expect("bf16"), DType::F32).expect("f32");
+        assert_eq!(
+            diff_and_scale(&wide, &rounded).0,
+            0.0,
+            "{experts:?}: a bf16 number"
+        );
+        let (d, scale) = diff_and_scale(&wide, &dw_on(&Device::Cpu, StackGradients::InStackDtype));
+        println!("stack gradient {experts:?} against the CPU: max |Δ| {d:.3e} of {scale:.3e}");
+        assert!(d <= scale / 128.0, "{experts:?}: {d} of {scale}");
     }
 }

@@ -831,6 +831,7 @@ impl CustomOp2 for PlannedGemm {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
         let plan = GemmPlan::new(self.pass, &self.map);
         let out_dtype = self.out_dtype(&plan, s2.dtype())?;
         // A is the second operand (the weight, or the input rows), B the first.
