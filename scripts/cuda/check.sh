@@ -27,7 +27,8 @@
 #    Trainer's bf16: r3's own precision scheme) while the budget lasts; bf16 runs hold bf16
 #    copies of the weights (rewritten once per step), and the 30B-A3B shape runs again
 #    without them (`--narrow-copies off`: a cast of every weight at every use); bf16 runs
-#    again with activation checkpointing (`--gradient-checkpointing`), memory beside HF's.
+#    again with the weight gradients in bf16 (`--narrow-gradients`), and with activation
+#    checkpointing as well (`--gradient-checkpointing`), memory beside HF's.
 # 4. The device rollout engine on CUDA: its tests (greedy = HF's on the oracle fixtures and
 #    = the CPU engine's, routes = the trainer's native routes on the GPU in f32 and bf16,
 #    seeded sampling reproducing itself, a batch = one at a time), `r3 generate --device
@@ -38,7 +39,7 @@
 #    host against routed on the device (`--routing`), and mid bf16 sampled at temperature 1
 #    (an RL rollout's setting).
 # 5. Only with --steps 5: Nsight Compute's per-kernel time table of one bf16 training step
-#    of mid and of the 30B-A3B shape (where a step's GPU time goes).
+#    of the 30B-A3B shape, then of mid (where a step's GPU time goes).
 # 6. Only with --steps 6: Nsight Systems' CUDA API table of one mid bf16 training step (where
 #    the host's time between kernels goes: launches, allocations, cudarc's per-argument
 #    event records and waits, the routing's device-to-host copies).
@@ -259,6 +260,17 @@ for run in "mid f32 8 70 --parts" "mid bf16 8 70 --parts" "a3b-8l bf16 2 120"; d
         cast_tps=$(grep -E "^native +mean" "$work/bench-r3-cast-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s +best.*/\1/')
         line+=", r3 without weight copies ${cast_tps:-?} tok/s ${cast_mem:-?} MiB"
     fi
+    # bf16 runs again with the weight gradients kept in bf16 (--narrow-gradients: where
+    # exact, and the routed experts' stacks as their GEMMs write them), copies held: the
+    # fast configuration's memory.
+    if [ "$dtype" = bf16 ] && [ "$(left)" -ge 60 ]; then
+        fast_mem=$(gpu_peak "$work/bench-r3-gradbf16-$name.txt" timeout "$(limit "$secs")" "$bin/r3" \
+            bench train --device cuda --config "$config" --dtype "$dtype" --batch "$batch" \
+            --seq-len 512 --steps 3 --warmup 1 --narrow-gradients)
+        cat "$work/bench-r3-gradbf16-$name.txt"
+        fast_tps=$(grep -E "^native +mean" "$work/bench-r3-gradbf16-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s +best.*/\1/')
+        line+=", r3 gradients in bf16 ${fast_tps:-?} tok/s ${fast_mem:-?} MiB (tensors $(tensors_mib "$work/bench-r3-gradbf16-$name.txt") MiB; gradients $(grads_kept "$work/bench-r3-gradbf16-$name.txt"))"
+    fi
     # The 30B-A3B shape without copies and with its weight gradients kept in bf16 where
     # exact (--narrow-gradients: 2 bytes a parameter instead of 4, the same gradients): the
     # memory of r3's own scheme at full speed, beside HF amp-bf16's.
@@ -409,7 +421,7 @@ if wants 5; then
 t0=$(date +%s)
 if command -v ncu > /dev/null; then
     profiles=()
-    for run in "mid 8 150" "a3b-8l 2 200"; do
+    for run in "a3b-8l 2 200" "mid 8 150"; do
         read -r config batch secs <<< "$run"
         if [ "$(left)" -lt 60 ]; then profiles+=("$config skipped(budget)"); continue; fi
         timeout "$(limit "$secs")" ncu --metrics gpu__time_duration.sum --csv --print-units base \
