@@ -16,14 +16,14 @@ use crate::config::{AttentionConfig, Config};
 use crate::error::{ModelError, Result};
 use crate::layers::attention::{AttentionMask, GqaAttention};
 use crate::layers::embedding_rows::embedding_rows;
-use crate::layers::expert_gemm::{ExpertGemmInputs, StackGradients};
+use crate::layers::expert_gemm::ExpertGemmInputs;
 use crate::layers::linear::Linear;
 use crate::layers::mla::MlaAttention;
 use crate::layers::mlp::SwiGlu;
 use crate::layers::moe::{Gates, MoeBlock, RoutedRows};
 use crate::layers::norm::RmsNorm;
 use crate::layers::rope::{Rope, RopeTables};
-use crate::precision::Precision;
+use crate::precision::{Precision, WeightGradients};
 use crate::routing_mode::{
     plan_replay, record_tables, verify_replay, LayerPlan, ModelShape, ReplayPlan, ReplayProof,
     Routing,
@@ -184,15 +184,22 @@ impl Model {
         }
     }
 
-    /// Sets the dtype every MoE layer's routed-expert stacks' gradients leave the GPU's
-    /// GEMMs in at a 16-bit precision ([`StackGradients`]: the same values either way;
-    /// narrow for a trainer that keeps its weight gradients in 16 bits).
-    pub fn set_expert_stack_gradients(&mut self, grads: StackGradients) {
+    /// Sets the dtype in which a GPU's 16-bit GEMMs hand back the gradients of the weights
+    /// they read ([`WeightGradients`]: the projections, routers, routed experts' stacks and
+    /// the head; the same values either way): narrow for a trainer that keeps its weight
+    /// gradients in 16 bits.
+    pub fn set_weight_gradients(&mut self, grads: WeightGradients) {
         for layer in &mut self.layers {
-            if let FeedForward::Moe(block) = &mut layer.ffn {
-                block.set_expert_stack_gradients(grads);
+            match &mut layer.attention {
+                Attention::Gqa(a) => a.set_weight_gradients(grads),
+                Attention::Mla(a) => a.set_weight_gradients(grads),
+            }
+            match &mut layer.ffn {
+                FeedForward::Dense(mlp) => mlp.set_weight_gradients(grads),
+                FeedForward::Moe(block) => block.set_weight_gradients(grads),
             }
         }
+        self.lm_head.set_weight_gradients(grads);
     }
 
     /// The forward's precision.

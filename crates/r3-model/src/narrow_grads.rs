@@ -10,6 +10,11 @@
 //! that is a sum of several contributions (a tied embedding), an f32 router's or one holding
 //! a NaN stays f32. Readers take a gradient through [`in_dtype_of`], which widens it to its
 //! variable's dtype.
+//!
+//! On a GPU the 16-bit GEMMs hand their weights' gradients back in 16 bits already
+//! (`WeightGradients::Narrow`, `Model::set_weight_gradients`): no f32 copy, no check. What
+//! still arrives in f32 there is checked only where it is large ([`keep_narrow`]): the
+//! check's verdict is read back by the host, which waits for the device's queue each time.
 
 use std::mem::MaybeUninit;
 
@@ -22,6 +27,22 @@ use crate::error::{ModelError, Result};
 
 /// Elements per parallel chunk of the CPU check.
 const CHUNK: usize = 1 << 16;
+
+/// Off the CPU, f32 gradients of fewer values than this are left in f32 unchecked: norm
+/// scales and biases, a few MB in all, where each check's read-back (the host waiting for
+/// the device's queue) cost a step more time than their bytes are worth.
+pub const DEVICE_CHECK_MIN_VALUES: usize = 1 << 20;
+
+/// The gradient a backward keeping gradients narrow stores: [`narrow_where_exact`], except
+/// that off the CPU a gradient of fewer than [`DEVICE_CHECK_MIN_VALUES`] values stays as it
+/// is (see the module doc).
+pub fn keep_narrow(grad: &Tensor, narrow: DType) -> Result<Tensor> {
+    if !grad.device().is_cpu() && grad.elem_count() < DEVICE_CHECK_MIN_VALUES {
+        check_narrow(narrow)?;
+        return Ok(grad.clone());
+    }
+    narrow_where_exact(grad, narrow)
+}
 
 /// `grad` stored in `narrow` (bf16 or f16) when every value of it is exactly a `narrow`
 /// value (none NaN), else `grad` itself. Widening the result ([`in_dtype_of`]) gives `grad`'s
@@ -43,12 +64,12 @@ pub fn narrow_where_exact(grad: &Tensor, narrow: DType) -> Result<Tensor> {
 
 /// The gradients of `loss` for every variable of its graph, each kept in `narrow` (bf16 or
 /// f16) from the moment the backward completes it, where that holds it exactly
-/// ([`narrow_where_exact`], through candle's `Tensor::backward_with`): they never all sit in
-/// f32 at once. Every other tensor's gradient is as `loss.backward()` gives it.
+/// ([`keep_narrow`], through candle's `Tensor::backward_with`): they never all sit in f32
+/// at once. Every other tensor's gradient is as `loss.backward()` gives it.
 pub fn backward_narrowing(loss: &Tensor, narrow: DType) -> Result<GradStore> {
     check_narrow(narrow)?;
     Ok(loss.backward_with(|_, grad| {
-        narrow_where_exact(&grad, narrow).map_err(|e| candle_core::Error::Msg(e.to_string()))
+        keep_narrow(&grad, narrow).map_err(|e| candle_core::Error::Msg(e.to_string()))
     })?)
 }
 

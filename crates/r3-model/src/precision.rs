@@ -14,6 +14,22 @@ use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 use crate::error::Result;
 use crate::round16::{rounded_copy, rounding_to};
 
+/// The dtype in which a 16-bit forward's GPU GEMMs hand back the gradients of the f32
+/// weights they read rounded: the routed experts' stacks (`layers/expert_gemm.rs`) and the
+/// projections (`layers/matmul16.rs`). Either way the same values: a rounding's gradient is
+/// the incoming one rounded, so each is a 16-bit value, which is what the GEMMs write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WeightGradients {
+    /// In the weight's own dtype (an f32 master's in f32): widened from the GEMM's 16-bit
+    /// output.
+    #[default]
+    InWeightDtype,
+    /// In the 16-bit float as the GEMMs wrote it (2 bytes a parameter, no widening pass and
+    /// no check): for a trainer keeping its weight gradients in 16 bits
+    /// (`train.narrow_gradients`), whose readers widen them.
+    Narrow,
+}
+
 /// Where the training forward rounds to a 16-bit float.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Precision {

@@ -21,8 +21,8 @@ use candle_core::{DType, Device, Tensor};
 use common::{
     bits, covering_tables, probe, sequences, sorted_experts, tiny_config, tiny_weights, FAMILIES,
 };
-use r3_model::layers::expert_gemm::StackGradients;
 use r3_model::narrow_grads::backward_narrowing;
+use r3_model::precision::WeightGradients;
 use r3_model::token_stats::{entropy, token_log_probs};
 use r3_model::{Batch, Config, ForwardOutput, Model, ReplayRoutes, Routing, Weights};
 use r3_routing::{LayerSpace, RouteTable};
@@ -450,7 +450,7 @@ fn recomputed_layers_give_the_same_bits(device: &Device) {
                 let mut model = Model::with_precision(cfg, &weights, precision).expect("model");
                 if narrow_grads {
                     // The GPU's expert GEMMs hand their stacks' gradients back in 16 bits.
-                    model.set_expert_stack_gradients(StackGradients::Narrow);
+                    model.set_weight_gradients(WeightGradients::Narrow);
                 }
                 let routing = match (&tables, mode) {
                     (Some(t), 2) => Routing::Replay(t),
@@ -652,6 +652,32 @@ mod cuda {
                 assert!(bits(&got) == bits(&want), "case {c} {narrow:?}: values");
             }
         }
+    }
+
+    /// Off the CPU a backward keeping gradients narrow checks only large f32 gradients
+    /// (`keep_narrow`: each check's verdict is a read-back): one under
+    /// `DEVICE_CHECK_MIN_VALUES` values stays f32 though bf16 holds it, one at the bound is
+    /// narrowed, one already in bf16 is kept as it is.
+    #[test]
+    fn small_gradients_stay_f32_unchecked_on_cuda() {
+        use r3_model::narrow_grads::{keep_narrow, DEVICE_CHECK_MIN_VALUES};
+        let device = gpu();
+        let exact = |n: usize| {
+            seeded(&[n], 7)
+                .to_dtype(DType::BF16)
+                .and_then(|t| t.to_dtype(DType::F32))
+                .and_then(|t| t.to_device(&device))
+                .expect("bf16 values")
+        };
+        let small = keep_narrow(&exact(DEVICE_CHECK_MIN_VALUES - 1), DType::BF16).expect("small");
+        assert_eq!(small.dtype(), DType::F32);
+        let large = keep_narrow(&exact(DEVICE_CHECK_MIN_VALUES), DType::BF16).expect("large");
+        assert_eq!(large.dtype(), DType::BF16);
+        let already = exact(8).to_dtype(DType::BF16).expect("bf16");
+        assert_eq!(
+            keep_narrow(&already, DType::BF16).expect("kept").dtype(),
+            DType::BF16
+        );
     }
 
     #[test]

@@ -474,12 +474,13 @@ fn casting_into_place_on_cuda_is_the_cpus_cast() {
 #[cfg(feature = "cuda")]
 #[test]
 fn expert_gemms_on_fast16bf_match_the_cast_path_on_cuda() {
-    use r3_model::layers::expert_gemm::{expert_blocks_matmul, ExpertGemmInputs, StackGradients};
+    use r3_model::layers::expert_gemm::{expert_blocks_matmul, ExpertGemmInputs};
+    use r3_model::precision::WeightGradients;
     let device = r3_model::DeviceSpec::Cuda { ordinal: 0 }
         .open()
         .expect("a CUDA GPU (this test runs on the GPU machine)");
     let experts = [0u32, 1, 2, 2, 2, 0, 3];
-    let wide = StackGradients::InStackDtype;
+    let wide = WeightGradients::InWeightDtype;
     let (cap, k, n, stack) = (5, 64, 96, 4);
     let bf16 = Precision::Bf16 { router_f32: false };
     let probe = seeded(&[experts.len(), cap, n], 3, &device);
@@ -532,12 +533,13 @@ fn expert_gemms_on_fast16bf_match_the_cast_path_on_cuda() {
 /// The routed experts' stack gradient on cuBLAS in bf16 is a bf16 number, both where the
 /// GEMMs write it in bf16 themselves (no overflow block) and where their f32 rounds are
 /// summed and rounded once (an expert with overflow blocks); handed back narrow
-/// (`StackGradients::Narrow`) it has the same bits in bf16; it is within a bf16 step of the
+/// (`WeightGradients::Narrow`) it has the same bits in bf16; it is within a bf16 step of the
 /// CPU's composition (rounded operands, each block's product rounded, summed).
 #[cfg(feature = "cuda")]
 #[test]
 fn expert_stack_gradients_on_cuda_are_bf16_numbers_in_either_dtype() {
-    use r3_model::layers::expert_gemm::{expert_blocks_matmul, ExpertGemmInputs, StackGradients};
+    use r3_model::layers::expert_gemm::{expert_blocks_matmul, ExpertGemmInputs};
+    use r3_model::precision::WeightGradients;
     let device = r3_model::DeviceSpec::Cuda { ordinal: 0 }
         .open()
         .expect("a CUDA GPU (this test runs on the GPU machine)");
@@ -557,8 +559,8 @@ fn expert_stack_gradients_on_cuda_are_bf16_numbers_in_either_dtype() {
                 .expect("backward");
             g.get(&w).expect("dw").clone()
         };
-        let wide = dw_on(&device, StackGradients::InStackDtype);
-        let narrow = dw_on(&device, StackGradients::Narrow);
+        let wide = dw_on(&device, WeightGradients::InWeightDtype);
+        let narrow = dw_on(&device, WeightGradients::Narrow);
         assert_eq!(
             (wide.dtype(), narrow.dtype()),
             (DType::F32, DType::BF16),
@@ -575,7 +577,8 @@ fn expert_stack_gradients_on_cuda_are_bf16_numbers_in_either_dtype() {
             0.0,
             "{experts:?}: a bf16 number"
         );
-        let (d, scale) = diff_and_scale(&wide, &dw_on(&Device::Cpu, StackGradients::InStackDtype));
+        let (d, scale) =
+            diff_and_scale(&wide, &dw_on(&Device::Cpu, WeightGradients::InWeightDtype));
         println!("stack gradient {experts:?} against the CPU: max |Δ| {d:.3e} of {scale:.3e}");
         assert!(d <= scale / 128.0, "{experts:?}: {d} of {scale}");
     }

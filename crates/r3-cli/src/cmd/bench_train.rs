@@ -12,8 +12,9 @@ use candle_core::{DType, Tensor, Var};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use r3_model::cast16::cast16_into;
-use r3_model::layers::expert_gemm::{ExpertGemmInputs, StackGradients};
+use r3_model::layers::expert_gemm::ExpertGemmInputs;
 use r3_model::narrow_grads::backward_narrowing;
+use r3_model::precision::WeightGradients;
 use r3_model::{
     presets, Batch, Config, DeviceSpec, Model, Precision, RandomInit, ReplayRoutes, Routing,
     Weights,
@@ -319,7 +320,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     let mut model = Model::with_precision(&cfg, &weights, precision)?;
     model.set_expert_gemm_inputs(args.expert_gemm);
     if narrow_grads.is_some() {
-        model.set_expert_stack_gradients(StackGradients::Narrow);
+        model.set_weight_gradients(WeightGradients::Narrow);
     }
 
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed ^ 0x7261_6e64);

@@ -15,7 +15,7 @@ use super::norm::RmsNorm;
 use super::rope::{PositionTables, RopeTables, Rotary};
 use crate::config::{AttentionConfig, Config, QkNorm};
 use crate::error::{ModelError, Result};
-use crate::precision::Precision;
+use crate::precision::{Precision, WeightGradients};
 use crate::weights::Weights;
 
 /// Mask rows a task of [`AttentionMask::new`] writes at least.
@@ -531,6 +531,18 @@ impl GqaAttention {
         }
         for n in [&mut self.q_norm, &mut self.k_norm].into_iter().flatten() {
             n.set_precision(precision);
+        }
+    }
+
+    /// Sets the dtype a GPU's 16-bit GEMMs hand the projections' gradients back in.
+    pub fn set_weight_gradients(&mut self, grads: WeightGradients) {
+        for l in [
+            &mut self.q_proj,
+            &mut self.k_proj,
+            &mut self.v_proj,
+            &mut self.o_proj,
+        ] {
+            l.set_weight_gradients(grads);
         }
     }
 

@@ -29,7 +29,7 @@ use super::precomputed::{precomputed_fwd, Precomputed};
 use crate::cast16::cast16;
 use crate::error::{ModelError, Result};
 use crate::host::contiguous;
-use crate::precision::{Precision, RoundTo};
+use crate::precision::{Precision, RoundTo, WeightGradients};
 use crate::weights::check_narrow_copy;
 
 /// How the routed experts' bf16 GEMMs take their f32 operands on a GPU.
@@ -72,22 +72,6 @@ impl std::str::FromStr for ExpertGemmInputs {
     }
 }
 
-/// The dtype the routed experts' stacks' gradients leave a 16-bit backward in on a GPU.
-/// Either way they hold the same values: the gradient of the stack rounded to the 16-bit
-/// float (what the forward reads), which is that float's value, as every other weight's
-/// gradient of a 16-bit forward is (a rounding's gradient is the incoming one rounded).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum StackGradients {
-    /// In the stack's own dtype (an f32 master stack's in f32): widened from the GEMM's
-    /// 16-bit output.
-    #[default]
-    InStackDtype,
-    /// In the 16-bit float as the GEMMs wrote it (2 bytes a parameter, no widening pass): a
-    /// trainer keeping its weight gradients in 16 bits (`train.narrow_gradients`), whose
-    /// readers widen them.
-    Narrow,
-}
-
 /// `y[b] = x[b] · w[experts[b]]ᵀ` for `x` `[blocks, cap, k]` and the stack `w` `[E, n, k]`,
 /// rounded as [`matmul_wt_at`] rounds at precision `p` (16-bit operands and output, f32
 /// accumulation; the weight may already be the 16-bit copy). Differentiable in `x` and `w`;
@@ -107,7 +91,7 @@ pub fn expert_blocks_matmul(
     copy: Option<&Tensor>,
     experts: &[u32],
     inputs: ExpertGemmInputs,
-    grads: StackGradients,
+    grads: WeightGradients,
 ) -> Result<Tensor> {
     let map = BlockMap::new(x, w, experts)?;
     let compute = p.narrow_dtype().unwrap_or(DType::F32);
@@ -136,7 +120,7 @@ pub fn expert_blocks_matmul(
         }
     };
     let copy_blocks = copy.map(gather).transpose()?;
-    matmul_wt_at(p, x, &gather(w)?, copy_blocks.as_ref())
+    matmul_wt_at(p, x, &gather(w)?, copy_blocks.as_ref(), grads)
 }
 
 /// Whether the experts' GEMMs run on cuBLAS reading the stack `w` in place: on a GPU, f32
@@ -181,7 +165,13 @@ pub(crate) fn expert_slots_matmul(
             .contiguous()?
             .reshape((slots, 1, k))?
     };
-    matmul_wt_at(p, &repeated, &w.index_select(ids, 0)?, None)
+    matmul_wt_at(
+        p,
+        &repeated,
+        &w.index_select(ids, 0)?,
+        None,
+        WeightGradients::InWeightDtype,
+    )
 }
 
 /// [`expert_slots_matmul`]'s pointer GEMM on a GPU with its output left in `compute` (the
@@ -361,7 +351,7 @@ fn in_place_matmul(
     map: BlockMap,
     compute: DType,
     fast16bf: bool,
-    grads: StackGradients,
+    grads: WeightGradients,
 ) -> Result<Tensor> {
     let map = Arc::new(map);
     let x = x.contiguous()?;
@@ -413,7 +403,7 @@ struct ExpertBlocksMatmul {
     /// The stack's held 16-bit copy, read by the input gradient instead of a cast.
     copy: Option<Tensor>,
     /// The dtype the stack's gradient is returned in.
-    grads: StackGradients,
+    grads: WeightGradients,
 }
 
 impl CustomOp2 for ExpertBlocksMatmul {
@@ -481,8 +471,8 @@ impl ExpertBlocksMatmul {
             g.apply_op2_no_bwd(x, &plan.writing_weight_grad_in(c))?
         };
         match self.grads {
-            StackGradients::Narrow => Ok(dw),
-            StackGradients::InStackDtype => cast16(&dw, w.dtype()),
+            WeightGradients::Narrow => Ok(dw),
+            WeightGradients::InWeightDtype => cast16(&dw, w.dtype()),
         }
     }
 
@@ -1174,7 +1164,7 @@ mod tests {
     /// blocks of expert 2 (three) and expert 0 (one).
     const EXPERTS: [u32; 7] = [0, 1, 2, 2, 2, 2, 0];
     const CAST: ExpertGemmInputs = ExpertGemmInputs::Cast;
-    const WIDE: StackGradients = StackGradients::InStackDtype;
+    const WIDE: WeightGradients = WeightGradients::InWeightDtype;
 
     /// Each pass's host plan equals candle's composed ops: the forward and input gradient bit
     /// for bit per block's dot products (the same f32 sums, in `k` order), the weight
@@ -1347,7 +1337,7 @@ mod tests {
                     .expect("backward");
                 g.get(&w).expect("dw").clone()
             };
-            let (wide, narrow) = (dw(WIDE), dw(StackGradients::Narrow));
+            let (wide, narrow) = (dw(WIDE), dw(WeightGradients::Narrow));
             assert_eq!((wide.dtype(), narrow.dtype()), (DType::F32, DType::BF16));
             let widened = cast16(&narrow, DType::F32).expect("widen");
             assert!(bits(&wide) == bits(&widened), "{experts:?}: narrow = wide");

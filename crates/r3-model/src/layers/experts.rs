@@ -15,14 +15,13 @@ use super::combine_slots::{combine_slots, combine_slots_in_order};
 use super::dispatch::Dispatch;
 use super::expert_gemm::{
     expert_blocks_matmul, expert_slots_matmul, expert_slots_matmul_narrow, ExpertGemmInputs,
-    StackGradients,
 };
 use super::gather_rows::GatherRows;
 use super::linear::matmul_wt;
 use super::routed_op::RoutedSwiGlu;
 use super::swiglu_halves::{swiglu_halves, swiglu_halves_narrow};
 use crate::error::{ModelError, Result};
-use crate::precision::Precision;
+use crate::precision::{Precision, WeightGradients};
 use crate::spec::fused_expert_names;
 use crate::weights::Weights;
 
@@ -38,7 +37,7 @@ pub struct RoutedExperts {
     intermediate: usize,
     precision: Precision,
     gemm_inputs: ExpertGemmInputs,
-    stack_grads: StackGradients,
+    weight_grads: WeightGradients,
 }
 
 impl RoutedExperts {
@@ -70,7 +69,7 @@ impl RoutedExperts {
             intermediate: i,
             precision: Precision::F32,
             gemm_inputs: ExpertGemmInputs::Cast,
-            stack_grads: StackGradients::InStackDtype,
+            weight_grads: WeightGradients::InWeightDtype,
         })
     }
 
@@ -87,9 +86,9 @@ impl RoutedExperts {
         self.gemm_inputs = inputs;
     }
 
-    /// Sets the dtype the stacks' gradients leave the GPU's GEMMs in ([`StackGradients`]).
-    pub fn set_stack_gradients(&mut self, grads: StackGradients) {
-        self.stack_grads = grads;
+    /// Sets the dtype the stacks' gradients leave the GPU's GEMMs in ([`WeightGradients`]).
+    pub fn set_weight_gradients(&mut self, grads: WeightGradients) {
+        self.weight_grads = grads;
     }
 
     /// `y[r] = Σ_j gates[r, j] · SwiGLU_{e(r, j)}(x[r])` for `x` `[rows, H]` and `gates`
@@ -337,7 +336,7 @@ impl RoutedExperts {
             gate_up_copy,
             experts,
             self.gemm_inputs,
-            self.stack_grads,
+            self.weight_grads,
         )?;
         let a = match swiglu_halves(&hidden)? {
             Some(a) => a,
@@ -350,7 +349,7 @@ impl RoutedExperts {
             down_copy,
             experts,
             self.gemm_inputs,
-            self.stack_grads,
+            self.weight_grads,
         )
     }
 
@@ -524,7 +523,7 @@ mod tests {
             intermediate: i,
             precision: Precision::F32,
             gemm_inputs: ExpertGemmInputs::Cast,
-            stack_grads: StackGradients::InStackDtype,
+            weight_grads: WeightGradients::InWeightDtype,
         };
         (gu, dn, experts)
     }

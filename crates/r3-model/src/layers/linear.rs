@@ -14,7 +14,7 @@ use crate::cast16::cast16;
 use crate::error::Result;
 use crate::host::with_host;
 use crate::math::Float;
-use crate::precision::{Precision, RoundTo};
+use crate::precision::{Precision, RoundTo, WeightGradients};
 use crate::weights::check_narrow_copy;
 use crate::weights::Weights;
 
@@ -203,9 +203,17 @@ pub fn matmul_wt(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 /// ([`matmul_wt_narrow`]). Its backward on a GPU runs in the 16-bit format too (as
 /// Megatron's does), while the CPU's runs in f32. `copy` is `w`'s held 16-bit copy where a
 /// trainer keeps one ([`Weights::hold_narrow_copies`]): the rounded weight is read from it.
+/// `grads` is the dtype a GPU's 16-bit GEMM hands `w`'s gradient back in (elsewhere it is
+/// in `w`'s own).
 ///
 /// [`Weights::hold_narrow_copies`]: crate::weights::Weights::hold_narrow_copies
-pub fn matmul_wt_at(p: Precision, x: &Tensor, w: &Tensor, copy: Option<&Tensor>) -> Result<Tensor> {
+pub fn matmul_wt_at(
+    p: Precision,
+    x: &Tensor,
+    w: &Tensor,
+    copy: Option<&Tensor>,
+    grads: WeightGradients,
+) -> Result<Tensor> {
     let narrow = match p.narrow_dtype() {
         None => return matmul_wt(x, w),
         Some(narrow) => narrow,
@@ -213,7 +221,7 @@ pub fn matmul_wt_at(p: Precision, x: &Tensor, w: &Tensor, copy: Option<&Tensor>)
     // The weight may be an inference engine's 16-bit copy (`Weights::narrow_matrices`).
     let f32_operands = x.dtype() == DType::F32 && (w.dtype() == DType::F32 || w.dtype() == narrow);
     if !x.device().is_cpu() && f32_operands {
-        matmul_wt_narrow(x, w, copy, narrow)
+        matmul_wt_narrow(x, w, copy, narrow, grads)
     } else {
         p.round(&matmul_wt(&p.round(x)?, &round_weight(p, w, copy)?)?)
     }
@@ -278,6 +286,7 @@ pub struct Linear {
     copy: Option<Tensor>,
     bias: Option<Tensor>,
     precision: Precision,
+    grads: WeightGradients,
 }
 
 impl Linear {
@@ -297,6 +306,7 @@ impl Linear {
             copy,
             bias,
             precision: Precision::F32,
+            grads: WeightGradients::InWeightDtype,
         })
     }
 
@@ -304,6 +314,11 @@ impl Linear {
     /// accumulation, output rounded after the bias).
     pub fn set_precision(&mut self, precision: Precision) {
         self.precision = precision;
+    }
+
+    /// Sets the dtype a GPU's 16-bit GEMM hands the weight's gradient back in.
+    pub fn set_weight_gradients(&mut self, grads: WeightGradients) {
+        self.grads = grads;
     }
 
     /// The `[out, in]` weight.
@@ -360,7 +375,7 @@ impl Linear {
                     let y = matmul_wt(&p.round(x)?, &w)?;
                     p.round(&y.broadcast_add(&p.round(b)?)?)
                 }
-                None => matmul_wt_at(p, x, &self.weight, self.copy.as_ref()),
+                None => matmul_wt_at(p, x, &self.weight, self.copy.as_ref(), self.grads),
             };
         }
         let y = matmul_wt(x, &self.weight)?;
@@ -405,6 +420,7 @@ mod tests {
                         copy: None,
                         bias: (with_bias && i == 1).then(|| f32(ramp(&[n], 0.5))),
                         precision,
+                        grads: WeightGradients::InWeightDtype,
                     })
                     .collect();
                 let refs: Vec<&Linear> = linears.iter().collect();
@@ -445,6 +461,7 @@ mod tests {
             copy: None,
             bias: Some(b),
             precision: Precision::F32,
+            grads: WeightGradients::InWeightDtype,
         };
         lin.set_precision(Precision::Bf16 { router_f32: false });
         let x = Tensor::from_slice(&[1.0 + 2f32.powi(-9), 3.0], (1, 2), &dev).expect("x");
@@ -483,6 +500,7 @@ mod tests {
             copy: None,
             bias: Some(b),
             precision: Precision::F32,
+            grads: WeightGradients::InWeightDtype,
         };
         lin.set_precision(Precision::F16 { router_f32: false });
         let x = Tensor::from_slice(&[1.0 + 2f32.powi(-12), 3.0], (1, 2), &dev).expect("x");

@@ -13,6 +13,7 @@ use candle_core::{CustomOp2, DType, Tensor};
 use super::precomputed::{precomputed_fwd, Precomputed};
 use crate::cast16::cast16;
 use crate::error::{ModelError, Result};
+use crate::precision::WeightGradients;
 use crate::weights::check_narrow_copy;
 
 /// `x [.., k] · w [n, k]ᵀ → [.., n]` (or a stacked `w [b, n, k]` times `x [b, m, k]`) with
@@ -21,7 +22,8 @@ use crate::weights::check_narrow_copy;
 /// engine's weight copy: then no cast at all). `copy`, where given, is `w`'s 16-bit copy held
 /// beside it by a trainer ([`Weights::hold_narrow_copies`]): the forward and the input
 /// gradient read it instead of casting `w` again. Differentiable in `x` and `w`, whose
-/// gradients are computed by 16-bit GEMMs too and returned in their own dtypes.
+/// gradients are computed by 16-bit GEMMs too and returned in their own dtypes (`w`'s in
+/// 16 bits, as the GEMM wrote it, where `grads` asks: [`WeightGradients`]).
 ///
 /// [`Weights::hold_narrow_copies`]: crate::weights::Weights::hold_narrow_copies
 pub fn matmul_wt_narrow(
@@ -29,6 +31,7 @@ pub fn matmul_wt_narrow(
     w: &Tensor,
     copy: Option<&Tensor>,
     narrow: DType,
+    grads: WeightGradients,
 ) -> Result<Tensor> {
     if x.dtype() != DType::F32 || !(w.dtype() == DType::F32 || w.dtype() == narrow) {
         return Err(ModelError::Input(format!(
@@ -63,6 +66,7 @@ pub fn matmul_wt_narrow(
         narrow,
         stacked,
         copy: copy.map(Tensor::detach),
+        grads,
     };
     Ok(x.apply_op2(w, op)?)
 }
@@ -115,6 +119,8 @@ struct Matmul16 {
     stacked: bool,
     /// `w`'s held 16-bit copy, read by the input gradient instead of a cast of `w`.
     copy: Option<Tensor>,
+    /// The dtype `w`'s gradient is returned in.
+    grads: WeightGradients,
 }
 
 impl CustomOp2 for Matmul16 {
@@ -148,10 +154,11 @@ impl CustomOp2 for Matmul16 {
             let x2 = xn.reshape((rows, k))?;
             (g2.matmul(&wn)?.reshape(x.dims())?, g2.t()?.matmul(&x2)?)
         };
-        Ok((
-            Some(cast16(&dx, DType::F32)?),
-            Some(cast16(&dw, w.dtype())?),
-        ))
+        let dw = match self.grads {
+            WeightGradients::Narrow => dw,
+            WeightGradients::InWeightDtype => cast16(&dw, w.dtype())?,
+        };
+        Ok((Some(cast16(&dx, DType::F32)?), Some(dw)))
     }
 }
 
@@ -160,6 +167,8 @@ mod tests {
     use super::*;
     use crate::test_util::{max_abs_diff, seeded_tensor};
     use candle_core::Var;
+
+    const WIDE: WeightGradients = WeightGradients::InWeightDtype;
 
     /// The casts-and-matmul composition the op replaces.
     fn composed(x: &Tensor, w: &Tensor, n: DType) -> Tensor {
@@ -190,7 +199,7 @@ mod tests {
                 let x = Var::from_tensor(&seeded_tensor(xs, 10 + i as u64, DType::F32)).expect("x");
                 let w = Var::from_tensor(&seeded_tensor(ws, 20 + i as u64, DType::F32)).expect("w");
                 let want = composed(&x, &w, n);
-                let got = matmul_wt_narrow(&x, &w, None, n).expect("op");
+                let got = matmul_wt_narrow(&x, &w, None, n, WIDE).expect("op");
                 assert_eq!(max_abs_diff(&got, &want), 0.0, "{n:?} case {i} value");
                 let probe = seeded_tensor(want.dims(), 30 + i as u64, DType::F32);
                 let grads = |y: &Tensor| {
@@ -222,15 +231,20 @@ mod tests {
         let x = seeded_tensor(&[2, 3, 8], 40, DType::F32);
         let w = seeded_tensor(&[5, 8], 41, DType::F32);
         let wn = w.to_dtype(DType::BF16).expect("narrow");
-        let a = matmul_wt_narrow(&x, &w, None, DType::BF16).expect("f32 weight");
-        let b = matmul_wt_narrow(&x, &wn, None, DType::BF16).expect("bf16 weight");
+        let a = matmul_wt_narrow(&x, &w, None, DType::BF16, WIDE).expect("f32 weight");
+        let b = matmul_wt_narrow(&x, &wn, None, DType::BF16, WIDE).expect("bf16 weight");
         assert_eq!(max_abs_diff(&a, &b), 0.0);
-        assert!(
-            matmul_wt_narrow(&x, &w.to_dtype(DType::F16).expect("f16"), None, DType::BF16).is_err()
-        );
+        assert!(matmul_wt_narrow(
+            &x,
+            &w.to_dtype(DType::F16).expect("f16"),
+            None,
+            DType::BF16,
+            WIDE
+        )
+        .is_err());
         let bad = Tensor::zeros((2, 3), DType::BF16, &candle_core::Device::Cpu).expect("t");
         let w = Tensor::zeros((4, 3), DType::F32, &candle_core::Device::Cpu).expect("t");
-        assert!(matmul_wt_narrow(&bad, &w, None, DType::BF16).is_err());
+        assert!(matmul_wt_narrow(&bad, &w, None, DType::BF16, WIDE).is_err());
     }
 
     /// With the weight's held 16-bit copy, value and both gradients are bit for bit the
@@ -246,7 +260,7 @@ mod tests {
             let w = Var::from_tensor(&seeded_tensor(&[5, 8], 51, DType::F32)).expect("w");
             let probe = seeded_tensor(&[2, 3, 5], 52, DType::F32);
             let run = |copy: Option<&Tensor>| {
-                let y = matmul_wt_narrow(&x, &w, copy, n).expect("op");
+                let y = matmul_wt_narrow(&x, &w, copy, n, WIDE).expect("op");
                 let g = (&y * &probe)
                     .and_then(|l| l.sum_all())
                     .and_then(|l| l.backward())
@@ -268,8 +282,39 @@ mod tests {
             let wrong_shape = seeded_tensor(&[5, 7], 53, DType::F32)
                 .to_dtype(n)
                 .expect("t");
-            assert!(matmul_wt_narrow(&x, &w, Some(&wrong_shape), n).is_err());
-            assert!(matmul_wt_narrow(&x, &w, Some(w.as_tensor()), n).is_err());
+            assert!(matmul_wt_narrow(&x, &w, Some(&wrong_shape), n, WIDE).is_err());
+            assert!(matmul_wt_narrow(&x, &w, Some(w.as_tensor()), n, WIDE).is_err());
+        }
+    }
+
+    /// Handed back narrow (`WeightGradients::Narrow`) the weight's gradient is the same
+    /// values in the 16-bit float, for a 2-D and a stacked weight; the input's is unchanged.
+    #[test]
+    fn a_narrow_weight_gradient_has_the_wide_ones_values() {
+        let bits = crate::test_util::f32_bits;
+        for n in [DType::BF16, DType::F16] {
+            for (xs, ws) in [
+                (&[2usize, 3, 8][..], &[5usize, 8][..]),
+                (&[3, 4, 8], &[3, 5, 8]),
+            ] {
+                let x = Var::from_tensor(&seeded_tensor(xs, 60, DType::F32)).expect("x");
+                let w = Var::from_tensor(&seeded_tensor(ws, 61, DType::F32)).expect("w");
+                let run = |grads| {
+                    let y = matmul_wt_narrow(&x, &w, None, n, grads).expect("op");
+                    let probe = seeded_tensor(y.dims(), 62, DType::F32);
+                    let g = (&y * &probe)
+                        .and_then(|l| l.sum_all())
+                        .and_then(|l| l.backward())
+                        .expect("backward");
+                    [&x, &w].map(|v| g.get(v).expect("grad").clone())
+                };
+                let ([dx, dw], [nx, nw]) = (run(WIDE), run(WeightGradients::Narrow));
+                assert_eq!((dw.dtype(), nw.dtype()), (DType::F32, n), "{ws:?}");
+                assert_eq!(nx.dtype(), DType::F32);
+                let widened = nw.to_dtype(DType::F32).expect("widen");
+                assert_eq!(bits(&dw), bits(&widened), "{n:?} {ws:?}: dw");
+                assert_eq!(bits(&dx), bits(&nx), "{n:?} {ws:?}: dx");
+            }
         }
     }
 }

@@ -9,7 +9,7 @@ use super::norm::RmsNorm;
 use super::rope::{mla_softmax_scale_multiplier, PositionTables, RopeTables, Rotary};
 use crate::config::{AttentionConfig, Config};
 use crate::error::{ModelError, Result};
-use crate::precision::Precision;
+use crate::precision::{Precision, WeightGradients};
 use crate::weights::Weights;
 
 /// How queries are projected.
@@ -98,6 +98,20 @@ impl MlaAttention {
             l.set_precision(precision);
         }
         self.kv_a_norm.set_precision(precision);
+    }
+
+    /// Sets the dtype a GPU's 16-bit GEMMs hand the projections' gradients back in.
+    pub fn set_weight_gradients(&mut self, grads: WeightGradients) {
+        match &mut self.q {
+            QueryProj::LowRank { a, b, .. } => {
+                a.set_weight_gradients(grads);
+                b.set_weight_gradients(grads);
+            }
+            QueryProj::Plain(p) => p.set_weight_gradients(grads),
+        }
+        for l in [&mut self.kv_a, &mut self.kv_b, &mut self.o_proj] {
+            l.set_weight_gradients(grads);
+        }
     }
 
     /// `[B, T, H]` → `[B, T, H]`.

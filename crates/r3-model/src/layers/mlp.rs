@@ -4,7 +4,7 @@ use candle_core::Tensor;
 
 use super::linear::Linear;
 use crate::error::Result;
-use crate::precision::Precision;
+use crate::precision::{Precision, WeightGradients};
 use crate::spec::SwigluNames;
 use crate::weights::Weights;
 
@@ -33,6 +33,13 @@ impl SwiGlu {
         self.precision = precision;
         for l in [&mut self.gate, &mut self.up, &mut self.down] {
             l.set_precision(precision);
+        }
+    }
+
+    /// Sets the dtype a GPU's 16-bit GEMMs hand the three weights' gradients back in.
+    pub fn set_weight_gradients(&mut self, grads: WeightGradients) {
+        for l in [&mut self.gate, &mut self.up, &mut self.down] {
+            l.set_weight_gradients(grads);
         }
     }
 

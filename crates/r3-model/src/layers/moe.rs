@@ -10,7 +10,7 @@ use candle_core::{DType, Tensor};
 use rayon::prelude::*;
 
 use super::dispatch::Dispatch;
-use super::expert_gemm::{ExpertGemmInputs, StackGradients};
+use super::expert_gemm::ExpertGemmInputs;
 use super::experts::RoutedExperts;
 use super::gather_rows::GatherRows;
 use super::linear::Linear;
@@ -20,7 +20,7 @@ use super::route_rows::route_softmax_rows;
 use crate::cast16::cast16;
 use crate::config::{Config, SharedExpert};
 use crate::error::{ModelError, Result};
-use crate::precision::Precision;
+use crate::precision::{Precision, WeightGradients};
 use crate::router::Router;
 use crate::routing_mode::{same_experts, LayerPlan};
 use crate::spec::SWIGLU_HF;
@@ -57,6 +57,8 @@ pub struct MoeBlock {
     experts: RoutedExperts,
     shared: Shared,
     precision: Precision,
+    /// The dtype the GPU's 16-bit GEMMs hand the router's gradient back in.
+    weight_grads: WeightGradients,
 }
 
 /// Rows of the batch a MoE layer routes (the real, non-padding tokens).
@@ -117,6 +119,7 @@ impl MoeBlock {
             experts,
             shared,
             precision: Precision::F32,
+            weight_grads: WeightGradients::InWeightDtype,
         })
     }
 
@@ -140,9 +143,19 @@ impl MoeBlock {
         self.experts.set_gemm_inputs(inputs);
     }
 
-    /// Sets the dtype the routed experts' stacks' gradients leave the GPU's GEMMs in.
-    pub fn set_expert_stack_gradients(&mut self, grads: StackGradients) {
-        self.experts.set_stack_gradients(grads);
+    /// Sets the dtype the GPU's 16-bit GEMMs hand the block's weights' gradients back in
+    /// (the router's, the routed experts' stacks', the shared expert's).
+    pub fn set_weight_gradients(&mut self, grads: WeightGradients) {
+        self.weight_grads = grads;
+        self.experts.set_weight_gradients(grads);
+        match &mut self.shared {
+            Shared::None => {}
+            Shared::Plain(mlp) => mlp.set_weight_gradients(grads),
+            Shared::Gated { mlp, gate } => {
+                mlp.set_weight_gradients(grads);
+                gate.set_weight_gradients(grads);
+            }
+        }
     }
 
     /// The router of this block.
@@ -153,7 +166,7 @@ impl MoeBlock {
     /// Router logits `[rows, E]` for `x` `[rows, H]`.
     pub fn router_logits(&self, x: &Tensor) -> Result<Tensor> {
         let p = self.precision.router();
-        super::linear::matmul_wt_at(p, x, &self.gate_weight, None)
+        super::linear::matmul_wt_at(p, x, &self.gate_weight, None, self.weight_grads)
     }
 
     /// The gates `[n, k]` of the rows' chosen `ids` (`n · k`) from their router logits

@@ -19,7 +19,7 @@ use crate::error::{ModelError, Result};
 use crate::layers::attention::AttentionMask;
 use crate::layers::moe::RoutedRows;
 use crate::layers::rope::RopeTables;
-use crate::narrow_grads::narrow_where_exact;
+use crate::narrow_grads::keep_narrow;
 use crate::routing_mode::LayerPlan;
 
 /// What a recomputing forward keeps for its backward.
@@ -72,9 +72,9 @@ impl<'m> LayerRecompute<'m> {
     }
 
     /// Keeps each variable's gradient in `narrow` (bf16 or f16) where that dtype holds it
-    /// exactly ([`narrow_where_exact`]: a 16-bit forward's weight gradients are 16-bit
-    /// values), as each layer's backward delivers it: 2 bytes a parameter instead of 4 for
-    /// the rest of the backward and after it. Readers widen them ([`in_dtype_of`]).
+    /// exactly ([`keep_narrow`]: a 16-bit forward's weight gradients are 16-bit values), as
+    /// each layer's backward delivers it: 2 bytes a parameter instead of 4 for the rest of
+    /// the backward and after it. Readers widen them ([`in_dtype_of`]).
     ///
     /// [`in_dtype_of`]: crate::narrow_grads::in_dtype_of
     pub fn keep_gradients_narrow(mut self, narrow: DType) -> Self {
@@ -179,7 +179,7 @@ fn add_grads(
             None => part.clone(),
         };
         let sum = match narrow {
-            Some(narrow) => narrow_where_exact(&sum, narrow)?,
+            Some(narrow) => keep_narrow(&sum, narrow)?,
             None => sum.detach(),
         };
         grads.insert_id(*id, sum);

@@ -9,9 +9,9 @@ use std::time::Instant;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
-use r3_model::layers::expert_gemm::StackGradients;
 use r3_model::model::LayerRecompute;
 use r3_model::narrow_grads::backward_narrowing;
+use r3_model::precision::WeightGradients;
 use r3_model::{Model, ReplayProof, ReplayRoutes, Routing};
 use r3_routing::RouteTable;
 
@@ -119,7 +119,7 @@ pub fn update_minibatch(
     if s.narrow_gradients {
         // The routed experts' stacks' gradients leave their GPU GEMMs in 16 bits as they
         // are written (no f32 copy to narrow again).
-        model.set_expert_stack_gradients(StackGradients::Narrow);
+        model.set_weight_gradients(WeightGradients::Narrow);
     }
     let device = policy.device();
     let n = mb.batch.len();
