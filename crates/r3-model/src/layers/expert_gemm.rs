@@ -120,7 +120,15 @@ pub fn expert_blocks_matmul(
         }
     };
     let copy_blocks = copy.map(gather).transpose()?;
-    matmul_wt_at(p, x, &gather(w)?, copy_blocks.as_ref(), grads)
+    // The gathered blocks are not the stack: their gradient reaches it through the gather's
+    // f32 sum, so it is handed back in f32.
+    matmul_wt_at(
+        p,
+        x,
+        &gather(w)?,
+        copy_blocks.as_ref(),
+        WeightGradients::InWeightDtype,
+    )
 }
 
 /// Whether the experts' GEMMs run on cuBLAS reading the stack `w` in place: on a GPU, f32

@@ -223,44 +223,59 @@ pub fn matmul_wt_at(
     if !x.device().is_cpu() && f32_operands {
         matmul_wt_narrow(x, w, copy, narrow, grads)
     } else {
-        p.round(&matmul_wt(&p.round(x)?, &round_weight(p, w, copy)?)?)
+        p.round(&matmul_wt(&p.round(x)?, &round_weight(p, w, copy, grads)?)?)
     }
 }
 
 /// A weight `w` (f32) rounded at precision `p` ([`Precision::round`]), read from `copy` where
 /// one is given: the weight's 16-bit copy held beside it ([`Weights::hold_narrow_copies`]),
 /// whose values are the rounding's, so nothing is rounded per use. The gradient reaches `w`
-/// as through [`Precision::round`]. A `copy` not in `p`'s 16-bit float or not shaped as `w`
-/// is refused; in f32 the copy is not read.
+/// as through [`Precision::round`] (the incoming one rounded), in f32 or, where `grads`
+/// asks, in the 16-bit float itself ([`WeightGradients::Narrow`]: the same values). A `copy`
+/// not in `p`'s 16-bit float or not shaped as `w` is refused; in f32 the copy is not read.
 ///
 /// [`Weights::hold_narrow_copies`]: crate::weights::Weights::hold_narrow_copies
-pub(crate) fn round_weight(p: Precision, w: &Tensor, copy: Option<&Tensor>) -> Result<Tensor> {
-    let (narrow, copy) = match (p.narrow_dtype(), copy) {
-        (Some(narrow), Some(copy)) if w.dtype() == DType::F32 => (narrow, copy),
+pub(crate) fn round_weight(
+    p: Precision,
+    w: &Tensor,
+    copy: Option<&Tensor>,
+    grads: WeightGradients,
+) -> Result<Tensor> {
+    let narrow = match p.narrow_dtype() {
+        Some(narrow) if w.dtype() == DType::F32 => narrow,
         _ => return p.round(w),
     };
-    check_narrow_copy(w, copy, Some(narrow))?;
-    let value = cast16(&copy.detach(), DType::F32)?;
+    let value = match copy {
+        Some(copy) => {
+            check_narrow_copy(w, copy, Some(narrow))?;
+            cast16(&copy.detach(), DType::F32)?
+        }
+        None if grads == WeightGradients::Narrow && w.track_op() => p.round(&w.detach())?,
+        None => return p.round(w),
+    };
     if !w.track_op() {
         return Ok(value);
     }
-    Ok(w.apply_op1(WeightFromCopy {
+    Ok(w.apply_op1(RoundedWeight {
         value: Precomputed::new(value),
         narrow,
+        grads,
     })?)
 }
 
-/// A weight rounded to a 16-bit float, its value read from the weight's held copy
-/// ([`round_weight`]); the backward is [`RoundTo`]'s.
+/// A weight rounded to a 16-bit float, its value precomputed ([`round_weight`]: read from
+/// the weight's held copy, or rounded); the backward is [`RoundTo`]'s, its result kept in
+/// the 16-bit float where `grads` asks.
 #[derive(Debug)]
-struct WeightFromCopy {
+struct RoundedWeight {
     value: Precomputed,
     narrow: DType,
+    grads: WeightGradients,
 }
 
-impl CustomOp1 for WeightFromCopy {
+impl CustomOp1 for RoundedWeight {
     fn name(&self) -> &'static str {
-        "weight-from-16-bit-copy"
+        "rounded-weight"
     }
 
     precomputed_fwd!(1);
@@ -271,10 +286,14 @@ impl CustomOp1 for WeightFromCopy {
         res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<Option<Tensor>> {
-        RoundTo {
-            narrow: self.narrow,
+        match self.grads {
+            // `RoundTo`'s values, `grad.to_dtype(narrow).to_dtype(f32)`, before the widening.
+            WeightGradients::Narrow => Ok(Some(cast16(&grad.contiguous()?, self.narrow)?)),
+            WeightGradients::InWeightDtype => RoundTo {
+                narrow: self.narrow,
+            }
+            .bwd(arg, res, grad),
         }
-        .bwd(arg, res, grad)
     }
 }
 
@@ -371,9 +390,10 @@ impl Linear {
             // The bias joins before the one rounding of the output.
             return match &self.bias {
                 Some(b) => {
-                    let w = round_weight(p, &self.weight, self.copy.as_ref())?;
+                    let w = round_weight(p, &self.weight, self.copy.as_ref(), self.grads)?;
                     let y = matmul_wt(&p.round(x)?, &w)?;
-                    p.round(&y.broadcast_add(&p.round(b)?)?)
+                    let b = round_weight(p, b, None, self.grads)?;
+                    p.round(&y.broadcast_add(&b)?)
                 }
                 None => matmul_wt_at(p, x, &self.weight, self.copy.as_ref(), self.grads),
             };
@@ -538,6 +558,64 @@ mod tests {
             let ((fx, fw), (rx, rw)) = (grads(&fused), grads(&reference));
             assert!(max_abs_diff(&fx, &rx) < 1e-12 && max_abs_diff(&fw, &rw) < 1e-12);
             assert_eq!(fused.dtype(), DType::F64);
+        }
+    }
+
+    /// Handed back narrow (`WeightGradients::Narrow`), a 16-bit projection's weight and bias
+    /// gradients are the same values in the 16-bit float, with and without a bias, with and
+    /// without a held copy of the weight; the input's gradient is unchanged.
+    #[test]
+    fn narrow_weight_gradients_have_the_wide_ones_values() {
+        let bits = crate::test_util::f32_bits;
+        let f32 = |t: Tensor| t.to_dtype(DType::F32).expect("f32");
+        let x0 = f32(ramp(&[3, 4, 6], 0.37));
+        for p in [
+            Precision::Bf16 { router_f32: false },
+            Precision::F16 { router_f32: false },
+        ] {
+            let narrow = p.narrow_dtype().expect("16-bit");
+            for (with_bias, with_copy) in [(false, false), (true, false), (true, true)] {
+                let run = |grads| {
+                    let x = Var::from_tensor(&x0).expect("x");
+                    let w = Var::from_tensor(&f32(ramp(&[5, 6], 0.23))).expect("w");
+                    let b = Var::from_tensor(&f32(ramp(&[5], 0.5))).expect("b");
+                    let mut lin = Linear {
+                        weight: w.as_tensor().clone(),
+                        copy: with_copy.then(|| w.to_dtype(narrow).expect("copy")),
+                        bias: with_bias.then(|| b.as_tensor().clone()),
+                        precision: Precision::F32,
+                        grads: WeightGradients::InWeightDtype,
+                    };
+                    lin.set_precision(p);
+                    lin.set_weight_gradients(grads);
+                    let y = lin.forward(x.as_tensor()).expect("forward");
+                    let probe = f32(ramp(y.dims(), 0.11));
+                    let g = (&y * &probe)
+                        .and_then(|l| l.sum_all())
+                        .and_then(|l| l.backward())
+                        .expect("backward");
+                    let mut out = vec![
+                        g.get(&x).expect("dx").clone(),
+                        g.get(&w).expect("dw").clone(),
+                    ];
+                    if with_bias {
+                        out.push(g.get(&b).expect("db").clone());
+                    }
+                    out
+                };
+                let (wide, kept) = (
+                    run(WeightGradients::InWeightDtype),
+                    run(WeightGradients::Narrow),
+                );
+                let what = format!("{p:?} bias {with_bias} copy {with_copy}");
+                assert_eq!(kept[0].dtype(), DType::F32, "{what}: dx");
+                for (i, (a, b)) in wide.iter().zip(&kept).enumerate() {
+                    if i > 0 {
+                        assert_eq!((a.dtype(), b.dtype()), (DType::F32, narrow), "{what}: {i}");
+                    }
+                    assert_eq!(bits(a), bits(&f32(b.clone())), "{what}: gradient {i}");
+                }
+            }
         }
     }
 }
