@@ -184,9 +184,9 @@ impl Model {
         }
     }
 
-    /// Sets the dtype in which a GPU's 16-bit GEMMs hand back the gradients of the weights
-    /// they read ([`WeightGradients`]: the projections, routers, routed experts' stacks and
-    /// the head; the same values either way): narrow for a trainer that keeps its weight
+    /// Sets the dtype in which a 16-bit forward hands back the gradients of the weights it
+    /// reads rounded ([`WeightGradients`]: the projections, routers, routed experts' stacks
+    /// and the head; the same values either way): narrow for a trainer that keeps its weight
     /// gradients in 16 bits.
     pub fn set_weight_gradients(&mut self, grads: WeightGradients) {
         for layer in &mut self.layers {

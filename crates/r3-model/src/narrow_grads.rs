@@ -11,10 +11,11 @@
 //! a NaN stays f32. Readers take a gradient through [`in_dtype_of`], which widens it to its
 //! variable's dtype.
 //!
-//! On a GPU the 16-bit GEMMs hand their weights' gradients back in 16 bits already
-//! (`WeightGradients::Narrow`, `Model::set_weight_gradients`): no f32 copy, no check. What
-//! still arrives in f32 there is checked only where it is large ([`keep_narrow`]): the
-//! check's verdict is read back by the host, which waits for the device's queue each time.
+//! A model told so (`WeightGradients::Narrow`, `Model::set_weight_gradients`) hands its
+//! rounded weights' gradients back in 16 bits already (a GPU's 16-bit GEMMs, the weight
+//! roundings): no f32 copy, no check. What still arrives in f32 off the CPU is checked only
+//! where it is large ([`keep_narrow`]): the check's verdict is read back by the host, which
+//! waits for the device's queue each time.
 
 use std::mem::MaybeUninit;
 

@@ -534,7 +534,7 @@ impl GqaAttention {
         }
     }
 
-    /// Sets the dtype a GPU's 16-bit GEMMs hand the projections' gradients back in.
+    /// Sets the dtype a 16-bit forward hands the projections' gradients back in.
     pub fn set_weight_gradients(&mut self, grads: WeightGradients) {
         for l in [
             &mut self.q_proj,

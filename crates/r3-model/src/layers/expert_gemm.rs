@@ -457,12 +457,12 @@ impl CustomOp2 for ExpertBlocksMatmul {
 
 impl ExpertBlocksMatmul {
     /// The stack's gradient from the operands `g` and `x` of the weight-gradient plan (of
-    /// the compute type, or f32 through `FAST_16BF`). At a 16-bit compute type it is the
-    /// gradient at the rounded stack the forward read, so a 16-bit value, as a 16-bit GEMM
-    /// writes it: in that dtype by the GEMMs themselves where one round writes every
-    /// expert's (no overflow block), else (or through `FAST_16BF`, whose GEMMs write f32
-    /// only) summed in f32 and rounded once.
-    /// Then widened to the stack's dtype unless `grads` keeps it narrow. In f32, f32.
+    /// the compute type, or f32 through `FAST_16BF`). In f32, f32. At a 16-bit compute type
+    /// it is the gradient at the rounded stack the forward read, so a 16-bit value, as a
+    /// 16-bit GEMM writes it: in that dtype by the GEMMs themselves where one round writes
+    /// every expert's (no overflow block), else (or through `FAST_16BF`, whose GEMMs write
+    /// f32 only) summed in f32 and rounded once; then widened to the stack's dtype unless
+    /// `grads` keeps it narrow.
     fn weight_grad(&self, g: &Tensor, x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
         let plan = match self.fast16bf {
             true => PlannedGemm::fast(Pass::WeightGrad, &self.map),

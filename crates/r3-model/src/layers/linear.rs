@@ -335,7 +335,7 @@ impl Linear {
         self.precision = precision;
     }
 
-    /// Sets the dtype a GPU's 16-bit GEMM hands the weight's gradient back in.
+    /// Sets the dtype a 16-bit forward hands the weight's (and bias's) gradient back in.
     pub fn set_weight_gradients(&mut self, grads: WeightGradients) {
         self.grads = grads;
     }

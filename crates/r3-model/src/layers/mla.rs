@@ -100,7 +100,7 @@ impl MlaAttention {
         self.kv_a_norm.set_precision(precision);
     }
 
-    /// Sets the dtype a GPU's 16-bit GEMMs hand the projections' gradients back in.
+    /// Sets the dtype a 16-bit forward hands the projections' gradients back in.
     pub fn set_weight_gradients(&mut self, grads: WeightGradients) {
         match &mut self.q {
             QueryProj::LowRank { a, b, .. } => {

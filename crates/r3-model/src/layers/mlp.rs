@@ -36,7 +36,7 @@ impl SwiGlu {
         }
     }
 
-    /// Sets the dtype a GPU's 16-bit GEMMs hand the three weights' gradients back in.
+    /// Sets the dtype a 16-bit forward hands the three weights' gradients back in.
     pub fn set_weight_gradients(&mut self, grads: WeightGradients) {
         for l in [&mut self.gate, &mut self.up, &mut self.down] {
             l.set_weight_gradients(grads);

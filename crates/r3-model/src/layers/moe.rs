@@ -57,7 +57,7 @@ pub struct MoeBlock {
     experts: RoutedExperts,
     shared: Shared,
     precision: Precision,
-    /// The dtype the GPU's 16-bit GEMMs hand the router's gradient back in.
+    /// The dtype a 16-bit forward hands the router's gradient back in.
     weight_grads: WeightGradients,
 }
 
@@ -143,7 +143,7 @@ impl MoeBlock {
         self.experts.set_gemm_inputs(inputs);
     }
 
-    /// Sets the dtype the GPU's 16-bit GEMMs hand the block's weights' gradients back in
+    /// Sets the dtype a 16-bit forward hands the block's weights' gradients back in
     /// (the router's, the routed experts' stacks', the shared expert's).
     pub fn set_weight_gradients(&mut self, grads: WeightGradients) {
         self.weight_grads = grads;

@@ -117,8 +117,8 @@ pub fn update_minibatch(
 ) -> Result<MiniBatchResult> {
     let mut model = policy.model()?;
     if s.narrow_gradients {
-        // The routed experts' stacks' gradients leave their GPU GEMMs in 16 bits as they
-        // are written (no f32 copy to narrow again).
+        // Each rounded weight's gradient leaves its op in 16 bits as written (no f32 copy
+        // to check and narrow again).
         model.set_weight_gradients(WeightGradients::Narrow);
     }
     let device = policy.device();
