@@ -203,8 +203,8 @@ pub fn matmul_wt(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 /// ([`matmul_wt_narrow`]). Its backward on a GPU runs in the 16-bit format too (as
 /// Megatron's does), while the CPU's runs in f32. `copy` is `w`'s held 16-bit copy where a
 /// trainer keeps one ([`Weights::hold_narrow_copies`]): the rounded weight is read from it.
-/// `grads` is the dtype a GPU's 16-bit GEMM hands `w`'s gradient back in (elsewhere it is
-/// in `w`'s own).
+/// `grads` is the dtype `w`'s gradient is handed back in ([`WeightGradients`]: the same
+/// values in f32 or in the 16-bit float).
 ///
 /// [`Weights::hold_narrow_copies`]: crate::weights::Weights::hold_narrow_copies
 pub fn matmul_wt_at(
