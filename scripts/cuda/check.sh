@@ -260,9 +260,9 @@ for run in "mid f32 8 70 --parts" "mid bf16 8 70 --parts" "a3b-8l bf16 2 120"; d
         cast_tps=$(grep -E "^native +mean" "$work/bench-r3-cast-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s +best.*/\1/')
         line+=", r3 without weight copies ${cast_tps:-?} tok/s ${cast_mem:-?} MiB"
     fi
-    # bf16 runs again with the weight gradients kept in bf16 (--narrow-gradients: where
-    # exact, and the routed experts' stacks as their GEMMs write them), copies held: the
-    # fast configuration's memory.
+    # bf16 runs again with the weight gradients kept in bf16 (--narrow-gradients: each
+    # 16-bit GEMM's and weight rounding's as written, large f32 ones where exact), copies
+    # held: the fast configuration's memory.
     if [ "$dtype" = bf16 ] && [ "$(left)" -ge 60 ]; then
         fast_mem=$(gpu_peak "$work/bench-r3-gradbf16-$name.txt" timeout "$(limit "$secs")" "$bin/r3" \
             bench train --device cuda --config "$config" --dtype "$dtype" --batch "$batch" \

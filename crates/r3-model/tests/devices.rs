@@ -449,7 +449,7 @@ fn recomputed_layers_give_the_same_bits(device: &Device) {
                 }
                 let mut model = Model::with_precision(cfg, &weights, precision).expect("model");
                 if narrow_grads {
-                    // The GPU's expert GEMMs hand their stacks' gradients back in 16 bits.
+                    // Every rounded weight's gradient comes back in 16 bits as written.
                     model.set_weight_gradients(WeightGradients::Narrow);
                 }
                 let routing = match (&tables, mode) {
