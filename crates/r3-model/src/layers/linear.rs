@@ -288,7 +288,7 @@ impl CustomOp1 for RoundedWeight {
     ) -> candle_core::Result<Option<Tensor>> {
         match self.grads {
             // `RoundTo`'s values, `grad.to_dtype(narrow).to_dtype(f32)`, before the widening.
-            WeightGradients::Narrow => Ok(Some(cast16(&grad.contiguous()?, self.narrow)?)),
+            WeightGradients::Narrow => Ok(Some(cast16(grad, self.narrow)?)),
             WeightGradients::InWeightDtype => RoundTo {
                 narrow: self.narrow,
             }
