@@ -349,13 +349,7 @@ impl Model {
                 "Record / Replay routing needs MoE layers; this model is dense".into(),
             ));
         }
-        let started = Instant::now();
-        let plan = self.plan(routing, lengths)?;
-        let mut routing_overhead = if plan.is_some() {
-            started.elapsed()
-        } else {
-            Duration::ZERO
-        };
+        let mut routing_overhead = Duration::ZERO;
         let window = match cfg.attention {
             AttentionConfig::Gqa { sliding_window, .. } => sliding_window,
             AttentionConfig::Mla { .. } => None,
@@ -364,8 +358,13 @@ impl Model {
             rope: self.rope.tables(t, device, self.embed.dtype())?,
             mask: AttentionMask::new(lengths, t, window, device)?.to_dtype(self.embed.dtype())?,
             rows: routed_rows(lengths, t),
-            plan: plan.as_ref().map(|p| p.layers.as_slice()),
         };
+        // A replay's plan is built when the first MoE layer needs it: by then the embedding's
+        // and the first attention's kernels are queued, so on a GPU the host builds it while
+        // the device runs them (built first, it held the device idle at every replayed
+        // forward's start).
+        let mut plan: Option<ReplayPlan> = None;
+        let mut plan_pending = matches!(routing, Routing::Replay(_));
 
         let ids = batch.input_ids.to_device(device)?.flatten_all()?;
         let mut x = self.embed_tokens(&ids, &batch.host_ids, b, t)?;
@@ -376,16 +375,42 @@ impl Model {
             if let Some(h) = hidden.as_mut() {
                 h.push(x.clone());
             }
-            x = match recompute {
-                // The layer's graph goes with its detached output; its input stays.
+            // The layer's graph goes with its detached output; its input stays.
+            let input = match recompute {
                 true => {
                     let input = x.detach();
                     inputs.push(input.clone());
-                    self.layer_forward(i, layer, input, &ctx, &mut moe)?
-                        .detach()
+                    input
                 }
-                false => self.layer_forward(i, layer, x, &ctx, &mut moe)?,
+                false => x,
             };
+            let h = self.attention_half(layer, input, &ctx)?;
+            if plan_pending && cfg.layout.moe_column(i).is_some() {
+                let started = Instant::now();
+                plan = self.plan(routing, lengths)?;
+                routing_overhead += started.elapsed();
+                plan_pending = false;
+            }
+            let layer_plan = plan.as_ref().map(|p| p.layers.as_slice());
+            let out = self.feed_forward(
+                i,
+                layer,
+                h,
+                &ctx.rows,
+                layer_plan,
+                Gates::Differentiable,
+                &mut moe,
+            )?;
+            x = match recompute {
+                true => out.detach(),
+                false => out,
+            };
+        }
+        if plan_pending {
+            // No MoE layer asked for it: the tables are still checked.
+            let started = Instant::now();
+            plan = self.plan(routing, lengths)?;
+            routing_overhead += started.elapsed();
         }
         routing_overhead += moe.replay_time;
         // The logits' graph starts at the last layer's output, a variable whose gradient
@@ -403,10 +428,8 @@ impl Model {
             h.push(x.clone());
         }
         let logits = self.lm_head.forward(&x)?;
-        // What a recomputed layer shares with this pass (the replay plan's borrow ends here).
-        let LayerContext {
-            rope, mask, rows, ..
-        } = ctx;
+        // What a recomputed layer shares with this pass.
+        let LayerContext { rope, mask, rows } = ctx;
         let started = Instant::now();
         let (routes, replay) = self.routing_result(routing, plan, &moe, lengths)?;
         if !matches!(routing, Routing::Native) {
@@ -453,22 +476,35 @@ impl Model {
     }
 
     /// Decoder layer `i` on `x` `[B, T, H]`: attention, then the dense or MoE feed-forward
-    /// (whose dispatched ids go to `moe`), each with its residual.
+    /// (`plan`, per MoE column, the ids forced on its rows; the dispatched ids go to `moe`),
+    /// each with its residual.
     fn layer_forward(
         &self,
         i: usize,
         layer: &DecoderLayer,
         x: Tensor,
-        ctx: &LayerContext<'_>,
+        ctx: &LayerContext,
+        plan: Option<&[LayerPlan]>,
         moe: &mut MoeRecord,
+    ) -> Result<Tensor> {
+        let h = self.attention_half(layer, x, ctx)?;
+        self.feed_forward(i, layer, h, &ctx.rows, plan, Gates::Differentiable, moe)
+    }
+
+    /// The first half of a decoder layer on `x` `[B, T, H]`: its input norm, attention and
+    /// the residual.
+    fn attention_half(
+        &self,
+        layer: &DecoderLayer,
+        x: Tensor,
+        ctx: &LayerContext,
     ) -> Result<Tensor> {
         let normed = layer.input_norm.forward(&x)?;
         let attn = match &layer.attention {
             Attention::Gqa(a) => a.forward(&normed, &ctx.rope, &ctx.mask)?,
             Attention::Mla(a) => a.forward(&normed, &ctx.rope, &ctx.mask)?,
         };
-        let h = self.precision.add_rounded(&x, &attn)?;
-        self.feed_forward(i, layer, h, &ctx.rows, ctx.plan, Gates::Differentiable, moe)
+        self.precision.add_rounded(&x, &attn)
     }
 
     /// The second half of decoder layer `i` on `h` `[B, T, H]` (the residual stream after
@@ -575,12 +611,10 @@ impl Model {
 }
 
 /// What every decoder layer of one forward shares.
-struct LayerContext<'a> {
+struct LayerContext {
     rope: RopeTables,
     mask: AttentionMask,
     rows: RoutedRows,
-    /// Per MoE column, the ids forced on its rows (a replay, or a recomputed layer).
-    plan: Option<&'a [LayerPlan]>,
 }
 
 /// What the MoE layers of one forward did, in layer order.

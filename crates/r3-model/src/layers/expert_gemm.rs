@@ -9,8 +9,10 @@
 //! stack and summed it with the main blocks' (on an H200, 60 ms of a 30B-A3B-shaped bf16
 //! step's 148 ms of kernels). Here every block's GEMM points at its expert's matrices where
 //! they lie (cuBLAS's batched GEMM over pointer arrays), and the weight gradient is written
-//! by GEMMs into the stack's gradient directly: the main blocks first (each expert once), then
-//! each expert's overflow rows — contiguous in the layout — added in f32.
+//! by GEMMs into the stack's gradient directly, one GEMM per run of consecutive blocks of an
+//! expert. The padded layout puts each expert's blocks side by side, so every expert's
+//! gradient is one GEMM over all its rows, written once (in the 16-bit dtype itself at a
+//! 16-bit precision); a block map where an expert recurs apart adds its later runs in f32.
 //!
 //! Which GEMMs run is a `GemmPlan` made on the host from the block → expert map alone; a
 //! GPU runs it through cuBLAS, the CPU (the tests) through a plain column-major GEMM, so the
@@ -1270,6 +1272,28 @@ mod tests {
         let full =
             BlockMap::new(&x, &seeded_tensor(&[3, 5, 4], 2, DType::F32), &EXPERTS).expect("map");
         assert!(!GemmPlan::new(Pass::WeightGrad, &full).zeroed);
+    }
+
+    /// Blocks laid out as the padded layout lays them (each expert's side by side, overflow
+    /// after its main block): one round, every expert's gradient one GEMM over its rows and
+    /// nothing added, so a 16-bit precision writes the gradient in 16 bits directly; the
+    /// same experts with an overflow block apart need a second, adding round.
+    #[test]
+    fn consecutive_blocks_write_each_experts_gradient_once() {
+        let x = seeded_tensor(&[6, 2, 4], 1, DType::F32);
+        let w = seeded_tensor(&[3, 5, 4], 2, DType::F32);
+        let side_by_side = BlockMap::new(&x, &w, &[0, 0, 1, 2, 2, 2]).expect("map");
+        let plan = GemmPlan::new(Pass::WeightGrad, &side_by_side);
+        assert!(!plan.accumulates());
+        let summary: Vec<(usize, usize)> = plan
+            .calls
+            .iter()
+            .map(|c| (c.offsets.len(), c.shape.k))
+            .collect();
+        // expert 1 one block (2 rows), expert 0 two (4 rows), expert 2 three (6 rows)
+        assert_eq!(summary, vec![(1, 2), (1, 4), (1, 6)]);
+        let apart = BlockMap::new(&x, &w, &[0, 1, 2, 2, 2, 0]).expect("map");
+        assert!(GemmPlan::new(Pass::WeightGrad, &apart).accumulates());
     }
 
     /// The GPU's differentiable op, run on the host plans: value and both gradients equal

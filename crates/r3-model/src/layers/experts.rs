@@ -258,7 +258,8 @@ impl RoutedExperts {
     /// `cap` rows of each expert that has any gathered into a main block (shorter experts
     /// padded with a zero row; an expert without rows has no block, so a decode step of a few
     /// rows reads only its chosen experts' weights), an expert's rows past `cap` into further
-    /// `cap`-row overflow blocks, every block `· [H, 2I]` of its expert, SwiGLU, `· [I, H]`
+    /// `cap`-row overflow blocks right after its main block ([`PaddedLayout`]), every block
+    /// `· [H, 2I]` of its expert, SwiGLU, `· [I, H]`
     /// (two batched GEMMs for the whole layer, where one GEMM per chosen expert took about
     /// ten launches each), the experts' matrices read
     /// in place from the stacks and their gradients written into the stacks' gradients
@@ -282,27 +283,20 @@ impl RoutedExperts {
         let (rows, h) = x.dims2()?;
         let k = dispatch.top_k();
         let layout = padded_layout(dispatch, rows, overflow_rows);
-        let (e, cap, m) = (layout.main.len(), layout.cap, layout.overflow.len());
+        let (blocks, cap) = (layout.blocks.len(), layout.cap);
         // Row `rows` of `x_pad` is the zero row padding reads; it gets no gradient.
         let x_pad = Tensor::cat(&[x, &Tensor::zeros((1, h), x.dtype(), device)?], 0)?;
-        // The main blocks' experts in turn, then each overflow block's.
-        let block_experts: Vec<u32> = layout
-            .main
-            .iter()
-            .chain(&layout.overflow)
-            .copied()
-            .collect();
         let xs = GatherRows::new(layout.gather, rows + 1, rows)?
             .apply(&x_pad)?
-            .reshape((e + m, cap, h))?;
+            .reshape((blocks, cap, h))?;
         let y = self
-            .swiglu_blocks(&xs, &block_experts)?
-            .reshape(((e + m) * cap, h))?;
+            .swiglu_blocks(&xs, &layout.blocks)?
+            .reshape((blocks * cap, h))?;
         let gates = gates.to_dtype(x.dtype())?;
         if let Some(out) = combine_slots(&y, &gates, &layout.place_of_slot)? {
             return Ok(out);
         }
-        let by_slot = GatherRows::new(layout.place_of_slot, (e + m) * cap, (e + m) * cap)?
+        let by_slot = GatherRows::new(layout.place_of_slot, blocks * cap, blocks * cap)?
             .apply(&y)?
             .reshape((rows, k, h))?;
         Ok(by_slot
@@ -389,21 +383,34 @@ impl RoutedExperts {
     }
 }
 
-/// The padded layout of a dispatch: a main block of `cap` places for each expert with rows,
-/// filled in the dispatch's order; an expert's rows past `cap` fill overflow blocks of
-/// `cap` places each, one expert per block.
+/// The padded layout of a dispatch: for each expert with rows, in expert order, a main block
+/// of `cap` places filled in the dispatch's order, then its rows past `cap` in overflow
+/// blocks of `cap` places each, right after it. Each expert's blocks are consecutive, so its
+/// rows are one run of places and its weight gradient one GEMM over them (one round, written
+/// in the 16-bit dtype directly: `expert_gemm.rs`); with the overflow blocks after every main
+/// block an expert's gradient was a main GEMM plus an overflow GEMM added in f32, which
+/// brought a stack-sized f32 gradient and a rounding pass over it (H200, call 17: 0.8 ms a
+/// 30B-A3B layer).
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct PaddedLayout {
-    /// The expert of each main block, in expert order (the experts with rows).
-    main: Vec<u32>,
+    /// The expert of each block, in block order: ascending, an expert's blocks consecutive.
+    blocks: Vec<u32>,
     cap: usize,
-    /// The expert of each overflow block, in block order.
-    overflow: Vec<u32>,
-    /// For each of the `(main + overflow) · cap` places the row it reads (`rows`, the zero
-    /// row, for padding): the main blocks' places first, then the overflow blocks'.
+    /// For each of the `blocks · cap` places the row it reads (`rows`, the zero row, for
+    /// padding).
     gather: Vec<u32>,
     /// For each slot `r · top_k + j` its place.
     place_of_slot: Vec<u32>,
+}
+
+#[cfg(test)]
+impl PaddedLayout {
+    /// The blocks past each expert's first (its rows past `cap`).
+    fn overflow_blocks(&self) -> usize {
+        let mut experts = self.blocks.clone();
+        experts.dedup();
+        self.blocks.len() - experts.len()
+    }
 }
 
 /// What one overflow block costs beyond its places, in padded rows: its expert's two weight
@@ -469,39 +476,29 @@ fn block_size(counts: &[usize], overflow_rows: usize) -> usize {
 fn padded_layout(dispatch: &Dispatch, rows: usize, overflow_rows: usize) -> PaddedLayout {
     let offsets = dispatch.offsets();
     let counts: Vec<usize> = offsets.windows(2).map(|w| w[1] - w[0]).collect();
-    let main: Vec<u32> = (0..counts.len() as u32)
-        .filter(|&e| counts[e as usize] > 0)
-        .collect();
-    let loads: Vec<usize> = main.iter().map(|&e| counts[e as usize]).collect();
+    let loads: Vec<usize> = counts.iter().copied().filter(|&c| c > 0).collect();
     let cap = block_size(&loads, overflow_rows);
     let k = dispatch.top_k();
-    let mut overflow = Vec::new();
-    for &expert in &main {
-        let extra = counts[expert as usize].div_ceil(cap).saturating_sub(1);
-        overflow.extend(std::iter::repeat_n(expert, extra));
-    }
-    let mut gather = vec![rows as u32; (main.len() + overflow.len()) * cap];
+    let mut blocks = Vec::new();
+    let mut gather = Vec::new();
     let mut place_of_slot = vec![0u32; dispatch.slots().len()];
-    let mut next_block = main.len();
-    for (block, &expert) in main.iter().enumerate() {
-        let w = &offsets[expert as usize..expert as usize + 2];
+    for (expert, w) in offsets.windows(2).enumerate() {
+        let count = w[1] - w[0];
+        if count == 0 {
+            continue;
+        }
+        let first = blocks.len() * cap;
+        let spans = count.div_ceil(cap);
+        blocks.extend(std::iter::repeat_n(expert as u32, spans));
+        gather.resize(blocks.len() * cap, rows as u32);
         for (n, &slot) in dispatch.slots()[w[0]..w[1]].iter().enumerate() {
-            let place = if n < cap {
-                block * cap + n
-            } else {
-                if n % cap == 0 {
-                    next_block += 1;
-                }
-                (next_block - 1) * cap + n % cap
-            };
-            gather[place] = slot / k as u32;
-            place_of_slot[slot as usize] = place as u32;
+            gather[first + n] = slot / k as u32;
+            place_of_slot[slot as usize] = (first + n) as u32;
         }
     }
     PaddedLayout {
-        main,
+        blocks,
         cap,
-        overflow,
         gather,
         place_of_slot,
     }
@@ -682,11 +679,17 @@ mod tests {
     }
 
     /// Every slot has its own place, that place reads the slot's row, every other place
-    /// reads the zero row, and each overflow block holds rows of its own expert only.
+    /// reads the zero row, each block holds rows of its own expert only, and an expert's
+    /// blocks are consecutive (its weight gradient one GEMM) with its rows first in them.
     fn assert_layout_places_every_slot(dispatch: &Dispatch, layout: &PaddedLayout, rows: usize) {
         let k = dispatch.top_k();
-        let blocks = layout.main.len() + layout.overflow.len();
+        let blocks = layout.blocks.len();
         assert_eq!(layout.gather.len(), blocks * layout.cap);
+        assert!(
+            layout.blocks.windows(2).all(|w| w[0] <= w[1]),
+            "blocks in expert order, each expert's consecutive: {:?}",
+            layout.blocks
+        );
         let mut places = layout.place_of_slot.clone();
         places.sort_unstable();
         places.dedup();
@@ -702,12 +705,24 @@ mod tests {
         assert_eq!(used, dispatch.slots().len(), "padding reads the zero row");
         let ids = dispatch.experts_of_rows();
         for (slot, &place) in layout.place_of_slot.iter().enumerate() {
-            let block = place as usize / layout.cap;
-            let expert = match layout.main.get(block) {
-                Some(&e) => e,
-                None => layout.overflow[block - layout.main.len()],
-            };
+            let expert = layout.blocks[place as usize / layout.cap];
             assert!(ids[slot / k].contains(&expert), "slot {slot}");
+        }
+        // Within an expert's run of blocks its rows come first, then padding.
+        let mut start = 0;
+        for run in layout.blocks.chunk_by(|a, b| a == b) {
+            let places = &layout.gather[start * layout.cap..(start + run.len()) * layout.cap];
+            let filled = places.iter().take_while(|&&r| r as usize != rows).count();
+            assert!(
+                places[filled..].iter().all(|&r| r as usize == rows),
+                "expert {}: padding only after its rows",
+                run[0]
+            );
+            assert!(
+                filled > (run.len() - 1) * layout.cap,
+                "no empty overflow block"
+            );
+            start += run.len();
         }
     }
 
@@ -760,7 +775,7 @@ mod tests {
         // loads 4, 0, 4, 1, 3: expert 1 has no block; one block of 4 for each of the other
         // four has the fewest places (16; blocks of 3 would take 18)
         assert_eq!(
-            (layout.main.clone(), cap, layout.overflow.len()),
+            (layout.blocks.clone(), cap, layout.overflow_blocks()),
             (vec![0, 2, 3, 4], 4, 0),
             "experts 0 and 2 carry four rows each"
         );
@@ -784,13 +799,14 @@ mod tests {
         // loads 10, 6, 3, 1 on the four experts with rows (mean 5): blocks of 5 take 30
         // places (experts 0 and 2 in two blocks each), of 6 also 30 (expert 0 in two: the
         // larger of equals is kept), one block of 10 each 40
-        assert_eq!((layout.cap, layout.overflow.clone()), (6, vec![0]));
-        assert_eq!(layout.main, vec![0, 2, 3, 4]);
+        // expert 0's overflow block right after its main block
+        assert_eq!((layout.cap, layout.overflow_blocks()), (6, 1));
+        assert_eq!(layout.blocks, vec![0, 0, 2, 3, 4]);
         assert_layout_places_every_slot(&case.dispatch, &layout, case.rows);
         assert_padded_matches_composed(&ids, 0);
         // each overflow block costing 128 rows, one block of 10 each (40 places) is cheaper
         let costed = padded_layout(&case.dispatch, case.rows, 128);
-        assert_eq!((costed.cap, costed.overflow.len()), (10, 0));
+        assert_eq!((costed.cap, costed.overflow_blocks()), (10, 0));
     }
 
     /// The block size: the mean load when loads are even, the busiest load when one block
@@ -856,8 +872,8 @@ mod tests {
         // one row top-2 over 8 experts (a decode step): two blocks of one place
         let sparse = Dispatch::new(&[5, 3], 2, 8).expect("dispatch");
         let layout = padded_layout(&sparse, 1, OVERFLOW_BLOCK_ROWS);
-        assert_eq!((layout.main.clone(), layout.cap), (vec![3, 5], 1));
-        assert!(layout.overflow.is_empty());
+        assert_eq!((layout.blocks.clone(), layout.cap), (vec![3, 5], 1));
+        assert_eq!(layout.overflow_blocks(), 0);
         assert_layout_places_every_slot(&sparse, &layout, 1);
         // two rows over five experts: experts 1 and 4 only, then 0, 2, 3 in turn
         assert_padded_matches_composed(&[1, 4, 4, 1], OVERFLOW_BLOCK_ROWS);

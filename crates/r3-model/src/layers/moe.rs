@@ -37,8 +37,20 @@ pub enum Gates {
     HostWhenUntracked,
 }
 
-/// Rows per parallel task when replay puts the plan's ids in place of the router's.
+/// Rows per parallel task when the host weighs gates or counts a replay's differing rows.
 const OVERRIDE_ROWS_PER_TASK: usize = 512;
+
+/// The forced rows of `plan` whose experts (as a set) differ from `native`, the router's
+/// own `[rows · k]` choice: a replay's routing divergence in one layer.
+fn forced_rows_differing(plan: &LayerPlan, native: &[u32], k: usize) -> usize {
+    native
+        .par_chunks(k.max(1))
+        .zip(plan.ids.par_chunks(k.max(1)))
+        .zip(plan.forced.par_iter())
+        .with_min_len(OVERRIDE_ROWS_PER_TASK)
+        .filter(|((own, given), &forced)| forced && !same_experts(given, own))
+        .count()
+}
 
 /// The always-on expert.
 #[derive(Debug, Clone)]
@@ -79,7 +91,8 @@ pub struct MoeOutput {
     pub ids: Vec<u32>,
     /// forced rows whose expert set differs from this layer's own top-k
     pub differs_from_native: usize,
-    /// wall time spent putting the replay plan's ids in place of the router's own
+    /// wall time of the replay's own work here: the plan's ids put in place of the
+    /// router's own, and the forced rows whose experts differ from them counted
     pub replay_time: Duration,
     /// wall time the host waited for the router logits: on a GPU the queued work before
     /// them, then their copy (routing reads them on the host)
@@ -245,25 +258,28 @@ impl MoeBlock {
                 (ids, Some(host), device_wait)
             }
         };
-        let mut differs = 0;
         let mut replay_time = Duration::ZERO;
-        if let Some(plan) = plan.filter(|_| host.is_some()) {
-            let started = Instant::now();
-            // Rows side by side: a GPU waits on this host work between router and experts.
-            differs = ids
-                .par_chunks_mut(k.max(1))
-                .zip(plan.ids.par_chunks(k.max(1)))
-                .zip(plan.forced.par_iter())
-                .with_min_len(OVERRIDE_ROWS_PER_TASK)
-                .filter(|(_, &forced)| forced)
-                .map(|((own, given), _)| {
-                    let differs = usize::from(!same_experts(given, own));
+        // The router's own ids, kept where the plan's replace them: how many forced rows
+        // differ is counted once the experts' work is queued (on a GPU the host counts while
+        // the device runs them; before, the GPU waited on the count between router and
+        // experts).
+        let native = match plan.filter(|_| host.is_some()) {
+            Some(plan) => {
+                let started = Instant::now();
+                let native = ids.clone();
+                for ((own, given), _) in ids
+                    .chunks_mut(k.max(1))
+                    .zip(plan.ids.chunks(k.max(1)))
+                    .zip(&plan.forced)
+                    .filter(|(_, &forced)| forced)
+                {
                     own.copy_from_slice(given);
-                    differs
-                })
-                .sum();
-            replay_time = started.elapsed();
-        }
+                }
+                replay_time += started.elapsed();
+                Some((plan, native))
+            }
+            None => None,
+        };
         let gates = if let (Gates::HostWhenUntracked, false, Some(host)) =
             (gates, logits.track_op(), host.as_ref())
         {
@@ -291,6 +307,15 @@ impl MoeBlock {
             scatter_rows(&routed, &rows.host, x.dim(0)?)?
         };
         let output = self.with_shared(x, out)?;
+        let differs = match native {
+            Some((plan, native)) => {
+                let started = Instant::now();
+                let differs = forced_rows_differing(plan, &native, k);
+                replay_time += started.elapsed();
+                differs
+            }
+            None => 0,
+        };
         Ok(MoeOutput {
             output,
             ids,

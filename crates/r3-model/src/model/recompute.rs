@@ -119,7 +119,6 @@ impl<'m> LayerRecompute<'m> {
             rope: kept.rope,
             mask: kept.mask,
             rows: kept.rows,
-            plan: Some(&forced),
         };
         // Each layer's input is let go once its layer has run again.
         let mut inputs = kept.inputs;
@@ -129,8 +128,14 @@ impl<'m> LayerRecompute<'m> {
             })?;
             let input = Var::from_tensor(&input)?;
             let mut moe = MoeRecord::default();
-            let output =
-                model.layer_forward(i, layer, input.as_tensor().clone(), &ctx, &mut moe)?;
+            let output = model.layer_forward(
+                i,
+                layer,
+                input.as_tensor().clone(),
+                &ctx,
+                Some(&forced),
+                &mut moe,
+            )?;
             let local = seeded_backward(&output, &grad)?;
             grad = take_grad(&local, input.as_tensor(), i)?;
             add_grads(&mut grads, &local, &vars, narrow)?;
