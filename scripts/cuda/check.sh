@@ -32,7 +32,8 @@
 # 4. The device rollout engine on CUDA: its tests (greedy = HF's on the oracle fixtures and
 #    = the CPU engine's, routes = the trainer's native routes on the GPU in f32 and bf16,
 #    seeded sampling reproducing itself, a batch = one at a time), `r3 generate --device
-#    cuda` = `--device cpu` on the oracle prompts, both engines on the GPU in `r3 train`, and
+#    cuda` = `--device cpu` on the oracle prompts, both engines on the GPU in `r3 train` (the
+#    default task, then configs/gsm8k-style.toml in bf16 beside its CPU run), and
 #    `r3 bench decode --device cuda` at batch 1 / 64 / 256 (mid in f32 and bf16, the 30B-A3B
 #    shape in bf16) beside scripts/cuda/peer_hf_generate.py (each the best of two timed
 #    runs: batch 1 moves by a third between runs on a GPU host), small batches routed on the
@@ -360,6 +361,47 @@ print(("pass" if not bad else "FAIL") + f"(verified_frac!=1 at {bad or 'none'}; 
 PY
 )
 verdict train-both-cuda "$both_verdict"
+# Both engines on the GPU on configs/gsm8k-style.toml (models/gsm8k-moe with its BPE
+# tokenizer and chat template, 32 prompts x 8 samples, <= 160 new tokens, the math reward,
+# dynamic sampling, R3), in bf16, 3 steps; beside it 2 steps of the config as shipped on
+# this host's CPU: the time per step and its split, replay verified at every step.
+if [ "$(left)" -ge 150 ]; then
+    timeout "$(limit 120)" "$bin/r3" train --config configs/gsm8k-style.toml --set train.device=cuda \
+        --set rollout.device=cuda --set rollout.dtype=bf16 --set train.dtype=bf16 --set steps=3 \
+        --set eval.every=0 --set checkpoint.every=0 --set run_dir="$work/gsm8k-cuda" \
+        > "$work/gsm8k-cuda.txt" 2>&1
+    rc_gpu=$?; tail -n 3 "$work/gsm8k-cuda.txt"
+    timeout "$(limit 60)" "$bin/r3" train --config configs/gsm8k-style.toml --set steps=2 \
+        --set eval.every=0 --set checkpoint.every=0 --set run_dir="$work/gsm8k-cpu" \
+        > "$work/gsm8k-cpu.txt" 2>&1
+    rc_cpu=$?
+    gsm8k_verdict=$("$python" - "$work" "$rc_gpu" "$rc_cpu" <<'PY'
+import json, sys
+out, rc_gpu, rc_cpu = sys.argv[1], sys.argv[2], sys.argv[3]
+def rows(name):
+    try:
+        with open(f"{out}/{name}/metrics.jsonl") as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except OSError:
+        return []
+keys = ("time.rollout_s", "time.old_logp_s", "time.update_s", "time.sync_s")
+def split(rs):
+    later = rs[1:] or rs
+    parts = {k.split(".")[1][:-2]: round(sum(r.get(k, 0) for r in later) / len(later), 3) for k in keys}
+    return f"{round(sum(parts.values()), 3)} s/step {parts}"
+gpu, cpu = rows("gsm8k-cuda"), rows("gsm8k-cpu")
+if rc_gpu != "0" or len(gpu) < 3:
+    print(f"FAIL(gpu rc {rc_gpu}, {len(gpu)} steps)"); sys.exit()
+bad = [i + 1 for i, r in enumerate(gpu) if r.get("replay.verified_frac") != 1.0]
+print(("pass" if not bad else "FAIL") + f"(verified_frac!=1 at {bad or 'none'}; gpu bf16 after step 1: {split(gpu)};"
+      + f" cpu as shipped: {split(cpu) if cpu else f'rc {rc_cpu}, no steps'};"
+      + f" rewards gpu {[r.get('reward_mean') for r in gpu]})")
+PY
+)
+    verdict train-gsm8k-cuda "$gsm8k_verdict"
+else
+    verdict train-gsm8k-cuda "skipped(budget)"
+fi
 decode=()
 for run in "mid f32" "mid bf16" "a3b-8l bf16"; do
     read -r config dtype <<< "$run"
