@@ -12,7 +12,7 @@
 use candle_core::{DType, Device, Tensor, Var};
 use r3_model::cast16::cast16;
 use r3_model::layers::attention::AttentionMask;
-use r3_model::layers::attention_recompute::attend_recomputed;
+use r3_model::layers::attention_recompute::{attend_recomputed, NarrowOperands};
 use r3_model::layers::dispatch::Dispatch;
 use r3_model::layers::embedding_rows::embedding_rows;
 use r3_model::layers::experts::RoutedExperts;
@@ -71,15 +71,27 @@ fn assert_close(what: &str, a: &Tensor, b: &Tensor, tol: f32) {
 }
 
 /// The recomputing attention's value and its q, k, v gradients on `device` (GQA with three
-/// query heads per key/value head, key padding, a sliding window).
-fn attention(device: &Device, window: Option<usize>) -> [Tensor; 4] {
+/// query heads per key/value head, key padding, a sliding window); with `narrow` the
+/// operands and the output's gradient hold bf16 values and their products are 16-bit GEMMs
+/// on a GPU.
+fn attention(device: &Device, window: Option<usize>, narrow: NarrowOperands) -> [Tensor; 4] {
     let (b, kv, groups, t, d) = (2, 2, 3, 37, 16);
     let mask = AttentionMask::new(&[37, 20], t, window, device).expect("mask");
-    let q = Var::from_tensor(&seeded(&[b, kv, groups * t, d], 1, device)).expect("q");
-    let k = Var::from_tensor(&seeded(&[b, kv, t, d], 2, device)).expect("k");
-    let v = Var::from_tensor(&seeded(&[b, kv, t, d], 3, device)).expect("v");
-    let probe = seeded(&[b, kv, groups * t, d], 4, device);
-    let y = attend_recomputed(&q, &k, &v, mask.additive(), 0.25, groups).expect("attend");
+    let values = |dims: &[usize], seed: u64| -> Tensor {
+        let t = seeded(dims, seed, device);
+        match narrow.queries_keys {
+            Some(n) => t
+                .to_dtype(n)
+                .and_then(|t| t.to_dtype(DType::F32))
+                .expect("16-bit values"),
+            None => t,
+        }
+    };
+    let q = Var::from_tensor(&values(&[b, kv, groups * t, d], 1)).expect("q");
+    let k = Var::from_tensor(&values(&[b, kv, t, d], 2)).expect("k");
+    let v = Var::from_tensor(&values(&[b, kv, t, d], 3)).expect("v");
+    let probe = values(&[b, kv, groups * t, d], 4);
+    let y = attend_recomputed(&q, &k, &v, mask.additive(), 0.25, groups, narrow).expect("attend");
     let grads = (&y * &probe)
         .and_then(|l| l.sum_all())
         .and_then(|l| l.backward())
@@ -310,14 +322,30 @@ fn casts_match_the_cpu(device: &Device) {
 /// rounding bit for bit (round to nearest even has one answer).
 fn compare(device: &Device, tol: f32) {
     casts_match_the_cpu(device);
-    for window in [None, Some(9)] {
+    // 16-bit products (a GPU's tensor cores) of bf16 values: the same products as f32's,
+    // summed in f32 in cuBLAS's order, so within the f32 GEMMs' tolerance of the CPU.
+    let bf16 = NarrowOperands {
+        queries_keys: Some(DType::BF16),
+        values_grad: Some(DType::BF16),
+    };
+    for (window, narrow) in [
+        (None, NarrowOperands::default()),
+        (Some(9), NarrowOperands::default()),
+        (None, bf16),
+        (Some(9), bf16),
+    ] {
         let names = ["value", "dq", "dk", "dv"];
-        for ((got, want), name) in attention(device, window)
+        for ((got, want), name) in attention(device, window, narrow)
             .iter()
-            .zip(attention(&Device::Cpu, window).iter())
+            .zip(attention(&Device::Cpu, window, narrow).iter())
             .zip(names)
         {
-            assert_close(&format!("attention {window:?} {name}"), got, want, tol);
+            assert_close(
+                &format!("attention {window:?} {narrow:?} {name}"),
+                got,
+                want,
+                tol,
+            );
         }
     }
     // Rounded to a 16-bit float, a value an f32 ulp from a rounding boundary may land one

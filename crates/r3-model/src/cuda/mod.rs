@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaStream, CudaView, DeviceRepr, LaunchConfig,
+    CudaFunction, CudaStream, CudaView, DevicePtr, DeviceRepr, LaunchConfig, SyncOnDrop,
 };
 use candle_core::cuda_backend::CudaDType;
 use candle_core::{CudaDevice, CudaStorage, Layout, Result};
@@ -35,6 +35,29 @@ pub(crate) fn round_code(round: Option<candle_core::DType>) -> Result<u32> {
 pub(crate) fn kernel(dev: &CudaDevice, name: &str) -> Result<(CudaFunction, Arc<CudaStream>)> {
     let func = dev.get_or_load_custom_func(name, MODULE, PTX)?;
     Ok((func.into_cuda_function(), dev.cuda_stream()))
+}
+
+/// The device address of the first element under `layout` (contiguous) of an f32, bf16 or
+/// f16 storage, and the guard that records the read on `stream` when dropped: held until
+/// the cuBLAS calls reading it are queued, so that another stream writing the buffer later
+/// waits for them. `what` names the caller in errors.
+pub(crate) fn gemm_operand<'a>(
+    storage: &'a CudaStorage,
+    layout: &Layout,
+    stream: &'a CudaStream,
+    what: &str,
+) -> Result<(u64, SyncOnDrop<'a>)> {
+    let Some((start, _)) = layout.contiguous_offsets() else {
+        candle_core::bail!("{what}: operands must be contiguous")
+    };
+    let offset = (start * storage.dtype().size_in_bytes()) as u64;
+    let (ptr, guard) = match storage.dtype() {
+        candle_core::DType::F32 => storage.as_cuda_slice::<f32>()?.device_ptr(stream),
+        candle_core::DType::BF16 => storage.as_cuda_slice::<half::bf16>()?.device_ptr(stream),
+        candle_core::DType::F16 => storage.as_cuda_slice::<half::f16>()?.device_ptr(stream),
+        other => candle_core::bail!("{what}: {other:?} operands"),
+    };
+    Ok((ptr + offset, guard))
 }
 
 /// The contiguous elements of a storage of this layout, as a device view.

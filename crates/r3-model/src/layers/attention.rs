@@ -7,7 +7,7 @@ use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 
 use super::attention_op::{visible_key_ends, MaskedAttention};
-use super::attention_recompute::attend_recomputed;
+use super::attention_recompute::{attend_recomputed, NarrowOperands};
 use super::attention_rows::{attend_rows, rows_packed};
 use super::attention_softmax::attention_probs;
 use super::linear::Linear;
@@ -85,7 +85,8 @@ impl AttentionMask {
 /// On CPU in f32/f64 one fused op with its own backward ([`MaskedAttention`], which reads `v`
 /// through its strides and writes this layout directly); elsewhere candle's composed ops in
 /// an op that recomputes the probabilities in its backward ([`attend_recomputed`]: the graph
-/// keeps no score-sized tensor), then [`heads_to_tokens`].
+/// keeps no score-sized tensor; its products 16-bit GEMMs where `narrow` says the operands
+/// hold 16-bit values), then [`heads_to_tokens`].
 pub fn attend(
     q: &Tensor,
     k: &Tensor,
@@ -93,6 +94,7 @@ pub fn attend(
     mask: &AttentionMask,
     scale: f64,
     groups: usize,
+    narrow: NarrowOperands,
 ) -> Result<Tensor> {
     if q.device().is_cpu() && matches!(q.dtype(), DType::F32 | DType::F64) {
         let op = MaskedAttention::new(mask.host.clone(), mask.key_ends.clone(), scale, groups);
@@ -106,7 +108,7 @@ pub fn attend(
     }
     let t = k.dim(2)?;
     heads_to_tokens(
-        &attend_recomputed(q, k, v, &mask.additive, scale, groups)?,
+        &attend_recomputed(q, k, v, &mask.additive, scale, groups, narrow)?,
         t,
     )
 }
@@ -551,7 +553,15 @@ impl GqaAttention {
         let (q, k, v) = self.project(x, rope)?;
         let hd = self.head_dim;
         let groups = self.num_heads / self.num_kv_heads;
-        let out = attend(&q, &k, &v, mask, 1.0 / (hd as f64).sqrt(), groups)?;
+        // At a 16-bit precision q and k are rounded by the rotation, v by its projection
+        // (unless clipped after it), and the output's gradient by the output projection's
+        // input rounding: their products may read them as 16-bit values.
+        let narrow_dtype = self.precision.narrow_dtype();
+        let narrow = NarrowOperands {
+            queries_keys: narrow_dtype,
+            values_grad: narrow_dtype.filter(|_| self.clip_qkv.is_none()),
+        };
+        let out = attend(&q, &k, &v, mask, 1.0 / (hd as f64).sqrt(), groups, narrow)?;
         self.o_proj.forward(&out)
     }
 
@@ -676,8 +686,16 @@ mod tests {
                 let scale = 1.0 / (d as f64).sqrt();
                 let want =
                     attend_additive(&q, &k, &v, mask.additive(), scale, groups).expect("composed");
-                let got = attend_recomputed(&q, &k, &v, mask.additive(), scale, groups)
-                    .expect("recomputed");
+                let got = attend_recomputed(
+                    &q,
+                    &k,
+                    &v,
+                    mask.additive(),
+                    scale,
+                    groups,
+                    NarrowOperands::default(),
+                )
+                .expect("recomputed");
                 assert_eq!(
                     max_abs_diff(&got, &want),
                     0.0,

@@ -686,13 +686,16 @@ mod tests {
                 let v = Var::from_tensor(&rand_tensor(&v_shape, 3, dtype)).unwrap();
                 let w = rand_tensor(&[b, t, kv * groups * dv], 4, dtype);
                 let run = |fused: bool| {
-                    let f = if fused { attend } else { attend_composed };
                     let vt = if v_token_major {
                         v.transpose(1, 2).expect("transpose")
                     } else {
                         v.as_tensor().clone()
                     };
-                    let out = f(&q, &k, &vt, &mask, 0.37, groups).expect("attend");
+                    let out = match fused {
+                        true => attend(&q, &k, &vt, &mask, 0.37, groups, Default::default()),
+                        false => attend_composed(&q, &k, &vt, &mask, 0.37, groups),
+                    }
+                    .expect("attend");
                     let grads = (&out * &w)
                         .and_then(|l| l.sum_all())
                         .and_then(|l| l.backward())

@@ -6,15 +6,29 @@
 //! exponentiated) until the backward; here one is rebuilt per layer during the backward and
 //! freed. Used on devices without the fused CPU op (a GPU).
 
-use candle_core::{CustomOp3, Tensor, D};
+use candle_core::{CustomOp3, DType, Tensor, D};
 
-use super::attention_softmax::{attention_probs, softmax_grad};
+use super::attention_softmax::{probs_of_scores, softmax_grad};
+use super::narrow_product::matmul_t_of_narrow_values;
 use super::precomputed::{precomputed_fwd, Precomputed};
 use crate::error::Result;
 
+/// The 16-bit float whose values the attention's operands hold where a 16-bit forward
+/// rounds them, so that their products may be 16-bit GEMMs on a GPU
+/// (`layers/narrow_product.rs`: the same products, exact in f32). None: f32 GEMMs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NarrowOperands {
+    /// `q` and `k` (rounded by the rotation): the scores `q kᵀ`, forward and backward.
+    pub queries_keys: Option<DType>,
+    /// `v` (a rounded projection, not clipped after) and the output's gradient (rounded by
+    /// the output projection's input rounding): `dP = dO vᵀ` in the backward.
+    pub values_grad: Option<DType>,
+}
+
 /// `softmax(q kᵀ · scale + additive) v` with `q` `[B, KV, G·T, Dq]`, `k` `[B, KV, S, Dq]`,
 /// `v` `[B, KV, S, Dv]` and `additive` broadcastable to `[B, KV, G, T, S]`, differentiable
-/// in `q`, `k` and `v`, keeping only those (and the mask) for its backward.
+/// in `q`, `k` and `v`, keeping only those (and the mask) for its backward; `narrow` says
+/// which products read 16-bit values.
 pub fn attend_recomputed(
     q: &Tensor,
     k: &Tensor,
@@ -22,6 +36,7 @@ pub fn attend_recomputed(
     additive: &Tensor,
     scale: f64,
     groups: usize,
+    narrow: NarrowOperands,
 ) -> Result<Tensor> {
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
     let mut op = RecomputedAttention {
@@ -29,6 +44,7 @@ pub fn attend_recomputed(
         additive: additive.detach(),
         scale,
         groups,
+        narrow,
     };
     let value = op.probs(&q.detach(), &k.detach())?.matmul(&v.detach())?;
     if !q.track_op() && !k.track_op() && !v.track_op() {
@@ -46,12 +62,14 @@ struct RecomputedAttention {
     additive: Tensor,
     scale: f64,
     groups: usize,
+    narrow: NarrowOperands,
 }
 
 impl RecomputedAttention {
     /// The probabilities `softmax(q kᵀ · scale + mask)` `[B, KV, G·T, S]`, by the forward's ops.
     fn probs(&self, q: &Tensor, k: &Tensor) -> candle_core::Result<Tensor> {
-        attention_probs(q, k, &self.additive, self.scale, self.groups)
+        let raw = matmul_t_of_narrow_values(q, k, self.narrow.queries_keys)?;
+        probs_of_scores(raw, &self.additive, self.scale, self.groups)
     }
 }
 
@@ -77,7 +95,7 @@ impl CustomOp3 for RecomputedAttention {
         let grad = grad.detach().contiguous()?;
         let probs = self.probs(&q, &k)?;
         let dv = probs.t()?.matmul(&grad)?;
-        let dp = grad.matmul(&v.t()?)?;
+        let dp = matmul_t_of_narrow_values(&grad, &v, self.narrow.values_grad)?;
         let row = (&grad * out.detach())?.sum_keepdim(D::Minus1)?;
         let ds = match softmax_grad(&probs, &dp, &row)? {
             Some(ds) => ds,

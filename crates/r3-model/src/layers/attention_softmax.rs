@@ -28,10 +28,19 @@ pub(crate) fn attention_probs(
     scale: f64,
     groups: usize,
 ) -> candle_core::Result<Tensor> {
-    let (b, kv, gt, _) = q.dims4()?;
+    probs_of_scores(q.matmul(&k.t()?)?, additive, scale, groups)
+}
+
+/// The probabilities `softmax(raw · scale + additive)` of the raw scores `q kᵀ` `[B, KV,
+/// G·T, S]` ([`attention_probs`] after its product).
+pub(crate) fn probs_of_scores(
+    raw: Tensor,
+    additive: &Tensor,
+    scale: f64,
+    groups: usize,
+) -> candle_core::Result<Tensor> {
+    let (b, kv, gt, s) = raw.dims4()?;
     let groups = groups.max(1);
-    let s = k.dim(2)?;
-    let raw = q.matmul(&k.t()?)?;
     // Nothing differentiated through the probabilities (the recomputing op builds them from
     // detached inputs; inference): one pass reading the mask per query row.
     if let Some(probs) = masked_softmax(&raw, additive, scale)? {

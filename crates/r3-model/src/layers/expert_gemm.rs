@@ -885,26 +885,13 @@ mod cuda {
         })
     }
 
-    /// The device address of a storage's first element under `layout` (contiguous), and the
-    /// guard that records the read on `stream` when dropped: held until the GEMMs reading it
-    /// are queued, so that another stream writing the buffer later waits for them.
+    /// The device address of an operand and the guard recording its read on `stream`.
     fn base<'a>(
         storage: &'a CudaStorage,
         layout: &Layout,
         stream: &'a CudaStream,
     ) -> candle_core::Result<(u64, SyncOnDrop<'a>)> {
-        let start = match layout.contiguous_offsets() {
-            Some((start, _)) => start,
-            None => candle_core::bail!("expert blocks gemm: operands must be contiguous"),
-        };
-        let offset = (start * storage.dtype().size_in_bytes()) as u64;
-        let (ptr, guard) = match storage.dtype() {
-            DType::F32 => storage.as_cuda_slice::<f32>()?.device_ptr(stream),
-            DType::BF16 => storage.as_cuda_slice::<half::bf16>()?.device_ptr(stream),
-            DType::F16 => storage.as_cuda_slice::<half::f16>()?.device_ptr(stream),
-            other => candle_core::bail!("expert blocks gemm: {other:?} operands"),
-        };
-        Ok((ptr + offset, guard))
+        crate::cuda::gemm_operand(storage, layout, stream, "expert blocks gemm")
     }
 
     /// Runs `plan` with A = `(sa, la)` and B = `(sb, lb)` (one dtype), into a fresh output

@@ -4,6 +4,7 @@
 use candle_core::{Tensor, D};
 
 use super::attention::{attend, attend_additive, heads_to_tokens, AttentionMask, LayerKv};
+use super::attention_recompute::NarrowOperands;
 use super::linear::Linear;
 use super::norm::RmsNorm;
 use super::rope::{mla_softmax_scale_multiplier, PositionTables, RopeTables, Rotary};
@@ -117,7 +118,9 @@ impl MlaAttention {
     /// `[B, T, H]` → `[B, T, H]`.
     pub fn forward(&self, x: &Tensor, rope: &RopeTables, mask: &AttentionMask) -> Result<Tensor> {
         let (q, k, v) = self.project(x, rope)?;
-        let out = attend(&q, &k, &v, mask, self.scale, 1)?;
+        // f32 products: MLA's concatenated q and k parts are not checked here to hold 16-bit
+        // values at every precision (the GQA layer's are, by its rotation's rounding).
+        let out = attend(&q, &k, &v, mask, self.scale, 1, NarrowOperands::default())?;
         self.o_proj.forward(&out)
     }
 

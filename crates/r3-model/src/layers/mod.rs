@@ -17,6 +17,7 @@ pub mod matmul16;
 pub mod mla;
 pub mod mlp;
 pub mod moe;
+mod narrow_product;
 pub mod norm;
 pub mod precomputed;
 pub mod rope;
