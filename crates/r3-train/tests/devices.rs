@@ -108,8 +108,10 @@ fn adamw_run(device: &Device) -> Vec<Vec<f32>> {
 /// The optimiser alone on `device`: three AdamW steps of three variables (one large enough
 /// for many blocks of a GPU kernel; weight decay on two; a fixed gradient-clip factor on the
 /// last step) on gradients that are exact on every device (`∇ Σ θ ⊙ C = C`), no global norm
-/// (whose sum order differs by device). Returns every variable and moment after the steps.
-fn adamw_alone(device: &Device) -> Vec<Vec<f32>> {
+/// (whose sum order differs by device); with `narrow` each gradient handed to the optimiser
+/// in that 16-bit float, as a backward keeping them narrow does (`train.narrow_gradients`).
+/// Returns every variable and moment after the steps.
+fn adamw_alone(device: &Device, narrow: Option<DType>) -> Vec<Vec<f32>> {
     let shapes: [&[usize]; 3] = [&[300, 701], &[16], &[33, 5]];
     let vars: Vec<(String, Var)> = shapes
         .iter()
@@ -135,7 +137,13 @@ fn adamw_alone(device: &Device) -> Vec<Vec<f32>> {
             let term = (v.as_tensor() * c).and_then(|t| t.sum_all()).expect("term");
             loss = (loss + term).expect("sum");
         }
-        let grads = loss.backward().expect("backward");
+        let mut grads = loss.backward().expect("backward");
+        if let Some(n) = narrow {
+            for (_, v) in &vars {
+                let g = grads.remove(v.as_tensor()).expect("gradient");
+                grads.insert(v.as_tensor(), g.to_dtype(n).expect("narrow"));
+            }
+        }
         let scale = (step == 2).then_some(0.37f32);
         let outcome = opt.step_scaled(&grads, 3e-2, scale).expect("step");
         assert_eq!(outcome, r3_train::AdamWStep::Applied, "step {step}");
@@ -150,7 +158,17 @@ fn adamw_alone(device: &Device) -> Vec<Vec<f32>> {
 
 #[test]
 fn the_optimiser_alone_gives_the_same_bits_on_a_second_cpu_copy() {
-    assert_eq!(adamw_alone(&Device::Cpu), adamw_alone(&Device::Cpu));
+    for narrow in [None, Some(DType::BF16)] {
+        assert_eq!(
+            adamw_alone(&Device::Cpu, narrow),
+            adamw_alone(&Device::Cpu, narrow)
+        );
+    }
+    // 16-bit gradients are other values than the f32 ones: the narrow run is not the wide one.
+    assert_ne!(
+        adamw_alone(&Device::Cpu, None),
+        adamw_alone(&Device::Cpu, Some(DType::BF16))
+    );
 }
 
 /// The policy loaded on `device` stays there; the rollout engine's copy is on the CPU and
@@ -313,15 +331,24 @@ fn a_second_cpu_copy_trains_to_the_same_bits() {
 }
 
 /// The GPU's fused AdamW pass (`r3_adamw_f32`) is the CPU pass's arithmetic operation for
-/// operation: the same variables and moments, bit for bit.
+/// operation: the same variables and moments, bit for bit; so are its twins reading bf16 and
+/// f16 gradients as they are (the CPU widens them first).
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_adamw_pass_equals_the_cpu_bit_for_bit() {
     let gpu = r3_model::DeviceSpec::Cuda { ordinal: 0 }
         .open()
         .expect("a CUDA GPU (this test runs on the GPU machine)");
-    let (cpu, on_gpu) = (adamw_alone(&Device::Cpu), adamw_alone(&gpu));
-    for (i, (a, b)) in cpu.iter().zip(&on_gpu).enumerate() {
+    for narrow in [None, Some(DType::BF16), Some(DType::F16)] {
+        let (cpu, on_gpu) = (adamw_alone(&Device::Cpu, narrow), adamw_alone(&gpu, narrow));
+        assert_same_bits(&cpu, &on_gpu, narrow);
+    }
+}
+
+/// Every value of every tensor equal bit for bit.
+#[cfg(feature = "cuda")]
+fn assert_same_bits(cpu: &[Vec<f32>], on_gpu: &[Vec<f32>], narrow: Option<DType>) {
+    for (i, (a, b)) in cpu.iter().zip(on_gpu).enumerate() {
         let differ = a
             .iter()
             .zip(b)
@@ -330,7 +357,7 @@ fn cuda_adamw_pass_equals_the_cpu_bit_for_bit() {
         assert_eq!(
             differ,
             0,
-            "tensor {i}: {differ} of {} values differ (largest by {})",
+            "{narrow:?} gradients, tensor {i}: {differ} of {} values differ (largest by {})",
             a.len(),
             max_diff(a, b)
         );

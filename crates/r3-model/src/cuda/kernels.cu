@@ -499,18 +499,25 @@ extern "C" __global__ void r3_swiglu_grad_f32(const float *h, const float *d, fl
 // and the largest magnitude from one integer max each. Operation for operation the CPU pass
 // (r3-train `fused_optim.rs` `adamw_chunk`, itself candle's composed ops: `affine` is
 // x · mul + add with two roundings), each operation rounded on its own (no contraction into
-// fused multiply-adds), so the results are the CPU's bit for bit.
-extern "C" __global__ void r3_adamw_f32(const float *theta, const float *g, const float *m,
-                                        const float *v, float *theta_out, float *m_out,
-                                        float *v_out, uint32_t *maxima, size_t n,
-                                        float beta1, float one_minus_beta1, float beta2,
-                                        float one_minus_beta2, float inv_bc1, float inv_bc2,
-                                        float eps, float lr, float decay, float scale,
-                                        uint32_t use_decay, uint32_t use_scale) {
+// fused multiply-adds), so the results are the CPU's bit for bit. The gradient is f32, or
+// bf16 / f16 as a backward kept it (`train.narrow_gradients`): widened as it is read, which
+// is exact, so the same bits as widening it first, without the widened copy's pass.
+__device__ __forceinline__ float grad_f32(float g) { return g; }
+__device__ __forceinline__ float grad_f32(__nv_bfloat16 g) { return __bfloat162float(g); }
+__device__ __forceinline__ float grad_f32(__half g) { return __half2float(g); }
+
+template <typename G>
+__device__ void adamw_pass(const float *theta, const G *g, const float *m, const float *v,
+                           float *theta_out, float *m_out, float *v_out, uint32_t *maxima,
+                           size_t n, float beta1, float one_minus_beta1, float beta2,
+                           float one_minus_beta2, float inv_bc1, float inv_bc2, float eps,
+                           float lr, float decay, float scale, uint32_t use_decay,
+                           uint32_t use_scale) {
     uint32_t tmax = 0, mmax = 0, vmax = 0;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
-        const float gi = use_scale ? __fadd_rn(__fmul_rn(g[i], scale), 0.0f) : g[i];
+        const float gw = grad_f32(g[i]);
+        const float gi = use_scale ? __fadd_rn(__fmul_rn(gw, scale), 0.0f) : gw;
         const float m1 = __fadd_rn(__fadd_rn(__fmul_rn(m[i], beta1), 0.0f),
                                    __fadd_rn(__fmul_rn(gi, one_minus_beta1), 0.0f));
         const float v1 = __fadd_rn(__fadd_rn(__fmul_rn(v[i], beta2), 0.0f),
@@ -539,6 +546,22 @@ extern "C" __global__ void r3_adamw_f32(const float *theta, const float *g, cons
         atomicMax(&maxima[2], vmax);
     }
 }
+
+#define ADAMW_KERNEL(NAME, G)                                                                  \
+    extern "C" __global__ void NAME(const float *theta, const G *g, const float *m,           \
+                                    const float *v, float *theta_out, float *m_out,           \
+                                    float *v_out, uint32_t *maxima, size_t n, float beta1,    \
+                                    float one_minus_beta1, float beta2, float one_minus_beta2, \
+                                    float inv_bc1, float inv_bc2, float eps, float lr,         \
+                                    float decay, float scale, uint32_t use_decay,              \
+                                    uint32_t use_scale) {                                      \
+        adamw_pass<G>(theta, g, m, v, theta_out, m_out, v_out, maxima, n, beta1,               \
+                      one_minus_beta1, beta2, one_minus_beta2, inv_bc1, inv_bc2, eps, lr,      \
+                      decay, scale, use_decay, use_scale);                                     \
+    }
+ADAMW_KERNEL(r3_adamw_f32, float)
+ADAMW_KERNEL(r3_adamw_f32_grad_bf16, __nv_bfloat16)
+ADAMW_KERNEL(r3_adamw_f32_grad_f16, __half)
 
 // The pointer table of one batched GEMM per routed slot (`expert_gemm.rs`, `run_slots`):
 // slot s multiplies its row (B at b0 + (s / share)·b_step bytes: `share` consecutive slots

@@ -479,16 +479,18 @@ impl AdamW {
         )))
     }
 
-    /// Slot `i`'s update off the CPU's fused pass: the GPU's fused pass, else the composed
-    /// ops, its gradient widened for this tensor only where a backward kept it in 16 bits.
+    /// Slot `i`'s update off the CPU's fused pass: the GPU's fused pass (which reads a
+    /// gradient kept in 16 bits as it is, widening each value as it reads it), else the
+    /// composed ops, the gradient widened for this tensor only where a backward kept it in
+    /// 16 bits.
     fn staged_elsewhere(&self, i: usize, g: &Tensor, at: UpdateAt) -> Result<Staged> {
         let slot = &self.slots[i];
-        let g = in_dtype_of(g, slot.var.as_tensor())?;
         let k = adamw_constants(&self.params, at, slot.decay);
-        Ok(match self.on_device(slot, &g, &k)? {
-            Some(update) => Staged::OnDevice(update, StagedChecks::ALL_GOOD),
-            None => self.composed(i, &g, at)?,
-        })
+        if let Some(update) = self.on_device(slot, g, &k)? {
+            return Ok(Staged::OnDevice(update, StagedChecks::ALL_GOOD));
+        }
+        let g = in_dtype_of(g, slot.var.as_tensor())?;
+        self.composed(i, &g, at)
     }
 
     /// The guard's verdict on staged updates' checks: the refusal of the first that would
