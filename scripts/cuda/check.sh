@@ -19,8 +19,9 @@
 #    parameter's gradient), the HF oracle fixtures on CUDA, AdamW and the policy update;
 # 2. `r3 train --set train.device=cuda --set steps=20`: replay.verified_frac = 1 in every
 #    step and step 1's rewards equal to a CPU run's (the rollouts come from the same engine
-#    with the same weights and seed); then 3 bf16 steps with the held bf16 weight copies and
-#    3 without, their metrics compared (`train-bf16-copies`: same or where they differ);
+#    with the same weights and seed); then 3 bf16 steps with the held bf16 weight copies, 3
+#    without, and 3 with the weight gradients kept in bf16, their metrics compared
+#    (`train-bf16-copies`: same or where they differ);
 # 3. `r3 bench train` on CUDA beside scripts/cuda/peer_hf.py (HF transformers on the same
 #    GPU, the same config and batch): mid in f32 and bf16, the 8-layer 30B-A3B shape in bf16;
 #    each bf16 run also beside HF with f32 parameters under autocast (`--dtype amp-bf16`, its
@@ -169,6 +170,12 @@ if [ "$(left)" -ge 60 ]; then
             --set checkpoint.every=0 --set run_dir="$work/train-bf16-$copies" \
             > "$work/train-bf16-$copies.txt" 2>&1
     done
+    # The same with the weight gradients kept in bf16 (the GEMMs' own outputs, read by
+    # AdamW's kernel as they are): the same arithmetic again.
+    timeout "$(limit 40)" "$bin/r3" train --set train.device=cuda --set train.dtype=bf16 \
+        --set train.narrow_gradients=true --set steps=3 --set eval.every=0 \
+        --set checkpoint.every=0 --set run_dir="$work/train-bf16-narrow" \
+        > "$work/train-bf16-narrow.txt" 2>&1
     copies_verdict=$("$python" - "$work" <<'PY'
 import json, sys
 out = sys.argv[1]
@@ -180,13 +187,16 @@ def rows(name):
                     for line in f if line.strip()]
     except OSError:
         return []
-on, off = rows("train-bf16-on"), rows("train-bf16-off")
+on, off, narrow = rows("train-bf16-on"), rows("train-bf16-off"), rows("train-bf16-narrow")
 if len(on) < 3 or len(off) < 3:
     print(f"FAIL({len(on)} / {len(off)} steps with / without copies)"); sys.exit()
-diff = [(i + 1, k) for i, (a, b) in enumerate(zip(on, off)) for k in a if a[k] != b.get(k)]
-verified = all(r.get("replay.verified_frac") == 1.0 for r in on)
-print(("same" if not diff else f"differ(first at step {diff[0][0]}: {diff[0][1]})")
-      + f"(verified_frac=1 every step: {verified})")
+def differ(x, y):
+    d = [(i + 1, k) for i, (a, b) in enumerate(zip(x, y)) for k in a if a[k] != b.get(k)]
+    return "same" if not d else f"differ(first at step {d[0][0]}: {d[0][1]})"
+verified = all(r.get("replay.verified_frac") == 1.0 for r in on + narrow)
+print(f"without copies {differ(on, off)}; bf16 gradients "
+      + (differ(on, narrow) if len(narrow) >= 3 else f"FAIL({len(narrow)} steps)")
+      + f" (verified_frac=1 every step: {verified})")
 PY
 )
     verdict train-bf16-copies "$copies_verdict"
