@@ -84,12 +84,30 @@ pub fn adamw_pass_on_device(
     Ok(None)
 }
 
+/// Commits a staged θ' into its variable on a GPU by handing the staged buffer to the
+/// variable in place of its own (every holder of the variable sees the new values; nothing
+/// is copied: `Var::set` copied 8 bytes a parameter, ≈ 45 GB a step at 5.6 B parameters).
+/// `staged` comes back where this does not apply (off a GPU, not f32, other shapes, a
+/// variable that is a view of a larger buffer), for the caller to copy.
+#[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+pub fn swap_staged_into(var: &Tensor, staged: Tensor) -> Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    if gpu::swappable(var, &staged)? {
+        gpu::swap(var, staged)?;
+        return Ok(None);
+    }
+    Ok(Some(staged))
+}
+
 #[cfg(feature = "cuda")]
 mod gpu {
     use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
     use candle_core::cuda_backend::WrapErr;
     use candle_core::op::BackpropOp;
-    use candle_core::{CudaStorage, DType, Storage, Tensor};
+    use std::sync::Mutex;
+
+    use candle_core::backend::BackendStorage;
+    use candle_core::{CudaStorage, DType, InplaceOp1, Layout, Storage, Tensor};
 
     use super::{AdamWPassConstants, StagedOnDevice};
     use crate::cuda;
@@ -205,5 +223,66 @@ mod gpu {
                 false,
             ),
         })
+    }
+
+    /// Whether [`swap`] applies: both f32 on a GPU, the same shape, each contiguous over
+    /// the whole of its own buffer.
+    pub(super) fn swappable(var: &Tensor, staged: &Tensor) -> Result<bool> {
+        if var.dtype() != DType::F32 || staged.dtype() != DType::F32 || var.dims() != staged.dims()
+        {
+            return Ok(false);
+        }
+        let n = var.elem_count();
+        let whole = |t: &Tensor| -> Result<bool> {
+            let (storage, layout) = t.storage_and_layout();
+            Ok(match &*storage {
+                Storage::Cuda(cs) => {
+                    layout.contiguous_offsets() == Some((0, n))
+                        && cs.as_cuda_slice::<f32>()?.len() == n
+                }
+                _ => false,
+            })
+        };
+        Ok(whole(var)? && whole(staged)?)
+    }
+
+    /// Moves `staged`'s buffer into `var` (checked by [`swappable`]), leaving `staged` a
+    /// one-value placeholder that is dropped here.
+    pub(super) fn swap(var: &Tensor, staged: Tensor) -> Result<()> {
+        let take = Handover(Mutex::new(None));
+        staged.inplace_op1(&take)?;
+        var.inplace_op1(&take)?;
+        Ok(())
+    }
+
+    /// The buffer handed from the staged tensor to the variable: the first application
+    /// takes it (a one-value placeholder left behind), the second puts it in place of the
+    /// variable's own buffer (which is freed).
+    struct Handover(Mutex<Option<CudaStorage>>);
+
+    impl InplaceOp1 for Handover {
+        fn name(&self) -> &'static str {
+            "adamw-commit-on-device"
+        }
+
+        fn cpu_fwd(&self, _: &mut candle_core::CpuStorage, _: &Layout) -> candle_core::Result<()> {
+            candle_core::bail!("the on-device commit runs on a GPU only")
+        }
+
+        fn cuda_fwd(&self, storage: &mut CudaStorage, _: &Layout) -> candle_core::Result<()> {
+            let mut held = self
+                .0
+                .lock()
+                .map_err(|_| candle_core::Error::Msg("on-device commit: poisoned".into()))?;
+            match held.take() {
+                None => {
+                    let dev = storage.device().clone();
+                    let placeholder = CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<f32>(1)?, dev);
+                    *held = Some(std::mem::replace(storage, placeholder));
+                }
+                Some(staged) => *storage = staged,
+            }
+            Ok(())
+        }
     }
 }

@@ -23,7 +23,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use r3_model::cast16::cast16_into;
 use r3_model::narrow_grads::in_dtype_of;
-use r3_model::optim_pass::{adamw_pass_on_device, StagedOnDevice};
+use r3_model::optim_pass::{adamw_pass_on_device, swap_staged_into, StagedOnDevice};
 use r3_model::weights::check_narrow_copy;
 use r3_model::WeightPrecision;
 use rayon::prelude::*;
@@ -534,7 +534,10 @@ impl AdamW {
                 slot.v = Tensor::from_vec(v, shape, &Device::Cpu)?;
             }
             Staged::OnDevice(StagedOnDevice { theta, m, v, .. }, _) => {
-                slot.var.set(&theta)?;
+                // The staged buffer becomes the variable's (no copy) where it can.
+                if let Some(theta) = swap_staged_into(slot.var.as_tensor(), theta)? {
+                    slot.var.set(&theta)?;
+                }
                 slot.m = m;
                 slot.v = v;
             }
