@@ -53,11 +53,15 @@ pub struct StagedOnDevice {
     pub v: Tensor,
     /// The three maxima as bit patterns.
     pub maxima: Tensor,
+    /// θ' rounded to the held 16-bit copy's dtype, where the pass was asked for one.
+    pub copy: Option<Tensor>,
 }
 
 /// The fused pass over one tensor on a GPU: `None` where it does not apply (a tensor off a
 /// GPU, θ, m or v not f32, a gradient not f32, bf16 or f16, or the four of different
-/// lengths), and the caller composes candle's ops.
+/// lengths), and the caller composes candle's ops. `copy` (bf16 / f16), for a trainer
+/// holding a 16-bit copy of θ: the pass also writes θ' rounded to it (the values of
+/// `cast16(θ')`), so the copy is not rewritten by a second pass reading θ again.
 #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
 pub fn adamw_pass_on_device(
     theta: &Tensor,
@@ -65,6 +69,7 @@ pub fn adamw_pass_on_device(
     m: &Tensor,
     v: &Tensor,
     k: &AdamWPassConstants,
+    copy: Option<candle_core::DType>,
 ) -> Result<Option<StagedOnDevice>> {
     #[cfg(feature = "cuda")]
     {
@@ -78,17 +83,18 @@ pub fn adamw_pass_on_device(
                 .all(|t| t.device().is_cuda() && t.elem_count() == n)
             && n > 0;
         if applies {
-            return gpu::pass(theta, g, m, v, k).map(Some);
+            return gpu::pass(theta, g, m, v, k, copy).map(Some);
         }
     }
     Ok(None)
 }
 
-/// Commits a staged θ' into its variable on a GPU by handing the staged buffer to the
-/// variable in place of its own (every holder of the variable sees the new values; nothing
-/// is copied: `Var::set` copied 8 bytes a parameter, ≈ 45 GB a step at 5.6 B parameters).
-/// `staged` comes back where this does not apply (off a GPU, not f32, other shapes, a
-/// variable that is a view of a larger buffer), for the caller to copy.
+/// Commits a staged θ' (or its staged 16-bit copy) into its variable on a GPU by handing
+/// the staged buffer to the variable in place of its own (every holder of the variable sees
+/// the new values; nothing is copied: `Var::set` copied 8 bytes a parameter of θ, ≈ 45 GB a
+/// step at 5.6 B parameters). `staged` comes back where this does not apply (off a GPU,
+/// other dtypes or shapes, a variable that is a view of a larger buffer), for the caller
+/// to copy.
 #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
 pub fn swap_staged_into(var: &Tensor, staged: Tensor) -> Result<Option<Tensor>> {
     #[cfg(feature = "cuda")]
@@ -107,6 +113,7 @@ mod gpu {
     use std::sync::Mutex;
 
     use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr};
     use candle_core::{CudaStorage, DType, InplaceOp1, Layout, Storage, Tensor};
 
     use super::{AdamWPassConstants, StagedOnDevice};
@@ -120,6 +127,7 @@ mod gpu {
         m: &Tensor,
         v: &Tensor,
         k: &AdamWPassConstants,
+        copy: Option<DType>,
     ) -> Result<StagedOnDevice> {
         let n = theta.elem_count();
         let [theta_c, g_c, m_c, v_c] = [theta, g, m, v].map(Tensor::contiguous);
@@ -159,6 +167,30 @@ mod gpu {
             u32::from(k.decay.is_some()),
             u32::from(k.grad_scale.is_some()),
         );
+        // The staged 16-bit copy, where one is asked for (`copy_code` 0 none, 1 bf16, 2 f16).
+        let stream = dev.cuda_stream();
+        let copy_out = match copy {
+            // SAFETY: the kernel writes every element (its loop covers n) when asked to.
+            Some(DType::BF16) => Some(StagedCopy::Bf16(unsafe { dev.alloc::<half::bf16>(n)? })),
+            Some(DType::F16) => Some(StagedCopy::F16(unsafe { dev.alloc::<half::f16>(n)? })),
+            None => None,
+            Some(other) => {
+                return Err(ModelError::Input(format!(
+                    "AdamW's pass writes a bf16 or f16 copy of θ, not {other:?}"
+                )))
+            }
+        };
+        let (copy_ptr, copy_guard, copy_code) = match &copy_out {
+            Some(StagedCopy::Bf16(c)) => {
+                let (ptr, guard) = c.device_ptr(&stream);
+                (ptr, Some(guard), 1u32)
+            }
+            Some(StagedCopy::F16(c)) => {
+                let (ptr, guard) = c.device_ptr(&stream);
+                (ptr, Some(guard), 2u32)
+            }
+            None => (0u64, None, 0u32),
+        };
         // The kernel for the gradient's dtype (its pointer's type is all that differs).
         macro_rules! launch {
             ($name:expr, $grad:expr) => {{
@@ -186,7 +218,9 @@ mod gpu {
                     .arg(&decay)
                     .arg(&scale)
                     .arg(&use_decay)
-                    .arg(&use_scale);
+                    .arg(&use_scale)
+                    .arg(&copy_ptr)
+                    .arg(&copy_code);
                 // SAFETY: the arguments are the AdamW kernels' signature (`ADAMW_KERNEL` in
                 // kernels.cu, the gradient's type by the name), the views hold n elements.
                 unsafe { launch.launch(cuda::elementwise(n)) }.w()?;
@@ -203,6 +237,8 @@ mod gpu {
             ),
             _ => launch!("r3_adamw_f32", cuda::view::<f32>(sg, lg, "gradient")?),
         }
+        // The copy's write is recorded on the stream now that the kernel is queued.
+        drop(copy_guard);
         let shape = theta.shape().clone();
         let wrap = |slice, shape: candle_core::Shape| {
             Tensor::from_storage(
@@ -222,26 +258,46 @@ mod gpu {
                 BackpropOp::none(),
                 false,
             ),
+            copy: copy_out.map(|c| {
+                let storage = match c {
+                    StagedCopy::Bf16(c) => CudaStorage::wrap_cuda_slice(c, dev.clone()),
+                    StagedCopy::F16(c) => CudaStorage::wrap_cuda_slice(c, dev.clone()),
+                };
+                Tensor::from_storage(
+                    Storage::Cuda(storage),
+                    theta.shape().clone(),
+                    BackpropOp::none(),
+                    false,
+                )
+            }),
         })
     }
 
-    /// Whether [`swap`] applies: both f32 on a GPU, the same shape, each contiguous over
-    /// the whole of its own buffer.
+    /// A staged 16-bit copy of θ'.
+    enum StagedCopy {
+        Bf16(CudaSlice<half::bf16>),
+        F16(CudaSlice<half::f16>),
+    }
+
+    /// Whether [`swap`] applies: both on a GPU in one dtype (f32, bf16 or f16), the same
+    /// shape, each contiguous over the whole of its own buffer.
     pub(super) fn swappable(var: &Tensor, staged: &Tensor) -> Result<bool> {
-        if var.dtype() != DType::F32 || staged.dtype() != DType::F32 || var.dims() != staged.dims()
-        {
+        if var.dtype() != staged.dtype() || var.dims() != staged.dims() {
             return Ok(false);
         }
         let n = var.elem_count();
         let whole = |t: &Tensor| -> Result<bool> {
             let (storage, layout) = t.storage_and_layout();
-            Ok(match &*storage {
-                Storage::Cuda(cs) => {
-                    layout.contiguous_offsets() == Some((0, n))
-                        && cs.as_cuda_slice::<f32>()?.len() == n
-                }
-                _ => false,
-            })
+            let Storage::Cuda(cs) = &*storage else {
+                return Ok(false);
+            };
+            let len = match cs.dtype() {
+                DType::F32 => cs.as_cuda_slice::<f32>()?.len(),
+                DType::BF16 => cs.as_cuda_slice::<half::bf16>()?.len(),
+                DType::F16 => cs.as_cuda_slice::<half::f16>()?.len(),
+                _ => return Ok(false),
+            };
+            Ok(layout.contiguous_offsets() == Some((0, n)) && len == n)
         };
         Ok(whole(var)? && whole(staged)?)
     }

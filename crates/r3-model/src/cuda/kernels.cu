@@ -506,13 +506,15 @@ __device__ __forceinline__ float grad_f32(float g) { return g; }
 __device__ __forceinline__ float grad_f32(__nv_bfloat16 g) { return __bfloat162float(g); }
 __device__ __forceinline__ float grad_f32(__half g) { return __half2float(g); }
 
+// A trainer holding a 16-bit copy of θ (`copy_code` 1 bf16, 2 f16; 0 none) has θ' rounded
+// into `copy_out` too (nearest, ties to even: `cast16`'s rounding), committed with θ'.
 template <typename G>
 __device__ void adamw_pass(const float *theta, const G *g, const float *m, const float *v,
                            float *theta_out, float *m_out, float *v_out, uint32_t *maxima,
                            size_t n, float beta1, float one_minus_beta1, float beta2,
                            float one_minus_beta2, float inv_bc1, float inv_bc2, float eps,
                            float lr, float decay, float scale, uint32_t use_decay,
-                           uint32_t use_scale) {
+                           uint32_t use_scale, void *copy_out, uint32_t copy_code) {
     uint32_t tmax = 0, mmax = 0, vmax = 0;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
@@ -531,6 +533,11 @@ __device__ void adamw_pass(const float *theta, const G *g, const float *m, const
         theta_out[i] = updated;
         m_out[i] = m1;
         v_out[i] = v1;
+        if (copy_code == 1) {
+            static_cast<__nv_bfloat16 *>(copy_out)[i] = __float2bfloat16_rn(updated);
+        } else if (copy_code == 2) {
+            static_cast<__half *>(copy_out)[i] = __float2half_rn(updated);
+        }
         tmax = max(tmax, __float_as_uint(updated) & 0x7fffffffu);
         mmax = max(mmax, __float_as_uint(m1) & 0x7fffffffu);
         vmax = max(vmax, __float_as_uint(v1) & 0x7fffffffu);
@@ -554,10 +561,10 @@ __device__ void adamw_pass(const float *theta, const G *g, const float *m, const
                                     float one_minus_beta1, float beta2, float one_minus_beta2, \
                                     float inv_bc1, float inv_bc2, float eps, float lr,         \
                                     float decay, float scale, uint32_t use_decay,              \
-                                    uint32_t use_scale) {                                      \
+                                    uint32_t use_scale, void *copy_out, uint32_t copy_code) {  \
         adamw_pass<G>(theta, g, m, v, theta_out, m_out, v_out, maxima, n, beta1,               \
                       one_minus_beta1, beta2, one_minus_beta2, inv_bc1, inv_bc2, eps, lr,      \
-                      decay, scale, use_decay, use_scale);                                     \
+                      decay, scale, use_decay, use_scale, copy_out, copy_code);                \
     }
 ADAMW_KERNEL(r3_adamw_f32, float)
 ADAMW_KERNEL(r3_adamw_f32_grad_bf16, __nv_bfloat16)

@@ -533,13 +533,25 @@ impl AdamW {
                 slot.m = Tensor::from_vec(m, &shape, &Device::Cpu)?;
                 slot.v = Tensor::from_vec(v, shape, &Device::Cpu)?;
             }
-            Staged::OnDevice(StagedOnDevice { theta, m, v, .. }, _) => {
-                // The staged buffer becomes the variable's (no copy) where it can.
+            Staged::OnDevice(
+                StagedOnDevice {
+                    theta, m, v, copy, ..
+                },
+                _,
+            ) => {
+                // The staged buffers become the variable's and its copy's (no copy) where
+                // they can; the pass wrote the copy's values already.
                 if let Some(theta) = swap_staged_into(slot.var.as_tensor(), theta)? {
                     slot.var.set(&theta)?;
                 }
                 slot.m = m;
                 slot.v = v;
+                if let (Some(staged), Some(held)) = (copy, &slot.copy) {
+                    if let Some(staged) = swap_staged_into(held.as_tensor(), staged)? {
+                        held.set(&staged)?;
+                    }
+                    return Ok(());
+                }
             }
             Staged::Composed { m, v, new, .. } => {
                 slot.var.set(&new)?;
@@ -568,6 +580,7 @@ impl AdamW {
             &slot.m,
             &slot.v,
             k,
+            slot.copy.as_ref().map(|c| c.dtype()),
         )?)
     }
 
