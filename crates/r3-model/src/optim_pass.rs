@@ -107,13 +107,12 @@ pub fn swap_staged_into(var: &Tensor, staged: Tensor) -> Result<Option<Tensor>> 
 
 #[cfg(feature = "cuda")]
 mod gpu {
-    use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
-    use candle_core::cuda_backend::WrapErr;
-    use candle_core::op::BackpropOp;
     use std::sync::Mutex;
 
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr};
+    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr, PushKernelArg};
+    use candle_core::cuda_backend::WrapErr;
+    use candle_core::op::BackpropOp;
     use candle_core::{CudaStorage, DType, InplaceOp1, Layout, Storage, Tensor};
 
     use super::{AdamWPassConstants, StagedOnDevice};
