@@ -29,7 +29,8 @@
 #    copies of the weights (rewritten once per step), and the 30B-A3B shape runs again
 #    without them (`--narrow-copies off`: a cast of every weight at every use); bf16 runs
 #    again with the weight gradients in bf16 (`--narrow-gradients`), and with activation
-#    checkpointing as well (`--gradient-checkpointing`), memory beside HF's.
+#    checkpointing as well (`--gradient-checkpointing`), memory beside HF's; then `r3 bench
+#    optim` on the GPU (f32 gradients; bf16 gradients with held bf16 copies).
 # 4. The device rollout engine on CUDA: its tests (greedy = HF's on the oracle fixtures and
 #    = the CPU engine's, routes = the trainer's native routes on the GPU in f32 and bf16,
 #    seeded sampling reproducing itself, a batch = one at a time), `r3 generate --device
@@ -311,6 +312,22 @@ for run in "mid f32 8 70 --parts" "mid bf16 8 70 --parts" "a3b-8l bf16 2 120"; d
     echo "== bench $name: ${bench[-1]}"
 done
 verdict bench "$(IFS=';'; echo "${bench[*]}")"
+# The optimiser step alone on the GPU (300 M parameters of mid's shapes): f32 gradients, then
+# bf16 gradients with held bf16 copies (the pass reads the gradients as they are and writes
+# the copies itself), each composed against fused, against the GPU's own copy rate.
+if [ "$(left)" -ge 45 ]; then
+    optim=()
+    for mode in "f32" "bf16 --held-copies"; do
+        read -r gd extra <<< "$mode"
+        timeout "$(limit 40)" "$bin/r3" bench optim --device cuda --params 300000000 --steps 3 \
+            --grad-dtype "$gd" $extra > "$work/optim-$gd.txt" 2>&1
+        rc=$?
+        tail -n 7 "$work/optim-$gd.txt"
+        line=$(grep -E "^whole optimiser step" "$work/optim-$gd.txt" | sed -E 's/.*best: (.*) faster; fused at ([0-9.]+)% of bandwidth.*/\1 faster, fused \2% of bandwidth/')
+        optim+=("$gd gradients${extra:+ $extra}: ${line:-FAIL(rc $rc)}")
+    done
+    verdict optim "$(IFS=';'; echo "${optim[*]}")"
+fi
 echo "   benchmarks took $(( $(date +%s) - t0 )) s"
 fi
 

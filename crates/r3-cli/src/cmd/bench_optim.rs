@@ -1,14 +1,17 @@
 //! `r3 bench optim`: one optimiser step (global gradient norm, then AdamW) on the mid config's
 //! trainable parameter set, or a synthetic set shaped like it, by candle's composed ops and by
-//! the fused pass, timed alternately in one run, against this machine's streaming bandwidth
-//! measured on the spot.
+//! the fused pass, timed alternately in one run, against the device's streaming bandwidth
+//! measured on the spot (the CPU's STREAM triad, or a GPU's own copy rate); on the CPU or a
+//! GPU, with f32 or 16-bit gradients (`train.narrow_gradients`) and with held 16-bit copies
+//! of the matrices (`train.narrow_weight_copies`) rewritten by each update.
 
 use std::time::Instant;
 
 use candle_core::backprop::GradStore;
-use candle_core::{Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use clap::Args;
-use r3_model::{presets, tensor_specs_in, ExpertLayout};
+use r3_model::cast16::cast16;
+use r3_model::{presets, tensor_specs_in, DeviceSpec, ExpertLayout};
 use r3_train::{
     decay_matrices_only, global_grad_norm, global_grad_norm_composed, AdamW, AdamWKernel,
     AdamWParams, AdamWStep, UpdateStaging,
@@ -40,6 +43,26 @@ pub struct BenchOptimArgs {
     /// resident-memory high-water mark is printed either way, to compare.
     #[arg(long, value_enum, default_value_t = StagingArg::WholeStep)]
     pub update_staging: StagingArg,
+    /// Where the parameters live: `cpu`, `cuda` or `cuda:N` (a build with the `cuda`
+    /// feature).
+    #[arg(long, default_value = "cpu")]
+    pub device: DeviceSpec,
+    /// The gradients' dtype: `f32`, or `bf16` as a backward keeping them narrow hands them
+    /// over (`train.narrow_gradients`; read widened by the update).
+    #[arg(long, value_enum, default_value_t = GradDtype::F32)]
+    pub grad_dtype: GradDtype,
+    /// Hold a bf16 copy of every matrix, rewritten by each update (`train.narrow_weight_copies`).
+    #[arg(long)]
+    pub held_copies: bool,
+}
+
+/// `--grad-dtype`'s values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum GradDtype {
+    /// f32 gradients.
+    F32,
+    /// bf16 gradients.
+    Bf16,
 }
 
 /// `--update-staging`'s values.
@@ -63,22 +86,44 @@ impl From<StagingArg> for UpdateStaging {
 /// The bytes one optimiser step must move for a set of f32 parameters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OptimBytes {
-    /// AdamW: θ, g, m, v read and θ, m, v written, 4 bytes each (28 per parameter). The fused
-    /// pass writes the new θ, m, v into buffers that the commit swaps in, so it moves nothing
-    /// more; the composed ops move several times this (their passes are counted as the same
-    /// useful bytes, an effective rate).
+    /// AdamW: θ, m, v read and written, 4 bytes each, and the gradient read (4 bytes, or 2
+    /// in 16 bits): 28 per parameter with f32 gradients; plus a held 16-bit copy written (2
+    /// per parameter of the matrices that have one). The fused pass writes the new θ, m, v
+    /// (and copy) into buffers that the commit swaps in, so it moves nothing more; the
+    /// composed ops move several times this (their passes are counted as the same useful
+    /// bytes, an effective rate).
     pub adamw: u64,
-    /// The global gradient norm: each gradient read once (4 per parameter).
+    /// The global gradient norm: each gradient read once (4 or 2 per parameter).
     pub grad_norm: u64,
 }
 
-/// [`OptimBytes`] of `params` f32 parameters.
-pub fn optimiser_bytes(params: usize) -> OptimBytes {
+/// [`OptimBytes`] of `params` f32 parameters whose gradients take `grad_bytes` bytes a value,
+/// `copied` of them holding a 16-bit copy.
+pub fn optimiser_bytes(params: usize, grad_bytes: u64, copied: usize) -> OptimBytes {
     let n = params as u64;
     OptimBytes {
-        adamw: 7 * 4 * n,
-        grad_norm: 4 * n,
+        adamw: 6 * 4 * n + grad_bytes * n + 2 * copied as u64,
+        grad_norm: grad_bytes * n,
     }
+}
+
+/// A GPU's streaming rate in GB/s: the best of five passes of `y = x · 1 + 0` over 256 Mi
+/// f32 values (2 GiB read and written), each synchronised; the CPU's STREAM triad off a GPU.
+fn device_bandwidth(device: &Device) -> anyhow::Result<f64> {
+    if device.is_cpu() {
+        return Ok(stream_bandwidth());
+    }
+    let x = Tensor::ones(256 << 20, DType::F32, device)?;
+    let mut best = f64::INFINITY;
+    for _ in 0..5 {
+        device.synchronize()?;
+        let t0 = Instant::now();
+        let y = x.affine(1.0, 0.0)?;
+        device.synchronize()?;
+        best = best.min(t0.elapsed().as_secs_f64());
+        drop(y);
+    }
+    Ok(2.0 * (x.elem_count() * 4) as f64 / best / 1e9)
 }
 
 /// The parameter shapes: the mid config's trainable tensors, or `params` parameters of them
@@ -131,15 +176,32 @@ fn best_and_median(times: &mut [f64]) -> (f64, f64) {
 pub fn run(args: BenchOptimArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.steps > 0, "--steps must be at least 1");
     let shapes = shapes(args.params)?;
+    let device = args.device.open()?;
+    let grad_dtype = match args.grad_dtype {
+        GradDtype::F32 => DType::F32,
+        GradDtype::Bf16 => DType::BF16,
+    };
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
     let mut vars = Vec::with_capacity(shapes.len());
+    let mut copies = Vec::new();
     let mut grads = GradStore::default();
     for (i, shape) in shapes.iter().enumerate() {
-        let var = Var::from_tensor(&uniform(&mut rng, shape, 0.02)?)?;
-        grads.insert(var.as_tensor(), uniform(&mut rng, shape, 1e-3)?);
-        vars.push((format!("p{i:04}"), var));
+        let name = format!("p{i:04}");
+        let var = Var::from_tensor(&uniform(&mut rng, shape, 0.02)?.to_device(&device)?)?;
+        let grad = uniform(&mut rng, shape, 1e-3)?
+            .to_device(&device)?
+            .to_dtype(grad_dtype)?;
+        grads.insert(var.as_tensor(), grad);
+        if args.held_copies && shape.len() >= 2 {
+            copies.push((
+                name.clone(),
+                Var::from_tensor(&cast16(var.as_tensor(), DType::BF16)?)?,
+            ));
+        }
+        vars.push((name, var));
     }
     let params: usize = vars.iter().map(|(_, v)| v.elem_count()).sum();
+    let copied: usize = copies.iter().map(|(_, c)| c.elem_count()).sum();
     let plain: Vec<Var> = vars.iter().map(|(_, v)| v.clone()).collect();
     let adamw_params = AdamWParams {
         weight_decay: 0.1,
@@ -147,14 +209,22 @@ pub fn run(args: BenchOptimArgs) -> anyhow::Result<()> {
     };
     let mut opt = AdamW::new(vars, adamw_params, decay_matrices_only)?;
     opt.set_staging(args.update_staging.into());
-    let bytes = optimiser_bytes(params);
+    if !copies.is_empty() {
+        opt.hold_narrow_copies(copies)?;
+    }
+    let bytes = optimiser_bytes(params, grad_dtype.size_in_bytes() as u64, copied);
     println!(
-        "r3 bench optim: {:.1}M f32 parameters in {} tensors ({}), {} warm-up + {} timed steps per kernel, seed {}",
+        "r3 bench optim: {:.1}M f32 parameters in {} tensors ({}) on {}, {grad_dtype:?} gradients, {}, {} warm-up + {} timed steps per kernel, seed {}",
         params as f64 / 1e6,
         shapes.len(),
         match args.params {
             Some(_) => "synthetic, mid-config shapes",
             None => "the mid config's trainable set",
+        },
+        args.device,
+        match copied {
+            0 => "no held copies".to_string(),
+            c => format!("bf16 copies of {:.1}M parameters held", c as f64 / 1e6),
         },
         args.warmup,
         args.steps,
@@ -163,7 +233,7 @@ pub fn run(args: BenchOptimArgs) -> anyhow::Result<()> {
     println!("update staging: {:?}", args.update_staging);
     // The machine's bandwidth is measured between the steps too, and the best kept: on a
     // shared machine one measurement may fall in a loaded moment the steps do not.
-    let mut bandwidth = stream_bandwidth();
+    let mut bandwidth = device_bandwidth(&device)?;
 
     // The steps' resident high-water mark, the mark reset before them (the allocator keeps
     // freed buffers: compare runs that differ in one setting).
@@ -176,14 +246,18 @@ pub fn run(args: BenchOptimArgs) -> anyhow::Result<()> {
     let mut norms = [0f32; 2];
     for i in 0..args.warmup + args.steps {
         for (k, kernel) in kernels.iter().enumerate() {
+            // A GPU runs queued kernels after a call returns: each phase is timed to its end.
+            device.synchronize()?;
             let t0 = Instant::now();
             norms[k] = match kernel {
                 AdamWKernel::Composed => global_grad_norm_composed(plain.iter(), &grads)?,
                 AdamWKernel::Fused => global_grad_norm(plain.iter(), &grads)?,
             };
+            device.synchronize()?;
             let t1 = Instant::now();
             opt.set_kernel(*kernel);
             let out = opt.step(&grads, 1e-4)?;
+            device.synchronize()?;
             let t2 = Instant::now();
             anyhow::ensure!(out == AdamWStep::Applied, "the step was skipped: {out:?}");
             if i >= args.warmup {
@@ -191,7 +265,7 @@ pub fn run(args: BenchOptimArgs) -> anyhow::Result<()> {
                 adamw_times[k].push((t2 - t1).as_secs_f64());
             }
         }
-        bandwidth = bandwidth.max(stream_bandwidth());
+        bandwidth = bandwidth.max(device_bandwidth(&device)?);
     }
     anyhow::ensure!(
         norms[0].to_bits() == norms[1].to_bits(),
@@ -201,13 +275,19 @@ pub fn run(args: BenchOptimArgs) -> anyhow::Result<()> {
     );
 
     println!(
-        "streaming bandwidth (STREAM triad, measured now, best of {} measurements between the steps): {bandwidth:.1} GB/s",
+        "streaming bandwidth ({}, measured now, best of {} measurements between the steps): {bandwidth:.1} GB/s",
+        match device.is_cpu() {
+            true => "STREAM triad",
+            false => "the device's own copy, y = x · 1 + 0",
+        },
         args.warmup + args.steps + 1
     );
     println!(
-        "bytes per step: AdamW {:.2} GB (28 B/param), gradient norm {:.2} GB (4 B/param)",
+        "bytes per step: AdamW {:.2} GB ({:.1} B/param), gradient norm {:.2} GB ({} B/param)",
         bytes.adamw as f64 / 1e9,
-        bytes.grad_norm as f64 / 1e9
+        bytes.adamw as f64 / params as f64,
+        bytes.grad_norm as f64 / 1e9,
+        grad_dtype.size_in_bytes()
     );
     let mut best = [[0.0; 2]; 2];
     for (what, times, b) in [
@@ -237,7 +317,8 @@ pub fn run(args: BenchOptimArgs) -> anyhow::Result<()> {
         "gradient norm {:.6} (fused and composed bit-identical)",
         norms[1]
     );
-    if let (Some(before), Some(after)) = (memory_before, r3_train::rl::memory::read_memory()) {
+    let host_memory = memory_before.filter(|_| device.is_cpu());
+    if let (Some(before), Some(after)) = (host_memory, r3_train::rl::memory::read_memory()) {
         println!(
             "memory: resident high-water mark during the steps {:.0} MiB (the resident set before them {:.0} MiB; update staging {:?})",
             after.peak_mib, before.rss_mib, args.update_staging
@@ -255,14 +336,22 @@ mod tests {
     fn bytes_per_step_by_hand() {
         // 1000 parameters: 4 streams read + 3 written, 4 bytes each = 28 000; norm 4 000
         assert_eq!(
-            optimiser_bytes(1000),
+            optimiser_bytes(1000, 4, 0),
             OptimBytes {
                 adamw: 28_000,
                 grad_norm: 4_000
             }
         );
+        // bf16 gradients (2 bytes read each) and 600 of them holding a bf16 copy (2 written)
+        assert_eq!(
+            optimiser_bytes(1000, 2, 600),
+            OptimBytes {
+                adamw: 24_000 + 2_000 + 1_200,
+                grad_norm: 2_000
+            }
+        );
         // 3 B parameters do not overflow
-        assert_eq!(optimiser_bytes(3_000_000_000).adamw, 84_000_000_000);
+        assert_eq!(optimiser_bytes(3_000_000_000, 4, 0).adamw, 84_000_000_000);
     }
 
     #[test]
