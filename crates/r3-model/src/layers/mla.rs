@@ -118,9 +118,16 @@ impl MlaAttention {
     /// `[B, T, H]` → `[B, T, H]`.
     pub fn forward(&self, x: &Tensor, rope: &RopeTables, mask: &AttentionMask) -> Result<Tensor> {
         let (q, k, v) = self.project(x, rope)?;
-        // f32 products: MLA's concatenated q and k parts are not checked here to hold 16-bit
-        // values at every precision (the GQA layer's are, by its rotation's rounding).
-        let out = attend(&q, &k, &v, mask, self.scale, 1, NarrowOperands::default())?;
+        // At a 16-bit precision q's and k's parts are projection outputs (rounded) or
+        // rotated (rounded), v a projection output, and the output's gradient is rounded by
+        // the output projection's input rounding: their products may read them as 16-bit
+        // values.
+        let narrow_dtype = self.precision.narrow_dtype();
+        let narrow = NarrowOperands {
+            queries_keys: narrow_dtype,
+            values_grad: narrow_dtype,
+        };
+        let out = attend(&q, &k, &v, mask, self.scale, 1, narrow)?;
         self.o_proj.forward(&out)
     }
 
