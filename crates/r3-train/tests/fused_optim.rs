@@ -263,6 +263,22 @@ fn fused_grad_norm_is_candles_sum_bit_for_bit() {
         (f64::from(fused) - exact).abs() < 1e-5 * exact,
         "{fused} vs {exact}"
     );
+    // bf16 and f16 gradients (as `train.narrow_gradients` keeps them), read as they are and
+    // widened value by value: the composed path's norm of the widened gradients, bit for bit
+    for narrow in [candle_core::DType::BF16, candle_core::DType::F16] {
+        let mut narrowed = GradStore::default();
+        for v in &vars {
+            let g = store.get(v.as_tensor()).expect("g");
+            narrowed.insert(v.as_tensor(), g.to_dtype(narrow).expect("narrow"));
+        }
+        let reference = global_grad_norm_composed(vars.iter(), &narrowed).expect("composed");
+        let fused = global_grad_norm(vars.iter(), &narrowed).expect("norm");
+        assert_eq!(
+            fused.to_bits(),
+            reference.to_bits(),
+            "{narrow:?}: {fused} vs {reference}"
+        );
+    }
 }
 
 #[test]

@@ -45,6 +45,85 @@ impl<'a> HostF32<'a> {
     }
 }
 
+/// The contiguous elements of a CPU gradient as it lies: f32, or 16-bit as a backward kept
+/// it (`train.narrow_gradients`), read-locked for as long as the view lives.
+pub(crate) struct HostGrad<'a> {
+    storage: StorageRef<'a>,
+    from: usize,
+    to: usize,
+}
+
+/// A gradient's elements in their own dtype.
+#[derive(Clone, Copy)]
+pub(crate) enum GradSlice<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [half::bf16]),
+    F16(&'a [half::f16]),
+}
+
+impl<'a> HostGrad<'a> {
+    /// The view, or `None` when `g` is not a contiguous f32, bf16 or f16 tensor on the CPU.
+    pub(crate) fn of(g: &'a Tensor) -> Option<Self> {
+        let (storage, layout) = g.storage_and_layout();
+        let (from, to) = layout.contiguous_offsets()?;
+        matches!(
+            &*storage,
+            Storage::Cpu(CpuStorage::F32(_) | CpuStorage::BF16(_) | CpuStorage::F16(_))
+        )
+        .then_some(Self { storage, from, to })
+    }
+
+    /// The elements.
+    pub(crate) fn slice(&self) -> GradSlice<'_> {
+        let r = self.from..self.to;
+        match &*self.storage {
+            Storage::Cpu(CpuStorage::BF16(data)) => GradSlice::Bf16(&data[r]),
+            Storage::Cpu(CpuStorage::F16(data)) => GradSlice::F16(&data[r]),
+            Storage::Cpu(CpuStorage::F32(data)) => GradSlice::F32(&data[r]),
+            // `of` admits only these CPU storages
+            _ => GradSlice::F32(&[]),
+        }
+    }
+}
+
+impl GradSlice<'_> {
+    /// Its length.
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            GradSlice::F32(g) => g.len(),
+            GradSlice::Bf16(g) => g.len(),
+            GradSlice::F16(g) => g.len(),
+        }
+    }
+}
+
+/// A gradient value widened to f32 as it is read (exact for bf16 and f16: the value a
+/// widened copy would hold).
+trait WidenedGrad: Copy + Send + Sync {
+    fn wide(self) -> f32;
+}
+
+impl WidenedGrad for f32 {
+    #[inline(always)]
+    fn wide(self) -> f32 {
+        self
+    }
+}
+
+impl WidenedGrad for half::bf16 {
+    #[inline(always)]
+    fn wide(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+impl WidenedGrad for half::f16 {
+    #[inline(always)]
+    fn wide(self) -> f32 {
+        self.to_f32()
+    }
+}
+
 /// AdamW's per-step constants, rounded to f32 exactly where candle's `affine` rounds them:
 /// one definition for the CPU pass here and the GPU pass (`r3_model::optim_pass`).
 pub(crate) use r3_model::optim_pass::AdamWPassConstants as AdamWConstants;
@@ -114,9 +193,9 @@ type OutChunks<'a> = [&'a mut [MaybeUninit<f32>]; 3];
 /// One chunk of the AdamW pass: reads θ, g, m, v once, writes θ', m', v', returns the checks.
 /// Operation for operation the composed path (see `AdamW::step`). `DECAY` and `SCALE` are
 /// whether `k.decay` / `k.grad_scale` are set, as constants so the loop has no branch.
-fn adamw_chunk<const DECAY: bool, const SCALE: bool>(
+fn adamw_chunk<G: WidenedGrad, const DECAY: bool, const SCALE: bool>(
     k: &AdamWConstants,
-    (theta, g, m, v): (&[f32], &[f32], &[f32], &[f32]),
+    (theta, g, m, v): (&[f32], &[G], &[f32], &[f32]),
     [theta_out, m_out, v_out]: OutChunks<'_>,
 ) -> StagedChecks {
     let n = theta.len();
@@ -126,7 +205,8 @@ fn adamw_chunk<const DECAY: bool, const SCALE: bool>(
     let scale = k.grad_scale.unwrap_or(1.0);
     let (mut theta_max, mut m_max, mut v_max) = (0u32, 0u32, 0u32);
     for i in 0..n {
-        let g = if SCALE { g[i] * scale + 0.0 } else { g[i] };
+        let gi = g[i].wide();
+        let g = if SCALE { gi * scale + 0.0 } else { gi };
         let m1 = (m[i] * k.beta1 + 0.0) + (g * k.one_minus_beta1 + 0.0);
         let v1 = (v[i] * k.beta2 + 0.0) + ((g * g) * k.one_minus_beta2 + 0.0);
         let m_hat = m1 * k.inv_bc1 + 0.0;
@@ -148,16 +228,16 @@ fn adamw_chunk<const DECAY: bool, const SCALE: bool>(
 }
 
 /// [`adamw_chunk`] with its constants chosen.
-fn adamw_chunk_dispatch(
+fn adamw_chunk_dispatch<G: WidenedGrad>(
     k: &AdamWConstants,
-    inputs: (&[f32], &[f32], &[f32], &[f32]),
+    inputs: (&[f32], &[G], &[f32], &[f32]),
     outputs: OutChunks<'_>,
 ) -> StagedChecks {
     match (k.decay.is_some(), k.grad_scale.is_some()) {
-        (false, false) => adamw_chunk::<false, false>(k, inputs, outputs),
-        (false, true) => adamw_chunk::<false, true>(k, inputs, outputs),
-        (true, false) => adamw_chunk::<true, false>(k, inputs, outputs),
-        (true, true) => adamw_chunk::<true, true>(k, inputs, outputs),
+        (false, false) => adamw_chunk::<G, false, false>(k, inputs, outputs),
+        (false, true) => adamw_chunk::<G, false, true>(k, inputs, outputs),
+        (true, false) => adamw_chunk::<G, true, false>(k, inputs, outputs),
+        (true, true) => adamw_chunk::<G, true, true>(k, inputs, outputs),
     }
 }
 
@@ -181,10 +261,24 @@ impl FusedOutputs {
 }
 
 /// The fused AdamW pass over one tensor: new θ, m, v into `out` (nothing is written to the
-/// inputs `[θ, g, m, v]`, all of `out`'s length), chunks in parallel.
+/// inputs θ, g, m, v, all of `out`'s length; `g` f32, or 16-bit and widened as it is read:
+/// the same values as a widened copy, without its pass), chunks in parallel.
 pub(crate) fn adamw_pass(
     k: &AdamWConstants,
-    [theta, g, m, v]: [&[f32]; 4],
+    (theta, g, m, v): (&[f32], GradSlice<'_>, &[f32], &[f32]),
+    out: FusedOutputs,
+) -> StagedUpdate {
+    match g {
+        GradSlice::F32(g) => adamw_pass_typed(k, (theta, g, m, v), out),
+        GradSlice::Bf16(g) => adamw_pass_typed(k, (theta, g, m, v), out),
+        GradSlice::F16(g) => adamw_pass_typed(k, (theta, g, m, v), out),
+    }
+}
+
+/// [`adamw_pass`] for one gradient dtype.
+fn adamw_pass_typed<G: WidenedGrad>(
+    k: &AdamWConstants,
+    (theta, g, m, v): (&[f32], &[G], &[f32], &[f32]),
     out: FusedOutputs,
 ) -> StagedUpdate {
     let FusedOutputs {
@@ -226,14 +320,25 @@ pub(crate) fn adamw_pass(
 /// AVX2 (32 lane accumulators over the 32-aligned prefix, reduced pairwise as its `vec_reduce`
 /// does, then the tail one by one), and sequentially elsewhere (candle's scalar loop; on other
 /// SIMD targets candle's order may differ in the last bits). One read of `g`.
-pub(crate) fn sum_of_squares(g: &[f32]) -> f32 {
+pub(crate) fn sum_of_squares(g: GradSlice<'_>) -> f32 {
+    match g {
+        GradSlice::F32(g) => sum_of_squares_typed(g),
+        GradSlice::Bf16(g) => sum_of_squares_typed(g),
+        GradSlice::F16(g) => sum_of_squares_typed(g),
+    }
+}
+
+/// [`sum_of_squares`] for one gradient dtype, each value widened as it is read (the sum of a
+/// widened copy, without its pass).
+fn sum_of_squares_typed<G: WidenedGrad>(g: &[G]) -> f32 {
     if !candle_lane_order() {
-        return g.iter().fold(0.0f32, |acc, &x| acc + x * x);
+        return g.iter().fold(0.0f32, |acc, &x| acc + x.wide() * x.wide());
     }
     let body = g.len() & !31;
     let mut lanes = [0.0f32; 32];
     for block in g[..body].chunks_exact(32) {
         for (acc, &x) in lanes.iter_mut().zip(block) {
+            let x = x.wide();
             *acc += x * x;
         }
     }
@@ -246,6 +351,7 @@ pub(crate) fn sum_of_squares(g: &[f32]) -> f32 {
     let t0: [f32; 4] = std::array::from_fn(|j| u[j] + u[4 + j]);
     let mut sum = (t0[0] + t0[1]) + (t0[2] + t0[3]);
     for &x in &g[body..] {
+        let x = x.wide();
         sum += x * x;
     }
     sum

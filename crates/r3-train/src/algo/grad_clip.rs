@@ -1,6 +1,6 @@
 //! Global gradient-norm computation and clipping over a `GradStore`.
 
-use crate::algo::fused_optim::{sum_of_squares, HostF32};
+use crate::algo::fused_optim::{sum_of_squares, HostGrad};
 use crate::algo::logprob::scalar_f32;
 use crate::error::Result;
 use candle_core::backprop::GradStore;
@@ -28,7 +28,7 @@ impl GradNorm {
 /// L2 norm of all gradients of `vars` present in `grads` (variables without a gradient
 /// contribute nothing): the per-tensor sums of squares added in `vars`' order, in f32. A
 /// gradient kept in 16 bits (`r3_model::narrow_grads`) is read widened to its variable's
-/// dtype, one tensor at a time.
+/// dtype (on the CPU each value as the pass reads it, elsewhere one tensor at a time).
 ///
 /// When every gradient is on the CPU and every variable f32, each sum is one fused read of
 /// the (widened) gradient (tensors in parallel) in candle's own summation order, so the norm
@@ -45,8 +45,12 @@ pub fn global_grad_norm<'a>(
         let sums: Vec<Option<f32>> = present
             .par_iter()
             .map(|(var, g)| -> Result<Option<f32>> {
-                let g = in_dtype_of(g, var)?.contiguous()?;
-                Ok(HostF32::of(&g).map(|h| sum_of_squares(h.slice())))
+                // A gradient kept in 16 bits is read as it is, each value widened.
+                let g = match g.dtype() {
+                    DType::F32 | DType::BF16 | DType::F16 => g.contiguous()?,
+                    _ => in_dtype_of(g, var)?.contiguous()?,
+                };
+                Ok(HostGrad::of(&g).map(|h| sum_of_squares(h.slice())))
             })
             .collect::<Result<_>>()?;
         if let Some(sums) = sums.into_iter().collect::<Option<Vec<f32>>>() {

@@ -16,7 +16,8 @@
 //! that any other device takes.
 
 use crate::algo::fused_optim::{
-    adamw_pass, commit_into, AdamWConstants, FusedOutputs, HostF32, StagedChecks, StagedUpdate,
+    adamw_pass, commit_into, AdamWConstants, FusedOutputs, HostF32, HostGrad, StagedChecks,
+    StagedUpdate,
 };
 use crate::error::{Result, TrainError};
 use candle_core::backprop::GradStore;
@@ -461,22 +462,26 @@ impl AdamW {
         out: FusedOutputs,
     ) -> Result<Option<StagedUpdate>> {
         let slot = &self.slots[i];
-        let g = in_dtype_of(g, slot.var.as_tensor())?.contiguous()?;
+        // A gradient kept in 16 bits is read as it is, each value widened by the pass.
+        let g = match g.dtype() {
+            DType::F32 | DType::BF16 | DType::F16 => g.contiguous()?,
+            _ => in_dtype_of(g, slot.var.as_tensor())?.contiguous()?,
+        };
         let views = (
             HostF32::of(slot.var.as_tensor()),
-            HostF32::of(&g),
+            HostGrad::of(&g),
             HostF32::of(&slot.m),
             HostF32::of(&slot.v),
         );
         let (Some(theta), Some(g), Some(m), Some(v)) = views else {
             return Ok(None);
         };
+        let (theta, g, m, v) = (theta.slice(), g.slice(), m.slice(), v.slice());
+        if g.len() != theta.len() {
+            return Ok(None);
+        }
         let k = adamw_constants(&self.params, at, slot.decay);
-        Ok(Some(adamw_pass(
-            &k,
-            [theta.slice(), g.slice(), m.slice(), v.slice()],
-            out,
-        )))
+        Ok(Some(adamw_pass(&k, (theta, g, m, v), out)))
     }
 
     /// Slot `i`'s update off the CPU's fused pass: the GPU's fused pass (which reads a
