@@ -41,3 +41,15 @@ pub fn f32_bits(t: &Tensor) -> Vec<u32> {
         .map(|v| v.to_bits())
         .collect()
 }
+
+/// The bit patterns of a float tensor's values widened to f64 (exact for f32 and f64) in
+/// row-major order: bit-for-bit comparisons of either dtype.
+pub fn f64_bits(t: &Tensor) -> Vec<u64> {
+    t.flatten_all()
+        .and_then(|t| t.to_dtype(DType::F64))
+        .and_then(|t| t.to_vec1::<f64>())
+        .expect("f64 values")
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
+}

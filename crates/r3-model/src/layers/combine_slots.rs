@@ -577,15 +577,7 @@ mod tests {
     #[test]
     fn the_in_order_combine_equals_the_combine_then_the_rounding() {
         use crate::precision::Precision;
-        let bits = |t: &Tensor| {
-            t.flatten_all()
-                .and_then(|t| t.to_dtype(DType::F64))
-                .and_then(|t| t.to_vec1::<f64>())
-                .expect("host")
-                .iter()
-                .map(|v| v.to_bits())
-                .collect::<Vec<u64>>()
-        };
+        let bits = crate::test_util::f64_bits;
         let (rows, k, h) = (5, 3, 7);
         let in_order: Vec<u32> = (0..(rows * k) as u32).collect();
         for (dtype, precision) in [

@@ -369,7 +369,7 @@ impl GatherRows {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_util::{max_abs_diff, seeded_tensor};
+    use crate::test_util::{f64_bits, max_abs_diff, seeded_tensor};
     use candle_core::{DType, Var};
 
     /// The gradient of `Σ y ⊙ probe` with respect to `src`.
@@ -420,17 +420,7 @@ mod tests {
     /// `index_select` and its `index_add` backward, on rows with and without a gradient.
     #[test]
     fn rows_read_once_equal_index_select_and_its_backward_bit_for_bit() {
-        let bits = |t: &Tensor| -> Vec<u64> {
-            let t = t
-                .flatten_all()
-                .and_then(|t| t.to_dtype(DType::F64))
-                .expect("flat");
-            t.to_vec1::<f64>()
-                .expect("values")
-                .iter()
-                .map(|v| v.to_bits())
-                .collect()
-        };
+        let bits = f64_bits;
         let src_rows = 200;
         let ids: Vec<u32> = (0..src_rows as u32).filter(|r| r % 4 != 3).collect();
         for dtype in [DType::F64, DType::F32] {
@@ -479,16 +469,11 @@ mod tests {
                     .bwd_composed(&src, &grad, &fan_in, 5)
                     .expect("composed")
                     .expect("gradient");
-                let bits = |t: &Tensor| {
-                    t.flatten_all()
-                        .and_then(|t| t.to_dtype(DType::F64))
-                        .and_then(|t| t.to_vec1::<f64>())
-                        .expect("values")
-                        .iter()
-                        .map(|v| v.to_bits())
-                        .collect::<Vec<u64>>()
-                };
-                assert_eq!(bits(&host), bits(&composed), "{dtype:?} {grad_rows}");
+                assert_eq!(
+                    f64_bits(&host),
+                    f64_bits(&composed),
+                    "{dtype:?} {grad_rows}"
+                );
                 // row 3, 5 and 6 are never read, row 8 read twice but padding at 8 rows
                 let zero_rows: &[usize] = match grad_rows == src_rows {
                     true => &[3, 5, 6],

@@ -19,34 +19,31 @@ use std::sync::Mutex;
 /// enough to spread one big tensor over every core.
 const CHUNK: usize = 1 << 15;
 
-/// The contiguous f32 elements of a CPU tensor, read-locked for as long as the view lives.
-pub(crate) struct HostF32<'a> {
-    storage: StorageRef<'a>,
-    from: usize,
-    to: usize,
-}
+/// The contiguous f32 elements of a CPU tensor, read-locked for as long as the view lives
+/// (a [`HostGrad`] admitting f32 only).
+pub(crate) struct HostF32<'a>(HostGrad<'a>);
 
 impl<'a> HostF32<'a> {
     /// The view, or `None` when `t` is not a contiguous f32 tensor on the CPU (the caller then
     /// takes the composed path).
     pub(crate) fn of(t: &'a Tensor) -> Option<Self> {
-        let (storage, layout) = t.storage_and_layout();
-        let (from, to) = layout.contiguous_offsets()?;
-        matches!(&*storage, Storage::Cpu(CpuStorage::F32(_))).then_some(Self { storage, from, to })
+        let view = HostGrad::of(t)?;
+        matches!(view.slice(), GradSlice::F32(_)).then_some(Self(view))
     }
 
     /// The elements.
     pub(crate) fn slice(&self) -> &[f32] {
-        match &*self.storage {
-            Storage::Cpu(CpuStorage::F32(data)) => &data[self.from..self.to],
-            // `of` admits only f32 CPU storage
+        match self.0.slice() {
+            GradSlice::F32(data) => data,
+            // `of` admits only f32 storage
             _ => &[],
         }
     }
 }
 
-/// The contiguous elements of a CPU gradient as it lies: f32, or 16-bit as a backward kept
-/// it (`train.narrow_gradients`), read-locked for as long as the view lives.
+/// The contiguous elements of a CPU tensor in its own float dtype: a gradient f32, or 16-bit
+/// as a backward kept it (`train.narrow_gradients`); read-locked for as long as the view
+/// lives.
 pub(crate) struct HostGrad<'a> {
     storage: StorageRef<'a>,
     from: usize,
