@@ -6,8 +6,9 @@
 //! `[rows × PANEL]` block of outputs in registers, widens each line to f32 in registers and
 //! does one broadcast-FMA per input row: no horizontal sums, no f32 copy of the weights, and
 //! the output lands row-major. With AVX-512 f16 widens with `vcvtph2ps` and bf16 with a zero
-//! extension and a 16-bit shift (bf16 is the upper half of an f32), then `vfmadd231ps`; other
-//! CPUs widen a panel to an f32 scratch and use portable loops.
+//! extension and a 16-bit shift (bf16 is the upper half of an f32), then `vfmadd231ps`; with
+//! AVX2 the same over half a panel at a time (`packed_f16/avx2.rs`); other CPUs widen a panel
+//! to an f32 scratch and use portable loops. Every kernel writes the same bits.
 
 use half::f16;
 use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
@@ -15,6 +16,9 @@ use rayon::prelude::*;
 
 use crate::dtype::bf16_bits;
 use crate::kernels::ops::{prefetch_lines, CacheLevel};
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 
 /// A row-major matrix given as row blocks stacked in order (`[q; k; v]`, `[gate; up]`, or one
 /// block), each borrowed where it lies: packing reads the rows without first copying the
@@ -121,7 +125,8 @@ const TILE_ROWS: usize = 14;
 
 /// Which code computes the panels, chosen from the CPU's features. Safe code can obtain one
 /// only from [`PanelKernel::detect`] or [`PanelKernel::portable`], so the AVX-512 kernel runs
-/// only where detection found AVX-512F.
+/// only where detection found AVX-512F, and the AVX2 one only where it found AVX2, FMA and
+/// F16C.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PanelKernel(KernelChoice);
 
@@ -130,6 +135,8 @@ pub struct PanelKernel(KernelChoice);
 enum KernelChoice {
     /// AVX-512F intrinsics (x86-64 CPUs that have them).
     Avx512,
+    /// AVX2, FMA and F16C intrinsics, half a panel at a time (x86-64 CPUs without AVX-512).
+    Avx2,
     /// Portable loops over a widened panel.
     Portable,
 }
@@ -142,6 +149,12 @@ impl PanelKernel {
             if std::arch::is_x86_feature_detected!("avx512f") {
                 return PanelKernel(KernelChoice::Avx512);
             }
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("f16c")
+            {
+                return PanelKernel(KernelChoice::Avx2);
+            }
         }
         PanelKernel::portable()
     }
@@ -149,6 +162,26 @@ impl PanelKernel {
     /// The portable kernel (runs on every CPU).
     pub fn portable() -> Self {
         PanelKernel(KernelChoice::Portable)
+    }
+
+    /// Every kernel this CPU runs, the portable one first and the detected one last: for
+    /// tests and benchmarks that compare them (they write the same bits).
+    pub fn available() -> Vec<Self> {
+        let mut kernels = vec![PanelKernel::portable()];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("f16c")
+            {
+                kernels.push(PanelKernel(KernelChoice::Avx2));
+            }
+        }
+        let detected = PanelKernel::detect();
+        if !kernels.contains(&detected) {
+            kernels.push(detected);
+        }
+        kernels
     }
 }
 
@@ -356,7 +389,7 @@ impl PackedF16 {
         match kernel.0 {
             #[cfg(target_arch = "x86_64")]
             KernelChoice::Avx512 => {
-                for (r0, rows) in row_tiles(m) {
+                for (r0, rows) in row_tiles(m, TILE_ROWS) {
                     let xs = &x[r0 * k..(r0 + rows) * k];
                     // SAFETY: only `detect` builds an Avx512 kernel (the field is private), and
                     // only where the CPU has AVX-512F; the slices cover `rows` input rows of k
@@ -367,14 +400,39 @@ impl PackedF16 {
                     };
                 }
             }
+            #[cfg(target_arch = "x86_64")]
+            KernelChoice::Avx2 => {
+                let halves = cols.div_ceil(PANEL / 2);
+                let passes = m.div_ceil(avx2::TILE_ROWS) * halves;
+                for (t, (r0, rows)) in row_tiles(m, avx2::TILE_ROWS).enumerate() {
+                    let xs = &x[r0 * k..(r0 + rows) * k];
+                    // SAFETY: only `detect` builds an Avx2 kernel (the field is private), and
+                    // only where the CPU has AVX2, FMA and F16C; the slices and `out` as for
+                    // the AVX-512 kernel above.
+                    unsafe {
+                        avx2::tile(
+                            self.kind,
+                            xs,
+                            rows,
+                            k,
+                            panel,
+                            out.add(r0 * ldo),
+                            ldo,
+                            cols,
+                            t * halves,
+                            passes,
+                        )
+                    };
+                }
+            }
             _ => portable_panel(self.kind, panel, x, m, k, out, ldo, cols),
         }
     }
 }
 
-/// `m` rows split into `ceil(m / TILE_ROWS)` tiles of nearly equal height: `(first, rows)`.
-fn row_tiles(m: usize) -> impl Iterator<Item = (usize, usize)> {
-    let tiles = m.div_ceil(TILE_ROWS);
+/// `m` rows split into `ceil(m / tile_rows)` tiles of nearly equal height: `(first, rows)`.
+fn row_tiles(m: usize, tile_rows: usize) -> impl Iterator<Item = (usize, usize)> {
+    let tiles = m.div_ceil(tile_rows);
     let (base, extra) = (m / tiles.max(1), m % tiles.max(1));
     (0..tiles).scan(0, move |r0, t| {
         let rows = base + usize::from(t < extra);
@@ -744,7 +802,7 @@ mod tests {
 
     #[test]
     fn every_kernel_matches_the_reference_including_ragged_edges() {
-        let kernels = [PanelKernel::portable(), PanelKernel::detect()];
+        let kernels = PanelKernel::available();
         for &(m, k, n) in &[
             (1, 64, 32),
             (3, 37, 50),
@@ -754,33 +812,48 @@ mod tests {
             (14, 64, 64),
             (64, 40, 33),
             (17, 70, 65),
+            // Half panels: a first half short of 16 columns, exactly 16, a second half of one.
+            (5, 33, 8),
+            (7, 19, 16),
+            (6, 24, 49),
         ] {
             let x = data(m * k, 1);
             let w = data(n * k, 2);
-            for (hk, kernel) in [HalfKind::F16, HalfKind::Bf16]
-                .into_iter()
-                .flat_map(|hk| kernels.map(|kn| (hk, kn)))
-            {
+            for hk in [HalfKind::F16, HalfKind::Bf16] {
                 let want = reference(hk, &x, m, k, &w, n);
                 let packed = PackedF16::pack_as(hk, &w, n, k);
                 // Sentinels past column n must survive: the tail panel writes only its columns.
                 let ldo = n + 3;
-                let mut out = vec![f32::NAN; m * ldo];
-                for p in 0..packed.panels() {
-                    packed.panel_times(kernel, p, &x, m, &mut out[p * PANEL..], ldo);
-                }
-                for i in 0..m {
-                    for j in 0..n {
-                        let (a, b) = (out[i * ldo + j], want[i * n + j]);
+                let mut first: Option<Vec<f32>> = None;
+                for &kernel in &kernels {
+                    let mut out = vec![f32::NAN; m * ldo];
+                    for p in 0..packed.panels() {
+                        packed.panel_times(kernel, p, &x, m, &mut out[p * PANEL..], ldo);
+                    }
+                    for i in 0..m {
+                        for j in 0..n {
+                            let (a, b) = (out[i * ldo + j], want[i * n + j]);
+                            assert!(
+                                (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
+                                "{hk:?} {kernel:?} m={m} k={k} n={n} ({i},{j}): {a} vs {b}"
+                            );
+                        }
                         assert!(
-                            (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
-                            "{hk:?} {kernel:?} m={m} k={k} n={n} ({i},{j}): {a} vs {b}"
+                            out[i * ldo + n..(i + 1) * ldo].iter().all(|v| v.is_nan()),
+                            "{kernel:?} wrote past column {n}"
                         );
                     }
-                    assert!(
-                        out[i * ldo + n..(i + 1) * ldo].iter().all(|v| v.is_nan()),
-                        "{kernel:?} wrote past column {n}"
-                    );
+                    // Every kernel adds each output's products in the same order: the same
+                    // bits as the portable loop's.
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    match &first {
+                        None => first = Some(out),
+                        Some(portable) => assert_eq!(
+                            bits(&out),
+                            bits(portable),
+                            "{hk:?} {kernel:?} m={m} k={k} n={n}: other bits than the portable loop"
+                        ),
+                    }
                 }
             }
         }
@@ -1068,12 +1141,12 @@ mod tests {
 
     #[test]
     fn row_tiles_cover_every_row_once_in_even_tiles() {
-        for m in 0..40 {
-            let tiles: Vec<_> = row_tiles(m).collect();
+        for (m, height) in (0..40).flat_map(|m| [(m, TILE_ROWS), (m, 6)]) {
+            let tiles: Vec<_> = row_tiles(m, height).collect();
             let mut next = 0;
             for &(first, rows) in &tiles {
                 assert_eq!(first, next);
-                assert!((1..=TILE_ROWS).contains(&rows));
+                assert!((1..=height).contains(&rows));
                 next += rows;
             }
             assert_eq!(next, m);
