@@ -402,28 +402,11 @@ impl PackedF16 {
             }
             #[cfg(target_arch = "x86_64")]
             KernelChoice::Avx2 => {
-                let halves = cols.div_ceil(PANEL / 2);
-                let passes = m.div_ceil(avx2::TILE_ROWS) * halves;
-                for (t, (r0, rows)) in row_tiles(m, avx2::TILE_ROWS).enumerate() {
-                    let xs = &x[r0 * k..(r0 + rows) * k];
-                    // SAFETY: only `detect` builds an Avx2 kernel (the field is private), and
-                    // only where the CPU has AVX2, FMA and F16C; the slices and `out` as for
-                    // the AVX-512 kernel above.
-                    unsafe {
-                        avx2::tile(
-                            self.kind,
-                            xs,
-                            rows,
-                            k,
-                            panel,
-                            out.add(r0 * ldo),
-                            ldo,
-                            cols,
-                            t * halves,
-                            passes,
-                        )
-                    };
-                }
+                // SAFETY: only `detect` and `available` build an Avx2 kernel (the field is
+                // private), and only where the CPU has AVX2, FMA and F16C; `x` covers m rows
+                // of k values (asserted above), the panel k lines, and `out` is writable for
+                // m rows of stride ldo with `cols` valid columns (the caller's contract).
+                unsafe { avx2::panel_times(self.kind, x, m, k, panel, out, ldo, cols) };
             }
             _ => portable_panel(self.kind, panel, x, m, k, out, ldo, cols),
         }
@@ -816,6 +799,7 @@ mod tests {
             (5, 33, 8),
             (7, 19, 16),
             (6, 24, 49),
+            (2, 45, 40),
         ] {
             let x = data(m * k, 1);
             let w = data(n * k, 2);

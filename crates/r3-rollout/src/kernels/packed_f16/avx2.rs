@@ -17,7 +17,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{HalfKind, Line, PANEL};
+use super::{row_tiles, HalfKind, Line, PANEL};
 
 /// Input rows per register tile: six rows' two accumulators, the two widened weight pieces
 /// and one broadcast fill 15 of AVX2's 16 registers.
@@ -34,64 +34,65 @@ const PREFETCH_LINES: usize = 96;
 /// Where one pass over a panel stands among all of them: the first pass streams the panel
 /// from memory; each later one finds it in cache and asks for a share of the next panel's
 /// lines (panels lie back to back, and a task runs its panels in order), so that memory keeps
-/// streaming while the panel is read again: every `stride`-th line from line `phase` on.
+/// streaming while the panel is read again: pass `i` asks for every `(count − 1)`-th line
+/// from line `i − 1` on, so the later passes share the next panel's lines out among them.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct Pass {
+struct Pass {
     /// This pass's place, 0 for the first.
-    pub index: usize,
+    index: usize,
     /// How many passes the panel gets (two halves a row tile).
-    pub count: usize,
+    count: usize,
 }
 
-/// One register tile: `rows` (≤ [`TILE_ROWS`]) input rows times one panel of `kind` values,
-/// in two halves of 16 columns: passes `first_pass` and `first_pass + 1` of `passes`.
+/// `m` input rows times one panel of `kind` values: row tiles of up to [`TILE_ROWS`] rows,
+/// each in two half-panel passes. (A one-pass tile over the whole panel for one or two rows,
+/// four accumulators a row, did not move batch-1 decode: 166 against 167 tokens/s.)
 ///
 /// # Safety
-/// The CPU must support AVX2, FMA and F16C; `x` holds `rows·k` values, `panel` `k` lines, and
-/// `out` is writable for `rows` rows `ldo` apart of `cols` (≤ `PANEL`) values, untouched by
+/// The CPU must support AVX2, FMA and F16C; `x` holds `m·k` values, `panel` `k` lines, and
+/// `out` is writable for `m` rows `ldo` apart of `cols` (≤ `PANEL`) values, untouched by
 /// others meanwhile.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn tile(
+pub(super) unsafe fn panel_times(
     kind: HalfKind,
     x: &[f32],
-    rows: usize,
+    m: usize,
     k: usize,
     panel: &[Line],
     out: *mut f32,
     ldo: usize,
     cols: usize,
-    first_pass: usize,
-    passes: usize,
 ) {
-    for half in 0..2 {
-        let first = half * HALF;
-        if first >= cols {
-            break;
-        }
-        let job = HalfTile {
-            x,
-            k,
-            panel,
-            half,
-            pass: Pass {
-                index: first_pass + half,
-                count: passes,
-            },
-            out: out.add(first),
-            ldo,
-            cols: HALF.min(cols - first),
-        };
-        match kind {
-            HalfKind::F16 => tile_rows::<false>(&job, rows),
-            HalfKind::Bf16 => tile_rows::<true>(&job, rows),
+    let halves = cols.div_ceil(HALF);
+    let passes = m.div_ceil(TILE_ROWS) * halves;
+    for (t, (r0, rows)) in row_tiles(m, TILE_ROWS).enumerate() {
+        for half in 0..halves {
+            let first = half * HALF;
+            let job = HalfTile {
+                x: &x[r0 * k..(r0 + rows) * k],
+                k,
+                panel,
+                half,
+                pass: Pass {
+                    index: t * halves + half,
+                    count: passes,
+                },
+                out: out.add(r0 * ldo + first),
+                ldo,
+                cols: HALF.min(cols - first),
+            };
+            match kind {
+                HalfKind::F16 => tile_rows::<false>(&job, rows),
+                HalfKind::Bf16 => tile_rows::<true>(&job, rows),
+            }
         }
     }
 }
 
-/// One half-panel pass of a row tile: the input rows `x` (`k` values each), the panel, which
-/// half (0 or 1), the pass's place, and the output: `cols` (≤ 16) valid columns of rows
-/// `ldo` apart from `out` on.
+/// One half-panel pass of a row tile: its input rows `x` (`k` values each), the panel, which
+/// half (0 or 1), the pass's place among the panel's passes, and the output: `cols` (≤ 16)
+/// valid columns of rows `ldo` apart from `out` on.
 #[derive(Clone, Copy)]
 struct HalfTile<'a> {
     x: &'a [f32],
@@ -150,7 +151,9 @@ unsafe fn half_tile<const R: usize, const BF16: bool>(job: &HalfTile<'_>) {
     // A line is four 16-byte pieces of eight values; this half reads pieces 2·half and
     // 2·half + 1.
     let lines = panel.as_ptr() as *const __m128i;
-    let xp = x.as_ptr();
+    // Each row's start, so that a step addresses a row's value as start + c (the compiler
+    // otherwise recomputed r·k + c for every row and step).
+    let row_starts: [*const f32; R] = std::array::from_fn(|r| x.as_ptr().add(r * k));
     // Later passes: this pass's share of the next panel, every `stride`-th line.
     let stride = pass.count.saturating_sub(1).max(1);
     let mut skip = pass.index.saturating_sub(1);
@@ -168,8 +171,8 @@ unsafe fn half_tile<const R: usize, const BF16: bool>(job: &HalfTile<'_>) {
         let piece = lines.add(4 * c + 2 * half);
         let w0 = widen8::<BF16>(piece);
         let w1 = widen8::<BF16>(piece.add(1));
-        for (r, a) in acc.iter_mut().enumerate() {
-            let xb = _mm256_broadcast_ss(&*xp.add(r * k + c));
+        for (a, row) in acc.iter_mut().zip(&row_starts) {
+            let xb = _mm256_broadcast_ss(&*row.add(c));
             a[0] = _mm256_fmadd_ps(xb, w0, a[0]);
             a[1] = _mm256_fmadd_ps(xb, w1, a[1]);
         }
