@@ -287,6 +287,17 @@ impl PackedF16 {
                         // checked above) and the panel k lines (the chunk size).
                         unsafe { avx512::pack_panel(kind, &panel_rows[..cols], k, panel) }
                     }
+                    #[cfg(target_arch = "x86_64")]
+                    KernelChoice::Avx2 => {
+                        let mut panel_rows: [&[f32]; PANEL] = [&[]; PANEL];
+                        for (j, r) in panel_rows.iter_mut().enumerate().take(cols) {
+                            *r = rows.row(p * PANEL + j);
+                        }
+                        // SAFETY: only `detect` and `available` build an Avx2 kernel, and only
+                        // where the CPU has AVX2, FMA and F16C; the rows and the panel as for
+                        // the AVX-512 pack above.
+                        unsafe { avx2::pack_panel(kind, &panel_rows[..cols], k, panel) }
+                    }
                     _ => portable_pack_panel(kind, rows, p, cols, panel),
                 }
             });
@@ -1060,7 +1071,7 @@ mod tests {
 
     #[test]
     fn every_pack_kernel_writes_the_bits_half_rounds_to() {
-        let kernels = [PanelKernel::portable(), PanelKernel::detect()];
+        let kernels = PanelKernel::available();
         let edges = edge_values();
         // Ragged shapes: tail panels of 1–31 columns, a second row group of 1–15, k not a
         // multiple of 16 (masked loads) and below 16.
@@ -1082,11 +1093,14 @@ mod tests {
                 w[(edge_at + i) % (n * k)] = *e;
             }
             for kind in [HalfKind::F16, HalfKind::Bf16] {
-                let mut packs = kernels.map(|kernel| {
-                    let mut p = PackedF16::zeros(kind, n, k);
-                    p.repack_with(kernel, &StackedRows::new(&[&w], k));
-                    p
-                });
+                let mut packs: Vec<PackedF16> = kernels
+                    .iter()
+                    .map(|&kernel| {
+                        let mut p = PackedF16::zeros(kind, n, k);
+                        p.repack_with(kernel, &StackedRows::new(&[&w], k));
+                        p
+                    })
+                    .collect();
                 for r in 0..n {
                     for c in 0..k {
                         let v = w[r * k + c];
@@ -1104,7 +1118,9 @@ mod tests {
                     }
                 }
                 // Padding included: the kernels' buffers are equal as a whole.
-                assert_eq!(packs[0].data, packs[1].data, "{kind:?} n={n} k={k}");
+                for (kernel, p) in kernels.iter().zip(&packs).skip(1) {
+                    assert_eq!(packs[0].data, p.data, "{kind:?} {kernel:?} n={n} k={k}");
+                }
                 // A repack over stacked blocks (rows of one panel from two blocks) by each
                 // kernel leaves what packing the stacked matrix does.
                 let split = (n / 3) * k;

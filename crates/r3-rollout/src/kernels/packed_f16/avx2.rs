@@ -193,3 +193,130 @@ unsafe fn half_tile<const R: usize, const BF16: bool>(job: &HalfTile<'_>) {
         }
     }
 }
+
+/// Rows (and reduction steps) of a block the pack transposes in registers: 8 × 8 f32.
+const LANES: usize = 8;
+
+/// Values ahead of the block each row's next cache line is asked for (a panel reads its 32
+/// rows side by side, more streams than the hardware prefetcher follows), as the AVX-512
+/// pack does.
+const PACK_PREFETCH_AHEAD: usize = 64;
+
+/// Packs one panel: `rows` (≤ PANEL, each `k` values) narrowed to `kind` and written k-major
+/// into `panel` (`k` lines), as the AVX-512 pack with eight-lane registers: each 8 rows × 8
+/// reduction steps block is loaded row by row, transposed in registers and narrowed a
+/// quarter line per instruction; a missing row group (the tail panel) stays zero, the last
+/// block of a `k` that is not a multiple of 8 is loaded masked, and lines are written whole
+/// with streaming stores. The same bits as `half`'s conversions.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; every row of `rows` holds at least `k` values,
+/// `rows.len() ≤ PANEL` and `panel` holds at least `k` lines.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn pack_panel(kind: HalfKind, rows: &[&[f32]], k: usize, panel: &mut [Line]) {
+    match kind {
+        HalfKind::F16 => pack_panel_as::<false>(rows, k, panel),
+        HalfKind::Bf16 => pack_panel_as::<true>(rows, k, panel),
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn pack_panel_as<const BF16: bool>(rows: &[&[f32]], k: usize, panel: &mut [Line]) {
+    debug_assert!(rows.len() <= PANEL && panel.len() >= k);
+    debug_assert!(rows.iter().all(|r| r.len() >= k));
+    let out = panel.as_mut_ptr();
+    let lane_index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for c0 in (0..k).step_by(LANES) {
+        let width = LANES.min(k - c0);
+        // Lanes below `width` are loaded; the others read as zero and are not touched
+        // (a masked load suppresses their faults).
+        let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(width as i32), lane_index);
+        // Each line of the block as four eight-column quarters (one a row group).
+        let mut lines = [[_mm_setzero_si128(); PANEL / LANES]; LANES];
+        for (group, block) in rows.chunks(LANES).enumerate() {
+            let mut v = [_mm256_setzero_ps(); LANES];
+            for (lane, row) in v.iter_mut().zip(block) {
+                let at = row.as_ptr().add(c0);
+                if c0 + PACK_PREFETCH_AHEAD < k {
+                    _mm_prefetch::<_MM_HINT_T0>(at.add(PACK_PREFETCH_AHEAD).cast::<i8>());
+                }
+                *lane = if width == LANES {
+                    _mm256_loadu_ps(at)
+                } else {
+                    _mm256_maskload_ps(at, mask)
+                };
+            }
+            transpose8(&mut v);
+            for (line, column) in lines.iter_mut().zip(&v).take(width) {
+                line[group] = narrow8::<BF16>(*column);
+            }
+        }
+        for (c, &[q0, q1, q2, q3]) in lines.iter().take(width).enumerate() {
+            let line = out.add(c0 + c).cast::<__m256i>();
+            // `Line` is 64-byte aligned, so both 32-byte halves are, as streaming stores need.
+            _mm256_stream_si256(line, _mm256_set_m128i(q1, q0));
+            _mm256_stream_si256(line.add(1), _mm256_set_m128i(q3, q2));
+        }
+    }
+    // Streaming stores are weakly ordered: fence them before the panel is handed back.
+    _mm_sfence();
+}
+
+/// Eight f32 lanes rounded to f16 or bf16 (nearest, ties to even), as eight 16-bit values:
+/// f16 by `vcvtps2ph` with the rounding in the instruction (its immediate's bit 2 clear:
+/// MXCSR's mode is not consulted); bf16 by the bit rounding of
+/// [`crate::dtype::bf16_bits`] (NaN made quiet, never rounded into infinity).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn narrow8<const BF16: bool>(v: __m256) -> __m128i {
+    if BF16 {
+        let b = _mm256_castps_si256(v);
+        let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(1));
+        let bias = _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb);
+        let rounded = _mm256_add_epi32(b, bias);
+        let quiet = _mm256_or_si256(b, _mm256_set1_epi32(0x0040_0000));
+        // The magnitude is non-negative as an i32, so the signed compare is the unsigned one.
+        let magnitude = _mm256_and_si256(b, _mm256_set1_epi32(0x7FFF_FFFF));
+        let nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7F80_0000));
+        let bits = _mm256_srli_epi32::<16>(_mm256_blendv_epi8(rounded, quiet, nan));
+        // Every lane fits 16 bits after the shift: the saturating pack keeps it whole, and
+        // packing the low half with the high half keeps the lanes in order.
+        _mm_packus_epi32(
+            _mm256_castsi256_si128(bits),
+            _mm256_extracti128_si256::<1>(bits),
+        )
+    } else {
+        _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v)
+    }
+}
+
+/// Transposes the 8 × 8 block of f32 held in `r` (row i in `r[i]`) in registers.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn transpose8(r: &mut [__m256; LANES]) {
+    let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+    let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+    let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+    let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+    let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    let s0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+    let s1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+    let s2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+    let s3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+    let s4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+    let s5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+    let s6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+    let s7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+    r[0] = _mm256_permute2f128_ps::<0x20>(s0, s4);
+    r[1] = _mm256_permute2f128_ps::<0x20>(s1, s5);
+    r[2] = _mm256_permute2f128_ps::<0x20>(s2, s6);
+    r[3] = _mm256_permute2f128_ps::<0x20>(s3, s7);
+    r[4] = _mm256_permute2f128_ps::<0x31>(s0, s4);
+    r[5] = _mm256_permute2f128_ps::<0x31>(s1, s5);
+    r[6] = _mm256_permute2f128_ps::<0x31>(s2, s6);
+    r[7] = _mm256_permute2f128_ps::<0x31>(s3, s7);
+}
