@@ -124,9 +124,9 @@ const TILE_K: usize = 64;
 const TILE_ROWS: usize = 14;
 
 /// Which code computes the panels, chosen from the CPU's features. Safe code can obtain one
-/// only from [`PanelKernel::detect`] or [`PanelKernel::portable`], so the AVX-512 kernel runs
-/// only where detection found AVX-512F, and the AVX2 one only where it found AVX2, FMA and
-/// F16C.
+/// only from [`PanelKernel::detect`], [`PanelKernel::available`] or
+/// [`PanelKernel::portable`], so the AVX-512 kernel runs only where detection found AVX-512F,
+/// and the AVX2 one only where it found AVX2, FMA and F16C.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PanelKernel(KernelChoice);
 
@@ -149,14 +149,22 @@ impl PanelKernel {
             if std::arch::is_x86_feature_detected!("avx512f") {
                 return PanelKernel(KernelChoice::Avx512);
             }
+        }
+        PanelKernel::avx2().unwrap_or_else(PanelKernel::portable)
+    }
+
+    /// The AVX2 kernel, where the CPU has AVX2, FMA and F16C.
+    fn avx2() -> Option<Self> {
+        #[cfg(target_arch = "x86_64")]
+        {
             if std::arch::is_x86_feature_detected!("avx2")
                 && std::arch::is_x86_feature_detected!("fma")
                 && std::arch::is_x86_feature_detected!("f16c")
             {
-                return PanelKernel(KernelChoice::Avx2);
+                return Some(PanelKernel(KernelChoice::Avx2));
             }
         }
-        PanelKernel::portable()
+        None
     }
 
     /// The portable kernel (runs on every CPU).
@@ -168,15 +176,7 @@ impl PanelKernel {
     /// tests and benchmarks that compare them (they write the same bits).
     pub fn available() -> Vec<Self> {
         let mut kernels = vec![PanelKernel::portable()];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-                && std::arch::is_x86_feature_detected!("f16c")
-            {
-                kernels.push(PanelKernel(KernelChoice::Avx2));
-            }
-        }
+        kernels.extend(PanelKernel::avx2());
         let detected = PanelKernel::detect();
         if !kernels.contains(&detected) {
             kernels.push(detected);
@@ -293,7 +293,7 @@ impl PackedF16 {
                         for (j, r) in panel_rows.iter_mut().enumerate().take(cols) {
                             *r = rows.row(p * PANEL + j);
                         }
-                        // SAFETY: only `detect` and `available` build an Avx2 kernel, and only
+                        // SAFETY: only `avx2` builds an Avx2 kernel, and only
                         // where the CPU has AVX2, FMA and F16C; the rows and the panel as for
                         // the AVX-512 pack above.
                         unsafe { avx2::pack_panel(kind, &panel_rows[..cols], k, panel) }
@@ -413,10 +413,10 @@ impl PackedF16 {
             }
             #[cfg(target_arch = "x86_64")]
             KernelChoice::Avx2 => {
-                // SAFETY: only `detect` and `available` build an Avx2 kernel (the field is
-                // private), and only where the CPU has AVX2, FMA and F16C; `x` covers m rows
-                // of k values (asserted above), the panel k lines, and `out` is writable for
-                // m rows of stride ldo with `cols` valid columns (the caller's contract).
+                // SAFETY: only `avx2` builds an Avx2 kernel (the field is private), and only
+                // where the CPU has AVX2, FMA and F16C; `x` covers m rows of k values
+                // (asserted above), the panel k lines, and `out` is writable for m rows of
+                // stride ldo with `cols` valid columns (the caller's contract).
                 unsafe { avx2::panel_times(self.kind, x, m, k, panel, out, ldo, cols) };
             }
             _ => portable_panel(self.kind, panel, x, m, k, out, ldo, cols),
