@@ -45,8 +45,10 @@ struct Pass {
 }
 
 /// `m` input rows times one panel of `kind` values: row tiles of up to [`TILE_ROWS`] rows,
-/// each in two half-panel passes. (A one-pass tile over the whole panel for one or two rows,
-/// four accumulators a row, did not move batch-1 decode: 166 against 167 tokens/s.)
+/// each in two half-panel passes. (Tried and not kept: a one-pass tile over the whole panel
+/// for one or two rows, four accumulators a row, did not move batch-1 decode, 166 against 167
+/// tokens/s; whole-panel tiles of up to three rows for every batch, 16 registers, ran 8 rows
+/// an expert in 36 ms against 21–23 in `examples/expert_stream.rs`.)
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C; `x` holds `m·k` values, `panel` `k` lines, and
