@@ -30,9 +30,12 @@ struct HfGenerate {
     bf16: f64,
 }
 
-/// HF transformers 5.24 / torch 2.15 `generate` on this project's 2-core CPU (2 threads,
-/// greedy, 32-token prompts, 64 new tokens; `scripts/cuda/peer_hf_generate.py --device cpu`,
-/// 2026-11-27, the better of two runs). Earlier versions had 37 / 124 / 326 in f32.
+/// HF transformers 5.24 / torch 2.15 `generate` on a 2-core AVX-512 CPU of this project's
+/// (2 threads, greedy, 32-token prompts, 64 new tokens; `scripts/cuda/peer_hf_generate.py
+/// --device cpu`, 2026-11-27, the better of two runs). Earlier versions had 37 / 124 / 326 in
+/// f32. Stored, not measured in the run: on another CPU the same script gives that CPU's
+/// figures (a 2-core AVX2-only EPYC, 2026-12-05: f32 38.5 / 272–322, bf16 51 / 126 at batch
+/// 1 / 64), so the printed ratios hold only on a CPU like the one measured.
 const HF_REFERENCE: [HfGenerate; 3] = [
     HfGenerate {
         batch: 1,
@@ -344,7 +347,7 @@ pub fn run(a: BenchRolloutArgs) -> anyhow::Result<()> {
             }
             if let Some(hf) = hf {
                 line += &format!(
-                    " | vs HF f32 {:.0}: {:.2}x, HF bf16 {:.0}: {:.2}x",
+                    " | vs HF as stored (another CPU, with AVX-512: see docs/results.md) f32 {:.0}: {:.2}x, bf16 {:.0}: {:.2}x",
                     hf.f32,
                     on.tok_s / hf.f32,
                     hf.bf16,
