@@ -11,6 +11,7 @@ use anyhow::Context;
 use clap::Args;
 use r3_model::weights::{RandomInit, Weights};
 use r3_model::{presets, Config};
+use r3_rollout::kernels::packed_f16::PanelKernel;
 use r3_rollout::{
     Dtype, EngineConfig, GenerateRequest, RolloutDevice, RolloutEngine, SamplingParams, TensorMap,
 };
@@ -272,8 +273,9 @@ pub fn run(a: BenchRolloutArgs) -> anyhow::Result<()> {
     // The CPU engine beside the device engine, on the same requests.
     let beside = (device != RolloutDevice::Cpu).then_some(RolloutDevice::Cpu);
     println!(
-        "r3 bench rollout: engine {device}, {} threads, dtype {dtype}, prompt {} tokens, {} new tokens (generated tokens/s, best of {} runs)",
+        "r3 bench rollout: engine {device}, {} threads, dtype {dtype} (the CPU engine's f16/bf16 panel kernel: {}), prompt {} tokens, {} new tokens (generated tokens/s, best of {} runs)",
         machine_threads(),
+        PanelKernel::detect().name(),
         a.prompt_len,
         a.new_tokens,
         a.repeats.max(1)

@@ -172,6 +172,15 @@ impl PanelKernel {
         PanelKernel(KernelChoice::Portable)
     }
 
+    /// The kernel's name, as a benchmark prints it: `avx512`, `avx2` or `portable`.
+    pub fn name(&self) -> &'static str {
+        match self.0 {
+            KernelChoice::Avx512 => "avx512",
+            KernelChoice::Avx2 => "avx2",
+            KernelChoice::Portable => "portable",
+        }
+    }
+
     /// Every kernel this CPU runs, the portable one first and the detected one last: for
     /// tests and benchmarks that compare them (they write the same bits).
     pub fn available() -> Vec<Self> {
