@@ -44,7 +44,7 @@ pub struct BenchStepArgs {
     /// write into memory the process has not touched before (the staged new values, then the
     /// buffers the first step freed, whose moments had been untouched zero pages), and its
     /// page faults cost more than the pass itself (mid: 559 k and 248 k faults, 2.2 s and
-    /// 1.2 s, against 0.19–0.24 s and no faults from the third step on, on a 2-core VM).
+    /// 1.2 s, against 0.19–0.28 s and 0–9 k faults from the third step on, on a 2-core VM).
     #[arg(long, default_value_t = 2)]
     pub warmup: usize,
     /// Print one JSON object instead of the table.
