@@ -61,17 +61,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .iter()
         .map(|(v, k)| PackedF16::pack_as(HalfKind::F16, v, v.len() / k, *k))
         .collect();
-    for (name, kernel) in [
-        ("portable", PanelKernel::portable()),
-        ("detected", PanelKernel::detect()),
-    ] {
+    // Every kernel this CPU runs (the last is the one the engine uses).
+    let detected = PanelKernel::detect();
+    for kernel in PanelKernel::available() {
         let s = best_of(reps, || {
             for ((v, k), p) in values.iter().zip(packs.iter_mut()) {
                 let block = [&**v];
                 p.repack_with(kernel, &StackedRows::new(&block, *k));
             }
         });
-        println!("f16 repack, {name} kernel ({kernel:?}): {s:.3} s");
+        let used = if kernel == detected {
+            ", the engine's"
+        } else {
+            ""
+        };
+        println!("f16 repack, {} kernel{used}: {s:.3} s", kernel.name());
     }
     drop(packs);
     for dtype in [Dtype::F32, Dtype::F16, Dtype::Bf16] {
