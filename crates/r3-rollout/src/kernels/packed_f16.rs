@@ -286,10 +286,7 @@ impl PackedF16 {
                 match kernel.0 {
                     #[cfg(target_arch = "x86_64")]
                     KernelChoice::Avx512 => {
-                        let mut panel_rows: [&[f32]; PANEL] = [&[]; PANEL];
-                        for (j, r) in panel_rows.iter_mut().enumerate().take(cols) {
-                            *r = rows.row(p * PANEL + j);
-                        }
+                        let panel_rows = panel_rows(rows, p, cols);
                         // SAFETY: only `detect` builds an Avx512 kernel (the field is
                         // private), and only where the CPU has AVX-512F; each of the `cols`
                         // (≤ PANEL) rows holds k values (`row` slices whole rows of width k,
@@ -298,13 +295,10 @@ impl PackedF16 {
                     }
                     #[cfg(target_arch = "x86_64")]
                     KernelChoice::Avx2 => {
-                        let mut panel_rows: [&[f32]; PANEL] = [&[]; PANEL];
-                        for (j, r) in panel_rows.iter_mut().enumerate().take(cols) {
-                            *r = rows.row(p * PANEL + j);
-                        }
-                        // SAFETY: only `avx2` builds an Avx2 kernel, and only
-                        // where the CPU has AVX2, FMA and F16C; the rows and the panel as for
-                        // the AVX-512 pack above.
+                        let panel_rows = panel_rows(rows, p, cols);
+                        // SAFETY: only `avx2` builds an Avx2 kernel, and only where the CPU
+                        // has AVX2, FMA and F16C; the rows and the panel as for the AVX-512
+                        // pack above.
                         unsafe { avx2::pack_panel(kind, &panel_rows[..cols], k, panel) }
                     }
                     _ => portable_pack_panel(kind, rows, p, cols, panel),
@@ -431,6 +425,17 @@ impl PackedF16 {
             _ => portable_panel(self.kind, panel, x, m, k, out, ldo, cols),
         }
     }
+}
+
+/// Panel `p`'s `cols` (≤ PANEL) rows of `rows`, borrowed where they lie (the rest empty): what
+/// the SIMD packs read side by side.
+#[cfg(target_arch = "x86_64")]
+fn panel_rows<'a>(rows: &StackedRows<'a>, p: usize, cols: usize) -> [&'a [f32]; PANEL] {
+    let mut panel_rows: [&[f32]; PANEL] = [&[]; PANEL];
+    for (j, r) in panel_rows.iter_mut().enumerate().take(cols) {
+        *r = rows.row(p * PANEL + j);
+    }
+    panel_rows
 }
 
 /// `m` rows split into `ceil(m / tile_rows)` tiles of nearly equal height: `(first, rows)`.
