@@ -98,8 +98,12 @@ impl Batch {
 /// Results of one forward call.
 #[derive(Debug)]
 pub struct ForwardOutput {
-    /// `[B, T, vocab]` logits (padding positions hold garbage)
+    /// `[B, T − logits_from, vocab]` logits of positions `logits_from..T` (padding
+    /// positions hold garbage)
     pub logits: Tensor,
+    /// The first position `logits` covers (0 unless the forward was asked to skip some:
+    /// [`Model::forward_logits_from`])
+    pub logits_from: usize,
     /// `Record`: one MoE-only route table per sequence, one row per real token
     pub routes: Option<Vec<RouteTable>>,
     /// `Replay`: what was replayed, verified against the tables
@@ -298,6 +302,21 @@ impl Model {
         self.forward_with(batch, routing, false)
     }
 
+    /// [`Model::forward`] with logits for positions `from..T` only (HF's `logits_to_keep`,
+    /// which TRL's GRPO trainer passes): a policy's loss reads the predictions of response
+    /// tokens, and the head over the prompt positions before them is work thrown away. Every
+    /// position still runs through the decoder layers; the final norm and the head see
+    /// positions `from..` (each row normed and projected alone, so those logits are the
+    /// values the whole forward gives them).
+    pub fn forward_logits_from(
+        &self,
+        batch: &Batch,
+        routing: Routing<'_>,
+        from: usize,
+    ) -> Result<ForwardOutput> {
+        Ok(self.forward_layers(batch, routing, false, false, from)?.0)
+    }
+
     /// Forward pass that can also return per-layer hidden states.
     pub fn forward_with(
         &self,
@@ -306,7 +325,7 @@ impl Model {
         capture_hidden: bool,
     ) -> Result<ForwardOutput> {
         Ok(self
-            .forward_layers(batch, routing, capture_hidden, false)?
+            .forward_layers(batch, routing, capture_hidden, false, 0)?
             .0)
     }
 
@@ -317,12 +336,14 @@ impl Model {
     /// gives the gradients of the whole model, the same values [`Model::forward`]'s graph
     /// gives. Every layer runs twice, so a step costs about one more forward; what the graph
     /// holds at a time is one layer's activations instead of every layer's.
+    /// Logits for positions `logits_from..T` only, as [`Model::forward_logits_from`].
     pub fn forward_recomputing(
         &self,
         batch: &Batch,
         routing: Routing<'_>,
+        logits_from: usize,
     ) -> Result<(ForwardOutput, LayerRecompute<'_>)> {
-        match self.forward_layers(batch, routing, false, true)? {
+        match self.forward_layers(batch, routing, false, true, logits_from)? {
             (out, Some(recompute)) => Ok((out, recompute)),
             (_, None) => Err(ModelError::Input(
                 "a recomputing forward kept no layer inputs".into(),
@@ -331,18 +352,25 @@ impl Model {
     }
 
     /// The forward of [`Model::forward_with`]; with `recompute`, each layer's graph is
-    /// dropped once it has run, and what its backward needs to run it again is returned.
+    /// dropped once it has run, and what its backward needs to run it again is returned;
+    /// logits for positions `logits_from..` only.
     fn forward_layers(
         &self,
         batch: &Batch,
         routing: Routing<'_>,
         capture_hidden: bool,
         recompute: bool,
+        logits_from: usize,
     ) -> Result<(ForwardOutput, Option<LayerRecompute<'_>>)> {
         let cfg = &self.cfg;
         let device = self.embed.device();
         let (b, t) = batch.input_ids.dims2()?;
         self.check_tokens(batch)?;
+        if logits_from >= t {
+            return Err(ModelError::Input(format!(
+                "logits from position {logits_from}: the batch has {t} positions"
+            )));
+        }
         let lengths = batch.lengths();
         if cfg.moe.is_none() && !matches!(routing, Routing::Native) {
             return Err(ModelError::Input(
@@ -423,10 +451,22 @@ impl Model {
             }
             false => None,
         };
-        let x = self.norm.forward(&x)?;
-        if let Some(h) = hidden.as_mut() {
-            h.push(x.clone());
-        }
+        // The positions the head sees: the norm is per row, so narrowing before it or
+        // after gives the same values (after, where every normed state is returned).
+        let keep = |x: Tensor| -> Result<Tensor> {
+            match logits_from {
+                0 => Ok(x),
+                from => Ok(x.narrow(1, from, t - from)?.contiguous()?),
+            }
+        };
+        let x = match hidden.as_mut() {
+            Some(h) => {
+                let x = self.norm.forward(&x)?;
+                h.push(x.clone());
+                keep(x)?
+            }
+            None => self.norm.forward(&keep(x)?)?,
+        };
         let logits = self.lm_head.forward(&x)?;
         // What a recomputed layer shares with this pass.
         let LayerContext { rope, mask, rows } = ctx;
@@ -454,6 +494,7 @@ impl Model {
         };
         let out = ForwardOutput {
             logits,
+            logits_from,
             routes,
             replay,
             hidden_states: hidden,

@@ -465,7 +465,7 @@ fn recomputed_layers_give_the_same_bits(device: &Device) {
                 };
                 let (out, grads) = if recompute {
                     let (out, mut layers) = model
-                        .forward_recomputing(&batch, routing)
+                        .forward_recomputing(&batch, routing, 0)
                         .expect("recomputing forward");
                     if narrow_grads {
                         let narrow = precision.narrow_dtype().expect("a 16-bit precision");
@@ -558,7 +558,7 @@ fn a_loss_beside_the_recomputed_logits_is_refused() {
     let model = Model::new(&cfg, &weights).expect("model");
     let batch = Batch::new(&sequences(&[5], cfg.vocab_size, 1), 0, &Device::Cpu).expect("batch");
     let (_, layers) = model
-        .forward_recomputing(&batch, Routing::Native)
+        .forward_recomputing(&batch, Routing::Native, 0)
         .expect("forward");
     let vars = varmap.all_vars();
     let unrelated = vars[0]

@@ -175,6 +175,22 @@ impl<'a, E: KvElement> KvRows<'a, E> {
         let o = offset(&self.layout, layer, slot) + self.layout.k_dim;
         &self.blocks[block.0 as usize][o..o + self.layout.v_dim]
     }
+
+    /// The rows of slots `first..end` of `block` in `layer`, one after another (each
+    /// [`KvLayout::row`] values: the key, then the value): one contiguous run of memory.
+    #[inline]
+    pub fn slot_run(&self, block: KvBlockId, layer: usize, first: usize, end: usize) -> &'a [E] {
+        let (lo, hi) = (
+            offset(&self.layout, layer, first),
+            offset(&self.layout, layer, end),
+        );
+        &self.blocks[block.0 as usize][lo..hi]
+    }
+
+    /// The geometry of the rows.
+    pub fn layout(&self) -> KvLayout {
+        self.layout
+    }
 }
 
 /// A pool's rows, typed by what it stores.

@@ -209,7 +209,7 @@ fn step(
     let t0 = Instant::now();
     let (out, layers) = match recompute {
         true => {
-            let (out, layers) = model.forward_recomputing(batch, routing)?;
+            let (out, layers) = model.forward_recomputing(batch, routing, 0)?;
             let layers = match narrow {
                 Some(narrow) => layers.keep_gradients_narrow(narrow),
                 None => layers,

@@ -326,9 +326,9 @@ impl AttnShape {
 /// of line so that the dot product stays vectorised along the head dimension (inlined into
 /// the context loop, the compiler vectorised across keys with shuffles).
 ///
-/// Keys go eight at a time ([`eight_dots`]): one horizontal reduction for eight keys instead
-/// of one per key, in the same per-key order as [`short_dot`], so every score is bit for bit
-/// the one-key-at-a-time value.
+/// Keys go eight at a time ([`eight_scores`]): one horizontal reduction for eight keys
+/// instead of one per key, in the same per-key order as [`short_dot`], so every score is
+/// bit for bit the one-key-at-a-time value.
 #[inline(never)]
 fn head_scores<E: KvLanes>(q: &[f32], keys: &[&[E]], from: usize, scale: f32, out: &mut [f32]) {
     let d = q.len();
@@ -336,10 +336,7 @@ fn head_scores<E: KvLanes>(q: &[f32], keys: &[&[E]], from: usize, scale: f32, ou
     let mut j = 0;
     while j + 8 <= n {
         let rows: [&[E]; 8] = std::array::from_fn(|i| &keys[j + i][from..from + d]);
-        let dots = eight_dots(q, &rows);
-        for (o, dot) in out[j..j + 8].iter_mut().zip(dots) {
-            *o = dot * scale;
-        }
+        eight_scores(q, &rows, scale, &mut out[j..j + 8]);
         j += 8;
     }
     for (sc, k) in out[j..n].iter_mut().zip(&keys[j..n]) {
@@ -347,25 +344,29 @@ fn head_scores<E: KvLanes>(q: &[f32], keys: &[&[E]], from: usize, scale: f32, ou
     }
 }
 
-/// `[a · b_0, …, a · b_7]`, each exactly [`short_dot`]`(a, b_i)`: the same 8-wide FMA
-/// chunks into one register per key, then the eight registers reduced together by
-/// shuffles — per key the same pairs in the same order (`lo + hi` halves, then lanes
-/// `0 + 2` and `1 + 3`, then those two) — and the scalar tail per key as `short_dot` adds it.
+/// `out[i] = (a · b_i) · scale` for eight keys, each dot exactly [`short_dot`]`(a, b_i)`:
+/// the same 8-wide FMA chunks into one register per key, then the eight registers reduced
+/// together by shuffles — per key the same pairs in the same order (`lo + hi` halves, then
+/// lanes `0 + 2` and `1 + 3`, then those two) — and the scalar tail per key as `short_dot`
+/// adds it. Without a tail the eight scores stay in one register to their store: eight
+/// scalar writes read back as one vector (what building an array of dots and scaling it
+/// compiled to) stall on store forwarding, which cost a third of this function's time.
 #[inline(always)]
-fn eight_dots<E: KvLanes>(a: &[f32], b: &[&[E]; 8]) -> [f32; 8] {
+fn eight_scores<E: KvLanes>(a: &[f32], b: &[&[E]; 8], scale: f32, out: &mut [f32]) {
     #[cfg(all(
         target_arch = "x86_64",
         target_feature = "avx2",
         target_feature = "fma"
     ))]
     {
+        use std::arch::x86_64::*;
         let d = a.len();
         let full = d - d % 8;
+        let out = &mut out[..8];
         // SAFETY: the build enables AVX2 and FMA (the cfg above); every load reads 8 floats
         // at an offset `c < full ≤ len` of `a` and of each `b[i]` (each as long as `a`, by
-        // the caller's slicing).
-        let mut reduced = unsafe {
-            use std::arch::x86_64::*;
+        // the caller's slicing); the stores write the 8 floats of `out` or of `reduced`.
+        unsafe {
             let mut acc = [_mm256_setzero_ps(); 8];
             for c in (0..full).step_by(8) {
                 let x = _mm256_loadu_ps(a.as_ptr().add(c));
@@ -373,10 +374,18 @@ fn eight_dots<E: KvLanes>(a: &[f32], b: &[&[E]; 8]) -> [f32; 8] {
                     *acc = _mm256_fmadd_ps(x, E::load8(row[..d].as_ptr().add(c)), *acc);
                 }
             }
-            reduce_eight(&acc)
-        };
-        add_tails(a, b, full, &mut reduced);
-        reduced
+            let dots = reduce_eight_lanes(&acc);
+            if full == d {
+                _mm256_storeu_ps(out.as_mut_ptr(), _mm256_mul_ps(dots, _mm256_set1_ps(scale)));
+                return;
+            }
+            let mut reduced = [0f32; 8];
+            _mm256_storeu_ps(reduced.as_mut_ptr(), dots);
+            add_tails(a, b, full, &mut reduced);
+            for (o, dot) in out.iter_mut().zip(reduced) {
+                *o = dot * scale;
+            }
+        }
     }
     #[cfg(not(all(
         target_arch = "x86_64",
@@ -384,13 +393,13 @@ fn eight_dots<E: KvLanes>(a: &[f32], b: &[&[E]; 8]) -> [f32; 8] {
         target_feature = "fma"
     )))]
     {
-        std::array::from_fn(|i| short_dot(a, b[i]))
+        for (o, row) in out.iter_mut().zip(b) {
+            *o = short_dot(a, row) * scale;
+        }
     }
 }
 
-/// Eight keys' 8-lane dot-product accumulators reduced to one sum per key, in key order:
-/// per key the same pairs in the same order as [`short_dot`] (`lo + hi` halves, then lanes
-/// `0 + 2` and `1 + 3`, then those two), the eight keys side by side through shuffles.
+/// [`reduce_eight_lanes`] written out: one sum per key, in key order.
 #[cfg(all(
     target_arch = "x86_64",
     target_feature = "avx2",
@@ -398,10 +407,28 @@ fn eight_dots<E: KvLanes>(a: &[f32], b: &[&[E]; 8]) -> [f32; 8] {
 ))]
 #[inline(always)]
 fn reduce_eight(acc: &[std::arch::x86_64::__m256; 8]) -> [f32; 8] {
-    use std::arch::x86_64::*;
     let mut reduced = [0f32; 8];
     // SAFETY: the build enables AVX2 (the cfg above); the store writes the 8 floats of
     // `reduced`.
+    unsafe {
+        std::arch::x86_64::_mm256_storeu_ps(reduced.as_mut_ptr(), reduce_eight_lanes(acc));
+    }
+    reduced
+}
+
+/// Eight keys' 8-lane dot-product accumulators reduced to one sum per key, lane `i` holding
+/// key `i`'s: per key the same pairs in the same order as [`short_dot`] (`lo + hi` halves,
+/// then lanes `0 + 2` and `1 + 3`, then those two), the eight keys side by side through
+/// shuffles, then one lane permutation into key order.
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+#[inline(always)]
+fn reduce_eight_lanes(acc: &[std::arch::x86_64::__m256; 8]) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    // SAFETY: the build enables AVX2 (the cfg above); register operations only.
     unsafe {
         // lo + hi halves: [s4 of key 2p | s4 of key 2p+1]
         let halves = |p: usize| {
@@ -423,11 +450,9 @@ fn reduce_eight(acc: &[std::arch::x86_64::__m256; 8]) -> [f32; 8] {
             _mm256_shuffle_ps(q0123, q4567, 0b10_00_10_00),
             _mm256_shuffle_ps(q0123, q4567, 0b11_01_11_01),
         );
-        _mm256_storeu_ps(reduced.as_mut_ptr(), sums);
+        // Key i sits in lane [0, 4, 1, 5, 2, 6, 3, 7][i]: gather them into lane i.
+        _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
     }
-    // The lanes hold keys [0, 2, 4, 6, 1, 3, 5, 7]: key i sits in lane LANE_OF_KEY[i].
-    const LANE_OF_KEY: [usize; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
-    LANE_OF_KEY.map(|lane| reduced[lane])
 }
 
 /// Adds each key's scalar tail (the `d % 8` values past `full`) to its reduced sum, one FMA
@@ -705,6 +730,7 @@ fn attend<'p, E: KvLanes>(
         ..
     } = shape;
     let kernels = TokenKernels::detect();
+    let (row_len, k_dim) = (pool.layout().row(), pool.layout().k_dim);
     // (span index, absolute position) of every flat token.
     let mut owner = Vec::with_capacity(out.len() / (num_heads * v_dim));
     for (s, span) in spans.iter().enumerate() {
@@ -729,18 +755,25 @@ fn attend<'p, E: KvLanes>(
         } = scratch;
         keys.clear();
         values.clear();
-        for abs in lo..=pos {
-            let (b, slot) = (span.blocks[abs / bs], abs % bs);
-            keys.push(pool.key(b, layer, slot));
-            values.push(pool.value(b, layer, slot));
-        }
-        // The context's rows lie in blocks of a few KB each (too short a stream for the
-        // hardware prefetcher to ramp up); asking for all of them before the first head's
-        // scores overlaps their misses (measured, `examples/attention_speed.rs`: a decode
-        // step's attention at 256 rows of a GRPO batch ≈ 15–20% faster).
-        for (k, v) in keys.iter().zip(values.iter()) {
-            prefetch_lines(k, CacheLevel::L2);
-            prefetch_lines(v, CacheLevel::L2);
+        // Block by block: a block's slots of one layer lie back to back (key, value, key,
+        // …), so each run is asked for once and cut into rows without a division or a
+        // bounds check per position.
+        let mut abs = lo;
+        while abs <= pos {
+            let (b, first) = (span.blocks[abs / bs], abs % bs);
+            let end = bs.min(first + (pos + 1 - abs));
+            let run = pool.slot_run(b, layer, first, end);
+            // The context's rows lie in blocks of a few KB each (too short a stream for
+            // the hardware prefetcher to ramp up); asking for all of them before the first
+            // head's scores overlaps their misses (measured, `examples/attention_speed.rs`:
+            // a decode step's attention at 256 rows of a GRPO batch ≈ 15–20% faster).
+            prefetch_lines(run, CacheLevel::L2);
+            for r in run.chunks_exact(row_len) {
+                let (k, v) = r.split_at(k_dim);
+                keys.push(k);
+                values.push(v);
+            }
+            abs += end - first;
         }
         scores.clear();
         scores.resize(num_heads * n, 0.0);
@@ -1061,22 +1094,24 @@ mod tests {
         };
         let (t, kd, vd) = (7, 2 * qk_dim, 2 * v_dim);
         let (q, k, v) = four_heads_over_two(t, qk_dim, v_dim, |i, s| (i as f32 * s).sin() * 2.0);
+        // Two layers: the attended one is layer 1, and layer 0 holds other values, so a
+        // row read from the wrong layer shows.
         let layout = KvLayout {
-            num_layers: 1,
+            num_layers: 2,
             k_dim: kd,
             v_dim: vd,
             block_size: 3,
         };
         let mut pool = KvPool::new(layout, 4, Dtype::F32).unwrap();
         let blocks: Vec<_> = (0..3).map(|_| pool.allocate().unwrap()).collect();
+        let (nk, nv): (Vec<f32>, Vec<f32>) = (
+            k.iter().map(|x| 3.0 - x).collect(),
+            v.iter().map(|x| -x).collect(),
+        );
         for p in 0..t {
-            pool.write(
-                blocks[p / 3].id(),
-                0,
-                p % 3,
-                &k[p * kd..(p + 1) * kd],
-                &v[p * vd..(p + 1) * vd],
-            );
+            let (kp, vp) = (p * kd..(p + 1) * kd, p * vd..(p + 1) * vd);
+            pool.write(blocks[p / 3].id(), 1, p % 3, &k[kp.clone()], &v[vp.clone()]);
+            pool.write(blocks[p / 3].id(), 0, p % 3, &nk[kp], &nv[vp]);
         }
         let ids: Vec<_> = blocks.iter().map(|b| b.id()).collect();
         let span = |first_token, num_tokens, start_pos| SeqSpan {
@@ -1087,13 +1122,13 @@ mod tests {
         };
         let want = reference(&q, &k, &v, t, sh);
         let mut out = vec![0f32; t * 4 * v_dim];
-        paged_attention(&pool, 0, &[span(0, t, 0)], &q, &mut out, sh, true);
+        paged_attention(&pool, 1, &[span(0, t, 0)], &q, &mut out, sh, true);
         for (a, b) in out.iter().zip(&want) {
             assert!((a - b).abs() < 1e-5, "v_dim {v_dim}: {a} vs {b}");
         }
         let spans = [span(0, 4, 0), span(4, 3, 4)];
         let mut out2 = vec![0f32; t * 4 * v_dim];
-        paged_attention(&pool, 0, &spans, &q, &mut out2, sh, false);
+        paged_attention(&pool, 1, &spans, &q, &mut out2, sh, false);
         assert_eq!(out, out2);
         // A sliding window of 3 keys (Mixtral-style).
         let shw = AttnShape {
@@ -1101,7 +1136,7 @@ mod tests {
             ..sh
         };
         let want = reference(&q, &k, &v, t, shw);
-        paged_attention(&pool, 0, &[span(0, t, 0)], &q, &mut out, shw, true);
+        paged_attention(&pool, 1, &[span(0, t, 0)], &q, &mut out, shw, true);
         for (a, b) in out.iter().zip(&want) {
             assert!((a - b).abs() < 1e-5, "window, v_dim {v_dim}: {a} vs {b}");
         }

@@ -143,10 +143,15 @@ impl ResponseBatch {
 /// What scoring a batch returns.
 #[derive(Debug)]
 pub struct Scored {
-    /// `[B, T−1]` log-prob of each next token (garbage outside the response mask).
+    /// `[B, T−1]` log-prob of each next token (garbage outside the response mask; 0 before
+    /// `logits_from`).
     pub logp: Tensor,
-    /// `[B, T−1, vocab]` logits of the predicting positions.
+    /// `[B, T−1−logits_from, vocab]` logits of the predicting positions `logits_from..T−1`:
+    /// from the first response token's prediction of any row on (the head skips the
+    /// prompt positions before it, whose predictions no loss reads).
     pub logits: Tensor,
+    /// The first predicting position `logits` covers.
+    pub logits_from: usize,
     /// `Record`: the routes the forward chose, one table per sequence (`len` rows).
     pub routes: Option<Vec<RouteTable>>,
     /// `Replay`: the proof of what was replayed.
@@ -156,9 +161,29 @@ pub struct Scored {
 impl Scored {
     /// Mean entropy of the next-token distribution over `mask` (detached).
     pub fn mean_entropy(&self, mask: &Tensor) -> Result<f32> {
-        let ent = entropy_from_logits(&self.logits.detach())?;
-        scalar_f32(&masked_mean(&ent, mask)?)
+        scalar_f32(&masked_mean(&self.entropy(false)?, mask)?)
     }
+
+    /// `[B, T−1]` entropy of the next-token distribution at every predicting position (0
+    /// before `logits_from`, where the head did not run: outside every response);
+    /// `differentiable` keeps its graph to the logits (an entropy bonus), else detached.
+    pub fn entropy(&self, differentiable: bool) -> Result<Tensor> {
+        let ent = match differentiable {
+            true => entropy_from_logits(&self.logits)?,
+            false => entropy_from_logits(&self.logits.detach())?,
+        };
+        zeros_before(&ent, self.logits_from)
+    }
+}
+
+/// `[B, from + W]`: `from` zero columns, then `x` (`[B, W]`).
+fn zeros_before(x: &Tensor, from: usize) -> Result<Tensor> {
+    if from == 0 {
+        return Ok(x.clone());
+    }
+    let b = x.dim(0)?;
+    let zeros = Tensor::zeros((b, from), x.dtype(), x.device())?;
+    Ok(Tensor::cat(&[&zeros, x], 1)?)
 }
 
 /// Runs the training forward over `batch` with `routing` and takes the log-prob of every
@@ -177,29 +202,34 @@ pub fn score_with<'m>(
     recompute: bool,
 ) -> Result<(Scored, Option<LayerRecompute<'m>>)> {
     let padded = Batch::new(batch.sequences(), 0, model.device())?;
+    // The first position predicting a response token of any row (`ResponseBatch::new`
+    // keeps every prompt non-empty): the logits start there.
+    let from = batch.prompt_lens().iter().min().map_or(0, |p| p - 1);
     let (out, layers) = match recompute {
         true => {
-            let (out, layers) = model.forward_recomputing(&padded, routing)?;
+            let (out, layers) = model.forward_recomputing(&padded, routing, from)?;
             (out, Some(layers))
         }
-        false => (model.forward(&padded, routing)?, None),
+        false => (model.forward_logits_from(&padded, routing, from)?, None),
     };
     let t = padded.seq_len();
+    let width = t - 1 - from;
     // Made contiguous once here: the token log-probs and the entropy each copied the
     // narrowed view again (two serial copies of every micro-batch's logits).
-    let logits = out.logits.narrow(1, 0, t - 1)?.contiguous()?;
-    let targets = padded.input_ids().narrow(1, 1, t - 1)?;
+    let logits = out.logits.narrow(1, 0, width)?.contiguous()?;
+    let targets = padded.input_ids().narrow(1, from + 1, width)?;
     // The same targets on the host, where their range is checked (a device read per
     // forward otherwise).
     let host_targets: Vec<u32> = padded
         .host_ids()
         .chunks(t)
-        .flat_map(|row| row[1..].iter().copied())
+        .flat_map(|row| row[from + 1..].iter().copied())
         .collect();
     let logp = token_log_probs_host_checked(&logits, &targets, &host_targets)?;
     let scored = Scored {
-        logp,
+        logp: zeros_before(&logp, from)?,
         logits,
+        logits_from: from,
         routes: out.routes,
         replay: out.replay,
     };

@@ -16,7 +16,7 @@ use r3_model::{Model, ReplayProof, ReplayRoutes, Routing};
 use r3_routing::RouteTable;
 
 use crate::algo::agg::{AggNorm, LossAgg};
-use crate::algo::logprob::{entropy_from_logits, scalar_f32};
+use crate::algo::logprob::scalar_f32;
 use crate::algo::loss::{
     policy_loss_part, ClipRange, PolicyLossInput, PolicyLossKind, PolicyLossMetrics, PolicyLossSums,
 };
@@ -356,10 +356,7 @@ fn micro_update<'m>(
     };
     let (mut loss, sums) = policy_loss_part(s.loss, &input, s.clip, s.agg, norm)?;
     // Only an entropy bonus needs the entropy in the autograd graph.
-    let entropy_tensor = match s.entropy_coef != 0.0 {
-        true => entropy_from_logits(&scored.logits)?,
-        false => entropy_from_logits(&scored.logits.detach())?,
-    };
+    let entropy_tensor = scored.entropy(s.entropy_coef != 0.0)?;
     let entropy_sum = scalar_f32(&entropy_tensor.detach().mul(&full_mask)?.sum_all()?)?;
     if s.entropy_coef != 0.0 {
         // The masked mean over the whole mini-batch: this micro-batch's share of it.

@@ -15,7 +15,7 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-use crate::algo::logprob::{entropy_from_logits, scalar_f32};
+use crate::algo::logprob::scalar_f32;
 use crate::algo::optim::AdamW;
 use crate::config::train::RouterReplay;
 use crate::error::{Result, TrainError};
@@ -246,7 +246,7 @@ fn old_pass(
         };
         let scored = score(&model, sub_batch, routing)?;
         let mask = sub_batch.response_mask(None, &device)?;
-        let entropy = entropy_from_logits(&scored.logits.detach())?;
+        let entropy = scored.entropy(false)?;
         entropy_sum += f64::from(scalar_f32(&entropy.mul(&mask)?.sum_all()?)?);
         logps.push((part.clone(), scored.logp.detach()));
         if let Some(r) = scored.routes {
