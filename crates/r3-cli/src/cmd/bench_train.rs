@@ -546,7 +546,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     if let Some(before) = peak_before {
         let after = f32_gemm_peak(machine_threads());
         let peak = before.max(after);
-        match training_forward_flops(&cfg, args.seq_len) {
+        match training_forward_flops(&cfg, args.seq_len, 0) {
             Some(forward) => {
                 // The backward does twice the forward's matrix work (input and weight
                 // gradients of every product).

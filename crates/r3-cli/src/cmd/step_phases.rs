@@ -134,9 +134,13 @@ pub(crate) fn median(values: &[f64]) -> f64 {
 }
 
 /// FLOPs of a training forward over one sequence of `len` tokens: every position through
-/// the model and the vocabulary head, attending over the positions before it.
-pub(crate) fn training_forward_flops(cfg: &Config, len: usize) -> Option<f64> {
-    (1..=len).map(|t| flops_per_token(cfg, t, true)).sum()
+/// the model, attending over the positions before it, and positions `head_from..` through
+/// the vocabulary head (0: all of them, as a whole forward; a policy's scoring starts the
+/// head at the prediction of the first response token, `prompt_len − 1`).
+pub(crate) fn training_forward_flops(cfg: &Config, len: usize, head_from: usize) -> Option<f64> {
+    (1..=len)
+        .map(|t| flops_per_token(cfg, t, t > head_from))
+        .sum()
 }
 
 /// Sums `f` over `rows` of the step's sequences, `None` when any is uncounted.
@@ -199,14 +203,17 @@ pub(crate) fn step_work(model: &ModelFacts<'_>, trace: &StepTrace, old_pass: boo
     let cfg = model.cfg;
     let n = trace.sequences.len();
     let f32_weights = 4.0 * model.params;
-    let all_forward = sum_rows(trace, 0..n, |len, _| training_forward_flops(cfg, len));
+    // The scoring's head runs from the first response prediction of its micro-batch on;
+    // counted from each row's own (the rest of the padded head is not the step's work).
+    let scored = |len: usize, prompt_len: usize| {
+        training_forward_flops(cfg, len, prompt_len.saturating_sub(1))
+    };
+    let all_forward = sum_rows(trace, 0..n, scored);
     let update_rows = trace
         .updates
         .iter()
         .flat_map(|(rows, _)| rows.iter().copied());
-    let update_forward = sum_rows(trace, update_rows, |len, _| {
-        training_forward_flops(cfg, len)
-    });
+    let update_forward = sum_rows(trace, update_rows, scored);
     let updates = trace.updates.len() as f64;
     let mut work = [Work::default(); 7];
     for (slot, phase) in work.iter_mut().zip(PHASES) {
@@ -410,8 +417,13 @@ mod tests {
             rollout_weight_bytes: 2.0,
         };
         let w = step_work(&facts, &trace, true);
-        let forward = per(1.0) + per(2.0) + per(3.0);
-        assert_eq!(w[1].flops, Some(forward), "old pass: all three positions");
+        // the head from position 1 (the prompt's last, predicting the response) on
+        let forward = per(1.0) - 2.0 * 40.0 + per(2.0) + per(3.0);
+        assert_eq!(
+            w[1].flops,
+            Some(forward),
+            "old pass: three positions, the head on two"
+        );
         assert_eq!(w[2].flops, Some(forward), "update forward");
         assert_eq!(w[3].flops, Some(2.0 * forward), "backward = 2 × forward");
         // rollout: prefill of 2 (head on the last only), then no decode step for 1 token
