@@ -27,15 +27,22 @@ fn batch() -> ResponseBatch {
     ResponseBatch::new(sequences, lens.iter().map(|&(p, _)| p).collect()).expect("batch")
 }
 
+/// A tiny HF-style MoE model written under a scratch folder (kept while the policy is used)
+/// and loaded as a policy.
+fn tiny_policy(tag: &str) -> (Scratch, TrainablePolicy) {
+    let dir = Scratch::new(tag);
+    tiny_model(&dir.path().join("model"), 3);
+    let policy = TrainablePolicy::load(&dir.path().join("model")).expect("policy");
+    (dir, policy)
+}
+
 fn rows(t: &Tensor) -> Vec<Vec<f32>> {
     t.to_vec2::<f32>().expect("rows")
 }
 
 #[test]
 fn response_log_probs_and_entropy_equal_the_whole_forwards() {
-    let dir = Scratch::new("logits-from");
-    tiny_model(&dir.path().join("model"), 3);
-    let policy = TrainablePolicy::load(&dir.path().join("model")).expect("policy");
+    let (_dir, policy) = tiny_policy("logits-from");
     let model = policy.frozen_model().expect("model");
     let batch = batch();
     let device = policy.device();
@@ -87,9 +94,7 @@ fn response_log_probs_and_entropy_equal_the_whole_forwards() {
 
 #[test]
 fn the_forward_refuses_logits_past_its_positions() {
-    let dir = Scratch::new("logits-from-range");
-    tiny_model(&dir.path().join("model"), 3);
-    let policy = TrainablePolicy::load(&dir.path().join("model")).expect("policy");
+    let (_dir, policy) = tiny_policy("logits-from-range");
     let model = policy.frozen_model().expect("model");
     let padded = Batch::new(batch().sequences(), 0, &policy.device()).expect("padded");
     let t = padded.seq_len();

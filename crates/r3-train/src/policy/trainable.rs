@@ -168,11 +168,11 @@ impl Scored {
     /// before `logits_from`, where the head did not run: outside every response);
     /// `differentiable` keeps its graph to the logits (an entropy bonus), else detached.
     pub fn entropy(&self, differentiable: bool) -> Result<Tensor> {
-        let ent = match differentiable {
-            true => entropy_from_logits(&self.logits)?,
-            false => entropy_from_logits(&self.logits.detach())?,
+        let logits = match differentiable {
+            true => self.logits.clone(),
+            false => self.logits.detach(),
         };
-        zeros_before(&ent, self.logits_from)
+        zeros_before(&entropy_from_logits(&logits)?, self.logits_from)
     }
 }
 
