@@ -118,6 +118,58 @@ fn prefix_cache_hit_returns_the_cold_routes_and_logprobs() {
     }
 }
 
+/// The samples of a group, submitted together, prefill their shared prompt once: one of
+/// them computes it while the others wait in the queue, then they read its full blocks from
+/// the prefix cache (`cached_tokens`), and every sample's tokens and routes equal what an
+/// engine without a cache computes for it alone (log-probs within float rounding, as a
+/// prefix-cache hit's). A request that asks for prompt log-probs computes its prompt itself.
+#[test]
+fn a_groups_samples_share_the_prompts_prefill() {
+    for name in MODELS {
+        let shared = prompt(5, 37);
+        let group: Vec<GenerateRequest> = (0..4)
+            .map(|j| GenerateRequest::new(shared.clone(), sampled(40 + j, 7)))
+            .collect();
+        let mut with_logits = GenerateRequest::new(shared.clone(), sampled(50, 3));
+        with_logits.sampling.prompt_logprobs_from = Some(0);
+        let mut reqs = group.clone();
+        reqs.push(with_logits.clone());
+        let mut e = engine(name, Dtype::F32, true);
+        let ids: Vec<_> = reqs.into_iter().map(|r| e.submit(r).unwrap()).collect();
+        let (mut done, mut steps) = (Vec::new(), 0);
+        while e.has_work() {
+            done.extend(e.step().unwrap());
+            steps += 1;
+        }
+        // One step prefills the prompt, the next the waiting samples' last partial block,
+        // then six more decode steps for their seven tokens: the waiting samples did not wait for
+        // the first to finish.
+        assert!(steps <= 8, "{name}: {steps} steps");
+        let got: Vec<_> = ids
+            .iter()
+            .map(|id| done.iter().find(|r| r.id == *id).unwrap().clone())
+            .collect();
+        let full_blocks = (shared.len() - 1) / 16 * 16;
+        let cached: Vec<usize> = got.iter().map(|r| r.cached_tokens).collect();
+        assert_eq!(
+            cached,
+            vec![0, full_blocks, full_blocks, full_blocks, 0],
+            "{name}"
+        );
+        let stats = e.prefix_cache_stats().expect("cache on");
+        assert_eq!(stats.hit_blocks, 3 * (full_blocks / 16) as u64, "{name}");
+        for (req, hit) in group.into_iter().chain([with_logits]).zip(&got) {
+            let mut cold = engine(name, Dtype::F32, false);
+            let want = cold.generate(vec![req]).unwrap().remove(0);
+            assert_eq!(hit.output_ids, want.output_ids, "{name}");
+            assert_eq!(hit.routes, want.routes, "{name}");
+            for (x, y) in hit.output_logprobs.iter().zip(&want.output_logprobs) {
+                assert!((x - y).abs() < 1e-4, "{name}: logprob {x} vs {y}");
+            }
+        }
+    }
+}
+
 #[test]
 fn routed_experts_start_len_returns_rows_from_that_position() {
     let mut e = engine("deepseek_v3_tiny", Dtype::F32, false);

@@ -31,12 +31,62 @@ impl Engine {
         }
     }
 
-    /// Moves waiting requests into the running set while slots, token budget and KV room last.
-    fn admit(&mut self, mut budget: usize) {
+    /// Whether `seq` should wait for a running sequence that is computing full blocks of
+    /// tokens `seq` begins with (beyond what that one found cached): it offers its prompt's
+    /// full blocks to the prefix cache as soon as its prefill ends, and `seq`, admitted
+    /// then, reads them from the cache instead of computing them again. So the samples of a
+    /// GRPO group, submitted together, prefill their shared prompt once (SGLang's scheduler
+    /// holds back such requests the same way).
+    fn waits_for_sibling(&self, seq: &Sequence) -> bool {
+        let bs = self.cfg.block_size;
+        // What a cache lookup at admission would probe: all but the last token.
+        let probe = &seq.tokens[..seq.tokens.len().saturating_sub(1)];
+        if self.cache.is_none()
+            || seq.prefix_checked
+            || !seq.capture
+            || probe.len() < bs
+            || !seq.prompt_logit_positions().is_empty()
+        {
+            return false;
+        }
+        self.running.iter().any(|r| {
+            r.capture
+                && r.pending() > 1
+                && r.tokens.len() >= bs
+                && r.tokens[..bs] == probe[..bs]
+                && {
+                    let common = r
+                        .tokens
+                        .iter()
+                        .zip(probe)
+                        .take_while(|(a, b)| a == b)
+                        .count();
+                    common / bs * bs > r.cached_tokens
+                }
+        })
+    }
+
+    /// Moves waiting requests into the running set while slots, token budget and KV room
+    /// last; requests waiting for a sibling's prefill ([`Engine::waits_for_sibling`]) keep
+    /// their place in the queue.
+    fn admit(&mut self, budget: usize) {
+        let mut held_back = Vec::new();
+        self.admit_from_queue(budget, &mut held_back);
+        for seq in held_back.into_iter().rev() {
+            self.waiting.push_front(seq);
+        }
+    }
+
+    /// [`Engine::admit`]'s loop; requests held back go to `held_back` in queue order.
+    fn admit_from_queue(&mut self, mut budget: usize, held_back: &mut Vec<Sequence>) {
         while self.running.len() < self.cfg.max_running && budget > 0 {
             let Some(mut seq) = self.waiting.pop_front() else {
                 break;
             };
+            if self.waits_for_sibling(&seq) {
+                held_back.push(seq);
+                continue;
+            }
             if !seq.prefix_checked {
                 seq.prefix_checked = true;
                 // Prompt log-probs need the logits of the prompt positions, which a cache
@@ -206,6 +256,13 @@ impl Engine {
             }
             seq.computed += span.num_tokens;
             seq.kv_version.get_or_insert(version);
+            // A prefill that ends here offers its full blocks to the cache at once, not only
+            // when the sequence retires: the requests waiting for it share them next step.
+            if span.num_tokens > 1 && seq.pending() == 0 {
+                if let Some(cache) = self.cache.as_mut() {
+                    insert_sequence(cache, seq, &self.geo, version, self.pool.block_bytes());
+                }
+            }
         }
         let vocab = self.model.config().vocab_size;
         for &(i, p, k) in &prompt_rows {

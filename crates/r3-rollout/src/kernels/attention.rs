@@ -209,6 +209,13 @@ pub use lanes::KvLanes;
 ))]
 mod avx512;
 
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+mod runs;
+
 /// The token kernels the CPU runs: the AVX-512 ones ([`avx512`]) where detected and the head
 /// widths fit, else the AVX2 / portable ones below. Both give the same bits.
 #[derive(Debug, Clone, Copy)]
@@ -282,6 +289,97 @@ impl TokenKernels {
             return k.weighted(probs, n, rows, shape, out);
         }
         weighted_heads(probs, n, rows, shape.group(), shape.v_dim, out);
+    }
+}
+
+impl TokenKernels {
+    /// One token's attention over its context (`scratch.runs`, whole cache rows of
+    /// `row_len` values, keys first and values from `k_dim`): every head's scores, their
+    /// softmax, the weighted sums into `out`. The AVX-512 kernels where they fit, else the
+    /// AVX2 kernels that read the runs as they lie ([`runs`]), else the portable ones; the
+    /// kernels that take one slice per key get those lists built here, only when they run.
+    fn attend_token<'p, E: KvLanes>(
+        self,
+        q: &[f32],
+        scratch: &mut ContextScratch<'p, E>,
+        (row_len, k_dim): (usize, usize),
+        shape: AttnShape,
+        out: &mut [f32],
+    ) {
+        let ContextScratch {
+            runs,
+            keys,
+            values,
+            scores,
+        } = scratch;
+        let n: usize = runs.iter().map(|r| r.len() / row_len.max(1)).sum();
+        scores.clear();
+        scores.resize(shape.num_heads * n, 0.0);
+        #[cfg(all(
+            target_arch = "x86_64",
+            target_feature = "avx2",
+            target_feature = "fma"
+        ))]
+        {
+            let wide_scores = self
+                .avx512
+                .is_some_and(|_| avx512::Avx512::fits_scores(shape.qk_dim));
+            let wide_sums = self
+                .avx512
+                .is_some_and(|_| avx512::Avx512::fits_weighted(shape.v_dim));
+            let run_sums = !wide_sums && runs::weighted_fits(shape);
+            if wide_scores || !run_sums {
+                context_rows(runs, row_len, k_dim, keys, values);
+            }
+            let ctx = runs::ContextRuns {
+                runs,
+                row_len,
+                v_from: k_dim,
+            };
+            match wide_scores {
+                true => self.scores(q, keys, shape, scores),
+                false => runs::run_scores(q, ctx, shape, scores),
+            }
+            for head in scores.chunks_exact_mut(n.max(1)) {
+                crate::kernels::ops::softmax_in_place(head);
+            }
+            match run_sums {
+                true => runs::run_weighted(scores, ctx, shape, out),
+                false => self.weighted(scores, n, values, shape, out),
+            }
+        }
+        #[cfg(not(all(
+            target_arch = "x86_64",
+            target_feature = "avx2",
+            target_feature = "fma"
+        )))]
+        {
+            context_rows(runs, row_len, k_dim, keys, values);
+            self.scores(q, keys, shape, scores);
+            for head in scores.chunks_exact_mut(n.max(1)) {
+                crate::kernels::ops::softmax_in_place(head);
+            }
+            self.weighted(scores, n, values, shape, out);
+        }
+    }
+}
+
+/// The key and value rows of a context given as runs of whole cache rows, one slice each.
+fn context_rows<'p, E>(
+    runs: &[&'p [E]],
+    row_len: usize,
+    k_dim: usize,
+    keys: &mut Vec<&'p [E]>,
+    values: &mut Vec<&'p [E]>,
+) {
+    keys.clear();
+    values.clear();
+    for run in runs {
+        for r in run.chunks_exact(row_len.max(1)) {
+            let (k, v) = r.split_at(k_dim.min(r.len()));
+            keys.push(k);
+            values.push(v);
+        }
     }
 }
 
@@ -747,17 +845,9 @@ fn attend<'p, E: KvLanes>(
             [..num_heads * qk_dim];
         let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
         let n = pos + 1 - lo;
-        // The context's key and value rows, looked up once.
-        let ContextScratch {
-            keys,
-            values,
-            scores,
-        } = scratch;
-        keys.clear();
-        values.clear();
         // Block by block: a block's slots of one layer lie back to back (key, value, key,
-        // …), so each run is asked for once and cut into rows without a division or a
-        // bounds check per position.
+        // …), so each run is asked for once and read as it lies.
+        scratch.runs.clear();
         let mut abs = lo;
         while abs <= pos {
             let (b, first) = (span.blocks[abs / bs], abs % bs);
@@ -768,20 +858,18 @@ fn attend<'p, E: KvLanes>(
             // head's scores overlaps their misses (measured, `examples/attention_speed.rs`:
             // a decode step's attention at 256 rows of a GRPO batch ≈ 15–20% faster).
             prefetch_lines(run, CacheLevel::L2);
-            for r in run.chunks_exact(row_len) {
-                let (k, v) = r.split_at(k_dim);
-                keys.push(k);
-                values.push(v);
-            }
+            scratch.runs.push(run);
             abs += end - first;
         }
-        scores.clear();
-        scores.resize(num_heads * n, 0.0);
-        kernels.scores(qt, keys, shape, scores);
-        for head in scores.chunks_exact_mut(n) {
-            crate::kernels::ops::softmax_in_place(head);
-        }
-        kernels.weighted(scores, n, values, shape, o);
+        debug_assert_eq!(
+            scratch
+                .runs
+                .iter()
+                .map(|r| r.len() / row_len)
+                .sum::<usize>(),
+            n
+        );
+        kernels.attend_token(qt, scratch, (row_len, k_dim), shape, o);
     };
     let row = num_heads * v_dim;
     if parallel && owner.len() > 1 {
@@ -796,9 +884,11 @@ fn attend<'p, E: KvLanes>(
     }
 }
 
-/// One worker's buffers for [`paged_attention`]: a token's context key and value rows and
-/// its scores (every head's, `[heads, context]`).
+/// One worker's buffers for [`paged_attention`]: a token's context as runs of cache rows,
+/// its key and value rows one slice each (for the kernels that take those), and its scores
+/// (every head's, `[heads, context]`).
 struct ContextScratch<'p, E> {
+    runs: Vec<&'p [E]>,
     keys: Vec<&'p [E]>,
     values: Vec<&'p [E]>,
     scores: Vec<f32>,
@@ -807,6 +897,7 @@ struct ContextScratch<'p, E> {
 impl<E> Default for ContextScratch<'_, E> {
     fn default() -> Self {
         ContextScratch {
+            runs: Vec::new(),
             keys: Vec::new(),
             values: Vec::new(),
             scores: Vec::new(),
@@ -819,6 +910,64 @@ mod tests {
     use super::*;
     use crate::dtype::Dtype;
     use crate::kv_pool::KvLayout;
+
+    /// Asserts that every head's scores in `got` (`[heads, n]`) are, bit for bit, that
+    /// head's [`head_scores`] over `keys` (head `h` reading its key/value head's columns).
+    pub(super) fn assert_scores_per_head<E: KvLanes>(
+        got: &[f32],
+        q: &[f32],
+        keys: &[&[E]],
+        (group, d, scale): (usize, usize, f32),
+        case: &str,
+    ) {
+        let n = keys.len();
+        for (h, got) in got
+            .chunks_exact(n.max(1))
+            .enumerate()
+            .take(q.len() / d.max(1))
+        {
+            let mut want = vec![f32::NAN; n];
+            head_scores(
+                &q[h * d..(h + 1) * d],
+                keys,
+                h / group * d,
+                scale,
+                &mut want,
+            );
+            for (j, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g.to_bits(), w.to_bits(), "scores, {case}: head {h} key {j}");
+            }
+        }
+    }
+
+    /// Asserts that every head's weighted sum in `got` (`[heads, v_dim]`) is, bit for bit,
+    /// that head's [`weighted_rows`] over `values` (head `h` reading its key/value head's
+    /// columns).
+    pub(super) fn assert_sums_per_head<E: KvElement>(
+        got: &[f32],
+        probs: &[f32],
+        values: &[&[E]],
+        (group, v_dim): (usize, usize),
+        case: &str,
+    ) {
+        let n = values.len();
+        for (h, got) in got.chunks_exact(v_dim).enumerate() {
+            let mut want = vec![f32::NAN; v_dim];
+            weighted_rows(
+                &probs[h * n..(h + 1) * n],
+                values,
+                h / group * v_dim,
+                &mut want,
+            );
+            for (c, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(
+                    g.to_bits(),
+                    w.to_bits(),
+                    "sums, {case}: head {h} column {c}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn eight_keys_at_a_time_score_bit_for_bit_as_one_at_a_time() {
@@ -908,26 +1057,8 @@ mod tests {
                     let probs: Vec<f32> = (0..heads * n).map(|j| f(j, 1.3).abs()).collect();
                     let mut got = vec![f32::NAN; heads * v_dim];
                     weighted_heads(&probs, n, &refs, group, v_dim, &mut got);
-                    for h in 0..heads {
-                        let mut want = vec![f32::NAN; v_dim];
-                        weighted_rows(
-                            &probs[h * n..(h + 1) * n],
-                            &refs,
-                            h / group * v_dim,
-                            &mut want,
-                        );
-                        for (c, (g, w)) in got[h * v_dim..(h + 1) * v_dim]
-                            .iter()
-                            .zip(&want)
-                            .enumerate()
-                        {
-                            assert_eq!(
-                                g.to_bits(),
-                                w.to_bits(),
-                                "v_dim {v_dim}, heads {heads}, group {group}, n {n}, head {h}, column {c}"
-                            );
-                        }
-                    }
+                    let case = format!("v_dim {v_dim}, heads {heads}, group {group}, n {n}");
+                    assert_sums_per_head(&got, &probs, &refs, (group, v_dim), &case);
                 }
             }
         }
@@ -976,24 +1107,8 @@ mod tests {
                         let q: Vec<f32> = (0..heads * d).map(|i| f(i, 1.7)).collect();
                         let mut got = vec![f32::NAN; heads * n];
                         kernels.scores(&q, &keys, shape(d), &mut got);
-                        for h in 0..heads {
-                            let mut want = vec![f32::NAN; n];
-                            head_scores(
-                                &q[h * d..(h + 1) * d],
-                                &keys,
-                                h / group * d,
-                                0.3,
-                                &mut want,
-                            );
-                            for (j, (g, w)) in got[h * n..(h + 1) * n].iter().zip(&want).enumerate()
-                            {
-                                assert_eq!(
-                                    g.to_bits(),
-                                    w.to_bits(),
-                                    "scores d {d}, heads {heads}/{group}, n {n}: head {h} key {j}"
-                                );
-                            }
-                        }
+                        let case = format!("d {d}, heads {heads}/{group}, n {n}");
+                        assert_scores_per_head(&got, &q, &keys, (group, d, 0.3), &case);
                     }
                 }
                 for v_dim in [16usize, 24, 32, 48, 64, 128] {
@@ -1009,22 +1124,8 @@ mod tests {
                         let probs: Vec<f32> = (0..heads * n).map(|j| f(j, 1.3).abs()).collect();
                         let mut got = vec![f32::NAN; heads * v_dim];
                         kernels.weighted(&probs, n, &refs, shape(v_dim), &mut got);
-                        for h in 0..heads {
-                            let mut want = vec![f32::NAN; v_dim];
-                            weighted_rows(
-                                &probs[h * n..(h + 1) * n],
-                                &refs,
-                                h / group * v_dim,
-                                &mut want,
-                            );
-                            for (c, (g, w)) in got[h * v_dim..(h + 1) * v_dim]
-                                .iter()
-                                .zip(&want)
-                                .enumerate()
-                            {
-                                assert_eq!(g.to_bits(), w.to_bits(), "sums v_dim {v_dim}, heads {heads}/{group}, n {n}: head {h} column {c}");
-                            }
-                        }
+                        let case = format!("v_dim {v_dim}, heads {heads}/{group}, n {n}");
+                        assert_sums_per_head(&got, &probs, &refs, (group, v_dim), &case);
                     }
                 }
             }
