@@ -98,5 +98,6 @@ fn checked_sample(
         response_ids: r.output_ids,
         rollout_logp: r.output_logprobs,
         routes: r.routes,
+        cached_tokens: r.cached_tokens,
     })
 }

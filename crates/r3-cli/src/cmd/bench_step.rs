@@ -183,6 +183,10 @@ pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
             work: step_work(&facts, &trace, metrics.old_logp_s > 0.0),
             tokens: trace.sequences.iter().map(Vec::len).sum(),
             sequences: trace.sequences.len(),
+            prompt_tokens: (
+                trace.prompt_lens.iter().sum(),
+                trace.cached_tokens.iter().sum(),
+            ),
             metrics,
         });
     }
@@ -199,6 +203,18 @@ pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
     let wall = median(&samples.iter().map(|s| s.wall_s).collect::<Vec<_>>());
     let tokens = median(&samples.iter().map(|s| s.tokens as f64).collect::<Vec<_>>());
     let sequences = samples.first().map_or(0, |s| s.sequences);
+    let prompt_tokens = median(
+        &samples
+            .iter()
+            .map(|s| s.prompt_tokens.0 as f64)
+            .collect::<Vec<_>>(),
+    );
+    let cached_tokens = median(
+        &samples
+            .iter()
+            .map(|s| s.prompt_tokens.1 as f64)
+            .collect::<Vec<_>>(),
+    );
     let response_len = median(
         &samples
             .iter()
@@ -216,6 +232,8 @@ pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
             "measured_steps": args.steps,
             "sequences_per_step": sequences,
             "tokens_per_step": tokens,
+            "prompt_tokens_per_step": prompt_tokens,
+            "prefix_cached_tokens_per_step": cached_tokens,
             "response_len_mean": response_len,
             "wall_s_per_step": wall,
             "threads": threads,
@@ -235,7 +253,7 @@ pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
         fmt_opt(active, |a| format!("{:.1} M", a / 1e6)),
     );
     println!(
-        "{sequences} sequences per step, {tokens:.0} tokens (mean response {response_len:.1}); {} warm-up + {} measured steps, median wall {wall:.3} s per step",
+        "{sequences} sequences per step, {tokens:.0} tokens (mean response {response_len:.1}; of the {prompt_tokens:.0} prompt tokens {cached_tokens:.0} read from the rollout's prefix cache); {} warm-up + {} measured steps, median wall {wall:.3} s per step",
         args.warmup, args.steps
     );
     println!(

@@ -69,11 +69,26 @@ pub fn generation_flops(
     prompt: usize,
     new_tokens: usize,
 ) -> Option<f64> {
-    let mut total = prefill_flops(cfg, prompt)?;
+    Some(generation_flops_after(cfg, 0, prompt, new_tokens)? * batch as f64)
+}
+
+/// [`generation_flops`] of one sequence whose first `cached` prompt positions came from a
+/// prefix cache: the prefill computes positions `cached..prompt` (each attending to every
+/// position before it, the cached ones included), then the decode steps.
+pub fn generation_flops_after(
+    cfg: &Config,
+    cached: usize,
+    prompt: usize,
+    new_tokens: usize,
+) -> Option<f64> {
+    let mut total = 0.0;
+    for t in cached.min(prompt)..prompt {
+        total += flops_per_token(cfg, t + 1, t + 1 == prompt)?;
+    }
     for step in 1..new_tokens {
         total += flops_per_token(cfg, prompt + step, true)?;
     }
-    Some(total * batch as f64)
+    Some(total)
 }
 
 /// What a phase can reach on this machine: the f32 GEMM peak and the streaming bandwidth,

@@ -7,7 +7,7 @@ use r3_model::Config;
 use r3_train::rl::step::StepTrace;
 use r3_train::StepMetrics;
 
-use super::matmul_work::{flops_per_token, generation_flops};
+use super::matmul_work::{flops_per_token, generation_flops_after};
 
 /// The phases of a step as the bench names them, in the order they run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -164,9 +164,10 @@ pub(crate) struct ModelFacts<'a> {
 
 /// Bytes of weights the rollout engine reads over the step: the whole model per forward,
 /// the routed experts only in the expected share a forward of `tokens` tokens hits (with
-/// routing uniform over the experts). The first forward is the prefill of every prompt,
-/// then one per new token of the longest response, over the sequences still generating
-/// (all at once: the step's sequences fit the engine's running batch).
+/// routing uniform over the experts). The first forward is the prefill of every prompt
+/// (less what the engine read from its prefix cache), then one per new token of the
+/// longest response, over the sequences still generating (all at once: the step's sequences
+/// fit the engine's running batch).
 pub(crate) fn rollout_bytes(model: &ModelFacts<'_>, trace: &StepTrace) -> f64 {
     let cfg = model.cfg;
     let (experts, miss) = match &cfg.moe {
@@ -187,7 +188,9 @@ pub(crate) fn rollout_bytes(model: &ModelFacts<'_>, trace: &StepTrace) -> f64 {
     let longest = responses.iter().copied().max().unwrap_or(0);
     (0..longest)
         .map(|j| match j {
-            0 => trace.prompt_lens.iter().sum::<usize>(),
+            0 => (0..trace.prompt_lens.len())
+                .map(|r| trace.prompt_lens[r] - cached(trace, r))
+                .sum::<usize>(),
             _ => responses.iter().filter(|&&n| n > j).count(),
         })
         .map(|tokens| {
@@ -195,6 +198,16 @@ pub(crate) fn rollout_bytes(model: &ModelFacts<'_>, trace: &StepTrace) -> f64 {
             (dense + experts * hit) * model.rollout_weight_bytes
         })
         .sum()
+}
+
+/// Prompt tokens of sequence `r` its rollout read from the prefix cache (none where the
+/// trace does not say), at most all but the prompt's last.
+fn cached(trace: &StepTrace, r: usize) -> usize {
+    let prompt = trace.prompt_lens[r];
+    trace
+        .cached_tokens
+        .get(r)
+        .map_or(0, |&c| c.min(prompt.saturating_sub(1)))
 }
 
 /// The work of each phase of one step, from what it ran: the sequences of its trace (their
@@ -218,10 +231,14 @@ pub(crate) fn step_work(model: &ModelFacts<'_>, trace: &StepTrace, old_pass: boo
     let mut work = [Work::default(); 7];
     for (slot, phase) in work.iter_mut().zip(PHASES) {
         *slot = match phase {
+            // A prompt's positions read from the prefix cache were not computed.
             Phase::Rollout => Work {
-                flops: sum_rows(trace, 0..n, |len, prompt| {
-                    generation_flops(cfg, 1, prompt, len - prompt)
-                }),
+                flops: (0..n)
+                    .map(|r| {
+                        let (len, prompt) = (trace.sequences[r].len(), trace.prompt_lens[r]);
+                        generation_flops_after(cfg, cached(trace, r), prompt, len - prompt)
+                    })
+                    .sum(),
                 bytes: rollout_bytes(model, trace),
             },
             Phase::OldLogp if old_pass => Work {
@@ -264,6 +281,9 @@ pub(crate) struct Sample {
     pub(crate) metrics: StepMetrics,
     pub(crate) tokens: usize,
     pub(crate) sequences: usize,
+    /// Prompt tokens of the step, and of those the ones the rollout read from the prefix
+    /// cache.
+    pub(crate) prompt_tokens: (usize, usize),
 }
 
 /// The bench's result for one phase (or the whole step).
@@ -442,5 +462,19 @@ mod tests {
         assert_eq!(w[6], Work::default());
         // no old pass: no work there
         assert_eq!(step_work(&facts, &trace, false)[1], Work::default());
+        // The prompt's first position read from the prefix cache: the prefill computes the
+        // second alone (attending to both), and its one forward of 1 token hits
+        // 1 − 4/6 = 1/3 of the expert weights.
+        let cached = StepTrace {
+            cached_tokens: vec![1],
+            ..trace
+        };
+        let w = step_work(&facts, &cached, true);
+        assert_eq!(w[0].flops, Some(per(2.0)));
+        assert!(
+            (w[0].bytes - (640.0 + 120.0) * 2.0).abs() < 1e-9,
+            "{}",
+            w[0].bytes
+        );
     }
 }

@@ -30,6 +30,9 @@ pub struct RolloutSample {
     /// Rollout routes of positions `[0, prompt + response − 1)` (MoE-only space); `None`
     /// for a dense model or when routes were not asked for.
     pub routes: Option<RouteTable>,
+    /// Prompt tokens the rollout engine read from its prefix cache instead of computing
+    /// (SGLang's `meta_info.cached_tokens`): the work it did not do.
+    pub cached_tokens: usize,
 }
 
 impl RolloutSample {
@@ -246,6 +249,7 @@ pub fn score_groups(
                     response_ids: r.output_ids,
                     rollout_logp: r.output_logprobs,
                     routes: r.routes,
+                    cached_tokens: r.cached_tokens,
                 },
                 weight_version: r.weight_version,
                 reward: score.reward,

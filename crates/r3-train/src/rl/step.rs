@@ -23,6 +23,8 @@ pub struct StepTrace {
     pub sequences: Vec<Vec<u32>>,
     /// Prompt tokens of each of those sequences (the rest is the response).
     pub prompt_lens: Vec<usize>,
+    /// Of those, the tokens the rollout engine read from its prefix cache (not computed).
+    pub cached_tokens: Vec<usize>,
     /// Rollout route tables of the step's trajectories (`len − 1` rows each).
     pub rollout_tables: Option<Vec<RouteTable>>,
     /// Replay proof of the separate old-log-prob pass (R3, multi mini-step).

@@ -186,6 +186,7 @@ mod tests {
                 response_ids: vec![5, 2],
                 rollout_logp: vec![-0.1, -0.2],
                 routes: None,
+                cached_tokens: 0,
             },
             stopped: true,
             weight_version: version,

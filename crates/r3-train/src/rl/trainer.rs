@@ -251,6 +251,7 @@ impl Trainer {
                 .iter()
                 .map(|t| t.sample.prompt_ids.len())
                 .collect();
+            trace.cached_tokens = data.trajs.iter().map(|t| t.sample.cached_tokens).collect();
             trace.rollout_tables = data.routes.as_ref().map(|r| r.tables().to_vec());
         }
         let ctx = StepContext {
