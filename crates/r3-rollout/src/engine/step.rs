@@ -256,9 +256,11 @@ impl Engine {
             }
             seq.computed += span.num_tokens;
             seq.kv_version.get_or_insert(version);
-            // A prefill that ends here offers its full blocks to the cache at once, not only
-            // when the sequence retires: the requests waiting for it share them next step.
-            if span.num_tokens > 1 && seq.pending() == 0 {
+            // A prefill that ends here (the step fed prompt positions, or several tokens, and
+            // left none pending) offers its full blocks to the cache at once, not only when
+            // the sequence retires: the requests waiting for it share them next step.
+            let prefilled = span.num_tokens > 1 || span.start_pos < seq.prompt_len;
+            if prefilled && seq.pending() == 0 {
                 if let Some(cache) = self.cache.as_mut() {
                     insert_sequence(cache, seq, &self.geo, version, self.pool.block_bytes());
                 }
