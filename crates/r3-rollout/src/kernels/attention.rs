@@ -290,9 +290,7 @@ impl TokenKernels {
         }
         weighted_heads(probs, n, rows, shape.group(), shape.v_dim, out);
     }
-}
 
-impl TokenKernels {
     /// One token's attention over its context (`scratch.runs`, whole cache rows of
     /// `row_len` values, keys first and values from `k_dim`): every head's scores, their
     /// softmax, the weighted sums into `out`. The AVX-512 kernels where they fit, else the
@@ -327,23 +325,24 @@ impl TokenKernels {
             let wide_sums = self
                 .avx512
                 .is_some_and(|_| avx512::Avx512::fits_weighted(shape.v_dim));
-            let run_sums = !wide_sums && runs::weighted_fits(shape);
-            if wide_scores || !run_sums {
-                context_rows(runs, row_len, k_dim, keys, values);
-            }
             let ctx = runs::ContextRuns {
                 runs,
                 row_len,
                 v_from: k_dim,
             };
-            match wide_scores {
-                true => self.scores(q, keys, shape, scores),
-                false => runs::run_scores(q, ctx, shape, scores),
+            let scores_by_runs = !wide_scores && ctx.fits(shape);
+            let sums_by_runs = !wide_sums && ctx.fits(shape) && runs::weighted_fits(shape);
+            if !scores_by_runs || !sums_by_runs {
+                context_rows(runs, row_len, k_dim, keys, values);
+            }
+            match scores_by_runs {
+                true => runs::run_scores(q, ctx, shape, scores),
+                false => self.scores(q, keys, shape, scores),
             }
             for head in scores.chunks_exact_mut(n.max(1)) {
                 crate::kernels::ops::softmax_in_place(head);
             }
-            match run_sums {
+            match sums_by_runs {
                 true => runs::run_weighted(scores, ctx, shape, out),
                 false => self.weighted(scores, n, values, shape, out),
             }

@@ -46,10 +46,13 @@ impl<E> ContextRuns<'_, '_, E> {
     }
 
     /// Whether the runs fit `shape`: whole rows, each holding every key/value head's keys
-    /// (from 0) and values (from `v_from`).
-    fn fit(&self, shape: AttnShape) -> bool {
+    /// (from 0) and values (from `v_from`), for query heads that split evenly over the
+    /// key/value heads (the tiles read head `h`'s key/value head as `h / group`).
+    pub fn fits(&self, shape: AttnShape) -> bool {
         let kv = shape.num_kv_heads;
-        self.row_len > 0
+        kv > 0
+            && shape.num_heads.is_multiple_of(kv)
+            && self.row_len > 0
             && kv * shape.qk_dim <= self.v_from
             && self.v_from + kv * shape.v_dim <= self.row_len
             && self.runs.iter().all(|r| r.len() % self.row_len == 0)
@@ -71,7 +74,7 @@ pub(super) fn run_scores<E: KvLanes>(
     let (heads, d, group) = (shape.num_heads, shape.qk_dim, shape.group());
     let n = ctx.len();
     assert!(
-        ctx.fit(shape) && q.len() >= heads * d && scores.len() >= heads * n,
+        ctx.fits(shape) && q.len() >= heads * d && scores.len() >= heads * n,
         "attention: context runs, query ({}) or scores ({}) do not fit {heads} heads of width {d} over {n} keys",
         q.len(),
         scores.len()
@@ -111,7 +114,7 @@ fn scores_in_tiles<const KEYS: usize, const HEADS: usize, E: KvLanes>(
                 // SAFETY: the build enables AVX2 and FMA (this module's cfg). Query heads
                 // `h0 .. h0 + HEADS ≤ heads` (`HEADS` divides the group, which divides
                 // `heads`) lie in `q`; keys `i .. i + KEYS ≤ m` of the run, columns `col ..
-                // col + d ≤ kv · d ≤ row` (`run_scores`' assertion, `fit`); scores
+                // col + d ≤ kv · d ≤ row` (`run_scores`' assertion, `fits`); scores
                 // `(h0 + h)·n + j + i + k < heads·n` lie in `scores` (the same assertion).
                 unsafe {
                     score_tile::<KEYS, HEADS, E>(
@@ -226,7 +229,7 @@ pub(super) fn run_weighted<E: KvLanes>(
     let n = ctx.len();
     assert!(
         weighted_fits(shape)
-            && ctx.fit(shape)
+            && ctx.fits(shape)
             && probs.len() >= heads * n
             && out.len() >= heads * v_dim,
         "attention: context runs, probabilities ({}) or output ({}) do not fit {heads} heads of width {v_dim} over {n} keys",
@@ -502,6 +505,29 @@ mod tests {
         check::<f32>(|v| v);
         check::<f16>(f16::from_f32);
         check::<bf16>(bf16::from_f32);
+    }
+
+    /// Query heads that do not split evenly over the key/value heads are not the tiles'
+    /// shape: the runs do not fit it (the caller takes the slice-per-key kernels).
+    #[test]
+    fn heads_that_do_not_split_over_key_value_heads_do_not_fit() {
+        let rows = [0f32; 4 * 40];
+        let runs = [&rows[..]];
+        let ctx = ContextRuns {
+            runs: &runs,
+            row_len: 40,
+            v_from: 16,
+        };
+        let shape = |num_heads| AttnShape {
+            num_heads,
+            num_kv_heads: 2,
+            qk_dim: 8,
+            v_dim: 8,
+            scale: 1.0,
+            window: None,
+        };
+        assert!(ctx.fits(shape(4)));
+        assert!(!ctx.fits(shape(5)));
     }
 
     /// Runs that are not whole rows, or rows too short for the shape's keys and values, are
