@@ -255,6 +255,34 @@ fn routed_on_the_device_the_cache_serves_what_host_routing_computes() {
     }
 }
 
+/// The samples of a group, submitted together, prefill their shared prompt once: the first
+/// computes it while the others wait a step, then they read its full blocks from the cache
+/// (`cached_tokens`), and every sample's tokens, routes and log-probs are what the engine
+/// with the cache off computes; a request whose prompt only begins the same is not held
+/// back past the blocks it shares.
+#[test]
+fn a_groups_samples_share_the_prompts_prefill() {
+    let cfg = tiny_config("qwen3_moe");
+    let map = tiny_weights(&cfg, 31, DType::F32).into_map();
+    let (mut on, mut off) = on_and_off(&cfg, &map, 64 << 20);
+    let p = sequences(&[13, 5], cfg.vocab_size, 7);
+    let mut other = p[0][..8].to_vec();
+    other.extend_from_slice(&p[1]);
+    let mut reqs: Vec<GenerateRequest> = (0..4)
+        .map(|j| GenerateRequest::new(p[0].clone(), mixed_sampling(j, 5, 70)))
+        .collect();
+    reqs.push(GenerateRequest::new(other, mixed_sampling(5, 5, 70)));
+    let got = on.generate(reqs.clone()).expect("on");
+    let want = off.generate(reqs).expect("off");
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_same(&format!("sample {i}"), g, w, TOL);
+    }
+    // 12 of the 13-token prompt's 12 servable positions (3 blocks of 4); the other prompt
+    // shares its first 2 blocks.
+    let cached: Vec<usize> = got.iter().map(|r| r.cached_tokens).collect();
+    assert_eq!(cached, vec![0, 12, 12, 12, 8], "cached prompt positions");
+}
+
 #[test]
 fn a_weight_update_empties_the_cache_and_no_stale_route_comes_back() {
     let cfg = tiny_config("qwen3_moe");
@@ -268,14 +296,17 @@ fn a_weight_update_empties_the_cache_and_no_stale_route_comes_back() {
     let stats = on.prefix_cache_stats().expect("on");
     assert_eq!((stats.cached_blocks, stats.used_bytes), (0, 0), "emptied");
     assert_eq!(stats.invalidations, 1);
-    // The next turn under the new weights: no hit, and what a fresh engine on them gives.
+    // The next turn under the new weights: nothing of the old weights served, and what a
+    // fresh engine on them gives. Request 3 begins with the first 2 blocks of request 0's
+    // prompt: it waits a step for request 0 to compute them, under the new weights.
     let (_, mut fresh) = on_and_off(&cfg, &new, 0);
     let second = rounds(cfg.vocab_size, &got1);
     let got2 = on.generate(second.clone()).expect("on");
     let want2 = fresh.generate(second.clone()).expect("fresh");
     for (i, (g, w)) in got2.iter().zip(&want2).enumerate() {
         assert_eq!(
-            g.cached_tokens, 0,
+            g.cached_tokens,
+            if i == 3 { 8 } else { 0 },
             "request {i}: nothing of the old weights served"
         );
         let (a, b) = (g.routes.as_ref().expect("r"), w.routes.as_ref().expect("r"));
@@ -409,8 +440,9 @@ fn an_aborted_request_resumes_from_its_cached_positions() {
                 assert!(on.step().expect("step").is_empty());
             }
             let partial = on.abort(id).expect("abort").expect("running");
-            // 10 prompt + 6 generated − 1 fed positions: three blocks offered.
-            assert_eq!(on.prefix_cache_stats().expect("on").cached_blocks, 3);
+            // 10 prompt + 6 generated − 1 fed positions: three blocks offered; and the other
+            // request's first block, offered when its prefill ended.
+            assert_eq!(on.prefix_cache_stats().expect("on").cached_blocks, 4);
             let rid = on.resume(partial, policy).expect("resume");
             let mut done = Vec::new();
             while on.has_work() {

@@ -136,9 +136,58 @@ impl DeviceEngine {
     /// padding, prompt and max new tokens (its padding grows if a longer prompt joins), a
     /// newcomer the joined batch's slots and its max new tokens. The prefill itself holds
     /// the longest cached prefix and the longest uncached tail side by side.
+    ///
+    /// A request whose first full blocks of tokens a row of this batch computes (beyond
+    /// what that row found cached) waits for the next step ([`DeviceEngine::waits_for_sibling`]),
+    /// keeping its place in the queue: the row offers its blocks to the prefix cache when
+    /// its prefill ends, so the samples of a GRPO group prefill their prompt once.
     pub(super) fn admit(
         &mut self,
         running: Option<&Running>,
+    ) -> Result<Option<Running>, RolloutError> {
+        let mut held_back = Vec::new();
+        let batch = self.take_batch(running, &mut held_back);
+        for w in held_back.into_iter().rev() {
+            self.waiting.push_front(w);
+        }
+        batch
+    }
+
+    /// Whether waiting request `w` should wait for a row of the batch being formed
+    /// (`rows`) that computes full blocks of tokens `w` begins with, beyond what that row
+    /// found cached.
+    fn waits_for_sibling(&self, w: &Waiting, rows: &[Row]) -> bool {
+        let Some(cache) = &self.cache else {
+            return false;
+        };
+        let bs = cache.block_size();
+        let tokens = &w.request.input_ids;
+        let end = w
+            .resume
+            .as_ref()
+            .map_or(tokens.len(), |r| r.earlier.request.input_ids.len());
+        let probe = &tokens[..prefix::servable(tokens.len(), &w.request.sampling, end)];
+        if self.geo.row() == 0 || probe.len() < bs {
+            return false;
+        }
+        rows.iter().any(|r| {
+            r.capture && r.tokens.len() >= bs && r.tokens[..bs] == probe[..bs] && {
+                let common = r
+                    .tokens
+                    .iter()
+                    .zip(probe)
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                common / bs * bs > r.cached
+            }
+        })
+    }
+
+    /// [`DeviceEngine::admit`]'s batch; requests held back go to `held_back` in queue order.
+    fn take_batch(
+        &mut self,
+        running: Option<&Running>,
+        held_back: &mut Vec<Waiting>,
     ) -> Result<Option<Running>, RolloutError> {
         let slot_bytes = self.slot_bytes();
         let (running_rows, running_slots, running_reach) = match running {
@@ -157,6 +206,10 @@ impl DeviceEngine {
             let Some(next) = self.waiting.front() else {
                 break;
             };
+            if self.waits_for_sibling(next, &rows) {
+                held_back.extend(self.waiting.pop_front());
+                continue;
+            }
             let len = next.request.input_ids.len();
             let cached = self.peek_cached(next);
             let l = longest.max(len);

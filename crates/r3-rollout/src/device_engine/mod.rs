@@ -410,6 +410,13 @@ impl DeviceEngine {
                 self.finished = results;
                 return Err(step_failed(&joining.rows, e));
             }
+            // The prefilled rows offer their full blocks at once, not only when they
+            // retire: requests held back for them (`admit`) read them next step.
+            for (b, row) in joining.rows.iter().enumerate() {
+                if let Err(e) = self.offer(row, &joining.cache, b) {
+                    tracing::warn!(error = %e, "prefix cache offer after the prefill failed; continuing without it");
+                }
+            }
             results.extend(self.retire(&mut joining)?);
             if !joining.rows.is_empty() {
                 // Cached prefixes and tails side by side can leave slots no row uses.
