@@ -14,6 +14,7 @@ use super::{prefix, DeviceEngine, Running, Waiting};
 use crate::engine::sequence::ResumeState;
 use crate::engine::validate_request;
 use crate::error::RolloutError;
+use crate::prefix_cache::shared_block_tokens;
 use crate::request::{GenerateRequest, PartialRollout, RequestId};
 
 impl DeviceEngine {
@@ -170,17 +171,8 @@ impl DeviceEngine {
         if self.geo.row() == 0 || probe.len() < bs {
             return false;
         }
-        rows.iter().any(|r| {
-            r.capture && r.tokens.len() >= bs && r.tokens[..bs] == probe[..bs] && {
-                let common = r
-                    .tokens
-                    .iter()
-                    .zip(probe)
-                    .take_while(|(a, b)| a == b)
-                    .count();
-                common / bs * bs > r.cached
-            }
-        })
+        rows.iter()
+            .any(|r| r.capture && shared_block_tokens(&r.tokens, probe, bs) > r.cached)
     }
 
     /// [`DeviceEngine::admit`]'s batch; requests held back go to `held_back` in queue order.

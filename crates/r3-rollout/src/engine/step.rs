@@ -13,6 +13,7 @@ use crate::error::RolloutError;
 use crate::kernels::attention::SeqSpan;
 use crate::kernels::ops::log_softmax_at;
 use crate::model::BatchInput;
+use crate::prefix_cache::shared_block_tokens;
 use crate::request::GenerateResult;
 use crate::sampler::top_logprobs;
 
@@ -52,17 +53,7 @@ impl Engine {
         self.running.iter().any(|r| {
             r.capture
                 && r.pending() > 1
-                && r.tokens.len() >= bs
-                && r.tokens[..bs] == probe[..bs]
-                && {
-                    let common = r
-                        .tokens
-                        .iter()
-                        .zip(probe)
-                        .take_while(|(a, b)| a == b)
-                        .count();
-                    common / bs * bs > r.cached_tokens
-                }
+                && shared_block_tokens(&r.tokens, probe, bs) > r.cached_tokens
         })
     }
 

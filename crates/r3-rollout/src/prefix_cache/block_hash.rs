@@ -75,3 +75,14 @@ mod tests {
         assert!(full_block_hashes(&[1, 2], 0, 0).is_empty());
     }
 }
+
+/// Tokens of the full blocks of `block_size` that `a` and `b` both begin with: what one
+/// sequence's cached blocks could serve the other (the engines hold a request back while a
+/// running one computes such blocks).
+pub fn shared_block_tokens(a: &[u32], b: &[u32], block_size: usize) -> usize {
+    if block_size == 0 {
+        return 0;
+    }
+    let common = a.iter().zip(b).take_while(|(x, y)| x == y).count();
+    common / block_size * block_size
+}

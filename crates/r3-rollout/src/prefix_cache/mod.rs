@@ -23,7 +23,7 @@ use std::sync::Arc;
 
 pub use arena::BlockId;
 use arena::{Arena, Node};
-pub use block_hash::{full_block_hashes, BlockHash};
+pub use block_hash::{full_block_hashes, shared_block_tokens, BlockHash};
 pub use stats::PrefixCacheStats;
 pub use types::{BlockPayload, InsertOutcome, PrefixCacheError, PrefixLease, PrefixMatch};
 

@@ -485,3 +485,16 @@ fn routes_of_the_cached_part_are_the_stored_ones() {
     // Under other weights the same tokens are not served.
     assert_eq!(c.peek_prefix(&next_turn, 4), 0);
 }
+
+/// By hand: the shared full blocks stop at the first differing token, a partial block
+/// counts nothing, and a block size of 0 shares nothing.
+#[test]
+fn shared_block_tokens_count_whole_blocks_of_the_common_start() {
+    use super::shared_block_tokens;
+    let (a, b) = ([1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 9]);
+    assert_eq!(shared_block_tokens(&a, &b, 2), 4);
+    assert_eq!(shared_block_tokens(&a, &b, 5), 5);
+    assert_eq!(shared_block_tokens(&a, &b, 6), 0);
+    assert_eq!(shared_block_tokens(&a, &a, 3), 6);
+    assert_eq!(shared_block_tokens(&a, &b, 0), 0);
+}
