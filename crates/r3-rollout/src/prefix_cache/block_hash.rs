@@ -50,6 +50,17 @@ pub fn full_block_hashes(tokens: &[u32], version: u64, block_size: usize) -> Vec
         .collect()
 }
 
+/// Tokens of the full blocks of `block_size` that `a` and `b` both begin with: what one
+/// sequence's cached blocks could serve the other (the engines hold a request back while a
+/// running one computes such blocks).
+pub fn shared_block_tokens(a: &[u32], b: &[u32], block_size: usize) -> usize {
+    if block_size == 0 {
+        return 0;
+    }
+    let common = a.iter().zip(b).take_while(|(x, y)| x == y).count();
+    common / block_size * block_size
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -74,15 +85,4 @@ mod tests {
         assert!(full_block_hashes(&[1], 0, 2).is_empty());
         assert!(full_block_hashes(&[1, 2], 0, 0).is_empty());
     }
-}
-
-/// Tokens of the full blocks of `block_size` that `a` and `b` both begin with: what one
-/// sequence's cached blocks could serve the other (the engines hold a request back while a
-/// running one computes such blocks).
-pub fn shared_block_tokens(a: &[u32], b: &[u32], block_size: usize) -> usize {
-    if block_size == 0 {
-        return 0;
-    }
-    let common = a.iter().zip(b).take_while(|(x, y)| x == y).count();
-    common / block_size * block_size
 }
