@@ -330,8 +330,9 @@ impl TokenKernels {
                 row_len,
                 v_from: k_dim,
             };
-            let scores_by_runs = !wide_scores && ctx.fits(shape);
-            let sums_by_runs = !wide_sums && ctx.fits(shape) && runs::weighted_fits(shape);
+            let fits = ctx.fits(shape);
+            let scores_by_runs = !wide_scores && fits;
+            let sums_by_runs = !wide_sums && fits && runs::weighted_fits(shape);
             if !scores_by_runs || !sums_by_runs {
                 context_rows(runs, row_len, k_dim, keys, values);
             }
