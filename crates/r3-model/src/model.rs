@@ -4,19 +4,23 @@
 
 pub mod decode;
 mod recompute;
+pub mod shared_prefix;
 
 pub use recompute::LayerRecompute;
 use recompute::RecomputeInputs;
+use shared_prefix::SharedPrefixes;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor, Var};
 
 use crate::config::{AttentionConfig, Config};
 use crate::error::{ModelError, Result};
-use crate::layers::attention::{AttentionMask, GqaAttention};
+use crate::layers::attention::{AttentionMask, GqaAttention, SlotRows};
 use crate::layers::embedding_rows::embedding_rows;
 use crate::layers::expert_gemm::ExpertGemmInputs;
+use crate::layers::gather_rows::GatherRows;
 use crate::layers::linear::Linear;
 use crate::layers::mla::MlaAttention;
 use crate::layers::mlp::SwiGlu;
@@ -44,6 +48,9 @@ pub struct Batch {
     host_ids: Vec<u32>,
     lengths: Vec<usize>,
     tokens: Vec<Vec<u32>>,
+    /// Whether a training forward computes the positions its sequences hold alike once
+    /// ([`Batch::sharing_prefixes`]).
+    share_prefixes: bool,
 }
 
 impl Batch {
@@ -66,7 +73,18 @@ impl Batch {
             host_ids: flat,
             lengths: sequences.iter().map(Vec::len).collect(),
             tokens: sequences.to_vec(),
+            share_prefixes: false,
         })
+    }
+
+    /// This batch, its forwards computing the positions its sequences hold alike once
+    /// (`share`: a GRPO group's prompt, scored once for its samples; see
+    /// [`shared_prefix`]). The values are the unshared forward's to float rounding. A
+    /// forward that returns hidden states or recomputes its layers, and a model with MLA
+    /// attention, run unshared.
+    pub fn sharing_prefixes(mut self, share: bool) -> Self {
+        self.share_prefixes = share;
+        self
     }
 
     /// `[B, T]` u32 token ids.
@@ -116,6 +134,10 @@ pub struct ForwardOutput {
     /// place of the routers' own, verifying and building the proof, recording the tables.
     /// Zero for `Native`. Everything else is the same computation in every mode.
     pub routing_overhead: Duration,
+    /// Rows the token-wise layers (norms, projections, experts) ran over: `B·T` (padding
+    /// included) unshared, each computed row once where the batch shares prefixes
+    /// ([`Batch::sharing_prefixes`]).
+    pub computed_rows: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -382,6 +404,30 @@ impl Model {
             AttentionConfig::Gqa { sliding_window, .. } => sliding_window,
             AttentionConfig::Mla { .. } => None,
         };
+        // A replay's plan is built when the first MoE layer needs it (below), unless the
+        // batch shares prefixes: which positions share depends on their replayed experts.
+        let mut plan: Option<ReplayPlan> = None;
+        let mut plan_pending = matches!(routing, Routing::Replay(_));
+        let shares = batch.share_prefixes
+            && !capture_hidden
+            && !recompute
+            && matches!(cfg.attention, AttentionConfig::Gqa { .. });
+        if shares {
+            let started = Instant::now();
+            plan = self.plan(routing, lengths)?;
+            routing_overhead += started.elapsed();
+            plan_pending = false;
+            if let Some(shared) = SharedPrefixes::find(batch.sequences(), t, plan.as_ref()) {
+                let rows = SharedForward {
+                    shared,
+                    plan,
+                    window,
+                    logits_from,
+                    routing_overhead,
+                };
+                return Ok((self.forward_shared(batch, routing, rows)?, None));
+            }
+        }
         let ctx = LayerContext {
             rope: self.rope.tables(t, device, self.embed.dtype())?,
             mask: AttentionMask::new(lengths, t, window, device)?.to_dtype(self.embed.dtype())?,
@@ -391,8 +437,6 @@ impl Model {
         // and the first attention's kernels are queued, so on a GPU the host builds it while
         // the device runs them (built first, it held the device idle at every replayed
         // forward's start).
-        let mut plan: Option<ReplayPlan> = None;
-        let mut plan_pending = matches!(routing, Routing::Replay(_));
 
         let ids = batch.input_ids.to_device(device)?.flatten_all()?;
         let mut x = self.embed_tokens(&ids, &batch.host_ids, b, t)?;
@@ -499,6 +543,7 @@ impl Model {
             replay,
             hidden_states: hidden,
             routing_overhead,
+            computed_rows: b * t,
         };
         Ok((out, recompute))
     }
@@ -588,14 +633,124 @@ impl Model {
         moe_block: impl FnOnce(&'m MoeBlock, &Tensor) -> Result<Tensor>,
     ) -> Result<Tensor> {
         let hidden = self.cfg.hidden_size;
-        let (b, t, _) = h.dims3()?;
-        let normed = layer.post_norm.forward(&h)?.reshape((b * t, hidden))?;
+        // `[B, T, H]`, or `[N, H]` computed rows of a batch sharing prefixes
+        let shape = h.shape().clone();
+        let rows = shape.elem_count() / hidden.max(1);
+        let normed = layer.post_norm.forward(&h)?.reshape((rows, hidden))?;
         let ffn = match &layer.ffn {
             FeedForward::Dense(mlp) => mlp.forward(&normed)?,
             FeedForward::Moe(block) => moe_block(block, &normed)?,
         };
-        self.precision
-            .add_rounded(&h, &ffn.reshape((b, t, hidden))?)
+        self.precision.add_rounded(&h, &ffn.reshape(shape)?)
+    }
+
+    /// [`Model::forward_layers`] over the computed rows of a batch whose sequences share
+    /// prefixes ([`SharedPrefixes`]): the embedding, norms, projections, routers and experts
+    /// run once per computed row, attention in the padded layout; the routes recorded or
+    /// verified are every real position's (a shared row's at each of its positions).
+    fn forward_shared(
+        &self,
+        batch: &Batch,
+        routing: Routing<'_>,
+        run: SharedForward,
+    ) -> Result<ForwardOutput> {
+        let SharedForward {
+            shared,
+            plan,
+            window,
+            logits_from,
+            mut routing_overhead,
+        } = run;
+        let device = self.embed.device();
+        let dtype = self.embed.dtype();
+        let (b, t) = batch.input_ids.dims2()?;
+        let lengths = batch.lengths();
+        let n = shared.rows();
+        let rope = self.rope.tables(t, device, dtype)?;
+        let mask = AttentionMask::new(lengths, t, window, device)?.to_dtype(dtype)?;
+        let slots = SlotRows::new(
+            shared.row_of_slot().to_vec(),
+            shared.slot_of_row().to_vec(),
+            (b, t),
+        )?;
+        let rows = RoutedRows {
+            host: (0..n as u32).collect(),
+            all: true,
+        };
+        let row_plan = plan
+            .as_ref()
+            .map(|p| p.for_rows(shared.owner_tokens(), Arc::new(shared.copies().to_vec())));
+        let tokens: Vec<u32> = batch.sequences().concat();
+        let host_ids: Vec<u32> = shared
+            .owner_tokens()
+            .iter()
+            .map(|&o| tokens[o as usize])
+            .collect();
+        let ids = Tensor::from_slice(&host_ids, n, device)?;
+        let mut x = self
+            .precision
+            .round(&embedding_rows(&self.embed, &ids, &host_ids)?)?;
+        let mut moe = MoeRecord::default();
+        for (i, layer) in self.layers.iter().enumerate() {
+            let Attention::Gqa(attention) = &layer.attention else {
+                return Err(ModelError::Input(format!(
+                    "layer {i}: prefix sharing needs GQA attention"
+                )));
+            };
+            let normed = layer.input_norm.forward(&x)?;
+            let attn = attention.forward_rows(&normed, &slots, &rope, &mask)?;
+            let h = self.precision.add_rounded(&x, &attn)?;
+            let layer_plan = row_plan.as_ref().map(|p| p.layers.as_slice());
+            x = self.feed_forward(
+                i,
+                layer,
+                h,
+                &rows,
+                layer_plan,
+                Gates::Differentiable,
+                &mut moe,
+            )?;
+        }
+        routing_overhead += moe.replay_time;
+        // Each row normed once, then the positions the head sees gathered from them.
+        let x = self.norm.forward(&x)?;
+        let width = t - logits_from;
+        let picks: Vec<u32> = (0..b)
+            .flat_map(|r| {
+                shared.row_of_slot()[r * t + logits_from..(r + 1) * t]
+                    .iter()
+                    .copied()
+            })
+            .collect();
+        let x =
+            GatherRows::new(picks, n, n)?
+                .apply(&x)?
+                .reshape((b, width, self.cfg.hidden_size))?;
+        let logits = self.lm_head.forward(&x)?;
+        let started = Instant::now();
+        let k = self.cfg.top_k();
+        let spread = MoeRecord {
+            used: moe
+                .used
+                .iter()
+                .map(|ids| shared.spread_ids(ids, k))
+                .collect(),
+            differs: moe.differs.clone(),
+            ..MoeRecord::default()
+        };
+        let (routes, replay) = self.routing_result(routing, plan, &spread, lengths)?;
+        if !matches!(routing, Routing::Native) {
+            routing_overhead += started.elapsed();
+        }
+        Ok(ForwardOutput {
+            logits,
+            logits_from,
+            routes,
+            replay,
+            hidden_states: None,
+            routing_overhead,
+            computed_rows: n,
+        })
     }
 
     /// What the routing mode returns: `Record` the chosen routes as tables, `Replay` the
@@ -649,6 +804,17 @@ impl Model {
         }
         Ok(())
     }
+}
+
+/// What [`Model::forward_shared`] runs with.
+struct SharedForward {
+    shared: SharedPrefixes,
+    /// A replay's plan over every real position.
+    plan: Option<ReplayPlan>,
+    window: Option<usize>,
+    logits_from: usize,
+    /// The routing work done before the layers run.
+    routing_overhead: Duration,
 }
 
 /// What every decoder layer of one forward shares.

@@ -3,6 +3,8 @@
 //! them into per-layer forced ids, building recorded tables, and the proof that a replayed
 //! forward used exactly the given experts.
 
+use std::sync::Arc;
+
 use r3_routing::{LayerLayout, LayerSpace, RouteTable};
 use rayon::prelude::*;
 
@@ -114,6 +116,10 @@ pub(crate) struct LayerPlan {
     /// from its router's own choice (a replay's routing divergence). Without it, and with
     /// every row forced, the router's logits serve the gates alone and never go to the host.
     pub count_differences: bool,
+    /// Per row, how many real positions it stands for (rows computed once for several
+    /// sequences: [`crate::model::shared_prefix::SharedPrefixes`]); None: one each. A
+    /// differing row counts once per position, as the unshared forward counts it.
+    pub copies: Option<Arc<Vec<u32>>>,
 }
 
 /// Forced ids for every MoE layer, plus which sequences route their final position natively.
@@ -123,6 +129,35 @@ pub(crate) struct ReplayPlan {
     pub native_final_position: Vec<bool>,
     /// tables converted to the MoE-only space (for verification)
     pub tables: Vec<RouteTable>,
+}
+
+impl ReplayPlan {
+    /// The plan over computed rows standing for real rows `owners` (sequence-major indices
+    /// into this plan's rows), row `r` for `copies[r]` real positions.
+    pub(crate) fn for_rows(&self, owners: &[u32], copies: Arc<Vec<u32>>) -> ReplayPlan {
+        let layers = self
+            .layers
+            .iter()
+            .map(|layer| {
+                let k = layer.ids.len() / layer.forced.len().max(1);
+                LayerPlan {
+                    ids: owners
+                        .iter()
+                        .flat_map(|&o| &layer.ids[o as usize * k..(o as usize + 1) * k])
+                        .copied()
+                        .collect(),
+                    forced: owners.iter().map(|&o| layer.forced[o as usize]).collect(),
+                    count_differences: layer.count_differences,
+                    copies: Some(copies.clone()),
+                }
+            })
+            .collect();
+        ReplayPlan {
+            layers,
+            native_final_position: self.native_final_position.clone(),
+            tables: Vec::new(),
+        }
+    }
 }
 
 /// What a table must fit.
@@ -163,6 +198,7 @@ pub(crate) fn plan_replay(
             ids: vec![0; total * k],
             forced: vec![false; total],
             count_differences: true,
+            copies: None,
         })
         .collect();
     let mut native_final_position = Vec::with_capacity(tables.len());

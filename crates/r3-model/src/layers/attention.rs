@@ -10,6 +10,7 @@ use super::attention_op::{visible_key_ends, MaskedAttention};
 use super::attention_recompute::{attend_recomputed, NarrowOperands};
 use super::attention_rows::{attend_rows, rows_packed};
 use super::attention_softmax::attention_probs;
+use super::gather_rows::GatherRows;
 use super::linear::Linear;
 use super::norm::RmsNorm;
 use super::rope::{PositionTables, RopeTables, Rotary};
@@ -75,6 +76,41 @@ impl AttentionMask {
             additive: self.additive.to_dtype(dtype)?,
             host: self.host.clone(),
             key_ends: self.key_ends.clone(),
+        })
+    }
+}
+
+/// Where the computed rows of a batch whose sequences share prefixes lie in its padded
+/// `[B, T]` layout: attention gathers its operands into the slots and its output back.
+#[derive(Debug, Clone)]
+pub struct SlotRows {
+    /// `[B·T]` slots ← computed rows (a shared row into every slot that holds it).
+    spread: GatherRows,
+    /// `[N]` computed rows ← the slot each is computed at.
+    take: GatherRows,
+    /// `(B, T)`.
+    batch: (usize, usize),
+}
+
+impl SlotRows {
+    /// From each slot's computed row (`row_of_slot`, `B·T` of them) and each row's slot
+    /// (`slot_of_row`, `rows` of them); an index past its range is an error.
+    pub fn new(
+        row_of_slot: Vec<u32>,
+        slot_of_row: Vec<u32>,
+        (b, t): (usize, usize),
+    ) -> Result<Self> {
+        if row_of_slot.len() != b * t {
+            return Err(ModelError::Input(format!(
+                "shared rows: {} slots for a batch of {b} x {t}",
+                row_of_slot.len()
+            )));
+        }
+        let rows = slot_of_row.len();
+        Ok(SlotRows {
+            spread: GatherRows::new(row_of_slot, rows, rows)?,
+            take: GatherRows::new(slot_of_row, b * t, b * t)?,
+            batch: (b, t),
         })
     }
 }
@@ -565,6 +601,33 @@ impl GqaAttention {
         self.o_proj.forward(&out)
     }
 
+    /// [`GqaAttention::forward`] over computed rows `x` `[N, H]` of a batch whose sequences
+    /// share prefixes: the projections run once per row, the queries, keys and values are
+    /// gathered into the padded `[B, T]` layout the rotation, mask and attention read, and
+    /// each row takes the attention output of the slot it is computed at → `[N, H]`.
+    pub fn forward_rows(
+        &self,
+        x: &Tensor,
+        slots: &SlotRows,
+        rope: &RopeTables,
+        mask: &AttentionMask,
+    ) -> Result<Tensor> {
+        let (q, k, v) = self.project_tokens(x)?;
+        let (b, t) = slots.batch;
+        let spread = |x: &Tensor| slots.spread.apply(x);
+        let (q, k, v) = self.to_heads((spread(&q)?, spread(&k)?, spread(&v)?), (b, t), rope)?;
+        let hd = self.head_dim;
+        let groups = self.num_heads / self.num_kv_heads;
+        let narrow_dtype = self.precision.narrow_dtype();
+        let narrow = NarrowOperands {
+            queries_keys: narrow_dtype,
+            values_grad: narrow_dtype.filter(|_| self.clip_qkv.is_none()),
+        };
+        let out = attend(&q, &k, &v, mask, 1.0 / (hd as f64).sqrt(), groups, narrow)?;
+        let out = slots.take.apply(&out.reshape((b * t, ()))?)?;
+        self.o_proj.forward(&out)
+    }
+
     /// One step over a KV cache: `x` `[B, T, H]` at the positions `rope` rotates with,
     /// its keys and values appended to `cache`, the queries attending over every cached
     /// slot under `additive` (`[B, 1, 1, T, S]`) → `[B, T, H]`.
@@ -588,7 +651,13 @@ impl GqaAttention {
     /// rotated keys and values `[B, KV, T, D]` of `x` `[B, T, H]`.
     fn project(&self, x: &Tensor, rope: &impl Rotary) -> Result<(Tensor, Tensor, Tensor)> {
         let (b, t, _) = x.dims3()?;
-        let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let qkv = self.project_tokens(x)?;
+        self.to_heads(qkv, (b, t), rope)
+    }
+
+    /// The token-wise part of [`GqaAttention::project`]: the projections of `x` (`[.., H]`),
+    /// clipped and normed where the architecture says.
+    fn project_tokens(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let (mut q, mut k, mut v) =
             match Linear::forward_sharing_input(&[&self.q_proj, &self.k_proj, &self.v_proj], x)?
                 .as_slice()
@@ -609,6 +678,18 @@ impl GqaAttention {
             q = qn.forward(&q)?;
             k = kn.forward(&k)?;
         }
+        Ok((q, k, v))
+    }
+
+    /// Projected `q`, `k`, `v` of a `[B, T]` batch (any shape holding its `B·T` tokens in
+    /// order) → rotated queries `[B, KV, G·T, D]`, rotated keys and values `[B, KV, T, D]`.
+    fn to_heads(
+        &self,
+        (q, k, v): (Tensor, Tensor, Tensor),
+        (b, t): (usize, usize),
+        rope: &impl Rotary,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let mut q = q.reshape((b, t, nh, hd))?;
         let mut k = k.reshape((b, t, nkv, hd))?;
         if let (QkNorm::PerHead, Some(qn), Some(kn)) = (self.qk_norm, &self.q_norm, &self.k_norm) {

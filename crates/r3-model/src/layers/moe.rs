@@ -43,13 +43,18 @@ const OVERRIDE_ROWS_PER_TASK: usize = 512;
 /// The forced rows of `plan` whose experts (as a set) differ from `native`, the router's
 /// own `[rows · k]` choice: a replay's routing divergence in one layer.
 fn forced_rows_differing(plan: &LayerPlan, native: &[u32], k: usize) -> usize {
-    native
+    let differing = native
         .par_chunks(k.max(1))
         .zip(plan.ids.par_chunks(k.max(1)))
         .zip(plan.forced.par_iter())
+        .enumerate()
         .with_min_len(OVERRIDE_ROWS_PER_TASK)
-        .filter(|((own, given), &forced)| forced && !same_experts(given, own))
-        .count()
+        .filter(|(_, ((own, given), &forced))| forced && !same_experts(given, own));
+    match plan.copies.as_deref() {
+        // A row computed once for several positions differs at each of them.
+        Some(copies) => differing.map(|(r, _)| copies[r] as usize).sum(),
+        None => differing.count(),
+    }
 }
 
 /// The always-on expert.
@@ -527,6 +532,7 @@ mod tests {
                 ids: ids.clone(),
                 forced: vec![true; n],
                 count_differences,
+                copies: None,
             };
             block
                 .forward(&x, &rows, Some(&plan), Gates::Differentiable)

@@ -113,6 +113,7 @@ impl<'m> LayerRecompute<'m> {
                 forced: vec![true; kept.rows.host.len()],
                 ids,
                 count_differences: false,
+                copies: None,
             })
             .collect();
         let ctx = LayerContext {

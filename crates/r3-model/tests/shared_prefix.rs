@@ -1,0 +1,202 @@
+//! A batch whose sequences share prefixes (a GRPO group's prompt) computed once
+//! (`Batch::sharing_prefixes`) gives the unshared forward's logits, recorded routes, replay
+//! proof and every parameter's gradient, to float rounding (f64 here), while computing fewer
+//! rows.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor, Var};
+use common::{probe, tiny_config, tiny_weights};
+use r3_model::{Batch, Config, ForwardOutput, Model, ReplayRoutes, Routing};
+
+/// The GQA families (MLA models run unshared).
+const GQA_FAMILIES: [&str; 5] = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3"];
+
+/// Three samples of one prompt, two of another that begins alike, and one alone.
+fn grouped_sequences(vocab: usize) -> Vec<Vec<u32>> {
+    let v = |x: u32| x % vocab as u32;
+    let prompt_a: Vec<u32> = (0..6).map(|i| v(3 + 5 * i)).collect();
+    let mut prompt_b = prompt_a[..2].to_vec();
+    prompt_b.extend([v(29), v(30), v(7)]);
+    let with = |p: &[u32], r: &[u32]| -> Vec<u32> { p.iter().chain(r).copied().collect() };
+    vec![
+        with(&prompt_a, &[v(1), v(2), v(4)]),
+        with(&prompt_a, &[v(9)]),
+        with(&prompt_b, &[v(11), v(12)]),
+        with(&prompt_a, &[v(1), v(5), v(6), v(8), v(10)]),
+        vec![v(21), v(22), v(23)],
+        with(&prompt_b, &[v(13)]),
+    ]
+}
+
+fn lengths(seqs: &[Vec<u32>]) -> Vec<usize> {
+    seqs.iter().map(Vec::len).collect()
+}
+
+/// The loss Σ logits · probe over real positions and every variable's gradient.
+fn loss_and_grads(
+    model: &Model,
+    vars: &[(String, Var)],
+    out: &ForwardOutput,
+    probe: &Tensor,
+) -> (f64, Vec<Vec<f64>>) {
+    let loss = (&out.logits * probe).expect("mul").sum_all().expect("sum");
+    let grads = loss.backward().expect("backward");
+    let _ = model;
+    let values = vars
+        .iter()
+        .map(|(name, v)| {
+            grads
+                .get(v.as_tensor())
+                .unwrap_or_else(|| panic!("{name} has no gradient"))
+                .flatten_all()
+                .and_then(|t| t.to_vec1::<f64>())
+                .expect("values")
+        })
+        .collect();
+    (loss.to_scalar::<f64>().expect("loss"), values)
+}
+
+/// The logits of real positions only (padding holds garbage in either forward).
+fn real_logits(out: &ForwardOutput, lens: &[usize], cfg: &Config) -> Vec<f64> {
+    let all = out
+        .logits
+        .flatten_all()
+        .and_then(|t| t.to_vec1::<f64>())
+        .expect("logits");
+    let t = out.logits.dim(1).expect("positions");
+    let v = cfg.vocab_size;
+    lens.iter()
+        .enumerate()
+        .flat_map(|(b, &len)| all[(b * t) * v..(b * t + len) * v].to_vec())
+        .collect()
+}
+
+fn max_diff(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
+}
+
+fn model_of(family: &str, seed: u64) -> (Config, Model, Vec<(String, Var)>) {
+    let cfg = tiny_config(family);
+    let (varmap, weights) = tiny_weights(&cfg, seed, DType::F64)
+        .into_trainable(&cfg)
+        .expect("trainable");
+    let model = Model::new(&cfg, &weights).expect("model");
+    let data = varmap.data().lock().expect("lock");
+    let mut vars: Vec<(String, Var)> = data.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    drop(data);
+    (cfg, model, vars)
+}
+
+#[test]
+fn a_shared_prefix_forward_equals_the_unshared_one_in_every_family() {
+    for family in GQA_FAMILIES {
+        let (cfg, model, vars) = model_of(family, 11);
+        let seqs = grouped_sequences(cfg.vocab_size);
+        let lens = lengths(&seqs);
+        let probe = probe(&lens, cfg.vocab_size, &Device::Cpu)
+            .to_dtype(DType::F64)
+            .expect("probe");
+        let plain = Batch::new(&seqs, 0, &Device::Cpu).expect("batch");
+        let shared = plain.clone().sharing_prefixes(true);
+        let routing = match cfg.moe.is_some() {
+            true => Routing::Record,
+            false => Routing::Native,
+        };
+        let a = model.forward(&plain, routing).expect("unshared");
+        let b = model.forward(&shared, routing).expect("shared");
+        // 6 sequences padded to 11 positions, 43 real ones. Shared: sample 1 its prompt's
+        // 6 with sample 0; sample 2 the 2 positions prompt b begins with; sample 3 its
+        // prompt and its first response token (7) with sample 0; sample 5 prompt b (5) with
+        // sample 2; sample 4 nothing.
+        let real: usize = lens.iter().sum();
+        assert_eq!((real, a.computed_rows), (43, 6 * 11), "{family}");
+        assert_eq!(b.computed_rows, real - 6 - 2 - 7 - 5, "{family}");
+        let d = max_diff(&real_logits(&a, &lens, &cfg), &real_logits(&b, &lens, &cfg));
+        assert!(d < 1e-10, "{family}: logits differ by {d}");
+        assert_eq!(a.routes, b.routes, "{family}: recorded routes");
+        let (la, ga) = loss_and_grads(&model, &vars, &a, &probe);
+        let (lb, gb) = loss_and_grads(&model, &vars, &b, &probe);
+        assert!((la - lb).abs() < 1e-9, "{family}: loss {la} against {lb}");
+        for ((name, _), (x, y)) in vars.iter().zip(ga.iter().zip(&gb)) {
+            let d = max_diff(x, y);
+            assert!(d < 1e-9, "{family}: {name}'s gradient differs by {d}");
+        }
+    }
+}
+
+#[test]
+fn a_replayed_shared_forward_proves_and_counts_as_the_unshared_one() {
+    let (cfg, model, vars) = model_of("qwen3_moe", 11);
+    // Routes recorded by other weights, so some replayed rows differ from the router's own
+    // choice and the divergence count means something.
+    let (_, other, _) = model_of("qwen3_moe", 12);
+    let seqs = grouped_sequences(cfg.vocab_size);
+    let lens = lengths(&seqs);
+    let plain = Batch::new(&seqs, 0, &Device::Cpu).expect("batch");
+    let recorded = other
+        .forward(&plain, Routing::Record)
+        .expect("record")
+        .routes
+        .expect("routes");
+    // `len − 1` rows: the final positions route natively, as a rollout's tables do.
+    let tables: Vec<_> = recorded
+        .iter()
+        .zip(&lens)
+        .map(|(t, &len)| t.slice_rows(0, len - 1).expect("slice"))
+        .collect();
+    let routes = ReplayRoutes::new(tables, &cfg.layout).expect("covered");
+    let probe = probe(&lens, cfg.vocab_size, &Device::Cpu)
+        .to_dtype(DType::F64)
+        .expect("probe");
+    let a = model
+        .forward(&plain, Routing::Replay(&routes))
+        .expect("unshared");
+    let b = model
+        .forward(
+            &plain.clone().sharing_prefixes(true),
+            Routing::Replay(&routes),
+        )
+        .expect("shared");
+    assert!(b.computed_rows < lens.iter().sum::<usize>());
+    let (pa, pb) = (
+        a.replay.clone().expect("proof"),
+        b.replay.clone().expect("proof"),
+    );
+    assert!(pa.differs_from_native.iter().sum::<usize>() > 0, "{pa:?}");
+    assert_eq!(pa, pb);
+    let d = max_diff(&real_logits(&a, &lens, &cfg), &real_logits(&b, &lens, &cfg));
+    assert!(d < 1e-10, "logits differ by {d}");
+    let (_, ga) = loss_and_grads(&model, &vars, &a, &probe);
+    let (_, gb) = loss_and_grads(&model, &vars, &b, &probe);
+    for ((name, _), (x, y)) in vars.iter().zip(ga.iter().zip(&gb)) {
+        let d = max_diff(x, y);
+        assert!(d < 1e-9, "{name}'s gradient differs by {d}");
+    }
+}
+
+#[test]
+fn replayed_routes_that_differ_between_samples_keep_their_positions_apart() {
+    let (cfg, model, _) = model_of("qwen3_moe", 11);
+    let seqs = grouped_sequences(cfg.vocab_size);
+    let lens = lengths(&seqs);
+    let plain = Batch::new(&seqs, 0, &Device::Cpu).expect("batch");
+    // Covering tables cycle the experts row by row: samples of one prompt get different
+    // experts at the same positions, so those positions cannot share.
+    let routes =
+        ReplayRoutes::new(common::covering_tables(&cfg, &lens), &cfg.layout).expect("covered");
+    let a = model
+        .forward(&plain, Routing::Replay(&routes))
+        .expect("unshared");
+    let b = model
+        .forward(&plain.sharing_prefixes(true), Routing::Replay(&routes))
+        .expect("shared");
+    assert_eq!(a.replay, b.replay);
+    let d = max_diff(&real_logits(&a, &lens, &cfg), &real_logits(&b, &lens, &cfg));
+    assert!(d < 1e-10, "logits differ by {d}");
+}
