@@ -134,10 +134,10 @@ pub struct ForwardOutput {
     /// place of the routers' own, verifying and building the proof, recording the tables.
     /// Zero for `Native`. Everything else is the same computation in every mode.
     pub routing_overhead: Duration,
-    /// Rows the token-wise layers (norms, projections, experts) ran over: `B·T` (padding
-    /// included) unshared, each computed row once where the batch shares prefixes
-    /// ([`Batch::sharing_prefixes`]).
-    pub computed_rows: usize,
+    /// Real positions the token-wise layers (norms, projections, experts) did not run
+    /// over because another sequence's row stands for them ([`Batch::sharing_prefixes`]);
+    /// 0 unshared. Attention still reads every position.
+    pub shared_positions: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -543,7 +543,7 @@ impl Model {
             replay,
             hidden_states: hidden,
             routing_overhead,
-            computed_rows: b * t,
+            shared_positions: 0,
         };
         Ok((out, recompute))
     }
@@ -749,7 +749,7 @@ impl Model {
             replay,
             hidden_states: None,
             routing_overhead,
-            computed_rows: n,
+            shared_positions: shared.positions() - n,
         })
     }
 

@@ -90,6 +90,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let settings = UpdateSettings {
         max_tokens_per_micro_batch: budget,
         gradient_checkpointing: checkpointing,
+        share_prefixes: false,
         narrow_gradients: false,
         lr: 1e-4,
         ..update_settings(&TrainConfig::default())

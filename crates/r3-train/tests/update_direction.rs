@@ -86,6 +86,7 @@ fn check(kind: PolicyLossKind, replay: bool) {
         grad_hook: None,
         max_tokens_per_micro_batch: 0,
         gradient_checkpointing: false,
+        share_prefixes: true,
         narrow_gradients: false,
     };
     let r = update_minibatch(&policy, &mut opt, &mb, &settings).expect("update");

@@ -187,6 +187,7 @@ pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
                 trace.prompt_lens.iter().sum(),
                 trace.cached_tokens.iter().sum(),
             ),
+            shared_positions: trace.update_shared_positions,
             metrics,
         });
     }
@@ -207,6 +208,12 @@ pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
         &samples
             .iter()
             .map(|s| s.prompt_tokens.0 as f64)
+            .collect::<Vec<_>>(),
+    );
+    let shared_positions = median(
+        &samples
+            .iter()
+            .map(|s| s.shared_positions as f64)
             .collect::<Vec<_>>(),
     );
     let cached_tokens = median(
@@ -234,6 +241,7 @@ pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
             "tokens_per_step": tokens,
             "prompt_tokens_per_step": prompt_tokens,
             "prefix_cached_tokens_per_step": cached_tokens,
+            "update_shared_positions_per_step": shared_positions,
             "response_len_mean": response_len,
             "wall_s_per_step": wall,
             "threads": threads,
@@ -253,7 +261,7 @@ pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
         fmt_opt(active, |a| format!("{:.1} M", a / 1e6)),
     );
     println!(
-        "{sequences} sequences per step, {tokens:.0} tokens (mean response {response_len:.1}; of the {prompt_tokens:.0} prompt tokens {cached_tokens:.0} read from the rollout's prefix cache); {} warm-up + {} measured steps, median wall {wall:.3} s per step",
+        "{sequences} sequences per step, {tokens:.0} tokens (mean response {response_len:.1}; of the {prompt_tokens:.0} prompt tokens {cached_tokens:.0} read from the rollout's prefix cache; {shared_positions:.0} positions of the update computed once for several sequences); {} warm-up + {} measured steps, median wall {wall:.3} s per step",
         args.warmup, args.steps
     );
     println!(

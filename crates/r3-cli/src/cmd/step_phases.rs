@@ -221,12 +221,22 @@ pub(crate) fn step_work(model: &ModelFacts<'_>, trace: &StepTrace, old_pass: boo
     let scored = |len: usize, prompt_len: usize| {
         training_forward_flops(cfg, len, prompt_len.saturating_sub(1))
     };
-    let all_forward = sum_rows(trace, 0..n, scored);
+    // A position computed once for several sequences (`algo.share_prefixes`) ran the
+    // token-wise layers (projections, routers, experts) once; its attention still ran.
+    let token_wise = flops_per_token(cfg, 0, false);
+    let unshared = |flops: Option<f64>, shared: usize| match (flops, token_wise) {
+        (Some(f), Some(t)) => Some(f - shared as f64 * t),
+        _ => None,
+    };
+    let all_forward = unshared(sum_rows(trace, 0..n, scored), trace.old_shared_positions);
     let update_rows = trace
         .updates
         .iter()
         .flat_map(|(rows, _)| rows.iter().copied());
-    let update_forward = sum_rows(trace, update_rows, scored);
+    let update_forward = unshared(
+        sum_rows(trace, update_rows, scored),
+        trace.update_shared_positions,
+    );
     let updates = trace.updates.len() as f64;
     let mut work = [Work::default(); 7];
     for (slot, phase) in work.iter_mut().zip(PHASES) {
@@ -284,6 +294,8 @@ pub(crate) struct Sample {
     /// Prompt tokens of the step, and of those the ones the rollout read from the prefix
     /// cache.
     pub(crate) prompt_tokens: (usize, usize),
+    /// Positions the update forwards computed once for several sequences.
+    pub(crate) shared_positions: usize,
 }
 
 /// The bench's result for one phase (or the whole step).
@@ -476,5 +488,19 @@ mod tests {
             "{}",
             w[0].bytes
         );
+        // One position of the update's and one of the old pass's computed for another
+        // sequence (a shared prefix): its projections and feed-forward (48 + 144
+        // multiply-adds) are not the step's work; its attention (8 per visible key) and
+        // the head (40, from the row's own prediction on) are.
+        let shared = StepTrace {
+            update_shared_positions: 1,
+            old_shared_positions: 1,
+            ..cached
+        };
+        let w = step_work(&facts, &shared, true);
+        let token_wise = 2.0 * (48.0 + 144.0);
+        assert_eq!(w[1].flops, Some(forward - token_wise), "old pass");
+        assert_eq!(w[2].flops, Some(forward - token_wise), "update forward");
+        assert_eq!(w[3].flops, Some(2.0 * (forward - token_wise)));
     }
 }

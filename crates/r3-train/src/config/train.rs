@@ -251,6 +251,14 @@ pub struct AlgoConfig {
     /// them, for about one more forward per update (timed in `time.update_backward_s`).
     /// Default false.
     pub gradient_checkpointing: bool,
+    /// Positions that sequences of a training forward hold alike (a GRPO group's prompt,
+    /// repeated in each of its samples; under replay only where the replayed experts agree
+    /// too) are computed once per micro-batch and read by each sample's attention, and rows
+    /// are packed into micro-batches in token order so that a group's samples land
+    /// together: the same update to float rounding, on fewer rows (the old-log-prob pass
+    /// and every update forward). A forward with activation checkpointing, and a model with
+    /// MLA attention, run unshared. Default true.
+    pub share_prefixes: bool,
 }
 
 /// AdamW and the learning-rate schedule.
@@ -387,6 +395,7 @@ impl Default for AlgoConfig {
             entropy_coef: 0.0,
             max_tokens_per_micro_batch: DEFAULT_MAX_TOKENS_PER_MICRO_BATCH,
             gradient_checkpointing: false,
+            share_prefixes: true,
         }
     }
 }

@@ -156,6 +156,9 @@ pub struct Scored {
     pub routes: Option<Vec<RouteTable>>,
     /// `Replay`: the proof of what was replayed.
     pub replay: Option<ReplayProof>,
+    /// Positions the forward's token-wise layers did not compute because another
+    /// sequence's row stands for them (`share_prefixes`).
+    pub shared_positions: usize,
 }
 
 impl Scored {
@@ -189,19 +192,21 @@ fn zeros_before(x: &Tensor, from: usize) -> Result<Tensor> {
 /// Runs the training forward over `batch` with `routing` and takes the log-prob of every
 /// next token.
 pub fn score(model: &Model, batch: &ResponseBatch, routing: Routing<'_>) -> Result<Scored> {
-    Ok(score_with(model, batch, routing, false)?.0)
+    Ok(score_with(model, batch, routing, false, false)?.0)
 }
 
 /// [`score`]; with `recompute`, by a recomputing forward (activation checkpointing), whose
 /// layers then give the gradients of a loss of the returned log-probs
-/// ([`LayerRecompute::backward`]).
+/// ([`LayerRecompute::backward`]); with `share_prefixes`, computing the positions the
+/// sequences hold alike once ([`Batch::sharing_prefixes`]).
 pub fn score_with<'m>(
     model: &'m Model,
     batch: &ResponseBatch,
     routing: Routing<'_>,
     recompute: bool,
+    share_prefixes: bool,
 ) -> Result<(Scored, Option<LayerRecompute<'m>>)> {
-    let padded = Batch::new(batch.sequences(), 0, model.device())?;
+    let padded = Batch::new(batch.sequences(), 0, model.device())?.sharing_prefixes(share_prefixes);
     // The first position predicting a response token of any row (`ResponseBatch::new`
     // keeps every prompt non-empty): the logits start there.
     let from = batch.prompt_lens().iter().min().map_or(0, |p| p - 1);
@@ -232,6 +237,7 @@ pub fn score_with<'m>(
         logits_from: from,
         routes: out.routes,
         replay: out.replay,
+        shared_positions: out.shared_positions,
     };
     Ok((scored, layers))
 }

@@ -39,6 +39,44 @@ pub fn pack_micro_batches(lens: &[usize], budget: usize) -> Vec<Vec<usize>> {
     parts
 }
 
+/// The micro-batches of `sequences` within `budget` tokens: with `share_prefixes`, in token
+/// order ([`pack_micro_batches_by_prefix`]), so that the sequences a forward can share
+/// positions between land together; otherwise shortest first ([`pack_micro_batches`]).
+pub fn pack_rows(sequences: &[Vec<u32>], budget: usize, share_prefixes: bool) -> Vec<Vec<usize>> {
+    match share_prefixes {
+        true => pack_micro_batches_by_prefix(sequences, budget),
+        false => pack_micro_batches(&sequences.iter().map(Vec::len).collect::<Vec<_>>(), budget),
+    }
+}
+
+/// [`pack_micro_batches`] for forwards that share prefixes: the rows sorted by their tokens
+/// (ties by row), so that sequences beginning alike (a GRPO group's samples, whose prompt a
+/// forward then computes once) are neighbours, and filled greedily while rows × the
+/// longest row stays within `budget`. `budget` 0, or a batch within it, gives one
+/// micro-batch in the original order; a row longer than the budget forms its own.
+/// Deterministic, as [`pack_micro_batches`].
+pub fn pack_micro_batches_by_prefix(sequences: &[Vec<u32>], budget: usize) -> Vec<Vec<usize>> {
+    let widest = sequences.iter().map(Vec::len).max().unwrap_or(0);
+    if sequences.is_empty() || budget == 0 || sequences.len().saturating_mul(widest) <= budget {
+        return vec![(0..sequences.len()).collect()];
+    }
+    let mut order: Vec<usize> = (0..sequences.len()).collect();
+    order.sort_by(|&a, &b| sequences[a].cmp(&sequences[b]).then(a.cmp(&b)));
+    let mut parts: Vec<Vec<usize>> = Vec::new();
+    let (mut current, mut width): (Vec<usize>, usize) = (Vec::new(), 0);
+    for r in order {
+        let wider = width.max(sequences[r].len());
+        if !current.is_empty() && (current.len() + 1).saturating_mul(wider) > budget {
+            parts.push(std::mem::take(&mut current));
+            width = 0;
+        }
+        width = width.max(sequences[r].len());
+        current.push(r);
+    }
+    parts.push(current);
+    parts
+}
+
 /// Sequence lengths (prompt + response) of `batch`'s rows: what
 /// [`pack_micro_batches`] packs.
 pub fn sequence_lens(batch: &ResponseBatch) -> Vec<usize> {
@@ -168,6 +206,30 @@ mod tests {
     fn a_batch_within_the_budget_is_one_micro_batch_in_row_order() {
         assert_eq!(pack_micro_batches(&[5, 3, 4], 0), vec![vec![0, 1, 2]]);
         assert_eq!(pack_micro_batches(&[5, 3, 4], 15), vec![vec![0, 1, 2]]);
+    }
+
+    #[test]
+    fn sharing_rows_are_packed_in_token_order_within_the_budget() {
+        let seqs = vec![
+            vec![7, 1, 2],
+            vec![3, 1],
+            vec![7, 1, 5, 5, 5],
+            vec![3, 1, 9],
+            vec![7, 0],
+        ];
+        // Token order: 1 [3,1], 3 [3,1,9], 4 [7,0], 0 [7,1,2], 2 [7,1,5,5,5]. Budget 9:
+        // [1, 3, 4] costs 3 × 3 = 9; adding row 0 would cost 12; [0] then [0, 2] would cost
+        // 10.
+        assert_eq!(
+            pack_micro_batches_by_prefix(&seqs, 9),
+            vec![vec![1, 3, 4], vec![0], vec![2]]
+        );
+        assert_eq!(pack_rows(&seqs, 25, true), vec![vec![0, 1, 2, 3, 4]]);
+        // Unshared packing keeps its shortest-first order.
+        assert_eq!(
+            pack_rows(&seqs, 9, false),
+            pack_micro_batches(&[3, 2, 5, 3, 2], 9)
+        );
     }
 
     #[test]

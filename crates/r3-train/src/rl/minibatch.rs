@@ -28,8 +28,7 @@ use crate::error::Result;
 use crate::policy::trainable::{score_with, ResponseBatch, TrainablePolicy};
 use crate::rl::diagnostics::verify_proof;
 use crate::rl::micro_batches::{
-    accumulate_grads, merge_proofs, pack_micro_batches, pick_rows, place_rows, place_tables,
-    sequence_lens,
+    accumulate_grads, merge_proofs, pack_rows, pick_rows, place_rows, place_tables,
 };
 
 /// The data of one mini-batch.
@@ -78,6 +77,9 @@ pub struct UpdateSettings {
     /// Each update forward keeps only its layers' inputs and runs every layer again in the
     /// backward (activation checkpointing; the same gradients).
     pub gradient_checkpointing: bool,
+    /// Forwards compute the positions their sequences hold alike once, and micro-batches
+    /// keep such sequences together (`algo.share_prefixes`).
+    pub share_prefixes: bool,
     /// In a 16-bit precision, each weight's gradient is kept in 16 bits from the moment it
     /// is complete, where that holds it exactly (`train.narrow_gradients`; the same update).
     pub narrow_gradients: bool,
@@ -100,6 +102,9 @@ pub struct MiniBatchResult {
     pub replay: Option<ReplayProof>,
     /// Verified fraction of a `Replay` forward.
     pub verified_frac: Option<f64>,
+    /// Positions its forwards computed once for several sequences
+    /// (`algo.share_prefixes`), summed over its micro-batches.
+    pub shared_positions: usize,
     /// Seconds of its forwards (with the loss), backwards and optimiser step, summed over
     /// its micro-batches.
     pub times: UpdateTimes,
@@ -123,7 +128,11 @@ pub fn update_minibatch(
     }
     let device = policy.device();
     let n = mb.batch.len();
-    let parts = pack_micro_batches(&sequence_lens(mb.batch), s.max_tokens_per_micro_batch);
+    let parts = pack_rows(
+        mb.batch.sequences(),
+        s.max_tokens_per_micro_batch,
+        s.share_prefixes,
+    );
     // The whole mini-batch's denominators: every micro-batch's loss and metrics use them.
     let full_mask = mb.batch.response_mask(None, &device)?;
     let mask = match &mb.row_weight {
@@ -181,6 +190,7 @@ pub fn update_minibatch(
         logp,
         routes,
         replay,
+        shared_positions,
         mut times,
     } = acc;
     let logp = match <[_; 1]>::try_from(logp) {
@@ -229,6 +239,7 @@ pub fn update_minibatch(
         routes,
         replay,
         verified_frac,
+        shared_positions,
         times,
     })
 }
@@ -246,6 +257,8 @@ struct Accumulated {
     logp: Vec<(Vec<usize>, Tensor)>,
     routes: Vec<(Vec<usize>, Vec<RouteTable>)>,
     replay: Vec<(Vec<usize>, ReplayProof)>,
+    /// Positions computed once for several sequences so far.
+    shared_positions: usize,
     /// Seconds of the forwards and backwards so far.
     times: UpdateTimes,
 }
@@ -260,6 +273,7 @@ impl Default for Accumulated {
             logp: Vec::new(),
             routes: Vec::new(),
             replay: Vec::new(),
+            shared_positions: 0,
             times: UpdateTimes::default(),
         }
     }
@@ -290,6 +304,7 @@ impl Accumulated {
         }
         self.sums.add(&micro.sums);
         self.entropy_sum += micro.entropy_sum;
+        self.shared_positions += micro.shared_positions;
         self.logp.push((rows.to_vec(), micro.logp));
         if let Some(r) = micro.routes {
             self.routes.push((rows.to_vec(), r));
@@ -316,6 +331,7 @@ struct Micro<'m> {
     logp: Tensor,
     routes: Option<Vec<RouteTable>>,
     replay: Option<ReplayProof>,
+    shared_positions: usize,
 }
 
 /// Forward over `mb` (a whole mini-batch or one micro-batch of it) and its partial loss
@@ -327,7 +343,13 @@ fn micro_update<'m>(
     norm: &AggNorm,
     device: &Device,
 ) -> Result<Micro<'m>> {
-    let (scored, layers) = score_with(model, mb.batch, mb.routing, s.gradient_checkpointing)?;
+    let (scored, layers) = score_with(
+        model,
+        mb.batch,
+        mb.routing,
+        s.gradient_checkpointing,
+        s.share_prefixes,
+    )?;
     let narrow_grads = model
         .precision()
         .narrow_dtype()
@@ -376,5 +398,6 @@ fn micro_update<'m>(
         logp: scored.logp.detach(),
         routes: scored.routes,
         replay: scored.replay,
+        shared_positions: scored.shared_positions,
     })
 }

@@ -33,6 +33,11 @@ pub struct StepTrace {
     pub old_recorded: Option<Vec<RouteTable>>,
     /// Per update mini-batch: its trajectory rows and the replay proof of its forward.
     pub updates: Vec<(Vec<usize>, Option<ReplayProof>)>,
+    /// Positions the update forwards computed once for several sequences
+    /// (`algo.share_prefixes`): their token-wise layers ran once for all of them.
+    pub update_shared_positions: usize,
+    /// The same for the separate old-log-prob pass.
+    pub old_shared_positions: usize,
 }
 
 /// The sampled and scored batch of a step: what the updates work on.
@@ -151,6 +156,7 @@ pub fn update_settings(cfg: &TrainConfig) -> UpdateSettings {
         grad_hook: None,
         max_tokens_per_micro_batch: cfg.algo.max_tokens_per_micro_batch,
         gradient_checkpointing: cfg.algo.gradient_checkpointing,
+        share_prefixes: cfg.algo.share_prefixes,
         narrow_gradients: cfg.train.narrow_gradients,
     }
 }

@@ -173,6 +173,7 @@ mod tests {
             routes: None,
             replay: None,
             verified_frac: None,
+            shared_positions: 0,
             times: UpdateTimes::default(),
         }
     }
@@ -219,6 +220,7 @@ mod tests {
             entropy: 0.7,
             verified_frac: Some(1.0),
             divergence: None,
+            shared_positions: 0,
         };
         let results = [result(applied, 0.3), result(skipped, f32::NAN)];
         let m = step_metrics(3, &cfg, &[traj], &results, None, &view);

@@ -19,13 +19,11 @@ use crate::algo::logprob::scalar_f32;
 use crate::algo::optim::AdamW;
 use crate::config::train::RouterReplay;
 use crate::error::{Result, TrainError};
-use crate::policy::trainable::{score, ResponseBatch, TrainablePolicy};
+use crate::policy::trainable::{score_with, ResponseBatch, TrainablePolicy};
 use crate::rl::diagnostics::{
     proof_divergence, recorded_divergence, verify_proof, RouteDivergence,
 };
-use crate::rl::micro_batches::{
-    merge_proofs, pack_micro_batches, pick_rows, place_rows, place_tables, sequence_lens,
-};
+use crate::rl::micro_batches::{merge_proofs, pack_rows, pick_rows, place_rows, place_tables};
 use crate::rl::minibatch::{update_minibatch, MiniBatch, MiniBatchResult, UpdateSettings};
 use crate::rl::sampling::mix_seed;
 use crate::rl::step::StepContext;
@@ -37,6 +35,8 @@ pub(crate) struct OldView {
     pub(crate) entropy: f32,
     pub(crate) verified_frac: Option<f64>,
     pub(crate) divergence: Option<RouteDivergence>,
+    /// Positions the old-log-prob pass computed once for several sequences.
+    pub(crate) shared_positions: usize,
 }
 
 /// What the updates of a step did.
@@ -104,6 +104,7 @@ fn single_update(
         trace
             .updates
             .push(((0..data.trajs.len()).collect(), r.replay.clone()));
+        trace.update_shared_positions += r.shared_positions;
     }
     let update_s = started.elapsed().as_secs_f64();
     let divergence = match (&r.replay, &r.routes, &data.routes) {
@@ -119,6 +120,7 @@ fn single_update(
         entropy: r.entropy,
         verified_frac: r.verified_frac,
         divergence,
+        shared_positions: 0,
     };
     Ok(Updates {
         view,
@@ -151,9 +153,11 @@ fn minibatch_updates(
         data.routes.as_ref(),
         mode,
         settings.max_tokens_per_micro_batch,
+        settings.share_prefixes,
     )?;
     if let Some(trace) = trace.as_deref_mut() {
         trace.old_proof = proof;
+        trace.old_shared_positions = view.shared_positions;
         trace.old_recorded = view.recorded.clone();
     }
     let replayed = match mode {
@@ -198,6 +202,7 @@ fn minibatch_updates(
         let r = update_minibatch(policy, optimizer, &mb, &s)?;
         if let Some(trace) = trace.as_deref_mut() {
             trace.updates.push((part.to_vec(), r.replay.clone()));
+            trace.update_shared_positions += r.shared_positions;
         }
         results.push(r);
     }
@@ -220,6 +225,7 @@ fn old_pass(
     routes: Option<&ReplayRoutes>,
     mode: RouterReplay,
     max_tokens: usize,
+    share_prefixes: bool,
 ) -> Result<(OldView, Option<ReplayProof>)> {
     let model = policy.frozen_model()?;
     if let (RouterReplay::R3, None) = (mode, routes) {
@@ -227,9 +233,10 @@ fn old_pass(
     }
     let device = policy.device();
     let n = batch.len();
-    let parts = pack_micro_batches(&sequence_lens(batch), max_tokens);
+    let parts = pack_rows(batch.sequences(), max_tokens, share_prefixes);
     let (mut logps, mut recorded, mut proofs) = (Vec::new(), Vec::new(), Vec::new());
     let mut entropy_sum = 0f64;
+    let mut shared_positions = 0;
     for part in &parts {
         let sub = match parts.len() {
             1 => None,
@@ -244,7 +251,8 @@ fn old_pass(
             (RouterReplay::R3, Some(r)) => Routing::Replay(r),
             _ => Routing::Record,
         };
-        let scored = score(&model, sub_batch, routing)?;
+        let scored = score_with(&model, sub_batch, routing, false, share_prefixes)?.0;
+        shared_positions += scored.shared_positions;
         let mask = sub_batch.response_mask(None, &device)?;
         let entropy = scored.entropy(false)?;
         entropy_sum += f64::from(scalar_f32(&entropy.mul(&mask)?.sum_all()?)?);
@@ -291,6 +299,7 @@ fn old_pass(
         entropy,
         verified_frac,
         divergence,
+        shared_positions,
     };
     Ok((view, replay))
 }
