@@ -33,12 +33,14 @@ pub struct SharedPrefixes {
 }
 
 impl SharedPrefixes {
-    /// The sharing of `sequences` (padded to `t` positions): each sequence takes the
-    /// positions it holds alike with the earlier sequence it agrees with longest, up to one
+    /// The sharing of `sequences` (padded to `t` positions): taken in token order, each
+    /// sequence shares the positions it holds alike with the one before it, up to one
     /// before the shorter one's end (a final position never shares; under replay it is
-    /// often routed natively). Under `plan` (a replay), positions share only where every MoE
-    /// layer forces the same experts in the same order. None when nothing is shared, so a
-    /// batch without common prefixes runs the unshared forward unchanged.
+    /// often routed natively). In token order that neighbour agrees with it longest of all
+    /// the sequences before it, so one comparison a sequence finds its longest share. Under
+    /// `plan` (a replay), positions share only where every MoE layer forces the same experts
+    /// in the same order. None when nothing is shared, so a batch without common prefixes
+    /// runs the unshared forward unchanged.
     pub(crate) fn find(
         sequences: &[Vec<u32>],
         t: usize,
@@ -49,30 +51,32 @@ impl SharedPrefixes {
             offsets.push(at);
             at + s.len()
         });
+        let mut order: Vec<usize> = (0..sequences.len()).collect();
+        order.sort_by(|&a, &b| sequences[a].cmp(&sequences[b]).then(a.cmp(&b)));
         let mut row_of_token = vec![0u32; total];
         let mut owner_token = Vec::with_capacity(total);
         let mut slot_of_row = Vec::with_capacity(total);
         let mut copies: Vec<u32> = Vec::with_capacity(total);
-        for (b, seq) in sequences.iter().enumerate() {
-            let (shared, from) = (0..b)
-                .map(|a| (agreeing(sequences, &offsets, (a, b), plan), a))
-                .fold(
-                    (0, 0),
-                    |best, cand| if cand.0 > best.0 { cand } else { best },
-                );
-            for p in 0..seq.len() {
+        let mut previous: Option<usize> = None;
+        for &b in &order {
+            let shared = previous.map_or(0, |a| agreeing(sequences, &offsets, (a, b), plan));
+            for p in 0..sequences[b].len() {
                 let token = offsets[b] + p;
-                if p < shared {
-                    let row = row_of_token[offsets[from] + p];
-                    row_of_token[token] = row;
-                    copies[row as usize] += 1;
-                } else {
-                    row_of_token[token] = owner_token.len() as u32;
-                    owner_token.push(token as u32);
-                    slot_of_row.push((b * t + p) as u32);
-                    copies.push(1);
+                match previous.filter(|_| p < shared) {
+                    Some(a) => {
+                        let row = row_of_token[offsets[a] + p];
+                        row_of_token[token] = row;
+                        copies[row as usize] += 1;
+                    }
+                    None => {
+                        row_of_token[token] = owner_token.len() as u32;
+                        owner_token.push(token as u32);
+                        slot_of_row.push((b * t + p) as u32);
+                        copies.push(1);
+                    }
                 }
             }
+            previous = Some(b);
         }
         if owner_token.len() == total {
             return None;
@@ -137,7 +141,7 @@ impl SharedPrefixes {
     }
 }
 
-/// How many leading positions sequences `a < b` may share: equal tokens, below both
+/// How many leading positions sequences `a` and `b` may share: equal tokens, below both
 /// sequences' final positions, and under a replay `plan` the same forced experts in every
 /// MoE layer.
 fn agreeing(
@@ -191,6 +195,26 @@ mod tests {
             s.spread_ids(&[10, 11, 12, 13, 14, 15, 16, 17], 1),
             vec![10, 11, 12, 13, 14, 10, 11, 12, 15, 10, 16, 17]
         );
+    }
+
+    #[test]
+    fn sequences_share_with_their_neighbour_in_token_order() {
+        // Token order: 1, 3, 0, 2. Sequence 3 shares 3 positions with 1, sequence 2 two
+        // with 0; 0 and 3 share nothing.
+        let seqs = vec![
+            vec![9, 1, 2],
+            vec![1, 2, 3, 4],
+            vec![9, 1, 5],
+            vec![1, 2, 3, 7],
+        ];
+        let s = SharedPrefixes::find(&seqs, 4, None).expect("shares");
+        assert_eq!(
+            s.row_of_token(),
+            &[5, 6, 7, 0, 1, 2, 3, 5, 6, 8, 0, 1, 2, 4]
+        );
+        assert_eq!(s.owner_tokens(), &[3, 4, 5, 6, 13, 0, 1, 2, 9]);
+        assert_eq!(s.copies(), &[2, 2, 2, 1, 1, 2, 2, 1, 1]);
+        assert_eq!(s.slot_of_row(), &[4, 5, 6, 7, 15, 0, 1, 2, 10]);
     }
 
     #[test]
