@@ -199,6 +199,110 @@ fn compare_family(family: &str, device: &Device, tol: Tolerance) {
     }
 }
 
+/// Three samples of one prompt, two of another that begins alike, and one alone.
+fn grouped_sequences(vocab: usize) -> Vec<Vec<u32>> {
+    let v = |x: u32| x % vocab as u32;
+    let prompt: Vec<u32> = (0..6).map(|i| v(3 + 5 * i)).collect();
+    let other: Vec<u32> = prompt[..2].iter().copied().chain([v(29), v(30)]).collect();
+    let with = |p: &[u32], r: &[u32]| -> Vec<u32> { p.iter().chain(r).copied().collect() };
+    vec![
+        with(&prompt, &[v(1), v(2), v(4)]),
+        with(&prompt, &[v(9)]),
+        with(&other, &[v(11), v(12)]),
+        with(&prompt, &[v(1), v(5), v(6)]),
+        vec![v(21), v(22), v(23)],
+        with(&other, &[v(13)]),
+    ]
+}
+
+/// Logits of the real positions, recorded routes and every parameter's gradient (of a loss
+/// through the logits) of a Record forward over [`grouped_sequences`] on `device`.
+fn grouped_run(
+    family: &str,
+    device: &Device,
+    share: bool,
+) -> (Vec<f32>, ForwardOutput, Vec<(String, Tensor)>) {
+    let cfg = tiny_config(family);
+    let weights = on_device(&tiny_weights(&cfg, 5, DType::F32), device);
+    let (varmap, weights) = weights.into_trainable(&cfg).expect("trainable");
+    let model = Model::new(&cfg, &weights).expect("model");
+    let seqs = grouped_sequences(cfg.vocab_size);
+    let lengths: Vec<usize> = seqs.iter().map(Vec::len).collect();
+    let batch = Batch::new(&seqs, 0, device)
+        .expect("batch")
+        .sharing_prefixes(share);
+    let routing = match cfg.moe {
+        Some(_) => Routing::Record,
+        None => Routing::Native,
+    };
+    let out = model.forward(&batch, routing).expect("forward");
+    assert_eq!(
+        out.shared_positions > 0,
+        share,
+        "{family}: shared positions"
+    );
+    let loss = (out.logits.clone() * probe(&lengths, cfg.vocab_size, device))
+        .and_then(|l| l.sum_all())
+        .expect("loss");
+    let grads = loss.backward().expect("backward");
+    let mut named: Vec<(String, Tensor)> = varmap
+        .data()
+        .lock()
+        .expect("varmap")
+        .iter()
+        .map(|(name, var)| {
+            let g = grads
+                .get(var.as_tensor())
+                .expect("every parameter has a gradient");
+            (name.clone(), g.clone())
+        })
+        .collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    let t = out.logits.dim(1).expect("positions");
+    let all = out
+        .logits
+        .to_device(&Device::Cpu)
+        .and_then(|l| l.flatten_all())
+        .and_then(|l| l.to_vec1::<f32>())
+        .expect("logits");
+    let v = cfg.vocab_size;
+    let real = lengths
+        .iter()
+        .enumerate()
+        .flat_map(|(b, &len)| all[b * t * v..(b * t + len) * v].to_vec())
+        .collect();
+    (real, out, named)
+}
+
+/// A forward sharing prefixes (`Batch::sharing_prefixes`) on `device` against the CPU's
+/// unshared one: logits of real positions, recorded routes, every gradient.
+fn shared_prefixes_match_unshared(device: &Device, tol: Tolerance) {
+    for family in ["qwen3_moe", "mixtral", "olmoe"] {
+        let (want, want_out, want_grads) = grouped_run(family, &Device::Cpu, false);
+        let (got, got_out, got_grads) = grouped_run(family, device, true);
+        let d = want
+            .iter()
+            .zip(&got)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(d <= tol.values, "{family}: logits max |Δ| = {d}");
+        assert_eq!(want_out.routes, got_out.routes, "{family}: recorded routes");
+        for ((name, gw), (_, gg)) in want_grads.iter().zip(&got_grads) {
+            let (scale, d) = (max_abs(gw), max_diff(gw, gg));
+            assert!(
+                d <= tol.gradients * scale,
+                "{family}: gradient of {name}: max |Δ| = {d}, max |g| = {scale}"
+            );
+        }
+    }
+}
+
+/// f32 on the CPU, shared against unshared: the same values in another summation order.
+const SHARED_ON_THE_CPU: Tolerance = Tolerance {
+    values: 1e-5,
+    gradients: 1e-5,
+};
+
 /// The HF oracle fixtures (tests/fixtures, from `scripts/oracle/make_oracle.py`) on
 /// `device`: logits and per-layer top-k sets of the native forward, and logits under the
 /// oracle's forced routing.
@@ -581,6 +685,11 @@ fn held_weight_copies_give_the_same_bits_on_the_cpu() {
 }
 
 #[test]
+fn a_forward_sharing_prefixes_matches_the_unshared_one_on_the_cpu() {
+    shared_prefixes_match_unshared(&Device::Cpu, SHARED_ON_THE_CPU);
+}
+
+#[test]
 fn a_second_cpu_model_gives_the_same_bits() {
     for family in FAMILIES {
         compare_family(family, &Device::Cpu, SAME_BITS);
@@ -686,6 +795,11 @@ mod cuda {
         for family in FAMILIES {
             compare_family(family, &device, GPU_F32);
         }
+    }
+
+    #[test]
+    fn a_forward_sharing_prefixes_on_cuda_matches_the_cpus_unshared_one() {
+        shared_prefixes_match_unshared(&gpu(), GPU_F32);
     }
 
     #[test]
