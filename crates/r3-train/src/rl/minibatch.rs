@@ -72,7 +72,7 @@ pub struct UpdateSettings {
     /// Test hook on the clipped gradients before the AdamW step (`None` in real runs).
     pub grad_hook: Option<GradHook>,
     /// Token budget of one micro-batch (rows × padded width, see
-    /// [`pack_micro_batches`]); 0 = the whole mini-batch in one forward.
+    /// [`crate::rl::micro_batches::pack_rows`]); 0 = the whole mini-batch in one forward.
     pub max_tokens_per_micro_batch: usize,
     /// Each update forward keeps only its layers' inputs and runs every layer again in the
     /// backward (activation checkpointing; the same gradients).
