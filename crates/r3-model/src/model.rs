@@ -404,8 +404,11 @@ impl Model {
             AttentionConfig::Gqa { sliding_window, .. } => sliding_window,
             AttentionConfig::Mla { .. } => None,
         };
-        // A replay's plan is built when the first MoE layer needs it (below), unless the
-        // batch shares prefixes: which positions share depends on their replayed experts.
+        // A replay's plan is built when the first MoE layer needs it: by then the embedding's
+        // and the first attention's kernels are queued, so on a GPU the host builds it while
+        // the device runs them (built first, it held the device idle at every replayed
+        // forward's start). A batch sharing prefixes builds it first: which positions share
+        // depends on their replayed experts.
         let mut plan: Option<ReplayPlan> = None;
         let mut plan_pending = matches!(routing, Routing::Replay(_));
         let shares = batch.share_prefixes
@@ -433,11 +436,6 @@ impl Model {
             mask: AttentionMask::new(lengths, t, window, device)?.to_dtype(self.embed.dtype())?,
             rows: routed_rows(lengths, t),
         };
-        // A replay's plan is built when the first MoE layer needs it: by then the embedding's
-        // and the first attention's kernels are queued, so on a GPU the host builds it while
-        // the device runs them (built first, it held the device idle at every replayed
-        // forward's start).
-
         let ids = batch.input_ids.to_device(device)?.flatten_all()?;
         let mut x = self.embed_tokens(&ids, &batch.host_ids, b, t)?;
         let mut hidden = capture_hidden.then(Vec::new);
