@@ -665,7 +665,11 @@ impl Model {
         let lengths = batch.lengths();
         let n = shared.rows();
         let rope = self.rope.tables(t, device, dtype)?;
-        let mask = AttentionMask::new(lengths, t, window, device)?.to_dtype(dtype)?;
+        // A shared position's attention output is read from the sequence it is computed
+        // for only: the others' queries there need not run.
+        let mask = AttentionMask::new(lengths, t, window, device)?
+            .to_dtype(dtype)?
+            .reading_queries_from(shared.shared_lens().to_vec());
         let slots = SlotRows::new(
             shared.row_of_slot().to_vec(),
             shared.slot_of_row().to_vec(),

@@ -30,6 +30,9 @@ pub struct AttentionMask {
     pub(crate) host: Arc<Vec<f32>>,
     /// One past each query row's last visible key, `[B, T]` (the op's query blocks).
     pub(crate) key_ends: Arc<Vec<usize>>,
+    /// Per sequence, the first query position whose output anyone reads (`[B]`), where a
+    /// batch sharing prefixes reads the positions before it from another sequence.
+    pub(crate) query_from: Option<Arc<Vec<usize>>>,
 }
 
 impl AttentionMask {
@@ -62,7 +65,17 @@ impl AttentionMask {
             additive,
             key_ends: Arc::new(visible_key_ends(&data, seq_len)),
             host: Arc::new(data),
+            query_from: None,
         })
+    }
+
+    /// This mask, telling attention that sequence `b`'s outputs are read from position
+    /// `from[b]` on only (the positions before it shared with another sequence): the CPU
+    /// op skips the queries before it (outputs zero, no gradient), the other paths compute
+    /// them anyway.
+    pub fn reading_queries_from(mut self, from: Vec<usize>) -> Self {
+        self.query_from = Some(Arc::new(from));
+        self
     }
 
     /// The additive mask, `[B, 1, 1, T, T]` (0 where visible, −∞ where not).
@@ -76,6 +89,7 @@ impl AttentionMask {
             additive: self.additive.to_dtype(dtype)?,
             host: self.host.clone(),
             key_ends: self.key_ends.clone(),
+            query_from: self.query_from.clone(),
         })
     }
 }
@@ -133,7 +147,8 @@ pub fn attend(
     narrow: NarrowOperands,
 ) -> Result<Tensor> {
     if q.device().is_cpu() && matches!(q.dtype(), DType::F32 | DType::F64) {
-        let op = MaskedAttention::new(mask.host.clone(), mask.key_ends.clone(), scale, groups);
+        let op = MaskedAttention::new(mask.host.clone(), mask.key_ends.clone(), scale, groups)
+            .reading_queries_from(mask.query_from.clone());
         // The op reads rows of contiguous values through any other strides.
         let v = if v.stride().last() == Some(&1) {
             v.clone()
@@ -587,7 +602,19 @@ impl GqaAttention {
     /// `[B, T, H]` → `[B, T, H]`.
     pub fn forward(&self, x: &Tensor, rope: &RopeTables, mask: &AttentionMask) -> Result<Tensor> {
         let (q, k, v) = self.project(x, rope)?;
-        let hd = self.head_dim;
+        let out = self.attend_heads(&q, &k, &v, mask)?;
+        self.o_proj.forward(&out)
+    }
+
+    /// [`attend`] over this layer's rotated heads, its products reading their 16-bit
+    /// operands as such where the precision rounds them.
+    fn attend_heads(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &AttentionMask,
+    ) -> Result<Tensor> {
         let groups = self.num_heads / self.num_kv_heads;
         // At a 16-bit precision q and k are rounded by the rotation, v by its projection
         // (unless clipped after it), and the output's gradient by the output projection's
@@ -597,8 +624,8 @@ impl GqaAttention {
             queries_keys: narrow_dtype,
             values_grad: narrow_dtype.filter(|_| self.clip_qkv.is_none()),
         };
-        let out = attend(&q, &k, &v, mask, 1.0 / (hd as f64).sqrt(), groups, narrow)?;
-        self.o_proj.forward(&out)
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        attend(q, k, v, mask, scale, groups, narrow)
     }
 
     /// [`GqaAttention::forward`] over computed rows `x` `[N, H]` of a batch whose sequences
@@ -616,14 +643,7 @@ impl GqaAttention {
         let (b, t) = slots.batch;
         let spread = |x: &Tensor| slots.spread.apply(x);
         let (q, k, v) = self.to_heads((spread(&q)?, spread(&k)?, spread(&v)?), (b, t), rope)?;
-        let hd = self.head_dim;
-        let groups = self.num_heads / self.num_kv_heads;
-        let narrow_dtype = self.precision.narrow_dtype();
-        let narrow = NarrowOperands {
-            queries_keys: narrow_dtype,
-            values_grad: narrow_dtype.filter(|_| self.clip_qkv.is_none()),
-        };
-        let out = attend(&q, &k, &v, mask, 1.0 / (hd as f64).sqrt(), groups, narrow)?;
+        let out = self.attend_heads(&q, &k, &v, mask)?;
         let out = slots.take.apply(&out.reshape((b * t, ()))?)?;
         self.o_proj.forward(&out)
     }

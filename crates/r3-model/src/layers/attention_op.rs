@@ -36,6 +36,12 @@ pub struct MaskedAttention {
     pub scale: f64,
     /// Query heads per key/value head.
     pub groups: usize,
+    /// Per sequence, the first query position whose output anyone reads (`[B]`; None: all
+    /// of them). The rows before it are skipped: their outputs stay zero and they add
+    /// nothing to the gradients, which is exact where nothing reads them, since their
+    /// output gradient is then zero. A batch sharing prefixes reads a shared position's
+    /// output from the sequence it is computed for only.
+    query_from: Option<Arc<Vec<usize>>>,
     /// Softmax probabilities of the forward for the backward: per job (sequence, key/value
     /// head) its query blocks' `[rows, keys]`, one after another.
     probs: Mutex<Option<CpuStorage>>,
@@ -127,8 +133,15 @@ impl MaskedAttention {
             key_ends,
             scale,
             groups,
+            query_from: None,
             probs: Mutex::new(None),
         }
+    }
+
+    /// This op skipping each sequence's queries before `from[b]` (see `query_from`).
+    pub fn reading_queries_from(mut self, from: Option<Arc<Vec<usize>>>) -> Self {
+        self.query_from = from;
+        self
     }
 
     fn dims(&self, q: &Shape, k: &Shape, v: &Shape) -> candle_core::Result<Dims> {
@@ -137,6 +150,12 @@ impl MaskedAttention {
         let (b3, kv3, t3, dv) = v.dims4()?;
         if b2 != b || b3 != b || kv2 != kv || kv3 != kv || dq2 != dq || t3 != t {
             candle_core::bail!("attention: q {q:?}, k {k:?}, v {v:?} do not fit");
+        }
+        if let Some(from) = self.query_from.as_ref().filter(|f| f.len() != b) {
+            candle_core::bail!(
+                "attention: {} first read queries for a batch of {b} sequences",
+                from.len()
+            );
         }
         if rows != self.groups * t || self.mask.len() != b * t * t || self.key_ends.len() != b * t {
             candle_core::bail!(
@@ -182,14 +201,16 @@ impl MaskedAttention {
         row.iter_mut().for_each(|x| *x = *x * inv);
     }
 
-    /// The query blocks of job `j`: per group, runs of [`QUERY_BLOCK`] positions, each with
+    /// The query blocks of job `j`: per group, runs of [`QUERY_BLOCK`] positions from the
+    /// sequence's first read query (`query_from`; position 0 by default), each with
     /// the number of keys its rows can see (one past the last visible key of any of them;
     /// all `T` keys where none is visible, which keeps a fully masked row's arithmetic).
     fn blocks(&self, j: usize, d: Dims) -> Vec<QueryBlock> {
         let seq = j / d.kv;
         let groups = d.rows / d.t;
-        let mut out = Vec::with_capacity(groups * d.t.div_ceil(QUERY_BLOCK));
-        for i0 in (0..d.t).step_by(QUERY_BLOCK) {
+        let start = self.query_from.as_ref().map_or(0, |f| f[seq].min(d.t));
+        let mut out = Vec::with_capacity(groups * (d.t - start).div_ceil(QUERY_BLOCK));
+        for i0 in (start..d.t).step_by(QUERY_BLOCK) {
             let i1 = (i0 + QUERY_BLOCK).min(d.t);
             let keys = self.key_ends[seq * d.t + i0..seq * d.t + i1]
                 .iter()
@@ -653,6 +674,80 @@ mod tests {
             (flat(&q), flat(&k), flat(&v))
         };
         assert_eq!(run(false), run(true));
+    }
+
+    /// Queries nobody reads skipped (`reading_queries_from`): the read rows' outputs and
+    /// every gradient are the full op's when the skipped rows' output gradient is zero (as
+    /// where nothing reads them), and the skipped rows' outputs are zero. Starts inside the
+    /// first block, at a block's edge, past it, and none. To rounding: the query blocks
+    /// then start at `from`, so a row's block sees another number of (masked) keys, and the
+    /// products sum their terms in other groups (measured: 4e-17 in f64).
+    #[test]
+    fn skipped_queries_change_nothing_that_is_read() {
+        let dev = Device::Cpu;
+        let t = 2 * super::QUERY_BLOCK + 5;
+        let lengths = [t, t - 9, 30];
+        let (b, kv, groups, dq, dv) = (lengths.len(), 2, 2, 4, 3);
+        let from = vec![7, super::QUERY_BLOCK, super::QUERY_BLOCK + 11];
+        let mask = AttentionMask::new(&lengths, t, None, &dev).expect("mask");
+        let q = Var::from_tensor(&rand_tensor(&[b, kv, groups * t, dq], 11, DType::F64)).unwrap();
+        let k = Var::from_tensor(&rand_tensor(&[b, kv, t, dq], 12, DType::F64)).unwrap();
+        let v = Var::from_tensor(&rand_tensor(&[b, kv, t, dv], 13, DType::F64)).unwrap();
+        // The output gradient, zero on the rows before each sequence's `from`.
+        let w: Vec<f64> = rand_tensor(&[b, t, kv * groups * dv], 14, DType::F64)
+            .flatten_all()
+            .and_then(|w| w.to_vec1::<f64>())
+            .expect("weights")
+            .chunks(kv * groups * dv)
+            .enumerate()
+            .flat_map(|(r, row)| {
+                let read = r % t >= from[r / t];
+                row.iter().map(move |&x| if read { x } else { 0.0 })
+            })
+            .collect();
+        let w = Tensor::from_vec(w, (b, t, kv * groups * dv), &dev).expect("w");
+        let run = |skip: Option<Vec<usize>>| {
+            let op = MaskedAttention::new(mask.host.clone(), mask.key_ends.clone(), 0.5, groups)
+                .reading_queries_from(skip.map(Arc::new));
+            let out = q
+                .as_tensor()
+                .apply_op3(k.as_tensor(), v.as_tensor(), op)
+                .expect("attend");
+            let grads = (&out * &w)
+                .and_then(|l| l.sum_all())
+                .and_then(|l| l.backward())
+                .expect("backward");
+            let flat = |x: &Tensor| {
+                x.flatten_all()
+                    .and_then(|x| x.to_vec1::<f64>())
+                    .expect("vec")
+            };
+            let g = |x: &Var| flat(grads.get(x).expect("gradient"));
+            (flat(&out), g(&q), g(&k), g(&v))
+        };
+        let (full, fq, fk, fv) = run(None);
+        let (part, pq, pk, pv) = run(Some(from.clone()));
+        let close = |what: &str, a: &[f64], p: &[f64]| {
+            let d = a.iter().zip(p).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
+            assert!(d < 1e-14, "{what}: max diff {d}");
+        };
+        let width = kv * groups * dv;
+        for (r, (a, p)) in full.chunks(width).zip(part.chunks(width)).enumerate() {
+            match r % t >= from[r / t] {
+                true => close(&format!("row {r} (read)"), a, p),
+                false => assert!(p.iter().all(|&x| x == 0.0), "row {r} is skipped"),
+            }
+        }
+        for (what, a, p) in [("dq", &fq, &pq), ("dk", &fk, &pk), ("dv", &fv, &pv)] {
+            close(what, a, p);
+        }
+        let bad = MaskedAttention::new(mask.host.clone(), mask.key_ends.clone(), 0.5, groups)
+            .reading_queries_from(Some(Arc::new(vec![0; 2])));
+        let err = q
+            .as_tensor()
+            .apply_op3(k.as_tensor(), v.as_tensor(), bad)
+            .expect_err("a start per sequence");
+        assert!(err.to_string().contains("2 first read queries"), "{err}");
     }
 
     /// By hand: real query `i` sees keys up to `i`, a padding query key 0, a fully masked row

@@ -30,6 +30,8 @@ pub struct SharedPrefixes {
     slot_of_row: Vec<u32>,
     /// Per computed row, how many real positions it stands for.
     copies: Vec<u32>,
+    /// Per sequence, how many of its leading positions another sequence's rows stand for.
+    shared_lens: Vec<usize>,
 }
 
 impl SharedPrefixes {
@@ -57,9 +59,11 @@ impl SharedPrefixes {
         let mut owner_token = Vec::with_capacity(total);
         let mut slot_of_row = Vec::with_capacity(total);
         let mut copies: Vec<u32> = Vec::with_capacity(total);
+        let mut shared_lens = vec![0; sequences.len()];
         let mut previous: Option<usize> = None;
         for &b in &order {
             let shared = previous.map_or(0, |a| agreeing(sequences, &offsets, (a, b), plan));
+            shared_lens[b] = shared;
             for p in 0..sequences[b].len() {
                 let token = offsets[b] + p;
                 match previous.filter(|_| p < shared) {
@@ -92,7 +96,14 @@ impl SharedPrefixes {
             row_of_slot,
             slot_of_row,
             copies,
+            shared_lens,
         })
+    }
+
+    /// Per sequence, how many of its leading positions another sequence's rows stand for:
+    /// its first position whose output is its own.
+    pub fn shared_lens(&self) -> &[usize] {
+        &self.shared_lens
     }
 
     /// How many rows are computed.
@@ -190,6 +201,7 @@ mod tests {
             &[0, 1, 2, 3, 4, 0, 1, 2, 5, 0, 0, 6, 7, 0, 0]
         );
         assert_eq!(s.slot_of_row(), &[0, 1, 2, 3, 4, 8, 11, 12]);
+        assert_eq!(s.shared_lens(), &[0, 3, 1]);
         assert_eq!(s.positions(), 12);
         assert_eq!(
             s.spread_ids(&[10, 11, 12, 13, 14, 15, 16, 17], 1),
@@ -215,6 +227,7 @@ mod tests {
         assert_eq!(s.owner_tokens(), &[3, 4, 5, 6, 13, 0, 1, 2, 9]);
         assert_eq!(s.copies(), &[2, 2, 2, 1, 1, 2, 2, 1, 1]);
         assert_eq!(s.slot_of_row(), &[4, 5, 6, 7, 15, 0, 1, 2, 10]);
+        assert_eq!(s.shared_lens(), &[0, 0, 2, 3]);
     }
 
     #[test]
