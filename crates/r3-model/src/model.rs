@@ -134,10 +134,18 @@ pub struct ForwardOutput {
     /// place of the routers' own, verifying and building the proof, recording the tables.
     /// Zero for `Native`. Everything else is the same computation in every mode.
     pub routing_overhead: Duration,
-    /// Real positions the token-wise layers (norms, projections, experts) did not run
-    /// over because another sequence's row stands for them ([`Batch::sharing_prefixes`]);
-    /// 0 unshared. Attention still reads every position.
-    pub shared_positions: usize,
+    /// Per sequence, how many of its leading positions another sequence's rows stood for
+    /// ([`Batch::sharing_prefixes`]): the layers did not run over them for it (on the CPU
+    /// not even their queries' attention); all 0 unshared.
+    pub shared_lens: Vec<usize>,
+}
+
+impl ForwardOutput {
+    /// Real positions computed once for several sequences and not again for the others
+    /// (the sum of [`ForwardOutput::shared_lens`]).
+    pub fn shared_positions(&self) -> usize {
+        self.shared_lens.iter().sum()
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -541,7 +549,7 @@ impl Model {
             replay,
             hidden_states: hidden,
             routing_overhead,
-            shared_positions: 0,
+            shared_lens: vec![0; b],
         };
         Ok((out, recompute))
     }
@@ -751,7 +759,7 @@ impl Model {
             replay,
             hidden_states: None,
             routing_overhead,
-            shared_positions: shared.positions() - n,
+            shared_lens: shared.shared_lens().to_vec(),
         })
     }
 

@@ -237,7 +237,7 @@ fn grouped_run(
     };
     let out = model.forward(&batch, routing).expect("forward");
     assert_eq!(
-        out.shared_positions > 0,
+        out.shared_positions() > 0,
         share,
         "{family}: shared positions"
     );

@@ -115,8 +115,8 @@ fn a_shared_prefix_forward_equals_the_unshared_one_in_every_family() {
         // prompt and its first response token (7) with sample 0; sample 5 prompt b (5) with
         // sample 2; sample 4 nothing.
         let real: usize = lens.iter().sum();
-        assert_eq!((real, a.shared_positions), (43, 0), "{family}");
-        assert_eq!(b.shared_positions, 6 + 2 + 7 + 5, "{family}");
+        assert_eq!((real, a.shared_positions()), (43, 0), "{family}");
+        assert_eq!(b.shared_positions(), 6 + 2 + 7 + 5, "{family}");
         let d = max_diff(&real_logits(&a, &lens, &cfg), &real_logits(&b, &lens, &cfg));
         assert!(d < 1e-10, "{family}: logits differ by {d}");
         assert_eq!(a.routes, b.routes, "{family}: recorded routes");
@@ -163,7 +163,7 @@ fn a_replayed_shared_forward_proves_and_counts_as_the_unshared_one() {
             Routing::Replay(&routes),
         )
         .expect("shared");
-    assert!(b.shared_positions > 0);
+    assert!(b.shared_positions() > 0);
     let (pa, pb) = (
         a.replay.clone().expect("proof"),
         b.replay.clone().expect("proof"),

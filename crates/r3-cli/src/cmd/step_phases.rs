@@ -221,21 +221,24 @@ pub(crate) fn step_work(model: &ModelFacts<'_>, trace: &StepTrace, old_pass: boo
     let scored = |len: usize, prompt_len: usize| {
         training_forward_flops(cfg, len, prompt_len.saturating_sub(1))
     };
-    // A position computed once for several sequences (`algo.share_prefixes`) ran the
-    // token-wise layers (projections, routers, experts) once; its attention still ran.
-    let token_wise = flops_per_token(cfg, 0, false);
-    let unshared = |flops: Option<f64>, shared: usize| match (flops, token_wise) {
-        (Some(f), Some(t)) => Some(f - shared as f64 * t),
-        _ => None,
+    // A sequence's leading positions computed for another sequence (`algo.share_prefixes`)
+    // ran no layer for it: not its projections, routers and experts, nor (on the CPU) its
+    // queries' attention. The head still reads them from the response's first prediction.
+    let not_run = |lens: &[usize]| -> Option<f64> {
+        lens.iter()
+            .flat_map(|&len| 0..len)
+            .map(|p| flops_per_token(cfg, p + 1, false))
+            .sum()
     };
-    let all_forward = unshared(sum_rows(trace, 0..n, scored), trace.old_shared_positions);
+    let unshared = |flops: Option<f64>, lens: &[usize]| Some(flops? - not_run(lens)?);
+    let all_forward = unshared(sum_rows(trace, 0..n, scored), &trace.old_shared_lens);
     let update_rows = trace
         .updates
         .iter()
         .flat_map(|(rows, _)| rows.iter().copied());
     let update_forward = unshared(
         sum_rows(trace, update_rows, scored),
-        trace.update_shared_positions,
+        &trace.update_shared_lens,
     );
     let updates = trace.updates.len() as f64;
     let mut work = [Work::default(); 7];
@@ -488,19 +491,19 @@ mod tests {
             "{}",
             w[0].bytes
         );
-        // One position of the update's and one of the old pass's computed for another
-        // sequence (a shared prefix): its projections and feed-forward (48 + 144
-        // multiply-adds) are not the step's work; its attention (8 per visible key) and
-        // the head (40, from the row's own prediction on) are.
+        // The first position of the update's and of the old pass's sequence computed for
+        // another sequence (a shared prefix): its projections, its attention over its one
+        // visible key and its feed-forward (48 + 8 + 144 multiply-adds) are not the step's
+        // work; the head's (40 from the row's first prediction on) still is.
         let shared = StepTrace {
-            update_shared_positions: 1,
-            old_shared_positions: 1,
+            update_shared_lens: vec![1],
+            old_shared_lens: vec![1],
             ..cached
         };
         let w = step_work(&facts, &shared, true);
-        let token_wise = 2.0 * (48.0 + 144.0);
-        assert_eq!(w[1].flops, Some(forward - token_wise), "old pass");
-        assert_eq!(w[2].flops, Some(forward - token_wise), "update forward");
-        assert_eq!(w[3].flops, Some(2.0 * (forward - token_wise)));
+        let not_run = 2.0 * (48.0 + 8.0 + 144.0);
+        assert_eq!(w[1].flops, Some(forward - not_run), "old pass");
+        assert_eq!(w[2].flops, Some(forward - not_run), "update forward");
+        assert_eq!(w[3].flops, Some(2.0 * (forward - not_run)));
     }
 }

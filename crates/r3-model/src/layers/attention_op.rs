@@ -728,7 +728,11 @@ mod tests {
         let (full, fq, fk, fv) = run(None);
         let (part, pq, pk, pv) = run(Some(from.clone()));
         let close = |what: &str, a: &[f64], p: &[f64]| {
-            let d = a.iter().zip(p).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
+            let d = a
+                .iter()
+                .zip(p)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0, f64::max);
             assert!(d < 1e-14, "{what}: max diff {d}");
         };
         let width = kv * groups * dv;

@@ -156,9 +156,9 @@ pub struct Scored {
     pub routes: Option<Vec<RouteTable>>,
     /// `Replay`: the proof of what was replayed.
     pub replay: Option<ReplayProof>,
-    /// Positions the forward's token-wise layers did not compute because another
-    /// sequence's row stands for them (`share_prefixes`).
-    pub shared_positions: usize,
+    /// Per row, how many of its leading positions another row's computation stood for
+    /// (`share_prefixes`; all 0 unshared).
+    pub shared_lens: Vec<usize>,
 }
 
 impl Scored {
@@ -237,7 +237,7 @@ pub fn score_with<'m>(
         logits_from: from,
         routes: out.routes,
         replay: out.replay,
-        shared_positions: out.shared_positions,
+        shared_lens: out.shared_lens,
     };
     Ok((scored, layers))
 }

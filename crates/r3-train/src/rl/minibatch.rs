@@ -102,9 +102,9 @@ pub struct MiniBatchResult {
     pub replay: Option<ReplayProof>,
     /// Verified fraction of a `Replay` forward.
     pub verified_frac: Option<f64>,
-    /// Positions its forwards computed once for several sequences
-    /// (`algo.share_prefixes`), summed over its micro-batches.
-    pub shared_positions: usize,
+    /// Per row of the mini-batch, how many of its leading positions another row's
+    /// computation stood for in its micro-batch's forward (`algo.share_prefixes`).
+    pub shared_lens: Vec<usize>,
     /// Seconds of its forwards (with the loss), backwards and optimiser step, summed over
     /// its micro-batches.
     pub times: UpdateTimes,
@@ -190,9 +190,10 @@ pub fn update_minibatch(
         logp,
         routes,
         replay,
-        shared_positions,
+        mut shared_lens,
         mut times,
     } = acc;
+    shared_lens.resize(n, 0);
     let logp = match <[_; 1]>::try_from(logp) {
         Ok([(_, whole)]) => whole,
         Err(parts) => {
@@ -239,7 +240,7 @@ pub fn update_minibatch(
         routes,
         replay,
         verified_frac,
-        shared_positions,
+        shared_lens,
         times,
     })
 }
@@ -257,8 +258,9 @@ struct Accumulated {
     logp: Vec<(Vec<usize>, Tensor)>,
     routes: Vec<(Vec<usize>, Vec<RouteTable>)>,
     replay: Vec<(Vec<usize>, ReplayProof)>,
-    /// Positions computed once for several sequences so far.
-    shared_positions: usize,
+    /// Per row of the mini-batch, the leading positions another row stood for, as the
+    /// micro-batches so far found them.
+    shared_lens: Vec<usize>,
     /// Seconds of the forwards and backwards so far.
     times: UpdateTimes,
 }
@@ -273,7 +275,7 @@ impl Default for Accumulated {
             logp: Vec::new(),
             routes: Vec::new(),
             replay: Vec::new(),
-            shared_positions: 0,
+            shared_lens: Vec::new(),
             times: UpdateTimes::default(),
         }
     }
@@ -304,7 +306,12 @@ impl Accumulated {
         }
         self.sums.add(&micro.sums);
         self.entropy_sum += micro.entropy_sum;
-        self.shared_positions += micro.shared_positions;
+        for (&row, &len) in rows.iter().zip(&micro.shared_lens) {
+            if self.shared_lens.len() <= row {
+                self.shared_lens.resize(row + 1, 0);
+            }
+            self.shared_lens[row] = len;
+        }
         self.logp.push((rows.to_vec(), micro.logp));
         if let Some(r) = micro.routes {
             self.routes.push((rows.to_vec(), r));
@@ -331,7 +338,7 @@ struct Micro<'m> {
     logp: Tensor,
     routes: Option<Vec<RouteTable>>,
     replay: Option<ReplayProof>,
-    shared_positions: usize,
+    shared_lens: Vec<usize>,
 }
 
 /// Forward over `mb` (a whole mini-batch or one micro-batch of it) and its partial loss
@@ -398,6 +405,6 @@ fn micro_update<'m>(
         logp: scored.logp.detach(),
         routes: scored.routes,
         replay: scored.replay,
-        shared_positions: scored.shared_positions,
+        shared_lens: scored.shared_lens,
     })
 }

@@ -33,11 +33,11 @@ pub struct StepTrace {
     pub old_recorded: Option<Vec<RouteTable>>,
     /// Per update mini-batch: its trajectory rows and the replay proof of its forward.
     pub updates: Vec<(Vec<usize>, Option<ReplayProof>)>,
-    /// Positions the update forwards computed once for several sequences
-    /// (`algo.share_prefixes`): their token-wise layers ran once for all of them.
-    pub update_shared_positions: usize,
+    /// Per trajectory, how many of its leading positions the update forward computed for
+    /// another sequence and not again for it (`algo.share_prefixes`); empty: none.
+    pub update_shared_lens: Vec<usize>,
     /// The same for the separate old-log-prob pass.
-    pub old_shared_positions: usize,
+    pub old_shared_lens: Vec<usize>,
 }
 
 /// The sampled and scored batch of a step: what the updates work on.

@@ -173,7 +173,7 @@ mod tests {
             routes: None,
             replay: None,
             verified_frac: None,
-            shared_positions: 0,
+            shared_lens: Vec::new(),
             times: UpdateTimes::default(),
         }
     }
@@ -220,7 +220,7 @@ mod tests {
             entropy: 0.7,
             verified_frac: Some(1.0),
             divergence: None,
-            shared_positions: 0,
+            shared_lens: Vec::new(),
         };
         let results = [result(applied, 0.3), result(skipped, f32::NAN)];
         let m = step_metrics(3, &cfg, &[traj], &results, None, &view);

@@ -35,8 +35,9 @@ pub(crate) struct OldView {
     pub(crate) entropy: f32,
     pub(crate) verified_frac: Option<f64>,
     pub(crate) divergence: Option<RouteDivergence>,
-    /// Positions the old-log-prob pass computed once for several sequences.
-    pub(crate) shared_positions: usize,
+    /// Per batch row, the leading positions another row stood for in the old-log-prob
+    /// pass (`algo.share_prefixes`).
+    pub(crate) shared_lens: Vec<usize>,
 }
 
 /// What the updates of a step did.
@@ -104,7 +105,7 @@ fn single_update(
         trace
             .updates
             .push(((0..data.trajs.len()).collect(), r.replay.clone()));
-        trace.update_shared_positions += r.shared_positions;
+        trace.update_shared_lens = r.shared_lens.clone();
     }
     let update_s = started.elapsed().as_secs_f64();
     let divergence = match (&r.replay, &r.routes, &data.routes) {
@@ -120,7 +121,7 @@ fn single_update(
         entropy: r.entropy,
         verified_frac: r.verified_frac,
         divergence,
-        shared_positions: 0,
+        shared_lens: Vec::new(),
     };
     Ok(Updates {
         view,
@@ -157,7 +158,7 @@ fn minibatch_updates(
     )?;
     if let Some(trace) = trace.as_deref_mut() {
         trace.old_proof = proof;
-        trace.old_shared_positions = view.shared_positions;
+        trace.old_shared_lens = view.shared_lens.clone();
         trace.old_recorded = view.recorded.clone();
     }
     let replayed = match mode {
@@ -202,7 +203,11 @@ fn minibatch_updates(
         let r = update_minibatch(policy, optimizer, &mb, &s)?;
         if let Some(trace) = trace.as_deref_mut() {
             trace.updates.push((part.to_vec(), r.replay.clone()));
-            trace.update_shared_positions += r.shared_positions;
+            let lens = &mut trace.update_shared_lens;
+            lens.resize(data.trajs.len(), 0);
+            for (&row, &len) in part.iter().zip(&r.shared_lens) {
+                lens[row] = len;
+            }
         }
         results.push(r);
     }
@@ -236,7 +241,7 @@ fn old_pass(
     let parts = pack_rows(batch.sequences(), max_tokens, share_prefixes);
     let (mut logps, mut recorded, mut proofs) = (Vec::new(), Vec::new(), Vec::new());
     let mut entropy_sum = 0f64;
-    let mut shared_positions = 0;
+    let mut shared_lens = vec![0; n];
     for part in &parts {
         let sub = match parts.len() {
             1 => None,
@@ -252,7 +257,9 @@ fn old_pass(
             _ => Routing::Record,
         };
         let scored = score_with(&model, sub_batch, routing, false, share_prefixes)?.0;
-        shared_positions += scored.shared_positions;
+        for (&row, &len) in part.iter().zip(&scored.shared_lens) {
+            shared_lens[row] = len;
+        }
         let mask = sub_batch.response_mask(None, &device)?;
         let entropy = scored.entropy(false)?;
         entropy_sum += f64::from(scalar_f32(&entropy.mul(&mask)?.sum_all()?)?);
@@ -299,7 +306,7 @@ fn old_pass(
         entropy,
         verified_frac,
         divergence,
-        shared_positions,
+        shared_lens,
     };
     Ok((view, replay))
 }
