@@ -38,10 +38,11 @@ impl SharedPrefixes {
     /// The sharing of `sequences` (padded to `t` positions): taken in token order, each
     /// sequence shares the positions it holds alike with the one before it, up to one
     /// before the shorter one's end (a final position never shares; under replay it is
-    /// often routed natively). In token order that neighbour agrees with it longest of all
-    /// the sequences before it, so one comparison a sequence finds its longest share. Under
-    /// `plan` (a replay), positions share only where every MoE layer forces the same experts
-    /// in the same order. None when nothing is shared, so a batch without common prefixes
+    /// often routed natively). In token order that neighbour agrees with it in tokens
+    /// longest of all the sequences before it, so one comparison a sequence finds its
+    /// longest share. Under `plan` (a replay), positions share only where every MoE layer
+    /// forces the same experts in the same order (a farther sequence agreeing longer in its
+    /// experts too is not looked for: what is not shared is computed, never wrong). None when nothing is shared, so a batch without common prefixes
     /// runs the unshared forward unchanged.
     pub(crate) fn find(
         sequences: &[Vec<u32>],
