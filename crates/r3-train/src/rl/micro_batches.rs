@@ -233,6 +233,40 @@ mod tests {
     }
 
     #[test]
+    fn token_order_packing_places_every_row_once_within_the_budget() {
+        // Deterministic pseudo-random sequences (a fixed LCG): groups of 4 with a common
+        // prompt and responses of 1 to 40 tokens over a 6-token vocabulary.
+        let mut x = 7u64;
+        let mut next = |m: u64| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (x >> 33) % m
+        };
+        let seqs: Vec<Vec<u32>> = (0..60)
+            .map(|i| {
+                let prompt = (0..5 + i / 4 % 7).map(|j| ((i / 4 + j) % 6) as u32);
+                let response: Vec<u32> = (0..1 + next(40)).map(|_| next(6) as u32).collect();
+                prompt.chain(response).collect()
+            })
+            .collect();
+        for budget in [1, 45, 200, 1000] {
+            let parts = pack_micro_batches_by_prefix(&seqs, budget);
+            let mut seen: Vec<usize> = parts.iter().flatten().copied().collect();
+            seen.sort_unstable();
+            assert_eq!(seen, (0..seqs.len()).collect::<Vec<_>>(), "every row once");
+            for p in &parts {
+                let cost = p.len() * p.iter().map(|&r| seqs[r].len()).max().expect("row");
+                assert!(cost <= budget || p.len() == 1, "{cost} > {budget}");
+            }
+            // In token order across the micro-batches.
+            let order: Vec<&Vec<u32>> = parts.iter().flatten().map(|&r| &seqs[r]).collect();
+            assert!(order.windows(2).all(|w| w[0] <= w[1]), "token order");
+            assert_eq!(parts, pack_micro_batches_by_prefix(&seqs, budget));
+        }
+    }
+
+    #[test]
     fn rows_are_packed_shortest_first_within_the_budget() {
         // Sorted: 1 (3), 2 (4), 0 (5), 3 (9). Budget 10: [1, 2] costs 2 × 4 = 8; adding
         // row 0 would cost 3 × 5 = 15; [0] then [0, 3] would cost 18; row 3 alone is 9.
