@@ -412,6 +412,8 @@ impl Model {
             AttentionConfig::Gqa { sliding_window, .. } => sliding_window,
             AttentionConfig::Mla { .. } => None,
         };
+        let rope = self.rope.tables(t, device, self.embed.dtype())?;
+        let mask = AttentionMask::new(lengths, t, window, device)?.to_dtype(self.embed.dtype())?;
         // A replay's plan is built when the first MoE layer needs it: by then the embedding's
         // and the first attention's kernels are queued, so on a GPU the host builds it while
         // the device runs them (built first, it held the device idle at every replayed
@@ -432,7 +434,8 @@ impl Model {
                 let rows = SharedForward {
                     shared,
                     plan,
-                    window,
+                    rope,
+                    mask,
                     logits_from,
                     routing_overhead,
                 };
@@ -440,8 +443,8 @@ impl Model {
             }
         }
         let ctx = LayerContext {
-            rope: self.rope.tables(t, device, self.embed.dtype())?,
-            mask: AttentionMask::new(lengths, t, window, device)?.to_dtype(self.embed.dtype())?,
+            rope,
+            mask,
             rows: routed_rows(lengths, t),
         };
         let ids = batch.input_ids.to_device(device)?.flatten_all()?;
@@ -663,21 +666,18 @@ impl Model {
         let SharedForward {
             shared,
             plan,
-            window,
+            rope,
+            mask,
             logits_from,
             mut routing_overhead,
         } = run;
         let device = self.embed.device();
-        let dtype = self.embed.dtype();
         let (b, t) = batch.input_ids.dims2()?;
         let lengths = batch.lengths();
         let n = shared.rows();
-        let rope = self.rope.tables(t, device, dtype)?;
         // A shared position's attention output is read from the sequence it is computed
         // for only: the others' queries there need not run.
-        let mask = AttentionMask::new(lengths, t, window, device)?
-            .to_dtype(dtype)?
-            .reading_queries_from(shared.shared_lens().to_vec());
+        let mask = mask.reading_queries_from(shared.shared_lens().to_vec());
         let slots = SlotRows::new(
             shared.row_of_slot().to_vec(),
             shared.slot_of_row().to_vec(),
@@ -690,11 +690,10 @@ impl Model {
         let row_plan = plan
             .as_ref()
             .map(|p| p.for_rows(shared.owner_tokens(), Arc::new(shared.copies().to_vec())));
-        let tokens: Vec<u32> = batch.sequences().concat();
         let host_ids: Vec<u32> = shared
-            .owner_tokens()
+            .slot_of_row()
             .iter()
-            .map(|&o| tokens[o as usize])
+            .map(|&slot| batch.host_ids[slot as usize])
             .collect();
         let ids = Tensor::from_slice(&host_ids, n, device)?;
         let mut x = self
@@ -821,7 +820,9 @@ struct SharedForward {
     shared: SharedPrefixes,
     /// A replay's plan over every real position.
     plan: Option<ReplayPlan>,
-    window: Option<usize>,
+    /// The padded batch's rotary tables and attention mask.
+    rope: RopeTables,
+    mask: AttentionMask,
     logits_from: usize,
     /// The routing work done before the layers run.
     routing_overhead: Duration,

@@ -88,6 +88,23 @@ struct Run {
     grads: Vec<(String, Tensor)>,
 }
 
+/// Every variable's gradient in `grads`, sorted by name (a missing one fails the test).
+fn named_gradients(
+    varmap: &candle_nn::VarMap,
+    grads: &candle_core::backprop::GradStore,
+    device: &Device,
+) -> Vec<(String, Tensor)> {
+    common::sorted_vars(varmap.data())
+        .into_iter()
+        .map(|(name, var)| {
+            let g = grads
+                .get(var.as_tensor())
+                .unwrap_or_else(|| panic!("no gradient for {name} on {device:?}"));
+            (name, g.clone())
+        })
+        .collect()
+}
+
 /// Record forward (no graph), then a replayed (or, dense, native) forward with backward.
 fn run(
     cfg: &Config,
@@ -123,19 +140,7 @@ fn run(
         .and_then(|l| l + (ent.sum_all()? * 0.1)?)
         .expect("loss");
     let grads = loss.backward().expect("backward");
-    let mut named: Vec<(String, Tensor)> = varmap
-        .data()
-        .lock()
-        .expect("varmap")
-        .iter()
-        .map(|(name, var)| {
-            let g = grads
-                .get(var.as_tensor())
-                .unwrap_or_else(|| panic!("no gradient for {name} on {device:?}"));
-            (name.clone(), g.clone())
-        })
-        .collect();
-    named.sort_by(|a, b| a.0.cmp(&b.0));
+    let named = named_gradients(&varmap, &grads, device);
     Run {
         recorded,
         replayed: replay.map(|_| out),
@@ -199,7 +204,8 @@ fn compare_family(family: &str, device: &Device, tol: Tolerance) {
     }
 }
 
-/// Three samples of one prompt, two of another that begins alike, and one alone.
+/// Three samples of one prompt, two of another that begins alike, and one alone (shorter
+/// than `common::grouped_sequences`: the f32 tolerance below was set on these).
 fn grouped_sequences(vocab: usize) -> Vec<Vec<u32>> {
     let v = |x: u32| x % vocab as u32;
     let prompt: Vec<u32> = (0..6).map(|i| v(3 + 5 * i)).collect();
@@ -245,19 +251,7 @@ fn grouped_run(
         .and_then(|l| l.sum_all())
         .expect("loss");
     let grads = loss.backward().expect("backward");
-    let mut named: Vec<(String, Tensor)> = varmap
-        .data()
-        .lock()
-        .expect("varmap")
-        .iter()
-        .map(|(name, var)| {
-            let g = grads
-                .get(var.as_tensor())
-                .expect("every parameter has a gradient");
-            (name.clone(), g.clone())
-        })
-        .collect();
-    named.sort_by(|a, b| a.0.cmp(&b.0));
+    let named = named_gradients(&varmap, &grads, device);
     let t = out.logits.dim(1).expect("positions");
     let all = out
         .logits

@@ -4,9 +4,8 @@
 
 mod common;
 
-use candle_core::{DType, Device, Tensor, Var};
-use candle_nn::VarMap;
-use common::{covering_tables, sequences, tiny_config, tiny_weights, FAMILIES};
+use candle_core::{DType, Device, Tensor};
+use common::{covering_tables, sequences, sorted_vars, tiny_config, tiny_weights, FAMILIES};
 use r3_model::{Batch, Config, Model, ReplayRoutes, Routing};
 use r3_routing::{LayerSpace, RouteTable};
 
@@ -34,13 +33,6 @@ fn loss(model: &Model, batch: &Batch, routing: Routing<'_>, probe: &Tensor) -> T
     (out.logits * probe).expect("mul").sum_all().expect("sum")
 }
 
-fn vars(varmap: &VarMap) -> Vec<(String, Var)> {
-    let data = varmap.data().lock().expect("lock");
-    let mut v: Vec<(String, Var)> = data.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-    v.sort_by(|a, b| a.0.cmp(&b.0));
-    v
-}
-
 #[test]
 fn every_parameter_receives_a_gradient() {
     for family in FAMILIES {
@@ -66,7 +58,7 @@ fn every_parameter_receives_a_gradient() {
             .iter()
             .filter(|s| s.role.is_trainable())
             .count();
-        let all = vars(&varmap);
+        let all = sorted_vars(varmap.data());
         assert_eq!(
             all.len(),
             trainable,
@@ -178,7 +170,7 @@ fn finite_difference_check(family: &str, replay: bool) {
         names.push("model.layers.2.self_attn.q_proj.weight".into());
         names.push("model.layers.2.self_attn.k_norm.weight".into());
     }
-    let all = vars(&varmap);
+    let all = sorted_vars(varmap.data());
     let h = 1e-6;
     let mut checked = 0;
     for name in &names {

@@ -6,28 +6,11 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor, Var};
-use common::{probe, tiny_config, tiny_weights};
+use common::{grouped_sequences, probe, sorted_vars, tiny_config, tiny_weights};
 use r3_model::{Batch, Config, ForwardOutput, Model, ReplayRoutes, Routing};
 
 /// The GQA families (MLA models run unshared).
 const GQA_FAMILIES: [&str; 5] = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3"];
-
-/// Three samples of one prompt, two of another that begins alike, and one alone.
-fn grouped_sequences(vocab: usize) -> Vec<Vec<u32>> {
-    let v = |x: u32| x % vocab as u32;
-    let prompt_a: Vec<u32> = (0..6).map(|i| v(3 + 5 * i)).collect();
-    let mut prompt_b = prompt_a[..2].to_vec();
-    prompt_b.extend([v(29), v(30), v(7)]);
-    let with = |p: &[u32], r: &[u32]| -> Vec<u32> { p.iter().chain(r).copied().collect() };
-    vec![
-        with(&prompt_a, &[v(1), v(2), v(4)]),
-        with(&prompt_a, &[v(9)]),
-        with(&prompt_b, &[v(11), v(12)]),
-        with(&prompt_a, &[v(1), v(5), v(6), v(8), v(10)]),
-        vec![v(21), v(22), v(23)],
-        with(&prompt_b, &[v(13)]),
-    ]
-}
 
 fn lengths(seqs: &[Vec<u32>]) -> Vec<usize> {
     seqs.iter().map(Vec::len).collect()
@@ -35,14 +18,12 @@ fn lengths(seqs: &[Vec<u32>]) -> Vec<usize> {
 
 /// The loss Σ logits · probe over real positions and every variable's gradient.
 fn loss_and_grads(
-    model: &Model,
     vars: &[(String, Var)],
     out: &ForwardOutput,
     probe: &Tensor,
 ) -> (f64, Vec<Vec<f64>>) {
     let loss = (&out.logits * probe).expect("mul").sum_all().expect("sum");
     let grads = loss.backward().expect("backward");
-    let _ = model;
     let values = vars
         .iter()
         .map(|(name, v)| {
@@ -72,6 +53,14 @@ fn real_logits(out: &ForwardOutput, lens: &[usize], cfg: &Config) -> Vec<f64> {
         .collect()
 }
 
+/// Every variable's gradient of `a` within 1e-9 of `b`'s (`what` names the case).
+fn assert_grads_close(what: &str, vars: &[(String, Var)], a: &[Vec<f64>], b: &[Vec<f64>]) {
+    for ((name, _), (x, y)) in vars.iter().zip(a.iter().zip(b)) {
+        let d = max_diff(x, y);
+        assert!(d < 1e-9, "{what}: {name}'s gradient differs by {d}");
+    }
+}
+
 fn max_diff(a: &[f64], b: &[f64]) -> f64 {
     assert_eq!(a.len(), b.len());
     a.iter()
@@ -86,11 +75,7 @@ fn model_of(family: &str, seed: u64) -> (Config, Model, Vec<(String, Var)>) {
         .into_trainable(&cfg)
         .expect("trainable");
     let model = Model::new(&cfg, &weights).expect("model");
-    let data = varmap.data().lock().expect("lock");
-    let mut vars: Vec<(String, Var)> = data.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-    vars.sort_by(|a, b| a.0.cmp(&b.0));
-    drop(data);
-    (cfg, model, vars)
+    (cfg, model, sorted_vars(varmap.data()))
 }
 
 #[test]
@@ -120,13 +105,10 @@ fn a_shared_prefix_forward_equals_the_unshared_one_in_every_family() {
         let d = max_diff(&real_logits(&a, &lens, &cfg), &real_logits(&b, &lens, &cfg));
         assert!(d < 1e-10, "{family}: logits differ by {d}");
         assert_eq!(a.routes, b.routes, "{family}: recorded routes");
-        let (la, ga) = loss_and_grads(&model, &vars, &a, &probe);
-        let (lb, gb) = loss_and_grads(&model, &vars, &b, &probe);
+        let (la, ga) = loss_and_grads(&vars, &a, &probe);
+        let (lb, gb) = loss_and_grads(&vars, &b, &probe);
         assert!((la - lb).abs() < 1e-9, "{family}: loss {la} against {lb}");
-        for ((name, _), (x, y)) in vars.iter().zip(ga.iter().zip(&gb)) {
-            let d = max_diff(x, y);
-            assert!(d < 1e-9, "{family}: {name}'s gradient differs by {d}");
-        }
+        assert_grads_close(family, &vars, &ga, &gb);
     }
 }
 
@@ -172,12 +154,9 @@ fn a_replayed_shared_forward_proves_and_counts_as_the_unshared_one() {
     assert_eq!(pa, pb);
     let d = max_diff(&real_logits(&a, &lens, &cfg), &real_logits(&b, &lens, &cfg));
     assert!(d < 1e-10, "logits differ by {d}");
-    let (_, ga) = loss_and_grads(&model, &vars, &a, &probe);
-    let (_, gb) = loss_and_grads(&model, &vars, &b, &probe);
-    for ((name, _), (x, y)) in vars.iter().zip(ga.iter().zip(&gb)) {
-        let d = max_diff(x, y);
-        assert!(d < 1e-9, "{name}'s gradient differs by {d}");
-    }
+    let (_, ga) = loss_and_grads(&vars, &a, &probe);
+    let (_, gb) = loss_and_grads(&vars, &b, &probe);
+    assert_grads_close("replay", &vars, &ga, &gb);
 }
 
 #[test]

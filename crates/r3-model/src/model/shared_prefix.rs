@@ -112,11 +112,6 @@ impl SharedPrefixes {
         self.owner_token.len()
     }
 
-    /// How many real positions the rows stand for.
-    pub fn positions(&self) -> usize {
-        self.row_of_token.len()
-    }
-
     /// Per computed row, the real position (sequence-major) it is computed at.
     pub fn owner_tokens(&self) -> &[u32] {
         &self.owner_token
@@ -203,7 +198,7 @@ mod tests {
         );
         assert_eq!(s.slot_of_row(), &[0, 1, 2, 3, 4, 8, 11, 12]);
         assert_eq!(s.shared_lens(), &[0, 3, 1]);
-        assert_eq!(s.positions(), 12);
+        assert_eq!(s.row_of_token().len(), 12);
         assert_eq!(
             s.spread_ids(&[10, 11, 12, 13, 14, 15, 16, 17], 1),
             vec![10, 11, 12, 13, 14, 10, 11, 12, 15, 10, 16, 17]

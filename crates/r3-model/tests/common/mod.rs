@@ -126,6 +126,34 @@ pub fn sequences(lengths: &[usize], vocab: usize, seed: u32) -> Vec<Vec<u32>> {
         .collect()
 }
 
+/// Three samples of one prompt, two of another prompt that begins alike, and one sequence
+/// alone: a batch whose sequences share prefixes (`Batch::sharing_prefixes`).
+pub fn grouped_sequences(vocab: usize) -> Vec<Vec<u32>> {
+    let v = |x: u32| x % vocab as u32;
+    let prompt_a: Vec<u32> = (0..6).map(|i| v(3 + 5 * i)).collect();
+    let mut prompt_b = prompt_a[..2].to_vec();
+    prompt_b.extend([v(29), v(30), v(7)]);
+    let with = |p: &[u32], r: &[u32]| -> Vec<u32> { p.iter().chain(r).copied().collect() };
+    vec![
+        with(&prompt_a, &[v(1), v(2), v(4)]),
+        with(&prompt_a, &[v(9)]),
+        with(&prompt_b, &[v(11), v(12)]),
+        with(&prompt_a, &[v(1), v(5), v(6), v(8), v(10)]),
+        vec![v(21), v(22), v(23)],
+        with(&prompt_b, &[v(13)]),
+    ]
+}
+
+/// A varmap's variables (`VarMap::data`) with their names, sorted by name.
+pub fn sorted_vars(
+    vars: &std::sync::Mutex<std::collections::HashMap<String, candle_core::Var>>,
+) -> Vec<(String, candle_core::Var)> {
+    let data = vars.lock().expect("lock");
+    let mut v: Vec<_> = data.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
 /// Tables whose cells cycle through all experts, so every expert gets rows.
 pub fn covering_tables(cfg: &Config, lengths: &[usize]) -> Vec<RouteTable> {
     let (e, k) = (cfg.num_experts(), cfg.top_k());
