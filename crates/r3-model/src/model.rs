@@ -10,10 +10,11 @@ pub use recompute::LayerRecompute;
 use recompute::RecomputeInputs;
 use shared_prefix::SharedPrefixes;
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use candle_core::{Device, Tensor, Var};
+use candle_core::{Device, Shape, Tensor, Var};
 
 use crate::config::{AttentionConfig, Config};
 use crate::error::{ModelError, Result};
@@ -80,8 +81,8 @@ impl Batch {
     /// This batch, its forwards computing the positions its sequences hold alike once
     /// (`share`: a GRPO group's prompt, scored once for its samples; see
     /// [`shared_prefix`]). The values are the unshared forward's to float rounding. A
-    /// forward that returns hidden states or recomputes its layers, and a model with MLA
-    /// attention, run unshared.
+    /// forward that returns hidden states runs unshared; a recomputing one keeps each
+    /// layer's computed rows.
     pub fn sharing_prefixes(mut self, share: bool) -> Self {
         self.share_prefixes = share;
         self
@@ -319,11 +320,11 @@ impl Model {
             .unwrap_or(0)
     }
 
-    /// `[B, T, H]` embeddings of the `B·T` token `ids`, rounded at the precision's embedding
-    /// point: where the full forward and the cached decode step both start.
-    fn embed_tokens(&self, ids: &Tensor, host_ids: &[u32], b: usize, t: usize) -> Result<Tensor> {
-        let x =
-            embedding_rows(&self.embed, ids, host_ids)?.reshape((b, t, self.cfg.hidden_size))?;
+    /// Embeddings of the token `ids` in `shape` (`[B, T, H]` of a padded batch, `[N, H]` of
+    /// computed rows), rounded at the precision's embedding point: where the full forward and
+    /// the cached decode step both start.
+    fn embed_tokens(&self, ids: &Tensor, host_ids: &[u32], shape: &Shape) -> Result<Tensor> {
+        let x = embedding_rows(&self.embed, ids, host_ids)?.reshape(shape)?;
         self.precision.round(&x)
     }
 
@@ -421,34 +422,73 @@ impl Model {
         // depends on their replayed experts.
         let mut plan: Option<ReplayPlan> = None;
         let mut plan_pending = matches!(routing, Routing::Replay(_));
-        let shares = batch.share_prefixes
-            && !capture_hidden
-            && !recompute
-            && matches!(cfg.attention, AttentionConfig::Gqa { .. });
-        if shares {
-            let started = Instant::now();
-            plan = self.plan(routing, lengths)?;
-            routing_overhead += started.elapsed();
-            plan_pending = false;
-            if let Some(shared) = SharedPrefixes::find(batch.sequences(), t, plan.as_ref()) {
-                let rows = SharedForward {
-                    shared,
-                    plan,
+        // Which positions a batch sharing prefixes computes once (none under hidden-state
+        // capture, which returns every padded slot's state).
+        let shared = match batch.share_prefixes && !capture_hidden {
+            true => {
+                let started = Instant::now();
+                plan = self.plan(routing, lengths)?;
+                routing_overhead += started.elapsed();
+                plan_pending = false;
+                SharedPrefixes::find(batch.sequences(), t, plan.as_ref())
+            }
+            false => None,
+        };
+        // The rows the layers compute: every padded slot (`[B, T, H]`), or one row for each
+        // position its sequences do not hold alike with another's (`[N, H]`), attention
+        // reading them in the padded layout; a replay's plan then follows the rows.
+        let (ctx, host_ids, row_plan) = match &shared {
+            None => {
+                let ctx = LayerContext {
                     rope,
                     mask,
-                    logits_from,
-                    routing_overhead,
+                    rows: routed_rows(lengths, t),
+                    slots: None,
                 };
-                return Ok((self.forward_shared(batch, routing, rows)?, None));
+                (ctx, Cow::Borrowed(batch.host_ids.as_slice()), None)
             }
-        }
-        let ctx = LayerContext {
-            rope,
-            mask,
-            rows: routed_rows(lengths, t),
+            Some(shared) => {
+                let n = shared.rows();
+                // A shared position's attention output is read from the sequence it is
+                // computed for only: the others' queries there need not run.
+                let mask = mask.reading_queries_from(shared.shared_lens().to_vec());
+                let slots = SlotRows::new(
+                    shared.row_of_slot().to_vec(),
+                    shared.slot_of_row().to_vec(),
+                    (b, t),
+                )?;
+                let rows = RoutedRows {
+                    host: (0..n as u32).collect(),
+                    all: true,
+                };
+                let host_ids: Vec<u32> = shared
+                    .slot_of_row()
+                    .iter()
+                    .map(|&slot| batch.host_ids[slot as usize])
+                    .collect();
+                let row_plan = plan
+                    .as_ref()
+                    .map(|p| p.for_rows(shared.owner_tokens(), Arc::new(shared.copies().to_vec())));
+                let ctx = LayerContext {
+                    rope,
+                    mask,
+                    rows,
+                    slots: Some(slots),
+                };
+                (ctx, Cow::Owned(host_ids), row_plan)
+            }
         };
-        let ids = batch.input_ids.to_device(device)?.flatten_all()?;
-        let mut x = self.embed_tokens(&ids, &batch.host_ids, b, t)?;
+        let (ids, embedded_shape) = match &shared {
+            None => (
+                batch.input_ids.to_device(device)?.flatten_all()?,
+                Shape::from((b, t, cfg.hidden_size)),
+            ),
+            Some(shared) => (
+                Tensor::from_slice(&host_ids, shared.rows(), device)?,
+                Shape::from((shared.rows(), cfg.hidden_size)),
+            ),
+        };
+        let mut x = self.embed_tokens(&ids, &host_ids, &embedded_shape)?;
         let mut hidden = capture_hidden.then(Vec::new);
         let mut moe = MoeRecord::default();
         let mut inputs = Vec::new();
@@ -472,7 +512,10 @@ impl Model {
                 routing_overhead += started.elapsed();
                 plan_pending = false;
             }
-            let layer_plan = plan.as_ref().map(|p| p.layers.as_slice());
+            let layer_plan = row_plan
+                .as_ref()
+                .or(plan.as_ref())
+                .map(|p| p.layers.as_slice());
             let out = self.feed_forward(
                 i,
                 layer,
@@ -512,19 +555,47 @@ impl Model {
                 from => Ok(x.narrow(1, from, t - from)?.contiguous()?),
             }
         };
-        let x = match hidden.as_mut() {
-            Some(h) => {
+        let x = match (&shared, hidden.as_mut()) {
+            // Each computed row normed once, then the positions the head sees gathered
+            // from them.
+            (Some(shared), _) => {
+                let x = self.norm.forward(&x)?;
+                let n = shared.rows();
+                let picks: Vec<u32> = (0..b)
+                    .flat_map(|r| {
+                        shared.row_of_slot()[r * t + logits_from..(r + 1) * t]
+                            .iter()
+                            .copied()
+                    })
+                    .collect();
+                GatherRows::new(picks, n, n)?.apply(&x)?.reshape((
+                    b,
+                    t - logits_from,
+                    cfg.hidden_size,
+                ))?
+            }
+            (None, Some(h)) => {
                 let x = self.norm.forward(&x)?;
                 h.push(x.clone());
                 keep(x)?
             }
-            None => self.norm.forward(&keep(x)?)?,
+            (None, None) => self.norm.forward(&keep(x)?)?,
         };
         let logits = self.lm_head.forward(&x)?;
-        // What a recomputed layer shares with this pass.
-        let LayerContext { rope, mask, rows } = ctx;
         let started = Instant::now();
-        let (routes, replay) = self.routing_result(routing, plan, &moe, lengths)?;
+        // The routes recorded or verified are every real position's: a shared row's at
+        // each of the positions it stands for.
+        let spread = shared.as_ref().map(|shared| MoeRecord {
+            used: moe
+                .used
+                .iter()
+                .map(|ids| shared.spread_ids(ids, cfg.top_k()))
+                .collect(),
+            differs: moe.differs.clone(),
+            ..MoeRecord::default()
+        });
+        let (routes, replay) =
+            self.routing_result(routing, plan, spread.as_ref().unwrap_or(&moe), lengths)?;
         if !matches!(routing, Routing::Native) {
             routing_overhead += started.elapsed();
         }
@@ -536,14 +607,16 @@ impl Model {
                     inputs,
                     dispatched: moe.used,
                     ids,
-                    batch_shape: (b, t),
-                    host_ids: batch.host_ids.clone(),
-                    rope,
-                    mask,
-                    rows,
+                    embedded_shape,
+                    host_ids: host_ids.into_owned(),
+                    ctx,
                 },
             )),
             None => None,
+        };
+        let shared_lens = match &shared {
+            Some(shared) => shared.shared_lens().to_vec(),
+            None => vec![0; b],
         };
         let out = ForwardOutput {
             logits,
@@ -552,7 +625,7 @@ impl Model {
             replay,
             hidden_states: hidden,
             routing_overhead,
-            shared_lens: vec![0; b],
+            shared_lens,
         };
         Ok((out, recompute))
     }
@@ -595,9 +668,12 @@ impl Model {
         ctx: &LayerContext,
     ) -> Result<Tensor> {
         let normed = layer.input_norm.forward(&x)?;
-        let attn = match &layer.attention {
-            Attention::Gqa(a) => a.forward(&normed, &ctx.rope, &ctx.mask)?,
-            Attention::Mla(a) => a.forward(&normed, &ctx.rope, &ctx.mask)?,
+        let (rope, mask) = (&ctx.rope, &ctx.mask);
+        let attn = match (&layer.attention, &ctx.slots) {
+            (Attention::Gqa(a), None) => a.forward(&normed, rope, mask)?,
+            (Attention::Mla(a), None) => a.forward(&normed, rope, mask)?,
+            (Attention::Gqa(a), Some(slots)) => slots.attend(a, &normed, rope, mask)?,
+            (Attention::Mla(a), Some(slots)) => slots.attend(a, &normed, rope, mask)?,
         };
         self.precision.add_rounded(&x, &attn)
     }
@@ -653,115 +729,6 @@ impl Model {
         self.precision.add_rounded(&h, &ffn.reshape(shape)?)
     }
 
-    /// [`Model::forward_layers`] over the computed rows of a batch whose sequences share
-    /// prefixes ([`SharedPrefixes`]): the embedding, norms, projections, routers and experts
-    /// run once per computed row, attention in the padded layout; the routes recorded or
-    /// verified are every real position's (a shared row's at each of its positions).
-    fn forward_shared(
-        &self,
-        batch: &Batch,
-        routing: Routing<'_>,
-        run: SharedForward,
-    ) -> Result<ForwardOutput> {
-        let SharedForward {
-            shared,
-            plan,
-            rope,
-            mask,
-            logits_from,
-            mut routing_overhead,
-        } = run;
-        let device = self.embed.device();
-        let (b, t) = batch.input_ids.dims2()?;
-        let lengths = batch.lengths();
-        let n = shared.rows();
-        // A shared position's attention output is read from the sequence it is computed
-        // for only: the others' queries there need not run.
-        let mask = mask.reading_queries_from(shared.shared_lens().to_vec());
-        let slots = SlotRows::new(
-            shared.row_of_slot().to_vec(),
-            shared.slot_of_row().to_vec(),
-            (b, t),
-        )?;
-        let rows = RoutedRows {
-            host: (0..n as u32).collect(),
-            all: true,
-        };
-        let row_plan = plan
-            .as_ref()
-            .map(|p| p.for_rows(shared.owner_tokens(), Arc::new(shared.copies().to_vec())));
-        let host_ids: Vec<u32> = shared
-            .slot_of_row()
-            .iter()
-            .map(|&slot| batch.host_ids[slot as usize])
-            .collect();
-        let ids = Tensor::from_slice(&host_ids, n, device)?;
-        let mut x = self
-            .precision
-            .round(&embedding_rows(&self.embed, &ids, &host_ids)?)?;
-        let mut moe = MoeRecord::default();
-        for (i, layer) in self.layers.iter().enumerate() {
-            let Attention::Gqa(attention) = &layer.attention else {
-                return Err(ModelError::Input(format!(
-                    "layer {i}: prefix sharing needs GQA attention"
-                )));
-            };
-            let normed = layer.input_norm.forward(&x)?;
-            let attn = attention.forward_rows(&normed, &slots, &rope, &mask)?;
-            let h = self.precision.add_rounded(&x, &attn)?;
-            let layer_plan = row_plan.as_ref().map(|p| p.layers.as_slice());
-            x = self.feed_forward(
-                i,
-                layer,
-                h,
-                &rows,
-                layer_plan,
-                Gates::Differentiable,
-                &mut moe,
-            )?;
-        }
-        routing_overhead += moe.replay_time;
-        // Each row normed once, then the positions the head sees gathered from them.
-        let x = self.norm.forward(&x)?;
-        let width = t - logits_from;
-        let picks: Vec<u32> = (0..b)
-            .flat_map(|r| {
-                shared.row_of_slot()[r * t + logits_from..(r + 1) * t]
-                    .iter()
-                    .copied()
-            })
-            .collect();
-        let x =
-            GatherRows::new(picks, n, n)?
-                .apply(&x)?
-                .reshape((b, width, self.cfg.hidden_size))?;
-        let logits = self.lm_head.forward(&x)?;
-        let started = Instant::now();
-        let k = self.cfg.top_k();
-        let spread = MoeRecord {
-            used: moe
-                .used
-                .iter()
-                .map(|ids| shared.spread_ids(ids, k))
-                .collect(),
-            differs: moe.differs.clone(),
-            ..MoeRecord::default()
-        };
-        let (routes, replay) = self.routing_result(routing, plan, &spread, lengths)?;
-        if !matches!(routing, Routing::Native) {
-            routing_overhead += started.elapsed();
-        }
-        Ok(ForwardOutput {
-            logits,
-            logits_from,
-            routes,
-            replay,
-            hidden_states: None,
-            routing_overhead,
-            shared_lens: shared.shared_lens().to_vec(),
-        })
-    }
-
     /// What the routing mode returns: `Record` the chosen routes as tables, `Replay` the
     /// proof that the plan's experts were used.
     fn routing_result(
@@ -815,24 +782,15 @@ impl Model {
     }
 }
 
-/// What [`Model::forward_shared`] runs with.
-struct SharedForward {
-    shared: SharedPrefixes,
-    /// A replay's plan over every real position.
-    plan: Option<ReplayPlan>,
-    /// The padded batch's rotary tables and attention mask.
-    rope: RopeTables,
-    mask: AttentionMask,
-    logits_from: usize,
-    /// The routing work done before the layers run.
-    routing_overhead: Duration,
-}
-
 /// What every decoder layer of one forward shares.
 struct LayerContext {
     rope: RopeTables,
     mask: AttentionMask,
+    /// The rows the MoE blocks route (every real token's).
     rows: RoutedRows,
+    /// Where a batch sharing prefixes computes `[N, H]` rows: attention reads them in the
+    /// padded layout through these gathers.
+    slots: Option<SlotRows>,
 }
 
 /// What the MoE layers of one forward did, in layer order.

@@ -512,7 +512,8 @@ fn held_copies_give_the_same_bits(device: &Device) {
 /// tied embedding (whose gradient sums the head's part and the embedding's). In bf16 and f16
 /// the backward run again keeping the gradients narrow (`LayerRecompute::keep_gradients_narrow`),
 /// and the plain one (`narrow_grads::backward_narrowing`), give the same bits widened, with
-/// the gradients they should narrow held in 16 bits.
+/// the gradients they should narrow held in 16 bits. The same of a batch sharing
+/// prefixes, whose layers keep and run again their computed rows.
 fn recomputed_layers_give_the_same_bits(device: &Device) {
     use r3_model::Precision;
     let mut configs: Vec<(String, Config)> = FAMILIES
@@ -525,9 +526,17 @@ fn recomputed_layers_give_the_same_bits(device: &Device) {
         "qwen3_moe tied".into(),
         Config::from_value(tied).expect("tied config"),
     ));
-    for (family, cfg) in &configs {
-        let lengths = [6, 4];
-        let batch = Batch::new(&sequences(&lengths, cfg.vocab_size, 3), 0, device).expect("batch");
+    for ((family, cfg), share) in configs.iter().flat_map(|c| [(c, false), (c, true)]) {
+        // Shared: a batch whose sequences share prefixes, each layer's kept input its
+        // computed rows.
+        let seqs = match share {
+            false => sequences(&[6, 4], cfg.vocab_size, 3),
+            true => common::grouped_sequences(cfg.vocab_size),
+        };
+        let lengths: Vec<usize> = seqs.iter().map(Vec::len).collect();
+        let batch = Batch::new(&seqs, 0, device)
+            .expect("batch")
+            .sharing_prefixes(share);
         let tables = cfg.moe.as_ref().map(|_| {
             ReplayRoutes::new(covering_tables(cfg, &lengths), &cfg.layout).expect("covered")
         });
@@ -537,7 +546,7 @@ fn recomputed_layers_give_the_same_bits(device: &Device) {
             (Precision::Bf16 { router_f32: false }, Some(DType::BF16), 2),
             (Precision::F16 { router_f32: true }, None, 1),
         ] {
-            let what = format!("{family} {precision:?} mode {mode}");
+            let what = format!("{family} {precision:?} mode {mode}, shared {share}");
             let run = |recompute: bool, narrow_grads: bool| {
                 let (varmap, mut weights) = on_device(&tiny_weights(cfg, 5, DType::F32), device)
                     .into_trainable(cfg)
@@ -581,6 +590,14 @@ fn recomputed_layers_give_the_same_bits(device: &Device) {
                     .expect("backward");
                     (out, grads)
                 };
+                // Under replay the covering tables may give a prompt's samples different
+                // experts at every position: there it may share nothing.
+                let replayed = matches!(routing, Routing::Replay(_));
+                assert!(
+                    (out.shared_positions() > 0) == share || (share && replayed),
+                    "{what}: {} shared positions",
+                    out.shared_positions()
+                );
                 let named = gradient_bits(&varmap, &grads);
                 let proof = out.replay.as_ref().map(|p| format!("{p:?}"));
                 let routes = out.routes.as_ref().map(|r| format!("{r:?}"));
@@ -619,8 +636,11 @@ fn recomputed_layers_give_the_same_bits(device: &Device) {
                 Precision::F32 => None,
             }) {
                 let f32_router = |name: &str| router_f32 && name.ends_with(".gate.weight");
-                let tied =
-                    |name: &str| family.ends_with("tied") && name == "model.embed_tokens.weight";
+                // A tied embedding's gradient, or one of a token read at several positions
+                // (the grouped batch's), is a sum of 16-bit values.
+                let tied = |name: &str| {
+                    (share || family.ends_with("tied")) && name == "model.embed_tokens.weight"
+                };
                 let matrix = |name: &str| name.contains("proj") || name == "lm_head.weight";
                 let wide: Vec<&String> = plain
                     .1

@@ -1,7 +1,7 @@
 //! A batch whose sequences share prefixes (a GRPO group's prompt) computed once
 //! (`Batch::sharing_prefixes`) gives the unshared forward's logits, recorded routes, replay
 //! proof and every parameter's gradient, to float rounding (f64 here), while computing fewer
-//! rows.
+//! rows. GQA and MLA attention alike.
 
 mod common;
 
@@ -9,8 +9,16 @@ use candle_core::{DType, Device, Tensor, Var};
 use common::{grouped_sequences, probe, sorted_vars, tiny_config, tiny_weights};
 use r3_model::{Batch, Config, ForwardOutput, Model, ReplayRoutes, Routing};
 
-/// The GQA families (MLA models run unshared).
-const GQA_FAMILIES: [&str; 5] = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3"];
+/// The families: GQA, and MLA with a low-rank query (deepseek_v3) and without (moonlight).
+const FAMILIES: [&str; 7] = [
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "olmoe",
+    "qwen3",
+    "deepseek_v3",
+    "moonlight",
+];
 
 fn lengths(seqs: &[Vec<u32>]) -> Vec<usize> {
     seqs.iter().map(Vec::len).collect()
@@ -80,7 +88,7 @@ fn model_of(family: &str, seed: u64) -> (Config, Model, Vec<(String, Var)>) {
 
 #[test]
 fn a_shared_prefix_forward_equals_the_unshared_one_in_every_family() {
-    for family in GQA_FAMILIES {
+    for family in FAMILIES {
         let (cfg, model, vars) = model_of(family, 11);
         let seqs = grouped_sequences(cfg.vocab_size);
         let lens = lengths(&seqs);

@@ -127,6 +127,133 @@ impl SlotRows {
             batch: (b, t),
         })
     }
+
+    /// `layer`'s attention over computed rows `x` `[N, H]` of a batch whose sequences share
+    /// prefixes: the token-wise projections run once per row, their outputs are gathered
+    /// into the padded `[B, T]` layout the rotation, mask and attention read, and each row
+    /// takes the attention output of the slot it is computed at → `[N, H]`.
+    pub(crate) fn attend(
+        &self,
+        layer: &impl RowAttention,
+        x: &Tensor,
+        rope: &RopeTables,
+        mask: &AttentionMask,
+    ) -> Result<Tensor> {
+        let (a, b, c) = layer.project_tokens(x)?;
+        let parts = (
+            self.spread.apply(&a)?,
+            self.spread.apply(&b)?,
+            self.spread.apply(&c)?,
+        );
+        let (q, k, v) = layer.to_heads(parts, self.batch, rope)?;
+        let out = layer.attend_heads(&q, &k, &v, mask)?;
+        let (bs, t) = self.batch;
+        layer.output(&self.take.apply(&out.reshape((bs * t, ()))?)?)
+    }
+}
+
+/// An attention layer split where a batch sharing prefixes splits it ([`SlotRows::attend`]):
+/// the token-wise projections, the heads of the padded layout, attention, and the output
+/// projection.
+pub(crate) trait RowAttention {
+    /// Three token-wise projections of `x` `[.., H]` (whatever the layer's heads are built
+    /// from).
+    fn project_tokens(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)>;
+    /// The projections of a `[B, T]` batch (any shape holding its `B·T` tokens in order) →
+    /// rotated queries, keys and values in the layout [`RowAttention::attend_heads`] reads.
+    fn to_heads(
+        &self,
+        parts: (Tensor, Tensor, Tensor),
+        batch: (usize, usize),
+        rope: &impl Rotary,
+    ) -> Result<(Tensor, Tensor, Tensor)>;
+    /// Attention of the heads under `mask` → `[B, T, heads · value dim]`.
+    fn attend_heads(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &AttentionMask,
+    ) -> Result<Tensor>;
+    /// The output projection of attention's rows.
+    fn output(&self, x: &Tensor) -> Result<Tensor>;
+}
+
+impl RowAttention for GqaAttention {
+    /// The token-wise part of [`GqaAttention::project`]: the projections of `x` (`[.., H]`),
+    /// clipped and normed where the architecture says.
+    fn project_tokens(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let (mut q, mut k, mut v) =
+            match Linear::forward_sharing_input(&[&self.q_proj, &self.k_proj, &self.v_proj], x)?
+                .as_slice()
+            {
+                [q, k, v] => (q.clone(), k.clone(), v.clone()),
+                _ => {
+                    return Err(ModelError::Input(
+                        "q, k and v projections gave other than three outputs".into(),
+                    ))
+                }
+            };
+        if let Some(c) = self.clip_qkv {
+            q = q.clamp(-c, c)?;
+            k = k.clamp(-c, c)?;
+            v = v.clamp(-c, c)?;
+        }
+        if let (QkNorm::Full, Some(qn), Some(kn)) = (self.qk_norm, &self.q_norm, &self.k_norm) {
+            q = qn.forward(&q)?;
+            k = kn.forward(&k)?;
+        }
+        Ok((q, k, v))
+    }
+
+    /// Projected `q`, `k`, `v` of a `[B, T]` batch (any shape holding its `B·T` tokens in
+    /// order) → rotated queries `[B, KV, G·T, D]`, rotated keys and values `[B, KV, T, D]`.
+    fn to_heads(
+        &self,
+        (q, k, v): (Tensor, Tensor, Tensor),
+        (b, t): (usize, usize),
+        rope: &impl Rotary,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let mut q = q.reshape((b, t, nh, hd))?;
+        let mut k = k.reshape((b, t, nkv, hd))?;
+        if let (QkNorm::PerHead, Some(qn), Some(kn)) = (self.qk_norm, &self.q_norm, &self.k_norm) {
+            q = qn.forward(&q)?;
+            k = kn.forward(&k)?;
+        }
+        let q = rope.rotate_rounded(&q.transpose(1, 2)?, self.precision)?;
+        let k = rope.rotate_rounded(&k.transpose(1, 2)?, self.precision)?;
+        let v = v.reshape((b, t, nkv, hd))?.transpose(1, 2)?;
+        let groups = nh / nkv;
+        let q = q.reshape((b, nkv, groups * t, hd))?;
+        Ok((q, k, v))
+    }
+
+    /// [`attend`] over this layer's rotated heads, its products reading their 16-bit
+    /// operands as such where the precision rounds them.
+    fn attend_heads(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &AttentionMask,
+    ) -> Result<Tensor> {
+        let groups = self.num_heads / self.num_kv_heads;
+        // At a 16-bit precision q and k are rounded by the rotation, v by its projection
+        // (unless clipped after it), and the output's gradient by the output projection's
+        // input rounding: their products may read them as 16-bit values.
+        let narrow_dtype = self.precision.narrow_dtype();
+        let narrow = NarrowOperands {
+            queries_keys: narrow_dtype,
+            values_grad: narrow_dtype.filter(|_| self.clip_qkv.is_none()),
+        };
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        attend(q, k, v, mask, scale, groups, narrow)
+    }
+
+    fn output(&self, x: &Tensor) -> Result<Tensor> {
+        self.o_proj.forward(x)
+    }
 }
 
 /// `softmax(q kᵀ · scale + mask) v` with `q` `[B, KV, G·T, Dq]` (G query heads per
@@ -606,48 +733,6 @@ impl GqaAttention {
         self.o_proj.forward(&out)
     }
 
-    /// [`attend`] over this layer's rotated heads, its products reading their 16-bit
-    /// operands as such where the precision rounds them.
-    fn attend_heads(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        mask: &AttentionMask,
-    ) -> Result<Tensor> {
-        let groups = self.num_heads / self.num_kv_heads;
-        // At a 16-bit precision q and k are rounded by the rotation, v by its projection
-        // (unless clipped after it), and the output's gradient by the output projection's
-        // input rounding: their products may read them as 16-bit values.
-        let narrow_dtype = self.precision.narrow_dtype();
-        let narrow = NarrowOperands {
-            queries_keys: narrow_dtype,
-            values_grad: narrow_dtype.filter(|_| self.clip_qkv.is_none()),
-        };
-        let scale = 1.0 / (self.head_dim as f64).sqrt();
-        attend(q, k, v, mask, scale, groups, narrow)
-    }
-
-    /// [`GqaAttention::forward`] over computed rows `x` `[N, H]` of a batch whose sequences
-    /// share prefixes: the projections run once per row, the queries, keys and values are
-    /// gathered into the padded `[B, T]` layout the rotation, mask and attention read, and
-    /// each row takes the attention output of the slot it is computed at → `[N, H]`.
-    pub fn forward_rows(
-        &self,
-        x: &Tensor,
-        slots: &SlotRows,
-        rope: &RopeTables,
-        mask: &AttentionMask,
-    ) -> Result<Tensor> {
-        let (q, k, v) = self.project_tokens(x)?;
-        let (b, t) = slots.batch;
-        let spread = |x: &Tensor| slots.spread.apply(x);
-        let (q, k, v) = self.to_heads((spread(&q)?, spread(&k)?, spread(&v)?), (b, t), rope)?;
-        let out = self.attend_heads(&q, &k, &v, mask)?;
-        let out = slots.take.apply(&out.reshape((b * t, ()))?)?;
-        self.o_proj.forward(&out)
-    }
-
     /// One step over a KV cache: `x` `[B, T, H]` at the positions `rope` rotates with,
     /// its keys and values appended to `cache`, the queries attending over every cached
     /// slot under `additive` (`[B, 1, 1, T, S]`) → `[B, T, H]`.
@@ -673,55 +758,6 @@ impl GqaAttention {
         let (b, t, _) = x.dims3()?;
         let qkv = self.project_tokens(x)?;
         self.to_heads(qkv, (b, t), rope)
-    }
-
-    /// The token-wise part of [`GqaAttention::project`]: the projections of `x` (`[.., H]`),
-    /// clipped and normed where the architecture says.
-    fn project_tokens(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-        let (mut q, mut k, mut v) =
-            match Linear::forward_sharing_input(&[&self.q_proj, &self.k_proj, &self.v_proj], x)?
-                .as_slice()
-            {
-                [q, k, v] => (q.clone(), k.clone(), v.clone()),
-                _ => {
-                    return Err(ModelError::Input(
-                        "q, k and v projections gave other than three outputs".into(),
-                    ))
-                }
-            };
-        if let Some(c) = self.clip_qkv {
-            q = q.clamp(-c, c)?;
-            k = k.clamp(-c, c)?;
-            v = v.clamp(-c, c)?;
-        }
-        if let (QkNorm::Full, Some(qn), Some(kn)) = (self.qk_norm, &self.q_norm, &self.k_norm) {
-            q = qn.forward(&q)?;
-            k = kn.forward(&k)?;
-        }
-        Ok((q, k, v))
-    }
-
-    /// Projected `q`, `k`, `v` of a `[B, T]` batch (any shape holding its `B·T` tokens in
-    /// order) → rotated queries `[B, KV, G·T, D]`, rotated keys and values `[B, KV, T, D]`.
-    fn to_heads(
-        &self,
-        (q, k, v): (Tensor, Tensor, Tensor),
-        (b, t): (usize, usize),
-        rope: &impl Rotary,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
-        let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let mut q = q.reshape((b, t, nh, hd))?;
-        let mut k = k.reshape((b, t, nkv, hd))?;
-        if let (QkNorm::PerHead, Some(qn), Some(kn)) = (self.qk_norm, &self.q_norm, &self.k_norm) {
-            q = qn.forward(&q)?;
-            k = kn.forward(&k)?;
-        }
-        let q = rope.rotate_rounded(&q.transpose(1, 2)?, self.precision)?;
-        let k = rope.rotate_rounded(&k.transpose(1, 2)?, self.precision)?;
-        let v = v.reshape((b, t, nkv, hd))?.transpose(1, 2)?;
-        let groups = nh / nkv;
-        let q = q.reshape((b, nkv, groups * t, hd))?;
-        Ok((q, k, v))
     }
 }
 

@@ -3,7 +3,9 @@
 
 use candle_core::{Tensor, D};
 
-use super::attention::{attend, attend_additive, heads_to_tokens, AttentionMask, LayerKv};
+use super::attention::{
+    attend, attend_additive, heads_to_tokens, AttentionMask, LayerKv, RowAttention,
+};
 use super::attention_recompute::NarrowOperands;
 use super::linear::Linear;
 use super::norm::RmsNorm;
@@ -118,16 +120,7 @@ impl MlaAttention {
     /// `[B, T, H]` → `[B, T, H]`.
     pub fn forward(&self, x: &Tensor, rope: &RopeTables, mask: &AttentionMask) -> Result<Tensor> {
         let (q, k, v) = self.project(x, rope)?;
-        // At a 16-bit precision q's and k's parts are projection outputs (rounded) or
-        // rotated (rounded), v a projection output, and the output's gradient is rounded by
-        // the output projection's input rounding: their products may read them as 16-bit
-        // values.
-        let narrow_dtype = self.precision.narrow_dtype();
-        let narrow = NarrowOperands {
-            queries_keys: narrow_dtype,
-            values_grad: narrow_dtype,
-        };
-        let out = attend(&q, &k, &v, mask, self.scale, 1, narrow)?;
+        let out = self.attend_heads(&q, &k, &v, mask)?;
         self.o_proj.forward(&out)
     }
 
@@ -152,34 +145,76 @@ impl MlaAttention {
     /// `[B, NH, T, v]` of `x` `[B, T, H]`.
     fn project(&self, x: &Tensor, rope: &impl Rotary) -> Result<(Tensor, Tensor, Tensor)> {
         let (b, t, _) = x.dims3()?;
-        let (nh, nope, rd, vd) = (self.num_heads, self.nope, self.rope_dim, self.v_dim);
+        let parts = self.project_tokens(x)?;
+        self.to_heads(parts, (b, t), rope)
+    }
+}
+
+impl RowAttention for MlaAttention {
+    /// The token-wise part of [`MlaAttention::project`], over `x` `[.., H]`: the queries
+    /// (`[.., NH·(nope + rope)]`), the shared key's rotary part before its rotation
+    /// (`[.., rope]`), and the decompressed per-head keys and values
+    /// (`[.., NH·(nope + v)]`).
+    fn project_tokens(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let q = match &self.q {
             QueryProj::LowRank { a, norm, b } => b.forward(&norm.forward(&a.forward(x)?)?)?,
             QueryProj::Plain(p) => p.forward(x)?,
         };
+        let compressed = self.kv_a.forward(x)?;
+        let k_pass = compressed.narrow(D::Minus1, 0, self.kv_lora_rank)?;
+        let k_rot = compressed.narrow(D::Minus1, self.kv_lora_rank, self.rope_dim)?;
+        let kv = self.kv_b.forward(&self.kv_a_norm.forward(&k_pass)?)?;
+        Ok((q, k_rot, kv))
+    }
+
+    /// [`MlaAttention::project_tokens`]' parts of a `[B, T]` batch (any shape holding its
+    /// `B·T` tokens in order) → queries and keys `[B, NH, T, nope + rope]` (rotary parts
+    /// rotated), values `[B, NH, T, v]`.
+    fn to_heads(
+        &self,
+        (q, k_rot, kv): (Tensor, Tensor, Tensor),
+        (b, t): (usize, usize),
+        rope: &impl Rotary,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (nh, nope, rd, vd) = (self.num_heads, self.nope, self.rope_dim, self.v_dim);
         let q = q.reshape((b, t, nh, nope + rd))?.transpose(1, 2)?;
         let q_pass = q.narrow(D::Minus1, 0, nope)?;
         let q_rot = rope.rotate_rounded(&q.narrow(D::Minus1, nope, rd)?, self.precision)?;
-
-        let compressed = self.kv_a.forward(x)?;
-        let k_pass = compressed.narrow(D::Minus1, 0, self.kv_lora_rank)?;
-        let k_rot = compressed
-            .narrow(D::Minus1, self.kv_lora_rank, rd)?
-            .reshape((b, t, 1, rd))?
-            .transpose(1, 2)?;
+        let k_rot = k_rot.reshape((b, t, 1, rd))?.transpose(1, 2)?;
         let k_rot = rope
             .rotate_rounded(&k_rot, self.precision)?
             .broadcast_as((b, nh, t, rd))?;
-        let kv = self
-            .kv_b
-            .forward(&self.kv_a_norm.forward(&k_pass)?)?
-            .reshape((b, t, nh, nope + vd))?
-            .transpose(1, 2)?;
+        let kv = kv.reshape((b, t, nh, nope + vd))?.transpose(1, 2)?;
         let k_nope = kv.narrow(D::Minus1, 0, nope)?;
         let v = kv.narrow(D::Minus1, nope, vd)?;
 
         let q = Tensor::cat(&[&q_pass, &q_rot], D::Minus1)?;
         let k = Tensor::cat(&[&k_nope, &k_rot], D::Minus1)?;
         Ok((q, k, v))
+    }
+
+    /// [`attend`] over this layer's heads, its products reading their 16-bit operands as
+    /// such where the precision rounds them.
+    fn attend_heads(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &AttentionMask,
+    ) -> Result<Tensor> {
+        // At a 16-bit precision q's and k's parts are projection outputs (rounded) or
+        // rotated (rounded), v a projection output, and the output's gradient is rounded by
+        // the output projection's input rounding: their products may read them as 16-bit
+        // values.
+        let narrow_dtype = self.precision.narrow_dtype();
+        let narrow = NarrowOperands {
+            queries_keys: narrow_dtype,
+            values_grad: narrow_dtype,
+        };
+        attend(q, k, v, mask, self.scale, 1, narrow)
+    }
+
+    fn output(&self, x: &Tensor) -> Result<Tensor> {
+        self.o_proj.forward(x)
     }
 }

@@ -9,7 +9,7 @@
 //! choose their experts on the host (each layer's router logits copied there) or, for a few
 //! rows, on the device ([`StepRouting`]), the routes then copied once at the step's end.
 
-use candle_core::Tensor;
+use candle_core::{Shape, Tensor};
 
 use super::{routed_rows, Attention, Model, MoeRecord};
 use crate::error::{ModelError, Result};
@@ -382,7 +382,11 @@ impl Model {
         let mask = Tensor::from_slice(step.mask, (b, 1, 1, t, s), device)?.to_dtype(dtype)?;
         let rows = routed_rows(&vec![t; b], t);
         let ids = Tensor::from_slice(step.tokens, b * t, device)?;
-        let mut x = self.embed_tokens(&ids, step.tokens, b, t)?;
+        let mut x = self.embed_tokens(
+            &ids,
+            step.tokens,
+            &Shape::from((b, t, self.cfg.hidden_size)),
+        )?;
         let on_device =
             match step.routing {
                 StepRouting::Host => false,

@@ -12,13 +12,10 @@
 use std::collections::HashMap;
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Tensor, TensorId, Var};
+use candle_core::{DType, Shape, Tensor, TensorId, Var};
 
 use super::{LayerContext, Model, MoeRecord};
 use crate::error::{ModelError, Result};
-use crate::layers::attention::AttentionMask;
-use crate::layers::moe::RoutedRows;
-use crate::layers::rope::RopeTables;
 use crate::narrow_grads::keep_narrow;
 use crate::routing_mode::LayerPlan;
 
@@ -26,22 +23,20 @@ use crate::routing_mode::LayerPlan;
 pub(super) struct RecomputeInputs {
     /// The last layer's output as a variable: where the logits' graph starts.
     pub top: Var,
-    /// Each decoder layer's input `[B, T, H]`, detached.
+    /// Each decoder layer's input (`[B, T, H]`, or `[N, H]` computed rows of a batch
+    /// sharing prefixes), detached.
     pub inputs: Vec<Tensor>,
     /// Per MoE layer, the `[rows · top_k]` experts its rows were dispatched to.
     pub dispatched: Vec<Vec<u32>>,
-    /// The `[B·T]` token ids on the device (the embedding's backward reads them again).
+    /// The computed rows' token ids on the device (the embedding's backward reads them
+    /// again).
     pub ids: Tensor,
-    /// The batch's `(B, T)`.
-    pub batch_shape: (usize, usize),
+    /// The shape the embedding gave them (the first layer's input's).
+    pub embedded_shape: Shape,
     /// The same ids on the host.
     pub host_ids: Vec<u32>,
-    /// The forward's rotary tables.
-    pub rope: RopeTables,
-    /// The forward's attention mask.
-    pub mask: AttentionMask,
-    /// The forward's routed rows (the real tokens).
-    pub rows: RoutedRows,
+    /// The forward's rotary tables, attention mask, routed rows and shared slots.
+    pub ctx: LayerContext,
 }
 
 /// The layers of a recomputing forward, waiting for the loss: [`LayerRecompute::backward`]
@@ -110,17 +105,13 @@ impl<'m> LayerRecompute<'m> {
             .dispatched
             .into_iter()
             .map(|ids| LayerPlan {
-                forced: vec![true; kept.rows.host.len()],
+                forced: vec![true; kept.ctx.rows.host.len()],
                 ids,
                 count_differences: false,
                 copies: None,
             })
             .collect();
-        let ctx = LayerContext {
-            rope: kept.rope,
-            mask: kept.mask,
-            rows: kept.rows,
-        };
+        let ctx = kept.ctx;
         // Each layer's input is let go once its layer has run again.
         let mut inputs = kept.inputs;
         for (i, layer) in model.layers.iter().enumerate().rev() {
@@ -141,8 +132,7 @@ impl<'m> LayerRecompute<'m> {
             grad = take_grad(&local, input.as_tensor(), i)?;
             add_grads(&mut grads, &local, &vars, narrow)?;
         }
-        let (b, t) = kept.batch_shape;
-        let embedded = model.embed_tokens(&kept.ids, &kept.host_ids, b, t)?;
+        let embedded = model.embed_tokens(&kept.ids, &kept.host_ids, &kept.embedded_shape)?;
         if embedded.track_op() {
             let local = seeded_backward(&embedded, &grad)?;
             add_grads(&mut grads, &local, &vars, narrow)?;

@@ -257,8 +257,8 @@ pub struct AlgoConfig {
     /// are packed into micro-batches in token order so that a group's samples land
     /// together: the same update to float rounding, on fewer rows (the old-log-prob pass
     /// and every update forward). In a 16-bit `train.dtype` a shared row's gradient, the sum
-    /// of its sequences', is rounded once where unshared each sequence's was. A forward with
-    /// activation checkpointing, and a model with MLA attention, run unshared. Default true.
+    /// of its sequences', is rounded once where unshared each sequence's was. GQA and MLA
+    /// attention alike, with activation checkpointing or without. Default true.
     pub share_prefixes: bool,
 }
 
