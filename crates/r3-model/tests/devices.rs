@@ -271,7 +271,7 @@ fn grouped_run(
 /// A forward sharing prefixes (`Batch::sharing_prefixes`) on `device` against the CPU's
 /// unshared one: logits of real positions, recorded routes, every gradient.
 fn shared_prefixes_match_unshared(device: &Device, tol: Tolerance) {
-    for family in ["qwen3_moe", "mixtral", "olmoe"] {
+    for family in ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3"] {
         let (want, want_out, want_grads) = grouped_run(family, &Device::Cpu, false);
         let (got, got_out, got_grads) = grouped_run(family, device, true);
         let d = want
