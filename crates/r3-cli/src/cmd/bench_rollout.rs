@@ -372,7 +372,7 @@ pub fn run(a: BenchRolloutArgs) -> anyhow::Result<()> {
             }
             println!("{line}");
             let work = generation_flops(&s.cfg, b, a.prompt_len, a.new_tokens);
-            if let Some(work) = work {
+            {
                 // matmul work per generated token, and what a rate in tokens/s asks of the CPU
                 let per_token = work / (b * a.new_tokens).max(1) as f64;
                 let rate = |tok_s: f64| per_token * tok_s / 1e9;
@@ -410,7 +410,6 @@ pub fn run(a: BenchRolloutArgs) -> anyhow::Result<()> {
                 .then(|| {
                     generation_roofline(&s.cfg, b, a.prompt_len, a.new_tokens, storage, limits)
                 })
-                .flatten()
                 .map(|secs| (b * a.new_tokens) as f64 / secs);
             // The same work phase by phase (no phase overlapping another): where the
             // whole-step figure is out of reach because the experts' bytes and the head's
@@ -426,7 +425,6 @@ pub fn run(a: BenchRolloutArgs) -> anyhow::Result<()> {
                         limits,
                     )
                 })
-                .flatten()
                 .map(|secs| (b * a.new_tokens) as f64 / secs);
             if let Some(limit) = roofline {
                 println!(

@@ -228,7 +228,7 @@ pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
             .map(|s| s.metrics.response_len_mean)
             .collect::<Vec<_>>(),
     );
-    let active = flops_per_token(&model_cfg, 0, false).map(|f| f / 2.0);
+    let active = flops_per_token(&model_cfg, 0, false) / 2.0;
     if args.json {
         let out = serde_json::json!({
             "config": config_name,
@@ -256,9 +256,9 @@ pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     println!(
-        "r3 bench step: {config_name}, model {model_name}: {:.1} M parameters, {} active per token (without embedding and head)",
+        "r3 bench step: {config_name}, model {model_name}: {:.1} M parameters, {:.1} M active per token (without embedding and head)",
         params as f64 / 1e6,
-        fmt_opt(active, |a| format!("{:.1} M", a / 1e6)),
+        active / 1e6,
     );
     println!(
         "{sequences} sequences per step, {tokens:.0} tokens (mean response {response_len:.1}; of the {prompt_tokens:.0} prompt tokens {cached_tokens:.0} read from the rollout's prefix cache; {shared_positions:.0} positions of the update computed once for several sequences); {} warm-up + {} measured steps, median wall {wall:.3} s per step",

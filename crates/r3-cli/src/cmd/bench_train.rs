@@ -546,24 +546,20 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     if let Some(before) = peak_before {
         let after = f32_gemm_peak(machine_threads());
         let peak = before.max(after);
-        match training_forward_flops(&cfg, args.seq_len, 0) {
-            Some(forward) => {
-                // The backward does twice the forward's matrix work (input and weight
-                // gradients of every product).
-                let step_flops = 3.0 * forward * args.batch as f64;
-                let rate = |secs: f64| step_flops / secs / 1e9;
-                println!(
-                    "matrix work {:.1} GFLOP per step (3 × the forward's, counted from the config): native {:.1} GFLOP/s mean, {:.1} best step = {:.0}% / {:.0}% of the f32 GEMM peak measured in this run ({peak:.1} GFLOP/s, {} threads; {before:.1} before the steps, {after:.1} after) (goal ≥ 70%)",
-                    step_flops / 1e9,
-                    rate(n),
-                    rate(nb),
-                    100.0 * rate(n) / peak,
-                    100.0 * rate(nb) / peak,
-                    machine_threads()
-                );
-            }
-            None => println!("matrix work not counted (MLA attention)"),
-        }
+        let forward = training_forward_flops(&cfg, args.seq_len, 0);
+        // The backward does twice the forward's matrix work (input and weight
+        // gradients of every product).
+        let step_flops = 3.0 * forward * args.batch as f64;
+        let rate = |secs: f64| step_flops / secs / 1e9;
+        println!(
+            "matrix work {:.1} GFLOP per step (3 × the forward's, counted from the config): native {:.1} GFLOP/s mean, {:.1} best step = {:.0}% / {:.0}% of the f32 GEMM peak measured in this run ({peak:.1} GFLOP/s, {} threads; {before:.1} before the steps, {after:.1} after) (goal ≥ 70%)",
+            step_flops / 1e9,
+            rate(n),
+            rate(nb),
+            100.0 * rate(n) / peak,
+            100.0 * rate(nb) / peak,
+            machine_threads()
+        );
     }
     if args.parts {
         let setup = super::bench_train_parts::PartsSetup {

@@ -62,8 +62,7 @@ impl PartTime {
 /// block; head), from `matmul_work`'s per-token counts.
 fn part_flops(cfg: &Config, b: usize, t: usize, moe_layer: usize) -> anyhow::Result<[f64; 4]> {
     let rows = (b * t) as f64;
-    let attention = matmul_work::attention_macs(cfg, t)
-        .ok_or_else(|| anyhow::anyhow!("--parts counts GQA attention only"))?;
+    let attention = matmul_work::attention_macs(cfg, t);
     Ok([
         attention,
         matmul_work::router_macs(cfg),

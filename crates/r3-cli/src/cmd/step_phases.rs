@@ -81,7 +81,8 @@ impl Phase {
 /// The matrix work and the memory traffic of a phase.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub(crate) struct Work {
-    /// Multiply-add FLOPs (2 per MAC); `None` where the model's attention is not counted.
+    /// Multiply-add FLOPs (2 per MAC); `None` for a phase without matrix work (the
+    /// optimiser, the weight sync, a pass the step did not run).
     pub(crate) flops: Option<f64>,
     /// Bytes the phase must at least move between memory and the cores.
     pub(crate) bytes: f64,
@@ -137,18 +138,18 @@ pub(crate) fn median(values: &[f64]) -> f64 {
 /// the model, attending over the positions before it, and positions `head_from..` through
 /// the vocabulary head (0: all of them, as a whole forward; a policy's scoring starts the
 /// head at the prediction of the first response token, `prompt_len − 1`).
-pub(crate) fn training_forward_flops(cfg: &Config, len: usize, head_from: usize) -> Option<f64> {
+pub(crate) fn training_forward_flops(cfg: &Config, len: usize, head_from: usize) -> f64 {
     (1..=len)
         .map(|t| flops_per_token(cfg, t, t > head_from))
         .sum()
 }
 
-/// Sums `f` over `rows` of the step's sequences, `None` when any is uncounted.
+/// Sums `f` (of a sequence's length and prompt length) over `rows` of the step's sequences.
 pub(crate) fn sum_rows(
     trace: &StepTrace,
     rows: impl Iterator<Item = usize>,
-    f: impl Fn(usize, usize) -> Option<f64>,
-) -> Option<f64> {
+    f: impl Fn(usize, usize) -> f64,
+) -> f64 {
     rows.map(|r| f(trace.sequences[r].len(), trace.prompt_lens[r]))
         .sum()
 }
@@ -224,13 +225,13 @@ pub(crate) fn step_work(model: &ModelFacts<'_>, trace: &StepTrace, old_pass: boo
     // A sequence's leading positions computed for another sequence (`algo.share_prefixes`)
     // ran no layer for it: not its projections, routers and experts, nor (on the CPU) its
     // queries' attention. The head still reads them from the response's first prediction.
-    let not_run = |lens: &[usize]| -> Option<f64> {
+    let not_run = |lens: &[usize]| -> f64 {
         lens.iter()
             .flat_map(|&len| 0..len)
             .map(|p| flops_per_token(cfg, p + 1, false))
             .sum()
     };
-    let unshared = |flops: Option<f64>, lens: &[usize]| Some(flops? - not_run(lens)?);
+    let unshared = |flops: f64, lens: &[usize]| flops - not_run(lens);
     let all_forward = unshared(sum_rows(trace, 0..n, scored), &trace.old_shared_lens);
     let update_rows = trace
         .updates
@@ -246,25 +247,27 @@ pub(crate) fn step_work(model: &ModelFacts<'_>, trace: &StepTrace, old_pass: boo
         *slot = match phase {
             // A prompt's positions read from the prefix cache were not computed.
             Phase::Rollout => Work {
-                flops: (0..n)
-                    .map(|r| {
-                        let (len, prompt) = (trace.sequences[r].len(), trace.prompt_lens[r]);
-                        generation_flops_after(cfg, cached(trace, r), prompt, len - prompt)
-                    })
-                    .sum(),
+                flops: Some(
+                    (0..n)
+                        .map(|r| {
+                            let (len, prompt) = (trace.sequences[r].len(), trace.prompt_lens[r]);
+                            generation_flops_after(cfg, cached(trace, r), prompt, len - prompt)
+                        })
+                        .sum(),
+                ),
                 bytes: rollout_bytes(model, trace),
             },
             Phase::OldLogp if old_pass => Work {
-                flops: all_forward,
+                flops: Some(all_forward),
                 bytes: f32_weights,
             },
             Phase::UpdateForward => Work {
-                flops: update_forward,
+                flops: Some(update_forward),
                 bytes: updates * f32_weights,
             },
             // Backward ≈ 2 × forward: the gradients of the activations and of the weights.
             Phase::UpdateBackward => Work {
-                flops: update_forward.map(|f| 2.0 * f),
+                flops: Some(2.0 * update_forward),
                 bytes: updates * 2.0 * f32_weights,
             },
             // AdamW reads parameter, gradient and both moments and writes parameter and
