@@ -555,33 +555,18 @@ impl Model {
                 from => Ok(x.narrow(1, from, t - from)?.contiguous()?),
             }
         };
-        let x = match (&shared, hidden.as_mut()) {
-            // Each computed row normed once, then the positions the head sees gathered
-            // from them.
+        let logits = match (&shared, hidden.as_mut()) {
+            // Each computed row normed once; the head reads the rows its positions hold.
             (Some(shared), _) => {
-                let x = self.norm.forward(&x)?;
-                let n = shared.rows();
-                let picks: Vec<u32> = (0..b)
-                    .flat_map(|r| {
-                        shared.row_of_slot()[r * t + logits_from..(r + 1) * t]
-                            .iter()
-                            .copied()
-                    })
-                    .collect();
-                GatherRows::new(picks, n, n)?.apply(&x)?.reshape((
-                    b,
-                    t - logits_from,
-                    cfg.hidden_size,
-                ))?
+                self.shared_head(&self.norm.forward(&x)?, shared, t, logits_from)?
             }
             (None, Some(h)) => {
                 let x = self.norm.forward(&x)?;
                 h.push(x.clone());
-                keep(x)?
+                self.lm_head.forward(&keep(x)?)?
             }
-            (None, None) => self.norm.forward(&keep(x)?)?,
+            (None, None) => self.lm_head.forward(&self.norm.forward(&keep(x)?)?)?,
         };
-        let logits = self.lm_head.forward(&x)?;
         let started = Instant::now();
         // The routes recorded or verified are every real position's: a shared row's at
         // each of the positions it stands for.
@@ -727,6 +712,46 @@ impl Model {
             FeedForward::Moe(block) => moe_block(block, &normed)?,
         };
         self.precision.add_rounded(&h, &ffn.reshape(shape)?)
+    }
+
+    /// The logits `[B, T − from, V]` of positions `from..T` of a batch sharing prefixes,
+    /// from its normed computed rows `x` `[N, H]`. Where at least a quarter of the head's
+    /// positions repeat a row another position reads (responses that begin alike, and
+    /// padding), the head runs once per distinct row and its logits are gathered to the
+    /// positions (a gather's backward sums a row's uses): a head row costs `2·H·V` FLOPs, a
+    /// gathered one a copy of `V` values, which that share pays for on a CPU (H ≈ 100) and a
+    /// GPU (H ≈ 2,000) alike. Below it the rows are gathered and the head runs per position.
+    fn shared_head(
+        &self,
+        x: &Tensor,
+        shared: &SharedPrefixes,
+        t: usize,
+        from: usize,
+    ) -> Result<Tensor> {
+        let b = shared.shared_lens().len();
+        let (n, width) = (shared.rows(), t - from);
+        let head = shared.head_rows((b, t), from);
+        let positions = head.of_position.len();
+        if 4 * head.rows.len() <= 3 * positions {
+            let distinct = head.rows.len();
+            let logits = self
+                .lm_head
+                .forward(&GatherRows::new(head.rows, n, n)?.apply(x)?)?;
+            let v = logits.dim(1)?;
+            return Ok(GatherRows::new(head.of_position, distinct, distinct)?
+                .apply(&logits)?
+                .reshape((b, width, v))?);
+        }
+        let picks = head
+            .of_position
+            .iter()
+            .map(|&i| head.rows[i as usize])
+            .collect();
+        let x =
+            GatherRows::new(picks, n, n)?
+                .apply(x)?
+                .reshape((b, width, self.cfg.hidden_size))?;
+        self.lm_head.forward(&x)
     }
 
     /// What the routing mode returns: `Record` the chosen routes as tables, `Replay` the

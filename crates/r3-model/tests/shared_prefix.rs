@@ -187,3 +187,51 @@ fn replayed_routes_that_differ_between_samples_keep_their_positions_apart() {
     let d = max_diff(&real_logits(&a, &lens, &cfg), &real_logits(&b, &lens, &cfg));
     assert!(d < 1e-10, "logits differ by {d}");
 }
+
+/// Logits from a later position (`forward_logits_from`, as a policy's scoring asks): the
+/// shared forward's head reads each distinct row once and gathers its logits to the
+/// positions, and gives the unshared forward's logits and gradients, from a position inside
+/// the shared prompts (2) and from one past every prompt (7).
+#[test]
+fn shared_logits_from_a_later_position_equal_the_unshared_ones() {
+    for family in ["qwen3_moe", "deepseek_v3"] {
+        let (cfg, model, vars) = model_of(family, 11);
+        let seqs = grouped_sequences(cfg.vocab_size);
+        let lens = lengths(&seqs);
+        let plain = Batch::new(&seqs, 0, &Device::Cpu).expect("batch");
+        for from in [2, 7] {
+            let run = |batch: &Batch| {
+                let out = model
+                    .forward_logits_from(batch, Routing::Record, from)
+                    .expect("forward");
+                let probe = probe(&lens, cfg.vocab_size, &Device::Cpu)
+                    .to_dtype(DType::F64)
+                    .and_then(|p| p.narrow(1, from, p.dim(1)? - from))
+                    .expect("probe");
+                let (_, grads) = loss_and_grads(&vars, &out, &probe);
+                let all = out
+                    .logits
+                    .flatten_all()
+                    .and_then(|l| l.to_vec1::<f64>())
+                    .expect("logits");
+                let width = out.logits.dim(1).expect("width");
+                let v = cfg.vocab_size;
+                // Real positions only: padding's logits are garbage in either forward.
+                let real: Vec<f64> = lens
+                    .iter()
+                    .enumerate()
+                    .flat_map(|(b, &len)| {
+                        all[b * width * v..(b * width + len.saturating_sub(from)) * v].to_vec()
+                    })
+                    .collect();
+                (real, grads, out.shared_positions())
+            };
+            let (a, ga, none) = run(&plain);
+            let (b, gb, shared) = run(&plain.clone().sharing_prefixes(true));
+            assert_eq!((none, shared), (0, 20), "{family} from {from}");
+            let d = max_diff(&a, &b);
+            assert!(d < 1e-10, "{family} from {from}: logits differ by {d}");
+            assert_grads_close(&format!("{family} from {from}"), &vars, &ga, &gb);
+        }
+    }
+}

@@ -137,6 +137,27 @@ impl SharedPrefixes {
         &self.copies
     }
 
+    /// The rows the vocabulary head reads for positions `from..T` of every sequence of the
+    /// padded `(B, T)` batch: each distinct computed row once, in order of first use, and
+    /// per head position (sequence-major) its index among them. Positions a row stands for
+    /// in several sequences (and padding, which reads row 0) are one head row.
+    pub fn head_rows(&self, (b, t): (usize, usize), from: usize) -> HeadRows {
+        let mut index = vec![u32::MAX; self.rows()];
+        let mut rows = Vec::new();
+        let of_position = (0..b)
+            .flat_map(|r| &self.row_of_slot[r * t + from..(r + 1) * t])
+            .map(|&row| {
+                let at = &mut index[row as usize];
+                if *at == u32::MAX {
+                    *at = rows.len() as u32;
+                    rows.push(row);
+                }
+                *at
+            })
+            .collect();
+        HeadRows { rows, of_position }
+    }
+
     /// `[rows · top_k]` per-row ids (one MoE layer's dispatch over the computed rows) spread
     /// over every real position.
     pub fn spread_ids(&self, ids: &[u32], top_k: usize) -> Vec<u32> {
@@ -146,6 +167,15 @@ impl SharedPrefixes {
             .copied()
             .collect()
     }
+}
+
+/// The vocabulary head's rows of a batch sharing prefixes ([`SharedPrefixes::head_rows`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeadRows {
+    /// The distinct computed rows the head reads, in order of first use.
+    pub rows: Vec<u32>,
+    /// Per head position (sequence-major over positions `from..T`), its index in `rows`.
+    pub of_position: Vec<u32>,
 }
 
 /// How many leading positions sequences `a` and `b` may share: equal tokens, below both
@@ -202,6 +232,16 @@ mod tests {
         assert_eq!(
             s.spread_ids(&[10, 11, 12, 13, 14, 15, 16, 17], 1),
             vec![10, 11, 12, 13, 14, 10, 11, 12, 15, 10, 16, 17]
+        );
+        // The head from position 2: slots (0, 2..5) rows 2, 3, 4; (1, 2..5) rows 2, 5, 0
+        // (padding); (2, 2..5) rows 7, 0, 0. Distinct in order of first use: 2, 3, 4, 5,
+        // 0, 7.
+        assert_eq!(
+            s.head_rows((3, 5), 2),
+            HeadRows {
+                rows: vec![2, 3, 4, 5, 0, 7],
+                of_position: vec![0, 1, 2, 0, 3, 4, 5, 4, 4],
+            }
         );
     }
 
