@@ -135,18 +135,29 @@ pub struct ForwardOutput {
     /// place of the routers' own, verifying and building the proof, recording the tables.
     /// Zero for `Native`. Everything else is the same computation in every mode.
     pub routing_overhead: Duration,
-    /// Per sequence, how many of its leading positions another sequence's rows stood for
-    /// ([`Batch::sharing_prefixes`]): the layers did not run over them for it (on the CPU
-    /// not even their queries' attention); all 0 unshared.
-    pub shared_lens: Vec<usize>,
+    /// Per sequence, what of it another sequence's rows stood for
+    /// ([`Batch::sharing_prefixes`]); all 0 unshared.
+    pub shared_lens: Vec<SharedLen>,
 }
 
 impl ForwardOutput {
     /// Real positions computed once for several sequences and not again for the others
-    /// (the sum of [`ForwardOutput::shared_lens`]).
+    /// (the sum of [`SharedLen::positions`] over [`ForwardOutput::shared_lens`]).
     pub fn shared_positions(&self) -> usize {
-        self.shared_lens.iter().sum()
+        self.shared_lens.iter().map(|s| s.positions).sum()
     }
+}
+
+/// What of one sequence of a batch sharing prefixes another sequence's rows stood for.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SharedLen {
+    /// Its leading positions computed for another sequence: the layers did not run over them
+    /// for it (on the CPU not even their queries' attention).
+    pub positions: usize,
+    /// Its leading positions whose vocabulary-head row, where the head reads them, another
+    /// position computed: `positions` where the head ran once per distinct row, 0 where it
+    /// ran per position.
+    pub head: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -555,10 +566,14 @@ impl Model {
                 from => Ok(x.narrow(1, from, t - from)?.contiguous()?),
             }
         };
+        let mut head_per_row = false;
         let logits = match (&shared, hidden.as_mut()) {
             // Each computed row normed once; the head reads the rows its positions hold.
             (Some(shared), _) => {
-                self.shared_head(&self.norm.forward(&x)?, shared, t, logits_from)?
+                let (logits, per_row) =
+                    self.shared_head(&self.norm.forward(&x)?, shared, t, logits_from)?;
+                head_per_row = per_row;
+                logits
             }
             (None, Some(h)) => {
                 let x = self.norm.forward(&x)?;
@@ -600,8 +615,15 @@ impl Model {
             None => None,
         };
         let shared_lens = match &shared {
-            Some(shared) => shared.shared_lens().to_vec(),
-            None => vec![0; b],
+            Some(shared) => shared
+                .shared_lens()
+                .iter()
+                .map(|&positions| SharedLen {
+                    positions,
+                    head: if head_per_row { positions } else { 0 },
+                })
+                .collect(),
+            None => vec![SharedLen::default(); b],
         };
         let out = ForwardOutput {
             logits,
@@ -721,13 +743,14 @@ impl Model {
     /// positions (a gather's backward sums a row's uses): a head row costs `2·H·V` FLOPs, a
     /// gathered one a copy of `V` values, which that share pays for on a CPU (H ≈ 100) and a
     /// GPU (H ≈ 2,000) alike. Below it the rows are gathered and the head runs per position.
+    /// With whether the head ran once per distinct row.
     fn shared_head(
         &self,
         x: &Tensor,
         shared: &SharedPrefixes,
         t: usize,
         from: usize,
-    ) -> Result<Tensor> {
+    ) -> Result<(Tensor, bool)> {
         let b = shared.shared_lens().len();
         let (n, width) = (shared.rows(), t - from);
         let head = shared.head_rows((b, t), from);
@@ -738,9 +761,10 @@ impl Model {
                 .lm_head
                 .forward(&GatherRows::new(head.rows, n, n)?.apply(x)?)?;
             let v = logits.dim(1)?;
-            return Ok(GatherRows::new(head.of_position, distinct, distinct)?
+            let logits = GatherRows::new(head.of_position, distinct, distinct)?
                 .apply(&logits)?
-                .reshape((b, width, v))?);
+                .reshape((b, width, v))?;
+            return Ok((logits, true));
         }
         let picks = head
             .of_position
@@ -751,7 +775,7 @@ impl Model {
             GatherRows::new(picks, n, n)?
                 .apply(x)?
                 .reshape((b, width, self.cfg.hidden_size))?;
-        self.lm_head.forward(&x)
+        Ok((self.lm_head.forward(&x)?, false))
     }
 
     /// What the routing mode returns: `Record` the chosen routes as tables, `Replay` the

@@ -235,3 +235,66 @@ fn shared_logits_from_a_later_position_equal_the_unshared_ones() {
         }
     }
 }
+
+/// Two samples of one prompt whose responses differ from their first token: of the head's
+/// 14 positions (from the prompt's last on) one repeats another's row, under the quarter
+/// at which the head runs once per distinct row, so it runs per position
+/// (`SharedLen::head` 0) and still gives the unshared logits and gradients; the grouped batch
+/// (padding and responses that begin alike) runs it per distinct row (`head` = `positions`).
+#[test]
+fn the_head_runs_per_distinct_row_only_where_a_quarter_repeat() {
+    let (cfg, model, vars) = model_of("qwen3_moe", 11);
+    let v = |x: u32| x % cfg.vocab_size as u32;
+    let prompt = [v(3), v(8), v(13)];
+    let seqs: Vec<Vec<u32>> = [[1u32, 2, 4, 5, 6, 7], [9, 10, 11, 12, 14, 15]]
+        .iter()
+        .map(|r| {
+            prompt
+                .iter()
+                .copied()
+                .chain(r.iter().map(|&x| v(x)))
+                .collect()
+        })
+        .collect();
+    let lens = lengths(&seqs);
+    let plain = Batch::new(&seqs, 0, &Device::Cpu).expect("batch");
+    let from = 2;
+    let probe = probe(&lens, cfg.vocab_size, &Device::Cpu)
+        .to_dtype(DType::F64)
+        .and_then(|p| p.narrow(1, from, p.dim(1)? - from))
+        .expect("probe");
+    let a = model
+        .forward_logits_from(&plain, Routing::Record, from)
+        .expect("unshared");
+    let b = model
+        .forward_logits_from(&plain.clone().sharing_prefixes(true), Routing::Record, from)
+        .expect("shared");
+    let heads: Vec<(usize, usize)> = b
+        .shared_lens
+        .iter()
+        .map(|s| (s.positions, s.head))
+        .collect();
+    assert_eq!(heads, vec![(0, 0), (3, 0)], "per position");
+    let values = |out: &ForwardOutput| {
+        out.logits
+            .flatten_all()
+            .and_then(|l| l.to_vec1::<f64>())
+            .expect("logits")
+    };
+    let d = max_diff(&values(&a), &values(&b));
+    assert!(d < 1e-10, "logits differ by {d}");
+    let (_, ga) = loss_and_grads(&vars, &a, &probe);
+    let (_, gb) = loss_and_grads(&vars, &b, &probe);
+    assert_grads_close("per position", &vars, &ga, &gb);
+
+    let grouped = Batch::new(&grouped_sequences(cfg.vocab_size), 0, &Device::Cpu)
+        .expect("batch")
+        .sharing_prefixes(true);
+    let out = model.forward(&grouped, Routing::Record).expect("grouped");
+    assert!(out.shared_positions() > 0);
+    assert!(
+        out.shared_lens.iter().all(|s| s.head == s.positions),
+        "per distinct row: {:?}",
+        out.shared_lens
+    );
+}

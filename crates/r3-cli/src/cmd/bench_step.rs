@@ -187,7 +187,7 @@ pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
                 trace.prompt_lens.iter().sum(),
                 trace.cached_tokens.iter().sum(),
             ),
-            shared_positions: trace.update_shared_lens.iter().sum(),
+            shared_positions: trace.update_shared_lens.iter().map(|s| s.positions).sum(),
             metrics,
         });
     }

@@ -3,11 +3,11 @@
 //! lengths, the machine's two limits (f32 GEMM peak, streaming bandwidth) and the roofline
 //! they give, and the table's rows (medians, shares, the share of the limit reached).
 
-use r3_model::Config;
+use r3_model::{Config, SharedLen};
 use r3_train::rl::step::StepTrace;
 use r3_train::StepMetrics;
 
-use super::matmul_work::{flops_per_token, generation_flops_after};
+use super::matmul_work::{flops_per_token, generation_flops_after, head_macs};
 
 /// The phases of a step as the bench names them, in the order they run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -224,14 +224,22 @@ pub(crate) fn step_work(model: &ModelFacts<'_>, trace: &StepTrace, old_pass: boo
     };
     // A sequence's leading positions computed for another sequence (`algo.share_prefixes`)
     // ran no layer for it: not its projections, routers and experts, nor (on the CPU) its
-    // queries' attention. The head still reads them from the response's first prediction.
-    let not_run = |lens: &[usize]| -> f64 {
+    // queries' attention. Where the head ran once per distinct row, their head rows (from
+    // the row's first prediction on) were computed for the other sequence too; elsewhere
+    // the head still read them.
+    let not_run = |lens: &[SharedLen]| -> f64 {
         lens.iter()
-            .flat_map(|&len| 0..len)
-            .map(|p| flops_per_token(cfg, p + 1, false))
+            .zip(&trace.prompt_lens)
+            .map(|(shared, &prompt_len)| {
+                let layers: f64 = (0..shared.positions)
+                    .map(|p| flops_per_token(cfg, p + 1, false))
+                    .sum();
+                let head_rows = shared.head.saturating_sub(prompt_len.saturating_sub(1));
+                layers + 2.0 * head_rows as f64 * head_macs(cfg)
+            })
             .sum()
     };
-    let unshared = |flops: f64, lens: &[usize]| flops - not_run(lens);
+    let unshared = |flops: f64, lens: &[SharedLen]| flops - not_run(lens);
     let all_forward = unshared(sum_rows(trace, 0..n, scored), &trace.old_shared_lens);
     let update_rows = trace
         .updates
@@ -498,15 +506,36 @@ mod tests {
         // another sequence (a shared prefix): its projections, its attention over its one
         // visible key and its feed-forward (48 + 8 + 144 multiply-adds) are not the step's
         // work; the head's (40 from the row's first prediction on) still is.
+        let one = SharedLen {
+            positions: 1,
+            head: 0,
+        };
         let shared = StepTrace {
-            update_shared_lens: vec![1],
-            old_shared_lens: vec![1],
-            ..cached
+            update_shared_lens: vec![one],
+            old_shared_lens: vec![one],
+            ..cached.clone()
         };
         let w = step_work(&facts, &shared, true);
         let not_run = 2.0 * (48.0 + 8.0 + 144.0);
         assert_eq!(w[1].flops, Some(forward - not_run), "old pass");
         assert_eq!(w[2].flops, Some(forward - not_run), "update forward");
         assert_eq!(w[3].flops, Some(2.0 * (forward - not_run)));
+        // Two positions shared, their head rows computed for the other sequence: the
+        // layers of positions 0 and 1 (attention over 1 and 2 keys) are not the step's
+        // work, nor the head at position 1 (the prompt's last, the row's first prediction);
+        // position 0 never ran the head here.
+        let two = SharedLen {
+            positions: 2,
+            head: 2,
+        };
+        let shared = StepTrace {
+            update_shared_lens: vec![two],
+            old_shared_lens: vec![SharedLen::default()],
+            ..cached
+        };
+        let w = step_work(&facts, &shared, true);
+        let not_run = 2.0 * (48.0 + 8.0 + 144.0) + 2.0 * (48.0 + 16.0 + 144.0) + 2.0 * 40.0;
+        assert_eq!(w[1].flops, Some(forward), "old pass: nothing shared");
+        assert_eq!(w[2].flops, Some(forward - not_run), "update forward");
     }
 }

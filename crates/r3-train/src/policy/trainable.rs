@@ -7,7 +7,7 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor, Var};
 use r3_model::model::LayerRecompute;
-use r3_model::{Batch, Config, Model, Precision, ReplayProof, Routing, Weights};
+use r3_model::{Batch, Config, Model, Precision, ReplayProof, Routing, SharedLen, Weights};
 use r3_routing::RouteTable;
 
 use crate::algo::logprob::{
@@ -156,9 +156,9 @@ pub struct Scored {
     pub routes: Option<Vec<RouteTable>>,
     /// `Replay`: the proof of what was replayed.
     pub replay: Option<ReplayProof>,
-    /// Per row, how many of its leading positions another row's computation stood for
-    /// (`share_prefixes`; all 0 unshared).
-    pub shared_lens: Vec<usize>,
+    /// Per row, what of it another row's computation stood for (`share_prefixes`; all 0
+    /// unshared).
+    pub shared_lens: Vec<SharedLen>,
 }
 
 impl Scored {

@@ -12,7 +12,7 @@ use candle_core::{DType, Device, Tensor};
 use r3_model::model::LayerRecompute;
 use r3_model::narrow_grads::backward_narrowing;
 use r3_model::precision::WeightGradients;
-use r3_model::{Model, ReplayProof, ReplayRoutes, Routing};
+use r3_model::{Model, ReplayProof, ReplayRoutes, Routing, SharedLen};
 use r3_routing::RouteTable;
 
 use crate::algo::agg::{AggNorm, LossAgg};
@@ -102,9 +102,9 @@ pub struct MiniBatchResult {
     pub replay: Option<ReplayProof>,
     /// Verified fraction of a `Replay` forward.
     pub verified_frac: Option<f64>,
-    /// Per row of the mini-batch, how many of its leading positions another row's
-    /// computation stood for in its micro-batch's forward (`algo.share_prefixes`).
-    pub shared_lens: Vec<usize>,
+    /// Per row of the mini-batch, what of it another row's computation stood for in its
+    /// micro-batch's forward (`algo.share_prefixes`).
+    pub shared_lens: Vec<SharedLen>,
     /// Seconds of its forwards (with the loss), backwards and optimiser step, summed over
     /// its micro-batches.
     pub times: UpdateTimes,
@@ -193,7 +193,7 @@ pub fn update_minibatch(
         mut shared_lens,
         mut times,
     } = acc;
-    shared_lens.resize(n, 0);
+    shared_lens.resize(n, SharedLen::default());
     let logp = match <[_; 1]>::try_from(logp) {
         Ok([(_, whole)]) => whole,
         Err(parts) => {
@@ -258,9 +258,9 @@ struct Accumulated {
     logp: Vec<(Vec<usize>, Tensor)>,
     routes: Vec<(Vec<usize>, Vec<RouteTable>)>,
     replay: Vec<(Vec<usize>, ReplayProof)>,
-    /// Per row of the mini-batch, the leading positions another row stood for, as the
-    /// micro-batches so far found them.
-    shared_lens: Vec<usize>,
+    /// Per row of the mini-batch, what of it another row stood for, as the micro-batches so
+    /// far found them.
+    shared_lens: Vec<SharedLen>,
     /// Seconds of the forwards and backwards so far.
     times: UpdateTimes,
 }
@@ -308,7 +308,7 @@ impl Accumulated {
         self.entropy_sum += micro.entropy_sum;
         for (&row, &len) in rows.iter().zip(&micro.shared_lens) {
             if self.shared_lens.len() <= row {
-                self.shared_lens.resize(row + 1, 0);
+                self.shared_lens.resize(row + 1, SharedLen::default());
             }
             self.shared_lens[row] = len;
         }
@@ -338,7 +338,7 @@ struct Micro<'m> {
     logp: Tensor,
     routes: Option<Vec<RouteTable>>,
     replay: Option<ReplayProof>,
-    shared_lens: Vec<usize>,
+    shared_lens: Vec<SharedLen>,
 }
 
 /// Forward over `mb` (a whole mini-batch or one micro-batch of it) and its partial loss

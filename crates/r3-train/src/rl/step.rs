@@ -5,7 +5,7 @@
 //! [`Trainer::rl_step`](crate::rl::trainer::Trainer::rl_step).
 
 use candle_core::{Device, Tensor};
-use r3_model::{ReplayProof, ReplayRoutes};
+use r3_model::{ReplayProof, ReplayRoutes, SharedLen};
 use r3_routing::{LayerLayout, RouteTable};
 
 use crate::algo::advantage::{filter_uniform_groups, grpo_advantages, GrpoOptions};
@@ -33,11 +33,12 @@ pub struct StepTrace {
     pub old_recorded: Option<Vec<RouteTable>>,
     /// Per update mini-batch: its trajectory rows and the replay proof of its forward.
     pub updates: Vec<(Vec<usize>, Option<ReplayProof>)>,
-    /// Per trajectory, how many of its leading positions the update forward computed for
-    /// another sequence and not again for it (`algo.share_prefixes`); empty: none.
-    pub update_shared_lens: Vec<usize>,
+    /// Per trajectory, what of it the update forward computed for another sequence and not
+    /// again for it (`algo.share_prefixes`): its leading positions, and those whose head row
+    /// another position computed; empty: none.
+    pub update_shared_lens: Vec<SharedLen>,
     /// The same for the separate old-log-prob pass.
-    pub old_shared_lens: Vec<usize>,
+    pub old_shared_lens: Vec<SharedLen>,
 }
 
 /// The sampled and scored batch of a step: what the updates work on.

@@ -9,7 +9,7 @@
 use std::time::Instant;
 
 use candle_core::Tensor;
-use r3_model::{ReplayProof, ReplayRoutes, Routing};
+use r3_model::{ReplayProof, ReplayRoutes, Routing, SharedLen};
 use r3_routing::RouteTable;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -35,9 +35,9 @@ pub(crate) struct OldView {
     pub(crate) entropy: f32,
     pub(crate) verified_frac: Option<f64>,
     pub(crate) divergence: Option<RouteDivergence>,
-    /// Per batch row, the leading positions another row stood for in the old-log-prob
-    /// pass (`algo.share_prefixes`).
-    pub(crate) shared_lens: Vec<usize>,
+    /// Per batch row, what of it another row stood for in the old-log-prob pass
+    /// (`algo.share_prefixes`).
+    pub(crate) shared_lens: Vec<SharedLen>,
 }
 
 /// What the updates of a step did.
@@ -204,7 +204,7 @@ fn minibatch_updates(
         if let Some(trace) = trace.as_deref_mut() {
             trace.updates.push((part.to_vec(), r.replay.clone()));
             let lens = &mut trace.update_shared_lens;
-            lens.resize(data.trajs.len(), 0);
+            lens.resize(data.trajs.len(), SharedLen::default());
             for (&row, &len) in part.iter().zip(&r.shared_lens) {
                 lens[row] = len;
             }
@@ -241,7 +241,7 @@ fn old_pass(
     let parts = pack_rows(batch.sequences(), max_tokens, share_prefixes);
     let (mut logps, mut recorded, mut proofs) = (Vec::new(), Vec::new(), Vec::new());
     let mut entropy_sum = 0f64;
-    let mut shared_lens = vec![0; n];
+    let mut shared_lens = vec![SharedLen::default(); n];
     for part in &parts {
         let sub = match parts.len() {
             1 => None,
