@@ -566,13 +566,13 @@ impl Model {
                 from => Ok(x.narrow(1, from, t - from)?.contiguous()?),
             }
         };
-        let mut head_per_row = false;
+        let mut head_deduplicated = false;
         let logits = match (&shared, hidden.as_mut()) {
             // Each computed row normed once; the head reads the rows its positions hold.
             (Some(shared), _) => {
-                let (logits, per_row) =
+                let (logits, deduplicated) =
                     self.shared_head(&self.norm.forward(&x)?, shared, t, logits_from)?;
-                head_per_row = per_row;
+                head_deduplicated = deduplicated;
                 logits
             }
             (None, Some(h)) => {
@@ -620,7 +620,7 @@ impl Model {
                 .iter()
                 .map(|&positions| SharedLen {
                     positions,
-                    head: if head_per_row { positions } else { 0 },
+                    head: if head_deduplicated { positions } else { 0 },
                 })
                 .collect(),
             None => vec![SharedLen::default(); b],
