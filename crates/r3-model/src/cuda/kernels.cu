@@ -327,25 +327,22 @@ extern "C" __global__ void r3_gather_rows_f32(const float *src, const uint32_t *
 }
 
 // The row gather's backward (layers/gather_rows.rs GatherSum). One block per source row q:
-// rows below grad_rows get the sum of their uses' gradient rows, table[q * width + j] for j
-// in order (an entry of `uses` or more is padding and adds nothing), from zero; the rest
-// zero. CPU twin: gather_rows.rs `gather_sum_host`.
-extern "C" __global__ void r3_gather_sum_rows_f32(const float *grad, const uint32_t *table,
-                                                  float *out, uint32_t width, uint32_t row,
-                                                  uint32_t uses, uint32_t grad_rows) {
+// rows below grad_rows get the sum of their uses' gradient rows, uses[offsets[q] ..
+// offsets[q + 1]] in order, from zero; the rest zero. CPU twin: gather_rows.rs
+// `gather_sum_host`.
+extern "C" __global__ void r3_gather_sum_rows_f32(const float *grad, const uint32_t *offsets,
+                                                  const uint32_t *uses, float *out, uint32_t row,
+                                                  uint32_t grad_rows) {
     const size_t q = blockIdx.x;
     float *o = out + q * row;
     if (q >= grad_rows) {
         for (uint32_t c = threadIdx.x; c < row; c += blockDim.x) o[c] = 0.0f;
         return;
     }
-    const uint32_t *mine = table + q * width;
+    const uint32_t begin = offsets[q], end = offsets[q + 1];
     for (uint32_t c = threadIdx.x; c < row; c += blockDim.x) {
         float acc = 0.0f;
-        for (uint32_t j = 0; j < width; j++) {
-            const uint32_t i = mine[j];
-            if (i < uses) acc = acc + grad[(size_t)i * row + c];
-        }
+        for (uint32_t j = begin; j < end; j++) acc = acc + grad[(size_t)uses[j] * row + c];
         o[c] = acc;
     }
 }

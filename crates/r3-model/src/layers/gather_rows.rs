@@ -41,36 +41,70 @@ pub struct GatherRows {
     grad_rows: usize,
 }
 
-/// For each source row below `grad_rows`, the output rows that read it (`width` slots a
-/// row), padded with `ids.len()` (the zero row appended to the gradient).
+/// For each source row below `grad_rows`, the output rows that read it, in ascending order,
+/// row after row (compressed rows: a row read once costs one entry, however often another
+/// row is read; a table padded to the widest fan-in cost every row that width, and a
+/// batch's padding slots, which all read one row, made it the padding's count).
 #[derive(Debug)]
 struct FanIn {
-    table: Vec<u32>,
-    width: usize,
+    /// Per source row below `grad_rows`, where its uses start in `uses`; one more entry,
+    /// their end.
+    offsets: Vec<u32>,
+    /// The output rows reading each source row, row after row.
+    uses: Vec<u32>,
 }
 
 impl FanIn {
-    /// The fan-in table of `ids` over the first `grad_rows` source rows (ids already checked
+    /// The fan-in of `ids` over the first `grad_rows` source rows (ids already checked
     /// against the source).
     fn of(ids: &[u32], grad_rows: usize) -> Self {
-        let mut uses = vec![0usize; grad_rows];
+        let mut offsets = vec![0u32; grad_rows + 1];
         for &id in ids {
-            if let Some(u) = uses.get_mut(id as usize) {
-                *u += 1;
+            if let Some(count) = offsets
+                .get_mut(id as usize + 1)
+                .filter(|_| (id as usize) < grad_rows)
+            {
+                *count += 1;
             }
         }
-        let width = uses.iter().copied().max().unwrap_or(0);
-        let zero_row = ids.len() as u32;
-        let mut table = vec![zero_row; grad_rows * width];
-        let mut filled = vec![0usize; grad_rows];
+        for q in 0..grad_rows {
+            offsets[q + 1] += offsets[q];
+        }
+        let mut filled: Vec<u32> = offsets[..grad_rows].to_vec();
+        let mut uses = vec![0u32; offsets[grad_rows] as usize];
         for (i, &id) in ids.iter().enumerate() {
-            let id = id as usize;
-            if id < grad_rows {
-                table[id * width + filled[id]] = i as u32;
-                filled[id] += 1;
+            if let Some(at) = filled.get_mut(id as usize) {
+                uses[*at as usize] = i as u32;
+                *at += 1;
             }
         }
-        FanIn { table, width }
+        FanIn { offsets, uses }
+    }
+
+    /// The output rows reading source row `q`, in ascending order.
+    fn of_row(&self, q: usize) -> &[u32] {
+        &self.uses[self.offsets[q] as usize..self.offsets[q + 1] as usize]
+    }
+
+    /// The most uses any source row has.
+    fn width(&self) -> usize {
+        self.offsets
+            .windows(2)
+            .map(|w| (w[1] - w[0]) as usize)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The table padded to [`FanIn::width`] uses a row with `zero_row` (what the composed
+    /// form's `index_select` reads).
+    fn padded(&self, zero_row: u32) -> Vec<u32> {
+        let width = self.width();
+        let rows = self.offsets.len() - 1;
+        let mut table = vec![zero_row; rows * width];
+        for (q, slots) in table.chunks_mut(width.max(1)).enumerate().take(rows) {
+            slots[..self.of_row(q).len()].copy_from_slice(self.of_row(q));
+        }
+        table
     }
 }
 
@@ -204,9 +238,8 @@ impl CustomOp1 for GatherRows {
         {
             let grad = grad.contiguous()?;
             let summed = grad.apply_op1_no_bwd(&GatherSum {
-                table: fan_in.table.clone(),
-                width: fan_in.width,
-                uses: self.ids.len(),
+                offsets: fan_in.offsets.clone(),
+                uses: fan_in.uses.clone(),
                 grad_rows: self.grad_rows,
                 src_rows: self.src_rows,
                 row,
@@ -218,13 +251,14 @@ impl CustomOp1 for GatherRows {
 }
 
 /// The backward's gather-and-sum as one GPU pass: `[uses, row]` gradient rows → `[src_rows,
-/// row]`, row `q < grad_rows` the sum of its uses in table order from zero (the host
+/// row]`, row `q < grad_rows` the sum of its uses in ascending order from zero (the host
 /// twin's arithmetic, [`GatherRows::gather_sum_host`]), the rest zero.
 #[cfg(feature = "cuda")]
 struct GatherSum {
-    table: Vec<u32>,
-    width: usize,
-    uses: usize,
+    /// [`FanIn::offsets`].
+    offsets: Vec<u32>,
+    /// [`FanIn::uses`].
+    uses: Vec<u32>,
     grad_rows: usize,
     src_rows: usize,
     row: usize,
@@ -252,12 +286,14 @@ impl CustomOp1 for GatherSum {
         use crate::cuda;
         use candle_core::backend::BackendDevice;
         let dev = cuda::device(storage);
-        // A table of no entries (no source row with a gradient) still needs one element.
-        let table = match self.table.is_empty() {
-            true => dev.storage_from_slice(&[0u32])?,
-            false => dev.storage_from_slice(self.table.as_slice())?,
+        // A list of no entries (no source row read) still needs one element.
+        let upload = |v: &[u32]| match v.is_empty() {
+            true => dev.storage_from_slice(&[0u32]),
+            false => dev.storage_from_slice(v),
         };
-        let table_layout = Layout::contiguous(self.table.len().max(1));
+        let (offsets, uses) = (upload(&self.offsets)?, upload(&self.uses)?);
+        let offsets_layout = Layout::contiguous(self.offsets.len().max(1));
+        let uses_layout = Layout::contiguous(self.uses.len().max(1));
         let u32_of = |v: usize, what: &str| {
             u32::try_from(v).map_err(|_| candle_core::Error::Msg(format!("{what} {v} past u32")))
         };
@@ -268,12 +304,11 @@ impl CustomOp1 for GatherSum {
             cuda::per_row(self.src_rows, cuda::row_threads(self.row))?,
             [
                 cuda::view::<f32>(storage, layout, "gradient rows")?,
-                cuda::view::<u32>(&table, &table_layout, "fan-in table")?
+                cuda::view::<u32>(&offsets, &offsets_layout, "fan-in offsets")?,
+                cuda::view::<u32>(&uses, &uses_layout, "fan-in uses")?
             ],
             [
-                u32_of(self.width, "fan-in")?,
                 u32_of(self.row, "row")?,
-                u32_of(self.uses, "uses")?,
                 u32_of(self.grad_rows, "rows with a gradient")?
             ]
         );
@@ -302,8 +337,8 @@ impl GatherRows {
     }
 
     /// The backward on the host: each source row's gradient is its uses' gradient rows
-    /// added in the fan-in table's order from zero (the composed form's sum, whose padding
-    /// entries add zeros: the same bits), rows side by side.
+    /// added in ascending order from zero (the composed form's sum, whose padding entries
+    /// add zeros: the same bits), rows side by side.
     fn gather_sum_host<T: Float + WithDType>(
         &self,
         grad: &Tensor,
@@ -313,11 +348,12 @@ impl GatherRows {
     ) -> candle_core::Result<Tensor> {
         let mut out = vec![T::ZERO; self.src_rows * row];
         with_host::<T, _>(grad, |g| {
-            let rows = out[..self.grad_rows * row].par_chunks_mut(row.max(1));
-            rows.zip(fan_in.table.par_chunks(fan_in.width.max(1)))
+            out[..self.grad_rows * row]
+                .par_chunks_mut(row.max(1))
+                .enumerate()
                 .with_min_len(ROWS_PER_TASK)
-                .for_each(|(o, uses)| {
-                    for &i in uses.iter().filter(|&&i| (i as usize) < self.ids.len()) {
+                .for_each(|(q, o)| {
+                    for &i in fan_in.of_row(q) {
                         let i = i as usize;
                         for (o, &g) in o.iter_mut().zip(&g[i * row..(i + 1) * row]) {
                             *o += g;
@@ -341,12 +377,13 @@ impl GatherRows {
     ) -> candle_core::Result<Option<Tensor>> {
         let dims = arg.dims();
         let device = grad.device();
-        let width = fan_in.width;
+        let width = fan_in.width();
         let mut parts = Vec::with_capacity(2);
         if width > 0 && self.grad_rows > 0 {
             let grad = grad.reshape((self.ids.len(), row))?;
             let padded = Tensor::cat(&[&grad, &Tensor::zeros((1, row), grad.dtype(), device)?], 0)?;
-            let table = Tensor::from_slice(fan_in.table.as_slice(), fan_in.table.len(), device)?;
+            let table = fan_in.padded(self.ids.len() as u32);
+            let table = Tensor::from_slice(table.as_slice(), table.len(), device)?;
             let summed = padded
                 .index_select(&table, 0)?
                 .reshape((self.grad_rows, width, row))?
@@ -446,6 +483,30 @@ mod tests {
         }
     }
 
+    /// The fan-in holds each use once, in ascending order per source row, by hand: a
+    /// padded batch's slots all reading row 0 cost their own entries, not every row's.
+    #[test]
+    fn the_fan_in_holds_each_use_once() {
+        // Output rows 0..8 read source rows 2, 0, 0, 1, 0, 0, 3, 0 (3 past grad_rows).
+        let fan_in = FanIn::of(&[2, 0, 0, 1, 0, 0, 3, 0], 3);
+        assert_eq!(fan_in.offsets, vec![0, 5, 6, 7]);
+        assert_eq!(fan_in.uses, vec![1, 2, 4, 5, 7, 3, 0]);
+        assert_eq!(
+            (fan_in.of_row(0), fan_in.of_row(1), fan_in.of_row(2)),
+            (&[1, 2, 4, 5, 7][..], &[3][..], &[0][..])
+        );
+        assert_eq!(fan_in.width(), 5);
+        // The composed form's table: each row padded to 5 uses with the zero row (8).
+        assert_eq!(
+            fan_in.padded(8),
+            vec![1, 2, 4, 5, 7, 3, 8, 8, 8, 8, 0, 8, 8, 8, 8]
+        );
+        // A thousand padding slots on row 0 and a thousand rows read once: 2,000 entries.
+        let ids: Vec<u32> = (0..1000).map(|_| 0).chain(1..1001).collect();
+        let fan_in = FanIn::of(&ids, 1001);
+        assert_eq!((fan_in.uses.len(), fan_in.width()), (2000, 1000));
+    }
+
     /// Rows read several times (fan-ins of 0 to 3, padding rows past `grad_rows`): the
     /// host's one pass gives the composed ops' gather-and-sum bit for bit (the same
     /// additions in the same order; the padding entries' zeros change nothing).
@@ -459,7 +520,7 @@ mod tests {
             for grad_rows in [src_rows, src_rows - 1] {
                 let op = GatherRows::new(ids.clone(), src_rows, grad_rows).expect("op");
                 let fan_in = FanIn::of(&ids, grad_rows);
-                assert_eq!(fan_in.width, 3, "row 4 is read three times");
+                assert_eq!(fan_in.width(), 3, "row 4 is read three times");
                 let host = match dtype {
                     DType::F64 => op.gather_sum_host::<f64>(&grad, &fan_in, 5, src.dims()),
                     _ => op.gather_sum_host::<f32>(&grad, &fan_in, 5, src.dims()),
