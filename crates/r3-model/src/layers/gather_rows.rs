@@ -42,9 +42,8 @@ pub struct GatherRows {
 }
 
 /// For each source row below `grad_rows`, the output rows that read it, in ascending order,
-/// row after row (compressed rows: a row read once costs one entry, however often another
-/// row is read; a table padded to the widest fan-in cost every row that width, and a
-/// batch's padding slots, which all read one row, made it the padding's count).
+/// stored row after row (compressed rows). A table padded to the widest fan-in would give
+/// every row as many entries as a batch has padding slots, since those all read one row.
 #[derive(Debug)]
 struct FanIn {
     /// Per source row below `grad_rows`, where its uses start in `uses`; one more entry,
