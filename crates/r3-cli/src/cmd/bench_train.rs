@@ -348,7 +348,8 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
 
     let tokens = args.batch * args.seq_len;
     println!(
-        "r3 bench train: qwen3_moe-style, {} layers, hidden {}, {} experts (width {}) top-{}, vocab {}, {:.1}M params",
+        "r3 bench train: {}-style, {} layers, hidden {}, {} experts (width {}) top-{}, vocab {}, {:.1}M params",
+        cfg.architecture.model_type(),
         cfg.num_hidden_layers,
         cfg.hidden_size,
         cfg.num_experts(),

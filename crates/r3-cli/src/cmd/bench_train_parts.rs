@@ -10,9 +10,10 @@ use std::time::Instant;
 use candle_core::{DType, Device, Tensor, Var};
 use r3_model::layers::attention::{AttentionMask, GqaAttention};
 use r3_model::layers::linear::Linear;
+use r3_model::layers::mla::MlaAttention;
 use r3_model::layers::moe::{MoeBlock, RoutedRows};
 use r3_model::layers::norm::RmsNorm;
-use r3_model::layers::rope::Rope;
+use r3_model::layers::rope::{Rope, RopeTables};
 use r3_model::spec::{attention_prefix, input_norm, post_attention_norm, weight, EMBED, LM_HEAD};
 use r3_model::{AttentionConfig, Config, Precision, Weights};
 
@@ -72,6 +73,43 @@ fn part_flops(cfg: &Config, b: usize, t: usize, moe_layer: usize) -> anyhow::Res
     .map(|macs| 2.0 * rows * macs))
 }
 
+/// The attention layer a part times: GQA or MLA, as the config has it.
+enum PartAttention {
+    Gqa(GqaAttention),
+    Mla(MlaAttention),
+}
+
+impl PartAttention {
+    /// Layer `prefix`'s attention at precision `p`.
+    fn new(cfg: &Config, w: &Weights, prefix: &str, p: Precision) -> anyhow::Result<Self> {
+        Ok(match cfg.attention {
+            AttentionConfig::Gqa { .. } => {
+                let mut a = GqaAttention::new(cfg, w, prefix)?;
+                a.set_precision(p);
+                PartAttention::Gqa(a)
+            }
+            AttentionConfig::Mla { .. } => {
+                let mut a = MlaAttention::new(cfg, w, prefix)?;
+                a.set_precision(p);
+                PartAttention::Mla(a)
+            }
+        })
+    }
+
+    /// `[B, T, H]` → `[B, T, H]`.
+    fn forward(
+        &self,
+        x: &Tensor,
+        rope: &RopeTables,
+        mask: &AttentionMask,
+    ) -> anyhow::Result<Tensor> {
+        Ok(match self {
+            PartAttention::Gqa(a) => a.forward(x, rope, mask)?,
+            PartAttention::Mla(a) => a.forward(x, rope, mask)?,
+        })
+    }
+}
+
 /// Times `forward` (returning a scalar loss) and its backward, each synchronised.
 fn time_part(
     device: &Device,
@@ -112,10 +150,6 @@ pub(super) fn run(setup: &PartsSetup<'_>, step_seconds: f64) -> anyhow::Result<(
     let embed = w.get(&weight(EMBED))?.clone();
     let device = embed.device().clone();
     let reps = setup.reps.max(1);
-    anyhow::ensure!(
-        matches!(cfg.attention, AttentionConfig::Gqa { .. }),
-        "--parts times GQA attention; this config has MLA"
-    );
     let layers = cfg.num_hidden_layers;
     let moe_layers = cfg.layout.moe_layers().len();
     let first_moe = *cfg
@@ -172,8 +206,7 @@ pub(super) fn run(setup: &PartsSetup<'_>, step_seconds: f64) -> anyhow::Result<(
         Ok(n)
     };
     let in_norm = norm(&input_norm(first_moe))?;
-    let mut attention = GqaAttention::new(cfg, w, &attention_prefix(first_moe))?;
-    attention.set_precision(p);
+    let attention = PartAttention::new(cfg, w, &attention_prefix(first_moe), p)?;
     let (f, bw) = time_part(&device, reps, || {
         let out = attention.forward(&in_norm.forward(x)?, &rope, &mask)?;
         probe_loss(&out, &probe_bth)
