@@ -448,7 +448,7 @@ impl Model {
         // The rows the layers compute: every padded slot (`[B, T, H]`), or one row for each
         // position its sequences do not hold alike with another's (`[N, H]`), attention
         // reading them in the padded layout; a replay's plan then follows the rows.
-        let (ctx, host_ids, row_plan) = match &shared {
+        let (ctx, host_ids, row_plan, ids, embedded_shape) = match &shared {
             None => {
                 let ctx = LayerContext {
                     rope,
@@ -456,7 +456,10 @@ impl Model {
                     rows: routed_rows(lengths, t),
                     slots: None,
                 };
-                (ctx, Cow::Borrowed(batch.host_ids.as_slice()), None)
+                let ids = batch.input_ids.to_device(device)?.flatten_all()?;
+                let shape = Shape::from((b, t, cfg.hidden_size));
+                let host_ids = Cow::Borrowed(batch.host_ids.as_slice());
+                (ctx, host_ids, None, ids, shape)
             }
             Some(shared) => {
                 let n = shared.rows();
@@ -486,18 +489,10 @@ impl Model {
                     rows,
                     slots: Some(slots),
                 };
-                (ctx, Cow::Owned(host_ids), row_plan)
+                let ids = Tensor::from_slice(&host_ids, n, device)?;
+                let shape = Shape::from((n, cfg.hidden_size));
+                (ctx, Cow::Owned(host_ids), row_plan, ids, shape)
             }
-        };
-        let (ids, embedded_shape) = match &shared {
-            None => (
-                batch.input_ids.to_device(device)?.flatten_all()?,
-                Shape::from((b, t, cfg.hidden_size)),
-            ),
-            Some(shared) => (
-                Tensor::from_slice(&host_ids, shared.rows(), device)?,
-                Shape::from((shared.rows(), cfg.hidden_size)),
-            ),
         };
         let mut x = self.embed_tokens(&ids, &host_ids, &embedded_shape)?;
         let mut hidden = capture_hidden.then(Vec::new);

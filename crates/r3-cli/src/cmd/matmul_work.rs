@@ -317,18 +317,10 @@ fn prefill_roofline(
     // Keys and values written once and read by the later prompt positions (from cache).
     let prefill_kv = (batch * prompt) as f64 * kv_per_position * bytes.kv * 2.0;
     limits.step_seconds(
-        prefill_flops(cfg, prompt) * batch as f64,
+        // One new token: the prefill alone (the head on the prompt's last position only).
+        generation_flops_after(cfg, 0, prompt, 1) * batch as f64,
         weights_read(cfg, batch * prompt, bytes) + prefill_kv,
     )
-}
-
-/// FLOPs of one sequence's prefill of `prompt` tokens (the head on the last only).
-fn prefill_flops(cfg: &Config, prompt: usize) -> f64 {
-    let mut total = 0.0;
-    for t in 0..prompt {
-        total += flops_per_token(cfg, t + 1, t + 1 == prompt);
-    }
-    total
 }
 
 /// Threads of the rayon pool the command runs in (one per logical CPU unless

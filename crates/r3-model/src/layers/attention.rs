@@ -177,10 +177,24 @@ pub(crate) trait RowAttention {
     ) -> Result<Tensor>;
     /// The output projection of attention's rows.
     fn output(&self, x: &Tensor) -> Result<Tensor>;
+
+    /// The rotated queries, keys and values of `x` `[B, T, H]`.
+    fn project(&self, x: &Tensor, rope: &impl Rotary) -> Result<(Tensor, Tensor, Tensor)> {
+        let (b, t, _) = x.dims3()?;
+        let parts = self.project_tokens(x)?;
+        self.to_heads(parts, (b, t), rope)
+    }
+
+    /// The layer over a padded batch: `[B, T, H]` → `[B, T, H]`.
+    fn attend_padded(&self, x: &Tensor, rope: &RopeTables, mask: &AttentionMask) -> Result<Tensor> {
+        let (q, k, v) = self.project(x, rope)?;
+        let out = self.attend_heads(&q, &k, &v, mask)?;
+        self.output(&out)
+    }
 }
 
 impl RowAttention for GqaAttention {
-    /// The token-wise part of [`GqaAttention::project`]: the projections of `x` (`[.., H]`),
+    /// The token-wise part of [`RowAttention::project`]: the projections of `x` (`[.., H]`),
     /// clipped and normed where the architecture says.
     fn project_tokens(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let (mut q, mut k, mut v) =
@@ -728,9 +742,7 @@ impl GqaAttention {
 
     /// `[B, T, H]` → `[B, T, H]`.
     pub fn forward(&self, x: &Tensor, rope: &RopeTables, mask: &AttentionMask) -> Result<Tensor> {
-        let (q, k, v) = self.project(x, rope)?;
-        let out = self.attend_heads(&q, &k, &v, mask)?;
-        self.o_proj.forward(&out)
+        self.attend_padded(x, rope, mask)
     }
 
     /// One step over a KV cache: `x` `[B, T, H]` at the positions `rope` rotates with,
@@ -750,14 +762,6 @@ impl GqaAttention {
         let groups = self.num_heads / self.num_kv_heads;
         let out = attend_additive(&q, &k, &v, additive, 1.0 / (hd as f64).sqrt(), groups)?;
         self.o_proj.forward(&heads_to_tokens(&out, t)?)
-    }
-
-    /// Rotated queries `[B, KV, G·T, D]` (G query heads per key/value head, stacked),
-    /// rotated keys and values `[B, KV, T, D]` of `x` `[B, T, H]`.
-    fn project(&self, x: &Tensor, rope: &impl Rotary) -> Result<(Tensor, Tensor, Tensor)> {
-        let (b, t, _) = x.dims3()?;
-        let qkv = self.project_tokens(x)?;
-        self.to_heads(qkv, (b, t), rope)
     }
 }
 

@@ -58,13 +58,8 @@ impl FanIn {
     /// against the source).
     fn of(ids: &[u32], grad_rows: usize) -> Self {
         let mut offsets = vec![0u32; grad_rows + 1];
-        for &id in ids {
-            if let Some(count) = offsets
-                .get_mut(id as usize + 1)
-                .filter(|_| (id as usize) < grad_rows)
-            {
-                *count += 1;
-            }
+        for &id in ids.iter().filter(|&&id| (id as usize) < grad_rows) {
+            offsets[id as usize + 1] += 1;
         }
         for q in 0..grad_rows {
             offsets[q + 1] += offsets[q];

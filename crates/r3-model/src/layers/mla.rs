@@ -119,9 +119,7 @@ impl MlaAttention {
 
     /// `[B, T, H]` → `[B, T, H]`.
     pub fn forward(&self, x: &Tensor, rope: &RopeTables, mask: &AttentionMask) -> Result<Tensor> {
-        let (q, k, v) = self.project(x, rope)?;
-        let out = self.attend_heads(&q, &k, &v, mask)?;
-        self.o_proj.forward(&out)
+        self.attend_padded(x, rope, mask)
     }
 
     /// One step over a KV cache (the per-head keys and values, decompressed, are what is
@@ -140,18 +138,10 @@ impl MlaAttention {
         let out = attend_additive(&q, &k, &v, additive, self.scale, 1)?;
         self.o_proj.forward(&heads_to_tokens(&out, t)?)
     }
-
-    /// Queries and keys `[B, NH, T, nope + rope]` (rotary parts rotated) and values
-    /// `[B, NH, T, v]` of `x` `[B, T, H]`.
-    fn project(&self, x: &Tensor, rope: &impl Rotary) -> Result<(Tensor, Tensor, Tensor)> {
-        let (b, t, _) = x.dims3()?;
-        let parts = self.project_tokens(x)?;
-        self.to_heads(parts, (b, t), rope)
-    }
 }
 
 impl RowAttention for MlaAttention {
-    /// The token-wise part of [`MlaAttention::project`], over `x` `[.., H]`: the queries
+    /// The token-wise part of [`RowAttention::project`], over `x` `[.., H]`: the queries
     /// (`[.., NH·(nope + rope)]`), the shared key's rotary part before its rotation
     /// (`[.., rope]`), and the decompressed per-head keys and values
     /// (`[.., NH·(nope + v)]`).
