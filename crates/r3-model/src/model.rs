@@ -3,9 +3,11 @@
 //! at a time over a KV cache.
 
 pub mod decode;
+pub mod head_positions;
 mod recompute;
 pub mod shared_prefix;
 
+pub use head_positions::HeadPositions;
 pub use recompute::LayerRecompute;
 use recompute::RecomputeInputs;
 use shared_prefix::SharedPrefixes;
@@ -117,12 +119,13 @@ impl Batch {
 /// Results of one forward call.
 #[derive(Debug)]
 pub struct ForwardOutput {
-    /// `[B, T − logits_from, vocab]` logits of positions `logits_from..T` (padding
-    /// positions hold garbage)
+    /// The logits of the positions `head` names: `[B, T − from, vocab]` for
+    /// [`HeadPositions::From`] (padding positions hold garbage), `[P, vocab]` for
+    /// [`HeadPositions::Spans`]
     pub logits: Tensor,
-    /// The first position `logits` covers (0 unless the forward was asked to skip some:
-    /// [`Model::forward_logits_from`])
-    pub logits_from: usize,
+    /// The positions `logits` covers (every one, `From(0)`, unless the forward was asked for
+    /// fewer: [`Model::forward_head`])
+    pub head: HeadPositions,
     /// `Record`: one MoE-only route table per sequence, one row per real token
     pub routes: Option<Vec<RouteTable>>,
     /// `Replay`: what was replayed, verified against the tables
@@ -345,18 +348,29 @@ impl Model {
     }
 
     /// [`Model::forward`] with logits for positions `from..T` only (HF's `logits_to_keep`,
-    /// which TRL's GRPO trainer passes): a policy's loss reads the predictions of response
-    /// tokens, and the head over the prompt positions before them is work thrown away. Every
-    /// position still runs through the decoder layers; the final norm and the head see
-    /// positions `from..` (each row normed and projected alone, so those logits are the
-    /// values the whole forward gives them).
+    /// which TRL's GRPO trainer passes): [`Model::forward_head`] with
+    /// [`HeadPositions::From`].
     pub fn forward_logits_from(
         &self,
         batch: &Batch,
         routing: Routing<'_>,
         from: usize,
     ) -> Result<ForwardOutput> {
-        Ok(self.forward_layers(batch, routing, false, false, from)?.0)
+        self.forward_head(batch, routing, HeadPositions::From(from))
+    }
+
+    /// [`Model::forward`] with logits for the positions `head` names only: a policy's loss
+    /// reads the predictions of response tokens, and the head over the other positions is
+    /// work thrown away. Every position still runs through the decoder layers; the final
+    /// norm and the head see the named positions (each row normed and projected alone, so
+    /// those logits are the values the whole forward gives them).
+    pub fn forward_head(
+        &self,
+        batch: &Batch,
+        routing: Routing<'_>,
+        head: HeadPositions,
+    ) -> Result<ForwardOutput> {
+        Ok(self.forward_layers(batch, routing, false, false, head)?.0)
     }
 
     /// Forward pass that can also return per-layer hidden states.
@@ -367,7 +381,13 @@ impl Model {
         capture_hidden: bool,
     ) -> Result<ForwardOutput> {
         Ok(self
-            .forward_layers(batch, routing, capture_hidden, false, 0)?
+            .forward_layers(
+                batch,
+                routing,
+                capture_hidden,
+                false,
+                HeadPositions::From(0),
+            )?
             .0)
     }
 
@@ -378,14 +398,14 @@ impl Model {
     /// gives the gradients of the whole model, the same values [`Model::forward`]'s graph
     /// gives. Every layer runs twice, so a step costs about one more forward; what the graph
     /// holds at a time is one layer's activations instead of every layer's.
-    /// Logits for positions `logits_from..T` only, as [`Model::forward_logits_from`].
+    /// Logits for the positions `head` names only, as [`Model::forward_head`].
     pub fn forward_recomputing(
         &self,
         batch: &Batch,
         routing: Routing<'_>,
-        logits_from: usize,
+        head: HeadPositions,
     ) -> Result<(ForwardOutput, LayerRecompute<'_>)> {
-        match self.forward_layers(batch, routing, false, true, logits_from)? {
+        match self.forward_layers(batch, routing, false, true, head)? {
             (out, Some(recompute)) => Ok((out, recompute)),
             (_, None) => Err(ModelError::Input(
                 "a recomputing forward kept no layer inputs".into(),
@@ -395,24 +415,21 @@ impl Model {
 
     /// The forward of [`Model::forward_with`]; with `recompute`, each layer's graph is
     /// dropped once it has run, and what its backward needs to run it again is returned;
-    /// logits for positions `logits_from..` only.
+    /// logits for the positions `head` names only.
     fn forward_layers(
         &self,
         batch: &Batch,
         routing: Routing<'_>,
         capture_hidden: bool,
         recompute: bool,
-        logits_from: usize,
+        head: HeadPositions,
     ) -> Result<(ForwardOutput, Option<LayerRecompute<'_>>)> {
         let cfg = &self.cfg;
         let device = self.embed.device();
         let (b, t) = batch.input_ids.dims2()?;
         self.check_tokens(batch)?;
-        if logits_from >= t {
-            return Err(ModelError::Input(format!(
-                "logits from position {logits_from}: the batch has {t} positions"
-            )));
-        }
+        // The head's slots, checked before any layer runs.
+        let head_slots = head.slots(batch.lengths(), t)?;
         let lengths = batch.lengths();
         if cfg.moe.is_none() && !matches!(routing, Routing::Native) {
             return Err(ModelError::Input(
@@ -553,29 +570,31 @@ impl Model {
             }
             false => None,
         };
-        // The positions the head sees: the norm is per row, so narrowing before it or
-        // after gives the same values (after, where every normed state is returned).
-        let keep = |x: Tensor| -> Result<Tensor> {
-            match logits_from {
-                0 => Ok(x),
-                from => Ok(x.narrow(1, from, t - from)?.contiguous()?),
-            }
-        };
-        let mut head_deduplicated = false;
+        // The head sees the positions asked for: the norm is per row, so choosing the rows
+        // before it or after gives the same values (after, where every normed state is
+        // returned).
+        let mut head_reused = vec![0; b];
         let logits = match (&shared, hidden.as_mut()) {
-            // Each computed row normed once; the head reads the rows its positions hold.
+            // Each computed row the head reads normed once.
             (Some(shared), _) => {
-                let (logits, deduplicated) =
-                    self.shared_head(&self.norm.forward(&x)?, shared, t, logits_from)?;
-                head_deduplicated = deduplicated;
-                logits
+                let (logits, reused) = self.shared_head(&x, shared, &head_slots, t)?;
+                head_reused = reused;
+                match head {
+                    HeadPositions::From(from) => {
+                        let v = logits.dim(1)?;
+                        logits.reshape((b, t - from, v))?
+                    }
+                    HeadPositions::Spans(_) => logits,
+                }
             }
             (None, Some(h)) => {
                 let x = self.norm.forward(&x)?;
                 h.push(x.clone());
-                self.lm_head.forward(&keep(x)?)?
+                self.lm_head.forward(&head_input(x, &head, head_slots)?)?
             }
-            (None, None) => self.lm_head.forward(&self.norm.forward(&keep(x)?)?)?,
+            (None, None) => self
+                .lm_head
+                .forward(&self.norm.forward(&head_input(x, &head, head_slots)?)?)?,
         };
         let started = Instant::now();
         // The routes recorded or verified are every real position's: a shared row's at
@@ -613,16 +632,14 @@ impl Model {
             Some(shared) => shared
                 .shared_lens()
                 .iter()
-                .map(|&positions| SharedLen {
-                    positions,
-                    head: if head_deduplicated { positions } else { 0 },
-                })
+                .zip(head_reused)
+                .map(|(&positions, head)| SharedLen { positions, head })
                 .collect(),
             None => vec![SharedLen::default(); b],
         };
         let out = ForwardOutput {
             logits,
-            logits_from,
+            head,
             routes,
             replay,
             hidden_states: hidden,
@@ -731,46 +748,39 @@ impl Model {
         self.precision.add_rounded(&h, &ffn.reshape(shape)?)
     }
 
-    /// The logits `[B, T − from, V]` of positions `from..T` of a batch sharing prefixes,
-    /// from its normed computed rows `x` `[N, H]`. Where at least a quarter of the head's
-    /// positions repeat a row another position reads (responses that begin alike, and
-    /// padding), the head runs once per distinct row and its logits are gathered to the
-    /// positions (a gather's backward sums a row's uses): a head row costs `2·H·V` FLOPs, a
-    /// gathered one a copy of `V` values, which that share pays for on a CPU (H ≈ 100) and a
-    /// GPU (H ≈ 2,000) alike. Below it the rows are gathered and the head runs per position.
-    /// With whether the head ran once per distinct row.
+    /// The logits `[P, V]` of the head's slots `slots` (of the padded `[B, t]` batch) of a
+    /// batch sharing prefixes, from its computed rows `x` `[N, H]`. Where at least a quarter
+    /// of the head's positions repeat a row another position reads (responses that begin
+    /// alike; padding where the head reads it), the norm and the head run once per distinct
+    /// row and the logits are gathered to the positions (a gather's backward sums a row's
+    /// uses): a head row costs `2·H·V` FLOPs, a gathered one a copy of `V` values, which that
+    /// share pays for on a CPU (H ≈ 100) and a GPU (H ≈ 2,000) alike. Below it the rows are
+    /// gathered and the head runs per position. With, per sequence, how many of its head
+    /// positions read a head row another position computed (all 0 in the second case).
     fn shared_head(
         &self,
         x: &Tensor,
         shared: &SharedPrefixes,
+        slots: &[u32],
         t: usize,
-        from: usize,
-    ) -> Result<(Tensor, bool)> {
-        let b = shared.shared_lens().len();
-        let (n, width) = (shared.rows(), t - from);
-        let head = shared.head_rows((b, t), from);
-        let positions = head.of_position.len();
-        if 4 * head.rows.len() <= 3 * positions {
+    ) -> Result<(Tensor, Vec<usize>)> {
+        let n = shared.rows();
+        let head = shared.head_rows(slots, t);
+        if 4 * head.rows.len() <= 3 * slots.len() {
             let distinct = head.rows.len();
-            let logits = self
-                .lm_head
-                .forward(&GatherRows::new(head.rows, n, n)?.apply(x)?)?;
-            let v = logits.dim(1)?;
-            let logits = GatherRows::new(head.of_position, distinct, distinct)?
-                .apply(&logits)?
-                .reshape((b, width, v))?;
-            return Ok((logits, true));
+            let x = GatherRows::new(head.rows, n, n)?.apply(x)?;
+            let logits = self.lm_head.forward(&self.norm.forward(&x)?)?;
+            let logits = GatherRows::new(head.of_position, distinct, distinct)?.apply(&logits)?;
+            return Ok((logits, head.reused));
         }
         let picks = head
             .of_position
             .iter()
             .map(|&i| head.rows[i as usize])
             .collect();
-        let x =
-            GatherRows::new(picks, n, n)?
-                .apply(x)?
-                .reshape((b, width, self.cfg.hidden_size))?;
-        Ok((self.lm_head.forward(&x)?, false))
+        let x = GatherRows::new(picks, n, n)?.apply(x)?;
+        let unshared = vec![0; head.reused.len()];
+        Ok((self.lm_head.forward(&self.norm.forward(&x)?)?, unshared))
     }
 
     /// What the routing mode returns: `Record` the chosen routes as tables, `Replay` the
@@ -848,6 +858,21 @@ struct MoeRecord {
     replay_time: Duration,
     /// time the host waited for the router logits
     device_wait: Duration,
+}
+
+/// The head's input from the last layer's states `x` `[B, T, H]` of an unshared batch: all
+/// of them (`From(0)`), positions `from..T` (`From`), or the rows of `slots` `[P, H]`
+/// (`Spans`).
+fn head_input(x: Tensor, head: &HeadPositions, slots: Vec<u32>) -> Result<Tensor> {
+    let (b, t, h) = x.dims3()?;
+    match head {
+        HeadPositions::From(0) => Ok(x),
+        HeadPositions::From(from) => Ok(x.narrow(1, *from, t - from)?.contiguous()?),
+        HeadPositions::Spans(_) => {
+            let rows = x.reshape((b * t, h))?;
+            GatherRows::new(slots, b * t, b * t)?.apply(&rows)
+        }
+    }
 }
 
 /// Flattened `[B·T]` indices of the real tokens, sequence-major.

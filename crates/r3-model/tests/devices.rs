@@ -24,7 +24,9 @@ use common::{
 use r3_model::narrow_grads::backward_narrowing;
 use r3_model::precision::WeightGradients;
 use r3_model::token_stats::{entropy, token_log_probs};
-use r3_model::{Batch, Config, ForwardOutput, Model, ReplayRoutes, Routing, Weights};
+use r3_model::{
+    Batch, Config, ForwardOutput, HeadPositions, Model, ReplayRoutes, Routing, Weights,
+};
 use r3_routing::{LayerSpace, RouteTable};
 use serde_json::Value;
 
@@ -572,7 +574,7 @@ fn recomputed_layers_give_the_same_bits(device: &Device) {
                 };
                 let (out, grads) = if recompute {
                     let (out, mut layers) = model
-                        .forward_recomputing(&batch, routing, 0)
+                        .forward_recomputing(&batch, routing, HeadPositions::From(0))
                         .expect("recomputing forward");
                     if narrow_grads {
                         let narrow = precision.narrow_dtype().expect("a 16-bit precision");
@@ -676,7 +678,7 @@ fn a_loss_beside_the_recomputed_logits_is_refused() {
     let model = Model::new(&cfg, &weights).expect("model");
     let batch = Batch::new(&sequences(&[5], cfg.vocab_size, 1), 0, &Device::Cpu).expect("batch");
     let (_, layers) = model
-        .forward_recomputing(&batch, Routing::Native, 0)
+        .forward_recomputing(&batch, Routing::Native, HeadPositions::From(0))
         .expect("forward");
     let vars = varmap.all_vars();
     let unrelated = vars[0]

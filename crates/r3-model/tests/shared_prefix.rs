@@ -240,7 +240,8 @@ fn shared_logits_from_a_later_position_equal_the_unshared_ones() {
 /// 14 positions (from the prompt's last on) one repeats another's row, under the quarter
 /// at which the head runs once per distinct row, so it runs per position
 /// (`SharedLen::head` 0) and still gives the unshared logits and gradients; the grouped batch
-/// (padding and responses that begin alike) runs it per distinct row (`head` = `positions`).
+/// (padding and responses that begin alike) runs it per distinct row: of its head
+/// positions, every shared one and every padding slot reads a row another computed first.
 #[test]
 fn the_head_runs_per_distinct_row_only_where_a_quarter_repeat() {
     let (cfg, model, vars) = model_of("qwen3_moe", 11);
@@ -292,8 +293,12 @@ fn the_head_runs_per_distinct_row_only_where_a_quarter_repeat() {
         .sharing_prefixes(true);
     let out = model.forward(&grouped, Routing::Record).expect("grouped");
     assert!(out.shared_positions() > 0);
-    assert!(
-        out.shared_lens.iter().all(|s| s.head == s.positions),
+    let t = grouped.seq_len();
+    let padding: usize = grouped.lengths().iter().map(|&len| t - len).sum();
+    let reused: usize = out.shared_lens.iter().map(|s| s.head).sum();
+    assert_eq!(
+        reused,
+        out.shared_positions() + padding,
         "per distinct row: {:?}",
         out.shared_lens
     );

@@ -16,8 +16,8 @@ use r3_model::layers::expert_gemm::ExpertGemmInputs;
 use r3_model::narrow_grads::backward_narrowing;
 use r3_model::precision::WeightGradients;
 use r3_model::{
-    presets, Batch, Config, DeviceSpec, Model, Precision, RandomInit, ReplayRoutes, Routing,
-    Weights,
+    presets, Batch, Config, DeviceSpec, HeadPositions, Model, Precision, RandomInit, ReplayRoutes,
+    Routing, Weights,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -209,7 +209,8 @@ fn step(
     let t0 = Instant::now();
     let (out, layers) = match recompute {
         true => {
-            let (out, layers) = model.forward_recomputing(batch, routing, 0)?;
+            let (out, layers) =
+                model.forward_recomputing(batch, routing, HeadPositions::From(0))?;
             let layers = match narrow {
                 Some(narrow) => layers.keep_gradients_narrow(narrow),
                 None => layers,
@@ -547,7 +548,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     if let Some(before) = peak_before {
         let after = f32_gemm_peak(machine_threads());
         let peak = before.max(after);
-        let forward = training_forward_flops(&cfg, args.seq_len, 0);
+        let forward = training_forward_flops(&cfg, args.seq_len, 0..args.seq_len);
         // The backward does twice the forward's matrix work (input and weight
         // gradients of every product).
         let step_flops = 3.0 * forward * args.batch as f64;

@@ -3,6 +3,8 @@
 //! lengths, the machine's two limits (f32 GEMM peak, streaming bandwidth) and the roofline
 //! they give, and the table's rows (medians, shares, the share of the limit reached).
 
+use std::ops::Range;
+
 use r3_model::{Config, SharedLen};
 use r3_train::rl::step::StepTrace;
 use r3_train::StepMetrics;
@@ -135,12 +137,12 @@ pub(crate) fn median(values: &[f64]) -> f64 {
 }
 
 /// FLOPs of a training forward over one sequence of `len` tokens: every position through
-/// the model, attending over the positions before it, and positions `head_from..` through
-/// the vocabulary head (0: all of them, as a whole forward; a policy's scoring starts the
-/// head at the prediction of the first response token, `prompt_len − 1`).
-pub(crate) fn training_forward_flops(cfg: &Config, len: usize, head_from: usize) -> f64 {
-    (1..=len)
-        .map(|t| flops_per_token(cfg, t, t > head_from))
+/// the model, attending over the positions before it, and the positions of `head` through
+/// the vocabulary head (`0..len`: all of them, as a whole forward; a policy's scoring heads
+/// the predictions of its response tokens, `prompt_len − 1 .. len − 1`).
+pub(crate) fn training_forward_flops(cfg: &Config, len: usize, head: Range<usize>) -> f64 {
+    (0..len)
+        .map(|p| flops_per_token(cfg, p + 1, head.contains(&p)))
         .sum()
 }
 
@@ -217,25 +219,25 @@ pub(crate) fn step_work(model: &ModelFacts<'_>, trace: &StepTrace, old_pass: boo
     let cfg = model.cfg;
     let n = trace.sequences.len();
     let f32_weights = 4.0 * model.params;
-    // The scoring's head runs from the first response prediction of its micro-batch on;
-    // counted from each row's own (the rest of the padded head is not the step's work).
+    // The scoring's head runs over each row's response predictions only.
     let scored = |len: usize, prompt_len: usize| {
-        training_forward_flops(cfg, len, prompt_len.saturating_sub(1))
+        training_forward_flops(
+            cfg,
+            len,
+            prompt_len.saturating_sub(1)..len.saturating_sub(1),
+        )
     };
     // A sequence's leading positions computed for another sequence (`algo.share_prefixes`)
     // ran no layer for it: not its projections, routers and experts, nor (on the CPU) its
-    // queries' attention. Where the head ran once per distinct row, their head rows (from
-    // the row's first prediction on) were computed for the other sequence too; elsewhere
-    // the head still read them.
+    // queries' attention. Where the head ran once per distinct row, the head rows it read
+    // that another position computed first did not run for it either.
     let not_run = |lens: &[SharedLen]| -> f64 {
         lens.iter()
-            .zip(&trace.prompt_lens)
-            .map(|(shared, &prompt_len)| {
+            .map(|shared| {
                 let layers: f64 = (0..shared.positions)
                     .map(|p| flops_per_token(cfg, p + 1, false))
                     .sum();
-                let head_rows = shared.head.saturating_sub(prompt_len.saturating_sub(1));
-                layers + 2.0 * head_rows as f64 * head_macs(cfg)
+                layers + 2.0 * shared.head as f64 * head_macs(cfg)
             })
             .sum()
     };
@@ -463,12 +465,13 @@ mod tests {
             rollout_weight_bytes: 2.0,
         };
         let w = step_work(&facts, &trace, true);
-        // the head from position 1 (the prompt's last, predicting the response) on
-        let forward = per(1.0) - 2.0 * 40.0 + per(2.0) + per(3.0);
+        // the head at position 1 only (the prompt's last, predicting the response; the
+        // last position predicts nothing)
+        let forward = per(1.0) - 2.0 * 40.0 + per(2.0) + per(3.0) - 2.0 * 40.0;
         assert_eq!(
             w[1].flops,
             Some(forward),
-            "old pass: three positions, the head on two"
+            "old pass: three positions, the head on one"
         );
         assert_eq!(w[2].flops, Some(forward), "update forward");
         assert_eq!(w[3].flops, Some(2.0 * forward), "backward = 2 × forward");
@@ -520,13 +523,13 @@ mod tests {
         assert_eq!(w[1].flops, Some(forward - not_run), "old pass");
         assert_eq!(w[2].flops, Some(forward - not_run), "update forward");
         assert_eq!(w[3].flops, Some(2.0 * (forward - not_run)));
-        // Two positions shared, their head rows computed for the other sequence: the
-        // layers of positions 0 and 1 (attention over 1 and 2 keys) are not the step's
-        // work, nor the head at position 1 (the prompt's last, the row's first prediction);
-        // position 0 never ran the head here.
+        // Two positions shared, one head row computed for the other sequence: the layers
+        // of positions 0 and 1 (attention over 1 and 2 keys) are not the step's work, nor
+        // the head at position 1 (the prompt's last, the row's first prediction, the one
+        // its head read); position 0 never ran the head.
         let two = SharedLen {
             positions: 2,
-            head: 2,
+            head: 1,
         };
         let shared = StepTrace {
             update_shared_lens: vec![two],

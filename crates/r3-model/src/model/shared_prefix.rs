@@ -137,25 +137,34 @@ impl SharedPrefixes {
         &self.copies
     }
 
-    /// The rows the vocabulary head reads for positions `from..T` of every sequence of the
-    /// padded `(B, T)` batch: each distinct computed row once, in order of first use, and
-    /// per head position (sequence-major) its index among them. Positions a row stands for
-    /// in several sequences (and padding, which reads row 0) are one head row.
-    pub fn head_rows(&self, (b, t): (usize, usize), from: usize) -> HeadRows {
+    /// The rows the vocabulary head reads for the slots `slots` (`b·t + p`) of the padded
+    /// `(B, t)` batch: each distinct computed row once, in order of first use, and per slot
+    /// its index among them. Positions a row stands for in several sequences (and padding,
+    /// which reads row 0) are one head row.
+    pub fn head_rows(&self, slots: &[u32], t: usize) -> HeadRows {
         let mut index = vec![u32::MAX; self.rows()];
         let mut rows = Vec::new();
-        let of_position = (0..b)
-            .flat_map(|r| &self.row_of_slot[r * t + from..(r + 1) * t])
-            .map(|&row| {
+        let mut reused = vec![0; self.shared_lens.len()];
+        let of_position = slots
+            .iter()
+            .map(|&slot| {
+                let row = self.row_of_slot[slot as usize];
                 let at = &mut index[row as usize];
-                if *at == u32::MAX {
-                    *at = rows.len() as u32;
-                    rows.push(row);
+                match *at == u32::MAX {
+                    true => {
+                        *at = rows.len() as u32;
+                        rows.push(row);
+                    }
+                    false => reused[slot as usize / t] += 1,
                 }
                 *at
             })
             .collect();
-        HeadRows { rows, of_position }
+        HeadRows {
+            rows,
+            of_position,
+            reused,
+        }
     }
 
     /// `[rows · top_k]` per-row ids (one MoE layer's dispatch over the computed rows) spread
@@ -174,8 +183,10 @@ impl SharedPrefixes {
 pub struct HeadRows {
     /// The distinct computed rows the head reads, in order of first use.
     pub rows: Vec<u32>,
-    /// Per head position (sequence-major over positions `from..T`), its index in `rows`.
+    /// Per head slot, its index in `rows`.
     pub of_position: Vec<u32>,
+    /// Per sequence, how many of its head slots read a row an earlier slot read first.
+    pub reused: Vec<usize>,
 }
 
 /// How many leading positions sequences `a` and `b` may share: equal tokens, below both
@@ -235,12 +246,23 @@ mod tests {
         );
         // The head from position 2: slots (0, 2..5) rows 2, 3, 4; (1, 2..5) rows 2, 5, 0
         // (padding); (2, 2..5) rows 7, 0, 0. Distinct in order of first use: 2, 3, 4, 5,
-        // 0, 7.
+        // 0, 7; reused: one slot of sequence 1 (row 2), two of sequence 2 (row 0).
         assert_eq!(
-            s.head_rows((3, 5), 2),
+            s.head_rows(&[2, 3, 4, 7, 8, 9, 12, 13, 14], 5),
             HeadRows {
                 rows: vec![2, 3, 4, 5, 0, 7],
                 of_position: vec![0, 1, 2, 0, 3, 4, 5, 4, 4],
+                reused: vec![0, 1, 2],
+            }
+        );
+        // The predictions of the first two sequences' responses (after the prompt [5, 6,
+        // 7]): slots 2, 3 and 7, whose rows 2, 3, 2 share the prompt's last.
+        assert_eq!(
+            s.head_rows(&[2, 3, 7], 5),
+            HeadRows {
+                rows: vec![2, 3],
+                of_position: vec![0, 1, 0],
+                reused: vec![0, 1, 0],
             }
         );
     }

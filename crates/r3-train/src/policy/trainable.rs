@@ -3,16 +3,19 @@
 //! response tokens, entropy, and the routing mode of the forward (`Native`, `Record`,
 //! `Replay`) with the routes and replay proof it returns.
 
+use std::ops::Range;
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor, Var};
+use r3_model::model::head_positions::spread_over_spans;
 use r3_model::model::LayerRecompute;
-use r3_model::{Batch, Config, Model, Precision, ReplayProof, Routing, SharedLen, Weights};
+use r3_model::token_stats::{entropy, token_log_probs_host_checked};
+use r3_model::{
+    Batch, Config, HeadPositions, Model, Precision, ReplayProof, Routing, SharedLen, Weights,
+};
 use r3_routing::RouteTable;
 
-use crate::algo::logprob::{
-    entropy_from_logits, masked_mean, scalar_f32, token_log_probs_host_checked,
-};
+use crate::algo::logprob::{masked_mean, scalar_f32};
 use crate::error::{Result, TrainError};
 
 /// Prompt+response token sequences and where each response starts.
@@ -143,15 +146,14 @@ impl ResponseBatch {
 /// What scoring a batch returns.
 #[derive(Debug)]
 pub struct Scored {
-    /// `[B, T−1]` log-prob of each next token (garbage outside the response mask; 0 before
-    /// `logits_from`).
+    /// `[B, T−1]` log-prob of each next token: each row's response predictions (columns
+    /// `prompt_len − 1 .. len − 1`), 0 elsewhere.
     pub logp: Tensor,
-    /// `[B, T−1−logits_from, vocab]` logits of the predicting positions `logits_from..T−1`:
-    /// from the first response token's prediction of any row on (the head skips the
-    /// prompt positions before it, whose predictions no loss reads).
+    /// `[P, vocab]` logits of the response predictions, row after row (`spans`): the head
+    /// runs over no prompt or padding position, whose predictions no loss reads.
     pub logits: Tensor,
-    /// The first predicting position `logits` covers.
-    pub logits_from: usize,
+    /// Per row, the predicting positions `logits` covers: `prompt_len − 1 .. len − 1`.
+    pub spans: Vec<Range<usize>>,
     /// `Record`: the routes the forward chose, one table per sequence (`len` rows).
     pub routes: Option<Vec<RouteTable>>,
     /// `Replay`: the proof of what was replayed.
@@ -167,26 +169,17 @@ impl Scored {
         scalar_f32(&masked_mean(&self.entropy(false)?, mask)?)
     }
 
-    /// `[B, T−1]` entropy of the next-token distribution at every predicting position (0
-    /// before `logits_from`, where the head did not run: outside every response);
-    /// `differentiable` keeps its graph to the logits (an entropy bonus), else detached.
+    /// `[B, T−1]` entropy of the next-token distribution at each row's response predictions
+    /// (0 elsewhere, where the head did not run); `differentiable` keeps its graph to the
+    /// logits (an entropy bonus), else detached.
     pub fn entropy(&self, differentiable: bool) -> Result<Tensor> {
         let logits = match differentiable {
             true => self.logits.clone(),
             false => self.logits.detach(),
         };
-        zeros_before(&entropy_from_logits(&logits)?, self.logits_from)
+        let width = self.logp.dim(1)?;
+        Ok(spread_over_spans(&entropy(&logits)?, &self.spans, width)?)
     }
-}
-
-/// `[B, from + W]`: `from` zero columns, then `x` (`[B, W]`).
-fn zeros_before(x: &Tensor, from: usize) -> Result<Tensor> {
-    if from == 0 {
-        return Ok(x.clone());
-    }
-    let b = x.dim(0)?;
-    let zeros = Tensor::zeros((b, from), x.dtype(), x.device())?;
-    Ok(Tensor::cat(&[&zeros, x], 1)?)
 }
 
 /// Runs the training forward over `batch` with `routing` and takes the log-prob of every
@@ -207,34 +200,36 @@ pub fn score_with<'m>(
     share_prefixes: bool,
 ) -> Result<(Scored, Option<LayerRecompute<'m>>)> {
     let padded = Batch::new(batch.sequences(), 0, model.device())?.sharing_prefixes(share_prefixes);
-    // The first position predicting a response token of any row (`ResponseBatch::new`
-    // keeps every prompt non-empty): the logits start there.
-    let from = batch.prompt_lens().iter().min().map_or(0, |p| p - 1);
+    // Each row's response predictions (`ResponseBatch::new` keeps every prompt and
+    // response non-empty): the head runs there only.
+    let spans: Vec<Range<usize>> = batch
+        .sequences()
+        .iter()
+        .zip(batch.prompt_lens())
+        .map(|(s, &p)| p - 1..s.len() - 1)
+        .collect();
+    let head = HeadPositions::Spans(spans.clone());
     let (out, layers) = match recompute {
         true => {
-            let (out, layers) = model.forward_recomputing(&padded, routing, from)?;
+            let (out, layers) = model.forward_recomputing(&padded, routing, head)?;
             (out, Some(layers))
         }
-        false => (model.forward_logits_from(&padded, routing, from)?, None),
+        false => (model.forward_head(&padded, routing, head)?, None),
     };
-    let t = padded.seq_len();
-    let width = t - 1 - from;
-    // Made contiguous once here: the token log-probs and the entropy each copied the
-    // narrowed view again (two serial copies of every micro-batch's logits).
-    let logits = out.logits.narrow(1, 0, width)?.contiguous()?;
-    let targets = padded.input_ids().narrow(1, from + 1, width)?;
-    // The same targets on the host, where their range is checked (a device read per
-    // forward otherwise).
-    let host_targets: Vec<u32> = padded
-        .host_ids()
-        .chunks(t)
-        .flat_map(|row| row[from + 1..].iter().copied())
+    // The tokens they predict, on the host, where their range is checked (a device read
+    // per forward otherwise).
+    let host_targets: Vec<u32> = batch
+        .sequences()
+        .iter()
+        .zip(&spans)
+        .flat_map(|(s, span)| s[span.start + 1..=span.end].iter().copied())
         .collect();
-    let logp = token_log_probs_host_checked(&logits, &targets, &host_targets)?;
+    let targets = Tensor::from_slice(&host_targets, host_targets.len(), model.device())?;
+    let logp = token_log_probs_host_checked(&out.logits, &targets, &host_targets)?;
     let scored = Scored {
-        logp: zeros_before(&logp, from)?,
-        logits,
-        logits_from: from,
+        logp: spread_over_spans(&logp, &spans, padded.seq_len() - 1)?,
+        logits: out.logits,
+        spans,
         routes: out.routes,
         replay: out.replay,
         shared_lens: out.shared_lens,

@@ -1,0 +1,206 @@
+//! The policy's scoring runs the vocabulary head over each row's response predictions only
+//! (no prompt position, no padding): its log-probs and entropies there are, bit for bit,
+//! the ones a forward over all positions gives, every other column is 0, and the weights'
+//! gradients of a loss of them are the whole forward's (to float rounding: the head's
+//! weight gradient sums fewer rows, in another grouping).
+
+mod common;
+
+use candle_core::{IndexOp, Tensor};
+use common::{tiny_model, Scratch};
+use r3_model::{Batch, Routing};
+use r3_train::policy::{score, score_with, ResponseBatch, TrainablePolicy};
+use r3_train::{entropy_from_logits, token_log_probs};
+
+/// Rows with prompts of 4, 6, 3 and 5 tokens and responses of 5, 2, 7 and 4.
+fn batch() -> ResponseBatch {
+    let lens = [(4, 5), (6, 2), (3, 7), (5, 4)];
+    let sequences = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &(p, r))| {
+            std::iter::once(1)
+                .chain((1..p + r).map(|j| 4 + ((i * 5 + j * 7) % 18) as u32))
+                .collect()
+        })
+        .collect();
+    ResponseBatch::new(sequences, lens.iter().map(|&(p, _)| p).collect()).expect("batch")
+}
+
+/// A tiny HF-style MoE model written under a scratch folder (kept while the policy is used)
+/// and loaded as a policy.
+fn tiny_policy(tag: &str) -> (Scratch, TrainablePolicy) {
+    let dir = Scratch::new(tag);
+    tiny_model(&dir.path().join("model"), 3);
+    let policy = TrainablePolicy::load(&dir.path().join("model")).expect("policy");
+    (dir, policy)
+}
+
+fn rows(t: &Tensor) -> Vec<Vec<f32>> {
+    t.to_vec2::<f32>().expect("rows")
+}
+
+#[test]
+fn response_log_probs_and_entropy_equal_the_whole_forwards() {
+    let (_dir, policy) = tiny_policy("response-head");
+    let model = policy.frozen_model().expect("model");
+    let batch = batch();
+    let device = policy.device();
+    for routing in [Routing::Native, Routing::Record] {
+        let scored = score(&model, &batch, routing).expect("score");
+        assert_eq!(scored.spans, [3..8, 5..7, 2..9, 4..8]);
+        let width = batch.width();
+        assert_eq!(scored.logp.dims(), [batch.len(), width]);
+        assert_eq!(
+            scored.logits.dims()[0],
+            5 + 2 + 7 + 4,
+            "one head row per response token"
+        );
+
+        // The whole forward, every position through the head.
+        let padded = Batch::new(batch.sequences(), 0, &device).expect("padded");
+        let whole = model.forward(&padded, Routing::Native).expect("forward");
+        let logits = whole.logits.i((.., ..width, ..)).expect("narrow");
+        let targets = padded.input_ids().narrow(1, 1, width).expect("targets");
+        let want_logp = rows(&token_log_probs(&logits, &targets).expect("logp"));
+        let want_ent = rows(&entropy_from_logits(&logits).expect("entropy"));
+
+        let got_logp = rows(&scored.logp);
+        let got_ent = rows(&scored.entropy(false).expect("entropy"));
+        let mask = rows(&batch.response_mask(None, &device).expect("mask"));
+        let mut compared = 0;
+        for (i, m) in mask.iter().enumerate() {
+            for (j, &inside) in m.iter().enumerate() {
+                if inside == 0.0 {
+                    // Never computed: zeros, outside every response.
+                    assert_eq!((got_logp[i][j], got_ent[i][j]), (0.0, 0.0), "{i},{j}");
+                    continue;
+                }
+                // Each row is normed and projected alone, its products added in the same
+                // order whatever the GEMM's height: the same bits.
+                let (a, b) = (got_logp[i][j], want_logp[i][j]);
+                assert!(a.to_bits() == b.to_bits(), "logp {i},{j}: {a} vs {b}");
+                let (a, b) = (got_ent[i][j], want_ent[i][j]);
+                assert!(a.to_bits() == b.to_bits(), "entropy {i},{j}: {a} vs {b}");
+                compared += 1;
+            }
+        }
+        let responses: usize = (0..batch.len()).map(|i| batch.response_len(i)).sum();
+        assert_eq!(compared, responses, "every response token compared");
+
+        // Sharing prefixes (these rows share none: every row still runs alone) and with a
+        // recomputing forward, the same values.
+        for (recompute, share) in [(false, true), (true, false), (true, true)] {
+            let (again, _) =
+                score_with(&model, &batch, routing, recompute, share).expect("score again");
+            assert_eq!(again.spans, scored.spans);
+            assert_eq!(
+                rows(&again.logp),
+                got_logp,
+                "recompute {recompute} share {share}"
+            );
+        }
+    }
+}
+
+/// Two samples of one prompt, scored sharing it: each response's log-probs are the unshared
+/// scoring's (to float rounding).
+#[test]
+fn a_shared_prompt_scores_as_the_unshared_one() {
+    let (_dir, policy) = tiny_policy("response-head-shared");
+    let model = policy.frozen_model().expect("model");
+    let prompt = [1u32, 5, 9, 13];
+    let sequences: Vec<Vec<u32>> = [[4u32, 6, 8], [7, 11, 4]]
+        .iter()
+        .map(|r| prompt.iter().chain(r).copied().collect())
+        .collect();
+    let batch = ResponseBatch::new(sequences, vec![4, 4]).expect("batch");
+    let (plain, _) = score_with(&model, &batch, Routing::Native, false, false).expect("plain");
+    let (shared, _) = score_with(&model, &batch, Routing::Native, false, true).expect("shared");
+    let lens: Vec<(usize, usize)> = shared
+        .shared_lens
+        .iter()
+        .map(|s| (s.positions, s.head))
+        .collect();
+    // One sample's prompt computed for the other; one of the six head rows (the prompt's
+    // last) repeats, under the quarter: the head runs per position.
+    assert_eq!(lens.iter().map(|l| l.0).sum::<usize>(), 4, "{lens:?}");
+    assert!(lens.iter().all(|l| l.1 == 0), "{lens:?}");
+    let (a, b) = (rows(&plain.logp), rows(&shared.logp));
+    for (ra, rb) in a.iter().zip(&b) {
+        for (x, y) in ra.iter().zip(rb) {
+            assert!((x - y).abs() <= 1e-5 * x.abs().max(1.0), "{x} vs {y}");
+        }
+    }
+    assert_eq!(
+        shared.logits.dims()[0],
+        6,
+        "one head row per response token"
+    );
+}
+
+/// The weights' gradients of a masked sum of the response log-probs, with and without
+/// prefix sharing, against the same loss over a forward whose head ran at every position.
+#[test]
+fn the_gradients_are_the_whole_forwards() {
+    let (_dir, policy) = tiny_policy("response-head-grads");
+    let model = policy.model().expect("model");
+    let batch = batch();
+    let device = policy.device();
+    let mask = batch.response_mask(None, &device).expect("mask");
+    let width = batch.width();
+    let padded = Batch::new(batch.sequences(), 0, &device).expect("padded");
+    let whole = model.forward(&padded, Routing::Native).expect("forward");
+    let logits = whole.logits.i((.., ..width, ..)).expect("narrow");
+    let targets = padded.input_ids().narrow(1, 1, width).expect("targets");
+    let want = (token_log_probs(&logits, &targets).expect("logp") * &mask)
+        .and_then(|l| l.sum_all())
+        .and_then(|l| l.backward())
+        .expect("whole forward's gradients");
+    for share in [false, true] {
+        let (scored, _) = score_with(&model, &batch, Routing::Native, false, share).expect("score");
+        let got = (&scored.logp * &mask)
+            .and_then(|l| l.sum_all())
+            .and_then(|l| l.backward())
+            .expect("gradients");
+        for (name, var) in policy.vars() {
+            let w = want.get(var.as_tensor()).expect("whole gradient");
+            let g = got.get(var.as_tensor()).expect("gradient");
+            let diff = w
+                .sub(g)
+                .and_then(|d| d.abs())
+                .and_then(|d| d.max_all())
+                .and_then(|d| d.to_scalar::<f32>())
+                .expect("difference");
+            let scale = w
+                .abs()
+                .and_then(|d| d.max_all())
+                .and_then(|d| d.to_scalar::<f32>())
+                .expect("scale");
+            assert!(
+                diff <= 1e-5 * scale.max(1e-6),
+                "{name} (share {share}): {diff} of {scale}"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_forward_refuses_logits_past_its_positions() {
+    let (_dir, policy) = tiny_policy("logits-from-range");
+    let model = policy.frozen_model().expect("model");
+    let padded = Batch::new(batch().sequences(), 0, &policy.device()).expect("padded");
+    let t = padded.seq_len();
+    let err = model
+        .forward_logits_from(&padded, Routing::Native, t)
+        .expect_err("no positions left");
+    assert!(
+        err.to_string()
+            .contains(&format!("logits from position {t}")),
+        "{err}"
+    );
+    let last = model
+        .forward_logits_from(&padded, Routing::Native, t - 1)
+        .expect("the last position");
+    assert_eq!(last.logits.dims()[1], 1);
+}
