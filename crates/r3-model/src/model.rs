@@ -4,10 +4,13 @@
 
 pub mod decode;
 pub mod head_positions;
+pub mod head_scores;
 mod recompute;
 pub mod shared_prefix;
 
 pub use head_positions::HeadPositions;
+use head_scores::head_scores;
+pub use head_scores::ScoreTargets;
 pub use recompute::LayerRecompute;
 use recompute::RecomputeInputs;
 use shared_prefix::SharedPrefixes;
@@ -370,7 +373,9 @@ impl Model {
         routing: Routing<'_>,
         head: HeadPositions,
     ) -> Result<ForwardOutput> {
-        Ok(self.forward_layers(batch, routing, false, false, head)?.0)
+        Ok(self
+            .forward_layers(batch, routing, false, false, head, None)?
+            .0)
     }
 
     /// Forward pass that can also return per-layer hidden states.
@@ -387,6 +392,7 @@ impl Model {
                 capture_hidden,
                 false,
                 HeadPositions::From(0),
+                None,
             )?
             .0)
     }
@@ -405,7 +411,7 @@ impl Model {
         routing: Routing<'_>,
         head: HeadPositions,
     ) -> Result<(ForwardOutput, LayerRecompute<'_>)> {
-        match self.forward_layers(batch, routing, false, true, head)? {
+        match self.forward_layers(batch, routing, false, true, head, None)? {
             (out, Some(recompute)) => Ok((out, recompute)),
             (_, None) => Err(ModelError::Input(
                 "a recomputing forward kept no layer inputs".into(),
@@ -413,9 +419,27 @@ impl Model {
         }
     }
 
+    /// [`Model::forward_head`] (with `recompute`, [`Model::forward_recomputing`]) whose head
+    /// scores its rows against `targets` instead of handing back their logits: the
+    /// output's `logits` is `[P, 2]`, per head position the log-prob of its target and the
+    /// entropy of its next-token distribution, computed `targets.chunk_rows` rows at a time
+    /// and differentiable with no logits kept ([`head_scores`]). For a policy's scoring at a
+    /// large vocabulary, whose logits would be the largest tensors of a step.
+    pub fn forward_scores(
+        &self,
+        batch: &Batch,
+        routing: Routing<'_>,
+        head: HeadPositions,
+        targets: &ScoreTargets,
+        recompute: bool,
+    ) -> Result<(ForwardOutput, Option<LayerRecompute<'_>>)> {
+        self.forward_layers(batch, routing, false, recompute, head, Some(targets))
+    }
+
     /// The forward of [`Model::forward_with`]; with `recompute`, each layer's graph is
     /// dropped once it has run, and what its backward needs to run it again is returned;
-    /// logits for the positions `head` names only.
+    /// logits for the positions `head` names only, or with `scores` those positions'
+    /// scores ([`Model::forward_scores`]).
     fn forward_layers(
         &self,
         batch: &Batch,
@@ -423,6 +447,7 @@ impl Model {
         capture_hidden: bool,
         recompute: bool,
         head: HeadPositions,
+        scores: Option<&ScoreTargets>,
     ) -> Result<(ForwardOutput, Option<LayerRecompute<'_>>)> {
         let cfg = &self.cfg;
         let device = self.embed.device();
@@ -574,9 +599,27 @@ impl Model {
         // before it or after gives the same values (after, where every normed state is
         // returned).
         let mut head_reused = vec![0; b];
-        let logits = match (&shared, hidden.as_mut()) {
+        let logits = match (scores, &shared, hidden.as_mut()) {
+            // Each head position's row of the last layer's states, scored chunk by chunk.
+            (Some(scores), shared, _) => {
+                let rows = match shared {
+                    Some(shared) => {
+                        let n = shared.rows();
+                        let picks = head_slots
+                            .iter()
+                            .map(|&slot| shared.row_of_slot()[slot as usize])
+                            .collect();
+                        GatherRows::new(picks, n, n)?.apply(&x)?
+                    }
+                    None => {
+                        let rows = head_input(x, &head, head_slots)?;
+                        rows.reshape(((), cfg.hidden_size))?
+                    }
+                };
+                head_scores(&rows, &self.norm, &self.lm_head, scores)?
+            }
             // Each computed row the head reads normed once.
-            (Some(shared), _) => {
+            (None, Some(shared), _) => {
                 let (logits, reused) = self.shared_head(&x, shared, &head_slots, t)?;
                 head_reused = reused;
                 match head {
@@ -587,12 +630,12 @@ impl Model {
                     HeadPositions::Spans(_) => logits,
                 }
             }
-            (None, Some(h)) => {
+            (None, None, Some(h)) => {
                 let x = self.norm.forward(&x)?;
                 h.push(x.clone());
                 self.lm_head.forward(&head_input(x, &head, head_slots)?)?
             }
-            (None, None) => self
+            (None, None, None) => self
                 .lm_head
                 .forward(&self.norm.forward(&head_input(x, &head, head_slots)?)?)?,
         };

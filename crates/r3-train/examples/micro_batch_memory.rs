@@ -8,7 +8,11 @@
 //!
 //! One setting per process, so each peak is its own:
 //! `cargo run -p r3-train --example micro_batch_memory -- models/gsm8k-moe 256 4096`
-//! (a fourth argument `checkpointing` turns on `algo.gradient_checkpointing`)
+//! (`checkpointing` after them turns on `algo.gradient_checkpointing`, `warm` measures a
+//! second update, the optimiser's moments already written as in a run's later steps,
+//! `head-chunk=N` sets
+//! `algo.head_chunk_tokens`; `mid` for the model directory is `r3 bench train`'s mid-size
+//! config with seeded random weights, vocabulary 32,000)
 //!
 //! Measured 2026-11-26 on models/gsm8k-moe (dev profile, shared 2-core machine), peak over
 //! the resident set before the update: at a budget of 4096 tokens, 32 / 128 / 256 sequences
@@ -52,20 +56,45 @@ fn synthetic_batch(n: usize, vocab: u32) -> Result<ResponseBatch, Box<dyn std::e
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let (model, n, budget, checkpointing) = match args.as_slice() {
-        [model, n, budget] => (model, n, budget, false),
-        [model, n, budget, flag] if flag == "checkpointing" => (model, n, budget, true),
-        _ => {
-            return Err(
-                "usage: micro_batch_memory MODEL_DIR SEQUENCES TOKEN_BUDGET [checkpointing]".into(),
-            )
-        }
+    let usage = "usage: micro_batch_memory MODEL_DIR|mid SEQUENCES TOKEN_BUDGET [checkpointing] \
+                 [warm] [head-chunk=TOKENS]";
+    let [model, n, budget, flags @ ..] = args.as_slice() else {
+        return Err(usage.into());
     };
+    let mut checkpointing = false;
+    let mut warm = false;
+    let mut head_chunk = 0usize;
+    for flag in flags {
+        match flag.split_once('=') {
+            None if flag == "checkpointing" => checkpointing = true,
+            None if flag == "warm" => warm = true,
+            Some(("head-chunk", tokens)) => {
+                head_chunk = tokens
+                    .parse()
+                    .map_err(|e| format!("head-chunk {tokens:?}: {e}"))?
+            }
+            _ => return Err(format!("{flag:?}: {usage}").into()),
+        }
+    }
     let n: usize = n.parse().map_err(|e| format!("SEQUENCES {n:?}: {e}"))?;
     let budget: usize = budget
         .parse()
         .map_err(|e| format!("TOKEN_BUDGET {budget:?}: {e}"))?;
-    let policy = TrainablePolicy::load(&PathBuf::from(model))?;
+    // `mid`: `r3 bench train`'s mid-size config (vocabulary 32,000) with seeded random
+    // weights, where the logits are a large part of an update's memory.
+    let policy = match model.as_str() {
+        "mid" => {
+            let cfg = r3_model::presets::mid_size_bench_config()?;
+            // `r3 bench train`'s initialisation.
+            let mut init = r3_model::RandomInit::new(0);
+            init.std = 0.02;
+            init.router_std = 0.02;
+            init.norm_jitter = 0.0;
+            let weights = r3_model::Weights::random(&cfg, &init, &candle_core::Device::Cpu)?;
+            TrainablePolicy::new(cfg, weights)?
+        }
+        dir => TrainablePolicy::load(&PathBuf::from(dir))?,
+    };
     let vocab = policy.config().vocab_size as u32;
     let batch = synthetic_batch(n, vocab)?;
     let device = policy.device();
@@ -76,6 +105,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         AdamWParams::default(),
         decay_matrices_only,
     )?;
+    // Each tensor's update staged alone (`optim.update_staging = "tensor_by_tensor"`): the
+    // whole-model staging (12 bytes a parameter) would set the peak of a large model's
+    // update, above what its forward and backward hold.
+    opt.set_staging(r3_train::UpdateStaging::TensorByTensor);
     let mb = MiniBatch {
         batch: &batch,
         old_logp: None,
@@ -91,12 +124,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         max_tokens_per_micro_batch: budget,
         gradient_checkpointing: checkpointing,
         share_prefixes: false,
+        head_chunk_tokens: head_chunk,
         narrow_gradients: false,
         lr: 1e-4,
         ..update_settings(&TrainConfig::default())
     };
     let lens = sequence_lens(&batch);
     let parts = pack_micro_batches(&lens, budget);
+    if warm {
+        // A step of a run past its first: the optimiser's moments already written.
+        update_minibatch(&policy, &mut opt, &mb, &settings)?;
+    }
     let base = read_memory().ok_or("no /proc/self/status")?;
     let reset = reset_peak();
     let started = Instant::now();
@@ -104,7 +142,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let seconds = started.elapsed().as_secs_f64();
     let after = read_memory().ok_or("no /proc/self/status")?;
     println!(
-        "{{\"sequences\": {n}, \"tokens\": {}, \"padded_tokens\": {}, \"budget\": {budget}, \"checkpointing\": {checkpointing}, \
+        "{{\"sequences\": {n}, \"tokens\": {}, \"padded_tokens\": {}, \"budget\": {budget}, \"checkpointing\": {checkpointing}, \"warm\": {warm}, \"head_chunk\": {head_chunk}, \
          \"micro_batches\": {}, \"rss_before_mib\": {:.0}, \"update_peak_mib\": {:.0}, \
          \"peak_over_base_mib\": {:.0}, \"rss_after_mib\": {:.0}, \"peak_reset\": {reset}, \"applied\": {}, \
          \"seconds\": {seconds:.2}}}",

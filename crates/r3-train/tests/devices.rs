@@ -372,3 +372,80 @@ fn cuda_training_state_matches_the_cpu() {
         .expect("a CUDA GPU (this test runs on the GPU machine)");
     compare(&gpu, 1e-5, 1e-5, 2e-3 + 1e-5);
 }
+
+/// The policy's scoring on `device` (the head over the response predictions only; sharing
+/// the prompt of a group; the head whole or in chunks without its logits kept, with an
+/// entropy bonus): per option set, the masked response log-probs, entropies and every
+/// weight's gradient of `Σ (logp + ½·entropy)` over the responses, on the CPU.
+fn scoring(device: &Device) -> Vec<(String, Vec<f32>)> {
+    use r3_train::policy::{score_with, ResponseBatch, ScoreOptions};
+    let policy = TrainablePolicy::load_on(base_model(), device).expect("policy");
+    let model = policy.model().expect("model");
+    // Two samples of one prompt and one of another, responses of 4, 6 and 3 tokens.
+    let prompt = [3u32, 9, 14, 5, 7];
+    let sequences = vec![
+        prompt.iter().chain(&[11, 4, 8, 6]).copied().collect(),
+        prompt
+            .iter()
+            .chain(&[12, 4, 8, 6, 15, 9])
+            .copied()
+            .collect(),
+        vec![3, 8, 8, 10, 13, 4, 6],
+    ];
+    let batch = ResponseBatch::new(sequences, vec![5, 5, 4]).expect("batch");
+    let mask = batch.response_mask(None, device).expect("mask");
+    let vars: Vec<Var> = policy.vars().iter().map(|(_, v)| v.clone()).collect();
+    let mut out = Vec::new();
+    for (share, chunk, recompute) in [(false, 0, false), (true, 0, false), (true, 4, true)] {
+        let options = ScoreOptions {
+            recompute,
+            share_prefixes: share,
+            head_chunk_tokens: chunk,
+            entropy_grad: true,
+        };
+        let case = format!("share {share} chunk {chunk} recompute {recompute}");
+        let (scored, layers) = score_with(&model, &batch, Routing::Native, options).expect("score");
+        let logp = (&scored.logp * &mask).expect("masked log-probs");
+        let entropy = (scored.entropy(true).expect("entropy") * &mask).expect("masked");
+        let loss =
+            (logp.sum_all().expect("sum") + (entropy.sum_all().expect("sum") * 0.5)).expect("loss");
+        let grads = match layers {
+            Some(layers) => layers.backward(&loss, &vars).expect("recomputed backward"),
+            None => loss.backward().expect("backward"),
+        };
+        out.push((format!("{case} logp"), values(&logp)));
+        out.push((format!("{case} entropy"), values(&entropy)));
+        for (name, var) in policy.vars() {
+            let g = grads.get(var.as_tensor()).expect("gradient");
+            out.push((
+                format!("{case} {name}"),
+                values(&g.to_dtype(DType::F32).expect("f32")),
+            ));
+        }
+    }
+    out
+}
+
+/// [`scoring`] on `device` against the CPU's: every value within `tol` of the largest of
+/// its tensor (at least 1).
+fn compare_scoring(device: &Device, tol: f32) {
+    for ((name, a), (_, b)) in scoring(&Device::Cpu).iter().zip(&scoring(device)) {
+        let scale = a.iter().fold(1f32, |m, x| m.max(x.abs()));
+        let d = max_diff(a, b);
+        assert!(d <= tol * scale, "{name}: differs by {d} (scale {scale})");
+    }
+}
+
+#[test]
+fn scoring_gives_the_same_bits_on_a_second_cpu_copy() {
+    compare_scoring(&Device::Cpu, 0.0);
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn scoring_on_cuda_matches_the_cpu() {
+    let gpu = r3_model::DeviceSpec::Cuda { ordinal: 0 }
+        .open()
+        .expect("a CUDA GPU (this test runs on the GPU machine)");
+    compare_scoring(&gpu, 1e-4);
+}

@@ -239,6 +239,7 @@ fn run_in(
         max_tokens_per_micro_batch: budget,
         gradient_checkpointing: checkpointing,
         share_prefixes: case.share,
+        head_chunk_tokens: 0,
         narrow_gradients,
     };
     GRADS.with(|g| g.borrow_mut().clear());

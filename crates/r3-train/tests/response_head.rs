@@ -9,7 +9,7 @@ mod common;
 use candle_core::{IndexOp, Tensor};
 use common::{tiny_model, Scratch};
 use r3_model::{Batch, Routing};
-use r3_train::policy::{score, score_with, ResponseBatch, TrainablePolicy};
+use r3_train::policy::{score, score_with, ResponseBatch, ScoreOptions, TrainablePolicy};
 use r3_train::{entropy_from_logits, token_log_probs};
 
 /// Rows with prompts of 4, 6, 3 and 5 tokens and responses of 5, 2, 7 and 4.
@@ -40,6 +40,17 @@ fn rows(t: &Tensor) -> Vec<Vec<f32>> {
     t.to_vec2::<f32>().expect("rows")
 }
 
+/// Scoring options: activation checkpointing, prefix sharing, head chunk (0: whole) and the
+/// entropy's gradient.
+fn options(recompute: bool, share: bool, chunk: usize, entropy_grad: bool) -> ScoreOptions {
+    ScoreOptions {
+        recompute,
+        share_prefixes: share,
+        head_chunk_tokens: chunk,
+        entropy_grad,
+    }
+}
+
 #[test]
 fn response_log_probs_and_entropy_equal_the_whole_forwards() {
     let (_dir, policy) = tiny_policy("response-head");
@@ -51,8 +62,9 @@ fn response_log_probs_and_entropy_equal_the_whole_forwards() {
         assert_eq!(scored.spans, [3..8, 5..7, 2..9, 4..8]);
         let width = batch.width();
         assert_eq!(scored.logp.dims(), [batch.len(), width]);
+        let logits = scored.logits.as_ref().expect("logits kept whole");
         assert_eq!(
-            scored.logits.dims()[0],
+            logits.dims()[0],
             5 + 2 + 7 + 4,
             "one head row per response token"
         );
@@ -89,16 +101,37 @@ fn response_log_probs_and_entropy_equal_the_whole_forwards() {
         assert_eq!(compared, responses, "every response token compared");
 
         // Sharing prefixes (these rows share none: every row still runs alone) and with a
-        // recomputing forward, the same values.
-        for (recompute, share) in [(false, true), (true, false), (true, true)] {
-            let (again, _) =
-                score_with(&model, &batch, routing, recompute, share).expect("score again");
+        // recomputing forward: the same bits. Scoring the head a few rows at a time without
+        // keeping the logits: the same values to float rounding (the CPU's GEMM sums a
+        // product in another order for another height), the same bits in one chunk.
+        for (recompute, share, chunk) in [
+            (false, true, 0),
+            (true, false, 0),
+            (true, true, 0),
+            (false, false, 1),
+            (false, false, 4),
+            (true, true, 5),
+            (false, false, 100),
+        ] {
+            let opts = options(recompute, share, chunk, false);
+            let (again, _) = score_with(&model, &batch, routing, opts).expect("score again");
+            let case = format!("recompute {recompute} share {share} chunk {chunk}");
             assert_eq!(again.spans, scored.spans);
-            assert_eq!(
-                rows(&again.logp),
-                got_logp,
-                "recompute {recompute} share {share}"
-            );
+            assert_eq!(again.logits.is_none(), chunk > 0, "{case}");
+            let ent = again.entropy(false).expect("entropy");
+            let pairs = [(rows(&again.logp), &got_logp), (rows(&ent), &got_ent)];
+            for (got, want) in pairs {
+                if chunk == 0 || chunk >= responses {
+                    assert_eq!(&got, want, "{case}");
+                    continue;
+                }
+                for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
+                    assert!(
+                        (g - w).abs() <= 2e-6 * w.abs().max(1.0),
+                        "{case}: {g} vs {w}"
+                    );
+                }
+            }
         }
     }
 }
@@ -115,8 +148,20 @@ fn a_shared_prompt_scores_as_the_unshared_one() {
         .map(|r| prompt.iter().chain(r).copied().collect())
         .collect();
     let batch = ResponseBatch::new(sequences, vec![4, 4]).expect("batch");
-    let (plain, _) = score_with(&model, &batch, Routing::Native, false, false).expect("plain");
-    let (shared, _) = score_with(&model, &batch, Routing::Native, false, true).expect("shared");
+    let (plain, _) = score_with(
+        &model,
+        &batch,
+        Routing::Native,
+        options(false, false, 0, false),
+    )
+    .expect("plain");
+    let (shared, _) = score_with(
+        &model,
+        &batch,
+        Routing::Native,
+        options(false, true, 0, false),
+    )
+    .expect("shared");
     let lens: Vec<(usize, usize)> = shared
         .shared_lens
         .iter()
@@ -132,15 +177,13 @@ fn a_shared_prompt_scores_as_the_unshared_one() {
             assert!((x - y).abs() <= 1e-5 * x.abs().max(1.0), "{x} vs {y}");
         }
     }
-    assert_eq!(
-        shared.logits.dims()[0],
-        6,
-        "one head row per response token"
-    );
+    let logits = shared.logits.as_ref().expect("logits kept whole");
+    assert_eq!(logits.dims()[0], 6, "one head row per response token");
 }
 
 /// The weights' gradients of a masked sum of the response log-probs, with and without
-/// prefix sharing, against the same loss over a forward whose head ran at every position.
+/// prefix sharing, the head's logits kept whole or scored a few rows at a time, against the
+/// same loss over a forward whose head ran at every position.
 #[test]
 fn the_gradients_are_the_whole_forwards() {
     let (_dir, policy) = tiny_policy("response-head-grads");
@@ -157,8 +200,9 @@ fn the_gradients_are_the_whole_forwards() {
         .and_then(|l| l.sum_all())
         .and_then(|l| l.backward())
         .expect("whole forward's gradients");
-    for share in [false, true] {
-        let (scored, _) = score_with(&model, &batch, Routing::Native, false, share).expect("score");
+    for (share, chunk) in [(false, 0), (true, 0), (false, 3), (true, 7)] {
+        let opts = options(false, share, chunk, false);
+        let (scored, _) = score_with(&model, &batch, Routing::Native, opts).expect("score");
         let got = (&scored.logp * &mask)
             .and_then(|l| l.sum_all())
             .and_then(|l| l.backward())
@@ -179,7 +223,7 @@ fn the_gradients_are_the_whole_forwards() {
                 .expect("scale");
             assert!(
                 diff <= 1e-5 * scale.max(1e-6),
-                "{name} (share {share}): {diff} of {scale}"
+                "{name} (share {share}, chunk {chunk}): {diff} of {scale}"
             );
         }
     }
@@ -203,4 +247,67 @@ fn the_forward_refuses_logits_past_its_positions() {
         .forward_logits_from(&padded, Routing::Native, t - 1)
         .expect("the last position");
     assert_eq!(last.logits.dims()[1], 1);
+}
+
+/// An entropy bonus through a chunked scoring: the gradients of the log-probs' and the
+/// entropies' masked sums equal those of the whole logits' (within 1e-5 relative), with and
+/// without a recomputing forward; a differentiable entropy of a chunked scoring that was
+/// not asked for its gradient is refused, naming the setting.
+#[test]
+fn a_chunked_entropy_bonus_has_the_whole_heads_gradients() {
+    let (_dir, policy) = tiny_policy("response-head-entropy");
+    let model = policy.model().expect("model");
+    let batch = batch();
+    let vars: Vec<_> = policy.vars().iter().map(|(_, v)| v.clone()).collect();
+    let mask = batch.response_mask(None, &policy.device()).expect("mask");
+    let grads_of = |chunk: usize, recompute: bool| -> Vec<Vec<f32>> {
+        let opts = options(recompute, false, chunk, true);
+        let (scored, layers) = score_with(&model, &batch, Routing::Native, opts).expect("score");
+        let bonus = scored
+            .entropy(true)
+            .and_then(|e| Ok(e.affine(0.5, 0.0)?))
+            .expect("entropy");
+        let loss = (&scored.logp + bonus)
+            .and_then(|l| l * &mask)
+            .and_then(|l| l.sum_all())
+            .expect("loss");
+        let store = match layers {
+            Some(layers) => layers.backward(&loss, &vars).expect("recomputed backward"),
+            None => loss.backward().expect("backward"),
+        };
+        vars.iter()
+            .map(|v| {
+                store
+                    .get(v.as_tensor())
+                    .expect("gradient")
+                    .flatten_all()
+                    .and_then(|g| g.to_dtype(candle_core::DType::F32))
+                    .and_then(|g| g.to_vec1::<f32>())
+                    .expect("values")
+            })
+            .collect()
+    };
+    let whole = grads_of(0, false);
+    for (chunk, recompute) in [(2, false), (6, true), (0, true)] {
+        let got = grads_of(chunk, recompute);
+        for (i, (want, got)) in whole.iter().zip(&got).enumerate() {
+            let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
+            let diff = want
+                .iter()
+                .zip(got)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            let name = &policy.vars()[i].0;
+            assert!(
+                diff <= 1e-5 * scale,
+                "{name} chunk {chunk} recompute {recompute}: {diff} of {scale}"
+            );
+        }
+    }
+    let opts = options(false, false, 3, false);
+    let (scored, _) = score_with(&model, &batch, Routing::Native, opts).expect("score");
+    let err = scored
+        .entropy(true)
+        .expect_err("no entropy gradient asked for");
+    assert!(err.to_string().contains("algo.head_chunk_tokens"), "{err}");
+    assert!(scored.entropy(false).is_ok());
 }

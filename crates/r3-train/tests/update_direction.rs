@@ -87,6 +87,7 @@ fn check(kind: PolicyLossKind, replay: bool) {
         max_tokens_per_micro_batch: 0,
         gradient_checkpointing: false,
         share_prefixes: true,
+        head_chunk_tokens: 0,
         narrow_gradients: false,
     };
     let r = update_minibatch(&policy, &mut opt, &mb, &settings).expect("update");

@@ -34,6 +34,11 @@ impl RmsNorm {
         })
     }
 
+    /// The learned scale `[H]`.
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
     /// Sets the precision (bf16: the scale read as bf16, the output rounded to bf16).
     pub fn set_precision(&mut self, precision: Precision) {
         self.precision = precision;

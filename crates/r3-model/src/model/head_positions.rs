@@ -61,6 +61,16 @@ fn check_from(from: usize, t: usize) -> Result<()> {
     }
 }
 
+/// Refuses `got` values of `what` where there are `want` rows.
+pub(crate) fn check_rows(what: &str, got: usize, want: usize) -> Result<()> {
+    match got == want {
+        true => Ok(()),
+        false => Err(ModelError::Input(format!(
+            "{what}: {got} for {want} head rows"
+        ))),
+    }
+}
+
 /// Refuses `spans` unless there is one per sequence, each within its sequence's `lengths`.
 fn check_spans(spans: &[Range<usize>], lengths: &[usize]) -> Result<()> {
     if spans.len() != lengths.len() {

@@ -260,6 +260,14 @@ pub struct AlgoConfig {
     /// of its sequences', is rounded once where unshared each sequence's was. GQA and MLA
     /// attention alike, with activation checkpointing or without. Default true.
     pub share_prefixes: bool,
+    /// Score the vocabulary head this many response tokens at a time without keeping their
+    /// logits (a fused linear cross-entropy): a forward holds `head_chunk_tokens × vocab`
+    /// logits at a time instead of one row per response token, and the backward runs each
+    /// chunk's norm and head again (one more forward of the head). The same log-probs and
+    /// entropies; the head's weight gradient summed over the chunks. For a large
+    /// vocabulary, whose logits would be a step's largest tensors. Default 0: the logits
+    /// kept whole.
+    pub head_chunk_tokens: usize,
 }
 
 /// AdamW and the learning-rate schedule.
@@ -397,6 +405,7 @@ impl Default for AlgoConfig {
             max_tokens_per_micro_batch: DEFAULT_MAX_TOKENS_PER_MICRO_BATCH,
             gradient_checkpointing: false,
             share_prefixes: true,
+            head_chunk_tokens: 0,
         }
     }
 }

@@ -6,4 +6,4 @@ pub mod model_text;
 pub mod precision;
 pub mod trainable;
 
-pub use trainable::{score, score_with, ResponseBatch, Scored, TrainablePolicy};
+pub use trainable::{score, score_with, ResponseBatch, ScoreOptions, Scored, TrainablePolicy};

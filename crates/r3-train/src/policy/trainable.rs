@@ -11,7 +11,8 @@ use r3_model::model::head_positions::spread_over_spans;
 use r3_model::model::LayerRecompute;
 use r3_model::token_stats::{entropy, token_log_probs_host_checked};
 use r3_model::{
-    Batch, Config, HeadPositions, Model, Precision, ReplayProof, Routing, SharedLen, Weights,
+    Batch, Config, HeadPositions, Model, Precision, ReplayProof, Routing, ScoreTargets, SharedLen,
+    Weights,
 };
 use r3_routing::RouteTable;
 
@@ -150,9 +151,10 @@ pub struct Scored {
     /// `prompt_len − 1 .. len − 1`), 0 elsewhere.
     pub logp: Tensor,
     /// `[P, vocab]` logits of the response predictions, row after row (`spans`): the head
-    /// runs over no prompt or padding position, whose predictions no loss reads.
-    pub logits: Tensor,
-    /// Per row, the predicting positions `logits` covers: `prompt_len − 1 .. len − 1`.
+    /// runs over no prompt or padding position, whose predictions no loss reads. None where
+    /// the head was scored in chunks without keeping them ([`ScoreOptions::head_chunk_tokens`]).
+    pub logits: Option<Tensor>,
+    /// Per row, the predicting positions the head covers: `prompt_len − 1 .. len − 1`.
     pub spans: Vec<Range<usize>>,
     /// `Record`: the routes the forward chose, one table per sequence (`len` rows).
     pub routes: Option<Vec<RouteTable>>,
@@ -161,6 +163,9 @@ pub struct Scored {
     /// Per row, what of it another row's computation stood for (`share_prefixes`; all 0
     /// unshared).
     pub shared_lens: Vec<SharedLen>,
+    /// `[P]` entropies of the head rows where the head was scored in chunks, and whether
+    /// their gradient was asked for.
+    chunked_entropy: Option<(Tensor, bool)>,
 }
 
 impl Scored {
@@ -171,35 +176,70 @@ impl Scored {
 
     /// `[B, T−1]` entropy of the next-token distribution at each row's response predictions
     /// (0 elsewhere, where the head did not run); `differentiable` keeps its graph to the
-    /// logits (an entropy bonus), else detached.
+    /// logits (an entropy bonus), else detached. A chunked scoring gives a differentiable
+    /// entropy only where it was asked for one ([`ScoreOptions::entropy_grad`]).
     pub fn entropy(&self, differentiable: bool) -> Result<Tensor> {
-        let logits = match differentiable {
-            true => self.logits.clone(),
-            false => self.logits.detach(),
+        let rows = match (&self.logits, &self.chunked_entropy) {
+            (Some(logits), _) => match differentiable {
+                true => entropy(logits)?,
+                false => entropy(&logits.detach())?,
+            },
+            (None, Some((rows, with_grad))) => match (differentiable, with_grad) {
+                (false, _) => rows.detach(),
+                (true, true) => rows.clone(),
+                (true, false) => {
+                    return Err(TrainError::InvalidConfig {
+                        field: "algo.head_chunk_tokens",
+                        reason: "a differentiable entropy of a chunked scoring that was not \
+                                 asked for its gradient (ScoreOptions::entropy_grad)"
+                            .into(),
+                    })
+                }
+            },
+            (None, None) => {
+                return Err(TrainError::InvalidConfig {
+                    field: "algo.head_chunk_tokens",
+                    reason: "a scoring with neither logits nor entropies".into(),
+                })
+            }
         };
         let width = self.logp.dim(1)?;
-        Ok(spread_over_spans(&entropy(&logits)?, &self.spans, width)?)
+        Ok(spread_over_spans(&rows, &self.spans, width)?)
     }
+}
+
+/// How [`score_with`] scores a batch.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ScoreOptions {
+    /// By a recomputing forward (activation checkpointing), whose layers then give the
+    /// gradients ([`LayerRecompute::backward`]).
+    pub recompute: bool,
+    /// Computing the positions the sequences hold alike once ([`Batch::sharing_prefixes`]).
+    pub share_prefixes: bool,
+    /// Scoring the head this many response tokens at a time without keeping the logits
+    /// ([`Model::forward_scores`]); 0: the logits kept whole.
+    pub head_chunk_tokens: usize,
+    /// With `head_chunk_tokens`, whether the entropy takes part in the loss (an entropy
+    /// bonus): its gradient is then computed in the backward.
+    pub entropy_grad: bool,
 }
 
 /// Runs the training forward over `batch` with `routing` and takes the log-prob of every
 /// next token.
 pub fn score(model: &Model, batch: &ResponseBatch, routing: Routing<'_>) -> Result<Scored> {
-    Ok(score_with(model, batch, routing, false, false)?.0)
+    Ok(score_with(model, batch, routing, ScoreOptions::default())?.0)
 }
 
-/// [`score`]; with `recompute`, by a recomputing forward (activation checkpointing), whose
-/// layers then give the gradients of a loss of the returned log-probs
-/// ([`LayerRecompute::backward`]); with `share_prefixes`, computing the positions the
-/// sequences hold alike once ([`Batch::sharing_prefixes`]).
+/// [`score`] as `options` say; with `recompute`, the layers that give the gradients of a loss
+/// of the returned log-probs ([`LayerRecompute::backward`]).
 pub fn score_with<'m>(
     model: &'m Model,
     batch: &ResponseBatch,
     routing: Routing<'_>,
-    recompute: bool,
-    share_prefixes: bool,
+    options: ScoreOptions,
 ) -> Result<(Scored, Option<LayerRecompute<'m>>)> {
-    let padded = Batch::new(batch.sequences(), 0, model.device())?.sharing_prefixes(share_prefixes);
+    let padded =
+        Batch::new(batch.sequences(), 0, model.device())?.sharing_prefixes(options.share_prefixes);
     // Each row's response predictions (`ResponseBatch::new` keeps every prompt and
     // response non-empty): the head runs there only.
     let spans: Vec<Range<usize>> = batch
@@ -209,13 +249,6 @@ pub fn score_with<'m>(
         .map(|(s, &p)| p - 1..s.len() - 1)
         .collect();
     let head = HeadPositions::Spans(spans.clone());
-    let (out, layers) = match recompute {
-        true => {
-            let (out, layers) = model.forward_recomputing(&padded, routing, head)?;
-            (out, Some(layers))
-        }
-        false => (model.forward_head(&padded, routing, head)?, None),
-    };
     // The tokens they predict, on the host, where their range is checked (a device read
     // per forward otherwise).
     let host_targets: Vec<u32> = batch
@@ -224,15 +257,48 @@ pub fn score_with<'m>(
         .zip(&spans)
         .flat_map(|(s, span)| s[span.start + 1..=span.end].iter().copied())
         .collect();
-    let targets = Tensor::from_slice(&host_targets, host_targets.len(), model.device())?;
-    let logp = token_log_probs_host_checked(&out.logits, &targets, &host_targets)?;
+    let width = padded.seq_len() - 1;
+    let (logp, logits, chunked_entropy, out, layers) = match options.head_chunk_tokens {
+        0 => {
+            let (out, layers) = match options.recompute {
+                true => {
+                    let (out, layers) = model.forward_recomputing(&padded, routing, head)?;
+                    (out, Some(layers))
+                }
+                false => (model.forward_head(&padded, routing, head)?, None),
+            };
+            let targets = Tensor::from_slice(&host_targets, host_targets.len(), model.device())?;
+            let logp = token_log_probs_host_checked(&out.logits, &targets, &host_targets)?;
+            let logits = out.logits.clone();
+            (logp, Some(logits), None, out, layers)
+        }
+        chunk_rows => {
+            let targets = ScoreTargets {
+                targets: host_targets,
+                chunk_rows,
+                entropy_grad: options.entropy_grad,
+            };
+            let (out, layers) =
+                model.forward_scores(&padded, routing, head, &targets, options.recompute)?;
+            let logp = out.logits.narrow(1, 0, 1)?.squeeze(1)?;
+            let entropy = out.logits.narrow(1, 1, 1)?.squeeze(1)?;
+            (
+                logp,
+                None,
+                Some((entropy, options.entropy_grad)),
+                out,
+                layers,
+            )
+        }
+    };
     let scored = Scored {
-        logp: spread_over_spans(&logp, &spans, padded.seq_len() - 1)?,
-        logits: out.logits,
+        logp: spread_over_spans(&logp, &spans, width)?,
+        logits,
         spans,
         routes: out.routes,
         replay: out.replay,
         shared_lens: out.shared_lens,
+        chunked_entropy,
     };
     Ok((scored, layers))
 }

@@ -25,7 +25,7 @@ use crate::algo::rollout_is::{rollout_is_weights, IsConfig};
 use crate::algo::update::{guarded_step_timed, GradHook, SkipReason, UpdateOutcome, UpdateTimes};
 use crate::config::train::RouterReplay;
 use crate::error::Result;
-use crate::policy::trainable::{score_with, ResponseBatch, TrainablePolicy};
+use crate::policy::trainable::{score_with, ResponseBatch, ScoreOptions, TrainablePolicy};
 use crate::rl::diagnostics::verify_proof;
 use crate::rl::micro_batches::{
     accumulate_grads, merge_proofs, pack_rows, pick_rows, place_rows, place_tables,
@@ -80,6 +80,9 @@ pub struct UpdateSettings {
     /// Forwards compute the positions their sequences hold alike once, and micro-batches
     /// keep such sequences together (`algo.share_prefixes`).
     pub share_prefixes: bool,
+    /// Score the head this many tokens at a time without keeping the logits
+    /// (`algo.head_chunk_tokens`; 0: the logits kept whole).
+    pub head_chunk_tokens: usize,
     /// In a 16-bit precision, each weight's gradient is kept in 16 bits from the moment it
     /// is complete, where that holds it exactly (`train.narrow_gradients`; the same update).
     pub narrow_gradients: bool,
@@ -350,13 +353,13 @@ fn micro_update<'m>(
     norm: &AggNorm,
     device: &Device,
 ) -> Result<Micro<'m>> {
-    let (scored, layers) = score_with(
-        model,
-        mb.batch,
-        mb.routing,
-        s.gradient_checkpointing,
-        s.share_prefixes,
-    )?;
+    let options = ScoreOptions {
+        recompute: s.gradient_checkpointing,
+        share_prefixes: s.share_prefixes,
+        head_chunk_tokens: s.head_chunk_tokens,
+        entropy_grad: s.entropy_coef != 0.0,
+    };
+    let (scored, layers) = score_with(model, mb.batch, mb.routing, options)?;
     let narrow_grads = model
         .precision()
         .narrow_dtype()

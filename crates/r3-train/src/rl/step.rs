@@ -158,6 +158,7 @@ pub fn update_settings(cfg: &TrainConfig) -> UpdateSettings {
         max_tokens_per_micro_batch: cfg.algo.max_tokens_per_micro_batch,
         gradient_checkpointing: cfg.algo.gradient_checkpointing,
         share_prefixes: cfg.algo.share_prefixes,
+        head_chunk_tokens: cfg.algo.head_chunk_tokens,
         narrow_gradients: cfg.train.narrow_gradients,
     }
 }

@@ -19,7 +19,7 @@ use crate::algo::logprob::scalar_f32;
 use crate::algo::optim::AdamW;
 use crate::config::train::RouterReplay;
 use crate::error::{Result, TrainError};
-use crate::policy::trainable::{score_with, ResponseBatch, TrainablePolicy};
+use crate::policy::trainable::{score_with, ResponseBatch, ScoreOptions, TrainablePolicy};
 use crate::rl::diagnostics::{
     proof_divergence, recorded_divergence, verify_proof, RouteDivergence,
 };
@@ -154,7 +154,11 @@ fn minibatch_updates(
         data.routes.as_ref(),
         mode,
         settings.max_tokens_per_micro_batch,
-        settings.share_prefixes,
+        ScoreOptions {
+            share_prefixes: settings.share_prefixes,
+            head_chunk_tokens: settings.head_chunk_tokens,
+            ..ScoreOptions::default()
+        },
     )?;
     if let Some(trace) = trace.as_deref_mut() {
         trace.old_proof = proof;
@@ -230,7 +234,7 @@ fn old_pass(
     routes: Option<&ReplayRoutes>,
     mode: RouterReplay,
     max_tokens: usize,
-    share_prefixes: bool,
+    options: ScoreOptions,
 ) -> Result<(OldView, Option<ReplayProof>)> {
     let model = policy.frozen_model()?;
     if let (RouterReplay::R3, None) = (mode, routes) {
@@ -238,7 +242,7 @@ fn old_pass(
     }
     let device = policy.device();
     let n = batch.len();
-    let parts = pack_rows(batch.sequences(), max_tokens, share_prefixes);
+    let parts = pack_rows(batch.sequences(), max_tokens, options.share_prefixes);
     let (mut logps, mut recorded, mut proofs) = (Vec::new(), Vec::new(), Vec::new());
     let mut entropy_sum = 0f64;
     let mut shared_lens = vec![SharedLen::default(); n];
@@ -256,7 +260,7 @@ fn old_pass(
             (RouterReplay::R3, Some(r)) => Routing::Replay(r),
             _ => Routing::Record,
         };
-        let scored = score_with(&model, sub_batch, routing, false, share_prefixes)?.0;
+        let scored = score_with(&model, sub_batch, routing, options)?.0;
         for (&row, &len) in part.iter().zip(&scored.shared_lens) {
             shared_lens[row] = len;
         }
