@@ -124,7 +124,8 @@ impl Batch {
 pub struct ForwardOutput {
     /// The logits of the positions `head` names: `[B, T − from, vocab]` for
     /// [`HeadPositions::From`] (padding positions hold garbage), `[P, vocab]` for
-    /// [`HeadPositions::Spans`]
+    /// [`HeadPositions::Spans`]; from [`Model::forward_scores`] instead `[P, 2]`, each
+    /// position's target log-prob and entropy (P the positions `head` names)
     pub logits: Tensor,
     /// The positions `logits` covers (every one, `From(0)`, unless the forward was asked for
     /// fewer: [`Model::forward_head`])
