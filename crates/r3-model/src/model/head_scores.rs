@@ -38,12 +38,21 @@ pub struct ScoreTargets {
 }
 
 impl ScoreTargets {
-    /// Refuses targets that are not one per head row of `rows`, or a chunk of no rows.
-    pub(crate) fn check(&self, rows: usize) -> Result<()> {
+    /// Refuses targets that are not one per head row of `rows` or lie outside a vocabulary
+    /// of `vocab` (naming the row among all of them, not within its chunk), or a chunk of no
+    /// rows.
+    pub(crate) fn check(&self, rows: usize, vocab: usize) -> Result<()> {
         if self.chunk_rows == 0 {
             return Err(ModelError::Input("head scores: a chunk of 0 rows".into()));
         }
-        check_rows("head scores: targets", self.targets.len(), rows)
+        check_rows("head scores: targets", self.targets.len(), rows)?;
+        match self.targets.iter().position(|&t| t as usize >= vocab) {
+            Some(row) => Err(ModelError::Input(format!(
+                "head scores: target {} of head row {row} is outside the vocabulary of {vocab}",
+                self.targets[row]
+            ))),
+            None => Ok(()),
+        }
     }
 }
 
@@ -58,7 +67,7 @@ pub(crate) fn head_scores(
     targets: &ScoreTargets,
 ) -> Result<Tensor> {
     let p = rows.dim(0)?;
-    targets.check(p)?;
+    targets.check(p, head.weight().dim(0)?)?;
     let rows = rows.contiguous()?;
     let op = HeadScores {
         norm: norm.clone(),
@@ -205,13 +214,21 @@ mod tests {
             chunk_rows,
             entropy_grad: false,
         };
-        assert!(targets(4, 2).check(4).is_ok());
-        let err = targets(3, 2).check(4).expect_err("one target short");
+        assert!(targets(4, 2).check(4, 8).is_ok());
+        let err = targets(3, 2).check(4, 8).expect_err("one target short");
         assert!(
             err.to_string().contains("targets: 3 for 4 head rows"),
             "{err}"
         );
-        let err = targets(4, 0).check(4).expect_err("empty chunks");
+        let err = targets(4, 0).check(4, 8).expect_err("empty chunks");
         assert!(err.to_string().contains("a chunk of 0 rows"), "{err}");
+        let mut past = targets(5, 2);
+        past.targets[3] = 8;
+        let err = past.check(5, 8).expect_err("a target past the vocabulary");
+        assert!(
+            err.to_string()
+                .contains("target 8 of head row 3 is outside the vocabulary of 8"),
+            "{err}"
+        );
     }
 }
