@@ -30,7 +30,8 @@
 #    its forward+backward tokens/s, as HF's are), and the 30B-A3B shape runs again
 #    without them (`--narrow-copies off`: a cast of every weight at every use); bf16 runs
 #    again with the weight gradients in bf16 (`--narrow-gradients`), and with activation
-#    checkpointing as well (`--gradient-checkpointing`), memory beside HF's; then `r3 bench
+#    checkpointing as well (`--gradient-checkpointing`), memory beside HF's, and mid bf16's
+#    lean run again with its head scored in chunks (`--head-chunk-tokens 1024`); then `r3 bench
 #    optim` on the GPU (f32 gradients; bf16 gradients with held bf16 copies).
 # 4. The device rollout engine on CUDA: its tests (greedy = HF's on the oracle fixtures and
 #    = the CPU engine's, routes = the trainer's native routes on the GPU in f32 and bf16,
@@ -309,6 +310,17 @@ for run in "mid f32 8 70 --parts" "mid bf16 8 70 --parts" "a3b-8l bf16 2 120"; d
         cat "$work/bench-r3-ckpt-$name.txt"
         ckpt_tps=$(grep -E "^native +mean" "$work/bench-r3-ckpt-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s +best.*/\1/')
         line+=", r3 lean (${lean[*]}) ${ckpt_tps:-?} tok/s ${ckpt_mem:-?} MiB (tensors $(tensors_mib "$work/bench-r3-ckpt-$name.txt") MiB; gradients $(grads_kept "$work/bench-r3-ckpt-$name.txt"))"
+    fi
+    # mid bf16 lean again with the head scored 1,024 tokens at a time without its logits
+    # kept (--head-chunk-tokens: one more forward of the head; at 8 x 512 tokens and a
+    # 32,000-token vocabulary the logits and their gradient are 1 GB in f32).
+    if [ "$config" = mid ] && [ "$dtype" = bf16 ] && [ "$(left)" -ge 60 ]; then
+        chunk_mem=$(gpu_peak "$work/bench-r3-chunk-$name.txt" timeout "$(limit "$secs")" "$bin/r3" \
+            bench train --device cuda --config "$config" --dtype "$dtype" --batch "$batch" \
+            --seq-len 512 --steps 3 --warmup 1 "${lean[@]}" --head-chunk-tokens 1024)
+        cat "$work/bench-r3-chunk-$name.txt"
+        chunk_tps=$(grep -E "^native +mean" "$work/bench-r3-chunk-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s +best.*/\1/')
+        line+=", r3 lean + head in chunks of 1024 ${chunk_tps:-?} tok/s ${chunk_mem:-?} MiB (tensors $(tensors_mib "$work/bench-r3-chunk-$name.txt") MiB)"
     fi
     bench+=("$line")
     echo "== bench $name: ${bench[-1]}"

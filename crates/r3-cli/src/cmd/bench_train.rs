@@ -17,7 +17,7 @@ use r3_model::narrow_grads::backward_narrowing;
 use r3_model::precision::WeightGradients;
 use r3_model::{
     presets, Batch, Config, DeviceSpec, HeadPositions, Model, Precision, RandomInit, ReplayRoutes,
-    Routing, Weights,
+    Routing, ScoreTargets, Weights,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -100,6 +100,11 @@ pub struct BenchTrainArgs {
     /// gradients, 2 bytes a parameter instead of 4)
     #[arg(long)]
     pub narrow_gradients: bool,
+    /// Score the head this many tokens at a time without keeping the logits
+    /// (`algo.head_chunk_tokens`: the norm, head and token log-probs run chunk by chunk and
+    /// again in the backward; one more forward of the head). 0 (default): the logits kept.
+    #[arg(long, default_value_t = 0)]
+    pub head_chunk_tokens: usize,
 }
 
 /// One timed step: forward and backward wall seconds, the process's CPU seconds over both
@@ -197,7 +202,8 @@ impl Timing {
 
 /// One forward (+ next-token cross-entropy) and backward, then the rewrite of each held
 /// 16-bit copy from its master (`copies`: (master, copy) pairs), timed; with `recompute`
-/// (the model's variables given) by a recomputing forward and its layer-by-layer backward.
+/// (the model's variables given) by a recomputing forward and its layer-by-layer backward;
+/// with `scores` the head scored in chunks without its logits kept.
 fn step(
     model: &Model,
     batch: &Batch,
@@ -205,28 +211,34 @@ fn step(
     routing: Routing<'_>,
     copies: &[(Var, Var)],
     vars: &[Var],
-    (recompute, narrow): (bool, Option<DType>),
+    (recompute, narrow, scores): (bool, Option<DType>, Option<&ScoreTargets>),
 ) -> anyhow::Result<StepTime> {
     let cpu0 = process_cpu_ns();
     let t0 = Instant::now();
-    let (out, layers) = match recompute {
-        true => {
-            let (out, layers) =
-                model.forward_recomputing(batch, routing, HeadPositions::From(0))?;
-            let layers = match narrow {
-                Some(narrow) => layers.keep_gradients_narrow(narrow),
-                None => layers,
-            };
+    let every = HeadPositions::From(0);
+    let (out, layers) = match (scores, recompute) {
+        (Some(scores), _) => model.forward_scores(batch, routing, every, scores, recompute)?,
+        (None, true) => {
+            let (out, layers) = model.forward_recomputing(batch, routing, every)?;
             (out, Some(layers))
         }
-        false => (model.forward(batch, routing)?, None),
+        (None, false) => (model.forward(batch, routing)?, None),
+    };
+    let layers = match (layers, narrow) {
+        (Some(layers), Some(narrow)) => Some(layers.keep_gradients_narrow(narrow)),
+        (layers, _) => layers,
     };
     if let (Routing::Replay(_), None) = (routing, &out.replay) {
         anyhow::bail!("replayed forward returned no replay proof");
     }
     let routing_overhead = out.routing_overhead.as_secs_f64();
-    let logp =
-        r3_model::token_stats::token_log_probs_host_checked(&out.logits, targets, host_targets)?;
+    let logp = match scores {
+        // `[B·T, 2]`: each position's target log-prob, then its entropy.
+        Some(_) => out.logits.narrow(1, 0, 1)?.squeeze(1)?,
+        None => {
+            r3_model::token_stats::token_log_probs_host_checked(&out.logits, targets, host_targets)?
+        }
+    };
     let loss = logp.neg()?.mean_all()?;
     // A GPU runs queued kernels after the call returns: wait for them (no-op on the CPU).
     model.device().synchronize()?;
@@ -341,6 +353,11 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         .collect();
     let host_targets = targets;
     let targets = Tensor::from_slice(&host_targets, (args.batch, args.seq_len), &device)?;
+    let scores = (args.head_chunk_tokens > 0).then(|| ScoreTargets {
+        targets: host_targets.clone(),
+        chunk_rows: args.head_chunk_tokens,
+        entropy_grad: false,
+    });
     let routes = ReplayRoutes::new(
         model
             .forward(&batch, Routing::Record)?
@@ -362,7 +379,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         params as f64 / 1e6
     );
     println!(
-        "batch {} × seq {} = {tokens} tokens/step, {} on {}, {} warm-up + {} timed steps per mode, seed {}, expert GEMM inputs {}, {}{}{}",
+        "batch {} × seq {} = {tokens} tokens/step, {} on {}, {} warm-up + {} timed steps per mode, seed {}, expert GEMM inputs {}, {}{}{}{}",
         args.batch,
         args.seq_len,
         args.dtype,
@@ -388,6 +405,10 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
             ", gradients kept in bf16 where exact"
         } else {
             ""
+        },
+        match args.head_chunk_tokens {
+            0 => String::new(),
+            n => format!(", the head scored {n} tokens at a time (logits not kept)"),
         }
     );
     // What the parameters hold by construction (not measured): the f32 masters and the
@@ -452,7 +473,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
                 routing,
                 &copies,
                 &vars,
-                (args.gradient_checkpointing, narrow_grads),
+                (args.gradient_checkpointing, narrow_grads, scores.as_ref()),
             )?;
             if profiled {
                 r3_model::device::profiler_capture(&device, false)?;
