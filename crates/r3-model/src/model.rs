@@ -454,8 +454,8 @@ impl Model {
         let device = self.embed.device();
         let (b, t) = batch.input_ids.dims2()?;
         self.check_tokens(batch)?;
-        // The head's slots, checked before any layer runs.
-        let head_slots = head.slots(batch.lengths(), t)?;
+        // The head's positions, checked before any layer runs.
+        head.check(batch.lengths(), t)?;
         let lengths = batch.lengths();
         if cfg.moe.is_none() && !matches!(routing, Routing::Native) {
             return Err(ModelError::Input(
@@ -606,14 +606,15 @@ impl Model {
                 let rows = match shared {
                     Some(shared) => {
                         let n = shared.rows();
-                        let picks = head_slots
+                        let picks = head
+                            .slots(lengths, t)?
                             .iter()
                             .map(|&slot| shared.row_of_slot()[slot as usize])
                             .collect();
                         GatherRows::new(picks, n, n)?.apply(&x)?
                     }
                     None => {
-                        let rows = head_input(x, &head, head_slots)?;
+                        let rows = head_input(x, &head, lengths)?;
                         rows.reshape(((), cfg.hidden_size))?
                     }
                 };
@@ -621,7 +622,8 @@ impl Model {
             }
             // Each computed row the head reads normed once.
             (None, Some(shared), _) => {
-                let (logits, reused) = self.shared_head(&x, shared, &head_slots, t)?;
+                let slots = head.slots(lengths, t)?;
+                let (logits, reused) = self.shared_head(&x, shared, &slots, t)?;
                 head_reused = reused;
                 match head {
                     HeadPositions::From(from) => {
@@ -634,11 +636,11 @@ impl Model {
             (None, None, Some(h)) => {
                 let x = self.norm.forward(&x)?;
                 h.push(x.clone());
-                self.lm_head.forward(&head_input(x, &head, head_slots)?)?
+                self.lm_head.forward(&head_input(x, &head, lengths)?)?
             }
             (None, None, None) => self
                 .lm_head
-                .forward(&self.norm.forward(&head_input(x, &head, head_slots)?)?)?,
+                .forward(&self.norm.forward(&head_input(x, &head, lengths)?)?)?,
         };
         let started = Instant::now();
         // The routes recorded or verified are every real position's: a shared row's at
@@ -904,17 +906,17 @@ struct MoeRecord {
     device_wait: Duration,
 }
 
-/// The head's input from the last layer's states `x` `[B, T, H]` of an unshared batch: all
-/// of them (`From(0)`), positions `from..T` (`From`), or the rows of `slots` `[P, H]`
-/// (`Spans`).
-fn head_input(x: Tensor, head: &HeadPositions, slots: Vec<u32>) -> Result<Tensor> {
+/// The head's input from the last layer's states `x` `[B, T, H]` of an unshared batch
+/// (sequences of `lengths`): all of them (`From(0)`), positions `from..T` (`From`), or the
+/// rows of the spans' slots `[P, H]` (`Spans`).
+fn head_input(x: Tensor, head: &HeadPositions, lengths: &[usize]) -> Result<Tensor> {
     let (b, t, h) = x.dims3()?;
     match head {
         HeadPositions::From(0) => Ok(x),
         HeadPositions::From(from) => Ok(x.narrow(1, *from, t - from)?.contiguous()?),
         HeadPositions::Spans(_) => {
             let rows = x.reshape((b * t, h))?;
-            GatherRows::new(slots, b * t, b * t)?.apply(&rows)
+            GatherRows::new(head.slots(lengths, t)?, b * t, b * t)?.apply(&rows)
         }
     }
 }

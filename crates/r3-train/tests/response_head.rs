@@ -148,20 +148,13 @@ fn a_shared_prompt_scores_as_the_unshared_one() {
         .map(|r| prompt.iter().chain(r).copied().collect())
         .collect();
     let batch = ResponseBatch::new(sequences, vec![4, 4]).expect("batch");
-    let (plain, _) = score_with(
-        &model,
-        &batch,
-        Routing::Native,
-        options(false, false, 0, false),
-    )
-    .expect("plain");
-    let (shared, _) = score_with(
-        &model,
-        &batch,
-        Routing::Native,
-        options(false, true, 0, false),
-    )
-    .expect("shared");
+    let scored = |share: bool| {
+        let opts = options(false, share, 0, false);
+        score_with(&model, &batch, Routing::Native, opts)
+            .expect("score")
+            .0
+    };
+    let (plain, shared) = (scored(false), scored(true));
     let lens: Vec<(usize, usize)> = shared
         .shared_lens
         .iter()

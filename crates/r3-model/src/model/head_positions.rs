@@ -27,27 +27,30 @@ pub enum HeadPositions {
 }
 
 impl HeadPositions {
-    /// The slots `b·T + p` of the padded `[B, T]` batch whose logits this asks for, in the
-    /// logits' row order; refused where a position lies past its sequence (`Spans`) or
-    /// past the batch (`From`).
-    pub(crate) fn slots(&self, lengths: &[usize], t: usize) -> Result<Vec<u32>> {
-        let slot = |b: usize, p: usize| (b * t + p) as u32;
+    /// Refuses positions past their sequence (`Spans`) or past the batch of `t` positions
+    /// (`From`).
+    pub(crate) fn check(&self, lengths: &[usize], t: usize) -> Result<()> {
         match self {
-            HeadPositions::From(from) => {
-                check_from(*from, t)?;
-                Ok((0..lengths.len())
-                    .flat_map(|b| (*from..t).map(move |p| slot(b, p)))
-                    .collect())
-            }
-            HeadPositions::Spans(spans) => {
-                check_spans(spans, lengths)?;
-                Ok(spans
-                    .iter()
-                    .enumerate()
-                    .flat_map(|(b, span)| span.clone().map(move |p| slot(b, p)))
-                    .collect())
-            }
+            HeadPositions::From(from) => check_from(*from, t),
+            HeadPositions::Spans(spans) => check_spans(spans, lengths),
         }
+    }
+
+    /// The slots `b·T + p` of the padded `[B, T]` batch whose logits this asks for, in the
+    /// logits' row order; refused as [`HeadPositions::check`] refuses.
+    pub(crate) fn slots(&self, lengths: &[usize], t: usize) -> Result<Vec<u32>> {
+        self.check(lengths, t)?;
+        let slot = |b: usize, p: usize| (b * t + p) as u32;
+        Ok(match self {
+            HeadPositions::From(from) => (0..lengths.len())
+                .flat_map(|b| (*from..t).map(move |p| slot(b, p)))
+                .collect(),
+            HeadPositions::Spans(spans) => spans
+                .iter()
+                .enumerate()
+                .flat_map(|(b, span)| span.clone().map(move |p| slot(b, p)))
+                .collect(),
+        })
     }
 }
 
