@@ -22,6 +22,7 @@ pub mod round16;
 pub mod router;
 pub mod routing_mode;
 pub mod spec;
+pub mod stochastic_round;
 #[cfg(test)]
 mod test_util;
 mod token_rows;

@@ -84,19 +84,25 @@ fn check_narrow(narrow: DType) -> Result<()> {
     }
 }
 
-/// `grad` in the dtype of its variable `var`: itself, or widened where a backward kept it
-/// narrow ([`narrow_where_exact`]; on the CPU one parallel pass). Every reader of a
+/// `grad` in the dtype its variable `var`'s update is computed in: the variable's own, or
+/// f32 for a 16-bit variable (weights held without an f32 master: their gradients are summed
+/// over micro-batches, measured and clipped in f32); itself, or widened where a backward kept
+/// it narrow ([`narrow_where_exact`]; on the CPU one parallel pass). Every reader of a
 /// variable's gradient takes it so.
 pub fn in_dtype_of(grad: &Tensor, var: &Tensor) -> Result<Tensor> {
-    if grad.dtype() == var.dtype() {
+    let wanted = match var.dtype() {
+        DType::BF16 | DType::F16 => DType::F32,
+        other => other,
+    };
+    if grad.dtype() == wanted {
         return Ok(grad.clone());
     }
-    if var.dtype() == DType::F32 {
+    if wanted == DType::F32 {
         if let Some(wide) = widen_on_host(grad)? {
             return Ok(wide);
         }
     }
-    Ok(grad.to_dtype(var.dtype())?)
+    Ok(grad.to_dtype(wanted)?)
 }
 
 /// For a contiguous f32 tensor on the CPU: `Some(Some(narrowed))` when `narrow` holds every

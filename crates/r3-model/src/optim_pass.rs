@@ -37,6 +37,9 @@ pub struct AdamWPassConstants {
     pub decay: Option<f32>,
     /// The gradient-clip factor, `None` when the gradients are not clipped.
     pub grad_scale: Option<f32>,
+    /// The key of the stochastic rounding of a bf16 θ' (`stochastic_round::rounding_key`;
+    /// unread for an f32 θ).
+    pub rounding_key: u64,
 }
 
 /// One tensor's update staged on its GPU: the new θ, m and v (nothing written to the
@@ -58,8 +61,10 @@ pub struct StagedOnDevice {
 }
 
 /// The fused pass over one tensor on a GPU: `None` where it does not apply (a tensor off a
-/// GPU, θ, m or v not f32, a gradient not f32, bf16 or f16, or the four of different
-/// lengths), and the caller composes candle's ops. `copy` (bf16 / f16), for a trainer
+/// GPU, θ not f32 or bf16, m or v not f32, a gradient not f32, bf16 or f16 — nor f16 for a
+/// bf16 θ —, or the four of different lengths), and the caller composes candle's ops. A bf16
+/// θ (weights held without an f32 master) is read widened and θ' rounded to bf16
+/// stochastically by `k.rounding_key`'s draws, the CPU pass's bits. `copy` (bf16 / f16), for a trainer
 /// holding a 16-bit copy of θ: the pass also writes θ' rounded to it (the values of
 /// `cast16(θ')`), so the copy is not rewritten by a second pass reading θ again.
 #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
@@ -76,8 +81,12 @@ pub fn adamw_pass_on_device(
         let n = theta.elem_count();
         use candle_core::DType;
         // θ, m and v f32; the gradient f32, or 16-bit as a backward kept it (read widened).
-        let applies = [theta, m, v].iter().all(|t| t.dtype() == DType::F32)
-            && matches!(g.dtype(), DType::F32 | DType::BF16 | DType::F16)
+        let applies = [m, v].iter().all(|t| t.dtype() == DType::F32)
+            && match theta.dtype() {
+                DType::F32 => matches!(g.dtype(), DType::F32 | DType::BF16 | DType::F16),
+                DType::BF16 => matches!(g.dtype(), DType::F32 | DType::BF16) && copy.is_none(),
+                _ => false,
+            }
             && [theta, g, m, v]
                 .iter()
                 .all(|t| t.device().is_cuda() && t.elem_count() == n)
@@ -143,19 +152,12 @@ mod gpu {
             ));
         };
         let dev = cuda::device(st);
-        let (vt, vm, vv) = (
-            cuda::view::<f32>(st, lt, "θ")?,
+        let (vm, vv) = (
             cuda::view::<f32>(sm, lm, "first moment")?,
             cuda::view::<f32>(sv, lv, "second moment")?,
         );
         // SAFETY: the kernel writes every element of the three outputs (its loop covers n).
-        let (theta_out, m_out, v_out) = unsafe {
-            (
-                dev.alloc::<f32>(n)?,
-                dev.alloc::<f32>(n)?,
-                dev.alloc::<f32>(n)?,
-            )
-        };
+        let (m_out, v_out) = unsafe { (dev.alloc::<f32>(n)?, dev.alloc::<f32>(n)?) };
         let maxima = dev.alloc_zeros::<u32>(3)?;
         let (n64, decay, scale) = (
             n as u64,
@@ -190,9 +192,13 @@ mod gpu {
             }
             None => (0u64, None, 0u32),
         };
-        // The kernel for the gradient's dtype (its pointer's type is all that differs).
+        // The kernel for θ's and the gradient's dtypes (their pointers' types are all that
+        // differs); θ' comes out in θ's dtype.
         macro_rules! launch {
-            ($name:expr, $grad:expr) => {{
+            ($name:expr, $param:ty, $grad:expr) => {{
+                let vt = cuda::view::<$param>(st, lt, "θ")?;
+                // SAFETY: the kernel writes every element (its loop covers n).
+                let theta_out = unsafe { dev.alloc::<$param>(n)? };
                 let vg = $grad;
                 let (func, stream) = cuda::kernel(&dev, $name)?;
                 let mut launch = stream.launch_builder(&func);
@@ -219,23 +225,38 @@ mod gpu {
                     .arg(&use_decay)
                     .arg(&use_scale)
                     .arg(&copy_ptr)
-                    .arg(&copy_code);
+                    .arg(&copy_code)
+                    .arg(&k.rounding_key);
                 // SAFETY: the arguments are the AdamW kernels' signature (`ADAMW_KERNEL` in
-                // kernels.cu, the gradient's type by the name), the views hold n elements.
+                // kernels.cu, θ's and the gradient's types by the name), the views hold n
+                // elements.
                 unsafe { launch.launch(cuda::elementwise(n)) }.w()?;
+                CudaStorage::wrap_cuda_slice(theta_out, dev.clone())
             }};
         }
-        match g.dtype() {
-            DType::BF16 => launch!(
-                "r3_adamw_f32_grad_bf16",
+        let theta_out = match (theta.dtype(), g.dtype()) {
+            (DType::BF16, DType::BF16) => launch!(
+                "r3_adamw_bf16_grad_bf16",
+                half::bf16,
                 cuda::view::<half::bf16>(sg, lg, "gradient")?
             ),
-            DType::F16 => launch!(
+            (DType::BF16, _) => launch!(
+                "r3_adamw_bf16",
+                half::bf16,
+                cuda::view::<f32>(sg, lg, "gradient")?
+            ),
+            (_, DType::BF16) => launch!(
+                "r3_adamw_f32_grad_bf16",
+                f32,
+                cuda::view::<half::bf16>(sg, lg, "gradient")?
+            ),
+            (_, DType::F16) => launch!(
                 "r3_adamw_f32_grad_f16",
+                f32,
                 cuda::view::<half::f16>(sg, lg, "gradient")?
             ),
-            _ => launch!("r3_adamw_f32", cuda::view::<f32>(sg, lg, "gradient")?),
-        }
+            _ => launch!("r3_adamw_f32", f32, cuda::view::<f32>(sg, lg, "gradient")?),
+        };
         // The copy's write is recorded on the stream now that the kernel is queued.
         drop(copy_guard);
         let shape = theta.shape().clone();
@@ -248,7 +269,12 @@ mod gpu {
             )
         };
         Ok(StagedOnDevice {
-            theta: wrap(theta_out, shape.clone()),
+            theta: Tensor::from_storage(
+                Storage::Cuda(theta_out),
+                shape.clone(),
+                BackpropOp::none(),
+                false,
+            ),
             m: wrap(m_out, shape.clone()),
             v: wrap(v_out, shape),
             maxima: Tensor::from_storage(

@@ -295,3 +295,66 @@ fn narrow_weight_copies_compute_what_the_f32_weights_do() {
         }
     }
 }
+
+/// Weight matrices held in bf16 as trainable variables (a trainer's `train.master_weights =
+/// "bf16"`) train as f32 master weights holding the same values: in every family the logits
+/// and every variable's gradient are the same bits (the 16-bit GEMMs read the variables as
+/// they are, and hand their gradients back in bf16, which the f32 masters' gradients are
+/// exactly in a bf16 forward).
+#[test]
+fn bf16_matrices_as_variables_train_as_f32_masters_of_their_values() {
+    use candle_core::{DType, Var};
+    use r3_model::{Model, Precision, Weights};
+    for family in FAMILIES {
+        let cfg = common::tiny_config(family);
+        let precision = Precision::Bf16 { router_f32: false };
+        let narrowed = common::tiny_weights(&cfg, 5, DType::F32)
+            .fuse_experts(&cfg)
+            .and_then(|w| w.narrow_matrices(&cfg, DType::BF16, true))
+            .expect("narrow");
+        let widened = Weights::from_map(
+            narrowed
+                .tensors()
+                .iter()
+                .map(|(k, t)| (k.clone(), t.to_dtype(DType::F32).expect("widen")))
+                .collect(),
+        );
+        let lengths = [6, 4];
+        let seqs = sequences(&lengths, cfg.vocab_size, 3);
+        let batch = Batch::new(&seqs, 0, &Device::Cpu).expect("batch");
+        let run = |weights: Weights| {
+            let (varmap, weights) = weights.into_trainable(&cfg).expect("trainable");
+            let model = Model::with_precision(&cfg, &weights, precision).expect("model");
+            let logits = model
+                .forward(&batch, Routing::Native)
+                .expect("forward")
+                .logits;
+            let grads = (&logits * common::probe(&lengths, cfg.vocab_size, &Device::Cpu))
+                .and_then(|l| l.sum_all())
+                .and_then(|l| l.backward())
+                .expect("backward");
+            let data = varmap.data().lock().expect("lock");
+            let mut named: Vec<(String, Var)> =
+                data.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+            named.sort_by(|a, b| a.0.cmp(&b.0));
+            let grads: Vec<(String, DType, Vec<u32>)> = named
+                .iter()
+                .filter_map(|(name, v)| {
+                    let g = grads.get(v.as_tensor())?;
+                    Some((name.clone(), v.dtype(), common::bits(g)))
+                })
+                .collect();
+            (common::bits(&logits), grads)
+        };
+        let (wide_logits, wide_grads) = run(widened);
+        let (narrow_logits, narrow_grads) = run(narrowed);
+        assert_eq!(wide_logits, narrow_logits, "{family}: logits");
+        assert_eq!(wide_grads.len(), narrow_grads.len(), "{family}");
+        let mut held_narrow = 0;
+        for ((name, _, a), (_, dtype, b)) in wide_grads.iter().zip(&narrow_grads) {
+            assert!(a == b, "{family}: the gradient of {name} differs");
+            held_narrow += usize::from(*dtype == DType::BF16);
+        }
+        assert!(held_narrow > 0, "{family}: no bf16 variable");
+    }
+}

@@ -34,6 +34,7 @@ fn seeded(shape: &[usize], seed: u64) -> Tensor {
 
 fn values(t: &Tensor) -> Vec<f32> {
     t.to_device(&Device::Cpu)
+        .and_then(|t| t.to_dtype(DType::F32))
         .and_then(|t| t.flatten_all())
         .and_then(|t| t.to_vec1::<f32>())
         .expect("values")
@@ -110,15 +111,18 @@ fn adamw_run(device: &Device) -> Vec<Vec<f32>> {
 /// last step) on gradients that are exact on every device (`∇ Σ θ ⊙ C = C`), no global norm
 /// (whose sum order differs by device); with `narrow` each gradient handed to the optimiser
 /// in that 16-bit float, as a backward keeping them narrow does (`train.narrow_gradients`).
-/// Returns every variable and moment after the steps.
-fn adamw_alone(device: &Device, narrow: Option<DType>) -> Vec<Vec<f32>> {
+/// The variables are held in `param` (f32, or bf16 as `train.master_weights = "bf16"` holds
+/// them: updates rounded stochastically, seeded). Returns every variable (widened) and
+/// moment after the steps.
+fn adamw_alone(device: &Device, narrow: Option<DType>, param: DType) -> Vec<Vec<f32>> {
     let shapes: [&[usize]; 3] = [&[300, 701], &[16], &[33, 5]];
     let vars: Vec<(String, Var)> = shapes
         .iter()
         .enumerate()
         .map(|(i, s)| {
             let t = seeded(s, 40 + i as u64)
-                .to_device(device)
+                .to_dtype(param)
+                .and_then(|t| t.to_device(device))
                 .expect("to device");
             (format!("w{i}"), Var::from_tensor(&t).expect("var"))
         })
@@ -128,21 +132,27 @@ fn adamw_alone(device: &Device, narrow: Option<DType>) -> Vec<Vec<f32>> {
         ..AdamWParams::default()
     };
     let mut opt = AdamW::new(vars.clone(), params, |name, _| name != "w1").expect("adamw");
+    opt.set_rounding_seed(7);
     for step in 0..3u64 {
         let mut loss = Tensor::zeros((), DType::F32, device).expect("zero");
         for (i, (_, v)) in vars.iter().enumerate() {
             let c = seeded(v.dims(), 50 + step * 5 + i as u64)
-                .to_device(device)
+                .to_dtype(param)
+                .and_then(|t| t.to_device(device))
                 .expect("to device");
-            let term = (v.as_tensor() * c).and_then(|t| t.sum_all()).expect("term");
+            let term = (v.as_tensor() * c)
+                .and_then(|t| t.to_dtype(DType::F32))
+                .and_then(|t| t.sum_all())
+                .expect("term");
             loss = (loss + term).expect("sum");
         }
         let mut grads = loss.backward().expect("backward");
-        if let Some(n) = narrow {
-            for (_, v) in &vars {
-                let g = grads.remove(v.as_tensor()).expect("gradient");
-                grads.insert(v.as_tensor(), g.to_dtype(n).expect("narrow"));
-            }
+        // In `narrow`, or f32 (a bf16 variable's gradient comes out in bf16; summed over
+        // micro-batches it is f32).
+        for (_, v) in &vars {
+            let g = grads.remove(v.as_tensor()).expect("gradient");
+            let dtype = narrow.unwrap_or(DType::F32);
+            grads.insert(v.as_tensor(), g.to_dtype(dtype).expect("gradient dtype"));
         }
         let scale = (step == 2).then_some(0.37f32);
         let outcome = opt.step_scaled(&grads, 3e-2, scale).expect("step");
@@ -158,16 +168,21 @@ fn adamw_alone(device: &Device, narrow: Option<DType>) -> Vec<Vec<f32>> {
 
 #[test]
 fn the_optimiser_alone_gives_the_same_bits_on_a_second_cpu_copy() {
-    for narrow in [None, Some(DType::BF16)] {
+    for (narrow, param) in [
+        (None, DType::F32),
+        (Some(DType::BF16), DType::F32),
+        (None, DType::BF16),
+        (Some(DType::BF16), DType::BF16),
+    ] {
         assert_eq!(
-            adamw_alone(&Device::Cpu, narrow),
-            adamw_alone(&Device::Cpu, narrow)
+            adamw_alone(&Device::Cpu, narrow, param),
+            adamw_alone(&Device::Cpu, narrow, param)
         );
     }
     // 16-bit gradients are other values than the f32 ones: the narrow run is not the wide one.
     assert_ne!(
-        adamw_alone(&Device::Cpu, None),
-        adamw_alone(&Device::Cpu, Some(DType::BF16))
+        adamw_alone(&Device::Cpu, None, DType::F32),
+        adamw_alone(&Device::Cpu, Some(DType::BF16), DType::F32)
     );
 }
 
@@ -332,15 +347,25 @@ fn a_second_cpu_copy_trains_to_the_same_bits() {
 
 /// The GPU's fused AdamW pass (`r3_adamw_f32`) is the CPU pass's arithmetic operation for
 /// operation: the same variables and moments, bit for bit; so are its twins reading bf16 and
-/// f16 gradients as they are (the CPU widens them first).
+/// f16 gradients as they are (the CPU widens them first), and those updating bf16 variables
+/// (`r3_adamw_bf16*`: the stochastic rounding's draws are the CPU's).
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_adamw_pass_equals_the_cpu_bit_for_bit() {
     let gpu = r3_model::DeviceSpec::Cuda { ordinal: 0 }
         .open()
         .expect("a CUDA GPU (this test runs on the GPU machine)");
-    for narrow in [None, Some(DType::BF16), Some(DType::F16)] {
-        let (cpu, on_gpu) = (adamw_alone(&Device::Cpu, narrow), adamw_alone(&gpu, narrow));
+    for (narrow, param) in [
+        (None, DType::F32),
+        (Some(DType::BF16), DType::F32),
+        (Some(DType::F16), DType::F32),
+        (None, DType::BF16),
+        (Some(DType::BF16), DType::BF16),
+    ] {
+        let (cpu, on_gpu) = (
+            adamw_alone(&Device::Cpu, narrow, param),
+            adamw_alone(&gpu, narrow, param),
+        );
         assert_same_bits(&cpu, &on_gpu, narrow);
     }
 }

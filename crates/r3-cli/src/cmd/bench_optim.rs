@@ -54,6 +54,10 @@ pub struct BenchOptimArgs {
     /// Hold a bf16 copy of every matrix, rewritten by each update (`train.narrow_weight_copies`).
     #[arg(long)]
     pub held_copies: bool,
+    /// Hold every matrix in bf16 with no f32 master (`train.master_weights = "bf16"`): its
+    /// update computed in f32 and rounded stochastically, 2 bytes of θ read and written.
+    #[arg(long, conflicts_with = "held_copies")]
+    pub bf16_matrices: bool,
 }
 
 /// `--grad-dtype`'s values.
@@ -97,12 +101,13 @@ pub struct OptimBytes {
     pub grad_norm: u64,
 }
 
-/// [`OptimBytes`] of `params` f32 parameters whose gradients take `grad_bytes` bytes a value,
-/// `copied` of them holding a 16-bit copy.
-pub fn optimiser_bytes(params: usize, grad_bytes: u64, copied: usize) -> OptimBytes {
+/// [`OptimBytes`] of `params` parameters whose gradients take `grad_bytes` bytes a value,
+/// `copied` of them holding a 16-bit copy and `narrow` of them held in bf16 (θ read and
+/// written in 2 bytes instead of 4).
+pub fn optimiser_bytes(params: usize, grad_bytes: u64, copied: usize, narrow: usize) -> OptimBytes {
     let n = params as u64;
     OptimBytes {
-        adamw: 6 * 4 * n + grad_bytes * n + 2 * copied as u64,
+        adamw: 6 * 4 * n - 2 * 2 * narrow as u64 + grad_bytes * n + 2 * copied as u64,
         grad_norm: grad_bytes * n,
     }
 }
@@ -187,7 +192,12 @@ pub fn run(args: BenchOptimArgs) -> anyhow::Result<()> {
     let mut grads = GradStore::default();
     for (i, shape) in shapes.iter().enumerate() {
         let name = format!("p{i:04}");
-        let var = Var::from_tensor(&uniform(&mut rng, shape, 0.02)?.to_device(&device)?)?;
+        let values = uniform(&mut rng, shape, 0.02)?.to_device(&device)?;
+        let values = match args.bf16_matrices && shape.len() >= 2 {
+            true => values.to_dtype(DType::BF16)?,
+            false => values,
+        };
+        let var = Var::from_tensor(&values)?;
         let grad = uniform(&mut rng, shape, 1e-3)?
             .to_device(&device)?
             .to_dtype(grad_dtype)?;
@@ -202,6 +212,11 @@ pub fn run(args: BenchOptimArgs) -> anyhow::Result<()> {
     }
     let params: usize = vars.iter().map(|(_, v)| v.elem_count()).sum();
     let copied: usize = copies.iter().map(|(_, c)| c.elem_count()).sum();
+    let narrow: usize = vars
+        .iter()
+        .filter(|(_, v)| v.dtype() == DType::BF16)
+        .map(|(_, v)| v.elem_count())
+        .sum();
     let plain: Vec<Var> = vars.iter().map(|(_, v)| v.clone()).collect();
     let adamw_params = AdamWParams {
         weight_decay: 0.1,
@@ -212,10 +227,11 @@ pub fn run(args: BenchOptimArgs) -> anyhow::Result<()> {
     if !copies.is_empty() {
         opt.hold_narrow_copies(copies)?;
     }
-    let bytes = optimiser_bytes(params, grad_dtype.size_in_bytes() as u64, copied);
+    let bytes = optimiser_bytes(params, grad_dtype.size_in_bytes() as u64, copied, narrow);
     println!(
-        "r3 bench optim: {:.1}M f32 parameters in {} tensors ({}) on {}, {grad_dtype:?} gradients, {}, {} warm-up + {} timed steps per kernel, seed {}",
+        "r3 bench optim: {:.1}M parameters ({:.1}M of them bf16 with no f32 master) in {} tensors ({}) on {}, {grad_dtype:?} gradients, {}, {} warm-up + {} timed steps per kernel, seed {}",
         params as f64 / 1e6,
+        narrow as f64 / 1e6,
         shapes.len(),
         match args.params {
             Some(_) => "synthetic, mid-config shapes",
@@ -336,7 +352,7 @@ mod tests {
     fn bytes_per_step_by_hand() {
         // 1000 parameters: 4 streams read + 3 written, 4 bytes each = 28 000; norm 4 000
         assert_eq!(
-            optimiser_bytes(1000, 4, 0),
+            optimiser_bytes(1000, 4, 0, 0),
             OptimBytes {
                 adamw: 28_000,
                 grad_norm: 4_000
@@ -344,14 +360,19 @@ mod tests {
         );
         // bf16 gradients (2 bytes read each) and 600 of them holding a bf16 copy (2 written)
         assert_eq!(
-            optimiser_bytes(1000, 2, 600),
+            optimiser_bytes(1000, 2, 600, 0),
             OptimBytes {
                 adamw: 24_000 + 2_000 + 1_200,
                 grad_norm: 2_000
             }
         );
+        // 700 of them held in bf16: θ read and written in 2 bytes each (4 fewer a parameter)
+        assert_eq!(optimiser_bytes(1000, 4, 0, 700).adamw, 28_000 - 2_800);
         // 3 B parameters do not overflow
-        assert_eq!(optimiser_bytes(3_000_000_000, 4, 0).adamw, 84_000_000_000);
+        assert_eq!(
+            optimiser_bytes(3_000_000_000, 4, 0, 0).adamw,
+            84_000_000_000
+        );
     }
 
     #[test]

@@ -105,6 +105,13 @@ pub struct BenchTrainArgs {
     /// again in the backward; one more forward of the head). 0 (default): the logits kept.
     #[arg(long, default_value_t = 0)]
     pub head_chunk_tokens: usize,
+    /// The dtype the weight matrices are held in (`train.master_weights`): `f32` (f32
+    /// master weights) or, with `--dtype bf16`, `bf16`: every matrix the forward rounds held
+    /// in bf16 with no f32 copy (the projections, experts, router and head; the embedding
+    /// and norms stay f32), their gradients bf16 — the precision scheme of a model trained
+    /// purely in bf16, as `peer_hf.py --dtype bf16` holds HF's.
+    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
+    pub master_weights: String,
 }
 
 /// One timed step: forward and backward wall seconds, the process's CPU seconds over both
@@ -305,10 +312,25 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
             (cfg, weights)
         }
     };
+    let bf16_masters = args.master_weights == "bf16";
+    anyhow::ensure!(
+        !bf16_masters || precision == (Precision::Bf16 { router_f32: false }),
+        "--master-weights bf16 needs --dtype bf16"
+    );
+    anyhow::ensure!(
+        !bf16_masters || args.narrow_copies != "on",
+        "--narrow-copies on holds bf16 copies beside f32 masters; with --master-weights bf16 the \
+         matrices are bf16 already"
+    );
+    let weights = match bf16_masters {
+        true => weights.narrow_matrices(&cfg, DType::BF16, true)?,
+        false => weights,
+    };
     let (varmap, mut weights) = weights.into_trainable(&cfg)?;
     let vars = varmap.all_vars();
     let params: usize = vars.iter().map(|v| v.elem_count()).sum();
     let hold_copies = match (args.narrow_copies.as_str(), precision.narrow_dtype()) {
+        _ if bf16_masters => None,
         (_, None) | ("off", _) => None,
         ("auto", Some(_)) if device.is_cpu() => None,
         (_, Some(narrow)) => Some(narrow),
@@ -411,8 +433,8 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
             n => format!(", the head scored {n} tokens at a time (logits not kept)"),
         }
     );
-    // What the parameters hold by construction (not measured): the f32 masters and the
-    // copies. Their gradients are counted after the backward (below); activations, workspace
+    // What the parameters hold by construction (not measured): the masters (f32, or the
+    // matrices bf16) and the copies. Their gradients are counted after the backward (below); activations, workspace
     // and the allocator's pools come on top (a GPU's peak is what nvidia-smi reads).
     let bytes_of = |t: &Tensor| (t.elem_count() * t.dtype().size_in_bytes()) as f64 / 1e9;
     let master_gb: f64 = varmap
@@ -425,9 +447,17 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         .iter()
         .map(|(_, c)| bytes_of(c.as_tensor()))
         .fold(0.0, |a, b| a + b);
+    let bf16_vars = vars.iter().filter(|v| v.dtype() == DType::BF16).count();
     println!(
-        "parameters hold {:.2} GB: f32 weights {master_gb:.2} GB{} (gradients: below)",
+        "parameters hold {:.2} GB: weights {master_gb:.2} GB ({}){} (gradients: below)",
         master_gb + copies_gb,
+        match bf16_vars {
+            0 => "f32".to_string(),
+            n => format!(
+                "{n} of {} tensors bf16 with no f32 copy (--master-weights bf16)",
+                vars.len()
+            ),
+        },
         if copies.is_empty() {
             String::new()
         } else {

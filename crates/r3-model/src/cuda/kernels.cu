@@ -489,6 +489,41 @@ extern "C" __global__ void r3_swiglu_grad_f32(const float *h, const float *d, fl
     }
 }
 
+// The counter-based draw of element `index` under `key` (stochastic_round.rs `hash32` /
+// `rounding_bits`: the same bits on the CPU).
+__device__ __forceinline__ uint32_t hash32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    return x ^ (x >> 16);
+}
+__device__ __forceinline__ uint32_t rounding_bits(uint64_t key, uint64_t index) {
+    const uint32_t salt = hash32((uint32_t)(index >> 32) ^ (uint32_t)(key >> 32));
+    return hash32((uint32_t)index ^ (uint32_t)key ^ salt) >> 16;
+}
+
+// x rounded to bf16 stochastically by 16 random bits (stochastic_round.rs
+// `round_bf16_stochastic`, the same bits): the bits added below bf16's half, the low half
+// dropped; nothing added to ±∞ or NaN, and a NaN keeps its quiet bit.
+__device__ __forceinline__ __nv_bfloat16 round_bf16_stochastic(float x, uint32_t bits) {
+    const uint32_t b = __float_as_uint(x);
+    const bool finite = (b & 0x7f800000u) != 0x7f800000u;
+    const bool nan = (b & 0x7fffffffu) > 0x7f800000u;
+    const uint32_t r = ((b + (finite ? (bits & 0xffffu) : 0u)) >> 16) | (nan ? 0x40u : 0u);
+    return __ushort_as_bfloat16((unsigned short)r);
+}
+
+// y[i] = x[i] rounded to bf16 stochastically by draw i of `key`. CPU twin:
+// stochastic_round.rs `round_slice_stochastic`.
+extern "C" __global__ void r3_round_bf16_stochastic(const float *x, __nv_bfloat16 *y, size_t n,
+                                                    uint64_t key) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)blockDim.x * gridDim.x) {
+        y[i] = round_bf16_stochastic(x[i], rounding_bits(key, i));
+    }
+}
+
 // One AdamW update of n f32 parameters: θ, g, m, v in, the staged θ', m', v' out (nothing
 // written to the inputs), and the largest |θ'|, |m'|, |v'| as bit patterns folded into
 // `maxima` [3] (which starts at zero): for non-negative floats the bit order is the numeric
@@ -503,15 +538,29 @@ __device__ __forceinline__ float grad_f32(float g) { return g; }
 __device__ __forceinline__ float grad_f32(__nv_bfloat16 g) { return __bfloat162float(g); }
 __device__ __forceinline__ float grad_f32(__half g) { return __half2float(g); }
 
+// θ is f32, or bf16 held without an f32 master (`train.master_weights = "bf16"`): read
+// widened, θ' rounded to bf16 stochastically by draw i of `key` (the CPU pass's draw), and
+// the checks made on the rounded value.
+__device__ __forceinline__ float param_f32(float p) { return p; }
+__device__ __forceinline__ float param_f32(__nv_bfloat16 p) { return __bfloat162float(p); }
+__device__ __forceinline__ float stored_param(float x, uint64_t, size_t, float *out) {
+    return x;
+}
+__device__ __forceinline__ __nv_bfloat16 stored_param(float x, uint64_t key, size_t i,
+                                                      __nv_bfloat16 *) {
+    return round_bf16_stochastic(x, rounding_bits(key, i));
+}
+
 // A trainer holding a 16-bit copy of θ (`copy_code` 1 bf16, 2 f16; 0 none) has θ' rounded
 // into `copy_out` too (nearest, ties to even: `cast16`'s rounding), committed with θ'.
-template <typename G>
-__device__ void adamw_pass(const float *theta, const G *g, const float *m, const float *v,
-                           float *theta_out, float *m_out, float *v_out, uint32_t *maxima,
+template <typename P, typename G>
+__device__ void adamw_pass(const P *theta, const G *g, const float *m, const float *v,
+                           P *theta_out, float *m_out, float *v_out, uint32_t *maxima,
                            size_t n, float beta1, float one_minus_beta1, float beta2,
                            float one_minus_beta2, float inv_bc1, float inv_bc2, float eps,
                            float lr, float decay, float scale, uint32_t use_decay,
-                           uint32_t use_scale, void *copy_out, uint32_t copy_code) {
+                           uint32_t use_scale, void *copy_out, uint32_t copy_code,
+                           uint64_t key) {
     uint32_t tmax = 0, mmax = 0, vmax = 0;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
@@ -524,10 +573,13 @@ __device__ void adamw_pass(const float *theta, const G *g, const float *m, const
         const float m_hat = __fadd_rn(__fmul_rn(m1, inv_bc1), 0.0f);
         const float denom =
             __fadd_rn(__fmul_rn(__fsqrt_rn(__fadd_rn(__fmul_rn(v1, inv_bc2), 0.0f)), 1.0f), eps);
-        const float decayed = use_decay ? __fadd_rn(__fmul_rn(theta[i], decay), 0.0f) : theta[i];
-        const float updated =
+        const float theta_i = param_f32(theta[i]);
+        const float decayed = use_decay ? __fadd_rn(__fmul_rn(theta_i, decay), 0.0f) : theta_i;
+        const float computed =
             __fsub_rn(decayed, __fadd_rn(__fmul_rn(__fdiv_rn(m_hat, denom), lr), 0.0f));
-        theta_out[i] = updated;
+        const P stored = stored_param(computed, key, i, theta_out);
+        const float updated = param_f32(stored);
+        theta_out[i] = stored;
         m_out[i] = m1;
         v_out[i] = v1;
         if (copy_code == 1) {
@@ -551,21 +603,24 @@ __device__ void adamw_pass(const float *theta, const G *g, const float *m, const
     }
 }
 
-#define ADAMW_KERNEL(NAME, G)                                                                  \
-    extern "C" __global__ void NAME(const float *theta, const G *g, const float *m,           \
-                                    const float *v, float *theta_out, float *m_out,           \
-                                    float *v_out, uint32_t *maxima, size_t n, float beta1,    \
+#define ADAMW_KERNEL(NAME, P, G)                                                               \
+    extern "C" __global__ void NAME(const P *theta, const G *g, const float *m, const float *v, \
+                                    P *theta_out, float *m_out, float *v_out,                 \
+                                    uint32_t *maxima, size_t n, float beta1,                  \
                                     float one_minus_beta1, float beta2, float one_minus_beta2, \
                                     float inv_bc1, float inv_bc2, float eps, float lr,         \
                                     float decay, float scale, uint32_t use_decay,              \
-                                    uint32_t use_scale, void *copy_out, uint32_t copy_code) {  \
-        adamw_pass<G>(theta, g, m, v, theta_out, m_out, v_out, maxima, n, beta1,               \
-                      one_minus_beta1, beta2, one_minus_beta2, inv_bc1, inv_bc2, eps, lr,      \
-                      decay, scale, use_decay, use_scale, copy_out, copy_code);                \
+                                    uint32_t use_scale, void *copy_out, uint32_t copy_code,    \
+                                    uint64_t key) {                                            \
+        adamw_pass<P, G>(theta, g, m, v, theta_out, m_out, v_out, maxima, n, beta1,            \
+                         one_minus_beta1, beta2, one_minus_beta2, inv_bc1, inv_bc2, eps, lr,   \
+                         decay, scale, use_decay, use_scale, copy_out, copy_code, key);        \
     }
-ADAMW_KERNEL(r3_adamw_f32, float)
-ADAMW_KERNEL(r3_adamw_f32_grad_bf16, __nv_bfloat16)
-ADAMW_KERNEL(r3_adamw_f32_grad_f16, __half)
+ADAMW_KERNEL(r3_adamw_f32, float, float)
+ADAMW_KERNEL(r3_adamw_f32_grad_bf16, float, __nv_bfloat16)
+ADAMW_KERNEL(r3_adamw_f32_grad_f16, float, __half)
+ADAMW_KERNEL(r3_adamw_bf16, __nv_bfloat16, float)
+ADAMW_KERNEL(r3_adamw_bf16_grad_bf16, __nv_bfloat16, __nv_bfloat16)
 
 // The pointer table of one batched GEMM per routed slot (`expert_gemm.rs`, `run_slots`):
 // slot s multiplies its row (B at b0 + (s / share)·b_step bytes: `share` consecutive slots

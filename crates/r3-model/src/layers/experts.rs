@@ -110,14 +110,17 @@ impl RoutedExperts {
                 gates.dims()
             )));
         }
-        // The fused op takes rows and stacks of one dtype (not an engine's 16-bit copies of
-        // the stacks) and rounds to a 16-bit float on f32 operands only.
+        // The fused op takes rows and stacks of one dtype, or f32 rows with bf16 stacks (a
+        // trainer's matrices held in bf16: `train.master_weights`), and rounds to a 16-bit
+        // float on f32 rows only.
+        let stacks_fit =
+            |dtype: DType| dtype == x.dtype() || (x.dtype() == DType::F32 && dtype == DType::BF16);
         let fused_dtype = match x.dtype() {
             candle_core::DType::F32 => true,
             candle_core::DType::F64 => !self.precision.is_mixed(),
             _ => false,
-        } && self.gate_up.dtype() == x.dtype()
-            && self.down.dtype() == x.dtype();
+        } && stacks_fit(self.gate_up.dtype())
+            && stacks_fit(self.down.dtype());
         if x.device().is_cpu() && fused_dtype {
             let rows_with_gates = Tensor::cat(&[x, &gates.to_dtype(x.dtype())?], 1)?;
             Ok(rows_with_gates.apply_op3(

@@ -93,6 +93,50 @@ impl<T: Copy> Rounding<T> {
     }
 }
 
+/// An expert stack as the op reads it: in the rows' own float, or in bf16 (a trainer holding
+/// its matrices in bf16 with no f32 master: `train.master_weights = "bf16"`; the values the
+/// bf16 rounding gives already), widened one expert's matrix at a time into its job's scratch
+/// buffer, where an f32 stack is rounded into it.
+#[derive(Clone, Copy)]
+enum Stack<'a, T> {
+    Own(&'a [T]),
+    Bf16(&'a [half::bf16]),
+}
+
+impl<'a, T: Float> Stack<'a, T> {
+    /// The elements `range` (one expert's matrix) as the products read them: the stack's own
+    /// (rounded into `scratch` where `round` rounds), or the bf16 values widened into it.
+    fn matrix<'s>(
+        self,
+        range: std::ops::Range<usize>,
+        round: Rounding<T>,
+        scratch: &'s mut Vec<T>,
+    ) -> &'s [T]
+    where
+        'a: 's,
+    {
+        match self {
+            Stack::Own(w) => round.weights(&w[range], scratch),
+            Stack::Bf16(w) => {
+                scratch.clear();
+                scratch.extend(w[range].iter().map(|v| T::from_f64(f64::from(v.to_f32()))));
+                scratch
+            }
+        }
+    }
+}
+
+/// Runs `f` on a CPU stack `w`: bf16 as it is, else as `T` (the rows' float).
+fn with_stack<T: WithDType, R>(
+    w: &Tensor,
+    f: impl FnOnce(Stack<'_, T>) -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    match w.dtype() {
+        DType::BF16 => with_host::<half::bf16, _>(w, |w| f(Stack::Bf16(w))),
+        _ => with_host::<T, _>(w, |w| f(Stack::Own(w))),
+    }
+}
+
 /// Splits a row-major buffer into the row groups `offsets` describes.
 fn split_groups<'a, T>(mut buf: &'a mut [T], offsets: &[usize], width: usize) -> Vec<&'a mut [T]> {
     let mut out = Vec::with_capacity(offsets.len().saturating_sub(1));
@@ -235,8 +279,8 @@ struct Forward<T> {
 
 fn routed_forward<T: Float>(
     rows: Rows<'_, T>,
-    w1: &[T],
-    w2: &[T],
+    w1: Stack<'_, T>,
+    w2: Stack<'_, T>,
     disp: &Dispatch,
     d: Dims,
     round: Rounding<T>,
@@ -257,13 +301,13 @@ fn routed_forward<T: Float>(
         let mut xj = rows.gather(&disp.slots()[from..to]);
         round.apply(&mut xj);
         let mut scratch = Vec::new();
-        let w1j = round.weights(&w1[j * 2 * id * hd..(j + 1) * 2 * id * hd], &mut scratch);
+        let w1j = w1.matrix(j * 2 * id * hd..(j + 1) * 2 * id * hd, round, &mut scratch);
         let w1j = MatRef::transposed(w1j, hd);
         let hj = matmul_unfilled(m, 2 * id, hd, hj, MatRef::row_major(&xj, hd), w1j, threads);
         round.apply(hj);
         let mut a = swiglu_rows(hj, id);
         round.apply(&mut a);
-        let w2j = round.weights(&w2[j * hd * id..(j + 1) * hd * id], &mut scratch);
+        let w2j = w2.matrix(j * hd * id..(j + 1) * hd * id, round, &mut scratch);
         let w2j = MatRef::transposed(w2j, id);
         round.apply(matmul_unfilled(
             m,
@@ -326,8 +370,8 @@ struct Wanted {
 /// Operands and saved activations of one backward.
 struct BackwardInputs<'a, T> {
     rows: Rows<'a, T>,
-    w1: &'a [T],
-    w2: &'a [T],
+    w1: Stack<'a, T>,
+    w2: Stack<'a, T>,
     h: &'a [T],
     o: &'a [T],
     dy: &'a [T],
@@ -415,7 +459,9 @@ fn expert_backward<T: Float>(
     round.apply(&mut go);
     let hj = &inp.h[from * 2 * id..to * 2 * id];
     let mut scratch = Vec::new();
-    let w2j = round.weights(&inp.w2[j * hd * id..(j + 1) * hd * id], &mut scratch);
+    let w2j = inp
+        .w2
+        .matrix(j * hd * id..(j + 1) * hd * id, round, &mut scratch);
     // da = go · W2 (W2 is [H, I], read as-is)
     let mut da = unfilled::<T>(m * id);
     let da = matmul_unfilled(
@@ -462,10 +508,9 @@ fn expert_backward<T: Float>(
     }
     if let Some(dxj) = dxj {
         // dx = dh · W1 (W1 is [2I, H], read as-is), per place, at the rounded input rows
-        let w1j = round.weights(
-            &inp.w1[j * 2 * id * hd..(j + 1) * 2 * id * hd],
-            &mut scratch,
-        );
+        let w1j = inp
+            .w1
+            .matrix(j * 2 * id * hd..(j + 1) * 2 * id * hd, round, &mut scratch);
         round.apply(matmul_unfilled(
             m,
             hd,
@@ -557,8 +602,8 @@ impl RoutedSwiGlu {
     fn fwd_typed<T: Float + WithDType>(
         &self,
         x: &[T],
-        w1: &[T],
-        w2: &[T],
+        w1: Stack<'_, T>,
+        w2: Stack<'_, T>,
         d: Dims,
         wrap: fn(Vec<T>) -> CpuStorage,
         round: Rounding<T>,
@@ -583,8 +628,8 @@ impl RoutedSwiGlu {
         round: Rounding<T>,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let grads = with_host::<T, _>(x, |xv| {
-            with_host::<T, _>(w1, |w1v| {
-                with_host::<T, _>(w2, |w2v| {
+            with_stack::<T, _>(w1, |w1v| {
+                with_stack::<T, _>(w2, |w2v| {
                     with_host::<T, _>(grad, |dy| {
                         let saved = self.saved.lock().map_err(|_| {
                             candle_core::Error::Msg("routed experts: cache lock poisoned".into())
@@ -613,13 +658,22 @@ impl RoutedSwiGlu {
             })
         })?;
         let device = x.device();
-        let to_tensor = |v: Option<Vec<T>>, shape: &Shape| {
-            v.map(|v| Tensor::from_vec(v, shape, device)).transpose()
+        // A bf16 stack's gradient is handed back in bf16: the backward rounded it to bf16
+        // where its weights were rounded, so the narrowing is exact.
+        let to_tensor = |v: Option<Vec<T>>, like: &Tensor| {
+            v.map(|v| {
+                let t = Tensor::from_vec(v, like.shape(), device)?;
+                match like.dtype() {
+                    DType::BF16 if self.narrow == Some(DType::BF16) => t.to_dtype(DType::BF16),
+                    _ => Ok(t),
+                }
+            })
+            .transpose()
         };
         Ok((
-            to_tensor(grads.drows, x.shape())?,
-            to_tensor(grads.dw1, w1.shape())?,
-            to_tensor(grads.dw2, w2.shape())?,
+            to_tensor(grads.drows, x)?,
+            to_tensor(grads.dw1, w1)?,
+            to_tensor(grads.dw2, w2)?,
         ))
     }
 }
@@ -642,21 +696,31 @@ impl CustomOp3 for RoutedSwiGlu {
         let out = match (x, w1, w2) {
             (CpuStorage::F32(x), CpuStorage::F32(w1), CpuStorage::F32(w2)) => self.fwd_typed(
                 contiguous(x, xl, "rows")?,
-                contiguous(w1, w1l, "gate_up")?,
-                contiguous(w2, w2l, "down")?,
+                Stack::Own(contiguous(w1, w1l, "gate_up")?),
+                Stack::Own(contiguous(w2, w2l, "down")?),
+                d,
+                CpuStorage::F32,
+                self.f32_rounding(),
+            )?,
+            (CpuStorage::F32(x), CpuStorage::BF16(w1), CpuStorage::BF16(w2)) => self.fwd_typed(
+                contiguous(x, xl, "rows")?,
+                Stack::Bf16(contiguous(w1, w1l, "gate_up")?),
+                Stack::Bf16(contiguous(w2, w2l, "down")?),
                 d,
                 CpuStorage::F32,
                 self.f32_rounding(),
             )?,
             (CpuStorage::F64(x), CpuStorage::F64(w1), CpuStorage::F64(w2)) => self.fwd_typed(
                 contiguous(x, xl, "rows")?,
-                contiguous(w1, w1l, "gate_up")?,
-                contiguous(w2, w2l, "down")?,
+                Stack::Own(contiguous(w1, w1l, "gate_up")?),
+                Stack::Own(contiguous(w2, w2l, "down")?),
                 d,
                 CpuStorage::F64,
                 self.f64_rounding()?,
             )?,
-            _ => candle_core::bail!("routed experts: operands must all be f32 or all f64"),
+            _ => candle_core::bail!(
+                "routed experts: operands must all be f32 or all f64, or f32 rows with bf16 stacks"
+            ),
         };
         Ok((out, Shape::from((self.dispatch.rows(), d.hidden))))
     }

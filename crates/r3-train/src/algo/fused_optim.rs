@@ -1,5 +1,6 @@
-//! The optimiser's fused CPU passes over f32 host memory: one AdamW pass per parameter
-//! tensor (new θ, m, v and the guard's checks in a single read of θ, g, m, v) and the sum of
+//! The optimiser's fused CPU passes over host memory: one AdamW pass per parameter tensor
+//! (new θ, m, v and the guard's checks in a single read of θ, g, m, v; θ f32, or bf16 with θ'
+//! rounded stochastically where weights are held without an f32 master) and the sum of
 //! squares of a gradient in candle's own summation order.
 //!
 //! Each elementwise expression is the one candle's composed ops evaluate, operation for
@@ -9,8 +10,9 @@
 //! on its own inputs and the checks combine by AND and max, so nothing depends on the thread
 //! count.
 
-use candle_core::{CpuStorage, InplaceOp1, Layout, Storage, StorageRef, Tensor, Var};
+use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Storage, StorageRef, Tensor, Var};
 use r3_model::layers::gemm::{assume_init_vec, unfilled};
+use r3_model::stochastic_round::{round_bf16_stochastic, rounding_bits};
 use rayon::prelude::*;
 use std::mem::MaybeUninit;
 use std::sync::Mutex;
@@ -20,21 +22,21 @@ use std::sync::Mutex;
 const CHUNK: usize = 1 << 15;
 
 /// The contiguous f32 elements of a CPU tensor, read-locked for as long as the view lives
-/// (a [`HostGrad`] admitting f32 only).
-pub(crate) struct HostF32<'a>(HostGrad<'a>);
+/// (a [`HostFloats`] admitting f32 only).
+pub(crate) struct HostF32<'a>(HostFloats<'a>);
 
 impl<'a> HostF32<'a> {
     /// The view, or `None` when `t` is not a contiguous f32 tensor on the CPU (the caller then
     /// takes the composed path).
     pub(crate) fn of(t: &'a Tensor) -> Option<Self> {
-        let view = HostGrad::of(t)?;
-        matches!(view.slice(), GradSlice::F32(_)).then_some(Self(view))
+        let view = HostFloats::of(t)?;
+        matches!(view.slice(), FloatSlice::F32(_)).then_some(Self(view))
     }
 
     /// The elements.
     pub(crate) fn slice(&self) -> &[f32] {
         match self.0.slice() {
-            GradSlice::F32(data) => data,
+            FloatSlice::F32(data) => data,
             // `of` admits only f32 storage
             _ => &[],
         }
@@ -44,7 +46,7 @@ impl<'a> HostF32<'a> {
 /// The contiguous elements of a CPU tensor in its own float dtype: a gradient f32, or 16-bit
 /// as a backward kept it (`train.narrow_gradients`); read-locked for as long as the view
 /// lives.
-pub(crate) struct HostGrad<'a> {
+pub(crate) struct HostFloats<'a> {
     storage: StorageRef<'a>,
     from: usize,
     to: usize,
@@ -52,13 +54,13 @@ pub(crate) struct HostGrad<'a> {
 
 /// A gradient's elements in their own dtype.
 #[derive(Clone, Copy)]
-pub(crate) enum GradSlice<'a> {
+pub(crate) enum FloatSlice<'a> {
     F32(&'a [f32]),
     Bf16(&'a [half::bf16]),
     F16(&'a [half::f16]),
 }
 
-impl<'a> HostGrad<'a> {
+impl<'a> HostFloats<'a> {
     /// The view, or `None` when `g` is not a contiguous f32, bf16 or f16 tensor on the CPU.
     pub(crate) fn of(g: &'a Tensor) -> Option<Self> {
         let (storage, layout) = g.storage_and_layout();
@@ -71,50 +73,50 @@ impl<'a> HostGrad<'a> {
     }
 
     /// The elements.
-    pub(crate) fn slice(&self) -> GradSlice<'_> {
+    pub(crate) fn slice(&self) -> FloatSlice<'_> {
         let r = self.from..self.to;
         match &*self.storage {
-            Storage::Cpu(CpuStorage::BF16(data)) => GradSlice::Bf16(&data[r]),
-            Storage::Cpu(CpuStorage::F16(data)) => GradSlice::F16(&data[r]),
-            Storage::Cpu(CpuStorage::F32(data)) => GradSlice::F32(&data[r]),
+            Storage::Cpu(CpuStorage::BF16(data)) => FloatSlice::Bf16(&data[r]),
+            Storage::Cpu(CpuStorage::F16(data)) => FloatSlice::F16(&data[r]),
+            Storage::Cpu(CpuStorage::F32(data)) => FloatSlice::F32(&data[r]),
             // `of` admits only these CPU storages
-            _ => GradSlice::F32(&[]),
+            _ => FloatSlice::F32(&[]),
         }
     }
 }
 
-impl GradSlice<'_> {
+impl FloatSlice<'_> {
     /// Its length.
     pub(crate) fn len(&self) -> usize {
         match self {
-            GradSlice::F32(g) => g.len(),
-            GradSlice::Bf16(g) => g.len(),
-            GradSlice::F16(g) => g.len(),
+            FloatSlice::F32(g) => g.len(),
+            FloatSlice::Bf16(g) => g.len(),
+            FloatSlice::F16(g) => g.len(),
         }
     }
 }
 
 /// A gradient value widened to f32 as it is read (exact for bf16 and f16: the value a
 /// widened copy would hold).
-trait WidenedGrad: Copy + Send + Sync {
+trait Widened: Copy + Send + Sync {
     fn wide(self) -> f32;
 }
 
-impl WidenedGrad for f32 {
+impl Widened for f32 {
     #[inline(always)]
     fn wide(self) -> f32 {
         self
     }
 }
 
-impl WidenedGrad for half::bf16 {
+impl Widened for half::bf16 {
     #[inline(always)]
     fn wide(self) -> f32 {
         self.to_f32()
     }
 }
 
-impl WidenedGrad for half::f16 {
+impl Widened for half::f16 {
     #[inline(always)]
     fn wide(self) -> f32 {
         self.to_f32()
@@ -168,13 +170,50 @@ impl StagedChecks {
     }
 }
 
+/// A staged θ' in its variable's dtype: f32, or bf16 for weights held without an f32 master
+/// (rounded stochastically: `r3_model::stochastic_round`).
+#[derive(Debug)]
+pub(crate) enum StagedTheta {
+    /// An f32 variable's.
+    F32(Vec<f32>),
+    /// A bf16 variable's.
+    Bf16(Vec<half::bf16>),
+}
+
+/// [`StagedTheta`]'s buffer before the pass writes it.
+#[derive(Debug)]
+enum ThetaBuffer {
+    F32(Vec<MaybeUninit<f32>>),
+    Bf16(Vec<MaybeUninit<half::bf16>>),
+}
+
 /// One tensor's new θ, m and v, not yet committed, and their checks.
 #[derive(Debug)]
 pub(crate) struct StagedUpdate {
-    pub theta: Vec<f32>,
+    pub theta: StagedTheta,
     pub m: Vec<f32>,
     pub v: Vec<f32>,
     pub checks: StagedChecks,
+}
+
+/// A parameter's element type: read widened to f32 (exact), θ' stored in its own dtype.
+trait Param: Widened + std::fmt::Debug + 'static {
+    /// `x` as stored: itself in f32; in bf16 rounded stochastically by draw `index` of `key`.
+    fn stored(x: f32, key: u64, index: u64) -> Self;
+}
+
+impl Param for f32 {
+    #[inline(always)]
+    fn stored(x: f32, _: u64, _: u64) -> f32 {
+        x
+    }
+}
+
+impl Param for half::bf16 {
+    #[inline(always)]
+    fn stored(x: f32, key: u64, index: u64) -> half::bf16 {
+        round_bf16_stochastic(x, rounding_bits(key, index))
+    }
 }
 
 /// The largest `|x|` bit pattern seen: for non-negative floats the integer order of the bits
@@ -185,15 +224,22 @@ const ABS_BITS: u32 = 0x7fff_ffff;
 const INF_BITS: u32 = 0x7f80_0000;
 
 /// One chunk of the unwritten θ', m', v' buffers.
-type OutChunks<'a> = [&'a mut [MaybeUninit<f32>]; 3];
+type OutChunks<'a, P> = (
+    &'a mut [MaybeUninit<P>],
+    &'a mut [MaybeUninit<f32>],
+    &'a mut [MaybeUninit<f32>],
+);
 
 /// One chunk of the AdamW pass: reads θ, g, m, v once, writes θ', m', v', returns the checks.
 /// Operation for operation the composed path (see `AdamW::step`). `DECAY` and `SCALE` are
-/// whether `k.decay` / `k.grad_scale` are set, as constants so the loop has no branch.
-fn adamw_chunk<G: WidenedGrad, const DECAY: bool, const SCALE: bool>(
+/// whether `k.decay` / `k.grad_scale` are set, as constants so the loop has no branch. A bf16
+/// θ' is rounded stochastically by draw `first + i` of `k.rounding_key` for element `i` of
+/// the chunk (`first`: the chunk's offset in its tensor), and checked as rounded.
+fn adamw_chunk<P: Param, G: Widened, const DECAY: bool, const SCALE: bool>(
     k: &AdamWConstants,
-    (theta, g, m, v): (&[f32], &[G], &[f32], &[f32]),
-    [theta_out, m_out, v_out]: OutChunks<'_>,
+    first: u64,
+    (theta, g, m, v): (&[P], &[G], &[f32], &[f32]),
+    (theta_out, m_out, v_out): OutChunks<'_, P>,
 ) -> StagedChecks {
     let n = theta.len();
     let (g, m, v) = (&g[..n], &m[..n], &v[..n]);
@@ -208,16 +254,21 @@ fn adamw_chunk<G: WidenedGrad, const DECAY: bool, const SCALE: bool>(
         let v1 = (v[i] * k.beta2 + 0.0) + ((g * g) * k.one_minus_beta2 + 0.0);
         let m_hat = m1 * k.inv_bc1 + 0.0;
         let denom = (v1 * k.inv_bc2 + 0.0).sqrt() * 1.0 + k.eps;
+        let theta_i = theta[i].wide();
         let decayed = if DECAY {
-            theta[i] * decay + 0.0
+            theta_i * decay + 0.0
         } else {
-            theta[i]
+            theta_i
         };
-        let new = decayed - ((m_hat / denom) * k.lr + 0.0);
-        theta_out[i].write(new);
+        let stored = P::stored(
+            decayed - ((m_hat / denom) * k.lr + 0.0),
+            k.rounding_key,
+            first + i as u64,
+        );
+        theta_out[i].write(stored);
         m_out[i].write(m1);
         v_out[i].write(v1);
-        theta_max = theta_max.max(new.to_bits() & ABS_BITS);
+        theta_max = theta_max.max(stored.wide().to_bits() & ABS_BITS);
         m_max = m_max.max(m1.to_bits() & ABS_BITS);
         v_max = v_max.max(v1.to_bits() & ABS_BITS);
     }
@@ -225,64 +276,102 @@ fn adamw_chunk<G: WidenedGrad, const DECAY: bool, const SCALE: bool>(
 }
 
 /// [`adamw_chunk`] with its constants chosen.
-fn adamw_chunk_dispatch<G: WidenedGrad>(
+fn adamw_chunk_dispatch<P: Param, G: Widened>(
     k: &AdamWConstants,
-    inputs: (&[f32], &[G], &[f32], &[f32]),
-    outputs: OutChunks<'_>,
+    first: u64,
+    inputs: (&[P], &[G], &[f32], &[f32]),
+    outputs: OutChunks<'_, P>,
 ) -> StagedChecks {
     match (k.decay.is_some(), k.grad_scale.is_some()) {
-        (false, false) => adamw_chunk::<G, false, false>(k, inputs, outputs),
-        (false, true) => adamw_chunk::<G, false, true>(k, inputs, outputs),
-        (true, false) => adamw_chunk::<G, true, false>(k, inputs, outputs),
-        (true, true) => adamw_chunk::<G, true, true>(k, inputs, outputs),
+        (false, false) => adamw_chunk::<P, G, false, false>(k, first, inputs, outputs),
+        (false, true) => adamw_chunk::<P, G, false, true>(k, first, inputs, outputs),
+        (true, false) => adamw_chunk::<P, G, true, false>(k, first, inputs, outputs),
+        (true, true) => adamw_chunk::<P, G, true, true>(k, first, inputs, outputs),
     }
 }
 
-/// Uninitialised buffers for one tensor's new θ, m and v.
+/// Uninitialised buffers for one tensor's new θ (in its dtype), m and v.
 #[derive(Debug)]
 pub(crate) struct FusedOutputs {
-    theta: Vec<MaybeUninit<f32>>,
+    theta: ThetaBuffer,
     m: Vec<MaybeUninit<f32>>,
     v: Vec<MaybeUninit<f32>>,
 }
 
 impl FusedOutputs {
-    /// Buffers of `n` elements each.
-    pub(crate) fn new(n: usize) -> Self {
-        Self {
-            theta: unfilled(n),
+    /// Buffers of `n` elements each, θ' in `param` (f32 or bf16; anything else is `None`:
+    /// no fused pass).
+    pub(crate) fn new(n: usize, param: DType) -> Option<Self> {
+        let theta = match param {
+            DType::F32 => ThetaBuffer::F32(unfilled(n)),
+            DType::BF16 => ThetaBuffer::Bf16(unfilled(n)),
+            _ => return None,
+        };
+        Some(Self {
+            theta,
             m: unfilled(n),
             v: unfilled(n),
-        }
+        })
     }
 }
 
 /// The fused AdamW pass over one tensor: new θ, m, v into `out` (nothing is written to the
 /// inputs θ, g, m, v, all of `out`'s length; `g` f32, or 16-bit and widened as it is read:
-/// the same values as a widened copy, without its pass), chunks in parallel.
+/// the same values as a widened copy, without its pass; θ f32, or bf16 and θ' rounded
+/// stochastically), chunks in parallel. `None` for a pairing it does not take (θ f16, a bf16
+/// θ with an f16 gradient, `out` not in θ's dtype).
 pub(crate) fn adamw_pass(
     k: &AdamWConstants,
-    (theta, g, m, v): (&[f32], GradSlice<'_>, &[f32], &[f32]),
+    (theta, g, m, v): (FloatSlice<'_>, FloatSlice<'_>, &[f32], &[f32]),
     out: FusedOutputs,
-) -> StagedUpdate {
-    match g {
-        GradSlice::F32(g) => adamw_pass_typed(k, (theta, g, m, v), out),
-        GradSlice::Bf16(g) => adamw_pass_typed(k, (theta, g, m, v), out),
-        GradSlice::F16(g) => adamw_pass_typed(k, (theta, g, m, v), out),
-    }
+) -> Option<StagedUpdate> {
+    let FusedOutputs {
+        theta: to,
+        m: mo,
+        v: vo,
+    } = out;
+    Some(match (theta, to) {
+        (FloatSlice::F32(theta), ThetaBuffer::F32(to)) => {
+            let (theta_out, m, v, checks) = match g {
+                FloatSlice::F32(g) => adamw_pass_typed(k, (theta, g, m, v), (to, mo, vo)),
+                FloatSlice::Bf16(g) => adamw_pass_typed(k, (theta, g, m, v), (to, mo, vo)),
+                FloatSlice::F16(g) => adamw_pass_typed(k, (theta, g, m, v), (to, mo, vo)),
+            };
+            StagedUpdate {
+                theta: StagedTheta::F32(theta_out),
+                m,
+                v,
+                checks,
+            }
+        }
+        (FloatSlice::Bf16(theta), ThetaBuffer::Bf16(to)) => {
+            let (theta_out, m, v, checks) = match g {
+                FloatSlice::F32(g) => adamw_pass_typed(k, (theta, g, m, v), (to, mo, vo)),
+                FloatSlice::Bf16(g) => adamw_pass_typed(k, (theta, g, m, v), (to, mo, vo)),
+                FloatSlice::F16(_) => return None,
+            };
+            StagedUpdate {
+                theta: StagedTheta::Bf16(theta_out),
+                m,
+                v,
+                checks,
+            }
+        }
+        _ => return None,
+    })
 }
 
-/// [`adamw_pass`] for one gradient dtype.
-fn adamw_pass_typed<G: WidenedGrad>(
+/// [`adamw_pass`] for one parameter and gradient dtype: θ', m', v' and the checks.
+#[allow(clippy::type_complexity)]
+fn adamw_pass_typed<P: Param, G: Widened>(
     k: &AdamWConstants,
-    (theta, g, m, v): (&[f32], &[G], &[f32], &[f32]),
-    out: FusedOutputs,
-) -> StagedUpdate {
-    let FusedOutputs {
-        theta: mut theta_out,
-        m: mut m_out,
-        v: mut v_out,
-    } = out;
+    (theta, g, m, v): (&[P], &[G], &[f32], &[f32]),
+    (mut theta_out, mut m_out, mut v_out): (
+        Vec<MaybeUninit<P>>,
+        Vec<MaybeUninit<f32>>,
+        Vec<MaybeUninit<f32>>,
+    ),
+) -> (Vec<P>, Vec<f32>, Vec<f32>, StagedChecks) {
     let checks = theta_out
         .par_chunks_mut(CHUNK)
         .zip(m_out.par_chunks_mut(CHUNK))
@@ -292,24 +381,20 @@ fn adamw_pass_typed<G: WidenedGrad>(
             let r = c * CHUNK..(c * CHUNK + to.len());
             adamw_chunk_dispatch(
                 k,
+                r.start as u64,
                 (&theta[r.clone()], &g[r.clone()], &m[r.clone()], &v[r]),
-                [to, mo, vo],
+                (to, mo, vo),
             )
         })
         .reduce(|| StagedChecks::ALL_GOOD, StagedChecks::and);
     // SAFETY: the chunks tile the three buffers and `adamw_chunk` wrote every element.
-    let (theta, m, v) = unsafe {
+    unsafe {
         (
             assume_init_vec(theta_out),
             assume_init_vec(m_out),
             assume_init_vec(v_out),
+            checks,
         )
-    };
-    StagedUpdate {
-        theta,
-        m,
-        v,
-        checks,
     }
 }
 
@@ -317,17 +402,17 @@ fn adamw_pass_typed<G: WidenedGrad>(
 /// AVX2 (32 lane accumulators over the 32-aligned prefix, reduced pairwise as its `vec_reduce`
 /// does, then the tail one by one), and sequentially elsewhere (candle's scalar loop; on other
 /// SIMD targets candle's order may differ in the last bits). One read of `g`.
-pub(crate) fn sum_of_squares(g: GradSlice<'_>) -> f32 {
+pub(crate) fn sum_of_squares(g: FloatSlice<'_>) -> f32 {
     match g {
-        GradSlice::F32(g) => sum_of_squares_typed(g),
-        GradSlice::Bf16(g) => sum_of_squares_typed(g),
-        GradSlice::F16(g) => sum_of_squares_typed(g),
+        FloatSlice::F32(g) => sum_of_squares_typed(g),
+        FloatSlice::Bf16(g) => sum_of_squares_typed(g),
+        FloatSlice::F16(g) => sum_of_squares_typed(g),
     }
 }
 
 /// [`sum_of_squares`] for one gradient dtype, each value widened as it is read (the sum of a
 /// widened copy, without its pass).
-fn sum_of_squares_typed<G: WidenedGrad>(g: &[G]) -> f32 {
+fn sum_of_squares_typed<G: Widened>(g: &[G]) -> f32 {
     if !candle_lane_order() {
         return g.iter().fold(0.0f32, |acc, &x| acc + x.wide() * x.wide());
     }
@@ -366,14 +451,18 @@ fn candle_lane_order() -> bool {
     }
 }
 
-/// Replaces the elements of a CPU f32 variable by `data` without copying them when the
-/// variable owns its whole storage (the buffers are swapped; the old one is dropped), else by
-/// one copy. Views of the variable see the new values either way, as after `Var::set`.
-pub(crate) fn commit_into(var: &Var, data: Vec<f32>) -> candle_core::Result<()> {
-    if var.elem_count() != data.len() {
+/// Replaces the elements of a CPU variable by `data` (in its dtype: f32 or bf16) without
+/// copying them when the variable owns its whole storage (the buffers are swapped; the old
+/// one is dropped), else by one copy. Views of the variable see the new values either way, as
+/// after `Var::set`.
+pub(crate) fn commit_into(var: &Var, data: StagedTheta) -> candle_core::Result<()> {
+    let len = match &data {
+        StagedTheta::F32(d) => d.len(),
+        StagedTheta::Bf16(d) => d.len(),
+    };
+    if var.elem_count() != len {
         candle_core::bail!(
-            "optimiser commit: {} values for a variable of {} elements",
-            data.len(),
+            "optimiser commit: {len} values for a variable of {} elements",
             var.elem_count()
         );
     }
@@ -381,7 +470,16 @@ pub(crate) fn commit_into(var: &Var, data: Vec<f32>) -> candle_core::Result<()> 
 }
 
 /// The in-place op behind [`commit_into`].
-struct SwapIn(Mutex<Vec<f32>>);
+struct SwapIn(Mutex<StagedTheta>);
+
+/// `new` into `data[from..to]`: swapped when it is the whole buffer, else copied.
+fn swap_or_copy<E: Copy>(data: &mut Vec<E>, new: &mut Vec<E>, (from, to): (usize, usize)) {
+    if from == 0 && to == data.len() {
+        std::mem::swap(data, new);
+    } else {
+        data[from..to].copy_from_slice(new);
+    }
+}
 
 impl InplaceOp1 for SwapIn {
     fn name(&self) -> &'static str {
@@ -389,20 +487,19 @@ impl InplaceOp1 for SwapIn {
     }
 
     fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
-        let CpuStorage::F32(data) = storage else {
-            candle_core::bail!("optimiser commit: the variable is not f32");
-        };
-        let Some((from, to)) = layout.contiguous_offsets() else {
+        let Some(range) = layout.contiguous_offsets() else {
             candle_core::bail!("optimiser commit: the variable is not contiguous");
         };
         let mut new = self
             .0
             .lock()
             .map_err(|_| candle_core::Error::Msg("optimiser commit: poisoned".into()))?;
-        if from == 0 && to == data.len() {
-            std::mem::swap(data, &mut *new);
-        } else {
-            data[from..to].copy_from_slice(&new);
+        match (storage, &mut *new) {
+            (CpuStorage::F32(data), StagedTheta::F32(new)) => swap_or_copy(data, new, range),
+            (CpuStorage::BF16(data), StagedTheta::Bf16(new)) => swap_or_copy(data, new, range),
+            _ => candle_core::bail!(
+                "optimiser commit: the staged values are not the variable's dtype"
+            ),
         }
         Ok(())
     }

@@ -1,6 +1,6 @@
 //! Global gradient-norm computation and clipping over a `GradStore`.
 
-use crate::algo::fused_optim::{sum_of_squares, HostGrad};
+use crate::algo::fused_optim::{sum_of_squares, HostFloats};
 use crate::algo::logprob::scalar_f32;
 use crate::error::Result;
 use candle_core::backprop::GradStore;
@@ -50,7 +50,7 @@ pub fn global_grad_norm<'a>(
                     DType::F32 | DType::BF16 | DType::F16 => g.contiguous()?,
                     _ => in_dtype_of(g, var)?.contiguous()?,
                 };
-                Ok(HostGrad::of(&g).map(|h| sum_of_squares(h.slice())))
+                Ok(HostFloats::of(&g).map(|h| sum_of_squares(h.slice())))
             })
             .collect::<Result<_>>()?;
         if let Some(sums) = sums.into_iter().collect::<Option<Vec<f32>>>() {

@@ -11,12 +11,18 @@
 //! PyTorch's AdamW does for a fused expert tensor (`tests/every_param_updated.rs`). An update that would make any parameter or
 //! moment NaN or infinite is not applied at all (see [`AdamW::step`]).
 //!
-//! On the CPU each f32 parameter tensor is updated by one fused pass (see
-//! [`AdamW::step_scaled`] and `algo/fused_optim.rs`), bit-identical to the composed candle ops
-//! that any other device takes.
+//! On the CPU each parameter tensor is updated by one fused pass (see [`AdamW::step_scaled`]
+//! and `algo/fused_optim.rs`), bit-identical to the composed candle ops that any other device
+//! takes.
+//!
+//! A variable is f32, or bf16 for weights held without an f32 master copy
+//! (`train.master_weights = "bf16"`): its moments are still f32 and its update is computed in
+//! f32 from the widened weight, then rounded to bf16 stochastically (seeded by
+//! [`AdamW::set_rounding_seed`], the step and the variable: `r3_model::stochastic_round`), so
+//! that updates smaller than half a bf16 step still move the weight in expectation.
 
 use crate::algo::fused_optim::{
-    adamw_pass, commit_into, AdamWConstants, FusedOutputs, HostF32, HostGrad, StagedChecks,
+    adamw_pass, commit_into, AdamWConstants, FusedOutputs, HostF32, HostFloats, StagedChecks,
     StagedUpdate,
 };
 use crate::error::{Result, TrainError};
@@ -25,6 +31,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use r3_model::cast16::cast16_into;
 use r3_model::narrow_grads::in_dtype_of;
 use r3_model::optim_pass::{adamw_pass_on_device, swap_staged_into, StagedOnDevice};
+use r3_model::stochastic_round::{rounding_key, stochastic_round_bf16};
 use r3_model::weights::check_narrow_copy;
 use r3_model::WeightPrecision;
 use rayon::prelude::*;
@@ -100,6 +107,8 @@ struct UpdateAt {
     t: u64,
     lr: f64,
     grad_scale: Option<f32>,
+    /// The run's seed of the stochastic rounding of bf16 variables.
+    rounding_seed: u64,
 }
 
 /// One slot's update, computed but not committed.
@@ -204,6 +213,8 @@ pub struct AdamW {
     precision: WeightPrecision,
     kernel: AdamWKernel,
     staging: UpdateStaging,
+    /// The seed of the stochastic rounding of bf16 variables' updates.
+    rounding_seed: u64,
 }
 
 impl AdamW {
@@ -222,7 +233,18 @@ impl AdamW {
         let slots = vars
             .into_iter()
             .map(|(name, var)| {
-                let zeros = var.as_tensor().zeros_like()?;
+                if !matches!(var.dtype(), DType::F32 | DType::BF16) {
+                    return Err(TrainError::InvalidConfig {
+                        field: "optimiser variables",
+                        reason: format!(
+                            "{name} is {:?}: AdamW updates f32 variables, or bf16 ones held \
+                             without an f32 master (train.master_weights = \"bf16\")",
+                            var.dtype()
+                        ),
+                    });
+                }
+                // The moments are f32 for a bf16 variable too.
+                let zeros = var.as_tensor().zeros_like()?.to_dtype(DType::F32)?;
                 Ok(Slot {
                     decay: decay(&name, &var),
                     name,
@@ -240,7 +262,25 @@ impl AdamW {
             precision: WeightPrecision::F32,
             kernel: AdamWKernel::default(),
             staging: UpdateStaging::default(),
+            rounding_seed: 0,
         })
+    }
+
+    /// Seeds the stochastic rounding of bf16 variables' updates (the run's seed; 0 until set):
+    /// each step's draws for each variable come from this seed, the step and the variable's
+    /// place in the name order, so a run, and a run resumed from its checkpoint, rounds the
+    /// same way.
+    pub fn set_rounding_seed(&mut self, seed: u64) {
+        self.rounding_seed = seed;
+    }
+
+    /// How many variables are held in bf16 (no f32 master: their updates are rounded
+    /// stochastically).
+    pub fn bf16_variables(&self) -> usize {
+        self.slots
+            .iter()
+            .filter(|s| s.var.dtype() == DType::BF16)
+            .count()
     }
 
     /// Refuses (skips) any update that would leave a parameter past the finite range of
@@ -343,7 +383,12 @@ impl AdamW {
         grad_scale: Option<f32>,
     ) -> Result<AdamWStep> {
         let t = self.step + 1;
-        let at = UpdateAt { t, lr, grad_scale };
+        let at = UpdateAt {
+            t,
+            lr,
+            grad_scale,
+            rounding_seed: self.rounding_seed,
+        };
         let with_grads: Vec<(usize, Tensor)> = self
             .slots
             .iter()
@@ -358,10 +403,7 @@ impl AdamW {
         // the buffers the last step freed).
         let plans: Vec<Option<FusedOutputs>> = with_grads
             .iter()
-            .map(|(i, g)| {
-                self.takes_fused_pass(*i, g)
-                    .then(|| FusedOutputs::new(self.slots[*i].var.elem_count()))
-            })
+            .map(|(i, g)| self.fused_outputs(*i, g))
             .collect();
         let fused: Vec<Option<StagedUpdate>> = plans
             .into_par_iter()
@@ -428,8 +470,7 @@ impl AdamW {
     /// bits), computed into new buffers: the fused pass for a CPU f32 tensor (chunks in
     /// parallel), the GPU's fused pass, or the composed ops, as in a whole step.
     fn stage_one(&self, i: usize, g: &Tensor, at: UpdateAt) -> Result<Staged> {
-        if self.takes_fused_pass(i, g) {
-            let out = FusedOutputs::new(self.slots[i].var.elem_count());
+        if let Some(out) = self.fused_outputs(i, g) {
             if let Some(update) = self.fused_update(i, g, at, out)? {
                 return Ok(Staged::Fused(update));
             }
@@ -437,18 +478,22 @@ impl AdamW {
         self.staged_elsewhere(i, g, at)
     }
 
-    /// Whether slot `i`'s update takes the CPU's fused pass: the fused kernel chosen, the
-    /// variable and its moments contiguous f32 on the CPU, the gradient `g` on the CPU with
-    /// as many values.
-    fn takes_fused_pass(&self, i: usize, g: &Tensor) -> bool {
+    /// The output buffers of slot `i`'s update where it takes the CPU's fused pass (the
+    /// fused kernel chosen, the variable contiguous f32 or bf16 on the CPU and its moments
+    /// contiguous f32, the gradient `g` on the CPU with as many values); `None` where not.
+    fn fused_outputs(&self, i: usize, g: &Tensor) -> Option<FusedOutputs> {
         let slot = &self.slots[i];
         let n = slot.var.elem_count();
-        self.kernel == AdamWKernel::Fused
-            && [slot.var.as_tensor(), &slot.m, &slot.v]
+        let takes = self.kernel == AdamWKernel::Fused
+            && HostFloats::of(slot.var.as_tensor()).is_some_and(|h| h.slice().len() == n)
+            && [&slot.m, &slot.v]
                 .into_iter()
                 .all(|t| HostF32::of(t).is_some_and(|h| h.slice().len() == n))
             && g.device().is_cpu()
-            && g.elem_count() == n
+            && g.elem_count() == n;
+        takes
+            .then(|| FusedOutputs::new(n, slot.var.dtype()))
+            .flatten()
     }
 
     /// The CPU's fused pass of slot `i` into `out`, its gradient `g` widened first where a
@@ -468,8 +513,8 @@ impl AdamW {
             _ => in_dtype_of(g, slot.var.as_tensor())?.contiguous()?,
         };
         let views = (
-            HostF32::of(slot.var.as_tensor()),
-            HostGrad::of(&g),
+            HostFloats::of(slot.var.as_tensor()),
+            HostFloats::of(&g),
             HostF32::of(&slot.m),
             HostF32::of(&slot.v),
         );
@@ -480,8 +525,8 @@ impl AdamW {
         if g.len() != theta.len() {
             return Ok(None);
         }
-        let k = adamw_constants(&self.params, at, slot.decay);
-        Ok(Some(adamw_pass(&k, (theta, g, m, v), out)))
+        let k = adamw_constants(&self.params, at, i, slot.decay);
+        Ok(adamw_pass(&k, (theta, g, m, v), out))
     }
 
     /// Slot `i`'s update off the CPU's fused pass: the GPU's fused pass (which reads a
@@ -490,7 +535,7 @@ impl AdamW {
     /// 16 bits.
     fn staged_elsewhere(&self, i: usize, g: &Tensor, at: UpdateAt) -> Result<Staged> {
         let slot = &self.slots[i];
-        let k = adamw_constants(&self.params, at, slot.decay);
+        let k = adamw_constants(&self.params, at, i, slot.decay);
         if let Some(update) = self.on_device(slot, g, &k)? {
             return Ok(Staged::OnDevice(update, StagedChecks::ALL_GOOD));
         }
@@ -597,7 +642,12 @@ impl AdamW {
             eps,
             weight_decay,
         } = self.params;
-        let UpdateAt { t, lr, grad_scale } = at;
+        let UpdateAt {
+            t,
+            lr,
+            grad_scale,
+            rounding_seed,
+        } = at;
         let (bc1, bc2) = self.params.bias_corrections(t);
         let slot = &self.slots[i];
         let g = match grad_scale {
@@ -614,13 +664,18 @@ impl AdamW {
             .add(&g.sqr()?.affine(1.0 - beta2, 0.0)?)?;
         let m_hat = m.affine(1.0 / bc1, 0.0)?;
         let denom = v.affine(1.0 / bc2, 0.0)?.sqrt()?.affine(1.0, eps)?;
-        let theta = slot.var.as_detached_tensor();
+        // A bf16 variable's update is computed from its widened values (exact).
+        let theta = slot.var.as_detached_tensor().to_dtype(DType::F32)?;
         let decayed = if slot.decay && weight_decay != 0.0 {
             theta.affine(1.0 - lr * weight_decay, 0.0)?
         } else {
             theta
         };
         let new = decayed.sub(&m_hat.div(&denom)?.affine(lr, 0.0)?)?;
+        let new = match slot.var.dtype() {
+            DType::BF16 => stochastic_round_bf16(&new, rounding_key(rounding_seed, t, i as u64))?,
+            _ => new,
+        };
         let checks = StagedChecks {
             param_finite: all_finite(&new)?,
             m_finite: all_finite(&m)?,
@@ -664,7 +719,8 @@ impl AdamW {
                         format!("{:?} (the variable's)", s.var.dims()),
                     ));
                 }
-                Ok(t.to_dtype(s.var.dtype())?.to_device(s.var.device())?)
+                // Moments are f32 whatever the variable's dtype.
+                Ok(t.to_dtype(s.m.dtype())?.to_device(s.var.device())?)
             };
             restored.push((get("m")?, get("v")?));
         }
@@ -720,8 +776,13 @@ fn read_maxima(maxima: &[Tensor]) -> Result<Vec<StagedChecks>> {
 /// The fused passes' constants of step `at.t` (1-based) of `params` at learning rate `at.lr`;
 /// `decay` says whether this tensor is decayed. Made here, beside the parameters they come
 /// from, so the passes do not depend back on this file.
-fn adamw_constants(params: &AdamWParams, at: UpdateAt, decay: bool) -> AdamWConstants {
-    let UpdateAt { t, lr, grad_scale } = at;
+fn adamw_constants(params: &AdamWParams, at: UpdateAt, slot: usize, decay: bool) -> AdamWConstants {
+    let UpdateAt {
+        t,
+        lr,
+        grad_scale,
+        rounding_seed,
+    } = at;
     let (bc1, bc2) = params.bias_corrections(t);
     AdamWConstants {
         beta1: params.beta1 as f32,
@@ -735,5 +796,6 @@ fn adamw_constants(params: &AdamWParams, at: UpdateAt, decay: bool) -> AdamWCons
         decay: (decay && params.weight_decay != 0.0)
             .then_some((1.0 - lr * params.weight_decay) as f32),
         grad_scale,
+        rounding_key: rounding_key(rounding_seed, t, slot as u64),
     }
 }

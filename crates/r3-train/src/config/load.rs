@@ -83,6 +83,7 @@ impl TrainConfig {
         let (r, a, o) = (&self.rollout, &self.algo, &self.optim);
         self.train.precision()?;
         self.train.check_narrow_gradients()?;
+        self.train.master_weights()?;
         self.train.device_spec()?;
         if self.task.difficulty == 0 {
             return bad("task.difficulty", "levels start at 1".into());

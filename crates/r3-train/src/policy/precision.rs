@@ -35,6 +35,24 @@ pub struct TrainPrecisionConfig {
     /// parameter instead of 4 until the optimiser, the same update bit for bit, for one pass
     /// over each gradient. Default false.
     pub narrow_gradients: bool,
+    /// The dtype the weight matrices are held and updated in: `f32` (f32 master weights, the
+    /// default) or `bf16` (with `dtype = "bf16"`: every matrix the forward rounds to bf16 —
+    /// projections, experts, the head, and the router unless `router_dtype = "f32"` — held
+    /// in bf16 with no f32 copy, 2 bytes a parameter instead of 4, their gradients bf16 as
+    /// the GEMMs write them; AdamW keeps f32 moments, computes each update in f32 and rounds
+    /// the new weight to bf16 stochastically, seeded by the run's seed; checkpoints hold
+    /// those matrices in bf16). The embedding, norm scales and biases stay f32.
+    pub master_weights: String,
+}
+
+/// The dtype a trainer holds its weight matrices (its master weights) in
+/// (`train.master_weights`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MasterWeights {
+    /// f32 master weights: mixed precision's usual scheme.
+    F32,
+    /// The matrices the bf16 forward rounds held in bf16, updated with stochastic rounding.
+    Bf16,
 }
 
 impl Default for TrainPrecisionConfig {
@@ -45,6 +63,7 @@ impl Default for TrainPrecisionConfig {
             device: "cpu".into(),
             narrow_weight_copies: "auto".into(),
             narrow_gradients: false,
+            master_weights: "f32".into(),
         }
     }
 }
@@ -58,8 +77,17 @@ impl TrainPrecisionConfig {
     /// Whether the policy holds 16-bit copies of its weights (`narrow_weight_copies`) when
     /// it lives on `device`; an unknown value, or `on` in f32, is a config error.
     pub fn holds_narrow_copies(&self, device: &candle_core::Device) -> Result<bool> {
-        let mixed = self.precision()?.is_mixed();
+        // Matrices held in bf16 are their own 16-bit copies.
+        let mixed = self.precision()?.is_mixed() && self.master_weights()? == MasterWeights::F32;
         match self.narrow_weight_copies.as_str() {
+            "on" if self.master_weights()? == MasterWeights::Bf16 => {
+                Err(TrainError::InvalidConfig {
+                    field: "train.narrow_weight_copies",
+                    reason: "`on` holds 16-bit copies beside f32 master weights; with \
+                         train.master_weights = \"bf16\" the matrices are held in bf16 already"
+                        .into(),
+                })
+            }
             "auto" => Ok(mixed && !device.is_cpu()),
             "on" if mixed => Ok(true),
             "on" => Err(TrainError::InvalidConfig {
@@ -85,6 +113,27 @@ impl TrainPrecisionConfig {
             });
         }
         Ok(())
+    }
+
+    /// The dtype the weight matrices are held in; an unknown value, or `bf16` with a
+    /// `dtype` other than `bf16`, is a config error.
+    pub fn master_weights(&self) -> Result<MasterWeights> {
+        match self.master_weights.as_str() {
+            "f32" => Ok(MasterWeights::F32),
+            "bf16" if self.dtype == "bf16" => Ok(MasterWeights::Bf16),
+            "bf16" => Err(TrainError::InvalidConfig {
+                field: "train.master_weights",
+                reason: format!(
+                    "`bf16` needs train.dtype = \"bf16\" (it is `{}`): the forward must round \
+                     the matrices to the dtype they are held in",
+                    self.dtype
+                ),
+            }),
+            other => Err(TrainError::InvalidConfig {
+                field: "train.master_weights",
+                reason: format!("`{other}` must be `f32` or `bf16`"),
+            }),
+        }
     }
 
     /// The forward precision these settings name; an unknown value is a config error.

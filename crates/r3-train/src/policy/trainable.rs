@@ -18,6 +18,7 @@ use r3_routing::RouteTable;
 
 use crate::algo::logprob::{masked_mean, scalar_f32};
 use crate::error::{Result, TrainError};
+use crate::policy::precision::MasterWeights;
 
 /// Prompt+response token sequences and where each response starts.
 #[derive(Debug, Clone)]
@@ -345,6 +346,35 @@ impl TrainablePolicy {
         Self::new(cfg, weights)
     }
 
+    /// Loads an HF model directory onto `device` to train at `precision`, the weight
+    /// matrices held as `masters` says. With [`MasterWeights::Bf16`] (a bf16 precision only)
+    /// every matrix the forward rounds to bf16 is a bf16 variable with no f32 copy
+    /// (`Weights::narrow_matrices`: the projections, experts and head, and the router unless
+    /// it runs in f32): the values the forward reads, bit for bit, in half the memory.
+    pub fn load_for_training(
+        dir: &Path,
+        device: &Device,
+        precision: Precision,
+        masters: MasterWeights,
+    ) -> Result<Self> {
+        let cfg = Config::from_file(&dir.join("config.json"))?;
+        let mut weights = Weights::load(dir, &cfg, device)?;
+        if masters == MasterWeights::Bf16 {
+            let narrow = precision
+                .narrow_dtype()
+                .filter(|d| *d == DType::BF16)
+                .ok_or_else(|| TrainError::InvalidConfig {
+                    field: "train.master_weights",
+                    reason: format!("bf16 master weights need a bf16 forward, not {precision:?}"),
+                })?;
+            let router_narrow = precision.router().narrow_dtype().is_some();
+            weights = weights.narrow_matrices(&cfg, narrow, router_narrow)?;
+        }
+        let mut policy = Self::new(cfg, weights)?;
+        policy.set_precision(precision);
+        Ok(policy)
+    }
+
     /// The device the variables live on.
     pub fn device(&self) -> Device {
         self.vars
@@ -362,8 +392,8 @@ impl TrainablePolicy {
         &self.vars
     }
 
-    /// Sets the forward precision of the models handed out (the variables stay f32: the
-    /// master weights of mixed-precision training).
+    /// Sets the forward precision of the models handed out (the variables keep their dtypes:
+    /// f32 master weights, or matrices held in bf16 by [`TrainablePolicy::load_for_training`]).
     pub fn set_precision(&mut self, precision: Precision) {
         self.precision = precision;
     }

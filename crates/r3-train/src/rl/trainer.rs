@@ -60,8 +60,13 @@ impl Trainer {
     pub fn new(cfg: TrainConfig) -> Result<Self> {
         let dir = cfg.model_dir.clone();
         let device = cfg.train.device_spec()?.open()?;
-        let policy =
-            TrainablePolicy::load_on(&dir, &device).map_err(|e| checkpoint_err(&dir, e))?;
+        let policy = TrainablePolicy::load_for_training(
+            &dir,
+            &device,
+            cfg.train.precision()?,
+            cfg.train.master_weights()?,
+        )
+        .map_err(|e| checkpoint_err(&dir, e))?;
         let tokenizer = ModelText::from_model_dir(&dir)?;
         Self::assemble(cfg, policy, tokenizer, None)
     }
@@ -77,7 +82,13 @@ impl Trainer {
             });
         }
         let device = cfg.train.device_spec()?.open()?;
-        let policy = TrainablePolicy::load_on(dir, &device).map_err(|e| checkpoint_err(dir, e))?;
+        let policy = TrainablePolicy::load_for_training(
+            dir,
+            &device,
+            cfg.train.precision()?,
+            cfg.train.master_weights()?,
+        )
+        .map_err(|e| checkpoint_err(dir, e))?;
         let tokenizer = ModelText::from_model_dir(dir)?;
         Self::assemble(cfg, policy, tokenizer, Some((dir, state)))
     }
@@ -107,6 +118,14 @@ impl Trainer {
         let mut optimizer = AdamW::new(policy.vars().to_vec(), params, decay_matrices_only)?;
         optimizer.set_weight_precision(rollout_precision);
         optimizer.set_staging(cfg.optim.update_staging);
+        optimizer.set_rounding_seed(cfg.seed);
+        if optimizer.bf16_variables() > 0 {
+            tracing::info!(
+                matrices = optimizer.bf16_variables(),
+                "weight matrices held in bf16 without f32 masters, updates rounded \
+                 stochastically (train.master_weights = \"bf16\")"
+            );
+        }
         if cfg.train.holds_narrow_copies(&policy.device())? {
             // The optimiser rewrites the copies after every update it applies.
             let copies = policy.hold_narrow_copies()?;

@@ -1,0 +1,274 @@
+//! Stochastic rounding of f32 values to bf16, for weights held in bf16 without an f32 master
+//! copy (`train.master_weights = "bf16"` in r3-train).
+//!
+//! An update smaller than half a bf16 step (a learning rate of 1e-6 on weights near 1 is 128
+//! times smaller) vanishes under round-to-nearest, every step, so pure-bf16 weights stop
+//! learning; rounded stochastically — up with probability equal to the fraction of the step
+//! the value has covered — the weight's expected value follows the f32 update exactly
+//! (Zamirai et al., "Revisiting BFloat16 Training"; torchao's `bf16_stochastic_round`). The
+//! random bits are a counter-based draw: the `i`-th element of a tensor takes a 32-bit
+//! integer hash of `i` and a 64-bit `key` made from the run's seed, the optimiser step and
+//! the tensor's index ([`rounding_key`], splitmix64), so every draw is seeded, independent of
+//! how the work is split over threads, and the CPU's pass and a GPU's kernel
+//! (`r3_round_bf16_stochastic` and the AdamW kernels in `cuda/kernels.cu`) give the same
+//! bits. The per-element hash is 32-bit (Wellons' `lowbias32`) so that the CPU's AdamW pass
+//! vectorises it: a 64-bit mix per element made that pass 1.5× slower than the f32 one.
+
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
+use half::bf16;
+use rayon::prelude::*;
+
+use crate::error::{ModelError, Result};
+
+/// splitmix64's increment γ (2⁶⁴ / φ).
+const GAMMA: u64 = 0x9e37_79b9_7f4a_7c15;
+
+/// splitmix64's output function.
+#[inline(always)]
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The key of one tensor's draws at one optimiser step: distinct for every (seed, step,
+/// tensor), so no two roundings of a run reuse their bits.
+pub fn rounding_key(seed: u64, step: u64, tensor: u64) -> u64 {
+    mix(mix(mix(seed).wrapping_add(step.wrapping_mul(GAMMA))).wrapping_add(tensor))
+}
+
+/// Wellons' `lowbias32` integer hash.
+#[inline(always)]
+fn hash32(mut x: u32) -> u32 {
+    x ^= x >> 16;
+    x = x.wrapping_mul(0x7feb_352d);
+    x ^= x >> 15;
+    x = x.wrapping_mul(0x846c_a68b);
+    x ^ (x >> 16)
+}
+
+/// The 16 random bits of element `index` under `key`: the top half of a hash of the index's
+/// low word and the key's low word, salted by a hash of their high words.
+#[inline(always)]
+pub fn rounding_bits(key: u64, index: u64) -> u32 {
+    let salt = hash32(((index >> 32) as u32) ^ (key >> 32) as u32);
+    hash32((index as u32) ^ (key as u32) ^ salt) >> 16
+}
+
+/// `x` rounded to bf16 by `bits` (16 random bits): the bf16 below `x` in magnitude, or the
+/// one above with probability (`x`'s distance past the one below) / (the step between them).
+/// Adding the bits to the 16 bits bf16 drops carries into the kept half exactly then; a carry
+/// out of the largest finite value gives ±∞, as an overflowing update should (the guard
+/// refuses it). NaN and ±∞ stay what they are.
+#[inline(always)]
+pub fn round_bf16_stochastic(x: f32, bits: u32) -> bf16 {
+    // Branch-free, so that the optimiser's pass vectorises: nothing is added to ±∞ or NaN,
+    // and a NaN keeps its quiet bit (its payload may lie in the dropped half alone).
+    let b = x.to_bits();
+    let finite = (b & 0x7f80_0000) != 0x7f80_0000;
+    let nan = (b & 0x7fff_ffff) > 0x7f80_0000;
+    let add = if finite { bits & 0xffff } else { 0 };
+    let quiet = if nan { 0x0040 } else { 0 };
+    bf16::from_bits(((b.wrapping_add(add) >> 16) as u16) | quiet)
+}
+
+/// Elements per parallel task of the CPU pass.
+const CHUNK: usize = 1 << 15;
+
+/// `values` rounded stochastically into `out` (of the same length), element `i` by the
+/// draw `first + i` of `key`, chunks in parallel.
+pub fn round_slice_stochastic(values: &[f32], out: &mut [bf16], key: u64, first: u64) {
+    out.par_chunks_mut(CHUNK)
+        .zip(values.par_chunks(CHUNK))
+        .enumerate()
+        .for_each(|(c, (out, values))| {
+            let base = first + (c * CHUNK) as u64;
+            for (j, (o, &x)) in out.iter_mut().zip(values).enumerate() {
+                *o = round_bf16_stochastic(x, rounding_bits(key, base + j as u64));
+            }
+        });
+}
+
+/// `t` (f32) rounded stochastically to bf16, element `i` (in row-major order) by draw `i` of
+/// `key`; no gradient. On a GPU one kernel (`r3_round_bf16_stochastic`), the same bits.
+pub fn stochastic_round_bf16(t: &Tensor, key: u64) -> Result<Tensor> {
+    if t.dtype() != DType::F32 {
+        return Err(ModelError::Input(format!(
+            "stochastic rounding to bf16 takes f32 values, not {:?}",
+            t.dtype()
+        )));
+    }
+    Ok(t.contiguous()?.apply_op1_no_bwd(&StochasticRound { key })?)
+}
+
+/// The rounding as an op, so that a GPU runs r3's kernel.
+#[derive(Debug, Clone, Copy)]
+struct StochasticRound {
+    key: u64,
+}
+
+impl CustomOp1 for StochasticRound {
+    fn name(&self) -> &'static str {
+        "stochastic-round-bf16"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &CpuStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (CpuStorage::F32(data), Some((from, to))) = (storage, layout.contiguous_offsets())
+        else {
+            candle_core::bail!("stochastic rounding takes a contiguous f32 tensor");
+        };
+        let values = &data[from..to];
+        let mut out = vec![bf16::ZERO; values.len()];
+        round_slice_stochastic(values, &mut out, self.key, 0);
+        Ok((CpuStorage::BF16(out), layout.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        storage: &candle_core::CudaStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use crate::cuda;
+        use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+        use candle_core::cuda_backend::WrapErr;
+
+        let shape = layout.shape().clone();
+        let n = shape.elem_count();
+        let dev = cuda::device(storage);
+        if n == 0 {
+            return Ok((
+                candle_core::CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<bf16>(1)?, dev),
+                shape,
+            ));
+        }
+        let x = cuda::view::<f32>(storage, layout, "stochastic rounding's input")?;
+        // SAFETY: the kernel's grid-stride loop writes every one of the n elements.
+        let out = unsafe { dev.alloc::<bf16>(n) }?;
+        let (n64, key) = (n as u64, self.key);
+        let (func, stream) = cuda::kernel(&dev, "r3_round_bf16_stochastic")?;
+        let mut launch = stream.launch_builder(&func);
+        launch.arg(&x).arg(&out).arg(&n64).arg(&key);
+        // SAFETY: the arguments are the kernel's signature; `x` and `out` hold n elements.
+        unsafe { launch.launch(cuda::elementwise(n)) }.w()?;
+        Ok((candle_core::CudaStorage::wrap_cuda_slice(out, dev), shape))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// The two bf16 neighbours of a value between them, and the rounding by hand: all bits
+    /// below the fraction covered round down, all at or above it round up.
+    #[test]
+    fn rounds_up_exactly_for_the_covered_fraction_of_draws() {
+        let lo = bf16::from_f32(1.0);
+        let hi = bf16::from_bits(lo.to_bits() + 1);
+        // A quarter of the way from 1 to the next bf16 (1 + 2⁻⁷): low half 0x4000.
+        let x = f32::from_bits(1.0f32.to_bits() + 0x4000);
+        assert!(x > lo.to_f32() && x < hi.to_f32());
+        let ups = (0u32..=0xffff)
+            .filter(|&b| round_bf16_stochastic(x, b) == hi)
+            .count();
+        let downs = (0u32..=0xffff)
+            .filter(|&b| round_bf16_stochastic(x, b) == lo)
+            .count();
+        assert_eq!((ups, downs), (0x4000, 0xc000));
+        // Negative values round in magnitude the same way.
+        let ups_neg = (0u32..=0xffff)
+            .filter(|&b| round_bf16_stochastic(-x, b) == -hi)
+            .count();
+        assert_eq!(ups_neg, 0x4000);
+        // A value bf16 holds exactly never moves.
+        assert!((0u32..=0xffff).all(|b| round_bf16_stochastic(1.5, b) == bf16::from_f32(1.5)));
+    }
+
+    /// Overflow past bf16's largest finite value gives infinity; NaN and infinities stay.
+    #[test]
+    fn overflow_and_non_finite_values() {
+        let big = bf16::MAX.to_f32();
+        let past = f32::from_bits((bf16::MAX.to_bits() as u32) << 16 | 0xffff);
+        assert_eq!(round_bf16_stochastic(big, 0xffff), bf16::MAX);
+        assert_eq!(round_bf16_stochastic(past, 0), bf16::MAX);
+        assert!(round_bf16_stochastic(past, 1).is_infinite());
+        assert!(round_bf16_stochastic(-past, 1).is_infinite());
+        assert!(round_bf16_stochastic(f32::NAN, 7).is_nan());
+        // A NaN whose payload lies in the dropped half alone stays a NaN (not ∞).
+        assert!(round_bf16_stochastic(f32::from_bits(0x7f80_0001), 0xffff).is_nan());
+        assert!(round_bf16_stochastic(f32::from_bits(0xff80_0001), 0).is_nan());
+        assert_eq!(
+            round_bf16_stochastic(f32::NEG_INFINITY, 7),
+            bf16::NEG_INFINITY
+        );
+    }
+
+    /// Over many draws the mean of the rounded values is the value (the rounding is
+    /// unbiased), within a few standard errors; round-to-nearest is biased by a quarter step.
+    #[test]
+    fn the_rounding_is_unbiased() {
+        let x = 1.0f32 + 0.25 * 2f32.powi(-7);
+        let n = 200_000usize;
+        let values = vec![x; n];
+        let mut out = vec![bf16::ZERO; n];
+        round_slice_stochastic(&values, &mut out, rounding_key(3, 1, 0), 0);
+        let mean = out.iter().map(|v| f64::from(v.to_f32())).sum::<f64>() / n as f64;
+        let step = 2f64.powi(-7);
+        // Bernoulli(¼) over a step: standard error step·√(¼·¾ / n).
+        let se = step * (0.25f64 * 0.75 / n as f64).sqrt();
+        assert!(
+            (mean - f64::from(x)).abs() < 5.0 * se,
+            "mean {mean} for {x}: off by {} standard errors",
+            (mean - f64::from(x)).abs() / se
+        );
+        assert!((f64::from(bf16::from_f32(x).to_f32()) - f64::from(x)).abs() > 100.0 * se);
+    }
+
+    /// The bits of `t` rounded by `key`'s draws.
+    fn rounded_bits(t: &Tensor, key: u64) -> Vec<u16> {
+        stochastic_round_bf16(t, key)
+            .expect("round")
+            .to_vec1::<bf16>()
+            .expect("values")
+            .iter()
+            .map(|v| v.to_bits())
+            .collect()
+    }
+
+    /// The draws are the key's and the index's alone: the op over a tensor equals the slice
+    /// pass started anywhere at the right index, another key gives other bits, the same key
+    /// the same bits.
+    #[test]
+    fn draws_depend_on_key_and_index_only() {
+        let n = 70_001usize; // past two chunks, with a tail
+        let values: Vec<f32> = (0..n).map(|i| 1.0 + (i as f32) * 1e-6).collect();
+        let t = Tensor::from_vec(values.clone(), n, &Device::Cpu).expect("tensor");
+        let key = rounding_key(11, 5, 2);
+        let whole = rounded_bits(&t, key);
+        let mut tail = vec![bf16::ZERO; n - 40_000];
+        round_slice_stochastic(&values[40_000..], &mut tail, key, 40_000);
+        assert!(tail
+            .iter()
+            .zip(&whole[40_000..])
+            .all(|(a, &b)| a.to_bits() == b));
+        let other = rounded_bits(&t, rounding_key(11, 6, 2));
+        assert_ne!(whole, other);
+        let again = rounded_bits(&t, key);
+        assert_eq!(whole, again);
+        assert!(stochastic_round_bf16(&t.to_dtype(DType::BF16).expect("bf16"), key).is_err());
+    }
+
+    /// Keys differ across seeds, steps and tensors.
+    #[test]
+    fn keys_are_distinct() {
+        let keys: std::collections::HashSet<u64> = (0..4)
+            .flat_map(|s| (0..16).flat_map(move |t| (0..64).map(move |i| rounding_key(s, t, i))))
+            .collect();
+        assert_eq!(keys.len(), 4 * 16 * 64);
+    }
+}
