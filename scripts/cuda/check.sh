@@ -174,6 +174,13 @@ if [ "$(left)" -ge 60 ]; then
             --set checkpoint.every=0 --set run_dir="$work/train-bf16-$copies" \
             > "$work/train-bf16-$copies.txt" 2>&1
     done
+    # The matrices held in bf16 with no f32 master (train.master_weights = "bf16": AdamW's
+    # r3_adamw_bf16 kernels, stochastic rounding): another scheme, so other metrics; replay
+    # verified at every step and the rewards reported.
+    timeout "$(limit 40)" "$bin/r3" train --set train.device=cuda --set train.dtype=bf16 \
+        --set train.master_weights=bf16 --set steps=3 --set eval.every=0 \
+        --set checkpoint.every=0 --set run_dir="$work/train-bf16-masters" \
+        > "$work/train-bf16-masters.txt" 2>&1
     # The same with the weight gradients kept in bf16 (the GEMMs' own outputs, read by
     # AdamW's kernel as they are): the same arithmetic again.
     timeout "$(limit 40)" "$bin/r3" train --set train.device=cuda --set train.dtype=bf16 \
@@ -197,9 +204,13 @@ if len(on) < 3 or len(off) < 3:
 def differ(x, y):
     d = [(i + 1, k) for i, (a, b) in enumerate(zip(x, y)) for k in a if a[k] != b.get(k)]
     return "same" if not d else f"differ(first at step {d[0][0]}: {d[0][1]})"
-verified = all(r.get("replay.verified_frac") == 1.0 for r in on + narrow)
+masters = rows("train-bf16-masters")
+verified = all(r.get("replay.verified_frac") == 1.0 for r in on + narrow + masters)
 print(f"without copies {differ(on, off)}; bf16 gradients "
       + (differ(on, narrow) if len(narrow) >= 3 else f"FAIL({len(narrow)} steps)")
+      + "; bf16 masters " + (f"rewards {[r.get('reward_mean') for r in masters]}, skipped "
+                             f"{sum(r.get('update.skipped', 0) or 0 for r in masters)}"
+                             if len(masters) >= 3 else f"FAIL({len(masters)} steps)")
       + f" (verified_frac=1 every step: {verified})")
 PY
 )
@@ -262,6 +273,17 @@ for run in "mid f32 8 70 --parts" "mid bf16 8 70 --parts" "a3b-8l bf16 2 120"; d
         cat "$work/bench-hf-amp-$name.txt"
         amp_tps=$(grep -E "^peer " "$work/bench-hf-amp-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s.*/\1/')
         line+=", HF amp-bf16 ${amp_tps:-?} tok/s ${amp_mem:-?} MiB"
+    fi
+    # bf16 runs again with the matrices held in bf16 with no f32 master (--master-weights
+    # bf16: HF bf16's own scheme, weights and their gradients 2 bytes a parameter each):
+    # the memory beside HF bf16's.
+    if [ "$dtype" = bf16 ] && [ "$(left)" -ge 60 ]; then
+        masters_mem=$(gpu_peak "$work/bench-r3-masters-$name.txt" timeout "$(limit "$secs")" "$bin/r3" \
+            bench train --device cuda --config "$config" --dtype "$dtype" --batch "$batch" \
+            --seq-len 512 --steps 3 --warmup 1 --master-weights bf16)
+        cat "$work/bench-r3-masters-$name.txt"
+        masters_tps=$(grep -E "^native +mean" "$work/bench-r3-masters-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s +best.*/\1/')
+        line+=", r3 bf16 masters ${masters_tps:-?} tok/s ${masters_mem:-?} MiB (tensors $(tensors_mib "$work/bench-r3-masters-$name.txt") MiB; gradients $(grads_kept "$work/bench-r3-masters-$name.txt"))"
     fi
     # bf16 runs hold a bf16 copy of every weight matrix (`--narrow-copies auto`: on a GPU),
     # rewritten once per step; the 30B-A3B shape also runs without them (every matmul casts
@@ -331,13 +353,14 @@ verdict bench "$(IFS=';'; echo "${bench[*]}")"
 # the copies itself), each composed against fused, against the GPU's own copy rate.
 if [ "$(left)" -ge 45 ]; then
     optim=()
-    for mode in "f32" "bf16 --held-copies"; do
+    for mode in "f32" "bf16 --held-copies" "f32 --bf16-matrices"; do
         read -r gd extra <<< "$mode"
+        tag="$gd${extra:+-masters}"
         timeout "$(limit 40)" "$bin/r3" bench optim --device cuda --params 300000000 --steps 3 \
-            --grad-dtype "$gd" $extra > "$work/optim-$gd.txt" 2>&1
+            --grad-dtype "$gd" $extra > "$work/optim-$tag.txt" 2>&1
         rc=$?
-        tail -n 7 "$work/optim-$gd.txt"
-        line=$(grep -E "^whole optimiser step" "$work/optim-$gd.txt" | sed -E 's/.*best: (.*) faster; fused at ([0-9.]+)% of bandwidth.*/\1 faster, fused \2% of bandwidth/')
+        tail -n 7 "$work/optim-$tag.txt"
+        line=$(grep -E "^whole optimiser step" "$work/optim-$tag.txt" | sed -E 's/.*best: (.*) faster; fused at ([0-9.]+)% of bandwidth.*/\1 faster, fused \2% of bandwidth/')
         optim+=("$gd gradients${extra:+ $extra}: ${line:-FAIL(rc $rc)}")
     done
     verdict optim "$(IFS=';'; echo "${optim[*]}")"

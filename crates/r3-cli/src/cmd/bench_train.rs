@@ -106,10 +106,10 @@ pub struct BenchTrainArgs {
     #[arg(long, default_value_t = 0)]
     pub head_chunk_tokens: usize,
     /// The dtype the weight matrices are held in (`train.master_weights`): `f32` (f32
-    /// master weights) or, with `--dtype bf16`, `bf16`: every matrix the forward rounds held
-    /// in bf16 with no f32 copy (the projections, experts, router and head; the embedding
-    /// and norms stay f32), their gradients bf16 — the precision scheme of a model trained
-    /// purely in bf16, as `peer_hf.py --dtype bf16` holds HF's.
+    /// master weights) or, with `--dtype bf16`, `bf16`: the embedding and every matrix the
+    /// forward rounds held in bf16 with no f32 copy (the projections, experts, router and
+    /// head; norm scales stay f32), their gradients bf16 — the precision scheme of a model
+    /// trained purely in bf16, as `peer_hf.py --dtype bf16` holds HF's.
     #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
     pub master_weights: String,
 }
@@ -323,7 +323,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
          matrices are bf16 already"
     );
     let weights = match bf16_masters {
-        true => weights.narrow_matrices(&cfg, DType::BF16, true)?,
+        true => weights.narrow_for_training(&cfg, DType::BF16, true)?,
         false => weights,
     };
     let (varmap, mut weights) = weights.into_trainable(&cfg)?;

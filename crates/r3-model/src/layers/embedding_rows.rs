@@ -3,12 +3,17 @@
 //! positions added in order, every row of the table's gradient written once (zeros for
 //! tokens the batch does not use), from a host-built table of each token's positions.
 //!
+//! A bf16 table (a trainer holding its weights in bf16 with no f32 master:
+//! `train.master_weights = "bf16"`) gives its rows widened to f32, the residual stream's
+//! dtype, and takes its gradient summed in f32 and rounded to bf16 once, as torch's
+//! embedding backward does.
+//!
 //! candle's `index_select` has `index_add` as its backward, which on a GPU runs one thread
 //! per column walking every id: 2.5 ms of a mid training step on an H200, one block busy
 //! and the rest of the GPU idle. (The row gather `GatherRows` does not fit here: its fan-in
 //! table is as wide as the most frequent token's count for every vocabulary row.)
 
-use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 
 use crate::device::row_ops_run_on;
 use crate::error::{ModelError, Result};
@@ -17,8 +22,11 @@ use crate::math::StdFloat;
 
 /// Rows `ids` of `table` `[V, H]` (`ids` the same on the host and as a u32 tensor on the
 /// table's device), differentiable in `table` by `EmbeddingRows`; candle's `index_select`
-/// where the op does not apply (another device or dtype, or no gradient wanted).
+/// where the op does not apply (another device or dtype, or no gradient wanted). A bf16
+/// table's rows come back widened to f32 (exact).
 pub fn embedding_rows(table: &Tensor, ids: &Tensor, host_ids: &[u32]) -> Result<Tensor> {
+    let bf16_table =
+        table.dtype() == DType::BF16 && (table.device().is_cpu() || table.device().is_cuda());
     let (vocab, _) = table.dims2()?;
     if ids.elem_count() != host_ids.len() {
         return Err(ModelError::Input(format!(
@@ -27,8 +35,12 @@ pub fn embedding_rows(table: &Tensor, ids: &Tensor, host_ids: &[u32]) -> Result<
             host_ids.len()
         )));
     }
-    if !table.track_op() || !row_ops_run_on(table) || host_ids.is_empty() {
-        return Ok(table.index_select(ids, 0)?);
+    if !table.track_op() || !(row_ops_run_on(table) || bf16_table) || host_ids.is_empty() {
+        let rows = table.index_select(ids, 0)?;
+        return Ok(match table.dtype() {
+            DType::BF16 => rows.to_dtype(DType::F32)?,
+            _ => rows,
+        });
     }
     let mut offsets = vec![0u32; vocab + 1];
     for &id in host_ids {
@@ -80,8 +92,13 @@ impl CustomOp2 for EmbeddingRows {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         use candle_core::backend::BackendStorage;
         let h = tl.shape().dims()[1];
+        let shape = Shape::from((self.host_len, h));
         let out = table.index_select(ids, tl, il, 0)?;
-        Ok((out, Shape::from((self.host_len, h))))
+        let out = match out.dtype() {
+            DType::BF16 => out.to_dtype(&Layout::contiguous(&shape), DType::F32)?,
+            _ => out,
+        };
+        Ok((out, shape))
     }
 
     #[cfg(feature = "cuda")]
@@ -94,8 +111,13 @@ impl CustomOp2 for EmbeddingRows {
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         use candle_core::backend::BackendStorage;
         let h = tl.shape().dims()[1];
+        let shape = Shape::from((self.host_len, h));
         let out = table.index_select(ids, tl, il, 0)?;
-        Ok((out, Shape::from((self.host_len, h))))
+        let out = match out.dtype() {
+            DType::BF16 => out.to_dtype(&Layout::contiguous(&shape), DType::F32)?,
+            _ => out,
+        };
+        Ok((out, shape))
     }
 
     fn bwd(
@@ -110,11 +132,16 @@ impl CustomOp2 for EmbeddingRows {
             vocab: table.dim(0)?,
         };
         let d = grad.apply_op3_no_bwd(&self.offsets, &self.order, &rows)?;
+        // A bf16 table's gradient: each row's f32 sum rounded to bf16 once.
+        let d = match table.dtype() {
+            DType::BF16 => d.to_dtype(DType::BF16)?,
+            _ => d,
+        };
         Ok((Some(d), None))
     }
 }
 
-/// `(d out [N, H], offsets, order) → d table [V, H]`: each vocabulary row the sum of its
+/// `(d out [N, H], offsets, order) → d table [V, H]` (f32 or f64, as the rows): each vocabulary row the sum of its
 /// positions' gradient rows, in position order, zeros for unused tokens.
 #[derive(Debug, Clone, Copy)]
 struct TableGradient {
@@ -240,6 +267,58 @@ mod tests {
                 "{dtype:?} grad"
             );
         }
+    }
+
+    /// A bf16 table gives its rows widened to f32 (the f32 table's rows at the same values)
+    /// and its gradient as the f32 table's, each row's f32 sum rounded to bf16 once: checked
+    /// against the f32 table's gradient rounded by hand, with repeated tokens whose sums the
+    /// rounding changes.
+    #[test]
+    fn a_bf16_table_gives_f32_rows_and_its_gradient_rounded_once() {
+        let ids = [3u32, 0, 3, 5, 1, 3, 0, 5];
+        let wide = seeded_tensor(&[7, 4], 1, DType::F32)
+            .to_dtype(DType::BF16)
+            .and_then(|t| t.to_dtype(DType::F32))
+            .expect("bf16 values");
+        let narrow = Var::from_tensor(&wide.to_dtype(DType::BF16).expect("bf16")).expect("var");
+        let wide = Var::from_tensor(&wide).expect("var");
+        let ids_t = Tensor::new(&ids, &Device::Cpu).expect("ids");
+        let probe = seeded_tensor(&[ids.len(), 4], 2, DType::F32);
+        let run = |table: &Var| {
+            let rows = embedding_rows(table.as_tensor(), &ids_t, &ids).expect("rows");
+            assert_eq!(rows.dtype(), DType::F32);
+            let g = (&rows * &probe)
+                .and_then(|l| l.sum_all())
+                .and_then(|l| l.backward())
+                .expect("backward");
+            let grad = g.get(table.as_tensor()).expect("grad").clone();
+            (rows, grad)
+        };
+        let (wide_rows, wide_grad) = run(&wide);
+        let (narrow_rows, narrow_grad) = run(&narrow);
+        assert_eq!(max_abs_diff(&wide_rows, &narrow_rows), 0.0, "rows");
+        assert_eq!(narrow_grad.dtype(), DType::BF16);
+        let by_hand = wide_grad.to_dtype(DType::BF16).expect("rounded");
+        let bits = |t: &Tensor| -> Vec<u16> {
+            t.flatten_all()
+                .and_then(|t| t.to_vec1::<half::bf16>())
+                .expect("values")
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+        };
+        assert_eq!(bits(&narrow_grad), bits(&by_hand));
+        let exact = wide_grad
+            .to_dtype(DType::BF16)
+            .and_then(|t| t.to_dtype(DType::F32))
+            .expect("round trip");
+        assert!(
+            max_abs_diff(&exact, &wide_grad) > 0.0,
+            "some row's sum needs the rounding (else the check shows nothing)"
+        );
+        // Without a gradient wanted, the rows alone, widened.
+        let plain = embedding_rows(&narrow.as_tensor().detach(), &ids_t, &ids).expect("rows");
+        assert_eq!(max_abs_diff(&plain, &wide_rows), 0.0);
     }
 
     #[test]

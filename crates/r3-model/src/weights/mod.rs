@@ -283,8 +283,8 @@ impl Weights {
     /// (half the memory, and a GPU's tensor-core GEMM reads it with no cast per step), the
     /// same values the forward would round it to; the router's gate too iff `router_narrow`
     /// (its logits are not computed in f32). The embedding (its rows are looked up, and its
-    /// dtype is the model's), norm scales, biases and buffers stay f32. Not for training:
-    /// the optimiser needs the f32 master weights.
+    /// dtype is the model's), norm scales, biases and buffers stay f32. A trainer holding
+    /// its weights in bf16 takes [`Weights::narrow_for_training`].
     pub fn narrow_matrices(
         self,
         cfg: &Config,
@@ -306,6 +306,26 @@ impl Weights {
                 if t.dtype() == DType::F32 {
                     *t = t.to_dtype(narrow)?;
                 }
+            }
+        }
+        Ok(Weights::from_map(tensors))
+    }
+
+    /// For training with the weights held in bf16 and no f32 master (a trainer's
+    /// `train.master_weights = "bf16"`): [`Weights::narrow_matrices`] to `narrow`, and the
+    /// embedding too (its rows are rounded to `narrow` where the forward embeds them, so the
+    /// forward reads the same values; its gradient, each row's f32 sum, is rounded to
+    /// `narrow` once). Norm scales, biases and buffers stay f32.
+    pub fn narrow_for_training(
+        self,
+        cfg: &Config,
+        narrow: DType,
+        router_narrow: bool,
+    ) -> Result<Weights> {
+        let mut tensors = self.narrow_matrices(cfg, narrow, router_narrow)?.tensors;
+        if let Some(t) = tensors.get_mut(&weight(EMBED)) {
+            if t.dtype() == DType::F32 {
+                *t = t.to_dtype(narrow)?;
             }
         }
         Ok(Weights::from_map(tensors))

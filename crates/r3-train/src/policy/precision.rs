@@ -36,12 +36,13 @@ pub struct TrainPrecisionConfig {
     /// over each gradient. Default false.
     pub narrow_gradients: bool,
     /// The dtype the weight matrices are held and updated in: `f32` (f32 master weights, the
-    /// default) or `bf16` (with `dtype = "bf16"`: every matrix the forward rounds to bf16 —
-    /// projections, experts, the head, and the router unless `router_dtype = "f32"` — held
-    /// in bf16 with no f32 copy, 2 bytes a parameter instead of 4, their gradients bf16 as
-    /// the GEMMs write them; AdamW keeps f32 moments, computes each update in f32 and rounds
-    /// the new weight to bf16 stochastically, seeded by the run's seed; checkpoints hold
-    /// those matrices in bf16). The embedding, norm scales and biases stay f32.
+    /// default) or `bf16` (with `dtype = "bf16"`: the embedding and every matrix the forward
+    /// rounds to bf16 — projections, experts, the head, and the router unless
+    /// `router_dtype = "f32"` — held in bf16 with no f32 copy, 2 bytes a parameter instead of
+    /// 4, their gradients bf16 as the GEMMs write them (the embedding's, each row's f32 sum,
+    /// rounded once); AdamW keeps f32 moments, computes each update in f32 and rounds the new
+    /// weight to bf16 stochastically, seeded by the run's seed; checkpoints hold those
+    /// tensors in bf16). Norm scales and biases stay f32.
     pub master_weights: String,
 }
 
@@ -51,7 +52,8 @@ pub struct TrainPrecisionConfig {
 pub enum MasterWeights {
     /// f32 master weights: mixed precision's usual scheme.
     F32,
-    /// The matrices the bf16 forward rounds held in bf16, updated with stochastic rounding.
+    /// The embedding and the matrices the bf16 forward rounds held in bf16, updated with
+    /// stochastic rounding.
     Bf16,
 }
 

@@ -348,9 +348,10 @@ impl TrainablePolicy {
 
     /// Loads an HF model directory onto `device` to train at `precision`, the weight
     /// matrices held as `masters` says. With [`MasterWeights::Bf16`] (a bf16 precision only)
-    /// every matrix the forward rounds to bf16 is a bf16 variable with no f32 copy
-    /// (`Weights::narrow_matrices`: the projections, experts and head, and the router unless
-    /// it runs in f32): the values the forward reads, bit for bit, in half the memory.
+    /// the embedding and every matrix the forward rounds to bf16 are bf16 variables with no
+    /// f32 copy (`Weights::narrow_for_training`: the projections, experts and head, and the
+    /// router unless it runs in f32): the values the forward reads, bit for bit, in half the
+    /// memory.
     pub fn load_for_training(
         dir: &Path,
         device: &Device,
@@ -368,7 +369,7 @@ impl TrainablePolicy {
                     reason: format!("bf16 master weights need a bf16 forward, not {precision:?}"),
                 })?;
             let router_narrow = precision.router().narrow_dtype().is_some();
-            weights = weights.narrow_matrices(&cfg, narrow, router_narrow)?;
+            weights = weights.narrow_for_training(&cfg, narrow, router_narrow)?;
         }
         let mut policy = Self::new(cfg, weights)?;
         policy.set_precision(precision);
