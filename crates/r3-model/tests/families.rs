@@ -296,6 +296,27 @@ fn narrow_weight_copies_compute_what_the_f32_weights_do() {
     }
 }
 
+/// Seeded weights of `cfg` held for training in bf16 (`Weights::narrow_for_training`), and
+/// the same values widened to f32 (f32 masters holding exactly what the bf16 ones do).
+fn held_in_bf16_and_widened(
+    cfg: &r3_model::Config,
+    seed: u64,
+) -> (r3_model::Weights, r3_model::Weights) {
+    use candle_core::DType;
+    let narrowed = common::tiny_weights(cfg, seed, DType::F32)
+        .fuse_experts(cfg)
+        .and_then(|w| w.narrow_for_training(cfg, DType::BF16, true))
+        .expect("narrow");
+    let widened = r3_model::Weights::from_map(
+        narrowed
+            .tensors()
+            .iter()
+            .map(|(k, t)| (k.clone(), t.to_dtype(DType::F32).expect("widen")))
+            .collect(),
+    );
+    (narrowed, widened)
+}
+
 /// Weights held in bf16 as trainable variables (a trainer's `train.master_weights =
 /// "bf16"`, `Weights::narrow_for_training`) train as f32 master weights holding the same
 /// values: in every family the logits and every matrix's gradient are the same bits (the
@@ -309,17 +330,7 @@ fn bf16_matrices_as_variables_train_as_f32_masters_of_their_values() {
     for family in FAMILIES {
         let cfg = common::tiny_config(family);
         let precision = Precision::Bf16 { router_f32: false };
-        let narrowed = common::tiny_weights(&cfg, 5, DType::F32)
-            .fuse_experts(&cfg)
-            .and_then(|w| w.narrow_for_training(&cfg, DType::BF16, true))
-            .expect("narrow");
-        let widened = Weights::from_map(
-            narrowed
-                .tensors()
-                .iter()
-                .map(|(k, t)| (k.clone(), t.to_dtype(DType::F32).expect("widen")))
-                .collect(),
-        );
+        let (narrowed, widened) = held_in_bf16_and_widened(&cfg, 5);
         let lengths = [6, 4];
         let seqs = sequences(&lengths, cfg.vocab_size, 3);
         let batch = Batch::new(&seqs, 0, &Device::Cpu).expect("batch");
@@ -373,4 +384,55 @@ fn bf16_matrices_as_variables_train_as_f32_masters_of_their_values() {
         }
         assert!(held_narrow > 0, "{family}: no bf16 variable");
     }
+}
+
+/// A head tied to the embedding, held in bf16: the logits are the f32 masters' bit for bit,
+/// and the shared tensor's gradient (the lookup's rows plus the head's, each handed back in
+/// bf16 and summed in bf16) is within two bf16 roundings of the f32 masters' sum.
+#[test]
+fn a_tied_head_held_in_bf16_trains() {
+    use candle_core::DType;
+    use r3_model::{Model, Precision, Weights};
+    let mut cfg = common::tiny_config("qwen3_moe");
+    cfg.tie_word_embeddings = true;
+    let precision = Precision::Bf16 { router_f32: false };
+    let (narrowed, widened) = held_in_bf16_and_widened(&cfg, 9);
+    let lengths = [6, 4];
+    let batch = Batch::new(&sequences(&lengths, cfg.vocab_size, 5), 0, &Device::Cpu).expect("b");
+    let run = |weights: Weights| {
+        let (varmap, weights) = weights.into_trainable(&cfg).expect("trainable");
+        let model = Model::with_precision(&cfg, &weights, precision).expect("model");
+        let logits = model
+            .forward(&batch, Routing::Native)
+            .expect("forward")
+            .logits;
+        let grads = (&logits * common::probe(&lengths, cfg.vocab_size, &Device::Cpu))
+            .and_then(|l| l.sum_all())
+            .and_then(|l| l.backward())
+            .expect("backward");
+        let data = varmap.data().lock().expect("lock");
+        let embed = data.get("model.embed_tokens.weight").expect("embedding");
+        let g = grads.get(embed.as_tensor()).expect("embedding gradient");
+        let g: Vec<f32> = g
+            .to_dtype(DType::F32)
+            .and_then(|g| g.flatten_all())
+            .and_then(|g| g.to_vec1())
+            .expect("values");
+        (common::bits(&logits), g, embed.dtype())
+    };
+    let (wide_logits, wide, wide_dtype) = run(widened);
+    let (narrow_logits, narrow, narrow_dtype) = run(narrowed);
+    assert_eq!((wide_dtype, narrow_dtype), (DType::F32, DType::BF16));
+    assert_eq!(wide_logits, narrow_logits, "logits");
+    let scale = wide.iter().fold(0f32, |m, v| m.max(v.abs()));
+    for (i, (w, n)) in wide.iter().zip(&narrow).enumerate() {
+        // Each of the two parts rounded once and their sum once: three half-steps of bf16
+        // (2^-8 relative each) of the largest magnitudes involved.
+        let tol = 3.0 * 2f32.powi(-8) * scale;
+        assert!(
+            (w - n).abs() <= tol,
+            "embedding gradient {i}: {n} against {w}"
+        );
+    }
+    assert!(scale > 0.0);
 }

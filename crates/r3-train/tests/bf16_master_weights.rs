@@ -365,3 +365,35 @@ fn a_bf16_master_run_checkpoints_in_bf16_and_resumes_exactly() {
     resumed.execute(&mut Quiet).expect("resumed run");
     assert_eq!(metrics(&narrow), full, "steps 2 and 3 after resume");
 }
+
+/// The memory options run beside bf16 masters (activation checkpointing, 16-bit gradients,
+/// the head scored in chunks, the update staged tensor by tensor, two mini-batches): every
+/// step applies its update with replay verified, as the run without them does.
+#[test]
+fn the_memory_options_run_with_bf16_masters() {
+    let dir = Scratch::new("bf16-masters-options");
+    let model = dir.path().join("model");
+    tiny_model(&model, 73);
+    let run_dir = dir.path().join("run");
+    let mut cfg = tiny_config(&model, &run_dir, RouterReplay::R3, 2);
+    cfg.train.dtype = "bf16".into();
+    cfg.train.master_weights = "bf16".into();
+    cfg.train.narrow_gradients = true;
+    cfg.algo.gradient_checkpointing = true;
+    cfg.algo.head_chunk_tokens = 3;
+    cfg.optim.update_staging = r3_train::UpdateStaging::TensorByTensor;
+    Run::fresh(cfg)
+        .expect("run")
+        .execute(&mut Quiet)
+        .expect("execute");
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(run_dir.join("metrics.jsonl"))
+        .expect("metrics")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("json"))
+        .collect();
+    assert_eq!(lines.len(), 2);
+    for m in &lines {
+        assert_eq!(m["update.skipped"].as_u64(), Some(0), "{m}");
+        assert_eq!(m["replay.verified_frac"].as_f64(), Some(1.0), "{m}");
+    }
+}

@@ -401,10 +401,18 @@ fn cuda_training_state_matches_the_cpu() {
 /// The policy's scoring on `device` (the head over the response predictions only; sharing
 /// the prompt of a group; the head whole or in chunks without its logits kept, with an
 /// entropy bonus): per option set, the masked response log-probs, entropies and every
-/// weight's gradient of `Σ (logp + ½·entropy)` over the responses, on the CPU.
-fn scoring(device: &Device) -> Vec<(String, Vec<f32>)> {
+/// weight's gradient of `Σ (logp + ½·entropy)` over the responses, on the CPU. In f32, or in
+/// bf16 with the weights held in bf16 (`bf16_masters`: `train.master_weights = "bf16"`).
+fn scoring(device: &Device, bf16_masters: bool) -> Vec<(String, Vec<f32>)> {
+    use r3_model::Precision;
+    use r3_train::policy::precision::MasterWeights;
     use r3_train::policy::{score_with, ResponseBatch, ScoreOptions};
-    let policy = TrainablePolicy::load_on(base_model(), device).expect("policy");
+    let (precision, masters) = match bf16_masters {
+        true => (Precision::Bf16 { router_f32: false }, MasterWeights::Bf16),
+        false => (Precision::F32, MasterWeights::F32),
+    };
+    let policy = TrainablePolicy::load_for_training(base_model(), device, precision, masters)
+        .expect("policy");
     let model = policy.model().expect("model");
     // Two samples of one prompt and one of another, responses of 4, 6 and 3 tokens.
     let prompt = [3u32, 9, 14, 5, 7];
@@ -453,8 +461,13 @@ fn scoring(device: &Device) -> Vec<(String, Vec<f32>)> {
 
 /// [`scoring`] on `device` against the CPU's: every value within `tol` of the largest of
 /// its tensor (at least 1).
-fn compare_scoring(device: &Device, tol: f32) {
-    for ((name, a), (_, b)) in scoring(&Device::Cpu).iter().zip(&scoring(device)) {
+fn compare_scoring(device: &Device, tol: f32, bf16_masters: bool) {
+    let (cpu, other) = (
+        scoring(&Device::Cpu, bf16_masters),
+        scoring(device, bf16_masters),
+    );
+    assert_eq!(cpu.len(), other.len());
+    for ((name, a), (_, b)) in cpu.iter().zip(&other) {
         let scale = a.iter().fold(1f32, |m, x| m.max(x.abs()));
         let d = max_diff(a, b);
         assert!(d <= tol * scale, "{name}: differs by {d} (scale {scale})");
@@ -463,7 +476,8 @@ fn compare_scoring(device: &Device, tol: f32) {
 
 #[test]
 fn scoring_gives_the_same_bits_on_a_second_cpu_copy() {
-    compare_scoring(&Device::Cpu, 0.0);
+    compare_scoring(&Device::Cpu, 0.0, false);
+    compare_scoring(&Device::Cpu, 0.0, true);
 }
 
 #[cfg(feature = "cuda")]
@@ -472,5 +486,18 @@ fn scoring_on_cuda_matches_the_cpu() {
     let gpu = r3_model::DeviceSpec::Cuda { ordinal: 0 }
         .open()
         .expect("a CUDA GPU (this test runs on the GPU machine)");
-    compare_scoring(&gpu, 1e-4);
+    compare_scoring(&gpu, 1e-4, false);
+}
+
+/// The same with the weights held in bf16 (`train.master_weights = "bf16"`: the embedding
+/// looked up from a bf16 table, the GEMMs reading bf16 weights in place, the head in chunks
+/// rounding its weights' gradient to bf16): a GPU's 16-bit GEMMs sum in another order than
+/// the CPU's f32 GEMMs before rounding to bf16, so within a few bf16 steps (2⁻⁸ relative).
+#[cfg(feature = "cuda")]
+#[test]
+fn bf16_master_scoring_on_cuda_matches_the_cpu() {
+    let gpu = r3_model::DeviceSpec::Cuda { ordinal: 0 }
+        .open()
+        .expect("a CUDA GPU (this test runs on the GPU machine)");
+    compare_scoring(&gpu, 3e-2, true);
 }

@@ -140,7 +140,8 @@ impl HeadScores {
 
     /// The gradients of `Σ grad ⊙ scores` in the rows and both weights: each chunk's
     /// scores again, with their graph, differentiated alone; the weights' gradients summed
-    /// over the chunks in f32 (a one-chunk gradient handed back as the ops gave it).
+    /// over the chunks in f32 (a one-chunk gradient handed back as the ops gave it), a 16-bit
+    /// weight's rounded to its dtype.
     fn grads(
         &self,
         rows: &Tensor,
@@ -177,6 +178,21 @@ impl HeadScores {
             true => rows.zeros_like()?,
             false => Tensor::cat(&row_grads, 0)?,
         };
+        // A weight held in 16 bits (a trainer's bf16 weights, `Weights::narrow_for_training`)
+        // takes its gradient in its own dtype: the chunks' f32 sum rounded once.
+        let [norm_sum, head_sum] = sums;
+        let in_weight_dtype = |sum: Option<Tensor>, w: &Tensor| -> Result<Option<Tensor>> {
+            Ok(match sum {
+                Some(d) if w.dtype() != DType::F32 && d.dtype() != w.dtype() => {
+                    Some(d.to_dtype(w.dtype())?)
+                }
+                other => other,
+            })
+        };
+        let sums = [
+            in_weight_dtype(norm_sum, weights[0])?,
+            in_weight_dtype(head_sum, weights[1])?,
+        ];
         Ok((d_rows, sums))
     }
 }
