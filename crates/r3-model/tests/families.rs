@@ -317,6 +317,40 @@ fn held_in_bf16_and_widened(
     (narrowed, widened)
 }
 
+/// One bf16 forward and backward of `weights` made trainable: the logits' bits and, per
+/// variable (by name), its dtype and its gradient's bits widened to f32.
+#[allow(clippy::type_complexity)]
+fn bf16_step(
+    cfg: &r3_model::Config,
+    weights: r3_model::Weights,
+    batch: &Batch,
+    lengths: &[usize],
+) -> (Vec<u32>, Vec<(String, candle_core::DType, Vec<u32>)>) {
+    use r3_model::{Model, Precision};
+    let (varmap, weights) = weights.into_trainable(cfg).expect("trainable");
+    let precision = Precision::Bf16 { router_f32: false };
+    let model = Model::with_precision(cfg, &weights, precision).expect("model");
+    let logits = model
+        .forward(batch, Routing::Native)
+        .expect("forward")
+        .logits;
+    let grads = (&logits * common::probe(lengths, cfg.vocab_size, &Device::Cpu))
+        .and_then(|l| l.sum_all())
+        .and_then(|l| l.backward())
+        .expect("backward");
+    let data = varmap.data().lock().expect("lock");
+    let mut named: Vec<_> = data.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    let grads = named
+        .iter()
+        .filter_map(|(name, v)| {
+            let g = grads.get(v.as_tensor())?;
+            Some((name.clone(), v.dtype(), common::bits(g)))
+        })
+        .collect();
+    (common::bits(&logits), grads)
+}
+
 /// Weights held in bf16 as trainable variables (a trainer's `train.master_weights =
 /// "bf16"`, `Weights::narrow_for_training`) train as f32 master weights holding the same
 /// values: in every family the logits and every matrix's gradient are the same bits (the
@@ -325,39 +359,15 @@ fn held_in_bf16_and_widened(
 /// f32 masters' rounded to bf16.
 #[test]
 fn bf16_matrices_as_variables_train_as_f32_masters_of_their_values() {
-    use candle_core::{DType, Var};
-    use r3_model::{Model, Precision, Weights};
+    use candle_core::DType;
+    use r3_model::Weights;
     for family in FAMILIES {
         let cfg = common::tiny_config(family);
-        let precision = Precision::Bf16 { router_f32: false };
         let (narrowed, widened) = held_in_bf16_and_widened(&cfg, 5);
         let lengths = [6, 4];
         let seqs = sequences(&lengths, cfg.vocab_size, 3);
         let batch = Batch::new(&seqs, 0, &Device::Cpu).expect("batch");
-        let run = |weights: Weights| {
-            let (varmap, weights) = weights.into_trainable(&cfg).expect("trainable");
-            let model = Model::with_precision(&cfg, &weights, precision).expect("model");
-            let logits = model
-                .forward(&batch, Routing::Native)
-                .expect("forward")
-                .logits;
-            let grads = (&logits * common::probe(&lengths, cfg.vocab_size, &Device::Cpu))
-                .and_then(|l| l.sum_all())
-                .and_then(|l| l.backward())
-                .expect("backward");
-            let data = varmap.data().lock().expect("lock");
-            let mut named: Vec<(String, Var)> =
-                data.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-            named.sort_by(|a, b| a.0.cmp(&b.0));
-            let grads: Vec<(String, DType, Vec<u32>)> = named
-                .iter()
-                .filter_map(|(name, v)| {
-                    let g = grads.get(v.as_tensor())?;
-                    Some((name.clone(), v.dtype(), common::bits(g)))
-                })
-                .collect();
-            (common::bits(&logits), grads)
-        };
+        let run = |weights: Weights| bf16_step(&cfg, weights, &batch, &lengths);
         let (wide_logits, wide_grads) = run(widened);
         let (narrow_logits, narrow_grads) = run(narrowed);
         assert_eq!(wide_logits, narrow_logits, "{family}: logits");
@@ -392,33 +402,20 @@ fn bf16_matrices_as_variables_train_as_f32_masters_of_their_values() {
 #[test]
 fn a_tied_head_held_in_bf16_trains() {
     use candle_core::DType;
-    use r3_model::{Model, Precision, Weights};
+    use r3_model::Weights;
     let mut cfg = common::tiny_config("qwen3_moe");
     cfg.tie_word_embeddings = true;
-    let precision = Precision::Bf16 { router_f32: false };
     let (narrowed, widened) = held_in_bf16_and_widened(&cfg, 9);
     let lengths = [6, 4];
     let batch = Batch::new(&sequences(&lengths, cfg.vocab_size, 5), 0, &Device::Cpu).expect("b");
     let run = |weights: Weights| {
-        let (varmap, weights) = weights.into_trainable(&cfg).expect("trainable");
-        let model = Model::with_precision(&cfg, &weights, precision).expect("model");
-        let logits = model
-            .forward(&batch, Routing::Native)
-            .expect("forward")
-            .logits;
-        let grads = (&logits * common::probe(&lengths, cfg.vocab_size, &Device::Cpu))
-            .and_then(|l| l.sum_all())
-            .and_then(|l| l.backward())
-            .expect("backward");
-        let data = varmap.data().lock().expect("lock");
-        let embed = data.get("model.embed_tokens.weight").expect("embedding");
-        let g = grads.get(embed.as_tensor()).expect("embedding gradient");
-        let g: Vec<f32> = g
-            .to_dtype(DType::F32)
-            .and_then(|g| g.flatten_all())
-            .and_then(|g| g.to_vec1())
-            .expect("values");
-        (common::bits(&logits), g, embed.dtype())
+        let (logits, grads) = bf16_step(&cfg, weights, &batch, &lengths);
+        let (_, dtype, bits) = grads
+            .into_iter()
+            .find(|(name, _, _)| name == "model.embed_tokens.weight")
+            .expect("the embedding's gradient");
+        let g: Vec<f32> = bits.iter().map(|&b| f32::from_bits(b)).collect();
+        (logits, g, dtype)
     };
     let (wide_logits, wide, wide_dtype) = run(widened);
     let (narrow_logits, narrow, narrow_dtype) = run(narrowed);
