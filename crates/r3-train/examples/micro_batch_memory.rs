@@ -11,8 +11,10 @@
 //! (`checkpointing` after them turns on `algo.gradient_checkpointing`, `warm` measures a
 //! second update, the optimiser's moments already written as in a run's later steps,
 //! `head-chunk=N` sets
-//! `algo.head_chunk_tokens`; `mid` for the model directory is `r3 bench train`'s mid-size
-//! config with seeded random weights, vocabulary 32,000)
+//! `algo.head_chunk_tokens`, `bf16` trains in bf16 with f32 masters and `bf16-masters` in
+//! bf16 with the weights held in bf16, `train.master_weights = "bf16"`; `mid` for the model
+//! directory is `r3 bench train`'s mid-size config with seeded random weights, vocabulary
+//! 32,000)
 //!
 //! Measured 2026-11-26 on models/gsm8k-moe (dev profile, shared 2-core machine), peak over
 //! the resident set before the update: at a budget of 4096 tokens, 32 / 128 / 256 sequences
@@ -22,8 +24,9 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use candle_core::Tensor;
-use r3_model::Routing;
+use candle_core::{DType, Tensor};
+use r3_model::{Precision, Routing};
+use r3_train::policy::precision::MasterWeights;
 use r3_train::policy::{ResponseBatch, TrainablePolicy};
 use r3_train::rl::memory::{read_memory, reset_peak};
 use r3_train::rl::micro_batches::{pack_micro_batches, sequence_lens};
@@ -57,16 +60,22 @@ fn synthetic_batch(n: usize, vocab: u32) -> Result<ResponseBatch, Box<dyn std::e
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let usage = "usage: micro_batch_memory MODEL_DIR|mid SEQUENCES TOKEN_BUDGET [checkpointing] \
-                 [warm] [head-chunk=TOKENS]";
+                 [warm] [head-chunk=TOKENS] [bf16|bf16-masters]";
     let [model, n, budget, flags @ ..] = args.as_slice() else {
         return Err(usage.into());
     };
     let mut checkpointing = false;
     let mut warm = false;
     let mut head_chunk = 0usize;
+    let (mut precision, mut masters) = (Precision::F32, MasterWeights::F32);
     for flag in flags {
         match flag.split_once('=') {
             None if flag == "checkpointing" => checkpointing = true,
+            None if flag == "bf16" => precision = Precision::Bf16 { router_f32: false },
+            None if flag == "bf16-masters" => {
+                precision = Precision::Bf16 { router_f32: false };
+                masters = MasterWeights::Bf16;
+            }
             None if flag == "warm" => warm = true,
             Some(("head-chunk", tokens)) => {
                 head_chunk = tokens
@@ -91,9 +100,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             init.router_std = 0.02;
             init.norm_jitter = 0.0;
             let weights = r3_model::Weights::random(&cfg, &init, &candle_core::Device::Cpu)?;
-            TrainablePolicy::new(cfg, weights)?
+            let weights = match masters {
+                MasterWeights::Bf16 => weights.narrow_for_training(&cfg, DType::BF16, true)?,
+                MasterWeights::F32 => weights,
+            };
+            let mut policy = TrainablePolicy::new(cfg, weights)?;
+            policy.set_precision(precision);
+            policy
         }
-        dir => TrainablePolicy::load(&PathBuf::from(dir))?,
+        dir => TrainablePolicy::load_for_training(
+            &PathBuf::from(dir),
+            &candle_core::Device::Cpu,
+            precision,
+            masters,
+        )?,
     };
     let vocab = policy.config().vocab_size as u32;
     let batch = synthetic_batch(n, vocab)?;
@@ -142,7 +162,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let seconds = started.elapsed().as_secs_f64();
     let after = read_memory().ok_or("no /proc/self/status")?;
     println!(
-        "{{\"sequences\": {n}, \"tokens\": {}, \"padded_tokens\": {}, \"budget\": {budget}, \"checkpointing\": {checkpointing}, \"warm\": {warm}, \"head_chunk\": {head_chunk}, \
+        "{{\"sequences\": {n}, \"tokens\": {}, \"padded_tokens\": {}, \"budget\": {budget}, \"checkpointing\": {checkpointing}, \"warm\": {warm}, \"head_chunk\": {head_chunk}, \"precision\": \"{precision:?}\", \"masters\": \"{masters:?}\", \
          \"micro_batches\": {}, \"rss_before_mib\": {:.0}, \"update_peak_mib\": {:.0}, \
          \"peak_over_base_mib\": {:.0}, \"rss_after_mib\": {:.0}, \"peak_reset\": {reset}, \"applied\": {}, \
          \"seconds\": {seconds:.2}}}",
