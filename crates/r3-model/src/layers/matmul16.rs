@@ -247,6 +247,44 @@ mod tests {
         assert!(matmul_wt_narrow(&bad, &w, None, DType::BF16, WIDE).is_err());
     }
 
+    /// A weight variable held in bf16 (a trainer's `train.master_weights = "bf16"`, the path
+    /// a GPU takes) is differentiated too: its gradient comes back in bf16 either way the
+    /// trainer asks, the same bits as an f32 weight of the same values hands back rounded,
+    /// and the input's gradient is the f32 weight's bit for bit.
+    #[test]
+    fn a_bf16_weight_variable_gets_its_gradient_in_bf16() {
+        let x = Var::from_tensor(&seeded_tensor(&[2, 3, 8], 60, DType::F32)).expect("x");
+        let w16 = seeded_tensor(&[5, 8], 61, DType::F32)
+            .to_dtype(DType::BF16)
+            .expect("bf16");
+        let w32 = Var::from_tensor(&w16.to_dtype(DType::F32).expect("widen")).expect("w");
+        let w16 = Var::from_tensor(&w16).expect("w");
+        let probe = seeded_tensor(&[2, 3, 5], 62, DType::F32);
+        for grads in [WeightGradients::InWeightDtype, WeightGradients::Narrow] {
+            let run = |w: &Var| {
+                let y = matmul_wt_narrow(&x, w, None, DType::BF16, grads).expect("op");
+                let g = (&y * &probe)
+                    .and_then(|l| l.sum_all())
+                    .and_then(|l| l.backward())
+                    .expect("backward");
+                let dw = g.get(w).expect("dw").clone();
+                let dx = g.get(&x).expect("dx").clone();
+                (y, dx, dw)
+            };
+            let (y32, dx32, dw32) = run(&w32);
+            let (y16, dx16, dw16) = run(&w16);
+            assert_eq!(dw16.dtype(), DType::BF16, "{grads:?}");
+            let f32_bits = crate::test_util::f32_bits;
+            assert_eq!(f32_bits(&y32), f32_bits(&y16));
+            assert_eq!(f32_bits(&dx32), f32_bits(&dx16));
+            let as_bf16 = |t: &Tensor| {
+                let rounded = cast16(t, DType::BF16).and_then(|t| cast16(&t, DType::F32));
+                f32_bits(&rounded.expect("rounded"))
+            };
+            assert_eq!(as_bf16(&dw32), as_bf16(&dw16), "{grads:?}");
+        }
+    }
+
     /// With the weight's held 16-bit copy, value and both gradients are bit for bit the
     /// product's without it (the copy holds the values the op would cast to). A copy made
     /// different from the weight shows that the forward and the input gradient read it (the
