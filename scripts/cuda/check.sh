@@ -174,11 +174,12 @@ if [ "$(left)" -ge 60 ]; then
             --set checkpoint.every=0 --set run_dir="$work/train-bf16-$copies" \
             > "$work/train-bf16-$copies.txt" 2>&1
     done
-    # The matrices held in bf16 with no f32 master (train.master_weights = "bf16": AdamW's
-    # r3_adamw_bf16 kernels, stochastic rounding): another scheme, so other metrics; replay
-    # verified at every step and the rewards reported.
+    # The weights held in bf16 with no f32 master and AdamW's moments in bf16
+    # (train.master_weights = "bf16", optim.moments_dtype = "bf16": the r3_adamw_bf16*_mbf16
+    # kernels, stochastic rounding): another scheme, so other metrics; replay verified at
+    # every step and the rewards reported.
     timeout "$(limit 40)" "$bin/r3" train --set train.device=cuda --set train.dtype=bf16 \
-        --set train.master_weights=bf16 --set steps=3 --set eval.every=0 \
+        --set train.master_weights=bf16 --set optim.moments_dtype=bf16 --set steps=3 --set eval.every=0 \
         --set checkpoint.every=0 --set run_dir="$work/train-bf16-masters" \
         > "$work/train-bf16-masters.txt" 2>&1
     # The same with the weight gradients kept in bf16 (the GEMMs' own outputs, read by
@@ -350,10 +351,11 @@ done
 verdict bench "$(IFS=';'; echo "${bench[*]}")"
 # The optimiser step alone on the GPU (300 M parameters of mid's shapes): f32 gradients, then
 # bf16 gradients with held bf16 copies (the pass reads the gradients as they are and writes
-# the copies itself), each composed against fused, against the GPU's own copy rate.
+# the copies itself), then bf16 weights and bf16 moments (`r3_adamw_bf16_mbf16`, stochastic
+# rounding), each composed against fused, against the GPU's own copy rate.
 if [ "$(left)" -ge 45 ]; then
     optim=()
-    for mode in "f32" "bf16 --held-copies" "f32 --bf16-matrices"; do
+    for mode in "f32" "bf16 --held-copies" "f32 --bf16-matrices --bf16-moments"; do
         read -r gd extra <<< "$mode"
         tag="$gd${extra:+-masters}"
         timeout "$(limit 40)" "$bin/r3" bench optim --device cuda --params 300000000 --steps 3 \

@@ -40,6 +40,8 @@ pub struct AdamWPassConstants {
     /// The key of the stochastic rounding of a bf16 θ' (`stochastic_round::rounding_key`;
     /// unread for an f32 θ).
     pub rounding_key: u64,
+    /// The keys of the stochastic rounding of bf16 m' and v' (unread for f32 moments).
+    pub moment_keys: [u64; 2],
 }
 
 /// One tensor's update staged on its GPU: the new θ, m and v (nothing written to the
@@ -61,10 +63,11 @@ pub struct StagedOnDevice {
 }
 
 /// The fused pass over one tensor on a GPU: `None` where it does not apply (a tensor off a
-/// GPU, θ not f32 or bf16, m or v not f32, a gradient not f32, bf16 or f16 — nor f16 for a
-/// bf16 θ —, or the four of different lengths), and the caller composes candle's ops. A bf16
-/// θ (weights held without an f32 master) is read widened and θ' rounded to bf16
-/// stochastically by `k.rounding_key`'s draws, the CPU pass's bits. `copy` (bf16 / f16), for a trainer
+/// GPU, θ not f32 or bf16, m and v not both f32 or both bf16, a gradient not f32, bf16 or
+/// f16 — nor f16 for a bf16 θ —, or the four of different lengths), and the caller composes
+/// candle's ops. A bf16 θ (weights held without an f32 master) is read widened and θ' rounded
+/// to bf16 stochastically by `k.rounding_key`'s draws, bf16 moments by `k.moment_keys`', the
+/// CPU pass's bits. `copy` (bf16 / f16), for a trainer
 /// holding a 16-bit copy of θ: the pass also writes θ' rounded to it (the values of
 /// `cast16(θ')`), so the copy is not rewritten by a second pass reading θ again.
 #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
@@ -81,7 +84,8 @@ pub fn adamw_pass_on_device(
         let n = theta.elem_count();
         use candle_core::DType;
         // θ, m and v f32; the gradient f32, or 16-bit as a backward kept it (read widened).
-        let applies = [m, v].iter().all(|t| t.dtype() == DType::F32)
+        let applies = matches!(m.dtype(), DType::F32 | DType::BF16)
+            && v.dtype() == m.dtype()
             && match theta.dtype() {
                 DType::F32 => matches!(g.dtype(), DType::F32 | DType::BF16 | DType::F16),
                 DType::BF16 => matches!(g.dtype(), DType::F32 | DType::BF16) && copy.is_none(),
@@ -152,12 +156,6 @@ mod gpu {
             ));
         };
         let dev = cuda::device(st);
-        let (vm, vv) = (
-            cuda::view::<f32>(sm, lm, "first moment")?,
-            cuda::view::<f32>(sv, lv, "second moment")?,
-        );
-        // SAFETY: the kernel writes every element of the three outputs (its loop covers n).
-        let (m_out, v_out) = unsafe { (dev.alloc::<f32>(n)?, dev.alloc::<f32>(n)?) };
         let maxima = dev.alloc_zeros::<u32>(3)?;
         let (n64, decay, scale) = (
             n as u64,
@@ -192,13 +190,23 @@ mod gpu {
             }
             None => (0u64, None, 0u32),
         };
-        // The kernel for θ's and the gradient's dtypes (their pointers' types are all that
-        // differs); θ' comes out in θ's dtype.
-        macro_rules! launch {
-            ($name:expr, $param:ty, $grad:expr) => {{
+        // The kernel for θ's, the gradient's and the moments' dtypes (their pointers' types
+        // are all that differs); θ', m' and v' come out in their inputs' dtypes.
+        let moments_bf16 = m.dtype() == DType::BF16;
+        macro_rules! launch_typed {
+            ($name:expr, $param:ty, $moment:ty, $grad:expr) => {{
                 let vt = cuda::view::<$param>(st, lt, "θ")?;
-                // SAFETY: the kernel writes every element (its loop covers n).
-                let theta_out = unsafe { dev.alloc::<$param>(n)? };
+                let vm = cuda::view::<$moment>(sm, lm, "first moment")?;
+                let vv = cuda::view::<$moment>(sv, lv, "second moment")?;
+                // SAFETY: the kernel writes every element of the three outputs (its loop
+                // covers n).
+                let (theta_out, m_out, v_out) = unsafe {
+                    (
+                        dev.alloc::<$param>(n)?,
+                        dev.alloc::<$moment>(n)?,
+                        dev.alloc::<$moment>(n)?,
+                    )
+                };
                 let vg = $grad;
                 let (func, stream) = cuda::kernel(&dev, $name)?;
                 let mut launch = stream.launch_builder(&func);
@@ -226,15 +234,29 @@ mod gpu {
                     .arg(&use_scale)
                     .arg(&copy_ptr)
                     .arg(&copy_code)
-                    .arg(&k.rounding_key);
+                    .arg(&k.rounding_key)
+                    .arg(&k.moment_keys[0])
+                    .arg(&k.moment_keys[1]);
                 // SAFETY: the arguments are the AdamW kernels' signature (`ADAMW_KERNEL` in
-                // kernels.cu, θ's and the gradient's types by the name), the views hold n
-                // elements.
+                // kernels.cu, θ's, the gradient's and the moments' types by the name), the
+                // views hold n elements.
                 unsafe { launch.launch(cuda::elementwise(n)) }.w()?;
-                CudaStorage::wrap_cuda_slice(theta_out, dev.clone())
+                (
+                    CudaStorage::wrap_cuda_slice(theta_out, dev.clone()),
+                    CudaStorage::wrap_cuda_slice(m_out, dev.clone()),
+                    CudaStorage::wrap_cuda_slice(v_out, dev.clone()),
+                )
             }};
         }
-        let theta_out = match (theta.dtype(), g.dtype()) {
+        macro_rules! launch {
+            ($base:expr, $param:ty, $grad:expr) => {{
+                match moments_bf16 {
+                    true => launch_typed!(&format!("{}_mbf16", $base), $param, half::bf16, $grad),
+                    false => launch_typed!($base, $param, f32, $grad),
+                }
+            }};
+        }
+        let (theta_out, m_out, v_out) = match (theta.dtype(), g.dtype()) {
             (DType::BF16, DType::BF16) => launch!(
                 "r3_adamw_bf16_grad_bf16",
                 half::bf16,
@@ -260,23 +282,18 @@ mod gpu {
         // The copy's write is recorded on the stream now that the kernel is queued.
         drop(copy_guard);
         let shape = theta.shape().clone();
-        let wrap = |slice, shape: candle_core::Shape| {
+        let wrap = |storage: CudaStorage| {
             Tensor::from_storage(
-                Storage::Cuda(CudaStorage::wrap_cuda_slice(slice, dev.clone())),
-                shape,
+                Storage::Cuda(storage),
+                shape.clone(),
                 BackpropOp::none(),
                 false,
             )
         };
         Ok(StagedOnDevice {
-            theta: Tensor::from_storage(
-                Storage::Cuda(theta_out),
-                shape.clone(),
-                BackpropOp::none(),
-                false,
-            ),
-            m: wrap(m_out, shape.clone()),
-            v: wrap(v_out, shape),
+            theta: wrap(theta_out),
+            m: wrap(m_out),
+            v: wrap(v_out),
             maxima: Tensor::from_storage(
                 Storage::Cuda(CudaStorage::wrap_cuda_slice(maxima, dev.clone())),
                 3,

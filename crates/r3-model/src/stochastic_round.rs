@@ -47,6 +47,18 @@ fn hash32(mut x: u32) -> u32 {
     x ^ (x >> 16)
 }
 
+/// The keys of one tensor's moments' draws at one optimiser step (first, second), distinct
+/// from every [`rounding_key`] of the weights.
+pub fn moment_rounding_keys(seed: u64, step: u64, tensor: u64) -> [u64; 2] {
+    // Salts that move the seed's streams away from the weights' (any fixed odd constants).
+    const M: u64 = 0x6d6f_6d65_6e74_5f31;
+    const V: u64 = 0x6d6f_6d65_6e74_5f32;
+    [
+        rounding_key(seed ^ M, step, tensor),
+        rounding_key(seed ^ V, step, tensor),
+    ]
+}
+
 /// The 16 random bits of element `index` under `key`: the top half of a hash of the index's
 /// low word and the key's low word, salted by a hash of their high words.
 #[inline(always)]

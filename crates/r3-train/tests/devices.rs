@@ -112,9 +112,14 @@ fn adamw_run(device: &Device) -> Vec<Vec<f32>> {
 /// (whose sum order differs by device); with `narrow` each gradient handed to the optimiser
 /// in that 16-bit float, as a backward keeping them narrow does (`train.narrow_gradients`).
 /// The variables are held in `param` (f32, or bf16 as `train.master_weights = "bf16"` holds
-/// them: updates rounded stochastically, seeded). Returns every variable (widened) and
-/// moment after the steps.
-fn adamw_alone(device: &Device, narrow: Option<DType>, param: DType) -> Vec<Vec<f32>> {
+/// them: updates rounded stochastically, seeded), the moments in `moments` (f32 or bf16,
+/// `optim.moments_dtype`). Returns every variable and moment (widened) after the steps.
+fn adamw_alone(
+    device: &Device,
+    narrow: Option<DType>,
+    param: DType,
+    moments: DType,
+) -> Vec<Vec<f32>> {
     let shapes: [&[usize]; 3] = [&[300, 701], &[16], &[33, 5]];
     let vars: Vec<(String, Var)> = shapes
         .iter()
@@ -133,6 +138,7 @@ fn adamw_alone(device: &Device, narrow: Option<DType>, param: DType) -> Vec<Vec<
     };
     let mut opt = AdamW::new(vars.clone(), params, |name, _| name != "w1").expect("adamw");
     opt.set_rounding_seed(7);
+    opt.set_moment_dtype(moments).expect("moments");
     for step in 0..3u64 {
         let mut loss = Tensor::zeros((), DType::F32, device).expect("zero");
         for (i, (_, v)) in vars.iter().enumerate() {
@@ -166,23 +172,33 @@ fn adamw_alone(device: &Device, narrow: Option<DType>, param: DType) -> Vec<Vec<
         .collect()
 }
 
+/// The optimiser's cases: (gradients kept in, variables in, moments in) — every kernel the
+/// GPU has (`ADAMW_KERNEL` in kernels.cu).
+const ADAMW_CASES: [(Option<DType>, DType, DType); 10] = [
+    (None, DType::F32, DType::F32),
+    (Some(DType::BF16), DType::F32, DType::F32),
+    (Some(DType::F16), DType::F32, DType::F32),
+    (None, DType::BF16, DType::F32),
+    (Some(DType::BF16), DType::BF16, DType::F32),
+    (None, DType::F32, DType::BF16),
+    (Some(DType::BF16), DType::F32, DType::BF16),
+    (Some(DType::F16), DType::F32, DType::BF16),
+    (None, DType::BF16, DType::BF16),
+    (Some(DType::BF16), DType::BF16, DType::BF16),
+];
+
 #[test]
 fn the_optimiser_alone_gives_the_same_bits_on_a_second_cpu_copy() {
-    for (narrow, param) in [
-        (None, DType::F32),
-        (Some(DType::BF16), DType::F32),
-        (None, DType::BF16),
-        (Some(DType::BF16), DType::BF16),
-    ] {
+    for (narrow, param, moments) in ADAMW_CASES {
         assert_eq!(
-            adamw_alone(&Device::Cpu, narrow, param),
-            adamw_alone(&Device::Cpu, narrow, param)
+            adamw_alone(&Device::Cpu, narrow, param, moments),
+            adamw_alone(&Device::Cpu, narrow, param, moments)
         );
     }
     // 16-bit gradients are other values than the f32 ones: the narrow run is not the wide one.
     assert_ne!(
-        adamw_alone(&Device::Cpu, None, DType::F32),
-        adamw_alone(&Device::Cpu, Some(DType::BF16), DType::F32)
+        adamw_alone(&Device::Cpu, None, DType::F32, DType::F32),
+        adamw_alone(&Device::Cpu, Some(DType::BF16), DType::F32, DType::F32)
     );
 }
 
@@ -347,24 +363,19 @@ fn a_second_cpu_copy_trains_to_the_same_bits() {
 
 /// The GPU's fused AdamW pass (`r3_adamw_f32`) is the CPU pass's arithmetic operation for
 /// operation: the same variables and moments, bit for bit; so are its twins reading bf16 and
-/// f16 gradients as they are (the CPU widens them first), and those updating bf16 variables
-/// (`r3_adamw_bf16*`: the stochastic rounding's draws are the CPU's).
+/// f16 gradients as they are (the CPU widens them first), those updating bf16 variables
+/// (`r3_adamw_bf16*`: the stochastic rounding's draws are the CPU's) and those keeping the
+/// moments in bf16 (`*_mbf16`).
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_adamw_pass_equals_the_cpu_bit_for_bit() {
     let gpu = r3_model::DeviceSpec::Cuda { ordinal: 0 }
         .open()
         .expect("a CUDA GPU (this test runs on the GPU machine)");
-    for (narrow, param) in [
-        (None, DType::F32),
-        (Some(DType::BF16), DType::F32),
-        (Some(DType::F16), DType::F32),
-        (None, DType::BF16),
-        (Some(DType::BF16), DType::BF16),
-    ] {
+    for (narrow, param, moments) in ADAMW_CASES {
         let (cpu, on_gpu) = (
-            adamw_alone(&Device::Cpu, narrow, param),
-            adamw_alone(&gpu, narrow, param),
+            adamw_alone(&Device::Cpu, narrow, param, moments),
+            adamw_alone(&gpu, narrow, param, moments),
         );
         assert_same_bits(&cpu, &on_gpu, narrow);
     }

@@ -58,6 +58,10 @@ pub struct BenchOptimArgs {
     /// update computed in f32 and rounded stochastically, 2 bytes of θ read and written.
     #[arg(long, conflicts_with = "held_copies")]
     pub bf16_matrices: bool,
+    /// Keep AdamW's moments in bf16 (`optim.moments_dtype = "bf16"`): computed in f32 and
+    /// rounded stochastically, 2 bytes of each read and written instead of 4.
+    #[arg(long)]
+    pub bf16_moments: bool,
 }
 
 /// `--grad-dtype`'s values.
@@ -103,11 +107,21 @@ pub struct OptimBytes {
 
 /// [`OptimBytes`] of `params` parameters whose gradients take `grad_bytes` bytes a value,
 /// `copied` of them holding a 16-bit copy and `narrow` of them held in bf16 (θ read and
-/// written in 2 bytes instead of 4).
-pub fn optimiser_bytes(params: usize, grad_bytes: u64, copied: usize, narrow: usize) -> OptimBytes {
+/// written in 2 bytes instead of 4), the moments `moment_bytes` a value each (4, or 2 in
+/// bf16).
+pub fn optimiser_bytes(
+    params: usize,
+    grad_bytes: u64,
+    copied: usize,
+    narrow: usize,
+    moment_bytes: u64,
+) -> OptimBytes {
     let n = params as u64;
     OptimBytes {
-        adamw: 6 * 4 * n - 2 * 2 * narrow as u64 + grad_bytes * n + 2 * copied as u64,
+        adamw: 2 * 4 * n - 2 * 2 * narrow as u64
+            + 4 * moment_bytes * n
+            + grad_bytes * n
+            + 2 * copied as u64,
         grad_norm: grad_bytes * n,
     }
 }
@@ -224,12 +238,23 @@ pub fn run(args: BenchOptimArgs) -> anyhow::Result<()> {
     };
     let mut opt = AdamW::new(vars, adamw_params, decay_matrices_only)?;
     opt.set_staging(args.update_staging.into());
+    let moments = match args.bf16_moments {
+        true => DType::BF16,
+        false => DType::F32,
+    };
+    opt.set_moment_dtype(moments)?;
     if !copies.is_empty() {
         opt.hold_narrow_copies(copies)?;
     }
-    let bytes = optimiser_bytes(params, grad_dtype.size_in_bytes() as u64, copied, narrow);
+    let bytes = optimiser_bytes(
+        params,
+        grad_dtype.size_in_bytes() as u64,
+        copied,
+        narrow,
+        moments.size_in_bytes() as u64,
+    );
     println!(
-        "r3 bench optim: {:.1}M parameters ({:.1}M of them bf16 with no f32 master) in {} tensors ({}) on {}, {grad_dtype:?} gradients, {}, {} warm-up + {} timed steps per kernel, seed {}",
+        "r3 bench optim: {:.1}M parameters ({:.1}M of them bf16 with no f32 master) in {} tensors ({}) on {}, {grad_dtype:?} gradients, {moments:?} moments, {}, {} warm-up + {} timed steps per kernel, seed {}",
         params as f64 / 1e6,
         narrow as f64 / 1e6,
         shapes.len(),
@@ -352,7 +377,7 @@ mod tests {
     fn bytes_per_step_by_hand() {
         // 1000 parameters: 4 streams read + 3 written, 4 bytes each = 28 000; norm 4 000
         assert_eq!(
-            optimiser_bytes(1000, 4, 0, 0),
+            optimiser_bytes(1000, 4, 0, 0, 4),
             OptimBytes {
                 adamw: 28_000,
                 grad_norm: 4_000
@@ -360,17 +385,19 @@ mod tests {
         );
         // bf16 gradients (2 bytes read each) and 600 of them holding a bf16 copy (2 written)
         assert_eq!(
-            optimiser_bytes(1000, 2, 600, 0),
+            optimiser_bytes(1000, 2, 600, 0, 4),
             OptimBytes {
                 adamw: 24_000 + 2_000 + 1_200,
                 grad_norm: 2_000
             }
         );
         // 700 of them held in bf16: θ read and written in 2 bytes each (4 fewer a parameter)
-        assert_eq!(optimiser_bytes(1000, 4, 0, 700).adamw, 28_000 - 2_800);
+        assert_eq!(optimiser_bytes(1000, 4, 0, 700, 4).adamw, 28_000 - 2_800);
+        // bf16 moments: m and v read and written in 2 bytes each (8 fewer a parameter)
+        assert_eq!(optimiser_bytes(1000, 4, 0, 0, 2).adamw, 28_000 - 8_000);
         // 3 B parameters do not overflow
         assert_eq!(
-            optimiser_bytes(3_000_000_000, 4, 0, 0).adamw,
+            optimiser_bytes(3_000_000_000, 4, 0, 0, 4).adamw,
             84_000_000_000
         );
     }

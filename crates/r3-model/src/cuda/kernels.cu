@@ -552,24 +552,33 @@ __device__ __forceinline__ __nv_bfloat16 stored_param(float x, uint64_t key, siz
 }
 
 // A trainer holding a 16-bit copy of θ (`copy_code` 1 bf16, 2 f16; 0 none) has θ' rounded
-// into `copy_out` too (nearest, ties to even: `cast16`'s rounding), committed with θ'.
-template <typename P, typename G>
-__device__ void adamw_pass(const P *theta, const G *g, const float *m, const float *v,
-                           P *theta_out, float *m_out, float *v_out, uint32_t *maxima,
+// into `copy_out` too (nearest, ties to even: `cast16`'s rounding), committed with θ'. The
+// moments are f32, or bf16 (`optim.moments_dtype`): read widened, m' and v' rounded
+// stochastically by draw i of `m_key` / `v_key`, and the update computed from them as
+// rounded (the CPU pass's order).
+template <typename P, typename G, typename M>
+__device__ void adamw_pass(const P *theta, const G *g, const M *m, const M *v,
+                           P *theta_out, M *m_out, M *v_out, uint32_t *maxima,
                            size_t n, float beta1, float one_minus_beta1, float beta2,
                            float one_minus_beta2, float inv_bc1, float inv_bc2, float eps,
                            float lr, float decay, float scale, uint32_t use_decay,
                            uint32_t use_scale, void *copy_out, uint32_t copy_code,
-                           uint64_t key) {
+                           uint64_t key, uint64_t m_key, uint64_t v_key) {
     uint32_t tmax = 0, mmax = 0, vmax = 0;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
         const float gw = grad_f32(g[i]);
         const float gi = use_scale ? __fadd_rn(__fmul_rn(gw, scale), 0.0f) : gw;
-        const float m1 = __fadd_rn(__fadd_rn(__fmul_rn(m[i], beta1), 0.0f),
-                                   __fadd_rn(__fmul_rn(gi, one_minus_beta1), 0.0f));
-        const float v1 = __fadd_rn(__fadd_rn(__fmul_rn(v[i], beta2), 0.0f),
-                                   __fadd_rn(__fmul_rn(__fmul_rn(gi, gi), one_minus_beta2), 0.0f));
+        const M m_stored = stored_param(
+            __fadd_rn(__fadd_rn(__fmul_rn(param_f32(m[i]), beta1), 0.0f),
+                      __fadd_rn(__fmul_rn(gi, one_minus_beta1), 0.0f)),
+            m_key, i, m_out);
+        const M v_stored = stored_param(
+            __fadd_rn(__fadd_rn(__fmul_rn(param_f32(v[i]), beta2), 0.0f),
+                      __fadd_rn(__fmul_rn(__fmul_rn(gi, gi), one_minus_beta2), 0.0f)),
+            v_key, i, v_out);
+        const float m1 = param_f32(m_stored);
+        const float v1 = param_f32(v_stored);
         const float m_hat = __fadd_rn(__fmul_rn(m1, inv_bc1), 0.0f);
         const float denom =
             __fadd_rn(__fmul_rn(__fsqrt_rn(__fadd_rn(__fmul_rn(v1, inv_bc2), 0.0f)), 1.0f), eps);
@@ -580,8 +589,8 @@ __device__ void adamw_pass(const P *theta, const G *g, const float *m, const flo
         const P stored = stored_param(computed, key, i, theta_out);
         const float updated = param_f32(stored);
         theta_out[i] = stored;
-        m_out[i] = m1;
-        v_out[i] = v1;
+        m_out[i] = m_stored;
+        v_out[i] = v_stored;
         if (copy_code == 1) {
             static_cast<__nv_bfloat16 *>(copy_out)[i] = __float2bfloat16_rn(updated);
         } else if (copy_code == 2) {
@@ -603,24 +612,31 @@ __device__ void adamw_pass(const P *theta, const G *g, const float *m, const flo
     }
 }
 
-#define ADAMW_KERNEL(NAME, P, G)                                                               \
-    extern "C" __global__ void NAME(const P *theta, const G *g, const float *m, const float *v, \
-                                    P *theta_out, float *m_out, float *v_out,                 \
-                                    uint32_t *maxima, size_t n, float beta1,                  \
-                                    float one_minus_beta1, float beta2, float one_minus_beta2, \
-                                    float inv_bc1, float inv_bc2, float eps, float lr,         \
-                                    float decay, float scale, uint32_t use_decay,              \
-                                    uint32_t use_scale, void *copy_out, uint32_t copy_code,    \
-                                    uint64_t key) {                                            \
-        adamw_pass<P, G>(theta, g, m, v, theta_out, m_out, v_out, maxima, n, beta1,            \
-                         one_minus_beta1, beta2, one_minus_beta2, inv_bc1, inv_bc2, eps, lr,   \
-                         decay, scale, use_decay, use_scale, copy_out, copy_code, key);        \
+#define ADAMW_KERNEL(NAME, P, G, M)                                                            \
+    extern "C" __global__ void NAME(const P *theta, const G *g, const M *m, const M *v,        \
+                                    P *theta_out, M *m_out, M *v_out, uint32_t *maxima,       \
+                                    size_t n, float beta1, float one_minus_beta1, float beta2, \
+                                    float one_minus_beta2, float inv_bc1, float inv_bc2,       \
+                                    float eps, float lr, float decay, float scale,             \
+                                    uint32_t use_decay, uint32_t use_scale, void *copy_out,    \
+                                    uint32_t copy_code, uint64_t key, uint64_t m_key,          \
+                                    uint64_t v_key) {                                          \
+        adamw_pass<P, G, M>(theta, g, m, v, theta_out, m_out, v_out, maxima, n, beta1,         \
+                            one_minus_beta1, beta2, one_minus_beta2, inv_bc1, inv_bc2, eps,    \
+                            lr, decay, scale, use_decay, use_scale, copy_out, copy_code, key,  \
+                            m_key, v_key);                                                     \
     }
-ADAMW_KERNEL(r3_adamw_f32, float, float)
-ADAMW_KERNEL(r3_adamw_f32_grad_bf16, float, __nv_bfloat16)
-ADAMW_KERNEL(r3_adamw_f32_grad_f16, float, __half)
-ADAMW_KERNEL(r3_adamw_bf16, __nv_bfloat16, float)
-ADAMW_KERNEL(r3_adamw_bf16_grad_bf16, __nv_bfloat16, __nv_bfloat16)
+// Named by θ's dtype, the gradient's where it is not f32, and `_mbf16` for bf16 moments.
+ADAMW_KERNEL(r3_adamw_f32, float, float, float)
+ADAMW_KERNEL(r3_adamw_f32_grad_bf16, float, __nv_bfloat16, float)
+ADAMW_KERNEL(r3_adamw_f32_grad_f16, float, __half, float)
+ADAMW_KERNEL(r3_adamw_bf16, __nv_bfloat16, float, float)
+ADAMW_KERNEL(r3_adamw_bf16_grad_bf16, __nv_bfloat16, __nv_bfloat16, float)
+ADAMW_KERNEL(r3_adamw_f32_mbf16, float, float, __nv_bfloat16)
+ADAMW_KERNEL(r3_adamw_f32_grad_bf16_mbf16, float, __nv_bfloat16, __nv_bfloat16)
+ADAMW_KERNEL(r3_adamw_f32_grad_f16_mbf16, float, __half, __nv_bfloat16)
+ADAMW_KERNEL(r3_adamw_bf16_mbf16, __nv_bfloat16, float, __nv_bfloat16)
+ADAMW_KERNEL(r3_adamw_bf16_grad_bf16_mbf16, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16)
 
 // The pointer table of one batched GEMM per routed slot (`expert_gemm.rs`, `run_slots`):
 // slot s multiplies its row (B at b0 + (s / share)·b_step bytes: `share` consecutive slots

@@ -21,38 +21,16 @@ use std::sync::Mutex;
 /// enough to spread one big tensor over every core.
 const CHUNK: usize = 1 << 15;
 
-/// The contiguous f32 elements of a CPU tensor, read-locked for as long as the view lives
-/// (a [`HostFloats`] admitting f32 only).
-pub(crate) struct HostF32<'a>(HostFloats<'a>);
-
-impl<'a> HostF32<'a> {
-    /// The view, or `None` when `t` is not a contiguous f32 tensor on the CPU (the caller then
-    /// takes the composed path).
-    pub(crate) fn of(t: &'a Tensor) -> Option<Self> {
-        let view = HostFloats::of(t)?;
-        matches!(view.slice(), FloatSlice::F32(_)).then_some(Self(view))
-    }
-
-    /// The elements.
-    pub(crate) fn slice(&self) -> &[f32] {
-        match self.0.slice() {
-            FloatSlice::F32(data) => data,
-            // `of` admits only f32 storage
-            _ => &[],
-        }
-    }
-}
-
 /// The contiguous elements of a CPU tensor in its own float dtype: a gradient f32, or 16-bit
-/// as a backward kept it (`train.narrow_gradients`); read-locked for as long as the view
-/// lives.
+/// as a backward kept it (`train.narrow_gradients`); a variable or a moment f32 or bf16;
+/// read-locked for as long as the view lives.
 pub(crate) struct HostFloats<'a> {
     storage: StorageRef<'a>,
     from: usize,
     to: usize,
 }
 
-/// A gradient's elements in their own dtype.
+/// A tensor's elements in their own dtype.
 #[derive(Clone, Copy)]
 pub(crate) enum FloatSlice<'a> {
     F32(&'a [f32]),
@@ -170,49 +148,81 @@ impl StagedChecks {
     }
 }
 
-/// A staged θ' in its variable's dtype: f32, or bf16 for weights held without an f32 master
-/// (rounded stochastically: `r3_model::stochastic_round`).
+/// Staged values in their tensor's dtype: f32, or bf16 for weights held without an f32
+/// master or moments kept in bf16 (rounded stochastically: `r3_model::stochastic_round`).
 #[derive(Debug)]
-pub(crate) enum StagedTheta {
-    /// An f32 variable's.
+pub(crate) enum StagedValues {
+    /// An f32 tensor's.
     F32(Vec<f32>),
-    /// A bf16 variable's.
+    /// A bf16 tensor's.
     Bf16(Vec<half::bf16>),
 }
 
-/// [`StagedTheta`]'s buffer before the pass writes it.
+impl StagedValues {
+    /// The values as a CPU tensor of `shape`.
+    pub(crate) fn into_tensor(self, shape: &candle_core::Shape) -> candle_core::Result<Tensor> {
+        match self {
+            StagedValues::F32(v) => Tensor::from_vec(v, shape, &candle_core::Device::Cpu),
+            StagedValues::Bf16(v) => Tensor::from_vec(v, shape, &candle_core::Device::Cpu),
+        }
+    }
+}
+
+/// [`StagedValues`]' buffer before the pass writes it.
 #[derive(Debug)]
-enum ThetaBuffer {
+enum Unwritten {
     F32(Vec<MaybeUninit<f32>>),
     Bf16(Vec<MaybeUninit<half::bf16>>),
+}
+
+impl Unwritten {
+    /// `n` unwritten values of `dtype` (f32 or bf16; `None` for any other).
+    fn new(n: usize, dtype: DType) -> Option<Self> {
+        match dtype {
+            DType::F32 => Some(Unwritten::F32(unfilled(n))),
+            DType::BF16 => Some(Unwritten::Bf16(unfilled(n))),
+            _ => None,
+        }
+    }
 }
 
 /// One tensor's new θ, m and v, not yet committed, and their checks.
 #[derive(Debug)]
 pub(crate) struct StagedUpdate {
-    pub theta: StagedTheta,
-    pub m: Vec<f32>,
-    pub v: Vec<f32>,
+    pub theta: StagedValues,
+    pub m: StagedValues,
+    pub v: StagedValues,
     pub checks: StagedChecks,
 }
 
-/// A parameter's element type: read widened to f32 (exact), θ' stored in its own dtype.
-trait Param: Widened + std::fmt::Debug + 'static {
+/// A stored element type of θ, m or v: read widened to f32 (exact), its new value stored in
+/// its own dtype.
+trait Stored: Widened + std::fmt::Debug + 'static {
     /// `x` as stored: itself in f32; in bf16 rounded stochastically by draw `index` of `key`.
     fn stored(x: f32, key: u64, index: u64) -> Self;
+    /// The written values.
+    fn staged(values: Vec<Self>) -> StagedValues;
 }
 
-impl Param for f32 {
+impl Stored for f32 {
     #[inline(always)]
     fn stored(x: f32, _: u64, _: u64) -> f32 {
         x
     }
+
+    fn staged(values: Vec<f32>) -> StagedValues {
+        StagedValues::F32(values)
+    }
 }
 
-impl Param for half::bf16 {
+impl Stored for half::bf16 {
     #[inline(always)]
     fn stored(x: f32, key: u64, index: u64) -> half::bf16 {
         round_bf16_stochastic(x, rounding_bits(key, index))
+    }
+
+    fn staged(values: Vec<half::bf16>) -> StagedValues {
+        StagedValues::Bf16(values)
     }
 }
 
@@ -224,154 +234,161 @@ const ABS_BITS: u32 = 0x7fff_ffff;
 const INF_BITS: u32 = 0x7f80_0000;
 
 /// One chunk of the unwritten θ', m', v' buffers.
-type OutChunks<'a, P> = (
+type OutChunks<'a, P, M> = (
     &'a mut [MaybeUninit<P>],
-    &'a mut [MaybeUninit<f32>],
-    &'a mut [MaybeUninit<f32>],
+    &'a mut [MaybeUninit<M>],
+    &'a mut [MaybeUninit<M>],
 );
 
 /// One chunk of the AdamW pass: reads θ, g, m, v once, writes θ', m', v', returns the checks.
 /// Operation for operation the composed path (see `AdamW::step`). `DECAY` and `SCALE` are
 /// whether `k.decay` / `k.grad_scale` are set, as constants so the loop has no branch. A bf16
-/// θ' is rounded stochastically by draw `first + i` of `k.rounding_key` for element `i` of
-/// the chunk (`first`: the chunk's offset in its tensor), and checked as rounded.
-fn adamw_chunk<P: Param, G: Widened, const DECAY: bool, const SCALE: bool>(
+/// θ' (or m', v') is rounded stochastically by draw `first + i` of `k.rounding_key` (or
+/// `k.moment_keys`) for element `i` of the chunk (`first`: the chunk's offset in its tensor),
+/// and checked as rounded.
+fn adamw_chunk<P: Stored, G: Widened, M: Stored, const DECAY: bool, const SCALE: bool>(
     k: &AdamWConstants,
     first: u64,
-    (theta, g, m, v): (&[P], &[G], &[f32], &[f32]),
-    (theta_out, m_out, v_out): OutChunks<'_, P>,
+    (theta, g, m, v): (&[P], &[G], &[M], &[M]),
+    (theta_out, m_out, v_out): OutChunks<'_, P, M>,
 ) -> StagedChecks {
     let n = theta.len();
     let (g, m, v) = (&g[..n], &m[..n], &v[..n]);
     let (theta_out, m_out, v_out) = (&mut theta_out[..n], &mut m_out[..n], &mut v_out[..n]);
     let decay = k.decay.unwrap_or(1.0);
     let scale = k.grad_scale.unwrap_or(1.0);
+    let [m_key, v_key] = k.moment_keys;
     let (mut theta_max, mut m_max, mut v_max) = (0u32, 0u32, 0u32);
     for i in 0..n {
+        let at = first + i as u64;
         let gi = g[i].wide();
         let g = if SCALE { gi * scale + 0.0 } else { gi };
-        let m1 = (m[i] * k.beta1 + 0.0) + (g * k.one_minus_beta1 + 0.0);
-        let v1 = (v[i] * k.beta2 + 0.0) + ((g * g) * k.one_minus_beta2 + 0.0);
-        let m_hat = m1 * k.inv_bc1 + 0.0;
-        let denom = (v1 * k.inv_bc2 + 0.0).sqrt() * 1.0 + k.eps;
+        let m1 = M::stored(
+            (m[i].wide() * k.beta1 + 0.0) + (g * k.one_minus_beta1 + 0.0),
+            m_key,
+            at,
+        );
+        let v1 = M::stored(
+            (v[i].wide() * k.beta2 + 0.0) + ((g * g) * k.one_minus_beta2 + 0.0),
+            v_key,
+            at,
+        );
+        let m_hat = m1.wide() * k.inv_bc1 + 0.0;
+        let denom = (v1.wide() * k.inv_bc2 + 0.0).sqrt() * 1.0 + k.eps;
         let theta_i = theta[i].wide();
         let decayed = if DECAY {
             theta_i * decay + 0.0
         } else {
             theta_i
         };
-        let stored = P::stored(
-            decayed - ((m_hat / denom) * k.lr + 0.0),
-            k.rounding_key,
-            first + i as u64,
-        );
+        let stored = P::stored(decayed - ((m_hat / denom) * k.lr + 0.0), k.rounding_key, at);
         theta_out[i].write(stored);
         m_out[i].write(m1);
         v_out[i].write(v1);
         theta_max = theta_max.max(stored.wide().to_bits() & ABS_BITS);
-        m_max = m_max.max(m1.to_bits() & ABS_BITS);
-        v_max = v_max.max(v1.to_bits() & ABS_BITS);
+        m_max = m_max.max(m1.wide().to_bits() & ABS_BITS);
+        v_max = v_max.max(v1.wide().to_bits() & ABS_BITS);
     }
     StagedChecks::from_maxima([theta_max, m_max, v_max])
 }
 
 /// [`adamw_chunk`] with its constants chosen.
-fn adamw_chunk_dispatch<P: Param, G: Widened>(
+fn adamw_chunk_dispatch<P: Stored, G: Widened, M: Stored>(
     k: &AdamWConstants,
     first: u64,
-    inputs: (&[P], &[G], &[f32], &[f32]),
-    outputs: OutChunks<'_, P>,
+    inputs: (&[P], &[G], &[M], &[M]),
+    outputs: OutChunks<'_, P, M>,
 ) -> StagedChecks {
     match (k.decay.is_some(), k.grad_scale.is_some()) {
-        (false, false) => adamw_chunk::<P, G, false, false>(k, first, inputs, outputs),
-        (false, true) => adamw_chunk::<P, G, false, true>(k, first, inputs, outputs),
-        (true, false) => adamw_chunk::<P, G, true, false>(k, first, inputs, outputs),
-        (true, true) => adamw_chunk::<P, G, true, true>(k, first, inputs, outputs),
+        (false, false) => adamw_chunk::<P, G, M, false, false>(k, first, inputs, outputs),
+        (false, true) => adamw_chunk::<P, G, M, false, true>(k, first, inputs, outputs),
+        (true, false) => adamw_chunk::<P, G, M, true, false>(k, first, inputs, outputs),
+        (true, true) => adamw_chunk::<P, G, M, true, true>(k, first, inputs, outputs),
     }
 }
 
-/// Uninitialised buffers for one tensor's new θ (in its dtype), m and v.
+/// Uninitialised buffers for one tensor's new θ (in its dtype), m and v (in theirs).
 #[derive(Debug)]
 pub(crate) struct FusedOutputs {
-    theta: ThetaBuffer,
-    m: Vec<MaybeUninit<f32>>,
-    v: Vec<MaybeUninit<f32>>,
+    theta: Unwritten,
+    m: Unwritten,
+    v: Unwritten,
 }
 
 impl FusedOutputs {
-    /// Buffers of `n` elements each, θ' in `param` (f32 or bf16; anything else is `None`:
-    /// no fused pass).
-    pub(crate) fn new(n: usize, param: DType) -> Option<Self> {
-        let theta = match param {
-            DType::F32 => ThetaBuffer::F32(unfilled(n)),
-            DType::BF16 => ThetaBuffer::Bf16(unfilled(n)),
-            _ => return None,
-        };
+    /// Buffers of `n` elements each, θ' in `param` and the moments in `moments` (each f32 or
+    /// bf16; anything else is `None`: no fused pass).
+    pub(crate) fn new(n: usize, param: DType, moments: DType) -> Option<Self> {
         Some(Self {
-            theta,
-            m: unfilled(n),
-            v: unfilled(n),
+            theta: Unwritten::new(n, param)?,
+            m: Unwritten::new(n, moments)?,
+            v: Unwritten::new(n, moments)?,
         })
     }
 }
 
 /// The fused AdamW pass over one tensor: new θ, m, v into `out` (nothing is written to the
 /// inputs θ, g, m, v, all of `out`'s length; `g` f32, or 16-bit and widened as it is read:
-/// the same values as a widened copy, without its pass; θ f32, or bf16 and θ' rounded
-/// stochastically), chunks in parallel. `None` for a pairing it does not take (θ f16, a bf16
-/// θ with an f16 gradient, `out` not in θ's dtype).
+/// the same values as a widened copy, without its pass; θ, and m and v, each f32, or bf16
+/// and their new values rounded stochastically), chunks in parallel. `None` for a pairing it
+/// does not take (θ, m or v f16, m and v in different dtypes, a bf16 θ with an f16 gradient,
+/// `out` not in the inputs' dtypes).
 pub(crate) fn adamw_pass(
     k: &AdamWConstants,
-    (theta, g, m, v): (FloatSlice<'_>, FloatSlice<'_>, &[f32], &[f32]),
+    (theta, g, m, v): (
+        FloatSlice<'_>,
+        FloatSlice<'_>,
+        FloatSlice<'_>,
+        FloatSlice<'_>,
+    ),
     out: FusedOutputs,
 ) -> Option<StagedUpdate> {
+    use FloatSlice as S;
+    use Unwritten as U;
     let FusedOutputs {
         theta: to,
         m: mo,
         v: vo,
     } = out;
-    Some(match (theta, to) {
-        (FloatSlice::F32(theta), ThetaBuffer::F32(to)) => {
-            let (theta_out, m, v, checks) = match g {
-                FloatSlice::F32(g) => adamw_pass_typed(k, (theta, g, m, v), (to, mo, vo)),
-                FloatSlice::Bf16(g) => adamw_pass_typed(k, (theta, g, m, v), (to, mo, vo)),
-                FloatSlice::F16(g) => adamw_pass_typed(k, (theta, g, m, v), (to, mo, vo)),
-            };
-            StagedUpdate {
-                theta: StagedTheta::F32(theta_out),
-                m,
-                v,
-                checks,
+    // θ and the moments by dtype, then the gradient's.
+    macro_rules! with_gradient {
+        ($theta:expr, $m:expr, $v:expr, $outs:expr, $f16_ok:expr) => {
+            match g {
+                S::F32(g) => adamw_pass_typed(k, ($theta, g, $m, $v), $outs),
+                S::Bf16(g) => adamw_pass_typed(k, ($theta, g, $m, $v), $outs),
+                S::F16(g) if $f16_ok => adamw_pass_typed(k, ($theta, g, $m, $v), $outs),
+                S::F16(_) => return None,
             }
+        };
+    }
+    Some(match (theta, to, m, v, mo, vo) {
+        (S::F32(t), U::F32(to), S::F32(m), S::F32(v), U::F32(mo), U::F32(vo)) => {
+            with_gradient!(t, m, v, (to, mo, vo), true)
         }
-        (FloatSlice::Bf16(theta), ThetaBuffer::Bf16(to)) => {
-            let (theta_out, m, v, checks) = match g {
-                FloatSlice::F32(g) => adamw_pass_typed(k, (theta, g, m, v), (to, mo, vo)),
-                FloatSlice::Bf16(g) => adamw_pass_typed(k, (theta, g, m, v), (to, mo, vo)),
-                FloatSlice::F16(_) => return None,
-            };
-            StagedUpdate {
-                theta: StagedTheta::Bf16(theta_out),
-                m,
-                v,
-                checks,
-            }
+        (S::F32(t), U::F32(to), S::Bf16(m), S::Bf16(v), U::Bf16(mo), U::Bf16(vo)) => {
+            with_gradient!(t, m, v, (to, mo, vo), true)
+        }
+        (S::Bf16(t), U::Bf16(to), S::F32(m), S::F32(v), U::F32(mo), U::F32(vo)) => {
+            with_gradient!(t, m, v, (to, mo, vo), false)
+        }
+        (S::Bf16(t), U::Bf16(to), S::Bf16(m), S::Bf16(v), U::Bf16(mo), U::Bf16(vo)) => {
+            with_gradient!(t, m, v, (to, mo, vo), false)
         }
         _ => return None,
     })
 }
 
-/// [`adamw_pass`] for one parameter and gradient dtype: θ', m', v' and the checks.
+/// [`adamw_pass`] for one parameter, gradient and moment dtype: θ', m', v' and the checks.
 #[allow(clippy::type_complexity)]
-fn adamw_pass_typed<P: Param, G: Widened>(
+fn adamw_pass_typed<P: Stored, G: Widened, M: Stored>(
     k: &AdamWConstants,
-    (theta, g, m, v): (&[P], &[G], &[f32], &[f32]),
+    (theta, g, m, v): (&[P], &[G], &[M], &[M]),
     (mut theta_out, mut m_out, mut v_out): (
         Vec<MaybeUninit<P>>,
-        Vec<MaybeUninit<f32>>,
-        Vec<MaybeUninit<f32>>,
+        Vec<MaybeUninit<M>>,
+        Vec<MaybeUninit<M>>,
     ),
-) -> (Vec<P>, Vec<f32>, Vec<f32>, StagedChecks) {
+) -> StagedUpdate {
     let checks = theta_out
         .par_chunks_mut(CHUNK)
         .zip(m_out.par_chunks_mut(CHUNK))
@@ -388,13 +405,18 @@ fn adamw_pass_typed<P: Param, G: Widened>(
         })
         .reduce(|| StagedChecks::ALL_GOOD, StagedChecks::and);
     // SAFETY: the chunks tile the three buffers and `adamw_chunk` wrote every element.
-    unsafe {
+    let (theta, m, v) = unsafe {
         (
             assume_init_vec(theta_out),
             assume_init_vec(m_out),
             assume_init_vec(v_out),
-            checks,
         )
+    };
+    StagedUpdate {
+        theta: P::staged(theta),
+        m: M::staged(m),
+        v: M::staged(v),
+        checks,
     }
 }
 
@@ -455,10 +477,10 @@ fn candle_lane_order() -> bool {
 /// copying them when the variable owns its whole storage (the buffers are swapped; the old
 /// one is dropped), else by one copy. Views of the variable see the new values either way, as
 /// after `Var::set`.
-pub(crate) fn commit_into(var: &Var, data: StagedTheta) -> candle_core::Result<()> {
+pub(crate) fn commit_into(var: &Var, data: StagedValues) -> candle_core::Result<()> {
     let len = match &data {
-        StagedTheta::F32(d) => d.len(),
-        StagedTheta::Bf16(d) => d.len(),
+        StagedValues::F32(d) => d.len(),
+        StagedValues::Bf16(d) => d.len(),
     };
     if var.elem_count() != len {
         candle_core::bail!(
@@ -470,7 +492,7 @@ pub(crate) fn commit_into(var: &Var, data: StagedTheta) -> candle_core::Result<(
 }
 
 /// The in-place op behind [`commit_into`].
-struct SwapIn(Mutex<StagedTheta>);
+struct SwapIn(Mutex<StagedValues>);
 
 /// `new` into `data[from..to]`: swapped when it is the whole buffer, else copied.
 fn swap_or_copy<E: Copy>(data: &mut Vec<E>, new: &mut Vec<E>, (from, to): (usize, usize)) {
@@ -495,8 +517,8 @@ impl InplaceOp1 for SwapIn {
             .lock()
             .map_err(|_| candle_core::Error::Msg("optimiser commit: poisoned".into()))?;
         match (storage, &mut *new) {
-            (CpuStorage::F32(data), StagedTheta::F32(new)) => swap_or_copy(data, new, range),
-            (CpuStorage::BF16(data), StagedTheta::Bf16(new)) => swap_or_copy(data, new, range),
+            (CpuStorage::F32(data), StagedValues::F32(new)) => swap_or_copy(data, new, range),
+            (CpuStorage::BF16(data), StagedValues::Bf16(new)) => swap_or_copy(data, new, range),
             _ => candle_core::bail!(
                 "optimiser commit: the staged values are not the variable's dtype"
             ),

@@ -22,16 +22,15 @@
 //! that updates smaller than half a bf16 step still move the weight in expectation.
 
 use crate::algo::fused_optim::{
-    adamw_pass, commit_into, AdamWConstants, FusedOutputs, HostF32, HostFloats, StagedChecks,
-    StagedUpdate,
+    adamw_pass, commit_into, AdamWConstants, FusedOutputs, HostFloats, StagedChecks, StagedUpdate,
 };
 use crate::error::{Result, TrainError};
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 use r3_model::cast16::cast16_into;
 use r3_model::narrow_grads::in_dtype_of;
 use r3_model::optim_pass::{adamw_pass_on_device, swap_staged_into, StagedOnDevice};
-use r3_model::stochastic_round::{rounding_key, stochastic_round_bf16};
+use r3_model::stochastic_round::{moment_rounding_keys, rounding_key, stochastic_round_bf16};
 use r3_model::weights::check_narrow_copy;
 use r3_model::WeightPrecision;
 use rayon::prelude::*;
@@ -215,6 +214,8 @@ pub struct AdamW {
     staging: UpdateStaging,
     /// The seed of the stochastic rounding of bf16 variables' updates.
     rounding_seed: u64,
+    /// The dtype the moments are kept in: f32, or bf16 (`optim.moments_dtype`).
+    moments: DType,
 }
 
 impl AdamW {
@@ -263,7 +264,33 @@ impl AdamW {
             kernel: AdamWKernel::default(),
             staging: UpdateStaging::default(),
             rounding_seed: 0,
+            moments: DType::F32,
         })
+    }
+
+    /// Keeps both moments of every variable in `dtype`: f32 (the default) or bf16 (half their
+    /// memory, 4 bytes a parameter instead of 8; each step computes them in f32 from their
+    /// widened values and rounds them to bf16 stochastically, as bf16 weights are, so the
+    /// second moment's small steps are not lost). Moments already held are converted (exact
+    /// to f32; rounded to nearest to bf16); any other dtype is refused.
+    pub fn set_moment_dtype(&mut self, dtype: DType) -> Result<()> {
+        if !matches!(dtype, DType::F32 | DType::BF16) {
+            return Err(TrainError::InvalidConfig {
+                field: "optim.moments_dtype",
+                reason: format!("{dtype:?}: AdamW keeps its moments in f32 or bf16"),
+            });
+        }
+        for slot in &mut self.slots {
+            slot.m = slot.m.to_dtype(dtype)?;
+            slot.v = slot.v.to_dtype(dtype)?;
+        }
+        self.moments = dtype;
+        Ok(())
+    }
+
+    /// The dtype the moments are kept in.
+    pub fn moment_dtype(&self) -> DType {
+        self.moments
     }
 
     /// Seeds the stochastic rounding of bf16 variables' updates (the run's seed; 0 until set):
@@ -479,20 +506,19 @@ impl AdamW {
     }
 
     /// The output buffers of slot `i`'s update where it takes the CPU's fused pass (the
-    /// fused kernel chosen, the variable contiguous f32 or bf16 on the CPU and its moments
-    /// contiguous f32, the gradient `g` on the CPU with as many values); `None` where not.
+    /// fused kernel chosen, the variable and its moments contiguous f32 or bf16 on the CPU,
+    /// the gradient `g` on the CPU with as many values); `None` where not.
     fn fused_outputs(&self, i: usize, g: &Tensor) -> Option<FusedOutputs> {
         let slot = &self.slots[i];
         let n = slot.var.elem_count();
         let takes = self.kernel == AdamWKernel::Fused
-            && HostFloats::of(slot.var.as_tensor()).is_some_and(|h| h.slice().len() == n)
-            && [&slot.m, &slot.v]
+            && [slot.var.as_tensor(), &slot.m, &slot.v]
                 .into_iter()
-                .all(|t| HostF32::of(t).is_some_and(|h| h.slice().len() == n))
+                .all(|t| HostFloats::of(t).is_some_and(|h| h.slice().len() == n))
             && g.device().is_cpu()
             && g.elem_count() == n;
         takes
-            .then(|| FusedOutputs::new(n, slot.var.dtype()))
+            .then(|| FusedOutputs::new(n, slot.var.dtype(), slot.m.dtype()))
             .flatten()
     }
 
@@ -515,8 +541,8 @@ impl AdamW {
         let views = (
             HostFloats::of(slot.var.as_tensor()),
             HostFloats::of(&g),
-            HostF32::of(&slot.m),
-            HostF32::of(&slot.v),
+            HostFloats::of(&slot.m),
+            HostFloats::of(&slot.v),
         );
         let (Some(theta), Some(g), Some(m), Some(v)) = views else {
             return Ok(None);
@@ -580,8 +606,8 @@ impl AdamW {
             Staged::Fused(StagedUpdate { theta, m, v, .. }) => {
                 let shape = slot.var.shape().clone();
                 commit_into(&slot.var, theta)?;
-                slot.m = Tensor::from_vec(m, &shape, &Device::Cpu)?;
-                slot.v = Tensor::from_vec(v, shape, &Device::Cpu)?;
+                slot.m = m.into_tensor(&shape)?;
+                slot.v = v.into_tensor(&shape)?;
             }
             Staged::OnDevice(
                 StagedOnDevice {
@@ -654,16 +680,32 @@ impl AdamW {
             Some(s) => g.affine(f64::from(s), 0.0)?,
             None => g.clone(),
         };
-        let m = slot
-            .m
-            .affine(beta1, 0.0)?
-            .add(&g.affine(1.0 - beta1, 0.0)?)?;
-        let v = slot
-            .v
-            .affine(beta2, 0.0)?
-            .add(&g.sqr()?.affine(1.0 - beta2, 0.0)?)?;
-        let m_hat = m.affine(1.0 / bc1, 0.0)?;
-        let denom = v.affine(1.0 / bc2, 0.0)?.sqrt()?.affine(1.0, eps)?;
+        // Moments kept in bf16 are computed from their widened values and rounded
+        // stochastically (exact no-ops in f32).
+        let [m_key, v_key] = moment_rounding_keys(rounding_seed, t, i as u64);
+        let kept = |x: Tensor, key: u64| -> Result<Tensor> {
+            Ok(match slot.m.dtype() {
+                DType::BF16 => stochastic_round_bf16(&x, key)?,
+                _ => x,
+            })
+        };
+        let m = kept(
+            slot.m
+                .to_dtype(DType::F32)?
+                .affine(beta1, 0.0)?
+                .add(&g.affine(1.0 - beta1, 0.0)?)?,
+            m_key,
+        )?;
+        let v = kept(
+            slot.v
+                .to_dtype(DType::F32)?
+                .affine(beta2, 0.0)?
+                .add(&g.sqr()?.affine(1.0 - beta2, 0.0)?)?,
+            v_key,
+        )?;
+        let (m_wide, v_wide) = (m.to_dtype(DType::F32)?, v.to_dtype(DType::F32)?);
+        let m_hat = m_wide.affine(1.0 / bc1, 0.0)?;
+        let denom = v_wide.affine(1.0 / bc2, 0.0)?.sqrt()?.affine(1.0, eps)?;
         // A bf16 variable's update is computed from its widened values (exact).
         let theta = slot.var.as_detached_tensor().to_dtype(DType::F32)?;
         let decayed = if slot.decay && weight_decay != 0.0 {
@@ -797,5 +839,6 @@ fn adamw_constants(params: &AdamWParams, at: UpdateAt, slot: usize, decay: bool)
             .then_some((1.0 - lr * params.weight_decay) as f32),
         grad_scale,
         rounding_key: rounding_key(rounding_seed, t, slot as u64),
+        moment_keys: moment_rounding_keys(rounding_seed, t, slot as u64),
     }
 }

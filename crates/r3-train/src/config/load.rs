@@ -84,6 +84,7 @@ impl TrainConfig {
         self.train.precision()?;
         self.train.check_narrow_gradients()?;
         self.train.master_weights()?;
+        self.optim.moment_dtype()?;
         self.train.device_spec()?;
         if self.task.difficulty == 0 {
             return bad("task.difficulty", "levels start at 1".into());

@@ -298,6 +298,25 @@ pub struct OptimConfig {
     /// computed again and committed: twice the optimiser's arithmetic, one tensor's worth
     /// held). The same update either way. Default `whole_step`.
     pub update_staging: UpdateStaging,
+    /// The dtype AdamW keeps both moments in: `f32` (default) or `bf16` (4 bytes a parameter
+    /// instead of 8, the precision-aware optimiser's `exp_avg_dtype` / `exp_avg_sq_dtype`:
+    /// each step computes them in f32 and rounds them to bf16 stochastically, seeded by the
+    /// run's seed, so the second moment's small steps are kept in expectation).
+    pub moments_dtype: String,
+}
+
+impl OptimConfig {
+    /// The dtype `moments_dtype` names; any other value is a config error.
+    pub fn moment_dtype(&self) -> crate::error::Result<candle_core::DType> {
+        match self.moments_dtype.as_str() {
+            "f32" => Ok(candle_core::DType::F32),
+            "bf16" => Ok(candle_core::DType::BF16),
+            other => Err(crate::error::TrainError::InvalidConfig {
+                field: "optim.moments_dtype",
+                reason: format!("`{other}` must be `f32` or `bf16`"),
+            }),
+        }
+    }
 }
 
 /// Held-out evaluation.
@@ -423,6 +442,7 @@ impl Default for OptimConfig {
             adam_eps: 1e-8,
             grad_clip: 1.0,
             update_staging: UpdateStaging::WholeStep,
+            moments_dtype: "f32".into(),
         }
     }
 }

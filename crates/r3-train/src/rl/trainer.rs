@@ -119,6 +119,12 @@ impl Trainer {
         optimizer.set_weight_precision(rollout_precision);
         optimizer.set_staging(cfg.optim.update_staging);
         optimizer.set_rounding_seed(cfg.seed);
+        optimizer.set_moment_dtype(cfg.optim.moment_dtype()?)?;
+        if optimizer.moment_dtype() != candle_core::DType::F32 {
+            tracing::info!(
+                "AdamW's moments kept in bf16, rounded stochastically (optim.moments_dtype)"
+            );
+        }
         if optimizer.bf16_variables() > 0 {
             tracing::info!(
                 matrices = optimizer.bf16_variables(),
