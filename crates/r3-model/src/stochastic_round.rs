@@ -60,11 +60,37 @@ pub fn moment_rounding_keys(seed: u64, step: u64, tensor: u64) -> [u64; 2] {
 }
 
 /// The 16 random bits of element `index` under `key`: the top half of a hash of the index's
-/// low word and the key's low word, salted by a hash of their high words.
+/// low word and the key's low word, salted by a hash of their high words
+/// ([`DrawStream::bits`] for a run of indices sharing their high word).
 #[inline(always)]
 pub fn rounding_bits(key: u64, index: u64) -> u32 {
-    let salt = hash32(((index >> 32) as u32) ^ (key >> 32) as u32);
-    hash32((index as u32) ^ (key as u32) ^ salt) >> 16
+    DrawStream::new(key, index >> 32).bits(index as u32)
+}
+
+/// The draws of `key` for the indices whose high word is `high` (a run of fewer than 2³²
+/// elements starting at a multiple of its length, as the passes' chunks are): the salt
+/// hashed once, one hash per draw.
+#[derive(Debug, Clone, Copy)]
+pub struct DrawStream {
+    key: u32,
+    salt: u32,
+}
+
+impl DrawStream {
+    /// The stream of `key` over the indices `high · 2³² ..`.
+    #[inline(always)]
+    pub fn new(key: u64, high: u64) -> Self {
+        Self {
+            key: key as u32,
+            salt: hash32((high as u32) ^ (key >> 32) as u32),
+        }
+    }
+
+    /// [`rounding_bits`] of the index whose low word is `low`.
+    #[inline(always)]
+    pub fn bits(self, low: u32) -> u32 {
+        hash32(low ^ self.key ^ self.salt) >> 16
+    }
 }
 
 /// `x` rounded to bf16 by `bits` (16 random bits): the bf16 below `x` in magnitude, or the
@@ -96,7 +122,8 @@ pub fn round_slice_stochastic(values: &[f32], out: &mut [bf16], key: u64, first:
         .for_each(|(c, (out, values))| {
             let base = first + (c * CHUNK) as u64;
             for (j, (o, &x)) in out.iter_mut().zip(values).enumerate() {
-                *o = round_bf16_stochastic(x, rounding_bits(key, base + j as u64));
+                let at = base + j as u64;
+                *o = round_bf16_stochastic(x, rounding_bits(key, at));
             }
         });
 }
@@ -273,6 +300,21 @@ mod tests {
         let again = rounded_bits(&t, key);
         assert_eq!(whole, again);
         assert!(stochastic_round_bf16(&t.to_dtype(DType::BF16).expect("bf16"), key).is_err());
+    }
+
+    /// A stream's draws are [`rounding_bits`]' for its indices, across a high word's end.
+    #[test]
+    fn a_stream_draws_what_rounding_bits_does() {
+        let key = rounding_key(1, 2, 3);
+        for index in [0u64, 5, (1 << 32) - 1, 1 << 32, (7 << 32) + 9] {
+            let stream = DrawStream::new(key, index >> 32);
+            assert_eq!(
+                stream.bits(index as u32),
+                rounding_bits(key, index),
+                "{index}"
+            );
+        }
+        assert_ne!(rounding_bits(key, 5), rounding_bits(key, (1 << 32) + 5));
     }
 
     /// Keys differ across seeds, steps and tensors.

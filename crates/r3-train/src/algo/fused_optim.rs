@@ -12,7 +12,7 @@
 
 use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Storage, StorageRef, Tensor, Var};
 use r3_model::layers::gemm::{assume_init_vec, unfilled};
-use r3_model::stochastic_round::{round_bf16_stochastic, rounding_bits};
+use r3_model::stochastic_round::{round_bf16_stochastic, DrawStream};
 use rayon::prelude::*;
 use std::mem::MaybeUninit;
 use std::sync::Mutex;
@@ -198,15 +198,16 @@ pub(crate) struct StagedUpdate {
 /// A stored element type of θ, m or v: read widened to f32 (exact), its new value stored in
 /// its own dtype.
 trait Stored: Widened + std::fmt::Debug + 'static {
-    /// `x` as stored: itself in f32; in bf16 rounded stochastically by draw `index` of `key`.
-    fn stored(x: f32, key: u64, index: u64) -> Self;
+    /// `x` as stored: itself in f32; in bf16 rounded stochastically by draw `low` of
+    /// `draws` (the element's index's low word; the stream holds the rest).
+    fn stored(x: f32, draws: DrawStream, low: u32) -> Self;
     /// The written values.
     fn staged(values: Vec<Self>) -> StagedValues;
 }
 
 impl Stored for f32 {
     #[inline(always)]
-    fn stored(x: f32, _: u64, _: u64) -> f32 {
+    fn stored(x: f32, _: DrawStream, _: u32) -> f32 {
         x
     }
 
@@ -217,8 +218,8 @@ impl Stored for f32 {
 
 impl Stored for half::bf16 {
     #[inline(always)]
-    fn stored(x: f32, key: u64, index: u64) -> half::bf16 {
-        round_bf16_stochastic(x, rounding_bits(key, index))
+    fn stored(x: f32, draws: DrawStream, low: u32) -> half::bf16 {
+        round_bf16_stochastic(x, draws.bits(low))
     }
 
     fn staged(values: Vec<half::bf16>) -> StagedValues {
@@ -257,10 +258,14 @@ fn adamw_chunk<P: Stored, G: Widened, M: Stored, const DECAY: bool, const SCALE:
     let (theta_out, m_out, v_out) = (&mut theta_out[..n], &mut m_out[..n], &mut v_out[..n]);
     let decay = k.decay.unwrap_or(1.0);
     let scale = k.grad_scale.unwrap_or(1.0);
-    let [m_key, v_key] = k.moment_keys;
+    // A chunk lies within one 2³²-element run (its length divides 2³² and it starts at a
+    // multiple of it), so each stream's salt is hashed once here.
+    let high = first >> 32;
+    let [m_key, v_key] = k.moment_keys.map(|key| DrawStream::new(key, high));
+    let theta_key = DrawStream::new(k.rounding_key, high);
     let (mut theta_max, mut m_max, mut v_max) = (0u32, 0u32, 0u32);
     for i in 0..n {
-        let at = first + i as u64;
+        let at = (first as u32).wrapping_add(i as u32);
         let gi = g[i].wide();
         let g = if SCALE { gi * scale + 0.0 } else { gi };
         let m1 = M::stored(
@@ -281,7 +286,7 @@ fn adamw_chunk<P: Stored, G: Widened, M: Stored, const DECAY: bool, const SCALE:
         } else {
             theta_i
         };
-        let stored = P::stored(decayed - ((m_hat / denom) * k.lr + 0.0), k.rounding_key, at);
+        let stored = P::stored(decayed - ((m_hat / denom) * k.lr + 0.0), theta_key, at);
         theta_out[i].write(stored);
         m_out[i].write(m1);
         v_out[i].write(v1);
