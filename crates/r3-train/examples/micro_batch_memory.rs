@@ -12,7 +12,8 @@
 //! second update, the optimiser's moments already written as in a run's later steps,
 //! `head-chunk=N` sets
 //! `algo.head_chunk_tokens`, `bf16` trains in bf16 with f32 masters and `bf16-masters` in
-//! bf16 with the weights held in bf16, `train.master_weights = "bf16"`; `mid` for the model
+//! bf16 with the weights held in bf16, `train.master_weights = "bf16"`, and `bf16-moments`
+//! keeps AdamW's moments in bf16, `optim.moments_dtype = "bf16"`; `mid` for the model
 //! directory is `r3 bench train`'s mid-size config with seeded random weights, vocabulary
 //! 32,000)
 //!
@@ -60,7 +61,7 @@ fn synthetic_batch(n: usize, vocab: u32) -> Result<ResponseBatch, Box<dyn std::e
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let usage = "usage: micro_batch_memory MODEL_DIR|mid SEQUENCES TOKEN_BUDGET [checkpointing] \
-                 [warm] [head-chunk=TOKENS] [bf16|bf16-masters]";
+                 [warm] [head-chunk=TOKENS] [bf16|bf16-masters] [bf16-moments]";
     let [model, n, budget, flags @ ..] = args.as_slice() else {
         return Err(usage.into());
     };
@@ -68,10 +69,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut warm = false;
     let mut head_chunk = 0usize;
     let (mut precision, mut masters) = (Precision::F32, MasterWeights::F32);
+    let mut moments = DType::F32;
     for flag in flags {
         match flag.split_once('=') {
             None if flag == "checkpointing" => checkpointing = true,
             None if flag == "bf16" => precision = Precision::Bf16 { router_f32: false },
+            None if flag == "bf16-moments" => moments = DType::BF16,
             None if flag == "bf16-masters" => {
                 precision = Precision::Bf16 { router_f32: false };
                 masters = MasterWeights::Bf16;
@@ -129,6 +132,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // whole-model staging (12 bytes a parameter) would set the peak of a large model's
     // update, above what its forward and backward hold.
     opt.set_staging(r3_train::UpdateStaging::TensorByTensor);
+    opt.set_moment_dtype(moments)?;
     let mb = MiniBatch {
         batch: &batch,
         old_logp: None,
@@ -162,7 +166,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let seconds = started.elapsed().as_secs_f64();
     let after = read_memory().ok_or("no /proc/self/status")?;
     println!(
-        "{{\"sequences\": {n}, \"tokens\": {}, \"padded_tokens\": {}, \"budget\": {budget}, \"checkpointing\": {checkpointing}, \"warm\": {warm}, \"head_chunk\": {head_chunk}, \"precision\": \"{precision:?}\", \"masters\": \"{masters:?}\", \
+        "{{\"sequences\": {n}, \"tokens\": {}, \"padded_tokens\": {}, \"budget\": {budget}, \"checkpointing\": {checkpointing}, \"warm\": {warm}, \"head_chunk\": {head_chunk}, \"precision\": \"{precision:?}\", \"masters\": \"{masters:?}\", \"moments\": \"{moments:?}\", \
          \"micro_batches\": {}, \"rss_before_mib\": {:.0}, \"update_peak_mib\": {:.0}, \
          \"peak_over_base_mib\": {:.0}, \"rss_after_mib\": {:.0}, \"peak_reset\": {reset}, \"applied\": {}, \
          \"seconds\": {seconds:.2}}}",
