@@ -71,9 +71,9 @@ impl AdamWParams {
     }
 }
 
-/// How [`AdamW::step`] computes the update of a tensor the fused pass can take (a CPU f32
-/// tensor); every other tensor takes the composed ops. Both give bit-identical results; the
-/// choice exists so tests and `r3 bench optim` can compare them.
+/// How [`AdamW::step`] computes the update of a tensor the fused pass can take (a CPU f32 or
+/// bf16 tensor); every other tensor takes the composed ops. Both give bit-identical results;
+/// the choice exists so tests and `r3 bench optim` can compare them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum AdamWKernel {
     /// One fused pass per tensor (the default).
@@ -395,9 +395,9 @@ impl AdamW {
     /// `None` when not clipped), folded into the update's pass instead of a pass of its own:
     /// the result is bit for bit that of scaling each gradient by `affine(scale, 0)` first.
     ///
-    /// A CPU f32 tensor takes the fused pass ([`AdamWKernel::Fused`]): one read of θ, g, m, v,
-    /// one write of the staged θ, m, v, the guard's checks in the same pass, tensors and chunks
-    /// of big tensors in parallel on the rayon pool. Its finiteness check is per element; the
+    /// A CPU f32 or bf16 tensor takes the fused pass ([`AdamWKernel::Fused`]): one read of θ,
+    /// g, m, v, one write of the staged θ, m, v, the guard's checks in the same pass, tensors
+    /// and chunks of big tensors in parallel on the rayon pool. Its finiteness check is per element; the
     /// composed path's is the finiteness of the tensor's sum, which also fails on finite values
     /// whose sum overflows (a false skip the fused check does not make). Committing swaps the
     /// staged buffers in, copying nothing. Any other tensor (another device or dtype) takes the
@@ -494,7 +494,7 @@ impl AdamW {
     }
 
     /// Slot `i`'s update from its gradient `g` (widened first where a backward kept it in 16
-    /// bits), computed into new buffers: the fused pass for a CPU f32 tensor (chunks in
+    /// bits), computed into new buffers: the fused pass for a CPU f32 or bf16 tensor (chunks in
     /// parallel), the GPU's fused pass, or the composed ops, as in a whole step.
     fn stage_one(&self, i: usize, g: &Tensor, at: UpdateAt) -> Result<Staged> {
         if let Some(out) = self.fused_outputs(i, g) {
