@@ -193,7 +193,7 @@ mod gpu {
         // The kernel for θ's, the gradient's and the moments' dtypes (their pointers' types
         // are all that differs); θ', m' and v' come out in their inputs' dtypes.
         let moments_bf16 = m.dtype() == DType::BF16;
-        macro_rules! launch_typed {
+        macro_rules! launch_pass {
             ($name:expr, $param:ty, $moment:ty, $grad:expr) => {{
                 let vt = cuda::view::<$param>(st, lt, "θ")?;
                 let vm = cuda::view::<$moment>(sm, lm, "first moment")?;
@@ -251,8 +251,8 @@ mod gpu {
         macro_rules! launch {
             ($base:expr, $param:ty, $grad:expr) => {{
                 match moments_bf16 {
-                    true => launch_typed!(&format!("{}_mbf16", $base), $param, half::bf16, $grad),
-                    false => launch_typed!($base, $param, f32, $grad),
+                    true => launch_pass!(&format!("{}_mbf16", $base), $param, half::bf16, $grad),
+                    false => launch_pass!($base, $param, f32, $grad),
                 }
             }};
         }

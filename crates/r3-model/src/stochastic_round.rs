@@ -173,8 +173,6 @@ impl CustomOp1 for StochasticRound {
         layout: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         use crate::cuda;
-        use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
-        use candle_core::cuda_backend::WrapErr;
 
         let shape = layout.shape().clone();
         let n = shape.elem_count();
@@ -185,16 +183,21 @@ impl CustomOp1 for StochasticRound {
                 shape,
             ));
         }
-        let x = cuda::view::<f32>(storage, layout, "stochastic rounding's input")?;
-        // SAFETY: the kernel's grid-stride loop writes every one of the n elements.
-        let out = unsafe { dev.alloc::<bf16>(n) }?;
-        let (n64, key) = (n as u64, self.key);
-        let (func, stream) = cuda::kernel(&dev, "r3_round_bf16_stochastic")?;
-        let mut launch = stream.launch_builder(&func);
-        launch.arg(&x).arg(&out).arg(&n64).arg(&key);
-        // SAFETY: the arguments are the kernel's signature; `x` and `out` hold n elements.
-        unsafe { launch.launch(cuda::elementwise(n)) }.w()?;
-        Ok((candle_core::CudaStorage::wrap_cuda_slice(out, dev), shape))
+        // The kernel's grid-stride loop writes every one of the n elements.
+        let out = cuda::launch_typed!(
+            dev,
+            "r3_round_bf16_stochastic",
+            bf16,
+            n,
+            cuda::elementwise(n),
+            [cuda::view::<f32>(
+                storage,
+                layout,
+                "stochastic rounding's input"
+            )?],
+            [n as u64, self.key]
+        );
+        Ok((out, shape))
     }
 }
 

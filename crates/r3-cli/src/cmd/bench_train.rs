@@ -434,8 +434,9 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         }
     );
     // What the parameters hold by construction (not measured): the masters (f32, or the
-    // matrices bf16) and the copies. Their gradients are counted after the backward (below); activations, workspace
-    // and the allocator's pools come on top (a GPU's peak is what nvidia-smi reads).
+    // matrices bf16) and the copies. Their gradients are counted after the backward
+    // (below); activations, workspace and the allocator's pools come on top (a GPU's peak is
+    // what nvidia-smi reads).
     let bytes_of = |t: &Tensor| (t.elem_count() * t.dtype().size_in_bytes()) as f64 / 1e9;
     let master_gb: f64 = varmap
         .all_vars()

@@ -68,6 +68,18 @@ pub fn embedding_rows(table: &Tensor, ids: &Tensor, host_ids: &[u32]) -> Result<
     Ok(table.apply_op2(&ids.flatten_all()?, op)?)
 }
 
+/// Looked-up `rows` of `shape` (contiguous) widened to f32 where the table is bf16; as they
+/// are otherwise.
+fn rows_in_f32<S: candle_core::backend::BackendStorage>(
+    rows: S,
+    shape: &Shape,
+) -> candle_core::Result<S> {
+    match rows.dtype() {
+        DType::BF16 => rows.to_dtype(&Layout::contiguous(shape), DType::F32),
+        _ => Ok(rows),
+    }
+}
+
 /// The lookup op `(table, ids) → rows`, holding each token's positions for its backward.
 #[derive(Debug, Clone)]
 struct EmbeddingRows {
@@ -91,13 +103,8 @@ impl CustomOp2 for EmbeddingRows {
         il: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         use candle_core::backend::BackendStorage;
-        let h = tl.shape().dims()[1];
-        let shape = Shape::from((self.host_len, h));
-        let out = table.index_select(ids, tl, il, 0)?;
-        let out = match out.dtype() {
-            DType::BF16 => out.to_dtype(&Layout::contiguous(&shape), DType::F32)?,
-            _ => out,
-        };
+        let shape = Shape::from((self.host_len, tl.shape().dims()[1]));
+        let out = rows_in_f32(table.index_select(ids, tl, il, 0)?, &shape)?;
         Ok((out, shape))
     }
 
@@ -110,13 +117,8 @@ impl CustomOp2 for EmbeddingRows {
         il: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         use candle_core::backend::BackendStorage;
-        let h = tl.shape().dims()[1];
-        let shape = Shape::from((self.host_len, h));
-        let out = table.index_select(ids, tl, il, 0)?;
-        let out = match out.dtype() {
-            DType::BF16 => out.to_dtype(&Layout::contiguous(&shape), DType::F32)?,
-            _ => out,
-        };
+        let shape = Shape::from((self.host_len, tl.shape().dims()[1]));
+        let out = rows_in_f32(table.index_select(ids, tl, il, 0)?, &shape)?;
         Ok((out, shape))
     }
 

@@ -245,7 +245,7 @@ impl AdamW {
                     });
                 }
                 // The moments are f32 for a bf16 variable too.
-                let zeros = var.as_tensor().zeros_like()?.to_dtype(DType::F32)?;
+                let zeros = Tensor::zeros(var.shape(), DType::F32, var.device())?;
                 Ok(Slot {
                     decay: decay(&name, &var),
                     name,

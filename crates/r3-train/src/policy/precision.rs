@@ -80,16 +80,15 @@ impl TrainPrecisionConfig {
     /// it lives on `device`; an unknown value, or `on` in f32, is a config error.
     pub fn holds_narrow_copies(&self, device: &candle_core::Device) -> Result<bool> {
         // Matrices held in bf16 are their own 16-bit copies.
-        let mixed = self.precision()?.is_mixed() && self.master_weights()? == MasterWeights::F32;
+        let bf16_masters = self.master_weights()? == MasterWeights::Bf16;
+        let mixed = self.precision()?.is_mixed() && !bf16_masters;
         match self.narrow_weight_copies.as_str() {
-            "on" if self.master_weights()? == MasterWeights::Bf16 => {
-                Err(TrainError::InvalidConfig {
-                    field: "train.narrow_weight_copies",
-                    reason: "`on` holds 16-bit copies beside f32 master weights; with \
+            "on" if bf16_masters => Err(TrainError::InvalidConfig {
+                field: "train.narrow_weight_copies",
+                reason: "`on` holds 16-bit copies beside f32 master weights; with \
                          train.master_weights = \"bf16\" the matrices are held in bf16 already"
-                        .into(),
-                })
-            }
+                    .into(),
+            }),
             "auto" => Ok(mixed && !device.is_cpu()),
             "on" if mixed => Ok(true),
             "on" => Err(TrainError::InvalidConfig {

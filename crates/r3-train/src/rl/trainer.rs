@@ -55,18 +55,24 @@ pub struct Trainer {
     start_precision: WeightPrecision,
 }
 
+/// The policy in model directory `dir` on `cfg`'s training device, at its precision and
+/// with its master weights (`train.*`).
+fn load_policy(cfg: &TrainConfig, dir: &Path) -> Result<TrainablePolicy> {
+    let device = cfg.train.device_spec()?.open()?;
+    TrainablePolicy::load_for_training(
+        dir,
+        &device,
+        cfg.train.precision()?,
+        cfg.train.master_weights()?,
+    )
+    .map_err(|e| checkpoint_err(dir, e))
+}
+
 impl Trainer {
     /// A fresh trainer on the base model of `cfg.model_dir`.
     pub fn new(cfg: TrainConfig) -> Result<Self> {
         let dir = cfg.model_dir.clone();
-        let device = cfg.train.device_spec()?.open()?;
-        let policy = TrainablePolicy::load_for_training(
-            &dir,
-            &device,
-            cfg.train.precision()?,
-            cfg.train.master_weights()?,
-        )
-        .map_err(|e| checkpoint_err(&dir, e))?;
+        let policy = load_policy(&cfg, &dir)?;
         let tokenizer = ModelText::from_model_dir(&dir)?;
         Self::assemble(cfg, policy, tokenizer, None)
     }
@@ -81,26 +87,17 @@ impl Trainer {
                 config: cfg.seed,
             });
         }
-        let device = cfg.train.device_spec()?.open()?;
-        let policy = TrainablePolicy::load_for_training(
-            dir,
-            &device,
-            cfg.train.precision()?,
-            cfg.train.master_weights()?,
-        )
-        .map_err(|e| checkpoint_err(dir, e))?;
+        let policy = load_policy(&cfg, dir)?;
         let tokenizer = ModelText::from_model_dir(dir)?;
         Self::assemble(cfg, policy, tokenizer, Some((dir, state)))
     }
 
     fn assemble(
         cfg: TrainConfig,
-        policy: TrainablePolicy,
+        mut policy: TrainablePolicy,
         tokenizer: ModelText,
         resume: Option<(&Path, TrainerState)>,
     ) -> Result<Self> {
-        let mut policy = policy;
-        policy.set_precision(cfg.train.precision()?);
         tokenizer
             .tokenizer()
             .check_fits_model(policy.config().vocab_size)?;
