@@ -118,6 +118,43 @@ pub fn swap_staged_into(var: &Tensor, staged: Tensor) -> Result<Option<Tensor>> 
     Ok(Some(staged))
 }
 
+/// Σ g² over the gradient tensors `grads` on a GPU, the global gradient norm's square: each
+/// tensor's squares summed in one read of it (`r3_sum_squares_*` in `cuda/kernels.cu`: f32,
+/// bf16 or f16 gradients, each value widened and squared in f32, the squares added in f64
+/// within a tensor), the tensors' sums added in their order in f32, one value read back. candle's
+/// composed `sqr()?.sum_all()` wrote every square to a temporary and read it again, after
+/// widening a 16-bit gradient into another: 12 bytes an f32 parameter and 18 a bf16 one of
+/// memory traffic, where this reads 4 or 2, and no temporary as large as the largest tensor.
+/// `None` where it does not apply (a build without `cuda`, no tensors, a tensor off a GPU or
+/// on another GPU than the first, or of another dtype), and the caller composes candle's ops.
+/// Deterministic: the same gradients give the same bits.
+#[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+pub fn sum_of_squares_on_device(grads: &[&Tensor]) -> Result<Option<f32>> {
+    #[cfg(feature = "cuda")]
+    {
+        use candle_core::DType;
+        let Some(first) = grads.first() else {
+            return Ok(None);
+        };
+        let applies = grads.iter().all(|g| {
+            g.device().same_device(first.device())
+                && g.device().is_cuda()
+                && matches!(g.dtype(), DType::F32 | DType::BF16 | DType::F16)
+        });
+        if applies {
+            return gpu::sum_of_squares(grads).map(Some);
+        }
+    }
+    Ok(None)
+}
+
+/// Blocks of 256 threads the sum of squares of `n` values runs in: about 16 values a thread,
+/// at most 1,024 blocks (several per SM on any GPU r3 runs on), at least one. A function of
+/// `n` alone, so that the order of the sums is too.
+pub fn squares_blocks(n: usize) -> u32 {
+    n.div_ceil(256 * 16).clamp(1, 1024) as u32
+}
+
 #[cfg(feature = "cuda")]
 mod gpu {
     use std::sync::Mutex;
@@ -313,6 +350,95 @@ mod gpu {
                 )
             }),
         })
+    }
+
+    /// [`super::sum_of_squares_on_device`] (its conditions checked): one launch per tensor
+    /// into one buffer of f64 partial sums, one launch adding them up, one f32 read back.
+    pub(super) fn sum_of_squares(grads: &[&Tensor]) -> Result<f32> {
+        use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
+        let blocks: Vec<u32> = grads
+            .iter()
+            .map(|g| super::squares_blocks(g.elem_count()))
+            .collect();
+        let mut offsets = Vec::with_capacity(blocks.len() + 1);
+        let mut at = 0u32;
+        offsets.push(at);
+        for &b in &blocks {
+            at = at.checked_add(b).ok_or_else(|| {
+                ModelError::Input("the gradient norm's partial sums exceed 2³² blocks".into())
+            })?;
+            offsets.push(at);
+        }
+        let mut dev = None;
+        let mut partials = None;
+        for ((g, &count), &first) in grads.iter().zip(&blocks).zip(&offsets) {
+            let g = g.contiguous()?;
+            let (storage, layout) = g.storage_and_layout();
+            let Storage::Cuda(cs) = &*storage else {
+                return Err(ModelError::Input(
+                    "the gradient norm on a GPU got a gradient off the GPU".into(),
+                ));
+            };
+            let dev = dev.get_or_insert_with(|| cuda::device(cs)).clone();
+            let partials = match &mut partials {
+                Some(p) => p,
+                None => partials.insert(dev.alloc_zeros::<f64>(at as usize)?),
+            };
+            let n = g.elem_count() as u64;
+            let cfg = LaunchConfig {
+                grid_dim: (count, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let (func, stream) = match cs.dtype() {
+                DType::BF16 => cuda::kernel(&dev, "r3_sum_squares_bf16")?,
+                DType::F16 => cuda::kernel(&dev, "r3_sum_squares_f16")?,
+                _ => cuda::kernel(&dev, "r3_sum_squares_f32")?,
+            };
+            let mut launch = stream.launch_builder(&func);
+            macro_rules! launch_squares {
+                ($ty:ty) => {{
+                    let view = cuda::view::<$ty>(cs, layout, "gradient")?;
+                    launch.arg(&view).arg(&n).arg(&*partials).arg(&first);
+                    // SAFETY: the arguments are `r3_sum_squares_*`'s signature; the view holds
+                    // n values and the partials buffer `first + count` at least (`offsets`).
+                    unsafe { launch.launch(cfg) }.w()?;
+                }};
+            }
+            match cs.dtype() {
+                DType::BF16 => launch_squares!(half::bf16),
+                DType::F16 => launch_squares!(half::f16),
+                _ => launch_squares!(f32),
+            }
+        }
+        let (Some(dev), Some(partials)) = (dev, partials) else {
+            return Err(ModelError::Input(
+                "the gradient norm got no gradients".into(),
+            ));
+        };
+        let tensors = u32::try_from(grads.len())
+            .map_err(|_| ModelError::Input("more than 2³² gradient tensors".into()))?;
+        let stream = dev.cuda_stream();
+        let offsets_dev = stream.clone_htod(&offsets).w()?;
+        let one_block = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let total = cuda::launch_f32!(
+            dev.clone(),
+            "r3_sum_squares_total",
+            1,
+            one_block,
+            [partials.slice(..), offsets_dev.slice(..), tensors],
+            []
+        );
+        let total = Tensor::from_storage(Storage::Cuda(total), 1, BackpropOp::none(), false);
+        total
+            .to_vec1::<f32>()?
+            .first()
+            .copied()
+            .ok_or_else(|| ModelError::Input("the gradient norm's total came back empty".into()))
     }
 
     /// A staged 16-bit copy of θ'.

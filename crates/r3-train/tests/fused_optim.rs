@@ -279,6 +279,31 @@ fn fused_grad_norm_is_candles_sum_bit_for_bit() {
             "{narrow:?}: {fused} vs {reference}"
         );
     }
+    // variables held in bf16 (`train.master_weights = "bf16"`): their gradients come in bf16
+    // from one micro-batch and in f32 summed over several; both are read widened, the
+    // composed path's norm bit for bit
+    let held: Vec<Var> = sizes
+        .iter()
+        .map(|&n| Var::zeros(n, candle_core::DType::BF16, &Device::Cpu).expect("var"))
+        .collect();
+    for grad_dtype in [candle_core::DType::BF16, candle_core::DType::F32] {
+        let mut held_grads = GradStore::default();
+        for (v, w) in held.iter().zip(&vars) {
+            let g = store.get(w.as_tensor()).expect("g");
+            let g = g
+                .to_dtype(candle_core::DType::BF16)
+                .and_then(|g| g.to_dtype(grad_dtype))
+                .expect("grad");
+            held_grads.insert(v.as_tensor(), g);
+        }
+        let reference = global_grad_norm_composed(held.iter(), &held_grads).expect("composed");
+        let fused = global_grad_norm(held.iter(), &held_grads).expect("norm");
+        assert_eq!(
+            fused.to_bits(),
+            reference.to_bits(),
+            "bf16 variables, {grad_dtype:?} gradients: {fused} vs {reference}"
+        );
+    }
 }
 
 #[test]

@@ -308,12 +308,23 @@ pub fn run(args: BenchOptimArgs) -> anyhow::Result<()> {
         }
         bandwidth = bandwidth.max(device_bandwidth(&device)?);
     }
-    anyhow::ensure!(
-        norms[0].to_bits() == norms[1].to_bits(),
-        "fused gradient norm {} differs from the composed {}",
-        norms[1],
-        norms[0]
-    );
+    // On the CPU the fused norm adds in candle's own order (the same bits); a GPU's kernel
+    // adds each tensor's squares in f64 (candle's f32 tree differs in the last bits).
+    let norm_gap = (f64::from(norms[0]) - f64::from(norms[1])).abs() / f64::from(norms[0]);
+    match device.is_cpu() {
+        true => anyhow::ensure!(
+            norms[0].to_bits() == norms[1].to_bits(),
+            "fused gradient norm {} differs from the composed {}",
+            norms[1],
+            norms[0]
+        ),
+        false => anyhow::ensure!(
+            norm_gap < 1e-4,
+            "fused gradient norm {} is {norm_gap:e} off the composed {}",
+            norms[1],
+            norms[0]
+        ),
+    }
 
     println!(
         "streaming bandwidth ({}, measured now, best of {} measurements between the steps): {bandwidth:.1} GB/s",
@@ -354,10 +365,16 @@ pub fn run(args: BenchOptimArgs) -> anyhow::Result<()> {
         composed / fused,
         (bytes.adamw + bytes.grad_norm) as f64 / fused / 1e9 / bandwidth * 100.0
     );
-    println!(
-        "gradient norm {:.6} (fused and composed bit-identical)",
-        norms[1]
-    );
+    match device.is_cpu() {
+        true => println!(
+            "gradient norm {:.6} (fused and composed bit-identical)",
+            norms[1]
+        ),
+        false => println!(
+            "gradient norm {:.6} (composed {:.6}: {norm_gap:.1e} apart)",
+            norms[1], norms[0]
+        ),
+    }
     let host_memory = memory_before.filter(|_| device.is_cpu());
     if let (Some(before), Some(after)) = (host_memory, r3_train::rl::memory::read_memory()) {
         println!(

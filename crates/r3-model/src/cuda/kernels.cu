@@ -638,6 +638,58 @@ ADAMW_KERNEL(r3_adamw_f32_grad_f16_mbf16, float, __half, __nv_bfloat16)
 ADAMW_KERNEL(r3_adamw_bf16_mbf16, __nv_bfloat16, float, __nv_bfloat16)
 ADAMW_KERNEL(r3_adamw_bf16_grad_bf16_mbf16, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16)
 
+// The global gradient norm's Σ g² (`optim_pass.rs` `sum_of_squares_on_device`), one launch
+// per gradient tensor: block b sums its grid-stride share of the squares (each value widened
+// to f32 and squared in f32, as the CPU squares it; the squares added in f64) and writes the
+// sum to partials[first + b]. Every tensor of a step writes into one buffer, which
+// `r3_sum_squares_total` reduces; no atomics and a grid that is a function of n alone, so the
+// same gradients give the same bits. candle's composed `sqr()?.sum_all()` wrote the squares
+// to an f32 temporary and read them back, after widening a 16-bit gradient into another
+// (18 bytes a bf16 parameter of traffic where this reads 2). CPU twin: r3-train
+// fused_optim.rs `sum_of_squares` (f32 sums in candle's order, so the last bits differ).
+template <typename G>
+__device__ void sum_squares(const G *g, size_t n, double *partials, uint32_t first) {
+    __shared__ double shared[32];
+    double acc = 0.0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const float x = grad_f32(g[i]);
+        acc += (double)__fmul_rn(x, x);
+    }
+    const double s = block_sum_f64(acc, shared);
+    if (threadIdx.x == 0) partials[first + blockIdx.x] = s;
+}
+extern "C" __global__ void r3_sum_squares_f32(const float *g, size_t n, double *partials,
+                                              uint32_t first) {
+    sum_squares(g, n, partials, first);
+}
+extern "C" __global__ void r3_sum_squares_bf16(const __nv_bfloat16 *g, size_t n,
+                                               double *partials, uint32_t first) {
+    sum_squares(g, n, partials, first);
+}
+extern "C" __global__ void r3_sum_squares_f16(const __half *g, size_t n, double *partials,
+                                              uint32_t first) {
+    sum_squares(g, n, partials, first);
+}
+
+// One block: tensor t's Σ g² is the f64 sum of partials[offsets[t] .. offsets[t + 1]],
+// rounded to f32, and the tensors' sums are added in their order in f32 (the CPU's per-tensor
+// sums added to a running total); out[0] = the total.
+extern "C" __global__ void r3_sum_squares_total(const double *partials,
+                                                const uint32_t *offsets, uint32_t tensors,
+                                                float *out) {
+    __shared__ double shared[32];
+    float total = 0.0f;
+    for (uint32_t t = 0; t < tensors; t++) {
+        double acc = 0.0;
+        for (uint32_t i = offsets[t] + threadIdx.x; i < offsets[t + 1]; i += blockDim.x)
+            acc += partials[i];
+        const float s = (float)block_sum_f64(acc, shared);
+        total = t == 0 ? s : __fadd_rn(total, s);
+    }
+    if (threadIdx.x == 0) out[0] = total;
+}
+
 // The pointer table of one batched GEMM per routed slot (`expert_gemm.rs`, `run_slots`):
 // slot s multiplies its row (B at b0 + (s / share)·b_step bytes: `share` consecutive slots
 // read one row) by its expert's matrix (A at a0 + ids[s]·a_step) into its output row (C at

@@ -6,6 +6,7 @@ use crate::error::Result;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 use r3_model::narrow_grads::in_dtype_of;
+use r3_model::optim_pass::sum_of_squares_on_device;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
@@ -27,20 +28,35 @@ impl GradNorm {
 
 /// L2 norm of all gradients of `vars` present in `grads` (variables without a gradient
 /// contribute nothing): the per-tensor sums of squares added in `vars`' order, in f32. A
-/// gradient kept in 16 bits (`r3_model::narrow_grads`) is read widened to its variable's
-/// dtype (on the CPU each value as the pass reads it, elsewhere one tensor at a time).
+/// gradient kept in 16 bits (`r3_model::narrow_grads`), or of a variable held in 16 bits, is
+/// read widened to f32 (each value as the pass reads it).
 ///
-/// When every gradient is on the CPU and every variable f32, each sum is one fused read of
-/// the (widened) gradient (tensors in parallel) in candle's own summation order, so the norm
-/// is bit for bit candle's `sqr().sum_all()` composition, which any other device keeps.
+/// When every gradient is on the CPU, each sum is one fused read of the gradient (tensors in
+/// parallel) in candle's own summation order, so the norm is bit for bit candle's
+/// `sqr().sum_all()` composition of the widened gradients. When every gradient is on one
+/// GPU, each sum is one read of the gradient by r3's kernel
+/// (`r3_model::optim_pass::sum_of_squares_on_device`: within a tensor the squares added in
+/// f64, so the last bits differ from the CPU's) and one value comes back to the host.
+/// Elsewhere candle's ops are composed ([`global_grad_norm_composed`]).
 pub fn global_grad_norm<'a>(
     vars: impl IntoIterator<Item = &'a Var>,
     grads: &GradStore,
 ) -> Result<f32> {
     let present = present_grads(vars, grads);
+    let float = |t: &Tensor| matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16);
+    if !present.is_empty()
+        && present
+            .iter()
+            .all(|(var, g)| float(var) && g.device().is_cuda())
+    {
+        let on_device: Vec<&Tensor> = present.iter().map(|&(_, g)| g).collect();
+        if let Some(sum) = sum_of_squares_on_device(&on_device)? {
+            return Ok(sum.sqrt());
+        }
+    }
     let on_host = present
         .iter()
-        .all(|(var, g)| var.dtype() == DType::F32 && g.device().is_cpu());
+        .all(|(var, g)| float(var) && g.device().is_cpu());
     if on_host {
         let sums: Vec<Option<f32>> = present
             .par_iter()
