@@ -59,6 +59,17 @@ pub fn moment_rounding_keys(seed: u64, step: u64, tensor: u64) -> [u64; 2] {
     ]
 }
 
+/// The key of one tensor's draws when its gradient's sum over micro-batches is held in bf16:
+/// the sum after micro-batch `micro` (1 for the second micro-batch's, the first's gradient
+/// being held as it came) of the update at optimiser step `step`; distinct from every key of
+/// the weights' and moments' roundings.
+pub fn sum_rounding_key(seed: u64, step: u64, micro: u64, tensor: u64) -> u64 {
+    // A salt that moves the seed's streams away from the weights' and moments' (any fixed
+    // constant).
+    const SUMS: u64 = 0x6772_6164_5f73_756d;
+    rounding_key(rounding_key(seed ^ SUMS, step, micro), 0, tensor)
+}
+
 /// The 16 random bits of element `index` under `key`: the top half of a hash of the index's
 /// low word and the key's low word, salted by a hash of their high words
 /// ([`DrawStream::bits`] for a run of indices sharing their high word).
@@ -137,6 +148,9 @@ pub fn stochastic_round_bf16(t: &Tensor, key: u64) -> Result<Tensor> {
             t.dtype()
         )));
     }
+    if t.elem_count() == 0 {
+        return Ok(t.to_dtype(DType::BF16)?);
+    }
     Ok(t.contiguous()?.apply_op1_no_bwd(&StochasticRound { key })?)
 }
 
@@ -176,13 +190,8 @@ impl CustomOp1 for StochasticRound {
 
         let shape = layout.shape().clone();
         let n = shape.elem_count();
+        // n > 0: `stochastic_round_bf16` answers an empty tensor itself.
         let dev = cuda::device(storage);
-        if n == 0 {
-            return Ok((
-                candle_core::CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<bf16>(1)?, dev),
-                shape,
-            ));
-        }
         // The kernel's grid-stride loop writes every one of the n elements.
         let out = cuda::launch_typed!(
             dev,
@@ -197,6 +206,156 @@ impl CustomOp1 for StochasticRound {
             )?],
             [n as u64, self.key]
         );
+        Ok((out, shape))
+    }
+}
+
+/// `a + b` (each f32 or bf16, of one shape) computed in f32 and rounded to bf16
+/// stochastically, element `i` (in row-major order) by draw `i` of `key`; no gradient. A
+/// gradient summed over micro-batches and held in bf16 takes one such sum per micro-batch:
+/// unbiased, where rounding to nearest drops every addend under half a bf16 step of the sum.
+/// One pass over both (no widened copies); on a GPU one kernel (`r3_sum_bf16_stochastic_*`),
+/// the same bits.
+pub fn sum_round_bf16_stochastic(a: &Tensor, b: &Tensor, key: u64) -> Result<Tensor> {
+    let wide_enough = |t: &Tensor| matches!(t.dtype(), DType::F32 | DType::BF16);
+    if !wide_enough(a) || !wide_enough(b) {
+        return Err(ModelError::Input(format!(
+            "a stochastically rounded sum takes f32 or bf16 addends, not {:?} and {:?}",
+            a.dtype(),
+            b.dtype()
+        )));
+    }
+    if a.dims() != b.dims() {
+        return Err(ModelError::Input(format!(
+            "a stochastically rounded sum takes addends of one shape, not {:?} and {:?}",
+            a.dims(),
+            b.dims()
+        )));
+    }
+    if a.elem_count() == 0 {
+        return Ok(a.to_dtype(DType::BF16)?);
+    }
+    Ok(a.contiguous()?
+        .apply_op2_no_bwd(&b.contiguous()?, &StochasticSum { key })?)
+}
+
+/// A value read as f32 (exact for both dtypes).
+trait Widen: Copy + Send + Sync {
+    fn widen(self) -> f32;
+}
+
+impl Widen for f32 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
+    }
+}
+
+impl Widen for bf16 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+/// `out[i]` = `a[i] + b[i]` in f32, rounded by draw `i` of `key`, chunks in parallel (each
+/// chunk's draws from one [`DrawStream`]: its indices share their high word).
+fn sum_slices_stochastic<A: Widen, B: Widen>(a: &[A], b: &[B], out: &mut [bf16], key: u64) {
+    out.par_chunks_mut(CHUNK)
+        .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)))
+        .enumerate()
+        .for_each(|(c, (out, (a, b)))| {
+            let first = (c * CHUNK) as u64;
+            let stream = DrawStream::new(key, first >> 32);
+            for (j, (o, (&x, &y))) in out.iter_mut().zip(a.iter().zip(b)).enumerate() {
+                let bits = stream.bits((first + j as u64) as u32);
+                *o = round_bf16_stochastic(x.widen() + y.widen(), bits);
+            }
+        });
+}
+
+/// The stochastically rounded sum as an op, so that a GPU runs r3's kernel.
+#[derive(Debug, Clone, Copy)]
+struct StochasticSum {
+    key: u64,
+}
+
+impl candle_core::CustomOp2 for StochasticSum {
+    fn name(&self) -> &'static str {
+        "stochastic-sum-bf16"
+    }
+
+    fn cpu_fwd(
+        &self,
+        a: &CpuStorage,
+        la: &Layout,
+        b: &CpuStorage,
+        lb: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (Some((a0, a1)), Some((b0, b1))) = (la.contiguous_offsets(), lb.contiguous_offsets())
+        else {
+            candle_core::bail!("a stochastically rounded sum takes contiguous addends");
+        };
+        let mut out = vec![bf16::ZERO; a1 - a0];
+        match (a, b) {
+            (CpuStorage::F32(a), CpuStorage::F32(b)) => {
+                sum_slices_stochastic(&a[a0..a1], &b[b0..b1], &mut out, self.key)
+            }
+            (CpuStorage::F32(a), CpuStorage::BF16(b)) => {
+                sum_slices_stochastic(&a[a0..a1], &b[b0..b1], &mut out, self.key)
+            }
+            (CpuStorage::BF16(a), CpuStorage::F32(b)) => {
+                sum_slices_stochastic(&a[a0..a1], &b[b0..b1], &mut out, self.key)
+            }
+            (CpuStorage::BF16(a), CpuStorage::BF16(b)) => {
+                sum_slices_stochastic(&a[a0..a1], &b[b0..b1], &mut out, self.key)
+            }
+            _ => candle_core::bail!("a stochastically rounded sum takes f32 or bf16 addends"),
+        }
+        Ok((CpuStorage::BF16(out), la.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        a: &candle_core::CudaStorage,
+        la: &Layout,
+        b: &candle_core::CudaStorage,
+        lb: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use crate::cuda;
+        use candle_core::backend::BackendStorage;
+
+        let shape = la.shape().clone();
+        let n = shape.elem_count();
+        // n > 0: `sum_round_bf16_stochastic` answers empty addends itself.
+        let dev = cuda::device(a);
+        macro_rules! sum_kernel {
+            ($name:expr, $ta:ty, $tb:ty) => {
+                // The kernel's grid-stride loop writes every one of the n elements.
+                cuda::launch_typed!(
+                    dev,
+                    $name,
+                    bf16,
+                    n,
+                    cuda::elementwise(n),
+                    [
+                        cuda::view::<$ta>(a, la, "the sum's first addend")?,
+                        cuda::view::<$tb>(b, lb, "the sum's second addend")?
+                    ],
+                    [n as u64, self.key]
+                )
+            };
+        }
+        let out = match (a.dtype(), b.dtype()) {
+            (DType::F32, DType::F32) => sum_kernel!("r3_sum_bf16_stochastic_f32_f32", f32, f32),
+            (DType::F32, DType::BF16) => sum_kernel!("r3_sum_bf16_stochastic_f32_bf16", f32, bf16),
+            (DType::BF16, DType::F32) => sum_kernel!("r3_sum_bf16_stochastic_bf16_f32", bf16, f32),
+            (DType::BF16, DType::BF16) => {
+                sum_kernel!("r3_sum_bf16_stochastic_bf16_bf16", bf16, bf16)
+            }
+            _ => candle_core::bail!("a stochastically rounded sum takes f32 or bf16 addends"),
+        };
         Ok((out, shape))
     }
 }
@@ -327,5 +486,81 @@ mod tests {
             .flat_map(|s| (0..16).flat_map(move |t| (0..64).map(move |i| rounding_key(s, t, i))))
             .collect();
         assert_eq!(keys.len(), 4 * 16 * 64);
+    }
+
+    /// The stochastically rounded sum of every pair of addend dtypes is the sum in f32
+    /// rounded by hand with each index's draw; a third dtype or two shapes are errors.
+    #[test]
+    fn sums_round_each_f32_sum_by_its_draw() {
+        let n = 70_001usize; // past two chunks, with a tail
+        let a: Vec<f32> = (0..n).map(|i| 1.0 + (i as f32) * 3e-6).collect();
+        let b: Vec<f32> = (0..n).map(|i| ((i % 97) as f32 - 48.0) * 1e-4).collect();
+        let (ta, tb) = (
+            Tensor::from_vec(a, n, &Device::Cpu).expect("a"),
+            Tensor::from_vec(b, n, &Device::Cpu).expect("b"),
+        );
+        let key = sum_rounding_key(7, 3, 1, 4);
+        for (da, db) in [
+            (DType::F32, DType::F32),
+            (DType::F32, DType::BF16),
+            (DType::BF16, DType::F32),
+            (DType::BF16, DType::BF16),
+        ] {
+            let (x, y) = (ta.to_dtype(da).expect("a"), tb.to_dtype(db).expect("b"));
+            let got = sum_round_bf16_stochastic(&x, &y, key).expect("sum");
+            assert_eq!(got.dtype(), DType::BF16);
+            let wide = |t: &Tensor| t.to_dtype(DType::F32).and_then(|t| t.to_vec1::<f32>());
+            let (x, y) = (wide(&x).expect("x"), wide(&y).expect("y"));
+            let got = got.to_vec1::<bf16>().expect("got");
+            let by_hand = x.iter().zip(&y).enumerate().all(|(i, (&x, &y))| {
+                got[i].to_bits()
+                    == round_bf16_stochastic(x + y, rounding_bits(key, i as u64)).to_bits()
+            });
+            assert!(by_hand, "{da:?} + {db:?}");
+        }
+        let f16 = ta.to_dtype(DType::F16).expect("f16");
+        assert!(sum_round_bf16_stochastic(&f16, &tb, key).is_err());
+        let short = tb.narrow(0, 0, 10).expect("short");
+        assert!(sum_round_bf16_stochastic(&ta, &short, key).is_err());
+    }
+
+    /// A sum held in bf16 keeps addends far under half its step in expectation: 100,000
+    /// sums of 1 and 1/40 of a bf16 step average to 1 + step/40 within 5 standard errors,
+    /// where rounding to nearest gives 1 every time.
+    #[test]
+    fn a_sum_keeps_small_addends_in_expectation() {
+        let n = 100_000usize;
+        let step = 2f32.powi(-7);
+        let a = Tensor::full(bf16::from_f32(1.0), n, &Device::Cpu).expect("a");
+        let b = Tensor::full(step / 40.0, n, &Device::Cpu).expect("b");
+        let sum = sum_round_bf16_stochastic(&a, &b, sum_rounding_key(1, 1, 1, 0))
+            .and_then(|s| Ok(s.to_dtype(DType::F32)?.to_vec1::<f32>()?))
+            .expect("sum");
+        let mean = sum.iter().map(|&v| f64::from(v)).sum::<f64>() / n as f64;
+        let (want, p) = (1.0 + f64::from(step) / 40.0, 1.0 / 40.0);
+        let se = f64::from(step) * (p * (1.0 - p) / n as f64).sqrt();
+        assert!(
+            (mean - want).abs() < 5.0 * se,
+            "mean {mean} for {want}: off by {} standard errors",
+            (mean - want).abs() / se
+        );
+        assert_eq!(bf16::from_f32(1.0 + step / 40.0).to_f32(), 1.0);
+    }
+
+    /// The sums' keys differ from each other across micro-batches and tensors, and from the
+    /// weights' and moments' keys.
+    #[test]
+    fn sum_keys_are_distinct_from_every_other_key() {
+        let mut keys = std::collections::HashSet::new();
+        for step in 0..8 {
+            for tensor in 0..32 {
+                keys.insert(rounding_key(5, step, tensor));
+                keys.extend(moment_rounding_keys(5, step, tensor));
+                for micro in 1..8 {
+                    keys.insert(sum_rounding_key(5, step, micro, tensor));
+                }
+            }
+        }
+        assert_eq!(keys.len(), 8 * 32 * (1 + 2 + 7));
     }
 }

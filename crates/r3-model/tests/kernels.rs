@@ -318,10 +318,46 @@ fn casts_match_the_cpu(device: &Device) {
     println!("casts f32 ↔ bf16 / f16: bit for bit");
 }
 
+/// The stochastic roundings on `device` against the CPU's, bit for bit (the draws are a
+/// function of key and index): f32 to bf16 (`r3_round_bf16_stochastic`, the composed AdamW
+/// path's), and the sums of every pair of f32 / bf16 addends (`r3_sum_bf16_stochastic_*`, a
+/// gradient summed over micro-batches in bf16), over a length past the kernels' grid and
+/// with non-finite values.
+fn stochastic_rounding_matches_the_cpu(device: &Device) {
+    use r3_model::stochastic_round::{
+        stochastic_round_bf16, sum_round_bf16_stochastic, sum_rounding_key,
+    };
+    let n = 300_001;
+    let mut a = seeded(&[n], 31, &Device::Cpu).to_vec1::<f32>().expect("a");
+    a[7] = f32::INFINITY;
+    a[8] = f32::NAN;
+    let a = Tensor::from_vec(a, n, &Device::Cpu).expect("a");
+    let b = (seeded(&[n], 32, &Device::Cpu) * 1e-3).expect("b");
+    let key = sum_rounding_key(9, 2, 1, 5);
+    let on = |t: &Tensor| t.to_device(device).expect("to device");
+    let want = stochastic_round_bf16(&a, key).expect("cpu rounding");
+    let got = stochastic_round_bf16(&on(&a), key).expect("rounding");
+    assert!(bits(&got) == bits(&want), "stochastic rounding");
+    for (da, db) in [
+        (DType::F32, DType::F32),
+        (DType::F32, DType::BF16),
+        (DType::BF16, DType::F32),
+        (DType::BF16, DType::BF16),
+    ] {
+        let (x, y) = (a.to_dtype(da).expect("a"), b.to_dtype(db).expect("b"));
+        let want = sum_round_bf16_stochastic(&x, &y, key).expect("cpu sum");
+        let got = sum_round_bf16_stochastic(&on(&x), &on(&y), key).expect("sum");
+        assert_eq!(got.dtype(), DType::BF16);
+        assert!(bits(&got) == bits(&want), "stochastic sum {da:?} + {db:?}");
+    }
+    println!("stochastic rounding and sums to bf16: bit for bit");
+}
+
 /// Every op on `device` against the CPU: attention and log-probs within `tol` (relative),
 /// rounding bit for bit (round to nearest even has one answer).
 fn compare(device: &Device, tol: f32) {
     casts_match_the_cpu(device);
+    stochastic_rounding_matches_the_cpu(device);
     // 16-bit products (a GPU's tensor cores) of bf16 values: the same products as f32's,
     // summed in f32 in cuBLAS's order, so within the f32 GEMMs' tolerance of the CPU.
     let bf16 = NarrowOperands {

@@ -13,7 +13,9 @@
 //! `head-chunk=N` sets
 //! `algo.head_chunk_tokens`, `bf16` trains in bf16 with f32 masters and `bf16-masters` in
 //! bf16 with the weights held in bf16, `train.master_weights = "bf16"`, and `bf16-moments`
-//! keeps AdamW's moments in bf16, `optim.moments_dtype = "bf16"`; `mid` for the model
+//! keeps AdamW's moments in bf16, `optim.moments_dtype = "bf16"`, and `bf16-sums` sums the
+//! bf16 weights' gradients over the micro-batches in bf16, `train.grad_accum_dtype =
+//! "bf16"`; `mid` for the model
 //! directory is `r3 bench train`'s mid-size config with seeded random weights, vocabulary
 //! 32,000)
 //!
@@ -61,7 +63,7 @@ fn synthetic_batch(n: usize, vocab: u32) -> Result<ResponseBatch, Box<dyn std::e
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let usage = "usage: micro_batch_memory MODEL_DIR|mid SEQUENCES TOKEN_BUDGET [checkpointing] \
-                 [warm] [head-chunk=TOKENS] [bf16|bf16-masters] [bf16-moments]";
+                 [warm] [head-chunk=TOKENS] [bf16|bf16-masters] [bf16-moments] [bf16-sums]";
     let [model, n, budget, flags @ ..] = args.as_slice() else {
         return Err(usage.into());
     };
@@ -70,11 +72,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut head_chunk = 0usize;
     let (mut precision, mut masters) = (Precision::F32, MasterWeights::F32);
     let mut moments = DType::F32;
+    let mut bf16_sums = false;
     for flag in flags {
         match flag.split_once('=') {
             None if flag == "checkpointing" => checkpointing = true,
             None if flag == "bf16" => precision = Precision::Bf16 { router_f32: false },
             None if flag == "bf16-moments" => moments = DType::BF16,
+            None if flag == "bf16-sums" => bf16_sums = true,
             None if flag == "bf16-masters" => {
                 precision = Precision::Bf16 { router_f32: false };
                 masters = MasterWeights::Bf16;
@@ -128,6 +132,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         AdamWParams::default(),
         decay_matrices_only,
     )?;
+    if bf16_sums && masters != MasterWeights::Bf16 {
+        return Err("bf16-sums sums bf16 weights' gradients: it needs bf16-masters".into());
+    }
     // Each tensor's update staged alone (`optim.update_staging = "tensor_by_tensor"`): the
     // whole-model staging (12 bytes a parameter) would set the peak of a large model's
     // update, above what its forward and backward hold.
@@ -150,8 +157,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         share_prefixes: false,
         head_chunk_tokens: head_chunk,
         narrow_gradients: false,
+        bf16_gradient_sums: bf16_sums,
         lr: 1e-4,
-        ..update_settings(&TrainConfig::default())
+        ..update_settings(&TrainConfig::default())?
     };
     let lens = sequence_lens(&batch);
     let parts = pack_micro_batches(&lens, budget);
@@ -166,7 +174,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let seconds = started.elapsed().as_secs_f64();
     let after = read_memory().ok_or("no /proc/self/status")?;
     println!(
-        "{{\"sequences\": {n}, \"tokens\": {}, \"padded_tokens\": {}, \"budget\": {budget}, \"checkpointing\": {checkpointing}, \"warm\": {warm}, \"head_chunk\": {head_chunk}, \"precision\": \"{precision:?}\", \"masters\": \"{masters:?}\", \"moments\": \"{moments:?}\", \
+        "{{\"sequences\": {n}, \"tokens\": {}, \"padded_tokens\": {}, \"budget\": {budget}, \"checkpointing\": {checkpointing}, \"warm\": {warm}, \"head_chunk\": {head_chunk}, \"precision\": \"{precision:?}\", \"masters\": \"{masters:?}\", \"moments\": \"{moments:?}\", \"bf16_sums\": {bf16_sums}, \
          \"micro_batches\": {}, \"rss_before_mib\": {:.0}, \"update_peak_mib\": {:.0}, \
          \"peak_over_base_mib\": {:.0}, \"rss_after_mib\": {:.0}, \"peak_reset\": {reset}, \"applied\": {}, \
          \"seconds\": {seconds:.2}}}",

@@ -19,7 +19,9 @@ use r3_train::algo::loss::{ClipRange, PolicyLossKind};
 use r3_train::config::RouterReplay;
 use r3_train::policy::{score, ResponseBatch, TrainablePolicy};
 use r3_train::rl::metrics_log::is_measurement;
-use r3_train::rl::micro_batches::{accumulate_grads, pack_micro_batches, pack_rows, sequence_lens};
+use r3_train::rl::micro_batches::{
+    accumulate_grads, pack_micro_batches, pack_rows, sequence_lens, GradientSums,
+};
 use r3_train::rl::minibatch::{update_minibatch, MiniBatch, MiniBatchResult, UpdateSettings};
 use r3_train::{
     decay_matrices_only, AdamW, AdamWParams, IsConfig, IsLevel, IsMode, LossAgg, TrainConfig,
@@ -241,6 +243,7 @@ fn run_in(
         share_prefixes: case.share,
         head_chunk_tokens: 0,
         narrow_gradients,
+        bf16_gradient_sums: false,
     };
     GRADS.with(|g| g.borrow_mut().clear());
     let result = update_minibatch(&policy, &mut opt, &mb, &settings).expect("update");
@@ -621,7 +624,7 @@ fn accumulation_keeps_a_gradient_present_in_only_one_store() {
         .backward()
         .expect("bw");
     let mut acc = g1;
-    accumulate_grads(&mut acc, &g2, [&a, &b]).expect("accumulate");
+    accumulate_grads(&mut acc, &g2, [&a, &b], GradientSums::F32).expect("accumulate");
     let ga = acc
         .get(a.as_tensor())
         .expect("a grad")
@@ -634,6 +637,86 @@ fn accumulation_keeps_a_gradient_present_in_only_one_store() {
         .expect("v");
     assert_eq!(ga, vec![3.0, 5.0]);
     assert_eq!(gb, vec![3.0]);
+}
+
+/// A bf16 weight's gradient summed over micro-batches in bf16 (`train.grad_accum_dtype =
+/// "bf16"`): every sum stays bf16, each rounding less than a bf16 step, and the sums are
+/// unbiased: addends of 1/16 of half a bf16 step, which rounding to nearest drops every
+/// time, are kept in expectation (the mean within 5 standard errors of the exact sums'). An
+/// f32 variable beside it is summed in f32 exactly as before, and the f32 mode sums the bf16
+/// weight's gradient in f32.
+#[test]
+fn bf16_sums_keep_small_micro_batch_gradients_in_expectation() {
+    use candle_core::{DType, Device, Tensor, Var};
+    let n = 100_000usize;
+    let w = Var::zeros(n, DType::BF16, &Device::Cpu).expect("bf16 weight");
+    let s = Var::zeros(3, DType::F32, &Device::Cpu).expect("f32 scale");
+    let step = 2f32.powi(-7); // a bf16 step at 1
+    let small = step / 32.0;
+    let store = |w_grad: f32, s_grad: f32| {
+        let mut g = GradStore::default();
+        let wg = Tensor::full(w_grad, n, &Device::Cpu)
+            .and_then(|t| t.to_dtype(DType::BF16))
+            .expect("w grad");
+        g.insert(w.as_tensor(), wg);
+        g.insert(
+            s.as_tensor(),
+            Tensor::full(s_grad, 3, &Device::Cpu).expect("s"),
+        );
+        g
+    };
+    // 1, then three micro-batches of `small` each (exactly a bf16 value: a power of two)
+    let parts = [
+        store(1.0, 0.5),
+        store(small, 0.25),
+        store(small, 0.125),
+        store(small, 1.0),
+    ];
+    let exact = 1.0 + 3.0 * f64::from(small);
+    let sum_in = |sums: &dyn Fn(u64) -> GradientSums| {
+        let mut acc = GradStore::default();
+        for (micro, part) in parts.iter().enumerate() {
+            accumulate_grads(&mut acc, part, [&w, &s], sums(micro as u64)).expect("accumulate");
+        }
+        acc
+    };
+    let bf16 = sum_in(&|micro| GradientSums::Bf16 {
+        seed: 3,
+        step: 1,
+        micro,
+    });
+    let wg = bf16.get(w.as_tensor()).expect("w sum");
+    assert_eq!(wg.dtype(), DType::BF16);
+    let values = wg
+        .to_dtype(DType::F32)
+        .and_then(|t| t.to_vec1::<f32>())
+        .expect("values");
+    // each of the three sums rounds by less than a step (the step is 2⁻⁷ up to 2)
+    let far: Vec<&f32> = values
+        .iter()
+        .filter(|&&v| (f64::from(v) - exact).abs() >= 3.0 * f64::from(step))
+        .take(5)
+        .collect();
+    assert!(far.is_empty(), "{far:?} vs {exact}");
+    let mean = values.iter().map(|&v| f64::from(v)).sum::<f64>() / n as f64;
+    // three roundings, each error of variance at most step²/4
+    let se = f64::from(step) * (0.75 / n as f64).sqrt();
+    assert!(
+        (mean - exact).abs() < 5.0 * se,
+        "mean {mean} vs {exact}: {} standard errors",
+        (mean - exact).abs() / se
+    );
+    // rounding each sum to nearest keeps 1 every time: 3·small is many errors away
+    assert!((exact - 1.0) > 20.0 * se);
+    let sg = bf16.get(s.as_tensor()).expect("s sum");
+    assert_eq!(sg.dtype(), DType::F32);
+    assert_eq!(sg.to_vec1::<f32>().expect("s"), vec![1.875; 3]);
+    // f32 sums: the bf16 weight's gradient summed exactly in f32
+    let wide = sum_in(&|_| GradientSums::F32);
+    let wg = wide.get(w.as_tensor()).expect("w sum");
+    assert_eq!(wg.dtype(), DType::F32);
+    let v = wg.to_vec1::<f32>().expect("values");
+    assert!(v.iter().all(|&x| f64::from(x) == exact));
 }
 
 #[test]

@@ -189,6 +189,7 @@ fn a_nan_or_inf_loss_skips_the_update_and_leaves_weights_untouched() {
         share_prefixes: true,
         head_chunk_tokens: 0,
         narrow_gradients: false,
+        bf16_gradient_sums: false,
     };
     let before = values(&policy);
     for bad in [f32::NAN, f32::INFINITY] {

@@ -141,6 +141,7 @@ fn an_injected_non_finite_gradient_is_skipped_with_state_restored_bit_for_bit() 
         share_prefixes: true,
         head_chunk_tokens: 0,
         narrow_gradients: false,
+        bf16_gradient_sums: false,
     };
     // One applied update first, so the moments are not all zero.
     let r = update_minibatch(&policy, &mut opt, &mb, &settings).expect("update");

@@ -89,6 +89,7 @@ fn check(kind: PolicyLossKind, replay: bool) {
         share_prefixes: true,
         head_chunk_tokens: 0,
         narrow_gradients: false,
+        bf16_gradient_sums: false,
     };
     let r = update_minibatch(&policy, &mut opt, &mb, &settings).expect("update");
     assert!(r.outcome.applied());

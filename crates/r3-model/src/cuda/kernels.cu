@@ -672,6 +672,28 @@ extern "C" __global__ void r3_sum_squares_f16(const __half *g, size_t n, double 
     sum_squares(g, n, partials, first);
 }
 
+// out[i] = a[i] + b[i] in f32 (each f32 or bf16, widened), rounded to bf16 stochastically by
+// draw i of `key`: a gradient's sum over micro-batches held in bf16. CPU twin:
+// stochastic_round.rs `sum_slices_stochastic`.
+template <typename A, typename B>
+__device__ void sum_bf16_stochastic(const A *a, const B *b, __nv_bfloat16 *out, size_t n,
+                                    uint64_t key) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)blockDim.x * gridDim.x) {
+        const float s = __fadd_rn(grad_f32(a[i]), grad_f32(b[i]));
+        out[i] = round_bf16_stochastic(s, rounding_bits(key, i));
+    }
+}
+#define SUM_BF16_KERNEL(NAME, A, B)                                                            \
+    extern "C" __global__ void NAME(const A *a, const B *b, __nv_bfloat16 *out, size_t n,      \
+                                    uint64_t key) {                                            \
+        sum_bf16_stochastic<A, B>(a, b, out, n, key);                                          \
+    }
+SUM_BF16_KERNEL(r3_sum_bf16_stochastic_f32_f32, float, float)
+SUM_BF16_KERNEL(r3_sum_bf16_stochastic_f32_bf16, float, __nv_bfloat16)
+SUM_BF16_KERNEL(r3_sum_bf16_stochastic_bf16_f32, __nv_bfloat16, float)
+SUM_BF16_KERNEL(r3_sum_bf16_stochastic_bf16_bf16, __nv_bfloat16, __nv_bfloat16)
+
 // One block: tensor t's Σ g² is the f64 sum of partials[offsets[t] .. offsets[t + 1]],
 // rounded to f32, and the tensors' sums are added in their order in f32 (the CPU's per-tensor
 // sums added to a running total); out[0] = the total.

@@ -301,6 +301,12 @@ impl AdamW {
         self.rounding_seed = seed;
     }
 
+    /// The seed of the stochastic roundings ([`AdamW::set_rounding_seed`]), which a
+    /// gradient summed over micro-batches in bf16 draws from too.
+    pub fn rounding_seed(&self) -> u64 {
+        self.rounding_seed
+    }
+
     /// How many variables are held in bf16 (no f32 master: their updates are rounded
     /// stochastically).
     pub fn bf16_variables(&self) -> usize {

@@ -84,6 +84,7 @@ impl TrainConfig {
         self.train.precision()?;
         self.train.check_narrow_gradients()?;
         self.train.master_weights()?;
+        self.train.bf16_gradient_sums()?;
         self.optim.moment_dtype()?;
         self.train.device_spec()?;
         if self.task.difficulty == 0 {

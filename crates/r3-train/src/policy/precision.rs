@@ -44,6 +44,14 @@ pub struct TrainPrecisionConfig {
     /// weight to bf16 stochastically, seeded by the run's seed; checkpoints hold those
     /// tensors in bf16). Norm scales and biases stay f32.
     pub master_weights: String,
+    /// The dtype a bf16 weight's gradient is summed in over an update's micro-batches
+    /// (`algo.max_tokens_per_micro_batch`; DeepSpeed's `grad_accum_dtype`): `f32` (default:
+    /// 4 bytes a parameter from the second micro-batch on) or `bf16` (with `master_weights =
+    /// "bf16"`: 2 bytes a parameter, as the gradients of one micro-batch are; each sum
+    /// computed in f32 and rounded to bf16 stochastically, seeded by the run's seed, so the
+    /// sum is unbiased where rounding to nearest drops every addend under half a bf16 step).
+    /// f32 variables (norm scales, biases) are summed in f32 either way.
+    pub grad_accum_dtype: String,
 }
 
 /// The dtype a trainer holds its weight matrices (its master weights) in
@@ -66,6 +74,7 @@ impl Default for TrainPrecisionConfig {
             narrow_weight_copies: "auto".into(),
             narrow_gradients: false,
             master_weights: "f32".into(),
+            grad_accum_dtype: "f32".into(),
         }
     }
 }
@@ -132,6 +141,26 @@ impl TrainPrecisionConfig {
             }),
             other => Err(TrainError::InvalidConfig {
                 field: "train.master_weights",
+                reason: format!("`{other}` must be `f32` or `bf16`"),
+            }),
+        }
+    }
+
+    /// Whether bf16 weights' gradients are summed over micro-batches in bf16
+    /// (`grad_accum_dtype`); an unknown value, or `bf16` without bf16 weights, is a config
+    /// error.
+    pub fn bf16_gradient_sums(&self) -> Result<bool> {
+        match self.grad_accum_dtype.as_str() {
+            "f32" => Ok(false),
+            "bf16" if self.master_weights()? == MasterWeights::Bf16 => Ok(true),
+            "bf16" => Err(TrainError::InvalidConfig {
+                field: "train.grad_accum_dtype",
+                reason: "`bf16` sums the gradients of weights held in bf16: it needs \
+                         train.master_weights = \"bf16\" (f32 master weights keep f32 sums)"
+                    .into(),
+            }),
+            other => Err(TrainError::InvalidConfig {
+                field: "train.grad_accum_dtype",
                 reason: format!("`{other}` must be `f32` or `bf16`"),
             }),
         }
@@ -230,6 +259,29 @@ mod tests {
             "{err}"
         );
         assert!(with("bf16", "yes").holds_narrow_copies(&cpu).is_err());
+    }
+
+    /// `grad_accum_dtype = "bf16"` is accepted with bf16 weights only, and an unknown value
+    /// is refused, each naming the field.
+    #[test]
+    fn bf16_gradient_sums_need_bf16_weights() {
+        let with = |masters: &str, sums: &str| TrainPrecisionConfig {
+            dtype: "bf16".into(),
+            master_weights: masters.into(),
+            grad_accum_dtype: sums.into(),
+            ..TrainPrecisionConfig::default()
+        };
+        assert!(with("bf16", "bf16")
+            .bf16_gradient_sums()
+            .expect("bf16 weights"));
+        assert!(!with("bf16", "f32").bf16_gradient_sums().expect("f32 sums"));
+        assert!(!with("f32", "f32").bf16_gradient_sums().expect("default"));
+        for (masters, sums) in [("f32", "bf16"), ("bf16", "f16")] {
+            let err = with(masters, sums)
+                .bf16_gradient_sums()
+                .expect_err("refused");
+            assert!(err.to_string().contains("train.grad_accum_dtype"), "{err}");
+        }
     }
 
     /// `narrow_gradients` is refused in f32 (no 16-bit dtype to keep the gradients in) with

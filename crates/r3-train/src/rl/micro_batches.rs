@@ -6,6 +6,7 @@
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 use r3_model::narrow_grads::in_dtype_of;
+use r3_model::stochastic_round::{sum_round_bf16_stochastic, sum_rounding_key};
 use r3_model::ReplayProof;
 use r3_routing::RouteTable;
 
@@ -83,28 +84,57 @@ pub fn sequence_lens(batch: &ResponseBatch) -> Vec<usize> {
     batch.sequences().iter().map(Vec::len).collect()
 }
 
+/// How the sums over micro-batches of a bf16 variable's gradient are held
+/// (`train.grad_accum_dtype`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GradientSums {
+    /// In f32: each sum exact to f32 rounding, 4 bytes a parameter.
+    F32,
+    /// In bf16, as one micro-batch's gradient is: each sum computed in f32 and rounded to
+    /// bf16 stochastically (`r3_model::stochastic_round::sum_round_bf16_stochastic`), by the
+    /// draws of the run's `seed`, the optimiser `step` the sums are for, the sum's `micro`
+    /// (1 for the second micro-batch's, counting on) and the variable's place.
+    Bf16 {
+        /// The run's seed (`AdamW::rounding_seed`).
+        seed: u64,
+        /// The optimiser step these gradients are for.
+        step: u64,
+        /// Which sum of the update this is: 1 adds the second micro-batch's gradients.
+        micro: u64,
+    },
+}
+
 /// Adds the gradients of `next` to `acc` for every variable of `vars`: a variable with a
 /// gradient in either store ends with the sum of both (one missing in `acc` takes
 /// `next`'s), so no micro-batch's gradient is lost. The sums are detached: a variable's
 /// gradient from candle's backward still records the op that made it, whose inputs are
 /// the forward's activations, so keeping it as it is would keep that micro-batch's whole
 /// graph alive until the step (measured: memory then grew with the batch, not the budget).
-/// A gradient kept in 16 bits (`r3_model::narrow_grads`) stays so while it is alone and is
-/// summed in its variable's dtype.
+/// A gradient kept in 16 bits (`r3_model::narrow_grads`) stays so while it is alone; sums
+/// are in f32 for a 16-bit variable (the dtype its update is computed in) and in the
+/// variable's dtype otherwise, except that with [`GradientSums::Bf16`] a bf16 variable's
+/// sum is rounded back to bf16 stochastically (the draws of the variable's place in `vars`).
 pub fn accumulate_grads<'v>(
     acc: &mut GradStore,
     next: &GradStore,
     vars: impl IntoIterator<Item = &'v Var>,
+    sums: GradientSums,
 ) -> Result<()> {
-    for var in vars {
+    for (place, var) in vars.into_iter().enumerate() {
         let Some(g) = next.get(var.as_tensor()) else {
             continue;
         };
-        let sum = match acc.get(var.as_tensor()) {
-            Some(a) => in_dtype_of(a, var.as_tensor())?
+        let sum = match (acc.get(var.as_tensor()), sums) {
+            (Some(a), GradientSums::Bf16 { seed, step, micro })
+                if var.dtype() == candle_core::DType::BF16 =>
+            {
+                let key = sum_rounding_key(seed, step, micro, place as u64);
+                sum_round_bf16_stochastic(a, g, key)?
+            }
+            (Some(a), _) => in_dtype_of(a, var.as_tensor())?
                 .add(&in_dtype_of(g, var.as_tensor())?)?
                 .detach(),
-            None => g.detach(),
+            (None, _) => g.detach(),
         };
         acc.insert(var.as_tensor(), sum);
     }

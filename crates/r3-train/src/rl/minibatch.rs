@@ -28,7 +28,7 @@ use crate::error::Result;
 use crate::policy::trainable::{score_with, ResponseBatch, ScoreOptions, TrainablePolicy};
 use crate::rl::diagnostics::verify_proof;
 use crate::rl::micro_batches::{
-    accumulate_grads, merge_proofs, pack_rows, pick_rows, place_rows, place_tables,
+    accumulate_grads, merge_proofs, pack_rows, pick_rows, place_rows, place_tables, GradientSums,
 };
 
 /// The data of one mini-batch.
@@ -86,6 +86,9 @@ pub struct UpdateSettings {
     /// In a 16-bit precision, each weight's gradient is kept in 16 bits from the moment it
     /// is complete, where that holds it exactly (`train.narrow_gradients`; the same update).
     pub narrow_gradients: bool,
+    /// The gradients of weights held in bf16 are summed over the micro-batches in bf16,
+    /// rounded stochastically (`train.grad_accum_dtype = "bf16"`); else in f32.
+    pub bf16_gradient_sums: bool,
 }
 
 /// What one mini-batch update did and saw.
@@ -152,7 +155,12 @@ pub fn update_minibatch(
         let started = Instant::now();
         let micro = micro_update(&model, mb, s, &norm, &device)?;
         acc.times.forward_s += started.elapsed().as_secs_f64();
-        acc.add(micro, &(0..n).collect::<Vec<_>>(), optimizer)?;
+        acc.add(
+            micro,
+            &(0..n).collect::<Vec<_>>(),
+            optimizer,
+            s.bf16_gradient_sums,
+        )?;
     } else {
         for part in &parts {
             let started = Instant::now();
@@ -182,7 +190,7 @@ pub fn update_minibatch(
             };
             let micro = micro_update(&model, &sub_mb, s, &norm, &device)?;
             acc.times.forward_s += started.elapsed().as_secs_f64();
-            acc.add(micro, part, optimizer)?;
+            acc.add(micro, part, optimizer, s.bf16_gradient_sums)?;
         }
     }
     let Accumulated {
@@ -195,6 +203,7 @@ pub fn update_minibatch(
         replay,
         mut shared_lens,
         mut times,
+        backwards: _,
     } = acc;
     shared_lens.resize(n, SharedLen::default());
     let logp = match <[_; 1]>::try_from(logp) {
@@ -266,6 +275,8 @@ struct Accumulated {
     shared_lens: Vec<SharedLen>,
     /// Seconds of the forwards and backwards so far.
     times: UpdateTimes,
+    /// Backwards added so far (which sum of the update the next one makes).
+    backwards: u64,
 }
 
 impl Default for Accumulated {
@@ -280,14 +291,22 @@ impl Default for Accumulated {
             replay: Vec::new(),
             shared_lens: Vec::new(),
             times: UpdateTimes::default(),
+            backwards: 0,
         }
     }
 }
 
 impl Accumulated {
     /// Adds micro-batch `micro` of rows `rows`: its backward (unless the loss is already
-    /// non-finite) into the gradients of `optimizer`'s variables, then drops its graph.
-    fn add(&mut self, micro: Micro<'_>, rows: &[usize], optimizer: &AdamW) -> Result<()> {
+    /// non-finite) into the gradients of `optimizer`'s variables (bf16 variables' sums held
+    /// in bf16 with `bf16_sums`), then drops its graph.
+    fn add(
+        &mut self,
+        micro: Micro<'_>,
+        rows: &[usize],
+        optimizer: &AdamW,
+        bf16_sums: bool,
+    ) -> Result<()> {
         let value = scalar_f32(&micro.loss)?;
         self.loss += f64::from(value);
         match (self.grads.as_mut(), value.is_finite()) {
@@ -302,7 +321,17 @@ impl Accumulated {
                         None => micro.loss.backward()?,
                     },
                 };
-                accumulate_grads(acc, &next, optimizer.vars().map(|(_, v)| v))?;
+                let sums = match bf16_sums {
+                    // The update these gradients are for is the optimiser's next step.
+                    true => GradientSums::Bf16 {
+                        seed: optimizer.rounding_seed(),
+                        step: optimizer.step_count() + 1,
+                        micro: self.backwards,
+                    },
+                    false => GradientSums::F32,
+                };
+                accumulate_grads(acc, &next, optimizer.vars().map(|(_, v)| v), sums)?;
+                self.backwards += 1;
                 self.times.backward_s += started.elapsed().as_secs_f64();
             }
             _ => self.grads = None,

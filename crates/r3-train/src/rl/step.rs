@@ -143,9 +143,10 @@ pub(crate) struct StepContext<'a> {
     pub(crate) trace: Option<&'a mut StepTrace>,
 }
 
-/// Loss and optimiser settings of the step's updates (the LR is set per update).
-pub fn update_settings(cfg: &TrainConfig) -> UpdateSettings {
-    UpdateSettings {
+/// Loss and optimiser settings of the step's updates (the LR is set per update); a bad
+/// `train.grad_accum_dtype` is a config error.
+pub fn update_settings(cfg: &TrainConfig) -> Result<UpdateSettings> {
+    Ok(UpdateSettings {
         loss: cfg.algo.loss,
         clip: cfg.clip_range(),
         agg: cfg.algo.loss_agg,
@@ -160,7 +161,8 @@ pub fn update_settings(cfg: &TrainConfig) -> UpdateSettings {
         share_prefixes: cfg.algo.share_prefixes,
         head_chunk_tokens: cfg.algo.head_chunk_tokens,
         narrow_gradients: cfg.train.narrow_gradients,
-    }
+        bf16_gradient_sums: cfg.train.bf16_gradient_sums()?,
+    })
 }
 
 /// How step `step`'s batch is sampled.

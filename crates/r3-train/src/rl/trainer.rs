@@ -280,7 +280,7 @@ impl Trainer {
             step,
             cfg: &cfg,
             data: &data,
-            settings: update_settings(&cfg),
+            settings: update_settings(&cfg)?,
             trace,
         };
         let updates = if cfg.rollout.async_rollout && step < self.total_steps() {
