@@ -52,6 +52,8 @@
 # 7. Only with --steps 7: the 16-bit GEMM experiment (`gemm16_modes`, below).
 # 8. Only with --steps 8: the kernels one decode step launches at batch 1 (mid, bf16 and
 #    f32), by Nsight Compute (≈ 60–80 s a dtype: each kernel is profiled).
+# 9. Only with --steps 9: the 30B-A3B shape at batch 8 x 512 (the issue's HF figure) with the
+#    matrices held in bf16, beside HF bf16 (≈ 2 x 60–150 s).
 # Ends with one summary line.
 set -uo pipefail
 
@@ -176,10 +178,14 @@ if [ "$(left)" -ge 60 ]; then
     done
     # The weights held in bf16 with no f32 master and AdamW's moments in bf16
     # (train.master_weights = "bf16", optim.moments_dtype = "bf16": the r3_adamw_bf16*_mbf16
-    # kernels, stochastic rounding): another scheme, so other metrics; replay verified at
-    # every step and the rewards reported.
+    # kernels, stochastic rounding), in micro-batches of 512 tokens whose gradients are summed
+    # in bf16 (train.grad_accum_dtype = "bf16": r3_sum_bf16_stochastic_*), the gradient norm
+    # by r3_sum_squares_*: another scheme, so other metrics; replay verified at every step
+    # and the rewards reported.
     timeout "$(limit 40)" "$bin/r3" train --set train.device=cuda --set train.dtype=bf16 \
-        --set train.master_weights=bf16 --set optim.moments_dtype=bf16 --set steps=3 --set eval.every=0 \
+        --set train.master_weights=bf16 --set optim.moments_dtype=bf16 \
+        --set train.grad_accum_dtype=bf16 --set algo.max_tokens_per_micro_batch=512 \
+        --set steps=3 --set eval.every=0 \
         --set checkpoint.every=0 --set run_dir="$work/train-bf16-masters" \
         > "$work/train-bf16-masters.txt" 2>&1
     # The same with the weight gradients kept in bf16 (the GEMMs' own outputs, read by
@@ -220,15 +226,6 @@ fi
 echo "   training runs took $(( $(date +%s) - t0 )) s"
 fi
 
-# 3. Speed beside HF transformers on the same GPU: r3 bench train's configs, mid (240 M; f32,
-#    bf16, batch 8 × 512) and Qwen3-30B-A3B's layer shape with 8 layers (5.6 B; bf16, batch
-#    2 × 512: r3 keeps f32 master weights and gradients, 56 GB at 5.6 B, where HF trains
-#    in bf16 alone; batch 4 ran out of the H100's 80 GB). GPU memory is read by nvidia-smi
-#    every 100 ms for both (the same meter: it counts the whole process, context and
-#    allocator pools included).
-if wants 3; then
-t0=$(date +%s)
-bench=()
 # gpu_peak FILE CMD...: runs CMD with nvidia-smi sampling used memory; prints the peak MiB.
 gpu_peak() {
     local log="$1"; shift
@@ -249,6 +246,16 @@ grads_kept() {
     grep -E "^gradients at the backward's end" "$1" \
         | sed -E 's/.*end: ([0-9.]+) GB, ([0-9]+) of ([0-9]+) tensors.*/\1 GB, \2 of \3 in bf16/'
 }
+
+# 3. Speed beside HF transformers on the same GPU: r3 bench train's configs, mid (240 M; f32,
+#    bf16, batch 8 × 512) and Qwen3-30B-A3B's layer shape with 8 layers (5.6 B; bf16, batch
+#    2 × 512: r3 keeps f32 master weights and gradients, 56 GB at 5.6 B, where HF trains
+#    in bf16 alone; batch 4 ran out of the H100's 80 GB). GPU memory is read by nvidia-smi
+#    every 100 ms for both (the same meter: it counts the whole process, context and
+#    allocator pools included).
+if wants 3; then
+t0=$(date +%s)
+bench=()
 for run in "mid f32 8 70 --parts" "mid bf16 8 70 --parts" "a3b-8l bf16 2 120"; do
     read -r config dtype batch secs parts <<< "$run"
     name="$config-$dtype"
@@ -694,6 +701,27 @@ else
     verdict decode-trace "skipped(no ncu on PATH)"
 fi
 echo "   decode trace took $(( $(date +%s) - t0 )) s"
+fi
+
+# 9. (asked for by --steps 9 only) The 30B-A3B shape at the batch the issue's HF figure was
+#    taken at (8 x 512 tokens): r3 with its matrices held in bf16 (--master-weights bf16,
+#    HF bf16's own scheme: weights and gradients 2 bytes a parameter each; f32 masters ran
+#    out of the H100's 80 GB at batch 4) beside HF bf16 at the same batch, speed and memory.
+if wants 9; then
+t0=$(date +%s)
+name=a3b-8l-bf16-batch8
+r3_mem=$(gpu_peak "$work/bench-r3-$name.txt" timeout "$(limit 150)" "$bin/r3" bench train \
+    --device cuda --config a3b-8l --dtype bf16 --batch 8 --seq-len 512 --steps 3 --warmup 1 \
+    --master-weights bf16)
+cat "$work/bench-r3-$name.txt"
+r3_tps=$(grep -E "^native +mean" "$work/bench-r3-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s +best.*/\1/')
+replay_cost=$(grep -E "^replay cost" "$work/bench-r3-$name.txt" | sed -E 's/replay cost vs native: ([-+0-9.]+)% mean.*/\1/')
+hf_mem=$(gpu_peak "$work/bench-hf-$name.txt" timeout "$(limit 150)" "$python" scripts/cuda/peer_hf.py \
+    --config a3b-8l --dtype bf16 --batch 8 --seq-len 512 --steps 3)
+cat "$work/bench-hf-$name.txt"
+hf_tps=$(grep -E "^peer " "$work/bench-hf-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s.*/\1/')
+verdict bench-batch8 "r3 bf16 masters ${r3_tps:-?} tok/s ${r3_mem:-?} MiB (tensors $(tensors_mib "$work/bench-r3-$name.txt") MiB; gradients $(grads_kept "$work/bench-r3-$name.txt")), replay ${replay_cost:-?}%; HF bf16 ${hf_tps:-?} tok/s ${hf_mem:-?} MiB"
+echo "   batch-8 bench took $(( $(date +%s) - t0 )) s"
 fi
 
 pack_logs
