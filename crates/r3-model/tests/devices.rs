@@ -19,7 +19,7 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 use common::{
-    bits, covering_tables, probe, sequences, sorted_experts, tiny_config, tiny_weights, FAMILIES,
+    covering_tables, probe, sequences, sorted_experts, tiny_config, tiny_weights, FAMILIES,
 };
 use r3_model::narrow_grads::backward_narrowing;
 use r3_model::precision::WeightGradients;
@@ -28,6 +28,7 @@ use r3_model::{
     Batch, Config, ForwardOutput, HeadPositions, Model, ReplayRoutes, Routing, Weights,
 };
 use r3_routing::{LayerSpace, RouteTable};
+use r3_test_support::bits;
 use serde_json::Value;
 
 /// How close the other device must come to the CPU.

@@ -345,10 +345,10 @@ fn bf16_step(
         .iter()
         .filter_map(|(name, v)| {
             let g = grads.get(v.as_tensor())?;
-            Some((name.clone(), v.dtype(), common::bits(g)))
+            Some((name.clone(), v.dtype(), r3_test_support::bits(g)))
         })
         .collect();
-    (common::bits(&logits), grads)
+    (r3_test_support::bits(&logits), grads)
 }
 
 /// Weights held in bf16 as trainable variables (a trainer's `train.master_weights =

@@ -22,6 +22,7 @@ use r3_model::layers::rope::Rope;
 use r3_model::token_stats::token_log_probs_recomputed;
 use r3_model::{Precision, Weights};
 use r3_model::{RopeConfig, RopeScaling};
+use r3_test_support::bits;
 
 /// A seeded tensor of `shape` on `device`, values in [−3, 3).
 fn seeded(shape: &[usize], seed: u64, device: &Device) -> Tensor {
@@ -253,18 +254,6 @@ fn gathered_rows(device: &Device) -> Vec<Tensor> {
         out.push(grads.get(src.as_tensor()).expect("gradient").clone());
     }
     out
-}
-
-/// The f32 bits of a tensor's values (brought to the CPU and widened: exact for 16-bit).
-fn bits(t: &Tensor) -> Vec<u32> {
-    t.to_device(&Device::Cpu)
-        .and_then(|t| t.to_dtype(DType::F32))
-        .and_then(|t| t.flatten_all())
-        .and_then(|t| t.to_vec1::<f32>())
-        .expect("to host")
-        .iter()
-        .map(|v| v.to_bits())
-        .collect()
 }
 
 /// `cast16` on `device` both ways against the CPU's cast, bit for bit: ties, infinities,

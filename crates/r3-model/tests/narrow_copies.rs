@@ -9,8 +9,9 @@ mod common;
 use std::collections::BTreeMap;
 
 use candle_core::{DType, Device, Tensor, Var};
-use common::{bits, covering_tables, probe, sequences, tiny_config, tiny_weights};
+use common::{covering_tables, probe, sequences, tiny_config, tiny_weights};
 use r3_model::{Batch, Config, Model, Precision, ReplayRoutes, Routing, Weights};
+use r3_test_support::bits;
 
 /// Logits and every variable's gradient of a probe loss, in `precision`, routes replayed
 /// from covering tables (so every expert gets rows).

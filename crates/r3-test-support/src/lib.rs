@@ -1,11 +1,16 @@
 //! Helpers the workspace's integration tests share, used only as a dev-dependency and never
-//! published: [`Scratch`], a temporary directory removed on drop, and (feature `model`)
+//! published: [`Scratch`], a temporary directory removed on drop, (feature `tensors`) `bits`,
+//! a tensor's values as bit patterns for bit-for-bit comparisons, and (feature `model`)
 //! `tiny_model`, the tiny random Qwen3-MoE model the RL-loop tests train.
 
 mod scratch;
+#[cfg(feature = "tensors")]
+mod tensor_bits;
 #[cfg(feature = "model")]
 mod tiny_model;
 
 pub use scratch::Scratch;
+#[cfg(feature = "tensors")]
+pub use tensor_bits::bits;
 #[cfg(feature = "model")]
 pub use tiny_model::tiny_model;

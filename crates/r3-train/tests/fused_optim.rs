@@ -6,6 +6,7 @@
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 use r3_model::WeightPrecision;
+use r3_test_support::bits;
 use r3_train::{
     decay_matrices_only, global_grad_norm, global_grad_norm_composed, AdamW, AdamWKernel,
     AdamWParams, AdamWStep,
@@ -29,16 +30,6 @@ fn random(rng: &mut ChaCha8Rng, shape: &[usize], scale: f32) -> Tensor {
         })
         .collect();
     Tensor::from_vec(data, shape, &Device::Cpu).expect("tensor")
-}
-
-fn bits(t: &Tensor) -> Vec<u32> {
-    t.flatten_all()
-        .expect("flat")
-        .to_vec1::<f32>()
-        .expect("vec")
-        .iter()
-        .map(|x| x.to_bits())
-        .collect()
 }
 
 /// A set of variables with equal initial values for each kernel.

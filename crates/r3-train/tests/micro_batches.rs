@@ -20,7 +20,7 @@ use r3_train::config::RouterReplay;
 use r3_train::policy::{score, ResponseBatch, TrainablePolicy};
 use r3_train::rl::metrics_log::is_measurement;
 use r3_train::rl::micro_batches::{
-    accumulate_grads, pack_micro_batches, pack_rows, sequence_lens, GradientSums,
+    accumulate_grads, backward_into, pack_micro_batches, pack_rows, sequence_lens, GradientSums,
 };
 use r3_train::rl::minibatch::{update_minibatch, MiniBatch, MiniBatchResult, UpdateSettings};
 use r3_train::{
@@ -717,6 +717,90 @@ fn bf16_sums_keep_small_micro_batch_gradients_in_expectation() {
     assert_eq!(wg.dtype(), DType::F32);
     let v = wg.to_vec1::<f32>().expect("values");
     assert!(v.iter().all(|&x| f64::from(x) == exact));
+}
+
+/// Adding each gradient to its sum as the backward completes it (`backward_into`) gives the
+/// sums of a whole backward's store added afterwards (`accumulate_grads`), bit for bit: f32
+/// and bf16 variables, a variable used through a transpose (its gradient a strided view), a
+/// tensor outside the optimiser's variables, sums in f32 and in bf16, gradients kept narrow.
+#[test]
+fn gradients_added_as_the_backward_completes_them_equal_a_whole_store_added() {
+    use candle_core::{DType, Device, Tensor, Var};
+    let dev = Device::Cpu;
+    let seeded = |shape: (usize, usize), seed: u64| {
+        let n = shape.0 * shape.1;
+        let v: Vec<f32> = (0..n as u64)
+            .map(|i| ((i * 2_654_435_761 + seed * 97) % 1009) as f32 / 504.5 - 1.0)
+            .collect();
+        Tensor::from_vec(v, shape, &dev).expect("seeded")
+    };
+    let a = Var::from_tensor(&seeded((6, 5), 1)).expect("a");
+    let w = Var::from_tensor(&seeded((5, 4), 2).to_dtype(DType::BF16).expect("bf16")).expect("w");
+    let other = Var::from_tensor(&seeded((4, 3), 3)).expect("not the optimiser's");
+    let loss = |seed: u64| -> Tensor {
+        let x = seeded((3, 6), seed);
+        let h = x.matmul(a.as_tensor()).expect("xa"); // [3, 5]
+        let wide = w.as_tensor().to_dtype(DType::F32).expect("w wide");
+        let y = h.matmul(&wide).expect("hw"); // [3, 4]
+        let z = y.matmul(other.as_tensor()).expect("y other"); // [3, 3]
+                                                               // `a` again through a transpose: its gradient arrives as a strided view
+        let t = a
+            .as_tensor()
+            .t()
+            .expect("t")
+            .sqr()
+            .expect("sq")
+            .sum_all()
+            .expect("sum");
+        (z.sqr().expect("sq").sum_all().expect("sum") + t).expect("loss")
+    };
+    let vars = [&a, &w];
+    for sums in [
+        GradientSums::F32,
+        GradientSums::Bf16 {
+            seed: 4,
+            step: 2,
+            micro: 0,
+        },
+    ] {
+        for narrow in [None, Some(DType::BF16)] {
+            let at = |micro: u64| match sums {
+                GradientSums::Bf16 { seed, step, .. } => GradientSums::Bf16 { seed, step, micro },
+                f32 => f32,
+            };
+            let (mut whole, mut as_they_come) = (GradStore::default(), GradStore::default());
+            for micro in 0..3u64 {
+                let l = loss(10 + micro);
+                let store = match narrow {
+                    Some(n) => r3_model::narrow_grads::backward_narrowing(&l, n).expect("bw"),
+                    None => l.backward().expect("bw"),
+                };
+                accumulate_grads(&mut whole, &store, vars, at(micro)).expect("accumulate");
+                backward_into(
+                    &loss(10 + micro),
+                    &mut as_they_come,
+                    vars,
+                    at(micro),
+                    narrow,
+                )
+                .expect("backward into");
+            }
+            for v in vars {
+                let (x, y) = (
+                    whole.get(v.as_tensor()).expect("whole"),
+                    as_they_come.get(v.as_tensor()).expect("as they come"),
+                );
+                assert_eq!(x.dtype(), y.dtype(), "{sums:?} {narrow:?}");
+                assert_eq!(
+                    r3_test_support::bits(x),
+                    r3_test_support::bits(y),
+                    "{sums:?} {narrow:?} {:?}",
+                    v.dims()
+                );
+            }
+            assert!(as_they_come.get(other.as_tensor()).is_none());
+        }
+    }
 }
 
 #[test]

@@ -58,19 +58,6 @@ pub const FAMILIES: [&str; 7] = [
     "qwen3",
 ];
 
-/// The bits of a tensor's values (on any device, widened to f32: exact from bf16 / f16), for
-/// bit-for-bit comparisons.
-pub fn bits(t: &candle_core::Tensor) -> Vec<u32> {
-    t.to_device(&Device::Cpu)
-        .and_then(|t| t.to_dtype(DType::F32))
-        .and_then(|t| t.flatten_all())
-        .and_then(|t| t.to_vec1::<f32>())
-        .expect("values")
-        .iter()
-        .map(|v| v.to_bits())
-        .collect()
-}
-
 /// A fixed projection of the logits so the loss reaches every output (zero on padding).
 pub fn probe(lengths: &[usize], vocab: usize, device: &Device) -> candle_core::Tensor {
     let t = lengths.iter().copied().max().unwrap_or(0);

@@ -3,9 +3,11 @@
 //! gradients summed over the micro-batches, and what each micro-batch's forward returned
 //! (log-probs, recorded routes, replay proofs) put back in the mini-batch's row order.
 
+use std::collections::HashMap;
+
 use candle_core::backprop::GradStore;
-use candle_core::{Device, Tensor, Var};
-use r3_model::narrow_grads::in_dtype_of;
+use candle_core::{Device, Tensor, TensorId, Var};
+use r3_model::narrow_grads::{in_dtype_of, keep_narrow};
 use r3_model::stochastic_round::{sum_round_bf16_stochastic, sum_rounding_key};
 use r3_model::ReplayProof;
 use r3_routing::RouteTable;
@@ -121,23 +123,71 @@ pub fn accumulate_grads<'v>(
     sums: GradientSums,
 ) -> Result<()> {
     for (place, var) in vars.into_iter().enumerate() {
-        let Some(g) = next.get(var.as_tensor()) else {
-            continue;
-        };
-        let sum = match (acc.get(var.as_tensor()), sums) {
-            (Some(a), GradientSums::Bf16 { seed, step, micro })
-                if var.dtype() == candle_core::DType::BF16 =>
-            {
-                let key = sum_rounding_key(seed, step, micro, place as u64);
-                sum_round_bf16_stochastic(a, g, key)?
-            }
-            (Some(a), _) => in_dtype_of(a, var.as_tensor())?
-                .add(&in_dtype_of(g, var.as_tensor())?)?
-                .detach(),
-            (None, _) => g.detach(),
-        };
-        acc.insert(var.as_tensor(), sum);
+        if let Some(g) = next.get(var.as_tensor()) {
+            add_gradient(acc, var.as_tensor(), place, g, sums)?;
+        }
     }
+    Ok(())
+}
+
+/// Adds `g`, a gradient of `var` (the variable at `place` among the optimiser's), to its sum
+/// in `acc` as [`accumulate_grads`] does.
+fn add_gradient(
+    acc: &mut GradStore,
+    var: &Tensor,
+    place: usize,
+    g: &Tensor,
+    sums: GradientSums,
+) -> Result<()> {
+    let sum = match (acc.get(var), sums) {
+        (Some(a), GradientSums::Bf16 { seed, step, micro })
+            if var.dtype() == candle_core::DType::BF16 =>
+        {
+            let key = sum_rounding_key(seed, step, micro, place as u64);
+            sum_round_bf16_stochastic(a, g, key)?
+        }
+        (Some(a), _) => in_dtype_of(a, var)?.add(&in_dtype_of(g, var)?)?.detach(),
+        (None, _) => g.detach().contiguous()?,
+    };
+    acc.insert(var, sum);
+    Ok(())
+}
+
+/// `loss`'s backward with each gradient of `vars` added to its sum in `acc` (as
+/// [`accumulate_grads`] adds a whole store) the moment the backward completes it, and then
+/// dropped (through candle's `Tensor::backward_with`): an update of several micro-batches
+/// never holds a second store of gradients beside its sums, which at the end of each
+/// backward held as many bytes again as the sums (2 or 4 a parameter). With `narrow` (bf16 or
+/// f16, `train.narrow_gradients`) each gradient is first kept narrow where that holds it
+/// exactly, as [`r3_model::narrow_grads::backward_narrowing`] keeps it. Gradients of other
+/// tensors are dropped with the backward's own store.
+pub fn backward_into<'v>(
+    loss: &Tensor,
+    acc: &mut GradStore,
+    vars: impl IntoIterator<Item = &'v Var>,
+    sums: GradientSums,
+    narrow: Option<candle_core::DType>,
+) -> Result<()> {
+    let places: HashMap<TensorId, (usize, Tensor)> = vars
+        .into_iter()
+        .enumerate()
+        .map(|(place, var)| (var.as_tensor().id(), (place, var.as_tensor().clone())))
+        .collect();
+    let wrap = |e: TrainError| candle_core::Error::Msg(e.to_string());
+    loss.backward_with(|node, grad| {
+        let Some((place, var)) = places.get(&node.id()) else {
+            return Ok(grad);
+        };
+        let grad = match narrow {
+            Some(narrow) => {
+                keep_narrow(&grad, narrow).map_err(|e| candle_core::Error::Msg(e.to_string()))?
+            }
+            None => grad,
+        };
+        add_gradient(acc, var, *place, &grad, sums).map_err(wrap)?;
+        // What the backward's own store keeps of it: nothing of its buffer.
+        Tensor::zeros((), grad.dtype(), grad.device())
+    })?;
     Ok(())
 }
 

@@ -10,7 +10,6 @@ use std::time::Instant;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
 use r3_model::model::LayerRecompute;
-use r3_model::narrow_grads::backward_narrowing;
 use r3_model::precision::WeightGradients;
 use r3_model::{Model, ReplayProof, ReplayRoutes, Routing, SharedLen};
 use r3_routing::RouteTable;
@@ -28,7 +27,8 @@ use crate::error::Result;
 use crate::policy::trainable::{score_with, ResponseBatch, ScoreOptions, TrainablePolicy};
 use crate::rl::diagnostics::verify_proof;
 use crate::rl::micro_batches::{
-    accumulate_grads, merge_proofs, pack_rows, pick_rows, place_rows, place_tables, GradientSums,
+    accumulate_grads, backward_into, merge_proofs, pack_rows, pick_rows, place_rows, place_tables,
+    GradientSums,
 };
 
 /// The data of one mini-batch.
@@ -312,15 +312,6 @@ impl Accumulated {
         match (self.grads.as_mut(), value.is_finite()) {
             (Some(acc), true) => {
                 let started = Instant::now();
-                let next = match micro.layers {
-                    Some(layers) => {
-                        layers.backward(&micro.loss, optimizer.vars().map(|(_, v)| v))?
-                    }
-                    None => match micro.narrow_grads {
-                        Some(narrow) => backward_narrowing(&micro.loss, narrow)?,
-                        None => micro.loss.backward()?,
-                    },
-                };
                 let sums = match bf16_sums {
                     // The update these gradients are for is the optimiser's next step.
                     true => GradientSums::Bf16 {
@@ -330,7 +321,16 @@ impl Accumulated {
                     },
                     false => GradientSums::F32,
                 };
-                accumulate_grads(acc, &next, optimizer.vars().map(|(_, v)| v), sums)?;
+                let vars = optimizer.vars().map(|(_, v)| v);
+                match micro.layers {
+                    Some(layers) => {
+                        let next =
+                            layers.backward(&micro.loss, optimizer.vars().map(|(_, v)| v))?;
+                        accumulate_grads(acc, &next, vars, sums)?;
+                    }
+                    // Each gradient added to its sum as the backward completes it.
+                    None => backward_into(&micro.loss, acc, vars, sums, micro.narrow_grads)?,
+                }
                 self.backwards += 1;
                 self.times.backward_s += started.elapsed().as_secs_f64();
             }
