@@ -321,15 +321,14 @@ impl Accumulated {
                     },
                     false => GradientSums::F32,
                 };
-                let vars = optimizer.vars().map(|(_, v)| v);
+                let vars = || optimizer.vars().map(|(_, v)| v);
                 match micro.layers {
                     Some(layers) => {
-                        let next =
-                            layers.backward(&micro.loss, optimizer.vars().map(|(_, v)| v))?;
-                        accumulate_grads(acc, &next, vars, sums)?;
+                        let next = layers.backward(&micro.loss, vars())?;
+                        accumulate_grads(acc, &next, vars(), sums)?;
                     }
                     // Each gradient added to its sum as the backward completes it.
-                    None => backward_into(&micro.loss, acc, vars, sums, micro.narrow_grads)?,
+                    None => backward_into(&micro.loss, acc, vars(), sums, micro.narrow_grads)?,
                 }
                 self.backwards += 1;
                 self.times.backward_s += started.elapsed().as_secs_f64();
