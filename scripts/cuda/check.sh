@@ -246,6 +246,12 @@ grads_kept() {
     grep -E "^gradients at the backward's end" "$1" \
         | sed -E 's/.*end: ([0-9.]+) GB, ([0-9]+) of ([0-9]+) tensors.*/\1 GB, \2 of \3 in bf16/'
 }
+# peak_share FILE: the share of the GPU's GEMM peak (in the step's dtype, measured in the same
+# run) r3 bench train's mean step reached.
+peak_share() {
+    grep -E "^matrix work .*TFLOP/s mean" "$1" \
+        | sed -E 's/.* = ([0-9.]+)% \/ [0-9.]+% of the ([A-Za-z0-9]+) GEMM peak measured in this run \(([0-9.]+) TFLOP\/s.*/\1% of the \2 peak (\3 TFLOP\/s)/'
+}
 
 # 3. Speed beside HF transformers on the same GPU: r3 bench train's configs, mid (240 M; f32,
 #    bf16, batch 8 × 512) and Qwen3-30B-A3B's layer shape with 8 layers (5.6 B; bf16, batch
@@ -272,7 +278,7 @@ for run in "mid f32 8 70 --parts" "mid bf16 8 70 --parts" "a3b-8l bf16 2 120"; d
         --config "$config" --dtype "$dtype" --batch "$batch" --seq-len 512 --steps 3)
     cat "$work/bench-hf-$name.txt"
     hf_tps=$(grep -E "^peer " "$work/bench-hf-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s.*/\1/')
-    line="$name r3 ${r3_tps:-?} tok/s ${r3_mem:-?} MiB (tensors ${r3_tensors:-?} MiB), HF ${hf_tps:-?} tok/s ${hf_mem:-?} MiB, replay ${replay_cost:-?}%"
+    line="$name r3 ${r3_tps:-?} tok/s ${r3_mem:-?} MiB (tensors ${r3_tensors:-?} MiB; $(peak_share "$work/bench-r3-$name.txt")), HF ${hf_tps:-?} tok/s ${hf_mem:-?} MiB, replay ${replay_cost:-?}%"
     # bf16 also beside HF the way its Trainer runs bf16 (f32 parameters under autocast): r3's
     # own scheme (f32 master weights, bf16 matmuls), so the like-for-like peer.
     if [ "$dtype" = bf16 ] && [ "$(left)" -ge 60 ]; then
@@ -291,7 +297,7 @@ for run in "mid f32 8 70 --parts" "mid bf16 8 70 --parts" "a3b-8l bf16 2 120"; d
             --seq-len 512 --steps 3 --warmup 1 --master-weights bf16)
         cat "$work/bench-r3-masters-$name.txt"
         masters_tps=$(grep -E "^native +mean" "$work/bench-r3-masters-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s +best.*/\1/')
-        line+=", r3 bf16 masters ${masters_tps:-?} tok/s ${masters_mem:-?} MiB (tensors $(tensors_mib "$work/bench-r3-masters-$name.txt") MiB; gradients $(grads_kept "$work/bench-r3-masters-$name.txt"))"
+        line+=", r3 bf16 masters ${masters_tps:-?} tok/s ${masters_mem:-?} MiB (tensors $(tensors_mib "$work/bench-r3-masters-$name.txt") MiB; gradients $(grads_kept "$work/bench-r3-masters-$name.txt"); $(peak_share "$work/bench-r3-masters-$name.txt"))"
     fi
     # bf16 runs hold a bf16 copy of every weight matrix (`--narrow-copies auto`: on a GPU),
     # rewritten once per step; the 30B-A3B shape also runs without them (every matmul casts
@@ -720,7 +726,7 @@ hf_mem=$(gpu_peak "$work/bench-hf-$name.txt" timeout "$(limit 150)" "$python" sc
     --config a3b-8l --dtype bf16 --batch 8 --seq-len 512 --steps 3)
 cat "$work/bench-hf-$name.txt"
 hf_tps=$(grep -E "^peer " "$work/bench-hf-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s.*/\1/')
-verdict bench-batch8 "r3 bf16 masters ${r3_tps:-?} tok/s ${r3_mem:-?} MiB (tensors $(tensors_mib "$work/bench-r3-$name.txt") MiB; gradients $(grads_kept "$work/bench-r3-$name.txt")), replay ${replay_cost:-?}%; HF bf16 ${hf_tps:-?} tok/s ${hf_mem:-?} MiB"
+verdict bench-batch8 "r3 bf16 masters ${r3_tps:-?} tok/s ${r3_mem:-?} MiB (tensors $(tensors_mib "$work/bench-r3-$name.txt") MiB; gradients $(grads_kept "$work/bench-r3-$name.txt"); $(peak_share "$work/bench-r3-$name.txt")), replay ${replay_cost:-?}%; HF bf16 ${hf_tps:-?} tok/s ${hf_mem:-?} MiB"
 echo "   batch-8 bench took $(( $(date +%s) - t0 )) s"
 fi
 

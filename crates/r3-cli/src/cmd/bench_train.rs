@@ -603,6 +603,25 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
             if args.gradient_checkpointing { "on" } else { "off" }
         );
     }
+    // On a GPU the share of the GEMM peak in the step's precision (bf16: the tensor cores),
+    // measured after the steps (its operands, 0.4–0.8 GB, kept out of the memory figures).
+    if !device.is_cpu() {
+        let forward = training_forward_flops(&cfg, args.seq_len, 0..args.seq_len);
+        let step_flops = 3.0 * forward * args.batch as f64;
+        let gemm_dtype = precision.narrow_dtype().unwrap_or(DType::F32);
+        let (size, reps) = (8192, 5);
+        let peak = super::matmul_work::device_gemm_peak(&device, gemm_dtype, size, reps)?;
+        let rate = |secs: f64| step_flops / secs / 1e9;
+        println!(
+            "matrix work {:.1} GFLOP per step (3 × the forward's, counted from the config): native {:.1} TFLOP/s mean, {:.1} best step = {:.1}% / {:.1}% of the {gemm_dtype:?} GEMM peak measured in this run ({:.1} TFLOP/s, the best of {reps} {size}³ products)",
+            step_flops / 1e9,
+            rate(n) / 1e3,
+            rate(nb) / 1e3,
+            100.0 * rate(n) / peak,
+            100.0 * rate(nb) / peak,
+            peak / 1e3
+        );
+    }
     if let Some(before) = peak_before {
         let after = f32_gemm_peak(machine_threads());
         let peak = before.max(after);

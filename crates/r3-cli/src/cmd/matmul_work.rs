@@ -354,6 +354,51 @@ pub fn f32_gemm_peak(threads: usize) -> f64 {
     2.0 * (n * n * n) as f64 / best / 1e9
 }
 
+/// Best GEMM rate (GFLOP/s) of `device` in `dtype` over `reps` square `n × n × n` products
+/// through candle's matmul (cuBLAS on a GPU: tensor cores in bf16 / f16), each timed to the
+/// device's end: the peak a GPU step's matrix work is held to, measured in the same run. The
+/// operands are deterministic values of order 1, built on the device; `n` fits a u32.
+pub fn device_gemm_peak(
+    device: &candle_core::Device,
+    dtype: candle_core::DType,
+    n: usize,
+    reps: usize,
+) -> anyhow::Result<f64> {
+    use candle_core::{DType, Tensor};
+    anyhow::ensure!(
+        matches!(dtype, DType::F32 | DType::BF16 | DType::F16),
+        "a GEMM peak is measured in f32, bf16 or f16, not {dtype:?}"
+    );
+    anyhow::ensure!(
+        n > 0 && reps > 0 && u32::try_from(n).is_ok(),
+        "a GEMM peak needs 1 ≤ n < 2³² and reps ≥ 1 (got n = {n}, reps = {reps})"
+    );
+    // sin(0.37 i + 0.11 j + shift): values of order 1 from small exact f32 coordinates
+    let operand = |shift: f64| -> candle_core::Result<Tensor> {
+        let coordinate = |scale: f64| -> candle_core::Result<Tensor> {
+            Tensor::arange(0u32, n as u32, device)?
+                .to_dtype(DType::F32)?
+                .affine(scale, 0.0)
+        };
+        let rows = coordinate(0.37)?.reshape((n, 1))?;
+        let cols = coordinate(0.11)?.affine(1.0, shift)?.reshape((1, n))?;
+        rows.broadcast_add(&cols)?.sin()?.to_dtype(dtype)
+    };
+    let (a, b) = (operand(0.0)?, operand(0.5)?);
+    // One untimed product first (a GPU loads its kernels and sizes its workspace).
+    let _ = a.matmul(&b)?;
+    device.synchronize()?;
+    let mut best = f64::INFINITY;
+    for _ in 0..reps {
+        let t = Instant::now();
+        let c = a.matmul(&b)?;
+        device.synchronize()?;
+        best = best.min(t.elapsed().as_secs_f64());
+        drop(c);
+    }
+    Ok(2.0 * (n as f64).powi(3) / best / 1e9)
+}
+
 /// Best streaming memory bandwidth (GB/s, 1e9 bytes) of this machine on the rayon pool, by
 /// STREAM's triad `a = b + s·c` over three 64 MiB f32 arrays, far past any cache: 12 bytes
 /// counted per element (two read, one written), as STREAM counts them.
@@ -616,5 +661,18 @@ pub(crate) mod tests {
     fn stream_bandwidth_is_a_positive_rate() {
         let bw = stream_bandwidth();
         assert!(bw.is_finite() && bw > 0.0, "{bw}");
+    }
+
+    /// The device GEMM peak runs on the CPU device too (a positive, finite rate), and
+    /// refuses an integer dtype and an empty product, naming what is wrong.
+    #[test]
+    fn the_device_gemm_peak_measures_float_products_only() {
+        use candle_core::{DType, Device};
+        let rate = device_gemm_peak(&Device::Cpu, DType::BF16, 48, 1).expect("bf16 peak");
+        assert!(rate.is_finite() && rate > 0.0, "{rate}");
+        let err = device_gemm_peak(&Device::Cpu, DType::U32, 48, 1).expect_err("u32");
+        assert!(err.to_string().contains("not U32"), "{err}");
+        let err = device_gemm_peak(&Device::Cpu, DType::F32, 0, 1).expect_err("empty");
+        assert!(err.to_string().contains("n = 0"), "{err}");
     }
 }
