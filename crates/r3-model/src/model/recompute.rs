@@ -83,23 +83,59 @@ impl<'m> LayerRecompute<'m> {
     /// what `loss.backward()` over [`Model::forward`]'s graph holds for `vars`, detached (in
     /// 16 bits where [`LayerRecompute::keep_gradients_narrow`] asked for it and they hold it
     /// exactly), and nothing else: the gradients of the loss's other tensors (the logits')
-    /// are let go before the layers run again.
+    /// are let go before the layers run again. A weight read by several layers, such as a
+    /// tied embedding, sums its parts in its own dtype.
     pub fn backward<'v>(
         self,
         loss: &Tensor,
         vars: impl IntoIterator<Item = &'v Var>,
     ) -> Result<GradStore> {
-        let vars: HashMap<TensorId, DType> = vars
+        let narrow = self.narrow_grads;
+        let mut grads = GradStore::default();
+        self.backward_each(loss, vars, |var, part| {
+            // A first part comes detached and narrowed where exact; a sum of two is checked
+            // again.
+            let sum = match grads.get(var) {
+                Some(acc) => {
+                    let sum = acc
+                        .to_dtype(var.dtype())?
+                        .add(&part.to_dtype(var.dtype())?)?;
+                    match narrow {
+                        Some(narrow) => keep_narrow(&sum, narrow)?,
+                        None => sum.detach(),
+                    }
+                }
+                None => part,
+            };
+            grads.insert(var, sum);
+            Ok(())
+        })?;
+        Ok(grads)
+    }
+
+    /// [`LayerRecompute::backward`] handing each part of a variable's gradient to `each` as
+    /// it comes — the loss's own backward's, then each layer's as it runs again, then the
+    /// embedding's — instead of keeping a store of them: `each(var, part)` gets the variable
+    /// (one of `vars`) and its part, detached (kept in 16 bits where asked and exact). A
+    /// variable read by one layer gets one part, a tied embedding two. A caller summing
+    /// gradients over micro-batches adds each part to its sums and lets it go, so no second
+    /// set of gradients stands beside the sums.
+    pub fn backward_each<'v>(
+        self,
+        loss: &Tensor,
+        vars: impl IntoIterator<Item = &'v Var>,
+        mut each: impl FnMut(&Tensor, Tensor) -> Result<()>,
+    ) -> Result<()> {
+        let vars: HashMap<TensorId, Tensor> = vars
             .into_iter()
-            .map(|v| (v.as_tensor().id(), v.dtype()))
+            .map(|v| (v.as_tensor().id(), v.as_tensor().clone()))
             .collect();
         let (model, kept, narrow) = (self.model, self.kept, self.narrow_grads);
         let mut top = loss.backward()?;
         let mut grad = top.remove(kept.top.as_tensor()).ok_or_else(|| {
             ModelError::Input("the loss does not depend on the recomputing forward's logits".into())
         })?;
-        let mut grads = GradStore::default();
-        add_grads(&mut grads, &top, &vars, narrow)?;
+        hand_parts(&top, &vars, narrow, &mut each)?;
         drop(top);
         let forced: Vec<LayerPlan> = kept
             .dispatched
@@ -130,14 +166,14 @@ impl<'m> LayerRecompute<'m> {
             )?;
             let local = seeded_backward(&output, &grad)?;
             grad = take_grad(&local, input.as_tensor(), i)?;
-            add_grads(&mut grads, &local, &vars, narrow)?;
+            hand_parts(&local, &vars, narrow, &mut each)?;
         }
         let embedded = model.embed_tokens(&kept.ids, &kept.host_ids, &kept.embedded_shape)?;
         if embedded.track_op() {
             let local = seeded_backward(&embedded, &grad)?;
-            add_grads(&mut grads, &local, &vars, narrow)?;
+            hand_parts(&local, &vars, narrow, &mut each)?;
         }
-        Ok(grads)
+        Ok(())
     }
 }
 
@@ -156,29 +192,24 @@ fn take_grad(local: &GradStore, input: &Tensor, i: usize) -> Result<Tensor> {
     })
 }
 
-/// Adds the gradients `local` holds for `vars` (their ids and dtypes) into `grads`, detached
-/// (a gradient from a backward still records the ops that made it, which would keep the
-/// layer's activations alive) and kept in `narrow` where that holds them exactly. A weight
-/// read by several layers, such as a tied embedding, sums its parts in its own dtype.
-fn add_grads(
-    grads: &mut GradStore,
+/// Hands each gradient `local` holds for one of `vars` to `each`, detached (a gradient from a
+/// backward still records the ops that made it, which would keep the layer's activations
+/// alive) and kept in `narrow` where that holds it exactly.
+fn hand_parts(
     local: &GradStore,
-    vars: &HashMap<TensorId, DType>,
+    vars: &HashMap<TensorId, Tensor>,
     narrow: Option<DType>,
+    each: &mut impl FnMut(&Tensor, Tensor) -> Result<()>,
 ) -> Result<()> {
     for id in local.get_ids() {
-        let (Some(&dtype), Some(part)) = (vars.get(id), local.get_id(*id)) else {
+        let (Some(var), Some(part)) = (vars.get(id), local.get_id(*id)) else {
             continue;
         };
-        let sum = match grads.get_id(*id) {
-            Some(acc) => acc.to_dtype(dtype)?.add(&part.to_dtype(dtype)?)?,
-            None => part.clone(),
+        let part = match narrow {
+            Some(narrow) => keep_narrow(part, narrow)?,
+            None => part.detach(),
         };
-        let sum = match narrow {
-            Some(narrow) => keep_narrow(&sum, narrow)?,
-            None => sum.detach(),
-        };
-        grads.insert_id(*id, sum);
+        each(var, part)?;
     }
     Ok(())
 }

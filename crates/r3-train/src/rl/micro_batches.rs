@@ -7,6 +7,7 @@ use std::collections::HashMap;
 
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, TensorId, Var};
+use r3_model::model::LayerRecompute;
 use r3_model::narrow_grads::{in_dtype_of, keep_narrow};
 use r3_model::stochastic_round::{sum_round_bf16_stochastic, sum_rounding_key};
 use r3_model::ReplayProof;
@@ -187,6 +188,49 @@ pub fn backward_into<'v>(
         add_gradient(acc, var, *place, &grad, sums).map_err(wrap)?;
         // What the backward's own store keeps of it: nothing of its buffer.
         Tensor::zeros((), grad.dtype(), grad.device())
+    })?;
+    Ok(())
+}
+
+/// A recomputing forward's backward ([`LayerRecompute::backward_each`], gradient
+/// checkpointing) with each part of each gradient of `vars` added to its sum in `acc` as the
+/// layer that makes it runs again, and then dropped, as [`backward_into`] does for a plain
+/// backward. A tied embedding's two parts are added one after the other (in f32 sums: the
+/// sum of the three, rounded in another order than adding the parts first); with
+/// [`GradientSums::Bf16`] its second part draws from another key than its first.
+pub fn recomputed_backward_into<'v>(
+    layers: LayerRecompute<'_>,
+    loss: &Tensor,
+    acc: &mut GradStore,
+    vars: impl IntoIterator<Item = &'v Var>,
+    sums: GradientSums,
+) -> Result<()> {
+    let vars: Vec<&Var> = vars.into_iter().collect();
+    let places: HashMap<TensorId, usize> = vars
+        .iter()
+        .enumerate()
+        .map(|(place, var)| (var.as_tensor().id(), place))
+        .collect();
+    // Parts each variable has had in this backward: the second part of a tied weight's
+    // gradient is another sum, with its own draws.
+    let mut parts: HashMap<TensorId, u64> = HashMap::new();
+    layers.backward_each(loss, vars.iter().copied(), |var, part| {
+        // `backward_each` hands the variables it was given only.
+        let place = places.get(&var.id()).copied().ok_or_else(|| {
+            r3_model::ModelError::Input("a gradient part of a variable not asked for".into())
+        })?;
+        let seen = parts.entry(var.id()).or_insert(0);
+        let sums = match sums {
+            GradientSums::Bf16 { seed, step, micro } => GradientSums::Bf16 {
+                seed,
+                step,
+                micro: micro | (*seen << 32),
+            },
+            f32 => f32,
+        };
+        *seen += 1;
+        add_gradient(acc, var, place, &part, sums)
+            .map_err(|e| r3_model::ModelError::Input(e.to_string()))
     })?;
     Ok(())
 }

@@ -27,8 +27,8 @@ use crate::error::Result;
 use crate::policy::trainable::{score_with, ResponseBatch, ScoreOptions, TrainablePolicy};
 use crate::rl::diagnostics::verify_proof;
 use crate::rl::micro_batches::{
-    accumulate_grads, backward_into, merge_proofs, pack_rows, pick_rows, place_rows, place_tables,
-    GradientSums,
+    backward_into, merge_proofs, pack_rows, pick_rows, place_rows, place_tables,
+    recomputed_backward_into, GradientSums,
 };
 
 /// The data of one mini-batch.
@@ -323,11 +323,11 @@ impl Accumulated {
                 };
                 let vars = || optimizer.vars().map(|(_, v)| v);
                 match micro.layers {
+                    // Each gradient (each part, recomputing) added to its sum as the backward
+                    // completes it.
                     Some(layers) => {
-                        let next = layers.backward(&micro.loss, vars())?;
-                        accumulate_grads(acc, &next, vars(), sums)?;
+                        recomputed_backward_into(layers, &micro.loss, acc, vars(), sums)?
                     }
-                    // Each gradient added to its sum as the backward completes it.
                     None => backward_into(&micro.loss, acc, vars(), sums, micro.narrow_grads)?,
                 }
                 self.backwards += 1;
