@@ -2,8 +2,37 @@
 //! outputs: on a GPU one vectorised kernel each way (`r3_narrow_*` / `r3_widen_*`, the same
 //! round-to-nearest-even conversions as candle's casts), elsewhere candle's own cast. Values
 //! only: the casts are applied to detached tensors inside ops that have their own backward.
+//! And [`Widened`]: a value of either width read as f32 inside a pass, with no widened copy.
 
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
+
+/// A float read as f32 as a pass uses it (exact for bf16 and f16: the value a widened copy
+/// would hold), so that a pass over 16-bit values needs no widened copy of them.
+pub trait Widened: Copy + Send + Sync {
+    /// The value as f32.
+    fn wide(self) -> f32;
+}
+
+impl Widened for f32 {
+    #[inline(always)]
+    fn wide(self) -> f32 {
+        self
+    }
+}
+
+impl Widened for half::bf16 {
+    #[inline(always)]
+    fn wide(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+impl Widened for half::f16 {
+    #[inline(always)]
+    fn wide(self) -> f32 {
+        self.to_f32()
+    }
+}
 
 /// `t` as `dtype`, no gradient: bit for bit `t.to_dtype(dtype)`, in one vectorised kernel on
 /// a GPU for a contiguous f32 ↔ bf16 / f16 cast.

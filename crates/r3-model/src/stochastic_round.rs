@@ -18,6 +18,7 @@ use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 use half::bf16;
 use rayon::prelude::*;
 
+use crate::cast16::Widened;
 use crate::error::{ModelError, Result};
 
 /// splitmix64's increment γ (2⁶⁴ / φ).
@@ -127,16 +128,30 @@ const CHUNK: usize = 1 << 15;
 /// `values` rounded stochastically into `out` (of the same length), element `i` by the
 /// draw `first + i` of `key`, chunks in parallel.
 pub fn round_slice_stochastic(values: &[f32], out: &mut [bf16], key: u64, first: u64) {
-    out.par_chunks_mut(CHUNK)
-        .zip(values.par_chunks(CHUNK))
-        .enumerate()
-        .for_each(|(c, (out, values))| {
-            let base = first + (c * CHUNK) as u64;
-            for (j, (o, &x)) in out.iter_mut().zip(values).enumerate() {
-                let at = base + j as u64;
-                *o = round_bf16_stochastic(x, rounding_bits(key, at));
+    round_into(out, key, first, |i| values[i]);
+}
+
+/// `out[i]` = `value(i)` rounded by draw `first + i` of `key`, chunks of [`CHUNK`] in
+/// parallel; a chunk whose indices share their high word draws from one [`DrawStream`] (its
+/// salt hashed once), any other index by index.
+fn round_into(out: &mut [bf16], key: u64, first: u64, value: impl Fn(usize) -> f32 + Sync) {
+    out.par_chunks_mut(CHUNK).enumerate().for_each(|(c, out)| {
+        let start = c * CHUNK;
+        let base = first + start as u64;
+        let last = base + out.len().saturating_sub(1) as u64;
+        if base >> 32 == last >> 32 {
+            let stream = DrawStream::new(key, base >> 32);
+            for (j, o) in out.iter_mut().enumerate() {
+                let bits = stream.bits((base + j as u64) as u32);
+                *o = round_bf16_stochastic(value(start + j), bits);
             }
-        });
+        } else {
+            for (j, o) in out.iter_mut().enumerate() {
+                let bits = rounding_bits(key, base + j as u64);
+                *o = round_bf16_stochastic(value(start + j), bits);
+            }
+        }
+    });
 }
 
 /// `t` (f32) rounded stochastically to bf16, element `i` (in row-major order) by draw `i` of
@@ -239,39 +254,9 @@ pub fn sum_round_bf16_stochastic(a: &Tensor, b: &Tensor, key: u64) -> Result<Ten
         .apply_op2_no_bwd(&b.contiguous()?, &StochasticSum { key })?)
 }
 
-/// A value read as f32 (exact for both dtypes).
-trait Widen: Copy + Send + Sync {
-    fn widen(self) -> f32;
-}
-
-impl Widen for f32 {
-    #[inline(always)]
-    fn widen(self) -> f32 {
-        self
-    }
-}
-
-impl Widen for bf16 {
-    #[inline(always)]
-    fn widen(self) -> f32 {
-        self.to_f32()
-    }
-}
-
-/// `out[i]` = `a[i] + b[i]` in f32, rounded by draw `i` of `key`, chunks in parallel (each
-/// chunk's draws from one [`DrawStream`]: its indices share their high word).
-fn sum_slices_stochastic<A: Widen, B: Widen>(a: &[A], b: &[B], out: &mut [bf16], key: u64) {
-    out.par_chunks_mut(CHUNK)
-        .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)))
-        .enumerate()
-        .for_each(|(c, (out, (a, b)))| {
-            let first = (c * CHUNK) as u64;
-            let stream = DrawStream::new(key, first >> 32);
-            for (j, (o, (&x, &y))) in out.iter_mut().zip(a.iter().zip(b)).enumerate() {
-                let bits = stream.bits((first + j as u64) as u32);
-                *o = round_bf16_stochastic(x.widen() + y.widen(), bits);
-            }
-        });
+/// `out[i]` = `a[i] + b[i]` in f32, rounded by draw `i` of `key`.
+fn sum_slices_stochastic<A: Widened, B: Widened>(a: &[A], b: &[B], out: &mut [bf16], key: u64) {
+    round_into(out, key, 0, |i| a[i].wide() + b[i].wide());
 }
 
 /// The stochastically rounded sum as an op, so that a GPU runs r3's kernel.

@@ -605,13 +605,15 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     }
     // On a GPU the share of the GEMM peak in the step's precision (bf16: the tensor cores),
     // measured after the steps (its operands, 0.4–0.8 GB, kept out of the memory figures).
+    // The backward does twice the forward's matrix work (input and weight gradients of every
+    // product).
+    let step_flops =
+        3.0 * training_forward_flops(&cfg, args.seq_len, 0..args.seq_len) * args.batch as f64;
+    let rate = |secs: f64| step_flops / secs / 1e9;
     if !device.is_cpu() {
-        let forward = training_forward_flops(&cfg, args.seq_len, 0..args.seq_len);
-        let step_flops = 3.0 * forward * args.batch as f64;
         let gemm_dtype = precision.narrow_dtype().unwrap_or(DType::F32);
         let (size, reps) = (8192, 5);
         let peak = super::matmul_work::device_gemm_peak(&device, gemm_dtype, size, reps)?;
-        let rate = |secs: f64| step_flops / secs / 1e9;
         println!(
             "matrix work {:.1} GFLOP per step (3 × the forward's, counted from the config): native {:.1} TFLOP/s mean, {:.1} best step = {:.1}% / {:.1}% of the {gemm_dtype:?} GEMM peak measured in this run ({:.1} TFLOP/s, the best of {reps} {size}³ products)",
             step_flops / 1e9,
@@ -625,11 +627,6 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     if let Some(before) = peak_before {
         let after = f32_gemm_peak(machine_threads());
         let peak = before.max(after);
-        let forward = training_forward_flops(&cfg, args.seq_len, 0..args.seq_len);
-        // The backward does twice the forward's matrix work (input and weight
-        // gradients of every product).
-        let step_flops = 3.0 * forward * args.batch as f64;
-        let rate = |secs: f64| step_flops / secs / 1e9;
         println!(
             "matrix work {:.1} GFLOP per step (3 × the forward's, counted from the config): native {:.1} GFLOP/s mean, {:.1} best step = {:.0}% / {:.0}% of the f32 GEMM peak measured in this run ({peak:.1} GFLOP/s, {} threads; {before:.1} before the steps, {after:.1} after) (goal ≥ 70%)",
             step_flops / 1e9,

@@ -11,6 +11,7 @@
 //! count.
 
 use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Storage, StorageRef, Tensor, Var};
+use r3_model::cast16::Widened;
 use r3_model::layers::gemm::{assume_init_vec, unfilled};
 use r3_model::stochastic_round::{round_bf16_stochastic, DrawStream};
 use rayon::prelude::*;
@@ -71,33 +72,6 @@ impl FloatSlice<'_> {
             FloatSlice::Bf16(g) => g.len(),
             FloatSlice::F16(g) => g.len(),
         }
-    }
-}
-
-/// A gradient value widened to f32 as it is read (exact for bf16 and f16: the value a
-/// widened copy would hold).
-trait Widened: Copy + Send + Sync {
-    fn wide(self) -> f32;
-}
-
-impl Widened for f32 {
-    #[inline(always)]
-    fn wide(self) -> f32 {
-        self
-    }
-}
-
-impl Widened for half::bf16 {
-    #[inline(always)]
-    fn wide(self) -> f32 {
-        self.to_f32()
-    }
-}
-
-impl Widened for half::f16 {
-    #[inline(always)]
-    fn wide(self) -> f32 {
-        self.to_f32()
     }
 }
 
