@@ -54,6 +54,10 @@
 #    f32), by Nsight Compute (≈ 60–80 s a dtype: each kernel is profiled).
 # 9. Only with --steps 9: the 30B-A3B shape at batch 8 x 512 (the issue's HF figure) with the
 #    matrices held in bf16, beside HF bf16 (≈ 2 x 60–150 s).
+# 10. Only with --steps 10: whole RL steps with both engines on the GPU, `r3 bench step`:
+#    each phase's time and its share of the GPU's limits measured in the same run (its GEMM
+#    peak in the phase's dtype, its copy rate), on configs/gsm8k-style.toml as shipped and
+#    with bench train's mid model (240 M, random weights), in bf16 (≈ 2 x 30–90 s).
 # Ends with one summary line.
 set -uo pipefail
 
@@ -728,6 +732,29 @@ cat "$work/bench-hf-$name.txt"
 hf_tps=$(grep -E "^peer " "$work/bench-hf-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s.*/\1/')
 verdict bench-batch8 "r3 bf16 masters ${r3_tps:-?} tok/s ${r3_mem:-?} MiB (tensors $(tensors_mib "$work/bench-r3-$name.txt") MiB; gradients $(grads_kept "$work/bench-r3-$name.txt"); $(peak_share "$work/bench-r3-$name.txt")), replay ${replay_cost:-?}%; HF bf16 ${hf_tps:-?} tok/s ${hf_mem:-?} MiB"
 echo "   batch-8 bench took $(( $(date +%s) - t0 )) s"
+fi
+
+# 10. (asked for by --steps 10 only) Whole RL steps with both engines on the GPU: the phases'
+#     times and shares of the GPU's limits (`r3 bench step`, the machine measured in the run).
+if wants 10; then
+t0=$(date +%s)
+stepped=()
+for run in "config 90" "mid 150"; do
+    read -r model secs <<< "$run"
+    if [ "$(left)" -lt 45 ]; then stepped+=("$model skipped(budget)"); continue; fi
+    timeout "$(limit "$secs")" "$bin/r3" bench step --config configs/gsm8k-style.toml \
+        --model "$model" --steps 3 --warmup 2 --set train.device=cuda --set rollout.device=cuda \
+        --set train.dtype=bf16 --set rollout.dtype=bf16 --set algo.dynamic_sampling=false \
+        > "$work/bench-step-$model.txt" 2>&1
+    rc=$?
+    grep -vE "INFO|WARN" "$work/bench-step-$model.txt" | tail -n 16
+    line=$(grep -E "^step " "$work/bench-step-$model.txt" | awk '{print $2 " s, " $8 " of limit"}')
+    rollout=$(grep -E "^rollout\+capture " "$work/bench-step-$model.txt" | awk '{print $3 " " $8}')
+    update=$(grep -E "^update backward " "$work/bench-step-$model.txt" | awk '{print $4 " " $9}')
+    stepped+=("$model rc $rc: step ${line:-?} (rollout share/of-limit ${rollout:-?}; backward ${update:-?})")
+done
+verdict bench-step "$(IFS=';'; echo "${stepped[*]}")"
+echo "   RL step bench took $(( $(date +%s) - t0 )) s"
 fi
 
 pack_logs

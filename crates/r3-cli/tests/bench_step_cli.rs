@@ -106,4 +106,20 @@ fn json_carries_the_phases_and_the_machine() {
     assert!(v["gemm_peak_gflops"].as_f64().is_some_and(|g| g > 0.0));
     assert!(v["stream_bandwidth_gbs"].as_f64().is_some_and(|g| g > 0.0));
     assert_eq!(v["sequences_per_step"], 32);
+    // Both engines on the CPU: one machine, whose limits hold every named phase.
+    let machines = v["machines"].as_array().expect("machines");
+    assert_eq!(machines.len(), 1, "{machines:?}");
+    assert_eq!(machines[0]["device"], "cpu");
+    let served: Vec<&str> = machines[0]["phases"]
+        .as_array()
+        .expect("phases served")
+        .iter()
+        .map(|p| p.as_str().expect("name"))
+        .collect();
+    assert_eq!(served, PHASES[..6], "every phase but `other`");
+    assert_eq!(v["gemm_peak_gflops"], machines[0]["gemm_peak_gflops"]);
+    assert!(v["device_peak_mib"].is_null(), "no GPU");
+    for phase in v["phases"].as_array().expect("phases") {
+        assert!(phase["limit_s"].as_f64().is_some(), "{phase}");
+    }
 }

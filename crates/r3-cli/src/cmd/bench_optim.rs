@@ -19,7 +19,7 @@ use r3_train::{
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::matmul_work::stream_bandwidth;
+use super::matmul_work::device_bandwidth;
 
 /// Options of `r3 bench optim`.
 #[derive(Debug, Args)]
@@ -124,25 +124,6 @@ pub fn optimiser_bytes(
             + 2 * copied as u64,
         grad_norm: grad_bytes * n,
     }
-}
-
-/// A GPU's streaming rate in GB/s: the best of five passes of `y = x · 1 + 0` over 256 Mi
-/// f32 values (2 GiB read and written), each synchronised; the CPU's STREAM triad off a GPU.
-fn device_bandwidth(device: &Device) -> anyhow::Result<f64> {
-    if device.is_cpu() {
-        return Ok(stream_bandwidth());
-    }
-    let x = Tensor::ones(256 << 20, DType::F32, device)?;
-    let mut best = f64::INFINITY;
-    for _ in 0..5 {
-        device.synchronize()?;
-        let t0 = Instant::now();
-        let y = x.affine(1.0, 0.0)?;
-        device.synchronize()?;
-        best = best.min(t0.elapsed().as_secs_f64());
-        drop(y);
-    }
-    Ok(2.0 * (x.elem_count() * 4) as f64 / best / 1e9)
 }
 
 /// The parameter shapes: the mid config's trainable tensors, or `params` parameters of them

@@ -2,9 +2,11 @@
 //! log-probs where the config has a separate pass, the update's forward, backward and
 //! optimiser, weight sync), the first two discarded as warm-up. Per phase: its time (median
 //! over the measured steps), its share of the step, its matrix work and memory traffic,
-//! its share of the machine's limit measured on the spot (the f32 GEMM peak and the
-//! streaming bandwidth: a phase's limit is min(peak, bandwidth × its arithmetic
-//! intensity)), and the memory high-water mark of the step and of each phase.
+//! its share of the limit of the machine it ran on, measured on the spot (a phase's limit
+//! is min(GEMM peak, streaming bandwidth × its arithmetic intensity): the CPU's f32 GEMM
+//! peak and STREAM triad, or — with `train.device` / `rollout.device` = `cuda` — the GPU's
+//! GEMM peak in the phase's dtype and its copy rate), and the memory high-water mark of the
+//! step and of each phase (and on a GPU its tensors' mark over the step).
 //!
 //! `--model mid` trains `r3 bench train`'s mid-size config (random weights, the config's
 //! tokenizer and vocabulary) in place of the config's model. The accounting (phases, work,
@@ -14,14 +16,24 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::Context;
+use candle_core::{DType, Device};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use r3_model::{presets, Config, RandomInit, Weights};
+use r3_model::{presets, Config, DeviceSpec, RandomInit, Weights};
+use r3_rollout::RolloutDevice;
+use r3_train::config::train::RolloutBackend;
+use r3_train::rl::backend::rollout_dtype;
 use r3_train::rl::step::StepTrace;
 use r3_train::{ModelText, Trainer};
 
-use super::matmul_work::{f32_gemm_peak, flops_per_token, machine_threads, stream_bandwidth};
-use super::step_phases::{median, step_work, summarise, Machine, ModelFacts, Row, Sample, PHASES};
+use super::bench_optim::optimiser_bytes;
+use super::matmul_work::{
+    device_bandwidth, device_gemm_peak, f32_gemm_peak, flops_per_token, machine_threads,
+    stream_bandwidth,
+};
+use super::step_phases::{
+    median, step_work, summarise, Machine, ModelFacts, Phase, Row, Sample, PHASES,
+};
 use super::train::{model_dir_from_cwd, resolve_config};
 
 /// Options of `r3 bench step`.
@@ -89,12 +101,217 @@ fn mid_model(source: &Path, seed: u64) -> anyhow::Result<ScratchModel> {
     Ok(scratch)
 }
 
-/// The f32 GEMM peak on `threads` threads and the streaming bandwidth, measured now.
-fn measure_machine(threads: usize) -> Machine {
-    Machine {
-        peak_flops: f32_gemm_peak(threads) * 1e9,
-        bandwidth: stream_bandwidth() * 1e9,
+/// Where a phase of the step runs: a device, and the dtype of its matrix work there.
+#[derive(Debug, Clone)]
+struct Place {
+    device: Device,
+    /// The GEMMs' dtype on a GPU (bf16 / f16 run on tensor cores); the CPU's limit is its
+    /// f32 peak whatever the dtype (its 16-bit kernels compute in f32).
+    dtype: DType,
+}
+
+impl Place {
+    /// Whether `self` and `other` are measured as one machine: both the CPU, or the same
+    /// GPU in the same dtype.
+    fn same_machine(&self, other: &Place) -> bool {
+        match (self.device.is_cpu(), other.device.is_cpu()) {
+            (true, true) => true,
+            (false, false) => self.device.same_device(&other.device) && self.dtype == other.dtype,
+            _ => false,
+        }
     }
+
+    /// The dtype its GEMM peak is measured in (`f32`, `bf16`, `f16`).
+    fn gemm_dtype(&self) -> String {
+        let dtype = if self.device.is_cpu() {
+            DType::F32
+        } else {
+            self.dtype
+        };
+        format!("{dtype:?}").to_lowercase()
+    }
+
+    /// What the table calls this machine.
+    fn label(&self, threads: usize) -> String {
+        let device = DeviceSpec::of(&self.device);
+        match self.device.is_cpu() {
+            true => format!("{device} ({threads} threads): f32 GEMM peak"),
+            false => format!("{device}: {} GEMM peak", self.gemm_dtype()),
+        }
+    }
+
+    /// The limits, measured now: on the CPU the f32 GEMM peak on `threads` threads and
+    /// the STREAM triad; on a GPU the best of five 8192³ products in the dtype and the
+    /// device's copy rate.
+    fn measure(&self, threads: usize) -> anyhow::Result<Machine> {
+        if self.device.is_cpu() {
+            return Ok(Machine {
+                peak_flops: f32_gemm_peak(threads) * 1e9,
+                bandwidth: stream_bandwidth() * 1e9,
+            });
+        }
+        Ok(Machine {
+            peak_flops: device_gemm_peak(&self.device, self.dtype, 8192, 5)? * 1e9,
+            bandwidth: device_bandwidth(&self.device)? * 1e9,
+        })
+    }
+}
+
+/// The machines a step's phases run on: the trainer's, and the rollout engine's where
+/// rollouts are generated in this process (a fleet's machines are not measured).
+struct StepPlaces {
+    train: Place,
+    rollout: Option<Place>,
+}
+
+impl StepPlaces {
+    /// Where `trainer` trains and generates: its policy's device in `train.dtype`, and the
+    /// in-process rollout engine's device (`rollout.device`) in `rollout.dtype`.
+    fn of(trainer: &Trainer) -> anyhow::Result<Self> {
+        let cfg = &trainer.cfg;
+        let train_device = trainer.policy.device();
+        let train = Place {
+            dtype: trainer
+                .policy
+                .precision()
+                .narrow_dtype()
+                .unwrap_or(DType::F32),
+            device: train_device.clone(),
+        };
+        let rollout = match cfg.rollout.backend {
+            RolloutBackend::Sglang => None,
+            RolloutBackend::Engine => {
+                let dtype = match rollout_dtype(&cfg.rollout.dtype)? {
+                    r3_rollout::Dtype::F32 => DType::F32,
+                    r3_rollout::Dtype::Bf16 => DType::BF16,
+                    r3_rollout::Dtype::F16 => DType::F16,
+                };
+                let spec = cfg
+                    .rollout
+                    .device
+                    .parse::<RolloutDevice>()?
+                    .candle()
+                    .unwrap_or(DeviceSpec::Cpu);
+                // The engine's GPU is the trainer's where they name the same one (one
+                // handle, one memory pool); another is opened for its measurement.
+                let device = if spec == DeviceSpec::of(&train_device) {
+                    train_device
+                } else {
+                    spec.open()?
+                };
+                Some(Place { device, dtype })
+            }
+        };
+        Ok(StepPlaces { train, rollout })
+    }
+
+    /// The distinct machines to measure, each with the phases it serves.
+    fn machines(&self) -> Vec<(Place, Vec<Phase>)> {
+        let trainer_phases = vec![
+            Phase::OldLogp,
+            Phase::UpdateForward,
+            Phase::UpdateBackward,
+            Phase::Optimiser,
+        ];
+        let mut out = vec![(self.train.clone(), trainer_phases)];
+        if let Some(rollout) = &self.rollout {
+            match out.iter_mut().find(|(p, _)| p.same_machine(rollout)) {
+                Some((_, phases)) => phases.insert(0, Phase::Rollout),
+                None => out.insert(0, (rollout.clone(), vec![Phase::Rollout])),
+            }
+            // The weights cross within one device: held to its bandwidth. Between two
+            // devices they cross a link nothing here measures.
+            if rollout.device.same_device(&self.train.device) {
+                if let Some((_, phases)) = out.iter_mut().find(|(p, _)| p.same_machine(&self.train))
+                {
+                    phases.push(Phase::WeightSync);
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Each phase's machine, in [`PHASES`] order: the measurement of the machine serving it, or
+/// none.
+fn phase_machines(measured: &[(Vec<Phase>, Machine)]) -> [Option<Machine>; PHASES.len()] {
+    let mut out = [None; PHASES.len()];
+    for (slot, phase) in out.iter_mut().zip(PHASES) {
+        *slot = measured
+            .iter()
+            .find(|(phases, _)| phases.contains(&phase))
+            .map(|(_, m)| *m);
+    }
+    out
+}
+
+/// How the trainer holds one variable, for the bytes its passes move.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct HeldVar {
+    /// Values.
+    elems: usize,
+    /// Bytes a value of the variable (4 for an f32 master, 2 for a bf16 weight).
+    value_bytes: u64,
+    /// Bytes a value of its gradient.
+    grad_bytes: u64,
+    /// Whether a 16-bit copy is held beside it (read by the GEMMs, rewritten by AdamW).
+    copied: bool,
+}
+
+/// The bytes a trainer's passes move, from how it holds its variables: a forward reads each
+/// matrix once in the format its GEMMs read (the 16-bit copy or weight, else the variable);
+/// the optimiser's step reads every gradient for the norm, then AdamW reads and writes the
+/// variable and both moments (`moment_bytes` a value each), reads the gradient and writes
+/// the copy (`optimiser_bytes`); the sync reads each variable once and writes it at
+/// `rollout_bytes` a value. Returns (forward, optimiser, sync) bytes.
+fn trainer_bytes(vars: &[HeldVar], moment_bytes: u64, rollout_bytes: f64) -> (f64, f64, f64) {
+    let mut forward = 0.0;
+    let mut optimiser = 0.0;
+    let mut sync = 0.0;
+    for v in vars {
+        let n = v.elems as f64;
+        forward += n * if v.copied { 2.0 } else { v.value_bytes as f64 };
+        let bytes = optimiser_bytes(
+            v.elems,
+            v.grad_bytes,
+            if v.copied { v.elems } else { 0 },
+            if v.value_bytes == 2 { v.elems } else { 0 },
+            moment_bytes,
+        );
+        optimiser += (bytes.adamw + bytes.grad_norm) as f64;
+        sync += n * (v.value_bytes as f64 + rollout_bytes);
+    }
+    (forward, optimiser, sync)
+}
+
+/// [`HeldVar`]s of `trainer`'s policy: its variables' dtypes, its held 16-bit copies, and
+/// the gradients' dtype — a 16-bit variable's own, a 16-bit forward's matrices' in bf16
+/// with `train.narrow_gradients` (counted for every matrix; the few f32 sums the backward
+/// hands back are not told apart here), f32 otherwise.
+fn held_vars(trainer: &Trainer) -> Vec<HeldVar> {
+    let copies = trainer.policy.detached();
+    let copies = copies.narrow_copies();
+    let narrow_grads =
+        trainer.cfg.train.narrow_gradients && trainer.policy.precision().narrow_dtype().is_some();
+    trainer
+        .policy
+        .vars()
+        .iter()
+        .map(|(name, var)| {
+            let value_bytes = var.dtype().size_in_bytes() as u64;
+            let matrix = var.rank() >= 2;
+            HeldVar {
+                elems: var.elem_count(),
+                value_bytes,
+                grad_bytes: if value_bytes == 2 || (narrow_grads && matrix) {
+                    2
+                } else {
+                    4
+                },
+                copied: copies.contains_key(name),
+            }
+        })
+        .collect()
 }
 
 fn fmt_opt(v: Option<f64>, f: impl Fn(f64) -> String) -> String {
@@ -127,21 +344,29 @@ pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
         "f32" => 4.0,
         _ => 2.0,
     };
+    let moment_bytes = cfg.optim.moment_dtype()?.size_in_bytes() as u64;
     let mut trainer = Trainer::new(cfg).context("building the trainer")?;
     let model_cfg = trainer.policy.config().clone();
-    let params: usize = trainer
-        .policy
-        .vars()
-        .iter()
-        .map(|(_, v)| v.as_tensor().elem_count())
-        .sum();
+    let held = held_vars(&trainer);
+    let params: usize = held.iter().map(|v| v.elems).sum();
+    let (forward_weight_bytes, optimiser_bytes, sync_bytes) =
+        trainer_bytes(&held, moment_bytes, rollout_weight_bytes);
     let facts = ModelFacts {
         cfg: &model_cfg,
         params: params as f64,
         rollout_weight_bytes,
+        forward_weight_bytes,
+        optimiser_bytes,
+        sync_bytes,
     };
     let threads = machine_threads();
-    let before = measure_machine(threads);
+    let places = StepPlaces::of(&trainer)?;
+    let machines = places.machines();
+    let before = machines
+        .iter()
+        .map(|(place, _)| place.measure(threads))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let train_device = trainer.policy.device();
 
     let total = args.warmup + args.steps;
     let bar = if args.json {
@@ -194,13 +419,58 @@ pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
     bar.finish_and_clear();
     // Measured before and after the steps; the better of each is the machine's limit (the
     // least disturbed by other tenants of a shared machine).
-    let after = measure_machine(threads);
-    let machine = Machine {
-        peak_flops: before.peak_flops.max(after.peak_flops),
-        bandwidth: before.bandwidth.max(after.bandwidth),
-    };
-
-    let (rows, step) = summarise(&samples, &machine);
+    let after = machines
+        .iter()
+        .map(|(place, _)| place.measure(threads))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let measured: Vec<(Vec<Phase>, Machine)> = machines
+        .iter()
+        .zip(before.iter().zip(&after))
+        .map(|((_, phases), (b, a))| (phases.clone(), b.best_of(*a)))
+        .collect();
+    // The training machine's limits are the JSON's top-level figures (as before GPUs).
+    let train_machine = measured
+        .iter()
+        .find(|(phases, _)| phases.contains(&Phase::UpdateForward))
+        .map(|(_, m)| *m)
+        .context("the trainer's machine was measured")?;
+    let (rows, step) = summarise(&samples, &phase_machines(&measured));
+    // On a GPU: its tensors' high-water mark over a step (the highest of the steps').
+    let device_peak_mib = samples
+        .iter()
+        .filter_map(|s| s.metrics.device_peak_mib)
+        .reduce(f64::max);
+    let machine_lines: Vec<String> = machines
+        .iter()
+        .zip(before.iter().zip(&after))
+        .map(|((place, phases), (b, a))| {
+            let serves: Vec<&str> = phases.iter().map(|p| p.name()).collect();
+            format!(
+                "  {} {:.1} / {:.1} GFLOP/s, streaming bandwidth {:.1} / {:.1} GB/s — {}",
+                place.label(threads),
+                b.peak_flops / 1e9,
+                a.peak_flops / 1e9,
+                b.bandwidth / 1e9,
+                a.bandwidth / 1e9,
+                serves.join(", ")
+            )
+        })
+        .collect();
+    let machines_json: Vec<serde_json::Value> = machines
+        .iter()
+        .zip(before.iter().zip(&after))
+        .map(|((place, phases), (b, a))| {
+            serde_json::json!({
+                "device": DeviceSpec::of(&place.device).to_string(),
+                "gemm_dtype": place.gemm_dtype(),
+                "gemm_peak_gflops": b.peak_flops.max(a.peak_flops) / 1e9,
+                "bandwidth_gbs": b.bandwidth.max(a.bandwidth) / 1e9,
+                "gemm_peak_gflops_before_after": [b.peak_flops / 1e9, a.peak_flops / 1e9],
+                "bandwidth_gbs_before_after": [b.bandwidth / 1e9, a.bandwidth / 1e9],
+                "phases": phases.iter().map(|p| p.name()).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
     let wall = median(&samples.iter().map(|s| s.wall_s).collect::<Vec<_>>());
     let tokens = median(&samples.iter().map(|s| s.tokens as f64).collect::<Vec<_>>());
     let sequences = samples.first().map_or(0, |s| s.sequences);
@@ -245,10 +515,11 @@ pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
             "response_len_mean": response_len,
             "wall_s_per_step": wall,
             "threads": threads,
-            "gemm_peak_gflops": machine.peak_flops / 1e9,
-            "stream_bandwidth_gbs": machine.bandwidth / 1e9,
-            "gemm_peak_gflops_before_after": [before.peak_flops / 1e9, after.peak_flops / 1e9],
-            "stream_bandwidth_gbs_before_after": [before.bandwidth / 1e9, after.bandwidth / 1e9],
+            "train_device": DeviceSpec::of(&train_device).to_string(),
+            "gemm_peak_gflops": train_machine.peak_flops / 1e9,
+            "stream_bandwidth_gbs": train_machine.bandwidth / 1e9,
+            "machines": machines_json,
+            "device_peak_mib": device_peak_mib,
             "phases": rows.iter().map(Row::json).collect::<Vec<_>>(),
             "step": step.json(),
         });
@@ -264,13 +535,10 @@ pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
         "{sequences} sequences per step, {tokens:.0} tokens (mean response {response_len:.1}; of the {prompt_tokens:.0} prompt tokens {cached_tokens:.0} read from the rollout's prefix cache; {shared_positions:.0} positions of the update computed once for several sequences); {} warm-up + {} measured steps, median wall {wall:.3} s per step",
         args.warmup, args.steps
     );
-    println!(
-        "machine, measured before and after the steps (the better counts): f32 GEMM peak {:.1} / {:.1} GFLOP/s ({threads} threads), streaming bandwidth {:.1} / {:.1} GB/s",
-        before.peak_flops / 1e9,
-        after.peak_flops / 1e9,
-        before.bandwidth / 1e9,
-        after.bandwidth / 1e9
-    );
+    println!("machines, measured before and after the steps (the better counts), and the phases each one's limits hold:");
+    for line in &machine_lines {
+        println!("{line}");
+    }
     println!(
         "{:<16} {:>9} {:>7} {:>9} {:>8} {:>9} {:>9} {:>9} {:>9}",
         "phase", "time s", "share", "GFLOP", "GB", "GFLOP/s", "limit s", "of limit", "peak MiB"
@@ -281,21 +549,148 @@ pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
             .filter(|_| r.seconds > 0.0)
             .map(|f| f / r.seconds / 1e9);
         println!(
-            "{:<16} {:>9.4} {:>6.1}% {:>9} {:>8.3} {:>9} {:>9.4} {:>9} {:>9}",
+            "{:<16} {:>9.4} {:>6.1}% {:>9} {:>8.3} {:>9} {:>9} {:>9} {:>9}",
             r.name,
             r.seconds,
             r.share_pct,
             fmt_opt(r.flops, |f| format!("{:.2}", f / 1e9)),
             r.bytes / 1e9,
             fmt_opt(rate, |v| format!("{v:.1}")),
-            r.limit_s,
+            fmt_opt(r.limit_s, |l| format!("{l:.4}")),
             fmt_opt(r.of_limit_pct(), |p| format!("{p:.1}%")),
             fmt_opt(r.peak_mib, |m| format!("{m:.0}")),
         );
     }
     println!(
-        "time: median per phase; share: of the phases' sum; limit: min(GEMM peak, bandwidth × FLOP/byte) for the phase's work; \
+        "time: median per phase; share: of the phases' sum; limit: min(GEMM peak, bandwidth × FLOP/byte) for the phase's work on its machine \
+         (-: a machine not measured, as a fleet's or the link weights cross between two devices); \
          of limit: limit s / time s; peak: the process's resident high-water mark (the update's three parts share one)"
     );
+    if let Some(mib) = device_peak_mib {
+        println!(
+            "{}: its tensors' high-water mark over a step {mib:.0} MiB (the memory pool's, as torch's max_memory_allocated)",
+            DeviceSpec::of(&train_device)
+        );
+    }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cmd::train::resolve_config;
+
+    /// By hand: an f32 matrix of 10 with a bf16 copy and bf16 gradients, an f32 vector of
+    /// 4, a bf16 matrix of 6; f32 moments, an f16 rollout.
+    #[test]
+    fn a_trainers_bytes_by_hand() {
+        let vars = [
+            HeldVar {
+                elems: 10,
+                value_bytes: 4,
+                grad_bytes: 2,
+                copied: true,
+            },
+            HeldVar {
+                elems: 4,
+                value_bytes: 4,
+                grad_bytes: 4,
+                copied: false,
+            },
+            HeldVar {
+                elems: 6,
+                value_bytes: 2,
+                grad_bytes: 2,
+                copied: false,
+            },
+        ];
+        let (forward, optimiser, sync) = trainer_bytes(&vars, 4, 2.0);
+        // The copy (2), the f32 vector (4), the bf16 matrix (2).
+        assert_eq!(forward, 10.0 * 2.0 + 4.0 * 4.0 + 6.0 * 2.0);
+        // Per value: θ read and written, m and v read and written, the gradient read twice
+        // (norm, AdamW), the copy written.
+        let matrix = 10.0 * (2.0 * 4.0 + 4.0 * 4.0 + 2.0 * 2.0 + 2.0);
+        let vector = 4.0 * (2.0 * 4.0 + 4.0 * 4.0 + 2.0 * 4.0);
+        let narrow = 6.0 * (2.0 * 2.0 + 4.0 * 4.0 + 2.0 * 2.0);
+        assert_eq!(optimiser, matrix + vector + narrow);
+        assert_eq!(sync, 10.0 * 6.0 + 4.0 * 6.0 + 6.0 * 4.0);
+    }
+
+    /// Every named phase is held to a machine when both engines run on the CPU; a fleet's
+    /// rollout is held to none, and neither are the weights it is sent.
+    #[test]
+    fn the_phases_find_their_machines() {
+        let cpu = |dtype| Place {
+            device: Device::Cpu,
+            dtype,
+        };
+        let local = StepPlaces {
+            train: cpu(DType::BF16),
+            rollout: Some(cpu(DType::F16)),
+        };
+        let machines = local.machines();
+        assert_eq!(
+            machines.len(),
+            1,
+            "the CPU is one machine whatever the dtype"
+        );
+        assert_eq!(machines[0].1, PHASES[..6].to_vec());
+        let cpu_limits = Machine {
+            peak_flops: 1e11,
+            bandwidth: 1e10,
+        };
+        let measured: Vec<(Vec<Phase>, Machine)> =
+            machines.into_iter().map(|(_, p)| (p, cpu_limits)).collect();
+        let each = phase_machines(&measured);
+        assert!(each[..6].iter().all(|m| *m == Some(cpu_limits)));
+        assert_eq!(each[6], None, "`other` has no machine");
+        let fleet = StepPlaces {
+            train: cpu(DType::F32),
+            rollout: None,
+        };
+        let machines = fleet.machines();
+        assert_eq!(machines.len(), 1);
+        assert_eq!(
+            machines[0].1,
+            vec![
+                Phase::OldLogp,
+                Phase::UpdateForward,
+                Phase::UpdateBackward,
+                Phase::Optimiser
+            ]
+        );
+        assert_eq!(
+            phase_machines(&[(machines[0].1.clone(), cpu_limits)])[0],
+            None
+        );
+    }
+
+    /// The default task's trainer in bf16 with held copies and narrow gradients: every copy
+    /// the policy holds is found under its variable's name, and only matrices are copied.
+    #[test]
+    fn held_vars_find_every_copy_the_policy_holds() {
+        let sets: Vec<String> = [
+            "train.dtype=bf16",
+            "train.narrow_weight_copies=on",
+            "train.narrow_gradients=true",
+            "rollout.prompts_per_step=1",
+        ]
+        .map(String::from)
+        .to_vec();
+        let mut cfg = resolve_config(None, &sets).expect("config");
+        cfg.model_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/arith-moe");
+        cfg.run_dir = std::env::temp_dir().join(format!("r3-held-vars-{}", std::process::id()));
+        let trainer = Trainer::new(cfg).expect("trainer");
+        let held = held_vars(&trainer);
+        let copies = trainer.policy.detached().narrow_copies().len();
+        assert!(copies > 0, "bf16 with copies on holds some");
+        assert_eq!(held.iter().filter(|v| v.copied).count(), copies);
+        for (v, (name, var)) in held.iter().zip(trainer.policy.vars()) {
+            assert_eq!(v.elems, var.elem_count(), "{name}");
+            assert_eq!(v.value_bytes, 4, "{name}: f32 masters");
+            assert!(!v.copied || var.rank() >= 2, "{name}: a copied vector");
+            assert_eq!(v.grad_bytes, if var.rank() >= 2 { 2 } else { 4 }, "{name}");
+        }
+        let _ = std::fs::remove_dir_all(&trainer.cfg.run_dir);
+    }
 }

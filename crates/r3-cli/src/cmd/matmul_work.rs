@@ -399,6 +399,25 @@ pub fn device_gemm_peak(
     Ok(2.0 * (n as f64).powi(3) / best / 1e9)
 }
 
+/// A GPU's streaming rate in GB/s: the best of five passes of `y = x · 1 + 0` over 256 Mi
+/// f32 values (2 GiB read and written), each synchronised; the CPU's STREAM triad off a GPU.
+pub fn device_bandwidth(device: &candle_core::Device) -> anyhow::Result<f64> {
+    if device.is_cpu() {
+        return Ok(stream_bandwidth());
+    }
+    let x = candle_core::Tensor::ones(256 << 20, candle_core::DType::F32, device)?;
+    let mut best = f64::INFINITY;
+    for _ in 0..5 {
+        device.synchronize()?;
+        let t0 = Instant::now();
+        let y = x.affine(1.0, 0.0)?;
+        device.synchronize()?;
+        best = best.min(t0.elapsed().as_secs_f64());
+        drop(y);
+    }
+    Ok(2.0 * (x.elem_count() * 4) as f64 / best / 1e9)
+}
+
 /// Best streaming memory bandwidth (GB/s, 1e9 bytes) of this machine on the rayon pool, by
 /// STREAM's triad `a = b + s·c` over three 64 MiB f32 arrays, far past any cache: 12 bytes
 /// counted per element (two read, one written), as STREAM counts them.

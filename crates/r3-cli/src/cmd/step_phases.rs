@@ -1,7 +1,9 @@
 //! The accounting of `r3 bench step`: the phases of an RL step as the bench names them,
 //! each phase's matrix work and memory traffic counted from the config and the step's own
-//! lengths, the machine's two limits (f32 GEMM peak, streaming bandwidth) and the roofline
-//! they give, and the table's rows (medians, shares, the share of the limit reached).
+//! lengths, the two limits of the machine a phase runs on (GEMM peak, streaming bandwidth)
+//! and the roofline they give, and the table's rows (medians, shares, the share of the limit
+//! reached). A phase whose machine was not measured (a fleet's rollout, weights crossing
+//! between two devices) has no limit: unknown, never a guess.
 
 use std::ops::Range;
 
@@ -90,16 +92,26 @@ pub(crate) struct Work {
     pub(crate) bytes: f64,
 }
 
-/// This machine's two limits, measured on the spot.
-#[derive(Debug, Clone, Copy)]
+/// The two limits of the machine a phase runs on (the CPU, or a GPU in the phase's dtype),
+/// measured on the spot.
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct Machine {
-    /// f32 GEMM peak, FLOP/s.
+    /// GEMM peak, FLOP/s (the CPU's in f32; a GPU's in the dtype of the phase's matrices).
     pub(crate) peak_flops: f64,
     /// Streaming bandwidth, bytes/s.
     pub(crate) bandwidth: f64,
 }
 
 impl Machine {
+    /// The higher of each limit of two measurements of one machine (the one least
+    /// disturbed by other tenants of a shared machine counts).
+    pub(crate) fn best_of(self, other: Machine) -> Machine {
+        Machine {
+            peak_flops: self.peak_flops.max(other.peak_flops),
+            bandwidth: self.bandwidth.max(other.bandwidth),
+        }
+    }
+
     /// The roofline: the best FLOP rate at arithmetic intensity `flops_per_byte`.
     pub(crate) fn attainable(&self, flops_per_byte: f64) -> f64 {
         self.peak_flops.min(self.bandwidth * flops_per_byte)
@@ -156,13 +168,21 @@ pub(crate) fn sum_rows(
         .sum()
 }
 
-/// What the bench knows of the model trained.
+/// What the bench knows of the model trained and of how the trainer holds it.
 pub(crate) struct ModelFacts<'a> {
     pub(crate) cfg: &'a Config,
     /// Trainable parameters.
     pub(crate) params: f64,
     /// Bytes per weight of the rollout engine's precision.
     pub(crate) rollout_weight_bytes: f64,
+    /// Bytes of weights one training forward reads (each matrix in the format its GEMMs
+    /// read: f32 masters, or a 16-bit copy or 16-bit weights where the trainer holds them).
+    pub(crate) forward_weight_bytes: f64,
+    /// Bytes one optimiser step moves (the gradient norm's read, then AdamW's pass).
+    pub(crate) optimiser_bytes: f64,
+    /// Bytes the weight sync moves (the trainer's weights read once, written at the
+    /// rollout's precision).
+    pub(crate) sync_bytes: f64,
 }
 
 /// Bytes of weights the rollout engine reads over the step: the whole model per forward,
@@ -218,7 +238,7 @@ fn cached(trace: &StepTrace, r: usize) -> usize {
 pub(crate) fn step_work(model: &ModelFacts<'_>, trace: &StepTrace, old_pass: bool) -> [Work; 7] {
     let cfg = model.cfg;
     let n = trace.sequences.len();
-    let f32_weights = 4.0 * model.params;
+    let weights = model.forward_weight_bytes;
     // The scoring's head runs over each row's response predictions only.
     let scored = |len: usize, prompt_len: usize| {
         training_forward_flops(
@@ -269,29 +289,29 @@ pub(crate) fn step_work(model: &ModelFacts<'_>, trace: &StepTrace, old_pass: boo
             },
             Phase::OldLogp if old_pass => Work {
                 flops: Some(all_forward),
-                bytes: f32_weights,
+                bytes: weights,
             },
             Phase::UpdateForward => Work {
                 flops: Some(update_forward),
-                bytes: updates * f32_weights,
+                bytes: updates * weights,
             },
             // Backward ≈ 2 × forward: the gradients of the activations and of the weights.
             Phase::UpdateBackward => Work {
                 flops: Some(2.0 * update_forward),
-                bytes: updates * 2.0 * f32_weights,
+                bytes: updates * 2.0 * weights,
             },
-            // AdamW reads parameter, gradient and both moments and writes parameter and
-            // moments: 7 f32 per parameter per update, no matrix work.
+            // The gradient norm and AdamW: parameter, gradient and moments read, parameter
+            // and moments written, per update, no matrix work.
             Phase::Optimiser => Work {
                 flops: None,
-                bytes: updates * 7.0 * f32_weights,
+                bytes: updates * model.optimiser_bytes,
             },
-            // The f32 map is read once and written at the rollout precision: the trainer
-            // vouches for the weights' range (checked at start, kept by the guarded update,
+            // The trainer's weights are read once and written at the rollout precision: the
+            // trainer vouches for their range (checked at start, kept by the guarded update,
             // `HeldTensors`), so the engine does not scan them again.
             Phase::WeightSync => Work {
                 flops: None,
-                bytes: model.params * (4.0 + model.rollout_weight_bytes),
+                bytes: model.sync_bytes,
             },
             Phase::OldLogp | Phase::Other => Work::default(),
         };
@@ -322,14 +342,18 @@ pub(crate) struct Row {
     pub(crate) share_pct: f64,
     pub(crate) flops: Option<f64>,
     pub(crate) bytes: f64,
-    pub(crate) limit_s: f64,
+    /// Fewest seconds the phase's machine needs for its work; `None` where that machine
+    /// was not measured.
+    pub(crate) limit_s: Option<f64>,
     pub(crate) peak_mib: Option<f64>,
 }
 
 impl Row {
     /// The share of the machine's limit the phase reaches (limit time over its time).
     pub(crate) fn of_limit_pct(&self) -> Option<f64> {
-        (self.seconds > 0.0 && self.limit_s > 0.0).then(|| 100.0 * self.limit_s / self.seconds)
+        self.limit_s
+            .filter(|&l| self.seconds > 0.0 && l > 0.0)
+            .map(|l| 100.0 * l / self.seconds)
     }
 
     pub(crate) fn json(&self) -> serde_json::Value {
@@ -346,9 +370,23 @@ impl Row {
     }
 }
 
-/// The table's rows from the measured steps: medians of time and work per phase, shares
+/// The limit of `work` on `machine`: none where the machine is unknown, unless there is
+/// no work to limit (no time is the fewest for nothing).
+fn limit_on(machine: Option<&Machine>, work: Work) -> Option<f64> {
+    match machine {
+        Some(m) => Some(m.limit_seconds(work)),
+        None if work.bytes == 0.0 && work.flops.unwrap_or(0.0) == 0.0 => Some(0.0),
+        None => None,
+    }
+}
+
+/// The table's rows from the measured steps: medians of time and work per phase, each held
+/// to the machine it ran on (`machines`, in [`PHASES`] order; `None`: not measured), shares
 /// of their sum, and the highest memory mark seen.
-pub(crate) fn summarise(samples: &[Sample], machine: &Machine) -> (Vec<Row>, Row) {
+pub(crate) fn summarise(
+    samples: &[Sample],
+    machines: &[Option<Machine>; PHASES.len()],
+) -> (Vec<Row>, Row) {
     let times: Vec<f64> = (0..PHASES.len())
         .map(|i| median(&samples.iter().map(|s| s.seconds[i]).collect::<Vec<_>>()))
         .collect();
@@ -369,7 +407,7 @@ pub(crate) fn summarise(samples: &[Sample], machine: &Machine) -> (Vec<Row>, Row
                 share_pct: shares[i],
                 flops: work.flops,
                 bytes: work.bytes,
-                limit_s: machine.limit_seconds(work),
+                limit_s: limit_on(machines[i].as_ref(), work),
                 peak_mib: max_of(samples.iter().map(|s| phase.peak_mib(&s.metrics)).collect()),
             }
         })
@@ -383,6 +421,7 @@ pub(crate) fn summarise(samples: &[Sample], machine: &Machine) -> (Vec<Row>, Row
             .flops
             .map(|_| rows.iter().filter_map(|r| r.flops).sum()),
         bytes: rows.iter().map(|r| r.bytes).sum(),
+        // Known only where every phase's is.
         limit_s: rows.iter().map(|r| r.limit_s).sum(),
         peak_mib: max_of(samples.iter().map(|s| s.metrics.peak_mib).collect()),
     };
@@ -435,6 +474,84 @@ mod tests {
         assert_eq!(m.limit_seconds(pure), 0.5);
     }
 
+    /// Each phase is held to its own machine: the rollout to a GPU's (here 1,000 GFLOP/s,
+    /// 1,000 GB/s), the update to the CPU's (100 GFLOP/s, 10 GB/s); a phase with work on an
+    /// unmeasured machine has no limit, and then neither has the step.
+    #[test]
+    fn each_phase_is_held_to_its_own_machine() {
+        let gpu = Machine {
+            peak_flops: 1000e9,
+            bandwidth: 1000e9,
+        };
+        let cpu = Machine {
+            peak_flops: 100e9,
+            bandwidth: 10e9,
+        };
+        let mut work = [Work::default(); 7];
+        // rollout: 100 GFLOP over 1 GB (compute-bound on the GPU: 0.1 s)
+        work[0] = Work {
+            flops: Some(100e9),
+            bytes: 1e9,
+        };
+        // update forward: 10 GFLOP over 0.1 GB (compute-bound on the CPU: 0.1 s)
+        work[2] = Work {
+            flops: Some(10e9),
+            bytes: 0.1e9,
+        };
+        // weight sync: 1 GB, no matrix work
+        work[5] = Work {
+            flops: None,
+            bytes: 1e9,
+        };
+        let sample = Sample {
+            wall_s: 1.0,
+            seconds: [0.2, 0.0, 0.4, 0.0, 0.0, 0.4, 0.0],
+            work,
+            metrics: StepMetrics::default(),
+            tokens: 10,
+            sequences: 1,
+            prompt_tokens: (5, 0),
+            shared_positions: 0,
+        };
+        let mut machines = [None; PHASES.len()];
+        machines[0] = Some(gpu);
+        machines[1] = Some(cpu);
+        machines[2] = Some(cpu);
+        machines[5] = Some(cpu);
+        let (rows, step) = summarise(std::slice::from_ref(&sample), &machines);
+        assert_eq!(rows[0].limit_s, Some(0.1));
+        assert_eq!(rows[0].of_limit_pct(), Some(50.0), "0.1 s of 0.2 s");
+        assert_eq!(rows[2].limit_s, Some(0.1));
+        assert_eq!(rows[5].limit_s, Some(0.1), "1 GB at 10 GB/s");
+        // no work and no machine: nothing to wait for
+        assert_eq!(rows[6].limit_s, Some(0.0));
+        assert_eq!(rows[1].limit_s, Some(0.0), "no old pass ran");
+        let sum = step.limit_s.expect("every phase's limit known");
+        assert!(
+            (sum - 0.3).abs() < 1e-12,
+            "the phases' limits add up: {sum}"
+        );
+        // The sync between two devices: no machine measured, so no limit for it or the step.
+        machines[5] = None;
+        let (rows, step) = summarise(std::slice::from_ref(&sample), &machines);
+        assert_eq!(rows[5].limit_s, None);
+        assert_eq!(rows[5].of_limit_pct(), None);
+        assert_eq!(step.limit_s, None);
+        assert_eq!(rows[0].limit_s, Some(0.1), "the others keep theirs");
+        // The better of two readings of one machine counts, limit by limit.
+        let slow = Machine {
+            peak_flops: 150e9,
+            bandwidth: 5e9,
+        };
+        assert_eq!(
+            cpu.best_of(slow),
+            Machine {
+                peak_flops: 150e9,
+                bandwidth: 10e9
+            }
+        );
+    }
+
     #[test]
     fn shares_add_up_and_the_median_takes_the_middle() {
         let s = shares_percent(&[1.0, 3.0, 0.0, 4.0]);
@@ -463,6 +580,9 @@ mod tests {
             cfg: &cfg,
             params: 1000.0,
             rollout_weight_bytes: 2.0,
+            forward_weight_bytes: 4000.0,
+            optimiser_bytes: 32_000.0,
+            sync_bytes: 6000.0,
         };
         let w = step_work(&facts, &trace, true);
         // the head at position 1 only (the prompt's last, predicting the response; the
@@ -485,9 +605,11 @@ mod tests {
             "{}",
             w[0].bytes
         );
-        assert_eq!(w[4].bytes, 7.0 * 4.0 * 1000.0, "AdamW: 7 f32 per parameter");
+        assert_eq!(w[1].bytes, 4000.0, "old pass: the weights read once");
+        assert_eq!(w[3].bytes, 8000.0, "backward: twice");
+        assert_eq!(w[4].bytes, 32_000.0, "one update's optimiser step");
         assert_eq!(w[4].flops, None);
-        assert_eq!(w[5].bytes, 1000.0 * 6.0, "sync: f32 read once, f16 written");
+        assert_eq!(w[5].bytes, 6000.0, "one sync");
         assert_eq!(w[6], Work::default());
         // no old pass: no work there
         assert_eq!(step_work(&facts, &trace, false)[1], Work::default());
