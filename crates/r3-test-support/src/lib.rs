@@ -1,7 +1,8 @@
 //! Helpers the workspace's integration tests share, used only as a dev-dependency and never
 //! published: [`Scratch`], a temporary directory removed on drop, (feature `tensors`) `bits`,
 //! a tensor's values as bit patterns for bit-for-bit comparisons, and (feature `model`)
-//! `tiny_model`, the tiny random Qwen3-MoE model the RL-loop tests train.
+//! `tiny_model`, the tiny random Qwen3-MoE model the RL-loop tests train (`tiny_tied_model`
+//! with its head tied to the embedding).
 
 mod scratch;
 #[cfg(feature = "tensors")]
@@ -13,4 +14,4 @@ pub use scratch::Scratch;
 #[cfg(feature = "tensors")]
 pub use tensor_bits::bits;
 #[cfg(feature = "model")]
-pub use tiny_model::tiny_model;
+pub use tiny_model::{tiny_model, tiny_tied_model};

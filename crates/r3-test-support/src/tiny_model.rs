@@ -1,6 +1,7 @@
 //! [`tiny_model`]: the smallest model the RL loop runs end to end, written as a model
 //! directory the way `r3 pretrain` writes one (HF `config.json`, safetensors, the character
-//! tokenizer's `tokenizer.json`).
+//! tokenizer's `tokenizer.json`); [`tiny_tied_model`] the same with the head tied to the
+//! embedding.
 
 use std::path::Path;
 
@@ -18,6 +19,19 @@ use r3_tasks::{CharTokenizer, BOS_ID, EOS_ID, PAD_ID};
 /// # Panics
 /// When the model cannot be built or written: a test cannot run without it.
 pub fn tiny_model(dir: &Path, seed: u64) -> Config {
+    write_tiny_model(dir, seed, false)
+}
+
+/// [`tiny_model`] with `tie_word_embeddings`: the head reads the embedding table, whose
+/// gradient then has two parts (the head's and the lookup's).
+///
+/// # Panics
+/// As [`tiny_model`].
+pub fn tiny_tied_model(dir: &Path, seed: u64) -> Config {
+    write_tiny_model(dir, seed, true)
+}
+
+fn write_tiny_model(dir: &Path, seed: u64, tied: bool) -> Config {
     let tokenizer = CharTokenizer::new().expect("tokenizer");
     let cfg = Config::from_value(serde_json::json!({
         "architectures": ["Qwen3MoeForCausalLM"],
@@ -39,7 +53,7 @@ pub fn tiny_model(dir: &Path, seed: u64) -> Config {
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
         "max_position_embeddings": 64,
-        "tie_word_embeddings": false,
+        "tie_word_embeddings": tied,
         "bos_token_id": BOS_ID,
         "eos_token_id": EOS_ID,
         "pad_token_id": PAD_ID,

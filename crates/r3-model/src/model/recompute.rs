@@ -83,43 +83,30 @@ impl<'m> LayerRecompute<'m> {
     /// what `loss.backward()` over [`Model::forward`]'s graph holds for `vars`, detached (in
     /// 16 bits where [`LayerRecompute::keep_gradients_narrow`] asked for it and they hold it
     /// exactly), and nothing else: the gradients of the loss's other tensors (the logits')
-    /// are let go before the layers run again. A weight read by several layers, such as a
-    /// tied embedding, sums its parts in its own dtype.
+    /// are let go before the layers run again. A tied embedding's two parts (the head's and
+    /// the lookup's) are summed in its own dtype, as one backward's store sums them.
     pub fn backward<'v>(
         self,
         loss: &Tensor,
         vars: impl IntoIterator<Item = &'v Var>,
     ) -> Result<GradStore> {
-        let narrow = self.narrow_grads;
         let mut grads = GradStore::default();
-        self.backward_each(loss, vars, |var, part| {
-            // A first part comes detached and narrowed where exact; a sum of two is checked
-            // again.
-            let sum = match grads.get(var) {
-                Some(acc) => {
-                    let sum = acc
-                        .to_dtype(var.dtype())?
-                        .add(&part.to_dtype(var.dtype())?)?;
-                    match narrow {
-                        Some(narrow) => keep_narrow(&sum, narrow)?,
-                        None => sum.detach(),
-                    }
-                }
-                None => part,
-            };
-            grads.insert(var, sum);
+        self.backward_each(loss, vars, |var, gradient| {
+            grads.insert(var, gradient);
             Ok(())
         })?;
         Ok(grads)
     }
 
-    /// [`LayerRecompute::backward`] handing each part of a variable's gradient to `each` as
-    /// it comes — the loss's own backward's, then each layer's as it runs again, then the
-    /// embedding's — instead of keeping a store of them: `each(var, part)` gets the variable
-    /// (one of `vars`) and its part, detached (kept in 16 bits where asked and exact). A
-    /// variable read by one layer gets one part, a tied embedding two. A caller summing
-    /// gradients over micro-batches adds each part to its sums and lets it go, so no second
-    /// set of gradients stands beside the sums.
+    /// [`LayerRecompute::backward`] handing each variable's gradient to `each` as it is
+    /// complete — the loss's own backward's (the head and final norm), then each layer's as
+    /// it runs again, then the embedding's — instead of keeping a store of them:
+    /// `each(var, gradient)` gets the variable (one of `vars`) and its gradient, detached
+    /// (kept in 16 bits where asked and exact), once. A tied embedding's part from the head
+    /// waits for the lookup's part and the two are handed as their sum, in the order and
+    /// dtype one backward's store adds them. A caller summing gradients over micro-batches
+    /// adds each to its sums and lets it go, so no second set of gradients stands beside
+    /// the sums.
     pub fn backward_each<'v>(
         self,
         loss: &Tensor,
@@ -135,7 +122,17 @@ impl<'m> LayerRecompute<'m> {
         let mut grad = top.remove(kept.top.as_tensor()).ok_or_else(|| {
             ModelError::Input("the loss does not depend on the recomputing forward's logits".into())
         })?;
-        hand_parts(&top, &vars, narrow, &mut each)?;
+        // The head's part of a tied embedding, held until the lookup's part comes.
+        let tied = model.embed.id();
+        let mut held: Option<(Tensor, Tensor)> = None;
+        hand_parts(&top, &vars, narrow, &mut |var, part| {
+            if var.id() == tied {
+                held = Some((var.clone(), part));
+                Ok(())
+            } else {
+                each(var, part)
+            }
+        })?;
         drop(top);
         let forced: Vec<LayerPlan> = kept
             .dispatched
@@ -171,10 +168,38 @@ impl<'m> LayerRecompute<'m> {
         let embedded = model.embed_tokens(&kept.ids, &kept.host_ids, &kept.embedded_shape)?;
         if embedded.track_op() {
             let local = seeded_backward(&embedded, &grad)?;
-            hand_parts(&local, &vars, narrow, &mut each)?;
+            hand_parts(&local, &vars, narrow, &mut |var, part| match held.take() {
+                Some((held_var, first)) if held_var.id() == var.id() => {
+                    each(var, add_parts(&first, &part, var.dtype(), narrow)?)
+                }
+                other => {
+                    held = other;
+                    each(var, part)
+                }
+            })?;
+        }
+        // A head part whose lookup part never came (the embedding not differentiated).
+        if let Some((var, part)) = held {
+            each(&var, part)?;
         }
         Ok(())
     }
+}
+
+/// `first + second` in `dtype` (each part widened or narrowed to it), kept in `narrow`
+/// where that holds the sum exactly, detached: how one backward's store adds a weight's two
+/// gradient parts.
+fn add_parts(
+    first: &Tensor,
+    second: &Tensor,
+    dtype: DType,
+    narrow: Option<DType>,
+) -> Result<Tensor> {
+    let sum = first.to_dtype(dtype)?.add(&second.to_dtype(dtype)?)?;
+    Ok(match narrow {
+        Some(narrow) => keep_narrow(&sum, narrow)?,
+        None => sum.detach(),
+    })
 }
 
 /// The backward of `output`'s graph from the gradient `grad` of `output`: of
@@ -199,7 +224,7 @@ fn hand_parts(
     local: &GradStore,
     vars: &HashMap<TensorId, Tensor>,
     narrow: Option<DType>,
-    each: &mut impl FnMut(&Tensor, Tensor) -> Result<()>,
+    each: &mut dyn FnMut(&Tensor, Tensor) -> Result<()>,
 ) -> Result<()> {
     for id in local.get_ids() {
         let (Some(var), Some(part)) = (vars.get(id), local.get_id(*id)) else {

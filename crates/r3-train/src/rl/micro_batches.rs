@@ -193,11 +193,10 @@ pub fn backward_into<'v>(
 }
 
 /// A recomputing forward's backward ([`LayerRecompute::backward_each`], gradient
-/// checkpointing) with each part of each gradient of `vars` added to its sum in `acc` as the
-/// layer that makes it runs again, and then dropped, as [`backward_into`] does for a plain
-/// backward. A tied embedding's two parts are added one after the other (in f32 sums: the
-/// sum of the three, rounded in another order than adding the parts first); with
-/// [`GradientSums::Bf16`] its second part draws from another key than its first.
+/// checkpointing) with each gradient of `vars` added to its sum in `acc` as the layer that
+/// makes it runs again, and then dropped, as [`backward_into`] does for a plain backward. A
+/// tied embedding's two parts are summed first, so its sum gets one addition (and with
+/// [`GradientSums::Bf16`] one rounding), as a plain backward's.
 pub fn recomputed_backward_into<'v>(
     layers: LayerRecompute<'_>,
     loss: &Tensor,
@@ -211,25 +210,13 @@ pub fn recomputed_backward_into<'v>(
         .enumerate()
         .map(|(place, var)| (var.as_tensor().id(), place))
         .collect();
-    // Parts each variable has had in this backward: the second part of a tied weight's
-    // gradient is another sum, with its own draws.
-    let mut parts: HashMap<TensorId, u64> = HashMap::new();
-    layers.backward_each(loss, vars.iter().copied(), |var, part| {
+    // Each variable's gradient comes once (a tied embedding's two parts summed first).
+    layers.backward_each(loss, vars.iter().copied(), |var, gradient| {
         // `backward_each` hands the variables it was given only.
         let place = places.get(&var.id()).copied().ok_or_else(|| {
-            r3_model::ModelError::Input("a gradient part of a variable not asked for".into())
+            r3_model::ModelError::Input("a gradient of a variable not asked for".into())
         })?;
-        let seen = parts.entry(var.id()).or_insert(0);
-        let sums = match sums {
-            GradientSums::Bf16 { seed, step, micro } => GradientSums::Bf16 {
-                seed,
-                step,
-                micro: micro | (*seen << 32),
-            },
-            f32 => f32,
-        };
-        *seen += 1;
-        add_gradient(acc, var, place, &part, sums)
+        add_gradient(acc, var, place, &gradient, sums)
             .map_err(|e| r3_model::ModelError::Input(e.to_string()))
     })?;
     Ok(())

@@ -6,7 +6,7 @@
 use std::path::Path;
 
 #[allow(unused_imports)]
-pub use r3_test_support::{tiny_model, Scratch};
+pub use r3_test_support::{tiny_model, tiny_tied_model, Scratch};
 use r3_train::config::{RouterReplay, TrainConfig};
 
 /// A run config small enough for a test: 2 prompts × 2 samples, 6 new tokens.
