@@ -74,19 +74,24 @@ impl Backend {
                         .map_err(TrainError::Rollout)?,
                     ..EngineConfig::default()
                 };
-                let tensors = policy.tensor_map()?;
                 let device = cfg
                     .rollout
                     .device
                     .parse::<RolloutDevice>()
                     .map_err(TrainError::Rollout)?;
                 Ok(match device.candle() {
-                    None => {
-                        Backend::Engine(Engine::new(policy.config().clone(), &tensors, engine_cfg)?)
-                    }
+                    // The CPU engine packs host values: a GPU policy's weights cross once.
+                    None => Backend::Engine(Engine::new(
+                        policy.config().clone(),
+                        &policy.tensor_map()?,
+                        engine_cfg,
+                    )?),
+                    // The device engine copies what it keeps onto its own device (checking
+                    // them there), so a GPU policy's weights reach a GPU engine without
+                    // crossing the host, as at every sync.
                     Some(spec) => Backend::Device(DeviceEngine::new(
                         policy.config().clone(),
-                        &tensors,
+                        &policy.device_tensor_map(),
                         DeviceEngineConfig::from_engine_config(spec, &engine_cfg),
                     )?),
                 })

@@ -111,7 +111,8 @@ impl Trainer {
         // the tensor) and after every update (else the update is skipped and counted in
         // `update.skipped`), so no checkpoint or sync holds a weight its engine cannot.
         let rollout_precision = rollout_dtype(&cfg.rollout.dtype)?.weight_precision();
-        check_map_holds(&policy.tensor_map()?, rollout_precision)?;
+        // Scanned where the weights live (on a GPU by its kernels: no host copy of them).
+        check_map_holds(&policy.device_tensor_map(), rollout_precision)?;
         let mut optimizer = AdamW::new(policy.vars().to_vec(), params, decay_matrices_only)?;
         optimizer.set_weight_precision(rollout_precision);
         optimizer.set_staging(cfg.optim.update_staging);
