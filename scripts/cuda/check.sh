@@ -56,8 +56,10 @@
 #    matrices held in bf16, beside HF bf16 (≈ 2 x 60–150 s).
 # 10. Only with --steps 10: whole RL steps with both engines on the GPU, `r3 bench step`:
 #    each phase's time and its share of the GPU's limits measured in the same run (its GEMM
-#    peak in the phase's dtype, its copy rate), on configs/gsm8k-style.toml as shipped and
-#    with bench train's mid model (240 M, random weights), in bf16 (≈ 2 x 30–90 s).
+#    peak in the phase's dtype, its copy rate), on configs/gsm8k-style.toml as shipped, with
+#    bench train's mid model (208 M with that vocabulary, random weights) and with the
+#    30B-A3B layer shape (8 layers, ≈ 5.3 B parameters drawn on the GPU; bf16 weights,
+#    moments and gradient sums), all in bf16 (≈ 30–90 s, 60–150 s, 90–240 s).
 # Ends with one summary line.
 set -uo pipefail
 
@@ -739,19 +741,22 @@ fi
 if wants 10; then
 t0=$(date +%s)
 stepped=()
-for run in "config 90" "mid 150"; do
-    read -r model secs <<< "$run"
+lean="--set train.master_weights=bf16 --set optim.moments_dtype=bf16 --set train.grad_accum_dtype=bf16"
+for run in "config 90" "mid 150" "a3b-8l 240 $lean"; do
+    read -r model secs sets <<< "$run"
     if [ "$(left)" -lt 45 ]; then stepped+=("$model skipped(budget)"); continue; fi
+    # shellcheck disable=SC2086 # $sets: more --set options, split on purpose
     timeout "$(limit "$secs")" "$bin/r3" bench step --config configs/gsm8k-style.toml \
         --model "$model" --steps 3 --warmup 2 --set train.device=cuda --set rollout.device=cuda \
-        --set train.dtype=bf16 --set rollout.dtype=bf16 --set algo.dynamic_sampling=false \
+        --set train.dtype=bf16 --set rollout.dtype=bf16 --set algo.dynamic_sampling=false $sets \
         > "$work/bench-step-$model.txt" 2>&1
     rc=$?
     grep -vE "INFO|WARN" "$work/bench-step-$model.txt" | tail -n 16
     line=$(grep -E "^step " "$work/bench-step-$model.txt" | awk '{print $2 " s, " $8 " of limit"}')
     rollout=$(grep -E "^rollout\+capture " "$work/bench-step-$model.txt" | awk '{print $3 " " $8}')
     update=$(grep -E "^update backward " "$work/bench-step-$model.txt" | awk '{print $4 " " $9}')
-    stepped+=("$model rc $rc: step ${line:-?} (rollout share/of-limit ${rollout:-?}; backward ${update:-?})")
+    device_mib=$(grep -E "high-water mark over a step" "$work/bench-step-$model.txt" | sed -E 's/.* ([0-9]+) MiB.*/\1/')
+    stepped+=("$model rc $rc: step ${line:-?} (rollout share/of-limit ${rollout:-?}; backward ${update:-?}; tensors ${device_mib:-?} MiB)")
 done
 verdict bench-step "$(IFS=';'; echo "${stepped[*]}")"
 echo "   RL step bench took $(( $(date +%s) - t0 )) s"

@@ -61,6 +61,34 @@ fn the_same_seed_gives_the_same_first_steps() {
     assert_ne!(mc, md);
 }
 
+/// A trainer built from the model in memory (`Trainer::with_model`: config, weights and
+/// tokenizer handed over) runs the steps a trainer reading the same model's directory runs.
+#[test]
+fn a_model_handed_over_in_memory_trains_as_its_directory_does() {
+    let dir = Scratch::new("with-model");
+    let model = dir.path().join("model");
+    let model_cfg = tiny_model(&model, 23);
+    let cfg = tiny_config(&model, &dir.path().join("run"), RouterReplay::R3, 2);
+    let weights = r3_model::Weights::load(&model, &model_cfg, &Device::Cpu).expect("weights");
+    let tokenizer = r3_train::ModelText::from_model_dir(&model).expect("tokenizer");
+    let mut from_dir = Trainer::new(cfg.clone()).expect("trainer from the directory");
+    let mut in_memory =
+        Trainer::with_model(cfg, model_cfg, weights, tokenizer).expect("trainer from memory");
+    for _ in 0..2 {
+        let a = from_dir
+            .rl_step()
+            .expect("step")
+            .without_timing()
+            .expect("json");
+        let b = in_memory
+            .rl_step()
+            .expect("step")
+            .without_timing()
+            .expect("json");
+        assert_eq!(a, b);
+    }
+}
+
 #[test]
 fn a_resumed_run_continues_like_an_uninterrupted_one() {
     let dir = Scratch::new("resume");

@@ -45,9 +45,12 @@ pub struct BenchStepArgs {
     /// Override one config key, e.g. `--set rollout.prompts_per_step=4` (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
-    /// The model trained: `config` (the config's `model_dir`) or `mid` (`r3 bench train`'s
-    /// mid-size config with seeded random weights and the config model's tokenizer).
-    #[arg(long, default_value = "config", value_parser = ["config", "mid"])]
+    /// The model trained: `config` (the config's `model_dir`), or a `r3 bench train` shape
+    /// with seeded random weights (drawn on the training device) and the config model's
+    /// tokenizer and vocabulary: `mid` (208 M parameters with that vocabulary) or `a3b-8l`
+    /// (Qwen3-30B-A3B's layers, 8 of them: a GPU's size, ≈ 5.3 B parameters with a small
+    /// vocabulary).
+    #[arg(long, default_value = "config", value_parser = ["config", "mid", "a3b-8l"])]
     pub model: String,
     /// Measured steps (after the warm-up).
     #[arg(long, default_value_t = 3)]
@@ -63,42 +66,38 @@ pub struct BenchStepArgs {
     #[arg(long)]
     pub json: bool,
 }
-/// A temporary model directory, removed when dropped.
-struct ScratchModel(PathBuf);
-
-impl Drop for ScratchModel {
-    fn drop(&mut self) {
-        // Best effort: a leftover directory in the temp dir harms nothing.
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// `r3 bench train`'s mid-size config with the vocabulary and special-token ids of the
-/// model in `source` (so its tokenizer fits), seeded random weights (as `bench train`
-/// draws them), written with that tokenizer into a temporary directory.
-fn mid_model(source: &Path, seed: u64) -> anyhow::Result<ScratchModel> {
+/// A bench config's shape (`r3 bench train`'s `mid`, or `a3b-8l`: Qwen3-30B-A3B's layers,
+/// 8 of them) with the vocabulary and special-token ids of the model in `source` (so its
+/// tokenizer fits), and seeded random weights drawn on `device` as `bench train` draws them
+/// (by its own generator on a GPU: billions of values in seconds, never written to disk;
+/// on the CPU exactly the host's draws).
+fn preset_model(
+    preset: &str,
+    source: &Path,
+    seed: u64,
+    device: &Device,
+) -> anyhow::Result<(Config, Weights)> {
     let path = source.join("config.json");
     let text =
         std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
     let source_cfg: serde_json::Value =
         serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
-    let mut raw = presets::mid_size_bench_config()?.raw;
+    let mut raw = match preset {
+        "a3b-8l" => presets::qwen3_30b_a3b_layers_config(8)?.raw,
+        _ => presets::mid_size_bench_config()?.raw,
+    };
     for key in ["vocab_size", "bos_token_id", "eos_token_id", "pad_token_id"] {
         if let Some(v) = source_cfg.get(key) {
             raw[key] = v.clone();
         }
     }
     let cfg = Config::from_value(raw)?;
-    let dir = std::env::temp_dir().join(format!("r3-bench-step-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let scratch = ScratchModel(dir);
     let mut init = RandomInit::new(seed);
     init.std = 0.02;
     init.router_std = 0.02;
     init.norm_jitter = 0.0;
-    Weights::random(&cfg, &init, &candle_core::Device::Cpu)?.save(&scratch.0, &cfg)?;
-    ModelText::from_model_dir(source)?.save(&scratch.0)?;
-    Ok(scratch)
+    let weights = Weights::random_on_device(&cfg, &init, device)?;
+    Ok((cfg, weights))
 }
 
 /// Where a phase of the step runs: a device, and the dtype of its matrix work there.
@@ -329,23 +328,35 @@ pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
         .map_or("configs/default.toml (built in)".to_string(), |p| {
             p.display().to_string()
         });
-    let mut model_name = cfg.model_dir.display().to_string();
-    let _scratch = match args.model.as_str() {
-        "mid" => {
-            let m = mid_model(&cfg.model_dir, cfg.seed)?;
-            model_name =
-                format!("mid-size bench config, random weights, tokenizer of {model_name}");
-            cfg.model_dir = m.0.clone();
-            Some(m)
-        }
-        _ => None,
-    };
+    let source = cfg.model_dir.display().to_string();
     let rollout_weight_bytes = match cfg.rollout.dtype.as_str() {
         "f32" => 4.0,
         _ => 2.0,
     };
     let moment_bytes = cfg.optim.moment_dtype()?.size_in_bytes() as u64;
-    let mut trainer = Trainer::new(cfg).context("building the trainer")?;
+    let (mut trainer, model_name) = match args.model.as_str() {
+        "config" => (Trainer::new(cfg).context("building the trainer")?, source),
+        preset => {
+            let device = cfg.train.device_spec()?.open()?;
+            anyhow::ensure!(
+                preset != "a3b-8l" || !device.is_cpu(),
+                "--model a3b-8l is a GPU's size (≈ 5.3 B parameters, 21 GB in f32 before \
+                 gradients and moments): train it with --set train.device=cuda"
+            );
+            let (model_cfg, weights) = preset_model(preset, &cfg.model_dir, cfg.seed, &device)?;
+            let tokenizer = ModelText::from_model_dir(&cfg.model_dir)?;
+            let trainer = Trainer::with_model(cfg, model_cfg, weights, tokenizer)
+                .context("building the trainer")?;
+            let name = match preset {
+                "a3b-8l" => "Qwen3-30B-A3B's layer shape, 8 layers",
+                _ => "mid-size bench config",
+            };
+            (
+                trainer,
+                format!("{name}, random weights, tokenizer and vocabulary of {source}"),
+            )
+        }
+    };
     let model_cfg = trainer.policy.config().clone();
     let held = held_vars(&trainer);
     let params: usize = held.iter().map(|v| v.elems).sum();

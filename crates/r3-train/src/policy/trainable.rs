@@ -359,7 +359,19 @@ impl TrainablePolicy {
         masters: MasterWeights,
     ) -> Result<Self> {
         let cfg = Config::from_file(&dir.join("config.json"))?;
-        let mut weights = Weights::load(dir, &cfg, device)?;
+        let weights = Weights::load(dir, &cfg, device)?;
+        Self::for_training(cfg, weights, precision, masters)
+    }
+
+    /// [`TrainablePolicy::load_for_training`] of f32 weights already in memory, on the
+    /// device they live on (drawn there by a benchmark, say): trained at `precision`, the
+    /// matrices held as `masters` says.
+    pub fn for_training(
+        cfg: Config,
+        mut weights: Weights,
+        precision: Precision,
+        masters: MasterWeights,
+    ) -> Result<Self> {
         if masters == MasterWeights::Bf16 {
             let narrow = precision
                 .narrow_dtype()

@@ -8,7 +8,7 @@
 use std::path::Path;
 use std::time::Instant;
 
-use r3_model::{check_map_holds, WeightPrecision};
+use r3_model::{check_map_holds, Config, DeviceSpec, WeightPrecision, Weights};
 use r3_rollout::{config_eos_ids, GenerateRequest};
 use r3_tasks::{DatasetPosition, Reward};
 
@@ -74,6 +74,39 @@ impl Trainer {
         let dir = cfg.model_dir.clone();
         let policy = load_policy(&cfg, &dir)?;
         let tokenizer = ModelText::from_model_dir(&dir)?;
+        Self::assemble(cfg, policy, tokenizer, None)
+    }
+
+    /// A fresh trainer on a model held in memory instead of `cfg.model_dir`'s files: its
+    /// config, its f32 weights (on `cfg`'s training device, `train.device`) and its
+    /// tokenizer; then as [`Trainer::new`]. For a benchmark whose weights are drawn on the
+    /// GPU: billions of parameters never written to disk or crossing the host.
+    pub fn with_model(
+        cfg: TrainConfig,
+        model_cfg: Config,
+        weights: Weights,
+        tokenizer: ModelText,
+    ) -> Result<Self> {
+        let device = cfg.train.device_spec()?;
+        let elsewhere = weights
+            .tensors()
+            .iter()
+            .find(|(_, t)| DeviceSpec::of(t.device()) != device);
+        if let Some((name, t)) = elsewhere {
+            return Err(TrainError::InvalidConfig {
+                field: "train.device",
+                reason: format!(
+                    "the weight {name} lives on {}, not on the training device {device}",
+                    DeviceSpec::of(t.device())
+                ),
+            });
+        }
+        let policy = TrainablePolicy::for_training(
+            model_cfg,
+            weights,
+            cfg.train.precision()?,
+            cfg.train.master_weights()?,
+        )?;
         Self::assemble(cfg, policy, tokenizer, None)
     }
 
