@@ -48,7 +48,7 @@ pub struct BenchStepArgs {
     /// The model trained: `config` (the config's `model_dir`), or a `r3 bench train` shape
     /// with seeded random weights (drawn on the training device) and the config model's
     /// tokenizer and vocabulary: `mid` (208 M parameters with that vocabulary) or `a3b-8l`
-    /// (Qwen3-30B-A3B's layers, 8 of them: a GPU's size, ≈ 5.3 B parameters with a small
+    /// (Qwen3-30B-A3B's layers, 8 of them: a GPU's size, ≈ 5.0 B parameters with a small
     /// vocabulary).
     #[arg(long, default_value = "config", value_parser = ["config", "mid", "a3b-8l"])]
     pub model: String,
@@ -340,7 +340,7 @@ pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
             let device = cfg.train.device_spec()?.open()?;
             anyhow::ensure!(
                 preset != "a3b-8l" || !device.is_cpu(),
-                "--model a3b-8l is a GPU's size (≈ 5.3 B parameters, 21 GB in f32 before \
+                "--model a3b-8l is a GPU's size (≈ 5.0 B parameters, 20 GB in f32 before \
                  gradients and moments): train it with --set train.device=cuda"
             );
             let (model_cfg, weights) = preset_model(preset, &cfg.model_dir, cfg.seed, &device)?;
