@@ -56,7 +56,8 @@
 #    matrices held in bf16, beside HF bf16 (≈ 2 x 60–150 s).
 # 10. Only with --steps 10: whole RL steps with both engines on the GPU, `r3 bench step`:
 #    each phase's time and its share of the GPU's limits measured in the same run (its GEMM
-#    peak in the phase's dtype, its copy rate), on configs/gsm8k-style.toml as shipped, with
+#    peak in the phase's dtype, its copy rate), on configs/gsm8k-style.toml (dynamic sampling
+#    off: a random model's groups all score alike) with its own model, with
 #    bench train's mid model (208 M with that vocabulary, random weights) and with the
 #    30B-A3B layer shape (8 layers, ≈ 5.0 B parameters drawn on the GPU; bf16 weights,
 #    moments and gradient sums), all in bf16 (≈ 30–90 s, 60–150 s, 90–240 s).
