@@ -53,7 +53,8 @@
 # 8. Only with --steps 8: the kernels one decode step launches at batch 1 (mid, bf16 and
 #    f32), by Nsight Compute (≈ 60–80 s a dtype: each kernel is profiled).
 # 9. Only with --steps 9: the 30B-A3B shape at batch 8 x 512 (the issue's HF figure) with the
-#    matrices held in bf16, beside HF bf16 (≈ 2 x 60–150 s).
+#    matrices held in bf16, beside HF bf16, then again with the head scored in chunks while
+#    the budget lasts (≈ 3 x 60–150 s).
 # 10. Only with --steps 10: whole RL steps with both engines on the GPU, `r3 bench step`:
 #    each phase's time and its share of the GPU's limits measured in the same run (its GEMM
 #    peak in the phase's dtype, its copy rate), on configs/gsm8k-style.toml (dynamic sampling
@@ -733,7 +734,19 @@ hf_mem=$(gpu_peak "$work/bench-hf-$name.txt" timeout "$(limit 150)" "$python" sc
     --config a3b-8l --dtype bf16 --batch 8 --seq-len 512 --steps 3)
 cat "$work/bench-hf-$name.txt"
 hf_tps=$(grep -E "^peer " "$work/bench-hf-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s.*/\1/')
-verdict bench-batch8 "r3 bf16 masters ${r3_tps:-?} tok/s ${r3_mem:-?} MiB (tensors $(tensors_mib "$work/bench-r3-$name.txt") MiB; gradients $(grads_kept "$work/bench-r3-$name.txt"); $(peak_share "$work/bench-r3-$name.txt")), replay ${replay_cost:-?}%; HF bf16 ${hf_tps:-?} tok/s ${hf_mem:-?} MiB"
+line="r3 bf16 masters ${r3_tps:-?} tok/s ${r3_mem:-?} MiB (tensors $(tensors_mib "$work/bench-r3-$name.txt") MiB; gradients $(grads_kept "$work/bench-r3-$name.txt"); $(peak_share "$work/bench-r3-$name.txt")), replay ${replay_cost:-?}%; HF bf16 ${hf_tps:-?} tok/s ${hf_mem:-?} MiB"
+# Then, while the budget lasts, r3 with its head scored 1,024 tokens at a time without the
+# logits kept (`algo.head_chunk_tokens`): at 8 x 512 tokens and 151,936 columns the f32 logits
+# and their log-softmax are ≈ 5 GB of the activations (one more forward of the head).
+if [ "$(left)" -ge 100 ]; then
+    chunk_mem=$(gpu_peak "$work/bench-r3-chunk-$name.txt" timeout "$(limit 150)" "$bin/r3" bench train \
+        --device cuda --config a3b-8l --dtype bf16 --batch 8 --seq-len 512 --steps 3 --warmup 1 \
+        --master-weights bf16 --head-chunk-tokens 1024)
+    cat "$work/bench-r3-chunk-$name.txt"
+    chunk_tps=$(grep -E "^native +mean" "$work/bench-r3-chunk-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s +best.*/\1/')
+    line+="; r3 bf16 masters, head in chunks of 1024 ${chunk_tps:-?} tok/s ${chunk_mem:-?} MiB (tensors $(tensors_mib "$work/bench-r3-chunk-$name.txt") MiB)"
+fi
+verdict bench-batch8 "$line"
 echo "   batch-8 bench took $(( $(date +%s) - t0 )) s"
 fi
 
