@@ -113,6 +113,21 @@ else
 fi
 gpu_name=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -n 1)
 echo "== GPU: ${gpu_name:-unknown (nvidia-smi failed)}"
+# Which Python packages the machine has (a peer needing one it lacks cannot run there; TRL,
+# the CPU step's peer, is pure Python and could be carried if its dependencies are present).
+python_packages=$("$python" - <<'PY' 2>/dev/null
+import importlib.metadata as m
+import sys
+found = []
+for name in ["torch", "transformers", "accelerate", "datasets", "trl", "pyarrow", "pandas", "numpy"]:
+    try:
+        found.append(f"{name} {m.version(name)}")
+    except m.PackageNotFoundError:
+        found.append(f"{name} -")
+print(f"python {sys.version.split()[0]}: " + ", ".join(found))
+PY
+)
+verdict python "${python_packages:-unknown}"
 for exe in r3 r3-model-devices r3-model-kernels r3-train-devices r3-rollout-device_engine r3-rollout-device_prefix_cache; do
     if [ ! -x "$bin/$exe" ]; then
         echo "check.sh: $bin/$exe is missing: run scripts/cuda/build.sh and carry gpu/bin" >&2
