@@ -438,16 +438,19 @@ extern "C" __global__ void r3_embedding_grad_f32(const float *grad, const uint32
 }
 
 // SwiGLU over a gate-up projection's halves (layers/swiglu_halves.rs): y[r, j] = silu(g) · u
-// with g = h[r, j], u = h[r, I + j], silu(g) = g / (1 + exp(−g)) as candle computes it.
-// CPU twin: swiglu_halves.rs `swiglu_rows`.
+// with g = h[r, j], u = h[r, I + j], silu(g) = g / (1 + exp(−g)) as candle computes it, then
+// rounded by `rounded_as` (round 0: as it is; 1 / 2: the bf16 / f16 rounding point that
+// follows it, `swiglu_halves_rounded`). CPU twin: swiglu_halves.rs `swiglu_rows` (then
+// `round16::round_in_place`).
 __device__ __forceinline__ float silu_of(float g) { return g / (1.0f + expf(-g)); }
 
-extern "C" __global__ void r3_swiglu_f32(const float *h, float *y, size_t n, uint32_t half) {
+extern "C" __global__ void r3_swiglu_f32(const float *h, float *y, size_t n, uint32_t half,
+                                         uint32_t round) {
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (size_t)blockDim.x * gridDim.x) {
         const size_t r = i / half, j = i % half;
         const float g = h[r * 2 * half + j], u = h[r * 2 * half + half + j];
-        y[i] = silu_of(g) * u;
+        y[i] = rounded_as(silu_of(g) * u, round);
     }
 }
 

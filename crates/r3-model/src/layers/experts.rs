@@ -19,7 +19,7 @@ use super::expert_gemm::{
 use super::gather_rows::GatherRows;
 use super::linear::matmul_wt;
 use super::routed_op::RoutedSwiGlu;
-use super::swiglu_halves::{swiglu_halves, swiglu_halves_narrow};
+use super::swiglu_halves::{swiglu_halves, swiglu_halves_narrow, swiglu_halves_rounded};
 use crate::error::{ModelError, Result};
 use crate::precision::{Precision, WeightGradients};
 use crate::spec::fused_expert_names;
@@ -335,13 +335,14 @@ impl RoutedExperts {
             self.gemm_inputs,
             self.weight_grads,
         )?;
-        let a = match swiglu_halves(&hidden)? {
+        // The SwiGLU with its rounding point in one op: the graph holds no unrounded copy.
+        let a = match swiglu_halves_rounded(&hidden, p)? {
             Some(a) => a,
-            None => (hidden.narrow(2, 0, i)?.silu()? * hidden.narrow(2, i, i)?)?,
+            None => p.round(&(hidden.narrow(2, 0, i)?.silu()? * hidden.narrow(2, i, i)?)?)?,
         };
         expert_blocks_matmul(
             p,
-            &p.round(&a)?,
+            &a,
             &self.down,
             down_copy,
             experts,
