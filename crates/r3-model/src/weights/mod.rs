@@ -291,24 +291,36 @@ impl Weights {
         narrow: DType,
         router_narrow: bool,
     ) -> Result<Weights> {
-        let layout = self.expert_layout(cfg);
+        let names = self.narrowed_matrix_names(cfg, router_narrow);
         let mut tensors = self.tensors;
-        for spec in tensor_specs_in(cfg, layout) {
-            let narrowed = match spec.role {
-                TensorRole::Matrix => spec.name != weight(EMBED),
-                TensorRole::Router => router_narrow,
-                _ => false,
-            };
-            if !narrowed {
-                continue;
-            }
-            if let Some(t) = tensors.get_mut(&spec.name) {
+        for name in &names {
+            if let Some(t) = tensors.get_mut(name) {
                 if t.dtype() == DType::F32 {
                     *t = t.to_dtype(narrow)?;
                 }
             }
         }
         Ok(Weights::from_map(tensors))
+    }
+
+    /// The names [`Weights::narrow_matrices`] stores in the 16-bit float, in this map's
+    /// expert layout (per expert or fused): every weight matrix but the embedding, and the
+    /// routers' gates iff `router_narrow`. A loader converting tensor by tensor narrows these
+    /// as it goes, with no f32 copy of the whole model in between.
+    pub fn narrowed_matrix_names(
+        &self,
+        cfg: &Config,
+        router_narrow: bool,
+    ) -> std::collections::BTreeSet<String> {
+        tensor_specs_in(cfg, self.expert_layout(cfg))
+            .into_iter()
+            .filter(|spec| match spec.role {
+                TensorRole::Matrix => spec.name != weight(EMBED),
+                TensorRole::Router => router_narrow,
+                _ => false,
+            })
+            .map(|spec| spec.name)
+            .collect()
     }
 
     /// For training with the weights held in bf16 and no f32 master (a trainer's

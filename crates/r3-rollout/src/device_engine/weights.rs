@@ -88,38 +88,65 @@ pub(super) fn check_budgets_fit(
     )))
 }
 
-/// r3-model's model on `device` from HF-named tensors: f32 copies on the device, experts
-/// fused, and in bf16 / f16 the weight matrices stored in that format
-/// (`Weights::narrow_matrices`: the values the forward rounds them to at every matmul, at
-/// half the memory and with no cast per step).
+/// r3-model's model on `device` from HF-named tensors: copies on the device, experts fused,
+/// and in bf16 / f16 the weight matrices stored in that format (`Weights::narrow_matrices`:
+/// the values the forward rounds them to at every matmul, at half the memory and with no
+/// cast per step), the rest in f32. Each matrix is converted to the 16-bit float where it
+/// lies and then moved, one tensor at a time, and one already in that float is copied as it
+/// is: no f32 copy of the whole model stands on the device while the engine is built (on
+/// the 30B-A3B shape 20 GB beside the engine's 10, at every weight sync), and a trainer's
+/// bf16 weights cross with no conversion at all. The same values as converting everything
+/// to f32 first (a conversion to f32 is exact, and each rounding is the same one).
 pub(super) fn build_model(
     model_cfg: &Config,
     tensors: &TensorMap,
     cfg: &DeviceEngineConfig,
     device: &Device,
 ) -> Result<Model, RolloutError> {
+    let precision = precision(cfg.dtype, cfg.router_dtype);
+    let weights = engine_weights(model_cfg, tensors, precision, device)?;
+    Ok(Model::with_precision(model_cfg, &weights, precision)?)
+}
+
+/// [`build_model`]'s weights: `tensors` on `device` in the formats `precision` keeps them.
+fn engine_weights(
+    model_cfg: &Config,
+    tensors: &TensorMap,
+    precision: Precision,
+    device: &Device,
+) -> Result<Weights, RolloutError> {
+    let router_narrow = precision.router().narrow_dtype().is_some();
+    let narrowed = match precision.narrow_dtype() {
+        Some(_) => {
+            Weights::from_map(tensors.clone()).narrowed_matrix_names(model_cfg, router_narrow)
+        }
+        None => Default::default(),
+    };
     let on_device = tensors
         .iter()
         .map(|(name, t)| {
-            // A tensor already in f32 on the engine's device may be the trainer's own
+            let dtype = match precision.narrow_dtype() {
+                Some(narrow) if narrowed.contains(name) => narrow,
+                _ => DType::F32,
+            };
+            // A tensor already in its dtype on the engine's device may be the trainer's own
             // storage (its optimiser writes variables in place): the engine keeps a copy, so
             // its weights stay those of the version it loaded; the copy stays on the device.
             // A conversion or a move copies already.
-            let t = if t.dtype() == DType::F32 && t.device().same_device(device) {
+            let t = if t.dtype() == dtype && t.device().same_device(device) {
                 t.copy()?
             } else {
-                t.to_dtype(DType::F32)?.to_device(device)?
+                t.to_dtype(dtype)?.to_device(device)?
             };
             Ok((name.clone(), t))
         })
         .collect::<Result<TensorMap, RolloutError>>()?;
-    let precision = precision(cfg.dtype, cfg.router_dtype);
     let mut weights = Weights::from_map(on_device).fuse_experts(model_cfg)?;
     if let Some(narrow) = precision.narrow_dtype() {
-        let router_narrow = precision.router().narrow_dtype().is_some();
+        // Every matrix is narrow already, per expert or fused; this converts none that is.
         weights = weights.narrow_matrices(model_cfg, narrow, router_narrow)?;
     }
-    Ok(Model::with_precision(model_cfg, &weights, precision)?)
+    Ok(weights)
 }
 
 /// r3-model's forward precision for an engine dtype.
@@ -129,5 +156,113 @@ fn precision(dtype: Dtype, router: RouterDtype) -> Precision {
         Dtype::F32 => Precision::F32,
         Dtype::Bf16 => Precision::Bf16 { router_f32 },
         Dtype::F16 => Precision::F16 { router_f32 },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Tensor;
+    use r3_model::RandomInit;
+
+    /// A tiny Qwen3-MoE config (2 MoE layers of 4 experts, top-2).
+    fn tiny() -> Config {
+        Config::from_value(serde_json::json!({
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "vocab_size": 32,
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "moe_intermediate_size": 8,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 8,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": true,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "max_position_embeddings": 32,
+            "tie_word_embeddings": false
+        }))
+        .expect("tiny config")
+    }
+
+    /// The engine's weights as they were built before: every tensor copied to f32, the
+    /// experts fused, then the matrices narrowed.
+    fn through_f32(cfg: &Config, tensors: &TensorMap, precision: Precision) -> Weights {
+        let wide: TensorMap = tensors
+            .iter()
+            .map(|(n, t)| {
+                (
+                    n.clone(),
+                    t.to_dtype(DType::F32).expect("f32").copy().expect("copy"),
+                )
+            })
+            .collect();
+        let mut w = Weights::from_map(wide).fuse_experts(cfg).expect("fuse");
+        if let Some(narrow) = precision.narrow_dtype() {
+            let router = precision.router().narrow_dtype().is_some();
+            w = w.narrow_matrices(cfg, narrow, router).expect("narrow");
+        }
+        w
+    }
+
+    fn bits(t: &Tensor) -> (DType, Vec<u32>) {
+        let v: Vec<f32> = t
+            .to_dtype(DType::F32)
+            .and_then(|t| t.flatten_all())
+            .and_then(|t| t.to_vec1())
+            .expect("values");
+        (t.dtype(), v.iter().map(|x| x.to_bits()).collect())
+    }
+
+    /// Narrowing tensor by tensor gives the weights narrowing after an f32 copy of them all
+    /// gave, dtype and bits: f32 maps per expert and fused, a trainer's map with its matrices
+    /// in bf16, at f32, bf16 (router in bf16 or f32) and f16.
+    #[test]
+    fn tensor_by_tensor_equals_the_f32_copy_first() {
+        let cfg = tiny();
+        let random = Weights::random(&cfg, &RandomInit::new(3), &Device::Cpu).expect("weights");
+        let per_expert = random.clone().unfuse_experts(&cfg).expect("unfuse");
+        let fused = random.fuse_experts(&cfg).expect("fuse");
+        let bf16_masters = fused
+            .clone()
+            .narrow_for_training(&cfg, DType::BF16, true)
+            .expect("bf16 masters");
+        let maps = [
+            ("per expert", per_expert.into_map()),
+            ("fused", fused.into_map()),
+            ("bf16 masters", bf16_masters.into_map()),
+        ];
+        for (what, map) in &maps {
+            for precision in [
+                Precision::F32,
+                Precision::Bf16 { router_f32: false },
+                Precision::Bf16 { router_f32: true },
+                Precision::F16 { router_f32: false },
+            ] {
+                let got = engine_weights(&cfg, map, precision, &Device::Cpu).expect("engine");
+                let want = through_f32(&cfg, map, precision);
+                let (got, want) = (got.tensors(), want.tensors());
+                assert_eq!(
+                    got.keys().collect::<Vec<_>>(),
+                    want.keys().collect::<Vec<_>>(),
+                    "{what} {precision:?}"
+                );
+                for (name, t) in got {
+                    assert_eq!(bits(t), bits(&want[name]), "{what} {precision:?} {name}");
+                }
+                if precision.narrow_dtype().is_some() {
+                    assert!(
+                        got.values().any(|t| t.dtype() != DType::F32),
+                        "{what} {precision:?}: nothing narrowed"
+                    );
+                }
+            }
+        }
     }
 }
