@@ -27,13 +27,8 @@ use r3_train::rl::step::StepTrace;
 use r3_train::{ModelText, Trainer};
 
 use super::bench_optim::optimiser_bytes;
-use super::matmul_work::{
-    device_bandwidth, device_gemm_peak, f32_gemm_peak, flops_per_token, machine_threads,
-    stream_bandwidth,
-};
-use super::step_phases::{
-    median, step_work, summarise, Machine, ModelFacts, Phase, Row, Sample, PHASES,
-};
+use super::matmul_work::{flops_per_token, machine_threads, MachineLimits};
+use super::step_phases::{median, step_work, summarise, ModelFacts, Phase, Row, Sample, PHASES};
 use super::train::{model_dir_from_cwd, resolve_config};
 
 /// Options of `r3 bench step`.
@@ -138,22 +133,6 @@ impl Place {
             false => format!("{device}: {} GEMM peak", self.gemm_dtype()),
         }
     }
-
-    /// The limits, measured now: on the CPU the f32 GEMM peak on `threads` threads and
-    /// the STREAM triad; on a GPU the best of five 8192³ products in the dtype and the
-    /// device's copy rate.
-    fn measure(&self, threads: usize) -> anyhow::Result<Machine> {
-        if self.device.is_cpu() {
-            return Ok(Machine {
-                peak_flops: f32_gemm_peak(threads) * 1e9,
-                bandwidth: stream_bandwidth() * 1e9,
-            });
-        }
-        Ok(Machine {
-            peak_flops: device_gemm_peak(&self.device, self.dtype, 8192, 5)? * 1e9,
-            bandwidth: device_bandwidth(&self.device)? * 1e9,
-        })
-    }
 }
 
 /// The machines a step's phases run on: the trainer's, and the rollout engine's where
@@ -233,7 +212,9 @@ impl StepPlaces {
 
 /// Each phase's machine, in [`PHASES`] order: the measurement of the machine serving it, or
 /// none.
-fn phase_machines(measured: &[(Vec<Phase>, Machine)]) -> [Option<Machine>; PHASES.len()] {
+fn phase_machines(
+    measured: &[(Vec<Phase>, MachineLimits)],
+) -> [Option<MachineLimits>; PHASES.len()] {
     let mut out = [None; PHASES.len()];
     for (slot, phase) in out.iter_mut().zip(PHASES) {
         *slot = measured
@@ -375,7 +356,7 @@ pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
     let machines = places.machines();
     let before = machines
         .iter()
-        .map(|(place, _)| place.measure(threads))
+        .map(|(place, _)| MachineLimits::measure_on(&place.device, place.dtype, threads))
         .collect::<anyhow::Result<Vec<_>>>()?;
     let train_device = trainer.policy.device();
 
@@ -432,12 +413,12 @@ pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
     // least disturbed by other tenants of a shared machine).
     let after = machines
         .iter()
-        .map(|(place, _)| place.measure(threads))
+        .map(|(place, _)| MachineLimits::measure_on(&place.device, place.dtype, threads))
         .collect::<anyhow::Result<Vec<_>>>()?;
-    let measured: Vec<(Vec<Phase>, Machine)> = machines
+    let measured: Vec<(Vec<Phase>, MachineLimits)> = machines
         .iter()
         .zip(before.iter().zip(&after))
-        .map(|((_, phases), (b, a))| (phases.clone(), b.best_of(*a)))
+        .map(|((_, phases), (b, a))| (phases.clone(), b.highest(*a)))
         .collect();
     // The training machine's limits are the JSON's top-level figures (as before GPUs).
     let train_machine = measured
@@ -459,25 +440,26 @@ pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
             format!(
                 "  {} {:.1} / {:.1} GFLOP/s, streaming bandwidth {:.1} / {:.1} GB/s — {}",
                 place.label(threads),
-                b.peak_flops / 1e9,
-                a.peak_flops / 1e9,
-                b.bandwidth / 1e9,
-                a.bandwidth / 1e9,
+                b.peak_gflops,
+                a.peak_gflops,
+                b.bandwidth_gbs,
+                a.bandwidth_gbs,
                 serves.join(", ")
             )
         })
         .collect();
     let machines_json: Vec<serde_json::Value> = machines
         .iter()
+        .zip(&measured)
         .zip(before.iter().zip(&after))
-        .map(|((place, phases), (b, a))| {
+        .map(|(((place, phases), (_, best)), (b, a))| {
             serde_json::json!({
                 "device": DeviceSpec::of(&place.device).to_string(),
                 "gemm_dtype": place.gemm_dtype(),
-                "gemm_peak_gflops": b.peak_flops.max(a.peak_flops) / 1e9,
-                "bandwidth_gbs": b.bandwidth.max(a.bandwidth) / 1e9,
-                "gemm_peak_gflops_before_after": [b.peak_flops / 1e9, a.peak_flops / 1e9],
-                "bandwidth_gbs_before_after": [b.bandwidth / 1e9, a.bandwidth / 1e9],
+                "gemm_peak_gflops": best.peak_gflops,
+                "bandwidth_gbs": best.bandwidth_gbs,
+                "gemm_peak_gflops_before_after": [b.peak_gflops, a.peak_gflops],
+                "bandwidth_gbs_before_after": [b.bandwidth_gbs, a.bandwidth_gbs],
                 "phases": phases.iter().map(|p| p.name()).collect::<Vec<_>>(),
             })
         })
@@ -527,8 +509,8 @@ pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
             "wall_s_per_step": wall,
             "threads": threads,
             "train_device": DeviceSpec::of(&train_device).to_string(),
-            "gemm_peak_gflops": train_machine.peak_flops / 1e9,
-            "stream_bandwidth_gbs": train_machine.bandwidth / 1e9,
+            "gemm_peak_gflops": train_machine.peak_gflops,
+            "stream_bandwidth_gbs": train_machine.bandwidth_gbs,
             "machines": machines_json,
             "device_peak_mib": device_peak_mib,
             "phases": rows.iter().map(Row::json).collect::<Vec<_>>(),
@@ -646,11 +628,11 @@ mod tests {
             "the CPU is one machine whatever the dtype"
         );
         assert_eq!(machines[0].1, PHASES[..6].to_vec());
-        let cpu_limits = Machine {
-            peak_flops: 1e11,
-            bandwidth: 1e10,
+        let cpu_limits = MachineLimits {
+            peak_gflops: 100.0,
+            bandwidth_gbs: 10.0,
         };
-        let measured: Vec<(Vec<Phase>, Machine)> =
+        let measured: Vec<(Vec<Phase>, MachineLimits)> =
             machines.into_iter().map(|(_, p)| (p, cpu_limits)).collect();
         let each = phase_machines(&measured);
         assert!(each[..6].iter().all(|m| *m == Some(cpu_limits)));

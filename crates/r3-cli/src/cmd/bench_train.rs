@@ -612,8 +612,8 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     let rate = |secs: f64| step_flops / secs / 1e9;
     if !device.is_cpu() {
         let gemm_dtype = precision.narrow_dtype().unwrap_or(DType::F32);
-        let (size, reps) = (8192, 5);
-        let peak = super::matmul_work::device_gemm_peak(&device, gemm_dtype, size, reps)?;
+        let (size, reps) = super::matmul_work::GPU_PEAK_PRODUCTS;
+        let peak = super::matmul_work::gpu_gemm_peak(&device, gemm_dtype)?;
         println!(
             "matrix work {:.1} GFLOP per step (3 × the forward's, counted from the config): native {:.1} TFLOP/s mean, {:.1} best step = {:.1}% / {:.1}% of the {gemm_dtype:?} GEMM peak measured in this run ({:.1} TFLOP/s, the best of {reps} {size}³ products)",
             step_flops / 1e9,

@@ -144,11 +144,12 @@ pub fn generation_flops_after(
     prefill + decode
 }
 
-/// What a phase can reach on this machine: the f32 GEMM peak and the streaming bandwidth,
-/// both measured on the spot.
-#[derive(Debug, Clone, Copy)]
+/// What a phase can reach on a machine: its GEMM peak and its streaming bandwidth, both
+/// measured on the spot (the CPU's f32 peak and STREAM triad, [`MachineLimits::measure`];
+/// a GPU's peak in the phase's dtype and its copy rate, [`MachineLimits::measure_on`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MachineLimits {
-    /// f32 GEMM rate, GFLOP/s.
+    /// GEMM rate, GFLOP/s.
     pub peak_gflops: f64,
     /// Streaming memory bandwidth, GB/s.
     pub bandwidth_gbs: f64,
@@ -161,6 +162,23 @@ impl MachineLimits {
             peak_gflops: f32_gemm_peak(threads),
             bandwidth_gbs: stream_bandwidth(),
         }
+    }
+
+    /// Both limits of `device` measured now: on the CPU [`MachineLimits::measure`] on
+    /// `threads` threads (the CPU's 16-bit kernels compute in f32, so `dtype` does not
+    /// change its peak); on a GPU [`gpu_gemm_peak`] in `dtype` and [`device_bandwidth`].
+    pub fn measure_on(
+        device: &candle_core::Device,
+        dtype: candle_core::DType,
+        threads: usize,
+    ) -> anyhow::Result<Self> {
+        if device.is_cpu() {
+            return Ok(Self::measure(threads));
+        }
+        Ok(MachineLimits {
+            peak_gflops: gpu_gemm_peak(device, dtype)?,
+            bandwidth_gbs: device_bandwidth(device)?,
+        })
     }
 
     /// The higher reading of each limit: a run held to the best the machine showed at any
@@ -399,8 +417,23 @@ pub fn device_gemm_peak(
     Ok(2.0 * (n as f64).powi(3) / best / 1e9)
 }
 
+/// Square size and count of the products a GPU's GEMM peak is the best of
+/// ([`gpu_gemm_peak`]): large enough for cuBLAS's best kernels, a few ms each in bf16.
+pub const GPU_PEAK_PRODUCTS: (usize, usize) = (8192, 5);
+
+/// [`device_gemm_peak`] with the benches' sizes ([`GPU_PEAK_PRODUCTS`]): the peak every GPU
+/// bench line is held to.
+pub fn gpu_gemm_peak(
+    device: &candle_core::Device,
+    dtype: candle_core::DType,
+) -> anyhow::Result<f64> {
+    let (size, reps) = GPU_PEAK_PRODUCTS;
+    device_gemm_peak(device, dtype, size, reps)
+}
+
 /// A GPU's streaming rate in GB/s: the best of five passes of `y = x · 1 + 0` over 256 Mi
-/// f32 values (2 GiB read and written), each synchronised; the CPU's STREAM triad off a GPU.
+/// f32 values (1 GiB read, 1 GiB written), each synchronised; the CPU's STREAM triad off a
+/// GPU.
 pub fn device_bandwidth(device: &candle_core::Device) -> anyhow::Result<f64> {
     if device.is_cpu() {
         return Ok(stream_bandwidth());

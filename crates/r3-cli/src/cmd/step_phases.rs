@@ -11,7 +11,7 @@ use r3_model::{Config, SharedLen};
 use r3_train::rl::step::StepTrace;
 use r3_train::StepMetrics;
 
-use super::matmul_work::{flops_per_token, generation_flops_after, head_macs};
+use super::matmul_work::{flops_per_token, generation_flops_after, head_macs, MachineLimits};
 
 /// The phases of a step as the bench names them, in the order they run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,40 +92,11 @@ pub(crate) struct Work {
     pub(crate) bytes: f64,
 }
 
-/// The two limits of the machine a phase runs on (the CPU, or a GPU in the phase's dtype),
-/// measured on the spot.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) struct Machine {
-    /// GEMM peak, FLOP/s (the CPU's in f32; a GPU's in the dtype of the phase's matrices).
-    pub(crate) peak_flops: f64,
-    /// Streaming bandwidth, bytes/s.
-    pub(crate) bandwidth: f64,
-}
-
-impl Machine {
-    /// The higher of each limit of two measurements of one machine (the one least
-    /// disturbed by other tenants of a shared machine counts).
-    pub(crate) fn best_of(self, other: Machine) -> Machine {
-        Machine {
-            peak_flops: self.peak_flops.max(other.peak_flops),
-            bandwidth: self.bandwidth.max(other.bandwidth),
-        }
-    }
-
-    /// The roofline: the best FLOP rate at arithmetic intensity `flops_per_byte`.
-    pub(crate) fn attainable(&self, flops_per_byte: f64) -> f64 {
-        self.peak_flops.min(self.bandwidth * flops_per_byte)
-    }
-
-    /// Fewest seconds this machine needs for `w`: its FLOPs at the roofline's rate for its
-    /// intensity, or its bytes at the bandwidth where it does no counted matrix work.
-    pub(crate) fn limit_seconds(&self, w: Work) -> f64 {
-        match w.flops {
-            Some(f) if f > 0.0 && w.bytes > 0.0 => f / self.attainable(f / w.bytes),
-            Some(f) if f > 0.0 => f / self.peak_flops,
-            _ => w.bytes / self.bandwidth,
-        }
-    }
+/// Fewest seconds `machine` needs for `w` (the roofline, [`MachineLimits::step_seconds`]):
+/// its FLOPs at the GEMM peak or its bytes at the bandwidth, whichever takes longer; the
+/// bytes alone where it does no counted matrix work.
+pub(crate) fn limit_seconds(machine: &MachineLimits, w: Work) -> f64 {
+    machine.step_seconds(w.flops.unwrap_or(0.0), w.bytes)
 }
 
 /// Each value's share of their sum, in percent (all 0 for a zero sum).
@@ -372,9 +343,9 @@ impl Row {
 
 /// The limit of `work` on `machine`: none where the machine is unknown, unless there is
 /// no work to limit (no time is the fewest for nothing).
-fn limit_on(machine: Option<&Machine>, work: Work) -> Option<f64> {
+fn limit_on(machine: Option<&MachineLimits>, work: Work) -> Option<f64> {
     match machine {
-        Some(m) => Some(m.limit_seconds(work)),
+        Some(m) => Some(limit_seconds(m, work)),
         None if work.bytes == 0.0 && work.flops.unwrap_or(0.0) == 0.0 => Some(0.0),
         None => None,
     }
@@ -385,7 +356,7 @@ fn limit_on(machine: Option<&Machine>, work: Work) -> Option<f64> {
 /// of their sum, and the highest memory mark seen.
 pub(crate) fn summarise(
     samples: &[Sample],
-    machines: &[Option<Machine>; PHASES.len()],
+    machines: &[Option<MachineLimits>; PHASES.len()],
 ) -> (Vec<Row>, Row) {
     let times: Vec<f64> = (0..PHASES.len())
         .map(|i| median(&samples.iter().map(|s| s.seconds[i]).collect::<Vec<_>>()))
@@ -436,13 +407,10 @@ mod tests {
 
     #[test]
     fn the_roofline_is_the_lower_of_compute_and_bandwidth() {
-        let m = Machine {
-            peak_flops: 100e9,
-            bandwidth: 10e9,
+        let m = MachineLimits {
+            peak_gflops: 100.0,
+            bandwidth_gbs: 10.0,
         };
-        // 1 FLOP/byte: bandwidth-bound at 10 GFLOP/s; 100 FLOP/byte: compute-bound.
-        assert_eq!(m.attainable(1.0), 10e9);
-        assert_eq!(m.attainable(100.0), 100e9);
         let low = Work {
             flops: Some(1e9),
             bytes: 1e9,
@@ -451,14 +419,18 @@ mod tests {
             flops: Some(100e9),
             bytes: 1e9,
         };
-        assert_eq!(m.limit_seconds(low), 0.1, "1 GB at 10 GB/s");
-        assert_eq!(m.limit_seconds(high), 1.0, "100 GFLOP at 100 GFLOP/s");
+        // 1 FLOP/byte: bandwidth-bound (its bytes at 10 GB/s); 100 FLOP/byte: compute-bound
+        // (its FLOPs at 100 GFLOP/s).
+        assert_eq!(limit_seconds(&m, low), 1e9 / (m.bandwidth_gbs * 1e9));
+        assert_eq!(limit_seconds(&m, high), 100e9 / (m.peak_gflops * 1e9));
+        assert_eq!(limit_seconds(&m, low), 0.1, "1 GB at 10 GB/s");
+        assert_eq!(limit_seconds(&m, high), 1.0, "100 GFLOP at 100 GFLOP/s");
         // the same as the larger of the two times, as a roofline must be
         for w in [low, high] {
             let f = w.flops.expect("counted");
             assert_eq!(
-                m.limit_seconds(w),
-                (f / m.peak_flops).max(w.bytes / m.bandwidth)
+                limit_seconds(&m, w),
+                (f / (m.peak_gflops * 1e9)).max(w.bytes / (m.bandwidth_gbs * 1e9))
             );
         }
         // no matrix work: the bytes at the bandwidth; no bytes: the FLOPs at the peak
@@ -466,12 +438,12 @@ mod tests {
             flops: None,
             bytes: 28e9,
         };
-        assert_eq!(m.limit_seconds(optimiser), 2.8);
+        assert_eq!(limit_seconds(&m, optimiser), 2.8);
         let pure = Work {
             flops: Some(50e9),
             bytes: 0.0,
         };
-        assert_eq!(m.limit_seconds(pure), 0.5);
+        assert_eq!(limit_seconds(&m, pure), 0.5);
     }
 
     /// Each phase is held to its own machine: the rollout to a GPU's (here 1,000 GFLOP/s,
@@ -479,13 +451,13 @@ mod tests {
     /// unmeasured machine has no limit, and then neither has the step.
     #[test]
     fn each_phase_is_held_to_its_own_machine() {
-        let gpu = Machine {
-            peak_flops: 1000e9,
-            bandwidth: 1000e9,
+        let gpu = MachineLimits {
+            peak_gflops: 1000.0,
+            bandwidth_gbs: 1000.0,
         };
-        let cpu = Machine {
-            peak_flops: 100e9,
-            bandwidth: 10e9,
+        let cpu = MachineLimits {
+            peak_gflops: 100.0,
+            bandwidth_gbs: 10.0,
         };
         let mut work = [Work::default(); 7];
         // rollout: 100 GFLOP over 1 GB (compute-bound on the GPU: 0.1 s)
@@ -539,15 +511,15 @@ mod tests {
         assert_eq!(step.limit_s, None);
         assert_eq!(rows[0].limit_s, Some(0.1), "the others keep theirs");
         // The better of two readings of one machine counts, limit by limit.
-        let slow = Machine {
-            peak_flops: 150e9,
-            bandwidth: 5e9,
+        let slow = MachineLimits {
+            peak_gflops: 150.0,
+            bandwidth_gbs: 5.0,
         };
         assert_eq!(
-            cpu.best_of(slow),
-            Machine {
-                peak_flops: 150e9,
-                bandwidth: 10e9
+            cpu.highest(slow),
+            MachineLimits {
+                peak_gflops: 150.0,
+                bandwidth_gbs: 10.0
             }
         );
     }

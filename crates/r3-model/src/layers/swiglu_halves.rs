@@ -312,6 +312,15 @@ mod tests {
     use crate::test_util::{max_abs_diff, seeded_tensor};
     use candle_core::Var;
 
+    /// The gradient at `h` of `Σ y ⊙ probe`.
+    fn grad_at(h: &Var, y: &Tensor, probe: &Tensor) -> Tensor {
+        let g = (y * probe)
+            .and_then(|l| l.sum_all())
+            .and_then(|l| l.backward())
+            .expect("backward");
+        g.get(h.as_tensor()).expect("grad").clone()
+    }
+
     /// The 16-bit op equals widening, the f32 op and narrowing bit for bit, in bf16 and
     /// f16; it does not apply to f32 input or to an operand being differentiated.
     #[test]
@@ -354,13 +363,7 @@ mod tests {
                 .expect("composed");
             let fused = swiglu_halves(&h).expect("op").expect("applies on the CPU");
             assert_eq!(max_abs_diff(&fused, &composed), 0.0, "{dtype:?} value");
-            let grad = |y: &Tensor| {
-                let g = (y * &probe)
-                    .and_then(|l| l.sum_all())
-                    .and_then(|l| l.backward())
-                    .expect("backward");
-                g.get(h.as_tensor()).expect("grad").clone()
-            };
+            let grad = |y: &Tensor| grad_at(&h, y, &probe);
             let tol = if dtype == DType::F64 { 1e-12 } else { 1e-5 };
             let err = max_abs_diff(&grad(&fused), &grad(&composed));
             assert!(err < tol, "{dtype:?} gradient: {err}");
@@ -397,13 +400,7 @@ mod tests {
                 bits(&unrounded),
                 "{precision:?}: nothing rounded"
             );
-            let grad = |y: &Tensor| {
-                let g = (y * &probe)
-                    .and_then(|l| l.sum_all())
-                    .and_then(|l| l.backward())
-                    .expect("backward");
-                g.get(h.as_tensor()).expect("grad").clone()
-            };
+            let grad = |y: &Tensor| grad_at(&h, y, &probe);
             assert_eq!(
                 bits(&grad(&fused)),
                 bits(&grad(&two)),

@@ -104,10 +104,11 @@ pub(crate) fn mib(bytes: usize) -> f64 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
-    fn qwen_tiny() -> Config {
+    /// A small Qwen3-MoE config (2 layers of 8 experts, top-2, vocabulary 1,000).
+    pub(crate) fn qwen_tiny() -> Config {
         Config::from_value(serde_json::json!({
             "model_type": "qwen3_moe", "vocab_size": 1000, "hidden_size": 64,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

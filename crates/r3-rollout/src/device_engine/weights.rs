@@ -162,34 +162,10 @@ fn precision(dtype: Dtype, router: RouterDtype) -> Precision {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::Tensor;
     use r3_model::RandomInit;
+    use r3_test_support::bits;
 
-    /// A tiny Qwen3-MoE config (2 MoE layers of 4 experts, top-2).
-    fn tiny() -> Config {
-        Config::from_value(serde_json::json!({
-            "architectures": ["Qwen3MoeForCausalLM"],
-            "model_type": "qwen3_moe",
-            "vocab_size": 32,
-            "hidden_size": 16,
-            "intermediate_size": 32,
-            "moe_intermediate_size": 8,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "head_dim": 8,
-            "num_experts": 4,
-            "num_experts_per_tok": 2,
-            "norm_topk_prob": true,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
-            "rms_norm_eps": 1e-6,
-            "rope_theta": 10000.0,
-            "max_position_embeddings": 32,
-            "tie_word_embeddings": false
-        }))
-        .expect("tiny config")
-    }
+    use super::super::memory::tests::qwen_tiny;
 
     /// The engine's weights as they were built before: every tensor copied to f32, the
     /// experts fused, then the matrices narrowed.
@@ -211,21 +187,12 @@ mod tests {
         w
     }
 
-    fn bits(t: &Tensor) -> (DType, Vec<u32>) {
-        let v: Vec<f32> = t
-            .to_dtype(DType::F32)
-            .and_then(|t| t.flatten_all())
-            .and_then(|t| t.to_vec1())
-            .expect("values");
-        (t.dtype(), v.iter().map(|x| x.to_bits()).collect())
-    }
-
     /// Narrowing tensor by tensor gives the weights narrowing after an f32 copy of them all
     /// gave, dtype and bits: f32 maps per expert and fused, a trainer's map with its matrices
     /// in bf16, at f32, bf16 (router in bf16 or f32) and f16.
     #[test]
     fn tensor_by_tensor_equals_the_f32_copy_first() {
-        let cfg = tiny();
+        let cfg = qwen_tiny();
         let random = Weights::random(&cfg, &RandomInit::new(3), &Device::Cpu).expect("weights");
         let per_expert = random.clone().unfuse_experts(&cfg).expect("unfuse");
         let fused = random.fuse_experts(&cfg).expect("fuse");
@@ -254,7 +221,9 @@ mod tests {
                     "{what} {precision:?}"
                 );
                 for (name, t) in got {
-                    assert_eq!(bits(t), bits(&want[name]), "{what} {precision:?} {name}");
+                    let w = &want[name];
+                    assert_eq!(t.dtype(), w.dtype(), "{what} {precision:?} {name}");
+                    assert_eq!(bits(t), bits(w), "{what} {precision:?} {name}");
                 }
                 if precision.narrow_dtype().is_some() {
                     assert!(

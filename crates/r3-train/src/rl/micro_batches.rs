@@ -154,6 +154,15 @@ fn add_gradient(
     Ok(())
 }
 
+/// Each of `vars` by its tensor's id: its place among them (which draws its bf16 sums take)
+/// and its tensor.
+fn var_places<'v>(vars: impl IntoIterator<Item = &'v Var>) -> HashMap<TensorId, (usize, Tensor)> {
+    vars.into_iter()
+        .enumerate()
+        .map(|(place, var)| (var.as_tensor().id(), (place, var.as_tensor().clone())))
+        .collect()
+}
+
 /// `loss`'s backward with each gradient of `vars` added to its sum in `acc` (as
 /// [`accumulate_grads`] adds a whole store) the moment the backward completes it, and then
 /// dropped (through candle's `Tensor::backward_with`): an update of several micro-batches
@@ -169,11 +178,7 @@ pub fn backward_into<'v>(
     sums: GradientSums,
     narrow: Option<candle_core::DType>,
 ) -> Result<()> {
-    let places: HashMap<TensorId, (usize, Tensor)> = vars
-        .into_iter()
-        .enumerate()
-        .map(|(place, var)| (var.as_tensor().id(), (place, var.as_tensor().clone())))
-        .collect();
+    let places = var_places(vars);
     let wrap = |e: TrainError| candle_core::Error::Msg(e.to_string());
     loss.backward_with(|node, grad| {
         let Some((place, var)) = places.get(&node.id()) else {
@@ -205,18 +210,14 @@ pub fn recomputed_backward_into<'v>(
     sums: GradientSums,
 ) -> Result<()> {
     let vars: Vec<&Var> = vars.into_iter().collect();
-    let places: HashMap<TensorId, usize> = vars
-        .iter()
-        .enumerate()
-        .map(|(place, var)| (var.as_tensor().id(), place))
-        .collect();
+    let places = var_places(vars.iter().copied());
     // Each variable's gradient comes once (a tied embedding's two parts summed first).
     layers.backward_each(loss, vars.iter().copied(), |var, gradient| {
         // `backward_each` hands the variables it was given only.
-        let place = places.get(&var.id()).copied().ok_or_else(|| {
+        let (place, _) = places.get(&var.id()).ok_or_else(|| {
             r3_model::ModelError::Input("a gradient of a variable not asked for".into())
         })?;
-        add_gradient(acc, var, place, &gradient, sums)
+        add_gradient(acc, var, *place, &gradient, sums)
             .map_err(|e| r3_model::ModelError::Input(e.to_string()))
     })?;
     Ok(())
