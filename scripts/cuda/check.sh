@@ -750,6 +750,18 @@ hf_mem=$(gpu_peak "$work/bench-hf-$name.txt" timeout "$(limit 150)" "$python" sc
 cat "$work/bench-hf-$name.txt"
 hf_tps=$(grep -E "^peer " "$work/bench-hf-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s.*/\1/')
 line="r3 bf16 masters ${r3_tps:-?} tok/s ${r3_mem:-?} MiB (tensors $(tensors_mib "$work/bench-r3-$name.txt") MiB; gradients $(grads_kept "$work/bench-r3-$name.txt"); $(peak_share "$work/bench-r3-$name.txt")), replay ${replay_cost:-?}%; HF bf16 ${hf_tps:-?} tok/s ${hf_mem:-?} MiB"
+# Then, while the budget lasts, the same run with the padded experts one op per step
+# (--padded-expert-ops per-step: the graph keeping each step's f32 input, ≈ 0.95 GB a layer
+# at this batch, where the fused ops, the default, hold ≈ 0.31 GB in bf16): the memory the
+# fused ops save, measured in one call, and their speed beside the chain's.
+if [ "$(left)" -ge 100 ]; then
+    chain_mem=$(gpu_peak "$work/bench-r3-perstep-$name.txt" timeout "$(limit 150)" "$bin/r3" bench train \
+        --device cuda --config a3b-8l --dtype bf16 --batch 8 --seq-len 512 --steps 3 --warmup 1 \
+        --master-weights bf16 --padded-expert-ops per-step)
+    cat "$work/bench-r3-perstep-$name.txt"
+    chain_tps=$(grep -E "^native +mean" "$work/bench-r3-perstep-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s +best.*/\1/')
+    line+="; r3 bf16 masters, experts per step ${chain_tps:-?} tok/s ${chain_mem:-?} MiB (tensors $(tensors_mib "$work/bench-r3-perstep-$name.txt") MiB)"
+fi
 # Then, while the budget lasts, r3 with its head scored 1,024 tokens at a time without the
 # logits kept (`algo.head_chunk_tokens`): at 8 x 512 tokens and 151,936 columns the f32 logits
 # and their log-softmax are ≈ 5 GB of the activations (one more forward of the head).

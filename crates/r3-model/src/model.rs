@@ -32,6 +32,7 @@ use crate::layers::mla::MlaAttention;
 use crate::layers::mlp::SwiGlu;
 use crate::layers::moe::{Gates, MoeBlock, RoutedRows};
 use crate::layers::norm::RmsNorm;
+use crate::layers::padded_experts::PaddedExpertOps;
 use crate::layers::rope::{Rope, RopeTables};
 use crate::precision::{Precision, WeightGradients};
 use crate::routing_mode::{
@@ -233,6 +234,16 @@ impl Model {
         for layer in &mut self.layers {
             if let FeedForward::Moe(block) = &mut layer.ffn {
                 block.set_expert_gemm_inputs(inputs);
+            }
+        }
+    }
+
+    /// Sets how a GPU runs every MoE layer's routed experts in a differentiated forward
+    /// ([`PaddedExpertOps`]: fused by default; the CPU is unaffected).
+    pub fn set_padded_expert_ops(&mut self, ops: PaddedExpertOps) {
+        for layer in &mut self.layers {
+            if let FeedForward::Moe(block) = &mut layer.ffn {
+                block.set_padded_expert_ops(ops);
             }
         }
     }

@@ -18,6 +18,7 @@ use r3_model::layers::embedding_rows::embedding_rows;
 use r3_model::layers::experts::RoutedExperts;
 use r3_model::layers::gather_rows::GatherRows;
 use r3_model::layers::norm::RmsNorm;
+use r3_model::layers::padded_experts::PaddedExpertOps;
 use r3_model::layers::rope::Rope;
 use r3_model::token_stats::token_log_probs_recomputed;
 use r3_model::{Precision, Weights};
@@ -156,6 +157,11 @@ fn rms_norm(device: &Device, precision: Precision) -> [Tensor; 3] {
 /// of 500 with two overflow blocks cost 3,256 padded rows, one block of 1,400 each 5,600), so
 /// the weight gradient adds an overflow run to the main blocks' on a GPU.
 fn skewed_experts(device: &Device, precision: Precision) -> [Tensor; 5] {
+    skewed_experts_by(device, precision, PaddedExpertOps::Fused)
+}
+
+/// [`skewed_experts`] with a GPU's padded layout run as `ops` says.
+fn skewed_experts_by(device: &Device, precision: Precision, ops: PaddedExpertOps) -> [Tensor; 5] {
     let (e, h, i, rows) = (4, 16, 8, 2000);
     let ids: Vec<u32> = (0..rows as u32)
         .map(|r| if r % 10 < 7 { 0 } else { 1 + r % 3 })
@@ -176,6 +182,7 @@ fn skewed_experts(device: &Device, precision: Precision) -> [Tensor; 5] {
     );
     let mut experts = RoutedExperts::new(&weights, "m", e).expect("experts");
     experts.set_precision(precision);
+    experts.set_padded_ops(ops);
     let x = Var::from_tensor(&seeded(&[rows, h], 14, device)).expect("x");
     let gates = Var::from_tensor(&(seeded(&[rows, 1], 15, device) * 0.2).expect("g")).expect("g");
     let probe = seeded(&[rows, h], 16, device);
@@ -188,6 +195,31 @@ fn skewed_experts(device: &Device, precision: Precision) -> [Tensor; 5] {
         .expect("backward");
     let g = |v: &Var| grads.get(v.as_tensor()).expect("gradient").clone();
     [y, g(&x), g(&gates), g(&gate_up), g(&down)]
+}
+
+/// On a GPU the padded experts' two fused ops (`padded_experts.rs`, the default, holding
+/// their intermediates in the GEMMs' dtype) give the per-step chain's output and the
+/// gradients of rows, gates and both stacks bit for bit, in f32, bf16 and f16, under the
+/// skewed load (overflow blocks).
+#[cfg(feature = "cuda")]
+#[test]
+fn fused_padded_experts_on_cuda_are_the_per_step_chain() {
+    let device = r3_model::DeviceSpec::Cuda { ordinal: 0 }
+        .open()
+        .expect("a CUDA GPU (this test runs on the GPU machine)");
+    for precision in [
+        Precision::F32,
+        Precision::Bf16 { router_f32: false },
+        Precision::F16 { router_f32: false },
+    ] {
+        let fused = skewed_experts_by(&device, precision, PaddedExpertOps::Fused);
+        let per_step = skewed_experts_by(&device, precision, PaddedExpertOps::PerStep);
+        let names = ["output", "d x", "d gates", "d gate_up", "d down"];
+        for ((a, b), name) in fused.iter().zip(&per_step).zip(names) {
+            assert_eq!(a.dtype(), b.dtype(), "{precision:?} {name}");
+            assert_eq!(bits(a), bits(b), "{precision:?} {name}");
+        }
+    }
 }
 
 /// Rotary embedding on `device` of a transposed `[B, T, H, D]` input (a GPU: candle's rope

@@ -13,6 +13,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use r3_model::cast16::cast16_into;
 use r3_model::layers::expert_gemm::ExpertGemmInputs;
+use r3_model::layers::padded_experts::PaddedExpertOps;
 use r3_model::narrow_grads::backward_narrowing;
 use r3_model::precision::WeightGradients;
 use r3_model::{
@@ -82,6 +83,12 @@ pub struct BenchTrainArgs {
     /// what `check.sh --steps 7` checks).
     #[arg(long, default_value = "cast")]
     pub expert_gemm: ExpertGemmInputs,
+    /// How a GPU runs the routed experts' padded layout in the differentiated forward:
+    /// `fused` (two ops holding their intermediates in the GEMMs' dtype) or `per-step` (one
+    /// op per step, the graph keeping each step's f32 input: the memory before the fused
+    /// ops, for a before-and-after in one call). The same bits either way.
+    #[arg(long, default_value = "fused")]
+    pub padded_expert_ops: PaddedExpertOps,
     /// In bf16: hold a bf16 copy of every weight matrix beside its f32 master, read by the
     /// matmuls instead of a cast per use, and rewrite the copies once per step in a pass of
     /// their own (timed beside the step, outside its tokens/s: a trainer's AdamW pass writes
@@ -356,6 +363,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     };
     let mut model = Model::with_precision(&cfg, &weights, precision)?;
     model.set_expert_gemm_inputs(args.expert_gemm);
+    model.set_padded_expert_ops(args.padded_expert_ops);
     if narrow_grads.is_some() {
         model.set_weight_gradients(WeightGradients::Narrow);
     }
@@ -401,7 +409,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         params as f64 / 1e6
     );
     println!(
-        "batch {} × seq {} = {tokens} tokens/step, {} on {}, {} warm-up + {} timed steps per mode, seed {}, expert GEMM inputs {}, {}{}{}{}",
+        "batch {} × seq {} = {tokens} tokens/step, {} on {}, {} warm-up + {} timed steps per mode, seed {}, expert GEMM inputs {}, padded expert ops {}, {}{}{}{}",
         args.batch,
         args.seq_len,
         args.dtype,
@@ -410,6 +418,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         args.steps,
         args.seed,
         args.expert_gemm,
+        args.padded_expert_ops,
         if copies.is_empty() {
             "weights cast per use".to_string()
         } else {

@@ -43,33 +43,105 @@ pub(crate) fn combine_slots(
     if !row_ops_run_on(y) || gates.dtype() != y.dtype() || rows == 0 {
         return Ok(None);
     }
-    let mut slot_of_place = vec![NO_SLOT; places];
-    for (slot, &place) in place_of_slot.iter().enumerate() {
-        match slot_of_place.get_mut(place as usize) {
-            Some(s) if *s == NO_SLOT => *s = slot as u32,
-            Some(_) => {
-                return Err(ModelError::Input(format!(
-                    "combine: place {place} is read by two slots"
-                )))
-            }
-            None => {
-                return Err(ModelError::Input(format!(
-                    "combine: place {place} past {places} places"
-                )))
-            }
-        }
-    }
-    let device = y.device();
-    let place = Tensor::from_slice(place_of_slot, rows * top_k, device)?;
+    let slots = SlotPlaces::new(place_of_slot, places, top_k)?;
+    let place = Tensor::from_slice(place_of_slot, rows * top_k, y.device())?;
     let op = CombineSlots {
         top_k,
-        slot_of_place: Arc::new(slot_of_place),
+        slot_of_place: slots.slot_of_place,
     };
     Ok(Some(y.contiguous()?.apply_op3(
         &gates.contiguous()?,
         &place,
         op,
     )?))
+}
+
+/// The slots' places of a padded layout, checked (each place read by at most one slot) and
+/// inverted: the combine's value and its gradients for an op that holds its expert outputs
+/// itself (`padded_experts.rs`), with the arithmetic of [`combine_slots`].
+#[derive(Debug, Clone)]
+pub(crate) struct SlotPlaces {
+    top_k: usize,
+    place_of_slot: Arc<Vec<u32>>,
+    slot_of_place: Arc<Vec<u32>>,
+}
+
+impl SlotPlaces {
+    /// The places of `top_k` slots a row, `place_of_slot[r · top_k + j]` each, among `places`.
+    pub(crate) fn new(place_of_slot: &[u32], places: usize, top_k: usize) -> Result<Self> {
+        if top_k == 0 || !place_of_slot.len().is_multiple_of(top_k) {
+            return Err(ModelError::Input(format!(
+                "combine: {} slot places are not rows of {top_k} slots",
+                place_of_slot.len()
+            )));
+        }
+        let mut slot_of_place = vec![NO_SLOT; places];
+        for (slot, &place) in place_of_slot.iter().enumerate() {
+            match slot_of_place.get_mut(place as usize) {
+                Some(s) if *s == NO_SLOT => *s = slot as u32,
+                Some(_) => {
+                    return Err(ModelError::Input(format!(
+                        "combine: place {place} is read by two slots"
+                    )))
+                }
+                None => {
+                    return Err(ModelError::Input(format!(
+                        "combine: place {place} past {places} places"
+                    )))
+                }
+            }
+        }
+        Ok(SlotPlaces {
+            top_k,
+            place_of_slot: Arc::new(place_of_slot.to_vec()),
+            slot_of_place: Arc::new(slot_of_place),
+        })
+    }
+
+    /// The places' table on `y`'s device.
+    fn place_tensor(&self, y: &Tensor) -> candle_core::Result<Tensor> {
+        Tensor::from_slice(
+            self.place_of_slot.as_slice(),
+            self.place_of_slot.len(),
+            y.device(),
+        )
+    }
+
+    /// Whether the combine runs on `y` `[places, H]` and `gates` (f32 or f64 of one dtype, on
+    /// a device with the row ops) as one op.
+    pub(crate) fn applies(&self, y_dtype: DType, gates: &Tensor) -> bool {
+        gates.dtype() == y_dtype
+            && matches!(y_dtype, DType::F32 | DType::F64)
+            && row_ops_run_on(gates)
+            && !self.place_of_slot.is_empty()
+    }
+
+    /// The combine's value (nothing differentiated): `out[r] = Σ_j gates[r, j] · y[place(r,
+    /// j)]`.
+    pub(crate) fn value(&self, y: &Tensor, gates: &Tensor) -> candle_core::Result<Tensor> {
+        let op = CombineSlots {
+            top_k: self.top_k,
+            slot_of_place: Arc::clone(&self.slot_of_place),
+        };
+        y.contiguous()?
+            .apply_op3_no_bwd(&gates.contiguous()?, &self.place_tensor(y)?, &op)
+    }
+
+    /// The gradients `(dy, d gates)` at `y` and `gates` for the output gradient `grad`, as
+    /// [`combine_slots`]' backward computes them.
+    pub(crate) fn grads(
+        &self,
+        y: &Tensor,
+        gates: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
+        let op = CombineSlots {
+            top_k: self.top_k,
+            slot_of_place: Arc::clone(&self.slot_of_place),
+        };
+        let (y, gates) = (y.contiguous()?, gates.contiguous()?);
+        op.grads(&y, &gates, &self.place_tensor(&y)?, grad)
+    }
 }
 
 /// [`combine_slots`]' value for slots in order (slot `r · top_k + j` at place
@@ -340,6 +412,20 @@ impl CustomOp3 for CombineSlots {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dy, dg) = self.grads(y, gates, place, grad)?;
+        Ok((Some(dy), Some(dg), None))
+    }
+}
+
+impl CombineSlots {
+    /// `(dy, d gates)` for the output gradient `grad`.
+    fn grads(
+        &self,
+        y: &Tensor,
+        gates: &Tensor,
+        place: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
         let grad = grad.contiguous()?;
         let k = self.top_k;
         let slots = Tensor::from_slice(
@@ -349,7 +435,7 @@ impl CustomOp3 for CombineSlots {
         )?;
         let dy = grad.apply_op3_no_bwd(gates, &slots, &CombineDy { top_k: k })?;
         let dg = y.apply_op3_no_bwd(&grad, place, &CombineDgates { top_k: k })?;
-        Ok((Some(dy), Some(dg), None))
+        Ok((dy, dg))
     }
 }
 

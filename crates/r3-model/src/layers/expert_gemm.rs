@@ -97,14 +97,7 @@ pub fn expert_blocks_matmul(
 ) -> Result<Tensor> {
     let map = BlockMap::new(x, w, experts)?;
     let compute = p.narrow_dtype().unwrap_or(DType::F32);
-    // A copy is read only at a 16-bit precision.
-    let copy = match (p.narrow_dtype(), copy) {
-        (Some(narrow), Some(copy)) => {
-            check_narrow_copy(w, copy, Some(narrow))?;
-            Some(copy)
-        }
-        _ => None,
-    };
+    let copy = copy_read_at(p, w, copy)?;
     if reads_weights_in_place(x, w, compute) {
         let fast = inputs == ExpertGemmInputs::Fast16bf
             && compute == DType::BF16
@@ -131,6 +124,40 @@ pub fn expert_blocks_matmul(
         copy_blocks.as_ref(),
         WeightGradients::InWeightDtype,
     )
+}
+
+/// The held copy a forward at precision `p` reads: only at a 16-bit precision, checked
+/// against its stack.
+fn copy_read_at<'a>(
+    p: Precision,
+    w: &Tensor,
+    copy: Option<&'a Tensor>,
+) -> Result<Option<&'a Tensor>> {
+    match (p.narrow_dtype(), copy) {
+        (Some(narrow), Some(copy)) => {
+            check_narrow_copy(w, copy, Some(narrow))?;
+            Ok(Some(copy))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// [`expert_blocks_matmul`] through the planned GEMMs on any device, the operands cast to
+/// the compute dtype: a GPU's form, which on the CPU (their host twin) is the tests'
+/// reference for the fused padded ops (`padded_experts.rs`).
+#[cfg(test)]
+pub(crate) fn planned_blocks_matmul(
+    p: Precision,
+    x: &Tensor,
+    w: &Tensor,
+    copy: Option<&Tensor>,
+    experts: &[u32],
+    grads: WeightGradients,
+) -> Result<Tensor> {
+    let map = BlockMap::new(x, w, experts)?;
+    let compute = p.narrow_dtype().unwrap_or(DType::F32);
+    let copy = copy_read_at(p, w, copy)?;
+    in_place_matmul(x, w, copy, map, compute, false, grads)
 }
 
 /// Whether the experts' GEMMs run on cuBLAS reading the stack `w` in place: on a GPU, f32
@@ -316,15 +343,21 @@ struct BlockMap {
 
 impl BlockMap {
     fn new(x: &Tensor, w: &Tensor, experts: &[u32]) -> Result<Self> {
+        Self::of_shape(x.dims(), w, experts)
+    }
+
+    /// The map of input blocks of shape `x` `[blocks, cap, k]` by the stack `w`.
+    fn of_shape(x: &[usize], w: &Tensor, experts: &[u32]) -> Result<Self> {
         let shape_error = || {
             ModelError::Input(format!(
-                "expert blocks: input {:?} and stacked weights {:?} are not [blocks, cap, k] and [E, n, k] with {} blocks",
-                x.dims(),
+                "expert blocks: input {x:?} and stacked weights {:?} are not [blocks, cap, k] and [E, n, k] with {} blocks",
                 w.dims(),
                 experts.len()
             ))
         };
-        let (blocks, cap, k) = x.dims3().map_err(|_| shape_error())?;
+        let &[blocks, cap, k] = x else {
+            return Err(shape_error());
+        };
         let (stack, n, k2) = w.dims3().map_err(|_| shape_error())?;
         if k2 != k || blocks != experts.len() {
             return Err(shape_error());
@@ -363,35 +396,151 @@ fn in_place_matmul(
     fast16bf: bool,
     grads: WeightGradients,
 ) -> Result<Tensor> {
-    let map = Arc::new(map);
+    let gemms = BlockGemms {
+        map: Arc::new(map),
+        compute,
+        fast16bf,
+        copy: copy.map(Tensor::detach),
+        grads,
+    };
     let x = x.contiguous()?;
     let value = if fast16bf {
         let y = x.detach().apply_op2_no_bwd(
             &w.detach().contiguous()?,
-            &PlannedGemm::fast(Pass::Forward, &map),
+            &PlannedGemm::fast(Pass::Forward, &gemms.map),
         )?;
         round_bf16(&y)?
     } else {
         let xn = cast16(&x.detach(), compute)?;
-        let wn = match copy {
-            Some(copy) => copy.detach().contiguous()?,
-            None => cast16(&w.detach().contiguous()?, compute)?,
-        };
-        let y = xn.apply_op2_no_bwd(&wn, &PlannedGemm::new(Pass::Forward, &map))?;
-        cast16(&y, DType::F32)?
+        cast16(&gemms.forward(&xn, w)?, DType::F32)?
     };
     if !x.track_op() && !w.track_op() {
         return Ok(value);
     }
     let op = ExpertBlocksMatmul {
         value: Precomputed::new(value),
-        map,
-        compute,
-        fast16bf,
-        copy: copy.map(Tensor::detach),
-        grads,
+        gemms,
     };
     Ok(x.apply_op2(w, op)?)
+}
+
+/// The three planned GEMM passes of one stack's blocks at a compute dtype, the stack read in
+/// place (or from its held 16-bit copy), each on operands already in the compute dtype: the
+/// forward, the input gradient and the weight gradient. [`expert_blocks_matmul`]'s op runs
+/// them, and so do the padded experts' fused ops (`padded_experts.rs`), which hold their
+/// intermediates between them in the compute dtype.
+#[derive(Debug, Clone)]
+pub(crate) struct BlockGemms {
+    map: Arc<BlockMap>,
+    compute: DType,
+    /// The operands stay f32 for cuBLAS's `FAST_16BF` conversion ([`ExpertGemmInputs`]).
+    fast16bf: bool,
+    /// The stack's held 16-bit copy, read instead of a cast of the stack.
+    copy: Option<Tensor>,
+    /// The dtype the stack's gradient is returned in.
+    grads: WeightGradients,
+}
+
+impl BlockGemms {
+    /// The passes over blocks of shape `blocks` `[blocks, cap, k]` by the stack `w` `[E, n,
+    /// k]`, block `b` through expert `experts[b]`, at precision `p` (its 16-bit float, else
+    /// f32), reading `copy` for the rounded stack where given (at a 16-bit precision, as
+    /// [`expert_blocks_matmul`]). The stack must be f32 or already in the compute dtype.
+    pub(crate) fn new(
+        p: Precision,
+        blocks: &[usize],
+        w: &Tensor,
+        copy: Option<&Tensor>,
+        experts: &[u32],
+        grads: WeightGradients,
+    ) -> Result<Self> {
+        let map = BlockMap::of_shape(blocks, w, experts)?;
+        let compute = p.narrow_dtype().unwrap_or(DType::F32);
+        if w.dtype() != DType::F32 && w.dtype() != compute {
+            return Err(ModelError::Input(format!(
+                "expert blocks: a {:?} stack at a {compute:?} compute dtype",
+                w.dtype()
+            )));
+        }
+        Ok(BlockGemms {
+            map: Arc::new(map),
+            compute,
+            fast16bf: false,
+            copy: copy_read_at(p, w, copy)?.map(Tensor::detach),
+            grads,
+        })
+    }
+
+    /// The dtype the passes' operands and outputs are in.
+    pub(crate) fn compute(&self) -> DType {
+        self.compute
+    }
+
+    /// The blocks and the places per block.
+    pub(crate) fn blocks(&self) -> (usize, usize) {
+        (self.map.experts.len(), self.map.cap)
+    }
+
+    /// The stack as the forward and input-gradient GEMMs read it: its held copy, or the
+    /// stack cast to the compute dtype.
+    fn weights(&self, w: &Tensor) -> candle_core::Result<Tensor> {
+        match &self.copy {
+            Some(copy) => copy.contiguous(),
+            None => cast16(&w.detach().contiguous()?, self.compute),
+        }
+    }
+
+    /// `y[b] = xn[b] · w[e_b]ᵀ` for `xn` `[blocks, cap, k]` in the compute dtype: `[blocks,
+    /// cap, n]` in the compute dtype (a 16-bit output rounded once).
+    pub(crate) fn forward(&self, xn: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+        xn.contiguous()?.apply_op2_no_bwd(
+            &self.weights(w)?,
+            &PlannedGemm::new(Pass::Forward, &self.map),
+        )
+    }
+
+    /// `dx[b] = gn[b] · w[e_b]` for the output gradient `gn` in the compute dtype: `[blocks,
+    /// cap, k]` in the compute dtype.
+    pub(crate) fn input_grad(&self, gn: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+        gn.contiguous()?.apply_op2_no_bwd(
+            &self.weights(w)?,
+            &PlannedGemm::new(Pass::InputGrad, &self.map),
+        )
+    }
+
+    /// The stack's gradient `dw[e] = Σ_{b: e_b = e} gn[b]ᵀ xn[b]` from the operands `gn` and
+    /// `xn` of the weight-gradient plan (of the compute type, or f32 through `FAST_16BF`).
+    /// In f32, f32. At a 16-bit compute type it is the gradient at the rounded stack the
+    /// forward read, so a 16-bit value, as a 16-bit GEMM writes it: in that dtype by the
+    /// GEMMs themselves where one round writes every expert's (no overflow block), else (or
+    /// through `FAST_16BF`, whose GEMMs write f32 only) summed in f32 and rounded once; then
+    /// widened to the stack's dtype unless `grads` keeps it narrow.
+    pub(crate) fn weight_grad(
+        &self,
+        gn: &Tensor,
+        xn: &Tensor,
+        w: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        let plan = match self.fast16bf {
+            true => PlannedGemm::fast(Pass::WeightGrad, &self.map),
+            false => PlannedGemm::new(Pass::WeightGrad, &self.map),
+        };
+        let (g, x) = (gn.contiguous()?, xn.contiguous()?);
+        let c = self.compute;
+        if c == DType::F32 {
+            return cast16(&g.apply_op2_no_bwd(&x, &plan)?, w.dtype());
+        }
+        // FAST_16BF's GEMMs write f32 only.
+        let dw = if self.fast16bf || GemmPlan::new(Pass::WeightGrad, &self.map).accumulates() {
+            cast16(&g.apply_op2_no_bwd(&x, &plan)?, c)?
+        } else {
+            g.apply_op2_no_bwd(&x, &plan.writing_weight_grad_in(c))?
+        };
+        match self.grads {
+            WeightGradients::Narrow => Ok(dw),
+            WeightGradients::InWeightDtype => cast16(&dw, w.dtype()),
+        }
+    }
 }
 
 /// An f32 tensor rounded to bf16 (nearest, ties to even) and widened back: the forward's
@@ -406,14 +555,7 @@ fn round_bf16(t: &Tensor) -> candle_core::Result<Tensor> {
 #[derive(Debug)]
 struct ExpertBlocksMatmul {
     value: Precomputed,
-    map: Arc<BlockMap>,
-    compute: DType,
-    /// The operands stay f32 for cuBLAS's `FAST_16BF` conversion ([`ExpertGemmInputs`]).
-    fast16bf: bool,
-    /// The stack's held 16-bit copy, read by the input gradient instead of a cast.
-    copy: Option<Tensor>,
-    /// The dtype the stack's gradient is returned in.
-    grads: WeightGradients,
+    gemms: BlockGemms,
 }
 
 impl CustomOp2 for ExpertBlocksMatmul {
@@ -424,7 +566,7 @@ impl CustomOp2 for ExpertBlocksMatmul {
     precomputed_fwd!(2);
 
     /// `dx[b] = g[b] · w[e_b]` (rounded to the compute type, as the forward's output) and
-    /// `dw[e] = Σ_{b: e_b = e} g[b]ᵀ x[b]` ([`ExpertBlocksMatmul::weight_grad`]).
+    /// `dw[e] = Σ_{b: e_b = e} g[b]ᵀ x[b]` ([`BlockGemms::weight_grad`]).
     fn bwd(
         &self,
         x: &Tensor,
@@ -432,24 +574,19 @@ impl CustomOp2 for ExpertBlocksMatmul {
         _: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        if self.fast16bf {
+        if self.gemms.fast16bf {
             return self.fast16bf_bwd(x, w, grad);
         }
-        let c = self.compute;
+        let c = self.gemms.compute;
         let gn = cast16(&grad.detach().contiguous()?, c)?;
         let dx = if x.track_op() {
-            let wn = match &self.copy {
-                Some(copy) => copy.contiguous()?,
-                None => cast16(&w.detach().contiguous()?, c)?,
-            };
-            let dx = gn.apply_op2_no_bwd(&wn, &PlannedGemm::new(Pass::InputGrad, &self.map))?;
-            Some(cast16(&dx, DType::F32)?)
+            Some(cast16(&self.gemms.input_grad(&gn, w)?, DType::F32)?)
         } else {
             None
         };
         let dw = if w.track_op() {
             let xn = cast16(&x.detach().contiguous()?, c)?;
-            Some(self.weight_grad(&gn, &xn, w)?)
+            Some(self.gemms.weight_grad(&gn, &xn, w)?)
         } else {
             None
         };
@@ -458,36 +595,8 @@ impl CustomOp2 for ExpertBlocksMatmul {
 }
 
 impl ExpertBlocksMatmul {
-    /// The stack's gradient from the operands `g` and `x` of the weight-gradient plan (of
-    /// the compute type, or f32 through `FAST_16BF`). In f32, f32. At a 16-bit compute type
-    /// it is the gradient at the rounded stack the forward read, so a 16-bit value, as a
-    /// 16-bit GEMM writes it: in that dtype by the GEMMs themselves where one round writes
-    /// every expert's (no overflow block), else (or through `FAST_16BF`, whose GEMMs write
-    /// f32 only) summed in f32 and rounded once; then widened to the stack's dtype unless
-    /// `grads` keeps it narrow.
-    fn weight_grad(&self, g: &Tensor, x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
-        let plan = match self.fast16bf {
-            true => PlannedGemm::fast(Pass::WeightGrad, &self.map),
-            false => PlannedGemm::new(Pass::WeightGrad, &self.map),
-        };
-        let c = self.compute;
-        if c == DType::F32 {
-            return cast16(&g.apply_op2_no_bwd(x, &plan)?, w.dtype());
-        }
-        // FAST_16BF's GEMMs write f32 only.
-        let dw = if self.fast16bf || GemmPlan::new(Pass::WeightGrad, &self.map).accumulates() {
-            cast16(&g.apply_op2_no_bwd(x, &plan)?, c)?
-        } else {
-            g.apply_op2_no_bwd(x, &plan.writing_weight_grad_in(c))?
-        };
-        match self.grads {
-            WeightGradients::Narrow => Ok(dw),
-            WeightGradients::InWeightDtype => cast16(&dw, w.dtype()),
-        }
-    }
-
     /// The backward on f32 operands through `FAST_16BF`: `dx` rounded to bf16 (the cast
-    /// path's GEMM writes it in bf16), `dw` as the cast path's ([`Self::weight_grad`]).
+    /// path's GEMM writes it in bf16), `dw` as the cast path's ([`BlockGemms::weight_grad`]).
     fn fast16bf_bwd(
         &self,
         x: &Tensor,
@@ -497,13 +606,14 @@ impl ExpertBlocksMatmul {
         let g = grad.detach().contiguous()?;
         let dx = if x.track_op() {
             let w = w.detach().contiguous()?;
-            let dx = g.apply_op2_no_bwd(&w, &PlannedGemm::fast(Pass::InputGrad, &self.map))?;
+            let dx =
+                g.apply_op2_no_bwd(&w, &PlannedGemm::fast(Pass::InputGrad, &self.gemms.map))?;
             Some(round_bf16(&dx)?)
         } else {
             None
         };
         let dw = if w.track_op() {
-            Some(self.weight_grad(&g, &x.detach().contiguous()?, w)?)
+            Some(self.gemms.weight_grad(&g, &x.detach().contiguous()?, w)?)
         } else {
             None
         };

@@ -13,11 +13,14 @@ use candle_core::{DType, Tensor, D};
 
 use super::combine_slots::{combine_slots, combine_slots_in_order};
 use super::dispatch::Dispatch;
+#[cfg(test)]
+use super::expert_gemm::planned_blocks_matmul;
 use super::expert_gemm::{
     expert_blocks_matmul, expert_slots_matmul, expert_slots_matmul_narrow, ExpertGemmInputs,
 };
 use super::gather_rows::GatherRows;
 use super::linear::matmul_wt;
+use super::padded_experts::{fused_padded_experts, BlockRows, PaddedExpertOps, Stack};
 use super::routed_op::RoutedSwiGlu;
 use super::swiglu_halves::{swiglu_halves, swiglu_halves_narrow, swiglu_halves_rounded};
 use crate::error::{ModelError, Result};
@@ -38,6 +41,7 @@ pub struct RoutedExperts {
     precision: Precision,
     gemm_inputs: ExpertGemmInputs,
     weight_grads: WeightGradients,
+    padded_ops: PaddedExpertOps,
 }
 
 impl RoutedExperts {
@@ -70,6 +74,7 @@ impl RoutedExperts {
             precision: Precision::F32,
             gemm_inputs: ExpertGemmInputs::Cast,
             weight_grads: WeightGradients::InWeightDtype,
+            padded_ops: PaddedExpertOps::Fused,
         })
     }
 
@@ -89,6 +94,13 @@ impl RoutedExperts {
     /// Sets the dtype the stacks' gradients leave the GPU's GEMMs in ([`WeightGradients`]).
     pub fn set_weight_gradients(&mut self, grads: WeightGradients) {
         self.weight_grads = grads;
+    }
+
+    /// Sets how a GPU runs the padded layout in a differentiated forward
+    /// ([`PaddedExpertOps`]: fused, holding the intermediates in the GEMMs' dtype, or one op
+    /// per step).
+    pub fn set_padded_ops(&mut self, ops: PaddedExpertOps) {
+        self.padded_ops = ops;
     }
 
     /// `y[r] = Σ_j gates[r, j] · SwiGLU_{e(r, j)}(x[r])` for `x` `[rows, H]` and `gates`
@@ -129,7 +141,7 @@ impl RoutedExperts {
                 RoutedSwiGlu::new(dispatch.clone(), self.precision),
             )?)
         } else if !x.device().is_cpu() && !dispatch.slots().is_empty() {
-            self.forward_padded(x, gates, dispatch, OVERFLOW_BLOCK_ROWS)
+            self.forward_padded(x, gates, dispatch, OVERFLOW_BLOCK_ROWS, Gemms::Chosen)
         } else {
             self.forward_composed(x, gates, dispatch)
         }
@@ -281,21 +293,25 @@ impl RoutedExperts {
         gates: &Tensor,
         dispatch: &Dispatch,
         overflow_rows: usize,
+        gemms: Gemms,
     ) -> Result<Tensor> {
         let device = x.device();
         let (rows, h) = x.dims2()?;
         let k = dispatch.top_k();
         let layout = padded_layout(dispatch, rows, overflow_rows);
         let (blocks, cap) = (layout.blocks.len(), layout.cap);
+        let gates = gates.to_dtype(x.dtype())?;
+        if let Some(out) = self.forward_fused(x, &gates, &layout, gemms)? {
+            return Ok(out);
+        }
         // Row `rows` of `x_pad` is the zero row padding reads; it gets no gradient.
         let x_pad = Tensor::cat(&[x, &Tensor::zeros((1, h), x.dtype(), device)?], 0)?;
         let xs = GatherRows::new(layout.gather, rows + 1, rows)?
             .apply(&x_pad)?
             .reshape((blocks, cap, h))?;
         let y = self
-            .swiglu_blocks(&xs, &layout.blocks)?
+            .swiglu_blocks(&xs, &layout.blocks, gemms)?
             .reshape((blocks * cap, h))?;
-        let gates = gates.to_dtype(x.dtype())?;
         if let Some(out) = combine_slots(&y, &gates, &layout.place_of_slot)? {
             return Ok(out);
         }
@@ -305,6 +321,54 @@ impl RoutedExperts {
         Ok(by_slot
             .broadcast_mul(&gates.unsqueeze(D::Minus1)?)?
             .sum(1)?)
+    }
+
+    /// The padded layout through the two fused ops (`padded_experts.rs`), where this layer
+    /// asks for them and they apply: planned GEMMs (a GPU's, or the tests' on the CPU) with
+    /// their operands cast (not `FAST_16BF`'s f32 operands). None otherwise.
+    fn forward_fused(
+        &self,
+        x: &Tensor,
+        gates: &Tensor,
+        layout: &PaddedLayout,
+        gemms: Gemms,
+    ) -> Result<Option<Tensor>> {
+        let planned = match gemms {
+            Gemms::Chosen => x.device().is_cuda(),
+            #[cfg(test)]
+            Gemms::Planned => true,
+        };
+        let fast16bf = self.gemm_inputs == ExpertGemmInputs::Fast16bf
+            && self.precision.narrow_dtype() == Some(DType::BF16)
+            && self.copies.is_none()
+            && (self.gate_up.dtype() == DType::F32 || self.down.dtype() == DType::F32);
+        if !planned || fast16bf || self.padded_ops != PaddedExpertOps::Fused {
+            return Ok(None);
+        }
+        let (gate_up_copy, down_copy) = match &self.copies {
+            Some((g, d)) => (Some(g), Some(d)),
+            None => (None, None),
+        };
+        fused_padded_experts(
+            self.precision,
+            x,
+            gates,
+            Stack {
+                weights: &self.gate_up,
+                copy: gate_up_copy,
+            },
+            Stack {
+                weights: &self.down,
+                copy: down_copy,
+            },
+            &BlockRows {
+                experts: &layout.blocks,
+                cap: layout.cap,
+                gather: &layout.gather,
+                place_of_slot: &layout.place_of_slot,
+            },
+            self.weight_grads,
+        )
     }
 
     /// The stacks a forward with nothing to differentiate in them reads: their held 16-bit
@@ -320,35 +384,26 @@ impl RoutedExperts {
     /// The padded blocks' SwiGLU: `xs` `[blocks, cap, H]`, block `b` through expert
     /// `experts[b]`'s `gate_up` `[2I, H]` and `down` `[H, I]`, read in place from the stacks
     /// ([`expert_blocks_matmul`]), rounded where `forward_composed` rounds.
-    fn swiglu_blocks(&self, xs: &Tensor, experts: &[u32]) -> Result<Tensor> {
+    fn swiglu_blocks(&self, xs: &Tensor, experts: &[u32], gemms: Gemms) -> Result<Tensor> {
         let (i, p) = (self.intermediate, self.precision);
         let (gate_up_copy, down_copy) = match &self.copies {
             Some((g, d)) => (Some(g), Some(d)),
             None => (None, None),
         };
-        let hidden = expert_blocks_matmul(
-            p,
-            xs,
-            &self.gate_up,
-            gate_up_copy,
-            experts,
-            self.gemm_inputs,
-            self.weight_grads,
-        )?;
+        let matmul = |x: &Tensor, w: &Tensor, copy: Option<&Tensor>| match gemms {
+            Gemms::Chosen => {
+                expert_blocks_matmul(p, x, w, copy, experts, self.gemm_inputs, self.weight_grads)
+            }
+            #[cfg(test)]
+            Gemms::Planned => planned_blocks_matmul(p, x, w, copy, experts, self.weight_grads),
+        };
+        let hidden = matmul(xs, &self.gate_up, gate_up_copy)?;
         // The SwiGLU with its rounding point in one op: the graph holds no unrounded copy.
         let a = match swiglu_halves_rounded(&hidden, p)? {
             Some(a) => a,
             None => p.round(&(hidden.narrow(2, 0, i)?.silu()? * hidden.narrow(2, i, i)?)?)?,
         };
-        expert_blocks_matmul(
-            p,
-            &a,
-            &self.down,
-            down_copy,
-            experts,
-            self.gemm_inputs,
-            self.weight_grads,
-        )
+        matmul(&a, &self.down, down_copy)
     }
 
     /// The same computation from candle's composed ops, expert by expert (other devices and
@@ -385,6 +440,18 @@ impl RoutedExperts {
         let weighted = expert_out.broadcast_mul(&weights)?;
         Ok(x.zeros_like()?.index_add(&source, &weighted, 0)?)
     }
+}
+
+/// Which GEMMs the padded layout runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Gemms {
+    /// As [`expert_blocks_matmul`] chooses by device: planned on a GPU (and there the fused
+    /// ops, where asked), gathered weights elsewhere.
+    Chosen,
+    /// Planned on any device, the fused ops where asked: the tests' form of a GPU's path on
+    /// the CPU.
+    #[cfg(test)]
+    Planned,
 }
 
 /// The padded layout of a dispatch: for each expert with rows, in expert order, a main block
@@ -511,7 +578,7 @@ fn padded_layout(dispatch: &Dispatch, rows: usize, overflow_rows: usize) -> Padd
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_util::{max_abs_diff, seeded_tensor};
+    use crate::test_util::{f64_bits, max_abs_diff, seeded_tensor};
     use candle_core::{DType, Var};
 
     fn experts(e: usize, h: usize, i: usize, dtype: DType) -> (Var, Var, RoutedExperts) {
@@ -525,6 +592,7 @@ mod tests {
             precision: Precision::F32,
             gemm_inputs: ExpertGemmInputs::Cast,
             weight_grads: WeightGradients::InWeightDtype,
+            padded_ops: PaddedExpertOps::Fused,
         };
         (gu, dn, experts)
     }
@@ -743,7 +811,7 @@ mod tests {
             let (x, gates) = (c.x.as_tensor(), c.gates.as_tensor());
             let padded = c
                 .experts
-                .forward_padded(x, gates, &c.dispatch, overflow_rows)
+                .forward_padded(x, gates, &c.dispatch, overflow_rows, Gemms::Chosen)
                 .expect("padded");
             let composed = c
                 .experts
@@ -789,6 +857,59 @@ mod tests {
             .all(|&r| r as usize == rows));
         assert_layout_places_every_slot(&case.dispatch, &layout, rows);
         assert_padded_matches_composed(&[0, 2, 2, 4, 3, 0, 4, 2, 0, 4, 2, 0], 0);
+    }
+
+    /// The fused padded ops (`padded_experts.rs`) give the per-step chain's outputs and the
+    /// gradients of the rows, gates and both stacks bit for bit (and in the same dtypes),
+    /// both through the planned GEMMs (a GPU's path; here their host twin): in f32, bf16 and
+    /// f16, with and without held 16-bit copies, the stacks' gradients wide and narrow, with
+    /// one block per expert and with overflow blocks.
+    #[test]
+    fn the_fused_padded_ops_are_the_per_step_chain_bit_for_bit() {
+        let even = [0, 2, 2, 4, 3, 0, 4, 2, 0, 4, 2, 0];
+        let skewed = [0, 2, 2, 0, 0, 3, 0, 2, 4, 0, 0, 2, 3, 0, 0, 2, 0, 3, 2, 0];
+        let bf16 = Precision::Bf16 { router_f32: false };
+        let f16 = Precision::F16 { router_f32: false };
+        let mut runs = 0;
+        for ids in [&even[..], &skewed[..]] {
+            for precision in [Precision::F32, bf16, f16] {
+                for copies in [false, true] {
+                    for grads in [WeightGradients::InWeightDtype, WeightGradients::Narrow] {
+                        let mut c = PathCase::with_ids(DType::F32, precision, ids);
+                        c.experts.set_weight_gradients(grads);
+                        if let (true, Some(narrow)) = (copies, precision.narrow_dtype()) {
+                            let copy = |v: &Var| v.as_tensor().to_dtype(narrow).expect("copy");
+                            c.experts.copies = Some((copy(&c.gu), copy(&c.dn)));
+                        } else if copies {
+                            continue;
+                        }
+                        let (x, gates) = (c.x.as_tensor(), c.gates.as_tensor());
+                        let layout = padded_layout(&c.dispatch, c.rows, 0);
+                        let fused = c
+                            .experts
+                            .forward_fused(x, gates, &layout, Gemms::Planned)
+                            .expect("fused")
+                            .expect("the fused ops take f32 rows and gates");
+                        let mut per_step = c.experts.clone();
+                        per_step.set_padded_ops(PaddedExpertOps::PerStep);
+                        let reference = per_step
+                            .forward_padded(x, gates, &c.dispatch, 0, Gemms::Planned)
+                            .expect("per step");
+                        let case = format!("{precision:?} copies {copies} {grads:?} {ids:?}");
+                        assert_eq!(f64_bits(&fused), f64_bits(&reference), "{case}: output");
+                        let (gf, gr) = (c.grads(&fused), c.grads(&reference));
+                        for (name, v) in c.vars() {
+                            let a = gf.get(v.as_tensor()).expect("fused grad");
+                            let b = gr.get(v.as_tensor()).expect("per-step grad");
+                            assert_eq!(a.dtype(), b.dtype(), "{case}: dtype of d {name}");
+                            assert_eq!(f64_bits(a), f64_bits(b), "{case}: d {name}");
+                        }
+                        runs += 1;
+                    }
+                }
+            }
+        }
+        assert_eq!(runs, 2 * (2 + 4 + 4), "every case ran");
     }
 
     /// A skewed load spills past the block size into overflow blocks (their weights read

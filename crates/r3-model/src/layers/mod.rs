@@ -19,6 +19,7 @@ pub mod mlp;
 pub mod moe;
 mod narrow_product;
 pub mod norm;
+pub mod padded_experts;
 pub mod precomputed;
 pub mod rope;
 pub mod rope_op;

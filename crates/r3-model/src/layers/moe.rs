@@ -16,6 +16,7 @@ use super::gather_rows::GatherRows;
 use super::linear::Linear;
 use super::matmul16::narrowed_product;
 use super::mlp::SwiGlu;
+use super::padded_experts::PaddedExpertOps;
 use super::route_rows::route_softmax_rows;
 use crate::cast16::cast16;
 use crate::config::{Config, SharedExpert};
@@ -186,6 +187,12 @@ impl MoeBlock {
     /// Sets how the routed experts' GEMMs take their f32 operands on a GPU in bf16.
     pub fn set_expert_gemm_inputs(&mut self, inputs: ExpertGemmInputs) {
         self.experts.set_gemm_inputs(inputs);
+    }
+
+    /// Sets how a GPU runs the routed experts' padded layout in a differentiated forward
+    /// ([`PaddedExpertOps`]).
+    pub fn set_padded_expert_ops(&mut self, ops: PaddedExpertOps) {
+        self.experts.set_padded_ops(ops);
     }
 
     /// Sets the dtype a 16-bit forward hands the block's weights' gradients back in

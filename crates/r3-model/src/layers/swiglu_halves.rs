@@ -143,13 +143,26 @@ impl CustomOp1 for SwigluHalves {
     }
 
     fn bwd(&self, h: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        // The rounding point's backward first: the incoming gradient rounded.
-        let grad = match self.round {
-            Some(narrow) => grad.apply_op1_no_bwd(&RoundTo { narrow })?,
-            None => grad.contiguous()?,
-        };
-        Ok(Some(h.apply_op2_no_bwd(&grad.contiguous()?, &SwigluGrad)?))
+        swiglu_halves_grad(h, grad, self.round).map(Some)
     }
+}
+
+/// The gradient of [`swiglu_halves_rounded`]'s op at the gate-up input `h` `[.., 2I]` (f32 or
+/// f64, on a device [`swiglu_halves`] runs on) for the output gradient `grad` `[.., I]` (of
+/// `h`'s dtype): the gradient first rounded to `round` where the op rounds (the rounding
+/// point's backward), then the SwiGLU's. An op that holds its gate-up input itself
+/// (`padded_experts.rs`) differentiates through it.
+pub(crate) fn swiglu_halves_grad(
+    h: &Tensor,
+    grad: &Tensor,
+    round: Option<DType>,
+) -> candle_core::Result<Tensor> {
+    let grad = match round {
+        Some(narrow) => grad.apply_op1_no_bwd(&RoundTo { narrow })?,
+        None => grad.contiguous()?,
+    };
+    h.contiguous()?
+        .apply_op2_no_bwd(&grad.contiguous()?, &SwigluGrad)
 }
 
 /// The backward op `(h [.., 2I], d [.., I]) → dh [.., 2I]`.
