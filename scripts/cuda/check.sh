@@ -751,8 +751,8 @@ cat "$work/bench-hf-$name.txt"
 hf_tps=$(grep -E "^peer " "$work/bench-hf-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s.*/\1/')
 line="r3 bf16 masters ${r3_tps:-?} tok/s ${r3_mem:-?} MiB (tensors $(tensors_mib "$work/bench-r3-$name.txt") MiB; gradients $(grads_kept "$work/bench-r3-$name.txt"); $(peak_share "$work/bench-r3-$name.txt")), replay ${replay_cost:-?}%; HF bf16 ${hf_tps:-?} tok/s ${hf_mem:-?} MiB"
 # Then, while the budget lasts, the same run with the padded experts one op per step
-# (--padded-expert-ops per-step: the graph keeping each step's f32 input, ≈ 0.95 GB a layer
-# at this batch, where the fused ops, the default, hold ≈ 0.31 GB in bf16): the memory the
+# (--padded-expert-ops per-step: the graph keeping each step's f32 input, ≈ 0.9 GB a layer
+# at this batch, where the fused ops, the default, hold ≈ 0.3 GB in bf16): the memory the
 # fused ops save, measured in one call, and their speed beside the chain's.
 if [ "$(left)" -ge 100 ]; then
     chain_mem=$(gpu_peak "$work/bench-r3-perstep-$name.txt" timeout "$(limit 150)" "$bin/r3" bench train \

@@ -859,29 +859,51 @@ mod tests {
         assert_padded_matches_composed(&[0, 2, 2, 4, 3, 0, 4, 2, 0, 4, 2, 0], 0);
     }
 
+    /// How a case holds its stacks: f32, f32 with held 16-bit copies, or in the 16-bit
+    /// float itself (a trainer's `train.master_weights = "bf16"`).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum StackForm {
+        F32,
+        HeldCopies,
+        Narrow,
+    }
+
     /// The fused padded ops (`padded_experts.rs`) give the per-step chain's outputs and the
     /// gradients of the rows, gates and both stacks bit for bit (and in the same dtypes),
     /// both through the planned GEMMs (a GPU's path; here their host twin): in f32, bf16 and
-    /// f16, with and without held 16-bit copies, the stacks' gradients wide and narrow, with
-    /// one block per expert and with overflow blocks.
+    /// f16, the stacks f32, with held 16-bit copies or 16-bit themselves, their gradients
+    /// wide and narrow, with one block per expert and with overflow blocks.
     #[test]
     fn the_fused_padded_ops_are_the_per_step_chain_bit_for_bit() {
         let even = [0, 2, 2, 4, 3, 0, 4, 2, 0, 4, 2, 0];
         let skewed = [0, 2, 2, 0, 0, 3, 0, 2, 4, 0, 0, 2, 3, 0, 0, 2, 0, 3, 2, 0];
         let bf16 = Precision::Bf16 { router_f32: false };
         let f16 = Precision::F16 { router_f32: false };
+        let forms = [StackForm::F32, StackForm::HeldCopies, StackForm::Narrow];
         let mut runs = 0;
         for ids in [&even[..], &skewed[..]] {
             for precision in [Precision::F32, bf16, f16] {
-                for copies in [false, true] {
+                for form in forms {
                     for grads in [WeightGradients::InWeightDtype, WeightGradients::Narrow] {
                         let mut c = PathCase::with_ids(DType::F32, precision, ids);
                         c.experts.set_weight_gradients(grads);
-                        if let (true, Some(narrow)) = (copies, precision.narrow_dtype()) {
-                            let copy = |v: &Var| v.as_tensor().to_dtype(narrow).expect("copy");
-                            c.experts.copies = Some((copy(&c.gu), copy(&c.dn)));
-                        } else if copies {
-                            continue;
+                        let narrow = precision.narrow_dtype();
+                        match (form, narrow) {
+                            (StackForm::F32, _) => {}
+                            (_, None) => continue,
+                            (StackForm::HeldCopies, Some(narrow)) => {
+                                let copy = |v: &Var| v.as_tensor().to_dtype(narrow).expect("copy");
+                                c.experts.copies = Some((copy(&c.gu), copy(&c.dn)));
+                            }
+                            (StackForm::Narrow, Some(narrow)) => {
+                                let held = |v: &Var| {
+                                    Var::from_tensor(&v.as_tensor().to_dtype(narrow).expect("n"))
+                                        .expect("var")
+                                };
+                                (c.gu, c.dn) = (held(&c.gu), held(&c.dn));
+                                c.experts.gate_up = c.gu.as_tensor().clone();
+                                c.experts.down = c.dn.as_tensor().clone();
+                            }
                         }
                         let (x, gates) = (c.x.as_tensor(), c.gates.as_tensor());
                         let layout = padded_layout(&c.dispatch, c.rows, 0);
@@ -895,7 +917,7 @@ mod tests {
                         let reference = per_step
                             .forward_padded(x, gates, &c.dispatch, 0, Gemms::Planned)
                             .expect("per step");
-                        let case = format!("{precision:?} copies {copies} {grads:?} {ids:?}");
+                        let case = format!("{precision:?} {form:?} {grads:?} {ids:?}");
                         assert_eq!(f64_bits(&fused), f64_bits(&reference), "{case}: output");
                         let (gf, gr) = (c.grads(&fused), c.grads(&reference));
                         for (name, v) in c.vars() {
@@ -909,7 +931,8 @@ mod tests {
                 }
             }
         }
-        assert_eq!(runs, 2 * (2 + 4 + 4), "every case ran");
+        // per load: f32 in one form, bf16 and f16 in three, each with two gradient dtypes
+        assert_eq!(runs, 2 * (2 + 6 + 6), "every case ran");
     }
 
     /// A skewed load spills past the block size into overflow blocks (their weights read
