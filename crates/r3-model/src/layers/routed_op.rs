@@ -40,10 +40,51 @@ struct Dims {
 }
 
 /// What the forward keeps for the backward: the `[rows · top_k, 2I]` gate/up activations and
-/// the `[rows · top_k, H]` expert outputs, both in expert order.
+/// the `[rows · top_k, H]` expert outputs, both in expert order. At a 16-bit precision both
+/// are rounded by the forward, so they are kept in that float (exactly, half the bytes of
+/// f32) and widened for the backward.
 struct Saved {
     h: CpuStorage,
     o: CpuStorage,
+}
+
+impl Saved {
+    /// `values` as the forward keeps them: in `narrow` where the op rounds to it (f32 values
+    /// that are `narrow` numbers), else as computed.
+    fn keep(values: CpuStorage, narrow: Option<DType>) -> candle_core::Result<CpuStorage> {
+        use candle_core::backend::BackendStorage;
+        match narrow {
+            Some(narrow) if values.dtype() == DType::F32 => {
+                let len = values.as_slice::<f32>()?.len();
+                values.to_dtype(&Layout::contiguous(len), narrow)
+            }
+            _ => Ok(values),
+        }
+    }
+
+    /// A kept buffer in the op's float `T`: as it is, or widened (exactly) from the 16-bit
+    /// float it was kept in, into `widened`.
+    fn read<'a, T: WithDType>(
+        kept: &'a CpuStorage,
+        widened: &'a mut Option<CpuStorage>,
+    ) -> candle_core::Result<&'a [T]> {
+        use candle_core::backend::BackendStorage;
+        if kept.dtype() == T::DTYPE {
+            return kept.as_slice::<T>();
+        }
+        let len = match kept {
+            CpuStorage::BF16(v) => v.len(),
+            CpuStorage::F16(v) => v.len(),
+            other => candle_core::bail!(
+                "routed experts: kept activations of {:?} for a {:?} backward",
+                other.dtype(),
+                T::DTYPE
+            ),
+        };
+        widened
+            .insert(kept.to_dtype(&Layout::contiguous(len), T::DTYPE)?)
+            .as_slice::<T>()
+    }
 }
 
 /// The routed-experts op `(rows with gates, gate_up, down) → y`.
@@ -614,8 +655,8 @@ impl RoutedSwiGlu {
             .lock()
             .map_err(|_| candle_core::Error::Msg("routed experts: cache lock poisoned".into()))?;
         *saved = Some(Saved {
-            h: wrap(f.h),
-            o: wrap(f.o),
+            h: Saved::keep(wrap(f.h), self.narrow)?,
+            o: Saved::keep(wrap(f.o), self.narrow)?,
         });
         Ok(wrap(f.y))
     }
@@ -636,8 +677,12 @@ impl RoutedSwiGlu {
                         })?;
                         let rows = self.rows(xv, d);
                         let recomputed;
+                        let (mut wide_h, mut wide_o) = (None, None);
                         let (h, o) = match saved.as_ref() {
-                            Some(s) => (s.h.as_slice::<T>()?, s.o.as_slice::<T>()?),
+                            Some(s) => (
+                                Saved::read::<T>(&s.h, &mut wide_h)?,
+                                Saved::read::<T>(&s.o, &mut wide_o)?,
+                            ),
                             None => {
                                 recomputed =
                                     routed_forward(rows, w1v, w2v, &self.dispatch, d, round);
@@ -743,6 +788,64 @@ impl CustomOp3 for RoutedSwiGlu {
             DType::F32 => self.bwd_typed::<f32>((x, w1, w2, grad), d, wanted, self.f32_rounding()),
             DType::F64 => self.bwd_typed::<f64>((x, w1, w2, grad), d, wanted, self.f64_rounding()?),
             dt => candle_core::bail!("routed experts: no backward for {dt:?}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_util::seeded_tensor;
+    use candle_core::backend::BackendStorage;
+
+    fn host(t: &Tensor) -> Vec<f32> {
+        t.flatten_all()
+            .and_then(|t| t.to_vec1::<f32>())
+            .expect("host values")
+    }
+
+    /// At a 16-bit precision the op keeps its gate/up activations and expert outputs in that
+    /// float (half the bytes of f32), and what its backward reads back are the forward's
+    /// f32 values bit for bit; in f32 it keeps them as they are.
+    #[test]
+    fn kept_activations_are_the_forwards_in_their_own_float() {
+        let (e, h, i, k) = (5, 12, 7, 2);
+        let ids = [0u32, 2, 2, 4, 3, 0, 4, 2, 0, 4, 2, 0];
+        let rows = ids.len() / k;
+        let dispatch = Dispatch::new(&ids, k, e).expect("dispatch");
+        let x = seeded_tensor(&[rows, h + k], 1, DType::F32);
+        let w1 = seeded_tensor(&[e, 2 * i, h], 2, DType::F32);
+        let w2 = seeded_tensor(&[e, h, i], 3, DType::F32);
+        for precision in [
+            Precision::F32,
+            Precision::Bf16 { router_f32: false },
+            Precision::F16 { router_f32: false },
+        ] {
+            let op = RoutedSwiGlu::new(dispatch.clone(), precision);
+            x.apply_op3_no_bwd(&w1, &w2, &op).expect("forward");
+            let d = Dims {
+                hidden: h,
+                inter: i,
+            };
+            let (xv, w1v, w2v) = (host(&x), host(&w1), host(&w2));
+            let f = routed_forward(
+                op.rows(&xv, d),
+                Stack::Own(&w1v),
+                Stack::Own(&w2v),
+                &dispatch,
+                d,
+                op.f32_rounding(),
+            );
+            let saved = op.saved.lock().expect("lock");
+            let kept = saved.as_ref().expect("the forward kept its activations");
+            let dtype = precision.narrow_dtype().unwrap_or(DType::F32);
+            for (name, kept, want) in [("h", &kept.h, &f.h), ("o", &kept.o, &f.o)] {
+                assert_eq!(kept.dtype(), dtype, "{precision:?} {name}");
+                let mut widened = None;
+                let read = Saved::read::<f32>(kept, &mut widened).expect("read");
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(read), bits(want), "{precision:?} {name}");
+            }
         }
     }
 }
