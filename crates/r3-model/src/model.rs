@@ -266,6 +266,18 @@ impl Model {
         self.lm_head.set_weight_gradients(grads);
     }
 
+    /// Runs each GQA layer's q and k heads (per-head norm, rotation, rounding) again in a
+    /// differentiated forward's backward, the graph keeping only the projections' outputs
+    /// (selective recomputation, `algo.selective_recompute`: the same gradients bit for bit,
+    /// less memory, the heads' forward once more). MLA layers are unaffected.
+    pub fn set_selective_recompute(&mut self, on: bool) {
+        for layer in &mut self.layers {
+            if let Attention::Gqa(a) = &mut layer.attention {
+                a.set_recompute_heads(on);
+            }
+        }
+    }
+
     /// The forward's precision.
     pub fn precision(&self) -> Precision {
         self.precision

@@ -410,3 +410,33 @@ fn a_sixteen_bit_gradient_of_an_f32_variable_is_kept_then_summed_in_f32() {
         assert_close(&flat(g), &[5.0, 1.25, -15.0], "both");
     }
 }
+
+/// `backward_from(seed)` starts from `seed` where `backward` starts from ones: for
+/// `y = x ⊙ x + w ⊙ x` seeded with `g`, `∂/∂x = g ⊙ (2x + w)` and `∂/∂w = g ⊙ x`, by hand;
+/// a seed of another shape is an error naming both.
+#[test]
+fn a_seeded_backward_starts_from_its_seed() {
+    let x = var(&[1.0, -2.0, 3.0], &[3]);
+    let w = var(&[0.5, 4.0, -1.0], &[3]);
+    let y = ((x.as_tensor() * x.as_tensor()).expect("x·x")
+        + (w.as_tensor() * x.as_tensor()).expect("w·x"))
+    .expect("y");
+    let g = constant(&[2.0, -1.0, 0.5], &[3]);
+    let grads = y.backward_from(&g).expect("seeded backward");
+    // 2x + w = 2.5, 0, 5 → times g: 5, 0, 2.5; g ⊙ x: 2, 2, 1.5
+    assert_close(&flat(grads.get(&x).expect("dx")), &[5.0, -0.0, 2.5], "dx");
+    assert_close(&flat(grads.get(&w).expect("dw")), &[2.0, 2.0, 1.5], "dw");
+    let ones = y.backward().expect("backward");
+    assert_close(
+        &flat(ones.get(&x).expect("dx")),
+        &[2.5, 0.0, 5.0],
+        "dx of ones",
+    );
+    let err = y
+        .backward_from(&constant(&[1.0, 2.0], &[2]))
+        .expect_err("a seed of another shape");
+    assert!(
+        err.to_string().contains("[2]") && err.to_string().contains("[3]"),
+        "{err}"
+    );
+}

@@ -15,7 +15,8 @@
 //! bf16 with the weights held in bf16, `train.master_weights = "bf16"`, and `bf16-moments`
 //! keeps AdamW's moments in bf16, `optim.moments_dtype = "bf16"`, and `bf16-sums` sums the
 //! bf16 weights' gradients over the micro-batches in bf16, `train.grad_accum_dtype =
-//! "bf16"`; `mid` for the model
+//! "bf16"`, and `selective` runs the attention's q and k heads again in the backward,
+//! `algo.selective_recompute`; `mid` for the model
 //! directory is `r3 bench train`'s mid-size config with seeded random weights, vocabulary
 //! 32,000)
 //!
@@ -63,7 +64,8 @@ fn synthetic_batch(n: usize, vocab: u32) -> Result<ResponseBatch, Box<dyn std::e
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let usage = "usage: micro_batch_memory MODEL_DIR|mid SEQUENCES TOKEN_BUDGET [checkpointing] \
-                 [warm] [head-chunk=TOKENS] [bf16|bf16-masters] [bf16-moments] [bf16-sums]";
+                 [warm] [head-chunk=TOKENS] [bf16|bf16-masters] [bf16-moments] [bf16-sums] \
+                 [selective]";
     let [model, n, budget, flags @ ..] = args.as_slice() else {
         return Err(usage.into());
     };
@@ -73,12 +75,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (mut precision, mut masters) = (Precision::F32, MasterWeights::F32);
     let mut moments = DType::F32;
     let mut bf16_sums = false;
+    let mut selective = false;
     for flag in flags {
         match flag.split_once('=') {
             None if flag == "checkpointing" => checkpointing = true,
             None if flag == "bf16" => precision = Precision::Bf16 { router_f32: false },
             None if flag == "bf16-moments" => moments = DType::BF16,
             None if flag == "bf16-sums" => bf16_sums = true,
+            None if flag == "selective" => selective = true,
             None if flag == "bf16-masters" => {
                 precision = Precision::Bf16 { router_f32: false };
                 masters = MasterWeights::Bf16;
@@ -154,6 +158,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let settings = UpdateSettings {
         max_tokens_per_micro_batch: budget,
         gradient_checkpointing: checkpointing,
+        selective_recompute: selective,
         share_prefixes: false,
         head_chunk_tokens: head_chunk,
         narrow_gradients: false,
@@ -174,7 +179,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let seconds = started.elapsed().as_secs_f64();
     let after = read_memory().ok_or("no /proc/self/status")?;
     println!(
-        "{{\"sequences\": {n}, \"tokens\": {}, \"padded_tokens\": {}, \"budget\": {budget}, \"checkpointing\": {checkpointing}, \"warm\": {warm}, \"head_chunk\": {head_chunk}, \"precision\": \"{precision:?}\", \"masters\": \"{masters:?}\", \"moments\": \"{moments:?}\", \"bf16_sums\": {bf16_sums}, \
+        "{{\"sequences\": {n}, \"tokens\": {}, \"padded_tokens\": {}, \"budget\": {budget}, \"checkpointing\": {checkpointing}, \"warm\": {warm}, \"head_chunk\": {head_chunk}, \"precision\": \"{precision:?}\", \"masters\": \"{masters:?}\", \"moments\": \"{moments:?}\", \"bf16_sums\": {bf16_sums}, \"selective\": {selective}, \
          \"micro_batches\": {}, \"rss_before_mib\": {:.0}, \"update_peak_mib\": {:.0}, \
          \"peak_over_base_mib\": {:.0}, \"rss_after_mib\": {:.0}, \"peak_reset\": {reset}, \"applied\": {}, \
          \"seconds\": {seconds:.2}}}",

@@ -240,6 +240,7 @@ fn run_in(
         grad_hook: Some(stash_grads),
         max_tokens_per_micro_batch: budget,
         gradient_checkpointing: checkpointing,
+        selective_recompute: false,
         share_prefixes: case.share,
         head_chunk_tokens: 0,
         narrow_gradients,

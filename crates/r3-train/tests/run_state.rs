@@ -214,6 +214,7 @@ fn a_nan_or_inf_loss_skips_the_update_and_leaves_weights_untouched() {
         grad_hook: None,
         max_tokens_per_micro_batch: 0,
         gradient_checkpointing: false,
+        selective_recompute: false,
         share_prefixes: true,
         head_chunk_tokens: 0,
         narrow_gradients: false,

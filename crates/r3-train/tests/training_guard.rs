@@ -138,6 +138,7 @@ fn an_injected_non_finite_gradient_is_skipped_with_state_restored_bit_for_bit() 
         grad_hook: None,
         max_tokens_per_micro_batch: 0,
         gradient_checkpointing: false,
+        selective_recompute: false,
         share_prefixes: true,
         head_chunk_tokens: 0,
         narrow_gradients: false,

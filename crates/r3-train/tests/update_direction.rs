@@ -86,6 +86,7 @@ fn check(kind: PolicyLossKind, replay: bool) {
         grad_hook: None,
         max_tokens_per_micro_batch: 0,
         gradient_checkpointing: false,
+        selective_recompute: false,
         share_prefixes: true,
         head_chunk_tokens: 0,
         narrow_gradients: false,

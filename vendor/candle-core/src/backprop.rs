@@ -163,7 +163,24 @@ impl Tensor {
     }
 
     pub fn backward(&self) -> Result<GradStore> {
-        self.backward_hooked(None)
+        self.backward_hooked(None, None)
+    }
+
+    /// r3 patch: [`Tensor::backward`] seeded with `seed`, the gradient some outer loss has at
+    /// this tensor (its shape, dtype and device), instead of ones: the backward of a segment
+    /// of ops that an outer backward runs again (r3's recomputed segments), with the
+    /// gradients the segment's own rules give, as if the segment had stayed in the graph.
+    pub fn backward_from(&self, seed: &Tensor) -> Result<GradStore> {
+        if seed.shape() != self.shape() || seed.dtype() != self.dtype() {
+            Err(Error::Msg(format!(
+                "backward_from: a seed {:?} {:?} for a tensor {:?} {:?}",
+                seed.dims(),
+                seed.dtype(),
+                self.dims(),
+                self.dtype()
+            )))?
+        }
+        self.backward_hooked(Some(seed), None)
     }
 
     /// r3 patch: [`Tensor::backward`], handing each variable's gradient to `at_variable` once
@@ -177,16 +194,21 @@ impl Tensor {
     where
         F: FnMut(&Tensor, Tensor) -> Result<Tensor>,
     {
-        self.backward_hooked(Some(&mut at_variable))
+        self.backward_hooked(None, Some(&mut at_variable))
     }
 
     fn backward_hooked(
         &self,
+        seed: Option<&Tensor>,
         mut at_variable: Option<&mut dyn FnMut(&Tensor, Tensor) -> Result<Tensor>>,
     ) -> Result<GradStore> {
         let sorted_nodes = self.sorted_nodes();
         let mut grads = GradStore::new();
-        grads.insert(self, self.ones_like()?.contiguous()?);
+        let seed = match seed {
+            Some(seed) => seed.detach().contiguous()?,
+            None => self.ones_like()?.contiguous()?,
+        };
+        grads.insert(self, seed);
         for node in sorted_nodes.iter() {
             if node.is_variable() {
                 if let Some(hook) = at_variable.as_mut() {

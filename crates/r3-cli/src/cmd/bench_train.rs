@@ -102,6 +102,11 @@ pub struct BenchTrainArgs {
     /// CPU the steps' resident-memory high-water mark is printed either way, to compare.
     #[arg(long)]
     pub gradient_checkpointing: bool,
+    /// Selective recomputation (`algo.selective_recompute`): each GQA layer's q and k heads
+    /// (per-head norm, rotation, rounding) run again in the backward, the graph keeping the
+    /// projections' outputs alone (the same gradients; counted in the backward's time).
+    #[arg(long)]
+    pub selective_recompute: bool,
     /// In bf16 (`--dtype bf16`): each weight's gradient kept in bf16 from the moment the
     /// backward completes it, where bf16 holds it exactly (`train.narrow_gradients`; the same
     /// gradients, 2 bytes a parameter instead of 4)
@@ -364,6 +369,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     let mut model = Model::with_precision(&cfg, &weights, precision)?;
     model.set_expert_gemm_inputs(args.expert_gemm);
     model.set_padded_expert_ops(args.padded_expert_ops);
+    model.set_selective_recompute(args.selective_recompute);
     if narrow_grads.is_some() {
         model.set_weight_gradients(WeightGradients::Narrow);
     }
@@ -429,6 +435,8 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         },
         if args.gradient_checkpointing {
             ", gradient checkpointing (each layer run again in the backward)"
+        } else if args.selective_recompute {
+            ", selective recomputation (q and k heads run again in the backward)"
         } else {
             ""
         },

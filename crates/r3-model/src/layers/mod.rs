@@ -21,6 +21,7 @@ mod narrow_product;
 pub mod norm;
 pub mod padded_experts;
 pub mod precomputed;
+pub mod recomputed_segment;
 pub mod rope;
 pub mod rope_op;
 mod rope_rounded;

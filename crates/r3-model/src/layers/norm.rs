@@ -39,6 +39,15 @@ impl RmsNorm {
         &self.weight
     }
 
+    /// The same norm reading `weight` (of this norm's shape) as its scale: a segment run
+    /// again in a backward hands the norm its own leaf for the scale.
+    pub fn with_weight(&self, weight: Tensor) -> RmsNorm {
+        RmsNorm {
+            weight,
+            ..self.clone()
+        }
+    }
+
     /// Sets the precision (bf16: the scale read as bf16, the output rounded to bf16).
     pub fn set_precision(&mut self, precision: Precision) {
         self.precision = precision;

@@ -296,7 +296,9 @@ impl CustomOp1 for RotateBack {
 
 /// What rotates q and k in an attention layer: the tables of positions `0..T` of a full
 /// forward ([`RopeTables`]) or the positions of a step over a KV cache ([`PositionTables`]).
-pub trait Rotary {
+/// Cheap to clone (tensors share their storage), so a segment run again in a backward can
+/// hold its own.
+pub trait Rotary: Clone + Send + Sync + 'static {
     /// Rotates `x` `[batch, heads, seq, dim]`.
     fn rotate(&self, x: &Tensor) -> Result<Tensor>;
 

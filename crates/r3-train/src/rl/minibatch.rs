@@ -77,6 +77,9 @@ pub struct UpdateSettings {
     /// Each update forward keeps only its layers' inputs and runs every layer again in the
     /// backward (activation checkpointing; the same gradients).
     pub gradient_checkpointing: bool,
+    /// Each update forward's q and k heads are run again in the backward, the graph keeping
+    /// the projections' outputs alone (`algo.selective_recompute`; the same gradients).
+    pub selective_recompute: bool,
     /// Forwards compute the positions their sequences hold alike once, and micro-batches
     /// keep such sequences together (`algo.share_prefixes`).
     pub share_prefixes: bool,
@@ -132,6 +135,7 @@ pub fn update_minibatch(
         // to check and narrow again).
         model.set_weight_gradients(WeightGradients::Narrow);
     }
+    model.set_selective_recompute(s.selective_recompute);
     let device = policy.device();
     let n = mb.batch.len();
     let parts = pack_rows(

@@ -158,6 +158,7 @@ pub fn update_settings(cfg: &TrainConfig) -> Result<UpdateSettings> {
         grad_hook: None,
         max_tokens_per_micro_batch: cfg.algo.max_tokens_per_micro_batch,
         gradient_checkpointing: cfg.algo.gradient_checkpointing,
+        selective_recompute: cfg.algo.selective_recompute,
         share_prefixes: cfg.algo.share_prefixes,
         head_chunk_tokens: cfg.algo.head_chunk_tokens,
         narrow_gradients: cfg.train.narrow_gradients,
