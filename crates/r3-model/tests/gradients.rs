@@ -267,15 +267,7 @@ fn finite_differences_deepseek_v3_replay() {
 #[test]
 fn selective_recomputation_gives_the_same_gradients_bit_for_bit() {
     use r3_model::Precision;
-    let bits = |t: &Tensor| {
-        t.flatten_all()
-            .and_then(|t| t.to_dtype(DType::F64))
-            .and_then(|t| t.to_vec1::<f64>())
-            .expect("values")
-            .iter()
-            .map(|v| v.to_bits())
-            .collect::<Vec<_>>()
-    };
+    use r3_test_support::bits;
     for family in FAMILIES {
         for precision in [Precision::F32, Precision::Bf16 { router_f32: false }] {
             let cfg = tiny_config(family);
