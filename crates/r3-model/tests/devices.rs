@@ -509,6 +509,53 @@ fn held_copies_give_the_same_bits(device: &Device) {
     }
 }
 
+/// Selective recomputation (`Model::set_selective_recompute`: each GQA layer's q and k
+/// heads, per-head norm, rotation and rounding, run again in the backward) gives on `device`
+/// the same logits and every parameter's gradient bit for bit: every family, f32, bf16 and
+/// f16, replayed routing where the family has experts. On a GPU the heads run candle's rope
+/// kernel after a contiguous copy and r3's norm and rounding kernels, once more in the
+/// backward.
+fn selective_recompute_gives_the_same_bits(device: &Device) {
+    use r3_model::Precision;
+    for family in FAMILIES {
+        let cfg = tiny_config(family);
+        let lengths = [6, 4];
+        let batch = Batch::new(&sequences(&lengths, cfg.vocab_size, 3), 0, device).expect("batch");
+        let tables = cfg.moe.as_ref().map(|_| {
+            ReplayRoutes::new(covering_tables(&cfg, &lengths), &cfg.layout).expect("covered")
+        });
+        for precision in [
+            Precision::F32,
+            Precision::Bf16 { router_f32: false },
+            Precision::F16 { router_f32: true },
+        ] {
+            let run = |selective: bool| {
+                let (varmap, weights) = on_device(&tiny_weights(&cfg, 7, DType::F32), device)
+                    .into_trainable(&cfg)
+                    .expect("trainable");
+                let mut model = Model::with_precision(&cfg, &weights, precision).expect("model");
+                model.set_selective_recompute(selective);
+                let routing = match &tables {
+                    Some(t) => Routing::Replay(t),
+                    None => Routing::Native,
+                };
+                let logits = model.forward(&batch, routing).expect("forward").logits;
+                let grads = (&logits * probe(&lengths, cfg.vocab_size, device))
+                    .and_then(|l| l.sum_all())
+                    .and_then(|l| l.backward())
+                    .expect("backward");
+                (bits(&logits), gradient_bits(&varmap, &grads))
+            };
+            let (chain, selective) = (run(false), run(true));
+            assert!(chain.0 == selective.0, "{family} {precision:?}: logits");
+            assert_eq!(chain.1.len(), selective.1.len(), "{family}: gradients");
+            for ((name, a), (_, b)) in chain.1.iter().zip(&selective.1) {
+                assert!(a == b, "{family} {precision:?}: gradient of {name}");
+            }
+        }
+    }
+}
+
 /// A recomputing forward (activation checkpointing) gives the plain forward's logits and
 /// routes, and its layer-by-layer backward every parameter's gradient, to the bit: every
 /// family, f32 / bf16 with held weight copies / f16, Native, Record and Replay routing, and a
@@ -697,6 +744,11 @@ fn a_loss_beside_the_recomputed_logits_is_refused() {
 }
 
 #[test]
+fn selective_recomputation_gives_the_same_bits_on_the_cpu() {
+    selective_recompute_gives_the_same_bits(&Device::Cpu);
+}
+
+#[test]
 fn held_weight_copies_give_the_same_bits_on_the_cpu() {
     held_copies_give_the_same_bits(&Device::Cpu);
 }
@@ -822,6 +874,11 @@ mod cuda {
     #[test]
     fn held_weight_copies_give_the_same_bits_on_cuda() {
         held_copies_give_the_same_bits(&gpu());
+    }
+
+    #[test]
+    fn selective_recomputation_gives_the_same_bits_on_cuda() {
+        selective_recompute_gives_the_same_bits(&gpu());
     }
 
     #[test]
