@@ -751,7 +751,7 @@ cat "$work/bench-hf-$name.txt"
 hf_tps=$(grep -E "^peer " "$work/bench-hf-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s.*/\1/')
 line="r3 bf16 masters ${r3_tps:-?} tok/s ${r3_mem:-?} MiB (tensors $(tensors_mib "$work/bench-r3-$name.txt") MiB; gradients $(grads_kept "$work/bench-r3-$name.txt"); $(peak_share "$work/bench-r3-$name.txt")), replay ${replay_cost:-?}%; HF bf16 ${hf_tps:-?} tok/s ${hf_mem:-?} MiB"
 # Then, while the budget lasts, the same run with the padded experts one op per step
-# (--padded-expert-ops per-step: the graph keeping each step's f32 input, ≈ 0.9 GB a layer
+# (--padded-expert-ops per-step: the graph keeping each step's f32 input, ≈ 1.0 GB a layer
 # at this batch, where the fused ops, the default, hold ≈ 0.3 GB in bf16): the memory the
 # fused ops save, measured in one call, and their speed beside the chain's.
 if [ "$(left)" -ge 100 ]; then

@@ -6,12 +6,12 @@
 //! One op per step (row gather, GEMM, SwiGLU, GEMM, combine) made candle's graph keep each
 //! step's input until the backward, all in f32: the layer input with its zero row, the
 //! gathered rows `[places, H]`, the gate-up output `[places, 2I]`, the SwiGLU `[places, I]`
-//! and the expert outputs `[places, H]`. On the 30B-A3B shape at 8 × 512 tokens (≈ 34 k
-//! places) that is ≈ 0.9 GB a layer, where HF's bf16 experts keep theirs in bf16. Here the
-//! graph keeps the layer input (kept anyway: the router reads it) and the SwiGLU's output in
-//! the compute dtype (the down GEMM's operand); the ops hold the gate-up output and the
-//! expert outputs in the compute dtype: at bf16 ≈ 0.3 GB a layer. The gathered rows are
-//! gathered again in the backward, for the gate-up weight gradient.
+//! and the expert outputs `[places, H]`. On the 30B-A3B shape at 8 × 512 tokens (≈ 37 k
+//! places under an even load) that is ≈ 1.0 GB a layer, where HF's bf16 experts keep theirs
+//! in bf16. Here the graph keeps the layer input (kept anyway: the router reads it) and the
+//! SwiGLU's output in the compute dtype (the down GEMM's operand); the ops hold the gate-up
+//! output and the expert outputs in the compute dtype: at bf16 ≈ 0.3 GB a layer. The
+//! gathered rows are gathered again in the backward, for the gate-up weight gradient.
 //!
 //! Every value and gradient is the per-step chain's bit for bit — the same planned GEMMs
 //! (`BlockGemms`), casts, SwiGLU, gather sums and combine in the same order — which the
