@@ -150,7 +150,11 @@ pub(crate) fn fused_padded_experts(
                 hidden,
             },
         )?,
-        false => swiglu,
+        false => {
+            // Nothing to differentiate: the gate-up output is not needed past the SwiGLU.
+            drop(hidden);
+            swiglu
+        }
     };
 
     let y = down_gemms.forward(&swiglu, down.weights)?;
