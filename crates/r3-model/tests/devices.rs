@@ -449,6 +449,28 @@ fn narrow_gradients(
     names
 }
 
+/// `model`'s logits over `batch` (replaying `tables` where there are some, else routed
+/// natively) and every variable's gradient of `Σ logits · probe`, as bits.
+fn logits_and_gradient_bits(
+    model: &Model,
+    batch: &Batch,
+    tables: Option<&ReplayRoutes>,
+    lengths: &[usize],
+    varmap: &candle_nn::VarMap,
+) -> (Vec<u32>, Vec<(String, Vec<u32>)>) {
+    let routing = match tables {
+        Some(t) => Routing::Replay(t),
+        None => Routing::Native,
+    };
+    let logits = model.forward(batch, routing).expect("forward").logits;
+    let probe = probe(lengths, model.config().vocab_size, logits.device());
+    let grads = (&logits * probe)
+        .and_then(|l| l.sum_all())
+        .and_then(|l| l.backward())
+        .expect("backward");
+    (bits(&logits), gradient_bits(varmap, &grads))
+}
+
 /// A mixed-precision model that reads held 16-bit copies of its weights
 /// (`Weights::hold_narrow_copies`) computes on `device` bit for bit what it computes casting
 /// (on the CPU: rounding) every weight at every use — the logits of a replayed forward, the
@@ -478,23 +500,15 @@ fn held_copies_give_the_same_bits(device: &Device) {
                     assert!(!copies.is_empty(), "{family}");
                 }
                 let model = Model::with_precision(&cfg, &weights, precision).expect("model");
-                let routing = match &tables {
-                    Some(t) => Routing::Replay(t),
-                    None => Routing::Native,
-                };
-                let logits = model.forward(&batch, routing).expect("forward").logits;
-                let grads = (&logits * probe(&lengths, cfg.vocab_size, device))
-                    .and_then(|l| l.sum_all())
-                    .and_then(|l| l.backward())
-                    .expect("backward");
-                let named = gradient_bits(&varmap, &grads);
+                let (logits, named) =
+                    logits_and_gradient_bits(&model, &batch, tables.as_ref(), &lengths, &varmap);
                 let frozen = Model::with_precision(&cfg, &weights.detached(), precision)
                     .expect("frozen model");
                 let native = frozen
                     .forward(&batch, Routing::Native)
                     .expect("forward")
                     .logits;
-                (bits(&logits), named, bits(&native))
+                (logits, named, bits(&native))
             };
             let (cast, held) = (run(false), run(true));
             assert!(cast.0 == held.0, "{family} {narrow:?}: logits");
@@ -535,16 +549,7 @@ fn selective_recompute_gives_the_same_bits(device: &Device) {
                     .expect("trainable");
                 let mut model = Model::with_precision(&cfg, &weights, precision).expect("model");
                 model.set_selective_recompute(selective);
-                let routing = match &tables {
-                    Some(t) => Routing::Replay(t),
-                    None => Routing::Native,
-                };
-                let logits = model.forward(&batch, routing).expect("forward").logits;
-                let grads = (&logits * probe(&lengths, cfg.vocab_size, device))
-                    .and_then(|l| l.sum_all())
-                    .and_then(|l| l.backward())
-                    .expect("backward");
-                (bits(&logits), gradient_bits(&varmap, &grads))
+                logits_and_gradient_bits(&model, &batch, tables.as_ref(), &lengths, &varmap)
             };
             let (chain, selective) = (run(false), run(true));
             assert!(chain.0 == selective.0, "{family} {precision:?}: logits");

@@ -103,7 +103,7 @@ pub fn expert_blocks_matmul(
             && compute == DType::BF16
             && w.dtype() == DType::F32
             && copy.is_none();
-        return in_place_matmul(x, w, copy, map, compute, fast, grads);
+        return in_place_matmul(x, w, BlockGemms::planned(map, compute, fast, copy, grads));
     }
     let identity = experts.iter().enumerate().all(|(b, &e)| b == e as usize);
     let gather = |t: &Tensor| -> Result<Tensor> {
@@ -154,10 +154,7 @@ pub(crate) fn planned_blocks_matmul(
     experts: &[u32],
     grads: WeightGradients,
 ) -> Result<Tensor> {
-    let map = BlockMap::new(x, w, experts)?;
-    let compute = p.narrow_dtype().unwrap_or(DType::F32);
-    let copy = copy_read_at(p, w, copy)?;
-    in_place_matmul(x, w, copy, map, compute, false, grads)
+    in_place_matmul(x, w, BlockGemms::new(p, x.dims(), w, copy, experts, grads)?)
 }
 
 /// Whether the experts' GEMMs run on cuBLAS reading the stack `w` in place: on a GPU, f32
@@ -384,27 +381,14 @@ impl BlockMap {
 }
 
 /// The op on a GPU: the value from the forward plan, the gradients from the two backward
-/// plans, operands cast to `compute` (f32, bf16 or f16) around them, or with `fast16bf` (bf16
-/// compute, f32 operands) left f32 for cuBLAS's own conversion and the outputs rounded to
-/// bf16 where the cast path's are bf16; the stack's gradient in the dtype `grads` says.
-fn in_place_matmul(
-    x: &Tensor,
-    w: &Tensor,
-    copy: Option<&Tensor>,
-    map: BlockMap,
-    compute: DType,
-    fast16bf: bool,
-    grads: WeightGradients,
-) -> Result<Tensor> {
-    let gemms = BlockGemms {
-        map: Arc::new(map),
-        compute,
-        fast16bf,
-        copy: copy.map(Tensor::detach),
-        grads,
-    };
+/// plans, operands cast to the GEMMs' compute dtype (f32, bf16 or f16) around them, or with
+/// `fast16bf` (bf16 compute, f32 operands) left f32 for cuBLAS's own conversion and the
+/// outputs rounded to bf16 where the cast path's are bf16; the stack's gradient in the dtype
+/// the GEMMs' `grads` says.
+fn in_place_matmul(x: &Tensor, w: &Tensor, gemms: BlockGemms) -> Result<Tensor> {
+    let compute = gemms.compute;
     let x = x.contiguous()?;
-    let value = if fast16bf {
+    let value = if gemms.fast16bf {
         let y = x.detach().apply_op2_no_bwd(
             &w.detach().contiguous()?,
             &PlannedGemm::fast(Pass::Forward, &gemms.map),
@@ -462,13 +446,26 @@ impl BlockGemms {
                 w.dtype()
             )));
         }
-        Ok(BlockGemms {
+        let copy = copy_read_at(p, w, copy)?;
+        Ok(Self::planned(map, compute, false, copy, grads))
+    }
+
+    /// The passes of a checked map at `compute`, `fast16bf` for `FAST_16BF`'s f32 operands,
+    /// reading `copy` (already checked against its stack) for the rounded stack.
+    fn planned(
+        map: BlockMap,
+        compute: DType,
+        fast16bf: bool,
+        copy: Option<&Tensor>,
+        grads: WeightGradients,
+    ) -> Self {
+        BlockGemms {
             map: Arc::new(map),
             compute,
-            fast16bf: false,
-            copy: copy_read_at(p, w, copy)?.map(Tensor::detach),
+            fast16bf,
+            copy: copy.map(Tensor::detach),
             grads,
-        })
+        }
     }
 
     /// The dtype the passes' operands and outputs are in.
@@ -1400,8 +1397,12 @@ mod tests {
     fn the_in_place_op_has_the_compositions_gradients() {
         let case = OpCase::new();
         let (x, w) = (&case.x, &case.w);
-        let got =
-            in_place_matmul(x, w, None, case.map.clone(), DType::F32, false, WIDE).expect("op");
+        let got = in_place_matmul(
+            x,
+            w,
+            BlockGemms::planned(case.map.clone(), DType::F32, false, None, WIDE),
+        )
+        .expect("op");
         let want = expert_blocks_matmul(Precision::F32, x, w, None, &EXPERTS, CAST, WIDE)
             .expect("composed");
         assert!(max_abs_diff(&got, &want) < 1e-5, "value");
@@ -1421,8 +1422,12 @@ mod tests {
     fn the_fast16bf_op_has_the_bf16_compositions_values_and_gradients() {
         let case = OpCase::new();
         let (x, w) = (&case.x, &case.w);
-        let got =
-            in_place_matmul(x, w, None, case.map.clone(), DType::BF16, true, WIDE).expect("op");
+        let got = in_place_matmul(
+            x,
+            w,
+            BlockGemms::planned(case.map.clone(), DType::BF16, true, None, WIDE),
+        )
+        .expect("op");
         let bf16 = Precision::Bf16 { router_f32: false };
         let want = expert_blocks_matmul(bf16, x, w, None, &EXPERTS, CAST, WIDE).expect("composed");
         // One bf16 step of the largest output at most (sums in another order may round to
@@ -1458,8 +1463,12 @@ mod tests {
             let probe = seeded_tensor(&[blocks, cap, n], 3, DType::F32);
             let map = BlockMap::new(&x, &w, experts).expect("map");
             let dw = |grads| {
-                let y = in_place_matmul(&x, &w, None, map.clone(), DType::BF16, false, grads)
-                    .expect("op");
+                let y = in_place_matmul(
+                    &x,
+                    &w,
+                    BlockGemms::planned(map.clone(), DType::BF16, false, None, grads),
+                )
+                .expect("op");
                 let g = (&y * &probe)
                     .and_then(|l| l.sum_all())
                     .and_then(|l| l.backward())
@@ -1519,8 +1528,12 @@ mod tests {
         let (x, w) = (&case.x, &case.w);
         let bits = crate::test_util::f32_bits;
         let run = |copy: Option<&Tensor>| {
-            let y = in_place_matmul(x, w, copy, case.map.clone(), DType::BF16, false, WIDE)
-                .expect("op");
+            let y = in_place_matmul(
+                x,
+                w,
+                BlockGemms::planned(case.map.clone(), DType::BF16, false, copy, WIDE),
+            )
+            .expect("op");
             let [dx, dw] = case.grads(&y);
             [bits(&y), bits(&dx), bits(&dw)]
         };
