@@ -93,7 +93,7 @@ impl Float for f64 {
 }
 
 /// Float arithmetic with std's `exp` and `ln`, the functions candle's composed CPU ops use: for
-/// the CPU twins of r3's CUDA kernels (`layers/attention_softmax.rs`, `token_rows.rs`), which
+/// the CPU twins of r3's CUDA kernels (`layers/attention/softmax.rs`, `token_rows.rs`), which
 /// equal those ops bit for bit ([`Float`]'s f32 `exp` is the faster [`fast_exp`]).
 pub trait StdFloat:
     Copy

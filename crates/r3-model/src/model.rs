@@ -23,17 +23,17 @@ use candle_core::{Device, Shape, Tensor, Var};
 
 use crate::config::{AttentionConfig, Config};
 use crate::error::{ModelError, Result};
+use crate::layers::attention::mla::MlaAttention;
+use crate::layers::attention::rope::{Rope, RopeTables};
 use crate::layers::attention::{AttentionMask, GqaAttention, SlotRows};
 use crate::layers::embedding_rows::embedding_rows;
-use crate::layers::expert_gemm::ExpertGemmInputs;
 use crate::layers::gather_rows::GatherRows;
 use crate::layers::linear::Linear;
-use crate::layers::mla::MlaAttention;
 use crate::layers::mlp::SwiGlu;
+use crate::layers::moe::expert_gemm::ExpertGemmInputs;
+use crate::layers::moe::padded_experts::PaddedExpertOps;
 use crate::layers::moe::{Gates, MoeBlock, RoutedRows};
 use crate::layers::norm::RmsNorm;
-use crate::layers::padded_experts::PaddedExpertOps;
-use crate::layers::rope::{Rope, RopeTables};
 use crate::precision::{Precision, WeightGradients};
 use crate::routing_mode::{
     plan_replay, record_tables, verify_replay, LayerPlan, ModelShape, ReplayPlan, ReplayProof,
@@ -447,7 +447,7 @@ impl Model {
     /// scores its rows against `targets` instead of handing back their logits: the
     /// output's `logits` is `[P, 2]`, per head position the log-prob of its target and the
     /// entropy of its next-token distribution, computed `targets.chunk_rows` rows at a time
-    /// and differentiable with no logits kept ([`head_scores`]). For a policy's scoring at a
+    /// and differentiable with no logits kept ([`head_scores`](mod@head_scores)). For a policy's scoring at a
     /// large vocabulary, whose logits would be the largest tensors of a step.
     pub fn forward_scores(
         &self,

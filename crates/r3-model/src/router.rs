@@ -81,7 +81,7 @@ fn total_order_key(v: f32) -> i32 {
 }
 
 /// The most experts the selection on the device
-/// ([`crate::layers::route_rows::route_softmax_rows`]) ranks: its GPU kernel ranks a row in one
+/// ([`crate::layers::moe::route_rows::route_softmax_rows`]) ranks: its GPU kernel ranks a row in one
 /// thread block, each thread scanning its share of the columns once per chosen expert.
 pub const DEVICE_SELECT_MAX_EXPERTS: usize = 4096;
 
@@ -219,7 +219,7 @@ impl Router {
     }
 
     /// Whether the selection on the device
-    /// ([`crate::layers::route_rows::route_softmax_rows`]) applies: a softmax router (its top-k is the
+    /// ([`crate::layers::moe::route_rows::route_softmax_rows`]) applies: a softmax router (its top-k is the
     /// top-k of the logits) over at most [`DEVICE_SELECT_MAX_EXPERTS`] experts choosing 1 to
     /// [`DEVICE_SELECT_MAX_TOP_K`]. DeepSeek-V3's grouped sigmoid selection (group scores,
     /// kept groups, the correction bias) stays on the host.

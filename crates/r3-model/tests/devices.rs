@@ -781,7 +781,7 @@ fn oracle_fixtures_on_the_cpu() {
 mod cuda {
     use super::common::{causal, softmax_router, tied_logits};
     use super::*;
-    use r3_model::layers::route_rows::route_softmax_rows;
+    use r3_model::layers::moe::route_rows::route_softmax_rows;
     use r3_model::Precision;
 
     /// A host tensor of `shape` with values in [-1, 1], a fixed pattern of `seed`.

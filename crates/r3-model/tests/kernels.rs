@@ -11,15 +11,15 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 use r3_model::cast16::cast16;
+use r3_model::layers::attention::recompute::{attend_recomputed, NarrowOperands};
+use r3_model::layers::attention::rope::Rope;
 use r3_model::layers::attention::AttentionMask;
-use r3_model::layers::attention_recompute::{attend_recomputed, NarrowOperands};
-use r3_model::layers::dispatch::Dispatch;
 use r3_model::layers::embedding_rows::embedding_rows;
-use r3_model::layers::experts::RoutedExperts;
 use r3_model::layers::gather_rows::GatherRows;
+use r3_model::layers::moe::dispatch::Dispatch;
+use r3_model::layers::moe::experts::RoutedExperts;
+use r3_model::layers::moe::padded_experts::PaddedExpertOps;
 use r3_model::layers::norm::RmsNorm;
-use r3_model::layers::padded_experts::PaddedExpertOps;
-use r3_model::layers::rope::Rope;
 use r3_model::token_stats::token_log_probs_recomputed;
 use r3_model::{Precision, Weights};
 use r3_model::{RopeConfig, RopeScaling};
@@ -561,7 +561,7 @@ fn casting_into_place_on_cuda_is_the_cpus_cast() {
 #[cfg(feature = "cuda")]
 #[test]
 fn expert_gemms_on_fast16bf_match_the_cast_path_on_cuda() {
-    use r3_model::layers::expert_gemm::{expert_blocks_matmul, ExpertGemmInputs};
+    use r3_model::layers::moe::expert_gemm::{expert_blocks_matmul, ExpertGemmInputs};
     use r3_model::precision::WeightGradients;
     let device = r3_model::DeviceSpec::Cuda { ordinal: 0 }
         .open()
@@ -625,7 +625,7 @@ fn expert_gemms_on_fast16bf_match_the_cast_path_on_cuda() {
 #[cfg(feature = "cuda")]
 #[test]
 fn expert_stack_gradients_on_cuda_are_bf16_numbers_in_either_dtype() {
-    use r3_model::layers::expert_gemm::{expert_blocks_matmul, ExpertGemmInputs};
+    use r3_model::layers::moe::expert_gemm::{expert_blocks_matmul, ExpertGemmInputs};
     use r3_model::precision::WeightGradients;
     let device = r3_model::DeviceSpec::Cuda { ordinal: 0 }
         .open()

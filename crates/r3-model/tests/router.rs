@@ -5,7 +5,7 @@ mod common;
 
 use candle_core::{Device, Tensor};
 use common::{softmax_router, tied_logits};
-use r3_model::layers::route_rows::route_softmax_rows;
+use r3_model::layers::moe::route_rows::route_softmax_rows;
 use r3_model::{ModelError, Router, RouterKind};
 
 fn grouped() -> Router {

@@ -12,8 +12,8 @@ use candle_core::{DType, Tensor, Var};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use r3_model::cast16::cast16_into;
-use r3_model::layers::expert_gemm::ExpertGemmInputs;
-use r3_model::layers::padded_experts::PaddedExpertOps;
+use r3_model::layers::moe::expert_gemm::ExpertGemmInputs;
+use r3_model::layers::moe::padded_experts::PaddedExpertOps;
 use r3_model::narrow_grads::backward_narrowing;
 use r3_model::precision::WeightGradients;
 use r3_model::{

@@ -8,12 +8,12 @@
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor, Var};
+use r3_model::layers::attention::mla::MlaAttention;
+use r3_model::layers::attention::rope::{Rope, RopeTables};
 use r3_model::layers::attention::{AttentionMask, GqaAttention};
 use r3_model::layers::linear::Linear;
-use r3_model::layers::mla::MlaAttention;
 use r3_model::layers::moe::{MoeBlock, RoutedRows};
 use r3_model::layers::norm::RmsNorm;
-use r3_model::layers::rope::{Rope, RopeTables};
 use r3_model::spec::{attention_prefix, input_norm, post_attention_norm, weight, EMBED, LM_HEAD};
 use r3_model::{AttentionConfig, Config, Precision, Weights};
 

@@ -2,8 +2,8 @@
 //! All in f32 on plain slices (fused: one pass per row, no temporaries); scalar math and the
 //! rotary tables and rotation come from r3-model, so both engines compute them one way.
 
-use r3_model::layers::rope::Rope as ModelRope;
-use r3_model::layers::rope_op::rotate_row;
+use r3_model::layers::attention::rope::Rope as ModelRope;
+use r3_model::layers::attention::rope_op::rotate_row;
 use r3_model::RopeConfig;
 use rayon::prelude::*;
 

@@ -3,7 +3,7 @@
 //! MLA is run naively: the compressed kv is decompressed per token and the full per-head
 //! keys and values are cached, so the attention kernel is the same as for GQA.
 
-use r3_model::layers::rope::mla_softmax_scale_multiplier;
+use r3_model::layers::attention::rope::mla_softmax_scale_multiplier;
 use r3_model::{AttentionConfig, Config, QkNorm};
 
 use rayon::prelude::*;

@@ -13,11 +13,11 @@ use std::sync::{Arc, Mutex};
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
-use super::gemm::{
+use crate::host::{contiguous, with_host, with_host_strided};
+use crate::layers::gemm::{
     assume_init_slice, assume_init_vec, matmul_block, matmul_block_shared, matmul_unfilled,
     unfilled, MatRef, SharedBuf,
 };
-use crate::host::{contiguous, with_host, with_host_strided};
 use crate::math::{lane_dot, lane_sum, row_max, Float};
 
 /// The attention op: `q` `[B, KV, G·T, Dq]` (G query heads per key/value head, stacked) and
@@ -582,8 +582,8 @@ impl CustomOp3 for MaskedAttention {
 
 #[cfg(test)]
 mod tests {
-    use super::super::attention::{attend, attend_composed, AttentionMask};
     use super::MaskedAttention;
+    use crate::layers::attention::{attend, attend_composed, AttentionMask};
     use crate::test_util::{max_abs_diff as max_diff, seeded_tensor as rand_tensor};
     use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
     use candle_core::{DType, Device, Var};

@@ -21,11 +21,11 @@ use candle_core::{CustomOp2, CustomOp3, DType, Tensor};
 
 use super::combine_slots::SlotPlaces;
 use super::expert_gemm::BlockGemms;
-use super::gather_rows::GatherRows;
-use super::precomputed::{precomputed_fwd, Precomputed};
 use super::swiglu_halves::{swiglu_halves_grad, swiglu_halves_rounded};
 use crate::cast16::cast16;
 use crate::error::{ModelError, Result};
+use crate::layers::gather_rows::GatherRows;
+use crate::layers::precomputed::{precomputed_fwd, Precomputed};
 use crate::precision::{Precision, WeightGradients};
 
 /// How a GPU runs the padded layout's routed experts in a forward that is differentiated.

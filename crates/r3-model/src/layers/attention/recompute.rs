@@ -8,14 +8,14 @@
 
 use candle_core::{CustomOp3, DType, Tensor, D};
 
-use super::attention_softmax::{probs_of_scores, softmax_grad};
 use super::narrow_product::matmul_t_of_narrow_values;
-use super::precomputed::{precomputed_fwd, Precomputed};
+use super::softmax::{probs_of_scores, softmax_grad};
 use crate::error::Result;
+use crate::layers::precomputed::{precomputed_fwd, Precomputed};
 
 /// The 16-bit float whose values the attention's operands hold where a 16-bit forward
 /// rounds them, so that their products may be 16-bit GEMMs on a GPU
-/// (`layers/narrow_product.rs`: the same products, exact in f32). None: f32 GEMMs.
+/// (`layers/attention/narrow_product.rs`: the same products, exact in f32). None: f32 GEMMs.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct NarrowOperands {
     /// `q` and `k` (rounded by the rotation): the scores `q kᵀ`, forward and backward.

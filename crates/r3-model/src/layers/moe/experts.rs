@@ -18,12 +18,12 @@ use super::expert_gemm::planned_blocks_matmul;
 use super::expert_gemm::{
     expert_blocks_matmul, expert_slots_matmul, expert_slots_matmul_narrow, ExpertGemmInputs,
 };
-use super::gather_rows::GatherRows;
-use super::linear::matmul_wt;
 use super::padded_experts::{fused_padded_experts, BlockRows, PaddedExpertOps, Stack};
 use super::routed_op::RoutedSwiGlu;
 use super::swiglu_halves::{swiglu_halves, swiglu_halves_narrow, swiglu_halves_rounded};
 use crate::error::{ModelError, Result};
+use crate::layers::gather_rows::GatherRows;
+use crate::layers::linear::matmul_wt;
 use crate::precision::{Precision, WeightGradients};
 use crate::spec::fused_expert_names;
 use crate::weights::Weights;

@@ -6,9 +6,9 @@ use std::sync::Arc;
 
 use candle_core::{CustomOp1, DType, Device, Tensor};
 
-use super::precomputed::{precomputed_fwd, Precomputed};
 use super::rope_op::RotaryOp;
 use super::rope_rounded::rope_rounded;
+use crate::layers::precomputed::{precomputed_fwd, Precomputed};
 
 use crate::config::{RopeConfig, RopeScaling};
 use crate::error::Result;

@@ -26,8 +26,8 @@ use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor, WithDType
 use rayon::prelude::*;
 
 use super::dispatch::Dispatch;
-use super::gemm::{assume_init_vec, fill_zero, matmul_unfilled, unfilled, MatRef};
 use crate::host::{contiguous, with_host};
+use crate::layers::gemm::{assume_init_vec, fill_zero, matmul_unfilled, unfilled, MatRef};
 use crate::math::Float;
 use crate::precision::Precision;
 use crate::round16::rounding_to;

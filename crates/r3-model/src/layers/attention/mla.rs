@@ -3,15 +3,15 @@
 
 use candle_core::{Tensor, D};
 
-use super::attention::{
-    attend, attend_additive, heads_to_tokens, AttentionMask, LayerKv, RowAttention,
-};
-use super::attention_recompute::NarrowOperands;
-use super::linear::Linear;
-use super::norm::RmsNorm;
+use super::recompute::NarrowOperands;
 use super::rope::{mla_softmax_scale_multiplier, PositionTables, RopeTables, Rotary};
 use crate::config::{AttentionConfig, Config};
 use crate::error::{ModelError, Result};
+use crate::layers::attention::{
+    attend, attend_additive, heads_to_tokens, AttentionMask, LayerKv, RowAttention,
+};
+use crate::layers::linear::Linear;
+use crate::layers::norm::RmsNorm;
 use crate::precision::{Precision, WeightGradients};
 use crate::weights::Weights;
 
@@ -183,7 +183,7 @@ impl RowAttention for MlaAttention {
         Ok((q, k, v))
     }
 
-    /// [`attend`] over this layer's heads, its products reading their 16-bit operands as
+    /// [`attend()`] over this layer's heads, its products reading their 16-bit operands as
     /// such where the precision rounds them.
     fn attend_heads(
         &self,

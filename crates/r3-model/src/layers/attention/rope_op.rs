@@ -10,8 +10,8 @@ use rayon::prelude::*;
 
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor, WithDType};
 
-use super::gemm::{assume_init_vec, unfilled};
 use crate::host::with_host;
+use crate::layers::gemm::{assume_init_vec, unfilled};
 use crate::math::Float;
 
 /// Rotation by the position's angles: half-split pairs `(i, i + D/2)` or interleaved pairs
@@ -256,8 +256,8 @@ impl CustomOp1 for RotaryOp {
 
 #[cfg(test)]
 mod tests {
-    use super::super::rope::Rope;
     use crate::config::{RopeConfig, RopeScaling};
+    use crate::layers::attention::rope::Rope;
     use crate::test_util::{max_abs_diff as max_diff, seeded_tensor as rand_tensor};
     use candle_core::{DType, Device, Var};
 

@@ -12,15 +12,15 @@ use rayon::prelude::*;
 use super::dispatch::Dispatch;
 use super::expert_gemm::ExpertGemmInputs;
 use super::experts::RoutedExperts;
-use super::gather_rows::GatherRows;
-use super::linear::Linear;
-use super::matmul16::narrowed_product;
-use super::mlp::SwiGlu;
 use super::padded_experts::PaddedExpertOps;
 use super::route_rows::route_softmax_rows;
 use crate::cast16::cast16;
 use crate::config::{Config, SharedExpert};
 use crate::error::{ModelError, Result};
+use crate::layers::gather_rows::GatherRows;
+use crate::layers::linear::Linear;
+use crate::layers::matmul16::narrowed_product;
+use crate::layers::mlp::SwiGlu;
 use crate::precision::{Precision, WeightGradients};
 use crate::router::Router;
 use crate::routing_mode::{same_experts, LayerPlan};
@@ -218,7 +218,7 @@ impl MoeBlock {
     /// Router logits `[rows, E]` for `x` `[rows, H]`.
     pub fn router_logits(&self, x: &Tensor) -> Result<Tensor> {
         let p = self.precision.router();
-        super::linear::matmul_wt_at(p, x, &self.gate_weight, None, self.weight_grads)
+        crate::layers::linear::matmul_wt_at(p, x, &self.gate_weight, None, self.weight_grads)
     }
 
     /// The gates `[n, k]` of the rows' chosen `ids` (`n · k`) from their router logits

@@ -26,11 +26,11 @@ use std::sync::Arc;
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
 
-use super::linear::matmul_wt_at;
-use super::precomputed::{precomputed_fwd, Precomputed};
 use crate::cast16::cast16;
 use crate::error::{ModelError, Result};
 use crate::host::contiguous;
+use crate::layers::linear::matmul_wt_at;
+use crate::layers::precomputed::{precomputed_fwd, Precomputed};
 use crate::precision::{Precision, RoundTo, WeightGradients};
 use crate::weights::check_narrow_copy;
 

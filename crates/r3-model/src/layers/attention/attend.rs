@@ -1,0 +1,166 @@
+//! The masked softmax attention core shared by GQA and MLA: `softmax(q kᵀ · scale + mask) v`
+//! over grouped query heads, through the CPU's fused op or composed ops elsewhere.
+
+use candle_core::{DType, Tensor};
+
+use super::mask::AttentionMask;
+use super::masked_op::MaskedAttention;
+use super::recompute::{attend_recomputed, NarrowOperands};
+use super::rows::{attend_rows, rows_packed};
+use super::softmax::attention_probs;
+use crate::error::Result;
+
+/// `softmax(q kᵀ · scale + mask) v` with `q` `[B, KV, G·T, Dq]` (G query heads per
+/// key/value head, stacked), `k` `[B, KV, T, Dq]`, `v` `[B, KV, T, Dv]` → `[B, T, KV·G·Dv]`
+/// (each position's heads side by side, head `kv·G + g`: what the output projection reads).
+/// On CPU in f32/f64 one fused op with its own backward ([`MaskedAttention`], which reads `v`
+/// through its strides and writes this layout directly); elsewhere candle's composed ops in
+/// an op that recomputes the probabilities in its backward ([`attend_recomputed`]: the graph
+/// keeps no score-sized tensor; its products 16-bit GEMMs where `narrow` says the operands
+/// hold 16-bit values), then [`heads_to_tokens`].
+pub fn attend(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &AttentionMask,
+    scale: f64,
+    groups: usize,
+    narrow: NarrowOperands,
+) -> Result<Tensor> {
+    if q.device().is_cpu() && matches!(q.dtype(), DType::F32 | DType::F64) {
+        let op = MaskedAttention::new(mask.host.clone(), mask.key_ends.clone(), scale, groups)
+            .reading_queries_from(mask.query_from.clone());
+        // The op reads rows of contiguous values through any other strides.
+        let v = if v.stride().last() == Some(&1) {
+            v.clone()
+        } else {
+            v.contiguous()?
+        };
+        return Ok(q.contiguous()?.apply_op3(&k.contiguous()?, &v, op)?);
+    }
+    let t = k.dim(2)?;
+    heads_to_tokens(
+        &attend_recomputed(q, k, v, mask.additive(), scale, groups, narrow)?,
+        t,
+    )
+}
+
+/// [`attend`] from candle's composed ops (other devices and dtypes, and the reference the
+/// fused op is tested against).
+pub fn attend_composed(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &AttentionMask,
+    scale: f64,
+    groups: usize,
+) -> Result<Tensor> {
+    let t = k.dim(2)?;
+    heads_to_tokens(
+        &attend_additive(q, k, v, mask.additive(), scale, groups)?,
+        t,
+    )
+}
+
+/// An attention output `[B, KV, G·T, D]` (query heads stacked per key/value head) as
+/// `[B, T, KV·G·D]`, each position's heads side by side (head `kv·G + g`).
+pub fn heads_to_tokens(out: &Tensor, t: usize) -> Result<Tensor> {
+    let (b, kv, rows, d) = out.dims4()?;
+    let heads = kv * (rows / t.max(1));
+    Ok(out
+        .reshape((b, heads, t, d))?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape((b, t, heads * d))?)
+}
+
+/// [`attend_composed`] with `S` keys (`k` `[B, KV, S, Dq]`, `v` `[B, KV, S, Dv]`, a step
+/// over a KV cache has `S ≥ T`) and an additive mask broadcastable to `[B, 1, 1, T, S]`.
+pub fn attend_additive(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    additive: &Tensor,
+    scale: f64,
+    groups: usize,
+) -> Result<Tensor> {
+    // On a GPU with nothing differentiated, one kernel per step (`attend_rows`) where the
+    // composed form launches three.
+    if let Some(out) = attend_rows(q, k, v, additive, scale)? {
+        return Ok(out);
+    }
+    // A KV cache's keys and values are views of longer buffers, which the matmuls read as
+    // they are; anything else is made contiguous.
+    let probs = attention_probs(&q.contiguous()?, &packed(k)?, additive, scale, groups)?;
+    Ok(probs.matmul(&packed(v)?)?)
+}
+
+/// `t` itself where [`rows_packed`], else a contiguous copy.
+fn packed(t: &Tensor) -> Result<Tensor> {
+    Ok(if rows_packed(t.layout()) {
+        t.clone()
+    } else {
+        t.contiguous()?
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_util::{max_abs_diff, seeded_tensor};
+    use candle_core::{Device, Var};
+
+    /// The forward equals the composed ops bit for bit; the gradients of `q`, `k`, `v` equal
+    /// the composed ops' backward (f64: 1e-12; f32: 1e-5), with padding, a sliding window and
+    /// grouped queries.
+    #[test]
+    fn equals_the_composed_ops_forward_and_backward() {
+        let (b, kv, groups, t, d) = (2, 2, 3, 7, 5);
+        let lengths = [7, 4];
+        for dtype in [DType::F64, DType::F32] {
+            for window in [None, Some(3)] {
+                let mask = AttentionMask::new(&lengths, t, window, &Device::Cpu)
+                    .and_then(|m| m.to_dtype(dtype))
+                    .expect("mask");
+                let q =
+                    Var::from_tensor(&seeded_tensor(&[b, kv, groups * t, d], 1, dtype)).expect("q");
+                let k = Var::from_tensor(&seeded_tensor(&[b, kv, t, d], 2, dtype)).expect("k");
+                let v = Var::from_tensor(&seeded_tensor(&[b, kv, t, d + 1], 3, dtype)).expect("v");
+                let probe = seeded_tensor(&[b, kv, groups * t, d + 1], 4, dtype);
+                let scale = 1.0 / (d as f64).sqrt();
+                let want =
+                    attend_additive(&q, &k, &v, mask.additive(), scale, groups).expect("composed");
+                let got = attend_recomputed(
+                    &q,
+                    &k,
+                    &v,
+                    mask.additive(),
+                    scale,
+                    groups,
+                    NarrowOperands::default(),
+                )
+                .expect("recomputed");
+                assert_eq!(
+                    max_abs_diff(&got, &want),
+                    0.0,
+                    "{dtype:?} {window:?} forward"
+                );
+                let grads = |y: &Tensor| {
+                    let g = (y * &probe)
+                        .and_then(|l| l.sum_all())
+                        .and_then(|l| l.backward())
+                        .expect("backward");
+                    [&q, &k, &v].map(|x| g.get(x).expect("grad").clone())
+                };
+                let tol = if dtype == DType::F64 { 1e-12 } else { 1e-5 };
+                for (name, (gw, gg)) in ["q", "k", "v"]
+                    .iter()
+                    .zip(grads(&want).iter().zip(grads(&got).iter()))
+                {
+                    let err = max_abs_diff(gw, gg);
+                    assert!(err < tol, "{dtype:?} {window:?} d{name}: {err}");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,24 @@
+//! Attention: the masked softmax core (`attend`, the CPU's fused op `masked_op`, the
+//! recomputing op the other devices differentiate, `recompute`), its mask, grouped-query
+//! (`GqaAttention`) and multi-head latent (`mla`) attention, rotary position embeddings
+//! (`rope`), and the KV cache a decode step reads.
+
+mod attend;
+mod gqa;
+mod kv;
+mod mask;
+pub mod masked_op;
+pub mod mla;
+mod narrow_product;
+pub mod recompute;
+pub mod rope;
+pub mod rope_op;
+mod rope_rounded;
+mod rows;
+mod softmax;
+
+pub use attend::{attend, attend_additive, attend_composed, heads_to_tokens};
+pub(crate) use gqa::RowAttention;
+pub use gqa::{GqaAttention, SlotRows};
+pub use kv::{kv_capacity_for, LayerKv};
+pub use mask::AttentionMask;
