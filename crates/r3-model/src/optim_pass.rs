@@ -153,7 +153,7 @@ mod gpu {
     use std::sync::Mutex;
 
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr, PushKernelArg};
+    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtrMut, PushKernelArg};
     use candle_core::cuda_backend::WrapErr;
     use candle_core::op::BackpropOp;
     use candle_core::{CudaStorage, DType, InplaceOp1, Layout, Storage, Tensor};
@@ -198,7 +198,7 @@ mod gpu {
         );
         // The staged 16-bit copy, where one is asked for (`copy_code` 0 none, 1 bf16, 2 f16).
         let stream = dev.cuda_stream();
-        let copy_out = match copy {
+        let mut copy_out = match copy {
             // SAFETY: the kernel writes every element (its loop covers n) when asked to.
             Some(DType::BF16) => Some(StagedCopy::Bf16(unsafe { dev.alloc::<half::bf16>(n)? })),
             Some(DType::F16) => Some(StagedCopy::F16(unsafe { dev.alloc::<half::f16>(n)? })),
@@ -209,13 +209,14 @@ mod gpu {
                 )))
             }
         };
-        let (copy_ptr, copy_guard, copy_code) = match &copy_out {
+        // The kernel writes the copy: its guard records a write.
+        let (copy_ptr, copy_guard, copy_code) = match &mut copy_out {
             Some(StagedCopy::Bf16(c)) => {
-                let (ptr, guard) = c.device_ptr(&stream);
+                let (ptr, guard) = c.device_ptr_mut(&stream);
                 (ptr, Some(guard), 1u32)
             }
             Some(StagedCopy::F16(c)) => {
-                let (ptr, guard) = c.device_ptr(&stream);
+                let (ptr, guard) = c.device_ptr_mut(&stream);
                 (ptr, Some(guard), 2u32)
             }
             None => (0u64, None, 0u32),

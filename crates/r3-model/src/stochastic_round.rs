@@ -109,18 +109,23 @@ impl DrawStream {
 /// one above with probability (`x`'s distance past the one below) / (the step between them).
 /// Adding the bits to the 16 bits bf16 drops carries into the kept half exactly then; a carry
 /// out of the largest finite value gives ±∞, as an overflowing update should (the guard
-/// refuses it). NaN and ±∞ stay what they are.
+/// refuses it). ±∞ stays what it is; every NaN becomes bf16's canonical quiet NaN `0x7fc0`
+/// (an f32 sum with a NaN operand gives the operand on a CPU but the one NaN `0x7fffffff` on
+/// a GPU, so only one NaN out keeps the CPU's and the kernels' bits equal).
 #[inline(always)]
 pub fn round_bf16_stochastic(x: f32, bits: u32) -> bf16 {
-    // Branch-free, so that the optimiser's pass vectorises: nothing is added to ±∞ or NaN,
-    // and a NaN keeps its quiet bit (its payload may lie in the dropped half alone).
+    // Branch-free (selects), so that the optimiser's pass vectorises: nothing is added to
+    // ±∞ or NaN.
     let b = x.to_bits();
     let finite = (b & 0x7f80_0000) != 0x7f80_0000;
     let nan = (b & 0x7fff_ffff) > 0x7f80_0000;
     let add = if finite { bits & 0xffff } else { 0 };
-    let quiet = if nan { 0x0040 } else { 0 };
-    bf16::from_bits(((b.wrapping_add(add) >> 16) as u16) | quiet)
+    let rounded = (b.wrapping_add(add) >> 16) as u16;
+    bf16::from_bits(if nan { CANONICAL_NAN } else { rounded })
 }
+
+/// The one NaN [`round_bf16_stochastic`] gives: bf16's quiet NaN, sign clear.
+pub const CANONICAL_NAN: u16 = 0x7fc0;
 
 /// Elements per parallel task of the CPU pass.
 const CHUNK: usize = 1 << 15;
@@ -375,7 +380,9 @@ mod tests {
         assert!((0u32..=0xffff).all(|b| round_bf16_stochastic(1.5, b) == bf16::from_f32(1.5)));
     }
 
-    /// Overflow past bf16's largest finite value gives infinity; NaN and infinities stay.
+    /// Overflow past bf16's largest finite value gives infinity; infinities stay; every NaN
+    /// (quiet or signalling, either sign, a GPU sum's `0x7fffffff`, a payload in the dropped
+    /// half alone) becomes the one canonical NaN, whatever the bits drawn.
     #[test]
     fn overflow_and_non_finite_values() {
         let big = bf16::MAX.to_f32();
@@ -384,10 +391,18 @@ mod tests {
         assert_eq!(round_bf16_stochastic(past, 0), bf16::MAX);
         assert!(round_bf16_stochastic(past, 1).is_infinite());
         assert!(round_bf16_stochastic(-past, 1).is_infinite());
-        assert!(round_bf16_stochastic(f32::NAN, 7).is_nan());
-        // A NaN whose payload lies in the dropped half alone stays a NaN (not ∞).
-        assert!(round_bf16_stochastic(f32::from_bits(0x7f80_0001), 0xffff).is_nan());
-        assert!(round_bf16_stochastic(f32::from_bits(0xff80_0001), 0).is_nan());
+        for nan in [
+            0x7fc0_0000,
+            0xffc0_0000,
+            0x7fff_ffff,
+            0x7f80_0001,
+            0xff80_0001,
+        ] {
+            for bits in [0, 7, 0xffff] {
+                let got = round_bf16_stochastic(f32::from_bits(nan), bits).to_bits();
+                assert_eq!(got, CANONICAL_NAN, "NaN {nan:#x}, bits {bits:#x}: {got:#x}");
+            }
+        }
         assert_eq!(
             round_bf16_stochastic(f32::NEG_INFINITY, 7),
             bf16::NEG_INFINITY

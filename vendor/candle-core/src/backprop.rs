@@ -171,13 +171,18 @@ impl Tensor {
     /// of ops that an outer backward runs again (r3's recomputed segments), with the
     /// gradients the segment's own rules give, as if the segment had stayed in the graph.
     pub fn backward_from(&self, seed: &Tensor) -> Result<GradStore> {
-        if seed.shape() != self.shape() || seed.dtype() != self.dtype() {
+        if seed.shape() != self.shape()
+            || seed.dtype() != self.dtype()
+            || !seed.device().same_device(self.device())
+        {
             Err(Error::Msg(format!(
-                "backward_from: a seed {:?} {:?} for a tensor {:?} {:?}",
+                "backward_from: a seed {:?} {:?} on {:?} for a tensor {:?} {:?} on {:?}",
                 seed.dims(),
                 seed.dtype(),
+                seed.device().location(),
                 self.dims(),
-                self.dtype()
+                self.dtype(),
+                self.device().location()
             )))?
         }
         self.backward_hooked(Some(seed), None)

@@ -508,12 +508,13 @@ __device__ __forceinline__ uint32_t rounding_bits(uint64_t key, uint64_t index) 
 
 // x rounded to bf16 stochastically by 16 random bits (stochastic_round.rs
 // `round_bf16_stochastic`, the same bits): the bits added below bf16's half, the low half
-// dropped; nothing added to ±∞ or NaN, and a NaN keeps its quiet bit.
+// dropped; nothing added to ±∞, and every NaN the canonical 0x7fc0 (this GPU's f32 sums give
+// the NaN 0x7fffffff where the CPU's give their NaN operand: one NaN out, the same bits).
 __device__ __forceinline__ __nv_bfloat16 round_bf16_stochastic(float x, uint32_t bits) {
     const uint32_t b = __float_as_uint(x);
     const bool finite = (b & 0x7f800000u) != 0x7f800000u;
     const bool nan = (b & 0x7fffffffu) > 0x7f800000u;
-    const uint32_t r = ((b + (finite ? (bits & 0xffffu) : 0u)) >> 16) | (nan ? 0x40u : 0u);
+    const uint32_t r = nan ? 0x7fc0u : ((b + (finite ? (bits & 0xffffu) : 0u)) >> 16);
     return __ushort_as_bfloat16((unsigned short)r);
 }
 

@@ -28,7 +28,9 @@ pub(crate) fn matmul_t_of_narrow_values(
     }
     #[cfg(feature = "cuda")]
     if let Some(narrow) = narrow {
-        if a.device().is_cuda() && a.dtype() == DType::F32 && b.dtype() == DType::F32 {
+        // An empty product stays with candle's matmul: CUDA allocates no zero-byte buffer.
+        let empty = a.elem_count() == 0 || b.elem_count() == 0;
+        if a.device().is_cuda() && a.dtype() == DType::F32 && b.dtype() == DType::F32 && !empty {
             let (a, b) = (a.contiguous()?, b.contiguous()?);
             let shape = Batched::of(&a, &b)?;
             let (an, bn) = (cast16(&a, narrow)?, cast16(&b, narrow)?);

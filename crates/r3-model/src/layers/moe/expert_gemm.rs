@@ -883,6 +883,29 @@ impl PlannedGemm {
             ..Self::new(pass, map)
         }
     }
+
+    /// Refuses operands whose shapes are not the ones the plan was made for: its GEMMs read
+    /// and write at the plan's offsets, so on a GPU a smaller operand would be read past
+    /// its end without a word (the host twin would panic on the index).
+    fn check_operands(&self, first: &Layout, second: &Layout) -> candle_core::Result<()> {
+        let map = &self.map;
+        let blocks = map.experts.len();
+        let (want_first, want_second) = match self.pass {
+            Pass::Forward => ([blocks, map.cap, map.k], [map.stack, map.n, map.k]),
+            Pass::InputGrad => ([blocks, map.cap, map.n], [map.stack, map.n, map.k]),
+            Pass::WeightGrad => ([blocks, map.cap, map.n], [blocks, map.cap, map.k]),
+        };
+        if first.dims() != want_first || second.dims() != want_second {
+            candle_core::bail!(
+                "expert blocks gemm ({:?}): operands {:?} and {:?}, planned for {want_first:?} \
+                 and {want_second:?}",
+                self.pass,
+                first.dims(),
+                second.dims()
+            );
+        }
+        Ok(())
+    }
 }
 
 impl CustomOp2 for PlannedGemm {
@@ -899,6 +922,7 @@ impl CustomOp2 for PlannedGemm {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
+        self.check_operands(l1, l2)?;
         let plan = GemmPlan::new(self.pass, &self.map);
         // The plan's A is the op's second operand in every pass (the weight, or the input
         // rows of the weight gradient), B its first.
@@ -939,6 +963,7 @@ impl CustomOp2 for PlannedGemm {
         l2: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         use candle_core::backend::BackendStorage;
+        self.check_operands(l1, l2)?;
         let plan = GemmPlan::new(self.pass, &self.map);
         let out_dtype = self.out_dtype(&plan, s2.dtype())?;
         // A is the second operand (the weight, or the input rows), B the first.
@@ -1305,6 +1330,50 @@ mod tests {
             .and_then(|z| z.index_add(&ids, &per_block, 0))
             .expect("sum");
         assert!(max_abs_diff(&dw, &want_dw) < 1e-4, "weight gradient");
+    }
+
+    /// A plan applied to operands of other shapes than it was made for is refused, naming
+    /// both (each pass, each operand one row short or one column wide), never run at the
+    /// plan's offsets.
+    #[test]
+    fn a_plan_refuses_operands_of_other_shapes() {
+        let (cap, n, k, stack) = (3, 5, 4, 3);
+        let blocks = EXPERTS.len();
+        let x = seeded_tensor(&[blocks, cap, k], 1, DType::F32);
+        let w = seeded_tensor(&[stack, n, k], 2, DType::F32);
+        let g = seeded_tensor(&[blocks, cap, n], 3, DType::F32);
+        let map = Arc::new(BlockMap::new(&x, &w, &EXPERTS).expect("map"));
+        let short = |t: &Tensor| t.narrow(1, 0, t.dim(1).expect("dim") - 1).expect("short");
+        let wide = |t: &Tensor| {
+            let last = t.dims().len() - 1;
+            Tensor::cat(&[t, &t.narrow(last, 0, 1).expect("column")], last).expect("wide")
+        };
+        for (pass, first, second) in [
+            (Pass::Forward, &x, &w),
+            (Pass::InputGrad, &g, &w),
+            (Pass::WeightGrad, &g, &x),
+        ] {
+            let plan = PlannedGemm::new(pass, &map);
+            first
+                .apply_op2_no_bwd(second, &plan)
+                .unwrap_or_else(|e| panic!("{pass:?} on its own shapes: {e}"));
+            for (a, b) in [
+                (short(first), second.clone()),
+                (wide(first), second.clone()),
+                (first.clone(), short(second)),
+                (first.clone(), wide(second)),
+            ] {
+                let err = a
+                    .contiguous()
+                    .and_then(|a| a.apply_op2_no_bwd(&b.contiguous()?, &plan))
+                    .expect_err("a mis-shaped operand");
+                let text = err.to_string();
+                assert!(
+                    text.contains("planned for") && text.contains(&format!("{:?}", a.dims())),
+                    "{pass:?}: {text}"
+                );
+            }
+        }
     }
 
     #[test]
