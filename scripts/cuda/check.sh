@@ -100,11 +100,20 @@ wants() {
     if [ "$(left)" -lt 60 ]; then verdict "step$1" "skipped(budget: $(left) s left)"; return 1; fi
 }
 
-if [ ! -d "$bin" ] && [ -f "$root/gpu/pack/bin.tar.xz" ]; then
-    t0=$(date +%s)
-    "$python" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
-        "$root/gpu/pack/bin.tar.xz" "$root/gpu" || { echo "check.sh: cannot unpack gpu/pack/bin.tar.xz" >&2; exit 2; }
-    echo "== unpacked gpu/pack/bin.tar.xz in $(( $(date +%s) - t0 )) s"
+# A warm machine keeps gpu/bin from an earlier call: the pack is unpacked again whenever it
+# is not the one gpu/bin came from (its checksum kept beside the binaries), so a pack rebuilt
+# between calls is never shadowed by the last call's binaries.
+pack="$root/gpu/pack/bin.tar.xz"
+if [ -f "$pack" ]; then
+    pack_sum=$(sha256sum "$pack" | cut -d' ' -f1)
+    if [ ! -d "$bin" ] || [ "$(cat "$bin/.pack-sha256" 2>/dev/null)" != "$pack_sum" ]; then
+        t0=$(date +%s)
+        rm -rf "$bin"
+        "$python" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
+            "$pack" "$root/gpu" || { echo "check.sh: cannot unpack gpu/pack/bin.tar.xz" >&2; exit 2; }
+        echo "$pack_sum" > "$bin/.pack-sha256"
+        echo "== unpacked gpu/pack/bin.tar.xz in $(( $(date +%s) - t0 )) s"
+    fi
 fi
 if [ -f "$bin/BUILT_FROM" ]; then
     verdict binaries "$(tr '\n' ';' < "$bin/BUILT_FROM")"
@@ -742,14 +751,18 @@ name=a3b-8l-bf16-batch8
 r3_mem=$(gpu_peak "$work/bench-r3-$name.txt" timeout "$(limit 150)" "$bin/r3" bench train \
     --device cuda --config a3b-8l --dtype bf16 --batch 8 --seq-len 512 --steps 3 --warmup 1 \
     --master-weights bf16)
+r3_rc=$?
 cat "$work/bench-r3-$name.txt"
 r3_tps=$(grep -E "^native +mean" "$work/bench-r3-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s +best.*/\1/')
 replay_cost=$(grep -E "^replay cost" "$work/bench-r3-$name.txt" | sed -E 's/replay cost vs native: ([-+0-9.]+)% mean.*/\1/')
 hf_mem=$(gpu_peak "$work/bench-hf-$name.txt" timeout "$(limit 150)" "$python" scripts/cuda/peer_hf.py \
     --config a3b-8l --dtype bf16 --batch 8 --seq-len 512 --steps 3)
+hf_rc=$?
 cat "$work/bench-hf-$name.txt"
 hf_tps=$(grep -E "^peer " "$work/bench-hf-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s.*/\1/')
-line="r3 bf16 masters ${r3_tps:-?} tok/s ${r3_mem:-?} MiB (tensors $(tensors_mib "$work/bench-r3-$name.txt") MiB; gradients $(grads_kept "$work/bench-r3-$name.txt"); $(peak_share "$work/bench-r3-$name.txt")), replay ${replay_cost:-?}%; HF bf16 ${hf_tps:-?} tok/s ${hf_mem:-?} MiB"
+# A run that failed says how (124: its time ran out; out of memory where the log says so).
+oom() { grep -m1 -io 'out of memory\|OUT_OF_MEMORY' "$1" > /dev/null && echo ", out of memory"; }
+line="r3 rc ${r3_rc}$(oom "$work/bench-r3-$name.txt"): bf16 masters ${r3_tps:-?} tok/s ${r3_mem:-?} MiB (tensors $(tensors_mib "$work/bench-r3-$name.txt") MiB; gradients $(grads_kept "$work/bench-r3-$name.txt"); $(peak_share "$work/bench-r3-$name.txt")), replay ${replay_cost:-?}%; HF rc ${hf_rc}$(oom "$work/bench-hf-$name.txt"): bf16 ${hf_tps:-?} tok/s ${hf_mem:-?} MiB"
 # Then, while the budget lasts, the same run with the padded experts one op per step
 # (--padded-expert-ops per-step: the graph keeping each step's f32 input, ≈ 1.0 GB a layer
 # at this batch, where the fused ops, the default, hold ≈ 0.3 GB in bf16): the memory the
@@ -758,9 +771,10 @@ if [ "$(left)" -ge 100 ]; then
     chain_mem=$(gpu_peak "$work/bench-r3-perstep-$name.txt" timeout "$(limit 150)" "$bin/r3" bench train \
         --device cuda --config a3b-8l --dtype bf16 --batch 8 --seq-len 512 --steps 3 --warmup 1 \
         --master-weights bf16 --padded-expert-ops per-step)
+    chain_rc=$?
     cat "$work/bench-r3-perstep-$name.txt"
     chain_tps=$(grep -E "^native +mean" "$work/bench-r3-perstep-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s +best.*/\1/')
-    line+="; r3 bf16 masters, experts per step ${chain_tps:-?} tok/s ${chain_mem:-?} MiB (tensors $(tensors_mib "$work/bench-r3-perstep-$name.txt") MiB)"
+    line+="; r3 rc ${chain_rc}$(oom "$work/bench-r3-perstep-$name.txt"): bf16 masters, experts per step ${chain_tps:-?} tok/s ${chain_mem:-?} MiB (tensors $(tensors_mib "$work/bench-r3-perstep-$name.txt") MiB)"
 fi
 # Then, while the budget lasts, r3 with its head scored 1,024 tokens at a time without the
 # logits kept (`algo.head_chunk_tokens`): at 8 x 512 tokens and 151,936 columns the f32 logits
@@ -771,9 +785,10 @@ if [ "$(left)" -ge 100 ]; then
     chunk_mem=$(gpu_peak "$work/bench-r3-chunk-$name.txt" timeout "$(limit 150)" "$bin/r3" bench train \
         --device cuda --config a3b-8l --dtype bf16 --batch 8 --seq-len 512 --steps 3 --warmup 1 \
         --master-weights bf16 --head-chunk-tokens 1024 --selective-recompute)
+    chunk_rc=$?
     cat "$work/bench-r3-chunk-$name.txt"
     chunk_tps=$(grep -E "^native +mean" "$work/bench-r3-chunk-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s +best.*/\1/')
-    line+="; r3 bf16 masters, head in chunks of 1024, selective recompute ${chunk_tps:-?} tok/s ${chunk_mem:-?} MiB (tensors $(tensors_mib "$work/bench-r3-chunk-$name.txt") MiB)"
+    line+="; r3 rc ${chunk_rc}$(oom "$work/bench-r3-chunk-$name.txt"): bf16 masters, head in chunks of 1024, selective recompute ${chunk_tps:-?} tok/s ${chunk_mem:-?} MiB (tensors $(tensors_mib "$work/bench-r3-chunk-$name.txt") MiB)"
 fi
 verdict bench-batch8 "$line"
 echo "   batch-8 bench took $(( $(date +%s) - t0 )) s"
@@ -784,10 +799,14 @@ fi
 if wants 10; then
 t0=$(date +%s)
 stepped=()
-lean="--set train.master_weights=bf16 --set optim.moments_dtype=bf16 --set train.grad_accum_dtype=bf16"
-for run in "config 90" "mid 150" "a3b-8l 240 $lean"; do
-    read -r model secs sets <<< "$run"
-    if [ "$(left)" -lt 45 ]; then stepped+=("$model skipped(budget)"); continue; fi
+# The 30B-A3B shape (≈ 5.0 B parameters) held in bf16 throughout: weights, gradient sums and
+# moments ≈ 40 GB beside the device engine's 10 GB; the update staged tensor by tensor (the
+# whole step's staging would add ≈ 30 GB at the optimiser step: past an H100's 80 GB).
+a3b_sets="--set train.master_weights=bf16 --set optim.moments_dtype=bf16 --set train.grad_accum_dtype=bf16 --set optim.update_staging=tensor_by_tensor"
+# model, seconds it may take, seconds it needs left to start, more --set options
+for run in "config 90 45" "mid 150 60" "a3b-8l 240 150 $a3b_sets"; do
+    read -r model secs need sets <<< "$run"
+    if [ "$(left)" -lt "$need" ]; then stepped+=("$model skipped(budget: $(left) s left)"); continue; fi
     # shellcheck disable=SC2086 # $sets: more --set options, split on purpose
     timeout "$(limit "$secs")" "$bin/r3" bench step --config configs/gsm8k-style.toml \
         --model "$model" --steps 3 --warmup 2 --set train.device=cuda --set rollout.device=cuda \

@@ -26,7 +26,7 @@ use crate::error::{ModelError, Result};
 use crate::layers::attention::mla::MlaAttention;
 use crate::layers::attention::rope::{Rope, RopeTables};
 use crate::layers::attention::{AttentionMask, GqaAttention, SlotRows};
-use crate::layers::embedding_rows::embedding_rows;
+use crate::layers::embedding_rows::{embedding_rows, rows_dtype};
 use crate::layers::gather_rows::GatherRows;
 use crate::layers::linear::Linear;
 use crate::layers::mlp::SwiGlu;
@@ -490,8 +490,12 @@ impl Model {
             AttentionConfig::Gqa { sliding_window, .. } => sliding_window,
             AttentionConfig::Mla { .. } => None,
         };
-        let rope = self.rope.tables(t, device, self.embed.dtype())?;
-        let mask = AttentionMask::new(lengths, t, window, device)?.to_dtype(self.embed.dtype())?;
+        // In the activations' dtype: a bf16 embedding table (bf16 weights without f32
+        // masters) gives f32 rows, and a GPU's RoPE kernel and masked softmax take tables of
+        // their operands' dtype.
+        let activations = rows_dtype(self.embed.dtype());
+        let rope = self.rope.tables(t, device, activations)?;
+        let mask = AttentionMask::new(lengths, t, window, device)?.to_dtype(activations)?;
         // A replay's plan is built when the first MoE layer needs it: by then the embedding's
         // and the first attention's kernels are queued, so on a GPU the host builds it while
         // the device runs them (built first, it held the device idle at every replayed
@@ -535,6 +539,7 @@ impl Model {
                 let slots = SlotRows::new(
                     shared.row_of_slot().to_vec(),
                     shared.slot_of_row().to_vec(),
+                    lengths,
                     (b, t),
                 )?;
                 let rows = RoutedRows {

@@ -350,6 +350,7 @@ pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
         forward_weight_bytes,
         optimiser_bytes,
         sync_bytes,
+        shared_queries_run: !trainer.policy.device().is_cpu(),
     };
     let threads = machine_threads();
     let places = StepPlaces::of(&trainer)?;

@@ -154,6 +154,10 @@ pub(crate) struct ModelFacts<'a> {
     /// Bytes the weight sync moves (the trainer's weights read once, written at the
     /// rollout's precision).
     pub(crate) sync_bytes: f64,
+    /// Whether the trainer's attention runs the queries of positions another sequence
+    /// computed (`algo.share_prefixes`): a GPU's does, in the padded layout; the CPU's op
+    /// skips them.
+    pub(crate) shared_queries_run: bool,
 }
 
 /// Bytes of weights the rollout engine reads over the step: the whole model per forward,
@@ -220,13 +224,17 @@ pub(crate) fn step_work(model: &ModelFacts<'_>, trace: &StepTrace, old_pass: boo
     };
     // A sequence's leading positions computed for another sequence (`algo.share_prefixes`)
     // ran no layer for it: not its projections, routers and experts, nor (on the CPU) its
-    // queries' attention. Where the head ran once per distinct row, the head rows it read
-    // that another position computed first did not run for it either.
+    // queries' attention (a GPU's attention runs them: context 0 leaves that work counted).
+    // Where the head ran once per distinct row, the head rows it read that another position
+    // computed first did not run for it either.
     let not_run = |lens: &[SharedLen]| -> f64 {
         lens.iter()
             .map(|shared| {
                 let layers: f64 = (0..shared.positions)
-                    .map(|p| flops_per_token(cfg, p + 1, false))
+                    .map(|p| match model.shared_queries_run {
+                        true => flops_per_token(cfg, 0, false),
+                        false => flops_per_token(cfg, p + 1, false),
+                    })
                     .sum();
                 layers + 2.0 * shared.head as f64 * head_macs(cfg)
             })
@@ -555,6 +563,7 @@ mod tests {
             forward_weight_bytes: 4000.0,
             optimiser_bytes: 32_000.0,
             sync_bytes: 6000.0,
+            shared_queries_run: false,
         };
         let w = step_work(&facts, &trace, true);
         // the head at position 1 only (the prompt's last, predicting the response; the
@@ -634,5 +643,17 @@ mod tests {
         let not_run = 2.0 * (48.0 + 8.0 + 144.0) + 2.0 * (48.0 + 16.0 + 144.0) + 2.0 * 40.0;
         assert_eq!(w[1].flops, Some(forward), "old pass: nothing shared");
         assert_eq!(w[2].flops, Some(forward - not_run), "update forward");
+        // A GPU's attention runs the shared positions' queries (over 1 and 2 keys) in the
+        // padded layout: that work stays counted.
+        let gpu = ModelFacts {
+            shared_queries_run: true,
+            ..facts
+        };
+        let w = step_work(&gpu, &shared, true);
+        assert_eq!(
+            w[2].flops,
+            Some(forward - not_run + 2.0 * (8.0 + 16.0)),
+            "update forward on a GPU"
+        );
     }
 }

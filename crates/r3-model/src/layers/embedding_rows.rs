@@ -20,6 +20,16 @@ use crate::error::{ModelError, Result};
 use crate::host::contiguous;
 use crate::math::StdFloat;
 
+/// The dtype of the rows [`embedding_rows`] gives from a table of `table` dtype: f32 for a
+/// bf16 table (widened: the residual stream stays f32), the table's own otherwise. What a
+/// forward builds its activations' tables (RoPE's, the attention mask) in.
+pub fn rows_dtype(table: DType) -> DType {
+    match table {
+        DType::BF16 => DType::F32,
+        other => other,
+    }
+}
+
 /// Rows `ids` of `table` `[V, H]` (`ids` the same on the host and as a u32 tensor on the
 /// table's device), differentiable in `table` by `EmbeddingRows`; candle's `index_select`
 /// where the op does not apply (another device or dtype, or no gradient wanted). A bf16
@@ -36,11 +46,9 @@ pub fn embedding_rows(table: &Tensor, ids: &Tensor, host_ids: &[u32]) -> Result<
         )));
     }
     if !table.track_op() || !(row_ops_run_on(table) || bf16_table) || host_ids.is_empty() {
-        let rows = table.index_select(ids, 0)?;
-        return Ok(match table.dtype() {
-            DType::BF16 => rows.to_dtype(DType::F32)?,
-            _ => rows,
-        });
+        return Ok(table
+            .index_select(ids, 0)?
+            .to_dtype(rows_dtype(table.dtype()))?);
     }
     let mut offsets = vec![0u32; vocab + 1];
     for &id in host_ids {
@@ -74,8 +82,8 @@ fn rows_in_f32<S: candle_core::backend::BackendStorage>(
     rows: S,
     shape: &Shape,
 ) -> candle_core::Result<S> {
-    match rows.dtype() {
-        DType::BF16 => rows.to_dtype(&Layout::contiguous(shape), DType::F32),
+    match rows_dtype(rows.dtype()) {
+        wider if wider != rows.dtype() => rows.to_dtype(&Layout::contiguous(shape), wider),
         _ => Ok(rows),
     }
 }
@@ -321,6 +329,15 @@ mod tests {
         // Without a gradient wanted, the rows alone, widened.
         let plain = embedding_rows(&narrow.as_tensor().detach(), &ids_t, &ids).expect("rows");
         assert_eq!(max_abs_diff(&plain, &wide_rows), 0.0);
+        // `rows_dtype` (what a forward builds its RoPE tables and mask in) says so of every
+        // table's rows, with and without a gradient wanted.
+        for dtype in [DType::F64, DType::F32, DType::BF16] {
+            let table = Var::from_tensor(&seeded_tensor(&[7, 4], 3, dtype)).expect("table");
+            for t in [table.as_tensor().clone(), table.as_tensor().detach()] {
+                let rows = embedding_rows(&t, &ids_t, &ids).expect("rows");
+                assert_eq!(rows.dtype(), rows_dtype(dtype), "{dtype:?} table");
+            }
+        }
     }
 
     #[test]

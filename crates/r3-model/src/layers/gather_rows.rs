@@ -39,6 +39,9 @@ pub struct GatherRows {
     fan_in: Arc<OnceLock<FanIn>>,
     src_rows: usize,
     grad_rows: usize,
+    /// Output rows the backward leaves out (nothing downstream reads them: their gradient
+    /// is zero), where the caller names them.
+    unread: Option<Arc<Vec<bool>>>,
 }
 
 /// For each source row below `grad_rows`, the output rows that read it, in ascending order,
@@ -55,11 +58,14 @@ struct FanIn {
 
 impl FanIn {
     /// The fan-in of `ids` over the first `grad_rows` source rows (ids already checked
-    /// against the source).
-    fn of(ids: &[u32], grad_rows: usize) -> Self {
+    /// against the source), the output rows `unread` says are unread left out.
+    fn of(ids: &[u32], grad_rows: usize, unread: Option<&[bool]>) -> Self {
+        let read = |i: usize| unread.is_none_or(|u| !u[i]);
         let mut offsets = vec![0u32; grad_rows + 1];
-        for &id in ids.iter().filter(|&&id| (id as usize) < grad_rows) {
-            offsets[id as usize + 1] += 1;
+        for (i, &id) in ids.iter().enumerate() {
+            if (id as usize) < grad_rows && read(i) {
+                offsets[id as usize + 1] += 1;
+            }
         }
         for q in 0..grad_rows {
             offsets[q + 1] += offsets[q];
@@ -67,7 +73,7 @@ impl FanIn {
         let mut filled: Vec<u32> = offsets[..grad_rows].to_vec();
         let mut uses = vec![0u32; offsets[grad_rows] as usize];
         for (i, &id) in ids.iter().enumerate() {
-            if let Some(at) = filled.get_mut(id as usize) {
+            if let Some(at) = filled.get_mut(id as usize).filter(|_| read(i)) {
                 uses[*at as usize] = i as u32;
                 *at += 1;
             }
@@ -121,6 +127,27 @@ impl GatherRows {
             fan_in: Arc::new(OnceLock::new()),
             src_rows,
             grad_rows,
+            unread: None,
+        })
+    }
+
+    /// This gather with the output rows `unread[i]` marks left out of its backward: rows
+    /// nothing downstream reads, so their gradient is zero and summing it changes nothing
+    /// but the work. A padded batch's padding slots all copy one row, whose gradient would
+    /// otherwise be summed over every one of them (on a GPU, by one block). `unread` holds
+    /// one flag per id.
+    pub fn with_unread_outputs(self, unread: Vec<bool>) -> Result<Self> {
+        if unread.len() != self.ids.len() {
+            return Err(ModelError::Input(format!(
+                "gather: {} unread flags for {} rows gathered",
+                unread.len(),
+                self.ids.len()
+            )));
+        }
+        Ok(GatherRows {
+            unread: Some(Arc::new(unread)),
+            fan_in: Arc::new(OnceLock::new()),
+            ..self
         })
     }
 
@@ -221,9 +248,13 @@ impl GatherRows {
     pub(crate) fn sum_uses(&self, grad: &Tensor, dims: &[usize]) -> candle_core::Result<Tensor> {
         let row: usize = dims[1..].iter().product();
         let device = grad.device();
-        let fan_in = self
-            .fan_in
-            .get_or_init(|| FanIn::of(&self.ids, self.grad_rows));
+        let fan_in = self.fan_in.get_or_init(|| {
+            FanIn::of(
+                &self.ids,
+                self.grad_rows,
+                self.unread.as_deref().map(Vec::as_slice),
+            )
+        });
         if device.is_cpu() {
             return match grad.dtype() {
                 DType::F32 => self.gather_sum_host::<f32>(grad, fan_in, row, dims),
@@ -404,7 +435,7 @@ impl GatherRows {
 mod tests {
     use super::*;
     use crate::test_util::{f64_bits, max_abs_diff, seeded_tensor};
-    use candle_core::{DType, Var};
+    use candle_core::{DType, Device, Var};
 
     /// The gradient of `Σ y ⊙ probe` with respect to `src`.
     fn grad_of(src: &Var, y: &Tensor, probe: &Tensor) -> Tensor {
@@ -485,7 +516,7 @@ mod tests {
     #[test]
     fn the_fan_in_holds_each_use_once() {
         // Output rows 0..8 read source rows 2, 0, 0, 1, 0, 0, 3, 0 (3 past grad_rows).
-        let fan_in = FanIn::of(&[2, 0, 0, 1, 0, 0, 3, 0], 3);
+        let fan_in = FanIn::of(&[2, 0, 0, 1, 0, 0, 3, 0], 3, None);
         assert_eq!(fan_in.offsets, vec![0, 5, 6, 7]);
         assert_eq!(fan_in.uses, vec![1, 2, 4, 5, 7, 3, 0]);
         assert_eq!(
@@ -500,8 +531,60 @@ mod tests {
         );
         // A thousand padding slots on row 0 and a thousand rows read once: 2,000 entries.
         let ids: Vec<u32> = (0..1000).map(|_| 0).chain(1..1001).collect();
-        let fan_in = FanIn::of(&ids, 1001);
+        let fan_in = FanIn::of(&ids, 1001, None);
         assert_eq!((fan_in.uses.len(), fan_in.width()), (2000, 1000));
+    }
+
+    /// Unread output rows leave the fan-in (by hand), and where their gradient is zero (as
+    /// nothing reads them) the backward is the plain gather's bit for bit; flags of another
+    /// length than the ids are refused.
+    #[test]
+    fn unread_outputs_leave_the_backward() {
+        let fan_in = FanIn::of(
+            &[2, 0, 0, 1, 0, 0, 3, 0],
+            3,
+            Some(&[false, true, false, false, true, true, false, true]),
+        );
+        assert_eq!(fan_in.offsets, vec![0, 1, 2, 3]);
+        assert_eq!(fan_in.uses, vec![2, 3, 0]);
+        let ids: Vec<u32> = vec![4, 0, 4, 7, 1, 0, 0, 8, 2, 0];
+        let unread: Vec<bool> = (0..ids.len()).map(|i| i >= 5 && ids[i] == 0).collect();
+        let src = Var::from_tensor(&seeded_tensor(&[9, 5], 7, DType::F32)).expect("src");
+        // The unread rows' gradient is zero: the probe does not read them.
+        let keep: Vec<f32> = unread.iter().map(|&u| if u { 0.0 } else { 1.0 }).collect();
+        let probe = (seeded_tensor(&[ids.len(), 5], 8, DType::F32)
+            .broadcast_mul(&Tensor::from_vec(keep, (ids.len(), 1), &Device::Cpu).expect("keep")))
+        .expect("probe");
+        let plain = GatherRows::new(ids.clone(), 9, 9).expect("op");
+        let leaving = plain
+            .clone()
+            .with_unread_outputs(unread.clone())
+            .expect("unread");
+        let y = leaving.apply(src.as_tensor()).expect("gather");
+        assert_eq!(
+            f64_bits(&y),
+            f64_bits(&plain.apply(src.as_tensor()).expect("gather")),
+            "the forward copies every row"
+        );
+        let want = grad_of(&src, &plain.apply(src.as_tensor()).expect("y"), &probe);
+        let got = grad_of(&src, &y, &probe);
+        assert_eq!(f64_bits(&got), f64_bits(&want));
+        assert_eq!(
+            leaving
+                .fan_in
+                .get()
+                .map(|f| f.of_row(0).to_vec())
+                .expect("built"),
+            vec![1],
+            "row 0's unread uses left out"
+        );
+        let err = plain
+            .with_unread_outputs(vec![false; 3])
+            .expect_err("3 flags");
+        assert!(
+            err.to_string().contains("3 unread flags for 10 rows"),
+            "{err}"
+        );
     }
 
     /// Rows read several times (fan-ins of 0 to 3, padding rows past `grad_rows`): the
@@ -516,7 +599,7 @@ mod tests {
             let grad = seeded_tensor(&[ids.len(), 5], 8, dtype);
             for grad_rows in [src_rows, src_rows - 1] {
                 let op = GatherRows::new(ids.clone(), src_rows, grad_rows).expect("op");
-                let fan_in = FanIn::of(&ids, grad_rows);
+                let fan_in = FanIn::of(&ids, grad_rows, None);
                 assert_eq!(fan_in.width(), 3, "row 4 is read three times");
                 let host = match dtype {
                     DType::F64 => op.gather_sum_host::<f64>(&grad, &fan_in, 5, src.dims()),

@@ -342,7 +342,8 @@ impl Model {
     pub fn forward_step(&self, step: &Step<'_>, cache: &mut KvCache) -> Result<StepOutput> {
         let cfg = &self.cfg;
         let device = self.embed.device();
-        let dtype = self.embed.dtype();
+        // The activations' dtype (a bf16 embedding table gives f32 rows).
+        let dtype = crate::layers::embedding_rows::rows_dtype(self.embed.dtype());
         let (b, t) = (step.batch, step.time);
         let s = cache.slots + t;
         if b == 0 || t == 0 {

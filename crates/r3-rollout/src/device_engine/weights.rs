@@ -43,13 +43,16 @@ impl DeviceEngine {
         self.swap_in(&tensors)
     }
 
-    /// Builds the model from checked tensors, bumps the weight version and empties the
-    /// prefix cache (its keys, values and routes are the old weights'; the version in the
-    /// block hashes already keeps them from matching, this frees them).
+    /// Empties the prefix cache (its keys, values and routes are the old weights'; the
+    /// version in the block hashes already keeps them from matching: emptied first, its
+    /// memory is free for the new weights), builds the model from checked tensors, bumps
+    /// the weight version, and waits for the device: the copies are done when this returns,
+    /// so a trainer's sync time is the sync's, not the next rollout's.
     fn swap_in(&mut self, tensors: &TensorMap) -> Result<u64, RolloutError> {
+        self.flush_prefix_cache();
         self.model = build_model(&self.model_cfg, tensors, &self.cfg, &self.device)?;
         self.version += 1;
-        self.flush_prefix_cache();
+        self.device.synchronize()?;
         Ok(self.version)
     }
 }

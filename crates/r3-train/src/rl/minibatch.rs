@@ -334,6 +334,10 @@ impl Accumulated {
                     }
                     None => backward_into(&micro.loss, acc, vars(), sums, micro.narrow_grads)?,
                 }
+                // On a GPU the backward's kernels are queued, not done: waiting here makes
+                // `backward_s` the backward's own time (it had flowed into the next read-back,
+                // the optimiser's or the next micro-batch's). A no-op on the CPU.
+                micro.loss.device().synchronize()?;
                 self.backwards += 1;
                 self.times.backward_s += started.elapsed().as_secs_f64();
             }

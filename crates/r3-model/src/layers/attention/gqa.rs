@@ -33,22 +33,31 @@ pub struct SlotRows {
 }
 
 impl SlotRows {
-    /// From each slot's computed row (`row_of_slot`, `B·T` of them) and each row's slot
-    /// (`slot_of_row`, `rows` of them); an index past its range is an error.
+    /// From each slot's computed row (`row_of_slot`, `B·T` of them), each row's slot
+    /// (`slot_of_row`, `rows` of them) and the sequences' `lengths` (`B`: slots past a
+    /// sequence's length are padding); an index past its range is an error.
+    ///
+    /// Padding slots are left out of the spread's backward: a padding query's output is
+    /// never taken and a padding key is masked for every query, so their gradients are
+    /// zero, and since they all copy one row, summing them made that row's gradient a sum
+    /// over every padding slot of the batch (on a GPU, one block's serial loop).
     pub fn new(
         row_of_slot: Vec<u32>,
         slot_of_row: Vec<u32>,
+        lengths: &[usize],
         (b, t): (usize, usize),
     ) -> Result<Self> {
-        if row_of_slot.len() != b * t {
+        if row_of_slot.len() != b * t || lengths.len() != b {
             return Err(ModelError::Input(format!(
-                "shared rows: {} slots for a batch of {b} x {t}",
-                row_of_slot.len()
+                "shared rows: {} slots and {} lengths for a batch of {b} x {t}",
+                row_of_slot.len(),
+                lengths.len()
             )));
         }
         let rows = slot_of_row.len();
+        let padding = (0..b * t).map(|s| s % t >= lengths[s / t]).collect();
         Ok(SlotRows {
-            spread: GatherRows::new(row_of_slot, rows, rows)?,
+            spread: GatherRows::new(row_of_slot, rows, rows)?.with_unread_outputs(padding)?,
             take: GatherRows::new(slot_of_row, b * t, b * t)?,
             batch: (b, t),
         })
