@@ -8,7 +8,7 @@ use super::masked_op::MaskedAttention;
 use super::recompute::{attend_recomputed, NarrowOperands};
 use super::rows::{attend_rows, rows_packed};
 use super::softmax::attention_probs;
-use crate::error::Result;
+use crate::error::{ModelError, Result};
 
 /// `softmax(q kᵀ · scale + mask) v` with `q` `[B, KV, G·T, Dq]` (G query heads per
 /// key/value head, stacked), `k` `[B, KV, T, Dq]`, `v` `[B, KV, T, Dv]` → `[B, T, KV·G·Dv]`
@@ -27,6 +27,15 @@ pub fn attend(
     groups: usize,
     narrow: NarrowOperands,
 ) -> Result<Tensor> {
+    // Other devices add the mask to the scores as an operand of `q`'s dtype; the CPU's op
+    // reads its f32 host copy and would pass anything. Refused everywhere alike.
+    if mask.additive().dtype() != q.dtype() {
+        return Err(ModelError::Input(format!(
+            "attention: a {:?} mask for {:?} queries (build it in the activations' dtype)",
+            mask.additive().dtype(),
+            q.dtype()
+        )));
+    }
     if q.device().is_cpu() && matches!(q.dtype(), DType::F32 | DType::F64) {
         let op = MaskedAttention::new(mask.host.clone(), mask.key_ends.clone(), scale, groups)
             .reading_queries_from(mask.query_from.clone());

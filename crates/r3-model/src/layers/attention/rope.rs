@@ -11,7 +11,7 @@ use super::rope_rounded::rope_rounded;
 use crate::layers::precomputed::{precomputed_fwd, Precomputed};
 
 use crate::config::{RopeConfig, RopeScaling};
-use crate::error::Result;
+use crate::error::{ModelError, Result};
 use crate::precision::Precision;
 
 /// Inverse frequencies and the cos/sin scale of one model.
@@ -209,6 +209,16 @@ impl RopeTables {
     /// strides; on a GPU in f32 candle's rope kernel with a backward (`RotateBack`);
     /// elsewhere candle's composed ops.
     pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
+        // A GPU's kernel and the composed ops take the tables as operands of `x`'s dtype;
+        // the CPU's op reads its f32 host copies and would pass anything. Refused on every
+        // device alike, so a mismatch shows in the CPU's tests too.
+        if self.cos.dtype() != x.dtype() {
+            return Err(ModelError::Input(format!(
+                "rope: tables in {:?} for {:?} values (build them in the activations' dtype)",
+                self.cos.dtype(),
+                x.dtype()
+            )));
+        }
         if x.device().is_cuda() && x.dtype() == DType::F32 && x.rank() == 4 {
             return self.apply_kernel(x);
         }
