@@ -42,6 +42,6 @@ pub use router::Router;
 pub use routing_mode::{ReplayProof, ReplayRoutes, Routing};
 pub use spec::{tensor_specs, tensor_specs_in, ExpertLayout, TensorRole, TensorSpec};
 pub use weights::{
-    check_finite, check_holds, check_map_holds, HeldTensors, LoadOptions, RandomInit,
-    WeightPrecision, Weights,
+    check_finite, check_holds, check_map_holds, HeldTensors, LoadOptions, NarrowMasters,
+    RandomInit, WeightPrecision, Weights,
 };

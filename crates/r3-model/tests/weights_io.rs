@@ -263,3 +263,55 @@ fn device_drawn_random_weights_on_the_cpu_are_the_host_draws() {
     let batch = Batch::new(&sequences(&[4], cfg.vocab_size, 1), 0, &Device::Cpu).expect("batch");
     model.forward(&batch, Routing::Native).expect("forward");
 }
+
+/// Loading with `narrow_masters` holds each tensor in the dtype `NarrowMasters::dtype_of`
+/// gives its role as it is read, with the values and dtypes of the whole f32 load narrowed
+/// after (`Weights::narrow_for_training`), bit for bit: every family, routers narrow or
+/// not, from an f32 and from a bf16 checkpoint.
+#[test]
+fn loading_narrowed_equals_narrowing_the_f32_load() {
+    use r3_model::{LoadOptions, NarrowMasters};
+    for family in FAMILIES {
+        let cfg = tiny_config(family);
+        for stored in [DType::F32, DType::BF16] {
+            let weights = tiny_weights(&cfg, 3, DType::F32)
+                .to_dtype(stored)
+                .expect("stored dtype");
+            let dir = Scratch::new(&format!("model-test-narrow-{family}-{stored:?}"));
+            weights.save(&dir, &cfg).expect("save");
+            for router in [false, true] {
+                let narrow = NarrowMasters {
+                    dtype: DType::BF16,
+                    router,
+                };
+                let options = LoadOptions {
+                    narrow_masters: Some(narrow),
+                    ..LoadOptions::default()
+                };
+                let loaded = Weights::load_with(&dir, &cfg, &Device::Cpu, &options).expect("load");
+                let want = Weights::load(&dir, &cfg, &Device::Cpu)
+                    .and_then(|w| w.narrow_for_training(&cfg, DType::BF16, router))
+                    .expect("narrowed after");
+                assert_eq!(loaded.tensors().len(), want.tensors().len());
+                let mut narrowed = 0;
+                for (name, w) in want.tensors() {
+                    let got = loaded.get(name).expect("tensor");
+                    let what = format!("{family} {stored:?} router {router}: {name}");
+                    assert_eq!(got.dtype(), w.dtype(), "{what}");
+                    let bits = |t: &Tensor| {
+                        t.to_dtype(DType::F32)
+                            .and_then(|t| t.flatten_all())
+                            .and_then(|t| t.to_vec1::<f32>())
+                            .expect("values")
+                            .iter()
+                            .map(|v| v.to_bits())
+                            .collect::<Vec<_>>()
+                    };
+                    assert_eq!(bits(got), bits(w), "{what}");
+                    narrowed += usize::from(got.dtype() == DType::BF16);
+                }
+                assert!(narrowed > 0, "{family}: something is held in bf16");
+            }
+        }
+    }
+}

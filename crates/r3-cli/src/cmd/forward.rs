@@ -80,6 +80,7 @@ pub fn run(args: ForwardArgs) -> anyhow::Result<()> {
     let load = LoadOptions {
         allow_non_finite: args.allow_non_finite_weights,
         precision: precision.weight_precision(),
+        narrow_masters: None,
     };
     let weights = Weights::load_with(&args.model, &cfg, &device, &load)
         .with_context(|| format!("weights of {}", args.model.display()))?;

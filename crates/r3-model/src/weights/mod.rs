@@ -75,6 +75,36 @@ pub struct LoadOptions {
     /// The precision the weights are loaded for: a value past its finite range is refused
     /// like a non-finite one (f32, the default, refuses only NaN and ±inf).
     pub precision: WeightPrecision,
+    /// Hold the weights a trainer keeps in a 16-bit float without f32 masters in that float
+    /// as they are read ([`NarrowMasters`]), one tensor at a time: the device never holds
+    /// an f32 copy of the whole model (4 bytes a parameter, where the run holds 2). None:
+    /// every tensor f32.
+    pub narrow_masters: Option<NarrowMasters>,
+}
+
+/// Which weights a trainer holds in a 16-bit float with no f32 master
+/// (`train.master_weights = "bf16"`), and in which: what [`Weights::narrow_for_training`]
+/// narrows and what [`Weights::load_with`] narrows as it reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NarrowMasters {
+    /// The 16-bit float.
+    pub dtype: DType,
+    /// Whether the routers' gates are held in it too (a router whose input the forward
+    /// rounds).
+    pub router: bool,
+}
+
+impl NarrowMasters {
+    /// The dtype a tensor of `role` is held in: the 16-bit float for the embedding and
+    /// every weight matrix (and the routers' gates where `router`), f32 for the rest (norm
+    /// scales, biases, buffers).
+    pub fn dtype_of(&self, role: TensorRole) -> DType {
+        match role {
+            TensorRole::Matrix => self.dtype,
+            TensorRole::Router if self.router => self.dtype,
+            _ => DType::F32,
+        }
+    }
 }
 
 impl Weights {
@@ -173,7 +203,16 @@ impl Weights {
             if !options.allow_non_finite {
                 check_holds(&spec.name, &t, options.precision)?;
             }
-            out.insert(spec.name.clone(), t.to_dtype(DType::F32)?);
+            let held = options
+                .narrow_masters
+                .map_or(DType::F32, |n| n.dtype_of(spec.role));
+            // Through f32 (exact from any stored float), so a narrowed tensor has the value
+            // narrowing the f32 weight gives.
+            let t = match t.dtype() == held {
+                true => t,
+                false => t.to_dtype(DType::F32)?.to_dtype(held)?,
+            };
+            out.insert(spec.name.clone(), t);
         }
         if options.allow_non_finite {
             tracing::warn!(dir = %dir.display(), precision = %options.precision, "weights loaded without the finiteness and range check");

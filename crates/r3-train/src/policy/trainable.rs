@@ -11,8 +11,8 @@ use r3_model::model::head_positions::spread_over_spans;
 use r3_model::model::LayerRecompute;
 use r3_model::token_stats::{entropy, token_log_probs_host_checked};
 use r3_model::{
-    Batch, Config, HeadPositions, Model, Precision, ReplayProof, Routing, ScoreTargets, SharedLen,
-    Weights,
+    Batch, Config, HeadPositions, LoadOptions, Model, NarrowMasters, Precision, ReplayProof,
+    Routing, ScoreTargets, SharedLen, Weights,
 };
 use r3_routing::RouteTable;
 
@@ -359,7 +359,21 @@ impl TrainablePolicy {
         masters: MasterWeights,
     ) -> Result<Self> {
         let cfg = Config::from_file(&dir.join("config.json"))?;
-        let weights = Weights::load(dir, &cfg, device)?;
+        // With bf16 masters the loader narrows each tensor as it reads it (no f32 copy of
+        // the whole model on the device); `for_training` checks the precision and narrows
+        // what is left (nothing, here).
+        let narrow_masters = match (masters, precision.narrow_dtype()) {
+            (MasterWeights::Bf16, Some(DType::BF16)) => Some(NarrowMasters {
+                dtype: DType::BF16,
+                router: precision.router().narrow_dtype().is_some(),
+            }),
+            _ => None,
+        };
+        let options = LoadOptions {
+            narrow_masters,
+            ..LoadOptions::default()
+        };
+        let weights = Weights::load_with(dir, &cfg, device, &options)?;
         Self::for_training(cfg, weights, precision, masters)
     }
 
