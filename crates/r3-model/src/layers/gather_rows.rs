@@ -39,9 +39,10 @@ pub struct GatherRows {
     fan_in: Arc<OnceLock<FanIn>>,
     src_rows: usize,
     grad_rows: usize,
-    /// Output rows the backward leaves out (nothing downstream reads them: their gradient
-    /// is zero), where the caller names them.
-    unread: Option<Arc<Vec<bool>>>,
+    /// The ids the backward's fan-in is built from where they differ from `ids`: an unread
+    /// output's ([`GatherRows::with_unread_outputs`]) past every row with a gradient, so
+    /// the fan-in leaves it out as it does padding rows.
+    backward_ids: Option<Arc<Vec<u32>>>,
 }
 
 /// For each source row below `grad_rows`, the output rows that read it, in ascending order,
@@ -58,14 +59,11 @@ struct FanIn {
 
 impl FanIn {
     /// The fan-in of `ids` over the first `grad_rows` source rows (ids already checked
-    /// against the source), the output rows `unread` says are unread left out.
-    fn of(ids: &[u32], grad_rows: usize, unread: Option<&[bool]>) -> Self {
-        let read = |i: usize| unread.is_none_or(|u| !u[i]);
+    /// against the source).
+    fn of(ids: &[u32], grad_rows: usize) -> Self {
         let mut offsets = vec![0u32; grad_rows + 1];
-        for (i, &id) in ids.iter().enumerate() {
-            if (id as usize) < grad_rows && read(i) {
-                offsets[id as usize + 1] += 1;
-            }
+        for &id in ids.iter().filter(|&&id| (id as usize) < grad_rows) {
+            offsets[id as usize + 1] += 1;
         }
         for q in 0..grad_rows {
             offsets[q + 1] += offsets[q];
@@ -73,7 +71,7 @@ impl FanIn {
         let mut filled: Vec<u32> = offsets[..grad_rows].to_vec();
         let mut uses = vec![0u32; offsets[grad_rows] as usize];
         for (i, &id) in ids.iter().enumerate() {
-            if let Some(at) = filled.get_mut(id as usize).filter(|_| read(i)) {
+            if let Some(at) = filled.get_mut(id as usize) {
                 uses[*at as usize] = i as u32;
                 *at += 1;
             }
@@ -127,7 +125,7 @@ impl GatherRows {
             fan_in: Arc::new(OnceLock::new()),
             src_rows,
             grad_rows,
-            unread: None,
+            backward_ids: None,
         })
     }
 
@@ -144,10 +142,27 @@ impl GatherRows {
                 self.ids.len()
             )));
         }
+        let past = u32::try_from(self.grad_rows).unwrap_or(u32::MAX);
+        let backward_ids = self
+            .ids
+            .iter()
+            .zip(&unread)
+            .map(|(&id, &unread)| if unread { past } else { id })
+            .collect();
         Ok(GatherRows {
-            unread: Some(Arc::new(unread)),
+            backward_ids: Some(Arc::new(backward_ids)),
             fan_in: Arc::new(OnceLock::new()),
             ..self
+        })
+    }
+
+    /// The backward's fan-in, built the first time it is needed.
+    fn fan_in(&self) -> &FanIn {
+        self.fan_in.get_or_init(|| {
+            FanIn::of(
+                self.backward_ids.as_deref().unwrap_or(&self.ids),
+                self.grad_rows,
+            )
         })
     }
 
@@ -248,13 +263,7 @@ impl GatherRows {
     pub(crate) fn sum_uses(&self, grad: &Tensor, dims: &[usize]) -> candle_core::Result<Tensor> {
         let row: usize = dims[1..].iter().product();
         let device = grad.device();
-        let fan_in = self.fan_in.get_or_init(|| {
-            FanIn::of(
-                &self.ids,
-                self.grad_rows,
-                self.unread.as_deref().map(Vec::as_slice),
-            )
-        });
+        let fan_in = self.fan_in();
         if device.is_cpu() {
             return match grad.dtype() {
                 DType::F32 => self.gather_sum_host::<f32>(grad, fan_in, row, dims),
@@ -516,7 +525,7 @@ mod tests {
     #[test]
     fn the_fan_in_holds_each_use_once() {
         // Output rows 0..8 read source rows 2, 0, 0, 1, 0, 0, 3, 0 (3 past grad_rows).
-        let fan_in = FanIn::of(&[2, 0, 0, 1, 0, 0, 3, 0], 3, None);
+        let fan_in = FanIn::of(&[2, 0, 0, 1, 0, 0, 3, 0], 3);
         assert_eq!(fan_in.offsets, vec![0, 5, 6, 7]);
         assert_eq!(fan_in.uses, vec![1, 2, 4, 5, 7, 3, 0]);
         assert_eq!(
@@ -531,7 +540,7 @@ mod tests {
         );
         // A thousand padding slots on row 0 and a thousand rows read once: 2,000 entries.
         let ids: Vec<u32> = (0..1000).map(|_| 0).chain(1..1001).collect();
-        let fan_in = FanIn::of(&ids, 1001, None);
+        let fan_in = FanIn::of(&ids, 1001);
         assert_eq!((fan_in.uses.len(), fan_in.width()), (2000, 1000));
     }
 
@@ -540,11 +549,11 @@ mod tests {
     /// length than the ids are refused.
     #[test]
     fn unread_outputs_leave_the_backward() {
-        let fan_in = FanIn::of(
-            &[2, 0, 0, 1, 0, 0, 3, 0],
-            3,
-            Some(&[false, true, false, false, true, true, false, true]),
-        );
+        let unread = vec![false, true, false, false, true, true, false, true];
+        let op = GatherRows::new(vec![2, 0, 0, 1, 0, 0, 3, 0], 4, 3)
+            .and_then(|op| op.with_unread_outputs(unread))
+            .expect("op");
+        let fan_in = op.fan_in();
         assert_eq!(fan_in.offsets, vec![0, 1, 2, 3]);
         assert_eq!(fan_in.uses, vec![2, 3, 0]);
         let ids: Vec<u32> = vec![4, 0, 4, 7, 1, 0, 0, 8, 2, 0];
@@ -599,7 +608,7 @@ mod tests {
             let grad = seeded_tensor(&[ids.len(), 5], 8, dtype);
             for grad_rows in [src_rows, src_rows - 1] {
                 let op = GatherRows::new(ids.clone(), src_rows, grad_rows).expect("op");
-                let fan_in = FanIn::of(&ids, grad_rows, None);
+                let fan_in = FanIn::of(&ids, grad_rows);
                 assert_eq!(fan_in.width(), 3, "row 4 is read three times");
                 let host = match dtype {
                     DType::F64 => op.gather_sum_host::<f64>(&grad, &fan_in, 5, src.dims()),

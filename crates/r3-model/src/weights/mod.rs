@@ -366,17 +366,26 @@ impl Weights {
     /// `train.master_weights = "bf16"`): [`Weights::narrow_matrices`] to `narrow`, and the
     /// embedding too (its rows are rounded to `narrow` where the forward embeds them, so the
     /// forward reads the same values; its gradient, each row's f32 sum, is rounded to
-    /// `narrow` once). Norm scales, biases and buffers stay f32.
+    /// `narrow` once). Norm scales, biases and buffers stay f32: the tensors
+    /// [`NarrowMasters::dtype_of`] names, the rule a loader narrowing as it reads follows.
     pub fn narrow_for_training(
         self,
         cfg: &Config,
         narrow: DType,
         router_narrow: bool,
     ) -> Result<Weights> {
-        let mut tensors = self.narrow_matrices(cfg, narrow, router_narrow)?.tensors;
-        if let Some(t) = tensors.get_mut(&weight(EMBED)) {
-            if t.dtype() == DType::F32 {
-                *t = t.to_dtype(narrow)?;
+        let held = NarrowMasters {
+            dtype: narrow,
+            router: router_narrow,
+        };
+        let specs = tensor_specs_in(cfg, self.expert_layout(cfg));
+        let mut tensors = self.tensors;
+        for spec in specs {
+            let dtype = held.dtype_of(spec.role);
+            if let Some(t) = tensors.get_mut(&spec.name) {
+                if t.dtype() == DType::F32 && dtype != DType::F32 {
+                    *t = t.to_dtype(dtype)?;
+                }
             }
         }
         Ok(Weights::from_map(tensors))

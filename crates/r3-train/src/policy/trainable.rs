@@ -360,17 +360,9 @@ impl TrainablePolicy {
     ) -> Result<Self> {
         let cfg = Config::from_file(&dir.join("config.json"))?;
         // With bf16 masters the loader narrows each tensor as it reads it (no f32 copy of
-        // the whole model on the device); `for_training` checks the precision and narrows
-        // what is left (nothing, here).
-        let narrow_masters = match (masters, precision.narrow_dtype()) {
-            (MasterWeights::Bf16, Some(DType::BF16)) => Some(NarrowMasters {
-                dtype: DType::BF16,
-                router: precision.router().narrow_dtype().is_some(),
-            }),
-            _ => None,
-        };
+        // the whole model on the device); `for_training` then finds nothing left to narrow.
         let options = LoadOptions {
-            narrow_masters,
+            narrow_masters: narrow_masters(precision, masters)?,
             ..LoadOptions::default()
         };
         let weights = Weights::load_with(dir, &cfg, device, &options)?;
@@ -386,16 +378,8 @@ impl TrainablePolicy {
         precision: Precision,
         masters: MasterWeights,
     ) -> Result<Self> {
-        if masters == MasterWeights::Bf16 {
-            let narrow = precision
-                .narrow_dtype()
-                .filter(|d| *d == DType::BF16)
-                .ok_or_else(|| TrainError::InvalidConfig {
-                    field: "train.master_weights",
-                    reason: format!("bf16 master weights need a bf16 forward, not {precision:?}"),
-                })?;
-            let router_narrow = precision.router().narrow_dtype().is_some();
-            weights = weights.narrow_for_training(&cfg, narrow, router_narrow)?;
+        if let Some(held) = narrow_masters(precision, masters)? {
+            weights = weights.narrow_for_training(&cfg, held.dtype, held.router)?;
         }
         let mut policy = Self::new(cfg, weights)?;
         policy.set_precision(precision);
@@ -557,4 +541,24 @@ impl TrainablePolicy {
     pub fn save_hf(&self, dir: &Path) -> Result<()> {
         Ok(self.detached().save(dir, &self.cfg)?)
     }
+}
+
+/// The weights held without f32 masters that `masters` asks of a forward at `precision`:
+/// with [`MasterWeights::Bf16`] (a bf16 forward only, else the config is refused) the
+/// matrices in bf16, the routers' gates too where the router runs in bf16.
+fn narrow_masters(precision: Precision, masters: MasterWeights) -> Result<Option<NarrowMasters>> {
+    if masters != MasterWeights::Bf16 {
+        return Ok(None);
+    }
+    let dtype = precision
+        .narrow_dtype()
+        .filter(|d| *d == DType::BF16)
+        .ok_or_else(|| TrainError::InvalidConfig {
+            field: "train.master_weights",
+            reason: format!("bf16 master weights need a bf16 forward, not {precision:?}"),
+        })?;
+    Ok(Some(NarrowMasters {
+        dtype,
+        router: precision.router().narrow_dtype().is_some(),
+    }))
 }
