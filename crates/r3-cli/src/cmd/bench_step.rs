@@ -28,7 +28,9 @@ use r3_train::{ModelText, Trainer};
 
 use super::bench_optim::optimiser_bytes;
 use super::matmul_work::{flops_per_token, machine_threads, MachineLimits};
-use super::step_phases::{median, step_work, summarise, ModelFacts, Phase, Row, Sample, PHASES};
+use super::step_phases::{
+    median, step_work, summarise, MicroBatching, ModelFacts, Phase, Row, Sample, PHASES,
+};
 use super::train::{model_dir_from_cwd, resolve_config};
 
 /// Options of `r3 bench step`.
@@ -232,48 +234,73 @@ struct HeldVar {
     elems: usize,
     /// Bytes a value of the variable (4 for an f32 master, 2 for a bf16 weight).
     value_bytes: u64,
-    /// Bytes a value of its gradient.
+    /// Bytes a value of its gradient as one micro-batch's backward leaves it.
     grad_bytes: u64,
+    /// Bytes a value of its gradient summed over several micro-batches: 4 (f32 sums), or 2
+    /// for a bf16 weight with `train.grad_accum_dtype = "bf16"`.
+    summed_grad_bytes: u64,
     /// Whether a 16-bit copy is held beside it (read by the GEMMs, rewritten by AdamW).
     copied: bool,
+}
+
+/// The bytes a trainer's passes move ([`trainer_bytes`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct TrainerBytes {
+    /// One training forward's weight reads.
+    forward: f64,
+    /// One optimiser step after an update of one micro-batch.
+    optimiser: f64,
+    /// One optimiser step after an update of several micro-batches (gradient sums).
+    summed_optimiser: f64,
+    /// The weight sync.
+    sync: f64,
 }
 
 /// The bytes a trainer's passes move, from how it holds its variables: a forward reads each
 /// matrix once in the format its GEMMs read (the 16-bit copy or weight, else the variable);
 /// the optimiser's step reads every gradient for the norm, then AdamW reads and writes the
 /// variable and both moments (`moment_bytes` a value each), reads the gradient and writes
-/// the copy (`optimiser_bytes`); the sync reads each variable once and writes it at
-/// `rollout_bytes` a value. Returns (forward, optimiser, sync) bytes.
-fn trainer_bytes(vars: &[HeldVar], moment_bytes: u64, rollout_bytes: f64) -> (f64, f64, f64) {
-    let mut forward = 0.0;
-    let mut optimiser = 0.0;
-    let mut sync = 0.0;
+/// the copy (`optimiser_bytes`), the gradient as one micro-batch leaves it or as several
+/// sum it; the sync reads each variable once and writes it at `rollout_bytes` a value.
+fn trainer_bytes(vars: &[HeldVar], moment_bytes: u64, rollout_bytes: f64) -> TrainerBytes {
+    let mut out = TrainerBytes {
+        forward: 0.0,
+        optimiser: 0.0,
+        summed_optimiser: 0.0,
+        sync: 0.0,
+    };
     for v in vars {
         let n = v.elems as f64;
-        forward += n * if v.copied { 2.0 } else { v.value_bytes as f64 };
-        let bytes = optimiser_bytes(
-            v.elems,
-            v.grad_bytes,
-            if v.copied { v.elems } else { 0 },
-            if v.value_bytes == 2 { v.elems } else { 0 },
-            moment_bytes,
-        );
-        optimiser += (bytes.adamw + bytes.grad_norm) as f64;
-        sync += n * (v.value_bytes as f64 + rollout_bytes);
+        out.forward += n * if v.copied { 2.0 } else { v.value_bytes as f64 };
+        let step = |grad_bytes| {
+            let bytes = optimiser_bytes(
+                v.elems,
+                grad_bytes,
+                if v.copied { v.elems } else { 0 },
+                if v.value_bytes == 2 { v.elems } else { 0 },
+                moment_bytes,
+            );
+            (bytes.adamw + bytes.grad_norm) as f64
+        };
+        out.optimiser += step(v.grad_bytes);
+        out.summed_optimiser += step(v.summed_grad_bytes);
+        out.sync += n * (v.value_bytes as f64 + rollout_bytes);
     }
-    (forward, optimiser, sync)
+    out
 }
 
 /// [`HeldVar`]s of `trainer`'s policy: its variables' dtypes, its held 16-bit copies, and
 /// the gradients' dtype — a 16-bit variable's own, a 16-bit forward's matrices' in bf16
 /// with `train.narrow_gradients` (counted for every matrix; the few f32 sums the backward
-/// hands back are not told apart here), f32 otherwise.
-fn held_vars(trainer: &Trainer) -> Vec<HeldVar> {
+/// hands back are not told apart here), f32 otherwise; summed over micro-batches, f32
+/// unless a bf16 variable's sums are kept in bf16 (`train.grad_accum_dtype`).
+fn held_vars(trainer: &Trainer) -> anyhow::Result<Vec<HeldVar>> {
     let copies = trainer.policy.detached();
     let copies = copies.narrow_copies();
     let narrow_grads =
         trainer.cfg.train.narrow_gradients && trainer.policy.precision().narrow_dtype().is_some();
-    trainer
+    let bf16_sums = trainer.cfg.train.bf16_gradient_sums()?;
+    Ok(trainer
         .policy
         .vars()
         .iter()
@@ -288,10 +315,15 @@ fn held_vars(trainer: &Trainer) -> Vec<HeldVar> {
                 } else {
                     4
                 },
+                summed_grad_bytes: if bf16_sums && var.dtype() == DType::BF16 {
+                    2
+                } else {
+                    4
+                },
                 copied: copies.contains_key(name),
             }
         })
-        .collect()
+        .collect())
 }
 
 fn fmt_opt(v: Option<f64>, f: impl Fn(f64) -> String) -> String {
@@ -339,17 +371,21 @@ pub fn run(args: BenchStepArgs) -> anyhow::Result<()> {
         }
     };
     let model_cfg = trainer.policy.config().clone();
-    let held = held_vars(&trainer);
+    let held = held_vars(&trainer)?;
     let params: usize = held.iter().map(|v| v.elems).sum();
-    let (forward_weight_bytes, optimiser_bytes, sync_bytes) =
-        trainer_bytes(&held, moment_bytes, rollout_weight_bytes);
+    let bytes = trainer_bytes(&held, moment_bytes, rollout_weight_bytes);
     let facts = ModelFacts {
         cfg: &model_cfg,
         params: params as f64,
         rollout_weight_bytes,
-        forward_weight_bytes,
-        optimiser_bytes,
-        sync_bytes,
+        forward_weight_bytes: bytes.forward,
+        optimiser_bytes: bytes.optimiser,
+        summed_optimiser_bytes: bytes.summed_optimiser,
+        micro_batches: MicroBatching {
+            max_tokens: trainer.cfg.algo.max_tokens_per_micro_batch,
+            share_prefixes: trainer.cfg.algo.share_prefixes,
+        },
+        sync_bytes: bytes.sync,
         shared_queries_run: !trainer.policy.device().is_cpu(),
     };
     let threads = machine_threads();
@@ -574,8 +610,8 @@ mod tests {
     use super::*;
     use crate::cmd::train::resolve_config;
 
-    /// By hand: an f32 matrix of 10 with a bf16 copy and bf16 gradients, an f32 vector of
-    /// 4, a bf16 matrix of 6; f32 moments, an f16 rollout.
+    /// By hand: an f32 matrix of 10 with a bf16 copy and bf16 gradients (summed in f32), an
+    /// f32 vector of 4, a bf16 matrix of 6 (summed in bf16); f32 moments, an f16 rollout.
     #[test]
     fn a_trainers_bytes_by_hand() {
         let vars = [
@@ -583,22 +619,30 @@ mod tests {
                 elems: 10,
                 value_bytes: 4,
                 grad_bytes: 2,
+                summed_grad_bytes: 4,
                 copied: true,
             },
             HeldVar {
                 elems: 4,
                 value_bytes: 4,
                 grad_bytes: 4,
+                summed_grad_bytes: 4,
                 copied: false,
             },
             HeldVar {
                 elems: 6,
                 value_bytes: 2,
                 grad_bytes: 2,
+                summed_grad_bytes: 2,
                 copied: false,
             },
         ];
-        let (forward, optimiser, sync) = trainer_bytes(&vars, 4, 2.0);
+        let TrainerBytes {
+            forward,
+            optimiser,
+            summed_optimiser,
+            sync,
+        } = trainer_bytes(&vars, 4, 2.0);
         // The copy (2), the f32 vector (4), the bf16 matrix (2).
         assert_eq!(forward, 10.0 * 2.0 + 4.0 * 4.0 + 6.0 * 2.0);
         // Per value: θ read and written, m and v read and written, the gradient read twice
@@ -607,6 +651,8 @@ mod tests {
         let vector = 4.0 * (2.0 * 4.0 + 4.0 * 4.0 + 2.0 * 4.0);
         let narrow = 6.0 * (2.0 * 2.0 + 4.0 * 4.0 + 2.0 * 2.0);
         assert_eq!(optimiser, matrix + vector + narrow);
+        // Summed over micro-batches the matrix's gradient is read in f32, twice.
+        assert_eq!(summed_optimiser, optimiser + 10.0 * 2.0 * 2.0);
         assert_eq!(sync, 10.0 * 6.0 + 4.0 * 6.0 + 6.0 * 4.0);
     }
 
@@ -659,23 +705,30 @@ mod tests {
         );
     }
 
-    /// The default task's trainer in bf16 with held copies and narrow gradients: every copy
-    /// the policy holds is found under its variable's name, and only matrices are copied.
-    #[test]
-    fn held_vars_find_every_copy_the_policy_holds() {
-        let sets: Vec<String> = [
-            "train.dtype=bf16",
-            "train.narrow_weight_copies=on",
-            "train.narrow_gradients=true",
-            "rollout.prompts_per_step=1",
-        ]
-        .map(String::from)
-        .to_vec();
+    fn default_task_trainer(sets: &[&str], tag: &str) -> Trainer {
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
         let mut cfg = resolve_config(None, &sets).expect("config");
         cfg.model_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/arith-moe");
-        cfg.run_dir = std::env::temp_dir().join(format!("r3-held-vars-{}", std::process::id()));
-        let trainer = Trainer::new(cfg).expect("trainer");
-        let held = held_vars(&trainer);
+        cfg.run_dir =
+            std::env::temp_dir().join(format!("r3-held-vars-{tag}-{}", std::process::id()));
+        Trainer::new(cfg).expect("trainer")
+    }
+
+    /// The default task's trainer in bf16 with held copies and narrow gradients: every copy
+    /// the policy holds is found under its variable's name, and only matrices are copied;
+    /// the f32 masters' sums over micro-batches are f32.
+    #[test]
+    fn held_vars_find_every_copy_the_policy_holds() {
+        let trainer = default_task_trainer(
+            &[
+                "train.dtype=bf16",
+                "train.narrow_weight_copies=on",
+                "train.narrow_gradients=true",
+                "rollout.prompts_per_step=1",
+            ],
+            "copies",
+        );
+        let held = held_vars(&trainer).expect("held");
         let copies = trainer.policy.detached().narrow_copies().len();
         assert!(copies > 0, "bf16 with copies on holds some");
         assert_eq!(held.iter().filter(|v| v.copied).count(), copies);
@@ -684,7 +737,39 @@ mod tests {
             assert_eq!(v.value_bytes, 4, "{name}: f32 masters");
             assert!(!v.copied || var.rank() >= 2, "{name}: a copied vector");
             assert_eq!(v.grad_bytes, if var.rank() >= 2 { 2 } else { 4 }, "{name}");
+            assert_eq!(v.summed_grad_bytes, 4, "{name}: f32 sums");
         }
         let _ = std::fs::remove_dir_all(&trainer.cfg.run_dir);
+    }
+
+    /// bf16 weights without masters: their gradients are bf16, and so are their sums over
+    /// micro-batches with `train.grad_accum_dtype = "bf16"`, f32 without; the f32 norm
+    /// scales' sums stay f32 either way.
+    #[test]
+    fn held_vars_follow_the_gradient_sums_dtype() {
+        for (sums, bf16_sum_bytes) in [("f32", 4), ("bf16", 2)] {
+            let accum = format!("train.grad_accum_dtype={sums}");
+            let trainer = default_task_trainer(
+                &[
+                    "train.dtype=bf16",
+                    "train.master_weights=bf16",
+                    &accum,
+                    "rollout.prompts_per_step=1",
+                ],
+                sums,
+            );
+            let held = held_vars(&trainer).expect("held");
+            let mut narrow = 0;
+            for (v, (name, var)) in held.iter().zip(trainer.policy.vars()) {
+                let bf16 = var.dtype() == DType::BF16;
+                narrow += usize::from(bf16);
+                assert_eq!(v.value_bytes, if bf16 { 2 } else { 4 }, "{name}");
+                assert_eq!(v.grad_bytes, if bf16 { 2 } else { 4 }, "{name}");
+                let want = if bf16 { bf16_sum_bytes } else { 4 };
+                assert_eq!(v.summed_grad_bytes, want, "{name}: {sums} sums");
+            }
+            assert!(narrow > 0, "bf16 masters hold bf16 variables");
+            let _ = std::fs::remove_dir_all(&trainer.cfg.run_dir);
+        }
     }
 }

@@ -8,6 +8,7 @@
 use std::ops::Range;
 
 use r3_model::{Config, SharedLen};
+use r3_train::rl::micro_batches::pack_rows;
 use r3_train::rl::step::StepTrace;
 use r3_train::StepMetrics;
 
@@ -139,6 +140,24 @@ pub(crate) fn sum_rows(
         .sum()
 }
 
+/// How the trainer packs an update's sequences into micro-batches (`algo.*`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct MicroBatching {
+    /// `algo.max_tokens_per_micro_batch` (0: one micro-batch).
+    pub(crate) max_tokens: usize,
+    /// `algo.share_prefixes` (packs by token order).
+    pub(crate) share_prefixes: bool,
+}
+
+impl MicroBatching {
+    /// Whether the update of `rows` of `trace` ran in several micro-batches: the trainer's
+    /// own packing ([`pack_rows`]) of those sequences.
+    fn summed(&self, trace: &StepTrace, rows: &[usize]) -> bool {
+        let sequences: Vec<Vec<u32>> = rows.iter().map(|&r| trace.sequences[r].clone()).collect();
+        pack_rows(&sequences, self.max_tokens, self.share_prefixes).len() > 1
+    }
+}
+
 /// What the bench knows of the model trained and of how the trainer holds it.
 pub(crate) struct ModelFacts<'a> {
     pub(crate) cfg: &'a Config,
@@ -149,8 +168,14 @@ pub(crate) struct ModelFacts<'a> {
     /// Bytes of weights one training forward reads (each matrix in the format its GEMMs
     /// read: f32 masters, or a 16-bit copy or 16-bit weights where the trainer holds them).
     pub(crate) forward_weight_bytes: f64,
-    /// Bytes one optimiser step moves (the gradient norm's read, then AdamW's pass).
+    /// Bytes one optimiser step moves (the gradient norm's read, then AdamW's pass) after
+    /// an update of one micro-batch.
     pub(crate) optimiser_bytes: f64,
+    /// The same after an update of several micro-batches, whose gradient sums can be wider
+    /// than one backward's gradients (f32 sums of bf16 gradients).
+    pub(crate) summed_optimiser_bytes: f64,
+    /// How the trainer splits an update into micro-batches, to tell which updates summed.
+    pub(crate) micro_batches: MicroBatching,
     /// Bytes the weight sync moves (the trainer's weights read once, written at the
     /// rollout's precision).
     pub(crate) sync_bytes: f64,
@@ -251,6 +276,14 @@ pub(crate) fn step_work(model: &ModelFacts<'_>, trace: &StepTrace, old_pass: boo
         &trace.update_shared_lens,
     );
     let updates = trace.updates.len() as f64;
+    let optimiser: f64 = trace
+        .updates
+        .iter()
+        .map(|(rows, _)| match model.micro_batches.summed(trace, rows) {
+            true => model.summed_optimiser_bytes,
+            false => model.optimiser_bytes,
+        })
+        .sum();
     let mut work = [Work::default(); 7];
     for (slot, phase) in work.iter_mut().zip(PHASES) {
         *slot = match phase {
@@ -279,11 +312,12 @@ pub(crate) fn step_work(model: &ModelFacts<'_>, trace: &StepTrace, old_pass: boo
                 flops: Some(2.0 * update_forward),
                 bytes: updates * 2.0 * weights,
             },
-            // The gradient norm and AdamW: parameter, gradient and moments read, parameter
-            // and moments written, per update, no matrix work.
+            // The gradient norm and AdamW: parameter, gradient (or its sum over the update's
+            // micro-batches) and moments read, parameter and moments written, per update, no
+            // matrix work.
             Phase::Optimiser => Work {
                 flops: None,
-                bytes: updates * model.optimiser_bytes,
+                bytes: optimiser,
             },
             // The trainer's weights are read once and written at the rollout precision: the
             // trainer vouches for their range (checked at start, kept by the guarded update,
@@ -543,6 +577,24 @@ mod tests {
         assert_eq!(median(&[]), 0.0);
     }
 
+    /// Facts of a model with round byte counts, trained on the CPU.
+    fn by_hand_facts(cfg: &Config, max_tokens: usize, share_prefixes: bool) -> ModelFacts<'_> {
+        ModelFacts {
+            cfg,
+            params: 1000.0,
+            rollout_weight_bytes: 2.0,
+            forward_weight_bytes: 4000.0,
+            optimiser_bytes: 32_000.0,
+            summed_optimiser_bytes: 48_000.0,
+            micro_batches: MicroBatching {
+                max_tokens,
+                share_prefixes,
+            },
+            sync_bytes: 6000.0,
+            shared_queries_run: false,
+        }
+    }
+
     /// By hand on matmul_work's tiny config: per token 2 · (48 projection MACs + 2·4·ctx
     /// attention + 144 experts and router + 40 head) FLOPs.
     #[test]
@@ -556,15 +608,7 @@ mod tests {
             updates: vec![(vec![0], None)],
             ..StepTrace::default()
         };
-        let facts = ModelFacts {
-            cfg: &cfg,
-            params: 1000.0,
-            rollout_weight_bytes: 2.0,
-            forward_weight_bytes: 4000.0,
-            optimiser_bytes: 32_000.0,
-            sync_bytes: 6000.0,
-            shared_queries_run: false,
-        };
+        let facts = by_hand_facts(&cfg, 0, false);
         let w = step_work(&facts, &trace, true);
         // the head at position 1 only (the prompt's last, predicting the response; the
         // last position predicts nothing)
@@ -655,5 +699,36 @@ mod tests {
             Some(forward - not_run + 2.0 * (8.0 + 16.0)),
             "update forward on a GPU"
         );
+    }
+
+    /// The optimiser's bytes follow each update's micro-batches, packed as the trainer packs
+    /// them: one update of two 3-token sequences within a budget of 6 tokens (one
+    /// micro-batch) reads the gradients, within 3 (two micro-batches) their sums; two
+    /// updates of one sequence each, one micro-batch each.
+    #[test]
+    fn the_optimisers_bytes_follow_the_updates_micro_batches() {
+        let cfg = tiny();
+        let trace = |updates: Vec<Vec<usize>>| StepTrace {
+            sequences: vec![vec![1, 2, 3], vec![1, 2, 4]],
+            prompt_lens: vec![2, 2],
+            updates: updates.into_iter().map(|rows| (rows, None)).collect(),
+            ..StepTrace::default()
+        };
+
+        for share in [false, true] {
+            let one_update = trace(vec![vec![0, 1]]);
+            let optimiser = |max_tokens, t: &StepTrace| {
+                step_work(&by_hand_facts(&cfg, max_tokens, share), t, false)[4].bytes
+            };
+            assert_eq!(optimiser(6, &one_update), 32_000.0, "one micro-batch");
+            assert_eq!(optimiser(0, &one_update), 32_000.0, "no budget");
+            assert_eq!(optimiser(3, &one_update), 48_000.0, "two micro-batches");
+            let two_updates = trace(vec![vec![0], vec![1]]);
+            assert_eq!(
+                optimiser(3, &two_updates),
+                64_000.0,
+                "two updates of one each"
+            );
+        }
     }
 }

@@ -51,7 +51,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
 use r3_model::model::decode::{KvCache, Step, StepRouting};
-use r3_model::{check_map_holds, Config, DeviceSpec, HostStaging, LoadOptions, Model};
+use r3_model::{check_map_holds, Config, DeviceSpec, HostStaging, LoadOptions, Model, Weights};
 use r3_routing::RouteTable;
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
@@ -182,6 +182,12 @@ impl Running {
 #[derive(Debug)]
 pub struct DeviceEngine {
     model: Model,
+    /// The model's weights by HF name (experts fused, in the engine's formats): the same
+    /// storage the model's layers read, which a weight update overwrites in place.
+    weights: Weights,
+    /// The tensor a weight update stopped at, when a device failure left the weights partly
+    /// written: no step runs until an update succeeds.
+    torn: Option<String>,
     model_cfg: Config,
     cfg: DeviceEngineConfig,
     device: Device,
@@ -250,7 +256,7 @@ impl DeviceEngine {
         let cache =
             PrefixCache::for_engine(cfg.prefix_cache, cfg.block_size, cfg.prefix_cache_bytes)?;
         let device = cfg.device.open()?;
-        let model = build_model(&model_cfg, tensors, &cfg, &device)?;
+        let (model, weights) = build_model(&model_cfg, tensors, &cfg, &device)?;
         if cfg.routing == RoutingPlace::Device && !model.routes_on_device() {
             return Err(RolloutError::InvalidConfig(
                 "routing = device: this model's routers choose their experts on the host \
@@ -264,6 +270,8 @@ impl DeviceEngine {
         tracing::info!(device = %cfg.device, dtype = %cfg.dtype, "device rollout engine ready");
         Ok(DeviceEngine {
             model,
+            weights,
+            torn: None,
             eos: config_eos_ids(&model_cfg),
             model_cfg,
             cfg,
@@ -392,8 +400,10 @@ impl DeviceEngine {
     /// it was computing, not the engine: the error names them and says whether the device
     /// ran out of memory; their rows and cache are dropped, the waiting requests stay
     /// queued, and when it is the newcomers' prefill that failed, the running batch keeps
-    /// running and what finished in this step comes out of the next one.
+    /// running and what finished in this step comes out of the next one. A weight update
+    /// that failed part way leaves the engine refusing every step until one succeeds.
     pub fn step(&mut self) -> Result<Vec<GenerateResult>, RolloutError> {
+        self.check_weights_whole()?;
         let mut results = std::mem::take(&mut self.finished);
         let mut running = self.running.take();
         if let Some(batch) = running.as_mut() {

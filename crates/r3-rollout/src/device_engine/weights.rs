@@ -1,6 +1,6 @@
 //! The device engine's weights: built on its device from HF-named tensors (a copy of its
-//! own, experts fused, matrices narrowed in bf16 / f16), swapped in by a weight update, and
-//! the budgets checked against the device's free memory once they are loaded.
+//! own, experts fused, matrices narrowed in bf16 / f16), overwritten in place by a weight
+//! update, and the budgets checked against the device's free memory once they are loaded.
 
 use std::path::Path;
 
@@ -44,17 +44,103 @@ impl DeviceEngine {
     }
 
     /// Empties the prefix cache (its keys, values and routes are the old weights'; the
-    /// version in the block hashes already keeps them from matching: emptied first, its
-    /// memory is free for the new weights), builds the model from checked tensors, bumps
-    /// the weight version, and waits for the device: the copies are done when this returns,
-    /// so a trainer's sync time is the sync's, not the next rollout's.
+    /// version in the block hashes already keeps them from matching), writes the checked
+    /// tensors over the engine's own in place ([`overwrite`]), bumps the weight version, and
+    /// waits for the device: the copies are done when this returns, so a trainer's sync time
+    /// is the sync's, not the next rollout's.
+    ///
+    /// In place, because building a second model beside the first held the engine's weights
+    /// twice during every sync (≈ 10 GB more at the 30B-A3B shape in bf16, on the GPU that
+    /// holds the trainer too); now the most a sync adds is one tensor in the engine's format.
+    /// Tensors of other names or shapes than the engine's are refused before anything is
+    /// written, the old weights kept; a device failure part way leaves the engine refusing
+    /// to generate ([`DeviceEngine::step`]) until an update succeeds.
     fn swap_in(&mut self, tensors: &TensorMap) -> Result<u64, RolloutError> {
         self.flush_prefix_cache();
-        self.model = build_model(&self.model_cfg, tensors, &self.cfg, &self.device)?;
+        let source = Weights::from_map(tensors.clone()).fuse_experts(&self.model_cfg)?;
+        check_same_tensors(&self.weights, &source)?;
+        if let Err((name, e)) = overwrite(&self.weights, &source) {
+            self.torn = Some(name.clone());
+            return Err(RolloutError::Weights(format!(
+                "the update failed part way, at {name} ({e}): the engine's weights are now \
+                 partly the new version's and it generates nothing until an update succeeds"
+            )));
+        }
+        self.torn = None;
         self.version += 1;
         self.device.synchronize()?;
         Ok(self.version)
     }
+
+    /// Refuses to run a step while a failed update left the weights torn.
+    pub(super) fn check_weights_whole(&self) -> Result<(), RolloutError> {
+        match &self.torn {
+            None => Ok(()),
+            Some(name) => Err(RolloutError::Weights(format!(
+                "a weight update failed part way (at {name}): the engine's weights mix two \
+                 versions; update them again before generating"
+            ))),
+        }
+    }
+}
+
+/// Refuses an update whose tensors (experts fused) are not the engine's: a name the engine
+/// holds and the update lacks, one the update brings and the engine does not hold (nothing
+/// would read it), or another shape. Nothing is written before this passes.
+fn check_same_tensors(held: &Weights, source: &Weights) -> Result<(), RolloutError> {
+    let (held, source) = (held.tensors(), source.tensors());
+    if let Some(name) = held.keys().find(|n| !source.contains_key(*n)) {
+        return Err(RolloutError::Weights(format!(
+            "the update lacks {name}, which the engine holds"
+        )));
+    }
+    if let Some(name) = source.keys().find(|n| !held.contains_key(*n)) {
+        return Err(RolloutError::Weights(format!(
+            "the update brings {name}, which this model does not have"
+        )));
+    }
+    for (name, t) in held {
+        let new = &source[name];
+        if new.dims() != t.dims() {
+            return Err(RolloutError::Weights(format!(
+                "{name}: the update's shape is {:?}, the engine's {:?}",
+                new.dims(),
+                t.dims()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Writes each of `source`'s tensors over the engine's tensor of its name, in that tensor's
+/// dtype and on its device, one at a time: a tensor already in the engine's dtype and on its
+/// device is copied straight into the engine's storage, another is converted first (where it
+/// lies, then moved: the same values [`engine_weights`] gives it). The model's layers hold
+/// the same storage, so they read the new values. A failure names the tensor it stopped at.
+fn overwrite(held: &Weights, source: &Weights) -> Result<(), (String, candle_core::Error)> {
+    for (name, dst) in held.tensors() {
+        let write = || -> candle_core::Result<()> {
+            let src = source
+                .tensors()
+                .get(name)
+                .ok_or_else(|| candle_core::Error::Msg(format!("{name} vanished")))?;
+            let src = src
+                .to_dtype(dst.dtype())?
+                .to_device(dst.device())?
+                .contiguous()?;
+            // Flattened views of the same storage: one copy of the whole tensor, any rank. A
+            // tensor not contiguous would flatten into a copy, and the write would miss the
+            // engine's storage: refused (the engine builds every tensor contiguous).
+            if !dst.is_contiguous() {
+                return Err(candle_core::Error::Msg(format!(
+                    "{name}: the engine's tensor is not contiguous"
+                )));
+            }
+            dst.flatten_all()?.slice_set(&src.flatten_all()?, 0, 0)
+        };
+        write().map_err(|e| (name.clone(), e))?;
+    }
+    Ok(())
 }
 
 /// Refuses budgets that the device cannot hold beside the loaded weights: on a GPU the KV
@@ -100,15 +186,18 @@ pub(super) fn check_budgets_fit(
 /// the 30B-A3B shape 20 GB beside the engine's 10, at every weight sync), and a trainer's
 /// bf16 weights cross with no conversion at all. The same values as converting everything
 /// to f32 first (a conversion to f32 is exact, and each rounding is the same one).
+/// The weights come back beside the model: its layers hold the same storage, which a weight
+/// update overwrites.
 pub(super) fn build_model(
     model_cfg: &Config,
     tensors: &TensorMap,
     cfg: &DeviceEngineConfig,
     device: &Device,
-) -> Result<Model, RolloutError> {
+) -> Result<(Model, Weights), RolloutError> {
     let precision = precision(cfg.dtype, cfg.router_dtype);
     let weights = engine_weights(model_cfg, tensors, precision, device)?;
-    Ok(Model::with_precision(model_cfg, &weights, precision)?)
+    let model = Model::with_precision(model_cfg, &weights, precision)?;
+    Ok((model, weights))
 }
 
 /// [`build_model`]'s weights: `tensors` on `device` in the formats `precision` keeps them.
@@ -137,9 +226,9 @@ fn engine_weights(
             // its weights stay those of the version it loaded; the copy stays on the device.
             // A conversion or a move copies already.
             let t = if t.dtype() == dtype && t.device().same_device(device) {
-                t.copy()?
+                t.contiguous()?.copy()?
             } else {
-                t.to_dtype(dtype)?.to_device(device)?
+                t.to_dtype(dtype)?.to_device(device)?.contiguous()?
             };
             Ok((name.clone(), t))
         })
@@ -165,6 +254,9 @@ fn precision(dtype: Dtype, router: RouterDtype) -> Precision {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::request::GenerateRequest;
+    use crate::sampler::SamplingParams;
+    use candle_core::Tensor;
     use r3_model::RandomInit;
     use r3_test_support::bits;
 
@@ -236,5 +328,165 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Seeded random weights of `cfg`, experts fused.
+    fn random(cfg: &Config, seed: u64) -> Weights {
+        Weights::random(cfg, &RandomInit::new(seed), &Device::Cpu)
+            .expect("weights")
+            .fuse_experts(cfg)
+            .expect("fuse")
+    }
+
+    fn engine_config(dtype: Dtype, router_dtype: RouterDtype) -> DeviceEngineConfig {
+        DeviceEngineConfig {
+            dtype,
+            router_dtype,
+            max_running: 4,
+            kv_cache_bytes: 64 << 20,
+            prefix_cache: false,
+            ..DeviceEngineConfig::default()
+        }
+    }
+
+    fn greedy(engine: &mut DeviceEngine) -> (Vec<u32>, Vec<f32>) {
+        let request = GenerateRequest::new(vec![5, 17, 3, 250, 9], SamplingParams::greedy(6));
+        let got = engine.generate(vec![request]).expect("generate").remove(0);
+        (got.output_ids, got.output_logprobs)
+    }
+
+    fn engine_bits(engine: &DeviceEngine) -> Vec<(String, DType, Vec<u32>)> {
+        engine
+            .weights
+            .tensors()
+            .iter()
+            .map(|(name, t)| (name.clone(), t.dtype(), bits(t)))
+            .collect()
+    }
+
+    /// A weight update writes the new values over the engine's own storage: the engine then
+    /// holds what an engine built from the new tensors holds, dtype and bits, the tensor
+    /// handles taken before the update read the new values (the storage is the same), and
+    /// greedy generation gives the fresh engine's tokens and log-probs; for per-expert and
+    /// fused f32 maps and a trainer's bf16-masters map, at f32, bf16 (router in bf16 or f32)
+    /// and f16.
+    #[test]
+    fn an_update_overwrites_the_engines_weights_in_place() {
+        let cfg = qwen_tiny();
+        let old = random(&cfg, 3).into_map();
+        let new = random(&cfg, 4);
+        let sources = [
+            (
+                "per expert",
+                new.clone().unfuse_experts(&cfg).expect("unfuse").into_map(),
+            ),
+            ("fused", new.clone().into_map()),
+            (
+                "bf16 masters",
+                new.narrow_for_training(&cfg, DType::BF16, true)
+                    .expect("narrow")
+                    .into_map(),
+            ),
+        ];
+        let configs = [
+            (Dtype::F32, RouterDtype::Model),
+            (Dtype::Bf16, RouterDtype::Model),
+            (Dtype::Bf16, RouterDtype::F32),
+            (Dtype::F16, RouterDtype::Model),
+        ];
+        for (what, source) in &sources {
+            for (dtype, router) in configs {
+                let what = format!("{what}, {dtype} router {router:?}");
+                let config = engine_config(dtype, router);
+                let mut engine =
+                    DeviceEngine::new(cfg.clone(), &old, config.clone()).expect("old engine");
+                let handles: Vec<Tensor> = engine.weights.tensors().values().cloned().collect();
+                let before = engine_bits(&engine);
+                assert_eq!(engine.update_weights(source).expect("update"), 1, "{what}");
+                let mut fresh =
+                    DeviceEngine::new(cfg.clone(), source, config).expect("fresh engine");
+                let want = engine_bits(&fresh);
+                assert_eq!(engine_bits(&engine), want, "{what}: the engine's weights");
+                assert_ne!(before, want, "{what}: the update changed nothing");
+                let read: Vec<Vec<u32>> = handles.iter().map(bits).collect();
+                let want_bits: Vec<Vec<u32>> = want.into_iter().map(|(_, _, b)| b).collect();
+                assert_eq!(read, want_bits, "{what}: not written in place");
+                assert_eq!(
+                    greedy(&mut engine),
+                    greedy(&mut fresh),
+                    "{what}: generation"
+                );
+            }
+        }
+    }
+
+    /// An update whose tensors are not the engine's is refused before anything is written,
+    /// naming what is wrong: the weights and the version stay the old ones.
+    #[test]
+    fn an_update_of_other_tensors_is_refused_and_changes_nothing() {
+        let cfg = qwen_tiny();
+        let old = random(&cfg, 3).into_map();
+        let new = random(&cfg, 4).into_map();
+        let config = engine_config(Dtype::Bf16, RouterDtype::Model);
+        let mut engine = DeviceEngine::new(cfg.clone(), &old, config).expect("engine");
+        let before = engine_bits(&engine);
+        let norm = "model.layers.1.post_attention_layernorm.weight";
+        let mut missing = new.clone();
+        missing.remove(norm).expect("present");
+        let mut reshaped = new.clone();
+        reshaped.insert(
+            norm.into(),
+            Tensor::zeros(7, DType::F32, &Device::Cpu).expect("t"),
+        );
+        let mut extra = new.clone();
+        extra.insert(
+            "model.extra.weight".into(),
+            Tensor::zeros(3, DType::F32, &Device::Cpu).expect("t"),
+        );
+        for (what, map, says) in [
+            ("missing", missing, format!("lacks {norm}")),
+            (
+                "reshaped",
+                reshaped,
+                format!("{norm}: the update's shape is [7]"),
+            ),
+            ("extra", extra, "brings model.extra.weight".to_string()),
+        ] {
+            let e = engine.update_weights(&map).expect_err(what).to_string();
+            assert!(e.contains(&says), "{what}: {e}");
+            assert_eq!(engine_bits(&engine), before, "{what}: weights written");
+            assert_eq!(engine.weight_version(), 0, "{what}");
+        }
+    }
+
+    /// A write that fails part way names the tensor it stopped at, the tensors before it
+    /// written; an engine left so refuses to step, naming it, until an update succeeds.
+    #[test]
+    fn a_torn_update_stops_generation_until_an_update_succeeds() {
+        let cfg = qwen_tiny();
+        let old = random(&cfg, 3).into_map();
+        let new = random(&cfg, 4).into_map();
+        let config = engine_config(Dtype::F32, RouterDtype::Model);
+        let mut engine = DeviceEngine::new(cfg.clone(), &old, config.clone()).expect("engine");
+        let names: Vec<String> = engine.weights.tensors().keys().cloned().collect();
+        let stop = &names[names.len() / 2];
+        let mut cut = new.clone();
+        cut.remove(stop).expect("present");
+        let (at, _) = overwrite(&engine.weights, &Weights::from_map(cut)).expect_err("stops");
+        assert_eq!(&at, stop);
+        for (name, t) in engine.weights.tensors() {
+            let source = if name < stop { &new[name] } else { &old[name] };
+            assert_eq!(bits(t), bits(source), "{name}");
+        }
+
+        engine.torn = Some(at);
+        let e = engine.step().expect_err("torn").to_string();
+        assert!(
+            e.contains(stop.as_str()) && e.contains("update them again"),
+            "{e}"
+        );
+        engine.update_weights(&new).expect("update");
+        let mut fresh = DeviceEngine::new(cfg, &new, config).expect("fresh");
+        assert_eq!(greedy(&mut engine), greedy(&mut fresh));
     }
 }
