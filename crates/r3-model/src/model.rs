@@ -30,6 +30,7 @@ use crate::layers::embedding_rows::{embedding_rows, rows_dtype};
 use crate::layers::gather_rows::GatherRows;
 use crate::layers::linear::Linear;
 use crate::layers::mlp::SwiGlu;
+use crate::layers::moe::divergence::{self, Divergence};
 use crate::layers::moe::expert_gemm::ExpertGemmInputs;
 use crate::layers::moe::padded_experts::PaddedExpertOps;
 use crate::layers::moe::{Gates, MoeBlock, RoutedRows};
@@ -883,7 +884,7 @@ impl Model {
                 Some(verify_replay(
                     &plan,
                     &moe.used,
-                    &moe.differs,
+                    &divergence::resolve(&moe.differs)?,
                     lengths,
                     &cfg.layout,
                     cfg.top_k(),
@@ -926,8 +927,9 @@ struct LayerContext {
 struct MoeRecord {
     /// per MoE layer: `[rows · top_k]` dispatched ids
     used: Vec<Vec<u32>>,
-    /// per MoE layer: forced rows whose experts differ from the layer's own top-k
-    differs: Vec<usize>,
+    /// per MoE layer: forced rows whose experts differ from the layer's own top-k (read
+    /// from the device, where counted there, once the forward is queued)
+    differs: Vec<Divergence>,
     /// time spent forcing the plan's ids
     replay_time: Duration,
     /// time the host waited for the router logits

@@ -15,11 +15,9 @@ use r3_train::rl::step::StepTrace;
 use r3_train::Trainer;
 
 /// Rows each update forward must have replayed per MoE layer, from the sequences.
-fn rows(seqs: &[Vec<u32>], picked: &[usize], minus_one: bool) -> usize {
-    picked
-        .iter()
-        .map(|&r| seqs[r].len() - usize::from(minus_one))
-        .sum()
+/// Positions a training forward feeds for sequences `picked`: each but its last token.
+fn rows(seqs: &[Vec<u32>], picked: &[usize]) -> usize {
+    picked.iter().map(|&r| seqs[r].len() - 1).sum()
 }
 
 #[test]
@@ -64,11 +62,14 @@ fn r3_replays_the_rollout_routes_in_the_old_pass_and_every_update() {
     let all: Vec<usize> = (0..seqs.len()).collect();
 
     let old = trace.old_proof.as_ref().expect("R3 old pass replays");
-    assert_eq!(old.replayed_cells, vec![rows(seqs, &all, true); layers]);
+    assert_eq!(old.replayed_cells, vec![rows(seqs, &all); layers]);
+    // The forward feeds the rollout's positions (every token but the last): every one is
+    // replayed, none left to the router.
     assert!(
-        old.native_final_position.iter().all(|&b| b),
-        "final positions route natively"
+        old.native_final_position.iter().all(|&b| !b),
+        "no final position fed"
     );
+    assert_eq!(old.native_cells, vec![0; layers]);
 
     // Where the replayed (rollout) experts differ from the training router's own choice,
     // the independent native pass must disagree with the rollout by the same count.
@@ -90,8 +91,9 @@ fn r3_replays_the_rollout_routes_in_the_old_pass_and_every_update() {
     let mut covered: Vec<usize> = Vec::new();
     for (picked, proof) in &trace.updates {
         let proof = proof.as_ref().expect("R3 update replays");
-        assert_eq!(proof.replayed_cells, vec![rows(seqs, picked, true); layers]);
-        assert!(proof.native_final_position.iter().all(|&b| b));
+        assert_eq!(proof.replayed_cells, vec![rows(seqs, picked); layers]);
+        assert!(proof.native_final_position.iter().all(|&b| !b));
+        assert_eq!(proof.native_cells, vec![0; layers]);
         covered.extend(picked);
     }
     covered.sort_unstable();
@@ -119,19 +121,15 @@ fn r2_replays_the_old_pass_routes_in_the_updates() {
     for (t, s) in recorded.iter().zip(seqs) {
         assert_eq!(
             t.num_tokens(),
-            s.len(),
-            "recorded routes cover every position"
+            s.len() - 1,
+            "recorded routes cover every position fed (all but the last token)"
         );
     }
     let layers = cfg.layer_layout().moe_layers().len();
     for (picked, proof) in &trace.updates {
         let proof = proof.as_ref().expect("R2 update replays");
-        // All `len` rows replayed (the old pass's tables), none left to native routing:
-        // the rollout's tables (len − 1 rows) would leave the final position native.
-        assert_eq!(
-            proof.replayed_cells,
-            vec![rows(seqs, picked, false); layers]
-        );
+        // Every fed row replayed from the old pass's tables, none left to native routing.
+        assert_eq!(proof.replayed_cells, vec![rows(seqs, picked); layers]);
         assert!(proof.native_final_position.iter().all(|&b| !b));
     }
     assert_eq!(metrics.verified_frac, Some(1.0));
@@ -177,7 +175,7 @@ fn single_mini_step_r3_replays_rollout_routes_in_the_one_update() {
     let layers = cfg.layer_layout().moe_layers().len();
     assert_eq!(
         proof.replayed_cells,
-        vec![rows(&trace.sequences, picked, true); layers]
+        vec![rows(&trace.sequences, picked); layers]
     );
     assert_eq!(metrics.verified_frac, Some(1.0));
 }

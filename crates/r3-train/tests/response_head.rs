@@ -1,8 +1,9 @@
-//! The policy's scoring runs the vocabulary head over each row's response predictions only
-//! (no prompt position, no padding): its log-probs and entropies there are, bit for bit,
-//! the ones a forward over all positions gives, every other column is 0, and the weights'
-//! gradients of a loss of them are the whole forward's (to float rounding: the head's
-//! weight gradient sums fewer rows, in another grouping).
+//! The policy's scoring feeds every token but each sequence's last and runs the vocabulary
+//! head over each row's response predictions only (no prompt position, no padding): its
+//! log-probs and entropies there are, bit for bit, the ones a forward over all those
+//! positions gives (and to float rounding those of whole sequences), every other column is
+//! 0, and the weights' gradients of a loss of them are the whole forward's (to float
+//! rounding: the head's weight gradient sums fewer rows, in another grouping).
 
 mod common;
 
@@ -69,13 +70,26 @@ fn response_log_probs_and_entropy_equal_the_whole_forwards() {
             "one head row per response token"
         );
 
-        // The whole forward, every position through the head.
-        let padded = Batch::new(batch.sequences(), 0, &device).expect("padded");
+        // The whole forward over the positions the scoring feeds (every token but each
+        // sequence's last, which predicts nothing), every position through the head.
+        let fed: Vec<Vec<u32>> = batch
+            .sequences()
+            .iter()
+            .map(|s| s[..s.len() - 1].to_vec())
+            .collect();
+        let padded = Batch::new(&fed, 0, &device).expect("padded");
         let whole = model.forward(&padded, Routing::Native).expect("forward");
-        let logits = whole.logits.i((.., ..width, ..)).expect("narrow");
-        let targets = padded.input_ids().narrow(1, 1, width).expect("targets");
-        let want_logp = rows(&token_log_probs(&logits, &targets).expect("logp"));
-        let want_ent = rows(&entropy_from_logits(&logits).expect("entropy"));
+        let logits = &whole.logits;
+        let full = Batch::new(batch.sequences(), 0, &device).expect("full");
+        let targets = full.input_ids().narrow(1, 1, width).expect("targets");
+        let want_logp = rows(&token_log_probs(logits, &targets).expect("logp"));
+        let want_ent = rows(&entropy_from_logits(logits).expect("entropy"));
+        // And over the whole sequences, last tokens included: causal attention keeps a
+        // position from reading any after it, so the same values, to float rounding (the
+        // attention's sums run over one more padded key).
+        let everything = model.forward(&full, Routing::Native).expect("forward");
+        let every_logits = everything.logits.i((.., ..width, ..)).expect("narrow");
+        let every_logp = rows(&token_log_probs(&every_logits, &targets).expect("logp"));
 
         let got_logp = rows(&scored.logp);
         let got_ent = rows(&scored.entropy(false).expect("entropy"));
@@ -94,6 +108,11 @@ fn response_log_probs_and_entropy_equal_the_whole_forwards() {
                 assert!(a.to_bits() == b.to_bits(), "logp {i},{j}: {a} vs {b}");
                 let (a, b) = (got_ent[i][j], want_ent[i][j]);
                 assert!(a.to_bits() == b.to_bits(), "entropy {i},{j}: {a} vs {b}");
+                let (a, b) = (got_logp[i][j], every_logp[i][j]);
+                assert!(
+                    (a - b).abs() <= 2e-6 * b.abs().max(1.0),
+                    "logp {i},{j}: {a} vs {b}"
+                );
                 compared += 1;
             }
         }

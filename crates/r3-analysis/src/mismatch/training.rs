@@ -73,8 +73,9 @@ impl Batching {
 pub struct ReplayTotals {
     /// (token, layer) routers whose experts came from the rollout routes, verified used.
     pub replayed_cells: usize,
-    /// Routers left to native routing: the final position of each sequence (one router per
-    /// MoE layer), whose output predicts nothing and which the rollout therefore never routed.
+    /// Routers left to native routing: none, where the scoring feeds the positions the
+    /// rollout routed (every token but the last, which predicts nothing); a forward fed the
+    /// whole sequences would route each final position natively.
     pub native_cells: usize,
     /// Replayed routers whose rollout experts differ from this forward's own top-k.
     pub differs_from_native: usize,
@@ -92,8 +93,8 @@ pub struct PassResult {
     pub replay: Option<ReplayTotals>,
 }
 
-/// Scores `samples` with r3-train's policy scoring (`policy::score`: prompt + output fed,
-/// log-probs of the output tokens) with `routing`, grouped into forward calls by `batching`.
+/// Scores `samples` with r3-train's policy scoring (`policy::score`: prompt + output fed but
+/// the last token, log-probs of the output tokens) with `routing`, grouped into forward calls by `batching`.
 pub fn training_pass(
     model: &Model,
     samples: &[RolloutSample],

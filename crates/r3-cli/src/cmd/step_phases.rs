@@ -239,13 +239,11 @@ pub(crate) fn step_work(model: &ModelFacts<'_>, trace: &StepTrace, old_pass: boo
     let cfg = model.cfg;
     let n = trace.sequences.len();
     let weights = model.forward_weight_bytes;
-    // The scoring's head runs over each row's response predictions only.
+    // The scoring feeds each sequence but its last token, and its head runs over each row's
+    // response predictions only.
     let scored = |len: usize, prompt_len: usize| {
-        training_forward_flops(
-            cfg,
-            len,
-            prompt_len.saturating_sub(1)..len.saturating_sub(1),
-        )
+        let fed = len.saturating_sub(1);
+        training_forward_flops(cfg, fed, prompt_len.saturating_sub(1)..fed)
     };
     // A sequence's leading positions computed for another sequence (`algo.share_prefixes`)
     // ran no layer for it: not its projections, routers and experts, nor (on the CPU) its
@@ -610,13 +608,13 @@ mod tests {
         };
         let facts = by_hand_facts(&cfg, 0, false);
         let w = step_work(&facts, &trace, true);
-        // the head at position 1 only (the prompt's last, predicting the response; the
-        // last position predicts nothing)
-        let forward = per(1.0) - 2.0 * 40.0 + per(2.0) + per(3.0) - 2.0 * 40.0;
+        // positions 0 and 1 fed (the last token predicts nothing: never fed), the head at
+        // position 1 only (the prompt's last, predicting the response)
+        let forward = per(1.0) - 2.0 * 40.0 + per(2.0);
         assert_eq!(
             w[1].flops,
             Some(forward),
-            "old pass: three positions, the head on one"
+            "old pass: two positions, the head on one"
         );
         assert_eq!(w[2].flops, Some(forward), "update forward");
         assert_eq!(w[3].flops, Some(2.0 * forward), "backward = 2 × forward");

@@ -157,7 +157,8 @@ pub struct Scored {
     pub logits: Option<Tensor>,
     /// Per row, the predicting positions the head covers: `prompt_len − 1 .. len − 1`.
     pub spans: Vec<Range<usize>>,
-    /// `Record`: the routes the forward chose, one table per sequence (`len` rows).
+    /// `Record`: the routes the forward chose, one table per sequence (`len − 1` rows: the
+    /// positions it fed, as a rollout's tables).
     pub routes: Option<Vec<RouteTable>>,
     /// `Replay`: the proof of what was replayed.
     pub replay: Option<ReplayProof>,
@@ -239,8 +240,17 @@ pub fn score_with<'m>(
     routing: Routing<'_>,
     options: ScoreOptions,
 ) -> Result<(Scored, Option<LayerRecompute<'m>>)> {
-    let padded =
-        Batch::new(batch.sequences(), 0, model.device())?.sharing_prefixes(options.share_prefixes);
+    // Each sequence is fed without its last token, which only a position past it would
+    // read: the last position predicts nothing any loss reads, so computing it (as a forward
+    // of whole sequences does) was `1/len` of every layer's work for nothing, and the
+    // positions fed are then the rollout's (`len − 1` route rows), so a replay forces every
+    // row and leaves none to the router. The tokens predicted come from the whole sequences.
+    let fed: Vec<Vec<u32>> = batch
+        .sequences()
+        .iter()
+        .map(|s| s[..s.len() - 1].to_vec())
+        .collect();
+    let padded = Batch::new(&fed, 0, model.device())?.sharing_prefixes(options.share_prefixes);
     // Each row's response predictions (`ResponseBatch::new` keeps every prompt and
     // response non-empty): the head runs there only.
     let spans: Vec<Range<usize>> = batch
@@ -258,7 +268,7 @@ pub fn score_with<'m>(
         .zip(&spans)
         .flat_map(|(s, span)| s[span.start + 1..=span.end].iter().copied())
         .collect();
-    let width = padded.seq_len() - 1;
+    let width = batch.width();
     let (logp, logits, chunked_entropy, out, layers) = match options.head_chunk_tokens {
         0 => {
             let (out, layers) = match options.recompute {

@@ -21,6 +21,7 @@ use crate::layers::gather_rows::GatherRows;
 use crate::layers::linear::Linear;
 use crate::layers::matmul16::narrowed_product;
 use crate::layers::mlp::SwiGlu;
+use crate::layers::moe::divergence::Divergence;
 use crate::precision::{Precision, WeightGradients};
 use crate::router::Router;
 use crate::routing_mode::{same_experts, LayerPlan};
@@ -122,8 +123,9 @@ pub struct MoeOutput {
     pub output: Tensor,
     /// `[routed rows · top_k]` ids as dispatched to the experts, in selection order
     pub ids: Vec<u32>,
-    /// forced rows whose expert set differs from this layer's own top-k
-    pub differs_from_native: usize,
+    /// forced rows whose expert set differs from this layer's own top-k (counted on the
+    /// host, or on the device and read at the end of the forward)
+    pub differs_from_native: Divergence,
     /// wall time of the replay's own work here: the plan's ids put in place of the
     /// router's own, and the forced rows whose experts differ from them counted
     pub replay_time: Duration,
@@ -277,11 +279,16 @@ impl MoeBlock {
                 )));
             }
         }
-        // Every row forced and no divergence counted (a layer run again for its backward):
-        // the router's own choice is not needed, so its logits stay on the device (no host
-        // round trip on a GPU) and serve the gates alone.
-        let forced_ids = plan
-            .filter(|p| !p.count_differences && p.forced.iter().all(|&f| f))
+        // Every row forced: the router's own choice serves only the divergence count. None
+        // counted (a layer run again for its backward), or counted where the logits are (a
+        // router selecting on the device): its logits stay on the device (no host round trip
+        // on a GPU between the router and the experts) and serve the gates alone.
+        let all_forced = plan.filter(|p| p.forced.iter().all(|&f| f));
+        let count_on_device = all_forced.is_some_and(|p| p.count_differences)
+            && self.router.selects_on_device()
+            && self.score_bias.is_none();
+        let forced_ids = all_forced
+            .filter(|p| !p.count_differences || count_on_device)
             .map(|p| p.ids.clone());
         let (mut ids, host, device_wait) = match forced_ids {
             Some(ids) => (ids, None, Duration::ZERO),
@@ -324,6 +331,7 @@ impl MoeBlock {
             }
             None => None,
         };
+        let mut ids_on_device = None;
         let gates = if let (Gates::HostWhenUntracked, false, Some(host)) =
             (gates, logits.track_op(), host.as_ref())
         {
@@ -335,7 +343,9 @@ impl MoeBlock {
                 .to_dtype(logits.dtype())?
         } else {
             let ids_tensor = Tensor::from_vec(ids.clone(), (n, k), x.device())?;
-            self.router.weigh(&logits, &ids_tensor)?
+            let gates = self.router.weigh(&logits, &ids_tensor)?;
+            ids_on_device = Some(ids_tensor);
+            gates
         };
 
         let dispatch = Dispatch::new(&ids, k, e)?;
@@ -351,14 +361,26 @@ impl MoeBlock {
             scatter_rows(&routed, &rows.host, x.dim(0)?)?
         };
         let output = self.with_shared(x, out)?;
-        let differs = match native {
-            Some((plan, native)) => {
-                let started = Instant::now();
-                let differs = forced_rows_differing(plan, &native, k);
-                replay_time += started.elapsed();
-                differs
+        let started = Instant::now();
+        let counted = match (native, all_forced, ids_on_device) {
+            (Some((plan, native)), _, _) => {
+                Some(Divergence::Counted(forced_rows_differing(plan, &native, k)))
             }
-            None => 0,
+            (None, Some(plan), Some(forced)) if count_on_device => Some(Divergence::on_device(
+                &self.router,
+                &logits,
+                &forced,
+                plan.copies.as_deref().map(Vec::as_slice),
+            )?),
+            _ => None,
+        };
+        // Timed only where a replay counts (a native forward adds no work of its own).
+        let differs = match counted {
+            Some(counted) => {
+                replay_time += started.elapsed();
+                counted
+            }
+            None => Divergence::Counted(0),
         };
         Ok(MoeOutput {
             output,
@@ -620,16 +642,41 @@ mod tests {
         let (skipped, counted) = (run(false), run(true));
         assert_eq!(skipped.ids, ids);
         assert_eq!(counted.ids, ids);
-        assert_eq!(
-            skipped.device_wait,
-            Duration::ZERO,
-            "no host copy of the logits"
-        );
-        assert_eq!(skipped.differs_from_native, 0);
-        assert!(
-            counted.differs_from_native > 0,
-            "the plan differs from the router"
-        );
+        for out in [&skipped, &counted] {
+            assert_eq!(
+                out.device_wait,
+                Duration::ZERO,
+                "no host copy of the logits"
+            );
+        }
+        assert!(matches!(
+            skipped.differs_from_native,
+            Divergence::Counted(0)
+        ));
+        // Counted where the logits are: the host's count of the router's own choice.
+        assert!(matches!(
+            counted.differs_from_native,
+            Divergence::OnDevice { .. }
+        ));
+        let logits = block.router_logits(&x).expect("logits");
+        let host = logits
+            .flatten_all()
+            .and_then(|l| l.to_vec1::<f32>())
+            .expect("host logits");
+        let native = block.router.select_rows(&host, None).expect("native");
+        let plan = LayerPlan {
+            ids: ids.clone(),
+            forced: vec![true; n],
+            count_differences: true,
+            copies: None,
+        };
+        let want = forced_rows_differing(&plan, &native, 2);
+        assert!(want > 0, "the plan differs from the router");
+        let got = crate::layers::moe::divergence::resolve(std::slice::from_ref(
+            &counted.differs_from_native,
+        ))
+        .expect("resolve");
+        assert_eq!(got, vec![want]);
         assert_eq!(
             crate::test_util::f32_bits(&skipped.output),
             crate::test_util::f32_bits(&counted.output)

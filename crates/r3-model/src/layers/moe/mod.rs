@@ -6,6 +6,7 @@
 mod block;
 mod combine_slots;
 pub mod dispatch;
+pub mod divergence;
 pub mod expert_gemm;
 pub mod experts;
 pub mod padded_experts;
