@@ -43,22 +43,24 @@ impl DeviceEngine {
         self.swap_in(&tensors)
     }
 
-    /// Empties the prefix cache (its keys, values and routes are the old weights'; the
-    /// version in the block hashes already keeps them from matching), writes the checked
-    /// tensors over the engine's own in place ([`overwrite`]), bumps the weight version, and
-    /// waits for the device: the copies are done when this returns, so a trainer's sync time
-    /// is the sync's, not the next rollout's.
+    /// Checks the tensors against the engine's, empties the prefix cache (its keys, values
+    /// and routes are the old weights'; the version in the block hashes already keeps them
+    /// from matching), writes the tensors over the engine's own in place ([`overwrite`]),
+    /// bumps the weight version, and waits for the device: the copies are done when this
+    /// returns, so a trainer's sync time is the sync's, not the next rollout's.
     ///
     /// In place, because building a second model beside the first held the engine's weights
     /// twice during every sync (≈ 10 GB more at the 30B-A3B shape in bf16, on the GPU that
-    /// holds the trainer too); now the most a sync adds is one tensor in the engine's format.
-    /// Tensors of other names or shapes than the engine's are refused before anything is
-    /// written, the old weights kept; a device failure part way leaves the engine refusing
-    /// to generate ([`DeviceEngine::step`]) until an update succeeds.
+    /// holds the trainer too); now a sync of fused tensors (a trainer's) adds at most one
+    /// tensor in the engine's format, and per-expert tensors are first fused where they lie
+    /// (on the host, for a checkpoint read from disk). Tensors of other names or shapes than
+    /// the engine's are refused before anything is written, the old weights and the cache
+    /// kept; a device failure part way leaves the engine refusing to generate
+    /// ([`DeviceEngine::step`]) until an update succeeds.
     fn swap_in(&mut self, tensors: &TensorMap) -> Result<u64, RolloutError> {
-        self.flush_prefix_cache();
         let source = Weights::from_map(tensors.clone()).fuse_experts(&self.model_cfg)?;
         check_same_tensors(&self.weights, &source)?;
+        self.flush_prefix_cache();
         if let Err((name, e)) = overwrite(&self.weights, &source) {
             self.torn = Some(name.clone());
             return Err(RolloutError::Weights(format!(
@@ -427,8 +429,16 @@ mod tests {
         let cfg = qwen_tiny();
         let old = random(&cfg, 3).into_map();
         let new = random(&cfg, 4).into_map();
-        let config = engine_config(Dtype::Bf16, RouterDtype::Model);
+        let config = DeviceEngineConfig {
+            prefix_cache: true,
+            block_size: 2,
+            prefix_cache_bytes: 16 << 20,
+            ..engine_config(Dtype::Bf16, RouterDtype::Model)
+        };
         let mut engine = DeviceEngine::new(cfg.clone(), &old, config).expect("engine");
+        greedy(&mut engine);
+        let cached = engine.prefix_cache_stats().expect("on").cached_blocks;
+        assert!(cached > 0, "the prompt's blocks are cached");
         let before = engine_bits(&engine);
         let norm = "model.layers.1.post_attention_layernorm.weight";
         let mut missing = new.clone();
@@ -456,6 +466,8 @@ mod tests {
             assert!(e.contains(&says), "{what}: {e}");
             assert_eq!(engine_bits(&engine), before, "{what}: weights written");
             assert_eq!(engine.weight_version(), 0, "{what}");
+            let stats = engine.prefix_cache_stats().expect("on");
+            assert_eq!(stats.cached_blocks, cached, "{what}: the cache emptied");
         }
     }
 
