@@ -347,6 +347,18 @@ impl Model {
         })
     }
 
+    /// Reads again from `weights` what the layers copied to the host when the model was
+    /// built (the routers' score biases), after the tensors it was built from were written
+    /// in place: every other weight the layers read where it lies.
+    pub fn reload_host_copies(&mut self, weights: &Weights) -> Result<()> {
+        for (i, layer) in self.layers.iter_mut().enumerate() {
+            if let FeedForward::Moe(block) = &mut layer.ffn {
+                block.reload_score_bias(&self.cfg, weights, i)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Whether every MoE layer can choose its experts on the device
     /// ([`decode::StepRouting::Device`]; see [`MoeBlock::routes_on_device`]).
     pub fn routes_on_device(&self) -> bool {

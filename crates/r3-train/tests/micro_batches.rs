@@ -185,14 +185,12 @@ fn run_in(
     let old_logp = batch.align(&shifted(&own, 0.3), &device).expect("old");
     let routes = {
         let model = other.frozen_model().expect("model");
-        let recorded = score(&model, &batch, Routing::Record)
+        // The scoring feeds the rollout's positions (`len − 1` rows): its record is
+        // another engine's rollout tables.
+        let tables = score(&model, &batch, Routing::Record)
             .expect("record")
             .routes
             .expect("routes");
-        let tables = recorded
-            .iter()
-            .map(|t| t.slice_rows(0, t.num_tokens() - 1).expect("rows"))
-            .collect();
         ReplayRoutes::new(tables, &policy.config().layout).expect("routes")
     };
     let mut opt = AdamW::new(

@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
 use r3_model::{Config, HeldTensors, LoadOptions, Model, Precision, Weights};
 
 use super::memory::mib;
@@ -61,7 +61,21 @@ impl DeviceEngine {
         let source = Weights::from_map(tensors.clone()).fuse_experts(&self.model_cfg)?;
         check_same_tensors(&self.weights, &source)?;
         self.flush_prefix_cache();
-        if let Err((name, e)) = overwrite(&self.weights, &source) {
+        // The copies are asynchronous on a GPU: one failing shows at the wait, and the
+        // routers' host copies are read once the writes are done. Only then are the weights
+        // whole, at the new version.
+        let written = overwrite(&self.weights, &source).and_then(|()| {
+            let failed = |at: &str, e: &dyn std::fmt::Display| {
+                (at.to_string(), candle_core::Error::Msg(e.to_string()))
+            };
+            self.device
+                .synchronize()
+                .map_err(|e| failed("the wait for the device's copies", &e))?;
+            self.model
+                .reload_host_copies(&self.weights)
+                .map_err(|e| failed("the routers' score biases", &e))
+        });
+        if let Err((name, e)) = written {
             self.torn = Some(name.clone());
             return Err(RolloutError::Weights(format!(
                 "the update failed part way, at {name} ({e}): the engine's weights are now \
@@ -70,7 +84,6 @@ impl DeviceEngine {
         }
         self.torn = None;
         self.version += 1;
-        self.device.synchronize()?;
         Ok(self.version)
     }
 
@@ -114,11 +127,17 @@ fn check_same_tensors(held: &Weights, source: &Weights) -> Result<(), RolloutErr
     Ok(())
 }
 
+/// Elements one copy writes at most: candle's CUDA `copy2d` takes 32-bit sizes, so a larger
+/// tensor (a DeepSeek-V3-sized expert stack) is written in slices of its first dimension.
+const MAX_COPY_ELEMS: usize = 1 << 31;
+
 /// Writes each of `source`'s tensors over the engine's tensor of its name, in that tensor's
 /// dtype and on its device, one at a time: a tensor already in the engine's dtype and on its
 /// device is copied straight into the engine's storage, another is converted first (where it
-/// lies, then moved: the same values [`engine_weights`] gives it). The model's layers hold
-/// the same storage, so they read the new values. A failure names the tensor it stopped at.
+/// lies, then moved: the same values [`engine_weights`] gives it; for that tensor a
+/// converted copy on each device stands beside the weights until it is written). The model's
+/// layers hold the same storage, so they read the new values. A failure names the tensor it
+/// stopped at.
 fn overwrite(held: &Weights, source: &Weights) -> Result<(), (String, candle_core::Error)> {
     for (name, dst) in held.tensors() {
         let write = || -> candle_core::Result<()> {
@@ -130,17 +149,35 @@ fn overwrite(held: &Weights, source: &Weights) -> Result<(), (String, candle_cor
                 .to_dtype(dst.dtype())?
                 .to_device(dst.device())?
                 .contiguous()?;
-            // Flattened views of the same storage: one copy of the whole tensor, any rank. A
-            // tensor not contiguous would flatten into a copy, and the write would miss the
-            // engine's storage: refused (the engine builds every tensor contiguous).
-            if !dst.is_contiguous() {
-                return Err(candle_core::Error::Msg(format!(
-                    "{name}: the engine's tensor is not contiguous"
-                )));
-            }
-            dst.flatten_all()?.slice_set(&src.flatten_all()?, 0, 0)
+            write_over(dst, &src, MAX_COPY_ELEMS)
         };
         write().map_err(|e| (name.clone(), e))?;
+    }
+    Ok(())
+}
+
+/// Copies `src` (contiguous, `dst`'s shape, dtype and device) into `dst`'s own storage, at
+/// most `max_elems` elements a copy: whole where it fits (flattened views of the same
+/// storage, any rank), else in slices of the first dimension.
+fn write_over(dst: &Tensor, src: &Tensor, max_elems: usize) -> candle_core::Result<()> {
+    // A tensor not contiguous would flatten into a copy, and the write would miss the
+    // engine's storage: refused (the engine builds every tensor contiguous).
+    if !dst.is_contiguous() {
+        candle_core::bail!("the engine's tensor is not contiguous");
+    }
+    let n = dst.elem_count();
+    if n <= max_elems || dst.rank() == 0 {
+        return dst.flatten_all()?.slice_set(&src.flatten_all()?, 0, 0);
+    }
+    let rows = dst.dim(0)?;
+    let per_row = n / rows.max(1);
+    if per_row > max_elems {
+        candle_core::bail!("a slice of {per_row} elements exceeds one copy's {max_elems}");
+    }
+    let step = max_elems / per_row.max(1);
+    for start in (0..rows).step_by(step) {
+        let len = step.min(rows - start);
+        dst.slice_set(&src.narrow(0, start, len)?.contiguous()?, 0, start)?;
     }
     Ok(())
 }
@@ -258,8 +295,8 @@ mod tests {
     use super::*;
     use crate::request::GenerateRequest;
     use crate::sampler::SamplingParams;
-    use candle_core::Tensor;
     use r3_model::RandomInit;
+    use r3_routing::RouteTable;
     use r3_test_support::bits;
 
     use super::super::memory::tests::qwen_tiny;
@@ -351,10 +388,35 @@ mod tests {
         }
     }
 
-    fn greedy(engine: &mut DeviceEngine) -> (Vec<u32>, Vec<f32>) {
-        let request = GenerateRequest::new(vec![5, 17, 3, 250, 9], SamplingParams::greedy(6));
+    /// Greedy tokens, their log-probs and the routes of every position fed (their weight
+    /// version set to 0).
+    fn greedy(engine: &mut DeviceEngine) -> (Vec<u32>, Vec<f32>, Option<RouteTable>) {
+        let mut request = GenerateRequest::new(vec![5, 17, 3, 250, 9], SamplingParams::greedy(6));
+        request.return_routes = true;
         let got = engine.generate(vec![request]).expect("generate").remove(0);
-        (got.output_ids, got.output_logprobs)
+        // The routes' weight version is the engine's own count of updates: set alike.
+        let routes = got.routes.map(|mut t| {
+            t.set_version_all(0);
+            t
+        });
+        (got.output_ids, got.output_logprobs, routes)
+    }
+
+    /// DeepSeek-V3's layout at a tiny size: MLA, a dense first layer, grouped sigmoid routing
+    /// with a score bias (selection reads a host copy of it).
+    fn deepseek_tiny() -> Config {
+        Config::from_value(serde_json::json!({
+            "model_type": "deepseek_v3", "vocab_size": 256, "hidden_size": 64,
+            "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 3,
+            "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 16,
+            "n_shared_experts": 1, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
+            "first_k_dense_replace": 1, "norm_topk_prob": true, "routed_scaling_factor": 2.5,
+            "kv_lora_rank": 16, "q_lora_rank": 32, "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8, "v_head_dim": 16, "rope_interleave": true,
+            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 128,
+            "tie_word_embeddings": false,
+        }))
+        .expect("config")
     }
 
     fn engine_bits(engine: &DeviceEngine) -> Vec<(String, DType, Vec<u32>)> {
@@ -369,14 +431,27 @@ mod tests {
     /// A weight update writes the new values over the engine's own storage: the engine then
     /// holds what an engine built from the new tensors holds, dtype and bits, the tensor
     /// handles taken before the update read the new values (the storage is the same), and
-    /// greedy generation gives the fresh engine's tokens and log-probs; for per-expert and
-    /// fused f32 maps and a trainer's bf16-masters map, at f32, bf16 (router in bf16 or f32)
-    /// and f16.
+    /// greedy generation gives the fresh engine's tokens, log-probs and routes; for
+    /// per-expert and fused f32 maps and a trainer's bf16-masters map, at f32, bf16 (router
+    /// in bf16 or f32) and f16; Qwen3-MoE, and DeepSeek-V3 whose score biases the update
+    /// moves far enough to change its routing (selection reads a host copy of them).
     #[test]
     fn an_update_overwrites_the_engines_weights_in_place() {
-        let cfg = qwen_tiny();
+        for cfg in [qwen_tiny(), deepseek_tiny()] {
+            updates_in_place(&cfg);
+        }
+    }
+
+    fn updates_in_place(cfg: &Config) {
+        let cfg = cfg.clone();
         let old = random(&cfg, 3).into_map();
-        let new = random(&cfg, 4);
+        let mut new = random(&cfg, 4).into_map();
+        for (name, t) in new.iter_mut() {
+            if name.ends_with("e_score_correction_bias") {
+                *t = (&*t * 40.0).expect("a bias that moves the selection");
+            }
+        }
+        let new = Weights::from_map(new);
         let sources = [
             (
                 "per expert",
@@ -418,8 +493,52 @@ mod tests {
                     greedy(&mut fresh),
                     "{what}: generation"
                 );
+                if old.keys().any(|n| n.ends_with("e_score_correction_bias")) {
+                    let mut stale =
+                        DeviceEngine::new(cfg.clone(), &old, engine_config(dtype, router))
+                            .expect("stale");
+                    // The old biases with the new weights: other routes, so the check above
+                    // could see a stale host copy.
+                    let mut mixed = source.clone();
+                    for (name, t) in mixed.iter_mut() {
+                        if name.ends_with("e_score_correction_bias") {
+                            *t = old[name].clone();
+                        }
+                    }
+                    stale.update_weights(&mixed).expect("mixed");
+                    assert_ne!(
+                        greedy(&mut stale).2,
+                        greedy(&mut fresh).2,
+                        "{what}: the biases change no route"
+                    );
+                }
             }
         }
+    }
+
+    /// A tensor written in slices (more elements than one copy takes) gets the same bits as
+    /// one written whole, in its own storage; a slice past one copy is refused.
+    #[test]
+    fn a_large_tensor_is_written_in_slices() {
+        let src = Tensor::arange(0f32, 60.0, &Device::Cpu)
+            .and_then(|t| t.reshape((10, 3, 2)))
+            .expect("src");
+        for max in [60, 59, 13, 6] {
+            let dst = Tensor::zeros((10, 3, 2), DType::F32, &Device::Cpu).expect("dst");
+            let handle = dst.clone();
+            write_over(&dst, &src, max).expect("write");
+            assert_eq!(bits(&handle), bits(&src), "at most {max} a copy");
+        }
+        let dst = Tensor::zeros((10, 3, 2), DType::F32, &Device::Cpu).expect("dst");
+        assert!(
+            write_over(&dst, &src, 5).is_err(),
+            "a row of 6 past a copy of 5"
+        );
+        let strided = Tensor::zeros((2, 30), DType::F32, &Device::Cpu)
+            .and_then(|t| t.t())
+            .expect("transposed");
+        let flat = src.reshape((30, 2)).expect("flat");
+        assert!(write_over(&strided, &flat, 60).is_err(), "not contiguous");
     }
 
     /// An update whose tensors are not the engine's is refused before anything is written,

@@ -40,8 +40,9 @@ pub struct RouteDivergence {
     pub token_frac: Option<f64>,
 }
 
-/// Divergence between rollout tables and recorded training tables (one per sequence;
-/// the recorded table may have one more row than the rollout's, which is ignored).
+/// Divergence between rollout tables and recorded training tables (one per sequence,
+/// compared over the rows both cover: the same `len − 1` where the training forward fed the
+/// rollout's positions).
 pub fn recorded_divergence(
     rollout: &[RouteTable],
     recorded: &[RouteTable],
@@ -87,7 +88,9 @@ pub fn proof_divergence(proof: &ReplayProof) -> RouteDivergence {
 
 /// Checks a replay proof against the tables that were replayed and returns the verified
 /// fraction (replayed cells / cells the tables provide). Anything short of every cell is
-/// an error: a replay that silently fell back to native routing is a bug.
+/// an error: a replay that silently fell back to native routing is a bug. So is a cell the
+/// forward routed natively: a training forward feeds exactly the positions the tables
+/// cover (a table a row short would leave the last prediction to the router).
 pub fn verify_proof(
     proof: &ReplayProof,
     tables: &[RouteTable],
@@ -97,13 +100,53 @@ pub fn verify_proof(
     let layers = proof.layers.len();
     let expected: usize = tables.iter().map(|t| t.num_tokens() * layers).sum();
     let replayed = proof.total_replayed();
-    if expected == 0 || replayed != expected {
+    let native: usize = proof.native_cells.iter().sum();
+    if expected == 0 || replayed != expected || native != 0 {
         return Err(TrainError::ReplayNotVerified {
             mode: mode.as_str(),
             pass,
             replayed,
-            expected,
+            // Cells routed natively were the forward's to replay too.
+            expected: expected.max(replayed + native),
         });
     }
     Ok(replayed as f64 / expected as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use r3_routing::LayerSpace;
+
+    /// A table of `rows` tokens over 2 MoE layers, top-1 of 4 experts.
+    fn table(rows: usize) -> RouteTable {
+        let ids: Vec<i64> = (0..rows * 2).map(|i| (i % 4) as i64).collect();
+        RouteTable::from_flat(4, 1, LayerSpace::MoeOnly, vec![1, 2], 0, &ids).expect("table")
+    }
+
+    fn proof(replayed: usize, native: usize) -> ReplayProof {
+        ReplayProof {
+            layers: vec![1, 2],
+            replayed_cells: vec![replayed; 2],
+            native_cells: vec![native; 2],
+            differs_from_native: vec![0; 2],
+            native_final_position: vec![native > 0],
+        }
+    }
+
+    /// Every cell of the tables replayed and none routed natively verifies (fraction 1); a
+    /// cell short, or a fed position left to the router (a table a row short of the
+    /// forward), is an error naming the cells.
+    #[test]
+    fn a_proof_verifies_only_when_every_fed_cell_was_replayed() {
+        let tables = [table(5)];
+        let ok = verify_proof(&proof(5, 0), &tables, RouterReplay::R3, "update");
+        assert_eq!(ok.expect("verified"), 1.0);
+        let short = verify_proof(&proof(4, 0), &tables, RouterReplay::R3, "update");
+        let e = short.expect_err("short").to_string();
+        assert!(e.contains("8 of 10"), "{e}");
+        let native = verify_proof(&proof(5, 1), &tables, RouterReplay::R2, "old-logp");
+        let e = native.expect_err("a native cell").to_string();
+        assert!(e.contains("10 of 12") && e.contains("R2 old-logp"), "{e}");
+    }
 }

@@ -116,6 +116,16 @@ pub struct RoutedRows {
     pub all: bool,
 }
 
+/// The host copy of the DeepSeek `e_score_correction_bias` of the MoE block at `prefix`, if
+/// the weights hold one.
+fn score_bias_of(weights: &Weights, prefix: &str) -> Result<Option<Vec<f32>>> {
+    let name = format!("{prefix}.gate.e_score_correction_bias");
+    Ok(match weights.tensors().get(&name) {
+        Some(b) => Some(b.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?),
+        None => None,
+    })
+}
+
 /// What one MoE layer did.
 #[derive(Debug)]
 pub struct MoeOutput {
@@ -135,6 +145,20 @@ pub struct MoeOutput {
 }
 
 impl MoeBlock {
+    /// Reads the router's score bias of layer `layer` from `weights` again: selection reads a
+    /// host copy made when the block was built, so weights written in place (a rollout
+    /// engine's weight update) reach the selection only through this.
+    pub fn reload_score_bias(
+        &mut self,
+        cfg: &Config,
+        weights: &Weights,
+        layer: usize,
+    ) -> Result<()> {
+        let p = format!("{}.{}", crate::spec::layer_prefix(layer), cfg.moe_prefix());
+        self.score_bias = score_bias_of(weights, &p)?;
+        Ok(())
+    }
+
     /// Builds the MoE block of layer `layer` from weights with fused experts.
     pub fn new(cfg: &Config, weights: &Weights, layer: usize) -> Result<Self> {
         let moe = cfg.moe.as_ref().ok_or_else(|| {
@@ -142,11 +166,7 @@ impl MoeBlock {
         })?;
         let p = format!("{}.{}", crate::spec::layer_prefix(layer), cfg.moe_prefix());
         let gate_weight = weights.get(&format!("{p}.gate.weight"))?.clone();
-        let bias_name = format!("{p}.gate.e_score_correction_bias");
-        let score_bias = match weights.tensors().get(&bias_name) {
-            Some(b) => Some(b.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?),
-            None => None,
-        };
+        let score_bias = score_bias_of(weights, &p)?;
         let experts = RoutedExperts::new(weights, &p, moe.num_experts)?;
         let shared = match moe.shared {
             SharedExpert::None => Shared::None,

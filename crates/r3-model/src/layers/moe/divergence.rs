@@ -22,13 +22,15 @@ pub enum Divergence {
     Counted(usize),
     /// Counted where the logits are, not yet read.
     OnDevice {
-        /// `[2]` u32: the count, and 1 if every row's logits were finite (else 0).
+        /// `[2]` u32: the count, and the first row whose logits are not all finite (`rows`
+        /// where every row's are).
         counts: Tensor,
-        /// The layer's router logits `[rows, E]` (detached), read only to name a non-finite
-        /// score as the host's selection would.
-        logits: Tensor,
-        /// The layer's router.
-        router: Router,
+        /// `[1, E]`: that row's logits (row `rows − 1`'s where all are finite), read only to
+        /// name a non-finite score as the host's selection would. One row, not the layer's
+        /// logits: every replayed layer's record lives until the forward's end.
+        first_bad: Tensor,
+        /// The layer's routed rows.
+        rows: usize,
     },
 }
 
@@ -78,12 +80,20 @@ impl Divergence {
             }
             None => differs,
         };
-        let finite = choice.finite.min_keepdim(0)?.to_dtype(DType::U32)?;
-        let counts = Tensor::cat(&[&differs.sum_keepdim(0)?, &finite], 0)?;
+        // The first row with a non-finite logit, as one minimum: a finite row's key is
+        // `rows + r`, another's `r`, so the least key is the first bad row, or `rows` + 0.
+        let device = logits.device();
+        let order = Tensor::arange(0u32, rows as u32, device)?;
+        let finite = choice.finite.to_dtype(DType::U32)?;
+        let keys = ((finite * rows as f64)? + order)?;
+        let first = keys.min_keepdim(0)?;
+        let row = first.minimum((rows - 1) as f64)?;
+        let first_bad = logits.index_select(&row, 0)?;
+        let counts = Tensor::cat(&[&differs.sum_keepdim(0)?, &first], 0)?;
         Ok(Divergence::OnDevice {
             counts,
-            logits,
-            router: *router,
+            first_bad,
+            rows,
         })
     }
 }
@@ -108,23 +118,34 @@ pub fn resolve(layers: &[Divergence]) -> Result<Vec<usize>> {
     for layer in layers {
         match layer {
             Divergence::Counted(n) => out.push(*n),
-            Divergence::OnDevice { logits, router, .. } => {
-                let Some(&[count, finite]) = next.next() else {
+            Divergence::OnDevice {
+                first_bad, rows, ..
+            } => {
+                let Some(&[count, first]) = next.next() else {
                     return Err(ModelError::Input(
                         "divergence: a layer's count was not read".into(),
                     ));
                 };
-                if finite == 0 {
-                    let host = logits
+                if (first as usize) < *rows {
+                    // The host's selection names the first bad row and its first bad expert.
+                    let row = first_bad
                         .to_dtype(DType::F32)?
                         .flatten_all()?
                         .to_vec1::<f32>()?;
-                    router.select_rows(&host, None)?;
-                    return Err(ModelError::Input(
-                        "divergence: the device found a non-finite router score the host \
-                         did not"
-                            .into(),
-                    ));
+                    let (expert, &value) = row
+                        .iter()
+                        .enumerate()
+                        .find(|(_, v)| !v.is_finite())
+                        .ok_or_else(|| {
+                            ModelError::Input(format!(
+                                "divergence: row {first} was found not finite, its logits are"
+                            ))
+                        })?;
+                    return Err(ModelError::NonFiniteScore {
+                        row: first as usize,
+                        expert,
+                        value,
+                    });
                 }
                 out.push(count as usize);
             }
@@ -205,15 +226,18 @@ mod tests {
         assert_eq!(resolve(&[none]).expect("resolve"), vec![0]);
     }
 
-    /// A non-finite router score is the host selection's error, naming its row and expert;
-    /// forced rows of another width or count are refused.
+    /// A non-finite router score is the host selection's error, naming the first bad row and
+    /// its first bad expert; forced rows of another width or count are refused.
     #[test]
     fn a_non_finite_score_and_a_misfit_are_errors() {
         let mut values = seeded_tensor(&[6, 8], 9, DType::F32)
             .flatten_all()
             .and_then(|l| l.to_vec1::<f32>())
             .expect("values");
+        // The first bad row's first bad expert is named, as the host names it.
         values[4 * 8 + 2] = f32::NAN;
+        values[4 * 8 + 6] = f32::INFINITY;
+        values[5 * 8] = f32::NEG_INFINITY;
         let logits = Tensor::from_vec(values, (6, 8), &Device::Cpu).expect("logits");
         let ids = Tensor::from_vec(
             (0..18u32).map(|i| i % 8).collect::<Vec<_>>(),
