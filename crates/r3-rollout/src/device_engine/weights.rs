@@ -4,8 +4,11 @@
 
 use std::path::Path;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, DType, Device, InplaceOp2, Layout, Tensor};
+use half::{bf16, f16};
 use r3_model::{Config, HeldTensors, LoadOptions, Model, Precision, Weights};
+use rayon::prelude::*;
 
 use super::memory::mib;
 use super::{DeviceEngine, DeviceEngineConfig};
@@ -145,6 +148,14 @@ fn overwrite(held: &Weights, source: &Weights) -> Result<(), (String, candle_cor
                 .tensors()
                 .get(name)
                 .ok_or_else(|| candle_core::Error::Msg(format!("{name} vanished")))?;
+            if src.dtype() != dst.dtype() && src.device().is_cpu() && dst.device().is_cpu() {
+                // On the host the values are converted straight into the engine's storage
+                // (a converted copy first, then a copy of it, took half again the time).
+                if !dst.is_contiguous() {
+                    candle_core::bail!("the engine's tensor is not contiguous");
+                }
+                return dst.inplace_op2(&src.contiguous()?, &ConvertInto);
+            }
             let src = src
                 .to_dtype(dst.dtype())?
                 .to_device(dst.device())?
@@ -154,6 +165,64 @@ fn overwrite(held: &Weights, source: &Weights) -> Result<(), (String, candle_cor
         write().map_err(|e| (name.clone(), e))?;
     }
     Ok(())
+}
+
+/// Converts a host tensor's values into another host tensor's own storage (same element
+/// count, both contiguous), with candle's own conversions (`half`'s round to nearest even):
+/// the values `to_dtype` gives, without a converted copy beside the destination.
+struct ConvertInto;
+
+impl InplaceOp2 for ConvertInto {
+    fn name(&self) -> &'static str {
+        "convert-into"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dst: &mut CpuStorage,
+        dst_l: &Layout,
+        src: &CpuStorage,
+        src_l: &Layout,
+    ) -> candle_core::Result<()> {
+        let span = |l: &Layout| {
+            l.contiguous_offsets()
+                .ok_or_else(|| candle_core::Error::Msg("convert-into: not contiguous".into()))
+        };
+        let ((d0, d1), (s0, s1)) = (span(dst_l)?, span(src_l)?);
+        if d1 - d0 != s1 - s0 {
+            candle_core::bail!("convert-into: {} values into {}", s1 - s0, d1 - d0);
+        }
+        fn convert<S: Sync + Copy, D: Send>(dst: &mut [D], src: &[S], f: impl Fn(S) -> D + Sync) {
+            dst.par_iter_mut()
+                .zip(src.par_iter())
+                .with_min_len(1 << 14)
+                .for_each(|(d, &s)| *d = f(s));
+        }
+        match (dst, src) {
+            (CpuStorage::BF16(d), CpuStorage::F32(s)) => {
+                convert(&mut d[d0..d1], &s[s0..s1], bf16::from_f32)
+            }
+            (CpuStorage::F16(d), CpuStorage::F32(s)) => {
+                convert(&mut d[d0..d1], &s[s0..s1], f16::from_f32)
+            }
+            (CpuStorage::F32(d), CpuStorage::BF16(s)) => {
+                convert(&mut d[d0..d1], &s[s0..s1], |v| v.to_f32())
+            }
+            (CpuStorage::F32(d), CpuStorage::F16(s)) => {
+                convert(&mut d[d0..d1], &s[s0..s1], |v| v.to_f32())
+            }
+            (CpuStorage::F16(d), CpuStorage::BF16(s)) => {
+                convert(&mut d[d0..d1], &s[s0..s1], |v| f16::from_f32(v.to_f32()))
+            }
+            (CpuStorage::BF16(d), CpuStorage::F16(s)) => {
+                convert(&mut d[d0..d1], &s[s0..s1], |v| bf16::from_f32(v.to_f32()))
+            }
+            (d, s) => {
+                candle_core::bail!("convert-into: {:?} values into {:?}", s.dtype(), d.dtype())
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Copies `src` (contiguous, `dst`'s shape, dtype and device) into `dst`'s own storage, at
