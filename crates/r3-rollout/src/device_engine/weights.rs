@@ -55,7 +55,7 @@ impl DeviceEngine {
     /// In place, because building a second model beside the first held the engine's weights
     /// twice during every sync (≈ 10 GB more at the 30B-A3B shape in bf16, on the GPU that
     /// holds the trainer too); now a sync of fused tensors (a trainer's) adds at most one
-    /// tensor in the engine's format, and per-expert tensors are first fused where they lie
+    /// tensor's converted copies, and per-expert tensors are first fused where they lie
     /// (on the host, for a checkpoint read from disk). Tensors of other names or shapes than
     /// the engine's are refused before anything is written, the old weights and the cache
     /// kept; a device failure part way leaves the engine refusing to generate
@@ -148,19 +148,7 @@ fn overwrite(held: &Weights, source: &Weights) -> Result<(), (String, candle_cor
                 .tensors()
                 .get(name)
                 .ok_or_else(|| candle_core::Error::Msg(format!("{name} vanished")))?;
-            if src.dtype() != dst.dtype() && src.device().is_cpu() && dst.device().is_cpu() {
-                // On the host the values are converted straight into the engine's storage
-                // (a converted copy first, then a copy of it, took half again the time).
-                if !dst.is_contiguous() {
-                    candle_core::bail!("the engine's tensor is not contiguous");
-                }
-                return dst.inplace_op2(&src.contiguous()?, &ConvertInto);
-            }
-            let src = src
-                .to_dtype(dst.dtype())?
-                .to_device(dst.device())?
-                .contiguous()?;
-            write_over(dst, &src, MAX_COPY_ELEMS)
+            write_over(dst, src, MAX_COPY_ELEMS)
         };
         write().map_err(|e| (name.clone(), e))?;
     }
@@ -225,15 +213,28 @@ impl InplaceOp2 for ConvertInto {
     }
 }
 
-/// Copies `src` (contiguous, `dst`'s shape, dtype and device) into `dst`'s own storage, at
-/// most `max_elems` elements a copy: whole where it fits (flattened views of the same
-/// storage, any rank), else in slices of the first dimension.
+/// `t` in `dtype` on `device`, contiguous: converted where it lies, then moved (a narrowing
+/// conversion then moves the narrow copy). `t` itself where nothing changes.
+fn in_engine_form(t: &Tensor, dtype: DType, device: &Device) -> candle_core::Result<Tensor> {
+    t.to_dtype(dtype)?.to_device(device)?.contiguous()
+}
+
+/// Writes `src` (`dst`'s shape, any dtype and device) into `dst`'s own storage in `dst`'s
+/// dtype. On the host a conversion writes straight into it ([`ConvertInto`]: a converted
+/// copy first, then a copy of it, took half again the time); elsewhere `src` is brought to
+/// `dst`'s form ([`in_engine_form`]) and copied, at most `max_elems` elements a copy: whole
+/// where it fits (flattened views of the same storage, any rank), else in slices of the
+/// first dimension.
 fn write_over(dst: &Tensor, src: &Tensor, max_elems: usize) -> candle_core::Result<()> {
     // A tensor not contiguous would flatten into a copy, and the write would miss the
     // engine's storage: refused (the engine builds every tensor contiguous).
     if !dst.is_contiguous() {
         candle_core::bail!("the engine's tensor is not contiguous");
     }
+    if src.dtype() != dst.dtype() && src.device().is_cpu() && dst.device().is_cpu() {
+        return dst.inplace_op2(&src.contiguous()?, &ConvertInto);
+    }
+    let src = in_engine_form(src, dst.dtype(), dst.device())?;
     let n = dst.elem_count();
     if n <= max_elems || dst.rank() == 0 {
         return dst.flatten_all()?.slice_set(&src.flatten_all()?, 0, 0);
@@ -333,10 +334,9 @@ fn engine_weights(
             // storage (its optimiser writes variables in place): the engine keeps a copy, so
             // its weights stay those of the version it loaded; the copy stays on the device.
             // A conversion or a move copies already.
-            let t = if t.dtype() == dtype && t.device().same_device(device) {
-                t.contiguous()?.copy()?
-            } else {
-                t.to_dtype(dtype)?.to_device(device)?.contiguous()?
+            let t = match t.dtype() == dtype && t.device().same_device(device) {
+                true => t.contiguous()?.copy()?,
+                false => in_engine_form(t, dtype, device)?,
             };
             Ok((name.clone(), t))
         })
