@@ -2,8 +2,10 @@
 //! `select(scores) -> ids` and `weigh(logits, ids) -> gates`.
 //!
 //! Native routing is `weigh(logits, select(logits))`; replay is `weigh(logits, given)`.
-//! `select` runs on the host over plain f32 rows (ids go to the host anyway to build the
-//! expert index lists, and the rollout engine calls the same function on its own rows);
+//! `select` is defined on the host over plain f32 rows (ids go to the host anyway to build the
+//! expert index lists, and the rollout engine calls the same function on its own rows); where
+//! [`Router::selects_on_device`], `layers/moe/route_rows.rs` runs the same rule where the
+//! logits are (on the CPU this very function, on a GPU kernels of the same arithmetic);
 //! `weigh` exists as an autograd-safe tensor function for training and as a plain-slice
 //! function for the rollout engine, with one formula per [`RouterKind`].
 
@@ -81,13 +83,18 @@ fn total_order_key(v: f32) -> i32 {
 }
 
 /// The most experts the selection on the device
-/// ([`crate::layers::moe::route_rows::route_softmax_rows`]) ranks: its GPU kernel ranks a row in one
+/// ([`crate::layers::moe::route_rows::route_rows`]) ranks: its GPU kernel ranks a row in one
 /// thread block, each thread scanning its share of the columns once per chosen expert.
 pub const DEVICE_SELECT_MAX_EXPERTS: usize = 4096;
 
 /// The most experts a token chooses that the selection on the device takes: its GPU kernel
 /// keeps a row's choice in shared memory (`ROUTE_MAX_TOP_K` in `kernels.cu`).
 pub const DEVICE_SELECT_MAX_TOP_K: usize = 64;
+
+/// The most expert groups of a DeepSeek-V3 router that the selection on the device takes:
+/// its GPU kernel ranks each group in a thread of its own and keeps the groups' scores in
+/// shared memory (`ROUTE_MAX_GROUPS` in `kernels.cu`).
+pub const DEVICE_SELECT_MAX_GROUPS: usize = 64;
 
 impl Router {
     /// The router of a MoE config.
@@ -219,14 +226,28 @@ impl Router {
     }
 
     /// Whether the selection on the device
-    /// ([`crate::layers::moe::route_rows::route_softmax_rows`]) applies: a softmax router (its top-k is the
-    /// top-k of the logits) over at most [`DEVICE_SELECT_MAX_EXPERTS`] experts choosing 1 to
-    /// [`DEVICE_SELECT_MAX_TOP_K`]. DeepSeek-V3's grouped sigmoid selection (group scores,
-    /// kept groups, the correction bias) stays on the host.
+    /// ([`crate::layers::moe::route_rows::route_rows`]) applies: at most
+    /// [`DEVICE_SELECT_MAX_EXPERTS`] experts choosing 1 to [`DEVICE_SELECT_MAX_TOP_K`], and for
+    /// DeepSeek-V3's grouped sigmoid selection at most [`DEVICE_SELECT_MAX_GROUPS`] groups of
+    /// equal size, each of at least two experts (a group's score is its two best), keeping
+    /// 1 to all of them.
     pub fn selects_on_device(&self) -> bool {
-        matches!(self.kind, RouterKind::Softmax { .. })
-            && self.num_experts <= DEVICE_SELECT_MAX_EXPERTS
-            && (1..=DEVICE_SELECT_MAX_TOP_K.min(self.num_experts)).contains(&self.top_k)
+        let sized = self.num_experts <= DEVICE_SELECT_MAX_EXPERTS
+            && (1..=DEVICE_SELECT_MAX_TOP_K.min(self.num_experts)).contains(&self.top_k);
+        sized
+            && match self.kind {
+                RouterKind::Softmax { .. } => true,
+                RouterKind::GroupedSigmoid {
+                    n_group,
+                    topk_group,
+                    ..
+                } => {
+                    (1..=DEVICE_SELECT_MAX_GROUPS).contains(&n_group)
+                        && self.num_experts.is_multiple_of(n_group)
+                        && self.num_experts / n_group >= 2
+                        && (1..=n_group).contains(&topk_group)
+                }
+            }
     }
 
     /// Plain-slice form of [`Router::weigh`] for one token: logits `[E]`, ids `[k]` → gates `[k]`.

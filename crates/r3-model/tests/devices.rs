@@ -779,9 +779,9 @@ fn oracle_fixtures_on_the_cpu() {
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use super::common::{causal, softmax_router, tied_logits};
+    use super::common::{causal, grouped_router, softmax_router, tied_logits};
     use super::*;
-    use r3_model::layers::moe::route_rows::route_softmax_rows;
+    use r3_model::layers::moe::route_rows::{read_choice, route_rows};
     use r3_model::Precision;
 
     /// A host tensor of `shape` with values in [-1, 1], a fixed pattern of `seed`.
@@ -975,11 +975,27 @@ mod cuda {
             let logits = tied_logits(rows, experts);
             let want = router.select_rows(&logits, None).expect("host");
             let t = Tensor::from_vec(logits, (rows, experts), &device).expect("logits");
-            let got = route_softmax_rows(&router, &t)
+            let got = route_rows(&router, &t, None)
                 .and_then(|choice| Ok(choice.ids.flatten_all()?.to_vec1::<u32>()?))
                 .expect("on the GPU");
             assert_eq!(got, want, "{experts} experts, top-{top_k}");
+            // A native training layer's read: the host's ids, and the same on the GPU.
+            let (host, on_device) = read_choice(&router, &t, None).expect("read");
+            assert_eq!(host, want, "{experts} experts, top-{top_k} read");
+            let on_device = on_device
+                .flatten_all()
+                .and_then(|t| t.to_vec1::<u32>())
+                .expect("device ids");
+            assert_eq!(on_device, want, "{experts} experts, top-{top_k} on the GPU");
         }
+        // A non-finite row read from the GPU's choice is the host's error.
+        let router = softmax_router(8, 2, true);
+        let mut logits = tied_logits(6, 8);
+        logits[4 * 8 + 5] = f32::NAN;
+        let want = router.select_rows(&logits, None).expect_err("host");
+        let t = Tensor::from_vec(logits, (6, 8), &device).expect("logits");
+        let got = read_choice(&router, &t, None).expect_err("GPU");
+        assert_eq!(got.to_string(), want.to_string());
     }
 
     /// A softmax router's choice on the GPU (`r3_route_softmax_f32`: top-k, gates, finiteness
@@ -994,9 +1010,9 @@ mod cuda {
             let mut logits = tied_logits(rows, experts);
             logits[7 * experts + 3] = f32::NAN;
             let host = Tensor::from_vec(logits, (rows, experts), &Device::Cpu).expect("logits");
-            let want = route_softmax_rows(&router, &host).expect("cpu");
+            let want = route_rows(&router, &host, None).expect("cpu");
             let got =
-                route_softmax_rows(&router, &host.to_device(&device).expect("gpu")).expect("gpu");
+                route_rows(&router, &host.to_device(&device).expect("gpu"), None).expect("gpu");
             let ids = |t: &Tensor| {
                 t.flatten_all()
                     .and_then(|t| t.to_vec1::<u32>())
@@ -1018,6 +1034,85 @@ mod cuda {
                 max_diff(&got.gates, &want.gates) < 1e-6,
                 "{experts} experts: gates"
             );
+        }
+    }
+
+    /// A DeepSeek-V3 router's choice on the GPU (`r3_route_grouped_f32`: sigmoid scores with
+    /// the bias, the groups' two best, the kept groups, the top-k, the gates) equals the
+    /// CPU's (the host selection and weighing) bit for bit, ids and gates: its sigmoid is
+    /// `math.rs`'s `fast_exp` in the same operations. Tied groups and experts, biases that
+    /// leave kept scores below the dropped groups' zeros, no bias, rows renormalised or not,
+    /// 256 experts in 8 groups (DeepSeek-V3's), a row with a NaN flagged on both.
+    #[test]
+    fn the_grouped_routers_choice_on_cuda_is_the_cpus_bit_for_bit() {
+        let device = gpu();
+        for (experts, n_group, topk_group, top_k, norm) in [
+            (8usize, 4usize, 2usize, 2usize, true),
+            (64, 8, 3, 6, false),
+            (256, 8, 4, 8, true),
+            (96, 32, 5, 4, true),
+            (128, 64, 7, 8, true),
+        ] {
+            let router = grouped_router(experts, n_group, topk_group, top_k, norm);
+            let rows = 41;
+            let mut logits = tied_logits(rows, experts);
+            // Wide logits too: the sigmoid's clamp and its tails.
+            for (i, l) in logits.iter_mut().enumerate().filter(|(i, _)| i % 11 == 4) {
+                *l = ((i * 37) % 200) as f32 - 100.0;
+            }
+            logits[7 * experts + 3] = f32::NAN;
+            let host = Tensor::from_vec(logits, (rows, experts), &Device::Cpu).expect("logits");
+            let mixed: Vec<f32> = (0..experts)
+                .map(|e| ((e % 5) as f32 - 3.0) * 0.25)
+                .collect();
+            for bias in [Some(mixed), None, Some(vec![-1.5f32; experts])] {
+                let b = bias
+                    .as_ref()
+                    .map(|b| Tensor::from_vec(b.clone(), experts, &Device::Cpu).expect("bias"));
+                let b_gpu = b
+                    .as_ref()
+                    .map(|b| b.to_device(&device).expect("bias on the GPU"));
+                let want = route_rows(&router, &host, b.as_ref()).expect("cpu");
+                let got = route_rows(
+                    &router,
+                    &host.to_device(&device).expect("gpu"),
+                    b_gpu.as_ref(),
+                )
+                .expect("gpu");
+                let what = format!(
+                    "{experts} experts, {n_group} groups, bias {}",
+                    bias.is_some()
+                );
+                let flags = |t: &Tensor| t.to_vec1::<f32>().expect("flags");
+                let want_flags = flags(&want.finite);
+                assert_eq!(flags(&got.finite), want_flags, "{what}: flags");
+                let values = |t: &Tensor| {
+                    t.to_dtype(candle_core::DType::F32)
+                        .and_then(|t| t.flatten_all())
+                        .and_then(|t| t.to_vec1::<f32>())
+                        .expect("values")
+                };
+                let (got_ids, want_ids) = (values(&got.ids), values(&want.ids));
+                let (got_gates, want_gates) = (values(&got.gates), values(&want.gates));
+                for r in (0..rows).filter(|&r| want_flags[r] == 1.0) {
+                    let row = r * top_k..(r + 1) * top_k;
+                    assert_eq!(
+                        got_ids[row.clone()],
+                        want_ids[row.clone()],
+                        "{what}, row {r}"
+                    );
+                    let bits = |g: &[f32]| g.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&got_gates[row.clone()]),
+                        bits(&want_gates[row]),
+                        "{what}, row {r}: gates"
+                    );
+                }
+                assert_eq!(
+                    &got_gates[7 * top_k..8 * top_k],
+                    vec![0.0; top_k].as_slice()
+                );
+            }
         }
     }
 

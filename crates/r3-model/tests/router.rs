@@ -4,8 +4,8 @@
 mod common;
 
 use candle_core::{Device, Tensor};
-use common::{softmax_router, tied_logits};
-use r3_model::layers::moe::route_rows::route_softmax_rows;
+use common::{grouped_router, softmax_router, tied_logits};
+use r3_model::layers::moe::route_rows::{read_choice, route_rows};
 use r3_model::{ModelError, Router, RouterKind};
 
 fn grouped() -> Router {
@@ -142,14 +142,146 @@ fn the_selection_on_the_device_is_the_host_selection() {
         let logits = tied_logits(rows, experts);
         let want = router.select_rows(&logits, None).expect("host");
         let t = Tensor::from_vec(logits, (rows, experts), &Device::Cpu).expect("logits");
-        let got = route_softmax_rows(&router, &t)
+        let got = route_rows(&router, &t, None)
             .and_then(|choice| Ok(choice.ids.flatten_all()?.to_vec1::<u32>()?))
             .expect("device");
         assert_eq!(got, want, "{experts} experts, top-{top_k}");
+        // A native training layer's read: the same ids on the host and on the device.
+        let (host, on_device) = read_choice(&router, &t, None).expect("read");
+        assert_eq!(host, want, "{experts} experts, top-{top_k} read");
+        assert_eq!(on_device.dims(), &[rows, top_k]);
+        let on_device = on_device
+            .flatten_all()
+            .and_then(|t| t.to_vec1::<u32>())
+            .expect("device ids");
+        assert_eq!(
+            on_device, want,
+            "{experts} experts, top-{top_k} on the device"
+        );
     }
-    let grouped = grouped();
-    assert!(!grouped.selects_on_device());
-    let t = Tensor::zeros((1, 8), candle_core::DType::F32, &Device::Cpu).expect("logits");
-    let err = route_softmax_rows(&grouped, &t).expect_err("on the host only");
+    // A grouped router whose groups hold one expert each has no two best: the host's.
+    let single = Router {
+        num_experts: 4,
+        kind: RouterKind::GroupedSigmoid {
+            n_group: 4,
+            topk_group: 2,
+            norm_topk_prob: true,
+            routed_scaling_factor: 1.0,
+        },
+        top_k: 2,
+    };
+    assert!(!single.selects_on_device());
+    let t = Tensor::zeros((1, 4), candle_core::DType::F32, &Device::Cpu).expect("logits");
+    let err = route_rows(&single, &t, None).expect_err("on the host only");
     assert!(err.to_string().contains("on the host"), "{err}");
+    assert!(read_choice(&single, &t, None).is_err());
+    // A softmax router takes no bias.
+    let router = softmax_router(8, 2, true);
+    let t = Tensor::zeros((1, 8), candle_core::DType::F32, &Device::Cpu).expect("logits");
+    let bias = Tensor::zeros(8, candle_core::DType::F32, &Device::Cpu).expect("bias");
+    assert!(route_rows(&router, &t, Some(&bias)).is_err());
+    // No rows: nothing launched, nothing chosen.
+    let router = softmax_router(8, 2, true);
+    let none = Tensor::zeros((0, 8), candle_core::DType::F32, &Device::Cpu).expect("no rows");
+    let (host, on_device) = read_choice(&router, &none, None).expect("no rows");
+    assert!(host.is_empty());
+    assert_eq!(on_device.dims(), &[0, 2]);
+    // Logits of another width than the router's experts.
+    let wide = Tensor::zeros((2, 9), candle_core::DType::F32, &Device::Cpu).expect("wide");
+    assert!(read_choice(&router, &wide, None).is_err());
+}
+
+/// DeepSeek-V3's grouped selection where the logits are chooses what the host chooses with
+/// the same bias, in its order, and weighs as the host weighs, bit for bit: groups tied in
+/// score (ties to the lower group), experts tied (to the lower index), a bias that makes the
+/// zeros of dropped groups outrank kept negative scores, no bias, rows renormalised or not.
+/// On the CPU device here; `tests/devices.rs` runs the same on a GPU.
+#[test]
+fn the_grouped_selection_on_the_device_is_the_host_selection() {
+    for (experts, n_group, topk_group, top_k, norm) in [
+        (8usize, 4usize, 2usize, 2usize, true),
+        (64, 8, 3, 6, false),
+        (256, 8, 4, 8, true),
+        (96, 32, 5, 4, true),
+    ] {
+        let router = grouped_router(experts, n_group, topk_group, top_k, norm);
+        assert!(router.selects_on_device());
+        let rows = 29;
+        let logits = tied_logits(rows, experts);
+        // Repeating, partly negative biases: tied group scores, and kept scores below 0.
+        let bias: Vec<f32> = (0..experts)
+            .map(|e| ((e % 5) as f32 - 3.0) * 0.25)
+            .collect();
+        // Every score below 0: the dropped groups' zeros outrank the kept ones (HF's rule).
+        let below = vec![-1.5f32; experts];
+        let t = Tensor::from_vec(logits.clone(), (rows, experts), &Device::Cpu).expect("logits");
+        for bias in [Some(bias.clone()), None, Some(below)] {
+            let b = bias
+                .as_ref()
+                .map(|b| Tensor::from_vec(b.clone(), experts, &Device::Cpu).expect("bias"));
+            let with_bias = bias.is_some();
+            let want = router.select_rows(&logits, bias.as_deref()).expect("host");
+            let choice = route_rows(&router, &t, b.as_ref()).expect("device");
+            let ids = choice
+                .ids
+                .flatten_all()
+                .and_then(|t| t.to_vec1::<u32>())
+                .expect("ids");
+            assert_eq!(ids, want, "{experts} experts, bias {with_bias}");
+            let gates = choice
+                .gates
+                .flatten_all()
+                .and_then(|t| t.to_vec1::<f32>())
+                .expect("gates");
+            for r in 0..rows {
+                let mut row = vec![0f32; top_k];
+                router
+                    .weigh_row(
+                        &logits[r * experts..(r + 1) * experts],
+                        &want[r * top_k..(r + 1) * top_k],
+                        &mut row,
+                    )
+                    .expect("weigh");
+                assert_eq!(
+                    &gates[r * top_k..(r + 1) * top_k],
+                    row.as_slice(),
+                    "row {r}"
+                );
+            }
+            let (host, _) = read_choice(&router, &t, b.as_ref()).expect("read");
+            assert_eq!(host, want, "{experts} experts, bias {with_bias} read");
+        }
+        // A bias of another length is refused.
+        let short =
+            Tensor::zeros(experts - 1, candle_core::DType::F32, &Device::Cpu).expect("short bias");
+        assert!(route_rows(&router, &t, Some(&short)).is_err());
+    }
+}
+
+/// A row with a non-finite logit is, read from the device's choice, the host selection's
+/// error exactly: the first such row, and its first such expert (NaN, +∞ and −∞ alike).
+#[test]
+fn a_non_finite_row_read_from_the_device_is_the_hosts_error() {
+    let router = softmax_router(8, 2, true);
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let mut logits = tied_logits(6, 8);
+        logits[4 * 8 + 5] = bad;
+        logits[4 * 8 + 6] = f32::NAN;
+        logits[5 * 8 + 1] = f32::NAN;
+        let want = router.select_rows(&logits, None).expect_err("host");
+        let t = Tensor::from_vec(logits, (6, 8), &Device::Cpu).expect("logits");
+        let got = read_choice(&router, &t, None).expect_err("device");
+        assert!(
+            matches!(
+                got,
+                ModelError::NonFiniteScore {
+                    row: 4,
+                    expert: 5,
+                    ..
+                }
+            ),
+            "{got}"
+        );
+        assert_eq!(got.to_string(), want.to_string());
+    }
 }

@@ -970,3 +970,124 @@ extern "C" __global__ void r3_route_softmax_f32(const float *x, float *packed, u
         packed[2 * (size_t)rows * k + r] = bad > 0.0f ? 0.0f : 1.0f;
     }
 }
+
+// `e^x` as math.rs `fast_exp` computes it, bit for bit: the same clamp, Cody–Waite reduction
+// and polynomial, each of its fused multiply-adds an fmaf and every other operation rounded
+// as written (the `__f*_rn` intrinsics, which nvcc never contracts into an FMA).
+__device__ __forceinline__ float r3_fast_exp(float x) {
+    const float shift = 12582912.0f;
+    x = fminf(fmaxf(x, -87.3f), 88.7f);
+    const float shifted = fmaf(x, 1.44269504088896340736f, shift);
+    const float n = __fsub_rn(shifted, shift);
+    float r = fmaf(n, -0.69314575f, x);
+    r = fmaf(n, -1.4286068e-6f, r);
+    float p = 1.9875691e-4f;
+    p = fmaf(p, r, 1.3981999e-3f);
+    p = fmaf(p, r, 8.333452e-3f);
+    p = fmaf(p, r, 4.1665796e-2f);
+    p = fmaf(p, r, 1.6666665e-1f);
+    p = fmaf(p, r, 0.5f);
+    p = __fadd_rn(fmaf(__fmul_rn(p, r), r, r), 1.0f);
+    const uint32_t bits = (__float_as_uint(shifted) - __float_as_uint(shift) + 127u) << 23;
+    return __fmul_rn(p, __uint_as_float(bits));
+}
+
+// math.rs `sigmoid`: 1 / (1 + fast_exp(−x)), bit for bit.
+__device__ __forceinline__ float r3_sigmoid(float x) {
+    return __fdiv_rn(1.0f, __fadd_rn(1.0f, r3_fast_exp(-x)));
+}
+
+// The most experts `r3_route_grouped_f32` keeps a row of in shared memory (router.rs
+// `DEVICE_SELECT_MAX_EXPERTS`), and the most groups (`DEVICE_SELECT_MAX_GROUPS`).
+#define ROUTE_MAX_EXPERTS 4096
+#define ROUTE_MAX_GROUPS 64
+
+// A DeepSeek-V3 router's whole choice for each row of logits, one block per row, as
+// `Router::select_row` and `Router::weigh_row` make it on the host, bit for bit: scores
+// sigmoid(x) + bias; each group's score the sum of its two best; the `topk_group` best groups
+// kept (ties to the lower group); the others' scores set to 0 (HF's masked_fill); the top-k
+// of those (`top_k_row`); gates sigmoid(x[id]), normalised over the k (+1e-20) when `norm`,
+// times `scale`. Written into `packed` as `r3_route_softmax_f32` writes it: [gates (rows·k) |
+// ids as floats (rows·k) | flags (rows): 1 finite, 0 not]. Needs cols = n_group · per-group
+// with at least two per group, cols ≤ ROUTE_MAX_EXPERTS, n_group ≤ ROUTE_MAX_GROUPS and
+// n_group ≤ blockDim.x (the host checks). CPU twin: `RouteGrouped` (`layers/moe/route_rows.rs`).
+extern "C" __global__ void r3_route_grouped_f32(const float *x, const float *bias, float *packed,
+                                                uint32_t rows, uint32_t cols, uint32_t k,
+                                                uint32_t n_group, uint32_t topk_group,
+                                                uint32_t norm, float scale) {
+    __shared__ float scores[ROUTE_MAX_EXPERTS];
+    __shared__ float group_scores[ROUTE_MAX_GROUPS];
+    __shared__ uint32_t kept[ROUTE_MAX_GROUPS];
+    __shared__ float scratch[32];
+    __shared__ uint32_t chosen[ROUTE_MAX_TOP_K];
+    const size_t r = blockIdx.x;
+    const float *row = x + r * cols;
+    float bad = 0.0f;
+    for (uint32_t c = threadIdx.x; c < cols; c += blockDim.x) {
+        const float v = row[c];
+        bad = isfinite(v) ? bad : 1.0f;
+        scores[c] = __fadd_rn(r3_sigmoid(v), bias[c]);
+    }
+    // block_reduce's barriers also order every thread's `scores` writes before the reads.
+    bad = block_reduce(bad, 0.0f, scratch, MaxOp());
+    const uint32_t per_group = cols / n_group;
+    if (threadIdx.x < n_group) {
+        // The group's two best in total_cmp's order (router.rs `top_k_desc(g, 2)`).
+        const float *g = scores + (size_t)threadIdx.x * per_group;
+        int key0 = 0, key1 = 0;
+        uint32_t at0 = UINT32_MAX, at1 = UINT32_MAX;
+        for (uint32_t c = 0; c < per_group; ++c) {
+            const int key = total_order_key(g[c]);
+            if (ranks_before(key, c, key0, at0)) {
+                key1 = key0;
+                at1 = at0;
+                key0 = key;
+                at0 = c;
+            } else if (ranks_before(key, c, key1, at1)) {
+                key1 = key;
+                at1 = c;
+            }
+        }
+        group_scores[threadIdx.x] = __fadd_rn(g[at0], g[at1]);
+        kept[threadIdx.x] = 0;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (uint32_t j = 0; j < topk_group; ++j) {
+            int best_key = 0;
+            uint32_t best = UINT32_MAX;
+            for (uint32_t g = 0; g < n_group; ++g) {
+                const int key = total_order_key(group_scores[g]);
+                if (!kept[g] && ranks_before(key, g, best_key, best)) {
+                    best_key = key;
+                    best = g;
+                }
+            }
+            if (best != UINT32_MAX) kept[best] = 1;
+        }
+    }
+    __syncthreads();
+    for (uint32_t c = threadIdx.x; c < cols; c += blockDim.x) {
+        if (!kept[c / per_group]) scores[c] = 0.0f;
+    }
+    __syncthreads();
+    top_k_row(scores, chosen, cols, k);
+    if (threadIdx.x == 0) {
+        float *gates = packed + r * k;
+        float *ids = packed + (size_t)rows * k + r * k;
+        for (uint32_t j = 0; j < k; ++j) {
+            gates[j] = bad > 0.0f ? 0.0f : r3_sigmoid(row[chosen[j]]);
+            ids[j] = (float)chosen[j];
+        }
+        if (bad == 0.0f) {
+            if (norm) {
+                float sum = 0.0f;
+                for (uint32_t j = 0; j < k; ++j) sum = __fadd_rn(sum, gates[j]);
+                sum = __fadd_rn(sum, 1e-20f);
+                for (uint32_t j = 0; j < k; ++j) gates[j] = __fdiv_rn(gates[j], sum);
+            }
+            for (uint32_t j = 0; j < k; ++j) gates[j] = __fmul_rn(gates[j], scale);
+        }
+        packed[2 * (size_t)rows * k + r] = bad > 0.0f ? 0.0f : 1.0f;
+    }
+}

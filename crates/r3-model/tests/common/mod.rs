@@ -196,6 +196,27 @@ pub fn softmax_router(experts: usize, top_k: usize, norm: bool) -> r3_model::Rou
     }
 }
 
+/// A DeepSeek-V3 router of `experts` experts in `n_group` groups keeping `topk_group`,
+/// choosing `top_k`, renormalised iff `norm`, its gates scaled by 2.5.
+pub fn grouped_router(
+    experts: usize,
+    n_group: usize,
+    topk_group: usize,
+    top_k: usize,
+    norm: bool,
+) -> r3_model::Router {
+    r3_model::Router {
+        kind: r3_model::RouterKind::GroupedSigmoid {
+            n_group,
+            topk_group,
+            norm_topk_prob: norm,
+            routed_scaling_factor: 2.5,
+        },
+        num_experts: experts,
+        top_k,
+    }
+}
+
 /// `rows` rows of `experts` router logits with planted ties: many equal values, and −0
 /// beside +0 (which `f32::total_cmp` orders).
 pub fn tied_logits(rows: usize, experts: usize) -> Vec<f32> {

@@ -13,7 +13,7 @@ use super::dispatch::Dispatch;
 use super::expert_gemm::ExpertGemmInputs;
 use super::experts::RoutedExperts;
 use super::padded_experts::PaddedExpertOps;
-use super::route_rows::route_softmax_rows;
+use super::route_rows::{read_choice, route_rows};
 use crate::cast16::cast16;
 use crate::config::{Config, SharedExpert};
 use crate::error::{ModelError, Result};
@@ -100,6 +100,8 @@ pub struct MoeBlock {
     router: Router,
     gate_weight: Tensor,
     score_bias: Option<Vec<f32>>,
+    /// The same bias in f32 on the weights' device, for the selection there.
+    score_bias_on_device: Option<Tensor>,
     experts: RoutedExperts,
     shared: Shared,
     precision: Precision,
@@ -116,12 +118,17 @@ pub struct RoutedRows {
     pub all: bool,
 }
 
-/// The host copy of the DeepSeek `e_score_correction_bias` of the MoE block at `prefix`, if
-/// the weights hold one.
-fn score_bias_of(weights: &Weights, prefix: &str) -> Result<Option<Vec<f32>>> {
+/// The DeepSeek `e_score_correction_bias` of the MoE block at `prefix`, if the weights hold
+/// one: in f32 on the weights' device (the weights' own tensor where it is f32), and its host
+/// copy.
+fn score_bias_of(weights: &Weights, prefix: &str) -> Result<Option<(Tensor, Vec<f32>)>> {
     let name = format!("{prefix}.gate.e_score_correction_bias");
     Ok(match weights.tensors().get(&name) {
-        Some(b) => Some(b.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?),
+        Some(b) => {
+            let on_device = b.to_dtype(candle_core::DType::F32)?;
+            let host = on_device.to_vec1::<f32>()?;
+            Some((on_device, host))
+        }
         None => None,
     })
 }
@@ -155,7 +162,7 @@ impl MoeBlock {
         layer: usize,
     ) -> Result<()> {
         let p = format!("{}.{}", crate::spec::layer_prefix(layer), cfg.moe_prefix());
-        self.score_bias = score_bias_of(weights, &p)?;
+        (self.score_bias_on_device, self.score_bias) = score_bias_of(weights, &p)?.unzip();
         Ok(())
     }
 
@@ -166,7 +173,7 @@ impl MoeBlock {
         })?;
         let p = format!("{}.{}", crate::spec::layer_prefix(layer), cfg.moe_prefix());
         let gate_weight = weights.get(&format!("{p}.gate.weight"))?.clone();
-        let score_bias = score_bias_of(weights, &p)?;
+        let (score_bias_on_device, score_bias) = score_bias_of(weights, &p)?.unzip();
         let experts = RoutedExperts::new(weights, &p, moe.num_experts)?;
         let shared = match moe.shared {
             SharedExpert::None => Shared::None,
@@ -184,6 +191,7 @@ impl MoeBlock {
             router: Router::new(moe),
             gate_weight,
             score_bias,
+            score_bias_on_device,
             experts,
             shared,
             precision: Precision::F32,
@@ -290,6 +298,9 @@ impl MoeBlock {
             GatherRows::new(rows.host.clone(), batch_rows, batch_rows)?.apply(x)?
         };
         let logits = self.router_logits(&x_routed)?;
+        // The shared expert depends on nothing the routing decides: queued before the
+        // routing's wait for the logits (where the layer waits), a GPU runs it meanwhile.
+        let shared = self.shared_output(x)?;
         let n = rows.host.len();
         if let Some(plan) = plan {
             if plan.forced.len() != n || plan.ids.len() != n * k {
@@ -304,14 +315,26 @@ impl MoeBlock {
         // router selecting on the device): its logits stay on the device (no host round trip
         // on a GPU between the router and the experts) and serve the gates alone.
         let all_forced = plan.filter(|p| p.forced.iter().all(|&f| f));
-        let count_on_device = all_forced.is_some_and(|p| p.count_differences)
-            && self.router.selects_on_device()
-            && self.score_bias.is_none();
+        let count_on_device =
+            all_forced.is_some_and(|p| p.count_differences) && self.router.selects_on_device();
         let forced_ids = all_forced
             .filter(|p| !p.count_differences || count_on_device)
             .map(|p| p.ids.clone());
-        let (mut ids, host, device_wait) = match forced_ids {
-            Some(ids) => (ids, None, Duration::ZERO),
+        // The gates weighed on the host read its copy of the logits; otherwise a router that
+        // selects on the device chooses there and only its ids cross (k + 1 values a row
+        // where the logits are E, and no ranking on the host while a GPU waits).
+        let host_gates = gates == Gates::HostWhenUntracked && !logits.track_op();
+        let choose_on_device = self.routes_on_device() && !host_gates;
+        // The router's own choice, where this layer takes it: the host ids, the host's
+        // logits (host selection) or the ids on the device (device selection).
+        let (mut ids, host, mut native_on_device, device_wait) = match forced_ids {
+            Some(ids) => (ids, None, None, Duration::ZERO),
+            None if choose_on_device => {
+                let waiting = Instant::now();
+                let (ids, on_device) =
+                    read_choice(&self.router, &logits, self.score_bias_on_device.as_ref())?;
+                (ids, None, Some(on_device), waiting.elapsed())
+            }
             None => {
                 let waiting = Instant::now();
                 let host = logits
@@ -321,15 +344,16 @@ impl MoeBlock {
                     .to_vec1::<f32>()?;
                 let device_wait = waiting.elapsed();
                 let ids = self.router.select_rows(&host, self.score_bias.as_deref())?;
-                (ids, Some(host), device_wait)
+                (ids, Some(host), None, device_wait)
             }
         };
+        let routed_here = host.is_some() || native_on_device.is_some();
         let mut replay_time = Duration::ZERO;
         // The router's own ids, kept where the plan's replace them: how many forced rows
         // differ is counted once the experts' work is queued (on a GPU the host counts while
         // the device runs them; before, the GPU waited on the count between router and
         // experts).
-        let native = match plan.filter(|_| host.is_some()) {
+        let native = match plan.filter(|_| routed_here) {
             Some(plan) => {
                 let started = Instant::now();
                 // The plan's ids copied whole, then the few rows it leaves to the router (a
@@ -346,6 +370,8 @@ impl MoeBlock {
                     given.copy_from_slice(own);
                 }
                 let native = std::mem::replace(&mut ids, dispatched);
+                // The device's ids are the router's own, no longer the ones dispatched.
+                native_on_device = None;
                 replay_time += started.elapsed();
                 Some((plan, native))
             }
@@ -362,7 +388,11 @@ impl MoeBlock {
             self.host_gates(host, &ids, x.device())?
                 .to_dtype(logits.dtype())?
         } else {
-            let ids_tensor = Tensor::from_vec(ids.clone(), (n, k), x.device())?;
+            let ids_tensor = match native_on_device {
+                // The ids dispatched are the ones chosen on the device: no upload.
+                Some(on_device) => on_device,
+                None => Tensor::from_vec(ids.clone(), (n, k), x.device())?,
+            };
             let gates = self.router.weigh(&logits, &ids_tensor)?;
             ids_on_device = Some(ids_tensor);
             gates
@@ -380,7 +410,7 @@ impl MoeBlock {
         } else {
             scatter_rows(&routed, &rows.host, x.dim(0)?)?
         };
-        let output = self.with_shared(x, out)?;
+        let output = self.combined(out, shared)?;
         let started = Instant::now();
         let counted = match (native, all_forced, ids_on_device) {
             (Some((plan, native)), _, _) => {
@@ -391,6 +421,7 @@ impl MoeBlock {
                 &logits,
                 &forced,
                 plan.copies.as_deref().map(Vec::as_slice),
+                self.score_bias_on_device.as_ref(),
             )?),
             _ => None,
         };
@@ -414,13 +445,29 @@ impl MoeBlock {
     /// The block output from the routed experts' sum `routed`: the shared expert's output
     /// added where the architecture has one, rounded at the block's precision.
     fn with_shared(&self, x: &Tensor, routed: Tensor) -> Result<Tensor> {
-        let output = match &self.shared {
-            Shared::None => routed,
-            Shared::Plain(mlp) => (routed + mlp.forward(x)?)?,
+        let shared = self.shared_output(x)?;
+        self.combined(routed, shared)
+    }
+
+    /// The shared expert's term of the block output for `x` (gated where the architecture
+    /// gates it), None without one.
+    fn shared_output(&self, x: &Tensor) -> Result<Option<Tensor>> {
+        Ok(match &self.shared {
+            Shared::None => None,
+            Shared::Plain(mlp) => Some(mlp.forward(x)?),
             Shared::Gated { mlp, gate } => {
                 let g = candle_nn::ops::sigmoid(&gate.forward(x)?)?;
-                (routed + mlp.forward(x)?.broadcast_mul(&g)?)?
+                Some(mlp.forward(x)?.broadcast_mul(&g)?)
             }
+        })
+    }
+
+    /// The block output: the routed sum plus the shared expert's term, rounded at the
+    /// block's precision.
+    fn combined(&self, routed: Tensor, shared: Option<Tensor>) -> Result<Tensor> {
+        let output = match shared {
+            None => routed,
+            Some(shared) => (routed + shared)?,
         };
         self.precision.round(&output)
     }
@@ -428,7 +475,7 @@ impl MoeBlock {
     /// Whether this block can choose its experts on the device
     /// (`MoeBlock::forward_routed_on_device`): see [`Router::selects_on_device`].
     pub fn routes_on_device(&self) -> bool {
-        self.router.selects_on_device() && self.score_bias.is_none()
+        self.router.selects_on_device()
     }
 
     /// Bytes of one routed expert's matrices (what a device-routed step reads per slot).
@@ -438,7 +485,7 @@ impl MoeBlock {
 
     /// Runs the block on every row of `x` `[rows, H]` (native routing, nothing
     /// differentiated) with the experts chosen on the device; returns the `[rows, H]` block
-    /// output and the choice: the router's top-k and gates in one op (`route_softmax_rows`:
+    /// output and the choice: the router's top-k and gates in one op (`route_rows`:
     /// the host selection's experts and `Router::weigh_row`'s gates) and the experts through
     /// [`RoutedExperts::forward_gathered`]. Nothing waits for the host, so a GPU runs the
     /// layer while the host queues the next; the chosen ids stay on the device for one copy a
@@ -458,7 +505,7 @@ impl MoeBlock {
             Some(xn) => narrowed_product(xn, &self.gate_weight, xn.dtype(), false)?,
             None => self.router_logits(x)?,
         };
-        let choice = route_softmax_rows(&self.router, &logits)?;
+        let choice = route_rows(&self.router, &logits, self.score_bias_on_device.as_ref())?;
         // Without a shared expert the block output is the routed sum rounded: the experts
         // round it in their combine's pass.
         let alone = matches!(self.shared, Shared::None);
@@ -618,12 +665,8 @@ mod tests {
         assert_eq!(max_abs_diff(&grad(&gathered), &want), 0.0);
     }
 
-    /// A layer run with every row forced and no divergence counted (a recomputed layer)
-    /// dispatches the forced experts without its router's logits going to the host: no wait,
-    /// no native choice compared; its output and ids are those of the same plan counting
-    /// the divergence (where the host routes natively and then overrides every row).
-    #[test]
-    fn a_fully_forced_layer_skips_the_native_choice_and_gives_the_same_output() {
+    /// A one-layer Qwen3-MoE block of 6 experts, top-2, hidden 16.
+    fn tiny_block() -> MoeBlock {
         use crate::config::Config;
         use crate::weights::{RandomInit, Weights};
         let cfg = Config::from_value(serde_json::json!({
@@ -639,7 +682,115 @@ mod tests {
         let weights = Weights::random(&cfg, &RandomInit::new(3), &Device::Cpu)
             .and_then(|w| w.fuse_experts(&cfg))
             .expect("weights");
-        let block = MoeBlock::new(&cfg, &weights, 0).expect("block");
+        MoeBlock::new(&cfg, &weights, 0).expect("block")
+    }
+
+    /// A native layer whose router selects on the device chooses there and reads back only
+    /// the ids: they are the host selection's over the router's logits, the output is the
+    /// one of dispatching those ids as a plan (their gates weighed alike, bit for bit), a
+    /// partly forced plan dispatches its own ids with the router's in the rows it leaves
+    /// (the device's ids are then not the ones weighed) and counts the forced rows that
+    /// differ, and a non-finite score is the host selection's error, naming the same row
+    /// and expert.
+    #[test]
+    fn a_native_layer_chooses_on_the_device_as_the_host_would() {
+        let block = tiny_block();
+        assert!(block.routes_on_device());
+        let (n, k) = (11, 2);
+        let x = seeded_tensor(&[n, 16], 5, DType::F32);
+        let rows = RoutedRows {
+            host: (0..n as u32).collect(),
+            all: true,
+        };
+        let host = block
+            .router_logits(&x)
+            .and_then(|l| Ok(l.flatten_all()?.to_vec1::<f32>()?))
+            .expect("host logits");
+        let want = block.router.select_rows(&host, None).expect("host choice");
+        let forced = |ids: Vec<u32>, forced: Vec<bool>| LayerPlan {
+            ids,
+            forced,
+            count_differences: false,
+            copies: None,
+        };
+        let native = block.forward_native(&x, &rows).expect("native");
+        assert_eq!(native.ids, want);
+        let as_plan = block
+            .forward(
+                &x,
+                &rows,
+                Some(&forced(want.clone(), vec![true; n])),
+                Gates::Differentiable,
+            )
+            .expect("as a plan");
+        let bits = crate::test_util::f32_bits;
+        assert_eq!(bits(&native.output), bits(&as_plan.output));
+
+        // Rows 0..8 forced to (r, r + 3) mod 6, rows 8..11 left to the router.
+        let given: Vec<u32> = (0..n as u32).flat_map(|r| [r % 6, (r + 3) % 6]).collect();
+        let keep: Vec<bool> = (0..n).map(|r| r < 8).collect();
+        let mut merged = given.clone();
+        merged[8 * k..].copy_from_slice(&want[8 * k..]);
+        let mut partly = forced(given.clone(), keep.clone());
+        partly.count_differences = true;
+        let out = block
+            .forward(&x, &rows, Some(&partly), Gates::Differentiable)
+            .expect("partly forced");
+        assert_eq!(out.ids, merged);
+        let whole = block
+            .forward(
+                &x,
+                &rows,
+                Some(&forced(merged.clone(), vec![true; n])),
+                Gates::Differentiable,
+            )
+            .expect("merged as a plan");
+        assert_eq!(bits(&out.output), bits(&whole.output));
+        let differing = (0..8)
+            .filter(|&r| !same_experts(&given[r * k..(r + 1) * k], &want[r * k..(r + 1) * k]))
+            .count();
+        assert!(differing > 0, "the plan differs from the router somewhere");
+        assert!(matches!(
+            out.differs_from_native,
+            Divergence::Counted(c) if c == differing
+        ));
+
+        // A NaN in row 7's input: every logit of that row is NaN.
+        let mut values = x.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("x");
+        values[7 * 16 + 3] = f32::NAN;
+        let bad = Tensor::from_vec(values, (n, 16), &Device::Cpu).expect("bad x");
+        let host = block
+            .router_logits(&bad)
+            .and_then(|l| Ok(l.flatten_all()?.to_vec1::<f32>()?))
+            .expect("bad logits");
+        let want_err = block
+            .router
+            .select_rows(&host, None)
+            .expect_err("host refuses");
+        let got = block
+            .forward_native(&bad, &rows)
+            .expect_err("device refuses");
+        assert!(
+            matches!(
+                got,
+                ModelError::NonFiniteScore {
+                    row: 7,
+                    expert: 0,
+                    ..
+                }
+            ),
+            "{got}"
+        );
+        assert_eq!(got.to_string(), want_err.to_string());
+    }
+
+    /// A layer run with every row forced and no divergence counted (a recomputed layer)
+    /// dispatches the forced experts without its router's logits going to the host: no wait,
+    /// no native choice compared; its output and ids are those of the same plan counting
+    /// the divergence (where the host routes natively and then overrides every row).
+    #[test]
+    fn a_fully_forced_layer_skips_the_native_choice_and_gives_the_same_output() {
+        let block = tiny_block();
         let n = 9;
         let x = seeded_tensor(&[n, 16], 4, DType::F32);
         let rows = RoutedRows {

@@ -12,7 +12,7 @@
 use candle_core::{DType, Tensor};
 
 use crate::error::{ModelError, Result};
-use crate::layers::moe::route_rows::route_softmax_rows;
+use crate::layers::moe::route_rows::{non_finite_row, route_rows};
 use crate::router::Router;
 
 /// One layer's count of forced rows whose experts differ from its router's own choice.
@@ -37,13 +37,15 @@ pub enum Divergence {
 impl Divergence {
     /// The count of forced rows `forced` `[rows, k]` (u32, every row forced) whose experts
     /// differ from `router`'s own top-k over `logits` `[rows, E]`, each row counted
-    /// `copies[r]` times (once without), computed where the logits are. The router must
-    /// select on the device ([`Router::selects_on_device`]) and take no score bias.
+    /// `copies[r]` times (once without), computed where the logits are; `bias` is a
+    /// DeepSeek-V3 router's score correction. The router must select on the device
+    /// ([`Router::selects_on_device`]).
     pub fn on_device(
         router: &Router,
         logits: &Tensor,
         forced: &Tensor,
         copies: Option<&[u32]>,
+        bias: Option<&Tensor>,
     ) -> Result<Self> {
         let logits = logits.detach();
         let (rows, k) = forced.dims2()?;
@@ -57,7 +59,7 @@ impl Divergence {
         if rows == 0 {
             return Ok(Divergence::Counted(0));
         }
-        let choice = route_softmax_rows(router, &logits)?;
+        let choice = route_rows(router, &logits, bias)?;
         // A row's experts are distinct on both sides (the tables' rows are checked for it),
         // so its experts are the same set exactly when all k of its own are among the
         // forced ones.
@@ -132,20 +134,7 @@ pub fn resolve(layers: &[Divergence]) -> Result<Vec<usize>> {
                         .to_dtype(DType::F32)?
                         .flatten_all()?
                         .to_vec1::<f32>()?;
-                    let (expert, &value) = row
-                        .iter()
-                        .enumerate()
-                        .find(|(_, v)| !v.is_finite())
-                        .ok_or_else(|| {
-                            ModelError::Input(format!(
-                                "divergence: row {first} was found not finite, its logits are"
-                            ))
-                        })?;
-                    return Err(ModelError::NonFiniteScore {
-                        row: first as usize,
-                        expert,
-                        value,
-                    });
+                    return Err(non_finite_row(first as usize, &row));
                 }
                 out.push(count as usize);
             }
@@ -207,8 +196,9 @@ mod tests {
         forced[39 * 3..].copy_from_slice(&[7, 6, 5]);
         let copies: Vec<u32> = (0..rows as u32).map(|r| 1 + r % 4).collect();
         let ids = Tensor::from_slice(&forced, (rows, 3), &Device::Cpu).expect("ids");
-        let plain = Divergence::on_device(&ROUTER, &logits, &ids, None).expect("count");
-        let weighted = Divergence::on_device(&ROUTER, &logits, &ids, Some(&copies)).expect("count");
+        let plain = Divergence::on_device(&ROUTER, &logits, &ids, None, None).expect("count");
+        let weighted =
+            Divergence::on_device(&ROUTER, &logits, &ids, Some(&copies), None).expect("count");
         let want = host_count(&host, &forced, None);
         assert!((4..=5).contains(&want), "{want}");
         let got = resolve(&[Divergence::Counted(17), plain, weighted]).expect("resolve");
@@ -222,7 +212,7 @@ mod tests {
             &Device::Cpu,
         )
         .expect("ids");
-        let none = Divergence::on_device(&ROUTER, &logits, &same, None).expect("count");
+        let none = Divergence::on_device(&ROUTER, &logits, &same, None, None).expect("count");
         assert_eq!(resolve(&[none]).expect("resolve"), vec![0]);
     }
 
@@ -245,7 +235,7 @@ mod tests {
             &Device::Cpu,
         )
         .expect("ids");
-        let count = Divergence::on_device(&ROUTER, &logits, &ids, None).expect("queued");
+        let count = Divergence::on_device(&ROUTER, &logits, &ids, None, None).expect("queued");
         match resolve(&[count]) {
             Err(ModelError::NonFiniteScore { row, expert, .. }) => {
                 assert_eq!((row, expert), (4, 2))
@@ -253,10 +243,10 @@ mod tests {
             other => panic!("{other:?}"),
         }
         let narrow = ids.narrow(1, 0, 2).expect("narrow");
-        assert!(Divergence::on_device(&ROUTER, &logits, &narrow, None).is_err());
+        assert!(Divergence::on_device(&ROUTER, &logits, &narrow, None, None).is_err());
         let short = ids.narrow(0, 0, 5).expect("short");
-        assert!(Divergence::on_device(&ROUTER, &logits, &short, None).is_err());
+        assert!(Divergence::on_device(&ROUTER, &logits, &short, None, None).is_err());
         let copies = [1u32; 5];
-        assert!(Divergence::on_device(&ROUTER, &logits, &ids, Some(&copies)).is_err());
+        assert!(Divergence::on_device(&ROUTER, &logits, &ids, Some(&copies), None).is_err());
     }
 }

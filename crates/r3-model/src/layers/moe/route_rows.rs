@@ -1,15 +1,18 @@
-//! A softmax router's whole choice where its logits are, as one op: each row's top-k (the host
-//! selection's order, ties to the lower index), their gates (`softmax(logits)[id]`,
-//! renormalised over the k when the config says) and whether every logit was finite. A step
-//! routed on the device runs it once a MoE layer; composed, it was five kernels (top-k,
-//! softmax, gather, sum, divide) and a sixth for the finiteness probe. On the CPU it is the
-//! host selection itself (`Router::select_row`, `Router::weigh_row`, the gates the host-routed
-//! step uploads), on a GPU r3's kernel `r3_route_softmax_f32` (the same formulas, its sums in
-//! a block's order).
+//! A router's whole choice where its logits are, as one op: each row's top-k (the host
+//! selection's order, ties to the lower index), their gates (the host's `Router::weigh_row`
+//! formulas) and whether every logit was finite. A step routed on the device runs it once a
+//! MoE layer (for a softmax router, composed, it was five kernels — top-k, softmax, gather,
+//! sum, divide — and a sixth for the finiteness probe), and a training layer reads its ids
+//! alone ([`read_choice`]) instead of copying the logits to rank them on the host. On the CPU
+//! it is the host selection itself (`Router::select_row`, `Router::weigh_row`); on a GPU r3's
+//! kernels `r3_route_softmax_f32` (the same formulas, its sums in a block's order) and
+//! `r3_route_grouped_f32` (DeepSeek-V3's grouped sigmoid selection with its score bias, the
+//! host's arithmetic bit for bit).
 
-use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
+use crate::config::RouterKind;
 use crate::error::{ModelError, Result};
 use crate::host::contiguous;
 use crate::router::Router;
@@ -29,9 +32,32 @@ pub struct DeviceChoice {
     pub record: Tensor,
 }
 
-/// The choice of `router` (a softmax router that selects on the device) over `logits`
-/// `[rows, E]`.
-pub fn route_softmax_rows(router: &Router, logits: &Tensor) -> Result<DeviceChoice> {
+/// The choice of `router` (one that selects on the device, [`Router::selects_on_device`])
+/// over `logits` `[rows, E]`; `bias` `[E]` is a DeepSeek-V3 router's score correction (a
+/// softmax router takes none).
+pub fn route_rows(router: &Router, logits: &Tensor, bias: Option<&Tensor>) -> Result<DeviceChoice> {
+    let (rows, _) = logits.dims2()?;
+    let packed = packed_choice(router, logits, bias, true)?;
+    let slots = rows * router.top_k;
+    Ok(DeviceChoice {
+        gates: packed.narrow(0, 0, slots)?.reshape((rows, router.top_k))?,
+        ids: packed
+            .narrow(0, slots, slots)?
+            .to_dtype(DType::U32)?
+            .reshape((rows, router.top_k))?,
+        finite: packed.narrow(0, 2 * slots, rows)?,
+        record: packed.narrow(0, slots, slots + rows)?,
+    })
+}
+
+/// The op's output for `router` over `logits` (checked against the router), its gates
+/// computed where `gates` says (a GPU computes them anyway).
+fn packed_choice(
+    router: &Router,
+    logits: &Tensor,
+    bias: Option<&Tensor>,
+    gates: bool,
+) -> Result<Tensor> {
     let (rows, e) = logits.dims2()?;
     let k = router.top_k;
     if !router.selects_on_device() {
@@ -46,21 +72,131 @@ pub fn route_softmax_rows(router: &Router, logits: &Tensor) -> Result<DeviceChoi
             router.num_experts
         )));
     }
-    let op = RouteSoftmax { router: *router };
-    let packed = logits
-        .to_dtype(DType::F32)?
-        .contiguous()?
-        .apply_op1_no_bwd(&op)?;
-    let slots = rows * k;
-    Ok(DeviceChoice {
-        gates: packed.narrow(0, 0, slots)?.reshape((rows, k))?,
-        ids: packed
-            .narrow(0, slots, slots)?
-            .to_dtype(DType::U32)?
-            .reshape((rows, k))?,
-        finite: packed.narrow(0, 2 * slots, rows)?,
-        record: packed.narrow(0, slots, slots + rows)?,
+    if rows == 0 {
+        // No launch for no rows (a GPU's grid of zero blocks is an error).
+        return Ok(Tensor::zeros(0, DType::F32, logits.device())?);
+    }
+    let logits = logits.detach().to_dtype(DType::F32)?.contiguous()?;
+    Ok(match router.kind {
+        RouterKind::Softmax { .. } => {
+            if bias.is_some() {
+                return Err(ModelError::Input(
+                    "a softmax router takes no score bias".into(),
+                ));
+            }
+            logits.apply_op1_no_bwd(&RouteSoftmax {
+                router: *router,
+                gates,
+            })?
+        }
+        RouterKind::GroupedSigmoid { .. } => {
+            // No bias: zeros, which leave every (positive) sigmoid score as it is.
+            let bias = match bias {
+                Some(b) => b.detach().to_dtype(DType::F32)?.contiguous()?,
+                None => Tensor::zeros(e, DType::F32, logits.device())?,
+            };
+            if bias.dims() != [e] {
+                return Err(ModelError::Input(format!(
+                    "a score bias of shape {:?} for {e} experts",
+                    bias.dims()
+                )));
+            }
+            logits.apply_op2_no_bwd(
+                &bias,
+                &RouteGrouped {
+                    router: *router,
+                    gates,
+                },
+            )?
+        }
     })
+}
+
+/// The experts `router` (one that selects on the device) chooses over `logits` `[rows, E]`
+/// with the score correction `bias` (DeepSeek-V3's, else None), chosen where the logits are
+/// and read to the host in one copy of `rows · (k + 1)` values (the host's selection copies
+/// all `rows · E` logits, then ranks them on the host while a GPU idles): the host ids
+/// `[rows · k]` in selection order, and the same ids `[rows, k]` u32 on the logits' device.
+/// A row with a non-finite logit is the host selection's error: its first such row and, in
+/// it, its first such expert.
+pub fn read_choice(
+    router: &Router,
+    logits: &Tensor,
+    bias: Option<&Tensor>,
+) -> Result<(Vec<u32>, Tensor)> {
+    let (rows, _) = logits.dims2()?;
+    let k = router.top_k;
+    // The gates are not read: the CPU's op skips them.
+    let packed = packed_choice(router, logits, bias, false)?;
+    if rows == 0 {
+        return Ok((
+            Vec::new(),
+            Tensor::zeros((0, k), DType::U32, logits.device())?,
+        ));
+    }
+    let slots = rows * k;
+    let record = packed.narrow(0, slots, slots + rows)?.to_vec1::<f32>()?;
+    let (ids, finite) = record.split_at(slots);
+    if let Some(row) = finite.iter().position(|&f| f == 0.0) {
+        let values = logits.get(row)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        return Err(non_finite_row(row, &values));
+    }
+    let on_device = packed
+        .narrow(0, slots, slots)?
+        .to_dtype(DType::U32)?
+        .reshape((rows, k))?;
+    Ok((ids.iter().map(|&id| id as u32).collect(), on_device))
+}
+
+/// The ops' CPU form: each row of `logits` (`rows × cols`, contiguous) chosen by the host's
+/// selection with `bias` and, where `gates`, weighed by the host's formula, rows in
+/// parallel, packed as the kernels pack it; a row with a non-finite logit is flagged, not
+/// chosen.
+fn host_choice(
+    router: &Router,
+    logits: &[f32],
+    bias: Option<&[f32]>,
+    rows: usize,
+    cols: usize,
+    gates: bool,
+) -> candle_core::Result<(CpuStorage, Shape)> {
+    let k = router.top_k;
+    let mut packed = vec![0f32; 2 * rows * k + rows];
+    let (weights, rest) = packed.split_at_mut(rows * k);
+    let (ids, finite) = rest.split_at_mut(rows * k);
+    let mut chosen = vec![0u32; rows * k];
+    weights
+        .par_chunks_mut(k)
+        .zip(chosen.par_chunks_mut(k))
+        .zip(finite.par_iter_mut())
+        .zip(logits.par_chunks(cols.max(1)))
+        .enumerate()
+        .try_for_each(|(r, (((g, c), f), row))| -> candle_core::Result<()> {
+            if row.iter().all(|v| v.is_finite()) {
+                let failed = |e: ModelError| candle_core::Error::Msg(e.to_string());
+                router.select_row(r, row, bias, c).map_err(failed)?;
+                if gates {
+                    router.weigh_row(row, c, g).map_err(failed)?;
+                }
+                *f = 1.0;
+            }
+            Ok(())
+        })?;
+    for (id, &c) in ids.iter_mut().zip(&chosen) {
+        *id = c as f32;
+    }
+    Ok((CpuStorage::F32(packed), Shape::from(2 * rows * k + rows)))
+}
+
+/// The host selection's error for the router logits `values` of row `row`, found not all
+/// finite where they were chosen: its first non-finite expert.
+pub(crate) fn non_finite_row(row: usize, values: &[f32]) -> ModelError {
+    match values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+        Some((expert, &value)) => ModelError::NonFiniteScore { row, expert, value },
+        None => ModelError::Input(format!(
+            "router row {row} was flagged not finite, but its logits are"
+        )),
+    }
 }
 
 /// The op: `[rows, E]` logits → `[gates (rows·k) | ids as f32 (rows·k) | finite (rows)]`
@@ -68,6 +204,9 @@ pub fn route_softmax_rows(router: &Router, logits: &Tensor) -> Result<DeviceChoi
 #[derive(Debug, Clone, Copy)]
 struct RouteSoftmax {
     router: Router,
+    /// Whether the gates are wanted: without, the CPU leaves them zero (the selection alone
+    /// is the host's cost a native training layer waits for).
+    gates: bool,
 }
 
 impl CustomOp1 for RouteSoftmax {
@@ -85,30 +224,7 @@ impl CustomOp1 for RouteSoftmax {
             CpuStorage::F32(v) => contiguous(v, layout, "router logits")?,
             _ => candle_core::bail!("routing rows takes f32 logits"),
         };
-        let k = self.router.top_k;
-        let mut packed = vec![0f32; 2 * rows * k + rows];
-        let (gates, rest) = packed.split_at_mut(rows * k);
-        let (ids, finite) = rest.split_at_mut(rows * k);
-        let mut chosen = vec![0u32; rows * k];
-        gates
-            .par_chunks_mut(k)
-            .zip(chosen.par_chunks_mut(k))
-            .zip(finite.par_iter_mut())
-            .zip(logits.par_chunks(cols.max(1)))
-            .enumerate()
-            .try_for_each(|(r, (((g, c), f), row))| -> candle_core::Result<()> {
-                if row.iter().all(|v| v.is_finite()) {
-                    let failed = |e: ModelError| candle_core::Error::Msg(e.to_string());
-                    self.router.select_row(r, row, None, c).map_err(failed)?;
-                    self.router.weigh_row(row, c, g).map_err(failed)?;
-                    *f = 1.0;
-                }
-                Ok(())
-            })?;
-        for (id, &c) in ids.iter_mut().zip(&chosen) {
-            *id = c as f32;
-        }
-        Ok((CpuStorage::F32(packed), Shape::from(2 * rows * k + rows)))
+        host_choice(&self.router, logits, None, rows, cols, self.gates)
     }
 
     #[cfg(feature = "cuda")]
@@ -143,6 +259,90 @@ impl CustomOp1 for RouteSoftmax {
     }
 }
 
+/// The op for a DeepSeek-V3 router: `[rows, E]` logits and the `[E]` score bias → the same
+/// packed layout as [`RouteSoftmax`]'s. On the CPU the host's selection (`Router::select_row`
+/// with the bias) and weighing; on a GPU r3's kernel `r3_route_grouped_f32` (the same
+/// arithmetic in the same order, its sigmoid `math.rs`'s `fast_exp` bit for bit).
+#[derive(Debug, Clone, Copy)]
+struct RouteGrouped {
+    router: Router,
+    /// As [`RouteSoftmax`]'s.
+    gates: bool,
+}
+
+impl CustomOp2 for RouteGrouped {
+    fn name(&self) -> &'static str {
+        "route-grouped-rows"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &CpuStorage,
+        layout: &Layout,
+        bias_storage: &CpuStorage,
+        bias_layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (rows, cols) = layout.shape().dims2()?;
+        let (logits, bias) = match (storage, bias_storage) {
+            (CpuStorage::F32(v), CpuStorage::F32(b)) => (
+                contiguous(v, layout, "router logits")?,
+                contiguous(b, bias_layout, "score bias")?,
+            ),
+            _ => candle_core::bail!("routing rows takes f32 logits and bias"),
+        };
+        host_choice(&self.router, logits, Some(bias), rows, cols, self.gates)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        storage: &candle_core::CudaStorage,
+        layout: &Layout,
+        bias_storage: &candle_core::CudaStorage,
+        bias_layout: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use crate::cuda;
+        let (rows, cols) = layout.shape().dims2()?;
+        let k = self.router.top_k;
+        let RouterKind::GroupedSigmoid {
+            n_group,
+            topk_group,
+            norm_topk_prob,
+            routed_scaling_factor,
+        } = self.router.kind
+        else {
+            candle_core::bail!("the grouped routing kernel takes a grouped sigmoid router");
+        };
+        let fits = |v: usize| u32::try_from(v).is_ok();
+        if !(fits(cols) && fits(rows) && fits(2 * rows * k + rows)) {
+            candle_core::bail!("routing rows: {rows} rows of {cols} exceed a 32-bit size");
+        }
+        // Every group needs a thread of its own for its two best (at most 64 groups).
+        let threads = cuda::row_threads(cols).max((n_group as u32).div_ceil(32) * 32);
+        let len = 2 * rows * k + rows;
+        let out = cuda::launch_f32!(
+            cuda::device(storage),
+            "r3_route_grouped_f32",
+            len,
+            cuda::per_row(rows, threads)?,
+            [
+                cuda::view::<f32>(storage, layout, "router logits")?,
+                cuda::view::<f32>(bias_storage, bias_layout, "score bias")?
+            ],
+            [
+                rows as u32,
+                cols as u32,
+                k as u32,
+                n_group as u32,
+                topk_group as u32,
+                u32::from(norm_topk_prob),
+                routed_scaling_factor as f32
+            ]
+        );
+        Ok((out, Shape::from(len)))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -171,7 +371,7 @@ mod tests {
                 .collect();
             logits[5 * e + 4] = f32::NAN;
             let t = Tensor::from_vec(logits.clone(), (rows, e), &Device::Cpu).expect("logits");
-            let choice = route_softmax_rows(&router, &t).expect("route");
+            let choice = route_rows(&router, &t, None).expect("route");
             let ids = choice.ids.flatten_all().and_then(|t| t.to_vec1::<u32>());
             let gates = choice.gates.flatten_all().and_then(|t| t.to_vec1::<f32>());
             let finite = choice.finite.to_vec1::<f32>().expect("finite");
@@ -203,8 +403,8 @@ mod tests {
     #[test]
     fn shapes_that_do_not_fit_are_refused() {
         let t = Tensor::zeros((2, 8), DType::F32, &Device::Cpu).expect("logits");
-        assert!(route_softmax_rows(&softmax_router(6, 2, true), &t).is_err());
-        assert!(route_softmax_rows(&softmax_router(8, 0, true), &t).is_err());
-        assert!(route_softmax_rows(&softmax_router(8, 2, true), &t).is_ok());
+        assert!(route_rows(&softmax_router(6, 2, true), &t, None).is_err());
+        assert!(route_rows(&softmax_router(8, 0, true), &t, None).is_err());
+        assert!(route_rows(&softmax_router(8, 2, true), &t, None).is_ok());
     }
 }
