@@ -12,7 +12,7 @@
 use candle_core::{DType, Tensor};
 
 use crate::error::{ModelError, Result};
-use crate::layers::moe::route_rows::{non_finite_row, route_rows};
+use crate::layers::moe::route_rows::{chosen_ids, non_finite_row};
 use crate::router::Router;
 
 /// One layer's count of forced rows whose experts differ from its router's own choice.
@@ -59,12 +59,11 @@ impl Divergence {
         if rows == 0 {
             return Ok(Divergence::Counted(0));
         }
-        let choice = route_rows(router, &logits, bias)?;
+        let (ids, finite) = chosen_ids(router, &logits, bias)?;
         // A row's experts are distinct on both sides (the tables' rows are checked for it),
         // so its experts are the same set exactly when all k of its own are among the
         // forced ones.
-        let shared = choice
-            .ids
+        let shared = ids
             .unsqueeze(2)?
             .broadcast_eq(&forced.unsqueeze(1)?)?
             .to_dtype(DType::U32)?
@@ -86,7 +85,7 @@ impl Divergence {
         // `rows + r`, another's `r`, so the least key is the first bad row, or `rows` + 0.
         let device = logits.device();
         let order = Tensor::arange(0u32, rows as u32, device)?;
-        let finite = choice.finite.to_dtype(DType::U32)?;
+        let finite = finite.to_dtype(DType::U32)?;
         let keys = ((finite * rows as f64)? + order)?;
         let first = keys.min_keepdim(0)?;
         let row = first.minimum((rows - 1) as f64)?;

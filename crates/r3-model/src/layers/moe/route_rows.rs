@@ -50,6 +50,25 @@ pub fn route_rows(router: &Router, logits: &Tensor, bias: Option<&Tensor>) -> Re
     })
 }
 
+/// [`route_rows`]' ids `[rows, k]` (u32) and finiteness flags `[rows]` (f32) alone, on the
+/// logits' device: the CPU then skips the gates (a replay's divergence count reads none).
+pub(crate) fn chosen_ids(
+    router: &Router,
+    logits: &Tensor,
+    bias: Option<&Tensor>,
+) -> Result<(Tensor, Tensor)> {
+    let (rows, _) = logits.dims2()?;
+    let packed = packed_choice(router, logits, bias, false)?;
+    let slots = rows * router.top_k;
+    Ok((
+        packed
+            .narrow(0, slots, slots)?
+            .to_dtype(DType::U32)?
+            .reshape((rows, router.top_k))?,
+        packed.narrow(0, 2 * slots, rows)?,
+    ))
+}
+
 /// The op's output for `router` over `logits` (checked against the router), its gates
 /// computed where `gates` says (a GPU computes them anyway).
 fn packed_choice(
