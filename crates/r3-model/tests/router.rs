@@ -285,3 +285,32 @@ fn a_non_finite_row_read_from_the_device_is_the_hosts_error() {
         assert_eq!(got.to_string(), want.to_string());
     }
 }
+
+/// A DeepSeek-V3 model whose router score bias holds a NaN or an infinity is refused when it
+/// is built, naming the tensor: the selection's order would be undefined (and differ between
+/// the host and a GPU), whatever the load allowed.
+#[test]
+fn a_non_finite_score_bias_is_refused_naming_the_tensor() {
+    let cfg = common::tiny_config("deepseek_v3");
+    let weights = common::tiny_weights(&cfg, 3, candle_core::DType::F32);
+    assert!(r3_model::Model::new(&cfg, &weights).is_ok());
+    let mut map = weights.into_map();
+    let name = map
+        .keys()
+        .find(|n| n.ends_with("gate.e_score_correction_bias"))
+        .cloned()
+        .expect("a score bias");
+    for bad in [f32::NAN, f32::NEG_INFINITY] {
+        let mut values = map[&name].to_vec1::<f32>().expect("bias");
+        values[2] = bad;
+        let n = values.len();
+        map.insert(
+            name.clone(),
+            Tensor::from_vec(values, n, &Device::Cpu).expect("bad bias"),
+        );
+        let err = r3_model::Model::new(&cfg, &r3_model::Weights::from_map(map.clone()))
+            .expect_err("refused");
+        let text = err.to_string();
+        assert!(text.contains(&name) && text.contains("index 2"), "{text}");
+    }
+}

@@ -394,8 +394,8 @@ impl Model {
                 StepRouting::Device if self.routes_on_device() => true,
                 StepRouting::Device => return Err(ModelError::Input(
                     "a step routed on the device, for a model whose routers choose on the host \
-                     (DeepSeek-V3's grouped selection, or more experts or a larger top-k than \
-                     the device's selection takes)"
+                     (more experts, a larger top-k or expert groups other than the device's \
+                     selection takes: Router::selects_on_device)"
                         .into(),
                 )),
             };

@@ -260,8 +260,8 @@ impl DeviceEngine {
         if cfg.routing == RoutingPlace::Device && !model.routes_on_device() {
             return Err(RolloutError::InvalidConfig(
                 "routing = device: this model's routers choose their experts on the host \
-                 (DeepSeek-V3's grouped selection, or more experts or a larger top-k than \
-                 the device's selection takes); use auto or host"
+                 (more experts, a larger top-k or expert groups other than the device's \
+                 selection takes); use auto or host"
                     .into(),
             ));
         }

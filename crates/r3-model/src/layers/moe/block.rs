@@ -127,6 +127,15 @@ fn score_bias_of(weights: &Weights, prefix: &str) -> Result<Option<(Tensor, Vec<
         Some(b) => {
             let on_device = b.to_dtype(candle_core::DType::F32)?;
             let host = on_device.to_vec1::<f32>()?;
+            // The selection ranks `sigmoid + bias`: with a NaN there its order is undefined
+            // (a host keeps the NaN's sign, a GPU's sum makes it positive), whatever the
+            // load allowed.
+            if let Some((index, value)) = host.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+                return Err(ModelError::Input(format!(
+                    "tensor `{name}` holds {value} at index {index}: a router cannot select \
+                     experts with a non-finite score bias"
+                )));
+            }
             Some((on_device, host))
         }
         None => None,
