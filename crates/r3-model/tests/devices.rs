@@ -980,7 +980,8 @@ mod cuda {
                 .expect("on the GPU");
             assert_eq!(got, want, "{experts} experts, top-{top_k}");
             // A native training layer's read: the host's ids, and the same on the GPU.
-            let (host, on_device) = read_choice(&router, &t, None).expect("read");
+            let choice = read_choice(&router, &t, None, false).expect("read");
+            let (host, on_device) = (choice.ids, choice.on_device);
             assert_eq!(host, want, "{experts} experts, top-{top_k} read");
             let on_device = on_device
                 .flatten_all()
@@ -994,7 +995,7 @@ mod cuda {
         logits[4 * 8 + 5] = f32::NAN;
         let want = router.select_rows(&logits, None).expect_err("host");
         let t = Tensor::from_vec(logits, (6, 8), &device).expect("logits");
-        let got = read_choice(&router, &t, None).expect_err("GPU");
+        let got = read_choice(&router, &t, None, false).expect_err("GPU");
         assert_eq!(got.to_string(), want.to_string());
     }
 

@@ -147,7 +147,8 @@ fn the_selection_on_the_device_is_the_host_selection() {
             .expect("device");
         assert_eq!(got, want, "{experts} experts, top-{top_k}");
         // A native training layer's read: the same ids on the host and on the device.
-        let (host, on_device) = read_choice(&router, &t, None).expect("read");
+        let choice = read_choice(&router, &t, None, false).expect("read");
+        let (host, on_device) = (choice.ids, choice.on_device);
         assert_eq!(host, want, "{experts} experts, top-{top_k} read");
         assert_eq!(on_device.dims(), &[rows, top_k]);
         let on_device = on_device
@@ -174,7 +175,7 @@ fn the_selection_on_the_device_is_the_host_selection() {
     let t = Tensor::zeros((1, 4), candle_core::DType::F32, &Device::Cpu).expect("logits");
     let err = route_rows(&single, &t, None).expect_err("on the host only");
     assert!(err.to_string().contains("on the host"), "{err}");
-    assert!(read_choice(&single, &t, None).is_err());
+    assert!(read_choice(&single, &t, None, false).is_err());
     // A softmax router takes no bias.
     let router = softmax_router(8, 2, true);
     let t = Tensor::zeros((1, 8), candle_core::DType::F32, &Device::Cpu).expect("logits");
@@ -183,12 +184,14 @@ fn the_selection_on_the_device_is_the_host_selection() {
     // No rows: nothing launched, nothing chosen.
     let router = softmax_router(8, 2, true);
     let none = Tensor::zeros((0, 8), candle_core::DType::F32, &Device::Cpu).expect("no rows");
-    let (host, on_device) = read_choice(&router, &none, None).expect("no rows");
+    let choice = read_choice(&router, &none, None, true).expect("no rows");
+    let (host, on_device) = (choice.ids, choice.on_device);
+    assert_eq!(choice.gates.map(|g| g.dims().to_vec()), Some(vec![0, 2]));
     assert!(host.is_empty());
     assert_eq!(on_device.dims(), &[0, 2]);
     // Logits of another width than the router's experts.
     let wide = Tensor::zeros((2, 9), candle_core::DType::F32, &Device::Cpu).expect("wide");
-    assert!(read_choice(&router, &wide, None).is_err());
+    assert!(read_choice(&router, &wide, None, false).is_err());
 }
 
 /// DeepSeek-V3's grouped selection where the logits are chooses what the host chooses with
@@ -248,7 +251,18 @@ fn the_grouped_selection_on_the_device_is_the_host_selection() {
                     "row {r}"
                 );
             }
-            let (host, _) = read_choice(&router, &t, b.as_ref()).expect("read");
+            let read = read_choice(&router, &t, b.as_ref(), true).expect("read");
+            let read_gates = read
+                .gates
+                .map(|g| g.flatten_all().and_then(|g| g.to_vec1::<f32>()))
+                .transpose()
+                .expect("read gates");
+            assert_eq!(
+                read_gates.as_deref(),
+                Some(gates.as_slice()),
+                "{experts} experts read gates"
+            );
+            let host = read.ids;
             assert_eq!(host, want, "{experts} experts, bias {with_bias} read");
         }
         // A bias of another length is refused.
@@ -270,7 +284,7 @@ fn a_non_finite_row_read_from_the_device_is_the_hosts_error() {
         logits[5 * 8 + 1] = f32::NAN;
         let want = router.select_rows(&logits, None).expect_err("host");
         let t = Tensor::from_vec(logits, (6, 8), &Device::Cpu).expect("logits");
-        let got = read_choice(&router, &t, None).expect_err("device");
+        let got = read_choice(&router, &t, None, false).expect_err("device");
         assert!(
             matches!(
                 got,

@@ -6,8 +6,9 @@
 //! mask the caller builds (it knows which slots of its padded batch are padding). The layers
 //! are the training forward's own: the same weights, precision rounding points and router;
 //! only the RoPE positions and the attention over cached slots differ. A step's MoE layers
-//! choose their experts on the host (each layer's router logits copied there) or, for a few
-//! rows, on the device ([`StepRouting`]), the routes then copied once at the step's end.
+//! plan their experts on the host (each layer's chosen ids read back there) or, for a few
+//! rows, run them on the device without the host ([`StepRouting`]), the routes then copied
+//! once at the step's end.
 
 use candle_core::{Shape, Tensor};
 
@@ -253,9 +254,10 @@ pub struct Step<'a> {
 /// Where a step's MoE layers choose their experts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum StepRouting {
-    /// On the host, from each layer's router logits copied there (the host waits for the
-    /// device once a layer): every router kind, any number of rows, the experts' weights
-    /// read in place.
+    /// Planned on the host (the host waits for the device once a layer): each layer's ids
+    /// read back there (chosen where the logits are where the router selects on the device,
+    /// else from the logits copied to the host), the experts' GEMMs planned from them; every
+    /// router kind, any number of rows, the experts' weights read in place.
     #[default]
     Host,
     /// On the device ([`Model::routes_on_device`] models only): each layer's top-k, gates and

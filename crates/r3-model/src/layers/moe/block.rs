@@ -34,8 +34,9 @@ pub enum Gates {
     /// By candle's ops on the logits' device: differentiable, and the same ops as every
     /// training forward (a frozen old-policy pass gives the update pass's bits).
     Differentiable,
-    /// On the host by [`Router::weigh_row`] when nothing tracks the logits (the rollout
-    /// engine's steps), else as [`Gates::Differentiable`].
+    /// By [`Router::weigh_row`]'s formula when nothing tracks the logits (the rollout
+    /// engine's steps): where the router selects on the device by the selection's own op,
+    /// else on the host; where something tracks them, as [`Gates::Differentiable`].
     HostWhenUntracked,
 }
 
@@ -329,20 +330,27 @@ impl MoeBlock {
         let forced_ids = all_forced
             .filter(|p| !p.count_differences || count_on_device)
             .map(|p| p.ids.clone());
-        // The gates weighed on the host read its copy of the logits; otherwise a router that
-        // selects on the device chooses there and only its ids cross (k + 1 values a row
-        // where the logits are E, and no ranking on the host while a GPU waits).
-        let host_gates = gates == Gates::HostWhenUntracked && !logits.track_op();
-        let choose_on_device = self.routes_on_device() && !host_gates;
+        // A router that selects on the device chooses there and only its ids cross (k + 1
+        // values a row where the logits are E, and no ranking on the host while a GPU waits);
+        // where nothing differentiates through the gates (the rollout engine's steps) they
+        // are weighed there too, by the host's row formula (`Router::weigh_row`), unless a
+        // plan replaces ids (then the host's copy of the logits weighs them).
+        let untracked_gates = gates == Gates::HostWhenUntracked && !logits.track_op();
+        let choose_on_device = self.routes_on_device() && !(untracked_gates && plan.is_some());
         // The router's own choice, where this layer takes it: the host ids, the host's
         // logits (host selection) or the ids on the device (device selection).
         let (mut ids, host, mut native_on_device, device_wait) = match forced_ids {
             Some(ids) => (ids, None, None, Duration::ZERO),
             None if choose_on_device => {
                 let waiting = Instant::now();
-                let (ids, on_device) =
-                    read_choice(&self.router, &logits, self.score_bias_on_device.as_ref())?;
-                (ids, None, Some(on_device), waiting.elapsed())
+                let choice = read_choice(
+                    &self.router,
+                    &logits,
+                    self.score_bias_on_device.as_ref(),
+                    untracked_gates,
+                )?;
+                let chosen = (choice.on_device, choice.gates);
+                (choice.ids, None, Some(chosen), waiting.elapsed())
             }
             None => {
                 let waiting = Instant::now();
@@ -387,24 +395,26 @@ impl MoeBlock {
             None => None,
         };
         let mut ids_on_device = None;
-        let gates = if let (Gates::HostWhenUntracked, false, Some(host)) =
-            (gates, logits.track_op(), host.as_ref())
-        {
+        let gates = match (untracked_gates, host.as_ref(), native_on_device) {
             // Nothing differentiates through the gates, and the host holds the logits
             // already: the gates by the row form the CPU rollout engine weighs with, one
             // upload instead of the ids' upload and four kernels (softmax, gather, sum,
             // divide) on a GPU.
-            self.host_gates(host, &ids, x.device())?
-                .to_dtype(logits.dtype())?
-        } else {
-            let ids_tensor = match native_on_device {
-                // The ids dispatched are the ones chosen on the device: no upload.
-                Some(on_device) => on_device,
-                None => Tensor::from_vec(ids.clone(), (n, k), x.device())?,
-            };
-            let gates = self.router.weigh(&logits, &ids_tensor)?;
-            ids_on_device = Some(ids_tensor);
-            gates
+            (true, Some(host), _) => self
+                .host_gates(host, &ids, x.device())?
+                .to_dtype(logits.dtype())?,
+            // The same formula, weighed where the ids were chosen.
+            (true, None, Some((_, Some(gates)))) => gates.to_dtype(logits.dtype())?,
+            (_, _, chosen) => {
+                let ids_tensor = match chosen {
+                    // The ids dispatched are the ones chosen on the device: no upload.
+                    Some((on_device, _)) => on_device,
+                    None => Tensor::from_vec(ids.clone(), (n, k), x.device())?,
+                };
+                let gates = self.router.weigh(&logits, &ids_tensor)?;
+                ids_on_device = Some(ids_tensor);
+                gates
+            }
         };
 
         let dispatch = Dispatch::new(&ids, k, e)?;

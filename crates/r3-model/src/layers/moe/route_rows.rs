@@ -131,27 +131,42 @@ fn packed_choice(
     })
 }
 
+/// A choice made where the logits are and read back for the host ([`read_choice`]).
+#[derive(Debug)]
+pub struct ReadChoice {
+    /// `[rows · k]` experts, best first, on the host.
+    pub ids: Vec<u32>,
+    /// The same `[rows, k]` u32 on the logits' device.
+    pub on_device: Tensor,
+    /// `[rows, k]` f32 gates on the logits' device (`Router::weigh_row`'s formulas), where
+    /// asked for.
+    pub gates: Option<Tensor>,
+}
+
 /// The experts `router` (one that selects on the device) chooses over `logits` `[rows, E]`
 /// with the score correction `bias` (DeepSeek-V3's, else None), chosen where the logits are
 /// and read to the host in one copy of `rows · (k + 1)` values (the host's selection copies
 /// all `rows · E` logits, then ranks them on the host while a GPU idles): the host ids
-/// `[rows · k]` in selection order, and the same ids `[rows, k]` u32 on the logits' device.
-/// A row with a non-finite logit is the host selection's error: its first such row and, in
-/// it, its first such expert.
+/// `[rows · k]` in selection order, the same ids on the logits' device, and there too the
+/// gates where `gates` asks for them. A row with a non-finite logit is the host selection's
+/// error: its first such row and, in it, its first such expert.
 pub fn read_choice(
     router: &Router,
     logits: &Tensor,
     bias: Option<&Tensor>,
-) -> Result<(Vec<u32>, Tensor)> {
+    gates: bool,
+) -> Result<ReadChoice> {
     let (rows, _) = logits.dims2()?;
     let k = router.top_k;
-    // The gates are not read: the CPU's op skips them.
-    let packed = packed_choice(router, logits, bias, false)?;
+    // Without gates the CPU's op skips them.
+    let packed = packed_choice(router, logits, bias, gates)?;
     if rows == 0 {
-        return Ok((
-            Vec::new(),
-            Tensor::zeros((0, k), DType::U32, logits.device())?,
-        ));
+        let none = |dtype| Tensor::zeros((0, k), dtype, logits.device());
+        return Ok(ReadChoice {
+            ids: Vec::new(),
+            on_device: none(DType::U32)?,
+            gates: if gates { Some(none(DType::F32)?) } else { None },
+        });
     }
     let slots = rows * k;
     let record = packed.narrow(0, slots, slots + rows)?.to_vec1::<f32>()?;
@@ -160,11 +175,17 @@ pub fn read_choice(
         let values = logits.get(row)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
         return Err(non_finite_row(row, &values));
     }
-    let on_device = packed
-        .narrow(0, slots, slots)?
-        .to_dtype(DType::U32)?
-        .reshape((rows, k))?;
-    Ok((ids.iter().map(|&id| id as u32).collect(), on_device))
+    Ok(ReadChoice {
+        ids: ids.iter().map(|&id| id as u32).collect(),
+        on_device: packed
+            .narrow(0, slots, slots)?
+            .to_dtype(DType::U32)?
+            .reshape((rows, k))?,
+        gates: match gates {
+            true => Some(packed.narrow(0, 0, slots)?.reshape((rows, k))?),
+            false => None,
+        },
+    })
 }
 
 /// The ops' CPU form: each row of `logits` (`rows × cols`, contiguous) chosen by the host's
