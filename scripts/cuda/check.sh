@@ -272,6 +272,12 @@ gpu_peak() {
 # tensors_mib FILE: the tensors' own high-water mark (the memory pool's) r3 bench train
 # printed, beside nvidia-smi's whole process.
 tensors_mib() { grep -E "^device memory" "$1" | sed -E 's/.*during the steps ([0-9]+) MiB.*/\1/'; }
+# routing_waits FILE: the routing waits a bench's forward made (MoE layers whose router's
+# choice the host read mid-forward, each draining the GPU's queue), native and replay:
+# "native N/T ms, replay M/U ms".
+routing_waits() {
+    grep -E "^routing waits" "$1" | sed -E 's/.*native ([0-9]+) layers, ([0-9.]+) ms; replay ([0-9]+) layers, ([0-9.]+) ms.*/native \1\/\2 ms, replay \3\/\4 ms/'
+}
 # grads_kept FILE: the gradients' size at the backward's end and how many r3 bench train kept
 # in bf16 (--narrow-gradients).
 grads_kept() {
@@ -310,7 +316,7 @@ for run in "mid f32 8 70 --parts" "mid bf16 8 70 --parts" "a3b-8l bf16 2 120"; d
         --config "$config" --dtype "$dtype" --batch "$batch" --seq-len 512 --steps 3)
     cat "$work/bench-hf-$name.txt"
     hf_tps=$(grep -E "^peer " "$work/bench-hf-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s.*/\1/')
-    line="$name r3 ${r3_tps:-?} tok/s ${r3_mem:-?} MiB (tensors ${r3_tensors:-?} MiB; $(peak_share "$work/bench-r3-$name.txt")), HF ${hf_tps:-?} tok/s ${hf_mem:-?} MiB, replay ${replay_cost:-?}%"
+    line="$name r3 ${r3_tps:-?} tok/s ${r3_mem:-?} MiB (tensors ${r3_tensors:-?} MiB; $(peak_share "$work/bench-r3-$name.txt")), HF ${hf_tps:-?} tok/s ${hf_mem:-?} MiB, replay ${replay_cost:-?}% (waits $(routing_waits "$work/bench-r3-$name.txt"))"
     # bf16 also beside HF the way its Trainer runs bf16 (f32 parameters under autocast): r3's
     # own scheme (f32 master weights, bf16 matmuls), so the like-for-like peer.
     if [ "$dtype" = bf16 ] && [ "$(left)" -ge 60 ]; then
@@ -762,7 +768,7 @@ cat "$work/bench-hf-$name.txt"
 hf_tps=$(grep -E "^peer " "$work/bench-hf-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s.*/\1/')
 # A run that failed says how (124: its time ran out; out of memory where the log says so).
 oom() { grep -m1 -io 'out of memory\|OUT_OF_MEMORY' "$1" > /dev/null && echo ", out of memory"; }
-line="r3 rc ${r3_rc}$(oom "$work/bench-r3-$name.txt"): bf16 masters ${r3_tps:-?} tok/s ${r3_mem:-?} MiB (tensors $(tensors_mib "$work/bench-r3-$name.txt") MiB; gradients $(grads_kept "$work/bench-r3-$name.txt"); $(peak_share "$work/bench-r3-$name.txt")), replay ${replay_cost:-?}%; HF rc ${hf_rc}$(oom "$work/bench-hf-$name.txt"): bf16 ${hf_tps:-?} tok/s ${hf_mem:-?} MiB"
+line="r3 rc ${r3_rc}$(oom "$work/bench-r3-$name.txt"): bf16 masters ${r3_tps:-?} tok/s ${r3_mem:-?} MiB (tensors $(tensors_mib "$work/bench-r3-$name.txt") MiB; gradients $(grads_kept "$work/bench-r3-$name.txt"); $(peak_share "$work/bench-r3-$name.txt")), replay ${replay_cost:-?}% (waits $(routing_waits "$work/bench-r3-$name.txt")); HF rc ${hf_rc}$(oom "$work/bench-hf-$name.txt"): bf16 ${hf_tps:-?} tok/s ${hf_mem:-?} MiB"
 # Then, while the budget lasts, the same run with the padded experts one op per step
 # (--padded-expert-ops per-step: the graph keeping each step's f32 input, ≈ 1.0 GB a layer
 # at this batch, where the fused ops, the default, hold ≈ 0.3 GB in bf16): the memory the

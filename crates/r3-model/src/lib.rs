@@ -36,7 +36,9 @@ pub use config::{
 pub use device::{DeviceError, DeviceSpec};
 pub use error::{ModelError, Result};
 pub use host_staging::HostStaging;
-pub use model::{Batch, ForwardOutput, HeadPositions, Model, ScoreTargets, SharedLen};
+pub use model::{
+    Batch, ForwardOutput, HeadPositions, Model, RoutingWaits, ScoreTargets, SharedLen,
+};
 pub use precision::Precision;
 pub use router::Router;
 pub use routing_mode::{ReplayProof, ReplayRoutes, Routing};

@@ -147,6 +147,20 @@ pub struct ForwardOutput {
     /// Per sequence, what of it another sequence's rows stood for
     /// ([`Batch::sharing_prefixes`]); all 0 unshared.
     pub shared_lens: Vec<SharedLen>,
+    /// The MoE layers whose routing waited for the device, and the host's time in those
+    /// waits (on a GPU each drains the queued work before the router's choice is read).
+    pub routing_waits: RoutingWaits,
+}
+
+/// The forward's waits for the device inside its MoE layers: a native layer reads its
+/// router's choice to plan its experts; a replay forcing every row of a router that selects
+/// on the device reads nothing until the forward's end.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct RoutingWaits {
+    /// MoE layers that waited.
+    pub layers: usize,
+    /// The host's wall time in those waits.
+    pub time: Duration,
 }
 
 impl ForwardOutput {
@@ -695,6 +709,10 @@ impl Model {
             differs: moe.differs.clone(),
             ..MoeRecord::default()
         });
+        let routing_waits = RoutingWaits {
+            layers: moe.waits,
+            time: moe.device_wait,
+        };
         let (routes, replay) =
             self.routing_result(routing, plan, spread.as_ref().unwrap_or(&moe), lengths)?;
         if !matches!(routing, Routing::Native) {
@@ -732,6 +750,7 @@ impl Model {
             hidden_states: hidden,
             routing_overhead,
             shared_lens,
+            routing_waits,
         };
         Ok((out, recompute))
     }
@@ -810,6 +829,7 @@ impl Model {
             moe.differs.push(out.differs_from_native);
             moe.replay_time += out.replay_time;
             moe.device_wait += out.device_wait;
+            moe.waits += usize::from(out.waited);
             Ok(out.output)
         })
     }
@@ -944,8 +964,10 @@ struct MoeRecord {
     differs: Vec<Divergence>,
     /// time spent forcing the plan's ids
     replay_time: Duration,
-    /// time the host waited for the router logits
+    /// time the host waited for the routers' choices
     device_wait: Duration,
+    /// MoE layers that waited for the device
+    waits: usize,
 }
 
 /// The head's input from the last layer's states `x` `[B, T, H]` of an unshared batch

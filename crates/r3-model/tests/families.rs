@@ -109,6 +109,13 @@ fn replaying_recorded_routes_reproduces_native() {
         assert_eq!(proof.replayed_cells, vec![9; moe], "{family}");
         assert_eq!(proof.differs_from_native, vec![0; moe], "{family}");
         assert_eq!(proof.native_final_position, vec![false, false]);
+        // A native or recording layer waits for its router's choice; a replay forcing every
+        // row counts its divergence where the logits are and waits in no layer (every
+        // family's routers select on the device, DeepSeek-V3's grouped ones included).
+        assert_eq!(native.routing_waits.layers, moe, "{family}: native waits");
+        assert_eq!(rec.routing_waits.layers, moe, "{family}: record waits");
+        assert_eq!(rep.routing_waits.layers, 0, "{family}: replay waits");
+        assert_eq!(rep.routing_waits.time, Duration::ZERO, "{family}");
 
         // Rollout convention: tokens − 1 rows, final position native and reported.
         let short: Vec<RouteTable> = tables
@@ -122,6 +129,11 @@ fn replaying_recorded_routes_reproduces_native() {
         let proof = rep.replay.expect("proof");
         assert_eq!(proof.native_final_position, vec![true, true]);
         assert_eq!(proof.native_cells, vec![2; moe]);
+        // Rows left to the router: every layer waits for its choice.
+        assert_eq!(
+            rep.routing_waits.layers, moe,
+            "{family}: short replay waits"
+        );
         assert_eq!(proof.replayed_cells, vec![7; moe]);
 
         // All-layer tables (as SGLang / vLLM send them) are converted, checked, replayed.

@@ -137,6 +137,8 @@ struct StepTime {
     refresh: f64,
     cpu: Option<f64>,
     routing_overhead: f64,
+    /// The forward's MoE layers that waited for the device, and the host's time in them.
+    waits: r3_model::RoutingWaits,
     /// What the variables' gradients held at the backward's end.
     gradients: GradientBytes,
 }
@@ -199,6 +201,15 @@ impl Timing {
         }
     }
 
+    /// Mean MoE layers a forward waited in, and the mean milliseconds of those waits.
+    fn mean_waits(&self) -> (f64, f64) {
+        let n = self.steps.len().max(1) as f64;
+        let (layers, secs) = self.steps.iter().fold((0.0, 0.0), |(l, t), s| {
+            (l + s.waits.layers as f64, t + s.waits.time.as_secs_f64())
+        });
+        (layers / n, secs / n * 1e3)
+    }
+
     /// Fewest CPU seconds of any step: steal time by other tenants does not count as ours,
     /// so this is the steadiest figure for comparing two modes.
     fn least_cpu(&self) -> Option<f64> {
@@ -251,6 +262,7 @@ fn step(
         anyhow::bail!("replayed forward returned no replay proof");
     }
     let routing_overhead = out.routing_overhead.as_secs_f64();
+    let waits = out.routing_waits;
     let logp = match scores {
         // `[B·T, 2]`: each position's target log-prob, then its entropy.
         Some(_) => out.logits.narrow(1, 0, 1)?.squeeze(1)?,
@@ -283,6 +295,7 @@ fn step(
         refresh: (t3 - t2).as_secs_f64(),
         cpu,
         routing_overhead,
+        waits,
         gradients,
     })
 }
@@ -583,6 +596,10 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     println!(
         "replay's own work (tables → per-layer ids, forced-id overrides, verification), timed where it runs: {:.3}% of replay step time (goal ≤ 1%)",
         replay.overhead_share() * 100.0
+    );
+    let ((nl, nt), (rl, rt)) = (native.mean_waits(), replay.mean_waits());
+    println!(
+        "routing waits a forward (MoE layers whose router's choice the host read mid-forward; on a GPU each drains the queued work): native {nl:.0} layers, {nt:.2} ms; replay {rl:.0} layers, {rt:.2} ms"
     );
     if let Some(g) = native.steps.last().map(|s| s.gradients) {
         println!(

@@ -156,9 +156,12 @@ pub struct MoeOutput {
     /// wall time of the replay's own work here: the plan's ids put in place of the
     /// router's own, and the forced rows whose experts differ from them counted
     pub replay_time: Duration,
-    /// wall time the host waited for the router logits: on a GPU the queued work before
-    /// them, then their copy (routing reads them on the host)
+    /// wall time the host waited for the router's choice: on a GPU the queued work before
+    /// it, then the copy of the chosen ids (or of the logits, where the host selects)
     pub device_wait: Duration,
+    /// whether the layer waited for the device at all (a replay forcing every row of a
+    /// router that selects on the device does not)
+    pub waited: bool,
 }
 
 impl MoeBlock {
@@ -458,6 +461,7 @@ impl MoeBlock {
             differs_from_native: differs,
             replay_time,
             device_wait,
+            waited: routed_here,
         })
     }
 
