@@ -452,7 +452,8 @@ fn routes_to_host(layers: &[(&MoeBlock, DeviceRoutes)]) -> Result<Vec<Vec<u32>>>
         return Ok(Vec::new());
     }
     let records: Vec<&Tensor> = layers.iter().map(|(_, r)| &r.record).collect();
-    let all = Tensor::cat(&records, 0)?.to_vec1::<f32>()?;
+    // One layer's record is a view of its op's output (cat of one is that view).
+    let all = crate::host::view_to_host_f32(&Tensor::cat(&records, 0)?)?;
     let mut routes = Vec::with_capacity(layers.len());
     let mut at = 0;
     for (block, routed) in layers {

@@ -14,7 +14,7 @@ use rayon::prelude::*;
 
 use crate::config::RouterKind;
 use crate::error::{ModelError, Result};
-use crate::host::contiguous;
+use crate::host::{contiguous, view_to_host_f32};
 use crate::router::Router;
 
 /// What a softmax router chose for `rows` rows, on the logits' device.
@@ -169,10 +169,10 @@ pub fn read_choice(
         });
     }
     let slots = rows * k;
-    let record = packed.narrow(0, slots, slots + rows)?.to_vec1::<f32>()?;
+    let record = view_to_host_f32(&packed.narrow(0, slots, slots + rows)?)?;
     let (ids, finite) = record.split_at(slots);
     if let Some(row) = finite.iter().position(|&f| f == 0.0) {
-        let values = logits.get(row)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        let values = view_to_host_f32(&logits.get(row)?.to_dtype(DType::F32)?)?;
         return Err(non_finite_row(row, &values));
     }
     Ok(ReadChoice {
