@@ -58,10 +58,16 @@ struct Worker {
 
 impl Worker {
     fn start(model: &Path, port: u16) -> Self {
+        Self::start_with(model, port, &[])
+    }
+
+    /// [`Worker::start`] with more `r3 serve` arguments.
+    fn start_with(model: &Path, port: u16, extra: &[&str]) -> Self {
         let child = Command::new(env!("CARGO_BIN_EXE_r3"))
             .args(["serve", "--model"])
             .arg(model)
             .args(["--port", &port.to_string(), "--host", "127.0.0.1"])
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -306,10 +312,10 @@ fn steps_logged(run: &Path) -> usize {
         .unwrap_or(0)
 }
 
-/// Requests running on the worker at `port` (0 when it does not answer).
-fn running_requests(port: u16) -> u64 {
+/// Requests waiting for a running slot on the worker at `port` (0 when it does not answer).
+fn waiting_requests(port: u16) -> u64 {
     http_get(port, "/v1/loads")
-        .and_then(|(_, v)| v["loads"][0]["num_running_reqs"].as_u64())
+        .and_then(|(_, v)| v["loads"][0]["num_waiting_reqs"].as_u64())
         .unwrap_or(0)
 }
 
@@ -328,6 +334,13 @@ fn a_worker_killed_mid_async_run_costs_retries_not_trajectories_and_rejoins() {
 fn worker_killed_mid_run(rollout_ahead: bool) {
     let (scratch, model, mut workers, urls) =
         fleet_setup(if rollout_ahead { "kill-async" } else { "kill" });
+    // Worker 1 runs one request at a time, so that requests queue behind it: killed while
+    // some wait, it takes several requests' time with it whatever instant the kill lands
+    // (with every request running at once, a batch could finish between the check and the
+    // kill on a loaded machine, and then nothing was in flight to retry).
+    let port = workers[1].port;
+    workers[1].kill();
+    workers[1] = Worker::start_with(&model, port, &["--max-running", "1"]);
     let root = &scratch.0;
     let run = root.join("run");
     // Enough steps after the kill that some start after the restarted worker is up (with
@@ -346,13 +359,13 @@ fn worker_killed_mid_run(rollout_ahead: bool) {
         &train_args(&model, &run, &settings),
         &root.join("train.log"),
     );
-    // Kill worker 1 while it runs requests, once step 1 is logged (step 2's batch, or with
-    // the rollout ahead step 3's).
+    // Kill worker 1 while requests wait behind its running one, once step 1 is logged
+    // (step 2's batch, or with the rollout ahead step 3's).
     let deadline = Instant::now() + Duration::from_secs(300);
-    while steps_logged(&run) < 1 || running_requests(workers[1].port) == 0 {
+    while steps_logged(&run) < 1 || waiting_requests(workers[1].port) < 2 {
         assert!(
             Instant::now() < deadline,
-            "no requests reached worker 1 after step 1"
+            "no requests queued on worker 1 after step 1"
         );
         assert!(
             steps_logged(&run) < steps,
