@@ -290,6 +290,33 @@ fn gathered_rows(device: &Device) -> Vec<Tensor> {
     out
 }
 
+/// Rows of bf16 and f16 values gathered by `GatherRows` on `device` (a GPU: r3's 16-bit
+/// row-copy kernel, 16-byte copies where the row is a multiple of eight values on a 16-byte
+/// boundary), as the padded experts gather their narrowed rows: rows of 16 and of 6 values,
+/// and views starting 3 and 8 values into their storage; each widened to f32 (exact) for
+/// the comparison.
+fn gathered_rows_16(device: &Device) -> Vec<Tensor> {
+    let ids: Vec<u32> = (0..50u32).map(|i| (i * 7 + 3) % 20).collect();
+    let mut out = Vec::new();
+    for dtype in [DType::BF16, DType::F16] {
+        for (width, skip) in [(16, 0), (6, 0), (16, 3), (16, 8)] {
+            let flat = seeded(&[20 * width + skip], 40 + width as u64, device)
+                .to_dtype(dtype)
+                .expect("narrow");
+            let src = flat
+                .narrow(0, skip, 20 * width)
+                .and_then(|t| t.reshape((20, width)))
+                .expect("source");
+            assert_eq!(src.layout().start_offset(), skip, "the source is a view");
+            let op = GatherRows::new(ids.clone(), 20, 20).expect("op");
+            let y = src.apply_op1_no_bwd(&op).expect("gather");
+            assert_eq!(y.dtype(), dtype);
+            out.push(y.to_dtype(DType::F32).expect("widened"));
+        }
+    }
+    out
+}
+
 /// `cast16` on `device` both ways against the CPU's cast, bit for bit: ties, infinities,
 /// signed zeros, values past the 16-bit ranges and subnormals; a length that is not a
 /// multiple of four (the kernels' tail), a view starting on a four-element boundary (the
@@ -488,6 +515,13 @@ fn compare(device: &Device, tol: f32) {
             want,
             tol,
         );
+    }
+    for (i, (got, want)) in gathered_rows_16(device)
+        .iter()
+        .zip(gathered_rows_16(&Device::Cpu).iter())
+        .enumerate()
+    {
+        assert_close(&format!("gathered 16-bit rows case {i}"), got, want, 0.0);
     }
     let [lp, dz] = token_logprobs(device);
     let [lp_cpu, dz_cpu] = token_logprobs(&Device::Cpu);

@@ -326,6 +326,24 @@ extern "C" __global__ void r3_gather_rows_f32(const float *src, const uint32_t *
     }
 }
 
+// r3_gather_rows_f32 for rows of a 16-bit float (bf16 or f16, moved as their bits): 16-byte
+// copies (eight values) when `octs` (the row a multiple of eight, the source on a 16-byte
+// boundary). The padded experts gather their rows narrow (cast once, then gathered: half the
+// bytes of gathering f32 rows). CPU twin: candle's index_select (gather_rows.rs).
+extern "C" __global__ void r3_gather_rows_u16(const uint16_t *src, const uint32_t *ids,
+                                              uint16_t *out, uint32_t row, uint32_t octs) {
+    const size_t r = blockIdx.x;
+    const uint16_t *s = src + (size_t)ids[r] * row;
+    uint16_t *o = out + r * row;
+    if (octs) {
+        const uint4 *s8 = reinterpret_cast<const uint4 *>(s);
+        uint4 *o8 = reinterpret_cast<uint4 *>(o);
+        for (uint32_t j = threadIdx.x; j < row / 8; j += blockDim.x) o8[j] = s8[j];
+    } else {
+        for (uint32_t j = threadIdx.x; j < row; j += blockDim.x) o[j] = s[j];
+    }
+}
+
 // The row gather's backward (layers/gather_rows.rs GatherSum). One block per source row q:
 // rows below grad_rows get the sum of their uses' gradient rows, uses[offsets[q] ..
 // offsets[q + 1]] in order, from zero; the rest zero. CPU twin: gather_rows.rs

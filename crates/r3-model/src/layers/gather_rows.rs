@@ -221,13 +221,36 @@ impl CustomOp1 for GatherRows {
         let row = layout.dims()[1..].iter().product::<usize>();
         let ids = storage.device().storage_from_slice(self.ids.as_slice())?;
         let ids_layout = Layout::contiguous(self.ids.len());
-        // r3's kernel for f32 rows (whole-row copies), candle's index_select otherwise.
-        let kernel = storage.dtype() == DType::F32
-            && layout.is_contiguous()
-            && row > 0
-            && !self.ids.is_empty()
-            && u32::try_from(row).is_ok();
-        if !kernel {
+        // r3's kernels for f32 and 16-bit rows (whole-row copies), candle's index_select
+        // otherwise (it computes a strided index per element in 64-bit arithmetic).
+        let kernel =
+            layout.is_contiguous() && row > 0 && !self.ids.is_empty() && u32::try_from(row).is_ok();
+        if kernel && matches!(storage.dtype(), DType::BF16 | DType::F16) {
+            let octs = row.is_multiple_of(8) && layout.start_offset().is_multiple_of(8);
+            let launch = cuda::per_row(self.ids.len(), cuda::row_threads(row.div_ceil(2)))?;
+            macro_rules! gather16 {
+                ($ty:ty) => {
+                    cuda::launch_typed!(
+                        cuda::device(storage),
+                        "r3_gather_rows_u16",
+                        $ty,
+                        shape.elem_count(),
+                        launch,
+                        [
+                            cuda::view::<$ty>(storage, layout, "gathered rows")?,
+                            cuda::view::<u32>(&ids, &ids_layout, "row ids")?
+                        ],
+                        [row as u32, u32::from(octs)]
+                    )
+                };
+            }
+            let out = match storage.dtype() {
+                DType::BF16 => gather16!(half::bf16),
+                _ => gather16!(half::f16),
+            };
+            return Ok((out, shape));
+        }
+        if !(kernel && storage.dtype() == DType::F32) {
             let out = storage.index_select(&ids, layout, &ids_layout, 0)?;
             return Ok((out, shape));
         }
