@@ -17,7 +17,7 @@ use crate::error::{ModelError, Result};
 use crate::host::{contiguous, view_to_host_f32};
 use crate::router::Router;
 
-/// What a softmax router chose for `rows` rows, on the logits' device.
+/// What a router chose for `rows` rows, on the logits' device.
 #[derive(Debug)]
 pub struct DeviceChoice {
     /// `[rows, k]` f32 gates.
