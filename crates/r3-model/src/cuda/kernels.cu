@@ -309,39 +309,34 @@ extern "C" __global__ void r3_rms_norm_dw_chunks_f32(const float *x, const float
 }
 
 // out[r] = src[ids[r]], whole rows (layers/gather_rows.rs `GatherRows`): one block per output
-// row, 16-byte copies when `quads` (the row a multiple of four floats, the source on a
-// 16-byte boundary). candle's index_select computes a strided index per element: ≈ 0.1 ms
-// for a mid layer's 16 k rows of 512 on an H200. CPU twin: gather_rows.rs `gather`.
-extern "C" __global__ void r3_gather_rows_f32(const float *src, const uint32_t *ids, float *out,
-                                              uint32_t row, uint32_t quads) {
+// row, 16-byte copies (`Wide`) when `wide` (the row a multiple of a 16-byte word's values, the
+// source on a 16-byte boundary). candle's index_select computes a strided index per element:
+// ≈ 0.1 ms for a mid layer's 16 k rows of 512 on an H200. CPU twins: gather_rows.rs `gather`
+// (f32), candle's index_select (16-bit rows, moved as their bits).
+template <typename T, typename Wide>
+__device__ void gather_rows(const T *src, const uint32_t *ids, T *out, uint32_t row,
+                            uint32_t wide) {
     const size_t r = blockIdx.x;
-    const float *s = src + (size_t)ids[r] * row;
-    float *o = out + r * row;
-    if (quads) {
-        const float4 *s4 = reinterpret_cast<const float4 *>(s);
-        float4 *o4 = reinterpret_cast<float4 *>(o);
-        for (uint32_t j = threadIdx.x; j < row / 4; j += blockDim.x) o4[j] = s4[j];
+    const T *s = src + (size_t)ids[r] * row;
+    T *o = out + r * row;
+    if (wide) {
+        constexpr uint32_t per = sizeof(Wide) / sizeof(T);
+        const Wide *sw = reinterpret_cast<const Wide *>(s);
+        Wide *ow = reinterpret_cast<Wide *>(o);
+        for (uint32_t j = threadIdx.x; j < row / per; j += blockDim.x) ow[j] = sw[j];
     } else {
         for (uint32_t j = threadIdx.x; j < row; j += blockDim.x) o[j] = s[j];
     }
 }
-
-// r3_gather_rows_f32 for rows of a 16-bit float (bf16 or f16, moved as their bits): 16-byte
-// copies (eight values) when `octs` (the row a multiple of eight, the source on a 16-byte
-// boundary). The padded experts gather their rows narrow (cast once, then gathered: half the
-// bytes of gathering f32 rows). CPU twin: candle's index_select (gather_rows.rs).
+extern "C" __global__ void r3_gather_rows_f32(const float *src, const uint32_t *ids, float *out,
+                                              uint32_t row, uint32_t quads) {
+    gather_rows<float, float4>(src, ids, out, row, quads);
+}
+// The padded experts gather their rows narrow (cast once, then gathered: half the bytes of
+// gathering f32 rows): bf16 or f16 rows as 16-bit words, eight to a 16-byte copy.
 extern "C" __global__ void r3_gather_rows_u16(const uint16_t *src, const uint32_t *ids,
                                               uint16_t *out, uint32_t row, uint32_t octs) {
-    const size_t r = blockIdx.x;
-    const uint16_t *s = src + (size_t)ids[r] * row;
-    uint16_t *o = out + r * row;
-    if (octs) {
-        const uint4 *s8 = reinterpret_cast<const uint4 *>(s);
-        uint4 *o8 = reinterpret_cast<uint4 *>(o);
-        for (uint32_t j = threadIdx.x; j < row / 8; j += blockDim.x) o8[j] = s8[j];
-    } else {
-        for (uint32_t j = threadIdx.x; j < row; j += blockDim.x) o[j] = s[j];
-    }
+    gather_rows<uint16_t, uint4>(src, ids, out, row, octs);
 }
 
 // The row gather's backward (layers/gather_rows.rs GatherSum). One block per source row q:

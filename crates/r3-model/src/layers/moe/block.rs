@@ -725,29 +725,37 @@ mod tests {
             host: (0..n as u32).collect(),
             all: true,
         };
-        let host = block
-            .router_logits(&x)
-            .and_then(|l| Ok(l.flatten_all()?.to_vec1::<f32>()?))
-            .expect("host logits");
-        let want = block.router.select_rows(&host, None).expect("host choice");
+        let host_logits = |x: &Tensor| {
+            block
+                .router_logits(x)
+                .and_then(|l| Ok(l.flatten_all()?.to_vec1::<f32>()?))
+                .expect("host logits")
+        };
+        let want = block
+            .router
+            .select_rows(&host_logits(&x), None)
+            .expect("host choice");
         let forced = |ids: Vec<u32>, forced: Vec<bool>| LayerPlan {
             ids,
             forced,
             count_differences: false,
             copies: None,
         };
+        // `ids` dispatched as a plan forcing every row.
+        let as_plan = |ids: &[u32]| {
+            block
+                .forward(
+                    &x,
+                    &rows,
+                    Some(&forced(ids.to_vec(), vec![true; n])),
+                    Gates::Differentiable,
+                )
+                .expect("as a plan")
+        };
         let native = block.forward_native(&x, &rows).expect("native");
         assert_eq!(native.ids, want);
-        let as_plan = block
-            .forward(
-                &x,
-                &rows,
-                Some(&forced(want.clone(), vec![true; n])),
-                Gates::Differentiable,
-            )
-            .expect("as a plan");
         let bits = crate::test_util::f32_bits;
-        assert_eq!(bits(&native.output), bits(&as_plan.output));
+        assert_eq!(bits(&native.output), bits(&as_plan(&want).output));
 
         // Rows 0..8 forced to (r, r + 3) mod 6, rows 8..11 left to the router.
         let given: Vec<u32> = (0..n as u32).flat_map(|r| [r % 6, (r + 3) % 6]).collect();
@@ -760,15 +768,7 @@ mod tests {
             .forward(&x, &rows, Some(&partly), Gates::Differentiable)
             .expect("partly forced");
         assert_eq!(out.ids, merged);
-        let whole = block
-            .forward(
-                &x,
-                &rows,
-                Some(&forced(merged.clone(), vec![true; n])),
-                Gates::Differentiable,
-            )
-            .expect("merged as a plan");
-        assert_eq!(bits(&out.output), bits(&whole.output));
+        assert_eq!(bits(&out.output), bits(&as_plan(&merged).output));
         let differing = (0..8)
             .filter(|&r| !same_experts(&given[r * k..(r + 1) * k], &want[r * k..(r + 1) * k]))
             .count();
@@ -782,13 +782,9 @@ mod tests {
         let mut values = x.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("x");
         values[7 * 16 + 3] = f32::NAN;
         let bad = Tensor::from_vec(values, (n, 16), &Device::Cpu).expect("bad x");
-        let host = block
-            .router_logits(&bad)
-            .and_then(|l| Ok(l.flatten_all()?.to_vec1::<f32>()?))
-            .expect("bad logits");
         let want_err = block
             .router
-            .select_rows(&host, None)
+            .select_rows(&host_logits(&bad), None)
             .expect_err("host refuses");
         let got = block
             .forward_native(&bad, &rows)

@@ -38,13 +38,10 @@ pub struct DeviceChoice {
 pub fn route_rows(router: &Router, logits: &Tensor, bias: Option<&Tensor>) -> Result<DeviceChoice> {
     let (rows, _) = logits.dims2()?;
     let packed = packed_choice(router, logits, bias, true)?;
-    let slots = rows * router.top_k;
+    let (k, slots) = (router.top_k, rows * router.top_k);
     Ok(DeviceChoice {
-        gates: packed.narrow(0, 0, slots)?.reshape((rows, router.top_k))?,
-        ids: packed
-            .narrow(0, slots, slots)?
-            .to_dtype(DType::U32)?
-            .reshape((rows, router.top_k))?,
+        gates: packed_gates(&packed, rows, k)?,
+        ids: packed_ids(&packed, rows, k)?,
         finite: packed.narrow(0, 2 * slots, rows)?,
         record: packed.narrow(0, slots, slots + rows)?,
     })
@@ -59,14 +56,24 @@ pub(crate) fn chosen_ids(
 ) -> Result<(Tensor, Tensor)> {
     let (rows, _) = logits.dims2()?;
     let packed = packed_choice(router, logits, bias, false)?;
-    let slots = rows * router.top_k;
+    let k = router.top_k;
     Ok((
-        packed
-            .narrow(0, slots, slots)?
-            .to_dtype(DType::U32)?
-            .reshape((rows, router.top_k))?,
-        packed.narrow(0, 2 * slots, rows)?,
+        packed_ids(&packed, rows, k)?,
+        packed.narrow(0, 2 * rows * k, rows)?,
     ))
+}
+
+/// The `[rows, k]` u32 ids of an op's packed output (exact in f32).
+fn packed_ids(packed: &Tensor, rows: usize, k: usize) -> Result<Tensor> {
+    Ok(packed
+        .narrow(0, rows * k, rows * k)?
+        .to_dtype(DType::U32)?
+        .reshape((rows, k))?)
+}
+
+/// The `[rows, k]` f32 gates of an op's packed output.
+fn packed_gates(packed: &Tensor, rows: usize, k: usize) -> Result<Tensor> {
+    Ok(packed.narrow(0, 0, rows * k)?.reshape((rows, k))?)
 }
 
 /// The op's output for `router` over `logits` (checked against the router), its gates
@@ -177,12 +184,9 @@ pub fn read_choice(
     }
     Ok(ReadChoice {
         ids: ids.iter().map(|&id| id as u32).collect(),
-        on_device: packed
-            .narrow(0, slots, slots)?
-            .to_dtype(DType::U32)?
-            .reshape((rows, k))?,
+        on_device: packed_ids(&packed, rows, k)?,
         gates: match gates {
-            true => Some(packed.narrow(0, 0, slots)?.reshape((rows, k))?),
+            true => Some(packed_gates(&packed, rows, k)?),
             false => None,
         },
     })
