@@ -42,15 +42,3 @@ pub(crate) fn with_host_strided<T: WithDType, R>(
     };
     f(cpu.as_slice::<T>()?, layout)
 }
-
-/// The values of the 1-D f32 tensor `t` on the host. candle reads a GPU tensor by copying
-/// its whole storage to the host and slicing there, so a view of a larger buffer (a narrow
-/// of an op's packed output) is first copied into a storage of its own on the device: the
-/// link then carries the view's values alone.
-pub(crate) fn view_to_host_f32(t: &Tensor) -> candle_core::Result<Vec<f32>> {
-    let own = match t.device().is_cpu() {
-        true => t.clone(),
-        false => t.force_contiguous()?,
-    };
-    own.to_vec1::<f32>()
-}

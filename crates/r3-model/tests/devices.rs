@@ -1353,4 +1353,94 @@ mod cuda {
             }
         }
     }
+
+    /// Reads and transfers of views (the vendored candle's patch: a view holding fewer
+    /// elements than its buffer is copied into a storage of its own first, so only its
+    /// elements cross): narrows at and off the buffer's start, a row, a strided column, a
+    /// transposed and a broadcast view, moved to the host by `to_device` (and host views up
+    /// and back) in f32, bf16 and u32, read in place by `to_vec1/2/3` and `to_scalar` in f32
+    /// and u32 — every value the CPU's.
+    #[test]
+    fn views_of_gpu_buffers_read_and_move_as_their_values() {
+        let device = gpu();
+        let host = Tensor::arange(0u32, 6 * 5 * 4, &Device::Cpu)
+            .and_then(|t| t.reshape((6, 5, 4)))
+            .expect("values");
+        type View = fn(&Tensor) -> candle_core::Result<Tensor>;
+        let views: [(&str, View); 8] = [
+            ("narrow at the start", |t| t.narrow(0, 0, 2)),
+            ("narrow off the start", |t| t.narrow(0, 3, 2)),
+            ("a row", |t| t.get(4)),
+            ("one element's row", |t| t.get(5)?.get(4)?.narrow(0, 2, 1)),
+            ("a strided column", |t| t.narrow(2, 1, 1)),
+            ("transposed", |t| t.transpose(0, 2)),
+            ("broadcast", |t| {
+                t.get(1)?.unsqueeze(0)?.broadcast_as((3, 5, 4))
+            }),
+            ("whole", |t| Ok(t.clone())),
+        ];
+        let mut reads = 0;
+        for dtype in [DType::F32, DType::BF16, DType::U32] {
+            let cpu = host.to_dtype(dtype).expect("cast");
+            let on_gpu = cpu.to_device(&device).expect("upload");
+            for (name, view) in views {
+                let (want, got) = (view(&cpu).expect("cpu view"), view(&on_gpu).expect("view"));
+                let case = format!("{dtype:?} {name}");
+                let back = got.to_device(&Device::Cpu).expect("to the host");
+                assert_eq!(back.dims(), want.dims(), "{case}");
+                assert_eq!(bits(&back), bits(&want), "{case}: to_device");
+                let round_trip = want
+                    .to_device(&device)
+                    .and_then(|t| t.to_device(&Device::Cpu))
+                    .expect("a host view up and back");
+                assert_eq!(
+                    bits(&round_trip),
+                    bits(&want),
+                    "{case}: a host view uploaded"
+                );
+                // Read in place, in the view's own dtype.
+                macro_rules! reads_as_the_cpu {
+                    ($t:ty) => {{
+                        match got.rank() {
+                            3 => assert_eq!(
+                                got.to_vec3::<$t>().expect("gpu"),
+                                want.to_vec3::<$t>().expect("cpu"),
+                                "{case}: to_vec3"
+                            ),
+                            2 => assert_eq!(
+                                got.to_vec2::<$t>().expect("gpu"),
+                                want.to_vec2::<$t>().expect("cpu"),
+                                "{case}: to_vec2"
+                            ),
+                            1 => assert_eq!(
+                                got.to_vec1::<$t>().expect("gpu"),
+                                want.to_vec1::<$t>().expect("cpu"),
+                                "{case}: to_vec1"
+                            ),
+                            rank => panic!("{case}: rank {rank}"),
+                        }
+                        if got.elem_count() == 1 {
+                            let scalar = |t: &Tensor| t.flatten_all()?.get(0)?.to_scalar::<$t>();
+                            assert_eq!(
+                                scalar(&got).expect("gpu"),
+                                scalar(&want).expect("cpu"),
+                                "{case}: to_scalar"
+                            );
+                        }
+                        reads += 1;
+                    }};
+                }
+                match dtype {
+                    DType::F32 => reads_as_the_cpu!(f32),
+                    DType::U32 => reads_as_the_cpu!(u32),
+                    _ => {}
+                }
+            }
+        }
+        assert_eq!(
+            reads,
+            2 * views.len(),
+            "every f32 and u32 view read in place"
+        );
+    }
 }

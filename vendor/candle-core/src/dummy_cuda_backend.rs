@@ -11,6 +11,11 @@ pub struct CudaDevice;
 pub struct CudaStorage;
 
 impl CudaStorage {
+    /// Never known: there is no CUDA storage without CUDA support (r3's patch).
+    pub fn buffer_elems(&self) -> Option<usize> {
+        None
+    }
+
     pub fn transfer_to_device(&self, _dst: &CudaDevice) -> Result<Self> {
         Err(Error::NotCompiledWithCudaSupport)
     }

@@ -19,6 +19,32 @@ pub type StorageRef<'a> = RwLockReadGuard<'a, Storage>;
 pub type StorageMutRef<'a> = RwLockWriteGuard<'a, Storage>;
 
 impl Storage {
+    /// The elements the storage's buffer holds, where that is known: None for Metal and for
+    /// the dtypes stored as packed bytes (r3's patch, for the transfers of views in
+    /// `tensor.rs`).
+    pub(crate) fn buffer_elems(&self) -> Option<usize> {
+        match self {
+            Self::Cpu(storage) => match storage {
+                CpuStorage::U8(v) => Some(v.len()),
+                CpuStorage::U32(v) => Some(v.len()),
+                CpuStorage::I16(v) => Some(v.len()),
+                CpuStorage::I32(v) => Some(v.len()),
+                CpuStorage::I64(v) => Some(v.len()),
+                CpuStorage::BF16(v) => Some(v.len()),
+                CpuStorage::F16(v) => Some(v.len()),
+                CpuStorage::F32(v) => Some(v.len()),
+                CpuStorage::F64(v) => Some(v.len()),
+                CpuStorage::F8E4M3(v) => Some(v.len()),
+                CpuStorage::F6E2M3(_)
+                | CpuStorage::F6E3M2(_)
+                | CpuStorage::F4(_)
+                | CpuStorage::F8E8M0(_) => None,
+            },
+            Self::Cuda(storage) => storage.buffer_elems(),
+            Self::Metal(_) => None,
+        }
+    }
+
     pub fn try_clone(&self, layout: &Layout) -> Result<Self> {
         match self {
             Self::Cpu(storage) => Ok(Self::Cpu(storage.clone())),

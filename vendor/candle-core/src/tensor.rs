@@ -670,6 +670,9 @@ impl Tensor {
             }
             .bt())?
         }
+        if let Some(own) = self.compacted_off_the_cpu()? {
+            return own.to_scalar();
+        }
         let from_cpu_storage = |cpu_storage: &crate::CpuStorage| {
             let data = S::cpu_storage_as_slice(cpu_storage)?;
             Ok::<_, Error>(data[self.layout().start_offset()])
@@ -1964,6 +1967,9 @@ impl Tensor {
             }
             .bt())?
         }
+        if let Some(own) = self.compacted_off_the_cpu()? {
+            return own.to_vec1();
+        }
         let from_cpu_storage = |cpu_storage: &crate::CpuStorage| {
             let data = S::cpu_storage_as_slice(cpu_storage)?;
             let data = match self.layout.contiguous_offsets() {
@@ -1982,6 +1988,9 @@ impl Tensor {
     /// Returns the data contained in a 2D tensor as a vector of vector of scalar values.
     pub fn to_vec2<S: crate::WithDType>(&self) -> Result<Vec<Vec<S>>> {
         let (dim1, dim2) = self.dims2()?;
+        if let Some(own) = self.compacted_off_the_cpu()? {
+            return own.to_vec2();
+        }
         let from_cpu_storage = |cpu_storage: &crate::CpuStorage| {
             let data = S::cpu_storage_as_slice(cpu_storage)?;
             let mut rows = vec![];
@@ -2013,6 +2022,9 @@ impl Tensor {
     /// Returns the data contained in a 3D tensor.
     pub fn to_vec3<S: crate::WithDType>(&self) -> Result<Vec<Vec<Vec<S>>>> {
         let (dim1, dim2, dim3) = self.dims3()?;
+        if let Some(own) = self.compacted_off_the_cpu()? {
+            return own.to_vec3();
+        }
         let from_cpu_storage = |cpu_storage: &crate::CpuStorage| {
             let data = S::cpu_storage_as_slice(cpu_storage)?;
             let mut top_rows = vec![];
@@ -2396,6 +2408,8 @@ impl Tensor {
     pub fn to_device(&self, device: &Device) -> Result<Tensor> {
         if self.device().same_device(device) {
             Ok(self.clone())
+        } else if let Some(own) = self.compacted()? {
+            own.to_device(device)
         } else {
             let storage = match (&*self.storage(), device) {
                 (Storage::Cpu(storage), Device::Cuda(cuda)) => {
@@ -2501,6 +2515,30 @@ impl Tensor {
                 .copy_strided_src(&mut storage, 0, self.layout())?;
             let op = BackpropOp::new1(self, Op::Copy);
             Ok(from_storage(storage, shape.clone(), op, false))
+        }
+    }
+
+    /// This tensor copied into a storage of its own on its device where it holds fewer
+    /// elements than its storage's buffer (a narrow, a row of a matrix, a strided slice):
+    /// None where it holds as many or more (the buffer whole, or a transposed or broadcast
+    /// view of it), or where the buffer's length is not known. r3's patch: a transfer to
+    /// another device and a read to the host moved the storage's whole buffer and sliced
+    /// it there, so reading a few rows of a large GPU buffer copied all of it over the link.
+    fn compacted(&self) -> Result<Option<Tensor>> {
+        let buffer = self.storage().buffer_elems();
+        let elems = self.elem_count();
+        match buffer {
+            Some(len) if elems > 0 && elems < len => Ok(Some(self.force_contiguous()?)),
+            _ => Ok(None),
+        }
+    }
+
+    /// [`Tensor::compacted`] for a read to the host: None for a tensor already there (its
+    /// read slices the buffer in place).
+    fn compacted_off_the_cpu(&self) -> Result<Option<Tensor>> {
+        match self.device().is_cpu() {
+            true => Ok(None),
+            false => self.compacted(),
         }
     }
 

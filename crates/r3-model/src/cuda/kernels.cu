@@ -130,6 +130,8 @@ __device__ __forceinline__ float2 load2(const __nv_bfloat162 *p) { return __bflo
 __device__ __forceinline__ float2 load2(const __half2 *p) { return __half22float2(*p); }
 __device__ __forceinline__ float load1(const __nv_bfloat16 *p) { return __bfloat162float(*p); }
 __device__ __forceinline__ float load1(const __half *p) { return __half2float(*p); }
+__device__ __forceinline__ float load1(const float *p) { return *p; }
+__device__ __forceinline__ void store1(float *p, float a) { *p = a; }
 
 // H the 16-bit float, H2 its pair type.
 template <typename H, typename H2> __device__ void narrow_quads(const float *x, H *y, size_t n) {
@@ -361,19 +363,36 @@ extern "C" __global__ void r3_gather_sum_rows_f32(const float *grad, const uint3
 }
 
 // The routed experts' combine (layers/combine_slots.rs). One block per row: out[r] =
-// Σ_j g[r, j] · y[place[r, j]], products added in slot order from zero. CPU twin:
+// Σ_j g[r, j] · y[place[r, j]], products added in slot order from zero. The expert outputs y
+// may be f32 or 16-bit (the padded experts hold theirs in the GEMMs' dtype): widened exactly
+// as they are read, the values of a widen kernel before the f32 form. CPU twin:
 // combine_slots.rs `combine_rows`.
-extern "C" __global__ void r3_combine_slots_f32(const float *y, const float *g,
-                                                const uint32_t *place, float *out, uint32_t k,
-                                                uint32_t h) {
+template <typename Y>
+__device__ void combine_slots(const Y *y, const float *g, const uint32_t *place, float *out,
+                              uint32_t k, uint32_t h) {
     const size_t r = blockIdx.x;
     for (uint32_t c = threadIdx.x; c < h; c += blockDim.x) {
         float acc = 0.0f;
         for (uint32_t j = 0; j < k; j++) {
-            acc = acc + g[r * k + j] * y[(size_t)place[r * k + j] * h + c];
+            acc = acc + g[r * k + j] * load1(y + (size_t)place[r * k + j] * h + c);
         }
         out[r * h + c] = acc;
     }
+}
+extern "C" __global__ void r3_combine_slots_f32(const float *y, const float *g,
+                                                const uint32_t *place, float *out, uint32_t k,
+                                                uint32_t h) {
+    combine_slots(y, g, place, out, k, h);
+}
+extern "C" __global__ void r3_combine_slots_bf16(const __nv_bfloat16 *y, const float *g,
+                                                 const uint32_t *place, float *out, uint32_t k,
+                                                 uint32_t h) {
+    combine_slots(y, g, place, out, k, h);
+}
+extern "C" __global__ void r3_combine_slots_f16(const __half *y, const float *g,
+                                                const uint32_t *place, float *out, uint32_t k,
+                                                uint32_t h) {
+    combine_slots(y, g, place, out, k, h);
 }
 
 // The combine for slots in order (place r·k + j for slot j of row r: a device-routed decode
@@ -381,7 +400,6 @@ extern "C" __global__ void r3_combine_slots_f32(const float *y, const float *g,
 // the block output in the same pass). CPU twin: combine_slots.rs `CombineInOrder::cpu_fwd`.
 // The expert outputs y may be f32 or 16-bit (widened exactly as they are read: the values
 // of a widen kernel before the f32 form).
-__device__ __forceinline__ float load1(const float *p) { return *p; }
 template <typename Y>
 __device__ void combine_in_order(const Y *y, const float *g, float *out, uint32_t k, uint32_t h,
                                  uint32_t round) {
@@ -409,30 +427,65 @@ extern "C" __global__ void r3_combine_in_order_f16(const __half *y, const float 
 }
 
 // One block per place p: dy[p] = g[s] · dout[s / k] for the slot s reading p, zeros where
-// none does (s == none). CPU twin: combine_slots.rs `combine_dy_rows`.
-extern "C" __global__ void r3_combine_slots_dy_f32(const float *dout, const float *g,
-                                                   const uint32_t *slot_of_place, float *dy,
-                                                   uint32_t k, uint32_t h, uint32_t none) {
+// none does (s == none), written as f32 or rounded to the 16-bit float the down GEMMs'
+// gradients read (nearest, ties to even: the values of the narrowing kernel after the f32
+// form). CPU twin: combine_slots.rs `combine_dy_rows`, then the cast.
+template <typename D>
+__device__ void combine_slots_dy(const float *dout, const float *g, const uint32_t *slot_of_place,
+                                 D *dy, uint32_t k, uint32_t h, uint32_t none) {
     const size_t p = blockIdx.x;
     const uint32_t s = slot_of_place[p];
     for (uint32_t c = threadIdx.x; c < h; c += blockDim.x) {
-        dy[p * h + c] = s == none ? 0.0f : g[s] * dout[(size_t)(s / k) * h + c];
+        store1(dy + p * h + c, s == none ? 0.0f : g[s] * dout[(size_t)(s / k) * h + c]);
     }
 }
+extern "C" __global__ void r3_combine_slots_dy_f32(const float *dout, const float *g,
+                                                   const uint32_t *slot_of_place, float *dy,
+                                                   uint32_t k, uint32_t h, uint32_t none) {
+    combine_slots_dy(dout, g, slot_of_place, dy, k, h, none);
+}
+extern "C" __global__ void r3_combine_slots_dy_bf16(const float *dout, const float *g,
+                                                    const uint32_t *slot_of_place,
+                                                    __nv_bfloat16 *dy, uint32_t k, uint32_t h,
+                                                    uint32_t none) {
+    combine_slots_dy(dout, g, slot_of_place, dy, k, h, none);
+}
+extern "C" __global__ void r3_combine_slots_dy_f16(const float *dout, const float *g,
+                                                   const uint32_t *slot_of_place, __half *dy,
+                                                   uint32_t k, uint32_t h, uint32_t none) {
+    combine_slots_dy(dout, g, slot_of_place, dy, k, h, none);
+}
 
-// One block per slot s: dg[s] = dout[s / k] · y[place[s]] (a block reduction). CPU twin:
-// combine_slots.rs `combine_dgates_rows` (which sums in order).
+// One block per slot s: dg[s] = dout[s / k] · y[place[s]] (a block reduction), y f32 or
+// 16-bit widened as it is read. CPU twin: combine_slots.rs `combine_dgates_rows` (which sums
+// in order).
+template <typename Y>
+__device__ void combine_slots_dgates(const Y *y, const float *dout, const uint32_t *place,
+                                     float *dg, uint32_t k, uint32_t h) {
+    __shared__ float shared[32];
+    const size_t s = blockIdx.x;
+    const Y *yr = y + (size_t)place[s] * h;
+    const float *dr = dout + (s / k) * h;
+    float acc = 0.0f;
+    for (uint32_t c = threadIdx.x; c < h; c += blockDim.x) acc = acc + load1(yr + c) * dr[c];
+    acc = block_sum(acc, shared);
+    if (threadIdx.x == 0) dg[s] = acc;
+}
 extern "C" __global__ void r3_combine_slots_dgates_f32(const float *y, const float *dout,
                                                        const uint32_t *place, float *dg,
                                                        uint32_t k, uint32_t h) {
-    __shared__ float shared[32];
-    const size_t s = blockIdx.x;
-    const float *yr = y + (size_t)place[s] * h;
-    const float *dr = dout + (s / k) * h;
-    float acc = 0.0f;
-    for (uint32_t c = threadIdx.x; c < h; c += blockDim.x) acc = acc + yr[c] * dr[c];
-    acc = block_sum(acc, shared);
-    if (threadIdx.x == 0) dg[s] = acc;
+    combine_slots_dgates(y, dout, place, dg, k, h);
+}
+extern "C" __global__ void r3_combine_slots_dgates_bf16(const __nv_bfloat16 *y,
+                                                        const float *dout,
+                                                        const uint32_t *place, float *dg,
+                                                        uint32_t k, uint32_t h) {
+    combine_slots_dgates(y, dout, place, dg, k, h);
+}
+extern "C" __global__ void r3_combine_slots_dgates_f16(const __half *y, const float *dout,
+                                                       const uint32_t *place, float *dg,
+                                                       uint32_t k, uint32_t h) {
+    combine_slots_dgates(y, dout, place, dg, k, h);
 }
 
 // The token embedding's backward (layers/embedding_rows.rs). One block per vocabulary row v:

@@ -1305,6 +1305,27 @@ cuda_dtype!(f64, F64);
 cuda_dtype!(float8::F8E4M3, F8E4M3);
 
 impl CudaStorage {
+    /// The elements the storage's buffer holds: None for the dtypes stored as packed bytes
+    /// (r3's patch, for the transfers of views in `tensor.rs`).
+    pub fn buffer_elems(&self) -> Option<usize> {
+        match &self.slice {
+            CudaStorageSlice::U8(s) => Some(s.len()),
+            CudaStorageSlice::U32(s) => Some(s.len()),
+            CudaStorageSlice::I16(s) => Some(s.len()),
+            CudaStorageSlice::I32(s) => Some(s.len()),
+            CudaStorageSlice::I64(s) => Some(s.len()),
+            CudaStorageSlice::BF16(s) => Some(s.len()),
+            CudaStorageSlice::F16(s) => Some(s.len()),
+            CudaStorageSlice::F32(s) => Some(s.len()),
+            CudaStorageSlice::F64(s) => Some(s.len()),
+            CudaStorageSlice::F8E4M3(s) => Some(s.len()),
+            CudaStorageSlice::F6E2M3(_)
+            | CudaStorageSlice::F6E3M2(_)
+            | CudaStorageSlice::F4(_)
+            | CudaStorageSlice::F8E8M0(_) => None,
+        }
+    }
+
     pub fn wrap_cuda_slice<T: CudaDType>(slice: CudaSlice<T>, device: CudaDevice) -> CudaStorage {
         T::wrap_cuda_slice(slice, device)
     }

@@ -9,7 +9,10 @@
 //! two slot-sized buffers, ≈ 6 ms of a mid bf16 training step on an H200 (candle's broadcast
 //! kernels compute strided indices per element). Each op here has a CPU implementation that
 //! the tests hold to the composed ops, and a CUDA kernel (`cuda/kernels.cu`, the same
-//! arithmetic) that the device tests hold to the CPU.
+//! arithmetic) that the device tests hold to the CPU. The padded experts hold their outputs
+//! in the GEMMs' 16-bit float: the combine and the gate gradient read them widened as they
+//! go, and the outputs' gradient is written in that float (the down GEMMs' operand), so no
+//! f32 copy of either crosses memory.
 
 use std::sync::Arc;
 
@@ -20,6 +23,37 @@ use crate::error::{ModelError, Result};
 use crate::host::contiguous;
 use crate::math::StdFloat;
 use crate::round16::{round_in_place, rounding_for};
+
+/// Launches the twin of r3's kernel `$stem` for expert outputs `$y` (a CUDA storage of f32,
+/// bf16 or f16 under `$yl`: `{stem}_f32`, `_bf16`, `_f16`) with `$len` f32 outputs, one
+/// block per row of `$rows` rows of `$h` threads' work: the outputs' view first, then the
+/// arguments `[$more]` and the output, then `[$after]`; an error naming `$what` for another
+/// dtype.
+#[cfg(feature = "cuda")]
+macro_rules! launch_over_outputs {
+    ($stem:literal, $what:literal, ($y:expr, $yl:expr), $len:expr, ($rows:expr, $h:expr),
+     [$($more:expr),*], [$($after:expr),*]) => {{
+        use candle_core::backend::BackendStorage;
+        macro_rules! launch {
+            ($kernel:expr, $t:ty) => {
+                $crate::cuda::launch_f32!(
+                    $crate::cuda::device($y),
+                    $kernel,
+                    $len,
+                    $crate::cuda::per_row($rows, $crate::cuda::row_threads($h))?,
+                    [$crate::cuda::view::<$t>($y, $yl, "expert outputs")?, $($more),*],
+                    [$($after),*]
+                )
+            };
+        }
+        match $y.dtype() {
+            DType::F32 => launch!(concat!($stem, "_f32"), f32),
+            DType::BF16 => launch!(concat!($stem, "_bf16"), half::bf16),
+            DType::F16 => launch!(concat!($stem, "_f16"), half::f16),
+            dt => candle_core::bail!("{} of {dt:?} on a GPU", $what),
+        }
+    }};
+}
 
 /// A place no slot reads (padding), in the place → slot table.
 const NO_SLOT: u32 = u32::MAX;
@@ -107,17 +141,20 @@ impl SlotPlaces {
         )
     }
 
-    /// Whether the combine runs on `y` `[places, H]` and `gates` (f32 or f64 of one dtype, on
-    /// a device with the row ops) as one op.
+    /// Whether the combine runs on `y` `[places, H]` and `gates` (on a device with the row
+    /// ops) as one op: both f32 or f64, or 16-bit expert outputs (bf16, f16) with f32 gates.
     pub(crate) fn applies(&self, y_dtype: DType, gates: &Tensor) -> bool {
-        gates.dtype() == y_dtype
-            && matches!(y_dtype, DType::F32 | DType::F64)
-            && row_ops_run_on(gates)
-            && !self.place_of_slot.is_empty()
+        let dtypes = match y_dtype {
+            DType::F32 | DType::F64 => gates.dtype() == y_dtype,
+            DType::BF16 | DType::F16 => gates.dtype() == DType::F32,
+            _ => false,
+        };
+        dtypes && row_ops_run_on(gates) && !self.place_of_slot.is_empty()
     }
 
     /// The combine's value (nothing differentiated): `out[r] = Σ_j gates[r, j] · y[place(r,
-    /// j)]`.
+    /// j)]`, in the gates' dtype; 16-bit expert outputs are read widened (exact: the values
+    /// of the f32 outputs they widen to), with no widened copy on a GPU.
     pub(crate) fn value(&self, y: &Tensor, gates: &Tensor) -> candle_core::Result<Tensor> {
         let op = CombineSlots {
             top_k: self.top_k,
@@ -128,19 +165,23 @@ impl SlotPlaces {
     }
 
     /// The gradients `(dy, d gates)` at `y` and `gates` for the output gradient `grad`, as
-    /// [`combine_slots`]' backward computes them.
+    /// [`combine_slots`]' backward computes them, `dy` written in `dy_dtype`: the gradient's
+    /// own dtype, or a 16-bit float it is rounded to (nearest, ties to even: the values of
+    /// casting the f32 `dy`) where the down GEMMs read it in 16 bits. 16-bit `y` is read
+    /// widened, as in [`SlotPlaces::value`].
     pub(crate) fn grads(
         &self,
         y: &Tensor,
         gates: &Tensor,
         grad: &Tensor,
+        dy_dtype: DType,
     ) -> candle_core::Result<(Tensor, Tensor)> {
         let op = CombineSlots {
             top_k: self.top_k,
             slot_of_place: Arc::clone(&self.slot_of_place),
         };
         let (y, gates) = (y.contiguous()?, gates.contiguous()?);
-        op.grads(&y, &gates, &self.place_tensor(&y)?, grad)
+        op.grads(&y, &gates, &self.place_tensor(&y)?, grad, dy_dtype)
     }
 }
 
@@ -204,16 +245,9 @@ impl CustomOp2 for CombineInOrder {
         let (h, k) = (width(yl), self.top_k);
         let rows = gl.shape().elem_count() / k.max(1);
         let in_order: Vec<u32> = (0..(rows * k) as u32).collect();
-        use candle_core::backend::BackendStorage;
-        // 16-bit outputs are widened first by candle's cast (exactly: the values the f32 form
-        // reads).
-        let widened = match y {
-            CpuStorage::BF16(_) | CpuStorage::F16(_) => Some(y.to_dtype(yl, DType::F32)?),
-            _ => None,
-        };
-        let contiguous_layout = Layout::contiguous(yl.shape());
+        let widened = widened_outputs(y, yl)?;
         let (y, yl) = match &widened {
-            Some(wide) => (wide, &contiguous_layout),
+            Some((wide, wl)) => (wide, wl),
             None => (y, yl),
         };
         let out = match (y, g, self.round) {
@@ -256,30 +290,17 @@ impl CustomOp2 for CombineInOrder {
         use crate::cuda;
         let (h, k) = (width(yl), self.top_k);
         let rows = gl.shape().elem_count() / k.max(1);
-        use candle_core::backend::BackendStorage;
         let round = cuda::round_code(self.round)?;
-        macro_rules! combine {
-            ($kernel:literal, $y:ty) => {
-                // Block `r` writes output row `r`.
-                cuda::launch_f32!(
-                    cuda::device(y),
-                    $kernel,
-                    rows * h,
-                    cuda::per_row(rows, cuda::row_threads(h))?,
-                    [
-                        cuda::view::<$y>(y, yl, "expert outputs")?,
-                        cuda::view::<f32>(g, gl, "gates")?
-                    ],
-                    [k as u32, h as u32, round]
-                )
-            };
-        }
-        let out = match y.dtype() {
-            DType::F32 => combine!("r3_combine_in_order_f32", f32),
-            DType::BF16 => combine!("r3_combine_in_order_bf16", half::bf16),
-            DType::F16 => combine!("r3_combine_in_order_f16", half::f16),
-            dt => candle_core::bail!("combine in order: expert outputs of {dt:?} on a GPU"),
-        };
+        // Block `r` writes output row `r`.
+        let out = launch_over_outputs!(
+            "r3_combine_in_order",
+            "combine in order: expert outputs",
+            (y, yl),
+            rows * h,
+            (rows, h),
+            [cuda::view::<f32>(g, gl, "gates")?],
+            [k as u32, h as u32, round]
+        );
         Ok((out, Shape::from((rows, h))))
     }
 }
@@ -295,6 +316,22 @@ struct CombineSlots {
 /// The row width of `y` `[places, H]`.
 fn width(yl: &Layout) -> usize {
     yl.shape().dims().last().copied().unwrap_or(1).max(1)
+}
+
+/// 16-bit expert outputs widened by candle's cast (exactly: the values a GPU kernel reads
+/// widened), with their contiguous layout; None for other dtypes (read as they are).
+fn widened_outputs(
+    y: &CpuStorage,
+    yl: &Layout,
+) -> candle_core::Result<Option<(CpuStorage, Layout)>> {
+    use candle_core::backend::BackendStorage;
+    match y {
+        CpuStorage::BF16(_) | CpuStorage::F16(_) => Ok(Some((
+            y.to_dtype(yl, DType::F32)?,
+            Layout::contiguous(yl.shape()),
+        ))),
+        _ => Ok(None),
+    }
 }
 
 /// The rows function of one of the combine ops' CPU passes, for one float type: two float
@@ -366,6 +403,11 @@ impl CustomOp3 for CombineSlots {
         pl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (h, k) = (width(yl), self.top_k);
+        let widened = widened_outputs(y, yl)?;
+        let (y, yl) = match &widened {
+            Some((wide, wl)) => (wide, wl),
+            None => (y, yl),
+        };
         let (out, slots) = cpu_pass(
             [(y, yl, "expert outputs"), (g, gl, "gates")],
             (p, pl, "slot places"),
@@ -389,13 +431,13 @@ impl CustomOp3 for CombineSlots {
         let (h, k) = (width(yl), self.top_k);
         let rows = gl.shape().elem_count() / k;
         // Block `r` writes output row `r`.
-        let out = cuda::launch_f32!(
-            cuda::device(y),
-            "r3_combine_slots_f32",
+        let out = launch_over_outputs!(
+            "r3_combine_slots",
+            "combine: expert outputs",
+            (y, yl),
             rows * h,
-            cuda::per_row(rows, cuda::row_threads(h))?,
+            (rows, h),
             [
-                cuda::view::<f32>(y, yl, "expert outputs")?,
                 cuda::view::<f32>(g, gl, "gates")?,
                 cuda::view::<u32>(p, pl, "slot places")?
             ],
@@ -412,19 +454,21 @@ impl CustomOp3 for CombineSlots {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dy, dg) = self.grads(y, gates, place, grad)?;
+        let (dy, dg) = self.grads(y, gates, place, grad, grad.dtype())?;
         Ok((Some(dy), Some(dg), None))
     }
 }
 
 impl CombineSlots {
-    /// `(dy, d gates)` for the output gradient `grad`.
+    /// `(dy, d gates)` for the output gradient `grad`, `dy` in `dy_dtype` (the gradient's
+    /// dtype or a 16-bit float it is rounded to).
     fn grads(
         &self,
         y: &Tensor,
         gates: &Tensor,
         place: &Tensor,
         grad: &Tensor,
+        dy_dtype: DType,
     ) -> candle_core::Result<(Tensor, Tensor)> {
         let grad = grad.contiguous()?;
         let k = self.top_k;
@@ -433,17 +477,27 @@ impl CombineSlots {
             self.slot_of_place.len(),
             grad.device(),
         )?;
-        let dy = grad.apply_op3_no_bwd(gates, &slots, &CombineDy { top_k: k })?;
+        let dy = grad.apply_op3_no_bwd(
+            gates,
+            &slots,
+            &CombineDy {
+                top_k: k,
+                out: dy_dtype,
+            },
+        )?;
         let dg = y.apply_op3_no_bwd(&grad, place, &CombineDgates { top_k: k })?;
         Ok((dy, dg))
     }
 }
 
 /// `dy[p] = gates[s] · d out[s / top_k]` for the slot `s` reading place `p`, zero where no
-/// slot does: `(d out, gates, slot_of_place) → dy` `[places, H]`.
+/// slot does: `(d out, gates, slot_of_place) → dy` `[places, H]` in `out`.
 #[derive(Debug, Clone, Copy)]
 struct CombineDy {
     top_k: usize,
+    /// The dtype `dy` is written in: the output gradient's, or a 16-bit float (rounded to
+    /// nearest, ties to even, as a cast of the wide `dy` would).
+    out: DType,
 }
 
 /// [`CombineDy`]'s CPU implementation (the kernel `r3_combine_slots_dy_f32` does the same).
@@ -482,6 +536,7 @@ impl CustomOp3 for CombineDy {
         s: &CpuStorage,
         sl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
         let h = width(dl);
         let (dy, places) = cpu_pass(
             [(d, dl, "output gradient"), (g, gl, "gates")],
@@ -489,7 +544,12 @@ impl CustomOp3 for CombineDy {
             (self.top_k, h),
             (combine_dy_rows, combine_dy_rows),
         )?;
-        Ok((dy, Shape::from((places, h))))
+        let shape = Shape::from((places, h));
+        let dy = match self.out == dy.dtype() {
+            true => dy,
+            false => dy.to_dtype(&Layout::contiguous(&shape), self.out)?,
+        };
+        Ok((dy, shape))
     }
 
     #[cfg(feature = "cuda")]
@@ -505,19 +565,30 @@ impl CustomOp3 for CombineDy {
         use crate::cuda;
         let h = width(dl);
         let places = sl.shape().elem_count();
-        // Block `p` writes row `p` of `dy` (zeros for a padding place).
-        let dy = cuda::launch_f32!(
-            cuda::device(d),
-            "r3_combine_slots_dy_f32",
-            places * h,
-            cuda::per_row(places, cuda::row_threads(h))?,
-            [
-                cuda::view::<f32>(d, dl, "output gradient")?,
-                cuda::view::<f32>(g, gl, "gates")?,
-                cuda::view::<u32>(s, sl, "place slots")?
-            ],
-            [self.top_k as u32, h as u32, NO_SLOT]
-        );
+        macro_rules! dy {
+            ($kernel:expr, $out:ty) => {
+                // Block `p` writes row `p` of `dy` (zeros for a padding place).
+                cuda::launch_typed!(
+                    cuda::device(d),
+                    $kernel,
+                    $out,
+                    places * h,
+                    cuda::per_row(places, cuda::row_threads(h))?,
+                    [
+                        cuda::view::<f32>(d, dl, "output gradient")?,
+                        cuda::view::<f32>(g, gl, "gates")?,
+                        cuda::view::<u32>(s, sl, "place slots")?
+                    ],
+                    [self.top_k as u32, h as u32, NO_SLOT]
+                )
+            };
+        }
+        let dy = match self.out {
+            DType::F32 => dy!("r3_combine_slots_dy_f32", f32),
+            DType::BF16 => dy!("r3_combine_slots_dy_bf16", half::bf16),
+            DType::F16 => dy!("r3_combine_slots_dy_f16", half::f16),
+            dt => candle_core::bail!("combine: a gradient of the expert outputs in {dt:?}"),
+        };
         Ok((dy, Shape::from((places, h))))
     }
 }
@@ -564,6 +635,11 @@ impl CustomOp3 for CombineDgates {
         pl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let h = width(yl);
+        let widened = widened_outputs(y, yl)?;
+        let (y, yl) = match &widened {
+            Some((wide, wl)) => (wide, wl),
+            None => (y, yl),
+        };
         let (dg, slots) = cpu_pass(
             [(y, yl, "expert outputs"), (d, dl, "output gradient")],
             (p, pl, "slot places"),
@@ -587,13 +663,13 @@ impl CustomOp3 for CombineDgates {
         let h = width(yl);
         let slots = pl.shape().elem_count();
         // Block `s` writes slot `s`'s gate gradient.
-        let dg = cuda::launch_f32!(
-            cuda::device(y),
-            "r3_combine_slots_dgates_f32",
+        let dg = launch_over_outputs!(
+            "r3_combine_slots_dgates",
+            "combine: expert outputs",
+            (y, yl),
             slots,
-            cuda::per_row(slots, cuda::row_threads(h))?,
+            (slots, h),
             [
-                cuda::view::<f32>(y, yl, "expert outputs")?,
                 cuda::view::<f32>(d, dl, "output gradient")?,
                 cuda::view::<u32>(p, pl, "slot places")?
             ],
@@ -655,8 +731,42 @@ mod tests {
         }
     }
 
-    /// Places read twice or past the expert outputs, and a slot count that does not fit the
-    /// gates, are errors naming what is wrong.
+    /// The padded experts' combine over 16-bit expert outputs (f32 gates) is the f32
+    /// combine over the outputs widened, bit for bit: the value, the gate gradient, and the
+    /// outputs' gradient written in the 16-bit float the cast of the f32 one gives — zeros
+    /// on padding places; 16-bit outputs with 16-bit gates are not taken.
+    #[test]
+    fn sixteen_bit_expert_outputs_combine_as_their_widened_values() {
+        let bits = crate::test_util::f64_bits;
+        // 5 rows top-2 over 12 places; places 7 and 11 are padding
+        let place = [0u32, 4, 1, 5, 2, 6, 8, 9, 10, 3];
+        let slots = SlotPlaces::new(&place, 12, 2).expect("slots");
+        let gates = seeded_tensor(&[5, 2], 2, DType::F32);
+        let grad = seeded_tensor(&[5, 6], 3, DType::F32);
+        for narrow in [DType::BF16, DType::F16] {
+            let y = seeded_tensor(&[12, 6], 1, narrow);
+            let wide = y.to_dtype(DType::F32).expect("widened");
+            assert!(slots.applies(narrow, &gates), "{narrow:?}");
+            assert!(!slots.applies(narrow, &gates.to_dtype(narrow).expect("g")));
+            let got = slots.value(&y, &gates).expect("16-bit value");
+            let want = slots.value(&wide, &gates).expect("f32 value");
+            assert_eq!(got.dtype(), DType::F32);
+            assert_eq!(bits(&got), bits(&want), "{narrow:?} value");
+            let (dy, dg) = slots.grads(&y, &gates, &grad, narrow).expect("16-bit");
+            let (dy_wide, dg_wide) = slots.grads(&wide, &gates, &grad, DType::F32).expect("f32");
+            assert_eq!(dy.dtype(), narrow);
+            let cast = dy_wide.to_dtype(narrow).expect("cast");
+            assert_eq!(bits(&dy), bits(&cast), "{narrow:?} dy");
+            assert_eq!(bits(&dg), bits(&dg_wide), "{narrow:?} dgates");
+            // The rounding is there: the wide dy has values no 16-bit float holds.
+            assert_ne!(bits(&dy), bits(&dy_wide), "{narrow:?} dy rounded");
+            for padding in [7, 11] {
+                let row = dy.get(padding).expect("row");
+                assert_eq!(max_abs_diff(&row, &row.zeros_like().expect("z")), 0.0);
+            }
+        }
+    }
+
     /// The in-order combine equals `combine_slots` over the identity places bit for bit,
     /// then `Precision::round` where it rounds (bf16, f16; f32 and f64 unrounded); it does
     /// not apply to an operand being differentiated, and a mismatched shape is an error.
@@ -707,6 +817,8 @@ mod tests {
         assert!(combine_slots_in_order(&short, &gates, None).is_err());
     }
 
+    /// Places read twice or past the expert outputs, and a slot count that does not fit the
+    /// gates, are errors naming what is wrong.
     #[test]
     fn bad_places_are_errors() {
         let y = seeded_tensor(&[4, 3], 1, DType::F32);

@@ -119,7 +119,7 @@ pub(crate) fn fused_padded_experts(
     }
     let places = blocks.experts.len() * blocks.cap;
     let slots = SlotPlaces::new(blocks.place_of_slot, places, top_k)?;
-    if !slots.applies(DType::F32, gates) || blocks.gather.len() != places {
+    if !slots.applies(compute, gates) || blocks.gather.len() != places {
         return Ok(None);
     }
     let shape = |width: usize| [blocks.experts.len(), blocks.cap, width];
@@ -158,9 +158,8 @@ pub(crate) fn fused_padded_experts(
     };
 
     let y = down_gemms.forward(&swiglu, down.weights)?;
-    let y_wide = cast16(&y, DType::F32)?.reshape((places, h))?;
-    let out = slots.value(&y_wide, gates)?;
-    drop(y_wide);
+    // The combine reads the expert outputs in the GEMMs' dtype, widening as it goes.
+    let out = slots.value(&y.reshape((places, h))?, gates)?;
     if !(swiglu.track_op() || down.weights.track_op() || gates.track_op()) {
         return Ok(Some(out));
     }
@@ -288,8 +287,9 @@ impl CustomOp3 for ExpertsDown {
 
     precomputed_fwd!(3);
 
-    /// The combine's gradients at the held expert outputs, then the down GEMMs' input
-    /// gradient (in the compute dtype, the SwiGLU output's) and weight gradient.
+    /// The combine's gradients at the held expert outputs (read in their dtype, `dy` written
+    /// in the compute dtype the down GEMMs read), then the down GEMMs' input gradient (in
+    /// the compute dtype, the SwiGLU output's) and weight gradient.
     fn bwd(
         &self,
         a: &Tensor,
@@ -300,11 +300,11 @@ impl CustomOp3 for ExpertsDown {
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let dims = self.y.dims().to_vec();
         let places = dims[0] * dims[1];
-        let y_wide = cast16(&self.y, DType::F32)?.reshape((places, dims[2]))?;
-        let (dy, dgates) = self.slots.grads(&y_wide, &gates.detach(), grad)?;
-        drop(y_wide);
-        let gn = cast16(&dy.reshape(dims)?, self.gemms.compute())?;
-        drop(dy);
+        let y = self.y.reshape((places, dims[2]))?;
+        let (dy, dgates) = self
+            .slots
+            .grads(&y, &gates.detach(), grad, self.gemms.compute())?;
+        let gn = dy.reshape(dims)?;
         let da = if a.track_op() {
             Some(self.gemms.input_grad(&gn, w)?)
         } else {

@@ -14,7 +14,7 @@ use rayon::prelude::*;
 
 use crate::config::RouterKind;
 use crate::error::{ModelError, Result};
-use crate::host::{contiguous, view_to_host_f32};
+use crate::host::contiguous;
 use crate::router::Router;
 
 /// What a router chose for `rows` rows, on the logits' device.
@@ -176,10 +176,11 @@ pub fn read_choice(
         });
     }
     let slots = rows * k;
-    let record = view_to_host_f32(&packed.narrow(0, slots, slots + rows)?)?;
+    // A view of the packed output: the vendored candle copies only its elements to the host.
+    let record = packed.narrow(0, slots, slots + rows)?.to_vec1::<f32>()?;
     let (ids, finite) = record.split_at(slots);
     if let Some(row) = finite.iter().position(|&f| f == 0.0) {
-        let values = view_to_host_f32(&logits.get(row)?.to_dtype(DType::F32)?)?;
+        let values = logits.get(row)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
         return Err(non_finite_row(row, &values));
     }
     Ok(ReadChoice {
