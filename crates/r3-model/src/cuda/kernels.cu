@@ -558,6 +558,34 @@ extern "C" __global__ void r3_swiglu_grad_f32(const float *h, const float *d, fl
     }
 }
 
+// r3_swiglu_grad_f32 over 16-bit halves and a 16-bit gradient, dh written in the same 16-bit
+// float (nearest, ties to even): the padded experts hold their gate-up output and receive
+// the SwiGLU's gradient in the GEMMs' float, whose weight and input gradients read dh in it
+// (the values of widen → r3_swiglu_grad_f32 → narrow, without the f32 copies). CPU twin:
+// swiglu_halves.rs `SwigluGradNarrow::cpu_fwd`.
+template <typename H>
+__device__ void swiglu_grad_narrow(const H *h, const H *d, H *dh, size_t n, uint32_t half) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)blockDim.x * gridDim.x) {
+        const size_t r = i / half, j = i % half;
+        const size_t at = r * 2 * half + j;
+        const float g = load1(h + at), u = load1(h + at + half), dd = load1(d + i);
+        const float s = 1.0f / (1.0f + expf(-g));
+        store1(dh + at, dd * u * (s * (1.0f + g * (1.0f - s))));
+        store1(dh + at + half, dd * silu_of(g));
+    }
+}
+extern "C" __global__ void r3_swiglu_grad_narrow_bf16(const __nv_bfloat16 *h,
+                                                      const __nv_bfloat16 *d,
+                                                      __nv_bfloat16 *dh, size_t n,
+                                                      uint32_t half) {
+    swiglu_grad_narrow(h, d, dh, n, half);
+}
+extern "C" __global__ void r3_swiglu_grad_narrow_f16(const __half *h, const __half *d,
+                                                     __half *dh, size_t n, uint32_t half) {
+    swiglu_grad_narrow(h, d, dh, n, half);
+}
+
 // The counter-based draw of element `index` under `key` (stochastic_round.rs `hash32` /
 // `rounding_bits`: the same bits on the CPU).
 __device__ __forceinline__ uint32_t hash32(uint32_t x) {

@@ -21,7 +21,9 @@ use candle_core::{CustomOp2, CustomOp3, DType, Tensor};
 
 use super::combine_slots::SlotPlaces;
 use super::expert_gemm::BlockGemms;
-use super::swiglu_halves::{swiglu_halves_grad, swiglu_halves_rounded};
+use super::swiglu_halves::{
+    swiglu_halves_grad, swiglu_halves_grad_narrow, swiglu_halves_narrow, swiglu_halves_rounded,
+};
 use crate::cast16::cast16;
 use crate::error::{ModelError, Result};
 use crate::layers::gather_rows::GatherRows;
@@ -139,7 +141,7 @@ pub(crate) fn fused_padded_experts(
     let down_gemms = BlockGemms::new(p, &shape(i), down.weights, down.copy, blocks.experts, grads)?;
 
     let hidden = up.gemms.forward(&up.gathered(x)?, gate_up.weights)?;
-    let swiglu = cast16(&up.swiglu(&hidden, p)?, compute)?;
+    let swiglu = up.swiglu(&hidden, p)?;
     let up_tracked = x.track_op() || gate_up.weights.track_op();
     let swiglu = match up_tracked {
         true => x.apply_op2(
@@ -202,16 +204,24 @@ impl UpParts {
         xs.reshape((blocks, cap, h))
     }
 
-    /// The SwiGLU of the gate-up output `hidden` (in the compute dtype), rounded at `p`:
-    /// f32 values of the compute dtype.
+    /// The SwiGLU of the gate-up output `hidden` (in the compute dtype) rounded at `p`, in
+    /// the compute dtype (the down GEMMs' operand). At a 16-bit precision one pass reads the
+    /// 16-bit halves and writes the 16-bit output: the values of widening them, the f32 op
+    /// with `p`'s rounding point and narrowing (the rounding point rounds to the compute
+    /// dtype, whose cast then is exact), without the f32 copies.
     fn swiglu(&self, hidden: &Tensor, p: Precision) -> candle_core::Result<Tensor> {
-        let wide = cast16(hidden, DType::F32)?;
-        match swiglu_halves_rounded(&wide, p) {
-            Ok(Some(a)) => Ok(a),
+        let compute = self.gemms.compute();
+        let op = match self.round == Some(compute) {
+            true => swiglu_halves_narrow(hidden),
+            false => swiglu_halves_rounded(&cast16(hidden, DType::F32)?, p),
+        };
+        match op {
+            Ok(Some(a)) => cast16(&a, compute),
             Ok(None) => candle_core::bail!(
-                "padded experts: the SwiGLU op does not run on {:?} {:?}",
-                wide.device(),
-                wide.dims()
+                "padded experts: the SwiGLU op does not run on {:?} {:?} {:?}",
+                hidden.device(),
+                hidden.dtype(),
+                hidden.dims()
             ),
             Err(e) => candle_core::bail!("padded experts: {e}"),
         }
@@ -246,11 +256,23 @@ impl CustomOp2 for ExpertsUp {
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         let parts = &self.parts;
         let compute = parts.gemms.compute();
-        let d = cast16(&grad.contiguous()?, DType::F32)?;
-        let dh = swiglu_halves_grad(&cast16(&self.hidden, DType::F32)?, &d, parts.round)?;
-        drop(d);
-        let gn = cast16(&dh, compute)?;
-        drop(dh);
+        // At a 16-bit precision the gradient arrives in the compute dtype (the down GEMMs'
+        // input gradient): one pass from the 16-bit halves to the 16-bit gradient, the values
+        // of the f32 chain below (whose rounding of a 16-bit gradient leaves it as it is).
+        let narrow = match parts.round == Some(compute) {
+            true => swiglu_halves_grad_narrow(&self.hidden, grad)
+                .map_err(|e| candle_core::Error::Msg(format!("padded experts: {e}")))?,
+            false => None,
+        };
+        let gn = match narrow {
+            Some(gn) => gn,
+            None => {
+                let d = cast16(&grad.contiguous()?, DType::F32)?;
+                let dh = swiglu_halves_grad(&cast16(&self.hidden, DType::F32)?, &d, parts.round)?;
+                drop(d);
+                cast16(&dh, compute)?
+            }
+        };
         let dx = if x.track_op() {
             let dxs = cast16(&parts.gemms.input_grad(&gn, w)?, DType::F32)?;
             let h = x.dim(1)?;

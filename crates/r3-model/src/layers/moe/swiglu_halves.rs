@@ -165,7 +165,9 @@ pub(crate) fn swiglu_halves_grad(
         .apply_op2_no_bwd(&grad.contiguous()?, &SwigluGrad)
 }
 
-/// The backward op `(h [.., 2I], d [.., I]) → dh [.., 2I]`.
+/// The backward op `(h [.., 2I], d [.., I]) → dh [.., 2I]`: f32 or f64, or both operands in
+/// one 16-bit float (computed in f32, `dh` written in that float:
+/// [`swiglu_halves_grad_narrow`]).
 #[derive(Debug, Clone, Copy)]
 struct SwigluGrad;
 
@@ -198,7 +200,21 @@ impl CustomOp2 for SwigluGrad {
         d: &CpuStorage,
         dl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
         let i = half_width(hl);
+        let narrow = h.dtype();
+        if matches!(narrow, DType::BF16 | DType::F16) && d.dtype() == narrow {
+            // Both widened (exactly), the f32 rows, narrowed (nearest, ties to even).
+            let (hw, dw) = (h.to_dtype(hl, DType::F32)?, d.to_dtype(dl, DType::F32)?);
+            let (CpuStorage::F32(hw), CpuStorage::F32(dw)) = (&hw, &dw) else {
+                candle_core::bail!("16-bit swiglu gradient: the widened operands are not f32");
+            };
+            let dh = CpuStorage::F32(swiglu_grad_rows(hw, dw, i));
+            return Ok((
+                dh.to_dtype(&Layout::contiguous(hl.shape()), narrow)?,
+                hl.shape().clone(),
+            ));
+        }
         let dh = match (h, d) {
             (CpuStorage::F32(h), CpuStorage::F32(d)) => CpuStorage::F32(swiglu_grad_rows(
                 contiguous(h, hl, "gate-up")?,
@@ -210,11 +226,14 @@ impl CustomOp2 for SwigluGrad {
                 contiguous(d, dl, "swiglu gradient")?,
                 i,
             )),
-            _ => candle_core::bail!("swiglu: gate-up and gradient must be both f32 or f64"),
+            _ => candle_core::bail!(
+                "swiglu: gate-up and gradient must be both f32, f64, bf16 or f16"
+            ),
         };
         Ok((dh, hl.shape().clone()))
     }
 
+    /// `r3_swiglu_grad_f32`, or `r3_swiglu_grad_narrow_bf16` / `_f16` for 16-bit operands.
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
@@ -224,19 +243,31 @@ impl CustomOp2 for SwigluGrad {
         dl: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         use crate::cuda;
+        use candle_core::backend::BackendStorage;
         let n = dl.shape().elem_count();
-        // A grid-stride loop over the `[.., I]` gradient writing both halves of each row.
-        let dh = cuda::launch_f32!(
-            cuda::device(h),
-            "r3_swiglu_grad_f32",
-            2 * n,
-            cuda::elementwise(n),
-            [
-                cuda::view::<f32>(h, hl, "gate-up")?,
-                cuda::view::<f32>(d, dl, "swiglu gradient")?
-            ],
-            [n as u64, half_width(hl) as u32]
-        );
+        macro_rules! grad {
+            ($kernel:literal, $t:ty) => {
+                // A grid-stride loop over the `[.., I]` gradient writing both halves of each row.
+                cuda::launch_typed!(
+                    cuda::device(h),
+                    $kernel,
+                    $t,
+                    2 * n,
+                    cuda::elementwise(n),
+                    [
+                        cuda::view::<$t>(h, hl, "gate-up")?,
+                        cuda::view::<$t>(d, dl, "swiglu gradient")?
+                    ],
+                    [n as u64, half_width(hl) as u32]
+                )
+            };
+        }
+        let dh = match (h.dtype(), d.dtype()) {
+            (DType::F32, DType::F32) => grad!("r3_swiglu_grad_f32", f32),
+            (DType::BF16, DType::BF16) => grad!("r3_swiglu_grad_narrow_bf16", half::bf16),
+            (DType::F16, DType::F16) => grad!("r3_swiglu_grad_narrow_f16", half::f16),
+            (a, b) => candle_core::bail!("swiglu gradient: gate-up {a:?}, gradient {b:?}"),
+        };
         Ok((dh, hl.shape().clone()))
     }
 }
@@ -319,6 +350,32 @@ impl CustomOp1 for SwigluHalvesNarrow {
     }
 }
 
+/// The gradient of the SwiGLU at a 16-bit gate-up `h` `[.., 2I]` for a 16-bit output gradient
+/// `grad` `[.., I]` of the same float (bf16 or f16), computed in f32 and written in that float
+/// (nearest, ties to even): the values of widening both, [`swiglu_halves_grad`] with the
+/// rounding to that float (which leaves a gradient of its values as it is) and narrowing, in
+/// one pass. None where the operands are not 16-bit of one float and shape (the caller
+/// widens).
+pub(crate) fn swiglu_halves_grad_narrow(h: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+    let dims = h.dims();
+    let two_i = dims.last().copied().unwrap_or(0);
+    let sixteen = matches!(h.dtype(), DType::BF16 | DType::F16) && grad.dtype() == h.dtype();
+    let halves = two_i > 0 && two_i.is_multiple_of(2) && !dims.is_empty() && {
+        let mut want = dims.to_vec();
+        if let Some(last) = want.last_mut() {
+            *last /= 2;
+        }
+        grad.dims() == want.as_slice()
+    };
+    if !sixteen || !halves || h.elem_count() == 0 {
+        return Ok(None);
+    }
+    Ok(Some(
+        h.contiguous()?
+            .apply_op2_no_bwd(&grad.contiguous()?, &SwigluGrad)?,
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -359,6 +416,49 @@ mod tests {
         assert!(swiglu_halves_narrow(tracked.as_tensor())
             .expect("tracked")
             .is_none());
+    }
+
+    /// The 16-bit gradient op equals widening both operands, the f32 gradient with the
+    /// rounding point's rounding and narrowing, bit for bit, in bf16 and f16 (and the
+    /// narrowing is there: the f32 gradient holds values no 16-bit float does); it does not
+    /// apply to mixed floats, f32 operands or a gradient of another shape.
+    #[test]
+    fn the_16_bit_gradient_equals_the_f32_gradient_between_casts() {
+        let bits = |t: &Tensor| crate::test_util::f32_bits(&t.to_dtype(DType::F32).expect("f32"));
+        for narrow in [DType::BF16, DType::F16] {
+            let h = (seeded_tensor(&[3, 2, 10], 8, DType::F32) * 4.0)
+                .and_then(|t| t.to_dtype(narrow))
+                .expect("hidden");
+            let d = (seeded_tensor(&[3, 2, 5], 9, DType::F32) * 1.37)
+                .and_then(|t| t.to_dtype(narrow))
+                .expect("gradient");
+            let got = swiglu_halves_grad_narrow(&h, &d)
+                .expect("op")
+                .expect("applies");
+            assert_eq!(got.dtype(), narrow);
+            let wide = |t: &Tensor| t.to_dtype(DType::F32).expect("wide");
+            let f32_grad = swiglu_halves_grad(&wide(&h), &wide(&d), Some(narrow)).expect("f32");
+            let want = f32_grad.to_dtype(narrow).expect("narrowed");
+            assert_eq!(got.dims(), want.dims());
+            assert_eq!(bits(&got), bits(&want), "{narrow:?}");
+            assert_ne!(bits(&got), bits(&f32_grad), "{narrow:?}: nothing narrowed");
+            let other = if narrow == DType::BF16 {
+                DType::F16
+            } else {
+                DType::BF16
+            };
+            let mixed = d.to_dtype(other).expect("other");
+            assert!(swiglu_halves_grad_narrow(&h, &mixed)
+                .expect("mixed")
+                .is_none());
+            let short = d.narrow(2, 0, 4).expect("short");
+            assert!(swiglu_halves_grad_narrow(&h, &short)
+                .expect("short")
+                .is_none());
+        }
+        let h = seeded_tensor(&[2, 10], 1, DType::F32);
+        let d = seeded_tensor(&[2, 5], 2, DType::F32);
+        assert!(swiglu_halves_grad_narrow(&h, &d).expect("f32").is_none());
     }
 
     /// The value equals candle's composed `silu(gate) · up` bit for bit; the gradient equals
