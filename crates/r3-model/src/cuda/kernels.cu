@@ -345,9 +345,11 @@ extern "C" __global__ void r3_gather_rows_u16(const uint16_t *src, const uint32_
 // rows below grad_rows get the sum of their uses' gradient rows, uses[offsets[q] ..
 // offsets[q + 1]] in order, from zero; the rest zero. CPU twin: gather_rows.rs
 // `gather_sum_host`.
-extern "C" __global__ void r3_gather_sum_rows_f32(const float *grad, const uint32_t *offsets,
-                                                  const uint32_t *uses, float *out, uint32_t row,
-                                                  uint32_t grad_rows) {
+// The gradient rows may be 16-bit (the padded experts' input gradient, in the GEMMs' float):
+// each widened as it is read, the values of widening them first, summed in f32.
+template <typename G>
+__device__ void gather_sum_rows(const G *grad, const uint32_t *offsets, const uint32_t *uses,
+                                float *out, uint32_t row, uint32_t grad_rows) {
     const size_t q = blockIdx.x;
     float *o = out + q * row;
     if (q >= grad_rows) {
@@ -357,9 +359,24 @@ extern "C" __global__ void r3_gather_sum_rows_f32(const float *grad, const uint3
     const uint32_t begin = offsets[q], end = offsets[q + 1];
     for (uint32_t c = threadIdx.x; c < row; c += blockDim.x) {
         float acc = 0.0f;
-        for (uint32_t j = begin; j < end; j++) acc = acc + grad[(size_t)uses[j] * row + c];
+        for (uint32_t j = begin; j < end; j++) acc = acc + load1(grad + (size_t)uses[j] * row + c);
         o[c] = acc;
     }
+}
+extern "C" __global__ void r3_gather_sum_rows_f32(const float *grad, const uint32_t *offsets,
+                                                  const uint32_t *uses, float *out, uint32_t row,
+                                                  uint32_t grad_rows) {
+    gather_sum_rows(grad, offsets, uses, out, row, grad_rows);
+}
+extern "C" __global__ void r3_gather_sum_rows_bf16(const __nv_bfloat16 *grad,
+                                                   const uint32_t *offsets, const uint32_t *uses,
+                                                   float *out, uint32_t row, uint32_t grad_rows) {
+    gather_sum_rows(grad, offsets, uses, out, row, grad_rows);
+}
+extern "C" __global__ void r3_gather_sum_rows_f16(const __half *grad, const uint32_t *offsets,
+                                                  const uint32_t *uses, float *out, uint32_t row,
+                                                  uint32_t grad_rows) {
+    gather_sum_rows(grad, offsets, uses, out, row, grad_rows);
 }
 
 // The routed experts' combine (layers/combine_slots.rs). One block per row: out[r] =

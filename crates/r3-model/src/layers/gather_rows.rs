@@ -280,10 +280,38 @@ impl CustomOp1 for GatherRows {
 }
 
 impl GatherRows {
+    /// [`GatherRows::sum_uses`] of 16-bit gradient rows (bf16, f16) summed in f32, each row
+    /// widened as it is read: the sums of the widened rows, bit for bit, without their f32
+    /// copy on a GPU (an op gathering in the GEMMs' float, `padded_experts.rs`, whose input
+    /// gradient comes out of those GEMMs). Other dtypes: [`GatherRows::sum_uses`].
+    pub(crate) fn sum_uses_widened(
+        &self,
+        grad: &Tensor,
+        dims: &[usize],
+    ) -> candle_core::Result<Tensor> {
+        let sixteen = matches!(grad.dtype(), DType::BF16 | DType::F16);
+        match (sixteen, grad.device().is_cuda()) {
+            (true, true) => self.sum_uses_as(grad, dims, true),
+            (true, false) => self.sum_uses(&grad.to_dtype(DType::F32)?, dims),
+            (false, _) => self.sum_uses(grad, dims),
+        }
+    }
+
     /// The backward's value: `d src[q] = Σ_{i : ids[i] = q} grad[i]` for the gathered rows'
     /// gradient `grad`, shaped as the source `dims`; rows at or past `grad_rows` zero. An op
     /// that gathers inside itself (`padded_experts.rs`) sums its rows' gradients back by it.
     pub(crate) fn sum_uses(&self, grad: &Tensor, dims: &[usize]) -> candle_core::Result<Tensor> {
+        self.sum_uses_as(grad, dims, false)
+    }
+
+    /// [`GatherRows::sum_uses`], 16-bit rows summed in f32 on a GPU where `widen`.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    fn sum_uses_as(
+        &self,
+        grad: &Tensor,
+        dims: &[usize],
+        widen: bool,
+    ) -> candle_core::Result<Tensor> {
         let row: usize = dims[1..].iter().product();
         let device = grad.device();
         let fan_in = self.fan_in();
@@ -295,8 +323,13 @@ impl GatherRows {
             };
         }
         #[cfg(feature = "cuda")]
-        if grad.dtype() == DType::F32 && row > 0 && self.src_rows > 0 && u32::try_from(row).is_ok()
-        {
+        let kernel_reads = match grad.dtype() {
+            DType::F32 => true,
+            DType::BF16 | DType::F16 => widen,
+            _ => false,
+        };
+        #[cfg(feature = "cuda")]
+        if kernel_reads && row > 0 && self.src_rows > 0 && u32::try_from(row).is_ok() {
             let grad = grad.contiguous()?;
             let summed = grad.apply_op1_no_bwd(&GatherSum {
                 offsets: fan_in.offsets.clone(),
@@ -311,9 +344,10 @@ impl GatherRows {
     }
 }
 
-/// The backward's gather-and-sum as one GPU pass: `[uses, row]` gradient rows → `[src_rows,
-/// row]`, row `q < grad_rows` the sum of its uses in ascending order from zero (the host
-/// twin's arithmetic, [`GatherRows::gather_sum_host`]), the rest zero.
+/// The backward's gather-and-sum as one GPU pass: `[uses, row]` gradient rows (f32, or 16-bit
+/// widened as read) → `[src_rows, row]` f32, row `q < grad_rows` the sum of its uses in
+/// ascending order from zero (the host twin's arithmetic, [`GatherRows::gather_sum_host`]),
+/// the rest zero.
 #[cfg(feature = "cuda")]
 struct GatherSum {
     /// [`FanIn::offsets`].
@@ -358,21 +392,33 @@ impl CustomOp1 for GatherSum {
         let u32_of = |v: usize, what: &str| {
             u32::try_from(v).map_err(|_| candle_core::Error::Msg(format!("{what} {v} past u32")))
         };
-        let out = cuda::launch_f32!(
-            dev,
-            "r3_gather_sum_rows_f32",
-            self.src_rows * self.row,
-            cuda::per_row(self.src_rows, cuda::row_threads(self.row))?,
-            [
-                cuda::view::<f32>(storage, layout, "gradient rows")?,
-                cuda::view::<u32>(&offsets, &offsets_layout, "fan-in offsets")?,
-                cuda::view::<u32>(&uses, &uses_layout, "fan-in uses")?
-            ],
-            [
-                u32_of(self.row, "row")?,
-                u32_of(self.grad_rows, "rows with a gradient")?
-            ]
+        let (row, grad_rows) = (
+            u32_of(self.row, "row")?,
+            u32_of(self.grad_rows, "rows with a gradient")?,
         );
+        macro_rules! sum {
+            ($kernel:literal, $t:ty) => {
+                cuda::launch_f32!(
+                    dev.clone(),
+                    $kernel,
+                    self.src_rows * self.row,
+                    cuda::per_row(self.src_rows, cuda::row_threads(self.row))?,
+                    [
+                        cuda::view::<$t>(storage, layout, "gradient rows")?,
+                        cuda::view::<u32>(&offsets, &offsets_layout, "fan-in offsets")?,
+                        cuda::view::<u32>(&uses, &uses_layout, "fan-in uses")?
+                    ],
+                    [row, grad_rows]
+                )
+            };
+        }
+        use candle_core::backend::BackendStorage;
+        let out = match storage.dtype() {
+            DType::F32 => sum!("r3_gather_sum_rows_f32", f32),
+            DType::BF16 => sum!("r3_gather_sum_rows_bf16", half::bf16),
+            DType::F16 => sum!("r3_gather_sum_rows_f16", half::f16),
+            dt => candle_core::bail!("gather-rows-grad: gradient rows of {dt:?}"),
+        };
         Ok((out, Shape::from((self.src_rows, self.row))))
     }
 }

@@ -274,11 +274,13 @@ impl CustomOp2 for ExpertsUp {
             }
         };
         let dx = if x.track_op() {
-            let dxs = cast16(&parts.gemms.input_grad(&gn, w)?, DType::F32)?;
+            // The gathered rows' gradient in the compute dtype, summed back per row in f32
+            // (each 16-bit value widened as it is read).
+            let dxs = parts.gemms.input_grad(&gn, w)?;
             let h = x.dim(1)?;
             let summed = parts
                 .gather
-                .sum_uses(&dxs.reshape(((), h))?, &[parts.rows + 1, h])?;
+                .sum_uses_widened(&dxs.reshape(((), h))?, &[parts.rows + 1, h])?;
             Some(summed.narrow(0, 0, parts.rows)?)
         } else {
             None
