@@ -1,6 +1,5 @@
 //! Host views of CPU tensors for the custom ops' kernels: the contiguous slice behind a
-//! storage and its layout; and the values of a view of a device tensor read to the host
-//! without the rest of its storage.
+//! storage and its layout.
 
 use candle_core::{Layout, Tensor, WithDType};
 

@@ -1354,10 +1354,10 @@ mod cuda {
         }
     }
 
-    /// Reads and transfers of views (the vendored candle's patch: a view holding fewer
-    /// elements than its buffer is copied into a storage of its own first, so only its
-    /// elements cross): narrows at and off the buffer's start, a row, a strided column, a
-    /// transposed and a broadcast view, moved to the host by `to_device` (and host views up
+    /// Reads and transfers of views (the vendored candle's patch: a view holding at most
+    /// half its buffer is copied into a storage of its own first, so only its elements
+    /// cross): narrows at and off the buffer's start, most of the buffer (moved whole), a
+    /// row, one element, a strided column, a transposed and a broadcast view, moved to the host by `to_device` (and host views up
     /// and back) in f32, bf16 and u32, read in place by `to_vec1/2/3` and `to_scalar` in f32
     /// and u32 — every value the CPU's.
     #[test]
@@ -1367,9 +1367,10 @@ mod cuda {
             .and_then(|t| t.reshape((6, 5, 4)))
             .expect("values");
         type View = fn(&Tensor) -> candle_core::Result<Tensor>;
-        let views: [(&str, View); 8] = [
+        let views: [(&str, View); 9] = [
             ("narrow at the start", |t| t.narrow(0, 0, 2)),
             ("narrow off the start", |t| t.narrow(0, 3, 2)),
+            ("most of the buffer", |t| t.narrow(0, 1, 5)),
             ("a row", |t| t.get(4)),
             ("one element's row", |t| t.get(5)?.get(4)?.narrow(0, 2, 1)),
             ("a strided column", |t| t.narrow(2, 1, 1)),

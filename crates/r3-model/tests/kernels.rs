@@ -162,11 +162,38 @@ fn skewed_experts(device: &Device, precision: Precision) -> [Tensor; 5] {
 
 /// [`skewed_experts`] with a GPU's padded layout run as `ops` says.
 fn skewed_experts_by(device: &Device, precision: Precision, ops: PaddedExpertOps) -> [Tensor; 5] {
-    let (e, h, i, rows) = (4, 16, 8, 2000);
+    let rows = 2000;
     let ids: Vec<u32> = (0..rows as u32)
         .map(|r| if r % 10 < 7 { 0 } else { 1 + r % 3 })
         .collect();
-    let dispatch = Dispatch::new(&ids, 1, e).expect("dispatch");
+    experts_case(device, precision, ops, (16, 8), &ids, 1)
+}
+
+/// Top-2 over wide rows (`H` = 320: several columns a thread and three warps a block in the
+/// combine's kernels), expert 0 in every row (overflow blocks), with a GPU's padded layout
+/// run as `ops` says.
+fn wide_top2_experts_by(
+    device: &Device,
+    precision: Precision,
+    ops: PaddedExpertOps,
+) -> [Tensor; 5] {
+    let ids: Vec<u32> = (0..600u32).flat_map(|r| [0, 1 + r % 3]).collect();
+    experts_case(device, precision, ops, (320, 24), &ids, 2)
+}
+
+/// The routed experts (4 of them, widths `(H, I)`) over the rows routed to `ids` (`top_k` a
+/// row) on `device` at `precision`: the output and the gradients of the rows, gates and both
+/// stacks for a seeded probe.
+fn experts_case(
+    device: &Device,
+    precision: Precision,
+    ops: PaddedExpertOps,
+    (h, i): (usize, usize),
+    ids: &[u32],
+    top_k: usize,
+) -> [Tensor; 5] {
+    let (e, rows) = (4, ids.len() / top_k);
+    let dispatch = Dispatch::new(ids, top_k, e).expect("dispatch");
     let gate_up =
         Var::from_tensor(&(seeded(&[e, 2 * i, h], 12, device) * 0.3).expect("w")).expect("gate_up");
     let down = Var::from_tensor(&(seeded(&[e, h, i], 13, device) * 0.3).expect("w")).expect("down");
@@ -184,7 +211,8 @@ fn skewed_experts_by(device: &Device, precision: Precision, ops: PaddedExpertOps
     experts.set_precision(precision);
     experts.set_padded_ops(ops);
     let x = Var::from_tensor(&seeded(&[rows, h], 14, device)).expect("x");
-    let gates = Var::from_tensor(&(seeded(&[rows, 1], 15, device) * 0.2).expect("g")).expect("g");
+    let gates =
+        Var::from_tensor(&(seeded(&[rows, top_k], 15, device) * 0.2).expect("g")).expect("g");
     let probe = seeded(&[rows, h], 16, device);
     let y = experts
         .forward(&x, &gates, &dispatch)
@@ -198,9 +226,10 @@ fn skewed_experts_by(device: &Device, precision: Precision, ops: PaddedExpertOps
 }
 
 /// On a GPU the padded experts' two fused ops (`padded_experts.rs`, the default, holding
-/// their intermediates in the GEMMs' dtype) give the per-step chain's output and the
-/// gradients of rows, gates and both stacks bit for bit, in f32, bf16 and f16, under the
-/// skewed load (overflow blocks).
+/// their intermediates in the GEMMs' dtype and running their passes in it) give the
+/// per-step chain's output and the gradients of rows, gates and both stacks bit for bit, in
+/// f32, bf16 and f16, under the skewed load (overflow blocks), top-1 over narrow rows and
+/// top-2 over wide ones.
 #[cfg(feature = "cuda")]
 #[test]
 fn fused_padded_experts_on_cuda_are_the_per_step_chain() {
@@ -212,12 +241,19 @@ fn fused_padded_experts_on_cuda_are_the_per_step_chain() {
         Precision::Bf16 { router_f32: false },
         Precision::F16 { router_f32: false },
     ] {
-        let fused = skewed_experts_by(&device, precision, PaddedExpertOps::Fused);
-        let per_step = skewed_experts_by(&device, precision, PaddedExpertOps::PerStep);
-        let names = ["output", "d x", "d gates", "d gate_up", "d down"];
-        for ((a, b), name) in fused.iter().zip(&per_step).zip(names) {
-            assert_eq!(a.dtype(), b.dtype(), "{precision:?} {name}");
-            assert_eq!(bits(a), bits(b), "{precision:?} {name}");
+        type Case = fn(&Device, Precision, PaddedExpertOps) -> [Tensor; 5];
+        let cases: [(&str, Case); 2] = [
+            ("top-1", skewed_experts_by),
+            ("wide top-2", wide_top2_experts_by),
+        ];
+        for (case, run) in cases {
+            let fused = run(&device, precision, PaddedExpertOps::Fused);
+            let per_step = run(&device, precision, PaddedExpertOps::PerStep);
+            let names = ["output", "d x", "d gates", "d gate_up", "d down"];
+            for ((a, b), name) in fused.iter().zip(&per_step).zip(names) {
+                assert_eq!(a.dtype(), b.dtype(), "{case} {precision:?} {name}");
+                assert_eq!(bits(a), bits(b), "{case} {precision:?} {name}");
+            }
         }
     }
 }
@@ -470,6 +506,20 @@ fn compare(device: &Device, tol: f32) {
         {
             assert_close(
                 &format!("skewed experts {precision:?} {name}"),
+                got,
+                want,
+                tol,
+            );
+        }
+        let wide =
+            |device: &Device| wide_top2_experts_by(device, precision, PaddedExpertOps::Fused);
+        for ((got, want), name) in wide(device)
+            .iter()
+            .zip(wide(&Device::Cpu).iter())
+            .zip(["value", "dx", "dgates", "dgate_up", "ddown"])
+        {
+            assert_close(
+                &format!("wide top-2 experts {precision:?} {name}"),
                 got,
                 want,
                 tol,

@@ -2518,17 +2518,20 @@ impl Tensor {
         }
     }
 
-    /// This tensor copied into a storage of its own on its device where it holds fewer
-    /// elements than its storage's buffer (a narrow, a row of a matrix, a strided slice):
-    /// None where it holds as many or more (the buffer whole, or a transposed or broadcast
-    /// view of it), or where the buffer's length is not known. r3's patch: a transfer to
-    /// another device and a read to the host moved the storage's whole buffer and sliced
-    /// it there, so reading a few rows of a large GPU buffer copied all of it over the link.
+    /// This tensor copied into a storage of its own on its device where it holds at most
+    /// half the elements of its storage's buffer (a narrow, a row of a matrix, a strided
+    /// slice): None where it holds more (the buffer whole, a transposed view, most of the
+    /// buffer: moving the buffer then costs at most twice the view, where a copy would take
+    /// as much memory again on a device that may be full), or where the buffer's length is
+    /// not known. r3's patch: a transfer to another device and a read to the host moved the
+    /// storage's whole buffer and sliced it there, so reading a few rows of a large GPU
+    /// buffer copied all of it over the link. The copy's buffer is exactly its elements, so
+    /// the transfer that follows takes upstream's path.
     fn compacted(&self) -> Result<Option<Tensor>> {
         let buffer = self.storage().buffer_elems();
         let elems = self.elem_count();
         match buffer {
-            Some(len) if elems > 0 && elems < len => Ok(Some(self.force_contiguous()?)),
+            Some(len) if elems > 0 && 2 * elems <= len => Ok(Some(self.force_contiguous()?)),
             _ => Ok(None),
         }
     }

@@ -579,7 +579,7 @@ extern "C" __global__ void r3_swiglu_grad_f32(const float *h, const float *d, fl
 // float (nearest, ties to even): the padded experts hold their gate-up output and receive
 // the SwiGLU's gradient in the GEMMs' float, whose weight and input gradients read dh in it
 // (the values of widen → r3_swiglu_grad_f32 → narrow, without the f32 copies). CPU twin:
-// swiglu_halves.rs `SwigluGradNarrow::cpu_fwd`.
+// swiglu_halves.rs `SwigluGrad::cpu_fwd` (its 16-bit operands' branch).
 template <typename H>
 __device__ void swiglu_grad_narrow(const H *h, const H *d, H *dh, size_t n, uint32_t half) {
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;

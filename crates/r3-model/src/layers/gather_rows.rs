@@ -305,7 +305,6 @@ impl GatherRows {
     }
 
     /// [`GatherRows::sum_uses`], 16-bit rows summed in f32 on a GPU where `widen`.
-    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
     fn sum_uses_as(
         &self,
         grad: &Tensor,
@@ -340,7 +339,11 @@ impl GatherRows {
             })?;
             return summed.reshape(dims);
         }
-        self.bwd_composed(dims, grad, fan_in, row)
+        // candle's composed ops sum in the gradient's dtype: a sum asked in f32 widens first.
+        match widen && grad.dtype() != DType::F32 {
+            true => self.bwd_composed(dims, &grad.to_dtype(DType::F32)?, fan_in, row),
+            false => self.bwd_composed(dims, grad, fan_in, row),
+        }
     }
 }
 

@@ -1305,21 +1305,24 @@ cuda_dtype!(f64, F64);
 cuda_dtype!(float8::F8E4M3, F8E4M3);
 
 impl CudaStorage {
-    /// The elements the storage's buffer holds: None for the dtypes stored as packed bytes
-    /// (r3's patch, for the transfers of views in `tensor.rs`).
+    /// The elements the storage's buffer holds, for the dtypes whose strided copy
+    /// (`ucopy_*`) candle-kernels has: None for i16, i32 and f8 (no kernel, or not under the
+    /// name `copy_strided_src` launches) and for the dtypes stored as packed bytes, whose
+    /// views then cross whole as upstream's (r3's patch, for the transfers of views in
+    /// `tensor.rs`).
     pub fn buffer_elems(&self) -> Option<usize> {
         match &self.slice {
             CudaStorageSlice::U8(s) => Some(s.len()),
             CudaStorageSlice::U32(s) => Some(s.len()),
-            CudaStorageSlice::I16(s) => Some(s.len()),
-            CudaStorageSlice::I32(s) => Some(s.len()),
             CudaStorageSlice::I64(s) => Some(s.len()),
             CudaStorageSlice::BF16(s) => Some(s.len()),
             CudaStorageSlice::F16(s) => Some(s.len()),
             CudaStorageSlice::F32(s) => Some(s.len()),
             CudaStorageSlice::F64(s) => Some(s.len()),
-            CudaStorageSlice::F8E4M3(s) => Some(s.len()),
-            CudaStorageSlice::F6E2M3(_)
+            CudaStorageSlice::I16(_)
+            | CudaStorageSlice::I32(_)
+            | CudaStorageSlice::F8E4M3(_)
+            | CudaStorageSlice::F6E2M3(_)
             | CudaStorageSlice::F6E3M2(_)
             | CudaStorageSlice::F4(_)
             | CudaStorageSlice::F8E8M0(_) => None,
