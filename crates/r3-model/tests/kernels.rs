@@ -326,6 +326,27 @@ fn gathered_rows(device: &Device) -> Vec<Tensor> {
     out
 }
 
+/// The gradient sums of gathered rows from 16-bit gradient rows (`GatherRows::sum_uses_widened`,
+/// as the padded experts sum their gate-up GEMMs' 16-bit input gradient back per row: on a GPU
+/// r3's sum kernel reading bf16 / f16, widened as read), for rows of 16 and 6 values and the
+/// last 3 source rows without a gradient: f32 sums, each source row's uses in order.
+fn gathered_sums_16(device: &Device) -> Vec<Tensor> {
+    let ids: Vec<u32> = (0..50u32).map(|i| (i * 7 + 3) % 20).collect();
+    let mut out = Vec::new();
+    for dtype in [DType::BF16, DType::F16] {
+        for (width, grad_rows) in [(16, 20), (6, 17)] {
+            let grad = seeded(&[ids.len(), width], 50 + width as u64, device)
+                .to_dtype(dtype)
+                .expect("16-bit gradient rows");
+            let op = GatherRows::new(ids.clone(), 20, grad_rows).expect("op");
+            let sums = op.sum_uses_widened(&grad, &[20, width]).expect("sums");
+            assert_eq!(sums.dtype(), DType::F32, "{dtype:?}: summed in f32");
+            out.push(sums);
+        }
+    }
+    out
+}
+
 /// Rows of bf16 and f16 values gathered by `GatherRows` on `device` (a GPU: r3's 16-bit
 /// row-copy kernel, 16-byte copies where the row is a multiple of eight values on a 16-byte
 /// boundary), as the padded experts gather their narrowed rows: rows of 16 and of 6 values,
@@ -572,6 +593,18 @@ fn compare(device: &Device, tol: f32) {
         .enumerate()
     {
         assert_close(&format!("gathered 16-bit rows case {i}"), got, want, 0.0);
+    }
+    for (i, (got, want)) in gathered_sums_16(device)
+        .iter()
+        .zip(gathered_sums_16(&Device::Cpu).iter())
+        .enumerate()
+    {
+        assert_close(
+            &format!("16-bit gradient rows' sums case {i}"),
+            got,
+            want,
+            0.0,
+        );
     }
     let [lp, dz] = token_logprobs(device);
     let [lp_cpu, dz_cpu] = token_logprobs(&Device::Cpu);

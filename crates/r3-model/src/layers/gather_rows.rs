@@ -280,15 +280,13 @@ impl CustomOp1 for GatherRows {
 }
 
 impl GatherRows {
-    /// [`GatherRows::sum_uses`] of 16-bit gradient rows (bf16, f16) summed in f32, each row
-    /// widened as it is read: the sums of the widened rows, bit for bit, without their f32
-    /// copy on a GPU (an op gathering in the GEMMs' float, `padded_experts.rs`, whose input
-    /// gradient comes out of those GEMMs). Other dtypes: [`GatherRows::sum_uses`].
-    pub(crate) fn sum_uses_widened(
-        &self,
-        grad: &Tensor,
-        dims: &[usize],
-    ) -> candle_core::Result<Tensor> {
+    /// The gather's backward sums (`d src[q] = Σ_{i : ids[i] = q} grad[i]`, shaped as the
+    /// source `dims`, rows at or past `grad_rows` zero) of 16-bit gradient rows (bf16, f16)
+    /// in f32, each row widened as it is read: the sums of the widened rows, bit for bit,
+    /// without their f32 copy on a GPU (an op gathering in the GEMMs' float,
+    /// `padded_experts.rs`, whose input gradient comes out of those GEMMs). Other dtypes are
+    /// summed in their own, as the op's backward does.
+    pub fn sum_uses_widened(&self, grad: &Tensor, dims: &[usize]) -> candle_core::Result<Tensor> {
         let sixteen = matches!(grad.dtype(), DType::BF16 | DType::F16);
         match (sixteen, grad.device().is_cuda()) {
             (true, true) => self.sum_uses_as(grad, dims, true),
