@@ -287,12 +287,7 @@ impl GatherRows {
     /// `padded_experts.rs`, whose input gradient comes out of those GEMMs). Other dtypes are
     /// summed in their own, as the op's backward does.
     pub fn sum_uses_widened(&self, grad: &Tensor, dims: &[usize]) -> candle_core::Result<Tensor> {
-        let sixteen = matches!(grad.dtype(), DType::BF16 | DType::F16);
-        match (sixteen, grad.device().is_cuda()) {
-            (true, true) => self.sum_uses_as(grad, dims, true),
-            (true, false) => self.sum_uses(&grad.to_dtype(DType::F32)?, dims),
-            (false, _) => self.sum_uses(grad, dims),
-        }
+        self.sum_uses_as(grad, dims, true)
     }
 
     /// The backward's value: `d src[q] = Σ_{i : ids[i] = q} grad[i]` for the gathered rows'
@@ -302,7 +297,8 @@ impl GatherRows {
         self.sum_uses_as(grad, dims, false)
     }
 
-    /// [`GatherRows::sum_uses`], 16-bit rows summed in f32 on a GPU where `widen`.
+    /// [`GatherRows::sum_uses`], 16-bit rows summed in f32 where `widen`: read widened by a
+    /// GPU's kernel, widened first elsewhere.
     fn sum_uses_as(
         &self,
         grad: &Tensor,
@@ -310,23 +306,15 @@ impl GatherRows {
         widen: bool,
     ) -> candle_core::Result<Tensor> {
         let row: usize = dims[1..].iter().product();
-        let device = grad.device();
         let fan_in = self.fan_in();
-        if device.is_cpu() {
-            return match grad.dtype() {
-                DType::F32 => self.gather_sum_host::<f32>(grad, fan_in, row, dims),
-                DType::F64 => self.gather_sum_host::<f64>(grad, fan_in, row, dims),
-                _ => self.bwd_composed(dims, grad, fan_in, row),
-            };
-        }
+        let sixteen = matches!(grad.dtype(), DType::BF16 | DType::F16);
         #[cfg(feature = "cuda")]
-        let kernel_reads = match grad.dtype() {
-            DType::F32 => true,
-            DType::BF16 | DType::F16 => widen,
-            _ => false,
-        };
-        #[cfg(feature = "cuda")]
-        if kernel_reads && row > 0 && self.src_rows > 0 && u32::try_from(row).is_ok() {
+        if grad.device().is_cuda()
+            && (grad.dtype() == DType::F32 || (widen && sixteen))
+            && row > 0
+            && self.src_rows > 0
+            && u32::try_from(row).is_ok()
+        {
             let grad = grad.contiguous()?;
             let summed = grad.apply_op1_no_bwd(&GatherSum {
                 offsets: fan_in.offsets.clone(),
@@ -337,10 +325,15 @@ impl GatherRows {
             })?;
             return summed.reshape(dims);
         }
-        // candle's composed ops sum in the gradient's dtype: a sum asked in f32 widens first.
-        match widen && grad.dtype() != DType::F32 {
-            true => self.bwd_composed(dims, &grad.to_dtype(DType::F32)?, fan_in, row),
-            false => self.bwd_composed(dims, grad, fan_in, row),
+        if widen && sixteen {
+            // Where no kernel reads them widened: widened first, then summed in f32 (the
+            // host and candle's composed ops sum in the gradient's dtype).
+            return self.sum_uses(&grad.to_dtype(DType::F32)?, dims);
+        }
+        match (grad.device().is_cpu(), grad.dtype()) {
+            (true, DType::F32) => self.gather_sum_host::<f32>(grad, fan_in, row, dims),
+            (true, DType::F64) => self.gather_sum_host::<f64>(grad, fan_in, row, dims),
+            _ => self.bwd_composed(dims, grad, fan_in, row),
         }
     }
 }

@@ -42,7 +42,7 @@ pub fn route_rows(router: &Router, logits: &Tensor, bias: Option<&Tensor>) -> Re
     Ok(DeviceChoice {
         gates: packed_gates(&packed, rows, k)?,
         ids: packed_ids(&packed, rows, k)?,
-        finite: packed.narrow(0, 2 * slots, rows)?,
+        finite: packed_finite(&packed, rows, k)?,
         record: packed.narrow(0, slots, slots + rows)?,
     })
 }
@@ -59,7 +59,7 @@ pub(crate) fn chosen_ids(
     let k = router.top_k;
     Ok((
         packed_ids(&packed, rows, k)?,
-        packed.narrow(0, 2 * rows * k, rows)?,
+        packed_finite(&packed, rows, k)?,
     ))
 }
 
@@ -69,6 +69,23 @@ fn packed_ids(packed: &Tensor, rows: usize, k: usize) -> Result<Tensor> {
         .narrow(0, rows * k, rows * k)?
         .to_dtype(DType::U32)?
         .reshape((rows, k))?)
+}
+
+/// The `[rows]` f32 finiteness flags of an op's packed output.
+fn packed_finite(packed: &Tensor, rows: usize, k: usize) -> Result<Tensor> {
+    Ok(packed.narrow(0, 2 * rows * k, rows)?)
+}
+
+/// The length of the ops' packed output for `rows` rows of `cols` logits choosing `k`
+/// (`[gates | ids | finite]`), refused where a GPU kernel's 32-bit sizes cannot hold it.
+#[cfg(feature = "cuda")]
+fn packed_len(rows: usize, cols: usize, k: usize) -> candle_core::Result<usize> {
+    let len = 2 * rows * k + rows;
+    let fits = |v: usize| u32::try_from(v).is_ok();
+    if !(fits(cols) && fits(rows) && fits(len)) {
+        candle_core::bail!("routing rows: {rows} rows of {cols} exceed a 32-bit size");
+    }
+    Ok(len)
 }
 
 /// The `[rows, k]` f32 gates of an op's packed output.
@@ -287,11 +304,7 @@ impl CustomOp1 for RouteSoftmax {
                 norm_topk_prob: true
             }
         );
-        let fits = |v: usize| u32::try_from(v).is_ok();
-        if !(fits(cols) && fits(rows) && fits(2 * rows * k + rows)) {
-            candle_core::bail!("routing rows: {rows} rows of {cols} exceed a 32-bit size");
-        }
-        let len = 2 * rows * k + rows;
+        let len = packed_len(rows, cols, k)?;
         let out = cuda::launch_f32!(
             cuda::device(storage),
             "r3_route_softmax_f32",
@@ -358,13 +371,9 @@ impl CustomOp2 for RouteGrouped {
         else {
             candle_core::bail!("the grouped routing kernel takes a grouped sigmoid router");
         };
-        let fits = |v: usize| u32::try_from(v).is_ok();
-        if !(fits(cols) && fits(rows) && fits(2 * rows * k + rows)) {
-            candle_core::bail!("routing rows: {rows} rows of {cols} exceed a 32-bit size");
-        }
         // Every group needs a thread of its own for its two best (at most 64 groups).
         let threads = cuda::row_threads(cols).max((n_group as u32).div_ceil(32) * 32);
-        let len = 2 * rows * k + rows;
+        let len = packed_len(rows, cols, k)?;
         let out = cuda::launch_f32!(
             cuda::device(storage),
             "r3_route_grouped_f32",
@@ -443,8 +452,8 @@ mod tests {
         }
     }
 
-    /// Logits of another width, or no expert to choose, are refused (DeepSeek-V3's grouped
-    /// router is refused in `tests/router.rs`).
+    /// Logits of another width, or no expert to choose, are refused (a DeepSeek-V3 score
+    /// bias of another length is refused in `tests/router.rs`).
     #[test]
     fn shapes_that_do_not_fit_are_refused() {
         let t = Tensor::zeros((2, 8), DType::F32, &Device::Cpu).expect("logits");
