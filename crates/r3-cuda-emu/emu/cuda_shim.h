@@ -1,0 +1,205 @@
+// What r3's kernels (crates/r3-model/src/cuda/kernels.cu) take from CUDA, for the host: the
+// kernel qualifiers, the thread and block indices of the emulated grid (runtime.cpp), its
+// barriers and warp shuffles, the atomics, the vector types, and the bf16 / f16 types with
+// the conversions of `cuda_bf16.h` / `cuda_fp16.h` (nearest, ties to even; every NaN the
+// canonical NaN a GPU's `cvt.rn` writes). Included before the kernels' source, whose own
+// includes build.rs strips.
+#pragma once
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __restrict__
+// Blocks run one after another on one OS thread (their threads as fibers), so a block's
+// shared variables are the thread's statics; `thread_local` keeps two tests' grids, on two
+// OS threads, apart.
+#define __shared__ static thread_local
+
+struct dim3 {
+    unsigned x, y, z;
+};
+
+// The running fiber's indices (runtime.cpp sets them before resuming it).
+struct R3EmuThread {
+    dim3 thread_idx;
+    dim3 block_idx;
+    dim3 block_dim;
+    dim3 grid_dim;
+};
+extern thread_local R3EmuThread *r3emu_current;
+#define threadIdx (r3emu_current->thread_idx)
+#define blockIdx (r3emu_current->block_idx)
+#define blockDim (r3emu_current->block_dim)
+#define gridDim (r3emu_current->grid_dim)
+
+extern "C" void r3emu_sync_block();
+extern "C" void r3emu_sync_warp();
+extern "C" void *r3emu_dynamic_shared();
+// The calling fiber's slot of its warp's exchange (8 bytes a lane), and the slot of lane
+// `lane` of the same warp.
+extern "C" uint64_t *r3emu_warp_slot(unsigned lane);
+extern "C" unsigned r3emu_lane();
+
+inline void __syncthreads() { r3emu_sync_block(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { r3emu_sync_warp(); }
+
+// Every lane publishes its value, the warp meets, each reads its partner's, the warp meets
+// again (so no lane overwrites a slot another has yet to read).
+template <typename T> inline T __shfl_xor_sync(unsigned, T v, int lane_mask) {
+    static_assert(sizeof(T) <= 8, "a shuffled value fits 8 bytes");
+    const unsigned lane = r3emu_lane();
+    uint64_t word = 0;
+    memcpy(&word, &v, sizeof(T));
+    *r3emu_warp_slot(lane) = word;
+    r3emu_sync_warp();
+    const uint64_t other = *r3emu_warp_slot((lane ^ (unsigned)lane_mask) & 31u);
+    r3emu_sync_warp();
+    T out;
+    memcpy(&out, &other, sizeof(T));
+    return out;
+}
+
+// One OS thread runs every fiber, so the atomics are plain read-modify-writes.
+inline unsigned atomicOr(unsigned *p, unsigned v) {
+    const unsigned old = *p;
+    *p = old | v;
+    return old;
+}
+inline unsigned atomicMax(unsigned *p, unsigned v) {
+    const unsigned old = *p;
+    *p = old > v ? old : v;
+    return old;
+}
+inline int atomicMax(int *p, int v) {
+    const int old = *p;
+    *p = old > v ? old : v;
+    return old;
+}
+inline unsigned atomicAdd(unsigned *p, unsigned v) {
+    const unsigned old = *p;
+    *p = old + v;
+    return old;
+}
+
+template <typename T> inline T max(T a, T b) { return a > b ? a : b; }
+template <typename T> inline T min(T a, T b) { return a < b ? a : b; }
+
+struct alignas(8) float2 {
+    float x, y;
+};
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
+inline float2 make_float2(float x, float y) { return {x, y}; }
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+
+inline unsigned __float_as_uint(float f) {
+    unsigned u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+inline int __float_as_int(float f) {
+    int i;
+    memcpy(&i, &f, 4);
+    return i;
+}
+inline float __uint_as_float(unsigned u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+inline float __int_as_float(int i) {
+    float f;
+    memcpy(&f, &i, 4);
+    return f;
+}
+
+// The correctly rounded operations (what the `_rn` intrinsics promise; build.rs compiles one
+// variant without contraction, where plain expressions are these too).
+inline float __fadd_rn(float a, float b) {
+    volatile float r = a + b;
+    return r;
+}
+inline float __fsub_rn(float a, float b) {
+    volatile float r = a - b;
+    return r;
+}
+inline float __fmul_rn(float a, float b) {
+    volatile float r = a * b;
+    return r;
+}
+inline float __fdiv_rn(float a, float b) {
+    volatile float r = a / b;
+    return r;
+}
+inline float __fsqrt_rn(float a) { return sqrtf(a); }
+
+struct __nv_bfloat16 {
+    uint16_t __x;
+};
+struct alignas(4) __nv_bfloat162 {
+    __nv_bfloat16 x, y;
+};
+struct __half {
+    uint16_t __x;
+};
+struct alignas(4) __half2 {
+    __half x, y;
+};
+
+inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short u) { return {u}; }
+inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.__x; }
+
+inline float __bfloat162float(__nv_bfloat16 h) { return __uint_as_float((unsigned)h.__x << 16); }
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+    const unsigned b = __float_as_uint(f);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return {0x7fffu};
+    const unsigned rounded = b + 0x7fffu + ((b >> 16) & 1u);
+    return {(uint16_t)(rounded >> 16)};
+}
+
+inline float __half2float(__half h) {
+    const unsigned sign = (unsigned)(h.__x & 0x8000u) << 16;
+    const unsigned exp = (h.__x >> 10) & 0x1fu, mant = h.__x & 0x3ffu;
+    if (exp == 0x1fu) return __uint_as_float(sign | 0x7f800000u | (mant << 13));
+    if (exp != 0) return __uint_as_float(sign | ((exp + 112u) << 23) | (mant << 13));
+    // Subnormal: mant · 2^-24, exact in f32.
+    const float v = (float)mant * 5.9604644775390625e-08f;
+    return sign ? -v : v;
+}
+inline __half __float2half_rn(float f) {
+    const unsigned b = __float_as_uint(f);
+    const unsigned sign = (b >> 16) & 0x8000u;
+    const unsigned abs = b & 0x7fffffffu;
+    if (abs > 0x7f800000u) return {0x7fffu};
+    if (abs >= 0x477ff000u) return {(uint16_t)(sign | 0x7c00u)};  // rounds past 65504: ∞
+    if (abs < 0x38800000u) {
+        // Below f16's smallest normal: a multiple of 2^-24, rounded to nearest even by
+        // the f32 sum with 2^-1 · 2^-23 · ... (the classic magic-number trick).
+        const float magic = 0.5f;
+        const float v = __uint_as_float(abs) + magic;
+        return {(uint16_t)(sign | (__float_as_uint(v) - __float_as_uint(magic)))};
+    }
+    const unsigned odd = (abs >> 13) & 1u;
+    const unsigned r = abs + ((unsigned)(15 - 127) << 23) + 0xfffu + odd;
+    return {(uint16_t)(sign | (r >> 13))};
+}
+
+inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) {
+    return {__float2bfloat16_rn(a), __float2bfloat16_rn(b)};
+}
+inline __half2 __floats2half2_rn(float a, float b) {
+    return {__float2half_rn(a), __float2half_rn(b)};
+}
+inline float2 __bfloat1622float2(__nv_bfloat162 h) {
+    return {__bfloat162float(h.x), __bfloat162float(h.y)};
+}
+inline float2 __half22float2(__half2 h) { return {__half2float(h.x), __half2float(h.y)}; }
