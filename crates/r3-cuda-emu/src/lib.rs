@@ -69,6 +69,23 @@ impl LaunchShape {
         }
     }
 
+    /// r3-model's one-block-per-row launch: `rows` blocks of `threads`.
+    pub fn per_row(rows: usize, threads: u32) -> Self {
+        Self::blocks(
+            u32::try_from(rows).expect("a grid of at most u32::MAX rows"),
+            threads,
+        )
+    }
+
+    /// r3-model's grid-stride launch over `n` elements (`launch_shape::elementwise_blocks`
+    /// blocks of `ELEMENTWISE_THREADS`).
+    pub fn elementwise(n: usize) -> Self {
+        Self::blocks(
+            r3_model::launch_shape::elementwise_blocks(n),
+            r3_model::launch_shape::ELEMENTWISE_THREADS,
+        )
+    }
+
     /// The same shape with `bytes` of dynamic shared memory.
     pub fn with_shared_bytes(self, bytes: usize) -> Self {
         Self {

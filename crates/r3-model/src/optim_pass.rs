@@ -346,20 +346,13 @@ mod gpu {
         })
     }
 
-    /// Blocks of 256 threads the sum of squares of `n` values runs in: about 16 values a
-    /// thread, at most 1,024 blocks (several per SM on any GPU r3 runs on), at least one. A
-    /// function of `n` alone, so that the order of the sums is too.
-    fn squares_blocks(n: usize) -> u32 {
-        n.div_ceil(256 * 16).clamp(1, 1024) as u32
-    }
-
     /// [`super::sum_of_squares_on_device`] (its conditions checked): one launch per tensor
     /// into one buffer of f64 partial sums, one launch adding them up, one f32 read back.
     pub(super) fn sum_of_squares(grads: &[&Tensor]) -> Result<f32> {
         use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
         let blocks: Vec<u32> = grads
             .iter()
-            .map(|g| squares_blocks(g.elem_count()))
+            .map(|g| crate::launch_shape::sum_squares_blocks(g.elem_count()))
             .collect();
         let mut offsets = Vec::with_capacity(blocks.len() + 1);
         let mut at = 0u32;

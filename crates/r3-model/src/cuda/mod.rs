@@ -88,18 +88,13 @@ pub(crate) fn per_row(rows: usize, threads: u32) -> Result<LaunchConfig> {
     })
 }
 
-/// Threads for a row of `cols` entries: one per four entries, a whole number of warps,
-/// between one warp and 1,024 threads.
-pub(crate) fn row_threads(cols: usize) -> u32 {
-    (cols.div_ceil(4).div_ceil(32) * 32).clamp(32, 1024) as u32
-}
+pub(crate) use crate::launch_shape::row_threads;
 
-/// A grid-stride launch over `n` elements.
+/// A grid-stride launch over `n` elements (`launch_shape::elementwise_blocks`).
 pub(crate) fn elementwise(n: usize) -> LaunchConfig {
-    let blocks = n.div_ceil(256).clamp(1, 65_535) as u32;
     LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (256, 1, 1),
+        grid_dim: (crate::launch_shape::elementwise_blocks(n), 1, 1),
+        block_dim: (crate::launch_shape::ELEMENTWISE_THREADS, 1, 1),
         shared_mem_bytes: 0,
     }
 }

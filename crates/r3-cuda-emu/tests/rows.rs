@@ -1,0 +1,735 @@
+//! r3's row kernels through the emulated grid against r3-model's CPU twins: the attention's
+//! masked softmax and its backward, the token log-prob and its logits gradient, the greedy
+//! reduction, RMSNorm (value, input gradient, per-chunk weight gradient), the rounded rotary
+//! embedding and the one-kernel decode attention. Each kernel runs in every variant
+//! (`plain`: rounded as written; `fma`: contracted, as nvcc compiles it) and in both thread
+//! orders, at the launch shape r3-model's launcher picks and at other shapes its contract
+//! allows (one warp, a block that is not a power of two, more threads than columns, fewer
+//! blocks than a grid-stride loop needs). Where the twin computes in the kernel's order the
+//! comparison is bit for bit; where the kernel reduces across its block (or a contraction
+//! rounds once where the twin rounds twice) it is a tolerance relative to the values' scale,
+//! and each test says which holds in which variant and why.
+
+use candle_core::{DType, Device, Tensor, Var};
+use r3_cuda_emu::{in_both_orders, launch, variants, LaunchShape};
+use r3_model::greedy_rows::greedy_rows;
+use r3_model::layers::attention::attend_additive;
+use r3_model::layers::attention::rope::{Rope, Rotary};
+use r3_model::layers::norm::RmsNorm;
+use r3_model::token_stats::token_log_probs_recomputed;
+use r3_model::{Precision, RopeConfig, RopeScaling, Weights};
+
+mod common;
+
+use common::Lcg;
+use r3_model::launch_shape::row_threads;
+
+/// The bit patterns of `v`.
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Runs one kernel launch of `shape` in both thread orders (`call` launches it over the
+/// output pointer it is given; the output starts as NaN, so an element left unwritten shows)
+/// and returns the output, which must be the same bits in both orders.
+fn run(what: &str, shape: LaunchShape, len: usize, call: impl Fn(*mut f32)) -> Vec<f32> {
+    let out = in_both_orders(what, |order| {
+        let mut out = vec![f32::NAN; len];
+        let op = out.as_mut_ptr();
+        launch(shape, order, &|| call(op)).expect("launch");
+        bits(&out)
+    });
+    out.into_iter().map(f32::from_bits).collect()
+}
+
+/// A CPU tensor's values, flattened.
+fn host(t: &Tensor) -> Vec<f32> {
+    t.flatten_all()
+        .and_then(|t| t.to_vec1::<f32>())
+        .expect("a tensor's values")
+}
+
+/// A CPU f32 tensor of `shape` holding `data`.
+fn tensor(data: &[f32], shape: &[usize]) -> Tensor {
+    Tensor::from_slice(data, shape, &Device::Cpu).expect("tensor")
+}
+
+/// `got` equals `want` bit for bit, naming `what` and the first element that differs.
+fn assert_bits(what: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    if let Some(i) = (0..got.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+        let differ = (0..got.len())
+            .filter(|&i| got[i].to_bits() != want[i].to_bits())
+            .count();
+        panic!(
+            "{what}: {differ} of {} values differ, first at {i}: {} vs {}",
+            got.len(),
+            got[i],
+            want[i]
+        );
+    }
+}
+
+/// `got` within `tol` of `want` relative to `want`'s largest finite |value| (at least
+/// `floor`), NaN exactly where `want` is NaN and infinities equal; returns the largest
+/// |difference| over that scale (printed, so `--nocapture` shows how close it came).
+fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f64, floor: f64) -> f64 {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let scale = want
+        .iter()
+        .filter(|w| w.is_finite())
+        .fold(floor, |s, w| s.max(f64::from(w.abs())));
+    let mut worst = 0f64;
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        if w.is_nan() || !w.is_finite() {
+            assert!(
+                (w.is_nan() && g.is_nan()) || g == w,
+                "{what}: element {i} is {g}, the twin's {w}"
+            );
+            continue;
+        }
+        let d = (f64::from(g) - f64::from(w)).abs() / scale;
+        assert!(
+            d <= tol,
+            "{what}: element {i} is {g}, the twin's {w} (|Δ| {d:.3e} of the scale {scale:.3e}, over {tol:.1e})"
+        );
+        worst = worst.max(d);
+    }
+    println!("{what}: largest |Δ| {worst:.3e} of the scale {scale:.3e}");
+    worst
+}
+
+/// `r3_masked_softmax_f32` equals the CPU's masked softmax (`masked_softmax_rows`, reached
+/// through `attend_additive` with identity keys and values, whose products are exact: the
+/// probabilities as they are) within f32 rounding: rows of 300 columns over blocks of 96
+/// (the launcher's), 32, 160 and 1,024 threads; grouped query rows reading their batch's and
+/// query's mask row; masked keys (−∞), a finite additive bias, and one query whose keys are
+/// all masked (NaN in both). The kernel sums the row's exponentials in its block's order
+/// where the twin sums in column order, so a tolerance in both variants; `fma` also rounds
+/// `s · scale + mask` once where the twin rounds twice.
+#[test]
+fn masked_softmax_rows_equal_the_cpu_softmax_within_f32_rounding() {
+    let (b, kv, groups, t, s) = (2usize, 2usize, 2usize, 3usize, 300usize);
+    let gt = groups * t;
+    let rows = b * kv * gt;
+    let scale = 0.37f32;
+    let mut lcg = Lcg::new(1);
+    let scores = lcg.values(rows * s, -6.0, 6.0);
+    // mask [B, 1, 1, T, S]: a causal end, batch 1 left-padded by 40 keys, every seventh key
+    // of batch 0 masked, a small finite bias elsewhere; batch 1's query 0 sees no key.
+    let mut mask = vec![0f32; b * t * s];
+    for bi in 0..b {
+        for ti in 0..t {
+            for j in 0..s {
+                let hidden = j > s - t + ti
+                    || (bi == 1 && j < 40)
+                    || (bi == 0 && j % 7 == 3)
+                    || (bi == 1 && ti == 0);
+                mask[(bi * t + ti) * s + j] = if hidden {
+                    f32::NEG_INFINITY
+                } else {
+                    -0.01 * (j % 13) as f32
+                };
+            }
+        }
+    }
+    let scores_t = tensor(&scores, &[b, kv, gt, s]);
+    let eye = Tensor::eye(s, DType::F32, &Device::Cpu)
+        .and_then(|e| e.broadcast_as((b, kv, s, s)))
+        .and_then(|e| e.contiguous())
+        .expect("identity");
+    let want = attend_additive(
+        &scores_t,
+        &eye,
+        &eye,
+        &tensor(&mask, &[b, 1, 1, t, s]),
+        f64::from(scale),
+        groups,
+    )
+    .map(|p| host(&p))
+    .expect("the CPU's probabilities");
+    // Batch 1's first row is its query 0, whose keys are all masked: NaN on the CPU.
+    assert!(want[kv * gt * s].is_nan(), "the fully masked row");
+    for (name, k) in variants() {
+        for threads in [row_threads(s), 32, 160, 1024] {
+            let what = format!("masked softmax {name}, {threads} threads");
+            let got = run(
+                &what,
+                LaunchShape::blocks(rows as u32, threads),
+                rows * s,
+                |p| unsafe {
+                    (k.r3_masked_softmax_f32)(
+                        scores.as_ptr(),
+                        mask.as_ptr(),
+                        p,
+                        scale,
+                        s as u32,
+                        t as u32,
+                        (kv * gt) as u32,
+                    )
+                },
+            );
+            assert_close(&what, &got, &want, 1e-6, 0.0);
+        }
+    }
+}
+
+/// `r3_softmax_grad_f32` is `p ⊙ (dp − row_dot[row])` (the twin `softmax_grad_rows`, which
+/// is private: the formula from the kernel's meaning), bit for bit in both variants (a
+/// subtract then a multiply: nothing to contract): rows of 37 over 23 rows (851 elements, a
+/// row boundary inside every block), at the launcher's grid of 256-thread blocks, one block
+/// of 32 threads and two of 96 (grid-stride loops of many rounds).
+#[test]
+fn softmax_grad_is_p_times_dp_minus_the_row_dot_bit_for_bit() {
+    let (rows, cols) = (23usize, 37usize);
+    let n = rows * cols;
+    let mut lcg = Lcg::new(2);
+    let p = lcg.values(n, 0.0, 1.0);
+    let dp = lcg.values(n, -3.0, 3.0);
+    let row_dot = lcg.values(rows, -1.0, 1.0);
+    let want: Vec<f32> = (0..n).map(|i| p[i] * (dp[i] - row_dot[i / cols])).collect();
+    for (name, k) in variants() {
+        for shape in [
+            LaunchShape::elementwise(n),
+            LaunchShape::blocks(1, 32),
+            LaunchShape::blocks(2, 96),
+        ] {
+            let what = format!("softmax grad {name}, {shape:?}");
+            let got = run(&what, shape, n, |out| unsafe {
+                (k.r3_softmax_grad_f32)(
+                    p.as_ptr(),
+                    dp.as_ptr(),
+                    row_dot.as_ptr(),
+                    out,
+                    cols as u32,
+                    n,
+                )
+            });
+            assert_bits(&what, &got, &want);
+        }
+    }
+}
+
+/// Logits `[rows, vocab]` for the token log-prob tests: spread over [−12, 12), with a few
+/// masked (−∞) columns in row 2.
+fn token_logits(rows: usize, vocab: usize) -> Vec<f32> {
+    let mut z = Lcg::new(3).values(rows * vocab, -12.0, 12.0);
+    for j in (5..vocab).step_by(11) {
+        z[2 * vocab + j] = f32::NEG_INFINITY;
+    }
+    z
+}
+
+/// `r3_token_logprob_f32` equals the CPU's recomputing token log-prob
+/// (`token_log_probs_recomputed`, its one-pass `token_logp_rows`) within f32 rounding: a
+/// vocabulary of 1,001 (not a multiple of four, wider than any block) over blocks of 256
+/// (the launcher's), 32, 96 and 1,024 threads; targets at the first and last column, two
+/// rows sharing one, a row with −∞ columns; and NaN for a target past the vocabulary (the
+/// CPU API refuses such a target, so that row's truth is the kernel's documented NaN). The
+/// kernel sums in its block's order, the twin in column order: a tolerance in both variants
+/// (nothing in it contracts, so `fma` gives `plain`'s bits).
+#[test]
+fn token_log_probs_equal_the_cpu_within_f32_rounding() {
+    let (rows, vocab) = (6usize, 1001usize);
+    let z = token_logits(rows, vocab);
+    let targets = [0u32, 1000, 17, 17, 500, vocab as u32];
+    // The CPU's values of the rows with targets in the vocabulary (the last row's target
+    // replaced: its value is not compared).
+    let mut valid = targets;
+    valid[rows - 1] = 3;
+    let want = token_log_probs_recomputed(
+        &tensor(&z, &[rows, vocab]),
+        &Tensor::new(&valid, &Device::Cpu).expect("targets"),
+    )
+    .map(|t| host(&t))
+    .expect("the CPU's log-probs");
+    for threads in [row_threads(vocab), 32, 96, 1024] {
+        let mut plain: Option<Vec<u32>> = None;
+        for (name, k) in variants() {
+            let what = format!("token log-prob {name}, {threads} threads");
+            let got = run(
+                &what,
+                LaunchShape::blocks(rows as u32, threads),
+                rows,
+                |out| unsafe {
+                    (k.r3_token_logprob_f32)(z.as_ptr(), targets.as_ptr(), out, vocab as u32)
+                },
+            );
+            assert!(
+                got[rows - 1].is_nan(),
+                "{what}: a target past the vocabulary"
+            );
+            assert_close(&what, &got[..rows - 1], &want[..rows - 1], 1e-6, 1.0);
+            let plain = plain.get_or_insert_with(|| bits(&got));
+            assert_eq!(*plain, bits(&got), "{what}: fma changed plain's bits");
+        }
+    }
+}
+
+/// `r3_token_logprob_grad_f32` equals the CPU's logits gradient bit for bit in both
+/// variants: the twin (`token_logp_grad_rows`) reached through the recomputing token
+/// log-prob's backward, fed the same row stats (lse = z[t] − logp as the backward recovers
+/// it, g the output gradient). `0 − g·e` contracted is `fma(−g, e, 0)`, one rounding of
+/// the same product: the same bits. Blocks of 256 (the launcher's), 32 and 96 threads; a
+/// target past the vocabulary adds g nowhere (the formula from the kernel's meaning).
+#[test]
+fn token_log_prob_gradient_equals_the_cpu_bit_for_bit() {
+    let (rows, vocab) = (5usize, 1001usize);
+    let z = token_logits(rows, vocab);
+    let targets = [0u32, 1000, 17, 17, 500];
+    let g = [0.5f32, -1.5, 2.0, 0.0, 0.25];
+    let zv = Var::from_tensor(&tensor(&z, &[rows, vocab])).expect("logits");
+    let t = Tensor::new(&targets, &Device::Cpu).expect("targets");
+    let lp = token_log_probs_recomputed(zv.as_tensor(), &t).expect("log-probs");
+    let grads = (&lp * tensor(&g, &[rows]))
+        .and_then(|l| l.sum_all())
+        .and_then(|l| l.backward())
+        .expect("backward");
+    let want = host(grads.get(zv.as_tensor()).expect("the logits' gradient"));
+    let logp = host(&lp);
+    let mut stats = Vec::new();
+    for r in 0..rows {
+        stats.extend([z[r * vocab + targets[r] as usize] - logp[r], g[r]]);
+    }
+    // A target past the vocabulary (row 1's replaced): −g · exp(z − lse) everywhere.
+    let mut past = targets;
+    past[1] = vocab as u32;
+    let mut want_past = want.clone();
+    for j in 0..vocab {
+        let (lse, gr) = (stats[2], stats[3]);
+        want_past[vocab + j] = 0.0 - gr * (z[vocab + j] - lse).exp();
+    }
+    for (name, k) in variants() {
+        for threads in [row_threads(vocab), 32, 96] {
+            for (case, targets, want) in [("", &targets, &want), (" past", &past, &want_past)] {
+                let what = format!("token log-prob gradient{case} {name}, {threads} threads");
+                let got = run(
+                    &what,
+                    LaunchShape::blocks(rows as u32, threads),
+                    rows * vocab,
+                    |out| unsafe {
+                        (k.r3_token_logprob_grad_f32)(
+                            z.as_ptr(),
+                            targets.as_ptr(),
+                            stats.as_ptr(),
+                            out,
+                            vocab as u32,
+                        )
+                    },
+                );
+                assert_bits(&what, &got, want);
+            }
+        }
+    }
+}
+
+/// Greedy-reduction rows of `cols` columns: ordinary values, planted ties, equal values,
+/// −∞ entries, a NaN, a +∞, only −∞, a NaN first before ties, only NaN.
+fn greedy_logits(cols: usize) -> (usize, Vec<f32>) {
+    let rows = 9;
+    let mut v = Lcg::new(4).values(rows * cols, -5.0, 5.0);
+    // Row 1: the largest value at three columns in different warps and rounds (first: 7).
+    for c in [cols - 1, 7, cols / 2, 7 + 32] {
+        v[cols + c] = 11.0;
+    }
+    v[2 * cols..3 * cols].fill(0.5);
+    for c in (0..cols).step_by(3) {
+        v[3 * cols + c] = f32::NEG_INFINITY;
+    }
+    v[4 * cols + 17] = f32::NAN;
+    v[5 * cols + 3] = f32::INFINITY;
+    v[6 * cols..7 * cols].fill(f32::NEG_INFINITY);
+    v[7 * cols] = f32::NAN;
+    for c in [cols - 2, 9] {
+        v[7 * cols + c] = 8.0;
+    }
+    v[8 * cols..9 * cols].fill(f32::NAN);
+    (rows, v)
+}
+
+/// `r3_greedy_rows_f32` equals the CPU's `greedy_rows`: the largest value bit for bit, the
+/// first column holding it (ties to the lower column across lanes, warps and a thread's own
+/// rounds; a NaN never wins; `cols` for a row with nothing above −∞), the log-sum-exp
+/// within f32 rounding (the twin sums in f64, the kernel in f32 in its block's order) and
+/// NaN for a row holding a NaN or +∞; 1,000 columns over blocks of 256 (the launcher's),
+/// 32, 96 and 1,024 threads, and 40 columns (threads with no column) over 32 and 96.
+/// Comparisons and `expf` / `logf` only: `fma` is `plain`.
+#[test]
+fn greedy_rows_equal_the_cpus_largest_column_and_log_sum_exp() {
+    for (cols, shapes) in [
+        (1000usize, vec![row_threads(1000), 32, 96, 1024]),
+        (40, vec![row_threads(40), 96]),
+    ] {
+        let (rows, v) = greedy_logits(cols);
+        let want = greedy_rows(&tensor(&v, &[rows, cols]))
+            .map(|t| host(&t))
+            .expect("the CPU's greedy rows");
+        assert_eq!(want[3 + 2], 7.0, "the planted ties' first column");
+        assert_eq!(want[6 * 3 + 2], cols as f32, "a row of −∞ names no column");
+        for &threads in &shapes {
+            let mut plain: Option<Vec<u32>> = None;
+            for (name, k) in variants() {
+                let what = format!("greedy rows {name}, {cols} columns, {threads} threads");
+                let got = run(
+                    &what,
+                    LaunchShape::blocks(rows as u32, threads),
+                    rows * 3,
+                    |out| unsafe { (k.r3_greedy_rows_f32)(v.as_ptr(), out, cols as u32) },
+                );
+                let pick = |x: &[f32], i: usize| x.iter().skip(i).step_by(3).copied().collect();
+                let (largest, lse, first): (Vec<f32>, Vec<f32>, Vec<f32>) =
+                    (pick(&got, 0), pick(&got, 1), pick(&got, 2));
+                assert_bits(&format!("{what} largest"), &largest, &pick(&want, 0));
+                assert_bits(&format!("{what} first column"), &first, &pick(&want, 2));
+                assert_close(&format!("{what} lse"), &lse, &pick(&want, 1), 1e-6, 1.0);
+                let plain = plain.get_or_insert_with(|| bits(&got));
+                assert_eq!(*plain, bits(&got), "{what}: fma changed plain's bits");
+            }
+        }
+    }
+}
+
+/// RMSNorm operands: `x` and `g` `[rows, d]`, `w` `[d]`, values in [−3, 3).
+fn norm_operands(rows: usize, d: usize, seed: u64) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let mut lcg = Lcg::new(seed);
+    (
+        lcg.values(rows * d, -3.0, 3.0),
+        lcg.values(d, -3.0, 3.0),
+        lcg.values(rows * d, -3.0, 3.0),
+    )
+}
+
+/// r3-model's RMSNorm (eps 1e-6, as the f32 the norm holds) at `precision` on the CPU:
+/// its value and the gradients of `x` and `w` for the output gradient `g`.
+fn cpu_norm(
+    x: &[f32],
+    w: &[f32],
+    g: &[f32],
+    d: usize,
+    precision: Precision,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let rows = x.len() / d;
+    let xv = Var::from_tensor(&tensor(x, &[rows, d])).expect("x");
+    let wv = Var::from_tensor(&tensor(w, &[d])).expect("w");
+    let weights = Weights::from_map([("n.weight".to_string(), wv.as_tensor().clone())].into());
+    let mut norm = RmsNorm::new(&weights, "n", NORM_EPS).expect("norm");
+    norm.set_precision(precision);
+    let y = norm.forward(xv.as_tensor()).expect("forward");
+    // d(Σ y ⊙ g)/dy is g exactly: the backward's output gradient is `g` as it is.
+    let grads = (&y * tensor(g, &[rows, d]))
+        .and_then(|l| l.sum_all())
+        .and_then(|l| l.backward())
+        .expect("backward");
+    let grad = |v: &Var| host(grads.get(v.as_tensor()).expect("gradient"));
+    (host(&y), grad(&xv), grad(&wv))
+}
+
+/// The norm's eps as r3-model holds it (an f32) and hands the kernels (as f64).
+const NORM_EPS: f64 = 1e-6;
+
+/// The eps the kernels receive: [`NORM_EPS`] through the norm's f32.
+fn kernel_eps() -> f64 {
+    f64::from(NORM_EPS as f32)
+}
+
+/// `r3_rms_norm_f32` equals the CPU's fused RMSNorm forward bit for bit, in both variants,
+/// for round codes 0 (f32), 1 (bf16) and 2 (f16: the scale read rounded, the output
+/// rounded): rows of 300 (not a multiple of four, wider than the block) over blocks of 96
+/// (the launcher's), 32, 160 and 1,024 threads. `x · r · w` has no add to contract; the
+/// squares' f64 sums run in another order than the CPU's, but their f32 inverse RMS is the
+/// same (the orders differ far below an f32 step).
+#[test]
+fn rms_norm_rows_equal_the_cpu_norm_bit_for_bit_at_each_rounding() {
+    let (rows, d) = (5usize, 300usize);
+    let (x, w, g) = norm_operands(rows, d, 5);
+    for (round, precision) in [
+        (0u32, Precision::F32),
+        (1, Precision::Bf16 { router_f32: false }),
+        (2, Precision::F16 { router_f32: false }),
+    ] {
+        let (want, _, _) = cpu_norm(&x, &w, &g, d, precision);
+        for (name, k) in variants() {
+            for threads in [row_threads(d), 32, 160, 1024] {
+                let what = format!("rms norm round {round} {name}, {threads} threads");
+                let got = run(
+                    &what,
+                    LaunchShape::blocks(rows as u32, threads),
+                    rows * d,
+                    |y| unsafe {
+                        (k.r3_rms_norm_f32)(
+                            x.as_ptr(),
+                            w.as_ptr(),
+                            y,
+                            d as u32,
+                            kernel_eps(),
+                            round,
+                        )
+                    },
+                );
+                assert_bits(&what, &got, &want);
+            }
+        }
+    }
+}
+
+/// `r3_rms_norm_dx_f32` equals the CPU's input gradient (`rms_bwd_parts`' dx, through the
+/// norm's backward): bit for bit in `plain`; in `fma`, `g·w − x·r·mean` contracts into one
+/// rounding where the CPU rounds twice, so within f32 rounding (1e-6 of the gradient's
+/// largest value; the GPU test holds it to 1e-4). Rows of 300 over blocks of 96 (the
+/// launcher's), 32, 160 and 1,024 threads.
+#[test]
+fn rms_norm_input_gradient_equals_the_cpu_bits_in_plain_and_its_rounding_in_fma() {
+    let (rows, d) = (5usize, 300usize);
+    let (x, w, g) = norm_operands(rows, d, 6);
+    let (_, want, _) = cpu_norm(&x, &w, &g, d, Precision::F32);
+    for (name, k) in variants() {
+        for threads in [row_threads(d), 32, 160, 1024] {
+            let what = format!("rms norm dx {name}, {threads} threads");
+            let got = run(
+                &what,
+                LaunchShape::blocks(rows as u32, threads),
+                rows * d,
+                |dx| unsafe {
+                    (k.r3_rms_norm_dx_f32)(
+                        x.as_ptr(),
+                        w.as_ptr(),
+                        g.as_ptr(),
+                        dx,
+                        d as u32,
+                        kernel_eps(),
+                    )
+                },
+            );
+            match name {
+                "plain" => assert_bits(&what, &got, &want),
+                _ => {
+                    assert_close(&what, &got, &want, 1e-6, 0.0);
+                }
+            }
+        }
+    }
+}
+
+/// `r3_rms_norm_dw_chunks_f32` gives each chunk's weight-gradient sum as the CPU's backward
+/// does (each chunk's rows alone through the norm's backward: one CPU task, whose sum is
+/// that chunk's partial as it is): 133 rows of 40 (two chunks of 64 and a last one of 5)
+/// at the launcher's 64 threads; one warp (every row's inverse RMS on one warp, the columns
+/// in two rounds); 1,024 threads (more warps than the last chunk's rows); chunks of 16 rows
+/// over 96 threads. Bit for bit in `plain` (rows added in order, as the CPU adds them); in
+/// `fma` each `acc + g · x̂` is one rounding, so within f32 rounding of the sums' scale.
+#[test]
+fn rms_norm_weight_gradient_chunks_equal_the_cpu_chunk_sums() {
+    let (rows, d) = (2 * 64 + 5, 40usize);
+    let (x, w, g) = norm_operands(rows, d, 7);
+    for (threads, chunk_rows) in [
+        ((d.div_ceil(32) * 32).clamp(32, 1024) as u32, 64usize),
+        (32, 64),
+        (1024, 64),
+        (96, 16),
+    ] {
+        let chunks = rows.div_ceil(chunk_rows);
+        let want: Vec<f32> = (0..chunks)
+            .flat_map(|c| {
+                let span = c * chunk_rows * d..((c + 1) * chunk_rows).min(rows) * d;
+                cpu_norm(&x[span.clone()], &w, &g[span], d, Precision::F32).2
+            })
+            .collect();
+        for (name, k) in variants() {
+            let what =
+                format!("rms norm dw chunks {name}, {threads} threads, chunks of {chunk_rows}");
+            let got = run(
+                &what,
+                LaunchShape::blocks(chunks as u32, threads),
+                chunks * d,
+                |parts| unsafe {
+                    (k.r3_rms_norm_dw_chunks_f32)(
+                        x.as_ptr(),
+                        g.as_ptr(),
+                        parts,
+                        rows as u32,
+                        d as u32,
+                        chunk_rows as u32,
+                        kernel_eps(),
+                    )
+                },
+            );
+            match name {
+                "plain" => assert_bits(&what, &got, &want),
+                _ => {
+                    assert_close(&what, &got, &want, 1e-6, 0.0);
+                }
+            }
+        }
+    }
+}
+
+/// `r3_rope_rounded_f32` equals the CPU's rotation of a decode step (`PositionTables`:
+/// candle's `rope` / `rope_i` for round code 0, `rotate_rounded`'s `rope_rounded` for 1
+/// (bf16) and 2 (f16)) over half-split and interleaved pairs, a prefill of 5 positions and
+/// a step of 1 with each sequence at its own positions, at the launcher's grid of 256-thread
+/// blocks, one block of 32 and three of 96. Bit for bit in `plain`; in `fma` the pair's
+/// `x1·c − x2·s` is one rounding where the CPU rounds twice, so within two steps of the
+/// values' largest magnitude: f32 steps at round 0 (a cancelling pair's error is its
+/// products' step), 16-bit steps at rounds 1 and 2 (a value an f32 step from a rounding
+/// boundary lands on either side; the launcher passes only these two codes).
+#[test]
+fn rope_rounded_equals_the_cpus_rotation_bits_in_plain_and_a_step_in_fma() {
+    for (b, h, t, d) in [(2usize, 3usize, 5usize, 16usize), (3, 4, 1, 24)] {
+        let half = d / 2;
+        let x = Lcg::new(8).values(b * h * t * d, -9.0, 9.0);
+        let positions: Vec<u32> = (0..b * t).map(|i| (i * 7 + 3) as u32).collect();
+        for interleaved in [false, true] {
+            let rope = Rope::new(&RopeConfig {
+                theta: 10000.0,
+                dim: d,
+                interleaved,
+                scaling: RopeScaling::None,
+            });
+            // The kernel's tables: the full tables' rows at each (b, t)'s position.
+            let (all_cos, all_sin) = rope.host_tables(b * t * 7 + 3);
+            let pick = |all: &[f32]| -> Vec<f32> {
+                positions
+                    .iter()
+                    .flat_map(|&p| all[p as usize * half..][..half].to_vec())
+                    .collect()
+            };
+            let (cos, sin) = (pick(&all_cos), pick(&all_sin));
+            let tables = rope
+                .tables_at(&positions, b, t, &Device::Cpu, DType::F32)
+                .expect("tables");
+            let xt = tensor(&x, &[b, h, t, d]);
+            for (round, precision, step) in [
+                (0u32, Precision::F32, f64::from(f32::EPSILON)),
+                (1, Precision::Bf16 { router_f32: false }, 2f64.powi(-8)),
+                (2, Precision::F16 { router_f32: false }, 2f64.powi(-11)),
+            ] {
+                let want = match round {
+                    0 => tables.rotate(&xt),
+                    _ => tables.rotate_rounded(&xt, precision),
+                }
+                .map(|y| host(&y))
+                .expect("the CPU's rotation");
+                let pairs = x.len() / 2;
+                for (name, k) in variants() {
+                    for shape in [
+                        LaunchShape::elementwise(pairs),
+                        LaunchShape::blocks(1, 32),
+                        LaunchShape::blocks(3, 96),
+                    ] {
+                        let what = format!(
+                            "rope {:?} interleaved {interleaved} round {round} {name}, {shape:?}",
+                            (b, h, t, d)
+                        );
+                        let got = run(&what, shape, x.len(), |out| unsafe {
+                            (k.r3_rope_rounded_f32)(
+                                x.as_ptr(),
+                                cos.as_ptr(),
+                                sin.as_ptr(),
+                                out,
+                                pairs,
+                                h as u32,
+                                t as u32,
+                                d as u32,
+                                u32::from(interleaved),
+                                round,
+                            )
+                        });
+                        match name {
+                            "plain" => assert_bits(&what, &got, &want),
+                            _ => {
+                                let differ = (0..got.len())
+                                    .filter(|&i| got[i].to_bits() != want[i].to_bits())
+                                    .count();
+                                println!("{what}: {differ} of {} values differ", got.len());
+                                assert_close(&what, &got, &want, 2.0 * step, 0.0);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `r3_attend_rows_f32` equals the CPU's composed attention (`attend_additive`: the masked
+/// softmax op and candle's GEMMs) within f32 rounding: keys and values of different widths
+/// (24, 40) read in place from KV-cache buffers of other capacities (320 and 310 slots:
+/// batch and head strides that are not the packed ones), 300 slots over more than a
+/// block's threads, grouped queries (two per key/value head), a mask hiding every fifth key
+/// and a causal end, a step of one query and of three; the launcher's 128 threads with its
+/// (S + Dq) floats of dynamic shared memory, and 32, 96 and 1,024 threads. The kernel sums
+/// its exponentials in its block's order (and `fma` contracts the dots and the weighted
+/// sums): a tolerance in both variants.
+#[test]
+fn decode_attention_rows_equal_the_cpus_composed_attention() {
+    let (b, kv, groups, s, dq, dv) = (2usize, 2usize, 2usize, 300usize, 24usize, 40usize);
+    let (k_cap, v_cap) = (320usize, 310usize);
+    let scale = 0.2f32;
+    for t in [1usize, 3] {
+        let gt = groups * t;
+        let rows = b * kv * gt;
+        let mut lcg = Lcg::new(9 + t as u64);
+        let q = lcg.values(rows * dq, -3.0, 3.0);
+        let k_buf = lcg.values(b * kv * k_cap * dq, -3.0, 3.0);
+        let v_buf = lcg.values(b * kv * v_cap * dv, -3.0, 3.0);
+        let mask: Vec<f32> = (0..b * t * s)
+            .map(|i| {
+                let (ti, j) = ((i / s) % t, i % s);
+                if j % 5 == 1 || j > s - t + ti {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let view = |buf: &[f32], cap: usize, width: usize| {
+            tensor(buf, &[b, kv, cap, width])
+                .narrow(2, 0, s)
+                .expect("the cache's first slots")
+        };
+        let (k_view, v_view) = (view(&k_buf, k_cap, dq), view(&v_buf, v_cap, dv));
+        let (ks, vs) = (k_view.stride().to_vec(), v_view.stride().to_vec());
+        assert_eq!(
+            (ks[0], ks[1], vs[0], vs[1]),
+            (kv * k_cap * dq, k_cap * dq, kv * v_cap * dv, v_cap * dv)
+        );
+        let want = attend_additive(
+            &tensor(&q, &[b, kv, gt, dq]),
+            &k_view,
+            &v_view,
+            &tensor(&mask, &[b, 1, 1, t, s]),
+            f64::from(scale),
+            groups,
+        )
+        .map(|o| host(&o))
+        .expect("the CPU's attention");
+        let shared = (s + dq) * std::mem::size_of::<f32>();
+        for (name, k) in variants() {
+            for threads in [128u32, 32, 96, 1024] {
+                let what = format!("attend rows t {t} {name}, {threads} threads");
+                let shape = LaunchShape::blocks(rows as u32, threads).with_shared_bytes(shared);
+                let got = run(&what, shape, rows * dv, |out| unsafe {
+                    (k.r3_attend_rows_f32)(
+                        q.as_ptr(),
+                        k_buf.as_ptr(),
+                        v_buf.as_ptr(),
+                        mask.as_ptr(),
+                        out,
+                        kv as u32,
+                        gt as u32,
+                        t as u32,
+                        s as u32,
+                        dq as u32,
+                        dv as u32,
+                        ks[0] as u64,
+                        ks[1] as u64,
+                        vs[0] as u64,
+                        vs[1] as u64,
+                        scale,
+                    )
+                });
+                assert_close(&what, &got, &want, 1e-5, 1.0);
+            }
+        }
+    }
+}
