@@ -73,7 +73,7 @@ fn main() {
         .warnings(false)
         .file(emu.join("runtime.cpp"))
         .file(emu.join("faulty_kernels.cpp"));
-    build.compile("r3emu_runtime");
+    compile(&build, "r3emu_runtime");
     compile_variant(&source, &emu, &out_dir, "plain", &["-ffp-contract=off"]);
     compile_variant(
         &source,
@@ -100,5 +100,15 @@ fn compile_variant(source: &str, emu: &Path, out_dir: &Path, variant: &str, flag
     for flag in flags {
         build.flag(flag);
     }
-    build.compile(&format!("r3emu_kernels_{variant}"));
+    compile(&build, &format!("r3emu_kernels_{variant}"));
+}
+
+/// Compiles `build` into the static library `name`, or stops the build naming what is
+/// missing: the kernels are C++17, so this crate (tests only) needs a C++ compiler.
+fn compile(build: &cc::Build, name: &str) {
+    if let Err(e) = build.try_compile(name) {
+        panic!(
+            "r3-cuda-emu: cannot compile {name} ({e}); the host emulation of r3's CUDA kernels needs a C++17 compiler (g++ or clang++, or set CXX)"
+        );
+    }
 }

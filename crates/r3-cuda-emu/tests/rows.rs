@@ -6,9 +6,12 @@
 //! orders, at the launch shape r3-model's launcher picks and at other shapes its contract
 //! allows (one warp, a block that is not a power of two, more threads than columns, fewer
 //! blocks than a grid-stride loop needs). Where the twin computes in the kernel's order the
-//! comparison is bit for bit; where the kernel reduces across its block (or a contraction
-//! rounds once where the twin rounds twice) it is a tolerance relative to the values' scale,
-//! and each test says which holds in which variant and why.
+//! comparison is bit for bit in every variant: the RMSNorm gradients and the rotary
+//! embedding write their products and sums with the correctly rounded intrinsics
+//! (`__fmul_rn`, `__fadd_rn`, `__fsub_rn`, which nvcc never contracts), so the contracted
+//! build keeps the CPU's bits too. Where the kernel reduces across its block it is a
+//! tolerance relative to the values' scale, and each test says which holds in which variant
+//! and why.
 
 use candle_core::{DType, Device, Tensor, Var};
 use r3_cuda_emu::{in_both_orders, launch, variants, LaunchShape};
@@ -473,12 +476,13 @@ fn rms_norm_rows_equal_the_cpu_norm_bit_for_bit_at_each_rounding() {
 }
 
 /// `r3_rms_norm_dx_f32` equals the CPU's input gradient (`rms_bwd_parts`' dx, through the
-/// norm's backward): bit for bit in `plain`; in `fma`, `g·w − x·r·mean` contracts into one
-/// rounding where the CPU rounds twice, so within f32 rounding (1e-6 of the gradient's
-/// largest value; the GPU test holds it to 1e-4). Rows of 300 over blocks of 96 (the
-/// launcher's), 32, 160 and 1,024 threads.
+/// norm's backward) bit for bit in every variant: `g·w − x·r·mean` is written with `_rn`
+/// intrinsics, so the contracted build rounds each product and the difference as the CPU
+/// does (the mean's f64 sum runs in the block's order, but the orders differ far below an
+/// f32 step, so its f32 value is the CPU's).
+/// Rows of 300 over blocks of 96 (the launcher's), 32, 160 and 1,024 threads.
 #[test]
-fn rms_norm_input_gradient_equals_the_cpu_bits_in_plain_and_its_rounding_in_fma() {
+fn rms_norm_input_gradient_equals_the_cpu_bit_for_bit() {
     let (rows, d) = (5usize, 300usize);
     let (x, w, g) = norm_operands(rows, d, 6);
     let (_, want, _) = cpu_norm(&x, &w, &g, d, Precision::F32);
@@ -500,12 +504,7 @@ fn rms_norm_input_gradient_equals_the_cpu_bits_in_plain_and_its_rounding_in_fma(
                     )
                 },
             );
-            match name {
-                "plain" => assert_bits(&what, &got, &want),
-                _ => {
-                    assert_close(&what, &got, &want, 1e-6, 0.0);
-                }
-            }
+            assert_bits(&what, &got, &want);
         }
     }
 }
@@ -515,10 +514,10 @@ fn rms_norm_input_gradient_equals_the_cpu_bits_in_plain_and_its_rounding_in_fma(
 /// that chunk's partial as it is): 133 rows of 40 (two chunks of 64 and a last one of 5)
 /// at the launcher's 64 threads; one warp (every row's inverse RMS on one warp, the columns
 /// in two rounds); 1,024 threads (more warps than the last chunk's rows); chunks of 16 rows
-/// over 96 threads. Bit for bit in `plain` (rows added in order, as the CPU adds them); in
-/// `fma` each `acc + g · x̂` is one rounding, so within f32 rounding of the sums' scale.
+/// over 96 threads. Bit for bit in every variant: rows added in order, as the CPU adds them,
+/// each `acc + g · x̂` written with `_rn` intrinsics (no contraction in the "fma" build).
 #[test]
-fn rms_norm_weight_gradient_chunks_equal_the_cpu_chunk_sums() {
+fn rms_norm_weight_gradient_chunks_equal_the_cpu_chunk_sums_bit_for_bit() {
     let (rows, d) = (2 * 64 + 5, 40usize);
     let (x, w, g) = norm_operands(rows, d, 7);
     for (threads, chunk_rows) in [
@@ -553,12 +552,7 @@ fn rms_norm_weight_gradient_chunks_equal_the_cpu_chunk_sums() {
                     )
                 },
             );
-            match name {
-                "plain" => assert_bits(&what, &got, &want),
-                _ => {
-                    assert_close(&what, &got, &want, 1e-6, 0.0);
-                }
-            }
+            assert_bits(&what, &got, &want);
         }
     }
 }
@@ -567,13 +561,11 @@ fn rms_norm_weight_gradient_chunks_equal_the_cpu_chunk_sums() {
 /// candle's `rope` / `rope_i` for round code 0, `rotate_rounded`'s `rope_rounded` for 1
 /// (bf16) and 2 (f16)) over half-split and interleaved pairs, a prefill of 5 positions and
 /// a step of 1 with each sequence at its own positions, at the launcher's grid of 256-thread
-/// blocks, one block of 32 and three of 96. Bit for bit in `plain`; in `fma` the pair's
-/// `x1·c − x2·s` is one rounding where the CPU rounds twice, so within two steps of the
-/// values' largest magnitude: f32 steps at round 0 (a cancelling pair's error is its
-/// products' step), 16-bit steps at rounds 1 and 2 (a value an f32 step from a rounding
-/// boundary lands on either side; the launcher passes only these two codes).
+/// blocks, one block of 32 and three of 96. Bit for bit in every variant: the pair's
+/// `x1·c − x2·s` and `x1·s + x2·c` are written with `_rn` intrinsics, so the contracted
+/// build rounds both products and the sum as the CPU does.
 #[test]
-fn rope_rounded_equals_the_cpus_rotation_bits_in_plain_and_a_step_in_fma() {
+fn rope_rounded_equals_the_cpus_rotation_bit_for_bit() {
     for (b, h, t, d) in [(2usize, 3usize, 5usize, 16usize), (3, 4, 1, 24)] {
         let half = d / 2;
         let x = Lcg::new(8).values(b * h * t * d, -9.0, 9.0);
@@ -598,10 +590,10 @@ fn rope_rounded_equals_the_cpus_rotation_bits_in_plain_and_a_step_in_fma() {
                 .tables_at(&positions, b, t, &Device::Cpu, DType::F32)
                 .expect("tables");
             let xt = tensor(&x, &[b, h, t, d]);
-            for (round, precision, step) in [
-                (0u32, Precision::F32, f64::from(f32::EPSILON)),
-                (1, Precision::Bf16 { router_f32: false }, 2f64.powi(-8)),
-                (2, Precision::F16 { router_f32: false }, 2f64.powi(-11)),
+            for (round, precision) in [
+                (0u32, Precision::F32),
+                (1, Precision::Bf16 { router_f32: false }),
+                (2, Precision::F16 { router_f32: false }),
             ] {
                 let want = match round {
                     0 => tables.rotate(&xt),
@@ -634,16 +626,7 @@ fn rope_rounded_equals_the_cpus_rotation_bits_in_plain_and_a_step_in_fma() {
                                 round,
                             )
                         });
-                        match name {
-                            "plain" => assert_bits(&what, &got, &want),
-                            _ => {
-                                let differ = (0..got.len())
-                                    .filter(|&i| got[i].to_bits() != want[i].to_bits())
-                                    .count();
-                                println!("{what}: {differ} of {} values differ", got.len());
-                                assert_close(&what, &got, &want, 2.0 * step, 0.0);
-                            }
-                        }
+                        assert_bits(&what, &got, &want);
                     }
                 }
             }

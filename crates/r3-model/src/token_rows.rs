@@ -5,7 +5,8 @@
 //! twice backward; on an H200 each such pass over a mid step's `[4096, 32000]` logits took
 //! 2.25 ms (candle's broadcast kernels compute strided indices per element). Each op has a
 //! CPU implementation, which the tests hold to candle's composed ops, and a CUDA kernel
-//! (`cuda/kernels.cu`, the same arithmetic) that the device tests hold to the CPU.
+//! (`cuda/kernels.cu`: the same operations per element; the value's sum of exponentials in
+//! its block's order, so within rounding of the CPU's) that the device tests hold to the CPU.
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
@@ -56,7 +57,8 @@ fn rows_and_vocab(ll: &Layout, tl: &Layout, stats: Option<&Layout>) -> Result<(u
 #[derive(Debug, Clone, Copy)]
 struct TokenLogProbRows;
 
-/// The CPU implementation (the CUDA kernel `r3_token_logprob_f32` does the same arithmetic).
+/// The CPU implementation (the CUDA kernel `r3_token_logprob_f32` does the same operations
+/// per element, its sum of exponentials in its block's order: within rounding of this).
 fn logp_rows<T: StdFloat>(logits: &[T], vocab: usize, targets: &[u32]) -> Vec<T> {
     logits
         .chunks(vocab)

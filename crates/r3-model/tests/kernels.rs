@@ -493,7 +493,7 @@ fn compare(device: &Device, tol: f32) {
         }
     }
     // Rounded to a 16-bit float, a value an f32 ulp from a rounding boundary may land one
-    // 16-bit step away (2⁻⁸ relative in bf16, 2⁻¹¹ in f16).
+    // 16-bit step away (a step is up to 2⁻⁷ relative in bf16, 2⁻¹⁰ in f16).
     for (precision, tol) in [
         (Precision::F32, tol),
         (

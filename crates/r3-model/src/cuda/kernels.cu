@@ -44,7 +44,8 @@ __device__ double block_sum_f64(double v, double *shared) { return block_reduce(
 
 // One block per row of `scores` [rows, cols]: probs = softmax(scores · scale + mask) over the
 // row, the mask row of batch b and query t (`mask` [B, T, cols], rows ordered (b, head, t)
-// with `rows_per_batch` = heads · T). CPU twin: attention_softmax.rs `masked_softmax_rows`.
+// with `rows_per_batch` = heads · T). CPU twin: layers/attention/softmax.rs
+// `masked_softmax_rows`.
 extern "C" __global__ void r3_masked_softmax_f32(const float *scores, const float *mask,
                                                  float *probs, float scale, uint32_t cols,
                                                  uint32_t t_rows, uint32_t rows_per_batch) {
@@ -69,7 +70,7 @@ extern "C" __global__ void r3_masked_softmax_f32(const float *scores, const floa
 }
 
 // ds = p ⊙ (dp − row_dot[row]) elementwise over [rows, cols] (the softmax backward with each
-// row's Σ dO ⊙ O). CPU twin: attention_softmax.rs `softmax_grad_rows`.
+// row's Σ dO ⊙ O). CPU twin: layers/attention/softmax.rs `softmax_grad_rows`.
 extern "C" __global__ void r3_softmax_grad_f32(const float *p, const float *dp,
                                                const float *row_dot, float *ds, uint32_t cols,
                                                size_t n) {
@@ -80,7 +81,7 @@ extern "C" __global__ void r3_softmax_grad_f32(const float *p, const float *dp,
 }
 
 // One block per row of `logits` [rows, vocab]: logp[row] = (z[t] − max) − log Σ exp(z − max)
-// for the row's target t (NaN for a target past the vocabulary). CPU twin: token_stats.rs
+// for the row's target t (NaN for a target past the vocabulary). CPU twin: token_rows.rs
 // `token_logp_rows`.
 extern "C" __global__ void r3_token_logprob_f32(const float *logits, const uint32_t *targets,
                                                 float *logp, uint32_t vocab) {
@@ -100,7 +101,7 @@ extern "C" __global__ void r3_token_logprob_f32(const float *logits, const uint3
 }
 
 // One block per row: d z_j = −g · exp(z_j − lse) + g · 1[j = t], with each row's (lse, g)
-// in `row_stats` [rows, 2]. CPU twin: token_stats.rs `token_logp_grad_rows`.
+// in `row_stats` [rows, 2]. CPU twin: token_rows.rs `token_logp_grad_rows`.
 extern "C" __global__ void r3_token_logprob_grad_f32(const float *logits,
                                                      const uint32_t *targets,
                                                      const float *row_stats, float *d,
@@ -120,8 +121,10 @@ extern "C" __global__ void r3_token_logprob_grad_f32(const float *logits,
 // f32 → bf16 / f16 (nearest, ties to even: the conversions candle's casts use) and back,
 // four elements a thread with 16-byte loads (candle's cast kernels convert one element a
 // thread, reading `info` per element; its bf16 → f32 cast ran at ≈ 0.6 TB/s on an H200).
-// `x` and `y` start 16- and 8-byte aligned (the caller checks the offsets). CPU twin: the
-// CPU's casts (cast16.rs `Cast16`).
+// Narrowing, `x` (f32, float4 loads) starts 16-byte and `y` (16-bit) 8-byte aligned;
+// widening, `x` (16-bit) 8-byte and `y` (f32, float4 stores) 16-byte aligned (the caller
+// checks the offsets: a multiple of four elements). CPU twin: the CPU's casts (cast16.rs
+// `Cast16`).
 __device__ __forceinline__ void store2(__nv_bfloat162 *p, float a, float b) { *p = __floats2bfloat162_rn(a, b); }
 __device__ __forceinline__ void store2(__half2 *p, float a, float b) { *p = __floats2half2_rn(a, b); }
 __device__ __forceinline__ void store1(__nv_bfloat16 *p, float a) { *p = __float2bfloat16_rn(a); }
@@ -271,8 +274,9 @@ extern "C" __global__ void r3_rms_norm_dx_f32(const float *x, const float *w, co
     }
     dot = block_sum_f64(dot, shared);
     const float mean = (float)(dot / (double)d);
+    // `_rn`: nvcc would contract g·w − x·r·mean into an FMA and the CPU's bits would be lost.
     for (uint32_t j = threadIdx.x; j < d; j += blockDim.x) {
-        dxr[j] = r * (gr[j] * w[j] - xr[j] * r * mean);
+        dxr[j] = r * __fsub_rn(__fmul_rn(gr[j], w[j]), __fmul_rn(__fmul_rn(xr[j], r), mean));
     }
 }
 
@@ -304,7 +308,8 @@ extern "C" __global__ void r3_rms_norm_dw_chunks_f32(const float *x, const float
         float acc = 0.0f;
         for (uint32_t i = 0; i < n; i++) {
             const size_t at = (size_t)(first + i) * d + j;
-            acc = acc + g[at] * (x[at] * inv[i]);
+            // `_rn`: nvcc would contract acc + g·x̂ into an FMA and the CPU's bits would be lost.
+            acc = __fadd_rn(acc, __fmul_rn(g[at], __fmul_rn(x[at], inv[i])));
         }
         parts[(size_t)blockIdx.x * d + j] = acc;
     }
@@ -379,7 +384,7 @@ extern "C" __global__ void r3_gather_sum_rows_f16(const __half *grad, const uint
     gather_sum_rows(grad, offsets, uses, out, row, grad_rows);
 }
 
-// The routed experts' combine (layers/combine_slots.rs). One block per row: out[r] =
+// The routed experts' combine (layers/moe/combine_slots.rs). One block per row: out[r] =
 // Σ_j g[r, j] · y[place[r, j]], products added in slot order from zero. The expert outputs y
 // may be f32 or 16-bit (the padded experts hold theirs in the GEMMs' dtype): widened exactly
 // as they are read, the values of a widen kernel before the f32 form. CPU twin:
@@ -391,7 +396,9 @@ __device__ void combine_slots(const Y *y, const float *g, const uint32_t *place,
     for (uint32_t c = threadIdx.x; c < h; c += blockDim.x) {
         float acc = 0.0f;
         for (uint32_t j = 0; j < k; j++) {
-            acc = acc + g[r * k + j] * load1(y + (size_t)place[r * k + j] * h + c);
+            // `_rn`: nvcc would contract acc + g·y into an FMA and the CPU's bits would be lost.
+            const float v = load1(y + (size_t)place[r * k + j] * h + c);
+            acc = __fadd_rn(acc, __fmul_rn(g[r * k + j], v));
         }
         out[r * h + c] = acc;
     }
@@ -424,7 +431,8 @@ __device__ void combine_in_order(const Y *y, const float *g, float *out, uint32_
     for (uint32_t c = threadIdx.x; c < h; c += blockDim.x) {
         float acc = 0.0f;
         for (uint32_t j = 0; j < k; j++) {
-            acc = acc + g[r * k + j] * load1(y + (r * k + j) * h + c);
+            // `_rn`: nvcc would contract acc + g·y into an FMA and the CPU's bits would be lost.
+            acc = __fadd_rn(acc, __fmul_rn(g[r * k + j], load1(y + (r * k + j) * h + c)));
         }
         out[r * h + c] = rounded_as(acc, round);
     }
@@ -520,7 +528,7 @@ extern "C" __global__ void r3_embedding_grad_f32(const float *grad, const uint32
     }
 }
 
-// SwiGLU over a gate-up projection's halves (layers/swiglu_halves.rs): y[r, j] = silu(g) · u
+// SwiGLU over a gate-up projection's halves (layers/moe/swiglu_halves.rs): y[r, j] = silu(g) · u
 // with g = h[r, j], u = h[r, I + j], silu(g) = g / (1 + exp(−g)) as candle computes it, then
 // rounded by `rounded_as` (round 0: as it is; 1 / 2: the bf16 / f16 rounding point that
 // follows it, `swiglu_halves_rounded`). CPU twin: swiglu_halves.rs `swiglu_rows` (then
@@ -570,7 +578,8 @@ extern "C" __global__ void r3_swiglu_grad_f32(const float *h, const float *d, fl
         const size_t at = r * 2 * half + j;
         const float g = h[at], u = h[at + half], dd = d[i];
         const float s = 1.0f / (1.0f + expf(-g));
-        dh[at] = dd * u * (s * (1.0f + g * (1.0f - s)));
+        // `_rn`: nvcc would contract 1 + g·(1 − s) into an FMA and the CPU's bits would be lost.
+        dh[at] = dd * u * (s * __fadd_rn(1.0f, __fmul_rn(g, __fsub_rn(1.0f, s))));
         dh[at + half] = dd * silu_of(g);
     }
 }
@@ -588,7 +597,8 @@ __device__ void swiglu_grad_narrow(const H *h, const H *d, H *dh, size_t n, uint
         const size_t at = r * 2 * half + j;
         const float g = load1(h + at), u = load1(h + at + half), dd = load1(d + i);
         const float s = 1.0f / (1.0f + expf(-g));
-        store1(dh + at, dd * u * (s * (1.0f + g * (1.0f - s))));
+        // `_rn`: nvcc would contract 1 + g·(1 − s) into an FMA and the CPU's bits would be lost.
+        store1(dh + at, dd * u * (s * __fadd_rn(1.0f, __fmul_rn(g, __fsub_rn(1.0f, s)))));
         store1(dh + at + half, dd * silu_of(g));
     }
 }
@@ -932,8 +942,8 @@ extern "C" __global__ void r3_greedy_rows_f32(const float *logits, float *out, u
     }
 }
 
-// A decode step's rotary embedding and its rounding point (layers/rope_rounded.rs): x
-// [B, H, T, D] rotated by cos / sin [B, T, D/2] (half-split pairs (i, i + D/2), or
+// A decode step's rotary embedding and its rounding point (layers/attention/rope_rounded.rs):
+// x [B, H, T, D] rotated by cos / sin [B, T, D/2] (half-split pairs (i, i + D/2), or
 // interleaved (2i, 2i + 1)), candle's rope expressions, each output rounded by `rounded_as`.
 // A thread per pair. CPU twin: rope_rounded.rs `RopeRounded::cpu_fwd`.
 extern "C" __global__ void r3_rope_rounded_f32(const float *x, const float *cos, const float *sin,
@@ -948,17 +958,19 @@ extern "C" __global__ void r3_rope_rounded_f32(const float *x, const float *cos,
         const size_t i1 = row * d + (interleaved ? 2 * i : i);
         const size_t i2 = i1 + (interleaved ? 1 : half);
         const float c = cos[table], s = sin[table], x1 = x[i1], x2 = x[i2];
-        out[i1] = rounded_as(x1 * c - x2 * s, round);
-        out[i2] = rounded_as(x1 * s + x2 * c, round);
+        // `_rn`: nvcc would contract each pair's products and sum into an FMA and the CPU's
+        // bits would be lost.
+        out[i1] = rounded_as(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)), round);
+        out[i2] = rounded_as(__fadd_rn(__fmul_rn(x1, s), __fmul_rn(x2, c)), round);
     }
 }
 
-// A decode step's attention, one block per query row (layers/attention_rows.rs): q [B, KV,
+// A decode step's attention, one block per query row (layers/attention/rows.rs): q [B, KV,
 // rows, dq] with rows = G·T ordered (g, t), keys / values [B, KV, S, d] at the given batch
 // and head strides (a KV cache's views; rows packed), mask [B, T, S]. The scores
 // q·k_j · scale + mask_j (each dot in order of d) in shared memory, p_j = exp(x_j − max) / Σ,
 // out_d = Σ_j p_j v_j[d] in order of j. Dynamic shared memory: S + dq floats. CPU twin:
-// attention_rows.rs `attend_row`.
+// layers/attention/rows.rs `attend_row`.
 extern "C" __global__ void r3_attend_rows_f32(const float *q, const float *k, const float *v,
                                               const float *mask, float *out, uint32_t kv,
                                               uint32_t rows, uint32_t t, uint32_t s,
@@ -1045,7 +1057,8 @@ __device__ void top_k_row(const float *row, uint32_t *out, uint32_t cols, uint32
 // whether every logit is finite. Written into `packed` = [gates (rows·k) | ids as floats
 // (rows·k) | flags (rows): 1 finite, 0 not]. A row with a non-finite logit gets zero gates and
 // its flag 0 (the host's selection then names it). CPU twin: `Router::select_row` and
-// `Router::weigh_row` (`layers/route_rows.rs`), whose sums run in another order.
+// `Router::weigh_row` (router.rs, run by `RouteSoftmax` in `layers/moe/route_rows.rs`), whose
+// sums run in another order.
 extern "C" __global__ void r3_route_softmax_f32(const float *x, float *packed, uint32_t rows,
                                                 uint32_t cols, uint32_t k, uint32_t norm) {
     __shared__ float scratch[32];

@@ -173,8 +173,11 @@ fn rms_bwd<T: Float>(x: &[T], w: &[T], g: &[T], eps: f64) -> (Vec<T>, Vec<T>) {
     (dx, sum_chunks(&partials, w.len()))
 }
 
-/// [`rms_bwd`]'s `dx` and its per-chunk `dw` sums, before the chunks are combined (the CUDA
-/// kernels `r3_rms_norm_dx_f32` and `r3_rms_norm_dw_chunks_f32` compute the same).
+/// [`rms_bwd`]'s `dx` and its per-chunk `dw` sums, before the chunks are combined. The CUDA
+/// kernels `r3_rms_norm_dx_f32` and `r3_rms_norm_dw_chunks_f32` do the same per-element
+/// operations in the same order (written so that nvcc fuses none), the rows of a chunk added
+/// in order; their f64 sums (the squares, the mean's products) run in a block's order, so
+/// within rounding of these.
 fn rms_bwd_parts<T: Float>(x: &[T], w: &[T], g: &[T], eps: f64) -> (Vec<T>, Vec<Vec<T>>) {
     let d = w.len();
     // The writes below cover `dx` only if `g` is as long as `x` (candle hands the op a

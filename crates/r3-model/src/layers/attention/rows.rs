@@ -4,9 +4,11 @@
 //! scores, r3's masked softmax and a second batched GEMM: three launches per layer, which at
 //! a decode step of a few rows take longer to launch than to run. On a GPU only, for
 //! nothing differentiated and keys that fit a block's shared memory; the CPU keeps the
-//! composed form. The op's CPU implementation (the same arithmetic in the same order) is
-//! what the tests hold it to: against the composed attention on the CPU, and the kernel
-//! against it on a GPU.
+//! composed form. The op's CPU implementation (the kernel's operations per element, each dot
+//! product and weighted sum in the same order; the exponentials' sum in column order where
+//! the kernel sums in its block's order, and a GPU build may fuse a product into its sum:
+//! so within rounding of the kernel) is what the tests hold it to: against the composed
+//! attention on the CPU, and the kernel against it on a GPU.
 
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 
@@ -104,8 +106,8 @@ struct AttendRows {
 
 /// One query row's attention: `q` its `Dq` values, `key(j)` / `value(j)` the `j`-th key and
 /// value rows, `mask` its `S` additive values; `out` its `Dv` outputs. The kernel's order:
-/// each score's dot product over `d` in order, the probabilities `exp(x − max) / Σ`, each
-/// output the sum over the keys in order.
+/// each score's dot product over `d` in order, the probabilities `exp(x − max) / Σ` (the
+/// kernel's Σ in its block's order), each output the sum over the keys in order.
 fn attend_row<'a>(
     q: &[f32],
     key: impl Fn(usize) -> &'a [f32],

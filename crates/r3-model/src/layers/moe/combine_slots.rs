@@ -8,11 +8,13 @@
 //! multiply by the gates, sum over the slots) it was eight kernels forward and backward and
 //! two slot-sized buffers, ≈ 6 ms of a mid bf16 training step on an H200 (candle's broadcast
 //! kernels compute strided indices per element). Each op here has a CPU implementation that
-//! the tests hold to the composed ops, and a CUDA kernel (`cuda/kernels.cu`, the same
-//! arithmetic) that the device tests hold to the CPU. The padded experts hold their outputs
-//! in the GEMMs' 16-bit float: the combine and the gate gradient read them widened as they
-//! go, and the outputs' gradient is written in that float (the down GEMMs' operand), so no
-//! f32 copy of either crosses memory.
+//! the tests hold to the composed ops, and a CUDA kernel (`cuda/kernels.cu`) that the device
+//! tests hold to the CPU: the combine and the outputs' gradient the same operations in the
+//! same order (the CPU's bits), the gate gradient the same products summed in its block's
+//! order (a GPU build may fuse a product into its sum: within rounding of the CPU's). The
+//! padded experts hold their outputs in the GEMMs' 16-bit float: the combine and the gate
+//! gradient read them widened as they go, and the outputs' gradient is written in that float
+//! (the down GEMMs' operand), so no f32 copy of either crosses memory.
 
 use std::sync::Arc;
 
