@@ -75,13 +75,105 @@ fn main() {
         .file(emu.join("faulty_kernels.cpp"));
     compile(&build, "r3emu_runtime");
     compile_variant(&source, &emu, &out_dir, "plain", &["-ffp-contract=off"]);
-    compile_variant(
-        &source,
-        &emu,
-        &out_dir,
-        "fma",
-        &["-mfma", "-ffp-contract=fast"],
+    // x86-64 has fused multiply-adds only when asked for; other targets have them always.
+    let contracted: &[&str] = if std::env::var("CARGO_CFG_TARGET_ARCH").as_deref() == Ok("x86_64") {
+        &["-mfma", "-ffp-contract=fast"]
+    } else {
+        &["-ffp-contract=fast"]
+    };
+    compile_variant(&source, &emu, &out_dir, "fma", contracted);
+    write_signatures(&emu, &out_dir);
+}
+
+/// Writes `kernel_signatures.rs` (included by `src/kernels.rs`): every kernel's Rust
+/// signature, read from the plain variant's source after the preprocessor (so the kernels
+/// that macros instantiate are there too). A kernel added to or changed in `kernels.cu`
+/// changes its Rust declaration with it: a test calling it the old way no longer compiles,
+/// where a hand-kept list would call it with the wrong arguments.
+fn write_signatures(emu: &Path, out_dir: &Path) {
+    let file = out_dir.join("kernels_plain.cpp");
+    let expanded = cc::Build::new()
+        .cpp(true)
+        .std("c++17")
+        .include(emu)
+        .file(&file)
+        .try_expand()
+        .unwrap_or_else(|e| panic!("r3-cuda-emu: cannot preprocess {}: {e}", file.display()));
+    let text = String::from_utf8_lossy(&expanded);
+    let mut out = String::from("kernels! {\n");
+    let mut count = 0;
+    const PREFIX: &str = "emu_plain_r3_";
+    let mut rest = text.as_ref();
+    while let Some(at) = rest.find(PREFIX) {
+        let before = rest[..at].trim_end();
+        let after = &rest[at + PREFIX.len()..];
+        rest = after;
+        if !before.ends_with("void") {
+            continue;
+        }
+        let name_len = after
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(after.len());
+        let name = &after[..name_len];
+        let params = after[name_len..].trim_start();
+        let Some(params) = params.strip_prefix('(') else {
+            continue;
+        };
+        let close = params
+            .find(')')
+            .unwrap_or_else(|| panic!("r3-cuda-emu: r3_{name}'s parameters do not close"));
+        let rust: Vec<String> = params[..close]
+            .split(',')
+            .map(|param| rust_param(name, param))
+            .collect();
+        out.push_str(&format!("    fn r3_{name}({});\n", rust.join(", ")));
+        count += 1;
+    }
+    out.push_str("}\n");
+    assert!(
+        count > 0,
+        "r3-cuda-emu: no kernel found in {}",
+        file.display()
     );
+    let target = out_dir.join("kernel_signatures.rs");
+    std::fs::write(&target, out)
+        .unwrap_or_else(|e| panic!("r3-cuda-emu: cannot write {}: {e}", target.display()));
+}
+
+/// One C parameter (`const float *x`) as a Rust one (`x: *const f32`).
+fn rust_param(kernel: &str, param: &str) -> String {
+    let param = param.split_whitespace().collect::<Vec<_>>().join(" ");
+    let param = param.replace(" *", "*").replace("*", " * ");
+    let words: Vec<&str> = param.split_whitespace().collect();
+    let Some((name, ty)) = words.split_last() else {
+        panic!("r3-cuda-emu: an empty parameter of r3_{kernel}")
+    };
+    let ty = ty.join(" ");
+    let rust = match ty.as_str() {
+        "float" => "f32",
+        "double" => "f64",
+        "int" => "i32",
+        "uint32_t" => "u32",
+        "uint64_t" => "u64",
+        "size_t" => "usize",
+        "const float *" => "*const f32",
+        "float *" => "*mut f32",
+        "const double *" => "*const f64",
+        "double *" => "*mut f64",
+        "const uint16_t *" => "*const u16",
+        "uint16_t *" => "*mut u16",
+        "const uint32_t *" => "*const u32",
+        "uint32_t *" => "*mut u32",
+        "const uint64_t *" => "*const u64",
+        "uint64_t *" => "*mut u64",
+        "const __nv_bfloat16 *" => "*const bf16",
+        "__nv_bfloat16 *" => "*mut bf16",
+        "const __half *" => "*const f16",
+        "__half *" => "*mut f16",
+        "void *" => "*mut c_void",
+        other => panic!("r3-cuda-emu: r3_{kernel}'s parameter {name} has the type {other:?}, which build.rs does not map to Rust"),
+    };
+    format!("{name}: {rust}")
 }
 
 /// Writes and compiles one variant of the kernels into its own static library.
