@@ -7,12 +7,12 @@
 
 use std::path::{Path, PathBuf};
 
-/// The kernels' source made a host translation unit for `variant`: the CUDA includes left to
-/// the shim, dynamic shared arrays read from the launch's buffer, and every `r3_` name
-/// prefixed.
-fn host_source(source: &str, variant: &str) -> String {
-    let mut out = String::from("#include \"cuda_shim.h\"\n");
-    out.push_str(&format!("namespace r3emu_{variant} {{\n"));
+/// CUDA source made host C++ for the emulator: the CUDA includes left to the shim,
+/// `extern __shared__` arrays read from the launch's buffer, each static `__shared__`
+/// variable filled with garbage at every block's start (`r3emu_fill_shared_once`), and
+/// pointer casts checked for the target's alignment (`r3emu_cast`).
+fn host_cxx(source: &str, line_prefix: &dyn Fn(&str) -> String) -> String {
+    let mut out = String::new();
     for line in source.lines() {
         let trimmed = line.trim_start();
         if trimmed.starts_with("#include") {
@@ -29,10 +29,37 @@ fn host_source(source: &str, variant: &str) -> String {
             ));
             continue;
         }
-        out.push_str(&prefix_names(line, &format!("emu_{variant}_")));
+        let line = line_prefix(line).replace("reinterpret_cast<", "r3emu_cast<");
+        out.push_str(&line);
+        if let Some(rest) = trimmed.strip_prefix("__shared__ ") {
+            // `__shared__ T name[N];` (or a scalar): filled once a block, where declared.
+            let decl = rest.trim_end().strip_suffix(';').unwrap_or_else(|| {
+                panic!("r3-cuda-emu: a __shared__ declaration not on one line: {line:?}")
+            });
+            let decl = decl.split('[').next().unwrap_or(decl).trim_end();
+            let name = decl.rsplit(' ').next().unwrap_or(decl);
+            out.push_str(&format!(
+                " r3emu_fill_shared_once(&{name}, sizeof({name}));"
+            ));
+        }
         out.push('\n');
     }
+    out
+}
+
+/// The kernels' source made a host translation unit for `variant`: [`host_cxx`] with every
+/// `r3_` name prefixed, inside a namespace of the variant's own, and the variant's probe:
+/// `r3emu_<variant>_probe(a, b, c)` = `a · b + c` as the variant compiles it (fused where it
+/// contracts).
+fn host_source(source: &str, variant: &str) -> String {
+    let prefix = format!("emu_{variant}_");
+    let mut out = String::from("#include \"cuda_shim.h\"\n");
+    out.push_str(&format!("namespace r3emu_{variant} {{\n"));
+    out.push_str(&host_cxx(source, &|line| prefix_names(line, &prefix)));
     out.push_str("}\n");
+    out.push_str(&format!(
+        "extern \"C\" float r3emu_{variant}_probe(float a, float b, float c) {{ return a * b + c; }}\n"
+    ));
     out
 }
 
@@ -64,6 +91,14 @@ fn main() {
     let source = std::fs::read_to_string(&kernels)
         .unwrap_or_else(|e| panic!("r3-cuda-emu: cannot read {}: {e}", kernels.display()));
     let out_dir = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+    // The emulator's own faulty kernels go through the same rewriting as r3's.
+    let faulty_source = std::fs::read_to_string(emu.join("faulty_kernels.cpp"))
+        .unwrap_or_else(|e| panic!("r3-cuda-emu: cannot read faulty_kernels.cpp: {e}"));
+    let faulty = out_dir.join("faulty_kernels.cpp");
+    let mut faulty_cxx = String::from("#include \"cuda_shim.h\"\n");
+    faulty_cxx.push_str(&host_cxx(&faulty_source, &|line| line.to_string()));
+    std::fs::write(&faulty, faulty_cxx)
+        .unwrap_or_else(|e| panic!("r3-cuda-emu: cannot write {}: {e}", faulty.display()));
     let mut build = cc::Build::new();
     build
         .cpp(true)
@@ -72,7 +107,7 @@ fn main() {
         .include(&emu)
         .warnings(false)
         .file(emu.join("runtime.cpp"))
-        .file(emu.join("faulty_kernels.cpp"));
+        .file(&faulty);
     compile(&build, "r3emu_runtime");
     compile_variant(&source, &emu, &out_dir, "plain", &["-ffp-contract=off"]);
     // x86-64 has fused multiply-adds only when asked for; other targets have them always.
@@ -188,6 +223,8 @@ fn compile_variant(source: &str, emu: &Path, out_dir: &Path, variant: &str, flag
         .opt_level(2)
         .include(emu)
         .warnings(false)
+        // The vector casts read 16-bit buffers as 16-byte words, as a GPU does.
+        .flag("-fno-strict-aliasing")
         .file(&file);
     for flag in flags {
         build.flag(flag);

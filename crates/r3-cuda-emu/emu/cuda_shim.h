@@ -3,12 +3,15 @@
 // barriers and warp shuffles, the atomics, the vector types, and the bf16 / f16 types with
 // the conversions of `cuda_bf16.h` / `cuda_fp16.h` (nearest, ties to even; every NaN the
 // canonical NaN a GPU's `cvt.rn` writes). Included before the kernels' source, whose own
-// includes build.rs strips.
+// includes build.rs strips. Its functions are `static`: each variant's copy keeps the flags
+// it was compiled with.
 #pragma once
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+
+#include <type_traits>
 
 #define __global__
 #define __device__
@@ -40,54 +43,64 @@ extern thread_local R3EmuThread *r3emu_current;
 extern "C" void r3emu_sync_block();
 extern "C" void r3emu_sync_warp();
 extern "C" void *r3emu_dynamic_shared();
-// The calling fiber's slot of its warp's exchange (8 bytes a lane), and the slot of lane
-// `lane` of the same warp.
-extern "C" uint64_t *r3emu_warp_slot(unsigned lane);
-extern "C" unsigned r3emu_lane();
+// The warp exchange of one shuffle (runtime.cpp): the calling lane's 8 bytes out, lane
+// (lane ^ lane_mask)'s in; reading a lane that is not in the exchange (exited, or past a
+// partial warp's end) is a fault of the launch, as it is undefined on a GPU.
+extern "C" uint64_t r3emu_shuffle_xor(uint64_t word, unsigned lane_mask);
+// Fills a static `__shared__` variable with 0xff bytes the first time a block's thread
+// reaches its declaration (build.rs adds the call after each one): a GPU's shared memory
+// holds garbage at a block's start, not the last block's values.
+extern "C" void r3emu_fill_shared_once(void *p, size_t bytes);
+// Marks the launch faulty (`code` names why: runtime.cpp's R3EMU_FAULT_*); the threads run
+// on, the launch returns the first fault.
+extern "C" void r3emu_fault(int code);
+#define R3EMU_FAULT_MISALIGNED 5
 
-inline void __syncthreads() { r3emu_sync_block(); }
-inline void __syncwarp(unsigned = 0xffffffffu) { r3emu_sync_warp(); }
+static inline void __syncthreads() { r3emu_sync_block(); }
+static inline void __syncwarp(unsigned = 0xffffffffu) { r3emu_sync_warp(); }
 
-// Every lane publishes its value, the warp meets, each reads its partner's, the warp meets
-// again (so no lane overwrites a slot another has yet to read).
-template <typename T> inline T __shfl_xor_sync(unsigned, T v, int lane_mask) {
+template <typename T> static inline T __shfl_xor_sync(unsigned, T v, int lane_mask) {
     static_assert(sizeof(T) <= 8, "a shuffled value fits 8 bytes");
-    const unsigned lane = r3emu_lane();
     uint64_t word = 0;
     memcpy(&word, &v, sizeof(T));
-    *r3emu_warp_slot(lane) = word;
-    r3emu_sync_warp();
-    const uint64_t other = *r3emu_warp_slot((lane ^ (unsigned)lane_mask) & 31u);
-    r3emu_sync_warp();
+    const uint64_t other = r3emu_shuffle_xor(word, (unsigned)lane_mask);
     T out;
     memcpy(&out, &other, sizeof(T));
     return out;
 }
 
+// `reinterpret_cast` of a pointer (build.rs rewrites the kernels' casts to this): a vector
+// type read or written off its alignment faults on a GPU, so it is a fault here too.
+template <typename P, typename S> static inline P r3emu_cast(S *p) {
+    using Target = typename std::remove_cv<typename std::remove_pointer<P>::type>::type;
+    if (reinterpret_cast<uintptr_t>(p) % alignof(Target) != 0) r3emu_fault(R3EMU_FAULT_MISALIGNED);
+    return reinterpret_cast<P>(p);
+}
+
 // One OS thread runs every fiber, so the atomics are plain read-modify-writes.
-inline unsigned atomicOr(unsigned *p, unsigned v) {
+static inline unsigned atomicOr(unsigned *p, unsigned v) {
     const unsigned old = *p;
     *p = old | v;
     return old;
 }
-inline unsigned atomicMax(unsigned *p, unsigned v) {
+static inline unsigned atomicMax(unsigned *p, unsigned v) {
     const unsigned old = *p;
     *p = old > v ? old : v;
     return old;
 }
-inline int atomicMax(int *p, int v) {
+static inline int atomicMax(int *p, int v) {
     const int old = *p;
     *p = old > v ? old : v;
     return old;
 }
-inline unsigned atomicAdd(unsigned *p, unsigned v) {
+static inline unsigned atomicAdd(unsigned *p, unsigned v) {
     const unsigned old = *p;
     *p = old + v;
     return old;
 }
 
-template <typename T> inline T max(T a, T b) { return a > b ? a : b; }
-template <typename T> inline T min(T a, T b) { return a < b ? a : b; }
+template <typename T> static inline T max(T a, T b) { return a > b ? a : b; }
+template <typename T> static inline T min(T a, T b) { return a < b ? a : b; }
 
 struct alignas(8) float2 {
     float x, y;
@@ -98,25 +111,25 @@ struct alignas(16) float4 {
 struct alignas(16) uint4 {
     unsigned x, y, z, w;
 };
-inline float2 make_float2(float x, float y) { return {x, y}; }
-inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+static inline float2 make_float2(float x, float y) { return {x, y}; }
+static inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 
-inline unsigned __float_as_uint(float f) {
+static inline unsigned __float_as_uint(float f) {
     unsigned u;
     memcpy(&u, &f, 4);
     return u;
 }
-inline int __float_as_int(float f) {
+static inline int __float_as_int(float f) {
     int i;
     memcpy(&i, &f, 4);
     return i;
 }
-inline float __uint_as_float(unsigned u) {
+static inline float __uint_as_float(unsigned u) {
     float f;
     memcpy(&f, &u, 4);
     return f;
 }
-inline float __int_as_float(int i) {
+static inline float __int_as_float(int i) {
     float f;
     memcpy(&f, &i, 4);
     return f;
@@ -124,23 +137,23 @@ inline float __int_as_float(int i) {
 
 // The correctly rounded operations (what the `_rn` intrinsics promise; build.rs compiles one
 // variant without contraction, where plain expressions are these too).
-inline float __fadd_rn(float a, float b) {
+static inline float __fadd_rn(float a, float b) {
     volatile float r = a + b;
     return r;
 }
-inline float __fsub_rn(float a, float b) {
+static inline float __fsub_rn(float a, float b) {
     volatile float r = a - b;
     return r;
 }
-inline float __fmul_rn(float a, float b) {
+static inline float __fmul_rn(float a, float b) {
     volatile float r = a * b;
     return r;
 }
-inline float __fdiv_rn(float a, float b) {
+static inline float __fdiv_rn(float a, float b) {
     volatile float r = a / b;
     return r;
 }
-inline float __fsqrt_rn(float a) { return sqrtf(a); }
+static inline float __fsqrt_rn(float a) { return sqrtf(a); }
 
 struct __nv_bfloat16 {
     uint16_t __x;
@@ -155,18 +168,18 @@ struct alignas(4) __half2 {
     __half x, y;
 };
 
-inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short u) { return {u}; }
-inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.__x; }
+static inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short u) { return {u}; }
+static inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.__x; }
 
-inline float __bfloat162float(__nv_bfloat16 h) { return __uint_as_float((unsigned)h.__x << 16); }
-inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+static inline float __bfloat162float(__nv_bfloat16 h) { return __uint_as_float((unsigned)h.__x << 16); }
+static inline __nv_bfloat16 __float2bfloat16_rn(float f) {
     const unsigned b = __float_as_uint(f);
     if ((b & 0x7fffffffu) > 0x7f800000u) return {0x7fffu};
     const unsigned rounded = b + 0x7fffu + ((b >> 16) & 1u);
     return {(uint16_t)(rounded >> 16)};
 }
 
-inline float __half2float(__half h) {
+static inline float __half2float(__half h) {
     const unsigned sign = (unsigned)(h.__x & 0x8000u) << 16;
     const unsigned exp = (h.__x >> 10) & 0x1fu, mant = h.__x & 0x3ffu;
     if (exp == 0x1fu) return __uint_as_float(sign | 0x7f800000u | (mant << 13));
@@ -175,7 +188,7 @@ inline float __half2float(__half h) {
     const float v = (float)mant * 5.9604644775390625e-08f;
     return sign ? -v : v;
 }
-inline __half __float2half_rn(float f) {
+static inline __half __float2half_rn(float f) {
     const unsigned b = __float_as_uint(f);
     const unsigned sign = (b >> 16) & 0x8000u;
     const unsigned abs = b & 0x7fffffffu;
@@ -193,13 +206,13 @@ inline __half __float2half_rn(float f) {
     return {(uint16_t)(sign | (r >> 13))};
 }
 
-inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) {
+static inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) {
     return {__float2bfloat16_rn(a), __float2bfloat16_rn(b)};
 }
-inline __half2 __floats2half2_rn(float a, float b) {
+static inline __half2 __floats2half2_rn(float a, float b) {
     return {__float2half_rn(a), __float2half_rn(b)};
 }
-inline float2 __bfloat1622float2(__nv_bfloat162 h) {
+static inline float2 __bfloat1622float2(__nv_bfloat162 h) {
     return {__bfloat162float(h.x), __bfloat162float(h.y)};
 }
-inline float2 __half22float2(__half2 h) { return {__half2float(h.x), __half2float(h.y)}; }
+static inline float2 __half22float2(__half2 h) { return {__half2float(h.x), __half2float(h.y)}; }

@@ -30,9 +30,22 @@ pub enum EmuError {
         /// The threads a block asked for.
         block: u32,
     },
-    /// A fiber's stack could not be mapped.
-    #[error("a fiber's stack could not be mapped")]
-    Stack,
+    /// Memory for the fibers' stacks or the launch's buffers could not be had.
+    #[error("the emulator ran out of memory for the launch's stacks or buffers")]
+    Memory,
+    /// A warp shuffle read a lane that was not in the exchange (exited, or past a partial
+    /// warp's end): undefined on a GPU.
+    #[error(
+        "a warp shuffle read a lane that is not in the exchange (exited, or past the block's end)"
+    )]
+    AbsentLane,
+    /// A vector type (`float4`, `uint4`, a 16-bit pair) was read or written off its
+    /// alignment: a fault on a GPU.
+    #[error("a vector access off its alignment")]
+    Misaligned,
+    /// A kernel wrote past the dynamic shared memory its launch asked for.
+    #[error("a write past the launch's dynamic shared memory")]
+    SharedOverrun,
 }
 
 /// The order a block's threads are resumed in between barriers.
@@ -116,17 +129,36 @@ pub mod faulty {
         pub fn r3emu_synced_read(out: *mut f32);
         /// Thread 0 waits at the block's barrier, its warp in a shuffle.
         pub fn r3emu_faulty_split_barrier(out: *mut f32);
+        /// Lanes below 16 shuffle with lanes that have finished.
+        pub fn r3emu_faulty_shuffle_of_exited_lanes(out: *mut f32);
+        /// Thread 0 reads after a barrier what thread 1 writes then, with no barrier between.
+        pub fn r3emu_faulty_read_after_barrier(out: *mut f32);
+        /// Each thread writes a float at its index into the dynamic shared memory.
+        pub fn r3emu_faulty_dynamic_shared_write(out: *mut f32);
     }
 }
 
-/// Calls the body a launch's fibers run: `data` is a `&&dyn Fn()`.
+std::thread_local! {
+    /// The first panic of a launch body on this thread, raised again when the launch ends.
+    static BODY_PANIC: std::cell::RefCell<Option<Box<dyn std::any::Any + Send>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Calls the body a launch's fibers run: `data` is a `&&dyn Fn()`. A panic stops at this
+/// frame (it must not unwind through the emulator's C++ frames) and is raised again by
+/// [`launch`] once the grid is done, so a test fails as a test rather than aborting.
 extern "C" fn run_body(data: *const c_void) {
     // SAFETY: `launch` passes a pointer to a `&dyn Fn()` that outlives the launch.
     let body = unsafe { &*(data as *const &dyn Fn()) };
-    body();
+    if let Err(payload) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)) {
+        BODY_PANIC.with(|first| {
+            first.borrow_mut().get_or_insert(payload);
+        });
+    }
 }
 
-/// Runs `body` as every thread of a grid of `shape`, a block's threads resumed in `order`.
+/// Runs `body` as every thread of a grid of `shape`, the blocks and a block's threads
+/// resumed in `order`. A panic of `body` is raised again here once the grid is done.
 /// `body` calls one kernel of [`PLAIN`] or [`FMA`] with its arguments; the kernel reads its
 /// thread's indices from the emulator.
 pub fn launch(shape: LaunchShape, order: ThreadOrder, body: &dyn Fn()) -> Result<(), EmuError> {
@@ -145,10 +177,16 @@ pub fn launch(shape: LaunchShape, order: ThreadOrder, body: &dyn Fn()) -> Result
             data.cast(),
         )
     };
+    if let Some(payload) = BODY_PANIC.with(|first| first.borrow_mut().take()) {
+        std::panic::resume_unwind(payload);
+    }
     match status {
         0 => Ok(()),
         1 => Err(EmuError::Deadlock),
-        3 => Err(EmuError::Stack),
+        3 => Err(EmuError::Memory),
+        4 => Err(EmuError::AbsentLane),
+        5 => Err(EmuError::Misaligned),
+        6 => Err(EmuError::SharedOverrun),
         _ => Err(EmuError::Shape {
             grid: shape.grid,
             block: shape.block,
@@ -160,10 +198,28 @@ pub fn launch(shape: LaunchShape, order: ThreadOrder, body: &dyn Fn()) -> Result
 /// where the CPU has fused multiply-adds.
 pub fn variants() -> Vec<(&'static str, &'static Kernels)> {
     let mut out = vec![("plain", &PLAIN)];
-    if fma_available() {
+    // Only where the contracted build really fuses (a compiler or flags that do not would
+    // make it a second plain variant, and its tests prove nothing more).
+    if fma_available() && variants_contract_as_named().1 {
         out.push(("fma", &FMA));
     }
     out
+}
+
+extern "C" {
+    fn r3emu_plain_probe(a: f32, b: f32, c: f32) -> f32;
+    fn r3emu_fma_probe(a: f32, b: f32, c: f32) -> f32;
+}
+
+/// Whether each variant computes `a · b + c` as it claims: (plain rounds the product, fma
+/// fuses it). The operands make the two differ: (1 + 2⁻¹²)² − 1 is 2⁻¹¹ + 2⁻²⁴ exactly, and
+/// 2⁻¹¹ with the product rounded.
+pub fn variants_contract_as_named() -> (bool, bool) {
+    let a = 1.0 + 2f32.powi(-12);
+    let exact = 2f32.powi(-11) + 2f32.powi(-24);
+    // SAFETY: plain functions of three floats.
+    let (plain, fused) = unsafe { (r3emu_plain_probe(a, a, -1.0), r3emu_fma_probe(a, a, -1.0)) };
+    (plain == 2f32.powi(-11), fused == exact)
 }
 
 /// Whether the host runs the contracted variant's instructions.

@@ -3,10 +3,12 @@
 
 use r3_cuda_emu::{in_both_orders, launch, variants, LaunchShape, ORDERS};
 
-/// `r3_round_bf16_f32` over more elements than the grid has threads: every element is
-/// visited once (grid-stride loop over blockIdx, blockDim, gridDim) and rounds as bf16 does.
+/// `r3_round_bf16_f32` over more elements than the grid has threads (a grid-stride loop
+/// over blockIdx, blockDim, gridDim): every element is written (none is left at its NaN
+/// fill) with its own value rounded as bf16 rounds it. (An element written twice with the
+/// same value would not show.)
 #[test]
-fn a_grid_stride_loop_visits_every_element_once() {
+fn a_grid_stride_loop_writes_every_element() {
     let x: Vec<f32> = (0..1_000).map(|i| 1.0 + i as f32 * 1e-3).collect();
     for (name, k) in variants() {
         let y = in_both_orders(name, |order| {
@@ -92,7 +94,7 @@ fn a_missing_barrier_shows_as_two_answers() {
         out
     };
     // Forward, thread 0 writes before the last thread reads; backward, the last thread
-    // reads first (what the cell held before: a GPU's shared memory holds garbage there).
+    // reads first: the garbage a block's shared memory starts with (0xff bytes, a NaN).
     assert_eq!(run(ORDERS[0], false), vec![1.0, 1.0]);
     assert_ne!(run(ORDERS[1], false), vec![1.0, 1.0]);
     for order in ORDERS {
@@ -111,4 +113,111 @@ fn a_split_barrier_is_a_deadlock_error() {
     })
     .expect_err("deadlock");
     assert!(matches!(err, r3_cuda_emu::EmuError::Deadlock), "{err}");
+}
+
+/// A race between two threads that leave a barrier together shows: thread 1 writes a cell
+/// after the barrier and thread 0 reads it, so thread 0 sees 0 first-to-last and 1
+/// last-to-first (the releasing thread does not run ahead of the order).
+#[test]
+fn a_race_after_a_barrier_shows_as_two_answers() {
+    let run = |order| {
+        let mut out = vec![f32::NAN; 2];
+        let op = out.as_mut_ptr();
+        launch(LaunchShape::blocks(2, 64), order, &|| unsafe {
+            r3_cuda_emu::faulty::r3emu_faulty_read_after_barrier(op)
+        })
+        .expect("launch");
+        out
+    };
+    assert_eq!(run(ORDERS[0]), vec![0.0, 0.0]);
+    assert_eq!(run(ORDERS[1]), vec![1.0, 1.0]);
+}
+
+/// A shuffle that reads lanes which have finished is an error, as it is undefined on a GPU.
+#[test]
+fn a_shuffle_of_exited_lanes_is_an_error() {
+    let mut out = vec![f32::NAN; 64];
+    let op = out.as_mut_ptr();
+    let err = launch(LaunchShape::blocks(1, 64), ORDERS[0], &|| unsafe {
+        r3_cuda_emu::faulty::r3emu_faulty_shuffle_of_exited_lanes(op)
+    })
+    .expect_err("absent lanes");
+    assert!(matches!(err, r3_cuda_emu::EmuError::AbsentLane), "{err}");
+}
+
+/// A write past the dynamic shared memory a launch asked for is an error; within it, none.
+#[test]
+fn a_write_past_the_dynamic_shared_memory_is_an_error() {
+    let mut out = vec![f32::NAN; 64];
+    let op = out.as_mut_ptr();
+    let run = |bytes| {
+        launch(
+            LaunchShape::blocks(1, 64).with_shared_bytes(bytes),
+            ORDERS[0],
+            &|| unsafe { r3_cuda_emu::faulty::r3emu_faulty_dynamic_shared_write(op) },
+        )
+    };
+    run(64 * 4).expect("64 floats fit");
+    let err = run(60 * 4).expect_err("four floats past the end");
+    assert!(matches!(err, r3_cuda_emu::EmuError::SharedOverrun), "{err}");
+    let err = run(49 * 1024).expect_err("past 48 KiB");
+    assert!(err.to_string().contains("blocks"), "{err}");
+}
+
+/// r3's cast kernel reads f32 values four at a time as a `float4`: a source off a 16-byte
+/// boundary is an error (a GPU faults), on the boundary none.
+#[test]
+fn a_vector_read_off_its_alignment_is_an_error() {
+    // 16-byte aligned storage (u128), viewed as f32.
+    let words = [0u128; 8];
+    let x = words.as_ptr().cast::<f32>();
+    let mut y = vec![half::bf16::ZERO; 16];
+    let yp = y.as_mut_ptr();
+    for (name, k) in variants() {
+        let run = |offset: usize| {
+            // SAFETY: 16 + 1 floats lie inside the 32 the words hold.
+            let src = unsafe { x.add(offset) };
+            launch(LaunchShape::blocks(1, 32), ORDERS[0], &|| unsafe {
+                (k.r3_narrow_bf16)(src, yp, 16)
+            })
+        };
+        run(0).expect("aligned");
+        let err = run(1).expect_err("misaligned");
+        assert!(
+            matches!(err, r3_cuda_emu::EmuError::Misaligned),
+            "{name}: {err}"
+        );
+    }
+}
+
+/// Each variant computes a product and a sum as it is named: the plain one rounds the
+/// product, the contracted one fuses it (where this CPU has fused multiply-adds, so that
+/// the contracted variant's tests are not a second run of the plain one).
+#[test]
+fn the_variants_contract_as_named() {
+    let (plain, fused) = r3_cuda_emu::variants_contract_as_named();
+    assert!(plain, "the plain variant fused a product into a sum");
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("fma") {
+        assert!(
+            fused,
+            "the contracted variant did not fuse on a CPU with FMA"
+        );
+        assert_eq!(variants().len(), 2);
+    }
+    let _ = fused;
+}
+
+/// A panic in a launch's body fails the caller's test as a panic (raised again after the
+/// grid), not as an abort of the whole test binary.
+#[test]
+fn a_panic_in_the_body_is_raised_again_after_the_launch() {
+    let caught = std::panic::catch_unwind(|| {
+        let _ = launch(LaunchShape::blocks(2, 32), ORDERS[0], &|| {
+            panic!("a body's panic")
+        });
+    });
+    let payload = caught.expect_err("the panic comes back");
+    let message = payload.downcast_ref::<&str>().copied().unwrap_or_default();
+    assert_eq!(message, "a body's panic");
 }

@@ -10,13 +10,14 @@
 //! allows (one warp a block, rows wider than the block, a block of 96 threads, a few
 //! threads where the kernel has no warp operation). The truth is r3-model's CPU twin through
 //! its public API where it has one (`GatherRows`, `round16`), elsewhere a reference written
-//! from the kernel's documented meaning. Copies and fan-in sums (additions only) equal the
-//! CPU bit for bit in both variants. The combine's `acc + g · y` is written with the
-//! correctly rounded intrinsics (`__fadd_rn(acc, __fmul_rn(g, y))`, which nvcc never
-//! contracts into a fused multiply-add), so the combines equal the CPU's `combine_rows` bit
-//! for bit in both variants too, the contracted one ("fma", as nvcc compiles) included. Only
-//! the gate gradient (a block reduction, its sum in the block's order) is held to a
-//! tolerance.
+//! from the kernel's documented meaning (the combines' twins, `combine_rows` and
+//! `CombineInOrder`, are crate-private to r3-model: the reference here is their documented
+//! value, products added in slot order from zero). Copies and fan-in sums (additions only)
+//! equal the CPU bit for bit in both variants. The combine's `acc + g · y` is written with
+//! the correctly rounded intrinsics (`__fadd_rn(acc, __fmul_rn(g, y))`, which nvcc never
+//! contracts into a fused multiply-add), so the combines equal that reference bit for bit in
+//! both variants too, the contracted one ("fma", as nvcc compiles) included. Only the gate
+//! gradient (a block reduction, its sum in the block's order) is held to a tolerance.
 
 use std::fmt::Debug;
 
@@ -491,9 +492,9 @@ fn slot_of_place(place_of_slot: &[u32], places: usize) -> Vec<u32> {
     slots
 }
 
-/// The combine's documented value as the CPU's `combine_rows` computes it:
-/// `out[r] = Σ_j g[r, j] · y[place[r, j]]`, each product rounded, then added in slot order
-/// from zero (Rust never contracts).
+/// The combine's documented value, the meaning of the CPU's `combine_rows` (crate-private
+/// to r3-model, so written out here): `out[r] = Σ_j g[r, j] · y[place[r, j]]`, each product
+/// rounded, then added in slot order from zero (Rust never contracts).
 fn combine_reference(y: &[f32], g: &[f32], place: &[u32], (k, h): (usize, usize)) -> Vec<f32> {
     let rows = g.len() / k;
     let mut out = vec![0f32; rows * h];
@@ -557,9 +558,10 @@ fn gates(n: usize, seed: u64) -> Vec<f32> {
 }
 
 /// `r3_combine_slots_f32` over a padded layout (padding places NaN, never read) is the
-/// CPU's `combine_rows` (products added in slot order from zero) bit for bit in every
-/// variant: the kernel rounds each product and each sum explicitly (`__fmul_rn`,
-/// `__fadd_rn`), so the contracted "fma" build (nvcc's default) keeps the CPU's bits too.
+/// combine's documented value, [`combine_reference`] (products added in slot order from
+/// zero, the meaning of the CPU's `combine_rows`), bit for bit in every variant: the kernel
+/// rounds each product and each sum explicitly (`__fmul_rn`, `__fadd_rn`), so the
+/// contracted "fma" build (nvcc's default) keeps those bits too.
 /// Rows of 70, 300, 5 and 33 (wider than a block of 32), top-1 to top-4, on the launcher's
 /// grid and blocks of 32, 96 and 7 threads.
 #[test]
@@ -602,7 +604,7 @@ fn narrowed(y: &[f32]) -> (Vec<bf16>, Vec<f32>, Vec<f16>, Vec<f32>) {
 /// variant, the f32 kernel's bits over the widened outputs (what the padded experts' fused
 /// op, reading 16-bit outputs, and the per-step chain, reading them widened, both run on a
 /// GPU: `fused_padded_experts_on_cuda_are_the_per_step_chain` asks for the same bits), and
-/// so the CPU's combine over them, bit for bit in every variant.
+/// so [`combine_reference`] over them, bit for bit in every variant.
 #[test]
 fn combine_slots_in_16_bits_is_the_f32_combine_of_the_widened_outputs() {
     for (case, (rows, k, h, places)) in COMBINE_CASES.into_iter().enumerate() {
@@ -658,11 +660,12 @@ fn combine_slots_in_16_bits_is_the_f32_combine_of_the_widened_outputs() {
 }
 
 /// `r3_combine_in_order_*` (slot `r·k + j` at place `r·k + j`, round code 0 / 1 / 2: as it
-/// is, bf16, f16) is the CPU's `CombineInOrder` (the combine in slot order, then
-/// `round16`'s rounding) bit for bit in every variant: the kernel's `__fadd_rn(acc,
-/// __fmul_rn(g, y))` is not contracted in the "fma" build (nvcc's default) either. Expert
-/// outputs f32, bf16 and f16 (widened as read), rows of 70, 300, 5 and 33, on the
-/// launcher's grid and blocks of 32, 96, 7 threads.
+/// is, bf16, f16) is [`combine_reference`] over the identity places (products added in slot
+/// order from zero) then `round16`'s rounding (r3-model's public `rounding_for`): the
+/// documented meaning of the CPU's `CombineInOrder`, which is crate-private. Bit for bit in
+/// every variant: the kernel's `__fadd_rn(acc, __fmul_rn(g, y))` is not contracted in the
+/// "fma" build (nvcc's default) either. Expert outputs f32, bf16 and f16 (widened as read),
+/// rows of 70, 300, 5 and 33, on the launcher's grid and blocks of 32, 96, 7 threads.
 #[test]
 fn combine_in_order_is_the_cpu_combine_then_its_rounding() {
     for (case, (rows, k, h, _)) in COMBINE_CASES.into_iter().enumerate() {
@@ -721,8 +724,9 @@ fn combine_in_order_is_the_cpu_combine_then_its_rounding() {
 
 /// `r3_combine_slots_dy_*`: for each place p, `g[s] · dout[s / k]` for the slot s reading it
 /// (one product: nothing to contract), zeros where `slot_of_place` holds the "none" marker,
-/// written as f32 or rounded to bf16 / f16: the CPU's `combine_dy_rows` then candle's cast
-/// (`half`'s conversion) bit for bit in both variants, NaN as NaN (0 · ∞; a GPU's narrowing
+/// written as f32 or rounded to bf16 / f16: that value (the documented meaning of the CPU's
+/// crate-private `combine_dy_rows`, written out here) then candle's cast (`half`'s
+/// conversion) bit for bit in both variants, NaN as NaN (0 · ∞; a GPU's narrowing
 /// writes its own NaN). ∞ in the output gradient, a product past f16's range; padding places
 /// between the read ones; the launcher's grid and blocks of 32, 96 and 7 threads.
 #[test]
@@ -827,8 +831,9 @@ fn combine_slots_dy_is_the_gated_gradient_and_zero_on_padding() {
 }
 
 /// `r3_combine_slots_dgates_*`: `dg[s] = Σ_c y[place[s], c] · dout[s / k, c]`, a block
-/// reduction, against the CPU's `combine_dgates_rows` order (products added in column order
-/// from zero) within h·ε of Σ|y·d| in both variants (the reduction adds in another order;
+/// reduction, against a sum in the order of the CPU's crate-private `combine_dgates_rows`
+/// (written out here: products added in column order from zero) within h·ε of Σ|y·d| in
+/// both variants (the reduction adds in another order;
 /// padding places hold NaN, never read); the same bits in both thread orders; 16-bit outputs
 /// give the f32 kernel's bits over their widened values in each variant (the fused padded
 /// experts against the per-step chain). Blocks of whole warps only (`block_reduce`): the
@@ -959,7 +964,7 @@ fn expert_slot_pointers_write_the_table_exactly() {
         for share in [1u32, 2, 3] {
             let want = pointer_table(&ids, stack, a, b, share, c);
             assert_eq!(want[1], a.0, "an id past the stack reads expert 0");
-            let launcher = LaunchShape::blocks(slots.div_ceil(256).clamp(1, 65_535) as u32, 256);
+            let launcher = LaunchShape::elementwise(slots);
             for shape in [
                 launcher,
                 LaunchShape::blocks(1, 32),

@@ -31,7 +31,7 @@ use r3_train::{AdamW, AdamWParams, AdamWStep};
 mod common;
 
 use common::Lcg;
-use r3_model::launch_shape::sum_squares_blocks;
+use r3_model::launch_shape::{sum_squares_blocks, SUM_SQUARES_THREADS, SUM_SQUARES_TOTAL_THREADS};
 
 /// The shapes an elementwise kernel runs under: the launcher's, one block of one warp (a
 /// grid-stride loop of many turns), and a few blocks of a width that is a multiple of 32 but
@@ -697,13 +697,14 @@ fn cpu_norm(grads: &[Floats]) -> f32 {
 /// A grid's blocks for a tensor of `n` values.
 type BlocksOf<'a> = &'a dyn Fn(usize) -> u32;
 
-/// The gradient norm's sums of squares: under the launcher's grid (`launch_shape::sum_squares_blocks(n)`
-/// blocks of 256, the total in one block of 1,024) each tensor's f64 partials add up to the
-/// f64 reference of its f32 squares (relative 1e-12: f64 sums in another order), the total to
-/// the reference's tensor sums rounded to f32 and added in f32 (relative 1e-6), and its root
-/// to the CPU's norm (relative 1e-5: the CPU sums in f32); a second launch gives the same
-/// bits (no atomics; the grid a function of n alone). Other grids (one warp; 96 threads, one
-/// to three blocks; a total of one warp) are as close to the reference.
+/// The gradient norm's sums of squares: under the launcher's grid (each tensor's
+/// `launch_shape::sum_squares_blocks(n)` blocks of `SUM_SQUARES_THREADS`, a function of its
+/// length alone, laid out by `launcher_blocks`; the total in one block of
+/// `SUM_SQUARES_TOTAL_THREADS`) each tensor's f64 partials add up to the f64 reference of its
+/// f32 squares (relative 1e-12: f64 sums in another order), the total to the reference's
+/// tensor sums rounded to f32 and added in f32 (relative 1e-6), and its root to the CPU's norm
+/// (relative 1e-5: the CPU sums in f32). Other grids (one warp; 96 threads, one to three
+/// blocks; a total of one warp) are as close to the reference.
 #[test]
 fn sums_of_squares_match_an_f64_reference_and_the_cpus_norm() {
     let grads = norm_gradients(500);
@@ -717,16 +718,21 @@ fn sums_of_squares_match_an_f64_reference_and_the_cpus_norm() {
     // The largest relative differences: per tensor, total, norm against the CPU's.
     let mut largest = (0f64, 0f64, 0f64);
     for (variant, k) in variants() {
-        let launcher = norm_squared(k, &grads, sum_squares_blocks, 256, 1024, variant);
-        let again = norm_squared(k, &grads, sum_squares_blocks, 256, 1024, variant);
-        assert_eq!(launcher, again, "{variant}: a second launch");
+        let launcher = norm_squared(
+            k,
+            &grads,
+            sum_squares_blocks,
+            SUM_SQUARES_THREADS,
+            SUM_SQUARES_TOTAL_THREADS,
+            variant,
+        );
         let other_shapes: [(&str, BlocksOf, u32, u32); 3] = [
             ("one warp", &|_| 1, 32, 32),
             ("96 threads", &|n| (n as u32 % 3) + 1, 96, 96),
             (
                 "launcher blocks, total of one warp",
                 &sum_squares_blocks,
-                256,
+                SUM_SQUARES_THREADS,
                 32,
             ),
         ];
@@ -801,7 +807,14 @@ fn a_non_finite_gradient_makes_the_norm_non_finite() {
         assert!(!cpu.is_finite(), "the CPU's norm {cpu}");
         for (variant, k) in variants() {
             let what = format!("{variant} poison {poison} in tensor {t}");
-            let (_, total) = norm_squared(k, &grads, sum_squares_blocks, 256, 1024, &what);
+            let (_, total) = norm_squared(
+                k,
+                &grads,
+                sum_squares_blocks,
+                SUM_SQUARES_THREADS,
+                SUM_SQUARES_TOTAL_THREADS,
+                &what,
+            );
             let total = f32::from_bits(total);
             assert_eq!(total.is_nan(), nan, "{what}: {total}");
             assert!(!total.is_finite(), "{what}: {total}");

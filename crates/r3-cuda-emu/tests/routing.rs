@@ -21,7 +21,7 @@ use r3_model::{Router, RouterKind};
 mod common;
 
 use common::Lcg;
-use r3_model::launch_shape::row_threads;
+use r3_model::launch_shape::{route_grouped_threads, row_threads};
 
 /// The routed scaling factor of the grouped routers below (DeepSeek-V3's is 2.5).
 const SCALE: f64 = 2.5;
@@ -178,9 +178,10 @@ impl Grouped {
         }
     }
 
-    /// The launcher's block: a row's threads, and at least one thread per group.
+    /// The launcher's block (`launch_shape::route_grouped_threads`): a row's threads, and at
+    /// least one thread per group.
     fn launcher_threads(self) -> u32 {
-        row_threads(self.cols).max((self.n_group as u32).div_ceil(32) * 32)
+        route_grouped_threads(self.cols, self.n_group)
     }
 }
 

@@ -11,7 +11,8 @@
 //! (`__fmul_rn`, `__fadd_rn`, `__fsub_rn`, which nvcc never contracts), so the contracted
 //! build keeps the CPU's bits too. Where the kernel reduces across its block it is a
 //! tolerance relative to the values' scale, and each test says which holds in which variant
-//! and why.
+//! and why. A kernel's `expf` / `logf` is glibc's here, as the CPU's `f32::exp` / `ln` are,
+//! so bits that pass through them hold on the host only: a GPU's differ by an ulp or two.
 
 use candle_core::{DType, Device, Tensor, Var};
 use r3_cuda_emu::{in_both_orders, launch, variants, LaunchShape};
@@ -25,7 +26,9 @@ use r3_model::{Precision, RopeConfig, RopeScaling, Weights};
 mod common;
 
 use common::Lcg;
-use r3_model::launch_shape::row_threads;
+use r3_model::launch_shape::{
+    attend_rows_shared_bytes, rms_norm_dw_chunk_threads, row_threads, ATTEND_ROWS_THREADS,
+};
 
 /// The bit patterns of `v`.
 fn bits(v: &[f32]) -> Vec<u32> {
@@ -273,8 +276,11 @@ fn token_log_probs_equal_the_cpu_within_f32_rounding() {
 /// variants: the twin (`token_logp_grad_rows`) reached through the recomputing token
 /// log-prob's backward, fed the same row stats (lse = z[t] − logp as the backward recovers
 /// it, g the output gradient). `0 − g·e` contracted is `fma(−g, e, 0)`, one rounding of
-/// the same product: the same bits. Blocks of 256 (the launcher's), 32 and 96 threads; a
-/// target past the vocabulary adds g nowhere (the formula from the kernel's meaning).
+/// the same product: the same bits. The bits hold on the host because the kernel's `expf`
+/// and the CPU's `f32::exp` are both glibc's `expf`; a GPU's `expf` differs from it by an
+/// ulp or two, so on a GPU these bits are not promised. Blocks of 256 (the launcher's), 32
+/// and 96 threads; a target past the vocabulary adds g nowhere (the formula from the
+/// kernel's meaning).
 #[test]
 fn token_log_prob_gradient_equals_the_cpu_bit_for_bit() {
     let (rows, vocab) = (5usize, 1001usize);
@@ -512,7 +518,7 @@ fn rms_norm_input_gradient_equals_the_cpu_bit_for_bit() {
 /// `r3_rms_norm_dw_chunks_f32` gives each chunk's weight-gradient sum as the CPU's backward
 /// does (each chunk's rows alone through the norm's backward: one CPU task, whose sum is
 /// that chunk's partial as it is): 133 rows of 40 (two chunks of 64 and a last one of 5)
-/// at the launcher's 64 threads; one warp (every row's inverse RMS on one warp, the columns
+/// at the launcher's 64 threads (`launch_shape::rms_norm_dw_chunk_threads`); one warp (every row's inverse RMS on one warp, the columns
 /// in two rounds); 1,024 threads (more warps than the last chunk's rows); chunks of 16 rows
 /// over 96 threads. Bit for bit in every variant: rows added in order, as the CPU adds them,
 /// each `acc + g · x̂` written with `_rn` intrinsics (no contraction in the "fma" build).
@@ -521,7 +527,7 @@ fn rms_norm_weight_gradient_chunks_equal_the_cpu_chunk_sums_bit_for_bit() {
     let (rows, d) = (2 * 64 + 5, 40usize);
     let (x, w, g) = norm_operands(rows, d, 7);
     for (threads, chunk_rows) in [
-        ((d.div_ceil(32) * 32).clamp(32, 1024) as u32, 64usize),
+        (rms_norm_dw_chunk_threads(d), 64usize),
         (32, 64),
         (1024, 64),
         (96, 16),
@@ -640,7 +646,8 @@ fn rope_rounded_equals_the_cpus_rotation_bit_for_bit() {
 /// batch and head strides that are not the packed ones), 300 slots over more than a
 /// block's threads, grouped queries (two per key/value head), a mask hiding every fifth key
 /// and a causal end, a step of one query and of three; the launcher's 128 threads with its
-/// (S + Dq) floats of dynamic shared memory, and 32, 96 and 1,024 threads. The kernel sums
+/// (S + Dq) floats of dynamic shared memory (`launch_shape::ATTEND_ROWS_THREADS`,
+/// `attend_rows_shared_bytes`), and 32, 96 and 1,024 threads. The kernel sums
 /// its exponentials in its block's order (and `fma` contracts the dots and the weighted
 /// sums): a tolerance in both variants.
 #[test]
@@ -686,9 +693,9 @@ fn decode_attention_rows_equal_the_cpus_composed_attention() {
         )
         .map(|o| host(&o))
         .expect("the CPU's attention");
-        let shared = (s + dq) * std::mem::size_of::<f32>();
+        let shared = attend_rows_shared_bytes(s, dq);
         for (name, k) in variants() {
-            for threads in [128u32, 32, 96, 1024] {
+            for threads in [ATTEND_ROWS_THREADS, 32, 96, 1024] {
                 let what = format!("attend rows t {t} {name}, {threads} threads");
                 let shape = LaunchShape::blocks(rows as u32, threads).with_shared_bytes(shared);
                 let got = run(&what, shape, rows * dv, |out| unsafe {

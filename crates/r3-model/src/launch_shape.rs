@@ -17,11 +17,43 @@ pub fn elementwise_blocks(n: usize) -> u32 {
     n.div_ceil(ELEMENTWISE_THREADS as usize).clamp(1, 65_535) as u32
 }
 
-/// Blocks of 256 threads the sum of squares of `n` values runs in: about 16 values a thread,
-/// at most 1,024 blocks (several per SM on any GPU r3 runs on), at least one. A function of
-/// `n` alone, so that the order of the sums is too.
+/// Blocks of [`SUM_SQUARES_THREADS`] the sum of squares of `n` values runs in: about 16
+/// values a thread, at most 1,024 blocks (several per SM on any GPU r3 runs on), at least
+/// one. A function of `n` alone, so that the order of the sums is too.
 pub fn sum_squares_blocks(n: usize) -> u32 {
-    n.div_ceil(256 * 16).clamp(1, 1024) as u32
+    n.div_ceil(SUM_SQUARES_THREADS as usize * 16).clamp(1, 1024) as u32
+}
+
+/// Threads of one block of the gradient norm's sums of squares (`r3_sum_squares_*`, one
+/// launch of [`sum_squares_blocks`] blocks per tensor).
+pub const SUM_SQUARES_THREADS: u32 = 256;
+
+/// Threads of the one block that adds the sums of squares' partials up
+/// (`r3_sum_squares_total`).
+pub const SUM_SQUARES_TOTAL_THREADS: u32 = 1024;
+
+/// Threads of a block of the RMSNorm weight gradient's chunks (`r3_rms_norm_dw_chunks_f32`,
+/// a block per chunk of rows) for rows of `d` columns: one per column, a whole number of
+/// warps (the rows' inverse RMS values are a warp's each), between one warp and 1,024.
+pub fn rms_norm_dw_chunk_threads(d: usize) -> u32 {
+    (d.div_ceil(32) * 32).clamp(32, 1024) as u32
+}
+
+/// Threads of a block of the decode attention's rows (`r3_attend_rows_f32`, a block per
+/// query row).
+pub const ATTEND_ROWS_THREADS: u32 = 128;
+
+/// Bytes of dynamic shared memory a block of `r3_attend_rows_f32` takes: the row's `s`
+/// scores and its query's `dq` values, as f32.
+pub fn attend_rows_shared_bytes(s: usize, dq: usize) -> usize {
+    (s + dq) * std::mem::size_of::<f32>()
+}
+
+/// Threads of a block of the grouped (DeepSeek-V3) router (`r3_route_grouped_f32`, a block
+/// per row) over `cols` experts in `n_group` groups: a row's threads ([`row_threads`]), and
+/// at least one thread per group, in whole warps.
+pub fn route_grouped_threads(cols: usize, n_group: usize) -> u32 {
+    row_threads(cols).max((n_group as u32).div_ceil(32) * 32)
 }
 
 #[cfg(test)]
@@ -42,5 +74,55 @@ mod tests {
         assert_eq!(sum_squares_blocks(0), 1);
         assert_eq!(sum_squares_blocks(4097), 2);
         assert_eq!(sum_squares_blocks(1 << 40), 1024);
+    }
+
+    /// The RMSNorm weight gradient's chunk threads, by hand: a warp for up to 32 columns,
+    /// whole warps above, 1,024 at most.
+    #[test]
+    fn rms_norm_dw_chunk_threads_by_hand() {
+        assert_eq!(rms_norm_dw_chunk_threads(0), 32);
+        assert_eq!(rms_norm_dw_chunk_threads(1), 32);
+        assert_eq!(rms_norm_dw_chunk_threads(32), 32);
+        assert_eq!(rms_norm_dw_chunk_threads(33), 64);
+        assert_eq!(rms_norm_dw_chunk_threads(40), 64);
+        assert_eq!(rms_norm_dw_chunk_threads(1000), 1024);
+        assert_eq!(rms_norm_dw_chunk_threads(1024), 1024);
+        assert_eq!(rms_norm_dw_chunk_threads(4096), 1024);
+    }
+
+    /// The decode attention's block, by hand: 128 threads; (s + dq) floats of shared memory.
+    #[test]
+    fn attend_rows_shape_by_hand() {
+        assert_eq!(ATTEND_ROWS_THREADS, 128);
+        assert_eq!(attend_rows_shared_bytes(0, 0), 0);
+        assert_eq!(attend_rows_shared_bytes(300, 24), 1296);
+        assert_eq!(attend_rows_shared_bytes(4096, 128), 16_896);
+    }
+
+    /// The sums of squares' blocks: 256 threads each, the total in one block of 1,024;
+    /// 4,096 values a block.
+    #[test]
+    fn sum_squares_threads_by_hand() {
+        assert_eq!(SUM_SQUARES_THREADS, 256);
+        assert_eq!(SUM_SQUARES_TOTAL_THREADS, 1024);
+        assert_eq!(sum_squares_blocks(4096), 1);
+        assert_eq!(sum_squares_blocks(3 * 4096), 3);
+        assert_eq!(sum_squares_blocks(3 * 4096 + 1), 4);
+    }
+
+    /// The grouped router's block, by hand: the row's threads unless the groups need more
+    /// warps.
+    #[test]
+    fn route_grouped_threads_by_hand() {
+        // 256 experts (64 threads) in 8 groups: the row's threads.
+        assert_eq!(route_grouped_threads(256, 8), 64);
+        // 8 experts (one warp) in 4 groups: one warp.
+        assert_eq!(route_grouped_threads(8, 4), 32);
+        // 128 experts (one warp) in 64 groups: two warps, one thread per group.
+        assert_eq!(route_grouped_threads(128, 64), 64);
+        // 4,096 experts (1,024 threads) in 64 groups.
+        assert_eq!(route_grouped_threads(4096, 64), 1024);
+        // 80 experts (20 quads: one warp) in 40 groups of 2: two warps for the groups.
+        assert_eq!(route_grouped_threads(80, 40), 64);
     }
 }

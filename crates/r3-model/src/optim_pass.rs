@@ -381,7 +381,7 @@ mod gpu {
             let n = g.elem_count() as u64;
             let cfg = LaunchConfig {
                 grid_dim: (count, 1, 1),
-                block_dim: (256, 1, 1),
+                block_dim: (crate::launch_shape::SUM_SQUARES_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
             let (func, stream) = match cs.dtype() {
@@ -416,7 +416,7 @@ mod gpu {
         let offsets_dev = stream.clone_htod(&offsets).w()?;
         let one_block = LaunchConfig {
             grid_dim: (1, 1, 1),
-            block_dim: (1024, 1, 1),
+            block_dim: (crate::launch_shape::SUM_SQUARES_TOTAL_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         let total = cuda::launch_f32!(

@@ -581,7 +581,7 @@ impl CustomOp2 for RmsNormDwChunks {
         // the chunks are few (64 for mid's 4,096 rows) and each column's sum is a chain of
         // 64 dependent adds, so a thread per four columns left the GPU mostly idle (≈ 78 µs a
         // call on an H200, 8% of a mid bf16 step's kernel time).
-        let threads = (d.div_ceil(32) * 32).clamp(32, 1024) as u32;
+        let threads = crate::launch_shape::rms_norm_dw_chunk_threads(d);
         let parts = cuda::launch_f32!(
             cuda::device(x),
             "r3_rms_norm_dw_chunks_f32",

@@ -202,8 +202,8 @@ impl CustomOp3 for AttendRows {
             .map_err(|_| candle_core::Error::Msg("attend rows: too many query rows".into()))?;
         let config = LaunchConfig {
             grid_dim: (rows, 1, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: ((s + dq) * std::mem::size_of::<f32>()) as u32,
+            block_dim: (crate::launch_shape::ATTEND_ROWS_THREADS, 1, 1),
+            shared_mem_bytes: crate::launch_shape::attend_rows_shared_bytes(s, dq) as u32,
         };
         let (ks, vs) = (kl.stride(), vl.stride());
         // Every output row is written by its block.

@@ -372,7 +372,7 @@ impl CustomOp2 for RouteGrouped {
             candle_core::bail!("the grouped routing kernel takes a grouped sigmoid router");
         };
         // Every group needs a thread of its own for its two best (at most 64 groups).
-        let threads = cuda::row_threads(cols).max((n_group as u32).div_ceil(32) * 32);
+        let threads = crate::launch_shape::route_grouped_threads(cols, n_group);
         let len = packed_len(rows, cols, k)?;
         let out = cuda::launch_f32!(
             cuda::device(storage),
