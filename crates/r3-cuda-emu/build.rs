@@ -136,6 +136,7 @@ fn write_signatures(emu: &Path, out_dir: &Path) {
         .unwrap_or_else(|e| panic!("r3-cuda-emu: cannot preprocess {}: {e}", file.display()));
     let text = String::from_utf8_lossy(&expanded);
     let mut out = String::from("kernels! {\n");
+    let mut table = String::from(TABLE_HEAD);
     let mut count = 0;
     const PREFIX: &str = "emu_plain_r3_";
     let mut rest = text.as_ref();
@@ -162,6 +163,8 @@ fn write_signatures(emu: &Path, out_dir: &Path) {
             .map(|param| rust_param(name, param))
             .collect();
         out.push_str(&format!("    fn r3_{name}({});\n", rust.join(", ")));
+        let kinds: Vec<&str> = rust.iter().map(|param| param_kind(param)).collect();
+        table.push_str(&format!("    (\"r3_{name}\", &[{}]),\n", kinds.join(", ")));
         count += 1;
     }
     out.push_str("}\n");
@@ -170,9 +173,43 @@ fn write_signatures(emu: &Path, out_dir: &Path) {
         "r3-cuda-emu: no kernel found in {}",
         file.display()
     );
+    table.push_str("];\n");
+    let table_file = out_dir.join("kernel_params_table.rs");
+    std::fs::write(&table_file, table)
+        .unwrap_or_else(|e| panic!("r3-cuda-emu: cannot write {}: {e}", table_file.display()));
     let target = out_dir.join("kernel_signatures.rs");
     std::fs::write(&target, out)
         .unwrap_or_else(|e| panic!("r3-cuda-emu: cannot write {}: {e}", target.display()));
+}
+
+/// The head of r3-model's `kernel_params/table.rs`, which this build writes afresh (the
+/// checked-in copy must equal it: r3-cuda-emu's test `the_checked_in_kernel_params_are_current`).
+const TABLE_HEAD: &str =
+    "//! Every kernel of `cuda/kernels.cu` with its parameters' kinds, in order: written by
+//! r3-cuda-emu's build.rs from the preprocessed source (its `kernel_params_table.rs`), checked
+//! against it by r3-cuda-emu's test `the_checked_in_kernel_params_are_current`. Not edited by
+//! hand: a kernel changed in `kernels.cu` fails that test until this file is copied anew.
+
+use super::ParamKind::{self, *};
+
+/// Every kernel by name, with its parameters' kinds in order.
+#[rustfmt::skip]
+pub(super) const KERNEL_PARAMS: &[(&str, &[ParamKind])] = &[
+";
+
+/// The `ParamKind` of a Rust parameter (`x: *const f32`) of a kernel's signature.
+fn param_kind(param: &str) -> &'static str {
+    let ty = param.rsplit(": ").next().unwrap_or(param);
+    if ty.starts_with('*') {
+        return "Pointer";
+    }
+    match ty {
+        "f32" => "F32",
+        "f64" => "F64",
+        "u32" | "i32" => "Int32",
+        "u64" | "usize" => "Int64",
+        other => panic!("r3-cuda-emu: no parameter kind for the type {other}"),
+    }
 }
 
 /// One C parameter (`const float *x`) as a Rust one (`x: *const f32`).

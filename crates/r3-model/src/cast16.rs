@@ -194,8 +194,6 @@ impl candle_core::InplaceOp2 for CastInto {
     ) -> candle_core::Result<()> {
         use crate::cuda;
         use candle_core::backend::BackendStorage;
-        use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
-        use candle_core::cuda_backend::WrapErr;
         use half::{bf16, f16};
 
         let (Some((start, end)), Some((s0, _))) =
@@ -221,13 +219,13 @@ impl candle_core::InplaceOp2 for CastInto {
                 let mut out = dst.as_cuda_slice_mut::<$ty>()?.slice_mut(start..end);
                 let (func, stream) = cuda::kernel(&dev, $kernel)?;
                 let count = n as u64;
-                let mut builder = stream.launch_builder(&func);
+                let mut builder = cuda::CheckedLaunch::new(&stream, &func, $kernel);
                 builder.arg(&input);
                 builder.arg(&mut out);
                 builder.arg(&count);
                 // SAFETY: `r3_narrow_*(const float *x, H *y, size_t n)`: `input` and `out`
                 // hold `n` values each (contiguous, checked above), aligned as it loads them.
-                unsafe { builder.launch(grid) }.w()?;
+                unsafe { builder.launch(grid) }?;
             }};
         }
         match dst.dtype() {

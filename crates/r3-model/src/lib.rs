@@ -11,6 +11,7 @@ pub mod error;
 pub mod greedy_rows;
 mod host;
 pub mod host_staging;
+pub mod kernel_params;
 pub mod launch_shape;
 pub mod layers;
 pub mod math;

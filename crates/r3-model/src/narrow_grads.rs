@@ -236,8 +236,6 @@ fn narrow_composed(grad: &Tensor, narrow: DType) -> Result<Option<Tensor>> {
 
 #[cfg(feature = "cuda")]
 mod gpu {
-    use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
-    use candle_core::cuda_backend::WrapErr;
     use candle_core::op::BackpropOp;
     use candle_core::{CudaStorage, DType, Storage, Tensor};
 
@@ -262,11 +260,11 @@ mod gpu {
                 // SAFETY: the kernel's grid-stride loop writes every one of the n elements.
                 let out = unsafe { dev.alloc::<$ty>(n) }?;
                 let (func, stream) = cuda::kernel(&dev, $kernel)?;
-                let mut launch = stream.launch_builder(&func);
+                let mut launch = cuda::CheckedLaunch::new(&stream, &func, $kernel);
                 launch.arg(&x).arg(&out).arg(&inexact).arg(&n64);
                 // SAFETY: the arguments are the kernel's signature; `x` and `out` hold n
                 // elements, `inexact` one.
-                unsafe { launch.launch(cuda::elementwise(n)) }.w()?;
+                unsafe { launch.launch(cuda::elementwise(n)) }?;
                 CudaStorage::wrap_cuda_slice(out, dev.clone())
             }};
         }

@@ -153,7 +153,7 @@ mod gpu {
     use std::sync::Mutex;
 
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtrMut, PushKernelArg};
+    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtrMut};
     use candle_core::cuda_backend::WrapErr;
     use candle_core::op::BackpropOp;
     use candle_core::{CudaStorage, DType, InplaceOp1, Layout, Storage, Tensor};
@@ -239,8 +239,9 @@ mod gpu {
                     )
                 };
                 let vg = $grad;
-                let (func, stream) = cuda::kernel(&dev, $name)?;
-                let mut launch = stream.launch_builder(&func);
+                let name: &str = $name;
+                let (func, stream) = cuda::kernel(&dev, name)?;
+                let mut launch = cuda::CheckedLaunch::new(&stream, &func, name);
                 launch
                     .arg(&vt)
                     .arg(&vg)
@@ -271,7 +272,7 @@ mod gpu {
                 // SAFETY: the arguments are the AdamW kernels' signature (`ADAMW_KERNEL` in
                 // kernels.cu, θ's, the gradient's and the moments' types by the name), the
                 // views hold n elements.
-                unsafe { launch.launch(cuda::elementwise(n)) }.w()?;
+                unsafe { launch.launch(cuda::elementwise(n)) }?;
                 (
                     CudaStorage::wrap_cuda_slice(theta_out, dev.clone()),
                     CudaStorage::wrap_cuda_slice(m_out, dev.clone()),
@@ -384,19 +385,20 @@ mod gpu {
                 block_dim: (crate::launch_shape::SUM_SQUARES_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let (func, stream) = match cs.dtype() {
-                DType::BF16 => cuda::kernel(&dev, "r3_sum_squares_bf16")?,
-                DType::F16 => cuda::kernel(&dev, "r3_sum_squares_f16")?,
-                _ => cuda::kernel(&dev, "r3_sum_squares_f32")?,
+            let name = match cs.dtype() {
+                DType::BF16 => "r3_sum_squares_bf16",
+                DType::F16 => "r3_sum_squares_f16",
+                _ => "r3_sum_squares_f32",
             };
-            let mut launch = stream.launch_builder(&func);
+            let (func, stream) = cuda::kernel(&dev, name)?;
+            let mut launch = cuda::CheckedLaunch::new(&stream, &func, name);
             macro_rules! launch_squares {
                 ($ty:ty) => {{
                     let view = cuda::view::<$ty>(cs, layout, "gradient")?;
                     launch.arg(&view).arg(&n).arg(&*partials).arg(&first);
                     // SAFETY: the arguments are `r3_sum_squares_*`'s signature; the view holds
                     // n values and the partials buffer `first + count` at least (`offsets`).
-                    unsafe { launch.launch(cfg) }.w()?;
+                    unsafe { launch.launch(cfg) }?;
                 }};
             }
             match cs.dtype() {

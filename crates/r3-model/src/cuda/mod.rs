@@ -8,8 +8,12 @@ use std::sync::Arc;
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaStream, CudaView, DevicePtr, DeviceRepr, LaunchConfig, SyncOnDrop,
+    CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DeviceRepr, LaunchArgs,
+    LaunchConfig, PushKernelArg, SyncOnDrop,
 };
+use candle_core::cuda_backend::WrapErr;
+
+use crate::kernel_params::ParamKind;
 use candle_core::cuda_backend::CudaDType;
 use candle_core::{CudaDevice, CudaStorage, Layout, Result};
 
@@ -35,6 +39,87 @@ pub(crate) fn round_code(round: Option<candle_core::DType>) -> Result<u32> {
 pub(crate) fn kernel(dev: &CudaDevice, name: &str) -> Result<(CudaFunction, Arc<CudaStream>)> {
     let func = dev.get_or_load_custom_func(name, MODULE, PTX)?;
     Ok((func.into_cuda_function(), dev.cuda_stream()))
+}
+
+/// A launch of one of r3's kernels whose arguments are checked against the kernel's
+/// parameters in `kernels.cu` (`kernel_params`) before it is queued: an argument missing,
+/// one too many or of another kind is an error naming the kernel and the argument, where a
+/// GPU would read the arguments at the wrong offsets and compute garbage without a word.
+pub(crate) struct CheckedLaunch<'a> {
+    name: &'a str,
+    args: LaunchArgs<'a>,
+    kinds: Vec<ParamKind>,
+}
+
+impl<'a> CheckedLaunch<'a> {
+    /// A launch of `func` (r3's kernel `name`) on `stream`, no arguments yet.
+    pub(crate) fn new(stream: &'a CudaStream, func: &'a CudaFunction, name: &'a str) -> Self {
+        Self {
+            name,
+            args: stream.launch_builder(func),
+            kinds: Vec::new(),
+        }
+    }
+
+    /// Adds the next argument (held by reference until the launch).
+    pub(crate) fn arg<A: KernelArg>(&mut self, arg: A) -> &mut Self
+    where
+        LaunchArgs<'a>: PushKernelArg<A>,
+    {
+        self.kinds.push(A::KIND);
+        self.args.arg(arg);
+        self
+    }
+
+    /// Checks the arguments against the kernel's parameters, then queues the launch.
+    ///
+    /// # Safety
+    /// The buffers must hold what the kernel reads and writes under `cfg` (the check covers
+    /// the arguments' number and kinds, not their lengths).
+    pub(crate) unsafe fn launch(mut self, cfg: LaunchConfig) -> Result<()> {
+        crate::kernel_params::check_launch_args(self.name, &self.kinds)
+            .map_err(candle_core::Error::Msg)?;
+        // SAFETY: the caller's contract; the arguments are the kernel's kinds (checked).
+        unsafe { self.args.launch(cfg) }.w()?;
+        Ok(())
+    }
+}
+
+/// What kind of kernel parameter an argument passed to [`CheckedLaunch::arg`] is.
+pub(crate) trait KernelArg {
+    /// The parameter kind the argument fills.
+    const KIND: ParamKind;
+}
+
+impl<T> KernelArg for &CudaSlice<T> {
+    const KIND: ParamKind = ParamKind::Pointer;
+}
+impl<T> KernelArg for &mut CudaSlice<T> {
+    const KIND: ParamKind = ParamKind::Pointer;
+}
+impl<T> KernelArg for &CudaView<'_, T> {
+    const KIND: ParamKind = ParamKind::Pointer;
+}
+impl<T> KernelArg for &mut CudaViewMut<'_, T> {
+    const KIND: ParamKind = ParamKind::Pointer;
+}
+impl KernelArg for &f32 {
+    const KIND: ParamKind = ParamKind::F32;
+}
+impl KernelArg for &f64 {
+    const KIND: ParamKind = ParamKind::F64;
+}
+impl KernelArg for &u32 {
+    const KIND: ParamKind = ParamKind::Int32;
+}
+impl KernelArg for &i32 {
+    const KIND: ParamKind = ParamKind::Int32;
+}
+impl KernelArg for &u64 {
+    const KIND: ParamKind = ParamKind::Int64;
+}
+impl KernelArg for &usize {
+    const KIND: ParamKind = ParamKind::Int64;
 }
 
 /// The device address of the first element under `layout` (contiguous) of an f32, bf16 or
@@ -111,13 +196,12 @@ pub(crate) fn device(storage: &CudaStorage) -> CudaDevice {
 /// element and that the arguments are the kernel's signature.
 macro_rules! launch_typed {
     ($dev:expr, $name:expr, $ty:ty, $len:expr, $cfg:expr, [$($before:expr),*], [$($after:expr),*]) => {{
-        use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
-        use candle_core::cuda_backend::WrapErr;
         let dev: candle_core::CudaDevice = $dev;
         // SAFETY: every element is written by the kernel (the macro's contract).
         let out = unsafe { dev.alloc::<$ty>($len) }?;
-        let (func, stream) = $crate::cuda::kernel(&dev, $name)?;
-        let mut launch = stream.launch_builder(&func);
+        let name: &str = $name;
+        let (func, stream) = $crate::cuda::kernel(&dev, name)?;
+        let mut launch = $crate::cuda::CheckedLaunch::new(&stream, &func, name);
         $(
             let arg = $before;
             launch.arg(&arg);
@@ -127,8 +211,9 @@ macro_rules! launch_typed {
             let arg = $after;
             launch.arg(&arg);
         )*
-        // SAFETY: the arguments are the kernel's signature (the macro's contract).
-        unsafe { launch.launch($cfg) }.w()?;
+        // SAFETY: the arguments are the kernel's signature (the macro's contract; their
+        // number and kinds checked by the launch).
+        unsafe { launch.launch($cfg) }?;
         candle_core::CudaStorage::wrap_cuda_slice(out, dev)
     }};
 }

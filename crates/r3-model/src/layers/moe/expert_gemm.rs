@@ -1112,7 +1112,6 @@ mod cuda {
         lids: &Layout,
         [slots, stack, n, k, share]: [usize; 5],
     ) -> candle_core::Result<CudaStorage> {
-        use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
         let dev = sx.device().clone();
         let stream = dev.cuda_stream();
         if sx.dtype() != sw.dtype() {
@@ -1150,7 +1149,11 @@ mod cuda {
                         crate::cuda::kernel(&dev, "r3_expert_slot_pointers")?;
                     let (a_step, b_step, c_step) =
                         ((n * k) as u64 * size, k as u64 * size, n as u64 * size);
-                    let mut launch = kernel_stream.launch_builder(&func);
+                    let mut launch = crate::cuda::CheckedLaunch::new(
+                        &kernel_stream,
+                        &func,
+                        "r3_expert_slot_pointers",
+                    );
                     launch
                         .arg(&ids)
                         .arg(&mut table)
@@ -1165,7 +1168,7 @@ mod cuda {
                         .arg(&c_step);
                     // SAFETY: the arguments are the kernel's signature; the ids view holds
                     // `slots` ids and the table 3 · slots pointers.
-                    unsafe { launch.launch(crate::cuda::elementwise(slots)) }.w()?;
+                    unsafe { launch.launch(crate::cuda::elementwise(slots)) }?;
                     let (table_ptr, _sync) = table.device_ptr(&stream);
                     let at = |which: usize| table_ptr + (which * slots * 8) as u64;
                     let (alpha, beta) = (1f32, 0f32);
