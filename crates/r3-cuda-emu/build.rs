@@ -136,7 +136,8 @@ fn write_signatures(emu: &Path, out_dir: &Path) {
         .unwrap_or_else(|e| panic!("r3-cuda-emu: cannot preprocess {}: {e}", file.display()));
     let text = String::from_utf8_lossy(&expanded);
     let mut out = String::from("kernels! {\n");
-    let mut table = String::from(TABLE_HEAD);
+    // The table's rows, sorted by name (r3-model looks a kernel up by binary search).
+    let mut rows: Vec<String> = Vec::new();
     let mut count = 0;
     const PREFIX: &str = "emu_plain_r3_";
     let mut rest = text.as_ref();
@@ -164,7 +165,7 @@ fn write_signatures(emu: &Path, out_dir: &Path) {
             .collect();
         out.push_str(&format!("    fn r3_{name}({});\n", rust.join(", ")));
         let kinds: Vec<&str> = rust.iter().map(|param| param_kind(param)).collect();
-        table.push_str(&format!("    (\"r3_{name}\", &[{}]),\n", kinds.join(", ")));
+        rows.push(format!("    (\"r3_{name}\", &[{}]),\n", kinds.join(", ")));
         count += 1;
     }
     out.push_str("}\n");
@@ -173,6 +174,9 @@ fn write_signatures(emu: &Path, out_dir: &Path) {
         "r3-cuda-emu: no kernel found in {}",
         file.display()
     );
+    rows.sort();
+    let mut table = String::from(TABLE_HEAD);
+    table.extend(rows);
     table.push_str("];\n");
     let table_file = out_dir.join("kernel_params_table.rs");
     std::fs::write(&table_file, table)
@@ -192,7 +196,7 @@ const TABLE_HEAD: &str =
 
 use super::ParamKind::{self, *};
 
-/// Every kernel by name, with its parameters' kinds in order.
+/// Every kernel by name (sorted), with its parameters' kinds in order.
 #[rustfmt::skip]
 pub(super) const KERNEL_PARAMS: &[(&str, &[ParamKind])] = &[
 ";

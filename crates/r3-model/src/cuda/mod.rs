@@ -48,8 +48,14 @@ pub(crate) fn kernel(dev: &CudaDevice, name: &str) -> Result<(CudaFunction, Arc<
 pub(crate) struct CheckedLaunch<'a> {
     name: &'a str,
     args: LaunchArgs<'a>,
-    kinds: Vec<ParamKind>,
+    // The kinds pushed so far, without a heap allocation per launch (the most any kernel
+    // takes is 26; a launch pushing more is refused).
+    kinds: [ParamKind; MAX_KERNEL_ARGS],
+    count: usize,
 }
+
+/// The most arguments a [`CheckedLaunch`] records.
+const MAX_KERNEL_ARGS: usize = 32;
 
 impl<'a> CheckedLaunch<'a> {
     /// A launch of `func` (r3's kernel `name`) on `stream`, no arguments yet.
@@ -57,7 +63,8 @@ impl<'a> CheckedLaunch<'a> {
         Self {
             name,
             args: stream.launch_builder(func),
-            kinds: Vec::new(),
+            kinds: [ParamKind::Pointer; MAX_KERNEL_ARGS],
+            count: 0,
         }
     }
 
@@ -66,7 +73,10 @@ impl<'a> CheckedLaunch<'a> {
     where
         LaunchArgs<'a>: PushKernelArg<A>,
     {
-        self.kinds.push(A::KIND);
+        if let Some(slot) = self.kinds.get_mut(self.count) {
+            *slot = A::KIND;
+        }
+        self.count += 1;
         self.args.arg(arg);
         self
     }
@@ -77,7 +87,10 @@ impl<'a> CheckedLaunch<'a> {
     /// The buffers must hold what the kernel reads and writes under `cfg` (the check covers
     /// the arguments' number and kinds, not their lengths).
     pub(crate) unsafe fn launch(mut self, cfg: LaunchConfig) -> Result<()> {
-        crate::kernel_params::check_launch_args(self.name, &self.kinds)
+        if self.count > MAX_KERNEL_ARGS {
+            candle_core::bail!("{} launched with {} arguments", self.name, self.count);
+        }
+        crate::kernel_params::check_launch_args(self.name, &self.kinds[..self.count])
             .map_err(candle_core::Error::Msg)?;
         // SAFETY: the caller's contract; the arguments are the kernel's kinds (checked).
         unsafe { self.args.launch(cfg) }.w()?;
