@@ -69,13 +69,6 @@ template <typename T> static inline T __shfl_xor_sync(unsigned, T v, int lane_ma
     return out;
 }
 
-// `reinterpret_cast` of a pointer (build.rs rewrites the kernels' casts to this): a vector
-// type read or written off its alignment faults on a GPU, so it is a fault here too.
-template <typename P, typename S> static inline P r3emu_cast(S *p) {
-    using Target = typename std::remove_cv<typename std::remove_pointer<P>::type>::type;
-    if (reinterpret_cast<uintptr_t>(p) % alignof(Target) != 0) r3emu_fault(R3EMU_FAULT_MISALIGNED);
-    return reinterpret_cast<P>(p);
-}
 
 // One OS thread runs every fiber, so the atomics are plain read-modify-writes.
 static inline unsigned atomicOr(unsigned *p, unsigned v) {
@@ -102,13 +95,17 @@ static inline unsigned atomicAdd(unsigned *p, unsigned v) {
 template <typename T> static inline T max(T a, T b) { return a > b ? a : b; }
 template <typename T> static inline T min(T a, T b) { return a < b ? a : b; }
 
-struct alignas(8) float2 {
+// The vector types carry no alignment the host compiler could rely on (it would then use
+// aligned instructions, and a misaligned access would crash the test instead of being
+// reported); the alignment a GPU demands of each is `r3emu_alignment` below, which
+// `r3emu_cast` checks.
+struct float2 {
     float x, y;
 };
-struct alignas(16) float4 {
+struct float4 {
     float x, y, z, w;
 };
-struct alignas(16) uint4 {
+struct uint4 {
     unsigned x, y, z, w;
 };
 static inline float2 make_float2(float x, float y) { return {x, y}; }
@@ -167,6 +164,30 @@ struct __half {
 struct alignas(4) __half2 {
     __half x, y;
 };
+
+// The alignment a GPU demands of a type read or written through a pointer: its size for
+// the vector types (CUDA declares them so), its own alignment otherwise.
+template <typename T> struct r3emu_alignment {
+    static constexpr size_t value = alignof(T);
+};
+template <> struct r3emu_alignment<float2> {
+    static constexpr size_t value = 8;
+};
+template <> struct r3emu_alignment<float4> {
+    static constexpr size_t value = 16;
+};
+template <> struct r3emu_alignment<uint4> {
+    static constexpr size_t value = 16;
+};
+
+// `reinterpret_cast` of a pointer (build.rs rewrites the kernels' casts to this): a vector
+// type read or written off its alignment faults on a GPU, so it is a fault here too.
+template <typename P, typename S> static inline P r3emu_cast(S *p) {
+    using Target = typename std::remove_cv<typename std::remove_pointer<P>::type>::type;
+    if (reinterpret_cast<uintptr_t>(p) % r3emu_alignment<Target>::value != 0)
+        r3emu_fault(R3EMU_FAULT_MISALIGNED);
+    return reinterpret_cast<P>(p);
+}
 
 static inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short u) { return {u}; }
 static inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.__x; }

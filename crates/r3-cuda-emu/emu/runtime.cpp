@@ -16,6 +16,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <ucontext.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <new>
@@ -35,7 +36,10 @@ namespace {
 constexpr size_t STACK_BYTES = 256 * 1024;
 // One page below each stack that faults when touched: an overflow stops there instead of
 // writing into the next fiber's stack.
-constexpr size_t GUARD_BYTES = 4096;
+size_t guard_bytes() {
+    static const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    return page;
+}
 // A block's dynamic shared memory is at most 48 KiB (a GPU's limit without the opt-in
 // attribute, which r3's launchers do not set).
 constexpr size_t MAX_DYNAMIC_SHARED = 48 * 1024;
@@ -94,7 +98,7 @@ struct Launch {
     // The stacks go on every path out of a launch, a thrown allocation failure included.
     ~Launch() {
         for (Fiber &f : fibers) {
-            if (f.mapping) munmap(f.mapping, GUARD_BYTES + STACK_BYTES);
+            if (f.mapping) munmap(f.mapping, guard_bytes() + STACK_BYTES);
         }
     }
 };
@@ -196,14 +200,14 @@ bool run_block(Launch &l, unsigned threads, bool backward) {
 int run_launch(Launch &l, const unsigned *grid, const unsigned *block, bool backward) {
     const unsigned threads = block[0];
     for (Fiber &f : l.fibers) {
-        f.mapping = mmap(nullptr, GUARD_BYTES + STACK_BYTES, PROT_READ | PROT_WRITE,
+        f.mapping = mmap(nullptr, guard_bytes() + STACK_BYTES, PROT_READ | PROT_WRITE,
                          MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
         if (f.mapping == MAP_FAILED) {
             f.mapping = nullptr;
             return MEMORY;
         }
         // Stacks grow down: the guard is the mapping's lowest page.
-        mprotect(f.mapping, GUARD_BYTES, PROT_NONE);
+        if (mprotect(f.mapping, guard_bytes(), PROT_NONE) != 0) return MEMORY;
     }
     const uint64_t blocks = (uint64_t)grid[0] * grid[1] * grid[2];
     for (uint64_t n = 0; n < blocks; n++) {
@@ -230,7 +234,7 @@ int run_launch(Launch &l, const unsigned *grid, const unsigned *block, bool back
                                    {block[0], block[1], block[2]},
                                    {grid[0], grid[1], grid[2]}};
             getcontext(&f.context);
-            f.context.uc_stack.ss_sp = static_cast<char *>(f.mapping) + GUARD_BYTES;
+            f.context.uc_stack.ss_sp = static_cast<char *>(f.mapping) + guard_bytes();
             f.context.uc_stack.ss_size = STACK_BYTES;
             f.context.uc_link = &l.scheduler;
             makecontext(&f.context, fiber_main, 0);
@@ -313,6 +317,9 @@ extern "C" int r3emu_launch(const unsigned *grid, const unsigned *block, size_t 
     R3EmuThread *outer_thread = r3emu_current;
     int status = OK;
     try {
+        // Room for every static shared variable's entry before any fiber runs (a fiber's
+        // allocation failure could not be caught).
+        filled_shared.reserve(filled_shared.size() + 256);
         Launch l;
         l.body = body;
         l.data = data;

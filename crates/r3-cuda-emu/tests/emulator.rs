@@ -190,6 +190,30 @@ fn a_vector_read_off_its_alignment_is_an_error() {
     }
 }
 
+/// The widening cast writes f32 values four at a time as a `float4`: an output off a
+/// 16-byte boundary is an error (not a crash of the test), on the boundary none.
+#[test]
+fn a_vector_write_off_its_alignment_is_an_error() {
+    let x = [half::bf16::ONE; 16];
+    let mut words = [0u128; 8];
+    let y = words.as_mut_ptr().cast::<f32>();
+    for (name, k) in variants() {
+        let run = |offset: usize| {
+            // SAFETY: 16 + 1 floats lie inside the 32 the words hold.
+            let dst = unsafe { y.add(offset) };
+            launch(LaunchShape::blocks(1, 32), ORDERS[0], &|| unsafe {
+                (k.r3_widen_bf16)(x.as_ptr(), dst, 16)
+            })
+        };
+        run(0).expect("aligned");
+        let err = run(1).expect_err("misaligned");
+        assert!(
+            matches!(err, r3_cuda_emu::EmuError::Misaligned),
+            "{name}: {err}"
+        );
+    }
+}
+
 /// Each variant computes a product and a sum as it is named: the plain one rounds the
 /// product, the contracted one fuses it (where this CPU has fused multiply-adds, so that
 /// the contracted variant's tests are not a second run of the plain one).
