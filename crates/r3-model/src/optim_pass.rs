@@ -213,13 +213,13 @@ mod gpu {
         let (copy_ptr, copy_guard, copy_code) = match &mut copy_out {
             Some(StagedCopy::Bf16(c)) => {
                 let (ptr, guard) = c.device_ptr_mut(&stream);
-                (ptr, Some(guard), 1u32)
+                (cuda::DeviceAddr(ptr), Some(guard), 1u32)
             }
             Some(StagedCopy::F16(c)) => {
                 let (ptr, guard) = c.device_ptr_mut(&stream);
-                (ptr, Some(guard), 2u32)
+                (cuda::DeviceAddr(ptr), Some(guard), 2u32)
             }
-            None => (0u64, None, 0u32),
+            None => (cuda::DeviceAddr(0), None, 0u32),
         };
         // The kernel for θ's, the gradient's and the moments' dtypes (their pointers' types
         // are all that differs); θ', m' and v' come out in their inputs' dtypes.

@@ -134,6 +134,18 @@ impl KernelArg for &u64 {
 impl KernelArg for &usize {
     const KIND: ParamKind = ParamKind::Int64;
 }
+impl KernelArg for &DeviceAddr {
+    const KIND: ParamKind = ParamKind::Pointer;
+}
+
+/// A device address passed where a kernel declares a pointer (a buffer held elsewhere, or
+/// null for none): a pointer to the launch check, 8 bytes to the kernel.
+#[derive(Clone, Copy, Debug)]
+#[repr(transparent)]
+pub(crate) struct DeviceAddr(pub(crate) u64);
+
+// SAFETY: a plain 8-byte value, passed as the kernel's pointer parameter.
+unsafe impl DeviceRepr for DeviceAddr {}
 
 /// The device address of the first element under `layout` (contiguous) of an f32, bf16 or
 /// f16 storage, and the guard that records the read on `stream` when dropped: held until

@@ -27,10 +27,10 @@ pub enum ParamKind {
 
 impl ParamKind {
     /// Whether an argument of kind `arg` is what a parameter of this kind reads: the same
-    /// kind, or a device address passed as a 64-bit integer (AdamW's optional copy, a null
-    /// address where there is none, goes so).
+    /// kind (a device address held as a number passes as a pointer only when the launch says
+    /// so, `cuda::DeviceAddr`).
     pub fn accepts(self, arg: ParamKind) -> bool {
-        self == arg || (self == ParamKind::Pointer && arg == ParamKind::Int64)
+        self == arg
     }
 }
 
@@ -124,10 +124,10 @@ mod tests {
         assert!(err.contains("r3_no_such_kernel"), "{err}");
     }
 
-    /// A device address may come as a 64-bit integer; nothing else stands in for another kind.
+    /// No kind stands in for another: a 64-bit number is not a pointer, nor the reverse.
     #[test]
-    fn only_an_address_stands_in_for_a_pointer() {
-        assert!(Pointer.accepts(Int64));
+    fn no_kind_stands_in_for_another() {
+        assert!(!Pointer.accepts(Int64));
         assert!(!Int64.accepts(Pointer));
         assert!(!Pointer.accepts(Int32));
         assert!(!F32.accepts(Int32) && !Int32.accepts(F32) && !F64.accepts(Int64));
