@@ -26,6 +26,7 @@ use r3_model::Precision;
 mod common;
 
 use common::Lcg;
+use r3_test_support::bits;
 
 // The aligned buffers below pack values into 16-byte words by shifts: little-endian only.
 const _: () = assert!(cfg!(target_endian = "little"));
@@ -512,15 +513,6 @@ fn rounded_by_kernel(
     })
 }
 
-/// The bits of an f32 CPU tensor's values.
-fn tensor_bits(t: &Tensor) -> Vec<u32> {
-    t.to_vec1::<f32>()
-        .expect("f32 values")
-        .iter()
-        .map(|v| v.to_bits())
-        .collect()
-}
-
 /// `r3_round_bf16_f32` / `r3_round_f16_f32` equal the CPU's rounding point
 /// (`Precision::round`, r3-model's `RoundTo`) and `half`'s conversion there and back, bit for
 /// bit, NaN apart: a NaN comes out a NaN on both sides, its bits not checked (the CPU writes
@@ -536,7 +528,7 @@ fn rounding_in_f32_equals_the_cpus_rounding_point() {
         (DType::BF16, Precision::Bf16 { router_f32: false }),
         (DType::F16, Precision::F16 { router_f32: false }),
     ] {
-        let cpu = tensor_bits(&precision.round(&host).expect("the CPU's rounding"));
+        let cpu = bits(&precision.round(&host).expect("the CPU's rounding"));
         for (variant, k) in variants() {
             let kernel = match narrow {
                 DType::BF16 => k.r3_round_bf16_f32,
@@ -606,7 +598,7 @@ fn the_rounded_sum_equals_the_cpus_add_rounded_for_every_round_code() {
         (1, Precision::Bf16 { router_f32: false }),
         (2, Precision::F16 { router_f32: false }),
     ] {
-        let cpu = tensor_bits(&precision.add_rounded(&ta, &tb).expect("the CPU's sum"));
+        let cpu = bits(&precision.add_rounded(&ta, &tb).expect("the CPU's sum"));
         for (variant, k) in variants() {
             for (shape_name, shape) in shapes(LaunchShape::elementwise(n)) {
                 let what = format!("{variant} round {round} {shape_name}");

@@ -164,53 +164,47 @@ fn a_write_past_the_dynamic_shared_memory_is_an_error() {
     assert!(err.to_string().contains("blocks"), "{err}");
 }
 
-/// r3's cast kernel reads f32 values four at a time as a `float4`: a source off a 16-byte
-/// boundary is an error (a GPU faults), on the boundary none.
-#[test]
-fn a_vector_read_off_its_alignment_is_an_error() {
-    // 16-byte aligned storage (u128), viewed as f32.
-    let words = [0u128; 8];
-    let x = words.as_ptr().cast::<f32>();
-    let mut y = vec![half::bf16::ZERO; 16];
-    let yp = y.as_mut_ptr();
-    for (name, k) in variants() {
-        let run = |offset: usize| {
-            // SAFETY: 16 + 1 floats lie inside the 32 the words hold.
-            let src = unsafe { x.add(offset) };
-            launch(LaunchShape::blocks(1, 32), ORDERS[0], &|| unsafe {
-                (k.r3_narrow_bf16)(src, yp, 16)
-            })
-        };
-        run(0).expect("aligned");
-        let err = run(1).expect_err("misaligned");
-        assert!(
-            matches!(err, r3_cuda_emu::EmuError::Misaligned),
-            "{name}: {err}"
-        );
-    }
+/// Runs `launch_at(offset)` (a launch whose 16-byte vector access starts `offset` floats
+/// into a 16-byte aligned buffer) at offset 0, which must pass, and at 1, which must be the
+/// misaligned-access error; `what` names the case.
+fn misaligned_is_an_error(
+    what: &str,
+    launch_at: impl Fn(usize) -> Result<(), r3_cuda_emu::EmuError>,
+) {
+    launch_at(0).expect("aligned");
+    let err = launch_at(1).expect_err("misaligned");
+    assert!(
+        matches!(err, r3_cuda_emu::EmuError::Misaligned),
+        "{what}: {err}"
+    );
 }
 
-/// The widening cast writes f32 values four at a time as a `float4`: an output off a
-/// 16-byte boundary is an error (not a crash of the test), on the boundary none.
+/// r3's cast kernels move f32 values four at a time as a `float4`: a narrowing's source and
+/// a widening's output off a 16-byte boundary are errors (a GPU faults; not a crash of the
+/// test), on the boundary none.
 #[test]
-fn a_vector_write_off_its_alignment_is_an_error() {
-    let x = [half::bf16::ONE; 16];
+fn a_vector_access_off_its_alignment_is_an_error() {
+    // 16-byte aligned storage (u128), viewed as f32; 16 + 1 floats lie inside its 32.
     let mut words = [0u128; 8];
-    let y = words.as_mut_ptr().cast::<f32>();
+    let floats = words.as_mut_ptr().cast::<f32>();
+    let mut narrow = [half::bf16::ZERO; 16];
+    let narrow_out = narrow.as_mut_ptr();
+    let wide_in = [half::bf16::ONE; 16];
     for (name, k) in variants() {
-        let run = |offset: usize| {
-            // SAFETY: 16 + 1 floats lie inside the 32 the words hold.
-            let dst = unsafe { y.add(offset) };
+        misaligned_is_an_error(&format!("{name}: a float4 read"), |offset| {
+            // SAFETY: within the words (above).
+            let src = unsafe { floats.add(offset) };
             launch(LaunchShape::blocks(1, 32), ORDERS[0], &|| unsafe {
-                (k.r3_widen_bf16)(x.as_ptr(), dst, 16)
+                (k.r3_narrow_bf16)(src, narrow_out, 16)
             })
-        };
-        run(0).expect("aligned");
-        let err = run(1).expect_err("misaligned");
-        assert!(
-            matches!(err, r3_cuda_emu::EmuError::Misaligned),
-            "{name}: {err}"
-        );
+        });
+        misaligned_is_an_error(&format!("{name}: a float4 write"), |offset| {
+            // SAFETY: within the words (above).
+            let dst = unsafe { floats.add(offset) };
+            launch(LaunchShape::blocks(1, 32), ORDERS[0], &|| unsafe {
+                (k.r3_widen_bf16)(wide_in.as_ptr(), dst, 16)
+            })
+        });
     }
 }
 

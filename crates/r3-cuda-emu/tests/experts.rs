@@ -779,46 +779,35 @@ fn combine_slots_dy_is_the_gated_gradient_and_zero_on_padding() {
                     )
                 });
                 assert_same_values(&what, &got, &want);
-                let got = run(
-                    &what,
-                    shape,
-                    (places * h, false),
-                    bf16::from_bits(0xffff),
-                    |out| unsafe {
-                        (kern.r3_combine_slots_dy_bf16)(
-                            dout.as_ptr(),
-                            g.as_ptr(),
-                            slots.as_ptr(),
-                            out,
-                            k as u32,
-                            h as u32,
-                            NONE,
-                        )
-                    },
-                );
-                let cast: Vec<f32> = want.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
-                let got: Vec<f32> = got.iter().map(|v| v.to_f32()).collect();
-                assert_same_values(&format!("{what} bf16"), &got, &cast);
-                let got = run(
-                    &what,
-                    shape,
-                    (places * h, false),
-                    f16::from_bits(0xffff),
-                    |out| unsafe {
-                        (kern.r3_combine_slots_dy_f16)(
-                            dout.as_ptr(),
-                            g.as_ptr(),
-                            slots.as_ptr(),
-                            out,
-                            k as u32,
-                            h as u32,
-                            NONE,
-                        )
-                    },
-                );
-                let cast: Vec<f32> = want.iter().map(|&v| f16::from_f32(v).to_f32()).collect();
-                let got: Vec<f32> = got.iter().map(|v| v.to_f32()).collect();
-                assert_same_values(&format!("{what} f16"), &got, &cast);
+                // The 16-bit kernels: the f32 value cast (nearest, ties to even).
+                macro_rules! sixteen_bit {
+                    ($t:ty, $kernel:ident, $label:literal) => {{
+                        let got = run(
+                            &what,
+                            shape,
+                            (places * h, false),
+                            <$t>::from_bits(0xffff),
+                            |out| unsafe {
+                                (kern.$kernel)(
+                                    dout.as_ptr(),
+                                    g.as_ptr(),
+                                    slots.as_ptr(),
+                                    out,
+                                    k as u32,
+                                    h as u32,
+                                    NONE,
+                                )
+                            },
+                        );
+                        let cast: Vec<f32> =
+                            want.iter().map(|&v| <$t>::from_f32(v).to_f32()).collect();
+                        let got: Vec<f32> = got.iter().map(|v| v.to_f32()).collect();
+                        assert_same_values(&format!("{what} {}", $label), &got, &cast);
+                        cast
+                    }};
+                }
+                sixteen_bit!(bf16, r3_combine_slots_dy_bf16, "bf16");
+                let cast = sixteen_bit!(f16, r3_combine_slots_dy_f16, "f16");
                 if k > 1 {
                     assert!(
                         cast.iter().any(|v| v.is_infinite()),

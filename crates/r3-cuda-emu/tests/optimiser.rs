@@ -23,15 +23,14 @@ use candle_core::{DType, Device, Tensor, Var};
 use half::{bf16, f16};
 use r3_cuda_emu::{in_both_orders, launch, variants, Kernels, LaunchShape};
 use r3_model::optim_pass::AdamWPassConstants;
-use r3_model::stochastic_round::{
-    moment_rounding_keys, rounding_key, sum_round_bf16_stochastic, sum_rounding_key,
-};
-use r3_train::{AdamW, AdamWParams, AdamWStep};
+use r3_model::stochastic_round::{sum_round_bf16_stochastic, sum_rounding_key};
+use r3_train::{adamw_constants, AdamW, AdamWParams, AdamWStep, UpdateAt};
 
 mod common;
 
 use common::Lcg;
 use r3_model::launch_shape::{sum_squares_blocks, SUM_SQUARES_THREADS, SUM_SQUARES_TOTAL_THREADS};
+use r3_test_support::bits;
 
 /// The shapes an elementwise kernel runs under: the launcher's, one block of one warp (a
 /// grid-stride loop of many turns), and a few blocks of a width that is a multiple of 32 but
@@ -114,17 +113,6 @@ impl Floats {
         }
         .expect("a CPU tensor")
     }
-}
-
-/// The bits of a CPU tensor's values, widened to f32 (exact from bf16 and f16).
-fn tensor_bits(t: &Tensor) -> Vec<u32> {
-    t.to_dtype(DType::F32)
-        .and_then(|t| t.flatten_all())
-        .and_then(|t| t.to_vec1::<f32>())
-        .expect("values")
-        .iter()
-        .map(|v| v.to_bits())
-        .collect()
 }
 
 /// One AdamW kernel's dtypes: (kernel, θ, gradient, moments), every kernel the optimiser
@@ -286,34 +274,25 @@ fn cpu_update(vars: &[VarInputs], moments: DType, s: Setting) -> (AdamWStep, Vec
         .iter()
         .enumerate()
         .map(|(i, (name, var))| Updated {
-            theta: tensor_bits(var.as_tensor()),
-            m: tensor_bits(&state[&format!("adamw.m.{name}")]),
-            v: tensor_bits(&state[&format!("adamw.v.{name}")]),
-            copy: copies.get(i).map(|(_, c)| tensor_bits(c.as_tensor())),
+            theta: bits(var.as_tensor()),
+            m: bits(&state[&format!("adamw.m.{name}")]),
+            v: bits(&state[&format!("adamw.v.{name}")]),
+            copy: copies.get(i).map(|(_, c)| bits(c.as_tensor())),
         })
         .collect();
     (outcome, updated)
 }
 
-/// The constants of slot `slot`'s pass at `s` (r3-train's `adamw_constants`, which the GPU
-/// launcher receives): each rounded to f32 where candle's `affine` rounds it.
+/// The constants of slot `slot`'s pass at `s`: r3-train's `adamw_constants`, which the CPU
+/// pass and the GPU launcher receive.
 fn constants(s: Setting, slot: usize, decay: bool) -> AdamWPassConstants {
-    let (bc1, bc2) = PARAMS.bias_corrections(s.t);
-    AdamWPassConstants {
-        beta1: PARAMS.beta1 as f32,
-        one_minus_beta1: (1.0 - PARAMS.beta1) as f32,
-        beta2: PARAMS.beta2 as f32,
-        one_minus_beta2: (1.0 - PARAMS.beta2) as f32,
-        inv_bc1: (1.0 / bc1) as f32,
-        inv_bc2: (1.0 / bc2) as f32,
-        eps: PARAMS.eps as f32,
-        lr: s.lr as f32,
-        decay: (decay && PARAMS.weight_decay != 0.0)
-            .then_some((1.0 - s.lr * PARAMS.weight_decay) as f32),
+    let at = UpdateAt {
+        t: s.t,
+        lr: s.lr,
         grad_scale: s.scale,
-        rounding_key: rounding_key(SEED, s.t, slot as u64),
-        moment_keys: moment_rounding_keys(SEED, s.t, slot as u64),
-    }
+        rounding_seed: SEED,
+    };
+    adamw_constants(&PARAMS, at, slot, decay)
 }
 
 /// What one AdamW launch wrote: the update and the three maxima (bit patterns).

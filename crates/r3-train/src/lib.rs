@@ -34,7 +34,8 @@ pub use algo::loss::{
     PolicyLossMetrics,
 };
 pub use algo::optim::{
-    decay_matrices_only, AdamW, AdamWKernel, AdamWParams, AdamWStep, UpdateStaging,
+    adamw_constants, decay_matrices_only, AdamW, AdamWKernel, AdamWParams, AdamWStep, UpdateAt,
+    UpdateStaging,
 };
 pub use algo::rollout_is::{rollout_is_weights, IsConfig, IsLevel, IsMetrics, IsMode, IsWeights};
 pub use algo::schedule::{LrDecay, LrSchedule};

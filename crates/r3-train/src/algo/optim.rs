@@ -102,12 +102,15 @@ pub enum UpdateStaging {
 /// What one step's every tensor pass shares: the step `t` (1-based), the learning rate and
 /// the gradient-clip factor (`None` when not clipped).
 #[derive(Debug, Clone, Copy)]
-struct UpdateAt {
-    t: u64,
-    lr: f64,
-    grad_scale: Option<f32>,
+pub struct UpdateAt {
+    /// The step, 1-based.
+    pub t: u64,
+    /// The learning rate.
+    pub lr: f64,
+    /// The gradient-clip factor, `None` when not clipped.
+    pub grad_scale: Option<f32>,
     /// The run's seed of the stochastic rounding of bf16 variables.
-    rounding_seed: u64,
+    pub rounding_seed: u64,
 }
 
 /// One slot's update, computed but not committed.
@@ -821,10 +824,16 @@ fn read_maxima(maxima: &[Tensor]) -> Result<Vec<StagedChecks>> {
     Ok(checks)
 }
 
-/// The fused passes' constants of step `at.t` (1-based) of `params` at learning rate `at.lr`;
-/// `decay` says whether this tensor is decayed. Made here, beside the parameters they come
-/// from, so the passes do not depend back on this file.
-fn adamw_constants(params: &AdamWParams, at: UpdateAt, slot: usize, decay: bool) -> AdamWConstants {
+/// The fused passes' constants of step `at.t` (1-based) of `params` at learning rate `at.lr`
+/// for the variable in slot `slot` (its rounding keys); `decay` says whether this tensor is
+/// decayed. What the CPU pass and the GPU kernels (`r3_adamw_*`) both receive. Made here,
+/// beside the parameters they come from, so the passes do not depend back on this file.
+pub fn adamw_constants(
+    params: &AdamWParams,
+    at: UpdateAt,
+    slot: usize,
+    decay: bool,
+) -> AdamWConstants {
     let UpdateAt {
         t,
         lr,
