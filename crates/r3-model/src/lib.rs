@@ -8,6 +8,7 @@ pub mod config;
 mod cuda;
 pub mod device;
 pub mod error;
+mod gemm_call;
 pub mod greedy_rows;
 mod host;
 pub mod host_staging;

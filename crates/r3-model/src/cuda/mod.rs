@@ -14,6 +14,8 @@ use candle_core::cuda_backend::cudarc::driver::{
 use candle_core::cuda_backend::WrapErr;
 
 use crate::kernel_params::ParamKind;
+
+pub(crate) mod gemm;
 use candle_core::cuda_backend::CudaDType;
 use candle_core::{CudaDevice, CudaStorage, Layout, Result};
 
@@ -147,17 +149,18 @@ pub(crate) struct DeviceAddr(pub(crate) u64);
 // SAFETY: a plain 8-byte value, passed as the kernel's pointer parameter.
 unsafe impl DeviceRepr for DeviceAddr {}
 
-/// The device address of the first element under `layout` (contiguous) of an f32, bf16 or
-/// f16 storage, and the guard that records the read on `stream` when dropped: held until
-/// the cuBLAS calls reading it are queued, so that another stream writing the buffer later
-/// waits for them. `what` names the caller in errors.
+/// The first element under `layout` (contiguous) of an f32, bf16 or f16 storage as a GEMM
+/// operand (its address, the layout's elements from there, its dtype), and the guard that
+/// records the read on `stream` when dropped: held until the cuBLAS calls reading it are
+/// queued, so that another stream writing the buffer later waits for them. `what` names the
+/// caller in errors.
 pub(crate) fn gemm_operand<'a>(
     storage: &'a CudaStorage,
     layout: &Layout,
     stream: &'a CudaStream,
     what: &str,
-) -> Result<(u64, SyncOnDrop<'a>)> {
-    let Some((start, _)) = layout.contiguous_offsets() else {
+) -> Result<(gemm::GemmOperand, SyncOnDrop<'a>)> {
+    let Some((start, end)) = layout.contiguous_offsets() else {
         candle_core::bail!("{what}: operands must be contiguous")
     };
     let offset = (start * storage.dtype().size_in_bytes()) as u64;
@@ -167,7 +170,12 @@ pub(crate) fn gemm_operand<'a>(
         candle_core::DType::F16 => storage.as_cuda_slice::<half::f16>()?.device_ptr(stream),
         other => candle_core::bail!("{what}: {other:?} operands"),
     };
-    Ok((ptr + offset, guard))
+    let operand = gemm::GemmOperand {
+        addr: ptr + offset,
+        len: end - start,
+        dtype: storage.dtype(),
+    };
+    Ok((operand, guard))
 }
 
 /// The contiguous elements of a storage of this layout, as a device view.

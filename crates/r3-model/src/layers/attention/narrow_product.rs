@@ -7,11 +7,12 @@
 //! took 8.1 ms of a 30B-A3B-shaped bf16 training step's 70.8 ms of kernels (session 40's
 //! Nsight Compute table, docs/gpu.md).
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Result, Tensor};
 
 #[cfg(feature = "cuda")]
 use crate::cast16::cast16;
-use candle_core::Result;
+#[cfg(any(test, feature = "cuda"))]
+use crate::gemm_call::{GemmBatch, GemmCall, GemmShape};
 
 /// `a [.., m, k] · b [.., n, k]ᵀ → [.., m, n]` (f32, the same leading dimensions). With
 /// `narrow` (bf16 / f16: the values `a` and `b` hold; the caller's promise) on a GPU, one
@@ -71,6 +72,34 @@ impl Batched {
     }
 }
 
+#[cfg(any(test, feature = "cuda"))]
+impl Batched {
+    /// The call's GEMMs, column-major: row-major `c [m, n] = a · bᵀ` is column-major
+    /// `cᵀ (n × m) = op_T(b) · a`, so cuBLAS's A is the operand `b` (read as `k × n`,
+    /// transposed) and its B the operand `a` (read as `k × m`); one GEMM per leading index,
+    /// `[n · k, m · k, m · n]` elements apart.
+    fn call(&self) -> GemmCall {
+        let Batched { batch, m, n, k } = *self;
+        GemmCall {
+            shape: GemmShape {
+                trans_a: true,
+                trans_b: false,
+                m: n,
+                n: m,
+                k,
+                lda: k,
+                ldb: k,
+                ldc: n,
+            },
+            batch: GemmBatch::Strided {
+                count: batch,
+                strides: [n * k, m * k, m * n],
+            },
+            accumulate: false,
+        }
+    }
+}
+
 #[cfg(feature = "cuda")]
 impl candle_core::CustomOp2 for Batched {
     fn name(&self) -> &'static str {
@@ -106,16 +135,14 @@ impl candle_core::CustomOp2 for Batched {
 #[cfg(feature = "cuda")]
 mod cuda {
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::cublas::sys;
     use candle_core::cuda_backend::cudarc::driver::DevicePtrMut;
-    use candle_core::cuda_backend::WrapErr;
     use candle_core::{CudaStorage, DType, Layout};
 
     use super::Batched;
+    use crate::cuda::gemm::{self, GemmCompute, GemmOperand};
 
-    /// `c [batch, m, n] = a [batch, m, k] · b [batch, n, k]ᵀ` into a fresh f32 output, one
-    /// strided batched GEMM: row-major `c` is column-major `cᵀ (n × m) = op_T(b) · a`, `b`
-    /// and `a` read column-major as `k × n` and `k × m`.
+    /// `c [batch, m, n] = a [batch, m, k] · b [batch, n, k]ᵀ` into a fresh f32 output: the
+    /// strided batched GEMM of [`Batched::call`], the 16-bit operands on tensor cores.
     pub(super) fn run(
         s: &Batched,
         sa: &CudaStorage,
@@ -123,71 +150,26 @@ mod cuda {
         sb: &CudaStorage,
         lb: &Layout,
     ) -> candle_core::Result<CudaStorage> {
-        if sa.dtype() != sb.dtype() {
-            candle_core::bail!(
-                "a · bᵀ of 16-bit values: operands {:?} and {:?}",
-                sa.dtype(),
-                sb.dtype()
-            );
+        let what = "a · bᵀ of 16-bit values";
+        if !matches!(sa.dtype(), DType::BF16 | DType::F16) {
+            candle_core::bail!("{what}: {:?} operands", sa.dtype());
         }
-        let in_type = match sa.dtype() {
-            DType::BF16 => sys::cudaDataType_t::CUDA_R_16BF,
-            DType::F16 => sys::cudaDataType_t::CUDA_R_16F,
-            other => candle_core::bail!("a · bᵀ of 16-bit values: {other:?} operands"),
-        };
         let dev = sa.device().clone();
         let stream = dev.cuda_stream();
-        let int = |v: usize| {
-            i32::try_from(v).map_err(|_| {
-                candle_core::Error::Msg(format!("a · bᵀ of 16-bit values: {v} past 32 bits"))
-            })
-        };
-        let long = |v: usize| {
-            i64::try_from(v).map_err(|_| {
-                candle_core::Error::Msg(format!("a · bᵀ of 16-bit values: {v} past 64 bits"))
-            })
-        };
-        let what = "a · bᵀ of 16-bit values";
-        let (a0, _read_a) = crate::cuda::gemm_operand(sa, la, &stream, what)?;
-        let (b0, _read_b) = crate::cuda::gemm_operand(sb, lb, &stream, what)?;
-        // SAFETY: the GEMMs below write every element (beta 0).
-        let mut out = unsafe { dev.alloc::<f32>(s.batch * s.m * s.n)? };
+        let (a, _read_a) = crate::cuda::gemm_operand(sa, la, &stream, what)?;
+        let (b, _read_b) = crate::cuda::gemm_operand(sb, lb, &stream, what)?;
+        let len = s.batch * s.m * s.n;
+        // SAFETY: the GEMMs write every element (beta 0; `call`'s outputs tile `len`).
+        let mut out = unsafe { dev.alloc::<f32>(len)? };
         {
             let (c0, _write) = out.device_ptr_mut(&stream);
-            let blas = dev.cublas_handle();
-            let (alpha, beta) = (1f32, 0f32);
-            // SAFETY: the operands hold `batch` contiguous `[m, k]` and `[n, k]` matrices
-            // (checked by `Batched::of` and the contiguous layouts), the output `batch`
-            // `[m, n]`; the handle is candle's, bound to the stream the guards record on.
-            unsafe {
-                sys::cublasGemmStridedBatchedEx(
-                    *blas.handle(),
-                    sys::cublasOperation_t::CUBLAS_OP_T,
-                    sys::cublasOperation_t::CUBLAS_OP_N,
-                    int(s.n)?,
-                    int(s.m)?,
-                    int(s.k)?,
-                    &alpha as *const f32 as *const _,
-                    b0 as *const _,
-                    in_type,
-                    int(s.k)?,
-                    long(s.n * s.k)?,
-                    a0 as *const _,
-                    in_type,
-                    int(s.k)?,
-                    long(s.m * s.k)?,
-                    &beta as *const f32 as *const _,
-                    c0 as *mut _,
-                    sys::cudaDataType_t::CUDA_R_32F,
-                    int(s.n)?,
-                    long(s.m * s.n)?,
-                    int(s.batch)?,
-                    sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                    sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP,
-                )
-                .result()
-                .w()?;
-            }
+            let c = GemmOperand {
+                addr: c0,
+                len,
+                dtype: DType::F32,
+            };
+            // cuBLAS's A is the operand `b`, its B the operand `a` (`Batched::call`).
+            gemm::run(&dev, &s.call(), [b, a, c], GemmCompute::F32, what)?;
         }
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
@@ -197,6 +179,50 @@ mod cuda {
 mod tests {
     use super::*;
     use crate::test_util::{max_abs_diff, seeded_tensor};
+    use candle_core::Device;
+
+    /// The GEMM call cuBLAS is given (`Batched::call`), run on the host by the plain
+    /// column-major GEMM over the operands' elements, is candle's `a · bᵀ` bit for bit
+    /// (small integers: every product and sum is exact in f32, so any order gives the same
+    /// bits), and it fits the operands' and the output's lengths with nothing to spare. An
+    /// operand order, transpose, leading dimension or stride that is not cuBLAS's reading
+    /// of these row-major tensors gives another product or leaves the lengths.
+    #[test]
+    fn the_cublas_call_is_the_product_on_the_host() {
+        let ints = |dims: &[usize], seed: usize| {
+            let n: usize = dims.iter().product();
+            let v: Vec<f32> = (0..n)
+                .map(|i| ((i * 7 + seed * 13) % 17) as f32 - 8.0)
+                .collect();
+            Tensor::from_vec(v, dims, &Device::Cpu).expect("tensor")
+        };
+        let host = |t: &Tensor| {
+            t.flatten_all()
+                .and_then(|t| t.to_vec1::<f32>())
+                .expect("host")
+        };
+        let cases: [(&[usize], &[usize]); 3] = [
+            (&[2, 3, 5, 4], &[2, 3, 7, 4]),
+            (&[4, 3, 9], &[4, 2, 9]),
+            (&[1, 6], &[3, 6]),
+        ];
+        for (ad, bd) in cases {
+            let (a, b) = (ints(ad, 1), ints(bd, 2));
+            let want = a.matmul(&b.t().expect("t")).expect("product");
+            let shape = Batched::of(&a, &b).expect("shape");
+            let call = shape.call();
+            let mut c = vec![f32::NAN; want.elem_count()];
+            call.run_host(&host(&b), &host(&a), &mut c, "test")
+                .expect("the call fits its operands");
+            assert_eq!(c, host(&want), "{ad:?} · {bd:?}ᵀ");
+            for short in 0..3 {
+                let mut lens = [b.elem_count(), a.elem_count(), c.len()];
+                lens[short] -= 1;
+                call.check_within(lens, "test")
+                    .expect_err("an element short of an operand");
+            }
+        }
+    }
 
     /// Off a GPU the product is candle's f32 `a · bᵀ` bit for bit, with or without a 16-bit
     /// dtype named; shapes that do not multiply and a dtype that is not 16-bit are errors.

@@ -28,6 +28,7 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor
 
 use crate::cast16::cast16;
 use crate::error::{ModelError, Result};
+use crate::gemm_call::{GemmBatch, GemmCall, GemmShape};
 use crate::host::contiguous;
 use crate::layers::linear::matmul_wt_at;
 use crate::layers::precomputed::{precomputed_fwd, Precomputed};
@@ -291,19 +292,33 @@ impl CustomOp3 for SlotsGemm {
         "expert-slots-gemm"
     }
 
+    /// The host twin: [`SlotsLayout::call`] for the ids, run by the plain column-major
+    /// GEMM, written in the operands' dtype (a 16-bit output rounded once) as cuBLAS does.
     fn cpu_fwd(
         &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
+        sx: &CpuStorage,
+        lx: &Layout,
+        sw: &CpuStorage,
+        lw: &Layout,
+        sids: &CpuStorage,
+        lids: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        candle_core::bail!(
-            "the expert slots' pointer GEMM (a row per {} slots) runs on a GPU only",
-            self.share
-        )
+        let what = "expert slots gemm on the host";
+        let layout = SlotsLayout::of(lx, lw, lids, self.share)?;
+        let ((x, x_dtype), (w, w_dtype)) =
+            (host_values(sx, lx, "rows")?, host_values(sw, lw, "stack")?);
+        if x_dtype != w_dtype {
+            candle_core::bail!("{what}: operands {x_dtype:?} and {w_dtype:?}");
+        }
+        let CpuStorage::U32(ids) = sids else {
+            candle_core::bail!("{what}: the ids must be u32");
+        };
+        let mut y = vec![0f32; layout.slots * layout.n];
+        // cuBLAS's A is the stack, its B the rows.
+        layout
+            .call(contiguous(ids, lids, "ids")?)?
+            .run_host(&w, &x, &mut y, what)?;
+        Ok((host_storage(y, x_dtype, what)?, layout.out_shape()))
     }
 
     #[cfg(feature = "cuda")]
@@ -316,11 +331,118 @@ impl CustomOp3 for SlotsGemm {
         sids: &candle_core::CudaStorage,
         lids: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let (_, _, k) = lx.shape().dims3()?;
-        let (stack, n, _) = lw.shape().dims3()?;
+        let layout = SlotsLayout::of(lx, lw, lids, self.share)?;
+        let out = cuda::run_slots(sx, lx, sw, lw, sids, lids, layout)?;
+        Ok((out, layout.out_shape()))
+    }
+}
+
+/// Where the slots' pointer GEMM reads and writes: slot `s` multiplies row `s / share` of
+/// the rows `[slots / share, 1, k]` by its expert's `[n, k]` of the stack `[stack, n, k]`,
+/// transposed, into row `s` of the output `[slots, 1, n]`. On a GPU `r3_expert_slot_pointers`
+/// writes each slot's addresses at [`SlotsLayout::steps`] from the ids where they lie;
+/// [`SlotsLayout::call`] is the same call for host ids (the host twin, the tests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct SlotsLayout {
+    slots: usize,
+    stack: usize,
+    n: usize,
+    k: usize,
+    share: usize,
+}
+
+impl SlotsLayout {
+    /// The layout of rows, stack and ids laid out as `lx`, `lw` and `lids`, `share` slots a
+    /// row, or an error naming what does not fit.
+    fn of(lx: &Layout, lw: &Layout, lids: &Layout, share: usize) -> candle_core::Result<Self> {
         let slots = lids.shape().elem_count();
-        let out = cuda::run_slots(sx, lx, sw, lw, sids, lids, [slots, stack, n, k, self.share])?;
-        Ok((out, Shape::from((slots, 1, n))))
+        let fits = match (lx.shape().dims3(), lw.shape().dims3()) {
+            (Ok((rows, 1, k)), Ok((stack, n, k2))) if k2 == k && stack > 0 && share > 0 => {
+                (rows.checked_mul(share) == Some(slots)).then_some((stack, n, k))
+            }
+            _ => None,
+        };
+        let Some((stack, n, k)) = fits else {
+            candle_core::bail!(
+                "expert slots gemm: rows {:?}, stack {:?} and {slots} ids at {share} slots a row \
+                 are not [slots / share, 1, k] and [E ≥ 1, n, k]",
+                lx.dims(),
+                lw.dims()
+            );
+        };
+        Ok(SlotsLayout {
+            slots,
+            stack,
+            n,
+            k,
+            share,
+        })
+    }
+
+    /// The output's shape, `[slots, 1, n]`.
+    fn out_shape(&self) -> Shape {
+        Shape::from((self.slots, 1, self.n))
+    }
+
+    /// The GEMM of each slot, A the stack and B the rows:
+    /// `yᵀ (n × 1) = (w_e: k × n col-major)ᵀ · (x_rowᵀ: k × 1)`.
+    fn shape(&self) -> GemmShape {
+        GemmShape {
+            trans_a: true,
+            trans_b: false,
+            m: self.n,
+            n: 1,
+            k: self.k,
+            lda: self.k,
+            ldb: self.k,
+            ldc: self.n,
+        }
+    }
+
+    /// Elements from one expert's matrices to the next, one row to the next, one output row
+    /// to the next: the kernel's steps (in bytes there).
+    fn steps(&self) -> [usize; 3] {
+        [self.n * self.k, self.k, self.n]
+    }
+
+    /// The call for `ids` (one a slot), at the offsets the kernel writes: an id past the
+    /// stack, which no router gives, reads expert 0 there and here.
+    fn call(&self, ids: &[u32]) -> candle_core::Result<GemmCall> {
+        if ids.len() != self.slots {
+            candle_core::bail!(
+                "expert slots gemm: {} ids for {} slots",
+                ids.len(),
+                self.slots
+            );
+        }
+        let [a, b, c] = self.steps();
+        let offsets = ids
+            .iter()
+            .enumerate()
+            .map(|(s, &e)| {
+                let e = if (e as usize) < self.stack {
+                    e as usize
+                } else {
+                    0
+                };
+                [e * a, s / self.share * b, s * c]
+            })
+            .collect();
+        Ok(GemmCall {
+            shape: self.shape(),
+            batch: GemmBatch::Offsets(offsets),
+            accumulate: false,
+        })
+    }
+
+    /// The call with the last expert at every slot: each GEMM as far into every operand as
+    /// any table the kernel can write, so that its check bounds them all.
+    #[cfg(any(test, feature = "cuda"))]
+    fn bounding_call(&self) -> candle_core::Result<GemmCall> {
+        let last = u32::try_from(self.stack - 1).map_err(|_| {
+            candle_core::Error::Msg(format!("expert slots gemm: a stack of {}", self.stack))
+        })?;
+        self.call(&vec![last; self.slots])
     }
 }
 
@@ -629,33 +751,10 @@ enum Pass {
     WeightGrad,
 }
 
-/// One cuBLAS-style GEMM shape, column-major: `C (m × n) = op(A) · op(B) (+ C)`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct GemmShape {
-    trans_a: bool,
-    trans_b: bool,
-    m: usize,
-    n: usize,
-    k: usize,
-    lda: usize,
-    ldb: usize,
-    ldc: usize,
-}
-
-/// A batch of GEMMs of one shape, each at its own element offsets into A, B and C.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct BatchedGemm {
-    shape: GemmShape,
-    /// `(a, b, c)` element offsets of each GEMM of the batch.
-    offsets: Vec<[usize; 3]>,
-    /// Add into C (a later round of the weight gradient) instead of overwriting it.
-    accumulate: bool,
-}
-
 /// The GEMMs of one pass, in the order they must run, and the output's size.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct GemmPlan {
-    calls: Vec<BatchedGemm>,
+    calls: Vec<GemmCall>,
     /// Elements of the output.
     out_len: usize,
     /// The output must start zeroed (an expert of the stack has no block, so no GEMM
@@ -711,9 +810,9 @@ impl GemmPlan {
                     .map(|(b, &e)| [e as usize * n * k, b * cap * in_width, b * cap * out_width])
                     .collect();
                 GemmPlan {
-                    calls: vec![BatchedGemm {
+                    calls: vec![GemmCall {
                         shape,
-                        offsets,
+                        batch: GemmBatch::Offsets(offsets),
                         accumulate: false,
                     }],
                     out_len: blocks * cap * out_width,
@@ -762,7 +861,7 @@ impl GemmPlan {
                     .filter(|(run, &r)| r == round && run.2 == len)
                     .map(|(&(e, first, _), _)| [first * cap * k, first * cap * n, e * n * k])
                     .collect();
-                calls.push(BatchedGemm {
+                calls.push(GemmCall {
                     shape: GemmShape {
                         trans_a: false,
                         trans_b: true,
@@ -773,7 +872,7 @@ impl GemmPlan {
                         ldb: n,
                         ldc: k,
                     },
-                    offsets,
+                    batch: GemmBatch::Offsets(offsets),
                     accumulate: round > 0,
                 });
             }
@@ -786,35 +885,14 @@ impl GemmPlan {
     }
 
     /// The plan run by a plain column-major GEMM on host slices (f32 accumulation): the
-    /// CPU twin of the cuBLAS calls.
-    fn run_host(&self, a: &[f32], b: &[f32]) -> Vec<f32> {
+    /// CPU twin of the cuBLAS calls, each call checked against the operands' lengths first
+    /// as on a GPU.
+    fn run_host(&self, a: &[f32], b: &[f32]) -> candle_core::Result<Vec<f32>> {
         let mut c = vec![0f32; self.out_len];
         for call in &self.calls {
-            let s = call.shape;
-            for &[oa, ob, oc] in &call.offsets {
-                for j in 0..s.n {
-                    for i in 0..s.m {
-                        let mut sum = 0f32;
-                        for l in 0..s.k {
-                            let av = if s.trans_a {
-                                a[oa + l + i * s.lda]
-                            } else {
-                                a[oa + i + l * s.lda]
-                            };
-                            let bv = if s.trans_b {
-                                b[ob + j + l * s.ldb]
-                            } else {
-                                b[ob + l + j * s.ldb]
-                            };
-                            sum += av * bv;
-                        }
-                        let out = &mut c[oc + i + j * s.ldc];
-                        *out = if call.accumulate { *out + sum } else { sum };
-                    }
-                }
-            }
+            call.run_host(a, b, &mut c, "expert blocks gemm on the host")?;
         }
-        c
+        Ok(c)
     }
 }
 
@@ -939,18 +1017,13 @@ impl CustomOp2 for PlannedGemm {
                     .map(|&x| half::bf16::from_f32(x).to_f32())
                     .collect()
             };
-            plan.run_host(&bf16(&a), &bf16(&b))
+            plan.run_host(&bf16(&a), &bf16(&b))?
         } else {
-            plan.run_host(&a, &b)
+            plan.run_host(&a, &b)?
         };
-        // As cuBLAS writes it: in the operands' dtype (a 16-bit output rounded once), the
-        // weight gradient in its own.
-        let out = match self.out_dtype(&plan, a_dtype)? {
-            DType::F32 => CpuStorage::F32(out),
-            DType::BF16 => CpuStorage::BF16(out.iter().map(|&v| half::bf16::from_f32(v)).collect()),
-            DType::F16 => CpuStorage::F16(out.iter().map(|&v| half::f16::from_f32(v)).collect()),
-            other => candle_core::bail!("expert blocks gemm on the host: {other:?}"),
-        };
+        // As cuBLAS writes it: in the operands' dtype, the weight gradient in its own.
+        let dtype = self.out_dtype(&plan, a_dtype)?;
+        let out = host_storage(out, dtype, "expert blocks gemm on the host")?;
         Ok((out, out_shape(self.pass, &self.map)))
     }
 
@@ -970,6 +1043,17 @@ impl CustomOp2 for PlannedGemm {
         let out = cuda::run_plan(&plan, out_dtype, s2, l2, s1, l1, self.fast16bf)?;
         Ok((out, out_shape(self.pass, &self.map)))
     }
+}
+
+/// A host GEMM's f32 output written in `dtype` as cuBLAS writes an output of that type (a
+/// 16-bit value rounded once, to nearest, ties to even).
+fn host_storage(out: Vec<f32>, dtype: DType, what: &str) -> candle_core::Result<CpuStorage> {
+    Ok(match dtype {
+        DType::F32 => CpuStorage::F32(out),
+        DType::BF16 => CpuStorage::BF16(out.iter().map(|&v| half::bf16::from_f32(v)).collect()),
+        DType::F16 => CpuStorage::F16(out.iter().map(|&v| half::f16::from_f32(v)).collect()),
+        other => candle_core::bail!("{what}: {other:?} output"),
+    })
 }
 
 /// The contiguous elements of a host operand as f32 (bf16 and f16 widened, exactly), and
@@ -995,41 +1079,21 @@ fn host_values<'a>(
 }
 
 /// The plans on cuBLAS.
+/// The plans on cuBLAS.
 #[cfg(feature = "cuda")]
 mod cuda {
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::cublas::sys;
-    use candle_core::cuda_backend::cudarc::driver::{
-        CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop,
-    };
-    use candle_core::cuda_backend::WrapErr;
+    use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut};
     use candle_core::{CudaStorage, DType, Layout};
 
-    use super::GemmPlan;
-
-    /// The cuBLAS data type of a storage dtype the plans take.
-    fn data_type(dtype: DType) -> candle_core::Result<sys::cudaDataType_t> {
-        Ok(match dtype {
-            DType::F32 => sys::cudaDataType_t::CUDA_R_32F,
-            DType::BF16 => sys::cudaDataType_t::CUDA_R_16BF,
-            DType::F16 => sys::cudaDataType_t::CUDA_R_16F,
-            other => candle_core::bail!("expert blocks gemm: {other:?} operands"),
-        })
-    }
-
-    /// The device address of an operand and the guard recording its read on `stream`.
-    fn base<'a>(
-        storage: &'a CudaStorage,
-        layout: &Layout,
-        stream: &'a CudaStream,
-    ) -> candle_core::Result<(u64, SyncOnDrop<'a>)> {
-        crate::cuda::gemm_operand(storage, layout, stream, "expert blocks gemm")
-    }
+    use super::{GemmPlan, SlotsLayout};
+    use crate::cuda::gemm::{self, GemmCompute, GemmOperand};
 
     /// Runs `plan` with A = `(sa, la)` and B = `(sb, lb)` (one dtype), into a fresh output
     /// of `out_dtype` (the operands' for the forward and input gradient; the weight
-    /// gradient's own). With `fast16bf` the operands are f32 and cuBLAS converts them to
-    /// bf16 itself (`CUBLAS_COMPUTE_32F_FAST_16BF`).
+    /// gradient's own), each call checked against the operands' lengths. With `fast16bf`
+    /// the operands are f32 and cuBLAS converts them to bf16 itself
+    /// (`CUBLAS_COMPUTE_32F_FAST_16BF`).
     pub(super) fn run_plan(
         plan: &GemmPlan,
         out_dtype: DType,
@@ -1039,31 +1103,15 @@ mod cuda {
         lb: &Layout,
         fast16bf: bool,
     ) -> candle_core::Result<CudaStorage> {
+        let what = "expert blocks gemm";
         let dev = sa.device().clone();
         let stream = dev.cuda_stream();
-        if sa.dtype() != sb.dtype() {
-            candle_core::bail!(
-                "expert blocks gemm: operands {:?} and {:?}",
-                sa.dtype(),
-                sb.dtype()
-            );
-        }
-        if fast16bf && sa.dtype() != DType::F32 {
-            candle_core::bail!(
-                "expert blocks gemm: FAST_16BF takes f32 operands, not {:?}",
-                sa.dtype()
-            );
-        }
-        let compute_type = if fast16bf {
-            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF
-        } else {
-            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
+        let compute = match fast16bf {
+            true => GemmCompute::Fast16bf,
+            false => GemmCompute::F32,
         };
-        let in_type = data_type(sa.dtype())?;
-        let out_type = data_type(out_dtype)?;
-        let (a0, _read_a) = base(sa, la, &stream)?;
-        let (b0, _read_b) = base(sb, lb, &stream)?;
-        let (in_size, out_size) = (sa.dtype().size_in_bytes(), out_dtype.size_in_bytes());
+        let (a, _read_a) = crate::cuda::gemm_operand(sa, la, &stream, what)?;
+        let (b, _read_b) = crate::cuda::gemm_operand(sb, lb, &stream, what)?;
         macro_rules! alloc {
             ($t:ty) => {
                 if plan.zeroed {
@@ -1078,15 +1126,15 @@ mod cuda {
             ($t:ty) => {{
                 let mut out = alloc!($t);
                 {
-                    let (c0, _sync) = out.device_ptr_mut(&stream);
-                    launch(
-                        plan,
-                        [a0, b0, c0],
-                        [in_size, in_size, out_size],
-                        [in_type, out_type],
-                        compute_type,
-                        &dev,
-                    )?;
+                    let (c0, _write) = out.device_ptr_mut(&stream);
+                    let c = GemmOperand {
+                        addr: c0,
+                        len: plan.out_len,
+                        dtype: out_dtype,
+                    };
+                    for call in &plan.calls {
+                        gemm::run(&dev, call, [a, b, c], compute, what)?;
+                    }
                 }
                 CudaStorage::wrap_cuda_slice(out, dev.clone())
             }};
@@ -1095,14 +1143,16 @@ mod cuda {
             DType::F32 => run!(f32),
             DType::BF16 => run!(half::bf16),
             DType::F16 => run!(half::f16),
-            other => candle_core::bail!("expert blocks gemm: {other:?} output"),
+            other => candle_core::bail!("{what}: {other:?} output"),
         })
     }
 
     /// [`super::SlotsGemm`]: row `s / share` `[1, k]` of `sx` times expert `ids[s]`'s `[n, k]`
     /// of the stack `sw`, transposed, into row `s` of a fresh `[slots, 1, n]` output of the
-    /// operands' dtype. A kernel writes the pointer table from the ids on the device, then
-    /// one `cublasGemmBatchedEx` (the forward plan's shape with one row a block) reads it.
+    /// operands' dtype. A kernel writes the pointer table from the ids on the device (at
+    /// `layout`'s steps), then one `cublasGemmBatchedEx` of `layout`'s shape reads it,
+    /// after the call with the last expert at every slot (the furthest any table reaches)
+    /// is checked against the operands.
     pub(super) fn run_slots(
         sx: &CudaStorage,
         lx: &Layout,
@@ -1110,45 +1160,41 @@ mod cuda {
         lw: &Layout,
         sids: &CudaStorage,
         lids: &Layout,
-        [slots, stack, n, k, share]: [usize; 5],
+        layout: SlotsLayout,
     ) -> candle_core::Result<CudaStorage> {
+        let what = "expert slots gemm";
         let dev = sx.device().clone();
         let stream = dev.cuda_stream();
-        if sx.dtype() != sw.dtype() {
-            candle_core::bail!(
-                "expert slots gemm: operands {:?} and {:?}",
-                sx.dtype(),
-                sw.dtype()
-            );
-        }
-        let dtype = sx.dtype();
-        let data = data_type(dtype)?;
-        let size = dtype.size_in_bytes() as u64;
+        let bounding = layout.bounding_call()?;
+        let (slots, n) = (layout.slots, layout.n);
         let int = |v: usize| {
-            i32::try_from(v).map_err(|_| {
-                candle_core::Error::Msg(format!("expert slots gemm: {v} exceeds a 32-bit size"))
-            })
+            u32::try_from(v)
+                .map_err(|_| candle_core::Error::Msg(format!("{what}: {v} exceeds a 32-bit size")))
         };
-        let (slots32, stack32, share32) = (
-            int(slots)? as u32,
-            int(stack)? as u32,
-            int(share.max(1))? as u32,
-        );
-        let (x0, _read_x) = base(sx, lx, &stream)?;
-        let (w0, _read_w) = base(sw, lw, &stream)?;
+        let (slots32, stack32, share32) = (int(slots)?, int(layout.stack)?, int(layout.share)?);
+        let (x, _read_x) = crate::cuda::gemm_operand(sx, lx, &stream, what)?;
+        let (w, _read_w) = crate::cuda::gemm_operand(sw, lw, &stream, what)?;
         let ids = crate::cuda::view::<u32>(sids, lids, "expert ids")?;
+        if ids.len() != slots {
+            candle_core::bail!("{what}: {} ids for {slots} slots", ids.len());
+        }
+        let size = x.dtype.size_in_bytes() as u64;
+        let [a_step, b_step, c_step] = layout.steps().map(|step| step as u64 * size);
         macro_rules! run {
             ($t:ty) => {{
                 // SAFETY: one GEMM per slot writes its whole output row.
                 let mut out = unsafe { dev.alloc::<$t>(slots * n)? };
                 {
                     let (y0, _write_y) = out.device_ptr_mut(&stream);
+                    let y = GemmOperand {
+                        addr: y0,
+                        len: slots * n,
+                        dtype: x.dtype,
+                    };
                     // SAFETY: the kernel writes all 3 · slots pointers.
                     let mut table = unsafe { dev.alloc::<u64>(3 * slots)? };
                     let (func, kernel_stream) =
                         crate::cuda::kernel(&dev, "r3_expert_slot_pointers")?;
-                    let (a_step, b_step, c_step) =
-                        ((n * k) as u64 * size, k as u64 * size, n as u64 * size);
                     let mut launch = crate::cuda::CheckedLaunch::new(
                         &kernel_stream,
                         &func,
@@ -1159,9 +1205,9 @@ mod cuda {
                         .arg(&mut table)
                         .arg(&slots32)
                         .arg(&stack32)
-                        .arg(&w0)
+                        .arg(&w.addr)
                         .arg(&a_step)
-                        .arg(&x0)
+                        .arg(&x.addr)
                         .arg(&b_step)
                         .arg(&share32)
                         .arg(&y0)
@@ -1170,119 +1216,29 @@ mod cuda {
                     // `slots` ids and the table 3 · slots pointers.
                     unsafe { launch.launch(crate::cuda::elementwise(slots)) }?;
                     let (table_ptr, _sync) = table.device_ptr(&stream);
-                    let at = |which: usize| table_ptr + (which * slots * 8) as u64;
-                    let (alpha, beta) = (1f32, 0f32);
-                    let blas = dev.cublas_handle();
-                    // SAFETY: every pointer the kernel wrote lies inside its operand (ids
-                    // below the stack, the rows and outputs allocated for `slots`); the
-                    // handle is candle's, bound to the stream the table was written on.
+                    // SAFETY: the kernel writes slot `s`'s pointers at `layout`'s offsets
+                    // for its id, an id past the stack read as expert 0: no further into
+                    // any operand than `bounding`'s, which `run_device_table` checks.
                     unsafe {
-                        sys::cublasGemmBatchedEx(
-                            *blas.handle(),
-                            sys::cublasOperation_t::CUBLAS_OP_T,
-                            sys::cublasOperation_t::CUBLAS_OP_N,
-                            int(n)?,
-                            1,
-                            int(k)?,
-                            &alpha as *const f32 as *const _,
-                            at(0) as *const *const _,
-                            data,
-                            int(k)?,
-                            at(1) as *const *const _,
-                            data,
-                            int(k)?,
-                            &beta as *const f32 as *const _,
-                            at(2) as *const *mut _,
-                            data,
-                            int(n)?,
-                            int(slots)?,
-                            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                            sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP,
+                        gemm::run_device_table(
+                            &dev,
+                            &bounding,
+                            [w, x, y],
+                            GemmCompute::F32,
+                            table_ptr,
+                            what,
                         )
-                        .result()
-                        .w()?;
-                    }
+                    }?;
                 }
                 CudaStorage::wrap_cuda_slice(out, dev.clone())
             }};
         }
-        Ok(match dtype {
+        Ok(match x.dtype {
             DType::F32 => run!(f32),
             DType::BF16 => run!(half::bf16),
             DType::F16 => run!(half::f16),
-            other => candle_core::bail!("expert slots gemm: {other:?} operands"),
+            other => candle_core::bail!("{what}: {other:?} operands"),
         })
-    }
-
-    /// One `cublasGemmBatchedEx` per batched call of the plan, its pointer arrays uploaded
-    /// first (stream-ordered: freed after the GEMM has run).
-    fn launch(
-        plan: &GemmPlan,
-        bases: [u64; 3],
-        sizes: [usize; 3],
-        [in_type, out_type]: [sys::cudaDataType_t; 2],
-        compute_type: sys::cublasComputeType_t,
-        dev: &candle_core::CudaDevice,
-    ) -> candle_core::Result<()> {
-        let stream = dev.cuda_stream();
-        let blas = dev.cublas_handle();
-        let op = |t: bool| {
-            if t {
-                sys::cublasOperation_t::CUBLAS_OP_T
-            } else {
-                sys::cublasOperation_t::CUBLAS_OP_N
-            }
-        };
-        let int = |v: usize| {
-            i32::try_from(v).map_err(|_| {
-                candle_core::Error::Msg(format!("expert blocks gemm: {v} exceeds a 32-bit size"))
-            })
-        };
-        for call in &plan.calls {
-            let count = call.offsets.len();
-            // [A pointers | B pointers | C pointers]
-            let mut ptrs = vec![0u64; 3 * count];
-            for (i, offsets) in call.offsets.iter().enumerate() {
-                for (which, &offset) in offsets.iter().enumerate() {
-                    ptrs[which * count + i] = bases[which] + (offset * sizes[which]) as u64;
-                }
-            }
-            let table = stream.clone_htod(&ptrs).w()?;
-            let (table_ptr, _sync) = table.device_ptr(&stream);
-            let at = |which: usize| table_ptr + (which * count * 8) as u64;
-            let (alpha, beta) = (1f32, if call.accumulate { 1f32 } else { 0f32 });
-            let s = call.shape;
-            // SAFETY: every pointer lies inside its operand (the plan's offsets are made from
-            // the operands' checked shapes), the output was allocated for the plan, and the
-            // handle is candle's, bound to the stream the pointer table was written on.
-            unsafe {
-                sys::cublasGemmBatchedEx(
-                    *blas.handle(),
-                    op(s.trans_a),
-                    op(s.trans_b),
-                    int(s.m)?,
-                    int(s.n)?,
-                    int(s.k)?,
-                    &alpha as *const f32 as *const _,
-                    at(0) as *const *const _,
-                    in_type,
-                    int(s.lda)?,
-                    at(1) as *const *const _,
-                    in_type,
-                    int(s.ldb)?,
-                    &beta as *const f32 as *const _,
-                    at(2) as *const *mut _,
-                    out_type,
-                    int(s.ldc)?,
-                    int(count)?,
-                    compute_type,
-                    sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP,
-                )
-                .result()
-                .w()?;
-            }
-        }
-        Ok(())
     }
 }
 
@@ -1297,6 +1253,83 @@ mod tests {
     const EXPERTS: [u32; 7] = [0, 1, 2, 2, 2, 2, 0];
     const CAST: ExpertGemmInputs = ExpertGemmInputs::Cast;
     const WIDE: WeightGradients = WeightGradients::InWeightDtype;
+
+    /// A `[d0, d1, ..]` f32 tensor of small integers (-3..=3): every product and sum of
+    /// these GEMMs is exact in f32 and bf16, so any summation order gives the same bits.
+    fn small_ints(dims: &[usize], seed: usize) -> Tensor {
+        let n: usize = dims.iter().product();
+        let v: Vec<f32> = (0..n)
+            .map(|i| ((i * 5 + seed * 11) % 7) as f32 - 3.0)
+            .collect();
+        Tensor::from_vec(v, dims, &Device::Cpu).expect("tensor")
+    }
+
+    /// The slots' pointer GEMM as a GPU is given it (`SlotsLayout::call`: the stack as
+    /// cuBLAS's A, the rows as its B, the offsets `r3_expert_slot_pointers` writes), run by
+    /// the op's host twin, is the gathered experts' product with each row repeated for its
+    /// slots — what `expert_slots_matmul` computes off a GPU — bit for bit, in f32, bf16 and
+    /// f16, for one, two and four slots a row, in the operands' dtype. A swapped operand,
+    /// transpose, step or row share reads other elements.
+    #[test]
+    fn the_slots_call_is_the_gathered_product() {
+        let (stack, n, k) = (5, 6, 7);
+        let w = small_ints(&[stack, n, k], 1);
+        for share in [1, 2, 4] {
+            let rows = 3;
+            let slots = rows * share;
+            let x = small_ints(&[rows, 1, k], share);
+            let ids: Vec<u32> = (0..slots)
+                .map(|s| ((s * 3 + share) % stack) as u32)
+                .collect();
+            let ids = Tensor::from_vec(ids, slots, &Device::Cpu).expect("ids");
+            let repeated = x
+                .broadcast_as((rows, share, k))
+                .and_then(|t| t.contiguous())
+                .and_then(|t| t.reshape((slots, 1, k)))
+                .expect("repeated rows");
+            let gathered = w.index_select(&ids, 0).expect("gather");
+            let want = repeated.matmul(&gathered.t().expect("t")).expect("product");
+            for dtype in [DType::F32, DType::BF16, DType::F16] {
+                let (xd, wd) = (x.to_dtype(dtype).expect("x"), w.to_dtype(dtype).expect("w"));
+                let got = xd
+                    .apply_op3_no_bwd(&wd, &ids, &SlotsGemm { share })
+                    .expect("host twin");
+                assert_eq!(got.dtype(), dtype);
+                assert_eq!(got.dims(), &[slots, 1, n]);
+                let got = got.to_dtype(DType::F32).expect("widen");
+                assert_eq!(max_abs_diff(&got, &want), 0.0, "share {share} {dtype:?}");
+            }
+        }
+    }
+
+    /// The call a GPU checks before the kernel-written table (the last expert at every slot)
+    /// fits the operands' lengths with nothing to spare, so it reaches as far as any table
+    /// can, and a layout that does not fit its operands is refused by name.
+    #[test]
+    fn the_slots_bounding_call_reaches_each_operands_end() {
+        let (rows, share, stack, n, k) = (3, 2, 4, 5, 6);
+        let x = Layout::contiguous((rows, 1, k));
+        let w = Layout::contiguous((stack, n, k));
+        let ids = Layout::contiguous(rows * share);
+        let layout = SlotsLayout::of(&x, &w, &ids, share).expect("fits");
+        let lens = [stack * n * k, rows * k, rows * share * n];
+        let bounding = layout.bounding_call().expect("bounding");
+        bounding
+            .check_within(lens, "test")
+            .expect("tight lengths fit");
+        for short in 0..3 {
+            let mut less = lens;
+            less[short] -= 1;
+            bounding
+                .check_within(less, "test")
+                .expect_err("one element short");
+        }
+        let three = Layout::contiguous(3);
+        let err = SlotsLayout::of(&x, &w, &three, share).expect_err("3 ids for 3 rows × 2");
+        assert!(err.to_string().contains("3 ids at 2 slots a row"), "{err}");
+        let err = layout.call(&[0, 1]).expect_err("2 ids for 6 slots");
+        assert!(err.to_string().contains("2 ids for 6 slots"), "{err}");
+    }
 
     /// Each pass's host plan equals candle's composed ops: the forward and input gradient bit
     /// for bit per block's dot products (the same f32 sums, in `k` order), the weight
@@ -1428,7 +1461,7 @@ mod tests {
         let summary: Vec<(usize, usize, bool)> = plan
             .calls
             .iter()
-            .map(|c| (c.offsets.len(), c.shape.k, c.accumulate))
+            .map(|c| (c.count(), c.shape.k, c.accumulate))
             .collect();
         // round 0: experts 0 and 1 one block each, expert 2's main block and its three
         // overflow blocks (contiguous: one run of 4 blocks, 8 rows) in a call of its own;
@@ -1451,11 +1484,8 @@ mod tests {
         let side_by_side = BlockMap::new(&x, &w, &[0, 0, 1, 2, 2, 2]).expect("map");
         let plan = GemmPlan::new(Pass::WeightGrad, &side_by_side);
         assert!(!plan.accumulates());
-        let summary: Vec<(usize, usize)> = plan
-            .calls
-            .iter()
-            .map(|c| (c.offsets.len(), c.shape.k))
-            .collect();
+        let summary: Vec<(usize, usize)> =
+            plan.calls.iter().map(|c| (c.count(), c.shape.k)).collect();
         // expert 1 one block (2 rows), expert 0 two (4 rows), expert 2 three (6 rows)
         assert_eq!(summary, vec![(1, 2), (1, 4), (1, 6)]);
         let apart = BlockMap::new(&x, &w, &[0, 1, 2, 2, 2, 0]).expect("map");
