@@ -63,16 +63,26 @@
 #    30B-A3B layer shape (8 layers, ≈ 5.0 B parameters drawn on the GPU; bf16 weights,
 #    moments and gradient sums), all in bf16 (≈ 30–90 s, 60–150 s, 90–240 s).
 # Ends with one summary line.
+#
+# --dry-run R3 (any machine, no GPU): every r3 command line the asked steps would run is
+# given to R3, a CPU build of r3, instead: each must be accepted (its flags and --set keys
+# parse, and it stops at the GPU it asks for, or runs 5 s without an error). The test
+# binaries answer "0 passed" and the peers run as they can (without torch they fail). The
+# summary's `dry-run` verdict counts the command lines and names any refused; the exit code
+# is 1 if one was. r3-cli's test `gpu_check_dry_run.rs` runs it in `cargo test`, so a flag
+# renamed in r3 cannot cost a GPU call.
 set -uo pipefail
 
 root=$(cd "$(dirname "$0")/../.." && pwd)
 out_arg=""
 steps="1,2,3,4"
 budget=480
+dry_r3=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --steps) steps="$2"; shift 2 ;;
         --budget) budget="$2"; shift 2 ;;
+        --dry-run) dry_r3="$2"; shift 2 ;;
         -*) echo "check.sh: unknown option $1" >&2; exit 2 ;;
         *) out_arg="$1"; shift ;;
     esac
@@ -100,11 +110,45 @@ wants() {
     if [ "$(left)" -lt 60 ]; then verdict "step$1" "skipped(budget: $(left) s left)"; return 1; fi
 }
 
+# --dry-run: gpu/bin is replaced by a folder whose r3 hands each command line to the CPU
+# build and records whether it was accepted (the GPU error naming the missing `cuda` feature
+# means every flag before it parsed), and whose test binaries pass without running.
+test_exes="r3-model-devices r3-model-kernels r3-train-devices r3-rollout-device_engine r3-rollout-device_prefix_cache"
+if [ -n "$dry_r3" ]; then
+    if [ ! -x "$dry_r3" ]; then
+        echo "check.sh: --dry-run $dry_r3 is not an executable (a CPU build of r3)" >&2
+        exit 2
+    fi
+    dry_r3=$(cd "$(dirname "$dry_r3")" && pwd)/$(basename "$dry_r3")
+    trap 'rm -rf "$work"' EXIT
+    bin="$work/dry-bin"
+    dry_report="$work/dry-run.txt"
+    mkdir -p "$bin" && : > "$dry_report"
+    cat > "$bin/r3" <<EOF
+#!/usr/bin/env bash
+err=\$(mktemp)
+timeout 5 "$dry_r3" "\$@" > /dev/null 2> "\$err"
+rc=\$?
+if [ \$rc = 0 ] || [ \$rc = 124 ] || grep -q "needs the .cuda. feature" "\$err"; then
+    echo "accepted: r3 \$*" >> "$dry_report"
+    rm -f "\$err"
+    exit 0
+fi
+echo "REFUSED (rc \$rc): r3 \$* :: \$(grep -v '^\$' "\$err" | tail -n 2 | tr '\n' ' ')" >> "$dry_report"
+cat "\$err" >&2
+rm -f "\$err"
+exit 1
+EOF
+    for exe in $test_exes; do
+        printf '#!/usr/bin/env bash\necho "test result: ok. 0 passed; 0 failed (check.sh --dry-run)"\n' > "$bin/$exe"
+    done
+    chmod +x "$bin"/*
+fi
 # A warm machine keeps gpu/bin from an earlier call: the pack is unpacked again whenever it
 # is not the one gpu/bin came from (its checksum kept beside the binaries), so a pack rebuilt
 # between calls is never shadowed by the last call's binaries.
 pack="$root/gpu/pack/bin.tar.xz"
-if [ -f "$pack" ]; then
+if [ -z "$dry_r3" ] && [ -f "$pack" ]; then
     pack_sum=$(sha256sum "$pack" | cut -d' ' -f1)
     if [ ! -d "$bin" ] || [ "$(cat "$bin/.pack-sha256" 2>/dev/null)" != "$pack_sum" ]; then
         t0=$(date +%s)
@@ -137,15 +181,15 @@ print(f"python {sys.version.split()[0]}: " + ", ".join(found))
 PY
 )
 verdict python "${python_packages:-unknown}"
-for exe in r3 r3-model-devices r3-model-kernels r3-train-devices r3-rollout-device_engine r3-rollout-device_prefix_cache; do
+for exe in r3 $test_exes; do
     if [ ! -x "$bin/$exe" ]; then
         echo "check.sh: $bin/$exe is missing: run scripts/cuda/build.sh and carry gpu/bin" >&2
         exit 2
     fi
 done
 # The binaries link libcuda.so.1 and CUDA 13's cuBLAS / NVRTC / cuRAND: show where from.
-ldd "$bin/r3" | grep -E "cuda|cublas|nvrtc|curand" | tee "$work/ldd.txt"
-if ldd "$bin/r3" | grep -q "not found"; then
+[ -n "$dry_r3" ] || ldd "$bin/r3" | grep -E "cuda|cublas|nvrtc|curand" | tee "$work/ldd.txt"
+if [ -z "$dry_r3" ] && ldd "$bin/r3" | grep -q "not found"; then
     echo "check.sh: a CUDA library is not found (see $work/ldd.txt); set LD_LIBRARY_PATH" >&2
     verdict libraries missing
 fi
@@ -830,5 +874,13 @@ verdict bench-step "$(IFS=';'; echo "${stepped[*]}")"
 echo "   RL step bench took $(( $(date +%s) - t0 )) s"
 fi
 
+if [ -n "$dry_r3" ]; then
+    accepted=$(grep -c "^accepted" "$dry_report")
+    refused=$(grep -c "^REFUSED" "$dry_report")
+    verdict dry-run "$accepted accepted, $refused refused$(grep -m 3 "^REFUSED" "$dry_report" | sed 's/^/; /' | tr -d '\n')"
+    cat "$out/summary.txt"
+    [ "$refused" = 0 ] || exit 1
+    exit 0
+fi
 pack_logs
 cat "$out/summary.txt"
