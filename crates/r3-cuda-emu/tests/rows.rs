@@ -28,6 +28,7 @@ mod common;
 use common::Lcg;
 use r3_model::launch_shape::{
     attend_rows_shared_bytes, rms_norm_dw_chunk_threads, row_threads, ATTEND_ROWS_THREADS,
+    RMS_NORM_DW_CHUNK_ROWS,
 };
 
 /// The bit patterns of `v`.
@@ -517,19 +518,21 @@ fn rms_norm_input_gradient_equals_the_cpu_bit_for_bit() {
 
 /// `r3_rms_norm_dw_chunks_f32` gives each chunk's weight-gradient sum as the CPU's backward
 /// does (each chunk's rows alone through the norm's backward: one CPU task, whose sum is
-/// that chunk's partial as it is): 133 rows of 40 (two chunks of 64 and a last one of 5)
-/// at the launcher's 64 threads (`launch_shape::rms_norm_dw_chunk_threads`); one warp (every row's inverse RMS on one warp, the columns
-/// in two rounds); 1,024 threads (more warps than the last chunk's rows); chunks of 16 rows
+/// that chunk's partial as it is): two full chunks of the launcher's rows
+/// (`launch_shape::RMS_NORM_DW_CHUNK_ROWS`, 64) and a last one of 5, of 40 columns, at the
+/// launcher's 64 threads (`launch_shape::rms_norm_dw_chunk_threads`); one warp (every row's
+/// inverse RMS on one warp, the columns in two rounds); 1,024 threads (more warps than the last chunk's rows); chunks of 16 rows
 /// over 96 threads. Bit for bit in every variant: rows added in order, as the CPU adds them,
 /// each `acc + g · x̂` written with `_rn` intrinsics (no contraction in the "fma" build).
 #[test]
 fn rms_norm_weight_gradient_chunks_equal_the_cpu_chunk_sums_bit_for_bit() {
-    let (rows, d) = (2 * 64 + 5, 40usize);
+    let chunk = RMS_NORM_DW_CHUNK_ROWS;
+    let (rows, d) = (2 * chunk + 5, 40usize);
     let (x, w, g) = norm_operands(rows, d, 7);
     for (threads, chunk_rows) in [
-        (rms_norm_dw_chunk_threads(d), 64usize),
-        (32, 64),
-        (1024, 64),
+        (rms_norm_dw_chunk_threads(d), chunk),
+        (32, chunk),
+        (1024, chunk),
         (96, 16),
     ] {
         let chunks = rows.div_ceil(chunk_rows);

@@ -32,6 +32,12 @@ pub const SUM_SQUARES_THREADS: u32 = 256;
 /// (`r3_sum_squares_total`).
 pub const SUM_SQUARES_TOTAL_THREADS: u32 = 1024;
 
+/// Rows a chunk of the RMSNorm weight gradient sums (a parallel task on the CPU, a block of
+/// `r3_rms_norm_dw_chunks_f32` on a GPU, which holds a chunk's inverse RMS values in 64
+/// slots): the chunks' partial sums are then added in chunk order, so both devices give the
+/// same partials only with the same chunk.
+pub const RMS_NORM_DW_CHUNK_ROWS: usize = 64;
+
 /// Threads of a block of the RMSNorm weight gradient's chunks (`r3_rms_norm_dw_chunks_f32`,
 /// a block per chunk of rows) for rows of `d` columns: one per column, a whole number of
 /// warps (the rows' inverse RMS values are a warp's each), between one warp and 1,024.

@@ -93,8 +93,9 @@ struct RmsNormOp {
     round: Option<DType>,
 }
 
-/// Rows per parallel task (the weight gradient is summed per task, then across tasks).
-const ROWS_PER_TASK: usize = 64;
+/// Rows per parallel task (the weight gradient is summed per task, then across tasks): the
+/// GPU kernel's chunk too.
+const ROWS_PER_TASK: usize = crate::launch_shape::RMS_NORM_DW_CHUNK_ROWS;
 
 // The CUDA kernel `r3_rms_norm_dw_chunks_f32` holds a chunk's inverse RMS values in 64 slots.
 const _: () = assert!(ROWS_PER_TASK <= 64);
