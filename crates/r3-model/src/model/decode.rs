@@ -452,8 +452,8 @@ fn routes_to_host(layers: &[(&MoeBlock, DeviceRoutes)]) -> Result<Vec<Vec<u32>>>
         return Ok(Vec::new());
     }
     let records: Vec<&Tensor> = layers.iter().map(|(_, r)| &r.record).collect();
-    // One layer's record is a view of its op's output (cat of one is that view): the vendored
-    // candle copies only its elements to the host.
+    // One layer's record is a view of its op's output (cat of one is that view) holding more
+    // than half its buffer: the vendored candle copies that whole buffer (the gates too).
     let all = Tensor::cat(&records, 0)?.to_vec1::<f32>()?;
     let mut routes = Vec::with_capacity(layers.len());
     let mut at = 0;

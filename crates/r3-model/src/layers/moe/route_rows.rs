@@ -193,7 +193,9 @@ pub fn read_choice(
         });
     }
     let slots = rows * k;
-    // A view of the packed output: the vendored candle copies only its elements to the host.
+    // A view of the packed output holding more than half its buffer, so the vendored candle
+    // copies the whole buffer to the host (the gates too: `2k + 1` values a row, 17/128 of
+    // the logits' bytes at top-8 of 128) rather than queue a copy kernel for the view.
     let record = packed.narrow(0, slots, slots + rows)?.to_vec1::<f32>()?;
     let (ids, finite) = record.split_at(slots);
     if let Some(row) = finite.iter().position(|&f| f == 0.0) {
