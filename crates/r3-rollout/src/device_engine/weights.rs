@@ -224,7 +224,7 @@ fn in_engine_form(t: &Tensor, dtype: DType, device: &Device) -> candle_core::Res
 /// copy first, then a copy of it, took half again the time); elsewhere `src` is brought to
 /// `dst`'s form ([`in_engine_form`]) and copied, at most `max_elems` elements a copy: whole
 /// where it fits (flattened views of the same storage, any rank), else in slices of the
-/// first dimension.
+/// first dimension, each converted alone.
 fn write_over(dst: &Tensor, src: &Tensor, max_elems: usize) -> candle_core::Result<()> {
     // A tensor not contiguous would flatten into a copy, and the write would miss the
     // engine's storage: refused (the engine builds every tensor contiguous).
@@ -234,9 +234,9 @@ fn write_over(dst: &Tensor, src: &Tensor, max_elems: usize) -> candle_core::Resu
     if src.dtype() != dst.dtype() && src.device().is_cpu() && dst.device().is_cpu() {
         return dst.inplace_op2(&src.contiguous()?, &ConvertInto);
     }
-    let src = in_engine_form(src, dst.dtype(), dst.device())?;
     let n = dst.elem_count();
     if n <= max_elems || dst.rank() == 0 {
+        let src = in_engine_form(src, dst.dtype(), dst.device())?;
         return dst.flatten_all()?.slice_set(&src.flatten_all()?, 0, 0);
     }
     let rows = dst.dim(0)?;
@@ -245,9 +245,12 @@ fn write_over(dst: &Tensor, src: &Tensor, max_elems: usize) -> candle_core::Resu
         candle_core::bail!("a slice of {per_row} elements exceeds one copy's {max_elems}");
     }
     let step = max_elems / per_row.max(1);
+    // Each slice converted on its own: a GPU's cast kernels count elements in 32 bits, and
+    // no converted copy of the whole tensor is held beside the engine's.
     for start in (0..rows).step_by(step) {
         let len = step.min(rows - start);
-        dst.slice_set(&src.narrow(0, start, len)?.contiguous()?, 0, start)?;
+        let slice = in_engine_form(&src.narrow(0, start, len)?, dst.dtype(), dst.device())?;
+        dst.slice_set(&slice, 0, start)?;
     }
     Ok(())
 }
