@@ -220,6 +220,63 @@ impl GemmCall {
     }
 }
 
+/// A pointer-array call whose table a kernel writes on the device from values the host
+/// never reads (the slots' experts): `count` GEMMs of `shape`, the `i`-th C at `i · c_step`,
+/// none reaching further into A, B or C than the GEMM at `furthest` (each offset's largest
+/// over every table the kernel can write).
+#[cfg(any(test, feature = "cuda"))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DeviceTableCall {
+    /// The shape every GEMM of the table shares.
+    pub(crate) shape: GemmShape,
+    /// GEMMs in the table.
+    pub(crate) count: usize,
+    /// The largest A, B and C offsets any GEMM of any such table has.
+    pub(crate) furthest: [usize; 3],
+    /// Elements between consecutive GEMMs' outputs.
+    pub(crate) c_step: usize,
+}
+
+#[cfg(any(test, feature = "cuda"))]
+impl DeviceTableCall {
+    /// Refuses a table that does not fit operands of `lens` elements: [`GemmCall::check_within`]
+    /// of its furthest GEMM, the last output where `c_step` puts it, and outputs `c_step`
+    /// apart that overlap (shorter than C's span). In O(1): a decode step checks one a layer.
+    pub(crate) fn check_within(&self, lens: [usize; 3], what: &str) -> Result<()> {
+        if self.count == 0 {
+            return self.shape.check(what);
+        }
+        if i32::try_from(self.count).is_err() {
+            candle_core::bail!(
+                "{what}: {} GEMMs in one batch exceed a 32-bit count",
+                self.count
+            );
+        }
+        let last_c = (self.count - 1).checked_mul(self.c_step);
+        if last_c.is_none_or(|c| c > self.furthest[2]) {
+            candle_core::bail!(
+                "{what}: the table's last output ({} × {}) lies past its furthest ({})",
+                self.count - 1,
+                self.c_step,
+                self.furthest[2]
+            );
+        }
+        let span_c = self.shape.spans()[2];
+        if self.count > 1 && self.c_step < span_c {
+            candle_core::bail!(
+                "{what}: GEMMs {} elements apart write overlapping outputs of {span_c}",
+                self.c_step
+            );
+        }
+        GemmCall {
+            shape: self.shape,
+            batch: GemmBatch::Offsets(vec![self.furthest]),
+            accumulate: false,
+        }
+        .check_within(lens, what)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -9,7 +9,7 @@ use candle_core::cuda_backend::cudarc::driver::DevicePtr;
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, DType, Result};
 
-use crate::gemm_call::{GemmBatch, GemmCall, GemmShape};
+use crate::gemm_call::{DeviceTableCall, GemmBatch, GemmCall, GemmShape};
 
 /// One operand of a GEMM call on the device: the address its offsets count from, the
 /// elements it holds from there, and its dtype.
@@ -176,42 +176,30 @@ pub(crate) fn run(
     Ok(())
 }
 
-/// A pointer-array call whose table a kernel has written on the device at `table`
-/// (`count` A pointers, then B's, then C's, each at one of the offsets `bounding` allows):
-/// `bounding` is checked against the operands' lengths ([`GemmCall::check_within`]) and
-/// must hold, for each GEMM, offsets at least as far into every operand as any the kernel
-/// can write, and `count` GEMMs. Then one `cublasGemmBatchedEx` of `bounding`'s shape.
+/// A pointer-array call whose table a kernel has written on the device at `table` (`count`
+/// A pointers, then B's, then C's): `call` is checked against the operands' lengths first
+/// ([`DeviceTableCall::check_within`]), then one `cublasGemmBatchedEx` of its shape.
 ///
 /// # Safety
-/// The table must hold `3 · count` pointers, each GEMM's at offsets from the operands'
-/// addresses no further than `bounding`'s and no two C's overlapping (what the kernel
-/// writing it guarantees).
+/// The table must hold `3 · call.count` pointers, each GEMM's at offsets from the operands'
+/// addresses no further than `call.furthest` and its C at its index times `call.c_step`
+/// (what the kernel writing it guarantees).
 pub(crate) unsafe fn run_device_table(
     dev: &CudaDevice,
-    bounding: &GemmCall,
+    call: &DeviceTableCall,
     operands: [GemmOperand; 3],
     compute: GemmCompute,
     table: u64,
     what: &str,
 ) -> Result<()> {
     let [a, b, c] = &operands;
-    bounding.check_within([a.len, b.len, c.len], what)?;
+    call.check_within([a.len, b.len, c.len], what)?;
     let types = CublasTypes::of(&operands, compute, what)?;
-    if bounding.count() == 0 {
+    if call.count == 0 {
         return Ok(());
     }
     // SAFETY: the caller's contract.
-    unsafe {
-        run_table(
-            dev,
-            &bounding.shape,
-            bounding.count(),
-            table,
-            types,
-            bounding.accumulate,
-            what,
-        )
-    }
+    unsafe { run_table(dev, &call.shape, call.count, table, types, false, what) }
 }
 
 /// One `cublasGemmBatchedEx` of `count` GEMMs of `shape` whose pointer table lies on the

@@ -28,6 +28,8 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor
 
 use crate::cast16::cast16;
 use crate::error::{ModelError, Result};
+#[cfg(any(test, feature = "cuda"))]
+use crate::gemm_call::DeviceTableCall;
 use crate::gemm_call::{GemmBatch, GemmCall, GemmShape};
 use crate::host::contiguous;
 use crate::layers::linear::matmul_wt_at;
@@ -435,14 +437,19 @@ impl SlotsLayout {
         })
     }
 
-    /// The call with the last expert at every slot: each GEMM as far into every operand as
-    /// any table the kernel can write, so that its check bounds them all.
+    /// The call as a GPU checks it before the kernel writes its table: `slots` GEMMs, the
+    /// `s`-th output `n` elements on, none further into the stack than the last expert, into
+    /// the rows than the last row or into the output than the last slot.
     #[cfg(any(test, feature = "cuda"))]
-    fn bounding_call(&self) -> candle_core::Result<GemmCall> {
-        let last = u32::try_from(self.stack - 1).map_err(|_| {
-            candle_core::Error::Msg(format!("expert slots gemm: a stack of {}", self.stack))
-        })?;
-        self.call(&vec![last; self.slots])
+    fn table_call(&self) -> DeviceTableCall {
+        let [a, b, c] = self.steps();
+        let last = self.slots.saturating_sub(1);
+        DeviceTableCall {
+            shape: self.shape(),
+            count: self.slots,
+            furthest: [(self.stack - 1) * a, last / self.share * b, last * c],
+            c_step: c,
+        }
     }
 }
 
@@ -1165,7 +1172,7 @@ mod cuda {
         let what = "expert slots gemm";
         let dev = sx.device().clone();
         let stream = dev.cuda_stream();
-        let bounding = layout.bounding_call()?;
+        let table_call = layout.table_call();
         let (slots, n) = (layout.slots, layout.n);
         let int = |v: usize| {
             u32::try_from(v)
@@ -1217,12 +1224,13 @@ mod cuda {
                     unsafe { launch.launch(crate::cuda::elementwise(slots)) }?;
                     let (table_ptr, _sync) = table.device_ptr(&stream);
                     // SAFETY: the kernel writes slot `s`'s pointers at `layout`'s offsets
-                    // for its id, an id past the stack read as expert 0: no further into
-                    // any operand than `bounding`'s, which `run_device_table` checks.
+                    // for its id (an id past the stack read as expert 0): no further into
+                    // any operand than `table_call`'s furthest GEMM, its C at `s · n`, as
+                    // `run_device_table` checks against the operands.
                     unsafe {
                         gemm::run_device_table(
                             &dev,
-                            &bounding,
+                            &table_call,
                             [w, x, y],
                             GemmCompute::F32,
                             table_ptr,
@@ -1302,28 +1310,51 @@ mod tests {
         }
     }
 
-    /// The call a GPU checks before the kernel-written table (the last expert at every slot)
-    /// fits the operands' lengths with nothing to spare, so it reaches as far as any table
-    /// can, and a layout that does not fit its operands is refused by name.
+    /// The table call a GPU checks before the kernel writes its pointers: its furthest GEMM
+    /// is, offset by offset, the furthest of the host call's for any ids (every expert at
+    /// every slot tried), its outputs are the host call's, and it fits the operands' lengths
+    /// with nothing to spare (one element short of any operand fails). A layout that does
+    /// not fit its operands, and outputs closer than their span, are refused by name.
     #[test]
-    fn the_slots_bounding_call_reaches_each_operands_end() {
+    fn the_slots_table_call_reaches_each_operands_end() {
         let (rows, share, stack, n, k) = (3, 2, 4, 5, 6);
         let x = Layout::contiguous((rows, 1, k));
         let w = Layout::contiguous((stack, n, k));
         let ids = Layout::contiguous(rows * share);
         let layout = SlotsLayout::of(&x, &w, &ids, share).expect("fits");
-        let lens = [stack * n * k, rows * k, rows * share * n];
-        let bounding = layout.bounding_call().expect("bounding");
-        bounding
-            .check_within(lens, "test")
-            .expect("tight lengths fit");
+        let slots = rows * share;
+        let table = layout.table_call();
+        let mut furthest = [0usize; 3];
+        for e in 0..stack as u32 {
+            let call = layout.call(&vec![e; slots]).expect("call");
+            assert_eq!(call.shape, table.shape);
+            for (s, offsets) in call.offsets().enumerate() {
+                assert_eq!(offsets[2], s * table.c_step, "slot {s}'s output");
+                for (f, o) in furthest.iter_mut().zip(offsets) {
+                    *f = (*f).max(o);
+                }
+            }
+        }
+        assert_eq!(furthest, table.furthest);
+        assert_eq!(table.count, slots);
+        let lens = [stack * n * k, rows * k, slots * n];
+        table.check_within(lens, "test").expect("tight lengths fit");
         for short in 0..3 {
             let mut less = lens;
             less[short] -= 1;
-            bounding
+            table
                 .check_within(less, "test")
                 .expect_err("one element short");
         }
+        let close = DeviceTableCall {
+            c_step: n - 1,
+            furthest: [table.furthest[0], table.furthest[1], (slots - 1) * (n - 1)],
+            ..table
+        };
+        let err = close
+            .check_within(lens, "test")
+            .expect_err("outputs overlap");
+        assert!(err.to_string().contains("overlapping"), "{err}");
         let three = Layout::contiguous(3);
         let err = SlotsLayout::of(&x, &w, &three, share).expect_err("3 ids for 3 rows × 2");
         assert!(err.to_string().contains("3 ids at 2 slots a row"), "{err}");
