@@ -10,8 +10,10 @@
 //! batch race on one output, without a word; here either is an error naming the GEMM. The
 //! same call runs on host slices through a plain column-major GEMM ([`GemmCall::run_host`]),
 //! so the CPU tests check each call site's row-major-to-column-major arithmetic (which
-//! operand is A, the transposes, leading dimensions, strides and offsets) against candle's
-//! own products, where before only a GPU could.
+//! operand is A, through the same ordering function the GPU path takes, the transposes,
+//! leading dimensions, strides and offsets) against candle's own products, where before
+//! only a GPU could. What stays GPU-only is `cuda/gemm.rs`'s one translation of a call
+//! into cuBLAS's arguments, shared by every call site (the GPU tests run it).
 
 use candle_core::Result;
 

@@ -74,10 +74,16 @@ impl Batched {
 
 #[cfg(any(test, feature = "cuda"))]
 impl Batched {
-    /// The call's GEMMs, column-major: row-major `c [m, n] = a · bᵀ` is column-major
-    /// `cᵀ (n × m) = op_T(b) · a`, so cuBLAS's A is the operand `b` (read as `k × n`,
-    /// transposed) and its B the operand `a` (read as `k × m`); one GEMM per leading index,
-    /// `[n · k, m · k, m · n]` elements apart.
+    /// cuBLAS's A and B from the operands `a` and `b`: row-major `c [m, n] = a · bᵀ` is
+    /// column-major `cᵀ (n × m) = op_T(b) · a`, so A is `b` and B is `a` (the host test and
+    /// the GPU both take them from here).
+    fn operands<T>(a: T, b: T) -> [T; 2] {
+        [b, a]
+    }
+
+    /// The call's GEMMs, column-major, over [`Batched::operands`]: A (`b`) read as `k × n`
+    /// and transposed, B (`a`) read as `k × m`; one GEMM per leading index, `[n · k, m · k,
+    /// m · n]` elements apart.
     fn call(&self) -> GemmCall {
         let Batched { batch, m, n, k } = *self;
         GemmCall {
@@ -168,8 +174,8 @@ mod cuda {
                 len,
                 dtype: DType::F32,
             };
-            // cuBLAS's A is the operand `b`, its B the operand `a` (`Batched::call`).
-            gemm::run(&dev, &s.call(), [b, a, c], GemmCompute::F32, what)?;
+            let [a, b] = Batched::operands(a, b);
+            gemm::run(&dev, &s.call(), [a, b, c], GemmCompute::F32, what)?;
         }
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
@@ -212,11 +218,12 @@ mod tests {
             let shape = Batched::of(&a, &b).expect("shape");
             let call = shape.call();
             let mut c = vec![f32::NAN; want.elem_count()];
-            call.run_host(&host(&b), &host(&a), &mut c, "test")
+            let [ha, hb] = Batched::operands(host(&a), host(&b));
+            call.run_host(&ha, &hb, &mut c, "test")
                 .expect("the call fits its operands");
             assert_eq!(c, host(&want), "{ad:?} · {bd:?}ᵀ");
             for short in 0..3 {
-                let mut lens = [b.elem_count(), a.elem_count(), c.len()];
+                let mut lens = [ha.len(), hb.len(), c.len()];
                 lens[short] -= 1;
                 call.check_within(lens, "test")
                     .expect_err("an element short of an operand");

@@ -316,10 +316,10 @@ impl CustomOp3 for SlotsGemm {
             candle_core::bail!("{what}: the ids must be u32");
         };
         let mut y = vec![0f32; layout.slots * layout.n];
-        // cuBLAS's A is the stack, its B the rows.
+        let [a, b] = SlotsLayout::operands(&x, &w);
         layout
             .call(contiguous(ids, lids, "ids")?)?
-            .run_host(&w, &x, &mut y, what)?;
+            .run_host(a, b, &mut y, what)?;
         Ok((host_storage(y, x_dtype, what)?, layout.out_shape()))
     }
 
@@ -399,6 +399,12 @@ impl SlotsLayout {
             ldb: self.k,
             ldc: self.n,
         }
+    }
+
+    /// cuBLAS's A and B from the rows and the stack: A the stack, B the rows (the host twin
+    /// and the GPU both take them from here, the kernel's table too).
+    fn operands<T>(rows: T, stack: T) -> [T; 2] {
+        [stack, rows]
     }
 
     /// Elements from one expert's matrices to the next, one row to the next, one output row
@@ -913,6 +919,13 @@ fn out_shape(pass: Pass, map: &BlockMap) -> Shape {
     }
 }
 
+/// cuBLAS's A and B of a plan from the op's two operands: A is the second (the stack, or the
+/// input rows of the weight gradient) and B the first, in every pass. The host twin and the
+/// GPU both take them from here, so the host tests check the order a GPU is given.
+fn plan_operands<T>(first: T, second: T) -> [T; 2] {
+    [second, first]
+}
+
 /// One pass's GEMMs as a no-gradient op over its two operands (both of the compute type, or
 /// both f32 for `FAST_16BF`).
 #[derive(Debug, Clone)]
@@ -1009,9 +1022,8 @@ impl CustomOp2 for PlannedGemm {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         self.check_operands(l1, l2)?;
         let plan = GemmPlan::new(self.pass, &self.map);
-        // The plan's A is the op's second operand in every pass (the weight, or the input
-        // rows of the weight gradient), B its first.
-        let ((a, a_dtype), (b, b_dtype)) = (host_values(s2, l2, "A")?, host_values(s1, l1, "B")?);
+        let [(sa, la), (sb, lb)] = plan_operands((s1, l1), (s2, l2));
+        let ((a, a_dtype), (b, b_dtype)) = (host_values(sa, la, "A")?, host_values(sb, lb, "B")?);
         if a_dtype != b_dtype || (self.fast16bf && a_dtype != DType::F32) {
             candle_core::bail!(
                 "expert blocks gemm on the host: operands {a_dtype:?} and {b_dtype:?} (one \
@@ -1045,9 +1057,9 @@ impl CustomOp2 for PlannedGemm {
         use candle_core::backend::BackendStorage;
         self.check_operands(l1, l2)?;
         let plan = GemmPlan::new(self.pass, &self.map);
-        let out_dtype = self.out_dtype(&plan, s2.dtype())?;
-        // A is the second operand (the weight, or the input rows), B the first.
-        let out = cuda::run_plan(&plan, out_dtype, s2, l2, s1, l1, self.fast16bf)?;
+        let [(sa, la), (sb, lb)] = plan_operands((s1, l1), (s2, l2));
+        let out_dtype = self.out_dtype(&plan, sa.dtype())?;
+        let out = cuda::run_plan(&plan, out_dtype, sa, la, sb, lb, self.fast16bf)?;
         Ok((out, out_shape(self.pass, &self.map)))
     }
 }
@@ -1085,7 +1097,6 @@ fn host_values<'a>(
     })
 }
 
-/// The plans on cuBLAS.
 /// The plans on cuBLAS.
 #[cfg(feature = "cuda")]
 mod cuda {
@@ -1156,10 +1167,10 @@ mod cuda {
 
     /// [`super::SlotsGemm`]: row `s / share` `[1, k]` of `sx` times expert `ids[s]`'s `[n, k]`
     /// of the stack `sw`, transposed, into row `s` of a fresh `[slots, 1, n]` output of the
-    /// operands' dtype. A kernel writes the pointer table from the ids on the device (at
-    /// `layout`'s steps), then one `cublasGemmBatchedEx` of `layout`'s shape reads it,
-    /// after the call with the last expert at every slot (the furthest any table reaches)
-    /// is checked against the operands.
+    /// operands' dtype. The table call (`SlotsLayout::table_call`: the furthest GEMM any
+    /// table holds) is checked against the operands, then a kernel writes the pointer table
+    /// from the ids on the device (at `layout`'s steps) and one `cublasGemmBatchedEx` of
+    /// `layout`'s shape reads it.
     pub(super) fn run_slots(
         sx: &CudaStorage,
         lx: &Layout,
@@ -1181,10 +1192,16 @@ mod cuda {
         let (slots32, stack32, share32) = (int(slots)?, int(layout.stack)?, int(layout.share)?);
         let (x, _read_x) = crate::cuda::gemm_operand(sx, lx, &stream, what)?;
         let (w, _read_w) = crate::cuda::gemm_operand(sw, lw, &stream, what)?;
+        let [a, b] = SlotsLayout::operands(x, w);
         let ids = crate::cuda::view::<u32>(sids, lids, "expert ids")?;
         if ids.len() != slots {
             candle_core::bail!("{what}: {} ids for {slots} slots", ids.len());
         }
+        if a.dtype != b.dtype {
+            candle_core::bail!("{what}: operands {:?} and {:?}", a.dtype, b.dtype);
+        }
+        // Before the kernel writes the table (and again by `run_device_table`, its contract).
+        table_call.check_within([a.len, b.len, slots * n], what)?;
         let size = x.dtype.size_in_bytes() as u64;
         let [a_step, b_step, c_step] = layout.steps().map(|step| step as u64 * size);
         macro_rules! run {
@@ -1212,9 +1229,9 @@ mod cuda {
                         .arg(&mut table)
                         .arg(&slots32)
                         .arg(&stack32)
-                        .arg(&w.addr)
+                        .arg(&a.addr)
                         .arg(&a_step)
-                        .arg(&x.addr)
+                        .arg(&b.addr)
                         .arg(&b_step)
                         .arg(&share32)
                         .arg(&y0)
@@ -1231,7 +1248,7 @@ mod cuda {
                         gemm::run_device_table(
                             &dev,
                             &table_call,
-                            [w, x, y],
+                            [a, b, y],
                             GemmCompute::F32,
                             table_ptr,
                             what,
