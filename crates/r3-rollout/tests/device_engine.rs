@@ -416,6 +416,33 @@ fn an_aborted_request_leaves_the_others_running() {
     assert_same("third", &done[1], &alone[2], BATCH_TOL);
 }
 
+/// On a GPU, budgets past the memory the driver reports free with the model loaded refuse
+/// the engine at its start, naming every budget and the free memory, where the first large
+/// step would have run out of memory (the CPU reports no free memory, so there is nothing to
+/// compare: a GPU test only).
+#[cfg(feature = "cuda")]
+#[test]
+fn budgets_past_the_gpus_free_memory_refuse_the_engine_by_name() {
+    let Err(err) = DeviceEngine::from_dir(
+        &model_dir("qwen3_moe_tiny"),
+        DeviceEngineConfig {
+            kv_cache_bytes: 1 << 50,
+            ..device_config()
+        },
+    ) else {
+        panic!("a petabyte of KV cache was accepted");
+    };
+    let text = err.to_string();
+    for part in [
+        "KV cache",
+        "activations",
+        "exceed what",
+        "free with the model loaded",
+    ] {
+        assert!(text.contains(part), "{part:?} in {text}");
+    }
+}
+
 #[test]
 fn bad_requests_are_refused_naming_what_is_wrong() {
     let mut dev = device_engine("qwen3_moe_tiny");
