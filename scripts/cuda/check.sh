@@ -487,7 +487,8 @@ for name in ("qwen3_moe_tiny", "deepseek_v3_tiny"):
                             "--input-ids", ",".join(map(str, prompt)), "--dtype", "f32",
                             "--max-new-tokens", str(len(want) - len(prompt)), "--device", device],
                            capture_output=True, text=True, timeout=60)
-        outs[device] = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else None
+        lines = p.stdout.strip().splitlines()
+        outs[device] = json.loads(lines[-1]) if p.returncode == 0 and lines else None
     cuda, cpu = outs["cuda"], outs["cpu"]
     if cuda is None or cpu is None:
         bad.append(f"{name}: r3 generate failed"); continue
