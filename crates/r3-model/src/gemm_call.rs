@@ -145,31 +145,29 @@ impl GemmCall {
     /// addresses the call is given): a shape cuBLAS refuses, a GEMM reading or writing past
     /// an operand's end, or two GEMMs of the batch writing the same output elements (cuBLAS
     /// runs a batch's GEMMs side by side, so their sums would race). Every error names the
-    /// call (`what`) and the GEMM.
+    /// call (`what`) and the GEMM. A strided batch in constant work (its last GEMM is the
+    /// furthest, its outputs a stride apart); per-GEMM offsets one by one.
     pub(crate) fn check_within(&self, lens: [usize; 3], what: &str) -> Result<()> {
-        self.shape.check(what)?;
-        if i32::try_from(self.count()).is_err() {
-            candle_core::bail!(
-                "{what}: {} GEMMs in one batch exceed a 32-bit count",
-                self.count()
-            );
-        }
-        let spans = self.shape.spans();
-        let mut outputs = Vec::with_capacity(self.count());
-        for (i, offsets) in self.offsets().enumerate() {
-            for (which, name) in ["A", "B", "C"].into_iter().enumerate() {
-                let (at, span, len) = (offsets[which], spans[which], lens[which]);
-                if span > 0 && at.checked_add(span).is_none_or(|end| end > len) {
-                    candle_core::bail!(
-                        "{what}: GEMM {i} of {} touches {name} elements {at}..{} of an operand \
-                         of {len}",
-                        self.count(),
-                        at.saturating_add(span)
-                    );
-                }
+        let offsets = match &self.batch {
+            // Each operand's offsets grow with the index: the last GEMM is the furthest.
+            GemmBatch::Strided { count, strides } => {
+                let last = count.saturating_sub(1);
+                let furthest = strides.map(|s| s.checked_mul(last));
+                let [Some(a), Some(b), Some(c)] = furthest else {
+                    candle_core::bail!("{what}: {count} GEMMs {strides:?} apart overflow");
+                };
+                return check_stepped(&self.shape, *count, [a, b, c], strides[2], lens, what);
             }
+            GemmBatch::Offsets(offsets) => offsets,
+        };
+        check_count(offsets.len(), what)?;
+        self.shape.check(what)?;
+        let spans = self.shape.spans();
+        let mut outputs = Vec::with_capacity(offsets.len());
+        for (i, &at) in offsets.iter().enumerate() {
+            check_one(spans, at, lens, (i, offsets.len()), what)?;
             if spans[2] > 0 {
-                outputs.push((offsets[2], i));
+                outputs.push((at[2], i));
             }
         }
         // Most calls write their outputs in order; only others pay for a sort.
@@ -222,6 +220,62 @@ impl GemmCall {
     }
 }
 
+/// Refuses more GEMMs in one batch than cuBLAS's 32-bit count.
+fn check_count(count: usize, what: &str) -> Result<()> {
+    if i32::try_from(count).is_err() {
+        candle_core::bail!("{what}: {count} GEMMs in one batch exceed a 32-bit count");
+    }
+    Ok(())
+}
+
+/// Refuses GEMM `i` of `count`, at element offsets `at`, where it touches an operand of
+/// `lens` past its end (`spans`: the elements each operand's matrix spans).
+fn check_one(
+    spans: [usize; 3],
+    at: [usize; 3],
+    lens: [usize; 3],
+    (i, count): (usize, usize),
+    what: &str,
+) -> Result<()> {
+    for (which, name) in ["A", "B", "C"].into_iter().enumerate() {
+        let (at, span, len) = (at[which], spans[which], lens[which]);
+        if span > 0 && at.checked_add(span).is_none_or(|end| end > len) {
+            candle_core::bail!(
+                "{what}: GEMM {i} of {count} touches {name} elements {at}..{} of an operand \
+                 of {len}",
+                at.saturating_add(span)
+            );
+        }
+    }
+    Ok(())
+}
+
+/// `count` GEMMs of `shape` whose outputs lie `c_step` apart and whose offsets reach no
+/// further than the GEMM at `furthest` (a strided batch, a device-written table): the shape,
+/// the count, outputs that overlap, and the furthest GEMM against `lens`. Constant work.
+fn check_stepped(
+    shape: &GemmShape,
+    count: usize,
+    furthest: [usize; 3],
+    c_step: usize,
+    lens: [usize; 3],
+    what: &str,
+) -> Result<()> {
+    check_count(count, what)?;
+    shape.check(what)?;
+    if count == 0 {
+        return Ok(());
+    }
+    let spans = shape.spans();
+    if count > 1 && c_step < spans[2] {
+        candle_core::bail!(
+            "{what}: GEMMs {c_step} elements apart write overlapping outputs of {}",
+            spans[2]
+        );
+    }
+    check_one(spans, furthest, lens, (count - 1, count), what)
+}
+
 /// A pointer-array call whose table a kernel writes on the device from values the host
 /// never reads (the slots' experts): `count` GEMMs of `shape`, the `i`-th C at `i · c_step`,
 /// none reaching further into A, B or C than the GEMM at `furthest` (each offset's largest
@@ -241,41 +295,28 @@ pub(crate) struct DeviceTableCall {
 
 #[cfg(any(test, feature = "cuda"))]
 impl DeviceTableCall {
-    /// Refuses a table that does not fit operands of `lens` elements: [`GemmCall::check_within`]
-    /// of its furthest GEMM, the last output where `c_step` puts it, and outputs `c_step`
-    /// apart that overlap (shorter than C's span). In O(1): a decode step checks one a layer.
+    /// Refuses a table that does not fit operands of `lens` elements, as
+    /// [`GemmCall::check_within`] refuses a strided batch: its furthest GEMM past an
+    /// operand's end, its last output past where `furthest` says, outputs `c_step` apart
+    /// that overlap (closer than C's span). Constant work: a decode step checks one a layer.
     pub(crate) fn check_within(&self, lens: [usize; 3], what: &str) -> Result<()> {
-        if self.count == 0 {
-            return self.shape.check(what);
-        }
-        if i32::try_from(self.count).is_err() {
-            candle_core::bail!(
-                "{what}: {} GEMMs in one batch exceed a 32-bit count",
-                self.count
-            );
-        }
-        let last_c = (self.count - 1).checked_mul(self.c_step);
+        let last_c = self.count.saturating_sub(1).checked_mul(self.c_step);
         if last_c.is_none_or(|c| c > self.furthest[2]) {
             candle_core::bail!(
                 "{what}: the table's last output ({} × {}) lies past its furthest ({})",
-                self.count - 1,
+                self.count.saturating_sub(1),
                 self.c_step,
                 self.furthest[2]
             );
         }
-        let span_c = self.shape.spans()[2];
-        if self.count > 1 && self.c_step < span_c {
-            candle_core::bail!(
-                "{what}: GEMMs {} elements apart write overlapping outputs of {span_c}",
-                self.c_step
-            );
-        }
-        GemmCall {
-            shape: self.shape,
-            batch: GemmBatch::Offsets(vec![self.furthest]),
-            accumulate: false,
-        }
-        .check_within(lens, what)
+        check_stepped(
+            &self.shape,
+            self.count,
+            self.furthest,
+            self.c_step,
+            lens,
+            what,
+        )
     }
 }
 
@@ -407,6 +448,25 @@ mod tests {
             .check_within([sa, sb, 2 * sc], "overlap")
             .expect_err("overlapping outputs");
         assert!(err.to_string().contains("GEMMs 0 and 1"), "{err}");
+        let strided = |c_stride| GemmCall {
+            shape: s,
+            batch: GemmBatch::Strided {
+                count: 2,
+                strides: [sa, sb, c_stride],
+            },
+            accumulate: false,
+        };
+        strided(sc)
+            .check_within([2 * sa, 2 * sb, 2 * sc], "strided")
+            .expect("a stride of C's span fits");
+        let err = strided(sc - 1)
+            .check_within([2 * sa, 2 * sb, 2 * sc], "strided")
+            .expect_err("outputs a stride short of their span");
+        assert!(err.to_string().contains("overlapping"), "{err}");
+        let err = strided(sc)
+            .check_within([2 * sa, 2 * sb, 2 * sc - 1], "strided")
+            .expect_err("the last output one short");
+        assert!(err.to_string().contains("GEMM 1 of 2"), "{err}");
         let bad_ld = GemmCall {
             shape: shape(true, false, [4, 3, 2], [1, 2, 4]),
             ..call(vec![[0, 0, 0]])
