@@ -81,11 +81,6 @@ static inline unsigned atomicMax(unsigned *p, unsigned v) {
     *p = old > v ? old : v;
     return old;
 }
-static inline int atomicMax(int *p, int v) {
-    const int old = *p;
-    *p = old > v ? old : v;
-    return old;
-}
 static inline unsigned atomicAdd(unsigned *p, unsigned v) {
     const unsigned old = *p;
     *p = old + v;

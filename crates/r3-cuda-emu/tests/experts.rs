@@ -10,9 +10,9 @@
 //! allows (one warp a block, rows wider than the block, a block of 96 threads, a few
 //! threads where the kernel has no warp operation). The truth is r3-model's CPU twin through
 //! its public API where it has one (`GatherRows`, `round16`), elsewhere a reference written
-//! from the kernel's documented meaning (the combines' twins, `combine_rows` and
-//! `CombineInOrder`, are crate-private to r3-model: the reference here is their documented
-//! value, products added in slot order from zero). Copies and fan-in sums (additions only)
+//! from the kernel's documented meaning: the combine's twin `combine_rows` through
+//! `r3_model::kernel_twins`; `CombineInOrder`, crate-private to r3-model, through its
+//! documented value, products added in slot order from zero. Copies and fan-in sums (additions only)
 //! equal the CPU bit for bit in both variants. The combine's `acc + g · y` is written with
 //! the correctly rounded intrinsics (`__fadd_rn(acc, __fmul_rn(g, y))`, which nvcc never
 //! contracts into a fused multiply-add), so the combines equal that reference bit for bit in
@@ -492,23 +492,10 @@ fn slot_of_place(place_of_slot: &[u32], places: usize) -> Vec<u32> {
     slots
 }
 
-/// The combine's documented value, the meaning of the CPU's `combine_rows` (crate-private
-/// to r3-model, so written out here): `out[r] = Σ_j g[r, j] · y[place[r, j]]`, each product
-/// rounded, then added in slot order from zero (Rust never contracts).
+/// The CPU's combine (`combine_rows`): `out[r] = Σ_j g[r, j] · y[place[r, j]]`, each product
+/// rounded, then added in slot order from zero.
 fn combine_reference(y: &[f32], g: &[f32], place: &[u32], (k, h): (usize, usize)) -> Vec<f32> {
-    let rows = g.len() / k;
-    let mut out = vec![0f32; rows * h];
-    for r in 0..rows {
-        for c in 0..h {
-            let mut acc = 0f32;
-            for j in 0..k {
-                let (gate, v) = (g[r * k + j], y[place[r * k + j] as usize * h + c]);
-                acc += gate * v;
-            }
-            out[r * h + c] = acc;
-        }
-    }
-    out
+    r3_model::kernel_twins::combine_rows(y, g, place, k, h)
 }
 
 /// The largest |got − cpu| relative to `scale`, asserting each within `k · ε` of its scale
@@ -558,8 +545,8 @@ fn gates(n: usize, seed: u64) -> Vec<f32> {
 }
 
 /// `r3_combine_slots_f32` over a padded layout (padding places NaN, never read) is the
-/// combine's documented value, [`combine_reference`] (products added in slot order from
-/// zero, the meaning of the CPU's `combine_rows`), bit for bit in every variant: the kernel
+/// CPU's combine, [`combine_reference`] (`combine_rows`: products added in slot order from
+/// zero), bit for bit in every variant: the kernel
 /// rounds each product and each sum explicitly (`__fmul_rn`, `__fadd_rn`), so the
 /// contracted "fma" build (nvcc's default) keeps those bits too.
 /// Rows of 70, 300, 5 and 33 (wider than a block of 32), top-1 to top-4, on the launcher's

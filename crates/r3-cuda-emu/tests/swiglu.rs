@@ -218,20 +218,15 @@ fn sixteen_bits(t: &Tensor) -> Vec<u16> {
     }
 }
 
-/// The SwiGLU's backward as documented (the twin `swiglu_grad_rows`' arithmetic, in f32 and
-/// in that order): `dh [rows, 2I]` of `h [rows, 2I]` and `d [rows, I]`.
+/// The CPU's SwiGLU backward (`swiglu_grad_rows`): `dh [rows, 2I]` of `h [rows, 2I]` and
+/// `d [rows, I]`.
 fn documented_grad(h: &[f32], d: &[f32], rows: usize, half: usize) -> Vec<f32> {
-    let mut dh = vec![0f32; rows * 2 * half];
-    for r in 0..rows {
-        for j in 0..half {
-            let at = r * 2 * half + j;
-            let (g, u, dd) = (h[at], h[at + half], d[r * half + j]);
-            let s = 1.0 / (1.0 + (-g).exp());
-            dh[at] = dd * u * (s * (1.0 + g * (1.0 - s)));
-            dh[at + half] = dd * (g / (1.0 + (-g).exp()));
-        }
-    }
-    dh
+    assert_eq!(
+        (h.len(), d.len()),
+        (rows * 2 * half, rows * half),
+        "operand shapes"
+    );
+    r3_model::kernel_twins::swiglu_grad_rows(h, d, half)
 }
 
 /// candle's autograd of the composed `silu(gate) · up` in f64 for the output gradient `d`:

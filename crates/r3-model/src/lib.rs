@@ -13,6 +13,13 @@ pub mod greedy_rows;
 mod host;
 pub mod host_staging;
 pub mod kernel_params;
+/// The CPU twins of r3's CUDA kernels that no public op reaches alone on the host, for the
+/// kernels' host emulation (the r3-cuda-emu crate's tests) to compare against: not an API.
+#[doc(hidden)]
+pub mod kernel_twins {
+    pub use crate::layers::moe::combine_slots::combine_rows;
+    pub use crate::layers::moe::swiglu_halves::swiglu_grad_rows;
+}
 pub mod launch_shape;
 pub mod layers;
 pub mod math;

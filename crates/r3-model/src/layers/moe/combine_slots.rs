@@ -375,7 +375,13 @@ fn cpu_pass(
 
 /// The forward's CPU implementation (the kernel `r3_combine_slots_f32` does the same):
 /// products added in slot order from zero.
-fn combine_rows<T: StdFloat>(y: &[T], gates: &[T], place: &[u32], k: usize, h: usize) -> Vec<T> {
+pub fn combine_rows<T: StdFloat>(
+    y: &[T],
+    gates: &[T],
+    place: &[u32],
+    k: usize,
+    h: usize,
+) -> Vec<T> {
     let rows = gates.len() / k;
     let mut out = vec![T::ZERO; rows * h];
     for (r, dst) in out.chunks_mut(h).enumerate() {

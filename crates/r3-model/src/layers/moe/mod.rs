@@ -4,7 +4,7 @@
 //! halves and the gate-weighted combine.
 
 mod block;
-mod combine_slots;
+pub(crate) mod combine_slots;
 pub mod dispatch;
 pub mod divergence;
 pub mod expert_gemm;
@@ -12,7 +12,7 @@ pub mod experts;
 pub mod padded_experts;
 pub mod route_rows;
 mod routed_op;
-mod swiglu_halves;
+pub(crate) mod swiglu_halves;
 
 pub(crate) use block::DeviceRoutes;
 pub use block::{Gates, MoeBlock, MoeOutput, RoutedRows};

@@ -172,7 +172,7 @@ pub(crate) fn swiglu_halves_grad(
 struct SwigluGrad;
 
 /// The backward's CPU implementation (the kernel `r3_swiglu_grad_f32` does the same).
-fn swiglu_grad_rows<T: StdFloat>(h: &[T], d: &[T], i: usize) -> Vec<T> {
+pub fn swiglu_grad_rows<T: StdFloat>(h: &[T], d: &[T], i: usize) -> Vec<T> {
     let one = T::from_f64(1.0);
     let mut dh = vec![T::ZERO; h.len()];
     for ((dst, row), dr) in dh.chunks_mut(2 * i).zip(h.chunks(2 * i)).zip(d.chunks(i)) {
