@@ -8,7 +8,12 @@ pub const ELEMENTWISE_THREADS: u32 = 256;
 /// Threads for a row of `cols` entries: one per four entries, a whole number of warps,
 /// between one warp and 1,024 threads.
 pub fn row_threads(cols: usize) -> u32 {
-    (cols.div_ceil(4).div_ceil(32) * 32).clamp(32, 1024) as u32
+    whole_warps(cols.div_ceil(4))
+}
+
+/// At least `threads` threads in whole warps, between one warp and 1,024.
+fn whole_warps(threads: usize) -> u32 {
+    (threads.div_ceil(32) * 32).clamp(32, 1024) as u32
 }
 
 /// Blocks of [`ELEMENTWISE_THREADS`] of a grid-stride launch over `n` elements: one element
@@ -42,7 +47,7 @@ pub const RMS_NORM_DW_CHUNK_ROWS: usize = 64;
 /// a block per chunk of rows) for rows of `d` columns: one per column, a whole number of
 /// warps (the rows' inverse RMS values are a warp's each), between one warp and 1,024.
 pub fn rms_norm_dw_chunk_threads(d: usize) -> u32 {
-    (d.div_ceil(32) * 32).clamp(32, 1024) as u32
+    whole_warps(d)
 }
 
 /// Threads of a block of the decode attention's rows (`r3_attend_rows_f32`, a block per
@@ -59,7 +64,7 @@ pub fn attend_rows_shared_bytes(s: usize, dq: usize) -> usize {
 /// per row) over `cols` experts in `n_group` groups: a row's threads ([`row_threads`]), and
 /// at least one thread per group, in whole warps.
 pub fn route_grouped_threads(cols: usize, n_group: usize) -> u32 {
-    row_threads(cols).max((n_group as u32).div_ceil(32) * 32)
+    row_threads(cols).max(whole_warps(n_group))
 }
 
 #[cfg(test)]

@@ -385,15 +385,11 @@ mod gpu {
                 block_dim: (crate::launch_shape::SUM_SQUARES_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let name = match cs.dtype() {
-                DType::BF16 => "r3_sum_squares_bf16",
-                DType::F16 => "r3_sum_squares_f16",
-                _ => "r3_sum_squares_f32",
-            };
-            let (func, stream) = cuda::kernel(&dev, name)?;
-            let mut launch = cuda::CheckedLaunch::new(&stream, &func, name);
+            // The kernel of the gradient's dtype, over a view of that element type.
             macro_rules! launch_squares {
-                ($ty:ty) => {{
+                ($name:literal, $ty:ty) => {{
+                    let (func, stream) = cuda::kernel(&dev, $name)?;
+                    let mut launch = cuda::CheckedLaunch::new(&stream, &func, $name);
                     let view = cuda::view::<$ty>(cs, layout, "gradient")?;
                     launch.arg(&view).arg(&n).arg(&*partials).arg(&first);
                     // SAFETY: the arguments are `r3_sum_squares_*`'s signature; the view holds
@@ -402,9 +398,9 @@ mod gpu {
                 }};
             }
             match cs.dtype() {
-                DType::BF16 => launch_squares!(half::bf16),
-                DType::F16 => launch_squares!(half::f16),
-                _ => launch_squares!(f32),
+                DType::BF16 => launch_squares!("r3_sum_squares_bf16", half::bf16),
+                DType::F16 => launch_squares!("r3_sum_squares_f16", half::f16),
+                _ => launch_squares!("r3_sum_squares_f32", f32),
             }
         }
         let (Some(dev), Some(partials)) = (dev, partials) else {
