@@ -7,21 +7,21 @@
 use std::path::Path;
 use std::process::Command;
 
+use r3_test_support::Scratch;
+
 #[test]
 fn the_gpu_checks_command_lines_are_accepted_by_this_build() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let out = std::env::temp_dir().join(format!("r3-gpu-check-dry-{}", std::process::id()));
+    let out = Scratch::new("gpu-check-dry");
     let run = Command::new("bash")
         .current_dir(&root)
         .arg("scripts/cuda/check.sh")
-        .arg(&out)
+        .arg(out.path())
         .args(["--dry-run", env!("CARGO_BIN_EXE_r3")])
         .args(["--steps", "1,2,3,4,9,10", "--budget", "1800"])
         .output()
         .expect("run bash");
     let summary = std::fs::read_to_string(out.join("summary.txt")).unwrap_or_default();
-    // Best effort: the folder holds only the summary and the logs' archive.
-    let _ = std::fs::remove_dir_all(&out);
     let stderr = String::from_utf8_lossy(&run.stderr);
     let verdict = summary
         .split(" dry-run=")

@@ -20,7 +20,7 @@ use r3_model::{Router, RouterKind};
 
 mod common;
 
-use common::Lcg;
+use common::{f32_bits as bits, Lcg};
 use r3_model::launch_shape::{route_grouped_threads, row_threads};
 
 /// The routed scaling factor of the grouped routers below (DeepSeek-V3's is 2.5).
@@ -107,11 +107,6 @@ fn unpack(packed: &[f32], rows: usize, k: usize) -> Choice {
             .collect(),
         finite: finite.to_vec(),
     }
-}
-
-/// The bits of `v`.
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
 }
 
 /// `r3_route_softmax_f32` of `kernels` over `logits` `[rows, cols]` choosing `k`

@@ -25,16 +25,11 @@ use r3_model::{Precision, RopeConfig, RopeScaling, Weights};
 
 mod common;
 
-use common::Lcg;
+use common::{f32_bits as bits, Lcg};
 use r3_model::launch_shape::{
     attend_rows_shared_bytes, rms_norm_dw_chunk_threads, row_threads, ATTEND_ROWS_THREADS,
     RMS_NORM_DW_CHUNK_ROWS,
 };
-
-/// The bit patterns of `v`.
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
 
 /// Runs one kernel launch of `shape` in both thread orders (`call` launches it over the
 /// output pointer it is given; the output starts as NaN, so an element left unwritten shows)

@@ -1,4 +1,4 @@
-//! What the kernel tests share: a seeded generator for their data.
+//! What the kernel tests share: a seeded generator for their data, the bits of a slice.
 
 /// A tiny seeded generator (64-bit LCG, Knuth's constants; the high bits), so every test's
 /// data is the same at every run.
@@ -35,4 +35,10 @@ impl Lcg {
     pub fn below(&mut self, n: usize) -> usize {
         ((u64::from(self.next_u32()) * n as u64) >> 32) as usize
     }
+}
+
+/// The bit patterns of `v` (NaN payloads kept: kernels are compared bit for bit).
+#[allow(dead_code)]
+pub fn f32_bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
 }
