@@ -56,7 +56,7 @@ constexpr int ABSENT_LANE = 4;
 // 5: R3EMU_FAULT_MISALIGNED (cuda_shim.h).
 constexpr int SHARED_OVERRUN = 6;
 
-enum class Wait { None, Block, Warp, Yield };
+enum class Wait { None, Block, Warp };
 
 struct Fiber {
     ucontext_t context;
@@ -134,7 +134,7 @@ void arrive(Group &g, Wait kind) {
         g.arrived = 0;
         g.generation++;
         l->releases++;
-        f.wait = Wait::Yield;
+        f.wait = Wait::None;
         yield_to_scheduler(f);
         return;
     }
@@ -146,7 +146,6 @@ void arrive(Group &g, Wait kind) {
 bool released(const Launch &l, const Fiber &f) {
     switch (f.wait) {
     case Wait::None:
-    case Wait::Yield:
         return true;
     case Wait::Block:
         return l.block.generation != f.wait_generation;
