@@ -2,7 +2,7 @@
 //! operand offsets, column-major as cuBLAS reads them.
 //!
 //! Every GEMM r3 queues on cuBLAS itself (the routed experts' planned GEMMs and their
-//! slots' pointer GEMM, `layers/moe/expert_gemm.rs`; the 16-bit attention products,
+//! slots' pointer GEMM, `layers/moe/expert_gemm/`; the 16-bit attention products,
 //! `layers/attention/narrow_product.rs`) is first made as a [`GemmCall`] by device-agnostic
 //! code, checked against the lengths of the operands it reads and writes
 //! ([`GemmCall::check_within`]), and only then turned into cuBLAS's arguments (`cuda/gemm.rs`,

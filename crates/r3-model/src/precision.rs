@@ -15,7 +15,7 @@ use crate::error::Result;
 use crate::round16::{rounded_copy, rounding_to};
 
 /// The dtype in which a 16-bit forward hands back the gradients of the f32 weights it reads
-/// rounded: a GPU's 16-bit GEMMs (the routed experts' stacks, `layers/moe/expert_gemm.rs`; the
+/// rounded: a GPU's 16-bit GEMMs (the routed experts' stacks, `layers/moe/expert_gemm/`; the
 /// projections, `layers/matmul16.rs`) and the weight roundings on any device
 /// (`layers/linear.rs` `round_weight`). Either way the same values: a rounding's gradient is
 /// the incoming one rounded, so each is a 16-bit value, which is what the GEMMs write.

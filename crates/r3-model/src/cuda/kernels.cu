@@ -837,7 +837,7 @@ extern "C" __global__ void r3_sum_squares_total(const double *partials,
     if (threadIdx.x == 0) out[0] = total;
 }
 
-// The pointer table of one batched GEMM per routed slot (`expert_gemm.rs`, `run_slots`):
+// The pointer table of one batched GEMM per routed slot (`expert_gemm/slots.rs`, `run_slots`):
 // slot s multiplies its row (B at b0 + (s / share)·b_step bytes: `share` consecutive slots
 // read one row) by its expert's matrix (A at a0 + ids[s]·a_step) into its output row (C at
 // c0 + s·c_step); the table holds the A pointers, then the B pointers, then the C pointers. The ids come from the router's own top-k on the

@@ -458,7 +458,7 @@ enum Gemms {
 /// of `cap` places filled in the dispatch's order, then its rows past `cap` in overflow
 /// blocks of `cap` places each, right after it. Each expert's blocks are consecutive, so its
 /// rows are one run of places and its weight gradient one GEMM over them (one round, written
-/// in the 16-bit dtype directly: `expert_gemm.rs`); with the overflow blocks after every main
+/// in the 16-bit dtype directly: `expert_gemm/plan.rs`); with the overflow blocks after every main
 /// block an expert's gradient was a main GEMM plus an overflow GEMM added in f32, which
 /// brought a stack-sized f32 gradient and a rounding pass over it (H200, call 17: 0.8 ms a
 /// 30B-A3B layer).
