@@ -10,8 +10,9 @@
 //! allows (one warp a block, rows wider than the block, a block of 96 threads, a few
 //! threads where the kernel has no warp operation). The truth is r3-model's CPU twin through
 //! its public API where it has one (`GatherRows`, `round16`), elsewhere a reference written
-//! from the kernel's documented meaning: the combine's twin `combine_rows` through
-//! `r3_model::kernel_twins`; `CombineInOrder`, crate-private to r3-model, through its
+//! from the kernel's documented meaning: the combine's twin `combine_rows` and the slots'
+//! GEMM call's pointer table (`expert_slot_pointers_twin`, with the kernel's arguments as
+//! the GPU path makes them) through `r3_model::kernel_twins`; `CombineInOrder`, crate-private to r3-model, through its
 //! documented value, products added in slot order from zero. Copies and fan-in sums (additions only)
 //! equal the CPU bit for bit in both variants. The combine's `acc + g · y` is written with
 //! the correctly rounded intrinsics (`__fadd_rn(acc, __fmul_rn(g, y))`, which nvcc never
@@ -964,6 +965,50 @@ fn expert_slot_pointers_write_the_table_exactly() {
                         )
                     });
                     assert_eq!(got, want, "{what}");
+                }
+            }
+        }
+    }
+}
+
+/// The table `r3_expert_slot_pointers` writes is the one cuBLAS must be handed for the
+/// slots' GEMM: launched with the arguments r3-model's GPU path makes (`SlotPointerArgs`
+/// from the slots' layout), it writes exactly `SlotsLayout::call`'s pointer table (the
+/// call whose host run r3-model's tests hold to the gathered experts' product), for f32,
+/// bf16 and f16 operands, 1, 2 and 8 slots a row, ids across the stack.
+#[test]
+fn expert_slot_pointers_write_the_slots_calls_table() {
+    use r3_model::kernel_twins::expert_slot_pointers_twin;
+    let bases = [0x7f00_0000_1000u64, 0x7e00_0000_0000, 0x7d00_0000_0200];
+    for (stack, n, k) in [(6usize, 5usize, 7usize), (128, 1536, 2048)] {
+        for share in [1usize, 2, 8] {
+            let slots = 3 * share;
+            let mut rng = Lcg::new((stack * share) as u64);
+            let ids: Vec<u32> = (0..slots).map(|_| rng.below(stack) as u32).collect();
+            for elem_bytes in [4usize, 2] {
+                let what = format!("stack {stack} [{n}, {k}], share {share}, {elem_bytes}-byte");
+                let (args, want) =
+                    expert_slot_pointers_twin(&ids, [stack, n, k], share, bases, elem_bytes)
+                        .expect("the layout fits");
+                assert_eq!(want.len(), 3 * slots, "{what}");
+                for (name, kern) in variants() {
+                    let shape = LaunchShape::elementwise(slots);
+                    let got = run(&what, shape, (3 * slots, false), u64::MAX, |out| unsafe {
+                        (kern.r3_expert_slot_pointers)(
+                            ids.as_ptr(),
+                            out,
+                            args.slots,
+                            args.stack,
+                            args.a[0],
+                            args.a[1],
+                            args.b[0],
+                            args.b[1],
+                            args.share,
+                            args.c[0],
+                            args.c[1],
+                        )
+                    });
+                    assert_eq!(got, want, "{name}: {what}");
                 }
             }
         }

@@ -12,8 +12,11 @@
 //! so the CPU tests check each call site's row-major-to-column-major arithmetic (which
 //! operand is A, through the same ordering function the GPU path takes, the transposes,
 //! leading dimensions, strides and offsets) against candle's own products, where before
-//! only a GPU could. What stays GPU-only is `cuda/gemm.rs`'s one translation of a call
-//! into cuBLAS's arguments, shared by every call site (the GPU tests run it).
+//! only a GPU could. A pointer-array call's table is made here too
+//! ([`GemmCall::pointer_table`]): the CPU tests read it back as host addresses, and the
+//! emulator's tests hold the kernel that writes the slots' table on the device to it. What
+//! stays GPU-only is `cuda/gemm.rs`'s handing of a call's sizes and that table to cuBLAS,
+//! shared by every call site (the GPU tests run it).
 
 use candle_core::Result;
 
@@ -187,6 +190,24 @@ impl GemmCall {
         Ok(())
     }
 
+    /// The pointer arrays `cublasGemmBatchedEx` is handed for this call, as one table: every
+    /// GEMM's A address in batch order, then every B, then every C ([`table_array`]), each
+    /// its operand's base address (`bases`) plus its element offset times the operand's
+    /// element size (`elem_bytes`). The kernel that writes the slots' table on the device
+    /// (`r3_expert_slot_pointers`) must write this table for `SlotsLayout::call`'s call
+    /// (`layers/moe/expert_gemm/slots.rs`), which the emulator's tests check.
+    pub(crate) fn pointer_table(&self, bases: [u64; 3], elem_bytes: [usize; 3]) -> Vec<u64> {
+        let count = self.count();
+        let mut table = vec![0u64; 3 * count];
+        for (i, offsets) in self.offsets().enumerate() {
+            for which in 0..3 {
+                table[table_array(which, count) + i] =
+                    bases[which] + (offsets[which] * elem_bytes[which]) as u64;
+            }
+        }
+        table
+    }
+
     /// The call run on host slices by a plain column-major GEMM, each output an f32 sum
     /// over the inner index in order from zero (then added to C's value where the call
     /// accumulates): the CPU twin of what cuBLAS computes, to rounding. Checked first as a
@@ -218,6 +239,13 @@ impl GemmCall {
         }
         Ok(())
     }
+}
+
+/// Where array `which` (0: A, 1: B, 2: C) of a `count`-GEMM pointer table starts, in
+/// pointers: the table [`GemmCall::pointer_table`] makes and cuBLAS is handed, its three
+/// arrays one after another.
+pub(crate) fn table_array(which: usize, count: usize) -> usize {
+    which * count
 }
 
 /// Refuses more GEMMs in one batch than cuBLAS's 32-bit count.
@@ -399,6 +427,64 @@ mod tests {
     }
 
     /// Strided batches accumulate where asked and land at their strides.
+    /// The pointer table holds the A addresses, then the B's, then the C's, each its base
+    /// plus its offset in its own operand's element size (by hand: bf16 A and B, f32 C).
+    /// Read back as host addresses it is the call: each GEMM run alone on the slices its
+    /// three pointers start gives `run_host`'s output bit for bit.
+    #[test]
+    fn the_pointer_table_points_at_each_gemms_operands() {
+        let strided = GemmCall {
+            shape: shape(false, false, [1, 1, 2], [1, 2, 1]),
+            batch: GemmBatch::Strided {
+                count: 2,
+                strides: [2, 2, 3],
+            },
+            accumulate: false,
+        };
+        assert_eq!(
+            strided.pointer_table([1000, 2000, 3000], [2, 2, 4]),
+            vec![1000, 1004, 2000, 2004, 3000, 3012]
+        );
+        // A stored transposed (4 × 2, lda 4: 8 elements a GEMM), B 4 × 3 (12), C 2 × 3 (6).
+        let call = GemmCall {
+            shape: shape(true, false, [2, 3, 4], [4, 4, 2]),
+            batch: GemmBatch::Offsets(vec![[8, 0, 0], [0, 12, 6], [8, 12, 12]]),
+            accumulate: false,
+        };
+        let a: Vec<f32> = (0..16).map(|v| v as f32 * 0.5 - 3.0).collect();
+        let b: Vec<f32> = (0..24).map(|v| (v % 7) as f32 - 2.5).collect();
+        let mut want = vec![0f32; 18];
+        call.run_host(&a, &b, &mut want, "test").expect("fits");
+        let mut got = vec![f32::NAN; 18];
+        let bases = [
+            a.as_ptr() as u64,
+            b.as_ptr() as u64,
+            got.as_mut_ptr() as u64,
+        ];
+        let table = call.pointer_table(bases, [4; 3]);
+        let alone = GemmCall {
+            shape: call.shape,
+            batch: GemmBatch::Offsets(vec![[0, 0, 0]]),
+            accumulate: false,
+        };
+        let [sa, sb, sc] = call.shape.spans();
+        for i in 0..3 {
+            let [pa, pb, pc] = [0, 1, 2].map(|which| table[table_array(which, 3) + i]);
+            // SAFETY: `check_within` held each GEMM's span inside its vector (run_host above),
+            // so each pointer has its span of elements after it; `got` is not otherwise used
+            // until the loop ends, and one GEMM's C span is disjoint from the others'.
+            let (ra, rb, rc) = unsafe {
+                (
+                    std::slice::from_raw_parts(pa as *const f32, sa),
+                    std::slice::from_raw_parts(pb as *const f32, sb),
+                    std::slice::from_raw_parts_mut(pc as *mut f32, sc),
+                )
+            };
+            alone.run_host(ra, rb, rc, "one GEMM").expect("fits");
+        }
+        assert_eq!(got, want);
+    }
+
     #[test]
     fn a_strided_batch_lands_at_its_strides_and_accumulates() {
         // Two 1 × 1 × 2 GEMMs: c_i (+)= a_i · b_i.

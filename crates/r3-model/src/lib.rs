@@ -18,6 +18,7 @@ pub mod kernel_params;
 #[doc(hidden)]
 pub mod kernel_twins {
     pub use crate::layers::moe::combine_slots::combine_rows;
+    pub use crate::layers::moe::expert_gemm::slots::{expert_slot_pointers_twin, SlotPointerArgs};
     pub use crate::layers::moe::swiglu_halves::swiglu_grad_rows;
 }
 pub mod launch_shape;

@@ -9,7 +9,7 @@ use candle_core::cuda_backend::cudarc::driver::DevicePtr;
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, DType, Result};
 
-use crate::gemm_call::{DeviceTableCall, GemmBatch, GemmCall, GemmShape};
+use crate::gemm_call::{table_array, DeviceTableCall, GemmBatch, GemmCall, GemmShape};
 
 /// One operand of a GEMM call on the device: the address its offsets count from, the
 /// elements it holds from there, and its dtype.
@@ -32,11 +32,6 @@ impl GemmOperand {
             DType::F16 => sys::cudaDataType_t::CUDA_R_16F,
             other => candle_core::bail!("{what}: {other:?} GEMM operands"),
         })
-    }
-
-    /// The device address of element `at`.
-    fn at(&self, at: usize) -> u64 {
-        self.addr + (at * self.dtype.size_in_bytes()) as u64
     }
 }
 
@@ -157,13 +152,10 @@ pub(crate) fn run(
         }
         GemmBatch::Offsets(offsets) => {
             let count = offsets.len();
-            // [A pointers | B pointers | C pointers]
-            let mut ptrs = vec![0u64; 3 * count];
-            for (i, &[oa, ob, oc]) in offsets.iter().enumerate() {
-                ptrs[i] = a.at(oa);
-                ptrs[count + i] = b.at(ob);
-                ptrs[2 * count + i] = c.at(oc);
-            }
+            let ptrs = call.pointer_table(
+                [a.addr, b.addr, c.addr],
+                [a, b, c].map(|o| o.dtype.size_in_bytes()),
+            );
             let stream = dev.cuda_stream();
             // Freed stream-ordered, after the GEMM that reads it.
             let table = stream.clone_htod(&ptrs).w()?;
@@ -220,7 +212,7 @@ unsafe fn run_table(
 ) -> Result<()> {
     let s = shape;
     let (alpha, beta) = (1f32, if accumulate { 1f32 } else { 0f32 });
-    let at = |which: u64| table + which * count as u64 * 8;
+    let at = |which: usize| table + (table_array(which, count) * size_of::<u64>()) as u64;
     let blas = dev.cublas_handle();
     // SAFETY: the caller's contract; the handle is candle's, bound to the stream the table
     // and the operands were written on.

@@ -23,7 +23,7 @@
 //! pointer table a kernel writes from the router's ids on the device, `slots.rs`.
 
 mod plan;
-mod slots;
+pub(crate) mod slots;
 
 pub(crate) use slots::{expert_slots_matmul, expert_slots_matmul_narrow};
 

@@ -289,6 +289,30 @@ impl SlotsLayout {
         })
     }
 
+    /// `r3_expert_slot_pointers`' arguments for operands at the device addresses `bases` (A
+    /// the stack, B the rows, C the output: [`SlotsLayout::operands`]' order) of
+    /// `elem_bytes` bytes an element: the kernel's steps are [`SlotsLayout::steps`] in bytes.
+    fn pointer_args(
+        &self,
+        bases: [u64; 3],
+        elem_bytes: usize,
+    ) -> candle_core::Result<SlotPointerArgs> {
+        let int = |v: usize| {
+            u32::try_from(v).map_err(|_| {
+                candle_core::Error::Msg(format!("expert slots gemm: {v} exceeds a 32-bit size"))
+            })
+        };
+        let [a, b, c] = self.steps().map(|step| (step * elem_bytes) as u64);
+        Ok(SlotPointerArgs {
+            slots: int(self.slots)?,
+            stack: int(self.stack)?,
+            a: [bases[0], a],
+            b: [bases[1], b],
+            share: int(self.share)?,
+            c: [bases[2], c],
+        })
+    }
+
     /// The call as a GPU checks it before the kernel writes its table: `slots` GEMMs, the
     /// `s`-th output `n` elements on, none further into the stack than the last expert, into
     /// the rows than the last row or into the output than the last slot.
@@ -303,6 +327,51 @@ impl SlotsLayout {
             c_step: c,
         }
     }
+}
+
+/// `r3_expert_slot_pointers`' arguments after the ids and the table, as the GPU path passes
+/// them: the slots, the stack's experts, A's (the stack's) address and step from one expert
+/// to the next, B's (the rows') address and step from one row to the next, the slots a row,
+/// C's (the output's) address and step from one slot to the next; steps in bytes.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotPointerArgs {
+    /// Slots (GEMMs) in the table.
+    pub slots: u32,
+    /// Experts in the stack: an id from here on reads expert 0.
+    pub stack: u32,
+    /// A's address and step.
+    pub a: [u64; 2],
+    /// B's address and step.
+    pub b: [u64; 2],
+    /// Consecutive slots reading one row.
+    pub share: u32,
+    /// C's address and step.
+    pub c: [u64; 2],
+}
+
+/// The slots' pointer kernel's twin, for the emulator's tests: for `ids` (one a slot), a
+/// stack of `[stack, n, k]` and `share` slots a row, operands at `bases` (stack, rows,
+/// output) of `elem_bytes` bytes an element, the kernel's arguments as the GPU path makes
+/// them and the table cuBLAS must be handed (`SlotsLayout::call`'s, whose host run the tests
+/// hold to the gathered experts' product).
+#[doc(hidden)]
+pub fn expert_slot_pointers_twin(
+    ids: &[u32],
+    [stack, n, k]: [usize; 3],
+    share: usize,
+    bases: [u64; 3],
+    elem_bytes: usize,
+) -> candle_core::Result<(SlotPointerArgs, Vec<u64>)> {
+    let rows = ids.len().checked_div(share).unwrap_or(0);
+    let layout = SlotsLayout::of(
+        &Layout::contiguous((rows, 1, k)),
+        &Layout::contiguous((stack, n, k)),
+        &Layout::contiguous(ids.len()),
+        share,
+    )?;
+    let table = layout.call(ids)?.pointer_table(bases, [elem_bytes; 3]);
+    Ok((layout.pointer_args(bases, elem_bytes)?, table))
 }
 
 /// The slots' GEMM on cuBLAS.
@@ -335,11 +404,6 @@ mod cuda {
         let stream = dev.cuda_stream();
         let table_call = layout.table_call();
         let (slots, n) = (layout.slots, layout.n);
-        let int = |v: usize| {
-            u32::try_from(v)
-                .map_err(|_| candle_core::Error::Msg(format!("{what}: {v} exceeds a 32-bit size")))
-        };
-        let (slots32, stack32, share32) = (int(slots)?, int(layout.stack)?, int(layout.share)?);
         let (x, _read_x) = crate::cuda::gemm_operand(sx, lx, &stream, what)?;
         let (w, _read_w) = crate::cuda::gemm_operand(sw, lw, &stream, what)?;
         let [a, b] = SlotsLayout::operands(x, w);
@@ -352,8 +416,6 @@ mod cuda {
         }
         // Before the kernel writes the table (and again by `run_device_table`, its contract).
         table_call.check_within([a.len, b.len, slots * n], what)?;
-        let size = x.dtype.size_in_bytes() as u64;
-        let [a_step, b_step, c_step] = layout.steps().map(|step| step as u64 * size);
         macro_rules! run {
             ($t:ty) => {{
                 // SAFETY: one GEMM per slot writes its whole output row.
@@ -365,6 +427,8 @@ mod cuda {
                         len: slots * n,
                         dtype: x.dtype,
                     };
+                    let args =
+                        layout.pointer_args([a.addr, b.addr, y0], x.dtype.size_in_bytes())?;
                     // SAFETY: the kernel writes all 3 · slots pointers.
                     let mut table = unsafe { dev.alloc::<u64>(3 * slots)? };
                     let (func, kernel_stream) =
@@ -377,15 +441,15 @@ mod cuda {
                     launch
                         .arg(&ids)
                         .arg(&mut table)
-                        .arg(&slots32)
-                        .arg(&stack32)
-                        .arg(&a.addr)
-                        .arg(&a_step)
-                        .arg(&b.addr)
-                        .arg(&b_step)
-                        .arg(&share32)
-                        .arg(&y0)
-                        .arg(&c_step);
+                        .arg(&args.slots)
+                        .arg(&args.stack)
+                        .arg(&args.a[0])
+                        .arg(&args.a[1])
+                        .arg(&args.b[0])
+                        .arg(&args.b[1])
+                        .arg(&args.share)
+                        .arg(&args.c[0])
+                        .arg(&args.c[1]);
                     // SAFETY: the arguments are the kernel's signature; the ids view holds
                     // `slots` ids and the table 3 · slots pointers.
                     unsafe { launch.launch(crate::cuda::elementwise(slots)) }?;
