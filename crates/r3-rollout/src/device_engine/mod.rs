@@ -229,7 +229,8 @@ impl DeviceEngine {
             ..*options
         };
         let tensors = load_dir_with(dir, &model_cfg, &options)?;
-        Self::build(model_cfg, &tensors, cfg)
+        let device = cfg.device.open()?;
+        Self::build(model_cfg, &tensors, cfg, device)
     }
 
     /// Builds the engine from a parsed config and HF-named tensors; a tensor the engine's
@@ -239,14 +240,38 @@ impl DeviceEngine {
         tensors: &TensorMap,
         cfg: DeviceEngineConfig,
     ) -> Result<Self, RolloutError> {
-        check_map_holds(tensors, cfg.dtype.weight_precision())?;
-        Self::build(model_cfg, tensors, cfg)
+        let device = cfg.device.open()?;
+        Self::new_on(model_cfg, tensors, cfg, device)
     }
 
+    /// [`DeviceEngine::new`] on an opened `device`, the one `cfg.device` names: a trainer's
+    /// own handle where the engine runs on the trainer's GPU. One handle for one GPU lets
+    /// the engine see the trainer's tensors as on its own device (candle tells two handles of
+    /// one GPU apart), so a weight sync copies each tensor once, device to device, where a
+    /// second handle's would first copy it to a fresh buffer of its own.
+    pub fn new_on(
+        model_cfg: Config,
+        tensors: &TensorMap,
+        cfg: DeviceEngineConfig,
+        device: Device,
+    ) -> Result<Self, RolloutError> {
+        if DeviceSpec::of(&device) != cfg.device {
+            return Err(RolloutError::InvalidConfig(format!(
+                "the device engine is configured for {} but was given {}",
+                cfg.device,
+                DeviceSpec::of(&device)
+            )));
+        }
+        check_map_holds(tensors, cfg.dtype.weight_precision())?;
+        Self::build(model_cfg, tensors, cfg, device)
+    }
+
+    /// The engine on `device` (opened for `cfg.device`).
     fn build(
         model_cfg: Config,
         tensors: &TensorMap,
         cfg: DeviceEngineConfig,
+        device: Device,
     ) -> Result<Self, RolloutError> {
         if cfg.max_running == 0 {
             return Err(RolloutError::InvalidConfig(
@@ -255,7 +280,6 @@ impl DeviceEngine {
         }
         let cache =
             PrefixCache::for_engine(cfg.prefix_cache, cfg.block_size, cfg.prefix_cache_bytes)?;
-        let device = cfg.device.open()?;
         let (model, weights) = build_model(&model_cfg, tensors, &cfg, &device)?;
         if cfg.routing == RoutingPlace::Device && !model.routes_on_device() {
             return Err(RolloutError::InvalidConfig(

@@ -613,6 +613,36 @@ mod tests {
         assert!(write_over(&strided, &flat, 60).is_err(), "not contiguous");
     }
 
+    /// An engine handed an opened device (a trainer's handle) other than the one its config
+    /// names is refused by name; handed the one it names, it is the engine its config opens
+    /// (the same greedy tokens, log-probs and routes).
+    #[test]
+    fn an_engine_on_another_device_than_its_config_names_is_refused() {
+        let cfg = qwen_tiny();
+        let tensors = random(&cfg, 3).into_map();
+        let config = engine_config(Dtype::F32, RouterDtype::Model);
+        let on_gpu = DeviceEngineConfig {
+            device: r3_model::DeviceSpec::Cuda { ordinal: 0 },
+            ..config.clone()
+        };
+        let Err(err) = DeviceEngine::new_on(cfg.clone(), &tensors, on_gpu, Device::Cpu) else {
+            panic!("a CPU handle for a cuda:0 engine was taken");
+        };
+        assert!(
+            err.to_string()
+                .contains("configured for cuda:0 but was given cpu"),
+            "{err}"
+        );
+        let mut opened = DeviceEngine::new(cfg.clone(), &tensors, config.clone()).expect("opened");
+        let mut given =
+            DeviceEngine::new_on(cfg, &tensors, config, Device::Cpu).expect("given its device");
+        let (a, b) = (greedy(&mut opened), greedy(&mut given));
+        assert_eq!(a.0, b.0, "tokens");
+        let f32_bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(f32_bits(&a.1), f32_bits(&b.1), "log-probs");
+        assert_eq!(a.2, b.2, "routes");
+    }
+
     /// An update whose tensors are not the engine's is refused before anything is written,
     /// naming what is wrong: the weights and the version stay the old ones.
     #[test]
