@@ -600,3 +600,39 @@ fn the_gradient_norm_on_cuda_matches_the_cpu() {
     let rel = (f64::from(cpu) - f64::from(on_gpu)).abs() / f64::from(cpu);
     assert!(rel < 2e-4, "cpu {cpu} vs cuda {on_gpu} (relative {rel:e})");
 }
+
+/// Both engines on one GPU: the RL backend builds the device rollout engine on the policy's
+/// own handle (candle tells two handles of one GPU apart, and a second handle's weight sync
+/// would copy every tensor into a buffer of its own first), and a sync to it works.
+#[cfg(feature = "cuda")]
+#[test]
+fn a_gpu_rollout_engine_shares_the_gpu_policys_handle() {
+    use r3_model::{Precision, WeightPrecision};
+    use r3_train::policy::model_text::ModelText;
+    use r3_train::policy::precision::MasterWeights;
+    use r3_train::rl::backend::Backend;
+    let gpu = r3_model::DeviceSpec::Cuda { ordinal: 0 }
+        .open()
+        .expect("a CUDA GPU (this test runs on the GPU machine)");
+    let policy =
+        TrainablePolicy::load_for_training(base_model(), &gpu, Precision::F32, MasterWeights::F32)
+            .expect("policy");
+    let tokenizer = ModelText::from_model_dir(base_model()).expect("tokenizer");
+    let mut cfg = r3_train::TrainConfig::default();
+    cfg.rollout.device = "cuda".into();
+    let mut backend = Backend::connect(&cfg, &policy, &tokenizer, 0).expect("connect");
+    let Backend::Device(engine) = &backend else {
+        panic!("rollout.device = cuda builds the device engine");
+    };
+    assert!(
+        engine.device().same_device(&policy.device()),
+        "the engine runs on the policy's handle"
+    );
+    backend
+        .sync(&policy, &tokenizer, 1, WeightPrecision::F16)
+        .expect("sync");
+    let Backend::Device(engine) = &backend else {
+        unreachable!("checked above")
+    };
+    assert_eq!(engine.weight_version(), 1);
+}

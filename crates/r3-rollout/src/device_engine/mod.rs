@@ -324,6 +324,12 @@ impl DeviceEngine {
         &self.cfg
     }
 
+    /// The device handle the engine runs on (a trainer's own where it was given one,
+    /// [`DeviceEngine::new_on`]).
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
     /// `eos_token_id`(s) from config.json (not added to requests automatically).
     pub fn eos_token_ids(&self) -> &[u32] {
         &self.eos
