@@ -281,6 +281,10 @@ impl DeviceEngine {
         let cache =
             PrefixCache::for_engine(cfg.prefix_cache, cfg.block_size, cfg.prefix_cache_bytes)?;
         let (model, weights) = build_model(&model_cfg, tensors, &cfg, &device)?;
+        // The weights' uploads, casts and fused stacks are queued on this thread's stream
+        // (candle's per-thread default stream); a server steps the engine on a thread of its
+        // own, whose stream the driver does not order after this one: done before it goes.
+        device.synchronize()?;
         if cfg.routing == RoutingPlace::Device && !model.routes_on_device() {
             return Err(RolloutError::InvalidConfig(
                 "routing = device: this model's routers choose their experts on the host \
