@@ -125,16 +125,14 @@ impl KvCache {
                 self.slots
             )));
         }
-        let Some(device) = self.device() else {
+        if self.device().is_none() {
             return Err(ModelError::Input("slots asked of an empty KV cache".into()));
-        };
-        let index: Vec<u32> = (start..start + len).map(|s| s as u32).collect();
-        let index = Tensor::from_slice(&index, len, &device)?;
+        }
         let layers = self
             .layers
             .iter()
             .map(|layer| {
-                layer.row_slots(row, &index)?.ok_or_else(|| {
+                layer.row_slots(row, start, len)?.ok_or_else(|| {
                     ModelError::Input("a layer of the KV cache holds no slots".into())
                 })
             })

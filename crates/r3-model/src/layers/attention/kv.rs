@@ -254,15 +254,25 @@ impl LayerKv {
         Some((view(k).ok()?, view(v).ok()?))
     }
 
-    /// Keys and values of batch row `row` at filled slots `index` (a u32 tensor),
-    /// `[1, KV, n, D]` each, in storage of their own: an index select always copies, where a
-    /// narrow (or a `contiguous` of a narrow that happens to be contiguous) would keep the
-    /// whole batch's storage alive.
-    pub fn row_slots(&self, row: usize, index: &Tensor) -> Result<Option<(Tensor, Tensor)>> {
+    /// Keys and values of batch row `row` at filled slots `start..start + len`, `[1, KV, len,
+    /// D]` each, in storage of their own holding those slots alone: a narrow (or a
+    /// `contiguous` of a narrow that happens to be contiguous) would keep the whole batch's
+    /// storage alive, and an index select over the row needs the row made contiguous first,
+    /// a copy of all its slots for each block a prefix cache takes.
+    pub fn row_slots(
+        &self,
+        row: usize,
+        start: usize,
+        len: usize,
+    ) -> Result<Option<(Tensor, Tensor)>> {
         let Some((k, v)) = self.parts() else {
             return Ok(None);
         };
-        let pick = |t: &Tensor| t.narrow(0, row, 1)?.contiguous()?.index_select(index, 2);
+        let pick = |t: &Tensor| {
+            t.narrow(0, row, 1)?
+                .narrow(2, start, len)?
+                .force_contiguous()
+        };
         Ok(Some((pick(&k)?, pick(&v)?)))
     }
 
@@ -287,7 +297,9 @@ impl LayerKv {
 
     /// Appends the rows of `other` (the same slots) after this cache's rows.
     pub fn append_rows(&mut self, other: &LayerKv) -> Result<()> {
-        match (self.filled()?, other.filled()?) {
+        match (self.parts(), other.parts()) {
+            // One pass into new buffers: candle's cat reads the filled slots' strided views
+            // as they lie (made contiguous first, each cache was copied once more).
             (Some((k, v)), Some((k2, v2))) => self.set_filled(
                 Tensor::cat(&[&k, &k2], 0)?,
                 Tensor::cat(&[&v, &v2], 0)?,
@@ -295,7 +307,10 @@ impl LayerKv {
             ),
             (_, None) => Ok(()),
             // `other`'s storage, possibly: held as handed over, not written into.
-            (None, Some((k2, v2))) => self.set_filled(k2, v2, false),
+            (None, Some(_)) => match other.filled()? {
+                Some((k2, v2)) => self.set_filled(k2, v2, false),
+                None => Ok(()),
+            },
         }
     }
 }
@@ -357,6 +372,43 @@ mod tests {
             strided > 90,
             "{strided} of 97 reads were views of a longer buffer"
         );
+    }
+
+    /// A row's slots taken out of the cache are those slots' keys and values, in storage
+    /// holding them alone (a prefix cache keeps them after the batch): with one KV head (the
+    /// slots a contiguous view of the buffer) and with two, at the buffer's front and past
+    /// filled slots with room behind them.
+    #[test]
+    fn a_rows_slots_come_out_in_storage_of_their_own() {
+        for kv in [1, 2] {
+            let (b, d) = (3, 4);
+            let mut cache = LayerKv::default();
+            let k = seeded_tensor(&[b, kv, 9, d], 1, DType::F32);
+            let v = seeded_tensor(&[b, kv, 9, d], 2, DType::F32);
+            cache.append(&k, &v).expect("append");
+            assert!(cache.capacity() > 9, "room behind the filled slots");
+            for (row, start, len) in [(1, 0, 4), (2, 5, 4), (0, 3, 1)] {
+                let (got_k, got_v) = cache
+                    .row_slots(row, start, len)
+                    .expect("slots")
+                    .expect("some");
+                for (got, all) in [(&got_k, &k), (&got_v, &v)] {
+                    let want = all.narrow(0, row, 1).and_then(|t| t.narrow(2, start, len));
+                    assert_eq!(bits(got), bits(&want.expect("want")), "kv {kv} row {row}");
+                    let (storage, layout) = got.storage_and_layout();
+                    let candle_core::Storage::Cpu(cpu) = &*storage else {
+                        panic!("a CPU tensor");
+                    };
+                    let held = cpu.as_slice::<f32>().expect("f32").len();
+                    assert_eq!(
+                        held,
+                        kv * len * d,
+                        "kv {kv}: the storage holds the slots alone"
+                    );
+                    assert_eq!(layout.start_offset(), 0);
+                }
+            }
+        }
     }
 
     /// Attention over a cache's strided view gives the bits attention over its contiguous
