@@ -603,7 +603,9 @@ fn the_gradient_norm_on_cuda_matches_the_cpu() {
 
 /// Both engines on one GPU: the RL backend builds the device rollout engine on the policy's
 /// own handle (candle tells two handles of one GPU apart, and a second handle's weight sync
-/// would copy every tensor into a buffer of its own first), and a sync to it works.
+/// would copy every tensor into a buffer of its own first), and a sync to it (the f32
+/// weights narrowed to the engine's f16 in place by r3's cast kernel) leaves the engine
+/// generating what an engine freshly built from the same weights generates, bit for bit.
 #[cfg(feature = "cuda")]
 #[test]
 fn a_gpu_rollout_engine_shares_the_gpu_policys_handle() {
@@ -631,8 +633,25 @@ fn a_gpu_rollout_engine_shares_the_gpu_policys_handle() {
     backend
         .sync(&policy, &tokenizer, 1, WeightPrecision::F16)
         .expect("sync");
-    let Backend::Device(engine) = &backend else {
+    let Backend::Device(engine) = &mut backend else {
         unreachable!("checked above")
     };
     assert_eq!(engine.weight_version(), 1);
+    let mut fresh = r3_rollout::DeviceEngine::new_on(
+        policy.config().clone(),
+        &policy.device_tensor_map(),
+        engine.engine_config().clone(),
+        policy.device(),
+    )
+    .expect("a fresh engine");
+    let generate = |e: &mut r3_rollout::DeviceEngine| {
+        let request = r3_rollout::GenerateRequest::new(
+            vec![3, 9, 14, 5],
+            r3_rollout::SamplingParams::greedy(8),
+        );
+        let got = e.generate(vec![request]).expect("generate").remove(0);
+        let bits: Vec<u32> = got.output_logprobs.iter().map(|v| v.to_bits()).collect();
+        (got.output_ids, bits)
+    };
+    assert_eq!(generate(engine), generate(&mut fresh), "synced = fresh");
 }

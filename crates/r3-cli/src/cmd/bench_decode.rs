@@ -88,15 +88,23 @@ pub fn run(a: BenchDecodeArgs) -> anyhow::Result<()> {
         };
         let mut engine = match a.device.candle() {
             None => RolloutEngine::Cpu(Engine::new(cfg.clone(), &tensors, engine_cfg)?),
-            Some(spec) => RolloutEngine::Device(DeviceEngine::new(
-                cfg.clone(),
-                &tensors,
-                DeviceEngineConfig {
+            Some(spec) => {
+                let device_cfg = DeviceEngineConfig {
                     routing: a.routing,
                     ..DeviceEngineConfig::from_engine_config(spec, &engine_cfg)
-                },
-            )?),
+                };
+                // Drawn on the engine's GPU: the engine takes that handle, so its copy in
+                // its own dtype stays on one handle (a second handle's copied every tensor
+                // across first).
+                RolloutEngine::Device(match r3_model::DeviceSpec::of(&draw_on) == spec {
+                    true => DeviceEngine::new_on(cfg.clone(), &tensors, device_cfg, draw_on)?,
+                    false => DeviceEngine::new(cfg.clone(), &tensors, device_cfg)?,
+                })
+            }
         };
+        // The engine holds its own copy: the drawn weights (20 GB in f32 for the 30B-A3B
+        // shape on a GPU) would shrink the free memory the decode runs in.
+        drop(tensors);
         let least = a.min_new_tokens.unwrap_or(a.new_tokens);
         if least == 0 || least > a.new_tokens {
             anyhow::bail!(

@@ -7,6 +7,7 @@ use std::path::Path;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Device, InplaceOp2, Layout, Tensor};
 use half::{bf16, f16};
+use r3_model::cast16::cast16_into;
 use r3_model::{Config, HeldTensors, LoadOptions, Model, Precision, Weights};
 use rayon::prelude::*;
 
@@ -221,10 +222,11 @@ fn in_engine_form(t: &Tensor, dtype: DType, device: &Device) -> candle_core::Res
 
 /// Writes `src` (`dst`'s shape, any dtype and device) into `dst`'s own storage in `dst`'s
 /// dtype. On the host a conversion writes straight into it ([`ConvertInto`]: a converted
-/// copy first, then a copy of it, took half again the time); elsewhere `src` is brought to
-/// `dst`'s form ([`in_engine_form`]) and copied, at most `max_elems` elements a copy: whole
-/// where it fits (flattened views of the same storage, any rank), else in slices of the
-/// first dimension, each converted alone.
+/// copy first, then a copy of it, took half again the time); so does an f32 `src` on `dst`'s
+/// GPU handle narrowed to bf16 / f16 ([`casts_in_place`]: r3's cast kernel); elsewhere `src`
+/// is brought to `dst`'s form ([`in_engine_form`]) and copied. At most `max_elems` elements
+/// a copy: whole where it fits (flattened views of the same storage, any rank), else in
+/// slices of the first dimension, each converted alone.
 fn write_over(dst: &Tensor, src: &Tensor, max_elems: usize) -> candle_core::Result<()> {
     // A tensor not contiguous would flatten into a copy, and the write would miss the
     // engine's storage: refused (the engine builds every tensor contiguous).
@@ -236,6 +238,9 @@ fn write_over(dst: &Tensor, src: &Tensor, max_elems: usize) -> candle_core::Resu
     }
     let n = dst.elem_count();
     if n <= max_elems || dst.rank() == 0 {
+        if casts_in_place(dst, src, 0) {
+            return cast16_into(src, dst);
+        }
         let src = in_engine_form(src, dst.dtype(), dst.device())?;
         return dst.flatten_all()?.slice_set(&src.flatten_all()?, 0, 0);
     }
@@ -245,14 +250,39 @@ fn write_over(dst: &Tensor, src: &Tensor, max_elems: usize) -> candle_core::Resu
         candle_core::bail!("a slice of {per_row} elements exceeds one copy's {max_elems}");
     }
     let step = max_elems / per_row.max(1);
+    let in_place = casts_in_place(dst, src, step * per_row);
     // Each slice converted on its own: a GPU's cast kernels count elements in 32 bits, and
     // no converted copy of the whole tensor is held beside the engine's.
     for start in (0..rows).step_by(step) {
         let len = step.min(rows - start);
+        if in_place {
+            cast16_into(&src.narrow(0, start, len)?, &dst.narrow(0, start, len)?)?;
+            continue;
+        }
         let slice = in_engine_form(&src.narrow(0, start, len)?, dst.dtype(), dst.device())?;
         dst.slice_set(&slice, 0, start)?;
     }
     Ok(())
+}
+
+/// Whether [`write_over`] narrows `src` into `dst` in place off the host (`cast16_into`:
+/// r3's cast kernel, the values `in_engine_form` would give, without a converted copy and a
+/// second pass to place it): f32 into bf16 / f16 on one device handle, `src` contiguous,
+/// both tensors and each slice of `slice_elems` after the first starting on the kernel's
+/// 4-element boundary. On the host [`ConvertInto`] does it.
+fn casts_in_place(dst: &Tensor, src: &Tensor, slice_elems: usize) -> bool {
+    src.dtype() == DType::F32
+        && matches!(dst.dtype(), DType::BF16 | DType::F16)
+        && !dst.device().is_cpu()
+        && src.device().same_device(dst.device())
+        && src.is_contiguous()
+        && [
+            src.layout().start_offset(),
+            dst.layout().start_offset(),
+            slice_elems,
+        ]
+        .iter()
+        .all(|v| v % 4 == 0)
 }
 
 /// Refuses budgets that the device cannot hold beside the loaded weights: on a GPU the KV
