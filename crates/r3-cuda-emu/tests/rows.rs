@@ -328,6 +328,112 @@ fn token_log_prob_gradient_equals_the_cpu_bit_for_bit() {
     }
 }
 
+/// Each row's entropy and log-sum-exp in f64 from their definitions, `(H, lse)` per row:
+/// `lse = ln Σ exp z`, `H = −Σ p ln p` over the entries with `p > 0`.
+fn entropy_stats_f64(z: &[f32], vocab: usize) -> Vec<f64> {
+    let mut out = Vec::new();
+    for row in z.chunks(vocab) {
+        let max = row
+            .iter()
+            .fold(f64::NEG_INFINITY, |m, &v| m.max(f64::from(v)));
+        let sum: f64 = row.iter().map(|&v| (f64::from(v) - max).exp()).sum();
+        let lse = max + sum.ln();
+        let h: f64 = row
+            .iter()
+            .map(|&v| f64::from(v) - lse)
+            .filter(|lp| lp.exp() > 0.0)
+            .map(|lp| -lp.exp() * lp)
+            .sum();
+        out.extend([h, lse]);
+    }
+    out
+}
+
+/// `r3_entropy_rows_f32` gives each row's entropy and log-sum-exp: within f32 rounding of
+/// their definitions computed in f64, and of the CPU's own entropy (`token_stats::entropy`,
+/// the fused op, on the rows without −∞ columns, which it does not take) — over a vocabulary
+/// of 1,001 (wider than any block) on blocks of 256 (the launcher's), 32, 96 and 1,024
+/// threads, with −∞ columns in one row (probability 0: no NaN). The kernel sums in its block's order: a tolerance, in both variants.
+#[test]
+fn entropy_rows_equal_their_definition_within_f32_rounding() {
+    let (rows, vocab) = (6usize, 1001usize);
+    let z = token_logits(rows, vocab);
+    let exact = entropy_stats_f64(&z, vocab);
+    let want: Vec<f32> = exact.iter().map(|&v| v as f32).collect();
+    let cpu = r3_model::token_stats::entropy(&tensor(&z, &[rows, vocab]))
+        .map(|t| host(&t))
+        .expect("the CPU's entropy");
+    for threads in [row_threads(vocab), 32, 96, 1024] {
+        for (name, k) in variants() {
+            let what = format!("entropy rows {name}, {threads} threads");
+            let got = run(
+                &what,
+                LaunchShape::blocks(rows as u32, threads),
+                2 * rows,
+                |out| unsafe { (k.r3_entropy_rows_f32)(z.as_ptr(), out, vocab as u32) },
+            );
+            assert_close(&what, &got, &want, 2e-6, 1.0);
+            // Row 2 has −∞ columns, which the CPU's fused op (lse − Σ p z) does not take.
+            let h: Vec<f32> = got.iter().step_by(2).copied().collect();
+            let finite_rows = [0, 1, 3, 4, 5];
+            let pick = |v: &[f32]| finite_rows.map(|r| v[r]);
+            assert_close(
+                &format!("{what} beside the CPU's"),
+                &pick(&h),
+                &pick(&cpu),
+                1e-5,
+                1.0,
+            );
+        }
+    }
+}
+
+/// `r3_entropy_grad_f32` gives the entropy's gradient `−g · p · (ln p + H)` of its
+/// definition (f64, from the same row stats), within f32 rounding; a −∞ column's gradient is
+/// 0 (no NaN). Blocks of 256 (the launcher's), 32 and 96 threads, both variants.
+#[test]
+fn entropy_gradient_equals_its_definition_within_f32_rounding() {
+    let (rows, vocab) = (6usize, 1001usize);
+    let z = token_logits(rows, vocab);
+    let exact = entropy_stats_f64(&z, vocab);
+    let stats: Vec<f32> = exact.iter().map(|&v| v as f32).collect();
+    let g = [0.5f32, -1.5, 2.0, 0.0, 0.25, 1.0];
+    let mut want = Vec::with_capacity(rows * vocab);
+    for r in 0..rows {
+        let (h, lse) = (f64::from(stats[2 * r]), f64::from(stats[2 * r + 1]));
+        for &v in &z[r * vocab..(r + 1) * vocab] {
+            let lp = f64::from(v) - lse;
+            let p = lp.exp();
+            want.push(if p > 0.0 {
+                (-f64::from(g[r]) * p * (lp + h)) as f32
+            } else {
+                0.0
+            });
+        }
+    }
+    for (name, k) in variants() {
+        for threads in [row_threads(vocab), 32, 96] {
+            let what = format!("entropy gradient {name}, {threads} threads");
+            let got = run(
+                &what,
+                LaunchShape::blocks(rows as u32, threads),
+                rows * vocab,
+                |out| unsafe {
+                    (k.r3_entropy_grad_f32)(
+                        z.as_ptr(),
+                        stats.as_ptr(),
+                        g.as_ptr(),
+                        out,
+                        vocab as u32,
+                    )
+                },
+            );
+            assert!(got.iter().all(|v| v.is_finite()), "{what}: no NaN");
+            assert_close(&what, &got, &want, 1e-6, 1e-3);
+        }
+    }
+}
+
 /// Greedy-reduction rows of `cols` columns: ordinary values, planted ties, equal values,
 /// −∞ entries, a NaN, a +∞, only −∞, a NaN first before ties, only NaN.
 fn greedy_logits(cols: usize) -> (usize, Vec<f32>) {

@@ -8,7 +8,7 @@
 //! (`cuda/kernels.cu`: the same operations per element; the value's sum of exponentials in
 //! its block's order, so within rounding of the CPU's) that the device tests hold to the CPU.
 
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
 use crate::host::contiguous;
 use crate::math::StdFloat;
@@ -32,6 +32,24 @@ pub(crate) fn token_logp_grad_rows(
         &targets.contiguous()?,
         &row_stats.contiguous()?,
         &TokenLogProbGrad,
+    )
+}
+
+/// Each row's entropy `−Σ p log p` of its softmax and its log-sum-exp, `[rows, 2]` of `(H,
+/// lse)`, for contiguous `[rows, vocab]` logits (no gradient; [`entropy_grad_rows`] is the
+/// caller's backward).
+pub(crate) fn entropy_rows(logits: &Tensor) -> Result<Tensor> {
+    logits.contiguous()?.apply_op1_no_bwd(&EntropyRows)
+}
+
+/// The entropy's gradient `−g · p_j · (log p_j + H)` of `[rows, vocab]` logits, with each
+/// row's `(H, lse)` in `stats` `[rows, 2]` ([`entropy_rows`]) and its gradient `g` in
+/// `grad` `[rows]`.
+pub(crate) fn entropy_grad_rows(logits: &Tensor, stats: &Tensor, grad: &Tensor) -> Result<Tensor> {
+    logits.contiguous()?.apply_op3_no_bwd(
+        &stats.contiguous()?,
+        &grad.contiguous()?,
+        &EntropyGradRows,
     )
 }
 
@@ -218,6 +236,197 @@ impl CustomOp3 for TokenLogProbGrad {
                 cuda::view::<f32>(logits, ll, "logits")?,
                 cuda::view::<u32>(targets, tl, "targets")?,
                 cuda::view::<f32>(stats, sl, "row stats")?
+            ],
+            [vocab as u32]
+        );
+        Ok((out, ll.shape().clone()))
+    }
+}
+
+/// The rows and vocabulary of `[rows, vocab]` logits, checked against `[rows, 2]` row stats
+/// and a `[rows]` gradient where given.
+fn entropy_rows_and_vocab(
+    ll: &Layout,
+    stats: Option<(&Layout, &Layout)>,
+) -> Result<(usize, usize)> {
+    let &[rows, vocab] = ll.shape().dims() else {
+        candle_core::bail!(
+            "entropy rows: logits {:?} are not [rows, vocab]",
+            ll.shape()
+        );
+    };
+    let fit = stats
+        .is_none_or(|(sl, gl)| sl.shape().dims() == [rows, 2] && gl.shape().elem_count() == rows);
+    if vocab == 0 || !fit {
+        candle_core::bail!(
+            "entropy rows: logits {:?}, row stats {:?} and gradient {:?} do not fit",
+            ll.shape(),
+            stats.map(|(sl, _)| sl.shape()),
+            stats.map(|(_, gl)| gl.shape())
+        );
+    }
+    Ok((rows, vocab))
+}
+
+/// [`entropy_rows`]' op.
+#[derive(Debug, Clone, Copy)]
+struct EntropyRows;
+
+/// The CPU implementation (the CUDA kernel `r3_entropy_rows_f32` does the same operations
+/// per element, its sums in its block's order: within rounding of this): with `m` the row's
+/// max, `S = Σ exp(z − m)` and `T = Σ exp(z − m)·(z − m)` (a −∞ logit adding nothing),
+/// `H = log S − T / S` and `lse = m + log S`.
+fn entropy_row_stats<T: StdFloat>(logits: &[T], vocab: usize) -> Vec<T> {
+    let mut out = Vec::with_capacity(2 * logits.len() / vocab.max(1));
+    for z in logits.chunks(vocab) {
+        let mut max = T::NEG_INFINITY;
+        for &v in z {
+            if v > max {
+                max = v;
+            }
+        }
+        let (mut s, mut t) = (T::ZERO, T::ZERO);
+        for &v in z {
+            let d = v - max;
+            let e = d.exp();
+            s = s + e;
+            if e > T::ZERO {
+                t = t + e * d;
+            }
+        }
+        let log_s = s.ln();
+        out.push(log_s - t / s);
+        out.push(max + log_s);
+    }
+    out
+}
+
+impl CustomOp1 for EntropyRows {
+    fn name(&self) -> &'static str {
+        "r3-entropy-rows"
+    }
+
+    fn cpu_fwd(&self, logits: &CpuStorage, ll: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (rows, vocab) = entropy_rows_and_vocab(ll, None)?;
+        let out = match logits {
+            CpuStorage::F32(z) => {
+                CpuStorage::F32(entropy_row_stats(contiguous(z, ll, "logits")?, vocab))
+            }
+            CpuStorage::F64(z) => {
+                CpuStorage::F64(entropy_row_stats(contiguous(z, ll, "logits")?, vocab))
+            }
+            _ => candle_core::bail!("entropy rows: logits must be f32 or f64"),
+        };
+        Ok((out, Shape::from((rows, 2))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        logits: &candle_core::CudaStorage,
+        ll: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use crate::cuda;
+
+        let (rows, vocab) = entropy_rows_and_vocab(ll, None)?;
+        // Block `r` reads row `r` and writes its two entries.
+        let out = cuda::launch_f32!(
+            cuda::device(logits),
+            "r3_entropy_rows_f32",
+            2 * rows,
+            cuda::per_row(rows, cuda::row_threads(vocab))?,
+            [cuda::view::<f32>(logits, ll, "logits")?],
+            [vocab as u32]
+        );
+        Ok((out, Shape::from((rows, 2))))
+    }
+}
+
+/// [`entropy_grad_rows`]' op.
+#[derive(Debug, Clone, Copy)]
+struct EntropyGradRows;
+
+/// The CPU implementation (the CUDA kernel `r3_entropy_grad_f32` does the same arithmetic):
+/// `0 − g · p · (lp + H)` with `lp = z − lse`, `p = exp(lp)`; 0 where `p` is.
+fn entropy_grad_of<T: StdFloat>(logits: &[T], vocab: usize, stats: &[T], grad: &[T]) -> Vec<T> {
+    let mut out = vec![T::ZERO; logits.len()];
+    for (r, (dst, z)) in out.chunks_mut(vocab).zip(logits.chunks(vocab)).enumerate() {
+        let (h, lse, g) = (stats[2 * r], stats[2 * r + 1], grad[r]);
+        for (d, &v) in dst.iter_mut().zip(z) {
+            let lp = v - lse;
+            let p = lp.exp();
+            *d = if p > T::ZERO {
+                T::ZERO - g * p * (lp + h)
+            } else {
+                T::ZERO
+            };
+        }
+    }
+    out
+}
+
+impl CustomOp3 for EntropyGradRows {
+    fn name(&self) -> &'static str {
+        "r3-entropy-grad-rows"
+    }
+
+    fn cpu_fwd(
+        &self,
+        logits: &CpuStorage,
+        ll: &Layout,
+        stats: &CpuStorage,
+        sl: &Layout,
+        grad: &CpuStorage,
+        gl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (_, vocab) = entropy_rows_and_vocab(ll, Some((sl, gl)))?;
+        let out = match (logits, stats, grad) {
+            (CpuStorage::F32(z), CpuStorage::F32(s), CpuStorage::F32(g)) => {
+                CpuStorage::F32(entropy_grad_of(
+                    contiguous(z, ll, "logits")?,
+                    vocab,
+                    contiguous(s, sl, "row stats")?,
+                    contiguous(g, gl, "gradient")?,
+                ))
+            }
+            (CpuStorage::F64(z), CpuStorage::F64(s), CpuStorage::F64(g)) => {
+                CpuStorage::F64(entropy_grad_of(
+                    contiguous(z, ll, "logits")?,
+                    vocab,
+                    contiguous(s, sl, "row stats")?,
+                    contiguous(g, gl, "gradient")?,
+                ))
+            }
+            _ => candle_core::bail!(
+                "entropy rows: logits, row stats and gradient must be all f32 or all f64"
+            ),
+        };
+        Ok((out, ll.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        logits: &candle_core::CudaStorage,
+        ll: &Layout,
+        stats: &candle_core::CudaStorage,
+        sl: &Layout,
+        grad: &candle_core::CudaStorage,
+        gl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use crate::cuda;
+
+        let (rows, vocab) = entropy_rows_and_vocab(ll, Some((sl, gl)))?;
+        // Block `r` writes row `r`.
+        let out = cuda::launch_f32!(
+            cuda::device(logits),
+            "r3_entropy_grad_f32",
+            rows * vocab,
+            cuda::per_row(rows, cuda::row_threads(vocab))?,
+            [
+                cuda::view::<f32>(logits, ll, "logits")?,
+                cuda::view::<f32>(stats, sl, "row stats")?,
+                cuda::view::<f32>(grad, gl, "gradient")?
             ],
             [vocab as u32]
         );

@@ -119,6 +119,22 @@ fn token_logprobs(device: &Device) -> [Tensor; 2] {
     [lp, grads.get(z.as_tensor()).expect("gradient").clone()]
 }
 
+/// Each row's entropy (`token_stats::entropy`: on a GPU the row kernels, on the CPU its
+/// fused op) and the logits' gradient, on `device`, over a vocabulary wider than one block's
+/// threads.
+fn entropies(device: &Device) -> [Tensor; 2] {
+    let (rows, vocab) = (9, 3001);
+    let z =
+        Var::from_tensor(&(seeded(&[rows, vocab], 7, device) * 4.0).expect("scale")).expect("z");
+    let w = seeded(&[rows], 8, device);
+    let h = r3_model::token_stats::entropy(&z).expect("entropy");
+    let grads = (&h * &w)
+        .and_then(|l| l.sum_all())
+        .and_then(|l| l.backward())
+        .expect("backward");
+    [h, grads.get(z.as_tensor()).expect("gradient").clone()]
+}
+
 /// A rounded tensor and the rounded gradient coming back through it, on `device`.
 fn rounding(device: &Device, precision: Precision) -> [Tensor; 2] {
     let x = Var::from_tensor(&(seeded(&[3, 1000], 7, device) * 1000.0).expect("x")).expect("x");
@@ -610,6 +626,10 @@ fn compare(device: &Device, tol: f32) {
     let [lp_cpu, dz_cpu] = token_logprobs(&Device::Cpu);
     assert_close("token log-probs", &lp, &lp_cpu, tol);
     assert_close("token log-probs dz", &dz, &dz_cpu, tol);
+    let [h, dz] = entropies(device);
+    let [h_cpu, dz_cpu] = entropies(&Device::Cpu);
+    assert_close("entropy", &h, &h_cpu, tol);
+    assert_close("entropy dz", &dz, &dz_cpu, tol);
     for precision in [
         Precision::Bf16 { router_f32: false },
         Precision::F16 { router_f32: false },

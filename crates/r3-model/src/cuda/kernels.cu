@@ -42,6 +42,14 @@ __device__ float block_max(float v, float *shared) { return block_reduce(v, -INF
 __device__ float block_sum(float v, float *shared) { return block_reduce(v, 0.0f, shared, SumOp()); }
 __device__ double block_sum_f64(double v, double *shared) { return block_reduce(v, 0.0, shared, SumOp()); }
 
+// The largest of a row's `n` values, every thread of the block reading its strided share
+// (fmaxf: a NaN loses); every thread gets it.
+__device__ float block_row_max(const float *z, uint32_t n, float *shared) {
+    float m = -INFINITY;
+    for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) m = fmaxf(m, z[j]);
+    return block_max(m, shared);
+}
+
 // One block per row of `scores` [rows, cols]: probs = softmax(scores · scale + mask) over the
 // row, the mask row of batch b and query t (`mask` [B, T, cols], rows ordered (b, head, t)
 // with `rows_per_batch` = heads · T). CPU twin: layers/attention/softmax.rs
@@ -88,9 +96,7 @@ extern "C" __global__ void r3_token_logprob_f32(const float *logits, const uint3
     __shared__ float shared[32];
     const size_t row = blockIdx.x;
     const float *z = logits + row * vocab;
-    float m = -INFINITY;
-    for (uint32_t j = threadIdx.x; j < vocab; j += blockDim.x) m = fmaxf(m, z[j]);
-    m = block_max(m, shared);
+    const float m = block_row_max(z, vocab, shared);
     float sum = 0.0f;
     for (uint32_t j = threadIdx.x; j < vocab; j += blockDim.x) sum += expf(z[j] - m);
     sum = block_sum(sum, shared);
@@ -115,6 +121,49 @@ extern "C" __global__ void r3_token_logprob_grad_f32(const float *logits,
         float v = 0.0f - g * expf(z[j] - lse);
         if (j == t) v = v + g;
         out[j] = v;
+    }
+}
+
+// One block per row of `logits` [rows, vocab]: the entropy −Σ p log p of the row's softmax
+// and its log-sum-exp, stats[row] = (H, lse). With m the row's max, S = Σ exp(z − m) and
+// T = Σ exp(z − m)·(z − m): lse = m + log S and H = log S − T / S (Σ p z − lse rearranged,
+// with no cancellation between two large terms); a −∞ logit (p = 0) adds nothing. CPU twin:
+// token_rows.rs `entropy_rows`.
+extern "C" __global__ void r3_entropy_rows_f32(const float *logits, float *stats,
+                                               uint32_t vocab) {
+    __shared__ float shared[32];
+    const size_t row = blockIdx.x;
+    const float *z = logits + row * vocab;
+    const float m = block_row_max(z, vocab, shared);
+    float s = 0.0f, t = 0.0f;
+    for (uint32_t j = threadIdx.x; j < vocab; j += blockDim.x) {
+        const float d = z[j] - m;
+        const float e = expf(d);
+        s += e;
+        if (e > 0.0f) t += e * d;
+    }
+    s = block_sum(s, shared);
+    t = block_sum(t, shared);
+    if (threadIdx.x == 0) {
+        const float log_s = logf(s);
+        stats[2 * row] = log_s - t / s;
+        stats[2 * row + 1] = m + log_s;
+    }
+}
+
+// One block per row: d z_j = −g · p_j · (log p_j + H), p_j = exp(z_j − lse), with each row's
+// (H, lse) in `stats` [rows, 2] and its gradient g in `grad` [rows]; 0 where p_j is (a −∞
+// logit). CPU twin: token_rows.rs `entropy_grad_rows`.
+extern "C" __global__ void r3_entropy_grad_f32(const float *logits, const float *stats,
+                                               const float *grad, float *d, uint32_t vocab) {
+    const size_t row = blockIdx.x;
+    const float *z = logits + row * vocab;
+    float *out = d + row * vocab;
+    const float h = stats[2 * row], lse = stats[2 * row + 1], g = grad[row];
+    for (uint32_t j = threadIdx.x; j < vocab; j += blockDim.x) {
+        const float lp = z[j] - lse;
+        const float p = expf(lp);
+        out[j] = p > 0.0f ? 0.0f - g * p * (lp + h) : 0.0f;
     }
 }
 

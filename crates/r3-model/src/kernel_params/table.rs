@@ -33,6 +33,8 @@ pub(super) const KERNEL_PARAMS: &[(&str, &[ParamKind])] = &[
     ("r3_combine_slots_f16", &[Pointer, Pointer, Pointer, Pointer, Int32, Int32]),
     ("r3_combine_slots_f32", &[Pointer, Pointer, Pointer, Pointer, Int32, Int32]),
     ("r3_embedding_grad_f32", &[Pointer, Pointer, Pointer, Pointer, Int32]),
+    ("r3_entropy_grad_f32", &[Pointer, Pointer, Pointer, Pointer, Int32]),
+    ("r3_entropy_rows_f32", &[Pointer, Pointer, Int32]),
     ("r3_expert_slot_pointers", &[Pointer, Pointer, Int32, Int32, Int64, Int64, Int64, Int64, Int32, Int64, Int64]),
     ("r3_gather_rows_f32", &[Pointer, Pointer, Pointer, Int32, Int32]),
     ("r3_gather_rows_u16", &[Pointer, Pointer, Pointer, Int32, Int32]),
