@@ -28,7 +28,9 @@ impl Precomputed {
         Precomputed(Mutex::new(None))
     }
 
-    /// The value, contiguous from the start of its own storage (what a custom op returns).
+    /// The value, contiguous from the start of its own storage (what a custom op returns:
+    /// candle reads the returned storage from its start in row-major order, whatever view
+    /// it came from).
     fn take(&self, op: &str) -> candle_core::Result<Tensor> {
         let value = self
             .0
@@ -42,7 +44,9 @@ impl Precomputed {
         if layout.is_contiguous() && layout.start_offset() == 0 {
             Ok(value)
         } else {
-            value.copy()
+            // The view's elements alone, in order (`copy` would clone the whole storage and
+            // keep the view's offset and strides, which the op's output does not carry).
+            value.force_contiguous()
         }
     }
 
@@ -141,3 +145,49 @@ macro_rules! precomputed_fwd {
     };
 }
 pub(crate) use precomputed_fwd;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{CustomOp1, Device};
+
+    /// An op whose value is precomputed.
+    struct Given {
+        value: Precomputed,
+    }
+
+    impl CustomOp1 for Given {
+        fn name(&self) -> &'static str {
+            "given"
+        }
+
+        precomputed_fwd!(1);
+    }
+
+    /// A value that is a view (an offset into its storage, or strided) comes out of the op
+    /// as the view's values: the op's output is read from its storage's start.
+    #[test]
+    fn a_view_comes_out_as_its_values() {
+        let base = Tensor::arange(0f32, 24.0, &Device::Cpu)
+            .and_then(|t| t.reshape((4, 6)))
+            .expect("base");
+        let offset = base.narrow(0, 2, 2).expect("rows 2..4");
+        let strided = base.narrow(1, 1, 3).expect("columns 1..4");
+        let x = Tensor::zeros(1, candle_core::DType::F32, &Device::Cpu).expect("x");
+        for view in [offset, strided] {
+            let op = Given {
+                value: Precomputed::new(view.clone()),
+            };
+            let got = x.apply_op1_no_bwd(&op).expect("op");
+            assert_eq!(got.dims(), view.dims());
+            assert_eq!(
+                got.flatten_all()
+                    .and_then(|t| t.to_vec1::<f32>())
+                    .expect("got"),
+                view.flatten_all()
+                    .and_then(|t| t.to_vec1::<f32>())
+                    .expect("want")
+            );
+        }
+    }
+}

@@ -146,9 +146,9 @@ impl LayerKv {
         }
         if let (Some((k, v)), true) = (&self.kv, row < last) {
             for buf in [k, v] {
-                // The whole row of the buffer (contiguous), copied out first: a buffer
-                // cannot be written from its own storage.
-                let moved = buf.narrow(0, last, 1)?.copy()?;
+                // The whole row of the buffer, copied out first (a buffer cannot be written
+                // from its own storage): that row alone (`copy` clones the whole storage).
+                let moved = buf.narrow(0, last, 1)?.force_contiguous()?;
                 buf.slice_set(&moved, 0, row)?;
             }
         }
@@ -165,17 +165,11 @@ impl LayerKv {
         }
     }
 
-    /// The filled slots copied into storage of their own, one copy each (None while empty).
+    /// The filled slots copied into storage of their own, one copy each, those slots alone
+    /// (None while empty).
     fn copied(&self) -> Result<Option<(Tensor, Tensor)>> {
-        let copy = |t: Tensor| {
-            if t.is_contiguous() {
-                t.copy()
-            } else {
-                t.contiguous()
-            }
-        };
         match self.parts() {
-            Some((k, v)) => Ok(Some((copy(k)?, copy(v)?))),
+            Some((k, v)) => Ok(Some((k.force_contiguous()?, v.force_contiguous()?))),
             None => Ok(None),
         }
     }
