@@ -28,7 +28,8 @@ impl InferenceBackend for DeviceEngine {
 
     fn in_flight(&self) -> usize {
         let (waiting, running) = self.queue_lengths();
-        waiting + running
+        // Results a failed step held back are handed out by the next step: one must run.
+        waiting + running + self.held_results()
     }
 
     fn abort(&mut self, id: RequestId) -> Result<Option<PartialRollout>, RolloutError> {

@@ -319,7 +319,12 @@ fn run<B: InferenceBackend>(
         let outcome = catch_unwind(AssertUnwindSafe(|| backend.step()));
         let mut finished = match outcome {
             Ok(Ok(results)) => book.finish(results),
-            Ok(Err(e)) => book.fail_all(&mut backend, &ApiError::from(e)),
+            // The engine names the requests a failed step dropped: only their batches fail,
+            // the others keep running (what finished meanwhile comes out of the next step).
+            Ok(Err(e)) => match failed_requests(&e) {
+                Some(ids) => book.fail_requests(&mut backend, &ids, &ApiError::from(e)),
+                None => book.fail_all(&mut backend, &ApiError::from(e)),
+            },
             Err(_) => book.fail_all(&mut backend, &ApiError::internal("the engine panicked")),
         };
         finished += book.stop_on_strings(&mut backend);
@@ -538,11 +543,18 @@ impl Book {
                     self.by_rid.remove(rid);
                 }
             }
-            if let Ok(Some(p)) = backend.abort(id) {
-                let mut r = aborted_result(id, p, backend.weight_version());
-                r.finish = FinishReason::StopString;
-                self.file(slot, r, Some(matched));
-                n += 1;
+            match backend.abort(id) {
+                Ok(Some(p)) => {
+                    let mut r = aborted_result(id, p, backend.weight_version());
+                    r.finish = FinishReason::StopString;
+                    self.file(slot, r, Some(matched));
+                    n += 1;
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    self.slots.insert(id, slot);
+                    self.fail_after_abort(backend, id, e);
+                }
             }
         }
         n
@@ -626,7 +638,11 @@ impl Book {
             };
             let result = match backend.abort(id) {
                 Ok(Some(p)) => aborted_result(id, p, backend.weight_version()),
-                Ok(None) | Err(_) => continue,
+                Ok(None) => continue,
+                Err(e) => {
+                    self.fail_after_abort(backend, id, e);
+                    continue;
+                }
             };
             n += 1;
             self.file(slot, result, None);
@@ -634,29 +650,93 @@ impl Book {
         n
     }
 
+    /// After an abort of `id` failed: the requests the engine names as dropped (a failed
+    /// row move drops the whole running batch) fail with their batches, `id`'s among them.
+    fn fail_after_abort<B: InferenceBackend>(
+        &mut self,
+        backend: &mut B,
+        id: RequestId,
+        e: RolloutError,
+    ) {
+        let mut ids = failed_requests(&e).unwrap_or_default();
+        ids.push(id);
+        tracing::error!(request = id, error = %e, "abort failed");
+        self.fail_requests(backend, &ids, &ApiError::from(e));
+    }
+
+    /// After a step that failed the engine requests `ids`: each open batch holding one gets
+    /// the error and its other requests are aborted; every other batch goes on.
+    fn fail_requests<B: InferenceBackend>(
+        &mut self,
+        backend: &mut B,
+        ids: &[RequestId],
+        err: &ApiError,
+    ) -> usize {
+        tracing::error!(error = %err, requests = ids.len(), "engine step failed; failing the requests it named");
+        let hit: Vec<u64> = self
+            .batches
+            .iter()
+            .filter(|(_, b)| b.ids.iter().any(|id| ids.contains(id)))
+            .map(|(&n, _)| n)
+            .collect();
+        let mut n = 0;
+        for number in hit {
+            let Some(b) = self.batches.remove(&number) else {
+                continue;
+            };
+            n += self.fail_batch(backend, b, err);
+        }
+        n
+    }
+
+    /// Answers batch `b` with `err` (a 503 where the error is one, else a 500) and aborts and
+    /// forgets its requests; returns how many it held.
+    fn fail_batch<B: InferenceBackend>(
+        &mut self,
+        backend: &mut B,
+        b: Batch,
+        err: &ApiError,
+    ) -> usize {
+        for &id in &b.ids {
+            let _ = backend.abort(id);
+            self.slots.remove(&id);
+        }
+        for rid in &b.rids {
+            self.by_rid.remove(rid);
+        }
+        let message = format!("engine step failed: {}", err.message);
+        // A step that ran the device out of memory is a 503 (retry later, or smaller);
+        // any other failed step is the server's fault.
+        let _ = b.reply.send(Err(
+            if err.status == axum::http::StatusCode::SERVICE_UNAVAILABLE {
+                ApiError::unavailable(message)
+            } else {
+                ApiError::internal(message)
+            },
+        ));
+        b.ids.len()
+    }
+
     /// After an engine failure: every open batch gets the error, every request is aborted.
     fn fail_all<B: InferenceBackend>(&mut self, backend: &mut B, err: &ApiError) -> usize {
         tracing::error!(error = %err, "engine step failed; failing all open requests");
         let mut n = 0;
-        for (_, b) in self.batches.drain() {
-            for &id in &b.ids {
-                let _ = backend.abort(id);
-                n += 1;
-            }
-            let message = format!("engine step failed: {}", err.message);
-            // A step that ran the device out of memory is a 503 (retry later, or smaller);
-            // any other failed step is the server's fault.
-            let _ = b.reply.send(Err(
-                if err.status == axum::http::StatusCode::SERVICE_UNAVAILABLE {
-                    ApiError::unavailable(message)
-                } else {
-                    ApiError::internal(message)
-                },
-            ));
+        let batches: Vec<Batch> = self.batches.drain().map(|(_, b)| b).collect();
+        for b in batches {
+            n += self.fail_batch(backend, b, err);
         }
         self.slots.clear();
         self.by_rid.clear();
         n
+    }
+}
+
+/// The requests a failed step (or abort) dropped, as the engine names them; None where the
+/// error names none (every open request then fails).
+fn failed_requests(e: &RolloutError) -> Option<Vec<RequestId>> {
+    match e {
+        RolloutError::StepFailed { requests, .. } => Some(requests.to_vec()),
+        _ => None,
     }
 }
 

@@ -10,7 +10,7 @@ use rand_chacha::ChaCha8Rng;
 
 use super::batch::Row;
 use super::memory::{mib, step_activation_bytes, StepShape};
-use super::{prefix, DeviceEngine, Running, Waiting};
+use super::{prefix, step_failed, DeviceEngine, Running, Waiting};
 use crate::engine::sequence::ResumeState;
 use crate::engine::validate_request;
 use crate::error::RolloutError;
@@ -246,15 +246,19 @@ impl DeviceEngine {
             (longest, new_tokens, most_cached, longest_tail) = (l, n, c, t);
             asks_prompt_logprobs = logit_positions > 1;
             let mut row = self.new_row(w);
-            hits.push(self.attach_prefix(&mut row)?);
+            let hit = self.attach_prefix(&mut row);
             rows.push(row);
+            // The requests taken from the queue fail by name, not in silence.
+            hits.push(hit.map_err(|e| step_failed(&rows, e))?);
         }
         if rows.is_empty() {
             return Ok(None);
         }
         let cache = if hits.iter().any(Option::is_some) {
             let prefixes: Vec<Option<&RowKv>> = hits.iter().map(Option::as_ref).collect();
-            self.model.kv_cache_from(&prefixes)?
+            self.model
+                .kv_cache_from(&prefixes)
+                .map_err(|e| step_failed(&rows, e.into()))?
         } else {
             self.model.kv_cache()
         };

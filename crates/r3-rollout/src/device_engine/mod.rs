@@ -133,11 +133,21 @@ impl Default for DeviceEngineConfig {
 /// The error of a step whose forward failed: the requests it computed, and whether the
 /// device ran out of memory.
 fn step_failed(rows: &[Row], source: RolloutError) -> RolloutError {
+    requests_failed(rows.iter().map(|r| r.id).collect(), source)
+}
+
+/// [`step_failed`] naming the requests `ids` (rows that may be gone by the failure).
+fn requests_failed(ids: Vec<RequestId>, source: RolloutError) -> RolloutError {
     RolloutError::StepFailed {
-        requests: rows.iter().map(|r| r.id).collect(),
+        requests: ids.into_boxed_slice(),
         out_of_memory: is_out_of_memory(&source),
         source: Box::new(source),
     }
+}
+
+/// The request ids of `rows`, in batch order.
+fn ids_of(rows: &[Row]) -> Vec<RequestId> {
+    rows.iter().map(|r| r.id).collect()
 }
 
 /// Whether an error is a failed device allocation: CUDA's `CUDA_ERROR_OUT_OF_MEMORY`
@@ -382,6 +392,11 @@ impl DeviceEngine {
         )
     }
 
+    /// Results of a step whose later part failed, held for the next step to hand out.
+    pub fn held_results(&self) -> usize {
+        self.finished.len()
+    }
+
     /// Whether any request is waiting or running.
     pub fn has_work(&self) -> bool {
         let (w, r) = self.queue_lengths();
@@ -430,25 +445,39 @@ impl DeviceEngine {
     /// first token) of the waiting requests that fit beside the sequences still running,
     /// which join the batch; returns the requests that finished in it.
     ///
-    /// A forward that fails (a device allocation that fails, above all) fails the requests
-    /// it was computing, not the engine: the error names them and says whether the device
-    /// ran out of memory; their rows and cache are dropped, the waiting requests stay
-    /// queued, and when it is the newcomers' prefill that failed, the running batch keeps
-    /// running and what finished in this step comes out of the next one. A weight update
-    /// that failed part way leaves the engine refusing every step until one succeeds.
+    /// A step that fails (a device allocation that fails, above all) fails the requests it
+    /// was computing, not the engine: the error names them and says whether the device ran
+    /// out of memory; their rows and cache are dropped, the waiting requests stay queued, and
+    /// what finished before the failure comes out of the next step. When it is the
+    /// newcomers' admission or prefill that failed, the running batch keeps running. A
+    /// weight update that failed part way leaves the engine refusing every step until one
+    /// succeeds.
     pub fn step(&mut self) -> Result<Vec<GenerateResult>, RolloutError> {
         self.check_weights_whole()?;
         let mut results = std::mem::take(&mut self.finished);
         let mut running = self.running.take();
         if let Some(batch) = running.as_mut() {
-            if let Err(e) = self.advance(batch) {
-                self.finished = results;
-                return Err(step_failed(&batch.rows, e));
+            let ids = ids_of(&batch.rows);
+            let retired = self.advance(batch).and_then(|()| self.retire(batch));
+            match retired {
+                Ok(done) => results.extend(done),
+                Err(e) => {
+                    self.finished = results;
+                    return Err(requests_failed(ids, e));
+                }
             }
-            results.extend(self.retire(batch)?);
         }
         let mut running = running.filter(|b| !b.rows.is_empty());
-        if let Some(mut joining) = self.admit(running.as_ref())? {
+        // Admission's errors name the newcomers it had taken from the queue.
+        let admitted = match self.admit(running.as_ref()) {
+            Ok(admitted) => admitted,
+            Err(e) => {
+                self.running = running;
+                self.finished = results;
+                return Err(e);
+            }
+        };
+        if let Some(mut joining) = admitted {
             if let Err(e) = self.advance(&mut joining) {
                 self.running = running;
                 self.finished = results;
@@ -457,25 +486,40 @@ impl DeviceEngine {
             // The prefilled rows offer their full blocks at once, not only when they
             // retire: requests held back for them (`admit`) read them next step.
             for (b, row) in joining.rows.iter().enumerate() {
-                if let Err(e) = self.offer(row, &joining.cache, b) {
-                    tracing::warn!(error = %e, "prefix cache offer after the prefill failed; continuing without it");
+                self.offer_or_warn(row, &joining.cache, b);
+            }
+            let ids = ids_of(&joining.rows);
+            match self.retire(&mut joining) {
+                Ok(done) => results.extend(done),
+                Err(e) => {
+                    self.running = running;
+                    self.finished = results;
+                    return Err(requests_failed(ids, e));
                 }
             }
-            results.extend(self.retire(&mut joining)?);
             if !joining.rows.is_empty() {
+                // Both batches' rows, named if the join fails part way (neither is whole).
+                let mut ids = running.as_ref().map_or_else(Vec::new, |b| ids_of(&b.rows));
+                ids.extend(ids_of(&joining.rows));
                 // Cached prefixes and tails side by side can leave slots no row uses.
-                trim(&mut joining)?;
-                running = Some(match running {
-                    Some(mut batch) => {
-                        join(&mut batch, joining)?;
-                        batch
-                    }
-                    None => joining,
+                let joined = trim(&mut joining).and_then(|()| match running.take() {
+                    Some(mut batch) => join(&mut batch, joining).map(|()| batch),
+                    None => Ok(joining),
                 });
+                match joined {
+                    Ok(batch) => running = Some(batch),
+                    Err(e) => {
+                        self.finished = results;
+                        return Err(requests_failed(ids, e));
+                    }
+                }
             }
         }
         if let Some(mut batch) = running {
-            trim(&mut batch)?;
+            if let Err(e) = trim(&mut batch) {
+                self.finished = results;
+                return Err(step_failed(&batch.rows, e));
+            }
             self.running = Some(batch);
         }
         Ok(results)
@@ -627,7 +671,7 @@ impl DeviceEngine {
             .filter(|&b| batch.rows[b].finish.is_some())
             .collect();
         for &b in &finished {
-            self.offer(&batch.rows[b], &batch.cache, b)?;
+            self.offer_or_warn(&batch.rows[b], &batch.cache, b);
         }
         // The highest index first, so the row moved into each place is one that stays.
         let mut gone = finished
@@ -705,8 +749,13 @@ impl DeviceEngine {
         };
         // Its fed positions go to the prefix cache, so a resume under the same weights
         // does not feed them again.
-        self.offer(&running.rows[i], &running.cache, i)?;
-        let mut row = running.swap_remove(i)?;
+        self.offer_or_warn(&running.rows[i], &running.cache, i);
+        let ids = ids_of(&running.rows);
+        // A failed row move leaves the batch's cache part moved: every request of it fails,
+        // named (the batch is dropped).
+        let mut row = running
+            .swap_remove(i)
+            .map_err(|e| requests_failed(ids, e))?;
         if !running.rows.is_empty() {
             trim(&mut running)?;
             self.running = Some(running);
@@ -734,11 +783,15 @@ impl DeviceEngine {
         }))
     }
 
-    /// Offers the fed positions of `row` (row `b` of `kv`) to the prefix cache, if on.
-    fn offer(&mut self, row: &Row, kv: &KvCache, b: usize) -> Result<(), RolloutError> {
-        match self.cache.as_mut() {
-            Some(cache) => prefix::offer(cache, row, kv, b, self.version, &self.geo),
-            None => Ok(()),
+    /// Offers the fed positions of `row` (row `b` of `kv`) to the prefix cache, if on. The
+    /// cache is a saving, never a result: an offer that fails (its copy's allocation, above
+    /// all) is logged and the row goes on without it.
+    fn offer_or_warn(&mut self, row: &Row, kv: &KvCache, b: usize) {
+        let Some(cache) = self.cache.as_mut() else {
+            return;
+        };
+        if let Err(e) = prefix::offer(cache, row, kv, b, self.version, &self.geo) {
+            tracing::warn!(error = %e, "prefix cache offer failed; continuing without it");
         }
     }
 }

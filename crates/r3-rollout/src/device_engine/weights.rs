@@ -368,7 +368,7 @@ fn engine_weights(
             // its weights stay those of the version it loaded; the copy stays on the device.
             // A conversion or a move copies already.
             let t = match t.dtype() == dtype && t.device().same_device(device) {
-                true => t.contiguous()?.copy()?,
+                true => t.force_contiguous()?,
                 false => in_engine_form(t, dtype, device)?,
             };
             Ok((name.clone(), t))

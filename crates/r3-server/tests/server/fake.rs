@@ -20,6 +20,10 @@ pub const MAX_POS: usize = 128;
 pub const EOS: u32 = 1;
 pub const TOP_K: usize = 2;
 pub const EXPERTS: usize = 8;
+/// A prompt starting with this token fails the step it runs in as the device engine fails
+/// one (its request named in `StepFailed`, the device out of memory): that request is
+/// dropped, the others advance, and what finished in that step comes out of the next one.
+pub const POISON: u32 = 63;
 /// Layer 0 is dense, layers 1 and 2 are MoE (the wire carries all 3).
 pub const MOE_LAYERS: [usize; 2] = [1, 2];
 
@@ -90,6 +94,8 @@ struct Running {
 /// flight (or 10 s pass): a server that serialised requests would never get there.
 pub struct FakeEngine {
     running: Vec<Running>,
+    /// Results of a failed step, handed out by the next.
+    held: Vec<GenerateResult>,
     next_id: RequestId,
     version: u64,
     min_batch: usize,
@@ -100,6 +106,7 @@ impl FakeEngine {
     pub fn new(min_batch: usize) -> Self {
         FakeEngine {
             running: Vec::new(),
+            held: Vec::new(),
             next_id: 0,
             version: 0,
             min_batch,
@@ -158,7 +165,14 @@ impl InferenceBackend for FakeEngine {
             }
         }
         self.min_batch = 0;
-        let mut done = Vec::new();
+        let poisoned: Vec<RequestId> = self
+            .running
+            .iter()
+            .filter(|r| r.req.input_ids.first() == Some(&POISON))
+            .map(|r| r.id)
+            .collect();
+        self.running.retain(|r| !poisoned.contains(&r.id));
+        let mut done = std::mem::take(&mut self.held);
         let mut still = Vec::new();
         for mut r in std::mem::take(&mut self.running) {
             let prev = r
@@ -178,11 +192,21 @@ impl InferenceBackend for FakeEngine {
             }
         }
         self.running = still;
+        if !poisoned.is_empty() {
+            self.held = done;
+            return Err(RolloutError::StepFailed {
+                requests: poisoned.into_boxed_slice(),
+                out_of_memory: true,
+                source: Box::new(RolloutError::InvalidConfig(
+                    "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")".into(),
+                )),
+            });
+        }
         Ok(done)
     }
 
     fn in_flight(&self) -> usize {
-        self.running.len()
+        self.running.len() + self.held.len()
     }
 
     fn abort(&mut self, id: RequestId) -> Result<Option<PartialRollout>, RolloutError> {

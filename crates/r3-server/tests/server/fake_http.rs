@@ -145,6 +145,49 @@ fn concurrent_clients_are_batched_and_each_answered() {
     );
 }
 
+/// A step that fails one request (the engine names it; the device ran out of memory) fails
+/// that request's client alone, with a 503 naming the cause; the clients batched with it
+/// get their whole answers, the ones that finished in the failed step included.
+#[test]
+fn a_failed_request_fails_its_client_alone() {
+    // The fake makes no progress until 3 requests are in flight together.
+    let server = fake_server(3);
+    let answers: Vec<(u32, u16, Value)> = std::thread::scope(|s| {
+        let handles: Vec<_> = [fake::POISON, 10, 11]
+            .into_iter()
+            .enumerate()
+            .map(|(i, first)| {
+                let server = &server;
+                s.spawn(move || {
+                    // The second client finishes in the step that fails.
+                    let max_new = [1, 1, 4][i];
+                    let body = json!({
+                        "input_ids": [first, 20],
+                        "sampling_params": {"max_new_tokens": max_new, "seed": i, "ignore_eos": true},
+                    });
+                    let r = server.post("/generate", &body);
+                    (first, r.status, r.body)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("client thread"))
+            .collect()
+    });
+    for (i, (first, status, body)) in answers.iter().enumerate() {
+        if *first == fake::POISON {
+            assert_eq!(*status, 503, "{body}");
+            let message = body["error"]["message"].as_str().unwrap_or_default();
+            assert!(message.contains("out of memory"), "{message}");
+            continue;
+        }
+        assert_eq!(*status, 200, "client {i}: {body}");
+        let want = fake::expected(&[*first, 20], [1, 1, 4][i], &[], i as u64).0;
+        assert_eq!(ids(&body["output_ids"]), want, "client {i}");
+    }
+}
+
 #[test]
 fn seedless_requests_get_distinct_reproducible_seeds() {
     // Two servers see the same request sequence: same outputs; within a server the two
