@@ -48,7 +48,8 @@ pub enum RolloutError {
     #[error(
         "a step of requests {requests:?} failed{}: {source}",
         if *out_of_memory { " (the device ran out of memory; lower max_running, \
-         kv_cache_bytes or activation_bytes, or send shorter requests)" } else { "" }
+         kv_cache_bytes or activation_bytes — `r3 serve --max-running / --kv-cache-mib / \
+         --activation-mib` — or send shorter requests)" } else { "" }
     )]
     StepFailed {
         /// The requests the failed step computed (all dropped; a boxed slice keeps every

@@ -48,6 +48,10 @@ pub struct ServeArgs {
     /// cache in its compute dtype.
     #[arg(long, default_value = "auto")]
     pub kv_cache_dtype: KvCacheDtype,
+    /// The device engine's activation budget for one step in MiB (its admission holds every
+    /// step to it, beside the KV cache and the prefix cache; the CPU engine does not read it).
+    #[arg(long, default_value_t = 8192)]
+    pub activation_mib: usize,
     /// Prefix cache budget in MiB (0 disables the prefix cache).
     #[arg(long, default_value_t = 1024)]
     pub prefix_cache_mib: usize,
@@ -178,6 +182,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         prefix_cache: a.prefix_cache_mib > 0,
         prefix_cache_bytes: a.prefix_cache_mib << 20,
         max_running: a.max_running,
+        activation_bytes: a.activation_mib << 20,
         ..EngineConfig::default()
     };
     // The engine sets the precision the weights are checked against (its dtype).

@@ -78,10 +78,10 @@ impl fmt::Display for RolloutDevice {
 
 impl DeviceEngineConfig {
     /// The device engine's settings for `device` taken from the CPU engine's (dtype,
-    /// router dtype, batch size, KV budget, the prefix cache on or off, its budget and block
-    /// size; the token budget of a step has no counterpart, the activation budget is the
-    /// default's, and the KV cache holds the compute dtype: [`RolloutEngine`]'s constructors
-    /// refuse any other `kv_cache_dtype` than `auto` for this engine).
+    /// router dtype, batch size, KV budget, activation budget, the prefix cache on or off,
+    /// its budget and block size; the token budget of a step has no counterpart, and the KV
+    /// cache holds the compute dtype: [`RolloutEngine`]'s constructors refuse any other
+    /// `kv_cache_dtype` than `auto` for this engine).
     pub fn from_engine_config(device: DeviceSpec, cfg: &EngineConfig) -> Self {
         DeviceEngineConfig {
             device,
@@ -89,8 +89,7 @@ impl DeviceEngineConfig {
             router_dtype: cfg.router_dtype,
             max_running: cfg.max_running,
             kv_cache_bytes: cfg.kv_cache_bytes,
-            // The CPU engine has no counterpart (its activations live in buffers sized once).
-            activation_bytes: DeviceEngineConfig::default().activation_bytes,
+            activation_bytes: cfg.activation_bytes,
             block_size: cfg.block_size,
             prefix_cache: cfg.prefix_cache,
             prefix_cache_bytes: cfg.prefix_cache_bytes,
@@ -209,6 +208,39 @@ impl RolloutEngine {
 mod tests {
     use super::*;
     use crate::dtype::Dtype;
+
+    /// The device engine's settings carry the budgets the CPU engine's config was given,
+    /// the activation budget included (`r3 serve --activation-mib`), and a request whose
+    /// one step needs more activations than that budget is refused by the engine so built.
+    #[test]
+    fn the_activation_budget_reaches_the_device_engine() {
+        let cfg = EngineConfig {
+            kv_cache_bytes: 5 << 20,
+            activation_bytes: 3 << 20,
+            ..EngineConfig::default()
+        };
+        let device = DeviceEngineConfig::from_engine_config(DeviceSpec::Cpu, &cfg);
+        assert_eq!(
+            (device.kv_cache_bytes, device.activation_bytes),
+            (5 << 20, 3 << 20)
+        );
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3_moe_tiny");
+        let candle = RolloutDevice::Candle(DeviceSpec::Cpu);
+        let tight = EngineConfig {
+            activation_bytes: 1,
+            ..cfg
+        };
+        let mut engine = RolloutEngine::from_dir_with(candle, &dir, tight, &LoadOptions::default())
+            .expect("engine");
+        let request = crate::request::GenerateRequest::new(
+            vec![1, 2, 3],
+            crate::sampler::SamplingParams::greedy(2),
+        );
+        let err = engine
+            .generate(vec![request])
+            .expect_err("over a 1-byte activation budget");
+        assert!(err.to_string().contains("activation budget"), "{err}");
+    }
 
     /// A KV cache dtype other than `auto` is the CPU engine's: the device engine refuses it
     /// where it is built, naming it, and the CPU engine takes it.

@@ -49,6 +49,9 @@ pub struct EngineConfig {
     pub max_batch_tokens: usize,
     /// Sequences in flight at most.
     pub max_running: usize,
+    /// The device engine's activation budget for one step in bytes (its admission holds
+    /// every step to it); the CPU engine sizes its buffers once and does not read it.
+    pub activation_bytes: usize,
 }
 
 impl Default for EngineConfig {
@@ -63,6 +66,7 @@ impl Default for EngineConfig {
             prefix_cache_bytes: 1 << 30,
             max_batch_tokens: 4096,
             max_running: 256,
+            activation_bytes: crate::device_engine::DEFAULT_ACTIVATION_BYTES,
         }
     }
 }
