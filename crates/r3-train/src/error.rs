@@ -207,6 +207,19 @@ pub enum TrainError {
         max: u64,
     },
 
+    /// A phase of a training step ran the GPU out of memory: the step, the phase and the
+    /// settings that lower its memory are named beside the driver's error.
+    #[error("step {step}, {phase}: the GPU ran out of memory (lower {hint}): {source}")]
+    OutOfMemory {
+        /// The step.
+        step: u64,
+        /// `rollout`, `update` or `weight sync`.
+        phase: StepPhase,
+        /// The settings that lower the phase's memory.
+        hint: &'static str,
+        /// The error as it came.
+        source: Box<TrainError>,
+    },
     /// The engine answered a different number of requests than it was given.
     #[error("engine returned {got} results for {expected} requests")]
     EngineResults {
@@ -370,6 +383,56 @@ pub enum TrainError {
     },
 }
 
+/// The phases of a training step, for its errors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepPhase {
+    /// Generating the step's rollouts.
+    Rollout,
+    /// The policy update (old log-probs, forward, backward, optimiser).
+    Update,
+    /// Sending the new weights to the rollout engine.
+    WeightSync,
+}
+
+impl std::fmt::Display for StepPhase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            StepPhase::Rollout => "rollout",
+            StepPhase::Update => "update",
+            StepPhase::WeightSync => "weight sync",
+        })
+    }
+}
+
+impl StepPhase {
+    /// The settings that lower this phase's memory.
+    fn memory_settings(self) -> &'static str {
+        match self {
+            StepPhase::Rollout => "rollout.prompts_per_step or rollout.group_size",
+            StepPhase::Update => {
+                "algo.max_tokens_per_micro_batch, or turn on algo.gradient_checkpointing"
+            }
+            StepPhase::WeightSync => "the rollout engine's budgets, or run it on another device",
+        }
+    }
+
+    /// `e` as this phase's [`TrainError::OutOfMemory`] where it is a device allocation that
+    /// failed (CUDA's `CUDA_ERROR_OUT_OF_MEMORY`, as candle and the rollout engine word
+    /// it), else `e` as it came.
+    pub fn out_of_memory_in(self, step: u64, e: TrainError) -> TrainError {
+        let text = e.to_string().to_ascii_lowercase();
+        if !(text.contains("out_of_memory") || text.contains("out of memory")) {
+            return e;
+        }
+        TrainError::OutOfMemory {
+            step,
+            phase: self,
+            hint: self.memory_settings(),
+            source: Box::new(e),
+        }
+    }
+}
+
 impl TrainError {
     /// An IO error tagged with the path it concerns.
     pub fn io(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> TrainError {
@@ -413,3 +476,37 @@ impl TrainError {
 
 /// Result alias for r3-train.
 pub type Result<T> = std::result::Result<T, TrainError>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A device allocation that failed becomes the phase's out-of-memory error naming the
+    /// step, the phase and the settings that lower it, its source kept; any other error
+    /// passes as it came.
+    #[test]
+    fn an_out_of_memory_error_names_its_step_phase_and_settings() {
+        let oom = TrainError::Candle(candle_core::Error::Msg(
+            "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")".into(),
+        ));
+        let e = StepPhase::Update.out_of_memory_in(7, oom);
+        let text = e.to_string();
+        assert!(matches!(
+            e,
+            TrainError::OutOfMemory {
+                step: 7,
+                phase: StepPhase::Update,
+                ..
+            }
+        ));
+        assert!(
+            text.starts_with("step 7, update: the GPU ran out of memory")
+                && text.contains("algo.max_tokens_per_micro_batch")
+                && text.contains("CUDA_ERROR_OUT_OF_MEMORY"),
+            "{text}"
+        );
+        let other = TrainError::UnknownReplayMode("R4".into());
+        let e = StepPhase::Rollout.out_of_memory_in(7, other);
+        assert!(matches!(e, TrainError::UnknownReplayMode(_)), "{e}");
+    }
+}

@@ -44,7 +44,7 @@ pub use algo::update::{
     guarded_step_timed, guarded_step_with, GradHook, SkipReason, UpdateOutcome, UpdateTimes,
 };
 pub use config::{RouterReplay, TrainConfig};
-pub use error::{Result, TrainError};
+pub use error::{Result, StepPhase, TrainError};
 pub use policy::model_text::ModelText;
 pub use policy::{ResponseBatch, TrainablePolicy};
 pub use pretrain::config::PretrainConfig;

@@ -14,7 +14,7 @@ use r3_tasks::{DatasetPosition, Reward};
 
 use crate::algo::optim::{decay_matrices_only, AdamW, AdamWParams, UpdateStaging};
 use crate::config::train::TrainConfig;
-use crate::error::{Result, TrainError};
+use crate::error::{Result, StepPhase, TrainError};
 use crate::policy::model_text::ModelText;
 use crate::policy::trainable::TrainablePolicy;
 use crate::rl::ahead::{generate_while, AheadBatch};
@@ -298,7 +298,9 @@ impl Trainer {
                 false
             }
         };
-        let data = self.sample_step(step, &cfg)?;
+        let data = self
+            .sample_step(step, &cfg)
+            .map_err(|e| StepPhase::Rollout.out_of_memory_in(step, e))?;
         let rollout_peak_mib = lap_peak();
         if let Some(trace) = trace.as_deref_mut() {
             trace.sequences = data.batch.sequences().to_vec();
@@ -318,10 +320,11 @@ impl Trainer {
             trace,
         };
         let updates = if cfg.rollout.async_rollout && step < self.total_steps() {
-            self.updates_drawing_ahead(ctx)?
+            self.updates_drawing_ahead(ctx)
         } else {
-            run_updates(&self.policy, &mut self.optimizer, ctx)?
-        };
+            run_updates(&self.policy, &mut self.optimizer, ctx)
+        }
+        .map_err(|e| StepPhase::Update.out_of_memory_in(step, e))?;
         let update_peak_mib = lap_peak();
         let train_lp = data.batch.gather_responses(&updates.view.logp)?;
         let mismatch = logp_mismatch(&train_lp, &data.rollout_lp)?;
@@ -337,7 +340,8 @@ impl Trainer {
         };
         let sync_s = self
             .backend
-            .sync(&self.policy, &self.tokenizer, step, held)?;
+            .sync(&self.policy, &self.tokenizer, step, held)
+            .map_err(|e| StepPhase::WeightSync.out_of_memory_in(step, e))?;
         let sync_peak_mib = lap_peak();
         self.step = step;
         let mut metrics = finish_metrics(step, &cfg, &data, &updates, mismatch.as_ref(), sync_s);
