@@ -665,7 +665,8 @@ impl Book {
     }
 
     /// After a step that failed the engine requests `ids`: each open batch holding one gets
-    /// the error and its other requests are aborted; every other batch goes on.
+    /// the error and its other requests are aborted; every other batch goes on. An abort
+    /// here that fails drops what the engine names too, whose batches then fail alike.
     fn fail_requests<B: InferenceBackend>(
         &mut self,
         backend: &mut B,
@@ -673,32 +674,42 @@ impl Book {
         err: &ApiError,
     ) -> usize {
         tracing::error!(error = %err, requests = ids.len(), "engine step failed; failing the requests it named");
-        let hit: Vec<u64> = self
-            .batches
-            .iter()
-            .filter(|(_, b)| b.ids.iter().any(|id| ids.contains(id)))
-            .map(|(&n, _)| n)
-            .collect();
+        let mut pending = ids.to_vec();
         let mut n = 0;
-        for number in hit {
-            let Some(b) = self.batches.remove(&number) else {
-                continue;
-            };
-            n += self.fail_batch(backend, b, err);
+        // Each round removes the batches it fails, so the rounds end.
+        while !pending.is_empty() {
+            let hit: Vec<u64> = self
+                .batches
+                .iter()
+                .filter(|(_, b)| b.ids.iter().any(|id| pending.contains(id)))
+                .map(|(&n, _)| n)
+                .collect();
+            pending.clear();
+            for number in hit {
+                let Some(b) = self.batches.remove(&number) else {
+                    continue;
+                };
+                n += b.ids.len();
+                pending.extend(self.fail_batch(backend, b, err));
+            }
         }
         n
     }
 
     /// Answers batch `b` with `err` (a 503 where the error is one, else a 500) and aborts and
-    /// forgets its requests; returns how many it held.
+    /// forgets its requests; returns the requests an abort that failed says the engine
+    /// dropped besides.
     fn fail_batch<B: InferenceBackend>(
         &mut self,
         backend: &mut B,
         b: Batch,
         err: &ApiError,
-    ) -> usize {
+    ) -> Vec<RequestId> {
+        let mut dropped = Vec::new();
         for &id in &b.ids {
-            let _ = backend.abort(id);
+            if let Err(e) = backend.abort(id) {
+                dropped.extend(failed_requests(&e).unwrap_or_default());
+            }
             self.slots.remove(&id);
         }
         for rid in &b.rids {
@@ -714,7 +725,7 @@ impl Book {
                 ApiError::internal(message)
             },
         ));
-        b.ids.len()
+        dropped
     }
 
     /// After an engine failure: every open batch gets the error, every request is aborted.
@@ -723,7 +734,9 @@ impl Book {
         let mut n = 0;
         let batches: Vec<Batch> = self.batches.drain().map(|(_, b)| b).collect();
         for b in batches {
-            n += self.fail_batch(backend, b, err);
+            n += b.ids.len();
+            // Every batch fails here: what an abort says it dropped is among them.
+            self.fail_batch(backend, b, err);
         }
         self.slots.clear();
         self.by_rid.clear();
