@@ -760,7 +760,12 @@ impl DeviceEngine {
             .swap_remove(i)
             .map_err(|e| requests_failed(ids, e))?;
         if !running.rows.is_empty() {
-            trim(&mut running)?;
+            if let Err(e) = trim(&mut running) {
+                // The batch is dropped: its requests and the aborted one fail, named.
+                let mut ids = ids_of(&running.rows);
+                ids.push(row.id);
+                return Err(requests_failed(ids, e));
+            }
             self.running = Some(running);
         }
         let request = match &row.resume {
