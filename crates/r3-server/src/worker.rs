@@ -608,10 +608,20 @@ impl Book {
                     requests = b.ids.len(),
                     "client went away; aborting its requests"
                 );
+                let mut dropped = Vec::new();
                 for (id, rid) in b.ids.iter().zip(&b.rids) {
                     self.slots.remove(id);
                     self.by_rid.remove(rid);
-                    let _ = backend.abort(*id);
+                    // An abort that fails drops the batch the engine names: its clients fail.
+                    if let Err(e) = backend.abort(*id) {
+                        dropped.extend(failed_requests(&e).unwrap_or_default());
+                    }
+                }
+                if !dropped.is_empty() {
+                    let err = ApiError::unavailable(
+                        "the engine dropped this request when another client's abort failed",
+                    );
+                    self.fail_requests(backend, &dropped, &err);
                 }
             }
         }
@@ -638,7 +648,12 @@ impl Book {
             };
             let result = match backend.abort(id) {
                 Ok(Some(p)) => aborted_result(id, p, backend.weight_version()),
-                Ok(None) => continue,
+                // Finished already: a result a failed step held back comes out of the next
+                // step, which files it in its slot.
+                Ok(None) => {
+                    self.slots.insert(id, slot);
+                    continue;
+                }
                 Err(e) => {
                     self.fail_after_abort(backend, id, e);
                     continue;

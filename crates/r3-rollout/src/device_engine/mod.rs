@@ -456,7 +456,13 @@ impl DeviceEngine {
     /// weight update that failed part way leaves the engine refusing every step until one
     /// succeeds.
     pub fn step(&mut self) -> Result<Vec<GenerateResult>, RolloutError> {
-        self.check_weights_whole()?;
+        if let Err(e) = self.check_weights_whole() {
+            // Results a failed step held back were made whole before: handed out first.
+            if !self.finished.is_empty() {
+                return Ok(std::mem::take(&mut self.finished));
+            }
+            return Err(e);
+        }
         let mut results = std::mem::take(&mut self.finished);
         let mut running = self.running.take();
         if let Some(batch) = running.as_mut() {
