@@ -66,6 +66,20 @@ impl KvCache {
         Ok(())
     }
 
+    /// Rows the layers' buffers hold, removed rows' places included (see
+    /// [`LayerKv::buffer_rows`]).
+    pub fn buffer_rows(&self) -> usize {
+        self.layers.first().map_or(0, LayerKv::buffer_rows)
+    }
+
+    /// Frees every layer's places of removed rows ([`LayerKv::shrink_rows`]).
+    pub fn shrink_rows(&mut self) -> Result<()> {
+        for layer in &mut self.layers {
+            layer.shrink_rows()?;
+        }
+        Ok(())
+    }
+
     /// Puts `n` empty slots in front of every row (a batch that joins a longer one is
     /// left-padded to its slot count); the caller's masks must hide them.
     pub fn pad_front(&mut self, n: usize) -> Result<()> {

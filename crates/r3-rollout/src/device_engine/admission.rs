@@ -182,13 +182,16 @@ impl DeviceEngine {
         held_back: &mut Vec<Waiting>,
     ) -> Result<Option<Running>, RolloutError> {
         let slot_bytes = self.slot_bytes();
-        let (running_rows, running_slots, running_reach) = match running {
+        // The KV budget counts the rows the running buffers hold, retired rows' places
+        // included (freed once they are half the buffer, or by the join).
+        let (running_rows, running_held, running_slots, running_reach) = match running {
             Some(r) => (
                 r.rows.len(),
+                r.cache.buffer_rows().max(r.rows.len()),
                 r.cache.slots(),
                 r.rows.iter().map(Row::reach).max().unwrap_or(0),
             ),
-            None => (0, 0, 0),
+            None => (0, 0, 0, 0),
         };
         let (mut longest, mut new_tokens, mut most_cached, mut longest_tail) = (0, 0, 0, 0);
         let mut asks_prompt_logprobs = false;
@@ -210,6 +213,7 @@ impl DeviceEngine {
             let slots = running_slots.max(l).max(c + t);
             let reach = (running_reach + (slots - running_slots)).max(slots + n);
             let count = running_rows + rows.len() + 1;
+            let held = running_held + rows.len() + 1;
             // The prefill feeds the newcomers' tails over the prefixes, then the joined
             // batch decodes over `reach` slots at most; the two steps run one after the
             // other, so each alone has to fit the activation budget.
@@ -235,7 +239,7 @@ impl DeviceEngine {
                 .max(step_activation_bytes(&self.model_cfg, decode));
             // A request alone always fits (`submit` checked it).
             if count > 1
-                && (count * kv_capacity_for(reach) * slot_bytes > self.cfg.kv_cache_bytes
+                && (held * kv_capacity_for(reach) * slot_bytes > self.cfg.kv_cache_bytes
                     || activations > self.cfg.activation_bytes)
             {
                 break;

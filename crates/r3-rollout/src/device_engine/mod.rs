@@ -689,6 +689,13 @@ impl DeviceEngine {
             .map(|&b| batch.swap_remove(b))
             .collect::<Result<Vec<_>, _>>()?;
         gone.reverse();
+        // A removed row's place stays allocated (moving rows is what removal avoids); once
+        // the buffers hold twice the rows left, the places are freed in one copy of those
+        // rows, so the memory admission counts (`buffer_rows`) stays within twice the rows.
+        let rows = batch.rows.len();
+        if rows > 0 && batch.cache.buffer_rows() >= 2 * rows {
+            batch.cache.shrink_rows()?;
+        }
         // A batch's rows often finish together (greedy runs of one length: all of them at
         // once), so their route tables, each a checked copy of the row's whole route
         // history, are built side by side.
@@ -889,6 +896,57 @@ fn route_table(geo: &RouteGeometry, row: &mut Row) -> Result<Option<RouteTable>,
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::request::GenerateRequest;
+    use crate::sampler::SamplingParams;
+    use r3_model::RandomInit;
+
+    /// Rows retiring one by one free their KV places once they are half the buffer (one
+    /// copy of the rows left), so the buffers never hold twice the rows still running —
+    /// what admission counts; and every request's tokens are those it gets alone, its
+    /// log-probs within a batch's rounding of them.
+    #[test]
+    fn retired_rows_places_are_freed_as_the_batch_shrinks() {
+        let cfg = memory::tests::qwen_tiny();
+        let tensors = r3_model::Weights::random(&cfg, &RandomInit::new(5), &Device::Cpu)
+            .and_then(|w| w.fuse_experts(&cfg))
+            .expect("weights")
+            .into_map();
+        let config = DeviceEngineConfig {
+            max_running: 8,
+            kv_cache_bytes: 64 << 20,
+            prefix_cache: false,
+            ..DeviceEngineConfig::default()
+        };
+        let request = |i: usize| {
+            GenerateRequest::new(vec![3 + i as u32, 9, 14], SamplingParams::greedy(1 + 2 * i))
+        };
+        let mut engine = DeviceEngine::new(cfg.clone(), &tensors, config.clone()).expect("engine");
+        let ids: Vec<RequestId> = (0..8)
+            .map(|i| engine.submit(request(i)).expect("submit"))
+            .collect();
+        let mut done: Vec<GenerateResult> = Vec::new();
+        let mut shrunk = 0;
+        while engine.has_work() {
+            done.extend(engine.step().expect("step"));
+            if let Some(batch) = &engine.running {
+                let (rows, held) = (batch.rows.len(), batch.cache.buffer_rows());
+                assert!(held < 2 * rows, "{held} rows held for {rows} running");
+                shrunk += usize::from(held < 8);
+            }
+        }
+        assert!(shrunk > 0, "the places were freed");
+        for (i, id) in ids.iter().enumerate() {
+            let got = done.iter().find(|r| r.id == *id).expect("a result");
+            let mut alone =
+                DeviceEngine::new(cfg.clone(), &tensors, config.clone()).expect("engine");
+            let want = alone.generate(vec![request(i)]).expect("alone").remove(0);
+            assert_eq!(got.output_ids, want.output_ids, "request {i}");
+            // A batch's GEMMs round their sums in another order than one row's.
+            for (a, b) in got.output_logprobs.iter().zip(&want.output_logprobs) {
+                assert!((a - b).abs() < 1e-5, "request {i}: {a} against {b} alone");
+            }
+        }
+    }
 
     #[test]
     fn a_cuda_allocation_failure_reads_as_out_of_memory() {

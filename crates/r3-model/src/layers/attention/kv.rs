@@ -108,6 +108,29 @@ impl LayerKv {
         self.rows
     }
 
+    /// Rows the buffers hold (at least [`LayerKv::rows`]: a removed row's place stays
+    /// allocated until [`LayerKv::shrink_rows`]; 0 while empty).
+    pub fn buffer_rows(&self) -> usize {
+        self.kv
+            .as_ref()
+            .and_then(|(k, _)| k.dim(0).ok())
+            .unwrap_or(0)
+    }
+
+    /// Frees the places of removed rows: new buffers of the batch's rows alone (their slots
+    /// and free room copied), where the buffers hold more.
+    pub fn shrink_rows(&mut self) -> Result<()> {
+        if self.buffer_rows() <= self.rows {
+            return Ok(());
+        }
+        if let Some((k, v)) = &self.kv {
+            let keep = |t: &Tensor| t.narrow(0, 0, self.rows)?.force_contiguous();
+            self.kv = Some((keep(k)?, keep(v)?));
+            self.owned = true;
+        }
+        Ok(())
+    }
+
     /// Keeps only the batch rows `rows` (a u32 index tensor), in that order.
     pub fn keep_rows(&mut self, rows: &Tensor) -> Result<()> {
         if let Some((k, v)) = self.filled()? {
