@@ -111,11 +111,6 @@ pub struct DeviceEngineConfig {
     pub routing: RoutingPlace,
 }
 
-/// The default activation budget of one step: generous where no device memory is read yet
-/// (composed attention alone holds 3 · heads · T² f32 per prefill: a 32-head model's
-/// 4,096-token prompt, 6.4 GB).
-pub const DEFAULT_ACTIVATION_BYTES: usize = 8 << 30;
-
 impl Default for DeviceEngineConfig {
     fn default() -> Self {
         DeviceEngineConfig {
@@ -124,7 +119,7 @@ impl Default for DeviceEngineConfig {
             router_dtype: RouterDtype::Model,
             max_running: 256,
             kv_cache_bytes: 4 << 30,
-            activation_bytes: DEFAULT_ACTIVATION_BYTES,
+            activation_bytes: crate::engine::DEFAULT_ACTIVATION_BYTES,
             block_size: 16,
             prefix_cache: true,
             prefix_cache_bytes: 1 << 30,
