@@ -157,6 +157,15 @@ fn default_pool(
     Ok(pool)
 }
 
+/// Whether an error's text reads as a failed device allocation: CUDA's
+/// `CUDA_ERROR_OUT_OF_MEMORY` (cudarc's name in candle's error text) or an allocator's "out
+/// of memory". On the CPU an allocation failure aborts the process instead, so this is a
+/// GPU's case.
+pub fn reads_as_out_of_memory(error: &dyn std::fmt::Display) -> bool {
+    let text = error.to_string().to_ascii_lowercase();
+    text.contains("out_of_memory") || text.contains("out of memory")
+}
+
 /// The device's free and total memory in bytes, as its driver reports them now: `None` on
 /// the CPU (whose memory the operating system manages); on a GPU, CUDA's `cuMemGetInfo`
 /// after the work queued so far has run and the memory pool has handed back what it keeps

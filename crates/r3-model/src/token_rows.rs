@@ -82,12 +82,7 @@ fn logp_rows<T: StdFloat>(logits: &[T], vocab: usize, targets: &[u32]) -> Vec<T>
         .chunks(vocab)
         .zip(targets)
         .map(|(z, &t)| {
-            let mut max = T::NEG_INFINITY;
-            for &v in z {
-                if v > max {
-                    max = v;
-                }
-            }
+            let max = row_max(z);
             let mut sum = T::ZERO;
             for &v in z {
                 sum = sum + (v - max).exp();
@@ -98,6 +93,12 @@ fn logp_rows<T: StdFloat>(logits: &[T], vocab: usize, targets: &[u32]) -> Vec<T>
             }
         })
         .collect()
+}
+
+/// The largest of a row's values, a NaN losing (the kernels' `block_row_max`).
+fn row_max<T: StdFloat>(z: &[T]) -> T {
+    z.iter()
+        .fold(T::NEG_INFINITY, |max, &v| if v > max { v } else { max })
 }
 
 impl CustomOp2 for TokenLogProbRows {
@@ -279,12 +280,7 @@ struct EntropyRows;
 fn entropy_row_stats<T: StdFloat>(logits: &[T], vocab: usize) -> Vec<T> {
     let mut out = Vec::with_capacity(2 * logits.len() / vocab.max(1));
     for z in logits.chunks(vocab) {
-        let mut max = T::NEG_INFINITY;
-        for &v in z {
-            if v > max {
-                max = v;
-            }
-        }
+        let max = row_max(z);
         let (mut s, mut t) = (T::ZERO, T::ZERO);
         for &v in z {
             let d = v - max;

@@ -608,15 +608,9 @@ impl Book {
                     requests = b.ids.len(),
                     "client went away; aborting its requests"
                 );
-                let mut dropped = Vec::new();
-                for (id, rid) in b.ids.iter().zip(&b.rids) {
-                    self.slots.remove(id);
-                    self.by_rid.remove(rid);
-                    // An abort that fails drops the batch the engine names: its clients fail.
-                    if let Err(e) = backend.abort(*id) {
-                        dropped.extend(failed_requests(&e).unwrap_or_default());
-                    }
-                }
+                // Its answer goes nowhere; an abort that fails drops the batch the engine
+                // names, whose clients fail.
+                let dropped = self.fail_batch(backend, b, &ApiError::unavailable("client gone"));
                 if !dropped.is_empty() {
                     let err = ApiError::unavailable(
                         "the engine dropped this request when another client's abort failed",

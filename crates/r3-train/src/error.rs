@@ -209,14 +209,15 @@ pub enum TrainError {
 
     /// A phase of a training step ran the GPU out of memory: the step, the phase and the
     /// settings that lower its memory are named beside the driver's error.
-    #[error("step {step}, {phase}: the GPU ran out of memory (lower {hint}): {source}")]
+    #[error(
+        "step {step}, {phase}: the GPU ran out of memory (lower {}): {source}",
+        .phase.memory_settings()
+    )]
     OutOfMemory {
         /// The step.
         step: u64,
         /// `rollout`, `update` or `weight sync`.
         phase: StepPhase,
-        /// The settings that lower the phase's memory.
-        hint: &'static str,
         /// The error as it came.
         source: Box<TrainError>,
     },
@@ -420,14 +421,12 @@ impl StepPhase {
     /// failed (CUDA's `CUDA_ERROR_OUT_OF_MEMORY`, as candle and the rollout engine word
     /// it), else `e` as it came.
     pub fn out_of_memory_in(self, step: u64, e: TrainError) -> TrainError {
-        let text = e.to_string().to_ascii_lowercase();
-        if !(text.contains("out_of_memory") || text.contains("out of memory")) {
+        if !r3_model::device::reads_as_out_of_memory(&e) {
             return e;
         }
         TrainError::OutOfMemory {
             step,
             phase: self,
-            hint: self.memory_settings(),
             source: Box::new(e),
         }
     }

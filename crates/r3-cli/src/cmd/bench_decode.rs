@@ -96,10 +96,12 @@ pub fn run(a: BenchDecodeArgs) -> anyhow::Result<()> {
                 // Drawn on the engine's GPU: the engine takes that handle, so its copy in
                 // its own dtype stays on one handle (a second handle's copied every tensor
                 // across first).
-                RolloutEngine::Device(match r3_model::DeviceSpec::of(&draw_on) == spec {
-                    true => DeviceEngine::new_on(cfg.clone(), &tensors, device_cfg, draw_on)?,
-                    false => DeviceEngine::new(cfg.clone(), &tensors, device_cfg)?,
-                })
+                RolloutEngine::Device(DeviceEngine::new_beside(
+                    cfg.clone(),
+                    &tensors,
+                    device_cfg,
+                    &draw_on,
+                )?)
             }
         };
         // The engine holds its own copy: the drawn weights (20 GB in f32 for the 30B-A3B

@@ -138,7 +138,7 @@ fn step_failed(rows: &[Row], source: RolloutError) -> RolloutError {
 fn requests_failed(ids: Vec<RequestId>, source: RolloutError) -> RolloutError {
     RolloutError::StepFailed {
         requests: ids.into_boxed_slice(),
-        out_of_memory: is_out_of_memory(&source),
+        out_of_memory: r3_model::device::reads_as_out_of_memory(&source),
         source: Box::new(source),
     }
 }
@@ -146,14 +146,6 @@ fn requests_failed(ids: Vec<RequestId>, source: RolloutError) -> RolloutError {
 /// The request ids of `rows`, in batch order.
 fn ids_of(rows: &[Row]) -> Vec<RequestId> {
     rows.iter().map(|r| r.id).collect()
-}
-
-/// Whether an error is a failed device allocation: CUDA's `CUDA_ERROR_OUT_OF_MEMORY`
-/// (cudarc's name in candle's error text) or an allocator's "out of memory". On the CPU an
-/// allocation failure aborts the process instead, so this is the GPU's case.
-fn is_out_of_memory(e: &RolloutError) -> bool {
-    let text = e.to_string().to_ascii_lowercase();
-    text.contains("out_of_memory") || text.contains("out of memory")
 }
 
 /// A request waiting for admission.
@@ -272,6 +264,22 @@ impl DeviceEngine {
         }
         check_map_holds(tensors, cfg.dtype.weight_precision())?;
         Self::build(model_cfg, tensors, cfg, device)
+    }
+
+    /// [`DeviceEngine::new`] on `held` (a handle the caller has: a trainer's, or the one the
+    /// weights were drawn on) where it is the device `cfg.device` names, else on a handle of
+    /// its own.
+    pub fn new_beside(
+        model_cfg: Config,
+        tensors: &TensorMap,
+        cfg: DeviceEngineConfig,
+        held: &Device,
+    ) -> Result<Self, RolloutError> {
+        if DeviceSpec::of(held) == cfg.device {
+            Self::new_on(model_cfg, tensors, cfg, held.clone())
+        } else {
+            Self::new(model_cfg, tensors, cfg)
+        }
     }
 
     /// The engine on `device` (opened for `cfg.device`).
@@ -459,74 +467,76 @@ impl DeviceEngine {
             return Err(e);
         }
         let mut results = std::mem::take(&mut self.finished);
+        // What finished before a failure is held for the next step.
+        if let Err(e) = self.step_into(&mut results) {
+            self.finished = results;
+            return Err(e);
+        }
+        Ok(results)
+    }
+
+    /// [`DeviceEngine::step`]'s work, what finishes added to `results`. An error names the
+    /// requests it dropped; the running batch stays wherever it is still whole.
+    fn step_into(&mut self, results: &mut Vec<GenerateResult>) -> Result<(), RolloutError> {
         let mut running = self.running.take();
         if let Some(batch) = running.as_mut() {
             let ids = ids_of(&batch.rows);
-            let retired = self.advance(batch).and_then(|()| self.retire(batch));
-            match retired {
-                Ok(done) => results.extend(done),
-                Err(e) => {
-                    self.finished = results;
-                    return Err(requests_failed(ids, e));
-                }
-            }
+            let done = self
+                .advance(batch)
+                .and_then(|()| self.retire(batch))
+                .map_err(|e| requests_failed(ids, e))?;
+            results.extend(done);
         }
         let mut running = running.filter(|b| !b.rows.is_empty());
-        // Admission's errors name the newcomers it had taken from the queue.
-        let admitted = match self.admit(running.as_ref()) {
-            Ok(admitted) => admitted,
-            Err(e) => {
-                self.running = running;
-                self.finished = results;
-                return Err(e);
-            }
+        let joined = self.admit_and_join(&mut running, results);
+        let Some(mut batch) = running else {
+            return joined;
         };
-        if let Some(mut joining) = admitted {
-            if let Err(e) = self.advance(&mut joining) {
-                self.running = running;
-                self.finished = results;
-                return Err(step_failed(&joining.rows, e));
-            }
-            // The prefilled rows offer their full blocks at once, not only when they
-            // retire: requests held back for them (`admit`) read them next step.
-            for (b, row) in joining.rows.iter().enumerate() {
-                self.offer_or_warn(row, &joining.cache, b);
-            }
-            let ids = ids_of(&joining.rows);
-            match self.retire(&mut joining) {
-                Ok(done) => results.extend(done),
-                Err(e) => {
-                    self.running = running;
-                    self.finished = results;
-                    return Err(requests_failed(ids, e));
-                }
-            }
-            if !joining.rows.is_empty() {
-                // Both batches' rows, named if the join fails part way (neither is whole).
-                let mut ids = running.as_ref().map_or_else(Vec::new, |b| ids_of(&b.rows));
-                ids.extend(ids_of(&joining.rows));
-                // Cached prefixes and tails side by side can leave slots no row uses.
-                let joined = trim(&mut joining).and_then(|()| match running.take() {
-                    Some(mut batch) => join(&mut batch, joining).map(|()| batch),
-                    None => Ok(joining),
-                });
-                match joined {
-                    Ok(batch) => running = Some(batch),
-                    Err(e) => {
-                        self.finished = results;
-                        return Err(requests_failed(ids, e));
-                    }
-                }
-            }
+        if joined.is_ok() {
+            trim(&mut batch).map_err(|e| step_failed(&batch.rows, e))?;
         }
-        if let Some(mut batch) = running {
-            if let Err(e) = trim(&mut batch) {
-                self.finished = results;
-                return Err(step_failed(&batch.rows, e));
-            }
-            self.running = Some(batch);
+        self.running = Some(batch);
+        joined
+    }
+
+    /// Admits the waiting requests that fit beside `running`, prefills them and joins them
+    /// to it, what finishes in their first token added to `results`. An error names the
+    /// requests it dropped: the newcomers, or both batches where the join itself failed
+    /// (`running` is then taken: neither is whole).
+    fn admit_and_join(
+        &mut self,
+        running: &mut Option<Running>,
+        results: &mut Vec<GenerateResult>,
+    ) -> Result<(), RolloutError> {
+        // Admission's errors name the newcomers it had taken from the queue.
+        let Some(mut joining) = self.admit(running.as_ref())? else {
+            return Ok(());
+        };
+        self.advance(&mut joining)
+            .map_err(|e| step_failed(&joining.rows, e))?;
+        // The prefilled rows offer their full blocks at once, not only when they retire:
+        // requests held back for them (`admit`) read them next step.
+        for (b, row) in joining.rows.iter().enumerate() {
+            self.offer_or_warn(row, &joining.cache, b);
         }
-        Ok(results)
+        let ids = ids_of(&joining.rows);
+        results.extend(
+            self.retire(&mut joining)
+                .map_err(|e| requests_failed(ids, e))?,
+        );
+        if joining.rows.is_empty() {
+            return Ok(());
+        }
+        // Cached prefixes and tails side by side can leave slots no row uses.
+        trim(&mut joining).map_err(|e| step_failed(&joining.rows, e))?;
+        let mut ids = running.as_ref().map_or_else(Vec::new, |b| ids_of(&b.rows));
+        ids.extend(ids_of(&joining.rows));
+        let joined = match running.take() {
+            Some(mut batch) => join(&mut batch, joining).map(|()| batch),
+            None => Ok(joining),
+        };
+        *running = Some(joined.map_err(|e| requests_failed(ids, e))?);
+        Ok(())
     }
 
     /// Feeds `batch` one step (its prefill if it has not run, else one decode token per
@@ -948,9 +958,9 @@ mod tests {
         let oom = RolloutError::Candle(candle_core::Error::Msg(
             "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")".into(),
         ));
-        assert!(is_out_of_memory(&oom));
+        assert!(r3_model::device::reads_as_out_of_memory(&oom));
         let other = RolloutError::Candle(candle_core::Error::Msg("shape mismatch".into()));
-        assert!(!is_out_of_memory(&other));
+        assert!(!r3_model::device::reads_as_out_of_memory(&other));
         let failed = step_failed(&[], oom);
         assert!(!failed.is_client_error());
         assert!(failed.to_string().contains("out of memory"), "{failed}");

@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use r3_model::{DeviceSpec, HeldTensors, WeightPrecision};
+use r3_model::{HeldTensors, WeightPrecision};
 
 use r3_rollout::{
     DeviceEngine, DeviceEngineConfig, Dtype, Engine, EngineConfig, GenerateRequest, GenerateResult,
@@ -90,21 +90,12 @@ impl Backend {
                     // them there), so a GPU policy's weights reach a GPU engine without
                     // crossing the host, as at every sync. On the policy's own GPU it takes
                     // the policy's handle: one copy a tensor at each sync.
-                    Some(spec) => {
-                        let engine_cfg = DeviceEngineConfig::from_engine_config(spec, &engine_cfg);
-                        let (model_cfg, tensors) =
-                            (policy.config().clone(), policy.device_tensor_map());
-                        let policy_device = policy.device();
-                        Backend::Device(match DeviceSpec::of(&policy_device) == spec {
-                            true => DeviceEngine::new_on(
-                                model_cfg,
-                                &tensors,
-                                engine_cfg,
-                                policy_device,
-                            )?,
-                            false => DeviceEngine::new(model_cfg, &tensors, engine_cfg)?,
-                        })
-                    }
+                    Some(spec) => Backend::Device(DeviceEngine::new_beside(
+                        policy.config().clone(),
+                        &policy.device_tensor_map(),
+                        DeviceEngineConfig::from_engine_config(spec, &engine_cfg),
+                        &policy.device(),
+                    )?),
                 })
             }
             RolloutBackend::Sglang => Ok(Backend::Fleet(FleetRollout::connect(

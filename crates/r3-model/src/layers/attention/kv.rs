@@ -324,10 +324,7 @@ impl LayerKv {
             ),
             (_, None) => Ok(()),
             // `other`'s storage, possibly: held as handed over, not written into.
-            (None, Some(_)) => match other.filled()? {
-                Some((k2, v2)) => self.set_filled(k2, v2, false),
-                None => Ok(()),
-            },
+            (None, Some((k2, v2))) => self.set_filled(k2.contiguous()?, v2.contiguous()?, false),
         }
     }
 }
