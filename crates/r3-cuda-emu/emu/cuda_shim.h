@@ -146,6 +146,18 @@ static inline float __fdiv_rn(float a, float b) {
     return r;
 }
 static inline float __fsqrt_rn(float a) { return sqrtf(a); }
+static inline double __dadd_rn(double a, double b) {
+    volatile double r = a + b;
+    return r;
+}
+static inline double __dsub_rn(double a, double b) {
+    volatile double r = a - b;
+    return r;
+}
+static inline double __dmul_rn(double a, double b) {
+    volatile double r = a * b;
+    return r;
+}
 
 struct __nv_bfloat16 {
     uint16_t __x;

@@ -20,6 +20,7 @@ use r3_model::greedy_rows::greedy_rows;
 use r3_model::layers::attention::attend_additive;
 use r3_model::layers::attention::rope::{Rope, Rotary};
 use r3_model::layers::norm::RmsNorm;
+use r3_model::sample_rows::{sample_rows, uniform_at_bound, RowDraw};
 use r3_model::token_stats::token_log_probs_recomputed;
 use r3_model::{Precision, RopeConfig, RopeScaling, Weights};
 
@@ -27,8 +28,8 @@ mod common;
 
 use common::{f32_bits as bits, Lcg};
 use r3_model::launch_shape::{
-    attend_rows_shared_bytes, rms_norm_dw_chunk_threads, row_threads, ATTEND_ROWS_THREADS,
-    RMS_NORM_DW_CHUNK_ROWS,
+    attend_rows_shared_bytes, rms_norm_dw_chunk_threads, row_threads, sample_rows_shared_bytes,
+    ATTEND_ROWS_THREADS, RMS_NORM_DW_CHUNK_ROWS, SAMPLE_ROWS_THREADS,
 };
 
 /// Runs one kernel launch of `shape` in both thread orders (`call` launches it over the
@@ -495,6 +496,111 @@ fn greedy_rows_equal_the_cpus_largest_column_and_log_sum_exp() {
                 assert_close(&format!("{what} lse"), &lse, &pick(&want, 1), 1e-6, 1.0);
                 let plain = plain.get_or_insert_with(|| bits(&got));
                 assert_eq!(*plain, bits(&got), "{what}: fma changed plain's bits");
+            }
+        }
+    }
+}
+
+/// Row-draw rows of `cols` columns and their draws: ordinary values, bf16-rounded ones (a
+/// coarse grid of repeated values), `−∞` entries beside finite ones, a row with a NaN, a
+/// row with a `+∞`, a row of `−∞`, a row not asked, a row at temperature 0.7, and draws at
+/// 0, near 1 and between; then four ordinary rows whose draws land on the bound after a
+/// column (as the CPU sums: the last ulp of any sum decides between two columns there).
+fn draw_rows(cols: usize) -> (usize, Vec<f32>, Vec<Option<RowDraw>>) {
+    let rows = 14;
+    let mut lcg = Lcg::new(11);
+    let mut v = lcg.values(rows * cols, -6.0, 6.0);
+    for x in &mut v[cols..2 * cols] {
+        *x = half::bf16::from_f32(*x).to_f32();
+    }
+    for c in (0..cols).step_by(2) {
+        v[2 * cols + c] = f32::NEG_INFINITY;
+    }
+    v[3 * cols + cols / 2] = f32::NAN;
+    v[4 * cols + 1] = f32::INFINITY;
+    v[5 * cols..6 * cols].fill(f32::NEG_INFINITY);
+    let mut uniforms = vec![
+        0.0,
+        0.999_999_9,
+        0.5,
+        0.0,
+        0.3,
+        0.4,
+        0.2,
+        0.77,
+        0.123_456,
+        0.91,
+    ];
+    for (r, j) in (10..rows).zip([cols / 3, cols - 2, 255, 256]) {
+        let row = &v[r * cols..(r + 1) * cols];
+        uniforms.push(uniform_at_bound(row, j.min(cols - 2), r % 2 == 0));
+    }
+    let draws = (0..rows)
+        .map(|r| {
+            (r != 6).then_some(RowDraw {
+                uniform: uniforms[r],
+                inv_temperature: if r == 7 { 1.0 / 0.7 } else { 1.0 },
+            })
+        })
+        .collect();
+    (rows, v, draws)
+}
+
+/// `r3_sample_rows_f32` picks the CPU's column (`sample_rows`, the rollout sampler's own
+/// full-vocabulary branch) bit for bit: the same exponentials, block sums and walk, in both
+/// variants (every product and sum of the walk is a correctly rounded intrinsic, so
+/// contraction changes no bit); the log-prob bit for bit at temperature 1 and within 1e-6
+/// at 0.7 (the kernel's normaliser there is a block-order f64 sum); (cols, NaN) for the
+/// rows not asked, holding a NaN or a `+∞`, or all `−∞`. Over 1,000 columns (blocks of 256
+/// and a tail of 232), 40 (one short block), 4,101 (a tail of 5, under one lane's chunk)
+/// and a Qwen vocabulary's 151,936, at the launcher's 512 threads and at 32, 96 and 1,024.
+#[test]
+fn row_draws_pick_the_cpus_column() {
+    for (cols, shapes) in [
+        (1000usize, vec![SAMPLE_ROWS_THREADS, 32, 96, 1024]),
+        (40, vec![SAMPLE_ROWS_THREADS, 32]),
+        (4101, vec![SAMPLE_ROWS_THREADS, 96]),
+        (151_936, vec![SAMPLE_ROWS_THREADS]),
+    ] {
+        let (rows, v, draws) = draw_rows(cols);
+        let want = sample_rows(&tensor(&v, &[rows, cols]), &draws)
+            .map(|t| host(&t))
+            .expect("the CPU's draws");
+        let mut packed = Vec::with_capacity(2 * rows);
+        for d in &draws {
+            match d {
+                Some(d) => packed.extend([d.uniform, f64::from(d.inv_temperature)]),
+                None => packed.extend([-1.0, 1.0]),
+            }
+        }
+        for r in [3, 4, 5, 6] {
+            assert_eq!(
+                want[2 * r],
+                cols as f32,
+                "{cols} columns: row {r} names none"
+            );
+        }
+        for &threads in &shapes {
+            for (name, k) in variants() {
+                let what = format!("row draws {name}, {cols} columns, {threads} threads");
+                let shape = LaunchShape::blocks(rows as u32, threads)
+                    .with_shared_bytes(sample_rows_shared_bytes(cols));
+                let got = run(&what, shape, rows * 2, |out| unsafe {
+                    (k.r3_sample_rows_f32)(v.as_ptr(), packed.as_ptr(), out, cols as u32)
+                });
+                let column = |x: &[f32]| x.iter().step_by(2).copied().collect::<Vec<f32>>();
+                assert_bits(&format!("{what} columns"), &column(&got), &column(&want));
+                for r in 0..rows {
+                    let (g, w) = (got[2 * r + 1], want[2 * r + 1]);
+                    if r == 7 {
+                        assert!(
+                            (g - w).abs() <= 1e-6 * w.abs().max(1.0),
+                            "{what}: {g} vs {w}"
+                        );
+                    } else {
+                        assert_eq!(g.to_bits(), w.to_bits(), "{what} row {r}: {g} vs {w}");
+                    }
+                }
             }
         }
     }

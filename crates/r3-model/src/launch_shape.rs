@@ -60,6 +60,21 @@ pub fn attend_rows_shared_bytes(s: usize, dq: usize) -> usize {
     (s + dq) * std::mem::size_of::<f32>()
 }
 
+/// Threads of a block of the row draws (`r3_sample_rows_f32`, a block per row): 32 groups
+/// of 16, each group summing one block of `SAMPLE_BLOCK` columns at a time.
+pub const SAMPLE_ROWS_THREADS: u32 = 512;
+
+/// The most columns a row of `r3_sample_rows_f32` may have: its blocks' f64 partial sums,
+/// one per 256 columns, fill at most 40 KiB of dynamic shared memory (a launch may ask for
+/// 48 KiB without opting in; the kernel's own arrays take the rest).
+pub const SAMPLE_ROWS_MAX_COLUMNS: usize = 40 * 1024 / 8 * 256;
+
+/// Bytes of dynamic shared memory a block of `r3_sample_rows_f32` takes for rows of `cols`
+/// columns: one f64 partial sum per block of 256 columns.
+pub fn sample_rows_shared_bytes(cols: usize) -> usize {
+    cols.div_ceil(256) * std::mem::size_of::<f64>()
+}
+
 /// Threads of a block of the grouped (DeepSeek-V3) router (`r3_route_grouped_f32`, a block
 /// per row) over `cols` experts in `n_group` groups: a row's threads ([`row_threads`]), and
 /// at least one thread per group, in whole warps.
@@ -108,6 +123,19 @@ mod tests {
         assert_eq!(attend_rows_shared_bytes(0, 0), 0);
         assert_eq!(attend_rows_shared_bytes(300, 24), 1296);
         assert_eq!(attend_rows_shared_bytes(4096, 128), 16_896);
+    }
+
+    /// The row draws' block, by hand: 512 threads; a double per 256 columns; 1,310,720
+    /// columns at most (40 KiB of partial sums).
+    #[test]
+    fn sample_rows_shape_by_hand() {
+        assert_eq!(SAMPLE_ROWS_THREADS, 512);
+        assert_eq!(sample_rows_shared_bytes(0), 0);
+        assert_eq!(sample_rows_shared_bytes(256), 8);
+        assert_eq!(sample_rows_shared_bytes(257), 16);
+        assert_eq!(sample_rows_shared_bytes(151_936), 4_752);
+        assert_eq!(SAMPLE_ROWS_MAX_COLUMNS, 1_310_720);
+        assert_eq!(sample_rows_shared_bytes(SAMPLE_ROWS_MAX_COLUMNS), 40 * 1024);
     }
 
     /// The sums of squares' blocks: 256 threads each, the total in one block of 1,024;

@@ -32,6 +32,7 @@ pub mod presets;
 pub mod round16;
 pub mod router;
 pub mod routing_mode;
+pub mod sample_rows;
 pub mod spec;
 pub mod stochastic_round;
 #[cfg(test)]

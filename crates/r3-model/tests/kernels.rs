@@ -2,7 +2,8 @@
 //! recomputes its probabilities (masked softmax forward, softmax backward), RMSNorm (value,
 //! input and weight gradients), the recomputing token log-prob (value and logits gradient),
 //! bf16 / f16 rounding (value and gradient), the f32 ↔ bf16 / f16 casts, rotary embedding
-//! (candle's kernel with r3's backward on a GPU), the token embedding's backward, and the
+//! (candle's kernel with r3's backward on a GPU), the token embedding's backward, the row
+//! draws of the rollout sampler (`sample_rows`: the same columns bit for bit), and the
 //! routed experts under a skewed load, which a GPU runs as padded batched GEMMs with
 //! overflow blocks and one combine op (the CPU as its fused op).
 //! On a GPU each runs r3's CUDA kernel (`src/cuda/kernels.cu`), so a failure here names the
@@ -133,6 +134,48 @@ fn entropies(device: &Device) -> [Tensor; 2] {
         .and_then(|l| l.backward())
         .expect("backward");
     [h, grads.get(z.as_tensor()).expect("gradient").clone()]
+}
+
+/// Rows of a Qwen vocabulary (151,936 columns) drawn from on `device` (`sample_rows`: on a
+/// GPU its kernel, on the CPU the rollout sampler's full-vocabulary branch): `[rows, 2]` of
+/// (column, log-prob). Every other row is rounded to bf16 (repeated values); rows 0–3 have
+/// draws on the bound after a column as the host sums (`uniform_at_bound`: an ulp anywhere in a
+/// device's sums picks the other column); rows 4 and 5 are at temperature 0.7.
+fn row_draws(device: &Device) -> Tensor {
+    use r3_model::sample_rows::{sample_rows, uniform_at_bound, RowDraw};
+    let (rows, vocab) = (12, 151_936);
+    let z = (seeded(&[rows, vocab], 11, device) * 3.0).expect("scale");
+    let bf16 = z
+        .to_dtype(DType::BF16)
+        .and_then(|t| t.to_dtype(DType::F32))
+        .expect("bf16");
+    let parity = Tensor::from_vec(
+        (0..rows).map(|r| (r % 2) as u8).collect::<Vec<u8>>(),
+        (rows, 1),
+        device,
+    )
+    .and_then(|m| m.broadcast_as((rows, vocab)))
+    .expect("parity");
+    let z = parity.where_cond(&bf16, &z).expect("rows");
+    let host: Vec<Vec<f32>> = z
+        .to_device(&Device::Cpu)
+        .and_then(|t| t.to_vec2())
+        .expect("rows");
+    let draws: Vec<Option<RowDraw>> = (0..rows)
+        .map(|r| {
+            let uniform = if r < 4 {
+                uniform_at_bound(&host[r], [77, 150_000, 255, 80_128][r], r % 2 == 0)
+            } else {
+                (r as f64 * 0.618_033_988_7).fract()
+            };
+            let t = if r == 4 || r == 5 { 0.7f32 } else { 1.0 };
+            Some(RowDraw {
+                uniform,
+                inv_temperature: 1.0 / t,
+            })
+        })
+        .collect();
+    sample_rows(&z, &draws).expect("draws")
 }
 
 /// A rounded tensor and the rounded gradient coming back through it, on `device`.
@@ -630,6 +673,19 @@ fn compare(device: &Device, tol: f32) {
     let [h_cpu, dz_cpu] = entropies(&Device::Cpu);
     assert_close("entropy", &h, &h_cpu, tol);
     assert_close("entropy dz", &dz, &dz_cpu, tol);
+    // The drawn columns are the host's bit for bit on every device; the log-probs within
+    // 1e-6 (a GPU's `log` of the same total, and at T ≠ 1 its own normaliser's sum).
+    let drawn = row_draws(device);
+    let drawn_cpu = row_draws(&Device::Cpu);
+    let columns = |t: &Tensor| t.narrow(1, 0, 1).expect("columns");
+    assert_close("drawn columns", &columns(&drawn), &columns(&drawn_cpu), 0.0);
+    let logprobs = |t: &Tensor| t.narrow(1, 1, 1).expect("log-probs");
+    assert_close(
+        "drawn log-probs",
+        &logprobs(&drawn),
+        &logprobs(&drawn_cpu),
+        tol.min(1e-6),
+    );
     for precision in [
         Precision::Bf16 { router_f32: false },
         Precision::F16 { router_f32: false },

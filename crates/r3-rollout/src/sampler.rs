@@ -11,7 +11,9 @@ use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
 use crate::error::RolloutError;
-use crate::kernels::ops::{fast_exp, lane_sum, log_softmax_at, row_max};
+use r3_model::sample_rows::{sample_row, SampleRowScratch};
+
+use crate::kernels::ops::{fast_exp, log_softmax_at, row_max};
 
 /// How to pick the next token of one request.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -146,14 +148,9 @@ impl SamplingParams {
 pub struct SampleScratch {
     /// (scaled logit, token) pairs of the truncating (top-k / top-p) path.
     pairs: Vec<(f32, u32)>,
-    /// `exp((logit - max) / T)` of every token.
-    exps: Vec<f32>,
-    /// Sums of `exps` over consecutive blocks of `EXP_BLOCK` tokens.
-    blocks: Vec<f64>,
+    /// The full-vocabulary path's exponentials and block sums.
+    row: SampleRowScratch,
 }
-
-/// Tokens per partial sum of the inverse-CDF search.
-const EXP_BLOCK: usize = 256;
 
 /// Samples a token from one row of logits; returns `(token, log softmax(logits)[token])`.
 pub fn sample(
@@ -162,10 +159,8 @@ pub fn sample(
     rng: &mut ChaCha8Rng,
     scratch: &mut SampleScratch,
 ) -> (u32, f32) {
-    let truncating = (params.top_k > 0 && params.top_k < logits.len())
-        || params.top_p < 1.0
-        || params.min_p > 0.0;
-    if params.temperature == 0.0 || params.top_k == 1 {
+    let truncating = truncates(params, logits.len());
+    if samples_greedily(params) {
         let token = argmax(logits);
         (token as u32, log_softmax_at(logits, token))
     } else if truncating {
@@ -176,53 +171,49 @@ pub fn sample(
     }
 }
 
-/// Samples from `softmax(logits / T)` over the whole vocabulary: one exp pass that also
-/// yields block sums, then an inverse-CDF search over the blocks and inside one block. At
-/// T = 1 the reported log-prob reuses that pass's normaliser.
+/// Samples from `softmax(logits / T)` over the whole vocabulary with one uniform from
+/// `rng`: r3-model's [`sample_row`] (an exp pass that also yields block sums, then an
+/// inverse-CDF search over the blocks and inside one block), which the device engine runs
+/// where the logits live with the same draw.
 fn sample_full(
     logits: &[f32],
     temperature: f32,
     rng: &mut ChaCha8Rng,
     scratch: &mut SampleScratch,
 ) -> (u32, f32) {
-    let inv_t = 1.0 / temperature;
-    let max = row_max(logits);
-    let SampleScratch { exps, blocks, .. } = scratch;
-    exps.resize(logits.len(), 0.0);
-    blocks.clear();
-    for (src, dst) in logits.chunks(EXP_BLOCK).zip(exps.chunks_mut(EXP_BLOCK)) {
-        for (d, v) in dst.iter_mut().zip(src) {
-            *d = fast_exp((v - max) * inv_t);
-        }
-        blocks.push(lane_sum(dst, |v| v));
-    }
-    let total: f64 = blocks.iter().sum();
-    let mut u = rng.random::<f64>() * total;
-    // Rounding can leave u ≥ the running sum at the very end: the last token with mass wins.
-    let mut pick = exps.iter().rposition(|&e| e > 0.0).unwrap_or(0);
-    for (b, &bs) in blocks.iter().enumerate() {
-        if u < bs {
-            let base = b * EXP_BLOCK;
-            for (i, &e) in exps[base..(base + EXP_BLOCK).min(exps.len())]
-                .iter()
-                .enumerate()
-            {
-                u -= e as f64;
-                if u < 0.0 {
-                    pick = base + i;
-                    break;
-                }
-            }
-            break;
-        }
-        u -= bs;
-    }
-    let logprob = if inv_t == 1.0 {
-        logits[pick] - max - total.ln() as f32
-    } else {
-        log_softmax_at(logits, pick)
-    };
+    let (pick, logprob) = sample_row(
+        logits,
+        1.0 / temperature,
+        full_vocabulary_draw(rng),
+        &mut scratch.row,
+    );
     (pick as u32, logprob)
+}
+
+/// The one uniform the full-vocabulary branch of [`sample`] takes from a request's stream
+/// (in [0, 1)): what a device draw must take in its place to leave the stream where the
+/// host's sampling would.
+pub fn full_vocabulary_draw(rng: &mut ChaCha8Rng) -> f64 {
+    rng.random::<f64>()
+}
+
+/// Whether [`sample`] takes its full-vocabulary branch for `params` over `vocab` columns
+/// (a temperature above 0, no top-k below the vocabulary, top-p or min-p): the branch a
+/// device can run as [`sample_row`] with [`full_vocabulary_draw`]'s uniform.
+pub fn samples_full_vocabulary(params: &SamplingParams, vocab: usize) -> bool {
+    !samples_greedily(params) && !truncates(params, vocab)
+}
+
+/// Whether [`sample`] takes its argmax branch: temperature 0, top-k 1, or a temperature so
+/// small that `1 / T` is infinite in f32 (its limit; dividing by it would make the largest
+/// logit's `(z − max) / T` a NaN).
+pub fn samples_greedily(params: &SamplingParams) -> bool {
+    params.temperature == 0.0 || params.top_k == 1 || !(1.0 / params.temperature).is_finite()
+}
+
+/// Whether sampling keeps only part of the vocabulary (top-k below it, top-p, min-p).
+fn truncates(params: &SamplingParams, vocab: usize) -> bool {
+    (params.top_k > 0 && params.top_k < vocab) || params.top_p < 1.0 || params.min_p > 0.0
 }
 
 /// The `n` most likely tokens of `log softmax(logits)`, most likely first (ties by id).
@@ -361,6 +352,28 @@ mod tests {
         assert_eq!(t, 1);
         let z: f32 = logits.iter().map(|v| v.exp()).sum();
         assert!((lp - (2.0f32.exp() / z).ln()).abs() < 1e-6);
+    }
+
+    /// A temperature so small that `1 / T` overflows f32 samples greedily (its limit): the
+    /// largest logit, with and without truncation, and no draw from the stream. Before,
+    /// `(z − max) / T` was a NaN at the largest logit and the last column was picked.
+    #[test]
+    fn a_vanishing_temperature_picks_the_argmax() {
+        let logits = [0.5, 2.0, 1.0, -3.0];
+        let mut s = SampleScratch::default();
+        for top_p in [1.0, 0.9] {
+            let mut rng = ChaCha8Rng::seed_from_u64(3);
+            let p = params(1e-39, top_p, 0);
+            assert!(samples_greedily(&p));
+            let (t, lp) = sample(&logits, &p, &mut rng, &mut s);
+            assert_eq!(t, 1, "top_p {top_p}");
+            assert_eq!(lp, log_softmax_at(&logits, 1));
+            assert_eq!(
+                rng.random::<u64>(),
+                ChaCha8Rng::seed_from_u64(3).random::<u64>(),
+                "the stream was drawn from"
+            );
+        }
     }
 
     #[test]

@@ -274,10 +274,13 @@ fn routed_on_the_device_every_family_generates_as_routed_on_the_host() {
 /// Greedy requests whose pick is reduced on the device (plain greedy, top-k 1) batched with
 /// greedy requests that need their whole row on the host (a repetition penalty, a logit
 /// bias, a minimum length that holds the end-of-sequence token back for the first steps,
-/// top log-probs) and a sampled one: every request's tokens, log-probs and routes equal the
-/// CPU engine's, whose sampler reads every row.
+/// top log-probs), and sampled requests drawn on the device (temperature 1 and 0.8 over the
+/// whole vocabulary: the uniform from the request's stream, the column picked where the
+/// logits live) beside sampled ones the host samples (top-p, a presence penalty, top
+/// log-probs): every request's tokens, log-probs and routes equal the CPU engine's, whose
+/// sampler reads every row (so each stream is where the host's sampling leaves it).
 #[test]
-fn greedy_picks_on_the_device_beside_rows_sampled_on_the_host_equal_the_cpu_engine() {
+fn picks_on_the_device_beside_rows_sampled_on_the_host_equal_the_cpu_engine() {
     let cfg = tiny_config("qwen3_moe");
     let map = tiny_weights(&cfg, 11, DType::F32).into_map();
     let (mut cpu, mut dev) = both(&cfg, &map);
@@ -313,15 +316,42 @@ fn greedy_picks_on_the_device_beside_rows_sampled_on_the_host_equal_the_cpu_engi
         .zip(variants)
         .map(|(p, s)| GenerateRequest::new(p.clone(), s))
         .collect();
-    reqs.push(GenerateRequest::new(
-        prompts[0].clone(),
+    // Sampled requests: drawn on the device (temperature 1 and 0.8 over the whole
+    // vocabulary) beside ones the host samples (top-p, a presence penalty, top log-probs).
+    let sampled = SamplingParams {
+        temperature: 1.0,
+        max_new_tokens: 8,
+        seed: 77,
+        ..SamplingParams::default()
+    };
+    for (i, params) in [
+        sampled.clone(),
         SamplingParams {
-            temperature: 1.0,
-            max_new_tokens: 8,
-            seed: 77,
-            ..SamplingParams::default()
+            temperature: 0.8,
+            seed: 78,
+            ..sampled.clone()
         },
-    ));
+        SamplingParams {
+            top_p: 0.9,
+            seed: 79,
+            ..sampled.clone()
+        },
+        SamplingParams {
+            presence_penalty: 0.5,
+            seed: 80,
+            ..sampled.clone()
+        },
+        SamplingParams {
+            top_logprobs: 3,
+            seed: 81,
+            ..sampled
+        },
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        reqs.push(GenerateRequest::new(prompts[i].clone(), params));
+    }
     let want = cpu.generate(reqs.clone()).expect("cpu");
     let got = dev.generate(reqs).expect("device");
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
@@ -336,7 +366,11 @@ fn greedy_picks_on_the_device_beside_rows_sampled_on_the_host_equal_the_cpu_engi
         assert_eq!(tops(g), tops(w), "request {i}: top log-prob ids");
         assert_eq!(
             g.output_top_logprobs.len(),
-            if i == 5 { g.output_ids.len() } else { 0 },
+            if i == 5 || i == 10 {
+                g.output_ids.len()
+            } else {
+                0
+            },
             "request {i}: top log-probs per token"
         );
     }

@@ -1170,6 +1170,136 @@ __device__ __forceinline__ float r3_sigmoid(float x) {
     return __fdiv_rn(1.0f, __fadd_rn(1.0f, r3_fast_exp(-x)));
 }
 
+// The row draws' columns per partial sum (sample_rows.rs SAMPLE_BLOCK) and the lanes each
+// block of them is summed in (math.rs `lane_sum`'s LANES).
+#define SAMPLE_BLOCK 256u
+#define SAMPLE_LANES 16u
+
+// e^((z − max) · inv_t) as sample_rows.rs `sample_row` computes it, bit for bit.
+__device__ __forceinline__ float sample_exp(float z, float max, float inv_t) {
+    return r3_fast_exp(__fmul_rn(__fsub_rn(z, max), inv_t));
+}
+
+// Each row's draw from its whole distribution at its own temperature (sample_rows.rs):
+// draws[row] = (u in [0, 1), 1 / T), u < 0 for a row not asked; out[row] = (column, log
+// softmax(row)[column]), or (cols, NaN) for a row not asked or not drawable (a NaN, or no
+// finite largest value). The column is the host's bit for bit: the same exponentials
+// (r3_fast_exp), each block of SAMPLE_BLOCK columns summed as math.rs `lane_sum` sums (16
+// lanes in f32 in column order, their sum then the block's tail in f64), the blocks' sums
+// added in order, and the same walk (the correctly rounded `__d*_rn`, never contracted).
+// One block per row; its threads in groups of 16 lanes, a group a column block at a time;
+// dynamic shared memory: one double per column block. The walk is one thread's. At T ≠ 1 the
+// log-prob's normaliser is a block's f64 sum of `expf` (the host's is `lane_sum` of
+// `f32::exp`: within rounding). CPU twin: sample_rows.rs `sample_row`.
+extern "C" __global__ void r3_sample_rows_f32(const float *logits, const double *draws, float *out,
+                                              uint32_t cols) {
+    extern __shared__ double block_sums[];
+    __shared__ float lanes[1024];
+    __shared__ float shared[32];
+    __shared__ double shared_f64[32];
+    __shared__ uint32_t picked;
+    const size_t row = blockIdx.x;
+    const float *z = logits + row * cols;
+    const double u = draws[2 * row];
+    const float inv_t = (float)draws[2 * row + 1];
+    float *o = out + 2 * row;
+    // Every thread of the block reads the same draw, so the block leaves together.
+    if (!(u >= 0.0)) {
+        if (threadIdx.x == 0) {
+            o[0] = (float)cols;
+            o[1] = NAN;
+        }
+        return;
+    }
+    float m = -INFINITY, bad = 0.0f;
+    for (uint32_t j = threadIdx.x; j < cols; j += blockDim.x) {
+        const float v = z[j];
+        m = fmaxf(m, v);
+        if (v != v) bad = 1.0f;
+    }
+    m = block_max(m, shared);
+    bad = block_max(bad, shared);
+    if (bad > 0.0f || !isfinite(m)) {
+        if (threadIdx.x == 0) {
+            o[0] = (float)cols;
+            o[1] = NAN;
+        }
+        return;
+    }
+    const uint32_t nblocks = (cols + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
+    const uint32_t lane = threadIdx.x % SAMPLE_LANES, group = threadIdx.x / SAMPLE_LANES;
+    const uint32_t groups = blockDim.x / SAMPLE_LANES;
+    // Rounds over the column blocks, the same count for every thread (barriers inside).
+    for (uint32_t first = 0; first < nblocks; first += groups) {
+        const uint32_t b = first + group;
+        const uint32_t base = b * SAMPLE_BLOCK;
+        const uint32_t len = b < nblocks ? min(SAMPLE_BLOCK, cols - base) : 0u;
+        const uint32_t whole = len / SAMPLE_LANES * SAMPLE_LANES;
+        float acc = 0.0f;
+        for (uint32_t k = lane; k < whole; k += SAMPLE_LANES)
+            acc = __fadd_rn(acc, sample_exp(z[base + k], m, inv_t));
+        lanes[threadIdx.x] = acc;
+        __syncthreads();
+        if (lane == 0 && b < nblocks) {
+            double lanes_sum = 0.0, tail = 0.0;
+            for (uint32_t l = 0; l < SAMPLE_LANES; ++l)
+                lanes_sum = __dadd_rn(lanes_sum, (double)lanes[threadIdx.x + l]);
+            for (uint32_t k = whole; k < len; ++k)
+                tail = __dadd_rn(tail, (double)sample_exp(z[base + k], m, inv_t));
+            block_sums[b] = __dadd_rn(lanes_sum, tail);
+        }
+        __syncthreads();
+    }
+    double total = 0.0;
+    if (threadIdx.x == 0) {
+        for (uint32_t b = 0; b < nblocks; ++b) total = __dadd_rn(total, block_sums[b]);
+        // Where rounding leaves the draw past the last partial sum: the last column with mass.
+        uint32_t pick = 0;
+        for (uint32_t j = cols; j-- > 0;) {
+            if (sample_exp(z[j], m, inv_t) > 0.0f) {
+                pick = j;
+                break;
+            }
+        }
+        double left = __dmul_rn(u, total);
+        for (uint32_t b = 0; b < nblocks; ++b) {
+            const double bs = block_sums[b];
+            if (left < bs) {
+                const uint32_t base = b * SAMPLE_BLOCK;
+                const uint32_t end = min(base + SAMPLE_BLOCK, cols);
+                // The block's sum can exceed its values stepped through: its last column.
+                pick = end - 1;
+                for (uint32_t j = base; j < end; ++j) {
+                    left = __dsub_rn(left, (double)sample_exp(z[j], m, inv_t));
+                    if (left < 0.0) {
+                        pick = j;
+                        break;
+                    }
+                }
+                break;
+            }
+            left = __dsub_rn(left, bs);
+        }
+        picked = pick;
+    }
+    __syncthreads();
+    const uint32_t pick = picked;
+    if (inv_t == 1.0f) {
+        if (threadIdx.x == 0) {
+            o[0] = (float)pick;
+            o[1] = __fsub_rn(__fsub_rn(z[pick], m), (float)log(total));
+        }
+        return;
+    }
+    double sum = 0.0;
+    for (uint32_t j = threadIdx.x; j < cols; j += blockDim.x) sum += (double)expf(z[j] - m);
+    sum = block_sum_f64(sum, shared_f64);
+    if (threadIdx.x == 0) {
+        o[0] = (float)pick;
+        o[1] = __fsub_rn(z[pick], __fadd_rn(m, (float)log(sum)));
+    }
+}
+
 // The most experts `r3_route_grouped_f32` keeps a row of in shared memory (router.rs
 // `DEVICE_SELECT_MAX_EXPERTS`), and the most groups (`DEVICE_SELECT_MAX_GROUPS`).
 #define ROUTE_MAX_EXPERTS 4096

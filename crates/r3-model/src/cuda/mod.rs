@@ -193,12 +193,17 @@ pub(crate) fn view<'a, T: CudaDType + DeviceRepr>(
 
 /// One block of `threads` (a multiple of 32, at most 1024) per row; at least one row (the
 /// ops send empty tensors down candle's own paths: a kernel would read a row that is not
-/// there, and CUDA allocates no zero-byte buffer).
+/// there, and CUDA allocates no zero-byte buffer) and at most 2^31 − 1 (a grid's x
+/// dimension).
 pub(crate) fn per_row(rows: usize, threads: u32) -> Result<LaunchConfig> {
     let rows = u32::try_from(rows)
         .ok()
-        .filter(|&r| r > 0)
-        .ok_or_else(|| candle_core::Error::Msg(format!("{rows} rows for a CUDA grid")))?;
+        .filter(|&r| r > 0 && r <= i32::MAX as u32)
+        .ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "{rows} rows for a CUDA grid of one block a row (1 to 2^31 − 1)"
+            ))
+        })?;
     Ok(LaunchConfig {
         grid_dim: (rows, 1, 1),
         block_dim: (threads, 1, 1),

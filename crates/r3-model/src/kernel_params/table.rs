@@ -56,6 +56,7 @@ pub(super) const KERNEL_PARAMS: &[(&str, &[ParamKind])] = &[
     ("r3_round_f16_f32", &[Pointer, Pointer, Int64]),
     ("r3_route_grouped_f32", &[Pointer, Pointer, Pointer, Int32, Int32, Int32, Int32, Int32, Int32, F32]),
     ("r3_route_softmax_f32", &[Pointer, Pointer, Int32, Int32, Int32, Int32]),
+    ("r3_sample_rows_f32", &[Pointer, Pointer, Pointer, Int32]),
     ("r3_softmax_grad_f32", &[Pointer, Pointer, Pointer, Pointer, Int32, Int64]),
     ("r3_sum_bf16_stochastic_bf16_bf16", &[Pointer, Pointer, Pointer, Int64, Int64]),
     ("r3_sum_bf16_stochastic_bf16_f32", &[Pointer, Pointer, Pointer, Int64, Int64]),

@@ -39,8 +39,8 @@
 mod admission;
 pub mod batch;
 pub mod choice;
-mod greedy;
 pub mod memory;
+mod picks;
 pub mod prefix;
 pub mod routing;
 mod weights;
@@ -50,7 +50,9 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
+use r3_model::launch_shape::SAMPLE_ROWS_MAX_COLUMNS;
 use r3_model::model::decode::{KvCache, Step, StepRouting};
+use r3_model::sample_rows::RowDraw;
 use r3_model::{check_map_holds, Config, DeviceSpec, HostStaging, LoadOptions, Model, Weights};
 use r3_routing::RouteTable;
 use rand_chacha::ChaCha8Rng;
@@ -60,7 +62,8 @@ pub use routing::RoutingPlace;
 use crate::dtype::{Dtype, RouterDtype};
 use crate::engine::config_eos_ids;
 use crate::engine::next_token::{
-    greedy_pick_suffices, sample_slots, NextTokenLogits, NextTokenSlot,
+    drawn_pick_suffices, greedy_pick_suffices, sample_slots, NextTokenLogits, NextTokenSlot,
+    RowPick,
 };
 use crate::engine::sequence::{ResumeState, RouteGeometry};
 use crate::error::RolloutError;
@@ -70,9 +73,9 @@ use crate::prefix_cache::{PrefixCache, PrefixCacheStats};
 use crate::request::{
     FinishReason, GenerateRequest, GenerateResult, PartialRollout, PromptLogprobs, RequestId,
 };
-use crate::sampler::top_logprobs;
+use crate::sampler::{full_vocabulary_draw, top_logprobs};
 use batch::{capture_routes, decode_layout, gap_order, prefill_layout, Row};
-use greedy::greedy_picks;
+use picks::{drawn_picks, greedy_picks, PickWay};
 use prefix::DeviceBlock;
 use weights::{build_model, check_budgets_fit};
 
@@ -598,28 +601,81 @@ impl DeviceEngine {
             }
             batch.prefilled = true;
         }
-        // Rows that need only their greedy pick get it reduced on the device; the others'
-        // rows of logits are copied to the host, where the CPU engine's sampler reads them.
+        // Rows that need only their greedy pick, or only a draw from their whole
+        // distribution, get it made on the device; the others' rows of logits are copied to
+        // the host, where the CPU engine's sampler reads them.
         let waiting = Instant::now();
-        let greedy: Vec<bool> = batch
+        let (rows, slots_per_row, vocab) = out.logits.dims3()?;
+        let ways: Vec<PickWay> = batch
             .rows
             .iter()
             .map(|r| {
-                !all_logits
-                    && greedy_pick_suffices(&r.request.sampling, r.tokens.len() - r.prompt_len)
+                let generated = r.tokens.len() - r.prompt_len;
+                if all_logits {
+                    PickWay::Host
+                } else if greedy_pick_suffices(&r.request.sampling, generated) {
+                    PickWay::Greedy
+                } else if vocab <= SAMPLE_ROWS_MAX_COLUMNS
+                    && drawn_pick_suffices(&r.request.sampling, generated, vocab)
+                {
+                    PickWay::Drawn
+                } else {
+                    PickWay::Host
+                }
             })
             .collect();
-        let (rows, slots_per_row, vocab) = out.logits.dims3()?;
-        let picks = if greedy.contains(&true) {
+        let mut picks: Vec<Option<RowPick>> = vec![None; rows];
+        if ways.iter().any(|w| *w != PickWay::Host) {
             // Sampling reads each row's last slot (the only one without prompt log-probs).
-            let last = out.logits.narrow(1, slots_per_row.saturating_sub(1), 1)?;
-            greedy_picks(&last.reshape((rows, vocab))?)?
-        } else {
-            None
-        };
-        // With no picks (none asked, or a row not finite) every row is copied.
-        let copied: Vec<u32> = (0..batch.rows.len() as u32)
-            .filter(|&i| picks.is_none() || !greedy[i as usize])
+            let last = out
+                .logits
+                .narrow(1, slots_per_row.saturating_sub(1), 1)?
+                .reshape((rows, vocab))?;
+            if ways.contains(&PickWay::Greedy) {
+                for ((pick, way), greedy) in picks.iter_mut().zip(&ways).zip(greedy_picks(&last)?) {
+                    if *way == PickWay::Greedy {
+                        *pick = greedy;
+                    }
+                }
+            }
+            if ways.contains(&PickWay::Drawn) {
+                // Each draw is taken from a copy of the row's stream, which replaces the
+                // stream once the device has drawn: a row the device could not draw is
+                // sampled on the host from the stream as it was.
+                let mut drawn_streams: Vec<Option<ChaCha8Rng>> = vec![None; rows];
+                let draws: Vec<Option<RowDraw>> = batch
+                    .rows
+                    .iter()
+                    .zip(&ways)
+                    .zip(&mut drawn_streams)
+                    .map(|((r, way), stream)| {
+                        (*way == PickWay::Drawn).then(|| {
+                            let mut drawn = r.rng.clone();
+                            let uniform = full_vocabulary_draw(&mut drawn);
+                            *stream = Some(drawn);
+                            RowDraw {
+                                uniform,
+                                inv_temperature: 1.0 / r.request.sampling.temperature,
+                            }
+                        })
+                    })
+                    .collect();
+                let drawn = drawn_picks(&last, &draws)?;
+                for (((pick, row), stream), got) in picks
+                    .iter_mut()
+                    .zip(&mut batch.rows)
+                    .zip(drawn_streams)
+                    .zip(drawn)
+                {
+                    if let (Some(stream), Some(got)) = (stream, got) {
+                        row.rng = stream;
+                        *pick = Some(got);
+                    }
+                }
+            }
+        }
+        let copied: Vec<u32> = (0..rows as u32)
+            .filter(|&i| picks[i as usize].is_none())
             .collect();
         // The copied rows, `[copied, slots_per_row, vocab]` row-major, in batch order.
         let copied_logits: &[f32] = if copied.is_empty() {
@@ -646,8 +702,8 @@ impl DeviceEngine {
         let mut next_copied = 0;
         let mut slots: Vec<NextTokenSlot<'_>> = Vec::with_capacity(batch.rows.len());
         for (i, row) in batch.rows.iter_mut().enumerate() {
-            let logits = match picks.as_ref().filter(|_| greedy[i]) {
-                Some(picks) => NextTokenLogits::Greedy(picks[i]),
+            let logits = match picks[i] {
+                Some(pick) => NextTokenLogits::Picked(pick),
                 None => {
                     // Sampling reads the row's last slot.
                     let last = next_copied * row_span + row_span - vocab;

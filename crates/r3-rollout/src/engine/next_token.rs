@@ -9,7 +9,9 @@ use rayon::prelude::*;
 use super::penalty::adjust_logits;
 use crate::kernels::ops::log_softmax_at;
 use crate::request::FinishReason;
-use crate::sampler::{sample, top_logprobs, SampleScratch, SamplingParams};
+use crate::sampler::{
+    sample, samples_full_vocabulary, samples_greedily, top_logprobs, SampleScratch, SamplingParams,
+};
 
 /// One running sequence's sampling state for a step, borrowed from either engine's own
 /// bookkeeping: what [`sample_slots`] reads and appends to.
@@ -37,26 +39,37 @@ pub struct NextTokenSlot<'a> {
 pub enum NextTokenLogits<'a> {
     /// The sequence's whole row of logits.
     Row(&'a [f32]),
-    /// The row's greedy pick, reduced where the logits live (only for a slot whose
-    /// sampling [`greedy_pick_suffices`] says needs nothing else of the row).
-    Greedy(GreedyPick),
+    /// The token chosen where the row's logits live: its greedy pick (for a slot
+    /// [`greedy_pick_suffices`] holds for), or its draw from the whole distribution (for a
+    /// slot [`drawn_pick_suffices`] holds for) with the one uniform its sampling takes from
+    /// the slot's stream, already taken.
+    Picked(RowPick),
 }
 
-/// A next token decided from the raw logits alone: their argmax (the first index of the
-/// largest value) and its log-prob under the raw distribution.
+/// A next token decided where the logits live, with its log-prob under the raw
+/// distribution: the argmax (the first index of the largest value), or the draw of
+/// [`crate::sampler::sample`]'s full-vocabulary branch.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct GreedyPick {
-    /// The first index of the row's largest logit.
+pub struct RowPick {
+    /// The chosen column of the row.
     pub token: u32,
     /// `log softmax(row)[token]`.
     pub logprob: f32,
 }
 
 /// Whether a sequence with `generated` output tokens so far needs only its row's greedy
-/// pick: greedy sampling ([`sample`]'s argmax branch: temperature 0 or top-k 1), no
+/// pick: greedy sampling ([`sample`]'s argmax branch, [`samples_greedily`]), no
 /// penalty, bias or minimum length adjusting the logits this step, no top log-probs.
 pub fn greedy_pick_suffices(params: &SamplingParams, generated: usize) -> bool {
-    (params.temperature == 0.0 || params.top_k == 1)
+    samples_greedily(params) && !params.adjusts_logits(generated) && params.top_logprobs == 0
+}
+
+/// Whether a sequence with `generated` output tokens so far over a `vocab`-column row needs
+/// only a draw from the row's whole distribution ([`sample`]'s full-vocabulary branch: an
+/// RL rollout's temperature-1 sampling), with no penalty, bias or minimum length adjusting
+/// the logits this step and no top log-probs.
+pub fn drawn_pick_suffices(params: &SamplingParams, generated: usize, vocab: usize) -> bool {
+    samples_full_vocabulary(params, vocab)
         && !params.adjusts_logits(generated)
         && params.top_logprobs == 0
 }
@@ -86,9 +99,10 @@ pub fn sample_slots(slots: &mut [NextTokenSlot<'_>], max_positions: usize) {
                     }
                     picked
                 }
-                // The argmax branch draws nothing from the stream, so skipping it leaves the
-                // stream where sampling the row would have.
-                NextTokenLogits::Greedy(pick) => (pick.token, pick.logprob),
+                // The argmax branch draws nothing from the stream and the full-vocabulary
+                // branch one uniform, taken when the pick was made: the stream is where
+                // sampling the row here would have left it.
+                NextTokenLogits::Picked(pick) => (pick.token, pick.logprob),
             };
             slot.tokens.push(tok);
             slot.logprobs.push(lp);

@@ -226,6 +226,46 @@ pub struct ScoreOptions {
     pub entropy_grad: bool,
 }
 
+/// The most values a logits tensor whose gradient sums the log-prob's and the entropy's may
+/// hold on a GPU: candle's elementwise CUDA kernels (the backward adds the two gradients
+/// with one) count their elements in 32 bits, and past `u32::MAX` they loop without end or
+/// leave elements unwritten. r3's own kernels and cuBLAS, which every other pass over the
+/// logits runs on, index in 64 bits.
+const MAX_SUMMED_LOGITS_VALUES: usize = u32::MAX as usize;
+
+/// Refuses, by the setting that lowers it, a scoring whose logits gradient candle would sum
+/// over more than [`MAX_SUMMED_LOGITS_VALUES`] values: on a GPU, with the entropy's gradient
+/// asked for (`algo.entropy_coef` ≠ 0), `rows` response tokens scored at once (or
+/// `algo.head_chunk_tokens` at a time) times `vocab` columns; `on_gpu`: the model's device
+/// is a CUDA GPU.
+fn check_logits_gradients_fit(
+    rows: usize,
+    vocab: usize,
+    options: ScoreOptions,
+    on_gpu: bool,
+) -> Result<()> {
+    let at_once = match options.head_chunk_tokens {
+        0 => rows,
+        chunk => chunk.min(rows),
+    };
+    if !(options.entropy_grad && on_gpu)
+        || at_once.saturating_mul(vocab) <= MAX_SUMMED_LOGITS_VALUES
+    {
+        return Ok(());
+    }
+    Err(TrainError::InvalidConfig {
+        field: "algo.head_chunk_tokens",
+        reason: format!(
+            "{at_once} response tokens scored at once × a vocabulary of {vocab} is {} logits, \
+             past the {MAX_SUMMED_LOGITS_VALUES} whose log-prob and entropy gradients candle's \
+             CUDA kernels can sum; score the head at most {} tokens at a time (or set \
+             algo.entropy_coef = 0)",
+            at_once.saturating_mul(vocab),
+            MAX_SUMMED_LOGITS_VALUES / vocab.max(1)
+        ),
+    })
+}
+
 /// Runs the training forward over `batch` with `routing` and takes the log-prob of every
 /// next token.
 pub fn score(model: &Model, batch: &ResponseBatch, routing: Routing<'_>) -> Result<Scored> {
@@ -269,6 +309,12 @@ pub fn score_with<'m>(
         .flat_map(|(s, span)| s[span.start + 1..=span.end].iter().copied())
         .collect();
     let width = batch.width();
+    check_logits_gradients_fit(
+        host_targets.len(),
+        model.config().vocab_size,
+        options,
+        model.device().is_cuda(),
+    )?;
     let (logp, logits, chunked_entropy, out, layers) = match options.head_chunk_tokens {
         0 => {
             let (out, layers) = match options.recompute {
@@ -571,4 +617,45 @@ fn narrow_masters(precision: Precision, masters: MasterWeights) -> Result<Option
         dtype,
         router: precision.router().narrow_dtype().is_some(),
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// On a GPU with the entropy's gradient, logits past `u32::MAX` values scored at once
+    /// are refused naming `algo.head_chunk_tokens` and the most tokens that fit (at a Qwen
+    /// vocabulary of 151,936: 28,268 × 151,936 = 4,294,926,848 fit, 28,269 do not, by
+    /// hand); chunks that fit, no entropy gradient, or the CPU pass.
+    #[test]
+    fn logits_gradients_past_32_bits_are_refused_on_a_gpu() {
+        let vocab = 151_936;
+        let with_entropy = ScoreOptions {
+            entropy_grad: true,
+            ..ScoreOptions::default()
+        };
+        let Err(e) = check_logits_gradients_fit(28_269, vocab, with_entropy, true) else {
+            panic!("28,269 × 151,936 logits accepted");
+        };
+        let text = e.to_string();
+        assert!(text.contains("algo.head_chunk_tokens"), "{text}");
+        assert!(text.contains("at most 28268 tokens"), "{text}");
+        assert!(text.contains("4295078784 logits"), "{text}");
+        assert!(check_logits_gradients_fit(28_268, vocab, with_entropy, true).is_ok());
+        let chunked = ScoreOptions {
+            head_chunk_tokens: 4096,
+            ..with_entropy
+        };
+        assert!(check_logits_gradients_fit(100_000, vocab, chunked, true).is_ok());
+        let wide_chunks = ScoreOptions {
+            head_chunk_tokens: 40_000,
+            ..with_entropy
+        };
+        assert!(check_logits_gradients_fit(100_000, vocab, wide_chunks, true).is_err());
+        assert!(check_logits_gradients_fit(30_000, vocab, wide_chunks, true).is_err());
+        assert!(check_logits_gradients_fit(20_000, vocab, wide_chunks, true).is_ok());
+        let no_entropy = ScoreOptions::default();
+        assert!(check_logits_gradients_fit(100_000, vocab, no_entropy, true).is_ok());
+        assert!(check_logits_gradients_fit(100_000, vocab, with_entropy, false).is_ok());
+    }
 }
