@@ -49,7 +49,8 @@ pub enum RolloutError {
         "a step of requests {requests:?} failed{}: {source}",
         if *out_of_memory { " (the device ran out of memory; lower max_running, \
          kv_cache_bytes or activation_bytes — `r3 serve --max-running / --kv-cache-mib / \
-         --activation-mib` — or send shorter requests)" } else { "" }
+         --activation-mib`, `r3 train`'s rollout.max_running / rollout.kv_cache_mib / \
+         rollout.activation_mib — or send shorter requests)" } else { "" }
     )]
     StepFailed {
         /// The requests the failed step computed (all dropped; a boxed slice keeps every

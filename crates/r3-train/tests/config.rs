@@ -253,3 +253,43 @@ fn router_replay_names_round_trip_and_accept_the_aliases() {
         Err(TrainError::UnknownReplayMode(name)) if name == "R4"
     ));
 }
+
+/// The rollout engine's budgets are keys of their own: 0 rows, KV or activations, and a
+/// budget past 1 PiB, are config errors naming the key; a prefix cache of 0 MiB is allowed
+/// (it turns the cache off).
+#[test]
+fn rollout_engine_budgets_are_checked_by_key() {
+    for (key, value) in [
+        ("rollout.max_running", "0"),
+        ("rollout.kv_cache_mib", "0"),
+        ("rollout.activation_mib", "0"),
+        ("rollout.kv_cache_mib", "1073741825"),
+        ("rollout.activation_mib", "1073741825"),
+        ("rollout.prefix_cache_mib", "1073741825"),
+    ] {
+        let err = TrainConfig::resolve(None, &set(&[&format!("{key}={value}")]))
+            .and_then(|c| c.validate())
+            .expect_err(key)
+            .to_string();
+        assert!(err.contains(key), "{key}={value}: {err}");
+    }
+    let cfg = TrainConfig::resolve(
+        None,
+        &set(&[
+            "rollout.prefix_cache_mib=0",
+            "rollout.max_running=3",
+            "rollout.kv_cache_mib=512",
+        ]),
+    )
+    .expect("budgets");
+    cfg.validate()
+        .expect("a prefix cache of 0 MiB is off, not invalid");
+    assert_eq!(
+        (
+            cfg.rollout.max_running,
+            cfg.rollout.kv_cache_mib,
+            cfg.rollout.prefix_cache_mib
+        ),
+        (3, 512, 0)
+    );
+}

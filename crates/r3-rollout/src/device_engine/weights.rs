@@ -309,7 +309,8 @@ pub(super) fn check_budgets_fit(
         "the device engine's budgets (KV cache {:.0} MiB + activations {:.0} MiB + prefix cache \
          {:.0} MiB = {:.0} MiB) exceed what {} has free with the model loaded ({:.0} MiB of \
          {:.0} MiB): lower kv_cache_bytes, activation_bytes or prefix_cache_bytes (`r3 serve \
-         --kv-cache-mib / --activation-mib / --prefix-cache-mib`)",
+         --kv-cache-mib / --activation-mib / --prefix-cache-mib`, `r3 train`'s \
+         rollout.kv_cache_mib / rollout.activation_mib / rollout.prefix_cache_mib)",
         mib(cfg.kv_cache_bytes),
         mib(cfg.activation_bytes),
         mib(prefix),

@@ -18,6 +18,11 @@ pub const MAX_TEMPERATURE: f64 = 100.0;
 /// wrap-around), not a setting.
 pub const MAX_TOKENS_PER_MICRO_BATCH: usize = 1 << 30;
 
+/// Largest accepted rollout engine budget in MiB (`rollout.kv_cache_mib`,
+/// `rollout.activation_mib`, `rollout.prefix_cache_mib`): 1 PiB, past any device; the byte
+/// count (`mib << 20`) stays far inside a `usize`.
+pub const MAX_ENGINE_BUDGET_MIB: usize = 1 << 30;
+
 fn invalid(field: &'static str, reason: String) -> TrainError {
     TrainError::InvalidConfig { field, reason }
 }
@@ -99,10 +104,25 @@ pub fn check_limits(cfg: &TrainConfig) -> Result<()> {
         ("rollout.prompts_per_step", cfg.rollout.prompts_per_step),
         ("rollout.group_size", cfg.rollout.group_size),
         ("rollout.max_new_tokens", cfg.rollout.max_new_tokens),
+        ("rollout.max_running", cfg.rollout.max_running),
+        ("rollout.kv_cache_mib", cfg.rollout.kv_cache_mib),
+        ("rollout.activation_mib", cfg.rollout.activation_mib),
         ("algo.mini_batches", a.mini_batches),
     ] {
         if count == 0 {
             return Err(invalid(field, "must be >= 1".into()));
+        }
+    }
+    for (field, mib) in [
+        ("rollout.kv_cache_mib", cfg.rollout.kv_cache_mib),
+        ("rollout.activation_mib", cfg.rollout.activation_mib),
+        ("rollout.prefix_cache_mib", cfg.rollout.prefix_cache_mib),
+    ] {
+        if mib > MAX_ENGINE_BUDGET_MIB {
+            return Err(invalid(
+                field,
+                format!("{mib} MiB is past the largest budget {MAX_ENGINE_BUDGET_MIB} MiB (1 PiB)"),
+            ));
         }
     }
     if a.max_tokens_per_micro_batch > MAX_TOKENS_PER_MICRO_BATCH {

@@ -143,6 +143,19 @@ pub struct RolloutConfig {
     /// engine), `cpu-candle` (the device engine on candle's CPU device), `cuda` / `cuda:N`
     /// (the device engine on a GPU; needs a build with the `cuda` feature). Default `cpu`.
     pub device: String,
+    /// Sequences the in-process engine decodes at once at most (the rest wait for a row);
+    /// `r3 serve --max-running`. Default 256.
+    pub max_running: usize,
+    /// The in-process engine's KV cache budget in MiB (the device engine's admission holds
+    /// every batch to it); `r3 serve --kv-cache-mib`. Default 2048.
+    pub kv_cache_mib: usize,
+    /// The device engine's activation budget for one step in MiB (its admission holds
+    /// every step to it; the CPU engine does not read it); `r3 serve --activation-mib`.
+    /// Default 8192.
+    pub activation_mib: usize,
+    /// The in-process engine's prefix cache budget in MiB (0 disables it: a GRPO group's
+    /// samples then prefill their prompt each); `r3 serve --prefix-cache-mib`. Default 1024.
+    pub prefix_cache_mib: usize,
     /// Where rollouts come from: `engine` (the in-process engine) or `sglang` (SGLang
     /// `/generate` on the workers of `urls`: `r3 serve` processes, SGLang servers or one
     /// router). Default `engine`.
@@ -396,6 +409,10 @@ impl Default for RolloutConfig {
             router_dtype: "model".into(),
             kv_cache_dtype: "auto".into(),
             device: "cpu".into(),
+            max_running: 256,
+            kv_cache_mib: 2048,
+            activation_mib: 8192,
+            prefix_cache_mib: 1024,
             backend: RolloutBackend::Engine,
             urls: Vec::new(),
             max_in_flight: 64,

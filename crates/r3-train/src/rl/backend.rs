@@ -53,6 +53,24 @@ pub fn rollout_dtype(text: &str) -> Result<Dtype> {
         })
 }
 
+/// The in-process engine's settings from `cfg.rollout`: its precision, KV cache dtype and
+/// budgets (rows, KV cache, one step's activations, prefix cache), as `r3 serve`'s flags
+/// set them.
+pub fn engine_config(cfg: &TrainConfig) -> Result<EngineConfig> {
+    let r = &cfg.rollout;
+    Ok(EngineConfig {
+        dtype: rollout_dtype(&r.dtype)?,
+        router_dtype: rollout_router_dtype(&r.router_dtype)?,
+        kv_cache_dtype: r.kv_cache_dtype.parse().map_err(TrainError::Rollout)?,
+        max_running: r.max_running,
+        kv_cache_bytes: r.kv_cache_mib << 20,
+        activation_bytes: r.activation_mib << 20,
+        prefix_cache: r.prefix_cache_mib > 0,
+        prefix_cache_bytes: r.prefix_cache_mib << 20,
+        ..EngineConfig::default()
+    })
+}
+
 impl Backend {
     /// The backend `cfg.rollout.backend` names, holding the policy's weights as version
     /// `step`: an engine built from them, or the fleet connected and synced to them.
@@ -64,16 +82,7 @@ impl Backend {
     ) -> Result<Self> {
         match cfg.rollout.backend {
             RolloutBackend::Engine => {
-                let engine_cfg = EngineConfig {
-                    dtype: rollout_dtype(&cfg.rollout.dtype)?,
-                    router_dtype: rollout_router_dtype(&cfg.rollout.router_dtype)?,
-                    kv_cache_dtype: cfg
-                        .rollout
-                        .kv_cache_dtype
-                        .parse()
-                        .map_err(TrainError::Rollout)?,
-                    ..EngineConfig::default()
-                };
+                let engine_cfg = engine_config(cfg)?;
                 let device = cfg
                     .rollout
                     .device
@@ -217,6 +226,66 @@ mod tests {
         assert!(backend.fleet().is_none());
         assert!(backend.engine_mut().is_some());
         assert!(backend.ahead().is_none());
+    }
+
+    /// The engine budgets reach the engine `r3 train` builds: the defaults are the engine's
+    /// own (so a default run is unchanged), and set ones arrive in bytes on the CPU engine
+    /// and on the device engine, a prefix cache of 0 MiB turning the cache off.
+    #[test]
+    fn the_rollout_budgets_reach_the_engine() {
+        let defaults = engine_config(&TrainConfig::default()).expect("defaults");
+        let engine = EngineConfig::default();
+        assert_eq!(
+            (
+                defaults.max_running,
+                defaults.kv_cache_bytes,
+                defaults.activation_bytes,
+                defaults.prefix_cache,
+                defaults.prefix_cache_bytes
+            ),
+            (
+                engine.max_running,
+                engine.kv_cache_bytes,
+                engine.activation_bytes,
+                engine.prefix_cache,
+                engine.prefix_cache_bytes
+            )
+        );
+        let policy_dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/arith-moe");
+        let policy = TrainablePolicy::load(&policy_dir).expect("policy");
+        let tokenizer = ModelText::from_model_dir(&policy_dir).expect("tok");
+        for device in ["cpu", "cpu-candle"] {
+            let mut cfg = TrainConfig::default();
+            cfg.rollout.device = device.into();
+            cfg.rollout.max_running = 7;
+            cfg.rollout.kv_cache_mib = 96;
+            cfg.rollout.activation_mib = 64;
+            cfg.rollout.prefix_cache_mib = 0;
+            let backend = Backend::connect(&cfg, &policy, &tokenizer, 0).expect("connect");
+            let got = match &backend {
+                Backend::Engine(e) => {
+                    let c = e.engine_config();
+                    (
+                        c.max_running,
+                        c.kv_cache_bytes,
+                        c.activation_bytes,
+                        c.prefix_cache,
+                    )
+                }
+                Backend::Device(e) => {
+                    let c = e.engine_config();
+                    (
+                        c.max_running,
+                        c.kv_cache_bytes,
+                        c.activation_bytes,
+                        c.prefix_cache,
+                    )
+                }
+                Backend::Fleet(_) => panic!("{device}: a fleet"),
+            };
+            assert_eq!(got, (7, 96 << 20, 64 << 20, false), "{device}");
+        }
     }
 
     #[test]
