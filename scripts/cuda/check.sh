@@ -72,6 +72,8 @@
 # is 1 if one was. r3-cli's test `gpu_check_dry_run.rs` runs it in `cargo test`, so a flag
 # renamed in r3 cannot cost a GPU call.
 set -uo pipefail
+# A peer killed at its time limit keeps what it printed (Python holds a file's output back).
+export PYTHONUNBUFFERED=1
 
 root=$(cd "$(dirname "$0")/../.." && pwd)
 out_arg=""
@@ -95,11 +97,23 @@ bin="$root/gpu/bin"
 cd "$root"
 python=$(command -v python3 || command -v python)
 verdicts=()
+# Each written beside, then moved into place: a kill during a write leaves the last whole one.
 pack_logs() {
-    tar -czf "$out/logs.tar.gz" -C "$work" . 2>/dev/null
-    echo "SUMMARY gpu=[${gpu_name:-unknown}] $(IFS=' '; echo "${verdicts[*]}")" > "$out/summary.txt"
+    tar -czf "$out/.logs.tar.gz.part" -C "$work" . 2>/dev/null \
+        && mv -f "$out/.logs.tar.gz.part" "$out/logs.tar.gz"
+    echo "SUMMARY gpu=[${gpu_name:-unknown}] $(IFS=' '; echo "${verdicts[*]}")" > "$out/.summary.part" \
+        && mv -f "$out/.summary.part" "$out/summary.txt"
 }
 verdict() { verdicts+=("$1=$2"); echo "== $1: $2"; pack_logs; }
+# outcome RC: a command's verdict from its exit code; `timeout`'s 124 / 137 (its limit, cut
+# to the budget left by `limit`) read as a timeout, not as a failure of what ran.
+outcome() {
+    case "$1" in
+        0) echo pass ;;
+        124|137) echo "TIMEOUT(at its limit or the budget's end)" ;;
+        *) echo "FAIL($1)" ;;
+    esac
+}
 # Seconds left of the budget, less a reserve for packing the logs.
 left() { echo $(( budget - ($(date +%s) - started) - 10 )); }
 # limit N: the smaller of N and what is left (at least 1).
@@ -184,38 +198,60 @@ verdict python "${python_packages:-unknown}"
 for exe in r3 $test_exes; do
     if [ ! -x "$bin/$exe" ]; then
         echo "check.sh: $bin/$exe is missing: run scripts/cuda/build.sh and carry gpu/bin" >&2
+        verdict binaries "MISSING $exe"
         exit 2
     fi
 done
 # The binaries link libcuda.so.1 and CUDA 13's cuBLAS / NVRTC / cuRAND: show where from.
 [ -n "$dry_r3" ] || ldd "$bin/r3" | grep -E "cuda|cublas|nvrtc|curand" | tee "$work/ldd.txt"
+# A library the system does not have: PyTorch's own CUDA wheels (site-packages/nvidia/…/lib)
+# hold cuBLAS, NVRTC and cuRAND of the same CUDA, tried before giving up.
 if [ -z "$dry_r3" ] && ldd "$bin/r3" | grep -q "not found"; then
-    echo "check.sh: a CUDA library is not found (see $work/ldd.txt); set LD_LIBRARY_PATH" >&2
-    verdict libraries missing
+    wheel_libs=$("$python" - <<'PY' 2>/dev/null
+import glob, os
+import nvidia
+dirs = set()
+for base in nvidia.__path__:
+    for lib in glob.glob(os.path.join(base, "**", "lib*.so*"), recursive=True):
+        dirs.add(os.path.dirname(lib))
+print(":".join(sorted(dirs)))
+PY
+)
+    if [ -n "$wheel_libs" ]; then
+        export LD_LIBRARY_PATH="$wheel_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        echo "== a library was not found; trying PyTorch's CUDA wheels: $wheel_libs"
+        ldd "$bin/r3" | grep -E "cuda|cublas|nvrtc|curand" | tee "$work/ldd-wheels.txt"
+    fi
+    if ldd "$bin/r3" | grep -q "not found"; then
+        echo "check.sh: a CUDA library is not found (see $work/ldd.txt); set LD_LIBRARY_PATH" >&2
+        verdict libraries "missing: $(ldd "$bin/r3" | grep "not found" | awk '{print $1}' | tr '\n' ' ')"
+    else
+        verdict libraries "from PyTorch's CUDA wheels"
+    fi
 fi
 
 # 1. GPU tests (cwd = the crate folder: the tests find their fixtures relative to it).
 if wants 1; then
 t0=$(date +%s)
-(cd crates/r3-model && timeout "$(limit 60)" "$bin/r3-model-kernels" --test-threads=1 --nocapture) > "$work/test-kernels.txt" 2>&1
+(cd crates/r3-model && timeout -k 5 "$(limit 60)" "$bin/r3-model-kernels" --test-threads=1 --nocapture) > "$work/test-kernels.txt" 2>&1
 rc=$?; grep -E "max|test result|panicked" "$work/test-kernels.txt" | tail -n 30
-verdict kernel-tests "$([ $rc = 0 ] && echo pass || echo "FAIL($rc)")"
-(cd crates/r3-model && timeout "$(limit 150)" "$bin/r3-model-devices" --test-threads=1) > "$work/test-model.txt" 2>&1
+verdict kernel-tests "$(outcome $rc)"
+(cd crates/r3-model && timeout -k 5 "$(limit 150)" "$bin/r3-model-devices" --test-threads=1) > "$work/test-model.txt" 2>&1
 rc=$?; tail -n 30 "$work/test-model.txt"
-verdict model-tests "$([ $rc = 0 ] && echo pass || echo "FAIL($rc)")"
-(cd crates/r3-train && timeout "$(limit 60)" "$bin/r3-train-devices" --test-threads=1) > "$work/test-train.txt" 2>&1
+verdict model-tests "$(outcome $rc)"
+(cd crates/r3-train && timeout -k 5 "$(limit 60)" "$bin/r3-train-devices" --test-threads=1) > "$work/test-train.txt" 2>&1
 rc=$?; tail -n 20 "$work/test-train.txt"
-verdict train-tests "$([ $rc = 0 ] && echo pass || echo "FAIL($rc)")"
+verdict train-tests "$(outcome $rc)"
 echo "   tests took $(( $(date +%s) - t0 )) s"
 fi
 
 # 2. The default task on the GPU, and step 1 on the CPU for the rewards.
 if wants 2; then
 t0=$(date +%s)
-timeout "$(limit 120)" "$bin/r3" train --set train.device=cuda --set steps=20 --set eval.every=0 \
+timeout -k 5 "$(limit 120)" "$bin/r3" train --set train.device=cuda --set steps=20 --set eval.every=0 \
     --set checkpoint.every=0 --set run_dir="$work/train-cuda" > "$work/train-cuda.txt" 2>&1
 rc_cuda=$?
-timeout "$(limit 60)" "$bin/r3" train --set steps=1 --set eval.every=0 --set checkpoint.every=0 \
+timeout -k 5 "$(limit 60)" "$bin/r3" train --set steps=1 --set eval.every=0 --set checkpoint.every=0 \
     --set run_dir="$work/train-cpu" > "$work/train-cpu.txt" 2>&1
 rc_cpu=$?
 tail -n 5 "$work/train-cuda.txt"
@@ -247,7 +283,7 @@ verdict train-cuda "$train_verdict"
 # algorithm).
 if [ "$(left)" -ge 60 ]; then
     for copies in on off; do
-        timeout "$(limit 40)" "$bin/r3" train --set train.device=cuda --set train.dtype=bf16 \
+        timeout -k 5 "$(limit 40)" "$bin/r3" train --set train.device=cuda --set train.dtype=bf16 \
             --set train.narrow_weight_copies=$copies --set steps=3 --set eval.every=0 \
             --set checkpoint.every=0 --set run_dir="$work/train-bf16-$copies" \
             > "$work/train-bf16-$copies.txt" 2>&1
@@ -258,7 +294,7 @@ if [ "$(left)" -ge 60 ]; then
     # in bf16 (train.grad_accum_dtype = "bf16": r3_sum_bf16_stochastic_*), the gradient norm
     # by r3_sum_squares_*: another scheme, so other metrics; replay verified at every step
     # and the rewards reported.
-    timeout "$(limit 40)" "$bin/r3" train --set train.device=cuda --set train.dtype=bf16 \
+    timeout -k 5 "$(limit 40)" "$bin/r3" train --set train.device=cuda --set train.dtype=bf16 \
         --set train.master_weights=bf16 --set optim.moments_dtype=bf16 \
         --set train.grad_accum_dtype=bf16 --set algo.max_tokens_per_micro_batch=512 \
         --set steps=3 --set eval.every=0 \
@@ -266,7 +302,7 @@ if [ "$(left)" -ge 60 ]; then
         > "$work/train-bf16-masters.txt" 2>&1
     # The same with the weight gradients kept in bf16 (the GEMMs' own outputs, read by
     # AdamW's kernel as they are): the same arithmetic again.
-    timeout "$(limit 40)" "$bin/r3" train --set train.device=cuda --set train.dtype=bf16 \
+    timeout -k 5 "$(limit 40)" "$bin/r3" train --set train.device=cuda --set train.dtype=bf16 \
         --set train.narrow_gradients=true --set steps=3 --set eval.every=0 \
         --set checkpoint.every=0 --set run_dir="$work/train-bf16-narrow" \
         > "$work/train-bf16-narrow.txt" 2>&1
@@ -350,13 +386,13 @@ for run in "mid f32 8 70 --parts" "mid bf16 8 70 --parts" "a3b-8l bf16 2 120"; d
     if [ "$(left)" -lt 60 ]; then bench+=("$name skipped(budget)"); continue; fi
     # --parts: then each part of the model alone (embedding, attention, router, MoE block,
     # head), forward and backward synchronised, beside the whole step.
-    r3_mem=$(gpu_peak "$work/bench-r3-$name.txt" timeout "$(limit "$secs")" "$bin/r3" bench train \
+    r3_mem=$(gpu_peak "$work/bench-r3-$name.txt" timeout -k 5 "$(limit "$secs")" "$bin/r3" bench train \
         --device cuda --config "$config" --dtype "$dtype" --batch "$batch" --seq-len 512 --steps 3 --warmup 1 ${parts:-})
     cat "$work/bench-r3-$name.txt"
     r3_tps=$(grep -E "^native +mean" "$work/bench-r3-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s +best.*/\1/')
     replay_cost=$(grep -E "^replay cost" "$work/bench-r3-$name.txt" | sed -E 's/replay cost vs native: ([-+0-9.]+)% mean.*/\1/')
     r3_tensors=$(tensors_mib "$work/bench-r3-$name.txt")
-    hf_mem=$(gpu_peak "$work/bench-hf-$name.txt" timeout "$(limit "$secs")" "$python" scripts/cuda/peer_hf.py \
+    hf_mem=$(gpu_peak "$work/bench-hf-$name.txt" timeout -k 5 "$(limit "$secs")" "$python" scripts/cuda/peer_hf.py \
         --config "$config" --dtype "$dtype" --batch "$batch" --seq-len 512 --steps 3)
     cat "$work/bench-hf-$name.txt"
     hf_tps=$(grep -E "^peer " "$work/bench-hf-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s.*/\1/')
@@ -364,7 +400,7 @@ for run in "mid f32 8 70 --parts" "mid bf16 8 70 --parts" "a3b-8l bf16 2 120"; d
     # bf16 also beside HF the way its Trainer runs bf16 (f32 parameters under autocast): r3's
     # own scheme (f32 master weights, bf16 matmuls), so the like-for-like peer.
     if [ "$dtype" = bf16 ] && [ "$(left)" -ge 60 ]; then
-        amp_mem=$(gpu_peak "$work/bench-hf-amp-$name.txt" timeout "$(limit "$secs")" "$python" \
+        amp_mem=$(gpu_peak "$work/bench-hf-amp-$name.txt" timeout -k 5 "$(limit "$secs")" "$python" \
             scripts/cuda/peer_hf.py --config "$config" --dtype amp-bf16 --batch "$batch" --seq-len 512 --steps 3)
         cat "$work/bench-hf-amp-$name.txt"
         amp_tps=$(grep -E "^peer " "$work/bench-hf-amp-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s.*/\1/')
@@ -374,7 +410,7 @@ for run in "mid f32 8 70 --parts" "mid bf16 8 70 --parts" "a3b-8l bf16 2 120"; d
     # bf16: HF bf16's own scheme, weights and their gradients 2 bytes a parameter each):
     # the memory beside HF bf16's.
     if [ "$dtype" = bf16 ] && [ "$(left)" -ge 60 ]; then
-        masters_mem=$(gpu_peak "$work/bench-r3-masters-$name.txt" timeout "$(limit "$secs")" "$bin/r3" \
+        masters_mem=$(gpu_peak "$work/bench-r3-masters-$name.txt" timeout -k 5 "$(limit "$secs")" "$bin/r3" \
             bench train --device cuda --config "$config" --dtype "$dtype" --batch "$batch" \
             --seq-len 512 --steps 3 --warmup 1 --master-weights bf16)
         cat "$work/bench-r3-masters-$name.txt"
@@ -386,7 +422,7 @@ for run in "mid f32 8 70 --parts" "mid bf16 8 70 --parts" "a3b-8l bf16 2 120"; d
     # its f32 weight, the scheme before), so the copies' gain and memory are measured in one
     # call.
     if [ "$config" = a3b-8l ] && [ "$(left)" -ge 60 ]; then
-        cast_mem=$(gpu_peak "$work/bench-r3-cast-$name.txt" timeout "$(limit "$secs")" "$bin/r3" \
+        cast_mem=$(gpu_peak "$work/bench-r3-cast-$name.txt" timeout -k 5 "$(limit "$secs")" "$bin/r3" \
             bench train --device cuda --config "$config" --dtype "$dtype" --batch "$batch" \
             --seq-len 512 --steps 3 --warmup 1 --narrow-copies off)
         cat "$work/bench-r3-cast-$name.txt"
@@ -397,7 +433,7 @@ for run in "mid f32 8 70 --parts" "mid bf16 8 70 --parts" "a3b-8l bf16 2 120"; d
     # 16-bit GEMM's and weight rounding's as written, large f32 ones where exact), copies
     # held: the fast configuration's memory.
     if [ "$dtype" = bf16 ] && [ "$(left)" -ge 60 ]; then
-        fast_mem=$(gpu_peak "$work/bench-r3-gradbf16-$name.txt" timeout "$(limit "$secs")" "$bin/r3" \
+        fast_mem=$(gpu_peak "$work/bench-r3-gradbf16-$name.txt" timeout -k 5 "$(limit "$secs")" "$bin/r3" \
             bench train --device cuda --config "$config" --dtype "$dtype" --batch "$batch" \
             --seq-len 512 --steps 3 --warmup 1 --narrow-gradients)
         cat "$work/bench-r3-gradbf16-$name.txt"
@@ -408,7 +444,7 @@ for run in "mid f32 8 70 --parts" "mid bf16 8 70 --parts" "a3b-8l bf16 2 120"; d
     # exact (--narrow-gradients: 2 bytes a parameter instead of 4, the same gradients): the
     # memory of r3's own scheme at full speed, beside HF amp-bf16's.
     if [ "$config" = a3b-8l ] && [ "$(left)" -ge 60 ]; then
-        narrow_mem=$(gpu_peak "$work/bench-r3-narrow-$name.txt" timeout "$(limit "$secs")" "$bin/r3" \
+        narrow_mem=$(gpu_peak "$work/bench-r3-narrow-$name.txt" timeout -k 5 "$(limit "$secs")" "$bin/r3" \
             bench train --device cuda --config "$config" --dtype "$dtype" --batch "$batch" \
             --seq-len 512 --steps 3 --warmup 1 --narrow-copies off --narrow-gradients)
         cat "$work/bench-r3-narrow-$name.txt"
@@ -422,7 +458,7 @@ for run in "mid f32 8 70 --parts" "mid bf16 8 70 --parts" "a3b-8l bf16 2 120"; d
     if [ "$dtype" = bf16 ] && [ "$(left)" -ge 60 ]; then
         lean=(--gradient-checkpointing --narrow-gradients)
         if [ "$config" = a3b-8l ]; then lean+=(--narrow-copies off); fi
-        ckpt_mem=$(gpu_peak "$work/bench-r3-ckpt-$name.txt" timeout "$(limit "$secs")" "$bin/r3" \
+        ckpt_mem=$(gpu_peak "$work/bench-r3-ckpt-$name.txt" timeout -k 5 "$(limit "$secs")" "$bin/r3" \
             bench train --device cuda --config "$config" --dtype "$dtype" --batch "$batch" \
             --seq-len 512 --steps 3 --warmup 1 "${lean[@]}")
         cat "$work/bench-r3-ckpt-$name.txt"
@@ -433,7 +469,7 @@ for run in "mid f32 8 70 --parts" "mid bf16 8 70 --parts" "a3b-8l bf16 2 120"; d
     # kept (--head-chunk-tokens: one more forward of the head; at 8 x 512 tokens and a
     # 32,000-token vocabulary the logits and their gradient are 1 GB in f32).
     if [ "$config" = mid ] && [ "$dtype" = bf16 ] && [ "$(left)" -ge 60 ]; then
-        chunk_mem=$(gpu_peak "$work/bench-r3-chunk-$name.txt" timeout "$(limit "$secs")" "$bin/r3" \
+        chunk_mem=$(gpu_peak "$work/bench-r3-chunk-$name.txt" timeout -k 5 "$(limit "$secs")" "$bin/r3" \
             bench train --device cuda --config "$config" --dtype "$dtype" --batch "$batch" \
             --seq-len 512 --steps 3 --warmup 1 "${lean[@]}" --head-chunk-tokens 1024)
         cat "$work/bench-r3-chunk-$name.txt"
@@ -453,7 +489,7 @@ if [ "$(left)" -ge 45 ]; then
     for mode in "f32" "bf16 --held-copies" "f32 --bf16-matrices --bf16-moments"; do
         read -r gd extra <<< "$mode"
         tag="$gd${extra:+-masters}"
-        timeout "$(limit 40)" "$bin/r3" bench optim --device cuda --params 300000000 --steps 3 \
+        timeout -k 5 "$(limit 40)" "$bin/r3" bench optim --device cuda --params 300000000 --steps 3 \
             --grad-dtype "$gd" $extra > "$work/optim-$tag.txt" 2>&1
         rc=$?
         tail -n 7 "$work/optim-$tag.txt"
@@ -468,14 +504,16 @@ fi
 # 4. The device rollout engine on the GPU.
 if wants 4; then
 t0=$(date +%s)
-(cd crates/r3-rollout && timeout "$(limit 90)" "$bin/r3-rollout-device_engine" --test-threads=1 --nocapture \
-    && timeout "$(limit 60)" "$bin/r3-rollout-device_prefix_cache" --test-threads=1 --nocapture) \
+(cd crates/r3-rollout && timeout -k 5 "$(limit 90)" "$bin/r3-rollout-device_engine" --test-threads=1 --nocapture \
+    && timeout -k 5 "$(limit 60)" "$bin/r3-rollout-device_prefix_cache" --test-threads=1 --nocapture) \
     > "$work/test-rollout.txt" 2>&1
 rc=$?; grep -E "differ|test result|panicked" "$work/test-rollout.txt" | tail -n 40
-verdict rollout-tests "$([ $rc = 0 ] && echo pass || echo "FAIL($rc)")"
-generate_verdict=$("$python" - "$bin/r3" <<'PY'
-import json, subprocess, sys
+verdict rollout-tests "$(outcome $rc)"
+generate_verdict=$("$python" - "$bin/r3" "$(limit 240)" <<'PY'
+import json, subprocess, sys, time
 r3 = sys.argv[1]
+# The four generate runs share what is left of the budget (a hung one is cut, not waited on).
+deadline = time.monotonic() + max(float(sys.argv[2]) - 5, 1)
 oracle = json.load(open("crates/r3-rollout/tests/fixtures/oracle_subset.json"))
 bad = []
 for name in ("qwen3_moe_tiny", "deepseek_v3_tiny"):
@@ -483,13 +521,19 @@ for name in ("qwen3_moe_tiny", "deepseek_v3_tiny"):
     prompt, want = g["prompt"], g["output_ids"]
     outs = {}
     for device in ("cuda", "cpu"):
-        p = subprocess.run([r3, "generate", "--model", f"crates/r3-rollout/tests/fixtures/{name}",
-                            "--input-ids", ",".join(map(str, prompt)), "--dtype", "f32",
-                            "--max-new-tokens", str(len(want) - len(prompt)), "--device", device],
-                           capture_output=True, text=True, timeout=60)
+        try:
+            p = subprocess.run([r3, "generate", "--model", f"crates/r3-rollout/tests/fixtures/{name}",
+                                "--input-ids", ",".join(map(str, prompt)), "--dtype", "f32",
+                                "--max-new-tokens", str(len(want) - len(prompt)), "--device", device],
+                               capture_output=True, text=True,
+                               timeout=max(min(60, deadline - time.monotonic()), 1))
+        except subprocess.TimeoutExpired:
+            bad.append(f"{name}: r3 generate --device {device} timed out")
+            outs[device] = None
+            continue
         lines = p.stdout.strip().splitlines()
         outs[device] = json.loads(lines[-1]) if p.returncode == 0 and lines else None
-    cuda, cpu = outs["cuda"], outs["cpu"]
+    cuda, cpu = outs.get("cuda"), outs.get("cpu")
     if cuda is None or cpu is None:
         bad.append(f"{name}: r3 generate failed"); continue
     if cuda["output_ids"] != want[len(prompt):]:
@@ -501,7 +545,7 @@ for name in ("qwen3_moe_tiny", "deepseek_v3_tiny"):
 print("pass" if not bad else "FAIL(" + "; ".join(bad) + ")")
 PY
 )
-verdict generate-cuda "$generate_verdict"
+verdict generate-cuda "${generate_verdict:-FAIL(no verdict: the comparison itself failed)}"
 # Both engines on the GPU: the default task's whole run (200 steps; replay must verify every
 # step), beside the same run on this host's CPU (both engines there): step 1's mean reward
 # within 0.02 of the CPU's (the same weights and seed; a GPU-sampled token may flip where two
@@ -509,11 +553,11 @@ verdict generate-cuda "$generate_verdict"
 # steps 181-200 above that of steps 1-20 (on the 2-core CPU machine 0.369 -> 0.483; over 20
 # steps alone the reward moves by ±0.1 from step to step and need not rise). After step 1
 # the two runs part at float rounding, so only their trends are compared.
-timeout "$(limit 150)" "$bin/r3" train --set train.device=cuda --set rollout.device=cuda \
+timeout -k 5 "$(limit 150)" "$bin/r3" train --set train.device=cuda --set rollout.device=cuda \
     --set eval.every=0 --set checkpoint.every=0 --set run_dir="$work/train-both-cuda" \
     > "$work/train-both-cuda.txt" 2>&1
 rc=$?; tail -n 3 "$work/train-both-cuda.txt"
-timeout "$(limit 90)" "$bin/r3" train --set eval.every=0 --set checkpoint.every=0 \
+timeout -k 5 "$(limit 90)" "$bin/r3" train --set eval.every=0 --set checkpoint.every=0 \
     --set run_dir="$work/train-both-cpu" > "$work/train-both-cpu.txt" 2>&1
 both_verdict=$("$python" - "$work/train-both-cuda/metrics.jsonl" "$rc" "$work/train-both-cpu/metrics.jsonl" <<'PY'
 import json, sys
@@ -546,12 +590,12 @@ verdict train-both-cuda "$both_verdict"
 # dynamic sampling, R3), in bf16, 3 steps; beside it 2 steps of the config as shipped on
 # this host's CPU: the time per step and its split, replay verified at every step.
 if [ "$(left)" -ge 150 ]; then
-    timeout "$(limit 120)" "$bin/r3" train --config configs/gsm8k-style.toml --set train.device=cuda \
+    timeout -k 5 "$(limit 120)" "$bin/r3" train --config configs/gsm8k-style.toml --set train.device=cuda \
         --set rollout.device=cuda --set rollout.dtype=bf16 --set train.dtype=bf16 --set steps=3 \
         --set eval.every=0 --set checkpoint.every=0 --set run_dir="$work/gsm8k-cuda" \
         > "$work/gsm8k-cuda.txt" 2>&1
     rc_gpu=$?; tail -n 3 "$work/gsm8k-cuda.txt"
-    timeout "$(limit 60)" "$bin/r3" train --config configs/gsm8k-style.toml --set steps=2 \
+    timeout -k 5 "$(limit 60)" "$bin/r3" train --config configs/gsm8k-style.toml --set steps=2 \
         --set eval.every=0 --set checkpoint.every=0 --set run_dir="$work/gsm8k-cpu" \
         > "$work/gsm8k-cpu.txt" 2>&1
     rc_cpu=$?
@@ -586,7 +630,7 @@ decode=()
 for run in "mid f32" "mid bf16" "a3b-8l bf16"; do
     read -r config dtype <<< "$run"
     if [ "$(left)" -lt 60 ]; then decode+=("$config $dtype skipped(budget)"); continue; fi
-    timeout "$(limit 150)" "$bin/r3" bench decode --device cuda --configs "$config" --batches 1,64,256 \
+    timeout -k 5 "$(limit 150)" "$bin/r3" bench decode --device cuda --configs "$config" --batches 1,64,256 \
         --dtype "$dtype" --prompt-len 32 --new-tokens 128 --repeats 2 > "$work/decode-r3-$config-$dtype.txt" 2>&1
     cat "$work/decode-r3-$config-$dtype.txt"
     r3_tps=$(grep -E "^decode $config" "$work/decode-r3-$config-$dtype.txt" | sed -E 's/.*batch ([0-9]+): ([0-9.]+) tokens\/s.*/\1:\2/' | tr '\n' ' ')
@@ -595,7 +639,7 @@ for run in "mid f32" "mid bf16" "a3b-8l bf16"; do
     r3_wait=$(grep -E "^decode $config" "$work/decode-r3-$config-$dtype.txt" | sed -nE 's/.*batch ([0-9]+): .*waiting for the device ([0-9.]+)%.*/\1:\2%/p' | tr '\n' ' ')
     # The share of each batch's steps `auto` routed on the device.
     r3_routed=$(grep -E "^decode $config" "$work/decode-r3-$config-$dtype.txt" | sed -nE 's/.*\(([0-9]+)% of steps on the device\) batch ([0-9]+):.*/\2:\1%/p' | tr '\n' ' ')
-    (cd scripts/cuda && timeout "$(limit 150)" "$python" peer_hf_generate.py --config "$config" \
+    (cd scripts/cuda && timeout -k 5 "$(limit 150)" "$python" peer_hf_generate.py --config "$config" \
         --dtype "$dtype" --batches 1,64,256 --prompt-len 32 --new-tokens 128 --repeats 2) \
         > "$work/decode-hf-$config-$dtype.txt" 2>&1
     cat "$work/decode-hf-$config-$dtype.txt"
@@ -611,7 +655,7 @@ for run in "mid f32 1,8" "mid bf16 1,8" "a3b-8l bf16 1"; do
     read -r config dtype batches <<< "$run"
     if [ "$(left)" -lt 50 ]; then routing+=("$config $dtype skipped(budget)"); continue; fi
     for place in host device; do
-        timeout "$(limit 90)" "$bin/r3" bench decode --device cuda --configs "$config" --batches "$batches" \
+        timeout -k 5 "$(limit 90)" "$bin/r3" bench decode --device cuda --configs "$config" --batches "$batches" \
             --dtype "$dtype" --prompt-len 32 --new-tokens 128 --routing "$place" \
             > "$work/decode-routing-$place-$config-$dtype.txt" 2>&1
         cat "$work/decode-routing-$place-$config-$dtype.txt"
@@ -624,7 +668,7 @@ verdict decode-routing "$(IFS=';'; echo "${routing[*]}")"
 # Sampled at temperature 1 (an RL rollout: every row's logits go to the host's sampler each
 # step, through page-locked memory), mid bf16, beside the greedy figures above.
 if [ "$(left)" -ge 45 ]; then
-    timeout "$(limit 90)" "$bin/r3" bench decode --device cuda --configs mid --batches 64,256 \
+    timeout -k 5 "$(limit 90)" "$bin/r3" bench decode --device cuda --configs mid --batches 64,256 \
         --dtype bf16 --prompt-len 32 --new-tokens 128 --temperature 1 > "$work/decode-r3-sampled.txt" 2>&1
     cat "$work/decode-r3-sampled.txt"
     sampled=$(grep -E "^decode mid" "$work/decode-r3-sampled.txt" | sed -E 's/.*batch ([0-9]+): ([0-9.]+) tokens\/s.*waiting for the device ([0-9.]+)%.*/\1:\2 (wait \3%)/' | tr '\n' ' ')
@@ -646,7 +690,7 @@ if command -v ncu > /dev/null; then
     for run in "a3b-8l 2 200" "mid 8 150"; do
         read -r config batch secs <<< "$run"
         if [ "$(left)" -lt 60 ]; then profiles+=("$config skipped(budget)"); continue; fi
-        timeout "$(limit "$secs")" ncu --metrics gpu__time_duration.sum --csv --print-units base \
+        timeout -k 5 "$(limit "$secs")" ncu --metrics gpu__time_duration.sum --csv --print-units base \
             --profile-from-start off "$bin/r3" bench train --device cuda --config "$config" \
             --dtype bf16 --batch "$batch" --seq-len 512 --steps 1 --warmup 1 --profile-step \
             > "$work/profile-$config.csv" 2> "$work/profile-$config.err"
@@ -690,7 +734,7 @@ fi
 if wants 6; then
 t0=$(date +%s)
 if command -v nsys > /dev/null; then
-    timeout "$(limit 150)" nsys profile --trace cuda --capture-range cudaProfilerApi \
+    timeout -k 5 "$(limit 150)" nsys profile --trace cuda --capture-range cudaProfilerApi \
         --force-overwrite true -o "$work/nsys-mid" "$bin/r3" bench train --device cuda \
         --config mid --dtype bf16 --batch 8 --seq-len 512 --steps 1 --warmup 1 --profile-step \
         > "$work/nsys-mid.txt" 2>&1
@@ -721,7 +765,7 @@ fi
 if wants 7; then
 t0=$(date +%s)
 if [ -x "$bin/r3-model-gemm16_modes" ]; then
-    timeout "$(limit 90)" "$bin/r3-model-gemm16_modes" > "$work/gemm16.txt" 2>&1
+    timeout -k 5 "$(limit 90)" "$bin/r3-model-gemm16_modes" > "$work/gemm16.txt" 2>&1
     rc=$?
     cat "$work/gemm16.txt"
     verdict gemm16 "$([ $rc = 0 ] && grep -o 'fast16bf_rounding=[a-z-]*' "$work/gemm16.txt" || echo "FAIL($rc)")"
@@ -743,7 +787,7 @@ if command -v ncu > /dev/null; then
     traced=()
     for dtype in bf16 f32; do
         if [ "$(left)" -lt 40 ]; then traced+=("mid $dtype skipped(budget)"); continue; fi
-        timeout "$(limit 100)" ncu --metrics gpu__time_duration.sum --csv --print-units base \
+        timeout -k 5 "$(limit 100)" ncu --metrics gpu__time_duration.sum --csv --print-units base \
             "$bin/r3" bench decode --device cuda --configs mid --dtype "$dtype" --batches 1 \
             --prompt-len 8 --new-tokens 4 \
             > "$work/decode-trace-$dtype.csv" 2> "$work/decode-trace-$dtype.err"
@@ -799,14 +843,14 @@ fi
 if wants 9; then
 t0=$(date +%s)
 name=a3b-8l-bf16-batch8
-r3_mem=$(gpu_peak "$work/bench-r3-$name.txt" timeout "$(limit 150)" "$bin/r3" bench train \
+r3_mem=$(gpu_peak "$work/bench-r3-$name.txt" timeout -k 5 "$(limit 150)" "$bin/r3" bench train \
     --device cuda --config a3b-8l --dtype bf16 --batch 8 --seq-len 512 --steps 3 --warmup 1 \
     --master-weights bf16)
 r3_rc=$?
 cat "$work/bench-r3-$name.txt"
 r3_tps=$(grep -E "^native +mean" "$work/bench-r3-$name.txt" | sed -E 's/.* ([0-9.]+) tokens\/s +best.*/\1/')
 replay_cost=$(grep -E "^replay cost" "$work/bench-r3-$name.txt" | sed -E 's/replay cost vs native: ([-+0-9.]+)% mean.*/\1/')
-hf_mem=$(gpu_peak "$work/bench-hf-$name.txt" timeout "$(limit 150)" "$python" scripts/cuda/peer_hf.py \
+hf_mem=$(gpu_peak "$work/bench-hf-$name.txt" timeout -k 5 "$(limit 150)" "$python" scripts/cuda/peer_hf.py \
     --config a3b-8l --dtype bf16 --batch 8 --seq-len 512 --steps 3)
 hf_rc=$?
 cat "$work/bench-hf-$name.txt"
@@ -819,7 +863,7 @@ line="r3 rc ${r3_rc}$(oom "$work/bench-r3-$name.txt"): bf16 masters ${r3_tps:-?}
 # at this batch, where the fused ops, the default, hold ≈ 0.3 GB in bf16): the memory the
 # fused ops save, measured in one call, and their speed beside the chain's.
 if [ "$(left)" -ge 100 ]; then
-    chain_mem=$(gpu_peak "$work/bench-r3-perstep-$name.txt" timeout "$(limit 150)" "$bin/r3" bench train \
+    chain_mem=$(gpu_peak "$work/bench-r3-perstep-$name.txt" timeout -k 5 "$(limit 150)" "$bin/r3" bench train \
         --device cuda --config a3b-8l --dtype bf16 --batch 8 --seq-len 512 --steps 3 --warmup 1 \
         --master-weights bf16 --padded-expert-ops per-step)
     chain_rc=$?
@@ -833,7 +877,7 @@ fi
 # the attention's q and k heads run again in the backward (`--selective-recompute`, ≈ 0.2 GB
 # a layer less): r3's leanest activations without full checkpointing.
 if [ "$(left)" -ge 100 ]; then
-    chunk_mem=$(gpu_peak "$work/bench-r3-chunk-$name.txt" timeout "$(limit 150)" "$bin/r3" bench train \
+    chunk_mem=$(gpu_peak "$work/bench-r3-chunk-$name.txt" timeout -k 5 "$(limit 150)" "$bin/r3" bench train \
         --device cuda --config a3b-8l --dtype bf16 --batch 8 --seq-len 512 --steps 3 --warmup 1 \
         --master-weights bf16 --head-chunk-tokens 1024 --selective-recompute)
     chunk_rc=$?
@@ -859,7 +903,7 @@ for run in "config 90 45" "mid 150 60" "a3b-8l 240 150 $a3b_sets"; do
     read -r model secs need sets <<< "$run"
     if [ "$(left)" -lt "$need" ]; then stepped+=("$model skipped(budget: $(left) s left)"); continue; fi
     # shellcheck disable=SC2086 # $sets: more --set options, split on purpose
-    timeout "$(limit "$secs")" "$bin/r3" bench step --config configs/gsm8k-style.toml \
+    timeout -k 5 "$(limit "$secs")" "$bin/r3" bench step --config configs/gsm8k-style.toml \
         --model "$model" --steps 3 --warmup 2 --set train.device=cuda --set rollout.device=cuda \
         --set train.dtype=bf16 --set rollout.dtype=bf16 --set algo.dynamic_sampling=false $sets \
         > "$work/bench-step-$model.txt" 2>&1

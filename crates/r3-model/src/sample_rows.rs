@@ -142,6 +142,14 @@ pub fn sample_rows(logits: &Tensor, draws: &[Option<RowDraw>]) -> Result<Tensor>
             draws.len()
         )));
     }
+    if vocab == 0 {
+        return Err(ModelError::Input(
+            "sample rows: rows of no columns have nothing to draw".into(),
+        ));
+    }
+    if rows == 0 {
+        return Ok(Tensor::zeros((0, 2), DType::F32, logits.device())?);
+    }
     if vocab > SAMPLE_ROWS_MAX_COLUMNS {
         return Err(ModelError::Input(format!(
             "sample rows: a vocabulary of {vocab} columns is past the {SAMPLE_ROWS_MAX_COLUMNS} \
@@ -391,8 +399,8 @@ mod tests {
         }
     }
 
-    /// Draws out of range, a count unlike the rows', and a vocabulary past the kernel's
-    /// shared sums are refused by name.
+    /// Draws out of range, a count unlike the rows', rows of no columns and a vocabulary
+    /// past the kernel's shared sums are refused by name; no rows give no draws.
     #[test]
     fn bad_draws_are_refused_by_name() {
         let logits = Tensor::zeros((2, 8), DType::F32, &Device::Cpu).expect("logits");
@@ -405,6 +413,14 @@ mod tests {
             Ok(_) => panic!("{draws:?} accepted"),
         };
         assert!(refused(&[ok]).contains("1 draws for 2 rows"));
+        let empty = Tensor::zeros((2, 0), DType::F32, &Device::Cpu).expect("empty");
+        let Err(e) = sample_rows(&empty, &[ok, ok]) else {
+            panic!("rows of no columns accepted");
+        };
+        assert!(e.to_string().contains("no columns"), "{e}");
+        let none = Tensor::zeros((0, 8), DType::F32, &Device::Cpu).expect("none");
+        let drawn = sample_rows(&none, &[]).expect("no rows");
+        assert_eq!(drawn.dims(), &[0, 2]);
         let past_one = Some(RowDraw {
             uniform: 1.0,
             inv_temperature: 1.0,

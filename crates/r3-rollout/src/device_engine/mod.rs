@@ -52,7 +52,6 @@ use std::time::{Duration, Instant};
 use candle_core::{Device, Tensor};
 use r3_model::launch_shape::SAMPLE_ROWS_MAX_COLUMNS;
 use r3_model::model::decode::{KvCache, Step, StepRouting};
-use r3_model::sample_rows::RowDraw;
 use r3_model::{check_map_holds, Config, DeviceSpec, HostStaging, LoadOptions, Model, Weights};
 use r3_routing::RouteTable;
 use rand_chacha::ChaCha8Rng;
@@ -73,7 +72,7 @@ use crate::prefix_cache::{PrefixCache, PrefixCacheStats};
 use crate::request::{
     FinishReason, GenerateRequest, GenerateResult, PartialRollout, PromptLogprobs, RequestId,
 };
-use crate::sampler::{full_vocabulary_draw, top_logprobs};
+use crate::sampler::top_logprobs;
 use batch::{capture_routes, decode_layout, gap_order, prefill_layout, Row};
 use picks::{drawn_picks, greedy_picks, PickWay};
 use prefix::DeviceBlock;
@@ -639,37 +638,18 @@ impl DeviceEngine {
                 }
             }
             if ways.contains(&PickWay::Drawn) {
-                // Each draw is taken from a copy of the row's stream, which replaces the
-                // stream once the device has drawn: a row the device could not draw is
-                // sampled on the host from the stream as it was.
-                let mut drawn_streams: Vec<Option<ChaCha8Rng>> = vec![None; rows];
-                let draws: Vec<Option<RowDraw>> = batch
+                let streams: Vec<Option<(&mut ChaCha8Rng, f32)>> = batch
                     .rows
-                    .iter()
+                    .iter_mut()
                     .zip(&ways)
-                    .zip(&mut drawn_streams)
-                    .map(|((r, way), stream)| {
-                        (*way == PickWay::Drawn).then(|| {
-                            let mut drawn = r.rng.clone();
-                            let uniform = full_vocabulary_draw(&mut drawn);
-                            *stream = Some(drawn);
-                            RowDraw {
-                                uniform,
-                                inv_temperature: 1.0 / r.request.sampling.temperature,
-                            }
-                        })
+                    .map(|(r, way)| {
+                        (*way == PickWay::Drawn)
+                            .then_some((&mut r.rng, r.request.sampling.temperature))
                     })
                     .collect();
-                let drawn = drawn_picks(&last, &draws)?;
-                for (((pick, row), stream), got) in picks
-                    .iter_mut()
-                    .zip(&mut batch.rows)
-                    .zip(drawn_streams)
-                    .zip(drawn)
-                {
-                    if let (Some(stream), Some(got)) = (stream, got) {
-                        row.rng = stream;
-                        *pick = Some(got);
+                for (pick, drawn) in picks.iter_mut().zip(drawn_picks(&last, streams)?) {
+                    if drawn.is_some() {
+                        *pick = drawn;
                     }
                 }
             }

@@ -21,8 +21,11 @@ use candle_core::{DType, Device, Tensor, D};
 use r3_model::greedy_rows::greedy_rows;
 use r3_model::sample_rows::{sample_rows, RowDraw};
 
+use rand_chacha::ChaCha8Rng;
+
 use crate::engine::next_token::RowPick;
 use crate::error::RolloutError;
+use crate::sampler::full_vocabulary_draw;
 
 /// Where a row's next token is chosen this step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,30 +68,51 @@ pub fn greedy_picks(logits: &Tensor) -> Result<Vec<Option<RowPick>>, RolloutErro
         .collect())
 }
 
-/// Per row of `logits` (`[rows, vocab]`, any float dtype, on any device) with a draw: the
-/// column the sampler's full-vocabulary branch picks with that draw's uniform and its raw
-/// log-prob; `None` for a row without a draw or not drawable (a NaN, no finite largest
-/// logit: the caller samples it from its copied logits, with its stream untouched).
+/// Per row of `logits` (`[rows, vocab]`, any float dtype, on any device) with a stream (the
+/// row's seeded stream and its temperature): the column the sampler's full-vocabulary branch
+/// picks with the one uniform it takes from that stream, and its raw log-prob; `None` for a
+/// row without a stream or not drawable (a NaN, no finite largest logit: the caller samples
+/// it from its copied logits). Each uniform is taken from a copy of the row's stream, which
+/// replaces the stream only where the device drew: a row left to the host is sampled from
+/// its stream as it was.
 pub fn drawn_picks(
     logits: &Tensor,
-    draws: &[Option<RowDraw>],
+    streams: Vec<Option<(&mut ChaCha8Rng, f32)>>,
 ) -> Result<Vec<Option<RowPick>>, RolloutError> {
     let (rows, vocab) = logits.dims2()?;
     if rows == 0 {
         return Ok(Vec::new());
     }
-    let drawn = sample_rows(logits, draws)?
+    let mut drawn_streams: Vec<Option<ChaCha8Rng>> = Vec::with_capacity(rows);
+    let mut draws: Vec<Option<RowDraw>> = Vec::with_capacity(rows);
+    for stream in &streams {
+        let Some((rng, temperature)) = stream else {
+            drawn_streams.push(None);
+            draws.push(None);
+            continue;
+        };
+        let mut drawn = (**rng).clone();
+        draws.push(Some(RowDraw {
+            uniform: full_vocabulary_draw(&mut drawn),
+            inv_temperature: 1.0 / temperature,
+        }));
+        drawn_streams.push(Some(drawn));
+    }
+    let drawn = sample_rows(logits, &draws)?
         .to_device(&Device::Cpu)?
         .to_vec2::<f32>()?;
-    Ok(drawn
-        .into_iter()
-        .map(|row| {
-            (row[0] < vocab as f32 && row[1].is_finite()).then_some(RowPick {
-                token: row[0] as u32,
-                logprob: row[1],
-            })
-        })
-        .collect())
+    let mut picks = Vec::with_capacity(rows);
+    for ((row, stream), advanced) in drawn.into_iter().zip(streams).zip(drawn_streams) {
+        let pick = (row[0] < vocab as f32 && row[1].is_finite()).then_some(RowPick {
+            token: row[0] as u32,
+            logprob: row[1],
+        });
+        if let (Some(_), Some((rng, _)), Some(advanced)) = (pick, stream, advanced) {
+            *rng = advanced;
+        }
+        picks.push(pick);
+    }
+    Ok(picks)
 }
 
 /// `[rows, 3]` of (largest logit, log-sum-exp, first index of the largest) from candle's ops
@@ -222,38 +246,40 @@ mod tests {
 
     /// A drawn row's pick is the host sampler's token and log-prob with the same stream (bit
     /// for bit: the sampler's full-vocabulary branch is the op's host side), from f32 and
-    /// bf16 logits; a row without a draw or holding a NaN gives none.
+    /// bf16 logits, and its stream is then where the host's sampling leaves it (one draw
+    /// on); a row without a stream gives none, and a row holding a NaN gives none with its
+    /// stream untouched (the host samples it from there).
     #[test]
     fn drawn_picks_are_the_host_samplers_draws() {
-        use crate::sampler::{full_vocabulary_draw, sample, SampleScratch, SamplingParams};
-        use rand::SeedableRng;
-        use rand_chacha::ChaCha8Rng;
+        use crate::sampler::{sample, SampleScratch, SamplingParams};
+        use rand::{Rng, SeedableRng};
         let vocab = 3_000;
         let mut host = rows(6, vocab);
         host[4][17] = f32::NAN;
         let flat: Vec<f32> = host.iter().flatten().copied().collect();
+        let temperature = |r: usize| if r == 2 { 0.8f32 } else { 1.0 };
+        let seeded = |r: usize| ChaCha8Rng::seed_from_u64(r as u64);
         for dtype in [DType::F32, DType::BF16] {
             let (t, seen) = logits_in(&flat, host.len(), vocab, dtype);
-            let temperature = |r: usize| if r == 2 { 0.8f32 } else { 1.0 };
-            let draws: Vec<Option<RowDraw>> = (0..host.len())
-                .map(|r| {
-                    (r != 3).then(|| RowDraw {
-                        uniform: full_vocabulary_draw(&mut ChaCha8Rng::seed_from_u64(r as u64)),
-                        inv_temperature: 1.0 / temperature(r),
-                    })
-                })
+            let mut rngs: Vec<ChaCha8Rng> = (0..host.len()).map(seeded).collect();
+            let streams = rngs
+                .iter_mut()
+                .enumerate()
+                .map(|(r, rng)| (r != 3).then(|| (rng, temperature(r))))
                 .collect();
-            let picks = drawn_picks(&t, &draws).expect("draw");
+            let picks = drawn_picks(&t, streams).expect("draw");
             for (r, pick) in picks.iter().enumerate() {
+                let next = rngs[r].random::<u64>();
                 if r == 3 || r == 4 {
                     assert!(pick.is_none(), "row {r}");
+                    assert_eq!(next, seeded(r).random::<u64>(), "row {r}'s stream moved");
                     continue;
                 }
                 let params = SamplingParams {
                     temperature: temperature(r),
                     ..SamplingParams::default()
                 };
-                let mut rng = ChaCha8Rng::seed_from_u64(r as u64);
+                let mut rng = seeded(r);
                 let (token, logprob) =
                     sample(&seen[r], &params, &mut rng, &mut SampleScratch::default());
                 assert_eq!(
@@ -261,6 +287,7 @@ mod tests {
                     Some(RowPick { token, logprob }),
                     "row {r}, {dtype:?}"
                 );
+                assert_eq!(next, rng.random::<u64>(), "row {r}'s stream");
             }
         }
     }

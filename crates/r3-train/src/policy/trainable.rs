@@ -228,10 +228,11 @@ pub struct ScoreOptions {
 
 /// The most values a logits tensor whose gradient sums the log-prob's and the entropy's may
 /// hold on a GPU: candle's elementwise CUDA kernels (the backward adds the two gradients
-/// with one) count their elements in 32 bits, and past `u32::MAX` they loop without end or
-/// leave elements unwritten. r3's own kernels and cuBLAS, which every other pass over the
-/// logits runs on, index in 64 bits.
-const MAX_SUMMED_LOGITS_VALUES: usize = u32::MAX as usize;
+/// with one) step a 32-bit index by the grid's size, about the element count, so past 2^31
+/// values a thread's index wraps around 2^32 and it runs its loop again from lower down
+/// (tens of thousands of passes near 2^32, none ending just below it). r3's own kernels and
+/// cuBLAS, which every other pass over the logits runs on, index in 64 bits.
+const MAX_SUMMED_LOGITS_VALUES: usize = 1 << 31;
 
 /// Refuses, by the setting that lowers it, a scoring whose logits gradient candle would sum
 /// over more than [`MAX_SUMMED_LOGITS_VALUES`] values: on a GPU, with the entropy's gradient
@@ -623,10 +624,10 @@ fn narrow_masters(precision: Precision, masters: MasterWeights) -> Result<Option
 mod tests {
     use super::*;
 
-    /// On a GPU with the entropy's gradient, logits past `u32::MAX` values scored at once
-    /// are refused naming `algo.head_chunk_tokens` and the most tokens that fit (at a Qwen
-    /// vocabulary of 151,936: 28,268 × 151,936 = 4,294,926,848 fit, 28,269 do not, by
-    /// hand); chunks that fit, no entropy gradient, or the CPU pass.
+    /// On a GPU with the entropy's gradient, logits past 2^31 values scored at once are
+    /// refused naming `algo.head_chunk_tokens` and the most tokens that fit (at a Qwen
+    /// vocabulary of 151,936: 14,134 × 151,936 = 2,147,463,424 fit, 14,135 × 151,936 =
+    /// 2,147,615,360 do not, by hand); chunks that fit, no entropy gradient, or the CPU pass.
     #[test]
     fn logits_gradients_past_32_bits_are_refused_on_a_gpu() {
         let vocab = 151_936;
@@ -634,26 +635,26 @@ mod tests {
             entropy_grad: true,
             ..ScoreOptions::default()
         };
-        let Err(e) = check_logits_gradients_fit(28_269, vocab, with_entropy, true) else {
-            panic!("28,269 × 151,936 logits accepted");
+        let Err(e) = check_logits_gradients_fit(14_135, vocab, with_entropy, true) else {
+            panic!("14,135 × 151,936 logits accepted");
         };
         let text = e.to_string();
         assert!(text.contains("algo.head_chunk_tokens"), "{text}");
-        assert!(text.contains("at most 28268 tokens"), "{text}");
-        assert!(text.contains("4295078784 logits"), "{text}");
-        assert!(check_logits_gradients_fit(28_268, vocab, with_entropy, true).is_ok());
+        assert!(text.contains("at most 14134 tokens"), "{text}");
+        assert!(text.contains("2147615360 logits"), "{text}");
+        assert!(check_logits_gradients_fit(14_134, vocab, with_entropy, true).is_ok());
         let chunked = ScoreOptions {
             head_chunk_tokens: 4096,
             ..with_entropy
         };
         assert!(check_logits_gradients_fit(100_000, vocab, chunked, true).is_ok());
         let wide_chunks = ScoreOptions {
-            head_chunk_tokens: 40_000,
+            head_chunk_tokens: 20_000,
             ..with_entropy
         };
         assert!(check_logits_gradients_fit(100_000, vocab, wide_chunks, true).is_err());
-        assert!(check_logits_gradients_fit(30_000, vocab, wide_chunks, true).is_err());
-        assert!(check_logits_gradients_fit(20_000, vocab, wide_chunks, true).is_ok());
+        assert!(check_logits_gradients_fit(15_000, vocab, wide_chunks, true).is_err());
+        assert!(check_logits_gradients_fit(10_000, vocab, wide_chunks, true).is_ok());
         let no_entropy = ScoreOptions::default();
         assert!(check_logits_gradients_fit(100_000, vocab, no_entropy, true).is_ok());
         assert!(check_logits_gradients_fit(100_000, vocab, with_entropy, false).is_ok());
