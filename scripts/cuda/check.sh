@@ -213,7 +213,9 @@ import nvidia
 dirs = set()
 for base in nvidia.__path__:
     for lib in glob.glob(os.path.join(base, "**", "lib*.so*"), recursive=True):
-        dirs.add(os.path.dirname(lib))
+        # Never a stubs folder: its libcuda.so would shadow the driver's.
+        if "stubs" not in lib.split(os.sep):
+            dirs.add(os.path.dirname(lib))
 print(":".join(sorted(dirs)))
 PY
 )
