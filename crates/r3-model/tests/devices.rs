@@ -633,7 +633,7 @@ fn recomputed_layers_give_the_same_bits(device: &Device) {
                         let narrow = precision.narrow_dtype().expect("a 16-bit precision");
                         layers = layers.keep_gradients_narrow(narrow);
                     }
-                    let grads = layers.backward(&loss_of(&out), &vars).expect("backward");
+                    let grads = layers.backward(loss_of(&out), &vars).expect("backward");
                     (out, grads)
                 } else {
                     let out = model.forward(&batch, routing).expect("forward");
@@ -739,7 +739,7 @@ fn a_loss_beside_the_recomputed_logits_is_refused() {
         .sum_all()
         .expect("a loss of one weight alone");
     let err = layers
-        .backward(&unrelated, &vars)
+        .backward(unrelated, &vars)
         .expect_err("no gradient at the last layer's output");
     assert!(
         err.to_string()

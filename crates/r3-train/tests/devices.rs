@@ -454,7 +454,9 @@ fn scoring(device: &Device, bf16_masters: bool) -> Vec<(String, Vec<f32>)> {
         let loss =
             (logp.sum_all().expect("sum") + (entropy.sum_all().expect("sum") * 0.5)).expect("loss");
         let grads = match layers {
-            Some(layers) => layers.backward(&loss, &vars).expect("recomputed backward"),
+            Some(layers) => layers
+                .backward(loss.clone(), &vars)
+                .expect("recomputed backward"),
             None => loss.backward().expect("backward"),
         };
         out.push((format!("{case} logp"), values(&logp)));

@@ -284,7 +284,9 @@ fn a_chunked_entropy_bonus_has_the_whole_heads_gradients() {
             .and_then(|l| l.sum_all())
             .expect("loss");
         let store = match layers {
-            Some(layers) => layers.backward(&loss, &vars).expect("recomputed backward"),
+            Some(layers) => layers
+                .backward(loss.clone(), &vars)
+                .expect("recomputed backward"),
             None => loss.backward().expect("backward"),
         };
         vars.iter()

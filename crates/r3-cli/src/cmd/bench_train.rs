@@ -275,7 +275,12 @@ fn step(
     model.device().synchronize()?;
     let t1 = Instant::now();
     let grads = match (layers, narrow) {
-        (Some(layers), _) => layers.backward(&loss, vars)?,
+        (Some(layers), _) => {
+            // Nothing but the loss may hold the logits: the recomputing backward lets the
+            // loss's graph go before the layers run again, as the trainer does.
+            drop((out, logp));
+            layers.backward(loss, vars)?
+        }
         (None, Some(narrow)) => backward_narrowing(&loss, narrow)?,
         (None, None) => loss.backward()?,
     };

@@ -173,7 +173,16 @@ impl Generate for Backend {
     fn generate_batch(&mut self, requests: Vec<GenerateRequest>) -> Result<Vec<GenerateResult>> {
         match self {
             Backend::Engine(engine) => engine.generate_batch(requests),
-            Backend::Device(engine) => engine.generate_batch(requests),
+            Backend::Device(engine) => {
+                let results = engine.generate_batch(requests);
+                // A call's prefix hits are its own (a GRPO group's samples share their
+                // prompt within it); the next call comes after an update, whose sync flushes
+                // the cache, or is an evaluation of other prompts. Held until the sync, the
+                // cache (up to rollout.prefix_cache_mib) stood through the whole update on
+                // the GPU the trainer shares.
+                engine.flush_prefix_cache();
+                results
+            }
             Backend::Fleet(fleet) => fleet.generate_batch(requests),
         }
     }
@@ -226,6 +235,47 @@ mod tests {
         assert!(backend.fleet().is_none());
         assert!(backend.engine_mut().is_some());
         assert!(backend.ahead().is_none());
+    }
+
+    /// The device engine's prefix cache is emptied once a call's rollouts are generated (it
+    /// held their blocks until the weight sync, through the update): a group of samples
+    /// sharing a prompt still hits it within the call.
+    #[test]
+    fn the_device_engines_prefix_cache_is_let_go_after_a_call() {
+        let mut cfg = TrainConfig::default();
+        cfg.rollout.device = "cpu-candle".into();
+        let policy_dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/arith-moe");
+        let policy = TrainablePolicy::load(&policy_dir).expect("policy");
+        let tokenizer = ModelText::from_model_dir(&policy_dir).expect("tok");
+        let mut backend = Backend::connect(&cfg, &policy, &tokenizer, 0).expect("connect");
+        // Four samples of one 40-token prompt: its two full 16-token blocks are computed
+        // once and hit by the others.
+        let prompt: Vec<u32> = (0..40).map(|i| 3 + (i * 7) % 20).collect();
+        let requests = (0..4)
+            .map(|i| {
+                GenerateRequest::new(
+                    prompt.clone(),
+                    r3_rollout::SamplingParams {
+                        seed: i,
+                        max_new_tokens: 4,
+                        ..r3_rollout::SamplingParams::default()
+                    },
+                )
+            })
+            .collect();
+        let results = backend.generate_batch(requests).expect("generate");
+        assert_eq!(results.len(), 4);
+        let Backend::Device(engine) = &backend else {
+            panic!("not the device engine");
+        };
+        let stats = engine.prefix_cache_stats().expect("a prefix cache");
+        assert!(
+            stats.hit_blocks > 0,
+            "the group's samples shared no block: {stats:?}"
+        );
+        assert!(stats.inserted_blocks > 0, "{stats:?}");
+        assert_eq!((stats.cached_blocks, stats.used_bytes), (0, 0), "{stats:?}");
     }
 
     /// The engine budgets reach the engine `r3 train` builds: the defaults are the engine's

@@ -204,7 +204,7 @@ pub fn backward_into<'v>(
 /// [`GradientSums::Bf16`] one rounding), as a plain backward's.
 pub fn recomputed_backward_into<'v>(
     layers: LayerRecompute<'_>,
-    loss: &Tensor,
+    loss: Tensor,
     acc: &mut GradStore,
     vars: impl IntoIterator<Item = &'v Var>,
     sums: GradientSums,

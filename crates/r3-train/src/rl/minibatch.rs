@@ -326,18 +326,20 @@ impl Accumulated {
                     false => GradientSums::F32,
                 };
                 let vars = || optimizer.vars().map(|(_, v)| v);
+                let device = micro.loss.device().clone();
                 match micro.layers {
                     // Each gradient (each part, recomputing) added to its sum as the backward
-                    // completes it.
+                    // completes it; the loss handed over, so its graph (the head's logits)
+                    // goes before the layers run again.
                     Some(layers) => {
-                        recomputed_backward_into(layers, &micro.loss, acc, vars(), sums)?
+                        recomputed_backward_into(layers, micro.loss, acc, vars(), sums)?
                     }
                     None => backward_into(&micro.loss, acc, vars(), sums, micro.narrow_grads)?,
                 }
                 // On a GPU the backward's kernels are queued, not done: waiting here makes
                 // `backward_s` the backward's own time (it had flowed into the next read-back,
                 // the optimiser's or the next micro-batch's). A no-op on the CPU.
-                micro.loss.device().synchronize()?;
+                device.synchronize()?;
                 self.backwards += 1;
                 self.times.backward_s += started.elapsed().as_secs_f64();
             }
