@@ -985,3 +985,71 @@ fn weights_written_in_place_after_a_sync_do_not_reach_the_engine() {
     let synced = dev.generate(vec![req]).expect("synced").remove(0);
     assert_ne!(synced.output_logprobs, before.output_logprobs);
 }
+
+/// Weights released for a trainer's update (`release_weights`) leave the engine refusing
+/// to generate, by name, and an update then builds them again from the trainer's tensors:
+/// the engine generates what one built from those tensors does, bit for bit, and keeps its
+/// own copy (the trainer's later in-place writes do not reach it). Releasing with a request
+/// queued is refused, and the refused generate leaves nothing queued (its request, left
+/// behind, would have joined the next call's batch and moved its log-probs by 2e-6).
+#[test]
+fn released_weights_are_built_again_by_the_next_update() {
+    let cfg = tiny_config("qwen3_moe");
+    let map = tiny_weights(&cfg, 5, DType::F32).into_map();
+    let device = DEVICE.open().expect("device");
+    let vars: Vec<(String, candle_core::Var)> = map
+        .iter()
+        .map(|(name, t)| {
+            let t = (t.to_device(&device).expect("to device") * 1.5).expect("scale");
+            (
+                name.clone(),
+                candle_core::Var::from_tensor(&t).expect("var"),
+            )
+        })
+        .collect();
+    let trainer_map: TensorMap = vars
+        .iter()
+        .map(|(name, v)| (name.clone(), v.as_tensor().detach()))
+        .collect();
+    let prompt = sequences(&[8], cfg.vocab_size, 2).remove(0);
+    let req = GenerateRequest::new(prompt, SamplingParams::greedy(6));
+    let mut fresh =
+        DeviceEngine::new(cfg.clone(), &trainer_map, device_config()).expect("fresh engine");
+    let want = fresh.generate(vec![req.clone()]).expect("fresh").remove(0);
+
+    let mut dev = DeviceEngine::new(cfg.clone(), &map, device_config()).expect("device");
+    dev.submit(req.clone()).expect("queued");
+    let Err(e) = dev.release_weights() else {
+        panic!("weights released with a request queued");
+    };
+    assert!(e.to_string().contains("1 waiting"), "{e}");
+    while dev.queue_lengths() != (0, 0) {
+        dev.step().expect("step");
+    }
+    let version = dev.weight_version();
+    dev.release_weights().expect("release");
+    assert!(dev.weights_released());
+    let Err(e) = dev.generate(vec![req.clone()]) else {
+        panic!("a released engine generated");
+    };
+    assert!(e.to_string().contains("released"), "{e}");
+    assert_eq!(
+        dev.queue_lengths(),
+        (0, 0),
+        "the refused call left requests queued"
+    );
+    assert_eq!(
+        dev.update_weights(&trainer_map).expect("built again"),
+        version + 1
+    );
+    assert!(!dev.weights_released());
+    let got = dev.generate(vec![req.clone()]).expect("rebuilt").remove(0);
+    assert_eq!(got.output_ids, want.output_ids);
+    assert_eq!(got.output_logprobs, want.output_logprobs);
+    for (_, v) in &vars {
+        let scaled = (v.as_tensor() * 3.0).expect("scale");
+        v.set(&scaled).expect("write in place");
+    }
+    let after = dev.generate(vec![req]).expect("after").remove(0);
+    assert_eq!(after.output_logprobs, want.output_logprobs);
+}

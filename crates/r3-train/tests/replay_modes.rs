@@ -179,3 +179,46 @@ fn single_mini_step_r3_replays_rollout_routes_in_the_one_update() {
     );
     assert_eq!(metrics.verified_frac, Some(1.0));
 }
+
+/// With the device engine generating (`rollout.device = "cpu-candle"`), each step lets the
+/// engine's weights go for the update and the sync builds them again from the policy: after
+/// every step the engine holds the policy's new weights (it generates, bit for bit, what an
+/// engine built from the policy's tensors then does), at the next version, and R3 replays its
+/// routes in every pass.
+#[test]
+fn the_device_engines_weights_are_built_again_after_each_update() {
+    use r3_rollout::{DeviceEngine, DeviceEngineConfig, GenerateRequest, SamplingParams};
+    use r3_train::rl::backend::Backend;
+    let dir = Scratch::new("r3-device-rollouts");
+    let model = dir.path().join("model");
+    tiny_model(&model, 13);
+    let mut run = tiny_config(&model, &dir.path().join("run"), RouterReplay::R3, 2);
+    run.rollout.device = "cpu-candle".into();
+    run.eval.every = 0;
+    let mut trainer = Trainer::new(run).expect("trainer");
+    let prompt = vec![3u32, 5, 7, 9, 11];
+    let request = GenerateRequest::new(prompt, SamplingParams::greedy(6));
+    for step in 1..=2u64 {
+        let metrics = trainer.rl_step().expect("step");
+        assert_eq!(metrics.verified_frac, Some(1.0), "step {step}");
+        let Backend::Device(engine) = &mut trainer.backend else {
+            panic!("not the device engine");
+        };
+        assert!(!engine.weights_released(), "step {step}");
+        assert_eq!(engine.weight_version(), step, "step {step}");
+        let config: DeviceEngineConfig = engine.engine_config().clone();
+        let got = engine.generate(vec![request.clone()]).expect("generate");
+        let mut fresh = DeviceEngine::new(
+            trainer.policy.config().clone(),
+            &trainer.policy.tensor_map().expect("policy tensors"),
+            config,
+        )
+        .expect("fresh engine");
+        let want = fresh.generate(vec![request.clone()]).expect("fresh");
+        assert_eq!(got[0].output_ids, want[0].output_ids, "step {step}");
+        assert_eq!(
+            got[0].output_logprobs, want[0].output_logprobs,
+            "step {step}"
+        );
+    }
+}

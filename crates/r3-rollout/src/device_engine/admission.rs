@@ -258,13 +258,14 @@ impl DeviceEngine {
         if rows.is_empty() {
             return Ok(None);
         }
+        let model = self.model().map_err(|e| step_failed(&rows, e))?;
         let cache = if hits.iter().any(Option::is_some) {
             let prefixes: Vec<Option<&RowKv>> = hits.iter().map(Option::as_ref).collect();
-            self.model
+            model
                 .kv_cache_from(&prefixes)
                 .map_err(|e| step_failed(&rows, e.into()))?
         } else {
-            self.model.kv_cache()
+            model.kv_cache()
         };
         Ok(Some(Running {
             rows,

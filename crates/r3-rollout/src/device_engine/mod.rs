@@ -180,13 +180,21 @@ impl Running {
     }
 }
 
-/// The device engine; see the module docs.
+/// The device engine's model and the weights its layers hold.
 #[derive(Debug)]
-pub struct DeviceEngine {
+struct Loaded {
     model: Model,
     /// The model's weights by HF name (experts fused, in the engine's formats): the same
     /// storage the model's layers read, which a weight update overwrites in place.
     weights: Weights,
+}
+
+/// The device engine; see the module docs.
+#[derive(Debug)]
+pub struct DeviceEngine {
+    /// The model and its weights; `None` once released ([`DeviceEngine::release_weights`])
+    /// until an update brings weights back.
+    loaded: Option<Loaded>,
     /// The tensor a weight update stopped at, when a device failure left the weights partly
     /// written: no step runs until an update succeeds.
     torn: Option<String>,
@@ -315,8 +323,7 @@ impl DeviceEngine {
         let geo = RouteGeometry::of(&model_cfg);
         tracing::info!(device = %cfg.device, dtype = %cfg.dtype, "device rollout engine ready");
         Ok(DeviceEngine {
-            model,
-            weights,
+            loaded: Some(Loaded { model, weights }),
             torn: None,
             eos: config_eos_ids(&model_cfg),
             model_cfg,
@@ -426,15 +433,24 @@ impl DeviceEngine {
         self.model_cfg.num_hidden_layers * memory::layer_kv_floats(&self.model_cfg) * 4
     }
 
-    /// Submits all requests and steps until they finish; results in input order.
+    /// Submits all requests and steps until they finish; results in input order. On an
+    /// error none of them is left queued or running (the next call's batches are its own).
     pub fn generate(
         &mut self,
         reqs: Vec<GenerateRequest>,
     ) -> Result<Vec<GenerateResult>, RolloutError> {
-        let ids = reqs
-            .into_iter()
-            .map(|r| self.submit(r))
-            .collect::<Result<Vec<_>, _>>()?;
+        // An engine that can run no step (weights released or torn) takes nothing in.
+        self.check_weights_whole()?;
+        let mut ids = Vec::with_capacity(reqs.len());
+        for r in reqs {
+            match self.submit(r) {
+                Ok(id) => ids.push(id),
+                Err(e) => {
+                    self.abort_all_of(&ids);
+                    return Err(e);
+                }
+            }
+        }
         let mut done = std::collections::HashMap::new();
         while ids.iter().any(|id| !done.contains_key(id)) {
             if !self.has_work() {
@@ -442,11 +458,38 @@ impl DeviceEngine {
                     "requests vanished before finishing (aborted?)".into(),
                 ));
             }
-            for r in self.step()? {
-                done.insert(r.id, r);
+            match self.step() {
+                Ok(results) => {
+                    for r in results {
+                        done.insert(r.id, r);
+                    }
+                }
+                Err(e) => {
+                    // The call's requests still queued or running go with it: left behind,
+                    // they would join (and change the batches of) the next call.
+                    let left: Vec<RequestId> = ids
+                        .iter()
+                        .copied()
+                        .filter(|id| !done.contains_key(id))
+                        .collect();
+                    self.abort_all_of(&left);
+                    return Err(e);
+                }
             }
         }
         Ok(ids.iter().filter_map(|id| done.remove(id)).collect())
+    }
+
+    /// Aborts each of `ids` still queued or running (a failed [`DeviceEngine::generate`]'s
+    /// own requests), logging an abort that fails.
+    fn abort_all_of(&mut self, ids: &[RequestId]) {
+        for &id in ids {
+            if let Err(e) = self.abort(id) {
+                tracing::warn!(error = %e, id, "a failed generate's request could not be aborted");
+            }
+        }
+        // Results held back for the next step belong to this call too.
+        self.finished.retain(|r| !ids.contains(&r.id));
     }
 
     /// Runs one step: one decode token for every running sequence, then the prefill (and
@@ -558,14 +601,15 @@ impl DeviceEngine {
                 .rows
                 .iter()
                 .any(|r| r.request.sampling.prompt_logprobs_from.is_some());
+        let model = self.model()?;
         let routing = self.cfg.routing.for_step(
             batch.rows.len() * layout.time,
             self.model_cfg.top_k(),
-            self.model.routed_expert_bytes(),
+            model.routed_expert_bytes(),
             self.device.is_cuda(),
-            self.model.routes_on_device(),
+            model.routes_on_device(),
         );
-        let out = self.model.forward_step(
+        let out = model.forward_step(
             &Step {
                 tokens: &layout.tokens,
                 positions: &layout.positions,

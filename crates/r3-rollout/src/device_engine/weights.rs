@@ -12,7 +12,7 @@ use r3_model::{Config, HeldTensors, LoadOptions, Model, Precision, Weights};
 use rayon::prelude::*;
 
 use super::memory::mib;
-use super::{DeviceEngine, DeviceEngineConfig};
+use super::{DeviceEngine, DeviceEngineConfig, Loaded};
 use crate::dtype::{Dtype, RouterDtype};
 use crate::error::RolloutError;
 use crate::model::tensors::{load_dir_with, TensorMap};
@@ -62,21 +62,28 @@ impl DeviceEngine {
     /// kept; a device failure part way leaves the engine refusing to generate
     /// ([`DeviceEngine::step`]) until an update succeeds.
     fn swap_in(&mut self, tensors: &TensorMap) -> Result<u64, RolloutError> {
+        let Some(loaded) = self.loaded.as_ref() else {
+            return self.load_again(tensors);
+        };
         let source = Weights::from_map(tensors.clone()).fuse_experts(&self.model_cfg)?;
-        check_same_tensors(&self.weights, &source)?;
+        check_same_tensors(&loaded.weights, &source)?;
         self.flush_prefix_cache();
+        let device = self.device.clone();
+        let Some(Loaded { model, weights }) = self.loaded.as_mut() else {
+            return Err(released());
+        };
         // The copies are asynchronous on a GPU: one failing shows at the wait, and the
         // routers' host copies are read once the writes are done. Only then are the weights
         // whole, at the new version.
-        let written = overwrite(&self.weights, &source).and_then(|()| {
+        let written = overwrite(weights, &source).and_then(|()| {
             let failed = |at: &str, e: &dyn std::fmt::Display| {
                 (at.to_string(), candle_core::Error::Msg(e.to_string()))
             };
-            self.device
+            device
                 .synchronize()
                 .map_err(|e| failed("the wait for the device's copies", &e))?;
-            self.model
-                .reload_host_copies(&self.weights)
+            model
+                .reload_host_copies(weights)
                 .map_err(|e| failed("the routers' score biases", &e))
         });
         if let Err((name, e)) = written {
@@ -91,16 +98,70 @@ impl DeviceEngine {
         Ok(self.version)
     }
 
-    /// Refuses to run a step while a failed update left the weights torn.
+    /// Lets the model and its weights go, so that the device memory they hold (the whole
+    /// model in the engine's formats: ≈ 11 GB at the 30B-A3B shape in bf16) is free for
+    /// something else — a trainer's update on the same GPU, whose sync then builds them
+    /// again from the trainer's tensors ([`DeviceEngine::update_weights`]) — with the
+    /// prefix cache (its keys, values and routes are these weights'). Refused while requests
+    /// are queued, running or held; until an update, every step is refused.
+    pub fn release_weights(&mut self) -> Result<(), RolloutError> {
+        let (waiting, running) = self.queue_lengths();
+        if waiting + running + self.finished.len() > 0 {
+            return Err(RolloutError::InvalidRequest(format!(
+                "the engine's weights cannot be released with requests in flight ({waiting} \
+                 waiting, {running} running, {} finished and not yet handed out)",
+                self.finished.len()
+            )));
+        }
+        self.flush_prefix_cache();
+        self.loaded = None;
+        Ok(())
+    }
+
+    /// Whether the weights are released ([`DeviceEngine::release_weights`]) and no update
+    /// has brought them back.
+    pub fn weights_released(&self) -> bool {
+        self.loaded.is_none()
+    }
+
+    /// The model, or why no step can run: weights released, or torn by a failed update.
+    pub(super) fn model(&self) -> Result<&Model, RolloutError> {
+        self.check_weights_whole()?;
+        self.loaded.as_ref().map(|l| &l.model).ok_or_else(released)
+    }
+
+    /// Builds the model again from `tensors` after [`DeviceEngine::release_weights`] (as
+    /// [`DeviceEngine::new`] builds it: one tensor at a time, converted where it lies);
+    /// bumps the weight version.
+    fn load_again(&mut self, tensors: &TensorMap) -> Result<u64, RolloutError> {
+        let (model, weights) = build_model(&self.model_cfg, tensors, &self.cfg, &self.device)?;
+        // As at the build: the uploads and casts are queued on this thread's stream.
+        self.device.synchronize()?;
+        self.loaded = Some(Loaded { model, weights });
+        self.torn = None;
+        self.version += 1;
+        Ok(self.version)
+    }
+
+    /// Refuses to run a step while a failed update left the weights torn, or while they are
+    /// released.
     pub(super) fn check_weights_whole(&self) -> Result<(), RolloutError> {
-        match &self.torn {
-            None => Ok(()),
-            Some(name) => Err(RolloutError::Weights(format!(
+        match (&self.torn, &self.loaded) {
+            (Some(name), _) => Err(RolloutError::Weights(format!(
                 "a weight update failed part way (at {name}): the engine's weights mix two \
                  versions; update them again before generating"
             ))),
+            (None, None) => Err(released()),
+            (None, Some(_)) => Ok(()),
         }
     }
+}
+
+/// The error of a step asked of an engine whose weights are released.
+fn released() -> RolloutError {
+    RolloutError::Weights(
+        "the engine's weights are released (release_weights): update them before generating".into(),
+    )
 }
 
 /// Refuses an update whose tensors (experts fused) are not the engine's: a name the engine
@@ -397,6 +458,11 @@ fn precision(dtype: Dtype, router: RouterDtype) -> Precision {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The weights of a loaded engine.
+    fn weights_of(engine: &DeviceEngine) -> &Weights {
+        &engine.loaded.as_ref().expect("a loaded engine").weights
+    }
     use crate::request::GenerateRequest;
     use crate::sampler::SamplingParams;
     use r3_model::RandomInit;
@@ -524,8 +590,7 @@ mod tests {
     }
 
     fn engine_bits(engine: &DeviceEngine) -> Vec<(String, DType, Vec<u32>)> {
-        engine
-            .weights
+        weights_of(engine)
             .tensors()
             .iter()
             .map(|(name, t)| (name.clone(), t.dtype(), bits(t)))
@@ -581,7 +646,8 @@ mod tests {
                 let config = engine_config(dtype, router);
                 let mut engine =
                     DeviceEngine::new(cfg.clone(), &old, config.clone()).expect("old engine");
-                let handles: Vec<Tensor> = engine.weights.tensors().values().cloned().collect();
+                let handles: Vec<Tensor> =
+                    weights_of(&engine).tensors().values().cloned().collect();
                 let before = engine_bits(&engine);
                 assert_eq!(engine.update_weights(source).expect("update"), 1, "{what}");
                 let mut fresh =
@@ -733,13 +799,13 @@ mod tests {
         let new = random(&cfg, 4).into_map();
         let config = engine_config(Dtype::F32, RouterDtype::Model);
         let mut engine = DeviceEngine::new(cfg.clone(), &old, config.clone()).expect("engine");
-        let names: Vec<String> = engine.weights.tensors().keys().cloned().collect();
+        let names: Vec<String> = weights_of(&engine).tensors().keys().cloned().collect();
         let stop = &names[names.len() / 2];
         let mut cut = new.clone();
         cut.remove(stop).expect("present");
-        let (at, _) = overwrite(&engine.weights, &Weights::from_map(cut)).expect_err("stops");
+        let (at, _) = overwrite(weights_of(&engine), &Weights::from_map(cut)).expect_err("stops");
         assert_eq!(&at, stop);
-        for (name, t) in engine.weights.tensors() {
+        for (name, t) in weights_of(&engine).tensors() {
             let source = if name < stop { &new[name] } else { &old[name] };
             assert_eq!(bits(t), bits(source), "{name}");
         }

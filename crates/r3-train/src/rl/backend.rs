@@ -142,6 +142,17 @@ impl Backend {
         self.fleet().and_then(|f| f.ahead.as_ref())
     }
 
+    /// Lets the in-process device engine's weights go before an update (they are the old
+    /// ones until [`Backend::sync`], which builds them again from the policy's): on a GPU
+    /// both engines share, the update's peak then holds no second model. The CPU engine's
+    /// and a fleet's are kept (host memory, other machines).
+    pub fn release_for_update(&mut self) -> Result<()> {
+        if let Backend::Device(engine) = self {
+            engine.release_weights()?;
+        }
+        Ok(())
+    }
+
     /// Moves the backend to the policy's current weights, as weight version `version`
     /// for a fleet; returns seconds taken. `held` is the precision the trainer keeps every
     /// weight within (checked at start, kept by the guarded update): an in-process engine

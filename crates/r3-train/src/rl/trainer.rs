@@ -319,15 +319,6 @@ impl Trainer {
             settings: update_settings(&cfg)?,
             trace,
         };
-        let updates = if cfg.rollout.async_rollout && step < self.total_steps() {
-            self.updates_drawing_ahead(ctx)
-        } else {
-            run_updates(&self.policy, &mut self.optimizer, ctx)
-        }
-        .map_err(|e| StepPhase::Update.out_of_memory_in(step, e))?;
-        let update_peak_mib = lap_peak();
-        let train_lp = data.batch.gather_responses(&updates.view.logp)?;
-        let mismatch = logp_mismatch(&train_lp, &data.rollout_lp)?;
         // Every weight was checked at start and every update is kept by the optimiser's
         // guard, so the wider of those two precisions holds them all (the rollout's, unless
         // the guard was changed) and the engine need not scan them again. This rests on the
@@ -338,6 +329,32 @@ impl Trainer {
         } else {
             self.start_precision
         };
+        // The in-process device engine's weights are the old ones until the sync: let go
+        // for the update (on a GPU both engines share, the whole model in the engine's
+        // formats), built again by the sync.
+        self.backend.release_for_update()?;
+        let updates = if cfg.rollout.async_rollout && step < self.total_steps() {
+            self.updates_drawing_ahead(ctx)
+        } else {
+            run_updates(&self.policy, &mut self.optimizer, ctx)
+        };
+        let updates = match updates {
+            Ok(updates) => updates,
+            Err(e) => {
+                // The engine gets the policy's weights back, so a caller that goes on (or
+                // evaluates) still has an engine; the update's error is the one reported.
+                if let Err(restore) =
+                    self.backend
+                        .sync(&self.policy, &self.tokenizer, self.step, held)
+                {
+                    tracing::warn!(error = %restore, "the rollout engine's weights could not be restored after a failed update");
+                }
+                return Err(StepPhase::Update.out_of_memory_in(step, e));
+            }
+        };
+        let update_peak_mib = lap_peak();
+        let train_lp = data.batch.gather_responses(&updates.view.logp)?;
+        let mismatch = logp_mismatch(&train_lp, &data.rollout_lp)?;
         let sync_s = self
             .backend
             .sync(&self.policy, &self.tokenizer, step, held)
