@@ -105,12 +105,14 @@ pack_logs() {
         && mv -f "$out/.summary.part" "$out/summary.txt"
 }
 verdict() { verdicts+=("$1=$2"); echo "== $1: $2"; pack_logs; }
-# outcome RC: a command's verdict from its exit code; `timeout`'s 124 / 137 (its limit, cut
-# to the budget left by `limit`) read as a timeout, not as a failure of what ran.
+# outcome RC: a command's verdict from its exit code; `timeout`'s 124 (its limit, cut to the
+# budget left by `limit`) reads as a timeout, not as a failure of what ran; 137 is a SIGKILL:
+# `timeout -k` after its limit, or the kernel's out-of-memory killer.
 outcome() {
     case "$1" in
         0) echo pass ;;
-        124|137) echo "TIMEOUT(at its limit or the budget's end)" ;;
+        124) echo "TIMEOUT(at its limit or the budget's end)" ;;
+        137) echo "KILLED(137: past its limit, or out of host memory)" ;;
         *) echo "FAIL($1)" ;;
     esac
 }

@@ -180,6 +180,26 @@ impl Running {
     }
 }
 
+/// What the device engine holds of its model.
+#[derive(Debug)]
+enum HeldWeights {
+    /// The model and its weights (boxed: the released state is a small map).
+    Loaded(Box<Loaded>),
+    /// Released: each weight's name and shape (experts fused), which the update that builds
+    /// the model again must bring.
+    Released(std::collections::BTreeMap<String, Vec<usize>>),
+}
+
+impl HeldWeights {
+    /// The model and weights, if loaded.
+    fn loaded(&self) -> Option<&Loaded> {
+        match self {
+            HeldWeights::Loaded(l) => Some(l),
+            HeldWeights::Released(_) => None,
+        }
+    }
+}
+
 /// The device engine's model and the weights its layers hold.
 #[derive(Debug)]
 struct Loaded {
@@ -192,9 +212,9 @@ struct Loaded {
 /// The device engine; see the module docs.
 #[derive(Debug)]
 pub struct DeviceEngine {
-    /// The model and its weights; `None` once released ([`DeviceEngine::release_weights`])
-    /// until an update brings weights back.
-    loaded: Option<Loaded>,
+    /// The model and its weights, or, once released ([`DeviceEngine::release_weights`])
+    /// until an update brings them back, the names and shapes that update must bring.
+    held: HeldWeights,
     /// The tensor a weight update stopped at, when a device failure left the weights partly
     /// written: no step runs until an update succeeds.
     torn: Option<String>,
@@ -323,7 +343,7 @@ impl DeviceEngine {
         let geo = RouteGeometry::of(&model_cfg);
         tracing::info!(device = %cfg.device, dtype = %cfg.dtype, "device rollout engine ready");
         Ok(DeviceEngine {
-            loaded: Some(Loaded { model, weights }),
+            held: HeldWeights::Loaded(Box::new(Loaded { model, weights })),
             torn: None,
             eos: config_eos_ids(&model_cfg),
             model_cfg,

@@ -12,7 +12,7 @@ use r3_model::{Config, HeldTensors, LoadOptions, Model, Precision, Weights};
 use rayon::prelude::*;
 
 use super::memory::mib;
-use super::{DeviceEngine, DeviceEngineConfig, Loaded};
+use super::{DeviceEngine, DeviceEngineConfig, HeldWeights, Loaded};
 use crate::dtype::{Dtype, RouterDtype};
 use crate::error::RolloutError;
 use crate::model::tensors::{load_dir_with, TensorMap};
@@ -62,16 +62,21 @@ impl DeviceEngine {
     /// kept; a device failure part way leaves the engine refusing to generate
     /// ([`DeviceEngine::step`]) until an update succeeds.
     fn swap_in(&mut self, tensors: &TensorMap) -> Result<u64, RolloutError> {
-        let Some(loaded) = self.loaded.as_ref() else {
-            return self.load_again(tensors);
-        };
         let source = Weights::from_map(tensors.clone()).fuse_experts(&self.model_cfg)?;
-        check_same_tensors(&loaded.weights, &source)?;
+        let shapes = match &self.held {
+            HeldWeights::Loaded(loaded) => shapes_of(&loaded.weights),
+            HeldWeights::Released(shapes) => {
+                check_same_tensors(shapes, &source)?;
+                return self.load_again(tensors);
+            }
+        };
+        check_same_tensors(&shapes, &source)?;
         self.flush_prefix_cache();
         let device = self.device.clone();
-        let Some(Loaded { model, weights }) = self.loaded.as_mut() else {
+        let HeldWeights::Loaded(loaded) = &mut self.held else {
             return Err(released());
         };
+        let Loaded { model, weights } = &mut **loaded;
         // The copies are asynchronous on a GPU: one failing shows at the wait, and the
         // routers' host copies are read once the writes are done. Only then are the weights
         // whole, at the new version.
@@ -114,20 +119,22 @@ impl DeviceEngine {
             )));
         }
         self.flush_prefix_cache();
-        self.loaded = None;
+        if let HeldWeights::Loaded(loaded) = &self.held {
+            self.held = HeldWeights::Released(shapes_of(&loaded.weights));
+        }
         Ok(())
     }
 
     /// Whether the weights are released ([`DeviceEngine::release_weights`]) and no update
     /// has brought them back.
     pub fn weights_released(&self) -> bool {
-        self.loaded.is_none()
+        matches!(self.held, HeldWeights::Released(_))
     }
 
     /// The model, or why no step can run: weights released, or torn by a failed update.
     pub(super) fn model(&self) -> Result<&Model, RolloutError> {
         self.check_weights_whole()?;
-        self.loaded.as_ref().map(|l| &l.model).ok_or_else(released)
+        self.held.loaded().map(|l| &l.model).ok_or_else(released)
     }
 
     /// Builds the model again from `tensors` after [`DeviceEngine::release_weights`] (as
@@ -137,7 +144,7 @@ impl DeviceEngine {
         let (model, weights) = build_model(&self.model_cfg, tensors, &self.cfg, &self.device)?;
         // As at the build: the uploads and casts are queued on this thread's stream.
         self.device.synchronize()?;
-        self.loaded = Some(Loaded { model, weights });
+        self.held = HeldWeights::Loaded(Box::new(Loaded { model, weights }));
         self.torn = None;
         self.version += 1;
         Ok(self.version)
@@ -146,13 +153,13 @@ impl DeviceEngine {
     /// Refuses to run a step while a failed update left the weights torn, or while they are
     /// released.
     pub(super) fn check_weights_whole(&self) -> Result<(), RolloutError> {
-        match (&self.torn, &self.loaded) {
+        match (&self.torn, &self.held) {
             (Some(name), _) => Err(RolloutError::Weights(format!(
                 "a weight update failed part way (at {name}): the engine's weights mix two \
                  versions; update them again before generating"
             ))),
-            (None, None) => Err(released()),
-            (None, Some(_)) => Ok(()),
+            (None, HeldWeights::Released(_)) => Err(released()),
+            (None, HeldWeights::Loaded(_)) => Ok(()),
         }
     }
 }
@@ -167,8 +174,8 @@ fn released() -> RolloutError {
 /// Refuses an update whose tensors (experts fused) are not the engine's: a name the engine
 /// holds and the update lacks, one the update brings and the engine does not hold (nothing
 /// would read it), or another shape. Nothing is written before this passes.
-fn check_same_tensors(held: &Weights, source: &Weights) -> Result<(), RolloutError> {
-    let (held, source) = (held.tensors(), source.tensors());
+fn check_same_tensors(held: &TensorShapes, source: &Weights) -> Result<(), RolloutError> {
+    let source = source.tensors();
     if let Some(name) = held.keys().find(|n| !source.contains_key(*n)) {
         return Err(RolloutError::Weights(format!(
             "the update lacks {name}, which the engine holds"
@@ -179,17 +186,28 @@ fn check_same_tensors(held: &Weights, source: &Weights) -> Result<(), RolloutErr
             "the update brings {name}, which this model does not have"
         )));
     }
-    for (name, t) in held {
+    for (name, dims) in held {
         let new = &source[name];
-        if new.dims() != t.dims() {
+        if new.dims() != dims.as_slice() {
             return Err(RolloutError::Weights(format!(
-                "{name}: the update's shape is {:?}, the engine's {:?}",
+                "{name}: the update's shape is {:?}, the engine's {dims:?}",
                 new.dims(),
-                t.dims()
             )));
         }
     }
     Ok(())
+}
+
+/// Each weight's name and shape.
+type TensorShapes = std::collections::BTreeMap<String, Vec<usize>>;
+
+/// The names and shapes of `weights`.
+fn shapes_of(weights: &Weights) -> TensorShapes {
+    weights
+        .tensors()
+        .iter()
+        .map(|(name, t)| (name.clone(), t.dims().to_vec()))
+        .collect()
 }
 
 /// Elements one copy writes at most: candle's CUDA `copy2d` takes 32-bit sizes, so a larger
@@ -461,7 +479,7 @@ mod tests {
 
     /// The weights of a loaded engine.
     fn weights_of(engine: &DeviceEngine) -> &Weights {
-        &engine.loaded.as_ref().expect("a loaded engine").weights
+        &engine.held.loaded().expect("a loaded engine").weights
     }
     use crate::request::GenerateRequest;
     use crate::sampler::SamplingParams;
@@ -754,7 +772,7 @@ mod tests {
             prefix_cache_bytes: 16 << 20,
             ..engine_config(Dtype::Bf16, RouterDtype::Model)
         };
-        let mut engine = DeviceEngine::new(cfg.clone(), &old, config).expect("engine");
+        let mut engine = DeviceEngine::new(cfg.clone(), &old, config.clone()).expect("engine");
         greedy(&mut engine);
         let cached = engine.prefix_cache_stats().expect("on").cached_blocks;
         assert!(cached > 0, "the prompt's blocks are cached");
@@ -787,6 +805,14 @@ mod tests {
             assert_eq!(engine.weight_version(), 0, "{what}");
             let stats = engine.prefix_cache_stats().expect("on");
             assert_eq!(stats.cached_blocks, cached, "{what}: the cache emptied");
+            // Released, the engine is built from the update: refused all the same, by the
+            // names and shapes it kept, before anything is built; it stays released.
+            let mut released = DeviceEngine::new(cfg.clone(), &old, config.clone()).expect("e");
+            released.release_weights().expect("release");
+            let e = released.update_weights(&map).expect_err(what).to_string();
+            assert!(e.contains(&says), "{what}, released: {e}");
+            assert!(released.weights_released(), "{what}");
+            assert_eq!(released.weight_version(), 0, "{what}");
         }
     }
 

@@ -58,15 +58,23 @@ pub fn rollout_dtype(text: &str) -> Result<Dtype> {
 /// set them.
 pub fn engine_config(cfg: &TrainConfig) -> Result<EngineConfig> {
     let r = &cfg.rollout;
+    // `validate` bounds each budget; a config built without it still gets no wrapped count.
+    let bytes = |field: &'static str, mib: usize| {
+        mib.checked_mul(1 << 20)
+            .ok_or_else(|| TrainError::InvalidConfig {
+                field,
+                reason: format!("{mib} MiB is past a byte count this machine can hold"),
+            })
+    };
     Ok(EngineConfig {
         dtype: rollout_dtype(&r.dtype)?,
         router_dtype: rollout_router_dtype(&r.router_dtype)?,
         kv_cache_dtype: r.kv_cache_dtype.parse().map_err(TrainError::Rollout)?,
         max_running: r.max_running,
-        kv_cache_bytes: r.kv_cache_mib << 20,
-        activation_bytes: r.activation_mib << 20,
+        kv_cache_bytes: bytes("rollout.kv_cache_mib", r.kv_cache_mib)?,
+        activation_bytes: bytes("rollout.activation_mib", r.activation_mib)?,
         prefix_cache: r.prefix_cache_mib > 0,
-        prefix_cache_bytes: r.prefix_cache_mib << 20,
+        prefix_cache_bytes: bytes("rollout.prefix_cache_mib", r.prefix_cache_mib)?,
         ..EngineConfig::default()
     })
 }
@@ -142,15 +150,19 @@ impl Backend {
         self.fleet().and_then(|f| f.ahead.as_ref())
     }
 
-    /// Lets the in-process device engine's weights go before an update (they are the old
-    /// ones until [`Backend::sync`], which builds them again from the policy's): on a GPU
-    /// both engines share, the update's peak then holds no second model. The CPU engine's
-    /// and a fleet's are kept (host memory, other machines).
-    pub fn release_for_update(&mut self) -> Result<()> {
-        if let Backend::Device(engine) = self {
-            engine.release_weights()?;
+    /// Lets the in-process device engine's weights go before an update when the engine
+    /// shares the policy's device (they are the old ones until [`Backend::sync`], which
+    /// builds them again from the policy's): on a GPU both engines share, the update's peak
+    /// then holds no second model. An engine on another device, the CPU engine and a fleet
+    /// keep theirs (the update does not use that memory). Returns whether it let them go.
+    pub fn release_for_update(&mut self, policy: &TrainablePolicy) -> Result<bool> {
+        match self {
+            Backend::Device(engine) if engine.device().same_device(&policy.device()) => {
+                engine.release_weights()?;
+                Ok(true)
+            }
+            _ => Ok(false),
         }
-        Ok(())
     }
 
     /// Moves the backend to the policy's current weights, as weight version `version`
@@ -347,6 +359,15 @@ mod tests {
             };
             assert_eq!(got, (7, 96 << 20, 64 << 20, false), "{device}");
         }
+        let mut cfg = TrainConfig::default();
+        cfg.rollout.prefix_cache_mib = 3;
+        let set = engine_config(&cfg).expect("set");
+        assert_eq!((set.prefix_cache, set.prefix_cache_bytes), (true, 3 << 20));
+        cfg.rollout.kv_cache_mib = usize::MAX / 1024;
+        let Err(e) = engine_config(&cfg) else {
+            panic!("a wrapped KV budget accepted");
+        };
+        assert!(e.to_string().contains("rollout.kv_cache_mib"), "{e}");
     }
 
     #[test]

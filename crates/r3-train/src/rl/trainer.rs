@@ -330,9 +330,9 @@ impl Trainer {
             self.start_precision
         };
         // The in-process device engine's weights are the old ones until the sync: let go
-        // for the update (on a GPU both engines share, the whole model in the engine's
-        // formats), built again by the sync.
-        self.backend.release_for_update()?;
+        // for the update where the engine shares the policy's device (on a GPU, the whole
+        // model in the engine's formats), built again by the sync.
+        let released = self.backend.release_for_update(&self.policy)?;
         let updates = if cfg.rollout.async_rollout && step < self.total_steps() {
             self.updates_drawing_ahead(ctx)
         } else {
@@ -341,25 +341,31 @@ impl Trainer {
         let updates = match updates {
             Ok(updates) => updates,
             Err(e) => {
-                // The engine gets the policy's weights back, so a caller that goes on (or
-                // evaluates) still has an engine; the update's error is the one reported.
-                if let Err(restore) =
-                    self.backend
-                        .sync(&self.policy, &self.tokenizer, self.step, held)
-                {
-                    tracing::warn!(error = %restore, "the rollout engine's weights could not be restored after a failed update");
+                // A released engine is built again from the policy's weights as they are
+                // now (a failed update may have committed some of its mini-batches), so a
+                // caller that goes on (or evaluates) still has an engine; the update's error
+                // is the one reported. An engine that kept its weights is left as it is.
+                if released {
+                    if let Err(restore) =
+                        self.backend
+                            .sync(&self.policy, &self.tokenizer, self.step, held)
+                    {
+                        tracing::warn!(error = %restore, "the rollout engine's weights could not be built again after a failed update");
+                    }
                 }
                 return Err(StepPhase::Update.out_of_memory_in(step, e));
             }
         };
         let update_peak_mib = lap_peak();
-        let train_lp = data.batch.gather_responses(&updates.view.logp)?;
-        let mismatch = logp_mismatch(&train_lp, &data.rollout_lp)?;
+        // The sync straight after the update: nothing between may leave a released engine
+        // without weights.
         let sync_s = self
             .backend
             .sync(&self.policy, &self.tokenizer, step, held)
             .map_err(|e| StepPhase::WeightSync.out_of_memory_in(step, e))?;
         let sync_peak_mib = lap_peak();
+        let train_lp = data.batch.gather_responses(&updates.view.logp)?;
+        let mismatch = logp_mismatch(&train_lp, &data.rollout_lp)?;
         self.step = step;
         let mut metrics = finish_metrics(step, &cfg, &data, &updates, mismatch.as_ref(), sync_s);
         if peaks_known {
