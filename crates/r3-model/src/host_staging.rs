@@ -50,9 +50,31 @@ impl HostStaging {
     }
 }
 
-/// The page-locked buffer in `slot`, reallocated when it holds fewer than `n` values (to
-/// `n` with a quarter to spare, so a batch growing a few rows at a time does not reallocate
-/// at every step).
+/// Values of page-locked memory a staging buffer keeps between copies whatever the copies
+/// before needed (64 Mi f32, 256 MiB: a decode step's sampled rows at batch 256 of a
+/// 151,936-token vocabulary are 39 M). A larger buffer (a prefill's prompt log-probs: up to
+/// ≈ 2.7 GiB under the default activation budget) is given back at the next copy that needs
+/// less, where it had stayed pinned for the process's life.
+pub const KEEP_PINNED_VALUES: usize = 64 << 20;
+
+/// Whether a staging buffer of `held` values (none: `None`) is replaced for a copy of `n`:
+/// when it is too small, or when it is past [`KEEP_PINNED_VALUES`] and more than twice what
+/// the copy needs.
+pub fn replaces_buffer(held: Option<usize>, n: usize) -> bool {
+    match held {
+        None => true,
+        Some(len) => len < n.max(1) || (len > KEEP_PINNED_VALUES && len > 2 * n.max(1)),
+    }
+}
+
+/// The length a replacing buffer is allocated at for a copy of `n` values: `n` with a
+/// quarter to spare (a batch growing a few rows at a time does not reallocate at every
+/// step).
+pub fn buffer_len_for(n: usize) -> usize {
+    n.max(1).saturating_add(n / 4)
+}
+
+/// The page-locked buffer in `slot`, reallocated when [`replaces_buffer`] says so.
 #[cfg(feature = "cuda")]
 fn pinned_of_len<'a>(
     slot: &'a mut Option<candle_core::cuda_backend::cudarc::driver::PinnedHostSlice<f32>>,
@@ -60,10 +82,10 @@ fn pinned_of_len<'a>(
     n: usize,
 ) -> Result<&'a mut candle_core::cuda_backend::cudarc::driver::PinnedHostSlice<f32>> {
     use crate::error::ModelError;
-    if slot.as_ref().is_none_or(|p| p.len() < n.max(1)) {
-        // Free the old buffer before taking a bigger one.
+    if replaces_buffer(slot.as_ref().map(|p| p.len()), n) {
+        // Free the old buffer before taking another.
         *slot = None;
-        let len = n.max(1).saturating_add(n / 4);
+        let len = buffer_len_for(n);
         // SAFETY: the values are unset until a copy writes them, and only the `n` a copy
         // wrote are read. No flags: cudarc's default (`alloc_pinned`) is write-combined
         // memory, fast for the device to read but uncached for the host, which reads these.
@@ -170,5 +192,25 @@ mod tests {
             let t16 = t.to_dtype(DType::BF16).expect("bf16");
             assert_eq!(staging.copy_f32(&t16).expect("bf16"), rounded.as_slice());
         }
+    }
+
+    /// By hand: no buffer or a short one is replaced; one past the keep size and more than
+    /// twice the copy is given back; one within twice the copy, or under the keep size, is
+    /// kept; the new length has a quarter to spare.
+    #[test]
+    fn buffers_are_replaced_when_short_or_far_past_the_keep_size() {
+        assert!(replaces_buffer(None, 10));
+        assert!(replaces_buffer(Some(9), 10));
+        assert!(!replaces_buffer(Some(10), 10));
+        // Under the keep size: kept however small the copy.
+        assert!(!replaces_buffer(Some(KEEP_PINNED_VALUES), 1));
+        // Past it: kept while the copy needs half of it, given back below that.
+        let big = 4 * KEEP_PINNED_VALUES;
+        assert!(!replaces_buffer(Some(big), big / 2));
+        assert!(replaces_buffer(Some(big), big / 2 - 1));
+        assert!(replaces_buffer(Some(big), 0));
+        assert_eq!(buffer_len_for(0), 1);
+        assert_eq!(buffer_len_for(100), 125);
+        assert_eq!(KEEP_PINNED_VALUES, 67_108_864);
     }
 }
