@@ -945,6 +945,25 @@ fn an_aborted_request_resumes_into_the_uninterrupted_one() {
     }
 }
 
+/// Variables over `map`'s values times `scale`, on the engine's device, as a trainer holds
+/// them, and the name → tensor map a trainer's sync hands over (their values, detached).
+fn trainer_vars(map: &TensorMap, scale: f64) -> (Vec<(String, candle_core::Var)>, TensorMap) {
+    let device = DEVICE.open().expect("device");
+    let vars: Vec<(String, candle_core::Var)> = map
+        .iter()
+        .map(|(name, t)| {
+            let t = (t.to_device(&device).expect("to device") * scale).expect("scale");
+            let var = candle_core::Var::from_tensor(&t).expect("var");
+            (name.clone(), var)
+        })
+        .collect();
+    let trainer_map = vars
+        .iter()
+        .map(|(name, v)| (name.clone(), v.as_tensor().detach()))
+        .collect();
+    (vars, trainer_map)
+}
+
 /// The engine keeps its own copy of what it loads: a trainer's variables written in place
 /// after a sync (as its optimiser does) leave the engine's weights, and so its generation
 /// and log-probs, those of the version it loaded, until the next sync.
@@ -953,21 +972,7 @@ fn weights_written_in_place_after_a_sync_do_not_reach_the_engine() {
     let cfg = tiny_config("qwen3_moe");
     let map = tiny_weights(&cfg, 5, DType::F32).into_map();
     // Variables over the map's values, on the engine's device, as a trainer holds them.
-    let device = DEVICE.open().expect("device");
-    let vars: Vec<(String, candle_core::Var)> = map
-        .iter()
-        .map(|(name, t)| {
-            let t = t.to_device(&device).expect("to device");
-            (
-                name.clone(),
-                candle_core::Var::from_tensor(&t).expect("var"),
-            )
-        })
-        .collect();
-    let trainer_map: TensorMap = vars
-        .iter()
-        .map(|(name, v)| (name.clone(), v.as_tensor().detach()))
-        .collect();
+    let (vars, trainer_map) = trainer_vars(&map, 1.0);
     let mut dev = DeviceEngine::new(cfg.clone(), &map, device_config()).expect("device");
     dev.update_weights(&trainer_map).expect("sync");
     let prompt = sequences(&[8], cfg.vocab_size, 2).remove(0);
@@ -996,21 +1001,7 @@ fn weights_written_in_place_after_a_sync_do_not_reach_the_engine() {
 fn released_weights_are_built_again_by_the_next_update() {
     let cfg = tiny_config("qwen3_moe");
     let map = tiny_weights(&cfg, 5, DType::F32).into_map();
-    let device = DEVICE.open().expect("device");
-    let vars: Vec<(String, candle_core::Var)> = map
-        .iter()
-        .map(|(name, t)| {
-            let t = (t.to_device(&device).expect("to device") * 1.5).expect("scale");
-            (
-                name.clone(),
-                candle_core::Var::from_tensor(&t).expect("var"),
-            )
-        })
-        .collect();
-    let trainer_map: TensorMap = vars
-        .iter()
-        .map(|(name, v)| (name.clone(), v.as_tensor().detach()))
-        .collect();
+    let (vars, trainer_map) = trainer_vars(&map, 1.5);
     let prompt = sequences(&[8], cfg.vocab_size, 2).remove(0);
     let req = GenerateRequest::new(prompt, SamplingParams::greedy(6));
     let mut fresh =

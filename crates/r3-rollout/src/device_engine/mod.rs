@@ -50,7 +50,6 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
-use r3_model::launch_shape::SAMPLE_ROWS_MAX_COLUMNS;
 use r3_model::model::decode::{KvCache, Step, StepRouting};
 use r3_model::{check_map_holds, Config, DeviceSpec, HostStaging, LoadOptions, Model, Weights};
 use r3_routing::RouteTable;
@@ -60,10 +59,7 @@ pub use routing::RoutingPlace;
 
 use crate::dtype::{Dtype, RouterDtype};
 use crate::engine::config_eos_ids;
-use crate::engine::next_token::{
-    drawn_pick_suffices, greedy_pick_suffices, sample_slots, NextTokenLogits, NextTokenSlot,
-    RowPick,
-};
+use crate::engine::next_token::{sample_slots, NextTokenLogits, NextTokenSlot};
 use crate::engine::sequence::{ResumeState, RouteGeometry};
 use crate::error::RolloutError;
 use crate::kernels::ops::log_softmax_at;
@@ -74,7 +70,7 @@ use crate::request::{
 };
 use crate::sampler::top_logprobs;
 use batch::{capture_routes, decode_layout, gap_order, prefill_layout, Row};
-use picks::{drawn_picks, greedy_picks, PickWay};
+use picks::{device_picks, PickWay};
 use prefix::DeviceBlock;
 use weights::{build_model, check_budgets_fit};
 
@@ -674,50 +670,23 @@ impl DeviceEngine {
             .iter()
             .map(|r| {
                 let generated = r.tokens.len() - r.prompt_len;
-                if all_logits {
-                    PickWay::Host
-                } else if greedy_pick_suffices(&r.request.sampling, generated) {
-                    PickWay::Greedy
-                } else if vocab <= SAMPLE_ROWS_MAX_COLUMNS
-                    && drawn_pick_suffices(&r.request.sampling, generated, vocab)
-                {
-                    PickWay::Drawn
-                } else {
-                    PickWay::Host
-                }
+                PickWay::of(&r.request.sampling, generated, vocab, all_logits)
             })
             .collect();
-        let mut picks: Vec<Option<RowPick>> = vec![None; rows];
-        if ways.iter().any(|w| *w != PickWay::Host) {
+        let picks = if ways.iter().all(|w| *w == PickWay::Host) {
+            vec![None; rows]
+        } else {
             // Sampling reads each row's last slot (the only one without prompt log-probs).
             let last = out
                 .logits
                 .narrow(1, slots_per_row.saturating_sub(1), 1)?
                 .reshape((rows, vocab))?;
-            if ways.contains(&PickWay::Greedy) {
-                for ((pick, way), greedy) in picks.iter_mut().zip(&ways).zip(greedy_picks(&last)?) {
-                    if *way == PickWay::Greedy {
-                        *pick = greedy;
-                    }
-                }
-            }
-            if ways.contains(&PickWay::Drawn) {
-                let streams: Vec<Option<(&mut ChaCha8Rng, f32)>> = batch
-                    .rows
-                    .iter_mut()
-                    .zip(&ways)
-                    .map(|(r, way)| {
-                        (*way == PickWay::Drawn)
-                            .then_some((&mut r.rng, r.request.sampling.temperature))
-                    })
-                    .collect();
-                for (pick, drawn) in picks.iter_mut().zip(drawn_picks(&last, streams)?) {
-                    if drawn.is_some() {
-                        *pick = drawn;
-                    }
-                }
-            }
-        }
+            let streams = batch
+                .rows
+                .iter_mut()
+                .map(|r| (&mut r.rng, r.request.sampling.temperature));
+            device_picks(&last, &ways, streams)?
+        };
         let copied: Vec<u32> = (0..rows as u32)
             .filter(|&i| picks[i as usize].is_none())
             .collect();

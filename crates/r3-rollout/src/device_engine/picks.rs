@@ -23,9 +23,11 @@ use r3_model::sample_rows::{sample_rows, RowDraw};
 
 use rand_chacha::ChaCha8Rng;
 
-use crate::engine::next_token::RowPick;
+use r3_model::launch_shape::SAMPLE_ROWS_MAX_COLUMNS;
+
+use crate::engine::next_token::{drawn_pick_suffices, greedy_pick_suffices, RowPick};
 use crate::error::RolloutError;
-use crate::sampler::full_vocabulary_draw;
+use crate::sampler::{full_vocabulary_draw, SamplingParams};
 
 /// Where a row's next token is chosen this step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,6 +38,54 @@ pub enum PickWay {
     Drawn,
     /// The host's sampler, from the copied row.
     Host,
+}
+
+impl PickWay {
+    /// Where the next token of a row sampled by `params` with `generated` output tokens so
+    /// far is chosen over `vocab` columns; `all_logits`: the step copies every row to the
+    /// host anyway (prompt log-probs).
+    pub fn of(params: &SamplingParams, generated: usize, vocab: usize, all_logits: bool) -> Self {
+        if all_logits {
+            PickWay::Host
+        } else if greedy_pick_suffices(params, generated) {
+            PickWay::Greedy
+        } else if vocab <= SAMPLE_ROWS_MAX_COLUMNS && drawn_pick_suffices(params, generated, vocab)
+        {
+            PickWay::Drawn
+        } else {
+            PickWay::Host
+        }
+    }
+}
+
+/// Each row's pick made where `logits` (`[rows, vocab]`, each row's last slot) live, as
+/// `ways` says ([`greedy_picks`], [`drawn_picks`] with `streams`: each row's seeded stream
+/// and temperature); `None` where the host samples the row from its copied logits.
+pub fn device_picks<'a>(
+    logits: &Tensor,
+    ways: &[PickWay],
+    streams: impl Iterator<Item = (&'a mut ChaCha8Rng, f32)>,
+) -> Result<Vec<Option<RowPick>>, RolloutError> {
+    let mut picks: Vec<Option<RowPick>> = vec![None; ways.len()];
+    if ways.contains(&PickWay::Greedy) {
+        for ((pick, way), greedy) in picks.iter_mut().zip(ways).zip(greedy_picks(logits)?) {
+            if *way == PickWay::Greedy {
+                *pick = greedy;
+            }
+        }
+    }
+    if ways.contains(&PickWay::Drawn) {
+        let drawn_streams = streams
+            .zip(ways)
+            .map(|(stream, way)| (*way == PickWay::Drawn).then_some(stream))
+            .collect();
+        for (pick, drawn) in picks.iter_mut().zip(drawn_picks(logits, drawn_streams)?) {
+            if drawn.is_some() {
+                *pick = drawn;
+            }
+        }
+    }
+    Ok(picks)
 }
 
 /// Per row of `logits` (`[rows, vocab]`, any float dtype, on any device): its greedy pick,
@@ -83,31 +133,30 @@ pub fn drawn_picks(
     if rows == 0 {
         return Ok(Vec::new());
     }
-    let mut drawn_streams: Vec<Option<ChaCha8Rng>> = Vec::with_capacity(rows);
-    let mut draws: Vec<Option<RowDraw>> = Vec::with_capacity(rows);
-    for stream in &streams {
-        let Some((rng, temperature)) = stream else {
-            drawn_streams.push(None);
-            draws.push(None);
-            continue;
-        };
-        let mut drawn = (**rng).clone();
-        draws.push(Some(RowDraw {
-            uniform: full_vocabulary_draw(&mut drawn),
-            inv_temperature: 1.0 / temperature,
-        }));
-        drawn_streams.push(Some(drawn));
-    }
+    // Each row's draw, and its stream as the draw leaves it.
+    let drawn_by: Vec<Option<(RowDraw, ChaCha8Rng)>> = streams
+        .iter()
+        .map(|stream| {
+            let (rng, temperature) = stream.as_ref()?;
+            let mut advanced = (**rng).clone();
+            let draw = RowDraw {
+                uniform: full_vocabulary_draw(&mut advanced),
+                inv_temperature: 1.0 / temperature,
+            };
+            Some((draw, advanced))
+        })
+        .collect();
+    let draws: Vec<Option<RowDraw>> = drawn_by.iter().map(|d| d.as_ref().map(|d| d.0)).collect();
     let drawn = sample_rows(logits, &draws)?
         .to_device(&Device::Cpu)?
         .to_vec2::<f32>()?;
     let mut picks = Vec::with_capacity(rows);
-    for ((row, stream), advanced) in drawn.into_iter().zip(streams).zip(drawn_streams) {
+    for ((row, stream), by) in drawn.into_iter().zip(streams).zip(drawn_by) {
         let pick = (row[0] < vocab as f32 && row[1].is_finite()).then_some(RowPick {
             token: row[0] as u32,
             logprob: row[1],
         });
-        if let (Some(_), Some((rng, _)), Some(advanced)) = (pick, stream, advanced) {
+        if let (Some(_), Some((rng, _)), Some((_, advanced))) = (pick, stream, by) {
             *rng = advanced;
         }
         picks.push(pick);

@@ -247,13 +247,18 @@ impl Generate for DeviceEngine {
 mod tests {
     use super::*;
 
+    /// The shipped arithmetic model as a policy, with its tokenizer.
+    fn arith_policy() -> (TrainablePolicy, ModelText) {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/arith-moe");
+        let policy = TrainablePolicy::load(&dir).expect("policy");
+        let tokenizer = ModelText::from_model_dir(&dir).expect("tok");
+        (policy, tokenizer)
+    }
+
     #[test]
     fn the_default_config_builds_the_in_process_engine() {
         let cfg = TrainConfig::default();
-        let policy_dir =
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/arith-moe");
-        let policy = TrainablePolicy::load(&policy_dir).expect("policy");
-        let tokenizer = ModelText::from_model_dir(&policy_dir).expect("tok");
+        let (policy, tokenizer) = arith_policy();
         let mut backend = Backend::connect(&cfg, &policy, &tokenizer, 0).expect("connect");
         assert!(backend.fleet().is_none());
         assert!(backend.engine_mut().is_some());
@@ -267,10 +272,7 @@ mod tests {
     fn the_device_engines_prefix_cache_is_let_go_after_a_call() {
         let mut cfg = TrainConfig::default();
         cfg.rollout.device = "cpu-candle".into();
-        let policy_dir =
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/arith-moe");
-        let policy = TrainablePolicy::load(&policy_dir).expect("policy");
-        let tokenizer = ModelText::from_model_dir(&policy_dir).expect("tok");
+        let (policy, tokenizer) = arith_policy();
         let mut backend = Backend::connect(&cfg, &policy, &tokenizer, 0).expect("connect");
         // Four samples of one 40-token prompt: its two full 16-token blocks are computed
         // once and hit by the others.
@@ -324,10 +326,7 @@ mod tests {
                 engine.prefix_cache_bytes
             )
         );
-        let policy_dir =
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/arith-moe");
-        let policy = TrainablePolicy::load(&policy_dir).expect("policy");
-        let tokenizer = ModelText::from_model_dir(&policy_dir).expect("tok");
+        let (policy, tokenizer) = arith_policy();
         for device in ["cpu", "cpu-candle"] {
             let mut cfg = TrainConfig::default();
             cfg.rollout.device = device.into();
@@ -374,10 +373,7 @@ mod tests {
     fn rollout_device_cpu_candle_builds_the_device_engine_and_syncs_it() {
         let mut cfg = TrainConfig::default();
         cfg.rollout.device = "cpu-candle".into();
-        let policy_dir =
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/arith-moe");
-        let policy = TrainablePolicy::load(&policy_dir).expect("policy");
-        let tokenizer = ModelText::from_model_dir(&policy_dir).expect("tok");
+        let (policy, tokenizer) = arith_policy();
         let mut backend = Backend::connect(&cfg, &policy, &tokenizer, 0).expect("connect");
         assert!(matches!(backend, Backend::Device(_)));
         assert!(backend.engine_mut().is_none() && backend.fleet().is_none());
