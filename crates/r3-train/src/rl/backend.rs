@@ -153,8 +153,10 @@ impl Backend {
     /// Lets the in-process device engine's weights go before an update when the engine
     /// shares the policy's device (they are the old ones until [`Backend::sync`], which
     /// builds them again from the policy's): on a GPU both engines share, the update's peak
-    /// then holds no second model. An engine on another device, the CPU engine and a fleet
-    /// keep theirs (the update does not use that memory). Returns whether it let them go.
+    /// then holds no second model, nor the prefix cache (its blocks are the old weights'; a
+    /// GRPO group's samples hit it within their call). An engine on another device, the CPU
+    /// engine and a fleet keep theirs (the update does not use that memory). Returns whether
+    /// it let them go.
     pub fn release_for_update(&mut self, policy: &TrainablePolicy) -> Result<bool> {
         match self {
             Backend::Device(engine) if engine.device().same_device(&policy.device()) => {
@@ -196,16 +198,7 @@ impl Generate for Backend {
     fn generate_batch(&mut self, requests: Vec<GenerateRequest>) -> Result<Vec<GenerateResult>> {
         match self {
             Backend::Engine(engine) => engine.generate_batch(requests),
-            Backend::Device(engine) => {
-                let results = engine.generate_batch(requests);
-                // A call's prefix hits are its own (a GRPO group's samples share their
-                // prompt within it); the next call comes after an update, whose sync flushes
-                // the cache, or is an evaluation of other prompts. Held until the sync, the
-                // cache (up to rollout.prefix_cache_mib) stood through the whole update on
-                // the GPU the trainer shares.
-                engine.flush_prefix_cache();
-                results
-            }
+            Backend::Device(engine) => engine.generate_batch(requests),
             Backend::Fleet(fleet) => fleet.generate_batch(requests),
         }
     }
@@ -265,11 +258,11 @@ mod tests {
         assert!(backend.ahead().is_none());
     }
 
-    /// The device engine's prefix cache is emptied once a call's rollouts are generated (it
-    /// held their blocks until the weight sync, through the update): a group of samples
-    /// sharing a prompt still hits it within the call.
+    /// The device engine's prefix cache is emptied when its weights are let go for the
+    /// update (it held the rollouts' blocks until the weight sync, through the update): a
+    /// group of samples sharing a prompt still hits it within the call.
     #[test]
-    fn the_device_engines_prefix_cache_is_let_go_after_a_call() {
+    fn the_device_engines_prefix_cache_is_let_go_for_the_update() {
         let mut cfg = TrainConfig::default();
         cfg.rollout.device = "cpu-candle".into();
         let (policy, tokenizer) = arith_policy();
@@ -291,6 +284,7 @@ mod tests {
             .collect();
         let results = backend.generate_batch(requests).expect("generate");
         assert_eq!(results.len(), 4);
+        assert!(backend.release_for_update(&policy).expect("release"));
         let Backend::Device(engine) = &backend else {
             panic!("not the device engine");
         };
