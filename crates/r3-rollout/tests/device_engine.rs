@@ -19,20 +19,17 @@ mod model_common;
 use std::path::PathBuf;
 
 use candle_core::DType;
-use common::{differing_cells, ids, max_abs_diff, mixed_sampling, MODELS};
+use common::{
+    assert_same_extras, cpu_engine_over, differing_cells, ids, max_abs_diff, mixed_sampling,
+    DEVICE, MODELS,
+};
 use model_common::{sequences, tiny_config, tiny_weights, FAMILIES};
-use r3_model::{Config, DeviceSpec};
+use r3_model::Config;
 use r3_rollout::device_engine::memory::{step_activation_bytes, StepShape};
 use r3_rollout::{
     DeviceEngine, DeviceEngineConfig, Dtype, Engine, EngineConfig, GenerateRequest, GenerateResult,
     RoutingPlace, SamplingParams, TensorMap,
 };
-
-/// Where the device engine runs in this build.
-#[cfg(not(feature = "cuda"))]
-const DEVICE: DeviceSpec = DeviceSpec::Cpu;
-#[cfg(feature = "cuda")]
-const DEVICE: DeviceSpec = DeviceSpec::Cuda { ordinal: 0 };
 
 /// How far the device engine's log-probs may be from the CPU engine's (f32): composed
 /// candle ops against the CPU engine's own kernels, and on a GPU cuBLAS and CUDA kernels.
@@ -156,17 +153,7 @@ fn the_hosts_waits_for_the_device_are_counted_within_the_wall_time() {
 
 /// A CPU engine and a device engine over the same tensors.
 fn both(cfg: &Config, map: &TensorMap) -> (Engine, DeviceEngine) {
-    let cpu = Engine::new(
-        cfg.clone(),
-        map,
-        EngineConfig {
-            dtype: Dtype::F32,
-            prefix_cache: false,
-            kv_cache_bytes: 64 << 20,
-            ..EngineConfig::default()
-        },
-    )
-    .expect("cpu engine");
+    let cpu = cpu_engine_over(cfg, map);
     let dev = DeviceEngine::new(cfg.clone(), map, device_config()).expect("device");
     (cpu, dev)
 }
@@ -671,20 +658,7 @@ fn requests_admitted_mid_batch_equal_them_alone() {
             let what = format!("{family} request {i}");
             assert_same(&what, g, a, BATCH_TOL);
             assert_eq!(g.output_ids.len(), new_tokens[i], "{what}: length");
-            let tops = |r: &GenerateResult| -> Vec<Vec<u32>> {
-                let ids = |row: &Vec<(u32, f32)>| row.iter().map(|e| e.0).collect();
-                r.output_top_logprobs.iter().map(ids).collect()
-            };
-            assert_eq!(tops(g), tops(a), "{what}: top log-prob ids");
-            match (&g.prompt_logprobs, &a.prompt_logprobs) {
-                (Some(x), Some(y)) => {
-                    assert_eq!(x.start, y.start, "{what}");
-                    let d = max_abs_diff(&x.logprobs, &y.logprobs);
-                    assert!(d <= BATCH_TOL, "{what}: prompt log-probs differ by {d}");
-                }
-                (None, None) => {}
-                _ => panic!("{what}: prompt log-probs only on one side"),
-            }
+            assert_same_extras(&what, g, a, BATCH_TOL);
         }
     }
 }

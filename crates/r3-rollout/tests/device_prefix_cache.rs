@@ -23,20 +23,14 @@ mod common;
 mod model_common;
 
 use candle_core::DType;
-use common::{differing_cells, max_abs_diff, mixed_sampling};
+use common::{differing_cells, max_abs_diff, mixed_sampling, DEVICE};
 use model_common::{sequences, tiny_config, tiny_weights};
-use r3_model::{Config, DeviceSpec};
+use r3_model::Config;
 use r3_rollout::{
     DeviceEngine, DeviceEngineConfig, Dtype, Engine, EngineConfig, GenerateRequest, GenerateResult,
     MergePolicy, RoutingPlace, SamplingParams, TensorMap,
 };
 use r3_routing::RouteTable;
-
-/// Where the device engine runs in this build.
-#[cfg(not(feature = "cuda"))]
-const DEVICE: DeviceSpec = DeviceSpec::Cpu;
-#[cfg(feature = "cuda")]
-const DEVICE: DeviceSpec = DeviceSpec::Cuda { ordinal: 0 };
 
 /// How far a request's log-probs with the cache on may be from the same request's with it
 /// off (module docs).

@@ -32,10 +32,11 @@ pub async fn health(State(state): State<AppState>) -> Result<Json<Value>, ApiErr
 }
 
 /// `GET /health_generate`: generates one token through the engine (200 when it works).
-/// While generation is paused it answers from the worker's liveness, as a paused engine
-/// cannot generate.
+/// While generation is paused or memory is released it answers from the worker's liveness,
+/// as the engine cannot generate then.
 pub async fn health_generate(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
-    if state.handle().stats().paused {
+    let stats = state.handle().stats();
+    if stats.paused || !stats.memory_released.is_empty() {
         return health(State(state)).await;
     }
     let job = Job {

@@ -47,6 +47,87 @@ impl ModelSummary {
     }
 }
 
+/// Regions of the engine's memory that `/release_memory_occupation` lets go and
+/// `/resume_memory_occupation` takes back (SGLang's tags).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoryRegions {
+    /// The model's weights (`weights`).
+    pub weights: bool,
+    /// The KV cache (`kv_cache`): the prefix cache's blocks; no request runs meanwhile.
+    pub kv_cache: bool,
+    /// Captured CUDA graphs (`cuda_graph`): r3 captures none, so there is nothing to let go.
+    pub cuda_graph: bool,
+}
+
+impl MemoryRegions {
+    /// The tags clients name, in SGLang's spelling.
+    pub const TAGS: [&'static str; 3] = ["kv_cache", "weights", "cuda_graph"];
+
+    /// Every region.
+    pub const ALL: MemoryRegions = MemoryRegions {
+        weights: true,
+        kv_cache: true,
+        cuda_graph: true,
+    };
+
+    /// The regions `tags` name; none or an empty list is every region (as SGLang). An
+    /// unknown tag is refused, naming it and the known ones.
+    pub fn from_tags(tags: Option<&[String]>) -> Result<Self, String> {
+        let Some(tags) = tags.filter(|t| !t.is_empty()) else {
+            return Ok(MemoryRegions::ALL);
+        };
+        let mut regions = MemoryRegions::default();
+        for tag in tags {
+            let flag = match tag.as_str() {
+                "weights" => &mut regions.weights,
+                "kv_cache" => &mut regions.kv_cache,
+                "cuda_graph" => &mut regions.cuda_graph,
+                other => {
+                    return Err(format!(
+                        "tag {other:?} is not one of {}",
+                        MemoryRegions::TAGS.join(", ")
+                    ))
+                }
+            };
+            *flag = true;
+        }
+        Ok(regions)
+    }
+
+    /// The tags of the regions held, in [`MemoryRegions::TAGS`]' order.
+    pub fn tags(self) -> Vec<&'static str> {
+        let held = [self.kv_cache, self.weights, self.cuda_graph];
+        MemoryRegions::TAGS
+            .into_iter()
+            .zip(held)
+            .filter_map(|(tag, on)| on.then_some(tag))
+            .collect()
+    }
+
+    /// Whether no region is held.
+    pub fn is_empty(self) -> bool {
+        self.tags().is_empty()
+    }
+
+    /// The regions of either.
+    pub fn union(self, other: MemoryRegions) -> MemoryRegions {
+        MemoryRegions {
+            weights: self.weights || other.weights,
+            kv_cache: self.kv_cache || other.kv_cache,
+            cuda_graph: self.cuda_graph || other.cuda_graph,
+        }
+    }
+
+    /// The regions of `self` that `other` does not hold.
+    pub fn without(self, other: MemoryRegions) -> MemoryRegions {
+        MemoryRegions {
+            weights: self.weights && !other.weights,
+            kv_cache: self.kv_cache && !other.kv_cache,
+            cuda_graph: self.cuda_graph && !other.cuda_graph,
+        }
+    }
+}
+
 /// New weights on their way to the engine worker: the checked directory, and the weights
 /// already built from it when the backend has a [`WeightStager`].
 #[derive(Debug)]
@@ -102,9 +183,25 @@ pub trait InferenceBackend: Send + 'static {
     }
     /// Sends every running request back to the queue, releasing its KV; it is re-prefilled
     /// when next admitted (`/pause_generation` mode `retract`). Returns how many. A backend
-    /// without it keeps its requests where they are.
-    fn retract_all(&mut self) -> usize {
-        0
+    /// without it keeps its requests where they are. An error names the requests it
+    /// dropped, as a failed step's does.
+    fn retract_all(&mut self) -> Result<usize, RolloutError> {
+        Ok(0)
+    }
+    /// Lets go of the memory `regions` hold (the worker has checked that no request runs
+    /// and runs no step until they are taken back); returns the device's free bytes after,
+    /// where the backend has a device. By default the prefix cache is emptied for
+    /// `kv_cache` and nothing else changes: an engine on the host holds no device memory.
+    fn release_memory(&mut self, regions: MemoryRegions) -> Result<Option<usize>, RolloutError> {
+        if regions.kv_cache {
+            self.flush_cache();
+        }
+        Ok(None)
+    }
+    /// Takes back what [`InferenceBackend::release_memory`] let go of `regions`; by default
+    /// there is nothing to take back.
+    fn resume_memory(&mut self, _regions: MemoryRegions) -> Result<(), RolloutError> {
+        Ok(())
     }
 }
 
@@ -168,7 +265,7 @@ impl InferenceBackend for Engine {
         Engine::flush_prefix_cache(self)
     }
 
-    fn retract_all(&mut self) -> usize {
-        Engine::retract_all(self)
+    fn retract_all(&mut self) -> Result<usize, RolloutError> {
+        Ok(Engine::retract_all(self))
     }
 }

@@ -2,7 +2,9 @@
 //! --device cpu-candle | cuda`) behind the server's [`InferenceBackend`] seam, so every
 //! endpoint, field policy, limit and security flag works on it as on the CPU engine. Its
 //! prefix cache is reported and flushed as the CPU engine's; it builds new weights on the
-//! engine thread, and keeps running requests where they are on a `retract` pause.
+//! engine thread; a `retract` pause sends its running requests back to the queue, their
+//! keys and values released; `/release_memory_occupation` moves its weights to the host
+//! and `/resume_memory_occupation` brings them back.
 
 use std::path::Path;
 
@@ -11,7 +13,7 @@ use r3_rollout::prefix_cache::PrefixCacheStats;
 use r3_rollout::request::{GenerateRequest, GenerateResult, PartialRollout, RequestId};
 use r3_rollout::DeviceEngine;
 
-use crate::backend::{InferenceBackend, ModelSummary};
+use crate::backend::{InferenceBackend, MemoryRegions, ModelSummary};
 
 impl InferenceBackend for DeviceEngine {
     fn summary(&self) -> ModelSummary {
@@ -58,5 +60,30 @@ impl InferenceBackend for DeviceEngine {
 
     fn generated_tokens(&self, id: RequestId) -> Option<Vec<u32>> {
         DeviceEngine::generated_tokens(self, id).map(<[u32]>::to_vec)
+    }
+
+    fn retract_all(&mut self) -> Result<usize, RolloutError> {
+        DeviceEngine::retract_all(self)
+    }
+
+    /// `weights`: moved to the host ([`DeviceEngine::offload_weights`]); `kv_cache`: the
+    /// prefix cache emptied (a batch holds keys and values only while it runs). The memory
+    /// pool then hands what it keeps unused back to the driver, so that another process —
+    /// a trainer — can take it.
+    fn release_memory(&mut self, regions: MemoryRegions) -> Result<Option<usize>, RolloutError> {
+        if regions.kv_cache {
+            self.flush_prefix_cache();
+        }
+        if regions.weights {
+            self.offload_weights()?;
+        }
+        Ok(r3_model::device::device_memory(self.device())?.map(|(free, _)| free))
+    }
+
+    fn resume_memory(&mut self, regions: MemoryRegions) -> Result<(), RolloutError> {
+        if regions.weights {
+            self.onload_weights()?;
+        }
+        Ok(())
     }
 }

@@ -26,6 +26,7 @@ pub mod error;
 pub mod fields;
 pub mod generate;
 pub mod limits;
+pub mod memory;
 pub mod openai;
 pub mod openai_sampling;
 pub mod policy;
@@ -53,7 +54,7 @@ use axum::middleware::from_fn_with_state;
 use axum::routing::{get, post};
 use axum::Router;
 
-pub use backend::{InferenceBackend, ModelSummary, StagedWeights};
+pub use backend::{InferenceBackend, MemoryRegions, ModelSummary, StagedWeights};
 pub use connections::{serve_with_limits, ConnectionLimits};
 pub use error::ApiError;
 pub use limits::{ClientLedger, ClientLimits};
@@ -333,6 +334,14 @@ pub fn build_app<B: InferenceBackend>(
         .route(
             "/flush_cache",
             get(admin::flush_cache).post(admin::flush_cache),
+        )
+        .route(
+            "/release_memory_occupation",
+            get(memory::release).post(memory::release),
+        )
+        .route(
+            "/resume_memory_occupation",
+            get(memory::resume).post(memory::resume),
         )
         .fallback(|| async { ApiError::not_found("no such endpoint") })
         .layer(DefaultBodyLimit::max(body_limit))

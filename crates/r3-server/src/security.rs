@@ -54,6 +54,8 @@ pub const ADMIN_PATHS: &[&str] = &[
     "/pause_generation",
     "/continue_generation",
     "/flush_cache",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
 ];
 
 /// Which key a request needs.

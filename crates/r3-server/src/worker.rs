@@ -2,7 +2,8 @@
 //! handlers send it commands over a channel and wait on a oneshot for the answer; requests
 //! that arrive while a step runs join the batch at the next step. After every step the worker
 //! checks running requests against their stop strings. While paused
-//! (`/pause_generation`) it takes commands and queues requests but runs no step.
+//! (`/pause_generation`), and while memory is released (`/release_memory_occupation`), it
+//! takes commands and queues requests but runs no step.
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -12,7 +13,7 @@ use std::thread::JoinHandle;
 use serde::Serialize;
 use tokio::sync::{mpsc, oneshot};
 
-use super::backend::{InferenceBackend, ModelSummary, StagedWeights};
+use super::backend::{InferenceBackend, MemoryRegions, ModelSummary, StagedWeights};
 use super::error::ApiError;
 use super::stop::StopMatcher;
 use r3_rollout::error::RolloutError;
@@ -95,6 +96,14 @@ enum Command {
     FlushCache {
         reply: oneshot::Sender<usize>,
     },
+    ReleaseMemory {
+        regions: MemoryRegions,
+        reply: oneshot::Sender<Result<Option<usize>, ApiError>>,
+    },
+    ResumeMemory {
+        regions: MemoryRegions,
+        reply: oneshot::Sender<Result<(), ApiError>>,
+    },
 }
 
 /// Counters of the worker (served at `/get_server_info` and `/v1/loads`).
@@ -116,6 +125,9 @@ pub struct WorkerStats {
     pub running: usize,
     /// Whether generation is paused.
     pub paused: bool,
+    /// Memory regions released by `/release_memory_occupation` and not yet resumed (no
+    /// step runs while any is).
+    pub memory_released: Vec<&'static str>,
     /// Prefix cache counters of the backend, if it has a cache.
     pub prefix_cache: Option<PrefixCacheStats>,
 }
@@ -146,6 +158,8 @@ struct Book {
     by_rid: HashMap<String, RequestId>,
     next_batch: u64,
     paused: bool,
+    /// Regions `/release_memory_occupation` let go, not yet resumed.
+    released: MemoryRegions,
     label: String,
     stats: Arc<Mutex<WorkerStats>>,
 }
@@ -175,6 +189,7 @@ impl EngineHandle {
             by_rid: HashMap::new(),
             next_batch: 0,
             paused: false,
+            released: MemoryRegions::default(),
             label: INITIAL_WEIGHT_VERSION.to_string(),
             stats: Arc::clone(&stats),
         };
@@ -272,6 +287,22 @@ impl EngineHandle {
         rx.await.map_err(|_| gone())
     }
 
+    /// Lets go of the engine's memory in `regions` (none may run a request: pause with mode
+    /// `abort` or `retract` first); no step runs until they are resumed. Returns the
+    /// device's free bytes after, where the engine has a device.
+    pub async fn release_memory(&self, regions: MemoryRegions) -> Result<Option<usize>, ApiError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::ReleaseMemory { regions, reply })?;
+        rx.await.map_err(|_| gone())?
+    }
+
+    /// Takes back the released memory in `regions` (each must be released).
+    pub async fn resume_memory(&self, regions: MemoryRegions) -> Result<(), ApiError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::ResumeMemory { regions, reply })?;
+        rx.await.map_err(|_| gone())?
+    }
+
     /// Whether the worker thread is still taking commands.
     pub fn is_alive(&self) -> bool {
         !self.tx.is_closed()
@@ -301,7 +332,7 @@ fn run<B: InferenceBackend>(
     mut book: Book,
 ) {
     loop {
-        if backend.in_flight() == 0 || book.paused {
+        if backend.in_flight() == 0 || book.holds_steps() {
             match rx.blocking_recv() {
                 Some(cmd) => book.handle(&mut backend, cmd),
                 None => return,
@@ -312,7 +343,7 @@ fn run<B: InferenceBackend>(
         }
         book.abort_abandoned(&mut backend);
         let batch = backend.in_flight();
-        if batch == 0 || book.paused {
+        if batch == 0 || book.holds_steps() {
             book.publish(&backend, |_| {});
             continue;
         }
@@ -339,6 +370,11 @@ fn run<B: InferenceBackend>(
 }
 
 impl Book {
+    /// Whether no step may run: generation paused, or memory released.
+    fn holds_steps(&self) -> bool {
+        self.paused || !self.released.is_empty()
+    }
+
     /// Refreshes the shared counters from the backend (and `more`).
     fn publish<B: InferenceBackend>(&self, backend: &B, more: impl FnOnce(&mut WorkerStats)) {
         let (waiting, running) = backend.queue_lengths();
@@ -348,6 +384,7 @@ impl Book {
         s.waiting = waiting;
         s.running = running;
         s.paused = self.paused;
+        s.memory_released = self.released.tags();
         s.prefix_cache = backend.prefix_cache_stats();
     }
 
@@ -397,7 +434,17 @@ impl Book {
             Command::Pause { mode, reply } => {
                 let n = match mode {
                     PauseMode::Abort => self.abort_where(backend, |_| true),
-                    PauseMode::Retract => backend.retract_all(),
+                    PauseMode::Retract => match backend.retract_all() {
+                        Ok(n) => n,
+                        // As after a failed step: the requests it names fail, the rest wait.
+                        Err(e) => {
+                            match failed_requests(&e) {
+                                Some(ids) => self.fail_requests(backend, &ids, &ApiError::from(e)),
+                                None => self.fail_all(backend, &ApiError::from(e)),
+                            };
+                            0
+                        }
+                    },
                     PauseMode::InPlace => 0,
                 };
                 self.paused = true;
@@ -414,7 +461,59 @@ impl Book {
                 self.publish(backend, |_| {});
                 let _ = reply.send(n);
             }
+            Command::ReleaseMemory { regions, reply } => {
+                let result = self.release_memory(backend, regions);
+                self.publish(backend, |_| {});
+                let _ = reply.send(result);
+            }
+            Command::ResumeMemory { regions, reply } => {
+                let result = self.resume_memory(backend, regions);
+                self.publish(backend, |_| {});
+                let _ = reply.send(result);
+            }
         }
+    }
+
+    /// `/release_memory_occupation`: refused while requests run (their keys and values are
+    /// the engine's memory too), as SGLang asserts an idle engine; queued requests wait.
+    fn release_memory<B: InferenceBackend>(
+        &mut self,
+        backend: &mut B,
+        regions: MemoryRegions,
+    ) -> Result<Option<usize>, ApiError> {
+        let (_, running) = backend.queue_lengths();
+        if running > 0 {
+            return Err(ApiError::bad_request(format!(
+                "{running} requests are running: pause generation with mode abort or retract \
+                 before releasing memory (in_place keeps their keys and values)"
+            )));
+        }
+        let free = backend.release_memory(regions)?;
+        self.released = self.released.union(regions);
+        Ok(free)
+    }
+
+    /// `/resume_memory_occupation`: each region named must be released (SGLang refuses
+    /// the others too); a resume that fails leaves every region as it was.
+    fn resume_memory<B: InferenceBackend>(
+        &mut self,
+        backend: &mut B,
+        regions: MemoryRegions,
+    ) -> Result<(), ApiError> {
+        let not_released = regions.without(self.released);
+        if !not_released.is_empty() {
+            return Err(ApiError::bad_request(format!(
+                "not released, so not resumed: {} (released: {})",
+                not_released.tags().join(", "),
+                match self.released.tags() {
+                    t if t.is_empty() => "none".to_string(),
+                    t => t.join(", "),
+                }
+            )));
+        }
+        backend.resume_memory(regions)?;
+        self.released = self.released.without(regions);
+        Ok(())
     }
 
     /// Submits every job of a batch, or none: on a rejected job the earlier ones are aborted.

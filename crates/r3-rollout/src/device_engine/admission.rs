@@ -10,7 +10,7 @@ use rand_chacha::ChaCha8Rng;
 
 use super::batch::Row;
 use super::memory::{mib, step_activation_bytes, StepShape};
-use super::{prefix, step_failed, DeviceEngine, Running, Waiting};
+use super::{prefix, step_failed, DeviceEngine, Running};
 use crate::engine::sequence::ResumeState;
 use crate::engine::validate_request;
 use crate::error::RolloutError;
@@ -110,7 +110,7 @@ impl DeviceEngine {
         )))
     }
 
-    /// Queues a checked request under a new id.
+    /// Queues a checked request under a new id, as the batch row it will be.
     fn enqueue(
         &mut self,
         request: GenerateRequest,
@@ -119,12 +119,8 @@ impl DeviceEngine {
     ) -> RequestId {
         let id = self.next_id;
         self.next_id += 1;
-        self.waiting.push_back(Waiting {
-            id,
-            request,
-            rng,
-            resume,
-        });
+        let row = self.new_row(id, request, rng, resume);
+        self.waiting.push_back(row);
         id
     }
 
@@ -157,16 +153,13 @@ impl DeviceEngine {
     /// Whether waiting request `w` should wait for a row of the batch being formed
     /// (`rows`) that computes full blocks of tokens `w` begins with, beyond what that row
     /// found cached.
-    fn waits_for_sibling(&self, w: &Waiting, rows: &[Row]) -> bool {
+    fn waits_for_sibling(&self, w: &Row, rows: &[Row]) -> bool {
         let Some(cache) = &self.cache else {
             return false;
         };
         let bs = cache.block_size();
-        let tokens = &w.request.input_ids;
-        let end = w
-            .resume
-            .as_ref()
-            .map_or(tokens.len(), |r| r.earlier.request.input_ids.len());
+        let tokens = &w.tokens;
+        let end = w.prompt_logprobs_end();
         let probe = &tokens[..prefix::servable(tokens.len(), &w.request.sampling, end)];
         if self.geo.row() == 0 || probe.len() < bs {
             return false;
@@ -179,7 +172,7 @@ impl DeviceEngine {
     fn take_batch(
         &mut self,
         running: Option<&Running>,
-        held_back: &mut Vec<Waiting>,
+        held_back: &mut Vec<Row>,
     ) -> Result<Option<Running>, RolloutError> {
         let slot_bytes = self.slot_bytes();
         // The KV budget counts the rows the running buffers hold, retired rows' places
@@ -205,10 +198,11 @@ impl DeviceEngine {
                 held_back.extend(self.waiting.pop_front());
                 continue;
             }
-            let len = next.request.input_ids.len();
+            // A retracted row feeds what it generated too, and has fewer tokens left.
+            let len = next.tokens.len();
             let cached = self.peek_cached(next);
             let l = longest.max(len);
-            let n = new_tokens.max(next.request.sampling.max_new_tokens);
+            let n = new_tokens.max(next.new_tokens_left());
             let (c, t) = (most_cached.max(cached), longest_tail.max(len - cached));
             let slots = running_slots.max(l).max(c + t);
             let reach = (running_reach + (slots - running_slots)).max(slots + n);
@@ -217,12 +211,11 @@ impl DeviceEngine {
             // The prefill feeds the newcomers' tails over the prefixes, then the joined
             // batch decodes over `reach` slots at most; the two steps run one after the
             // other, so each alone has to fit the activation budget.
-            let logit_positions =
-                if asks_prompt_logprobs || next.request.sampling.prompt_logprobs_from.is_some() {
-                    t
-                } else {
-                    1
-                };
+            let logit_positions = if asks_prompt_logprobs || next.asks_prompt_logprobs() {
+                t
+            } else {
+                1
+            };
             let prefill = StepShape {
                 rows: rows.len() + 1,
                 time: t,
@@ -244,12 +237,11 @@ impl DeviceEngine {
             {
                 break;
             }
-            let Some(w) = self.waiting.pop_front() else {
+            let Some(mut row) = self.waiting.pop_front() else {
                 break;
             };
             (longest, new_tokens, most_cached, longest_tail) = (l, n, c, t);
             asks_prompt_logprobs = logit_positions > 1;
-            let mut row = self.new_row(w);
             let hit = self.attach_prefix(&mut row);
             rows.push(row);
             // The requests taken from the queue fail by name, not in silence.
@@ -276,19 +268,15 @@ impl DeviceEngine {
 
     /// Prompt positions of a waiting request the prefix cache holds now (0 without a
     /// cache; counts nothing, so admission can plan with it).
-    fn peek_cached(&self, w: &Waiting) -> usize {
+    fn peek_cached(&self, w: &Row) -> usize {
         let Some(cache) = &self.cache else {
             return 0;
         };
         if self.geo.row() == 0 {
             return 0;
         }
-        let tokens = &w.request.input_ids;
-        let end = w
-            .resume
-            .as_ref()
-            .map_or(tokens.len(), |r| r.earlier.request.input_ids.len());
-        let n = prefix::servable(tokens.len(), &w.request.sampling, end);
+        let tokens = &w.tokens;
+        let n = prefix::servable(tokens.len(), &w.request.sampling, w.prompt_logprobs_end());
         cache.peek_prefix(&tokens[..n], self.version)
     }
 
@@ -305,18 +293,32 @@ impl DeviceEngine {
             return Ok(None);
         };
         row.cached = hit.tokens;
-        row.routes = hit.routes;
-        row.route_versions = vec![self.version; hit.tokens];
+        // Rows already captured (a retracted row's, some perhaps under older weights) keep
+        // their origin, as on the CPU engine; the cache's serve the positions past them.
+        let (have, width) = (row.route_versions.len(), self.geo.row());
+        if hit.tokens > have {
+            row.routes
+                .extend_from_slice(&hit.routes[have * width..hit.tokens * width]);
+            row.route_versions
+                .extend(std::iter::repeat_n(self.version, hit.tokens - have));
+        }
         Ok(Some(hit.kv))
     }
 
-    /// A waiting request as a batch row (its pad set by the batch it is prefilled in).
-    fn new_row(&self, w: Waiting) -> Row {
+    /// A new request as the batch row it will be (its pad set by the batch it is
+    /// prefilled in).
+    fn new_row(
+        &self,
+        id: RequestId,
+        request: GenerateRequest,
+        rng: ChaCha8Rng,
+        resume: Option<ResumeState>,
+    ) -> Row {
         Row {
-            id: w.id,
-            rng: w.rng,
-            tokens: w.request.input_ids.clone(),
-            prompt_len: w.request.input_ids.len(),
+            id,
+            rng,
+            tokens: request.input_ids.clone(),
+            prompt_len: request.input_ids.len(),
             pad: 0,
             cached: 0,
             logprobs: Vec::new(),
@@ -325,11 +327,11 @@ impl DeviceEngine {
             route_versions: Vec::new(),
             // The prefix cache keeps route rows beside the keys and values, so with it every
             // row captures them.
-            capture: (w.request.return_routes || self.cache.is_some()) && self.geo.row() > 0,
+            capture: (request.return_routes || self.cache.is_some()) && self.geo.row() > 0,
             prompt_logprobs: None,
             finish: None,
-            request: w.request,
-            resume: w.resume,
+            request,
+            resume,
         }
     }
 }

@@ -64,6 +64,26 @@ impl Row {
     pub fn reach(&self) -> usize {
         self.pad + self.prompt_len + self.request.sampling.max_new_tokens
     }
+
+    /// Tokens it may still generate.
+    pub fn new_tokens_left(&self) -> usize {
+        self.request
+            .sampling
+            .max_new_tokens
+            .saturating_sub(self.generated().len())
+    }
+
+    /// Whether its prefill has prompt log-probs to compute: asked for, and not computed by
+    /// an earlier prefill (a retracted row's).
+    pub fn asks_prompt_logprobs(&self) -> bool {
+        self.request.sampling.prompt_logprobs_from.is_some() && self.prompt_logprobs.is_none()
+    }
+
+    /// Whether it ran before: a row sent back to the queue by a retract, holding what it
+    /// generated (every prefill samples a first token).
+    pub fn was_fed(&self) -> bool {
+        self.tokens.len() > self.prompt_len
+    }
 }
 
 /// What a step feeds, laid out for [`r3_model::model::decode::Step`].
@@ -219,7 +239,11 @@ pub fn capture_routes(
         if !row.capture {
             return;
         }
-        for j in skip..time {
+        // The fed positions end at the row's last token. A retracted row feeds again
+        // positions whose rows it captured when it first fed them: those rows stay.
+        let start = row.tokens.len().saturating_sub(time - skip);
+        let held = row.route_versions.len().saturating_sub(start);
+        for j in (skip + held).min(time)..time {
             let at = (b * time + j) * k;
             for column in routes {
                 row.routes
@@ -291,6 +315,10 @@ mod tests {
         for batch in [5, 2 * CAPTURE_ROWS_PER_TASK + 7] {
             let mut rows: Vec<Row> = (0..batch as u64).map(|b| row(b, b % 5 != 3)).collect();
             let skip: Vec<usize> = (0..batch).map(|b| b % 3).collect();
+            // Each row's fed positions follow the two it holds the rows of.
+            for (row, &skip) in rows.iter_mut().zip(&skip) {
+                row.tokens = vec![1; 2 + time - skip];
+            }
             // Layer l's id for row b, slot j, choice c.
             let id = |l: usize, b: usize, j: usize, c: usize| {
                 (l * 1000 + b * 10 + j * 3 + c) as u32 % 50
@@ -318,5 +346,39 @@ mod tests {
                 assert_eq!(row.route_versions, versions, "batch {batch} row {b}");
             }
         }
+    }
+
+    /// A retracted row fed again from its first position (its prefill) keeps the route rows
+    /// it holds, under their versions, and gets only the rows of positions past them; with
+    /// a cached prefix the same; a row fed past what it holds gets every fed row.
+    #[test]
+    fn a_row_fed_again_keeps_the_route_rows_it_holds() {
+        let geo = RouteGeometry {
+            layers: vec![0],
+            top_k: 2,
+            num_experts: 50,
+        };
+        let time = 6;
+        // Slot j of row b routes to experts (b * 10 + j, 40 + j).
+        let routes: Vec<Vec<u32>> = vec![(0..3 * time)
+            .flat_map(|i| [(i / time * 10 + i % time) as u32, (40 + i % time) as u32])
+            .collect()];
+        // Row 0: 5 tokens, the rows of positions 0..4 held (retracted), fed from slot 1 (a
+        // pad of 1): positions 0..5. Row 1: the same with 2 cached (fed 2..5 from slot 3).
+        // Row 2: 4 tokens, holding nothing, fed 0..4 from slot 2.
+        let mut rows: Vec<Row> = (0..3).map(|b| row(b, true)).collect();
+        for (b, r) in rows.iter_mut().enumerate() {
+            r.tokens = vec![5; if b == 2 { 4 } else { 5 }];
+            let held = if b == 2 { 0 } else { 4 };
+            r.routes = vec![1; held * 2];
+            r.route_versions = vec![3; held];
+        }
+        capture_routes(&mut rows, &routes, &geo, &[1, 3, 2], time, 8);
+        assert_eq!(rows[0].routes, [vec![1; 8], vec![5, 45]].concat());
+        assert_eq!(rows[0].route_versions, vec![3, 3, 3, 3, 8]);
+        assert_eq!(rows[1].routes, [vec![1; 8], vec![15, 45]].concat());
+        assert_eq!(rows[1].route_versions, vec![3, 3, 3, 3, 8]);
+        assert_eq!(rows[2].routes, vec![22, 42, 23, 43, 24, 44, 25, 45]);
+        assert_eq!(rows[2].route_versions, vec![8; 4]);
     }
 }

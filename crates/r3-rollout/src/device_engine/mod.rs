@@ -40,8 +40,10 @@ mod admission;
 pub mod batch;
 pub mod choice;
 pub mod memory;
+mod offload;
 mod picks;
 pub mod prefix;
+mod retract;
 pub mod routing;
 mod weights;
 
@@ -53,14 +55,13 @@ use candle_core::{Device, Tensor};
 use r3_model::model::decode::{KvCache, Step, StepRouting};
 use r3_model::{check_map_holds, Config, DeviceSpec, HostStaging, LoadOptions, Model, Weights};
 use r3_routing::RouteTable;
-use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 pub use routing::RoutingPlace;
 
 use crate::dtype::{Dtype, RouterDtype};
 use crate::engine::config_eos_ids;
 use crate::engine::next_token::{sample_slots, NextTokenLogits, NextTokenSlot};
-use crate::engine::sequence::{ResumeState, RouteGeometry};
+use crate::engine::sequence::RouteGeometry;
 use crate::error::RolloutError;
 use crate::kernels::ops::log_softmax_at;
 use crate::model::tensors::{load_dir_with, TensorMap};
@@ -146,17 +147,6 @@ fn ids_of(rows: &[Row]) -> Vec<RequestId> {
     rows.iter().map(|r| r.id).collect()
 }
 
-/// A request waiting for admission.
-#[derive(Debug)]
-struct Waiting {
-    id: RequestId,
-    request: GenerateRequest,
-    /// Sampler stream (seeded from the request, or carried over by a resume).
-    rng: ChaCha8Rng,
-    /// The aborted call a resumed request continues.
-    resume: Option<ResumeState>,
-}
-
 /// The running batch and its cache.
 #[derive(Debug)]
 struct Running {
@@ -184,6 +174,10 @@ enum HeldWeights {
     /// Released: each weight's name and shape (experts fused), which the update that builds
     /// the model again must bring.
     Released(std::collections::BTreeMap<String, Vec<usize>>),
+    /// Moved to the host ([`DeviceEngine::offload_weights`]): the engine's weights in its
+    /// formats, from which [`DeviceEngine::onload_weights`] builds the model again; an
+    /// update meanwhile writes over them.
+    Offloaded(Box<Weights>),
 }
 
 impl HeldWeights {
@@ -191,7 +185,7 @@ impl HeldWeights {
     fn loaded(&self) -> Option<&Loaded> {
         match self {
             HeldWeights::Loaded(l) => Some(l),
-            HeldWeights::Released(_) => None,
+            HeldWeights::Released(_) | HeldWeights::Offloaded(_) => None,
         }
     }
 }
@@ -221,7 +215,10 @@ pub struct DeviceEngine {
     eos: Vec<u32>,
     version: u64,
     next_id: RequestId,
-    waiting: VecDeque<Waiting>,
+    /// Requests waiting for admission, as the rows they will be: a new request's holds
+    /// its prompt; a retracted one's ([`DeviceEngine::retract_all`]) everything it made so
+    /// far, its keys and values dropped.
+    waiting: VecDeque<Row>,
     running: Option<Running>,
     /// The prefix cache (None when off).
     cache: Option<PrefixCache<DeviceBlock>>,
@@ -434,12 +431,12 @@ impl DeviceEngine {
         w + r > 0 || !self.finished.is_empty()
     }
 
-    /// Tokens generated so far by a running request (None if unknown, waiting or finished).
+    /// Tokens generated so far by a queued or running request (a retracted one waits with
+    /// what it generated); None if unknown or finished.
     pub fn generated_tokens(&self, id: RequestId) -> Option<&[u32]> {
-        self.running
-            .as_ref()?
-            .rows
-            .iter()
+        let running = self.running.iter().flat_map(|r| &r.rows);
+        running
+            .chain(&self.waiting)
             .find(|r| r.id == id)
             .map(Row::generated)
     }
@@ -612,11 +609,7 @@ impl DeviceEngine {
             decode_layout(&batch.rows, first, window)
         };
         // Prompt log-probs need the prefill's logits at every prompt slot.
-        let all_logits = prefill
-            && batch
-                .rows
-                .iter()
-                .any(|r| r.request.sampling.prompt_logprobs_from.is_some());
+        let all_logits = prefill && batch.rows.iter().any(Row::asks_prompt_logprobs);
         let model = self.model()?;
         let routing = self.cfg.routing.for_step(
             batch.rows.len() * layout.time,
@@ -708,7 +701,10 @@ impl DeviceEngine {
                 .iter_mut()
                 .zip(copied_logits.chunks_exact(row_span.max(1)))
             {
-                row.prompt_logprobs = prompt_logprobs(row, rows, vocab, first);
+                // A retracted row's were computed by its first prefill.
+                if row.asks_prompt_logprobs() {
+                    row.prompt_logprobs = prompt_logprobs(row, rows, vocab, first);
+                }
             }
         }
         let max_pos = self.model_cfg.max_position_embeddings;
@@ -815,6 +811,10 @@ impl DeviceEngine {
             let Some(w) = self.waiting.remove(i) else {
                 return Ok(None);
             };
+            // A retracted row holds what it made (its keys and values are gone already).
+            if w.was_fed() {
+                return self.partial(w).map(Some);
+            }
             // A resumed request not yet admitted is still the call it continues.
             if let Some(resume) = w.resume {
                 return Ok(Some(resume.earlier));
@@ -843,7 +843,7 @@ impl DeviceEngine {
         let ids = ids_of(&running.rows);
         // A failed row move leaves the batch's cache part moved: every request of it fails,
         // named (the batch is dropped).
-        let mut row = running
+        let row = running
             .swap_remove(i)
             .map_err(|e| requests_failed(ids, e))?;
         if !running.rows.is_empty() {
@@ -855,6 +855,11 @@ impl DeviceEngine {
             }
             self.running = Some(running);
         }
+        self.partial(row).map(Some)
+    }
+
+    /// What an aborted row made so far, as [`DeviceEngine::resume`] takes it.
+    fn partial(&mut self, mut row: Row) -> Result<PartialRollout, RolloutError> {
         let request = match &row.resume {
             Some(r) => r.earlier.request.clone(),
             None => row.request.clone(),
@@ -866,7 +871,7 @@ impl DeviceEngine {
             self.capture_time += started.elapsed();
         }
         let result = self.result(row, routes)?;
-        Ok(Some(PartialRollout {
+        Ok(PartialRollout {
             request,
             output_ids: result.output_ids,
             output_logprobs: result.output_logprobs,
@@ -875,7 +880,7 @@ impl DeviceEngine {
             routes: result.routes,
             rng,
             weight_version: self.version,
-        }))
+        })
     }
 
     /// Offers the fed positions of `row` (row `b` of `kv`) to the prefix cache, if on. The

@@ -69,6 +69,10 @@ impl DeviceEngine {
                 check_same_tensors(shapes, &source)?;
                 return self.load_again(tensors);
             }
+            HeldWeights::Offloaded(host) => {
+                check_same_tensors(&shapes_of(host), &source)?;
+                return self.write_offloaded(&source);
+            }
         };
         check_same_tensors(&shapes, &source)?;
         self.flush_prefix_cache();
@@ -119,9 +123,12 @@ impl DeviceEngine {
             )));
         }
         self.flush_prefix_cache();
-        if let HeldWeights::Loaded(loaded) = &self.held {
-            self.held = HeldWeights::Released(shapes_of(&loaded.weights));
-        }
+        let shapes = match &self.held {
+            HeldWeights::Loaded(loaded) => shapes_of(&loaded.weights),
+            HeldWeights::Offloaded(host) => shapes_of(host),
+            HeldWeights::Released(_) => return Ok(()),
+        };
+        self.held = HeldWeights::Released(shapes);
         Ok(())
     }
 
@@ -159,6 +166,12 @@ impl DeviceEngine {
                  versions; update them again before generating"
             ))),
             (None, HeldWeights::Released(_)) => Err(released()),
+            (None, HeldWeights::Offloaded(_)) => Err(RolloutError::Weights(
+                "the engine's weights are offloaded to the host (offload_weights, the server's \
+                 /release_memory_occupation): bring them back (onload_weights, \
+                 /resume_memory_occupation) before generating"
+                    .into(),
+            )),
             (None, HeldWeights::Loaded(_)) => Ok(()),
         }
     }
@@ -174,7 +187,10 @@ fn released() -> RolloutError {
 /// Refuses an update whose tensors (experts fused) are not the engine's: a name the engine
 /// holds and the update lacks, one the update brings and the engine does not hold (nothing
 /// would read it), or another shape. Nothing is written before this passes.
-fn check_same_tensors(held: &TensorShapes, source: &Weights) -> Result<(), RolloutError> {
+pub(super) fn check_same_tensors(
+    held: &TensorShapes,
+    source: &Weights,
+) -> Result<(), RolloutError> {
     let source = source.tensors();
     if let Some(name) = held.keys().find(|n| !source.contains_key(*n)) {
         return Err(RolloutError::Weights(format!(
@@ -202,7 +218,7 @@ fn check_same_tensors(held: &TensorShapes, source: &Weights) -> Result<(), Rollo
 type TensorShapes = std::collections::BTreeMap<String, Vec<usize>>;
 
 /// The names and shapes of `weights`.
-fn shapes_of(weights: &Weights) -> TensorShapes {
+pub(super) fn shapes_of(weights: &Weights) -> TensorShapes {
     weights
         .tensors()
         .iter()
@@ -221,7 +237,10 @@ const MAX_COPY_ELEMS: usize = 1 << 31;
 /// converted copy on each device stands beside the weights until it is written). The model's
 /// layers hold the same storage, so they read the new values. A failure names the tensor it
 /// stopped at.
-fn overwrite(held: &Weights, source: &Weights) -> Result<(), (String, candle_core::Error)> {
+pub(super) fn overwrite(
+    held: &Weights,
+    source: &Weights,
+) -> Result<(), (String, candle_core::Error)> {
     for (name, dst) in held.tensors() {
         let write = || -> candle_core::Result<()> {
             let src = source

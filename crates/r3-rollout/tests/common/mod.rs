@@ -5,10 +5,20 @@
 
 use std::path::PathBuf;
 
+use r3_model::DeviceSpec;
 use r3_rollout::kernels::attention::SeqSpan;
 use r3_rollout::model::{BatchInput, InferenceModel};
 use r3_rollout::{Dtype, Engine, EngineConfig, KvPool, SamplingParams};
 use r3_routing::RouteTable;
+
+/// Where the device engine runs in this build: candle's CPU, or the first GPU in a `cuda`
+/// build.
+#[cfg(not(feature = "cuda"))]
+pub const DEVICE: DeviceSpec = DeviceSpec::Cpu;
+/// Where the device engine runs in this build: candle's CPU, or the first GPU in a `cuda`
+/// build.
+#[cfg(feature = "cuda")]
+pub const DEVICE: DeviceSpec = DeviceSpec::Cuda { ordinal: 0 };
 
 /// Directory of a copied HF oracle checkpoint.
 pub fn model_dir(name: &str) -> PathBuf {
@@ -115,4 +125,40 @@ pub fn mixed_sampling(i: usize, new: usize, seed_base: u64) -> SamplingParams {
             ..SamplingParams::default()
         }
     }
+}
+
+/// The ids of each output token's top log-prob alternatives agree, and the prompt log-probs
+/// (present on both sides or neither) start at the same position and agree within `tol`.
+pub fn assert_same_extras(
+    what: &str,
+    got: &r3_rollout::GenerateResult,
+    want: &r3_rollout::GenerateResult,
+    tol: f32,
+) {
+    let tops = |r: &r3_rollout::GenerateResult| -> Vec<Vec<u32>> {
+        let ids = |row: &Vec<(u32, f32)>| row.iter().map(|e| e.0).collect();
+        r.output_top_logprobs.iter().map(ids).collect()
+    };
+    assert_eq!(tops(got), tops(want), "{what}: top log-prob ids");
+    match (&got.prompt_logprobs, &want.prompt_logprobs) {
+        (Some(x), Some(y)) => {
+            assert_eq!(x.start, y.start, "{what}: prompt log-probs' start");
+            let d = max_abs_diff(&x.logprobs, &y.logprobs);
+            assert!(d <= tol, "{what}: prompt log-probs differ by {d}");
+        }
+        (None, None) => {}
+        _ => panic!("{what}: prompt log-probs only on one side"),
+    }
+}
+
+/// The CPU engine over `map` in f32, without its prefix cache: the reference the device
+/// engine's tests compare with.
+pub fn cpu_engine_over(cfg: &r3_model::Config, map: &r3_rollout::TensorMap) -> Engine {
+    let engine_cfg = EngineConfig {
+        dtype: Dtype::F32,
+        prefix_cache: false,
+        kv_cache_bytes: 64 << 20,
+        ..EngineConfig::default()
+    };
+    Engine::new(cfg.clone(), map, engine_cfg).expect("cpu engine")
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use r3_rollout::prefix_cache::PrefixCacheStats;
 use r3_rollout::{GenerateRequest, GenerateResult, PartialRollout, RequestId, RolloutError};
-use r3_server::{InferenceBackend, ModelSummary, StagedWeights, WeightStager};
+use r3_server::{InferenceBackend, MemoryRegions, ModelSummary, StagedWeights, WeightStager};
 
 /// `inner`, sleeping `pace` before every step that has requests in flight.
 pub struct Paced<B> {
@@ -80,7 +80,15 @@ impl<B: InferenceBackend> InferenceBackend for Paced<B> {
         self.inner.flush_cache()
     }
 
-    fn retract_all(&mut self) -> usize {
+    fn retract_all(&mut self) -> Result<usize, RolloutError> {
         self.inner.retract_all()
+    }
+
+    fn release_memory(&mut self, regions: MemoryRegions) -> Result<Option<usize>, RolloutError> {
+        self.inner.release_memory(regions)
+    }
+
+    fn resume_memory(&mut self, regions: MemoryRegions) -> Result<(), RolloutError> {
+        self.inner.resume_memory(regions)
     }
 }
