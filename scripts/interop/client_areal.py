@@ -3,10 +3,12 @@ installed --no-deps; areal/engine/sglang_remote.py + areal/infra/remote_inf_engi
 `initialize(addr=...)` (health wait), `agenerate` with R3 (`return_routed_experts`) and with
 AReaL's default `max_new_tokens`, `pause_generation` / `continue_generation`, and
 `update_weights_from_disk` as its trainer drives it (the trainer's "saved" record put in
-AReaL's name_resolve, then the engine's update request to every server). Nothing is stubbed
-that these calls use; torch / torchdata are real packages.
+AReaL's name_resolve, then the engine's update request to every server), and with
+`--device-url` its colocated cycle (`offload` / `onload`: /release_memory_occupation and
+/resume_memory_occupation) against a worker on the device engine. Nothing is stubbed that
+these calls use; torch / torchdata are real packages.
 
-Usage: client_areal.py --urls URL1 URL2 --model-dir DIR
+Usage: client_areal.py --urls URL1 URL2 --model-dir DIR [--device-url URL3]
 """
 
 import argparse
@@ -23,6 +25,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--urls", nargs="+", required=True)
     ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--device-url", help="a worker on the device engine (r3 serve --device cpu-candle)")
     a = ap.parse_args()
     from areal.api.cli_args import GenerationHyperparameters, InferenceEngineConfig, NameResolveConfig
     from areal.api.io_struct import ModelRequest, WeightUpdateMeta
@@ -82,6 +85,67 @@ def main():
         return len(r.output_tokens) > 0, f"after update: {r.stop_reason}"
 
     attempt(c, "pause_generation / update_weights_from_disk / continue_generation", weight_cycle)
+    eng.destroy()
+    if a.device_url:
+        offload_cycle(a, tok, ids, config)
+
+
+def offload_cycle(a, tok, ids, config):
+    """AReaL's colocated step (areal/trainer/rl_trainer.py `_offload_rollout` /
+    `_onload_rollout`) against a device-engine worker: `pause` + `pause_generation`, then
+    `offload()` (/release_memory_occupation, every region), the trainer's update from disk
+    while the rollout is offloaded, `onload()` (/resume_memory_occupation), then
+    `continue_generation`; the same prompt then generates the same greedy tokens as before."""
+    import json
+    import urllib.request
+
+    from areal.api.cli_args import GenerationHyperparameters
+    from areal.api.io_struct import ModelRequest, WeightUpdateMeta
+    from areal.engine.sglang_remote import RemoteSGLangEngine
+    from areal.utils import name_resolve, names
+
+    c = "areal"
+    config.backend = "sglang:d1"
+    eng = RemoteSGLangEngine(config)
+    addr = a.device_url.rsplit("//", 1)[1]
+    if not attempt(c, "RemoteSGLangEngine.initialize(addr=[device worker])",
+                   lambda: (eng.initialize(addr=[addr]), True)[1]):
+        return
+
+    def greedy():
+        req = ModelRequest(input_ids=list(ids), tokenizer=tok,
+                           gconfig=GenerationHyperparameters(max_new_tokens=6, greedy=True,
+                                                             n_samples=1))
+        return asyncio.run(eng.agenerate(req)).output_tokens
+
+    def released():
+        with urllib.request.urlopen(a.device_url + "/get_server_info", timeout=30) as r:
+            return json.load(r)["worker"]["memory_released"]
+
+    def cycle():
+        before = greedy()
+        eng.pause()
+        eng.pause_generation()
+        eng.offload()
+        during = released()
+        version = 1
+        eng.set_version(version - 1)
+        meta = WeightUpdateMeta(type="disk", path=a.model_dir, clear_checkpoint_after_load=False)
+        name_resolve.add(names.update_weights_from_disk(config.experiment_name, config.trial_name,
+                                                        version - 1), str(time.time()), replace=True)
+        eng.update_weights_from_disk(meta).result(timeout=120)
+        eng.onload()
+        after_onload = released()
+        eng.continue_generation()
+        eng.resume()
+        eng.set_version(version)
+        after = greedy()
+        ok = (sorted(during) == ["cuda_graph", "kv_cache", "weights"] and after_onload == []
+              and after == before and len(before) > 0)
+        return ok, f"released {during}, then {after_onload}; tokens {before} -> {after}"
+
+    attempt(c, "pause / offload / update_weights_from_disk / onload / continue (device worker)",
+            cycle)
     eng.destroy()
 
 

@@ -14,7 +14,9 @@
 # - target/interop-model: MODEL_DIR's files plus a tokenizer_config.json (tokenizer class for
 #   transformers' AutoTokenizer, and a chat template that joins the messages' contents).
 # - two `r3 serve --return-routed-experts-by-default` workers and sglang-router (round robin)
-#   in front of them; each client_*.py drives its client's own code and prints RESULT lines.
+#   in front of them, and a third worker on the device engine (`--device cpu-candle`, for
+#   AReaL's offload / onload); each client_*.py drives its client's own code and prints RESULT
+#   lines.
 # Prints a table: client | path | result (ok, or the error). Exits non-zero if any failed.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -81,10 +83,15 @@ w1=http://127.0.0.1:31001 w2=http://127.0.0.1:31002 router=http://127.0.0.1:3100
 pids+=($!)
 "$bin" serve --model "$model" --port 31002 --return-routed-experts-by-default >"$logs/worker2.log" 2>&1 &
 pids+=($!)
+# A third worker on the device engine (r3-model's layers on candle's CPU: the code a GPU runs),
+# for AReaL's colocated offload / onload cycle.
+w3=http://127.0.0.1:31003
+"$bin" serve --model "$model" --port 31003 --device cpu-candle >"$logs/worker3.log" 2>&1 &
+pids+=($!)
 "$py" -m sglang_router.launch_router --worker-urls "$w1" "$w2" --policy round_robin \
   --prometheus-port 31009 --host 127.0.0.1 --port 31000 >"$logs/router.log" 2>&1 &
 pids+=($!)
-for u in "$w1" "$w2" "$router"; do
+for u in "$w1" "$w2" "$w3" "$router"; do
   for _ in $(seq 120); do curl -sf "$u/health" >/dev/null && break; sleep 0.5; done
 done
 # The router needs a moment to register its workers after it answers /health.
@@ -106,7 +113,7 @@ run() {
 : >"$logs/clients.log"
 run slime client_slime.py --pkg slime --src "$src/slime" --url "$router" --model-dir "$model" --layers "$layers" --top-k "$topk"
 run miles client_slime.py --pkg miles --src "$src/miles" --url "$router" --model-dir "$model" --layers "$layers" --top-k "$topk"
-run areal client_areal.py --urls "$w1" "$w2" --model-dir "$model"
+run areal client_areal.py --urls "$w1" "$w2" --model-dir "$model" --device-url "$w3"
 run verl client_verl.py --url "$w1" --model-dir "$model"
 run sglang client_sglang.py --url "$w1" --model-dir "$model"
 run openai client_openai.py --url "$w1"
