@@ -109,6 +109,13 @@ impl MemoryRegions {
         self.tags().is_empty()
     }
 
+    /// Whether a step would use what is held: the weights or the KV cache (r3 captures no
+    /// CUDA graphs, so a `cuda_graph` left released — as clients that resume only
+    /// `weights` and `kv_cache` leave it — holds nothing back).
+    pub fn holds_steps(self) -> bool {
+        self.weights || self.kv_cache
+    }
+
     /// The regions of either.
     pub fn union(self, other: MemoryRegions) -> MemoryRegions {
         MemoryRegions {

@@ -370,9 +370,9 @@ fn run<B: InferenceBackend>(
 }
 
 impl Book {
-    /// Whether no step may run: generation paused, or memory released.
+    /// Whether no step may run: generation paused, or the weights or KV cache released.
     fn holds_steps(&self) -> bool {
-        self.paused || !self.released.is_empty()
+        self.paused || self.released.holds_steps()
     }
 
     /// Refreshes the shared counters from the backend (and `more`).
@@ -485,7 +485,9 @@ impl Book {
         if running > 0 {
             return Err(ApiError::bad_request(format!(
                 "{running} requests are running: pause generation with mode abort or retract \
-                 before releasing memory (in_place keeps their keys and values)"
+                 before releasing memory (in_place keeps their keys and values, and a retract \
+                 keeps running a request whose prefill over all its tokens would exceed the \
+                 activation budget: abort it, or serve with a larger --activation-mib)"
             )));
         }
         let free = backend.release_memory(regions)?;

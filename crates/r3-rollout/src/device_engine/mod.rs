@@ -431,12 +431,13 @@ impl DeviceEngine {
         w + r > 0 || !self.finished.is_empty()
     }
 
-    /// Tokens generated so far by a queued or running request (a retracted one waits with
-    /// what it generated); None if unknown or finished.
+    /// Tokens generated so far by a running request (None if unknown, waiting — a
+    /// retracted request generates nothing while it waits — or finished).
     pub fn generated_tokens(&self, id: RequestId) -> Option<&[u32]> {
-        let running = self.running.iter().flat_map(|r| &r.rows);
-        running
-            .chain(&self.waiting)
+        self.running
+            .as_ref()?
+            .rows
+            .iter()
             .find(|r| r.id == id)
             .map(Row::generated)
     }

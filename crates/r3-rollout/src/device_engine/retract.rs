@@ -23,6 +23,11 @@ impl DeviceEngine {
             return Ok(0);
         };
         let back: Vec<bool> = running.rows.iter().map(|r| self.refills(r)).collect();
+        // Their fed positions go to the prefix cache first, as an abort's do: continued
+        // under the same weights, their prefill reads them back instead of computing them.
+        for (b, row) in running.rows.iter().enumerate().filter(|&(b, _)| back[b]) {
+            self.offer_or_warn(row, &running.cache, b);
+        }
         let mut retracted = Vec::new();
         if back.iter().all(|&b| b) {
             retracted = std::mem::take(&mut running.rows);
