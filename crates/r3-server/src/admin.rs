@@ -236,7 +236,8 @@ struct PauseBody {
 /// `POST /pause_generation`: stop generating until `/continue_generation`. Mode `abort`
 /// returns every in-flight request with what it generated (finish `abort`); `in_place`,
 /// `wait` and `retract` keep them, and they continue where they stopped. Requests that
-/// arrive while paused are queued.
+/// arrive while paused are queued. The answer counts the requests aborted or retracted
+/// (`aborted`) and those still running (`running`).
 pub async fn pause(
     State(state): State<AppState>,
     body: Result<Bytes, BytesRejection>,
@@ -258,9 +259,15 @@ pub async fn pause(
         }
     };
     let aborted = state.handle().pause(mode).await?;
-    Ok(Json(
-        json!({"success": true, "message": "generation paused", "aborted": aborted}),
-    ))
+    // Requests a retract kept running (too long to prefill again) hold their keys and
+    // values: a client about to release memory sees them here.
+    let running = state.handle().stats().running;
+    Ok(Json(json!({
+        "success": true,
+        "message": "generation paused",
+        "aborted": aborted,
+        "running": running,
+    })))
 }
 
 /// `POST /continue_generation`.

@@ -24,6 +24,9 @@
 //! Prompt log-probs (when asked) come from the prefill's logits of every prompt slot, copied
 //! to the host once. An aborted request resumes as on the CPU engine (its prompt extended by
 //! what it generated, its sampler stream carried over, routes merged by a `MergePolicy`).
+//! A retract (`retract.rs`) sends the running rows back to the queue without their keys and
+//! values, to be prefilled again over all their tokens; the weights can move to the host and
+//! back (`offload.rs`) while a trainer uses the device.
 //!
 //! The prefix cache (`prefix.rs`, on the CPU engine's radix tree `crate::prefix_cache`)
 //! keeps, per full block of `block_size` fed positions, the keys and values of every layer

@@ -138,6 +138,7 @@ fn a_retracted_request_finishes_unchanged_through_release_update_and_resume() {
     let paused = server.post("/pause_generation", &json!({"mode": "retract"}));
     assert_eq!(paused.status, 200, "{}", paused.text);
     assert_eq!(paused.body["aborted"], 1, "{}", paused.text);
+    assert_eq!(paused.body["running"], 0, "{}", paused.text);
     assert_eq!(queues(&server), (1, 0));
 
     let unknown = server.post("/release_memory_occupation", &json!({"tags": ["kv"]}));
