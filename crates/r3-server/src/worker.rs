@@ -2,8 +2,8 @@
 //! handlers send it commands over a channel and wait on a oneshot for the answer; requests
 //! that arrive while a step runs join the batch at the next step. After every step the worker
 //! checks running requests against their stop strings. While paused
-//! (`/pause_generation`), and while memory is released (`/release_memory_occupation`), it
-//! takes commands and queues requests but runs no step.
+//! (`/pause_generation`), and while the weights or KV cache are released
+//! (`/release_memory_occupation`), it takes commands and queues requests but runs no step.
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -126,7 +126,7 @@ pub struct WorkerStats {
     /// Whether generation is paused.
     pub paused: bool,
     /// Memory regions released by `/release_memory_occupation` and not yet resumed (no
-    /// step runs while any is).
+    /// step runs while the weights or the KV cache are).
     pub memory_released: Vec<&'static str>,
     /// Prefix cache counters of the backend, if it has a cache.
     pub prefix_cache: Option<PrefixCacheStats>,
@@ -287,9 +287,9 @@ impl EngineHandle {
         rx.await.map_err(|_| gone())
     }
 
-    /// Lets go of the engine's memory in `regions` (none may run a request: pause with mode
-    /// `abort` or `retract` first); no step runs until they are resumed. Returns the
-    /// device's free bytes after, where the engine has a device.
+    /// Lets go of the engine's memory in `regions` (no request may run: pause with mode
+    /// `abort` or `retract` first); no step runs until the weights and KV cache are
+    /// resumed. Returns the device's free bytes after, where the engine has a device.
     pub async fn release_memory(&self, regions: MemoryRegions) -> Result<Option<usize>, ApiError> {
         let (reply, rx) = oneshot::channel();
         self.send(Command::ReleaseMemory { regions, reply })?;
@@ -350,12 +350,7 @@ fn run<B: InferenceBackend>(
         let outcome = catch_unwind(AssertUnwindSafe(|| backend.step()));
         let mut finished = match outcome {
             Ok(Ok(results)) => book.finish(results),
-            // The engine names the requests a failed step dropped: only their batches fail,
-            // the others keep running (what finished meanwhile comes out of the next step).
-            Ok(Err(e)) => match failed_requests(&e) {
-                Some(ids) => book.fail_requests(&mut backend, &ids, &ApiError::from(e)),
-                None => book.fail_all(&mut backend, &ApiError::from(e)),
-            },
+            Ok(Err(e)) => book.fail_named(&mut backend, e),
             Err(_) => book.fail_all(&mut backend, &ApiError::internal("the engine panicked")),
         };
         finished += book.stop_on_strings(&mut backend);
@@ -438,10 +433,7 @@ impl Book {
                         Ok(n) => n,
                         // As after a failed step: the requests it names fail, the rest wait.
                         Err(e) => {
-                            match failed_requests(&e) {
-                                Some(ids) => self.fail_requests(backend, &ids, &ApiError::from(e)),
-                                None => self.fail_all(backend, &ApiError::from(e)),
-                            };
+                            self.fail_named(backend, e);
                             0
                         }
                     },
@@ -772,6 +764,17 @@ impl Book {
         ids.push(id);
         tracing::error!(request = id, error = %e, "abort failed");
         self.fail_requests(backend, &ids, &ApiError::from(e));
+    }
+
+    /// After an engine call that failed: the engine names the requests it dropped, and only
+    /// their batches fail, the others going on (what finished meanwhile comes out of the
+    /// next step); an error that names none fails every open request. Returns how many
+    /// requests ended.
+    fn fail_named<B: InferenceBackend>(&mut self, backend: &mut B, e: RolloutError) -> usize {
+        match failed_requests(&e) {
+            Some(ids) => self.fail_requests(backend, &ids, &ApiError::from(e)),
+            None => self.fail_all(backend, &ApiError::from(e)),
+        }
     }
 
     /// After a step that failed the engine requests `ids`: each open batch holding one gets
