@@ -3,6 +3,10 @@
 //! brought back. Checked against independent truth: the same requests run without a pause,
 //! the CPU engine's own retract under the same weight update, and a fresh engine built from
 //! the weights an offloaded engine was updated to.
+//!
+//! The device is the CPU in a default build (CI), CUDA GPU 0 with `--features cuda`
+//! (`scripts/cuda/build.sh` builds this file as `r3-rollout-device_pause`, which
+//! `scripts/cuda/check.sh` step 4 runs on the GPU machine).
 
 mod common;
 #[path = "../../r3-model/tests/common/mod.rs"]
