@@ -17,8 +17,8 @@ use common::{assert_same_extras, cpu_engine_over, differing_cells, max_abs_diff,
 use model_common::{sequences, tiny_config, tiny_weights};
 use r3_model::Config;
 use r3_rollout::{
-    DeviceEngine, DeviceEngineConfig, Dtype, GenerateRequest, GenerateResult, MergePolicy,
-    SamplingParams, TensorMap,
+    DeviceEngine, DeviceEngineConfig, Dtype, FinishReason, GenerateRequest, GenerateResult,
+    MergePolicy, SamplingParams, TensorMap,
 };
 
 /// How far a re-prefilled request's log-probs may be from the same request decoded without
@@ -41,8 +41,8 @@ fn device(cfg: &Config, map: &TensorMap, prefix_cache: bool, dtype: Dtype) -> De
 }
 
 /// Requests that exercise what a retracted row must keep: greedy with top log-probs and
-/// prompt log-probs; seeded sampling; seeded sampling with penalties and a minimum length
-/// (which read the tokens generated so far); all returning routes.
+/// prompt log-probs; seeded sampling; seeded sampling with penalties, stop ids and a minimum
+/// length (which read the tokens generated so far); all returning routes.
 fn requests(cfg: &Config) -> Vec<GenerateRequest> {
     let prompts = sequences(&[7, 5, 9], cfg.vocab_size, 11);
     let samplings = [
@@ -61,6 +61,9 @@ fn requests(cfg: &Config) -> Vec<GenerateRequest> {
             temperature: 1.0,
             frequency_penalty: 0.7,
             repetition_penalty: 1.3,
+            // A third of the vocabulary stops it, but not before its sixth token: a row
+            // retracted earlier must still count what it generated.
+            stop_token_ids: (0..cfg.vocab_size as u32).step_by(3).collect(),
             min_new_tokens: 6,
             seed: 8,
             ..SamplingParams::greedy(11)
@@ -145,6 +148,14 @@ fn retracted_requests_finish_as_without_the_retract() {
                 &reqs,
                 0,
                 |_| {},
+            );
+            // The third request stops on a stop id once its minimum length allows.
+            let third = &want[2];
+            assert!(
+                matches!(third.finish, FinishReason::Stop { .. }) && third.output_ids.len() >= 6,
+                "{what}: {:?} after {} tokens",
+                third.finish,
+                third.output_ids.len()
             );
             for steps in [1, 4] {
                 let mut dev = device(&cfg, &map, prefix_cache, Dtype::F32);
