@@ -28,9 +28,9 @@ def main():
     ap.add_argument("--device-url", help="a worker on the device engine (r3 serve --device cpu-candle)")
     a = ap.parse_args()
     from areal.api.cli_args import GenerationHyperparameters, InferenceEngineConfig, NameResolveConfig
-    from areal.api.io_struct import ModelRequest, WeightUpdateMeta
+    from areal.api.io_struct import ModelRequest
     from areal.engine.sglang_remote import RemoteSGLangEngine
-    from areal.utils import name_resolve, names
+    from areal.utils import name_resolve
 
     records = tempfile.mkdtemp(prefix="areal-names-")
     name_resolve.reconfigure(NameResolveConfig(type="nfs", nfs_record_root=records))
@@ -72,15 +72,9 @@ def main():
 
     def weight_cycle():
         eng.pause_generation()
-        version = 1
-        eng.set_version(version - 1)
-        meta = WeightUpdateMeta(type="disk", path=a.model_dir, clear_checkpoint_after_load=False)
-        # What AReaL's trainer does after saving the checkpoint: announce it.
-        name_resolve.add(names.update_weights_from_disk(config.experiment_name, config.trial_name,
-                                                        version - 1), str(time.time()), replace=True)
-        eng.update_weights_from_disk(meta).result(timeout=120)
+        update_from_disk(eng, config, a.model_dir, version=1)
         eng.continue_generation()
-        eng.set_version(version)
+        eng.set_version(1)
         r = agenerate(4)
         return len(r.output_tokens) > 0, f"after update: {r.stop_reason}"
 
@@ -88,6 +82,20 @@ def main():
     eng.destroy()
     if a.device_url:
         offload_cycle(a, tok, ids, config)
+
+
+def update_from_disk(eng, config, model_dir, version):
+    """The update from disk to `version` as AReaL's trainer drives it: the engine at the
+    version before, the saved checkpoint announced in name_resolve, then the engine's update
+    request to every server."""
+    from areal.api.io_struct import WeightUpdateMeta
+    from areal.utils import name_resolve, names
+
+    eng.set_version(version - 1)
+    meta = WeightUpdateMeta(type="disk", path=model_dir, clear_checkpoint_after_load=False)
+    name_resolve.add(names.update_weights_from_disk(config.experiment_name, config.trial_name,
+                                                    version - 1), str(time.time()), replace=True)
+    eng.update_weights_from_disk(meta).result(timeout=120)
 
 
 def offload_cycle(a, tok, ids, config):
@@ -100,9 +108,8 @@ def offload_cycle(a, tok, ids, config):
     import urllib.request
 
     from areal.api.cli_args import GenerationHyperparameters
-    from areal.api.io_struct import ModelRequest, WeightUpdateMeta
+    from areal.api.io_struct import ModelRequest
     from areal.engine.sglang_remote import RemoteSGLangEngine
-    from areal.utils import name_resolve, names
 
     c = "areal"
     config.backend = "sglang:d1"
@@ -128,17 +135,12 @@ def offload_cycle(a, tok, ids, config):
         eng.pause_generation()
         eng.offload()
         during = released()
-        version = 1
-        eng.set_version(version - 1)
-        meta = WeightUpdateMeta(type="disk", path=a.model_dir, clear_checkpoint_after_load=False)
-        name_resolve.add(names.update_weights_from_disk(config.experiment_name, config.trial_name,
-                                                        version - 1), str(time.time()), replace=True)
-        eng.update_weights_from_disk(meta).result(timeout=120)
+        update_from_disk(eng, config, a.model_dir, version=1)
         eng.onload()
         after_onload = released()
         eng.continue_generation()
         eng.resume()
-        eng.set_version(version)
+        eng.set_version(1)
         after = greedy()
         ok = (sorted(during) == ["cuda_graph", "kv_cache", "weights"] and after_onload == []
               and after == before and len(before) > 0)

@@ -106,7 +106,7 @@ impl MemoryRegions {
 
     /// Whether no region is held.
     pub fn is_empty(self) -> bool {
-        self.tags().is_empty()
+        !(self.weights || self.kv_cache || self.cuda_graph)
     }
 
     /// Whether a step would use what is held: the weights or the KV cache (r3 captures no

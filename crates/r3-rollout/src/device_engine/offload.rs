@@ -2,11 +2,11 @@
 //! `/release_memory_occupation` and `/resume_memory_occupation` ask for, as SGLang with
 //! `--enable-weights-cpu-backup`): the device memory they held is free meanwhile — for a
 //! trainer on the same GPU — and nothing is lost. An update while they are on the host
-//! writes over the host copy, so the weights brought back are the newest.
+//! writes over the host copy (`swap_in`), so the weights brought back are the newest.
 
 use candle_core::Device;
 
-use super::weights::{build_model, overwrite};
+use super::weights::build_model;
 use super::{DeviceEngine, HeldWeights, Loaded};
 use crate::error::RolloutError;
 use r3_model::Weights;
@@ -71,27 +71,5 @@ impl DeviceEngine {
     /// Whether the weights are on the host ([`DeviceEngine::offload_weights`]).
     pub fn weights_offloaded(&self) -> bool {
         matches!(self.held, HeldWeights::Offloaded(_))
-    }
-
-    /// An update of offloaded weights: `source` (checked to be the engine's names and
-    /// shapes) written over the host copy; bumps the weight version. A write that fails
-    /// leaves the copy torn, refused until an update succeeds, as on the device.
-    pub(super) fn write_offloaded(&mut self, source: &Weights) -> Result<u64, RolloutError> {
-        let HeldWeights::Offloaded(host) = &self.held else {
-            return Err(RolloutError::Weights(
-                "the engine's weights are not offloaded".into(),
-            ));
-        };
-        if let Err((name, e)) = overwrite(host, source) {
-            self.torn = Some(name.clone());
-            return Err(RolloutError::Weights(format!(
-                "the update of the offloaded weights failed part way, at {name} ({e}): they \
-                 are now partly the new version's and the engine generates nothing until an \
-                 update succeeds"
-            )));
-        }
-        self.torn = None;
-        self.version += 1;
-        Ok(self.version)
     }
 }

@@ -75,9 +75,12 @@ impl DeviceEngine {
                 check_same_tensors(shapes, &source)?;
                 return self.load_again(source.tensors());
             }
+            // On the host ([`DeviceEngine::offload_weights`]): the host copy is written,
+            // and the weights brought back are the update's.
             HeldWeights::Offloaded(host) => {
                 check_same_tensors(&shapes_of(host), &source)?;
-                return self.write_offloaded(&source);
+                let written = overwrite(host, &source);
+                return self.written(written);
             }
         };
         check_same_tensors(&shapes, &source)?;
@@ -101,6 +104,16 @@ impl DeviceEngine {
                 .reload_host_copies(weights)
                 .map_err(|e| failed("the routers' score biases", &e))
         });
+        self.written(written)
+    }
+
+    /// An update's end: written whole, the weights are at the next version; stopped part
+    /// way (at the tensor or stage named), they are torn and every step is refused until
+    /// an update succeeds.
+    fn written(
+        &mut self,
+        written: Result<(), (String, candle_core::Error)>,
+    ) -> Result<u64, RolloutError> {
         if let Err((name, e)) = written {
             self.torn = Some(name.clone());
             return Err(RolloutError::Weights(format!(
@@ -193,10 +206,7 @@ fn released() -> RolloutError {
 /// Refuses an update whose tensors (experts fused) are not the engine's: a name the engine
 /// holds and the update lacks, one the update brings and the engine does not hold (nothing
 /// would read it), or another shape. Nothing is written before this passes.
-pub(super) fn check_same_tensors(
-    held: &TensorShapes,
-    source: &Weights,
-) -> Result<(), RolloutError> {
+fn check_same_tensors(held: &TensorShapes, source: &Weights) -> Result<(), RolloutError> {
     let source = source.tensors();
     if let Some(name) = held.keys().find(|n| !source.contains_key(*n)) {
         return Err(RolloutError::Weights(format!(
@@ -224,7 +234,7 @@ pub(super) fn check_same_tensors(
 type TensorShapes = std::collections::BTreeMap<String, Vec<usize>>;
 
 /// The names and shapes of `weights`.
-pub(super) fn shapes_of(weights: &Weights) -> TensorShapes {
+fn shapes_of(weights: &Weights) -> TensorShapes {
     weights
         .tensors()
         .iter()
@@ -243,10 +253,7 @@ const MAX_COPY_ELEMS: usize = 1 << 31;
 /// converted copy on each device stands beside the weights until it is written). The model's
 /// layers hold the same storage, so they read the new values. A failure names the tensor it
 /// stopped at.
-pub(super) fn overwrite(
-    held: &Weights,
-    source: &Weights,
-) -> Result<(), (String, candle_core::Error)> {
+fn overwrite(held: &Weights, source: &Weights) -> Result<(), (String, candle_core::Error)> {
     for (name, dst) in held.tensors() {
         let write = || -> candle_core::Result<()> {
             let src = source
