@@ -190,10 +190,9 @@ pub trait InferenceBackend: Send + 'static {
     }
     /// Sends every running request back to the queue, releasing its KV; it is re-prefilled
     /// when next admitted (`/pause_generation` mode `retract`). Returns how many. A backend
-    /// without it keeps its requests where they are. An error names the requests it
-    /// dropped, as a failed step's does.
-    fn retract_all(&mut self) -> Result<usize, RolloutError> {
-        Ok(0)
+    /// without it keeps its requests where they are.
+    fn retract_all(&mut self) -> usize {
+        0
     }
     /// Lets go of the memory `regions` hold (the worker has checked that no request runs
     /// and runs no step until they are taken back); returns the device's free bytes after,
@@ -272,7 +271,7 @@ impl InferenceBackend for Engine {
         Engine::flush_prefix_cache(self)
     }
 
-    fn retract_all(&mut self) -> Result<usize, RolloutError> {
-        Ok(Engine::retract_all(self))
+    fn retract_all(&mut self) -> usize {
+        Engine::retract_all(self)
     }
 }

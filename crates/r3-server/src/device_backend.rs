@@ -62,7 +62,7 @@ impl InferenceBackend for DeviceEngine {
         DeviceEngine::generated_tokens(self, id).map(<[u32]>::to_vec)
     }
 
-    fn retract_all(&mut self) -> Result<usize, RolloutError> {
+    fn retract_all(&mut self) -> usize {
         DeviceEngine::retract_all(self)
     }
 

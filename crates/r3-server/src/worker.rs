@@ -429,14 +429,7 @@ impl Book {
             Command::Pause { mode, reply } => {
                 let n = match mode {
                     PauseMode::Abort => self.abort_where(backend, |_| true),
-                    PauseMode::Retract => match backend.retract_all() {
-                        Ok(n) => n,
-                        // As after a failed step: the requests it names fail, the rest wait.
-                        Err(e) => {
-                            self.fail_named(backend, e);
-                            0
-                        }
-                    },
+                    PauseMode::Retract => backend.retract_all(),
                     PauseMode::InPlace => 0,
                 };
                 self.paused = true;
@@ -477,9 +470,7 @@ impl Book {
         if running > 0 {
             return Err(ApiError::bad_request(format!(
                 "{running} requests are running: pause generation with mode abort or retract \
-                 before releasing memory (in_place keeps their keys and values, and a retract \
-                 keeps running a request whose prefill over all its tokens would exceed the \
-                 activation budget: abort it, or serve with a larger --activation-mib)"
+                 before releasing memory (in_place keeps their keys and values)"
             )));
         }
         let free = backend.release_memory(regions)?;

@@ -61,51 +61,29 @@ impl DeviceEngine {
         Ok(())
     }
 
-    /// Refuses a request whose prefill (cold: no cached prefix is counted on, as the cache
-    /// may have evicted it by admission) or last decode step, run alone, needs more than the
-    /// activation budget.
+    /// Refuses a request whose last decode step, run alone, needs more than the activation
+    /// budget. Its prefill is no bound: one whose step would exceed the budget is fed in
+    /// chunks that fit ([`super::memory::prefill_chunk`]), the least of them one token over
+    /// fewer slots than that decode step reads.
     fn check_activations(&self, req: &GenerateRequest) -> Result<(), RolloutError> {
         let len = req.input_ids.len();
         let new = req.sampling.max_new_tokens;
-        let logit_positions = if req.sampling.prompt_logprobs_from.is_some() {
-            len
-        } else {
-            1
-        };
-        let prefill = StepShape {
-            rows: 1,
-            time: len,
-            slots: len,
-            logit_positions,
-        };
         let decode = StepShape {
             rows: 1,
             time: 1,
             slots: len + new,
             logit_positions: 1,
         };
-        let (p, d) = (
-            step_activation_bytes(&self.model_cfg, prefill),
-            step_activation_bytes(&self.model_cfg, decode),
-        );
-        let need = p.max(d);
+        let need = step_activation_bytes(&self.model_cfg, decode);
         if need <= self.cfg.activation_bytes {
             return Ok(());
         }
-        let c = &self.model_cfg;
-        let step = if p >= d {
-            format!(
-                "its prefill: attention scores 3 × {} heads × {len} × {len}, logits 2 × {logit_positions} × {} vocabulary, f32",
-                c.num_attention_heads, c.vocab_size
-            )
-        } else {
-            format!("its last decode step over {} slots", len + new)
-        };
         Err(RolloutError::ActivationsTooLarge(format!(
             "a request of {len} prompt + {new} new tokens needs about {:.1} MiB of activations \
-             in one step on {} ({step}), the activation budget is {:.1} MiB",
+             in its last decode step on {} (over {} slots), the activation budget is {:.1} MiB",
             mib(need),
             self.cfg.device,
+            len + new,
             mib(self.cfg.activation_bytes)
         )))
     }
@@ -132,7 +110,9 @@ impl DeviceEngine {
     /// budget is rows × the furthest slot any row can reach: a running row reaches its
     /// padding, prompt and max new tokens (its padding grows if a longer prompt joins), a
     /// newcomer the joined batch's slots and its max new tokens. The prefill itself holds
-    /// the longest cached prefix and the longest uncached tail side by side.
+    /// the longest cached prefix and the longest uncached tail side by side. The prefill and
+    /// the joined batch's decode each have to fit the activation budget, except the prefill
+    /// of a request taken alone, which runs in chunks where it would not.
     ///
     /// A request whose first full blocks of tokens a row of this batch computes (beyond
     /// what that row found cached) waits for the next step ([`DeviceEngine::waits_for_sibling`]),
@@ -228,8 +208,13 @@ impl DeviceEngine {
                 slots: reach,
                 logit_positions: 1,
             };
-            let activations = step_activation_bytes(&self.model_cfg, prefill)
-                .max(step_activation_bytes(&self.model_cfg, decode));
+            // The first newcomer's prefill is no bound: where its step would exceed the
+            // budget, it is fed in chunks that fit (`prefill_chunk`), and stays alone in its
+            // batch, as any prefill beside it would exceed the budget too.
+            let mut activations = step_activation_bytes(&self.model_cfg, decode);
+            if !rows.is_empty() {
+                activations = activations.max(step_activation_bytes(&self.model_cfg, prefill));
+            }
             // A request alone always fits (`submit` checked it).
             if count > 1
                 && (held * kv_capacity_for(reach) * slot_bytes > self.cfg.kv_cache_bytes
@@ -293,6 +278,7 @@ impl DeviceEngine {
             return Ok(None);
         };
         row.cached = hit.tokens;
+        row.held = hit.tokens;
         // Rows already captured (a retracted row's, some perhaps under older weights) keep
         // their origin, as on the CPU engine; the cache's serve the positions past them.
         let (have, width) = (row.route_versions.len(), self.geo.row());
@@ -321,6 +307,7 @@ impl DeviceEngine {
             prompt_len: request.input_ids.len(),
             pad: 0,
             cached: 0,
+            held: 0,
             logprobs: Vec::new(),
             top_logprobs: Vec::new(),
             routes: Vec::new(),

@@ -27,6 +27,10 @@ pub struct Row {
     /// Leading prompt positions served by the prefix cache: their keys and values were in
     /// the batch's cache before its prefill, their route rows copied from the cache.
     pub cached: usize,
+    /// Leading positions whose keys and values the batch's cache holds ahead of the next
+    /// step of its prefill: the cached prefix, then the chunks fed so far where the prefill
+    /// runs in chunks (`prefill_layout`).
+    pub held: usize,
     /// Log-prob of each generated token (raw distribution).
     pub logprobs: Vec<f32>,
     /// Most likely alternatives of each generated token (when asked for).
@@ -73,10 +77,14 @@ impl Row {
             .saturating_sub(self.generated().len())
     }
 
-    /// Whether its prefill has prompt log-probs to compute: asked for, and not computed by
-    /// an earlier prefill (a retracted row's).
+    /// Whether its prefill has prompt log-probs to compute: asked for, and not all computed
+    /// by its earlier steps (the chunks fed before, or a retracted row's first prefill).
     pub fn asks_prompt_logprobs(&self) -> bool {
-        self.request.sampling.prompt_logprobs_from.is_some() && self.prompt_logprobs.is_none()
+        self.request.sampling.prompt_logprobs_from.is_some()
+            && self
+                .prompt_logprobs
+                .as_ref()
+                .is_none_or(|p| p.start + p.logprobs.len() + 1 < self.prompt_logprobs_end())
     }
 
     /// Whether it ran before: a row sent back to the queue by a retract, holding what it
@@ -100,6 +108,9 @@ pub struct StepLayout {
     /// Fed slots of each row that are padding before its first fed position (its route
     /// rows start after them).
     pub skip: Vec<usize>,
+    /// Each row's position after the last one fed: the row's positions `end − (time −
+    /// skip)..end` are its fed slots past the skip.
+    pub ends: Vec<usize>,
 }
 
 /// Whether the query in slot `query` of a sequence starting at slot `pad` sees the key in
@@ -112,33 +123,35 @@ fn visible(query: usize, key: usize, pad: usize, window: Option<usize>) -> bool 
     key >= pad && key <= query && window.is_none_or(|w| query - key < w)
 }
 
-/// The prefill of `rows` over a cache of `first` slots that holds each row's cached prefix
-/// right-aligned (its `cached` positions in slots `first − cached..first`, zeros in front;
-/// `first` = 0 when no row has one): each row's uncached tail is fed left-padded to the
-/// longest tail, in slots `first..first + time`. A row with a cached prefix and a tail
-/// shorter than the longest thus has a gap of padding slots between the two, which
-/// [`gap_order`] closes after the step. Padding slots are fed token 0 at position 0 and
-/// see only themselves; a real slot sees the real slots of its row up to its own position
-/// (within the sliding window, if any).
-pub fn prefill_layout(rows: &[Row], first: usize, window: Option<usize>) -> StepLayout {
-    let time = rows
-        .iter()
-        .map(|r| r.tokens.len() - r.cached)
-        .max()
-        .unwrap_or(0);
+/// The prefill step of `rows` over a cache of `first` slots that holds each row's first
+/// `held` positions right-aligned (slots `first − held..first`, zeros in front; `first` = 0
+/// when no row holds any): each row feeds its next positions, up to `chunk` of them (all it
+/// has left, where `chunk` is larger), left-padded to the most any row feeds, in slots
+/// `first..first + time`. A row holding positions and feeding fewer than the most thus has
+/// a gap of padding slots between the two, which [`gap_order`] closes after the step.
+/// Padding slots are fed token 0 at position 0 and see only themselves; a real slot sees
+/// the real slots of its row up to its own position (within the sliding window, if any).
+pub fn prefill_layout(
+    rows: &[Row],
+    first: usize,
+    window: Option<usize>,
+    chunk: usize,
+) -> StepLayout {
+    let end = |r: &Row| r.tokens.len().min(r.held.saturating_add(chunk));
+    let time = rows.iter().map(|r| end(r) - r.held).max().unwrap_or(0);
     let mut out = StepLayout {
         time,
         ..StepLayout::default()
     };
     for row in rows {
-        let cached = row.cached;
-        let gap = time - (row.tokens.len() - cached);
+        let (held, end) = (row.held, end(row));
+        let gap = time - (end - held);
         // The position a slot of this row holds (None: padding).
         let position = |slot: usize| {
             if slot < first {
-                slot.checked_sub(first - cached)
+                slot.checked_sub(first - held)
             } else {
-                (slot - first).checked_sub(gap).map(|j| cached + j)
+                (slot - first).checked_sub(gap).map(|j| held + j)
             }
         };
         for j in 0..time {
@@ -164,24 +177,25 @@ pub fn prefill_layout(rows: &[Row], first: usize, window: Option<usize>) -> Step
             }
         }
         out.skip.push(gap);
+        out.ends.push(end);
     }
     out
 }
 
-/// After [`prefill_layout`]'s step: the slot order (for `KvCache::permute_slots`) that
-/// moves each row's gap in front of its cached prefix, so every row's position `p` sits in
-/// slot `first + time − len + p` (the layout decoding assumes); None when no row has a gap
-/// (no cached prefix, or the longest tail).
-pub fn gap_order(rows: &[Row], first: usize, time: usize) -> Option<Vec<u32>> {
-    let gapped = |r: &Row| r.cached > 0 && r.tokens.len() - r.cached < time;
-    if !rows.iter().any(gapped) {
+/// After [`prefill_layout`]'s step `layout`: the slot order (for `KvCache::permute_slots`)
+/// that moves each row's gap in front of the positions it held, so every row's position
+/// `p` sits in slot `first + time − end + p` (the layout decoding and the next chunk
+/// assume); None when no row has a gap (none held positions, or each fed the most).
+pub fn gap_order(rows: &[Row], first: usize, layout: &StepLayout) -> Option<Vec<u32>> {
+    let gapped = |(r, &gap): (&Row, &usize)| r.held > 0 && gap > 0;
+    if !rows.iter().zip(&layout.skip).any(gapped) {
         return None;
     }
-    let slots = first + time;
+    let slots = first + layout.time;
     let mut order = Vec::with_capacity(rows.len() * slots);
-    for row in rows {
-        if gapped(row) {
-            let (pad, gap) = (first - row.cached, time - (row.tokens.len() - row.cached));
+    for (row, &gap) in rows.iter().zip(&layout.skip) {
+        if gapped((row, &gap)) {
+            let pad = first - row.held;
             order.extend((0..pad).chain(first..first + gap));
             order.extend((pad..first).chain(first + gap..slots));
         } else {
@@ -196,6 +210,7 @@ pub fn decode_layout(rows: &[Row], slots: usize, window: Option<usize>) -> StepL
     let mut out = StepLayout {
         time: 1,
         skip: vec![0; rows.len()],
+        ends: rows.iter().map(|r| r.tokens.len()).collect(),
         ..StepLayout::default()
     };
     for row in rows {
@@ -222,26 +237,26 @@ fn mask_value(visible: bool) -> f32 {
 /// captured on the calling thread alone.
 const CAPTURE_ROWS_PER_TASK: usize = 32;
 
-/// Appends to each capturing row the route rows of its real slots among the `time` slots a
-/// step fed (row `b`'s after its first `skip[b]`): `routes` holds per MoE layer
-/// `[batch · time · top_k]` ids. Rows side by side in tasks of 32 (`CAPTURE_ROWS_PER_TASK`):
-/// at batch 256 the capture was about 1% of a GPU's decode time, on one thread.
+/// Appends to each capturing row the route rows of its real slots among the slots a step
+/// fed (`layout`: row `b`'s after its first `skip[b]`, its positions up to `ends[b]`):
+/// `routes` holds per MoE layer `[batch · time · top_k]` ids. Rows side by side in tasks of
+/// 32 (`CAPTURE_ROWS_PER_TASK`): at batch 256 the capture was about 1% of a GPU's decode
+/// time, on one thread.
 pub fn capture_routes(
     rows: &mut [Row],
     routes: &[Vec<u32>],
     geo: &RouteGeometry,
-    skip: &[usize],
-    time: usize,
+    layout: &StepLayout,
     version: u64,
 ) {
-    let k = geo.top_k;
-    let capture = |(b, (row, &skip)): (usize, (&mut Row, &usize))| {
+    let (k, time) = (geo.top_k, layout.time);
+    let capture = |(b, (row, (&skip, &end))): (usize, (&mut Row, (&usize, &usize)))| {
         if !row.capture {
             return;
         }
-        // The fed positions end at the row's last token. A retracted row feeds again
-        // positions whose rows it captured when it first fed them: those rows stay.
-        let start = row.tokens.len().saturating_sub(time - skip);
+        // A retracted row feeds again positions whose rows it captured when it first fed
+        // them: those rows stay.
+        let start = end.saturating_sub(time - skip);
         let held = row.route_versions.len().saturating_sub(start);
         for j in (skip + held).min(time)..time {
             let at = (b * time + j) * k;
@@ -252,11 +267,12 @@ pub fn capture_routes(
             row.route_versions.push(version);
         }
     };
+    let fed = layout.skip.iter().zip(&layout.ends);
     if rows.len() < 2 * CAPTURE_ROWS_PER_TASK {
-        rows.iter_mut().zip(skip).enumerate().for_each(capture);
+        rows.iter_mut().zip(fed).enumerate().for_each(capture);
     } else {
         rows.par_iter_mut()
-            .zip(skip.par_iter())
+            .zip(layout.skip.par_iter().zip(layout.ends.par_iter()))
             .enumerate()
             .with_min_len(CAPTURE_ROWS_PER_TASK)
             .for_each(capture);
@@ -289,6 +305,7 @@ mod tests {
             prompt_len: 3,
             pad: 0,
             cached: 0,
+            held: 0,
             logprobs: Vec::new(),
             top_logprobs: Vec::new(),
             routes: vec![7; 2 * 3],
@@ -299,6 +316,62 @@ mod tests {
             request,
             resume: None,
         }
+    }
+
+    /// A step's layout as far as the capture reads it.
+    fn fed(time: usize, skip: Vec<usize>, ends: Vec<usize>) -> StepLayout {
+        StepLayout {
+            time,
+            skip,
+            ends,
+            ..StepLayout::default()
+        }
+    }
+
+    /// A chunk of 4 over a cache of 2 slots: a row holding 2 of 9 positions feeds 2..6 (not
+    /// to its end), one holding none of 3 feeds all 3 after a slot of padding, one holding 2
+    /// of 3 feeds its last after 3; the gap of the last moves in front of what it held, the
+    /// others' positions already end at the step's last slot.
+    #[test]
+    fn a_chunk_feeds_each_row_its_next_positions() {
+        let mut rows: Vec<Row> = (0..3).map(|b| row(b, true)).collect();
+        for (r, (len, held)) in rows.iter_mut().zip([(9, 2), (3, 0), (3, 2)]) {
+            r.tokens = (0..len as u32).map(|t| 100 * r.id as u32 + t).collect();
+            r.held = held;
+        }
+        let layout = prefill_layout(&rows, 2, None, 4);
+        assert_eq!(
+            (layout.time, &layout.skip, &layout.ends),
+            (4, &vec![0, 1, 3], &vec![6, 3, 3])
+        );
+        assert_eq!(
+            layout.tokens,
+            [vec![2, 3, 4, 5], vec![0, 100, 101, 102], vec![0, 0, 0, 202]].concat()
+        );
+        assert_eq!(
+            layout.positions,
+            [vec![2, 3, 4, 5], vec![0, 0, 1, 2], vec![0, 0, 0, 2]].concat()
+        );
+        // Row 0's position 3 (slot 3) sees slots 0..=3; row 2's position 2 (slot 5) sees
+        // its held slots 0 and 1 and itself, not the padding between.
+        let seen = |b: usize, j: usize| -> Vec<usize> {
+            let at = (b * 4 + j) * 6;
+            (0..6).filter(|&k| layout.mask[at + k] == 0.0).collect()
+        };
+        assert_eq!(seen(0, 1), vec![0, 1, 2, 3]);
+        assert_eq!(seen(2, 3), vec![0, 1, 5]);
+        assert_eq!(seen(1, 0), vec![2], "padding sees itself");
+        let order = gap_order(&rows, 2, &layout).expect("row 2 has a gap");
+        let expected: Vec<u32> = [
+            vec![0, 1, 2, 3, 4, 5],
+            (0..6).collect(),
+            vec![2, 3, 4, 0, 1, 5],
+        ]
+        .concat();
+        assert_eq!(order, expected);
+        // Fed to its end, a chunk larger than every row's rest is the whole prefill.
+        let whole = prefill_layout(&rows, 2, None, usize::MAX);
+        assert_eq!((whole.time, whole.ends), (7, vec![9, 3, 3]));
     }
 
     /// Each capturing row gets, after what it held, the route rows of its fed slots past its
@@ -330,7 +403,8 @@ mod tests {
                         .collect()
                 })
                 .collect();
-            capture_routes(&mut rows, &routes, &geo, &skip, time, 9);
+            let ends = rows.iter().map(|r| r.tokens.len()).collect();
+            capture_routes(&mut rows, &routes, &geo, &fed(time, skip.clone(), ends), 9);
             for (b, row) in rows.iter().enumerate() {
                 let mut want = vec![7u16; 6];
                 let mut versions = vec![0u64; 2];
@@ -373,7 +447,8 @@ mod tests {
             r.routes = vec![1; held * 2];
             r.route_versions = vec![3; held];
         }
-        capture_routes(&mut rows, &routes, &geo, &[1, 3, 2], time, 8);
+        let layout = fed(time, vec![1, 3, 2], vec![5, 5, 4]);
+        capture_routes(&mut rows, &routes, &geo, &layout, 8);
         assert_eq!(rows[0].routes, [vec![1; 8], vec![5, 45]].concat());
         assert_eq!(rows[0].route_versions, vec![3, 3, 3, 3, 8]);
         assert_eq!(rows[1].routes, [vec![1; 8], vec![15, 45]].concat());

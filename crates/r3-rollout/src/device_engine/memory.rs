@@ -98,6 +98,43 @@ pub fn step_activation_bytes(cfg: &Config, shape: StepShape) -> usize {
     floats.saturating_mul(4)
 }
 
+/// The most positions (at least 1, at most `rest`) one sequence feeds in a prefill step
+/// over a cache of `first` slots, its activations within `budget` bytes: `rest` where the
+/// whole rest fits, else the chunk of the prefill that does (every position through the
+/// LM head with `all_logits`). The step's scores grow with the slots it reaches, so the
+/// later chunks of one prompt are shorter.
+pub fn prefill_chunk(
+    cfg: &Config,
+    budget: usize,
+    first: usize,
+    rest: usize,
+    all_logits: bool,
+) -> usize {
+    let fits = |time: usize| {
+        let shape = StepShape {
+            rows: 1,
+            time,
+            slots: first + time,
+            logit_positions: if all_logits { time } else { 1 },
+        };
+        step_activation_bytes(cfg, shape) <= budget
+    };
+    if fits(rest) {
+        return rest;
+    }
+    // The step's bytes grow with its tokens: the largest that fits lies in [lo, hi).
+    let (mut lo, mut hi) = (1, rest);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
+}
+
 /// Mebibytes, for messages.
 pub(crate) fn mib(bytes: usize) -> f64 {
     bytes as f64 / (1u64 << 20) as f64
@@ -152,5 +189,46 @@ pub(super) mod tests {
             ..shape
         };
         assert!(step_activation_bytes(&cfg, long) > 10 * step_activation_bytes(&cfg, shape));
+    }
+
+    /// A chunk is the longest step within the budget: one more token exceeds it; over more
+    /// cache slots it is shorter; a rest that fits whole is fed whole.
+    #[test]
+    fn a_prefill_chunk_is_the_longest_step_that_fits() {
+        let cfg = qwen_tiny();
+        let bytes = |first: usize, time: usize, all: bool| {
+            let logit_positions = if all { time } else { 1 };
+            step_activation_bytes(
+                &cfg,
+                StepShape {
+                    rows: 1,
+                    time,
+                    slots: first + time,
+                    logit_positions,
+                },
+            )
+        };
+        let budget = bytes(0, 100, false);
+        for (first, all) in [(0, false), (0, true), (300, false), (300, true)] {
+            let chunk = prefill_chunk(&cfg, budget, first, 1000, all);
+            assert!(bytes(first, chunk, all) <= budget, "{first} {all}: {chunk}");
+            assert!(
+                bytes(first, chunk + 1, all) > budget,
+                "{first} {all}: {chunk} + 1"
+            );
+        }
+        assert_eq!(prefill_chunk(&cfg, budget, 0, 1000, false), 100);
+        assert!(prefill_chunk(&cfg, budget, 300, 1000, false) < 100);
+        assert!(prefill_chunk(&cfg, budget, 0, 1000, true) < 100);
+        assert_eq!(
+            prefill_chunk(&cfg, budget, 0, 60, false),
+            60,
+            "the whole rest fits"
+        );
+        assert_eq!(
+            prefill_chunk(&cfg, 1, 0, 60, false),
+            1,
+            "at least one token"
+        );
     }
 }

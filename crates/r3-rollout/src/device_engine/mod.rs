@@ -21,8 +21,15 @@
 //! dispatch from host ids, so capture copies nothing from the device), one row per position
 //! of prompt + output except the last token, which is never fed.
 //!
-//! Prompt log-probs (when asked) come from the prefill's logits of every prompt slot, copied
-//! to the host once. An aborted request resumes as on the CPU engine (its prompt extended by
+//! A request whose prefill in one step would exceed the activation budget (a long prompt:
+//! the composed attention's scores grow with its square) is fed in chunks instead, each the
+//! most positions whose step fits ([`memory::prefill_chunk`]), one chunk per step beside
+//! the running batch's decode: the cache holds the chunks fed so far as it holds a cached
+//! prefix, the next chunk is fed over them, and the last one samples the first token and
+//! joins the running batch. Nothing else is admitted meanwhile.
+//!
+//! Prompt log-probs (when asked) come from the prefill's logits of every prompt slot (chunk
+//! by chunk where it runs in chunks), copied to the host. An aborted request resumes as on the CPU engine (its prompt extended by
 //! what it generated, its sampler stream carried over, routes merged by a `MergePolicy`).
 //! A retract (`retract.rs`) sends the running rows back to the queue without their keys and
 //! values, to be prefilled again over all their tokens; the weights can move to the host and
@@ -73,7 +80,7 @@ use crate::request::{
     FinishReason, GenerateRequest, GenerateResult, PartialRollout, PromptLogprobs, RequestId,
 };
 use crate::sampler::top_logprobs;
-use batch::{capture_routes, decode_layout, gap_order, prefill_layout, Row};
+use batch::{capture_routes, decode_layout, gap_order, prefill_layout, Row, StepLayout};
 use picks::{device_picks, PickWay};
 use prefix::DeviceBlock;
 use weights::{build_model, check_budgets_fit};
@@ -96,9 +103,9 @@ pub struct DeviceEngineConfig {
     pub kv_cache_bytes: usize,
     /// Budget of one step's activations in bytes (the estimate of [`memory`]: attention
     /// scores, logits, hidden states of the step's tokens), beside `kv_cache_bytes`: a
-    /// request whose prefill or decode step alone exceeds it is refused, and waiting
-    /// requests join a batch only while the prefill they are fed in and the decode steps of
-    /// the batch they join stay within it.
+    /// request whose last decode step alone exceeds it is refused, one whose prefill alone
+    /// does is fed in chunks that fit, and waiting requests join a batch only while the
+    /// prefill they are fed in and the decode steps of the batch they join stay within it.
     pub activation_bytes: usize,
     /// Token positions per prefix-cache block (only full blocks are cached and matched).
     pub block_size: usize,
@@ -148,6 +155,15 @@ fn requests_failed(ids: Vec<RequestId>, source: RolloutError) -> RolloutError {
 /// The request ids of `rows`, in batch order.
 fn ids_of(rows: &[Row]) -> Vec<RequestId> {
     rows.iter().map(|r| r.id).collect()
+}
+
+/// Which of the engine's batches (see [`DeviceEngine::abort`]).
+#[derive(Debug, Clone, Copy)]
+enum Batch {
+    /// The running batch.
+    Running,
+    /// The batch whose prefill runs in chunks.
+    Prefilling,
 }
 
 /// The running batch and its cache.
@@ -223,6 +239,10 @@ pub struct DeviceEngine {
     /// far, its keys and values dropped.
     waiting: VecDeque<Row>,
     running: Option<Running>,
+    /// A batch whose prefill runs in chunks (one request whose whole prefill in one step
+    /// would exceed the activation budget): fed a chunk per step beside the running batch's
+    /// decode, it joins that batch once fed to its end; nothing else is admitted meanwhile.
+    prefilling: Option<Running>,
     /// The prefix cache (None when off).
     cache: Option<PrefixCache<DeviceBlock>>,
     capture_time: Duration,
@@ -350,6 +370,7 @@ impl DeviceEngine {
             next_id: 0,
             waiting: VecDeque::new(),
             running: None,
+            prefilling: None,
             cache,
             capture_time: Duration::ZERO,
             device_wait: Duration::ZERO,
@@ -415,11 +436,13 @@ impl DeviceEngine {
         self.cache.as_mut().map_or(0, |c| c.clear().len())
     }
 
-    /// Requests waiting for admission and requests running.
+    /// Requests waiting for admission and requests running (those whose prefill runs in
+    /// chunks included: they hold keys and values).
     pub fn queue_lengths(&self) -> (usize, usize) {
+        let rows = |b: &Option<Running>| b.as_ref().map_or(0, |r| r.rows.len());
         (
             self.waiting.len(),
-            self.running.as_ref().map_or(0, |r| r.rows.len()),
+            rows(&self.running) + rows(&self.prefilling),
         )
     }
 
@@ -437,10 +460,10 @@ impl DeviceEngine {
     /// Tokens generated so far by a running request (None if unknown, waiting — a
     /// retracted request generates nothing while it waits — or finished).
     pub fn generated_tokens(&self, id: RequestId) -> Option<&[u32]> {
-        self.running
-            .as_ref()?
-            .rows
-            .iter()
+        [&self.running, &self.prefilling]
+            .into_iter()
+            .flatten()
+            .flat_map(|b| &b.rows)
             .find(|r| r.id == id)
             .map(Row::generated)
     }
@@ -562,20 +585,29 @@ impl DeviceEngine {
     }
 
     /// Admits the waiting requests that fit beside `running`, prefills them and joins them
-    /// to it, what finishes in their first token added to `results`. An error names the
-    /// requests it dropped: the newcomers, or both batches where the join itself failed
+    /// to it, what finishes in their first token added to `results`; or, while a prefill
+    /// runs in chunks, feeds its next chunk, joining it once fed to its end. An error names
+    /// the requests it dropped: the newcomers, or both batches where the join itself failed
     /// (`running` is then taken: neither is whole).
     fn admit_and_join(
         &mut self,
         running: &mut Option<Running>,
         results: &mut Vec<GenerateResult>,
     ) -> Result<(), RolloutError> {
-        // Admission's errors name the newcomers it had taken from the queue.
-        let Some(mut joining) = self.admit(running.as_ref())? else {
-            return Ok(());
+        let mut joining = match self.prefilling.take() {
+            Some(batch) => batch,
+            // Admission's errors name the newcomers it had taken from the queue.
+            None => match self.admit(running.as_ref())? {
+                Some(batch) => batch,
+                None => return Ok(()),
+            },
         };
         self.advance(&mut joining)
             .map_err(|e| step_failed(&joining.rows, e))?;
+        if !joining.prefilled {
+            self.prefilling = Some(joining);
+            return Ok(());
+        }
         // The prefilled rows offer their full blocks at once, not only when they retire:
         // requests held back for them (`admit`) read them next step.
         for (b, row) in joining.rows.iter().enumerate() {
@@ -601,19 +633,21 @@ impl DeviceEngine {
         Ok(())
     }
 
-    /// Feeds `batch` one step (its prefill if it has not run, else one decode token per
-    /// row), captures its routes and samples each row's next token.
+    /// Feeds `batch` one step (its prefill, or its prefill's next chunk, if it has not run
+    /// to its end, else one decode token per row), captures its routes and, unless a chunk
+    /// left more to feed, samples each row's next token.
     fn advance(&mut self, batch: &mut Running) -> Result<(), RolloutError> {
         let window = self.window();
         let first = batch.cache.slots();
         let prefill = !batch.prefilled;
+        // Prompt log-probs need the prefill's logits at every prompt slot.
+        let all_logits = prefill && batch.rows.iter().any(Row::asks_prompt_logprobs);
         let layout = if prefill {
-            prefill_layout(&batch.rows, first, window)
+            let chunk = self.prefill_chunk(&batch.rows, first, all_logits);
+            prefill_layout(&batch.rows, first, window, chunk)
         } else {
             decode_layout(&batch.rows, first, window)
         };
-        // Prompt log-probs need the prefill's logits at every prompt slot.
-        let all_logits = prefill && batch.rows.iter().any(Row::asks_prompt_logprobs);
         let model = self.model()?;
         let routing = self.cfg.routing.for_step(
             batch.rows.len() * layout.time,
@@ -642,20 +676,30 @@ impl DeviceEngine {
             &mut batch.rows,
             &out.routes,
             &self.geo,
-            &layout.skip,
-            layout.time,
+            &layout,
             self.version,
         );
         self.capture_time += started.elapsed();
         if prefill {
             // Every row's position `p` in slot `pad + p` from here on.
-            if let Some(order) = gap_order(&batch.rows, first, layout.time) {
+            if let Some(order) = gap_order(&batch.rows, first, &layout) {
                 batch.cache.permute_slots(&order)?;
             }
-            for row in &mut batch.rows {
-                row.pad = first + layout.time - row.tokens.len();
+            for (row, &end) in batch.rows.iter_mut().zip(&layout.ends) {
+                row.pad = first + layout.time - end;
+                row.held = end;
             }
-            batch.prefilled = true;
+            batch.prefilled = batch.rows.iter().all(|r| r.held == r.tokens.len());
+        }
+        if !batch.prefilled {
+            // A chunk with more to feed samples nothing; its prompt log-probs are kept.
+            if all_logits {
+                let waiting = Instant::now();
+                let logits = self.staging.copy_f32(&out.logits)?;
+                self.device_wait += waiting.elapsed();
+                record_prompt_logprobs(&mut batch.rows, logits, &layout);
+            }
+            return Ok(());
         }
         // Rows that need only their greedy pick, or only a draw from their whole
         // distribution, get it made on the device; the others' rows of logits are copied to
@@ -700,16 +744,7 @@ impl DeviceEngine {
         let row_span = slots_per_row * vocab;
         if all_logits {
             // Every row was copied (none is reduced when prompt log-probs are asked for).
-            for (row, rows) in batch
-                .rows
-                .iter_mut()
-                .zip(copied_logits.chunks_exact(row_span.max(1)))
-            {
-                // A retracted row's were computed by its first prefill.
-                if row.asks_prompt_logprobs() {
-                    row.prompt_logprobs = prompt_logprobs(row, rows, vocab, first);
-                }
-            }
+            record_prompt_logprobs(&mut batch.rows, copied_logits, &layout);
         }
         let max_pos = self.model_cfg.max_position_embeddings;
         let mut next_copied = 0;
@@ -737,6 +772,23 @@ impl DeviceEngine {
         }
         sample_slots(&mut slots, max_pos);
         Ok(())
+    }
+
+    /// Positions each row of the prefill batch `rows` feeds in its next step over `first`
+    /// cache slots: all it has left, unless that is a request alone whose step would exceed
+    /// the activation budget (admission takes such a request into a batch of its own), fed
+    /// in chunks that fit ([`memory::prefill_chunk`]).
+    fn prefill_chunk(&self, rows: &[Row], first: usize, all_logits: bool) -> usize {
+        match rows {
+            [row] => memory::prefill_chunk(
+                &self.model_cfg,
+                self.cfg.activation_bytes,
+                first,
+                row.tokens.len() - row.held,
+                all_logits,
+            ),
+            _ => usize::MAX,
+        }
     }
 
     /// Sliding window of the attention, if any.
@@ -812,54 +864,76 @@ impl DeviceEngine {
     /// or None if the id is unknown or finished.
     pub fn abort(&mut self, id: RequestId) -> Result<Option<PartialRollout>, RolloutError> {
         if let Some(i) = self.waiting.iter().position(|w| w.id == id) {
-            let Some(w) = self.waiting.remove(i) else {
-                return Ok(None);
+            return match self.waiting.remove(i) {
+                Some(row) => self.partial_unsampled(row).map(Some),
+                None => Ok(None),
             };
-            // A retracted row holds what it made (its keys and values are gone already).
-            if w.was_fed() {
-                return self.partial(w).map(Some);
-            }
-            // A resumed request not yet admitted is still the call it continues.
-            if let Some(resume) = w.resume {
-                return Ok(Some(resume.earlier));
-            }
-            return Ok(Some(PartialRollout {
-                rng: w.rng,
-                request: w.request,
-                output_ids: Vec::new(),
-                output_logprobs: Vec::new(),
-                output_top_logprobs: Vec::new(),
-                prompt_logprobs: None,
-                routes: None,
-                weight_version: self.version,
-            }));
         }
-        let Some(mut running) = self.running.take() else {
+        // A row whose prefill runs in chunks has sampled nothing since its admission.
+        if let Some(row) = self.take_row(Batch::Prefilling, id)? {
+            return self.partial_unsampled(row).map(Some);
+        }
+        match self.take_row(Batch::Running, id)? {
+            Some(row) => self.partial(row).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// The batch `which` names.
+    fn batch_mut(&mut self, which: Batch) -> &mut Option<Running> {
+        match which {
+            Batch::Running => &mut self.running,
+            Batch::Prefilling => &mut self.prefilling,
+        }
+    }
+
+    /// Takes the row of request `id` out of batch `which` (None if it has none), its fed
+    /// positions offered to the prefix cache first, so a resume under the same weights does
+    /// not feed them again. A failed move of the batch's cache drops the batch: its
+    /// requests fail, named.
+    fn take_row(&mut self, which: Batch, id: RequestId) -> Result<Option<Row>, RolloutError> {
+        let Some(mut batch) = self.batch_mut(which).take() else {
             return Ok(None);
         };
-        let Some(i) = running.rows.iter().position(|r| r.id == id) else {
-            self.running = Some(running);
+        let Some(i) = batch.rows.iter().position(|r| r.id == id) else {
+            *self.batch_mut(which) = Some(batch);
             return Ok(None);
         };
-        // Its fed positions go to the prefix cache, so a resume under the same weights
-        // does not feed them again.
-        self.offer_or_warn(&running.rows[i], &running.cache, i);
-        let ids = ids_of(&running.rows);
-        // A failed row move leaves the batch's cache part moved: every request of it fails,
-        // named (the batch is dropped).
-        let row = running
-            .swap_remove(i)
-            .map_err(|e| requests_failed(ids, e))?;
-        if !running.rows.is_empty() {
-            if let Err(e) = trim(&mut running) {
+        self.offer_or_warn(&batch.rows[i], &batch.cache, i);
+        let ids = ids_of(&batch.rows);
+        let row = batch.swap_remove(i).map_err(|e| requests_failed(ids, e))?;
+        if !batch.rows.is_empty() {
+            if let Err(e) = trim(&mut batch) {
                 // The batch is dropped: its requests and the aborted one fail, named.
-                let mut ids = ids_of(&running.rows);
+                let mut ids = ids_of(&batch.rows);
                 ids.push(row.id);
                 return Err(requests_failed(ids, e));
             }
-            self.running = Some(running);
+            *self.batch_mut(which) = Some(batch);
         }
-        self.partial(row).map(Some)
+        Ok(Some(row))
+    }
+
+    /// What an aborted row that has sampled nothing since it was queued holds: a retracted
+    /// row what it made before (its keys and values are gone already), a resumed request the
+    /// call it continues, a new one nothing.
+    fn partial_unsampled(&mut self, row: Row) -> Result<PartialRollout, RolloutError> {
+        if row.was_fed() {
+            return self.partial(row);
+        }
+        if let Some(resume) = row.resume {
+            return Ok(resume.earlier);
+        }
+        Ok(PartialRollout {
+            rng: row.rng,
+            request: row.request,
+            output_ids: Vec::new(),
+            output_logprobs: Vec::new(),
+            output_top_logprobs: Vec::new(),
+            prompt_logprobs: None,
+            routes: None,
+            weight_version: self.version,
+        })
     }
 
     /// What an aborted row made so far, as [`DeviceEngine::resume`] takes it.
@@ -935,30 +1009,43 @@ fn trim(batch: &mut Running) -> Result<(), RolloutError> {
     Ok(())
 }
 
-/// The prompt log-probs `row` asked for, from its prefill logits `rows` (`vocab` values per
-/// fed slot, row-major, the first fed slot being slot `first` of the batch):
-/// `log softmax(logits[p − 1])[token p]` for prompt positions after the first reported one
-/// (as the CPU engine reports them).
-/// The prefix cache serves none of those positions (`prefix::servable`), so each was fed.
-fn prompt_logprobs(row: &Row, rows: &[f32], vocab: usize, first: usize) -> Option<PromptLogprobs> {
-    let from = row.request.sampling.prompt_logprobs_from?;
-    let end = row.prompt_logprobs_end();
-    let start = from.min(end.saturating_sub(1));
-    let top = row.request.sampling.top_logprobs;
-    let mut out = PromptLogprobs {
-        start,
-        ..PromptLogprobs::default()
-    };
-    for p in start..end.saturating_sub(1) {
-        let slot = row.pad + p - first;
-        let logits = &rows[slot * vocab..(slot + 1) * vocab];
-        out.logprobs
-            .push(log_softmax_at(logits, row.tokens[p + 1] as usize));
-        if top > 0 {
-            out.top_logprobs.push(top_logprobs(logits, top));
+/// Adds to each row of a prefill step the prompt log-probs it asks for among the positions
+/// the step fed (`layout`), from the step's logits `logits` (`[rows, time, vocab]`,
+/// row-major): `log softmax(logits[p − 1])[token p]` for prompt positions after the first
+/// reported one (as the CPU engine reports them). Positions computed before (an earlier
+/// chunk's, or a retracted row's first prefill) are kept; the prefix cache serves none of
+/// the others (`prefix::servable`), so each is fed by one of the row's prefill steps.
+fn record_prompt_logprobs(rows: &mut [Row], logits: &[f32], layout: &StepLayout) {
+    let time = layout.time;
+    let span = logits.len() / rows.len().max(1);
+    let vocab = span / time.max(1);
+    for (b, row) in rows.iter_mut().enumerate() {
+        if !row.asks_prompt_logprobs() {
+            continue;
+        }
+        let Some(from) = row.request.sampling.prompt_logprobs_from else {
+            continue;
+        };
+        let (skip, end) = (layout.skip[b], layout.ends[b]);
+        let fed_from = end - (time - skip);
+        let last = row.prompt_logprobs_end().saturating_sub(1);
+        let top = row.request.sampling.top_logprobs;
+        let tokens = &row.tokens;
+        let out = row.prompt_logprobs.get_or_insert_with(|| PromptLogprobs {
+            start: from.min(last),
+            ..PromptLogprobs::default()
+        });
+        let next = out.start + out.logprobs.len();
+        for p in next.max(fed_from)..end.min(last) {
+            let at = b * span + (skip + p - fed_from) * vocab;
+            let logits = &logits[at..at + vocab];
+            out.logprobs
+                .push(log_softmax_at(logits, tokens[p + 1] as usize));
+            if top > 0 {
+                out.top_logprobs.push(top_logprobs(logits, top));
+            }
         }
     }
-    Some(out)
 }
 
 /// The route table `row` returns (when it captured and its request asked for routes), its

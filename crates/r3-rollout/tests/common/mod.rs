@@ -151,6 +151,33 @@ pub fn assert_same_extras(
     }
 }
 
+/// Two results of one request agree whole: tokens, finish, top log-probs' tokens and routes
+/// (range, cells and the weight version of each row) equal; log-probs and prompt log-probs
+/// within `tol`.
+pub fn assert_same_result(
+    what: &str,
+    got: &r3_rollout::GenerateResult,
+    want: &r3_rollout::GenerateResult,
+    tol: f32,
+) {
+    assert_eq!(got.output_ids, want.output_ids, "{what}: tokens");
+    assert_eq!(got.finish, want.finish, "{what}: finish");
+    let d = max_abs_diff(&got.output_logprobs, &want.output_logprobs);
+    assert!(d <= tol, "{what}: log-probs differ by {d}");
+    assert_same_extras(what, got, want, tol);
+    let (a, b) = (
+        got.routes.as_ref().expect("routes"),
+        want.routes.as_ref().expect("routes"),
+    );
+    assert_eq!(
+        (a.start_pos(), a.end_pos()),
+        (b.start_pos(), b.end_pos()),
+        "{what}: routed positions"
+    );
+    assert_eq!(differing_cells(a, b), 0, "{what}: route cells");
+    assert_eq!(a.versions(), b.versions(), "{what}: route rows' versions");
+}
+
 /// The CPU engine over `map` in f32, without its prefix cache: the reference the device
 /// engine's tests compare with.
 pub fn cpu_engine_over(cfg: &r3_model::Config, map: &r3_rollout::TensorMap) -> Engine {

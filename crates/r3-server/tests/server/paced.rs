@@ -80,7 +80,7 @@ impl<B: InferenceBackend> InferenceBackend for Paced<B> {
         self.inner.flush_cache()
     }
 
-    fn retract_all(&mut self) -> Result<usize, RolloutError> {
+    fn retract_all(&mut self) -> usize {
         self.inner.retract_all()
     }
 

@@ -1,0 +1,255 @@
+//! The device engine's chunked prefill: a request whose prefill in one step would exceed the
+//! activation budget is fed in chunks that fit, one per step beside the running batch's
+//! decode, instead of being refused. Checked against independent truth: the same requests
+//! run alone on an engine whose budget takes the whole prefill at once (tokens, log-probs,
+//! prompt log-probs and routes), the chunk count the budget allows (from the documented
+//! estimate), and an abort or a retract in the middle of the chunks, which must resume into
+//! the uninterrupted request.
+//!
+//! The device is the CPU in a default build (CI), CUDA GPU 0 with `--features cuda`
+//! (`scripts/cuda/build.sh` builds this file as `r3-rollout-device_chunked_prefill`, which
+//! `scripts/cuda/check.sh` step 4 runs on the GPU machine).
+
+mod common;
+#[path = "../../r3-model/tests/common/mod.rs"]
+mod model_common;
+
+use candle_core::DType;
+use common::{assert_same_result, mixed_sampling, DEVICE};
+use model_common::{sequences, tiny_config, tiny_weights};
+use r3_model::Config;
+use r3_rollout::device_engine::memory::{step_activation_bytes, StepShape};
+use r3_rollout::{
+    DeviceEngine, DeviceEngineConfig, GenerateRequest, GenerateResult, MergePolicy, SamplingParams,
+    TensorMap,
+};
+
+/// How far a request's log-probs may be from the same request prefilled at once (a chunk's
+/// attention sums over fewer keys, grouped otherwise).
+const CHUNK_TOL: f32 = if cfg!(feature = "cuda") { 1e-4 } else { 1e-5 };
+
+/// The long prompt's length: the tiny configs hold 64 positions.
+const LONG: usize = 50;
+
+/// Bytes of a step of `rows` rows feeding `time` tokens over `slots` slots.
+fn bytes(cfg: &Config, rows: usize, time: usize, slots: usize, all_logits: bool) -> usize {
+    let shape = StepShape {
+        rows,
+        time,
+        slots,
+        logit_positions: if all_logits { time } else { 1 },
+    };
+    step_activation_bytes(cfg, shape)
+}
+
+/// A budget that takes two rows decoding over 80 slots (the short request's reach and the
+/// long prompt's padding in front of it, once joined), but not the long prompt's prefill in
+/// one step.
+fn small_budget(cfg: &Config) -> usize {
+    let budget = bytes(cfg, 2, 1, 80, false);
+    assert!(
+        bytes(cfg, 1, LONG, LONG, false) > budget,
+        "the prefill must not fit"
+    );
+    budget
+}
+
+/// A device engine over `map` with `activation_bytes`, the prefix cache on (blocks of 4) or
+/// off.
+fn engine(cfg: &Config, map: &TensorMap, activation_bytes: usize, cache: bool) -> DeviceEngine {
+    let engine_cfg = DeviceEngineConfig {
+        device: DEVICE,
+        activation_bytes,
+        prefix_cache: cache,
+        block_size: 4,
+        ..DeviceEngineConfig::default()
+    };
+    DeviceEngine::new(cfg.clone(), map, engine_cfg).expect("device engine")
+}
+
+/// A short request with seeded sampling, and the long one: greedy with top log-probs,
+/// prompt log-probs from position 3 (every chunk sends its positions through the head) when
+/// `prompt_logprobs`; both returning routes.
+fn requests(cfg: &Config, prompt_logprobs: bool) -> [GenerateRequest; 2] {
+    let prompts = sequences(&[6, LONG], cfg.vocab_size, 4);
+    let mut short = GenerateRequest::new(prompts[0].clone(), mixed_sampling(1, 20, 70));
+    let mut long = GenerateRequest::new(
+        prompts[1].clone(),
+        SamplingParams {
+            top_logprobs: 2,
+            prompt_logprobs_from: prompt_logprobs.then_some(3),
+            ..SamplingParams::greedy(8)
+        },
+    );
+    for r in [&mut short, &mut long] {
+        r.return_routes = true;
+        r.routed_experts_start_len = 1;
+    }
+    [short, long]
+}
+
+/// Tokens, finish, routes (cell for cell, their range and versions) equal; log-probs, top
+/// log-probs and prompt log-probs within `CHUNK_TOL`.
+fn assert_same(what: &str, got: &GenerateResult, want: &GenerateResult) {
+    assert_same_result(what, got, want, CHUNK_TOL);
+}
+
+/// Each request alone on an engine with the default budget (the whole prefill in one step).
+fn alone(cfg: &Config, map: &TensorMap, reqs: &[GenerateRequest]) -> Vec<GenerateResult> {
+    let mut big = engine(
+        cfg,
+        map,
+        DeviceEngineConfig::default().activation_bytes,
+        false,
+    );
+    reqs.iter()
+        .map(|r| big.generate(vec![r.clone()]).expect("alone").remove(0))
+        .collect()
+}
+
+/// Steps `dev` until it has no work, results by id into `done`.
+fn finish(dev: &mut DeviceEngine, done: &mut std::collections::HashMap<u64, GenerateResult>) {
+    while dev.has_work() {
+        done.extend(dev.step().expect("step").into_iter().map(|r| (r.id, r)));
+    }
+}
+
+/// A long prompt past the budget arrives while a short request decodes: it is fed in
+/// chunks, one per step, while the short one goes on decoding a token each step; then it
+/// joins and both finish as each alone with the whole prefill at once — on a GQA family,
+/// one with a sliding window shorter than a chunk and an MLA one.
+#[test]
+fn a_prompt_past_the_activation_budget_is_fed_in_chunks_beside_the_decode() {
+    for family in ["qwen3_moe", "mixtral", "deepseek_v3"] {
+        let cfg = tiny_config(family);
+        let map = tiny_weights(&cfg, 17, DType::F32).into_map();
+        let reqs = requests(&cfg, true);
+        let want = alone(&cfg, &map, &reqs);
+        let budget = small_budget(&cfg);
+        // The longest first chunk the budget takes (prompt log-probs: every position
+        // through the head); later chunks read more slots and are no longer.
+        let first_chunk = (1..LONG)
+            .take_while(|&t| bytes(&cfg, 1, t, t, true) <= budget)
+            .last()
+            .expect("a chunk of one token fits");
+        let mut dev = engine(&cfg, &map, budget, false);
+        let short = dev.submit(reqs[0].clone()).expect("submit");
+        let mut done = std::collections::HashMap::new();
+        for _ in 0..2 {
+            done.extend(dev.step().expect("step").into_iter().map(|r| (r.id, r)));
+        }
+        let long = dev
+            .submit(reqs[1].clone())
+            .expect("the prefill is no bound");
+        let mut chunks = 0;
+        loop {
+            let before = dev.generated_tokens(short).map_or(0, <[u32]>::len);
+            done.extend(dev.step().expect("step").into_iter().map(|r| (r.id, r)));
+            let after = dev.generated_tokens(short).map_or(0, <[u32]>::len);
+            assert_eq!(
+                after,
+                before + 1,
+                "{family}: the short request decodes each step"
+            );
+            chunks += 1;
+            match dev.generated_tokens(long) {
+                Some([]) => assert_eq!(dev.queue_lengths(), (0, 2), "{family}: both held"),
+                Some(_) => break,
+                None => panic!("{family}: the long request left the engine"),
+            }
+        }
+        println!("{family}: {LONG} prompt tokens in {chunks} chunks of at most {first_chunk}");
+        assert!(
+            chunks >= LONG.div_ceil(first_chunk) && chunks > 1,
+            "{family}: {chunks} chunks under a budget of {first_chunk} tokens"
+        );
+        finish(&mut dev, &mut done);
+        for (id, (w, what)) in [short, long].iter().zip(want.iter().zip(["short", "long"])) {
+            let got = done.remove(id).expect("finished");
+            assert_same(&format!("{family} {what}"), &got, w);
+        }
+    }
+}
+
+/// A request aborted between two chunks hands back nothing generated, its chunks' full
+/// blocks offered to the prefix cache; resumed, it reads them from the cache and finishes
+/// as the uninterrupted request.
+#[test]
+fn a_request_aborted_between_chunks_resumes_into_the_uninterrupted_one() {
+    let cfg = tiny_config("qwen3_moe");
+    let map = tiny_weights(&cfg, 19, DType::F32).into_map();
+    let reqs = requests(&cfg, false);
+    let want = alone(&cfg, &map, &reqs[1..]).remove(0);
+    let mut dev = engine(&cfg, &map, small_budget(&cfg), true);
+    let id = dev.submit(reqs[1].clone()).expect("submit");
+    for _ in 0..2 {
+        assert!(dev.step().expect("step").is_empty());
+    }
+    assert_eq!(dev.generated_tokens(id), Some(&[][..]), "between chunks");
+    let partial = dev.abort(id).expect("abort").expect("held");
+    assert!(partial.output_ids.is_empty() && partial.routes.is_none());
+    assert!(!dev.has_work());
+    let cached = dev.prefix_cache_stats().expect("on").cached_blocks;
+    assert!(cached >= 2, "two chunks' full blocks offered: {cached}");
+    let rid = dev
+        .resume(partial, MergePolicy::KeepPerTokenOrigin)
+        .expect("resume");
+    let mut done = std::collections::HashMap::new();
+    finish(&mut dev, &mut done);
+    let got = done.remove(&rid).expect("finished");
+    assert!(got.cached_tokens >= 8, "read back: {}", got.cached_tokens);
+    assert_same("resumed", &got, &want);
+}
+
+/// A retract between two chunks sends the long request back to the queue with the short
+/// one; admitted again, it is fed in chunks again (reading its blocks from the prefix
+/// cache) and both finish as alone.
+#[test]
+fn a_retract_between_chunks_queues_the_request_again() {
+    let cfg = tiny_config("deepseek_v3");
+    let map = tiny_weights(&cfg, 21, DType::F32).into_map();
+    let reqs = requests(&cfg, true);
+    let want = alone(&cfg, &map, &reqs);
+    let mut dev = engine(&cfg, &map, small_budget(&cfg), true);
+    let ids: Vec<u64> = reqs
+        .iter()
+        .map(|r| dev.submit(r.clone()).expect("submit"))
+        .collect();
+    // The short one is admitted first; the long one's chunks follow a step later.
+    let mut done = std::collections::HashMap::new();
+    while dev.generated_tokens(ids[1]).is_none() {
+        done.extend(dev.step().expect("step").into_iter().map(|r| (r.id, r)));
+    }
+    assert_eq!(
+        dev.generated_tokens(ids[1]),
+        Some(&[][..]),
+        "between chunks"
+    );
+    assert_eq!(dev.retract_all(), 2);
+    assert_eq!(dev.queue_lengths(), (2, 0));
+    finish(&mut dev, &mut done);
+    for (id, (w, what)) in ids.iter().zip(want.iter().zip(["short", "long"])) {
+        let got = done.remove(id).expect("finished");
+        assert_same(what, &got, w);
+    }
+}
+
+/// A request whose last decode step alone exceeds the budget can never run, chunks or not:
+/// refused at once, naming the numbers, and nothing is queued.
+#[test]
+fn a_request_whose_decode_exceeds_the_budget_is_refused() {
+    let cfg = tiny_config("qwen3_moe");
+    let map = tiny_weights(&cfg, 23, DType::F32).into_map();
+    let mut dev = engine(&cfg, &map, bytes(&cfg, 1, 1, 30, false), false);
+    let req = GenerateRequest::new(vec![3; 5], SamplingParams::greedy(40));
+    let err = dev.submit(req).expect_err("past the budget");
+    let text = err.to_string();
+    assert!(err.is_client_error(), "{text}");
+    assert!(
+        text.contains("5 prompt + 40 new") && text.contains("decode") && text.contains("45 slots"),
+        "{text}"
+    );
+    assert!(!dev.has_work());
+    let fits = GenerateRequest::new(vec![3; 5], SamplingParams::greedy(20));
+    assert_eq!(dev.generate(vec![fits]).expect("fits").len(), 1);
+}
