@@ -42,11 +42,11 @@ fn bytes(cfg: &Config, rows: usize, time: usize, slots: usize, all_logits: bool)
     step_activation_bytes(cfg, shape)
 }
 
-/// A budget that takes two rows decoding over 80 slots (the short request's reach and the
-/// long prompt's padding in front of it, once joined), but not the long prompt's prefill in
+/// A budget that takes three rows decoding over 80 slots (the requests' reach and the
+/// padding in front of the shorter ones, once joined), but not the long prompt's prefill in
 /// one step.
 fn small_budget(cfg: &Config) -> usize {
-    let budget = bytes(cfg, 2, 1, 80, false);
+    let budget = bytes(cfg, 3, 1, 80, false);
     assert!(
         bytes(cfg, 1, LONG, LONG, false) > budget,
         "the prefill must not fit"
@@ -114,24 +114,40 @@ fn finish(dev: &mut DeviceEngine, done: &mut std::collections::HashMap<u64, Gene
     }
 }
 
-/// A long prompt past the budget arrives while a short request decodes: it is fed in
-/// chunks, one per step, while the short one goes on decoding a token each step; then it
-/// joins and both finish as each alone with the whole prefill at once — on a GQA family,
-/// one with a sliding window shorter than a chunk and an MLA one.
+/// The chunks the budget cuts a lone prefill of `len` positions into (prompt log-probs: every
+/// position through the head): each the longest step over the slots fed before it that the
+/// budget takes, found by trying one length after another.
+fn chunks_under(cfg: &Config, budget: usize, len: usize, all_logits: bool) -> usize {
+    let (mut fed, mut chunks) = (0, 0);
+    while fed < len {
+        fed += (1..=len - fed)
+            .take_while(|&t| bytes(cfg, 1, t, fed + t, all_logits) <= budget)
+            .last()
+            .expect("a chunk of one token fits");
+        chunks += 1;
+    }
+    chunks
+}
+
+/// A long prompt past the budget arrives while a short request decodes: it is fed in as
+/// many chunks as the budget cuts, one per step, while the short one goes on decoding a
+/// token each step and a third request arriving meanwhile is admitted beside the chunks;
+/// then the long one joins and all finish as each alone with the whole prefill at once — on
+/// a GQA family, one with a sliding window shorter than a chunk and an MLA one.
 #[test]
 fn a_prompt_past_the_activation_budget_is_fed_in_chunks_beside_the_decode() {
     for family in ["qwen3_moe", "mixtral", "deepseek_v3"] {
         let cfg = tiny_config(family);
         let map = tiny_weights(&cfg, 17, DType::F32).into_map();
-        let reqs = requests(&cfg, true);
+        let mut reqs = requests(&cfg, true).to_vec();
+        let mut third =
+            GenerateRequest::new(reqs[0].input_ids[1..].to_vec(), mixed_sampling(0, 6, 3));
+        third.return_routes = true;
+        reqs.push(third);
         let want = alone(&cfg, &map, &reqs);
         let budget = small_budget(&cfg);
-        // The longest first chunk the budget takes (prompt log-probs: every position
-        // through the head); later chunks read more slots and are no longer.
-        let first_chunk = (1..LONG)
-            .take_while(|&t| bytes(&cfg, 1, t, t, true) <= budget)
-            .last()
-            .expect("a chunk of one token fits");
+        let want_chunks = chunks_under(&cfg, budget, LONG, true);
+        assert!(want_chunks > 2, "{family}: {want_chunks} chunks");
         let mut dev = engine(&cfg, &map, budget, false);
         let short = dev.submit(reqs[0].clone()).expect("submit");
         let mut done = std::collections::HashMap::new();
@@ -141,6 +157,7 @@ fn a_prompt_past_the_activation_budget_is_fed_in_chunks_beside_the_decode() {
         let long = dev
             .submit(reqs[1].clone())
             .expect("the prefill is no bound");
+        let mut ids = vec![short, long];
         let mut chunks = 0;
         loop {
             let before = dev.generated_tokens(short).map_or(0, <[u32]>::len);
@@ -152,19 +169,29 @@ fn a_prompt_past_the_activation_budget_is_fed_in_chunks_beside_the_decode() {
                 "{family}: the short request decodes each step"
             );
             chunks += 1;
+            let held = dev.queue_lengths();
             match dev.generated_tokens(long) {
-                Some([]) => assert_eq!(dev.queue_lengths(), (0, 2), "{family}: both held"),
+                Some([]) if chunks == 1 => {
+                    assert_eq!(held, (0, 2), "{family}: both held");
+                    // Arriving between chunks, it is admitted at the next step.
+                    ids.push(dev.submit(reqs[2].clone()).expect("submit"));
+                }
+                Some([]) => {
+                    assert_eq!(
+                        held,
+                        (0, 3),
+                        "{family}: the third admitted beside the chunks"
+                    );
+                    assert!(dev.generated_tokens(ids[2]).is_some_and(|t| !t.is_empty()));
+                }
                 Some(_) => break,
                 None => panic!("{family}: the long request left the engine"),
             }
         }
-        println!("{family}: {LONG} prompt tokens in {chunks} chunks of at most {first_chunk}");
-        assert!(
-            chunks >= LONG.div_ceil(first_chunk) && chunks > 1,
-            "{family}: {chunks} chunks under a budget of {first_chunk} tokens"
-        );
+        println!("{family}: {LONG} prompt tokens in {chunks} chunks");
+        assert_eq!(chunks, want_chunks, "{family}: chunks");
         finish(&mut dev, &mut done);
-        for (id, (w, what)) in [short, long].iter().zip(want.iter().zip(["short", "long"])) {
+        for (id, (w, what)) in ids.iter().zip(want.iter().zip(["short", "long", "third"])) {
             let got = done.remove(id).expect("finished");
             assert_same(&format!("{family} {what}"), &got, w);
         }
@@ -201,14 +228,14 @@ fn a_request_aborted_between_chunks_resumes_into_the_uninterrupted_one() {
     assert_same("resumed", &got, &want);
 }
 
-/// A retract between two chunks sends the long request back to the queue with the short
-/// one; admitted again, it is fed in chunks again (reading its blocks from the prefix
-/// cache) and both finish as alone.
+/// A retract between two chunks sends the long request back to the queue behind the short
+/// one; admitted again, it reads the full blocks its chunks offered from the prefix cache,
+/// is fed the rest, and both finish as alone.
 #[test]
 fn a_retract_between_chunks_queues_the_request_again() {
     let cfg = tiny_config("deepseek_v3");
     let map = tiny_weights(&cfg, 21, DType::F32).into_map();
-    let reqs = requests(&cfg, true);
+    let reqs = requests(&cfg, false);
     let want = alone(&cfg, &map, &reqs);
     let mut dev = engine(&cfg, &map, small_budget(&cfg), true);
     let ids: Vec<u64> = reqs
@@ -231,6 +258,144 @@ fn a_retract_between_chunks_queues_the_request_again() {
     for (id, (w, what)) in ids.iter().zip(want.iter().zip(["short", "long"])) {
         let got = done.remove(id).expect("finished");
         assert_same(what, &got, w);
+        if what == "long" {
+            assert!(
+                got.cached_tokens >= 4,
+                "its first chunk's blocks: {}",
+                got.cached_tokens
+            );
+        }
+    }
+}
+
+/// A prompt that starts with a cached prefix and asks prompt log-probs past it: the cache
+/// serves the blocks before the first asked-for position, the rest is fed in chunks over
+/// them, and the request finishes as on an engine without a cache that prefills at once.
+#[test]
+fn a_cached_prefix_then_chunks_equal_one_cold_prefill() {
+    let cfg = tiny_config("qwen3_moe");
+    let map = tiny_weights(&cfg, 27, DType::F32).into_map();
+    let long = requests(&cfg, false)[1].clone();
+    let mut head = GenerateRequest::new(long.input_ids[..24].to_vec(), SamplingParams::greedy(2));
+    head.return_routes = true;
+    let mut asks = long;
+    asks.sampling.prompt_logprobs_from = Some(20);
+    let want = alone(&cfg, &map, std::slice::from_ref(&asks)).remove(0);
+    let budget = small_budget(&cfg);
+    let mut dev = engine(&cfg, &map, budget, true);
+    dev.generate(vec![head]).expect("the head, cached");
+    let id = dev.submit(asks).expect("submit");
+    let mut done = std::collections::HashMap::new();
+    let mut steps = 0;
+    while !done.contains_key(&id) && dev.generated_tokens(id).is_none_or(<[u32]>::is_empty) {
+        done.extend(dev.step().expect("step").into_iter().map(|r| (r.id, r)));
+        steps += 1;
+    }
+    // 20 positions served (5 blocks of 4, up to the first asked-for one), 30 fed in chunks
+    // over them.
+    let mut fed = 20;
+    let mut want_steps = 0;
+    while fed < LONG {
+        fed += (1..=LONG - fed)
+            .take_while(|&t| bytes(&cfg, 1, t, fed + t, true) <= budget)
+            .last()
+            .expect("a chunk of one token fits");
+        want_steps += 1;
+    }
+    assert!(want_steps > 1);
+    assert_eq!(steps, want_steps);
+    finish(&mut dev, &mut done);
+    let got = done.remove(&id).expect("finished");
+    assert_eq!(got.cached_tokens, 20);
+    assert_same("cached, then chunks", &got, &want);
+}
+
+/// A weight update between two chunks starts the prefill over under the new weights: the
+/// request finishes as it does alone, prefilled at once, on an engine updated to them —
+/// prompt log-probs and route rows of one version, not the first chunk's of the old one.
+#[test]
+fn a_weight_update_between_chunks_starts_the_prefill_over() {
+    let cfg = tiny_config("qwen3_moe");
+    let old = tiny_weights(&cfg, 33, DType::F32).into_map();
+    let new = tiny_weights(&cfg, 34, DType::F32).into_map();
+    let long = requests(&cfg, true)[1].clone();
+    let mut big = engine(
+        &cfg,
+        &old,
+        DeviceEngineConfig::default().activation_bytes,
+        false,
+    );
+    big.update_weights(&new).expect("update");
+    let want = big.generate(vec![long.clone()]).expect("at once").remove(0);
+    let mut dev = engine(&cfg, &old, small_budget(&cfg), false);
+    let id = dev.submit(long).expect("submit");
+    assert!(dev.step().expect("step").is_empty());
+    assert_eq!(dev.generated_tokens(id), Some(&[][..]), "between chunks");
+    assert_eq!(dev.update_weights(&new).expect("update"), 1);
+    assert_eq!(dev.queue_lengths(), (1, 0), "queued to start over");
+    let mut done = std::collections::HashMap::new();
+    finish(&mut dev, &mut done);
+    let got = done.remove(&id).expect("finished");
+    assert_eq!(got.weight_version, 1);
+    assert_same("after the update", &got, &want);
+    let versions = got
+        .routes
+        .as_ref()
+        .and_then(|r| r.versions())
+        .expect("versions");
+    assert!(versions.iter().all(|&v| v == 1), "{versions:?}");
+}
+
+/// A cap on a prefill step's positions (`max_prefill_tokens`, `r3 serve
+/// --chunked-prefill-size`), with a budget that would take anything: a 50-token prompt is fed
+/// in chunks of 16, 16, 16 and 2 (its first token after the fourth step), and four 6-token
+/// prompts arriving together are prefilled two at a time (2 × 6 ≤ 16 < 3 × 6); each
+/// finishes as alone.
+#[test]
+fn a_token_cap_chunks_long_prompts_and_splits_prefill_batches() {
+    let cfg = tiny_config("qwen3_moe");
+    let map = tiny_weights(&cfg, 29, DType::F32).into_map();
+    let engine_cfg = DeviceEngineConfig {
+        device: DEVICE,
+        max_prefill_tokens: Some(16),
+        prefix_cache: false,
+        ..DeviceEngineConfig::default()
+    };
+    let mut dev = DeviceEngine::new(cfg.clone(), &map, engine_cfg).expect("device engine");
+    let long = requests(&cfg, true)[1].clone();
+    let want = alone(&cfg, &map, std::slice::from_ref(&long)).remove(0);
+    let id = dev.submit(long).expect("submit");
+    let mut done = std::collections::HashMap::new();
+    for step in 1..=4 {
+        done.extend(dev.step().expect("step").into_iter().map(|r| (r.id, r)));
+        let sampled = dev.generated_tokens(id).map_or(0, <[u32]>::len);
+        assert_eq!(sampled, usize::from(step == 4), "after step {step}");
+    }
+    finish(&mut dev, &mut done);
+    assert_same("capped", &done.remove(&id).expect("finished"), &want);
+
+    let shorts: Vec<GenerateRequest> = sequences(&[6, 6, 6, 6], cfg.vocab_size, 6)
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let mut r = GenerateRequest::new(p, mixed_sampling(i, 10, 40));
+            r.return_routes = true;
+            r
+        })
+        .collect();
+    let want = alone(&cfg, &map, &shorts);
+    let ids: Vec<u64> = shorts
+        .iter()
+        .map(|r| dev.submit(r.clone()).expect("submit"))
+        .collect();
+    done.extend(dev.step().expect("step").into_iter().map(|r| (r.id, r)));
+    assert_eq!(dev.queue_lengths(), (2, 2), "two prefilled, two waiting");
+    done.extend(dev.step().expect("step").into_iter().map(|r| (r.id, r)));
+    assert_eq!(dev.queue_lengths(), (0, 4));
+    finish(&mut dev, &mut done);
+    for (i, (id, w)) in ids.iter().zip(&want).enumerate() {
+        let got = done.remove(id).expect("finished");
+        assert_same(&format!("short {i}"), &got, w);
     }
 }
 

@@ -13,7 +13,7 @@ mod common;
 mod model_common;
 
 use candle_core::DType;
-use common::{assert_same_result, cpu_engine_over, max_abs_diff, DEVICE};
+use common::{assert_same_result, cpu_engine_over, DEVICE};
 use model_common::{sequences, tiny_config, tiny_weights};
 use r3_model::Config;
 use r3_rollout::{
@@ -340,23 +340,26 @@ fn released_weights_are_not_brought_back_by_an_onload() {
 }
 
 /// A row whose prefill over all its tokens would alone exceed the activation budget is
-/// retracted like the others and fed again in chunks; both rows finish as without the
-/// retract.
+/// retracted like the others and fed again in chunks, as many as the budget cuts (each the
+/// longest step within it), while the row queued behind it is admitted beside the chunks;
+/// both finish as without the retract, routes and their versions included.
 #[test]
 fn a_row_too_long_to_prefill_again_at_once_is_fed_again_in_chunks() {
     use r3_rollout::device_engine::memory::{step_activation_bytes, StepShape};
     let cfg = tiny_config("qwen3_moe");
     let map = tiny_weights(&cfg, 31, DType::F32).into_map();
-    let shape = |rows, time, slots| StepShape {
-        rows,
-        time,
-        slots,
-        logit_positions: 1,
+    let bytes = |rows, time, slots| {
+        let shape = StepShape {
+            rows,
+            time,
+            slots,
+            logit_positions: 1,
+        };
+        step_activation_bytes(&cfg, shape)
     };
     // Room for two rows decoding over 80 slots and a prefill of 8 tokens at least, not of 32.
-    let budget = step_activation_bytes(&cfg, shape(2, 1, 80))
-        .max(step_activation_bytes(&cfg, shape(1, 8, 8)));
-    assert!(step_activation_bytes(&cfg, shape(1, 32, 32)) > budget);
+    let budget = bytes(2, 1, 80).max(bytes(1, 8, 8));
+    assert!(bytes(1, 32, 32) > budget);
     let engine = |cfg: &Config| {
         let engine_cfg = DeviceEngineConfig {
             device: DEVICE,
@@ -367,8 +370,12 @@ fn a_row_too_long_to_prefill_again_at_once_is_fed_again_in_chunks() {
         DeviceEngine::new(cfg.clone(), &map, engine_cfg).expect("device engine")
     };
     let prompts = sequences(&[4, 4], cfg.vocab_size, 12);
-    let long = GenerateRequest::new(prompts[0].clone(), SamplingParams::greedy(40));
-    let short = GenerateRequest::new(prompts[1].clone(), SamplingParams::greedy(20));
+    let [long, short] = [(0, 40), (1, 20)].map(|(i, new)| {
+        let mut r = GenerateRequest::new(prompts[i].clone(), SamplingParams::greedy(new));
+        r.return_routes = true;
+        r.routed_experts_start_len = 1;
+        r
+    });
     let mut alone = engine(&cfg);
     let want: Vec<GenerateResult> = [&long, &short]
         .iter()
@@ -389,29 +396,35 @@ fn a_row_too_long_to_prefill_again_at_once_is_fed_again_in_chunks() {
     assert_eq!(dev.retract_all(), 2, "both rows");
     assert_eq!(dev.queue_lengths(), (2, 0));
     assert_eq!(dev.generated_tokens(ids[0]), None, "waiting");
-    // 4 + 30 tokens to feed again, in chunks no longer than the first the budget takes:
-    // nothing sampled until the last.
-    let first_chunk = (1..34)
-        .take_while(|&t| step_activation_bytes(&cfg, shape(1, t, t)) <= budget)
-        .last()
-        .expect("a chunk of one token fits");
+    // 4 + 30 tokens to feed again, each chunk the longest step over the slots fed before it
+    // that the budget takes: nothing sampled until the last.
+    let (mut fed, mut want_chunks) = (0, 0);
+    while fed < 34 {
+        fed += (1..=34 - fed)
+            .take_while(|&t| bytes(1, t, fed + t) <= budget)
+            .last()
+            .expect("a chunk of one token fits");
+        want_chunks += 1;
+    }
     let mut chunks = 0;
     while dev.generated_tokens(ids[0]).map_or(0, <[u32]>::len) <= 30 {
-        assert_eq!(dev.generated_tokens(ids[1]), None, "the short row waits");
         done.extend(dev.step().expect("step").into_iter().map(|r| (r.id, r)));
         chunks += 1;
     }
-    assert!(
-        chunks >= 34usize.div_ceil(first_chunk) && chunks > 1,
-        "{chunks} chunks"
+    assert!(want_chunks > 1);
+    assert_eq!(chunks, want_chunks);
+    // The short row, admitted at the second chunk's step, decoded at each one after.
+    let beside = dev.generated_tokens(ids[1]).map(<[u32]>::len);
+    assert_eq!(
+        beside,
+        Some(2 + chunks - 1),
+        "its 2 tokens before the retract, then 1 a step"
     );
     while dev.has_work() {
         done.extend(dev.step().expect("step").into_iter().map(|r| (r.id, r)));
     }
     for (id, w) in ids.iter().zip(&want) {
         let got = done.remove(id).expect("finished");
-        assert_eq!(got.output_ids, w.output_ids, "request {id}");
-        let d = max_abs_diff(&got.output_logprobs, &w.output_logprobs);
-        assert!(d <= REFILL_TOL, "request {id}: log-probs differ by {d}");
+        assert_same_result(&format!("request {id}"), &got, w, REFILL_TOL);
     }
 }

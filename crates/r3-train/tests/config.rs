@@ -279,6 +279,7 @@ fn rollout_engine_budgets_are_checked_by_key() {
             "rollout.prefix_cache_mib=0",
             "rollout.max_running=3",
             "rollout.kv_cache_mib=512",
+            "rollout.chunked_prefill_size=2048",
         ]),
     )
     .expect("budgets");
@@ -288,8 +289,11 @@ fn rollout_engine_budgets_are_checked_by_key() {
         (
             cfg.rollout.max_running,
             cfg.rollout.kv_cache_mib,
-            cfg.rollout.prefix_cache_mib
+            cfg.rollout.prefix_cache_mib,
+            cfg.rollout.chunked_prefill_size
         ),
-        (3, 512, 0)
+        (3, 512, 0, 2048)
     );
+    let unset = TrainConfig::resolve(None, &[]).expect("defaults");
+    assert_eq!(unset.rollout.chunked_prefill_size, 0, "no cap unless set");
 }

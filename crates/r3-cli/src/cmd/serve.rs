@@ -52,6 +52,14 @@ pub struct ServeArgs {
     /// step to it, beside the KV cache and the prefix cache; the CPU engine does not read it).
     #[arg(long, default_value_t = 8192)]
     pub activation_mib: usize,
+    /// Positions one prefill step feeds at most, as SGLang's flag: on the device engine
+    /// waiting requests join a prefill batch while its rows × their longest prompt stay
+    /// within it, and a longer prompt is fed in chunks of it; on the CPU engine, the tokens
+    /// of one step, decode and prefill chunks together. Not given, or -1 as SGLang takes it:
+    /// the device engine's prefills are bounded by `--activation-mib` alone (a prompt past
+    /// it is still fed in chunks), the CPU engine's steps by 4096 tokens.
+    #[arg(long, value_parser = parse_chunked_prefill_size, allow_hyphen_values = true)]
+    pub chunked_prefill_size: Option<ChunkedPrefill>,
     /// Prefix cache budget in MiB (0 disables the prefix cache).
     #[arg(long, default_value_t = 1024)]
     pub prefix_cache_mib: usize,
@@ -169,11 +177,38 @@ fn fit_open_file_limit(max_connections: usize) -> usize {
     max_connections
 }
 
+/// `--chunked-prefill-size`: a cap on a prefill step's positions, or none (SGLang's -1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChunkedPrefill {
+    /// At most this many positions.
+    Cap(usize),
+    /// No cap but the activation budget.
+    Off,
+}
+
+/// Parses `--chunked-prefill-size`: a positive count, or -1 for none.
+fn parse_chunked_prefill_size(text: &str) -> Result<ChunkedPrefill, String> {
+    match text.trim().parse::<i64>() {
+        Ok(-1) => Ok(ChunkedPrefill::Off),
+        Ok(n) if n > 0 => usize::try_from(n)
+            .map(ChunkedPrefill::Cap)
+            .map_err(|_| format!("{n} is past this machine's counts")),
+        _ => Err(format!(
+            "`{text}` is not a positive number of positions, or -1 for no cap"
+        )),
+    }
+}
+
 /// Runs `r3 serve`.
 pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     let dtype: Dtype = a.dtype.parse()?;
     let router_dtype: RouterDtype = a.router_dtype.parse()?;
     check_kv_cache_dtype(a.kv_cache_dtype, a.device)?;
+    let defaults = EngineConfig::default();
+    let (max_batch_tokens, max_prefill_tokens) = match a.chunked_prefill_size {
+        Some(ChunkedPrefill::Cap(n)) => (n, Some(n)),
+        Some(ChunkedPrefill::Off) | None => (defaults.max_batch_tokens, None),
+    };
     let cfg = EngineConfig {
         dtype,
         router_dtype,
@@ -183,7 +218,9 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         prefix_cache_bytes: a.prefix_cache_mib << 20,
         max_running: a.max_running,
         activation_bytes: a.activation_mib << 20,
-        ..EngineConfig::default()
+        max_batch_tokens,
+        max_prefill_tokens,
+        ..defaults
     };
     // The engine sets the precision the weights are checked against (its dtype).
     let load = LoadOptions {
@@ -283,6 +320,30 @@ fn check_kv_cache_dtype(kv: KvCacheDtype, device: RolloutDevice) -> anyhow::Resu
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `--chunked-prefill-size` as SGLang takes it: a positive count caps, -1 is no cap,
+    /// anything else is refused naming what it takes.
+    #[test]
+    fn chunked_prefill_size_takes_a_count_or_minus_one() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            serve: ServeArgs,
+        }
+        let parse = |extra: &[&str]| {
+            let args = ["r3", "--model", "m"].iter().chain(extra);
+            <Cli as clap::Parser>::try_parse_from(args).map(|c| c.serve.chunked_prefill_size)
+        };
+        assert_eq!(parse(&[]).expect("absent"), None);
+        let cap = parse(&["--chunked-prefill-size", "2048"]).expect("a count");
+        assert_eq!(cap, Some(ChunkedPrefill::Cap(2048)));
+        let off = parse(&["--chunked-prefill-size", "-1"]).expect("-1");
+        assert_eq!(off, Some(ChunkedPrefill::Off));
+        for bad in ["0", "-2", "many"] {
+            let err = parse(&["--chunked-prefill-size", bad]).expect_err(bad);
+            assert!(err.to_string().contains("-1 for no cap"), "{bad}: {err}");
+        }
+    }
 
     #[test]
     fn only_the_cpu_engine_takes_a_kv_cache_dtype() {

@@ -9,7 +9,7 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use super::batch::Row;
-use super::memory::{mib, step_activation_bytes, StepShape};
+use super::memory::{mib, prefill_steps, step_activation_bytes, StepShape};
 use super::{prefix, step_failed, DeviceEngine, Running};
 use crate::engine::sequence::ResumeState;
 use crate::engine::validate_request;
@@ -17,9 +17,31 @@ use crate::error::RolloutError;
 use crate::prefix_cache::shared_block_tokens;
 use crate::request::{GenerateRequest, PartialRollout, RequestId};
 
+/// A prefill running in chunks as admission counts it: what it will be when it joins the
+/// running batch.
+#[derive(Debug, Clone, Copy)]
+struct PendingJoin {
+    /// Its rows.
+    rows: usize,
+    /// Slots it holds then (all its tokens fed).
+    slots: usize,
+    /// The slots its rows may reach.
+    reach: usize,
+    /// Steps until it joins.
+    delay: usize,
+}
+
+/// The slots the rows of two batches may reach once joined: one holding `a_slots` slots
+/// whose rows reach `a_reach`, the other `b_slots` and `b_reach`; the one with fewer slots is
+/// left-padded to the other's count, its rows' reach growing by as much.
+fn joined_reach(a_slots: usize, a_reach: usize, b_slots: usize, b_reach: usize) -> usize {
+    let slots = a_slots.max(b_slots);
+    (a_reach + (slots - a_slots)).max(b_reach + (slots - b_slots))
+}
+
 impl DeviceEngine {
     /// Validates and queues a request; it joins the running batch at the next `step` that
-    /// has room for it (count and KV budget).
+    /// has room for it (count, KV and activation budgets).
     pub fn submit(&mut self, req: GenerateRequest) -> Result<RequestId, RolloutError> {
         self.validate(&req)?;
         let rng = ChaCha8Rng::seed_from_u64(req.sampling.seed);
@@ -166,11 +188,15 @@ impl DeviceEngine {
             ),
             None => (0, 0, 0, 0),
         };
+        // A prefill running in chunks joins later: its rows are counted as the joined batch
+        // will hold them then.
+        let pending = self.prefilling.as_ref().map(|p| self.pending_join(p));
+        let pending_rows = pending.map_or(0, |p| p.rows);
         let (mut longest, mut new_tokens, mut most_cached, mut longest_tail) = (0, 0, 0, 0);
         let mut asks_prompt_logprobs = false;
         let mut rows: Vec<Row> = Vec::new();
         let mut hits: Vec<Option<RowKv>> = Vec::new();
-        while running_rows + rows.len() < self.cfg.max_running {
+        while running_rows + pending_rows + rows.len() < self.cfg.max_running {
             let Some(next) = self.waiting.front() else {
                 break;
             };
@@ -184,10 +210,31 @@ impl DeviceEngine {
             let l = longest.max(len);
             let n = new_tokens.max(next.new_tokens_left());
             let (c, t) = (most_cached.max(cached), longest_tail.max(len - cached));
-            let slots = running_slots.max(l).max(c + t);
-            let reach = (running_reach + (slots - running_slots)).max(slots + n);
-            let count = running_rows + rows.len() + 1;
-            let held = running_held + rows.len() + 1;
+            // The first newcomer is fed in chunks where its prefill alone exceeds the
+            // budget or the cap; one prefill runs in chunks at a time.
+            let steps = if rows.is_empty() {
+                let limits = self.prefill_limits(next.asks_prompt_logprobs());
+                prefill_steps(&self.model_cfg, limits, cached, len - cached)
+            } else {
+                1
+            };
+            if steps > 1 && pending.is_some() {
+                break;
+            }
+            // A prefill in chunks joins the running batch its steps − 1 steps later, after
+            // as many of that batch's decode steps, each a slot more (its rows' reach
+            // stays): the joined batch's slots are counted as they will be then.
+            let delay = if running_rows > 0 { steps - 1 } else { 0 };
+            let at_join = running_slots + delay;
+            let slots = at_join.max(l).max(c + t);
+            let mut reach = joined_reach(at_join, running_reach, slots, slots + n);
+            if let Some(p) = pending {
+                // The prefill in chunks joins `p.delay` steps on, over the slots this
+                // batch holds by then.
+                reach = joined_reach(slots + p.delay, reach, p.slots, p.reach);
+            }
+            let count = running_rows + pending_rows + rows.len() + 1;
+            let held = running_held + pending_rows + rows.len() + 1;
             // The prefill feeds the newcomers' tails over the prefixes, then the joined
             // batch decodes over `reach` slots at most; the two steps run one after the
             // other, so each alone has to fit the activation budget.
@@ -215,10 +262,18 @@ impl DeviceEngine {
             if !rows.is_empty() {
                 activations = activations.max(step_activation_bytes(&self.model_cfg, prefill));
             }
+            // A second newcomer joins a prefill batch only within its token cap (the first,
+            // alone, is fed in chunks of it).
+            let past_cap = !rows.is_empty()
+                && self
+                    .cfg
+                    .max_prefill_tokens
+                    .is_some_and(|cap| (rows.len() + 1) * t > cap);
             // A request alone always fits (`submit` checked it).
             if count > 1
                 && (held * kv_capacity_for(reach) * slot_bytes > self.cfg.kv_cache_bytes
-                    || activations > self.cfg.activation_bytes)
+                    || activations > self.cfg.activation_bytes
+                    || past_cap)
             {
                 break;
             }
@@ -249,6 +304,27 @@ impl DeviceEngine {
             cache,
             prefilled: false,
         }))
+    }
+
+    /// What the prefill running in chunks, `batch`, will be when it joins the running
+    /// batch: its rows, slots and reach then, and the steps until then (its chunks left, each
+    /// after a decode step of the running batch).
+    fn pending_join(&self, batch: &Running) -> PendingJoin {
+        let mut join = PendingJoin {
+            rows: batch.rows.len(),
+            slots: 0,
+            reach: 0,
+            delay: 0,
+        };
+        for row in &batch.rows {
+            let len = row.tokens.len();
+            let limits = self.prefill_limits(row.asks_prompt_logprobs());
+            let steps = prefill_steps(&self.model_cfg, limits, row.held, len - row.held);
+            join.slots = join.slots.max(len);
+            join.reach = join.reach.max(len + row.new_tokens_left());
+            join.delay = join.delay.max(steps);
+        }
+        join
     }
 
     /// Prompt positions of a waiting request the prefix cache holds now (0 without a

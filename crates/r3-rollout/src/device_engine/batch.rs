@@ -29,7 +29,7 @@ pub struct Row {
     pub cached: usize,
     /// Leading positions whose keys and values the batch's cache holds ahead of the next
     /// step of its prefill: the cached prefix, then the chunks fed so far where the prefill
-    /// runs in chunks (`prefill_layout`).
+    /// runs in chunks (`prefill_layout`). Read only until the prefill ends.
     pub held: usize,
     /// Log-prob of each generated token (raw distribution).
     pub logprobs: Vec<f32>,

@@ -78,8 +78,9 @@ impl fmt::Display for RolloutDevice {
 
 impl DeviceEngineConfig {
     /// The device engine's settings for `device` taken from the CPU engine's (dtype,
-    /// router dtype, batch size, KV budget, activation budget, the prefix cache on or off,
-    /// its budget and block size; the token budget of a step has no counterpart, and the KV
+    /// router dtype, batch size, KV budget, activation budget, prefill token cap, the prefix
+    /// cache on or off, its budget and block size; the CPU engine's token budget of a step
+    /// (`max_batch_tokens`, decode and prefill together) has no counterpart, and the KV
     /// cache holds the compute dtype: [`RolloutEngine`]'s constructors refuse any other
     /// `kv_cache_dtype` than `auto` for this engine).
     pub fn from_engine_config(device: DeviceSpec, cfg: &EngineConfig) -> Self {
@@ -90,6 +91,7 @@ impl DeviceEngineConfig {
             max_running: cfg.max_running,
             kv_cache_bytes: cfg.kv_cache_bytes,
             activation_bytes: cfg.activation_bytes,
+            max_prefill_tokens: cfg.max_prefill_tokens,
             block_size: cfg.block_size,
             prefix_cache: cfg.prefix_cache,
             prefix_cache_bytes: cfg.prefix_cache_bytes,

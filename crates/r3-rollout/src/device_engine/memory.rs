@@ -98,18 +98,26 @@ pub fn step_activation_bytes(cfg: &Config, shape: StepShape) -> usize {
     floats.saturating_mul(4)
 }
 
-/// The most positions (at least 1, at most `rest`) one sequence feeds in a prefill step
-/// over a cache of `first` slots, its activations within `budget` bytes: `rest` where the
-/// whole rest fits, else the chunk of the prefill that does (every position through the
-/// LM head with `all_logits`). The step's scores grow with the slots it reaches, so the
-/// later chunks of one prompt are shorter.
-pub fn prefill_chunk(
-    cfg: &Config,
-    budget: usize,
-    first: usize,
-    rest: usize,
-    all_logits: bool,
-) -> usize {
+/// How a lone sequence's prefill is cut into steps: each step's activations within
+/// `budget` bytes and its positions within `cap` (the device engine's `activation_bytes`
+/// and `max_prefill_tokens`).
+#[derive(Debug, Clone, Copy)]
+pub struct PrefillLimits {
+    /// Bytes of activations one step may hold.
+    pub budget: usize,
+    /// Positions one step may feed (None: no cap but the budget).
+    pub cap: Option<usize>,
+    /// Whether every fed position goes through the LM head (prompt log-probs).
+    pub all_logits: bool,
+}
+
+/// The most positions (at least 1, at most `rest` and the cap) one sequence feeds in a
+/// prefill step over a cache of `first` slots within `limits`: `rest` where the whole rest
+/// fits, else the chunk of the prefill that does. The step's scores grow with the slots it
+/// reaches, so the later chunks of one prompt are shorter.
+pub fn prefill_chunk(cfg: &Config, limits: PrefillLimits, first: usize, rest: usize) -> usize {
+    let rest = rest.min(limits.cap.unwrap_or(rest).max(1));
+    let (budget, all_logits) = (limits.budget, limits.all_logits);
     let fits = |time: usize| {
         let shape = StepShape {
             rows: 1,
@@ -133,6 +141,22 @@ pub fn prefill_chunk(
         }
     }
     lo
+}
+
+/// Steps a lone sequence's prefill of `rest` positions over `first` cached ones takes in
+/// chunks of [`prefill_chunk`] (1 where the whole rest fits).
+pub fn prefill_steps(
+    cfg: &Config,
+    limits: PrefillLimits,
+    mut first: usize,
+    mut rest: usize,
+) -> usize {
+    let mut steps = 0;
+    while rest > 0 {
+        let t = prefill_chunk(cfg, limits, first, rest);
+        (first, rest, steps) = (first + t, rest - t, steps + 1);
+    }
+    steps.max(1)
 }
 
 /// Mebibytes, for messages.
@@ -209,26 +233,66 @@ pub(super) mod tests {
             )
         };
         let budget = bytes(0, 100, false);
+        let limits = |all_logits| PrefillLimits {
+            budget,
+            cap: None,
+            all_logits,
+        };
         for (first, all) in [(0, false), (0, true), (300, false), (300, true)] {
-            let chunk = prefill_chunk(&cfg, budget, first, 1000, all);
+            let chunk = prefill_chunk(&cfg, limits(all), first, 1000);
             assert!(bytes(first, chunk, all) <= budget, "{first} {all}: {chunk}");
             assert!(
                 bytes(first, chunk + 1, all) > budget,
                 "{first} {all}: {chunk} + 1"
             );
         }
-        assert_eq!(prefill_chunk(&cfg, budget, 0, 1000, false), 100);
-        assert!(prefill_chunk(&cfg, budget, 300, 1000, false) < 100);
-        assert!(prefill_chunk(&cfg, budget, 0, 1000, true) < 100);
+        assert_eq!(prefill_chunk(&cfg, limits(false), 0, 1000), 100);
+        assert!(prefill_chunk(&cfg, limits(false), 300, 1000) < 100);
+        assert!(prefill_chunk(&cfg, limits(true), 0, 1000) < 100);
         assert_eq!(
-            prefill_chunk(&cfg, budget, 0, 60, false),
+            prefill_chunk(&cfg, limits(false), 0, 60),
             60,
             "the whole rest fits"
         );
+        let tiny = PrefillLimits {
+            budget: 1,
+            ..limits(false)
+        };
+        assert_eq!(prefill_chunk(&cfg, tiny, 0, 60), 1, "at least one token");
+        let capped = PrefillLimits {
+            cap: Some(40),
+            ..limits(false)
+        };
         assert_eq!(
-            prefill_chunk(&cfg, 1, 0, 60, false),
-            1,
-            "at least one token"
+            prefill_chunk(&cfg, capped, 0, 1000),
+            40,
+            "the cap binds first"
         );
+        let at_300 = prefill_chunk(&cfg, limits(false), 300, 1000);
+        assert_eq!(
+            prefill_chunk(&cfg, capped, 300, 1000),
+            at_300,
+            "the budget binds"
+        );
+        // 100 positions in chunks of at most 40 where the budget takes them all: 40, 40, 20.
+        let roomy = PrefillLimits {
+            budget: usize::MAX,
+            ..capped
+        };
+        assert_eq!(prefill_steps(&cfg, roomy, 0, 100), 3);
+        assert_eq!(prefill_steps(&cfg, roomy, 7, 40), 1);
+        assert_eq!(
+            prefill_steps(&cfg, limits(false), 0, 0),
+            1,
+            "a step samples even so"
+        );
+        // Over the budget alone: as many steps as the chunks it takes one after another.
+        let (mut first, mut steps) = (0, 0);
+        while first < 1000 {
+            first += prefill_chunk(&cfg, limits(false), first, 1000 - first);
+            steps += 1;
+        }
+        assert_eq!(prefill_steps(&cfg, limits(false), 0, 1000), steps);
+        assert!(steps > 10, "{steps}");
     }
 }

@@ -22,15 +22,18 @@
 //! of prompt + output except the last token, which is never fed.
 //!
 //! A request whose prefill in one step would exceed the activation budget (a long prompt:
-//! the composed attention's scores grow with its square) is fed in chunks instead, each the
-//! most positions whose step fits ([`memory::prefill_chunk`]), one chunk per step beside
-//! the running batch's decode: the cache holds the chunks fed so far as it holds a cached
-//! prefix, the next chunk is fed over them, and the last one samples the first token and
-//! joins the running batch. Nothing else is admitted meanwhile.
+//! the composed attention's scores grow with its square) or the token cap
+//! (`max_prefill_tokens`) is fed in chunks instead, each the most positions whose step fits
+//! both ([`memory::prefill_chunk`]), one chunk per step beside the running batch's decode:
+//! the cache holds the chunks fed so far as it holds a cached prefix, the next chunk is fed
+//! over them, and the last one samples the first token and joins the running batch. Other
+//! requests are admitted meanwhile (counted with the chunked one as it will join), one
+//! prefill running in chunks at a time.
 //!
 //! Prompt log-probs (when asked) come from the prefill's logits of every prompt slot (chunk
-//! by chunk where it runs in chunks), copied to the host. An aborted request resumes as on the CPU engine (its prompt extended by
-//! what it generated, its sampler stream carried over, routes merged by a `MergePolicy`).
+//! by chunk where it runs in chunks), copied to the host. An aborted request resumes as on
+//! the CPU engine (its prompt extended by what it generated, its sampler stream carried
+//! over, routes merged by a `MergePolicy`).
 //! A retract (`retract.rs`) sends the running rows back to the queue without their keys and
 //! values, to be prefilled again over all their tokens; the weights can move to the host and
 //! back (`offload.rs`) while a trainer uses the device.
@@ -107,6 +110,11 @@ pub struct DeviceEngineConfig {
     /// does is fed in chunks that fit, and waiting requests join a batch only while the
     /// prefill they are fed in and the decode steps of the batch they join stay within it.
     pub activation_bytes: usize,
+    /// Positions one prefill step feeds at most, padding included (SGLang's
+    /// `--chunked-prefill-size`): waiting requests join a prefill batch while its rows ×
+    /// its longest uncached tail stay within it, and a request alone past it is fed in
+    /// chunks of at most as many. None: the activation budget alone bounds a prefill.
+    pub max_prefill_tokens: Option<usize>,
     /// Token positions per prefix-cache block (only full blocks are cached and matched).
     pub block_size: usize,
     /// Keep finished prefixes (keys and values on the device, and their route rows) for
@@ -129,6 +137,7 @@ impl Default for DeviceEngineConfig {
             max_running: 256,
             kv_cache_bytes: 4 << 30,
             activation_bytes: crate::engine::DEFAULT_ACTIVATION_BYTES,
+            max_prefill_tokens: None,
             block_size: 16,
             prefix_cache: true,
             prefix_cache_bytes: 1 << 30,
@@ -171,7 +180,8 @@ enum Batch {
 struct Running {
     rows: Vec<Row>,
     cache: KvCache,
-    /// Whether its prefill ran (before it, the cache holds only cached prefixes).
+    /// Whether its prefill has run to its end (before, the cache holds the cached prefixes
+    /// and the chunks fed so far).
     prefilled: bool,
 }
 
@@ -534,7 +544,8 @@ impl DeviceEngine {
 
     /// Runs one step: one decode token for every running sequence, then the prefill (and
     /// first token) of the waiting requests that fit beside the sequences still running,
-    /// which join the batch; returns the requests that finished in it.
+    /// which join the batch — or, while a prefill runs in chunks, its next chunk, sampling
+    /// and joining only after the last; returns the requests that finished in it.
     ///
     /// A step that fails (a device allocation that fails, above all) fails the requests it
     /// was computing, not the engine: the error names them and says whether the device ran
@@ -584,27 +595,40 @@ impl DeviceEngine {
         joined
     }
 
-    /// Admits the waiting requests that fit beside `running`, prefills them and joins them
-    /// to it, what finishes in their first token added to `results`; or, while a prefill
-    /// runs in chunks, feeds its next chunk, joining it once fed to its end. An error names
-    /// the requests it dropped: the newcomers, or both batches where the join itself failed
-    /// (`running` is then taken: neither is whole).
+    /// Feeds the prefill running in chunks, if any, its next chunk (joining it to `running`
+    /// once fed to its end), then admits the waiting requests that fit beside both,
+    /// prefills them and joins them to `running`, what finishes in a first token added to
+    /// `results`. An error names the requests it dropped: the newcomers, or both batches
+    /// where the join itself failed (`running` is then taken: neither is whole).
     fn admit_and_join(
         &mut self,
         running: &mut Option<Running>,
         results: &mut Vec<GenerateResult>,
     ) -> Result<(), RolloutError> {
-        let mut joining = match self.prefilling.take() {
-            Some(batch) => batch,
-            // Admission's errors name the newcomers it had taken from the queue.
-            None => match self.admit(running.as_ref())? {
-                Some(batch) => batch,
-                None => return Ok(()),
-            },
-        };
+        if let Some(chunked) = self.prefilling.take() {
+            self.prefill_and_join(chunked, running, results)?;
+        }
+        // Admission's errors name the newcomers it had taken from the queue.
+        match self.admit(running.as_ref())? {
+            Some(joining) => self.prefill_and_join(joining, running, results),
+            None => Ok(()),
+        }
+    }
+
+    /// Feeds `joining` its prefill, or its prefill's next chunk, and joins it to `running`
+    /// once fed to its end (kept as the prefill in chunks until then), what finishes in its
+    /// first token added to `results`; errors as [`DeviceEngine::admit_and_join`]'s.
+    fn prefill_and_join(
+        &mut self,
+        mut joining: Running,
+        running: &mut Option<Running>,
+        results: &mut Vec<GenerateResult>,
+    ) -> Result<(), RolloutError> {
         self.advance(&mut joining)
             .map_err(|e| step_failed(&joining.rows, e))?;
         if !joining.prefilled {
+            // Admission runs one prefill in chunks at a time.
+            debug_assert!(self.prefilling.is_none(), "a second prefill in chunks");
             self.prefilling = Some(joining);
             return Ok(());
         }
@@ -776,18 +800,26 @@ impl DeviceEngine {
 
     /// Positions each row of the prefill batch `rows` feeds in its next step over `first`
     /// cache slots: all it has left, unless that is a request alone whose step would exceed
-    /// the activation budget (admission takes such a request into a batch of its own), fed
-    /// in chunks that fit ([`memory::prefill_chunk`]).
+    /// the activation budget or `max_prefill_tokens` (admission takes such a request into a
+    /// batch of its own), fed in chunks within both ([`memory::prefill_chunk`]).
     fn prefill_chunk(&self, rows: &[Row], first: usize, all_logits: bool) -> usize {
         match rows {
-            [row] => memory::prefill_chunk(
-                &self.model_cfg,
-                self.cfg.activation_bytes,
-                first,
-                row.tokens.len() - row.held,
-                all_logits,
-            ),
+            [row] => {
+                let rest = row.tokens.len() - row.held;
+                let limits = self.prefill_limits(all_logits);
+                memory::prefill_chunk(&self.model_cfg, limits, first, rest)
+            }
             _ => usize::MAX,
+        }
+    }
+
+    /// How a lone request's prefill is cut into steps (the activation budget, the token
+    /// cap; with `all_logits` every position through the head).
+    fn prefill_limits(&self, all_logits: bool) -> memory::PrefillLimits {
+        memory::PrefillLimits {
+            budget: self.cfg.activation_bytes,
+            cap: self.cfg.max_prefill_tokens,
+            all_logits,
         }
     }
 
@@ -1116,6 +1148,66 @@ mod tests {
                 assert!((a - b).abs() < 1e-5, "request {i}: {a} against {b} alone");
             }
         }
+    }
+
+    /// Whatever the KV budget, the running batch never holds more than admission promised
+    /// (its rows' buffers × the capacity for the slots its furthest row may reach), when a
+    /// prefill in chunks of 16 joins a batch that decoded meanwhile and another request is
+    /// admitted between its chunks; and every request finishes.
+    #[test]
+    fn the_kv_budget_holds_while_a_prefill_runs_in_chunks() {
+        use r3_model::layers::attention::kv_capacity_for;
+        let cfg = memory::tests::qwen_tiny();
+        let tensors = r3_model::Weights::random(&cfg, &RandomInit::new(7), &Device::Cpu)
+            .and_then(|w| w.fuse_experts(&cfg))
+            .expect("weights")
+            .into_map();
+        // (arrival step, prompt length, new tokens): a long-running row, a prompt of 60 fed
+        // in 4 chunks once that row holds more slots than 60, and a row arriving between.
+        let arrivals = [(0, 4, 120), (70, 60, 100), (71, 4, 100)];
+        let slot_bytes = 2 * memory::layer_kv_floats(&cfg) * 4;
+        // From the longest request alone to three rows past the longest reach, 4 slots apart
+        // (an estimate off by the chunks' 3 decode steps is off by 2 rows × 4 slots here).
+        let alone = kv_capacity_for(160);
+        let mut chunked = 0;
+        for budget in (alone..3 * kv_capacity_for(200))
+            .step_by(4)
+            .map(|s| s * slot_bytes)
+        {
+            let config = DeviceEngineConfig {
+                kv_cache_bytes: budget,
+                max_prefill_tokens: Some(16),
+                prefix_cache: false,
+                ..DeviceEngineConfig::default()
+            };
+            let mut engine = DeviceEngine::new(cfg.clone(), &tensors, config).expect("engine");
+            let mut done = 0;
+            for step in 0..2000 {
+                for &(at, len, new) in &arrivals {
+                    if at == step {
+                        let prompt = (0..len as u32).map(|t| 3 + t % 50).collect();
+                        let req = GenerateRequest::new(prompt, SamplingParams::greedy(new));
+                        engine.submit(req).expect("fits alone");
+                    }
+                }
+                done += engine.step().expect("step").len();
+                chunked += usize::from(engine.prefilling.is_some());
+                if let Some(batch) = &engine.running {
+                    let reach = batch.rows.iter().map(Row::reach).max().unwrap_or(0);
+                    let held = batch.cache.buffer_rows().max(batch.rows.len());
+                    let holds = held * kv_capacity_for(reach) * slot_bytes;
+                    assert!(
+                        holds <= budget,
+                        "budget {budget}, step {step}: {holds} held"
+                    );
+                }
+                if done == arrivals.len() {
+                    break;
+                }
+            }
+            assert_eq!(done, arrivals.len(), "budget {budget}: all finish");
+        }
+        assert!(chunked > 0, "a prefill ran in chunks");
     }
 
     #[test]

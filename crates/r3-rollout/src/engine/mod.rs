@@ -57,6 +57,10 @@ pub struct EngineConfig {
     /// The device engine's activation budget for one step in bytes (its admission holds
     /// every step to it); the CPU engine sizes its buffers once and does not read it.
     pub activation_bytes: usize,
+    /// The device engine's cap on the positions one prefill step feeds
+    /// ([`crate::DeviceEngineConfig::max_prefill_tokens`]; None: none but the activation
+    /// budget); the CPU engine's counterpart is `max_batch_tokens`.
+    pub max_prefill_tokens: Option<usize>,
 }
 
 impl Default for EngineConfig {
@@ -72,6 +76,7 @@ impl Default for EngineConfig {
             max_batch_tokens: 4096,
             max_running: 256,
             activation_bytes: DEFAULT_ACTIVATION_BYTES,
+            max_prefill_tokens: None,
         }
     }
 }

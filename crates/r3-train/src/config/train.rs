@@ -153,6 +153,12 @@ pub struct RolloutConfig {
     /// every step to it; the CPU engine does not read it); `r3 serve --activation-mib`.
     /// Default 8192.
     pub activation_mib: usize,
+    /// Positions one prefill step of the in-process engine feeds at most (the device
+    /// engine's cap on a prefill batch, a longer prompt fed in chunks of it; the CPU
+    /// engine's tokens of one step); `r3 serve --chunked-prefill-size`. 0 is none (the
+    /// device engine's prefills bounded by `activation_mib` alone, the CPU engine's steps
+    /// by 4096 tokens), as `prefix_cache_mib = 0` is no cache. Default 0.
+    pub chunked_prefill_size: usize,
     /// The in-process engine's prefix cache budget in MiB (0 disables it: a GRPO group's
     /// samples then prefill their prompt each); `r3 serve --prefix-cache-mib`. Default 1024.
     pub prefix_cache_mib: usize,
@@ -412,6 +418,7 @@ impl Default for RolloutConfig {
             max_running: 256,
             kv_cache_mib: 2048,
             activation_mib: 8192,
+            chunked_prefill_size: 0,
             prefix_cache_mib: 1024,
             backend: RolloutBackend::Engine,
             urls: Vec::new(),

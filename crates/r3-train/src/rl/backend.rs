@@ -54,8 +54,8 @@ pub fn rollout_dtype(text: &str) -> Result<Dtype> {
 }
 
 /// The in-process engine's settings from `cfg.rollout`: its precision, KV cache dtype and
-/// budgets (rows, KV cache, one step's activations, prefix cache), as `r3 serve`'s flags
-/// set them.
+/// budgets (rows, KV cache, one step's activations, prefill tokens, prefix cache), as
+/// `r3 serve`'s flags set them.
 pub fn engine_config(cfg: &TrainConfig) -> Result<EngineConfig> {
     let r = &cfg.rollout;
     // `validate` bounds each budget; a config built without it still gets no wrapped count.
@@ -75,6 +75,12 @@ pub fn engine_config(cfg: &TrainConfig) -> Result<EngineConfig> {
         activation_bytes: bytes("rollout.activation_mib", r.activation_mib)?,
         prefix_cache: r.prefix_cache_mib > 0,
         prefix_cache_bytes: bytes("rollout.prefix_cache_mib", r.prefix_cache_mib)?,
+        // 0: no cap, as `r3 serve` without `--chunked-prefill-size`.
+        max_batch_tokens: match r.chunked_prefill_size {
+            0 => EngineConfig::default().max_batch_tokens,
+            n => n,
+        },
+        max_prefill_tokens: (r.chunked_prefill_size > 0).then_some(r.chunked_prefill_size),
         ..EngineConfig::default()
     })
 }
@@ -310,14 +316,18 @@ mod tests {
                 defaults.kv_cache_bytes,
                 defaults.activation_bytes,
                 defaults.prefix_cache,
-                defaults.prefix_cache_bytes
+                defaults.prefix_cache_bytes,
+                defaults.max_batch_tokens,
+                defaults.max_prefill_tokens
             ),
             (
                 engine.max_running,
                 engine.kv_cache_bytes,
                 engine.activation_bytes,
                 engine.prefix_cache,
-                engine.prefix_cache_bytes
+                engine.prefix_cache_bytes,
+                engine.max_batch_tokens,
+                engine.max_prefill_tokens
             )
         );
         let (policy, tokenizer) = arith_policy();
@@ -328,6 +338,7 @@ mod tests {
             cfg.rollout.kv_cache_mib = 96;
             cfg.rollout.activation_mib = 64;
             cfg.rollout.prefix_cache_mib = 0;
+            cfg.rollout.chunked_prefill_size = 512;
             let backend = Backend::connect(&cfg, &policy, &tokenizer, 0).expect("connect");
             let got = match &backend {
                 Backend::Engine(e) => {
@@ -337,6 +348,7 @@ mod tests {
                         c.kv_cache_bytes,
                         c.activation_bytes,
                         c.prefix_cache,
+                        Some(c.max_batch_tokens),
                     )
                 }
                 Backend::Device(e) => {
@@ -346,11 +358,12 @@ mod tests {
                         c.kv_cache_bytes,
                         c.activation_bytes,
                         c.prefix_cache,
+                        c.max_prefill_tokens,
                     )
                 }
                 Backend::Fleet(_) => panic!("{device}: a fleet"),
             };
-            assert_eq!(got, (7, 96 << 20, 64 << 20, false), "{device}");
+            assert_eq!(got, (7, 96 << 20, 64 << 20, false, Some(512)), "{device}");
         }
         let mut cfg = TrainConfig::default();
         cfg.rollout.prefix_cache_mib = 3;
