@@ -53,11 +53,12 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 8192)]
     pub activation_mib: usize,
     /// Positions one prefill step feeds at most, as SGLang's flag: on the device engine
-    /// waiting requests join a prefill batch while its rows × their longest prompt stay
-    /// within it, and a longer prompt is fed in chunks of it; on the CPU engine, the tokens
-    /// of one step, decode and prefill chunks together. Not given, or -1 as SGLang takes it:
-    /// the device engine's prefills are bounded by `--activation-mib` alone (a prompt past
-    /// it is still fed in chunks), the CPU engine's steps by 4096 tokens.
+    /// waiting requests join a prefill batch while its rows × their longest uncached prompt
+    /// tail stay within it, and a longer prompt is fed in chunks of it; on the CPU engine,
+    /// the prefill tokens of one step beside a token of each decoding row. Not given, or -1
+    /// as SGLang takes it: the device engine's prefills are bounded by `--activation-mib`
+    /// alone (a prompt past it is still fed in chunks), the CPU engine's steps by 4096
+    /// tokens, decode and prefill together.
     #[arg(long, value_parser = parse_chunked_prefill_size, allow_hyphen_values = true)]
     pub chunked_prefill_size: Option<ChunkedPrefill>,
     /// Prefix cache budget in MiB (0 disables the prefix cache).
@@ -205,8 +206,9 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     let router_dtype: RouterDtype = a.router_dtype.parse()?;
     check_kv_cache_dtype(a.kv_cache_dtype, a.device)?;
     let defaults = EngineConfig::default();
+    // The CPU engine's step budget counts a token of each decoding row too.
     let (max_batch_tokens, max_prefill_tokens) = match a.chunked_prefill_size {
-        Some(ChunkedPrefill::Cap(n)) => (n, Some(n)),
+        Some(ChunkedPrefill::Cap(n)) => (n.saturating_add(a.max_running), Some(n)),
         Some(ChunkedPrefill::Off) | None => (defaults.max_batch_tokens, None),
     };
     let cfg = EngineConfig {

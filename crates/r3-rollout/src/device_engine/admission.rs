@@ -213,8 +213,12 @@ impl DeviceEngine {
             // The first newcomer is fed in chunks where its prefill alone exceeds the
             // budget or the cap; one prefill runs in chunks at a time.
             let steps = if rows.is_empty() {
-                let limits = self.prefill_limits(next.asks_prompt_logprobs());
-                prefill_steps(&self.model_cfg, limits, cached, len - cached)
+                prefill_steps(
+                    &self.model_cfg,
+                    self.prefill_limits(next),
+                    cached,
+                    len - cached,
+                )
             } else {
                 1
             };
@@ -318,7 +322,7 @@ impl DeviceEngine {
         };
         for row in &batch.rows {
             let len = row.tokens.len();
-            let limits = self.prefill_limits(row.asks_prompt_logprobs());
+            let limits = self.prefill_limits(row);
             let steps = prefill_steps(&self.model_cfg, limits, row.held, len - row.held);
             join.slots = join.slots.max(len);
             join.reach = join.reach.max(len + row.new_tokens_left());

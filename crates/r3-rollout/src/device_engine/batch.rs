@@ -2,6 +2,8 @@
 //! step writes the same KV slot for all of them (one append per layer), each sequence at its
 //! own RoPE positions, with the additive masks and the route rows that layout implies.
 
+use std::ops::Range;
+
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
@@ -77,14 +79,36 @@ impl Row {
             .saturating_sub(self.generated().len())
     }
 
+    /// The prompt positions whose log-probs it reports (None: not asked for): each from the
+    /// logits at that position, scoring the token after it, so they end one before the
+    /// prompt does; empty for a request asking from the prompt's last token (SGLang's
+    /// default).
+    pub fn prompt_logprob_positions(&self) -> Option<Range<usize>> {
+        let from = self.request.sampling.prompt_logprobs_from?;
+        let end = self.prompt_logprobs_end().saturating_sub(1);
+        Some(from.min(end)..end)
+    }
+
     /// Whether its prefill has prompt log-probs to compute: asked for, and not all computed
     /// by its earlier steps (the chunks fed before, or a retracted row's first prefill).
     pub fn asks_prompt_logprobs(&self) -> bool {
-        self.request.sampling.prompt_logprobs_from.is_some()
-            && self
-                .prompt_logprobs
-                .as_ref()
-                .is_none_or(|p| p.start + p.logprobs.len() + 1 < self.prompt_logprobs_end())
+        let Some(positions) = self.prompt_logprob_positions() else {
+            return false;
+        };
+        let next = self
+            .prompt_logprobs
+            .as_ref()
+            .map_or(positions.start, |p| p.start + p.logprobs.len());
+        next < positions.end
+    }
+
+    /// Positions before which its prefill sends every position it feeds through the LM head:
+    /// the end of the prompt log-probs it still has to compute, 0 when none.
+    pub fn prompt_logits_until(&self) -> usize {
+        match self.prompt_logprob_positions() {
+            Some(positions) if self.asks_prompt_logprobs() => positions.end,
+            _ => 0,
+        }
     }
 
     /// Whether it ran before: a row sent back to the queue by a retract, holding what it

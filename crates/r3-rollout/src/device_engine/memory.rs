@@ -107,8 +107,9 @@ pub struct PrefillLimits {
     pub budget: usize,
     /// Positions one step may feed (None: no cap but the budget).
     pub cap: Option<usize>,
-    /// Whether every fed position goes through the LM head (prompt log-probs).
-    pub all_logits: bool,
+    /// Positions before which every position a step feeds goes through the LM head (the
+    /// prompt log-probs still to compute): a chunk starting before it sends all of its own.
+    pub logits_until: usize,
 }
 
 /// The most positions (at least 1, at most `rest` and the cap) one sequence feeds in a
@@ -117,7 +118,7 @@ pub struct PrefillLimits {
 /// reaches, so the later chunks of one prompt are shorter.
 pub fn prefill_chunk(cfg: &Config, limits: PrefillLimits, first: usize, rest: usize) -> usize {
     let rest = rest.min(limits.cap.unwrap_or(rest).max(1));
-    let (budget, all_logits) = (limits.budget, limits.all_logits);
+    let (budget, all_logits) = (limits.budget, first < limits.logits_until);
     let fits = |time: usize| {
         let shape = StepShape {
             rows: 1,
@@ -233,10 +234,10 @@ pub(super) mod tests {
             )
         };
         let budget = bytes(0, 100, false);
-        let limits = |all_logits| PrefillLimits {
+        let limits = |all_logits: bool| PrefillLimits {
             budget,
             cap: None,
-            all_logits,
+            logits_until: if all_logits { usize::MAX } else { 0 },
         };
         for (first, all) in [(0, false), (0, true), (300, false), (300, true)] {
             let chunk = prefill_chunk(&cfg, limits(all), first, 1000);
@@ -294,5 +295,21 @@ pub(super) mod tests {
         }
         assert_eq!(prefill_steps(&cfg, limits(false), 0, 1000), steps);
         assert!(steps > 10, "{steps}");
+        // Prompt log-probs up to position 400: the chunks before it send every position
+        // through the head, the ones after are as long as without.
+        let until = PrefillLimits {
+            logits_until: 400,
+            ..limits(false)
+        };
+        assert_eq!(
+            prefill_chunk(&cfg, until, 0, 1000),
+            prefill_chunk(&cfg, limits(true), 0, 1000)
+        );
+        assert_eq!(
+            prefill_chunk(&cfg, until, 400, 600),
+            prefill_chunk(&cfg, limits(false), 400, 600)
+        );
+        let with = prefill_steps(&cfg, until, 0, 1000);
+        assert!(with > steps && with < prefill_steps(&cfg, limits(true), 0, 1000));
     }
 }

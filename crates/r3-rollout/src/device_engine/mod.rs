@@ -250,8 +250,9 @@ pub struct DeviceEngine {
     waiting: VecDeque<Row>,
     running: Option<Running>,
     /// A batch whose prefill runs in chunks (one request whose whole prefill in one step
-    /// would exceed the activation budget): fed a chunk per step beside the running batch's
-    /// decode, it joins that batch once fed to its end; nothing else is admitted meanwhile.
+    /// would exceed the activation budget or the token cap): fed a chunk per step beside the
+    /// running batch's decode, it joins that batch once fed to its end; other requests are
+    /// admitted meanwhile, none of them fed in chunks.
     prefilling: Option<Running>,
     /// The prefix cache (None when off).
     cache: Option<PrefixCache<DeviceBlock>>,
@@ -667,7 +668,7 @@ impl DeviceEngine {
         // Prompt log-probs need the prefill's logits at every prompt slot.
         let all_logits = prefill && batch.rows.iter().any(Row::asks_prompt_logprobs);
         let layout = if prefill {
-            let chunk = self.prefill_chunk(&batch.rows, first, all_logits);
+            let chunk = self.prefill_chunk(&batch.rows, first);
             prefill_layout(&batch.rows, first, window, chunk)
         } else {
             decode_layout(&batch.rows, first, window)
@@ -802,24 +803,23 @@ impl DeviceEngine {
     /// cache slots: all it has left, unless that is a request alone whose step would exceed
     /// the activation budget or `max_prefill_tokens` (admission takes such a request into a
     /// batch of its own), fed in chunks within both ([`memory::prefill_chunk`]).
-    fn prefill_chunk(&self, rows: &[Row], first: usize, all_logits: bool) -> usize {
+    fn prefill_chunk(&self, rows: &[Row], first: usize) -> usize {
         match rows {
             [row] => {
                 let rest = row.tokens.len() - row.held;
-                let limits = self.prefill_limits(all_logits);
-                memory::prefill_chunk(&self.model_cfg, limits, first, rest)
+                memory::prefill_chunk(&self.model_cfg, self.prefill_limits(row), first, rest)
             }
             _ => usize::MAX,
         }
     }
 
-    /// How a lone request's prefill is cut into steps (the activation budget, the token
-    /// cap; with `all_logits` every position through the head).
-    fn prefill_limits(&self, all_logits: bool) -> memory::PrefillLimits {
+    /// How `row`'s prefill is cut into steps alone: the activation budget, the token cap,
+    /// and the positions whose logits its prompt log-probs still need.
+    fn prefill_limits(&self, row: &Row) -> memory::PrefillLimits {
         memory::PrefillLimits {
             budget: self.cfg.activation_bytes,
             cap: self.cfg.max_prefill_tokens,
-            all_logits,
+            logits_until: row.prompt_logits_until(),
         }
     }
 
@@ -874,13 +874,19 @@ impl DeviceEngine {
 
     /// The result of a finished (or aborted) row, with its route table.
     fn result(&self, row: Row, routes: Option<RouteTable>) -> Result<GenerateResult, RolloutError> {
+        // An empty range asked for (from the prompt's last token) computes nothing and is
+        // reported empty.
+        let empty = row.prompt_logprob_positions().map(|p| PromptLogprobs {
+            start: p.start,
+            ..PromptLogprobs::default()
+        });
         let mut result = GenerateResult {
             id: row.id,
             prompt_tokens: row.prompt_len,
             output_ids: row.generated().to_vec(),
             output_logprobs: row.logprobs,
             output_top_logprobs: row.top_logprobs,
-            prompt_logprobs: row.prompt_logprobs,
+            prompt_logprobs: row.prompt_logprobs.or(empty),
             finish: row.finish.unwrap_or(FinishReason::Abort),
             cached_tokens: row.cached,
             routes,
@@ -1055,20 +1061,19 @@ fn record_prompt_logprobs(rows: &mut [Row], logits: &[f32], layout: &StepLayout)
         if !row.asks_prompt_logprobs() {
             continue;
         }
-        let Some(from) = row.request.sampling.prompt_logprobs_from else {
+        let Some(positions) = row.prompt_logprob_positions() else {
             continue;
         };
         let (skip, end) = (layout.skip[b], layout.ends[b]);
         let fed_from = end - (time - skip);
-        let last = row.prompt_logprobs_end().saturating_sub(1);
         let top = row.request.sampling.top_logprobs;
         let tokens = &row.tokens;
         let out = row.prompt_logprobs.get_or_insert_with(|| PromptLogprobs {
-            start: from.min(last),
+            start: positions.start,
             ..PromptLogprobs::default()
         });
         let next = out.start + out.logprobs.len();
-        for p in next.max(fed_from)..end.min(last) {
+        for p in next.max(fed_from)..end.min(positions.end) {
             let at = b * span + (skip + p - fed_from) * vocab;
             let logits = &logits[at..at + vocab];
             out.logprobs
@@ -1102,17 +1107,23 @@ mod tests {
     use crate::sampler::SamplingParams;
     use r3_model::RandomInit;
 
+    /// `memory::tests::qwen_tiny` with seeded random weights (experts fused).
+    fn qwen_tiny_weights(seed: u64) -> (r3_model::Config, crate::TensorMap) {
+        let cfg = memory::tests::qwen_tiny();
+        let tensors = r3_model::Weights::random(&cfg, &RandomInit::new(seed), &Device::Cpu)
+            .and_then(|w| w.fuse_experts(&cfg))
+            .expect("weights")
+            .into_map();
+        (cfg, tensors)
+    }
+
     /// Rows retiring one by one free their KV places once they are half the buffer (one
     /// copy of the rows left), so the buffers never hold twice the rows still running —
     /// what admission counts; and every request's tokens are those it gets alone, its
     /// log-probs within a batch's rounding of them.
     #[test]
     fn retired_rows_places_are_freed_as_the_batch_shrinks() {
-        let cfg = memory::tests::qwen_tiny();
-        let tensors = r3_model::Weights::random(&cfg, &RandomInit::new(5), &Device::Cpu)
-            .and_then(|w| w.fuse_experts(&cfg))
-            .expect("weights")
-            .into_map();
+        let (cfg, tensors) = qwen_tiny_weights(5);
         let config = DeviceEngineConfig {
             max_running: 8,
             kv_cache_bytes: 64 << 20,
@@ -1157,11 +1168,7 @@ mod tests {
     #[test]
     fn the_kv_budget_holds_while_a_prefill_runs_in_chunks() {
         use r3_model::layers::attention::kv_capacity_for;
-        let cfg = memory::tests::qwen_tiny();
-        let tensors = r3_model::Weights::random(&cfg, &RandomInit::new(7), &Device::Cpu)
-            .and_then(|w| w.fuse_experts(&cfg))
-            .expect("weights")
-            .into_map();
+        let (cfg, tensors) = qwen_tiny_weights(7);
         // (arrival step, prompt length, new tokens): a long-running row, a prompt of 60 fed
         // in 4 chunks once that row holds more slots than 60, and a row arriving between.
         let arrivals = [(0, 4, 120), (70, 60, 100), (71, 4, 100)];
@@ -1208,6 +1215,78 @@ mod tests {
             assert_eq!(done, arrivals.len(), "budget {budget}: all finish");
         }
         assert!(chunked > 0, "a prefill ran in chunks");
+    }
+
+    /// The steps admission counts for a prefill in chunks (`prefill_steps`, which the KV
+    /// budget's join delay rests on) are the steps it takes, whether its prompt log-probs
+    /// send every position through the head (from 0, from the middle, a resumed request
+    /// whose reported prompt ends before its fed one) or none (not asked, or asked from the
+    /// last prompt token, SGLang's default, which computes nothing).
+    #[test]
+    fn admission_counts_the_steps_a_prefill_in_chunks_takes() {
+        use crate::MergePolicy;
+        let (cfg, tensors) = qwen_tiny_weights(9);
+        let shape = memory::StepShape {
+            rows: 1,
+            time: 12,
+            slots: 12,
+            logit_positions: 12,
+        };
+        let config = DeviceEngineConfig {
+            activation_bytes: memory::step_activation_bytes(&cfg, shape),
+            prefix_cache: false,
+            ..DeviceEngineConfig::default()
+        };
+        let request = |from: Option<usize>| {
+            let prompt = (0..60u32).map(|t| 5 + t % 40).collect();
+            let mut r = GenerateRequest::new(prompt, SamplingParams::greedy(4));
+            r.sampling.prompt_logprobs_from = from;
+            r
+        };
+        // Steps until `id` (waiting, next to be admitted) samples, and the steps admission
+        // counted for it.
+        let run = |engine: &mut DeviceEngine, id: RequestId| {
+            let row = engine.waiting.front().expect("waiting");
+            assert_eq!(row.id, id);
+            let len = row.tokens.len();
+            let counted = memory::prefill_steps(&cfg, engine.prefill_limits(row), 0, len);
+            let mut steps = 0;
+            while engine.generated_tokens(id).is_none_or(<[u32]>::is_empty) {
+                engine.step().expect("step");
+                steps += 1;
+            }
+            (steps, counted)
+        };
+        let mut counts = Vec::new();
+        for from in [None, Some(59), Some(30), Some(0)] {
+            let mut engine =
+                DeviceEngine::new(cfg.clone(), &tensors, config.clone()).expect("engine");
+            let id = engine.submit(request(from)).expect("submit");
+            let (steps, counted) = run(&mut engine, id);
+            assert_eq!(steps, counted, "from {from:?}");
+            counts.push(steps);
+            while engine.has_work() {
+                engine.step().expect("step");
+            }
+            if from == Some(0) {
+                // Resumed after two tokens: 62 tokens fed, log-probs reported up to 60.
+                let id = engine.submit(request(from)).expect("submit");
+                while engine.generated_tokens(id).is_none_or(|t| t.len() < 2) {
+                    engine.step().expect("step");
+                }
+                let partial = engine.abort(id).expect("abort").expect("running");
+                let rid = engine
+                    .resume(partial, MergePolicy::KeepPerTokenOrigin)
+                    .expect("resume");
+                let (steps, counted) = run(&mut engine, rid);
+                assert_eq!(steps, counted, "resumed");
+            }
+        }
+        assert_eq!(
+            counts[0], counts[1],
+            "from the last token computes nothing: {counts:?}"
+        );
+        assert!(counts[3] > counts[0] && counts[2] > counts[0], "{counts:?}");
     }
 
     #[test]

@@ -37,29 +37,13 @@ impl DeviceEngine {
         n
     }
 
-    /// Sends a prefill running in chunks back to the front of the queue to start over: after
-    /// a weight update, so that a prompt's keys, values, route rows and log-probs all come
-    /// from the weights of one version.
-    pub(super) fn restart_chunked_prefill(&mut self) {
-        if let Some(batch) = self.prefilling.take() {
-            for row in batch.rows.into_iter().rev() {
-                self.queue_front(row);
-            }
-        }
-    }
-
-    /// Puts `row` at the front of the queue without its keys and values. One that has
-    /// sampled nothing since it was queued (caught between the chunks of its prefill) drops
-    /// what those chunks recorded too and starts over; one that sampled keeps what it made.
+    /// Puts `row` at the front of the queue without its keys and values, holding what it
+    /// recorded (a row caught between the chunks of its prefill, its chunks' route rows and
+    /// prompt log-probs, as the CPU engine's retract keeps them).
     fn queue_front(&mut self, mut row: Row) {
         row.pad = 0;
         row.cached = 0;
         row.held = 0;
-        if !row.was_fed() {
-            row.routes.clear();
-            row.route_versions.clear();
-            row.prompt_logprobs = None;
-        }
         self.waiting.push_front(row);
     }
 }

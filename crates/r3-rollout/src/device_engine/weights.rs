@@ -20,8 +20,9 @@ use crate::model::tensors::{load_dir_with, TensorMap};
 impl DeviceEngine {
     /// Loads new weights (same config) from HF-named tensors, e.g. the trainer's; bumps the
     /// weight version. A running batch continues under them (its route rows carry the
-    /// version that produced them); a prefill running in chunks starts over under them. A
-    /// tensor the precision cannot hold is refused and the old weights are kept.
+    /// version that produced them), and so does a prefill running in chunks, its next chunks
+    /// fed under them, as the CPU engine's. A tensor the precision cannot hold is refused
+    /// and the old weights are kept.
     pub fn update_weights(&mut self, tensors: &TensorMap) -> Result<u64, RolloutError> {
         let held = HeldTensors::check(tensors, self.cfg.dtype.weight_precision())?;
         self.update_weights_held(held)
@@ -123,7 +124,6 @@ impl DeviceEngine {
         }
         self.torn = None;
         self.version += 1;
-        self.restart_chunked_prefill();
         Ok(self.version)
     }
 

@@ -59,7 +59,7 @@ pub struct EngineConfig {
     pub activation_bytes: usize,
     /// The device engine's cap on the positions one prefill step feeds
     /// ([`crate::DeviceEngineConfig::max_prefill_tokens`]; None: none but the activation
-    /// budget); the CPU engine's counterpart is `max_batch_tokens`.
+    /// budget); the CPU engine's counterpart is `max_batch_tokens` less its decoding rows.
     pub max_prefill_tokens: Option<usize>,
 }
 

@@ -155,7 +155,8 @@ pub struct RolloutConfig {
     pub activation_mib: usize,
     /// Positions one prefill step of the in-process engine feeds at most (the device
     /// engine's cap on a prefill batch, a longer prompt fed in chunks of it; the CPU
-    /// engine's tokens of one step); `r3 serve --chunked-prefill-size`. 0 is none (the
+    /// engine's prefill tokens of one step beside its decoding rows); `r3 serve
+    /// --chunked-prefill-size`. 0 is none (the
     /// device engine's prefills bounded by `activation_mib` alone, the CPU engine's steps
     /// by 4096 tokens), as `prefix_cache_mib = 0` is no cache. Default 0.
     pub chunked_prefill_size: usize,

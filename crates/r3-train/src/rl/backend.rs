@@ -75,10 +75,11 @@ pub fn engine_config(cfg: &TrainConfig) -> Result<EngineConfig> {
         activation_bytes: bytes("rollout.activation_mib", r.activation_mib)?,
         prefix_cache: r.prefix_cache_mib > 0,
         prefix_cache_bytes: bytes("rollout.prefix_cache_mib", r.prefix_cache_mib)?,
-        // 0: no cap, as `r3 serve` without `--chunked-prefill-size`.
+        // 0: no cap, as `r3 serve` without `--chunked-prefill-size`; the CPU engine's step
+        // budget counts a token of each decoding row too.
         max_batch_tokens: match r.chunked_prefill_size {
             0 => EngineConfig::default().max_batch_tokens,
-            n => n,
+            n => n.saturating_add(r.max_running),
         },
         max_prefill_tokens: (r.chunked_prefill_size > 0).then_some(r.chunked_prefill_size),
         ..EngineConfig::default()
@@ -348,7 +349,7 @@ mod tests {
                         c.kv_cache_bytes,
                         c.activation_bytes,
                         c.prefix_cache,
-                        Some(c.max_batch_tokens),
+                        Some(c.max_batch_tokens - c.max_running),
                     )
                 }
                 Backend::Device(e) => {
