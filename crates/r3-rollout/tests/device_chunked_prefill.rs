@@ -15,10 +15,9 @@ mod common;
 mod model_common;
 
 use candle_core::DType;
-use common::{assert_same_result, mixed_sampling, DEVICE};
+use common::{assert_same_result, mixed_sampling, prefill_chunks_under, step_bytes, DEVICE};
 use model_common::{sequences, tiny_config, tiny_weights};
 use r3_model::Config;
-use r3_rollout::device_engine::memory::{step_activation_bytes, StepShape};
 use r3_rollout::{
     DeviceEngine, DeviceEngineConfig, Dtype, Engine, EngineConfig, GenerateRequest, GenerateResult,
     MergePolicy, SamplingParams, TensorMap,
@@ -33,24 +32,13 @@ const CPU_TOL: f32 = if cfg!(feature = "cuda") { 1e-3 } else { 1e-4 };
 /// The long prompt's length: the tiny configs hold 64 positions.
 const LONG: usize = 50;
 
-/// Bytes of a step of `rows` rows feeding `time` tokens over `slots` slots.
-fn bytes(cfg: &Config, rows: usize, time: usize, slots: usize, all_logits: bool) -> usize {
-    let shape = StepShape {
-        rows,
-        time,
-        slots,
-        logit_positions: if all_logits { time } else { 1 },
-    };
-    step_activation_bytes(cfg, shape)
-}
-
 /// A budget that takes three rows decoding over 80 slots (the requests' reach and the
 /// padding in front of the shorter ones, once joined), but not the long prompt's prefill in
 /// one step.
 fn small_budget(cfg: &Config) -> usize {
-    let budget = bytes(cfg, 3, 1, 80, false);
+    let budget = step_bytes(cfg, 3, 1, 80, false);
     assert!(
-        bytes(cfg, 1, LONG, LONG, false) > budget,
+        step_bytes(cfg, 1, LONG, LONG, false) > budget,
         "the prefill must not fit"
     );
     budget
@@ -116,21 +104,6 @@ fn finish(dev: &mut DeviceEngine, done: &mut std::collections::HashMap<u64, Gene
     }
 }
 
-/// The chunks the budget cuts a lone prefill of `len` positions into (prompt log-probs: every
-/// position through the head): each the longest step over the slots fed before it that the
-/// budget takes, found by trying one length after another.
-fn chunks_under(cfg: &Config, budget: usize, len: usize, all_logits: bool) -> usize {
-    let (mut fed, mut chunks) = (0, 0);
-    while fed < len {
-        fed += (1..=len - fed)
-            .take_while(|&t| bytes(cfg, 1, t, fed + t, all_logits) <= budget)
-            .last()
-            .expect("a chunk of one token fits");
-        chunks += 1;
-    }
-    chunks
-}
-
 /// A long prompt past the budget arrives while a short request decodes: it is fed in as
 /// many chunks as the budget cuts, one per step, while the short one goes on decoding a
 /// token each step and a third request arriving meanwhile is admitted beside the chunks;
@@ -148,7 +121,7 @@ fn a_prompt_past_the_activation_budget_is_fed_in_chunks_beside_the_decode() {
         reqs.push(third);
         let want = alone(&cfg, &map, &reqs);
         let budget = small_budget(&cfg);
-        let want_chunks = chunks_under(&cfg, budget, LONG, true);
+        let want_chunks = prefill_chunks_under(&cfg, budget, 0, LONG, true);
         assert!(want_chunks > 2, "{family}: {want_chunks} chunks");
         let mut dev = engine(&cfg, &map, budget, false);
         let short = dev.submit(reqs[0].clone()).expect("submit");
@@ -295,15 +268,7 @@ fn a_cached_prefix_then_chunks_equal_one_cold_prefill() {
     }
     // 20 positions served (5 blocks of 4, up to the first asked-for one), 30 fed in chunks
     // over them.
-    let mut fed = 20;
-    let mut want_steps = 0;
-    while fed < LONG {
-        fed += (1..=LONG - fed)
-            .take_while(|&t| bytes(&cfg, 1, t, fed + t, true) <= budget)
-            .last()
-            .expect("a chunk of one token fits");
-        want_steps += 1;
-    }
+    let want_steps = prefill_chunks_under(&cfg, budget, 20, LONG, true);
     assert!(want_steps > 1);
     assert_eq!(steps, want_steps);
     finish(&mut dev, &mut done);
@@ -435,7 +400,7 @@ fn a_token_cap_chunks_long_prompts_and_splits_prefill_batches() {
 fn a_request_whose_decode_exceeds_the_budget_is_refused() {
     let cfg = tiny_config("qwen3_moe");
     let map = tiny_weights(&cfg, 23, DType::F32).into_map();
-    let mut dev = engine(&cfg, &map, bytes(&cfg, 1, 1, 30, false), false);
+    let mut dev = engine(&cfg, &map, step_bytes(&cfg, 1, 1, 30, false), false);
     let req = GenerateRequest::new(vec![3; 5], SamplingParams::greedy(40));
     let err = dev.submit(req).expect_err("past the budget");
     let text = err.to_string();

@@ -13,7 +13,7 @@ mod common;
 mod model_common;
 
 use candle_core::DType;
-use common::{assert_same_result, cpu_engine_over, DEVICE};
+use common::{assert_same_result, cpu_engine_over, prefill_chunks_under, step_bytes, DEVICE};
 use model_common::{sequences, tiny_config, tiny_weights};
 use r3_model::Config;
 use r3_rollout::{
@@ -345,18 +345,9 @@ fn released_weights_are_not_brought_back_by_an_onload() {
 /// both finish as without the retract, routes and their versions included.
 #[test]
 fn a_row_too_long_to_prefill_again_at_once_is_fed_again_in_chunks() {
-    use r3_rollout::device_engine::memory::{step_activation_bytes, StepShape};
     let cfg = tiny_config("qwen3_moe");
     let map = tiny_weights(&cfg, 31, DType::F32).into_map();
-    let bytes = |rows, time, slots| {
-        let shape = StepShape {
-            rows,
-            time,
-            slots,
-            logit_positions: 1,
-        };
-        step_activation_bytes(&cfg, shape)
-    };
+    let bytes = |rows, time, slots| step_bytes(&cfg, rows, time, slots, false);
     // Room for two rows decoding over 80 slots and a prefill of 8 tokens at least, not of 32.
     let budget = bytes(2, 1, 80).max(bytes(1, 8, 8));
     assert!(bytes(1, 32, 32) > budget);
@@ -398,14 +389,7 @@ fn a_row_too_long_to_prefill_again_at_once_is_fed_again_in_chunks() {
     assert_eq!(dev.generated_tokens(ids[0]), None, "waiting");
     // 4 + 30 tokens to feed again, each chunk the longest step over the slots fed before it
     // that the budget takes: nothing sampled until the last.
-    let (mut fed, mut want_chunks) = (0, 0);
-    while fed < 34 {
-        fed += (1..=34 - fed)
-            .take_while(|&t| bytes(1, t, fed + t) <= budget)
-            .last()
-            .expect("a chunk of one token fits");
-        want_chunks += 1;
-    }
+    let want_chunks = prefill_chunks_under(&cfg, budget, 0, 34, false);
     let mut chunks = 0;
     while dev.generated_tokens(ids[0]).map_or(0, <[u32]>::len) <= 30 {
         done.extend(dev.step().expect("step").into_iter().map(|r| (r.id, r)));

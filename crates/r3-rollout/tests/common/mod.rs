@@ -178,6 +178,46 @@ pub fn assert_same_result(
     assert_eq!(a.versions(), b.versions(), "{what}: route rows' versions");
 }
 
+/// Bytes of activations the device engine's estimate gives a step of `rows` rows feeding
+/// `time` tokens over `slots` slots (every fed position through the head with `all_logits`).
+pub fn step_bytes(
+    cfg: &r3_model::Config,
+    rows: usize,
+    time: usize,
+    slots: usize,
+    all_logits: bool,
+) -> usize {
+    let shape = r3_rollout::device_engine::memory::StepShape {
+        rows,
+        time,
+        slots,
+        logit_positions: if all_logits { time } else { 1 },
+    };
+    r3_rollout::device_engine::memory::step_activation_bytes(cfg, shape)
+}
+
+/// The chunks `budget` cuts a lone prefill of positions `first..len` into (every position
+/// through the head with `all_logits`): each the longest step over the slots fed before it
+/// that the budget takes, found by trying one length after another — the engine's binary
+/// search (`memory::prefill_chunk`) re-derived.
+pub fn prefill_chunks_under(
+    cfg: &r3_model::Config,
+    budget: usize,
+    first: usize,
+    len: usize,
+    all_logits: bool,
+) -> usize {
+    let (mut fed, mut chunks) = (first, 0);
+    while fed < len {
+        fed += (1..=len - fed)
+            .take_while(|&t| step_bytes(cfg, 1, t, fed + t, all_logits) <= budget)
+            .last()
+            .expect("a chunk of one token fits");
+        chunks += 1;
+    }
+    chunks
+}
+
 /// The CPU engine over `map` in f32, without its prefix cache: the reference the device
 /// engine's tests compare with.
 pub fn cpu_engine_over(cfg: &r3_model::Config, map: &r3_rollout::TensorMap) -> Engine {
