@@ -259,8 +259,8 @@ pub async fn pause(
         }
     };
     let aborted = state.handle().pause(mode).await?;
-    // Requests a retract kept running (too long to prefill again) hold their keys and
-    // values: a client about to release memory sees them here.
+    // Requests a pause left running (mode `in_place`) hold their keys and values: a client
+    // about to release memory sees them here.
     let running = state.handle().stats().running;
     Ok(Json(json!({
         "success": true,
