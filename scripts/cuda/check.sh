@@ -43,8 +43,8 @@
 #    shape in bf16) beside scripts/cuda/peer_hf_generate.py (each the best of two timed
 #    runs: batch 1 moves by a third between runs on a GPU host), small batches routed on the
 #    host against routed on the device (`--routing`), mid bf16 sampled at temperature 1
-#    (an RL rollout's setting), and one 8,192-token prompt on the 30B-A3B shape (fed in
-#    chunks: past the default activation budget's one-step prefill) beside HF's.
+#    (an RL rollout's setting), and one 8,192-token prompt on the 30B-A3B shape (prefilled
+#    at once, its attention in query tiles, then in chunks of 2,048) beside HF's.
 # 5. Only with --steps 5: Nsight Compute's per-kernel time table of one bf16 training step
 #    of the 30B-A3B shape, then of mid (where a step's GPU time goes).
 # 6. Only with --steps 6: Nsight Systems' CUDA API table of one mid bf16 training step (where
@@ -681,23 +681,31 @@ if [ "$(left)" -ge 45 ]; then
     sampled=$(grep -E "^decode mid" "$work/decode-r3-sampled.txt" | sed -E 's/.*batch ([0-9]+): ([0-9.]+) tokens\/s.*waiting for the device ([0-9.]+)%.*/\1:\2 (wait \3%)/' | tr '\n' ' ')
     verdict decode-sampled "mid bf16 r3 [${sampled:-?}] tok/s by batch at temperature 1"
 fi
-# One 8,192-token prompt on the 30B-A3B shape (bf16, 16 new tokens): past what one prefill
-# step takes within the default 8 GiB activation budget (≈ 4.4 k tokens), so r3 feeds it in
-# chunks; HF prefills it at once. Seconds to the 16 tokens, both, prefill included.
-if [ "$(left)" -ge 100 ]; then
-    timeout -k 5 "$(limit 120)" "$bin/r3" bench decode --device cuda --configs a3b-8l --batches 1 \
+# One 8,192-token prompt on the 30B-A3B shape (bf16, 16 new tokens): r3 prefills it in one
+# step (its attention in query tiles within the default 8 GiB activation budget), then in
+# chunks of 2,048 (`--chunked-prefill-size`, the chunked path at this shape); HF prefills it
+# at once. Seconds to the 16 tokens, each, prefill included.
+if [ "$(left)" -ge 130 ]; then
+    seconds() { awk -v t="$1" 'BEGIN { if (t > 0) printf "%.2f s", 16 / t; else print "?" }'; }
+    rate() { grep -E "^$1" "$2" | sed -E 's/.*batch 1: ([0-9.]+) tokens\/s.*/\1/; s/.* ([0-9.]+) tokens\/s.*/\1/'; }
+    timeout -k 5 "$(limit 100)" "$bin/r3" bench decode --device cuda --configs a3b-8l --batches 1 \
         --dtype bf16 --prompt-len 8192 --new-tokens 16 > "$work/decode-r3-long.txt" 2>&1
     r3_long_rc=$?
     cat "$work/decode-r3-long.txt"
-    (cd scripts/cuda && timeout -k 5 "$(limit 120)" "$python" peer_hf_generate.py --config a3b-8l \
+    timeout -k 5 "$(limit 100)" "$bin/r3" bench decode --device cuda --configs a3b-8l --batches 1 \
+        --dtype bf16 --prompt-len 8192 --new-tokens 16 --chunked-prefill-size 2048 \
+        > "$work/decode-r3-long-chunks.txt" 2>&1
+    r3_chunks_rc=$?
+    cat "$work/decode-r3-long-chunks.txt"
+    (cd scripts/cuda && timeout -k 5 "$(limit 100)" "$python" peer_hf_generate.py --config a3b-8l \
         --dtype bf16 --batches 1 --prompt-len 8192 --new-tokens 16 --repeats 1) \
         > "$work/decode-hf-long.txt" 2>&1
     hf_long_rc=$?
     cat "$work/decode-hf-long.txt"
-    seconds() { awk -v t="$1" 'BEGIN { if (t > 0) printf "%.2f s", 16 / t; else print "?" }'; }
-    r3_long=$(grep -E "^decode a3b-8l" "$work/decode-r3-long.txt" | sed -E 's/.*batch 1: ([0-9.]+) tokens\/s.*/\1/')
-    hf_long=$(grep -E "^peer-generate" "$work/decode-hf-long.txt" | sed -E 's/.* ([0-9.]+) tokens\/s.*/\1/')
-    verdict decode-long-prompt "a3b-8l bf16, 8192-token prompt + 16 tokens at batch 1: r3 rc $r3_long_rc $(seconds "${r3_long:-0}") (prefill in chunks), HF rc $hf_long_rc $(seconds "${hf_long:-0}")"
+    r3_long=$(rate "decode a3b-8l" "$work/decode-r3-long.txt")
+    r3_chunks=$(rate "decode a3b-8l" "$work/decode-r3-long-chunks.txt")
+    hf_long=$(rate "peer-generate" "$work/decode-hf-long.txt")
+    verdict decode-long-prompt "a3b-8l bf16, 8192-token prompt + 16 tokens at batch 1: r3 rc $r3_long_rc $(seconds "${r3_long:-0}") (one prefill step, attention in tiles), r3 rc $r3_chunks_rc $(seconds "${r3_chunks:-0}") (chunks of 2048), HF rc $hf_long_rc $(seconds "${hf_long:-0}")"
 fi
 echo "   rollout engine checks took $(( $(date +%s) - t0 )) s"
 fi

@@ -10,7 +10,7 @@ mod common;
 
 use candle_core::{DType, Device};
 use common::{causal, sequences, sorted_experts, tiny_config, tiny_model, tiny_weights, FAMILIES};
-use r3_model::model::decode::{KvCache, Step, StepRouting};
+use r3_model::model::decode::{KvCache, ScoreTiles, Step, StepRouting};
 use r3_model::{AttentionConfig, Batch, Model, ModelError, Routing, Weights};
 
 /// Feeds `tokens[first..first + time]` of one sequence; its logits rows (every slot's with
@@ -55,6 +55,7 @@ fn feed_routed(
         time,
         all_logits,
         routing,
+        score_tiles: ScoreTiles::WHOLE,
     };
     let out = model.forward_step(&step, cache).expect("step");
     let logits = out
@@ -100,6 +101,7 @@ fn first_step(
         time,
         all_logits: false,
         routing,
+        score_tiles: ScoreTiles::WHOLE,
     };
     model.forward_step(&step, &mut model.kv_cache())
 }
@@ -198,6 +200,7 @@ fn a_malformed_step_is_refused_naming_it() {
                 time: 1,
                 all_logits: false,
                 routing: StepRouting::Host,
+                score_tiles: ScoreTiles::WHOLE,
             },
             &mut cache,
         )
@@ -213,6 +216,7 @@ fn a_malformed_step_is_refused_naming_it() {
                 time: 2,
                 all_logits: false,
                 routing: StepRouting::Host,
+                score_tiles: ScoreTiles::WHOLE,
             },
             &mut cache,
         )
@@ -290,6 +294,7 @@ fn caches_padded_joined_and_trimmed_decode_as_each_alone() {
                     time: 1,
                     all_logits: false,
                     routing: StepRouting::Host,
+                    score_tiles: ScoreTiles::WHOLE,
                 },
                 &mut joined,
             )
@@ -326,6 +331,87 @@ fn caches_padded_joined_and_trimmed_decode_as_each_alone() {
         assert!(err.to_string().contains("slots"), "{err}");
         let err = cache_b.drop_front(4).expect_err("only 3 slots");
         assert!(err.to_string().contains("holding 3"), "{err}");
+    }
+}
+
+/// A step whose attention runs in query tiles (`Step::score_tiles`: one position of one
+/// sequence a tile, two positions, whole sequences) computes what the whole step computes,
+/// bit for bit on the CPU: the prefill's logits at every slot, its routes, and the cache the
+/// next decode step reads. Every family, two left-padded sequences.
+#[test]
+fn a_step_in_score_tiles_equals_the_whole_step() {
+    for family in FAMILIES {
+        let (cfg, model) = tiny_model(family, 13);
+        let seqs = sequences(&[9, 5], cfg.vocab_size, 3);
+        let (time, pads) = (9, [0, 4]);
+        let mut tokens = Vec::new();
+        let mut positions = Vec::new();
+        let mut mask = Vec::new();
+        for (seq, pad) in seqs.iter().zip(pads) {
+            tokens.extend((0..pad).map(|_| seq[0]).chain(seq.iter().copied()));
+            positions.extend((0..time).map(|i: usize| i.saturating_sub(pad) as u32));
+            for i in 0..time {
+                // Padding queries see their own slot only (no row fully masked).
+                mask.extend((0..time).map(|j| {
+                    let seen = (j >= pad && j <= i) || (i < pad && j == i);
+                    if seen {
+                        0.0
+                    } else {
+                        f32::NEG_INFINITY
+                    }
+                }));
+            }
+        }
+        let run = |tiles: ScoreTiles| {
+            let mut cache = model.kv_cache();
+            let prefill = model
+                .forward_step(
+                    &Step {
+                        tokens: &tokens,
+                        positions: &positions,
+                        mask: &mask,
+                        batch: 2,
+                        time,
+                        all_logits: true,
+                        routing: StepRouting::Host,
+                        score_tiles: tiles,
+                    },
+                    &mut cache,
+                )
+                .expect("prefill");
+            let next: Vec<f32> = (0..2).flat_map(|_| vec![0.0; time + 1]).collect();
+            let decode = model
+                .forward_step(
+                    &Step {
+                        tokens: &[seqs[0][1], seqs[1][1]],
+                        positions: &[9, 5],
+                        mask: &next,
+                        batch: 2,
+                        time: 1,
+                        all_logits: false,
+                        routing: StepRouting::Host,
+                        score_tiles: ScoreTiles::WHOLE,
+                    },
+                    &mut cache,
+                )
+                .expect("decode");
+            let bits = |rows: Vec<Vec<f32>>| -> Vec<u32> {
+                rows.into_iter().flatten().map(f32::to_bits).collect()
+            };
+            (
+                bits(logit_rows(&prefill)),
+                prefill.routes,
+                bits(logit_rows(&decode)),
+            )
+        };
+        let whole = run(ScoreTiles::WHOLE);
+        let heads = cfg.num_attention_heads;
+        for max in [1, 2 * heads * time, heads * time * time] {
+            let tiled = run(ScoreTiles::at_most(max));
+            assert!(tiled.0 == whole.0, "{family} at most {max}: prefill logits");
+            assert_eq!(tiled.1, whole.1, "{family} at most {max}: routes");
+            assert!(tiled.2 == whole.2, "{family} at most {max}: the next step");
+        }
     }
 }
 
@@ -401,6 +487,7 @@ fn slots_taken_out_and_put_back_decode_as_the_original_cache() {
                     time: 2,
                     all_logits: false,
                     routing: StepRouting::Host,
+                    score_tiles: ScoreTiles::WHOLE,
                 },
                 &mut mixed,
             )

@@ -32,13 +32,13 @@ const CPU_TOL: f32 = if cfg!(feature = "cuda") { 1e-3 } else { 1e-4 };
 /// The long prompt's length: the tiny configs hold 64 positions.
 const LONG: usize = 50;
 
-/// A budget that takes three rows decoding over 80 slots (the requests' reach and the
+/// A budget that takes three rows decoding over 70 slots (the requests' reach and the
 /// padding in front of the shorter ones, once joined), but not the long prompt's prefill in
 /// one step.
 fn small_budget(cfg: &Config) -> usize {
-    let budget = step_bytes(cfg, 3, 1, 80, false);
+    let budget = step_bytes(cfg, (3, 1, 70), false, usize::MAX);
     assert!(
-        step_bytes(cfg, 1, LONG, LONG, false) > budget,
+        step_bytes(cfg, (1, LONG, LONG), false, budget) > budget,
         "the prefill must not fit"
     );
     budget
@@ -400,7 +400,12 @@ fn a_token_cap_chunks_long_prompts_and_splits_prefill_batches() {
 fn a_request_whose_decode_exceeds_the_budget_is_refused() {
     let cfg = tiny_config("qwen3_moe");
     let map = tiny_weights(&cfg, 23, DType::F32).into_map();
-    let mut dev = engine(&cfg, &map, step_bytes(&cfg, 1, 1, 30, false), false);
+    let mut dev = engine(
+        &cfg,
+        &map,
+        step_bytes(&cfg, (1, 1, 30), false, usize::MAX),
+        false,
+    );
     let req = GenerateRequest::new(vec![3; 5], SamplingParams::greedy(40));
     let err = dev.submit(req).expect_err("past the budget");
     let text = err.to_string();

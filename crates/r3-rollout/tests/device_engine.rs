@@ -25,7 +25,7 @@ use common::{
 };
 use model_common::{sequences, tiny_config, tiny_weights, FAMILIES};
 use r3_model::Config;
-use r3_rollout::device_engine::memory::{step_activation_bytes, StepShape};
+use r3_rollout::device_engine::memory::{score_tiles, step_activation_bytes, StepShape};
 use r3_rollout::{
     DeviceEngine, DeviceEngineConfig, Dtype, Engine, EngineConfig, GenerateRequest, GenerateResult,
     RoutingPlace, SamplingParams, TensorMap,
@@ -794,8 +794,10 @@ fn admission_waits_for_room_and_refuses_what_never_fits() {
     }
 }
 
-/// The activation estimate of a request run alone: its cold prefill and its last decode step.
-fn alone_activations(cfg: &Config, prompt: usize, new: usize) -> usize {
+/// The activation estimate of a request run alone: its cold prefill and its last decode
+/// step, their attention in the query tiles of an engine whose budget is `budget`
+/// (`usize::MAX`: in one product).
+fn alone_activations(cfg: &Config, prompt: usize, new: usize, budget: usize) -> usize {
     let prefill = StepShape {
         rows: 1,
         time: prompt,
@@ -808,7 +810,8 @@ fn alone_activations(cfg: &Config, prompt: usize, new: usize) -> usize {
         slots: prompt + new,
         logit_positions: 1,
     };
-    step_activation_bytes(cfg, prefill).max(step_activation_bytes(cfg, decode))
+    let tiles = score_tiles(budget);
+    step_activation_bytes(cfg, prefill, tiles).max(step_activation_bytes(cfg, decode, tiles))
 }
 
 #[test]
@@ -822,7 +825,7 @@ fn admission_counts_the_steps_activations() {
         .map(|(i, p)| GenerateRequest::new(p.clone(), mixed_sampling(i, 6, 70)))
         .collect();
     // One request's prefill fits, two prefilled side by side (twice the estimate) do not.
-    let budget = alone_activations(&cfg, 5, 6) * 3 / 2;
+    let budget = alone_activations(&cfg, 5, 6, usize::MAX) * 3 / 2;
     let mut small = DeviceEngine::new(
         cfg.clone(),
         &map,
@@ -846,7 +849,7 @@ fn admission_counts_the_steps_activations() {
     let long = sequences(&[60], cfg.vocab_size, 9).remove(0);
     let mut huge = GenerateRequest::new(long, SamplingParams::greedy(2));
     huge.sampling.prompt_logprobs_from = Some(0);
-    assert!(alone_activations(&cfg, 60, 2) > budget);
+    assert!(alone_activations(&cfg, 60, 2, budget) > budget);
     let chunked = small.generate(vec![huge.clone()]).expect("fed in chunks");
     let mut big = DeviceEngine::new(cfg.clone(), &map, device_config()).expect("device engine");
     let at_once = big.generate(vec![huge]).expect("at once");

@@ -347,10 +347,10 @@ fn released_weights_are_not_brought_back_by_an_onload() {
 fn a_row_too_long_to_prefill_again_at_once_is_fed_again_in_chunks() {
     let cfg = tiny_config("qwen3_moe");
     let map = tiny_weights(&cfg, 31, DType::F32).into_map();
-    let bytes = |rows, time, slots| step_bytes(&cfg, rows, time, slots, false);
+    let bytes = |rows, time, slots| step_bytes(&cfg, (rows, time, slots), false, usize::MAX);
     // Room for two rows decoding over 80 slots and a prefill of 8 tokens at least, not of 32.
     let budget = bytes(2, 1, 80).max(bytes(1, 8, 8));
-    assert!(bytes(1, 32, 32) > budget);
+    assert!(step_bytes(&cfg, (1, 32, 32), false, budget) > budget);
     let engine = |cfg: &Config| {
         let engine_cfg = DeviceEngineConfig {
             device: DEVICE,

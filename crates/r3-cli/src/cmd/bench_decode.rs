@@ -65,6 +65,11 @@ pub struct BenchDecodeArgs {
     /// a GPU's decode steps of a few rows), `host` or `device`.
     #[arg(long, default_value = "auto")]
     pub routing: RoutingPlace,
+    /// Most prompt positions one prefill step feeds (`r3 serve --chunked-prefill-size`): a
+    /// longer prompt is fed in chunks of it, one per step; absent: no cap but the activation
+    /// budget.
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub chunked_prefill_size: Option<usize>,
 }
 
 /// Runs `r3 bench decode`.
@@ -79,12 +84,20 @@ pub fn run(a: BenchDecodeArgs) -> anyhow::Result<()> {
         };
         let tensors =
             Weights::random_on_device(&cfg, &RandomInit::new(a.seed), &draw_on)?.into_map();
+        let max_running = a.batches.iter().copied().max().unwrap_or(1).max(1);
+        let defaults = EngineConfig::default();
         let engine_cfg = EngineConfig {
             dtype: a.dtype,
             prefix_cache: false,
-            max_running: a.batches.iter().copied().max().unwrap_or(1).max(1),
+            max_running,
             kv_cache_bytes: 16 << 30,
-            ..EngineConfig::default()
+            // As `r3 serve` takes the cap: the CPU engine's step holds the chunk beside one
+            // token of each decoding row.
+            max_batch_tokens: a
+                .chunked_prefill_size
+                .map_or(defaults.max_batch_tokens, |n| n.saturating_add(max_running)),
+            max_prefill_tokens: a.chunked_prefill_size,
+            ..defaults
         };
         let mut engine = match a.device.candle() {
             None => RolloutEngine::Cpu(Engine::new(cfg.clone(), &tensors, engine_cfg)?),
@@ -182,9 +195,12 @@ pub fn run(a: BenchDecodeArgs) -> anyhow::Result<()> {
                 ),
                 _ => String::new(),
             };
+            let chunks = a
+                .chunked_prefill_size
+                .map_or(String::new(), |n| format!(", prefill in chunks of {n}"));
             println!(
                 "decode {name} {} {}{routing} batch {batch}: {best:.1} tokens/s ({} prompt + \
-                 {lengths} new tokens, {how}), route capture {:.2}% of the time{waiting}",
+                 {lengths} new tokens, {how}{chunks}), route capture {:.2}% of the time{waiting}",
                 a.device,
                 a.dtype,
                 a.prompt_len,

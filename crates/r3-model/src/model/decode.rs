@@ -15,6 +15,7 @@ use candle_core::{Shape, Tensor};
 use super::{routed_rows, Attention, Model, MoeRecord};
 use crate::error::{ModelError, Result};
 use crate::layers::attention::LayerKv;
+pub use crate::layers::attention::ScoreTiles;
 use crate::layers::moe::{DeviceRoutes, Gates, MoeBlock};
 
 /// Keys and values of every attention layer for a batch of sequences, each `[B, KV, S, D]`
@@ -261,6 +262,9 @@ pub struct Step<'a> {
     pub all_logits: bool,
     /// Where the MoE layers choose their experts.
     pub routing: StepRouting,
+    /// The most attention scores one layer's product holds at once: the queries are cut
+    /// into tiles that fit ([`ScoreTiles::WHOLE`]: one product a layer).
+    pub score_tiles: ScoreTiles,
 }
 
 /// Where a step's MoE layers choose their experts.
@@ -418,8 +422,12 @@ impl Model {
         for (i, (layer, kv)) in self.layers.iter().zip(&mut cache.layers).enumerate() {
             let normed = layer.input_norm.forward(&x)?;
             let attn = match &layer.attention {
-                Attention::Gqa(a) => a.forward_cached(&normed, &rope, kv, &mask)?,
-                Attention::Mla(a) => a.forward_cached(&normed, &rope, kv, &mask)?,
+                Attention::Gqa(a) => {
+                    a.forward_cached(&normed, &rope, kv, &mask, step.score_tiles)?
+                }
+                Attention::Mla(a) => {
+                    a.forward_cached(&normed, &rope, kv, &mask, step.score_tiles)?
+                }
             };
             let h = self.precision.add_rounded(&x, &attn)?;
             x = if on_device {

@@ -96,7 +96,7 @@ impl DeviceEngine {
             slots: len + new,
             logit_positions: 1,
         };
-        let need = step_activation_bytes(&self.model_cfg, decode);
+        let need = step_activation_bytes(&self.model_cfg, decode, self.score_tiles());
         if need <= self.cfg.activation_bytes {
             return Ok(());
         }
@@ -262,9 +262,14 @@ impl DeviceEngine {
             // The first newcomer's prefill is no bound: where its step would exceed the
             // budget, it is fed in chunks that fit (`prefill_chunk`), and stays alone in its
             // batch, as any prefill beside it would exceed the budget too.
-            let mut activations = step_activation_bytes(&self.model_cfg, decode);
+            let mut activations =
+                step_activation_bytes(&self.model_cfg, decode, self.score_tiles());
             if !rows.is_empty() {
-                activations = activations.max(step_activation_bytes(&self.model_cfg, prefill));
+                activations = activations.max(step_activation_bytes(
+                    &self.model_cfg,
+                    prefill,
+                    self.score_tiles(),
+                ));
             }
             // A second newcomer joins a prefill batch only within its token cap (the first,
             // alone, is fed in chunks of it).

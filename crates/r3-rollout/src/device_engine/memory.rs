@@ -6,16 +6,21 @@
 //! bound in bf16 / f16, whose activations are f32 math rounded at the same points), for a
 //! step of `rows` sequences feeding `time` tokens each over `slots` cache slots (the cache's
 //! slots after the step) with `logit_positions` positions per row sent through the LM head
-//! (1, or `time` when prompt log-probs are asked):
+//! (1, or `time` when prompt log-probs are asked), its attention in the query tiles
+//! [`score_tiles`] gives (`tile_rows` sequences × `tile_time` positions):
 //!
 //! ```text
-//! bytes = 4 · ( 3 · rows · heads · time · slots            attention scores, masked scores, probabilities (one layer)
+//! bytes = 4 · ( 3 · tile_rows · heads · tile_time · slots   attention scores, masked scores, probabilities (one tile)
+//!             + rows · time · slots                         the step's mask
 //!             + 3 · rows · logit_positions · vocab          logits and two more of their size
-//!             + rows · time · (8·hidden + 3·q_width + 4·ffn_width + experts)   hidden states, q/k/v, feed-forward, router
+//!             + rows · time · (8·hidden + 4·q_width + 4·ffn_width + experts)   hidden states, q/k/v and the attention's output, feed-forward, router
 //!             + rows · capacity(slots) · layer_kv )         one layer's keys and values regrown as a step outgrows their buffer
 //! ```
 //!
-//! The logits' two companions are the greedy picks' shifted and exponentiated rows
+//! The tiles keep the scores within a quarter of the activation budget (they would hold
+//! `rows · heads · time · slots` in one product: gigabytes for a long prompt's prefill, or
+//! a large batch decoding at long context); what then grows with the prompt squared is the
+//! mask, a `heads`-th of one untiled score tensor. The logits' two companions are the greedy picks' shifted and exponentiated rows
 //! (`greedy.rs`), or the rows copied out for the host and their f32 cast. `q_width` is
 //! `heads ×` the query head width, `ffn_width` the widest feed-forward a token
 //! passes (the dense MLP, or top-k experts plus the shared one), `layer_kv` one slot's keys
@@ -25,7 +30,7 @@
 //! the allocator's pools and kernels' workspaces come on top, which is what the headroom
 //! between the budgets and the device's memory is for.
 
-use r3_model::layers::attention::kv_capacity_for;
+use r3_model::layers::attention::{kv_capacity_for, ScoreTiles};
 use r3_model::{AttentionConfig, Config, SharedExpert};
 
 /// The shape of one forward step of the device engine.
@@ -59,9 +64,15 @@ pub fn layer_kv_floats(cfg: &Config) -> usize {
     }
 }
 
-/// Bytes of activations the step `shape` holds at its peak on the device (the module doc
-/// gives the formula).
-pub fn step_activation_bytes(cfg: &Config, shape: StepShape) -> usize {
+/// The query tiles a step's attention runs in under an activation budget of `budget` bytes:
+/// its three score-sized f32 tensors within a quarter of the budget.
+pub fn score_tiles(budget: usize) -> ScoreTiles {
+    ScoreTiles::at_most(budget / (4 * 3 * 4))
+}
+
+/// Bytes of activations the step `shape` holds at its peak on the device, its attention in
+/// the query tiles `tiles` allows (the module doc gives the formula).
+pub fn step_activation_bytes(cfg: &Config, shape: StepShape, tiles: ScoreTiles) -> usize {
     let heads = cfg.num_attention_heads;
     let q_head = match cfg.attention {
         AttentionConfig::Gqa { head_dim, .. } => head_dim,
@@ -90,8 +101,9 @@ pub fn step_activation_bytes(cfg: &Config, shape: StepShape) -> usize {
         slots,
         logit_positions,
     } = shape;
-    let per_token = 8 * cfg.hidden_size + 3 * heads * q_head + 4 * ffn_width + experts;
-    let floats = 3 * rows * heads * time * slots
+    let per_token = 8 * cfg.hidden_size + 4 * heads * q_head + 4 * ffn_width + experts;
+    let floats = 3 * tiles.scores(rows, heads, time, slots)
+        + rows * time * slots
         + 3 * rows * logit_positions * cfg.vocab_size
         + rows * time * per_token
         + rows * kv_capacity_for(slots) * layer_kv;
@@ -114,8 +126,8 @@ pub struct PrefillLimits {
 
 /// The most positions (at least 1, at most `rest` and the cap) one sequence feeds in a
 /// prefill step over a cache of `first` slots within `limits`: `rest` where the whole rest
-/// fits, else the chunk of the prefill that does. The step's scores grow with the slots it
-/// reaches, so the later chunks of one prompt are shorter.
+/// fits, else the chunk of the prefill that does. The step's mask (and its scores, past a
+/// tile) grow with the slots it reaches, so the later chunks of one prompt are shorter.
 pub fn prefill_chunk(cfg: &Config, limits: PrefillLimits, first: usize, rest: usize) -> usize {
     let rest = rest.min(limits.cap.unwrap_or(rest).max(1));
     let (budget, all_logits) = (limits.budget, first < limits.logits_until);
@@ -126,7 +138,7 @@ pub fn prefill_chunk(cfg: &Config, limits: PrefillLimits, first: usize, rest: us
             slots: first + time,
             logit_positions: if all_logits { time } else { 1 },
         };
-        step_activation_bytes(cfg, shape) <= budget
+        step_activation_bytes(cfg, shape, score_tiles(budget)) <= budget
     };
     if fits(rest) {
         return rest;
@@ -192,11 +204,32 @@ pub(super) mod tests {
             slots: 12,
             logit_positions: 1,
         };
-        // per token: 8·64 + 3·4·16 + 4·max(64, 2·32) + 8 = 512 + 192 + 256 + 8
-        let per_token = 968;
-        // 12 slots live in a buffer with room for 12 + 16.
-        let want = 4 * (3 * 3 * 4 * 10 * 12 + 3 * 3 * 1000 + 3 * 10 * per_token + 3 * 28 * 64);
-        assert_eq!(step_activation_bytes(&cfg, shape), want);
+        // per token: 8·64 + 4·4·16 + 4·max(64, 2·32) + 8 = 512 + 256 + 256 + 8
+        let per_token = 1032;
+        // 12 slots live in a buffer with room for 12 + 16; the mask is 3 · 10 · 12.
+        let rest = 3 * 10 * 12 + 3 * 3 * 1000 + 3 * 10 * per_token + 3 * 28 * 64;
+        let want = 4 * (3 * 3 * 4 * 10 * 12 + rest);
+        let bytes = |shape| step_activation_bytes(&cfg, shape, ScoreTiles::WHOLE);
+        assert_eq!(bytes(shape), want);
+        // In tiles of one sequence's 4 · 10 · 12 scores, or of 3 of its positions.
+        let one_row = ScoreTiles::at_most(4 * 10 * 12 + 47);
+        assert_eq!(
+            step_activation_bytes(&cfg, shape, one_row),
+            4 * (3 * 4 * 10 * 12 + rest)
+        );
+        let three = ScoreTiles::at_most(3 * 4 * 12);
+        assert_eq!(
+            step_activation_bytes(&cfg, shape, three),
+            4 * (3 * 4 * 3 * 12 + rest)
+        );
+        // The tiles hold a quarter of the budget at most.
+        let budget = 1 << 20;
+        let tile = score_tiles(budget).tile(3, 4, 10, 4000);
+        assert!(3 * 4 * tile.rows * 4 * tile.times * 4000 <= budget / 4);
+        assert!(
+            3 * 4 * tile.rows * 4 * (tile.times + 1) * 4000 > budget / 4,
+            "{tile:?}"
+        );
         // Prompt log-probs send every position through the head: the logits term grows by
         // `time`; ten times the tokens over ten times the slots costs more than ten times as
         // much (the scores grow with the prompt squared).
@@ -204,16 +237,13 @@ pub(super) mod tests {
             logit_positions: 10,
             ..shape
         };
-        assert_eq!(
-            step_activation_bytes(&cfg, all) - step_activation_bytes(&cfg, shape),
-            4 * 3 * 3 * 9 * 1000
-        );
+        assert_eq!(bytes(all) - bytes(shape), 4 * 3 * 3 * 9 * 1000);
         let long = StepShape {
             time: 100,
             slots: 100,
             ..shape
         };
-        assert!(step_activation_bytes(&cfg, long) > 10 * step_activation_bytes(&cfg, shape));
+        assert!(bytes(long) > 10 * bytes(shape));
     }
 
     /// A chunk is the longest step within the budget: one more token exceeds it; over more
@@ -221,19 +251,24 @@ pub(super) mod tests {
     #[test]
     fn a_prefill_chunk_is_the_longest_step_that_fits() {
         let cfg = qwen_tiny();
+        // The budget of 100 positions in one untiled step; in tiles, more fit.
+        let whole = StepShape {
+            rows: 1,
+            time: 100,
+            slots: 100,
+            logit_positions: 1,
+        };
+        let budget = step_activation_bytes(&cfg, whole, ScoreTiles::WHOLE);
         let bytes = |first: usize, time: usize, all: bool| {
             let logit_positions = if all { time } else { 1 };
-            step_activation_bytes(
-                &cfg,
-                StepShape {
-                    rows: 1,
-                    time,
-                    slots: first + time,
-                    logit_positions,
-                },
-            )
+            let shape = StepShape {
+                rows: 1,
+                time,
+                slots: first + time,
+                logit_positions,
+            };
+            step_activation_bytes(&cfg, shape, score_tiles(budget))
         };
-        let budget = bytes(0, 100, false);
         let limits = |all_logits: bool| PrefillLimits {
             budget,
             cap: None,
@@ -247,9 +282,11 @@ pub(super) mod tests {
                 "{first} {all}: {chunk} + 1"
             );
         }
-        assert_eq!(prefill_chunk(&cfg, limits(false), 0, 1000), 100);
-        assert!(prefill_chunk(&cfg, limits(false), 300, 1000) < 100);
-        assert!(prefill_chunk(&cfg, limits(true), 0, 1000) < 100);
+        let from_0 = prefill_chunk(&cfg, limits(false), 0, 1000);
+        assert!((100..1000).contains(&from_0), "{from_0}");
+        let at_300 = prefill_chunk(&cfg, limits(false), 300, 1000);
+        assert!(at_300 < from_0);
+        assert!(prefill_chunk(&cfg, limits(true), 0, 1000) < from_0);
         assert_eq!(
             prefill_chunk(&cfg, limits(false), 0, 60),
             60,
@@ -260,16 +297,17 @@ pub(super) mod tests {
             ..limits(false)
         };
         assert_eq!(prefill_chunk(&cfg, tiny, 0, 60), 1, "at least one token");
+        // A cap between the chunks the budget cuts at slot 300 and at slot 0.
+        let cap = (at_300 + from_0) / 2;
         let capped = PrefillLimits {
-            cap: Some(40),
+            cap: Some(cap),
             ..limits(false)
         };
         assert_eq!(
             prefill_chunk(&cfg, capped, 0, 1000),
-            40,
+            cap,
             "the cap binds first"
         );
-        let at_300 = prefill_chunk(&cfg, limits(false), 300, 1000);
         assert_eq!(
             prefill_chunk(&cfg, capped, 300, 1000),
             at_300,
@@ -278,7 +316,8 @@ pub(super) mod tests {
         // 100 positions in chunks of at most 40 where the budget takes them all: 40, 40, 20.
         let roomy = PrefillLimits {
             budget: usize::MAX,
-            ..capped
+            cap: Some(40),
+            ..limits(false)
         };
         assert_eq!(prefill_steps(&cfg, roomy, 0, 100), 3);
         assert_eq!(prefill_steps(&cfg, roomy, 7, 40), 1);

@@ -65,7 +65,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
-use r3_model::model::decode::{KvCache, Step, StepRouting};
+use r3_model::model::decode::{KvCache, ScoreTiles, Step, StepRouting};
 use r3_model::{check_map_holds, Config, DeviceSpec, HostStaging, LoadOptions, Model, Weights};
 use r3_routing::RouteTable;
 use rayon::prelude::*;
@@ -690,6 +690,7 @@ impl DeviceEngine {
                 time: layout.time,
                 all_logits,
                 routing,
+                score_tiles: self.score_tiles(),
             },
             &mut batch.cache,
         )?;
@@ -811,6 +812,12 @@ impl DeviceEngine {
             }
             _ => usize::MAX,
         }
+    }
+
+    /// The query tiles a step's attention runs in: its scores within a quarter of the
+    /// activation budget ([`memory::score_tiles`]).
+    fn score_tiles(&self) -> ScoreTiles {
+        memory::score_tiles(self.cfg.activation_bytes)
     }
 
     /// How `row`'s prefill is cut into steps alone: the activation budget, the token cap,
@@ -1233,7 +1240,7 @@ mod tests {
             logit_positions: 12,
         };
         let config = DeviceEngineConfig {
-            activation_bytes: memory::step_activation_bytes(&cfg, shape),
+            activation_bytes: memory::step_activation_bytes(&cfg, shape, ScoreTiles::WHOLE),
             prefix_cache: false,
             ..DeviceEngineConfig::default()
         };

@@ -179,21 +179,23 @@ pub fn assert_same_result(
 }
 
 /// Bytes of activations the device engine's estimate gives a step of `rows` rows feeding
-/// `time` tokens over `slots` slots (every fed position through the head with `all_logits`).
+/// `time` tokens over `slots` slots (every fed position through the head with `all_logits`),
+/// its attention in the query tiles an engine with an activation budget of `budget` runs
+/// (`usize::MAX`: in one product, the most the step can need).
 pub fn step_bytes(
     cfg: &r3_model::Config,
-    rows: usize,
-    time: usize,
-    slots: usize,
+    (rows, time, slots): (usize, usize, usize),
     all_logits: bool,
+    budget: usize,
 ) -> usize {
-    let shape = r3_rollout::device_engine::memory::StepShape {
+    use r3_rollout::device_engine::memory::{score_tiles, step_activation_bytes, StepShape};
+    let shape = StepShape {
         rows,
         time,
         slots,
         logit_positions: if all_logits { time } else { 1 },
     };
-    r3_rollout::device_engine::memory::step_activation_bytes(cfg, shape)
+    step_activation_bytes(cfg, shape, score_tiles(budget))
 }
 
 /// The chunks `budget` cuts a lone prefill of positions `first..len` into (every position
@@ -210,7 +212,7 @@ pub fn prefill_chunks_under(
     let (mut fed, mut chunks) = (first, 0);
     while fed < len {
         fed += (1..=len - fed)
-            .take_while(|&t| step_bytes(cfg, 1, t, fed + t, all_logits) <= budget)
+            .take_while(|&t| step_bytes(cfg, (1, t, fed + t), all_logits, budget) <= budget)
             .last()
             .expect("a chunk of one token fits");
         chunks += 1;

@@ -6,11 +6,12 @@ use std::sync::Arc;
 
 use candle_core::Tensor;
 
-use super::attend::{attend, attend_additive, heads_to_tokens};
+use super::attend::{attend, heads_to_tokens};
 use super::kv::LayerKv;
 use super::mask::AttentionMask;
 use super::recompute::NarrowOperands;
 use super::rope::{PositionTables, RopeTables, Rotary};
+use super::tiles::{attend_tiled, ScoreTiles};
 use crate::config::{AttentionConfig, Config, QkNorm};
 use crate::error::{ModelError, Result};
 use crate::layers::gather_rows::GatherRows;
@@ -364,20 +365,23 @@ impl GqaAttention {
 
     /// One step over a KV cache: `x` `[B, T, H]` at the positions `rope` rotates with,
     /// its keys and values appended to `cache`, the queries attending over every cached
-    /// slot under `additive` (`[B, 1, 1, T, S]`) → `[B, T, H]`.
+    /// slot under `additive` (`[B, 1, 1, T, S]`) in the query tiles `tiles` allows → `[B, T,
+    /// H]`.
     pub fn forward_cached(
         &self,
         x: &Tensor,
         rope: &PositionTables,
         cache: &mut LayerKv,
         additive: &Tensor,
+        tiles: ScoreTiles,
     ) -> Result<Tensor> {
         let t = x.dim(1)?;
         let (q, k, v) = self.project(x, rope)?;
         let (k, v) = cache.append(&k, &v)?;
         let hd = self.head_dim;
         let groups = self.num_heads / self.num_kv_heads;
-        let out = attend_additive(&q, &k, &v, additive, 1.0 / (hd as f64).sqrt(), groups)?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let out = attend_tiled(&q, &k, &v, additive, scale, groups, tiles)?;
         self.o_proj.forward(&heads_to_tokens(&out, t)?)
     }
 }

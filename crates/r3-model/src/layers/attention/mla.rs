@@ -8,7 +8,7 @@ use super::rope::{mla_softmax_scale_multiplier, PositionTables, RopeTables, Rota
 use crate::config::{AttentionConfig, Config};
 use crate::error::{ModelError, Result};
 use crate::layers::attention::{
-    attend, attend_additive, heads_to_tokens, AttentionMask, LayerKv, RowAttention,
+    attend, attend_tiled, heads_to_tokens, AttentionMask, LayerKv, RowAttention, ScoreTiles,
 };
 use crate::layers::linear::Linear;
 use crate::layers::norm::RmsNorm;
@@ -124,18 +124,20 @@ impl MlaAttention {
 
     /// One step over a KV cache (the per-head keys and values, decompressed, are what is
     /// cached): `x` `[B, T, H]` at the positions `rope` rotates with, attending over every
-    /// cached slot under `additive` (`[B, 1, 1, T, S]`) → `[B, T, H]`.
+    /// cached slot under `additive` (`[B, 1, 1, T, S]`) in the query tiles `tiles` allows →
+    /// `[B, T, H]`.
     pub fn forward_cached(
         &self,
         x: &Tensor,
         rope: &PositionTables,
         cache: &mut LayerKv,
         additive: &Tensor,
+        tiles: ScoreTiles,
     ) -> Result<Tensor> {
         let t = x.dim(1)?;
         let (q, k, v) = self.project(x, rope)?;
         let (k, v) = cache.append(&k, &v)?;
-        let out = attend_additive(&q, &k, &v, additive, self.scale, 1)?;
+        let out = attend_tiled(&q, &k, &v, additive, self.scale, 1, tiles)?;
         self.o_proj.forward(&heads_to_tokens(&out, t)?)
     }
 }

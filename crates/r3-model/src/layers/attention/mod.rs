@@ -1,7 +1,8 @@
 //! Attention: the masked softmax core (`attend`, the CPU's fused op `masked_op`, the
 //! recomputing op the other devices differentiate, `recompute`), its mask, grouped-query
 //! (`GqaAttention`) and multi-head latent (`mla`) attention, rotary position embeddings
-//! (`rope`), and the KV cache a decode step reads.
+//! (`rope`), the KV cache a decode step reads, and the query tiles a step over it attends in
+//! (`tiles`).
 
 mod attend;
 mod gqa;
@@ -16,9 +17,11 @@ pub mod rope_op;
 mod rope_rounded;
 mod rows;
 mod softmax;
+mod tiles;
 
 pub use attend::{attend, attend_additive, attend_composed, heads_to_tokens};
 pub(crate) use gqa::RowAttention;
 pub use gqa::{GqaAttention, SlotRows};
 pub use kv::{kv_capacity_for, LayerKv};
 pub use mask::AttentionMask;
+pub use tiles::{attend_tiled, ScoreTile, ScoreTiles};

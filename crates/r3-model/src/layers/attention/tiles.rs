@@ -1,0 +1,214 @@
+//! Attention over a KV cache in tiles of queries. A step's scores hold `batch · heads ·
+//! time · slots` elements: a long prompt's prefill over its own slots, or a large batch
+//! decoding at long context, would hold gigabytes in one layer's product and its softmax.
+//! Cut into tiles of sequences, then of query positions, each product holds at most what
+//! [`ScoreTiles`] allows; every query row's scores, softmax and weighted sum are what the
+//! whole product computes for it, so a tile changes which rows one GEMM computes together,
+//! not the arithmetic of a row.
+
+use candle_core::Tensor;
+
+use super::attend::attend_additive;
+use crate::error::Result;
+
+/// The most attention scores one product of queries and keys may hold at once (elements of
+/// `[rows, heads, times, slots]`); a step's attention cuts its queries into tiles that fit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScoreTiles {
+    max_scores: usize,
+}
+
+impl Default for ScoreTiles {
+    /// [`ScoreTiles::WHOLE`].
+    fn default() -> Self {
+        Self::WHOLE
+    }
+}
+
+/// The sequences and query positions one tile of a step's attention takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScoreTile {
+    /// Sequences of the batch in one tile.
+    pub rows: usize,
+    /// Query positions of each sequence in one tile.
+    pub times: usize,
+}
+
+impl ScoreTiles {
+    /// No bound: one product a layer.
+    pub const WHOLE: ScoreTiles = ScoreTiles {
+        max_scores: usize::MAX,
+    };
+
+    /// At most `max_scores` elements a product (at least one query row of one sequence, over
+    /// all its heads and slots, however many that is).
+    pub fn at_most(max_scores: usize) -> Self {
+        Self {
+            max_scores: max_scores.max(1),
+        }
+    }
+
+    /// The bound, in elements.
+    pub fn max_scores(self) -> usize {
+        self.max_scores
+    }
+
+    /// The tile a step of `batch` sequences × `heads` query heads × `time` queries over
+    /// `slots` keys is cut into: whole sequences where one fits (as many as fit), else one
+    /// sequence's queries in runs of as many positions as fit (at least one).
+    pub fn tile(self, batch: usize, heads: usize, time: usize, slots: usize) -> ScoreTile {
+        let per_query = heads.saturating_mul(slots).max(1);
+        let per_row = per_query.saturating_mul(time.max(1));
+        if per_row <= self.max_scores {
+            ScoreTile {
+                rows: (self.max_scores / per_row).clamp(1, batch.max(1)),
+                times: time,
+            }
+        } else {
+            ScoreTile {
+                rows: 1,
+                times: (self.max_scores / per_query).clamp(1, time.max(1)),
+            }
+        }
+    }
+
+    /// Elements of the largest tile's scores for such a step (what the memory plans count).
+    pub fn scores(self, batch: usize, heads: usize, time: usize, slots: usize) -> usize {
+        let tile = self.tile(batch, heads, time, slots);
+        tile.rows
+            .saturating_mul(heads)
+            .saturating_mul(tile.times)
+            .saturating_mul(slots)
+    }
+}
+
+/// [`attend_additive`] (`q` `[B, KV, G·T, Dq]` rows ordered group then time, `k` `[B, KV,
+/// S, Dq]`, `v` `[B, KV, S, Dv]`, `additive` `[B, 1, 1, T, S]`) → `[B, KV, G·T, Dv]`, its
+/// queries cut into the tiles `tiles` gives and each tile attended on its own.
+pub fn attend_tiled(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    additive: &Tensor,
+    scale: f64,
+    groups: usize,
+    tiles: ScoreTiles,
+) -> Result<Tensor> {
+    let (b, kv, gt, dq) = q.dims4()?;
+    let (s, dv) = (k.dim(2)?, v.dim(3)?);
+    let groups = groups.max(1);
+    let t = gt / groups;
+    let tile = tiles.tile(b, kv * groups, t, s);
+    // A mask of one row broadcast over the batch is read as it is by every tile.
+    let mask_rows = additive.dim(0)?;
+    if tile.rows >= b && tile.times >= t {
+        return attend_additive(q, k, v, additive, scale, groups);
+    }
+    let mut outs = Vec::with_capacity(b.div_ceil(tile.rows));
+    for b0 in (0..b).step_by(tile.rows) {
+        let rows = tile.rows.min(b - b0);
+        let (q, k, v) = (
+            q.narrow(0, b0, rows)?,
+            k.narrow(0, b0, rows)?,
+            v.narrow(0, b0, rows)?,
+        );
+        let mask = match mask_rows == b {
+            true => additive.narrow(0, b0, rows)?,
+            false => additive.clone(),
+        };
+        if tile.times >= t {
+            outs.push(attend_additive(&q, &k, &v, &mask, scale, groups)?);
+            continue;
+        }
+        // Each tile takes the same positions of every group's queries.
+        let q = q.contiguous()?.reshape((rows, kv, groups, t, dq))?;
+        let mut parts = Vec::with_capacity(t.div_ceil(tile.times));
+        for t0 in (0..t).step_by(tile.times) {
+            let times = tile.times.min(t - t0);
+            let q =
+                q.narrow(3, t0, times)?
+                    .contiguous()?
+                    .reshape((rows, kv, groups * times, dq))?;
+            let out = attend_additive(&q, &k, &v, &mask.narrow(3, t0, times)?, scale, groups)?;
+            parts.push(out.reshape((rows, kv, groups, times, dv))?);
+        }
+        outs.push(Tensor::cat(&parts, 3)?.reshape((rows, kv, gt, dv))?);
+    }
+    Ok(Tensor::cat(&outs, 0)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layers::attention::AttentionMask;
+    use crate::test_util::seeded_tensor;
+    use candle_core::{DType, Device};
+    use r3_test_support::bits;
+
+    /// Tiles of whole sequences while one fits, else runs of positions of one sequence;
+    /// never empty, never more than the step.
+    #[test]
+    fn a_tile_is_the_most_that_fits() {
+        let whole = ScoreTiles::WHOLE.tile(4, 8, 10, 100);
+        assert_eq!(whole, ScoreTile { rows: 4, times: 10 });
+        // One sequence is 8 · 10 · 100 = 8,000 scores.
+        let two = ScoreTiles::at_most(16_000 + 7_999).tile(4, 8, 10, 100);
+        assert_eq!(two, ScoreTile { rows: 2, times: 10 });
+        let three_positions = ScoreTiles::at_most(3 * 800 + 799).tile(4, 8, 10, 100);
+        assert_eq!(three_positions, ScoreTile { rows: 1, times: 3 });
+        let least = ScoreTiles::at_most(1).tile(4, 8, 10, 100);
+        assert_eq!(least, ScoreTile { rows: 1, times: 1 });
+        assert_eq!(ScoreTiles::at_most(1).scores(4, 8, 10, 100), 800);
+        assert_eq!(ScoreTiles::at_most(16_000).scores(4, 8, 10, 100), 16_000);
+        assert_eq!(ScoreTiles::WHOLE.scores(4, 8, 10, 100), 32_000);
+    }
+
+    /// Every tiling gives the whole product's output bit for bit on the CPU (grouped
+    /// queries, left padding, a prefill over cached slots, a mask broadcast over the batch).
+    #[test]
+    fn tiles_give_the_whole_products_bits() {
+        let (b, kv, groups, t, cached, d) = (3, 2, 3, 7, 4, 8);
+        let s = cached + t;
+        let q = seeded_tensor(&[b, kv, groups * t, d], 1, DType::F32);
+        let k = seeded_tensor(&[b, kv, s, d], 2, DType::F32);
+        let v = seeded_tensor(&[b, kv, s, d + 2], 3, DType::F32);
+        // Causal over the cached slots, each row's first `pad` slots masked out.
+        let mut host = Vec::new();
+        for pad in [0, 2, 5] {
+            for i in 0..t {
+                host.extend((0..s).map(|j| match j >= pad && j <= cached + i {
+                    true => 0.0,
+                    false => f32::NEG_INFINITY,
+                }));
+            }
+        }
+        let mask = Tensor::from_vec(host, (b, 1, 1, t, s), &Device::Cpu).expect("mask");
+        let want = attend_additive(&q, &k, &v, &mask, 0.3, groups).expect("whole");
+        let heads = kv * groups;
+        for max in [
+            1,
+            heads * s * 2,
+            heads * s * t,
+            heads * s * t * 2 + 5,
+            usize::MAX,
+        ] {
+            let tiles = ScoreTiles::at_most(max);
+            let got = attend_tiled(&q, &k, &v, &mask, 0.3, groups, tiles).expect("tiled");
+            assert_eq!(got.dims(), want.dims());
+            assert_eq!(
+                bits(&got),
+                bits(&want),
+                "at most {max}: {:?}",
+                tiles.tile(b, heads, t, s)
+            );
+        }
+        // One mask row for every sequence.
+        let shared = AttentionMask::new(&[t; 3], t, None, &Device::Cpu).expect("mask");
+        let (k, v) = (k.narrow(2, 0, t).expect("k"), v.narrow(2, 0, t).expect("v"));
+        let one = shared.additive().narrow(0, 0, 1).expect("one row");
+        let want = attend_additive(&q, &k, &v, &one, 0.3, groups).expect("whole");
+        let got =
+            attend_tiled(&q, &k, &v, &one, 0.3, groups, ScoreTiles::at_most(1)).expect("tiled");
+        assert_eq!(bits(&got), bits(&want));
+    }
+}
