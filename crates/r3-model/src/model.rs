@@ -7,6 +7,7 @@ pub mod head_positions;
 pub mod head_scores;
 mod recompute;
 pub mod shared_prefix;
+pub mod step_mask;
 
 pub use head_positions::HeadPositions;
 use head_scores::head_scores;

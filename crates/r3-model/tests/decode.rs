@@ -10,7 +10,7 @@ mod common;
 
 use candle_core::{DType, Device};
 use common::{causal, sequences, sorted_experts, tiny_config, tiny_model, tiny_weights, FAMILIES};
-use r3_model::model::decode::{KvCache, ScoreTiles, Step, StepRouting};
+use r3_model::model::decode::{KvCache, ScoreTiles, SeenSlots, Step, StepMask, StepRouting};
 use r3_model::{AttentionConfig, Batch, Model, ModelError, Routing, Weights};
 
 /// Feeds `tokens[first..first + time]` of one sequence; its logits rows (every slot's with
@@ -50,7 +50,7 @@ fn feed_routed(
     let step = Step {
         tokens: &tokens[first..first + time],
         positions: &positions,
-        mask: &mask,
+        mask: StepMask::Additive(&mask),
         batch: 1,
         time,
         all_logits,
@@ -96,7 +96,7 @@ fn first_step(
     let step = Step {
         tokens,
         positions: &positions,
-        mask: &mask,
+        mask: StepMask::Additive(&mask),
         batch: 1,
         time,
         all_logits: false,
@@ -195,7 +195,7 @@ fn a_malformed_step_is_refused_naming_it() {
             &Step {
                 tokens: &bad_token,
                 positions: &[0],
-                mask: &[0.0],
+                mask: StepMask::Additive(&[0.0]),
                 batch: 1,
                 time: 1,
                 all_logits: false,
@@ -211,7 +211,7 @@ fn a_malformed_step_is_refused_naming_it() {
             &Step {
                 tokens: &[1, 2],
                 positions: &[0, 1],
-                mask: &[0.0],
+                mask: StepMask::Additive(&[0.0]),
                 batch: 1,
                 time: 2,
                 all_logits: false,
@@ -289,7 +289,7 @@ fn caches_padded_joined_and_trimmed_decode_as_each_alone() {
                 &Step {
                     tokens: &[a[6], b[3]],
                     positions: &[6, 3],
-                    mask: &mask,
+                    mask: StepMask::Additive(&mask),
                     batch: 2,
                     time: 1,
                     all_logits: false,
@@ -337,7 +337,8 @@ fn caches_padded_joined_and_trimmed_decode_as_each_alone() {
 /// A step whose attention runs in query tiles (`Step::score_tiles`: one position of one
 /// sequence a tile, two positions, whole sequences) computes what the whole step computes,
 /// bit for bit on the CPU: the prefill's logits at every slot, its routes, and the cache the
-/// next decode step reads. Every family, two left-padded sequences.
+/// next decode step reads; so does its mask built on the device from each query row's seen
+/// slots (`StepMask::Seen`). Every family, two left-padded sequences.
 #[test]
 fn a_step_in_score_tiles_equals_the_whole_step() {
     for family in FAMILIES {
@@ -347,6 +348,7 @@ fn a_step_in_score_tiles_equals_the_whole_step() {
         let mut tokens = Vec::new();
         let mut positions = Vec::new();
         let mut mask = Vec::new();
+        let mut seen = Vec::new();
         for (seq, pad) in seqs.iter().zip(pads) {
             tokens.extend((0..pad).map(|_| seq[0]).chain(seq.iter().copied()));
             positions.extend((0..time).map(|i: usize| i.saturating_sub(pad) as u32));
@@ -360,16 +362,20 @@ fn a_step_in_score_tiles_equals_the_whole_step() {
                         f32::NEG_INFINITY
                     }
                 }));
+                seen.push(match i < pad {
+                    true => SeenSlots::run(i..i + 1),
+                    false => SeenSlots::run(pad..i + 1),
+                });
             }
         }
-        let run = |tiles: ScoreTiles| {
+        let run = |tiles: ScoreTiles, mask: StepMask| {
             let mut cache = model.kv_cache();
             let prefill = model
                 .forward_step(
                     &Step {
                         tokens: &tokens,
                         positions: &positions,
-                        mask: &mask,
+                        mask,
                         batch: 2,
                         time,
                         all_logits: true,
@@ -385,7 +391,7 @@ fn a_step_in_score_tiles_equals_the_whole_step() {
                     &Step {
                         tokens: &[seqs[0][1], seqs[1][1]],
                         positions: &[9, 5],
-                        mask: &next,
+                        mask: StepMask::Additive(&next),
                         batch: 2,
                         time: 1,
                         all_logits: false,
@@ -404,10 +410,13 @@ fn a_step_in_score_tiles_equals_the_whole_step() {
                 bits(logit_rows(&decode)),
             )
         };
-        let whole = run(ScoreTiles::WHOLE);
+        let whole = run(ScoreTiles::WHOLE, StepMask::Additive(&mask));
         let heads = cfg.num_attention_heads;
+        // The mask built on the device from each row's seen slots is the same mask.
+        let built = run(ScoreTiles::WHOLE, StepMask::Seen(&seen));
+        assert!(built == whole, "{family}: the mask from seen slots");
         for max in [1, 2 * heads * time, heads * time * time] {
-            let tiled = run(ScoreTiles::at_most(max));
+            let tiled = run(ScoreTiles::at_most(max), StepMask::Seen(&seen));
             assert!(tiled.0 == whole.0, "{family} at most {max}: prefill logits");
             assert_eq!(tiled.1, whole.1, "{family} at most {max}: routes");
             assert!(tiled.2 == whole.2, "{family} at most {max}: the next step");
@@ -482,7 +491,7 @@ fn slots_taken_out_and_put_back_decode_as_the_original_cache() {
                 &Step {
                     tokens: &a[6..8],
                     positions: &[6, 7],
-                    mask: &mask,
+                    mask: StepMask::Additive(&mask),
                     batch: 1,
                     time: 2,
                     all_logits: false,

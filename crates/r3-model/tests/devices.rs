@@ -1123,7 +1123,7 @@ mod cuda {
     /// decode steps.
     #[test]
     fn steps_routed_on_cuda_equal_steps_routed_on_the_host() {
-        use r3_model::model::decode::{ScoreTiles, Step, StepRouting};
+        use r3_model::model::decode::{ScoreTiles, Step, StepMask, StepRouting};
         let device = gpu();
         let mut checked = 0;
         // bf16: the device-routed layer rounds its output in the combine's kernel and the
@@ -1153,7 +1153,7 @@ mod cuda {
                     let step = Step {
                         tokens: &tokens[first..first + time],
                         positions: &positions,
-                        mask: &mask,
+                        mask: StepMask::Additive(&mask),
                         batch: 1,
                         time,
                         all_logits: false,
@@ -1178,6 +1178,49 @@ mod cuda {
             checked >= 8,
             "{checked} families × precisions routed on the GPU"
         );
+    }
+
+    /// A step whose mask is built on the GPU from each query row's seen slots computes what
+    /// the same step with the mask's values copied from the host computes, bit for bit: a
+    /// prefill of 5 then decode steps, every family, f32.
+    #[test]
+    fn a_mask_built_on_cuda_from_seen_slots_is_the_copied_mask() {
+        use r3_model::model::decode::{ScoreTiles, SeenSlots, Step, StepMask, StepRouting};
+        let device = gpu();
+        for family in FAMILIES {
+            let cfg = tiny_config(family);
+            let weights = on_device(&tiny_weights(&cfg, 12, DType::F32), &device);
+            let model = Model::new(&cfg, &weights).expect("model");
+            let tokens = sequences(&[9], cfg.vocab_size, 4).remove(0);
+            let mut caches = [model.kv_cache(), model.kv_cache()];
+            let mut first = 0;
+            for time in [5usize, 1, 1, 1, 1] {
+                let positions: Vec<u32> = (first..first + time).map(|p| p as u32).collect();
+                let dense = causal(first, time, None);
+                let seen: Vec<SeenSlots> = (0..time)
+                    .map(|i| SeenSlots::run(0..first + i + 1))
+                    .collect();
+                let masks = [StepMask::Additive(&dense), StepMask::Seen(&seen)];
+                let mut logits = Vec::new();
+                for (cache, mask) in caches.iter_mut().zip(masks) {
+                    let step = Step {
+                        tokens: &tokens[first..first + time],
+                        positions: &positions,
+                        mask,
+                        batch: 1,
+                        time,
+                        all_logits: true,
+                        routing: StepRouting::Host,
+                        score_tiles: ScoreTiles::WHOLE,
+                    };
+                    logits.push(bits(
+                        &model.forward_step(&step, cache).expect("step").logits,
+                    ));
+                }
+                assert!(logits[0] == logits[1], "{family}: logits at {first}");
+                first += time;
+            }
+        }
     }
 
     /// The one-kernel decode attention on the GPU equals the CPU's composed attention within

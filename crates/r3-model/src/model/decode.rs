@@ -2,8 +2,10 @@
 //! tensors, the rollout engine's device path (any candle device, CUDA included).
 //!
 //! A step feeds a `[B, T]` block of tokens (a prefill has `T ≥ 1`, a decode step `T = 1`),
-//! each sequence at its own positions, and attends over every cached slot under an additive
-//! mask the caller builds (it knows which slots of its padded batch are padding). The layers
+//! each sequence at its own positions, and attends over every cached slot under a mask the
+//! caller gives (it knows which slots of its padded batch are padding): additive values, or
+//! each query row's runs of seen slots, from which the mask is built on the device
+//! ([`StepMask`]). The layers
 //! are the training forward's own: the same weights, precision rounding points and router;
 //! only the RoPE positions and the attention over cached slots differ. A step's MoE layers
 //! plan their experts on the host (each layer's chosen ids read back there) or, for a few
@@ -12,6 +14,7 @@
 
 use candle_core::{Shape, Tensor};
 
+pub use super::step_mask::{SeenSlots, StepMask};
 use super::{routed_rows, Attention, Model, MoeRecord};
 use crate::error::{ModelError, Result};
 use crate::layers::attention::LayerKv;
@@ -251,9 +254,9 @@ pub struct Step<'a> {
     pub tokens: &'a [u32],
     /// `[batch, time]` RoPE position of each fed slot.
     pub positions: &'a [u32],
-    /// `[batch, time, slots + time]` additive mask (0 where a query sees a key, −∞ where it
-    /// does not); every query row must see at least one key.
-    pub mask: &'a [f32],
+    /// Which cached and fed slots each query sees: `[batch, time, slots + time]` additive
+    /// values, or each query row's seen slots (the mask then built on the device).
+    pub mask: StepMask<'a>,
     /// Sequences.
     pub batch: usize,
     /// Slots fed per sequence.
@@ -367,16 +370,12 @@ impl Model {
         if b == 0 || t == 0 {
             return Err(ModelError::Input("a decode step needs tokens".into()));
         }
-        if step.tokens.len() != b * t
-            || step.positions.len() != b * t
-            || step.mask.len() != b * t * s
-        {
+        if step.tokens.len() != b * t || step.positions.len() != b * t {
             return Err(ModelError::Input(format!(
-                "decode step of {b}×{t} over {} cached slots got {} tokens, {} positions, {} mask values",
+                "decode step of {b}×{t} over {} cached slots got {} tokens and {} positions",
                 cache.slots,
                 step.tokens.len(),
                 step.positions.len(),
-                step.mask.len()
             )));
         }
         if cache.layers.len() != self.layers.len() {
@@ -398,7 +397,7 @@ impl Model {
             )));
         }
         let rope = self.rope.tables_at(step.positions, b, t, device, dtype)?;
-        let mask = Tensor::from_slice(step.mask, (b, 1, 1, t, s), device)?.to_dtype(dtype)?;
+        let mask = step.mask.additive((b, t, s), device, dtype)?;
         let rows = routed_rows(&vec![t; b], t);
         let ids = Tensor::from_slice(step.tokens, b * t, device)?;
         let mut x = self.embed_tokens(

@@ -1,9 +1,11 @@
 //! The device engine's padded batch: sequences left-padded to a common length so that every
 //! step writes the same KV slot for all of them (one append per layer), each sequence at its
-//! own RoPE positions, with the additive masks and the route rows that layout implies.
+//! own RoPE positions, with the slots each query sees and the route rows that layout
+//! implies.
 
 use std::ops::Range;
 
+use r3_model::model::decode::SeenSlots;
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
@@ -125,8 +127,8 @@ pub struct StepLayout {
     pub tokens: Vec<u32>,
     /// `[batch, time]` positions.
     pub positions: Vec<u32>,
-    /// `[batch, time, slots + time]` additive mask.
-    pub mask: Vec<f32>,
+    /// `[batch · time]` query rows' seen slots (of the `slots + time` the step reads).
+    pub seen: Vec<SeenSlots>,
     /// Slots fed per sequence.
     pub time: usize,
     /// Fed slots of each row that are padding before its first fed position (its route
@@ -137,16 +139,6 @@ pub struct StepLayout {
     pub ends: Vec<usize>,
 }
 
-/// Whether the query in slot `query` of a sequence starting at slot `pad` sees the key in
-/// slot `key`: causal, never padding, within the sliding window if any. A padding query
-/// sees itself only, so no mask row is empty (its output is never used).
-fn visible(query: usize, key: usize, pad: usize, window: Option<usize>) -> bool {
-    if query < pad {
-        return key == query;
-    }
-    key >= pad && key <= query && window.is_none_or(|w| query - key < w)
-}
-
 /// The prefill step of `rows` over a cache of `first` slots that holds each row's first
 /// `held` positions right-aligned (slots `first − held..first`, zeros in front; `first` = 0
 /// when no row holds any): each row feeds its next positions, up to `chunk` of them (all it
@@ -154,7 +146,8 @@ fn visible(query: usize, key: usize, pad: usize, window: Option<usize>) -> bool 
 /// `first..first + time`. A row holding positions and feeding fewer than the most thus has
 /// a gap of padding slots between the two, which [`gap_order`] closes after the step.
 /// Padding slots are fed token 0 at position 0 and see only themselves; a real slot sees
-/// the real slots of its row up to its own position (within the sliding window, if any).
+/// the real slots of its row up to its own position (within the sliding window, if any):
+/// the run it holds and the run it feeds.
 pub fn prefill_layout(
     rows: &[Row],
     first: usize,
@@ -190,15 +183,20 @@ pub fn prefill_layout(
                     out.positions.push(0);
                 }
             }
-            for key in 0..first + time {
-                let seen = match query {
-                    None => key == first + j,
-                    Some(q) => {
-                        position(key).is_some_and(|k| k <= q && window.is_none_or(|w| q - k < w))
-                    }
-                };
-                out.mask.push(mask_value(seen));
-            }
+            out.seen.push(match query {
+                None => SeenSlots::run(first + j..first + j + 1),
+                Some(q) => {
+                    // Positions `lo..=q`: those held in slots `first − held + p`, those fed
+                    // (from `held` on) in `first + gap + p − held`.
+                    let lo = window.map_or(0, |w| (q + 1).saturating_sub(w));
+                    let at_held = first - held;
+                    let at_fed = first + gap;
+                    SeenSlots::runs(
+                        at_held + lo.min(held)..at_held + (q + 1).min(held),
+                        at_fed + lo.max(held) - held..at_fed + q + 1 - held,
+                    )
+                }
+            });
         }
         out.skip.push(gap);
         out.ends.push(end);
@@ -229,7 +227,8 @@ pub fn gap_order(rows: &[Row], first: usize, layout: &StepLayout) -> Option<Vec<
     Some(order.into_iter().map(|s| s as u32).collect())
 }
 
-/// One decode step: each row's last token into slot `slots` (the slots already cached).
+/// One decode step: each row's last token into slot `slots` (the slots already cached),
+/// seeing its real slots up to it (within the sliding window, if any).
 pub fn decode_layout(rows: &[Row], slots: usize, window: Option<usize>) -> StepLayout {
     let mut out = StepLayout {
         time: 1,
@@ -240,20 +239,14 @@ pub fn decode_layout(rows: &[Row], slots: usize, window: Option<usize>) -> StepL
     for row in rows {
         out.tokens.push(row.tokens[row.tokens.len() - 1]);
         out.positions.push((slots - row.pad) as u32);
-        for key in 0..=slots {
-            out.mask
-                .push(mask_value(visible(slots, key, row.pad, window)));
-        }
+        // Its real slots up to the new one, within the sliding window if any.
+        let from = row
+            .pad
+            .max(window.map_or(0, |w| (slots + 1).saturating_sub(w)))
+            .min(slots);
+        out.seen.push(SeenSlots::run(from..slots + 1));
     }
     out
-}
-
-fn mask_value(visible: bool) -> f32 {
-    if visible {
-        0.0
-    } else {
-        f32::NEG_INFINITY
-    }
 }
 
 /// Rows a task of the route capture takes: a decode step gives a row one route row (a few
@@ -307,15 +300,81 @@ pub fn capture_routes(
 mod tests {
     use super::*;
 
+    /// The slots a query sees, key by key, as the layouts were first written (a mask value
+    /// a key): the position each slot holds for a row holding `held` positions right-aligned
+    /// before slot `first` and feeding `end − held` after `gap` padding slots; a query at a
+    /// position sees the positions up to it (within the window), a padding query itself.
+    fn seen_by_rule(
+        (first, time, slots): (usize, usize, usize),
+        (held, end, gap): (usize, usize, usize),
+        window: Option<usize>,
+        j: usize,
+    ) -> Vec<usize> {
+        debug_assert!(end - held + gap == time);
+        let position = |slot: usize| match slot < first {
+            true => slot.checked_sub(first - held),
+            false => (slot - first).checked_sub(gap).map(|i| held + i),
+        };
+        (0..slots)
+            .filter(|&key| match position(first + j) {
+                None => key == first + j,
+                Some(q) => {
+                    position(key).is_some_and(|k| k <= q && window.is_none_or(|w| q - k < w))
+                }
+            })
+            .collect()
+    }
+
+    /// Each prefill and decode layout's seen slots are the slots the key-by-key rule sees:
+    /// rows holding none, some or all but one of their positions, gaps, chunks shorter than
+    /// a row's rest, sliding windows shorter and longer than the step, and decoding rows with
+    /// and without padding in front.
     #[test]
-    fn padding_is_invisible_and_padding_queries_see_themselves() {
-        // pad 2: slots 0, 1 are padding.
-        assert!(visible(0, 0, 2, None) && !visible(0, 1, 2, None));
-        assert!(visible(1, 1, 2, None) && !visible(1, 0, 2, None));
-        assert!(!visible(3, 1, 2, None) && visible(3, 2, 2, None) && visible(3, 3, 2, None));
-        assert!(!visible(3, 4, 2, None), "causal");
-        // window 2 from slot 5: keys 4 and 5 only.
-        assert!(!visible(5, 3, 0, Some(2)) && visible(5, 4, 0, Some(2)));
+    fn seen_slots_are_the_rules_key_by_key() {
+        let mut checked = 0;
+        for window in [None, Some(1), Some(3), Some(40)] {
+            for first in [0usize, 2, 7] {
+                for chunk in [1usize, 3, usize::MAX] {
+                    // (tokens, held) per row; a row holds at most `first` positions.
+                    let shapes = [(9usize, 2usize), (3, 0), (4, 3), (7, 7.min(first)), (1, 0)];
+                    let mut rows: Vec<Row> =
+                        (0..shapes.len() as u64).map(|b| row(b, true)).collect();
+                    for (r, &(len, held)) in rows.iter_mut().zip(&shapes) {
+                        r.tokens = (0..len as u32).collect();
+                        r.held = held.min(first).min(len.saturating_sub(1));
+                    }
+                    let layout = prefill_layout(&rows, first, window, chunk);
+                    let (time, slots) = (layout.time, first + layout.time);
+                    for (b, r) in rows.iter().enumerate() {
+                        let rule = (r.held, layout.ends[b], layout.skip[b]);
+                        for j in 0..time {
+                            let seen = layout.seen[b * time + j];
+                            let got: Vec<usize> = (0..slots).filter(|&k| seen.sees(k)).collect();
+                            let want = seen_by_rule((first, time, slots), rule, window, j);
+                            assert_eq!(
+                                got, want,
+                                "{window:?} first {first} chunk {chunk} row {b} query {j}"
+                            );
+                            checked += 1;
+                        }
+                    }
+                }
+            }
+            // Decoding over 6 slots: rows padded by 0, 2 and 5 in front.
+            let mut rows: Vec<Row> = (0..3).map(|b| row(b, true)).collect();
+            for (r, pad) in rows.iter_mut().zip([0, 2, 5]) {
+                r.pad = pad;
+            }
+            let layout = decode_layout(&rows, 6, window);
+            for (b, r) in rows.iter().enumerate() {
+                let got: Vec<usize> = (0..7).filter(|&k| layout.seen[b].sees(k)).collect();
+                // Positions 0..=6 − pad in slots pad..=6.
+                let len = 7 - r.pad;
+                let want = seen_by_rule((r.pad, len, 7), (0, len, 0), window, len - 1);
+                assert_eq!(got, want, "{window:?} decode row {b}");
+            }
+        }
+        assert!(checked > 500, "{checked}");
     }
 
     /// A row capturing (or not) with `routes` already held.
@@ -379,8 +438,7 @@ mod tests {
         // Row 0's position 3 (slot 3) sees slots 0..=3; row 2's position 2 (slot 5) sees
         // its held slots 0 and 1 and itself, not the padding between.
         let seen = |b: usize, j: usize| -> Vec<usize> {
-            let at = (b * 4 + j) * 6;
-            (0..6).filter(|&k| layout.mask[at + k] == 0.0).collect()
+            (0..6).filter(|&k| layout.seen[b * 4 + j].sees(k)).collect()
         };
         assert_eq!(seen(0, 1), vec![0, 1, 2, 3]);
         assert_eq!(seen(2, 3), vec![0, 1, 5]);

@@ -65,7 +65,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
-use r3_model::model::decode::{KvCache, ScoreTiles, Step, StepRouting};
+use r3_model::model::decode::{KvCache, ScoreTiles, Step, StepMask, StepRouting};
 use r3_model::{check_map_holds, Config, DeviceSpec, HostStaging, LoadOptions, Model, Weights};
 use r3_routing::RouteTable;
 use rayon::prelude::*;
@@ -685,7 +685,7 @@ impl DeviceEngine {
             &Step {
                 tokens: &layout.tokens,
                 positions: &layout.positions,
-                mask: &layout.mask,
+                mask: StepMask::Seen(&layout.seen),
                 batch: batch.rows.len(),
                 time: layout.time,
                 all_logits,
