@@ -419,9 +419,12 @@ impl StepPhase {
 
     /// `e` as this phase's [`TrainError::OutOfMemory`] where it is a device allocation that
     /// failed (CUDA's `CUDA_ERROR_OUT_OF_MEMORY`, as candle and the rollout engine word
-    /// it), else `e` as it came.
+    /// it), else `e` as it came; one already labelled keeps its step and phase (a rollout
+    /// drawn ahead fails inside the update that it runs beside).
     pub fn out_of_memory_in(self, step: u64, e: TrainError) -> TrainError {
-        if !r3_model::device::reads_as_out_of_memory(&e) {
+        if matches!(e, TrainError::OutOfMemory { .. })
+            || !r3_model::device::reads_as_out_of_memory(&e)
+        {
             return e;
         }
         TrainError::OutOfMemory {
@@ -507,5 +510,23 @@ mod tests {
         let other = TrainError::UnknownReplayMode("R4".into());
         let e = StepPhase::Rollout.out_of_memory_in(7, other);
         assert!(matches!(e, TrainError::UnknownReplayMode(_)), "{e}");
+        // A rollout drawn ahead for step 8 that ran out of memory during step 7's update
+        // stays step 8's rollout.
+        let ahead = StepPhase::Rollout.out_of_memory_in(
+            8,
+            TrainError::Candle(candle_core::Error::Msg("out of memory".into())),
+        );
+        let e = StepPhase::Update.out_of_memory_in(7, ahead);
+        assert!(
+            matches!(
+                &e,
+                TrainError::OutOfMemory {
+                    step: 8,
+                    phase: StepPhase::Rollout,
+                    source,
+                } if !matches!(**source, TrainError::OutOfMemory { .. })
+            ),
+            "{e}"
+        );
     }
 }

@@ -476,7 +476,9 @@ impl Trainer {
             run_updates(policy, optimizer, ctx)
         });
         let updates = updates?;
-        let (results, stats, generate_s) = generated?;
+        // The next step's rollout, whatever phase this step is in.
+        let (results, stats, generate_s) =
+            generated.map_err(|e| StepPhase::Rollout.out_of_memory_in(next, e))?;
         fleet.ahead = Some(AheadBatch {
             step: next,
             items,
