@@ -159,11 +159,16 @@ fn default_pool(
 
 /// Whether an error's text reads as a failed device allocation: CUDA's
 /// `CUDA_ERROR_OUT_OF_MEMORY` (cudarc's name in candle's error text) or an allocator's "out
-/// of memory". On the CPU an allocation failure aborts the process instead, so this is a
-/// GPU's case.
+/// of memory", unless it names page-locked host memory ([`ModelError::HostMemory`], whose
+/// driver error is worded the same). On the CPU an allocation failure aborts the process
+/// instead, so this is a GPU's case.
+///
+/// [`ModelError::HostMemory`]: crate::ModelError::HostMemory
 pub fn reads_as_out_of_memory(error: &dyn std::fmt::Display) -> bool {
-    let text = error.to_string().to_ascii_lowercase();
-    text.contains("out_of_memory") || text.contains("out of memory")
+    let text = error.to_string();
+    let lower = text.to_ascii_lowercase();
+    (lower.contains("out_of_memory") || lower.contains("out of memory"))
+        && !text.contains(crate::error::PAGE_LOCKED_HOST_MEMORY)
 }
 
 /// The device's free and total memory in bytes, as its driver reports them now: `None` on
@@ -368,6 +373,26 @@ impl fmt::Display for DeviceSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A device allocation's failure reads as out of memory, through any error that wraps
+    /// its text; the host's page-locked memory running out, worded by the same driver, and
+    /// other errors do not.
+    #[test]
+    fn only_a_device_allocation_reads_as_out_of_memory() {
+        let driver = "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")";
+        let device = crate::ModelError::Candle(candle_core::Error::Msg(driver.into()));
+        assert!(reads_as_out_of_memory(&device));
+        assert!(reads_as_out_of_memory(&format!("step 3 failed: {device}")));
+        let host = crate::ModelError::HostMemory {
+            values: 1 << 20,
+            reason: driver.into(),
+        };
+        assert!(!reads_as_out_of_memory(&host), "{host}");
+        assert!(!reads_as_out_of_memory(&format!("step 3 failed: {host}")));
+        assert!(!reads_as_out_of_memory(&crate::ModelError::Input(
+            "id 9".into()
+        )));
+    }
 
     /// The CPU reports no device memory (the operating system manages it).
     #[test]

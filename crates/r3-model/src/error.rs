@@ -4,6 +4,10 @@ use std::path::PathBuf;
 
 use r3_routing::RouteError;
 
+/// What [`ModelError::HostMemory`] names its memory: an error whose text holds it is the
+/// host's allocation, never the device's ([`crate::device::reads_as_out_of_memory`]).
+pub const PAGE_LOCKED_HOST_MEMORY: &str = "page-locked host memory";
+
 /// Errors from config parsing, weight loading, routing and the forward pass.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
@@ -93,6 +97,18 @@ pub enum ModelError {
     /// Input to the forward pass is malformed (token id, lengths, shapes).
     #[error("invalid input: {0}")]
     Input(String),
+    /// The host could not give a GPU's copies the page-locked memory they land in (the
+    /// driver's out-of-memory here is the host's, not the device's).
+    #[error(
+        "cannot allocate {values} f32 of {}: {reason}",
+        PAGE_LOCKED_HOST_MEMORY
+    )]
+    HostMemory {
+        /// Values asked for.
+        values: usize,
+        /// The driver's error.
+        reason: String,
+    },
     /// A route table does not fit the model or the batch.
     #[error("route table for sequence {sequence} does not fit: {msg}")]
     RouteMismatch {

@@ -94,10 +94,9 @@ fn pinned_of_len<'a>(
                 .context()
                 .alloc_pinned_with_flags::<f32>(len, 0)
         }
-        .map_err(|e| {
-            ModelError::Input(format!(
-                "cannot allocate {len} f32 of page-locked host memory: {e}"
-            ))
+        .map_err(|e| ModelError::HostMemory {
+            values: len,
+            reason: e.to_string(),
         })?;
         *slot = Some(buffer);
     }

@@ -1182,32 +1182,52 @@ mod cuda {
 
     /// A step whose mask is built on the GPU from each query row's seen slots computes what
     /// the same step with the mask's values copied from the host computes, bit for bit: a
-    /// prefill of 5 then decode steps, every family, f32.
+    /// prefill of 6 then decode steps of two rows, each query row seeing two runs of slots
+    /// (one the run of slots up to its own, cut by a window), every family, f32.
     #[test]
     fn a_mask_built_on_cuda_from_seen_slots_is_the_copied_mask() {
         use r3_model::model::decode::{ScoreTiles, SeenSlots, Step, StepMask, StepRouting};
         let device = gpu();
+        // Row b's query in slot q: slot b (a held prefix's) and the three slots up to q.
+        let seen_by = |b: usize, q: usize| match q <= b {
+            true => SeenSlots::run(q..q + 1),
+            false => SeenSlots::runs(b..b + 1, q.saturating_sub(2).max(b + 1)..q + 1),
+        };
         for family in FAMILIES {
             let cfg = tiny_config(family);
             let weights = on_device(&tiny_weights(&cfg, 12, DType::F32), &device);
             let model = Model::new(&cfg, &weights).expect("model");
-            let tokens = sequences(&[9], cfg.vocab_size, 4).remove(0);
+            let tokens = sequences(&[10, 10], cfg.vocab_size, 4);
             let mut caches = [model.kv_cache(), model.kv_cache()];
             let mut first = 0;
-            for time in [5usize, 1, 1, 1, 1] {
-                let positions: Vec<u32> = (first..first + time).map(|p| p as u32).collect();
-                let dense = causal(first, time, None);
-                let seen: Vec<SeenSlots> = (0..time)
-                    .map(|i| SeenSlots::run(0..first + i + 1))
+            for time in [6usize, 1, 1, 1, 1] {
+                let slots = first + time;
+                let fed: Vec<u32> = (0..2)
+                    .flat_map(|b| tokens[b][first..slots].to_vec())
+                    .collect();
+                let positions: Vec<u32> = (0..2)
+                    .flat_map(|_| (first..slots).map(|p| p as u32))
+                    .collect();
+                let seen: Vec<SeenSlots> = (0..2)
+                    .flat_map(|b| (first..slots).map(move |q| seen_by(b, q)))
+                    .collect();
+                let dense: Vec<f32> = seen
+                    .iter()
+                    .flat_map(|row| {
+                        (0..slots).map(|k| match row.sees(k) {
+                            true => 0.0,
+                            false => f32::NEG_INFINITY,
+                        })
+                    })
                     .collect();
                 let masks = [StepMask::Additive(&dense), StepMask::Seen(&seen)];
                 let mut logits = Vec::new();
                 for (cache, mask) in caches.iter_mut().zip(masks) {
                     let step = Step {
-                        tokens: &tokens[first..first + time],
+                        tokens: &fed,
                         positions: &positions,
                         mask,
-                        batch: 1,
+                        batch: 2,
                         time,
                         all_logits: true,
                         routing: StepRouting::Host,
@@ -1251,14 +1271,21 @@ mod cuda {
         }
     }
 
-    /// Attention in query tiles on the GPU (whole sequences, runs of positions, one position;
-    /// the one-kernel decode attention and the composed GEMMs alike) equals the CPU's whole
-    /// product within 1e-5: a prefill of 9 positions over 300 cached slots, grouped queries.
+    /// Attention in query tiles on the GPU (whole sequences, runs of positions, one position)
+    /// equals the CPU's whole product within 1e-5: a prefill of 9 positions over 300 cached
+    /// slots (the one-kernel attention's size) and over 9,000 (past it: the composed GEMMs and
+    /// softmax), grouped queries, a mask per sequence and one shared by the batch.
     #[test]
     fn attention_in_score_tiles_on_cuda_is_the_cpus_whole_product() {
+        for cached in [300, 9_000] {
+            tiles_on_cuda_are_the_cpus_whole_product(cached);
+        }
+    }
+
+    fn tiles_on_cuda_are_the_cpus_whole_product(cached: usize) {
         use r3_model::layers::attention::{attend_additive, attend_tiled, ScoreTiles};
         let device = gpu();
-        let (b, kv, groups, t, cached, d) = (3, 2, 4, 9, 300, 32);
+        let (b, kv, groups, t, d) = (3, 2, 4, 9, 32);
         let s = cached + t;
         let q = seeded(&[b, kv, groups * t, d], 4);
         let k = seeded(&[b, kv, s, d], 5);
@@ -1289,9 +1316,26 @@ mod cuda {
             let diff = max_diff(&got, &want);
             assert!(
                 diff <= 1e-5,
-                "at most {max}: the GPU's tiles differ by {diff}"
+                "{cached} cached, at most {max}: the GPU's tiles differ by {diff}"
             );
         }
+        // The first sequence's mask rows shared by the batch.
+        let shared = mask.narrow(0, 0, 1).expect("one row");
+        let want = attend_additive(&q, &k, &v, &shared, 0.2, groups).expect("cpu");
+        let got = attend_tiled(
+            &on(&q),
+            &on(&k),
+            &on(&v),
+            &on(&shared),
+            0.2,
+            groups,
+            ScoreTiles::at_most(2 * heads * s),
+        )
+        .expect("gpu")
+        .to_device(&Device::Cpu)
+        .expect("back");
+        let diff = max_diff(&got, &want);
+        assert!(diff <= 1e-5, "{cached} cached, a shared mask: {diff}");
     }
 
     /// The greedy reduction on the GPU equals the CPU's: the same largest value and first

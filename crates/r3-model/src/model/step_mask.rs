@@ -84,6 +84,14 @@ impl StepMask<'_> {
     ) -> Result<Tensor> {
         let shape = (batch, 1, 1, time, slots);
         let rows = batch * time;
+        // Candle's GPU kernels index a tensor's elements with 32 bits.
+        if rows.saturating_mul(slots) > u32::MAX as usize {
+            return Err(ModelError::Input(format!(
+                "a step of {batch}×{time} over {slots} slots: its mask's {} values are past \
+                 the 2³² − 1 a tensor may hold on a GPU (feed the prompt in chunks)",
+                rows.saturating_mul(slots)
+            )));
+        }
         match self {
             StepMask::Additive(values) => {
                 if values.len() != rows * slots {
@@ -209,6 +217,11 @@ mod tests {
         );
         let err = refuse(&[SeenSlots::run(0..1)]);
         assert!(err.contains("got 1 rows"), "{err}");
+        let huge = StepMask::Seen(&[])
+            .additive((2, 50_000, 50_000), &Device::Cpu, DType::F32)
+            .expect_err("past 32 bits")
+            .to_string();
+        assert!(huge.contains("5000000000 values"), "{huge}");
         let err = StepMask::Additive(&[0.0; 9])
             .additive(shape, &Device::Cpu, DType::F32)
             .expect_err("short")

@@ -20,7 +20,9 @@
 //! The tiles keep the scores within a quarter of the activation budget (they would hold
 //! `rows · heads · time · slots` in one product: gigabytes for a long prompt's prefill, or
 //! a large batch decoding at long context); what then grows with the prompt squared is the
-//! mask, a `heads`-th of one untiled score tensor. The logits' two companions are the greedy picks' shifted and exponentiated rows
+//! mask, a `heads`-th of one untiled score tensor (built on the device from each row's seen
+//! slots: a byte an element of comparisons beside it while it is built, before anything
+//! score-sized lives). The logits' two companions are the greedy picks' shifted and exponentiated rows
 //! (`greedy.rs`), or the rows copied out for the host and their f32 cast. `q_width` is
 //! `heads ×` the query head width, `ffn_width` the widest feed-forward a token
 //! passes (the dense MLP, or top-k experts plus the shared one), `layer_kv` one slot's keys
@@ -70,8 +72,14 @@ pub fn score_tiles(budget: usize) -> ScoreTiles {
     ScoreTiles::at_most(budget / (4 * 3 * 4))
 }
 
+/// Most elements one tensor of a step may have: candle's GPU kernels index a tensor's
+/// elements with 32 bits.
+pub const MAX_TENSOR_ELEMENTS: usize = u32::MAX as usize;
+
 /// Bytes of activations the step `shape` holds at its peak on the device, its attention in
-/// the query tiles `tiles` allows (the module doc gives the formula).
+/// the query tiles `tiles` allows (the module doc gives the formula); `usize::MAX` (no
+/// budget takes it) where its mask or its logits would have more than
+/// [`MAX_TENSOR_ELEMENTS`] elements.
 pub fn step_activation_bytes(cfg: &Config, shape: StepShape, tiles: ScoreTiles) -> usize {
     let heads = cfg.num_attention_heads;
     let q_head = match cfg.attention {
@@ -101,10 +109,17 @@ pub fn step_activation_bytes(cfg: &Config, shape: StepShape, tiles: ScoreTiles) 
         slots,
         logit_positions,
     } = shape;
+    let mask = rows.saturating_mul(time).saturating_mul(slots);
+    let logits = rows
+        .saturating_mul(logit_positions)
+        .saturating_mul(cfg.vocab_size);
+    if mask.max(logits) > MAX_TENSOR_ELEMENTS {
+        return usize::MAX;
+    }
     let per_token = 8 * cfg.hidden_size + 4 * heads * q_head + 4 * ffn_width + experts;
     let floats = 3 * tiles.scores(rows, heads, time, slots)
-        + rows * time * slots
-        + 3 * rows * logit_positions * cfg.vocab_size
+        + mask
+        + 3 * logits
         + rows * time * per_token
         + rows * kv_capacity_for(slots) * layer_kv;
     floats.saturating_mul(4)
@@ -222,6 +237,29 @@ pub(super) mod tests {
             step_activation_bytes(&cfg, shape, three),
             4 * (3 * 4 * 3 * 12 + rest)
         );
+        // A step whose mask or logits would pass 2³² − 1 elements fits no budget.
+        let long = StepShape {
+            rows: 1,
+            time: 70_000,
+            slots: 70_000,
+            logit_positions: 1,
+        };
+        assert_eq!(bytes(long), usize::MAX);
+        assert!(
+            bytes(StepShape {
+                time: 60_000,
+                slots: 60_000,
+                ..long
+            }) < usize::MAX
+        );
+        // 5 M positions' logits over the 1,000-token vocabulary.
+        let logits = StepShape {
+            rows: 1,
+            time: 1,
+            slots: 1,
+            logit_positions: 5_000_000,
+        };
+        assert_eq!(bytes(logits), usize::MAX);
         // The tiles hold a quarter of the budget at most.
         let budget = 1 << 20;
         let tile = score_tiles(budget).tile(3, 4, 10, 4000);

@@ -22,7 +22,8 @@
 //! of prompt + output except the last token, which is never fed.
 //!
 //! A request whose prefill in one step would exceed the activation budget (a long prompt:
-//! the composed attention's scores grow with its square) or the token cap
+//! its hidden states grow with it, its mask with its square; the attention's scores are
+//! held in query tiles within a quarter of the budget) or the token cap
 //! (`max_prefill_tokens`) is fed in chunks instead, each the most positions whose step fits
 //! both ([`memory::prefill_chunk`]), one chunk per step beside the running batch's decode:
 //! the cache holds the chunks fed so far as it holds a cached prefix, the next chunk is fed

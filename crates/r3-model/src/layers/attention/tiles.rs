@@ -129,7 +129,12 @@ pub fn attend_tiled(
                 q.narrow(3, t0, times)?
                     .contiguous()?
                     .reshape((rows, kv, groups * times, dq))?;
-            let out = attend_additive(&q, &k, &v, &mask.narrow(3, t0, times)?, scale, groups)?;
+            // A mask of one query row broadcast over the step's is read whole by each tile.
+            let mask = match mask.dim(3)? == t {
+                true => mask.narrow(3, t0, times)?,
+                false => mask.clone(),
+            };
+            let out = attend_additive(&q, &k, &v, &mask, scale, groups)?;
             parts.push(out.reshape((rows, kv, groups, times, dv))?);
         }
         outs.push(Tensor::cat(&parts, 3)?.reshape((rows, kv, gt, dv))?);
@@ -164,7 +169,8 @@ mod tests {
     }
 
     /// Every tiling gives the whole product's output bit for bit on the CPU (grouped
-    /// queries, left padding, a prefill over cached slots, a mask broadcast over the batch).
+    /// queries, left padding, a prefill over cached slots, a mask broadcast over the queries,
+    /// one broadcast over the batch).
     #[test]
     fn tiles_give_the_whole_products_bits() {
         let (b, kv, groups, t, cached, d) = (3, 2, 3, 7, 4, 8);
@@ -202,6 +208,22 @@ mod tests {
                 tiles.tile(b, heads, t, s)
             );
         }
+        // One mask row for every query of each sequence (its first two slots hidden).
+        let row: Vec<f32> = (0..b * s)
+            .map(|i| match i % s < 2 {
+                true => f32::NEG_INFINITY,
+                false => 0.0,
+            })
+            .collect();
+        let row = Tensor::from_vec(row, (b, 1, 1, 1, s), &Device::Cpu).expect("mask row");
+        let want = attend_additive(&q, &k, &v, &row, 0.3, groups).expect("whole");
+        let got =
+            attend_tiled(&q, &k, &v, &row, 0.3, groups, ScoreTiles::at_most(1)).expect("tiled");
+        assert_eq!(
+            bits(&got),
+            bits(&want),
+            "a mask row broadcast over the queries"
+        );
         // One mask row for every sequence.
         let shared = AttentionMask::new(&[t; 3], t, None, &Device::Cpu).expect("mask");
         let (k, v) = (k.narrow(2, 0, t).expect("k"), v.narrow(2, 0, t).expect("v"));
