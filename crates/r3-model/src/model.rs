@@ -26,7 +26,7 @@ use crate::config::{AttentionConfig, Config};
 use crate::error::{ModelError, Result};
 use crate::layers::attention::mla::MlaAttention;
 use crate::layers::attention::rope::{Rope, RopeTables};
-use crate::layers::attention::{AttentionMask, GqaAttention, SlotRows};
+use crate::layers::attention::{AttentionMask, GqaAttention, ScoreTiles, SlotRows};
 use crate::layers::embedding_rows::{embedding_rows, rows_dtype};
 use crate::layers::gather_rows::GatherRows;
 use crate::layers::linear::Linear;
@@ -290,6 +290,18 @@ impl Model {
         for layer in &mut self.layers {
             if let Attention::Gqa(a) = &mut layer.attention {
                 a.set_recompute_heads(on);
+            }
+        }
+    }
+
+    /// Bounds the scores one product of every attention layer holds in a forward on a device
+    /// without the CPU's fused op (`algo.attention_tile_mib`): query rows in blocks, forward
+    /// and backward; the same values, the keys' and values' gradients summed over the blocks.
+    pub fn set_score_tiles(&mut self, tiles: ScoreTiles) {
+        for layer in &mut self.layers {
+            match &mut layer.attention {
+                Attention::Gqa(a) => a.set_score_tiles(tiles),
+                Attention::Mla(a) => a.set_score_tiles(tiles),
             }
         }
     }

@@ -881,6 +881,68 @@ mod cuda {
         held_copies_give_the_same_bits(&gpu());
     }
 
+    /// A training forward's attention in blocks of query rows (`Model::set_score_tiles`: a
+    /// row a block, runs of three positions, whole groups) gives on the GPU the logits of one
+    /// product within 1e-5 and every parameter's gradient within 1e-4 of its largest: every
+    /// family, f32, replayed routing where the family has experts.
+    #[test]
+    fn attention_in_row_blocks_gives_the_whole_products_on_cuda() {
+        use r3_model::layers::attention::ScoreTiles;
+        let device = gpu();
+        let values = |b: &[u32]| b.iter().map(|&x| f32::from_bits(x)).collect::<Vec<_>>();
+        let largest_diff = |a: &[u32], b: &[u32]| {
+            let (a, b) = (values(a), values(b));
+            let scale = a
+                .iter()
+                .fold(0f32, |m, x| m.max(x.abs()))
+                .max(f32::MIN_POSITIVE);
+            let diff = a
+                .iter()
+                .zip(&b)
+                .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            (diff, diff / scale)
+        };
+        for family in FAMILIES {
+            let cfg = tiny_config(family);
+            let lengths = [6, 4];
+            let batch =
+                Batch::new(&sequences(&lengths, cfg.vocab_size, 3), 0, &device).expect("batch");
+            let tables = cfg.moe.as_ref().map(|_| {
+                ReplayRoutes::new(covering_tables(&cfg, &lengths), &cfg.layout).expect("covered")
+            });
+            let run = |tiles: ScoreTiles| {
+                let (varmap, weights) = on_device(&tiny_weights(&cfg, 7, DType::F32), &device)
+                    .into_trainable(&cfg)
+                    .expect("trainable");
+                let mut model = Model::new(&cfg, &weights).expect("model");
+                model.set_score_tiles(tiles);
+                logits_and_gradient_bits(&model, &batch, tables.as_ref(), &lengths, &varmap)
+            };
+            let whole = run(ScoreTiles::WHOLE);
+            // A query row's scores: 2 sequences × the key/value heads × 6 slots.
+            let kv = match cfg.attention {
+                r3_model::AttentionConfig::Gqa { num_kv_heads, .. } => num_kv_heads,
+                r3_model::AttentionConfig::Mla { .. } => cfg.num_attention_heads,
+            };
+            let row = 2 * kv * 6;
+            for max in [1, 3 * row, 6 * row] {
+                let blocks = run(ScoreTiles::at_most(max));
+                let (logits, _) = largest_diff(&whole.0, &blocks.0);
+                assert!(
+                    logits <= 1e-5,
+                    "{family} at most {max}: logits differ by {logits}"
+                );
+                for ((name, a), (_, b)) in whole.1.iter().zip(&blocks.1) {
+                    let (_, relative) = largest_diff(a, b);
+                    assert!(
+                        relative <= 1e-4,
+                        "{family} at most {max}: gradient of {name} differs by {relative}"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn selective_recomputation_gives_the_same_bits_on_cuda() {
         selective_recompute_gives_the_same_bits(&gpu());

@@ -14,7 +14,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use r3_model::cast16::cast16;
 use r3_model::layers::attention::recompute::{attend_recomputed, NarrowOperands};
 use r3_model::layers::attention::rope::Rope;
-use r3_model::layers::attention::AttentionMask;
+use r3_model::layers::attention::{AttentionMask, ScoreTiles};
 use r3_model::layers::embedding_rows::embedding_rows;
 use r3_model::layers::gather_rows::GatherRows;
 use r3_model::layers::moe::dispatch::Dispatch;
@@ -94,7 +94,17 @@ fn attention(device: &Device, window: Option<usize>, narrow: NarrowOperands) -> 
     let k = Var::from_tensor(&values(&[b, kv, t, d], 2)).expect("k");
     let v = Var::from_tensor(&values(&[b, kv, t, d], 3)).expect("v");
     let probe = values(&[b, kv, groups * t, d], 4);
-    let y = attend_recomputed(&q, &k, &v, mask.additive(), 0.25, groups, narrow).expect("attend");
+    let y = attend_recomputed(
+        &q,
+        &k,
+        &v,
+        mask.additive(),
+        0.25,
+        groups,
+        narrow,
+        ScoreTiles::WHOLE,
+    )
+    .expect("attend");
     let grads = (&y * &probe)
         .and_then(|l| l.sum_all())
         .and_then(|l| l.backward())

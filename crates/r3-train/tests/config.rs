@@ -297,3 +297,24 @@ fn rollout_engine_budgets_are_checked_by_key() {
     let unset = TrainConfig::resolve(None, &[]).expect("defaults");
     assert_eq!(unset.rollout.chunked_prefill_size, 0, "no cap unless set");
 }
+
+/// `algo.attention_tile_mib` bounds an attention product's f32 scores: 1 GiB by default
+/// (2²⁸ values), what is set, or nothing at 0.
+#[test]
+fn the_attention_tile_key_bounds_a_products_scores() {
+    use r3_model::layers::attention::ScoreTiles;
+    let defaults = TrainConfig::resolve(None, &[]).expect("defaults");
+    assert_eq!(defaults.algo.attention_tile_mib, 1024);
+    assert_eq!(
+        defaults.algo.attention_tiles(),
+        ScoreTiles::at_most(1 << 28)
+    );
+    let set = |value: &str| {
+        TrainConfig::resolve(None, &[format!("algo.attention_tile_mib={value}")])
+            .expect("resolved")
+            .algo
+            .attention_tiles()
+    };
+    assert_eq!(set("3").max_scores(), 3 << 18);
+    assert_eq!(set("0"), ScoreTiles::WHOLE);
+}

@@ -107,6 +107,11 @@ pub struct BenchTrainArgs {
     /// projections' outputs alone (the same gradients; counted in the backward's time).
     #[arg(long)]
     pub selective_recompute: bool,
+    /// MiB of f32 scores one attention product may hold on a GPU
+    /// (`algo.attention_tile_mib`): past it the query rows are attended in blocks, forward
+    /// and backward; 0: one product a layer.
+    #[arg(long, default_value_t = r3_train::config::DEFAULT_ATTENTION_TILE_MIB)]
+    pub attention_tile_mib: usize,
     /// In bf16 (`--dtype bf16`): each weight's gradient kept in bf16 from the moment the
     /// backward completes it, where bf16 holds it exactly (`train.narrow_gradients`; the same
     /// gradients, 2 bytes a parameter instead of 4)
@@ -388,6 +393,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     model.set_expert_gemm_inputs(args.expert_gemm);
     model.set_padded_expert_ops(args.padded_expert_ops);
     model.set_selective_recompute(args.selective_recompute);
+    model.set_score_tiles(r3_train::config::attention_tiles(args.attention_tile_mib));
     if narrow_grads.is_some() {
         model.set_weight_gradients(WeightGradients::Narrow);
     }

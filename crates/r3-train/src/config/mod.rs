@@ -8,6 +8,7 @@ pub mod overrides;
 pub mod train;
 
 pub use train::{
-    AlgoConfig, CheckpointConfig, DataConfig, EvalConfig, OptimConfig, RolloutBackend,
-    RolloutConfig, RouterReplay, TaskConfig, TrainConfig, DEFAULT_MAX_TOKENS_PER_MICRO_BATCH,
+    attention_tiles, AlgoConfig, CheckpointConfig, DataConfig, EvalConfig, OptimConfig,
+    RolloutBackend, RolloutConfig, RouterReplay, TaskConfig, TrainConfig,
+    DEFAULT_ATTENTION_TILE_MIB, DEFAULT_MAX_TOKENS_PER_MICRO_BATCH,
 };

@@ -9,6 +9,7 @@ use crate::algo::rollout_is::{IsConfig, IsLevel, IsMode};
 use crate::algo::schedule::{LrDecay, LrSchedule};
 use crate::error::{Result, TrainError};
 use crate::policy::precision::TrainPrecisionConfig;
+use r3_model::layers::attention::ScoreTiles;
 use r3_tasks::RewardSpec;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -216,6 +217,9 @@ pub enum RolloutBackend {
 /// micro-batch; the default run's 256 sequences of up to ~60 tokens fit in one.
 pub const DEFAULT_MAX_TOKENS_PER_MICRO_BATCH: usize = 16384;
 
+/// `algo.attention_tile_mib`'s default: 1 GiB of f32 scores per attention product.
+pub const DEFAULT_ATTENTION_TILE_MIB: usize = 1024;
+
 /// Policy optimisation.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -279,6 +283,13 @@ pub struct AlgoConfig {
     /// 30B-A3B layer shape at 8 × 512 tokens ≈ 0.2 GB a layer less, for those ops' forward
     /// once more. GQA layers (MLA's are unaffected). Default false.
     pub selective_recompute: bool,
+    /// MiB of f32 attention scores one product of a training forward may hold on a GPU (the
+    /// CPU's fused attention works in small blocks of its own): past it the query rows are
+    /// attended in blocks, forward and backward, so long sequences do not hold their
+    /// `heads · T²` scores at once (four such tensors in the backward). The same values;
+    /// the keys' and values' gradients summed over the blocks. 0: one product a layer.
+    /// Default 1024 (the 30B-A3B layer shape at 8 × 512 tokens holds 256 MiB: untouched).
+    pub attention_tile_mib: usize,
     /// Positions that sequences of a training forward hold alike (a GRPO group's prompt,
     /// repeated in each of its samples; under replay only where the replayed experts agree
     /// too) are computed once per micro-batch and read by each sample's attention, and rows
@@ -436,6 +447,21 @@ impl Default for RolloutConfig {
     }
 }
 
+/// The bound `mib` MiB of f32 scores puts on one attention product (0: none).
+pub fn attention_tiles(mib: usize) -> ScoreTiles {
+    match mib {
+        0 => ScoreTiles::WHOLE,
+        mib => ScoreTiles::at_most(mib.saturating_mul(1 << 20) / 4),
+    }
+}
+
+impl AlgoConfig {
+    /// The bound `attention_tile_mib` puts on one attention product's f32 scores.
+    pub fn attention_tiles(&self) -> ScoreTiles {
+        attention_tiles(self.attention_tile_mib)
+    }
+}
+
 impl Default for AlgoConfig {
     fn default() -> Self {
         Self {
@@ -457,6 +483,7 @@ impl Default for AlgoConfig {
             max_tokens_per_micro_batch: DEFAULT_MAX_TOKENS_PER_MICRO_BATCH,
             gradient_checkpointing: false,
             selective_recompute: false,
+            attention_tile_mib: DEFAULT_ATTENTION_TILE_MIB,
             share_prefixes: true,
             head_chunk_tokens: 0,
         }

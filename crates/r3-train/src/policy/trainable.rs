@@ -7,6 +7,7 @@ use std::ops::Range;
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor, Var};
+use r3_model::layers::attention::ScoreTiles;
 use r3_model::model::head_positions::spread_over_spans;
 use r3_model::model::LayerRecompute;
 use r3_model::token_stats::{entropy, token_log_probs_host_checked};
@@ -368,6 +369,8 @@ pub struct TrainablePolicy {
     vars: Vec<(String, Var)>,
     weights: Weights,
     precision: Precision,
+    /// How many scores one attention product of its models' forwards may hold.
+    score_tiles: ScoreTiles,
 }
 
 impl TrainablePolicy {
@@ -387,6 +390,7 @@ impl TrainablePolicy {
             vars,
             weights,
             precision: Precision::F32,
+            score_tiles: ScoreTiles::WHOLE,
         })
     }
 
@@ -466,6 +470,12 @@ impl TrainablePolicy {
         self.precision = precision;
     }
 
+    /// Bounds the scores one attention product of the models handed out from now on holds
+    /// (`algo.attention_tile_mib`; [`Model::set_score_tiles`]).
+    pub fn set_score_tiles(&mut self, tiles: ScoreTiles) {
+        self.score_tiles = tiles;
+    }
+
     /// The forward precision of the models handed out.
     pub fn precision(&self) -> Precision {
         self.precision
@@ -473,20 +483,16 @@ impl TrainablePolicy {
 
     /// A model whose forward is differentiable in every variable.
     pub fn model(&self) -> Result<Model> {
-        Ok(Model::with_precision(
-            &self.cfg,
-            &self.weights,
-            self.precision,
-        )?)
+        let mut model = Model::with_precision(&self.cfg, &self.weights, self.precision)?;
+        model.set_score_tiles(self.score_tiles);
+        Ok(model)
     }
 
     /// A model over detached views of the current values (no autograd graph is built).
     pub fn frozen_model(&self) -> Result<Model> {
-        Ok(Model::with_precision(
-            &self.cfg,
-            &self.detached(),
-            self.precision,
-        )?)
+        let mut model = Model::with_precision(&self.cfg, &self.detached(), self.precision)?;
+        model.set_score_tiles(self.score_tiles);
+        Ok(model)
     }
 
     /// Holds a 16-bit copy (the precision's: bf16 or f16) of every weight matrix beside its

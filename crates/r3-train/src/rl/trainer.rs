@@ -134,6 +134,7 @@ impl Trainer {
         tokenizer
             .tokenizer()
             .check_fits_model(policy.config().vocab_size)?;
+        policy.set_score_tiles(cfg.algo.attention_tiles());
         let params = AdamWParams {
             beta1: cfg.optim.beta1,
             beta2: cfg.optim.beta2,

@@ -7,6 +7,7 @@ use super::mask::AttentionMask;
 use super::masked_op::MaskedAttention;
 use super::recompute::{attend_recomputed, NarrowOperands};
 use super::rows::{attend_rows, rows_packed};
+use super::score_tiles::ScoreTiles;
 use super::softmax::attention_probs;
 use crate::error::{ModelError, Result};
 
@@ -17,7 +18,9 @@ use crate::error::{ModelError, Result};
 /// through its strides and writes this layout directly); elsewhere candle's composed ops in
 /// an op that recomputes the probabilities in its backward ([`attend_recomputed`]: the graph
 /// keeps no score-sized tensor; its products 16-bit GEMMs where `narrow` says the operands
-/// hold 16-bit values), then [`heads_to_tokens`].
+/// hold 16-bit values; both passes in blocks of query rows whose scores `tiles` bounds),
+/// then [`heads_to_tokens`].
+#[allow(clippy::too_many_arguments)]
 pub fn attend(
     q: &Tensor,
     k: &Tensor,
@@ -26,6 +29,7 @@ pub fn attend(
     scale: f64,
     groups: usize,
     narrow: NarrowOperands,
+    tiles: ScoreTiles,
 ) -> Result<Tensor> {
     // Other devices add the mask to the scores as an operand of `q`'s dtype; the CPU's op
     // reads its f32 host copy and would pass anything. Refused everywhere alike.
@@ -49,7 +53,7 @@ pub fn attend(
     }
     let t = k.dim(2)?;
     heads_to_tokens(
-        &attend_recomputed(q, k, v, mask.additive(), scale, groups, narrow)?,
+        &attend_recomputed(q, k, v, mask.additive(), scale, groups, narrow, tiles)?,
         t,
     )
 }
@@ -121,7 +125,7 @@ mod tests {
 
     /// The forward equals the composed ops bit for bit; the gradients of `q`, `k`, `v` equal
     /// the composed ops' backward (f64: 1e-12; f32: 1e-5), with padding, a sliding window and
-    /// grouped queries.
+    /// grouped queries; whole, and in blocks of two groups, of two positions and of one row.
     #[test]
     fn equals_the_composed_ops_forward_and_backward() {
         let (b, kv, groups, t, d) = (2, 2, 3, 7, 5);
@@ -139,21 +143,6 @@ mod tests {
                 let scale = 1.0 / (d as f64).sqrt();
                 let want =
                     attend_additive(&q, &k, &v, mask.additive(), scale, groups).expect("composed");
-                let got = attend_recomputed(
-                    &q,
-                    &k,
-                    &v,
-                    mask.additive(),
-                    scale,
-                    groups,
-                    NarrowOperands::default(),
-                )
-                .expect("recomputed");
-                assert_eq!(
-                    max_abs_diff(&got, &want),
-                    0.0,
-                    "{dtype:?} {window:?} forward"
-                );
                 let grads = |y: &Tensor| {
                     let g = (y * &probe)
                         .and_then(|l| l.sum_all())
@@ -162,12 +151,37 @@ mod tests {
                     [&q, &k, &v].map(|x| g.get(x).expect("grad").clone())
                 };
                 let tol = if dtype == DType::F64 { 1e-12 } else { 1e-5 };
-                for (name, (gw, gg)) in ["q", "k", "v"]
-                    .iter()
-                    .zip(grads(&want).iter().zip(grads(&got).iter()))
-                {
-                    let err = max_abs_diff(gw, gg);
-                    assert!(err < tol, "{dtype:?} {window:?} d{name}: {err}");
+                let want_grads = grads(&want);
+                // Whole, two groups a block, two positions a block, one row a block.
+                let row = b * kv * t;
+                for max in [usize::MAX, 2 * t * row, 2 * row, 1] {
+                    let tiles = ScoreTiles::at_most(max);
+                    let got = attend_recomputed(
+                        &q,
+                        &k,
+                        &v,
+                        mask.additive(),
+                        scale,
+                        groups,
+                        NarrowOperands::default(),
+                        tiles,
+                    )
+                    .expect("recomputed");
+                    assert_eq!(
+                        max_abs_diff(&got, &want),
+                        0.0,
+                        "{dtype:?} {window:?} at most {max}: forward"
+                    );
+                    for (name, (gw, gg)) in ["q", "k", "v"]
+                        .iter()
+                        .zip(want_grads.iter().zip(grads(&got).iter()))
+                    {
+                        let err = max_abs_diff(gw, gg);
+                        assert!(
+                            err < tol,
+                            "{dtype:?} {window:?} at most {max}: d{name}: {err}"
+                        );
+                    }
                 }
             }
         }

@@ -11,7 +11,8 @@ use super::kv::LayerKv;
 use super::mask::AttentionMask;
 use super::recompute::NarrowOperands;
 use super::rope::{PositionTables, RopeTables, Rotary};
-use super::tiles::{attend_tiled, ScoreTiles};
+use super::score_tiles::ScoreTiles;
+use super::tiles::attend_tiled;
 use crate::config::{AttentionConfig, Config, QkNorm};
 use crate::error::{ModelError, Result};
 use crate::layers::gather_rows::GatherRows;
@@ -206,7 +207,7 @@ impl RowAttention for GqaAttention {
             values_grad: narrow_dtype.filter(|_| self.clip_qkv.is_none()),
         };
         let scale = 1.0 / (self.head_dim as f64).sqrt();
-        attend(q, k, v, mask, scale, groups, narrow)
+        attend(q, k, v, mask, scale, groups, narrow, self.score_tiles)
     }
 
     fn output(&self, x: &Tensor) -> Result<Tensor> {
@@ -281,6 +282,8 @@ pub struct GqaAttention {
     /// A differentiated forward's q and k from the projections to the rotated heads as one
     /// op each, run again in the backward ([`RotatedHeads`]).
     recompute_heads: bool,
+    /// How many scores one product of a differentiated forward's attention may hold.
+    score_tiles: ScoreTiles,
 }
 
 impl GqaAttention {
@@ -319,7 +322,14 @@ impl GqaAttention {
             head_dim: *head_dim,
             precision: Precision::F32,
             recompute_heads: false,
+            score_tiles: ScoreTiles::WHOLE,
         })
+    }
+
+    /// Bounds the scores one product of the attention holds on devices without the CPU's
+    /// fused op (its query rows then attended in blocks, forward and backward).
+    pub fn set_score_tiles(&mut self, tiles: ScoreTiles) {
+        self.score_tiles = tiles;
     }
 
     /// Runs a differentiated forward's q and k heads (the per-head norm, the rotation and

@@ -583,7 +583,7 @@ impl CustomOp3 for MaskedAttention {
 #[cfg(test)]
 mod tests {
     use super::MaskedAttention;
-    use crate::layers::attention::{attend, attend_composed, AttentionMask};
+    use crate::layers::attention::{attend, attend_composed, AttentionMask, ScoreTiles};
     use crate::test_util::{max_abs_diff as max_diff, seeded_tensor as rand_tensor};
     use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
     use candle_core::{DType, Device, Var};
@@ -791,7 +791,16 @@ mod tests {
                         v.as_tensor().clone()
                     };
                     let out = match fused {
-                        true => attend(&q, &k, &vt, &mask, 0.37, groups, Default::default()),
+                        true => attend(
+                            &q,
+                            &k,
+                            &vt,
+                            &mask,
+                            0.37,
+                            groups,
+                            Default::default(),
+                            ScoreTiles::WHOLE,
+                        ),
                         false => attend_composed(&q, &k, &vt, &mask, 0.37, groups),
                     }
                     .expect("attend");

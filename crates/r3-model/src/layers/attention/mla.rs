@@ -39,6 +39,8 @@ pub struct MlaAttention {
     v_dim: usize,
     scale: f64,
     precision: Precision,
+    /// How many scores one product of a differentiated forward's attention may hold.
+    score_tiles: ScoreTiles,
 }
 
 impl MlaAttention {
@@ -82,6 +84,7 @@ impl MlaAttention {
             v_dim: *v_head_dim,
             scale,
             precision: Precision::F32,
+            score_tiles: ScoreTiles::WHOLE,
         })
     }
 
@@ -101,6 +104,12 @@ impl MlaAttention {
             l.set_precision(precision);
         }
         self.kv_a_norm.set_precision(precision);
+    }
+
+    /// Bounds the scores one product of the attention holds on devices without the CPU's
+    /// fused op (its query rows then attended in blocks, forward and backward).
+    pub fn set_score_tiles(&mut self, tiles: ScoreTiles) {
+        self.score_tiles = tiles;
     }
 
     /// Sets the dtype a 16-bit forward hands the projections' gradients back in.
@@ -203,7 +212,7 @@ impl RowAttention for MlaAttention {
             queries_keys: narrow_dtype,
             values_grad: narrow_dtype,
         };
-        attend(q, k, v, mask, self.scale, 1, narrow)
+        attend(q, k, v, mask, self.scale, 1, narrow, self.score_tiles)
     }
 
     fn output(&self, x: &Tensor) -> Result<Tensor> {

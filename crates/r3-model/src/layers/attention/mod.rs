@@ -2,7 +2,7 @@
 //! recomputing op the other devices differentiate, `recompute`), its mask, grouped-query
 //! (`GqaAttention`) and multi-head latent (`mla`) attention, rotary position embeddings
 //! (`rope`), the KV cache a decode step reads, and the query tiles a step over it attends in
-//! (`tiles`).
+//! (`tiles`, within `score_tiles`' bound).
 
 mod attend;
 mod gqa;
@@ -16,6 +16,7 @@ pub mod rope;
 pub mod rope_op;
 mod rope_rounded;
 mod rows;
+mod score_tiles;
 mod softmax;
 mod tiles;
 
@@ -24,4 +25,5 @@ pub(crate) use gqa::RowAttention;
 pub use gqa::{GqaAttention, SlotRows};
 pub use kv::{kv_capacity_for, LayerKv};
 pub use mask::AttentionMask;
-pub use tiles::{attend_tiled, ScoreTile, ScoreTiles};
+pub use score_tiles::{RowBlock, ScoreTile, ScoreTiles};
+pub use tiles::attend_tiled;

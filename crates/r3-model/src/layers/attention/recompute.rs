@@ -5,10 +5,17 @@
 //! tensors per layer (`[B, KV, G·T, S]` each: scores, scaled, masked, shifted,
 //! exponentiated) until the backward; here one is rebuilt per layer during the backward and
 //! freed. Used on devices without the fused CPU op (a GPU).
+//!
+//! Both passes run in blocks of query rows whose scores [`ScoreTiles`] bounds (whole groups,
+//! or runs of one group's positions): a long sequence's `[B, KV, G·T, T]` scores would
+//! otherwise be gigabytes per layer, four score-sized tensors at once in the backward. A
+//! block's rows compute what the whole product computes for them; the keys' and values'
+//! gradients are the blocks' sums.
 
 use candle_core::{CustomOp3, DType, Tensor, D};
 
 use super::narrow_product::matmul_t_of_narrow_values;
+use super::score_tiles::{RowBlock, ScoreTiles};
 use super::softmax::{probs_of_scores, softmax_grad};
 use crate::error::Result;
 use crate::layers::precomputed::{precomputed_fwd, Precomputed};
@@ -28,7 +35,8 @@ pub struct NarrowOperands {
 /// `softmax(q kᵀ · scale + additive) v` with `q` `[B, KV, G·T, Dq]`, `k` `[B, KV, S, Dq]`,
 /// `v` `[B, KV, S, Dv]` and `additive` broadcastable to `[B, KV, G, T, S]`, differentiable
 /// in `q`, `k` and `v`, keeping only those (and the mask) for its backward; `narrow` says
-/// which products read 16-bit values.
+/// which products read 16-bit values, `tiles` how many scores one product may hold.
+#[allow(clippy::too_many_arguments)]
 pub fn attend_recomputed(
     q: &Tensor,
     k: &Tensor,
@@ -37,16 +45,25 @@ pub fn attend_recomputed(
     scale: f64,
     groups: usize,
     narrow: NarrowOperands,
+    tiles: ScoreTiles,
 ) -> Result<Tensor> {
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    let (b, kv, gt, _) = q.dims4()?;
+    let groups = groups.max(1);
     let mut op = RecomputedAttention {
         value: Precomputed::empty(),
         additive: additive.detach(),
         scale,
-        groups,
         narrow,
+        blocks: tiles.row_blocks(b * kv, groups, gt / groups, k.dim(2)?),
     };
-    let value = op.probs(&q.detach(), &k.detach())?.matmul(&v.detach())?;
+    let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
+    let parts = op
+        .blocks
+        .iter()
+        .map(|block| op.probs(&rows_of(&qd, block)?, &kd, block)?.matmul(&vd))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let value = Tensor::cat(&parts, 2)?;
     if !q.track_op() && !k.track_op() && !v.track_op() {
         // Nothing to differentiate (inference): the value, without the op's copy of it.
         return Ok(value);
@@ -61,15 +78,28 @@ struct RecomputedAttention {
     value: Precomputed,
     additive: Tensor,
     scale: f64,
-    groups: usize,
     narrow: NarrowOperands,
+    /// The query rows' blocks, in row order.
+    blocks: Vec<RowBlock>,
+}
+
+/// `block`'s rows of `t` `[B, KV, G·T, ·]`, contiguous.
+fn rows_of(t: &Tensor, block: &RowBlock) -> candle_core::Result<Tensor> {
+    t.narrow(2, block.first, block.rows)?.contiguous()
 }
 
 impl RecomputedAttention {
-    /// The probabilities `softmax(q kᵀ · scale + mask)` `[B, KV, G·T, S]`, by the forward's ops.
-    fn probs(&self, q: &Tensor, k: &Tensor) -> candle_core::Result<Tensor> {
+    /// The probabilities `softmax(q kᵀ · scale + mask)` of `block`'s rows `q` `[B, KV, rows,
+    /// Dq]`, by the forward's ops.
+    fn probs(&self, q: &Tensor, k: &Tensor, block: &RowBlock) -> candle_core::Result<Tensor> {
         let raw = matmul_t_of_narrow_values(q, k, self.narrow.queries_keys)?;
-        probs_of_scores(raw, &self.additive, self.scale, self.groups)
+        // The block's positions of a mask with a row per position (one row is every
+        // position's).
+        let mask = match self.additive.dim(3)? > 1 && block.times < self.additive.dim(3)? {
+            true => self.additive.narrow(3, block.first_time, block.times)?,
+            false => self.additive.clone(),
+        };
+        probs_of_scores(raw, &mask, self.scale, block.groups)
     }
 }
 
@@ -92,17 +122,26 @@ impl CustomOp3 for RecomputedAttention {
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (q, k, v) = (q.detach(), k.detach(), v.detach());
-        let grad = grad.detach().contiguous()?;
-        let probs = self.probs(&q, &k)?;
-        let dv = probs.t()?.matmul(&grad)?;
-        let dp = matmul_t_of_narrow_values(&grad, &v, self.narrow.values_grad)?;
-        let row = (&grad * out.detach())?.sum_keepdim(D::Minus1)?;
-        let ds = match softmax_grad(&probs, &dp, &row)? {
-            Some(ds) => ds,
-            None => (probs * dp.broadcast_sub(&row)?)?,
+        let (grad, out) = (grad.detach().contiguous()?, out.detach());
+        let (mut dq, mut dk, mut dv) = (Vec::with_capacity(self.blocks.len()), None, None);
+        // Keys' and values' gradients summed over the blocks in row order.
+        let add = |sum: Option<Tensor>, part: Tensor| match sum {
+            Some(sum) => sum + part,
+            None => Ok(part),
         };
-        let dq = (ds.matmul(&k)? * self.scale)?;
-        let dk = (ds.t()?.matmul(&q)? * self.scale)?;
-        Ok((Some(dq), Some(dk), Some(dv)))
+        for block in &self.blocks {
+            let (q_rows, grad) = (rows_of(&q, block)?, rows_of(&grad, block)?);
+            let probs = self.probs(&q_rows, &k, block)?;
+            dv = Some(add(dv, probs.t()?.matmul(&grad)?)?);
+            let dp = matmul_t_of_narrow_values(&grad, &v, self.narrow.values_grad)?;
+            let row = (&grad * rows_of(&out, block)?)?.sum_keepdim(D::Minus1)?;
+            let ds = match softmax_grad(&probs, &dp, &row)? {
+                Some(ds) => ds,
+                None => (probs * dp.broadcast_sub(&row)?)?,
+            };
+            dq.push((ds.matmul(&k)? * self.scale)?);
+            dk = Some(add(dk, (ds.t()?.matmul(&q_rows)? * self.scale)?)?);
+        }
+        Ok((Some(Tensor::cat(&dq, 2)?), dk, dv))
     }
 }

@@ -1,6 +1,7 @@
-//! Attention over a KV cache in tiles of queries. A step's scores hold `batch · heads ·
-//! time · slots` elements: a long prompt's prefill over its own slots, or a large batch
-//! decoding at long context, would hold gigabytes in one layer's product and its softmax.
+//! Attention over a KV cache in tiles of queries (their bound: `score_tiles.rs`). A step's
+//! scores hold `batch · heads · time · slots` elements: a long prompt's prefill over its
+//! own slots, or a large batch decoding at long context, would hold gigabytes in one
+//! layer's product and its softmax.
 //! Cut into tiles of sequences, then of query positions, each product holds at most what
 //! [`ScoreTiles`] allows; every query row's scores, softmax and weighted sum are what the
 //! whole product computes for it, so a tile changes which rows one GEMM computes together,
@@ -9,78 +10,8 @@
 use candle_core::Tensor;
 
 use super::attend::attend_additive;
+use super::score_tiles::ScoreTiles;
 use crate::error::Result;
-
-/// The most attention scores one product of queries and keys may hold at once (elements of
-/// `[rows, heads, times, slots]`); a step's attention cuts its queries into tiles that fit.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ScoreTiles {
-    max_scores: usize,
-}
-
-impl Default for ScoreTiles {
-    /// [`ScoreTiles::WHOLE`].
-    fn default() -> Self {
-        Self::WHOLE
-    }
-}
-
-/// The sequences and query positions one tile of a step's attention takes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ScoreTile {
-    /// Sequences of the batch in one tile.
-    pub rows: usize,
-    /// Query positions of each sequence in one tile.
-    pub times: usize,
-}
-
-impl ScoreTiles {
-    /// No bound: one product a layer.
-    pub const WHOLE: ScoreTiles = ScoreTiles {
-        max_scores: usize::MAX,
-    };
-
-    /// At most `max_scores` elements a product (at least one query row of one sequence, over
-    /// all its heads and slots, however many that is).
-    pub fn at_most(max_scores: usize) -> Self {
-        Self {
-            max_scores: max_scores.max(1),
-        }
-    }
-
-    /// The bound, in elements.
-    pub fn max_scores(self) -> usize {
-        self.max_scores
-    }
-
-    /// The tile a step of `batch` sequences × `heads` query heads × `time` queries over
-    /// `slots` keys is cut into: whole sequences where one fits (as many as fit), else one
-    /// sequence's queries in runs of as many positions as fit (at least one).
-    pub fn tile(self, batch: usize, heads: usize, time: usize, slots: usize) -> ScoreTile {
-        let per_query = heads.saturating_mul(slots).max(1);
-        let per_row = per_query.saturating_mul(time.max(1));
-        if per_row <= self.max_scores {
-            ScoreTile {
-                rows: (self.max_scores / per_row).clamp(1, batch.max(1)),
-                times: time,
-            }
-        } else {
-            ScoreTile {
-                rows: 1,
-                times: (self.max_scores / per_query).clamp(1, time.max(1)),
-            }
-        }
-    }
-
-    /// Elements of the largest tile's scores for such a step (what the memory plans count).
-    pub fn scores(self, batch: usize, heads: usize, time: usize, slots: usize) -> usize {
-        let tile = self.tile(batch, heads, time, slots);
-        tile.rows
-            .saturating_mul(heads)
-            .saturating_mul(tile.times)
-            .saturating_mul(slots)
-    }
-}
 
 /// [`attend_additive`] (`q` `[B, KV, G·T, Dq]` rows ordered group then time, `k` `[B, KV,
 /// S, Dq]`, `v` `[B, KV, S, Dv]`, `additive` `[B, 1, 1, T, S]`) → `[B, KV, G·T, Dv]`, its
@@ -149,24 +80,6 @@ mod tests {
     use crate::test_util::seeded_tensor;
     use candle_core::{DType, Device};
     use r3_test_support::bits;
-
-    /// Tiles of whole sequences while one fits, else runs of positions of one sequence;
-    /// never empty, never more than the step.
-    #[test]
-    fn a_tile_is_the_most_that_fits() {
-        let whole = ScoreTiles::WHOLE.tile(4, 8, 10, 100);
-        assert_eq!(whole, ScoreTile { rows: 4, times: 10 });
-        // One sequence is 8 · 10 · 100 = 8,000 scores.
-        let two = ScoreTiles::at_most(16_000 + 7_999).tile(4, 8, 10, 100);
-        assert_eq!(two, ScoreTile { rows: 2, times: 10 });
-        let three_positions = ScoreTiles::at_most(3 * 800 + 799).tile(4, 8, 10, 100);
-        assert_eq!(three_positions, ScoreTile { rows: 1, times: 3 });
-        let least = ScoreTiles::at_most(1).tile(4, 8, 10, 100);
-        assert_eq!(least, ScoreTile { rows: 1, times: 1 });
-        assert_eq!(ScoreTiles::at_most(1).scores(4, 8, 10, 100), 800);
-        assert_eq!(ScoreTiles::at_most(16_000).scores(4, 8, 10, 100), 16_000);
-        assert_eq!(ScoreTiles::WHOLE.scores(4, 8, 10, 100), 32_000);
-    }
 
     /// Every tiling gives the whole product's output bit for bit on the CPU (grouped
     /// queries, left padding, a prefill over cached slots, a mask broadcast over the queries,
