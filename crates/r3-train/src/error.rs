@@ -411,7 +411,8 @@ impl StepPhase {
         match self {
             StepPhase::Rollout => "rollout.prompts_per_step or rollout.group_size",
             StepPhase::Update => {
-                "algo.max_tokens_per_micro_batch, or turn on algo.gradient_checkpointing"
+                "algo.max_tokens_per_micro_batch or algo.attention_tile_mib, or turn on \
+                 algo.gradient_checkpointing"
             }
             StepPhase::WeightSync => "the rollout engine's budgets, or run it on another device",
         }

@@ -309,6 +309,11 @@ fn the_attention_tile_key_bounds_a_products_scores() {
         defaults.algo.attention_tiles(),
         ScoreTiles::at_most(1 << 28)
     );
+    assert_eq!(
+        defaults.algo.attention_tiles(),
+        ScoreTiles::DEFAULT,
+        "what a model's layers hold unless told"
+    );
     let set = |value: &str| {
         TrainConfig::resolve(None, &[format!("algo.attention_tile_mib={value}")])
             .expect("resolved")

@@ -32,7 +32,7 @@
 //! the allocator's pools and kernels' workspaces come on top, which is what the headroom
 //! between the budgets and the device's memory is for.
 
-use r3_model::layers::attention::{kv_capacity_for, ScoreTiles};
+use r3_model::layers::attention::{kv_capacity_for, ScoreTiles, MAX_TENSOR_ELEMENTS};
 use r3_model::{AttentionConfig, Config, SharedExpert};
 
 /// The shape of one forward step of the device engine.
@@ -71,10 +71,6 @@ pub fn layer_kv_floats(cfg: &Config) -> usize {
 pub fn score_tiles(budget: usize) -> ScoreTiles {
     ScoreTiles::at_most(budget / (4 * 3 * 4))
 }
-
-/// Most elements one tensor of a step may have: candle's GPU kernels index a tensor's
-/// elements with 32 bits.
-pub const MAX_TENSOR_ELEMENTS: usize = u32::MAX as usize;
 
 /// Bytes of activations the step `shape` holds at its peak on the device, its attention in
 /// the query tiles `tiles` allows (the module doc gives the formula); `usize::MAX` (no

@@ -123,6 +123,27 @@ mod tests {
     use crate::test_util::{max_abs_diff, seeded_tensor};
     use candle_core::{Device, Var};
 
+    /// Query rows that are not a whole number of groups are refused, naming the counts.
+    #[test]
+    fn query_rows_of_a_partial_group_are_refused() {
+        let q = seeded_tensor(&[1, 1, 7, 4], 1, DType::F32);
+        let k = seeded_tensor(&[1, 1, 3, 4], 2, DType::F32);
+        let mask = Tensor::zeros((1, 1, 1, 3, 3), DType::F32, &Device::Cpu).expect("mask");
+        let err = attend_recomputed(
+            &q,
+            &k,
+            &k,
+            &mask,
+            0.5,
+            2,
+            NarrowOperands::default(),
+            ScoreTiles::DEFAULT,
+        )
+        .expect_err("7 rows, 2 groups")
+        .to_string();
+        assert!(err.contains("7 query rows") && err.contains("2 groups"), "{err}");
+    }
+
     /// The forward equals the composed ops bit for bit; the gradients of `q`, `k`, `v` equal
     /// the composed ops' backward (f64: 1e-12; f32: 1e-5), with padding, a sliding window and
     /// grouped queries; whole, and in blocks of two groups, of two positions and of one row.

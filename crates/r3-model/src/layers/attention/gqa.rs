@@ -322,7 +322,7 @@ impl GqaAttention {
             head_dim: *head_dim,
             precision: Precision::F32,
             recompute_heads: false,
-            score_tiles: ScoreTiles::WHOLE,
+            score_tiles: ScoreTiles::DEFAULT,
         })
     }
 

@@ -84,7 +84,7 @@ impl MlaAttention {
             v_dim: *v_head_dim,
             scale,
             precision: Precision::F32,
-            score_tiles: ScoreTiles::WHOLE,
+            score_tiles: ScoreTiles::DEFAULT,
         })
     }
 

@@ -25,5 +25,5 @@ pub(crate) use gqa::RowAttention;
 pub use gqa::{GqaAttention, SlotRows};
 pub use kv::{kv_capacity_for, LayerKv};
 pub use mask::AttentionMask;
-pub use score_tiles::{RowBlock, ScoreTile, ScoreTiles};
+pub use score_tiles::{RowBlock, ScoreTile, ScoreTiles, MAX_TENSOR_ELEMENTS};
 pub use tiles::attend_tiled;

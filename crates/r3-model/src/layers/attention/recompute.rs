@@ -50,6 +50,11 @@ pub fn attend_recomputed(
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
     let (b, kv, gt, _) = q.dims4()?;
     let groups = groups.max(1);
+    if gt % groups != 0 {
+        return Err(crate::error::ModelError::Input(format!(
+            "attention: {gt} query rows of a key/value head are not {groups} groups' worth"
+        )));
+    }
     let mut op = RecomputedAttention {
         value: Precomputed::empty(),
         additive: additive.detach(),
@@ -124,10 +129,16 @@ impl CustomOp3 for RecomputedAttention {
         let (q, k, v) = (q.detach(), k.detach(), v.detach());
         let (grad, out) = (grad.detach().contiguous()?, out.detach());
         let (mut dq, mut dk, mut dv) = (Vec::with_capacity(self.blocks.len()), None, None);
-        // Keys' and values' gradients summed over the blocks in row order.
+        // Keys' and values' gradients summed over the blocks in row order, in f32 where the
+        // operands are 16-bit (one block: its part as it is).
+        let dtype = q.dtype();
+        let sum_dtype = match dtype {
+            DType::F16 | DType::BF16 if self.blocks.len() > 1 => DType::F32,
+            other => other,
+        };
         let add = |sum: Option<Tensor>, part: Tensor| match sum {
-            Some(sum) => sum + part,
-            None => Ok(part),
+            Some(sum) => sum + part.to_dtype(sum_dtype)?,
+            None => part.to_dtype(sum_dtype),
         };
         for block in &self.blocks {
             let (q_rows, grad) = (rows_of(&q, block)?, rows_of(&grad, block)?);
@@ -142,6 +153,7 @@ impl CustomOp3 for RecomputedAttention {
             dq.push((ds.matmul(&k)? * self.scale)?);
             dk = Some(add(dk, (ds.t()?.matmul(&q_rows)? * self.scale)?)?);
         }
-        Ok((Some(Tensor::cat(&dq, 2)?), dk, dv))
+        let narrow = |sum: Option<Tensor>| sum.map(|t| t.to_dtype(dtype)).transpose();
+        Ok((Some(Tensor::cat(&dq, 2)?), narrow(dk)?, narrow(dv)?))
     }
 }

@@ -3,6 +3,10 @@
 //! (a decode step over a KV cache, `tiles.rs`) or into blocks of query rows (a
 //! differentiated forward, `recompute.rs`).
 
+/// Most elements one tensor may have on a GPU: candle's kernels index a tensor's elements
+/// with 32 bits. No bound lets a product of scores past it.
+pub const MAX_TENSOR_ELEMENTS: usize = u32::MAX as usize;
+
 /// The most attention scores one product of queries and keys may hold at once (elements of
 /// `[rows, heads, times, slots]`); a step's attention cuts its queries into tiles that fit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -11,9 +15,9 @@ pub struct ScoreTiles {
 }
 
 impl Default for ScoreTiles {
-    /// [`ScoreTiles::WHOLE`].
+    /// [`ScoreTiles::DEFAULT`].
     fn default() -> Self {
-        Self::WHOLE
+        Self::DEFAULT
     }
 }
 
@@ -43,9 +47,15 @@ pub struct ScoreTile {
 }
 
 impl ScoreTiles {
-    /// No bound: one product a layer.
+    /// No bound but [`MAX_TENSOR_ELEMENTS`]: one product a layer.
     pub const WHOLE: ScoreTiles = ScoreTiles {
         max_scores: usize::MAX,
+    };
+
+    /// 2²⁸ scores (1 GiB in f32) a product: what an attention layer holds unless told
+    /// otherwise (`algo.attention_tile_mib`'s default).
+    pub const DEFAULT: ScoreTiles = ScoreTiles {
+        max_scores: 1 << 28,
     };
 
     /// At most `max_scores` elements a product (at least one query row of one sequence, over
@@ -56,7 +66,12 @@ impl ScoreTiles {
         }
     }
 
-    /// The bound, in elements.
+    /// The bound a product keeps to: the one asked, within [`MAX_TENSOR_ELEMENTS`].
+    fn bound(self) -> usize {
+        self.max_scores.min(MAX_TENSOR_ELEMENTS)
+    }
+
+    /// The bound asked, in elements.
     pub fn max_scores(self) -> usize {
         self.max_scores
     }
@@ -67,22 +82,23 @@ impl ScoreTiles {
     pub fn tile(self, batch: usize, heads: usize, time: usize, slots: usize) -> ScoreTile {
         let per_query = heads.saturating_mul(slots).max(1);
         let per_row = per_query.saturating_mul(time.max(1));
-        if per_row <= self.max_scores {
+        let bound = self.bound();
+        if per_row <= bound {
             ScoreTile {
-                rows: (self.max_scores / per_row).clamp(1, batch.max(1)),
+                rows: (bound / per_row).clamp(1, batch.max(1)),
                 times: time,
             }
         } else {
             ScoreTile {
                 rows: 1,
-                times: (self.max_scores / per_query).clamp(1, time.max(1)),
+                times: (bound / per_query).clamp(1, time.max(1)),
             }
         }
     }
 
     /// The blocks `q` `[B, KV, G·T, D]` (`outer` = B · KV) over `slots` keys is cut into:
-    /// the whole where it fits, else as many whole groups as fit, else runs of as many
-    /// positions of one group as fit (at least one), in row order.
+    /// the whole where it fits (or holds no row), else as many whole groups as fit, else runs
+    /// of as many positions of one group as fit (at least one), in row order.
     pub fn row_blocks(
         self,
         outer: usize,
@@ -90,8 +106,7 @@ impl ScoreTiles {
         time: usize,
         slots: usize,
     ) -> Vec<RowBlock> {
-        let (groups, time) = (groups.max(1), time.max(1));
-        let fit = (self.max_scores / outer.saturating_mul(slots).max(1)).max(1);
+        let fit = (self.bound() / outer.saturating_mul(slots).max(1)).max(1);
         if fit >= groups * time {
             let all = RowBlock {
                 first: 0,
@@ -158,6 +173,19 @@ mod tests {
         assert_eq!(ScoreTiles::at_most(1).scores(4, 8, 10, 100), 800);
         assert_eq!(ScoreTiles::at_most(16_000).scores(4, 8, 10, 100), 16_000);
         assert_eq!(ScoreTiles::WHOLE.scores(4, 8, 10, 100), 32_000);
+        // No bound lets a product pass 2³² − 1 elements: 100 k positions over 100 k slots
+        // of one head go 42,949 positions a tile.
+        let huge = ScoreTiles::WHOLE.tile(1, 1, 100_000, 100_000);
+        assert_eq!(
+            huge,
+            ScoreTile {
+                rows: 1,
+                times: 42_949
+            }
+        );
+        let blocks = ScoreTiles::WHOLE.row_blocks(1, 1, 100_000, 100_000);
+        assert_eq!(blocks.len(), 3);
+        assert_eq!(ScoreTiles::default(), ScoreTiles::at_most(1 << 28));
     }
 
     /// Row blocks cover every row once, in order, each within the bound where one row is.
