@@ -5,9 +5,9 @@
 //! each sequence at its own positions, and attends over every cached slot under a mask the
 //! caller gives (it knows which slots of its padded batch are padding): additive values, or
 //! each query row's runs of seen slots, from which the mask is built on the device
-//! ([`StepMask`]). The layers
-//! are the training forward's own: the same weights, precision rounding points and router;
-//! only the RoPE positions and the attention over cached slots differ. A step's MoE layers
+//! ([`StepMask`]). The layers are the training forward's own: the same weights, precision
+//! rounding points and router; only the RoPE positions and the attention over cached slots
+//! differ. A step's MoE layers
 //! plan their experts on the host (each layer's chosen ids read back there) or, for a few
 //! rows, run them on the device without the host ([`StepRouting`]), the routes then copied
 //! once at the step's end.

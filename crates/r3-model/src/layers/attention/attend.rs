@@ -141,7 +141,10 @@ mod tests {
         )
         .expect_err("7 rows, 2 groups")
         .to_string();
-        assert!(err.contains("7 query rows") && err.contains("2 groups"), "{err}");
+        assert!(
+            err.contains("7 query rows") && err.contains("2 groups"),
+            "{err}"
+        );
     }
 
     /// The forward equals the composed ops bit for bit; the gradients of `q`, `k`, `v` equal
