@@ -28,8 +28,8 @@ mod common;
 
 use common::{f32_bits as bits, Lcg};
 use r3_model::launch_shape::{
-    attend_rows_shared_bytes, rms_norm_dw_chunk_threads, row_threads, sample_rows_shared_bytes,
-    ATTEND_ROWS_THREADS, RMS_NORM_DW_CHUNK_ROWS, SAMPLE_ROWS_THREADS,
+    attend_group_shared_bytes, rms_norm_dw_chunk_threads, row_threads, sample_rows_shared_bytes,
+    ATTEND_GROUP_THREADS, RMS_NORM_DW_CHUNK_ROWS, SAMPLE_ROWS_THREADS,
 };
 
 /// Runs one kernel launch of `shape` in both thread orders (`call` launches it over the
@@ -850,32 +850,65 @@ fn rope_rounded_equals_the_cpus_rotation_bit_for_bit() {
     }
 }
 
-/// `r3_attend_rows_f32` equals the CPU's composed attention (`attend_additive`: the masked
-/// softmax op and candle's GEMMs) within f32 rounding: keys and values of different widths
-/// (24, 40) read in place from KV-cache buffers of other capacities (320 and 310 slots:
-/// batch and head strides that are not the packed ones), 300 slots over more than a
-/// block's threads, grouped queries (two per key/value head), a mask hiding every fifth key
-/// and a causal end, a step of one query and of three; the launcher's 128 threads with its
-/// (S + Dq) floats of dynamic shared memory (`launch_shape::ATTEND_ROWS_THREADS`,
-/// `attend_rows_shared_bytes`), and 32, 96 and 1,024 threads. The kernel sums
-/// its exponentials in its block's order (and `fma` contracts the dots and the weighted
-/// sums): a tolerance in both variants.
+/// `r3_attend_group_f32`, `_bf16` and `_f16` equal the CPU's composed attention
+/// (`attend_additive`: the masked softmax op and candle's GEMMs, over the keys and values
+/// widened to f32) within f32 rounding: keys and values of different widths (24, 40) read in
+/// place from KV-cache buffers of other capacities (320 and 310 slots: batch and head
+/// strides that are not the packed ones), 300 slots over several chunks of the block's
+/// threads, groups of two, three and ten query rows (ten: past the eight dots a key's pass
+/// computes),
+/// a mask hiding every fifth key and a causal end, batch row 1 left-padded past a whole
+/// chunk of 128 (no probabilities while every score so far is −∞) and, at three queries,
+/// its first query seeing no key at all (NaN in both), a step of one query and of three;
+/// the launcher's 128 threads with its shared memory (`launch_shape::ATTEND_GROUP_THREADS`,
+/// `attend_group_shared_bytes`), and 32, 96 and 1,024 threads (chunks of that many keys).
+/// The kernel sums a chunk's exponentials in its warp's order and rescales per chunk (and
+/// `fma` contracts the dots and the weighted sums): a tolerance in both variants.
 #[test]
-fn decode_attention_rows_equal_the_cpus_composed_attention() {
-    let (b, kv, groups, s, dq, dv) = (2usize, 2usize, 2usize, 300usize, 24usize, 40usize);
+fn decode_attention_groups_equal_the_cpus_composed_attention() {
+    let (b, kv, s, dq, dv) = (2usize, 2usize, 300usize, 24usize, 40usize);
     let (k_cap, v_cap) = (320usize, 310usize);
     let scale = 0.2f32;
-    for t in [1usize, 3] {
+    // The kernel over f32 buffers, or the bf16 / f16 one over 16-bit buffers.
+    for (groups, t, held) in [
+        (2usize, 1usize, DType::F32),
+        (2, 3, DType::BF16),
+        (10, 1, DType::F16),
+        (10, 3, DType::BF16),
+        (3, 3, DType::F32),
+    ] {
         let gt = groups * t;
         let rows = b * kv * gt;
-        let mut lcg = Lcg::new(9 + t as u64);
+        let mut lcg = Lcg::new(9 + (t * groups) as u64);
         let q = lcg.values(rows * dq, -3.0, 3.0);
-        let k_buf = lcg.values(b * kv * k_cap * dq, -3.0, 3.0);
-        let v_buf = lcg.values(b * kv * v_cap * dv, -3.0, 3.0);
+        // Keys and values of f16-exact values (so every kernel reads the same ones), held in
+        // bf16 and f16 too (f16-exact values of this range are bf16-exact only where they
+        // have 8 significant bits: rounded once more for bf16).
+        let f16s =
+            |x: Vec<f32>| -> Vec<half::f16> { x.into_iter().map(half::f16::from_f32).collect() };
+        let (k_f16, v_f16) = (
+            f16s(lcg.values(b * kv * k_cap * dq, -3.0, 3.0)),
+            f16s(lcg.values(b * kv * v_cap * dv, -3.0, 3.0)),
+        );
+        let bf16s = |x: &[half::f16]| -> Vec<half::bf16> {
+            x.iter().map(|v| half::bf16::from_f32(v.to_f32())).collect()
+        };
+        let (k_bf16, v_bf16) = (bf16s(&k_f16), bf16s(&v_f16));
+        let wide = |f: &[half::f16], b: &[half::bf16]| -> Vec<f32> {
+            match held {
+                DType::BF16 => b.iter().map(|x| x.to_f32()).collect(),
+                _ => f.iter().map(|x| x.to_f32()).collect(),
+            }
+        };
+        let (k_buf, v_buf) = (wide(&k_f16, &k_bf16), wide(&v_f16, &v_bf16));
         let mask: Vec<f32> = (0..b * t * s)
             .map(|i| {
-                let (ti, j) = ((i / s) % t, i % s);
-                if j % 5 == 1 || j > s - t + ti {
+                let (bi, ti, j) = (i / (t * s), (i / s) % t, i % s);
+                let hidden = j % 5 == 1
+                    || j > s - t + ti
+                    || (bi == 1 && j < 150)
+                    || (bi == 1 && ti == 0 && t == 3);
+                if hidden {
                     f32::NEG_INFINITY
                 } else {
                     0.0
@@ -903,30 +936,47 @@ fn decode_attention_rows_equal_the_cpus_composed_attention() {
         )
         .map(|o| host(&o))
         .expect("the CPU's attention");
-        let shared = attend_rows_shared_bytes(s, dq);
+        let nan = want.iter().filter(|w| w.is_nan()).count();
+        assert_eq!(nan, if t == 3 { kv * groups * dv } else { 0 });
         for (name, k) in variants() {
-            for threads in [ATTEND_ROWS_THREADS, 32, 96, 1024] {
-                let what = format!("attend rows t {t} {name}, {threads} threads");
-                let shape = LaunchShape::blocks(rows as u32, threads).with_shared_bytes(shared);
+            for threads in [ATTEND_GROUP_THREADS, 32, 96, 1024] {
+                let shared = attend_group_shared_bytes(groups, dq, dv, threads);
+                let what = format!("attend groups of {groups}, t {t}, {name}, {threads} threads");
+                let shape =
+                    LaunchShape::blocks((b * kv * t) as u32, threads).with_shared_bytes(shared);
+                let dims = [kv, groups, t, s, dq, dv].map(|n| n as u32);
+                let strides = [ks[0], ks[1], vs[0], vs[1]].map(|n| n as u64);
                 let got = run(&what, shape, rows * dv, |out| unsafe {
-                    (k.r3_attend_rows_f32)(
-                        q.as_ptr(),
-                        k_buf.as_ptr(),
-                        v_buf.as_ptr(),
-                        mask.as_ptr(),
-                        out,
-                        kv as u32,
-                        gt as u32,
-                        t as u32,
-                        s as u32,
-                        dq as u32,
-                        dv as u32,
-                        ks[0] as u64,
-                        ks[1] as u64,
-                        vs[0] as u64,
-                        vs[1] as u64,
-                        scale,
-                    )
+                    let [kv_, g_, t_, s_, dq_, dv_] = dims;
+                    let [kb_, kh_, vb_, vh_] = strides;
+                    // One kernel's call over its keys' and values' buffers.
+                    macro_rules! attend {
+                        ($kernel:ident, $k:expr, $v:expr) => {
+                            (k.$kernel)(
+                                q.as_ptr(),
+                                $k.as_ptr(),
+                                $v.as_ptr(),
+                                mask.as_ptr(),
+                                out,
+                                kv_,
+                                g_,
+                                t_,
+                                s_,
+                                dq_,
+                                dv_,
+                                kb_,
+                                kh_,
+                                vb_,
+                                vh_,
+                                scale,
+                            )
+                        };
+                    }
+                    match held {
+                        DType::BF16 => attend!(r3_attend_group_bf16, k_bf16, v_bf16),
+                        DType::F16 => attend!(r3_attend_group_f16, k_f16, v_f16),
+                        _ => attend!(r3_attend_group_f32, k_buf, v_buf),
+                    }
                 });
                 assert_close(&what, &got, &want, 1e-5, 1.0);
             }

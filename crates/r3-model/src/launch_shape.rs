@@ -50,14 +50,15 @@ pub fn rms_norm_dw_chunk_threads(d: usize) -> u32 {
     whole_warps(d)
 }
 
-/// Threads of a block of the decode attention's rows (`r3_attend_rows_f32`, a block per
-/// query row).
-pub const ATTEND_ROWS_THREADS: u32 = 128;
+/// Threads of a block of the decode attention (`r3_attend_group_*`, a block per batch row,
+/// key/value head and query time): also the keys its online softmax takes at a time.
+pub const ATTEND_GROUP_THREADS: u32 = 128;
 
-/// Bytes of dynamic shared memory a block of `r3_attend_rows_f32` takes: the row's `s`
-/// scores and its query's `dq` values, as f32.
-pub fn attend_rows_shared_bytes(s: usize, dq: usize) -> usize {
-    (s + dq) * std::mem::size_of::<f32>()
+/// Bytes of dynamic shared memory a block of `r3_attend_group_*` of `threads` threads
+/// takes for a group of `groups` query rows of `dq`-wide queries and `dv`-wide values: the
+/// queries, a chunk's probabilities, the outputs and three running values a row, as f32.
+pub fn attend_group_shared_bytes(groups: usize, dq: usize, dv: usize, threads: u32) -> usize {
+    groups * (dq + threads as usize + dv + 3) * std::mem::size_of::<f32>()
 }
 
 /// Threads of a block of the row draws (`r3_sample_rows_f32`, a block per row): 32 groups
@@ -116,13 +117,15 @@ mod tests {
         assert_eq!(rms_norm_dw_chunk_threads(4096), 1024);
     }
 
-    /// The decode attention's block, by hand: 128 threads; (s + dq) floats of shared memory.
+    /// The decode attention's block, by hand: 128 threads; G · (dq + threads + dv + 3) floats
+    /// of shared memory.
     #[test]
-    fn attend_rows_shape_by_hand() {
-        assert_eq!(ATTEND_ROWS_THREADS, 128);
-        assert_eq!(attend_rows_shared_bytes(0, 0), 0);
-        assert_eq!(attend_rows_shared_bytes(300, 24), 1296);
-        assert_eq!(attend_rows_shared_bytes(4096, 128), 16_896);
+    fn attend_group_shape_by_hand() {
+        assert_eq!(ATTEND_GROUP_THREADS, 128);
+        assert_eq!(attend_group_shared_bytes(0, 128, 128, 128), 0);
+        // 8 × (128 + 128 + 128 + 3) floats: the 30B-A3B shape's group.
+        assert_eq!(attend_group_shared_bytes(8, 128, 128, 128), 12_384);
+        assert_eq!(attend_group_shared_bytes(2, 24, 40, 32), 792);
     }
 
     /// The row draws' block, by hand: 512 threads; a double per 256 columns; 1,310,720

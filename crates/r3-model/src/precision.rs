@@ -88,6 +88,13 @@ impl Precision {
         }
     }
 
+    /// The dtype a KV cache holds this forward's keys and values in exactly: keys are rounded
+    /// after RoPE and values after their projection (and bias), so a 16-bit forward's are
+    /// values of its 16-bit float, held in half the bytes of f32; f32 in f32.
+    pub fn kv_dtype(self) -> DType {
+        self.narrow_dtype().unwrap_or(DType::F32)
+    }
+
     /// `t` rounded to the 16-bit float of this precision (nearest, ties to even) and widened
     /// back to f32; `t` itself in f32 mode. Differentiable: the gradient is the incoming one
     /// rounded the same way (as through `t.to_dtype(narrow).to_dtype(f32)`). A tensor already

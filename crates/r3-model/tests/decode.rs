@@ -457,7 +457,9 @@ fn slots_taken_out_and_put_back_decode_as_the_original_cache() {
         let joined = RowKv::concat(&[&blocks[0], &blocks[1]]).expect("concat");
         assert_eq!(joined.slots(), 8);
         assert_eq!(joined.bytes(), 2 * blocks[0].bytes());
-        let mut rebuilt = model.kv_cache_from(&[Some(&joined)]).expect("cache");
+        let mut rebuilt = model
+            .kv_cache_from(&[Some(&joined)], DType::F32)
+            .expect("cache");
         assert_eq!(rebuilt.slots(), 8);
         let (got, routes) = feed(&model, &mut rebuilt, &a, (8, 2), false);
         assert_eq!(got, want, "{family}: logits from the rebuilt cache");
@@ -467,7 +469,7 @@ fn slots_taken_out_and_put_back_decode_as_the_original_cache() {
         // zero slots moved behind its positions, then a[6..8] fed into slots 8, 9.
         let six = batch.row_slots(1, 0, 6).expect("slots");
         let mut mixed = model
-            .kv_cache_from(&[Some(&six), Some(&joined), None])
+            .kv_cache_from(&[Some(&six), Some(&joined), None], DType::F32)
             .expect("cache");
         assert_eq!((mixed.slots(), mixed.rows().expect("rows")), (8, 3));
         let mut order: Vec<u32> = (2..8).chain(0..2).collect();

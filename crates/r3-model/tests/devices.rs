@@ -1547,6 +1547,59 @@ mod cuda {
         }
     }
 
+    /// A 16-bit KV cache on the GPU (`LayerKv::holding`, as the device engine keeps a bf16 /
+    /// f16 forward's keys and values) attends as the f32 cache of the same values: bit for
+    /// bit where the decode kernel reads both (`r3_attend_group_bf16` / `_f16` widen exactly
+    /// what `_f32` reads) — a decode step of 1,280 query rows over 300 slots, past the old
+    /// one-kernel bound — and within f32 rounding where the composed GEMMs run over the
+    /// widened values (one sequence over 9,000 slots: too few blocks for the kernel); both
+    /// within 1e-5 of the CPU's composed attention.
+    #[test]
+    fn a_sixteen_bit_kv_cache_attends_as_the_f32_one_on_cuda() {
+        use r3_model::layers::attention::{attend_additive, LayerKv};
+        let device = gpu();
+        let (kv, groups, d) = (2, 8, 64);
+        for (b, s) in [(80usize, 300usize), (1, 9000)] {
+            let mask: Vec<f32> = (0..b * s)
+                .map(|i| if i % 7 == 3 { f32::NEG_INFINITY } else { 0.0 })
+                .collect();
+            let mask = Tensor::from_vec(mask, (b, 1, 1, 1, s), &Device::Cpu).expect("mask");
+            let q = seeded(&[b, kv, groups, d], 7);
+            let on_gpu = |t: &Tensor| t.to_device(&device).expect("to gpu");
+            let back = |t: &Tensor| t.to_device(&Device::Cpu).expect("to host");
+            for dtype in [DType::BF16, DType::F16] {
+                // Values of the 16-bit float, as the forward rounds them.
+                let exact = |seed| {
+                    seeded(&[b, kv, s, d], seed)
+                        .to_dtype(dtype)
+                        .and_then(|t| t.to_dtype(DType::F32))
+                        .expect("16-bit values")
+                };
+                let (k, v) = (exact(1), exact(2));
+                let attend = |held: DType| {
+                    let mut cache = LayerKv::holding(held);
+                    let (gk, gv) = cache.append(&on_gpu(&k), &on_gpu(&v)).expect("append");
+                    assert_eq!(gk.dtype(), held);
+                    let out = attend_additive(&on_gpu(&q), &gk, &gv, &on_gpu(&mask), 0.125, groups)
+                        .expect("attend");
+                    back(&out)
+                };
+                let (narrow, wide) = (attend(dtype), attend(DType::F32));
+                let cpu = attend_additive(&q, &k, &v, &mask, 0.125, groups).expect("cpu");
+                let diff = max_diff(&narrow, &wide);
+                println!("{dtype:?} b {b} s {s}: 16-bit against f32 cache {diff:e}");
+                match s <= 8192 {
+                    true => assert_eq!(diff, 0.0, "{dtype:?} b {b} s {s}: the kernel's bits"),
+                    false => assert!(diff <= 1e-6, "{dtype:?} b {b} s {s}: {diff}"),
+                }
+                assert!(
+                    max_diff(&narrow, &cpu) <= 1e-5,
+                    "{dtype:?} b {b} s {s}: the CPU"
+                );
+            }
+        }
+    }
+
     /// Reads and transfers of views (the vendored candle's patch: a view holding at most
     /// half its buffer is copied into a storage of its own first, so only its elements
     /// cross): narrows at and off the buffer's start, most of the buffer (moved whole), a

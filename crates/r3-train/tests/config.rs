@@ -136,12 +136,18 @@ fn override_errors_name_the_problem() {
         }
         other => panic!("expected InvalidConfig, got {other:?}"),
     }
-    // The KV cache dtype: a known one for the CPU engine; only `auto` for the device engine.
+    // The KV cache dtype: a known one for the CPU engine; `auto` or `f32` for the device
+    // engine.
     TrainConfig::resolve(None, &set(&["rollout.kv_cache_dtype=f32"])).expect("f32 cache");
+    TrainConfig::resolve(
+        None,
+        &set(&["rollout.kv_cache_dtype=f32", "rollout.device=cpu-candle"]),
+    )
+    .expect("an f32 cache on the device engine");
     for (sets, needle) in [
         (vec!["rollout.kv_cache_dtype=fp8"], "fp8"),
         (
-            vec!["rollout.kv_cache_dtype=f32", "rollout.device=cpu-candle"],
+            vec!["rollout.kv_cache_dtype=bf16", "rollout.device=cpu-candle"],
             "compute dtype",
         ),
     ] {

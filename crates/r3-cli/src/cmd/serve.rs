@@ -43,9 +43,10 @@ pub struct ServeArgs {
     /// KV cache budget in MiB.
     #[arg(long, default_value_t = 2048)]
     pub kv_cache_mib: usize,
-    /// What the CPU engine's KV cache holds keys and values in: `auto` (the engine's dtype,
-    /// as SGLang's and vLLM's caches do), `f32`, `f16` or `bf16`. The device engine keeps its
-    /// cache in its compute dtype.
+    /// What the KV cache holds keys and values in: `auto` (the engine's dtype, as SGLang's and
+    /// vLLM's caches do), `f32`, `f16` or `bf16` for the CPU engine; `auto` or `f32` for the
+    /// device engine (both exact there: a bf16 / f16 forward's keys and values are 16-bit
+    /// values).
     #[arg(long, default_value = "auto")]
     pub kv_cache_dtype: KvCacheDtype,
     /// The device engine's activation budget for one step in MiB (its admission holds every
@@ -310,9 +311,9 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     })
 }
 
-/// Refuses a KV cache dtype other than `auto` for the device engine, whose cache holds its
-/// compute dtype (`RolloutDevice::check_kv_cache_dtype`), naming the flag, before anything
-/// loads.
+/// Refuses a KV cache dtype other than `auto` or `f32` for the device engine, whose cache
+/// holds its forward's keys and values exactly (`RolloutDevice::check_kv_cache_dtype`),
+/// naming the flag, before anything loads.
 fn check_kv_cache_dtype(kv: KvCacheDtype, device: RolloutDevice) -> anyhow::Result<()> {
     device
         .check_kv_cache_dtype(kv)
@@ -348,15 +349,17 @@ mod tests {
     }
 
     #[test]
-    fn only_the_cpu_engine_takes_a_kv_cache_dtype() {
+    fn the_device_engine_takes_only_exact_kv_cache_dtypes() {
         let candle: RolloutDevice = "cpu-candle".parse().expect("device");
-        let f32_cache: KvCacheDtype = "f32".parse().expect("dtype");
-        check_kv_cache_dtype(f32_cache, RolloutDevice::Cpu).expect("CPU engine");
+        let [f32_cache, bf16_cache]: [KvCacheDtype; 2] =
+            ["f32", "bf16"].map(|d| d.parse().expect("dtype"));
+        check_kv_cache_dtype(bf16_cache, RolloutDevice::Cpu).expect("CPU engine");
         check_kv_cache_dtype(KvCacheDtype::Auto, candle).expect("auto anywhere");
-        let err = check_kv_cache_dtype(f32_cache, candle).expect_err("device engine");
+        check_kv_cache_dtype(f32_cache, candle).expect("f32 on the device engine");
+        let err = check_kv_cache_dtype(bf16_cache, candle).expect_err("device engine");
         let text = err.to_string();
         assert!(
-            text.contains("--kv-cache-dtype f32") && text.contains("cpu-candle"),
+            text.contains("--kv-cache-dtype bf16") && text.contains("cpu-candle"),
             "{text}"
         );
     }

@@ -1014,52 +1014,134 @@ extern "C" __global__ void r3_rope_rounded_f32(const float *x, const float *cos,
     }
 }
 
-// A decode step's attention, one block per query row (layers/attention/rows.rs): q [B, KV,
-// rows, dq] with rows = G·T ordered (g, t), keys / values [B, KV, S, d] at the given batch
-// and head strides (a KV cache's views; rows packed), mask [B, T, S]. The scores
-// q·k_j · scale + mask_j (each dot in order of d) in shared memory, p_j = exp(x_j − max) / Σ,
-// out_d = Σ_j p_j v_j[d] in order of j. Dynamic shared memory: S + dq floats. CPU twin:
-// layers/attention/rows.rs `attend_row`.
-extern "C" __global__ void r3_attend_rows_f32(const float *q, const float *k, const float *v,
-                                              const float *mask, float *out, uint32_t kv,
-                                              uint32_t rows, uint32_t t, uint32_t s,
-                                              uint32_t dq, uint32_t dv, uint64_t k_batch,
-                                              uint64_t k_head, uint64_t v_batch,
-                                              uint64_t v_head, float scale) {
+// Query rows of a group whose dot products one pass over a key computes (the group's rows
+// past it take another pass).
+#define ATTEND_GROUP_DOTS 8
+
+// A decode step's attention over a KV cache (layers/attention/rows.rs), one block per
+// (batch row, key/value head, query time): the block's G query rows are the head's group,
+// so each key and value is read once for all of them. q [B, KV, G·T, dq] with rows ordered
+// (g, t), keys / values [B, KV, S, d] of element E (f32, or bf16 / f16 widened exactly) at the
+// given batch and head strides (a KV cache's views; rows packed), mask [B, T, S] (f32,
+// additive). The keys are taken a chunk of blockDim.x at a time with the running max and sum
+// of an online softmax, so no score array grows with S: for each chunk, each thread's key's
+// score q_g·k_j · scale + mask_j for every row g (each dot in order of d), then a warp per
+// row: the chunk's max m', the row's max M = max(M, m'), the chunk's probabilities
+// p_j = exp(x_j − M) and their sum (in the warp's order), the row's sum and output rescaled
+// by exp(M_old − M); then each (g, d) output adds Σ_j p_j v_j[d] in order of j. The output is
+// the sum of weighted values over the sum of probabilities. A row that has seen no key yet
+// (every score −∞) has no probabilities; one that sees none at all ends 0 / 0 = NaN, as the
+// composed softmax gives. blockDim.x a multiple of 32. Dynamic shared memory (floats): G·dq
+// queries, G·blockDim.x probabilities, G·dv outputs, 3·G running values. CPU twin:
+// layers/attention/rows.rs `attend_group`.
+template <typename E>
+__device__ void attend_group(const float *q, const E *k, const E *v, const float *mask,
+                             float *out, uint32_t kv, uint32_t groups, uint32_t t, uint32_t s,
+                             uint32_t dq, uint32_t dv, uint64_t k_batch, uint64_t k_head,
+                             uint64_t v_batch, uint64_t v_head, float scale) {
     extern __shared__ float smem[];
-    float *scores = smem, *qs = smem + s;
-    __shared__ float shared[32];
-    const size_t r = blockIdx.x;
-    const size_t row = r % rows, h = (r / rows) % kv, b = r / ((size_t)rows * kv);
-    const float *kb = k + b * k_batch + h * k_head;
-    const float *vb = v + b * v_batch + h * v_head;
-    const float *mk = mask + (b * t + row % t) * s;
-    for (uint32_t d = threadIdx.x; d < dq; d += blockDim.x) qs[d] = q[r * dq + d];
+    const uint32_t chunk = blockDim.x;
+    float *qs = smem;
+    float *ps = qs + (size_t)groups * dq;
+    float *acc = ps + (size_t)groups * chunk;
+    // Per row: the running max, the running sum, and the chunk's rescaling factor.
+    float *run = acc + (size_t)groups * dv;
+    const size_t blk = blockIdx.x;
+    const size_t ti = blk % t, h = (blk / t) % kv, b = blk / ((size_t)t * kv);
+    const size_t gt = (size_t)groups * t, head = b * kv + h;
+    const E *kb = k + b * k_batch + h * k_head;
+    const E *vb = v + b * v_batch + h * v_head;
+    const float *mk = mask + (b * t + ti) * s;
+    for (uint32_t i = threadIdx.x; i < groups * dq; i += chunk) {
+        const uint32_t g = i / dq, d = i % dq;
+        qs[i] = q[(head * gt + (size_t)g * t + ti) * dq + d];
+    }
+    for (uint32_t i = threadIdx.x; i < groups * dv; i += chunk) acc[i] = 0.0f;
+    for (uint32_t g = threadIdx.x; g < groups; g += chunk) {
+        run[3 * g] = -INFINITY;
+        run[3 * g + 1] = 0.0f;
+        run[3 * g + 2] = 1.0f;
+    }
     __syncthreads();
-    float m = -INFINITY;
-    for (uint32_t j = threadIdx.x; j < s; j += blockDim.x) {
-        const float *kj = kb + (size_t)j * dq;
-        float dot = 0.0f;
-        for (uint32_t d = 0; d < dq; ++d) dot = dot + qs[d] * kj[d];
-        const float x = dot * scale + mk[j];
-        scores[j] = x;
-        m = fmaxf(m, x);
+    const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = chunk >> 5;
+    for (uint32_t c0 = 0; c0 < s; c0 += chunk) {
+        const uint32_t n = min(chunk, s - c0);
+        if (threadIdx.x < n) {
+            const uint32_t j = c0 + threadIdx.x;
+            const E *kj = kb + (size_t)j * dq;
+            const float m = mk[j];
+            for (uint32_t g0 = 0; g0 < groups; g0 += ATTEND_GROUP_DOTS) {
+                const uint32_t gn = min((uint32_t)ATTEND_GROUP_DOTS, groups - g0);
+                float dot[ATTEND_GROUP_DOTS];
+#pragma unroll
+                for (uint32_t g = 0; g < ATTEND_GROUP_DOTS; ++g) dot[g] = 0.0f;
+                for (uint32_t d = 0; d < dq; ++d) {
+                    const float kd = load1(kj + d);
+#pragma unroll
+                    for (uint32_t g = 0; g < ATTEND_GROUP_DOTS; ++g)
+                        if (g < gn) dot[g] = dot[g] + qs[(g0 + g) * dq + d] * kd;
+                }
+#pragma unroll
+                for (uint32_t g = 0; g < ATTEND_GROUP_DOTS; ++g)
+                    if (g < gn) ps[(size_t)(g0 + g) * chunk + threadIdx.x] = dot[g] * scale + m;
+            }
+        }
+        __syncthreads();
+        // A warp per row; every lane of a warp takes the same rows, so the shuffles are whole.
+        for (uint32_t g = warp; g < groups; g += warps) {
+            float *p = ps + (size_t)g * chunk;
+            float top = -INFINITY;
+            for (uint32_t j = lane; j < n; j += 32) top = fmaxf(top, p[j]);
+            top = warp_reduce(top, MaxOp());
+            const float before = run[3 * g];
+            const float now = fmaxf(before, top);
+            const bool none = now == -INFINITY;
+            float sum = 0.0f;
+            for (uint32_t j = lane; j < n; j += 32) {
+                const float e = none ? 0.0f : expf(p[j] - now);
+                p[j] = e;
+                sum += e;
+            }
+            // Every lane read `run` above before any lane leaves this exchange.
+            sum = warp_reduce(sum, SumOp());
+            if (lane == 0) {
+                const float factor = none ? 1.0f : expf(before - now);
+                run[3 * g] = now;
+                run[3 * g + 1] = run[3 * g + 1] * factor + sum;
+                run[3 * g + 2] = factor;
+            }
+        }
+        __syncthreads();
+        for (uint32_t i = threadIdx.x; i < groups * dv; i += chunk) {
+            const uint32_t g = i / dv, d = i % dv;
+            const float *p = ps + (size_t)g * chunk;
+            const E *vd = vb + (size_t)c0 * dv + d;
+            float a = 0.0f;
+            for (uint32_t j = 0; j < n; ++j) a = a + p[j] * load1(vd + (size_t)j * dv);
+            acc[i] = acc[i] * run[3 * g + 2] + a;
+        }
+        // The next chunk overwrites the probabilities and the factors.
+        __syncthreads();
     }
-    m = block_max(m, shared);
-    float sum = 0.0f;
-    for (uint32_t j = threadIdx.x; j < s; j += blockDim.x) {
-        const float e = expf(scores[j] - m);
-        scores[j] = e;
-        sum += e;
-    }
-    sum = block_sum(sum, shared);
-    // block_sum's barriers order every thread's writes of `scores` before the reads below.
-    for (uint32_t d = threadIdx.x; d < dv; d += blockDim.x) {
-        float acc = 0.0f;
-        for (uint32_t j = 0; j < s; ++j) acc = acc + (scores[j] / sum) * vb[(size_t)j * dv + d];
-        out[r * dv + d] = acc;
+    for (uint32_t i = threadIdx.x; i < groups * dv; i += chunk) {
+        const uint32_t g = i / dv, d = i % dv;
+        out[(head * gt + (size_t)g * t + ti) * dv + d] = acc[i] / run[3 * g + 1];
     }
 }
+
+// The kernel over keys and values of element E, one entry point each.
+#define ATTEND_GROUP_KERNEL(NAME, E)                                                           \
+    extern "C" __global__ void NAME(const float *q, const E *k, const E *v, const float *mask, \
+                                    float *out, uint32_t kv, uint32_t groups, uint32_t t,      \
+                                    uint32_t s, uint32_t dq, uint32_t dv, uint64_t k_batch,    \
+                                    uint64_t k_head, uint64_t v_batch, uint64_t v_head,        \
+                                    float scale) {                                             \
+        attend_group<E>(q, k, v, mask, out, kv, groups, t, s, dq, dv, k_batch, k_head, v_batch, \
+                        v_head, scale);                                                        \
+    }
+ATTEND_GROUP_KERNEL(r3_attend_group_f32, float)
+ATTEND_GROUP_KERNEL(r3_attend_group_bf16, __nv_bfloat16)
+ATTEND_GROUP_KERNEL(r3_attend_group_f16, __half)
 
 // One row's k largest values into `out` (k indices), largest first, ties to the lower index,
 // in total_cmp's order: k rounds of a block-wide arg-max over the columns not chosen yet (the

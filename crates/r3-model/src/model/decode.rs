@@ -12,7 +12,7 @@
 //! rows, run them on the device without the host ([`StepRouting`]), the routes then copied
 //! once at the step's end.
 
-use candle_core::{Shape, Tensor};
+use candle_core::{DType, Shape, Tensor};
 
 pub use super::step_mask::{SeenSlots, StepMask};
 use super::{routed_rows, Attention, Model, MoeRecord};
@@ -303,7 +303,8 @@ pub struct StepOutput {
 }
 
 impl Model {
-    /// An empty KV cache for this model.
+    /// An empty KV cache for this model, its keys and values held in the activations'
+    /// dtype.
     pub fn kv_cache(&self) -> KvCache {
         KvCache {
             layers: self.layers.iter().map(|_| LayerKv::default()).collect(),
@@ -311,13 +312,27 @@ impl Model {
         }
     }
 
+    /// An empty KV cache for this model holding its keys and values in `dtype` (a bf16
+    /// forward's are bf16 values: [`crate::Precision::kv_dtype`] holds them exactly).
+    pub fn kv_cache_holding(&self, dtype: DType) -> KvCache {
+        KvCache {
+            layers: self
+                .layers
+                .iter()
+                .map(|_| LayerKv::holding(dtype))
+                .collect(),
+            slots: 0,
+        }
+    }
+
     /// A batch cache whose row `b` holds `rows[b]`'s slots right-aligned to the longest
     /// (zero slots in front, which the caller's masks hide) or, for `None`, zero slots only:
-    /// the device engine's prefill batch of requests with and without a cached prefix.
-    pub fn kv_cache_from(&self, rows: &[Option<&RowKv>]) -> Result<KvCache> {
+    /// the device engine's prefill batch of requests with and without a cached prefix. The
+    /// cache holds `dtype` (the rows' keys and values converted where they hold another).
+    pub fn kv_cache_from(&self, rows: &[Option<&RowKv>], dtype: DType) -> Result<KvCache> {
         let slots = rows.iter().flatten().map(|r| r.slots).max().unwrap_or(0);
         let Some(template) = rows.iter().flatten().find(|r| r.slots > 0) else {
-            return Ok(self.kv_cache());
+            return Ok(self.kv_cache_holding(dtype));
         };
         if let Some(other) = rows
             .iter()
@@ -351,8 +366,8 @@ impl Model {
                     vs.push(front(tv, n, have.map(|(_, v)| v))?);
                 }
                 LayerKv::from_parts(
-                    Tensor::cat(&ks, 0)?.contiguous()?,
-                    Tensor::cat(&vs, 0)?.contiguous()?,
+                    Tensor::cat(&ks, 0)?.to_dtype(dtype)?.contiguous()?,
+                    Tensor::cat(&vs, 0)?.to_dtype(dtype)?.contiguous()?,
                 )
             })
             .collect::<Result<Vec<_>>>()?;

@@ -299,14 +299,15 @@ impl DeviceEngine {
         if rows.is_empty() {
             return Ok(None);
         }
+        let kv_dtype = self.kv_dtype();
         let model = self.model().map_err(|e| step_failed(&rows, e))?;
         let cache = if hits.iter().any(Option::is_some) {
             let prefixes: Vec<Option<&RowKv>> = hits.iter().map(Option::as_ref).collect();
             model
-                .kv_cache_from(&prefixes)
+                .kv_cache_from(&prefixes, kv_dtype)
                 .map_err(|e| step_failed(&rows, e.into()))?
         } else {
-            model.kv_cache()
+            model.kv_cache_holding(kv_dtype)
         };
         Ok(Some(Running {
             rows,

@@ -10,7 +10,7 @@ use std::str::FromStr;
 use r3_model::{Config, DeviceSpec, LoadOptions};
 
 use super::{DeviceEngine, DeviceEngineConfig, RoutingPlace};
-use crate::dtype::KvCacheDtype;
+use crate::dtype::{Dtype, KvCacheDtype};
 use crate::engine::{Engine, EngineConfig};
 use crate::error::RolloutError;
 use crate::model::tensors::TensorMap;
@@ -36,12 +36,15 @@ impl RolloutDevice {
     }
 
     /// Errors unless the engine this names can keep its KV cache in `kv`: the CPU engine any
-    /// dtype, the device engine only `auto` (its cache holds its compute dtype).
+    /// dtype, the device engine `auto` (its forward's own: a 16-bit forward's keys and
+    /// values are 16-bit values) or `f32` — both hold its keys and values exactly, where a
+    /// narrower one would add a rounding its forward does not have.
     pub fn check_kv_cache_dtype(&self, kv: KvCacheDtype) -> Result<(), RolloutError> {
-        if kv != KvCacheDtype::Auto && self.candle().is_some() {
+        let exact = matches!(kv, KvCacheDtype::Auto | KvCacheDtype::Fixed(Dtype::F32));
+        if !exact && self.candle().is_some() {
             return Err(RolloutError::InvalidConfig(format!(
                 "KV cache dtype `{kv}` is for the CPU engine; the device engine ({self}) keeps \
-                 its cache in its compute dtype (`auto`)"
+                 its cache in its compute dtype (`auto`) or in `f32`"
             )));
         }
         Ok(())
@@ -78,11 +81,11 @@ impl fmt::Display for RolloutDevice {
 
 impl DeviceEngineConfig {
     /// The device engine's settings for `device` taken from the CPU engine's (dtype,
-    /// router dtype, batch size, KV budget, activation budget, prefill token cap, the prefix
-    /// cache on or off, its budget and block size; the CPU engine's token budget of a step
-    /// (`max_batch_tokens`, decode and prefill together) has no counterpart, and the KV
-    /// cache holds the compute dtype: [`RolloutEngine`]'s constructors refuse any other
-    /// `kv_cache_dtype` than `auto` for this engine).
+    /// router dtype, batch size, KV budget and dtype, activation budget, prefill token cap,
+    /// the prefix cache on or off, its budget and block size; the CPU engine's token budget
+    /// of a step (`max_batch_tokens`, decode and prefill together) has no counterpart, and
+    /// [`RolloutEngine`]'s constructors refuse a `kv_cache_dtype` other than `auto` or `f32`
+    /// for this engine).
     pub fn from_engine_config(device: DeviceSpec, cfg: &EngineConfig) -> Self {
         DeviceEngineConfig {
             device,
@@ -90,6 +93,7 @@ impl DeviceEngineConfig {
             router_dtype: cfg.router_dtype,
             max_running: cfg.max_running,
             kv_cache_bytes: cfg.kv_cache_bytes,
+            kv_cache_dtype: cfg.kv_cache_dtype,
             activation_bytes: cfg.activation_bytes,
             max_prefill_tokens: cfg.max_prefill_tokens,
             block_size: cfg.block_size,
@@ -244,14 +248,14 @@ mod tests {
         assert!(err.to_string().contains("activation budget"), "{err}");
     }
 
-    /// A KV cache dtype other than `auto` is the CPU engine's: the device engine refuses it
-    /// where it is built, naming it, and the CPU engine takes it.
+    /// The device engine holds its KV cache in `auto` or `f32` (both exact) and refuses any
+    /// other dtype where it is built, naming it; the CPU engine takes every one.
     #[test]
-    fn only_the_cpu_engine_takes_a_kv_cache_dtype() {
+    fn the_device_engine_takes_only_exact_kv_cache_dtypes() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3_moe_tiny");
         let cfg = EngineConfig {
-            dtype: Dtype::F16,
-            kv_cache_dtype: KvCacheDtype::Fixed(Dtype::F32),
+            dtype: Dtype::Bf16,
+            kv_cache_dtype: KvCacheDtype::Fixed(Dtype::F16),
             kv_cache_bytes: 4 << 20,
             prefix_cache_bytes: 1 << 20,
             ..EngineConfig::default()
@@ -261,15 +265,16 @@ mod tests {
         assert!(matches!(cpu, Ok(RolloutEngine::Cpu(_))), "{cpu:?}");
         let candle = RolloutDevice::Candle(DeviceSpec::Cpu);
         let err = RolloutEngine::from_dir_with(candle, &dir, cfg.clone(), &options)
-            .expect_err("the device engine keeps its cache in its compute dtype");
-        assert!(err.to_string().contains("KV cache dtype `f32`"), "{err}");
-        let auto = EngineConfig {
-            kv_cache_dtype: KvCacheDtype::Auto,
-            ..cfg
-        };
-        candle
-            .check_kv_cache_dtype(auto.kv_cache_dtype)
-            .expect("auto on every engine");
+            .expect_err("an f16 cache would round a bf16 forward's keys");
+        assert!(err.to_string().contains("KV cache dtype `f16`"), "{err}");
+        for kv in [KvCacheDtype::Auto, KvCacheDtype::Fixed(Dtype::F32)] {
+            let cfg = EngineConfig {
+                kv_cache_dtype: kv,
+                ..cfg.clone()
+            };
+            let engine = RolloutEngine::from_dir_with(candle, &dir, cfg, &options);
+            assert!(matches!(engine, Ok(RolloutEngine::Device(_))), "{kv}");
+        }
     }
 
     #[test]

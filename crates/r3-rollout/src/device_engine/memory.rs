@@ -17,6 +17,11 @@
 //!             + rows · capacity(slots) · layer_kv )         one layer's keys and values regrown as a step outgrows their buffer
 //! ```
 //!
+//! The last term also bounds what a 16-bit cache adds: its regrowth takes half as many
+//! bytes, and where the composed attention runs (not the decode kernel, which reads the
+//! 16-bit values in place) one layer's keys and values widened to f32, `rows · slots ·
+//! layer_kv` floats, alive after the regrowth's old buffer is gone.
+//!
 //! The tiles keep the scores within a quarter of the activation budget (they would hold
 //! `rows · heads · time · slots` in one product: gigabytes for a long prompt's prefill, or
 //! a large batch decoding at long context); what then grows with the prompt squared is the

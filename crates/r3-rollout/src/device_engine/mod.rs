@@ -72,7 +72,7 @@ use r3_routing::RouteTable;
 use rayon::prelude::*;
 pub use routing::RoutingPlace;
 
-use crate::dtype::{Dtype, RouterDtype};
+use crate::dtype::{Dtype, KvCacheDtype, RouterDtype};
 use crate::engine::config_eos_ids;
 use crate::engine::next_token::{sample_slots, NextTokenLogits, NextTokenSlot};
 use crate::engine::sequence::RouteGeometry;
@@ -87,7 +87,7 @@ use crate::sampler::top_logprobs;
 use batch::{capture_routes, decode_layout, gap_order, prefill_layout, Row, StepLayout};
 use picks::{device_picks, PickWay};
 use prefix::DeviceBlock;
-use weights::{build_model, check_budgets_fit};
+use weights::{build_model, check_budgets_fit, kv_dtype};
 
 /// Settings of the device engine.
 #[derive(Debug, Clone)]
@@ -101,10 +101,14 @@ pub struct DeviceEngineConfig {
     pub router_dtype: RouterDtype,
     /// Sequences in one batch at most.
     pub max_running: usize,
-    /// Budget of the batch's KV cache in bytes (f32 keys and values of every layer for
-    /// every slot a batch can reach, and the room its buffers keep past them:
-    /// `kv_capacity_for`); a request that alone exceeds it is refused.
+    /// Budget of the batch's KV cache in bytes (keys and values of every layer, in the
+    /// cache's dtype, for every slot a batch can reach, and the room its buffers keep past
+    /// them: `kv_capacity_for`); a request that alone exceeds it is refused.
     pub kv_cache_bytes: usize,
+    /// The dtype the KV cache holds (SGLang's `--kv-cache-dtype`): `auto` the forward's own
+    /// (a bf16 / f16 forward's keys and values are 16-bit values, held in half the bytes
+    /// and read by the attention as they lie), or `f32`. Either holds them exactly.
+    pub kv_cache_dtype: KvCacheDtype,
     /// Budget of one step's activations in bytes (the estimate of [`memory`]: attention
     /// scores, logits, hidden states of the step's tokens), beside `kv_cache_bytes`: a
     /// request whose last decode step alone exceeds it is refused, one whose prefill alone
@@ -137,6 +141,7 @@ impl Default for DeviceEngineConfig {
             router_dtype: RouterDtype::Model,
             max_running: 256,
             kv_cache_bytes: 4 << 30,
+            kv_cache_dtype: KvCacheDtype::Auto,
             activation_bytes: crate::engine::DEFAULT_ACTIVATION_BYTES,
             max_prefill_tokens: None,
             block_size: 16,
@@ -480,9 +485,17 @@ impl DeviceEngine {
             .map(Row::generated)
     }
 
-    /// KV bytes one slot of one sequence takes (f32 keys and values of every layer).
+    /// KV bytes one slot of one sequence takes (keys and values of every layer, in the
+    /// cache's dtype).
     fn slot_bytes(&self) -> usize {
-        self.model_cfg.num_hidden_layers * memory::layer_kv_floats(&self.model_cfg) * 4
+        self.model_cfg.num_hidden_layers
+            * memory::layer_kv_floats(&self.model_cfg)
+            * self.kv_dtype().size_in_bytes()
+    }
+
+    /// The dtype the KV cache holds: the forward's own (`auto`), or f32.
+    fn kv_dtype(&self) -> candle_core::DType {
+        kv_dtype(self.cfg.kv_cache_dtype, self.cfg.dtype)
     }
 
     /// Submits all requests and steps until they finish; results in input order. On an

@@ -13,7 +13,7 @@ use rayon::prelude::*;
 
 use super::memory::mib;
 use super::{DeviceEngine, DeviceEngineConfig, HeldWeights, Loaded};
-use crate::dtype::{Dtype, RouterDtype};
+use crate::dtype::{Dtype, KvCacheDtype, RouterDtype};
 use crate::error::RolloutError;
 use crate::model::tensors::{load_dir_with, TensorMap};
 
@@ -494,6 +494,17 @@ fn engine_weights(
         weights = weights.narrow_matrices(model_cfg, narrow, router_narrow)?;
     }
     Ok(weights)
+}
+
+/// The dtype the device engine's KV cache holds for `kv` in an engine computing in
+/// `engine`: `auto` the forward's keys' and values' own ([`Precision::kv_dtype`]), else
+/// f32 (the only other dtype that holds them exactly: `RolloutDevice::check_kv_cache_dtype`
+/// refuses the rest before an engine is built).
+pub(crate) fn kv_dtype(kv: KvCacheDtype, engine: Dtype) -> DType {
+    match kv {
+        KvCacheDtype::Auto => precision(engine, RouterDtype::Model).kv_dtype(),
+        KvCacheDtype::Fixed(_) => DType::F32,
+    }
 }
 
 /// r3-model's forward precision for an engine dtype.

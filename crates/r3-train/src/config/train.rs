@@ -137,8 +137,9 @@ pub struct RolloutConfig {
     /// Rollout router precision: `bf16` / `model` (the gate in the engine dtype, as vLLM and
     /// SGLang run it) or `f32` (an fp32 router). Default `model`.
     pub router_dtype: String,
-    /// What the CPU engine's KV cache holds keys and values in: `auto` (the engine's dtype,
-    /// as SGLang's and vLLM's caches do), `f32`, `f16` or `bf16`. Default `auto`.
+    /// What the rollout engine's KV cache holds keys and values in: `auto` (the engine's
+    /// dtype, as SGLang's and vLLM's caches do), `f32`, `f16` or `bf16` for the CPU engine;
+    /// `auto` or `f32` for the device engine (both exact there). Default `auto`.
     pub kv_cache_dtype: String,
     /// Which in-process engine generates, and where (`backend = "engine"`): `cpu` (the CPU
     /// engine), `cpu-candle` (the device engine on candle's CPU device), `cuda` / `cuda:N`

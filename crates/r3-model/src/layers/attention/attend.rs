@@ -103,14 +103,19 @@ pub fn attend_additive(
         return Ok(out);
     }
     // A KV cache's keys and values are views of longer buffers, which the matmuls read as
-    // they are; anything else is made contiguous.
-    let probs = attention_probs(&q.contiguous()?, &packed(k)?, additive, scale, groups)?;
-    Ok(probs.matmul(&packed(v)?)?)
+    // they are; anything else is made contiguous, and a 16-bit cache's widened to the
+    // queries' dtype (exactly: its values are the activations' own, rounded where they were
+    // made).
+    let (k, v) = (packed(k, q.dtype())?, packed(v, q.dtype())?);
+    let probs = attention_probs(&q.contiguous()?, &k, additive, scale, groups)?;
+    Ok(probs.matmul(&v)?)
 }
 
-/// `t` itself where [`rows_packed`], else a contiguous copy.
-fn packed(t: &Tensor) -> Result<Tensor> {
-    Ok(if rows_packed(t.layout()) {
+/// `t` itself where [`rows_packed`] in `dtype`, else a contiguous copy in `dtype`.
+fn packed(t: &Tensor, dtype: DType) -> Result<Tensor> {
+    Ok(if t.dtype() != dtype {
+        t.to_dtype(dtype)?.contiguous()?
+    } else if rows_packed(t.layout()) {
         t.clone()
     } else {
         t.contiguous()?

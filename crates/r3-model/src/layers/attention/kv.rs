@@ -1,7 +1,7 @@
 //! A decoding attention layer's KV cache: keys and values in buffers with room to grow,
 //! read by attention as views of their filled slots.
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use crate::error::{ModelError, Result};
 
@@ -32,13 +32,39 @@ pub struct LayerKv {
     /// The buffers are this cache's alone (it made them), so it may write into them; held
     /// tensors a caller handed over may share storage with others (a prefix cache's blocks).
     owned: bool,
+    /// The dtype the buffers hold once made (None: the first append's own). A bf16 engine's
+    /// keys and values are bf16 values in f32 activations; held as bf16 they take half the
+    /// memory and the attention's reads, the same values.
+    dtype: Option<DType>,
 }
 
 impl LayerKv {
-    /// Appends a step's `[B, KV, T, D]` keys and values; returns all of them (views of the
-    /// buffers' filled slots).
+    /// An empty cache whose buffers will hold `dtype`, whatever the appended keys' and
+    /// values' dtype (converted as they are appended: nearest, ties to even).
+    pub fn holding(dtype: DType) -> Self {
+        LayerKv {
+            dtype: Some(dtype),
+            ..LayerKv::default()
+        }
+    }
+
+    /// The dtype the keys and values are held in (the buffers', else the one asked of an
+    /// empty cache; None for an empty cache that takes the first append's).
+    pub fn dtype(&self) -> Option<DType> {
+        match &self.kv {
+            Some((k, _)) => Some(k.dtype()),
+            None => self.dtype,
+        }
+    }
+
+    /// Appends a step's `[B, KV, T, D]` keys and values (converted to the cache's dtype);
+    /// returns all of them (views of the buffers' filled slots).
     pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
-        let (k, v) = (k.contiguous()?, v.contiguous()?);
+        let held = self.dtype().unwrap_or(k.dtype());
+        let (k, v) = (
+            k.to_dtype(held)?.contiguous()?,
+            v.to_dtype(held)?.contiguous()?,
+        );
         let (t, rows) = (k.dim(2)?, k.dim(0)?);
         if v.dim(2)? != t || v.dim(0)? != rows || (self.kv.is_some() && self.rows != rows) {
             return Err(ModelError::Input(format!(
@@ -242,7 +268,10 @@ impl LayerKv {
 
     /// A copy in storage of its own (the filled slots only).
     pub fn try_clone(&self) -> Result<LayerKv> {
-        let mut copy = LayerKv::default();
+        let mut copy = LayerKv {
+            dtype: self.dtype,
+            ..LayerKv::default()
+        };
         if let Some((k, v)) = self.copied()? {
             copy.set_filled(k, v, true)?;
         }

@@ -1,36 +1,51 @@
-//! A decode step's attention over a KV cache as one op: for each query row, the scores
-//! against the cached keys, the masked softmax and the probability-weighted sum of the
-//! values in one pass (`r3_attend_rows_f32`). The composed form is a batched GEMM for the
+//! A decode step's attention over a KV cache as one op: for each key/value head's group of
+//! query rows, the scores against the cached keys, the masked softmax and the
+//! probability-weighted sum of the values in one pass (`r3_attend_group_f32`, and
+//! `r3_attend_group_bf16` / `_f16` over a 16-bit cache). The composed form is a batched GEMM for the
 //! scores, r3's masked softmax and a second batched GEMM: three launches per layer, which at
-//! a decode step of a few rows take longer to launch than to run. On a GPU only, for
-//! nothing differentiated and keys that fit a block's shared memory; the CPU keeps the
-//! composed form. The op's CPU implementation (the kernel's operations per element, each dot
-//! product and weighted sum in the same order; the exponentials' sum in column order where
-//! the kernel sums in its block's order, and a GPU build may fuse a product into its sum:
-//! so within rounding of the kernel) is what the tests hold it to: against the composed
-//! attention on the CPU, and the kernel against it on a GPU.
+//! a decode step take longer to launch than to run, a score tensor of `rows · slots` floats,
+//! and f32 keys and values (a 16-bit cache widened first). The kernel reads each key and value
+//! once for the group's `G` rows, takes the keys a chunk at a time with an online softmax (no
+//! score array grows with the context) and widens 16-bit keys and values as it reads them. On a
+//! GPU only, for nothing differentiated; the CPU keeps the composed form. The op's CPU
+//! implementation (`attend_group`: the kernel's operations in the kernel's chunks, each dot
+//! product and weighted sum in the same order; a chunk's exponentials summed in column order
+//! where the kernel sums in its warp's order, and a GPU build may fuse a product into its
+//! sum: so within rounding of the kernel) is what the tests hold it to: against the composed
+//! attention on the CPU, and the kernel against it on a GPU and in the emulator.
 
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 
 use crate::error::Result;
+use crate::launch_shape::{attend_group_shared_bytes, ATTEND_GROUP_THREADS};
 
-/// Most keys a block's scores hold in shared memory (with the query: 48 KiB of f32).
-pub(crate) const MAX_ROW_KEYS: usize = 8192;
+/// Most dynamic shared memory a block may ask for without opting in (48 KiB).
+const MAX_SHARED_BYTES: usize = 48 * 1024;
 
-/// Widest query / key / value head the op takes.
-const MAX_HEAD_DIM: usize = 512;
+/// Most query positions a step may have for the kernel at any batch: a decode step (one) or
+/// a short run. Longer prefills take the batched GEMMs, whose tensor cores do the scores'
+/// `T · S` products far faster than a block per query position.
+const MAX_STEP_TIME: usize = 16;
 
-/// Most query rows (`B · KV · G · T`) the op takes: a step of a few rows, whose launches are
-/// its time. Past it (batches of hundreds) the batched GEMMs, which read each key once for
-/// a head's `G` query rows, keep the step.
+/// Query rows (`B · KV · G · T`) up to which any step takes the kernel: its launches are the
+/// step's time.
 const MAX_QUERY_ROWS: usize = 1024;
 
-/// `softmax(q kᵀ · scale + mask) · v` for `q` `[B, KV, G·T, Dq]` (rows ordered group, then
-/// query time), `k` `[B, KV, S, Dq]` and `v` `[B, KV, S, Dv]` (each head's `S` rows packed:
-/// a KV cache's views of longer buffers) and `mask` `[B, 1, 1, T, S]`: `[B, KV, G·T, Dv]`.
-/// None where the op does not apply (not a GPU, not f32, an operand to differentiate, more
-/// than [`MAX_ROW_KEYS`] keys or `MAX_QUERY_ROWS` query rows, other shapes): the caller
-/// composes.
+/// Keys past which the kernel needs at least [`LONG_KEYS_BLOCKS`] blocks: a block streams all
+/// of its head's keys alone, so a step of a few blocks over a long context would leave most
+/// of the GPU idle where the composed GEMMs spread over it.
+const LONG_KEYS: usize = 8192;
+
+/// Blocks (`B · KV · T`) that keep a GPU's multiprocessors busy over a long context.
+const LONG_KEYS_BLOCKS: usize = 128;
+
+/// `softmax(q kᵀ · scale + mask) · v` for `q` `[B, KV, G·T, Dq]` (f32; rows ordered group,
+/// then query time), `k` `[B, KV, S, Dq]` and `v` `[B, KV, S, Dv]` (both f32, bf16 or f16;
+/// each head's `S` rows packed: a KV cache's views of longer buffers) and `mask` `[B, 1, 1,
+/// T, S]` (f32): `[B, KV, G·T, Dv]` in f32. None where the op does not apply (not a GPU,
+/// other dtypes, an operand to differentiate, a step the composed GEMMs run faster — see
+/// [`MAX_STEP_TIME`], [`LONG_KEYS`] — a group past a block's shared memory, other shapes):
+/// the caller composes.
 pub(crate) fn attend_rows(
     q: &Tensor,
     k: &Tensor,
@@ -49,7 +64,7 @@ fn apply(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, scale: f64) -> Resul
     Ok(q.contiguous()?.apply_op3_no_bwd(
         k,
         v,
-        &AttendRows {
+        &AttendGroups {
             mask: mask.contiguous()?,
             scale: scale as f32,
         },
@@ -66,22 +81,27 @@ fn fits(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> bool {
     let &[mb, 1, 1, t, ms] = mask.dims() else {
         return false;
     };
-    let f32s = [q, k, v, mask].iter().all(|x| x.dtype() == DType::F32);
+    let dtypes = q.dtype() == DType::F32
+        && mask.dtype() == DType::F32
+        && k.dtype() == v.dtype()
+        && matches!(k.dtype(), DType::F32 | DType::BF16 | DType::F16);
     let tracked = [q, k, v, mask].iter().any(|x| x.track_op());
+    let groups = gt.checked_div(t).unwrap_or(0);
+    let blocks = b * kv * t;
     let shapes = (kb, kkv, kd) == (b, kv, dq)
         && (vb, vkv, vs) == (b, kv, s)
         && (mb, ms) == (b, s)
         && t > 0
         && gt % t == 0
         && s > 0
-        && s <= MAX_ROW_KEYS
-        && dq <= MAX_HEAD_DIM
-        && dv <= MAX_HEAD_DIM
-        && b * kv * gt > 0
-        && b * kv * gt <= MAX_QUERY_ROWS
+        && blocks > 0
+        && blocks <= i32::MAX as usize
+        && attend_group_shared_bytes(groups, dq, dv, ATTEND_GROUP_THREADS) <= MAX_SHARED_BYTES
         && rows_packed(k.layout())
         && rows_packed(v.layout());
-    f32s && !tracked && shapes
+    let faster = (t <= MAX_STEP_TIME || b * kv * gt <= MAX_QUERY_ROWS)
+        && (s <= LONG_KEYS || blocks >= LONG_KEYS_BLOCKS);
+    dtypes && !tracked && shapes && faster
 }
 
 /// Whether a `[B, H, S, D]` layout is a matmul operand as it is, for candle's CPU and CUDA
@@ -99,45 +119,83 @@ pub(crate) fn rows_packed(l: &Layout) -> bool {
 }
 
 /// The op `(q, k, v) → out`, its mask and scale held.
-struct AttendRows {
+struct AttendGroups {
     mask: Tensor,
     scale: f32,
 }
 
-/// One query row's attention: `q` its `Dq` values, `key(j)` / `value(j)` the `j`-th key and
-/// value rows, `mask` its `S` additive values; `out` its `Dv` outputs. The kernel's order:
-/// each score's dot product over `d` in order, the probabilities `exp(x − max) / Σ` (the
-/// kernel's Σ in its block's order), each output the sum over the keys in order.
-fn attend_row<'a>(
+/// One key/value head's group at one query time: `q` its `G` rows of `Dq` values,
+/// `key(j)` / `value(j)` the `j`-th key and value rows (widened to f32), `mask` its `S`
+/// additive values; `out` its `G` rows of `Dv` outputs. The kernel's order: keys in chunks of
+/// `chunk`; each score's dot product over `d` in order; per row and chunk the running max, the
+/// probabilities `exp(x − max)` (none while every score so far is −∞), their sum, the
+/// rescaling of the row's sum and outputs by `exp(old max − max)`, each output adding the
+/// chunk's weighted values in order of the keys; the outputs over the sums at the end.
+#[allow(clippy::too_many_arguments)]
+fn attend_group<'a>(
     q: &[f32],
     key: impl Fn(usize) -> &'a [f32],
     value: impl Fn(usize) -> &'a [f32],
     mask: &[f32],
     scale: f32,
+    chunk: usize,
+    dv: usize,
     out: &mut [f32],
 ) {
-    let scores: Vec<f32> = mask
-        .iter()
-        .enumerate()
-        .map(|(j, &m)| {
-            let dot = q.iter().zip(key(j)).fold(0f32, |acc, (&a, &b)| acc + a * b);
-            dot * scale + m
-        })
-        .collect();
-    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-    let exps: Vec<f32> = scores.iter().map(|&x| (x - max).exp()).collect();
-    let sum: f32 = exps.iter().sum();
-    for (d, o) in out.iter_mut().enumerate() {
-        *o = exps
-            .iter()
-            .enumerate()
-            .fold(0f32, |acc, (j, &e)| acc + (e / sum) * value(j)[d]);
+    let dq = key(0).len();
+    let groups = q.len() / dq.max(1);
+    let mut max = vec![f32::NEG_INFINITY; groups];
+    let mut sum = vec![0f32; groups];
+    let mut acc = vec![0f32; groups * dv];
+    for c0 in (0..mask.len()).step_by(chunk.max(1)) {
+        let keys = c0..(c0 + chunk).min(mask.len());
+        for (g, qg) in q.chunks(dq).enumerate() {
+            let scores: Vec<f32> = keys
+                .clone()
+                .map(|j| {
+                    let dot = qg.iter().zip(key(j)).fold(0f32, |a, (&x, &y)| a + x * y);
+                    dot * scale + mask[j]
+                })
+                .collect();
+            let top = scores.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            let now = max[g].max(top);
+            let none = now == f32::NEG_INFINITY;
+            let probs: Vec<f32> = scores
+                .iter()
+                .map(|&x| if none { 0.0 } else { (x - now).exp() })
+                .collect();
+            let factor = if none { 1.0 } else { (max[g] - now).exp() };
+            max[g] = now;
+            sum[g] = sum[g] * factor + probs.iter().sum::<f32>();
+            for (d, a) in acc[g * dv..(g + 1) * dv].iter_mut().enumerate() {
+                let chunk_sum = keys
+                    .clone()
+                    .zip(&probs)
+                    .fold(0f32, |acc, (j, &p)| acc + p * value(j)[d]);
+                *a = *a * factor + chunk_sum;
+            }
+        }
+    }
+    for (g, row) in out.chunks_mut(dv).enumerate() {
+        for (o, &a) in row.iter_mut().zip(&acc[g * dv..(g + 1) * dv]) {
+            *o = a / sum[g];
+        }
     }
 }
 
-impl CustomOp3 for AttendRows {
+/// A key or value storage's elements as f32 (16-bit ones widened exactly), for the CPU form.
+fn widened(x: &CpuStorage, what: &str) -> candle_core::Result<Vec<f32>> {
+    match x {
+        CpuStorage::F32(x) => Ok(x.clone()),
+        CpuStorage::BF16(x) => Ok(x.iter().map(|v| v.to_f32()).collect()),
+        CpuStorage::F16(x) => Ok(x.iter().map(|v| v.to_f32()).collect()),
+        _ => candle_core::bail!("attend groups: {what} must be f32, bf16 or f16"),
+    }
+}
+
+impl CustomOp3 for AttendGroups {
     fn name(&self) -> &'static str {
-        "r3-attend-rows"
+        "r3-attend-groups"
     }
 
     fn cpu_fwd(
@@ -149,35 +207,51 @@ impl CustomOp3 for AttendRows {
         v: &CpuStorage,
         vl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) = (q, k, v) else {
-            candle_core::bail!("attend rows: q, k and v must be f32");
+        let CpuStorage::F32(q) = q else {
+            candle_core::bail!("attend groups: the queries must be f32");
         };
         let q = crate::host::contiguous(q, ql, "attention queries")?;
+        let (k, v) = (widened(k, "the keys")?, widened(v, "the values")?);
         let mask = self.mask.flatten_all()?.to_vec1::<f32>()?;
         let (b, kv, gt, dq) = ql.shape().dims4()?;
         let (_, _, s, _) = kl.shape().dims4()?;
         let dv = vl.shape().dims()[3];
         let t = mask.len() / (b * s).max(1);
+        let groups = gt / t.max(1);
         let (ks, vs) = (kl.stride(), vl.stride());
         let (k0, v0) = (kl.start_offset(), vl.start_offset());
         let mut out = vec![0f32; b * kv * gt * dv];
-        for (r, o) in out.chunks_mut(dv).enumerate() {
-            let (bi, hi, row) = (r / (kv * gt), (r / gt) % kv, r % gt);
-            let key = |j: usize| {
-                let at = k0 + bi * ks[0] + hi * ks[1] + j * dq;
-                &k[at..at + dq]
-            };
-            let value = |j: usize| {
-                let at = v0 + bi * vs[0] + hi * vs[1] + j * dv;
-                &v[at..at + dv]
-            };
-            let m = &mask[(bi * t + row % t) * s..][..s];
-            attend_row(&q[r * dq..(r + 1) * dq], key, value, m, self.scale, o);
+        for bi in 0..b {
+            for hi in 0..kv {
+                let key = |j: usize| {
+                    let at = k0 + bi * ks[0] + hi * ks[1] + j * dq;
+                    &k[at..at + dq]
+                };
+                let value = |j: usize| {
+                    let at = v0 + bi * vs[0] + hi * vs[1] + j * dv;
+                    &v[at..at + dv]
+                };
+                let head = (bi * kv + hi) * gt;
+                for ti in 0..t {
+                    let rows = |g: usize| head + g * t + ti;
+                    let qg: Vec<f32> = (0..groups)
+                        .flat_map(|g| q[rows(g) * dq..(rows(g) + 1) * dq].iter().copied())
+                        .collect();
+                    let mut og = vec![0f32; groups * dv];
+                    let m = &mask[(bi * t + ti) * s..][..s];
+                    let chunk = ATTEND_GROUP_THREADS as usize;
+                    attend_group(&qg, key, value, m, self.scale, chunk, dv, &mut og);
+                    for (g, row) in og.chunks(dv).enumerate() {
+                        out[rows(g) * dv..(rows(g) + 1) * dv].copy_from_slice(row);
+                    }
+                }
+            }
         }
         Ok((CpuStorage::F32(out), Shape::from((b, kv, gt, dv))))
     }
 
-    /// One block per query row (`r3_attend_rows_f32`), its scores in shared memory.
+    /// One block per batch row, key/value head and query time (`r3_attend_group_f32`, or
+    /// `_bf16` / `_f16` over 16-bit keys and values).
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
@@ -194,55 +268,64 @@ impl CustomOp3 for AttendRows {
         let (_, _, s, _) = kl.shape().dims4()?;
         let dv = vl.shape().dims()[3];
         let t = self.mask.dim(3)?;
+        let groups = gt / t.max(1);
         let (mask_storage, mask_layout) = self.mask.storage_and_layout();
         let candle_core::Storage::Cuda(mask) = &*mask_storage else {
-            candle_core::bail!("attend rows: the mask is not on the GPU");
+            candle_core::bail!("attend groups: the mask is not on the GPU");
         };
-        let rows = u32::try_from(b * kv * gt)
-            .map_err(|_| candle_core::Error::Msg("attend rows: too many query rows".into()))?;
+        let blocks = u32::try_from(b * kv * t)
+            .map_err(|_| candle_core::Error::Msg("attend groups: too many blocks".into()))?;
+        let threads = ATTEND_GROUP_THREADS;
         let config = LaunchConfig {
-            grid_dim: (rows, 1, 1),
-            block_dim: (crate::launch_shape::ATTEND_ROWS_THREADS, 1, 1),
-            shared_mem_bytes: crate::launch_shape::attend_rows_shared_bytes(s, dq) as u32,
+            grid_dim: (blocks, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: attend_group_shared_bytes(groups, dq, dv, threads) as u32,
         };
         let (ks, vs) = (kl.stride(), vl.stride());
+        let after = [kv, groups, t, s, dq, dv].map(|n| n as u32);
+        let strides = [ks[0], ks[1], vs[0], vs[1]].map(|n| n as u64);
+        let q_view = cuda::view::<f32>(q, ql, "attention queries")?;
+        let mask_view = cuda::view::<f32>(mask, mask_layout, "attention mask")?;
+        macro_rules! launch {
+            ($name:expr, $ty:ty) => {
+                cuda::launch_f32!(
+                    cuda::device(q),
+                    $name,
+                    b * kv * gt * dv,
+                    config,
+                    [
+                        q_view,
+                        rows_view::<$ty>(k, kl, "keys")?,
+                        rows_view::<$ty>(v, vl, "values")?,
+                        mask_view
+                    ],
+                    [
+                        after[0], after[1], after[2], after[3], after[4], after[5], strides[0],
+                        strides[1], strides[2], strides[3], self.scale
+                    ]
+                )
+            };
+        }
         // Every output row is written by its block.
-        let out = cuda::launch_f32!(
-            cuda::device(q),
-            "r3_attend_rows_f32",
-            b * kv * gt * dv,
-            config,
-            [
-                cuda::view::<f32>(q, ql, "attention queries")?,
-                rows_view(k, kl, "keys")?,
-                rows_view(v, vl, "values")?,
-                cuda::view::<f32>(mask, mask_layout, "attention mask")?
-            ],
-            [
-                kv as u32,
-                gt as u32,
-                t as u32,
-                s as u32,
-                dq as u32,
-                dv as u32,
-                ks[0] as u64,
-                ks[1] as u64,
-                vs[0] as u64,
-                vs[1] as u64,
-                self.scale
-            ]
-        );
+        let out = match candle_core::backend::BackendStorage::dtype(k) {
+            DType::BF16 => launch!("r3_attend_group_bf16", half::bf16),
+            DType::F16 => launch!("r3_attend_group_f16", half::f16),
+            _ => launch!("r3_attend_group_f32", f32),
+        };
         Ok((out, Shape::from((b, kv, gt, dv))))
     }
 }
 
 /// The device elements a `[B, H, S, D]` layout with packed rows spans, from its first.
 #[cfg(feature = "cuda")]
-fn rows_view<'a>(
+fn rows_view<'a, T>(
     storage: &'a candle_core::CudaStorage,
     l: &Layout,
     what: &str,
-) -> candle_core::Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, f32>> {
+) -> candle_core::Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>>
+where
+    T: candle_core::cuda_backend::CudaDType + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
+{
     let (b, h, s, d) = l.shape().dims4()?;
     let st = l.stride();
     if b == 0 || h == 0 || s == 0 || d == 0 || !rows_packed(l) {
@@ -250,7 +333,7 @@ fn rows_view<'a>(
     }
     let extent = (b - 1) * st[0] + (h - 1) * st[1] + (s - 1) * d + d;
     let start = l.start_offset();
-    let slice = storage.as_cuda_slice::<f32>()?;
+    let slice = storage.as_cuda_slice::<T>()?;
     if start + extent > slice.len() {
         candle_core::bail!("{what}: its layout runs past its storage");
     }
@@ -261,46 +344,144 @@ fn rows_view<'a>(
 mod tests {
     use super::*;
     use crate::layers::attention::{attend_additive, LayerKv};
-    use crate::test_util::{max_abs_diff, seeded_tensor};
+    use crate::test_util::seeded_tensor;
     use candle_core::Device;
 
     /// On the CPU the op equals the composed attention within f32 rounding (1e-6 of values
-    /// of order 1) over a KV cache's strided views: GQA with two query heads per key head, a
-    /// decode step and a step of three queries, a mask hiding some keys.
+    /// of order 1) over a KV cache's strided views, f32, bf16 and f16: GQA with three query heads
+    /// per key head, a decode step and a step of three queries over 300 slots (three of the
+    /// kernel's chunks), a mask hiding some keys, one batch row left-padded past the whole
+    /// first chunk (its rows see nothing there: no probabilities yet), and one query row
+    /// that sees no key at all (NaN, as the composed softmax gives).
     #[test]
     fn equals_the_composed_attention_over_cache_views() {
-        let (b, kv, groups, d) = (2, 2, 2, 8);
-        for t in [1usize, 3] {
-            let mut cache = LayerKv::default();
-            let (k, _) = cache
-                .append(
-                    &seeded_tensor(&[b, kv, 9, d], 1, DType::F32),
-                    &seeded_tensor(&[b, kv, 9, d], 2, DType::F32),
-                )
-                .expect("prefill");
-            assert!(k.dims()[2] == 9);
-            let (k, v) = cache
-                .append(
-                    &seeded_tensor(&[b, kv, t, d], 3, DType::F32),
-                    &seeded_tensor(&[b, kv, t, d], 4, DType::F32),
-                )
-                .expect("step");
-            assert!(
-                !k.is_contiguous() && !v.is_contiguous(),
-                "views of a longer buffer"
+        let (b, kv, groups, d, held) = (2, 2, 3, 8, 297);
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            for t in [1usize, 3] {
+                let mut cache = LayerKv::default();
+                let part = |seed| seeded_tensor(&[b, kv, held, d], seed, DType::F32);
+                let (k, _) = cache
+                    .append(
+                        &part(1).to_dtype(dtype).expect("k"),
+                        &part(2).to_dtype(dtype).expect("v"),
+                    )
+                    .expect("prefill");
+                assert!(k.dims()[2] == held);
+                let step = |seed| seeded_tensor(&[b, kv, t, d], seed, DType::F32);
+                let (k, v) = cache
+                    .append(
+                        &step(3).to_dtype(dtype).expect("k"),
+                        &step(4).to_dtype(dtype).expect("v"),
+                    )
+                    .expect("step");
+                assert!(
+                    !k.is_contiguous() && !v.is_contiguous(),
+                    "views of a longer buffer"
+                );
+                let s = k.dim(2).expect("slots");
+                let hidden = |bi: usize, ti: usize, j: usize| {
+                    j % 7 == 3 || (bi == 1 && j < 140) || (bi == 1 && ti == 0 && t == 3)
+                };
+                let mask: Vec<f32> = (0..b * t * s)
+                    .map(|i| {
+                        let (bi, ti, j) = (i / (t * s), (i / s) % t, i % s);
+                        if hidden(bi, ti, j) {
+                            f32::NEG_INFINITY
+                        } else {
+                            0.0
+                        }
+                    })
+                    .collect();
+                let mask = Tensor::from_vec(mask, (b, 1, 1, t, s), &Device::Cpu).expect("mask");
+                let q = seeded_tensor(&[b, kv, groups * t, d], 5, DType::F32);
+                let wide = |x: &Tensor| x.to_dtype(DType::F32).expect("widened");
+                let want = attend_additive(&q, &wide(&k), &wide(&v), &mask, 0.3, groups)
+                    .expect("composed");
+                assert!(attend_rows(&q, &k, &v, &mask, 0.3).expect("cpu").is_none());
+                let got = apply(&q, &k, &v, &mask, 0.3).expect("op");
+                assert_eq!(got.dims(), want.dims());
+                let (got, want) = (
+                    got.flatten_all()
+                        .and_then(|x| x.to_vec1::<f32>())
+                        .expect("got"),
+                    want.flatten_all()
+                        .and_then(|x| x.to_vec1::<f32>())
+                        .expect("want"),
+                );
+                let nan = got
+                    .iter()
+                    .zip(&want)
+                    .filter(|(g, w)| g.is_nan() && w.is_nan());
+                // t = 3: batch row 1's first query row of each of the 2 heads' 3 groups.
+                assert_eq!(nan.count(), if t == 3 { kv * groups * d } else { 0 });
+                let diff = got
+                    .iter()
+                    .zip(&want)
+                    .filter(|(w, _)| !w.is_nan())
+                    .map(|(g, w)| (g - w).abs())
+                    .fold(0f32, f32::max);
+                assert!(diff < 1e-6, "{dtype:?} t {t}: {diff}");
+            }
+        }
+    }
+
+    /// The online softmax in any chunk equals one softmax over the whole row: chunks of 1,
+    /// 4, 7 and more than the row, over a row of 23 keys whose first 9 are hidden and
+    /// whose scores span ±20 (so a later chunk's max rescales the earlier ones).
+    #[test]
+    fn any_chunk_gives_the_whole_rows_softmax() {
+        let (groups, dq, dv, s) = (2usize, 3usize, 2usize, 23usize);
+        let q: Vec<f32> = (0..groups * dq).map(|i| (i as f32 - 2.5) * 0.9).collect();
+        let keys: Vec<Vec<f32>> = (0..s)
+            .map(|j| (0..dq).map(|d| ((j * 3 + d) % 11) as f32 - 5.0).collect())
+            .collect();
+        let values: Vec<Vec<f32>> = (0..s)
+            .map(|j| (0..dv).map(|d| (j + 2 * d) as f32 * 0.25).collect())
+            .collect();
+        let mask: Vec<f32> = (0..s)
+            .map(|j| {
+                if j < 9 {
+                    f32::NEG_INFINITY
+                } else {
+                    -0.1 * j as f32
+                }
+            })
+            .collect();
+        let scale = 0.7f32;
+        // By hand: f64 softmax weights over the seen keys.
+        let want: Vec<f64> = (0..groups)
+            .flat_map(|g| {
+                let x: Vec<f64> = (0..s)
+                    .map(|j| {
+                        let dot: f64 = (0..dq).map(|d| f64::from(q[g * dq + d] * keys[j][d])).sum();
+                        dot * f64::from(scale) + f64::from(mask[j])
+                    })
+                    .collect();
+                let top = x.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = x.iter().map(|x| (x - top).exp()).collect();
+                let sum: f64 = e.iter().sum();
+                let values = &values;
+                (0..dv).map(move |d| (0..s).map(|j| e[j] / sum * f64::from(values[j][d])).sum())
+            })
+            .collect();
+        for chunk in [1, 4, 7, 64] {
+            let mut out = vec![0f32; groups * dv];
+            attend_group(
+                &q,
+                |j| &keys[j],
+                |j| &values[j],
+                &mask,
+                scale,
+                chunk,
+                dv,
+                &mut out,
             );
-            let s = k.dim(2).expect("slots");
-            let mask: Vec<f32> = (0..b * t * s)
-                .map(|i| if i % 7 == 3 { f32::NEG_INFINITY } else { 0.0 })
-                .collect();
-            let mask = Tensor::from_vec(mask, (b, 1, 1, t, s), &Device::Cpu).expect("mask");
-            let q = seeded_tensor(&[b, kv, groups * t, d], 5, DType::F32);
-            let want = attend_additive(&q, &k, &v, &mask, 0.3, groups).expect("composed");
-            assert!(attend_rows(&q, &k, &v, &mask, 0.3).expect("cpu").is_none());
-            let got = apply(&q, &k, &v, &mask, 0.3).expect("op");
-            assert_eq!(got.dims(), want.dims());
-            let diff = max_abs_diff(&got, &want);
-            assert!(diff < 1e-6, "t {t}: {diff}");
+            for (i, (&g, &w)) in out.iter().zip(&want).enumerate() {
+                assert!(
+                    (f64::from(g) - w).abs() < 1e-5 * w.abs().max(1.0),
+                    "chunk {chunk}, {i}: {g} vs {w}"
+                );
+            }
         }
     }
 }

@@ -51,8 +51,14 @@ pub fn attend_tiled(
             outs.push(attend_additive(&q, &k, &v, &mask, scale, groups)?);
             continue;
         }
-        // Each tile takes the same positions of every group's queries.
+        // Each tile takes the same positions of every group's queries. A 16-bit cache's keys
+        // and values are widened once for all of them (tiles of positions are a long
+        // prefill's, which the composed GEMMs run).
         let q = q.contiguous()?.reshape((rows, kv, groups, t, dq))?;
+        let (k, v) = match k.dtype() == q.dtype() {
+            true => (k, v),
+            false => (k.to_dtype(q.dtype())?, v.to_dtype(q.dtype())?),
+        };
         let mut parts = Vec::with_capacity(t.div_ceil(tile.times));
         for t0 in (0..t).step_by(tile.times) {
             let times = tile.times.min(t - t0);
