@@ -28,8 +28,8 @@ mod common;
 
 use common::{f32_bits as bits, Lcg};
 use r3_model::launch_shape::{
-    attend_group_shared_bytes, rms_norm_dw_chunk_threads, row_threads, sample_rows_shared_bytes,
-    ATTEND_GROUP_THREADS, RMS_NORM_DW_CHUNK_ROWS, SAMPLE_ROWS_THREADS,
+    attend_group_shared_bytes, attend_group_spans, rms_norm_dw_chunk_threads, row_threads,
+    sample_rows_shared_bytes, ATTEND_GROUP_THREADS, RMS_NORM_DW_CHUNK_ROWS, SAMPLE_ROWS_THREADS,
 };
 
 /// Runs one kernel launch of `shape` in both thread orders (`call` launches it over the
@@ -850,33 +850,39 @@ fn rope_rounded_equals_the_cpus_rotation_bit_for_bit() {
     }
 }
 
-/// `r3_attend_group_f32`, `_bf16` and `_f16` equal the CPU's composed attention
+/// `r3_attend_group_f32`, `_bf16` and `_f16` (and `r3_attend_group_combine_f32` after them
+/// where the keys are split into spans) equal the CPU's composed attention
 /// (`attend_additive`: the masked softmax op and candle's GEMMs, over the keys and values
 /// widened to f32) within f32 rounding: keys and values of different widths (24, 40) read in
-/// place from KV-cache buffers of other capacities (320 and 310 slots: batch and head
-/// strides that are not the packed ones), 300 slots over several chunks of the block's
-/// threads, groups of two, three and ten query rows (ten: past the eight dots a key's pass
-/// computes),
-/// a mask hiding every fifth key and a causal end, batch row 1 left-padded past a whole
-/// chunk of 128 (no probabilities while every score so far is −∞) and, at three queries,
-/// its first query seeing no key at all (NaN in both), a step of one query and of three;
-/// the launcher's 128 threads with its shared memory (`launch_shape::ATTEND_GROUP_THREADS`,
-/// `attend_group_shared_bytes`), and 32, 96 and 1,024 threads (chunks of that many keys).
-/// The kernel sums a chunk's exponentials in its warp's order and rescales per chunk (and
-/// `fma` contracts the dots and the weighted sums): a tolerance in both variants.
+/// place from KV-cache buffers of other capacities (20 and 10 slots past the keys: batch and
+/// head strides that are not the packed ones), 300 keys over several chunks of the block's
+/// threads in one span, 1,500 and 1,100 in the three spans the launcher picks at these
+/// blocks (merged at the launcher's grid-stride shape and at three one-warp blocks), groups
+/// of two, three and ten query rows (ten: past the eight dots a key's pass computes), a mask
+/// hiding every fifth key and a causal end, batch row 1 left-padded past half its keys (no
+/// probabilities while every score so far is −∞: its first chunks, or its first span,
+/// whose state the merge weighs 0) and, at three queries, its first query seeing no key at
+/// all (NaN in both), a step of one query and of three; the launcher's 128 threads with its
+/// shared memory (`launch_shape::ATTEND_GROUP_THREADS`, `attend_group_shared_bytes`), and
+/// 32, 96 and 1,024 threads (chunks of that many keys). The kernel sums a chunk's
+/// exponentials in its warp's order and rescales per chunk (and `fma` contracts the dots and
+/// the weighted sums): a tolerance in both variants.
 #[test]
 fn decode_attention_groups_equal_the_cpus_composed_attention() {
-    let (b, kv, s, dq, dv) = (2usize, 2usize, 300usize, 24usize, 40usize);
-    let (k_cap, v_cap) = (320usize, 310usize);
+    let (b, kv, dq, dv) = (2usize, 2usize, 24usize, 40usize);
     let scale = 0.2f32;
-    // The kernel over f32 buffers, or the bf16 / f16 one over 16-bit buffers.
-    for (groups, t, held) in [
-        (2usize, 1usize, DType::F32),
-        (2, 3, DType::BF16),
-        (10, 1, DType::F16),
-        (10, 3, DType::BF16),
-        (3, 3, DType::F32),
+    // The kernel over f32 buffers, or the bf16 / f16 one over 16-bit buffers; 300 keys in
+    // one span, 1,500 and 1,100 in three (`attend_group_spans` at these blocks).
+    for (groups, t, held, s) in [
+        (2usize, 1usize, DType::F32, 300usize),
+        (2, 3, DType::BF16, 300),
+        (10, 1, DType::F16, 300),
+        (10, 3, DType::BF16, 300),
+        (3, 3, DType::F32, 300),
+        (2, 1, DType::BF16, 1500),
+        (10, 3, DType::F32, 1100),
     ] {
+        let (k_cap, v_cap) = (s + 20, s + 10);
         let gt = groups * t;
         let rows = b * kv * gt;
         let mut lcg = Lcg::new(9 + (t * groups) as u64);
@@ -906,7 +912,7 @@ fn decode_attention_groups_equal_the_cpus_composed_attention() {
                 let (bi, ti, j) = (i / (t * s), (i / s) % t, i % s);
                 let hidden = j % 5 == 1
                     || j > s - t + ti
-                    || (bi == 1 && j < 150)
+                    || (bi == 1 && j < s / 2)
                     || (bi == 1 && ti == 0 && t == 3);
                 if hidden {
                     f32::NEG_INFINITY
@@ -938,16 +944,26 @@ fn decode_attention_groups_equal_the_cpus_composed_attention() {
         .expect("the CPU's attention");
         let nan = want.iter().filter(|w| w.is_nan()).count();
         assert_eq!(nan, if t == 3 { kv * groups * dv } else { 0 });
+        let blocks = b * kv * t;
+        let (spans, span) = attend_group_spans(blocks, s);
+        assert_eq!(spans, if s > 1000 { 3 } else { 1 });
+        let state_len = blocks * spans * groups * (dv + 2);
+        let written = if spans == 1 { rows * dv } else { state_len };
         for (name, k) in variants() {
             for threads in [ATTEND_GROUP_THREADS, 32, 96, 1024] {
                 let shared = attend_group_shared_bytes(groups, dq, dv, threads);
-                let what = format!("attend groups of {groups}, t {t}, {name}, {threads} threads");
-                let shape =
-                    LaunchShape::blocks((b * kv * t) as u32, threads).with_shared_bytes(shared);
-                let dims = [kv, groups, t, s, dq, dv].map(|n| n as u32);
+                let what = format!(
+                    "attend groups of {groups}, t {t}, {s} keys, {name}, {threads} threads"
+                );
+                let shape = LaunchShape {
+                    grid: [blocks as u32, spans as u32, 1],
+                    block: threads,
+                    shared_bytes: shared,
+                };
+                let dims = [kv, groups, t, s, span, dq, dv].map(|n| n as u32);
                 let strides = [ks[0], ks[1], vs[0], vs[1]].map(|n| n as u64);
-                let got = run(&what, shape, rows * dv, |out| unsafe {
-                    let [kv_, g_, t_, s_, dq_, dv_] = dims;
+                let got = run(&what, shape, written, |out| unsafe {
+                    let [kv_, g_, t_, s_, span_, dq_, dv_] = dims;
                     let [kb_, kh_, vb_, vh_] = strides;
                     // One kernel's call over its keys' and values' buffers.
                     macro_rules! attend {
@@ -962,6 +978,7 @@ fn decode_attention_groups_equal_the_cpus_composed_attention() {
                                 g_,
                                 t_,
                                 s_,
+                                span_,
                                 dq_,
                                 dv_,
                                 kb_,
@@ -978,7 +995,30 @@ fn decode_attention_groups_equal_the_cpus_composed_attention() {
                         _ => attend!(r3_attend_group_f32, k_buf, v_buf),
                     }
                 });
-                assert_close(&what, &got, &want, 1e-5, 1.0);
+                if spans == 1 {
+                    assert_close(&what, &got, &want, 1e-5, 1.0);
+                    continue;
+                }
+                // The spans' states merged: at the launcher's grid-stride shape, and at
+                // three blocks of one warp (the loop taking the rest).
+                for combine in [
+                    LaunchShape::elementwise(rows * dv),
+                    LaunchShape::blocks(3, 32),
+                ] {
+                    let what = format!("{what}, merged over {:?}", combine.grid);
+                    let merged = run(&what, combine, rows * dv, |out| unsafe {
+                        (k.r3_attend_group_combine_f32)(
+                            got.as_ptr(),
+                            out,
+                            blocks as u32,
+                            groups as u32,
+                            t as u32,
+                            spans as u32,
+                            dv as u32,
+                        )
+                    });
+                    assert_close(&what, &merged, &want, 1e-5, 1.0);
+                }
             }
         }
     }

@@ -54,6 +54,26 @@ pub fn rms_norm_dw_chunk_threads(d: usize) -> u32 {
 /// key/value head and query time): also the keys its online softmax takes at a time.
 pub const ATTEND_GROUP_THREADS: u32 = 128;
 
+/// Blocks a decode attention launch aims for when a step has few of its own (a small batch
+/// over a long context): two waves of an H100's or H200's 132 multiprocessors.
+pub const ATTEND_GROUP_TARGET_BLOCKS: usize = 264;
+
+/// Fewest keys a span of the decode attention takes: four chunks of its block's threads,
+/// so that a span's partial state (written out and merged) stays small beside its reads.
+pub const ATTEND_GROUP_MIN_SPAN: usize = 4 * ATTEND_GROUP_THREADS as usize;
+
+/// The spans a decode attention step of `blocks` blocks (batch rows × key/value heads ×
+/// query positions) over `s` keys takes its keys in, and the keys of each (the last may
+/// hold fewer; none is empty): one span where the step's own blocks fill the GPU or the keys
+/// are few, else as many as bring the launch to [`ATTEND_GROUP_TARGET_BLOCKS`] with at least
+/// [`ATTEND_GROUP_MIN_SPAN`] keys each (flash-decoding's split of the keys).
+pub fn attend_group_spans(blocks: usize, s: usize) -> (usize, usize) {
+    let want = ATTEND_GROUP_TARGET_BLOCKS.div_ceil(blocks.max(1));
+    let spans = want.min(s.div_ceil(ATTEND_GROUP_MIN_SPAN)).max(1);
+    let span = s.div_ceil(spans).max(1);
+    (s.div_ceil(span).max(1), span)
+}
+
 /// Bytes of dynamic shared memory a block of `r3_attend_group_*` of `threads` threads
 /// takes for a group of `groups` query rows of `dq`-wide queries and `dv`-wide values: the
 /// queries, a chunk's probabilities, the outputs and three running values a row, as f32.
@@ -126,6 +146,20 @@ mod tests {
         // 8 × (128 + 128 + 128 + 3) floats: the 30B-A3B shape's group.
         assert_eq!(attend_group_shared_bytes(8, 128, 128, 128), 12_384);
         assert_eq!(attend_group_shared_bytes(2, 24, 40, 32), 792);
+    }
+
+    /// The decode attention's spans, by hand: one for a full batch or a short context; a
+    /// batch of one over 32 k keys (4 blocks: 66 spans wanted, 64 of 512 keys allowed); 1,000
+    /// keys over 4 blocks (2 spans of 500); an uneven split (3 spans of 534, 534 and 532).
+    #[test]
+    fn attend_group_spans_by_hand() {
+        assert_eq!(ATTEND_GROUP_MIN_SPAN, 512);
+        assert_eq!(attend_group_spans(1024, 32_768), (1, 32_768));
+        assert_eq!(attend_group_spans(4, 160), (1, 160));
+        assert_eq!(attend_group_spans(4, 32_768), (64, 512));
+        assert_eq!(attend_group_spans(4, 1000), (2, 500));
+        assert_eq!(attend_group_spans(100, 1600), (3, 534));
+        assert_eq!(attend_group_spans(0, 1), (1, 1));
     }
 
     /// The row draws' block, by hand: 512 threads; a double per 256 columns; 1,310,720

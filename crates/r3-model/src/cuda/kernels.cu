@@ -1019,26 +1019,28 @@ extern "C" __global__ void r3_rope_rounded_f32(const float *x, const float *cos,
 #define ATTEND_GROUP_DOTS 8
 
 // A decode step's attention over a KV cache (layers/attention/rows.rs), one block per
-// (batch row, key/value head, query time): the block's G query rows are the head's group,
-// so each key and value is read once for all of them. q [B, KV, G·T, dq] with rows ordered
-// (g, t), keys / values [B, KV, S, d] of element E (f32, or bf16 / f16 widened exactly) at the
-// given batch and head strides (a KV cache's views; rows packed), mask [B, T, S] (f32,
-// additive). The keys are taken a chunk of blockDim.x at a time with the running max and sum
-// of an online softmax, so no score array grows with S: for each chunk, each thread's key's
-// score q_g·k_j · scale + mask_j for every row g (each dot in order of d), then a warp per
-// row: the chunk's max m', the row's max M = max(M, m'), the chunk's probabilities
-// p_j = exp(x_j − M) and their sum (in the warp's order), the row's sum and output rescaled
-// by exp(M_old − M); then each (g, d) output adds Σ_j p_j v_j[d] in order of j. The output is
-// the sum of weighted values over the sum of probabilities. A row that has seen no key yet
-// (every score −∞) has no probabilities; one that sees none at all ends 0 / 0 = NaN, as the
-// composed softmax gives. blockDim.x a multiple of 32. Dynamic shared memory (floats): G·dq
-// queries, G·blockDim.x probabilities, G·dv outputs, 3·G running values. CPU twin:
-// layers/attention/rows.rs `attend_group`.
+// (batch row, key/value head, query time) along x and per span of `span` keys along y: the
+// block's G query rows are the head's group, so each key and value is read once for all of
+// them. q [B, KV, G·T, dq] with rows ordered (g, t), keys / values [B, KV, S, d] of element E
+// (f32, or bf16 / f16 widened exactly) at the given batch and head strides (a KV cache's
+// views; rows packed), mask [B, T, S] (f32, additive). The block's keys are taken a chunk of
+// blockDim.x at a time with the running max and sum of an online softmax, so no score array
+// grows with S: for each chunk, each thread's key's score q_g·k_j · scale + mask_j for every
+// row g (each dot in order of d), then a warp per row: the chunk's max m', the row's max
+// M = max(M, m'), the chunk's probabilities p_j = exp(x_j − M) and their sum (in the warp's
+// order), the row's sum and output rescaled by exp(M_old − M); then each (g, d) output adds
+// Σ_j p_j v_j[d] in order of j. A row that has seen no key yet (every score −∞) has no
+// probabilities. With one span (gridDim.y = 1) `out` is [B, KV, G·T, dv]: the weighted sum
+// over the sum (0 / 0 = NaN for a row that sees no key, as the composed softmax gives); with
+// more, `out` holds each block's and span's partial state, [blocks, spans, G, dv + 2]: the
+// weighted sum, then M and the sum, which `r3_attend_group_combine_f32` merges. blockDim.x a
+// multiple of 32. Dynamic shared memory (floats): G·dq queries, G·blockDim.x probabilities,
+// G·dv outputs, 3·G running values. CPU twin: layers/attention/rows.rs `attend_group`.
 template <typename E>
 __device__ void attend_group(const float *q, const E *k, const E *v, const float *mask,
                              float *out, uint32_t kv, uint32_t groups, uint32_t t, uint32_t s,
-                             uint32_t dq, uint32_t dv, uint64_t k_batch, uint64_t k_head,
-                             uint64_t v_batch, uint64_t v_head, float scale) {
+                             uint32_t span, uint32_t dq, uint32_t dv, uint64_t k_batch,
+                             uint64_t k_head, uint64_t v_batch, uint64_t v_head, float scale) {
     extern __shared__ float smem[];
     const uint32_t chunk = blockDim.x;
     float *qs = smem;
@@ -1049,6 +1051,7 @@ __device__ void attend_group(const float *q, const E *k, const E *v, const float
     const size_t blk = blockIdx.x;
     const size_t ti = blk % t, h = (blk / t) % kv, b = blk / ((size_t)t * kv);
     const size_t gt = (size_t)groups * t, head = b * kv + h;
+    const uint32_t first = blockIdx.y * span, last = min(s, first + span);
     const E *kb = k + b * k_batch + h * k_head;
     const E *vb = v + b * v_batch + h * v_head;
     const float *mk = mask + (b * t + ti) * s;
@@ -1064,8 +1067,8 @@ __device__ void attend_group(const float *q, const E *k, const E *v, const float
     }
     __syncthreads();
     const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = chunk >> 5;
-    for (uint32_t c0 = 0; c0 < s; c0 += chunk) {
-        const uint32_t n = min(chunk, s - c0);
+    for (uint32_t c0 = first; c0 < last; c0 += chunk) {
+        const uint32_t n = min(chunk, last - c0);
         if (threadIdx.x < n) {
             const uint32_t j = c0 + threadIdx.x;
             const E *kj = kb + (size_t)j * dq;
@@ -1123,9 +1126,17 @@ __device__ void attend_group(const float *q, const E *k, const E *v, const float
         // The next chunk overwrites the probabilities and the factors.
         __syncthreads();
     }
-    for (uint32_t i = threadIdx.x; i < groups * dv; i += chunk) {
-        const uint32_t g = i / dv, d = i % dv;
-        out[(head * gt + (size_t)g * t + ti) * dv + d] = acc[i] / run[3 * g + 1];
+    if (gridDim.y == 1) {
+        for (uint32_t i = threadIdx.x; i < groups * dv; i += chunk) {
+            const uint32_t g = i / dv, d = i % dv;
+            out[(head * gt + (size_t)g * t + ti) * dv + d] = acc[i] / run[3 * g + 1];
+        }
+        return;
+    }
+    float *state = out + (blk * gridDim.y + blockIdx.y) * (size_t)groups * (dv + 2);
+    for (uint32_t i = threadIdx.x; i < groups * (dv + 2); i += chunk) {
+        const uint32_t g = i / (dv + 2), d = i % (dv + 2);
+        state[i] = d < dv ? acc[g * dv + d] : run[3 * g + (d - dv)];
     }
 }
 
@@ -1133,15 +1144,43 @@ __device__ void attend_group(const float *q, const E *k, const E *v, const float
 #define ATTEND_GROUP_KERNEL(NAME, E)                                                           \
     extern "C" __global__ void NAME(const float *q, const E *k, const E *v, const float *mask, \
                                     float *out, uint32_t kv, uint32_t groups, uint32_t t,      \
-                                    uint32_t s, uint32_t dq, uint32_t dv, uint64_t k_batch,    \
-                                    uint64_t k_head, uint64_t v_batch, uint64_t v_head,        \
-                                    float scale) {                                             \
-        attend_group<E>(q, k, v, mask, out, kv, groups, t, s, dq, dv, k_batch, k_head, v_batch, \
-                        v_head, scale);                                                        \
+                                    uint32_t s, uint32_t span, uint32_t dq, uint32_t dv,       \
+                                    uint64_t k_batch, uint64_t k_head, uint64_t v_batch,       \
+                                    uint64_t v_head, float scale) {                            \
+        attend_group<E>(q, k, v, mask, out, kv, groups, t, s, span, dq, dv, k_batch, k_head,   \
+                        v_batch, v_head, scale);                                               \
     }
 ATTEND_GROUP_KERNEL(r3_attend_group_f32, float)
 ATTEND_GROUP_KERNEL(r3_attend_group_bf16, __nv_bfloat16)
 ATTEND_GROUP_KERNEL(r3_attend_group_f16, __half)
+
+// The spans' partial states of `r3_attend_group_*` ([blocks, spans, G, dv + 2]: weighted
+// sums, max, sum) merged into [B, KV, G·T, dv], one thread per output (grid-stride): with
+// M = max over spans of their maxima and w_i = exp(M_i − M) (0 for a span that saw no key),
+// out = Σ_i w_i acc_i / Σ_i w_i l_i, both sums in span order; 0 / 0 = NaN where no span saw a
+// key. CPU twin: layers/attention/rows.rs `combine_spans`.
+extern "C" __global__ void r3_attend_group_combine_f32(const float *state, float *out,
+                                                       uint32_t blocks, uint32_t groups,
+                                                       uint32_t t, uint32_t spans, uint32_t dv) {
+    const size_t n = (size_t)blocks * groups * dv, stride = (size_t)blockDim.x * gridDim.x;
+    const size_t gt = (size_t)groups * t, width = dv + 2;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const size_t blk = i / ((size_t)groups * dv), g = (i / dv) % groups, d = i % dv;
+        const float *first = state + (blk * spans * groups + g) * width;
+        const size_t next = (size_t)groups * width;
+        float top = -INFINITY;
+        for (uint32_t sp = 0; sp < spans; ++sp) top = fmaxf(top, first[sp * next + dv]);
+        float num = 0.0f, den = 0.0f;
+        for (uint32_t sp = 0; sp < spans; ++sp) {
+            const float *part = first + sp * next;
+            const float w = part[dv] == -INFINITY ? 0.0f : expf(part[dv] - top);
+            num = num + w * part[d];
+            den = den + w * part[dv + 1];
+        }
+        const size_t head = blk / t, ti = blk % t;
+        out[(head * gt + g * t + ti) * dv + d] = num / den;
+    }
+}
 
 // One row's k largest values into `out` (k indices), largest first, ties to the lower index,
 // in total_cmp's order: k rounds of a block-wide arg-max over the columns not chosen yet (the

@@ -75,7 +75,7 @@ mod tests {
             names.windows(2).all(|w| w[0] < w[1]),
             "the table is sorted by name, each kernel once (binary search)"
         );
-        assert_eq!(count, 70);
+        assert_eq!(count, 71);
         assert_eq!(
             kernel_params("r3_combine_slots_f32"),
             Some(&[Pointer, Pointer, Pointer, Pointer, Int32, Int32][..])

@@ -6,18 +6,25 @@
 //! a decode step take longer to launch than to run, a score tensor of `rows · slots` floats,
 //! and f32 keys and values (a 16-bit cache widened first). The kernel reads each key and value
 //! once for the group's `G` rows, takes the keys a chunk at a time with an online softmax (no
-//! score array grows with the context) and widens 16-bit keys and values as it reads them. On a
-//! GPU only, for nothing differentiated; the CPU keeps the composed form. The op's CPU
-//! implementation (`attend_group`: the kernel's operations in the kernel's chunks, each dot
-//! product and weighted sum in the same order; a chunk's exponentials summed in column order
+//! score array grows with the context) and widens 16-bit keys and values as it reads them.
+//! A step of few blocks over a long context (a small batch) splits its keys into spans, each
+//! span a block of its own whose partial state (weighted sums, max, sum) a second kernel
+//! merges (`r3_attend_group_combine_f32`; flash-decoding's split), so the GPU is kept busy
+//! where a block per head would stream all of its keys alone. On a GPU only, for nothing
+//! differentiated; the CPU keeps the composed form. The op's CPU
+//! implementation (`attend_group` and `combine_spans`: the kernels' operations in the
+//! kernels' spans and chunks, each dot product and weighted sum in the same order; a chunk's
+//! exponentials summed in column order
 //! where the kernel sums in its warp's order, and a GPU build may fuse a product into its
 //! sum: so within rounding of the kernel) is what the tests hold it to: against the composed
 //! attention on the CPU, and the kernel against it on a GPU and in the emulator.
 
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 
+use std::ops::Range;
+
 use crate::error::Result;
-use crate::launch_shape::{attend_group_shared_bytes, ATTEND_GROUP_THREADS};
+use crate::launch_shape::{attend_group_shared_bytes, attend_group_spans, ATTEND_GROUP_THREADS};
 
 /// Most dynamic shared memory a block may ask for without opting in (48 KiB).
 const MAX_SHARED_BYTES: usize = 48 * 1024;
@@ -31,21 +38,13 @@ const MAX_STEP_TIME: usize = 16;
 /// step's time.
 const MAX_QUERY_ROWS: usize = 1024;
 
-/// Keys past which the kernel needs at least [`LONG_KEYS_BLOCKS`] blocks: a block streams all
-/// of its head's keys alone, so a step of a few blocks over a long context would leave most
-/// of the GPU idle where the composed GEMMs spread over it.
-const LONG_KEYS: usize = 8192;
-
-/// Blocks (`B · KV · T`) that keep a GPU's multiprocessors busy over a long context.
-const LONG_KEYS_BLOCKS: usize = 128;
-
 /// `softmax(q kᵀ · scale + mask) · v` for `q` `[B, KV, G·T, Dq]` (f32; rows ordered group,
 /// then query time), `k` `[B, KV, S, Dq]` and `v` `[B, KV, S, Dv]` (both f32, bf16 or f16;
 /// each head's `S` rows packed: a KV cache's views of longer buffers) and `mask` `[B, 1, 1,
 /// T, S]` (f32): `[B, KV, G·T, Dv]` in f32. None where the op does not apply (not a GPU,
-/// other dtypes, an operand to differentiate, a step the composed GEMMs run faster — see
-/// [`MAX_STEP_TIME`], [`LONG_KEYS`] — a group past a block's shared memory, other shapes):
-/// the caller composes.
+/// other dtypes, an operand to differentiate, a long prefill, which the composed GEMMs run
+/// faster — see [`MAX_STEP_TIME`] — a group past a block's shared memory, other shapes): the
+/// caller composes.
 pub(crate) fn attend_rows(
     q: &Tensor,
     k: &Tensor,
@@ -99,8 +98,7 @@ fn fits(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> bool {
         && attend_group_shared_bytes(groups, dq, dv, ATTEND_GROUP_THREADS) <= MAX_SHARED_BYTES
         && rows_packed(k.layout())
         && rows_packed(v.layout());
-    let faster = (t <= MAX_STEP_TIME || b * kv * gt <= MAX_QUERY_ROWS)
-        && (s <= LONG_KEYS || blocks >= LONG_KEYS_BLOCKS);
+    let faster = t <= MAX_STEP_TIME || b * kv * gt <= MAX_QUERY_ROWS;
     dtypes && !tracked && shapes && faster
 }
 
@@ -124,33 +122,44 @@ struct AttendGroups {
     scale: f32,
 }
 
-/// One key/value head's group at one query time: `q` its `G` rows of `Dq` values,
-/// `key(j)` / `value(j)` the `j`-th key and value rows (widened to f32), `mask` its `S`
-/// additive values; `out` its `G` rows of `Dv` outputs. The kernel's order: keys in chunks of
-/// `chunk`; each score's dot product over `d` in order; per row and chunk the running max, the
-/// probabilities `exp(x − max)` (none while every score so far is −∞), their sum, the
-/// rescaling of the row's sum and outputs by `exp(old max − max)`, each output adding the
-/// chunk's weighted values in order of the keys; the outputs over the sums at the end.
+/// One key/value head's group at one query time, over a span of its keys: the running
+/// max and sum of each of its `G` rows and their `G · Dv` weighted sums of values (not yet
+/// divided by the sums).
+struct GroupState {
+    max: Vec<f32>,
+    sum: Vec<f32>,
+    acc: Vec<f32>,
+}
+
+/// [`GroupState`] of `q` (the group's `G` rows of `Dq` values) over the keys `keys`,
+/// `key(j)` / `value(j)` the `j`-th key and value rows (widened to f32), `mask` the row's
+/// additive values (indexed by key). The kernel's order: keys in chunks of `chunk` from the
+/// span's first; each score's dot product over `d` in order; per row and chunk the running
+/// max, the probabilities `exp(x − max)` (none while every score so far is −∞), their sum,
+/// the rescaling of the row's sum and weighted sums by `exp(old max − max)`, each weighted sum
+/// adding the chunk's values in order of the keys.
 #[allow(clippy::too_many_arguments)]
 fn attend_group<'a>(
     q: &[f32],
     key: impl Fn(usize) -> &'a [f32],
     value: impl Fn(usize) -> &'a [f32],
     mask: &[f32],
+    keys: Range<usize>,
     scale: f32,
     chunk: usize,
     dv: usize,
-    out: &mut [f32],
-) {
-    let dq = key(0).len();
+) -> GroupState {
+    let dq = key(keys.start).len();
     let groups = q.len() / dq.max(1);
-    let mut max = vec![f32::NEG_INFINITY; groups];
-    let mut sum = vec![0f32; groups];
-    let mut acc = vec![0f32; groups * dv];
-    for c0 in (0..mask.len()).step_by(chunk.max(1)) {
-        let keys = c0..(c0 + chunk).min(mask.len());
+    let mut state = GroupState {
+        max: vec![f32::NEG_INFINITY; groups],
+        sum: vec![0f32; groups],
+        acc: vec![0f32; groups * dv],
+    };
+    for c0 in keys.clone().step_by(chunk.max(1)) {
+        let chunk_keys = c0..(c0 + chunk).min(keys.end);
         for (g, qg) in q.chunks(dq).enumerate() {
-            let scores: Vec<f32> = keys
+            let scores: Vec<f32> = chunk_keys
                 .clone()
                 .map(|j| {
                     let dot = qg.iter().zip(key(j)).fold(0f32, |a, (&x, &y)| a + x * y);
@@ -158,17 +167,21 @@ fn attend_group<'a>(
                 })
                 .collect();
             let top = scores.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-            let now = max[g].max(top);
+            let now = state.max[g].max(top);
             let none = now == f32::NEG_INFINITY;
             let probs: Vec<f32> = scores
                 .iter()
                 .map(|&x| if none { 0.0 } else { (x - now).exp() })
                 .collect();
-            let factor = if none { 1.0 } else { (max[g] - now).exp() };
-            max[g] = now;
-            sum[g] = sum[g] * factor + probs.iter().sum::<f32>();
-            for (d, a) in acc[g * dv..(g + 1) * dv].iter_mut().enumerate() {
-                let chunk_sum = keys
+            let factor = if none {
+                1.0
+            } else {
+                (state.max[g] - now).exp()
+            };
+            state.max[g] = now;
+            state.sum[g] = state.sum[g] * factor + probs.iter().sum::<f32>();
+            for (d, a) in state.acc[g * dv..(g + 1) * dv].iter_mut().enumerate() {
+                let chunk_sum = chunk_keys
                     .clone()
                     .zip(&probs)
                     .fold(0f32, |acc, (j, &p)| acc + p * value(j)[d]);
@@ -176,9 +189,41 @@ fn attend_group<'a>(
             }
         }
     }
+    state
+}
+
+/// The group's outputs (`G` rows of `dv`) from its spans' states, in span order: one span's
+/// weighted sums over its sums; several merged as `r3_attend_group_combine_f32` merges them —
+/// with `M` the spans' largest max and `w_i = exp(M_i − M)` (0 for a span that saw no key),
+/// `Σ_i w_i acc_i / Σ_i w_i sum_i`. A row no span saw a key for is 0 / 0 = NaN.
+fn combine_spans(states: &[GroupState], dv: usize, out: &mut [f32]) {
     for (g, row) in out.chunks_mut(dv).enumerate() {
-        for (o, &a) in row.iter_mut().zip(&acc[g * dv..(g + 1) * dv]) {
-            *o = a / sum[g];
+        if let [one] = states {
+            for (o, &a) in row.iter_mut().zip(&one.acc[g * dv..(g + 1) * dv]) {
+                *o = a / one.sum[g];
+            }
+            continue;
+        }
+        let top = states
+            .iter()
+            .fold(f32::NEG_INFINITY, |m, st| m.max(st.max[g]));
+        let weights: Vec<f32> = states
+            .iter()
+            .map(|st| match st.max[g] == f32::NEG_INFINITY {
+                true => 0.0,
+                false => (st.max[g] - top).exp(),
+            })
+            .collect();
+        let den = states
+            .iter()
+            .zip(&weights)
+            .fold(0f32, |a, (st, &w)| a + w * st.sum[g]);
+        for (d, o) in row.iter_mut().enumerate() {
+            let num = states
+                .iter()
+                .zip(&weights)
+                .fold(0f32, |a, (st, &w)| a + w * st.acc[g * dv + d]);
+            *o = num / den;
         }
     }
 }
@@ -218,6 +263,7 @@ impl CustomOp3 for AttendGroups {
         let dv = vl.shape().dims()[3];
         let t = mask.len() / (b * s).max(1);
         let groups = gt / t.max(1);
+        let (spans, span) = attend_group_spans(b * kv * t, s);
         let (ks, vs) = (kl.stride(), vl.stride());
         let (k0, v0) = (kl.start_offset(), vl.start_offset());
         let mut out = vec![0f32; b * kv * gt * dv];
@@ -240,7 +286,13 @@ impl CustomOp3 for AttendGroups {
                     let mut og = vec![0f32; groups * dv];
                     let m = &mask[(bi * t + ti) * s..][..s];
                     let chunk = ATTEND_GROUP_THREADS as usize;
-                    attend_group(&qg, key, value, m, self.scale, chunk, dv, &mut og);
+                    let states: Vec<GroupState> = (0..spans)
+                        .map(|i| {
+                            let keys = i * span..((i + 1) * span).min(s);
+                            attend_group(&qg, key, value, m, keys, self.scale, chunk, dv)
+                        })
+                        .collect();
+                    combine_spans(&states, dv, &mut og);
                     for (g, row) in og.chunks(dv).enumerate() {
                         out[rows(g) * dv..(rows(g) + 1) * dv].copy_from_slice(row);
                     }
@@ -273,25 +325,32 @@ impl CustomOp3 for AttendGroups {
         let candle_core::Storage::Cuda(mask) = &*mask_storage else {
             candle_core::bail!("attend groups: the mask is not on the GPU");
         };
-        let blocks = u32::try_from(b * kv * t)
-            .map_err(|_| candle_core::Error::Msg("attend groups: too many blocks".into()))?;
+        let (spans, span) = attend_group_spans(b * kv * t, s);
+        let too_many = |_| candle_core::Error::Msg("attend groups: too many blocks".into());
+        let blocks = u32::try_from(b * kv * t).map_err(too_many)?;
         let threads = ATTEND_GROUP_THREADS;
         let config = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
+            grid_dim: (blocks, u32::try_from(spans).map_err(too_many)?, 1),
             block_dim: (threads, 1, 1),
             shared_mem_bytes: attend_group_shared_bytes(groups, dq, dv, threads) as u32,
         };
         let (ks, vs) = (kl.stride(), vl.stride());
-        let after = [kv, groups, t, s, dq, dv].map(|n| n as u32);
+        let after = [kv, groups, t, s, span, dq, dv].map(|n| n as u32);
         let strides = [ks[0], ks[1], vs[0], vs[1]].map(|n| n as u64);
         let q_view = cuda::view::<f32>(q, ql, "attention queries")?;
         let mask_view = cuda::view::<f32>(mask, mask_layout, "attention mask")?;
+        let outputs = b * kv * gt * dv;
+        // One span: the outputs; more: each block's and span's partial state.
+        let written = match spans {
+            1 => outputs,
+            _ => b * kv * t * spans * groups * (dv + 2),
+        };
         macro_rules! launch {
             ($name:expr, $ty:ty) => {
                 cuda::launch_f32!(
                     cuda::device(q),
                     $name,
-                    b * kv * gt * dv,
+                    written,
                     config,
                     [
                         q_view,
@@ -300,19 +359,40 @@ impl CustomOp3 for AttendGroups {
                         mask_view
                     ],
                     [
-                        after[0], after[1], after[2], after[3], after[4], after[5], strides[0],
-                        strides[1], strides[2], strides[3], self.scale
+                        after[0], after[1], after[2], after[3], after[4], after[5], after[6],
+                        strides[0], strides[1], strides[2], strides[3], self.scale
                     ]
                 )
             };
         }
-        // Every output row is written by its block.
+        // Every output (or every span's state) is written by its block.
         let out = match candle_core::backend::BackendStorage::dtype(k) {
             DType::BF16 => launch!("r3_attend_group_bf16", half::bf16),
             DType::F16 => launch!("r3_attend_group_f16", half::f16),
             _ => launch!("r3_attend_group_f32", f32),
         };
-        Ok((out, Shape::from((b, kv, gt, dv))))
+        if spans == 1 {
+            return Ok((out, Shape::from((b, kv, gt, dv))));
+        }
+        let combine = LaunchConfig {
+            grid_dim: (crate::launch_shape::elementwise_blocks(outputs), 1, 1),
+            block_dim: (crate::launch_shape::ELEMENTWISE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // Every output is written by the grid-stride loop.
+        let merged = cuda::launch_f32!(
+            cuda::device(q),
+            "r3_attend_group_combine_f32",
+            outputs,
+            combine,
+            [cuda::view::<f32>(
+                &out,
+                &Layout::contiguous(written),
+                "span states"
+            )?],
+            [blocks, groups as u32, t as u32, spans as u32, dv as u32]
+        );
+        Ok((merged, Shape::from((b, kv, gt, dv))))
     }
 }
 
@@ -348,16 +428,21 @@ mod tests {
     use candle_core::Device;
 
     /// On the CPU the op equals the composed attention within f32 rounding (1e-6 of values
-    /// of order 1) over a KV cache's strided views, f32, bf16 and f16: GQA with three query heads
-    /// per key head, a decode step and a step of three queries over 300 slots (three of the
-    /// kernel's chunks), a mask hiding some keys, one batch row left-padded past the whole
-    /// first chunk (its rows see nothing there: no probabilities yet), and one query row
-    /// that sees no key at all (NaN, as the composed softmax gives).
+    /// of order 1) over a KV cache's strided views, f32, bf16 and f16: GQA with three query
+    /// heads per key head, a decode step and a step of three queries over 300 slots (one
+    /// span, three of the kernel's chunks) and over 1,500 (three spans of 500 merged), a
+    /// mask hiding some keys, one batch row left-padded past half its slots (its rows see
+    /// nothing in the first chunk, or the first span: no probabilities there), and one query
+    /// row that sees no key at all (NaN, as the composed softmax gives).
     #[test]
     fn equals_the_composed_attention_over_cache_views() {
-        let (b, kv, groups, d, held) = (2, 2, 3, 8, 297);
-        for dtype in [DType::F32, DType::BF16, DType::F16] {
-            for t in [1usize, 3] {
+        let (b, kv, groups, d) = (2, 2, 3, 8);
+        for (held, dtype, t) in [297, 1497]
+            .into_iter()
+            .flat_map(|h| [DType::F32, DType::BF16, DType::F16].map(|d| (h, d)))
+            .flat_map(|(h, d)| [1usize, 3].map(|t| (h, d, t)))
+        {
+            {
                 let mut cache = LayerKv::default();
                 let part = |seed| seeded_tensor(&[b, kv, held, d], seed, DType::F32);
                 let (k, _) = cache
@@ -379,8 +464,12 @@ mod tests {
                     "views of a longer buffer"
                 );
                 let s = k.dim(2).expect("slots");
+                assert_eq!(
+                    attend_group_spans(b * kv * t, s).0,
+                    1 + 2 * (s > 1000) as usize
+                );
                 let hidden = |bi: usize, ti: usize, j: usize| {
-                    j % 7 == 3 || (bi == 1 && j < 140) || (bi == 1 && ti == 0 && t == 3)
+                    j % 7 == 3 || (bi == 1 && j < s / 2) || (bi == 1 && ti == 0 && t == 3)
                 };
                 let mask: Vec<f32> = (0..b * t * s)
                     .map(|i| {
@@ -425,14 +514,15 @@ mod tests {
         }
     }
 
-    /// The online softmax in any chunk equals one softmax over the whole row: chunks of 1,
-    /// 4, 7 and more than the row, over a row of 23 keys whose first 9 are hidden and
-    /// whose scores span ±20 (so a later chunk's max rescales the earlier ones).
+    /// The online softmax in any chunk and over any spans equals one softmax over the whole
+    /// row: chunks of 1, 4, 7 and more than the row, in one, two and three spans, over a row
+    /// of 23 keys whose first 9 are hidden (the first span of three sees nothing) and whose
+    /// scores span ±20 (so a later chunk's or span's max rescales the earlier ones).
     #[test]
-    fn any_chunk_gives_the_whole_rows_softmax() {
+    fn any_chunk_and_span_give_the_whole_rows_softmax() {
         let (groups, dq, dv, s) = (2usize, 3usize, 2usize, 23usize);
         let q: Vec<f32> = (0..groups * dq).map(|i| (i as f32 - 2.5) * 0.9).collect();
-        let keys: Vec<Vec<f32>> = (0..s)
+        let key_rows: Vec<Vec<f32>> = (0..s)
             .map(|j| (0..dq).map(|d| ((j * 3 + d) % 11) as f32 - 5.0).collect())
             .collect();
         let values: Vec<Vec<f32>> = (0..s)
@@ -453,7 +543,9 @@ mod tests {
             .flat_map(|g| {
                 let x: Vec<f64> = (0..s)
                     .map(|j| {
-                        let dot: f64 = (0..dq).map(|d| f64::from(q[g * dq + d] * keys[j][d])).sum();
+                        let dot: f64 = (0..dq)
+                            .map(|d| f64::from(q[g * dq + d] * key_rows[j][d]))
+                            .sum();
                         dot * f64::from(scale) + f64::from(mask[j])
                     })
                     .collect();
@@ -464,22 +556,24 @@ mod tests {
                 (0..dv).map(move |d| (0..s).map(|j| e[j] / sum * f64::from(values[j][d])).sum())
             })
             .collect();
-        for chunk in [1, 4, 7, 64] {
+        for (chunk, spans) in [1, 4, 7, 64]
+            .into_iter()
+            .flat_map(|c| [(c, 1), (c, 2), (c, 3)])
+        {
+            let span = s.div_ceil(spans);
+            let states: Vec<GroupState> = (0..spans)
+                .map(|i| {
+                    let keys = i * span..((i + 1) * span).min(s);
+                    let (key, value) = (|j: usize| &key_rows[j][..], |j: usize| &values[j][..]);
+                    attend_group(&q, key, value, &mask, keys, scale, chunk, dv)
+                })
+                .collect();
             let mut out = vec![0f32; groups * dv];
-            attend_group(
-                &q,
-                |j| &keys[j],
-                |j| &values[j],
-                &mask,
-                scale,
-                chunk,
-                dv,
-                &mut out,
-            );
+            combine_spans(&states, dv, &mut out);
             for (i, (&g, &w)) in out.iter().zip(&want).enumerate() {
                 assert!(
                     (f64::from(g) - w).abs() < 1e-5 * w.abs().max(1.0),
-                    "chunk {chunk}, {i}: {g} vs {w}"
+                    "chunk {chunk}, {spans} spans, {i}: {g} vs {w}"
                 );
             }
         }
