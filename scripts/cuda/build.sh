@@ -83,7 +83,7 @@ cp "$CARGO_TARGET_DIR/release/r3" "$out/bin/r3"
 
 # The device tests: each `crate:test` below is a tests/<test>.rs whose CUDA half is gated on
 # the crate's `cuda` feature. `cargo test --no-run` prints the executable; copied under a stable name.
-for spec in r3-model:devices r3-model:kernels r3-train:devices r3-rollout:device_engine r3-rollout:device_prefix_cache r3-rollout:device_pause r3-rollout:device_chunked_prefill; do
+for spec in r3-model:devices r3-model:kernels r3-train:devices r3-rollout:device_engine r3-rollout:device_prefix_cache r3-rollout:device_pause r3-rollout:device_chunked_prefill r3-rollout:device_kv_dtype; do
     crate=${spec%%:*}
     test=${spec#*:}
     exe=$(cargo test --release --locked -p "$crate" --features cuda --test "$test" --no-run \

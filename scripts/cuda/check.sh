@@ -130,7 +130,7 @@ wants() {
 # --dry-run: gpu/bin is replaced by a folder whose r3 hands each command line to the CPU
 # build and records whether it was accepted (the GPU error naming the missing `cuda` feature
 # means every flag before it parsed), and whose test binaries pass without running.
-test_exes="r3-model-devices r3-model-kernels r3-train-devices r3-rollout-device_engine r3-rollout-device_prefix_cache r3-rollout-device_pause r3-rollout-device_chunked_prefill"
+test_exes="r3-model-devices r3-model-kernels r3-train-devices r3-rollout-device_engine r3-rollout-device_prefix_cache r3-rollout-device_pause r3-rollout-device_chunked_prefill r3-rollout-device_kv_dtype"
 if [ -n "$dry_r3" ]; then
     if [ ! -x "$dry_r3" ]; then
         echo "check.sh: --dry-run $dry_r3 is not an executable (a CPU build of r3)" >&2
@@ -512,7 +512,8 @@ t0=$(date +%s)
 (cd crates/r3-rollout && timeout -k 5 "$(limit 90)" "$bin/r3-rollout-device_engine" --test-threads=1 --nocapture \
     && timeout -k 5 "$(limit 60)" "$bin/r3-rollout-device_prefix_cache" --test-threads=1 --nocapture \
     && timeout -k 5 "$(limit 30)" "$bin/r3-rollout-device_pause" --test-threads=1 --nocapture \
-    && timeout -k 5 "$(limit 30)" "$bin/r3-rollout-device_chunked_prefill" --test-threads=1 --nocapture) \
+    && timeout -k 5 "$(limit 30)" "$bin/r3-rollout-device_chunked_prefill" --test-threads=1 --nocapture \
+    && timeout -k 5 "$(limit 30)" "$bin/r3-rollout-device_kv_dtype" --test-threads=1 --nocapture) \
     > "$work/test-rollout.txt" 2>&1
 rc=$?; grep -E "differ|test result|panicked" "$work/test-rollout.txt" | tail -n 40
 verdict rollout-tests "$(outcome $rc)"

@@ -858,11 +858,12 @@ fn rope_rounded_equals_the_cpus_rotation_bit_for_bit() {
 /// head strides that are not the packed ones), 300 keys over several chunks of the block's
 /// threads in one span, 1,500 and 1,100 in the three spans the launcher picks at these
 /// blocks (merged at the launcher's grid-stride shape and at three one-warp blocks), groups
-/// of two, three and ten query rows (ten: past the eight dots a key's pass computes), a mask
-/// hiding every fifth key and a causal end, batch row 1 left-padded past half its keys (no
-/// probabilities while every score so far is −∞: its first chunks, or its first span,
-/// whose state the merge weighs 0) and, at three queries, its first query seeing no key at
-/// all (NaN in both), a step of one query and of three; the launcher's 128 threads with its
+/// of two, three and ten query rows (ten: past the eight dots a key's pass computes), each
+/// query row's two runs of seen slots against the additive mask they mean (a gap of 7 keys
+/// between them and a causal end; batch row 1 left-padded past half its keys, which the
+/// kernel does not read: its first span sees nothing and the merge weighs it 0; at three
+/// queries its first query sees no key at all, NaN in both), a step of one query and of
+/// three; the launcher's 128 threads with its
 /// shared memory (`launch_shape::ATTEND_GROUP_THREADS`, `attend_group_shared_bytes`), and
 /// 32, 96 and 1,024 threads (chunks of that many keys). The kernel sums a chunk's
 /// exponentials in its warp's order and rescales per chunk (and `fma` contracts the dots and
@@ -907,17 +908,28 @@ fn decode_attention_groups_equal_the_cpus_composed_attention() {
             }
         };
         let (k_buf, v_buf) = (wide(&k_f16, &k_bf16), wide(&v_f16, &v_bf16));
+        // Each query row's runs of seen slots: batch row 0 sees the first third and, past a
+        // gap of 7, the rest up to its causal end; batch row 1 is left-padded past half its
+        // keys and, at three queries, its first query sees nothing (both runs empty).
+        let seen: Vec<u32> = (0..b * t)
+            .flat_map(|row| {
+                let (bi, ti) = (row / t, row % t);
+                let end = (s - t + ti + 1) as u32;
+                let third = (s / 3) as u32;
+                match (bi, ti) {
+                    (0, _) => [0, third, third + 7, end],
+                    (_, 0) if t == 3 => [0, 0, 0, 0],
+                    _ => [(s / 2) as u32, end, 0, 0],
+                }
+            })
+            .collect();
         let mask: Vec<f32> = (0..b * t * s)
             .map(|i| {
-                let (bi, ti, j) = (i / (t * s), (i / s) % t, i % s);
-                let hidden = j % 5 == 1
-                    || j > s - t + ti
-                    || (bi == 1 && j < s / 2)
-                    || (bi == 1 && ti == 0 && t == 3);
-                if hidden {
-                    f32::NEG_INFINITY
-                } else {
-                    0.0
+                let (row, j) = (i / s, (i % s) as u32);
+                let r = &seen[row * 4..row * 4 + 4];
+                match (r[0] <= j && j < r[1]) || (r[2] <= j && j < r[3]) {
+                    true => 0.0,
+                    false => f32::NEG_INFINITY,
                 }
             })
             .collect();
@@ -972,7 +984,7 @@ fn decode_attention_groups_equal_the_cpus_composed_attention() {
                                 q.as_ptr(),
                                 $k.as_ptr(),
                                 $v.as_ptr(),
-                                mask.as_ptr(),
+                                seen.as_ptr(),
                                 out,
                                 kv_,
                                 g_,

@@ -1334,11 +1334,10 @@ mod cuda {
     }
 
     /// Attention in query tiles on the GPU (whole sequences, runs of positions, one position)
-    /// equals the CPU's whole product within 1e-5: a prefill of 9 positions over 300 cached
-    /// slots (the decode kernel, one span) and over 9,000 (the decode kernel, its keys in
-    /// spans), and of 48 positions over 300 (past the kernel's step: the composed GEMMs and
-    /// softmax, the kernel again in the tiles of few positions), grouped queries, a mask per
-    /// sequence and one shared by the batch.
+    /// equals the CPU's whole product within 1e-5 (the composed GEMMs and softmax, tile by
+    /// tile): a prefill of 9 positions over 300 cached slots and over 9,000, and of 48
+    /// positions over 300, grouped queries, a mask per sequence and one shared by the
+    /// batch.
     #[test]
     fn attention_in_score_tiles_on_cuda_is_the_cpus_whole_product() {
         for (cached, t) in [(300, 9), (9_000, 9), (300, 48)] {
@@ -1476,10 +1475,9 @@ mod cuda {
 
     /// A layer's KV cache on the GPU: each step's keys and values written in place into its
     /// buffers read back as the concatenation of everything appended (exactly), and the
-    /// attention over the cache's strided views — read in place, nothing copied: at these
-    /// few query rows by r3's one-kernel decode attention (`attend_rows`), at more by cuBLAS
-    /// with the buffer's batch stride — equals the attention over contiguous copies on the
-    /// GPU and over the same values on the CPU (the composed form).
+    /// composed attention over the cache's strided views — read in place by cuBLAS with the
+    /// buffer's batch stride, nothing copied — equals the attention over contiguous copies on
+    /// the GPU and over the same values on the CPU.
     #[test]
     fn a_kv_cache_attends_in_place_on_cuda() {
         use r3_model::layers::attention::{attend_additive, LayerKv};
@@ -1551,20 +1549,42 @@ mod cuda {
 
     /// A 16-bit KV cache on the GPU (`LayerKv::holding`, as the device engine keeps a bf16 /
     /// f16 forward's keys and values) attends as the f32 cache of the same values, bit for
-    /// bit (`r3_attend_group_bf16` / `_f16` widen exactly what `_f32` reads, and the spans'
-    /// merge is the same): a decode step of 1,280 query rows over 300 slots (one span, past
-    /// the old one-kernel bound of 1,024 rows) and one sequence over 9,000 slots (split into
-    /// spans); both within 1e-5 of the CPU's composed attention.
+    /// bit, through the decode kernel reading each row's runs of seen slots (`attend_cached`
+    /// with a `CacheMask` of runs whose additive form is never built: `r3_attend_group_bf16` /
+    /// `_f16` widen exactly what `_f32` reads, and the spans' merge is the same): a decode
+    /// step of 1,280 query rows over 300 slots (one span, past the old one-kernel bound of
+    /// 1,024 rows) and one sequence over 9,000 slots (split into spans), rows left-padded and
+    /// with a gap between their runs; both within 1e-5 of the CPU's composed attention over
+    /// the additive mask of the same runs.
     #[test]
     fn a_sixteen_bit_kv_cache_attends_as_the_f32_one_on_cuda() {
-        use r3_model::layers::attention::{attend_additive, LayerKv};
+        use r3_model::layers::attention::ScoreTiles;
+        use r3_model::layers::attention::{attend_additive, attend_cached, CacheMask, LayerKv};
         let device = gpu();
         let (kv, groups, d) = (2, 8, 64);
         for (b, s) in [(80usize, 300usize), (1, 9000)] {
-            let mask: Vec<f32> = (0..b * s)
-                .map(|i| if i % 7 == 3 { f32::NEG_INFINITY } else { 0.0 })
+            // Row i: left padding of i % 50 slots, a gap of 3 slots past a fifth of the rest.
+            let runs: Vec<[u32; 4]> = (0..b)
+                .map(|i| {
+                    let pad = (i % 50) as u32;
+                    let cut = pad + (s as u32 - pad) / 5;
+                    [pad, cut, cut + 3, s as u32]
+                })
+                .collect();
+            let mask: Vec<f32> = runs
+                .iter()
+                .flat_map(|r| {
+                    (0..s as u32).map(move |j| {
+                        match (r[0] <= j && j < r[1]) || (r[2] <= j && j < r[3]) {
+                            true => 0.0,
+                            false => f32::NEG_INFINITY,
+                        }
+                    })
+                })
                 .collect();
             let mask = Tensor::from_vec(mask, (b, 1, 1, 1, s), &Device::Cpu).expect("mask");
+            let bounds: Vec<u32> = runs.iter().flatten().copied().collect();
+            let bounds = Tensor::from_vec(bounds, (b, 4), &device).expect("runs");
             let q = seeded(&[b, kv, groups, d], 7);
             let on_gpu = |t: &Tensor| t.to_device(&device).expect("to gpu");
             let back = |t: &Tensor| t.to_device(&Device::Cpu).expect("to host");
@@ -1581,8 +1601,15 @@ mod cuda {
                     let mut cache = LayerKv::holding(held);
                     let (gk, gv) = cache.append(&on_gpu(&k), &on_gpu(&v)).expect("append");
                     assert_eq!(gk.dtype(), held);
-                    let out = attend_additive(&on_gpu(&q), &gk, &gv, &on_gpu(&mask), 0.125, groups)
-                        .expect("attend");
+                    let runs = CacheMask::from_seen(bounds.clone(), || {
+                        Err(r3_model::ModelError::Input(
+                            "the kernel builds no mask".into(),
+                        ))
+                    });
+                    let (q, tiles) = (on_gpu(&q), ScoreTiles::DEFAULT);
+                    let out = attend_cached(&q, &gk, &gv, &runs, 0.125, groups, tiles)
+                        .expect("the decode kernel");
+                    assert!(!runs.is_built());
                     back(&out)
                 };
                 let (narrow, wide) = (attend(dtype), attend(DType::F32));

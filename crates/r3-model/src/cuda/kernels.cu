@@ -1023,10 +1023,12 @@ extern "C" __global__ void r3_rope_rounded_f32(const float *x, const float *cos,
 // block's G query rows are the head's group, so each key and value is read once for all of
 // them. q [B, KV, G·T, dq] with rows ordered (g, t), keys / values [B, KV, S, d] of element E
 // (f32, or bf16 / f16 widened exactly) at the given batch and head strides (a KV cache's
-// views; rows packed), mask [B, T, S] (f32, additive). The block's keys are taken a chunk of
-// blockDim.x at a time with the running max and sum of an online softmax, so no score array
-// grows with S: for each chunk, each thread's key's score q_g·k_j · scale + mask_j for every
-// row g (each dot in order of d), then a warp per row: the chunk's max m', the row's max
+// views; rows packed), seen [B·T, 4] (u32: each query row's two half-open runs of seen
+// slots, within S). The block reads only the keys from the first seen slot to the last
+// (a left-padded row's padding is never read), a chunk of blockDim.x at a time, with the
+// running max and sum of an online softmax, so no score array grows with S: for each chunk,
+// each thread's key's score q_g·k_j · scale for every row g (each dot in order of d; −∞ for
+// a key neither run holds, not read), then a warp per row: the chunk's max m', the row's max
 // M = max(M, m'), the chunk's probabilities p_j = exp(x_j − M) and their sum (in the warp's
 // order), the row's sum and output rescaled by exp(M_old − M); then each (g, d) output adds
 // Σ_j p_j v_j[d] in order of j. A row that has seen no key yet (every score −∞) has no
@@ -1037,7 +1039,7 @@ extern "C" __global__ void r3_rope_rounded_f32(const float *x, const float *cos,
 // multiple of 32. Dynamic shared memory (floats): G·dq queries, G·blockDim.x probabilities,
 // G·dv outputs, 3·G running values. CPU twin: layers/attention/rows.rs `attend_group`.
 template <typename E>
-__device__ void attend_group(const float *q, const E *k, const E *v, const float *mask,
+__device__ void attend_group(const float *q, const E *k, const E *v, const uint32_t *seen,
                              float *out, uint32_t kv, uint32_t groups, uint32_t t, uint32_t s,
                              uint32_t span, uint32_t dq, uint32_t dv, uint64_t k_batch,
                              uint64_t k_head, uint64_t v_batch, uint64_t v_head, float scale) {
@@ -1051,10 +1053,14 @@ __device__ void attend_group(const float *q, const E *k, const E *v, const float
     const size_t blk = blockIdx.x;
     const size_t ti = blk % t, h = (blk / t) % kv, b = blk / ((size_t)t * kv);
     const size_t gt = (size_t)groups * t, head = b * kv + h;
-    const uint32_t first = blockIdx.y * span, last = min(s, first + span);
+    const uint32_t *runs = seen + (b * t + ti) * 4;
+    // Empty runs (from ≥ to) hold nothing and bound nothing.
+    const bool has0 = runs[0] < runs[1], has1 = runs[2] < runs[3];
+    const uint32_t lo = min(has0 ? runs[0] : s, has1 ? runs[2] : s);
+    const uint32_t hi = max(has0 ? runs[1] : 0u, has1 ? runs[3] : 0u);
+    const uint32_t first = max(lo, blockIdx.y * span), last = min(hi, min(s, blockIdx.y * span + span));
     const E *kb = k + b * k_batch + h * k_head;
     const E *vb = v + b * v_batch + h * v_head;
-    const float *mk = mask + (b * t + ti) * s;
     for (uint32_t i = threadIdx.x; i < groups * dq; i += chunk) {
         const uint32_t g = i / dq, d = i % dq;
         qs[i] = q[(head * gt + (size_t)g * t + ti) * dq + d];
@@ -1069,10 +1075,12 @@ __device__ void attend_group(const float *q, const E *k, const E *v, const float
     const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = chunk >> 5;
     for (uint32_t c0 = first; c0 < last; c0 += chunk) {
         const uint32_t n = min(chunk, last - c0);
-        if (threadIdx.x < n) {
-            const uint32_t j = c0 + threadIdx.x;
+        const uint32_t j = c0 + threadIdx.x;
+        const bool sees = (j >= runs[0] && j < runs[1]) || (j >= runs[2] && j < runs[3]);
+        if (threadIdx.x < n && !sees) {
+            for (uint32_t g = 0; g < groups; ++g) ps[(size_t)g * chunk + threadIdx.x] = -INFINITY;
+        } else if (threadIdx.x < n) {
             const E *kj = kb + (size_t)j * dq;
-            const float m = mk[j];
             for (uint32_t g0 = 0; g0 < groups; g0 += ATTEND_GROUP_DOTS) {
                 const uint32_t gn = min((uint32_t)ATTEND_GROUP_DOTS, groups - g0);
                 float dot[ATTEND_GROUP_DOTS];
@@ -1086,7 +1094,7 @@ __device__ void attend_group(const float *q, const E *k, const E *v, const float
                 }
 #pragma unroll
                 for (uint32_t g = 0; g < ATTEND_GROUP_DOTS; ++g)
-                    if (g < gn) ps[(size_t)(g0 + g) * chunk + threadIdx.x] = dot[g] * scale + m;
+                    if (g < gn) ps[(size_t)(g0 + g) * chunk + threadIdx.x] = dot[g] * scale;
             }
         }
         __syncthreads();
@@ -1142,12 +1150,12 @@ __device__ void attend_group(const float *q, const E *k, const E *v, const float
 
 // The kernel over keys and values of element E, one entry point each.
 #define ATTEND_GROUP_KERNEL(NAME, E)                                                           \
-    extern "C" __global__ void NAME(const float *q, const E *k, const E *v, const float *mask, \
+    extern "C" __global__ void NAME(const float *q, const E *k, const E *v, const uint32_t *seen, \
                                     float *out, uint32_t kv, uint32_t groups, uint32_t t,      \
                                     uint32_t s, uint32_t span, uint32_t dq, uint32_t dv,       \
                                     uint64_t k_batch, uint64_t k_head, uint64_t v_batch,       \
                                     uint64_t v_head, float scale) {                            \
-        attend_group<E>(q, k, v, mask, out, kv, groups, t, s, span, dq, dv, k_batch, k_head,   \
+        attend_group<E>(q, k, v, seen, out, kv, groups, t, s, span, dq, dv, k_batch, k_head,   \
                         v_batch, v_head, scale);                                               \
     }
 ATTEND_GROUP_KERNEL(r3_attend_group_f32, float)

@@ -412,7 +412,7 @@ impl Model {
             )));
         }
         let rope = self.rope.tables_at(step.positions, b, t, device, dtype)?;
-        let mask = step.mask.additive((b, t, s), device, dtype)?;
+        let mask = step.mask.cache_mask((b, t, s), device, dtype)?;
         let rows = routed_rows(&vec![t; b], t);
         let ids = Tensor::from_slice(step.tokens, b * t, device)?;
         let mut x = self.embed_tokens(

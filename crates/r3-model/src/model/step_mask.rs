@@ -3,13 +3,15 @@
 //! built where the step runs. A step's mask has `batch · time · slots` values: built on the
 //! host and copied over, at a batch of 256 decoding over 32 k slots that is 8 M floats a
 //! step (milliseconds of host work and a 32 MB copy, every step), and a 20 k-token prefill's
-//! is 1.6 GB. The runs are 16 bytes a row.
+//! is 1.6 GB. The runs are 16 bytes a row, and the decode kernel reads them as they are: the
+//! additive mask is built from them only for a layer that composes its attention.
 
 use std::ops::Range;
 
 use candle_core::{DType, Device, Tensor};
 
 use crate::error::{ModelError, Result};
+use crate::layers::attention::CacheMask;
 
 /// The cache slots one query row of a step sees: the slots of two half-open runs, either
 /// of which may be empty. A row of a padded batch that holds cached positions, a gap of
@@ -34,6 +36,12 @@ impl SeenSlots {
         Self {
             runs: [pair(first), pair(second)],
         }
+    }
+
+    /// The two runs as `[from, to, from, to]` (what the decode kernel reads per query row).
+    pub fn bounds(&self) -> [u32; 4] {
+        let [(a, b), (c, d)] = self.runs;
+        [a, b, c, d]
     }
 
     /// Whether the row sees slot `slot`.
@@ -73,25 +81,41 @@ pub enum StepMask<'a> {
     Seen(&'a [SeenSlots]),
 }
 
-impl StepMask<'_> {
+impl<'a> StepMask<'a> {
+    /// The step's mask as its attention layers read it ([`CacheMask`]): for seen slots, the
+    /// runs on `device` (u32 `[batch · time, 4]`: what the decode kernel reads) and the
+    /// additive mask built from them where a layer composes; for additive values, those.
+    /// An error names what does not fit the step's shape.
+    pub(crate) fn cache_mask(
+        self,
+        shape: (usize, usize, usize),
+        device: &Device,
+        dtype: DType,
+    ) -> Result<CacheMask<'a>> {
+        Ok(match self {
+            StepMask::Additive(_) => CacheMask::from_additive(self.additive(shape, device, dtype)?),
+            StepMask::Seen(seen) => {
+                let bounds = seen_bounds(seen, shape, device)?;
+                let runs = bounds.clone();
+                let device = device.clone();
+                CacheMask::from_seen(bounds, move || {
+                    additive_from_bounds(&runs, shape, &device, dtype)
+                })
+            }
+        })
+    }
+
     /// The `[batch, 1, 1, time, slots]` additive mask on `device` in `dtype` (0 and −∞ are
     /// exact in every float dtype), or an error naming what does not fit the step's shape.
     pub(crate) fn additive(
         self,
-        (batch, time, slots): (usize, usize, usize),
+        shape: (usize, usize, usize),
         device: &Device,
         dtype: DType,
     ) -> Result<Tensor> {
-        let shape = (batch, 1, 1, time, slots);
+        let (batch, time, slots) = shape;
         let rows = batch * time;
-        // Candle's GPU kernels index a tensor's elements with 32 bits.
-        if rows.saturating_mul(slots) > u32::MAX as usize {
-            return Err(ModelError::Input(format!(
-                "a step of {batch}×{time} over {slots} slots: its mask's {} values are past \
-                 the 2³² − 1 a tensor may hold on a GPU (feed the prompt in chunks)",
-                rows.saturating_mul(slots)
-            )));
-        }
+        check_mask_size(shape)?;
         match self {
             StepMask::Additive(values) => {
                 if values.len() != rows * slots {
@@ -100,48 +124,83 @@ impl StepMask<'_> {
                         values.len()
                     )));
                 }
-                Ok(Tensor::from_slice(values, shape, device)?.to_dtype(dtype)?)
+                let dims = (batch, 1, 1, time, slots);
+                Ok(Tensor::from_slice(values, dims, device)?.to_dtype(dtype)?)
             }
             StepMask::Seen(seen) => {
-                if seen.len() != rows {
-                    return Err(ModelError::Input(format!(
-                        "a step of {batch}×{time} got {} rows of seen slots",
-                        seen.len()
-                    )));
-                }
-                if let Some((row, s)) = seen
-                    .iter()
-                    .enumerate()
-                    .find(|(_, s)| s.end() > slots || s.count() == 0)
-                {
-                    return Err(ModelError::Input(format!(
-                        "query row {row} of the step sees slots {:?}: rows must see at least \
-                         one of the {slots} slots, and none past them",
-                        s.runs
-                    )));
-                }
-                let bounds: Vec<u32> = seen
-                    .iter()
-                    .flat_map(|s| [s.runs[0].0, s.runs[0].1, s.runs[1].0, s.runs[1].1])
-                    .collect();
-                let bounds = Tensor::from_vec(bounds, (rows, 4), device)?;
-                let keys = Tensor::arange(0u32, slots as u32, device)?.reshape((1, slots))?;
-                let inside = |from: usize| -> Result<Tensor> {
-                    let lo = bounds.narrow(1, from, 1)?;
-                    let hi = bounds.narrow(1, from + 1, 1)?;
-                    Ok((keys.broadcast_ge(&lo)? * keys.broadcast_lt(&hi)?)?)
-                };
-                let seen = inside(0)?.maximum(&inside(2)?)?.reshape(shape)?;
-                // Chosen into the mask's dtype at once: one byte a value besides the mask.
-                let scalar = |v: f32| -> Result<Tensor> {
-                    Ok(Tensor::new(v, device)?
-                        .to_dtype(dtype)?
-                        .broadcast_as(shape)?)
-                };
-                Ok(seen.where_cond(&scalar(0.0)?, &scalar(f32::NEG_INFINITY)?)?)
+                additive_from_bounds(&seen_bounds(seen, shape, device)?, shape, device, dtype)
             }
         }
     }
+}
+
+/// Errors where a step's mask would pass the 2³² − 1 elements candle's GPU kernels index
+/// with 32 bits.
+fn check_mask_size((batch, time, slots): (usize, usize, usize)) -> Result<()> {
+    let values = (batch * time).saturating_mul(slots);
+    if values > u32::MAX as usize {
+        return Err(ModelError::Input(format!(
+            "a step of {batch}×{time} over {slots} slots: its mask's {values} values are past \
+             the 2³² − 1 a tensor may hold on a GPU (feed the prompt in chunks)"
+        )));
+    }
+    Ok(())
+}
+
+/// Each query row's two runs, u32 `[batch · time, 4]` on `device` (`from, to, from, to`),
+/// after checking that every row sees at least one of the `slots` slots and none past them.
+fn seen_bounds(
+    seen: &[SeenSlots],
+    (batch, time, slots): (usize, usize, usize),
+    device: &Device,
+) -> Result<Tensor> {
+    let rows = batch * time;
+    if seen.len() != rows {
+        return Err(ModelError::Input(format!(
+            "a step of {batch}×{time} got {} rows of seen slots",
+            seen.len()
+        )));
+    }
+    if let Some((row, s)) = seen
+        .iter()
+        .enumerate()
+        .find(|(_, s)| s.end() > slots || s.count() == 0)
+    {
+        return Err(ModelError::Input(format!(
+            "query row {row} of the step sees slots {:?}: rows must see at least one of the \
+             {slots} slots, and none past them",
+            s.runs
+        )));
+    }
+    let bounds: Vec<u32> = seen.iter().flat_map(SeenSlots::bounds).collect();
+    Ok(Tensor::from_vec(bounds, (rows, 4), device)?)
+}
+
+/// The `[batch, 1, 1, time, slots]` additive mask of checked runs `bounds` ([`seen_bounds`])
+/// in `dtype`, built where they are: 0 inside either run, −∞ elsewhere.
+fn additive_from_bounds(
+    bounds: &Tensor,
+    shape: (usize, usize, usize),
+    device: &Device,
+    dtype: DType,
+) -> Result<Tensor> {
+    check_mask_size(shape)?;
+    let (batch, time, slots) = shape;
+    let dims = (batch, 1, 1, time, slots);
+    let keys = Tensor::arange(0u32, slots as u32, device)?.reshape((1, slots))?;
+    let inside = |from: usize| -> Result<Tensor> {
+        let lo = bounds.narrow(1, from, 1)?;
+        let hi = bounds.narrow(1, from + 1, 1)?;
+        Ok((keys.broadcast_ge(&lo)? * keys.broadcast_lt(&hi)?)?)
+    };
+    let seen = inside(0)?.maximum(&inside(2)?)?.reshape(dims)?;
+    // Chosen into the mask's dtype at once: one byte a value besides the mask.
+    let scalar = |v: f32| -> Result<Tensor> {
+        Ok(Tensor::new(v, device)?
+            .to_dtype(dtype)?
+            .broadcast_as(dims)?)
+    };
+    Ok(seen.where_cond(&scalar(0.0)?, &scalar(f32::NEG_INFINITY)?)?)
 }
 
 #[cfg(test)]

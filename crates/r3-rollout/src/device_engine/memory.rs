@@ -27,7 +27,8 @@
 //! a large batch decoding at long context); what then grows with the prompt squared is the
 //! mask, a `heads`-th of one untiled score tensor (built on the device from each row's seen
 //! slots: a byte an element of comparisons beside it while it is built, before anything
-//! score-sized lives). The logits' two companions are the greedy picks' shifted and exponentiated rows
+//! score-sized lives; a step the GPU's decode kernel takes in every layer builds none, and
+//! holds no scores either, so the estimate is an upper bound there). The logits' two companions are the greedy picks' shifted and exponentiated rows
 //! (`greedy.rs`), or the rows copied out for the host and their f32 cast. `q_width` is
 //! `heads ×` the query head width, `ffn_width` the widest feed-forward a token
 //! passes (the dense MLP, or top-k experts plus the shared one), `layer_kv` one slot's keys

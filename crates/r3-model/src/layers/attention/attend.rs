@@ -6,7 +6,7 @@ use candle_core::{DType, Tensor};
 use super::mask::AttentionMask;
 use super::masked_op::MaskedAttention;
 use super::recompute::{attend_recomputed, NarrowOperands};
-use super::rows::{attend_rows, rows_packed};
+use super::rows::rows_packed;
 use super::score_tiles::ScoreTiles;
 use super::softmax::attention_probs;
 use crate::error::{ModelError, Result};
@@ -97,11 +97,6 @@ pub fn attend_additive(
     scale: f64,
     groups: usize,
 ) -> Result<Tensor> {
-    // On a GPU with nothing differentiated, one kernel per step (`attend_rows`) where the
-    // composed form launches three.
-    if let Some(out) = attend_rows(q, k, v, additive, scale)? {
-        return Ok(out);
-    }
     // A KV cache's keys and values are views of longer buffers, which the matmuls read as
     // they are; anything else is made contiguous, and a 16-bit cache's widened to the
     // queries' dtype (exactly: its values are the activations' own, rounded where they were

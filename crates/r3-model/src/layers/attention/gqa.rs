@@ -7,12 +7,13 @@ use std::sync::Arc;
 use candle_core::Tensor;
 
 use super::attend::{attend, heads_to_tokens};
+use super::cache_mask::CacheMask;
 use super::kv::LayerKv;
 use super::mask::AttentionMask;
 use super::recompute::NarrowOperands;
 use super::rope::{PositionTables, RopeTables, Rotary};
 use super::score_tiles::ScoreTiles;
-use super::tiles::attend_tiled;
+use super::tiles::attend_cached;
 use crate::config::{AttentionConfig, Config, QkNorm};
 use crate::error::{ModelError, Result};
 use crate::layers::gather_rows::GatherRows;
@@ -375,14 +376,14 @@ impl GqaAttention {
 
     /// One step over a KV cache: `x` `[B, T, H]` at the positions `rope` rotates with,
     /// its keys and values appended to `cache`, the queries attending over every cached
-    /// slot under `additive` (`[B, 1, 1, T, S]`) in the query tiles `tiles` allows → `[B, T,
+    /// slot under `mask` (the decode kernel, or the query tiles `tiles` allows) → `[B, T,
     /// H]`.
     pub fn forward_cached(
         &self,
         x: &Tensor,
         rope: &PositionTables,
         cache: &mut LayerKv,
-        additive: &Tensor,
+        mask: &CacheMask<'_>,
         tiles: ScoreTiles,
     ) -> Result<Tensor> {
         let t = x.dim(1)?;
@@ -391,7 +392,7 @@ impl GqaAttention {
         let hd = self.head_dim;
         let groups = self.num_heads / self.num_kv_heads;
         let scale = 1.0 / (hd as f64).sqrt();
-        let out = attend_tiled(&q, &k, &v, additive, scale, groups, tiles)?;
+        let out = attend_cached(&q, &k, &v, mask, scale, groups, tiles)?;
         self.o_proj.forward(&heads_to_tokens(&out, t)?)
     }
 }

@@ -8,7 +8,8 @@ use super::rope::{mla_softmax_scale_multiplier, PositionTables, RopeTables, Rota
 use crate::config::{AttentionConfig, Config};
 use crate::error::{ModelError, Result};
 use crate::layers::attention::{
-    attend, attend_tiled, heads_to_tokens, AttentionMask, LayerKv, RowAttention, ScoreTiles,
+    attend, attend_cached, heads_to_tokens, AttentionMask, CacheMask, LayerKv, RowAttention,
+    ScoreTiles,
 };
 use crate::layers::linear::Linear;
 use crate::layers::norm::RmsNorm;
@@ -133,20 +134,20 @@ impl MlaAttention {
 
     /// One step over a KV cache (the per-head keys and values, decompressed, are what is
     /// cached): `x` `[B, T, H]` at the positions `rope` rotates with, attending over every
-    /// cached slot under `additive` (`[B, 1, 1, T, S]`) in the query tiles `tiles` allows →
+    /// cached slot under `mask` (the decode kernel, or the query tiles `tiles` allows) →
     /// `[B, T, H]`.
     pub fn forward_cached(
         &self,
         x: &Tensor,
         rope: &PositionTables,
         cache: &mut LayerKv,
-        additive: &Tensor,
+        mask: &CacheMask<'_>,
         tiles: ScoreTiles,
     ) -> Result<Tensor> {
         let t = x.dim(1)?;
         let (q, k, v) = self.project(x, rope)?;
         let (k, v) = cache.append(&k, &v)?;
-        let out = attend_tiled(&q, &k, &v, additive, self.scale, 1, tiles)?;
+        let out = attend_cached(&q, &k, &v, mask, self.scale, 1, tiles)?;
         self.o_proj.forward(&heads_to_tokens(&out, t)?)
     }
 }

@@ -1,10 +1,12 @@
 //! Attention: the masked softmax core (`attend`, the CPU's fused op `masked_op`, the
 //! recomputing op the other devices differentiate, `recompute`), its mask, grouped-query
 //! (`GqaAttention`) and multi-head latent (`mla`) attention, rotary position embeddings
-//! (`rope`), the KV cache a decode step reads, and the query tiles a step over it attends in
-//! (`tiles`, within `score_tiles`' bound).
+//! (`rope`), the KV cache a decode step reads, its mask (`cache_mask`), the decode kernel
+//! (`rows`), and the query tiles a step over it attends in otherwise (`tiles`, within
+//! `score_tiles`' bound).
 
 mod attend;
+mod cache_mask;
 mod gqa;
 mod kv;
 mod mask;
@@ -21,9 +23,10 @@ mod softmax;
 mod tiles;
 
 pub use attend::{attend, attend_additive, attend_composed, heads_to_tokens};
+pub use cache_mask::CacheMask;
 pub(crate) use gqa::RowAttention;
 pub use gqa::{GqaAttention, SlotRows};
 pub use kv::{kv_capacity_for, LayerKv};
 pub use mask::AttentionMask;
 pub use score_tiles::{RowBlock, ScoreTile, ScoreTiles, MAX_TENSOR_ELEMENTS};
-pub use tiles::attend_tiled;
+pub use tiles::{attend_cached, attend_tiled};

@@ -40,8 +40,9 @@ const MAX_QUERY_ROWS: usize = 1024;
 
 /// `softmax(q kᵀ · scale + mask) · v` for `q` `[B, KV, G·T, Dq]` (f32; rows ordered group,
 /// then query time), `k` `[B, KV, S, Dq]` and `v` `[B, KV, S, Dv]` (both f32, bf16 or f16;
-/// each head's `S` rows packed: a KV cache's views of longer buffers) and `mask` `[B, 1, 1,
-/// T, S]` (f32): `[B, KV, G·T, Dv]` in f32. None where the op does not apply (not a GPU,
+/// each head's `S` rows packed: a KV cache's views of longer buffers) and each query row's
+/// runs of seen slots `seen` (u32 `[B · T, 4]`, checked within `S`: the mask is 0 inside
+/// them, −∞ elsewhere): `[B, KV, G·T, Dv]` in f32. None where the op does not apply (not a GPU,
 /// other dtypes, an operand to differentiate, a long prefill, which the composed GEMMs run
 /// faster — see [`MAX_STEP_TIME`] — a group past a block's shared memory, other shapes): the
 /// caller composes.
@@ -49,49 +50,55 @@ pub(crate) fn attend_rows(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    mask: &Tensor,
+    seen: &Tensor,
     scale: f64,
+    groups: usize,
 ) -> Result<Option<Tensor>> {
-    Ok(match q.device().is_cuda() && fits(q, k, v, mask) {
-        true => Some(apply(q, k, v, mask, scale)?),
+    Ok(match q.device().is_cuda() && fits(q, k, v, seen, groups) {
+        true => Some(apply(q, k, v, seen, scale, groups)?),
         false => None,
     })
 }
 
 /// The op on any device (the CPU's form is the tests' reference for the kernel).
-fn apply(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, scale: f64) -> Result<Tensor> {
+fn apply(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    seen: &Tensor,
+    scale: f64,
+    groups: usize,
+) -> Result<Tensor> {
     Ok(q.contiguous()?.apply_op3_no_bwd(
         k,
         v,
         &AttendGroups {
-            mask: mask.contiguous()?,
+            seen: seen.contiguous()?,
             scale: scale as f32,
+            groups,
         },
     )?)
 }
 
 /// Whether the operands fit the op.
-fn fits(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> bool {
+fn fits(q: &Tensor, k: &Tensor, v: &Tensor, seen: &Tensor, groups: usize) -> bool {
     let (Ok((b, kv, gt, dq)), Ok((kb, kkv, s, kd)), Ok((vb, vkv, vs, dv))) =
         (q.dims4(), k.dims4(), v.dims4())
     else {
         return false;
     };
-    let &[mb, 1, 1, t, ms] = mask.dims() else {
-        return false;
-    };
+    let t = gt.checked_div(groups).unwrap_or(0);
     let dtypes = q.dtype() == DType::F32
-        && mask.dtype() == DType::F32
+        && seen.dtype() == DType::U32
         && k.dtype() == v.dtype()
         && matches!(k.dtype(), DType::F32 | DType::BF16 | DType::F16);
-    let tracked = [q, k, v, mask].iter().any(|x| x.track_op());
-    let groups = gt.checked_div(t).unwrap_or(0);
+    let tracked = [q, k, v].iter().any(|x| x.track_op());
     let blocks = b * kv * t;
     let shapes = (kb, kkv, kd) == (b, kv, dq)
         && (vb, vkv, vs) == (b, kv, s)
-        && (mb, ms) == (b, s)
+        && seen.dims() == [b * t, 4]
         && t > 0
-        && gt % t == 0
+        && gt == groups * t
         && s > 0
         && blocks > 0
         && blocks <= i32::MAX as usize
@@ -116,10 +123,11 @@ pub(crate) fn rows_packed(l: &Layout) -> bool {
         && (b == 1 || h == 1 || stride[0] == stride[1] * h)
 }
 
-/// The op `(q, k, v) → out`, its mask and scale held.
+/// The op `(q, k, v) → out`, its runs of seen slots, scale and query rows a group held.
 struct AttendGroups {
-    mask: Tensor,
+    seen: Tensor,
     scale: f32,
+    groups: usize,
 }
 
 /// One key/value head's group at one query time, over a span of its keys: the running
@@ -132,9 +140,10 @@ struct GroupState {
 }
 
 /// [`GroupState`] of `q` (the group's `G` rows of `Dq` values) over the keys `keys`,
-/// `key(j)` / `value(j)` the `j`-th key and value rows (widened to f32), `mask` the row's
-/// additive values (indexed by key). The kernel's order: keys in chunks of `chunk` from the
-/// span's first; each score's dot product over `d` in order; per row and chunk the running
+/// `key(j)` / `value(j)` the `j`-th key and value rows (widened to f32), `runs` the query
+/// row's runs of seen slots. The kernel's order: keys from the span's first seen slot to its
+/// last, in chunks of `chunk`; each score's dot product over `d` in order (−∞ for a key
+/// neither run holds, not read); per row and chunk the running
 /// max, the probabilities `exp(x − max)` (none while every score so far is −∞), their sum,
 /// the rescaling of the row's sum and weighted sums by `exp(old max − max)`, each weighted sum
 /// adding the chunk's values in order of the keys.
@@ -143,14 +152,27 @@ fn attend_group<'a>(
     q: &[f32],
     key: impl Fn(usize) -> &'a [f32],
     value: impl Fn(usize) -> &'a [f32],
-    mask: &[f32],
+    runs: [u32; 4],
     keys: Range<usize>,
     scale: f32,
     chunk: usize,
     dv: usize,
+    dq: usize,
 ) -> GroupState {
-    let dq = key(keys.start).len();
     let groups = q.len() / dq.max(1);
+    let sees = |j: usize| {
+        let j = j as u32;
+        (runs[0] <= j && j < runs[1]) || (runs[2] <= j && j < runs[3])
+    };
+    let bounds = [(runs[0], runs[1]), (runs[2], runs[3])];
+    let held = bounds.iter().filter(|(from, to)| from < to);
+    let lo = held
+        .clone()
+        .map(|&(from, _)| from as usize)
+        .min()
+        .unwrap_or(keys.end);
+    let hi = held.map(|&(_, to)| to as usize).max().unwrap_or(0);
+    let keys = keys.start.max(lo)..keys.end.min(hi);
     let mut state = GroupState {
         max: vec![f32::NEG_INFINITY; groups],
         sum: vec![0f32; groups],
@@ -161,9 +183,9 @@ fn attend_group<'a>(
         for (g, qg) in q.chunks(dq).enumerate() {
             let scores: Vec<f32> = chunk_keys
                 .clone()
-                .map(|j| {
-                    let dot = qg.iter().zip(key(j)).fold(0f32, |a, (&x, &y)| a + x * y);
-                    dot * scale + mask[j]
+                .map(|j| match sees(j) {
+                    true => qg.iter().zip(key(j)).fold(0f32, |a, (&x, &y)| a + x * y) * scale,
+                    false => f32::NEG_INFINITY,
                 })
                 .collect();
             let top = scores.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
@@ -257,12 +279,12 @@ impl CustomOp3 for AttendGroups {
         };
         let q = crate::host::contiguous(q, ql, "attention queries")?;
         let (k, v) = (widened(k, "the keys")?, widened(v, "the values")?);
-        let mask = self.mask.flatten_all()?.to_vec1::<f32>()?;
+        let seen = self.seen.flatten_all()?.to_vec1::<u32>()?;
         let (b, kv, gt, dq) = ql.shape().dims4()?;
         let (_, _, s, _) = kl.shape().dims4()?;
         let dv = vl.shape().dims()[3];
-        let t = mask.len() / (b * s).max(1);
-        let groups = gt / t.max(1);
+        let groups = self.groups.max(1);
+        let t = gt / groups;
         let (spans, span) = attend_group_spans(b * kv * t, s);
         let (ks, vs) = (kl.stride(), vl.stride());
         let (k0, v0) = (kl.start_offset(), vl.start_offset());
@@ -284,12 +306,14 @@ impl CustomOp3 for AttendGroups {
                         .flat_map(|g| q[rows(g) * dq..(rows(g) + 1) * dq].iter().copied())
                         .collect();
                     let mut og = vec![0f32; groups * dv];
-                    let m = &mask[(bi * t + ti) * s..][..s];
+                    let at = (bi * t + ti) * 4;
+                    let runs = [seen[at], seen[at + 1], seen[at + 2], seen[at + 3]];
                     let chunk = ATTEND_GROUP_THREADS as usize;
                     let states: Vec<GroupState> = (0..spans)
                         .map(|i| {
                             let keys = i * span..((i + 1) * span).min(s);
-                            attend_group(&qg, key, value, m, keys, self.scale, chunk, dv)
+                            let scale = self.scale;
+                            attend_group(&qg, key, value, runs, keys, scale, chunk, dv, dq)
                         })
                         .collect();
                     combine_spans(&states, dv, &mut og);
@@ -319,11 +343,11 @@ impl CustomOp3 for AttendGroups {
         let (b, kv, gt, dq) = ql.shape().dims4()?;
         let (_, _, s, _) = kl.shape().dims4()?;
         let dv = vl.shape().dims()[3];
-        let t = self.mask.dim(3)?;
-        let groups = gt / t.max(1);
-        let (mask_storage, mask_layout) = self.mask.storage_and_layout();
-        let candle_core::Storage::Cuda(mask) = &*mask_storage else {
-            candle_core::bail!("attend groups: the mask is not on the GPU");
+        let groups = self.groups.max(1);
+        let t = gt / groups;
+        let (seen_storage, seen_layout) = self.seen.storage_and_layout();
+        let candle_core::Storage::Cuda(seen) = &*seen_storage else {
+            candle_core::bail!("attend groups: the seen slots are not on the GPU");
         };
         let (spans, span) = attend_group_spans(b * kv * t, s);
         let too_many = |_| candle_core::Error::Msg("attend groups: too many blocks".into());
@@ -338,7 +362,7 @@ impl CustomOp3 for AttendGroups {
         let after = [kv, groups, t, s, span, dq, dv].map(|n| n as u32);
         let strides = [ks[0], ks[1], vs[0], vs[1]].map(|n| n as u64);
         let q_view = cuda::view::<f32>(q, ql, "attention queries")?;
-        let mask_view = cuda::view::<f32>(mask, mask_layout, "attention mask")?;
+        let seen_view = cuda::view::<u32>(seen, seen_layout, "seen slots")?;
         let outputs = b * kv * gt * dv;
         // One span: the outputs; more: each block's and span's partial state.
         let written = match spans {
@@ -356,7 +380,7 @@ impl CustomOp3 for AttendGroups {
                         q_view,
                         rows_view::<$ty>(k, kl, "keys")?,
                         rows_view::<$ty>(v, vl, "values")?,
-                        mask_view
+                        seen_view
                     ],
                     [
                         after[0], after[1], after[2], after[3], after[4], after[5], after[6],
@@ -424,16 +448,19 @@ where
 mod tests {
     use super::*;
     use crate::layers::attention::{attend_additive, LayerKv};
+    use crate::model::step_mask::{SeenSlots, StepMask};
     use crate::test_util::seeded_tensor;
     use candle_core::Device;
 
     /// On the CPU the op equals the composed attention within f32 rounding (1e-6 of values
     /// of order 1) over a KV cache's strided views, f32, bf16 and f16: GQA with three query
     /// heads per key head, a decode step and a step of three queries over 300 slots (one
-    /// span, three of the kernel's chunks) and over 1,500 (three spans of 500 merged), a
-    /// mask hiding some keys, one batch row left-padded past half its slots (its rows see
-    /// nothing in the first chunk, or the first span: no probabilities there), and one query
-    /// row that sees no key at all (NaN, as the composed softmax gives).
+    /// span, three of the kernel's chunks) and over 1,500 (three spans of 500 merged), each
+    /// query row's two runs of seen slots against the additive mask `StepMask` builds from
+    /// them (a gap of 7 between the runs, one batch row left-padded past half its slots: its
+    /// rows see nothing in the first chunk, or the first span, and have no probabilities
+    /// there), and one query row that sees no key at all (NaN, as the composed softmax
+    /// gives).
     #[test]
     fn equals_the_composed_attention_over_cache_views() {
         let (b, kv, groups, d) = (2, 2, 3, 8);
@@ -468,26 +495,39 @@ mod tests {
                     attend_group_spans(b * kv * t, s).0,
                     1 + 2 * (s > 1000) as usize
                 );
-                let hidden = |bi: usize, ti: usize, j: usize| {
-                    j % 7 == 3 || (bi == 1 && j < s / 2) || (bi == 1 && ti == 0 && t == 3)
-                };
-                let mask: Vec<f32> = (0..b * t * s)
-                    .map(|i| {
-                        let (bi, ti, j) = (i / (t * s), (i / s) % t, i % s);
-                        if hidden(bi, ti, j) {
-                            f32::NEG_INFINITY
-                        } else {
-                            0.0
+                let runs: Vec<SeenSlots> = (0..b * t)
+                    .map(|row| {
+                        let (bi, ti) = (row / t, row % t);
+                        let end = s - t + ti + 1;
+                        match (bi, ti) {
+                            (0, _) => SeenSlots::runs(0..s / 3, s / 3 + 7..end),
+                            (_, 0) if t == 3 => SeenSlots::run(0..0),
+                            _ => SeenSlots::run(s / 2..end),
                         }
                     })
                     .collect();
-                let mask = Tensor::from_vec(mask, (b, 1, 1, t, s), &Device::Cpu).expect("mask");
+                let dense: Vec<f32> = runs
+                    .iter()
+                    .flat_map(|r| {
+                        (0..s).map(|j| match r.sees(j) {
+                            true => 0.0,
+                            false => f32::NEG_INFINITY,
+                        })
+                    })
+                    .collect();
+                let mask = StepMask::Additive(&dense)
+                    .additive((b, t, s), &Device::Cpu, DType::F32)
+                    .expect("mask");
+                let bounds: Vec<u32> = runs.iter().flat_map(SeenSlots::bounds).collect();
+                let seen = Tensor::from_vec(bounds, (b * t, 4), &Device::Cpu).expect("runs");
                 let q = seeded_tensor(&[b, kv, groups * t, d], 5, DType::F32);
                 let wide = |x: &Tensor| x.to_dtype(DType::F32).expect("widened");
                 let want = attend_additive(&q, &wide(&k), &wide(&v), &mask, 0.3, groups)
                     .expect("composed");
-                assert!(attend_rows(&q, &k, &v, &mask, 0.3).expect("cpu").is_none());
-                let got = apply(&q, &k, &v, &mask, 0.3).expect("op");
+                assert!(attend_rows(&q, &k, &v, &seen, 0.3, groups)
+                    .expect("cpu")
+                    .is_none());
+                let got = apply(&q, &k, &v, &seen, 0.3, groups).expect("op");
                 assert_eq!(got.dims(), want.dims());
                 let (got, want) = (
                     got.flatten_all()
@@ -516,8 +556,8 @@ mod tests {
 
     /// The online softmax in any chunk and over any spans equals one softmax over the whole
     /// row: chunks of 1, 4, 7 and more than the row, in one, two and three spans, over a row
-    /// of 23 keys whose first 9 are hidden (the first span of three sees nothing) and whose
-    /// scores span ±20 (so a later chunk's or span's max rescales the earlier ones).
+    /// of 23 keys whose first 9 are not seen (the first span of three sees nothing) and
+    /// whose scores span ±20 (so a later chunk's or span's max rescales the earlier ones).
     #[test]
     fn any_chunk_and_span_give_the_whole_rows_softmax() {
         let (groups, dq, dv, s) = (2usize, 3usize, 2usize, 23usize);
@@ -528,15 +568,8 @@ mod tests {
         let values: Vec<Vec<f32>> = (0..s)
             .map(|j| (0..dv).map(|d| (j + 2 * d) as f32 * 0.25).collect())
             .collect();
-        let mask: Vec<f32> = (0..s)
-            .map(|j| {
-                if j < 9 {
-                    f32::NEG_INFINITY
-                } else {
-                    -0.1 * j as f32
-                }
-            })
-            .collect();
+        // Keys 9.. seen, in two runs with no gap.
+        let runs = [9u32, 15, 15, s as u32];
         let scale = 0.7f32;
         // By hand: f64 softmax weights over the seen keys.
         let want: Vec<f64> = (0..groups)
@@ -546,7 +579,10 @@ mod tests {
                         let dot: f64 = (0..dq)
                             .map(|d| f64::from(q[g * dq + d] * key_rows[j][d]))
                             .sum();
-                        dot * f64::from(scale) + f64::from(mask[j])
+                        match j < 9 {
+                            true => f64::NEG_INFINITY,
+                            false => dot * f64::from(scale),
+                        }
                     })
                     .collect();
                 let top = x.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -565,7 +601,7 @@ mod tests {
                 .map(|i| {
                     let keys = i * span..((i + 1) * span).min(s);
                     let (key, value) = (|j: usize| &key_rows[j][..], |j: usize| &values[j][..]);
-                    attend_group(&q, key, value, &mask, keys, scale, chunk, dv)
+                    attend_group(&q, key, value, runs, keys, scale, chunk, dv, dq)
                 })
                 .collect();
             let mut out = vec![0f32; groups * dv];

@@ -10,8 +10,32 @@
 use candle_core::Tensor;
 
 use super::attend::attend_additive;
+use super::cache_mask::CacheMask;
+use super::rows::attend_rows;
 use super::score_tiles::ScoreTiles;
 use crate::error::Result;
+
+/// A step's attention over a KV cache (`q` `[B, KV, G·T, Dq]` rows ordered group then time,
+/// `k` `[B, KV, S, Dq]`, `v` `[B, KV, S, Dv]`) under `mask` → `[B, KV, G·T, Dv]`: on a GPU
+/// with the mask given as runs of seen slots, the decode kernel where it takes the step
+/// (`rows.rs`: one launch, no mask, no scores); else the composed attention over the
+/// additive mask in the tiles `tiles` gives ([`attend_tiled`]).
+pub fn attend_cached(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &CacheMask<'_>,
+    scale: f64,
+    groups: usize,
+    tiles: ScoreTiles,
+) -> Result<Tensor> {
+    if let Some(seen) = mask.seen() {
+        if let Some(out) = attend_rows(q, k, v, seen, scale, groups)? {
+            return Ok(out);
+        }
+    }
+    attend_tiled(q, k, v, mask.additive()?, scale, groups, tiles)
+}
 
 /// [`attend_additive`] (`q` `[B, KV, G·T, Dq]` rows ordered group then time, `k` `[B, KV,
 /// S, Dq]`, `v` `[B, KV, S, Dv]`, `additive` `[B, 1, 1, T, S]`) → `[B, KV, G·T, Dv]`, its
