@@ -14,8 +14,8 @@ use std::time::Instant;
 use clap::Args;
 use r3_model::weights::{RandomInit, Weights};
 use r3_rollout::{
-    DeviceEngine, DeviceEngineConfig, Dtype, Engine, EngineConfig, GenerateRequest, RolloutDevice,
-    RolloutEngine, RoutingPlace, SamplingParams,
+    DeviceEngine, DeviceEngineConfig, Dtype, Engine, EngineConfig, GenerateRequest, KvCacheDtype,
+    RolloutDevice, RolloutEngine, RoutingPlace, SamplingParams,
 };
 
 use super::bench_rollout::{bench_config, prompt};
@@ -50,6 +50,11 @@ pub struct BenchDecodeArgs {
     /// Precision: f32, bf16 or f16.
     #[arg(long, default_value = "f32")]
     pub dtype: Dtype,
+    /// What the KV cache holds keys and values in (`r3 serve --kv-cache-dtype`): `auto` (the
+    /// engine's dtype) or `f32` on the device engine; any of `f32`, `f16`, `bf16` on the CPU
+    /// engine.
+    #[arg(long, default_value = "auto")]
+    pub kv_cache_dtype: KvCacheDtype,
     /// Timed runs per batch size (the best is reported; one untimed warm-up run first).
     #[arg(long, default_value_t = 1)]
     pub repeats: usize,
@@ -74,6 +79,9 @@ pub struct BenchDecodeArgs {
 
 /// Runs `r3 bench decode`.
 pub fn run(a: BenchDecodeArgs) -> anyhow::Result<()> {
+    a.device
+        .check_kv_cache_dtype(a.kv_cache_dtype)
+        .map_err(|e| anyhow::anyhow!("--kv-cache-dtype {}: {e}", a.kv_cache_dtype))?;
     for name in &a.configs {
         let cfg = bench_config(name)?;
         // Billions of weights are drawn where the engine runs (the host's f32 draw of the
@@ -88,6 +96,7 @@ pub fn run(a: BenchDecodeArgs) -> anyhow::Result<()> {
         let defaults = EngineConfig::default();
         let engine_cfg = EngineConfig {
             dtype: a.dtype,
+            kv_cache_dtype: a.kv_cache_dtype,
             prefix_cache: false,
             max_running,
             kv_cache_bytes: 16 << 30,
@@ -198,9 +207,14 @@ pub fn run(a: BenchDecodeArgs) -> anyhow::Result<()> {
             let chunks = a
                 .chunked_prefill_size
                 .map_or(String::new(), |n| format!(", prefill in chunks of {n}"));
+            let kv = match a.kv_cache_dtype {
+                KvCacheDtype::Auto => String::new(),
+                fixed => format!(", KV cache {fixed}"),
+            };
             println!(
                 "decode {name} {} {}{routing} batch {batch}: {best:.1} tokens/s ({} prompt + \
-                 {lengths} new tokens, {how}{chunks}), route capture {:.2}% of the time{waiting}",
+                 {lengths} new tokens, {how}{chunks}{kv}), route capture {:.2}% of the time\
+                 {waiting}",
                 a.device,
                 a.dtype,
                 a.prompt_len,
