@@ -859,8 +859,9 @@ fn rope_rounded_equals_the_cpus_rotation_bit_for_bit() {
 /// threads in one span, 1,500 and 1,100 in the three spans the launcher picks at these
 /// blocks (merged at the launcher's grid-stride shape and at three one-warp blocks), groups
 /// of two, three and ten query rows (ten: past the eight dots a key's pass computes), each
-/// query row's two runs of seen slots against the additive mask they mean (a gap of 7 keys
-/// between them and a causal end; batch row 1 left-padded past half its keys, which the
+/// query row's two runs of seen slots against the additive mask they mean (batch row 0's
+/// apart by more than a span, so a span starts in the gap and its first chunks have no
+/// probabilities, and a causal end; batch row 1 left-padded past half its keys, which the
 /// kernel does not read: its first span sees nothing and the merge weighs it 0; at three
 /// queries its first query sees no key at all, NaN in both), a step of one query and of
 /// three; the launcher's 128 threads with its
@@ -908,16 +909,16 @@ fn decode_attention_groups_equal_the_cpus_composed_attention() {
             }
         };
         let (k_buf, v_buf) = (wide(&k_f16, &k_bf16), wide(&v_f16, &v_bf16));
-        // Each query row's runs of seen slots: batch row 0 sees the first third and, past a
-        // gap of 7, the rest up to its causal end; batch row 1 is left-padded past half its
-        // keys and, at three queries, its first query sees nothing (both runs empty).
+        // Each query row's runs of seen slots: batch row 0 sees the first fifteenth and, past a
+        // gap longer than a span, from three fifths up to its causal end (its second span
+        // starts in the gap); batch row 1 is left-padded past half its keys and, at three
+        // queries, its first query sees nothing (both runs empty).
         let seen: Vec<u32> = (0..b * t)
             .flat_map(|row| {
                 let (bi, ti) = (row / t, row % t);
                 let end = (s - t + ti + 1) as u32;
-                let third = (s / 3) as u32;
                 match (bi, ti) {
-                    (0, _) => [0, third, third + 7, end],
+                    (0, _) => [0, (s / 15) as u32, (3 * s / 5) as u32, end],
                     (_, 0) if t == 3 => [0, 0, 0, 0],
                     _ => [(s / 2) as u32, end, 0, 0],
                 }

@@ -58,15 +58,16 @@ pub const ATTEND_GROUP_THREADS: u32 = 128;
 /// over a long context): two waves of an H100's or H200's 132 multiprocessors.
 pub const ATTEND_GROUP_TARGET_BLOCKS: usize = 264;
 
-/// Fewest keys a span of the decode attention takes: four chunks of its block's threads,
+/// Keys a span of the decode attention is sized from: four chunks of its block's threads,
 /// so that a span's partial state (written out and merged) stays small beside its reads.
 pub const ATTEND_GROUP_MIN_SPAN: usize = 4 * ATTEND_GROUP_THREADS as usize;
 
 /// The spans a decode attention step of `blocks` blocks (batch rows × key/value heads ×
 /// query positions) over `s` keys takes its keys in, and the keys of each (the last may
 /// hold fewer; none is empty): one span where the step's own blocks fill the GPU or the keys
-/// are few, else as many as bring the launch to [`ATTEND_GROUP_TARGET_BLOCKS`] with at least
-/// [`ATTEND_GROUP_MIN_SPAN`] keys each (flash-decoding's split of the keys).
+/// are few, else as many as bring the launch to [`ATTEND_GROUP_TARGET_BLOCKS`] with no more
+/// spans than `S / ATTEND_GROUP_MIN_SPAN` rounded up, the keys shared evenly (so a span holds
+/// about [`ATTEND_GROUP_MIN_SPAN`] keys or more: flash-decoding's split of the keys).
 pub fn attend_group_spans(blocks: usize, s: usize) -> (usize, usize) {
     let want = ATTEND_GROUP_TARGET_BLOCKS.div_ceil(blocks.max(1));
     let spans = want.min(s.div_ceil(ATTEND_GROUP_MIN_SPAN)).max(1);

@@ -11,6 +11,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 
+use crate::config::AttentionConfig;
 use crate::error::Result;
 use crate::round16::{rounded_copy, rounding_to};
 
@@ -88,11 +89,33 @@ impl Precision {
         }
     }
 
-    /// The dtype a KV cache holds this forward's keys and values in exactly: keys are rounded
-    /// after RoPE and values after their projection (and bias), so a 16-bit forward's are
-    /// values of its 16-bit float, held in half the bytes of f32; f32 in f32.
-    pub fn kv_dtype(self) -> DType {
-        self.narrow_dtype().unwrap_or(DType::F32)
+    /// The dtype a KV cache holds this forward's keys and values in exactly, for attention
+    /// `attention`: keys are rounded after RoPE and values after their projection (and
+    /// bias), so a 16-bit forward's are values of its 16-bit float, held in half the bytes of
+    /// f32 — except where OLMoE's `clip_qkv` clamps the values after that rounding to a bound
+    /// that is not a value of the float (a clamped value is the bound itself): f32 then, and
+    /// f32 in f32.
+    pub fn kv_dtype(self, attention: &AttentionConfig) -> DType {
+        let Some(narrow) = self.narrow_dtype() else {
+            return DType::F32;
+        };
+        let bound_exact = match attention {
+            AttentionConfig::Gqa {
+                clip_qkv: Some(c), ..
+            } => {
+                let c = *c as f32;
+                let back = match narrow {
+                    DType::BF16 => half::bf16::from_f32(c).to_f32(),
+                    _ => half::f16::from_f32(c).to_f32(),
+                };
+                back == c
+            }
+            _ => true,
+        };
+        match bound_exact {
+            true => narrow,
+            false => DType::F32,
+        }
     }
 
     /// `t` rounded to the 16-bit float of this precision (nearest, ties to even) and widened
@@ -312,6 +335,42 @@ impl CustomOp1 for RoundTo {
 mod tests {
     use super::*;
     use candle_core::{Device, Var};
+
+    /// The KV cache's exact dtype, by hand: the forward's 16-bit float, f32 in f32, and f32
+    /// where OLMoE's `clip_qkv` bound is not a value of the float (0.1 is neither bf16 nor
+    /// f16; 6.0 is both; 1000.25 needs 12 significant bits and 1001 needs 10: f16 has 11,
+    /// bf16 8).
+    #[test]
+    fn the_kv_cache_holds_the_narrow_float_only_where_values_are_its_values() {
+        let gqa = |clip_qkv| AttentionConfig::Gqa {
+            num_kv_heads: 1,
+            head_dim: 8,
+            qkv_bias: false,
+            qk_norm: crate::config::QkNorm::None,
+            clip_qkv,
+            sliding_window: None,
+        };
+        let mla = AttentionConfig::Mla {
+            q_lora_rank: None,
+            kv_lora_rank: 4,
+            qk_nope_head_dim: 4,
+            qk_rope_head_dim: 2,
+            v_head_dim: 4,
+        };
+        let bf16 = Precision::Bf16 { router_f32: false };
+        let f16 = Precision::F16 { router_f32: true };
+        assert_eq!(Precision::F32.kv_dtype(&gqa(None)), DType::F32);
+        assert_eq!(bf16.kv_dtype(&gqa(None)), DType::BF16);
+        assert_eq!(f16.kv_dtype(&mla), DType::F16);
+        assert_eq!(bf16.kv_dtype(&gqa(Some(6.0))), DType::BF16);
+        assert_eq!(f16.kv_dtype(&gqa(Some(6.0))), DType::F16);
+        assert_eq!(bf16.kv_dtype(&gqa(Some(0.1))), DType::F32);
+        assert_eq!(f16.kv_dtype(&gqa(Some(0.1))), DType::F32);
+        assert_eq!(f16.kv_dtype(&gqa(Some(1000.25))), DType::F32);
+        assert_eq!(f16.kv_dtype(&gqa(Some(1000.5))), DType::F16);
+        assert_eq!(bf16.kv_dtype(&gqa(Some(1001.0))), DType::F32);
+        assert_eq!(bf16.kv_dtype(&gqa(Some(1024.0))), DType::BF16);
+    }
 
     /// Values checked by hand: bf16 keeps 8 significant bits, ties to even; the gradient of
     /// the rounding is the identity.

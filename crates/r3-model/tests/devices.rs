@@ -1242,10 +1242,12 @@ mod cuda {
         );
     }
 
-    /// A step whose mask is built on the GPU from each query row's seen slots computes what
-    /// the same step with the mask's values copied from the host computes, bit for bit: a
-    /// prefill of 6 then decode steps of two rows, each query row seeing two runs of slots
-    /// (one the run of slots up to its own, cut by a window), every family, f32.
+    /// A step's mask built on the GPU from each query row's seen slots is the mask's values
+    /// copied from the host, bit for bit, and a step given the runs (the decode kernel reads
+    /// them) computes what the step given the copied values computes (the composed
+    /// attention) within 1e-4 of the logits' scale: a prefill of 6 then decode steps of two
+    /// rows, each query row seeing two runs of slots (one the run of slots up to its own, cut
+    /// by a window), every family, f32.
     #[test]
     fn a_mask_built_on_cuda_from_seen_slots_is_the_copied_mask() {
         use r3_model::model::decode::{ScoreTiles, SeenSlots, Step, StepMask, StepRouting};
@@ -1283,6 +1285,13 @@ mod cuda {
                     })
                     .collect();
                 let masks = [StepMask::Additive(&dense), StepMask::Seen(&seen)];
+                let built = masks.map(|m| {
+                    let mask = m
+                        .additive((2, time, slots), &device, DType::F32)
+                        .expect("mask");
+                    bits(&mask)
+                });
+                assert!(built[0] == built[1], "{family}: the mask at {first}");
                 let mut logits = Vec::new();
                 for (cache, mask) in caches.iter_mut().zip(masks) {
                     let step = Step {
@@ -1295,41 +1304,85 @@ mod cuda {
                         routing: StepRouting::Host,
                         score_tiles: ScoreTiles::WHOLE,
                     };
-                    logits.push(bits(
-                        &model.forward_step(&step, cache).expect("step").logits,
-                    ));
+                    let out = model.forward_step(&step, cache).expect("step").logits;
+                    logits.push(out.to_device(&Device::Cpu).expect("to host"));
                 }
-                assert!(logits[0] == logits[1], "{family}: logits at {first}");
+                let scale = logits[0]
+                    .abs()
+                    .and_then(|x| x.max_all())
+                    .and_then(|x| x.to_scalar::<f32>())
+                    .expect("scale");
+                let d = max_diff(&logits[0], &logits[1]);
+                assert!(
+                    d <= 1e-4 * scale.max(1.0),
+                    "{family}: logits at {first}: {d}"
+                );
                 first += time;
             }
         }
     }
 
-    /// The one-kernel decode attention on the GPU equals the CPU's composed attention within
-    /// 1e-5 (of values of order 1): keys and values of different widths (MLA's shape), 700
-    /// slots over two blocks' worth of threads, a mask hiding every fifth key, a step of
-    /// one query and of four, grouped queries.
+    /// The decode kernel on the GPU (`attend_cached` over each query row's runs of seen
+    /// slots, a mask that must not be built) equals the CPU's composed attention over the
+    /// additive mask of the same runs within 1e-5 (of values of order 1): keys and values of
+    /// different widths (MLA's shape), 700 slots over several chunks of the block's threads
+    /// and 1,500 over three spans (one starting in the gap between a row's runs), a row
+    /// left-padded past half its slots, a step of one query and of four, grouped queries.
     #[test]
     fn the_decode_attention_on_cuda_is_the_cpus() {
-        use r3_model::layers::attention::attend_additive;
+        use r3_model::layers::attention::{attend_additive, attend_cached, CacheMask, ScoreTiles};
         let device = gpu();
-        let (b, kv, groups, s, dq, dv) = (2, 3, 2, 700, 24, 40);
-        for t in [1usize, 4] {
+        let (b, kv, groups, dq, dv) = (2, 3, 2, 24, 40);
+        for (s, t) in [(700usize, 1usize), (700, 4), (1500, 1)] {
             let q = seeded(&[b, kv, groups * t, dq], 1);
             let k = seeded(&[b, kv, s, dq], 2);
             let v = seeded(&[b, kv, s, dv], 3);
+            // Row 0 sees a fifteenth of the slots and, past a gap, from three fifths up to its
+            // causal end; row 1 from half its slots.
+            let runs: Vec<u32> = (0..b * t)
+                .flat_map(|row| {
+                    let end = (s - t + row % t + 1) as u32;
+                    match row / t {
+                        0 => [0, (s / 15) as u32, (3 * s / 5) as u32, end],
+                        _ => [(s / 2) as u32, end, 0, 0],
+                    }
+                })
+                .collect();
             let mask: Vec<f32> = (0..b * t * s)
-                .map(|i| if i % 5 == 1 { f32::NEG_INFINITY } else { 0.0 })
+                .map(|i| {
+                    let (r, j) = (&runs[(i / s) * 4..(i / s) * 4 + 4], (i % s) as u32);
+                    match (r[0] <= j && j < r[1]) || (r[2] <= j && j < r[3]) {
+                        true => 0.0,
+                        false => f32::NEG_INFINITY,
+                    }
+                })
                 .collect();
             let mask = Tensor::from_vec(mask, (b, 1, 1, t, s), &Device::Cpu).expect("mask");
             let on = |x: &Tensor| x.to_device(&device).expect("to gpu");
-            let got = attend_additive(&on(&q), &on(&k), &on(&v), &on(&mask), 0.2, groups)
-                .expect("gpu")
-                .to_device(&Device::Cpu)
-                .expect("back");
+            let seen = Tensor::from_vec(runs, (b * t, 4), &device).expect("runs");
+            let runs = CacheMask::from_seen(seen, || {
+                Err(r3_model::ModelError::Input(
+                    "the kernel builds no mask".into(),
+                ))
+            });
+            let got = attend_cached(
+                &on(&q),
+                &on(&k),
+                &on(&v),
+                &runs,
+                0.2,
+                groups,
+                ScoreTiles::DEFAULT,
+            )
+            .expect("the decode kernel")
+            .to_device(&Device::Cpu)
+            .expect("back");
             let want = attend_additive(&q, &k, &v, &mask, 0.2, groups).expect("cpu");
             let d = max_diff(&got, &want);
-            assert!(d <= 1e-5, "t {t}: the GPU's attention differs by {d}");
+            assert!(
+                d <= 1e-5,
+                "{s} slots, t {t}: the GPU's attention differs by {d}"
+            );
         }
     }
 

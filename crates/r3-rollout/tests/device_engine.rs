@@ -716,8 +716,8 @@ fn aborting_while_others_are_admitted_returns_the_partial_rollout() {
     assert_same("admitted", &done[1], &alone[3], BATCH_TOL);
 }
 
-/// KV bytes of one slot of one sequence, as documented for `kv_cache_bytes`: f32 keys and
-/// values of every layer.
+/// KV bytes of one slot of one sequence, as documented for `kv_cache_bytes`: keys and values
+/// of every layer in the cache's dtype, f32 for these f32 engines.
 fn slot_bytes(cfg: &Config) -> usize {
     let r3_model::AttentionConfig::Gqa {
         num_kv_heads,

@@ -186,3 +186,47 @@ fn a_sixteen_bit_cache_fits_twice_the_slots_in_a_budget() {
     let err = run(KvCacheDtype::Fixed(Dtype::F32)).expect_err("past the budget at four bytes");
     assert!(err.to_string().contains("KV"), "{err}");
 }
+
+/// OLMoE's `clip_qkv` clamps values after their projection's rounding: with a bound that is
+/// no bf16 value (0.1) a clamped value is not one either, so `auto` keeps an f32 cache and
+/// gives the f32 cache's bits (a bf16 cache would round the clamped values); with a bf16
+/// bound (the fixture's 6.0) the cache is bf16, as the other tests check.
+#[test]
+fn values_clamped_to_a_bound_off_the_float_keep_an_f32_cache() {
+    let mut cfg = tiny_config("olmoe");
+    let r3_model::AttentionConfig::Gqa { clip_qkv, .. } = &mut cfg.attention else {
+        panic!("OLMoE is GQA");
+    };
+    *clip_qkv = Some(0.1);
+    let map = tiny_weights(&cfg, 3, DType::F32).into_map();
+    let mut narrow = engine(&cfg, &map, Dtype::Bf16, KvCacheDtype::Auto);
+    let mut wide = engine(&cfg, &map, Dtype::Bf16, KvCacheDtype::Fixed(Dtype::F32));
+    for (round, reqs) in rounds(cfg.vocab_size).into_iter().enumerate() {
+        let got = narrow.generate(reqs.clone()).expect("auto");
+        let want = wide.generate(reqs).expect("f32 cache");
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_bits(&format!("clip 0.1 round {round} #{i}"), g, w);
+        }
+    }
+}
+
+/// A fixed 16-bit KV cache dtype is refused by the device engine's own constructor, naming
+/// it (it would round the forward's keys), whatever front end built the config.
+#[test]
+fn the_device_engine_refuses_a_rounding_kv_cache_dtype() {
+    let cfg = tiny_config("qwen3_moe");
+    let map = tiny_weights(&cfg, 3, DType::F32).into_map();
+    for kv in [Dtype::Bf16, Dtype::F16] {
+        let config = DeviceEngineConfig {
+            device: DEVICE,
+            dtype: Dtype::Bf16,
+            kv_cache_dtype: KvCacheDtype::Fixed(kv),
+            ..DeviceEngineConfig::default()
+        };
+        let Err(err) = DeviceEngine::new(cfg.clone(), &map, config) else {
+            panic!("a {kv} cache refused");
+        };
+        let err = err.to_string();
+        assert!(err.contains(&format!("KV cache dtype `{kv}`")), "{err}");
+    }
+}

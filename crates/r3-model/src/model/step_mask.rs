@@ -92,6 +92,9 @@ impl<'a> StepMask<'a> {
         device: &Device,
         dtype: DType,
     ) -> Result<CacheMask<'a>> {
+        // Checked before any layer runs (a layer that composes builds the mask after the
+        // layers before it appended their keys: refused there, the cache would be torn).
+        check_mask_size(shape)?;
         Ok(match self {
             StepMask::Additive(_) => CacheMask::from_additive(self.additive(shape, device, dtype)?),
             StepMask::Seen(seen) => {
@@ -107,7 +110,7 @@ impl<'a> StepMask<'a> {
 
     /// The `[batch, 1, 1, time, slots]` additive mask on `device` in `dtype` (0 and −∞ are
     /// exact in every float dtype), or an error naming what does not fit the step's shape.
-    pub(crate) fn additive(
+    pub fn additive(
         self,
         shape: (usize, usize, usize),
         device: &Device,

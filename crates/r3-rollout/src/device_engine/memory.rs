@@ -20,7 +20,9 @@
 //! The last term also bounds what a 16-bit cache adds: its regrowth takes half as many
 //! bytes, and where the composed attention runs (not the decode kernel, which reads the
 //! 16-bit values in place) one layer's keys and values widened to f32, `rows · slots ·
-//! layer_kv` floats, alive after the regrowth's old buffer is gone.
+//! layer_kv` floats, alive after the regrowth's old buffer is gone. Not counted: the decode
+//! kernel's span states where it splits a small batch's keys (`rows · kv_heads · spans ·
+//! groups · (v_width + 2)` floats, under 1 MB at batch 1).
 //!
 //! The tiles keep the scores within a quarter of the activation budget (they would hold
 //! `rows · heads · time · slots` in one product: gigabytes for a long prompt's prefill, or

@@ -245,6 +245,8 @@ pub struct DeviceEngine {
     torn: Option<String>,
     model_cfg: Config,
     cfg: DeviceEngineConfig,
+    /// The dtype the KV cache holds (`cfg.kv_cache_dtype` resolved for this model).
+    kv_dtype: candle_core::DType,
     device: Device,
     geo: RouteGeometry,
     eos: Vec<u32>,
@@ -357,6 +359,7 @@ impl DeviceEngine {
                 "max_running must be > 0".into(),
             ));
         }
+        let kv_dtype = kv_dtype(cfg.kv_cache_dtype, cfg.dtype, &model_cfg)?;
         let cache =
             PrefixCache::for_engine(cfg.prefix_cache, cfg.block_size, cfg.prefix_cache_bytes)?;
         let (model, weights) = build_model(&model_cfg, tensors, &cfg, &device)?;
@@ -381,6 +384,7 @@ impl DeviceEngine {
             eos: config_eos_ids(&model_cfg),
             model_cfg,
             cfg,
+            kv_dtype,
             device,
             geo,
             version: 0,
@@ -493,9 +497,10 @@ impl DeviceEngine {
             * self.kv_dtype().size_in_bytes()
     }
 
-    /// The dtype the KV cache holds: the forward's own (`auto`), or f32.
+    /// The dtype the KV cache holds: the forward's own (`auto`, where it holds the forward's
+    /// keys and values exactly), or f32.
     fn kv_dtype(&self) -> candle_core::DType {
-        kv_dtype(self.cfg.kv_cache_dtype, self.cfg.dtype)
+        self.kv_dtype
     }
 
     /// Submits all requests and steps until they finish; results in input order. On an

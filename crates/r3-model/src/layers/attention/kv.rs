@@ -341,8 +341,18 @@ impl LayerKv {
         self.set_filled(permute(&k)?, permute(&v)?, true)
     }
 
-    /// Appends the rows of `other` (the same slots) after this cache's rows.
+    /// Appends the rows of `other` (the same slots) after this cache's rows; refused where
+    /// the two hold different dtypes (an empty cache asked to hold one takes `other`'s rows
+    /// converted to it).
     pub fn append_rows(&mut self, other: &LayerKv) -> Result<()> {
+        if let (Some(mine), Some(theirs)) = (self.dtype(), other.dtype()) {
+            if mine != theirs && self.kv.is_some() {
+                return Err(ModelError::Input(format!(
+                    "joining a KV cache of {theirs:?} keys and values to one of {mine:?}"
+                )));
+            }
+        }
+        let held = self.dtype;
         match (self.parts(), other.parts()) {
             // One pass into new buffers: candle's cat reads the filled slots' strided views
             // as they lie (made contiguous first, each cache was copied once more).
@@ -352,8 +362,13 @@ impl LayerKv {
                 true,
             ),
             (_, None) => Ok(()),
-            // `other`'s storage, possibly: held as handed over, not written into.
-            (None, Some((k2, v2))) => self.set_filled(k2.contiguous()?, v2.contiguous()?, false),
+            (None, Some((k2, v2))) => match held {
+                Some(dtype) if dtype != k2.dtype() => {
+                    self.set_filled(k2.to_dtype(dtype)?, v2.to_dtype(dtype)?, true)
+                }
+                // `other`'s storage, possibly: held as handed over, not written into.
+                _ => self.set_filled(k2.contiguous()?, v2.contiguous()?, false),
+            },
         }
     }
 }
@@ -377,6 +392,43 @@ mod tests {
 
     fn cat2(a: &Tensor, b: &Tensor) -> Tensor {
         Tensor::cat(&[a, b], 2).expect("cat")
+    }
+
+    /// A cache holding bf16 converts what is appended (f32 values of bf16 come back exactly,
+    /// in half the bytes), keeps its dtype through a copy, takes another cache's rows in its
+    /// dtype when empty, and refuses to join rows of another dtype, naming both.
+    #[test]
+    fn a_cache_holds_the_dtype_it_was_asked_to() {
+        let part = |seed| {
+            seeded_tensor(&[1, 2, 3, 4], seed, DType::F32)
+                .to_dtype(DType::BF16)
+                .and_then(|t| t.to_dtype(DType::F32))
+                .expect("bf16 values")
+        };
+        let mut narrow = LayerKv::holding(DType::BF16);
+        assert_eq!(narrow.dtype(), Some(DType::BF16));
+        let (k, v) = narrow.append(&part(1), &part(2)).expect("append");
+        assert_eq!((k.dtype(), v.dtype()), (DType::BF16, DType::BF16));
+        let wide = |t: &Tensor| t.to_dtype(DType::F32).expect("wide");
+        assert_eq!(bits(&wide(&k)), bits(&part(1)));
+        assert_eq!(bits(&wide(&v)), bits(&part(2)));
+        assert_eq!(narrow.try_clone().expect("copy").dtype(), Some(DType::BF16));
+        assert_eq!(
+            LayerKv::holding(DType::F16)
+                .try_clone()
+                .expect("copy")
+                .dtype(),
+            Some(DType::F16)
+        );
+        let mut f32s = LayerKv::default();
+        f32s.append(&part(3), &part(4)).expect("f32");
+        let mut empty = LayerKv::holding(DType::BF16);
+        empty.append_rows(&f32s).expect("converted");
+        let (k, _) = empty.parts().expect("rows");
+        assert_eq!(k.dtype(), DType::BF16);
+        assert_eq!(bits(&wide(&k)), bits(&part(3)));
+        let err = narrow.append_rows(&f32s).expect_err("mixed").to_string();
+        assert!(err.contains("F32") && err.contains("BF16"), "{err}");
     }
 
     /// A layer's cache read back after every append (a chunk, then one slot at a time past

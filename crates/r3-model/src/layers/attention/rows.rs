@@ -16,8 +16,8 @@
 //! kernels' spans and chunks, each dot product and weighted sum in the same order; a chunk's
 //! exponentials summed in column order
 //! where the kernel sums in its warp's order, and a GPU build may fuse a product into its
-//! sum: so within rounding of the kernel) is what the tests hold it to: against the composed
-//! attention on the CPU, and the kernel against it on a GPU and in the emulator.
+//! sum: so within rounding of the kernel) is checked against the composed attention on the
+//! CPU, as the kernel is on a GPU and in the emulator (`r3-cuda-emu`).
 
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 
@@ -41,8 +41,8 @@ const MAX_QUERY_ROWS: usize = 1024;
 /// `softmax(q kᵀ · scale + mask) · v` for `q` `[B, KV, G·T, Dq]` (f32; rows ordered group,
 /// then query time), `k` `[B, KV, S, Dq]` and `v` `[B, KV, S, Dv]` (both f32, bf16 or f16;
 /// each head's `S` rows packed: a KV cache's views of longer buffers) and each query row's
-/// runs of seen slots `seen` (u32 `[B · T, 4]`, checked within `S`: the mask is 0 inside
-/// them, −∞ elsewhere): `[B, KV, G·T, Dv]` in f32. None where the op does not apply (not a GPU,
+/// runs of seen slots `seen` (u32 `[B · T, 4]`: the mask is 0 inside them, −∞ elsewhere;
+/// slots past `S` are not read): `[B, KV, G·T, Dv]` in f32. None where the op does not apply (not a GPU,
 /// other dtypes, an operand to differentiate, a long prefill, which the composed GEMMs run
 /// faster — see [`MAX_STEP_TIME`] — a group past a block's shared memory, other shapes): the
 /// caller composes.
@@ -98,6 +98,8 @@ fn fits(q: &Tensor, k: &Tensor, v: &Tensor, seen: &Tensor, groups: usize) -> boo
         && (vb, vkv, vs) == (b, kv, s)
         && seen.dims() == [b * t, 4]
         && t > 0
+        && dq > 0
+        && dv > 0
         && gt == groups * t
         && s > 0
         && blocks > 0
@@ -285,6 +287,12 @@ impl CustomOp3 for AttendGroups {
         let dv = vl.shape().dims()[3];
         let groups = self.groups.max(1);
         let t = gt / groups;
+        if seen.len() != b * t * 4 {
+            candle_core::bail!(
+                "attend groups: {} seen-slot bounds for {b} × {t} query rows",
+                seen.len()
+            );
+        }
         let (spans, span) = attend_group_spans(b * kv * t, s);
         let (ks, vs) = (kl.stride(), vl.stride());
         let (k0, v0) = (kl.start_offset(), vl.start_offset());
@@ -457,10 +465,10 @@ mod tests {
     /// heads per key head, a decode step and a step of three queries over 300 slots (one
     /// span, three of the kernel's chunks) and over 1,500 (three spans of 500 merged), each
     /// query row's two runs of seen slots against the additive mask `StepMask` builds from
-    /// them (a gap of 7 between the runs, one batch row left-padded past half its slots: its
-    /// rows see nothing in the first chunk, or the first span, and have no probabilities
-    /// there), and one query row that sees no key at all (NaN, as the composed softmax
-    /// gives).
+    /// them (batch row 0's runs apart by more than a span: over 1,500 slots its second span
+    /// starts in the gap, so its first chunks have no probabilities; batch row 1 left-padded
+    /// past half its slots, whose first span holds nothing to read), and one query row that
+    /// sees no key at all (NaN, as the composed softmax gives).
     #[test]
     fn equals_the_composed_attention_over_cache_views() {
         let (b, kv, groups, d) = (2, 2, 3, 8);
@@ -500,7 +508,7 @@ mod tests {
                         let (bi, ti) = (row / t, row % t);
                         let end = s - t + ti + 1;
                         match (bi, ti) {
-                            (0, _) => SeenSlots::runs(0..s / 3, s / 3 + 7..end),
+                            (0, _) => SeenSlots::runs(0..s / 15, 3 * s / 5..end),
                             (_, 0) if t == 3 => SeenSlots::run(0..0),
                             _ => SeenSlots::run(s / 2..end),
                         }
@@ -556,8 +564,9 @@ mod tests {
 
     /// The online softmax in any chunk and over any spans equals one softmax over the whole
     /// row: chunks of 1, 4, 7 and more than the row, in one, two and three spans, over a row
-    /// of 23 keys whose first 9 are not seen (the first span of three sees nothing) and
-    /// whose scores span ±20 (so a later chunk's or span's max rescales the earlier ones).
+    /// of 23 keys that sees keys 2, 3 and 15 on (the second span of three starts in the gap,
+    /// its first chunks without probabilities) and whose scores span ±20 (so a later chunk's
+    /// or span's max rescales the earlier ones).
     #[test]
     fn any_chunk_and_span_give_the_whole_rows_softmax() {
         let (groups, dq, dv, s) = (2usize, 3usize, 2usize, 23usize);
@@ -568,8 +577,8 @@ mod tests {
         let values: Vec<Vec<f32>> = (0..s)
             .map(|j| (0..dv).map(|d| (j + 2 * d) as f32 * 0.25).collect())
             .collect();
-        // Keys 9.. seen, in two runs with no gap.
-        let runs = [9u32, 15, 15, s as u32];
+        // Keys 2, 3 and 15.. seen: in three spans of 8, the second starts in the gap.
+        let runs = [2u32, 4, 15, s as u32];
         let scale = 0.7f32;
         // By hand: f64 softmax weights over the seen keys.
         let want: Vec<f64> = (0..groups)
@@ -579,9 +588,9 @@ mod tests {
                         let dot: f64 = (0..dq)
                             .map(|d| f64::from(q[g * dq + d] * key_rows[j][d]))
                             .sum();
-                        match j < 9 {
-                            true => f64::NEG_INFINITY,
-                            false => dot * f64::from(scale),
+                        match (2..4).contains(&j) || j >= 15 {
+                            true => dot * f64::from(scale),
+                            false => f64::NEG_INFINITY,
                         }
                     })
                     .collect();
