@@ -29,13 +29,12 @@ use crate::launch_shape::{attend_group_shared_bytes, attend_group_spans, ATTEND_
 /// Most dynamic shared memory a block may ask for without opting in (48 KiB).
 const MAX_SHARED_BYTES: usize = 48 * 1024;
 
-/// Most query positions a step may have for the kernel at any batch: a decode step (one) or
-/// a short run. Longer prefills take the batched GEMMs, whose tensor cores do the scores'
-/// `T · S` products far faster than a block per query position.
-const MAX_STEP_TIME: usize = 16;
-
-/// Query rows (`B · KV · G · T`) up to which any step takes the kernel: its launches are the
-/// step's time.
+/// Query rows (`B · KV · G · T`) up to which a step of several positions takes the kernel:
+/// its launches are the step's time. Past it a prefill takes the batched GEMMs, which read
+/// each key once for all `T` positions where the kernel's block per position reads it `T`
+/// times (a prefix hit's few new positions over a long cached prefix), and whose tensor cores
+/// do the scores' `T · S` products. A decode step (one position) takes the kernel at any
+/// batch.
 const MAX_QUERY_ROWS: usize = 1024;
 
 /// `softmax(q kᵀ · scale + mask) · v` for `q` `[B, KV, G·T, Dq]` (f32; rows ordered group,
@@ -43,9 +42,9 @@ const MAX_QUERY_ROWS: usize = 1024;
 /// each head's `S` rows packed: a KV cache's views of longer buffers) and each query row's
 /// runs of seen slots `seen` (u32 `[B · T, 4]`: the mask is 0 inside them, −∞ elsewhere;
 /// slots past `S` are not read): `[B, KV, G·T, Dv]` in f32. None where the op does not apply (not a GPU,
-/// other dtypes, an operand to differentiate, a long prefill, which the composed GEMMs run
-/// faster — see [`MAX_STEP_TIME`] — a group past a block's shared memory, other shapes): the
-/// caller composes.
+/// other dtypes, an operand to differentiate, a prefill of many rows, which the composed
+/// GEMMs run faster — see [`MAX_QUERY_ROWS`] — a group past a block's shared memory, other
+/// shapes): the caller composes.
 pub(crate) fn attend_rows(
     q: &Tensor,
     k: &Tensor,
@@ -107,7 +106,7 @@ fn fits(q: &Tensor, k: &Tensor, v: &Tensor, seen: &Tensor, groups: usize) -> boo
         && attend_group_shared_bytes(groups, dq, dv, ATTEND_GROUP_THREADS) <= MAX_SHARED_BYTES
         && rows_packed(k.layout())
         && rows_packed(v.layout());
-    let faster = t <= MAX_STEP_TIME || b * kv * gt <= MAX_QUERY_ROWS;
+    let faster = t == 1 || b * kv * gt <= MAX_QUERY_ROWS;
     dtypes && !tracked && shapes && faster
 }
 
