@@ -28,8 +28,8 @@ mod common;
 
 use common::{f32_bits as bits, Lcg};
 use r3_model::launch_shape::{
-    attend_group_shared_bytes, attend_group_spans, rms_norm_dw_chunk_threads, row_threads,
-    sample_rows_shared_bytes, ATTEND_GROUP_THREADS, RMS_NORM_DW_CHUNK_ROWS, SAMPLE_ROWS_THREADS,
+    attend_group_shared_bytes, attend_group_spans, attend_group_threads, rms_norm_dw_chunk_threads,
+    row_threads, sample_rows_shared_bytes, RMS_NORM_DW_CHUNK_ROWS, SAMPLE_ROWS_THREADS,
 };
 
 /// Runs one kernel launch of `shape` in both thread orders (`call` launches it over the
@@ -865,7 +865,7 @@ fn rope_rounded_equals_the_cpus_rotation_bit_for_bit() {
 /// kernel does not read: its first span sees nothing and the merge weighs it 0; at three
 /// queries its first query sees no key at all, NaN in both), a step of one query and of
 /// three; the launcher's 128 threads with its
-/// shared memory (`launch_shape::ATTEND_GROUP_THREADS`, `attend_group_shared_bytes`), and
+/// shared memory (`launch_shape::attend_group_threads`, `attend_group_shared_bytes`), and
 /// 32, 96 and 1,024 threads (chunks of that many keys). The kernel sums a chunk's
 /// exponentials in its warp's order and rescales per chunk (and `fma` contracts the dots and
 /// the weighted sums): a tolerance in both variants.
@@ -963,7 +963,7 @@ fn decode_attention_groups_equal_the_cpus_composed_attention() {
         let state_len = blocks * spans * groups * (dv + 2);
         let written = if spans == 1 { rows * dv } else { state_len };
         for (name, k) in variants() {
-            for threads in [ATTEND_GROUP_THREADS, 32, 96, 1024] {
+            for threads in [attend_group_threads(groups, dq, dv), 32, 96, 1024] {
                 let shared = attend_group_shared_bytes(groups, dq, dv, threads);
                 let what = format!(
                     "attend groups of {groups}, t {t}, {s} keys, {name}, {threads} threads"

@@ -54,6 +54,21 @@ pub fn rms_norm_dw_chunk_threads(d: usize) -> u32 {
 /// key/value head and query time): also the keys its online softmax takes at a time.
 pub const ATTEND_GROUP_THREADS: u32 = 128;
 
+/// Most dynamic shared memory a kernel's block may ask for without opting in (48 KiB).
+pub const MAX_DYNAMIC_SHARED_BYTES: usize = 48 * 1024;
+
+/// Threads of a block of the decode attention for a group of `groups` query rows of
+/// `dq`-wide queries and `dv`-wide values: [`ATTEND_GROUP_THREADS`], or one or two warps
+/// where a chunk of that many keys' probabilities would take the block past
+/// [`MAX_DYNAMIC_SHARED_BYTES`] (a large group of wide heads). The keys a chunk takes are as
+/// many, on the GPU and in the CPU's twin alike.
+pub fn attend_group_threads(groups: usize, dq: usize, dv: usize) -> u32 {
+    [ATTEND_GROUP_THREADS, 64, 32]
+        .into_iter()
+        .find(|&t| attend_group_shared_bytes(groups, dq, dv, t) <= MAX_DYNAMIC_SHARED_BYTES)
+        .unwrap_or(32)
+}
+
 /// Blocks a decode attention launch aims for when a step has few of its own (a small batch
 /// over a long context): two waves of an H100's or H200's 132 multiprocessors.
 pub const ATTEND_GROUP_TARGET_BLOCKS: usize = 264;
@@ -147,6 +162,19 @@ mod tests {
         // 8 × (128 + 128 + 128 + 3) floats: the 30B-A3B shape's group.
         assert_eq!(attend_group_shared_bytes(8, 128, 128, 128), 12_384);
         assert_eq!(attend_group_shared_bytes(2, 24, 40, 32), 792);
+    }
+
+    /// The decode attention's threads, by hand: 128 for the 30B-A3B shape's group (12.4 KB);
+    /// 64 for 32 query heads of 128 a group (49.5 KB at 128 threads, 41.4 at 64); 32 for 48
+    /// (62.0 KB at 64, 55.9 at 32: no launch fits, as `attend_group_shared_bytes` says).
+    #[test]
+    fn attend_group_threads_by_hand() {
+        assert_eq!(attend_group_threads(8, 128, 128), 128);
+        assert_eq!(attend_group_shared_bytes(32, 128, 128, 128), 49_536);
+        assert_eq!(attend_group_threads(32, 128, 128), 64);
+        assert_eq!(attend_group_shared_bytes(48, 128, 128, 64), 62_016);
+        assert_eq!(attend_group_threads(48, 128, 128), 32);
+        assert!(attend_group_shared_bytes(48, 128, 128, 32) > MAX_DYNAMIC_SHARED_BYTES);
     }
 
     /// The decode attention's spans, by hand: one for a full batch or a short context; a

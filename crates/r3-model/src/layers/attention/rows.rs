@@ -24,10 +24,9 @@ use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 use std::ops::Range;
 
 use crate::error::Result;
-use crate::launch_shape::{attend_group_shared_bytes, attend_group_spans, ATTEND_GROUP_THREADS};
-
-/// Most dynamic shared memory a block may ask for without opting in (48 KiB).
-const MAX_SHARED_BYTES: usize = 48 * 1024;
+use crate::launch_shape::{
+    attend_group_shared_bytes, attend_group_spans, attend_group_threads, MAX_DYNAMIC_SHARED_BYTES,
+};
 
 /// Query rows (`B · KV · G · T`) up to which a step of several positions takes the kernel:
 /// its launches are the step's time. Past it a prefill takes the batched GEMMs, which read
@@ -103,7 +102,8 @@ fn fits(q: &Tensor, k: &Tensor, v: &Tensor, seen: &Tensor, groups: usize) -> boo
         && s > 0
         && blocks > 0
         && blocks <= i32::MAX as usize
-        && attend_group_shared_bytes(groups, dq, dv, ATTEND_GROUP_THREADS) <= MAX_SHARED_BYTES
+        && attend_group_shared_bytes(groups, dq, dv, attend_group_threads(groups, dq, dv))
+            <= MAX_DYNAMIC_SHARED_BYTES
         && rows_packed(k.layout())
         && rows_packed(v.layout());
     let faster = t == 1 || b * kv * gt <= MAX_QUERY_ROWS;
@@ -315,7 +315,7 @@ impl CustomOp3 for AttendGroups {
                     let mut og = vec![0f32; groups * dv];
                     let at = (bi * t + ti) * 4;
                     let runs = [seen[at], seen[at + 1], seen[at + 2], seen[at + 3]];
-                    let chunk = ATTEND_GROUP_THREADS as usize;
+                    let chunk = attend_group_threads(groups, dq, dv) as usize;
                     let states: Vec<GroupState> = (0..spans)
                         .map(|i| {
                             let keys = i * span..((i + 1) * span).min(s);
@@ -359,7 +359,7 @@ impl CustomOp3 for AttendGroups {
         let (spans, span) = attend_group_spans(b * kv * t, s);
         let too_many = |_| candle_core::Error::Msg("attend groups: too many blocks".into());
         let blocks = u32::try_from(b * kv * t).map_err(too_many)?;
-        let threads = ATTEND_GROUP_THREADS;
+        let threads = attend_group_threads(groups, dq, dv);
         let config = LaunchConfig {
             grid_dim: (blocks, u32::try_from(spans).map_err(too_many)?, 1),
             block_dim: (threads, 1, 1),
