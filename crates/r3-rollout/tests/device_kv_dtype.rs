@@ -210,23 +210,37 @@ fn values_clamped_to_a_bound_off_the_float_keep_an_f32_cache() {
     }
 }
 
-/// A fixed 16-bit KV cache dtype is refused by the device engine's own constructor, naming
-/// it (it would round the forward's keys), whatever front end built the config.
+/// A fixed 16-bit KV cache dtype other than the engine's is refused by the device engine's
+/// own constructor, naming it (it would round the forward's keys), whatever front end built
+/// the config; the engine's own dtype, named, is `auto`'s cache.
 #[test]
 fn the_device_engine_refuses_a_rounding_kv_cache_dtype() {
     let cfg = tiny_config("qwen3_moe");
     let map = tiny_weights(&cfg, 3, DType::F32).into_map();
-    for kv in [Dtype::Bf16, Dtype::F16] {
-        let config = DeviceEngineConfig {
-            device: DEVICE,
-            dtype: Dtype::Bf16,
-            kv_cache_dtype: KvCacheDtype::Fixed(kv),
-            ..DeviceEngineConfig::default()
-        };
-        let Err(err) = DeviceEngine::new(cfg.clone(), &map, config) else {
-            panic!("a {kv} cache refused");
+    let config = |engine, kv| DeviceEngineConfig {
+        device: DEVICE,
+        dtype: engine,
+        kv_cache_dtype: KvCacheDtype::Fixed(kv),
+        ..DeviceEngineConfig::default()
+    };
+    for (engine, kv) in [
+        (Dtype::Bf16, Dtype::F16),
+        (Dtype::F16, Dtype::Bf16),
+        (Dtype::F32, Dtype::Bf16),
+    ] {
+        let Err(err) = DeviceEngine::new(cfg.clone(), &map, config(engine, kv)) else {
+            panic!("a {kv} cache refused for a {engine} engine");
         };
         let err = err.to_string();
         assert!(err.contains(&format!("KV cache dtype `{kv}`")), "{err}");
+    }
+    let named = DeviceEngine::new(cfg.clone(), &map, config(Dtype::Bf16, Dtype::Bf16));
+    let mut named = named.unwrap_or_else(|e| panic!("the engine's own dtype: {e}"));
+    let mut auto = engine(&cfg, &map, Dtype::Bf16, KvCacheDtype::Auto);
+    let reqs = rounds(cfg.vocab_size).remove(0);
+    let got = named.generate(reqs.clone()).expect("named");
+    let want = auto.generate(reqs).expect("auto");
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_bits(&format!("bf16 named #{i}"), g, w);
     }
 }

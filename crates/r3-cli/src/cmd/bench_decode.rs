@@ -51,8 +51,8 @@ pub struct BenchDecodeArgs {
     #[arg(long, default_value = "f32")]
     pub dtype: Dtype,
     /// What the KV cache holds keys and values in (`r3 serve --kv-cache-dtype`): `auto` (the
-    /// engine's dtype) or `f32` on the device engine; any of `f32`, `f16`, `bf16` on the CPU
-    /// engine.
+    /// engine's dtype), that dtype named, or `f32` on the device engine; any of `f32`, `f16`,
+    /// `bf16` on the CPU engine.
     #[arg(long, default_value = "auto")]
     pub kv_cache_dtype: KvCacheDtype,
     /// Timed runs per batch size (the best is reported; one untimed warm-up run first).
@@ -80,7 +80,7 @@ pub struct BenchDecodeArgs {
 /// Runs `r3 bench decode`.
 pub fn run(a: BenchDecodeArgs) -> anyhow::Result<()> {
     a.device
-        .check_kv_cache_dtype(a.kv_cache_dtype)
+        .check_kv_cache_dtype(a.kv_cache_dtype, a.dtype)
         .map_err(|e| anyhow::anyhow!("--kv-cache-dtype {}: {e}", a.kv_cache_dtype))?;
     for name in &a.configs {
         let cfg = bench_config(name)?;

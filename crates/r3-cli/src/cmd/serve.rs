@@ -44,9 +44,9 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 2048)]
     pub kv_cache_mib: usize,
     /// What the KV cache holds keys and values in: `auto` (the engine's dtype, as SGLang's and
-    /// vLLM's caches do), `f32`, `f16` or `bf16` for the CPU engine; `auto` or `f32` for the
-    /// device engine (both exact there: a bf16 / f16 forward's keys and values are 16-bit
-    /// values).
+    /// vLLM's caches do), `f32`, `f16` or `bf16` for the CPU engine; `auto`, the engine's
+    /// dtype or `f32` for the device engine (each exact there: a bf16 / f16 forward's keys
+    /// and values are 16-bit values).
     #[arg(long, default_value = "auto")]
     pub kv_cache_dtype: KvCacheDtype,
     /// The device engine's activation budget for one step in MiB (its admission holds every
@@ -205,7 +205,7 @@ fn parse_chunked_prefill_size(text: &str) -> Result<ChunkedPrefill, String> {
 pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     let dtype: Dtype = a.dtype.parse()?;
     let router_dtype: RouterDtype = a.router_dtype.parse()?;
-    check_kv_cache_dtype(a.kv_cache_dtype, a.device)?;
+    check_kv_cache_dtype(a.kv_cache_dtype, a.device, dtype)?;
     let defaults = EngineConfig::default();
     // The CPU engine's step budget counts a token of each decoding row too.
     let (max_batch_tokens, max_prefill_tokens) = match a.chunked_prefill_size {
@@ -311,12 +311,16 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     })
 }
 
-/// Refuses a KV cache dtype other than `auto` or `f32` for the device engine, whose cache
-/// holds its forward's keys and values exactly (`RolloutDevice::check_kv_cache_dtype`),
-/// naming the flag, before anything loads.
-fn check_kv_cache_dtype(kv: KvCacheDtype, device: RolloutDevice) -> anyhow::Result<()> {
+/// Refuses a KV cache dtype other than `auto`, the engine's `dtype` or `f32` for the device
+/// engine, whose cache holds its forward's keys and values exactly
+/// (`RolloutDevice::check_kv_cache_dtype`), naming the flag, before anything loads.
+fn check_kv_cache_dtype(
+    kv: KvCacheDtype,
+    device: RolloutDevice,
+    dtype: Dtype,
+) -> anyhow::Result<()> {
     device
-        .check_kv_cache_dtype(kv)
+        .check_kv_cache_dtype(kv, dtype)
         .map_err(|e| anyhow::anyhow!("--kv-cache-dtype {kv}: {e}"))
 }
 
@@ -353,10 +357,11 @@ mod tests {
         let candle: RolloutDevice = "cpu-candle".parse().expect("device");
         let [f32_cache, bf16_cache]: [KvCacheDtype; 2] =
             ["f32", "bf16"].map(|d| d.parse().expect("dtype"));
-        check_kv_cache_dtype(bf16_cache, RolloutDevice::Cpu).expect("CPU engine");
-        check_kv_cache_dtype(KvCacheDtype::Auto, candle).expect("auto anywhere");
-        check_kv_cache_dtype(f32_cache, candle).expect("f32 on the device engine");
-        let err = check_kv_cache_dtype(bf16_cache, candle).expect_err("device engine");
+        check_kv_cache_dtype(bf16_cache, RolloutDevice::Cpu, Dtype::F32).expect("CPU engine");
+        check_kv_cache_dtype(KvCacheDtype::Auto, candle, Dtype::F16).expect("auto anywhere");
+        check_kv_cache_dtype(f32_cache, candle, Dtype::Bf16).expect("f32 on the device engine");
+        check_kv_cache_dtype(bf16_cache, candle, Dtype::Bf16).expect("its own dtype");
+        let err = check_kv_cache_dtype(bf16_cache, candle, Dtype::F16).expect_err("rounding");
         let text = err.to_string();
         assert!(
             text.contains("--kv-cache-dtype bf16") && text.contains("cpu-candle"),

@@ -35,16 +35,24 @@ impl RolloutDevice {
         }
     }
 
-    /// Errors unless the engine this names can keep its KV cache in `kv`: the CPU engine any
-    /// dtype, the device engine `auto` (its forward's own: a 16-bit forward's keys and
-    /// values are 16-bit values) or `f32` — both hold its keys and values exactly, where a
-    /// narrower one would add a rounding its forward does not have.
-    pub fn check_kv_cache_dtype(&self, kv: KvCacheDtype) -> Result<(), RolloutError> {
-        let exact = matches!(kv, KvCacheDtype::Auto | KvCacheDtype::Fixed(Dtype::F32));
+    /// Errors unless the engine this names, computing in `engine`, can keep its KV cache in
+    /// `kv`: the CPU engine any dtype, the device engine `auto` or its own dtype (its
+    /// forward's: a 16-bit forward's keys and values are 16-bit values) or `f32` — each holds
+    /// its keys and values exactly, where another would add a rounding its forward does not
+    /// have.
+    pub fn check_kv_cache_dtype(
+        &self,
+        kv: KvCacheDtype,
+        engine: Dtype,
+    ) -> Result<(), RolloutError> {
+        let exact = match kv {
+            KvCacheDtype::Auto => true,
+            KvCacheDtype::Fixed(d) => d == Dtype::F32 || d == engine,
+        };
         if !exact && self.candle().is_some() {
             return Err(RolloutError::InvalidConfig(format!(
                 "KV cache dtype `{kv}` is for the CPU engine; the device engine ({self}) keeps \
-                 its cache in its compute dtype (`auto`) or in `f32`"
+                 its cache in its compute dtype (`auto`, here `{engine}`) or in `f32`"
             )));
         }
         Ok(())
@@ -125,7 +133,7 @@ impl RolloutEngine {
         cfg: EngineConfig,
         options: &LoadOptions,
     ) -> Result<Self, RolloutError> {
-        device.check_kv_cache_dtype(cfg.kv_cache_dtype)?;
+        device.check_kv_cache_dtype(cfg.kv_cache_dtype, cfg.dtype)?;
         Ok(match device.candle() {
             None => RolloutEngine::Cpu(Engine::from_dir_with(dir, cfg, options)?),
             Some(spec) => RolloutEngine::Device(DeviceEngine::from_dir_with(
@@ -144,7 +152,7 @@ impl RolloutEngine {
         tensors: &TensorMap,
         cfg: EngineConfig,
     ) -> Result<Self, RolloutError> {
-        device.check_kv_cache_dtype(cfg.kv_cache_dtype)?;
+        device.check_kv_cache_dtype(cfg.kv_cache_dtype, cfg.dtype)?;
         Ok(match device.candle() {
             None => RolloutEngine::Cpu(Engine::new(model_cfg, tensors, cfg)?),
             Some(spec) => RolloutEngine::Device(DeviceEngine::new(

@@ -497,19 +497,21 @@ fn engine_weights(
 }
 
 /// The dtype the device engine's KV cache holds for `kv` in an engine computing in
-/// `engine` with `model`'s attention: `auto` the forward's keys' and values' own where that
-/// float holds them exactly ([`Precision::kv_dtype`]: f32 where OLMoE clamps values to a
-/// bound off it), `f32` f32; any other dtype is refused by name, as it would round the
-/// forward's keys and values (`RolloutDevice::check_kv_cache_dtype` says so before an engine
-/// is built where a front end checks first).
+/// `engine` with `model`'s attention: `auto` (or the engine's own dtype, named) the
+/// forward's keys' and values' own where that float holds them exactly
+/// ([`Precision::kv_dtype`]: f32 where OLMoE clamps values to a bound off it), `f32` f32;
+/// any other dtype is refused by name, as it would round the forward's keys and values
+/// (`RolloutDevice::check_kv_cache_dtype` says so before an engine is built where a front
+/// end checks first).
 pub(crate) fn kv_dtype(
     kv: KvCacheDtype,
     engine: Dtype,
     model: &Config,
 ) -> Result<DType, RolloutError> {
     match kv {
-        KvCacheDtype::Auto => Ok(precision(engine, RouterDtype::Model).kv_dtype(&model.attention)),
         KvCacheDtype::Fixed(Dtype::F32) => Ok(DType::F32),
+        KvCacheDtype::Fixed(own) if own == engine => kv_dtype(KvCacheDtype::Auto, engine, model),
+        KvCacheDtype::Auto => Ok(precision(engine, RouterDtype::Model).kv_dtype(&model.attention)),
         KvCacheDtype::Fixed(other) => Err(RolloutError::InvalidConfig(format!(
             "KV cache dtype `{other}` is for the CPU engine; the device engine keeps its cache \
              in its compute dtype (`auto`) or in `f32`"

@@ -121,7 +121,11 @@ impl TrainConfig {
         if let Err(e) = r
             .kv_cache_dtype
             .parse::<r3_rollout::KvCacheDtype>()
-            .and_then(|kv| device.check_kv_cache_dtype(kv))
+            .and_then(|kv| {
+                // `rollout.dtype` is checked above.
+                let engine = r.dtype.parse::<r3_rollout::Dtype>()?;
+                device.check_kv_cache_dtype(kv, engine)
+            })
         {
             return bad("rollout.kv_cache_dtype", e.to_string());
         }

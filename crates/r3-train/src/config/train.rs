@@ -139,7 +139,8 @@ pub struct RolloutConfig {
     pub router_dtype: String,
     /// What the rollout engine's KV cache holds keys and values in: `auto` (the engine's
     /// dtype, as SGLang's and vLLM's caches do), `f32`, `f16` or `bf16` for the CPU engine;
-    /// `auto` or `f32` for the device engine (both exact there). Default `auto`.
+    /// `auto`, the engine's dtype or `f32` for the device engine (each exact there). Default
+    /// `auto`.
     pub kv_cache_dtype: String,
     /// Which in-process engine generates, and where (`backend = "engine"`): `cpu` (the CPU
     /// engine), `cpu-candle` (the device engine on candle's CPU device), `cuda` / `cuda:N`
