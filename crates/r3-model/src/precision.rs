@@ -103,12 +103,12 @@ impl Precision {
             AttentionConfig::Gqa {
                 clip_qkv: Some(c), ..
             } => {
-                let c = *c as f32;
-                let back = match narrow {
-                    DType::BF16 => half::bf16::from_f32(c).to_f32(),
-                    _ => half::f16::from_f32(c).to_f32(),
-                };
-                back == c
+                let c = [*c as f32];
+                let mut rounded = c;
+                if let Some(round) = rounding_to(narrow) {
+                    round(&mut rounded);
+                }
+                rounded == c
             }
             _ => true,
         };

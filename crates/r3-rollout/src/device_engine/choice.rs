@@ -45,17 +45,27 @@ impl RolloutDevice {
         kv: KvCacheDtype,
         engine: Dtype,
     ) -> Result<(), RolloutError> {
-        let exact = match kv {
-            KvCacheDtype::Auto => true,
-            KvCacheDtype::Fixed(d) => d == Dtype::F32 || d == engine,
-        };
-        if !exact && self.candle().is_some() {
-            return Err(RolloutError::InvalidConfig(format!(
-                "KV cache dtype `{kv}` is for the CPU engine; the device engine ({self}) keeps \
-                 its cache in its compute dtype (`auto`, here `{engine}`) or in `f32`"
-            )));
+        match self.candle() {
+            Some(_) => device_engine_takes(kv, engine, &self.to_string()),
+            None => Ok(()),
         }
-        Ok(())
+    }
+}
+
+/// Errors unless the device engine (`device`, as the error names it), computing in `engine`,
+/// can keep its KV cache in `kv`: `auto`, `engine` named, or `f32`.
+pub(crate) fn device_engine_takes(
+    kv: KvCacheDtype,
+    engine: Dtype,
+    device: &str,
+) -> Result<(), RolloutError> {
+    match kv {
+        KvCacheDtype::Auto => Ok(()),
+        KvCacheDtype::Fixed(d) if d == Dtype::F32 || d == engine => Ok(()),
+        KvCacheDtype::Fixed(_) => Err(RolloutError::InvalidConfig(format!(
+            "KV cache dtype `{kv}` is for the CPU engine; the device engine ({device}) keeps \
+             its cache in its compute dtype (`auto`, here `{engine}`) or in `f32`"
+        ))),
     }
 }
 

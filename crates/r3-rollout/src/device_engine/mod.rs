@@ -359,7 +359,12 @@ impl DeviceEngine {
                 "max_running must be > 0".into(),
             ));
         }
-        let kv_dtype = kv_dtype(cfg.kv_cache_dtype, cfg.dtype, &model_cfg)?;
+        let kv_dtype = kv_dtype(
+            cfg.kv_cache_dtype,
+            cfg.dtype,
+            &model_cfg,
+            &cfg.device.to_string(),
+        )?;
         let cache =
             PrefixCache::for_engine(cfg.prefix_cache, cfg.block_size, cfg.prefix_cache_bytes)?;
         let (model, weights) = build_model(&model_cfg, tensors, &cfg, &device)?;

@@ -11,6 +11,7 @@ use r3_model::cast16::cast16_into;
 use r3_model::{Config, HeldTensors, LoadOptions, Model, Precision, Weights};
 use rayon::prelude::*;
 
+use super::choice::device_engine_takes;
 use super::memory::mib;
 use super::{DeviceEngine, DeviceEngineConfig, HeldWeights, Loaded};
 use crate::dtype::{Dtype, KvCacheDtype, RouterDtype};
@@ -501,22 +502,19 @@ fn engine_weights(
 /// forward's keys' and values' own where that float holds them exactly
 /// ([`Precision::kv_dtype`]: f32 where OLMoE clamps values to a bound off it), `f32` f32;
 /// any other dtype is refused by name, as it would round the forward's keys and values
-/// (`RolloutDevice::check_kv_cache_dtype` says so before an engine is built where a front
-/// end checks first).
+/// (the rule `RolloutDevice::check_kv_cache_dtype` applies before an engine is built where a
+/// front end checks first).
 pub(crate) fn kv_dtype(
     kv: KvCacheDtype,
     engine: Dtype,
     model: &Config,
+    device: &str,
 ) -> Result<DType, RolloutError> {
-    match kv {
-        KvCacheDtype::Fixed(Dtype::F32) => Ok(DType::F32),
-        KvCacheDtype::Fixed(own) if own == engine => kv_dtype(KvCacheDtype::Auto, engine, model),
-        KvCacheDtype::Auto => Ok(precision(engine, RouterDtype::Model).kv_dtype(&model.attention)),
-        KvCacheDtype::Fixed(other) => Err(RolloutError::InvalidConfig(format!(
-            "KV cache dtype `{other}` is for the CPU engine; the device engine keeps its cache \
-             in its compute dtype (`auto`) or in `f32`"
-        ))),
-    }
+    device_engine_takes(kv, engine, device)?;
+    Ok(match kv {
+        KvCacheDtype::Fixed(Dtype::F32) => DType::F32,
+        _ => precision(engine, RouterDtype::Model).kv_dtype(&model.attention),
+    })
 }
 
 /// r3-model's forward precision for an engine dtype.

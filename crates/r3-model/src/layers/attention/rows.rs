@@ -293,6 +293,7 @@ impl CustomOp3 for AttendGroups {
             );
         }
         let (spans, span) = attend_group_spans(b * kv * t, s);
+        let chunk = attend_group_threads(groups, dq, dv) as usize;
         let (ks, vs) = (kl.stride(), vl.stride());
         let (k0, v0) = (kl.start_offset(), vl.start_offset());
         let mut out = vec![0f32; b * kv * gt * dv];
@@ -315,7 +316,6 @@ impl CustomOp3 for AttendGroups {
                     let mut og = vec![0f32; groups * dv];
                     let at = (bi * t + ti) * 4;
                     let runs = [seen[at], seen[at + 1], seen[at + 2], seen[at + 3]];
-                    let chunk = attend_group_threads(groups, dq, dv) as usize;
                     let states: Vec<GroupState> = (0..spans)
                         .map(|i| {
                             let keys = i * span..((i + 1) * span).min(s);
@@ -476,88 +476,82 @@ mod tests {
             .flat_map(|h| [DType::F32, DType::BF16, DType::F16].map(|d| (h, d)))
             .flat_map(|(h, d)| [1usize, 3].map(|t| (h, d, t)))
         {
-            {
-                let mut cache = LayerKv::default();
-                let part = |seed| seeded_tensor(&[b, kv, held, d], seed, DType::F32);
-                let (k, _) = cache
-                    .append(
-                        &part(1).to_dtype(dtype).expect("k"),
-                        &part(2).to_dtype(dtype).expect("v"),
-                    )
-                    .expect("prefill");
-                assert!(k.dims()[2] == held);
-                let step = |seed| seeded_tensor(&[b, kv, t, d], seed, DType::F32);
-                let (k, v) = cache
-                    .append(
-                        &step(3).to_dtype(dtype).expect("k"),
-                        &step(4).to_dtype(dtype).expect("v"),
-                    )
-                    .expect("step");
-                assert!(
-                    !k.is_contiguous() && !v.is_contiguous(),
-                    "views of a longer buffer"
-                );
-                let s = k.dim(2).expect("slots");
-                assert_eq!(
-                    attend_group_spans(b * kv * t, s).0,
-                    1 + 2 * (s > 1000) as usize
-                );
-                let runs: Vec<SeenSlots> = (0..b * t)
-                    .map(|row| {
-                        let (bi, ti) = (row / t, row % t);
-                        let end = s - t + ti + 1;
-                        match (bi, ti) {
-                            (0, _) => SeenSlots::runs(0..s / 15, 3 * s / 5..end),
-                            (_, 0) if t == 3 => SeenSlots::run(0..0),
-                            _ => SeenSlots::run(s / 2..end),
-                        }
+            let mut cache = LayerKv::default();
+            // `slots` slots of keys and values in `dtype`.
+            let part = |slots, seed| {
+                seeded_tensor(&[b, kv, slots, d], seed, DType::F32)
+                    .to_dtype(dtype)
+                    .expect("part")
+            };
+            let (k, _) = cache
+                .append(&part(held, 1), &part(held, 2))
+                .expect("prefill");
+            assert!(k.dims()[2] == held);
+            let (k, v) = cache.append(&part(t, 3), &part(t, 4)).expect("step");
+            assert!(
+                !k.is_contiguous() && !v.is_contiguous(),
+                "views of a longer buffer"
+            );
+            let s = k.dim(2).expect("slots");
+            assert_eq!(
+                attend_group_spans(b * kv * t, s).0,
+                1 + 2 * (s > 1000) as usize
+            );
+            let runs: Vec<SeenSlots> = (0..b * t)
+                .map(|row| {
+                    let (bi, ti) = (row / t, row % t);
+                    let end = s - t + ti + 1;
+                    match (bi, ti) {
+                        (0, _) => SeenSlots::runs(0..s / 15, 3 * s / 5..end),
+                        (_, 0) if t == 3 => SeenSlots::run(0..0),
+                        _ => SeenSlots::run(s / 2..end),
+                    }
+                })
+                .collect();
+            let dense: Vec<f32> = runs
+                .iter()
+                .flat_map(|r| {
+                    (0..s).map(|j| match r.sees(j) {
+                        true => 0.0,
+                        false => f32::NEG_INFINITY,
                     })
-                    .collect();
-                let dense: Vec<f32> = runs
-                    .iter()
-                    .flat_map(|r| {
-                        (0..s).map(|j| match r.sees(j) {
-                            true => 0.0,
-                            false => f32::NEG_INFINITY,
-                        })
-                    })
-                    .collect();
-                let mask = StepMask::Additive(&dense)
-                    .additive((b, t, s), &Device::Cpu, DType::F32)
-                    .expect("mask");
-                let bounds: Vec<u32> = runs.iter().flat_map(SeenSlots::bounds).collect();
-                let seen = Tensor::from_vec(bounds, (b * t, 4), &Device::Cpu).expect("runs");
-                let q = seeded_tensor(&[b, kv, groups * t, d], 5, DType::F32);
-                let wide = |x: &Tensor| x.to_dtype(DType::F32).expect("widened");
-                let want = attend_additive(&q, &wide(&k), &wide(&v), &mask, 0.3, groups)
-                    .expect("composed");
-                assert!(attend_rows(&q, &k, &v, &seen, 0.3, groups)
-                    .expect("cpu")
-                    .is_none());
-                let got = apply(&q, &k, &v, &seen, 0.3, groups).expect("op");
-                assert_eq!(got.dims(), want.dims());
-                let (got, want) = (
-                    got.flatten_all()
-                        .and_then(|x| x.to_vec1::<f32>())
-                        .expect("got"),
-                    want.flatten_all()
-                        .and_then(|x| x.to_vec1::<f32>())
-                        .expect("want"),
-                );
-                let nan = got
-                    .iter()
-                    .zip(&want)
-                    .filter(|(g, w)| g.is_nan() && w.is_nan());
-                // t = 3: batch row 1's first query row of each of the 2 heads' 3 groups.
-                assert_eq!(nan.count(), if t == 3 { kv * groups * d } else { 0 });
-                let diff = got
-                    .iter()
-                    .zip(&want)
-                    .filter(|(w, _)| !w.is_nan())
-                    .map(|(g, w)| (g - w).abs())
-                    .fold(0f32, f32::max);
-                assert!(diff < 1e-6, "{dtype:?} t {t}: {diff}");
-            }
+                })
+                .collect();
+            let mask = StepMask::Additive(&dense)
+                .additive((b, t, s), &Device::Cpu, DType::F32)
+                .expect("mask");
+            let bounds: Vec<u32> = runs.iter().flat_map(SeenSlots::bounds).collect();
+            let seen = Tensor::from_vec(bounds, (b * t, 4), &Device::Cpu).expect("runs");
+            let q = seeded_tensor(&[b, kv, groups * t, d], 5, DType::F32);
+            let wide = |x: &Tensor| x.to_dtype(DType::F32).expect("widened");
+            let want =
+                attend_additive(&q, &wide(&k), &wide(&v), &mask, 0.3, groups).expect("composed");
+            assert!(attend_rows(&q, &k, &v, &seen, 0.3, groups)
+                .expect("cpu")
+                .is_none());
+            let got = apply(&q, &k, &v, &seen, 0.3, groups).expect("op");
+            assert_eq!(got.dims(), want.dims());
+            let (got, want) = (
+                got.flatten_all()
+                    .and_then(|x| x.to_vec1::<f32>())
+                    .expect("got"),
+                want.flatten_all()
+                    .and_then(|x| x.to_vec1::<f32>())
+                    .expect("want"),
+            );
+            let nan = got
+                .iter()
+                .zip(&want)
+                .filter(|(g, w)| g.is_nan() && w.is_nan());
+            // t = 3: batch row 1's first query row of each of the 2 heads' 3 groups.
+            assert_eq!(nan.count(), if t == 3 { kv * groups * d } else { 0 });
+            let diff = got
+                .iter()
+                .zip(&want)
+                .filter(|(w, _)| !w.is_nan())
+                .map(|(g, w)| (g - w).abs())
+                .fold(0f32, f32::max);
+            assert!(diff < 1e-6, "{dtype:?} t {t}: {diff}");
         }
     }
 
