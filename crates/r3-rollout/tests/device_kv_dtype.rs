@@ -98,11 +98,7 @@ fn a_sixteen_bit_cache_gives_the_f32_caches_bits() {
                 }
             }
             let hits = |e: &DeviceEngine| e.prefix_cache_stats().map_or(0, |s| s.hit_blocks);
-            // The dense family's rows capture no routes, and the device engine's prefix cache
-            // serves capturing rows only.
-            if family != "qwen3" {
-                assert!(hits(&narrow) > 0, "{family} {dtype}: prefix hits happened");
-            }
+            assert!(hits(&narrow) > 0, "{family} {dtype}: prefix hits happened");
             assert_eq!(
                 hits(&narrow),
                 hits(&wide),

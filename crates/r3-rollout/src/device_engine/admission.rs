@@ -163,7 +163,7 @@ impl DeviceEngine {
         let tokens = &w.tokens;
         let end = w.prompt_logprobs_end();
         let probe = &tokens[..prefix::servable(tokens.len(), &w.request.sampling, end)];
-        if self.geo.row() == 0 || probe.len() < bs {
+        if probe.len() < bs {
             return false;
         }
         rows.iter()
@@ -343,9 +343,6 @@ impl DeviceEngine {
         let Some(cache) = &self.cache else {
             return 0;
         };
-        if self.geo.row() == 0 {
-            return 0;
-        }
         let tokens = &w.tokens;
         let n = prefix::servable(tokens.len(), &w.request.sampling, w.prompt_logprobs_end());
         cache.peek_prefix(&tokens[..n], self.version)
@@ -398,9 +395,9 @@ impl DeviceEngine {
             top_logprobs: Vec::new(),
             routes: Vec::new(),
             route_versions: Vec::new(),
-            // The prefix cache keeps route rows beside the keys and values, so with it every
-            // row captures them.
-            capture: (request.return_routes || self.cache.is_some()) && self.geo.row() > 0,
+            // The prefix cache keeps route rows (empty for a dense model) and their weight
+            // versions beside the keys and values, so with it every row captures them.
+            capture: self.cache.is_some() || (request.return_routes && self.geo.row() > 0),
             prompt_logprobs: None,
             finish: None,
             request,

@@ -39,11 +39,13 @@ pub struct Row {
     pub logprobs: Vec<f32>,
     /// Most likely alternatives of each generated token (when asked for).
     pub top_logprobs: Vec<Vec<(u32, f32)>>,
-    /// Captured route rows of positions `0..` (`RouteGeometry::row` ids each).
+    /// Captured route rows of positions `0..` (`RouteGeometry::row` ids each; empty for a
+    /// model that routes nothing).
     pub routes: Vec<u16>,
-    /// Weight version of each captured row.
+    /// Weight version of each captured row (kept for a dense model too: the prefix cache
+    /// reads them).
     pub route_versions: Vec<u64>,
-    /// Whether routes are captured.
+    /// Whether a route row and its weight version are recorded per fed position.
     pub capture: bool,
     /// Prompt log-probs, once the prefill computed them (when asked for).
     pub prompt_logprobs: Option<crate::request::PromptLogprobs>,

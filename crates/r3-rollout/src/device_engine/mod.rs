@@ -1116,10 +1116,10 @@ fn record_prompt_logprobs(rows: &mut [Row], logits: &[f32], layout: &StepLayout)
     }
 }
 
-/// The route table `row` returns (when it captured and its request asked for routes), its
-/// captured rows then dropped.
+/// The route table `row` returns (when the model routes, the row captured and its request
+/// asked for routes), its captured rows then dropped.
 fn route_table(geo: &RouteGeometry, row: &mut Row) -> Result<Option<RouteTable>, RolloutError> {
-    if !(row.capture && row.request.return_routes) {
+    if !(row.capture && row.request.return_routes && geo.row() > 0) {
         return Ok(None);
     }
     let table = geo.table(

@@ -113,13 +113,13 @@ pub fn offer(
     geo: &RouteGeometry,
 ) -> Result<(), RolloutError> {
     let width = geo.row();
-    if !row.capture || width == 0 {
+    if !row.capture {
         return Ok(());
     }
     let bs = cache.block_size();
     // The last token is never fed; the cache holds the slots fed so far.
     let fed = (row.tokens.len().saturating_sub(1))
-        .min(row.routes.len() / width)
+        .min(row.route_versions.len())
         .min(kv.slots().saturating_sub(row.pad));
     let current = row.route_versions[..fed]
         .iter()

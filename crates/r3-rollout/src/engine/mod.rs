@@ -262,7 +262,9 @@ impl Engine {
     ) -> RequestId {
         let id = self.next_id;
         self.next_id += 1;
-        let capture = (req.return_routes || self.cache.is_some()) && self.geo.row() > 0;
+        // The prefix cache keeps route rows (empty for a dense model) and their weight
+        // versions beside the keys and values, so with it every sequence records them.
+        let capture = self.cache.is_some() || (req.return_routes && self.geo.row() > 0);
         let prompt_logprobs_end = resume
             .as_ref()
             .map_or(req.input_ids.len(), |r| r.earlier.request.input_ids.len());
@@ -284,7 +286,6 @@ impl Engine {
             capture,
             cached_tokens: 0,
             prefix_checked: false,
-            kv_version: None,
             resume,
             finish: None,
         });

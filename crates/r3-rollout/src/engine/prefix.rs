@@ -44,13 +44,12 @@ pub fn attach_cached_prefix(
             routes.extend_from_slice(&p.routes);
         }
         // Rows already captured (a preempted sequence) keep their origin.
-        let have = seq.route_rows(geo);
-        let rows = matched.min(routes.len() / geo.row().max(1));
-        if rows > have {
+        let have = seq.route_rows();
+        if matched > have {
             seq.routes
-                .extend_from_slice(&routes[have * geo.row()..rows * geo.row()]);
+                .extend_from_slice(&routes[have * geo.row()..matched * geo.row()]);
             seq.route_versions
-                .extend(std::iter::repeat_n(version, rows - have));
+                .extend(std::iter::repeat_n(version, matched - have));
         }
         seq.computed = matched;
     }
@@ -70,10 +69,10 @@ pub fn insert_sequence(
     kv_bytes: usize,
 ) {
     let bs = cache.block_size();
-    if !seq.capture || geo.row() == 0 {
+    if !seq.capture {
         return;
     }
-    let rows = seq.route_rows(geo).min(seq.computed);
+    let rows = seq.route_rows().min(seq.computed);
     let mut full = rows / bs;
     full = full.min(seq.blocks.len());
     if let Some(stale) = seq.route_versions[..full * bs]

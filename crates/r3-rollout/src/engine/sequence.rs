@@ -158,19 +158,18 @@ pub struct Sequence {
     /// End of the prompt whose log-probs are reported (a resumed call's prompt also holds
     /// the earlier output, which is not prompt to the client).
     pub prompt_logprobs_end: usize,
-    /// Captured route rows of positions `0..route_rows()` (row = `RouteGeometry::row` ids).
+    /// Captured route rows of positions `0..route_rows()` (row = `RouteGeometry::row` ids;
+    /// empty for a model that routes nothing).
     pub routes: Vec<u16>,
-    /// Weight version of each captured row.
+    /// Weight version of each captured row (kept for a dense model too: the prefix cache
+    /// reads them).
     pub route_versions: Vec<u64>,
-    /// Whether this sequence records routes.
+    /// Whether this sequence records a route row and its weight version per fed position.
     pub capture: bool,
     /// Prompt tokens served by the prefix cache.
     pub cached_tokens: usize,
     /// Whether the prefix cache was consulted for this admission.
     pub prefix_checked: bool,
-    /// Weight version when the first position was computed (KV older than the current
-    /// version must not enter the prefix cache).
-    pub kv_version: Option<u64>,
     /// Carried over from an aborted call.
     pub resume: Option<ResumeState>,
     /// Why it finished, once it has.
@@ -178,13 +177,9 @@ pub struct Sequence {
 }
 
 impl Sequence {
-    /// Number of captured route rows.
-    pub fn route_rows(&self, geo: &RouteGeometry) -> usize {
-        if geo.row() == 0 {
-            0
-        } else {
-            self.routes.len() / geo.row()
-        }
+    /// Number of captured route rows (positions recorded, one weight version each).
+    pub fn route_rows(&self) -> usize {
+        self.route_versions.len()
     }
 
     /// Tokens generated in this call.

@@ -234,19 +234,21 @@ impl Engine {
         self.capture_time += out.capture_time;
         for (span, &i) in spans.iter().zip(&span_of) {
             let seq = &mut self.running[i];
-            if let (true, Some(ids)) = (seq.capture, out.routes.as_ref()) {
+            if seq.capture {
                 let start = std::time::Instant::now();
                 for p in span.start_pos..span.start_pos + span.num_tokens {
-                    if p == seq.route_rows(&self.geo) {
-                        let t = span.first_token + (p - span.start_pos);
-                        seq.routes.extend_from_slice(&ids[t * row..(t + 1) * row]);
+                    if p == seq.route_rows() {
+                        // A dense model's forward returns no ids: its rows are empty.
+                        if let Some(ids) = out.routes.as_ref() {
+                            let t = span.first_token + (p - span.start_pos);
+                            seq.routes.extend_from_slice(&ids[t * row..(t + 1) * row]);
+                        }
                         seq.route_versions.push(version);
                     }
                 }
                 self.capture_time += start.elapsed();
             }
             seq.computed += span.num_tokens;
-            seq.kv_version.get_or_insert(version);
             // A prefill that ends here (the step fed prompt positions, or several tokens, and
             // left none pending) offers its full blocks to the cache at once, not only when
             // the sequence retires: the requests waiting for it share them next step.
