@@ -3,12 +3,14 @@ installed --no-deps; areal/engine/sglang_remote.py + areal/infra/remote_inf_engi
 `initialize(addr=...)` (health wait), `agenerate` with R3 (`return_routed_experts`) and with
 AReaL's default `max_new_tokens`, `pause_generation` / `continue_generation`, and
 `update_weights_from_disk` as its trainer drives it (the trainer's "saved" record put in
-AReaL's name_resolve, then the engine's update request to every server), and with
-`--device-url` its colocated cycle (`offload` / `onload`: /release_memory_occupation and
-/resume_memory_occupation) against a worker on the device engine. Nothing is stubbed that
-these calls use; torch / torchdata are real packages.
+AReaL's name_resolve, then the engine's update request to every server) — to other weights
+(`--other-model-dir`: greedy tokens change on every server) and back (the first tokens
+again) — and with `--device-url` its colocated cycle (`offload` / `onload`:
+/release_memory_occupation and /resume_memory_occupation, the update to the other weights
+while offloaded) against a worker on the device engine. Nothing is stubbed that these calls
+use; torch / torchdata are real packages.
 
-Usage: client_areal.py --urls URL1 URL2 --model-dir DIR [--device-url URL3]
+Usage: client_areal.py --urls URL1 URL2 --model-dir DIR --other-model-dir DIR_B [--device-url URL3]
 """
 
 import argparse
@@ -25,6 +27,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--urls", nargs="+", required=True)
     ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--other-model-dir", required=True,
+                    help="the same architecture with other weights (the updates switch to it)")
     ap.add_argument("--device-url", help="a worker on the device engine (r3 serve --device cpu-candle)")
     a = ap.parse_args()
     from areal.api.cli_args import GenerationHyperparameters, InferenceEngineConfig, NameResolveConfig
@@ -71,17 +75,40 @@ def main():
     attempt(c, "agenerate with the default max_new_tokens", default_len)
 
     def weight_cycle():
+        # As many greedy answers as servers (AReaL spreads requests over them), before the
+        # update, under the other weights, and back under the first ones.
+        answers = lambda: [greedy(eng, tok, ids) for _ in addrs]
+        before = answers()
         eng.pause_generation()
-        update_from_disk(eng, config, a.model_dir, version=1)
+        update_from_disk(eng, config, a.other_model_dir, version=1)
         eng.continue_generation()
         eng.set_version(1)
-        r = agenerate(4)
-        return len(r.output_tokens) > 0, f"after update: {r.stop_reason}"
+        other = answers()
+        eng.pause_generation()
+        update_from_disk(eng, config, a.model_dir, version=2)
+        eng.continue_generation()
+        eng.set_version(2)
+        back = answers()
+        first = before[0]
+        ok = (len(first) > 0 and all(b == first for b in before + back)
+              and all(o != first for o in other))
+        return ok, f"tokens {before} -> other weights {other} -> back {back}"
 
     attempt(c, "pause_generation / update_weights_from_disk / continue_generation", weight_cycle)
     eng.destroy()
     if a.device_url:
         offload_cycle(a, tok, ids, config)
+
+
+def greedy(eng, tok, ids):
+    """Six greedy tokens after `ids` through `eng.agenerate`."""
+    from areal.api.cli_args import GenerationHyperparameters
+    from areal.api.io_struct import ModelRequest
+
+    req = ModelRequest(input_ids=list(ids), tokenizer=tok,
+                       gconfig=GenerationHyperparameters(max_new_tokens=6, greedy=True,
+                                                         n_samples=1))
+    return asyncio.run(eng.agenerate(req)).output_tokens
 
 
 def update_from_disk(eng, config, model_dir, version):
@@ -103,12 +130,11 @@ def offload_cycle(a, tok, ids, config):
     `_onload_rollout`) against a device-engine worker: `pause` + `pause_generation`, then
     `offload()` (/release_memory_occupation, every region), the trainer's update from disk
     while the rollout is offloaded, `onload()` (/resume_memory_occupation), then
-    `continue_generation`; the same prompt then generates the same greedy tokens as before."""
+    `continue_generation`; the same prompt then generates other greedy tokens (the update
+    was to the other weights), and after an update back, the same as before."""
     import json
     import urllib.request
 
-    from areal.api.cli_args import GenerationHyperparameters
-    from areal.api.io_struct import ModelRequest
     from areal.engine.sglang_remote import RemoteSGLangEngine
 
     c = "areal"
@@ -119,32 +145,32 @@ def offload_cycle(a, tok, ids, config):
                    lambda: (eng.initialize(addr=[addr]), True)[1]):
         return
 
-    def greedy():
-        req = ModelRequest(input_ids=list(ids), tokenizer=tok,
-                           gconfig=GenerationHyperparameters(max_new_tokens=6, greedy=True,
-                                                             n_samples=1))
-        return asyncio.run(eng.agenerate(req)).output_tokens
-
     def released():
         with urllib.request.urlopen(a.device_url + "/get_server_info", timeout=30) as r:
             return json.load(r)["worker"]["memory_released"]
 
     def cycle():
-        before = greedy()
+        before = greedy(eng, tok, ids)
         eng.pause()
         eng.pause_generation()
         eng.offload()
         during = released()
-        update_from_disk(eng, config, a.model_dir, version=1)
+        update_from_disk(eng, config, a.other_model_dir, version=1)
         eng.onload()
         after_onload = released()
         eng.continue_generation()
         eng.resume()
         eng.set_version(1)
-        after = greedy()
+        after = greedy(eng, tok, ids)
+        eng.pause_generation()
+        update_from_disk(eng, config, a.model_dir, version=2)
+        eng.continue_generation()
+        eng.set_version(2)
+        back = greedy(eng, tok, ids)
         ok = (sorted(during) == ["cuda_graph", "kv_cache", "weights"] and after_onload == []
-              and after == before and len(before) > 0)
-        return ok, f"released {during}, then {after_onload}; tokens {before} -> {after}"
+              and len(before) > 0 and after != before and back == before)
+        return ok, (f"released {during}, then {after_onload}; tokens {before} -> other weights "
+                    f"{after} -> back {back}")
 
     attempt(c, "pause / offload / update_weights_from_disk / onload / continue (device worker)",
             cycle)

@@ -12,7 +12,9 @@
 # - target/interop-src/{slime,miles}: the frameworks' sources (git clone at the pinned commits
 #   below unless the directory is already there); they are imported from there.
 # - target/interop-model: MODEL_DIR's files plus a tokenizer_config.json (tokenizer class for
-#   transformers' AutoTokenizer, and a chat template that joins the messages' contents).
+#   transformers' AutoTokenizer, and a chat template that joins the messages' contents);
+#   target/interop-model-b: the same with other weights (routers negated, the LM head's rows
+#   rotated), which AReaL's weight updates switch to and back from.
 # - two `r3 serve --return-routed-experts-by-default` workers and sglang-router (round robin)
 #   in front of them, and a third worker on the device engine (`--device cpu-candle`, for
 #   AReaL's offload / onload); each client_*.py drives its client's own code and prints RESULT
@@ -72,6 +74,25 @@ cat >"$model/tokenizer_config.json" <<'EOF'
 {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
  "pad_token": "<pad>", "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}
 EOF
+# The same architecture with other weights, for the weight updates to switch to and back:
+# every router negated (tokens pick other experts), the LM head's rows rotated by one.
+model_b="$root/target/interop-model-b"
+mkdir -p "$model_b"
+cp "$model"/config.json "$model"/tokenizer.json "$model"/tokenizer_config.json "$model_b/"
+"$py" - "$model" "$model_b" <<'EOF'
+import glob, os, sys
+import numpy as np
+from safetensors.numpy import load_file, save_file
+src, dst = sys.argv[1:]
+for path in glob.glob(os.path.join(src, "*.safetensors")):
+    t = load_file(path)
+    for k, v in t.items():
+        if k.endswith(".mlp.gate.weight"):
+            t[k] = -v
+        elif k == "lm_head.weight":
+            t[k] = np.roll(v, -1, axis=0)
+    save_file(t, os.path.join(dst, os.path.basename(path)))
+EOF
 layers=$("$py" -c "import json,sys; print(json.load(open(sys.argv[1]))['num_hidden_layers'])" "$model/config.json")
 topk=$("$py" -c "import json,sys; print(json.load(open(sys.argv[1]))['num_experts_per_tok'])" "$model/config.json")
 
@@ -113,7 +134,7 @@ run() {
 : >"$logs/clients.log"
 run slime client_slime.py --pkg slime --src "$src/slime" --url "$router" --model-dir "$model" --layers "$layers" --top-k "$topk"
 run miles client_slime.py --pkg miles --src "$src/miles" --url "$router" --model-dir "$model" --layers "$layers" --top-k "$topk"
-run areal client_areal.py --urls "$w1" "$w2" --model-dir "$model" --device-url "$w3"
+run areal client_areal.py --urls "$w1" "$w2" --model-dir "$model" --other-model-dir "$model_b" --device-url "$w3"
 run verl client_verl.py --url "$w1" --model-dir "$model"
 run sglang client_sglang.py --url "$w1" --model-dir "$model"
 run openai client_openai.py --url "$w1"

@@ -3,7 +3,8 @@
 //! answers on the wire (tokens, log-probs, routes) equal the CPU engine's for the same
 //! requests, one at a time and from concurrent clients (batched together), an abort of a
 //! running request answers as on the CPU engine, and a second turn is served from the
-//! device engine's prefix cache with the routes computed cold, until a weight update. A
+//! device engine's prefix cache with the routes computed cold, until a weight update; an
+//! update to other weights serves them as a CPU engine built from them answers. A
 //! colocated trainer's cycle — pause with `retract`, release the memory, update the
 //! weights from disk, resume, continue — leaves the retracted request finishing as it
 //! would have without it.
@@ -13,7 +14,10 @@ use std::time::{Duration, Instant};
 use r3_rollout::{DeviceEngine, DeviceEngineConfig};
 use r3_server::{build_app, ServerConfig};
 
-use crate::engine::{alone, check_answer, concurrent_replies, engine, request, wire_shape, MODEL};
+use crate::engine::{
+    alone, check_answer, check_update_serves_the_new_weights, concurrent_replies, engine, request,
+    wire_shape, MODEL,
+};
 use crate::paced::Paced;
 use crate::support::{fixture, ids, TestServer};
 use serde_json::{json, Value};
@@ -46,6 +50,11 @@ fn answers_equal_the_cpu_engines_alone_and_concurrent() {
         let want = alone(request(prompt, *max_new, *seed, 0).1);
         check_answer(body, &want, &wire_shape(&reference, 0));
     }
+}
+
+#[test]
+fn an_update_from_disk_serves_the_new_weights() {
+    check_update_serves_the_new_weights(&server());
 }
 
 #[test]

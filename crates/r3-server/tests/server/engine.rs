@@ -1,7 +1,8 @@
 //! The server over the real engine and the tiny HF Qwen3-MoE oracle checkpoint: routes on
 //! the wire equal the engine's own (what `r3 generate` prints), concurrent clients get the
 //! answers they would get alone, the prefix cache reports hits, text works with a
-//! tokenizer.json, and a weight update bumps the version and empties the prefix cache.
+//! tokenizer.json, a weight update bumps the version and empties the prefix cache, and one
+//! to other weights serves them (the answers of an engine built from them).
 
 use std::path::Path;
 
@@ -12,7 +13,7 @@ use r3_routing::RouteTable;
 use r3_server::{build_app, ServerConfig, TextCodec};
 use serde_json::{json, Value};
 
-use crate::support::{fixture, ids, scratch_dir, write_tokenizer, TestServer};
+use crate::support::{fixture, ids, other_weights, scratch_dir, write_tokenizer, TestServer};
 
 pub(crate) const MODEL: &str = "qwen3_moe_tiny";
 
@@ -34,8 +35,36 @@ fn server(dir: &Path) -> TestServer {
 
 /// What the engine alone gives for a request (the reference for the server's answers).
 pub(crate) fn alone(req: GenerateRequest) -> r3_rollout::GenerateResult {
-    let mut e = engine(&fixture(MODEL));
+    alone_with(&fixture(MODEL), req)
+}
+
+/// What an engine built from the checkpoint in `dir` gives for a request alone.
+pub(crate) fn alone_with(dir: &Path, req: GenerateRequest) -> r3_rollout::GenerateResult {
+    let mut e = engine(dir);
     e.generate(vec![req]).expect("engine generates").remove(0)
+}
+
+/// A weight update from disk to other weights (`other_weights`) serves them: the answer
+/// after it — tokens, log-probs, routes on the wire — is what an engine built from that
+/// checkpoint gives, and differs from the answer before it. `server` serves the fixture.
+pub(crate) fn check_update_serves_the_new_weights(server: &TestServer) {
+    let other = other_weights(MODEL);
+    let (body, req) = request(&[3, 17, 42, 99, 7, 11], 6, 5, 0);
+    let before = server.post("/generate", &body);
+    assert_eq!(before.status, 200, "{}", before.text);
+    let shape = wire_shape(&engine(&other), 0);
+    check_answer(&before.body, &alone(req.clone()), &shape);
+    let r = server.post("/update_weights_from_disk", &json!({"model_path": other}));
+    assert_eq!(r.status, 200, "{}", r.text);
+    let after = server.post("/generate", &body);
+    assert_eq!(after.status, 200, "{}", after.text);
+    check_answer(&after.body, &alone_with(&other, req), &shape);
+    for what in ["output_ids", "meta_info"] {
+        assert_ne!(after.body[what], before.body[what], "{what} changed");
+    }
+    let routes = |r: &Value| r["meta_info"]["routed_experts"].clone();
+    assert_ne!(routes(&after.body), routes(&before.body), "routes changed");
+    let _ = std::fs::remove_dir_all(&other);
 }
 
 pub(crate) fn request(
@@ -229,6 +258,11 @@ fn update_weights_from_disk_bumps_version_and_empties_the_prefix_cache() {
     );
     // Same weights were reloaded, so the answer is unchanged.
     assert_eq!(after.body["output_ids"], again.body["output_ids"]);
+}
+
+#[test]
+fn an_update_from_disk_serves_the_new_weights() {
+    check_update_serves_the_new_weights(&server(&fixture(MODEL)));
 }
 
 #[test]

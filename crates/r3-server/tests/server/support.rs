@@ -233,3 +233,36 @@ pub fn write_tokenizer(dir: &std::path::Path, vocab: usize) {
     });
     std::fs::write(dir.join("tokenizer.json"), tok.to_string()).expect("write tokenizer.json");
 }
+
+/// A scratch checkpoint of fixture `name`'s architecture holding other weights (removed by
+/// the caller): every router's weights negated, so tokens pick other experts, and the LM
+/// head's rows rotated by one, so every token's logit is another's. A weight update to it
+/// must change the answers, routes included.
+pub fn other_weights(name: &str) -> PathBuf {
+    use candle_core::{Device, Tensor};
+    let dir = scratch_dir("other-weights");
+    std::fs::copy(fixture(name).join("config.json"), dir.join("config.json")).expect("copy");
+    let mut tensors =
+        candle_core::safetensors::load(fixture(name).join("model.safetensors"), &Device::Cpu)
+            .expect("fixture weights");
+    let mut routers = 0;
+    for (key, t) in tensors.iter_mut() {
+        if key.ends_with(".mlp.gate.weight") {
+            *t = t.neg().expect("negated");
+            routers += 1;
+        } else if key == "lm_head.weight" {
+            let rows = t.dim(0).expect("rows");
+            *t = Tensor::cat(
+                &[
+                    t.narrow(0, 1, rows - 1).expect("rows 1.."),
+                    t.narrow(0, 0, 1).expect("row 0"),
+                ],
+                0,
+            )
+            .expect("rotated");
+        }
+    }
+    assert!(routers > 0, "{name} has routers to negate");
+    candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).expect("save");
+    dir
+}
