@@ -25,6 +25,7 @@ pub mod device_backend;
 pub mod error;
 pub mod fields;
 pub mod generate;
+pub mod heap;
 pub mod limits;
 pub mod memory;
 pub mod openai;

@@ -15,6 +15,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::backend::{InferenceBackend, MemoryRegions, ModelSummary, StagedWeights};
 use super::error::ApiError;
+use super::heap::return_free_heap;
 use super::stop::StopMatcher;
 use r3_rollout::error::RolloutError;
 use r3_rollout::prefix_cache::PrefixCacheStats;
@@ -331,6 +332,8 @@ fn run<B: InferenceBackend>(
     mut rx: mpsc::UnboundedReceiver<Command>,
     mut book: Book,
 ) {
+    // The checkpoint the engine was built from is gone by now; its pages go back.
+    return_free_heap();
     loop {
         if backend.in_flight() == 0 || book.holds_steps() {
             match rx.blocking_recv() {
@@ -418,6 +421,9 @@ impl Book {
                 // as soon as the update call returns.
                 self.publish(backend, |_| {});
                 let _ = reply.send(result);
+                // The staged weights and the ones they replaced (or a refused update's) are
+                // freed by now.
+                return_free_heap();
             }
             Command::Abort { rid, reply } => {
                 let n = match rid {
@@ -455,6 +461,8 @@ impl Book {
                 let result = self.resume_memory(backend, regions);
                 self.publish(backend, |_| {});
                 let _ = reply.send(result);
+                // The host copy of weights brought back to the device is freed.
+                return_free_heap();
             }
         }
     }
