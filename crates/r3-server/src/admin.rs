@@ -14,6 +14,7 @@ use serde_json::{json, Value};
 use super::backend::StagedWeights;
 use super::error::ApiError;
 use super::fields::parse_body;
+use super::heap::return_free_heap;
 use super::policy::UPDATE_WEIGHTS;
 use super::weights_update::allowed_dir;
 use super::worker::{Job, PauseMode};
@@ -169,9 +170,17 @@ pub async fn update_weights(
     let weights = match state.stager() {
         Some(stager) => {
             let from = dir.clone();
-            let staged = tokio::task::spawn_blocking(move || stager.stage(&from))
-                .await
-                .map_err(|_| ApiError::internal("the weight loader thread panicked"))?;
+            let staged = tokio::task::spawn_blocking(move || {
+                let staged = stager.stage(&from);
+                // A refused checkpoint never reaches the worker, whose trim after an update
+                // would hand its memory back: done here.
+                if staged.is_err() {
+                    return_free_heap();
+                }
+                staged
+            })
+            .await
+            .map_err(|_| ApiError::internal("the weight loader thread panicked"))?;
             Some(staged.map_err(|e| match e {
                 RolloutError::WeightDir { .. } => ApiError::from(e),
                 e => ApiError::from(e).context(&format!("loading weights from {}", dir.display())),

@@ -77,7 +77,16 @@ impl InferenceBackend for DeviceEngine {
         if regions.weights {
             self.offload_weights()?;
         }
-        Ok(r3_model::device::device_memory(self.device())?.map(|(free, _)| free))
+        // The regions are released by now: a failed reading of the free memory must not
+        // report the release as failed (the worker would then step an engine whose weights
+        // are on the host, and refuse to resume them).
+        match r3_model::device::device_memory(self.device()) {
+            Ok(memory) => Ok(memory.map(|(free, _)| free)),
+            Err(e) => {
+                tracing::warn!(error = %e, "memory released; the device's free memory could not be read");
+                Ok(None)
+            }
+        }
     }
 
     fn resume_memory(&mut self, regions: MemoryRegions) -> Result<(), RolloutError> {

@@ -112,7 +112,8 @@ enum Command {
 pub struct WorkerStats {
     /// Engine steps run.
     pub steps: u64,
-    /// Requests finished (including aborted ones).
+    /// Requests ended: finished, aborted (by a client, a pause, an update or a stop string)
+    /// or failed; each counted once.
     pub finished_requests: u64,
     /// Largest number of requests in flight together during one step.
     pub max_batch_in_flight: usize,
@@ -162,6 +163,8 @@ struct Book {
     /// Regions `/release_memory_occupation` let go, not yet resumed.
     released: MemoryRegions,
     label: String,
+    /// Requests ended so far (`WorkerStats::finished_requests`).
+    ended: u64,
     stats: Arc<Mutex<WorkerStats>>,
 }
 
@@ -192,6 +195,7 @@ impl EngineHandle {
             paused: false,
             released: MemoryRegions::default(),
             label: INITIAL_WEIGHT_VERSION.to_string(),
+            ended: 0,
             stats: Arc::clone(&stats),
         };
         let thread = std::thread::Builder::new()
@@ -351,16 +355,15 @@ fn run<B: InferenceBackend>(
             continue;
         }
         let outcome = catch_unwind(AssertUnwindSafe(|| backend.step()));
-        let mut finished = match outcome {
+        match outcome {
             Ok(Ok(results)) => book.finish(results),
             Ok(Err(e)) => book.fail_named(&mut backend, e),
             Err(_) => book.fail_all(&mut backend, &ApiError::internal("the engine panicked")),
-        };
-        finished += book.stop_on_strings(&mut backend);
+        }
+        book.stop_on_strings(&mut backend);
         book.send_progress(&backend);
         book.publish(&backend, |s| {
             s.steps += 1;
-            s.finished_requests += finished as u64;
             s.max_batch_in_flight = s.max_batch_in_flight.max(batch);
             s.sum_batch_in_flight += batch as u64;
         });
@@ -378,6 +381,7 @@ impl Book {
         let (waiting, running) = backend.queue_lengths();
         let mut s = self.stats.lock().unwrap_or_else(PoisonError::into_inner);
         more(&mut s);
+        s.finished_requests = self.ended;
         s.weight_version.clone_from(&self.label);
         s.waiting = waiting;
         s.running = running;
@@ -430,6 +434,9 @@ impl Book {
                     Some(rid) => self.abort_where(backend, |r| r == rid),
                     None => self.abort_where(backend, |_| true),
                 };
+                // Published before the reply, as every other command: `/v1/loads` read right
+                // after the abort no longer counts the aborted requests.
+                self.publish(backend, |_| {});
                 let _ = reply.send(n);
             }
             Command::Pause { mode, reply } => {
@@ -576,9 +583,8 @@ impl Book {
         );
     }
 
-    /// Files finished results; answers batches that are complete. Returns how many finished.
-    fn finish(&mut self, results: Vec<GenerateResult>) -> usize {
-        let n = results.len();
+    /// Files finished results; answers batches that are complete.
+    fn finish(&mut self, results: Vec<GenerateResult>) {
         for mut r in results {
             let Some(slot) = self.slots.remove(&r.id) else {
                 continue;
@@ -594,11 +600,11 @@ impl Book {
             }
             self.file(slot, r, matched);
         }
-        n
     }
 
     /// Puts one finished result into its batch and answers the batch if complete.
     fn file(&mut self, slot: Slot, result: GenerateResult, matched_stop: Option<String>) {
+        self.ended += 1;
         let done = Finished {
             result,
             matched_stop,
@@ -615,7 +621,7 @@ impl Book {
     }
 
     /// Ends the running requests whose output text now contains one of their stop strings.
-    fn stop_on_strings<B: InferenceBackend>(&mut self, backend: &mut B) -> usize {
+    fn stop_on_strings<B: InferenceBackend>(&mut self, backend: &mut B) {
         let hits: Vec<(RequestId, String)> = self
             .slots
             .iter()
@@ -625,31 +631,46 @@ impl Book {
                 m.check(&out).map(|s| (id, s))
             })
             .collect();
-        let mut n = 0;
         for (id, matched) in hits {
             let Some(slot) = self.slots.remove(&id) else {
                 continue;
             };
-            if let Some(b) = self.batches.get(&slot.batch) {
-                if let Some(rid) = b.rids.get(slot.index) {
-                    self.by_rid.remove(rid);
-                }
-            }
             match backend.abort(id) {
                 Ok(Some(p)) => {
+                    if let Some(rid) = self.rid_of(&slot) {
+                        self.forget_rid(&rid, id);
+                    }
                     let mut r = aborted_result(id, p, backend.weight_version());
                     r.finish = FinishReason::StopString;
                     self.file(slot, r, Some(matched));
-                    n += 1;
                 }
-                Ok(None) => {}
+                // Finished already: a result a failed step held back comes out of the next
+                // step, which files it in its slot (its rid stays in flight until then).
+                Ok(None) => {
+                    self.slots.insert(id, slot);
+                }
                 Err(e) => {
                     self.slots.insert(id, slot);
                     self.fail_after_abort(backend, id, e);
                 }
             }
         }
-        n
+    }
+
+    /// The rid of the request in `slot`.
+    fn rid_of(&self, slot: &Slot) -> Option<String> {
+        self.batches
+            .get(&slot.batch)
+            .and_then(|b| b.rids.get(slot.index))
+            .cloned()
+    }
+
+    /// Frees `rid` for reuse where it still names request `id`: once a request has ended
+    /// its rid may be taken by a new request, whose entry must stay.
+    fn forget_rid(&mut self, rid: &str, id: RequestId) {
+        if self.by_rid.get(rid) == Some(&id) {
+            self.by_rid.remove(rid);
+        }
     }
 
     /// Sends each streamed request's tokens produced since the last send. A closed channel
@@ -678,8 +699,8 @@ impl Book {
             return;
         }
         if let Some(b) = self.batches.remove(&batch) {
-            for rid in &b.rids {
-                self.by_rid.remove(rid);
+            for (rid, &id) in b.rids.iter().zip(&b.ids) {
+                self.forget_rid(rid, id);
             }
             let results: Vec<Finished> = b.results.into_iter().flatten().collect();
             let _ = b.reply.send(Ok(results));
@@ -728,23 +749,25 @@ impl Book {
             .collect();
         let mut n = 0;
         for (rid, id) in chosen {
-            self.by_rid.remove(&rid);
             let Some(slot) = self.slots.remove(&id) else {
+                self.forget_rid(&rid, id);
                 continue;
             };
             let result = match backend.abort(id) {
                 Ok(Some(p)) => aborted_result(id, p, backend.weight_version()),
                 // Finished already: a result a failed step held back comes out of the next
-                // step, which files it in its slot.
+                // step, which files it in its slot (its rid stays in flight until then).
                 Ok(None) => {
                     self.slots.insert(id, slot);
                     continue;
                 }
                 Err(e) => {
+                    self.slots.insert(id, slot);
                     self.fail_after_abort(backend, id, e);
                     continue;
                 }
             };
+            self.forget_rid(&rid, id);
             n += 1;
             self.file(slot, result, None);
         }
@@ -767,9 +790,8 @@ impl Book {
 
     /// After an engine call that failed: the engine names the requests it dropped, and only
     /// their batches fail, the others going on (what finished meanwhile comes out of the
-    /// next step); an error that names none fails every open request. Returns how many
-    /// requests ended.
-    fn fail_named<B: InferenceBackend>(&mut self, backend: &mut B, e: RolloutError) -> usize {
+    /// next step); an error that names none fails every open request.
+    fn fail_named<B: InferenceBackend>(&mut self, backend: &mut B, e: RolloutError) {
         match failed_requests(&e) {
             Some(ids) => self.fail_requests(backend, &ids, &ApiError::from(e)),
             None => self.fail_all(backend, &ApiError::from(e)),
@@ -784,10 +806,9 @@ impl Book {
         backend: &mut B,
         ids: &[RequestId],
         err: &ApiError,
-    ) -> usize {
+    ) {
         tracing::error!(error = %err, requests = ids.len(), "engine step failed; failing the requests it named");
         let mut pending = ids.to_vec();
-        let mut n = 0;
         // Each round removes the batches it fails, so the rounds end.
         while !pending.is_empty() {
             let hit: Vec<u64> = self
@@ -801,16 +822,15 @@ impl Book {
                 let Some(b) = self.batches.remove(&number) else {
                     continue;
                 };
-                n += b.ids.len();
                 pending.extend(self.fail_batch(backend, b, err));
             }
         }
-        n
     }
 
     /// Answers batch `b` with `err` (a 503 where the error is one, else a 500) and aborts and
-    /// forgets its requests; returns the requests an abort that failed says the engine
-    /// dropped besides.
+    /// forgets its requests (those still open count as ended; its finished ones were counted
+    /// when filed); returns the requests an abort that failed says the engine dropped
+    /// besides.
     fn fail_batch<B: InferenceBackend>(
         &mut self,
         backend: &mut B,
@@ -822,10 +842,12 @@ impl Book {
             if let Err(e) = backend.abort(id) {
                 dropped.extend(failed_requests(&e).unwrap_or_default());
             }
-            self.slots.remove(&id);
+            if self.slots.remove(&id).is_some() {
+                self.ended += 1;
+            }
         }
-        for rid in &b.rids {
-            self.by_rid.remove(rid);
+        for (rid, &id) in b.rids.iter().zip(&b.ids) {
+            self.forget_rid(rid, id);
         }
         let message = format!("engine step failed: {}", err.message);
         // A step that ran the device out of memory is a 503 (retry later, or smaller);
@@ -841,18 +863,15 @@ impl Book {
     }
 
     /// After an engine failure: every open batch gets the error, every request is aborted.
-    fn fail_all<B: InferenceBackend>(&mut self, backend: &mut B, err: &ApiError) -> usize {
+    fn fail_all<B: InferenceBackend>(&mut self, backend: &mut B, err: &ApiError) {
         tracing::error!(error = %err, "engine step failed; failing all open requests");
-        let mut n = 0;
         let batches: Vec<Batch> = self.batches.drain().map(|(_, b)| b).collect();
         for b in batches {
-            n += b.ids.len();
             // Every batch fails here: what an abort says it dropped is among them.
             self.fail_batch(backend, b, err);
         }
         self.slots.clear();
         self.by_rid.clear();
-        n
     }
 }
 

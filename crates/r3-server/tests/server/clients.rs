@@ -578,3 +578,84 @@ fn sglang_select_prompt_only_requests() {
         r.text
     );
 }
+
+/// A rid freed by an abort while its batch stays open may be taken by a new request, and
+/// that request stays abortable by it when the old batch later completes (the old batch's
+/// end must not forget the new request's rid); `/v1/loads` counts an aborted request out
+/// as soon as the abort answers; `/get_server_info`'s `finished_requests` counts each
+/// ended request once — aborted ones, and a failed batch's requests (one of which had
+/// finished in the failed step, its result held back by the engine).
+#[test]
+fn a_reused_rid_stays_abortable_and_ended_requests_count_once() {
+    let server = server(false, |_| {});
+    let in_flight = || server.get("/v1/loads").body["loads"][0]["num_total_reqs"].clone();
+    let ended = || server.get("/get_server_info").body["worker"]["finished_requests"].clone();
+    let wait_for = |n: u64| {
+        for _ in 0..500 {
+            if in_flight() == n {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        panic!("never {n} requests in flight: {}", in_flight());
+    };
+    let p = server.post("/pause_generation", &json!({"mode": "in_place"}));
+    assert_eq!(p.status, 200, "{}", p.text);
+    std::thread::scope(|s| {
+        let pair = s.spawn(|| {
+            server.post(
+                "/generate",
+                &json!({"input_ids": [[2, 3], [4, 5]], "rid": ["a", "b"],
+                        "sampling_params": {"max_new_tokens": 8}}),
+            )
+        });
+        wait_for(2);
+        let abort = |rid: &str| {
+            let r = server.post("/abort_request", &json!({ "rid": rid }));
+            assert_eq!(r.status, 200, "{}", r.text);
+            r.body["aborted"].clone()
+        };
+        let aborted = abort("a");
+        assert_eq!(in_flight(), 1, "counted out when the abort answers");
+        assert_eq!(aborted, 1);
+        let again = s.spawn(|| {
+            server.post(
+                "/generate",
+                &json!({"input_ids": [7, 8], "rid": "a", "sampling_params": {"max_new_tokens": 8}}),
+            )
+        });
+        wait_for(2);
+        // The first batch completes; the new "a" must stay known.
+        assert_eq!(abort("b"), 1);
+        let first = pair.join().expect("client thread");
+        assert_eq!(first.status, 200, "{}", first.text);
+        wait_for(1);
+        let aborted = abort("a");
+        if aborted != 1 {
+            // Generation goes on, so the client thread ends and the failure reads as one.
+            server.raw("POST", "/continue_generation", b"");
+        }
+        assert_eq!(aborted, 1, "the new request of rid a is aborted by it");
+        let second = again.join().expect("client thread");
+        assert_eq!(second.status, 200, "{}", second.text);
+        assert_eq!(second.body["meta_info"]["finish_reason"]["type"], "abort");
+        assert_eq!(second.body["meta_info"]["id"], "a");
+        assert_eq!(in_flight(), 0);
+    });
+    assert_eq!(ended(), 3, "three requests aborted");
+    assert_eq!(server.raw("POST", "/continue_generation", b"").status, 200);
+    // A batch whose poisoned sample fails the step its other sample finishes in: both end.
+    let failed = server.post(
+        "/generate",
+        &json!({"input_ids": [[2, 3], [fake::POISON, 4]], "sampling_params": {"max_new_tokens": 1}}),
+    );
+    assert_eq!(failed.status, 503, "{}", failed.text);
+    wait_for(0);
+    // The held result comes out of a later step; it must not count the request again.
+    let done = server.post(
+        "/generate",
+        &json!({"input_ids": [5], "sampling_params": {"max_new_tokens": 2}}),
+    );
+    assert_eq!(done.status, 200, "{}", done.text);
+    assert_eq!(ended(), 6, "two failed, one finished");
+}
