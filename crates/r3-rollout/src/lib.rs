@@ -18,6 +18,7 @@ pub mod device_engine;
 pub mod dtype;
 pub mod engine;
 pub mod error;
+mod generate_call;
 pub mod kernels;
 pub mod kv_pool;
 pub mod model;

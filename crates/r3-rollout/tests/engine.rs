@@ -381,3 +381,146 @@ fn capture_work_is_timed_only_when_routes_are_captured() {
     assert!(out.iter().all(|r| r.routes.is_some()));
     assert!(on.capture_seconds() > 0.0);
 }
+
+/// The calls the tests below make, on either engine.
+trait Calls {
+    fn submit(&mut self, req: GenerateRequest) -> Result<u64, r3_rollout::RolloutError>;
+    fn step(&mut self) -> Result<Vec<r3_rollout::GenerateResult>, r3_rollout::RolloutError>;
+    fn abort(&mut self, id: u64) -> Option<r3_rollout::PartialRollout>;
+    fn resume(&mut self, p: r3_rollout::PartialRollout) -> u64;
+    fn has_work(&self) -> bool;
+    fn generate(
+        &mut self,
+        reqs: Vec<GenerateRequest>,
+    ) -> Result<Vec<r3_rollout::GenerateResult>, r3_rollout::RolloutError>;
+}
+
+macro_rules! calls_of {
+    ($engine:ty) => {
+        impl Calls for $engine {
+            fn submit(&mut self, req: GenerateRequest) -> Result<u64, r3_rollout::RolloutError> {
+                <$engine>::submit(self, req)
+            }
+            fn step(
+                &mut self,
+            ) -> Result<Vec<r3_rollout::GenerateResult>, r3_rollout::RolloutError> {
+                <$engine>::step(self)
+            }
+            fn abort(&mut self, id: u64) -> Option<r3_rollout::PartialRollout> {
+                <$engine>::abort(self, id).expect("abort")
+            }
+            fn resume(&mut self, p: r3_rollout::PartialRollout) -> u64 {
+                <$engine>::resume(self, p, MergePolicy::KeepPerTokenOrigin).expect("resume")
+            }
+            fn has_work(&self) -> bool {
+                <$engine>::has_work(self)
+            }
+            fn generate(
+                &mut self,
+                reqs: Vec<GenerateRequest>,
+            ) -> Result<Vec<r3_rollout::GenerateResult>, r3_rollout::RolloutError> {
+                <$engine>::generate(self, reqs)
+            }
+        }
+    };
+}
+calls_of!(r3_rollout::Engine);
+calls_of!(r3_rollout::DeviceEngine);
+
+/// Both engines over `name`, each feeding a prefill at most 4 positions a step and without
+/// a prefix cache (so a resumed request's prefill takes several steps).
+fn both_engines(name: &str) -> Vec<(&'static str, Box<dyn Calls>)> {
+    let cpu = r3_rollout::Engine::from_dir(
+        &model_dir(name),
+        r3_rollout::EngineConfig {
+            dtype: Dtype::F32,
+            max_batch_tokens: 4,
+            max_prefill_tokens: Some(4),
+            prefix_cache: false,
+            ..r3_rollout::EngineConfig::default()
+        },
+    )
+    .expect("cpu engine");
+    let device = r3_rollout::DeviceEngine::from_dir(
+        &model_dir(name),
+        r3_rollout::DeviceEngineConfig {
+            max_prefill_tokens: Some(4),
+            prefix_cache: false,
+            ..r3_rollout::DeviceEngineConfig::default()
+        },
+    )
+    .expect("device engine");
+    vec![("cpu", Box::new(cpu)), ("device", Box::new(device))]
+}
+
+/// A resumed request aborted before it samples — waiting, or part way through the prefill
+/// of its prompt (the first call's prompt and output) — hands back what the first call
+/// made, tokens, log-probs and routes as they were; resumed again it finishes as the
+/// uninterrupted request does. On both engines.
+#[test]
+fn a_resumed_request_aborted_before_it_samples_returns_the_first_calls_partial() {
+    let name = "qwen3_moe_tiny";
+    let (p, params) = (prompt(5, 12), sampled(11, 14));
+    let want = engine(name, Dtype::F32, false)
+        .generate(vec![GenerateRequest::new(p.clone(), params.clone())])
+        .expect("uninterrupted")
+        .remove(0);
+    for (which, mut e) in both_engines(name) {
+        let id = e
+            .submit(GenerateRequest::new(p.clone(), params.clone()))
+            .expect("submit");
+        for _ in 0..8 {
+            e.step().expect("step");
+        }
+        let first = e.abort(id).expect("running");
+        assert!(!first.output_ids.is_empty(), "{which}: tokens made");
+        for steps in [0, 2] {
+            let rid = e.resume(first.clone());
+            // The first call's prompt and output, 18 positions at 4 a step: still
+            // prefilling after 2.
+            for _ in 0..steps {
+                assert!(e.step().expect("step").is_empty(), "{which}");
+            }
+            let again = e.abort(rid).expect("queued or prefilling");
+            assert_eq!(
+                again.output_ids, first.output_ids,
+                "{which} after {steps} steps"
+            );
+            assert_eq!(again.output_logprobs, first.output_logprobs, "{which}");
+            assert_eq!(again.routes, first.routes, "{which}: routes");
+            assert!(!e.has_work(), "{which}");
+        }
+        let rid = e.resume(first);
+        let mut done = Vec::new();
+        while e.has_work() {
+            done.extend(e.step().expect("step"));
+        }
+        let r = done.into_iter().find(|r| r.id == rid).expect("finished");
+        assert_eq!(r.output_ids, want.output_ids, "{which}");
+        assert_eq!(r.routes, want.routes, "{which}");
+    }
+}
+
+/// A `generate` that fails (its second request refused) leaves none of its requests behind:
+/// the engine has no work, and the next call's request runs alone, as on a fresh engine.
+#[test]
+fn a_failed_generate_leaves_no_request_behind() {
+    let name = "qwen3_moe_tiny";
+    let good = GenerateRequest::new(prompt(2, 9), sampled(3, 6));
+    let bad = GenerateRequest::new(Vec::new(), sampled(4, 6));
+    let next = GenerateRequest::new(prompt(7, 5), sampled(8, 6));
+    for ((which, mut e), (_, mut fresh)) in both_engines(name).into_iter().zip(both_engines(name)) {
+        assert!(
+            e.generate(vec![good.clone(), bad.clone()]).is_err(),
+            "{which}"
+        );
+        assert!(
+            !e.has_work(),
+            "{which}: the refused call's requests are gone"
+        );
+        let got = e.generate(vec![next.clone()]).expect("next call").remove(0);
+        let want = fresh.generate(vec![next.clone()]).expect("fresh").remove(0);
+        assert_eq!(got.output_ids, want.output_ids, "{which}");
+        assert_eq!(got.output_logprobs, want.output_logprobs, "{which}");
+    }
+}

@@ -77,6 +77,7 @@ use crate::engine::config_eos_ids;
 use crate::engine::next_token::{sample_slots, NextTokenLogits, NextTokenSlot};
 use crate::engine::sequence::RouteGeometry;
 use crate::error::RolloutError;
+use crate::generate_call::{generate_all, StepEngine};
 use crate::kernels::ops::log_softmax_at;
 use crate::model::tensors::{load_dir_with, TensorMap};
 use crate::prefix_cache::{PrefixCache, PrefixCacheStats};
@@ -516,55 +517,7 @@ impl DeviceEngine {
     ) -> Result<Vec<GenerateResult>, RolloutError> {
         // An engine that can run no step (weights released or torn) takes nothing in.
         self.check_weights_whole()?;
-        let mut ids = Vec::with_capacity(reqs.len());
-        for r in reqs {
-            match self.submit(r) {
-                Ok(id) => ids.push(id),
-                Err(e) => {
-                    self.abort_all_of(&ids);
-                    return Err(e);
-                }
-            }
-        }
-        let mut done = std::collections::HashMap::new();
-        while ids.iter().any(|id| !done.contains_key(id)) {
-            if !self.has_work() {
-                return Err(RolloutError::InvalidRequest(
-                    "requests vanished before finishing (aborted?)".into(),
-                ));
-            }
-            match self.step() {
-                Ok(results) => {
-                    for r in results {
-                        done.insert(r.id, r);
-                    }
-                }
-                Err(e) => {
-                    // The call's requests still queued or running go with it: left behind,
-                    // they would join (and change the batches of) the next call.
-                    let left: Vec<RequestId> = ids
-                        .iter()
-                        .copied()
-                        .filter(|id| !done.contains_key(id))
-                        .collect();
-                    self.abort_all_of(&left);
-                    return Err(e);
-                }
-            }
-        }
-        Ok(ids.iter().filter_map(|id| done.remove(id)).collect())
-    }
-
-    /// Aborts each of `ids` still queued or running (a failed [`DeviceEngine::generate`]'s
-    /// own requests), logging an abort that fails.
-    fn abort_all_of(&mut self, ids: &[RequestId]) {
-        for &id in ids {
-            if let Err(e) = self.abort(id) {
-                tracing::warn!(error = %e, id, "a failed generate's request could not be aborted");
-            }
-        }
-        // Results held back for the next step belong to this call too.
-        self.finished.retain(|r| !ids.contains(&r.id));
+        generate_all(self, reqs)
     }
 
     /// Runs one step: one decode token for every running sequence, then the prefill (and
@@ -652,8 +605,18 @@ impl DeviceEngine {
         self.advance(&mut joining)
             .map_err(|e| step_failed(&joining.rows, e))?;
         if !joining.prefilled {
-            // Admission runs one prefill in chunks at a time.
-            debug_assert!(self.prefilling.is_none(), "a second prefill in chunks");
+            // Admission runs one prefill in chunks at a time; should a second ever reach
+            // here, its requests fail by name rather than the first being overwritten and
+            // lost without an answer.
+            if self.prefilling.is_some() {
+                return Err(step_failed(
+                    &joining.rows,
+                    RolloutError::InvalidConfig(
+                        "a second prefill in chunks while one runs (admission runs one at a time)"
+                            .into(),
+                    ),
+                ));
+            }
             self.prefilling = Some(joining);
             return Ok(());
         }
@@ -1113,6 +1076,30 @@ fn record_prompt_logprobs(rows: &mut [Row], logits: &[f32], layout: &StepLayout)
                 out.top_logprobs.push(top_logprobs(logits, top));
             }
         }
+    }
+}
+
+impl StepEngine for DeviceEngine {
+    fn submit(&mut self, req: GenerateRequest) -> Result<RequestId, RolloutError> {
+        DeviceEngine::submit(self, req)
+    }
+
+    fn step(&mut self) -> Result<Vec<GenerateResult>, RolloutError> {
+        DeviceEngine::step(self)
+    }
+
+    fn has_work(&self) -> bool {
+        DeviceEngine::has_work(self)
+    }
+
+    fn abort_all_of(&mut self, ids: &[RequestId]) {
+        for &id in ids {
+            if let Err(e) = self.abort(id) {
+                tracing::warn!(error = %e, id, "a failed generate's request could not be aborted");
+            }
+        }
+        // Results held back for the next step belong to this call too.
+        self.finished.retain(|r| !ids.contains(&r.id));
     }
 }
 

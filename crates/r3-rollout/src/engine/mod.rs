@@ -8,7 +8,7 @@ mod prefix;
 pub(crate) mod sequence;
 mod step;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::path::Path;
 
 use r3_model::{check_map_holds, Config, HeldTensors, LoadOptions};
@@ -18,6 +18,7 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::dtype::{Dtype, KvCacheDtype, RouterDtype};
 use crate::error::RolloutError;
+use crate::generate_call::{generate_all, StepEngine};
 use crate::kernels::attention::SeqSpan;
 use crate::kv_pool::KvPool;
 use crate::model::tensors::{load_dir_with, TensorMap};
@@ -320,6 +321,14 @@ impl Engine {
                 self.pool.block_bytes(),
             );
         }
+        // A resumed request that has sampled nothing since holds what the call it continues
+        // made, and no more: its route rows may not yet reach where that call's ended (its
+        // prefill not done), which the merge of the two calls would refuse.
+        if seq.generated().is_empty() {
+            if let Some(resume) = seq.resume {
+                return Ok(Some(resume.earlier));
+            }
+        }
         let original = match &seq.resume {
             Some(r) => r.earlier.request.clone(),
             None => seq.request.clone(),
@@ -365,27 +374,13 @@ impl Engine {
         Ok(self.enqueue(req, rng, Some(resume)))
     }
 
-    /// Submits all requests and steps until they finish; results in input order.
+    /// Submits all requests and steps until they finish; results in input order. On an
+    /// error (a request refused, a step failed) none of them is left queued or running.
     pub fn generate(
         &mut self,
         reqs: Vec<GenerateRequest>,
     ) -> Result<Vec<GenerateResult>, RolloutError> {
-        let ids = reqs
-            .into_iter()
-            .map(|r| self.submit(r))
-            .collect::<Result<Vec<_>, _>>()?;
-        let mut done: HashMap<RequestId, GenerateResult> = HashMap::new();
-        while ids.iter().any(|id| !done.contains_key(id)) {
-            if !self.has_work() {
-                return Err(RolloutError::InvalidRequest(
-                    "requests vanished before finishing (aborted?)".into(),
-                ));
-            }
-            for r in self.step()? {
-                done.insert(r.id, r);
-            }
-        }
-        Ok(ids.iter().filter_map(|id| done.remove(id)).collect())
+        generate_all(self, reqs)
     }
 
     /// Loads new weights (same config) from HF-named tensors, e.g. the trainer's, without a
@@ -541,5 +536,27 @@ pub fn config_eos_ids(cfg: &Config) -> Vec<u32> {
             .map(|v| v as u32)
             .collect(),
         _ => Vec::new(),
+    }
+}
+
+impl StepEngine for Engine {
+    fn submit(&mut self, req: GenerateRequest) -> Result<RequestId, RolloutError> {
+        Engine::submit(self, req)
+    }
+
+    fn step(&mut self) -> Result<Vec<GenerateResult>, RolloutError> {
+        Engine::step(self)
+    }
+
+    fn has_work(&self) -> bool {
+        Engine::has_work(self)
+    }
+
+    fn abort_all_of(&mut self, ids: &[RequestId]) {
+        for &id in ids {
+            if let Err(e) = self.abort(id) {
+                tracing::warn!(error = %e, id, "a failed generate's request could not be aborted");
+            }
+        }
     }
 }
