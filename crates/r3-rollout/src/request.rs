@@ -114,3 +114,26 @@ pub struct PartialRollout {
     /// Weight version at the abort.
     pub weight_version: u64,
 }
+
+impl PartialRollout {
+    /// What an aborted request of the original request `request` made: the result its row
+    /// or sequence gave at the abort (a resumed call's already completed with the call it
+    /// continues), the sampler stream where it stopped and the weight version then.
+    pub fn from_result(
+        request: GenerateRequest,
+        result: GenerateResult,
+        rng: ChaCha8Rng,
+        weight_version: u64,
+    ) -> Self {
+        PartialRollout {
+            request,
+            output_ids: result.output_ids,
+            output_logprobs: result.output_logprobs,
+            output_top_logprobs: result.output_top_logprobs,
+            prompt_logprobs: result.prompt_logprobs,
+            routes: result.routes,
+            rng,
+            weight_version,
+        }
+    }
+}

@@ -109,15 +109,11 @@ impl DeviceEngine {
             self.capture_time += started.elapsed();
         }
         let result = self.result(row, routes)?;
-        Ok(PartialRollout {
+        Ok(PartialRollout::from_result(
             request,
-            output_ids: result.output_ids,
-            output_logprobs: result.output_logprobs,
-            output_top_logprobs: result.output_top_logprobs,
-            prompt_logprobs: result.prompt_logprobs,
-            routes: result.routes,
+            result,
             rng,
-            weight_version: self.version,
-        })
+            self.version,
+        ))
     }
 }

@@ -335,16 +335,12 @@ impl Engine {
         };
         let rng = seq.rng.clone();
         let result = seq.into_result(&self.geo, self.version)?;
-        Ok(Some(PartialRollout {
-            request: original,
-            output_ids: result.output_ids,
-            output_logprobs: result.output_logprobs,
-            output_top_logprobs: result.output_top_logprobs,
-            prompt_logprobs: result.prompt_logprobs,
-            routes: result.routes,
+        Ok(Some(PartialRollout::from_result(
+            original,
+            result,
             rng,
-            weight_version: self.version,
-        }))
+            self.version,
+        )))
     }
 
     /// Sends every running request back to the front of the queue and releases its KV
