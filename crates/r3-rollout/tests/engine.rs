@@ -387,7 +387,15 @@ trait Calls {
     fn submit(&mut self, req: GenerateRequest) -> Result<u64, r3_rollout::RolloutError>;
     fn step(&mut self) -> Result<Vec<r3_rollout::GenerateResult>, r3_rollout::RolloutError>;
     fn abort(&mut self, id: u64) -> Option<r3_rollout::PartialRollout>;
-    fn resume(&mut self, p: r3_rollout::PartialRollout) -> u64;
+    fn resume(&mut self, p: r3_rollout::PartialRollout) -> u64 {
+        self.try_resume(p, MergePolicy::KeepPerTokenOrigin)
+            .expect("resume")
+    }
+    fn try_resume(
+        &mut self,
+        p: r3_rollout::PartialRollout,
+        policy: MergePolicy,
+    ) -> Result<u64, r3_rollout::RolloutError>;
     fn has_work(&self) -> bool;
     fn generate(
         &mut self,
@@ -409,8 +417,12 @@ macro_rules! calls_of {
             fn abort(&mut self, id: u64) -> Option<r3_rollout::PartialRollout> {
                 <$engine>::abort(self, id).expect("abort")
             }
-            fn resume(&mut self, p: r3_rollout::PartialRollout) -> u64 {
-                <$engine>::resume(self, p, MergePolicy::KeepPerTokenOrigin).expect("resume")
+            fn try_resume(
+                &mut self,
+                p: r3_rollout::PartialRollout,
+                policy: MergePolicy,
+            ) -> Result<u64, r3_rollout::RolloutError> {
+                <$engine>::resume(self, p, policy)
             }
             fn has_work(&self) -> bool {
                 <$engine>::has_work(self)
@@ -522,5 +534,88 @@ fn a_failed_generate_leaves_no_request_behind() {
         let want = fresh.generate(vec![next.clone()]).expect("fresh").remove(0);
         assert_eq!(got.output_ids, want.output_ids, "{which}");
         assert_eq!(got.output_logprobs, want.output_logprobs, "{which}");
+    }
+}
+
+/// A partial rollout whose routes cannot merge with its continuation's is refused by
+/// `resume`, naming why, on both engines, and leaves no work behind: routes of another
+/// shape (top-k 1), rows past the positions the call fed, and — replacing — a
+/// continuation whose routes would start after them, or — keeping each token's origin —
+/// one whose routes would start past their end. The partial as the engine made it resumes.
+#[test]
+fn a_partial_whose_routes_cannot_merge_is_refused_at_resume() {
+    let name = "qwen3_moe_tiny";
+    let (p, params) = (prompt(5, 12), sampled(11, 14));
+    for (which, mut e) in both_engines(name) {
+        let id = e
+            .submit(GenerateRequest {
+                routed_experts_start_len: 4,
+                ..GenerateRequest::new(p.clone(), params.clone())
+            })
+            .expect("submit");
+        for _ in 0..8 {
+            e.step().expect("step");
+        }
+        let first = e.abort(id).expect("running");
+        let table = first.routes.clone().expect("routes");
+        assert_eq!(table.start_pos(), 4, "{which}");
+        let fed = p.len() + first.output_ids.len();
+        let with_routes = |t: r3_routing::RouteTable| r3_rollout::PartialRollout {
+            routes: Some(t),
+            ..first.clone()
+        };
+        let rebuilt = |top_k: usize, start: usize, rows: usize| {
+            r3_routing::RouteTable::from_flat_values(
+                table.num_experts(),
+                top_k,
+                table.space(),
+                table.layers().to_vec(),
+                start,
+                // Experts 1..=top_k in every cell (0 reads as a missing cell).
+                &(0..rows * table.layers().len() * top_k)
+                    .map(|i| (i % top_k) as u16 + 1)
+                    .collect::<Vec<_>>(),
+            )
+            .expect("table")
+        };
+        let later_start = r3_rollout::PartialRollout {
+            request: GenerateRequest {
+                routed_experts_start_len: 6,
+                ..first.request.clone()
+            },
+            ..first.clone()
+        };
+        let past_end = r3_rollout::PartialRollout {
+            request: GenerateRequest {
+                routed_experts_start_len: table.end_pos() + 1,
+                ..first.request.clone()
+            },
+            ..first.clone()
+        };
+        let cases = [
+            (
+                with_routes(rebuilt(1, 4, 3)),
+                MergePolicy::KeepPerTokenOrigin,
+                "top_k",
+            ),
+            (
+                with_routes(rebuilt(2, 4, fed - 3)),
+                MergePolicy::KeepPerTokenOrigin,
+                "reach past",
+            ),
+            (later_start, MergePolicy::ReplaceWithResumed, "replacing"),
+            (past_end, MergePolicy::KeepPerTokenOrigin, "a gap"),
+        ];
+        for (partial, policy, what) in cases {
+            let err = e.try_resume(partial, policy).expect_err(what).to_string();
+            assert!(err.contains(what), "{which}: {err}");
+            assert!(!e.has_work(), "{which}: {what}");
+        }
+        let rid = e.resume(first);
+        let mut done = Vec::new();
+        while e.has_work() {
+            done.extend(e.step().expect("step"));
+        }
+        assert!(done.iter().any(|r| r.id == rid), "{which}");
     }
 }

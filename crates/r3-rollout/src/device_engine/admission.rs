@@ -57,7 +57,7 @@ impl DeviceEngine {
         partial: PartialRollout,
         policy: MergePolicy,
     ) -> Result<RequestId, RolloutError> {
-        let (req, rng, resume) = ResumeState::start(partial, policy)?;
+        let (req, rng, resume) = ResumeState::start(partial, policy, &self.geo)?;
         self.validate(&req)?;
         Ok(self.enqueue(req, rng, Some(resume)))
     }

@@ -40,11 +40,19 @@ impl ResumeState {
     }
 
     /// How both engines start a resume: the continuation request, the sampler stream that
-    /// carries over, and the state that completes the result under `policy`.
+    /// carries over, and the state that completes the result under `policy`. The partial's
+    /// routes are checked first against the engine's geometry `geo` and against where the
+    /// continuation's own routes will start and end, so a partial whose routes cannot merge
+    /// is refused here, naming why, rather than failing its result (and, on the device
+    /// engine, the batch it finishes in).
     pub fn start(
         partial: PartialRollout,
         policy: MergePolicy,
+        geo: &RouteGeometry,
     ) -> Result<(GenerateRequest, ChaCha8Rng, ResumeState), RolloutError> {
+        if let Some(earlier) = &partial.routes {
+            check_resumable(earlier, &partial, policy, geo)?;
+        }
         let req = Self::continuation(&partial)?;
         let rng = partial.rng.clone();
         let state = ResumeState {
@@ -73,6 +81,43 @@ impl ResumeState {
             result.routes = Some(merge_resumed(old, new, self.policy)?);
         }
         Ok(())
+    }
+}
+
+/// Refuses the routes `earlier` of `partial` where the continuation's routes could not merge
+/// with them under `policy`: another model's shape, rows past the positions the aborted
+/// call fed, or a continuation table (from the request's `routed_experts_start_len`, the
+/// prompt and output at most) starting after the earlier table's start (replace) or end
+/// (keep per-token origin).
+fn check_resumable(
+    earlier: &RouteTable,
+    partial: &PartialRollout,
+    policy: MergePolicy,
+    geo: &RouteGeometry,
+) -> Result<(), RolloutError> {
+    earlier.check_same_shape(&geo.table(&[], &[], 0)?)?;
+    let fed = partial.request.input_ids.len() + partial.output_ids.len();
+    let refuse = |why: String| {
+        Err(RolloutError::InvalidRequest(format!(
+            "the partial rollout's routes (positions {}..{}) {why}",
+            earlier.start_pos(),
+            earlier.end_pos()
+        )))
+    };
+    if earlier.end_pos() > fed {
+        return refuse(format!("reach past its {fed} prompt and output tokens"));
+    }
+    let start = partial.request.routed_experts_start_len.min(fed);
+    match policy {
+        MergePolicy::ReplaceWithResumed if start > earlier.start_pos() => refuse(format!(
+            "start before the continuation's routes (from position {start}, \
+             routed_experts_start_len): replacing them would lose rows"
+        )),
+        MergePolicy::KeepPerTokenOrigin if start > earlier.end_pos() => refuse(format!(
+            "end before the continuation's routes start (position {start}, \
+             routed_experts_start_len): a gap"
+        )),
+        _ => Ok(()),
     }
 }
 
