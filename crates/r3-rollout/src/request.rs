@@ -116,6 +116,22 @@ pub struct PartialRollout {
 }
 
 impl PartialRollout {
+    /// What an aborted request that sampled nothing made: nothing — no tokens, no prompt
+    /// log-probs, no routes (its continuation feeds the whole prompt again and captures its
+    /// routes from `routed_experts_start_len` itself) — with its sampler stream untouched.
+    pub fn unsampled(request: GenerateRequest, rng: ChaCha8Rng, weight_version: u64) -> Self {
+        PartialRollout {
+            request,
+            output_ids: Vec::new(),
+            output_logprobs: Vec::new(),
+            output_top_logprobs: Vec::new(),
+            prompt_logprobs: None,
+            routes: None,
+            rng,
+            weight_version,
+        }
+    }
+
     /// What an aborted request of the original request `request` made: the result its row
     /// or sequence gave at the abort (a resumed call's already completed with the call it
     /// continues), the sampler stream where it stopped and the weight version then.

@@ -397,6 +397,14 @@ trait Calls {
         policy: MergePolicy,
     ) -> Result<u64, r3_rollout::RolloutError>;
     fn has_work(&self) -> bool;
+    /// Steps until no request is left; what finished, in step order.
+    fn run_to_end(&mut self) -> Vec<r3_rollout::GenerateResult> {
+        let mut done = Vec::new();
+        while self.has_work() {
+            done.extend(self.step().expect("step"));
+        }
+        done
+    }
     fn generate(
         &mut self,
         reqs: Vec<GenerateRequest>,
@@ -503,10 +511,7 @@ fn a_resumed_request_aborted_before_it_samples_returns_the_first_calls_partial()
             assert!(!e.has_work(), "{which}");
         }
         let rid = e.resume(first);
-        let mut done = Vec::new();
-        while e.has_work() {
-            done.extend(e.step().expect("step"));
-        }
+        let done = e.run_to_end();
         let r = done.into_iter().find(|r| r.id == rid).expect("finished");
         assert_eq!(r.output_ids, want.output_ids, "{which}");
         assert_eq!(r.routes, want.routes, "{which}");
@@ -612,10 +617,43 @@ fn a_partial_whose_routes_cannot_merge_is_refused_at_resume() {
             assert!(!e.has_work(), "{which}: {what}");
         }
         let rid = e.resume(first);
-        let mut done = Vec::new();
-        while e.has_work() {
-            done.extend(e.step().expect("step"));
-        }
+        let done = e.run_to_end();
         assert!(done.iter().any(|r| r.id == rid), "{which}");
+    }
+}
+
+/// A request that captures routes from position 4 on, aborted before it samples — while
+/// waiting, or after a first prefill step of 4 positions — hands back nothing made (no
+/// routes: the continuation captures them itself), resumes under either policy, and
+/// finishes as the uninterrupted request does. On both engines.
+#[test]
+fn a_request_aborted_before_it_samples_resumes_with_its_own_routes() {
+    let name = "qwen3_moe_tiny";
+    let req = GenerateRequest {
+        routed_experts_start_len: 4,
+        ..GenerateRequest::new(prompt(5, 12), sampled(11, 6))
+    };
+    let want = engine(name, Dtype::F32, false)
+        .generate(vec![req.clone()])
+        .expect("uninterrupted")
+        .remove(0);
+    for (which, mut e) in both_engines(name) {
+        for (steps, policy) in [
+            (0, MergePolicy::KeepPerTokenOrigin),
+            (1, MergePolicy::ReplaceWithResumed),
+        ] {
+            let id = e.submit(req.clone()).expect("submit");
+            for _ in 0..steps {
+                e.step().expect("step");
+            }
+            let partial = e.abort(id).expect("queued or prefilling");
+            assert!(partial.output_ids.is_empty(), "{which}");
+            assert_eq!(partial.routes, None, "{which} after {steps} steps");
+            let rid = e.try_resume(partial, policy).expect("resumes");
+            let done = e.run_to_end();
+            let r = done.into_iter().find(|r| r.id == rid).expect("finished");
+            assert_eq!(r.output_ids, want.output_ids, "{which} after {steps} steps");
+            assert_eq!(r.routes, want.routes, "{which} after {steps} steps");
+        }
     }
 }

@@ -84,16 +84,11 @@ impl DeviceEngine {
         if let Some(resume) = row.resume {
             return Ok(resume.earlier);
         }
-        Ok(PartialRollout {
-            rng: row.rng,
-            request: row.request,
-            output_ids: Vec::new(),
-            output_logprobs: Vec::new(),
-            output_top_logprobs: Vec::new(),
-            prompt_logprobs: None,
-            routes: None,
-            weight_version: self.version,
-        })
+        Ok(PartialRollout::unsampled(
+            row.request,
+            row.rng,
+            self.version,
+        ))
     }
 
     /// What an aborted row made so far, as [`DeviceEngine::resume`] takes it.

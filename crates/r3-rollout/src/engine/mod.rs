@@ -321,13 +321,15 @@ impl Engine {
                 self.pool.block_bytes(),
             );
         }
-        // A resumed request that has sampled nothing since holds what the call it continues
-        // made, and no more: its route rows may not yet reach where that call's ended (its
-        // prefill not done), which the merge of the two calls would refuse.
+        // A request that has sampled nothing in this call holds what the call it continues
+        // made, if any, and no more (as the device engine's): route rows of a prefill not
+        // done may not reach where the earlier call's, or `routed_experts_start_len`, ended,
+        // which a merge with its continuation's would refuse.
         if seq.generated().is_empty() {
-            if let Some(resume) = seq.resume {
-                return Ok(Some(resume.earlier));
-            }
+            return Ok(Some(match seq.resume {
+                Some(resume) => resume.earlier,
+                None => PartialRollout::unsampled(seq.request, seq.rng, self.version),
+            }));
         }
         let original = match &seq.resume {
             Some(r) => r.earlier.request.clone(),

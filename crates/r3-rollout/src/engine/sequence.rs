@@ -42,9 +42,9 @@ impl ResumeState {
     /// How both engines start a resume: the continuation request, the sampler stream that
     /// carries over, and the state that completes the result under `policy`. The partial's
     /// routes are checked first against the engine's geometry `geo` and against where the
-    /// continuation's own routes will start and end, so a partial whose routes cannot merge
-    /// is refused here, naming why, rather than failing its result (and, on the device
-    /// engine, the batch it finishes in).
+    /// continuation's own routes will start and end, so routes no engine could have made, or
+    /// that cannot merge, are refused here, naming why, rather than failing the result (and,
+    /// on the device engine, the batch it finishes in).
     pub fn start(
         partial: PartialRollout,
         policy: MergePolicy,
@@ -84,17 +84,24 @@ impl ResumeState {
     }
 }
 
-/// Refuses the routes `earlier` of `partial` where the continuation's routes could not merge
-/// with them under `policy`: another model's shape, rows past the positions the aborted
-/// call fed, or a continuation table (from the request's `routed_experts_start_len`, the
-/// prompt and output at most) starting after the earlier table's start (replace) or end
-/// (keep per-token origin).
+/// Refuses the routes `earlier` of `partial` where no engine could have made them or the
+/// continuation's routes could not merge with them under `policy`: routes for a model that
+/// routes nothing, another model's shape, rows past the positions the aborted call fed, or
+/// a continuation table (from the request's `routed_experts_start_len`, the prompt and
+/// output at most) starting after the earlier table's start (replace) or end (keep per-token
+/// origin).
 fn check_resumable(
     earlier: &RouteTable,
     partial: &PartialRollout,
     policy: MergePolicy,
     geo: &RouteGeometry,
 ) -> Result<(), RolloutError> {
+    if geo.row() == 0 {
+        return Err(RolloutError::InvalidRequest(
+            "the partial rollout carries routes, but this model routes nothing (no MoE layer)"
+                .into(),
+        ));
+    }
     earlier.check_same_shape(&geo.table(&[], &[], 0)?)?;
     let fed = partial.request.input_ids.len() + partial.output_ids.len();
     let refuse = |why: String| {
