@@ -20,8 +20,8 @@ use std::path::PathBuf;
 
 use candle_core::DType;
 use common::{
-    assert_same_extras, cpu_engine_over, differing_cells, ids, max_abs_diff, mixed_sampling,
-    DEVICE, MODELS,
+    assert_same_extras, assert_same_routes, cpu_engine_over, differing_cells, ids, max_abs_diff,
+    mixed_sampling, DEVICE, MODELS,
 };
 use model_common::{sequences, tiny_config, tiny_weights, FAMILIES};
 use r3_model::Config;
@@ -84,20 +84,8 @@ fn assert_same(what: &str, got: &GenerateResult, want: &GenerateResult, tol: f32
     assert_eq!(got.finish, want.finish, "{what}: finish");
     let d = max_abs_diff(&got.output_logprobs, &want.output_logprobs);
     assert!(d <= tol, "{what}: log-probs differ by {d}");
-    match (&got.routes, &want.routes) {
-        (Some(a), Some(b)) => {
-            let differ = differing_cells(a, b);
-            println!("{what}: {differ} route cells differ, log-probs within {d:.2e}");
-            assert_eq!(differ, 0, "{what}: route cells differ");
-            assert_eq!(
-                a.start_pos(),
-                b.start_pos(),
-                "{what}: first routed position"
-            );
-        }
-        (None, None) => {}
-        _ => panic!("{what}: one engine returned routes, the other not"),
-    }
+    assert_same_routes(what, &got.routes, &want.routes);
+    println!("{what}: routes agree, log-probs within {d:.2e}");
 }
 
 #[test]

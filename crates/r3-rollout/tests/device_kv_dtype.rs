@@ -13,7 +13,7 @@ mod common;
 mod model_common;
 
 use candle_core::DType;
-use common::{differing_cells, mixed_sampling, DEVICE};
+use common::{assert_same_routes, mixed_sampling, DEVICE};
 use model_common::{sequences, tiny_config, tiny_weights, FAMILIES};
 use r3_model::Config;
 use r3_rollout::{
@@ -42,19 +42,7 @@ fn assert_bits(what: &str, got: &GenerateResult, want: &GenerateResult) {
         r.output_logprobs.iter().map(|x| x.to_bits()).collect()
     };
     assert_eq!(bits(got), bits(want), "{what}: log-probs");
-    match (&got.routes, &want.routes) {
-        (Some(a), Some(b)) => {
-            assert_eq!(differing_cells(a, b), 0, "{what}: route cells");
-            assert_eq!(
-                a.start_pos(),
-                b.start_pos(),
-                "{what}: first routed position"
-            );
-        }
-        // A dense model routes nothing.
-        (None, None) => {}
-        _ => panic!("{what}: one cache returned routes, the other not"),
-    }
+    assert_same_routes(what, &got.routes, &want.routes);
 }
 
 /// Rounds of requests: a batch of four prompts (greedy and seeded), then prompts that

@@ -82,6 +82,29 @@ pub fn full_forward(model: &mut InferenceModel, tokens: &[u32]) -> (Vec<f32>, Ve
     (out.logits, out.routes.expect("routes captured"))
 }
 
+/// Two results' routes agree: both absent (a model that routes nothing), or both present
+/// with the same expert set in every cell and the same first routed position. Returns the
+/// two tables where present, for the callers' further checks.
+pub fn assert_same_routes<'a>(
+    what: &str,
+    got: &'a Option<RouteTable>,
+    want: &'a Option<RouteTable>,
+) -> Option<(&'a RouteTable, &'a RouteTable)> {
+    match (got, want) {
+        (Some(a), Some(b)) => {
+            assert_eq!(differing_cells(a, b), 0, "{what}: route cells differ");
+            assert_eq!(
+                a.start_pos(),
+                b.start_pos(),
+                "{what}: first routed position"
+            );
+            Some((a, b))
+        }
+        (None, None) => None,
+        _ => panic!("{what}: one returned routes, the other not"),
+    }
+}
+
 /// Cells (token, column) whose expert sets differ between two tables of the same shape.
 pub fn differing_cells(a: &RouteTable, b: &RouteTable) -> usize {
     assert_eq!(a.num_tokens(), b.num_tokens(), "route rows");
