@@ -602,9 +602,14 @@ impl Book {
         }
     }
 
-    /// Puts one finished result into its batch and answers the batch if complete.
+    /// Puts one finished result into its batch and answers the batch if complete. The
+    /// request's rid is free for reuse from here, as SGLang frees a rid when its request
+    /// ends (the batch's other requests may still run).
     fn file(&mut self, slot: Slot, result: GenerateResult, matched_stop: Option<String>) {
         self.ended += 1;
+        if let Some(rid) = self.rid_of(&slot) {
+            self.forget_rid(&rid, result.id);
+        }
         let done = Finished {
             result,
             matched_stop,
@@ -637,9 +642,6 @@ impl Book {
             };
             match backend.abort(id) {
                 Ok(Some(p)) => {
-                    if let Some(rid) = self.rid_of(&slot) {
-                        self.forget_rid(&rid, id);
-                    }
                     let mut r = aborted_result(id, p, backend.weight_version());
                     r.finish = FinishReason::StopString;
                     self.file(slot, r, Some(matched));
@@ -699,9 +701,6 @@ impl Book {
             return;
         }
         if let Some(b) = self.batches.remove(&batch) {
-            for (rid, &id) in b.rids.iter().zip(&b.ids) {
-                self.forget_rid(rid, id);
-            }
             let results: Vec<Finished> = b.results.into_iter().flatten().collect();
             let _ = b.reply.send(Ok(results));
         }
@@ -767,7 +766,6 @@ impl Book {
                     continue;
                 }
             };
-            self.forget_rid(&rid, id);
             n += 1;
             self.file(slot, result, None);
         }

@@ -12,6 +12,7 @@ use r3_server::{build_app, ServerConfig, ServerLimits, TextCodec};
 use serde_json::json;
 
 use crate::fake::{self, wire_shape, FakeEngine};
+use crate::paced::Paced;
 use crate::support::{ids, scratch_dir, write_tokenizer, TestServer};
 
 /// A fake-engine server; `text` gives it the word-level tokenizer (`t<i>` = id i).
@@ -658,4 +659,78 @@ fn a_reused_rid_stays_abortable_and_ended_requests_count_once() {
     );
     assert_eq!(done.status, 200, "{}", done.text);
     assert_eq!(ended(), 6, "two failed, one finished");
+}
+
+/// A request's rid is free once the request ends, though its batch runs on (SGLang frees a
+/// rid per request): a streaming client that saw one sample finish may send its rid again.
+#[test]
+fn the_rid_of_a_request_that_ended_is_free_while_its_batch_runs() {
+    let mut cfg = ServerConfig {
+        limits: ServerLimits {
+            max_body_bytes: 1 << 16,
+            max_new_tokens: 32,
+            default_max_new_tokens: 8,
+            max_batch_requests: 16,
+        },
+        ..ServerConfig::default()
+    };
+    cfg.seed = 0;
+    let engine = Paced::new(FakeEngine::new(0), Duration::from_millis(20));
+    let server = TestServer::start(build_app(engine, None, cfg).expect("app builds"));
+    let in_flight = || server.get("/v1/loads").body["loads"][0]["num_total_reqs"].clone();
+    let abort = |rid: &str| {
+        let r = server.post("/abort_request", &json!({ "rid": rid }));
+        assert_eq!(r.status, 200, "{}", r.text);
+        r.body["aborted"].clone()
+    };
+    let poll = |until: &dyn Fn() -> bool| {
+        (0..500).any(|_| {
+            std::thread::sleep(Duration::from_millis(10));
+            until()
+        })
+    };
+    std::thread::scope(|s| {
+        let pair = s.spawn(|| {
+            server.post(
+                "/generate",
+                &json!({"input_ids": [[2, 3], [4, 5]], "rid": ["x", "y"],
+                        "sampling_params": [{"max_new_tokens": 1},
+                                            {"max_new_tokens": 32, "ignore_eos": true}]}),
+            )
+        });
+        let one_left = poll(&|| in_flight() == 1);
+        let p = server.post("/pause_generation", &json!({"mode": "in_place"}));
+        assert_eq!(p.status, 200, "{}", p.text);
+        let again = s.spawn(|| {
+            server.post(
+                "/generate",
+                &json!({"input_ids": [7, 8], "rid": "x", "sampling_params": {"max_new_tokens": 8}}),
+            )
+        });
+        let taken = poll(&|| in_flight() == 2 || again.is_finished());
+        // Abort whatever runs, so that every client thread ends whatever failed.
+        let aborted = (abort("x"), abort("y"));
+        assert_eq!(server.raw("POST", "/continue_generation", b"").status, 200);
+        let first = pair.join().expect("client thread");
+        let second = again.join().expect("client thread");
+        assert!(one_left, "sample x never ended alone");
+        assert!(taken, "the second x never ran");
+        assert_eq!(second.status, 200, "{}", second.text);
+        assert_eq!(
+            aborted,
+            (json!(1), json!(1)),
+            "the new x and y were running"
+        );
+        assert_eq!(second.body["meta_info"]["id"], "x");
+        assert_eq!(second.body["meta_info"]["finish_reason"]["type"], "abort");
+        assert_eq!(first.status, 200, "{}", first.text);
+        let reasons: Vec<&serde_json::Value> = first
+            .body
+            .as_array()
+            .expect("batch answer")
+            .iter()
+            .map(|a| &a["meta_info"]["finish_reason"]["type"])
+            .collect();
+        assert_eq!(reasons, [&json!("length"), &json!("abort")]);
+    });
 }
