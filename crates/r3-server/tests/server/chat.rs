@@ -3,7 +3,7 @@
 //! ending the turn, and a clear 400 when the model has no template or the template refuses.
 
 use r3_server::sse::parse_event_stream;
-use r3_server::{build_app, ServerConfig, ServerLimits, TextCodec};
+use r3_server::{build_app, TextCodec};
 use serde_json::json;
 
 use crate::fake::{self, FakeEngine};
@@ -17,19 +17,7 @@ const TEMPLATE: &str = "{% for m in messages %}{% if m.role == 'tool' %}{{ raise
 const TEMPLATE_EOS: u32 = 7;
 
 fn server(template: Option<&str>) -> TestServer {
-    let cfg = ServerConfig {
-        limits: ServerLimits {
-            max_body_bytes: 1 << 16,
-            max_new_tokens: 32,
-            default_max_new_tokens: 8,
-            max_batch_requests: 16,
-        },
-        seed: 0,
-        model_name: "models/fake".into(),
-        served_model_name: "fake".into(),
-        return_routed_experts_by_default: false,
-        ..ServerConfig::default()
-    };
+    let cfg = fake::config();
     let dir = scratch_dir("chat-tokenizer");
     write_tokenizer(&dir, fake::VOCAB);
     let mut tc = json!({"eos_token": "t7"});

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use r3_routing::wire::sglang::decode_sglang_response;
 use r3_server::sse::parse_event_stream;
-use r3_server::{build_app, ServerConfig, ServerLimits, TextCodec};
+use r3_server::{build_app, ServerConfig, TextCodec};
 use serde_json::json;
 
 use crate::fake::{self, wire_shape, FakeEngine};
@@ -17,7 +17,7 @@ use crate::support::{ids, scratch_dir, write_tokenizer, TestServer};
 
 /// A fake-engine server; `text` gives it the word-level tokenizer (`t<i>` = id i).
 fn server(text: bool, config: impl FnOnce(&mut ServerConfig)) -> TestServer {
-    let mut cfg = fake_config();
+    let mut cfg = fake::config();
     config(&mut cfg);
     let codec = if text {
         let dir = scratch_dir("clients-tokenizer");
@@ -29,23 +29,6 @@ fn server(text: bool, config: impl FnOnce(&mut ServerConfig)) -> TestServer {
         None
     };
     TestServer::start(build_app(FakeEngine::new(0), codec, cfg).expect("app builds"))
-}
-
-/// The fake servers' configuration: small limits, seed 0.
-fn fake_config() -> ServerConfig {
-    ServerConfig {
-        limits: ServerLimits {
-            max_body_bytes: 1 << 16,
-            max_new_tokens: 32,
-            default_max_new_tokens: 8,
-            max_batch_requests: 16,
-        },
-        seed: 0,
-        model_name: "models/fake".into(),
-        served_model_name: "fake".into(),
-        return_routed_experts_by_default: false,
-        ..ServerConfig::default()
-    }
 }
 
 fn words(ids: &[u32]) -> String {
@@ -671,7 +654,7 @@ fn a_reused_rid_stays_abortable_and_ended_requests_count_once() {
 #[test]
 fn the_rid_of_a_request_that_ended_is_free_while_its_batch_runs() {
     let engine = Paced::new(FakeEngine::new(0), Duration::from_millis(20));
-    let server = TestServer::start(build_app(engine, None, fake_config()).expect("app builds"));
+    let server = TestServer::start(build_app(engine, None, fake::config()).expect("app builds"));
     let in_flight = || server.get("/v1/loads").body["loads"][0]["num_total_reqs"].clone();
     let abort = |rid: &str| {
         let r = server.post("/abort_request", &json!({ "rid": rid }));

@@ -11,7 +11,7 @@ use r3_rollout::{
 };
 use r3_routing::wire::WireShape;
 use r3_routing::{LayerLayout, LayerSpace, RouteTable};
-use r3_server::{InferenceBackend, ModelSummary};
+use r3_server::{InferenceBackend, ModelSummary, ServerConfig, ServerLimits};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
@@ -26,6 +26,23 @@ pub const EXPERTS: usize = 8;
 pub const POISON: u32 = 63;
 /// Layer 0 is dense, layers 1 and 2 are MoE (the wire carries all 3).
 pub const MOE_LAYERS: [usize; 2] = [1, 2];
+
+/// The fake servers' configuration: small limits, seed 0.
+pub fn config() -> ServerConfig {
+    ServerConfig {
+        limits: ServerLimits {
+            max_body_bytes: 1 << 16,
+            max_new_tokens: 32,
+            default_max_new_tokens: 8,
+            max_batch_requests: 16,
+        },
+        seed: 0,
+        model_name: "models/fake".into(),
+        served_model_name: "fake".into(),
+        return_routed_experts_by_default: false,
+        ..ServerConfig::default()
+    }
+}
 
 /// The fake model's wire shape (3 layers, MoE layers 1 and 2) with rows from `start`.
 pub fn wire_shape(start: usize) -> WireShape {
