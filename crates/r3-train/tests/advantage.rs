@@ -61,6 +61,36 @@ fn eps_keeps_uniform_groups_finite_and_singletons_get_raw_reward() {
     close(&adv, &[0.25 / (1.0 + 1e-6), 1.0 / (1.0 + 1e-6)]);
 }
 
+/// Equal rewards whose f32 sum is inexact (0.7, 0.1) still give a uniform group exactly 0:
+/// the f32 mean was a few ulps off, and its residues over a std of the same size gave every
+/// sample of 16 × 0.7 an advantage of +0.106 (−0.41 for 8 × 0.1 at eps 1e-8).
+#[test]
+fn uniform_groups_of_inexact_rewards_get_exactly_zero() {
+    for (reward, n, eps) in [(0.7f32, 16, 1e-6f32), (0.1, 8, 1e-8), (0.1, 8, 0.0)] {
+        let rewards = vec![reward; n];
+        let opts = GrpoOptions {
+            norm_by_std: true,
+            eps,
+        };
+        let (adv, m) = grpo_advantages(&rewards, n, opts).expect("adv");
+        assert_eq!(adv, vec![0.0; n], "{n} × {reward} at eps {eps}");
+        assert_eq!(m.uniform_groups, 1);
+    }
+    // One sample apart: the residues are those of the exact rewards (by hand, in f64).
+    let mut rewards = vec![0.7f32; 7];
+    rewards.push(0.8);
+    let (adv, _) = grpo_advantages(&rewards, 8, GrpoOptions::default()).expect("adv");
+    let r: Vec<f64> = rewards.iter().map(|&x| f64::from(x)).collect();
+    let mean = r.iter().sum::<f64>() / 8.0;
+    let std = (r.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / 7.0).sqrt();
+    let want: Vec<f32> = r
+        .iter()
+        .map(|x| ((x - mean) / (std + 1e-6)) as f32)
+        .collect();
+    assert_eq!(adv, want);
+    assert!((adv[7] - 2.474_804).abs() < 1e-5, "{}", adv[7]);
+}
+
 #[test]
 fn bad_reward_layouts_are_errors() {
     let o = GrpoOptions::default();

@@ -204,7 +204,16 @@ fn file_layers_between_defaults_and_overrides() {
     assert_eq!(cfg.algo.is_mode, IsMode::Mis);
     assert_eq!(cfg.optim.lr, 1e-6, "override beats file");
     assert_eq!(cfg.rollout.group_size, 8, "untouched default");
-    assert_eq!(cfg.lr_schedule().total_steps, 20, "steps × mini_batches");
+    assert_eq!(
+        cfg.lr_schedule(cfg.steps).total_steps,
+        20,
+        "steps × mini_batches"
+    );
+    assert_eq!(
+        cfg.lr_position(3, 2),
+        10,
+        "two steps of 4, then the third update"
+    );
 
     std::fs::write(&path, "[algo]\nclip = 0.2\n").expect("write");
     match TrainConfig::resolve(Some(&path), &[]) {

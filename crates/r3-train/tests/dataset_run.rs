@@ -1,6 +1,7 @@
 //! Training on a user dataset: `[data]` / `[reward]` configs resolve and are validated,
 //! overlong prompts are dropped and counted (never truncated), the command reward is wired
-//! into the step, and a resumed dataset run continues the epoch exactly where it stopped.
+//! into the step, a resumed dataset run continues the epoch exactly where it stopped, and the
+//! LR schedule spans the steps the epochs allow.
 
 mod common;
 
@@ -11,7 +12,7 @@ use r3_tasks::RewardKind;
 use r3_train::config::{RouterReplay, TrainConfig};
 use r3_train::rl::checkpoint::{list_checkpoints, read_state};
 use r3_train::rl::metrics_log::is_measurement;
-use r3_train::{Quiet, Run, Trainer};
+use r3_train::{LrDecay, Quiet, Run, Trainer};
 
 /// Arithmetic prompts (the character tokenizer's alphabet) in verl's schema.
 fn write_rows(path: &Path, prompts: &[(&str, i64)]) {
@@ -154,8 +155,24 @@ fn overlong_prompts_are_dropped_and_counted() {
     let m = t.rl_step().expect("step");
     assert_eq!(m.data_filtered_prompts, Some(2));
     cfg.data.max_prompt_length = 4;
-    let err = Trainer::new(cfg).expect_err("nothing fits");
+    let err = Trainer::new(cfg.clone()).expect_err("nothing fits");
     assert!(err.to_string().contains("data.max_prompt_length"), "{err}");
+    // No length limit: a prompt filling the model's 64 positions is dropped too (the engine
+    // would refuse it and fail the step); 63 tokens leave one to generate in.
+    let fill = dir.path().join("fill.jsonl");
+    let (at_63, at_64) = ("1+".repeat(30) + "1=", "1+".repeat(31) + "=");
+    write_rows(&fill, &[(at_64.as_str(), 0), (at_63.as_str(), 31)]);
+    cfg.data.train_files = vec![fill];
+    cfg.data.max_prompt_length = 0;
+    let mut t = Trainer::new(cfg).expect("one fits");
+    assert_eq!(t.prompts.filtered(), 1);
+    let items = t.next_prompts(2).expect("prompts");
+    assert!(
+        items.iter().all(|i| i.ids.len() == 63),
+        "only the 63-token row"
+    );
+    let m = t.rl_step().expect("a step on the row that fits");
+    assert_eq!(m.data_filtered_prompts, Some(1));
 }
 
 #[test]
@@ -210,4 +227,30 @@ fn a_resumed_dataset_run_continues_the_epoch() {
         full,
         "the resumed run repeats steps 2 and 3"
     );
+}
+
+/// A run the epochs end early decays its LR over the steps it takes, not over `steps`: 5
+/// rows, 2 per step, one epoch: 2 steps of a cosine schedule, the second at the floor (it
+/// had stayed at 99% of the peak, the schedule spread over 100 steps).
+#[test]
+fn the_lr_schedule_spans_the_steps_the_epochs_allow() {
+    let dir = Scratch::new("data-lr");
+    let model = dir.path().join("model");
+    tiny_model(&model, 34);
+    let mut cfg = dataset_config(dir.path(), &model, "run");
+    cfg.steps = 100;
+    cfg.data.total_epochs = 1;
+    cfg.optim.warmup_steps = 0;
+    cfg.optim.lr_decay = LrDecay::Cosine;
+    cfg.validate().expect("valid");
+    let mut t = Trainer::new(cfg.clone()).expect("trainer");
+    assert_eq!(t.total_steps(), 2);
+    let lrs: Vec<f64> = (0..2)
+        .map(|_| t.rl_step().expect("step").lr.expect("an update ran"))
+        .collect();
+    let peak = cfg.optim.lr;
+    let want = [peak, peak * cfg.optim.min_lr_ratio];
+    for (got, want) in lrs.iter().zip(want) {
+        assert!((got - want).abs() < 1e-12 * peak, "{lrs:?} vs {want}");
+    }
 }

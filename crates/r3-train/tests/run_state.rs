@@ -254,5 +254,31 @@ fn a_nan_or_inf_loss_skips_the_update_and_leaves_weights_untouched() {
     };
     let r = update_minibatch(&policy, &mut opt, &mb, &settings).expect("update");
     assert!(r.outcome.applied());
-    assert_ne!(values(&policy), before);
+    let after = values(&policy);
+    assert_ne!(after, before);
+    // Every row weighted 0 (dynamic sampling dropped every group): no step, though AdamW's
+    // momentum from the step above would still move the weights on zero gradients.
+    let mb = MiniBatch {
+        row_weight: Some(vec![0.0, 0.0]),
+        ..mb
+    };
+    let r = update_minibatch(&policy, &mut opt, &mb, &settings).expect("update");
+    assert!(
+        matches!(
+            r.outcome,
+            UpdateOutcome::Skipped {
+                reason: r3_train::SkipReason::NoLossTokens,
+                ..
+            }
+        ),
+        "{:?}",
+        r.outcome
+    );
+    assert_eq!(
+        values(&policy),
+        after,
+        "weights untouched with no loss token"
+    );
+    assert_eq!(opt.step_count(), 1, "optimiser state untouched");
+    assert_eq!(r.logp.dims(), [2, batch.width()], "the forward's log-probs");
 }

@@ -37,6 +37,7 @@ fn validation_refuses_values_that_cannot_train_naming_the_key() {
         ("optim.grad_clip=inf", "optim.grad_clip"),
         ("optim.grad_clip=-1.0", "optim.grad_clip"),
         ("rollout.temperature=inf", "rollout.temperature"),
+        ("rollout.temperature=0.7", "rollout.temperature"),
         ("eval.temperature=inf", "eval.temperature"),
         ("algo.entropy_coef=nan", "algo.entropy_coef"),
         ("algo.is_threshold=inf", "algo.is_threshold"),

@@ -72,29 +72,41 @@ pub fn grpo_advantages(
     let mut adv = Vec::with_capacity(rewards.len());
     let mut uniform_groups = 0;
     for group in rewards.chunks(group_size) {
+        let uniform = group.iter().all(|&r| r == group[0]);
+        if uniform {
+            uniform_groups += 1;
+        }
+        // A uniform group of several has no signal: exactly 0, where the f32 mean of equal
+        // rewards such as 0.7 is a few ulps off them and the quotient of two such residues
+        // is not small (16 × 0.7 gave every sample +0.106 at eps 1e-6).
+        if uniform && group.len() > 1 {
+            adv.extend(std::iter::repeat_n(0.0, group.len()));
+            continue;
+        }
+        // In f64: the residues of a near-uniform group stay exact.
         let (mean, std) = if group.len() == 1 {
             (0.0, 1.0)
         } else {
-            let n = group.len() as f32;
-            let mean = group.iter().sum::<f32>() / n;
-            let var = group.iter().map(|r| (r - mean).powi(2)).sum::<f32>() / (n - 1.0);
+            let n = group.len() as f64;
+            let mean = group.iter().map(|&r| f64::from(r)).sum::<f64>() / n;
+            let var = group
+                .iter()
+                .map(|&r| (f64::from(r) - mean).powi(2))
+                .sum::<f64>()
+                / (n - 1.0);
             (mean, var.sqrt())
         };
-        if group.iter().all(|&r| r == group[0]) {
-            uniform_groups += 1;
-        }
-        for &r in group {
-            let centred = r - mean;
-            let denom = std + opts.eps;
-            adv.push(if !opts.norm_by_std {
-                centred
-            } else if denom > 0.0 {
-                centred / denom
-            } else {
-                // A uniform group with eps = 0: no signal, not 0/0.
-                0.0
-            });
-        }
+        // Past the uniform groups, std > 0 (a singleton's is 1): the quotient is finite.
+        let denom = if opts.norm_by_std {
+            std + f64::from(opts.eps)
+        } else {
+            1.0
+        };
+        adv.extend(
+            group
+                .iter()
+                .map(|&r| ((f64::from(r) - mean) / denom) as f32),
+        );
     }
     let count = rewards.len().max(1) as f32;
     let metrics = AdvantageMetrics {

@@ -27,6 +27,9 @@ pub enum SkipReason {
     /// The AdamW step would have left a parameter past the finite range of the rollout
     /// precision (a checkpoint or sync of it could not be served).
     OutOfPrecisionRange,
+    /// No token of the mini-batch carried loss weight (dynamic sampling dropped every
+    /// group): there was nothing to learn, and no step was taken.
+    NoLossTokens,
 }
 
 /// Edits the (clipped) gradients just before the AdamW step; tests pass one to inject what

@@ -135,6 +135,20 @@ impl TrainConfig {
                 format!("{} must be > 0", r.temperature),
             );
         }
+        // Both engines score the raw (temperature-1) policy: rollouts drawn at another
+        // temperature would make every ratio, IS weight and mismatch figure compare the
+        // training policy with a distribution the samples did not come from.
+        if r.temperature != 1.0 {
+            return bad(
+                "rollout.temperature",
+                format!(
+                    "{} is not supported: the trainer and the rollout log-probs score the \
+                     temperature-1 policy, so samples drawn at another temperature would be \
+                     off-policy with no correction; use 1.0 (eval.temperature may differ)",
+                    r.temperature
+                ),
+            );
+        }
         if r.backend == RolloutBackend::Sglang && r.urls.is_empty() {
             return bad(
                 "rollout.urls",

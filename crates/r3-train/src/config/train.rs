@@ -129,7 +129,8 @@ pub struct RolloutConfig {
     pub group_size: usize,
     /// Most tokens generated per response. Default 64.
     pub max_new_tokens: usize,
-    /// Sampling temperature (> 0). Default 1.0.
+    /// Sampling temperature: 1.0 only (the trainer scores the temperature-1 policy; samples
+    /// at another temperature would be off-policy with no correction). Default 1.0.
     pub temperature: f64,
     /// Rollout engine precision: `f16` (fast inference path), `bf16` (weights and activations
     /// in bf16 where SGLang / vLLM keep them) or `f32`. Default `f16`.
@@ -317,7 +318,8 @@ pub struct AlgoConfig {
 pub struct OptimConfig {
     /// Peak learning rate. Default 1e-4.
     pub lr: f64,
-    /// Optimiser steps of linear warm-up. Default 5.
+    /// Updates of linear warm-up (places in the schedule: `mini_batches` per step, whether
+    /// or not an update ran). Default 5.
     pub warmup_steps: u64,
     /// After warm-up: `constant` or `cosine`. Default `constant`.
     pub lr_decay: LrDecay,
@@ -556,15 +558,26 @@ impl TrainConfig {
         }
     }
 
-    /// The LR schedule over all optimiser steps (`steps × mini_batches`).
-    pub fn lr_schedule(&self) -> LrSchedule {
+    /// The LR schedule over a run of `run_steps` RL steps (the steps it will take:
+    /// [`TrainConfig::total_steps`], fewer than `steps` where the epochs run out first), of
+    /// `mini_batches` updates each. An update's place in it is fixed by its step and its
+    /// mini-batch (see [`TrainConfig::lr_position`]), whatever updates ran before it.
+    pub fn lr_schedule(&self, run_steps: u64) -> LrSchedule {
         LrSchedule {
             peak_lr: self.optim.lr,
             warmup_steps: self.optim.warmup_steps,
-            total_steps: self.steps * self.algo.mini_batches as u64,
+            total_steps: run_steps * self.algo.mini_batches as u64,
             decay: self.optim.lr_decay,
             min_lr_ratio: self.optim.min_lr_ratio,
         }
+    }
+
+    /// The place in the LR schedule of mini-batch `mini_batch` (0-based) of RL step `step`
+    /// (1-based): the schedule moves with the run's steps, so a skipped update, or a step
+    /// whose dynamic sampling left fewer rows than `mini_batches` updates, neither holds it
+    /// back nor shifts the later steps.
+    pub fn lr_position(&self, step: u64, mini_batch: usize) -> u64 {
+        step.saturating_sub(1) * self.algo.mini_batches as u64 + mini_batch as u64
     }
 }
 
@@ -580,8 +593,9 @@ pub struct DataConfig {
     pub val_files: Vec<PathBuf>,
     /// The column holding the prompt (messages or plain text). Default `prompt`.
     pub prompt_key: String,
-    /// Longest prompt in tokens; longer rows are dropped and counted, never truncated;
-    /// 0 = no limit. Default 512.
+    /// Longest prompt in tokens; longer rows are dropped and counted, never truncated, and
+    /// so are rows that leave the model's context no position to generate in; 0 = no limit
+    /// but the context. Default 512.
     pub max_prompt_length: usize,
     /// Visit the rows of each epoch in a permutation seeded by `seed` and the epoch.
     /// Default true.

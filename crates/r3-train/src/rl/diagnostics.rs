@@ -9,12 +9,14 @@ use r3_routing::{divergence, mismatch_metrics, summarize, MismatchMetrics, Route
 use crate::config::train::RouterReplay;
 use crate::error::{Result, TrainError};
 
-/// Mismatch of training vs rollout log-probs over all response tokens; `None` when there
-/// are no response tokens.
+/// Mismatch of training vs rollout log-probs over the response tokens where both are
+/// finite, and how many were not; `None` when no token is left. A NaN or infinite training
+/// log-prob (a forward that overflowed in 16 bits) skips its update as a non-finite loss;
+/// the step goes on and reports the mismatch of the rest, not an error.
 pub fn logp_mismatch(
     train_logp: &[Vec<f32>],
     rollout_logp: &[Vec<f32>],
-) -> Result<Option<MismatchMetrics>> {
+) -> Result<(Option<MismatchMetrics>, usize)> {
     if train_logp.len() != rollout_logp.len() {
         return Err(TrainError::Length {
             what: "rollout log-prob rows (one per training row)".into(),
@@ -22,12 +24,36 @@ pub fn logp_mismatch(
             expected: train_logp.len(),
         });
     }
-    let train: Vec<f32> = train_logp.iter().flatten().copied().collect();
-    let rollout: Vec<f32> = rollout_logp.iter().flatten().copied().collect();
-    if train.is_empty() {
-        return Ok(None);
+    let mut train = Vec::new();
+    let mut rollout = Vec::new();
+    let mut non_finite = 0;
+    for (row, (t, r)) in train_logp.iter().zip(rollout_logp).enumerate() {
+        if t.len() != r.len() {
+            return Err(TrainError::Length {
+                what: format!("rollout log-probs of row {row} (one per response token)"),
+                got: r.len(),
+                expected: t.len(),
+            });
+        }
+        for (&a, &b) in t.iter().zip(r) {
+            if a.is_finite() && b.is_finite() {
+                train.push(a);
+                rollout.push(b);
+            } else {
+                non_finite += 1;
+            }
+        }
     }
-    Ok(Some(mismatch_metrics(&train, &rollout, None)?))
+    if non_finite > 0 {
+        tracing::warn!(
+            tokens = non_finite,
+            "non-finite log-probs left out of the mismatch statistics"
+        );
+    }
+    if train.is_empty() {
+        return Ok((None, non_finite));
+    }
+    Ok((Some(mismatch_metrics(&train, &rollout, None)?), non_finite))
 }
 
 /// Routing divergence between the rollout's routes and the routes a training forward
@@ -148,5 +174,22 @@ mod tests {
         let native = verify_proof(&proof(5, 1), &tables, RouterReplay::R2, "old-logp");
         let e = native.expect_err("a native cell").to_string();
         assert!(e.contains("10 of 12") && e.contains("R2 old-logp"), "{e}");
+    }
+
+    /// A NaN or infinite training log-prob is left out of the mismatch and counted (it had
+    /// failed the whole step after its update was skipped); the rest give the statistics
+    /// they give alone; no finite token at all is no statistics, not an error.
+    #[test]
+    fn non_finite_log_probs_are_counted_out_of_the_mismatch() {
+        let train = [vec![-0.5, f32::NAN], vec![-1.0, f32::NEG_INFINITY, -2.0]];
+        let rollout = [vec![-0.4, -0.3], vec![-1.2, -0.1, -2.0]];
+        let (m, non_finite) = logp_mismatch(&train, &rollout).expect("mismatch");
+        assert_eq!(non_finite, 2);
+        let alone = mismatch_metrics(&[-0.5, -1.0, -2.0], &[-0.4, -1.2, -2.0], None).expect("m");
+        assert_eq!(m, Some(alone));
+        let (m, non_finite) = logp_mismatch(&[vec![f32::NAN]], &[vec![-0.1]]).expect("none");
+        assert_eq!((m, non_finite), (None, 1));
+        let ragged = logp_mismatch(&[vec![-0.1, -0.2]], &[vec![-0.1]]);
+        assert!(ragged.expect_err("ragged").to_string().contains("row 0"));
     }
 }

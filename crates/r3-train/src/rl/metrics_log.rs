@@ -75,6 +75,10 @@ pub struct StepMetrics {
     /// Pearson correlation of the probabilities.
     #[serde(rename = "mismatch.pearson")]
     pub pearson: Option<f64>,
+    /// Response tokens left out of the mismatch statistics because a log-prob was NaN or
+    /// infinite (a training forward that overflowed; its update is skipped).
+    #[serde(rename = "mismatch.non_finite_tokens", default)]
+    pub mismatch_non_finite_tokens: u64,
     /// Fraction of (token, MoE layer) routers where rollout and training routes differ.
     #[serde(rename = "divergence.router_frac")]
     pub router_frac: Option<f64>,

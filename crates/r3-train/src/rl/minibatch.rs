@@ -152,9 +152,16 @@ pub fn update_minibatch(
     let norm = AggNorm::of(&mask)?;
     let tokens = scalar_f32(&norm.tokens)?;
     let full_tokens = scalar_f32(&full_mask.sum_all()?.maximum(1e-8)?)?;
+    // No token carries loss weight (dynamic sampling dropped every group): the forward
+    // still gives the step's log-probs and routes, but there is no gradient to take, and an
+    // AdamW step on zero gradients would still move the weights by its momentum and decay.
+    let learnable = scalar_f32(&mask.sum_all()?)? > 0.0;
     drop((full_mask, mask));
 
-    let mut acc = Accumulated::default();
+    let mut acc = Accumulated {
+        grads: learnable.then(GradStore::default),
+        ..Accumulated::default()
+    };
     if let [_] = parts.as_slice() {
         let started = Instant::now();
         let micro = micro_update(&model, mb, s, &norm, &device)?;
@@ -233,6 +240,14 @@ pub fn update_minibatch(
     };
     let loss = loss as f32;
     let outcome = match grads {
+        _ if !learnable => {
+            tracing::info!("no token of the mini-batch carries loss weight: update skipped");
+            UpdateOutcome::Skipped {
+                reason: SkipReason::NoLossTokens,
+                loss,
+                grad_norm: None,
+            }
+        }
         Some(grads) if loss.is_finite() => {
             let (outcome, optim_s) =
                 guarded_step_timed(optimizer, loss, grads, s.lr, s.grad_clip, s.grad_hook)?;

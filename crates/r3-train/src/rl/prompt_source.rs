@@ -98,19 +98,27 @@ pub struct LoadedSplit {
     pub filtered: usize,
 }
 
-/// Loads, renders and encodes `files`, dropping (and counting) overlong prompts.
+/// Loads, renders and encodes `files`, dropping (and counting) overlong prompts: longer
+/// than `data.max_prompt_length`, or leaving no position to generate in within the model's
+/// `max_positions` (the engine would refuse such a prompt and fail the whole step).
 pub fn load_split(
     files: &[std::path::PathBuf],
     tokenizer: &ModelText,
     data: &DataConfig,
+    max_positions: usize,
     split: &str,
 ) -> Result<LoadedSplit> {
+    let context = max_positions.saturating_sub(1);
+    let longest = match data.max_prompt_length {
+        0 => context,
+        n => n.min(context),
+    };
     let rows = load_dataset(files, &data.prompt_key)?;
     let total = rows.len();
     let mut items = Vec::with_capacity(total);
     for row in &rows {
         let item = dataset_item(tokenizer, row, data)?;
-        if data.max_prompt_length == 0 || item.ids.len() <= data.max_prompt_length {
+        if item.ids.len() <= longest {
             items.push(item);
         }
     }
@@ -121,14 +129,18 @@ pub fn load_split(
             filtered,
             total,
             max_prompt_length = data.max_prompt_length,
-            "dropped prompts longer than data.max_prompt_length (never truncated)"
+            max_positions,
+            "dropped prompts longer than data.max_prompt_length or the model's context \
+             (never truncated)"
         );
     }
     if items.is_empty() {
         return Err(TrainError::InvalidConfig {
             field: "data.max_prompt_length",
             reason: format!(
-                "every one of the {total} {split} prompts is longer than {} tokens",
+                "every one of the {total} {split} prompts is longer than {longest} tokens \
+                 (data.max_prompt_length {}; the model's max_position_embeddings {max_positions} \
+                 leaves at most {context} for a prompt)",
                 data.max_prompt_length
             ),
         });
@@ -164,6 +176,7 @@ impl PromptSource {
     pub fn new(
         cfg: &TrainConfig,
         tokenizer: &ModelText,
+        max_positions: usize,
         stream_pos: Option<u128>,
         position: Option<DatasetPosition>,
     ) -> Result<Self> {
@@ -177,11 +190,11 @@ impl PromptSource {
             let stream_pos = stream_pos.unwrap_or_else(|| task.train_stream(cfg.seed).word_pos());
             return Ok(PromptSource::Arithmetic { task, stream_pos });
         }
-        let train = load_split(&data.train_files, tokenizer, data, "train")?;
+        let train = load_split(&data.train_files, tokenizer, data, max_positions, "train")?;
         let mut val = if data.val_files.is_empty() {
             Vec::new()
         } else {
-            load_split(&data.val_files, tokenizer, data, "val")?.items
+            load_split(&data.val_files, tokenizer, data, max_positions, "val")?.items
         };
         if cfg.eval.size > 0 {
             val.truncate(cfg.eval.size);

@@ -9,6 +9,7 @@ use r3_model::{ReplayProof, ReplayRoutes, SharedLen};
 use r3_routing::{LayerLayout, RouteTable};
 
 use crate::algo::advantage::{filter_uniform_groups, grpo_advantages, GrpoOptions};
+use crate::algo::schedule::LrSchedule;
 use crate::config::train::{RouterReplay, TrainConfig};
 use crate::error::{Result, TrainError};
 use crate::policy::trainable::ResponseBatch;
@@ -139,6 +140,8 @@ pub(crate) struct StepContext<'a> {
     pub(crate) data: &'a StepBatch,
     /// Loss and optimiser settings (the LR is set per update).
     pub(crate) settings: UpdateSettings,
+    /// The run's LR schedule (its length the steps the run takes).
+    pub(crate) schedule: LrSchedule,
     /// Routes each pass used, when the caller asked for them.
     pub(crate) trace: Option<&'a mut StepTrace>,
 }

@@ -189,18 +189,23 @@ impl Trainer {
         }
         let eos = config_eos_ids(policy.config());
         let reward = Reward::from_spec(&cfg.reward, cfg.task.format_reward as f32);
+        let max_positions = policy.config().max_position_embeddings;
         let (step, prompts) = match resume {
             Some((dir, state)) => {
                 load_optimizer(dir, &state, &mut optimizer)?;
                 let prompts = PromptSource::new(
                     &cfg,
                     &tokenizer,
+                    max_positions,
                     Some(state.word_pos()?),
                     state.dataset_position,
                 )?;
                 (state.step, prompts)
             }
-            None => (0, PromptSource::new(&cfg, &tokenizer, None, None)?),
+            None => (
+                0,
+                PromptSource::new(&cfg, &tokenizer, max_positions, None, None)?,
+            ),
         };
         // A fleet samples and evaluates: no second copy of the weights in this process.
         let backend = Backend::connect(&cfg, &policy, &tokenizer, step)?;
@@ -318,6 +323,7 @@ impl Trainer {
             cfg: &cfg,
             data: &data,
             settings: update_settings(&cfg)?,
+            schedule: cfg.lr_schedule(self.total_steps()),
             trace,
         };
         // Every weight was checked at start and every update is kept by the optimiser's
@@ -366,9 +372,10 @@ impl Trainer {
             .map_err(|e| StepPhase::WeightSync.out_of_memory_in(step, e))?;
         let sync_peak_mib = lap_peak();
         let train_lp = data.batch.gather_responses(&updates.view.logp)?;
-        let mismatch = logp_mismatch(&train_lp, &data.rollout_lp)?;
+        let (mismatch, non_finite) = logp_mismatch(&train_lp, &data.rollout_lp)?;
         self.step = step;
         let mut metrics = finish_metrics(step, &cfg, &data, &updates, mismatch.as_ref(), sync_s);
+        metrics.mismatch_non_finite_tokens = non_finite as u64;
         if peaks_known {
             metrics.rollout_peak_mib = rollout_peak_mib;
             metrics.old_logp_peak_mib = updates.old_logp_peak_mib;

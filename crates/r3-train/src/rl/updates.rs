@@ -73,11 +73,12 @@ fn single_update(
     ctx: StepContext<'_>,
 ) -> Result<Updates> {
     let StepContext {
+        step,
         cfg,
         data,
         settings,
+        schedule,
         trace,
-        ..
     } = ctx;
     let started = Instant::now();
     let routing = match (cfg.algo.router_replay, &data.routes) {
@@ -89,7 +90,7 @@ fn single_update(
         row_weight[r] = 1.0;
     }
     let s = UpdateSettings {
-        lr: cfg.lr_schedule().lr_at(optimizer.step_count()),
+        lr: schedule.lr_at(cfg.lr_position(step, 0)),
         ..settings
     };
     let mb = MiniBatch {
@@ -144,6 +145,7 @@ fn minibatch_updates(
         cfg,
         data,
         settings,
+        schedule,
         mut trace,
     } = ctx;
     let mode = cfg.algo.router_replay;
@@ -183,15 +185,14 @@ fn minibatch_updates(
         cfg.seed, step, 0x5155,
     ])));
     let chunk = rows.len().div_ceil(cfg.algo.mini_batches).max(1);
-    let schedule = cfg.lr_schedule();
     let mut results = Vec::new();
-    for part in rows.chunks(chunk) {
+    for (k, part) in rows.chunks(chunk).enumerate() {
         let mb_batch = data.batch.subset(part)?;
         let width = mb_batch.width();
         let pick = |t: &Tensor| pick_rows(t, part, width);
         let part_routes = replayed.as_ref().map(|r| r.select(part)).transpose()?;
         let s = UpdateSettings {
-            lr: schedule.lr_at(optimizer.step_count()),
+            lr: schedule.lr_at(cfg.lr_position(step, k)),
             ..settings
         };
         let mb = MiniBatch {
