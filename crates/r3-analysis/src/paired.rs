@@ -2,7 +2,8 @@
 //! wrote (a run directory's `eval.jsonl`, or the JSON `r3 eval --out` writes) and states the
 //! difference between two models scored on the same prompts with its 95% interval (prompts
 //! paired; several runs per side are seeds, a second bootstrap level), through r3-tasks'
-//! estimators. Evaluations of different prompt sets are refused, not paired.
+//! estimators. Evaluations of different prompt sets are refused, not paired, and so are
+//! evaluations at different steps pooled as seeds of one side.
 
 use std::path::{Path, PathBuf};
 
@@ -53,9 +54,26 @@ pub enum PairedError {
         /// What differs.
         what: String,
     },
+    /// Evaluations pooled as seeds of one side were taken at different training steps.
+    #[error("{side} side pools evaluations of different steps ({}): seeds of one side must be evaluated at the same step (pass it, e.g. --baseline-step, or compare runs that reached it)", describe_steps(evals))]
+    MixedSteps {
+        /// Which side (`a` / `b`).
+        side: &'static str,
+        /// Each evaluation of that side with its step.
+        evals: Vec<(PathBuf, u64)>,
+    },
     /// A side has no evaluation.
     #[error("a paired comparison needs at least one evaluation on each side")]
     Empty,
+}
+
+/// `path at step N, …` for [`PairedError::MixedSteps`].
+fn describe_steps(evals: &[(PathBuf, u64)]) -> String {
+    evals
+        .iter()
+        .map(|(p, s)| format!("{} at step {s}", p.display()))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// One evaluation's per-prompt scores and where they came from.
@@ -103,9 +121,12 @@ pub fn load_eval(path: &Path, step: Option<u64>) -> Result<ScoredEval, PairedErr
 
 /// The paired difference `a − b` of per-prompt scores (several evaluations per side are
 /// seeds of the same model or setting); an error when any two were scored on different
-/// prompts.
+/// prompts, or when one side's evaluations are at different steps (the two sides may differ:
+/// a trained model against its base).
 pub fn compare_evals(a: &[ScoredEval], b: &[ScoredEval]) -> Result<PairedDifference, PairedError> {
     let first = a.first().ok_or(PairedError::Empty)?;
+    side_step(a, "a")?;
+    side_step(b, "b")?;
     for other in a.iter().chain(b).skip(1) {
         same_prompts(first, other)?;
     }
@@ -114,6 +135,21 @@ pub fn compare_evals(a: &[ScoredEval], b: &[ScoredEval]) -> Result<PairedDiffere
     };
     paired_difference_seeds(&scores(a), &scores(b), PAIRED_RESAMPLES, PAIRED_SEED)
         .ok_or(PairedError::Empty)
+}
+
+/// The step every evaluation of `side` was taken at; `None` for an empty side, an error
+/// naming each evaluation's step when they differ.
+pub fn side_step(side: &[ScoredEval], name: &'static str) -> Result<Option<u64>, PairedError> {
+    let Some(first) = side.first() else {
+        return Ok(None);
+    };
+    if side.iter().any(|e| e.line.step != first.line.step) {
+        return Err(PairedError::MixedSteps {
+            side: name,
+            evals: side.iter().map(|e| (e.path.clone(), e.line.step)).collect(),
+        });
+    }
+    Ok(Some(first.line.step))
 }
 
 fn same_prompts(x: &ScoredEval, y: &ScoredEval) -> Result<(), PairedError> {
@@ -181,5 +217,42 @@ mod tests {
             Err(PairedError::Malformed { line: 1, .. })
         ));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn eval_at(path: &str, step: u64, scores: &[f64]) -> ScoredEval {
+        ScoredEval {
+            path: PathBuf::from(path),
+            line: serde_json::from_str(&line(step, scores, "d")).unwrap(),
+        }
+    }
+
+    #[test]
+    fn seeds_of_one_side_must_share_a_step() {
+        let s1 = eval_at("runs/r3-s1", 200, &[1.0, 0.0, 1.0]);
+        let s2 = eval_at("runs/r3-s2", 60, &[1.0, 1.0, 0.0]);
+        let base = eval_at("runs/grpo-s1", 0, &[0.0, 0.0, 1.0]);
+        let err =
+            compare_evals(&[s1.clone(), s2.clone()], std::slice::from_ref(&base)).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            matches!(err, PairedError::MixedSteps { side: "a", .. }),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("runs/r3-s1 at step 200") && msg.contains("runs/r3-s2 at step 60"),
+            "{msg}"
+        );
+        let err = compare_evals(std::slice::from_ref(&base), &[s1.clone(), s2]).unwrap_err();
+        assert!(
+            matches!(err, PairedError::MixedSteps { side: "b", .. }),
+            "{err}"
+        );
+        // Sides at different steps from each other are fine: a trained model against its base.
+        let s2 = eval_at("runs/r3-s2", 200, &[1.0, 1.0, 0.0]);
+        let d = compare_evals(&[s1.clone(), s2.clone()], &[base]).unwrap();
+        // (mean over seeds per prompt: 1, 0.5, 0.5) − (0, 0, 1) = (1 + 0.5 − 0.5) / 3
+        assert!((d.mean - 1.0 / 3.0).abs() < 1e-12, "{}", d.mean);
+        assert_eq!(side_step(&[s1, s2], "a").unwrap(), Some(200));
+        assert_eq!(side_step(&[], "a").unwrap(), None);
     }
 }

@@ -1,7 +1,8 @@
 //! Answers of math word problems (GSM8K / MATH style): reading the final answer out of a
 //! free-text completion (`\boxed{…}`, `#### N`, or the last number) and deciding whether it
 //! equals a ground truth, numerically where both sides are numbers (commas, `$`, trailing
-//! `.0`, fractions, `\frac{a}{b}`) and as normalised text otherwise.
+//! `.0`, a trailing `%`, fractions, `\frac{a}{b}`, mixed numbers, exponents, a trailing
+//! `\text{…}` unit; see [`parse_number`]) and as normalised text otherwise.
 
 use std::cmp::Ordering;
 
@@ -20,19 +21,73 @@ pub enum AnswerSource {
 }
 
 /// The final answer of a completion and where it was found; `None` when the text holds no
-/// boxed answer, no `####` answer and no number.
+/// boxed answer, no `####` answer and no number. A Unicode minus (U+2212) reads as `-`.
 pub fn extract_math_answer(text: &str) -> Option<(String, AnswerSource)> {
-    if let Some(b) = last_boxed(text) {
+    let text = text.replace('\u{2212}', "-");
+    if let Some(b) = last_boxed(&text) {
         return Some((b.trim().to_string(), AnswerSource::Boxed));
     }
     if let Some(pos) = text.rfind("####") {
         let rest = &text[pos + 4..];
         let line = rest.lines().next().unwrap_or("").trim();
         if !line.is_empty() {
-            return Some((line.to_string(), AnswerSource::Hashes));
+            return Some((hashes_answer(line), AnswerSource::Hashes));
         }
     }
-    last_number(text).map(|n| (n.to_string(), AnswerSource::LastNumber))
+    last_number(&text).map(|n| (n.to_string(), AnswerSource::LastNumber))
+}
+
+/// Most words of a `####` line tried as its leading number (`1 000 000`, `3 1/2`, `$ 5`).
+const MAX_LEADING_WORDS: usize = 6;
+
+/// The answer on a `####` line: the whole line when it is a number (`1,234`, `3/4`, `50%`);
+/// else its leading number when one stands alone, `**` bold and a leading `=` / `:` ignored
+/// (`42 dollars`, `$18 (she keeps the rest)`, `**42**.`), as GSM8K's scorer reads it; else
+/// the whole line (a non-numeric answer, or a number that starts an expression: `5 + 3 = 8`,
+/// `5x`).
+fn hashes_answer(line: &str) -> String {
+    if parse_number(line).is_some() {
+        return line.to_string();
+    }
+    let bare = line.replace("**", "");
+    let bare = bare.trim_start_matches(|c: char| c.is_whitespace() || c == '=' || c == ':');
+    match leading_number(bare) {
+        Some(n) => n.to_string(),
+        None => line.to_string(),
+    }
+}
+
+/// The longest run of leading words of `s` that parses as a number (trailing sentence
+/// punctuation dropped), unless the word after it starts an expression.
+fn leading_number(s: &str) -> Option<&str> {
+    let mut ends = Vec::new();
+    let mut in_word = false;
+    for (i, c) in s.char_indices() {
+        if !c.is_whitespace() {
+            in_word = true;
+        } else if in_word {
+            ends.push(i);
+            in_word = false;
+            if ends.len() > MAX_LEADING_WORDS {
+                break;
+            }
+        }
+    }
+    if in_word {
+        ends.push(s.len());
+    }
+    for n in (1..=ends.len().min(MAX_LEADING_WORDS)).rev() {
+        let candidate = s[..ends[n - 1]].trim_end_matches(['.', ',', ';', ':', '!', '?']);
+        if parse_number(candidate).is_none() {
+            continue;
+        }
+        let next = s[ends[n - 1]..].trim_start();
+        if next.starts_with(|c: char| "+-*/×÷=^<>".contains(c)) {
+            return None;
+        }
+        return Some(candidate);
+    }
+    None
 }
 
 /// Whether an extracted answer equals the ground truth: as exact rationals when both parse as
@@ -83,11 +138,16 @@ fn gcd(mut a: u128, mut b: u128) -> u128 {
     a
 }
 
-/// Parses a number as people write answers: `1,234`, `$5`, `-3.50`, `12.`, `7/8`,
-/// `\frac{7}{8}`, `-\dfrac{1}{2}`. `50%` is *not* a number (the percent changes meaning).
+/// Parses a number as people write answers: `1,234`, `1 000 000`, `1{,}000`, `$5`, `-3.50`,
+/// `12.`, `7/8`, `3 1/2` (a mixed number, 7/2), `\frac{7}{8}`, `-\dfrac{1}{2}`, `\frac12`,
+/// `2.5e3`, `50%` (50, as GSM8K's scorers read it), `90^\circ`, `5\text{ cm}` (a trailing
+/// unit dropped), `x=5` (a single letter's value). Digits that a space separates otherwise
+/// (`4 5`) are no number.
 pub fn parse_number(s: &str) -> Option<Rational> {
     let t = strip_wrappers(s);
-    let t = t.trim_end_matches('.');
+    let t = without_unit(&t);
+    let t = strip_percent(t);
+    let t = value_of_variable(t).trim_end_matches('.');
     if let Some(rest) = t.strip_prefix('-') {
         if !rest.starts_with('-') {
             return parse_unsigned(rest).map(|r| Rational {
@@ -100,8 +160,12 @@ pub fn parse_number(s: &str) -> Option<Rational> {
     parse_unsigned(t)
 }
 
-/// A number without a leading sign of its own (a fraction's parts may carry signs).
+/// A number without a leading sign of its own (a fraction's parts may carry signs): a
+/// decimal, a fraction, or a mixed number `a b/c` (whole `a`, proper fraction `b/c`).
 fn parse_unsigned(t: &str) -> Option<Rational> {
+    if let Some((whole, frac)) = t.split_once(' ').filter(|_| !t.starts_with('\\')) {
+        return parse_mixed(whole, frac);
+    }
     match split_frac(t) {
         Some((n, d)) => {
             let (n, d) = (parse_decimal(n)?, parse_decimal(d)?);
@@ -113,17 +177,46 @@ fn parse_unsigned(t: &str) -> Option<Rational> {
     }
 }
 
-/// `\frac{a}{b}`, `\dfrac{a}{b}`, `\tfrac{a}{b}` or `a/b` split into its two parts.
+/// `whole + num/den` for a mixed number: all three plain integers, `0 < num < den`.
+fn parse_mixed(whole: &str, frac: &str) -> Option<Rational> {
+    let plain = |x: &str| !x.is_empty() && x.bytes().all(|b| b.is_ascii_digit());
+    let (num, den) = split_frac(frac)?;
+    if !(plain(whole) && plain(num) && plain(den)) {
+        return None;
+    }
+    let (w, n, d) = (
+        parse_decimal(whole)?,
+        parse_decimal(num)?,
+        parse_decimal(den)?,
+    );
+    if n.num == 0 || n.num >= d.num {
+        return None;
+    }
+    Rational::new(w.num.checked_mul(d.num)?.checked_add(n.num)?, d.num)
+}
+
+/// `\frac{a}{b}`, `\dfrac{a}{b}`, `\tfrac{a}{b}` (an argument may be a single digit without
+/// braces: `\frac12`) or `a/b` split into its two parts.
 fn split_frac(t: &str) -> Option<(&str, &str)> {
     for cmd in ["\\frac", "\\dfrac", "\\tfrac"] {
         if let Some(rest) = t.strip_prefix(cmd) {
-            let (a, rest) = braced(rest)?;
-            let (b, rest) = braced(rest)?;
+            let (a, rest) = frac_argument(rest)?;
+            let (b, rest) = frac_argument(rest)?;
             return rest.is_empty().then_some((a, b));
         }
     }
     let (a, b) = t.split_once('/')?;
     (!b.contains('/')).then_some((a, b))
+}
+
+/// A `\frac` argument: a `{…}` group, or one digit (TeX reads `\frac12` as one half).
+fn frac_argument(s: &str) -> Option<(&str, &str)> {
+    let s = s.trim_start();
+    match s.as_bytes().first()? {
+        b'{' => braced(s),
+        b if b.is_ascii_digit() => Some(s.split_at(1)),
+        _ => None,
+    }
 }
 
 /// The content of a leading `{…}` group (balanced) and what follows it.
@@ -146,12 +239,17 @@ fn braced(s: &str) -> Option<(&str, &str)> {
     None
 }
 
-/// A signed decimal with optional thousands commas (`-1,234.50`) as an exact rational.
+/// A signed decimal with optional thousands commas (`-1,234.50`) and an optional exponent
+/// (`2.5e3`, `1E-4`) as an exact rational.
 fn parse_decimal(s: &str) -> Option<Rational> {
     let s = s.trim();
     let (neg, body) = match s.strip_prefix('-') {
         Some(rest) => (true, rest.trim_start()),
         None => (false, s.strip_prefix('+').unwrap_or(s)),
+    };
+    let (body, exponent) = match body.split_once(['e', 'E']) {
+        Some((mantissa, e)) => (mantissa, Some(parse_exponent(e)?)),
+        None => (body, None),
     };
     let (int_part, frac_part) = match body.split_once('.') {
         Some((i, f)) => (i, f),
@@ -164,6 +262,9 @@ fn parse_decimal(s: &str) -> Option<Rational> {
     if digits.is_empty() && frac_part.is_empty() {
         return None;
     }
+    if exponent.is_some() && int_part.contains(',') {
+        return None;
+    }
     if digits.len() + frac_part.len() > MAX_DIGITS {
         return None;
     }
@@ -171,8 +272,26 @@ fn parse_decimal(s: &str) -> Option<Rational> {
     for c in digits.chars().chain(frac_part.chars()) {
         num = num * 10 + i128::from(c.to_digit(10)? as u8);
     }
-    let den = 10i128.checked_pow(frac_part.len() as u32)?;
+    let mut den = 10i128.checked_pow(frac_part.len() as u32)?;
+    match exponent {
+        Some(e) if e >= 0 => num = num.checked_mul(10i128.checked_pow(e.unsigned_abs())?)?,
+        Some(e) => den = den.checked_mul(10i128.checked_pow(e.unsigned_abs())?)?,
+        None => {}
+    }
     Rational::new(if neg { -num } else { num }, den)
+}
+
+/// An exponent's digits with an optional sign, at most [`MAX_DIGITS`] in size.
+fn parse_exponent(e: &str) -> Option<i32> {
+    let digits = e.strip_prefix(['+', '-']).unwrap_or(e);
+    if digits.is_empty() || digits.len() > 2 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let v: i32 = digits.parse().ok()?;
+    if v > MAX_DIGITS as i32 {
+        return None;
+    }
+    Some(if e.starts_with('-') { -v } else { v })
 }
 
 /// Digits, optionally grouped by commas in threes (`1,234,567`); `12,34` is not a number.
@@ -189,22 +308,151 @@ fn valid_grouping(s: &str) -> bool {
             .all(|g| g.len() == 3 && g.chars().all(|c| c.is_ascii_digit()))
 }
 
-/// Removes what surrounds an answer but does not change it: whitespace, `$` signs, a
-/// `\text{…}` wrapper, `\!` / `\,` thin spaces, and a leading `=`.
+/// Removes what surrounds an answer but does not change it: `$` signs, a `\text{…}`
+/// wrapper, `\left` / `\right`, `^\circ`, `{,}` (as `,`), a trailing `%` / `\%`, a leading
+/// `=`, and whitespace (`\,`, `\!`, `~` count as spaces), except between two digits: there
+/// a space that separates groups of three (`1 000 000`) goes and any other stays as one
+/// space, so `3 1/2` and `4 5` do not merge into other numbers. A Unicode minus reads as
+/// `-`.
 fn strip_wrappers(s: &str) -> String {
-    let mut t: String = s
-        .replace("\\!", "")
-        .replace("\\,", "")
-        .replace("\\$", "")
-        .chars()
-        .filter(|c| !c.is_whitespace() && *c != '$')
-        .collect();
+    let spaced = s
+        .replace('\u{2212}', "-")
+        .replace("\\!", " ")
+        .replace("\\,", " ")
+        .replace('~', " ")
+        .replace("\\$", "");
+    let no_dollars: String = spaced.chars().filter(|c| *c != '$').collect();
+    let mut t = without_left_right(&squeeze_spaces(&no_dollars))
+        .replace("{,}", ",")
+        .replace("^{\\circ}", "")
+        .replace("^\\circ", "");
     if let Some(rest) = t.strip_prefix("\\text") {
         if let Some((inner, tail)) = braced(rest) {
-            t = format!("{inner}{tail}");
+            t = squeeze_spaces(&format!("{inner}{tail}"));
         }
     }
-    t.trim_start_matches('=').to_string()
+    strip_percent(t.trim_start_matches('=')).to_string()
+}
+
+/// `s` without a trailing `%` / `\%` (a trailing `.` after it goes with it).
+fn strip_percent(s: &str) -> &str {
+    let core = s.trim_end_matches('.');
+    core.strip_suffix("\\%")
+        .or_else(|| core.strip_suffix('%'))
+        .unwrap_or(s)
+}
+
+/// Whitespace removed except between digits (see [`strip_wrappers`]).
+fn squeeze_spaces(s: &str) -> String {
+    let chars: Vec<char> = s.chars().collect();
+    let mut out = String::with_capacity(s.len());
+    // Digits since the last removed group separator, and whether one was removed in this run.
+    let (mut group, mut grouped) = (0usize, false);
+    let mut i = 0;
+    while i < chars.len() {
+        let c = chars[i];
+        if !c.is_whitespace() {
+            if c.is_ascii_digit() {
+                group += 1;
+            } else {
+                (group, grouped) = (0, false);
+            }
+            out.push(c);
+            i += 1;
+            continue;
+        }
+        let mut j = i;
+        while j < chars.len() && chars[j].is_whitespace() {
+            j += 1;
+        }
+        let before = out.chars().next_back();
+        let after = chars.get(j).copied();
+        if before.is_some_and(|b| b.is_ascii_digit()) && after.is_some_and(|a| a.is_ascii_digit()) {
+            let next_group = chars[j..].iter().take_while(|c| c.is_ascii_digit()).count();
+            let closes = chars.get(j + next_group).is_none_or(|c| *c != '/');
+            let run_start = out.chars().rev().nth(group);
+            let opens = if grouped {
+                group == 3
+            } else {
+                (1..=3).contains(&group) && run_start.is_none_or(|c| c != '.' && c != ',')
+            };
+            if next_group == 3 && closes && opens {
+                (group, grouped) = (0, true);
+            } else {
+                out.push(' ');
+                (group, grouped) = (0, false);
+            }
+        }
+        i = j;
+    }
+    out
+}
+
+/// `\left` / `\right` before a delimiter removed (`\left(1,2\right)` → `(1,2)`); commands
+/// that merely start so (`\rightarrow`) are kept.
+fn without_left_right(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s;
+    while let Some(pos) = rest
+        .find("\\left")
+        .into_iter()
+        .chain(rest.find("\\right"))
+        .min()
+    {
+        let len = if rest[pos..].starts_with("\\left") {
+            5
+        } else {
+            6
+        };
+        let after = &rest[pos + len..];
+        out.push_str(&rest[..pos]);
+        if after.starts_with(|c: char| c.is_ascii_alphabetic()) {
+            out.push_str(&rest[pos..pos + len]);
+        }
+        rest = after;
+    }
+    out.push_str(rest);
+    out
+}
+
+/// A number followed by a `\text{…}` / `\mbox{…}` unit (`5\text{ cm}`, `\frac12\text{ cup}`)
+/// without the unit, when what precedes it is a number; otherwise `s` unchanged.
+fn without_unit(s: &str) -> &str {
+    for cmd in ["\\text", "\\mbox"] {
+        let Some(pos) = s.rfind(cmd) else { continue };
+        let Some((_, tail)) = braced(&s[pos + cmd.len()..]) else {
+            continue;
+        };
+        let head = &s[..pos];
+        if tail.is_empty() && !head.is_empty() && parse_number(head).is_some() {
+            return head;
+        }
+    }
+    s
+}
+
+/// The value in `x=5` (one `=`, a single letter on its left, optionally subscripted:
+/// `x_1=5`, `y_{n}=5`); otherwise `s` unchanged.
+fn value_of_variable(s: &str) -> &str {
+    let Some((name, value)) = s.split_once('=') else {
+        return s;
+    };
+    let mut chars = name.chars();
+    let letter = chars.next().is_some_and(|c| c.is_ascii_alphabetic());
+    let subscript = chars.as_str();
+    let subscript_ok = subscript.is_empty()
+        || subscript.strip_prefix('_').is_some_and(|x| {
+            let x = x
+                .strip_prefix('{')
+                .and_then(|x| x.strip_suffix('}'))
+                .unwrap_or(x);
+            !x.is_empty() && x.chars().all(|c| c.is_ascii_alphanumeric())
+        });
+    if letter && subscript_ok && !value.contains('=') {
+        value
+    } else {
+        s
+    }
 }
 
 /// An answer as text compared: wrappers (`$`, `\text{…}`, spaces, a leading `=`) removed,
@@ -226,7 +474,9 @@ fn last_boxed(text: &str) -> Option<&str> {
     braced(&text[pos + len..]).map(|(inner, _)| inner)
 }
 
-/// The last number in free text (`-` sign, thousands commas and a decimal part kept).
+/// The last number in free text (thousands commas and a decimal part kept). A `-` before it
+/// is its sign only at the start of the text or after whitespace, `=`, `(`, `$` or `:`: in
+/// `1990-2000` and `5-3` it is a hyphen.
 fn last_number(text: &str) -> Option<&str> {
     let bytes = text.as_bytes();
     let mut end = bytes.len();
@@ -255,7 +505,12 @@ fn last_number(text: &str) -> Option<&str> {
         }
     }
     if start > 0 && bytes[start - 1] == b'-' {
-        start -= 1;
+        let sign = start == 1
+            || matches!(bytes[start - 2], b'=' | b'(' | b'$' | b':')
+            || bytes[start - 2].is_ascii_whitespace();
+        if sign {
+            start -= 1;
+        }
     }
     Some(&text[start..end])
 }

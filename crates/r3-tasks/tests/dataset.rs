@@ -204,3 +204,54 @@ fn a_cursor_resumes_from_its_position() {
     let rest = DatasetCursor::new(7, true, 3, pos).take(11);
     assert_eq!([first, rest].concat(), all);
 }
+
+#[test]
+fn float32_parquet_values_read_as_f32_prints_them() {
+    use parquet::data_type::{ByteArray, ByteArrayType, FloatType};
+    use parquet::file::properties::WriterProperties;
+    use parquet::file::writer::SerializedFileWriter;
+    use parquet::schema::parser::parse_message_type;
+    use std::sync::Arc;
+
+    let dir = std::env::temp_dir().join(format!("r3-dataset-f32-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let path = dir.join("f32.parquet");
+    let schema = "message m {
+      required binary prompt (UTF8);
+      required group reward_model { required float ground_truth; }
+      required group extra_info { required float weight; }
+    }";
+    let truths = [0.1f32, 2.5, 1e20, 16_777_216.0, -0.3];
+    let schema = Arc::new(parse_message_type(schema).expect("schema"));
+    let file = std::fs::File::create(&path).expect("create");
+    let props = Arc::new(WriterProperties::builder().build());
+    let mut writer = SerializedFileWriter::new(file, schema, props).expect("writer");
+    let mut group = writer.next_row_group().expect("row group");
+    let mut col = group.next_column().expect("column").expect("prompt");
+    let prompts: Vec<ByteArray> = truths.iter().map(|_| ByteArray::from("q")).collect();
+    col.typed::<ByteArrayType>()
+        .write_batch(&prompts, None, None)
+        .expect("prompts");
+    col.close().expect("close");
+    for _ in 0..2 {
+        let mut col = group.next_column().expect("column").expect("float");
+        col.typed::<FloatType>()
+            .write_batch(&truths, None, None)
+            .expect("floats");
+        col.close().expect("close");
+    }
+    group.close().expect("close group");
+    writer.close().expect("close file");
+
+    let rows = load_file(&path, "prompt").expect("load");
+    let got: Vec<&str> = rows.iter().map(|r| r.ground_truth.as_str()).collect();
+    // What the f32s print as (widened to f64 first, 0.1f32 would read 0.10000000149011612).
+    assert_eq!(got, ["0.1", "2.5", "1e+20", "16777216.0", "-0.3"]);
+    assert_eq!(rows[0].extra_info, serde_json::json!({"weight": 0.1}));
+    assert!(r3_tasks::math_equal("0.1", &rows[0].ground_truth));
+    assert!(r3_tasks::math_equal(
+        "100000000000000000000",
+        &rows[2].ground_truth
+    ));
+    std::fs::remove_dir_all(&dir).expect("cleanup");
+}

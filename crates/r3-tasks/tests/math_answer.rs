@@ -7,6 +7,24 @@ fn r(num: i128, den: i128) -> Option<Rational> {
     Rational::new(num, den)
 }
 
+/// Each text parses to its number (`None`: no number).
+fn parses(cases: &[(&str, Option<Rational>)]) {
+    for (text, want) in cases {
+        assert_eq!(parse_number(text), *want, "{text:?}");
+    }
+}
+
+/// Each text's extracted answer is `want`, found by `source`.
+fn extracts(cases: &[(&str, &str)], source: AnswerSource) {
+    for (text, want) in cases {
+        assert_eq!(
+            extract_math_answer(text),
+            Some((want.to_string(), source)),
+            "{text:?}"
+        );
+    }
+}
+
 #[test]
 fn extraction_prefers_boxed_then_hashes_then_last_number() {
     let cases: &[(&str, Option<(&str, AnswerSource)>)] = &[
@@ -68,14 +86,13 @@ fn numbers_parse_to_exact_rationals() {
         ("= 10", r(10, 1)),
         ("12,34", None),
         ("1/0", None),
-        ("50%", None),
+        // a trailing percent sign is dropped, as GSM8K's scorers drop it
+        ("50%", r(50, 1)),
         ("abc", None),
         ("--3", None),
         ("1234567890123456789012345678901234", None),
     ];
-    for (text, want) in cases {
-        assert_eq!(parse_number(text), *want, "{text:?}");
-    }
+    parses(cases);
 }
 
 #[test]
@@ -89,6 +106,7 @@ fn equality_is_numeric_when_both_sides_are_numbers_else_textual() {
         ("-0.75", "-\\frac{3}{4}"),
         ("Yes", "yes"),
         ("\\text{east}", "east"),
+        ("50%", "50"),
     ];
     for (a, b) in equal {
         assert!(math_equal(a, b), "{a:?} should equal {b:?}");
@@ -97,11 +115,184 @@ fn equality_is_numeric_when_both_sides_are_numbers_else_textual() {
         ("18.01", "18"),
         ("1/3", "0.33"),
         ("-5", "5"),
-        ("50%", "50"),
+        ("50%", "0.5"),
         ("north", "east"),
         ("", "0"),
     ];
     for (a, b) in different {
         assert!(!math_equal(a, b), "{a:?} should differ from {b:?}");
     }
+}
+
+/// `(response, truth, reward)` rows through the `math` reward.
+fn rewards(cases: &[(&str, &str, f32)]) {
+    for (response, truth, want) in cases {
+        assert_eq!(
+            r3_tasks::reward::answers::math_reward(response, truth),
+            *want,
+            "{response:?} vs {truth:?}"
+        );
+    }
+}
+
+#[test]
+fn a_hashes_line_gives_its_leading_number() {
+    let cases: &[(&str, &str)] = &[
+        ("#### 42 dollars", "42"),
+        ("#### 42 apples.", "42"),
+        ("#### 18 (she keeps the rest)", "18"),
+        ("#### $1,234.50 in total", "$1,234.50"),
+        ("#### **42**", "42"),
+        ("#### **42** dollars.", "42"),
+        ("#### = 7 cookies", "7"),
+        ("#### 3 1/2 cups", "3 1/2"),
+        ("#### 1 000 000 people", "1 000 000"),
+        // GSM8K's scorer reads the first of two numbers too
+        ("#### 4 5", "4"),
+        // a number that starts an expression, or no leading number: the whole line
+        ("#### 5 + 3 = 8", "5 + 3 = 8"),
+        ("#### 5x + 3", "5x + 3"),
+        ("#### 5 - 3", "5 - 3"),
+        ("#### east", "east"),
+        ("#### The answer is 42", "The answer is 42"),
+    ];
+    extracts(cases, AnswerSource::Hashes);
+    rewards(&[
+        ("#### 42 dollars", "42", 1.0),
+        ("#### 42 apples.", "42", 1.0),
+        ("#### 18 (she keeps the rest)", "18", 1.0),
+        ("The answer is 42 dollars.", "42", 1.0),
+        ("#### 5 + 3 = 8", "5", 0.0),
+        ("#### 5x", "5", 0.0),
+        ("#### 4 5", "45", 0.0),
+    ]);
+}
+
+#[test]
+fn a_trailing_percent_sign_is_one_rule_everywhere() {
+    rewards(&[
+        ("#### 50%", "50", 1.0),
+        ("#### 50 %", "50", 1.0),
+        ("\\boxed{50\\%}", "50", 1.0),
+        ("The rate is 50%.", "50", 1.0),
+        ("#### 50%", "50%", 1.0),
+        ("#### 50%", "0.5", 0.0),
+        ("#### 50%", "5", 0.0),
+    ]);
+}
+
+#[test]
+fn spaces_between_digits_never_merge_numbers() {
+    let cases: &[(&str, Option<Rational>)] = &[
+        ("3 1/2", r(7, 2)),
+        ("-3 1/2", r(-7, 2)),
+        ("3 100/200", r(7, 2)),
+        ("4 5", None),
+        ("3 5/2", None),
+        ("1/2 3", None),
+        ("3 0/2", None),
+        ("1 000 000", r(1_000_000, 1)),
+        ("12 345.5", r(24_691, 2)),
+        ("1\\,000", r(1000, 1)),
+        ("1 00", None),
+        ("1234 567", None),
+        ("1.5 000", None),
+        ("1 000 00", None),
+    ];
+    parses(cases);
+    rewards(&[
+        ("\\boxed{3 1/2}", "15.5", 0.0),
+        ("\\boxed{3 1/2}", "3.5", 1.0),
+        ("#### 4 5", "45", 0.0),
+    ]);
+}
+
+#[test]
+fn a_hyphen_between_numbers_is_no_minus_sign() {
+    let cases: &[(&str, &str)] = &[
+        ("The years 1990-2000", "2000"),
+        ("5-3", "3"),
+        ("-4", "-4"),
+        ("the result is \u{2212}5", "-5"),
+        ("x = -5", "-5"),
+        ("so x=-5", "-5"),
+        ("(\u{2212}5)", "-5"),
+        ("she owes $-5", "-5"),
+        ("answer:-2", "-2"),
+    ];
+    extracts(cases, AnswerSource::LastNumber);
+    assert_eq!(parse_number("\u{2212}5"), r(-5, 1));
+    rewards(&[
+        ("The years 1990-2000", "2000", 1.0),
+        ("The years 1990-2000", "-2000", 0.0),
+        ("#### \u{2212}5", "-5", 1.0),
+        ("\\boxed{\u{2212}\\frac{1}{2}}", "-0.5", 1.0),
+    ]);
+}
+
+#[test]
+fn latex_forms_of_numbers_are_read_and_nothing_else_is() {
+    let equal = [
+        ("1{,}000", "1000"),
+        ("1{,}000{,}000", "1000000"),
+        ("90^\\circ", "90"),
+        ("90^{\\circ}", "90"),
+        ("5\\text{ cm}", "5"),
+        ("5 \\mbox{ cm}", "5"),
+        ("\\frac12\\text{ cup}", "0.5"),
+        ("\\left(1,2\\right)", "(1,2)"),
+        ("\\left[ 0, 1 \\right)", "[0,1)"),
+        ("\\dfrac12", "1/2"),
+        ("\\frac 3 4", "0.75"),
+        ("-\\tfrac{1}2", "-0.5"),
+        ("x=5", "5"),
+        ("x = 5", "5"),
+        ("y_1=5", "5"),
+        ("n_{0} = \\frac{1}{2}", "0.5"),
+        ("2.5e3", "2500"),
+        ("1E-2", "0.01"),
+    ];
+    for (a, b) in equal {
+        assert!(math_equal(a, b), "{a:?} should equal {b:?}");
+    }
+    let different = [
+        ("\\frac123", "1/2"),
+        ("\\frac123", "1/23"),
+        ("\\frac{12}{3}", "1/23"),
+        ("2x=5", "5"),
+        ("xy=5", "5"),
+        ("x=5,y=3", "5"),
+        ("x=y=5", "5"),
+        ("1{,}00", "100"),
+        ("5\\text{ cm}^2", "5"),
+        ("\\text{cm}5", "5"),
+        ("\\left(3\\right)", "3"),
+        ("\\leftarrow", "arrow"),
+        ("\\rightarrow", "arrow"),
+        ("90^\\circ", "91"),
+        ("e5", "5"),
+        ("5e", "5"),
+        ("2.5e3", "2.5"),
+    ];
+    for (a, b) in different {
+        assert!(!math_equal(a, b), "{a:?} should differ from {b:?}");
+    }
+}
+
+#[test]
+fn exponents_are_exact_and_bounded() {
+    let cases: &[(&str, Option<Rational>)] = &[
+        ("1e21", r(1_000_000_000_000_000_000_000, 1)),
+        ("2.5E3", r(2500, 1)),
+        ("1e-3", r(1, 1000)),
+        ("-1.5e+2", r(-150, 1)),
+        (".5e1", r(5, 1)),
+        ("1,000e3", None),
+        ("1e", None),
+        ("e3", None),
+        ("1e2.5", None),
+        ("1e999", None),
+        ("9e38", None),
+    ];
+    parses(cases);
 }

@@ -249,3 +249,58 @@ fn command_specs_need_a_command_and_a_timeout() {
     let (field, _) = spec.validate().expect_err("zero timeout");
     assert_eq!(field, "reward.timeout_s");
 }
+
+#[test]
+fn scores_beyond_f32_are_errors_naming_the_line() {
+    let msg = command_error("cat >/dev/null; echo 0; echo 1e39", 2, 10_000);
+    assert!(
+        msg.contains("batch row 1") && msg.contains("output line 2") && msg.contains("f32"),
+        "{msg}"
+    );
+    let msg = command_error("cat >/dev/null; echo -1e39", 1, 10_000);
+    assert!(msg.contains("f32") && msg.contains("-1e39"), "{msg}");
+    // f32's largest finite values still pass.
+    let extra = Value::Null;
+    let got = sh("cat >/dev/null; echo 3.4e38; echo -3.4e38", 10_000)
+        .score_batch(&[input("1", "1", &extra), input("1", "1", &extra)])
+        .expect("scores in range");
+    assert_eq!(got, vec![3.4e38f32, -3.4e38f32]);
+}
+
+#[test]
+fn huge_timeouts_are_refused_by_name_and_never_panic() {
+    let command = |timeout_s: f64| RewardSpec {
+        kind: RewardKind::Command,
+        command: vec!["sh".into(), "-c".into(), "cat >/dev/null; echo 1".into()],
+        timeout_s,
+        ..RewardSpec::default()
+    };
+    assert!(command(r3_tasks::reward::spec::MAX_TIMEOUT_S)
+        .validate()
+        .is_ok());
+    for timeout_s in [1e7 + 1.0, 1e20, f64::MAX] {
+        let (field, reason) = command(timeout_s).validate().expect_err("huge timeout");
+        assert_eq!(field, "reward.timeout_s", "{timeout_s}");
+        assert!(reason.contains("more than"), "{reason}");
+    }
+    let listed = RewardSpec {
+        funcs: vec![
+            RewardFuncSpec::default(),
+            RewardFuncSpec {
+                kind: RewardKind::Command,
+                command: vec!["sh".into()],
+                timeout_s: 1e20,
+                ..RewardFuncSpec::default()
+            },
+        ],
+        ..RewardSpec::default()
+    };
+    let (field, _) = listed.validate().expect_err("huge timeout in funcs");
+    assert_eq!(field, "reward.funcs[1].timeout_s");
+    // A spec that skipped validation still builds (the timeout saturates) and scores.
+    let extra = Value::Null;
+    let scores = Reward::from_spec(&command(1e20), 0.0)
+        .score_batch(&[input("1", "1", &extra)])
+        .expect("scores");
+    assert_eq!(scores[0].reward, 1.0);
+}

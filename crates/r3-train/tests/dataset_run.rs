@@ -254,3 +254,57 @@ fn the_lr_schedule_spans_the_steps_the_epochs_allow() {
         assert!((got - want).abs() < 1e-12 * peak, "{lrs:?} vs {want}");
     }
 }
+
+/// A verifier that scores its first batch alike (every group uniform) and later ones 1, 0,
+/// 1, 0 (every group differs), counting its batches in `count`.
+fn first_batch_uniform(count: &Path) -> Vec<String> {
+    let c = count.display();
+    let script = format!(
+        "n=$(cat {c} 2>/dev/null || echo 0); echo $((n+1)) > {c}; i=0; \
+         while IFS= read -r l; do \
+         if [ \"$n\" -eq 0 ]; then echo 1; else echo $(((i + 1) % 2)); fi; i=$((i+1)); done"
+    );
+    vec!["sh".into(), "-c".into(), script]
+}
+
+/// DAPO's dynamic sampling with refill: the first round's groups all score alike, so the
+/// step draws a second round of fresh prompts and trains on its groups; drop-only (one
+/// round) keeps none and takes no optimiser step.
+#[test]
+fn dynamic_sampling_refills_the_groups_a_round_dropped() {
+    let dir = Scratch::new("data-refill");
+    let model = dir.path().join("model");
+    tiny_model(&model, 35);
+    let count = dir.path().join("batches");
+    let mut cfg = dataset_config(dir.path(), &model, "run");
+    cfg.eval.every = 1000;
+    cfg.algo.dynamic_sampling = true;
+    cfg.reward.kind = RewardKind::Command;
+    cfg.reward.command = first_batch_uniform(&count);
+    let position = |t: &Trainer| t.prompt_position().1.map(|p| (p.epoch, p.index));
+
+    cfg.algo.sampling_rounds = 3;
+    cfg.validate().expect("valid");
+    let mut t = Trainer::new(cfg.clone()).expect("trainer");
+    let m = t.rl_step().expect("step");
+    assert_eq!(m.sampling_rounds, Some(2), "filled by the second round");
+    assert_eq!(m.sampling_groups_drawn, Some(4));
+    assert_eq!((m.groups_kept, m.groups_dropped), (2, 2));
+    assert_eq!(m.reward_mean, 0.5, "the second round's 1, 0, 1, 0");
+    assert_eq!((m.updates_applied, m.updates_skipped), (1, 0));
+    assert_eq!(position(&t), Some((0, 4)), "two rounds of two prompts");
+    assert_eq!(std::fs::read_to_string(&count).expect("count").trim(), "2");
+
+    std::fs::remove_file(&count).expect("reset the count");
+    cfg.algo.sampling_rounds = 1;
+    let mut t = Trainer::new(cfg).expect("trainer");
+    let m = t.rl_step().expect("step");
+    assert_eq!(m.sampling_rounds, None);
+    assert_eq!((m.groups_kept, m.groups_dropped), (0, 2));
+    assert_eq!(
+        (m.updates_applied, m.updates_skipped),
+        (0, 1),
+        "nothing to learn"
+    );
+    assert_eq!(position(&t), Some((0, 2)));
+}

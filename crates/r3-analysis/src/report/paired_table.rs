@@ -1,6 +1,8 @@
 //! The report's paired comparisons: every run's final evaluation against the first run's
 //! (the reference), prompts paired. Runs of one variant under several seeds (`<variant>-s<seed>`
-//! names) form one side together, so their comparison has seeds as a second level.
+//! names) form one side together, so their comparison has seeds as a second level; their
+//! final evaluations must be at one step (a seed that stopped early is refused, not pooled),
+//! and each side's step is shown.
 
 use serde::Serialize;
 
@@ -18,6 +20,15 @@ pub struct PairedCell {
     pub difference: PairedDifference,
     /// Whether the 95% interval contains 0.
     pub inside_noise: bool,
+    /// The step of this row's evaluations and of the reference's.
+    pub steps: (u64, u64),
+}
+
+impl PairedCell {
+    /// `step 200 vs 0`: this side's evaluation step against the reference's.
+    pub fn describe_steps(&self) -> String {
+        format!("step {} vs {}", self.steps.0, self.steps.1)
+    }
 }
 
 /// A run's variant: its name without a trailing `-s<seed>`.
@@ -62,11 +73,14 @@ pub fn paired_cells(runs: &[RunData]) -> Vec<Option<PairedCell>> {
                 return None;
             }
             let this = side(variant)?;
+            // compare_evals refuses a side whose evaluations differ in step: its first's is all's.
+            let step = |side: &[ScoredEval]| side.first().map_or(0, |e| e.line.step);
             match compare_evals(&this, &base) {
                 Ok(difference) => Some(PairedCell {
                     reference: reference.to_string(),
                     inside_noise: difference.inside_noise(),
                     difference,
+                    steps: (step(&this), step(&base)),
                 }),
                 Err(e) => {
                     tracing::warn!(run = %r.name, reason = %e, "no paired comparison");
@@ -93,8 +107,9 @@ pub fn paired_lines(runs: &[RunData], cells: &[Option<PairedCell>]) -> Vec<Strin
             (a, b) => format!(" [{a} vs {b} seeds]"),
         };
         lines.push(format!(
-            "{variant} − {}{seeds}: {}",
+            "{variant} − {}{seeds} ({}): {}",
             cell.reference,
+            cell.describe_steps(),
             cell.difference.describe_points()
         ));
     }
@@ -111,5 +126,52 @@ mod tests {
         assert_eq!(variant_of("single-R3"), "single-R3");
         assert_eq!(variant_of("runs-s"), "runs-s");
         assert_eq!(variant_of("a-sx"), "a-sx");
+    }
+
+    /// A run directory `name` whose `eval.jsonl` holds one scored evaluation at `step`.
+    fn run(root: &std::path::Path, name: &str, step: u64, scores: &[f64]) -> RunData {
+        let dir = root.join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let line = serde_json::json!({
+            "step": step, "eval_accuracy": 0.5, "n": scores.len(), "response_len_mean": 3.0,
+            "prompt_scores": scores, "prompts_digest": "d",
+        });
+        std::fs::write(dir.join("eval.jsonl"), format!("{line}\n")).unwrap();
+        RunData {
+            dir,
+            name: name.into(),
+            setting: String::new(),
+            seed: None,
+            rows: Vec::new(),
+            eval: Vec::new(),
+            eval_stderr: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_seed_at_another_step_is_not_pooled_and_steps_are_shown() {
+        let root = std::env::temp_dir().join(format!("r3-paired-table-{}", std::process::id()));
+        let base = run(&root, "grpo-s1", 200, &[0.0, 0.0, 1.0]);
+        let r3_a = run(&root, "r3-s1", 200, &[1.0, 0.0, 1.0]);
+        let r3_late = run(&root, "r3-s2", 200, &[1.0, 1.0, 0.0]);
+        let r3_early = run(&root, "r3-s3", 60, &[1.0, 1.0, 1.0]);
+        // One r3 seed stopped at step 60: the r3 side is refused, not pooled.
+        let runs = [base.clone(), r3_a.clone(), r3_early];
+        assert_eq!(paired_cells(&runs), vec![None, None, None]);
+        let runs = [base, r3_a, r3_late];
+        let cells = paired_cells(&runs);
+        let cell = cells[1].clone().expect("r3 at one step");
+        assert_eq!(cell.steps, (200, 200));
+        assert_eq!(cells[2], Some(cell.clone()));
+        // (mean over seeds per prompt: 1, 0.5, 0.5) − (0, 0, 1) = (1 + 0.5 − 0.5) / 3
+        assert!((cell.difference.mean - 1.0 / 3.0).abs() < 1e-12);
+        let lines = paired_lines(&runs, &cells);
+        assert_eq!(lines.len(), 1);
+        assert!(
+            lines[0].starts_with("r3 − grpo [2 vs 1 seeds] (step 200 vs 200): "),
+            "{}",
+            lines[0]
+        );
+        std::fs::remove_dir_all(&root).unwrap();
     }
 }

@@ -161,15 +161,17 @@ impl ResultsTable {
     }
 }
 
-/// `+2.8 [+0.1, +5.5] real` / `… noise`: the paired difference in points with its interval.
+/// `+2.8 [+0.1, +5.5] real (step 200 vs 200)` / `… noise …`: the paired difference in points
+/// with its interval and the two sides' evaluation steps.
 fn paired_cell(p: &PairedCell) -> String {
     let d = &p.difference;
     format!(
-        "{:+.1} [{:+.1}, {:+.1}] {}",
+        "{:+.1} [{:+.1}, {:+.1}] {} ({})",
         100.0 * d.mean,
         100.0 * d.low,
         100.0 * d.high,
-        if p.inside_noise { "noise" } else { "real" }
+        if p.inside_noise { "noise" } else { "real" },
+        p.describe_steps()
     )
 }
 
@@ -272,6 +274,7 @@ mod tests {
                 seeds: (1, 1),
             },
             inside_noise: low <= 0.0 && 0.0 <= high,
+            steps: (200, 60),
         };
         t.rows[1].paired = Some(cell(0.028, 0.001, 0.055));
         let md = t.to_markdown();
@@ -283,12 +286,14 @@ mod tests {
         );
         assert!(lines[2].ends_with("| — | 60 |"), "{}", lines[2]);
         assert!(
-            lines[3].ends_with("| +2.8 [+0.1, +5.5] real | — |"),
+            lines[3].ends_with("| +2.8 [+0.1, +5.5] real (step 200 vs 60) | — |"),
             "{}",
             lines[3]
         );
         t.rows[1].paired = Some(cell(0.01, -0.02, 0.04));
-        assert!(t.to_markdown().contains("| +1.0 [-2.0, +4.0] noise |"));
+        assert!(t
+            .to_markdown()
+            .contains("| +1.0 [-2.0, +4.0] noise (step 200 vs 60) |"));
     }
 
     #[test]

@@ -109,7 +109,8 @@ fn show(a: ShowArgs) -> anyhow::Result<()> {
             })
             .collect::<anyhow::Result<_>>()?
     } else {
-        let mut source = PromptSource::new(&cfg, &tokenizer, None, None)?;
+        // The built-in task's prompts: no dataset to hold to the model's context.
+        let mut source = PromptSource::new(&cfg, &tokenizer, usize::MAX, None, None)?;
         let items = if a.val {
             let mut v = source.eval_items(&tokenizer)?;
             v.truncate(a.n);

@@ -59,12 +59,16 @@ pub fn bootstrap_interval(
     let stats: Vec<f64> = (0..resamples)
         .map(|_| statistic(&resampler.draw(units)))
         .collect();
-    Some(summarise_draws(value, stats))
+    summarise_draws(value, stats)
 }
 
-/// Summarises bootstrap draws of a statistic whose observed value is `value`.
-pub fn summarise_draws(value: f64, mut stats: Vec<f64>) -> BootstrapInterval {
+/// Summarises bootstrap draws of a statistic whose observed value is `value`; `None` when
+/// there are no draws.
+pub fn summarise_draws(value: f64, mut stats: Vec<f64>) -> Option<BootstrapInterval> {
     let n = stats.len();
+    if n == 0 {
+        return None;
+    }
     let mean = stats.iter().sum::<f64>() / n as f64;
     let var = if n > 1 {
         stats.iter().map(|s| (s - mean) * (s - mean)).sum::<f64>() / (n - 1) as f64
@@ -72,22 +76,26 @@ pub fn summarise_draws(value: f64, mut stats: Vec<f64>) -> BootstrapInterval {
         0.0
     };
     stats.sort_by(f64::total_cmp);
-    BootstrapInterval {
+    Some(BootstrapInterval {
         value,
         stderr: var.sqrt(),
-        low: percentile(&stats, 0.025),
-        high: percentile(&stats, 0.975),
+        low: percentile(&stats, 0.025)?,
+        high: percentile(&stats, 0.975)?,
         resamples: n,
-    }
+    })
 }
 
 /// The `q` quantile of sorted values, linearly interpolated between order statistics (numpy's
-/// default).
-pub fn percentile(sorted: &[f64], q: f64) -> f64 {
-    let pos = q * (sorted.len() - 1) as f64;
+/// default); `None` when `sorted` is empty or `q` is not in `[0, 1]`.
+pub fn percentile(sorted: &[f64], q: f64) -> Option<f64> {
+    let last = sorted.len().checked_sub(1)?;
+    if !(0.0..=1.0).contains(&q) {
+        return None;
+    }
+    let pos = q * last as f64;
     let lo = pos.floor() as usize;
     let hi = pos.ceil() as usize;
-    sorted[lo] + (sorted[hi] - sorted[lo]) * (pos - lo as f64)
+    Some(sorted[lo] + (sorted[hi] - sorted[lo]) * (pos - lo as f64))
 }
 
 #[cfg(test)]
@@ -98,10 +106,26 @@ mod tests {
     #[test]
     fn percentile_interpolates_like_numpy() {
         let v = [1.0, 2.0, 3.0, 4.0, 5.0];
-        assert_eq!(percentile(&v, 0.5), 3.0);
+        assert_eq!(percentile(&v, 0.5), Some(3.0));
         // numpy.percentile([1..5], 2.5) = 1.1; 97.5 -> 4.9
-        assert!((percentile(&v, 0.025) - 1.1).abs() < 1e-12);
-        assert!((percentile(&v, 0.975) - 4.9).abs() < 1e-12);
+        assert!((percentile(&v, 0.025).unwrap() - 1.1).abs() < 1e-12);
+        assert!((percentile(&v, 0.975).unwrap() - 4.9).abs() < 1e-12);
+        assert_eq!(percentile(&v, 0.0), Some(1.0));
+        assert_eq!(percentile(&v, 1.0), Some(5.0));
+    }
+
+    #[test]
+    fn no_draws_or_a_quantile_outside_0_1_is_none_not_a_panic() {
+        assert_eq!(percentile(&[], 0.5), None);
+        assert_eq!(percentile(&[1.0], 1.5), None);
+        assert_eq!(percentile(&[1.0], f64::NAN), None);
+        assert_eq!(percentile(&[2.0], 0.3), Some(2.0));
+        assert_eq!(summarise_draws(0.5, Vec::new()), None);
+        let one = summarise_draws(0.5, vec![0.25]).unwrap();
+        assert_eq!(
+            (one.low, one.high, one.stderr, one.resamples),
+            (0.25, 0.25, 0.0, 1)
+        );
     }
 
     #[test]

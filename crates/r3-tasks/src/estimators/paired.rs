@@ -126,7 +126,7 @@ pub fn paired_difference_seeds(
             seed_level_difference(a, b, &sa, &sb, &p)
         })
         .collect();
-    let s = summarise_draws(value, draws);
+    let s = summarise_draws(value, draws)?;
     Some(PairedDifference {
         mean: value,
         stderr: s.stderr,

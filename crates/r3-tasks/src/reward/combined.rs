@@ -71,7 +71,10 @@ impl Reward {
                     },
                     RewardKind::Command => RewardFn::Command(CommandReward {
                         argv: f.command.clone(),
-                        timeout: Duration::from_secs_f64(f.timeout_s.max(0.0)),
+                        // `RewardSpec::validate` bounds the timeout; one it did not see
+                        // saturates instead of panicking.
+                        timeout: Duration::try_from_secs_f64(f.timeout_s.max(0.0))
+                            .unwrap_or(Duration::MAX),
                     }),
                 };
                 (func, f.weight as f32)

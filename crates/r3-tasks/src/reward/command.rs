@@ -91,7 +91,10 @@ impl CommandReward {
             });
         }
         let status = self.wait(&mut child, started)?;
-        let remaining = self.timeout.saturating_sub(started.elapsed()) + POLL;
+        let remaining = self
+            .timeout
+            .saturating_sub(started.elapsed())
+            .saturating_add(POLL);
         let err_text = stderr
             .and_then(|rx| rx.recv_timeout(POLL * 20).ok())
             .unwrap_or_default();
@@ -156,15 +159,21 @@ fn parse_scores(stdout: &str, expected: usize, argv: &[String]) -> Result<Vec<f3
     lines
         .iter()
         .enumerate()
-        .map(|(row, line)| match line.trim().parse::<f64>() {
-            Ok(v) if v.is_finite() => Ok(v as f32),
-            _ => Err(TaskError::RewardRow {
+        .map(|(row, line)| {
+            let bad = |what: &str| TaskError::RewardRow {
                 row,
                 reason: format!(
-                    "`{}` answered {line:?}, not a finite number",
-                    argv.join(" ")
+                    "`{}` answered {line:?} on output line {}, {what}",
+                    argv.join(" "),
+                    row + 1
                 ),
-            }),
+            };
+            match line.trim().parse::<f64>() {
+                // The f32 is checked, not the f64: `1e39` is finite as an f64 but +inf as an f32.
+                Ok(v) if (v as f32).is_finite() => Ok(v as f32),
+                Ok(v) if v.is_finite() => Err(bad("outside f32's range (|score| <= 3.4e38)")),
+                _ => Err(bad("not a finite number")),
+            }
         })
         .collect()
 }

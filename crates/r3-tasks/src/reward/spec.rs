@@ -4,6 +4,9 @@
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
+/// Longest `timeout_s` a `command` reward accepts, in seconds (about 116 days).
+pub const MAX_TIMEOUT_S: f64 = 1e7;
+
 /// Which reward function.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
@@ -119,6 +122,16 @@ impl RewardSpec {
                 }
                 if !(f.timeout_s.is_finite() && f.timeout_s > 0.0) {
                     return Err((field("timeout_s"), format!("{} must be > 0", f.timeout_s)));
+                }
+                if f.timeout_s > MAX_TIMEOUT_S {
+                    return Err((
+                        field("timeout_s"),
+                        format!(
+                            "{} s is more than the {MAX_TIMEOUT_S:e} s (about 116 days) a \
+                             verifier may be given",
+                            f.timeout_s
+                        ),
+                    ));
                 }
             }
         }

@@ -50,4 +50,24 @@ mod tests {
         assert_eq!(exact_vote_key("  yes "), Some("yes".into()));
         assert_eq!(exact_vote_key("  "), None);
     }
+
+    #[test]
+    fn a_hashes_line_with_words_votes_for_its_number() {
+        let key = math_vote_key("#### 42 dollars").unwrap();
+        assert_eq!(key, "42/1");
+        for r in [
+            "#### 42 apples.",
+            "\\boxed{42}",
+            "The answer is 42 dollars.",
+        ] {
+            assert_eq!(math_vote_key(r).as_deref(), Some(key.as_str()), "{r:?}");
+        }
+        assert_eq!(math_vote_key("#### 50%"), math_vote_key("\\boxed{50\\%}"));
+        assert_ne!(math_vote_key("#### 4 5"), math_vote_key("#### 45"));
+        assert_ne!(math_vote_key("\\boxed{3 1/2}"), math_vote_key("#### 15.5"));
+        // equal keys, equal verdicts
+        for r in ["#### 42 dollars", "#### 42 apples.", "\\boxed{42}"] {
+            assert_eq!(math_reward(r, "42"), 1.0, "{r:?}");
+        }
+    }
 }

@@ -13,6 +13,10 @@ pub const MAX_LR: f64 = 1.0;
 /// far above it sampling is uniform noise.
 pub const MAX_TEMPERATURE: f64 = 100.0;
 
+/// Most rollout rounds one step may draw (`algo.sampling_rounds`): past it a task whose
+/// groups all score alike would sample without end in all but name.
+pub const MAX_SAMPLING_ROUNDS: usize = 64;
+
 /// Largest accepted `algo.max_tokens_per_micro_batch`: 2^30 tokens of activations is far
 /// past any machine's memory, so a larger budget is a typo (or a negative number's
 /// wrap-around), not a setting.
@@ -108,6 +112,7 @@ pub fn check_limits(cfg: &TrainConfig) -> Result<()> {
         ("rollout.kv_cache_mib", cfg.rollout.kv_cache_mib),
         ("rollout.activation_mib", cfg.rollout.activation_mib),
         ("algo.mini_batches", a.mini_batches),
+        ("algo.sampling_rounds", a.sampling_rounds),
     ] {
         if count == 0 {
             return Err(invalid(field, "must be >= 1".into()));
@@ -124,6 +129,25 @@ pub fn check_limits(cfg: &TrainConfig) -> Result<()> {
                 format!("{mib} MiB is past the largest budget {MAX_ENGINE_BUDGET_MIB} MiB (1 PiB)"),
             ));
         }
+    }
+    if a.sampling_rounds > MAX_SAMPLING_ROUNDS {
+        return Err(invalid(
+            "algo.sampling_rounds",
+            format!(
+                "{} is past the most rounds a step may draw, {MAX_SAMPLING_ROUNDS}",
+                a.sampling_rounds
+            ),
+        ));
+    }
+    if a.sampling_rounds > 1 && !a.dynamic_sampling {
+        return Err(invalid(
+            "algo.sampling_rounds",
+            format!(
+                "{} rounds refill the groups dynamic sampling drops: set \
+                 algo.dynamic_sampling = true, or sampling_rounds = 1",
+                a.sampling_rounds
+            ),
+        ));
     }
     if a.max_tokens_per_micro_batch > MAX_TOKENS_PER_MICRO_BATCH {
         return Err(invalid(

@@ -249,6 +249,11 @@ pub struct AlgoConfig {
     pub adv_eps: f64,
     /// Drop groups whose rewards are all equal before the update (DAPO). Default true.
     pub dynamic_sampling: bool,
+    /// Most rollout rounds a step draws to fill `rollout.prompts_per_step` groups whose
+    /// rewards differ (DAPO's dynamic sampling with refill; needs `dynamic_sampling`): each
+    /// further round samples `prompts_per_step` fresh prompts, and the step trains on the
+    /// first `prompts_per_step` kept groups. 1 = drop only (the batch shrinks). Default 1.
+    pub sampling_rounds: usize,
     /// Optimiser steps per RL step. 1 = single mini-step: the whole batch in one update,
     /// old log-probs not recomputed (ratio 1 at the update). >1 = multi-mini-step: old
     /// log-probs computed once, then the batch is split into this many updates. Default 1.
@@ -479,6 +484,7 @@ impl Default for AlgoConfig {
             adv_norm_by_std: true,
             adv_eps: 1e-6,
             dynamic_sampling: true,
+            sampling_rounds: 1,
             mini_batches: 1,
             is_mode: IsMode::None,
             is_level: IsLevel::Token,

@@ -102,8 +102,14 @@ pub struct StepMetrics {
     pub rollout_partial_resumed: Option<u64>,
     /// Groups kept by dynamic sampling.
     pub groups_kept: u64,
-    /// Groups dropped by dynamic sampling (all rewards equal).
+    /// Groups dropped by dynamic sampling (all rewards equal), over every rollout round.
     pub groups_dropped: u64,
+    /// Rollout rounds the step drew to fill its groups (`algo.sampling_rounds` > 1).
+    #[serde(rename = "sampling.rounds", default)]
+    pub sampling_rounds: Option<u64>,
+    /// Groups sampled over those rounds (those past `prompts_per_step` kept groups unused).
+    #[serde(rename = "sampling.groups_drawn", default)]
+    pub sampling_groups_drawn: Option<u64>,
     /// Seconds generating rollouts.
     #[serde(rename = "time.rollout_s")]
     pub rollout_s: f64,

@@ -24,6 +24,7 @@ pub mod metrics_log;
 pub mod micro_batches;
 pub mod minibatch;
 pub mod prompt_source;
+pub mod refill;
 pub mod run;
 pub mod sampling;
 pub mod seed;

@@ -166,17 +166,20 @@ pub fn sample_prompts<G: Generate + ?Sized>(
     seed: u64,
     step: u64,
 ) -> Result<Vec<GenerateResult>> {
-    engine.generate_batch(sampling_requests(prompts, spec, stop, seed, step))
+    engine.generate_batch(sampling_requests(prompts, spec, stop, seed, step, 0))
 }
 
 /// The requests of [`sample_prompts`]: `spec.group_size` per prompt, group-major, seeded
-/// `mix_seed([seed, step, i, j])`, routes asked for.
+/// `mix_seed([seed, step, i, j])` in a step's first rollout round and
+/// `mix_seed([seed, step, i, j, round])` in a refill round (`algo.sampling_rounds`), routes
+/// asked for.
 pub fn sampling_requests(
     prompts: &[Vec<u32>],
     spec: SamplingSpec,
     stop: &[u32],
     seed: u64,
     step: u64,
+    round: u64,
 ) -> Vec<GenerateRequest> {
     let mut requests = Vec::with_capacity(prompts.len() * spec.group_size);
     for (i, ids) in prompts.iter().enumerate() {
@@ -185,7 +188,10 @@ pub fn sampling_requests(
                 temperature: spec.temperature,
                 max_new_tokens: spec.max_new_tokens,
                 stop_token_ids: stop.to_vec(),
-                seed: mix_seed(&[seed, step, i as u64, j as u64]),
+                seed: match round {
+                    0 => mix_seed(&[seed, step, i as u64, j as u64]),
+                    r => mix_seed(&[seed, step, i as u64, j as u64, r]),
+                },
                 ..SamplingParams::default()
             };
             requests.push(GenerateRequest::new(ids.clone(), sampling));
@@ -203,19 +209,19 @@ pub fn check_count(got: usize, expected: usize) -> Result<()> {
 }
 
 /// The `spec.group_size` sampling requests for every prompt of `items` (group-major
-/// order), stopping at `eos` and the tokenizer's stop ids, the seed of sample `j` of
-/// prompt `i` being `mix_seed([seed, step, i, j])`.
+/// order) in rollout round `round` of step `step`, stopping at `eos` and the tokenizer's
+/// stop ids, seeded as [`sampling_requests`] says.
 pub fn group_requests(
     eos: &[u32],
     tokenizer: &ModelText,
     items: &[PromptItem],
     spec: SamplingSpec,
     seed: u64,
-    step: u64,
+    (step, round): (u64, u64),
 ) -> Vec<GenerateRequest> {
     let stop = stop_ids(eos, tokenizer);
     let prompts: Vec<Vec<u32>> = items.iter().map(|p| p.ids.clone()).collect();
-    sampling_requests(&prompts, spec, &stop, seed, step)
+    sampling_requests(&prompts, spec, &stop, seed, step, round)
 }
 
 /// Decodes and scores `results`, the `group_size` responses per prompt of `items`

@@ -14,6 +14,7 @@ use crate::config::train::{RouterReplay, TrainConfig};
 use crate::error::{Result, TrainError};
 use crate::policy::trainable::ResponseBatch;
 use crate::rl::minibatch::UpdateSettings;
+use crate::rl::refill::SamplingRounds;
 use crate::rl::sampling::{response_batch, rollout_routes, SamplingSpec, Trajectory};
 
 /// Which routes each pass of a step used, for checking the replay modes (opt in with
@@ -56,7 +57,10 @@ pub(crate) struct StepBatch {
     /// Rows that enter the loss (all, or those of non-uniform groups).
     pub(crate) kept_rows: Vec<usize>,
     pub(crate) groups_kept: usize,
+    /// Groups dropped for equal rewards, over every rollout round of the step.
     pub(crate) groups_dropped: usize,
+    /// The refill rounds' counts (`algo.sampling_rounds` > 1).
+    pub(crate) sampling: Option<SamplingRounds>,
     pub(crate) rollout_s: f64,
     /// Seconds the fleet generated this batch in the previous step's shadow (`rollout.async`).
     pub(crate) rollout_ahead_s: Option<f64>,
@@ -122,6 +126,7 @@ impl StepBatch {
             kept_rows,
             groups_kept,
             groups_dropped,
+            sampling: None,
             rollout_s,
             rollout_ahead_s,
             stale_frac,

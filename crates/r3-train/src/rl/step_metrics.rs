@@ -33,6 +33,8 @@ pub(crate) fn finish_metrics(
     );
     m.groups_kept = data.groups_kept as u64;
     m.groups_dropped = data.groups_dropped as u64;
+    m.sampling_rounds = data.sampling.map(|r| r.rounds as u64);
+    m.sampling_groups_drawn = data.sampling.map(|r| r.groups_drawn as u64);
     m.rollout_s = data.rollout_s;
     m.rollout_ahead_s = data.rollout_ahead_s;
     m.rollout_stale_frac = data.stale_frac;
