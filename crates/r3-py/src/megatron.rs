@@ -3,7 +3,7 @@
 //! `RouterReplay`.
 
 use pyo3::prelude::*;
-use r3_routing::megatron::{self as split, Packing, PipelineSplit, TokenSlot, TokenSplit};
+use r3_routing::megatron::{self as split, Packing, Padding, PipelineSplit, TokenSlot, TokenSplit};
 
 use crate::arrays::to_numpy;
 use crate::table::PyRouteTable;
@@ -87,33 +87,63 @@ fn token_split(
     ))
 }
 
+/// The padding a caller gave: `cu_seqlens_padded` (thd) or `padded_len` (bshd), at most one.
+fn padding<'a>(
+    cu_seqlens_padded: Option<&'a [usize]>,
+    padded_len: Option<usize>,
+) -> PyResult<Padding<'a>> {
+    match (cu_seqlens_padded, padded_len) {
+        (None, None) => Ok(Padding::Aligned),
+        (Some(cu), None) => Ok(Padding::CuSeqlens(cu)),
+        (None, Some(n)) => Ok(Padding::SeqLen(n)),
+        (Some(_), Some(_)) => Err(arg_err(
+            "give cu_seqlens_padded (thd) or padded_len (bshd), not both",
+        )),
+    }
+}
+
 /// The (sequence, position) of every token the rank's routers see, int64 `[tokens, 2]`,
-/// `(-1, -1)` for padding. `sp` and `cp` are `(size, rank)`.
+/// `(-1, -1)` for padding. `sp` and `cp` are `(size, rank)`; `cu_seqlens_padded` (thd) or
+/// `padded_len` (bshd) give the caller's padding instead of the inferred one.
 #[pyfunction]
-#[pyo3(signature = (seq_lens, packing = "thd", sp = (1, 0), cp = (1, 0)))]
+#[pyo3(signature = (seq_lens, packing = "thd", sp = (1, 0), cp = (1, 0), *,
+    cu_seqlens_padded = None, padded_len = None))]
 pub(crate) fn rank_tokens<'py>(
     py: Python<'py>,
     seq_lens: Vec<usize>,
     packing: &str,
     sp: (usize, usize),
     cp: (usize, usize),
+    cu_seqlens_padded: Option<Vec<usize>>,
+    padded_len: Option<usize>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let (packing, ts) = token_split(packing, sp, cp)?;
-    let slots = split::rank_tokens(&seq_lens, packing, ts).map_err(route_err)?;
-    let mut out = Vec::with_capacity(slots.len() * 2);
-    for s in &slots {
-        match *s {
-            TokenSlot::Token { seq, pos } => out.extend([seq as i64, pos as i64]),
-            TokenSlot::Pad => out.extend([-1, -1]),
-        }
-    }
-    to_numpy(py, out, &[slots.len(), 2])
+    let pad = padding(cu_seqlens_padded.as_deref(), padded_len)?;
+    // Pure Rust over copied arguments: other Python threads go on meanwhile.
+    let out = py
+        .allow_threads(|| {
+            split::rank_tokens(&seq_lens, packing, ts, pad).map(|slots| {
+                let mut out = Vec::with_capacity(slots.len() * 2);
+                for s in &slots {
+                    match *s {
+                        TokenSlot::Token { seq, pos } => out.extend([seq as i64, pos as i64]),
+                        TokenSlot::Pad => out.extend([-1, -1]),
+                    }
+                }
+                out
+            })
+        })
+        .map_err(route_err)?;
+    let rows = out.len() / 2;
+    to_numpy(py, out, &[rows, 2])
 }
 
 /// Replay ids int64 `[routers, tokens, top_k]` for the routers of `router_layers` on one
-/// rank (see r3-routing's `megatron::replay_ids`).
+/// rank (see r3-routing's `megatron::replay_ids`), padded as [`rank_tokens`] pads.
 #[pyfunction]
-#[pyo3(signature = (tables, router_layers, packing = "thd", sp = (1, 0), cp = (1, 0)))]
+#[pyo3(signature = (tables, router_layers, packing = "thd", sp = (1, 0), cp = (1, 0), *,
+    cu_seqlens_padded = None, padded_len = None))]
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn replay_ids<'py>(
     py: Python<'py>,
     tables: Vec<PyRef<'py, PyRouteTable>>,
@@ -121,9 +151,16 @@ pub(crate) fn replay_ids<'py>(
     packing: &str,
     sp: (usize, usize),
     cp: (usize, usize),
+    cu_seqlens_padded: Option<Vec<usize>>,
+    padded_len: Option<usize>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let (packing, ts) = token_split(packing, sp, cp)?;
+    let pad = padding(cu_seqlens_padded.as_deref(), padded_len)?;
     let refs: Vec<&r3_routing::RouteTable> = tables.iter().map(|t| &t.table).collect();
-    let r = split::replay_ids(&refs, &router_layers, packing, ts).map_err(route_err)?;
+    // The tables are frozen (immutable) and kept alive by `tables`: the gather runs without
+    // the GIL.
+    let r = py
+        .allow_threads(|| split::replay_ids(&refs, &router_layers, packing, ts, pad))
+        .map_err(route_err)?;
     to_numpy(py, r.ids, &[r.num_routers, r.num_tokens, r.top_k])
 }

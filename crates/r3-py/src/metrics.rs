@@ -1,7 +1,7 @@
 //! Module functions over tables and log-probs: resumed-call merging, sequence coverage,
 //! training–inference mismatch metrics and routing divergence (all computed by r3-routing).
 
-use numpy::PyArrayMethods;
+use numpy::{PyArrayDyn, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use r3_routing::MergePolicy;
@@ -49,8 +49,46 @@ pub(crate) fn check_covers_sequence(
     r3_routing::check_covers_sequence(&table.table, total_tokens).map_err(route_err)
 }
 
+/// Log-probs as float32, the precision r3-routing computes the metrics from: a float32 array
+/// as it is; anything else (float64, lists, ints) only when every value is exactly a float32,
+/// else an error naming the argument, its dtype and the first value that would be rounded
+/// (never a silent narrowing).
+fn logprobs(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<f32>> {
+    let arr = obj.py().import("numpy")?.call_method1("asarray", (obj,))?;
+    if arr.downcast::<PyArrayDyn<f32>>().is_ok() {
+        let v = vector::<f32>(&arr, "float32", what)?;
+        let ro = v.readonly();
+        return ro
+            .as_slice()
+            .map(<[f32]>::to_vec)
+            .map_err(|e| arg_err(format!("{what}: {e}")));
+    }
+    let dtype = arr
+        .getattr("dtype")
+        .map_or_else(|_| "unknown".to_string(), |d| d.to_string());
+    let wide = vector::<f64>(&arr, "float64", what)?;
+    let ro = wide.readonly();
+    let wide = ro.as_slice().map_err(|e| arg_err(format!("{what}: {e}")))?;
+    wide.iter()
+        .enumerate()
+        .map(|(i, &v)| {
+            let narrow = v as f32;
+            if f64::from(narrow) == v || v.is_nan() {
+                Ok(narrow)
+            } else {
+                Err(arg_err(format!(
+                    "{what}: {dtype} value {v:?} at index {i} is not exactly a float32; the \
+                     mismatch metrics are computed from float32 log-probs (what the engines \
+                     emit): pass float32 (e.g. .astype(numpy.float32)) to accept the rounding"
+                )))
+            }
+        })
+        .collect()
+}
+
 /// Training–inference mismatch metrics over the unmasked tokens, under the keys of
-/// `metrics.jsonl` (`mismatch.k3_kl`, `mismatch.f_tau2`, ...).
+/// `metrics.jsonl` (`mismatch.k3_kl`, `mismatch.f_tau2`, ...). The log-probs must be float32,
+/// or values that are exactly float32 (see `logprobs`).
 #[pyfunction]
 #[pyo3(signature = (train_logp, rollout_logp, mask = None))]
 pub(crate) fn mismatch<'py>(
@@ -59,24 +97,24 @@ pub(crate) fn mismatch<'py>(
     mask: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let py = train_logp.py();
-    let train = vector::<f32>(train_logp, "float32", "train_logp")?;
-    let rollout = vector::<f32>(rollout_logp, "float32", "rollout_logp")?;
+    let train = logprobs(train_logp, "train_logp")?;
+    let rollout = logprobs(rollout_logp, "rollout_logp")?;
     let mask = mask
         .map(|m| vector::<bool>(m, "bool", "mask"))
         .transpose()?;
-    let (train, rollout) = (train.readonly(), rollout.readonly());
     let mask_ro = mask.as_ref().map(|m| m.readonly());
-    let slice = |e: numpy::NotContiguousError| arg_err(e.to_string());
-    let mask_slice = match &mask_ro {
-        Some(m) => Some(m.as_slice().map_err(slice)?),
+    let mask: Option<Vec<bool>> = match &mask_ro {
+        Some(m) => Some(
+            m.as_slice()
+                .map_err(|e| arg_err(format!("mask: {e}")))?
+                .to_vec(),
+        ),
         None => None,
     };
-    let metrics = r3_routing::mismatch_metrics(
-        train.as_slice().map_err(slice)?,
-        rollout.as_slice().map_err(slice)?,
-        mask_slice,
-    )
-    .map_err(route_err)?;
+    // Copied out of Python: the metrics run without the GIL.
+    let metrics = py
+        .allow_threads(|| r3_routing::mismatch_metrics(&train, &rollout, mask.as_deref()))
+        .map_err(route_err)?;
     let out = PyDict::new(py);
     for (key, value) in metrics.log_fields() {
         out.set_item(key, value)?;

@@ -38,6 +38,23 @@ fn json_value(obj: &Bound<'_, PyAny>) -> PyResult<serde_json::Value> {
     serde_json::from_str(&text).map_err(|e| arg_err(format!("not JSON-serialisable: {e}")))
 }
 
+/// Sets an SGLang response's `routed_experts_dtype` (in `meta_info` when it has one, where
+/// the decoder reads it) to the caller's explicit dtype.
+fn with_dtype(response: &mut serde_json::Value, dtype: WireDtype) -> PyResult<()> {
+    let meta = match response.get("meta_info") {
+        Some(serde_json::Value::Object(_)) => &mut response["meta_info"],
+        _ => response,
+    };
+    let obj = meta
+        .as_object_mut()
+        .ok_or_else(|| arg_err("sglang payload: the response is not a JSON object"))?;
+    obj.insert(
+        "routed_experts_dtype".to_string(),
+        serde_json::Value::String(dtype.name().to_string()),
+    );
+    Ok(())
+}
+
 /// Whether a vLLM response dict carries vLLM 0.21's nested id lists rather than base64.
 fn is_nested_json(v: &serde_json::Value) -> bool {
     let routes = v.get("routed_experts").or_else(|| {
@@ -142,29 +159,36 @@ impl PyRouteTable {
 #[pymethods]
 impl PyRouteTable {
     /// Decodes SGLang's `meta_info.routed_experts`: the base64 string (str or bytes) with
-    /// `dtype` as `routed_experts_dtype`, or the response / `meta_info` dict (dtype and token
-    /// counts read from it). Row 0 is position `start_len`.
+    /// `dtype` as `routed_experts_dtype` (int32 when not given), or the response / `meta_info`
+    /// dict (token counts read from it, and its `routed_experts_dtype` unless `dtype` is
+    /// given: an explicit `dtype` wins). Row 0 is position `start_len`.
     #[staticmethod]
-    #[pyo3(signature = (payload, *, layout, dtype = "int32", start_len = 0))]
+    #[pyo3(signature = (payload, *, layout, dtype = None, start_len = 0))]
     fn from_sglang(
         payload: &Bound<'_, PyAny>,
         layout: PyRef<'_, PyLayerLayout>,
-        dtype: &str,
+        dtype: Option<&str>,
         start_len: usize,
     ) -> PyResult<Self> {
         let shape = layout.wire_shape(start_len)?;
         let py = payload.py();
-        // The decoders run without the GIL: other Python threads go on meanwhile.
+        let dtype = dtype.map(parse_dtype).transpose()?;
+        // The decoders run without the GIL on data copied out of Python (or borrowed from
+        // immutable str / bytes): other Python threads go on meanwhile.
         let table = if let Ok(s) = payload.downcast::<PyString>() {
-            let (text, dtype) = (s.to_cow()?, parse_dtype(dtype)?);
+            let (text, dtype) = (s.to_cow()?, dtype.unwrap_or(WireDtype::I32));
             py.allow_threads(|| sglang::decode_sglang(&text, dtype, &shape))
         } else if let Ok(b) = payload.downcast::<PyBytes>() {
             let text = std::str::from_utf8(b.as_bytes())
                 .map_err(|e| arg_err(format!("sglang payload: not base64 text: {e}")))?;
-            let dtype = parse_dtype(dtype)?;
+            let dtype = dtype.unwrap_or(WireDtype::I32);
             py.allow_threads(|| sglang::decode_sglang(text, dtype, &shape))
         } else if payload.is_instance_of::<PyDict>() {
-            sglang::decode_sglang_response(&json_value(payload)?, &shape)
+            let mut response = json_value(payload)?;
+            if let Some(dtype) = dtype {
+                with_dtype(&mut response, dtype)?;
+            }
+            py.allow_threads(|| sglang::decode_sglang_response(&response, &shape))
         } else {
             return Err(arg_err(
                 "sglang payload must be the base64 str/bytes or the response dict",
@@ -201,11 +225,13 @@ impl PyRouteTable {
             py.allow_threads(|| vllm::decode_vllm_payload(&text, &shape))
         } else if obj.is_instance_of::<PyDict>() {
             let v = json_value(obj)?;
-            if is_nested_json(&v) {
-                one_choice(vllm_json::decode_vllm_json(&v, &shape))
-            } else {
-                vllm::decode_vllm_payload(&v.to_string(), &shape)
-            }
+            py.allow_threads(|| {
+                if is_nested_json(&v) {
+                    one_choice(vllm_json::decode_vllm_json(&v, &shape))
+                } else {
+                    vllm::decode_vllm_payload(&v.to_string(), &shape)
+                }
+            })
         } else {
             let decoder = ArrayDecoder {
                 layout: &layout,

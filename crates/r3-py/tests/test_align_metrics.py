@@ -93,7 +93,7 @@ def test_mismatch_matches_numpy(rng):
         assert set(got) == set(want)
         for key, value in want.items():
             assert got[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
-    # float64 and list inputs are accepted (converted to float32 as the Rust API takes).
+    # float64 and list inputs holding float32 values are accepted (exactly float32 values).
     assert r3.mismatch(train.astype(np.float64).tolist(), rollout)["mismatch.k3_kl"] == \
         pytest.approx(hand_mismatch(train, rollout, np.ones(n, bool))["mismatch.k3_kl"], rel=1e-9)
 
@@ -131,3 +131,19 @@ def test_routing_divergence_matches_numpy(rng, layout):
     assert [p["layer"] for p in d["per_layer"]] == MOE
     with pytest.raises(r3.RouteError, match="same positions"):
         r3.routing_divergence(a, a.slice_rows(0, 5))
+
+
+def test_mismatch_never_narrows_float64_silently():
+    exact = np.array([-1.0, -0.5, -2.25])  # float64 values that are float32 values too
+    assert r3.mismatch(exact, exact.astype(np.float32))["mismatch.k3_kl"] == 0.0
+    close = np.array([-1.0, -0.1, -2.25])  # -0.1 is not a float32
+    with pytest.raises(
+        r3.RouteError, match=r"train_logp: float64 value -0\.1 at index 1 is not exactly a float32"
+    ):
+        r3.mismatch(close, exact)
+    with pytest.raises(r3.RouteError, match="rollout_logp: float64 value -0.1 at index 1"):
+        r3.mismatch(exact, [-1.0, -0.1, -2.25])
+    # float32 in, the values as they are.
+    f32 = close.astype(np.float32)
+    got = r3.mismatch(f32, exact)["mismatch.mean_log_ratio"]
+    assert got == pytest.approx(np.mean(f32.astype(np.float64) - exact), rel=1e-12)

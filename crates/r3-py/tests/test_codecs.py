@@ -55,6 +55,27 @@ def test_sglang_response_dict_checks_token_counts(rng, layout):
         r3.RouteTable.from_sglang({"meta_info": meta}, layout=layout)
 
 
+def test_sglang_response_dict_honours_an_explicit_dtype(rng, layout):
+    wire = random_wire(rng, 5)
+    u16 = base64.b64encode(wire.astype(np.uint16).tobytes()).decode()
+    # A reply that does not say its dtype (read as int32 by default) or says it wrongly: the
+    # caller's dtype wins, in meta_info or in the meta_info dict itself.
+    for meta in ({"routed_experts": u16}, {"routed_experts": u16, "routed_experts_dtype": "int32"}):
+        for payload in ({"meta_info": dict(meta)}, dict(meta)):
+            table = r3.RouteTable.from_sglang(payload, layout=layout, dtype="uint16")
+            np.testing.assert_array_equal(table.ids, wire[:, MOE])
+        with pytest.raises(r3.RouteError):
+            r3.RouteTable.from_sglang({"meta_info": dict(meta)}, layout=layout)
+    # Without an explicit dtype the reply's own is used, and the caller's dict is untouched.
+    meta = {"routed_experts": u16, "routed_experts_dtype": "uint16"}
+    table = r3.RouteTable.from_sglang({"meta_info": meta}, layout=layout)
+    np.testing.assert_array_equal(table.ids, wire[:, MOE])
+    r3.RouteTable.from_sglang({"meta_info": meta}, layout=layout, dtype="uint16")
+    assert meta == {"routed_experts": u16, "routed_experts_dtype": "uint16"}
+    with pytest.raises(r3.RouteError, match="unknown dtype"):
+        r3.RouteTable.from_sglang({"meta_info": meta}, layout=layout, dtype="float8")
+
+
 def npy_bytes(arr):
     buf = io.BytesIO()
     np.save(buf, arr)

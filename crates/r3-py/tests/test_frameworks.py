@@ -58,3 +58,34 @@ def test_slime_round_trip_and_length_check(rng, layout):
     arr[3, 2] = -1
     with pytest.raises(r3.RouteError, match="token 3, layer 2: no route recorded"):
         r3.slime.to_slime(r3.slime.from_slime(arr, layout=layout))
+
+
+def test_output_dtypes_must_hold_every_expert_id(rng):
+    def one_table(num_experts):
+        layout = r3.LayerLayout(2, [1], num_experts=num_experts, top_k=2)
+        wire = np.zeros((3, 2, 2), dtype=np.int32)
+        wire[:, 1] = [[num_experts - 1, 0], [1, num_experts - 2], [2, 3]]
+        return r3.RouteTable.from_vllm(wire, layout=layout), wire
+
+    mask = np.ones((1, 4), dtype=np.int64)
+    # 300 experts: uint8 would write id 299 as 43.
+    t300, w300 = one_table(300)
+    with pytest.raises(r3.RouteError, match="dtype uint8 holds ids up to 255, but the layout's largest expert id is 299"):
+        r3.verl.to_verl([t300], mask, dtype=np.uint8)
+    with pytest.raises(r3.RouteError, match="dtype uint8 holds ids up to 255"):
+        r3.slime.to_slime(t300, dtype="uint8")
+    np.testing.assert_array_equal(r3.slime.to_slime(t300, dtype=np.int16), w300)
+    # 256 experts: int8 would write id 255 as -1, the mark of a missing route.
+    t256, w256 = one_table(256)
+    with pytest.raises(r3.RouteError, match="dtype int8 holds ids up to 127, but the layout's largest expert id is 255"):
+        r3.slime.to_slime(t256, dtype=np.int8)
+    out = r3.verl.to_verl([t256], mask, dtype=np.uint8)
+    assert out.dtype == np.uint8
+    np.testing.assert_array_equal(out[0, :3], w256)
+    # Floats hold exact integers only up to 2 ** (mantissa bits + 1); non-numbers none.
+    t4096, _ = one_table(4096)
+    with pytest.raises(r3.RouteError, match="dtype float16 holds ids up to 2048"):
+        r3.slime.to_slime(t4096, dtype=np.float16)
+    assert r3.slime.to_slime(t4096, dtype=np.float32).max() == 4095
+    with pytest.raises(r3.RouteError, match="cannot hold expert ids"):
+        r3.slime.to_slime(t256, dtype=bool)

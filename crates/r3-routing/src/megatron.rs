@@ -10,7 +10,12 @@
 
 use std::ops::Range;
 
-use crate::{RouteError, RouteTable};
+use crate::{DecodeLimits, RouteError, RouteTable};
+
+/// The most tokens one micro-batch may hold once padded (67,108,864): far above any real
+/// micro-batch, low enough that a mistyped length is refused before its token list is
+/// built.
+pub const MAX_BATCH_TOKENS: usize = 1 << 26;
 
 /// How Megatron divides `num_layers` transformer layers over `pp_size` pipeline stages and,
 /// optionally, `vp_size` virtual stages (model chunks) per stage.
@@ -70,6 +75,7 @@ impl PipelineSplit {
 
     /// Checks the ranks against the sizes; returns the virtual stage to compute with.
     fn check_ranks(&self, pp_rank: usize, vp_stage: Option<usize>) -> Result<usize, RouteError> {
+        DecodeLimits::check_layers("num_layers", self.num_layers)?;
         if self.pp_size == 0 {
             return Err(arg("pp_size must be >= 1".to_string()));
         }
@@ -348,38 +354,70 @@ impl TokenSplit {
                 });
             }
         }
+        // 2·cp·sp (what `cp_multiple` and `alignment` compute) must fit a micro-batch.
+        let cp_chunks = if self.cp_size > 1 {
+            self.cp_size.checked_mul(2)
+        } else {
+            Some(1)
+        };
+        cp_chunks
+            .and_then(|c| c.checked_mul(self.sp_size))
+            .filter(|&a| a <= MAX_BATCH_TOKENS)
+            .ok_or_else(|| {
+                arg(format!(
+                    "sp {} x cp {}: the alignment exceeds the {MAX_BATCH_TOKENS} tokens a \
+                     micro-batch may hold",
+                    self.sp_size, self.cp_size
+                ))
+            })?;
         Ok(())
     }
 
     /// The length every sequence is padded to a multiple of: `2 · cp · sp` with context
     /// parallelism (two zigzag chunks per rank, each split over sequence parallelism),
-    /// `sp` without.
+    /// `sp` without (saturating; [`rank_tokens`] refuses sizes whose alignment overflows).
     pub fn alignment(&self) -> usize {
         if self.cp_size > 1 {
-            2 * self.cp_size * self.sp_size
+            self.cp_size.saturating_mul(2).saturating_mul(self.sp_size)
         } else {
             self.sp_size
         }
     }
 
+    /// The multiple one sequence's padded length must be for the context-parallel split:
+    /// `2 · cp` chunks (1 without context parallelism).
+    fn cp_multiple(&self) -> usize {
+        if self.cp_size > 1 {
+            2 * self.cp_size
+        } else {
+            1
+        }
+    }
+
     /// The positions of a padded length this rank's context-parallel split keeps: zigzag
     /// chunks `cp_rank` and `2·cp − 1 − cp_rank` of `2·cp` equal chunks.
-    fn cp_positions(&self, padded: usize) -> Vec<usize> {
+    fn cp_positions(&self, padded: usize) -> std::iter::Chain<Range<usize>, Range<usize>> {
         if self.cp_size == 1 {
-            return (0..padded).collect();
+            return (0..padded).chain(0..0);
         }
-        let chunk = padded / (2 * self.cp_size);
+        let chunk = padded / self.cp_multiple();
         let (a, b) = (self.cp_rank, 2 * self.cp_size - 1 - self.cp_rank);
-        (a * chunk..(a + 1) * chunk)
-            .chain(b * chunk..(b + 1) * chunk)
-            .collect()
+        (a * chunk..(a + 1) * chunk).chain(b * chunk..(b + 1) * chunk)
     }
 
     /// The sequence-parallel share of `n` local items: rank `sp_rank` of `sp_size` equal
-    /// contiguous parts (Megatron's split along the first dimension).
-    fn sp_range(&self, n: usize) -> Range<usize> {
+    /// contiguous parts (Megatron's split along the first dimension, which needs `n`
+    /// divisible by `sp_size`; `what` names the items when it is not).
+    fn sp_range(&self, n: usize, what: &str) -> Result<Range<usize>, RouteError> {
+        if !n.is_multiple_of(self.sp_size) {
+            return Err(arg(format!(
+                "{what}: the rank's {n} tokens do not split evenly over sp {} (Megatron's \
+                 sequence-parallel split needs a multiple)",
+                self.sp_size
+            )));
+        }
         let part = n / self.sp_size;
-        self.sp_rank * part..(self.sp_rank + 1) * part
+        Ok(self.sp_rank * part..(self.sp_rank + 1) * part)
     }
 }
 
@@ -397,19 +435,167 @@ pub enum TokenSlot {
     Pad,
 }
 
-fn round_up(n: usize, to: usize) -> usize {
-    n.div_ceil(to) * to
+/// How far the sequences of a micro-batch are padded: inferred from the split, or as the
+/// caller's data loader padded them (then checked against the sequences and the split).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Padding<'a> {
+    /// `thd`: each sequence to the next multiple of [`TokenSplit::alignment`]; `bshd`: the
+    /// batch to the next multiple at or above its longest sequence.
+    #[default]
+    Aligned,
+    /// `thd` only: the padded sequences' cumulative offsets, Megatron's `cu_seqlens_padded`
+    /// (`PackedSeqParams.cu_seqlens_q_padded`): one more entry than sequences, from 0.
+    CuSeqlens(&'a [usize]),
+    /// `bshd` only: the padded batch's sequence length.
+    SeqLen(usize),
 }
 
-/// The tokens one rank's routers see for a batch of sequences of `seq_lens` tokens, in the
-/// order the routers see them (see [`Packing`] and [`TokenSplit`]).
+/// `n` rounded up to a multiple of `to` (≥ 1), refused past [`MAX_BATCH_TOKENS`].
+fn round_up(n: usize, to: usize, what: impl Fn() -> String) -> Result<usize, RouteError> {
+    n.div_ceil(to)
+        .checked_mul(to)
+        .filter(|&p| p <= MAX_BATCH_TOKENS)
+        .ok_or_else(|| {
+            arg(format!(
+                "{}: {n} tokens padded to a multiple of {to} exceed the {MAX_BATCH_TOKENS} \
+                 tokens a micro-batch may hold",
+                what()
+            ))
+        })
+}
+
+/// The padded length of each packed (`thd`) sequence.
+fn thd_padded(
+    seq_lens: &[usize],
+    split: &TokenSplit,
+    padding: Padding<'_>,
+) -> Result<Vec<usize>, RouteError> {
+    let mut total = 0usize;
+    let mut out = Vec::with_capacity(seq_lens.len());
+    for (seq, &n) in seq_lens.iter().enumerate() {
+        let padded = match padding {
+            Padding::Aligned => round_up(n, split.alignment(), || format!("sequence {seq}"))?,
+            Padding::CuSeqlens(cu) => {
+                if cu.len() != seq_lens.len() + 1 {
+                    return Err(arg(format!(
+                        "cu_seqlens_padded has {} entries; {} sequences need {}",
+                        cu.len(),
+                        seq_lens.len(),
+                        seq_lens.len() + 1
+                    )));
+                }
+                if cu[0] != 0 {
+                    return Err(arg(format!("cu_seqlens_padded starts at {}, not 0", cu[0])));
+                }
+                let padded = cu[seq + 1].checked_sub(cu[seq]).ok_or_else(|| {
+                    arg(format!(
+                        "cu_seqlens_padded decreases at sequence {seq}: {} then {}",
+                        cu[seq],
+                        cu[seq + 1]
+                    ))
+                })?;
+                if padded < n {
+                    return Err(arg(format!(
+                        "cu_seqlens_padded gives sequence {seq} {padded} tokens, fewer than \
+                         its {n} (its route rows + 1)"
+                    )));
+                }
+                if !padded.is_multiple_of(split.cp_multiple()) {
+                    return Err(arg(format!(
+                        "cu_seqlens_padded gives sequence {seq} {padded} tokens, not a \
+                         multiple of 2·cp = {} (the context-parallel zigzag split)",
+                        split.cp_multiple()
+                    )));
+                }
+                padded
+            }
+            Padding::SeqLen(_) => {
+                return Err(arg(
+                    "padded_len is for bshd batches; packed (thd) sequences take \
+                     cu_seqlens_padded"
+                        .to_string(),
+                ))
+            }
+        };
+        total = total
+            .checked_add(padded)
+            .filter(|&t| t <= MAX_BATCH_TOKENS)
+            .ok_or_else(|| {
+                arg(format!(
+                    "the padded sequences exceed the {MAX_BATCH_TOKENS} tokens a micro-batch \
+                     may hold (at sequence {seq})"
+                ))
+            })?;
+        out.push(padded);
+    }
+    Ok(out)
+}
+
+/// The padded sequence length of a `bshd` batch.
+fn bshd_padded(
+    seq_lens: &[usize],
+    split: &TokenSplit,
+    padding: Padding<'_>,
+) -> Result<usize, RouteError> {
+    let (longest_seq, longest) = seq_lens
+        .iter()
+        .copied()
+        .enumerate()
+        .max_by_key(|&(_, n)| n)
+        .unwrap_or((0, 0));
+    let padded =
+        match padding {
+            Padding::Aligned => round_up(longest, split.alignment(), || {
+                format!("the longest sequence ({longest_seq})")
+            })?,
+            Padding::SeqLen(padded) => {
+                if padded < longest {
+                    return Err(arg(format!(
+                        "padded_len {padded} is shorter than sequence {longest_seq}'s {longest} \
+                     tokens (its route rows + 1)"
+                    )));
+                }
+                if !padded.is_multiple_of(split.cp_multiple())
+                    || !(padded / split.cp_size).is_multiple_of(split.sp_size)
+                {
+                    return Err(arg(format!(
+                        "padded_len {padded} does not split: it must be a multiple of 2·cp = {} \
+                     and its share of each context-parallel rank a multiple of sp {}",
+                        split.cp_multiple(),
+                        split.sp_size
+                    )));
+                }
+                padded
+            }
+            Padding::CuSeqlens(_) => return Err(arg(
+                "cu_seqlens_padded is for packed (thd) sequences; a bshd batch takes padded_len"
+                    .to_string(),
+            )),
+        };
+    padded
+        .checked_mul(seq_lens.len())
+        .filter(|&t| t <= MAX_BATCH_TOKENS)
+        .ok_or_else(|| {
+            arg(format!(
+                "{} sequences of {padded} padded tokens exceed the {MAX_BATCH_TOKENS} tokens a \
+                 micro-batch may hold",
+                seq_lens.len()
+            ))
+        })?;
+    Ok(padded)
+}
+
+/// The tokens one rank's routers see for a batch of sequences of `seq_lens` tokens, padded
+/// as `padding` says, in the order the routers see them (see [`Packing`] and
+/// [`TokenSplit`]). Sizes past [`MAX_BATCH_TOKENS`], padding shorter than a sequence or
+/// lengths the split cannot divide are refused by name.
 pub fn rank_tokens(
     seq_lens: &[usize],
     packing: Packing,
     split: TokenSplit,
+    padding: Padding<'_>,
 ) -> Result<Vec<TokenSlot>, RouteError> {
     split.check()?;
-    let align = split.alignment();
     let slot = |seq: usize, pos: usize| {
         if pos < seq_lens[seq] {
             TokenSlot::Token { seq, pos }
@@ -419,17 +605,29 @@ pub fn rank_tokens(
     };
     match packing {
         Packing::Thd => {
-            let mut local = Vec::new();
-            for (seq, &n) in seq_lens.iter().enumerate() {
-                let padded = round_up(n, align);
-                local.extend(split.cp_positions(padded).into_iter().map(|p| slot(seq, p)));
+            let padded = thd_padded(seq_lens, &split, padding)?;
+            let what = || match padding {
+                Padding::CuSeqlens(_) => "cu_seqlens_padded",
+                _ => "packed sequences",
+            };
+            let local_len = padded.iter().map(|p| p / split.cp_size).sum();
+            let mine = split.sp_range(local_len, what())?;
+            let mut local = Vec::with_capacity(mine.len());
+            let mut at = 0usize;
+            for (seq, &p) in padded.iter().enumerate() {
+                for pos in split.cp_positions(p) {
+                    if mine.contains(&at) {
+                        local.push(slot(seq, pos));
+                    }
+                    at += 1;
+                }
             }
-            Ok(local[split.sp_range(local.len())].to_vec())
+            Ok(local)
         }
         Packing::Bshd => {
-            let longest = seq_lens.iter().copied().max().unwrap_or(0);
-            let positions = split.cp_positions(round_up(longest, align));
-            let mine = &positions[split.sp_range(positions.len())];
+            let padded = bshd_padded(seq_lens, &split, padding)?;
+            let positions: Vec<usize> = split.cp_positions(padded).collect();
+            let mine = &positions[split.sp_range(positions.len(), "padded_len")?];
             let mut out = Vec::with_capacity(mine.len() * seq_lens.len());
             for &p in mine {
                 out.extend((0..seq_lens.len()).map(|seq| slot(seq, p)));
@@ -454,16 +652,22 @@ pub struct ReplayIds {
 }
 
 /// Gathers the ids the routers of `router_layers` (global MoE layers, in construction order)
-/// replay on one rank. Sequence `i` is `tables[i].num_tokens() + 1` tokens long: its routes
-/// must start at position 0 and every cell of every router layer must be present, else the
-/// error names the sequence, token and layer. The sequence's last token (never fed to the
-/// rollout engine, so never routed) and alignment padding replay experts `0..top_k` — valid,
-/// distinct ids whose outputs no loss reads.
+/// replay on one rank, the sequences padded as `padding` says. Sequence `i` is
+/// `tables[i].num_tokens() + 1` tokens long: its routes must start at position 0 and every
+/// cell of every router layer must be present, else the error names the sequence, token and
+/// layer.
+///
+/// The sequence's last token (never fed to the rollout engine, so never routed) and padding
+/// replay filler ids no loss reads: the `t`-th token of the rank, if it is one of them, replays
+/// experts `(t · top_k + j) mod num_experts` for `j` in `0..top_k` — distinct within the row,
+/// and spread over all experts rather than piled on experts `0..top_k`, so that Megatron's
+/// load-balancing loss and expert capacity see about as much filler on every expert.
 pub fn replay_ids(
     tables: &[&RouteTable],
     router_layers: &[usize],
     packing: Packing,
     split: TokenSplit,
+    padding: Padding<'_>,
 ) -> Result<ReplayIds, RouteError> {
     let first = tables
         .first()
@@ -503,12 +707,13 @@ pub fn replay_ids(
         columns.push(cols);
     }
     let seq_lens: Vec<usize> = tables.iter().map(|t| t.num_tokens() + 1).collect();
-    let slots = rank_tokens(&seq_lens, packing, split)?;
+    let slots = rank_tokens(&seq_lens, packing, split, padding)?;
     let (routers, n) = (router_layers.len(), slots.len());
-    let mut ids = vec![0i64; routers * n * top_k];
+    let num_experts = first.num_experts();
+    let mut ids = vec![0i64; DecodeLimits::id_count(n, routers, top_k)?];
     for r in 0..routers {
         let out = &mut ids[r * n * top_k..(r + 1) * n * top_k];
-        for (cell, slot) in out.chunks_exact_mut(top_k).zip(&slots) {
+        for (t, (cell, slot)) in out.chunks_exact_mut(top_k).zip(&slots).enumerate() {
             let routed = match *slot {
                 TokenSlot::Token { seq, pos } if pos < tables[seq].num_tokens() => Some((seq, pos)),
                 _ => None,
@@ -518,7 +723,7 @@ pub fn replay_ids(
                     Some((seq, pos)) => tables[seq]
                         .expert_at(pos, columns[seq][r], k)
                         .map_or(0, i64::from),
-                    None => k as i64,
+                    None => ((t * top_k + k) % num_experts) as i64,
                 };
             }
         }

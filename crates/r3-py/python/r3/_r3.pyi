@@ -37,9 +37,12 @@ class RouteTable:
         payload: Union[str, bytes, Dict[str, Any]],
         *,
         layout: LayerLayout,
-        dtype: str = "int32",
+        dtype: Optional[str] = None,
         start_len: int = 0,
-    ) -> "RouteTable": ...
+    ) -> "RouteTable":
+        """SGLang's ``routed_experts``: base64 text in ``dtype`` (int32 when None), or the
+        response / ``meta_info`` dict, whose ``routed_experts_dtype`` an explicit ``dtype``
+        overrides."""
     @staticmethod
     def from_vllm(
         array_or_bytes: Union[npt.ArrayLike, bytes, str, Dict[str, Any], List[Any]],
@@ -94,13 +97,18 @@ def merge_resumed(pieces: Sequence[RouteTable], policy: str = "keep_per_token_or
 def check_covers_sequence(table: RouteTable, total_tokens: int) -> None: ...
 def mismatch(
     train_logp: npt.ArrayLike, rollout_logp: npt.ArrayLike, mask: Optional[npt.ArrayLike] = None
-) -> Dict[str, Optional[float]]: ...
+) -> Dict[str, Optional[float]]:
+    """Mismatch metrics from float32 log-probs; other dtypes only when every value is exactly
+    a float32 (else ``RouteError`` naming the value)."""
 def routing_divergence(a: RouteTable, b: RouteTable) -> Dict[str, Any]: ...
 def rank_tokens(
     seq_lens: Sequence[int],
     packing: str = "thd",
     sp: Tuple[int, int] = (1, 0),
     cp: Tuple[int, int] = (1, 0),
+    *,
+    cu_seqlens_padded: Optional[Sequence[int]] = None,
+    padded_len: Optional[int] = None,
 ) -> npt.NDArray[np.int64]: ...
 def replay_ids(
     tables: Sequence[RouteTable],
@@ -108,4 +116,7 @@ def replay_ids(
     packing: str = "thd",
     sp: Tuple[int, int] = (1, 0),
     cp: Tuple[int, int] = (1, 0),
+    *,
+    cu_seqlens_padded: Optional[Sequence[int]] = None,
+    padded_len: Optional[int] = None,
 ) -> npt.NDArray[np.int64]: ...

@@ -15,6 +15,7 @@ from typing import Optional
 
 import numpy as np
 
+from r3._dtype import check_id_dtype
 from r3._r3 import LayerLayout, RouteError, RouteTable, check_covers_sequence
 
 __all__ = ["from_slime", "to_slime"]
@@ -33,7 +34,9 @@ def from_slime(
 
 def to_slime(table: RouteTable, *, dtype=np.int32) -> np.ndarray:
     """The sample's ``[rows, num_hidden_layers, top_k]`` array (dense layers 0). Every cell
-    must be present: slime has no missing mark."""
+    must be present: slime has no missing mark. ``dtype`` must hold every expert id of the
+    layout exactly, else :class:`r3.RouteError`."""
+    dtype = check_id_dtype(dtype, table.layout)
     if table.start_pos != 0:
         raise RouteError(f"slime arrays start at position 0; this table starts at {table.start_pos}")
     if not table.present.all():

@@ -17,6 +17,7 @@ from typing import List, Sequence
 
 import numpy as np
 
+from r3._dtype import check_id_dtype
 from r3._r3 import LayerLayout, RouteError, RouteTable
 
 __all__ = ["from_verl", "to_verl"]
@@ -65,13 +66,15 @@ def from_verl(routed_experts, attention_mask, *, layout: LayerLayout) -> List[Ro
 def to_verl(tables: Sequence[RouteTable], attention_mask, *, dtype=np.int32) -> np.ndarray:
     """verl's ``routed_experts`` for these tables (row ``b`` for batch row ``b``): each
     sequence's routes from its first attended position, zeros elsewhere. Every table must
-    cover its whole sequence (``attended tokens - 1`` rows from position 0)."""
+    cover its whole sequence (``attended tokens - 1`` rows from position 0). ``dtype`` must
+    hold every expert id of the layout exactly, else :class:`r3.RouteError`."""
     spans = _spans(attention_mask)
     if len(tables) != len(spans):
         raise RouteError(f"{len(tables)} tables for {len(spans)} batch rows")
     if not tables:
         raise RouteError("no tables")
     layout = tables[0].layout
+    dtype = check_id_dtype(dtype, layout)
     seq = np.asarray(attention_mask).shape[1]
     out = np.zeros((len(spans), seq, layout.num_hidden_layers, layout.top_k), dtype=dtype)
     for b, (table, span) in enumerate(zip(tables, spans)):

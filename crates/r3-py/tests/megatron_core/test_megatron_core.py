@@ -112,8 +112,9 @@ def test_routers_replay_exactly_the_decoded_routes(megatron_cpu):
         for n in lens:
             for t in range(n - 1):
                 assert got[start + t] == sorted(recorded[r_i][start + t].tolist())
-            # The last token replays the filler experts 0..top_k.
-            assert got[start + n - 1] == list(range(TOP_K))
+            # The last token (the rank's token t) replays the filler (t * top_k + j) % experts.
+            t = start + n - 1
+            assert got[t] == sorted((t * TOP_K + j) % EXPERTS for j in range(TOP_K))
             start += n
         # The gate weights of the replayed experts still carry gradients.
         (probs * torch.randn_like(probs)).sum().backward()
@@ -123,6 +124,83 @@ def test_routers_replay_exactly_the_decoded_routes(megatron_cpu):
         free_differs |= any(sorted(f.tolist()) != g for f, g in zip(free, got))
     assert free_differs, "the perturbation should have changed some free routing"
     RouterReplay.clear_global_router_replay_action()
+    RouterReplay.clear_global_router_replay_instances()
+
+
+def routes_of(rng, n, num_layers, moe_layers):
+    """A sequence of ``n`` tokens' wire array ``[n - 1, num_layers, top_k]``: distinct random
+    experts in the MoE layers, zeros in the dense ones."""
+    wire = np.zeros((n - 1, num_layers, TOP_K), dtype=np.int32)
+    for t in range(n - 1):
+        for layer in moe_layers:
+            wire[t, layer] = rng.choice(EXPERTS, size=TOP_K, replace=False)
+    return wire
+
+
+def assert_replays(router, wires, layer):
+    """The router, run on as many tokens as the packed sequences hold, selects each routed
+    token's recorded experts and the filler elsewhere."""
+    n = sum(len(w) + 1 for w in wires)
+    with torch.no_grad():
+        _, routing_map = router(torch.randn(n, 1, HIDDEN))
+    got, t = chosen(routing_map), 0
+    for w in wires:
+        for row in w[:, layer]:
+            assert got[t] == sorted(row.tolist()), (layer, t)
+            t += 1
+        assert got[t] == sorted((t * TOP_K + j) % EXPERTS for j in range(TOP_K)), (layer, t)
+        t += 1
+
+
+def test_set_replay_targets_one_model_chunk_under_virtual_pipelining(megatron_cpu):
+    # 12 layers, pp 2 x vp 2: pp rank 0 builds chunks [0, 1, 2] and [6, 7, 8]; layer 0 is
+    # dense, so its routers are those of layers 1, 2 (chunk 0) then 6, 7, 8 (chunk 1).
+    num_layers, moe = 12, list(range(1, 12))
+    layout = r3.LayerLayout(num_layers, moe, num_experts=EXPERTS, top_k=TOP_K)
+    pipe = dict(pp_rank=0, pp_size=2, vp_size=2)
+    chunk0, chunk1 = [1, 2], [6, 7, 8]
+    assert r3.megatron.router_layers(layout, **pipe) == chunk0 + chunk1
+    routers = build_routers(chunk0 + chunk1)
+    rng = np.random.default_rng(7)
+    # The chunks run different micro-batches: chunk 0 micro-batch A, chunk 1 micro-batch B.
+    wires_a = [routes_of(rng, n, num_layers, moe) for n in (5, 3)]
+    wires_b = [routes_of(rng, 6, num_layers, moe)]
+    tables_a = [r3.RouteTable.from_vllm(w, layout=layout) for w in wires_a]
+    tables_b = [r3.RouteTable.from_vllm(w, layout=layout) for w in wires_b]
+    data_a = r3.megatron.set_replay(tables_a, layout, vp_stage=0, **pipe)
+    data_b = r3.megatron.set_replay(tables_b, layout, vp_stage=1, **pipe)
+    assert (len(data_a), len(data_b)) == (2, 3)
+    # Each instance holds exactly its own chunk's one micro-batch.
+    assert [len(r.router_replay.replay_backward_list) for r in routers] == [1] * 5
+    for router, layer in zip(routers, chunk0 + chunk1):
+        assert router.router_replay.router_replay_action == RouterReplayAction.REPLAY_FORWARD
+        assert_replays(router, wires_a if layer in chunk0 else wires_b, layer)
+    # A recomputing backward pops the same ids, chunk by chunk.
+    RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+    for router, layer in zip(routers, chunk0 + chunk1):
+        assert_replays(router, wires_a if layer in chunk0 else wires_b, layer)
+    assert [len(r.router_replay.replay_backward_list) for r in routers] == [0] * 5
+    # Instances that do not match the rank's chunks are refused by name.
+    build_routers(chunk0)
+    with pytest.raises(r3.RouteError, match="build 5 MoE routers .* holds 2 instances"):
+        r3.megatron.set_replay(tables_a, layout, vp_stage=0, **pipe)
+    RouterReplay.clear_global_router_replay_action()
+    RouterReplay.clear_global_router_replay_instances()
+
+
+def test_clear_replay_drops_the_ids_each_call_appends(megatron_cpu):
+    layout = r3.LayerLayout(NUM_LAYERS, [1, 2, 3], num_experts=EXPERTS, top_k=TOP_K)
+    routers = build_routers(layout.moe_layers)
+    rng = np.random.default_rng(3)
+    tables = [r3.RouteTable.from_vllm(routes_of(rng, 4, NUM_LAYERS, [1, 2, 3]), layout=layout)]
+    for _ in range(3):  # three micro-batches (or steps) without a recomputing backward
+        r3.megatron.set_replay(tables, layout)
+    assert [len(r.router_replay.replay_backward_list) for r in routers] == [3] * 3
+    r3.megatron.clear_replay()
+    for r in routers:
+        assert r.router_replay.replay_backward_list == []
+        assert r.router_replay.target_topk_idx is None
+        assert r.router_replay.router_replay_action is None
     RouterReplay.clear_global_router_replay_instances()
 
 
@@ -206,18 +284,31 @@ def test_token_slices_equal_megatrons_split_functions(sp, cp, monkeypatch):
     # THD: each sequence padded to the alignment, split per sequence (TE's
     # thd_get_partitioned_indices is the same zigzag per sub-sequence, so Megatron's bshd
     # split is applied to each sequence alone), concatenated, then SP-split.
-    for cp_rank in range(cp):
-        bshd = megatron_cp_split(ids.clone(), cp, cp_rank, monkeypatch).T.contiguous()
-        thd = []
-        for b, n in enumerate(lens):
-            padded = torch.full((1, -(-n // align) * align), -1, dtype=torch.int64)
-            padded[0, :n] = b * 1000 + torch.arange(n)
-            thd.append(megatron_cp_split(padded, cp, cp_rank, monkeypatch)[0])
-        thd = torch.cat(thd)
-        for sp_rank in range(sp):
-            want_bshd = _split_along_first_dim(bshd, FakeGroup(sp, sp_rank)).flatten()
-            want_thd = _split_along_first_dim(thd, FakeGroup(sp, sp_rank))
-            for packing, want in (("bshd", want_bshd), ("thd", want_thd)):
-                slots = r3.megatron.rank_tokens(lens, packing, (sp, sp_rank), (cp, cp_rank))
-                got = np.where(slots[:, 0] >= 0, slots[:, 0] * 1000 + slots[:, 1], -1)
-                np.testing.assert_array_equal(got, want.numpy(), err_msg=f"{packing} sp{sp_rank} cp{cp_rank}")
+    #
+    # With `extra`, the data loader padded further than the alignment (bshd by `extra`
+    # positions, thd each sequence by `extra` more), and r3 is given that padding
+    # (`padded_len`, `cu_seqlens_padded`).
+    for extra in (0, 2 * cp * sp):
+        wide = torch.full((len(lens), s_len + extra), -1, dtype=torch.int64)
+        wide[:, :s_len] = ids
+        thd_lens = [-(-n // align) * align + extra for n in lens]
+        cu = np.concatenate([[0], np.cumsum(thd_lens)])
+        given = dict(bshd=dict(padded_len=s_len + extra), thd=dict(cu_seqlens_padded=cu.tolist()))
+        for cp_rank in range(cp):
+            bshd = megatron_cp_split(wide.clone(), cp, cp_rank, monkeypatch).T.contiguous()
+            thd = []
+            for b, n in enumerate(lens):
+                padded = torch.full((1, thd_lens[b]), -1, dtype=torch.int64)
+                padded[0, :n] = b * 1000 + torch.arange(n)
+                thd.append(megatron_cp_split(padded, cp, cp_rank, monkeypatch)[0])
+            thd = torch.cat(thd)
+            for sp_rank in range(sp):
+                want_bshd = _split_along_first_dim(bshd, FakeGroup(sp, sp_rank)).flatten()
+                want_thd = _split_along_first_dim(thd, FakeGroup(sp, sp_rank))
+                for packing, want in (("bshd", want_bshd), ("thd", want_thd)):
+                    pad = given[packing] if extra else {}
+                    slots = r3.megatron.rank_tokens(lens, packing, (sp, sp_rank), (cp, cp_rank), **pad)
+                    got = np.where(slots[:, 0] >= 0, slots[:, 0] * 1000 + slots[:, 1], -1)
+                    np.testing.assert_array_equal(
+                        got, want.numpy(), err_msg=f"{packing} sp{sp_rank} cp{cp_rank} extra {extra}"
+                    )

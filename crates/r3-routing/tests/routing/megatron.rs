@@ -2,7 +2,8 @@
 //! invariants over many configurations, and replay ids gathered from route tables.
 
 use r3_routing::megatron::{
-    rank_tokens, replay_ids, Packing, PipelineSplit, TokenSlot, TokenSplit,
+    rank_tokens, replay_ids, Packing, Padding, PipelineSplit, TokenSlot, TokenSplit,
+    MAX_BATCH_TOKENS,
 };
 use r3_routing::{LayerSpace, RouteError, RouteTable};
 
@@ -132,17 +133,23 @@ fn positions(slots: &[TokenSlot]) -> Vec<Option<(usize, usize)>> {
 #[test]
 fn zigzag_and_position_major_orders_by_hand() {
     // One sequence of 8, cp 2: 4 chunks of 2, rank 0 keeps chunks 0 and 3.
-    let r0 = rank_tokens(&[8], Packing::Thd, split(1, 0, 2, 0)).unwrap();
+    let r0 = rank_tokens(&[8], Packing::Thd, split(1, 0, 2, 0), Padding::Aligned).unwrap();
     let got: Vec<_> = positions(&r0).into_iter().map(|p| p.unwrap().1).collect();
     assert_eq!(got, vec![0, 1, 6, 7]);
     // Lengths 5 and 3 packed, sp 2: padded to 6 and 4 (multiples of 2), then halves.
-    let sp1 = rank_tokens(&[5, 3], Packing::Thd, split(2, 1, 1, 0)).unwrap();
+    let sp1 = rank_tokens(&[5, 3], Packing::Thd, split(2, 1, 1, 0), Padding::Aligned).unwrap();
     assert_eq!(
         positions(&sp1),
         vec![None, Some((1, 0)), Some((1, 1)), Some((1, 2)), None]
     );
     // Padded batch: position-major ([seq, batch] hidden states), the short one padded.
-    let b = rank_tokens(&[2, 3], Packing::Bshd, TokenSplit::single()).unwrap();
+    let b = rank_tokens(
+        &[2, 3],
+        Packing::Bshd,
+        TokenSplit::single(),
+        Padding::Aligned,
+    )
+    .unwrap();
     assert_eq!(
         positions(&b),
         vec![
@@ -165,7 +172,8 @@ fn ranks_cover_every_token_once_with_equal_shares() {
             let mut sizes = Vec::new();
             for s in 0..sp {
                 for c in 0..cp {
-                    let slots = rank_tokens(&lens, packing, split(sp, s, cp, c)).unwrap();
+                    let slots =
+                        rank_tokens(&lens, packing, split(sp, s, cp, c), Padding::Aligned).unwrap();
                     sizes.push(slots.len());
                     seen.extend(positions(&slots).into_iter().flatten());
                 }
@@ -198,30 +206,265 @@ fn replay_ids_follow_the_rank_order_router_major() {
     // Sequence 0: 3 tokens (2 routed rows); sequence 1: 2 tokens (1 routed row).
     let a = table(&[[[1, 2], [3, 4]], [[5, 6], [7, 0]]], 0);
     let b = table(&[[[2, 7], [6, 5]]], 0);
-    let r = replay_ids(&[&a, &b], &[3], Packing::Thd, TokenSplit::single()).unwrap();
+    let r = replay_ids(
+        &[&a, &b],
+        &[3],
+        Packing::Thd,
+        TokenSplit::single(),
+        Padding::Aligned,
+    )
+    .unwrap();
     assert_eq!((r.num_routers, r.num_tokens, r.top_k), (1, 5, 2));
-    // Layer 3 only; each sequence's last token replays the filler 0, 1.
-    assert_eq!(r.ids, vec![3, 4, 7, 0, 0, 1, 6, 5, 0, 1]);
+    // Layer 3 only; each sequence's last token (the rank's tokens 2 and 4) replays the
+    // filler (t·2 + j) mod 8: experts 4, 5 and 0, 1.
+    assert_eq!(r.ids, vec![3, 4, 7, 0, 4, 5, 6, 5, 0, 1]);
 }
 
 #[test]
 fn replay_refuses_missing_and_offset_routes_naming_them() {
     let mut a = table(&[[[1, 2], [3, 4]], [[5, 6], [7, 0]]], 0);
     a.clear_cell(1, 0).unwrap();
-    let e = replay_ids(&[&a], &[1, 3], Packing::Thd, TokenSplit::single()).unwrap_err();
+    let e = replay_ids(
+        &[&a],
+        &[1, 3],
+        Packing::Thd,
+        TokenSplit::single(),
+        Padding::Aligned,
+    )
+    .unwrap_err();
     let msg = e.to_string();
     assert!(
         msg.contains("sequence 0") && msg.contains("token 1, layer 1"),
         "{msg}"
     );
     let late = table(&[[[1, 2], [3, 4]]], 4);
-    let msg = replay_ids(&[&late], &[1], Packing::Thd, TokenSplit::single())
-        .unwrap_err()
-        .to_string();
+    let msg = replay_ids(
+        &[&late],
+        &[1],
+        Packing::Thd,
+        TokenSplit::single(),
+        Padding::Aligned,
+    )
+    .unwrap_err()
+    .to_string();
     assert!(msg.contains("position"), "{msg}");
     let ok = table(&[[[1, 2], [3, 4]]], 0);
-    let msg = replay_ids(&[&ok], &[2], Packing::Thd, TokenSplit::single())
-        .unwrap_err()
-        .to_string();
+    let msg = replay_ids(
+        &[&ok],
+        &[2],
+        Packing::Thd,
+        TokenSplit::single(),
+        Padding::Aligned,
+    )
+    .unwrap_err()
+    .to_string();
     assert!(msg.contains("layer 2"), "{msg}");
+}
+
+#[test]
+fn filler_rows_are_distinct_and_spread_over_every_expert() {
+    // Two sequences of 2 and 4 tokens (1 and 3 routed rows), sp 4: each padded to 4, every
+    // rank holding 2 slots. The routed cells are [1, 2] everywhere, so only the filler can
+    // reach other experts: the rank's t-th slot, if not routed, replays (2t, 2t + 1) mod 8.
+    let a = table(&[[[1, 2], [1, 2]]], 0);
+    let b = table(&[[[1, 2], [1, 2]]; 3], 0);
+    let mut filler = Vec::new();
+    for sp_rank in 0..4 {
+        let sp = split(4, sp_rank, 1, 0);
+        let r = replay_ids(&[&a, &b], &[1], Packing::Thd, sp, Padding::Aligned).unwrap();
+        let slots = rank_tokens(&[2, 4], Packing::Thd, sp, Padding::Aligned).unwrap();
+        for (t, (row, slot)) in r.ids.chunks(2).zip(&slots).enumerate() {
+            if matches!(*slot, TokenSlot::Token { seq, pos } if pos + 1 < [2, 4][seq]) {
+                assert_eq!(row, [1, 2]);
+            } else {
+                filler.push((sp_rank, t, row.to_vec()));
+            }
+        }
+    }
+    // Rank 0: a's last token; rank 1: two pads; rank 3: b's last token. Before, every one
+    // of these rows was [0, 1].
+    assert_eq!(
+        filler,
+        vec![
+            (0, 1, vec![2, 3]),
+            (1, 0, vec![0, 1]),
+            (1, 1, vec![2, 3]),
+            (3, 1, vec![2, 3])
+        ]
+    );
+    // top_k close to num_experts (2 of 3) still gives distinct ids in each row: one routed
+    // row [2, 0], then the last token and two pads of a batch padded to 4.
+    let mut wide = RouteTable::missing(3, 2, LayerSpace::MoeOnly, vec![0], 0, 1).unwrap();
+    wide.set_cell(0, 0, &[2, 0]).unwrap();
+    let one = TokenSplit::single();
+    let r = replay_ids(&[&wide], &[0], Packing::Bshd, one, Padding::SeqLen(4)).unwrap();
+    assert_eq!(r.ids, vec![2, 0, 2, 0, 1, 2, 0, 1]);
+    let e = replay_ids(&[&wide], &[0], Packing::Thd, one, Padding::SeqLen(4)).unwrap_err();
+    assert!(e.to_string().contains("padded_len is for bshd"), "{e}");
+}
+
+#[test]
+fn explicit_padding_is_followed_and_checked_against_the_sequences() {
+    // thd: lengths 5 and 3 padded by the caller to 8 and 4 (more than the alignment 2 of sp 2).
+    let cu = [0usize, 8, 12];
+    let both: Vec<_> = (0..2)
+        .flat_map(|r| {
+            let sp = split(2, r, 1, 0);
+            positions(&rank_tokens(&[5, 3], Packing::Thd, sp, Padding::CuSeqlens(&cu)).unwrap())
+        })
+        .collect();
+    let mut want: Vec<Option<(usize, usize)>> = (0..5).map(|p| Some((0, p))).collect();
+    want.extend([None, None, None]);
+    want.extend((0..3).map(|p| Some((1, p))));
+    want.push(None);
+    assert_eq!(both, want);
+    // cu_seqlens_padded equal to the inferred padding gives the same tokens.
+    let lens = [9usize, 3, 14];
+    for (sp, cp) in [(1, 2), (2, 2), (2, 1), (1, 3)] {
+        let align = if cp > 1 { 2 * cp * sp } else { sp };
+        let mut cu = vec![0usize];
+        for n in lens {
+            cu.push(cu.last().unwrap() + n.div_ceil(align) * align);
+        }
+        for (s, c) in (0..sp).flat_map(|s| (0..cp).map(move |c| (s, c))) {
+            let ts = split(sp, s, cp, c);
+            let inferred = rank_tokens(&lens, Packing::Thd, ts, Padding::Aligned).unwrap();
+            let given = rank_tokens(&lens, Packing::Thd, ts, Padding::CuSeqlens(&cu)).unwrap();
+            assert_eq!(inferred, given, "sp {sp} cp {cp}");
+        }
+    }
+    // Megatron splits the packed tokens over sp as a whole: only the total must divide.
+    let sp1 = split(2, 1, 1, 0);
+    let halves = rank_tokens(&[5, 3], Packing::Thd, sp1, Padding::CuSeqlens(&[0, 5, 8]));
+    assert_eq!(
+        positions(&halves.unwrap()),
+        vec![Some((0, 4)), Some((1, 0)), Some((1, 1)), Some((1, 2))]
+    );
+    // bshd: a longer padded batch adds pad positions.
+    let b = rank_tokens(
+        &[2, 3],
+        Packing::Bshd,
+        TokenSplit::single(),
+        Padding::SeqLen(4),
+    );
+    let mut want = positions(
+        &rank_tokens(
+            &[2, 3],
+            Packing::Bshd,
+            TokenSplit::single(),
+            Padding::Aligned,
+        )
+        .unwrap(),
+    );
+    want.extend([None, None]);
+    assert_eq!(positions(&b.unwrap()), want);
+    // 4 positions over cp 2 leave 2 per rank, which sp 2 splits.
+    let b = rank_tokens(
+        &[2, 3],
+        Packing::Bshd,
+        split(2, 1, 2, 1),
+        Padding::SeqLen(4),
+    );
+    assert_eq!(b.unwrap().len(), 2);
+    // Refusals name what is wrong.
+    let (one, cp2, sp2) = (TokenSplit::single(), split(1, 0, 2, 0), split(2, 0, 1, 0));
+    let (thd, bshd) = (Packing::Thd, Packing::Bshd);
+    let cases: [(Packing, TokenSplit, Padding, &str); 10] = [
+        (
+            thd,
+            one,
+            Padding::CuSeqlens(&[0, 8]),
+            "cu_seqlens_padded has 2 entries; 2 sequences need 3",
+        ),
+        (thd, one, Padding::CuSeqlens(&[1, 8, 12]), "starts at 1"),
+        (
+            thd,
+            one,
+            Padding::CuSeqlens(&[0, 8, 7]),
+            "decreases at sequence 1",
+        ),
+        (
+            thd,
+            one,
+            Padding::CuSeqlens(&[0, 4, 8]),
+            "sequence 0 4 tokens, fewer than its 5",
+        ),
+        (
+            thd,
+            cp2,
+            Padding::CuSeqlens(&[0, 6, 10]),
+            "sequence 0 6 tokens, not a multiple of 2·cp = 4",
+        ),
+        (
+            thd,
+            sp2,
+            Padding::CuSeqlens(&[0, 5, 9]),
+            "9 tokens do not split evenly over sp 2",
+        ),
+        (
+            bshd,
+            one,
+            Padding::CuSeqlens(&[0, 5, 8]),
+            "cu_seqlens_padded is for packed (thd)",
+        ),
+        (
+            bshd,
+            one,
+            Padding::SeqLen(4),
+            "padded_len 4 is shorter than sequence 0's 5 tokens",
+        ),
+        (bshd, cp2, Padding::SeqLen(6), "padded_len 6 does not split"),
+        (bshd, sp2, Padding::SeqLen(5), "padded_len 5 does not split"),
+    ];
+    for (packing, ts, padding, want) in cases {
+        let msg = rank_tokens(&[5, 3], packing, ts, padding)
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains(want), "{packing:?} {padding:?}: {msg}");
+    }
+}
+
+#[test]
+fn huge_arguments_are_refused_before_anything_is_built() {
+    let one = TokenSplit::single();
+    for packing in [Packing::Thd, Packing::Bshd] {
+        let msg = rank_tokens(&[1_000_000_000_000_000], packing, one, Padding::Aligned)
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains(&MAX_BATCH_TOKENS.to_string()), "{msg}");
+        // Near usize::MAX, rounding up would overflow.
+        assert!(rank_tokens(&[usize::MAX], packing, split(3, 0, 1, 0), Padding::Aligned).is_err());
+        // Many sequences that each fit but together do not.
+        let lens = vec![1 << 20; 1 << 7];
+        assert!(rank_tokens(&lens, packing, one, Padding::Aligned).is_err());
+    }
+    let msg = rank_tokens(
+        &[4],
+        Packing::Thd,
+        split(1, 0, usize::MAX / 2, 0),
+        Padding::Aligned,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(msg.contains("alignment exceeds"), "{msg}");
+    assert!(rank_tokens(
+        &[4],
+        Packing::Thd,
+        one,
+        Padding::CuSeqlens(&[0, usize::MAX])
+    )
+    .is_err());
+    assert!(rank_tokens(&[4], Packing::Bshd, one, Padding::SeqLen(usize::MAX)).is_err());
+    let huge = PipelineSplit::new(1_000_000_000_000_000, 1);
+    assert!(matches!(
+        huge.local_layers(0, None),
+        Err(RouteError::TooLarge {
+            what: "num_layers",
+            ..
+        })
+    ));
+    assert!(PipelineSplit::new(usize::MAX, 2)
+        .with_vp_size(Some(2))
+        .local_layers(1, Some(1))
+        .is_err());
 }
