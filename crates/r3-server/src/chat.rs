@@ -94,7 +94,8 @@ struct ChatBody {
 }
 
 /// One OpenAI message as a template message: `content` a string, a list of text parts
-/// (joined), or null (empty); other fields are passed to the template as they are.
+/// (joined), or null / absent (`none` to the template, as transformers passes it); other
+/// fields are passed to the template as they are.
 pub fn chat_message(v: &Value, i: usize) -> Result<ChatMessage, ApiError> {
     let field = |name: &str| format!("messages[{i}].{name}");
     let Value::Object(obj) = v else {
@@ -113,8 +114,8 @@ pub fn chat_message(v: &Value, i: usize) -> Result<ChatMessage, ApiError> {
         }
     };
     let content = match obj.get("content") {
-        None | Some(Value::Null) => String::new(),
-        Some(Value::String(s)) => s.clone(),
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s.clone()),
         Some(Value::Array(parts)) => {
             let mut text = String::new();
             for (j, part) in parts.iter().enumerate() {
@@ -128,7 +129,7 @@ pub fn chat_message(v: &Value, i: usize) -> Result<ChatMessage, ApiError> {
                     }
                 }
             }
-            text
+            Some(text)
         }
         Some(other) => {
             return Err(ApiError::bad_request(format!(

@@ -64,12 +64,12 @@ pub enum TextError {
         /// The token text.
         token: String,
     },
-    /// A token id outside the vocabulary.
-    #[error("token id {id} is outside the vocabulary of {size} tokens")]
+    /// A token id outside the model's vocabulary (see `TextTokenizer::fit_model`).
+    #[error("token id {id} is outside the model's vocabulary of {size} ids")]
     UnknownTokenId {
         /// The id.
         id: u32,
-        /// The vocabulary size.
+        /// The model's vocabulary size.
         size: usize,
     },
     /// A chat template does not compile.

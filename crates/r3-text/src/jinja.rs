@@ -1,7 +1,8 @@
 //! The minijinja environment chat templates run in, set up as transformers sets up its
 //! jinja2 one: `trim_blocks` and `lstrip_blocks`, loop controls, Python string and dict
-//! methods, and the globals `raise_exception` and `strftime_now` and a `tojson` filter that
-//! writes what Python's `json.dumps(..., ensure_ascii=False)` writes.
+//! methods, and the globals `raise_exception` and `strftime_now` and transformers' `tojson`
+//! filter, which writes what Python's `json.dumps` writes (`ensure_ascii`, `indent`,
+//! `separators`, `sort_keys`).
 
 use std::fmt::Write as _;
 
@@ -47,38 +48,150 @@ fn format_at(time: chrono::DateTime<chrono::Utc>, format: &str) -> Result<String
     Ok(out)
 }
 
-/// `json.dumps(value, ensure_ascii=False, indent=indent)`: `", "` and `": "` separators
-/// without indent, `","` and newlines with it, keys in their order.
-fn tojson(value: &Value, kwargs: Kwargs) -> Result<String, Error> {
-    let indent: Option<usize> = kwargs.get("indent")?;
-    // transformers' filter accepts these; it always writes non-ASCII as it is.
-    let _: Option<bool> = kwargs.get("ensure_ascii")?;
-    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+/// How `json.dumps` lays a value out.
+struct JsonStyle {
+    /// `indent` as the string written once per level (`None`: all on one line).
+    indent: Option<String>,
+    /// Written between items of a list or dict.
+    item_sep: String,
+    /// Written between a key and its value.
+    key_sep: String,
+    /// Non-ASCII characters (and DEL) written as `\uXXXX` escapes.
+    ensure_ascii: bool,
+    /// Dict keys in sorted order rather than insertion order.
+    sort_keys: bool,
+}
+
+fn filter_error(message: String) -> Error {
+    Error::new(ErrorKind::InvalidOperation, message)
+}
+
+/// transformers' filter: `tojson(x, ensure_ascii=False, indent=None, separators=None,
+/// sort_keys=False)` = `json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
+/// separators=separators, sort_keys=sort_keys)`, its arguments given by position or name.
+/// Without `separators`, `", "` and `": "` (`","` and `": "` with an indent); keys in their
+/// order unless sorted.
+fn tojson(value: &Value, args: &[Value], kwargs: Kwargs) -> Result<String, Error> {
+    const NAMES: [&str; 4] = ["ensure_ascii", "indent", "separators", "sort_keys"];
+    if args.len() > NAMES.len() {
+        return Err(Error::new(
+            ErrorKind::TooManyArguments,
+            format!(
+                "tojson takes at most {} arguments after the value ({}), got {}",
+                NAMES.len(),
+                NAMES.join(", "),
+                args.len()
+            ),
+        ));
+    }
+    let mut given = Vec::with_capacity(NAMES.len());
+    for (i, name) in NAMES.iter().enumerate() {
+        let by_name: Option<Value> = kwargs.get(name)?;
+        given.push(
+            match (args.get(i), by_name) {
+                (Some(_), Some(_)) => {
+                    return Err(filter_error(format!(
+                        "tojson got multiple values for argument {name:?}"
+                    )))
+                }
+                (Some(v), None) => Some(v.clone()),
+                (None, v) => v,
+            }
+            // `none` is the default, as in Python.
+            .filter(|v| !v.is_none() && !v.is_undefined()),
+        );
+    }
     kwargs.assert_all_used()?;
+    let indent = match &given[1] {
+        None => None,
+        Some(v) if v.kind() == ValueKind::String => {
+            Some(v.as_str().unwrap_or_default().to_string())
+        }
+        // Python writes `" " * indent`: a negative indent is no indentation, but newlines.
+        Some(v) => match i64::try_from(v.clone()) {
+            Ok(n) => Some(" ".repeat(usize::try_from(n).unwrap_or(0))),
+            Err(_) => {
+                return Err(filter_error(format!(
+                    "tojson: indent must be an int or a string, got {v}"
+                )))
+            }
+        },
+    };
+    let (item_sep, key_sep) = match &given[2] {
+        None if indent.is_some() => (",".to_string(), ": ".to_string()),
+        None => (", ".to_string(), ": ".to_string()),
+        Some(v) => {
+            let parts: Vec<Value> = match v.kind() {
+                ValueKind::Seq => v.try_iter()?.collect(),
+                _ => Vec::new(),
+            };
+            match parts.as_slice() {
+                [a, b] if a.as_str().is_some() && b.as_str().is_some() => (
+                    a.as_str().unwrap_or_default().to_string(),
+                    b.as_str().unwrap_or_default().to_string(),
+                ),
+                _ => {
+                    return Err(filter_error(format!(
+                        "tojson: separators must be an (item_separator, key_separator) pair of \
+                         strings, got {v}"
+                    )))
+                }
+            }
+        }
+    };
+    let style = JsonStyle {
+        indent,
+        item_sep,
+        key_sep,
+        ensure_ascii: given[0].as_ref().is_some_and(Value::is_true),
+        sort_keys: given[3].as_ref().is_some_and(Value::is_true),
+    };
     let mut out = String::new();
-    write_json(value, indent, sort_keys.unwrap_or(false), 0, &mut out)?;
+    write_json(value, &style, 0, &mut out)?;
     Ok(out)
 }
 
-fn scalar_json(value: &Value) -> Result<String, Error> {
-    serde_json::to_string(value).map_err(|e| Error::new(ErrorKind::BadSerialization, e.to_string()))
+/// A scalar as JSON; with `ensure_ascii`, every character outside `' '..='~'` that serde
+/// leaves as it is written as Python writes it: `\uXXXX` in lower-case hex, a surrogate
+/// pair above U+FFFF.
+fn scalar_json(value: &Value, ensure_ascii: bool) -> Result<String, Error> {
+    let text = serde_json::to_string(value)
+        .map_err(|e| Error::new(ErrorKind::BadSerialization, e.to_string()))?;
+    if !ensure_ascii {
+        return Ok(text);
+    }
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if c.is_ascii() && c != '\u{7f}' {
+            out.push(c);
+        } else {
+            let mut units = [0u16; 2];
+            for unit in c.encode_utf16(&mut units) {
+                write!(out, "\\u{unit:04x}").map_err(|_| {
+                    Error::new(
+                        ErrorKind::BadSerialization,
+                        "tojson: cannot escape".to_string(),
+                    )
+                })?;
+            }
+        }
+    }
+    Ok(out)
 }
 
-fn newline(indent: Option<usize>, level: usize, out: &mut String) {
-    if let Some(width) = indent {
+fn newline(style: &JsonStyle, level: usize, out: &mut String) {
+    if let Some(indent) = &style.indent {
         out.push('\n');
-        out.push_str(&" ".repeat(width * level));
+        out.push_str(&indent.repeat(level));
     }
 }
 
 fn write_json(
     value: &Value,
-    indent: Option<usize>,
-    sort_keys: bool,
+    style: &JsonStyle,
     level: usize,
     out: &mut String,
 ) -> Result<(), Error> {
-    let item_sep = if indent.is_some() { "," } else { ", " };
     match value.kind() {
         ValueKind::Undefined | ValueKind::None => out.push_str("null"),
         ValueKind::Seq | ValueKind::Iterable => {
@@ -90,12 +203,12 @@ fn write_json(
             out.push('[');
             for (i, item) in items.iter().enumerate() {
                 if i > 0 {
-                    out.push_str(item_sep);
+                    out.push_str(&style.item_sep);
                 }
-                newline(indent, level + 1, out);
-                write_json(item, indent, sort_keys, level + 1, out)?;
+                newline(style, level + 1, out);
+                write_json(item, style, level + 1, out)?;
             }
-            newline(indent, level, out);
+            newline(style, level, out);
             out.push(']');
         }
         ValueKind::Map => {
@@ -104,24 +217,24 @@ fn write_json(
                 out.push_str("{}");
                 return Ok(());
             }
-            if sort_keys {
+            if style.sort_keys {
                 keys.sort_by_key(|k| k.to_string());
             }
             out.push('{');
             for (i, key) in keys.iter().enumerate() {
                 if i > 0 {
-                    out.push_str(item_sep);
+                    out.push_str(&style.item_sep);
                 }
-                newline(indent, level + 1, out);
+                newline(style, level + 1, out);
                 let name = key.as_str().map_or_else(|| key.to_string(), str::to_string);
-                out.push_str(&scalar_json(&Value::from(name))?);
-                out.push_str(": ");
-                write_json(&value.get_item(key)?, indent, sort_keys, level + 1, out)?;
+                out.push_str(&scalar_json(&Value::from(name), style.ensure_ascii)?);
+                out.push_str(&style.key_sep);
+                write_json(&value.get_item(key)?, style, level + 1, out)?;
             }
-            newline(indent, level, out);
+            newline(style, level, out);
             out.push('}');
         }
-        _ => out.push_str(&scalar_json(value)?),
+        _ => out.push_str(&scalar_json(value, style.ensure_ascii)?),
     }
     Ok(())
 }
@@ -210,6 +323,79 @@ mod tests {
             indented,
             "{\n  \"a\": {\n    \"x\": null,\n    \"y\": true\n  },\n  \"b\": [\n    1,\n    2.5,\n    \"é\\n\"\n  ],\n  \"c\": []\n}"
         );
+    }
+
+    #[test]
+    fn tojson_takes_transformers_arguments_as_json_dumps_does() {
+        // Expected strings are what Python 3.11 prints for x = {"a": {"x": None, "y": True},
+        // "b": [1, 2.5, "é\n"], "c": [], "d": "π😀\x7f"}: json.dumps(x, ensure_ascii=True),
+        // json.dumps(x, ensure_ascii=False, separators=(",", ":")) and json.dumps(x,
+        // ensure_ascii=False, indent=2, separators=(", ", " = "), sort_keys=True).
+        let v = serde_json::json!({"a": {"x": null, "y": true}, "b": [1, 2.5, "é\n"], "c": [], "d": "π😀\u{7f}"});
+        let ctx = context! { v => minijinja::Value::from(minijinja::value::Serde(&v)) };
+        assert_eq!(
+            render("{{ v | tojson(ensure_ascii=true) }}", ctx.clone()),
+            r#"{"a": {"x": null, "y": true}, "b": [1, 2.5, "\u00e9\n"], "c": [], "d": "\u03c0\ud83d\ude00\u007f"}"#
+        );
+        assert_eq!(
+            render("{{ v | tojson(separators=(',', ':')) }}", ctx.clone()),
+            "{\"a\":{\"x\":null,\"y\":true},\"b\":[1,2.5,\"é\\n\"],\"c\":[],\"d\":\"π😀\u{7f}\"}"
+        );
+        assert_eq!(
+            render(
+                "{{ v | tojson(indent=2, separators=[', ', ' = '], sort_keys=true) }}",
+                ctx.clone()
+            ),
+            "{\n  \"a\" = {\n    \"x\" = null, \n    \"y\" = true\n  }, \n  \"b\" = [\n    1, \n    2.5, \n    \"é\\n\"\n  ], \n  \"c\" = [], \n  \"d\" = \"π😀\u{7f}\"\n}"
+        );
+        // transformers' jinja2 (5.25) renders {"b": "é", "a": [1, 2]} through
+        // `tojson(True)|tojson(false, none, (",", ":"))|tojson(indent=1)` as below: the
+        // arguments by position too, in json.dumps' order.
+        // (A map in insertion order: serde_json's own maps here sort their keys.)
+        let x = context! { b => "é", a => vec![1, 2] };
+        let ctx = context! { x => x };
+        assert_eq!(
+            render(
+                "{{ x | tojson(True) }}|{{ x | tojson(false, none, (',', ':')) }}|{{ x | tojson(indent=1) }}",
+                ctx.clone()
+            ),
+            "{\"b\": \"\\u00e9\", \"a\": [1, 2]}|{\"b\":\"é\",\"a\":[1,2]}|{\n \"b\": \"é\",\n \"a\": [\n  1,\n  2\n ]\n}"
+        );
+        // A string indent is written as it is, a zero or negative one gives bare newlines
+        // (json.dumps({"b": 1, "a": [1]}, indent="\t") and indent=0 / indent=-3).
+        let x = context! { b => 1, a => vec![1] };
+        let ctx = context! { x => x };
+        assert_eq!(
+            render("{{ x | tojson(indent='\t') }}", ctx.clone()),
+            "{\n\t\"b\": 1,\n\t\"a\": [\n\t\t1\n\t]\n}"
+        );
+        for indent in ["0", "-3"] {
+            assert_eq!(
+                render(
+                    &format!("{{{{ x | tojson(indent={indent}) }}}}"),
+                    ctx.clone()
+                ),
+                "{\n\"b\": 1,\n\"a\": [\n1\n]\n}"
+            );
+        }
+        // Wrong arguments are refused by name.
+        let env = super::environment().expect("env");
+        for (src, want) in [
+            ("{{ x | tojson(separators=(',',)) }}", "separators must be"),
+            (
+                "{{ x | tojson(indent=[1]) }}",
+                "indent must be an int or a string",
+            ),
+            (
+                "{{ x | tojson(true, ensure_ascii=true) }}",
+                "multiple values for argument \"ensure_ascii\"",
+            ),
+            ("{{ x | tojson(1, 2, 3, 4, 5) }}", "at most 4 arguments"),
+            ("{{ x | tojson(colour=1) }}", "colour"),
+        ] {
+            let err = env.render_str(src, ctx.clone()).expect_err(src);
+            assert!(format!("{err:#}").contains(want), "{src}: {err:#}");
+        }
     }
 
     #[test]

@@ -8,8 +8,11 @@ use serde::{Deserialize, Serialize};
 pub struct ChatMessage {
     /// `system`, `user`, `assistant`, `tool`, ...
     pub role: String,
-    /// The message text.
-    pub content: String,
+    /// The message text; `None` (JSON null or absent, e.g. an assistant turn that only calls
+    /// tools) reaches the template as `none`, so `message.content is none` holds as it does in
+    /// transformers (an absent key, undefined in jinja2, reads as `none` here too).
+    #[serde(default)]
+    pub content: Option<String>,
     /// Further fields the template may read (e.g. `reasoning_content`), passed as they are.
     #[serde(flatten, default, skip_serializing_if = "serde_json::Map::is_empty")]
     pub extra: serde_json::Map<String, serde_json::Value>,
@@ -20,7 +23,7 @@ impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
         Self {
             role: role.into(),
-            content: content.into(),
+            content: Some(content.into()),
             extra: serde_json::Map::new(),
         }
     }

@@ -1,6 +1,6 @@
 //! [`TextTokenizer`]: an HF `tokenizer.json` with bos / eos / pad and stop ids resolved the way
 //! transformers resolves them from `tokenizer_config.json`, `generation_config.json` and
-//! `config.json`.
+//! `config.json`, and ids decoded as HF `tokenizers` decodes them.
 
 use std::path::Path;
 
@@ -26,6 +26,8 @@ pub struct TextTokenizer {
     eos_ids: Vec<u32>,
     pad_id: Option<u32>,
     stop_ids: Vec<u32>,
+    /// The model's vocabulary once [`TextTokenizer::fit_model`] recorded it.
+    model_vocab: Option<usize>,
 }
 
 impl std::fmt::Debug for TextTokenizer {
@@ -35,6 +37,7 @@ impl std::fmt::Debug for TextTokenizer {
             .field("bos_id", &self.bos_id)
             .field("eos_ids", &self.eos_ids)
             .field("pad_id", &self.pad_id)
+            .field("model_vocab", &self.model_vocab)
             .finish_non_exhaustive()
     }
 }
@@ -86,9 +89,12 @@ impl TextTokenizer {
         let field = |v: &Option<serde_json::Value>, p: &Path, name: &str| -> Result<Vec<u32>> {
             id_list(v.as_ref().and_then(|v| v.get(name)), p, name)
         };
-        // transformers takes the tokenizer's own tokens first and falls back on the model's
-        // configs; generation_config's eos list is what generate() stops on.
-        if tok.bos_id.is_none() {
+        // transformers' tokenizer takes bos only from tokenizer_config.json (`bos_token`: null
+        // or absent is no bos, as Qwen's; config.json's bos_token_id is the model's, not the
+        // tokenizer's). A directory with no tokenizer_config.json at all (r3's own character
+        // model) takes the model configs' bos_token_id. generation_config's eos list is what
+        // generate() stops on.
+        if tok.bos_id.is_none() && !tc_path.is_file() {
             tok.bos_id = field(&gen, &gen_path, "bos_token_id")?
                 .first()
                 .or(field(&cfg, &cfg_path, "bos_token_id")?.first())
@@ -123,6 +129,7 @@ impl TextTokenizer {
             stop_ids: eos_ids.clone(),
             eos_ids,
             pad_id,
+            model_vocab: None,
         })
     }
 
@@ -167,11 +174,17 @@ impl TextTokenizer {
         Ok((ids, offsets))
     }
 
-    /// Text of `ids`, special tokens skipped or kept; an id outside the vocabulary is an error.
+    /// Text of `ids`, special tokens skipped or kept. An id the tokenizer has no token for is
+    /// skipped, as HF `tokenizers` (and so transformers) skips it: a model whose vocabulary
+    /// is padded past the tokenizer (151,936 rows for Qwen3's 151,669 tokens) can sample such
+    /// an id, which has no text. Once [`Self::fit_model`] has recorded the model's
+    /// vocabulary, an id at or past it is an error, since no model could have produced it;
+    /// without it every unknown id is skipped.
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
-        let size = self.vocab_size();
-        if let Some(&id) = ids.iter().find(|&&id| id as usize >= size) {
-            return Err(TextError::UnknownTokenId { id, size });
+        if let Some(size) = self.model_vocab {
+            if let Some(&id) = ids.iter().find(|&&id| id as usize >= size) {
+                return Err(TextError::UnknownTokenId { id, size });
+            }
         }
         self.inner
             .decode(ids, skip_special_tokens)
@@ -240,6 +253,19 @@ impl TextTokenizer {
             model: model_vocab,
             consequence,
         })
+    }
+
+    /// [`Self::check_fits_model`], then records `model_vocab` so that [`Self::decode`] refuses
+    /// ids at or past it (and still skips the padded ids the tokenizer has no token for).
+    pub fn fit_model(&mut self, model_vocab: usize) -> Result<()> {
+        self.check_fits_model(model_vocab)?;
+        self.model_vocab = Some(model_vocab);
+        Ok(())
+    }
+
+    /// The model vocabulary [`Self::fit_model`] recorded, if any.
+    pub fn model_vocab(&self) -> Option<usize> {
+        self.model_vocab
     }
 
     /// The special tokens as the config declares them.
