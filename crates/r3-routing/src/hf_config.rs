@@ -3,6 +3,12 @@
 //! where a family lacks it, so a config of any MoE family (DeepSeek, Qwen2/3-MoE, Mixtral,
 //! multimodal configs with a `text_config`) gives its layout without the model being
 //! supported by r3-model. A key that is present with the wrong type is an error naming it.
+//!
+//! Llama-4 (`interleave_moe_layer_step`, `moe_layers`) is read as HF `Llama4TextConfig` reads
+//! it: an explicit `moe_layers` list wins; otherwise layer i is MoE iff
+//! `(i + 1) % interleave_moe_layer_step == 0` — the same rule as Qwen's
+//! `decoder_sparse_step`, into which the step goes. An explicit list goes into the rules as
+//! `mlp_only_layers` = every other layer.
 
 use serde_json::Value;
 
@@ -53,32 +59,32 @@ impl RoutingConfig {
         let top_k = count(cfg, "num_experts_per_tok")?.ok_or_else(|| {
             RouteError::Layout("config.json has no `num_experts_per_tok` (top_k)".to_string())
         })?;
-        let mlp_only_layers = match cfg.get("mlp_only_layers") {
-            None | Some(Value::Null) => Vec::new(),
-            Some(Value::Array(items)) => items
-                .iter()
-                .map(|v| {
-                    v.as_u64()
-                        .and_then(|n| usize::try_from(n).ok())
-                        .ok_or_else(|| wrong_type("mlp_only_layers", v, "a list of layer indices"))
-                })
-                .collect::<Result<_, _>>()?,
-            Some(other) => {
-                return Err(wrong_type(
-                    "mlp_only_layers",
-                    other,
-                    "a list of layer indices",
-                ))
-            }
-        };
-        let rules = LayoutRules {
+        let mlp_only_layers = layer_list(cfg, "mlp_only_layers")?.unwrap_or_default();
+        let mut rules = LayoutRules {
             num_hidden_layers,
             num_experts,
             first_k_dense_replace: count(cfg, "first_k_dense_replace")?.unwrap_or(0),
-            decoder_sparse_step: count(cfg, "decoder_sparse_step")?.unwrap_or(1),
+            decoder_sparse_step: sparse_step(cfg)?,
             mlp_only_layers,
             moe_layer_freq: count(cfg, "moe_layer_freq")?.unwrap_or(1),
         };
+        if let Some(moe) = layer_list(cfg, "moe_layers")? {
+            if let Some(&bad) = moe.iter().find(|&&l| l >= num_hidden_layers) {
+                return Err(RouteError::LayerOutOfRange {
+                    what: "moe_layers entry",
+                    layer: bad,
+                    num_layers: num_hidden_layers,
+                });
+            }
+            // HF Llama-4 ignores the step when the list is given.
+            rules.decoder_sparse_step = 1;
+            for layer in (0..num_hidden_layers).filter(|l| !moe.contains(l)) {
+                if !rules.mlp_only_layers.contains(&layer) {
+                    rules.mlp_only_layers.push(layer);
+                }
+            }
+            rules.mlp_only_layers.sort_unstable();
+        }
         Ok(RoutingConfig { rules, top_k })
     }
 
@@ -111,6 +117,51 @@ fn count(cfg: &Value, key: &'static str) -> Result<Option<usize>, RouteError> {
             .and_then(|n| usize::try_from(n).ok())
             .map(Some)
             .ok_or_else(|| wrong_type(key, v, "a non-negative integer")),
+    }
+}
+
+/// A list of layer indices; `None` when absent or null.
+fn layer_list(cfg: &Value, key: &'static str) -> Result<Option<Vec<usize>>, RouteError> {
+    match cfg.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|v| {
+                v.as_u64()
+                    .and_then(|n| usize::try_from(n).ok())
+                    .ok_or_else(|| wrong_type(key, v, "a list of layer indices"))
+            })
+            .collect::<Result<_, _>>()
+            .map(Some),
+        Some(other) => Err(wrong_type(key, other, "a list of layer indices")),
+    }
+}
+
+/// The step of "every step-th layer is MoE": Qwen's `decoder_sparse_step` or Llama-4's
+/// `interleave_moe_layer_step` (both: layer i is MoE iff `(i + 1) % step == 0`); 1 when
+/// neither is given, an error when both are given and disagree.
+fn sparse_step(cfg: &Value) -> Result<usize, RouteError> {
+    let qwen = count(cfg, "decoder_sparse_step")?;
+    let llama4 = count(cfg, "interleave_moe_layer_step")?;
+    match (qwen, llama4) {
+        (Some(a), Some(b)) if a != b => Err(RouteError::Layout(format!(
+            "config.json has decoder_sparse_step {a} and interleave_moe_layer_step {b}: \
+             the two name the same rule and must agree"
+        ))),
+        (Some(step), _) | (None, Some(step)) => {
+            if step == 0 {
+                let key = if qwen.is_some() {
+                    "decoder_sparse_step"
+                } else {
+                    "interleave_moe_layer_step"
+                };
+                return Err(RouteError::Layout(format!(
+                    "config.json `{key}` must be > 0"
+                )));
+            }
+            Ok(step)
+        }
+        (None, None) => Ok(1),
     }
 }
 

@@ -7,8 +7,16 @@ use crate::{LayerLayout, LayerSpace, RouteError, RouteTable};
 impl RouteTable {
     /// All-layers → MoE-only. Dense columns must be missing or all zero (SGLang pads dense
     /// layers with zeros), else [`RouteError::DenseColumnNotEmpty`]. A table already in
-    /// MoE-only space is returned unchanged if its layers match the layout.
+    /// MoE-only space is returned unchanged if its layers match the layout. A layout without
+    /// MoE layers is an error: a table has at least one column.
     pub fn to_moe_only(&self, layout: &LayerLayout) -> Result<RouteTable, RouteError> {
+        if layout.num_moe_layers() == 0 {
+            return Err(RouteError::Layout(format!(
+                "the layout has no MoE layer among its {} layers: a MoE-only table would have \
+                 no column",
+                layout.num_hidden_layers()
+            )));
+        }
         match self.space {
             LayerSpace::MoeOnly => {
                 self.check_layers(

@@ -3,6 +3,13 @@
 //! the all-layers space `[rows, num_hidden_layers, top_k]`; given a [`LayerLayout`] a decoder
 //! checks that dense columns are empty (0 or -1) and returns a MoE-only table, otherwise it
 //! returns an all-layers table. Row 0 is token position `start_len`.
+//!
+//! Zeros: SGLang and vLLM write 0 for dense layers and for rows they never captured. With
+//! `top_k > 1` such a cell (all ids 0) is an error wherever it is read as a route
+//! ([`RouteError::ZeroCell`]). A top-1 cell `[0]` is expert 0, which a zero filler cannot be
+//! told from; so a top-1 payload is decoded only with a layout, whose MoE columns are read as
+//! routes (expert 0 included) and whose dense columns are checked empty and dropped. Without a
+//! layout a top-1 decode is refused ([`RouteError::Layout`]).
 
 pub mod binary;
 pub mod npy;
@@ -251,9 +258,14 @@ pub fn to_wire_values(table: &RouteTable, layout: &LayerLayout) -> Result<Vec<i6
     )
 }
 
+/// Why a top-1 payload is not decoded without a layout (see the module doc).
+const TOP1_NEEDS_LAYOUT: &str = "top_k = 1 routes need the layer layout: the wire writes 0 \
+     for dense layers and for rows never captured, which a top-1 cell cannot tell from expert 0 \
+     (give the layout, e.g. --moe-layers or --first-k-dense, or every layer when all are MoE)";
+
 /// Builds a table from an all-layers flat accessor over `[rows, num_layers, top_k]`
 /// (the caller has checked the length). With a layout, dense columns must hold only 0 or -1
-/// and the result is MoE-only.
+/// and the result is MoE-only; without one, top-1 is refused (see the module doc).
 pub(crate) fn table_from_wire(
     shape: &WireShape,
     rows: usize,
@@ -263,6 +275,9 @@ pub(crate) fn table_from_wire(
     DecodeLimits::id_count(rows, shape.num_layers, shape.top_k)?;
     let (l, k) = (shape.num_layers, shape.top_k);
     let Some(layout) = &shape.layout else {
+        if k == 1 {
+            return Err(RouteError::Layout(TOP1_NEEDS_LAYOUT.to_string()));
+        }
         return RouteTable::from_fn(
             shape.num_experts,
             k,

@@ -44,7 +44,8 @@ pub fn decode_sglang(
 /// Decodes an SGLang response object (`{"meta_info": {"routed_experts": ..,
 /// "routed_experts_dtype": .., "prompt_tokens": .., "completion_tokens": ..}}`, or the
 /// `meta_info` object itself). When the token counts are present, the row count must be
-/// `prompt_tokens + completion_tokens - 1 - start_len`.
+/// `prompt_tokens + completion_tokens - 1 - start_len`; both or neither must be present, as
+/// non-negative integers.
 pub fn decode_sglang_response(v: &Value, shape: &WireShape) -> Result<RouteTable, RouteError> {
     let meta = v.get("meta_info").unwrap_or(v);
     let payload = meta
@@ -68,22 +69,49 @@ pub fn decode_sglang_response(v: &Value, shape: &WireShape) -> Result<RouteTable
         }
     };
     let table = decode_sglang(b64, dtype, shape)?;
-    let count = |name: &str| meta.get(name).and_then(Value::as_u64);
-    if let (Some(p), Some(c)) = (count("prompt_tokens"), count("completion_tokens")) {
-        let total = p.saturating_add(c);
-        let expected = crate::align::expected_rows(total as usize, shape.start_len)?;
-        if table.num_tokens() != expected {
-            return Err(RouteError::length(
-                format!(
-                    "rows (prompt_tokens {p} + completion_tokens {c} - 1 - start_len {})",
-                    shape.start_len
-                ),
-                expected,
-                table.num_tokens(),
-            ));
-        }
+    let prompt = token_count(meta, "prompt_tokens")?;
+    let completion = token_count(meta, "completion_tokens")?;
+    let (p, c) = match (prompt, completion) {
+        (None, None) => return Ok(table),
+        (Some(p), Some(c)) => (p, c),
+        (Some(_), None) => return Err(one_count_missing("completion_tokens")),
+        (None, Some(_)) => return Err(one_count_missing("prompt_tokens")),
+    };
+    let total = p.saturating_add(c);
+    let expected = crate::align::expected_rows(total as usize, shape.start_len)?;
+    if table.num_tokens() != expected {
+        return Err(RouteError::length(
+            format!(
+                "rows (prompt_tokens {p} + completion_tokens {c} - 1 - start_len {})",
+                shape.start_len
+            ),
+            expected,
+            table.num_tokens(),
+        ));
     }
     Ok(table)
+}
+
+/// `meta_info.<name>` as a count: `None` when absent or null, an error naming the field
+/// when it is anything but a non-negative integer.
+fn token_count(meta: &Value, name: &str) -> Result<Option<u64>, RouteError> {
+    match meta.get(name) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v.as_u64().map(Some).ok_or_else(|| {
+            RouteError::format(
+                F,
+                format!("`{name}` is {v}, not a non-negative integer token count"),
+            )
+        }),
+    }
+}
+
+/// The error for a reply that gives one token count without the other.
+fn one_count_missing(missing: &str) -> RouteError {
+    RouteError::format(
+        F,
+        format!("`{missing}` is missing while the other token count is given: the row count cannot be checked"),
+    )
 }
 
 /// Encodes a table as SGLang's base64 string (all layers; dense columns zero).

@@ -1,7 +1,9 @@
 //! vLLM 0.21 routed experts as nested JSON int arrays: `prompt_routed_experts`
 //! `[prompt_rows][num_layers][top_k]` plus per-choice `routed_experts` for the generated rows,
 //! `-1` (or an empty / null cell) where nothing was captured. A choice's table is the prompt
-//! rows followed by its own rows, row 0 at position `start_len`.
+//! rows followed by its own rows, row 0 at position `start_len`; a choice must carry its
+//! `routed_experts` (an empty list when it has no rows): one without them, or with `null`, is
+//! an error, never a table of the prompt rows alone.
 
 use serde_json::{json, Value};
 
@@ -11,7 +13,8 @@ use crate::{DecodeLimits, LayerLayout, RouteError, RouteTable};
 const F: &str = "vllm-json";
 
 /// Decodes a vLLM 0.21 response object into one table per choice (`choices` or `outputs`,
-/// or a top-level `routed_experts` for a single choice; prompt rows only if there is none).
+/// or a top-level `routed_experts` for a single choice; prompt rows only if there is no
+/// choice at all). A choice without `routed_experts` (or with `null`) is an error.
 pub fn decode_vllm_json(v: &Value, shape: &WireShape) -> Result<Vec<RouteTable>, RouteError> {
     shape.row_len(F)?;
     let obj = v
@@ -22,16 +25,22 @@ pub fn decode_vllm_json(v: &Value, shape: &WireShape) -> Result<Vec<RouteTable>,
         None | Some(Value::Null) => 0,
         Some(rows) => push_rows(rows, shape, 0, "prompt_routed_experts", &mut prompt)?,
     };
-    let choices: Vec<&Value> = match (
+    let choices: Vec<(String, Option<&Value>)> = match (
         obj.get("choices").or_else(|| obj.get("outputs")),
         obj.get("routed_experts"),
     ) {
         (Some(Value::Array(cs)), _) => cs
             .iter()
-            .map(|c| c.get("routed_experts").unwrap_or(&Value::Null))
+            .enumerate()
+            .map(|(i, c)| {
+                (
+                    format!("choices[{i}].routed_experts"),
+                    c.get("routed_experts"),
+                )
+            })
             .collect(),
         (Some(_), _) => return Err(RouteError::format(F, "`choices` must be an array")),
-        (None, Some(r)) => vec![r],
+        (None, Some(r)) => vec![("routed_experts".to_string(), Some(r))],
         (None, None) => Vec::new(),
     };
     if choices.is_empty() {
@@ -44,18 +53,21 @@ pub fn decode_vllm_json(v: &Value, shape: &WireShape) -> Result<Vec<RouteTable>,
         return Ok(vec![table_from_wire(shape, prompt_rows, |i| prompt[i])?]);
     }
     let mut out = Vec::with_capacity(choices.len());
-    for (ci, rows) in choices.into_iter().enumerate() {
-        let mut flat = prompt.clone();
-        let n = match rows {
-            Value::Null => 0,
-            rows => push_rows(
-                rows,
-                shape,
-                prompt_rows,
-                &format!("choices[{ci}].routed_experts"),
-                &mut flat,
-            )?,
+    for (what, rows) in choices {
+        let rows = match rows {
+            None | Some(Value::Null) => {
+                return Err(RouteError::format(
+                    F,
+                    format!(
+                        "`{what}` is missing or null: the choice's routes were not captured \
+                         (an empty list means a choice without rows)"
+                    ),
+                ))
+            }
+            Some(rows) => rows,
         };
+        let mut flat = prompt.clone();
+        let n = push_rows(rows, shape, prompt_rows, &what, &mut flat)?;
         out.push(table_from_wire(shape, prompt_rows + n, |i| flat[i])?);
     }
     Ok(out)
@@ -74,7 +86,9 @@ fn push_rows(
         .ok_or_else(|| RouteError::format(F, format!("`{what}` must be an array of rows")))?;
     let (l, k) = (shape.num_layers, shape.top_k);
     DecodeLimits::check_tokens("rows", first_row.saturating_add(rows.len()))?;
-    flat.reserve(DecodeLimits::id_count(rows.len(), l, k)?);
+    // The whole table's size is checked, but memory grows row by row as rows prove to be
+    // whole: a long list of empty rows must not reserve the ids they claim.
+    DecodeLimits::id_count(first_row.saturating_add(rows.len()), l, k)?;
     for (r, row) in rows.iter().enumerate() {
         let token = shape.start_len.saturating_add(first_row + r);
         let cells = row.as_array().ok_or_else(|| {
@@ -87,6 +101,7 @@ fn push_rows(
                 cells.len(),
             ));
         }
+        flat.reserve(l * k);
         for (layer, cell) in cells.iter().enumerate() {
             let ids: &[Value] = match cell {
                 Value::Null => &[],

@@ -52,3 +52,51 @@ fn errors_name_the_key() {
     assert!(e.contains("9"), "{e}");
     assert!(RoutingConfig::from_hf_config_str("{").is_err());
 }
+
+/// Llama-4 as HF `Llama4TextConfig` reads it: `moe_layers` when given, else
+/// `list(range(interleave_moe_layer_step - 1, num_hidden_layers, interleave_moe_layer_step))`.
+#[test]
+fn llama4_interleaved_and_explicit_moe_layers() {
+    // Maverick's text config: 48 layers, every second one MoE, 128 experts, top-1.
+    let maverick = json!({"model_type": "llama4", "text_config": {"num_hidden_layers": 48,
+        "num_local_experts": 128, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2}});
+    let every_second: Vec<usize> = (1..48).step_by(2).collect();
+    assert_eq!(moe_layers(maverick), (every_second, 128, 1));
+    // Scout: step 1, every layer.
+    let scout = json!({"num_hidden_layers": 4, "num_local_experts": 16,
+        "num_experts_per_tok": 1, "interleave_moe_layer_step": 1});
+    assert_eq!(moe_layers(scout), (vec![0, 1, 2, 3], 16, 1));
+    let step3 = json!({"num_hidden_layers": 7, "num_local_experts": 4,
+        "num_experts_per_tok": 1, "interleave_moe_layer_step": 3});
+    assert_eq!(moe_layers(step3), (vec![2, 5], 4, 1));
+    // An explicit list wins over the step.
+    let explicit = json!({"num_hidden_layers": 6, "num_local_experts": 4,
+        "num_experts_per_tok": 1, "interleave_moe_layer_step": 2, "moe_layers": [0, 4]});
+    assert_eq!(moe_layers(explicit), (vec![0, 4], 4, 1));
+}
+
+#[test]
+fn llama4_keys_are_checked() {
+    let err = |v: serde_json::Value| RoutingConfig::from_hf_config(&v).unwrap_err().to_string();
+    let base = |extra: serde_json::Value| {
+        let mut v = json!({"num_hidden_layers": 4, "num_local_experts": 4,
+            "num_experts_per_tok": 1});
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        v
+    };
+    let e = err(base(json!({"interleave_moe_layer_step": 0})));
+    assert!(e.contains("interleave_moe_layer_step"), "{e}");
+    let e = err(base(
+        json!({"interleave_moe_layer_step": 2, "decoder_sparse_step": 3}),
+    ));
+    assert!(
+        e.contains("interleave_moe_layer_step") && e.contains("decoder_sparse_step"),
+        "{e}"
+    );
+    let e = err(base(json!({"moe_layers": [1, 4]})));
+    assert!(e.contains("moe_layers") && e.contains('4'), "{e}");
+    let e = err(base(json!({"moe_layers": 2})));
+    assert!(e.contains("moe_layers"), "{e}");
+}

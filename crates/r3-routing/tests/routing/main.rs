@@ -16,3 +16,4 @@ mod placement;
 mod roundtrip;
 mod sentinel;
 mod table;
+mod wire_checks;
