@@ -1,7 +1,18 @@
 //! Errors of the rollout fleet client: transport faults and worker replies that fail
-//! validation (retried on another worker), and the final errors a step fails with.
+//! validation (retried on another worker), a request's own faults (it alone fails), and the
+//! final errors a step fails with.
+//!
+//! Whose fault: a 4xx answer other than 408 / 429 is the request's (SGLang answers 400 to a
+//! prompt + `max_new_tokens` past the context): the request fails alone, with the server's
+//! message, and the worker stays up. Refusals, timeouts, 5xx, 408, 429, replies that fail a
+//! check and stale replies are the worker's: it is taken out and the request goes to another
+//! worker — unless a second worker gives the same answer (same status and body, or the same
+//! check failing the same way), which makes it the request's fault again.
 
+use r3_rollout::GenerateResult;
 use thiserror::Error;
+
+use crate::fleet::RolloutStats;
 
 /// A fleet error.
 #[derive(Debug, Error)]
@@ -47,18 +58,35 @@ pub enum FleetError {
         /// What is wrong with it.
         reason: String,
     },
-    /// A reply came from weights older than the trainer's by more than `rollout.max_staleness`.
-    #[error("{url}: reply from weight version {got}, trainer is at {expected} (max_staleness {max_staleness})")]
+    /// A reply came from weights older than the trainer's by more than `rollout.max_staleness`
+    /// (counted from the version the request was sent at), or newer than the trainer's.
+    #[error("{url}: reply from weight version {got}, trainer is at {current} (request sent at version {sent}, max_staleness {max_staleness})")]
     Stale {
         /// The worker's endpoint.
         url: String,
         /// `meta_info.weight_version` of the reply.
         got: String,
         /// The trainer's current version.
-        expected: u64,
+        current: u64,
+        /// The last finished sync when the request was sent.
+        sent: u64,
         /// Accepted version lag.
         max_staleness: u64,
     },
+    /// A request failed for a reason of its own: a worker refused it (HTTP 4xx), or two
+    /// workers gave the same error. It alone fails; no worker is taken out for it.
+    #[error("request {request} failed ({why}): {error}")]
+    RequestFailed {
+        /// Index of the request in the batch.
+        request: usize,
+        /// Why it is the request's fault.
+        why: String,
+        /// The worker's answer (its message included).
+        error: Box<FleetError>,
+    },
+    /// Some requests of a batch failed; the others finished and their results are kept here.
+    #[error("{0}")]
+    Batch(Box<BatchFailure>),
     /// A request failed on every attempt.
     #[error("request {request} failed after {attempts} attempts; last: {last}")]
     RetriesExhausted {
@@ -89,17 +117,71 @@ pub enum FleetError {
     },
 }
 
+/// What is left of a batch some of whose requests failed.
+#[derive(Debug)]
+pub struct BatchFailure {
+    /// One slot per request, in request order: the result of each request that finished.
+    pub results: Vec<Option<GenerateResult>>,
+    /// Each failed request's index and error, in request order.
+    pub failures: Vec<(usize, FleetError)>,
+    /// What the batch cost (its `results` counts the finished requests).
+    pub stats: RolloutStats,
+}
+
+/// Failures named in full in a batch error's message; the rest are counted.
+const NAMED_FAILURES: usize = 3;
+
+impl std::fmt::Display for BatchFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let finished = self.results.iter().filter(|r| r.is_some()).count();
+        write!(
+            f,
+            "{} of {} rollout requests failed ({finished} finished, their results kept)",
+            self.failures.len(),
+            self.results.len(),
+        )?;
+        for (i, e) in self.failures.iter().take(NAMED_FAILURES) {
+            write!(f, "; request {i}: {e}")?;
+        }
+        if self.failures.len() > NAMED_FAILURES {
+            write!(f, "; and {} more", self.failures.len() - NAMED_FAILURES)?;
+        }
+        Ok(())
+    }
+}
+
 impl FleetError {
     /// Whether the fault belongs to one worker, so the request may go to another one.
     pub fn is_worker_fault(&self) -> bool {
-        matches!(
-            self,
+        match self {
+            FleetError::Status { .. } => !self.is_request_fault(),
             FleetError::Transport { .. }
-                | FleetError::Timeout { .. }
-                | FleetError::Status { .. }
-                | FleetError::BadReply { .. }
-                | FleetError::Stale { .. }
-        )
+            | FleetError::Timeout { .. }
+            | FleetError::BadReply { .. }
+            | FleetError::Stale { .. } => true,
+            _ => false,
+        }
+    }
+
+    /// Whether a worker's answer says the request itself is wrong: HTTP 4xx other than
+    /// 408 (request timeout) and 429 (too many requests), which are about the worker's load.
+    pub fn is_request_fault(&self) -> bool {
+        matches!(self, FleetError::Status { status, .. }
+            if (400..500).contains(status) && *status != 408 && *status != 429)
+    }
+
+    /// The worker's answer without the worker's URL, for telling whether two workers gave
+    /// the same one: a 5xx (status and body) or a reply that failed a check (the reason).
+    /// `None` for refusals, timeouts, 408 / 429 and stale replies, which say nothing about
+    /// the request.
+    pub fn answer(&self) -> Option<String> {
+        match self {
+            FleetError::Status { status, body, .. } if *status >= 500 => {
+                Some(format!("HTTP {status}: {body}"))
+            }
+            FleetError::BadReply { reason, .. } => Some(reason.clone()),
+            _ => None,
+        }
     }
 }
 

@@ -1,10 +1,12 @@
 //! The rollout fleet: SGLang-compatible workers driven over HTTP from a tokio runtime the
-//! fleet owns. [`Fleet::generate`] sends every request as its own `/generate` call (many
-//! in flight, least-outstanding-requests balancing), retries a request whose worker fails
-//! on another worker, and returns exactly one checked result per request, in order.
-//! [`Fleet::sync`] moves every worker to a new weight version; a worker that was out is
-//! probed with `/health` before each batch and rejoins once a sync brings it to the
-//! current version.
+//! fleet owns. [`Fleet::generate_each`] sends every request as its own `/generate` call
+//! (many in flight, least-outstanding-requests balancing), retries a request whose worker
+//! fails on another worker, and returns exactly one outcome per request, in order: a checked
+//! result, or the error of that request alone (see [`crate::error`] for whose fault is
+//! whose); [`Fleet::generate`] is the same batch as all results or one error that keeps the
+//! finished ones. [`Fleet::sync`] moves every worker to a new weight version; a worker that
+//! was out is probed with `/health` (its status only) before each batch and rejoins once it
+//! has loaded the current version.
 //!
 //! A request a worker aborts (a weight update with `abort_all_requests`, `/abort_request`,
 //! `/pause_generation` in abort mode) is continued after the sync from the tokens it has
@@ -12,6 +14,7 @@
 //! and `generate` take `&self`, so a sync may run while a batch is in flight (one thread
 //! rolling out, another training and syncing); continuations wait until the sync is done.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -23,7 +26,7 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
 use crate::config::{FleetConfig, ModelFacts, PartialMode};
-use crate::error::{FleetError, Result};
+use crate::error::{BatchFailure, FleetError, Result};
 use crate::http::JsonClient;
 use crate::partial::Pieces;
 use crate::pool::WorkerPool;
@@ -44,7 +47,7 @@ pub struct RolloutStats {
     pub retries: u64,
     /// Results from an older weight version (accepted within `max_staleness`).
     pub stale: usize,
-    /// Results returned.
+    /// Results returned (requests that finished).
     pub results: usize,
     /// Workers up when the batch finished.
     pub workers_up: usize,
@@ -115,8 +118,6 @@ impl RolloutStats {
 pub struct Fleet {
     runtime: tokio::runtime::Runtime,
     shared: Arc<Shared>,
-    /// Checkpoint of the current version, for bringing a returning worker up to date.
-    synced_dir: Mutex<Option<PathBuf>>,
 }
 
 /// What the request tasks share.
@@ -133,8 +134,25 @@ struct Shared {
     /// against this, not against `version`.
     settled: AtomicU64,
     /// Held (write) for the length of a sync; continuations of aborted requests take it
-    /// (read) first, so they run on the new weights.
+    /// (read) first, so they run on the new weights, and so does a rejoin, so it loads the
+    /// checkpoint and version of one finished sync.
     sync_gate: tokio::sync::RwLock<()>,
+    /// The last sync's checkpoint and its version (for bringing a returning worker up to
+    /// date), written together while the gate is held.
+    synced: Mutex<Option<(PathBuf, u64)>>,
+}
+
+/// A request's hold on a worker, which counts as outstanding on it until the lease is
+/// dropped — also when the request's task is cancelled in the middle of its call.
+struct Lease<'a> {
+    shared: &'a Shared,
+    worker: usize,
+}
+
+impl Drop for Lease<'_> {
+    fn drop(&mut self) {
+        self.shared.pool().release(self.worker);
+    }
 }
 
 impl std::fmt::Debug for Fleet {
@@ -152,26 +170,48 @@ impl Shared {
         self.pool.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    fn synced(&self) -> MutexGuard<'_, Option<(PathBuf, u64)>> {
+        self.synced.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn url(&self, worker: usize, path: &str) -> String {
         format!("{}{path}", self.pool().slots()[worker].url)
     }
 
-    /// The version check of a reply to a request sent when the last finished sync was
-    /// `sent`: not newer than the current version, and at most `max_staleness` older
-    /// than `sent`.
-    fn check_version(&self, url: &str, reply: &Reply, sent: u64) -> Result<()> {
-        let max = self.cfg.max_staleness;
-        let current = self.version.load(Ordering::SeqCst);
-        if reply.version <= current && reply.version.saturating_add(max) >= sent {
-            return Ok(());
-        }
-        Err(FleetError::Stale {
-            url: url.to_string(),
-            got: reply.version.to_string(),
-            expected: sent,
-            max_staleness: max,
+    /// The least-loaded worker that is up (see [`WorkerPool::acquire`]), held until the
+    /// lease is dropped.
+    fn acquire(&self, avoid: &[usize]) -> Option<Lease<'_>> {
+        let worker = self.pool().acquire(avoid)?;
+        Some(Lease {
+            shared: self,
+            worker,
         })
     }
+
+    /// The error for "no worker is up".
+    fn no_workers(&self) -> FleetError {
+        let pool = self.pool();
+        FleetError::NoWorkers {
+            total: pool.slots().len(),
+            detail: pool.down_summary(),
+        }
+    }
+}
+
+/// The version check of a reply from weight version `got` to a request sent when the last
+/// finished sync was `sent`, the trainer being at `current` now: not newer than `current`,
+/// and at most `max_staleness` older than `sent`.
+fn check_version(url: &str, got: u64, sent: u64, current: u64, max_staleness: u64) -> Result<()> {
+    if got <= current && got.saturating_add(max_staleness) >= sent {
+        return Ok(());
+    }
+    Err(FleetError::Stale {
+        url: url.to_string(),
+        got: got.to_string(),
+        current,
+        sent,
+        max_staleness,
+    })
 }
 
 impl Fleet {
@@ -197,12 +237,9 @@ impl Fleet {
             version: AtomicU64::new(0),
             settled: AtomicU64::new(0),
             sync_gate: tokio::sync::RwLock::new(()),
+            synced: Mutex::new(None),
         });
-        Ok(Fleet {
-            runtime,
-            shared,
-            synced_dir: Mutex::new(None),
-        })
+        Ok(Fleet { runtime, shared })
     }
 
     /// The weight version replies must come from.
@@ -225,13 +262,13 @@ impl Fleet {
     /// `/get_weight_version` must say `version`). A worker that fails is taken out (it
     /// rejoins later); the sync fails only when no worker is left.
     pub fn sync(&self, dir: &Path, version: u64) -> Result<()> {
-        *self.synced_dir.lock().unwrap_or_else(|p| p.into_inner()) = Some(dir.to_path_buf());
         let n = self.shared.pool().slots().len();
         let shared = Arc::clone(&self.shared);
         let dir = dir.to_path_buf();
         self.runtime.block_on(async move {
             let _gate = shared.sync_gate.write().await;
             shared.version.store(version, Ordering::SeqCst);
+            *shared.synced() = Some((dir.clone(), version));
             let mut set = JoinSet::new();
             for w in 0..n {
                 let (shared, dir) = (Arc::clone(&shared), dir.clone());
@@ -249,37 +286,34 @@ impl Fleet {
         self.require_workers()
     }
 
-    /// Probes every worker that is out with `/health`; one that answers is synced to the
-    /// current version and rejoins. Returns the workers up afterwards.
+    /// Probes every worker that is out with `/health` (a 2xx status, whatever the body:
+    /// SGLang's is empty); one that answers is synced to the last sync's checkpoint and
+    /// version and rejoins. When a worker is out, a sync under way finishes first (with all
+    /// workers up nothing waits). Returns the workers up afterwards.
     pub fn rejoin(&self) -> usize {
-        let synced = self
-            .synced_dir
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        let Some(dir) = synced else {
-            return self.workers_up();
-        };
-        let down: Vec<usize> = {
-            let pool = self.shared.pool();
-            (0..pool.slots().len())
-                .filter(|&i| !pool.slots()[i].up)
-                .collect()
-        };
-        if down.is_empty() {
+        if self.workers_up() == self.shared.pool().slots().len() {
             return self.workers_up();
         }
         let shared = Arc::clone(&self.shared);
-        let version = self.version();
         self.runtime.block_on(async move {
+            let _gate = shared.sync_gate.read().await;
+            let Some((dir, version)) = shared.synced().clone() else {
+                return;
+            };
+            let down: Vec<usize> = {
+                let pool = shared.pool();
+                (0..pool.slots().len())
+                    .filter(|&i| !pool.slots()[i].up)
+                    .collect()
+            };
             let mut set = JoinSet::new();
             for w in down {
                 let (shared, dir) = (Arc::clone(&shared), dir.clone());
                 set.spawn(async move {
                     let url = shared.url(w, "/health");
                     let timeout = PROBE_TIMEOUT.min(shared.cfg.request_timeout);
-                    let res = match shared.client.get(&url, timeout).await {
-                        Ok(_) => sync_worker(&shared, w, &dir, version).await,
+                    let res = match shared.client.probe(&url, timeout).await {
+                        Ok(()) => sync_worker(&shared, w, &dir, version).await,
                         Err(e) => Err(e),
                     };
                     (w, res)
@@ -299,76 +333,101 @@ impl Fleet {
         self.workers_up()
     }
 
-    /// One checked result per request, in request order. Workers that were out are
-    /// probed first; a request whose worker fails goes to another one, at most
-    /// `max_retries` times; the batch fails only when a request runs out of attempts or
-    /// no worker is left.
+    /// One checked result per request, in request order, or an error. Workers that were
+    /// out are probed first. A request whose worker fails goes to another one, at most
+    /// `max_retries` times; a request at fault fails alone (see [`crate::error`]). Every
+    /// request runs to its end: when some fail, the error is [`FleetError::Batch`], which
+    /// keeps the finished results and names each failure. With no worker up at the start
+    /// the error is [`FleetError::NoWorkers`].
     pub fn generate(
         &self,
         requests: Vec<GenerateRequest>,
     ) -> Result<(Vec<GenerateResult>, RolloutStats)> {
+        let (outcomes, stats) = self.generate_each(requests)?;
+        if outcomes.iter().all(Result::is_ok) {
+            return Ok((outcomes.into_iter().filter_map(Result::ok).collect(), stats));
+        }
+        let mut results = Vec::with_capacity(outcomes.len());
+        let mut failures = Vec::new();
+        for (i, outcome) in outcomes.into_iter().enumerate() {
+            match outcome {
+                Ok(r) => results.push(Some(r)),
+                Err(e) => {
+                    results.push(None);
+                    failures.push((i, e));
+                }
+            }
+        }
+        Err(FleetError::Batch(Box::new(BatchFailure {
+            results,
+            failures,
+            stats,
+        })))
+    }
+
+    /// The batch of [`Fleet::generate`] as one outcome per request, in request order: a
+    /// failed request does not cost the others their results. The error is only for a
+    /// batch that cannot start (no worker up).
+    pub fn generate_each(
+        &self,
+        requests: Vec<GenerateRequest>,
+    ) -> Result<(Vec<Result<GenerateResult>>, RolloutStats)> {
         self.rejoin();
         self.require_workers()?;
         let n = requests.len();
         let shared = Arc::clone(&self.shared);
         let counters = Arc::new(Counters::default());
         let counter = Arc::clone(&counters);
-        let outcome = self.runtime.block_on(async move {
+        let outcomes = self.runtime.block_on(async move {
             let permits = Arc::new(Semaphore::new(shared.cfg.max_in_flight));
             let mut set = JoinSet::new();
+            let mut index_of = HashMap::with_capacity(n);
             for (i, req) in requests.into_iter().enumerate() {
                 let (shared, permits, counter) = (
                     Arc::clone(&shared),
                     Arc::clone(&permits),
                     Arc::clone(&counter),
                 );
-                set.spawn(async move {
+                let task = set.spawn(async move {
                     let _permit = permits.acquire_owned().await;
-                    (i, run_request(&shared, i, &req, &counter).await)
+                    run_request(&shared, i, &req, &counter).await
                 });
+                index_of.insert(task.id(), i);
             }
-            let mut slots: Vec<Option<Done>> = (0..n).map(|_| None).collect();
-            while let Some(done) = set.join_next().await {
-                let (i, res) = done.map_err(|e| FleetError::Transport {
-                    url: "(local)".into(),
-                    message: format!("request task failed: {e}"),
-                })?;
-                match res {
-                    Ok(r) => {
-                        if slots[i].replace(r).is_some() {
-                            return Err(FleetError::Transport {
-                                url: "(local)".into(),
-                                message: format!("request {i} answered twice"),
-                            });
-                        }
-                    }
-                    Err(e) => {
-                        set.abort_all();
-                        return Err(e);
-                    }
+            let mut slots: Vec<Option<Result<Done>>> = (0..n).map(|_| None).collect();
+            while let Some(joined) = set.join_next_with_id().await {
+                let (id, outcome) = match joined {
+                    Ok((id, outcome)) => (id, outcome),
+                    Err(e) => (
+                        e.id(),
+                        Err(local(format!("the request's task failed: {e}"))),
+                    ),
+                };
+                if let Some(&i) = index_of.get(&id) {
+                    slots[i] = Some(outcome);
                 }
             }
-            Ok::<_, FleetError>(slots)
-        })?;
-        let mut results = Vec::with_capacity(n);
-        let (mut stale, mut spanning) = (0, 0);
+            slots
+        });
         // Stale: some piece came from weights older than the trainer's at the batch's end.
         let current = self.version();
-        for (i, slot) in outcome.into_iter().enumerate() {
-            let done = slot.ok_or_else(|| FleetError::Transport {
-                url: "(local)".into(),
-                message: format!("request {i} got no result"),
-            })?;
-            let mut r = done.result;
-            r.id = i as u64;
-            stale += usize::from(done.versions.iter().any(|&v| v < current));
-            spanning += usize::from(done.versions.windows(2).any(|w| w[0] != w[1]));
-            results.push(r);
+        let (mut stale, mut spanning, mut finished) = (0, 0, 0);
+        let mut results = Vec::with_capacity(n);
+        for (i, slot) in outcomes.into_iter().enumerate() {
+            let outcome = slot.unwrap_or_else(|| Err(local(format!("request {i} got no result"))));
+            results.push(outcome.map(|done| {
+                stale += usize::from(done.versions.iter().any(|&v| v < current));
+                spanning += usize::from(done.versions.windows(2).any(|w| w[0] != w[1]));
+                finished += 1;
+                let mut r = done.result;
+                r.id = i as u64;
+                r
+            }));
         }
         let stats = RolloutStats {
             retries: counters.retries.load(Ordering::Relaxed),
             stale,
-            results: results.len(),
+            results: finished,
             workers_up: self.workers_up(),
             decode_s: counters.decode_ns.load(Ordering::Relaxed) as f64 * 1e-9,
             partial_resumed: counters.resumed.load(Ordering::Relaxed),
@@ -383,19 +442,41 @@ impl Fleet {
     }
 
     fn require_workers(&self) -> Result<()> {
-        let pool = self.shared.pool();
-        if pool.up_count() == 0 {
-            return Err(FleetError::NoWorkers {
-                total: pool.slots().len(),
-                detail: pool.down_summary(),
-            });
+        if self.shared.pool().up_count() == 0 {
+            return Err(self.shared.no_workers());
         }
         Ok(())
     }
 }
 
-/// One request until it completes or runs out of attempts: worker faults are retried on
-/// another worker; an aborted piece is continued (or restarted) after any sync under way.
+/// An error of the client itself (not of a worker).
+fn local(message: String) -> FleetError {
+    FleetError::Transport {
+        url: "(local)".into(),
+        message,
+    }
+}
+
+/// A worker fault one request met: the worker, its answer (see [`FleetError::answer`]) and
+/// the reason it was taken out for.
+struct Fault {
+    worker: usize,
+    answer: Option<String>,
+    reason: String,
+}
+
+/// One piece's tries: the attempts so far, the workers that failed it and how.
+#[derive(Default)]
+struct Tries {
+    attempts: u32,
+    avoid: Vec<usize>,
+    faults: Vec<Fault>,
+}
+
+/// One request until it completes or fails: worker faults are retried on another worker; a
+/// request fault (a 4xx, or the same answer from two workers) fails it at once; an aborted
+/// piece is continued (or restarted) after any sync under way; pieces that cannot be merged
+/// count as the last worker's bad reply, and the request starts again from its prompt.
 async fn run_request(
     shared: &Shared,
     index: usize,
@@ -404,8 +485,7 @@ async fn run_request(
 ) -> Result<Done> {
     let merge = shared.cfg.merge;
     let mut pieces = Pieces::new(req.clone());
-    let mut avoid = Vec::new();
-    let mut attempts = 0u32;
+    let mut tries = Tries::default();
     let mut idle_aborts = 0u32;
     let mut after_abort = false;
     loop {
@@ -421,37 +501,16 @@ async fn run_request(
         let body = generate_body(&piece_req, &rid);
         add_elapsed(&counters.encode_ns, encoding);
         let sent = shared.settled.load(Ordering::SeqCst);
-        let picked = shared.pool().acquire(&avoid);
-        let Some(w) = picked else {
-            let pool = shared.pool();
-            return Err(FleetError::NoWorkers {
-                total: pool.slots().len(),
-                detail: pool.down_summary(),
-            });
-        };
-        attempts += 1;
+        let lease = shared
+            .acquire(&tries.avoid)
+            .ok_or_else(|| shared.no_workers())?;
+        let w = lease.worker;
+        tries.attempts += 1;
         let url = shared.url(w, "/generate");
-        let calling = std::time::Instant::now();
-        let res = match shared
-            .client
-            .post(&url, &body, shared.cfg.request_timeout)
-            .await
-        {
-            Ok(v) => {
-                let call = add_elapsed(&counters.request_ns, calling);
-                if let Some(server) = server_latency(&v) {
-                    counters.server_ns.fetch_add(server, Ordering::Relaxed);
-                    counters.timed_request_ns.fetch_add(call, Ordering::Relaxed);
-                }
-                timed_decode(&url, &v, &piece_req, shared, counters).and_then(|reply| {
-                    shared.check_version(&url, &reply, sent)?;
-                    Ok(reply)
-                })
-            }
-            Err(e) => Err(e),
-        };
-        shared.pool().release(w);
-        match res {
+        let res = call_generate(shared, &url, &body, &piece_req, sent, counters).await;
+        drop(lease);
+        let fault = match res {
+            Err(e) => e,
             Ok(reply) => {
                 let aborted = reply.result.finish == r3_rollout::FinishReason::Abort;
                 let progress = !reply.result.output_ids.is_empty();
@@ -460,23 +519,27 @@ async fn run_request(
                     pieces = Pieces::new(req.clone());
                     counters.restarted.fetch_add(1, Ordering::Relaxed);
                 } else {
-                    let complete =
-                        pieces
-                            .add(reply.result, reply.version, merge)
-                            .map_err(|reason| FleetError::BadReply {
+                    match pieces.add(reply.result, reply.version, merge) {
+                        Ok(true) => {
+                            let versions = pieces.versions().to_vec();
+                            let result = pieces.finish().ok_or_else(|| FleetError::BadReply {
                                 url: url.clone(),
-                                reason,
+                                reason: "complete request without a result".into(),
                             })?;
-                    if complete {
-                        let versions = pieces.versions().to_vec();
-                        let result = pieces.finish().ok_or_else(|| FleetError::BadReply {
-                            url: url.clone(),
-                            reason: "complete request without a result".into(),
-                        })?;
-                        return Ok(Done { result, versions });
+                            return Ok(Done { result, versions });
+                        }
+                        Ok(false) => {
+                            tracing::debug!(request = index, worker = %url, generated = pieces.generated(), "request aborted; resuming it");
+                            counters.resumed.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Err(reason) => {
+                            // What the pieces hold cannot be trusted: from the prompt again.
+                            pieces = Pieces::new(req.clone());
+                            let fault = FleetError::BadReply { url, reason };
+                            handle_fault(shared, index, w, fault, &mut tries, counters)?;
+                            continue;
+                        }
                     }
-                    tracing::debug!(request = index, worker = %url, generated = pieces.generated(), "request aborted; resuming it");
-                    counters.resumed.fetch_add(1, Ordering::Relaxed);
                 }
                 idle_aborts = if progress && shared.cfg.partial == PartialMode::Resume {
                     0
@@ -491,26 +554,103 @@ async fn run_request(
                         ),
                     });
                 }
-                attempts = 0;
-                avoid.clear();
+                tries = Tries::default();
                 after_abort = true;
+                continue;
             }
-            Err(e) if e.is_worker_fault() => {
-                tracing::warn!(request = index, attempt = attempts, error = %e, "rollout request failed; retrying on another worker");
-                shared.pool().mark_down(w, e.to_string());
-                avoid.push(w);
-                if attempts > shared.cfg.max_retries {
-                    return Err(FleetError::RetriesExhausted {
-                        request: index,
-                        attempts,
-                        last: Box::new(e),
-                    });
-                }
-                counters.retries.fetch_add(1, Ordering::Relaxed);
-            }
-            Err(e) => return Err(e),
-        }
+        };
+        handle_fault(shared, index, w, fault, &mut tries, counters)?;
     }
+}
+
+/// Decides what `fault` from worker `w` means for request `index`: `Ok` to try again on
+/// another worker (`w` taken out), or the request's final error. A 4xx is the request's
+/// fault; so is an answer another worker already gave for this piece, and that worker,
+/// taken out for it, comes back. Neither takes a worker out.
+fn handle_fault(
+    shared: &Shared,
+    index: usize,
+    w: usize,
+    fault: FleetError,
+    tries: &mut Tries,
+    counters: &Counters,
+) -> Result<()> {
+    if fault.is_request_fault() {
+        return Err(FleetError::RequestFailed {
+            request: index,
+            why: "the worker refused it: a 4xx answer is the request's own fault, no worker is \
+                  taken out"
+                .into(),
+            error: Box::new(fault),
+        });
+    }
+    if !fault.is_worker_fault() {
+        return Err(fault);
+    }
+    let answer = fault.answer();
+    let same = answer.as_ref().and_then(|a| {
+        tries
+            .faults
+            .iter()
+            .find(|f| f.worker != w && f.answer.as_ref() == Some(a))
+    });
+    if let Some(first) = same {
+        let version = shared.version.load(Ordering::SeqCst);
+        shared
+            .pool()
+            .reinstate(first.worker, &first.reason, version);
+        return Err(FleetError::RequestFailed {
+            request: index,
+            why: format!(
+                "{} gave the same answer before: the request's own fault, both workers stay up",
+                shared.url(first.worker, "")
+            ),
+            error: Box::new(fault),
+        });
+    }
+    tracing::warn!(request = index, attempt = tries.attempts, error = %fault, "rollout request failed; retrying on another worker");
+    let reason = fault.to_string();
+    shared.pool().mark_down(w, reason.clone());
+    tries.avoid.push(w);
+    tries.faults.push(Fault {
+        worker: w,
+        answer,
+        reason,
+    });
+    if tries.attempts > shared.cfg.max_retries {
+        return Err(FleetError::RetriesExhausted {
+            request: index,
+            attempts: tries.attempts,
+            last: Box::new(fault),
+        });
+    }
+    counters.retries.fetch_add(1, Ordering::Relaxed);
+    Ok(())
+}
+
+/// One `/generate` call: the checked reply (version included) of the worker at `url`.
+async fn call_generate(
+    shared: &Shared,
+    url: &str,
+    body: &Value,
+    piece_req: &GenerateRequest,
+    sent: u64,
+    counters: &Counters,
+) -> Result<Reply> {
+    let calling = std::time::Instant::now();
+    let v = shared
+        .client
+        .post(url, body, shared.cfg.request_timeout)
+        .await?;
+    let call = add_elapsed(&counters.request_ns, calling);
+    if let Some(server) = server_latency(&v) {
+        counters.server_ns.fetch_add(server, Ordering::Relaxed);
+        counters.timed_request_ns.fetch_add(call, Ordering::Relaxed);
+    }
+    let reply = timed_decode(url, &v, piece_req, shared, counters)?;
+    let current = shared.version.load(Ordering::SeqCst);
+    check_version(url, reply.version, sent, current, shared.cfg.max_staleness)?;
+    Ok(reply)
 }
 
 /// Adds the nanoseconds since `from` to `counter`; returns them.
@@ -595,5 +735,71 @@ async fn sync_worker(shared: &Shared, w: usize, dir: &Path, version: u64) -> Res
                 got["weight_version"]
             ),
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use r3_rollout::SamplingParams;
+    use r3_routing::{LayerLayout, MergePolicy};
+
+    fn fleet(url: String) -> Fleet {
+        let cfg = FleetConfig {
+            urls: vec![url],
+            max_in_flight: 1,
+            request_timeout: Duration::from_secs(60),
+            max_retries: 0,
+            api_key: None,
+            max_staleness: 0,
+            partial: PartialMode::Resume,
+            merge: MergePolicy::KeepPerTokenOrigin,
+        };
+        let model = ModelFacts {
+            vocab_size: 16,
+            layout: LayerLayout::all_moe(1),
+            top_k: 1,
+            num_experts: 2,
+        };
+        Fleet::new(cfg, model).expect("fleet")
+    }
+
+    /// A request cancelled while its call is in flight (as a batch's tasks are when the
+    /// batch is dropped) gives its worker's outstanding count back.
+    #[test]
+    fn a_request_cancelled_mid_call_releases_its_worker() {
+        // Connections complete in the listener's backlog; nothing ever answers.
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let url = format!("http://{}", silent.local_addr().expect("addr"));
+        let f = fleet(url);
+        f.shared.pool().mark_up(0, 0);
+        let shared = Arc::clone(&f.shared);
+        let task = f.runtime.spawn(async move {
+            let req = GenerateRequest::new(vec![1, 2], SamplingParams::default());
+            run_request(&shared, 0, &req, &Counters::default()).await
+        });
+        let started = std::time::Instant::now();
+        while f.pool().slots()[0].outstanding == 0 {
+            assert!(started.elapsed() < Duration::from_secs(30), "never sent");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        task.abort();
+        let joined = f.runtime.block_on(task);
+        assert!(joined.is_err_and(|e| e.is_cancelled()));
+        assert_eq!(f.pool().slots()[0].outstanding, 0);
+    }
+
+    #[test]
+    fn a_stale_reply_names_the_trainers_current_version() {
+        // Sent when version 3 was the last finished sync, answered from 1, trainer now at 5.
+        let err = check_version("http://w", 1, 3, 5, 1).expect_err("too old");
+        let text = err.to_string();
+        assert!(text.contains("trainer is at 5"), "{text}");
+        assert!(text.contains("sent at version 3"), "{text}");
+        assert!(check_version("http://w", 2, 3, 5, 1).is_ok());
+        assert!(
+            check_version("http://w", 6, 3, 5, 1).is_err(),
+            "newer than the trainer"
+        );
     }
 }

@@ -1,6 +1,8 @@
 //! One pooled async HTTP/1.1 client (hyper-util) that sends and receives JSON, with a
 //! per-call timeout and an optional Bearer key; every failure becomes a [`FleetError`]
-//! naming the URL.
+//! naming the URL. An empty 2xx body reads as JSON `null` (SGLang answers `/health`,
+//! `/abort_request` and others with a bare 200), and [`JsonClient::probe`] looks at the
+//! status alone.
 
 use std::time::Duration;
 
@@ -46,21 +48,33 @@ impl JsonClient {
 
     /// `GET url`, the JSON reply.
     pub async fn get(&self, url: &str, timeout: Duration) -> Result<Value> {
-        self.call(Method::GET, url, None, timeout).await
+        let reply = self.exchange(Method::GET, url, None, timeout).await?;
+        json_reply(url, &reply)
     }
 
     /// `POST url` with a JSON body, the JSON reply.
     pub async fn post(&self, url: &str, body: &Value, timeout: Duration) -> Result<Value> {
-        self.call(Method::POST, url, Some(body), timeout).await
+        let reply = self
+            .exchange(Method::POST, url, Some(body), timeout)
+            .await?;
+        json_reply(url, &reply)
     }
 
-    async fn call(
+    /// `GET url` for its status alone (a health check): any 2xx is `Ok`, whatever the body.
+    pub async fn probe(&self, url: &str, timeout: Duration) -> Result<()> {
+        self.exchange(Method::GET, url, None, timeout)
+            .await
+            .map(|_| ())
+    }
+
+    /// One request; the body of a 2xx reply, any other status an error.
+    async fn exchange(
         &self,
         method: Method,
         url: &str,
         body: Option<&Value>,
         timeout: Duration,
-    ) -> Result<Value> {
+    ) -> Result<Bytes> {
         let transport = |message: String| FleetError::Transport {
             url: url.to_string(),
             message,
@@ -108,11 +122,19 @@ impl JsonClient {
                 body: text.chars().take(BODY_EXCERPT).collect(),
             });
         }
-        serde_json::from_slice(&body).map_err(|e| FleetError::BadReply {
-            url: url.to_string(),
-            reason: format!("not JSON ({e})"),
-        })
+        Ok(body)
     }
+}
+
+/// The JSON of a 2xx reply from `url`; an empty body is `null`.
+fn json_reply(url: &str, body: &[u8]) -> Result<Value> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(Value::Null);
+    }
+    serde_json::from_slice(body).map_err(|e| FleetError::BadReply {
+        url: url.to_string(),
+        reason: format!("not JSON ({e})"),
+    })
 }
 
 /// An error with its sources, so "connection refused" is not hidden behind "client error".

@@ -12,7 +12,8 @@
 //! only on the original seed and the tokens already generated (a rerun aborted at the
 //! same point samples the same tokens). Log-probs are concatenated; the routes' rows keep
 //! the weight version of the piece they came from, and [`Pieces::versions`] lists each
-//! piece's version, so a result that spans weight versions says so.
+//! piece's version, so a result that spans weight versions says so. A piece aborted before
+//! its first token leaves nothing behind: the original request, seed and all, is sent again.
 
 use r3_rollout::{FinishReason, GenerateRequest, GenerateResult};
 use r3_routing::{merge_resumed, MergePolicy, RouteTable};
@@ -56,10 +57,11 @@ impl Pieces {
         }
     }
 
-    /// Whether an aborted piece brought tokens or routes, so the next request is a
-    /// continuation.
+    /// Whether an aborted piece brought output tokens, so the next request is a
+    /// continuation. Nothing sampled (no token, whatever prompt rows came back) means the
+    /// next request is the original one, with its own seed and route start.
     pub fn started(&self) -> bool {
-        !self.output_ids.is_empty() || self.routes.is_some()
+        !self.output_ids.is_empty()
     }
 
     /// Weight version of each piece that brought tokens or route rows, in order.
@@ -115,6 +117,11 @@ impl Pieces {
     ) -> Result<bool, String> {
         if self.is_complete() {
             return Err("a piece arrived for a request that is already complete".into());
+        }
+        if piece.finish == FinishReason::Abort && piece.output_ids.is_empty() && !self.started() {
+            // Aborted before it sampled anything: it leaves no trace, and the original
+            // request is sent again (its prompt rows, if any came back, come again with it).
+            return Ok(false);
         }
         self.output_ids.extend_from_slice(&piece.output_ids);
         self.logprobs.extend_from_slice(&piece.output_logprobs);
@@ -303,6 +310,34 @@ mod tests {
             )
             .expect_err("a row short");
         assert!(err.contains("routes end"), "{err}");
+    }
+
+    #[test]
+    fn an_abort_before_any_token_keeps_the_original_request_and_seed() {
+        let policy = MergePolicy::KeepPerTokenOrigin;
+        let mut p = Pieces::new(original());
+        // No token and a table of no rows, then no token and the prompt's rows.
+        for rows in [table(0, 0, 1), table(0, 2, 1)] {
+            let done = p
+                .add(piece(Vec::new(), rows, FinishReason::Abort), 1, policy)
+                .expect("add");
+            assert!(!done);
+            assert!(!p.started());
+            let next = p.next_request(policy);
+            assert_eq!(next, original(), "the original request, seed 7 included");
+        }
+        assert!(p.versions().is_empty());
+        // The original request's full reply then stands alone.
+        let done = p
+            .add(
+                piece(vec![20, 2], table(0, 4, 2), FinishReason::Stop { token: 2 }),
+                2,
+                policy,
+            )
+            .expect("add");
+        assert!(done);
+        assert_eq!(p.versions(), &[2]);
+        assert_eq!(p.finish().expect("complete").routes, Some(table(0, 4, 2)));
     }
 
     #[test]

@@ -84,6 +84,22 @@ impl WorkerPool {
         }
     }
 
+    /// Puts worker `i` back when it is still down for `reason` (nothing else took it out
+    /// since) and last confirmed `version`: it was taken out for a request's own fault.
+    /// Returns whether it is up again.
+    pub fn reinstate(&mut self, i: usize, reason: &str, version: u64) -> bool {
+        let Some(s) = self.slots.get_mut(i) else {
+            return false;
+        };
+        if s.up || s.down_reason.as_deref() != Some(reason) || s.version != Some(version) {
+            return s.up;
+        }
+        tracing::info!(worker = %s.url, "rollout worker back: the fault was the request's");
+        s.up = true;
+        s.down_reason = None;
+        true
+    }
+
     /// Worker `i` confirmed weight version `version` and takes requests.
     pub fn mark_up(&mut self, i: usize, version: u64) {
         if let Some(s) = self.slots.get_mut(i) {
@@ -152,5 +168,16 @@ mod tests {
             s.contains("http://w0: timeout") && s.contains("http://w1: refused"),
             "{s}"
         );
+    }
+
+    #[test]
+    fn a_worker_is_reinstated_only_when_nothing_else_took_it_out() {
+        let mut p = pool(2);
+        p.mark_down(0, "HTTP 500: boom".into());
+        assert!(!p.reinstate(0, "HTTP 500: boom", 1), "another version");
+        assert!(!p.reinstate(0, "refused", 0), "out for another reason");
+        assert!(p.reinstate(0, "HTTP 500: boom", 0));
+        assert_eq!(p.up_count(), 2);
+        assert_eq!(p.slots()[0].down_reason, None);
     }
 }

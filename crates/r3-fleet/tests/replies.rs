@@ -5,13 +5,9 @@
 //! worker beside it the request is retried there and the result equals the good
 //! worker's; alone, the bad worker makes the batch fail, never a wrong route table.
 
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum::extract::State;
 use axum::http::StatusCode;
-use axum::routing::{get, post};
-use axum::{Json, Router};
 use base64::Engine as _;
 use r3_fleet::wire::{decode_reply, generate_body};
 use r3_fleet::{Fleet, FleetConfig, FleetError};
@@ -19,6 +15,8 @@ use r3_rollout::{Engine, EngineConfig, GenerateRequest, SamplingParams};
 use serde_json::{json, Value};
 
 mod common;
+#[path = "common/fake.rs"]
+mod fake;
 use common::{facts, model_dir, Server};
 
 fn request() -> GenerateRequest {
@@ -32,43 +30,8 @@ fn request() -> GenerateRequest {
     GenerateRequest::new(vec![1, 5, 9, 4, 12, 3], sampling)
 }
 
-/// What the fake worker answers to `/generate`, and its weight version.
-#[derive(Clone)]
-struct Fake {
-    reply: Arc<Mutex<(StatusCode, Value)>>,
-    version: Arc<Mutex<String>>,
-}
-
-async fn fake_generate(State(f): State<Fake>) -> (StatusCode, Json<Value>) {
-    let (status, body) = f.reply.lock().expect("lock").clone();
-    (status, Json(body))
-}
-
-async fn fake_update(State(f): State<Fake>, Json(body): Json<Value>) -> Json<Value> {
-    let v = body["weight_version"].as_str().unwrap_or("?").to_string();
-    *f.version.lock().expect("lock") = v.clone();
-    Json(json!({"success": true, "weight_version": v}))
-}
-
-async fn fake_version(State(f): State<Fake>) -> Json<Value> {
-    Json(json!({"weight_version": f.version.lock().expect("lock").clone()}))
-}
-
 fn fake_server(status: StatusCode, reply: Value) -> Server {
-    let fake = Fake {
-        reply: Arc::new(Mutex::new((status, reply))),
-        version: Arc::new(Mutex::new("default".into())),
-    };
-    let ok = || async { Json(json!({"success": true})) };
-    let router = Router::new()
-        .route("/generate", post(fake_generate))
-        .route("/health", get(|| async { Json(json!({})) }))
-        .route("/pause_generation", post(ok))
-        .route("/continue_generation", post(ok))
-        .route("/update_weights_from_disk", post(fake_update))
-        .route("/get_weight_version", get(fake_version))
-        .with_state(fake);
-    Server::start(router)
+    fake::start(status, reply).0
 }
 
 fn fleet(urls: Vec<String>, max_staleness: u64) -> Fleet {
@@ -237,15 +200,49 @@ fn a_bad_worker_is_retried_on_a_good_one_and_alone_fails_the_batch() {
         alone.sync(&model_dir(), 1).expect("sync");
         let err = alone.generate(vec![request()]).expect_err(what);
         let text = err.to_string();
+        let FleetError::Batch(batch) = err else {
+            panic!("{what}: not a batch error: {text}");
+        };
+        assert!(batch.results[0].is_none(), "{what}");
         assert!(
             matches!(
-                err,
-                FleetError::NoWorkers { .. } | FleetError::RetriesExhausted { .. }
+                batch.failures[..],
+                [(
+                    0,
+                    FleetError::NoWorkers { .. } | FleetError::RetriesExhausted { .. }
+                )]
             ),
             "{what}: {text}"
         );
         assert!(text.contains(words), "{what}: {text}");
     }
+}
+
+/// A reply that passes every check of its own but cannot complete the request: marked
+/// `abort` after its last token (so nothing is left to generate) with one route row short.
+/// It counts as that worker's bad reply: the request is retried, from its prompt, on the
+/// good worker, and the batch keeps going.
+#[test]
+fn pieces_that_cannot_be_merged_are_a_bad_reply_retried_elsewhere() {
+    let real = Server::real();
+    let good = genuine_reply(&real);
+    let f = facts();
+    let row = f.layout.num_hidden_layers() * f.top_k * 4;
+    let bytes = b64_bytes(&good);
+    let mut short = with_routes(&good, &bytes[..bytes.len() - row]);
+    short["meta_info"]["finish_reason"] = json!({"type": "abort", "message": "cut"});
+    let fake = fake_server(StatusCode::OK, short);
+    let fleet = fleet(vec![fake.url.clone(), real.url.clone()], 0);
+    fleet.sync(&model_dir(), 1).expect("sync");
+    let (results, stats) = fleet
+        .generate(vec![request()])
+        .expect("retried on the good worker");
+    assert_eq!((stats.retries, stats.workers_up), (1, 1), "{stats:?}");
+    let want = decode_reply("real", &good, &request(), &facts()).expect("good");
+    assert_eq!(results[0].output_ids, want.result.output_ids);
+    assert_eq!(results[0].routes, want.result.routes);
+    let down = fleet.pool().down_summary();
+    assert!(down.contains("routes end at position"), "{down}");
 }
 
 #[test]
