@@ -43,8 +43,9 @@ const MAX_LEADING_WORDS: usize = 6;
 /// The answer on a `####` line: the whole line when it is a number (`1,234`, `3/4`, `50%`);
 /// else its leading number when one stands alone, `**` bold and a leading `=` / `:` ignored
 /// (`42 dollars`, `$18 (she keeps the rest)`, `**42**.`), as GSM8K's scorer reads it; else
-/// the whole line (a non-numeric answer, or a number that starts an expression: `5 + 3 = 8`,
-/// `5x`).
+/// the whole line (a non-numeric answer, a number that starts an expression: `5 + 3 = 8`,
+/// `5x`, `5 x 3`, `6 divided by 2`, `15 apples = 3 bags`, or one of several values:
+/// `x=5, y=7`, `12, 345`).
 fn hashes_answer(line: &str) -> String {
     if parse_number(line).is_some() {
         return line.to_string();
@@ -58,7 +59,9 @@ fn hashes_answer(line: &str) -> String {
 }
 
 /// The longest run of leading words of `s` that parses as a number (trailing sentence
-/// punctuation dropped), unless the word after it starts an expression.
+/// punctuation dropped), unless the word after it starts an expression (an operator, or an
+/// operator word before a number: `x 3`, `times 3`, `divided by 2`), the rest of the line
+/// holds an `=`, or a comma after it starts a list (`5, 7`).
 fn leading_number(s: &str) -> Option<&str> {
     let mut ends = Vec::new();
     let mut in_word = false;
@@ -82,7 +85,12 @@ fn leading_number(s: &str) -> Option<&str> {
             continue;
         }
         let next = s[ends[n - 1]..].trim_start();
-        if next.starts_with(|c: char| "+-*/×÷=^<>".contains(c)) {
+        let list = s[candidate.len()..ends[n - 1]].contains(',') && starts_number(next);
+        if next.starts_with(|c: char| "+-*/×÷=^<>".contains(c))
+            || next.contains('=')
+            || list
+            || starts_with_operator_word(next)
+        {
             return None;
         }
         return Some(candidate);
@@ -90,12 +98,45 @@ fn leading_number(s: &str) -> Option<&str> {
     None
 }
 
+/// Whether `s` starts with a number's first digit (after a `$` or a sign), or `\frac`.
+fn starts_number(s: &str) -> bool {
+    let s = s.trim_start_matches(['$', '-', '+']);
+    s.starts_with(|c: char| c.is_ascii_digit())
+        || ["\\frac", "\\dfrac", "\\tfrac"]
+            .iter()
+            .any(|f| s.starts_with(f))
+}
+
+/// Whether `s` starts with an operator word before a number: `x 3`, `x3`, `times 3`,
+/// `plus 3`, `minus 3`, `over 3`, `divided by 3` (case ignored).
+fn starts_with_operator_word(s: &str) -> bool {
+    let word_end = s.find(char::is_whitespace).unwrap_or(s.len());
+    let (word, rest) = s.split_at(word_end);
+    let word = word.to_lowercase();
+    if let Some(tail) = word.strip_prefix(['x', '×']) {
+        if starts_number(tail) {
+            return true;
+        }
+    }
+    let rest = rest.trim_start();
+    match word.as_str() {
+        "x" | "×" | "times" | "plus" | "minus" | "over" => starts_number(rest),
+        "divided" => {
+            let rest = rest.strip_prefix("by").unwrap_or(rest);
+            starts_number(rest.trim_start())
+        }
+        _ => false,
+    }
+}
+
 /// Whether an extracted answer equals the ground truth: as exact rationals when both parse as
-/// numbers, otherwise as text with whitespace, `$` and `\text{…}` wrappers removed.
+/// numbers, otherwise as text with whitespace, `$` and `\text{…}` wrappers removed; a number
+/// never equals a non-number (`2, 100`, a list, is not `2,100`).
 pub fn math_equal(answer: &str, truth: &str) -> bool {
     match (parse_number(answer), parse_number(truth)) {
         (Some(a), Some(b)) => a == b,
-        _ => normalise_text(answer) == normalise_text(truth),
+        (None, None) => normalise_text(answer) == normalise_text(truth),
+        _ => false,
     }
 }
 
@@ -310,9 +351,10 @@ fn valid_grouping(s: &str) -> bool {
 
 /// Removes what surrounds an answer but does not change it: `$` signs, a `\text{…}`
 /// wrapper, `\left` / `\right`, `^\circ`, `{,}` (as `,`), a trailing `%` / `\%`, a leading
-/// `=`, and whitespace (`\,`, `\!`, `~` count as spaces), except between two digits: there
-/// a space that separates groups of three (`1 000 000`) goes and any other stays as one
-/// space, so `3 1/2` and `4 5` do not merge into other numbers. A Unicode minus reads as
+/// `=`, and whitespace (`\,`, `\!`, `~` count as spaces), except after a comma and between
+/// two digits: after a comma it stays as one space (`2, 100` is a list, not 2100); between
+/// digits a space that separates groups of three (`1 000 000`) goes and any other stays as
+/// one space, so `3 1/2` and `4 5` do not merge into other numbers. A Unicode minus reads as
 /// `-`.
 fn strip_wrappers(s: &str) -> String {
     let spaced = s
@@ -367,7 +409,12 @@ fn squeeze_spaces(s: &str) -> String {
         }
         let before = out.chars().next_back();
         let after = chars.get(j).copied();
-        if before.is_some_and(|b| b.is_ascii_digit()) && after.is_some_and(|a| a.is_ascii_digit()) {
+        if before == Some(',') && after.is_some() {
+            out.push(' ');
+            (group, grouped) = (0, false);
+        } else if before.is_some_and(|b| b.is_ascii_digit())
+            && after.is_some_and(|a| a.is_ascii_digit())
+        {
             let next_group = chars[j..].iter().take_while(|c| c.is_ascii_digit()).count();
             let closes = chars.get(j + next_group).is_none_or(|c| *c != '/');
             let run_start = out.chars().rev().nth(group);
@@ -432,7 +479,8 @@ fn without_unit(s: &str) -> &str {
 }
 
 /// The value in `x=5` (one `=`, a single letter on its left, optionally subscripted:
-/// `x_1=5`, `y_{n}=5`); otherwise `s` unchanged.
+/// `x_1=5`, `y_{n}=5`); otherwise `s` unchanged, as for several assignments or values
+/// (`x=5,y=3`, `x=5, 7`).
 fn value_of_variable(s: &str) -> &str {
     let Some((name, value)) = s.split_once('=') else {
         return s;
@@ -448,7 +496,7 @@ fn value_of_variable(s: &str) -> &str {
                 .unwrap_or(x);
             !x.is_empty() && x.chars().all(|c| c.is_ascii_alphanumeric())
         });
-    if letter && subscript_ok && !value.contains('=') {
+    if letter && subscript_ok && !value.contains('=') && !value.contains(", ") {
         value
     } else {
         s
@@ -456,9 +504,9 @@ fn value_of_variable(s: &str) -> &str {
 }
 
 /// An answer as text compared: wrappers (`$`, `\text{…}`, spaces, a leading `=`) removed,
-/// lower-cased.
+/// lower-cased (`(1, 2)` reads as `(1,2)`).
 pub fn normalise_text(s: &str) -> String {
-    strip_wrappers(s).to_lowercase()
+    strip_wrappers(s).replace(", ", ",").to_lowercase()
 }
 
 /// The content of the last `\boxed{…}` / `\fbox{…}` with balanced braces.

@@ -1,28 +1,30 @@
 //! Math-answer extraction and equivalence on a table of tricky completions, checked against
 //! answers worked out by hand.
 
-use r3_tasks::{extract_math_answer, math_equal, parse_number, AnswerSource, Rational};
+use r3_tasks::{AnswerSource, Rational, extract_math_answer, math_equal, parse_number};
 
 fn r(num: i128, den: i128) -> Option<Rational> {
     Rational::new(num, den)
 }
 
-/// Each text parses to its number (`None`: no number).
+/// Each text parses to its number (`None`: no number); every mismatch is reported.
 fn parses(cases: &[(&str, Option<Rational>)]) {
-    for (text, want) in cases {
-        assert_eq!(parse_number(text), *want, "{text:?}");
-    }
+    let wrong: Vec<_> = cases
+        .iter()
+        .map(|(text, want)| (text, parse_number(text), want))
+        .filter(|(_, got, want)| got != *want)
+        .collect();
+    assert!(wrong.is_empty(), "(text, got, want): {wrong:?}");
 }
 
-/// Each text's extracted answer is `want`, found by `source`.
+/// Each text's extracted answer is `want`, found by `source`; every mismatch is reported.
 fn extracts(cases: &[(&str, &str)], source: AnswerSource) {
-    for (text, want) in cases {
-        assert_eq!(
-            extract_math_answer(text),
-            Some((want.to_string(), source)),
-            "{text:?}"
-        );
-    }
+    let wrong: Vec<_> = cases
+        .iter()
+        .map(|(text, want)| (text, extract_math_answer(text), want))
+        .filter(|(_, got, want)| *got != Some((want.to_string(), source)))
+        .collect();
+    assert!(wrong.is_empty(), "(text, got, want): {wrong:?}");
 }
 
 #[test]
@@ -124,15 +126,17 @@ fn equality_is_numeric_when_both_sides_are_numbers_else_textual() {
     }
 }
 
-/// `(response, truth, reward)` rows through the `math` reward.
+/// `(response, truth, reward)` rows through the `math` reward; every mismatch is reported.
 fn rewards(cases: &[(&str, &str, f32)]) {
-    for (response, truth, want) in cases {
-        assert_eq!(
-            r3_tasks::reward::answers::math_reward(response, truth),
-            *want,
-            "{response:?} vs {truth:?}"
-        );
-    }
+    let wrong: Vec<_> = cases
+        .iter()
+        .map(|(response, truth, want)| {
+            let got = r3_tasks::reward::answers::math_reward(response, truth);
+            (response, truth, got, want)
+        })
+        .filter(|(_, _, got, want)| got != *want)
+        .collect();
+    assert!(wrong.is_empty(), "(response, truth, got, want): {wrong:?}");
 }
 
 #[test]
@@ -295,4 +299,75 @@ fn exponents_are_exact_and_bounded() {
         ("9e38", None),
     ];
     parses(cases);
+}
+
+#[test]
+fn a_number_that_starts_an_expression_in_words_is_no_answer() {
+    let cases: &[(&str, &str)] = &[
+        ("#### 5 x 3 = 15", "5 x 3 = 15"),
+        ("#### 5 x 3", "5 x 3"),
+        ("#### 5 X 3", "5 X 3"),
+        ("#### 5 \u{d7} 3", "5 \u{d7} 3"),
+        ("#### 5 times 3", "5 times 3"),
+        ("#### 5 plus 3", "5 plus 3"),
+        ("#### 5 minus 3", "5 minus 3"),
+        ("#### 6 divided by 2", "6 divided by 2"),
+        ("#### 6 over 2", "6 over 2"),
+        ("#### 15 apples = 3 bags", "15 apples = 3 bags"),
+        // a word that merely starts so, or no number after the word: the leading number
+        ("#### 12 xylophones", "12"),
+        ("#### 3 times over", "3"),
+    ];
+    extracts(cases, AnswerSource::Hashes);
+    rewards(&[
+        ("#### 5 x 3 = 15", "5", 0.0),
+        ("#### 5 x 3 = 15", "15", 0.0),
+        ("#### 5 times 3", "5", 0.0),
+        ("#### 6 divided by 2", "6", 0.0),
+        ("#### 42 dollars", "42", 1.0),
+        ("#### 18 (she keeps the rest)", "18", 1.0),
+    ]);
+}
+
+#[test]
+fn more_than_one_assignment_or_value_is_no_answer() {
+    rewards(&[
+        ("#### x=5, y=7", "5", 0.0),
+        ("#### x = 5, y = 7", "5", 0.0),
+        ("#### x=5, 7", "5", 0.0),
+        ("#### 5, 7", "5", 0.0),
+        ("\\boxed{x=5, y=7}", "5", 0.0),
+        ("\\boxed{x=5,y=3}", "5", 0.0),
+        ("\\boxed{x=5, 700}", "5700", 0.0),
+        ("\\boxed{x=5, 700}", "5", 0.0),
+        // one assignment, or one value and words after a comma, still counts
+        ("#### x=5", "5", 1.0),
+        ("\\boxed{x=5}", "5", 1.0),
+        ("\\boxed{x = 1,000}", "1000", 1.0),
+        ("#### 42, which she keeps", "42", 1.0),
+    ]);
+}
+
+#[test]
+fn a_space_after_a_comma_separates_numbers() {
+    parses(&[
+        ("12, 345", None),
+        ("2, 100", None),
+        ("1,  000", None),
+        ("x=5, 700", None),
+        ("1,000", r(1000, 1)),
+        ("1 000", r(1000, 1)),
+        ("1 000 000", r(1_000_000, 1)),
+        ("3 1/2", r(7, 2)),
+    ]);
+    rewards(&[
+        ("#### 12, 345", "12345", 0.0),
+        ("#### 12, 345", "12", 0.0),
+        ("\\boxed{2, 100}", "2100", 0.0),
+        ("\\boxed{2, 100}", "2,100", 0.0),
+        ("\\boxed{2, 100}", "2, 100", 1.0),
+        ("\\boxed{(1, 2)}", "(1,2)", 1.0),
+        ("#### 1,000", "1000", 1.0),
+        ("#### 1 000 000", "1000000", 1.0),
+    ]);
 }
