@@ -2,12 +2,16 @@
 //! validation (retried on another worker), a request's own faults (it alone fails), and the
 //! final errors a step fails with.
 //!
-//! Whose fault: a 4xx answer other than 408 / 429 is the request's (SGLang answers 400 to a
-//! prompt + `max_new_tokens` past the context): the request fails alone, with the server's
-//! message, and the worker stays up. Refusals, timeouts, 5xx, 408, 429, replies that fail a
+//! Whose fault: HTTP 400, 413 and 422 are the request's (SGLang answers 400 to a prompt +
+//! `max_new_tokens` past the context): the request fails alone, with the server's message,
+//! and the worker stays up. Refusals, timeouts, every other 4xx (401 / 403 / 404 / 405 mean
+//! a misconfigured worker or a proxy in front of a restarting one), 5xx, replies that fail a
 //! check and stale replies are the worker's: it is taken out and the request goes to another
 //! worker — unless a second worker gives the same answer (same status and body, or the same
-//! check failing the same way), which makes it the request's fault again.
+//! check failing the same way), which makes it the request's fault again. Answers that say
+//! nothing about the request never count as the same answer: refusals, timeouts, stale
+//! replies, 401 / 403 / 404 / 405 / 407 / 408 / 429, the gateway answers 502 / 503 / 504 (an
+//! ingress gives every one the same generic body) and a body that reads as out of memory.
 
 use r3_rollout::GenerateResult;
 use thiserror::Error;
@@ -73,7 +77,7 @@ pub enum FleetError {
         /// Accepted version lag.
         max_staleness: u64,
     },
-    /// A request failed for a reason of its own: a worker refused it (HTTP 4xx), or two
+    /// A request failed for a reason of its own: a worker refused it (HTTP 400, 413 or 422), or two
     /// workers gave the same error. It alone fails; no worker is taken out for it.
     #[error("request {request} failed ({why}): {error}")]
     RequestFailed {
@@ -163,21 +167,35 @@ impl FleetError {
         }
     }
 
-    /// Whether a worker's answer says the request itself is wrong: HTTP 4xx other than
-    /// 408 (request timeout) and 429 (too many requests), which are about the worker's load.
+    /// Whether a worker's answer says the request itself is wrong: HTTP 400 (bad request),
+    /// 413 (too large) or 422 (unprocessable). Other 4xx are about the worker's setup
+    /// (401, 403, 404, 405) or load (408, 429): worker faults.
     pub fn is_request_fault(&self) -> bool {
-        matches!(self, FleetError::Status { status, .. }
-            if (400..500).contains(status) && *status != 408 && *status != 429)
+        matches!(
+            self,
+            FleetError::Status {
+                status: 400 | 413 | 422,
+                ..
+            }
+        )
     }
 
     /// The worker's answer without the worker's URL, for telling whether two workers gave
-    /// the same one: a 5xx (status and body) or a reply that failed a check (the reason).
-    /// `None` for refusals, timeouts, 408 / 429 and stale replies, which say nothing about
-    /// the request.
+    /// the same one: a non-2xx status (status and body) or a reply that failed a check (the
+    /// reason). `None` for answers that say nothing about the request: refusals, timeouts,
+    /// stale replies, 401 / 403 / 404 / 405 / 407 (setup), 408 / 429 (load), 502 / 503 / 504
+    /// (gateways answer them with the same generic body) and bodies that read as out of
+    /// memory.
     pub fn answer(&self) -> Option<String> {
         match self {
-            FleetError::Status { status, body, .. } if *status >= 500 => {
-                Some(format!("HTTP {status}: {body}"))
+            FleetError::Status { status, body, .. } => {
+                let about_worker = matches!(
+                    status,
+                    401 | 403 | 404 | 405 | 407 | 408 | 429 | 502 | 503 | 504
+                );
+                let lower = body.to_ascii_lowercase();
+                let oom = lower.contains("out of memory") || lower.contains("outofmemory");
+                (!about_worker && !oom).then(|| format!("HTTP {status}: {body}"))
             }
             FleetError::BadReply { reason, .. } => Some(reason.clone()),
             _ => None,
@@ -187,3 +205,46 @@ impl FleetError {
 
 /// Result of fleet operations.
 pub type Result<T> = std::result::Result<T, FleetError>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(status: u16, body: &str) -> FleetError {
+        FleetError::Status {
+            url: "http://w".into(),
+            status,
+            body: body.into(),
+        }
+    }
+
+    #[test]
+    fn only_400_413_422_are_the_requests_fault() {
+        for code in [400, 413, 422] {
+            assert!(status(code, "").is_request_fault(), "{code}");
+            assert!(!status(code, "").is_worker_fault(), "{code}");
+        }
+        for code in [401, 403, 404, 405, 408, 409, 429, 500, 502, 503] {
+            assert!(!status(code, "").is_request_fault(), "{code}");
+            assert!(status(code, "").is_worker_fault(), "{code}");
+        }
+    }
+
+    #[test]
+    fn gateway_setup_and_memory_answers_are_never_the_same_answer() {
+        for code in [401, 403, 404, 405, 407, 408, 429, 502, 503, 504] {
+            assert_eq!(status(code, "Service Unavailable").answer(), None, "{code}");
+        }
+        let oom = status(
+            500,
+            r#"{"error": "CUDA out of memory. Tried to allocate 2 GiB"}"#,
+        );
+        assert_eq!(oom.answer(), None);
+        assert_eq!(status(500, "torch.OutOfMemoryError").answer(), None);
+        assert_eq!(
+            status(500, "engine failed").answer().as_deref(),
+            Some("HTTP 500: engine failed")
+        );
+        assert!(status(409, "conflict").answer().is_some());
+    }
+}

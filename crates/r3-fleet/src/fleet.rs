@@ -474,7 +474,7 @@ struct Tries {
 }
 
 /// One request until it completes or fails: worker faults are retried on another worker; a
-/// request fault (a 4xx, or the same answer from two workers) fails it at once; an aborted
+/// request fault (HTTP 400 / 413 / 422, or the same answer from two workers) fails it at once; an aborted
 /// piece is continued (or restarted) after any sync under way; pieces that cannot be merged
 /// count as the last worker's bad reply, and the request starts again from its prompt.
 async fn run_request(
@@ -564,9 +564,10 @@ async fn run_request(
 }
 
 /// Decides what `fault` from worker `w` means for request `index`: `Ok` to try again on
-/// another worker (`w` taken out), or the request's final error. A 4xx is the request's
-/// fault; so is an answer another worker already gave for this piece, and that worker,
-/// taken out for it, comes back. Neither takes a worker out.
+/// another worker (`w` taken out), or the request's final error. HTTP 400 / 413 / 422 is
+/// the request's fault; so is an answer another worker already gave for this piece (see
+/// [`FleetError::answer`]), and that worker, taken out for it, comes back. Neither takes a
+/// worker out.
 fn handle_fault(
     shared: &Shared,
     index: usize,
@@ -578,8 +579,8 @@ fn handle_fault(
     if fault.is_request_fault() {
         return Err(FleetError::RequestFailed {
             request: index,
-            why: "the worker refused it: a 4xx answer is the request's own fault, no worker is \
-                  taken out"
+            why: "the worker refused it: HTTP 400 / 413 / 422 is the request's own fault, no \
+                  worker is taken out"
                 .into(),
             error: Box::new(fault),
         });
@@ -595,14 +596,22 @@ fn handle_fault(
             .find(|f| f.worker != w && f.answer.as_ref() == Some(a))
     });
     if let Some(first) = same {
+        // During a sync the first worker may still hold the settled version, or already the
+        // announced one: either is current enough to take requests.
+        let settled = shared.settled.load(Ordering::SeqCst);
         let version = shared.version.load(Ordering::SeqCst);
-        shared
+        let back = shared
             .pool()
-            .reinstate(first.worker, &first.reason, version);
+            .reinstate(first.worker, &first.reason, settled..=version);
+        let stay = if back {
+            "both workers stay up"
+        } else {
+            "the first stays out (taken out since for another reason, or behind the weights)"
+        };
         return Err(FleetError::RequestFailed {
             request: index,
             why: format!(
-                "{} gave the same answer before: the request's own fault, both workers stay up",
+                "{} gave the same answer before: the request's own fault, {stay}",
                 shared.url(first.worker, "")
             ),
             error: Box::new(fault),

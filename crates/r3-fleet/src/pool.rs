@@ -2,6 +2,7 @@
 //! each has outstanding; picking the least-loaded worker for the next request.
 
 use std::fmt::Write as _;
+use std::ops::RangeInclusive;
 
 /// One worker as the client sees it.
 #[derive(Debug, Clone, PartialEq)]
@@ -85,13 +86,15 @@ impl WorkerPool {
     }
 
     /// Puts worker `i` back when it is still down for `reason` (nothing else took it out
-    /// since) and last confirmed `version`: it was taken out for a request's own fault.
+    /// since) and last confirmed a version in `versions` (during a sync: the last finished
+    /// sync's through the announced one): it was taken out for a request's own fault.
     /// Returns whether it is up again.
-    pub fn reinstate(&mut self, i: usize, reason: &str, version: u64) -> bool {
+    pub fn reinstate(&mut self, i: usize, reason: &str, versions: RangeInclusive<u64>) -> bool {
         let Some(s) = self.slots.get_mut(i) else {
             return false;
         };
-        if s.up || s.down_reason.as_deref() != Some(reason) || s.version != Some(version) {
+        let current = s.version.is_some_and(|v| versions.contains(&v));
+        if s.up || s.down_reason.as_deref() != Some(reason) || !current {
             return s.up;
         }
         tracing::info!(worker = %s.url, "rollout worker back: the fault was the request's");
@@ -174,9 +177,12 @@ mod tests {
     fn a_worker_is_reinstated_only_when_nothing_else_took_it_out() {
         let mut p = pool(2);
         p.mark_down(0, "HTTP 500: boom".into());
-        assert!(!p.reinstate(0, "HTTP 500: boom", 1), "another version");
-        assert!(!p.reinstate(0, "refused", 0), "out for another reason");
-        assert!(p.reinstate(0, "HTTP 500: boom", 0));
+        assert!(!p.reinstate(0, "HTTP 500: boom", 1..=1), "another version");
+        assert!(!p.reinstate(0, "refused", 0..=0), "out for another reason");
+        assert!(
+            p.reinstate(0, "HTTP 500: boom", 0..=1),
+            "mid-sync from 0 to 1"
+        );
         assert_eq!(p.up_count(), 2);
         assert_eq!(p.slots()[0].down_reason, None);
     }

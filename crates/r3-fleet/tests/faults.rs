@@ -3,7 +3,12 @@
 //! - a prompt past the model's context gets HTTP 400 (as SGLang answers it): that request
 //!   fails alone with the server's message, no worker is taken out, and the batch's other
 //!   results are kept;
-//! - the same 5xx from two workers is the request's fault too: both workers stay up;
+//! - the same 5xx from two workers is the request's fault too: both workers stay up (also
+//!   when it happens during a sync);
+//! - a 401 is a worker fault (a worker without the API key): it is taken out and the request
+//!   goes to another worker, even when two workers give the same 401;
+//! - the same 503 from two workers (an ingress's generic body) says nothing about the
+//!   request: a third worker is tried;
 //! - a worker that was out rejoins although its `/health` answers 200 with an empty body,
 //!   as SGLang's does;
 //! - a worker brought back while syncs run loads a checkpoint with its own version label.
@@ -110,6 +115,80 @@ fn the_same_5xx_from_two_workers_is_the_requests_fault() {
     assert!(text.contains(&a.url), "names the first worker: {text}");
     assert_eq!(stats.retries, 1, "tried on the second worker once");
     assert_eq!(f.workers_up(), 2, "{}", f.pool().down_summary());
+}
+
+#[test]
+fn workers_answering_401_are_taken_out_and_the_batch_completes_on_a_good_one() {
+    let denied = json!({"detail": "Invalid API key"});
+    let (a, _) = fake::start(StatusCode::UNAUTHORIZED, denied.clone());
+    let (b, _) = fake::start(StatusCode::UNAUTHORIZED, denied);
+    let good = Server::real();
+    let f = fleet(vec![a.url.clone(), b.url.clone(), good.url.clone()]);
+    f.sync(&model_dir(), 1).expect("sync");
+    let (results, stats) = f
+        .generate(vec![request(6), request(7)])
+        .expect("the good worker serves the batch");
+    assert_eq!(results.len(), 2);
+    assert!(stats.retries >= 2, "{stats:?}");
+    assert_eq!(f.workers_up(), 1, "both 401 workers are out");
+    let down = f.pool().down_summary();
+    assert!(down.contains(&a.url) && down.contains(&b.url), "{down}");
+    assert!(down.contains("HTTP 401"), "{down}");
+}
+
+#[test]
+fn the_same_503_from_two_workers_sends_the_request_to_a_third() {
+    let busy = json!({"message": "Service Temporarily Unavailable"});
+    let (a, _) = fake::start(StatusCode::SERVICE_UNAVAILABLE, busy.clone());
+    let (b, _) = fake::start(StatusCode::SERVICE_UNAVAILABLE, busy);
+    let good = Server::real();
+    let f = fleet(vec![a.url.clone(), b.url.clone(), good.url.clone()]);
+    f.sync(&model_dir(), 1).expect("sync");
+    let (results, stats) = f
+        .generate(vec![request(6)])
+        .expect("the third worker serves it");
+    assert_eq!(results.len(), 1);
+    assert_eq!(stats.retries, 2, "tried on the first two, then the third");
+    assert_eq!(f.workers_up(), 1, "{}", f.pool().down_summary());
+}
+
+/// The same 500 from two workers while a sync to version 2 is under way (both still loading
+/// it): the first worker, taken out for it, is put back although it has not confirmed
+/// version 2 yet.
+#[test]
+fn the_same_5xx_during_a_sync_keeps_both_workers_up() {
+    let boom = json!({"error": {"message": "the engine failed on this prompt"}});
+    let (a, a_fake) = fake::start(StatusCode::INTERNAL_SERVER_ERROR, boom.clone());
+    let (b, b_fake) = fake::start(StatusCode::INTERNAL_SERVER_ERROR, boom);
+    let f = fleet(vec![a.url.clone(), b.url.clone()]);
+    f.sync(Path::new("/ckpt/step_1"), 1).expect("sync 1");
+    a_fake.slow_loads(Duration::from_secs(3));
+    b_fake.slow_loads(Duration::from_secs(3));
+    std::thread::scope(|s| {
+        let sync = s.spawn(|| f.sync(Path::new("/ckpt/step_2"), 2));
+        let started = Instant::now();
+        let loading = |fake: &fake::Fake| fake.loads().iter().any(|(_, v)| v == "2");
+        while !(loading(&a_fake) && loading(&b_fake)) {
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "sync 2 never began"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let (mut outcomes, _) = f.generate_each(vec![request(6)]).expect("batch");
+        let up = f.workers_up();
+        assert!(!sync.is_finished(), "the check must run during the sync");
+        let err = outcomes.remove(0).expect_err("both workers fail it");
+        let text = err.to_string();
+        assert!(
+            matches!(err, FleetError::RequestFailed { request: 0, .. }),
+            "{text}"
+        );
+        assert!(text.contains("both workers stay up"), "{text}");
+        assert_eq!(up, 2, "{}", f.pool().down_summary());
+        sync.join().expect("sync 2 thread").expect("sync 2");
+    });
+    assert_eq!(f.workers_up(), 2);
 }
 
 #[test]
