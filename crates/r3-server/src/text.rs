@@ -75,6 +75,12 @@ impl TextCodec {
         &self.tokenizer
     }
 
+    /// Checks the tokenizer fits a model of `model_vocab` ids and records it, so that
+    /// decoding refuses ids past the model's vocabulary (see [`TextTokenizer::fit_model`]).
+    pub fn fit_model(&mut self, model_vocab: usize) -> Result<(), r3_text::TextError> {
+        self.tokenizer.fit_model(model_vocab)
+    }
+
     /// The model's chat template, if it has one.
     pub fn chat_template(&self) -> Option<&ChatTemplate> {
         self.template.as_ref()

@@ -1,7 +1,7 @@
 //! Math-answer extraction and equivalence on a table of tricky completions, checked against
 //! answers worked out by hand.
 
-use r3_tasks::{AnswerSource, Rational, extract_math_answer, math_equal, parse_number};
+use r3_tasks::{extract_math_answer, math_equal, parse_number, AnswerSource, Rational};
 
 fn r(num: i128, den: i128) -> Option<Rational> {
     Rational::new(num, den)

@@ -295,6 +295,17 @@ fn dynamic_sampling_refills_the_groups_a_round_dropped() {
     assert_eq!(position(&t), Some((0, 4)), "two rounds of two prompts");
     assert_eq!(std::fs::read_to_string(&count).expect("count").trim(), "2");
 
+    // One epoch of 5 rows is 2 steps of 2 prompts: the one row left is too few to refill
+    // with, so step 1 keeps no group and the run stays within its epoch.
+    std::fs::remove_file(&count).expect("reset the count");
+    let mut one_epoch = cfg.clone();
+    one_epoch.data.total_epochs = 1;
+    let mut t = Trainer::new(one_epoch).expect("trainer");
+    assert_eq!(t.total_steps(), 2);
+    let m = t.rl_step().expect("step");
+    assert_eq!((m.sampling_rounds, m.groups_kept), (Some(1), 0));
+    assert_eq!(position(&t), Some((0, 2)));
+
     std::fs::remove_file(&count).expect("reset the count");
     cfg.algo.sampling_rounds = 1;
     let mut t = Trainer::new(cfg).expect("trainer");
@@ -306,5 +317,6 @@ fn dynamic_sampling_refills_the_groups_a_round_dropped() {
         (0, 1),
         "nothing to learn"
     );
+    assert!(!m.skipped_update, "no numerical failure");
     assert_eq!(position(&t), Some((0, 2)));
 }

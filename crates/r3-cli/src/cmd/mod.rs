@@ -133,9 +133,9 @@ pub fn model_tokenizer(dir: &Path, vocab_size: usize) -> anyhow::Result<Option<T
     if !dir.join("tokenizer.json").is_file() {
         return Ok(None);
     }
-    let tok = TextTokenizer::from_model_dir(dir)
+    let mut tok = TextTokenizer::from_model_dir(dir)
         .with_context(|| format!("tokenizer of {}", dir.display()))?;
-    tok.check_fits_model(vocab_size)
+    tok.fit_model(vocab_size)
         .with_context(|| format!("model directory {}", dir.display()))?;
     Ok(Some(tok))
 }

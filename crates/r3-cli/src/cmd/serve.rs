@@ -232,11 +232,10 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     };
     let engine = RolloutEngine::from_dir_with(a.device, &a.model, cfg, &load)
         .with_context(|| format!("loading model from {}", a.model.display()))?;
-    let text = TextCodec::from_model_dir(&a.model).map_err(anyhow::Error::msg)?;
-    if let Some(codec) = &text {
+    let mut text = TextCodec::from_model_dir(&a.model).map_err(anyhow::Error::msg)?;
+    if let Some(codec) = &mut text {
         codec
-            .tokenizer()
-            .check_fits_model(engine.model_config().vocab_size)
+            .fit_model(engine.model_config().vocab_size)
             .with_context(|| format!("model directory {}", a.model.display()))?;
     }
     let config = ServerConfig {

@@ -252,7 +252,9 @@ pub struct AlgoConfig {
     /// Most rollout rounds a step draws to fill `rollout.prompts_per_step` groups whose
     /// rewards differ (DAPO's dynamic sampling with refill; needs `dynamic_sampling`): each
     /// further round samples `prompts_per_step` fresh prompts, and the step trains on the
-    /// first `prompts_per_step` kept groups. 1 = drop only (the batch shrinks). Default 1.
+    /// first `prompts_per_step` kept groups. With `data.total_epochs`, refill draws only the
+    /// prompts the run's later steps do not need (the run stays within its epochs). 1 = drop
+    /// only (the batch shrinks). Default 1.
     pub sampling_rounds: usize,
     /// Optimiser steps per RL step. 1 = single mini-step: the whole batch in one update,
     /// old log-probs not recomputed (ratio 1 at the update). >1 = multi-mini-step: old

@@ -67,6 +67,12 @@ impl ModelText {
         &self.tokenizer
     }
 
+    /// Checks the tokenizer fits a model of `model_vocab` ids and records it, so that
+    /// decoding refuses ids past the model's vocabulary (see [`TextTokenizer::fit_model`]).
+    pub fn fit_model(&mut self, model_vocab: usize) -> Result<()> {
+        Ok(self.tokenizer.fit_model(model_vocab)?)
+    }
+
     /// The chat template, if the model has one.
     pub fn template(&self) -> Option<&ChatTemplate> {
         self.template.as_ref()

@@ -416,8 +416,8 @@ fn pretrain_word_problems(
     let eval_items = match wp.eval_files.is_empty() {
         true => Vec::new(),
         false => {
-            let context = policy.config().max_position_embeddings;
-            let mut items = load_split(&wp.eval_files, &text, &data, context, "eval")?.items;
+            let room = policy.config().max_position_embeddings.saturating_sub(1);
+            let mut items = load_split(&wp.eval_files, &text, &data, room, "eval")?.items;
             items.truncate(cfg.eval_size.max(1));
             items
         }

@@ -201,6 +201,21 @@ impl Backend {
     }
 }
 
+impl Backend {
+    /// A further rollout round of the step (dynamic sampling's refill): as
+    /// [`Generate::generate_batch`], but a fleet adds the round's cost to the step's
+    /// `rollout.*` counters instead of replacing them.
+    pub fn generate_another_round(
+        &mut self,
+        requests: Vec<GenerateRequest>,
+    ) -> Result<Vec<GenerateResult>> {
+        match self {
+            Backend::Fleet(fleet) => fleet.generate_another_round(requests),
+            other => other.generate_batch(requests),
+        }
+    }
+}
+
 impl Generate for Backend {
     fn generate_batch(&mut self, requests: Vec<GenerateRequest>) -> Result<Vec<GenerateResult>> {
         match self {

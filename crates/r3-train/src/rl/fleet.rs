@@ -117,6 +117,18 @@ impl FleetRollout {
         m.rollout_partial_resumed = Some(self.last.partial_resumed);
     }
 
+    /// A further rollout round of the same step: its cost is added to the last batch's (the
+    /// counters summed, `workers_up` the round's), so the step's line counts every round.
+    pub fn generate_another_round(
+        &mut self,
+        requests: Vec<GenerateRequest>,
+    ) -> Result<Vec<GenerateResult>> {
+        let before = self.last;
+        let results = self.generate_batch(requests)?;
+        self.last = added_rounds(before, self.last);
+        Ok(results)
+    }
+
     /// The batch generated ahead for the next step, if any; its cost becomes the last
     /// batch's.
     pub fn take_ahead(&mut self) -> Option<AheadBatch> {
@@ -134,6 +146,25 @@ impl Generate for FleetRollout {
         self.last = stats;
         check_count(results.len(), expected)?;
         Ok(results)
+    }
+}
+
+/// The cost of two rollout rounds of one step: counts and seconds summed, the workers up
+/// those at the later round's end.
+fn added_rounds(a: RolloutStats, b: RolloutStats) -> RolloutStats {
+    RolloutStats {
+        retries: a.retries + b.retries,
+        stale: a.stale + b.stale,
+        results: a.results + b.results,
+        workers_up: b.workers_up,
+        decode_s: a.decode_s + b.decode_s,
+        partial_resumed: a.partial_resumed + b.partial_resumed,
+        partial_restarted: a.partial_restarted + b.partial_restarted,
+        spanning: a.spanning + b.spanning,
+        encode_s: a.encode_s + b.encode_s,
+        request_s: a.request_s + b.request_s,
+        server_s: a.server_s + b.server_s,
+        timed_request_s: a.timed_request_s + b.timed_request_s,
     }
 }
 

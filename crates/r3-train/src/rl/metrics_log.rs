@@ -40,9 +40,10 @@ pub struct StepMetrics {
     pub grad_norm: Option<f64>,
     /// Learning rate of the last optimiser step.
     pub lr: Option<f64>,
-    /// Whether any mini-batch update was skipped for a NaN/inf loss or gradient norm.
+    /// Whether any mini-batch update was skipped for a NaN/inf loss or gradient norm (or an
+    /// update the guard refused); not for an update with no loss token to learn from.
     pub skipped_update: bool,
-    /// Mini-batch updates skipped this step.
+    /// Mini-batch updates skipped this step, those with no loss token included.
     #[serde(rename = "update.skipped")]
     pub updates_skipped: u64,
     /// Mini-batch updates applied this step.

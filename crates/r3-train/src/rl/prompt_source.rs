@@ -99,19 +99,19 @@ pub struct LoadedSplit {
 }
 
 /// Loads, renders and encodes `files`, dropping (and counting) overlong prompts: longer
-/// than `data.max_prompt_length`, or leaving no position to generate in within the model's
-/// `max_positions` (the engine would refuse such a prompt and fail the whole step).
+/// than `data.max_prompt_length`, or than `prompt_room`, the most tokens a prompt may hold
+/// for the rollout engine to generate after it within the model's context (the engine
+/// would refuse a longer one and fail the whole step).
 pub fn load_split(
     files: &[std::path::PathBuf],
     tokenizer: &ModelText,
     data: &DataConfig,
-    max_positions: usize,
+    prompt_room: usize,
     split: &str,
 ) -> Result<LoadedSplit> {
-    let context = max_positions.saturating_sub(1);
     let longest = match data.max_prompt_length {
-        0 => context,
-        n => n.min(context),
+        0 => prompt_room,
+        n => n.min(prompt_room),
     };
     let rows = load_dataset(files, &data.prompt_key)?;
     let total = rows.len();
@@ -129,7 +129,7 @@ pub fn load_split(
             filtered,
             total,
             max_prompt_length = data.max_prompt_length,
-            max_positions,
+            prompt_room,
             "dropped prompts longer than data.max_prompt_length or the model's context \
              (never truncated)"
         );
@@ -139,8 +139,8 @@ pub fn load_split(
             field: "data.max_prompt_length",
             reason: format!(
                 "every one of the {total} {split} prompts is longer than {longest} tokens \
-                 (data.max_prompt_length {}; the model's max_position_embeddings {max_positions} \
-                 leaves at most {context} for a prompt)",
+                 (data.max_prompt_length {}; the model's context leaves the rollout engine \
+                 room for prompts of at most {prompt_room})",
                 data.max_prompt_length
             ),
         });
@@ -176,7 +176,7 @@ impl PromptSource {
     pub fn new(
         cfg: &TrainConfig,
         tokenizer: &ModelText,
-        max_positions: usize,
+        prompt_room: usize,
         stream_pos: Option<u128>,
         position: Option<DatasetPosition>,
     ) -> Result<Self> {
@@ -190,11 +190,11 @@ impl PromptSource {
             let stream_pos = stream_pos.unwrap_or_else(|| task.train_stream(cfg.seed).word_pos());
             return Ok(PromptSource::Arithmetic { task, stream_pos });
         }
-        let train = load_split(&data.train_files, tokenizer, data, max_positions, "train")?;
+        let train = load_split(&data.train_files, tokenizer, data, prompt_room, "train")?;
         let mut val = if data.val_files.is_empty() {
             Vec::new()
         } else {
-            load_split(&data.val_files, tokenizer, data, max_positions, "val")?.items
+            load_split(&data.val_files, tokenizer, data, prompt_room, "val")?.items
         };
         if cfg.eval.size > 0 {
             val.truncate(cfg.eval.size);

@@ -20,16 +20,17 @@ pub struct SamplingRounds {
 
 /// The step's groups after refill: `first` is the first round's scored trajectories
 /// (group-major, `group` per prompt); `next_round(r)` samples and scores round `r` (1, 2,
-/// ...) of fresh prompts. Rounds are drawn, at most `max_rounds` in all, until `want`
-/// groups with differing rewards are in hand; the batch is the first `want` of them in the
-/// order drawn, renumbered group-major. Where no round kept a group, the first round is the
-/// batch as it came (its update has nothing to learn from and is skipped).
+/// ...) of fresh prompts, or gives None where no prompts are left to draw. Rounds are
+/// drawn, at most `max_rounds` in all, until `want` groups with differing rewards are in
+/// hand; the batch is the first `want` of them in the order drawn, renumbered group-major.
+/// Where no round kept a group, the first round is the batch as it came (its update has
+/// nothing to learn from and is skipped).
 pub fn fill_groups(
     first: Vec<Trajectory>,
     group: usize,
     want: usize,
     max_rounds: usize,
-    mut next_round: impl FnMut(u64) -> Result<Vec<Trajectory>>,
+    mut next_round: impl FnMut(u64) -> Result<Option<Vec<Trajectory>>>,
 ) -> Result<(Vec<Trajectory>, SamplingRounds)> {
     let mut drawn = SamplingRounds::default();
     let mut kept: Vec<Trajectory> = Vec::new();
@@ -38,7 +39,10 @@ pub fn fill_groups(
     for round in 0..max_rounds.max(1) as u64 {
         let trajs = match first.take() {
             Some(trajs) => trajs,
-            None => next_round(round)?,
+            None => match next_round(round)? {
+                Some(trajs) => trajs,
+                None => break,
+            },
         };
         let rewards: Vec<f32> = trajs.iter().map(|t| t.reward).collect();
         let filter = filter_uniform_groups(&rewards, group)?;
@@ -118,11 +122,11 @@ mod tests {
         let mut asked = Vec::new();
         let mut next = |r: u64| {
             asked.push(r);
-            Ok(match r {
+            Ok(Some(match r {
                 1 => round(1, &[[0.0, 0.0], [1.0, 0.0], [1.0, 1.0]]),
                 2 => round(2, &[[0.0, 1.0], [0.5, 0.0], [0.0, 0.0]]),
                 _ => round(9, &[[0.0, 1.0]; 3]),
-            })
+            }))
         };
         let first = round(0, &[[1.0, 1.0], [0.0, 1.0], [0.0, 0.0]]);
         let (batch, drawn) = fill_groups(first, 2, 3, 8, &mut next).expect("filled");
@@ -154,16 +158,16 @@ mod tests {
     fn out_of_rounds_the_batch_is_what_was_kept_or_the_first_round() {
         let uniform = |r: u32| round(r, &[[1.0, 1.0], [0.0, 0.0]]);
         let (batch, drawn) = fill_groups(uniform(0), 2, 2, 3, |r| {
-            Ok(match r {
+            Ok(Some(match r {
                 1 => round(1, &[[0.0, 0.0], [0.0, 1.0]]),
                 _ => uniform(r as u32),
-            })
+            }))
         })
         .expect("batch");
         assert_eq!(origins(&batch), [(0, vec![1, 1]), (0, vec![1, 1])]);
         assert_eq!((drawn.rounds, drawn.groups_uniform), (3, 5));
         let (batch, drawn) =
-            fill_groups(uniform(0), 2, 2, 3, |r| Ok(uniform(r as u32))).expect("batch");
+            fill_groups(uniform(0), 2, 2, 3, |r| Ok(Some(uniform(r as u32)))).expect("batch");
         assert_eq!(origins(&batch), origins(&uniform(0)));
         assert_eq!(
             (drawn.rounds, drawn.groups_drawn, drawn.groups_uniform),
@@ -175,5 +179,12 @@ mod tests {
             fill_groups(full.clone(), 2, 2, 3, |_| panic!("no refill")).expect("batch");
         assert_eq!(origins(&batch), origins(&full));
         assert_eq!(drawn.rounds, 1);
+        // No prompts left after round 1: the rounds end there.
+        let (batch, drawn) = fill_groups(uniform(0), 2, 2, 8, |r| {
+            Ok((r == 1).then(|| round(1, &[[0.0, 1.0], [1.0, 1.0]])))
+        })
+        .expect("batch");
+        assert_eq!(origins(&batch), [(0, vec![1, 0]), (0, vec![1, 0])]);
+        assert_eq!(drawn.rounds, 2);
     }
 }

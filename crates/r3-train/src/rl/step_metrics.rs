@@ -5,7 +5,7 @@
 use r3_routing::MismatchMetrics;
 
 use crate::algo::loss::PolicyLossKind;
-use crate::algo::update::{UpdateOutcome, UpdateTimes};
+use crate::algo::update::{SkipReason, UpdateOutcome, UpdateTimes};
 use crate::config::train::TrainConfig;
 use crate::error::{Result, TrainError};
 use crate::rl::metrics_log::StepMetrics;
@@ -97,6 +97,15 @@ fn step_metrics(
     let n = trajs.len().max(1) as f64;
     let applied: Vec<&MiniBatchResult> = results.iter().filter(|r| r.outcome.applied()).collect();
     let skipped = results.len() - applied.len();
+    // An update with no loss token had nothing to learn (every group dropped): skipped,
+    // but not the numerical failure `skipped_update` flags.
+    let failed = results
+        .iter()
+        .filter(|r| match r.outcome {
+            UpdateOutcome::Skipped { reason, .. } => reason != SkipReason::NoLossTokens,
+            UpdateOutcome::Applied { .. } => false,
+        })
+        .count();
     let grad_norms = results.iter().filter_map(|r| match r.outcome {
         UpdateOutcome::Applied { grad_norm, .. } => Some(f64::from(grad_norm.norm)),
         UpdateOutcome::Skipped { grad_norm, .. } => grad_norm.map(f64::from),
@@ -126,7 +135,7 @@ fn step_metrics(
         entropy: Some(f64::from(view.entropy)),
         grad_norm: mean(grad_norms),
         lr,
-        skipped_update: skipped > 0,
+        skipped_update: failed > 0,
         updates_skipped: skipped as u64,
         updates_applied: applied.len() as u64,
         k3_kl: mismatch.map(|m| m.k3_kl),
@@ -154,7 +163,6 @@ mod tests {
     use super::*;
     use crate::algo::grad_clip::GradNorm;
     use crate::algo::loss::PolicyLossMetrics;
-    use crate::algo::update::SkipReason;
     use crate::rl::sampling::RolloutSample;
     use candle_core::{Device, Tensor};
 

@@ -13,7 +13,7 @@ use r3_rollout::{config_eos_ids, GenerateRequest};
 use r3_tasks::{DatasetPosition, Reward};
 
 use crate::algo::optim::{decay_matrices_only, AdamW, AdamWParams, UpdateStaging};
-use crate::config::train::TrainConfig;
+use crate::config::train::{RolloutBackend, TrainConfig};
 use crate::error::{Result, StepPhase, TrainError};
 use crate::policy::model_text::ModelText;
 use crate::policy::trainable::TrainablePolicy;
@@ -129,12 +129,10 @@ impl Trainer {
     fn assemble(
         cfg: TrainConfig,
         mut policy: TrainablePolicy,
-        tokenizer: ModelText,
+        mut tokenizer: ModelText,
         resume: Option<(&Path, TrainerState)>,
     ) -> Result<Self> {
-        tokenizer
-            .tokenizer()
-            .check_fits_model(policy.config().vocab_size)?;
+        tokenizer.fit_model(policy.config().vocab_size)?;
         policy.set_score_tiles(cfg.algo.attention_tiles());
         let params = AdamWParams {
             beta1: cfg.optim.beta1,
@@ -190,14 +188,21 @@ impl Trainer {
         }
         let eos = config_eos_ids(policy.config());
         let reward = Reward::from_spec(&cfg.reward, cfg.task.format_reward as f32);
-        let max_positions = policy.config().max_position_embeddings;
+        // The most tokens a prompt may hold: r3's engines need one position left to generate
+        // in (they stop at the context's end); an SGLang worker refuses a request whose
+        // prompt and max_new_tokens pass the context (HTTP 400), so a fleet needs them all.
+        let context = policy.config().max_position_embeddings;
+        let prompt_room = match cfg.rollout.backend {
+            RolloutBackend::Engine => context.saturating_sub(1),
+            RolloutBackend::Sglang => context.saturating_sub(1 + cfg.rollout.max_new_tokens),
+        };
         let (step, prompts) = match resume {
             Some((dir, state)) => {
                 load_optimizer(dir, &state, &mut optimizer)?;
                 let prompts = PromptSource::new(
                     &cfg,
                     &tokenizer,
-                    max_positions,
+                    prompt_room,
                     Some(state.word_pos()?),
                     state.dataset_position,
                 )?;
@@ -205,7 +210,7 @@ impl Trainer {
             }
             None => (
                 0,
-                PromptSource::new(&cfg, &tokenizer, max_positions, None, None)?,
+                PromptSource::new(&cfg, &tokenizer, prompt_room, None, None)?,
             ),
         };
         // A fleet samples and evaluates: no second copy of the weights in this process.
@@ -236,6 +241,30 @@ impl Trainer {
             PromptSource::Dataset { train, .. } => Some(train.items.len()),
         };
         self.cfg.total_steps(rows)
+    }
+
+    /// With `data.total_epochs`, the prompts refill rounds of step `step` may still draw: those
+    /// of the epochs the cursor has not reached, less what the run's later steps need, so a
+    /// run that refills stays within its epochs and takes its steps; None: no limit.
+    fn refill_budget(&self, step: u64) -> Option<u64> {
+        let (rows, epochs) = match &self.prompts {
+            PromptSource::Dataset { train, .. } if self.cfg.data.total_epochs > 0 => {
+                (train.items.len() as u64, self.cfg.data.total_epochs)
+            }
+            _ => return None,
+        };
+        let at = self.prompts.dataset_position()?;
+        let drawn = at
+            .epoch
+            .saturating_mul(rows)
+            .saturating_add(at.index as u64);
+        let later_steps = self.total_steps().saturating_sub(step);
+        let later = later_steps.saturating_mul(self.cfg.rollout.prompts_per_step as u64);
+        Some(
+            rows.saturating_mul(epochs)
+                .saturating_sub(drawn)
+                .saturating_sub(later),
+        )
     }
 
     /// The prompt stream's position after the last completed step: before the batch drawn
@@ -455,10 +484,16 @@ impl Trainer {
             rounds => {
                 let want = cfg.rollout.prompts_per_step;
                 let (trajs, drawn) = fill_groups(trajs, group, want, rounds, |round| {
+                    if self
+                        .refill_budget(step)
+                        .is_some_and(|left| left < want as u64)
+                    {
+                        return Ok(None);
+                    }
                     let prompts = self.next_prompts(want)?;
                     let requests = self.step_requests(cfg, &prompts, step, round);
-                    let results = self.backend.generate_batch(requests)?;
-                    score_groups(&self.tokenizer, &prompts, results, group, &self.reward)
+                    let results = self.backend.generate_another_round(requests)?;
+                    score_groups(&self.tokenizer, &prompts, results, group, &self.reward).map(Some)
                 })?;
                 (trajs, Some(drawn))
             }
