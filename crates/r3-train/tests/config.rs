@@ -214,6 +214,16 @@ fn file_layers_between_defaults_and_overrides() {
         10,
         "two steps of 4, then the third update"
     );
+    // A prompt leaves r3's engine one position of a 128-position context; an SGLang
+    // fleet, which refuses prompt + max_new_tokens past the context, all 64 of its tokens.
+    let mut fleet = cfg.clone();
+    fleet.rollout.backend = r3_train::config::RolloutBackend::Sglang;
+    assert_eq!((cfg.prompt_room(128), fleet.prompt_room(128)), (127, 63));
+    assert_eq!(
+        fleet.prompt_room(60),
+        0,
+        "no room at all: every prompt is refused"
+    );
 
     std::fs::write(&path, "[algo]\nclip = 0.2\n").expect("write");
     match TrainConfig::resolve(Some(&path), &[]) {

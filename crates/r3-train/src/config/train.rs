@@ -580,6 +580,17 @@ impl TrainConfig {
         }
     }
 
+    /// The most tokens a training prompt may hold for the rollout backend to generate after
+    /// it within a model context of `context` positions: r3's engines need one position left
+    /// (they stop at the context's end); an SGLang worker refuses a request whose prompt and
+    /// `max_new_tokens` pass the context (HTTP 400), so a fleet needs room for all of them.
+    pub fn prompt_room(&self, context: usize) -> usize {
+        match self.rollout.backend {
+            RolloutBackend::Engine => context.saturating_sub(1),
+            RolloutBackend::Sglang => context.saturating_sub(1 + self.rollout.max_new_tokens),
+        }
+    }
+
     /// The place in the LR schedule of mini-batch `mini_batch` (0-based) of RL step `step`
     /// (1-based): the schedule moves with the run's steps, so a skipped update, or a step
     /// whose dynamic sampling left fewer rows than `mini_batches` updates, neither holds it

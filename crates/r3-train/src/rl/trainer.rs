@@ -13,7 +13,7 @@ use r3_rollout::{config_eos_ids, GenerateRequest};
 use r3_tasks::{DatasetPosition, Reward};
 
 use crate::algo::optim::{decay_matrices_only, AdamW, AdamWParams, UpdateStaging};
-use crate::config::train::{RolloutBackend, TrainConfig};
+use crate::config::train::TrainConfig;
 use crate::error::{Result, StepPhase, TrainError};
 use crate::policy::model_text::ModelText;
 use crate::policy::trainable::TrainablePolicy;
@@ -188,14 +188,7 @@ impl Trainer {
         }
         let eos = config_eos_ids(policy.config());
         let reward = Reward::from_spec(&cfg.reward, cfg.task.format_reward as f32);
-        // The most tokens a prompt may hold: r3's engines need one position left to generate
-        // in (they stop at the context's end); an SGLang worker refuses a request whose
-        // prompt and max_new_tokens pass the context (HTTP 400), so a fleet needs them all.
-        let context = policy.config().max_position_embeddings;
-        let prompt_room = match cfg.rollout.backend {
-            RolloutBackend::Engine => context.saturating_sub(1),
-            RolloutBackend::Sglang => context.saturating_sub(1 + cfg.rollout.max_new_tokens),
-        };
+        let prompt_room = cfg.prompt_room(policy.config().max_position_embeddings);
         let (step, prompts) = match resume {
             Some((dir, state)) => {
                 load_optimizer(dir, &state, &mut optimizer)?;
