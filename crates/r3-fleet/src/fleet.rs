@@ -71,6 +71,27 @@ pub struct RolloutStats {
     pub timed_request_s: f64,
 }
 
+impl RolloutStats {
+    /// The cost of this batch and a `later` one taken together (two rollout rounds of one
+    /// RL step): counts and seconds summed, the workers up those at the later one's end.
+    pub fn then(self, later: RolloutStats) -> RolloutStats {
+        RolloutStats {
+            retries: self.retries + later.retries,
+            stale: self.stale + later.stale,
+            results: self.results + later.results,
+            workers_up: later.workers_up,
+            decode_s: self.decode_s + later.decode_s,
+            partial_resumed: self.partial_resumed + later.partial_resumed,
+            partial_restarted: self.partial_restarted + later.partial_restarted,
+            spanning: self.spanning + later.spanning,
+            encode_s: self.encode_s + later.encode_s,
+            request_s: self.request_s + later.request_s,
+            server_s: self.server_s + later.server_s,
+            timed_request_s: self.timed_request_s + later.timed_request_s,
+        }
+    }
+}
+
 /// Counters the request tasks of one batch add to.
 #[derive(Debug, Default)]
 struct Counters {
@@ -752,6 +773,33 @@ mod tests {
     use super::*;
     use r3_rollout::SamplingParams;
     use r3_routing::{LayerLayout, MergePolicy};
+
+    /// Two rounds of one step: counts and seconds summed, the workers up the later round's.
+    #[test]
+    fn two_batches_cost_their_sum() {
+        let a = RolloutStats {
+            retries: 1,
+            results: 8,
+            workers_up: 3,
+            decode_s: 0.5,
+            partial_resumed: 2,
+            request_s: 1.0,
+            ..RolloutStats::default()
+        };
+        let b = RolloutStats {
+            retries: 2,
+            stale: 1,
+            results: 8,
+            workers_up: 2,
+            decode_s: 0.25,
+            request_s: 3.0,
+            ..RolloutStats::default()
+        };
+        let sum = a.then(b);
+        assert_eq!((sum.retries, sum.stale, sum.results), (3, 1, 16));
+        assert_eq!((sum.workers_up, sum.partial_resumed), (2, 2));
+        assert_eq!((sum.decode_s, sum.request_s), (0.75, 4.0));
+    }
 
     fn fleet(url: String) -> Fleet {
         let cfg = FleetConfig {

@@ -125,7 +125,7 @@ impl FleetRollout {
     ) -> Result<Vec<GenerateResult>> {
         let before = self.last;
         let results = self.generate_batch(requests)?;
-        self.last = added_rounds(before, self.last);
+        self.last = before.then(self.last);
         Ok(results)
     }
 
@@ -146,25 +146,6 @@ impl Generate for FleetRollout {
         self.last = stats;
         check_count(results.len(), expected)?;
         Ok(results)
-    }
-}
-
-/// The cost of two rollout rounds of one step: counts and seconds summed, the workers up
-/// those at the later round's end.
-fn added_rounds(a: RolloutStats, b: RolloutStats) -> RolloutStats {
-    RolloutStats {
-        retries: a.retries + b.retries,
-        stale: a.stale + b.stale,
-        results: a.results + b.results,
-        workers_up: b.workers_up,
-        decode_s: a.decode_s + b.decode_s,
-        partial_resumed: a.partial_resumed + b.partial_resumed,
-        partial_restarted: a.partial_restarted + b.partial_restarted,
-        spanning: a.spanning + b.spanning,
-        encode_s: a.encode_s + b.encode_s,
-        request_s: a.request_s + b.request_s,
-        server_s: a.server_s + b.server_s,
-        timed_request_s: a.timed_request_s + b.timed_request_s,
     }
 }
 
