@@ -113,6 +113,9 @@ pub struct PartialRollout {
     pub rng: ChaCha8Rng,
     /// Weight version at the abort.
     pub weight_version: u64,
+    /// Prompt tokens its prefill took from the prefix cache (the result's `cached_tokens`;
+    /// 0 before a prefill), so an aborted or stop-string-ended answer reports them.
+    pub cached_tokens: usize,
 }
 
 impl PartialRollout {
@@ -129,6 +132,7 @@ impl PartialRollout {
             routes: None,
             rng,
             weight_version,
+            cached_tokens: 0,
         }
     }
 
@@ -150,6 +154,7 @@ impl PartialRollout {
             routes: result.routes,
             rng,
             weight_version,
+            cached_tokens: result.cached_tokens,
         }
     }
 }

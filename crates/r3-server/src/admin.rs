@@ -7,6 +7,7 @@
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
+use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -88,6 +89,7 @@ pub async fn server_info(State(state): State<AppState>) -> Json<Value> {
         "dp_size": 1,
         "tp_size": 1,
         "return_routed_experts_by_default": state.config().return_routed_experts_by_default,
+        "return_original_logprob": state.config().return_original_logprob,
         "limits": {
             "max_body_bytes": l.max_body_bytes,
             "max_new_tokens": l.max_new_tokens,
@@ -150,11 +152,31 @@ struct UpdateWeightsBody {
 /// `POST /update_weights_from_disk`: reads and checks the new weights on a loader thread
 /// while the engine keeps serving, then swaps them in between two steps and sets the weight
 /// version (the engine invalidates its prefix cache); `abort_all_requests` aborts only after
-/// the swap. Only directories under the weights root are read; one update at a time.
+/// the swap. Only directories under the weights root are read; one update at a time. A
+/// failed update answers SGLang's `{"success": false, "message", "num_paused_requests"}`
+/// (clients read `success`) beside r3's `error` object, under r3's status for the failure.
 pub async fn update_weights(
     State(state): State<AppState>,
     body: Result<Bytes, BytesRejection>,
-) -> Result<Json<Value>, ApiError> {
+) -> Response {
+    match try_update_weights(state, body).await {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => {
+            let mut body = e.body();
+            body["success"] = json!(false);
+            body["message"] = json!(e.message);
+            body["num_paused_requests"] = json!(0);
+            e.log();
+            (e.status, Json(body)).into_response()
+        }
+    }
+}
+
+/// The update itself; its answer on success.
+async fn try_update_weights(
+    state: AppState,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Value, ApiError> {
     let bytes = read_body(body, state.limits().max_body_bytes)?;
     let body: UpdateWeightsBody = UPDATE_WEIGHTS.parse(parse_body::<Value>(&bytes)?)?;
     match body.load_format.as_deref() {
@@ -196,12 +218,12 @@ pub async fn update_weights(
             body.weight_version,
         )
         .await?;
-    Ok(Json(json!({
+    Ok(json!({
         "success": true,
         "message": format!("loaded weights from {}", body.model_path),
         "weight_version": version,
         "num_paused_requests": 0,
-    })))
+    }))
 }
 
 /// `/abort_request` body.

@@ -9,6 +9,8 @@
 //! finish reason and its log-probs; then `[DONE]`. The content of a choice's chunks
 //! concatenates to the non-streamed content.
 
+use std::time::Instant;
+
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
@@ -19,10 +21,11 @@ use serde_json::{json, Map, Value};
 
 use super::completions::token_text;
 use super::error::ApiError;
-use super::fields::parse_body;
-use super::generate::MAX_TOP_LOGPROBS;
+use super::fields::{parse_body, token_list};
+use super::generate::{meta_info, ResponseSpec, MAX_TOP_LOGPROBS};
 use super::openai::{
-    completion_tokens, finish_reason, respond, usage, AnswerHead, AnswerStream, SampleJobs,
+    choice_rids, closing_chunks, completion_tokens, finish_reason, matched_stop, respond,
+    routes_ext, usage, AnswerHead, AnswerStream, SampleJobs, SampleOptions, StreamOptions,
 };
 use super::openai_sampling::OpenAiSampling;
 use super::policy::FieldRule::{Ignored, Implemented, NeutralOnly};
@@ -33,9 +36,12 @@ use super::stream_text::stop_hold;
 use super::worker::Finished;
 use super::{read_body, AppState};
 use r3_rollout::request::{FinishReason, GenerateResult};
+use r3_routing::wire::WireDtype;
 use r3_text::json_kind;
 
-/// OpenAI's chat completions request plus the SGLang / vLLM extensions r3 implements.
+/// OpenAI's chat completions request plus the SGLang extensions of its
+/// `ChatCompletionRequest` (python/sglang/srt/entrypoints/openai/protocol.py) and vLLM's
+/// `add_generation_prompt`.
 pub static CHAT: Schema = Schema {
     name: "chat/completions",
     fields: &[
@@ -43,6 +49,8 @@ pub static CHAT: Schema = Schema {
         ("messages", Implemented),
         ("add_generation_prompt", Implemented),
         ("chat_template_kwargs", Implemented),
+        ("reasoning_effort", Implemented),
+        ("input_ids", Implemented),
         ("max_tokens", Implemented),
         ("max_completion_tokens", Implemented),
         ("temperature", Implemented),
@@ -62,18 +70,49 @@ pub static CHAT: Schema = Schema {
         ("repetition_penalty", Implemented),
         ("logit_bias", Implemented),
         ("stream", Implemented),
-        ("stream_options", Ignored),
-        ("user", Ignored),
-        ("rid", Ignored),
-        ("separate_reasoning", Ignored),
+        ("stream_options", Implemented),
         ("logprobs", Implemented),
         ("top_logprobs", Implemented),
+        ("rid", Implemented),
+        ("return_meta_info", Implemented),
+        ("return_prompt_token_ids", Implemented),
+        ("return_routed_experts", Implemented),
+        ("routed_experts_start_len", Implemented),
+        ("return_token_ids", Ignored),
+        ("user", Ignored),
+        ("separate_reasoning", Ignored),
+        ("stream_reasoning", Ignored),
+        ("parallel_tool_calls", Ignored),
+        ("task", Ignored),
+        ("session_id", Ignored),
+        ("custom_params", Ignored),
+        ("extra_key", Ignored),
+        ("cache_salt", Ignored),
+        ("ngram_corpus_id", Ignored),
+        ("priority", Ignored),
         ("tools", NeutralOnly(&[])),
         ("tool_choice", NeutralOnly(&["\"none\"", "\"auto\""])),
-        ("parallel_tool_calls", Ignored),
         ("response_format", NeutralOnly(&[])),
         ("continue_final_message", NeutralOnly(&[])),
-        ("return_routed_experts", NeutralOnly(&[])),
+        ("reasoning", NeutralOnly(&[])),
+        ("return_hidden_states", NeutralOnly(&[])),
+        ("return_cached_tokens_details", NeutralOnly(&[])),
+        ("regex", NeutralOnly(&[])),
+        ("ebnf", NeutralOnly(&[])),
+        ("stop_regex", NeutralOnly(&[])),
+        ("lora_path", NeutralOnly(&[])),
+        ("session_params", NeutralOnly(&[])),
+        ("max_dynamic_patch", NeutralOnly(&[])),
+        ("min_dynamic_patch", NeutralOnly(&[])),
+        ("use_audio_in_video", NeutralOnly(&[])),
+        ("images_config", NeutralOnly(&[])),
+        ("custom_logit_processor", NeutralOnly(&[])),
+        ("bootstrap_host", NeutralOnly(&[])),
+        ("bootstrap_port", NeutralOnly(&[])),
+        ("bootstrap_room", NeutralOnly(&[])),
+        ("routed_dp_rank", NeutralOnly(&[])),
+        ("disagg_prefill_dp_rank", NeutralOnly(&[])),
+        ("data_parallel_rank", NeutralOnly(&[])),
     ],
 };
 
@@ -83,6 +122,12 @@ struct ChatBody {
     messages: Vec<Value>,
     add_generation_prompt: Option<bool>,
     chat_template_kwargs: Option<Map<String, Value>>,
+    /// SGLang's reasoning switch: anything but `"none"` sets the template's `thinking` and
+    /// `enable_thinking` (unless `chat_template_kwargs` sets them).
+    reasoning_effort: Option<Value>,
+    /// The prompt's ids, used instead of the rendered messages (SGLang: "bypasses chat
+    /// template tokenization entirely"; miles' session router sends them).
+    input_ids: Option<Value>,
     max_tokens: Option<usize>,
     max_completion_tokens: Option<usize>,
     n: Option<usize>,
@@ -91,6 +136,17 @@ struct ChatBody {
     logprobs: Option<bool>,
     top_logprobs: Option<usize>,
     stream: Option<bool>,
+    stream_options: Option<StreamOptions>,
+    /// Client request id, usable with `/abort_request` (`rid_k` per choice when `n > 1`).
+    rid: Option<Value>,
+    /// Each choice carries `/generate`'s `meta_info` (not with `stream`, as SGLang).
+    return_meta_info: Option<bool>,
+    /// Each choice carries the prompt's ids (not with `stream`, as SGLang).
+    return_prompt_token_ids: Option<bool>,
+    /// SGLang's `sglext.routed_experts`: the first choice's routes, base64 int32.
+    return_routed_experts: Option<bool>,
+    /// First position of those routes.
+    routed_experts_start_len: Option<usize>,
 }
 
 /// One OpenAI message as a template message: `content` a string, a list of text parts
@@ -156,6 +212,7 @@ pub async fn handle(
     State(state): State<AppState>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
+    let started = Instant::now();
     let bytes = read_body(body, state.limits().max_body_bytes)?;
     let body: ChatBody = CHAT.parse(parse_body::<Value>(&bytes)?)?;
     let codec = state.text().ok_or_else(|| {
@@ -166,20 +223,44 @@ pub async fn handle(
     if body.messages.is_empty() {
         return Err(ApiError::bad_request("messages is empty"));
     }
+    let stream = body.stream.unwrap_or(false);
+    if stream {
+        // SGLang refuses these with `stream` too: its chunks have no place for them.
+        for (field, asked) in [
+            ("return_meta_info", body.return_meta_info),
+            ("return_prompt_token_ids", body.return_prompt_token_ids),
+        ] {
+            if asked.unwrap_or(false) {
+                return Err(ApiError::bad_request(format!(
+                    "{field} is not supported with stream: true"
+                )));
+            }
+        }
+    }
     let messages = body
         .messages
         .iter()
         .enumerate()
         .map(|(i, m)| chat_message(m, i))
         .collect::<Result<Vec<_>, _>>()?;
-    let opts = RenderOptions {
-        add_generation_prompt: body.add_generation_prompt.unwrap_or(true),
-        kwargs: body.chat_template_kwargs.clone().unwrap_or_default(),
-        ..RenderOptions::default()
+    let input_ids = match &body.input_ids {
+        Some(ids) if !ids.is_null() => {
+            let ids = token_list(ids, "input_ids")?;
+            state.check_prompt(&ids, "input_ids")?;
+            ids
+        }
+        _ => {
+            let opts = RenderOptions {
+                add_generation_prompt: body.add_generation_prompt.unwrap_or(true),
+                kwargs: template_kwargs(&body)?,
+                ..RenderOptions::default()
+            };
+            let prompt = codec.render_chat(&messages, &opts)?;
+            let ids = codec.encode(&prompt)?;
+            state.check_prompt(&ids, "rendered messages")?;
+            ids
+        }
     };
-    let prompt = codec.render_chat(&messages, &opts)?;
-    let input_ids = codec.encode(&prompt)?;
-    state.check_prompt(&input_ids, "rendered messages")?;
     let n = body.n.unwrap_or(1);
     if n == 0 {
         return Err(ApiError::bad_request("n must be at least 1"));
@@ -191,38 +272,118 @@ pub async fn handle(
     if !body.sampling.ignore_eos.unwrap_or(false) {
         stop_ids.extend(codec.tokenizer().stop_token_ids().iter().copied());
     }
-    let max_new_tokens = body
-        .max_completion_tokens
-        .or(body.max_tokens)
-        .unwrap_or(state.limits().default_max_new_tokens);
-    let sampling = body
-        .sampling
-        .to_native(max_new_tokens, Some(stop_ids), || state.next_seed());
+    // Without `max_tokens` SGLang sends no `max_new_tokens`: the rest of the context.
+    let max_new_tokens = body.max_completion_tokens.or(body.max_tokens);
+    let sampling = body.sampling.to_native(max_new_tokens, Some(stop_ids));
     let top_n = logprobs_asked(body.logprobs, body.top_logprobs)?;
+    let prompts = [input_ids];
+    let opts = SampleOptions {
+        top_n,
+        prompt_logprobs: false,
+        routes_from: None,
+    }
+    .with_routes(
+        &state,
+        body.return_routed_experts,
+        body.routed_experts_start_len,
+        &prompts,
+    )?;
+    let [input_ids] = prompts;
+    let rids = choice_rids(body.rid.as_ref(), 1, n)?;
     let mut samples = SampleJobs::with_capacity(n);
-    samples.push_samples(&state, &sampling, &input_ids, n, top_n, false)?;
+    samples.push_samples(&state, &sampling, &input_ids, &rids[0], &opts)?;
+    let specs: Vec<ResponseSpec> = samples
+        .jobs
+        .iter()
+        .zip(&samples.texts)
+        .map(|(job, text)| ResponseSpec {
+            rid: job.rid.clone(),
+            return_logprob: top_n.is_some(),
+            prompt_ids: input_ids.clone(),
+            top_logprobs: top_n.unwrap_or(0),
+            // SGLang's chat asks its engine for the token texts.
+            text_in_logprobs: true,
+            return_routes: job.request.return_routes,
+            dtype: WireDtype::I32,
+            text: text.clone(),
+            prompt_only: false,
+        })
+        .collect();
     let reply = ChatReply {
         head: AnswerHead::new(&state, "chatcmpl"),
         top_n,
         texts: samples.texts,
+        prompt_len: input_ids.len(),
+        routes: opts.routes_from.is_some(),
+        stream: body.stream_options.unwrap_or_default(),
     };
     let chunks = AnswerStream::new(&state, reply.texts.len(), reply);
-    let stream = body.stream.unwrap_or(false);
+    let meta = body.return_meta_info.unwrap_or(false);
+    let prompt_ids = body.return_prompt_token_ids.unwrap_or(false);
     respond(&state, samples.jobs, stream, chunks, |chunks, results| {
         let reply = &chunks.reply;
+        let latency = started.elapsed().as_secs_f64();
         let mut choices = Vec::with_capacity(results.len());
-        for (index, f) in results.iter().enumerate() {
+        for ((index, f), spec) in results.iter().enumerate().zip(&specs) {
             let c = reply.choice(&state, index, f)?;
-            choices.push(json!({"index": index,
+            let mut choice = json!({"index": index,
                 "message": {"role": "assistant", "content": c.content},
-                "finish_reason": c.finish, "token_ids": f.result.output_ids, "logprobs": c.logprobs}));
+                "finish_reason": c.finish, "matched_stop": matched_stop(f),
+                "token_ids": f.result.output_ids, "logprobs": c.logprobs});
+            if prompt_ids {
+                choice["prompt_token_ids"] = json!(input_ids);
+            }
+            if meta {
+                choice["meta_info"] = meta_info(&state, f, spec, latency)?;
+            }
+            choices.push(choice);
         }
         let mut answer = reply.head.object("chat.completion", json!(choices));
         answer["usage"] = usage(input_ids.len(), completion_tokens(&results));
         answer["prompt_token_ids"] = json!(input_ids);
+        if let Some(first) = results.first() {
+            answer["metadata"] = json!({"weight_version": first.weight_version});
+        }
+        if reply.routes {
+            if let Some(ext) = routes_ext(&state, &results)? {
+                answer["sglext"] = ext;
+            }
+        }
         Ok(answer)
     })
     .await
+}
+
+/// The template's keyword arguments: `chat_template_kwargs`, and SGLang's
+/// `reasoning_effort` setting `thinking` / `enable_thinking` (to `effort != "none"`) where
+/// those do not.
+fn template_kwargs(body: &ChatBody) -> Result<Map<String, Value>, ApiError> {
+    let mut kwargs = body.chat_template_kwargs.clone().unwrap_or_default();
+    let thinking = match &body.reasoning_effort {
+        None | Some(Value::Null) => return Ok(kwargs),
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => false,
+            "minimal" | "low" | "medium" | "high" | "xhigh" | "max" => true,
+            other => {
+                return Err(ApiError::bad_request(format!(
+                    "reasoning_effort {other:?} is not one of none, minimal, low, medium, high, xhigh, max or a number in [0, 0.99]"
+                )))
+            }
+        },
+        Some(Value::Number(x)) if x.as_f64().is_some_and(|x| (0.0..=0.99).contains(&x)) => true,
+        Some(other) => {
+            return Err(ApiError::bad_request(format!(
+                "reasoning_effort must be a level name or a number in [0, 0.99], got {}",
+                json_kind(other)
+            )))
+        }
+    };
+    for key in ["thinking", "enable_thinking"] {
+        kwargs
+            .entry(key.to_string())
+            .or_insert(Value::Bool(thinking));
+    }
+    Ok(kwargs)
 }
 
 /// Alternatives per token asked for by OpenAI's `logprobs` / `top_logprobs` (None: no
@@ -247,6 +408,12 @@ struct ChatReply {
     top_n: Option<usize>,
     /// Text options of each choice.
     texts: Vec<TextOptions>,
+    /// Tokens of the prompt (usage).
+    prompt_len: usize,
+    /// Routes were asked for (`sglext`).
+    routes: bool,
+    /// What a streamed answer reports of its usage.
+    stream: StreamOptions,
 }
 
 /// The parts of one finished choice.
@@ -344,10 +511,14 @@ impl ChunkBuilder for ChatChunks {
         let Some(new) = self.text.advance(index, tokens, hold, render) else {
             return Vec::new();
         };
-        vec![self
+        let mut chunk = self
             .reply
             .chunk(json!({"index": index, "delta": {"content": new},
-            "logprobs": null, "finish_reason": null}))]
+            "logprobs": null, "finish_reason": null}));
+        if self.reply.stream.continuous() {
+            chunk["usage"] = usage(self.reply.prompt_len, self.text.tokens(index));
+        }
+        vec![chunk]
     }
 
     fn finish(&mut self, results: &[Finished]) -> Result<Vec<Value>, ApiError> {
@@ -355,12 +526,26 @@ impl ChunkBuilder for ChatChunks {
         for (index, f) in results.iter().enumerate() {
             let c = self.reply.choice(&self.state, index, f)?;
             let rest = self.text.rest(index, &c.content);
-            out.push(
-                self.reply
-                    .chunk(json!({"index": index, "delta": {"content": rest},
-                "logprobs": c.logprobs, "finish_reason": c.finish})),
-            );
+            let mut chunk = self.reply.chunk(json!({"index": index, "delta": {"content": rest},
+                "logprobs": c.logprobs, "finish_reason": c.finish, "matched_stop": matched_stop(f)}));
+            if self.reply.stream.continuous() {
+                chunk["usage"] = usage(self.reply.prompt_len, f.result.output_ids.len());
+            }
+            out.push(chunk);
         }
+        let reply = &self.reply;
+        let usage_now = reply
+            .stream
+            .include_usage()
+            .then(|| usage(reply.prompt_len, completion_tokens(results)));
+        out.extend(closing_chunks(
+            &self.state,
+            &reply.head,
+            "chat.completion.chunk",
+            results,
+            reply.routes,
+            usage_now,
+        )?);
         Ok(out)
     }
 }

@@ -14,7 +14,8 @@ use serde_json::{json, Map, Value};
 use super::error::ApiError;
 use super::fields::{parse_body, token_list, token_prompts};
 use super::openai::{
-    completion_tokens, finish_reason, respond, usage, AnswerHead, AnswerStream, SampleJobs,
+    choice_rids, closing_chunks, completion_tokens, finish_reason, matched_stop, respond,
+    routes_ext, usage, AnswerHead, AnswerStream, SampleJobs, SampleOptions, StreamOptions,
 };
 use super::openai_sampling::OpenAiSampling;
 use super::policy::COMPLETIONS;
@@ -48,6 +49,16 @@ struct CompletionBody {
     echo: Option<bool>,
     /// Answer as server-sent events, chunks as tokens are produced (see [`OpenAiChunks`]).
     stream: Option<bool>,
+    /// `include_usage` / `continuous_usage_stats` of a streamed answer.
+    stream_options: Option<StreamOptions>,
+    /// Client request id(s), usable with `/abort_request` (one string, or one per prompt).
+    rid: Option<Value>,
+    /// Put each prompt's ids in its choices (`prompt_token_ids`; `token_ids` always are).
+    return_token_ids: Option<bool>,
+    /// SGLang's `sglext.routed_experts` (the first choice's routes, base64 int32).
+    return_routed_experts: Option<bool>,
+    /// First position of those routes.
+    routed_experts_start_len: Option<usize>,
 }
 
 /// `POST /v1/completions`.
@@ -75,10 +86,21 @@ pub async fn handle(
     let total = prompts.len().saturating_mul(n);
     state.check_batch_size(total)?;
     let sampling = body.sampling.to_native(
-        body.max_tokens.unwrap_or(16),
+        Some(body.max_tokens.unwrap_or(16)),
         body.sampling.stop_token_ids.clone(),
-        || state.next_seed(),
     );
+    let rids = choice_rids(body.rid.as_ref(), prompts.len(), n)?;
+    let opts = SampleOptions {
+        top_n,
+        prompt_logprobs: echo && top_n.is_some(),
+        routes_from: None,
+    }
+    .with_routes(
+        &state,
+        body.return_routed_experts,
+        body.routed_experts_start_len,
+        &prompts,
+    )?;
     let mut samples = SampleJobs::with_capacity(total);
     for (p, input_ids) in prompts.iter().enumerate() {
         let at = |e: ApiError| {
@@ -89,9 +111,8 @@ pub async fn handle(
             }
         };
         state.check_prompt(input_ids, "prompt").map_err(at)?;
-        let prompt_logprobs = echo && top_n.is_some();
         samples
-            .push_samples(&state, &sampling, input_ids, n, top_n, prompt_logprobs)
+            .push_samples(&state, &sampling, input_ids, &rids[p], &opts)
             .map_err(at)?;
     }
     let reply = Reply {
@@ -101,6 +122,9 @@ pub async fn handle(
         echo,
         top_n,
         texts: samples.texts,
+        prompt_ids: body.return_token_ids.unwrap_or(false),
+        routes: opts.routes_from.is_some(),
+        stream: body.stream_options.unwrap_or_default(),
     };
     let chunks = AnswerStream::new(&state, reply.texts.len(), reply);
     let stream = body.stream.unwrap_or(false);
@@ -110,6 +134,11 @@ pub async fn handle(
         let prompt_tokens: usize = reply.prompts.iter().map(Vec::len).sum();
         let mut answer = reply.head.object("text_completion", json!(choices));
         answer["usage"] = usage(prompt_tokens, completion_tokens(&results));
+        if reply.routes {
+            if let Some(ext) = routes_ext(&state, &results)? {
+                answer["sglext"] = ext;
+            }
+        }
         Ok(answer)
     })
     .await
@@ -124,6 +153,12 @@ struct Reply {
     top_n: Option<usize>,
     /// Text options of each choice.
     texts: Vec<TextOptions>,
+    /// Each choice carries its prompt's ids (`return_token_ids`).
+    prompt_ids: bool,
+    /// Routes were asked for (`sglext`).
+    routes: bool,
+    /// What a streamed answer reports of its usage.
+    stream: StreamOptions,
 }
 
 impl Reply {
@@ -149,7 +184,11 @@ impl Reply {
                 None => String::new(),
             };
             let echoed = self.echo.then(|| self.prompt(index));
-            choices.push(choice(state, index, f, text, self.top_n, echoed)?);
+            let mut c = choice(state, index, f, text, self.top_n, echoed)?;
+            if self.prompt_ids {
+                c["prompt_token_ids"] = json!(self.prompt(index));
+            }
+            choices.push(c);
         }
         Ok(choices)
     }
@@ -193,20 +232,44 @@ impl ChunkBuilder for OpenAiChunks {
             return Vec::new();
         };
         let choice = json!({"index": index, "text": new, "logprobs": null, "finish_reason": null});
-        vec![self.reply.chunk(choice)]
+        let mut chunk = self.reply.chunk(choice);
+        if self.reply.stream.continuous() {
+            let prompt = self.reply.prompt(index).len();
+            chunk["usage"] = usage(prompt, self.text.tokens(index));
+        }
+        vec![chunk]
     }
 
     fn finish(&mut self, results: &[Finished]) -> Result<Vec<Value>, ApiError> {
         let choices = self.reply.choices(&self.state, results)?;
-        Ok(choices
+        let mut out: Vec<Value> = choices
             .into_iter()
             .enumerate()
             .map(|(index, mut c)| {
                 let full = c["text"].as_str().unwrap_or_default().to_string();
                 c["text"] = Value::String(self.text.rest(index, &full).to_string());
-                self.reply.chunk(c)
+                let mut chunk = self.reply.chunk(c);
+                if let (true, Some(f)) = (self.reply.stream.continuous(), results.get(index)) {
+                    let prompt = self.reply.prompt(index).len();
+                    chunk["usage"] = usage(prompt, f.result.output_ids.len());
+                }
+                chunk
             })
-            .collect())
+            .collect();
+        let reply = &self.reply;
+        let usage_now = reply.stream.include_usage().then(|| {
+            let prompt_tokens: usize = reply.prompts.iter().map(Vec::len).sum();
+            usage(prompt_tokens, completion_tokens(results))
+        });
+        out.extend(closing_chunks(
+            &self.state,
+            &reply.head,
+            "text_completion",
+            results,
+            reply.routes,
+            usage_now,
+        )?);
+        Ok(out)
     }
 }
 
@@ -275,11 +338,7 @@ fn choice(
         _ => text,
     };
     let finish = finish_reason(&r.finish);
-    let matched = match r.finish {
-        FinishReason::Stop { token } => json!(token),
-        FinishReason::StopString => json!(f.matched_stop),
-        _ => Value::Null,
-    };
+    let matched = matched_stop(f);
     let logprobs = match top {
         None => Value::Null,
         Some(k) => {

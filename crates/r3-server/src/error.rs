@@ -99,19 +99,30 @@ impl From<RolloutError> for ApiError {
     }
 }
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
+impl ApiError {
+    /// The JSON body of this error: `{"error": {"message", "type", "code"}}`.
+    pub fn body(&self) -> serde_json::Value {
+        json!({"error": {
+            "message": self.message,
+            "type": self.kind(),
+            "code": self.status.as_u16(),
+        }})
+    }
+
+    /// Logs the error as it is answered: a server fault as an error, a refusal at debug.
+    pub fn log(&self) {
         if self.status.is_server_error() {
             tracing::error!(status = self.status.as_u16(), message = %self.message, "request failed");
         } else {
             tracing::debug!(status = self.status.as_u16(), message = %self.message, "request rejected");
         }
-        let body = json!({"error": {
-            "message": self.message,
-            "type": self.kind(),
-            "code": self.status.as_u16(),
-        }});
-        (self.status, Json(body)).into_response()
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        self.log();
+        (self.status, Json(self.body())).into_response()
     }
 }
 

@@ -6,9 +6,10 @@
 //! With `stream: true` chunks leave as tokens are produced ([`super::sse`]): SGLang's
 //! cumulative `text` / `output_ids` per step, then the complete response of each request.
 //!
-//! `sampling_params.n = k` runs every prompt k times (SGLang's order: all prompts, then all
-//! prompts again); the response is then a list even for one prompt. With a client seed,
-//! sample `i` of a prompt uses `seed + i`.
+//! `sampling_params.n = k` runs every prompt k times in SGLang's order, prompt by prompt
+//! (p0 s0, p0 s1, …, p1 s0, …: its tokenizer manager expands a batch so); the response is
+//! then a list even for one prompt, streamed chunks carry that position as `index`. With a
+//! client seed, sample `i` of a prompt uses `seed + i`.
 
 use std::time::Instant;
 
@@ -19,6 +20,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use r3_routing::wire::sglang::{encode_sglang, SGLANG_DTYPES};
 use r3_routing::wire::WireDtype;
+use r3_routing::RouteTable;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -65,21 +67,29 @@ struct GenerateBody {
 /// Most alternatives per position `top_logprobs_num` may ask for.
 pub const MAX_TOP_LOGPROBS: usize = 20;
 
-/// What to put in one response besides the engine result.
+/// What to put in one response besides the engine result (also what a chat choice's
+/// `meta_info` is built from).
 #[derive(Debug, Clone)]
-struct ResponseSpec {
-    rid: String,
-    return_logprob: bool,
+pub(super) struct ResponseSpec {
+    /// `meta_info.id`.
+    pub rid: String,
+    /// Report output (and prompt) log-probs.
+    pub return_logprob: bool,
     /// The prompt, kept to label `input_token_logprobs` (only with `return_logprob`).
-    prompt_ids: Vec<u32>,
-    top_logprobs: usize,
-    text_in_logprobs: bool,
-    return_routes: bool,
-    dtype: WireDtype,
-    text: TextOptions,
+    pub prompt_ids: Vec<u32>,
+    /// Alternatives per position (0: no `*_top_logprobs`).
+    pub top_logprobs: usize,
+    /// Put each token's text in the log-prob entries.
+    pub text_in_logprobs: bool,
+    /// Report `routed_experts`.
+    pub return_routes: bool,
+    /// Their wire dtype.
+    pub dtype: WireDtype,
+    /// Stop strings and special-token handling of the text.
+    pub text: TextOptions,
     /// `max_new_tokens: 0` (SGLang's prompt-only request: `select` scoring, reference
     /// log-probs): the engine samples one token, which the answer leaves out.
-    prompt_only: bool,
+    pub prompt_only: bool,
 }
 
 /// One entry of the response: a job to run, or an answer known without running one.
@@ -97,7 +107,7 @@ pub async fn handle(
     let bytes = read_body(body, state.limits().max_body_bytes)?;
     let body: GenerateBody = GENERATE.parse(parse_body::<Value>(&bytes)?)?;
     let stream = body.stream.unwrap_or(false);
-    let (plan, is_batch) = plan(&state, body)?;
+    let (plan, is_batch) = plan(&state, body, stream)?;
     let jobs: Vec<Job> = plan
         .iter()
         .filter_map(|p| match p {
@@ -242,8 +252,15 @@ impl ChunkBuilder for SglangChunks {
     }
 }
 
-/// Screens and parses `sampling_params`: absent, one object, or one per prompt.
+/// Screens and parses `sampling_params`: absent, one object, or one per prompt. An explicit
+/// `"max_new_tokens": null` asks for no cap of the client's own (SGLang's `SamplingParams`
+/// then holds None, which its scheduler turns into the rest of the context).
 pub fn sampling_bodies(v: Option<&Value>, n: usize) -> Result<Vec<SamplingBody>, ApiError> {
+    let parse = |item: &Value| -> Result<SamplingBody, ApiError> {
+        let mut body: SamplingBody = SAMPLING.parse(item.clone())?;
+        body.rest_of_context = item.get("max_new_tokens") == Some(&Value::Null);
+        Ok(body)
+    };
     match v {
         None | Some(Value::Null) => Ok(vec![SamplingBody::default(); n]),
         Some(Value::Array(items)) => {
@@ -257,13 +274,11 @@ pub fn sampling_bodies(v: Option<&Value>, n: usize) -> Result<Vec<SamplingBody>,
                 .iter()
                 .enumerate()
                 .map(|(i, item)| {
-                    SAMPLING
-                        .parse(item.clone())
-                        .map_err(|e| e.context(&format!("sampling_params[{i}]")))
+                    parse(item).map_err(|e| e.context(&format!("sampling_params[{i}]")))
                 })
                 .collect()
         }
-        Some(one) => Ok(vec![SAMPLING.parse(one.clone())?; n]),
+        Some(one) => Ok(vec![parse(one)?; n]),
     }
 }
 
@@ -291,8 +306,15 @@ fn prompt_ids(state: &AppState, body: &GenerateBody) -> Result<(Vec<Vec<u32>>, b
     }
 }
 
-/// Validates the body and turns it into engine jobs (one per prompt and sample).
-fn plan(state: &AppState, body: GenerateBody) -> Result<(Vec<Planned>, bool), ApiError> {
+/// Validates the body and turns it into engine jobs (one per prompt and sample, prompt by
+/// prompt). A start past the prompt (`logprob_start_len` with `return_logprob`,
+/// `routed_experts_start_len` with routes) is SGLang's abort with status 400: a 400 answer,
+/// or with `stream` an abort chunk in its place.
+fn plan(
+    state: &AppState,
+    body: GenerateBody,
+    stream: bool,
+) -> Result<(Vec<Planned>, bool), ApiError> {
     let (prompts, batch_input) = prompt_ids(state, &body)?;
     let n = prompts.len();
     let sampling = sampling_bodies(body.sampling_params.as_ref(), n)?;
@@ -323,12 +345,18 @@ fn plan(state: &AppState, body: GenerateBody) -> Result<(Vec<Planned>, bool), Ap
         n,
         -1i64,
     )?;
-    if let Some(s) = prompt_lp.iter().find(|&&s| s < -1) {
+    // SGLang reads `logprob_start_len` and `top_logprobs_num` only with `return_logprob`.
+    let asked = |i: &usize| logprob.get(*i).copied().unwrap_or(false);
+    if let Some(s) = (0..n).filter(asked).map(|i| prompt_lp[i]).find(|&s| s < -1) {
         return Err(ApiError::bad_request(format!(
             "logprob_start_len must be -1 (last prompt token only) or a prompt position >= 0, got {s}"
         )));
     }
-    if let Some(t) = top.iter().find(|&&t| t > MAX_TOP_LOGPROBS) {
+    if let Some(t) = (0..n)
+        .filter(asked)
+        .map(|i| top[i])
+        .find(|&t| t > MAX_TOP_LOGPROBS)
+    {
         return Err(ApiError::bad_request(format!(
             "top_logprobs_num {t} is above r3's limit of {MAX_TOP_LOGPROBS}"
         )));
@@ -356,8 +384,8 @@ fn plan(state: &AppState, body: GenerateBody) -> Result<(Vec<Planned>, bool), Ap
         ));
     }
     let mut plan = Vec::with_capacity(n * samples);
-    for k in 0..samples {
-        for (i, input_ids) in prompts.iter().enumerate() {
+    for (i, input_ids) in prompts.iter().enumerate() {
+        for k in 0..samples {
             let at = |e: ApiError| {
                 if is_batch {
                     e.context(&format!("prompt {i}"))
@@ -381,21 +409,32 @@ fn plan(state: &AppState, body: GenerateBody) -> Result<(Vec<Planned>, bool), Ap
                 &sampling[i]
             };
             let (params, text, stop) = state.prepare(sampling_i, input_ids.len(), k).map_err(at)?;
-            let rid = rids[k * n + i].clone().unwrap_or_else(|| state.next_rid());
-            if start_len[i] > input_ids.len() {
-                plan.push(Planned::Answer(start_past_prompt(
+            let rid = rids[i * samples + k]
+                .clone()
+                .unwrap_or_else(|| state.next_rid());
+            let return_routes = routes[i] && moe;
+            if let Some(message) = start_past_prompt(
+                logprob[i].then_some(prompt_lp[i]),
+                return_routes.then_some(start_len[i]),
+                input_ids.len(),
+            ) {
+                if !stream {
+                    return Err(at(ApiError::bad_request(message)));
+                }
+                let version = state.handle().stats().weight_version;
+                plan.push(Planned::Answer(aborted_answer(
                     &rid,
-                    start_len[i],
+                    &message,
                     input_ids.len(),
-                    state.handle().stats().weight_version,
+                    version,
                 )));
                 continue;
             }
-            let return_routes = routes[i] && moe;
             let mut params = params;
-            params.top_logprobs = top[i];
-            // SGLang reports the prompt from `logprob_start_len` (-1: its last token only);
-            // a start past the prompt is clipped to the last prompt token, as SGLang does.
+            // Without `return_logprob` SGLang ignores `top_logprobs_num`: none are computed.
+            params.top_logprobs = if logprob[i] { top[i] } else { 0 };
+            // SGLang reports the prompt from `logprob_start_len` (-1: its last token only;
+            // the prompt's length: none, here its last token as for -1).
             params.prompt_logprobs_from = logprob[i].then(|| {
                 usize::try_from(prompt_lp[i])
                     .unwrap_or(usize::MAX)
@@ -409,7 +448,7 @@ fn plan(state: &AppState, body: GenerateBody) -> Result<(Vec<Planned>, bool), Ap
                 } else {
                     Vec::new()
                 },
-                top_logprobs: top[i],
+                top_logprobs: if logprob[i] { top[i] } else { 0 },
                 text_in_logprobs: body.return_text_in_logprobs.unwrap_or(false),
                 return_routes,
                 dtype,
@@ -422,7 +461,8 @@ fn plan(state: &AppState, body: GenerateBody) -> Result<(Vec<Planned>, bool), Ap
                     input_ids: input_ids.clone(),
                     sampling: params,
                     return_routes,
-                    routed_experts_start_len: start_len[i],
+                    // Read only with routes, as SGLang checks it only then.
+                    routed_experts_start_len: if return_routes { start_len[i] } else { 0 },
                 },
                 stop,
             };
@@ -432,10 +472,10 @@ fn plan(state: &AppState, body: GenerateBody) -> Result<(Vec<Planned>, bool), Ap
     Ok((plan, is_batch))
 }
 
-/// Client rids per expanded request (`samples` rounds of `n` prompts), as SGLang expands
-/// them: one string for a batch becomes `rid_j`; a list (one per prompt) gets `_k` for
-/// sample `k > 0`.
-fn rids(
+/// Client rids per expanded request (`samples` of each of `n` prompts, prompt by prompt):
+/// one string for a batch becomes `rid_j` (`j` the position in that order); a list (one per
+/// prompt) gets `_k` for sample `k > 0`.
+pub(super) fn rids(
     v: Option<&Value>,
     n: usize,
     samples: usize,
@@ -448,9 +488,10 @@ fn rids(
         Some(Value::String(s)) => Ok((0..total).map(|j| Some(format!("{s}_{j}"))).collect()),
         Some(list) => {
             let per: Vec<Option<String>> = per_request(Some(list), "rid", n, None)?;
-            Ok((0..samples)
-                .flat_map(|k| {
-                    per.iter().map(move |r| {
+            Ok(per
+                .iter()
+                .flat_map(|r| {
+                    (0..samples).map(move |k| {
                         r.as_ref().map(|r| {
                             if k == 0 {
                                 r.clone()
@@ -465,9 +506,29 @@ fn rids(
     }
 }
 
-/// SGLang's answer when `routed_experts_start_len` is past the prompt: 200, nothing
-/// generated, finish reason `abort` with a message.
-fn start_past_prompt(rid: &str, start: usize, prompt: usize, weight_version: String) -> Value {
+/// Why a request is refused for a start past its `prompt`-token prompt, as SGLang's scheduler
+/// checks: `logprob_start_len` (given only with `return_logprob`) above the prompt's length,
+/// `routed_experts_start_len` (given only with routes) above it.
+pub(super) fn start_past_prompt(
+    logprob_start: Option<i64>,
+    routes_start: Option<usize>,
+    prompt: usize,
+) -> Option<String> {
+    if let Some(s) = logprob_start.filter(|&s| usize::try_from(s).is_ok_and(|s| s > prompt)) {
+        return Some(format!(
+            "logprob_start_len={s} is higher than the number of input tokens ({prompt}); use a smaller logprob_start_len"
+        ));
+    }
+    routes_start.filter(|&s| s > prompt).map(|s| {
+        format!(
+            "routed_experts_start_len={s} is higher than the number of input tokens ({prompt}); use a smaller routed_experts_start_len"
+        )
+    })
+}
+
+/// The chunk a refused streamed request gets in place of its answer (SGLang streams the abort
+/// it finishes the request with): nothing generated, finish reason `abort` with `message`.
+fn aborted_answer(rid: &str, message: &str, prompt: usize, weight_version: String) -> Value {
     json!({
         "output_ids": [],
         "text": "",
@@ -475,9 +536,8 @@ fn start_past_prompt(rid: &str, start: usize, prompt: usize, weight_version: Str
             "id": rid,
             "finish_reason": {
                 "type": "abort",
-                "message": format!(
-                    "routed_experts_start_len {start} is past the end of the {prompt}-token prompt"
-                ),
+                "message": message,
+                "status_code": 400,
             },
             "prompt_tokens": prompt,
             "completion_tokens": 0,
@@ -583,6 +643,29 @@ fn response_for(
         f
     };
     let r = &f.result;
+    let meta = meta_info(state, f, spec, latency)?;
+    let mut out = json!({"output_ids": r.output_ids, "meta_info": meta});
+    if let Some(codec) = state.text() {
+        out["text"] = Value::String(response_text(
+            codec,
+            &r.output_ids,
+            &r.finish,
+            f.matched_stop.as_deref(),
+            &spec.text,
+        )?);
+    }
+    Ok(out)
+}
+
+/// SGLang's `meta_info` of one finished request (`/generate`'s, and a chat choice's with
+/// `return_meta_info`).
+pub(super) fn meta_info(
+    state: &AppState,
+    f: &Finished,
+    spec: &ResponseSpec,
+    latency: f64,
+) -> Result<Value, ApiError> {
+    let r = &f.result;
     let mut meta = json!({
         "id": spec.rid,
         "finish_reason": sglang_finish_reason(f),
@@ -621,17 +704,7 @@ fn response_for(
     if spec.return_routes {
         routes_meta(state, r, spec, &mut meta)?;
     }
-    let mut out = json!({"output_ids": r.output_ids, "meta_info": meta});
-    if let Some(codec) = state.text() {
-        out["text"] = Value::String(response_text(
-            codec,
-            &r.output_ids,
-            &r.finish,
-            f.matched_stop.as_deref(),
-            &spec.text,
-        )?);
-    }
-    Ok(out)
+    Ok(meta)
 }
 
 /// A prompt-only answer: the sampled token, its log-probs and its routing row left out
@@ -675,11 +748,20 @@ fn routes_meta(
             "the engine returned no routes although asked to",
         ));
     };
-    let layout = &state.summary().layout;
-    let b64 = encode_sglang(table, spec.dtype, layout.num_hidden_layers(), Some(layout))
-        .map_err(|e| ApiError::internal(format!("encoding routed_experts: {e}")))?;
-    meta["routed_experts"] = Value::String(b64);
+    meta["routed_experts"] = Value::String(encode_routes(state, table, spec.dtype)?);
     meta["routed_experts_dtype"] = Value::String(spec.dtype.name().to_string());
     meta["routed_experts_start_len"] = json!(table.start_pos());
     Ok(())
+}
+
+/// `routed_experts` of one request as SGLang sends it: base64 of its rows × all layers ×
+/// `top_k`, in `dtype`.
+pub(super) fn encode_routes(
+    state: &AppState,
+    table: &RouteTable,
+    dtype: WireDtype,
+) -> Result<String, ApiError> {
+    let layout = &state.summary().layout;
+    encode_sglang(table, dtype, layout.num_hidden_layers(), Some(layout))
+        .map_err(|e| ApiError::internal(format!("encoding routed_experts: {e}")))
 }

@@ -8,9 +8,12 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use r3_rollout::request::{FinishReason, GenerateRequest};
+use r3_routing::wire::WireDtype;
+use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::error::ApiError;
+use super::generate::{encode_routes, rids, start_past_prompt};
 use super::sampling::SamplingBody;
 use super::sse::{stream_jobs, ChunkBuilder};
 use super::stop::TextOptions;
@@ -36,38 +39,158 @@ impl SampleJobs {
         }
     }
 
-    /// Adds `n` samples of `input_ids` (sample `i` seeded as [`AppState::prepare`] says),
-    /// each reporting `top_n` alternatives per token when log-probs are asked for and, with
-    /// `prompt_logprobs`, the prompt's log-probs from its first token.
+    /// Adds one sample of `input_ids` per entry of `rids` (sample `i` seeded as
+    /// [`AppState::prepare`] says; a None rid gets a server one), each as `opts` asks.
     pub fn push_samples(
         &mut self,
         state: &AppState,
         sampling: &SamplingBody,
         input_ids: &[u32],
-        n: usize,
-        top_n: Option<usize>,
-        prompt_logprobs: bool,
+        rids: &[Option<String>],
+        opts: &SampleOptions,
     ) -> Result<(), ApiError> {
-        for i in 0..n {
+        for (i, rid) in rids.iter().enumerate() {
             let (mut params, text, stop) = state.prepare(sampling, input_ids.len(), i)?;
-            params.top_logprobs = top_n.unwrap_or(0);
-            if prompt_logprobs {
+            params.top_logprobs = opts.top_n.unwrap_or(0);
+            if opts.prompt_logprobs {
                 params.prompt_logprobs_from = Some(0);
             }
             self.texts.push(text);
             self.jobs.push(Job {
-                rid: state.next_rid(),
+                rid: rid.clone().unwrap_or_else(|| state.next_rid()),
                 request: GenerateRequest {
                     input_ids: input_ids.to_vec(),
                     sampling: params,
-                    return_routes: false,
-                    routed_experts_start_len: 0,
+                    return_routes: opts.routes_from.is_some(),
+                    routed_experts_start_len: opts.routes_from.unwrap_or(0),
                 },
                 stop,
             });
         }
         Ok(())
     }
+}
+
+/// What every sample of an OpenAI request reports besides its tokens.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SampleOptions {
+    /// Alternatives per token when log-probs are asked for.
+    pub top_n: Option<usize>,
+    /// The prompt's log-probs from its first token (`echo` with `logprobs`).
+    pub prompt_logprobs: bool,
+    /// Routes from this prompt position (`return_routed_experts`).
+    pub routes_from: Option<usize>,
+}
+
+impl SampleOptions {
+    /// Routes from `start` (default 0) when `return_routed_experts` asks for them, checked as
+    /// SGLang checks them: a model with MoE layers, a start within every prompt.
+    pub fn with_routes(
+        mut self,
+        state: &AppState,
+        asked: Option<bool>,
+        start: Option<usize>,
+        prompts: &[Vec<u32>],
+    ) -> Result<Self, ApiError> {
+        if !asked.unwrap_or(false) {
+            return Ok(self);
+        }
+        if state.summary().layout.moe_layers().is_empty() {
+            return Err(ApiError::bad_request(
+                "return_routed_experts: the served model has no MoE layers",
+            ));
+        }
+        let start = start.unwrap_or(0);
+        for p in prompts {
+            if let Some(message) = start_past_prompt(None, Some(start), p.len()) {
+                return Err(ApiError::bad_request(message));
+            }
+        }
+        self.routes_from = Some(start);
+        Ok(self)
+    }
+}
+
+/// The client rids of `prompts` prompts × `n` choices, in choice order (SGLang's `rid`: one
+/// string, or one per prompt), as `/generate` expands them.
+pub fn choice_rids(
+    rid: Option<&Value>,
+    prompts: usize,
+    n: usize,
+) -> Result<Vec<Vec<Option<String>>>, ApiError> {
+    let flat = rids(rid, prompts, n, prompts > 1 || n > 1)?;
+    Ok(flat.chunks(n.max(1)).map(<[_]>::to_vec).collect())
+}
+
+/// OpenAI's `stream_options` (SGLang's `StreamOptions`).
+#[derive(Debug, Clone, Copy, Default, Deserialize)]
+pub struct StreamOptions {
+    /// A last chunk with no choices and the answer's `usage`, before `[DONE]`.
+    pub include_usage: Option<bool>,
+    /// `usage` (so far, of the chunk's choice) on every content chunk.
+    pub continuous_usage_stats: Option<bool>,
+}
+
+impl StreamOptions {
+    /// Whether the final usage chunk is asked for.
+    pub fn include_usage(&self) -> bool {
+        self.include_usage.unwrap_or(false)
+    }
+
+    /// Whether every content chunk carries its choice's usage so far.
+    pub fn continuous(&self) -> bool {
+        self.continuous_usage_stats.unwrap_or(false)
+    }
+}
+
+/// `matched_stop` of an OpenAI choice, as SGLang fills it from its finish reason: the stop
+/// id or the stop string that ended it, else null.
+pub fn matched_stop(f: &Finished) -> Value {
+    match f.result.finish {
+        FinishReason::Stop { token } => json!(token),
+        FinishReason::StopString => json!(f.matched_stop),
+        _ => Value::Null,
+    }
+}
+
+/// SGLang's response-level `sglext` with `routed_experts` (base64 int32, of the first choice,
+/// as SGLang takes it from its first result), when routes were asked for.
+pub fn routes_ext(state: &AppState, results: &[Finished]) -> Result<Option<Value>, ApiError> {
+    let Some(first) = results.first() else {
+        return Ok(None);
+    };
+    let Some(table) = first.result.routes.as_ref() else {
+        return Ok(None);
+    };
+    let b64 = encode_routes(state, table, WireDtype::I32)?;
+    Ok(Some(json!({"routed_experts": b64})))
+}
+
+/// The chunks that close a streamed OpenAI answer after its choices' last chunks, as SGLang
+/// sends them: `sglext` (routes) with no choices, then with `include_usage` the `usage`
+/// with no choices.
+pub fn closing_chunks(
+    state: &AppState,
+    head: &AnswerHead,
+    object: &str,
+    results: &[Finished],
+    routes: bool,
+    usage_now: Option<Value>,
+) -> Result<Vec<Value>, ApiError> {
+    let mut out = Vec::new();
+    if routes {
+        if let Some(ext) = routes_ext(state, results)? {
+            let mut chunk = head.object(object, json!([]));
+            chunk["sglext"] = ext;
+            out.push(chunk);
+        }
+    }
+    if let Some(u) = usage_now {
+        let mut chunk = head.object(object, json!([]));
+        chunk["usage"] = u;
+        out.push(chunk);
+    }
+    Ok(out)
 }
 
 /// What every object of one answer carries: its id, creation time and model name.

@@ -22,7 +22,8 @@ pub struct OpenAiSampling {
     pub min_p: Option<f32>,
     /// Stop ids cannot be sampled before this many tokens (extension).
     pub min_tokens: Option<usize>,
-    /// Base seed; choice `i` samples with `seed + i`.
+    /// Base seed; choice `i` of a prompt samples with `seed + i`. Without one every choice
+    /// draws its own server seed (so a batch repeating a prompt gets different samples).
     pub seed: Option<u64>,
     /// Stop strings.
     pub stop: Option<Value>,
@@ -45,20 +46,22 @@ pub struct OpenAiSampling {
 }
 
 impl OpenAiSampling {
-    /// The native sampling body: at most `max_new_tokens` tokens, stopping after
-    /// `stop_token_ids`, seeded with the body's seed or else `default_seed`.
+    /// The native sampling body: at most `max_new_tokens` tokens (None: as many as the
+    /// context and the server's `--max-new-tokens` leave, SGLang's rule for a chat request
+    /// without `max_tokens`), stopping after `stop_token_ids`. The seed stays the client's:
+    /// without one, [`super::AppState::prepare`] draws a fresh one per choice.
     pub fn to_native(
         &self,
-        max_new_tokens: usize,
+        max_new_tokens: Option<usize>,
         stop_token_ids: Option<Vec<u32>>,
-        default_seed: impl FnOnce() -> u64,
     ) -> SamplingBody {
         SamplingBody {
             temperature: self.temperature,
             top_p: self.top_p,
             top_k: self.top_k,
             min_p: self.min_p,
-            max_new_tokens: Some(max_new_tokens),
+            max_new_tokens,
+            rest_of_context: max_new_tokens.is_none(),
             min_new_tokens: self.min_tokens,
             stop_token_ids,
             stop: self.stop.clone(),
@@ -69,7 +72,7 @@ impl OpenAiSampling {
             repetition_penalty: self.repetition_penalty,
             logit_bias: self.logit_bias.clone(),
             n: None,
-            seed: Some(self.seed.unwrap_or_else(default_seed)),
+            seed: self.seed,
             sampling_seed: None,
             skip_special_tokens: self.skip_special_tokens,
         }

@@ -257,7 +257,7 @@ pub static COMPLETIONS: Schema = Schema {
         ("seed", Implemented),
         ("stop", Implemented),
         ("stream", Implemented),
-        ("stream_options", Ignored),
+        ("stream_options", Implemented),
         ("suffix", NeutralOnly(&[])),
         ("temperature", Implemented),
         ("top_p", Implemented),
@@ -279,16 +279,27 @@ pub static COMPLETIONS: Schema = Schema {
         ("json_schema", NeutralOnly(&[])),
         ("ebnf", NeutralOnly(&[])),
         ("return_hidden_states", NeutralOnly(&[])),
-        ("return_routed_experts", NeutralOnly(&[])),
-        ("rid", Ignored),
+        ("return_routed_experts", Implemented),
+        ("routed_experts_start_len", Implemented),
+        ("return_cached_tokens_details", NeutralOnly(&[])),
+        ("return_token_ids", Implemented),
+        ("stop_regex", NeutralOnly(&[])),
+        ("session_id", Ignored),
+        ("custom_params", Ignored),
+        ("custom_logit_processor", NeutralOnly(&[])),
+        ("images_config", NeutralOnly(&[])),
+        ("rid", Implemented),
         ("extra_key", Ignored),
         ("cache_salt", Ignored),
+        ("ngram_corpus_id", Ignored),
         ("priority", Ignored),
+        ("custom_labels", Ignored),
         ("bootstrap_host", NeutralOnly(&[])),
         ("bootstrap_port", NeutralOnly(&[])),
         ("bootstrap_room", NeutralOnly(&[])),
         ("data_parallel_rank", NeutralOnly(&[])),
         ("routed_dp_rank", NeutralOnly(&[])),
+        ("disagg_prefill_dp_rank", NeutralOnly(&[])),
     ],
 };
 
@@ -314,6 +325,7 @@ pub static UPDATE_WEIGHTS: Schema = Schema {
 
 #[cfg(test)]
 mod tests {
+    use super::super::chat::CHAT;
     use super::*;
     use serde_json::json;
 
@@ -372,7 +384,7 @@ mod tests {
 
     #[test]
     fn every_schema_lists_each_field_once() {
-        for schema in [&GENERATE, &SAMPLING, &COMPLETIONS, &UPDATE_WEIGHTS] {
+        for schema in [&GENERATE, &SAMPLING, &COMPLETIONS, &CHAT, &UPDATE_WEIGHTS] {
             let mut names: Vec<&str> = schema.fields.iter().map(|f| f.0).collect();
             names.sort_unstable();
             let n = names.len();
@@ -389,7 +401,7 @@ mod tests {
         )
         .expect("docs/serving.md in the repository");
         let lines: Vec<&str> = page.lines().collect();
-        for schema in [&GENERATE, &SAMPLING, &COMPLETIONS, &UPDATE_WEIGHTS] {
+        for schema in [&GENERATE, &SAMPLING, &COMPLETIONS, &CHAT, &UPDATE_WEIGHTS] {
             let head = format!("| `{}` | implemented |", schema.name);
             let at = lines
                 .iter()

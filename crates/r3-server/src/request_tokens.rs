@@ -96,9 +96,13 @@ fn generate_tokens(body: &Value, ctx: &TokenContext<'_>) -> usize {
                 other => other,
             };
             let n = sp.and_then(|s| count(s, "n")).unwrap_or(1);
-            let new = sp
-                .and_then(|s| count(s, "max_new_tokens"))
-                .unwrap_or(default_new);
+            // An explicit null asks for the rest of the context (SGLang's None).
+            let new = match sp.and_then(|s| s.get("max_new_tokens")) {
+                Some(Value::Null) => usize::MAX,
+                _ => sp
+                    .and_then(|s| count(s, "max_new_tokens"))
+                    .unwrap_or(default_new),
+            };
             ctx.sequence_tokens(len, n, new)
         })
         .fold(0usize, usize::saturating_add)
@@ -118,9 +122,17 @@ fn completion_tokens(body: &Value, ctx: &TokenContext<'_>) -> usize {
         .fold(0usize, usize::saturating_add)
 }
 
-/// OpenAI `/v1/chat/completions`: the text of `messages` (string contents and text parts),
-/// `max_completion_tokens` or `max_tokens`, `n`.
+/// OpenAI `/v1/chat/completions`: `input_ids`, else the text of `messages` (string contents
+/// and text parts); `max_completion_tokens` or `max_tokens` (none: the rest of the context);
+/// `n`.
 fn chat_tokens(body: &Value, ctx: &TokenContext<'_>) -> usize {
+    let n = count(body, "n").unwrap_or(1);
+    let new = count(body, "max_completion_tokens")
+        .or_else(|| count(body, "max_tokens"))
+        .unwrap_or(usize::MAX);
+    if let Some(ids) = body.get("input_ids").and_then(Value::as_array) {
+        return ctx.sequence_tokens(ids.len(), n, new);
+    }
     let mut prompt = 0usize;
     for m in body
         .get("messages")
@@ -138,10 +150,6 @@ fn chat_tokens(body: &Value, ctx: &TokenContext<'_>) -> usize {
             _ => {}
         }
     }
-    let n = count(body, "n").unwrap_or(1);
-    let new = count(body, "max_completion_tokens")
-        .or_else(|| count(body, "max_tokens"))
-        .unwrap_or(ctx.limits.default_max_new_tokens);
     ctx.sequence_tokens(prompt, n, new)
 }
 
@@ -202,5 +210,22 @@ mod tests {
                           "max_tokens": 9, "max_completion_tokens": 3});
         assert_eq!(tokens_in_flight("/v1/chat/completions", &chat, &c), 8);
         assert_eq!(tokens_in_flight("/health", &chat, &c), 0);
+    }
+
+    /// No client cap (chat without `max_tokens`, `/generate` with `"max_new_tokens": null`)
+    /// counts what the server's cap and the context leave; chat's `input_ids` are its prompt.
+    #[test]
+    fn no_client_cap_counts_the_servers() {
+        let limits = ServerLimits {
+            max_new_tokens: 50,
+            default_max_new_tokens: 7,
+            ..ServerLimits::default()
+        };
+        let c = ctx(&limits);
+        let chat = json!({"messages": [{"role": "user", "content": "abcdefgh"}],
+                          "input_ids": [1, 2, 3]});
+        assert_eq!(tokens_in_flight("/v1/chat/completions", &chat, &c), 53);
+        let null = json!({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": null}});
+        assert_eq!(tokens_in_flight("/generate", &null, &c), 52);
     }
 }

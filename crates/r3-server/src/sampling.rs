@@ -31,6 +31,11 @@ pub struct SamplingBody {
     pub min_p: Option<f32>,
     /// Tokens to generate at most (default: the server's `default_max_new_tokens`).
     pub max_new_tokens: Option<usize>,
+    /// No `max_new_tokens` cap of the client's own: an explicit `"max_new_tokens": null` on
+    /// `/generate`, a chat request without `max_tokens` (SGLang's scheduler then allows the
+    /// rest of the context). The server's `--max-new-tokens` still bounds it.
+    #[serde(skip)]
+    pub rest_of_context: bool,
     /// Stop ids cannot be sampled before this many tokens.
     pub min_new_tokens: Option<usize>,
     /// Generation stops after one of these ids (it is part of the output).
@@ -107,9 +112,11 @@ impl SamplingBody {
                 )))
             }
         };
-        let requested = self
-            .max_new_tokens
-            .unwrap_or(ctx.limits.default_max_new_tokens);
+        let requested = match (self.max_new_tokens, self.rest_of_context) {
+            (Some(n), _) => n,
+            (None, true) => usize::MAX,
+            (None, false) => ctx.limits.default_max_new_tokens,
+        };
         if requested == 0 {
             return Err(ApiError::bad_request(
                 "max_new_tokens must be at least 1 (r3 does not return prompt-only results)",

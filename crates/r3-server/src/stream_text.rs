@@ -60,6 +60,11 @@ impl StreamedText {
         Some(new)
     }
 
+    /// Tokens choice `index` has generated so far.
+    pub fn tokens(&self, index: usize) -> usize {
+        self.so_far.get(index).map_or(0, Vec::len)
+    }
+
     /// The part of `full` (choice `index`'s final text) not sent yet; all of it, with a
     /// warning, if what was sent is not its prefix.
     pub fn rest<'a>(&self, index: usize, full: &'a str) -> &'a str {

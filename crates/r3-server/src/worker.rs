@@ -900,7 +900,7 @@ fn aborted_result(id: RequestId, p: PartialRollout, weight_version: u64) -> Gene
         output_top_logprobs: p.output_top_logprobs,
         prompt_logprobs: p.prompt_logprobs,
         finish: FinishReason::Abort,
-        cached_tokens: 0,
+        cached_tokens: p.cached_tokens,
         routes: p.routes,
         weight_version,
     }

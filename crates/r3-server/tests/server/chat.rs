@@ -186,3 +186,123 @@ fn chat_ignore_eos_also_ignores_the_models_stop_ids() {
     assert_eq!(r.body["choices"][0]["token_ids"], json!(want));
     assert_eq!(r.body["choices"][0]["finish_reason"], "length");
 }
+
+/// SGLang's RL fields on chat (miles' session router sends them): `input_ids` replace the
+/// rendered messages, `rid` names the request (`meta_info.id`, `/abort_request`),
+/// `return_meta_info` / `return_prompt_token_ids` fill each choice, `matched_stop` names the
+/// stop id, and `return_routed_experts` answers SGLang's `sglext.routed_experts`.
+#[test]
+fn chat_takes_sglangs_rl_fields() {
+    let server = server(Some(TEMPLATE));
+    let prompt = [2u32, 10, 11, 3, 4, 9];
+    let seed = (0..200u64)
+        .find(|&s| fake::expected(&prompt, 12, &[fake::EOS, TEMPLATE_EOS], s).1)
+        .expect("some seed reaches an eos within 12 tokens");
+    let body = json!({"seed": seed, "max_tokens": 12, "input_ids": prompt, "rid": "turn-1",
+        "messages": [{"role": "user", "content": "t20"}], "return_meta_info": true,
+        "return_prompt_token_ids": true, "return_routed_experts": true, "logprobs": true});
+    let r = server.post("/v1/chat/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.text);
+    let (want, stopped) = fake::expected(&prompt, 12, &[fake::EOS, TEMPLATE_EOS], seed);
+    assert!(stopped);
+    let choice = &r.body["choices"][0];
+    assert_eq!(choice["token_ids"], json!(want));
+    assert_eq!(choice["prompt_token_ids"], json!(prompt));
+    assert_eq!(choice["matched_stop"], json!(want.last()));
+    let meta = &choice["meta_info"];
+    assert_eq!(meta["id"], "turn-1", "{}", r.text);
+    assert_eq!(meta["prompt_tokens"], prompt.len());
+    assert_eq!(meta["finish_reason"]["type"], "stop");
+    assert_eq!(
+        meta["output_token_logprobs"].as_array().map(Vec::len),
+        Some(want.len())
+    );
+    let mut tokens = prompt.to_vec();
+    tokens.extend(&want);
+    let routes = json!({"routed_experts": r.body["sglext"]["routed_experts"]});
+    let decoded = r3_routing::wire::sglang::decode_sglang_response(&routes, &fake::wire_shape(0))
+        .expect("routes decode");
+    assert_eq!(decoded, fake::routes_of(&tokens, 0));
+    // With stream, return_meta_info is refused (as SGLang: its chunks have no place for it).
+    let streamed = json!({"stream": true, "return_meta_info": true,
+        "messages": [{"role": "user", "content": "t20"}]});
+    let r = server.post("/v1/chat/completions", &streamed);
+    assert_eq!(r.status, 400, "{}", r.text);
+    assert!(r.error_message().contains("return_meta_info"), "{}", r.text);
+    // Ids past the vocabulary are refused by name.
+    let bad = json!({"input_ids": [2, 99], "messages": [{"role": "user", "content": "t20"}]});
+    let r = server.post("/v1/chat/completions", &bad);
+    assert_eq!(r.status, 400, "{}", r.text);
+    assert!(r.error_message().contains("input_ids[1]"), "{}", r.text);
+    // A field that would change generation and r3 lacks is refused by name.
+    let r = server.post(
+        "/v1/chat/completions",
+        &json!({"stop_regex": "t9", "messages": [{"role": "user", "content": "t20"}]}),
+    );
+    assert_eq!(r.status, 400, "{}", r.text);
+    assert!(r.error_message().contains("stop_regex"), "{}", r.text);
+}
+
+/// Without `max_tokens` a chat request generates what the context and the server's
+/// `--max-new-tokens` (32 here) leave, as SGLang's scheduler does, not a default of its own.
+#[test]
+fn chat_without_max_tokens_runs_to_the_servers_cap() {
+    let server = server(Some(TEMPLATE));
+    let body = json!({"seed": 5, "ignore_eos": true,
+        "messages": [{"role": "user", "content": "t10"}]});
+    let r = server.post("/v1/chat/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(
+        r.body["choices"][0]["token_ids"].as_array().map(Vec::len),
+        Some(32),
+        "{}",
+        r.text
+    );
+}
+
+/// `stream_options.include_usage`: a last chunk with no choices and the answer's usage
+/// before `[DONE]`; `continuous_usage_stats`: usage so far on every content chunk.
+#[test]
+fn chat_and_completion_streams_report_usage_when_asked() {
+    let server = server(Some(TEMPLATE));
+    let body = json!({"seed": 1, "max_tokens": 4, "n": 2, "stream": true, "ignore_eos": true,
+        "stream_options": {"include_usage": true, "continuous_usage_stats": true},
+        "messages": [{"role": "user", "content": "t10"}]});
+    let r = server.post("/v1/chat/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.text);
+    let chunks = parse_event_stream(&r.text);
+    let last = chunks.last().expect("chunks");
+    assert_eq!(last["choices"], json!([]), "{}", r.text);
+    assert_eq!(last["usage"]["prompt_tokens"], 4);
+    assert_eq!(last["usage"]["completion_tokens"], 8);
+    assert_eq!(last["usage"]["total_tokens"], 12);
+    assert!(
+        chunks
+            .iter()
+            .filter(|c| c["choices"][0]["delta"]["content"]
+                .as_str()
+                .is_some_and(|t| !t.is_empty()))
+            .all(|c| c["usage"]["completion_tokens"].as_u64() > Some(0)),
+        "{}",
+        r.text
+    );
+    let r = server.post(
+        "/v1/completions",
+        &json!({"prompt": [[4, 5]], "max_tokens": 3, "stream": true, "ignore_eos": true,
+                "stream_options": {"include_usage": true}}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text);
+    let chunks = parse_event_stream(&r.text);
+    let last = chunks.last().expect("chunks");
+    assert_eq!(last["choices"], json!([]), "{}", r.text);
+    assert_eq!(last["usage"]["total_tokens"], 5);
+    // Not asked: no usage chunk.
+    let plain = json!({"prompt": [[4, 5]], "max_tokens": 3, "stream": true});
+    let r = server.post("/v1/completions", &plain);
+    let chunks = parse_event_stream(&r.text);
+    assert!(
+        chunks.iter().all(|c| c.get("usage").is_none()),
+        "{}",
+        r.text
+    );
+}

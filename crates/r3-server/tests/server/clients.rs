@@ -257,43 +257,205 @@ fn stop_strings_cut_where_hf_generate_would() {
     assert_eq!(ids(&r.body["choices"][0]["token_ids"]), free[..k].to_vec());
 }
 
-/// `n` samples per prompt come back as a list in SGLang's order, sample `i` seeded `seed + i`;
-/// `routed_experts_start_len` past the prompt answers 200 with an abort finish reason.
+/// `n` samples per prompt come back as a list in SGLang's order, prompt by prompt (its
+/// tokenizer manager's `_expand_parallel_sample_requests`), sample `i` seeded `seed + i`,
+/// rids and streamed `index` tags in the same order.
 #[test]
-fn n_samples_and_start_len_past_the_prompt() {
+fn n_samples_come_prompt_by_prompt() {
     let server = server(false, |_| {});
-    let r = server.post(
-        "/generate",
-        &json!({"input_ids": [[4, 5], [6]], "sampling_params": {"max_new_tokens": 4, "seed": 10, "n": 2}}),
-    );
+    let body = json!({"input_ids": [[4, 5], [6]], "rid": ["a", "b"],
+        "sampling_params": {"max_new_tokens": 4, "seed": 10, "n": 2}});
+    let r = server.post("/generate", &body);
     assert_eq!(r.status, 200, "{}", r.text);
     let list = r.body.as_array().expect("a list");
     assert_eq!(list.len(), 4);
     let want = [
-        (vec![4u32, 5], 10u64),
-        (vec![6], 10),
-        (vec![4, 5], 11),
-        (vec![6], 11),
+        (vec![4u32, 5], 10u64, "a"),
+        (vec![4, 5], 11, "a_1"),
+        (vec![6], 10, "b"),
+        (vec![6], 11, "b_1"),
     ];
-    for (got, (prompt, seed)) in list.iter().zip(want) {
-        let (out, _) = fake::expected(&prompt, 4, &[fake::EOS], seed);
+    for (got, (prompt, seed, rid)) in list.iter().zip(&want) {
+        let (out, _) = fake::expected(prompt, 4, &[fake::EOS], *seed);
         assert_eq!(ids(&got["output_ids"]), out);
+        assert_eq!(got["meta_info"]["id"], *rid);
     }
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let r = server.post("/generate", &streamed);
+    assert_eq!(r.status, 200, "{}", r.text);
+    let chunks = parse_event_stream(&r.text);
+    for (i, (prompt, seed, rid)) in want.iter().enumerate() {
+        let last = chunks
+            .iter()
+            .rfind(|c| c["index"] == i)
+            .expect("chunks of every sample");
+        let (out, _) = fake::expected(prompt, 4, &[fake::EOS], *seed);
+        assert_eq!(ids(&last["output_ids"]), out, "{}", r.text);
+        assert_eq!(last["meta_info"]["id"], *rid);
+    }
+}
+
+/// A start past the prompt is SGLang's abort with status 400: a 400, or an abort chunk in a
+/// stream; each start is read only where its switch is on (`routed_experts_start_len` with
+/// routes, `logprob_start_len` and `top_logprobs_num` with `return_logprob`).
+#[test]
+fn starts_past_the_prompt_are_refused_only_where_read() {
+    let server = server(false, |_| {});
     let r = server.post(
         "/generate",
         &json!({"input_ids": [1, 2], "routed_experts_start_len": 3, "return_routed_experts": true}),
     );
-    assert_eq!(r.status, 200, "{}", r.text);
-    let finish = &r.body["meta_info"]["finish_reason"];
-    assert_eq!(finish["type"], "abort");
+    assert_eq!(r.status, 400, "{}", r.text);
     assert!(
-        finish["message"]
-            .as_str()
-            .is_some_and(|m| m.contains("routed_experts_start_len 3")),
+        r.error_message().contains("routed_experts_start_len=3"),
         "{}",
         r.text
     );
-    assert_eq!(r.body["output_ids"], json!([]));
+    let r = server.post(
+        "/generate",
+        &json!({"input_ids": [1, 2], "routed_experts_start_len": 3, "return_routed_experts": true,
+                "stream": true}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text);
+    let chunks = parse_event_stream(&r.text);
+    let finish = &chunks.last().expect("a chunk")["meta_info"]["finish_reason"];
+    assert_eq!(finish["type"], "abort", "{}", r.text);
+    assert_eq!(finish["status_code"], 400, "{}", r.text);
+    // Without routes the start is not read.
+    let r = server.post(
+        "/generate",
+        &json!({"input_ids": [1, 2], "routed_experts_start_len": 3,
+                "sampling_params": {"max_new_tokens": 2, "seed": 4}}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text);
+    let (out, _) = fake::expected(&[1, 2], 2, &[fake::EOS], 4);
+    assert_eq!(ids(&r.body["output_ids"]), out);
+    let r = server.post(
+        "/generate",
+        &json!({"input_ids": [1, 2], "return_logprob": true, "logprob_start_len": 3}),
+    );
+    assert_eq!(r.status, 400, "{}", r.text);
+    assert!(
+        r.error_message().contains("logprob_start_len=3"),
+        "{}",
+        r.text
+    );
+    // At the prompt's length it is allowed, and without return_logprob never read.
+    for body in [
+        json!({"input_ids": [1, 2], "return_logprob": true, "logprob_start_len": 2}),
+        json!({"input_ids": [1, 2], "logprob_start_len": 3}),
+        json!({"input_ids": [1, 2], "logprob_start_len": -5, "top_logprobs_num": 50}),
+    ] {
+        let r = server.post("/generate", &body);
+        assert_eq!(r.status, 200, "{body}: {}", r.text);
+    }
+}
+
+/// A batch of one prompt repeated, without a seed, samples each choice with its own seed
+/// (an OpenAI client's `n` emulated by repeating the prompt gets different samples).
+#[test]
+fn completions_without_a_seed_sample_every_choice_apart() {
+    let server = server(false, |_| {});
+    let r = server.post(
+        "/v1/completions",
+        &json!({"prompt": [[4, 5], [4, 5], [4, 5], [4, 5]], "temperature": 1, "max_tokens": 6,
+                "ignore_eos": true}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text);
+    let outs: Vec<Vec<u32>> = r.body["choices"]
+        .as_array()
+        .expect("choices")
+        .iter()
+        .map(|c| ids(&c["token_ids"]))
+        .collect();
+    assert_eq!(outs.len(), 4);
+    let distinct: std::collections::HashSet<&Vec<u32>> = outs.iter().collect();
+    assert_eq!(distinct.len(), 4, "{outs:?}");
+    // With a client seed choice i of every prompt samples with seed + i: equal prompts,
+    // equal samples.
+    let r = server.post(
+        "/v1/completions",
+        &json!({"prompt": [[4, 5], [4, 5]], "seed": 3, "max_tokens": 6, "ignore_eos": true}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(
+        r.body["choices"][0]["token_ids"],
+        r.body["choices"][1]["token_ids"]
+    );
+}
+
+/// `"max_new_tokens": null` on `/generate` asks for no cap of the client's own: the
+/// server's `--max-new-tokens` (32 here) bounds it, not the default (8).
+#[test]
+fn a_null_max_new_tokens_is_the_servers_cap() {
+    let server = server(false, |_| {});
+    let r = server.post(
+        "/generate",
+        &json!({"input_ids": [4], "sampling_params": {"max_new_tokens": null, "seed": 2,
+                "ignore_eos": true}}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.body["output_ids"].as_array().map(Vec::len), Some(32));
+    let r = server.post(
+        "/generate",
+        &json!({"input_ids": [4], "sampling_params": {"seed": 2, "ignore_eos": true}}),
+    );
+    assert_eq!(r.body["output_ids"].as_array().map(Vec::len), Some(8));
+}
+
+/// `cached_tokens` of a request ended by a stop string, or aborted, is the engine's count
+/// (the fake engine reports all but the last prompt token of a prompt starting with
+/// `CACHED`), as for one that ends by itself.
+#[test]
+fn cached_tokens_survive_stop_strings_and_aborts() {
+    let server = server(true, |_| {});
+    let prompt = [fake::CACHED, 5, 9];
+    let seed = 1u64;
+    let (free, _) = fake::expected(&prompt, 20, &[], seed);
+    let stop = format!("t{} t{}", free[2], free[3]);
+    let r = server.post(
+        "/generate",
+        &json!({"input_ids": prompt, "sampling_params": {"max_new_tokens": 20, "seed": seed,
+                "ignore_eos": true, "stop": [stop]}}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(
+        r.body["meta_info"]["finish_reason"]["type"], "stop",
+        "{}",
+        r.text
+    );
+    assert_eq!(r.body["meta_info"]["cached_tokens"], 2, "{}", r.text);
+    let in_flight = || server.get("/v1/loads").body["loads"][0]["num_total_reqs"].clone();
+    let p = server.post("/pause_generation", &json!({"mode": "in_place"}));
+    assert_eq!(p.status, 200, "{}", p.text);
+    std::thread::scope(|s| {
+        let held = s.spawn(|| {
+            server.post(
+                "/generate",
+                &json!({"input_ids": prompt, "rid": "held", "sampling_params": {"max_new_tokens": 8}}),
+            )
+        });
+        assert!(
+            (0..500).any(|_| {
+                std::thread::sleep(Duration::from_millis(10));
+                in_flight() == 1
+            }),
+            "the request never arrived"
+        );
+        let a = server.post("/abort_request", &json!({"rid": "held"}));
+        assert_eq!(a.status, 200, "{}", a.text);
+        let r = held.join().expect("client thread");
+        assert_eq!(r.status, 200, "{}", r.text);
+        assert_eq!(
+            r.body["meta_info"]["finish_reason"]["type"], "abort",
+            "{}",
+            r.text
+        );
+        assert_eq!(r.body["meta_info"]["cached_tokens"], 2, "{}", r.text);
+    });
+    let c = server.post("/continue_generation", &json!({}));
+    assert_eq!(c.status, 200, "{}", c.text);
 }
 
 /// The control endpoints RL loops call, and weight versions as strings everywhere at once.

@@ -27,6 +27,19 @@ pub const POISON: u32 = 63;
 /// Layer 0 is dense, layers 1 and 2 are MoE (the wire carries all 3).
 pub const MOE_LAYERS: [usize; 2] = [1, 2];
 
+/// A prompt starting with this id reports all but its last token as a prefix-cache hit.
+pub const CACHED: u32 = 62;
+
+/// The fake engine's `cached_tokens` for `prompt`: all but its last token when it starts with
+/// [`CACHED`], none otherwise.
+pub fn cached_tokens(prompt: &[u32]) -> usize {
+    if prompt.first() == Some(&CACHED) {
+        prompt.len() - 1
+    } else {
+        0
+    }
+}
+
 /// The fake servers' configuration: small limits, seed 0.
 pub fn config() -> ServerConfig {
     ServerConfig {
@@ -142,7 +155,7 @@ impl FakeEngine {
             prompt_logprobs: None,
             output_ids: r.out,
             finish,
-            cached_tokens: 0,
+            cached_tokens: cached_tokens(&r.req.input_ids),
             routes: Some(routes_of(&tokens, r.req.routed_experts_start_len)),
             weight_version: self.version,
         }
@@ -232,6 +245,7 @@ impl InferenceBackend for FakeEngine {
         };
         let r = self.running.remove(i);
         let seed = r.req.sampling.seed;
+        let cached = cached_tokens(&r.req.input_ids);
         Ok(Some(PartialRollout {
             output_logprobs: r.out.iter().map(|&t| logprob(t)).collect(),
             output_top_logprobs: Vec::new(),
@@ -241,6 +255,7 @@ impl InferenceBackend for FakeEngine {
             routes: None,
             rng: ChaCha8Rng::seed_from_u64(seed),
             weight_version: self.version,
+            cached_tokens: cached,
         }))
     }
 

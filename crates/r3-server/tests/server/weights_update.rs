@@ -117,6 +117,10 @@ fn a_nan_tensor_is_refused_with_its_name() {
         msg.contains("model.norm.weight") && msg.contains("non-finite"),
         "{msg}"
     );
+    // SGLang's failure body, which its clients read, beside r3's error.
+    assert_eq!(r.body["success"], false, "{}", r.text);
+    assert_eq!(r.body["message"], msg.as_str());
+    assert_eq!(r.body["num_paused_requests"], 0);
     // The old weights keep serving, unchanged.
     let after = generate(&s, 6);
     assert_eq!(after.body["output_ids"], before.body["output_ids"]);
