@@ -166,6 +166,27 @@ struct Book {
     /// Requests ended so far (`WorkerStats::finished_requests`).
     ended: u64,
     stats: Arc<Mutex<WorkerStats>>,
+    /// An update waiting for the requests in flight to finish: a sequence never spans two
+    /// weight versions, as SGLang's update takes its writer lock once every request's reader
+    /// lock is given back (unless generation is paused).
+    pending_update: Option<PendingUpdate>,
+    /// Batches that arrived while `pending_update` waits, admitted after it.
+    held: Vec<HeldBatch>,
+}
+
+/// A weight update waiting for the requests in flight to finish (SGLang's writer lock).
+struct PendingUpdate {
+    staged: StagedWeights,
+    abort_all: bool,
+    label: Option<String>,
+    reply: oneshot::Sender<Result<String, ApiError>>,
+}
+
+/// A `Generate` command held back while an update waits: admitted once it is done.
+struct HeldBatch {
+    jobs: Vec<Job>,
+    reply: BatchReply,
+    progress: Option<ProgressSender>,
 }
 
 /// A client batch waiting for its results.
@@ -197,6 +218,8 @@ impl EngineHandle {
             label: INITIAL_WEIGHT_VERSION.to_string(),
             ended: 0,
             stats: Arc::clone(&stats),
+            pending_update: None,
+            held: Vec::new(),
         };
         let thread = std::thread::Builder::new()
             .name("r3-engine".into())
@@ -339,6 +362,7 @@ fn run<B: InferenceBackend>(
     // The checkpoint the engine was built from is gone by now; its pages go back.
     return_free_heap();
     loop {
+        book.apply_update_if_due(&mut backend);
         if backend.in_flight() == 0 || book.holds_steps() {
             match rx.blocking_recv() {
                 Some(cmd) => book.handle(&mut backend, cmd),
@@ -349,6 +373,7 @@ fn run<B: InferenceBackend>(
             book.handle(&mut backend, cmd);
         }
         book.abort_abandoned(&mut backend);
+        book.apply_update_if_due(&mut backend);
         let batch = backend.in_flight();
         if batch == 0 || book.holds_steps() {
             book.publish(&backend, |_| {});
@@ -396,38 +421,31 @@ impl Book {
                 jobs,
                 reply,
                 progress,
-            } => self.submit(backend, jobs, reply, progress),
+            } => {
+                if self.pending_update.is_some() {
+                    self.held.push(HeldBatch {
+                        jobs,
+                        reply,
+                        progress,
+                    });
+                } else {
+                    self.submit(backend, jobs, reply, progress);
+                }
+            }
             Command::UpdateWeights {
                 staged,
                 abort_all,
                 label,
                 reply,
             } => {
-                let dir = staged.dir.clone();
-                // Aborted only once the new weights are in place (a refused update leaves
-                // every request running), and under the old label: their tokens came from
-                // the old weights.
-                let result = backend
-                    .swap_weights(staged)
-                    .map(|v| {
-                        if abort_all {
-                            self.abort_where(backend, |_| true);
-                        }
-                        self.label = label.unwrap_or_else(|| v.to_string());
-                        self.label.clone()
-                    })
-                    .map_err(|e| match e {
-                        RolloutError::WeightDir { .. } => ApiError::from(e),
-                        e => ApiError::from(e)
-                            .context(&format!("loading weights from {}", dir.display())),
-                    });
-                // Published before the reply so `/get_server_info` shows the new version
-                // as soon as the update call returns.
-                self.publish(backend, |_| {});
-                let _ = reply.send(result);
-                // The staged weights and the ones they replaced (or a refused update's) are
-                // freed by now.
-                return_free_heap();
+                // One update at a time (the HTTP handler holds a lock), so none is pending.
+                self.pending_update = Some(PendingUpdate {
+                    staged,
+                    abort_all,
+                    label,
+                    reply,
+                });
+                self.apply_update_if_due(backend);
             }
             Command::Abort { rid, reply } => {
                 let n = match rid {
@@ -471,6 +489,56 @@ impl Book {
                 // The host copy of weights brought back to the device is freed.
                 return_free_heap();
             }
+        }
+    }
+
+    /// Swaps in a pending update once it may go: with `abort_all_requests` at once (the
+    /// requests are aborted after the swap), while steps are held (paused, memory released:
+    /// SGLang skips its lock when paused), or once no request is in flight. Then admits the
+    /// batches held meanwhile.
+    fn apply_update_if_due<B: InferenceBackend>(&mut self, backend: &mut B) {
+        let due = self
+            .pending_update
+            .as_ref()
+            .is_some_and(|u| u.abort_all || self.holds_steps() || backend.in_flight() == 0);
+        if !due {
+            return;
+        }
+        let Some(PendingUpdate {
+            staged,
+            abort_all,
+            label,
+            reply,
+        }) = self.pending_update.take()
+        else {
+            return;
+        };
+        let dir = staged.dir.clone();
+        // Aborted only once the new weights are in place (a refused update leaves
+        // every request running), and under the old label: their tokens came from
+        // the old weights.
+        let result = backend
+            .swap_weights(staged)
+            .map(|v| {
+                if abort_all {
+                    self.abort_where(backend, |_| true);
+                }
+                self.label = label.unwrap_or_else(|| v.to_string());
+                self.label.clone()
+            })
+            .map_err(|e| match e {
+                RolloutError::WeightDir { .. } => ApiError::from(e),
+                e => ApiError::from(e).context(&format!("loading weights from {}", dir.display())),
+            });
+        // Published before the reply so `/get_server_info` shows the new version
+        // as soon as the update call returns.
+        self.publish(backend, |_| {});
+        let _ = reply.send(result);
+        // The staged weights and the ones they replaced (or a refused update's) are
+        // freed by now.
+        return_free_heap();
+        for h in std::mem::take(&mut self.held) {
+            self.submit(backend, h.jobs, h.reply, h.progress);
         }
     }
 

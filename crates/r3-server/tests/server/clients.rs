@@ -874,3 +874,56 @@ fn the_rid_of_a_request_that_ended_is_free_while_its_batch_runs() {
         assert_eq!(reasons, [&json!("length"), &json!("abort")]);
     });
 }
+
+/// An update arriving while a request runs waits for it (SGLang's update takes its writer
+/// lock once every request's reader lock is back): the running request finishes under the
+/// old weights, and one arriving meanwhile runs under the new ones.
+#[test]
+fn an_update_waits_for_the_requests_in_flight() {
+    let engine = Paced::new(FakeEngine::new(0), Duration::from_millis(20));
+    let server = TestServer::start(build_app(engine, None, fake::config()).expect("app builds"));
+    let in_flight = || server.get("/v1/loads").body["loads"][0]["num_total_reqs"].clone();
+    let dir = crate::support::fixture("qwen3_moe_tiny");
+    std::thread::scope(|s| {
+        let long = s.spawn(|| {
+            server.post(
+                "/generate",
+                &json!({"input_ids": [3], "sampling_params": {"max_new_tokens": 30,
+                        "ignore_eos": true}}),
+            )
+        });
+        assert!(
+            (0..500).any(|_| {
+                std::thread::sleep(Duration::from_millis(5));
+                in_flight() == 1
+            }),
+            "the request never arrived"
+        );
+        let update = s.spawn(|| {
+            server.post(
+                "/update_weights_from_disk",
+                &json!({"model_path": dir, "weight_version": "v2"}),
+            )
+        });
+        std::thread::sleep(Duration::from_millis(60));
+        let later = s.spawn(|| {
+            server.post(
+                "/generate",
+                &json!({"input_ids": [4], "sampling_params": {"max_new_tokens": 2}}),
+            )
+        });
+        let r = long.join().expect("client thread");
+        assert_eq!(r.status, 200, "{}", r.text);
+        assert_eq!(r.body["output_ids"].as_array().map(Vec::len), Some(30));
+        assert_eq!(
+            r.body["meta_info"]["weight_version"], "default",
+            "{}",
+            r.text
+        );
+        let u = update.join().expect("client thread");
+        assert_eq!(u.status, 200, "{}", u.text);
+        let r = later.join().expect("client thread");
+        assert_eq!(r.status, 200, "{}", r.text);
+        assert_eq!(r.body["meta_info"]["weight_version"], "v2", "{}", r.text);
+    });
+}
