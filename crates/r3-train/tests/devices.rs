@@ -411,9 +411,10 @@ fn cuda_training_state_matches_the_cpu() {
 
 /// The policy's scoring on `device` (the head over the response predictions only; sharing
 /// the prompt of a group; the head whole or in chunks without its logits kept, with an
-/// entropy bonus): per option set, the masked response log-probs, entropies and every
-/// weight's gradient of `Σ (logp + ½·entropy)` over the responses, on the CPU. In f32, or in
-/// bf16 with the weights held in bf16 (`bf16_masters`: `train.master_weights = "bf16"`).
+/// entropy bonus; at temperature 1 and 0.7): per option set, the masked response log-probs,
+/// entropies and every weight's gradient of `Σ (logp + ½·entropy)` over the responses, on
+/// the CPU. In f32, or in bf16 with the weights held in bf16 (`bf16_masters`:
+/// `train.master_weights = "bf16"`).
 fn scoring(device: &Device, bf16_masters: bool) -> Vec<(String, Vec<f32>)> {
     use r3_model::Precision;
     use r3_train::policy::precision::MasterWeights;
@@ -440,14 +441,23 @@ fn scoring(device: &Device, bf16_masters: bool) -> Vec<(String, Vec<f32>)> {
     let mask = batch.response_mask(None, device).expect("mask");
     let vars: Vec<Var> = policy.vars().iter().map(|(_, v)| v.clone()).collect();
     let mut out = Vec::new();
-    for (share, chunk, recompute) in [(false, 0, false), (true, 0, false), (true, 4, true)] {
+    // At a rollout temperature of 0.7 too, the logits scaled by candle's affine op on the
+    // device, whole and in chunks.
+    for (share, chunk, recompute, temperature) in [
+        (false, 0, false, 1.0),
+        (true, 0, false, 1.0),
+        (true, 4, true, 1.0),
+        (false, 0, false, 0.7),
+        (true, 4, true, 0.7),
+    ] {
         let options = ScoreOptions {
             recompute,
             share_prefixes: share,
             head_chunk_tokens: chunk,
             entropy_grad: true,
+            temperature,
         };
-        let case = format!("share {share} chunk {chunk} recompute {recompute}");
+        let case = format!("share {share} chunk {chunk} recompute {recompute} T {temperature}");
         let (scored, layers) = score_with(&model, &batch, Routing::Native, options).expect("score");
         let logp = (&scored.logp * &mask).expect("masked log-probs");
         let entropy = (scored.entropy(true).expect("entropy") * &mask).expect("masked");

@@ -243,6 +243,7 @@ fn run_in(
         head_chunk_tokens: 0,
         narrow_gradients,
         bf16_gradient_sums: false,
+        temperature: 1.0,
     };
     GRADS.with(|g| g.borrow_mut().clear());
     let result = update_minibatch(&policy, &mut opt, &mb, &settings).expect("update");

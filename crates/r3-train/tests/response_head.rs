@@ -49,6 +49,7 @@ fn options(recompute: bool, share: bool, chunk: usize, entropy_grad: bool) -> Sc
         share_prefixes: share,
         head_chunk_tokens: chunk,
         entropy_grad,
+        temperature: 1.0,
     }
 }
 

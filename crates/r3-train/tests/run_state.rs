@@ -219,6 +219,7 @@ fn a_nan_or_inf_loss_skips_the_update_and_leaves_weights_untouched() {
         head_chunk_tokens: 0,
         narrow_gradients: false,
         bf16_gradient_sums: false,
+        temperature: 1.0,
     };
     let before = values(&policy);
     for bad in [f32::NAN, f32::INFINITY] {

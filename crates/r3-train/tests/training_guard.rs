@@ -37,7 +37,12 @@ fn validation_refuses_values_that_cannot_train_naming_the_key() {
         ("optim.grad_clip=inf", "optim.grad_clip"),
         ("optim.grad_clip=-1.0", "optim.grad_clip"),
         ("rollout.temperature=inf", "rollout.temperature"),
-        ("rollout.temperature=0.7", "rollout.temperature"),
+        ("rollout.temperature=0.0", "rollout.temperature"),
+        ("rollout.temperature=-0.5", "rollout.temperature"),
+        ("rollout.temperature=nan", "rollout.temperature"),
+        ("rollout.temperature=100.5", "rollout.temperature"),
+        // 1 / T overflows f32, where the engines and the trainer scale the logits.
+        ("rollout.temperature=1e-40", "rollout.temperature"),
         ("eval.temperature=inf", "eval.temperature"),
         ("algo.entropy_coef=nan", "algo.entropy_coef"),
         ("algo.is_threshold=inf", "algo.is_threshold"),
@@ -58,6 +63,16 @@ fn validation_refuses_values_that_cannot_train_naming_the_key() {
     TrainConfig::resolve_text("", &set[..1]).expect("lr at the bound");
     TrainConfig::resolve_text("", &set[1..]).expect("adv_eps 0 without std division");
     TrainConfig::default().validate().expect("defaults");
+    // A rollout temperature other than 1 trains (the policy is scored at it), up to the
+    // bound.
+    for t in ["0.7", "2.5", "100.0"] {
+        let set = [format!("rollout.temperature={t}")];
+        let cfg = TrainConfig::resolve_text("", &set).expect("a rollout temperature");
+        assert_eq!(
+            cfg.rollout.temperature.to_string(),
+            t.trim_end_matches(".0")
+        );
+    }
 }
 
 /// Every f32 of the weights and optimiser moments, by name, as bits.
@@ -144,6 +159,7 @@ fn an_injected_non_finite_gradient_is_skipped_with_state_restored_bit_for_bit() 
         head_chunk_tokens: 0,
         narrow_gradients: false,
         bf16_gradient_sums: false,
+        temperature: 1.0,
     };
     // One applied update first, so the moments are not all zero.
     let r = update_minibatch(&policy, &mut opt, &mb, &settings).expect("update");

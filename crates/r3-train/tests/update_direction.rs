@@ -91,6 +91,7 @@ fn check(kind: PolicyLossKind, replay: bool) {
         head_chunk_tokens: 0,
         narrow_gradients: false,
         bf16_gradient_sums: false,
+        temperature: 1.0,
     };
     let r = update_minibatch(&policy, &mut opt, &mb, &settings).expect("update");
     assert!(r.outcome.applied());

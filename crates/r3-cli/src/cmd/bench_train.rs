@@ -417,6 +417,8 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         targets: host_targets.clone(),
         chunk_rows: args.head_chunk_tokens,
         entropy_grad: false,
+        // The benchmark times the temperature-1 head.
+        inv_temperature: 1.0,
     });
     let routes = ReplayRoutes::new(
         model

@@ -11,6 +11,12 @@
 //! gradients), so each row's log-prob and entropy are the values the whole head gives it,
 //! and the backward's gradients are the same ops' gradients, summed over the chunks. The
 //! price is one more forward of the head.
+//!
+//! A rollout sampled at temperature `T` draws from `softmax(logits / T)`, and so does the
+//! policy this scores ([`ScoreTargets::inv_temperature`], as verl and slime divide the
+//! logits by the rollout temperature before the log-softmax and the entropy): each chunk's
+//! logits are scaled before they are scored, inside the graph the backward differentiates,
+//! so the rows' and weights' gradients carry the factor (`d/dz f(z·s) = s·f'(z·s)`).
 
 use std::sync::Arc;
 
@@ -24,8 +30,9 @@ use crate::layers::precomputed::{precomputed_fwd, Precomputed};
 use crate::token_stats::{entropy, token_log_probs_host_checked};
 
 /// What a scoring forward asks of the head: the token each head row is scored against, how
-/// many rows a chunk holds, and whether the entropies take part in the loss.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// many rows a chunk holds, whether the entropies take part in the loss, and the
+/// temperature the distribution is scored at.
+#[derive(Debug, Clone, PartialEq)]
 pub struct ScoreTargets {
     /// The target of each head row (the next token at each head position), in the head's row
     /// order.
@@ -35,16 +42,21 @@ pub struct ScoreTargets {
     /// Whether the entropy column is differentiated (an entropy bonus): without it the
     /// backward reads the log-probs' gradient alone and skips the entropy's pass.
     pub entropy_grad: bool,
+    /// `1 / T`: the log-probs and entropies are those of `softmax(logits · inv_temperature)`,
+    /// the distribution a rollout at temperature `T` samples from. 1 scores the raw logits,
+    /// bit for bit as without the factor (no multiply runs); finite and above 0.
+    pub inv_temperature: f32,
 }
 
 impl ScoreTargets {
     /// Refuses targets that are not one per head row of `rows` or lie outside a vocabulary
-    /// of `vocab` (naming the row among all of them, not within its chunk), or a chunk of no
-    /// rows.
+    /// of `vocab` (naming the row among all of them, not within its chunk), a chunk of no
+    /// rows, or an inverse temperature that is not a finite number above 0.
     pub(crate) fn check(&self, rows: usize, vocab: usize) -> Result<()> {
         if self.chunk_rows == 0 {
             return Err(ModelError::Input("head scores: a chunk of 0 rows".into()));
         }
+        check_inv_temperature(self.inv_temperature)?;
         check_rows("head scores: targets", self.targets.len(), rows)?;
         match self.targets.iter().position(|&t| t as usize >= vocab) {
             Some(row) => Err(ModelError::Input(format!(
@@ -56,8 +68,34 @@ impl ScoreTargets {
     }
 }
 
+/// Refuses an inverse temperature that is not a finite number above 0 (a temperature of 0,
+/// greedy decoding, has no log-probs to score).
+fn check_inv_temperature(inv_temperature: f32) -> Result<()> {
+    match inv_temperature.is_finite() && inv_temperature > 0.0 {
+        true => Ok(()),
+        false => Err(ModelError::Input(format!(
+            "head scores: inverse temperature {inv_temperature} is not a finite number above 0"
+        ))),
+    }
+}
+
+/// `logits · inv_temperature`, the logits of the distribution a rollout at temperature
+/// `1 / inv_temperature` samples from (the rollout samplers multiply by `1 / T` in f32 the
+/// same way), differentiable in `logits`; at 1 the logits themselves, no op run, so the
+/// temperature-1 scoring keeps its bits and its graph. The one scaling both of a policy's
+/// scoring paths take (this module's chunks and a scoring that keeps its logits whole), so
+/// they agree. Device-agnostic (candle's affine op).
+pub fn scale_logits(logits: &Tensor, inv_temperature: f32) -> Result<Tensor> {
+    check_inv_temperature(inv_temperature)?;
+    if inv_temperature == 1.0 {
+        return Ok(logits.clone());
+    }
+    Ok(logits.affine(f64::from(inv_temperature), 0.0)?)
+}
+
 /// `[P, 2]`: per row of `rows` (`[P, H]`, the last layer's states at the head's positions),
-/// the log-prob of its target under `head(norm(row))` and the entropy of that distribution,
+/// the log-prob of its target under `head(norm(row)) · targets.inv_temperature` and the
+/// entropy of that distribution,
 /// computed `targets.chunk_rows` rows at a time; differentiable in `rows` and in the norm's
 /// and head's weights, keeping `rows` alone for the backward.
 pub(crate) fn head_scores(
@@ -114,6 +152,9 @@ impl HeadScores {
     ) -> Result<(Tensor, Option<Tensor>)> {
         let n = x.dim(0)?;
         let logits = self.head.forward(&self.norm.forward(x)?)?;
+        // Scaled inside the chunk's graph: the backward, which runs the chunk again,
+        // differentiates through the factor.
+        let logits = scale_logits(&logits, self.targets.inv_temperature)?;
         let host = &self.targets.targets[start..start + n];
         let targets = Tensor::from_slice(host, n, x.device())?;
         let logp = token_log_probs_host_checked(&logits, &targets, host)?;
@@ -222,6 +263,7 @@ impl CustomOp3 for HeadScores {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::Device;
 
     #[test]
     fn targets_are_one_per_head_row_in_chunks_of_some_rows() {
@@ -229,6 +271,7 @@ mod tests {
             targets: vec![3; n],
             chunk_rows,
             entropy_grad: false,
+            inv_temperature: 1.0,
         };
         assert!(targets(4, 2).check(4, 8).is_ok());
         let err = targets(3, 2).check(4, 8).expect_err("one target short");
@@ -246,5 +289,34 @@ mod tests {
                 .contains("target 8 of head row 3 is outside the vocabulary of 8"),
             "{err}"
         );
+        for inv in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+            let tempered = ScoreTargets {
+                inv_temperature: inv,
+                ..targets(4, 2)
+            };
+            let err = tempered
+                .check(4, 8)
+                .expect_err("no temperature to score at");
+            assert!(err.to_string().contains("inverse temperature"), "{err}");
+        }
+    }
+
+    /// The scaling multiplies every logit by the inverse temperature (0.5 and 3 against
+    /// the products by hand), keeps the logits as they are at 1 (the same tensor: no op in
+    /// the graph), and refuses a factor of 0.
+    #[test]
+    fn logits_are_scaled_by_the_inverse_temperature() {
+        let logits =
+            Tensor::new(&[[1.5f32, -2.0, 0.25], [3.0, 0.0, -0.75]], &Device::Cpu).expect("logits");
+        let scaled = |inv: f32| -> Vec<Vec<f32>> {
+            scale_logits(&logits, inv)
+                .and_then(|t| Ok(t.to_vec2::<f32>()?))
+                .expect("scaled")
+        };
+        assert_eq!(scaled(0.5), [[0.75, -1.0, 0.125], [1.5, 0.0, -0.375]]);
+        assert_eq!(scaled(3.0), [[4.5, -6.0, 0.75], [9.0, 0.0, -2.25]]);
+        let same = scale_logits(&logits, 1.0).expect("at 1");
+        assert_eq!(same.id(), logits.id());
+        assert!(scale_logits(&logits, 0.0).is_err());
     }
 }

@@ -135,20 +135,18 @@ impl TrainConfig {
                 format!("{} must be > 0", r.temperature),
             );
         }
-        // Both engines score the raw (temperature-1) policy: rollouts drawn at another
-        // temperature would make every ratio, IS weight and mismatch figure compare the
-        // training policy with a distribution the samples did not come from.
-        if r.temperature != 1.0 {
+        // The engines and the trainer scale the logits by `1 / T` in f32: a temperature
+        // whose inverse overflows would sample greedily with no log-probs to train on.
+        if !(1.0 / (r.temperature as f32)).is_finite() {
             return bad(
                 "rollout.temperature",
-                format!(
-                    "{} is not supported: the trainer and the rollout log-probs score the \
-                     temperature-1 policy, so samples drawn at another temperature would be \
-                     off-policy with no correction; use 1.0 (eval.temperature may differ)",
-                    r.temperature
-                ),
+                format!("{} is too small: 1 / T overflows f32", r.temperature),
             );
         }
+        // Any temperature in (0, MAX_TEMPERATURE] (limits.rs holds the upper bound): the
+        // trainer scores the policy `softmax(logits / T)` the rollouts sample from and the
+        // engines report log-probs under, so ratios, IS weights and the mismatch compare
+        // like with like.
         if r.backend == RolloutBackend::Sglang && r.urls.is_empty() {
             return bad(
                 "rollout.urls",

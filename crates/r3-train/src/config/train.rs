@@ -129,8 +129,12 @@ pub struct RolloutConfig {
     pub group_size: usize,
     /// Most tokens generated per response. Default 64.
     pub max_new_tokens: usize,
-    /// Sampling temperature: 1.0 only (the trainer scores the temperature-1 policy; samples
-    /// at another temperature would be off-policy with no correction). Default 1.0.
+    /// Sampling temperature `T`, in (0, 100]: the rollouts sample from `softmax(logits / T)`
+    /// and the engines report each token's log-prob under it, and the trainer scores that
+    /// same policy (its log-probs with their gradient, the old-policy pass, the entropy), as
+    /// verl and slime do, so ratios, IS weights and the mismatch compare like with like. An
+    /// SGLang fleet must report the tempered log-probs (its default: run it without
+    /// `SGLANG_RETURN_ORIGINAL_LOGPROB`). Default 1.0 (the raw logits).
     pub temperature: f64,
     /// Rollout engine precision: `f16` (fast inference path), `bf16` (weights and activations
     /// in bf16 where SGLang / vLLM keep them) or `f32`. Default `f16`.

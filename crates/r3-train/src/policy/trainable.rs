@@ -9,6 +9,7 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor, Var};
 use r3_model::layers::attention::ScoreTiles;
 use r3_model::model::head_positions::spread_over_spans;
+use r3_model::model::head_scores::scale_logits;
 use r3_model::model::LayerRecompute;
 use r3_model::token_stats::{entropy, token_log_probs_host_checked};
 use r3_model::{
@@ -152,9 +153,11 @@ pub struct Scored {
     /// `[B, T−1]` log-prob of each next token: each row's response predictions (columns
     /// `prompt_len − 1 .. len − 1`), 0 elsewhere.
     pub logp: Tensor,
-    /// `[P, vocab]` logits of the response predictions, row after row (`spans`): the head
-    /// runs over no prompt or padding position, whose predictions no loss reads. None where
-    /// the head was scored in chunks without keeping them ([`ScoreOptions::head_chunk_tokens`]).
+    /// `[P, vocab]` logits of the response predictions, row after row (`spans`), divided by
+    /// the scoring's temperature ([`ScoreOptions::temperature`]; the head's own at 1): the
+    /// logits of the distribution `logp` and the entropy are taken from. The head runs over
+    /// no prompt or padding position, whose predictions no loss reads. None where the head
+    /// was scored in chunks without keeping them ([`ScoreOptions::head_chunk_tokens`]).
     pub logits: Option<Tensor>,
     /// Per row, the predicting positions the head covers: `prompt_len − 1 .. len − 1`.
     pub spans: Vec<Range<usize>>,
@@ -212,7 +215,7 @@ impl Scored {
 }
 
 /// How [`score_with`] scores a batch.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ScoreOptions {
     /// By a recomputing forward (activation checkpointing), whose layers then give the
     /// gradients ([`LayerRecompute::backward`]).
@@ -225,19 +228,55 @@ pub struct ScoreOptions {
     /// With `head_chunk_tokens`, whether the entropy takes part in the loss (an entropy
     /// bonus): its gradient is then computed in the backward.
     pub entropy_grad: bool,
+    /// The temperature `T` the policy is scored at: the log-probs and entropies are those
+    /// of `softmax(logits / T)`, the distribution a rollout at `rollout.temperature = T`
+    /// samples from and its engine reports log-probs under (verl and slime score the policy
+    /// the same way). 1 (the default): the raw logits, bit for bit. Finite and above 0.
+    pub temperature: f32,
 }
 
-/// The most values a logits tensor whose gradient sums the log-prob's and the entropy's may
-/// hold on a GPU: candle's elementwise CUDA kernels (the backward adds the two gradients
-/// with one) step a 32-bit index by the grid's size, about the element count, so past 2^31
-/// values a thread's index wraps around 2^32 and it runs its loop again from lower down
+impl Default for ScoreOptions {
+    /// The whole logits at temperature 1, no recomputation, no sharing.
+    fn default() -> Self {
+        Self {
+            recompute: false,
+            share_prefixes: false,
+            head_chunk_tokens: 0,
+            entropy_grad: false,
+            temperature: 1.0,
+        }
+    }
+}
+
+impl ScoreOptions {
+    /// `1 / temperature` in f32, as the rollout samplers compute it (so the scaled logits
+    /// are theirs bit for bit); a temperature that is not a finite number above 0 is refused.
+    pub fn inv_temperature(&self) -> Result<f32> {
+        let t = self.temperature;
+        let inv = 1.0 / t;
+        if !(t.is_finite() && t > 0.0 && inv.is_finite()) {
+            return Err(TrainError::InvalidConfig {
+                field: "rollout.temperature",
+                reason: format!("the policy is scored at temperature {t}: must be > 0"),
+            });
+        }
+        Ok(inv)
+    }
+}
+
+/// The most values a logits tensor that one of candle's elementwise ops runs over may hold on
+/// a GPU: the sum of the log-prob's and the entropy's gradients (an entropy bonus), and the
+/// temperature's scaling, forward and backward (candle's affine op). candle's elementwise
+/// CUDA kernels step a 32-bit index by the grid's size, about the element count, so past
+/// 2^31 values a thread's index wraps around 2^32 and it runs its loop again from lower down
 /// (tens of thousands of passes near 2^32, none ending just below it). r3's own kernels and
 /// cuBLAS, which every other pass over the logits runs on, index in 64 bits.
 const MAX_SUMMED_LOGITS_VALUES: usize = 1 << 31;
 
-/// Refuses, by the setting that lowers it, a scoring whose logits gradient candle would sum
-/// over more than [`MAX_SUMMED_LOGITS_VALUES`] values: on a GPU, with the entropy's gradient
-/// asked for (`algo.entropy_coef` ≠ 0), `rows` response tokens scored at once (or
+/// Refuses, by the setting that lowers it, a scoring whose logits candle's elementwise
+/// kernels would run over past [`MAX_SUMMED_LOGITS_VALUES`] values: on a GPU, with the
+/// entropy's gradient asked for (`algo.entropy_coef` ≠ 0) or at a temperature other than 1
+/// (`rollout.temperature`), `rows` response tokens scored at once (or
 /// `algo.head_chunk_tokens` at a time) times `vocab` columns; `on_gpu`: the model's device
 /// is a CUDA GPU.
 fn check_logits_gradients_fit(
@@ -250,18 +289,17 @@ fn check_logits_gradients_fit(
         0 => rows,
         chunk => chunk.min(rows),
     };
-    if !(options.entropy_grad && on_gpu)
-        || at_once.saturating_mul(vocab) <= MAX_SUMMED_LOGITS_VALUES
-    {
+    let elementwise = options.entropy_grad || options.temperature != 1.0;
+    if !(elementwise && on_gpu) || at_once.saturating_mul(vocab) <= MAX_SUMMED_LOGITS_VALUES {
         return Ok(());
     }
     Err(TrainError::InvalidConfig {
         field: "algo.head_chunk_tokens",
         reason: format!(
             "{at_once} response tokens scored at once × a vocabulary of {vocab} is {} logits, \
-             past the {MAX_SUMMED_LOGITS_VALUES} whose log-prob and entropy gradients candle's \
-             CUDA kernels can sum; score the head at most {} tokens at a time (or set \
-             algo.entropy_coef = 0)",
+             past the {MAX_SUMMED_LOGITS_VALUES} candle's CUDA kernels can sum the log-prob \
+             and entropy gradients of or scale by a temperature; score the head at most {} \
+             tokens at a time (or set algo.entropy_coef = 0 and rollout.temperature = 1)",
             at_once.saturating_mul(vocab),
             MAX_SUMMED_LOGITS_VALUES / vocab.max(1)
         ),
@@ -269,13 +307,14 @@ fn check_logits_gradients_fit(
 }
 
 /// Runs the training forward over `batch` with `routing` and takes the log-prob of every
-/// next token.
+/// next token (at temperature 1).
 pub fn score(model: &Model, batch: &ResponseBatch, routing: Routing<'_>) -> Result<Scored> {
     Ok(score_with(model, batch, routing, ScoreOptions::default())?.0)
 }
 
-/// [`score`] as `options` say; with `recompute`, the layers that give the gradients of a loss
-/// of the returned log-probs ([`LayerRecompute::backward`]).
+/// [`score`] as `options` say (at their temperature: the log-probs and entropies of
+/// `softmax(logits / T)`); with `recompute`, the layers that give the gradients of a loss of
+/// the returned log-probs ([`LayerRecompute::backward`]).
 pub fn score_with<'m>(
     model: &'m Model,
     batch: &ResponseBatch,
@@ -311,6 +350,7 @@ pub fn score_with<'m>(
         .flat_map(|(s, span)| s[span.start + 1..=span.end].iter().copied())
         .collect();
     let width = batch.width();
+    let inv_temperature = options.inv_temperature()?;
     check_logits_gradients_fit(
         host_targets.len(),
         model.config().vocab_size,
@@ -327,8 +367,11 @@ pub fn score_with<'m>(
                 false => (model.forward_head(&padded, routing, head)?, None),
             };
             let targets = Tensor::from_slice(&host_targets, host_targets.len(), model.device())?;
-            let logp = token_log_probs_host_checked(&out.logits, &targets, &host_targets)?;
-            let logits = out.logits.clone();
+            // The one scaling the chunked head takes too (`ScoreTargets::inv_temperature`):
+            // the log-probs, the entropy `Scored::entropy` takes from these logits and their
+            // gradients are the tempered policy's.
+            let logits = scale_logits(&out.logits, inv_temperature)?;
+            let logp = token_log_probs_host_checked(&logits, &targets, &host_targets)?;
             (logp, Some(logits), None, out, layers)
         }
         chunk_rows => {
@@ -336,6 +379,7 @@ pub fn score_with<'m>(
                 targets: host_targets,
                 chunk_rows,
                 entropy_grad: options.entropy_grad,
+                inv_temperature,
             };
             let (out, layers) =
                 model.forward_scores(&padded, routing, head, &targets, options.recompute)?;
@@ -664,5 +708,42 @@ mod tests {
         let no_entropy = ScoreOptions::default();
         assert!(check_logits_gradients_fit(100_000, vocab, no_entropy, true).is_ok());
         assert!(check_logits_gradients_fit(100_000, vocab, with_entropy, false).is_ok());
+        // A temperature other than 1 scales the logits with candle's affine kernels: the
+        // same bound with no entropy gradient, met by chunks.
+        let tempered = ScoreOptions {
+            temperature: 0.7,
+            ..no_entropy
+        };
+        let Err(e) = check_logits_gradients_fit(14_135, vocab, tempered, true) else {
+            panic!("14,135 × 151,936 tempered logits accepted");
+        };
+        assert!(e.to_string().contains("rollout.temperature = 1"), "{e}");
+        assert!(check_logits_gradients_fit(14_134, vocab, tempered, true).is_ok());
+        assert!(check_logits_gradients_fit(100_000, vocab, tempered, false).is_ok());
+        let tempered_chunks = ScoreOptions {
+            head_chunk_tokens: 4096,
+            ..tempered
+        };
+        assert!(check_logits_gradients_fit(100_000, vocab, tempered_chunks, true).is_ok());
+    }
+
+    /// The inverse temperature is `1 / T` in f32 (the rollout samplers' factor); a
+    /// temperature of 0, below 0, NaN, infinite or so small its inverse overflows is refused
+    /// naming `rollout.temperature`.
+    #[test]
+    fn the_inverse_temperature_is_the_samplers() {
+        let at = |temperature: f32| ScoreOptions {
+            temperature,
+            ..ScoreOptions::default()
+        };
+        assert_eq!(ScoreOptions::default().inv_temperature().ok(), Some(1.0));
+        assert_eq!(at(0.7).inv_temperature().ok(), Some(1.0f32 / 0.7f32));
+        assert_eq!(at(0.5).inv_temperature().ok(), Some(2.0));
+        for t in [0.0, -0.5, f32::NAN, f32::INFINITY, 1e-40] {
+            let Err(e) = at(t).inv_temperature() else {
+                panic!("temperature {t} accepted");
+            };
+            assert!(e.to_string().contains("rollout.temperature"), "{e}");
+        }
     }
 }

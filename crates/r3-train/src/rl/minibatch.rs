@@ -92,6 +92,10 @@ pub struct UpdateSettings {
     /// The gradients of weights held in bf16 are summed over the micro-batches in bf16,
     /// rounded stochastically (`train.grad_accum_dtype = "bf16"`); else in f32.
     pub bf16_gradient_sums: bool,
+    /// The temperature the rollouts were sampled at (`rollout.temperature`): every update
+    /// forward and old-log-prob pass scores the policy `softmax(logits / T)` they came
+    /// from ([`ScoreOptions::temperature`]); 1: the raw logits.
+    pub temperature: f32,
 }
 
 /// What one mini-batch update did and saw.
@@ -411,6 +415,7 @@ fn micro_update<'m>(
         share_prefixes: s.share_prefixes,
         head_chunk_tokens: s.head_chunk_tokens,
         entropy_grad: s.entropy_coef != 0.0,
+        temperature: s.temperature,
     };
     let (scored, layers) = score_with(model, mb.batch, mb.routing, options)?;
     let narrow_grads = model

@@ -171,6 +171,8 @@ pub fn update_settings(cfg: &TrainConfig) -> Result<UpdateSettings> {
         head_chunk_tokens: cfg.algo.head_chunk_tokens,
         narrow_gradients: cfg.train.narrow_gradients,
         bf16_gradient_sums: cfg.train.bf16_gradient_sums()?,
+        // The rollout engines sample at this temperature and report log-probs under it.
+        temperature: cfg.rollout.temperature as f32,
     })
 }
 

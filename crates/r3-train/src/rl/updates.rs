@@ -159,6 +159,7 @@ fn minibatch_updates(
         ScoreOptions {
             share_prefixes: settings.share_prefixes,
             head_chunk_tokens: settings.head_chunk_tokens,
+            temperature: settings.temperature,
             ..ScoreOptions::default()
         },
     )?;
