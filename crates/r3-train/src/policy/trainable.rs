@@ -297,9 +297,10 @@ fn check_logits_gradients_fit(
         field: "algo.head_chunk_tokens",
         reason: format!(
             "{at_once} response tokens scored at once × a vocabulary of {vocab} is {} logits, \
-             past the {MAX_SUMMED_LOGITS_VALUES} candle's CUDA kernels can sum the log-prob \
-             and entropy gradients of or scale by a temperature; score the head at most {} \
-             tokens at a time (or set algo.entropy_coef = 0 and rollout.temperature = 1)",
+             past the {MAX_SUMMED_LOGITS_VALUES} candle's CUDA kernels can run over (summing \
+             the log-prob and entropy gradients, scaling by a temperature); score the head at \
+             most {} tokens at a time (or set algo.entropy_coef = 0 and \
+             rollout.temperature = 1)",
             at_once.saturating_mul(vocab),
             MAX_SUMMED_LOGITS_VALUES / vocab.max(1)
         ),
