@@ -20,7 +20,9 @@ use r3_model::greedy_rows::greedy_rows;
 use r3_model::layers::attention::attend_additive;
 use r3_model::layers::attention::rope::{Rope, Rotary};
 use r3_model::layers::norm::RmsNorm;
-use r3_model::sample_rows::{sample_rows, uniform_at_bound, RowDraw};
+use r3_model::sample_rows::{
+    pack_draws, sample_rows_reporting, uniform_at_bound, LogprobScale, RowDraw,
+};
 use r3_model::token_stats::token_log_probs_recomputed;
 use r3_model::{Precision, RopeConfig, RopeScaling, Weights};
 
@@ -503,8 +505,8 @@ fn greedy_rows_equal_the_cpus_largest_column_and_log_sum_exp() {
 
 /// Row-draw rows of `cols` columns and their draws: ordinary values, bf16-rounded ones (a
 /// coarse grid of repeated values), `−∞` entries beside finite ones, a row with a NaN, a
-/// row with a `+∞`, a row of `−∞`, a row not asked, a row at temperature 0.7, and draws at
-/// 0, near 1 and between; then four ordinary rows whose draws land on the bound after a
+/// row with a `+∞`, a row of `−∞`, a row not asked, a row at temperature 0.7 and one at 1.6,
+/// and draws at 0, near 1 and between; then four ordinary rows whose draws land on the bound after a
 /// column (as the CPU sums: the last ulp of any sum decides between two columns there).
 fn draw_rows(cols: usize) -> (usize, Vec<f32>, Vec<Option<RowDraw>>) {
     let rows = 14;
@@ -539,21 +541,28 @@ fn draw_rows(cols: usize) -> (usize, Vec<f32>, Vec<Option<RowDraw>>) {
         .map(|r| {
             (r != 6).then_some(RowDraw {
                 uniform: uniforms[r],
-                inv_temperature: if r == 7 { 1.0 / 0.7 } else { 1.0 },
+                inv_temperature: match r {
+                    7 => 1.0 / 0.7,
+                    8 => 1.0 / 1.6,
+                    _ => 1.0,
+                },
             })
         })
         .collect();
     (rows, v, draws)
 }
 
-/// `r3_sample_rows_f32` picks the CPU's column (`sample_rows`, the rollout sampler's own
-/// full-vocabulary branch) bit for bit: the same exponentials, block sums and walk, in both
-/// variants (every product and sum of the walk is a correctly rounded intrinsic, so
-/// contraction changes no bit); the log-prob bit for bit at temperature 1 and within 1e-6
-/// at 0.7 (the kernel's normaliser there is a block-order f64 sum); (cols, NaN) for the
-/// rows not asked, holding a NaN or a `+∞`, or all `−∞`. Over 1,000 columns (blocks of 256
-/// and a tail of 232), 40 (one short block), 4,101 (a tail of 5, under one lane's chunk)
-/// and a Qwen vocabulary's 151,936, at the launcher's 512 threads and at 32, 96 and 1,024.
+/// `r3_sample_rows_f32` picks the CPU's column (`sample_rows_reporting`, the rollout
+/// sampler's own full-vocabulary branch) bit for bit: the same exponentials, block sums and
+/// walk, in both variants (every product and sum of the walk is a correctly rounded
+/// intrinsic, so contraction changes no bit), with every row's log-prob raw and with every
+/// row's scaled. The scaled log-prob (`LogprobScale::Sampling`, `(z − max) / T − ln(total)`
+/// of the walk's own total) is bit for bit at every temperature, 0.7 and 1.6 included; the
+/// raw one bit for bit at temperature 1 and within 1e-6 at 0.7 and 1.6 (the kernel's
+/// normaliser there is a block-order f64 sum); (cols, NaN) for the rows not asked, holding a
+/// NaN or a `+∞`, or all `−∞`. Over 1,000 columns (blocks of 256 and a tail of 232), 40 (one
+/// short block), 4,101 (a tail of 5, under one lane's chunk) and a Qwen vocabulary's 151,936,
+/// at the launcher's 512 threads and at 32, 96 and 1,024.
 #[test]
 fn row_draws_pick_the_cpus_column() {
     for (cols, shapes) in [
@@ -563,46 +572,63 @@ fn row_draws_pick_the_cpus_column() {
         (151_936, vec![SAMPLE_ROWS_THREADS]),
     ] {
         let (rows, v, draws) = draw_rows(cols);
-        let want = sample_rows(&tensor(&v, &[rows, cols]), &draws)
-            .map(|t| host(&t))
-            .expect("the CPU's draws");
-        let mut packed = Vec::with_capacity(2 * rows);
-        for d in &draws {
-            match d {
-                Some(d) => packed.extend([d.uniform, f64::from(d.inv_temperature)]),
-                None => packed.extend([-1.0, 1.0]),
+        let mut by_scale = Vec::new();
+        for scale in [LogprobScale::Raw, LogprobScale::Sampling] {
+            let draws: Vec<Option<(RowDraw, LogprobScale)>> =
+                draws.iter().map(|d| d.map(|d| (d, scale))).collect();
+            let want = sample_rows_reporting(&tensor(&v, &[rows, cols]), &draws)
+                .map(|t| host(&t))
+                .expect("the CPU's draws");
+            let packed = pack_draws(&draws).expect("packed draws");
+            for r in [3, 4, 5, 6] {
+                assert_eq!(
+                    want[2 * r],
+                    cols as f32,
+                    "{cols} columns: row {r} names none"
+                );
             }
-        }
-        for r in [3, 4, 5, 6] {
-            assert_eq!(
-                want[2 * r],
-                cols as f32,
-                "{cols} columns: row {r} names none"
-            );
-        }
-        for &threads in &shapes {
-            for (name, k) in variants() {
-                let what = format!("row draws {name}, {cols} columns, {threads} threads");
-                let shape = LaunchShape::blocks(rows as u32, threads)
-                    .with_shared_bytes(sample_rows_shared_bytes(cols));
-                let got = run(&what, shape, rows * 2, |out| unsafe {
-                    (k.r3_sample_rows_f32)(v.as_ptr(), packed.as_ptr(), out, cols as u32)
-                });
-                let column = |x: &[f32]| x.iter().step_by(2).copied().collect::<Vec<f32>>();
-                assert_bits(&format!("{what} columns"), &column(&got), &column(&want));
-                for r in 0..rows {
-                    let (g, w) = (got[2 * r + 1], want[2 * r + 1]);
-                    if r == 7 {
-                        assert!(
-                            (g - w).abs() <= 1e-6 * w.abs().max(1.0),
-                            "{what}: {g} vs {w}"
-                        );
-                    } else {
-                        assert_eq!(g.to_bits(), w.to_bits(), "{what} row {r}: {g} vs {w}");
+            for &threads in &shapes {
+                for (name, k) in variants() {
+                    let what =
+                        format!("row draws {name} {scale:?}, {cols} columns, {threads} threads");
+                    let shape = LaunchShape::blocks(rows as u32, threads)
+                        .with_shared_bytes(sample_rows_shared_bytes(cols));
+                    let got = run(&what, shape, rows * 2, |out| unsafe {
+                        (k.r3_sample_rows_f32)(v.as_ptr(), packed.as_ptr(), out, cols as u32)
+                    });
+                    let column = |x: &[f32]| x.iter().step_by(2).copied().collect::<Vec<f32>>();
+                    assert_bits(&format!("{what} columns"), &column(&got), &column(&want));
+                    for r in 0..rows {
+                        let (g, w) = (got[2 * r + 1], want[2 * r + 1]);
+                        if scale == LogprobScale::Raw && (r == 7 || r == 8) {
+                            assert!(
+                                (g - w).abs() <= 1e-6 * w.abs().max(1.0),
+                                "{what}: {g} vs {w}"
+                            );
+                        } else {
+                            assert_eq!(g.to_bits(), w.to_bits(), "{what} row {r}: {g} vs {w}");
+                        }
                     }
                 }
             }
+            by_scale.push(want);
         }
+        // The scaled log-probs are another distribution's where T ≠ 1, the raw ones' where
+        // T = 1.
+        let (raw, scaled) = (&by_scale[0], &by_scale[1]);
+        for r in [7, 8] {
+            assert!(
+                (raw[2 * r + 1] - scaled[2 * r + 1]).abs() > 1e-3,
+                "{cols} columns, row {r}: {} vs {}",
+                raw[2 * r + 1],
+                scaled[2 * r + 1]
+            );
+        }
+        assert_eq!(
+            raw[1].to_bits(),
+            scaled[1].to_bits(),
+            "{cols} columns, row 0"
+        );
     }
 }
 

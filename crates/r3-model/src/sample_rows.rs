@@ -1,19 +1,25 @@
 //! Drawing a row's next token from its whole distribution as one op: per row of logits and
 //! a uniform draw from the row's own seeded stream, the column the inverse CDF of
-//! `softmax(row / T)` picks and that column's log-prob under the raw distribution
-//! (`log softmax(row)`, temperature 1) — the rollout sampler's full-vocabulary branch
-//! ([`sample_row`] is that branch; the sampler draws and calls it).
+//! `softmax(row / T)` picks and that column's log-prob, under the distribution it was drawn
+//! from (`log softmax(row / T)`, [`LogprobScale::Sampling`], SGLang's default) or under the
+//! raw one (`log softmax(row)`, temperature 1, [`LogprobScale::Raw`]) — the rollout
+//! sampler's full-vocabulary branch ([`sample_row`] is that branch; the sampler draws and
+//! calls it).
 //!
-//! Sampled rows are an RL rollout's (temperature 1, no truncation). Copied to the host each
+//! Sampled rows are an RL rollout's (no truncation). Copied to the host each
 //! decode step they were `rows × vocab` f32 (156 MB at batch 256 of a 151,936-token
 //! vocabulary) and an exponential of every value there; on a GPU the op is one kernel
 //! (`r3_sample_rows_f32` in `cuda/kernels.cu`) and two numbers a row cross. The kernel
 //! computes the host's exponentials (`fast_exp`, bit for bit), sums them in the host's order
 //! (blocks of [`SAMPLE_BLOCK`] columns, each as [`lane_sum`] sums) and walks the same
 //! partial sums, so a GPU picks the column the host would from the same logits and draw.
+//! The scaled log-prob is read off that same pass, `(z − max) / T − ln(total)`: the host's
+//! bits too.
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 use rayon::prelude::*;
+
+use serde::{Deserialize, Serialize};
 
 use crate::error::{ModelError, Result};
 use crate::host::contiguous;
@@ -23,6 +29,24 @@ use crate::math::{fast_exp, lane_sum, log_sum_exp, row_max};
 /// Columns per partial sum of the inverse-CDF walk: the walk skips whole blocks by their
 /// sums, then steps through one block.
 pub const SAMPLE_BLOCK: usize = 256;
+
+/// Which distribution a drawn row's reported log-prob is taken under.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LogprobScale {
+    /// The distribution the column is drawn from before any truncation, `softmax(row / T)`:
+    /// what SGLang reports for a sampled request by default (its sampler's `log(probs)`).
+    #[default]
+    Sampling,
+    /// The raw distribution at temperature 1, `softmax(row)`, whatever the temperature:
+    /// what SGLang reports with `SGLANG_RETURN_ORIGINAL_LOGPROB` set.
+    Raw,
+}
+
+/// f64 values a row's draw takes in the draws [`sample_rows_reporting`] hands the op (and
+/// `r3_sample_rows_f32` reads): the uniform (negative: the row is not asked), `1 / T`, and
+/// 1 for a [`LogprobScale::Sampling`] log-prob or 0 for a [`LogprobScale::Raw`] one.
+pub const DRAW_VALUES: usize = 3;
 
 /// Reusable buffers of [`sample_row`] (one per sampling thread).
 #[derive(Debug, Default, Clone)]
@@ -36,13 +60,17 @@ pub struct SampleRowScratch {
 /// Draws a column of `row` from `softmax(row · inv_t)` with the uniform `draw` in [0, 1):
 /// one pass of exponentials (`fast_exp`) that also yields the block sums, then the inverse
 /// CDF over the blocks and inside one block. Returns the column and its log-prob under the
-/// raw distribution; at `inv_t` = 1 that reuses the pass's normaliser. Where rounding leaves
-/// the draw past a block's values stepped through (its sum, in lanes, can be an ulp more),
-/// the block's last column is picked; past every block's sum, the last column with mass.
+/// distribution `scale` names: [`LogprobScale::Sampling`]'s `(z − max) · inv_t − ln(total)`
+/// reuses the pass's normaliser, as does [`LogprobScale::Raw`]'s at `inv_t` = 1 (the same
+/// value: `x · 1 = x`); the raw one at another temperature needs the raw normaliser, a
+/// second pass. Where rounding leaves the draw past a block's values stepped through (its
+/// sum, in lanes, can be an ulp more), the block's last column is picked; past every block's
+/// sum, the last column with mass.
 pub fn sample_row(
     row: &[f32],
     inv_t: f32,
     draw: f64,
+    scale: LogprobScale,
     scratch: &mut SampleRowScratch,
 ) -> (usize, f32) {
     let (max, total) = exps_and_blocks(row, inv_t, scratch);
@@ -67,8 +95,8 @@ pub fn sample_row(
         }
         u -= bs;
     }
-    let logprob = if inv_t == 1.0 {
-        row[pick] - max - total.ln() as f32
+    let logprob = if scale == LogprobScale::Sampling || inv_t == 1.0 {
+        (row[pick] - max) * inv_t - total.ln() as f32
     } else {
         row[pick] - log_sum_exp(row)
     };
@@ -103,7 +131,15 @@ pub fn uniform_at_bound(row: &[f32], column: usize, below: bool) -> f64 {
     let (mut lo, mut hi) = (0f64.to_bits(), 1f64.to_bits());
     while hi - lo > 1 {
         let mid = lo + (hi - lo) / 2;
-        if sample_row(row, 1.0, f64::from_bits(mid), &mut scratch).0 > column {
+        if sample_row(
+            row,
+            1.0,
+            f64::from_bits(mid),
+            LogprobScale::Raw,
+            &mut scratch,
+        )
+        .0 > column
+        {
             hi = mid;
         } else {
             lo = mid;
@@ -129,12 +165,26 @@ pub struct RowDraw {
     pub inv_temperature: f32,
 }
 
-/// Per row of `logits` `[rows, vocab]` (f32, or cast to it) on any device, with `draws`
-/// naming the rows to draw from (`None`: not this row): `[rows, 2]` f32 of (column, log-prob)
-/// as [`sample_row`] gives them. A row not asked, or not [`drawable`], gives `vocab` as its
-/// column (none) and a NaN log-prob. The draws cross to the device (16 bytes a row); on a
-/// GPU the rows stay where they are.
+/// [`sample_rows_reporting`] with every asked row's log-prob under the raw distribution
+/// ([`LogprobScale::Raw`]).
 pub fn sample_rows(logits: &Tensor, draws: &[Option<RowDraw>]) -> Result<Tensor> {
+    let raw: Vec<Option<(RowDraw, LogprobScale)>> = draws
+        .iter()
+        .map(|d| d.map(|d| (d, LogprobScale::Raw)))
+        .collect();
+    sample_rows_reporting(logits, &raw)
+}
+
+/// Per row of `logits` `[rows, vocab]` (f32, or cast to it) on any device, with `draws`
+/// naming the rows to draw from and the distribution each reports its log-prob under
+/// (`None`: not this row): `[rows, 2]` f32 of (column, log-prob) as [`sample_row`] gives
+/// them. A row not asked, or not [`drawable`], gives `vocab` as its column (none) and a NaN
+/// log-prob. The draws cross to the device (24 bytes a row); on a GPU the rows stay where
+/// they are.
+pub fn sample_rows_reporting(
+    logits: &Tensor,
+    draws: &[Option<(RowDraw, LogprobScale)>],
+) -> Result<Tensor> {
     let (rows, vocab) = logits.dims2()?;
     if draws.len() != rows {
         return Err(ModelError::Input(format!(
@@ -156,10 +206,21 @@ pub fn sample_rows(logits: &Tensor, draws: &[Option<RowDraw>]) -> Result<Tensor>
              a block's partial sums fit in"
         )));
     }
-    let mut packed = Vec::with_capacity(2 * rows);
+    let draws = Tensor::from_vec(pack_draws(draws)?, (rows, DRAW_VALUES), logits.device())?;
+    Ok(logits
+        .to_dtype(DType::F32)?
+        .contiguous()?
+        .apply_op2_no_bwd(&draws, &SampleRows)?)
+}
+
+/// `draws` as the op and `r3_sample_rows_f32` read them: [`DRAW_VALUES`] f64 a row, row
+/// after row. A draw whose uniform is outside [0, 1) or whose `1 / T` is not finite and
+/// positive is refused, naming its row.
+pub fn pack_draws(draws: &[Option<(RowDraw, LogprobScale)>]) -> Result<Vec<f64>> {
+    let mut packed = Vec::with_capacity(DRAW_VALUES * draws.len());
     for (r, draw) in draws.iter().enumerate() {
         match draw {
-            Some(d) => {
+            Some((d, scale)) => {
                 let in_range = (0.0..1.0).contains(&d.uniform)
                     && d.inv_temperature.is_finite()
                     && d.inv_temperature > 0.0;
@@ -170,20 +231,20 @@ pub fn sample_rows(logits: &Tensor, draws: &[Option<RowDraw>]) -> Result<Tensor>
                         d.uniform, d.inv_temperature
                     )));
                 }
-                packed.extend([d.uniform, f64::from(d.inv_temperature)]);
+                let scaled = match scale {
+                    LogprobScale::Sampling => 1.0,
+                    LogprobScale::Raw => 0.0,
+                };
+                packed.extend([d.uniform, f64::from(d.inv_temperature), scaled]);
             }
             // A negative uniform: not asked.
-            None => packed.extend([-1.0, 1.0]),
+            None => packed.extend([-1.0, 1.0, 0.0]),
         }
     }
-    let draws = Tensor::from_vec(packed, (rows, 2), logits.device())?;
-    Ok(logits
-        .to_dtype(DType::F32)?
-        .contiguous()?
-        .apply_op2_no_bwd(&draws, &SampleRows)?)
+    Ok(packed)
 }
 
-/// The op `([rows, vocab] f32, [rows, 2] f64) → [rows, 2]`.
+/// The op `([rows, vocab] f32, [rows, DRAW_VALUES] f64) → [rows, 2]`.
 #[derive(Debug, Clone, Copy)]
 struct SampleRows;
 
@@ -193,7 +254,12 @@ fn draw_row(row: &[f32], draw: &[f64], scratch: &mut SampleRowScratch) -> [f32; 
     if uniform < 0.0 || !drawable(row) {
         return [row.len() as f32, f32::NAN];
     }
-    let (pick, logprob) = sample_row(row, inv_t, uniform, scratch);
+    let scale = if draw[2] != 0.0 {
+        LogprobScale::Sampling
+    } else {
+        LogprobScale::Raw
+    };
+    let (pick, logprob) = sample_row(row, inv_t, uniform, scale, scratch);
     [pick as f32, logprob]
 }
 
@@ -217,7 +283,7 @@ impl CustomOp2 for SampleRows {
         let draws = contiguous(draws, dl, "draws")?;
         let out: Vec<f32> = values
             .par_chunks(vocab.max(1))
-            .zip(draws.par_chunks(2))
+            .zip(draws.par_chunks(DRAW_VALUES))
             .take(rows)
             .map_init(SampleRowScratch::default, |scratch, (row, draw)| {
                 draw_row(&row[..vocab.min(row.len())], draw, scratch)
@@ -299,51 +365,73 @@ mod tests {
         (row.len() - 1, 0.0)
     }
 
+    /// `log softmax(row · inv_t)[column]` in f64.
+    fn exact_logprob(row: &[f32], inv_t: f64, column: usize) -> f64 {
+        let max = row
+            .iter()
+            .fold(f64::NEG_INFINITY, |m, &v| m.max(f64::from(v)));
+        let sum: f64 = row
+            .iter()
+            .map(|&v| ((f64::from(v) - max) * inv_t).exp())
+            .sum();
+        (f64::from(row[column]) - max) * inv_t - sum.ln()
+    }
+
     /// The draw picks the column the exact f64 inverse CDF picks (wherever the draw is not
-    /// within 1e-6 of the mass of a bound between two columns), and reports the exact raw
-    /// log-prob within 1e-5, at temperature 1 and 0.7, over rows longer than a block, shorter
-    /// than one, and of a Qwen vocabulary's length.
+    /// within 1e-6 of the mass of a bound between two columns), whichever log-prob it
+    /// reports, and reports within 1e-5 the exact f64 log-prob of the distribution asked:
+    /// `log softmax(row / T)` for [`LogprobScale::Sampling`], `log softmax(row)` for
+    /// [`LogprobScale::Raw`] (the two the same bits at temperature 1, apart by more than
+    /// the tolerance at 0.7), over rows longer than a block, shorter than one, and of a Qwen
+    /// vocabulary's length.
     #[test]
     fn draws_follow_the_exact_inverse_cdf() {
         let mut scratch = SampleRowScratch::default();
         let mut checked = 0;
         for (vocab, seed) in [(1_000usize, 1u64), (40, 2), (151_936, 3), (257, 4)] {
             let row = values(vocab, seed, -8.0, 8.0);
-            let max = row
-                .iter()
-                .fold(f64::NEG_INFINITY, |m, &v| m.max(f64::from(v)));
-            let lse = max
-                + row
-                    .iter()
-                    .map(|&v| (f64::from(v) - max).exp())
-                    .sum::<f64>()
-                    .ln();
             for t in [1.0f32, 0.7] {
+                let inv_t = 1.0 / t;
                 for k in 0..50 {
                     let draw = (k as f64 + 0.37) / 50.0;
-                    let (got, lp) = sample_row(&row, 1.0 / t, draw, &mut scratch);
-                    let (want, margin) = exact_pick(&row, f64::from(1.0 / t), draw);
+                    let (got, scaled) =
+                        sample_row(&row, inv_t, draw, LogprobScale::Sampling, &mut scratch);
+                    let (raw_pick, raw) =
+                        sample_row(&row, inv_t, draw, LogprobScale::Raw, &mut scratch);
+                    assert_eq!(got, raw_pick, "the scale moved the pick");
+                    let (want, margin) = exact_pick(&row, f64::from(inv_t), draw);
                     if margin > 1e-6 {
                         assert_eq!(got, want, "vocab {vocab}, T {t}, draw {draw}");
                         checked += 1;
                     }
-                    let exact = f64::from(row[got]) - lse;
-                    assert!(
-                        (f64::from(lp) - exact).abs() <= 1e-5,
-                        "vocab {vocab}, T {t}: log-prob {lp} against {exact}"
-                    );
+                    for (lp, exact, what) in [
+                        (scaled, exact_logprob(&row, f64::from(inv_t), got), "scaled"),
+                        (raw, exact_logprob(&row, 1.0, got), "raw"),
+                    ] {
+                        assert!(
+                            (f64::from(lp) - exact).abs() <= 1e-5,
+                            "vocab {vocab}, T {t}: {what} log-prob {lp} against {exact}"
+                        );
+                    }
+                    if t == 1.0 {
+                        assert_eq!(scaled.to_bits(), raw.to_bits(), "T 1");
+                    } else {
+                        assert!((scaled - raw).abs() > 1e-3, "T {t}: {scaled} vs {raw}");
+                    }
                 }
             }
         }
         assert!(checked >= 390, "only {checked} draws away from a bound");
     }
 
-    /// The op gives each asked row [`sample_row`]'s column and log-prob, bit for bit, and
-    /// (`vocab`, NaN) for a row not asked, a row holding a NaN, a row with a `+∞` and a row
-    /// of `−∞`; rows of `−∞` entries beside finite ones are drawn (never picking a `−∞`).
+    /// The op gives each asked row [`sample_row`]'s column and log-prob at the row's scale,
+    /// bit for bit ([`sample_rows`]: every row raw; [`sample_rows_reporting`]: rows raw and
+    /// scaled side by side), and (`vocab`, NaN) for a row not asked, a row holding a NaN, a
+    /// row with a `+∞` and a row of `−∞`; rows of `−∞` entries beside finite ones are drawn
+    /// (never picking a `−∞`).
     #[test]
     fn the_op_is_sample_row_on_each_asked_row() {
-        let (rows, vocab) = (7, 600);
+        let (rows, vocab) = (8, 600);
         let mut v = values(rows * vocab, 9, -4.0, 4.0);
         v[vocab + 5] = f32::NAN;
         v[2 * vocab + 9] = f32::INFINITY;
@@ -356,22 +444,52 @@ mod tests {
             .map(|r| {
                 (r != 5).then_some(RowDraw {
                     uniform: 0.13 * r as f64 + 0.05,
-                    inv_temperature: if r == 6 { 1.0 / 0.6 } else { 1.0 },
+                    inv_temperature: if r >= 6 { 1.0 / 0.6 } else { 1.0 },
                 })
             })
             .collect();
-        let got = sample_rows(&logits, &draws)
-            .and_then(|t| Ok(t.to_vec2::<f32>()?))
-            .expect("op");
+        // Row 7 reports the scaled log-prob, the others the raw one.
+        let scale = |r: usize| {
+            if r == 7 {
+                LogprobScale::Sampling
+            } else {
+                LogprobScale::Raw
+            }
+        };
+        let reporting: Vec<Option<(RowDraw, LogprobScale)>> = draws
+            .iter()
+            .enumerate()
+            .map(|(r, d)| d.map(|d| (d, scale(r))))
+            .collect();
+        let op = |t: Result<Tensor>| t.and_then(|t| Ok(t.to_vec2::<f32>()?)).expect("op");
+        let all_raw = op(sample_rows(&logits, &draws));
+        let got = op(sample_rows_reporting(&logits, &reporting));
         let mut scratch = SampleRowScratch::default();
-        for r in [0, 4, 6] {
+        for r in [0, 4, 6, 7] {
             let d = draws[r].expect("asked");
             let row = &v[r * vocab..(r + 1) * vocab];
-            let (pick, lp) = sample_row(row, d.inv_temperature, d.uniform, &mut scratch);
+            let (pick, lp) = sample_row(row, d.inv_temperature, d.uniform, scale(r), &mut scratch);
+            let (_, raw) = sample_row(
+                row,
+                d.inv_temperature,
+                d.uniform,
+                LogprobScale::Raw,
+                &mut scratch,
+            );
             assert_eq!(got[r][0], pick as f32, "row {r}'s column");
             assert_eq!(got[r][1].to_bits(), lp.to_bits(), "row {r}'s log-prob");
+            assert_eq!(all_raw[r][0], pick as f32, "row {r}'s column, all raw");
+            assert_eq!(
+                all_raw[r][1].to_bits(),
+                raw.to_bits(),
+                "row {r}'s raw log-prob"
+            );
             assert!(row[pick].is_finite(), "row {r} picked a −∞");
         }
+        assert_ne!(
+            got[7][1], all_raw[7][1],
+            "row 7's scaled log-prob is its raw one"
+        );
         for r in [1, 2, 3, 5] {
             assert_eq!(got[r][0], vocab as f32, "row {r} names no column");
             assert!(got[r][1].is_nan(), "row {r}'s log-prob");
@@ -391,7 +509,7 @@ mod tests {
             for (below, want) in [(true, column), (false, column + 1)] {
                 let u = uniform_at_bound(&row, column, below);
                 assert_eq!(
-                    sample_row(&row, 1.0, u, &mut scratch).0,
+                    sample_row(&row, 1.0, u, LogprobScale::Raw, &mut scratch).0,
                     want,
                     "column {column}, below {below}"
                 );

@@ -11,8 +11,12 @@
 //! The trainer drives the engine in process and does not build the server, though it does
 //! compile tokio and hyper through `r3-fleet`, its HTTP client for remote rollout workers.
 //!
-//! Log-probs: every reported log-prob is `log softmax(logits)[token]` under the raw model
-//! distribution (temperature 1, before top-k / top-p), in f32 from the engine's logits.
+//! Log-probs, in f32 from the engine's logits, as SGLang reports them: an output token's is
+//! taken under the distribution it was sampled from before top-k / top-p / min-p
+//! (`log softmax(l / T)[token]`, `l` the logits after penalties and bias) or, where the
+//! request's `logprob_scale` is [`LogprobScale::Raw`] and for greedy requests, at temperature
+//! 1 (`log softmax(l)[token]`); prompt log-probs are always the raw model distribution's
+//! (see [`sampler`]).
 
 pub mod device_engine;
 pub mod dtype;
@@ -37,4 +41,4 @@ pub use r3_routing::MergePolicy;
 pub use request::{
     FinishReason, GenerateRequest, GenerateResult, PartialRollout, PromptLogprobs, RequestId,
 };
-pub use sampler::SamplingParams;
+pub use sampler::{LogprobScale, SamplingParams};

@@ -74,11 +74,13 @@ pub struct GenerateResult {
     pub prompt_tokens: usize,
     /// Generated token ids (for a resumed request: all of them, earlier call first).
     pub output_ids: Vec<u32>,
-    /// `log softmax(logits)[token]` of each output id under the raw model distribution
-    /// (temperature 1, before top-k/top-p), f32.
+    /// The log-prob of each output id under the distribution `sampling.logprob_scale` names
+    /// (before top-k / top-p / min-p): `log softmax(l / T)[token]` for a sampled request under
+    /// `LogprobScale::Sampling`, `log softmax(l)[token]` under `LogprobScale::Raw` or for a
+    /// greedy one, `l` the logits after penalties and bias; f32.
     pub output_logprobs: Vec<f32>,
     /// The `sampling.top_logprobs` most likely `(token, log-prob)` at each output position
-    /// (raw distribution), or empty when not asked for.
+    /// (the same distribution as `output_logprobs`), or empty when not asked for.
     pub output_top_logprobs: Vec<Vec<(u32, f32)>>,
     /// Prompt log-probs (of the original prompt), when `sampling.prompt_logprobs_from` asked.
     pub prompt_logprobs: Option<PromptLogprobs>,

@@ -1,19 +1,27 @@
 //! Token sampling: temperature, top-k, top-p, min-p with a seeded per-request RNG, and the
 //! log-prob the engine reports for the sampled token. Penalties and logit biases that depend on
-//! the sequence are applied before sampling by `engine::penalty`.
+//! the sequence are applied before sampling by `engine::penalty`, before the temperature, as
+//! SGLang applies them (`SamplingBatchInfo::apply_logits_bias` runs before its sampler divides
+//! by the temperature).
 //!
-//! The reported log-prob is always `log softmax(logits)[token]` — the raw model distribution
-//! at temperature 1, before top-k/top-p truncation — as verl and SGLang report it. This is the
-//! `rollout_logp` the trainer compares with its own `log softmax(logits_train)[token]`.
+//! The reported log-prob is SGLang's (python/sglang/srt/layers/sampler.py): with `l` the row
+//! the sampler reads (the logits after penalties and bias), a sampled request's (T > 0) is
+//! `log softmax(l / T)[token]` — the distribution the token was drawn from, before
+//! top-k / top-p / min-p truncation ([`LogprobScale::Sampling`], the default) — or
+//! `log softmax(l)[token]` at any temperature ([`LogprobScale::Raw`], SGLang's
+//! `SGLANG_RETURN_ORIGINAL_LOGPROB`); a greedy request's is `log softmax(l)[token]` in both.
+//! Top log-probs come from the same distribution. A trainer comparing with the rollout
+//! divides its logits by the rollout temperature under Sampling, or asks for Raw.
 
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
 use crate::error::RolloutError;
+pub use r3_model::sample_rows::LogprobScale;
 use r3_model::sample_rows::{sample_row, SampleRowScratch};
 
-use crate::kernels::ops::{fast_exp, log_softmax_at, row_max};
+use crate::kernels::ops::{fast_exp, lane_sum, log_softmax_at, row_max};
 
 /// How to pick the next token of one request.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -48,7 +56,12 @@ pub struct SamplingParams {
     pub top_logprobs: usize,
     /// First prompt position of the prompt log-probs to return (SGLang `logprob_start_len`);
     /// None = none. Costs one logits row per prompt position, so only asked-for requests pay.
+    /// Prompt log-probs are always the raw distribution's, whatever `logprob_scale` says.
     pub prompt_logprobs_from: Option<usize>,
+    /// Which distribution the output log-probs (the sampled token's and its top
+    /// alternatives') are taken under: at the sampling temperature (SGLang's default) or at
+    /// temperature 1. A greedy request's are at temperature 1 either way.
+    pub logprob_scale: LogprobScale,
 }
 
 impl Default for SamplingParams {
@@ -68,6 +81,7 @@ impl Default for SamplingParams {
             logit_bias: Vec::new(),
             top_logprobs: 0,
             prompt_logprobs_from: None,
+            logprob_scale: LogprobScale::Sampling,
         }
     }
 }
@@ -132,6 +146,17 @@ impl SamplingParams {
         Ok(())
     }
 
+    /// `1 / T'` where `T'` is the temperature of the distribution the output log-probs are
+    /// reported under: `1 / temperature` for a sampled request under
+    /// [`LogprobScale::Sampling`], 1 for a greedy one ([`samples_greedily`]) or under
+    /// [`LogprobScale::Raw`].
+    pub fn logprob_inv_temperature(&self) -> f32 {
+        match self.logprob_scale {
+            LogprobScale::Sampling if !samples_greedily(self) => 1.0 / self.temperature,
+            _ => 1.0,
+        }
+    }
+
     /// Whether logits must be adjusted (penalties, biases, min_new_tokens) before sampling
     /// the token after `generated` tokens.
     pub fn adjusts_logits(&self, generated: usize) -> bool {
@@ -152,7 +177,9 @@ pub struct SampleScratch {
     row: SampleRowScratch,
 }
 
-/// Samples a token from one row of logits; returns `(token, log softmax(logits)[token])`.
+/// Samples a token from one row of logits; returns it with its log-prob under the
+/// distribution `params.logprob_scale` names ([`SamplingParams::logprob_inv_temperature`]):
+/// `log softmax(logits / T)[token]` or `log softmax(logits)[token]`.
 pub fn sample(
     logits: &[f32],
     params: &SamplingParams,
@@ -165,10 +192,22 @@ pub fn sample(
         (token as u32, log_softmax_at(logits, token))
     } else if truncating {
         let token = sample_truncated(logits, params, rng, &mut scratch.pairs);
-        (token as u32, log_softmax_at(logits, token))
+        let logprob = scaled_log_softmax_at(logits, params.logprob_inv_temperature(), token);
+        (token as u32, logprob)
     } else {
-        sample_full(logits, params.temperature, rng, scratch)
+        sample_full(logits, params, rng, scratch)
     }
+}
+
+/// `log softmax(row · inv_t)[index]`: the log-sum-exp of the scaled row summed as
+/// [`log_softmax_at`] sums it (at `inv_t` = 1, its bits).
+fn scaled_log_softmax_at(row: &[f32], inv_t: f32, index: usize) -> f32 {
+    if inv_t == 1.0 {
+        return log_softmax_at(row, index);
+    }
+    let max = row_max(row);
+    let sum = lane_sum(row, |z| ((z - max) * inv_t).exp());
+    (row[index] - max) * inv_t - sum.ln() as f32
 }
 
 /// Samples from `softmax(logits / T)` over the whole vocabulary with one uniform from
@@ -177,14 +216,15 @@ pub fn sample(
 /// where the logits live with the same draw.
 fn sample_full(
     logits: &[f32],
-    temperature: f32,
+    params: &SamplingParams,
     rng: &mut ChaCha8Rng,
     scratch: &mut SampleScratch,
 ) -> (u32, f32) {
     let (pick, logprob) = sample_row(
         logits,
-        1.0 / temperature,
+        1.0 / params.temperature,
         full_vocabulary_draw(rng),
+        params.logprob_scale,
         &mut scratch.row,
     );
     (pick as u32, logprob)
@@ -216,12 +256,15 @@ fn truncates(params: &SamplingParams, vocab: usize) -> bool {
     (params.top_k > 0 && params.top_k < vocab) || params.top_p < 1.0 || params.min_p > 0.0
 }
 
-/// The `n` most likely tokens of `log softmax(logits)`, most likely first (ties by id).
-pub fn top_logprobs(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
+/// The `n` most likely tokens of `log softmax(logits · inv_t)`, most likely first (ties by
+/// id): `inv_t` is 1 for the raw distribution, `1 / T` for the one sampled at `T`
+/// ([`SamplingParams::logprob_inv_temperature`]).
+pub fn top_logprobs(logits: &[f32], n: usize, inv_t: f32) -> Vec<(u32, f32)> {
     if n == 0 || logits.is_empty() {
         return Vec::new();
     }
     let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+    // Scaling by a positive `inv_t` keeps the order of the logits.
     let by_logit = |a: &u32, b: &u32| {
         logits[*b as usize]
             .total_cmp(&logits[*a as usize])
@@ -234,14 +277,24 @@ pub fn top_logprobs(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
     }
     idx.sort_unstable_by(by_logit);
     let max = row_max(logits);
-    let lse = max
-        + logits
+    let log_total = |scale: f32| {
+        logits
             .iter()
-            .map(|&v| ((v - max) as f64).exp())
+            .map(|&v| (((v - max) * scale) as f64).exp())
             .sum::<f64>()
-            .ln() as f32;
+            .ln() as f32
+    };
+    if inv_t == 1.0 {
+        // The raw distribution's values as they always were: `z − (max + ln Σ)`.
+        let lse = max + log_total(1.0);
+        return idx
+            .into_iter()
+            .map(|t| (t, logits[t as usize] - lse))
+            .collect();
+    }
+    let log_total = log_total(inv_t);
     idx.into_iter()
-        .map(|t| (t, logits[t as usize] - lse))
+        .map(|t| (t, (logits[t as usize] - max) * inv_t - log_total))
         .collect()
 }
 
@@ -502,15 +555,111 @@ mod tests {
     fn top_logprobs_are_the_largest_log_softmax_entries() {
         let logits = [0.5f32, 3.0, -1.0, 3.0, 2.0];
         let z: f64 = logits.iter().map(|&v| (v as f64).exp()).sum();
-        let top = top_logprobs(&logits, 3);
+        let top = top_logprobs(&logits, 3, 1.0);
         let ids: Vec<u32> = top.iter().map(|p| p.0).collect();
         assert_eq!(ids, vec![1, 3, 4]);
         for (t, lp) in top {
             let want = (logits[t as usize] as f64).exp() / z;
             assert!((lp as f64 - want.ln()).abs() < 1e-5);
         }
-        assert!(top_logprobs(&logits, 0).is_empty());
-        assert_eq!(top_logprobs(&logits, 9).len(), 5);
+        assert!(top_logprobs(&logits, 0, 1.0).is_empty());
+        assert_eq!(top_logprobs(&logits, 9, 1.0).len(), 5);
+    }
+
+    /// `log softmax(z · inv_t)[token]` in f64, by hand.
+    fn exact_logprob(z: &[f32], inv_t: f64, token: usize) -> f64 {
+        let total: f64 = z.iter().map(|&v| (f64::from(v) * inv_t).exp()).sum();
+        f64::from(z[token]) * inv_t - total.ln()
+    }
+
+    /// At T = 0.7 the reported log-prob is the hand-computed `log softmax(z / T)[token]`
+    /// (SGLang's default) on both sampling branches, the full-vocabulary one and the
+    /// truncating one (before truncation: top-k 3 keeps a renormalised share, the log-prob
+    /// is still of the whole tempered row); under [`LogprobScale::Raw`] it is
+    /// `log softmax(z)[token]`; a greedy request's is `log softmax(z)` under both; and the
+    /// tokens do not depend on the scale.
+    #[test]
+    fn reported_logprobs_follow_the_scale() {
+        let z = [0.3f32, 2.0, -1.0, 1.2, 0.7, -0.4];
+        let mut s = SampleScratch::default();
+        let mut seen_scaled_apart = 0;
+        for top_k in [0usize, 3] {
+            for seed in 0..40u64 {
+                let at = |scale: LogprobScale, temperature: f32| {
+                    let p = SamplingParams {
+                        temperature,
+                        top_k,
+                        logprob_scale: scale,
+                        ..Default::default()
+                    };
+                    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+                    let mut s = SampleScratch::default();
+                    sample(&z, &p, &mut rng, &mut s)
+                };
+                let (tok, scaled) = at(LogprobScale::Sampling, 0.7);
+                let (raw_tok, raw) = at(LogprobScale::Raw, 0.7);
+                assert_eq!(tok, raw_tok, "the scale moved the token");
+                let want_scaled = exact_logprob(&z, 1.0 / 0.7, tok as usize);
+                let want_raw = exact_logprob(&z, 1.0, tok as usize);
+                assert!(
+                    (f64::from(scaled) - want_scaled).abs() < 1e-5,
+                    "top-k {top_k}, token {tok}: {scaled} vs {want_scaled}"
+                );
+                assert!(
+                    (f64::from(raw) - want_raw).abs() < 1e-5,
+                    "top-k {top_k}, token {tok}: {raw} vs {want_raw}"
+                );
+                seen_scaled_apart += usize::from((want_scaled - want_raw).abs() > 1e-2);
+            }
+        }
+        assert!(
+            seen_scaled_apart > 40,
+            "only {seen_scaled_apart} draws tell them apart"
+        );
+        for scale in [LogprobScale::Sampling, LogprobScale::Raw] {
+            let p = SamplingParams {
+                logprob_scale: scale,
+                ..SamplingParams::greedy(1)
+            };
+            let mut rng = ChaCha8Rng::seed_from_u64(0);
+            let (tok, lp) = sample(&z, &p, &mut rng, &mut s);
+            assert_eq!(tok, 1);
+            assert!(
+                (f64::from(lp) - exact_logprob(&z, 1.0, 1)).abs() < 1e-6,
+                "{scale:?}"
+            );
+            assert_eq!(p.logprob_inv_temperature(), 1.0);
+        }
+    }
+
+    /// Top log-probs at `1 / T` are the hand-computed `log softmax(z / T)` of the most likely
+    /// tokens (the order of the raw ones), and at 1 the raw ones.
+    #[test]
+    fn top_logprobs_at_a_temperature_are_the_tempered_distributions() {
+        let z = [0.5f32, 3.0, -1.0, 2.5, 2.0];
+        for t in [0.7f64, 1.0, 1.5] {
+            let top = top_logprobs(&z, 3, (1.0 / t) as f32);
+            let ids: Vec<u32> = top.iter().map(|p| p.0).collect();
+            assert_eq!(ids, vec![1, 3, 4], "T {t}");
+            for (tok, lp) in top {
+                let want = exact_logprob(&z, (1.0 / t) as f32 as f64, tok as usize);
+                assert!(
+                    (f64::from(lp) - want).abs() < 1e-5,
+                    "T {t}, {tok}: {lp} vs {want}"
+                );
+            }
+        }
+        let p = SamplingParams {
+            temperature: 0.7,
+            ..Default::default()
+        };
+        assert_eq!(p.logprob_scale, LogprobScale::Sampling, "SGLang's default");
+        assert_eq!(p.logprob_inv_temperature(), 1.0 / 0.7);
+        let raw = SamplingParams {
+            logprob_scale: LogprobScale::Raw,
+            ..p
+        };
+        assert_eq!(raw.logprob_inv_temperature(), 1.0);
     }
 
     #[test]

@@ -89,6 +89,7 @@ pub async fn server_info(State(state): State<AppState>) -> Json<Value> {
         "dp_size": 1,
         "tp_size": 1,
         "return_routed_experts_by_default": state.config().return_routed_experts_by_default,
+        "return_original_logprob": state.config().return_original_logprob,
         "limits": {
             "max_body_bytes": l.max_body_bytes,
             "max_new_tokens": l.max_new_tokens,

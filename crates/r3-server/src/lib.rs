@@ -64,7 +64,7 @@ pub use text::TextCodec;
 pub use weights_update::WeightStager;
 pub use worker::{EngineHandle, Finished, Job, PauseMode, WorkerStats};
 
-use r3_rollout::sampler::SamplingParams;
+use r3_rollout::sampler::{LogprobScale, SamplingParams};
 use sampling::{ParamContext, SamplingBody};
 use stop::{StopMatcher, TextOptions};
 
@@ -108,6 +108,13 @@ pub struct ServerConfig {
     /// Return routed experts for every `/generate` request, as if each asked for them
     /// (sglang-router drops the per-request flag but passes `meta_info` through).
     pub return_routed_experts_by_default: bool,
+    /// Report every request's output log-probs (and top log-probs) at temperature 1,
+    /// `log softmax(l)`, whatever its temperature ([`LogprobScale::Raw`]): what SGLang does
+    /// with `SGLANG_RETURN_ORIGINAL_LOGPROB` set (`r3 serve --return-original-logprob`).
+    /// Off (SGLang's default): a sampled request's are `log softmax(l / T)`, the
+    /// distribution its token was drawn from before truncation. Prompt log-probs are raw
+    /// either way.
+    pub return_original_logprob: bool,
     /// Keys, allowed origins and hosts.
     pub security: SecurityConfig,
     /// `/update_weights_from_disk` reads only directories under this one (canonicalised);
@@ -232,8 +239,9 @@ impl AppState {
     }
 
     /// The engine's sampling parameters and the text options for one sample of a client's
-    /// request: the server's limits, the prompt's context left, and a seed (`seed + sample`
-    /// when the client gave one, a fresh server seed otherwise).
+    /// request: the server's limits, the prompt's context left, a seed (`seed + sample`
+    /// when the client gave one, a fresh server seed otherwise), and the log-prob scale of
+    /// [`ServerConfig::return_original_logprob`].
     pub fn prepare(
         &self,
         body: &SamplingBody,
@@ -250,6 +258,9 @@ impl AppState {
             default_seed: if body.has_seed() { 0 } else { self.next_seed() },
         };
         let (mut params, text) = body.to_params(&ctx)?;
+        if self.0.config.return_original_logprob {
+            params.logprob_scale = LogprobScale::Raw;
+        }
         if body.has_seed() {
             params.seed = params.seed.wrapping_add(sample as u64);
         }

@@ -15,7 +15,7 @@ use serde_json::Value;
 use super::error::ApiError;
 use super::stop::TextOptions;
 use super::ServerLimits;
-use r3_rollout::sampler::SamplingParams;
+use r3_rollout::sampler::{LogprobScale, SamplingParams};
 
 /// SGLang's `sampling_params` object, implemented fields only (the rest is screened by
 /// [`super::policy::SAMPLING`]).
@@ -186,6 +186,8 @@ impl SamplingBody {
             logit_bias,
             top_logprobs: 0,
             prompt_logprobs_from: None,
+            // SGLang's default; `ServerConfig::return_original_logprob` makes it Raw.
+            logprob_scale: LogprobScale::Sampling,
         };
         params
             .validate()

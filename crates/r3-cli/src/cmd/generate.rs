@@ -1,5 +1,7 @@
 //! `r3 generate`: one request through the rollout engine; prints JSON with the output ids,
-//! their log-probs (raw model distribution, temperature 1) and the captured routes in r3's
+//! their log-probs (as SGLang reports them: under the distribution each token was sampled
+//! from, `log softmax(logits / T)`, or at temperature 1 when greedy or with
+//! `--return-original-logprob`; `logprob_definition` says which) and the captured routes in r3's
 //! canonical route JSON. The prompt is token ids, or text / chat messages tokenized with the
 //! model's tokenizer and chat template (r3-text, as `r3 serve` does); then the output text
 //! is printed too.
@@ -10,7 +12,8 @@ use anyhow::Context;
 use clap::Args;
 use r3_model::LoadOptions;
 use r3_rollout::{
-    Dtype, EngineConfig, GenerateRequest, RolloutDevice, RolloutEngine, RouterDtype, SamplingParams,
+    Dtype, EngineConfig, GenerateRequest, LogprobScale, RolloutDevice, RolloutEngine, RouterDtype,
+    SamplingParams,
 };
 use r3_text::{ChatMessage, ChatTemplate, RenderOptions, TextTokenizer};
 
@@ -69,6 +72,11 @@ pub struct GenerateArgs {
     /// with the `cuda` feature).
     #[arg(long, default_value = "cpu")]
     pub device: RolloutDevice,
+    /// Report the log-probs at temperature 1, `log softmax(logits)`, whatever
+    /// `--temperature` (SGLang's `SGLANG_RETURN_ORIGINAL_LOGPROB`, `r3 serve`'s flag of the
+    /// same name); without it a sampled request's are `log softmax(logits / T)`.
+    #[arg(long)]
+    pub return_original_logprob: bool,
     /// Load weights holding NaN or inf, or values past the `--dtype` range (65504 for f16),
     /// instead of refusing them (for inspecting a broken checkpoint).
     #[arg(long)]
@@ -107,11 +115,17 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
             max_new_tokens: a.max_new_tokens,
             stop_token_ids,
             seed: a.seed,
+            logprob_scale: if a.return_original_logprob {
+                LogprobScale::Raw
+            } else {
+                LogprobScale::Sampling
+            },
             ..SamplingParams::default()
         },
         return_routes: true,
         routed_experts_start_len: a.routes_start_len,
     };
+    let logprob_definition = logprob_definition(&req.sampling);
     let result = engine
         .generate(vec![req])?
         .pop()
@@ -124,7 +138,7 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
         "text": text,
         "output_ids": result.output_ids,
         "logprobs": result.output_logprobs,
-        "logprob_definition": "log softmax(logits)[token], raw model distribution (temperature 1, before top-k/top-p)",
+        "logprob_definition": logprob_definition,
         "finish_reason": result.finish,
         "prompt_tokens": result.prompt_tokens,
         "dtype": dtype.to_string(),
@@ -183,4 +197,52 @@ fn prompt_ids(
     let prompt = template.render(&messages, &opts)?;
     let ids = tok.encode(&prompt, false)?;
     Ok((ids, Some(tok)))
+}
+
+/// What the reported log-probs of a request sampled by `sampling` are, in words: the
+/// distribution `SamplingParams::logprob_inv_temperature` names.
+fn logprob_definition(sampling: &SamplingParams) -> String {
+    let inv_t = sampling.logprob_inv_temperature();
+    if inv_t != 1.0 {
+        format!(
+            "log softmax(logits / {})[token]: the distribution the token was sampled from at \
+             temperature {} (before top-k/top-p), as SGLang reports it by default",
+            sampling.temperature, sampling.temperature
+        )
+    } else if sampling.logprob_scale == LogprobScale::Raw {
+        "log softmax(logits)[token]: the raw model distribution (temperature 1, before \
+         top-k/top-p), as SGLang reports it with SGLANG_RETURN_ORIGINAL_LOGPROB"
+            .into()
+    } else {
+        "log softmax(logits)[token]: the raw model distribution (temperature 1, before \
+         top-k/top-p; greedy or temperature-1 sampling)"
+            .into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The definition follows the temperature and the scale.
+    #[test]
+    fn the_definition_names_the_reported_distribution() {
+        let at = |temperature: f32, logprob_scale: LogprobScale| SamplingParams {
+            temperature,
+            logprob_scale,
+            ..SamplingParams::default()
+        };
+        let d = logprob_definition(&at(0.7, LogprobScale::Sampling));
+        assert!(d.starts_with("log softmax(logits / 0.7)"), "{d}");
+        let d = logprob_definition(&at(0.7, LogprobScale::Raw));
+        assert!(
+            d.starts_with("log softmax(logits)[token]") && d.contains("ORIGINAL"),
+            "{d}"
+        );
+        let d = logprob_definition(&at(0.0, LogprobScale::Sampling));
+        assert!(
+            d.starts_with("log softmax(logits)[token]") && d.contains("greedy"),
+            "{d}"
+        );
+    }
 }

@@ -88,6 +88,13 @@ pub struct ServeArgs {
     /// ask (sglang-router drops the per-request flag but passes `meta_info` through).
     #[arg(long)]
     pub return_routed_experts_by_default: bool,
+    /// Report output log-probs (and top log-probs) at temperature 1, `log softmax(logits)`,
+    /// for every request whatever its temperature: SGLang's `SGLANG_RETURN_ORIGINAL_LOGPROB`
+    /// as a flag. Without it a sampled request's are `log softmax(logits / T)` (the
+    /// distribution its token was drawn from, before top-k / top-p / min-p), as SGLang
+    /// reports them by default; a greedy request's and prompt log-probs are raw either way.
+    #[arg(long)]
+    pub return_original_logprob: bool,
     /// Require `Authorization: Bearer KEY` on every endpoint except `/health*` (SGLang's
     /// flag).
     #[arg(long)]
@@ -253,6 +260,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
                 .unwrap_or_else(|| a.model.display().to_string())
         }),
         return_routed_experts_by_default: a.return_routed_experts_by_default,
+        return_original_logprob: a.return_original_logprob,
         security: SecurityConfig {
             api_key: a.api_key.clone().filter(|k| !k.is_empty()),
             admin_api_key: a.admin_api_key.clone().filter(|k| !k.is_empty()),

@@ -1309,17 +1309,24 @@ __device__ __forceinline__ float sample_exp(float z, float max, float inv_t) {
     return r3_fast_exp(__fmul_rn(__fsub_rn(z, max), inv_t));
 }
 
+// The f64 values of a row's draw (sample_rows.rs DRAW_VALUES): the uniform, 1 / T, and
+// whether the log-prob is the scaled one.
+#define SAMPLE_DRAW_VALUES 3u
+
 // Each row's draw from its whole distribution at its own temperature (sample_rows.rs):
-// draws[row] = (u in [0, 1), 1 / T), u < 0 for a row not asked; out[row] = (column, log
-// softmax(row)[column]), or (cols, NaN) for a row not asked or not drawable (a NaN, or no
-// finite largest value). The column is the host's bit for bit: the same exponentials
+// draws[row] = (u in [0, 1), 1 / T, scaled), u < 0 for a row not asked; out[row] = (column,
+// its log-prob: log softmax(row / T)[column] where `scaled` is nonzero (LogprobScale::Sampling,
+// SGLang's default), log softmax(row)[column] where it is 0 (LogprobScale::Raw)), or (cols,
+// NaN) for a row not asked or not drawable (a NaN, or no finite largest value). The column is the host's bit for bit: the same exponentials
 // (r3_fast_exp), each block of SAMPLE_BLOCK columns summed as math.rs `lane_sum` sums (16
 // lanes in f32 in column order, their sum then the block's tail in f64), the blocks' sums
 // added in order, and the same walk (the correctly rounded `__d*_rn`, never contracted).
 // One block per row; its threads in groups of 16 lanes, a group a column block at a time;
-// dynamic shared memory: one double per column block. The walk is one thread's. At T ≠ 1 the
-// log-prob's normaliser is a block's f64 sum of `expf` (the host's is `lane_sum` of
-// `f32::exp`: within rounding). CPU twin: sample_rows.rs `sample_row`.
+// dynamic shared memory: one double per column block. The walk is one thread's. The scaled
+// log-prob, (z − max) · inv_t − ln(total), reads the walk's own total (the host's bits; the
+// raw one at T = 1 is the same value); the raw one at T ≠ 1 has a second pass, its normaliser
+// a block's f64 sum of `expf` (the host's is `lane_sum` of `f32::exp`: within rounding).
+// CPU twin: sample_rows.rs `sample_row`.
 extern "C" __global__ void r3_sample_rows_f32(const float *logits, const double *draws, float *out,
                                               uint32_t cols) {
     extern __shared__ double block_sums[];
@@ -1329,8 +1336,9 @@ extern "C" __global__ void r3_sample_rows_f32(const float *logits, const double 
     __shared__ uint32_t picked;
     const size_t row = blockIdx.x;
     const float *z = logits + row * cols;
-    const double u = draws[2 * row];
-    const float inv_t = (float)draws[2 * row + 1];
+    const double u = draws[SAMPLE_DRAW_VALUES * row];
+    const float inv_t = (float)draws[SAMPLE_DRAW_VALUES * row + 1];
+    const bool scaled = draws[SAMPLE_DRAW_VALUES * row + 2] != 0.0;
     float *o = out + 2 * row;
     // Every thread of the block reads the same draw, so the block leaves together.
     if (!(u >= 0.0)) {
@@ -1413,10 +1421,11 @@ extern "C" __global__ void r3_sample_rows_f32(const float *logits, const double 
     }
     __syncthreads();
     const uint32_t pick = picked;
-    if (inv_t == 1.0f) {
+    // Every thread of the block reads the same draw, so the block leaves together.
+    if (scaled || inv_t == 1.0f) {
         if (threadIdx.x == 0) {
             o[0] = (float)pick;
-            o[1] = __fsub_rn(__fsub_rn(z[pick], m), (float)log(total));
+            o[1] = __fsub_rn(__fmul_rn(__fsub_rn(z[pick], m), inv_t), (float)log(total));
         }
         return;
     }

@@ -728,7 +728,7 @@ impl DeviceEngine {
             let streams = batch
                 .rows
                 .iter_mut()
-                .map(|r| (&mut r.rng, r.request.sampling.temperature));
+                .map(|r| (&mut r.rng, &r.request.sampling));
             device_picks(&last, &ways, streams)?
         };
         let copied: Vec<u32> = (0..rows as u32)
@@ -959,10 +959,12 @@ fn record_prompt_logprobs(rows: &mut [Row], logits: &[f32], layout: &StepLayout)
         for p in next.max(fed_from)..end.min(positions.end) {
             let at = b * span + (skip + p - fed_from) * vocab;
             let logits = &logits[at..at + vocab];
+            // Prompt log-probs are the raw distribution's at any `logprob_scale`, as SGLang's
+            // input log-probs are (its temperature-scaled ones are opt-in).
             out.logprobs
                 .push(log_softmax_at(logits, tokens[p + 1] as usize));
             if top > 0 {
-                out.top_logprobs.push(top_logprobs(logits, top));
+                out.top_logprobs.push(top_logprobs(logits, top, 1.0));
             }
         }
     }

@@ -1,9 +1,10 @@
 //! Next tokens chosen where the logits live. For rows whose next token is the argmax of the
 //! raw logits, the device hands the host three numbers per row (the largest logit, the
 //! log-sum-exp of the row, the first index holding the largest logit); for rows drawn from
-//! their whole distribution (an RL rollout's temperature-1 sampling) the host hands the
-//! device the one uniform the row's sampling takes from its stream and gets back the
-//! column and its log-prob. Neither needs the row.
+//! their whole distribution (an RL rollout's untruncated sampling) the host hands the
+//! device the one uniform the row's sampling takes from its stream, its temperature and the
+//! distribution its log-prob is reported under, and gets back the column and that log-prob.
+//! Neither needs the row.
 //!
 //! A step's logits are `[batch, vocab]` f32 (1 MB per 8 rows of a 32,000-token vocabulary,
 //! 4.9 MB per 8 rows of Qwen3's 151,936): copied to the host each step, they were the step's
@@ -19,7 +20,7 @@
 use candle_core::{DType, Device, Tensor, D};
 
 use r3_model::greedy_rows::greedy_rows;
-use r3_model::sample_rows::{sample_rows, RowDraw};
+use r3_model::sample_rows::{sample_rows_reporting, RowDraw};
 
 use rand_chacha::ChaCha8Rng;
 
@@ -27,7 +28,7 @@ use r3_model::launch_shape::SAMPLE_ROWS_MAX_COLUMNS;
 
 use crate::engine::next_token::{drawn_pick_suffices, greedy_pick_suffices, RowPick};
 use crate::error::RolloutError;
-use crate::sampler::{full_vocabulary_draw, SamplingParams};
+use crate::sampler::{full_vocabulary_draw, LogprobScale, SamplingParams};
 
 /// Where a row's next token is chosen this step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,11 +61,11 @@ impl PickWay {
 
 /// Each row's pick made where `logits` (`[rows, vocab]`, each row's last slot) live, as
 /// `ways` says ([`greedy_picks`], [`drawn_picks`] with `streams`: each row's seeded stream
-/// and temperature); `None` where the host samples the row from its copied logits.
+/// and sampling parameters); `None` where the host samples the row from its copied logits.
 pub fn device_picks<'a>(
     logits: &Tensor,
     ways: &[PickWay],
-    streams: impl Iterator<Item = (&'a mut ChaCha8Rng, f32)>,
+    streams: impl Iterator<Item = (&'a mut ChaCha8Rng, &'a SamplingParams)>,
 ) -> Result<Vec<Option<RowPick>>, RolloutError> {
     let mut picks: Vec<Option<RowPick>> = vec![None; ways.len()];
     if ways.contains(&PickWay::Greedy) {
@@ -119,35 +120,37 @@ pub fn greedy_picks(logits: &Tensor) -> Result<Vec<Option<RowPick>>, RolloutErro
 }
 
 /// Per row of `logits` (`[rows, vocab]`, any float dtype, on any device) with a stream (the
-/// row's seeded stream and its temperature): the column the sampler's full-vocabulary branch
-/// picks with the one uniform it takes from that stream, and its raw log-prob; `None` for a
+/// row's seeded stream and its sampling parameters): the column the sampler's
+/// full-vocabulary branch picks with the one uniform it takes from that stream, and the
+/// log-prob it reports (under the distribution `logprob_scale` names); `None` for a
 /// row without a stream or not drawable (a NaN, no finite largest logit: the caller samples
 /// it from its copied logits). Each uniform is taken from a copy of the row's stream, which
 /// replaces the stream only where the device drew: a row left to the host is sampled from
 /// its stream as it was.
 pub fn drawn_picks(
     logits: &Tensor,
-    streams: Vec<Option<(&mut ChaCha8Rng, f32)>>,
+    streams: Vec<Option<(&mut ChaCha8Rng, &SamplingParams)>>,
 ) -> Result<Vec<Option<RowPick>>, RolloutError> {
     let (rows, vocab) = logits.dims2()?;
     if rows == 0 {
         return Ok(Vec::new());
     }
     // Each row's draw, and its stream as the draw leaves it.
-    let drawn_by: Vec<Option<(RowDraw, ChaCha8Rng)>> = streams
+    let drawn_by: Vec<Option<((RowDraw, LogprobScale), ChaCha8Rng)>> = streams
         .iter()
         .map(|stream| {
-            let (rng, temperature) = stream.as_ref()?;
+            let (rng, params) = stream.as_ref()?;
             let mut advanced = (**rng).clone();
             let draw = RowDraw {
                 uniform: full_vocabulary_draw(&mut advanced),
-                inv_temperature: 1.0 / temperature,
+                inv_temperature: 1.0 / params.temperature,
             };
-            Some((draw, advanced))
+            Some(((draw, params.logprob_scale), advanced))
         })
         .collect();
-    let draws: Vec<Option<RowDraw>> = drawn_by.iter().map(|d| d.as_ref().map(|d| d.0)).collect();
-    let drawn = sample_rows(logits, &draws)?
+    let draws: Vec<Option<(RowDraw, LogprobScale)>> =
+        drawn_by.iter().map(|d| d.as_ref().map(|d| d.0)).collect();
+    let drawn = sample_rows_reporting(logits, &draws)?
         .to_device(&Device::Cpu)?
         .to_vec2::<f32>()?;
     let mut picks = Vec::with_capacity(rows);
@@ -294,27 +297,41 @@ mod tests {
     }
 
     /// A drawn row's pick is the host sampler's token and log-prob with the same stream (bit
-    /// for bit: the sampler's full-vocabulary branch is the op's host side), from f32 and
+    /// for bit: the sampler's full-vocabulary branch is the op's host side; at temperature
+    /// 0.8 under both log-prob scales, each within 1e-5 of its exact f64 value), from f32 and
     /// bf16 logits, and its stream is then where the host's sampling leaves it (one draw
     /// on); a row without a stream gives none, and a row holding a NaN gives none with its
     /// stream untouched (the host samples it from there).
     #[test]
     fn drawn_picks_are_the_host_samplers_draws() {
-        use crate::sampler::{sample, SampleScratch, SamplingParams};
+        use crate::sampler::{sample, SampleScratch};
         use rand::{Rng, SeedableRng};
         let vocab = 3_000;
-        let mut host = rows(6, vocab);
+        let mut host = rows(9, vocab);
         host[4][17] = f32::NAN;
         let flat: Vec<f32> = host.iter().flatten().copied().collect();
-        let temperature = |r: usize| if r == 2 { 0.8f32 } else { 1.0 };
+        // Rows 0 and 2 at 0.8 report the scaled log-prob, row 8 at 0.8 the raw one (rows 0
+        // and 8 spread their mass; row 2's is on two planted maxima).
+        let params: Vec<SamplingParams> = (0..host.len())
+            .map(|r| SamplingParams {
+                temperature: if [0, 2, 8].contains(&r) { 0.8 } else { 1.0 },
+                logprob_scale: if r == 8 {
+                    LogprobScale::Raw
+                } else {
+                    LogprobScale::Sampling
+                },
+                ..SamplingParams::default()
+            })
+            .collect();
         let seeded = |r: usize| ChaCha8Rng::seed_from_u64(r as u64);
         for dtype in [DType::F32, DType::BF16] {
             let (t, seen) = logits_in(&flat, host.len(), vocab, dtype);
             let mut rngs: Vec<ChaCha8Rng> = (0..host.len()).map(seeded).collect();
             let streams = rngs
                 .iter_mut()
+                .zip(&params)
                 .enumerate()
-                .map(|(r, rng)| (r != 3).then(|| (rng, temperature(r))))
+                .map(|(r, stream)| (r != 3).then_some(stream))
                 .collect();
             let picks = drawn_picks(&t, streams).expect("draw");
             for (r, pick) in picks.iter().enumerate() {
@@ -324,19 +341,38 @@ mod tests {
                     assert_eq!(next, seeded(r).random::<u64>(), "row {r}'s stream moved");
                     continue;
                 }
-                let params = SamplingParams {
-                    temperature: temperature(r),
-                    ..SamplingParams::default()
-                };
                 let mut rng = seeded(r);
-                let (token, logprob) =
-                    sample(&seen[r], &params, &mut rng, &mut SampleScratch::default());
+                let (token, logprob) = sample(
+                    &seen[r],
+                    &params[r],
+                    &mut rng,
+                    &mut SampleScratch::default(),
+                );
                 assert_eq!(
                     *pick,
                     Some(RowPick { token, logprob }),
                     "row {r}, {dtype:?}"
                 );
                 assert_eq!(next, rng.random::<u64>(), "row {r}'s stream");
+            }
+            // The spread rows at 0.8 report their own distributions, scaled and raw, which
+            // differ.
+            let exact = |r: usize, inv_t: f64| {
+                let row = &seen[r];
+                let max = row
+                    .iter()
+                    .fold(f64::NEG_INFINITY, |m, &v| m.max(f64::from(v)));
+                let sum: f64 = row
+                    .iter()
+                    .map(|&v| ((f64::from(v) - max) * inv_t).exp())
+                    .sum();
+                let token = picks[r].expect("drawn").token as usize;
+                (f64::from(row[token]) - max) * inv_t - sum.ln()
+            };
+            for (r, inv_t, other) in [(0, 1.0 / 0.8, 1.0), (8, 1.0, 1.0 / 0.8)] {
+                let got = f64::from(picks[r].expect("drawn").logprob);
+                assert!((got - exact(r, inv_t)).abs() < 1e-5, "row {r}: {got}");
+                assert!((got - exact(r, other)).abs() > 1e-3, "row {r}: {got}");
             }
         }
     }

@@ -1,5 +1,5 @@
 //! Choosing a sequence's next token from its row of logits (penalties, the seeded sampler,
-//! the raw log-prob) and the rule that ends a sequence: the one definition both engines
+//! the reported log-prob) and the rule that ends a sequence: the one definition both engines
 //! (the CPU engine and the device engine) sample with, so the same seed gives the same
 //! tokens from the same logits.
 
@@ -7,7 +7,6 @@ use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
 use super::penalty::adjust_logits;
-use crate::kernels::ops::log_softmax_at;
 use crate::request::FinishReason;
 use crate::sampler::{
     sample, samples_full_vocabulary, samples_greedily, top_logprobs, SampleScratch, SamplingParams,
@@ -26,7 +25,8 @@ pub struct NextTokenSlot<'a> {
     pub tokens: &'a mut Vec<u32>,
     /// The request's own seeded stream.
     pub rng: &'a mut ChaCha8Rng,
-    /// Raw log-probs of the output so far; the new token's is appended.
+    /// Log-probs of the output so far (under the distribution the request's
+    /// `logprob_scale` names); the new token's is appended.
     pub logprobs: &'a mut Vec<f32>,
     /// Top log-probs per output token, appended when the request asks for them.
     pub top_logprobs: &'a mut Vec<Vec<(u32, f32)>>,
@@ -46,14 +46,16 @@ pub enum NextTokenLogits<'a> {
     Picked(RowPick),
 }
 
-/// A next token decided where the logits live, with its log-prob under the raw
-/// distribution: the argmax (the first index of the largest value), or the draw of
-/// [`crate::sampler::sample`]'s full-vocabulary branch.
+/// A next token decided where the logits live, with the log-prob the sampler reports for
+/// it: the argmax (the first index of the largest value) with its raw log-prob, or the draw
+/// of [`crate::sampler::sample`]'s full-vocabulary branch with its log-prob under the
+/// distribution the request's `logprob_scale` names.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RowPick {
     /// The chosen column of the row.
     pub token: u32,
-    /// `log softmax(row)[token]`.
+    /// `log softmax(row)[token]` (greedy, or [`crate::sampler::LogprobScale::Raw`]) or
+    /// `log softmax(row / T)[token]` ([`crate::sampler::LogprobScale::Sampling`]).
     pub logprob: f32,
 }
 
@@ -66,7 +68,7 @@ pub fn greedy_pick_suffices(params: &SamplingParams, generated: usize) -> bool {
 
 /// Whether a sequence with `generated` output tokens so far over a `vocab`-column row needs
 /// only a draw from the row's whole distribution ([`sample`]'s full-vocabulary branch: an
-/// RL rollout's temperature-1 sampling), with no penalty, bias or minimum length adjusting
+/// RL rollout's untruncated sampling), with no penalty, bias or minimum length adjusting
 /// the logits this step and no top log-probs.
 pub fn drawn_pick_suffices(params: &SamplingParams, generated: usize, vocab: usize) -> bool {
     samples_full_vocabulary(params, vocab)
@@ -84,18 +86,16 @@ pub fn sample_slots(slots: &mut [NextTokenSlot<'_>], max_positions: usize) {
         |(scratch, adjusted), slot| {
             let (tok, lp) = match slot.logits {
                 NextTokenLogits::Row(logits) => {
-                    let picked = sample_next(
-                        logits,
-                        slot.params,
-                        slot.tokens,
-                        slot.prompt_len,
-                        slot.rng,
-                        scratch,
-                        adjusted,
-                    );
+                    let row =
+                        sampled_row(logits, slot.params, slot.tokens, slot.prompt_len, adjusted);
+                    let picked = sample(row, slot.params, slot.rng, scratch);
                     if slot.params.top_logprobs > 0 {
-                        slot.top_logprobs
-                            .push(top_logprobs(logits, slot.params.top_logprobs));
+                        // From the distribution the token's own log-prob is taken under.
+                        slot.top_logprobs.push(top_logprobs(
+                            row,
+                            slot.params.top_logprobs,
+                            slot.params.logprob_inv_temperature(),
+                        ));
                     }
                     picked
                 }
@@ -117,29 +117,26 @@ pub fn sample_slots(slots: &mut [NextTokenSlot<'_>], max_positions: usize) {
     );
 }
 
-/// Samples the token after `tokens` (`prompt_len` prompt tokens, then the output so far)
-/// from `logits`; returns it with its log-prob under the raw model distribution (penalties
-/// steer sampling, the reported log-prob stays the model's). `adjusted` is scratch.
-pub fn sample_next(
-    logits: &[f32],
+/// The row the token after `tokens` (`prompt_len` prompt tokens, then the output so far) is
+/// sampled from: `logits` as they are, or (where penalties, biases or a minimum length
+/// adjust them this step) their copy in `adjusted`, adjusted. The reported log-prob and top
+/// log-probs are taken from it too, as SGLang takes them from the logits after its
+/// `apply_logits_bias`.
+fn sampled_row<'r>(
+    logits: &'r [f32],
     params: &SamplingParams,
     tokens: &[u32],
     prompt_len: usize,
-    rng: &mut ChaCha8Rng,
-    scratch: &mut SampleScratch,
-    adjusted: &mut Vec<f32>,
-) -> (u32, f32) {
-    let generated = tokens.len() - prompt_len;
-    if params.adjusts_logits(generated) {
-        adjusted.clear();
-        adjusted.extend_from_slice(logits);
-        let (prompt, output) = tokens.split_at(prompt_len);
-        adjust_logits(adjusted, params, prompt, output);
-        let (tok, _) = sample(adjusted, params, rng, scratch);
-        (tok, log_softmax_at(logits, tok as usize))
-    } else {
-        sample(logits, params, rng, scratch)
+    adjusted: &'r mut Vec<f32>,
+) -> &'r [f32] {
+    if !params.adjusts_logits(tokens.len() - prompt_len) {
+        return logits;
     }
+    adjusted.clear();
+    adjusted.extend_from_slice(logits);
+    let (prompt, output) = tokens.split_at(prompt_len);
+    adjust_logits(adjusted, params, prompt, output);
+    adjusted
 }
 
 /// Why a sequence ends after sampling `token` (now `generated` output tokens and

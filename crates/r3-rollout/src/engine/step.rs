@@ -264,10 +264,12 @@ impl Engine {
             let seq = &mut self.running[i];
             let logits = &out.logits[k * vocab..(k + 1) * vocab];
             let next = seq.tokens[p + 1] as usize;
+            // Prompt log-probs are the raw distribution's at any `logprob_scale`, as SGLang's
+            // input log-probs are (its temperature-scaled ones are opt-in).
             seq.prompt_logprobs.push(log_softmax_at(logits, next));
             let top = seq.request.sampling.top_logprobs;
             if top > 0 {
-                seq.prompt_top_logprobs.push(top_logprobs(logits, top));
+                seq.prompt_top_logprobs.push(top_logprobs(logits, top, 1.0));
             }
         }
         // Sample every sequence that got logits (in parallel; each has its own RNG).

@@ -12,6 +12,7 @@ mod engine;
 mod fake;
 mod fake_http;
 mod limits;
+mod logprob_scale;
 mod malformed;
 mod paced;
 mod security;
