@@ -2,8 +2,9 @@
 //! entropies are those of `softmax(logits / T)` (checked against an f64 log-softmax of the
 //! temperature-1 logits divided by `T`), the same whether the head keeps its logits whole or
 //! scores them in chunks (values and gradients), the chunked backward is the loss's
-//! derivative (central differences), and a run at `T` trains on that policy in its update
-//! forward and in its separate old-log-prob pass.
+//! derivative (central differences), a run at `T` trains on that policy in its update
+//! forward and in its separate old-log-prob pass, and the engines' log-probs at `T` match
+//! it (no rollout/training mismatch beyond float noise).
 
 mod common;
 
@@ -340,5 +341,36 @@ fn a_run_at_a_temperature_scores_the_tempered_policy() {
             (raw - tempered).abs() > 1e-3 * tempered.abs(),
             "the raw policy's entropy {raw} is the tempered one's {tempered}"
         );
+    }
+}
+
+/// With the engine in f32 and R3, a run at `rollout.temperature = 0.7` trains on rollout and
+/// training log-probs of one distribution: the engines (the CPU engine and the device engine
+/// on candle's CPU) report each token's log-prob under `softmax(logits / 0.7)`, as SGLang
+/// does by default, and the trainer scores that policy, so the old-weights mismatch
+/// (`mismatch.k3_kl`, separate old-log-prob pass) is float noise, below 1e-9 as at
+/// temperature 1. The temperature-1 log-probs on either side would put it near 1e-2.
+#[test]
+fn a_run_at_a_temperature_has_no_rollout_training_mismatch() {
+    for device in ["cpu", "cpu-candle"] {
+        for temperature in [1.0, 0.7] {
+            let dir = Scratch::new(&format!("temperature-mismatch-{device}-{temperature}"));
+            let model_dir = dir.path().join("model");
+            tiny_model(&model_dir, 5);
+            let mut cfg = tiny_config(&model_dir, &dir.path().join("run"), RouterReplay::R3, 2);
+            cfg.rollout.temperature = temperature;
+            cfg.rollout.dtype = "f32".into();
+            cfg.rollout.device = device.into();
+            cfg.eval.every = 0;
+            cfg.validate().expect("an f32 tempered config");
+            let mut trainer = Trainer::new(cfg).expect("trainer");
+            let metrics = trainer.rl_step().expect("step");
+            let k3 = metrics.k3_kl.expect("mismatch");
+            let delta = metrics.mean_abs_delta.expect("mean |Δ|");
+            assert!(
+                k3 < 1e-9 && delta < 1e-5,
+                "{device} T = {temperature}: mismatch.k3_kl {k3}, mean |Δ| {delta}"
+            );
+        }
     }
 }
