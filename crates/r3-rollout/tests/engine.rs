@@ -657,3 +657,96 @@ fn a_request_aborted_before_it_samples_resumes_with_its_own_routes() {
         }
     }
 }
+
+/// A CPU engine over `name` with a pool of exactly `blocks` KV blocks of 4 positions and
+/// the prefix cache on.
+fn small_pool_engine(name: &str, blocks: usize) -> r3_rollout::Engine {
+    let cfg = r3_model::Config::from_file(&model_dir(name).join("config.json")).expect("config");
+    let tensors = load_dir(&model_dir(name), &cfg).expect("tensors");
+    let model = r3_rollout::model::InferenceModel::new(cfg, &tensors, Dtype::F32).expect("model");
+    let block_bytes = r3_rollout::KvPool::block_bytes_of(&model.kv_layout(4), Dtype::F32);
+    r3_rollout::Engine::from_dir(
+        &model_dir(name),
+        r3_rollout::EngineConfig {
+            dtype: Dtype::F32,
+            block_size: 4,
+            kv_cache_bytes: blocks * block_bytes,
+            prefix_cache: true,
+            prefix_cache_bytes: 1 << 30,
+            ..r3_rollout::EngineConfig::default()
+        },
+    )
+    .expect("engine")
+}
+
+/// A request refused at admission holds none of the cached blocks it would start from: a
+/// running request can then grow into the whole pool, and both finish. (A refused request
+/// that kept its cached prefix held those blocks while it waited, the running request could
+/// never get them, and the step failed with the KV cache exhausted.)
+#[test]
+fn a_refused_admission_holds_no_cached_blocks() {
+    let name = "qwen3_moe_tiny";
+    let mut e = small_pool_engine(name, 8);
+    let shared = prompt(3, 12);
+    // Three full blocks of `shared` go to the cache.
+    e.generate(vec![GenerateRequest::new(
+        shared.clone(),
+        SamplingParams::greedy(1),
+    )])
+    .expect("first call");
+    assert_eq!(e.prefix_cache_stats().expect("cache on").cached_blocks, 3);
+    // A: 4 + 27 tokens, 30 positions fed: the whole pool of 8 blocks by its end.
+    let a = e
+        .submit(GenerateRequest::new(
+            prompt(9, 4),
+            SamplingParams::greedy(27),
+        ))
+        .expect("a");
+    e.step().expect("a's prefill");
+    // B starts with the cached blocks but does not fit beside A.
+    let mut b_prompt = shared.clone();
+    b_prompt.extend(prompt(11, 16));
+    let b = e
+        .submit(GenerateRequest::new(b_prompt, SamplingParams::greedy(1)))
+        .expect("b");
+    let mut done = Vec::new();
+    while e.has_work() {
+        done.extend(e.step().expect("no step runs out of KV"));
+    }
+    let a = done.iter().find(|r| r.id == a).expect("a finished");
+    assert_eq!(a.output_ids.len(), 27);
+    let b = done.iter().find(|r| r.id == b).expect("b finished");
+    assert_eq!(b.output_ids.len(), 1);
+}
+
+/// Making room evicts only the cached blocks no request holds: a refused admission beside
+/// running requests that share a cached prompt keeps that prompt's blocks in the cache
+/// (evicting them would free nothing).
+#[test]
+fn eviction_keeps_the_cached_blocks_running_requests_hold() {
+    let name = "qwen3_moe_tiny";
+    let mut e = small_pool_engine(name, 8);
+    let shared = prompt(4, 9);
+    // Two samples of one prompt: the first prefills it (3 blocks, its 2 full ones cached
+    // at once), the second reads those.
+    for seed in 0..2 {
+        e.submit(GenerateRequest::new(shared.clone(), sampled(seed, 8)))
+            .expect("sample");
+    }
+    e.step().expect("first sample's prefill");
+    assert_eq!(e.prefix_cache_stats().expect("cache on").cached_blocks, 2);
+    // 20 prompt positions, 5 blocks and a decode block: more than the 5 left.
+    e.submit(GenerateRequest::new(
+        prompt(12, 20),
+        SamplingParams::greedy(2),
+    ))
+    .expect("third");
+    e.step().expect("second sample admitted, the third refused");
+    assert_eq!(e.queue_lengths(), (1, 2));
+    let stats = e.prefix_cache_stats().expect("cache on");
+    assert_eq!(stats.cached_blocks, 2, "the shared prompt stays cached");
+    assert_eq!(stats.evicted_blocks, 0);
+    while e.has_work() {
+        e.step().expect("step");
+    }
+}

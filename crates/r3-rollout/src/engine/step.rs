@@ -3,6 +3,8 @@
 //! of every decoding sequence plus prefill chunks, then sample, record routes and retire
 //! finished sequences.
 
+use std::sync::Arc;
+
 use rayon::prelude::*;
 
 use super::next_token::{sample_slots, NextTokenLogits, NextTokenSlot};
@@ -24,12 +26,34 @@ impl Engine {
             .saturating_sub(seq.blocks.len())
     }
 
-    /// Frees pool blocks by evicting unleased prefix-cache blocks; true if any was evicted.
+    /// Frees pool blocks by evicting unleased prefix-cache blocks that no request holds
+    /// (evicting one a sequence still reads would free nothing and only lose the entry);
+    /// true if any was freed.
     fn evict_cached(&mut self, n: usize) -> bool {
         match self.cache.as_mut() {
-            Some(c) => !c.evict_blocks(n.max(1)).is_empty(),
+            Some(c) => !c
+                .evict_blocks_where(n.max(1), |b| Arc::strong_count(&b.kv) == 1)
+                .is_empty(),
             None => false,
         }
+    }
+
+    /// KV blocks `seq` needs to be admitted: the rest of its tokens past the cached prefix
+    /// it would start from (peeked: no reference taken), plus a decode block per four
+    /// running sequences.
+    fn admission_need(&self, seq: &Sequence) -> usize {
+        let bs = self.cfg.block_size;
+        let cached_blocks = match self.cache.as_ref() {
+            Some(cache) if reads_cache(seq) => {
+                cache.peek_prefix(cache_probe(seq), self.version) / bs
+            }
+            _ => 0,
+        };
+        seq.tokens
+            .len()
+            .div_ceil(bs)
+            .saturating_sub(seq.blocks.len() + cached_blocks)
+            + self.running.len().div_ceil(4)
     }
 
     /// Whether `seq` should wait for a running sequence that is computing full blocks of
@@ -40,8 +64,7 @@ impl Engine {
     /// holds back such requests the same way).
     fn waits_for_sibling(&self, seq: &Sequence) -> bool {
         let bs = self.cfg.block_size;
-        // What a cache lookup at admission would probe: all but the last token.
-        let probe = &seq.tokens[..seq.tokens.len().saturating_sub(1)];
+        let probe = cache_probe(seq);
         if self.cache.is_none()
             || seq.prefix_checked
             || !seq.capture
@@ -78,27 +101,25 @@ impl Engine {
                 held_back.push(seq);
                 continue;
             }
-            if !seq.prefix_checked {
-                seq.prefix_checked = true;
-                // Prompt log-probs need the logits of the prompt positions, which a cache
-                // hit would skip: such requests recompute their prompt.
-                let wants_prompt_logits = !seq.prompt_logit_positions().is_empty();
-                if let (Some(cache), false) = (self.cache.as_mut(), wants_prompt_logits) {
-                    seq.cached_tokens =
-                        attach_cached_prefix(cache, &mut seq, &self.geo, self.version);
-                }
-            }
-            // Room for the whole prompt plus one decode block per running sequence.
-            let need = self.blocks_short(&seq, seq.tokens.len()) + self.running.len().div_ceil(4);
+            // Planned with a peek at the cache, not an attach: a request refused here holds
+            // no cached block while it waits (blocks the running sequences could not get,
+            // under weights that may change before it runs).
             loop {
-                let have = self.pool.available();
+                let (have, need) = (self.pool.available(), self.admission_need(&seq));
                 if have >= need || !self.evict_cached(need - have) {
                     break;
                 }
             }
-            if self.pool.available() < need && !self.running.is_empty() {
+            if self.pool.available() < self.admission_need(&seq) && !self.running.is_empty() {
                 self.waiting.push_front(seq);
                 break;
+            }
+            if reads_cache(&seq) {
+                seq.prefix_checked = true;
+                if let Some(cache) = self.cache.as_mut() {
+                    seq.cached_tokens =
+                        attach_cached_prefix(cache, &mut seq, &self.geo, self.version);
+                }
             }
             budget = budget.saturating_sub(seq.pending());
             self.running.push(seq);
@@ -342,4 +363,17 @@ impl Engine {
         }
         Ok(results)
     }
+}
+
+/// Whether admitting `seq` reads the prefix cache: once per admission, and never for a
+/// request asking for prompt log-probs, which need the logits of the prompt positions a
+/// cache hit would skip (such requests recompute their prompt).
+fn reads_cache(seq: &Sequence) -> bool {
+    !seq.prefix_checked && seq.prompt_logit_positions().is_empty()
+}
+
+/// The tokens a cache lookup for `seq` probes: all but the last, whose logits must be
+/// computed.
+fn cache_probe(seq: &Sequence) -> &[u32] {
+    &seq.tokens[..seq.tokens.len().saturating_sub(1)]
 }

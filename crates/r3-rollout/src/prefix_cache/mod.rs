@@ -112,6 +112,36 @@ impl<P: BlockPayload> PrefixCache<P> {
         evicted
     }
 
+    /// Evicts up to `n` unleased blocks for which `frees` holds, least recently used
+    /// leaves first (a parent becomes a leaf once its children are gone); returns their
+    /// payloads. An engine whose payloads share memory with its requests passes whether
+    /// dropping the cache's payload frees it, so that eviction empties the cache only as far
+    /// as that gives memory back.
+    pub fn evict_blocks_where(&mut self, n: usize, frees: impl Fn(&P) -> bool) -> Vec<Arc<P>> {
+        let mut evicted = Vec::new();
+        while evicted.len() < n {
+            // One pass over the evictable leaves in LRU order; freeing a leaf may make its
+            // parent evictable, which the next pass finds.
+            let picked: Vec<BlockId> = self
+                .evictable
+                .iter()
+                .map(|&(_, id)| id)
+                .filter(|&id| self.arena.get(id).is_some_and(|n| frees(&n.payload)))
+                .take(n - evicted.len())
+                .collect();
+            if picked.is_empty() {
+                break;
+            }
+            for id in picked {
+                if let Some(payload) = self.free(id) {
+                    self.stats.evicted_blocks += 1;
+                    evicted.push(payload);
+                }
+            }
+        }
+        evicted
+    }
+
     /// Hit/miss and eviction counters.
     pub fn stats(&self) -> PrefixCacheStats {
         let mut s = self.stats;
