@@ -750,3 +750,62 @@ fn eviction_keeps_the_cached_blocks_running_requests_hold() {
         e.step().expect("step");
     }
 }
+
+/// A resumed request continues as the uninterrupted one does under the same weights: the
+/// frequency and presence penalties count the earlier call's output too (it is the tail of
+/// the continuation's prompt), and `min_new_tokens` counts what that call generated (its
+/// continuation was refused as asking for more than its `max_new_tokens` left). On both
+/// engines.
+#[test]
+fn a_resumed_request_keeps_its_penalties_and_minimum_length() {
+    let name = "qwen3_moe_tiny";
+    let p = prompt(5, 12);
+    let penalized = SamplingParams {
+        frequency_penalty: 1.0,
+        presence_penalty: 0.5,
+        ..SamplingParams::greedy(14)
+    };
+    for ((which, mut e), (_, mut fresh)) in both_engines(name).into_iter().zip(both_engines(name)) {
+        let free = fresh
+            .generate(vec![GenerateRequest::new(
+                p.clone(),
+                SamplingParams::greedy(12),
+            )])
+            .expect("free")
+            .remove(0);
+        // Stops masked until 10 tokens, the free run's second token a stop after them.
+        let minimum = SamplingParams {
+            min_new_tokens: 10,
+            stop_token_ids: vec![free.output_ids[1]],
+            ..SamplingParams::greedy(12)
+        };
+        for params in [penalized.clone(), minimum] {
+            let want = fresh
+                .generate(vec![GenerateRequest::new(p.clone(), params.clone())])
+                .expect("uninterrupted")
+                .remove(0);
+            let id = e
+                .submit(GenerateRequest::new(p.clone(), params.clone()))
+                .expect("submit");
+            // Three steps of prefill (4 positions a step), the first token at the third,
+            // then three decode steps.
+            for _ in 0..6 {
+                e.step().expect("step");
+            }
+            let partial = e.abort(id).expect("running");
+            assert_eq!(partial.output_ids.len(), 4, "{which}");
+            let rid = e.resume(partial);
+            let r = e
+                .run_to_end()
+                .into_iter()
+                .find(|r| r.id == rid)
+                .expect("finished");
+            assert_eq!(r.output_ids, want.output_ids, "{which} {params:?}");
+            assert_eq!(r.finish, want.finish, "{which}");
+            assert_eq!(r.output_logprobs.len(), want.output_logprobs.len());
+            for (x, y) in r.output_logprobs.iter().zip(&want.output_logprobs) {
+                assert!((x - y).abs() < 1e-4, "{which}: logprob {x} vs {y}");
+            }
+        }
+    }
+}

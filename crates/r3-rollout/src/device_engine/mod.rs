@@ -766,6 +766,7 @@ impl DeviceEngine {
                 logits,
                 params: &row.request.sampling,
                 prompt_len: row.prompt_len,
+                output_start: row.prompt_logprobs_end(),
                 tokens: &mut row.tokens,
                 rng: &mut row.rng,
                 logprobs: &mut row.logprobs,

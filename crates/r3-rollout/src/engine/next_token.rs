@@ -19,8 +19,14 @@ pub struct NextTokenSlot<'a> {
     pub logits: NextTokenLogits<'a>,
     /// The request's sampling parameters.
     pub params: &'a SamplingParams,
-    /// Prompt tokens at the front of `tokens`.
+    /// Prompt tokens at the front of `tokens` in this call (the stop rules count the output
+    /// past them).
     pub prompt_len: usize,
+    /// Where the request's output begins in `tokens`: `prompt_len`, or, for a resumed
+    /// request, the original prompt's end before it (the continuation's prompt holds the
+    /// earlier call's output). The penalties count the output from here, so a resumed
+    /// sequence is sampled as the uninterrupted one.
+    pub output_start: usize,
     /// Prompt then output so far; the sampled token is appended.
     pub tokens: &'a mut Vec<u32>,
     /// The request's own seeded stream.
@@ -86,8 +92,13 @@ pub fn sample_slots(slots: &mut [NextTokenSlot<'_>], max_positions: usize) {
         |(scratch, adjusted), slot| {
             let (tok, lp) = match slot.logits {
                 NextTokenLogits::Row(logits) => {
-                    let row =
-                        sampled_row(logits, slot.params, slot.tokens, slot.prompt_len, adjusted);
+                    let row = sampled_row(
+                        logits,
+                        slot.params,
+                        slot.tokens,
+                        (slot.output_start, slot.prompt_len),
+                        adjusted,
+                    );
                     let picked = sample(row, slot.params, slot.rng, scratch);
                     if slot.params.top_logprobs > 0 {
                         // From the distribution the token's own log-prob is taken under.
@@ -117,25 +128,26 @@ pub fn sample_slots(slots: &mut [NextTokenSlot<'_>], max_positions: usize) {
     );
 }
 
-/// The row the token after `tokens` (`prompt_len` prompt tokens, then the output so far) is
-/// sampled from: `logits` as they are, or (where penalties, biases or a minimum length
-/// adjust them this step) their copy in `adjusted`, adjusted. The reported log-prob and top
-/// log-probs are taken from it too, as SGLang takes them from the logits after its
-/// `apply_logits_bias`.
+/// The row the token after `tokens` is sampled from: `logits` as they are, or (where
+/// penalties, biases or a minimum length adjust them this step) their copy in `adjusted`,
+/// adjusted. `(output_start, prompt_len)`: where the request's output and this call's
+/// begin in `tokens` ([`NextTokenSlot`]). The reported log-prob and top log-probs are taken
+/// from it too, as SGLang takes them from the logits after its `apply_logits_bias`.
 fn sampled_row<'r>(
     logits: &'r [f32],
     params: &SamplingParams,
     tokens: &[u32],
-    prompt_len: usize,
+    (output_start, prompt_len): (usize, usize),
     adjusted: &'r mut Vec<f32>,
 ) -> &'r [f32] {
-    if !params.adjusts_logits(tokens.len() - prompt_len) {
+    let generated = tokens.len() - prompt_len;
+    if !params.adjusts_logits(generated) {
         return logits;
     }
     adjusted.clear();
     adjusted.extend_from_slice(logits);
-    let (prompt, output) = tokens.split_at(prompt_len);
-    adjust_logits(adjusted, params, prompt, output);
+    let (prompt, output) = tokens.split_at(output_start.min(prompt_len));
+    adjust_logits(adjusted, params, prompt, output, generated);
     adjusted
 }
 

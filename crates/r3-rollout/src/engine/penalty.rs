@@ -6,14 +6,22 @@ use std::collections::HashMap;
 
 use crate::sampler::SamplingParams;
 
-/// Adjusts one row of logits in place for a sequence with `prompt` and `output` so far.
+/// Adjusts one row of logits in place for a sequence with `prompt` and `output` so far, of
+/// which the last `generated` tokens are this call's (all of them but for a resumed request,
+/// whose `min_new_tokens` is what the earlier call left: it counts this call's alone).
 ///
 /// - frequency: `l[t] -= frequency_penalty * count(t in output)`
-/// - min-new-tokens: `l[t] = -inf` for every stop id while `output.len() < min_new_tokens`
+/// - min-new-tokens: `l[t] = -inf` for every stop id while `generated < min_new_tokens`
 /// - presence: `l[t] -= presence_penalty` if `t` occurs in the output
 /// - repetition (`r`): for `t` in prompt or output, `l[t] = l[t] / r` if `l[t] > 0`, else `l[t] * r`
 /// - bias: `l[t] += logit_bias[t]`
-pub fn adjust_logits(logits: &mut [f32], params: &SamplingParams, prompt: &[u32], output: &[u32]) {
+pub fn adjust_logits(
+    logits: &mut [f32],
+    params: &SamplingParams,
+    prompt: &[u32],
+    output: &[u32],
+    generated: usize,
+) {
     let vocab = logits.len();
     let in_vocab = |t: u32| (t as usize) < vocab;
     if params.frequency_penalty != 0.0 || params.presence_penalty != 0.0 {
@@ -24,13 +32,13 @@ pub fn adjust_logits(logits: &mut [f32], params: &SamplingParams, prompt: &[u32]
         for (&t, &c) in &counts {
             logits[t as usize] -= params.frequency_penalty * c as f32;
         }
-        if output.len() < params.min_new_tokens {
+        if generated < params.min_new_tokens {
             mask_stops(logits, params);
         }
         for &t in counts.keys() {
             logits[t as usize] -= params.presence_penalty;
         }
-    } else if output.len() < params.min_new_tokens {
+    } else if generated < params.min_new_tokens {
         mask_stops(logits, params);
     }
     if params.repetition_penalty != 1.0 {
@@ -72,7 +80,7 @@ mod tests {
             ..Default::default()
         };
         let mut l = [2.0f32, -1.0, 0.5, 3.0, 1.0];
-        adjust_logits(&mut l, &params, &[1, 4], &[0, 3, 0]);
+        adjust_logits(&mut l, &params, &[1, 4], &[0, 3, 0], 3);
         // token 0: output twice: 2 - 0.5*2 - 0.25 = 0.75 > 0 -> 0.75 / 2 = 0.375
         // token 1: prompt only, -1 <= 0 -> -1 * 2 = -2
         // token 2: untouched by penalties, bias +1 -> 1.5
@@ -91,11 +99,16 @@ mod tests {
         assert!(params.adjusts_logits(1));
         assert!(!params.adjusts_logits(2));
         let mut l = [0.0f32; 4];
-        adjust_logits(&mut l, &params, &[2], &[0]);
+        adjust_logits(&mut l, &params, &[2], &[0], 1);
         assert_eq!(l, [0.0, f32::NEG_INFINITY, 0.0, f32::NEG_INFINITY]);
         let mut l = [0.0f32; 4];
-        adjust_logits(&mut l, &params, &[2], &[0, 2]);
+        adjust_logits(&mut l, &params, &[2], &[0, 2], 2);
         assert_eq!(l, [0.0; 4]);
+        // A resumed call's minimum counts its own tokens only (the first output token here
+        // is the earlier call's, which its `min_new_tokens` already took off).
+        let mut l = [0.0f32; 4];
+        adjust_logits(&mut l, &params, &[2], &[0, 2], 1);
+        assert_eq!(l, [0.0, f32::NEG_INFINITY, 0.0, f32::NEG_INFINITY]);
     }
 
     #[test]
@@ -103,7 +116,7 @@ mod tests {
         let params = SamplingParams::default();
         assert!(!params.adjusts_logits(0));
         let mut l = [0.3f32, -0.7, 1.1];
-        adjust_logits(&mut l, &params, &[0, 1], &[2, 2]);
+        adjust_logits(&mut l, &params, &[0, 1], &[2, 2], 2);
         assert_eq!(l, [0.3, -0.7, 1.1]);
     }
 }

@@ -20,7 +20,7 @@ pub struct ResumeState {
 
 impl ResumeState {
     /// The request that continues `partial`: its prompt followed by what it generated, and
-    /// the token budget it has left; refused when nothing is left.
+    /// the token budget and minimum length it has left; refused when nothing is left.
     pub fn continuation(partial: &PartialRollout) -> Result<GenerateRequest, RolloutError> {
         let done = partial.output_ids.len();
         let mut req = partial.request.clone();
@@ -35,6 +35,9 @@ impl ResumeState {
                     req.sampling.max_new_tokens
                 ))
             })?;
+        // The minimum counts the whole output, as the budget does (r3-fleet's continuation
+        // subtracts both too).
+        req.sampling.min_new_tokens = req.sampling.min_new_tokens.saturating_sub(done);
         req.input_ids.extend_from_slice(&partial.output_ids);
         Ok(req)
     }

@@ -313,6 +313,7 @@ impl Engine {
                     logits: NextTokenLogits::Row(&out.logits[*k * vocab..(*k + 1) * vocab]),
                     params: &seq.request.sampling,
                     prompt_len: seq.prompt_len,
+                    output_start: seq.prompt_logprobs_end,
                     tokens: &mut seq.tokens,
                     rng: &mut seq.rng,
                     logprobs: &mut seq.logprobs,
