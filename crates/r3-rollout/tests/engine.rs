@@ -809,3 +809,41 @@ fn a_resumed_request_keeps_its_penalties_and_minimum_length() {
         }
     }
 }
+
+/// A `max_new_tokens` that overflows a position count beside the prompt (`usize::MAX`) is
+/// refused, naming it, and one just short of that is refused by the budgets, on both
+/// engines, with nothing queued: the sums had wrapped and passed the KV checks. The device
+/// engine without an activation bound checks its KV budget without wrapping too.
+#[test]
+fn a_max_new_tokens_near_usize_max_is_refused() {
+    let name = "qwen3_moe_tiny";
+    let p = prompt(1, 5);
+    let unbounded = r3_rollout::DeviceEngine::from_dir(
+        &model_dir(name),
+        r3_rollout::DeviceEngineConfig {
+            activation_bytes: usize::MAX,
+            ..r3_rollout::DeviceEngineConfig::default()
+        },
+    )
+    .expect("device engine");
+    let mut engines = both_engines(name);
+    engines.push(("device, no activation bound", Box::new(unbounded)));
+    for (which, mut e) in engines {
+        let err = e
+            .submit(GenerateRequest::new(
+                p.clone(),
+                SamplingParams::greedy(usize::MAX),
+            ))
+            .expect_err("overflowing max_new_tokens")
+            .to_string();
+        assert!(err.contains("max_new_tokens"), "{which}: {err}");
+        for new in [usize::MAX - p.len(), usize::MAX / 2] {
+            assert!(
+                e.submit(GenerateRequest::new(p.clone(), SamplingParams::greedy(new)))
+                    .is_err(),
+                "{which}: {new}"
+            );
+        }
+        assert!(!e.has_work(), "{which}");
+    }
+}

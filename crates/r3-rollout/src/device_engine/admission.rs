@@ -68,9 +68,17 @@ impl DeviceEngine {
         validate_request(&self.model_cfg, req)?;
         self.check_activations(req)?;
         // The cache's buffers keep room past the slots they hold (`kv_capacity_for`).
-        let need =
-            kv_capacity_for(req.input_ids.len() + req.sampling.max_new_tokens) * self.slot_bytes();
-        if need > self.cfg.kv_cache_bytes {
+        // Checked: a max_new_tokens near usize::MAX must not wrap to a need within budget
+        // (None: more bytes than a usize counts).
+        let slots = req
+            .input_ids
+            .len()
+            .saturating_add(req.sampling.max_new_tokens);
+        let need = (slots <= usize::MAX / 2)
+            .then(|| kv_capacity_for(slots))
+            .and_then(|capacity| capacity.checked_mul(self.slot_bytes()));
+        if need.is_none_or(|need| need > self.cfg.kv_cache_bytes) {
+            let need = need.map_or_else(|| "more than usize::MAX".into(), |n| n.to_string());
             return Err(RolloutError::InvalidRequest(format!(
                 "a request of {} prompt + {} new tokens needs {need} bytes of KV cache on {}, \
                  the budget is {} bytes",
@@ -90,10 +98,12 @@ impl DeviceEngine {
     fn check_activations(&self, req: &GenerateRequest) -> Result<(), RolloutError> {
         let len = req.input_ids.len();
         let new = req.sampling.max_new_tokens;
+        // Saturating: a step that large is past any budget (`step_activation_bytes`
+        // saturates too), not a small one.
         let decode = StepShape {
             rows: 1,
             time: 1,
-            slots: len + new,
+            slots: len.saturating_add(new),
             logit_positions: 1,
         };
         let need = step_activation_bytes(&self.model_cfg, decode, self.score_tiles());
@@ -105,7 +115,7 @@ impl DeviceEngine {
              in its last decode step on {} (over {} slots), the activation budget is {:.1} MiB",
             mib(need),
             self.cfg.device,
-            len + new,
+            decode.slots,
             mib(self.cfg.activation_bytes)
         )))
     }

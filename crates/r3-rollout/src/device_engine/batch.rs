@@ -72,7 +72,8 @@ impl Row {
     /// The slots a padded batch holds for this row at most: its padding, prompt and every
     /// token it may generate.
     pub fn reach(&self) -> usize {
-        self.pad + self.prompt_len + self.request.sampling.max_new_tokens
+        // Saturating: admission's checks bound it, but a wrapped reach would pass a budget.
+        (self.pad + self.prompt_len).saturating_add(self.request.sampling.max_new_tokens)
     }
 
     /// Tokens it may still generate.

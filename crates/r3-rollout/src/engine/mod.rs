@@ -477,8 +477,9 @@ impl Engine {
 }
 
 /// Checks a request against a model, whichever engine runs it: a non-empty prompt of ids
-/// below the vocabulary, stop ids likewise, valid sampling parameters, room to generate
-/// within `max_position_embeddings`, and `routed_experts_start_len` inside the prompt.
+/// below the vocabulary, stop ids likewise, valid sampling parameters, a prompt plus
+/// `max_new_tokens` that fits a usize, room to generate within `max_position_embeddings`,
+/// and `routed_experts_start_len` inside the prompt.
 pub fn validate_request(cfg: &Config, req: &GenerateRequest) -> Result<(), RolloutError> {
     let vocab = cfg.vocab_size;
     if req.input_ids.is_empty() {
@@ -505,6 +506,20 @@ pub fn validate_request(cfg: &Config, req: &GenerateRequest) -> Result<(), Rollo
         )));
     }
     req.sampling.validate()?;
+    // Both engines size a request by its prompt plus max_new_tokens: a sum that does not
+    // fit a usize had wrapped to a small one and passed their KV checks.
+    if req
+        .input_ids
+        .len()
+        .checked_add(req.sampling.max_new_tokens)
+        .is_none()
+    {
+        return Err(RolloutError::InvalidRequest(format!(
+            "max_new_tokens {} beside a prompt of {} tokens overflows a position count",
+            req.sampling.max_new_tokens,
+            req.input_ids.len()
+        )));
+    }
     let max_pos = cfg.max_position_embeddings;
     if req.input_ids.len() >= max_pos {
         return Err(RolloutError::InvalidRequest(format!(
