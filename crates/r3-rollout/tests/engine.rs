@@ -847,3 +847,27 @@ fn a_max_new_tokens_near_usize_max_is_refused() {
         assert!(!e.has_work(), "{which}");
     }
 }
+
+/// `max_new_tokens` 0 is SGLang's prompt-only request: it finishes at the end of its
+/// prefill without sampling (finish reason length, no output token), with the prompt
+/// log-probs and the prompt's routes a one-token request gets. On both engines.
+#[test]
+fn max_new_tokens_zero_finishes_at_the_prefill_without_a_token() {
+    let name = "qwen3_moe_tiny";
+    for (which, mut e) in both_engines(name) {
+        let mut none = GenerateRequest::new(prompt(2, 9), SamplingParams::greedy(0));
+        none.sampling.prompt_logprobs_from = Some(0);
+        none.return_routes = true;
+        let mut one = none.clone();
+        one.sampling.max_new_tokens = 1;
+        let got = e.generate(vec![none]).expect("prompt only").remove(0);
+        let want = e.generate(vec![one]).expect("one token").remove(0);
+        assert!(got.output_ids.is_empty(), "{which}: {:?}", got.output_ids);
+        assert!(got.output_logprobs.is_empty(), "{which}");
+        assert_eq!(got.finish, FinishReason::Length, "{which}");
+        assert_eq!(got.prompt_tokens, 9, "{which}");
+        assert_eq!(got.prompt_logprobs, want.prompt_logprobs, "{which}");
+        assert_eq!(got.routes, want.routes, "{which}");
+        assert!(!e.has_work(), "{which}");
+    }
+}

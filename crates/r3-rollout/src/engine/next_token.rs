@@ -83,13 +83,21 @@ pub fn drawn_pick_suffices(params: &SamplingParams, generated: usize, vocab: usi
 }
 
 /// Samples every slot's next token, in parallel over the slots: each draws from its own
-/// seeded stream, so the tokens do not depend on the number of threads or the order. The
+/// seeded stream, so the tokens do not depend on the number of threads or the order; a
+/// slot whose request asks for no new token (`max_new_tokens` 0) finishes instead. The
 /// host's share of a decode step at large batches is mostly this (a log-softmax over the
 /// vocabulary per sequence).
 pub fn sample_slots(slots: &mut [NextTokenSlot<'_>], max_positions: usize) {
     slots.par_iter_mut().for_each_init(
         || (SampleScratch::default(), Vec::new()),
         |(scratch, adjusted), slot| {
+            // A request for no new token (SGLang's prompt-only request: prompt log-probs,
+            // routes) ends at its prefill with nothing sampled. A device pick made for it
+            // is dropped; its stream matters no more, as the request is done.
+            if slot.params.max_new_tokens == 0 {
+                *slot.finish = Some(FinishReason::Length);
+                return;
+            }
             let (tok, lp) = match slot.logits {
                 NextTokenLogits::Row(logits) => {
                     let row = sampled_row(
