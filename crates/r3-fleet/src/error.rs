@@ -180,6 +180,16 @@ impl FleetError {
         )
     }
 
+    /// Whether this is a request's final error that is its own fault
+    /// ([`FleetError::RequestFailed`]: HTTP 400 / 413 / 422, or the same answer from two
+    /// workers): the workers and the batch's other requests are not affected, so a caller may
+    /// drop that request and keep the rest. Every other final error of a request (worker
+    /// faults out of retries, no worker left, an aborted request that never progressed, a
+    /// fault of the client) says the fleet could not serve it.
+    pub fn is_request_failure(&self) -> bool {
+        matches!(self, FleetError::RequestFailed { .. })
+    }
+
     /// The worker's answer without the worker's URL, for telling whether two workers gave
     /// the same one: a non-2xx status (status and body) or a reply that failed a check (the
     /// reason). `None` for answers that say nothing about the request: refusals, timeouts,
@@ -227,6 +237,30 @@ mod tests {
         for code in [401, 403, 404, 405, 408, 409, 429, 500, 502, 503] {
             assert!(!status(code, "").is_request_fault(), "{code}");
             assert!(status(code, "").is_worker_fault(), "{code}");
+        }
+    }
+
+    /// Only a request's own final failure may be dropped by a caller: a worker's 400 before
+    /// the fleet classified it, a request out of retries and a fleet with no worker are not.
+    #[test]
+    fn only_request_failed_is_a_request_failure() {
+        let failed = FleetError::RequestFailed {
+            request: 3,
+            why: "refused".into(),
+            error: Box::new(status(400, "too long")),
+        };
+        assert!(failed.is_request_failure());
+        let exhausted = FleetError::RetriesExhausted {
+            request: 3,
+            attempts: 4,
+            last: Box::new(status(500, "engine failed")),
+        };
+        let none_left = FleetError::NoWorkers {
+            total: 2,
+            detail: "both refused".into(),
+        };
+        for other in [status(400, "too long"), exhausted, none_left] {
+            assert!(!other.is_request_failure(), "{other}");
         }
     }
 

@@ -207,6 +207,21 @@ pub enum TrainError {
         max: u64,
     },
 
+    /// Every group of a step was dropped because requests of theirs failed for their own
+    /// fault (a fleet's 400 / 413 / 422, or the same answer from two workers): nothing is
+    /// left to train on.
+    #[error("step {step}: every rollout group failed ({groups} groups dropped, {requests} requests failed for their own fault, over every rollout round); the first: {source}")]
+    AllRolloutGroupsFailed {
+        /// The step.
+        step: u64,
+        /// Groups dropped.
+        groups: usize,
+        /// Requests that failed.
+        requests: usize,
+        /// The first failure, with the worker's message.
+        source: Box<r3_fleet::FleetError>,
+    },
+
     /// A phase of a training step ran the GPU out of memory: the step, the phase and the
     /// settings that lower its memory are named beside the driver's error.
     #[error(

@@ -11,10 +11,11 @@
 use std::time::Instant;
 
 use r3_fleet::{Fleet, RolloutStats};
-use r3_rollout::{GenerateRequest, GenerateResult};
+use r3_rollout::GenerateRequest;
 use r3_tasks::DatasetPosition;
 
 use crate::error::Result;
+use crate::rl::failed_groups::RequestOutcome;
 use crate::rl::prompt_source::PromptItem;
 
 /// A step's rollout generated during the step before it.
@@ -24,8 +25,10 @@ pub struct AheadBatch {
     pub step: u64,
     /// Its prompts, drawn in the order the synchronous loop draws them.
     pub items: Vec<PromptItem>,
-    /// The fleet's results, group-major.
-    pub results: Vec<GenerateResult>,
+    /// The fleet's outcomes, group-major: a result per request, or the fleet's error (the
+    /// trainer drops the groups of requests that failed for their own fault, and fails the
+    /// step for any other failure).
+    pub results: Vec<RequestOutcome>,
     /// What generating them cost.
     pub stats: RolloutStats,
     /// Wall seconds the fleet took.
@@ -37,9 +40,9 @@ pub struct AheadBatch {
     pub dataset_position: Option<DatasetPosition>,
 }
 
-/// What the fleet generated while the step's updates ran: the results, their cost and
-/// the wall seconds it took.
-pub type Generated = (Vec<GenerateResult>, RolloutStats, f64);
+/// What the fleet generated while the step's updates ran: an outcome per request, their
+/// cost and the wall seconds it took.
+pub type Generated = (Vec<RequestOutcome>, RolloutStats, f64);
 
 /// Runs `work` (the step's updates) on this thread while `fleet` generates `requests` on
 /// another; both outcomes come back (a panic of the generating thread is resumed here).
@@ -51,9 +54,10 @@ pub fn generate_while<T>(
     std::thread::scope(|scope| {
         let generating = scope.spawn(move || {
             let started = Instant::now();
+            // Per request, so one request's own failure costs the batch only its group.
             fleet
-                .generate(requests)
-                .map(|(results, stats)| (results, stats, started.elapsed().as_secs_f64()))
+                .generate_each(requests)
+                .map(|(outcomes, stats)| (outcomes, stats, started.elapsed().as_secs_f64()))
         });
         let done = work();
         match generating.join() {

@@ -17,6 +17,7 @@ use crate::error::{Result, TrainError};
 use crate::policy::model_text::ModelText;
 use crate::policy::trainable::TrainablePolicy;
 use crate::rl::ahead::AheadBatch;
+use crate::rl::failed_groups::RequestOutcome;
 use crate::rl::fleet::FleetRollout;
 use crate::rl::sampling::{check_count, Generate};
 
@@ -202,16 +203,34 @@ impl Backend {
 }
 
 impl Backend {
+    /// A step's first rollout round: one outcome per request. A fleet's request that failed
+    /// for its own fault is an error in its slot (its group is dropped,
+    /// [`crate::rl::failed_groups`]); every other failure, and any failure of an in-process
+    /// engine, fails the call.
+    pub fn generate_round(
+        &mut self,
+        requests: Vec<GenerateRequest>,
+    ) -> Result<Vec<RequestOutcome>> {
+        match self {
+            Backend::Fleet(fleet) => fleet.generate_round(requests),
+            other => Ok(other
+                .generate_batch(requests)?
+                .into_iter()
+                .map(Ok)
+                .collect()),
+        }
+    }
+
     /// A further rollout round of the step (dynamic sampling's refill): as
-    /// [`Generate::generate_batch`], but a fleet adds the round's cost to the step's
+    /// [`Backend::generate_round`], but a fleet adds the round's cost to the step's
     /// `rollout.*` counters instead of replacing them.
     pub fn generate_another_round(
         &mut self,
         requests: Vec<GenerateRequest>,
-    ) -> Result<Vec<GenerateResult>> {
+    ) -> Result<Vec<RequestOutcome>> {
         match self {
             Backend::Fleet(fleet) => fleet.generate_another_round(requests),
-            other => other.generate_batch(requests),
+            other => other.generate_round(requests),
         }
     }
 }

@@ -16,6 +16,7 @@ use crate::error::{Result, TrainError};
 use crate::policy::model_text::ModelText;
 use crate::policy::trainable::TrainablePolicy;
 use crate::rl::ahead::AheadBatch;
+use crate::rl::failed_groups::{refuse_fleet_failures, RequestOutcome};
 use crate::rl::metrics_log::StepMetrics;
 use crate::rl::sampling::{check_count, Generate};
 
@@ -117,16 +118,32 @@ impl FleetRollout {
         m.rollout_partial_resumed = Some(self.last.partial_resumed);
     }
 
-    /// A further rollout round of the same step: its cost is added to the last batch's (the
-    /// counters summed, `workers_up` the round's), so the step's line counts every round.
+    /// A step's rollout round: one outcome per request, in request order, a request that
+    /// failed for its own fault as its error (the trainer drops its group); any other failure
+    /// (a worker fault out of retries, no worker left) fails the round as the fleet's batch
+    /// error. The round's retries and staleness are kept in `last`.
+    pub fn generate_round(
+        &mut self,
+        requests: Vec<GenerateRequest>,
+    ) -> Result<Vec<RequestOutcome>> {
+        let expected = requests.len();
+        let (outcomes, stats) = self.fleet.generate_each(requests)?;
+        self.last = stats;
+        check_count(outcomes.len(), expected)?;
+        refuse_fleet_failures(outcomes, stats)
+    }
+
+    /// A further rollout round of the same step ([`FleetRollout::generate_round`]): its cost
+    /// is added to the last batch's (the counters summed, `workers_up` the round's), so the
+    /// step's line counts every round.
     pub fn generate_another_round(
         &mut self,
         requests: Vec<GenerateRequest>,
-    ) -> Result<Vec<GenerateResult>> {
+    ) -> Result<Vec<RequestOutcome>> {
         let before = self.last;
-        let results = self.generate_batch(requests)?;
+        let outcomes = self.generate_round(requests);
         self.last = before.then(self.last);
-        Ok(results)
+        outcomes
     }
 
     /// The batch generated ahead for the next step, if any; its cost becomes the last
@@ -139,7 +156,8 @@ impl FleetRollout {
 }
 
 impl Generate for FleetRollout {
-    /// The workers' results; the batch's retries and staleness are kept in `last`.
+    /// The workers' results, every one (held-out evaluation: a failed request fails it);
+    /// the batch's retries and staleness are kept in `last`.
     fn generate_batch(&mut self, requests: Vec<GenerateRequest>) -> Result<Vec<GenerateResult>> {
         let expected = requests.len();
         let (results, stats) = self.fleet.generate(requests)?;

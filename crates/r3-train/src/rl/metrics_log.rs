@@ -101,6 +101,14 @@ pub struct StepMetrics {
     /// Continuations sent for rollout requests a worker aborted (fleet backend).
     #[serde(rename = "rollout.partial_resumed", default)]
     pub rollout_partial_resumed: Option<u64>,
+    /// Groups dropped because a request of theirs failed for its own fault (the fleet's
+    /// 400 / 413 / 422, or the same answer from two workers), over every rollout round
+    /// (fleet backend; null otherwise).
+    #[serde(rename = "rollout.failed_groups", default)]
+    pub rollout_failed_groups: Option<u64>,
+    /// The requests that failed so (fleet backend; null otherwise).
+    #[serde(rename = "rollout.failed_requests", default)]
+    pub rollout_failed_requests: Option<u64>,
     /// Groups kept by dynamic sampling.
     pub groups_kept: u64,
     /// Groups dropped by dynamic sampling (all rewards equal), over every rollout round.

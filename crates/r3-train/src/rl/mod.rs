@@ -9,7 +9,9 @@
 //! - the rollout side: the seeds of its draws (`seed`), the prompts (`prompt_source`),
 //!   sampling and scoring them (`sampling`), held-out evaluation with k samples per prompt
 //!   (`evaluation`), the backend that generates them (`backend`): the in-process engine or
-//!   a fleet with its weight sync (`fleet`) and one-step-ahead generation (`ahead`).
+//!   a fleet with its weight sync (`fleet`) and one-step-ahead generation (`ahead`), and
+//!   the groups dropped for a fleet request that failed for its own fault
+//!   (`failed_groups`).
 
 pub mod ahead;
 pub mod backend;
@@ -17,6 +19,7 @@ pub mod checkpoint;
 pub mod collapse;
 pub mod diagnostics;
 pub mod evaluation;
+pub mod failed_groups;
 pub mod fleet;
 pub mod manifest;
 pub mod memory;

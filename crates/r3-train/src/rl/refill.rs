@@ -23,8 +23,10 @@ pub struct SamplingRounds {
 /// ...) of fresh prompts, or gives None where no prompts are left to draw. Rounds are
 /// drawn, at most `max_rounds` in all, until `want` groups with differing rewards are in
 /// hand; the batch is the first `want` of them in the order drawn, renumbered group-major.
-/// Where no round kept a group, the first round is the batch as it came (its update has
-/// nothing to learn from and is skipped).
+/// A round may bring fewer than `want` groups (those whose fleet requests failed are
+/// dropped before; `rl/failed_groups.rs`): the rounds after refill them as they refill
+/// uniform groups. Where no round kept a group, the first round that brought any is the
+/// batch as it came (its update has nothing to learn from and is skipped).
 pub fn fill_groups(
     first: Vec<Trajectory>,
     group: usize,
@@ -49,8 +51,12 @@ pub fn fill_groups(
         drawn.rounds += 1;
         drawn.groups_drawn += trajs.len() / group;
         drawn.groups_uniform += filter.dropped_groups;
-        if round == 0 && filter.kept_groups.is_empty() {
-            none_kept = Some(trajs);
+        // The fallback batch is the first round that brought any group: round 0 unless every
+        // group of it failed at the fleet (dropped before they came here).
+        if none_kept.is_none() && kept.is_empty() && filter.kept_groups.is_empty() {
+            if !trajs.is_empty() {
+                none_kept = Some(trajs);
+            }
         } else {
             let mut trajs: Vec<Option<Trajectory>> = trajs.into_iter().map(Some).collect();
             kept.extend(
@@ -150,6 +156,42 @@ mod tests {
         assert_eq!(origins(&batch), want);
         assert_eq!(batch[0].reward, 0.0);
         assert_eq!(batch[1].reward, 1.0);
+    }
+
+    /// Rounds that bring fewer groups (their failed fleet requests' groups dropped before)
+    /// are refilled like uniform ones; a first round that lost every group leaves the
+    /// fallback batch to the first round that brought any.
+    #[test]
+    fn groups_lost_to_failed_requests_are_refilled() {
+        // Two groups wanted; round 0 lost one of its two groups, the other differing.
+        let short = round(0, &[[0.0, 1.0]]);
+        let (batch, drawn) = fill_groups(short, 2, 2, 3, |r| {
+            Ok(Some(round(r as u32, &[[1.0, 0.0], [0.0, 1.0]])))
+        })
+        .expect("batch");
+        assert_eq!(
+            origins(&batch),
+            [
+                (0, vec![0, 0]),
+                (0, vec![0, 0]),
+                (1, vec![1, 0]),
+                (1, vec![1, 0])
+            ]
+        );
+        assert_eq!((drawn.rounds, drawn.groups_drawn), (2, 3));
+        // Round 0 lost every group and round 1 is uniform: round 1 is the batch as it came.
+        let (batch, drawn) = fill_groups(Vec::new(), 2, 2, 2, |r| {
+            Ok(Some(round(r as u32, &[[1.0, 1.0], [0.0, 0.0]])))
+        })
+        .expect("batch");
+        assert_eq!(
+            origins(&batch),
+            origins(&round(1, &[[1.0, 1.0], [0.0, 0.0]]))
+        );
+        assert_eq!((drawn.rounds, drawn.groups_drawn), (2, 2));
+        // Every round lost every group: nothing (the trainer names the failure).
+        let (batch, _) = fill_groups(Vec::new(), 2, 2, 2, |_| Ok(Some(Vec::new()))).expect("batch");
+        assert!(batch.is_empty());
     }
 
     /// Out of rounds: the groups kept so far are the batch (smaller); none kept in any

@@ -234,6 +234,11 @@ pub fn score_groups(
     reward: &Reward,
 ) -> Result<Vec<Trajectory>> {
     check_count(results.len(), items.len() * group_size)?;
+    // A round whose every group failed at the fleet: nothing to score, and an external
+    // verifier is not started for an empty batch.
+    if results.is_empty() {
+        return Ok(Vec::new());
+    }
     let completions = results
         .iter()
         .map(|r| tokenizer.decode_completion(&r.output_ids))

@@ -29,6 +29,10 @@ pub struct StepTrace {
     pub cached_tokens: Vec<usize>,
     /// Rollout route tables of the step's trajectories (`len − 1` rows each).
     pub rollout_tables: Option<Vec<RouteTable>>,
+    /// Reward of each of the step's trajectories.
+    pub rewards: Vec<f32>,
+    /// GRPO advantage of each of them (before dynamic sampling's filter).
+    pub advantages: Vec<f32>,
     /// Replay proof of the separate old-log-prob pass (R3, multi mini-step).
     pub old_proof: Option<ReplayProof>,
     /// Routes recorded by the old-log-prob pass (R2 and disabled, multi mini-step).
@@ -61,6 +65,9 @@ pub(crate) struct StepBatch {
     pub(crate) groups_dropped: usize,
     /// The refill rounds' counts (`algo.sampling_rounds` > 1).
     pub(crate) sampling: Option<SamplingRounds>,
+    /// Groups dropped for requests that failed for their own fault, and those requests,
+    /// over every rollout round (fleet backend; `None` for an in-process engine).
+    pub(crate) failed: Option<(usize, usize)>,
     pub(crate) rollout_s: f64,
     /// Seconds the fleet generated this batch in the previous step's shadow (`rollout.async`).
     pub(crate) rollout_ahead_s: Option<f64>,
@@ -127,6 +134,7 @@ impl StepBatch {
             groups_kept,
             groups_dropped,
             sampling: None,
+            failed: None,
             rollout_s,
             rollout_ahead_s,
             stale_frac,

@@ -38,6 +38,8 @@ pub(crate) fn finish_metrics(
     m.rollout_s = data.rollout_s;
     m.rollout_ahead_s = data.rollout_ahead_s;
     m.rollout_stale_frac = data.stale_frac;
+    m.rollout_failed_groups = data.failed.map(|(groups, _)| groups as u64);
+    m.rollout_failed_requests = data.failed.map(|(_, requests)| requests as u64);
     m.old_logp_s = updates.old_logp_s;
     m.update_s = updates.update_s;
     let mut parts = UpdateTimes::default();

@@ -21,11 +21,12 @@ use crate::rl::ahead::{generate_while, AheadBatch};
 use crate::rl::backend::{rollout_dtype, Backend};
 use crate::rl::checkpoint::{load_optimizer, save_checkpoint, state_at, TrainerState};
 use crate::rl::diagnostics::logp_mismatch;
+use crate::rl::failed_groups::{drop_failed_groups, refuse_fleet_failures, FailedGroups};
 use crate::rl::memory::{lap_peak, reset_peak};
 use crate::rl::metrics_log::StepMetrics;
 use crate::rl::prompt_source::{PromptItem, PromptSource};
 use crate::rl::refill::fill_groups;
-use crate::rl::sampling::{evaluate_prompts, group_requests, score_groups, EvalResult, Generate};
+use crate::rl::sampling::{evaluate_prompts, group_requests, score_groups, EvalResult};
 use crate::rl::step::{sampling_spec, update_settings, StepBatch, StepContext, StepTrace};
 use crate::rl::step_metrics::{finish_metrics, stale_frac};
 use crate::rl::updates::{run_updates, Updates};
@@ -340,6 +341,8 @@ impl Trainer {
                 .collect();
             trace.cached_tokens = data.trajs.iter().map(|t| t.sample.cached_tokens).collect();
             trace.rollout_tables = data.routes.as_ref().map(|r| r.tables().to_vec());
+            trace.rewards = data.trajs.iter().map(|t| t.reward).collect();
+            trace.advantages = data.advantages.clone();
         }
         let ctx = StepContext {
             step,
@@ -459,18 +462,25 @@ impl Trainer {
     fn sample_step(&mut self, step: u64, cfg: &TrainConfig) -> Result<StepBatch> {
         let group = cfg.rollout.group_size;
         let t_rollout = Instant::now();
-        let (prompts, results, rollout_ahead_s) = match self.backend.take_ahead() {
+        let (prompts, outcomes, rollout_ahead_s) = match self.backend.take_ahead() {
             Some(ahead) => {
                 debug_assert_eq!(ahead.step, step, "a batch generated ahead for another step");
-                (ahead.items, ahead.results, Some(ahead.generate_s))
+                let outcomes = refuse_fleet_failures(ahead.results, ahead.stats)?;
+                (ahead.items, outcomes, Some(ahead.generate_s))
             }
             None => {
                 let prompts = self.next_prompts(cfg.rollout.prompts_per_step)?;
                 let requests = self.step_requests(cfg, &prompts, step, 0);
-                let results = self.backend.generate_batch(requests)?;
-                (prompts, results, None)
+                let outcomes = self.backend.generate_round(requests)?;
+                (prompts, outcomes, None)
             }
         };
+        // A group with a request the fleet could not serve for the request's own fault is
+        // dropped whole (GRPO's advantages need every sample of a prompt); the others keep
+        // their order and seeds. Refill rounds draw fresh prompts for them as for uniform
+        // groups.
+        let mut failed = FailedGroups::default();
+        let (prompts, results) = drop_failed_groups(prompts, outcomes, group, 0, &mut failed)?;
         let trajs = score_groups(&self.tokenizer, &prompts, results, group, &self.reward)?;
         let (trajs, rounds) = match cfg.algo.sampling_rounds {
             1 => (trajs, None),
@@ -485,12 +495,23 @@ impl Trainer {
                     }
                     let prompts = self.next_prompts(want)?;
                     let requests = self.step_requests(cfg, &prompts, step, round);
-                    let results = self.backend.generate_another_round(requests)?;
+                    let outcomes = self.backend.generate_another_round(requests)?;
+                    let (prompts, results) =
+                        drop_failed_groups(prompts, outcomes, group, round, &mut failed)?;
                     score_groups(&self.tokenizer, &prompts, results, group, &self.reward).map(Some)
                 })?;
                 (trajs, Some(drawn))
             }
         };
+        // Nothing to train on: the step fails rather than take an empty update.
+        if trajs.is_empty() && failed.groups > 0 {
+            return Err(failed.into_error(step));
+        }
+        failed.warn(step);
+        let failed_counts = self
+            .backend
+            .fleet()
+            .map(|_| (failed.groups, failed.requests));
         let stale_frac = match self.backend.fleet() {
             Some(_) => Some(stale_frac(&trajs, step, cfg.rollout.max_staleness)?),
             None => None,
@@ -511,6 +532,7 @@ impl Trainer {
             batch.groups_dropped = r.groups_uniform;
             batch.sampling = Some(r);
         }
+        batch.failed = failed_counts;
         Ok(batch)
     }
 
