@@ -325,6 +325,25 @@ mod tests {
         );
     }
 
+    /// A tool schema or tool-call arguments parsed from a request keep their keys' order
+    /// through `tojson`, as Python's `json.loads` then `json.dumps` keep it, so the prompt
+    /// is the one SGLang's transformers renders (serde_json's `preserve_order`: its maps
+    /// sorted their keys before).
+    #[test]
+    fn tojson_keeps_the_order_a_request_wrote() {
+        // json.dumps(json.loads(s), ensure_ascii=False) == s for this s in Python 3.11: its
+        // separators are json.dumps' defaults, so the output must be the input.
+        let s = r#"{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"], "type": "string"}}, "required": ["city"]}}}"#;
+        let v: serde_json::Value = serde_json::from_str(s).expect("json");
+        let ctx = context! { v => minijinja::Value::from(minijinja::value::Serde(&v)) };
+        assert_eq!(render("{{ v | tojson }}", ctx.clone()), s);
+        // Iterating the map in a template sees the same order.
+        assert_eq!(
+            render("{% for k in v.function %}{{ k }},{% endfor %}", ctx),
+            "name,description,parameters,"
+        );
+    }
+
     #[test]
     fn tojson_takes_transformers_arguments_as_json_dumps_does() {
         // Expected strings are what Python 3.11 prints for x = {"a": {"x": None, "y": True},
@@ -351,7 +370,6 @@ mod tests {
         // transformers' jinja2 (5.25) renders {"b": "é", "a": [1, 2]} through
         // `tojson(True)|tojson(false, none, (",", ":"))|tojson(indent=1)` as below: the
         // arguments by position too, in json.dumps' order.
-        // (A map in insertion order: serde_json's own maps here sort their keys.)
         let x = context! { b => "é", a => vec![1, 2] };
         let ctx = context! { x => x };
         assert_eq!(
