@@ -132,6 +132,32 @@ pub struct BatchFailure {
     pub stats: RolloutStats,
 }
 
+impl BatchFailure {
+    /// The batch's outcomes, one per request in request order, split into the finished
+    /// results (a `None` slot where a request failed) and the failures with their indices.
+    pub fn from_outcomes(
+        outcomes: Vec<std::result::Result<GenerateResult, FleetError>>,
+        stats: RolloutStats,
+    ) -> Self {
+        let mut results = Vec::with_capacity(outcomes.len());
+        let mut failures = Vec::new();
+        for (i, outcome) in outcomes.into_iter().enumerate() {
+            match outcome {
+                Ok(r) => results.push(Some(r)),
+                Err(e) => {
+                    results.push(None);
+                    failures.push((i, e));
+                }
+            }
+        }
+        BatchFailure {
+            results,
+            failures,
+            stats,
+        }
+    }
+}
+
 /// Failures named in full in a batch error's message; the rest are counted.
 const NAMED_FAILURES: usize = 3;
 

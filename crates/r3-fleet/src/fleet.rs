@@ -368,22 +368,9 @@ impl Fleet {
         if outcomes.iter().all(Result::is_ok) {
             return Ok((outcomes.into_iter().filter_map(Result::ok).collect(), stats));
         }
-        let mut results = Vec::with_capacity(outcomes.len());
-        let mut failures = Vec::new();
-        for (i, outcome) in outcomes.into_iter().enumerate() {
-            match outcome {
-                Ok(r) => results.push(Some(r)),
-                Err(e) => {
-                    results.push(None);
-                    failures.push((i, e));
-                }
-            }
-        }
-        Err(FleetError::Batch(Box::new(BatchFailure {
-            results,
-            failures,
-            stats,
-        })))
+        Err(FleetError::Batch(Box::new(BatchFailure::from_outcomes(
+            outcomes, stats,
+        ))))
     }
 
     /// The batch of [`Fleet::generate`] as one outcome per request, in request order: a

@@ -328,6 +328,7 @@ impl CustomOp2 for SampleRows {
 mod tests {
     use super::*;
     use candle_core::Device;
+    use r3_test_support::exact_logprob;
 
     /// `n` pseudo-random values in [lo, hi).
     fn values(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
@@ -363,18 +364,6 @@ mod tests {
             acc = next;
         }
         (row.len() - 1, 0.0)
-    }
-
-    /// `log softmax(row · inv_t)[column]` in f64.
-    fn exact_logprob(row: &[f32], inv_t: f64, column: usize) -> f64 {
-        let max = row
-            .iter()
-            .fold(f64::NEG_INFINITY, |m, &v| m.max(f64::from(v)));
-        let sum: f64 = row
-            .iter()
-            .map(|&v| ((f64::from(v) - max) * inv_t).exp())
-            .sum();
-        (f64::from(row[column]) - max) * inv_t - sum.ln()
     }
 
     /// The draw picks the column the exact f64 inverse CDF picks (wherever the draw is not

@@ -17,6 +17,7 @@ use r3_rollout::{
     load_dir, DeviceEngine, DeviceEngineConfig, Dtype, GenerateRequest, GenerateResult,
     LogprobScale, SamplingParams,
 };
+use r3_test_support::exact_logprob;
 
 /// The sampling temperature of these tests.
 const T: f32 = 0.7;
@@ -98,14 +99,7 @@ fn scoring_rows(name: &str, req: &GenerateRequest, r: &GenerateResult) -> Vec<Ve
 
 /// `log softmax(row · inv_t)[token]` in f64.
 fn exact(row: &[f32], inv_t: f64, token: u32) -> f64 {
-    let max = row
-        .iter()
-        .fold(f64::NEG_INFINITY, |m, &v| m.max(f64::from(v)));
-    let sum: f64 = row
-        .iter()
-        .map(|&v| ((f64::from(v) - max) * inv_t).exp())
-        .sum();
-    (f64::from(row[token as usize]) - max) * inv_t - sum.ln()
+    exact_logprob(row, inv_t, token as usize)
 }
 
 /// The `1 / T'` the request's log-probs must be at: `1 / T` for a sampled request under

@@ -1317,8 +1317,8 @@ __device__ __forceinline__ float sample_exp(float z, float max, float inv_t) {
 // draws[row] = (u in [0, 1), 1 / T, scaled), u < 0 for a row not asked; out[row] = (column,
 // its log-prob: log softmax(row / T)[column] where `scaled` is nonzero (LogprobScale::Sampling,
 // SGLang's default), log softmax(row)[column] where it is 0 (LogprobScale::Raw)), or (cols,
-// NaN) for a row not asked or not drawable (a NaN, or no finite largest value). The column is the host's bit for bit: the same exponentials
-// (r3_fast_exp), each block of SAMPLE_BLOCK columns summed as math.rs `lane_sum` sums (16
+// NaN) for a row not asked or not drawable (a NaN, or no finite largest value). The column
+// is the host's bit for bit: the same exponentials (r3_fast_exp), each block of SAMPLE_BLOCK columns summed as math.rs `lane_sum` sums (16
 // lanes in f32 in column order, their sum then the block's tail in f64), the blocks' sums
 // added in order, and the same walk (the correctly rounded `__d*_rn`, never contracted).
 // One block per row; its threads in groups of 16 lanes, a group a column block at a time;

@@ -80,8 +80,9 @@ fn check_inv_temperature(inv_temperature: f32) -> Result<()> {
 }
 
 /// `logits · inv_temperature`, the logits of the distribution a rollout at temperature
-/// `1 / inv_temperature` samples from (the rollout samplers multiply by `1 / T` in f32 the
-/// same way), differentiable in `logits`; at 1 the logits themselves, no op run, so the
+/// `1 / inv_temperature` samples from (the rollout samplers multiply `z − max` by the same
+/// f32 `1 / T`, so the log-probs agree within rounding, not bit for bit), differentiable in
+/// `logits`; at 1 the logits themselves, no op run, so the
 /// temperature-1 scoring keeps its bits and its graph. The one scaling both of a policy's
 /// scoring paths take (this module's chunks and a scoring that keeps its logits whole), so
 /// they agree. Device-agnostic (candle's affine op).

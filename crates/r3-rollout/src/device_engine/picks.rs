@@ -358,16 +358,11 @@ mod tests {
             // The spread rows at 0.8 report their own distributions, scaled and raw, which
             // differ.
             let exact = |r: usize, inv_t: f64| {
-                let row = &seen[r];
-                let max = row
-                    .iter()
-                    .fold(f64::NEG_INFINITY, |m, &v| m.max(f64::from(v)));
-                let sum: f64 = row
-                    .iter()
-                    .map(|&v| ((f64::from(v) - max) * inv_t).exp())
-                    .sum();
-                let token = picks[r].expect("drawn").token as usize;
-                (f64::from(row[token]) - max) * inv_t - sum.ln()
+                r3_test_support::exact_logprob(
+                    &seen[r],
+                    inv_t,
+                    picks[r].expect("drawn").token as usize,
+                )
             };
             for (r, inv_t, other) in [(0, 1.0 / 0.8, 1.0), (8, 1.0, 1.0 / 0.8)] {
                 let got = f64::from(picks[r].expect("drawn").logprob);

@@ -249,8 +249,9 @@ impl Default for ScoreOptions {
 }
 
 impl ScoreOptions {
-    /// `1 / temperature` in f32, as the rollout samplers compute it (so the scaled logits
-    /// are theirs bit for bit); a temperature that is not a finite number above 0 is refused.
+    /// `1 / temperature` in f32, the factor the rollout samplers compute (they scale
+    /// `z − max` where the trainer scales `z`, so the log-probs agree within rounding, not bit
+    /// for bit); a temperature that is not a finite number above 0 is refused.
     pub fn inv_temperature(&self) -> Result<f32> {
         let t = self.temperature;
         let inv = 1.0 / t;

@@ -93,23 +93,8 @@ pub fn refuse_fleet_failures(
     if outcomes.iter().all(droppable) {
         return Ok(outcomes);
     }
-    let mut results = Vec::with_capacity(outcomes.len());
-    let mut failures = Vec::new();
-    for (i, outcome) in outcomes.into_iter().enumerate() {
-        match outcome {
-            Ok(r) => results.push(Some(r)),
-            Err(e) => {
-                results.push(None);
-                failures.push((i, e));
-            }
-        }
-    }
     Err(TrainError::Fleet(FleetError::Batch(Box::new(
-        BatchFailure {
-            results,
-            failures,
-            stats,
-        },
+        BatchFailure::from_outcomes(outcomes, stats),
     ))))
 }
 
