@@ -195,19 +195,28 @@ impl Router {
     /// Gate weights for the given ids, differentiable in `logits` (`[rows, E]` f32,
     /// ids `[rows, k]` u32 → `[rows, k]`).
     ///
-    /// Softmax: softmax over all experts, gather, renormalise iff `norm_topk_prob`.
-    /// Grouped sigmoid: sigmoid of the gathered logits, normalise (+1e-20) iff
+    /// Softmax: softmax over all experts, gather; where `norm_topk_prob` (HF's renormalised
+    /// top-k, Mixtral's always) the softmax of the gathered logits instead, the same value and
+    /// gradient. Grouped sigmoid: sigmoid of the gathered logits, normalise (+1e-20) iff
     /// `norm_topk_prob`, times `routed_scaling_factor`. The bias never enters the gates.
     pub fn weigh(&self, logits: &Tensor, ids: &Tensor) -> Result<Tensor> {
         match self.kind {
-            RouterKind::Softmax { norm_topk_prob } => {
+            // softmax(all)[ids] / Σ softmax(all)[ids] = softmax(logits[ids]) exactly, but a
+            // replayed choice need not hold this router's best expert: ids whose logits lie
+            // ~104 or more below the row's largest underflow f32's exp to 0, and the
+            // renormalisation then gives 0 / 0 = NaN, where the gathered softmax gives the
+            // true gates.
+            RouterKind::Softmax {
+                norm_topk_prob: true,
+            } => Ok(candle_nn::ops::softmax(
+                &logits.gather(ids, D::Minus1)?,
+                D::Minus1,
+            )?),
+            RouterKind::Softmax {
+                norm_topk_prob: false,
+            } => {
                 let probs = candle_nn::ops::softmax(logits, D::Minus1)?;
-                let gates = probs.gather(ids, D::Minus1)?;
-                if norm_topk_prob {
-                    Ok(gates.broadcast_div(&gates.sum_keepdim(D::Minus1)?)?)
-                } else {
-                    Ok(gates)
-                }
+                Ok(probs.gather(ids, D::Minus1)?)
             }
             RouterKind::GroupedSigmoid {
                 norm_topk_prob,
@@ -268,15 +277,26 @@ impl Router {
             )));
         }
         match self.kind {
-            RouterKind::Softmax { norm_topk_prob } => {
+            // Renormalised: the softmax of the chosen logits, as in `weigh` (a replayed choice
+            // far below the row's best would otherwise give 0 / 0).
+            RouterKind::Softmax {
+                norm_topk_prob: true,
+            } => {
+                let chosen = ids.iter().map(|&i| logits[i as usize]);
+                let max = chosen.clone().fold(f32::NEG_INFINITY, f32::max);
+                for (o, x) in out.iter_mut().zip(chosen) {
+                    *o = (x - max).exp();
+                }
+                let denom: f32 = out.iter().sum();
+                out.iter_mut().for_each(|o| *o /= denom);
+            }
+            RouterKind::Softmax {
+                norm_topk_prob: false,
+            } => {
                 let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let denom: f32 = logits.iter().map(|&x| (x - max).exp()).sum();
                 for (o, &i) in out.iter_mut().zip(ids) {
                     *o = (logits[i as usize] - max).exp() / denom;
-                }
-                if norm_topk_prob {
-                    let s: f32 = out.iter().sum();
-                    out.iter_mut().for_each(|o| *o /= s);
                 }
             }
             RouterKind::GroupedSigmoid {

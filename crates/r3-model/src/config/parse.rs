@@ -40,6 +40,7 @@ struct RawConfig {
     use_sliding_window: Option<bool>,
     layer_types: Option<Vec<String>>,
     clip_qkv: Option<f64>,
+    qkv_bias: Option<bool>,
     quantization_config: Option<serde_json::Value>,
     // experts
     num_experts: Option<usize>,
@@ -67,6 +68,9 @@ struct RawConfig {
     qk_rope_head_dim: Option<usize>,
     v_head_dim: Option<usize>,
 }
+
+/// HF `Qwen2MoeConfig`'s default `shared_expert_intermediate_size`.
+const QWEN2_MOE_SHARED_EXPERT_INTERMEDIATE_SIZE: usize = 5632;
 
 fn unsupported(field: &str, value: impl std::fmt::Display) -> ModelError {
     ModelError::UnsupportedOption {
@@ -392,7 +396,9 @@ fn moe_config(raw: &RawConfig, arch: Architecture) -> Result<Option<MoeConfig>> 
                     model_type: arch.model_type(),
                 })?,
             };
-            let shared = match raw.n_shared_experts.unwrap_or(0) {
+            // HF `DeepseekV3Config` defaults `n_shared_experts` to 1: a config without the
+            // key has one shared expert of the routed experts' width.
+            let shared = match raw.n_shared_experts.unwrap_or(1) {
                 0 => SharedExpert::None,
                 n => SharedExpert::Plain {
                     intermediate_size: n.checked_mul(expert_intermediate_size).ok_or(
@@ -407,9 +413,14 @@ fn moe_config(raw: &RawConfig, arch: Architecture) -> Result<Option<MoeConfig>> 
             (router, shared)
         }
         Architecture::Qwen2Moe => {
-            let shared = match raw.shared_expert_intermediate_size {
-                Some(0) | None => SharedExpert::None,
-                Some(n) => SharedExpert::Gated {
+            // HF `Qwen2MoeConfig` defaults `shared_expert_intermediate_size` to 5632 (always
+            // builds the shared expert); an explicit 0 gives an empty one, which adds nothing.
+            let shared = match raw
+                .shared_expert_intermediate_size
+                .unwrap_or(QWEN2_MOE_SHARED_EXPERT_INTERMEDIATE_SIZE)
+            {
+                0 => SharedExpert::None,
+                n => SharedExpert::Gated {
                     intermediate_size: n,
                 },
             };
@@ -478,6 +489,13 @@ fn attention_config(
         Architecture::Olmoe => QkNorm::Full,
         _ => QkNorm::None,
     };
+    // Qwen2-MoE reads `qkv_bias` (transformers 5; default true, and configs written before
+    // the key existed had the bias); Qwen2 always has it; the others never.
+    let qkv_bias = match arch {
+        Architecture::Qwen2Moe => raw.qkv_bias.unwrap_or(true),
+        Architecture::Qwen2 => true,
+        _ => false,
+    };
     let clip_qkv = raw.clip_qkv;
     if clip_qkv.is_some() && arch != Architecture::Olmoe {
         return Err(unsupported("clip_qkv", format!("{clip_qkv:?}")));
@@ -491,7 +509,7 @@ fn attention_config(
     Ok(AttentionConfig::Gqa {
         num_kv_heads,
         head_dim,
-        qkv_bias: matches!(arch, Architecture::Qwen2Moe | Architecture::Qwen2),
+        qkv_bias,
         qk_norm,
         clip_qkv,
         sliding_window,
@@ -508,30 +526,49 @@ fn f64_key(obj: &serde_json::Value, key: &str) -> Result<Option<f64>> {
     }
 }
 
+/// A rope dict that counts as given: transformers tests it with Python's `or`, so `null`
+/// and `{}` are as good as absent.
+fn rope_dict(value: Option<&serde_json::Value>) -> Option<&serde_json::Value> {
+    value.filter(|v| match v {
+        serde_json::Value::Null => false,
+        serde_json::Value::Object(m) => !m.is_empty(),
+        _ => true,
+    })
+}
+
+/// The rope dict's type (`rope_type`, or the older `type`), `default` when unnamed.
+fn rope_type_of(params: Option<&serde_json::Value>) -> &str {
+    params
+        .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
+        .and_then(|t| t.as_str())
+        .unwrap_or("default")
+}
+
 fn rope_config(raw: &RawConfig, arch: Architecture, attn: &AttentionConfig) -> Result<RopeConfig> {
-    // transformers 5 writes `rope_parameters` (theta + scaling); released checkpoints
-    // use top-level `rope_theta` and `rope_scaling`.
-    let params = raw
-        .rope_parameters
-        .as_ref()
-        .filter(|v| !v.is_null())
-        .or(raw.rope_scaling.as_ref().filter(|v| !v.is_null()));
+    // transformers 5 writes `rope_parameters` (theta + scaling); released checkpoints use
+    // top-level `rope_theta` and `rope_scaling`. Its `convert_rope_params_to_dict` decides
+    // between them: `rope_parameters = rope_scaling or rope_parameters` (a legacy
+    // `rope_scaling` wins, whole), then `rope_theta` from that dict, else the top-level
+    // `rope_theta`, else the class default. A config edited to add `rope_scaling` beside a
+    // v5 `rope_parameters` therefore runs the scaling in HF, and must here too.
+    let scaling_dict = rope_dict(raw.rope_scaling.as_ref());
+    let parameters_dict = rope_dict(raw.rope_parameters.as_ref());
+    let params = scaling_dict.or(parameters_dict);
     let default_theta = if arch == Architecture::Mixtral {
         1e6
     } else {
         1e4
     };
-    let theta = match raw.rope_theta {
-        Some(t) => t,
-        None => match raw.rope_parameters.as_ref() {
-            Some(p) => f64_key(p, "rope_theta")?.unwrap_or(default_theta),
-            None => default_theta,
-        },
-    };
-    let rope_type = params
-        .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
-        .and_then(|t| t.as_str())
-        .unwrap_or("default");
+    let theta = match params {
+        Some(p) => f64_key(p, "rope_theta")?,
+        None => None,
+    }
+    .or(raw.rope_theta)
+    .unwrap_or(default_theta);
+    if let (Some(s), Some(p)) = (scaling_dict, parameters_dict) {
+        warn_on_rope_conflict(s, p, theta)?;
+    }
+    let rope_type = rope_type_of(params);
     let scaling = match (rope_type, params) {
         ("default", _) | (_, None) => RopeScaling::None,
         ("linear", Some(p)) => RopeScaling::Linear {
@@ -570,6 +607,49 @@ fn rope_config(raw: &RawConfig, arch: Architecture, attn: &AttentionConfig) -> R
         interleaved,
         scaling,
     })
+}
+
+/// Warns where `rope_scaling` (which transformers uses) and `rope_parameters` (which it then
+/// ignores) both scale and disagree, or where the ignored dict's `rope_theta` differs from
+/// the theta used: the config says two things and only one of them runs.
+fn warn_on_rope_conflict(
+    scaling: &serde_json::Value,
+    parameters: &serde_json::Value,
+    theta: f64,
+) -> Result<()> {
+    let without_theta = |v: &serde_json::Value| match v {
+        serde_json::Value::Object(m) => {
+            let mut m = m.clone();
+            m.remove("rope_theta");
+            // `type` is the older spelling of `rope_type`.
+            if let Some(t) = m.remove("type") {
+                m.entry("rope_type").or_insert(t);
+            }
+            serde_json::Value::Object(m)
+        }
+        other => other.clone(),
+    };
+    let both_scale =
+        rope_type_of(Some(scaling)) != "default" && rope_type_of(Some(parameters)) != "default";
+    if both_scale && without_theta(scaling) != without_theta(parameters) {
+        tracing::warn!(
+            rope_scaling = %scaling,
+            rope_parameters = %parameters,
+            "config.json: `rope_scaling` and `rope_parameters` give different RoPE scalings; \
+             using `rope_scaling`, as transformers does"
+        );
+    }
+    if let Some(ignored) = f64_key(parameters, "rope_theta")?.filter(|t| *t != theta) {
+        tracing::warn!(
+            rope_scaling = %scaling,
+            rope_parameters = %parameters,
+            ignored_theta = ignored,
+            theta,
+            "config.json: `rope_scaling` replaces `rope_parameters` whole, its `rope_theta` \
+             included, as transformers does"
+        );
+    }
+    Ok(())
 }
 
 fn layer_rules(raw: &RawConfig, arch: Architecture) -> Result<MoeLayerRules> {

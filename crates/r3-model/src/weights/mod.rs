@@ -28,6 +28,42 @@ use crate::config::Config;
 use crate::error::{ModelError, Result};
 use crate::spec::{tensor_specs, tensor_specs_in, weight, ExpertLayout, TensorRole, EMBED};
 
+/// Whether an unused checkpoint tensor `name` is part of one of the model's
+/// `num_hidden_layers` decoder layers that the config left out — a shared expert
+/// (`mlp.shared_expert*`, `mlp.shared_experts*`) or attention (`self_attn.*`, bar the rotary
+/// buffers old checkpoints saved, which the model recomputes): without it the model runs,
+/// but not as the checkpoint's. Layers past `num_hidden_layers` (DeepSeek's MTP layers) and
+/// anything outside the layers are left to a warning.
+fn drops_part_of_a_layer(name: &str, num_hidden_layers: usize) -> bool {
+    let Some(rest) = name.strip_prefix("model.layers.") else {
+        return false;
+    };
+    let Some((index, part)) = rest.split_once('.') else {
+        return false;
+    };
+    let Ok(index) = index.parse::<usize>() else {
+        return false;
+    };
+    index < num_hidden_layers
+        && (part.starts_with("mlp.shared_expert")
+            || (part.starts_with("self_attn.") && !part.starts_with("self_attn.rotary_emb.")))
+}
+
+/// Up to eight of `names`, and how many more.
+fn named(names: &[String]) -> String {
+    const SHOWN: usize = 8;
+    let mut text = names
+        .iter()
+        .take(SHOWN)
+        .map(String::as_str)
+        .collect::<Vec<_>>()
+        .join(", ");
+    if names.len() > SHOWN {
+        text.push_str(&format!(" and {} more", names.len() - SHOWN));
+    }
+    text
+}
+
 /// Named weights under HF names; routed experts per expert (as loaded) or fused (as trained).
 #[derive(Debug, Clone)]
 pub struct Weights {
@@ -217,10 +253,23 @@ impl Weights {
         if options.allow_non_finite {
             tracing::warn!(dir = %dir.display(), precision = %options.precision, "weights loaded without the finiteness and range check");
         }
-        let unused = tensors.len();
-        if unused > 0 {
-            let first = tensors.keys().min().cloned().unwrap_or_default();
-            tracing::warn!(unused, first = %first, "checkpoint tensors not used by the config (e.g. MTP layers)");
+        let (dropped, unused): (Vec<String>, Vec<String>) = tensors
+            .into_keys()
+            .partition(|name| drops_part_of_a_layer(name, cfg.num_hidden_layers));
+        if !dropped.is_empty() {
+            return Err(ModelError::Checkpoint {
+                path: dir.to_path_buf(),
+                msg: format!(
+                    "{} tensor(s) of the model's layers that the config does not use (the model \
+                     would run without them; check `n_shared_experts`, \
+                     `shared_expert_intermediate_size`, `qkv_bias`): {}",
+                    dropped.len(),
+                    named(&dropped)
+                ),
+            });
+        }
+        if let Some(first) = unused.first() {
+            tracing::warn!(unused = unused.len(), first = %first, "checkpoint tensors not used by the config (e.g. MTP layers)");
         }
         Ok(Weights::from_map(out))
     }

@@ -144,11 +144,8 @@ pub fn attention_forward(
                 .enumerate()
                 .with_min_len(ROWS_PER_TASK)
                 .for_each(|(i, (row, q_row))| {
-                    if let Some(c) = g.clip_qkv {
-                        row.iter_mut().for_each(|v| *v = v.clamp(-c, c));
-                    }
                     let (qr, kv) = row.split_at_mut(qd);
-                    let kr = &mut kv[..kd];
+                    let (kr, vr) = kv.split_at_mut(kd);
                     match g.qk_norm {
                         QkNorm::None => {}
                         QkNorm::PerHead | QkNorm::Full => {
@@ -159,6 +156,14 @@ pub fn attention_forward(
                                 dtype.round_activations(kr);
                             }
                         }
+                    }
+                    // HF `OlmoeAttention.forward` clamps q, k and v after the q/k norms (as
+                    // r3-model's `GqaAttention` does).
+                    if let Some(c) = g.clip_qkv {
+                        qr.iter_mut()
+                            .chain(kr.iter_mut())
+                            .chain(vr.iter_mut())
+                            .for_each(|v| *v = v.clamp(-c, c));
                     }
                     for head in qr.chunks_exact_mut(qk).chain(kr.chunks_exact_mut(qk)) {
                         rope.apply(&mut head[..g.rope_dim], positions[i]);

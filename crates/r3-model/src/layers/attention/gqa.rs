@@ -133,7 +133,7 @@ pub(crate) trait RowAttention {
 
 impl RowAttention for GqaAttention {
     /// The token-wise part of [`RowAttention::project`]: the projections of `x` (`[.., H]`),
-    /// clipped and normed where the architecture says.
+    /// normed and then clipped where the architecture says.
     fn project_tokens(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let (mut q, mut k, mut v) =
             match Linear::forward_sharing_input(&[&self.q_proj, &self.k_proj, &self.v_proj], x)?
@@ -146,14 +146,16 @@ impl RowAttention for GqaAttention {
                     ))
                 }
             };
+        // HF `OlmoeAttention.forward`: q = q_norm(q_proj(x)), k = k_norm(k_proj(x)), then
+        // q, k and v clamped — the norm first, so the clamp bounds what attention reads.
+        if let (QkNorm::Full, Some(qn), Some(kn)) = (self.qk_norm, &self.q_norm, &self.k_norm) {
+            q = qn.forward(&q)?;
+            k = kn.forward(&k)?;
+        }
         if let Some(c) = self.clip_qkv {
             q = q.clamp(-c, c)?;
             k = k.clamp(-c, c)?;
             v = v.clamp(-c, c)?;
-        }
-        if let (QkNorm::Full, Some(qn), Some(kn)) = (self.qk_norm, &self.q_norm, &self.k_norm) {
-            q = qn.forward(&q)?;
-            k = kn.forward(&k)?;
         }
         Ok((q, k, v))
     }
