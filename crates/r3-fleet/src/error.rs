@@ -8,7 +8,9 @@
 //! a misconfigured worker or a proxy in front of a restarting one), 5xx, replies that fail a
 //! check and stale replies are the worker's: it is taken out and the request goes to another
 //! worker — unless a second worker gives the same answer (same status and body, or the same
-//! check failing the same way), which makes it the request's fault again. Answers that say
+//! check failing the same way), which makes it the request's fault again. Where no other
+//! worker could take the retry (a fleet of one), the same worker is asked once more, and the
+//! same answer from it twice is the request's fault: it stays up. Answers that say
 //! nothing about the request never count as the same answer: refusals, timeouts, stale
 //! replies, 401 / 403 / 404 / 405 / 407 / 408 / 429, the gateway answers 502 / 503 / 504 (an
 //! ingress gives every one the same generic body) and a body that reads as out of memory.
@@ -208,7 +210,7 @@ impl FleetError {
 
     /// Whether this is a request's final error that is its own fault
     /// ([`FleetError::RequestFailed`]: HTTP 400 / 413 / 422, or the same answer from two
-    /// workers): the workers and the batch's other requests are not affected, so a caller may
+    /// workers, or twice from the only worker left): the workers and the batch's other requests are not affected, so a caller may
     /// drop that request and keep the rest. Every other final error of a request (worker
     /// faults out of retries, no worker left, an aborted request that never progressed, a
     /// fault of the client) says the fleet could not serve it.

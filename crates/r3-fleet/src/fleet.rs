@@ -575,7 +575,8 @@ async fn run_request(
 /// another worker (`w` taken out), or the request's final error. HTTP 400 / 413 / 422 is
 /// the request's fault; so is an answer another worker already gave for this piece (see
 /// [`FleetError::answer`]), and that worker, taken out for it, comes back. Neither takes a
-/// worker out.
+/// worker out. Where no other worker could take the retry, `w` is asked again instead
+/// ([`retry_on_the_last_worker`]).
 fn handle_fault(
     shared: &Shared,
     index: usize,
@@ -625,6 +626,9 @@ fn handle_fault(
             error: Box::new(fault),
         });
     }
+    if answer.is_some() && !shared.pool().another_up(w, &tries.avoid) {
+        return retry_on_the_last_worker(shared, index, w, fault, answer, tries, counters);
+    }
     tracing::warn!(request = index, attempt = tries.attempts, error = %fault, "rollout request failed; retrying on another worker");
     let reason = fault.to_string();
     shared.pool().mark_down(w, reason.clone());
@@ -641,6 +645,53 @@ fn handle_fault(
             last: Box::new(fault),
         });
     }
+    counters.retries.fetch_add(1, Ordering::Relaxed);
+    Ok(())
+}
+
+/// [`handle_fault`] where no other worker could take the retry (a fleet of one, or every
+/// other worker out or already tried): taking `w` out would leave the request, and every
+/// request after it, no worker at all. An answer about the request is asked of `w` once
+/// more instead, and the same answer from it twice is the request's fault (as the same
+/// answer from two workers is); `w` stays up either way. A worker broken for every request
+/// then fails each request alone, as a request fault, where before it failed the batch.
+fn retry_on_the_last_worker(
+    shared: &Shared,
+    index: usize,
+    w: usize,
+    fault: FleetError,
+    answer: Option<String>,
+    tries: &mut Tries,
+    counters: &Counters,
+) -> Result<()> {
+    let again = tries
+        .faults
+        .iter()
+        .any(|f| f.worker == w && f.answer.is_some() && f.answer == answer);
+    if again {
+        return Err(FleetError::RequestFailed {
+            request: index,
+            why: format!(
+                "{} gave the same answer twice and no other worker could take the request: \
+                 the request's own fault, the worker stays up",
+                shared.url(w, "")
+            ),
+            error: Box::new(fault),
+        });
+    }
+    if tries.attempts > shared.cfg.max_retries {
+        return Err(FleetError::RetriesExhausted {
+            request: index,
+            attempts: tries.attempts,
+            last: Box::new(fault),
+        });
+    }
+    tracing::warn!(request = index, attempt = tries.attempts, error = %fault, "rollout request failed and no other worker can take it; asking the same worker again");
+    tries.faults.push(Fault {
+        worker: w,
+        answer,
+        reason: fault.to_string(),
+    });
     counters.retries.fetch_add(1, Ordering::Relaxed);
     Ok(())
 }

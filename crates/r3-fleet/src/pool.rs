@@ -67,6 +67,14 @@ impl WorkerPool {
         Some(pick)
     }
 
+    /// Whether a worker other than `i`, up and not in `avoid`, could take a retry.
+    pub fn another_up(&self, i: usize, avoid: &[usize]) -> bool {
+        self.slots
+            .iter()
+            .enumerate()
+            .any(|(j, s)| j != i && s.up && !avoid.contains(&j))
+    }
+
     /// A request to worker `i` has finished (either way).
     pub fn release(&mut self, i: usize) {
         if let Some(s) = self.slots.get_mut(i) {

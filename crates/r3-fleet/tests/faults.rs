@@ -4,7 +4,7 @@
 //!   fails alone with the server's message, no worker is taken out, and the batch's other
 //!   results are kept;
 //! - the same 5xx from two workers is the request's fault too: both workers stay up (also
-//!   when it happens during a sync);
+//!   when it happens during a sync); so is the same 5xx twice from the only worker;
 //! - a 401 is a worker fault (a worker without the API key): it is taken out and the request
 //!   goes to another worker, even when two workers give the same 401;
 //! - the same 503 from two workers (an ingress's generic body) says nothing about the
@@ -115,6 +115,36 @@ fn the_same_5xx_from_two_workers_is_the_requests_fault() {
     assert!(text.contains(&a.url), "names the first worker: {text}");
     assert_eq!(stats.retries, 1, "tried on the second worker once");
     assert_eq!(f.workers_up(), 2, "{}", f.pool().down_summary());
+}
+
+/// A fleet of one: a 5xx cannot go to another worker, so the worker is asked again; the
+/// same answer twice is the request's fault. The worker stays up, and the next batch reaches
+/// it (before, it was taken out and every later request failed with "no worker").
+#[test]
+fn the_same_5xx_twice_from_the_only_worker_is_the_requests_fault() {
+    let boom = json!({"error": {"message": "the engine failed on this prompt"}});
+    let (a, fake) = fake::start(StatusCode::INTERNAL_SERVER_ERROR, boom);
+    let f = fleet(vec![a.url.clone()]);
+    f.sync(Path::new("/ckpt/step_1"), 1).expect("sync");
+    let (mut outcomes, stats) = f.generate_each(vec![request(6)]).expect("batch");
+    let err = outcomes.remove(0).expect_err("the worker fails it twice");
+    let text = err.to_string();
+    assert!(
+        matches!(err, FleetError::RequestFailed { request: 0, .. }),
+        "{text}"
+    );
+    assert!(text.contains("the engine failed on this prompt"), "{text}");
+    assert!(text.contains("gave the same answer twice"), "{text}");
+    assert_eq!(stats.retries, 1, "asked twice");
+    assert_eq!(f.workers_up(), 1, "{}", f.pool().down_summary());
+    // Another answer the second time is no verdict yet: a third try, then the same answer
+    // twice again.
+    fake.answer_once(StatusCode::INTERNAL_SERVER_ERROR, json!({"error": "first"}));
+    let (mut outcomes, stats) = f.generate_each(vec![request(6)]).expect("next batch");
+    let err = outcomes.remove(0).expect_err("fails again");
+    assert!(err.is_request_failure(), "{err}");
+    assert_eq!(stats.retries, 2, "{err}");
+    assert_eq!(f.workers_up(), 1, "{}", f.pool().down_summary());
 }
 
 #[test]

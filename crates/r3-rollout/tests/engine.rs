@@ -871,3 +871,51 @@ fn max_new_tokens_zero_finishes_at_the_prefill_without_a_token() {
         assert!(!e.has_work(), "{which}");
     }
 }
+
+/// Eviction to admit a request spares the cached blocks the request's own peek found: with
+/// a pool too small for it beside the cache, admitting a request that starts with a cached
+/// prompt evicts other cached blocks (here an unrelated prompt's, used after that prompt),
+/// not the prefix it is about to read. It starts from that prefix (`cached_tokens`, the
+/// cache's hits) and returns the tokens and routes an engine without a cache computes. (Plain
+/// least-recently-used eviction took the shared prompt's blocks, the oldest, first, and the
+/// request recomputed its whole prompt.)
+#[test]
+fn admission_eviction_spares_the_prefix_it_peeked() {
+    for name in MODELS {
+        // 8 blocks of 4 positions.
+        let mut e = small_pool_engine(name, 8);
+        let shared = prompt(3, 12);
+        let other = prompt(7, 12);
+        // Three full blocks of `shared` go to the cache, then three of `other` (used later,
+        // so `shared`'s are the least recently used): 6 of the 8 blocks cached, 2 free.
+        for p in [&shared, &other] {
+            e.generate(vec![GenerateRequest::new(
+                p.clone(),
+                SamplingParams::greedy(1),
+            )])
+            .expect("warm-up call");
+        }
+        let stats = e.prefix_cache_stats().expect("cache on");
+        assert_eq!(stats.cached_blocks, 6, "{name}");
+        // 28 prompt tokens (7 blocks), the first 12 cached: 4 blocks to allocate, 2 free,
+        // so admission evicts 2 cached blocks, which `other` alone can give.
+        let mut long = shared.clone();
+        long.extend(prompt(11, 16));
+        let req = GenerateRequest::new(long, SamplingParams::greedy(2));
+        let hits_before = stats.hit_blocks;
+        let got = e.generate(vec![req.clone()]).expect("third call").remove(0);
+        assert_eq!(
+            got.cached_tokens, 12,
+            "{name}: the peeked prefix stayed cached"
+        );
+        let stats = e.prefix_cache_stats().expect("cache on");
+        assert_eq!(stats.hit_blocks - hits_before, 3, "{name}");
+        let mut cold = engine(name, Dtype::F32, false);
+        let want = cold.generate(vec![req]).expect("cold").remove(0);
+        assert_eq!(got.output_ids, want.output_ids, "{name}");
+        assert_eq!(got.routes, want.routes, "{name}");
+        for (x, y) in got.output_logprobs.iter().zip(&want.output_logprobs) {
+            assert!((x - y).abs() < 1e-4, "{name}: logprob {x} vs {y}");
+        }
+    }
+}

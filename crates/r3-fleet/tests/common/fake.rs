@@ -1,4 +1,5 @@
-//! A fake SGLang worker: `/generate` answers with the status and JSON body a test sets,
+//! A fake SGLang worker: `/generate` answers with the status and JSON body a test sets
+//! (after any one-off answers queued),
 //! `/health` answers 200 with an empty body (as SGLang's does), and weight loads
 //! (`/update_weights_from_disk`) are recorded, may be slowed down, and may be refused with
 //! SGLang's 400 `{"success": false, "message"}`.
@@ -27,6 +28,8 @@ pub struct Fake {
 #[derive(Default)]
 struct Inner {
     generate: Mutex<Option<(StatusCode, Value)>>,
+    /// One-off answers, given in order before the standing one.
+    first: Mutex<Vec<(StatusCode, Value)>>,
     version: Mutex<String>,
     loads: Mutex<Vec<(String, String)>>,
     load_delay: Mutex<Duration>,
@@ -37,6 +40,12 @@ impl Fake {
     /// What `/generate` answers from now on.
     pub fn answer(&self, status: StatusCode, body: Value) {
         *self.inner.generate.lock().expect("lock") = Some((status, body));
+    }
+
+    /// What the next `/generate` answers, once, before the standing answer (queued after
+    /// any one-off answer not given yet).
+    pub fn answer_once(&self, status: StatusCode, body: Value) {
+        self.inner.first.lock().expect("lock").push((status, body));
     }
 
     /// Every `/update_weights_from_disk` received: `(model_path, weight_version)`.
@@ -56,7 +65,11 @@ impl Fake {
 }
 
 async fn generate(State(f): State<Fake>) -> (StatusCode, Json<Value>) {
-    let answer = f.inner.generate.lock().expect("lock").clone();
+    let once = {
+        let mut first = f.inner.first.lock().expect("lock");
+        (!first.is_empty()).then(|| first.remove(0))
+    };
+    let answer = once.or_else(|| f.inner.generate.lock().expect("lock").clone());
     let (status, body) = answer.unwrap_or((StatusCode::SERVICE_UNAVAILABLE, json!({})));
     (status, Json(body))
 }

@@ -15,7 +15,7 @@ use crate::error::RolloutError;
 use crate::kernels::attention::SeqSpan;
 use crate::kernels::ops::log_softmax_at;
 use crate::model::BatchInput;
-use crate::prefix_cache::shared_block_tokens;
+use crate::prefix_cache::{shared_block_tokens, PrefixLease};
 use crate::request::GenerateResult;
 use crate::sampler::top_logprobs;
 
@@ -54,6 +54,23 @@ impl Engine {
             .div_ceil(bs)
             .saturating_sub(seq.blocks.len() + cached_blocks)
             + self.running.len().div_ceil(4)
+    }
+
+    /// Leases the cached chain [`Engine::admission_need`] counts for `seq` (none without a
+    /// cache or for a request that does not read it), so that eviction to admit `seq` spares
+    /// it; given back with [`Engine::release_hold`] before `seq` runs or waits again.
+    fn hold_peeked_prefix(&mut self, seq: &Sequence) -> PrefixLease {
+        match self.cache.as_mut() {
+            Some(cache) if reads_cache(seq) => cache.hold_prefix(cache_probe(seq), self.version),
+            _ => PrefixLease::empty(),
+        }
+    }
+
+    /// Gives back a hold of [`Engine::hold_peeked_prefix`].
+    fn release_hold(&mut self, hold: PrefixLease) {
+        if let Some(cache) = self.cache.as_mut() {
+            drop(cache.release(hold));
+        }
     }
 
     /// Whether `seq` should wait for a running sequence that is computing full blocks of
@@ -103,7 +120,11 @@ impl Engine {
             }
             // Planned with a peek at the cache, not an attach: a request refused here holds
             // no cached block while it waits (blocks the running sequences could not get,
-            // under weights that may change before it runs).
+            // under weights that may change before it runs). While room is made for it, the
+            // peeked chain is held: eviction takes other blocks, and the request attaches
+            // the prefix its plan counted. (Evicting that chain would free a block and add
+            // one to the need for each, so it could never make room, only lose the prefix.)
+            let hold = self.hold_peeked_prefix(&seq);
             loop {
                 let (have, need) = (self.pool.available(), self.admission_need(&seq));
                 if have >= need || !self.evict_cached(need - have) {
@@ -111,6 +132,7 @@ impl Engine {
                 }
             }
             if self.pool.available() < self.admission_need(&seq) && !self.running.is_empty() {
+                self.release_hold(hold);
                 self.waiting.push_front(seq);
                 break;
             }
@@ -121,6 +143,8 @@ impl Engine {
                         attach_cached_prefix(cache, &mut seq, &self.geo, self.version);
                 }
             }
+            // The sequence holds its prefix's blocks itself now.
+            self.release_hold(hold);
             budget = budget.saturating_sub(seq.pending());
             self.running.push(seq);
         }

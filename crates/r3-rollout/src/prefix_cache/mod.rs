@@ -18,7 +18,9 @@ mod stats;
 mod tests;
 mod types;
 
-use std::collections::{BTreeSet, HashMap};
+use std::cmp::Reverse;
+use std::collections::{BTreeSet, BinaryHeap, HashMap};
+use std::ops::Bound;
 use std::sync::Arc;
 
 pub use arena::BlockId;
@@ -113,29 +115,62 @@ impl<P: BlockPayload> PrefixCache<P> {
     }
 
     /// Evicts up to `n` unleased blocks for which `frees` holds, least recently used
-    /// leaves first (a parent becomes a leaf once its children are gone); returns their
-    /// payloads. An engine whose payloads share memory with its requests passes whether
-    /// dropping the cache's payload frees it, so that eviction empties the cache only as far
-    /// as that gives memory back.
+    /// leaves first (a parent becomes a leaf once its children are gone): each block evicted
+    /// is the least recently used evictable one that `frees` accepts, so the order is
+    /// [`Self::evict_blocks`]'s with the refused blocks skipped. Returns their payloads. An
+    /// engine whose payloads share memory with its requests passes whether dropping the
+    /// cache's payload frees it, so that eviction empties the cache only as far as that
+    /// gives memory back.
+    ///
+    /// One walk over the evictable blocks in LRU order, `frees` asked once per block (its
+    /// answer must not change when other blocks are evicted): O((k + s) log n) for `k`
+    /// blocks evicted, `s` refused on the way and `n` evictable.
     pub fn evict_blocks_where(&mut self, n: usize, frees: impl Fn(&P) -> bool) -> Vec<Arc<P>> {
         let mut evicted = Vec::new();
+        // The last key the walk passed: every evictable key at or before it was refused by
+        // `frees`, or waits in `behind` (a parent that became a leaf when its last child
+        // went, less recently used than the cursor; one more recent the walk meets ahead).
+        let mut cursor: Option<(u64, BlockId)> = None;
+        let mut behind: BinaryHeap<Reverse<(u64, BlockId)>> = BinaryHeap::new();
         while evicted.len() < n {
-            // One pass over the evictable leaves in LRU order; freeing a leaf may make its
-            // parent evictable, which the next pass finds.
-            let picked: Vec<BlockId> = self
-                .evictable
-                .iter()
-                .map(|&(_, id)| id)
-                .filter(|&id| self.arena.get(id).is_some_and(|n| frees(&n.payload)))
-                .take(n - evicted.len())
-                .collect();
-            if picked.is_empty() {
+            let ahead = match cursor {
+                None => self.evictable.first().copied(),
+                Some(c) => self
+                    .evictable
+                    .range((Bound::Excluded(c), Bound::Unbounded))
+                    .next()
+                    .copied(),
+            };
+            let from_behind = behind
+                .peek()
+                .is_some_and(|&Reverse(b)| ahead.is_none_or(|a| b < a));
+            let next = if from_behind {
+                behind.pop().map(|Reverse(b)| b)
+            } else {
+                cursor = ahead.or(cursor);
+                ahead
+            };
+            let Some((_, id)) = next else {
                 break;
+            };
+            let Some(node) = self.arena.get(id) else {
+                continue;
+            };
+            if !frees(&node.payload) {
+                continue;
             }
-            for id in picked {
-                if let Some(payload) = self.free(id) {
-                    self.stats.evicted_blocks += 1;
-                    evicted.push(payload);
+            let parent = node.parent;
+            if let Some(payload) = self.free(id) {
+                self.stats.evicted_blocks += 1;
+                evicted.push(payload);
+            }
+            let Some((p, c)) = parent.zip(cursor) else {
+                continue;
+            };
+            if let Some(pn) = self.arena.get(p) {
+                let key = (pn.last_used, p);
+                if key < c && self.evictable.contains(&key) {
+                    behind.push(Reverse(key));
                 }
             }
         }
@@ -165,6 +200,15 @@ impl<P: BlockPayload> PrefixCache<P> {
     /// touching or counting anything (for scheduling decisions).
     pub fn peek_prefix(&self, tokens: &[u32], version: u64) -> usize {
         self.find_chain(tokens, version).0.len() * self.block_size
+    }
+
+    /// Leases the chain [`Self::peek_prefix`] counts for `tokens` under `version`, touching
+    /// and counting nothing (no lookup, no LRU change): a scheduler that planned with a peek
+    /// holds the chain so while it evicts to make room, and eviction then takes other blocks
+    /// than the ones it planned to read. Given back with [`Self::release`].
+    pub fn hold_prefix(&mut self, tokens: &[u32], version: u64) -> PrefixLease {
+        let last = self.find_chain(tokens, version).0.last().copied();
+        self.lease_chain(last)
     }
 
     /// The longest cached chain of full blocks that prefixes `tokens` under weight version

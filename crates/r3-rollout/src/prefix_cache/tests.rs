@@ -498,3 +498,148 @@ fn shared_block_tokens_count_whole_blocks_of_the_common_start() {
     assert_eq!(shared_block_tokens(&a, &a, 3), 6);
     assert_eq!(shared_block_tokens(&a, &b, 0), 0);
 }
+
+/// A cache built by `steps` random matches and inserts (block size 2, three token values,
+/// so chains branch and share prefixes); every payload's tag is unique, and about a quarter
+/// of the inserts keep their lease (those chains cannot be evicted). The same `seed` builds
+/// the same cache.
+fn random_cache(seed: u64, steps: usize) -> (PrefixCache<Blob>, Vec<PrefixLease>) {
+    let mut rng = seed;
+    let mut c = cache(2, 1 << 20);
+    let mut leases = Vec::new();
+    let mut tag = 0;
+    for _ in 0..steps {
+        let len = (next(&mut rng) % 13) as usize;
+        let toks: Vec<u32> = (0..len).map(|_| (next(&mut rng) % 3) as u32).collect();
+        let m = c.match_prefix(&toks, 0);
+        let start = m.blocks.len();
+        let _ = c.release(m.lease);
+        let payloads: Vec<Blob> = (start..len / 2)
+            .map(|_| {
+                tag += 1;
+                Blob { tag, bytes: 1 }
+            })
+            .collect();
+        let out = c
+            .insert(&toks, 0, start, payloads)
+            .expect("insert after match");
+        if next(&mut rng).is_multiple_of(4) {
+            leases.push(out.lease);
+        } else {
+            let _ = c.release(out.lease);
+        }
+    }
+    (c, leases)
+}
+
+/// What `evict_blocks_where` promises, spelled out: again and again, the least recently
+/// used evictable block that `frees` accepts.
+fn evict_one_by_one(
+    c: &mut PrefixCache<Blob>,
+    n: usize,
+    frees: impl Fn(&Blob) -> bool,
+) -> Vec<u32> {
+    let mut tags = Vec::new();
+    while tags.len() < n {
+        let Some(&(_, id)) = c
+            .evictable
+            .iter()
+            .find(|&&(_, id)| c.arena.get(id).is_some_and(|b| frees(&b.payload)))
+        else {
+            break;
+        };
+        tags.extend(c.free(id).map(|p| p.tag));
+    }
+    tags
+}
+
+#[test]
+fn evict_blocks_where_takes_the_least_recently_used_accepted_leaf_each_time() {
+    let filters: [fn(&Blob) -> bool; 3] = [|_| true, |b| b.tag % 3 != 0, |b| b.tag % 5 == 1];
+    for seed in 1..20u64 {
+        for (f, frees) in filters.iter().enumerate() {
+            for n in [1, 3, 10, 1000] {
+                let (mut got, _held) = random_cache(seed * 7919, 60);
+                let (mut want, _) = random_cache(seed * 7919, 60);
+                let cached = got.num_blocks();
+                let tags: Vec<u32> = got
+                    .evict_blocks_where(n, frees)
+                    .iter()
+                    .map(|p| p.tag)
+                    .collect();
+                assert_eq!(
+                    tags,
+                    evict_one_by_one(&mut want, n, frees),
+                    "seed {seed} filter {f} n {n}"
+                );
+                assert_eq!(got.num_blocks(), cached - tags.len());
+                assert_eq!(got.stats().evicted_blocks, tags.len() as u64);
+                check_invariants(&got);
+                if f == 0 {
+                    // Accepting every block, it is `evict_blocks`.
+                    let (mut all, _) = random_cache(seed * 7919, 60);
+                    let plain: Vec<u32> = all.evict_blocks(n).iter().map(|p| p.tag).collect();
+                    assert_eq!(tags, plain, "seed {seed} n {n}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_prefix_left_a_leaf_goes_before_newer_leaves() {
+    let mut c = cache(1, 1 << 20);
+    // Chain 1 <- 2, then leaf 3: 1 is the least recently used, then 2, then 3.
+    let out = c
+        .insert(&[1, 2], 0, 0, blobs(&[1, 2], 1, 0, 1))
+        .expect("insert");
+    let _ = c.release(out.lease);
+    let out = c.insert(&[3], 0, 0, blobs(&[3], 1, 0, 1)).expect("insert");
+    let _ = c.release(out.lease);
+    let tags: Vec<u32> = c
+        .evict_blocks_where(2, |_| true)
+        .iter()
+        .map(|p| p.tag)
+        .collect();
+    assert_eq!(
+        tags,
+        vec![2, 1],
+        "1 is a leaf once 2 is gone, and older than 3"
+    );
+    check_invariants(&c);
+}
+
+#[test]
+fn a_held_prefix_is_spared_by_eviction_and_counts_nothing() {
+    let mut c = cache(2, 1 << 20);
+    let a = [1, 1, 2, 2, 3, 3];
+    let b = [4, 4, 5, 5];
+    for s in [&a[..], &b[..]] {
+        let out = c.insert(s, 0, 0, blobs(s, 2, 0, 1)).expect("insert");
+        let _ = c.release(out.lease);
+    }
+    let before = c.stats();
+    // A request starting with `a`'s first two blocks holds them: `a`'s third block (not
+    // on its path) and `b`'s blocks are evicted instead, though `a`'s are older.
+    let mut probe = a[..4].to_vec();
+    probe.push(9);
+    let hold = c.hold_prefix(&probe, 0);
+    assert_eq!(c.stats(), before, "a hold is no lookup");
+    let tags: Vec<u32> = c
+        .evict_blocks_where(10, |_| true)
+        .iter()
+        .map(|p| p.tag)
+        .collect();
+    assert_eq!(tags, vec![3, 5, 4]);
+    assert_eq!(c.peek_prefix(&probe, 0), 4);
+    check_invariants(&c);
+    // Given back, the chain is evictable again in its old order.
+    assert!(c.release(hold).is_empty(), "within budget");
+    let tags: Vec<u32> = c.evict_blocks(10).iter().map(|p| p.tag).collect();
+    assert_eq!(tags, vec![2, 1]);
+    check_invariants(&c);
+    // Nothing cached: an empty hold.
+    let hold = c.hold_prefix(&probe, 0);
+    assert_eq!(hold, PrefixLease::empty());
+    assert!(c.release(hold).is_empty());
+}
