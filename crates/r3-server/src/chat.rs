@@ -25,9 +25,9 @@ use super::fields::{parse_body, token_list};
 use super::generate::{meta_info, ResponseSpec, MAX_TOP_LOGPROBS};
 use super::openai::{
     choice_rids, closing_chunks, completion_tokens, finish_reason, matched_stop, respond,
-    routes_ext, usage, AnswerHead, AnswerStream, SampleJobs, SampleOptions, StreamOptions,
+    routes_ext, usage, AnswerHead, AnswerStream, SampleJobs, StreamOptions,
 };
-use super::openai_sampling::OpenAiSampling;
+use super::openai_sampling::{OpenAiRoutes, OpenAiSampling};
 use super::policy::FieldRule::{Ignored, Implemented, NeutralOnly};
 use super::policy::Schema;
 use super::sse::ChunkBuilder;
@@ -35,7 +35,7 @@ use super::stop::{response_text, TextOptions};
 use super::stream_text::stop_hold;
 use super::worker::Finished;
 use super::{read_body, AppState};
-use r3_rollout::request::{FinishReason, GenerateResult};
+use r3_rollout::request::GenerateResult;
 use r3_routing::wire::WireDtype;
 use r3_text::json_kind;
 
@@ -143,10 +143,9 @@ struct ChatBody {
     return_meta_info: Option<bool>,
     /// Each choice carries the prompt's ids (not with `stream`, as SGLang).
     return_prompt_token_ids: Option<bool>,
-    /// SGLang's `sglext.routed_experts`: the first choice's routes, base64 int32.
-    return_routed_experts: Option<bool>,
-    /// First position of those routes.
-    routed_experts_start_len: Option<usize>,
+    /// SGLang's `return_routed_experts` and `routed_experts_start_len`.
+    #[serde(flatten)]
+    routes: OpenAiRoutes,
 }
 
 /// One OpenAI message as a template message: `content` a string, a list of text parts
@@ -277,17 +276,7 @@ pub async fn handle(
     let sampling = body.sampling.to_native(max_new_tokens, Some(stop_ids));
     let top_n = logprobs_asked(body.logprobs, body.top_logprobs)?;
     let prompts = [input_ids];
-    let opts = SampleOptions {
-        top_n,
-        prompt_logprobs: false,
-        routes_from: None,
-    }
-    .with_routes(
-        &state,
-        body.return_routed_experts,
-        body.routed_experts_start_len,
-        &prompts,
-    )?;
+    let opts = body.routes.sample_options(&state, top_n, false, &prompts)?;
     let [input_ids] = prompts;
     let rids = choice_rids(body.rid.as_ref(), 1, n)?;
     let mut samples = SampleJobs::with_capacity(n);
@@ -506,9 +495,8 @@ impl ChunkBuilder for ChatChunks {
             return Vec::new();
         };
         let (hold, state) = (stop_hold(opts), &self.state);
-        let render =
-            |ids: &[u32]| response_text(state.text()?, ids, &FinishReason::Length, None, opts).ok();
-        let Some(new) = self.text.advance(index, tokens, hold, render) else {
+        let decode = |ids: &[u32]| state.text()?.decode(ids, opts.skip_special_tokens).ok();
+        let Some(new) = self.text.advance(index, tokens, hold, decode) else {
             return Vec::new();
         };
         let mut chunk = self

@@ -15,16 +15,15 @@ use super::error::ApiError;
 use super::fields::{parse_body, token_list, token_prompts};
 use super::openai::{
     choice_rids, closing_chunks, completion_tokens, finish_reason, matched_stop, respond,
-    routes_ext, usage, AnswerHead, AnswerStream, SampleJobs, SampleOptions, StreamOptions,
+    routes_ext, usage, AnswerHead, AnswerStream, SampleJobs, StreamOptions,
 };
-use super::openai_sampling::OpenAiSampling;
+use super::openai_sampling::{OpenAiRoutes, OpenAiSampling};
 use super::policy::COMPLETIONS;
 use super::sse::ChunkBuilder;
 use super::stop::{response_text, TextOptions};
 use super::stream_text::stop_hold;
 use super::worker::Finished;
 use super::{read_body, AppState};
-use r3_rollout::request::FinishReason;
 use r3_text::json_kind;
 
 /// Most alternatives per token `logprobs` may ask for (OpenAI's own limit).
@@ -55,10 +54,9 @@ struct CompletionBody {
     rid: Option<Value>,
     /// Put each prompt's ids in its choices (`prompt_token_ids`; `token_ids` always are).
     return_token_ids: Option<bool>,
-    /// SGLang's `sglext.routed_experts` (the first choice's routes, base64 int32).
-    return_routed_experts: Option<bool>,
-    /// First position of those routes.
-    routed_experts_start_len: Option<usize>,
+    /// SGLang's `return_routed_experts` and `routed_experts_start_len`.
+    #[serde(flatten)]
+    routes: OpenAiRoutes,
 }
 
 /// `POST /v1/completions`.
@@ -90,17 +88,9 @@ pub async fn handle(
         body.sampling.stop_token_ids.clone(),
     );
     let rids = choice_rids(body.rid.as_ref(), prompts.len(), n)?;
-    let opts = SampleOptions {
-        top_n,
-        prompt_logprobs: echo && top_n.is_some(),
-        routes_from: None,
-    }
-    .with_routes(
-        &state,
-        body.return_routed_experts,
-        body.routed_experts_start_len,
-        &prompts,
-    )?;
+    let opts = body
+        .routes
+        .sample_options(&state, top_n, echo && top_n.is_some(), &prompts)?;
     let mut samples = SampleJobs::with_capacity(total);
     for (p, input_ids) in prompts.iter().enumerate() {
         let at = |e: ApiError| {
@@ -126,8 +116,16 @@ pub async fn handle(
         routes: opts.routes_from.is_some(),
         stream: body.stream_options.unwrap_or_default(),
     };
-    let chunks = AnswerStream::new(&state, reply.texts.len(), reply);
     let stream = body.stream.unwrap_or(false);
+    let mut chunks = AnswerStream::new(&state, reply.texts.len(), reply);
+    if let (true, true, Some(codec)) = (stream, echo, state.text()) {
+        // The echoed prompt leaves with each choice's first text, as the choice's text
+        // begins with it.
+        for index in 0..chunks.reply.texts.len() {
+            let prompt = codec.decode(chunks.reply.prompt(index), false)?;
+            chunks.text.start_with(index, &prompt);
+        }
+    }
     respond(&state, samples.jobs, stream, chunks, |chunks, results| {
         let reply = &chunks.reply;
         let choices = reply.choices(&state, &results)?;
@@ -205,30 +203,18 @@ impl Reply {
 /// concatenates to the non-streamed choice's text.
 type OpenAiChunks = AnswerStream<Reply>;
 
-/// The text of choice `index` for its tokens so far `ids`, echo included.
-fn text_now(state: &AppState, reply: &Reply, index: usize, ids: &[u32]) -> Option<String> {
-    let codec = state.text()?;
-    let opts = reply.texts.get(index)?;
-    let out = response_text(codec, ids, &FinishReason::Length, None, opts).ok()?;
-    let prefix = if reply.echo {
-        codec.decode(reply.prompt(index), false).ok()?
-    } else {
-        String::new()
-    };
-    Some(prefix + &out)
-}
-
 impl ChunkBuilder for OpenAiChunks {
     fn opening(&mut self) -> Vec<Value> {
         Vec::new()
     }
 
     fn delta(&mut self, index: usize, tokens: &[u32]) -> Vec<Value> {
-        let hold = self.reply.texts.get(index).map_or(0, stop_hold);
-        let (state, reply) = (&self.state, &self.reply);
-        let Some(new) = self.text.advance(index, tokens, hold, |ids| {
-            text_now(state, reply, index, ids)
-        }) else {
+        let Some(opts) = self.reply.texts.get(index) else {
+            return Vec::new();
+        };
+        let (hold, state) = (stop_hold(opts), &self.state);
+        let decode = |ids: &[u32]| state.text()?.decode(ids, opts.skip_special_tokens).ok();
+        let Some(new) = self.text.advance(index, tokens, hold, decode) else {
             return Vec::new();
         };
         let choice = json!({"index": index, "text": new, "logprobs": null, "finish_reason": null});

@@ -30,6 +30,7 @@ use super::policy::{GENERATE, SAMPLING};
 use super::sampling::SamplingBody;
 use super::sse::{event_stream, stream_jobs, ChunkBuilder};
 use super::stop::{response_text, TextOptions};
+use super::stream_text::StreamedText;
 use super::worker::{Finished, Job};
 use super::{read_body, AppState};
 use r3_rollout::request::{FinishReason, GenerateRequest, GenerateResult};
@@ -123,6 +124,7 @@ pub async fn handle(
             is_batch,
             started,
             so_far: vec![Vec::new(); runs],
+            text: StreamedText::new(runs),
         };
         return stream_jobs(state.handle(), jobs, chunks).await;
     }
@@ -173,6 +175,8 @@ struct SglangChunks {
     started: Instant,
     /// Tokens streamed so far per job.
     so_far: Vec<Vec<u32>>,
+    /// The text decoded so far per job, incrementally (its cumulative `text`).
+    text: StreamedText,
 }
 
 impl SglangChunks {
@@ -209,31 +213,34 @@ impl ChunkBuilder for SglangChunks {
     }
 
     fn delta(&mut self, index: usize, tokens: &[u32]) -> Vec<Value> {
-        let Some(cum) = self.so_far.get_mut(index) else {
-            return Vec::new();
-        };
-        cum.extend_from_slice(tokens);
-        let cum = cum.clone();
         let Some((at, job, spec)) = self.run(index) else {
             return Vec::new();
         };
         if spec.prompt_only {
             return Vec::new();
         }
+        let (prompt_tokens, rid) = (job.request.input_ids.len(), spec.rid.clone());
+        let skip_special_tokens = spec.text.skip_special_tokens;
+        let Some(cum) = self.so_far.get_mut(index) else {
+            return Vec::new();
+        };
+        cum.extend_from_slice(tokens);
         let mut chunk = json!({
             "output_ids": cum,
             "meta_info": {
-                "id": spec.rid,
+                "id": rid,
                 "finish_reason": null,
-                "prompt_tokens": job.request.input_ids.len(),
+                "prompt_tokens": prompt_tokens,
                 "completion_tokens": cum.len(),
                 "weight_version": self.state.handle().stats().weight_version,
             },
         });
         if let Some(codec) = self.state.text() {
-            let text = response_text(codec, &cum, &FinishReason::Length, None, &spec.text)
-                .unwrap_or_default();
-            chunk["text"] = Value::String(text);
+            // SGLang's detokenizer: the text so far, a character still split across tokens
+            // left for a later chunk; no stop string held back, as SGLang holds none.
+            let decode = |ids: &[u32]| codec.decode(ids, skip_special_tokens).ok();
+            let _ = self.text.advance(index, tokens, 0, decode);
+            chunk["text"] = Value::String(self.text.sent(index).to_string());
         }
         vec![self.tag(chunk, at)]
     }
@@ -470,6 +477,20 @@ fn plan(
         }
     }
     Ok((plan, is_batch))
+}
+
+/// A server-made request id: a random UUID v4 as 32 hex digits, SGLang's
+/// `uuid.uuid4().hex`. It comes from the OS-seeded thread RNG, not from the server's seeded
+/// stream: an id names a request and picks nothing that is sampled, and a counter (`r3-N`)
+/// named requests a client could name too (its own `r3-5`, or a rid it kept from before the
+/// server restarted and the counter with it), so `/abort_request` could end another
+/// client's request, or a client's own rid be refused as already in flight.
+pub fn fresh_rid() -> String {
+    let bits: u128 = rand::random();
+    // The version (4) and variant (10) bits of a UUID v4.
+    let bits = (bits & !(0xF << 76)) | (0x4 << 76);
+    let bits = (bits & !(0x3 << 62)) | (0x2 << 62);
+    format!("{bits:032x}")
 }
 
 /// Client rids per expanded request (`samples` of each of `n` prompts, prompt by prompt):

@@ -138,8 +138,6 @@ struct Shared {
     config: ServerConfig,
     /// Seedless requests so far (their seed is `config.seed + this`).
     next_seed: AtomicU64,
-    /// Requests given a server-made rid so far.
-    next_rid: AtomicU64,
     /// Builds new weights off the engine thread (None: the backend loads on its thread).
     stager: Option<weights_update::WeightStager>,
     /// Held while a weight update is read and swapped: one at a time.
@@ -193,9 +191,9 @@ impl AppState {
         self.0.config.seed.wrapping_add(k)
     }
 
-    /// A fresh server-made request id.
+    /// A fresh server-made request id ([`generate::fresh_rid`]: random, as SGLang's).
     pub fn next_rid(&self) -> String {
-        format!("r3-{}", self.0.next_rid.fetch_add(1, Ordering::Relaxed))
+        generate::fresh_rid()
     }
 
     /// Rejects requests that ask for more sequences than allowed (or none).
@@ -320,7 +318,6 @@ pub fn build_app<B: InferenceBackend>(
         text: text.map(Arc::new),
         config,
         next_seed: AtomicU64::new(0),
-        next_rid: AtomicU64::new(0),
         stager,
         update_lock: tokio::sync::Mutex::new(()),
     }));

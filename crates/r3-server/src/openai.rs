@@ -13,7 +13,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::error::ApiError;
-use super::generate::{encode_routes, rids, start_past_prompt};
+use super::generate::{encode_routes, rids};
 use super::sampling::SamplingBody;
 use super::sse::{stream_jobs, ChunkBuilder};
 use super::stop::TextOptions;
@@ -71,7 +71,8 @@ impl SampleJobs {
     }
 }
 
-/// What every sample of an OpenAI request reports besides its tokens.
+/// What every sample of an OpenAI request reports besides its tokens (built by
+/// [`super::openai_sampling::OpenAiRoutes::sample_options`]).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct SampleOptions {
     /// Alternatives per token when log-probs are asked for.
@@ -80,35 +81,6 @@ pub struct SampleOptions {
     pub prompt_logprobs: bool,
     /// Routes from this prompt position (`return_routed_experts`).
     pub routes_from: Option<usize>,
-}
-
-impl SampleOptions {
-    /// Routes from `start` (default 0) when `return_routed_experts` asks for them, checked as
-    /// SGLang checks them: a model with MoE layers, a start within every prompt.
-    pub fn with_routes(
-        mut self,
-        state: &AppState,
-        asked: Option<bool>,
-        start: Option<usize>,
-        prompts: &[Vec<u32>],
-    ) -> Result<Self, ApiError> {
-        if !asked.unwrap_or(false) {
-            return Ok(self);
-        }
-        if state.summary().layout.moe_layers().is_empty() {
-            return Err(ApiError::bad_request(
-                "return_routed_experts: the served model has no MoE layers",
-            ));
-        }
-        let start = start.unwrap_or(0);
-        for p in prompts {
-            if let Some(message) = start_past_prompt(None, Some(start), p.len()) {
-                return Err(ApiError::bad_request(message));
-            }
-        }
-        self.routes_from = Some(start);
-        Ok(self)
-    }
 }
 
 /// The client rids of `prompts` prompts × `n` choices, in choice order (SGLang's `rid`: one

@@ -1,13 +1,18 @@
 //! The sampling fields OpenAI's `/v1/completions` and `/v1/chat/completions` bodies share
-//! (with the SGLang / vLLM extensions r3 implements), and their translation into the
-//! native [`SamplingBody`]: one place, so the two endpoints cannot drift apart.
+//! (with the SGLang / vLLM extensions r3 implements), their translation into the native
+//! [`SamplingBody`], and what every sample of such a request reports ([`SampleOptions`]):
+//! one place, so the two endpoints cannot drift apart.
 
 use std::collections::BTreeMap;
 
 use serde::Deserialize;
 use serde_json::Value;
 
+use super::error::ApiError;
+use super::generate::start_past_prompt;
+use super::openai::SampleOptions;
 use super::sampling::SamplingBody;
+use super::AppState;
 
 /// Sampling fields of an OpenAI-style body (flattened into the endpoint's body).
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -76,5 +81,51 @@ impl OpenAiSampling {
             sampling_seed: None,
             skip_special_tokens: self.skip_special_tokens,
         }
+    }
+}
+
+/// SGLang's route fields of an OpenAI body (flattened into the endpoint's body).
+#[derive(Debug, Clone, Copy, Default, Deserialize)]
+pub struct OpenAiRoutes {
+    /// SGLang's `sglext.routed_experts` (the first choice's routes, base64 int32).
+    pub return_routed_experts: Option<bool>,
+    /// First position of those routes.
+    pub routed_experts_start_len: Option<usize>,
+}
+
+impl OpenAiRoutes {
+    /// What every sample of a request for `prompts` reports: `top_n` alternatives per token
+    /// when log-probs are asked for, the prompt's log-probs with `prompt_logprobs`, and routes
+    /// from `routed_experts_start_len` (default 0) when `return_routed_experts` asks for
+    /// them, checked as SGLang checks them: a model with MoE layers, a start within every
+    /// prompt.
+    pub fn sample_options(
+        &self,
+        state: &AppState,
+        top_n: Option<usize>,
+        prompt_logprobs: bool,
+        prompts: &[Vec<u32>],
+    ) -> Result<SampleOptions, ApiError> {
+        let mut opts = SampleOptions {
+            top_n,
+            prompt_logprobs,
+            routes_from: None,
+        };
+        if !self.return_routed_experts.unwrap_or(false) {
+            return Ok(opts);
+        }
+        if state.summary().layout.moe_layers().is_empty() {
+            return Err(ApiError::bad_request(
+                "return_routed_experts: the served model has no MoE layers",
+            ));
+        }
+        let start = self.routed_experts_start_len.unwrap_or(0);
+        for p in prompts {
+            if let Some(message) = start_past_prompt(None, Some(start), p.len()) {
+                return Err(ApiError::bad_request(message));
+            }
+        }
+        opts.routes_from = Some(start);
+        Ok(opts)
     }
 }

@@ -15,6 +15,7 @@ mod limits;
 mod logprob_scale;
 mod malformed;
 mod paced;
+mod rids;
 mod security;
 mod streaming;
 mod support;
