@@ -4,6 +4,8 @@
 //! (`/update_weights_from_disk`, `/abort_request`, `/pause_generation`,
 //! `/continue_generation`, `/flush_cache`).
 
+use std::path::PathBuf;
+
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
@@ -152,7 +154,9 @@ struct UpdateWeightsBody {
 /// `POST /update_weights_from_disk`: reads and checks the new weights on a loader thread
 /// while the engine keeps serving, then swaps them in between two steps and sets the weight
 /// version (the engine invalidates its prefix cache); `abort_all_requests` aborts only after
-/// the swap. Only directories under the weights root are read; one update at a time. A
+/// the swap. Only directories under the weights root are read; one update at a time: a
+/// second waits for the first (SGLang's update lock), both answered. A client that leaves
+/// does not cancel its update, which goes on to its end and holds the lock until then. A
 /// failed update answers SGLang's `{"success": false, "message", "num_paused_requests"}`
 /// (clients read `success`) beside r3's `error` object, under r3's status for the failure.
 pub async fn update_weights(
@@ -188,6 +192,30 @@ async fn try_update_weights(
         }
     }
     let dir = allowed_dir(state.config().weights_root.as_deref(), &body.model_path)?;
+    // On a task of its own: a client that disconnects drops this handler but not the update,
+    // so the lock is held until the worker has answered (a retry waits for it instead of
+    // staging a second checkpoint beside the first; the worker queues updates besides).
+    let abort_all = body.abort_all_requests.unwrap_or(false);
+    let update = tokio::spawn(stage_and_swap(state, dir, abort_all, body.weight_version));
+    let version = update
+        .await
+        .map_err(|_| ApiError::internal("the weight update task failed"))??;
+    Ok(json!({
+        "success": true,
+        "message": format!("loaded weights from {}", body.model_path),
+        "weight_version": version,
+        "num_paused_requests": 0,
+    }))
+}
+
+/// Reads `dir` on a loader thread, one update at a time, and has the worker swap it in;
+/// returns the new weight version label.
+async fn stage_and_swap(
+    state: AppState,
+    dir: PathBuf,
+    abort_all: bool,
+    label: Option<String>,
+) -> Result<String, ApiError> {
     let _one_at_a_time = state.update_lock().lock().await;
     let weights = match state.stager() {
         Some(stager) => {
@@ -210,20 +238,10 @@ async fn try_update_weights(
         }
         None => None,
     };
-    let version = state
+    state
         .handle()
-        .update_weights(
-            StagedWeights { dir, weights },
-            body.abort_all_requests.unwrap_or(false),
-            body.weight_version,
-        )
-        .await?;
-    Ok(json!({
-        "success": true,
-        "message": format!("loaded weights from {}", body.model_path),
-        "weight_version": version,
-        "num_paused_requests": 0,
-    }))
+        .update_weights(StagedWeights { dir, weights }, abort_all, label)
+        .await
 }
 
 /// `/abort_request` body.

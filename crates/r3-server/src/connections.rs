@@ -7,12 +7,22 @@
 //! idle or slow connections cannot lock real clients out; only when every connection has a
 //! request in flight does a new one get an immediate 503 (429 past the per-client cap).
 //! Clients that half-close their write side after a full request still get their answer.
+//!
+//! A client that goes away while its request runs is seen before the answer is written, so
+//! the handler's future is dropped and the engine aborts the request (SGLang's tokenizer
+//! manager polls `is_disconnected` likewise): every [`PEER_CHECK`] the socket of a
+//! connection with a request in flight is peeked. A reset means the client is gone. The end
+//! of its stream alone could be a half-close, so the connection is probed once per request
+//! with an interim `100 Continue` (HTTP/1.1 clients skip 1xx responses before the final
+//! one): a client that closed its socket answers it with a reset, one that half-closed
+//! reads on and gets its answer.
 
 use std::collections::HashMap;
 use std::future::Future;
+use std::io::{ErrorKind, Write};
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -20,7 +30,7 @@ use std::time::{Duration, Instant};
 use axum::body::{Body, Bytes, HttpBody};
 use axum::extract::{ConnectInfo, Request, State};
 use axum::http::header::CONTENT_LENGTH;
-use axum::http::StatusCode;
+use axum::http::{StatusCode, Version};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Router};
@@ -106,12 +116,30 @@ fn refusal(status: StatusCode, message: &str) -> Vec<u8> {
 /// connection then closes after it), and a kept-alive one finishes flushing.
 const CLOSE_GRACE: Duration = Duration::from_millis(50);
 
+/// How often the socket of a connection with a request in flight is checked for a client
+/// that went away.
+pub const PEER_CHECK: Duration = Duration::from_millis(250);
+
+/// What a connection whose client ended its stream is probed with while its request runs
+/// and no response has started.
+const PROBE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
+
 /// One open connection as the table sees it.
 #[derive(Debug)]
 struct Conn {
     ip: IpAddr,
     /// Requests dispatched and not yet fully answered.
     in_flight: AtomicUsize,
+    /// Requests dispatched so far (numbers them from 1).
+    dispatched: AtomicU64,
+    /// The request whose response has not started (0: none): until then an interim
+    /// response may still be written.
+    unanswered: AtomicU64,
+    /// Whether that request may get an interim response (HTTP/1.1; HTTP/1.0 knows no 1xx).
+    interim_ok: AtomicBool,
+    /// Told when a request is dispatched, so the connection's task starts watching its
+    /// client.
+    started: Notify,
     /// Milliseconds since the table's start when it last became idle (opened or answered).
     idle_since_ms: AtomicU64,
     /// Told when the table closes it to make room.
@@ -193,6 +221,10 @@ impl ConnTable {
         let conn = Arc::new(Conn {
             ip,
             in_flight: AtomicUsize::new(0),
+            dispatched: AtomicU64::new(0),
+            unanswered: AtomicU64::new(0),
+            interim_ok: AtomicBool::new(false),
+            started: Notify::new(),
             idle_since_ms: AtomicU64::new(self.now_ms()),
             evict: Notify::new(),
         });
@@ -331,9 +363,21 @@ impl hyper::service::Service<hyper::Request<Incoming>> for TrackedService {
     fn call(&self, req: hyper::Request<Incoming>) -> Self::Future {
         // Marked at dispatch, synchronously: an eviction decided after this sees it busy.
         let busy = InFlight::start(&self.conn, &self.table);
+        let number = self.conn.dispatched.fetch_add(1, Ordering::AcqRel) + 1;
+        self.conn
+            .interim_ok
+            .store(req.version() == Version::HTTP_11, Ordering::Release);
+        self.conn.unanswered.store(number, Ordering::Release);
+        self.conn.started.notify_one();
+        let conn = Arc::clone(&self.conn);
         let answer = hyper::service::Service::call(&self.inner, req);
         Box::pin(async move {
             let response = answer.await?;
+            // hyper writes the head from here on (in this poll of the connection, before its
+            // task can probe again): no interim response any more.
+            let _ =
+                conn.unanswered
+                    .compare_exchange(number, 0, Ordering::AcqRel, Ordering::Acquire);
             Ok(response.map(|body| GuardedBody::wrap(body, busy)))
         })
     }
@@ -384,6 +428,7 @@ pub async fn serve_with_limits(
             }
         };
         let _ = stream.set_nodelay(true);
+        let watch = PeerWatch::new(&stream);
         let service = TrackedService {
             // The peer address, for the per-client limits (axum's `ConnectInfo`).
             inner: TowerToHyperService::new(router.clone().layer(Extension(ConnectInfo(peer)))),
@@ -395,7 +440,7 @@ pub async fn serve_with_limits(
         let stop = stop_rx.clone();
         let alive = alive_tx.clone();
         tokio::spawn(async move {
-            drive(connection, &conn, stop, peer).await;
+            drive(connection, &conn, watch, stop, peer).await;
             table.remove(id);
             drop(alive);
         });
@@ -412,10 +457,13 @@ type Connection = hyper::server::conn::http1::Connection<TokioIo<TcpStream>, Tra
 
 /// Runs one connection until it ends, or until it is evicted or the server stops: then it
 /// is shut down gracefully (a request in flight is answered, keep-alive is off) and dropped
-/// as soon as it has no request in flight.
+/// as soon as it has no request in flight. While a request is in flight its client is
+/// checked every [`PEER_CHECK`]; once it is gone the connection is dropped with the request's
+/// handler, which aborts its engine requests.
 async fn drive(
     connection: Connection,
     conn: &Conn,
+    mut watch: PeerWatch,
     mut stop: watch::Receiver<bool>,
     peer: SocketAddr,
 ) {
@@ -424,8 +472,29 @@ async fn drive(
     if closing {
         connection.as_mut().graceful_shutdown();
     }
+    // When the client is checked next; None while no request is in flight.
+    let mut next_check: Option<tokio::time::Instant> = None;
     loop {
+        let busy = conn.in_flight.load(Ordering::Acquire) > 0;
+        next_check = match (busy, next_check) {
+            (false, _) => None,
+            (true, None) => Some(tokio::time::Instant::now() + PEER_CHECK),
+            (true, at) => at,
+        };
+        let check_at = next_check.unwrap_or_else(tokio::time::Instant::now);
         tokio::select! {
+            // A request was dispatched: its client is watched from the next round.
+            () = conn.started.notified(), if !busy => {}
+            () = tokio::time::sleep_until(check_at), if next_check.is_some() => {
+                next_check = Some(check_at + PEER_CHECK);
+                if let Peer::Gone = watch.check(conn) {
+                    tracing::info!(
+                        %peer,
+                        "client went away with its request in flight; dropping the request"
+                    );
+                    return;
+                }
+            }
             result = connection.as_mut() => {
                 if let Err(e) = result {
                     tracing::debug!(%peer, error = %e, "connection ended with an error");
@@ -449,6 +518,103 @@ async fn drive(
             }
         }
     }
+}
+
+/// Whether a connection's client is still there.
+enum Peer {
+    /// Connected, or half-closed and reading (or not known otherwise).
+    Present,
+    /// Gone: its socket was reset.
+    Gone,
+}
+
+/// Watches the client of a connection with a request in flight, through a second handle on
+/// its socket (hyper owns the first and reads nothing while a request runs on a
+/// connection that may be half-closed).
+struct PeerWatch {
+    /// None where the platform gives no second handle: nothing is checked then.
+    socket: Option<std::net::TcpStream>,
+    /// The request the connection was last probed for (one probe per request).
+    probed: u64,
+}
+
+impl PeerWatch {
+    fn new(stream: &TcpStream) -> Self {
+        #[cfg(unix)]
+        let socket = {
+            use std::os::fd::AsFd;
+            // A duplicate descriptor of the same socket, non-blocking as tokio set it; it
+            // lives as long as the connection's task, which drops it with hyper's.
+            stream
+                .as_fd()
+                .try_clone_to_owned()
+                .ok()
+                .map(std::net::TcpStream::from)
+        };
+        #[cfg(not(unix))]
+        let socket = {
+            let _ = stream;
+            None
+        };
+        PeerWatch { socket, probed: 0 }
+    }
+
+    /// Peeks at the socket (consuming nothing): a reset means the client is gone; the end
+    /// of its stream while no response has started gets the request's one probe.
+    fn check(&mut self, conn: &Conn) -> Peer {
+        let Some(socket) = &self.socket else {
+            return Peer::Present;
+        };
+        match peek_one(socket) {
+            // The end of the client's stream.
+            Ok(0) => {}
+            // A pipelined request, or nothing yet.
+            Ok(_) => return Peer::Present,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {
+                return Peer::Present
+            }
+            Err(_) => return Peer::Gone,
+        }
+        // Once the stream has ended a read reports its end, not a reset that came after:
+        // the socket's pending error does.
+        if reset(socket) {
+            return Peer::Gone;
+        }
+        // The client's stream ended: gone, or half-closed and waiting for its answer.
+        let request = conn.unanswered.load(Ordering::Acquire);
+        if request == 0 || request == self.probed || !conn.interim_ok.load(Ordering::Acquire) {
+            return Peer::Present;
+        }
+        match (&*socket).write(PROBE) {
+            Ok(n) if n == PROBE.len() => self.probed = request,
+            // Nothing written: tried again at the next check.
+            Ok(0) => return Peer::Present,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {
+                return Peer::Present
+            }
+            // Part of it: the connection can carry no answer any more. Or a write error:
+            // the client is gone.
+            Ok(_) | Err(_) => return Peer::Gone,
+        }
+        // A closed socket answers the probe with a reset: on loopback at once, else within
+        // a round trip (seen at a later check).
+        if reset(socket) {
+            Peer::Gone
+        } else {
+            Peer::Present
+        }
+    }
+}
+
+/// Whether `socket` holds an error (a reset by its peer); taking it.
+fn reset(socket: &std::net::TcpStream) -> bool {
+    !matches!(socket.take_error(), Ok(None))
+}
+
+/// Peeks at one byte of `socket` without waiting.
+fn peek_one(socket: &std::net::TcpStream) -> std::io::Result<usize> {
+    let mut byte = [0u8; 1];
+    socket.peek(&mut byte)
 }
 
 /// Answers a refused connection and closes it: write the answer, half-close, then read

@@ -184,6 +184,9 @@ fn check(cfg: &SecurityConfig, req: &Request) -> Result<(), ApiError> {
     if let Some(host) = headers.get(HOST) {
         let ok = host.to_str().is_ok_and(|h| cfg.host_allowed(h));
         if !ok {
+            // The client sees a 403; the operator of a server reached by a service name
+            // (Kubernetes, Docker) learns here which name to list.
+            tracing::warn!(host = ?host, "refused a request whose Host is a DNS name not listed in --allowed-hosts (DNS-rebinding guard); list the name to serve it");
             return Err(forbidden(
                 "this Host is not served (a DNS name must be localhost or listed in --allowed-hosts)",
             ));

@@ -4,10 +4,18 @@
 //! checks running requests against their stop strings. While paused
 //! (`/pause_generation`), and while the weights or KV cache are released
 //! (`/release_memory_occupation`), it takes commands and queues requests but runs no step.
+//!
+//! A weight update waits for the requests in flight (SGLang's writer lock); batches and
+//! further updates that arrive meanwhile are held, in arrival order, and go on once it is
+//! done: updates are applied one at a time whatever the HTTP layer does. A held request
+//! counts as waiting and can be aborted like a queued one.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::future::Future;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
 use std::thread::JoinHandle;
 
 use serde::Serialize;
@@ -67,8 +75,37 @@ type BatchReply = oneshot::Sender<Result<Vec<Finished>, ApiError>>;
 /// after every engine step that added some.
 pub type ProgressSender = mpsc::UnboundedSender<(usize, Vec<u32>)>;
 
-/// The pending answer of a batch started with [`EngineHandle::start`].
-pub type BatchAnswer = oneshot::Receiver<Result<Vec<Finished>, ApiError>>;
+/// The pending answer of a batch started with [`EngineHandle::start`]: a future of the
+/// batch's results (an error when the worker stopped). Dropped before the answer came (the
+/// handler's future dropped when its client went away), it tells the worker, which aborts
+/// the batch's requests at once, held or queued or running.
+pub struct BatchAnswer {
+    rx: oneshot::Receiver<Result<Vec<Finished>, ApiError>>,
+    tx: mpsc::UnboundedSender<Command>,
+    answered: bool,
+}
+
+impl Future for BatchAnswer {
+    type Output = Result<Result<Vec<Finished>, ApiError>, oneshot::error::RecvError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let polled = Pin::new(&mut self.rx).poll(cx);
+        if polled.is_ready() {
+            self.answered = true;
+        }
+        polled
+    }
+}
+
+impl Drop for BatchAnswer {
+    fn drop(&mut self) {
+        if !self.answered {
+            // Closed before the worker is woken, so it sees the batch abandoned.
+            self.rx.close();
+            let _ = self.tx.send(Command::Abandoned);
+        }
+    }
+}
 
 /// What handlers ask the worker to do.
 enum Command {
@@ -94,6 +131,8 @@ enum Command {
     Continue {
         reply: oneshot::Sender<()>,
     },
+    /// A batch's answer was dropped unanswered: its requests are aborted.
+    Abandoned,
     FlushCache {
         reply: oneshot::Sender<usize>,
     },
@@ -121,10 +160,13 @@ pub struct WorkerStats {
     pub sum_batch_in_flight: u64,
     /// Weight version label (the last update's `weight_version`, else its number).
     pub weight_version: String,
-    /// Requests queued for admission.
+    /// Requests queued for admission, those held behind a pending weight update included.
     pub waiting: usize,
     /// Requests running.
     pub running: usize,
+    /// Weight updates waiting for the requests in flight: the pending one and those queued
+    /// behind it (each applied in turn).
+    pub updates_waiting: usize,
     /// Whether generation is paused.
     pub paused: bool,
     /// Memory regions released by `/release_memory_occupation` and not yet resumed (no
@@ -170,8 +212,16 @@ struct Book {
     /// weight versions, as SGLang's update takes its writer lock once every request's reader
     /// lock is given back (unless generation is paused).
     pending_update: Option<PendingUpdate>,
-    /// Batches that arrived while `pending_update` waits, admitted after it.
-    held: Vec<HeldBatch>,
+    /// What arrived while `pending_update` waits, in arrival order: batches, admitted after
+    /// it, and further updates, each pending in turn (SGLang's updates queue on its lock).
+    /// Empty while no update is pending.
+    held: VecDeque<Held>,
+}
+
+/// A command held back while an update is pending.
+enum Held {
+    Batch(HeldBatch),
+    Update(PendingUpdate),
 }
 
 /// A weight update waiting for the requests in flight to finish (SGLang's writer lock).
@@ -184,15 +234,24 @@ struct PendingUpdate {
 
 /// A `Generate` command held back while an update waits: admitted once it is done.
 struct HeldBatch {
-    jobs: Vec<Job>,
+    jobs: Vec<HeldJob>,
     reply: BatchReply,
     progress: Option<ProgressSender>,
 }
 
-/// A client batch waiting for its results.
+/// One job of a held batch.
+enum HeldJob {
+    /// Submitted once the update is done.
+    Waiting(Job),
+    /// Aborted while held: answered as an aborted queued request (no tokens).
+    Aborted { rid: String, finished: Finished },
+}
+
+/// A client batch waiting for its results. `results`, `ids` and `rids` are in job order;
+/// a job aborted before it was submitted has its result already and no engine id.
 struct Batch {
     results: Vec<Option<Finished>>,
-    ids: Vec<RequestId>,
+    ids: Vec<Option<RequestId>>,
     rids: Vec<String>,
     reply: BatchReply,
 }
@@ -219,7 +278,7 @@ impl EngineHandle {
             ended: 0,
             stats: Arc::clone(&stats),
             pending_update: None,
-            held: Vec::new(),
+            held: VecDeque::new(),
         };
         let thread = std::thread::Builder::new()
             .name("r3-engine".into())
@@ -245,9 +304,10 @@ impl EngineHandle {
     }
 
     /// Runs a batch of jobs; results come back in job order once all have finished.
+    /// Dropping the future before (a client that went away) aborts the batch's requests.
     pub async fn generate(&self, jobs: Vec<Job>) -> Result<Vec<Finished>, ApiError> {
-        let rx = self.start(jobs, None)?;
-        rx.await.map_err(|_| gone())?
+        let answer = self.start(jobs, None)?;
+        answer.await.map_err(|_| gone())?
     }
 
     /// Queues a batch of jobs and returns its pending answer at once; with `progress`, every
@@ -264,12 +324,19 @@ impl EngineHandle {
             reply,
             progress,
         })?;
-        Ok(rx)
+        Ok(BatchAnswer {
+            rx,
+            tx: self.tx.clone(),
+            answered: false,
+        })
     }
 
     /// Swaps in new weights between steps, then (with `abort_all`) aborts the requests in
     /// flight; returns the new weight version label (`label`, or the backend's version
-    /// number when None). Nothing is aborted when the swap fails.
+    /// number when None). Nothing is aborted when the swap fails. Without `abort_all` the
+    /// swap waits for the requests in flight; an update sent while another waits goes after
+    /// it (each caller gets its own answer), and batches sent meanwhile run after the update
+    /// sent before them.
     pub async fn update_weights(
         &self,
         staged: StagedWeights,
@@ -286,15 +353,16 @@ impl EngineHandle {
         rx.await.map_err(|_| gone())?
     }
 
-    /// Aborts the request with client id `rid` (all requests when None); returns how many.
+    /// Aborts the request with client id `rid` (all requests when None), whether queued,
+    /// running or held behind a pending update; returns how many.
     pub async fn abort(&self, rid: Option<String>) -> Result<usize, ApiError> {
         let (reply, rx) = oneshot::channel();
         self.send(Command::Abort { rid, reply })?;
         rx.await.map_err(|_| gone())
     }
 
-    /// Pauses generation; returns how many requests were aborted (mode `Abort`) or
-    /// retracted (mode `Retract`).
+    /// Pauses generation; returns how many requests were aborted (mode `Abort`: those held
+    /// behind a pending update too) or retracted (mode `Retract`).
     pub async fn pause(&self, mode: PauseMode) -> Result<usize, ApiError> {
         let (reply, rx) = oneshot::channel();
         self.send(Command::Pause { mode, reply })?;
@@ -380,6 +448,10 @@ fn run<B: InferenceBackend>(
             continue;
         }
         let outcome = catch_unwind(AssertUnwindSafe(|| backend.step()));
+        // The queues as the step left them are published before any answer goes out, so a
+        // client that reads `/v1/loads` right after its answer never counts its own finished
+        // request as running (the counters below follow once the answers are sent).
+        book.publish(&backend, |_| {});
         match outcome {
             Ok(Ok(results)) => book.finish(results),
             Ok(Err(e)) => book.fail_named(&mut backend, e),
@@ -404,11 +476,18 @@ impl Book {
     /// Refreshes the shared counters from the backend (and `more`).
     fn publish<B: InferenceBackend>(&self, backend: &B, more: impl FnOnce(&mut WorkerStats)) {
         let (waiting, running) = backend.queue_lengths();
+        let held = self.held_requests();
         let mut s = self.stats.lock().unwrap_or_else(PoisonError::into_inner);
         more(&mut s);
         s.finished_requests = self.ended;
         s.weight_version.clone_from(&self.label);
-        s.waiting = waiting;
+        s.waiting = waiting + held;
+        s.updates_waiting = usize::from(self.pending_update.is_some())
+            + self
+                .held
+                .iter()
+                .filter(|h| matches!(h, Held::Update(_)))
+                .count();
         s.running = running;
         s.paused = self.paused;
         s.memory_released = self.released.tags();
@@ -423,11 +502,11 @@ impl Book {
                 progress,
             } => {
                 if self.pending_update.is_some() {
-                    self.held.push(HeldBatch {
-                        jobs,
+                    self.held.push_back(Held::Batch(HeldBatch {
+                        jobs: jobs.into_iter().map(HeldJob::Waiting).collect(),
                         reply,
                         progress,
-                    });
+                    }));
                 } else {
                     self.submit(backend, jobs, reply, progress);
                 }
@@ -438,20 +517,30 @@ impl Book {
                 label,
                 reply,
             } => {
-                // One update at a time (the HTTP handler holds a lock), so none is pending.
-                self.pending_update = Some(PendingUpdate {
+                let update = PendingUpdate {
                     staged,
                     abort_all,
                     label,
                     reply,
-                });
-                self.apply_update_if_due(backend);
+                };
+                if self.pending_update.is_some() {
+                    // Never replaced: it goes after the pending one (and after the batches
+                    // held before it), as SGLang's second update waits for the first's lock.
+                    tracing::info!(
+                        in_flight = backend.in_flight(),
+                        "a weight update is already waiting for the requests in flight; \
+                         this one follows it"
+                    );
+                    self.held.push_back(Held::Update(update));
+                } else {
+                    self.pending_update = Some(update);
+                    self.apply_update_if_due(backend);
+                }
+                self.publish(backend, |_| {});
             }
             Command::Abort { rid, reply } => {
-                let n = match rid {
-                    Some(rid) => self.abort_where(backend, |r| r == rid),
-                    None => self.abort_where(backend, |_| true),
-                };
+                let pick = |r: &str| rid.as_deref().is_none_or(|rid| r == rid);
+                let n = self.abort_where(backend, pick) + self.abort_held(backend, pick);
                 // Published before the reply, as every other command: `/v1/loads` read right
                 // after the abort no longer counts the aborted requests.
                 self.publish(backend, |_| {});
@@ -459,7 +548,10 @@ impl Book {
             }
             Command::Pause { mode, reply } => {
                 let n = match mode {
-                    PauseMode::Abort => self.abort_where(backend, |_| true),
+                    // Held batches are in flight for their clients: aborted too.
+                    PauseMode::Abort => {
+                        self.abort_where(backend, |_| true) + self.abort_held(backend, |_| true)
+                    }
                     PauseMode::Retract => backend.retract_all(),
                     PauseMode::InPlace => 0,
                 };
@@ -472,6 +564,8 @@ impl Book {
                 self.publish(backend, |_| {});
                 let _ = reply.send(());
             }
+            // The loop aborts abandoned batches after every command.
+            Command::Abandoned => {}
             Command::FlushCache { reply } => {
                 let n = backend.flush_cache();
                 self.publish(backend, |_| {});
@@ -494,25 +588,45 @@ impl Book {
 
     /// Swaps in a pending update once it may go: with `abort_all_requests` at once (the
     /// requests are aborted after the swap), while steps are held (paused, memory released:
-    /// SGLang skips its lock when paused), or once no request is in flight. Then admits the
-    /// batches held meanwhile.
+    /// SGLang skips its lock when paused), or once no request is in flight. Then admits what
+    /// was held meanwhile in arrival order, up to the next held update, which is pending
+    /// from then on (and applied here too if it is due already).
     fn apply_update_if_due<B: InferenceBackend>(&mut self, backend: &mut B) {
-        let due = self
-            .pending_update
-            .as_ref()
-            .is_some_and(|u| u.abort_all || self.holds_steps() || backend.in_flight() == 0);
-        if !due {
-            return;
+        loop {
+            let due = self
+                .pending_update
+                .as_ref()
+                .is_some_and(|u| u.abort_all || self.holds_steps() || backend.in_flight() == 0);
+            if !due {
+                return;
+            }
+            let Some(update) = self.pending_update.take() else {
+                return;
+            };
+            self.apply_update(backend, update);
+            while let Some(held) = self.held.pop_front() {
+                match held {
+                    Held::Batch(b) => self.submit_held(backend, b),
+                    Held::Update(u) => {
+                        self.pending_update = Some(u);
+                        break;
+                    }
+                }
+            }
+            if self.pending_update.is_some() {
+                self.publish(backend, |_| {});
+            }
         }
-        let Some(PendingUpdate {
+    }
+
+    /// Swaps in `update` and answers its caller.
+    fn apply_update<B: InferenceBackend>(&mut self, backend: &mut B, update: PendingUpdate) {
+        let PendingUpdate {
             staged,
             abort_all,
             label,
             reply,
-        }) = self.pending_update.take()
-        else {
-            return;
-        };
+        } = update;
         let dir = staged.dir.clone();
         // Aborted only once the new weights are in place (a refused update leaves
         // every request running), and under the old label: their tokens came from
@@ -537,9 +651,94 @@ impl Book {
         // The staged weights and the ones they replaced (or a refused update's) are
         // freed by now.
         return_free_heap();
-        for h in std::mem::take(&mut self.held) {
-            self.submit(backend, h.jobs, h.reply, h.progress);
+    }
+
+    /// Requests held behind a pending update and not aborted (counted as waiting).
+    fn held_requests(&self) -> usize {
+        self.held
+            .iter()
+            .map(|h| match h {
+                Held::Batch(b) => b
+                    .jobs
+                    .iter()
+                    .filter(|j| matches!(j, HeldJob::Waiting(_)))
+                    .count(),
+                Held::Update(_) => 0,
+            })
+            .sum()
+    }
+
+    /// Aborts the held requests whose rid satisfies `pick`, answered as an aborted queued
+    /// request is (finish reason `abort`, no tokens); a held batch whose every request is
+    /// aborted is answered now, in job order, the others once submitted. Returns how many.
+    fn abort_held<B: InferenceBackend>(
+        &mut self,
+        backend: &B,
+        pick: impl Fn(&str) -> bool,
+    ) -> usize {
+        let version = backend.weight_version();
+        let mut n = 0;
+        for held in self.held.iter_mut() {
+            let Held::Batch(b) = held else { continue };
+            for job in b.jobs.iter_mut() {
+                let HeldJob::Waiting(j) = job else { continue };
+                if !pick(&j.rid) {
+                    continue;
+                }
+                let finished = Finished {
+                    result: unsubmitted_abort(&j.request, version),
+                    matched_stop: None,
+                    weight_version: self.label.clone(),
+                };
+                let rid = std::mem::take(&mut j.rid);
+                *job = HeldJob::Aborted { rid, finished };
+                n += 1;
+            }
         }
+        self.ended += n as u64;
+        // Batches with nothing left to run are answered at once.
+        let mut kept = VecDeque::with_capacity(self.held.len());
+        for held in std::mem::take(&mut self.held) {
+            match held {
+                Held::Batch(b) if b.jobs.iter().all(|j| matches!(j, HeldJob::Aborted { .. })) => {
+                    let results = b
+                        .jobs
+                        .into_iter()
+                        .filter_map(|j| match j {
+                            HeldJob::Aborted { finished, .. } => Some(finished),
+                            HeldJob::Waiting(_) => None,
+                        })
+                        .collect();
+                    let _ = b.reply.send(Ok(results));
+                }
+                other => kept.push_back(other),
+            }
+        }
+        self.held = kept;
+        n
+    }
+
+    /// Submits a batch that was held behind an update (its client may have gone meanwhile).
+    fn submit_held<B: InferenceBackend>(&mut self, backend: &mut B, b: HeldBatch) {
+        if b.reply.is_closed() {
+            self.drop_held(b);
+            return;
+        }
+        self.submit_jobs(backend, b.jobs, b.reply, b.progress);
+    }
+
+    /// Forgets a held batch whose client went away (its requests count as ended).
+    fn drop_held(&mut self, b: HeldBatch) {
+        let waiting = b
+            .jobs
+            .iter()
+            .filter(|j| matches!(j, HeldJob::Waiting(_)))
+            .count();
+        tracing::info!(
+            requests = waiting,
+            "client went away while its requests were held behind a weight update"
+        );
+        self.ended += waiting as u64;
     }
 
     /// `/release_memory_occupation`: refused while requests run (their keys and values are
@@ -592,25 +791,54 @@ impl Book {
         reply: BatchReply,
         progress: Option<ProgressSender>,
     ) {
+        let jobs = jobs.into_iter().map(HeldJob::Waiting).collect();
+        self.submit_jobs(backend, jobs, reply, progress);
+    }
+
+    /// Submits every job of a batch still to run, or none (on a rejected job the earlier
+    /// ones are aborted); jobs aborted while held keep their place and result.
+    fn submit_jobs<B: InferenceBackend>(
+        &mut self,
+        backend: &mut B,
+        jobs: Vec<HeldJob>,
+        reply: BatchReply,
+        progress: Option<ProgressSender>,
+    ) {
         let total = jobs.len();
-        if let Some(rid) = duplicate_rid(&jobs, &self.by_rid) {
+        let to_run = jobs.iter().filter_map(|j| match j {
+            HeldJob::Waiting(job) => Some(job.rid.as_str()),
+            HeldJob::Aborted { .. } => None,
+        });
+        if let Some(rid) = duplicate_rid(to_run, &self.by_rid) {
             let _ = reply.send(Err(ApiError::bad_request(format!(
                 "rid {rid:?} is already in flight or repeated in the batch"
             ))));
             return;
         }
-        let mut ids = Vec::with_capacity(total);
+        let mut ids: Vec<Option<RequestId>> = Vec::with_capacity(total);
         let mut rids = Vec::with_capacity(total);
         let mut stops = Vec::with_capacity(total);
+        let mut results = Vec::with_capacity(total);
         for (i, job) in jobs.into_iter().enumerate() {
+            let job = match job {
+                HeldJob::Waiting(job) => job,
+                HeldJob::Aborted { rid, finished } => {
+                    ids.push(None);
+                    rids.push(rid);
+                    stops.push(None);
+                    results.push(Some(finished));
+                    continue;
+                }
+            };
             match backend.submit(job.request) {
                 Ok(id) => {
-                    ids.push(id);
+                    ids.push(Some(id));
                     rids.push(job.rid);
                     stops.push(job.stop);
+                    results.push(None);
                 }
                 Err(e) => {
-                    for &id in &ids {
+                    for &id in ids.iter().flatten() {
                         let _ = backend.abort(id);
                     }
                     let err = ApiError::from(e);
@@ -627,6 +855,7 @@ impl Book {
         let batch = self.next_batch;
         self.next_batch += 1;
         for (index, ((&id, rid), stop)) in ids.iter().zip(&rids).zip(stops).enumerate() {
+            let Some(id) = id else { continue };
             let progress = progress.clone().map(|p| (p, 0));
             self.slots.insert(
                 id,
@@ -639,7 +868,6 @@ impl Book {
             );
             self.by_rid.insert(rid.clone(), id);
         }
-        let results = vec![None; ids.len()];
         self.batches.insert(
             batch,
             Batch {
@@ -649,6 +877,7 @@ impl Book {
                 reply,
             },
         );
+        self.answer_if_complete(batch);
     }
 
     /// Files finished results; answers batches that are complete.
@@ -774,8 +1003,20 @@ impl Book {
         }
     }
 
-    /// Aborts the requests whose client gave up waiting (connection closed).
+    /// Aborts the requests whose client gave up waiting (connection closed), held ones too.
     fn abort_abandoned<B: InferenceBackend>(&mut self, backend: &mut B) {
+        if self
+            .held
+            .iter()
+            .any(|h| matches!(h, Held::Batch(b) if b.reply.is_closed()))
+        {
+            for held in std::mem::take(&mut self.held) {
+                match held {
+                    Held::Batch(b) if b.reply.is_closed() => self.drop_held(b),
+                    other => self.held.push_back(other),
+                }
+            }
+        }
         let abandoned: Vec<u64> = self
             .batches
             .iter()
@@ -880,7 +1121,7 @@ impl Book {
             let hit: Vec<u64> = self
                 .batches
                 .iter()
-                .filter(|(_, b)| b.ids.iter().any(|id| pending.contains(id)))
+                .filter(|(_, b)| b.ids.iter().flatten().any(|id| pending.contains(id)))
                 .map(|(&n, _)| n)
                 .collect();
             pending.clear();
@@ -904,7 +1145,7 @@ impl Book {
         err: &ApiError,
     ) -> Vec<RequestId> {
         let mut dropped = Vec::new();
-        for &id in &b.ids {
+        for &id in b.ids.iter().flatten() {
             if let Err(e) = backend.abort(id) {
                 dropped.extend(failed_requests(&e).unwrap_or_default());
             }
@@ -912,8 +1153,10 @@ impl Book {
                 self.ended += 1;
             }
         }
-        for (rid, &id) in b.rids.iter().zip(&b.ids) {
-            self.forget_rid(rid, id);
+        for (rid, id) in b.rids.iter().zip(&b.ids) {
+            if let Some(id) = *id {
+                self.forget_rid(rid, id);
+            }
         }
         let message = format!("engine step failed: {}", err.message);
         // A step that ran the device out of memory is a 503 (retry later, or smaller);
@@ -950,12 +1193,33 @@ fn failed_requests(e: &RolloutError) -> Option<Vec<RequestId>> {
     }
 }
 
-/// A rid of `jobs` that is already in flight or appears twice in `jobs`.
-fn duplicate_rid<'a>(jobs: &'a [Job], in_flight: &HashMap<String, RequestId>) -> Option<&'a str> {
-    let mut seen = std::collections::HashSet::new();
-    jobs.iter()
-        .map(|j| j.rid.as_str())
-        .find(|rid| in_flight.contains_key(*rid) || !seen.insert(*rid))
+/// A rid of `rids` that is already in flight or appears twice in `rids`.
+fn duplicate_rid<'a>(
+    mut rids: impl Iterator<Item = &'a str>,
+    in_flight: &HashMap<String, RequestId>,
+) -> Option<&'a str> {
+    let mut seen = HashSet::new();
+    rids.find(|rid| in_flight.contains_key(*rid) || !seen.insert(*rid))
+}
+
+/// The engine id of a result for a job that was never submitted (aborted while held).
+const NEVER_SUBMITTED: RequestId = RequestId::MAX;
+
+/// The result of a request aborted before it reached the engine: what the engine answers
+/// for a queued request aborted before its prefill (no tokens, no routes).
+fn unsubmitted_abort(request: &GenerateRequest, weight_version: u64) -> GenerateResult {
+    GenerateResult {
+        id: NEVER_SUBMITTED,
+        prompt_tokens: request.input_ids.len(),
+        output_ids: Vec::new(),
+        output_logprobs: Vec::new(),
+        output_top_logprobs: Vec::new(),
+        prompt_logprobs: None,
+        finish: FinishReason::Abort,
+        cached_tokens: 0,
+        routes: None,
+        weight_version,
+    }
 }
 
 /// The result a client gets for an aborted request: what was generated until the abort.

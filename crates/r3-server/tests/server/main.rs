@@ -5,12 +5,15 @@
 #![recursion_limit = "512"]
 mod chat;
 mod chat_engine;
+mod client_gone;
 mod clients;
 mod connections;
 mod device_engine;
 mod engine;
 mod fake;
 mod fake_http;
+mod gated;
+mod held_updates;
 mod limits;
 mod logprob_scale;
 mod malformed;

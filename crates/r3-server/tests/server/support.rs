@@ -150,8 +150,15 @@ pub fn request_with(
     parse_response(&raw)
 }
 
-/// Parses a raw HTTP/1.1 response.
-pub fn parse_response(raw: &[u8]) -> Reply {
+/// Parses a raw HTTP/1.1 response; interim 1xx responses before it (a `100 Continue`
+/// probing a half-closed connection) are skipped, as HTTP/1.1 clients skip them.
+pub fn parse_response(mut raw: &[u8]) -> Reply {
+    while raw.starts_with(b"HTTP/1.1 1") {
+        match raw.windows(4).position(|w| w == b"\r\n\r\n") {
+            Some(end) => raw = &raw[end + 4..],
+            None => break,
+        }
+    }
     let split = raw
         .windows(4)
         .position(|w| w == b"\r\n\r\n")
