@@ -192,3 +192,30 @@ fn a_huge_layer_count_is_refused_before_allocating() {
         assert_one_line_error(&out, "= 1099511627776 exceeds the limit of 4096");
     }
 }
+
+/// A MoE-only table whose layers are exactly `0..num_layers` says every layer is MoE: it
+/// is written without `--first-k-dense` / `--moe-layers`, to the same bytes as with
+/// `--first-k-dense 0` and to the values written out by hand. A table missing a layer of
+/// `--num-layers` still needs the layout.
+#[test]
+fn an_all_moe_table_encodes_without_a_layout() {
+    let table = r#"{"format":"r3-routes","version":1,"num_experts":8,"top_k":2,"layer_space":"moe_only",
+        "layers":[0,1],"start_pos":0,"num_tokens":2,"routes":[[[5,1],[6,0]],[[2,7],[3,4]]]}"#;
+    let encode = |extra: &[&str]| {
+        let mut args = vec!["routes", "encode", "--format", "sglang", "--num-layers"];
+        args.extend_from_slice(extra);
+        r3(&args, table.as_bytes())
+    };
+    let bare = encode(&["2"]);
+    assert!(
+        bare.status.success(),
+        "{}",
+        String::from_utf8_lossy(&bare.stderr)
+    );
+    let want = b64_i32(&[5, 1, 6, 0, 2, 7, 3, 4]);
+    assert_eq!(String::from_utf8_lossy(&bare.stdout).trim(), want);
+    let explicit = encode(&["2", "--first-k-dense", "0"]);
+    assert_eq!(bare.stdout, explicit.stdout);
+    // Layer 2 of 3 is not in the table: dense or an uncaptured MoE layer, the table cannot say.
+    assert_one_line_error(&encode(&["3"]), "needs the layer layout");
+}

@@ -98,14 +98,41 @@ pub enum RouterDtype {
     F32,
 }
 
+impl RouterDtype {
+    /// The router precision `text` names for an engine computing in `engine`: `model`, or
+    /// the engine dtype's own name, is the engine dtype; `f32` (`fp32`, `float32`) an f32
+    /// router. Another dtype's name is an error: the router runs in the model dtype or in
+    /// f32, so `bf16` next to an f32 or f16 engine would be silently replaced by the
+    /// engine's dtype.
+    pub fn parse_for(text: &str, engine: Dtype) -> Result<Self, RolloutError> {
+        let router = text.parse::<RouterDtype>()?;
+        // `f32` always parses to `F32` (an f32 engine's `Model` router is the same gate);
+        // a named 16-bit dtype is the engine's only when the engine computes in it.
+        if router == RouterDtype::Model && text != "model" {
+            let named = text.parse::<Dtype>()?;
+            if named != engine {
+                return Err(RolloutError::InvalidConfig(format!(
+                    "router dtype {text:?} is not the engine dtype ({engine}): the router runs \
+                     in the model dtype (`model`, here {engine}) or in f32"
+                )));
+            }
+        }
+        Ok(router)
+    }
+}
+
+/// Parses without knowing the engine's dtype: `bf16` / `f16` are taken as the engine's own
+/// (`Model`) whatever it is, so callers that know the engine dtype use
+/// [`RouterDtype::parse_for`], which refuses one that differs.
 impl FromStr for RouterDtype {
     type Err = RolloutError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
-            "model" | "bf16" | "f16" => Ok(RouterDtype::Model),
+            "model" | "bf16" | "bfloat16" | "f16" | "float16" => Ok(RouterDtype::Model),
             "f32" | "fp32" | "float32" => Ok(RouterDtype::F32),
             other => Err(RolloutError::InvalidConfig(format!(
-                "unknown router dtype {other:?}: expected bf16 (the model dtype) or f32"
+                "unknown router dtype {other:?}: expected `model` (the engine dtype, or its \
+                 name: f16 / bf16) or f32"
             ))),
         }
     }
@@ -193,5 +220,42 @@ mod tests {
         assert_eq!("bf16".parse::<Dtype>().ok(), Some(Dtype::Bf16));
         assert_eq!("f32".parse::<RouterDtype>().ok(), Some(RouterDtype::F32));
         assert!("f8".parse::<Dtype>().is_err());
+    }
+
+    /// A router dtype named next to an engine of another dtype would run in the engine's:
+    /// refused, and the message says which dtypes the router can run in.
+    #[test]
+    fn a_named_router_dtype_must_be_the_engines() {
+        use RouterDtype::{Model, F32};
+        let ok = [
+            ("model", Dtype::F32, Model),
+            ("model", Dtype::Bf16, Model),
+            ("bf16", Dtype::Bf16, Model),
+            ("f16", Dtype::F16, Model),
+            ("f32", Dtype::F32, F32),
+            ("f32", Dtype::Bf16, F32),
+            ("fp32", Dtype::F16, F32),
+        ];
+        for (text, engine, want) in ok {
+            let got = RouterDtype::parse_for(text, engine).expect(text);
+            assert_eq!(got, want, "{text} on {engine}");
+        }
+        for (text, engine) in [
+            ("bf16", Dtype::F32),
+            ("bf16", Dtype::F16),
+            ("f16", Dtype::Bf16),
+            ("f16", Dtype::F32),
+        ] {
+            let err = RouterDtype::parse_for(text, engine)
+                .expect_err(text)
+                .to_string();
+            assert!(err.contains(text) && err.contains("model dtype"), "{err}");
+            assert!(
+                err.contains(&engine.to_string()) && err.contains("f32"),
+                "{err}"
+            );
+        }
+        let err = RouterDtype::parse_for("fp8", Dtype::Bf16).expect_err("unknown");
+        assert!(!err.to_string().contains("bf16 (the model dtype)"), "{err}");
     }
 }

@@ -52,8 +52,10 @@ pub struct AnalyzeArgs {
     /// Training forward precision: f32, bf16 (Megatron-style mixed precision) or f16.
     #[arg(long, default_value = "f32")]
     pub train_dtype: String,
-    /// Router precision on both sides in bf16 mode: `bf16` (the model dtype) or `f32`.
-    #[arg(long, default_value = "bf16")]
+    /// Router precision on both sides in bf16 / f16 mode: `model` (each side's own dtype) or
+    /// `f32`; a dtype's name (`bf16`, `f16`) only where it is both `--rollout-dtype` and
+    /// `--train-dtype` (never with `--grid`, whose cells run several dtypes).
+    #[arg(long, default_value = "model")]
     pub router_dtype: String,
     /// Run the grid rollout {f16, bf16} × training {f32, bf16} × {no replay, R3} instead of
     /// one cell, then the full analysis (figures) of the bf16/bf16 cell in `OUT/bf16_bf16`.
@@ -83,6 +85,35 @@ fn train_precision(dtype: &str, router_f32: bool) -> anyhow::Result<Precision> {
     }
 }
 
+/// Whether `--router-dtype` names an f32 router. A dtype's name stands for the model dtype
+/// only where every side the router runs on computes in it: the rollout engine
+/// (`rollout`), the training forward (`train`) and, with `--grid`, never (its cells run f16
+/// and bf16 rollouts and f32 and bf16 training), since a router named `bf16` beside another
+/// dtype would silently run in that one.
+fn router_f32(text: &str, rollout: Dtype, train: &str, grid: bool) -> anyhow::Result<bool> {
+    match text {
+        "model" => Ok(false),
+        "f32" | "fp32" => Ok(true),
+        "bf16" | "f16" => {
+            anyhow::ensure!(
+                !grid,
+                "--router-dtype {text}: --grid runs f16 and bf16 rollouts and f32 and bf16 \
+                 training; the router runs in the model dtype (`model`) or in f32"
+            );
+            anyhow::ensure!(
+                text == rollout.to_string() && text == train,
+                "--router-dtype {text} is not the model dtype of both sides (--rollout-dtype \
+                 {rollout}, --train-dtype {train}): the router runs in the model dtype \
+                 (`model`) or in f32"
+            );
+            Ok(false)
+        }
+        other => anyhow::bail!(
+            "--router-dtype must be `model` (the model dtype) or `f32`, got {other:?}"
+        ),
+    }
+}
+
 /// Runs the analysis and prints the path of summary.json on stdout.
 pub fn run(a: AnalyzeArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
@@ -97,11 +128,7 @@ pub fn run(a: AnalyzeArgs) -> anyhow::Result<()> {
         rollout_dtype != Dtype::F32,
         "--rollout-dtype must be f16 or bf16 (an f32 rollout has no precision mismatch to measure)"
     );
-    let router_f32 = match a.router_dtype.as_str() {
-        "bf16" | "model" => false,
-        "f32" => true,
-        other => anyhow::bail!("--router-dtype must be bf16 or f32, got {other:?}"),
-    };
+    let router_f32 = router_f32(&a.router_dtype, rollout_dtype, &a.train_dtype, a.grid)?;
     let rollout_router_dtype = if router_f32 {
         RouterDtype::F32
     } else {
@@ -155,4 +182,34 @@ pub fn run(a: AnalyzeArgs) -> anyhow::Result<()> {
     );
     println!("{}", opts.out.join(SUMMARY_JSON).display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `--router-dtype bf16` is accepted only where both sides compute in bf16; beside an f16
+    /// rollout, f32 training or the grid it would run in another dtype, and is refused.
+    #[test]
+    fn a_named_router_dtype_must_be_both_sides_dtype() {
+        assert!(!router_f32("model", Dtype::F16, "f32", true).expect("model"));
+        assert!(router_f32("f32", Dtype::Bf16, "bf16", true).expect("f32"));
+        assert!(!router_f32("bf16", Dtype::Bf16, "bf16", false).expect("bf16 both"));
+        assert!(!router_f32("f16", Dtype::F16, "f16", false).expect("f16 both"));
+        for (text, rollout, train, grid) in [
+            ("bf16", Dtype::F16, "bf16", false),
+            ("bf16", Dtype::Bf16, "f32", false),
+            ("f16", Dtype::Bf16, "bf16", false),
+            ("bf16", Dtype::Bf16, "bf16", true),
+        ] {
+            let err = router_f32(text, rollout, train, grid)
+                .expect_err(text)
+                .to_string();
+            assert!(
+                err.contains("--router-dtype") && err.contains("model dtype"),
+                "{err}"
+            );
+        }
+        assert!(router_f32("fp8", Dtype::Bf16, "bf16", false).is_err());
+    }
 }

@@ -89,6 +89,26 @@ fn parse_settings(names: &[String], multi: usize) -> anyhow::Result<Vec<Setting>
         .collect()
 }
 
+/// Refuses a list flag whose values name one thing twice (`R3,R3`, `r3,R3`, `single,single`):
+/// both would write the same run directory, which the results would then list twice.
+/// `names` are the values as given, `parsed` what each names.
+fn refuse_duplicates<T: PartialEq>(
+    flag: &str,
+    names: &[String],
+    parsed: &[T],
+) -> anyhow::Result<()> {
+    for (j, later) in parsed.iter().enumerate() {
+        if let Some(i) = parsed[..j].iter().position(|earlier| earlier == later) {
+            anyhow::bail!(
+                "{flag} names the same value twice ({:?} and {:?}): each runs once",
+                names[i],
+                names[j]
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Runs `r3 compare`; prints the results table on stdout.
 pub fn run(a: CompareArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
@@ -103,7 +123,11 @@ pub fn run(a: CompareArgs) -> anyhow::Result<()> {
         .iter()
         .map(|m| m.parse::<RouterReplay>())
         .collect::<Result<Vec<_>, _>>()?;
+    refuse_duplicates("--modes", &a.modes, &modes)?;
     let settings = parse_settings(&a.settings, a.multi_mini_batches)?;
+    refuse_duplicates("--settings", &a.settings, &settings)?;
+    let seed_names: Vec<String> = a.seeds.iter().map(u64::to_string).collect();
+    refuse_duplicates("--seeds", &seed_names, &a.seeds)?;
     let variants = plan(&settings, &modes, a.with_tis, a.with_gspo);
     anyhow::ensure!(
         !variants.is_empty(),
@@ -158,4 +182,34 @@ pub fn run(a: CompareArgs) -> anyhow::Result<()> {
         .with_context(|| format!("reading {}", summary.table_md.display()))?;
     print!("{table}");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A mode, setting or seed given twice (in any spelling) is refused naming the flag and
+    /// both values, before any run; distinct values pass.
+    #[test]
+    fn duplicate_modes_settings_and_seeds_are_refused() {
+        let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let modes = names(&["R3", "disabled", "r3"]);
+        let parsed: Vec<RouterReplay> = modes.iter().map(|m| m.parse().expect(m)).collect();
+        let err = refuse_duplicates("--modes", &modes, &parsed).expect_err("R3 twice");
+        let text = err.to_string();
+        assert!(
+            text.contains("--modes") && text.contains("\"R3\"") && text.contains("\"r3\""),
+            "{text}"
+        );
+        let settings = names(&["single", "single"]);
+        let parsed = parse_settings(&settings, 4).expect("settings");
+        let err = refuse_duplicates("--settings", &settings, &parsed).expect_err("twice");
+        assert!(err.to_string().contains("--settings"), "{err}");
+        let seeds = [1u64, 2, 1];
+        let err = refuse_duplicates("--seeds", &names(&["1", "2", "1"]), &seeds).expect_err("1");
+        assert!(err.to_string().contains("--seeds"), "{err}");
+        let modes = names(&["disabled", "R2", "R3"]);
+        let parsed: Vec<RouterReplay> = modes.iter().map(|m| m.parse().expect(m)).collect();
+        refuse_duplicates("--modes", &modes, &parsed).expect("distinct");
+    }
 }

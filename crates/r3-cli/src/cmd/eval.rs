@@ -5,13 +5,13 @@
 //! `--out`, or a run directory / `eval.jsonl`) it states the paired difference over the same
 //! prompts with its 95% interval and says whether it is inside the noise.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use clap::Args;
-use r3_analysis::paired::{compare_evals, load_eval, ScoredEval};
+use r3_analysis::paired::{compare_evals, load_eval, PairedError, ScoredEval};
 use r3_tasks::estimators::{t_quantile_975, Estimate};
-use r3_train::rl::evaluation::EvalResult;
+use r3_train::rl::evaluation::{prompts_digest, EvalResult};
 use r3_train::rl::metrics_log::EvalLine;
 use r3_train::Trainer;
 
@@ -72,15 +72,20 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
         seed = cfg.eval.seed,
         "evaluating"
     );
+    // The evaluation is named by its `--out` file, else by the model it evaluates.
+    let path = a.out.clone().unwrap_or_else(|| a.model.clone());
     let started = std::time::Instant::now();
     let mut trainer =
         Trainer::new(cfg).with_context(|| format!("loading {}", a.model.display()))?;
+    // A baseline scored on other prompts cannot be paired: found from the eval set itself
+    // before the (long) evaluation runs, not after it.
+    let items = trainer.prompts.eval_items(&trainer.tokenizer)?;
+    check_baseline_prompts(&path, items.len(), &prompts_digest(&items), &baselines)?;
     let result = trainer.evaluate()?;
     let eval_s = started.elapsed().as_secs_f64();
     print!("{}", eval_table(&a.model.display().to_string(), &result));
     println!("eval time: {eval_s:.1} s");
     let line = EvalLine::of(trainer.step, &result);
-    let path = a.out.clone().unwrap_or_default();
     if let Some(out) = &a.out {
         let json = serde_json::to_string(&line)?;
         std::fs::write(out, json + "\n").with_context(|| format!("writing {}", out.display()))?;
@@ -90,6 +95,37 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
         let this = ScoredEval { path, line };
         let d = compare_evals(std::slice::from_ref(&this), &baselines)?;
         println!("paired difference vs baseline: {}", d.describe_points());
+    }
+    Ok(())
+}
+
+/// Refuses a baseline scored on another number of prompts, or on prompts whose digest is not
+/// `digest` (the eval set `this` is about to be scored on), as `compare_evals` would after
+/// the evaluation.
+fn check_baseline_prompts(
+    this: &Path,
+    n: usize,
+    digest: &str,
+    baselines: &[ScoredEval],
+) -> anyhow::Result<()> {
+    for b in baselines {
+        let differ = |what: String| PairedError::DifferentPrompts {
+            a: this.to_path_buf(),
+            b: b.path.clone(),
+            what,
+        };
+        let m = b.line.prompt_scores.len();
+        if m != n {
+            return Err(differ(format!("{n} vs {m} prompts")).into());
+        }
+        // An evaluation written before digests were recorded pairs on its count alone.
+        if b.line
+            .prompts_digest
+            .as_deref()
+            .is_some_and(|d| d != digest)
+        {
+            return Err(differ("prompt digests differ".into()).into());
+        }
     }
     Ok(())
 }

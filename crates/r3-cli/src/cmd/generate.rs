@@ -61,7 +61,8 @@ pub struct GenerateArgs {
     /// SGLang / vLLM engine keeps in bf16) or f32 (reproduces HF).
     #[arg(long, default_value = "f16")]
     pub dtype: String,
-    /// MoE router precision: the model dtype (`bf16`, also accepted as `model`) or `f32`.
+    /// MoE router precision: the model dtype (`model`, or `--dtype`'s own name) or `f32`;
+    /// another dtype's name is refused.
     #[arg(long, default_value = "model")]
     pub router_dtype: String,
     /// First position whose routes are returned.
@@ -86,7 +87,8 @@ pub struct GenerateArgs {
 /// Runs `r3 generate`.
 pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
     let dtype: Dtype = a.dtype.parse()?;
-    let router_dtype: RouterDtype = a.router_dtype.parse()?;
+    let router_dtype = RouterDtype::parse_for(&a.router_dtype, dtype)
+        .map_err(|e| anyhow::anyhow!("--router-dtype {}: {e}", a.router_dtype))?;
     let cfg = EngineConfig {
         dtype,
         router_dtype,

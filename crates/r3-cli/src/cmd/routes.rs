@@ -303,7 +303,7 @@ fn encode(a: EncodeArgs) -> anyhow::Result<()> {
     let layout = match (a.first_k_dense, &a.moe_layers) {
         (Some(k), _) => Some(LayerLayout::first_k_dense(num_layers, k)?),
         (None, Some(m)) => Some(LayerLayout::new(num_layers, m.clone())?),
-        (None, None) => None,
+        (None, None) => implied_layout(&table, num_layers)?,
     };
     let dtype = parse_dtype(&a.dtype)?;
     let text = match a.format {
@@ -316,6 +316,19 @@ fn encode(a: EncodeArgs) -> anyhow::Result<()> {
     };
     writeln!(out, "{text}")?;
     Ok(())
+}
+
+/// The layout a MoE-only table states by itself: when its layers are exactly
+/// `0..num_layers`, every layer is MoE and no `--first-k-dense` / `--moe-layers` is needed.
+/// Any other MoE-only table (or an all-layers one, which needs none) states none.
+fn implied_layout(table: &RouteTable, num_layers: usize) -> anyhow::Result<Option<LayerLayout>> {
+    let all_moe = table.space() == r3_routing::LayerSpace::MoeOnly
+        && table.layers().iter().copied().eq(0..num_layers);
+    Ok(if all_moe {
+        Some(LayerLayout::first_k_dense(num_layers, 0)?)
+    } else {
+        None
+    })
 }
 
 fn read_table(path: &PathBuf) -> anyhow::Result<RouteTable> {

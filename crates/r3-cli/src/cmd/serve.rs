@@ -32,7 +32,8 @@ pub struct ServeArgs {
     /// SGLang / vLLM engine keeps in bf16) or f32 (reproduces HF).
     #[arg(long, default_value = "f16")]
     pub dtype: String,
-    /// MoE router precision: the model dtype (`bf16`, also accepted as `model`) or `f32`.
+    /// MoE router precision: the model dtype (`model`, or `--dtype`'s own name) or `f32`;
+    /// another dtype's name is refused.
     #[arg(long, default_value = "model")]
     pub router_dtype: String,
     /// Which engine serves, and where: `cpu` (the CPU engine), `cpu-candle` (the device
@@ -40,7 +41,7 @@ pub struct ServeArgs {
     /// with the `cuda` feature). Both keep a prefix cache (`--prefix-cache-mib`).
     #[arg(long, default_value = "cpu")]
     pub device: RolloutDevice,
-    /// KV cache budget in MiB.
+    /// KV cache budget in MiB (at least 1).
     #[arg(long, default_value_t = 2048)]
     pub kv_cache_mib: usize,
     /// What the KV cache holds keys and values in: `auto` (the engine's dtype, as SGLang's and
@@ -211,8 +212,16 @@ fn parse_chunked_prefill_size(text: &str) -> Result<ChunkedPrefill, String> {
 /// Runs `r3 serve`.
 pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     let dtype: Dtype = a.dtype.parse()?;
-    let router_dtype: RouterDtype = a.router_dtype.parse()?;
+    let router_dtype = RouterDtype::parse_for(&a.router_dtype, dtype)
+        .map_err(|e| anyhow::anyhow!("--router-dtype {}: {e}", a.router_dtype))?;
     check_kv_cache_dtype(a.kv_cache_dtype, a.device, dtype)?;
+    let kv_cache_bytes = budget_bytes("--kv-cache-mib", a.kv_cache_mib, false)?;
+    let activation_bytes = budget_bytes("--activation-mib", a.activation_mib, false)?;
+    let prefix_cache_bytes = budget_bytes("--prefix-cache-mib", a.prefix_cache_mib, true)?;
+    anyhow::ensure!(
+        a.max_running >= 1,
+        "--max-running must be at least 1 (no sequence could decode)"
+    );
     let defaults = EngineConfig::default();
     // The CPU engine's step budget counts a token of each decoding row too.
     let (max_batch_tokens, max_prefill_tokens) = match a.chunked_prefill_size {
@@ -222,12 +231,12 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     let cfg = EngineConfig {
         dtype,
         router_dtype,
-        kv_cache_bytes: a.kv_cache_mib << 20,
+        kv_cache_bytes,
         kv_cache_dtype: a.kv_cache_dtype,
         prefix_cache: a.prefix_cache_mib > 0,
-        prefix_cache_bytes: a.prefix_cache_mib << 20,
+        prefix_cache_bytes,
         max_running: a.max_running,
-        activation_bytes: a.activation_mib << 20,
+        activation_bytes,
         max_batch_tokens,
         max_prefill_tokens,
         ..defaults
@@ -331,9 +340,40 @@ fn check_kv_cache_dtype(
         .map_err(|e| anyhow::anyhow!("--kv-cache-dtype {kv}: {e}"))
 }
 
+/// Bytes of the engine budget `flag` gives in MiB, refused naming the flag where it is 0 and
+/// `zero_disables` is false (a zero KV cache or activation budget would be clamped to a
+/// single block, as `r3 train` refuses `rollout.kv_cache_mib = 0`) or past
+/// `MAX_ENGINE_BUDGET_MIB` (the byte count would wrap).
+fn budget_bytes(flag: &str, mib: usize, zero_disables: bool) -> anyhow::Result<usize> {
+    use r3_train::config::limits::MAX_ENGINE_BUDGET_MIB;
+    anyhow::ensure!(
+        mib > 0 || zero_disables,
+        "{flag} must be at least 1 (MiB): the engine needs room to hold a sequence"
+    );
+    anyhow::ensure!(
+        mib <= MAX_ENGINE_BUDGET_MIB,
+        "{flag} {mib} is past the largest budget, {MAX_ENGINE_BUDGET_MIB} MiB"
+    );
+    Ok(mib << 20)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A zero KV cache or activation budget is refused naming its flag (the engine would
+    /// clamp it to one block); a zero prefix cache budget turns the prefix cache off.
+    #[test]
+    fn zero_engine_budgets_are_refused_naming_the_flag() {
+        for flag in ["--kv-cache-mib", "--activation-mib"] {
+            let err = budget_bytes(flag, 0, false).expect_err(flag).to_string();
+            assert!(err.contains(flag) && err.contains("at least 1"), "{err}");
+        }
+        assert_eq!(budget_bytes("--prefix-cache-mib", 0, true).ok(), Some(0));
+        assert_eq!(budget_bytes("--kv-cache-mib", 3, false).ok(), Some(3 << 20));
+        let err = budget_bytes("--kv-cache-mib", usize::MAX >> 10, false).expect_err("wraps");
+        assert!(err.to_string().contains("--kv-cache-mib"), "{err}");
+    }
 
     /// `--chunked-prefill-size` as SGLang takes it: a positive count caps, -1 is no cap,
     /// anything else is refused naming what it takes.

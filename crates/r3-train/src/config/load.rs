@@ -105,14 +105,14 @@ impl TrainConfig {
                 format!("`{}` must be `f16`, `bf16` or `f32`", r.dtype),
             );
         }
-        if !matches!(r.router_dtype.as_str(), "model" | "bf16" | "f16" | "f32") {
-            return bad(
-                "rollout.router_dtype",
-                format!(
-                    "`{}` must be `bf16` (the model dtype) or `f32`",
-                    r.router_dtype
-                ),
-            );
+        // `rollout.dtype` is checked above. A router named `bf16` / `f16` beside an engine
+        // of another dtype would run in the engine's: `parse_for` refuses it.
+        if let Err(e) = r
+            .dtype
+            .parse::<r3_rollout::Dtype>()
+            .and_then(|engine| r3_rollout::RouterDtype::parse_for(&r.router_dtype, engine))
+        {
+            return bad("rollout.router_dtype", e.to_string());
         }
         let device = match r.device.parse::<r3_rollout::RolloutDevice>() {
             Ok(device) => device,
@@ -270,5 +270,60 @@ impl TrainConfig {
             tracing::warn!("a dataset with the default `arith` reward: set reward.kind (math, exact, command) unless its answers are `#N` integers");
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `rollout.router_dtype` and `train.router_dtype` name `bf16` / `f16` only as their
+    /// engine's own dtype: another would run silently in the engine's, so `validate` refuses
+    /// it naming the key.
+    #[test]
+    fn router_dtypes_other_than_the_engines_are_refused() {
+        let with = |overrides: &[&str]| {
+            let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+            TrainConfig::resolve_text("", &overrides)
+        };
+        for ok in [
+            &["rollout.dtype=bf16", "rollout.router_dtype=bf16"][..],
+            &["rollout.dtype=f16", "rollout.router_dtype=f16"],
+            &["rollout.dtype=f32", "rollout.router_dtype=f32"],
+            &["rollout.dtype=bf16", "rollout.router_dtype=model"],
+            &["train.dtype=bf16", "train.router_dtype=bf16"],
+            &["train.dtype=f16", "train.router_dtype=f32"],
+        ] {
+            let cfg = with(ok).unwrap_or_else(|e| panic!("{ok:?}: {e}"));
+            cfg.validate().unwrap_or_else(|e| panic!("{ok:?}: {e}"));
+        }
+        for (bad, key) in [
+            (
+                ["rollout.dtype=f32", "rollout.router_dtype=bf16"],
+                "rollout.router_dtype",
+            ),
+            (
+                ["rollout.dtype=f16", "rollout.router_dtype=bf16"],
+                "rollout.router_dtype",
+            ),
+            (
+                ["rollout.dtype=bf16", "rollout.router_dtype=f16"],
+                "rollout.router_dtype",
+            ),
+            (
+                ["train.dtype=bf16", "train.router_dtype=f16"],
+                "train.router_dtype",
+            ),
+            (
+                ["train.dtype=f32", "train.router_dtype=bf16"],
+                "train.router_dtype",
+            ),
+        ] {
+            let err = with(&bad)
+                .and_then(|cfg| cfg.validate())
+                .expect_err(bad[1])
+                .to_string();
+            assert!(err.contains(key) && err.contains("model dtype"), "{err}");
+        }
     }
 }

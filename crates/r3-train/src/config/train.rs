@@ -139,8 +139,9 @@ pub struct RolloutConfig {
     /// Rollout engine precision: `f16` (fast inference path), `bf16` (weights and activations
     /// in bf16 where SGLang / vLLM keep them) or `f32`. Default `f16`.
     pub dtype: String,
-    /// Rollout router precision: `bf16` / `model` (the gate in the engine dtype, as vLLM and
-    /// SGLang run it) or `f32` (an fp32 router). Default `model`.
+    /// Rollout router precision: `model` (the gate in the engine dtype, as vLLM and SGLang
+    /// run it; `rollout.dtype`'s own name says the same) or `f32` (an fp32 router); another
+    /// dtype's name is refused. Default `model`.
     pub router_dtype: String,
     /// What the rollout engine's KV cache holds keys and values in: `auto` (the engine's
     /// dtype, as SGLang's and vLLM's caches do), `f32`, `f16` or `bf16` for the CPU engine;

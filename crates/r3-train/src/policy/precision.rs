@@ -15,9 +15,9 @@ pub struct TrainPrecisionConfig {
     /// bf16, f32 accumulation, f32 master weights and optimiser) or `f16` (the same rounding
     /// points in f16, the FP16 paper's training side). Default `f32`.
     pub dtype: String,
-    /// Router logits in bf16 / f16 mode: `model` (or the dtype's name: the gate as a 16-bit
-    /// projection like every other) or `f32`
-    /// (Megatron's `moe_router_dtype = fp32`). Default `model`.
+    /// Router logits in bf16 / f16 mode: `model` (or `dtype`'s own name: the gate as a 16-bit
+    /// projection like every other) or `f32` (Megatron's `moe_router_dtype = fp32`); another
+    /// dtype's name is refused. Default `model`.
     pub router_dtype: String,
     /// Where the policy, its gradients and the optimiser live: `cpu`, `cuda` or `cuda:N`
     /// (needs a build with the `cuda` feature, `scripts/cuda/build.sh`). Default `cpu`.
@@ -166,22 +166,36 @@ impl TrainPrecisionConfig {
         }
     }
 
-    /// The forward precision these settings name; an unknown value is a config error.
+    /// The forward precision these settings name; an unknown value is a config error, and so
+    /// is a router dtype named `bf16` / `f16` that is not `train.dtype` (the router runs in
+    /// the training dtype or in f32, so another would be silently replaced).
     pub fn precision(&self) -> Result<Precision> {
         let bad = |field: &'static str, reason: String| TrainError::InvalidConfig { field, reason };
+        let dtype = self.dtype.as_str();
         let router_f32 = match self.router_dtype.as_str() {
-            "model" | "bf16" | "f16" => false,
+            "model" => false,
             "f32" => true,
+            named @ ("bf16" | "f16") if named == dtype => false,
+            named @ ("bf16" | "f16") => {
+                return Err(bad(
+                    "train.router_dtype",
+                    format!(
+                        "`{named}` is not train.dtype (`{dtype}`): the router runs in the \
+                         model dtype (`model`, here `{dtype}`) or in `f32`"
+                    ),
+                ))
+            }
             other => {
                 return Err(bad(
                     "train.router_dtype",
                     format!(
-                        "`{other}` must be `model` (the training dtype, `bf16`/`f16`) or `f32`"
+                        "`{other}` must be `model` (the training dtype, or its name: `bf16` / \
+                         `f16`) or `f32`"
                     ),
                 ))
             }
         };
-        match self.dtype.as_str() {
+        match dtype {
             "f32" => Ok(Precision::F32),
             "bf16" => Ok(Precision::Bf16 { router_f32 }),
             "f16" => Ok(Precision::F16 { router_f32 }),
@@ -222,6 +236,35 @@ mod tests {
         );
         assert!(cfg("f8", "model").precision().is_err());
         assert!(cfg("bf16", "f8").precision().is_err());
+        assert_eq!(
+            cfg("f16", "f16").precision().ok(),
+            Some(Precision::F16 { router_f32: false })
+        );
+    }
+
+    /// A router dtype named `bf16` / `f16` that is not the training dtype would be replaced
+    /// by it (a bf16 router in f16 training, an f32 router in f32 training): refused, naming
+    /// the key and the dtypes the router can run in.
+    #[test]
+    fn a_named_router_dtype_must_be_the_training_dtype() {
+        for (dtype, router) in [
+            ("bf16", "f16"),
+            ("f16", "bf16"),
+            ("f32", "bf16"),
+            ("f32", "f16"),
+        ] {
+            let cfg = TrainPrecisionConfig {
+                dtype: dtype.into(),
+                router_dtype: router.into(),
+                ..TrainPrecisionConfig::default()
+            };
+            let err = cfg.precision().expect_err(router).to_string();
+            assert!(err.contains("train.router_dtype"), "{err}");
+            assert!(
+                err.contains("model dtype") && err.contains("`f32`"),
+                "{err}"
+            );
+        }
     }
 
     /// `auto` holds copies in bf16 / f16 off the CPU only; `on` holds them in bf16 / f16

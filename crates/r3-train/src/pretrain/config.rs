@@ -36,13 +36,13 @@ pub struct PretrainConfig {
     pub difficulties: Vec<u32>,
     /// Difficulty of the held-out evaluation (the RL difficulty). Default 2.
     pub eval_difficulty: u32,
-    /// Evaluate every N steps (and at the end); 0 = only at the end. Default 500.
+    /// Evaluate every N steps (and at the end); 0 = only at the end. Default 150.
     pub eval_every: u64,
     /// Held-out problems (same set as `r3 train`'s eval with equal size and seed). Default 200.
     pub eval_size: usize,
     /// Seed of the held-out set. Default 1234.
     pub eval_seed: u64,
-    /// Tokens generated per eval answer at most. Default 64.
+    /// Tokens generated per eval answer at most. Default 40.
     pub max_new_tokens: usize,
     /// Log the loss every N steps. Default 50.
     pub log_every: u64,
@@ -148,7 +148,8 @@ impl Default for PretrainConfig {
             eval_every: 150,
             eval_size: 200,
             eval_seed: 1234,
-            max_new_tokens: 64,
+            // configs/pretrain.toml's value: `r3 pretrain` without `--config` runs its recipe.
+            max_new_tokens: 40,
             log_every: 50,
             model: ModelShape::default(),
             corpus: Corpus::Arithmetic,
@@ -240,5 +241,26 @@ impl PretrainConfig {
     /// The HF `config.json` of the model for a vocabulary of `vocab_size` tokens.
     pub fn hf_config(&self, vocab_size: usize) -> serde_json::Value {
         self.model.hf_config(vocab_size)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `r3 pretrain` without `--config` runs "the documented values of
+    /// configs/pretrain.toml": the defaults are that file resolved, field by field (paths
+    /// masked), so a value changed in one and not the other fails here.
+    #[test]
+    fn defaults_are_the_shipped_pretrain_toml() {
+        let toml = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/pretrain.toml");
+        let mut shipped = PretrainConfig::resolve(Some(&toml), &[]).expect("configs/pretrain.toml");
+        let mut defaults = PretrainConfig::default();
+        for cfg in [&mut shipped, &mut defaults] {
+            cfg.out_dir = PathBuf::new();
+        }
+        let as_toml = |c: &PretrainConfig| toml::to_string(c).expect("serialize");
+        assert_eq!(as_toml(&defaults), as_toml(&shipped));
+        assert_eq!(defaults, shipped);
     }
 }
