@@ -9,8 +9,8 @@
 //! check and stale replies are the worker's: it is taken out and the request goes to another
 //! worker — unless a second worker gives the same answer (same status and body, or the same
 //! check failing the same way), which makes it the request's fault again. Where no other
-//! worker could take the retry (a fleet of one), the same worker is asked once more, and the
-//! same answer from it twice is the request's fault: it stays up. Answers that say
+//! worker could take the retry (a fleet of one), an HTTP error answer is asked of the same
+//! worker once more, and the same answer from it twice is the request's fault: it stays up. Answers that say
 //! nothing about the request never count as the same answer: refusals, timeouts, stale
 //! replies, 401 / 403 / 404 / 405 / 407 / 408 / 429, the gateway answers 502 / 503 / 504 (an
 //! ingress gives every one the same generic body) and a body that reads as out of memory.

@@ -626,7 +626,11 @@ fn handle_fault(
             error: Box::new(fault),
         });
     }
-    if answer.is_some() && !shared.pool().another_up(w, &tries.avoid) {
+    // Only an HTTP error answer: a reply failing r3's checks from the only worker is more
+    // likely that worker's bug than the request's (it would fail again the same way), so it
+    // takes the worker out and fails the batch, as before, rather than drop groups quietly.
+    let http_answer = matches!(fault, FleetError::Status { .. }) && answer.is_some();
+    if http_answer && !shared.pool().another_up(w, &tries.avoid) {
         return retry_on_the_last_worker(shared, index, w, fault, answer, tries, counters);
     }
     tracing::warn!(request = index, attempt = tries.attempts, error = %fault, "rollout request failed; retrying on another worker");
@@ -651,9 +655,9 @@ fn handle_fault(
 
 /// [`handle_fault`] where no other worker could take the retry (a fleet of one, or every
 /// other worker out or already tried): taking `w` out would leave the request, and every
-/// request after it, no worker at all. An answer about the request is asked of `w` once
-/// more instead, and the same answer from it twice is the request's fault (as the same
-/// answer from two workers is); `w` stays up either way. A worker broken for every request
+/// request after it, no worker at all. An HTTP error answer about the request (a 500 with
+/// its body, say) is asked of `w` once more instead, and the same answer from it twice is
+/// the request's fault (as the same answer from two workers is); `w` stays up either way. A worker broken for every request
 /// then fails each request alone, as a request fault, where before it failed the batch.
 fn retry_on_the_last_worker(
     shared: &Shared,

@@ -12,8 +12,8 @@
 //! the handler's future is dropped and the engine aborts the request (SGLang's tokenizer
 //! manager polls `is_disconnected` likewise): every [`PEER_CHECK`] the socket of a
 //! connection with a request in flight is peeked. A reset means the client is gone. The end
-//! of its stream alone could be a half-close, so the connection is probed once per request
-//! with an interim `100 Continue` (HTTP/1.1 clients skip 1xx responses before the final
+//! of its stream alone could be a half-close, so the connection's first request is probed
+//! once with an interim `100 Continue` (HTTP/1.1 clients skip 1xx responses before the final
 //! one): a client that closed its socket answers it with a reset, one that half-closed
 //! reads on and gets its answer.
 
@@ -582,7 +582,11 @@ impl PeerWatch {
         }
         // The client's stream ended: gone, or half-closed and waiting for its answer.
         let request = conn.unanswered.load(Ordering::Acquire);
-        if request == 0 || request == self.probed || !conn.interim_ok.load(Ordering::Acquire) {
+        // Only a connection's first request is probed: behind a later one hyper may still
+        // hold bytes of the response before it (it reads the next request once a response is
+        // buffered, not sent), and the probe, written beside hyper, would land inside them.
+        // Clients that half-close send one request per connection.
+        if request != 1 || request == self.probed || !conn.interim_ok.load(Ordering::Acquire) {
             return Peer::Present;
         }
         match (&*socket).write(PROBE) {

@@ -3,14 +3,13 @@
 //! request that is certainly still running, and a request that ends while it is closed was
 //! ended by the server (aborted), never by the engine.
 
-use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use r3_rollout::prefix_cache::PrefixCacheStats;
-use r3_rollout::{GenerateRequest, GenerateResult, PartialRollout, RequestId, RolloutError};
-use r3_server::{InferenceBackend, MemoryRegions, ModelSummary, StagedWeights, WeightStager};
+use r3_server::InferenceBackend;
+
+use crate::paced::{BeforeStep, Hooked};
 
 /// The test's side of the gate.
 #[derive(Clone, Default)]
@@ -43,85 +42,22 @@ impl Drop for OpenOnDrop {
     }
 }
 
-/// `inner`, stepping only once its gate is open.
-pub struct Gated<B> {
-    inner: B,
-    gate: Gate,
-}
-
-impl<B: InferenceBackend> Gated<B> {
-    pub fn new(inner: B, gate: Gate) -> Self {
-        Gated { inner, gate }
-    }
-}
-
-impl<B: InferenceBackend> InferenceBackend for Gated<B> {
-    fn summary(&self) -> ModelSummary {
-        self.inner.summary()
-    }
-
-    fn submit(&mut self, req: GenerateRequest) -> Result<RequestId, RolloutError> {
-        self.inner.submit(req)
-    }
-
-    fn step(&mut self) -> Result<Vec<GenerateResult>, RolloutError> {
-        if !self.gate.is_open() {
+impl BeforeStep for Gate {
+    fn before_step(&mut self, _in_flight: usize) -> bool {
+        if !self.is_open() {
             std::thread::sleep(Duration::from_millis(1));
-            return Ok(Vec::new());
         }
-        self.inner.step()
+        self.is_open()
     }
+}
 
-    fn in_flight(&self) -> usize {
-        self.inner.in_flight()
-    }
+/// `inner`, stepping only once its gate is open.
+pub type Gated<B> = Hooked<B, Gate>;
 
-    fn abort(&mut self, id: RequestId) -> Result<Option<PartialRollout>, RolloutError> {
-        self.inner.abort(id)
-    }
-
-    fn update_weights_from_dir(&mut self, dir: &Path) -> Result<u64, RolloutError> {
-        self.inner.update_weights_from_dir(dir)
-    }
-
-    fn weight_version(&self) -> u64 {
-        self.inner.weight_version()
-    }
-
-    fn weight_stager(&self) -> Option<WeightStager> {
-        self.inner.weight_stager()
-    }
-
-    fn swap_weights(&mut self, staged: StagedWeights) -> Result<u64, RolloutError> {
-        self.inner.swap_weights(staged)
-    }
-
-    fn prefix_cache_stats(&self) -> Option<PrefixCacheStats> {
-        self.inner.prefix_cache_stats()
-    }
-
-    fn queue_lengths(&self) -> (usize, usize) {
-        self.inner.queue_lengths()
-    }
-
-    fn generated_tokens(&self, id: RequestId) -> Option<Vec<u32>> {
-        self.inner.generated_tokens(id)
-    }
-
-    fn flush_cache(&mut self) -> usize {
-        self.inner.flush_cache()
-    }
-
-    fn retract_all(&mut self) -> usize {
-        self.inner.retract_all()
-    }
-
-    fn release_memory(&mut self, regions: MemoryRegions) -> Result<Option<usize>, RolloutError> {
-        self.inner.release_memory(regions)
-    }
-
-    fn resume_memory(&mut self, regions: MemoryRegions) -> Result<(), RolloutError> {
-        self.inner.resume_memory(regions)
+impl<B: InferenceBackend> Hooked<B, Gate> {
+    /// `inner` behind `gate`.
+    pub fn new(inner: B, gate: Gate) -> Self {
+        Hooked::with_hook(inner, gate)
     }
 }
 

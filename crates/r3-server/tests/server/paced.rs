@@ -1,4 +1,4 @@
-//! Any backend slowed to a steady pace: for tests that must act while a request is still
+//! Any backend with a hook before each step ([`Hooked`]); [`Paced`] slows it to a steady pace: for tests that must act while a request is still
 //! running (pause it, retract it, drop its client). On the fixture models a request of a
 //! hundred tokens takes a few milliseconds, so under CPU contention the engine could finish
 //! it before the server saw the test's next move; paced, n tokens take at least n steps of
@@ -11,20 +11,51 @@ use r3_rollout::prefix_cache::PrefixCacheStats;
 use r3_rollout::{GenerateRequest, GenerateResult, PartialRollout, RequestId, RolloutError};
 use r3_server::{InferenceBackend, MemoryRegions, ModelSummary, StagedWeights, WeightStager};
 
-/// `inner`, sleeping `pace` before every step that has requests in flight.
-pub struct Paced<B> {
-    inner: B,
-    pace: Duration,
+/// What a [`Hooked`] backend does before each step: `true` lets the step run, `false` makes
+/// it a step with no results (the requests in flight stay in flight).
+pub trait BeforeStep {
+    fn before_step(&mut self, in_flight: usize) -> bool;
 }
 
-impl<B: InferenceBackend> Paced<B> {
-    /// `inner` at one step per `pace` at most.
-    pub fn new(inner: B, pace: Duration) -> Self {
-        Paced { inner, pace }
+/// A pace: sleeps its duration before every step that has requests in flight.
+pub struct Pace(pub Duration);
+
+impl BeforeStep for Pace {
+    fn before_step(&mut self, in_flight: usize) -> bool {
+        if in_flight > 0 {
+            std::thread::sleep(self.0);
+        }
+        true
     }
 }
 
-impl<B: InferenceBackend> InferenceBackend for Paced<B> {
+/// `inner` with `hook` run before each of its steps; everything else is `inner`'s own.
+pub struct Hooked<B, H> {
+    inner: B,
+    hook: H,
+}
+
+/// `inner`, sleeping its pace before every step that has requests in flight.
+pub type Paced<B> = Hooked<B, Pace>;
+
+impl<B: InferenceBackend> Hooked<B, Pace> {
+    /// `inner` at one step per `pace` at most.
+    pub fn new(inner: B, pace: Duration) -> Self {
+        Hooked {
+            inner,
+            hook: Pace(pace),
+        }
+    }
+}
+
+impl<B: InferenceBackend, H> Hooked<B, H> {
+    /// `inner` with `hook` before each step.
+    pub fn with_hook(inner: B, hook: H) -> Self {
+        Hooked { inner, hook }
+    }
+}
+
+impl<B: InferenceBackend, H: BeforeStep + Send + 'static> InferenceBackend for Hooked<B, H> {
     fn summary(&self) -> ModelSummary {
         self.inner.summary()
     }
@@ -34,8 +65,8 @@ impl<B: InferenceBackend> InferenceBackend for Paced<B> {
     }
 
     fn step(&mut self) -> Result<Vec<GenerateResult>, RolloutError> {
-        if self.inner.in_flight() > 0 {
-            std::thread::sleep(self.pace);
+        if !self.hook.before_step(self.inner.in_flight()) {
+            return Ok(Vec::new());
         }
         self.inner.step()
     }
