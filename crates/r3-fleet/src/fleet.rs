@@ -657,8 +657,9 @@ fn handle_fault(
 /// other worker out or already tried): taking `w` out would leave the request, and every
 /// request after it, no worker at all. An HTTP error answer about the request (a 500 with
 /// its body, say) is asked of `w` once more instead, and the same answer from it twice is
-/// the request's fault (as the same answer from two workers is); `w` stays up either way. A worker broken for every request
-/// then fails each request alone, as a request fault, where before it failed the batch.
+/// the request's fault (as the same answer from two workers is); `w` stays up either way.
+/// A worker broken for every request then fails each request alone, as a request fault,
+/// where before it failed the batch.
 fn retry_on_the_last_worker(
     shared: &Shared,
     index: usize,
