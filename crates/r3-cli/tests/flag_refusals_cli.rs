@@ -45,6 +45,23 @@ fn assert_refused(out: &Output, needles: &[&str]) {
     }
 }
 
+/// `r3 generate` of one token from `model` with `--dtype dtype --router-dtype router`.
+fn generate_args<'a>(model: &'a str, dtype: &'a str, router: &'a str) -> [&'a str; 11] {
+    [
+        "generate",
+        "--model",
+        model,
+        "--input-ids",
+        "1,2",
+        "--max-new-tokens",
+        "1",
+        "--dtype",
+        dtype,
+        "--router-dtype",
+        router,
+    ]
+}
+
 /// `--router-dtype bf16` beside `--dtype f32` (or f16) ran an f32 (f16) router, the same
 /// output as `--router-dtype f32`: refused. The engine's own dtype and `f32` still run.
 #[test]
@@ -52,20 +69,10 @@ fn generate_and_serve_refuse_a_router_dtype_that_is_not_the_engines() {
     let model = shipped();
     let model = model.to_str().expect("utf-8 path");
     for (dtype, router) in [("f32", "bf16"), ("f16", "bf16"), ("bf16", "f16")] {
-        let generate = [
-            "generate",
-            "--model",
-            model,
-            "--input-ids",
-            "1,2",
-            "--max-new-tokens",
-            "1",
-            "--dtype",
-            dtype,
-            "--router-dtype",
-            router,
-        ];
-        assert_refused(&r3(&generate), &["--router-dtype", "model dtype", dtype]);
+        assert_refused(
+            &r3(&generate_args(model, dtype, router)),
+            &["--router-dtype", "model dtype", dtype],
+        );
         let serve = [
             "serve",
             "--model",
@@ -80,19 +87,7 @@ fn generate_and_serve_refuse_a_router_dtype_that_is_not_the_engines() {
         assert_refused(&r3(&serve), &["--router-dtype", "model dtype", dtype]);
     }
     for (dtype, router) in [("bf16", "bf16"), ("f32", "f32"), ("f16", "model")] {
-        let out = r3(&[
-            "generate",
-            "--model",
-            model,
-            "--input-ids",
-            "1,2",
-            "--max-new-tokens",
-            "1",
-            "--dtype",
-            dtype,
-            "--router-dtype",
-            router,
-        ]);
+        let out = r3(&generate_args(model, dtype, router));
         assert!(
             out.status.success(),
             "{dtype}/{router}: {}",

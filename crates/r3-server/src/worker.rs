@@ -216,6 +216,10 @@ struct Book {
     /// it, and further updates, each pending in turn (SGLang's updates queue on its lock).
     /// Empty while no update is pending.
     held: VecDeque<Held>,
+    /// Batch answers ready to go, sent by the next `publish` right after the counters: a
+    /// client that reads `/v1/loads` once answered never sees its own request still
+    /// counted as running or waiting, nor missing from the finished ones.
+    answers: Vec<(BatchReply, Result<Vec<Finished>, ApiError>)>,
 }
 
 /// A command held back while an update is pending.
@@ -279,6 +283,7 @@ impl EngineHandle {
             stats: Arc::clone(&stats),
             pending_update: None,
             held: VecDeque::new(),
+            answers: Vec::new(),
         };
         let thread = std::thread::Builder::new()
             .name("r3-engine".into())
@@ -448,10 +453,6 @@ fn run<B: InferenceBackend>(
             continue;
         }
         let outcome = catch_unwind(AssertUnwindSafe(|| backend.step()));
-        // The queues as the step left them are published before any answer goes out, so a
-        // client that reads `/v1/loads` right after its answer never counts its own finished
-        // request as running (the counters below follow once the answers are sent).
-        book.publish(&backend, |_| {});
         match outcome {
             Ok(Ok(results)) => book.finish(results),
             Ok(Err(e)) => book.fail_named(&mut backend, e),
@@ -473,8 +474,25 @@ impl Book {
         self.paused || self.released.holds_steps()
     }
 
-    /// Refreshes the shared counters from the backend (and `more`).
-    fn publish<B: InferenceBackend>(&self, backend: &B, more: impl FnOnce(&mut WorkerStats)) {
+    /// Refreshes the shared counters from the backend (and `more`), then sends the batch
+    /// answers that were waiting for them.
+    fn publish<B: InferenceBackend>(&mut self, backend: &B, more: impl FnOnce(&mut WorkerStats)) {
+        self.publish_counters(backend, more);
+        for (reply, answer) in self.answers.drain(..) {
+            let _ = reply.send(answer);
+        }
+    }
+
+    /// Queues `answer` for batch `reply`'s client, sent by the next `publish`.
+    fn answer(&mut self, reply: BatchReply, answer: Result<Vec<Finished>, ApiError>) {
+        self.answers.push((reply, answer));
+    }
+
+    fn publish_counters<B: InferenceBackend>(
+        &self,
+        backend: &B,
+        more: impl FnOnce(&mut WorkerStats),
+    ) {
         let (waiting, running) = backend.queue_lengths();
         let held = self.held_requests();
         let mut s = self.stats.lock().unwrap_or_else(PoisonError::into_inner);
@@ -510,6 +528,7 @@ impl Book {
                 } else {
                     self.submit(backend, jobs, reply, progress);
                 }
+                self.publish(backend, |_| {});
             }
             Command::UpdateWeights {
                 staged,
@@ -709,7 +728,7 @@ impl Book {
                             HeldJob::Waiting(_) => None,
                         })
                         .collect();
-                    let _ = b.reply.send(Ok(results));
+                    self.answers.push((b.reply, Ok(results)));
                 }
                 other => kept.push_back(other),
             }
@@ -810,9 +829,12 @@ impl Book {
             HeldJob::Aborted { .. } => None,
         });
         if let Some(rid) = duplicate_rid(to_run, &self.by_rid) {
-            let _ = reply.send(Err(ApiError::bad_request(format!(
-                "rid {rid:?} is already in flight or repeated in the batch"
-            ))));
+            self.answer(
+                reply,
+                Err(ApiError::bad_request(format!(
+                    "rid {rid:?} is already in flight or repeated in the batch"
+                ))),
+            );
             return;
         }
         let mut ids: Vec<Option<RequestId>> = Vec::with_capacity(total);
@@ -847,7 +869,7 @@ impl Book {
                     } else {
                         err
                     };
-                    let _ = reply.send(Err(err));
+                    self.answer(reply, Err(err));
                     return;
                 }
             }
@@ -999,7 +1021,7 @@ impl Book {
         }
         if let Some(b) = self.batches.remove(&batch) {
             let results: Vec<Finished> = b.results.into_iter().flatten().collect();
-            let _ = b.reply.send(Ok(results));
+            self.answer(b.reply, Ok(results));
         }
     }
 
@@ -1161,13 +1183,12 @@ impl Book {
         let message = format!("engine step failed: {}", err.message);
         // A step that ran the device out of memory is a 503 (retry later, or smaller);
         // any other failed step is the server's fault.
-        let _ = b.reply.send(Err(
-            if err.status == axum::http::StatusCode::SERVICE_UNAVAILABLE {
-                ApiError::unavailable(message)
-            } else {
-                ApiError::internal(message)
-            },
-        ));
+        let answer = if err.status == axum::http::StatusCode::SERVICE_UNAVAILABLE {
+            ApiError::unavailable(message)
+        } else {
+            ApiError::internal(message)
+        };
+        self.answer(b.reply, Err(answer));
         dropped
     }
 

@@ -66,9 +66,9 @@ impl Engine {
         }
     }
 
-    /// Gives back a hold of [`Engine::hold_peeked_prefix`].
-    fn release_hold(&mut self, hold: PrefixLease) {
-        if let Some(cache) = self.cache.as_mut() {
+    /// Gives back a hold of [`Engine::hold_peeked_prefix`], if one was taken.
+    fn release_hold(&mut self, hold: Option<PrefixLease>) {
+        if let (Some(cache), Some(hold)) = (self.cache.as_mut(), hold) {
             drop(cache.release(hold));
         }
     }
@@ -124,10 +124,17 @@ impl Engine {
             // peeked chain is held: eviction takes other blocks, and the request attaches
             // the prefix its plan counted. (Evicting that chain would free a block and add
             // one to the need for each, so it could never make room, only lose the prefix.)
-            let hold = self.hold_peeked_prefix(&seq);
+            // The hold is taken only once eviction is needed: most admissions fit without.
+            let mut hold = None;
             loop {
                 let (have, need) = (self.pool.available(), self.admission_need(&seq));
-                if have >= need || !self.evict_cached(need - have) {
+                if have >= need {
+                    break;
+                }
+                if hold.is_none() {
+                    hold = Some(self.hold_peeked_prefix(&seq));
+                }
+                if !self.evict_cached(need - have) {
                     break;
                 }
             }

@@ -3,7 +3,8 @@
 //! waiting, abortable by rid, by abort-all and by a pause with mode abort (answered as an
 //! aborted queued request, in job order) and dropped when their client goes; a second update
 //! queues behind the first instead of replacing it, every caller gets its own answer, and a
-//! refused update lets what it held run on the old weights. The engine is gated, so nothing
+//! refused update lets what it held run on the old weights; and the counters are published
+//! before the answers they count. The engine is gated, so nothing
 //! finishes before the test opens the gate: every check is deterministic.
 
 use std::future::Future;
@@ -68,6 +69,16 @@ impl Worker {
             })
             .collect();
         self.handle.start(jobs, None).expect("sent")
+    }
+
+    /// Starts request `long` (4 greedy tokens) and waits until it runs: the gate is
+    /// closed, so it stays in flight and an update sent next is held behind it.
+    fn start_long(&self) -> BatchAnswer {
+        let long = self.start(&[("long", &[3])], 4);
+        wait_for("the long request to run", || {
+            self.handle.stats().running == 1
+        });
+        long
     }
 
     /// Sends an update from `dir` labelled `label`; it is pending (or applied) once this
@@ -138,8 +149,7 @@ fn assert_aborted_unstarted(f: &Finished, prompt_len: usize) {
 #[test]
 fn held_requests_count_as_waiting_and_abort_by_rid_and_a_second_update_queues() {
     let w = Worker::new();
-    let long = w.start(&[("long", &[3])], 4);
-    wait_for("the long request to run", || w.handle.stats().running == 1);
+    let long = w.start_long();
     let first = w.update(&w.good, "v1");
     assert_eq!(w.handle.stats().updates_waiting, 1);
     // Held behind the update: counted as waiting (what /get_load, /v1/loads and
@@ -185,8 +195,7 @@ fn held_requests_count_as_waiting_and_abort_by_rid_and_a_second_update_queues() 
 #[test]
 fn abort_all_answers_held_batches_at_once_in_job_order() {
     let w = Worker::new();
-    let long = w.start(&[("long", &[3])], 4);
-    wait_for("the long request to run", || w.handle.stats().running == 1);
+    let long = w.start_long();
     let update = w.update(&w.good, "v1");
     let held = w.start(&[("h0", &[4, 5, 6]), ("h1", &[7])], 3);
     w.wait_waiting(2);
@@ -205,8 +214,7 @@ fn abort_all_answers_held_batches_at_once_in_job_order() {
 #[test]
 fn pause_with_abort_aborts_held_batches_too() {
     let w = Worker::new();
-    let long = w.start(&[("long", &[3])], 4);
-    wait_for("the long request to run", || w.handle.stats().running == 1);
+    let long = w.start_long();
     let update = w.update(&w.good, "v1");
     let held = w.start(&[("h0", &[4]), ("h1", &[5])], 3);
     w.wait_waiting(2);
@@ -230,8 +238,7 @@ fn pause_with_abort_aborts_held_batches_too() {
 #[test]
 fn a_refused_update_lets_its_held_batches_run_on_the_old_weights() {
     let w = Worker::new();
-    let long = w.start(&[("long", &[3])], 4);
-    wait_for("the long request to run", || w.handle.stats().running == 1);
+    let long = w.start_long();
     let refused = w.update(&w.bad, "v1");
     let held = w.start(&[("h0", &[4])], 3);
     w.wait_waiting(1);
@@ -253,8 +260,7 @@ fn a_refused_update_lets_its_held_batches_run_on_the_old_weights() {
 #[test]
 fn a_held_batch_whose_client_leaves_is_dropped() {
     let w = Worker::new();
-    let long = w.start(&[("long", &[3])], 4);
-    wait_for("the long request to run", || w.handle.stats().running == 1);
+    let long = w.start_long();
     let update = w.update(&w.good, "v1");
     let held = w.start(&[("h0", &[4]), ("h1", &[5])], 3);
     w.wait_waiting(2);
@@ -289,4 +295,23 @@ fn a_dropped_answer_aborts_its_request_while_the_worker_waits_for_commands() {
         let s = w.handle.stats();
         s.waiting + s.running == 0 && s.finished_requests == 1
     });
+}
+
+/// The counters a client reads right after its answer already count its requests as ended
+/// and no longer running: the worker publishes them before it sends the answers of a step.
+#[test]
+fn a_batch_answered_is_already_counted_as_ended() {
+    let w = Worker::new();
+    w.gate.open();
+    for round in 0..300u64 {
+        let (a, b) = (format!("a{round}"), format!("b{round}"));
+        let answer = w.answer(w.start(&[(&a, &[3]), (&b, &[4, 5])], 1 + round as usize % 3));
+        let s = w.handle.stats();
+        assert_eq!(answer.len(), 2);
+        assert_eq!(
+            (s.running, s.waiting, s.finished_requests),
+            (0, 0, 2 * (round + 1)),
+            "round {round}"
+        );
+    }
 }
