@@ -36,13 +36,13 @@ pub enum Backend {
     Fleet(FleetRollout),
 }
 
-/// Parses the rollout router precision (`bf16` / `model` or `f32`).
-pub fn rollout_router_dtype(text: &str) -> Result<RouterDtype> {
-    text.parse::<RouterDtype>()
-        .map_err(|source| TrainError::RolloutDtype {
-            text: text.to_string(),
-            source: Box::new(source),
-        })
+/// Parses the rollout router precision for an engine computing in `engine`: `model` or
+/// `engine`'s own name, or `f32`; another dtype's name is refused ([`RouterDtype::parse_for`]).
+pub fn rollout_router_dtype(text: &str, engine: Dtype) -> Result<RouterDtype> {
+    RouterDtype::parse_for(text, engine).map_err(|source| TrainError::RolloutDtype {
+        text: text.to_string(),
+        source: Box::new(source),
+    })
 }
 
 /// Parses the rollout precision (`f16`, `bf16` or `f32`).
@@ -67,9 +67,10 @@ pub fn engine_config(cfg: &TrainConfig) -> Result<EngineConfig> {
                 reason: format!("{mib} MiB is past a byte count this machine can hold"),
             })
     };
+    let dtype = rollout_dtype(&r.dtype)?;
     Ok(EngineConfig {
-        dtype: rollout_dtype(&r.dtype)?,
-        router_dtype: rollout_router_dtype(&r.router_dtype)?,
+        dtype,
+        router_dtype: rollout_router_dtype(&r.router_dtype, dtype)?,
         kv_cache_dtype: r.kv_cache_dtype.parse().map_err(TrainError::Rollout)?,
         max_running: r.max_running,
         kv_cache_bytes: bytes("rollout.kv_cache_mib", r.kv_cache_mib)?,
