@@ -5,11 +5,12 @@
 //! by the temperature).
 //!
 //! The reported log-prob is SGLang's (python/sglang/srt/layers/sampler.py): with `l` the row
-//! the sampler reads (the logits after penalties and bias), a sampled request's (T > 0) is
+//! the sampler reads (the logits after penalties and bias), a sampled request's is
 //! `log softmax(l / T)[token]` — the distribution the token was drawn from, before
 //! top-k / top-p / min-p truncation ([`LogprobScale::Sampling`], the default) — or
 //! `log softmax(l)[token]` at any temperature ([`LogprobScale::Raw`], SGLang's
-//! `SGLANG_RETURN_ORIGINAL_LOGPROB`); a greedy request's is `log softmax(l)[token]` in both.
+//! `SGLANG_RETURN_ORIGINAL_LOGPROB`); a greedy request's ([`samples_greedily`]) is
+//! `log softmax(l)[token]` in both.
 //! Top log-probs come from the same distribution. A trainer comparing with the rollout
 //! divides its logits by the rollout temperature under Sampling, or asks for Raw.
 
@@ -27,7 +28,7 @@ use crate::kernels::ops::{fast_exp, lane_sum, log_softmax_at, row_max};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct SamplingParams {
-    /// Softmax temperature; 0 means greedy (argmax).
+    /// Softmax temperature; below [`GREEDY_TEMPERATURE`] (0 included) means greedy (argmax).
     pub temperature: f32,
     /// Nucleus sampling mass in (0, 1]; 1 disables it.
     pub top_p: f32,
@@ -45,7 +46,8 @@ pub struct SamplingParams {
     pub frequency_penalty: f32,
     /// Subtracted from the logit of every token that occurs in the output.
     pub presence_penalty: f32,
-    /// Divides positive (multiplies negative) logits of tokens in the prompt or output; 1 = off.
+    /// Divides positive (multiplies negative) logits of tokens in the output (not the prompt,
+    /// as SGLang's repetition penalizer); 1 = off.
     pub repetition_penalty: f32,
     /// Stop ids cannot be sampled before this many tokens were generated.
     pub min_new_tokens: usize,
@@ -238,17 +240,24 @@ pub fn full_vocabulary_draw(rng: &mut ChaCha8Rng) -> f64 {
 }
 
 /// Whether [`sample`] takes its full-vocabulary branch for `params` over `vocab` columns
-/// (a temperature above 0, no top-k below the vocabulary, top-p or min-p): the branch a
+/// (not greedy, no top-k below the vocabulary, top-p or min-p): the branch a
 /// device can run as [`sample_row`] with [`full_vocabulary_draw`]'s uniform.
 pub fn samples_full_vocabulary(params: &SamplingParams, vocab: usize) -> bool {
     !samples_greedily(params) && !truncates(params, vocab)
 }
 
-/// Whether [`sample`] takes its argmax branch: temperature 0, top-k 1, or a temperature so
-/// small that `1 / T` is infinite in f32 (its limit; dividing by it would make the largest
-/// logit's `(z − max) / T` a NaN).
+/// Temperatures below this sample greedily: SGLang's `_SAMPLING_EPS`
+/// (python/sglang/srt/sampling/sampling_params.py), under which its `__post_init__` turns a
+/// request into temperature 1 with top-k 1.
+pub const GREEDY_TEMPERATURE: f32 = 1e-6;
+
+/// Whether [`sample`] takes its argmax branch: a temperature below [`GREEDY_TEMPERATURE`]
+/// (0 included) or top-k 1, as SGLang decides. Such a request's log-probs are the raw ones
+/// (SGLang's are at the temperature 1 it substitutes), and it takes no draw from its stream.
+/// Below the threshold `1 / T` could also overflow f32 once multiplied by a logit, making
+/// the scaled row's largest value infinite and its exponentials NaN.
 pub fn samples_greedily(params: &SamplingParams) -> bool {
-    params.temperature == 0.0 || params.top_k == 1 || !(1.0 / params.temperature).is_finite()
+    params.temperature < GREEDY_TEMPERATURE || params.top_k == 1
 }
 
 /// Whether sampling keeps only part of the vocabulary (top-k below it, top-p, min-p).
@@ -309,6 +318,15 @@ pub fn argmax(logits: &[f32]) -> usize {
     best
 }
 
+/// Samples from the part of `softmax(logits / T)` top-k, top-p and min-p keep, with one
+/// uniform from `rng`. Without min-p, top-k and top-p cut jointly, as SGLang's default
+/// sampler does (flashinfer's `top_k_top_p_sampling_from_probs` with
+/// `filter_apply_order="joint"`, and its pytorch backend): a token is kept when fewer than
+/// `top_k` tokens rank above it and the mass of the whole distribution above it is below
+/// `top_p`. With min-p they cut one after the other, as SGLang's flashinfer min-p path
+/// (`top_k_renorm_prob`, then `top_p_renorm_prob` on what top-k kept, then min-p): top-p's
+/// mass is then the top-k renormalised one. SGLang picks that path when any request of its
+/// batch has a min-p; r3 decides per request.
 fn sample_truncated(
     logits: &[f32],
     params: &SamplingParams,
@@ -328,6 +346,24 @@ fn sample_truncated(
     } else {
         params.top_k.min(scratch.len())
     };
+    // The top token survives every cut, so the whole row's largest value is the kept ones'.
+    let max = scratch
+        .iter()
+        .map(|p| p.0)
+        .fold(f32::NEG_INFINITY, f32::max);
+    let joint_top_p = params.top_p < 1.0 && params.min_p == 0.0;
+    // The whole distribution's normaliser, which joint top-p measures its mass against;
+    // summed before the top-k cut drops the tail.
+    let row_total = if joint_top_p && k < scratch.len() {
+        Some(
+            scratch
+                .iter()
+                .map(|p| fast_exp(p.0 - max) as f64)
+                .sum::<f64>(),
+        )
+    } else {
+        None
+    };
     // Descending by scaled logit; ties by id for determinism.
     let by_logit = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
     if k < scratch.len() {
@@ -335,21 +371,20 @@ fn sample_truncated(
         scratch.truncate(k);
     }
     scratch.sort_unstable_by(by_logit);
-    let max = scratch
-        .iter()
-        .map(|p| p.0)
-        .fold(f32::NEG_INFINITY, f32::max);
     let mut total = 0f64;
     for p in scratch.iter_mut() {
         p.0 = fast_exp(p.0 - max);
         total += p.0 as f64;
     }
     if params.top_p < 1.0 {
-        // Keep the smallest prefix whose mass reaches top_p (at least one token).
+        // Keep the smallest prefix whose mass reaches top_p (at least one token): a token
+        // stays while the mass ranked above it is below top_p, flashinfer's rule. The mass is
+        // of the whole row (joint) or of what top-k kept (with min-p).
+        let top_p_total = row_total.unwrap_or(total);
         let mut acc = 0f64;
         let mut keep = scratch.len();
         for (i, p) in scratch.iter().enumerate() {
-            acc += p.0 as f64 / total;
+            acc += p.0 as f64 / top_p_total;
             if acc >= params.top_p as f64 {
                 keep = i + 1;
                 break;
@@ -427,6 +462,108 @@ mod tests {
                 "the stream was drawn from"
             );
         }
+    }
+
+    /// SGLang's default joint top-k/top-p (the review's case): p = [0.30, 0.25, 0.20, 0.15,
+    /// 0.10], top-k 2, top-p 0.5. Token 1 has 0.30 of the whole row above it, below 0.5, so
+    /// both top tokens stay, drawn 0.30 : 0.25 (token 1 at 0.25 / 0.55 = 0.4545). Before,
+    /// top-p measured the top-k renormalised mass (token 0 alone 0.545 >= 0.5) and always
+    /// returned token 0.
+    #[test]
+    fn top_k_and_top_p_cut_jointly_on_the_whole_distribution() {
+        let logits: Vec<f32> = [0.30f32, 0.25, 0.20, 0.15, 0.10]
+            .iter()
+            .map(|p| p.ln())
+            .collect();
+        let p = SamplingParams {
+            top_k: 2,
+            top_p: 0.5,
+            ..Default::default()
+        };
+        let mut rng = ChaCha8Rng::seed_from_u64(21);
+        let mut s = SampleScratch::default();
+        let n = 4000;
+        let mut seen = [0usize; 5];
+        for _ in 0..n {
+            seen[sample(&logits, &p, &mut rng, &mut s).0 as usize] += 1;
+        }
+        assert_eq!(seen[2] + seen[3] + seen[4], 0, "{seen:?}");
+        let f1 = seen[1] as f64 / n as f64;
+        assert!(
+            (f1 - 0.25 / 0.55).abs() < 0.025,
+            "token 1 at {f1}: {seen:?}"
+        );
+        // Qwen3's recommended top-k 20, top-p 0.95 on a row whose top 20 hold 0.9 of the
+        // mass (0.045 each) and 80 more share the rest: every one of the 20 has at most
+        // 19 × 0.045 = 0.855 above it, below 0.95, so all 20 stay. Renormalised over the
+        // top 20 (each 0.05), top-p would have stopped at 19 tokens.
+        let mut logits = vec![(0.1f32 / 80.0).ln(); 100];
+        logits[..20].fill(0.045f32.ln());
+        let p = SamplingParams {
+            top_k: 20,
+            top_p: 0.95,
+            ..Default::default()
+        };
+        let mut seen = [0usize; 100];
+        for _ in 0..20_000 {
+            seen[sample(&logits, &p, &mut rng, &mut s).0 as usize] += 1;
+        }
+        assert!(seen[..20].iter().all(|&c| c > 0), "{:?}", &seen[..20]);
+        assert_eq!(seen[20..].iter().sum::<usize>(), 0);
+    }
+
+    /// With a min-p, top-p is measured on the top-k renormalised mass, SGLang's flashinfer
+    /// min-p path (`top_k_renorm_prob`, `top_p_renorm_prob`, then min-p): the case above at
+    /// min-p 0.01 renormalises to [0.545, 0.455], where token 0 alone reaches 0.5.
+    #[test]
+    fn with_min_p_top_p_cuts_what_top_k_kept() {
+        let logits: Vec<f32> = [0.30f32, 0.25, 0.20, 0.15, 0.10]
+            .iter()
+            .map(|p| p.ln())
+            .collect();
+        let p = SamplingParams {
+            top_k: 2,
+            top_p: 0.5,
+            min_p: 0.01,
+            ..Default::default()
+        };
+        let mut rng = ChaCha8Rng::seed_from_u64(21);
+        let mut s = SampleScratch::default();
+        for _ in 0..500 {
+            assert_eq!(sample(&logits, &p, &mut rng, &mut s).0, 0);
+        }
+    }
+
+    /// SGLang makes a temperature below 1e-6 greedy (temperature 1, top-k 1): T = 1e-7 on
+    /// [2.0, 1.5, 0.0] gives token 0 with the raw log-prob 2 − ln(e² + e^1.5 + 1) =
+    /// −0.554957 (before: 0.0, the row at T = 1e-7), raw top log-probs (token 1's
+    /// −1.054957), and no draw from the stream. At T = 1e-37 with top-k 3 on
+    /// [40, 39, 38, 0] the scaled logits overflowed to +inf and the truncating branch
+    /// returned its last kept token, 2; it is the argmax now. T = 2e-6 still samples.
+    #[test]
+    fn temperatures_below_sglangs_epsilon_are_greedy() {
+        let logits = [2.0f32, 1.5, 0.0];
+        let p = params(1e-7, 1.0, 0);
+        assert!(samples_greedily(&p));
+        assert_eq!(p.logprob_inv_temperature(), 1.0);
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let mut s = SampleScratch::default();
+        let (tok, lp) = sample(&logits, &p, &mut rng, &mut s);
+        assert_eq!(tok, 0);
+        assert!((f64::from(lp) - (-0.5549569196419908)).abs() < 1e-6, "{lp}");
+        let top = top_logprobs(&logits, 2, p.logprob_inv_temperature());
+        assert_eq!(top[1].0, 1);
+        assert!((f64::from(top[1].1) - (-1.0549569196419908)).abs() < 1e-6);
+        assert_eq!(
+            rng.random::<u64>(),
+            ChaCha8Rng::seed_from_u64(5).random::<u64>(),
+            "the stream was drawn from"
+        );
+        let p = params(1e-37, 1.0, 3);
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let (tok, _) = sample(&[40.0, 39.0, 38.0, 0.0], &p, &mut rng, &mut s);
+        assert_eq!(tok, 0);
+        assert!(!samples_greedily(&params(2e-6, 1.0, 0)));
     }
 
     #[test]

@@ -154,8 +154,8 @@ fn sampled_row<'r>(
     }
     adjusted.clear();
     adjusted.extend_from_slice(logits);
-    let (prompt, output) = tokens.split_at(output_start.min(prompt_len));
-    adjust_logits(adjusted, params, prompt, output, generated);
+    let output = &tokens[output_start.min(prompt_len)..];
+    adjust_logits(adjusted, params, output, generated);
     adjusted
 }
 
@@ -174,5 +174,32 @@ pub fn finish_after(
         Some(FinishReason::Length)
     } else {
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The repetition penalty counts output tokens only, as SGLang's
+    /// `BatchedRepetitionPenalizer` (it has no prompt hook). Logits [2, -1, 0.5, 3, 1],
+    /// penalty 2: with prompt [1, 4] and no output yet the row is unchanged; after output
+    /// [3], token 3 alone is scaled (3 / 2 = 1.5). A resumed call (prompt [1, 4] then the
+    /// earlier call's output [0], `output_start` 2) penalises that output (2 / 2 = 1) and
+    /// not the original prompt.
+    #[test]
+    fn repetition_penalty_skips_the_prompt() {
+        let params = SamplingParams {
+            repetition_penalty: 2.0,
+            ..Default::default()
+        };
+        let logits = [2.0f32, -1.0, 0.5, 3.0, 1.0];
+        let mut adjusted = Vec::new();
+        let row = sampled_row(&logits, &params, &[1, 4], (2, 2), &mut adjusted);
+        assert_eq!(row, [2.0, -1.0, 0.5, 3.0, 1.0]);
+        let row = sampled_row(&logits, &params, &[1, 4, 3], (2, 2), &mut adjusted);
+        assert_eq!(row, [2.0, -1.0, 0.5, 1.5, 1.0]);
+        let row = sampled_row(&logits, &params, &[1, 4, 0], (2, 3), &mut adjusted);
+        assert_eq!(row, [1.0, -1.0, 0.5, 3.0, 1.0]);
     }
 }

@@ -1,24 +1,27 @@
 //! Logit adjustments that depend on the sequence so far, applied before sampling with
 //! SGLang's formulas and in its order: frequency penalty, min-new-tokens, presence penalty,
-//! repetition penalty, then `logit_bias`. The reported log-prob stays that of the raw logits.
+//! repetition penalty, then `logit_bias`. The reported log-prob is taken from the row so
+//! adjusted (`next_token::sampled_row`), as SGLang takes it from the logits after its
+//! penalties and `apply_logits_bias`.
 
 use std::collections::HashMap;
 
 use crate::sampler::SamplingParams;
 
-/// Adjusts one row of logits in place for a sequence with `prompt` and `output` so far, of
-/// which the last `generated` tokens are this call's (all of them but for a resumed request,
+/// Adjusts one row of logits in place for a sequence with `output` so far (the prompt plays
+/// no part: SGLang's penalizers count output tokens only), of which the last `generated`
+/// tokens are this call's (all of them but for a resumed request,
 /// whose `min_new_tokens` is what the earlier call left: it counts this call's alone).
 ///
 /// - frequency: `l[t] -= frequency_penalty * count(t in output)`
 /// - min-new-tokens: `l[t] = -inf` for every stop id while `generated < min_new_tokens`
 /// - presence: `l[t] -= presence_penalty` if `t` occurs in the output
-/// - repetition (`r`): for `t` in prompt or output, `l[t] = l[t] / r` if `l[t] > 0`, else `l[t] * r`
+/// - repetition (`r`): for `t` in the output, `l[t] = l[t] / r` if `l[t] > 0`, else `l[t] * r`
+///   (SGLang's `BatchedRepetitionPenalizer`, which cumulates output tokens only)
 /// - bias: `l[t] += logit_bias[t]`
 pub fn adjust_logits(
     logits: &mut [f32],
     params: &SamplingParams,
-    prompt: &[u32],
     output: &[u32],
     generated: usize,
 ) {
@@ -44,7 +47,7 @@ pub fn adjust_logits(
     if params.repetition_penalty != 1.0 {
         let r = params.repetition_penalty;
         let mut seen = vec![false; vocab];
-        for &t in prompt.iter().chain(output).filter(|&&t| in_vocab(t)) {
+        for &t in output.iter().filter(|&&t| in_vocab(t)) {
             if !std::mem::replace(&mut seen[t as usize], true) {
                 let l = &mut logits[t as usize];
                 *l = if *l > 0.0 { *l / r } else { *l * r };
@@ -69,7 +72,7 @@ fn mask_stops(logits: &mut [f32], params: &SamplingParams) {
 mod tests {
     use super::*;
 
-    /// A hand-computed case: logits [2, -1, 0.5, 3, 1], prompt [1, 4], output [0, 3, 0].
+    /// A hand-computed case: logits [2, -1, 0.5, 3, 1], output [0, 3, 0, 1].
     #[test]
     fn penalties_follow_sglangs_formulas() {
         let params = SamplingParams {
@@ -80,13 +83,13 @@ mod tests {
             ..Default::default()
         };
         let mut l = [2.0f32, -1.0, 0.5, 3.0, 1.0];
-        adjust_logits(&mut l, &params, &[1, 4], &[0, 3, 0], 3);
+        adjust_logits(&mut l, &params, &[0, 3, 0, 1], 4);
         // token 0: output twice: 2 - 0.5*2 - 0.25 = 0.75 > 0 -> 0.75 / 2 = 0.375
-        // token 1: prompt only, -1 <= 0 -> -1 * 2 = -2
+        // token 1: output once: -1 - 0.5 - 0.25 = -1.75 <= 0 -> -1.75 * 2 = -3.5
         // token 2: untouched by penalties, bias +1 -> 1.5
         // token 3: output once: 3 - 0.5 - 0.25 = 2.25 -> 1.125
-        // token 4: prompt only, 1 > 0 -> 0.5
-        assert_eq!(l, [0.375, -2.0, 1.5, 1.125, 0.5]);
+        // token 4: not in the output: 1
+        assert_eq!(l, [0.375, -3.5, 1.5, 1.125, 1.0]);
     }
 
     #[test]
@@ -99,15 +102,15 @@ mod tests {
         assert!(params.adjusts_logits(1));
         assert!(!params.adjusts_logits(2));
         let mut l = [0.0f32; 4];
-        adjust_logits(&mut l, &params, &[2], &[0], 1);
+        adjust_logits(&mut l, &params, &[0], 1);
         assert_eq!(l, [0.0, f32::NEG_INFINITY, 0.0, f32::NEG_INFINITY]);
         let mut l = [0.0f32; 4];
-        adjust_logits(&mut l, &params, &[2], &[0, 2], 2);
+        adjust_logits(&mut l, &params, &[0, 2], 2);
         assert_eq!(l, [0.0; 4]);
         // A resumed call's minimum counts its own tokens only (the first output token here
         // is the earlier call's, which its `min_new_tokens` already took off).
         let mut l = [0.0f32; 4];
-        adjust_logits(&mut l, &params, &[2], &[0, 2], 1);
+        adjust_logits(&mut l, &params, &[0, 2], 1);
         assert_eq!(l, [0.0, f32::NEG_INFINITY, 0.0, f32::NEG_INFINITY]);
     }
 
@@ -116,7 +119,7 @@ mod tests {
         let params = SamplingParams::default();
         assert!(!params.adjusts_logits(0));
         let mut l = [0.3f32, -0.7, 1.1];
-        adjust_logits(&mut l, &params, &[0, 1], &[2, 2], 2);
+        adjust_logits(&mut l, &params, &[2, 2], 2);
         assert_eq!(l, [0.3, -0.7, 1.1]);
     }
 }
