@@ -134,3 +134,17 @@ fn dynamic_sampling_drops_uniform_groups() {
     assert!(all_same.kept_groups.is_empty());
     assert_eq!(all_same.dropped_groups, 2);
 }
+
+#[test]
+fn dynamic_sampling_keeps_groups_of_one_sample() {
+    // verl's DAPO filter keeps `std > 0 or len == 1`: a singleton carries its raw reward as
+    // advantage (mean 0, std 1), so group_size = 1 must train.
+    let f = filter_uniform_groups(&[1.0, 0.0, 0.0], 1).expect("filter");
+    assert_eq!(f.kept_groups, vec![0, 1, 2]);
+    assert_eq!(f.dropped_groups, 0);
+    assert_eq!(f.kept_rows(), vec![0, 1, 2]);
+    // And the advantage metrics agree: no singleton counts as uniform.
+    let (adv, m) = grpo_advantages(&[1.0, 0.0, 0.0], 1, GrpoOptions::default()).expect("adv");
+    assert_eq!(m.uniform_groups, 0);
+    close(&adv, &[1.0 / (1.0 + 1e-6), 0.0, 0.0]);
+}

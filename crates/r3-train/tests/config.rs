@@ -163,6 +163,22 @@ fn override_errors_name_the_problem() {
         Err(TrainError::InvalidConfig { field, .. }) => assert_eq!(field, "algo.eps_low"),
         other => panic!("expected InvalidConfig, got {other:?}"),
     }
+    for bad in ["1", "0.5", "-3", "nan", "inf"] {
+        match TrainConfig::resolve(None, &set(&[&format!("algo.clip_ratio_c={bad}")])) {
+            Err(TrainError::InvalidConfig { field, reason }) => {
+                assert_eq!(field, "algo.clip_ratio_c");
+                assert!(reason.contains("> 1"), "{bad}: {reason}");
+            }
+            other => panic!("clip_ratio_c = {bad}: expected InvalidConfig, got {other:?}"),
+        }
+    }
+    // Off by default; set, PPO gets it and GSPO (which has no dual-clip, as verl's) does not.
+    assert_eq!(TrainConfig::default().clip_range().dual_clip, None);
+    let dual = TrainConfig::resolve(None, &set(&["algo.clip_ratio_c=3"])).expect("dual-clip");
+    assert_eq!(dual.clip_range().dual_clip, Some(3.0));
+    let gspo =
+        TrainConfig::resolve(None, &set(&["algo.clip_ratio_c=3", "algo.loss=gspo"])).expect("gspo");
+    assert_eq!(gspo.clip_range().dual_clip, None);
     let fleet = "rollout.urls=[\"http://127.0.0.1:30000\"]";
     for (sets, want) in [
         (vec!["rollout.async=true"], "rollout.async"),

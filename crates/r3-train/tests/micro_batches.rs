@@ -102,6 +102,8 @@ struct Case {
     share: bool,
     /// On [`grouped_batch`] (both runs), not [`batch`].
     grouped: bool,
+    /// PPO dual-clip `c` (`algo.clip_ratio_c`).
+    dual_clip: Option<f64>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -219,10 +221,12 @@ fn run_in(
             PolicyLossKind::Ppo => ClipRange {
                 low: 0.2,
                 high: 0.27,
+                dual_clip: case.dual_clip,
             },
             PolicyLossKind::Gspo => ClipRange {
                 low: 3e-4,
                 high: 4e-4,
+                dual_clip: None,
             },
         },
         agg: case.agg,
@@ -375,9 +379,35 @@ fn check(name: &str, case: Case) {
         ("ppo_kl", a.ppo_kl, b.ppo_kl),
         ("ppo_kl_k3", a.ppo_kl_k3, b.ppo_kl_k3),
         ("ratio_mean", a.ratio_mean, b.ratio_mean),
+        ("dual_clip_frac", a.dual_clip_frac, b.dual_clip_frac),
         ("entropy", one.result.entropy, many.result.entropy),
     ] {
         close(what, case, x, y);
+    }
+    // The TIS/MIS statistics, summed over the micro-batches, are the one-batch values.
+    match (one.result.is_metrics, many.result.is_metrics) {
+        (Some(a), Some(b)) => {
+            close("is.weight_mean", case, a.weight_mean, b.weight_mean);
+            close(
+                "is.over_threshold_frac",
+                case,
+                a.over_threshold_frac,
+                b.over_threshold_frac,
+            );
+            // Without given old log-probs the ratio's numerator is each forward's own
+            // log-prob, whose rounding differs between the runs (`LOGP_ABS_TOL`); a sequence
+            // ratio sums it over the row (measured 5.2e-7 for the mean).
+            let d = (a.log_ratio_mean - b.log_ratio_mean).abs();
+            eprintln!("  is.log_ratio_mean: abs {d:e}");
+            assert!(
+                d <= METRIC_REL_TOL * a.log_ratio_mean.abs() + LOGP_ABS_TOL,
+                "{case:?}: is.log_ratio_mean {} (one batch) vs {} (micro-batches)",
+                a.log_ratio_mean,
+                b.log_ratio_mean
+            );
+        }
+        (None, None) => assert_eq!(case.is, IsMode::None, "{case:?}"),
+        other => panic!("{case:?}: IS statistics {other:?}"),
     }
     match (one.result.outcome, many.result.outcome) {
         (
@@ -448,11 +478,29 @@ const BASE: Case = Case {
     entropy_coef: 0.05,
     share: true,
     grouped: true,
+    dual_clip: None,
 };
 
 #[test]
 fn token_mean_with_replay_tis_row_weights_and_entropy_bonus() {
     check("token-mean", BASE);
+}
+
+#[test]
+fn token_mean_with_dual_clip() {
+    // The old log-probs are the model's own shifted by up to ±0.3: c = 1.05 caps the
+    // negative-advantage tokens whose ratio passed 1.05.
+    let case = Case {
+        dual_clip: Some(1.05),
+        ..BASE
+    };
+    check("dual-clip", case);
+    let dir = Scratch::new("micro-dual-clip-frac");
+    tiny_model(&dir.path().join("model"), 5);
+    tiny_model(&dir.path().join("other"), 9);
+    let run = run_unshared(&dir, case, 0, false);
+    let frac = run.result.loss_metrics.dual_clip_frac;
+    assert!(frac > 0.0 && frac < 1.0, "some tokens capped: {frac}");
 }
 
 #[test]

@@ -10,6 +10,7 @@ use rand::{Rng, SeedableRng};
 const CLIP: ClipRange = ClipRange {
     low: 0.2,
     high: 0.28,
+    dual_clip: None,
 };
 
 fn t2(rows: &[Vec<f32>]) -> Tensor {
@@ -222,6 +223,7 @@ fn gspo_sequence_ratio_by_hand() {
     let clip = ClipRange {
         low: 3e-4,
         high: 4e-4,
+        dual_clip: None,
     };
     let (loss, m, g) = run(|i| gspo_loss(i, clip), &logp, &old, &adv, &mask, None);
     close(loss, (-1.0004 + 1.0 - 0.818731) / 3.0, 2e-5);
@@ -246,6 +248,7 @@ fn gspo_gradient_equals_sequence_level_objective() {
     let wide = ClipRange {
         low: 0.9,
         high: 10.0,
+        dual_clip: None,
     };
     let (loss, _, g) = run(|i| gspo_loss(i, wide), &logp, &old, &adv_t, &mask, None);
     let seq_obj = |lp: &[Vec<f64>]| {
@@ -276,6 +279,124 @@ fn gspo_gradient_equals_sequence_level_objective() {
     }
 }
 
+/// verl's clip-higher range with dual-clip `c = 3` (`clip_ratio_c`).
+const DUAL: ClipRange = ClipRange {
+    low: 0.2,
+    high: 0.27,
+    dual_clip: Some(3.0),
+};
+
+#[test]
+fn dual_clip_caps_a_negative_advantage_loss_and_its_gradient() {
+    // One token, ratio 4 (logp − old = ln 4), A = −1, ε = (0.2, 0.27):
+    //   without dual-clip: max(−A·4, −A·1.27) = 4, d loss / d logp = −A·r = 4;
+    //   with c = 3 (verl): min(4, −A·3) = 3, gradient 0.
+    let old = vec![vec![-2.0f32]];
+    let logp = vec![vec![4f32.ln() - 2.0]];
+    let adv = t2(&[vec![-1.0]]);
+    let mask = vec![vec![1.0]];
+    let plain = ClipRange {
+        dual_clip: None,
+        ..DUAL
+    };
+    let (loss, m, g) = run(
+        |i| ppo_clip_loss(i, plain, LossAgg::TokenMean),
+        &logp,
+        &old,
+        &adv,
+        &mask,
+        None,
+    );
+    close(loss, 4.0, 1e-5);
+    close(g[0], 4.0, 1e-5);
+    assert_eq!(m.dual_clip_frac, 0.0);
+    let (loss, m, g) = run(
+        |i| ppo_clip_loss(i, DUAL, LossAgg::TokenMean),
+        &logp,
+        &old,
+        &adv,
+        &mask,
+        None,
+    );
+    close(loss, 3.0, 1e-6);
+    assert_eq!(g[0], 0.0, "a dual-clipped token has no gradient");
+    close(m.dual_clip_frac, 1.0, 0.0);
+
+    // Several tokens, token-mean over 4 (t4 masked out):
+    //  t0: r=4   A=−1: min(max(4, 1.27), 3)   = 3      dual-clipped, grad 0
+    //  t1: r=2   A=−1: min(max(2, 1.27), 3)   = 2      under the cap, grad −A·r = 2
+    //  t2: r=4   A=+1: max(−4, −1.27)         = −1.27  clipped high (no cap for A > 0), grad 0
+    //  t3: r=0.5 A=−1: min(max(0.5, 0.8), 3)  = 0.8    clipped low, grad 0
+    //  t4: r=9   A=−1: masked out.
+    // loss = (3 + 2 − 1.27 + 0.8) / 4 = 1.1325; gradient [0, 2/4, 0, 0, 0].
+    let r = [4.0f32, 2.0, 4.0, 0.5, 9.0];
+    let old = vec![vec![-1.0f32; 5]];
+    let logp = vec![r.iter().map(|x| x.ln() - 1.0).collect::<Vec<_>>()];
+    let adv = t2(&[vec![-1.0, -1.0, 1.0, -1.0, -1.0]]);
+    let mask = vec![vec![1.0, 1.0, 1.0, 1.0, 0.0]];
+    let (loss, m, g) = run(
+        |i| ppo_clip_loss(i, DUAL, LossAgg::TokenMean),
+        &logp,
+        &old,
+        &adv,
+        &mask,
+        None,
+    );
+    close(loss, 4.53 / 4.0, 1e-5);
+    close(m.pg_loss, loss, 0.0);
+    assert_eq!((g[0], g[2], g[3], g[4]), (0.0, 0.0, 0.0, 0.0));
+    close(g[1], 0.5, 1e-6);
+    close(m.dual_clip_frac, 0.25, 0.0);
+    // The ratio clip counts as verl's pg_clipfrac, dual-clip or not: t2 and t3.
+    close(m.clip_frac, 0.5, 0.0);
+
+    // c must be > 1: below, the cap would undercut the clipped branch itself.
+    for c in [1.0, 0.5, f64::NAN] {
+        let bad = ClipRange {
+            dual_clip: Some(c),
+            ..DUAL
+        };
+        let var = t2(&logp);
+        let (old, mask) = (t2(&old), t2(&mask));
+        let input = PolicyLossInput {
+            logp: &var,
+            old_logp: &old,
+            advantages: &adv,
+            mask: &mask,
+            is_weights: None,
+        };
+        assert!(matches!(
+            ppo_clip_loss(&input, bad, LossAgg::TokenMean),
+            Err(TrainError::OutOfRange { value, .. }) if value == c || c.is_nan()
+        ));
+    }
+}
+
+#[test]
+fn gspo_log_ratio_clamp_cuts_the_gradient_above_ten() {
+    // One row, two response tokens, A = −1, GSPO's ε. Mean log-ratio d:
+    //   d = 11 > 10: s = e^10 (clamped), loss = −A·s = e^10 (clip(s) is far below), and, as
+    //     verl's torch.clamp(max=10) of the whole sum, no gradient;
+    //   d = 9: s = e^9, loss e^9, gradient per token −A·s / 2 tokens (seq-mean-token-mean).
+    let clip = ClipRange {
+        low: 3e-4,
+        high: 4e-4,
+        dual_clip: None,
+    };
+    let adv = Tensor::new(&[-1.0f32], &Device::Cpu).expect("adv");
+    let mask = vec![vec![1.0f32, 1.0]];
+    for (d, grad) in [(11.0f32, 0.0f64), (9.0, 9f64.exp() / 2.0)] {
+        let old = vec![vec![-12.0f32, -13.0]];
+        let logp = vec![vec![-12.0 + d, -13.0 + d]];
+        let (loss, _, g) = run(|i| gspo_loss(i, clip), &logp, &old, &adv, &mask, None);
+        let value = f64::from(d.min(10.0)).exp();
+        close(loss, value as f32, value as f32 * 1e-6);
+        for gt in g {
+            close(gt, grad as f32, grad as f32 * 1e-6);
+        }
+    }
+}
+
 #[test]
 fn bad_shapes_and_clip_ranges_are_errors() {
     let dev = Device::Cpu;
@@ -301,6 +422,7 @@ fn bad_shapes_and_clip_ranges_are_errors() {
     let bad = ClipRange {
         low: 1.0,
         high: 0.2,
+        dual_clip: None,
     };
     assert!(matches!(
         ppo_clip_loss(&input(&x, &adv2), bad, LossAgg::TokenMean),

@@ -52,9 +52,10 @@ fn token_level_tis_truncates_and_mis_drops() {
         &[0.5, 1.5, 2.0, 2.0, 1.0, 1.0, 1.0, 0.0],
     );
     // Over threshold: 2 of the 7 response tokens.
-    assert!((tis.metrics.over_threshold_frac - 2.0 / 7.0).abs() < 1e-6);
+    let metrics = tis.sums.finish(7.0);
+    assert!((metrics.over_threshold_frac - 2.0 / 7.0).abs() < 1e-6);
     // Mean weight (0.5 + 1.5 + 2 + 2 + 3) / 7.
-    assert!((tis.metrics.weight_mean - 9.0 / 7.0).abs() < 1e-5);
+    assert!((metrics.weight_mean - 9.0 / 7.0).abs() < 1e-5);
     let mis = rollout_is_weights(&old, &rollout, &mask, &cfg(IsMode::Mis, IsLevel::Token))
         .expect("mis")
         .expect("some");
@@ -74,11 +75,50 @@ fn sequence_level_uses_the_product_of_token_ratios() {
         .expect("tis")
         .expect("some");
     assert_close(&vals(&tis.weights), &[2.0, 2.0, 2.0, 0.6, 0.6, 0.0]);
-    assert!((tis.metrics.over_threshold_frac - 3.0 / 5.0).abs() < 1e-6);
+    assert!((tis.sums.finish(5.0).over_threshold_frac - 3.0 / 5.0).abs() < 1e-6);
     let mis = rollout_is_weights(&old, &rollout, &mask, &cfg(IsMode::Mis, IsLevel::Sequence))
         .expect("mis")
         .expect("some");
     assert_close(&vals(&mis.weights), &[0.0, 0.0, 0.0, 0.6, 0.6, 0.0]);
+}
+
+#[test]
+fn the_statistics_of_micro_batches_add_up_to_the_batch_values() {
+    // The rows of `token_level_tis_truncates_and_mis_drops` one at a time, as two
+    // micro-batches of one mini-batch of 7 response tokens.
+    let rows = [vec![0.5f32, 1.5, 3.0, 2.5], vec![1.0, 1.0, 1.0, 9.0]];
+    let masks = [vec![1.0f32; 4], vec![1.0, 1.0, 1.0, 0.0]];
+    for (mode, weight_sum) in [
+        // TIS: 0.5 + 1.5 + 2 + 2 + 3 · 1; MIS drops the two tokens over C = 2.
+        (IsMode::Tis, 9.0f32),
+        (IsMode::Mis, 5.0),
+    ] {
+        let mut sums = r3_train::algo::rollout_is::IsSums::default();
+        for (r, m) in rows.iter().zip(&masks) {
+            let (old, rollout) = ratios(std::slice::from_ref(r));
+            let w = rollout_is_weights(
+                &old,
+                &rollout,
+                &t2(std::slice::from_ref(m)),
+                &cfg(mode, IsLevel::Token),
+            )
+            .expect("weights")
+            .expect("some");
+            sums.add(&w.sums);
+        }
+        let m = sums.finish(7.0);
+        assert!(
+            (m.weight_mean - weight_sum / 7.0).abs() < 1e-6,
+            "{mode:?} {m:?}"
+        );
+        assert!(
+            (m.over_threshold_frac - 2.0 / 7.0).abs() < 1e-6,
+            "{mode:?} {m:?}"
+        );
+        // ln(0.5 · 1.5 · 3 · 2.5 · 1 · 1 · 1) / 7 = ln 5.625 / 7 (the masked 9 left out).
+        let log_mean = 5.625f32.ln() / 7.0;
+        assert!((m.log_ratio_mean - log_mean).abs() < 1e-6, "{mode:?} {m:?}");
+    }
 }
 
 #[test]

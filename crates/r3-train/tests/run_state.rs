@@ -200,6 +200,7 @@ fn a_nan_or_inf_loss_skips_the_update_and_leaves_weights_untouched() {
         clip: r3_train::ClipRange {
             low: 0.2,
             high: 0.27,
+            dual_clip: None,
         },
         agg: r3_train::LossAgg::TokenMean,
         is: r3_train::IsConfig {

@@ -140,6 +140,7 @@ fn an_injected_non_finite_gradient_is_skipped_with_state_restored_bit_for_bit() 
         clip: r3_train::ClipRange {
             low: 0.2,
             high: 0.27,
+            dual_clip: None,
         },
         agg: r3_train::LossAgg::TokenMean,
         is: r3_train::IsConfig {

@@ -72,6 +72,7 @@ fn check(kind: PolicyLossKind, replay: bool) {
         clip: ClipRange {
             low: 0.2,
             high: 0.28,
+            dual_clip: None,
         },
         agg: LossAgg::TokenMean,
         is: IsConfig {

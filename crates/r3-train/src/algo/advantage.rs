@@ -32,8 +32,16 @@ pub struct AdvantageMetrics {
     pub reward_mean: f32,
     /// Mean absolute advantage.
     pub adv_abs_mean: f32,
-    /// Groups whose rewards are all equal (advantage 0 everywhere in them).
+    /// Groups of several samples whose rewards are all equal (advantage 0 everywhere in
+    /// them); a group of one is never uniform (see [`is_uniform`]).
     pub uniform_groups: usize,
+}
+
+/// Whether `group` carries no learning signal: several samples, every reward equal. A
+/// group of one sample is not uniform: GRPO gives it its raw reward (mean 0, std 1), and
+/// verl's DAPO filter keeps it (`std > 0 or len == 1`), so `rollout.group_size = 1` trains.
+pub fn is_uniform(group: &[f32]) -> bool {
+    group.len() > 1 && group.iter().all(|&r| r == group[0])
 }
 
 fn check_groups(rewards: &[f32], group_size: usize) -> Result<usize> {
@@ -72,14 +80,11 @@ pub fn grpo_advantages(
     let mut adv = Vec::with_capacity(rewards.len());
     let mut uniform_groups = 0;
     for group in rewards.chunks(group_size) {
-        let uniform = group.iter().all(|&r| r == group[0]);
-        if uniform {
-            uniform_groups += 1;
-        }
         // A uniform group of several has no signal: exactly 0, where the f32 mean of equal
         // rewards such as 0.7 is a few ulps off them and the quotient of two such residues
         // is not small (16 × 0.7 gave every sample +0.106 at eps 1e-6).
-        if uniform && group.len() > 1 {
+        if is_uniform(group) {
+            uniform_groups += 1;
             adv.extend(std::iter::repeat_n(0.0, group.len()));
             continue;
         }
@@ -152,13 +157,14 @@ impl GroupFilter {
     }
 }
 
-/// Dynamic sampling (DAPO): drops every group whose rewards are all exactly equal.
+/// Dynamic sampling (DAPO): drops every group of several samples whose rewards are all
+/// exactly equal ([`is_uniform`]); groups of one sample are kept, as verl's DAPO filter does.
 pub fn filter_uniform_groups(rewards: &[f32], group_size: usize) -> Result<GroupFilter> {
     check_groups(rewards, group_size)?;
     let mut kept_groups = Vec::new();
     let mut dropped_groups = 0;
     for (g, group) in rewards.chunks(group_size).enumerate() {
-        if group.iter().all(|&r| r == group[0]) {
+        if is_uniform(group) {
             dropped_groups += 1;
         } else {
             kept_groups.push(g);

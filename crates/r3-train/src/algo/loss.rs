@@ -2,7 +2,10 @@
 //! shape-documented tensors returning `(loss, metrics)`.
 //!
 //! * PPO clip with separate `ε_low` / `ε_high` (clip-higher, DAPO): per-token ratio
-//!   `r_t = exp(logp_t − old_t)`, loss `max(−A·r_t, −A·clip(r_t, 1−ε_low, 1+ε_high))`.
+//!   `r_t = exp(logp_t − old_t)`, loss `max(−A·r_t, −A·clip(r_t, 1−ε_low, 1+ε_high))`;
+//!   with dual-clip (`ClipRange::dual_clip` = `c`, verl's `clip_ratio_c`) a negative
+//!   advantage's loss is further capped, `min(that, −A·c)`, as verl's
+//!   `compute_policy_loss_vanilla`. Off by default (slime's default; verl's is `c = 3`).
 //! * GSPO: sequence ratio `s_i = exp(mean_t(logp_t − old_t))`, used per token as
 //!   `s_{i,t} = sg[s_i] · π(y_t) / sg[π(y_t)]` (equal to `s_i` in value, gradient
 //!   `s_i · ∇logp_t`), clipped with GSPO's own tiny ε and averaged per sequence.
@@ -19,7 +22,8 @@ use serde::{Deserialize, Serialize};
 
 /// Log-ratio clamp of PPO (as verl) so `exp` never overflows.
 const PPO_LOG_RATIO_LIMIT: f64 = 20.0;
-/// Upper clamp of GSPO's log sequence ratio (as verl).
+/// Upper clamp of GSPO's log sequence ratio, on the differentiable sum (as verl): a
+/// sequence past it gets no gradient.
 const GSPO_LOG_RATIO_MAX: f64 = 10.0;
 
 /// Which policy loss to optimise.
@@ -33,13 +37,18 @@ pub enum PolicyLossKind {
     Gspo,
 }
 
-/// Clip range `[1 − low, 1 + high]` of the importance ratio.
+/// Clip range `[1 − low, 1 + high]` of the importance ratio, and the optional dual-clip.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct ClipRange {
     /// `ε_low`.
     pub low: f64,
     /// `ε_high`.
     pub high: f64,
+    /// Dual-clip `c` (verl's `clip_ratio_c`, > 1): where the advantage is negative the
+    /// per-token loss is capped at `−A·c`, so a token whose ratio grew far past `1 + ε_high`
+    /// neither adds more loss nor gradient. `None`: off (slime's default; verl's is 3.0).
+    #[serde(default)]
+    pub dual_clip: Option<f64>,
 }
 
 /// The tensors a policy loss reads.
@@ -74,6 +83,10 @@ pub struct PolicyLossMetrics {
     pub ppo_kl_k3: f32,
     /// Mean importance ratio used in the loss (token ratio for PPO, sequence ratio for GSPO).
     pub ratio_mean: f32,
+    /// Fraction of tokens whose loss the dual-clip capped (negative advantage, loss past
+    /// `−A·c`; verl's `pg_clipfrac_lower`); 0 without dual-clip.
+    #[serde(default)]
+    pub dual_clip_frac: f32,
 }
 
 /// The sums behind [`PolicyLossMetrics`] over some rows of a mini-batch: numerators over
@@ -96,6 +109,8 @@ pub struct PolicyLossSums {
     pub kl: f64,
     /// `Σ mask · (r − 1 − log r)`.
     pub kl_k3: f64,
+    /// `Σ mask · dual-clipped`.
+    pub dual_clip: f64,
 }
 
 impl PolicyLossSums {
@@ -108,6 +123,7 @@ impl PolicyLossSums {
         self.ratio += other.ratio;
         self.kl += other.kl;
         self.kl_k3 += other.kl_k3;
+        self.dual_clip += other.dual_clip;
     }
 
     /// The metrics: each numerator over `tokens`, the mini-batch's `max(Σ mask, 1e-8)`. The
@@ -123,12 +139,13 @@ impl PolicyLossSums {
             ppo_kl: mean(self.kl),
             ppo_kl_k3: mean(self.kl_k3),
             ratio_mean: mean(self.ratio),
+            dual_clip_frac: mean(self.dual_clip),
         }
     }
 }
 
 /// `Σ x · mask` as an f64 (a masked mean's numerator, as computed there).
-fn masked_sum(x: &Tensor, mask: &Tensor) -> Result<f64> {
+pub(crate) fn masked_sum(x: &Tensor, mask: &Tensor) -> Result<f64> {
     Ok(f64::from(scalar_f32(&x.mul(mask)?.sum_all()?)?))
 }
 
@@ -165,8 +182,9 @@ fn check_inputs(input: &PolicyLossInput) -> Result<Checked> {
     })
 }
 
-/// Shared clipped surrogate: per-token `max(−A·ρ, −A·clip(ρ))`, IS-weighted, aggregated
-/// over `norm`'s denominators; with the clip and ratio numerators.
+/// Shared clipped surrogate: per-token `max(−A·ρ, −A·clip(ρ))` (capped at `−A·c` where
+/// `A < 0` with dual-clip `c`), IS-weighted, aggregated over `norm`'s denominators; with the
+/// clip and ratio numerators.
 fn clipped_surrogate(
     ratio: &Tensor,
     adv: &Tensor,
@@ -181,15 +199,37 @@ fn clipped_surrogate(
             high: clip.high,
         });
     }
+    if let Some(c) = clip.dual_clip {
+        if !(c.is_finite() && c > 1.0) {
+            return Err(TrainError::OutOfRange {
+                name: "clip_ratio_c (dual-clip)",
+                value: c,
+                expected: "finite and > 1",
+            });
+        }
+    }
+    let mask = input.mask;
     let neg_adv = adv.neg()?;
     let unclipped = neg_adv.mul(ratio)?;
     let clipped = neg_adv.mul(&ratio.clamp(1.0 - clip.low, 1.0 + clip.high)?)?;
     let mut per_token = unclipped.maximum(&clipped)?;
+    let mut dual_clip = 0.0;
+    if let Some(c) = clip.dual_clip {
+        // verl: where A < 0, min(max(−A·r, −A·clip(r)), −A·c); the cap is detached (A is),
+        // so a capped token has no gradient.
+        let cap = neg_adv.affine(c, 0.0)?;
+        let negative = adv.lt(0.0)?;
+        let capped = per_token
+            .gt(&cap)?
+            .to_dtype(mask.dtype())?
+            .mul(&negative.to_dtype(mask.dtype())?)?;
+        dual_clip = masked_sum(&capped, mask)?;
+        per_token = negative.where_cond(&per_token.minimum(&cap)?, &per_token)?;
+    }
     if let Some(w) = input.is_weights {
         per_token = per_token.mul(&w.detach())?;
     }
     let loss = aggregate_with(&per_token, input.mask, agg, norm)?;
-    let mask = input.mask;
     let was_clipped = clipped.gt(&unclipped)?.to_dtype(mask.dtype())?;
     let above = ratio.gt(1.0)?.to_dtype(mask.dtype())?;
     let below = ratio.lt(1.0)?.to_dtype(mask.dtype())?;
@@ -201,6 +241,7 @@ fn clipped_surrogate(
         ratio: masked_sum(&ratio.detach(), mask)?,
         kl: 0.0,
         kl_k3: 0.0,
+        dual_clip,
     };
     Ok((loss, sums))
 }
@@ -269,16 +310,15 @@ fn gspo_part(
     let (b, t) = input.logp.dims2()?;
     let token_log_ratio = input.logp.sub(&c.old)?.mul(input.mask)?;
     let lengths = input.mask.sum_keepdim(1)?.maximum(1.0)?;
-    let seq_log_ratio = token_log_ratio
-        .sum_keepdim(1)?
-        .div(&lengths)?
-        .minimum(GSPO_LOG_RATIO_MAX)?
-        .detach();
-    // Value: seq_log_ratio; gradient: that of logp_t, per token.
+    let seq_log_ratio = token_log_ratio.sum_keepdim(1)?.div(&lengths)?.detach();
+    // Value: seq_log_ratio; gradient: that of logp_t, per token. Clamped after the sum, as
+    // verl's `torch.clamp(max=10)`: a sequence above the bound gets no gradient (clamping
+    // only the detached part would leave it `e^10 · ∇logp_t`).
     let log_s = input
         .logp
         .sub(&input.logp.detach())?
-        .broadcast_add(&seq_log_ratio)?;
+        .broadcast_add(&seq_log_ratio)?
+        .minimum(GSPO_LOG_RATIO_MAX)?;
     let s = log_s.exp()?;
     let (loss, sums) = clipped_surrogate(&s, &c.adv, input, clip, LossAgg::SeqMeanTokenMean, norm)?;
     debug_assert_eq!(s.dims(), [b, t]);

@@ -10,7 +10,8 @@
 //! response tokens, `exp(Σ_t (old − rollout))`, shared by every token of the sequence.
 //! All arithmetic is in log space, so huge ratios never overflow. Weights are detached.
 
-use crate::algo::logprob::{check_bt, masked_mean, scalar_f32};
+use crate::algo::logprob::check_bt;
+use crate::algo::loss::masked_sum;
 use crate::error::{Result, TrainError};
 use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
@@ -50,13 +51,13 @@ pub struct IsConfig {
     pub threshold: f64,
 }
 
-/// Weights to multiply the per-token policy loss by, with their summary.
+/// Weights to multiply the per-token policy loss by, with the sums behind their summary.
 #[derive(Debug, Clone)]
 pub struct IsWeights {
     /// `[B, T]`, detached; 0 outside the mask.
     pub weights: Tensor,
-    /// Summary numbers.
-    pub metrics: IsMetrics,
+    /// Numerators of [`IsMetrics`] over these rows ([`IsSums::finish`] gives the metrics).
+    pub sums: IsSums,
 }
 
 /// Summary of an importance-weight computation (means over response tokens).
@@ -68,6 +69,39 @@ pub struct IsMetrics {
     pub over_threshold_frac: f32,
     /// Mean of the untruncated log-ratio `old − rollout` at the chosen level.
     pub log_ratio_mean: f32,
+}
+
+/// The numerators behind [`IsMetrics`] over some rows of a mini-batch. Micro-batches of one
+/// mini-batch add theirs, and [`IsSums::finish`] divides by the mini-batch's token count
+/// once (as `PolicyLossSums`), so the metrics are the one-batch values.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct IsSums {
+    /// `Σ mask · weight`.
+    pub weight: f64,
+    /// `Σ mask · (log-ratio > ln C)`.
+    pub over: f64,
+    /// `Σ mask · log-ratio`.
+    pub log_ratio: f64,
+}
+
+impl IsSums {
+    /// Adds the sums of other rows of the same mini-batch.
+    pub fn add(&mut self, other: &IsSums) {
+        self.weight += other.weight;
+        self.over += other.over;
+        self.log_ratio += other.log_ratio;
+    }
+
+    /// The metrics: each numerator over `tokens`, the mini-batch's `max(Σ mask, 1e-8)`, divided
+    /// in f32 as a one-batch masked mean.
+    pub fn finish(&self, tokens: f32) -> IsMetrics {
+        let mean = |num: f64| num as f32 / tokens;
+        IsMetrics {
+            weight_mean: mean(self.weight),
+            over_threshold_frac: mean(self.over),
+            log_ratio_mean: mean(self.log_ratio),
+        }
+    }
 }
 
 /// Computes IS weights `[B, T]` from `old_logp`, `rollout_logp` and `mask` (all `[B, T]`
@@ -110,10 +144,10 @@ pub fn rollout_is_weights(
     }
     .mul(mask)?
     .detach();
-    let metrics = IsMetrics {
-        weight_mean: scalar_f32(&masked_mean(&weights, mask)?)?,
-        over_threshold_frac: scalar_f32(&masked_mean(&over, mask)?)?,
-        log_ratio_mean: scalar_f32(&masked_mean(&log_ratio, mask)?)?,
+    let sums = IsSums {
+        weight: masked_sum(&weights, mask)?,
+        over: masked_sum(&over, mask)?,
+        log_ratio: masked_sum(&log_ratio, mask)?,
     };
-    Ok(Some(IsWeights { weights, metrics }))
+    Ok(Some(IsWeights { weights, sums }))
 }

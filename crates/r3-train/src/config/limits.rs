@@ -91,6 +91,17 @@ pub fn check_limits(cfg: &TrainConfig) -> Result<()> {
     )?;
     in_range("algo.eps_low", a.eps_low, 0.0, false, 1.0)?;
     in_range("algo.eps_high", a.eps_high, 0.0, false, f64::MAX)?;
+    // Dual-clip caps the loss at −A·c, above the clipped branch's −A·(1 − eps_low) only for
+    // c > 1; 0 is off.
+    if a.clip_ratio_c != 0.0 && !(a.clip_ratio_c.is_finite() && a.clip_ratio_c > 1.0) {
+        return Err(invalid(
+            "algo.clip_ratio_c",
+            format!(
+                "{} must be 0 (dual-clip off) or finite and > 1 (verl's default is 3.0)",
+                a.clip_ratio_c
+            ),
+        ));
+    }
     in_range("algo.gspo_eps_low", a.gspo_eps_low, 0.0, false, 1.0)?;
     in_range("algo.gspo_eps_high", a.gspo_eps_high, 0.0, false, f64::MAX)?;
     in_range("algo.is_threshold", a.is_threshold, 0.0, true, f64::MAX)?;

@@ -241,12 +241,19 @@ pub struct AlgoConfig {
     pub eps_low: f64,
     /// PPO `ε_high`: ratio clipped above at `1 + eps_high` (clip-higher). Default 0.27.
     pub eps_high: f64,
+    /// PPO dual-clip `c` (verl's `clip_ratio_c`): where an advantage is negative, the
+    /// per-token loss is also capped at `−A · c`, so a token whose ratio has run far past
+    /// `1 + eps_high` stops adding loss and gradient. Must be > 1 when set; 0 = off. verl's
+    /// default is 3.0, slime's is off (`--eps-clip-c` unset). `loss = ppo` only (verl's
+    /// GSPO has none). Default 0 (off).
+    pub clip_ratio_c: f64,
     /// GSPO lower clip of the sequence ratio. Default 3e-4.
     pub gspo_eps_low: f64,
     /// GSPO upper clip of the sequence ratio. Default 4e-4.
     pub gspo_eps_high: f64,
     /// PPO loss aggregation: `token-mean`, `seq-mean-token-mean` or `seq-mean-token-sum`
-    /// (GSPO always uses `seq-mean-token-mean`). Default `token-mean`.
+    /// (GSPO always uses `seq-mean-token-mean`). The entropy bonus is aggregated the same
+    /// way under either loss (as verl's actor). Default `token-mean`.
     pub loss_agg: LossAgg,
     /// Divide GRPO advantages by the group's std (false = Dr. GRPO). Default true.
     pub adv_norm_by_std: bool,
@@ -271,7 +278,8 @@ pub struct AlgoConfig {
     pub is_level: IsLevel,
     /// IS threshold `C` (TIS truncation / MIS drop-above). Default 2.0.
     pub is_threshold: f64,
-    /// Entropy bonus coefficient (loss −= coef · entropy); 0 disables. Default 0.0.
+    /// Entropy bonus coefficient (loss −= coef · entropy, the entropy aggregated over the
+    /// response tokens with `loss_agg`); 0 disables. Default 0.0.
     pub entropy_coef: f64,
     /// Token budget of one micro-batch in every training pass that holds activations (the
     /// old-log-prob pass and each update): a micro-batch costs its rows × its longest
@@ -485,6 +493,7 @@ impl Default for AlgoConfig {
             loss: PolicyLossKind::Ppo,
             eps_low: 0.2,
             eps_high: 0.27,
+            clip_ratio_c: 0.0,
             gspo_eps_low: 3e-4,
             gspo_eps_high: 4e-4,
             loss_agg: LossAgg::TokenMean,
@@ -554,10 +563,13 @@ impl TrainConfig {
             PolicyLossKind::Ppo => ClipRange {
                 low: self.algo.eps_low,
                 high: self.algo.eps_high,
+                // 0 is off (a config key cannot be absent: see `config::overrides`).
+                dual_clip: (self.algo.clip_ratio_c != 0.0).then_some(self.algo.clip_ratio_c),
             },
             PolicyLossKind::Gspo => ClipRange {
                 low: self.algo.gspo_eps_low,
                 high: self.algo.gspo_eps_high,
+                dual_clip: None,
             },
         }
     }

@@ -32,6 +32,11 @@ pub struct StepMetrics {
     pub pg_loss: Option<f64>,
     /// Fraction of response tokens whose ratio was clipped.
     pub clip_frac: Option<f64>,
+    /// Fraction of response tokens whose loss the PPO dual-clip capped (verl's
+    /// `pg_clipfrac_lower`; mean over applied mini-batches). Absent without
+    /// `algo.clip_ratio_c`.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub clip_frac_dual: Option<f64>,
     /// k1 estimate of KL(old ‖ new) over the update mini-batches.
     pub ppo_kl: Option<f64>,
     /// Mean next-token entropy over response tokens at the old weights.
@@ -89,6 +94,29 @@ pub struct StepMetrics {
     /// Fraction of replayed cells verified (1.0, or the step fails); null without replay.
     #[serde(rename = "replay.verified_frac")]
     pub verified_frac: Option<f64>,
+    /// Mean TIS/MIS weight over the response tokens (mean over applied mini-batches).
+    /// Absent with `algo.is_mode = none`, as the other `is.*` keys.
+    #[serde(
+        rename = "is.weight_mean",
+        skip_serializing_if = "Option::is_none",
+        default
+    )]
+    pub is_weight_mean: Option<f64>,
+    /// Fraction of response tokens whose IS ratio passed `algo.is_threshold` (truncated by
+    /// TIS, dropped by MIS).
+    #[serde(
+        rename = "is.over_threshold_frac",
+        skip_serializing_if = "Option::is_none",
+        default
+    )]
+    pub is_over_threshold_frac: Option<f64>,
+    /// Mean untruncated IS log-ratio `old − rollout` (at `algo.is_level`).
+    #[serde(
+        rename = "is.log_ratio_mean",
+        skip_serializing_if = "Option::is_none",
+        default
+    )]
+    pub is_log_ratio_mean: Option<f64>,
     /// Rollout requests sent again after a worker fault (fleet backend; null otherwise).
     #[serde(rename = "rollout.retries", default)]
     pub rollout_retries: Option<u64>,

@@ -14,13 +14,13 @@ use r3_model::precision::WeightGradients;
 use r3_model::{Model, ReplayProof, ReplayRoutes, Routing, SharedLen};
 use r3_routing::RouteTable;
 
-use crate::algo::agg::{AggNorm, LossAgg};
+use crate::algo::agg::{aggregate_with, AggNorm, LossAgg};
 use crate::algo::logprob::scalar_f32;
 use crate::algo::loss::{
     policy_loss_part, ClipRange, PolicyLossInput, PolicyLossKind, PolicyLossMetrics, PolicyLossSums,
 };
 use crate::algo::optim::AdamW;
-use crate::algo::rollout_is::{rollout_is_weights, IsConfig};
+use crate::algo::rollout_is::{rollout_is_weights, IsConfig, IsMetrics, IsSums};
 use crate::algo::update::{guarded_step_timed, GradHook, SkipReason, UpdateOutcome, UpdateTimes};
 use crate::config::train::RouterReplay;
 use crate::error::Result;
@@ -57,7 +57,8 @@ pub struct UpdateSettings {
     pub loss: PolicyLossKind,
     /// Ratio clip range of that loss.
     pub clip: ClipRange,
-    /// Loss aggregation (PPO).
+    /// Loss aggregation of the PPO loss, and of the entropy bonus under either loss (GSPO's
+    /// own loss is always `seq-mean-token-mean`).
     pub agg: LossAgg,
     /// Importance-sampling correction.
     pub is: IsConfig,
@@ -109,6 +110,9 @@ pub struct MiniBatchResult {
     pub logp: Tensor,
     /// Mean entropy over the response tokens.
     pub entropy: f32,
+    /// TIS/MIS statistics over the mini-batch's (row-weighted) response tokens; `None`
+    /// without an importance-sampling correction.
+    pub is_metrics: Option<IsMetrics>,
     /// Routes chosen by a `Record` forward.
     pub routes: Option<Vec<RouteTable>>,
     /// Proof of a `Replay` forward (verified).
@@ -212,6 +216,7 @@ pub fn update_minibatch(
         loss,
         grads,
         sums,
+        is_sums,
         entropy_sum,
         logp,
         routes,
@@ -272,6 +277,7 @@ pub fn update_minibatch(
         loss_metrics: sums.finish(tokens),
         logp,
         entropy: entropy_sum as f32 / full_tokens,
+        is_metrics: is_sums.map(|s| s.finish(tokens)),
         routes,
         replay,
         verified_frac,
@@ -288,6 +294,8 @@ struct Accumulated {
     /// is non-finite (the step is skipped, later backward passes would be wasted).
     grads: Option<GradStore>,
     sums: PolicyLossSums,
+    /// The IS statistics' numerators (`None` without TIS/MIS).
+    is_sums: Option<IsSums>,
     /// `Σ entropy` over the response tokens (row weights ignored, as the metric).
     entropy_sum: f64,
     logp: Vec<(Vec<usize>, Tensor)>,
@@ -308,6 +316,7 @@ impl Default for Accumulated {
             loss: 0.0,
             grads: Some(GradStore::default()),
             sums: PolicyLossSums::default(),
+            is_sums: None,
             entropy_sum: 0.0,
             logp: Vec::new(),
             routes: Vec::new(),
@@ -365,6 +374,9 @@ impl Accumulated {
             _ => self.grads = None,
         }
         self.sums.add(&micro.sums);
+        if let Some(is) = micro.is_sums {
+            self.is_sums.get_or_insert_default().add(&is);
+        }
         self.entropy_sum += micro.entropy_sum;
         for (&row, &len) in rows.iter().zip(&micro.shared_lens) {
             if self.shared_lens.len() <= row {
@@ -393,6 +405,7 @@ struct Micro<'m> {
     /// (`narrow_gradients` in a 16-bit precision).
     narrow_grads: Option<DType>,
     sums: PolicyLossSums,
+    is_sums: Option<IsSums>,
     entropy_sum: f64,
     /// `[rows, w]` log-probs, detached.
     logp: Tensor,
@@ -449,12 +462,10 @@ fn micro_update<'m>(
     let entropy_tensor = scored.entropy(s.entropy_coef != 0.0)?;
     let entropy_sum = scalar_f32(&entropy_tensor.detach().mul(&full_mask)?.sum_all()?)?;
     if s.entropy_coef != 0.0 {
-        // The masked mean over the whole mini-batch: this micro-batch's share of it.
-        let bonus = entropy_tensor
-            .mul(&mask)?
-            .sum_all()?
-            .div(&norm.tokens)?
-            .affine(s.entropy_coef, 0.0)?;
+        // Aggregated like the loss (`algo.loss_agg`, as verl's dp_actor `agg_loss` of the
+        // entropy) over the whole mini-batch's denominators: this micro-batch's share.
+        let bonus =
+            aggregate_with(&entropy_tensor, &mask, s.agg, norm)?.affine(s.entropy_coef, 0.0)?;
         loss = loss.sub(&bonus)?;
     }
     Ok(Micro {
@@ -462,6 +473,7 @@ fn micro_update<'m>(
         layers,
         narrow_grads,
         sums,
+        is_sums: is.map(|w| w.sums),
         entropy_sum: f64::from(entropy_sum),
         logp: scored.logp.detach(),
         routes: scored.routes,

@@ -5,6 +5,7 @@
 use r3_routing::MismatchMetrics;
 
 use crate::algo::loss::PolicyLossKind;
+use crate::algo::rollout_is::IsMetrics;
 use crate::algo::update::{SkipReason, UpdateOutcome, UpdateTimes};
 use crate::config::train::TrainConfig;
 use crate::error::{Result, TrainError};
@@ -87,6 +88,15 @@ fn mean(values: impl Iterator<Item = f64>) -> Option<f64> {
     (n > 0).then(|| sum / n as f64)
 }
 
+/// The mean over the applied mini-batches of one IS statistic (`None` without TIS/MIS).
+fn is_mean(applied: &[&MiniBatchResult], stat: impl Fn(&IsMetrics) -> f32) -> Option<f64> {
+    mean(
+        applied
+            .iter()
+            .filter_map(|r| r.is_metrics.as_ref().map(|m| f64::from(stat(m)))),
+    )
+}
+
 /// Assembles the metrics line from the step's pieces (timing filled in by the caller).
 fn step_metrics(
     step: u64,
@@ -133,6 +143,13 @@ fn step_metrics(
         stop_frac: trajs.iter().filter(|t| t.stopped).count() as f64 / n,
         pg_loss: mean(applied.iter().map(|r| f64::from(r.loss_metrics.pg_loss))),
         clip_frac: mean(applied.iter().map(|r| f64::from(r.loss_metrics.clip_frac))),
+        clip_frac_dual: cfg.clip_range().dual_clip.and_then(|_| {
+            mean(
+                applied
+                    .iter()
+                    .map(|r| f64::from(r.loss_metrics.dual_clip_frac)),
+            )
+        }),
         ppo_kl: mean(applied.iter().map(|r| f64::from(r.loss_metrics.ppo_kl))),
         entropy: Some(f64::from(view.entropy)),
         grad_norm: mean(grad_norms),
@@ -156,6 +173,9 @@ fn step_metrics(
             .filter_map(|r| r.verified_frac)
             .chain(view.verified_frac)
             .reduce(f64::min),
+        is_weight_mean: is_mean(&applied, |m| m.weight_mean),
+        is_over_threshold_frac: is_mean(&applied, |m| m.over_threshold_frac),
+        is_log_ratio_mean: is_mean(&applied, |m| m.log_ratio_mean),
         ..StepMetrics::default()
     }
 }
@@ -169,6 +189,14 @@ mod tests {
     use candle_core::{Device, Tensor};
 
     fn result(outcome: UpdateOutcome, pg_loss: f32) -> MiniBatchResult {
+        result_with(outcome, pg_loss, None)
+    }
+
+    fn result_with(
+        outcome: UpdateOutcome,
+        pg_loss: f32,
+        is_metrics: Option<IsMetrics>,
+    ) -> MiniBatchResult {
         MiniBatchResult {
             outcome,
             loss_metrics: PolicyLossMetrics {
@@ -179,9 +207,11 @@ mod tests {
                 ppo_kl: 0.01,
                 ppo_kl_k3: 0.01,
                 ratio_mean: 1.0,
+                dual_clip_frac: 0.25,
             },
             logp: Tensor::zeros((1, 1), candle_core::DType::F32, &Device::Cpu).expect("zeros"),
             entropy: 1.0,
+            is_metrics,
             routes: None,
             replay: None,
             verified_frac: None,
@@ -253,6 +283,65 @@ mod tests {
             "schema key present (null)"
         );
         assert!(line.get("eval_accuracy").is_none(), "absent off eval steps");
+        // The default run (no TIS/MIS, no dual-clip) writes the line it always did.
+        for key in [
+            "is.weight_mean",
+            "is.over_threshold_frac",
+            "is.log_ratio_mean",
+            "clip_frac_dual",
+        ] {
+            assert!(line.get(key).is_none(), "{key} absent by default");
+        }
+    }
+
+    #[test]
+    fn is_statistics_and_the_dual_clip_fraction_are_means_over_applied_updates() {
+        let mut cfg = TrainConfig::default();
+        cfg.algo.is_mode = crate::algo::rollout_is::IsMode::Tis;
+        cfg.algo.clip_ratio_c = 3.0;
+        let applied = || UpdateOutcome::Applied {
+            loss: 0.3,
+            grad_norm: GradNorm {
+                norm: 2.0,
+                scale: 1.0,
+            },
+            lr: 1e-3,
+        };
+        let skipped = UpdateOutcome::Skipped {
+            reason: SkipReason::NonFiniteLoss,
+            loss: f32::NAN,
+            grad_norm: None,
+        };
+        let is = |weight_mean, over_threshold_frac, log_ratio_mean| {
+            Some(IsMetrics {
+                weight_mean,
+                over_threshold_frac,
+                log_ratio_mean,
+            })
+        };
+        let view = OldView {
+            logp: Tensor::zeros((1, 1), candle_core::DType::F32, &Device::Cpu).expect("zeros"),
+            recorded: None,
+            entropy: 0.7,
+            verified_frac: None,
+            divergence: None,
+            shared_lens: Vec::new(),
+        };
+        let results = [
+            result_with(applied(), 0.3, is(1.5, 0.25, 0.5)),
+            result_with(applied(), 0.1, is(1.0, 0.75, -0.25)),
+            // A failed update's numbers stay out, as its loss does.
+            result_with(skipped, f32::NAN, is(f32::NAN, 1.0, f32::NAN)),
+        ];
+        let m = step_metrics(2, &cfg, &[trajectory(1)], &results, None, &view);
+        let line = serde_json::to_value(&m).expect("json");
+        // (1.5 + 1) / 2, (0.25 + 0.75) / 2, (0.5 − 0.25) / 2; every value exact in binary.
+        assert_eq!(line["is.weight_mean"], serde_json::json!(1.25));
+        assert_eq!(line["is.over_threshold_frac"], serde_json::json!(0.5));
+        assert_eq!(line["is.log_ratio_mean"], serde_json::json!(0.125));
+        assert_eq!(line["clip_frac_dual"], serde_json::json!(0.25));
+        let back: StepMetrics = serde_json::from_value(line).expect("read back");
+        assert_eq!(back, m);
     }
 
     #[test]
