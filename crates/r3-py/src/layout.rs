@@ -7,6 +7,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString};
 use r3_routing::{LayerLayout, RoutingConfig};
 
+use crate::args;
 use crate::{arg_err, route_err};
 
 /// Which layers are MoE layers, the routed-expert count and top-k of a model.
@@ -49,10 +50,10 @@ impl PyLayerLayout {
     #[new]
     #[pyo3(signature = (num_hidden_layers, moe_layers, *, num_experts, top_k))]
     fn new(
-        num_hidden_layers: usize,
-        moe_layers: Vec<usize>,
-        num_experts: usize,
-        top_k: usize,
+        #[pyo3(from_py_with = args::num_hidden_layers)] num_hidden_layers: usize,
+        #[pyo3(from_py_with = args::moe_layers)] moe_layers: Vec<usize>,
+        #[pyo3(from_py_with = args::num_experts)] num_experts: usize,
+        #[pyo3(from_py_with = args::top_k)] top_k: usize,
     ) -> PyResult<Self> {
         if moe_layers.is_empty() {
             return Err(arg_err("a layout needs at least one MoE layer"));
@@ -134,7 +135,7 @@ impl PyLayerLayout {
     }
 
     /// Whether global layer `layer` is a MoE layer.
-    fn is_moe(&self, layer: usize) -> bool {
+    fn is_moe(&self, #[pyo3(from_py_with = args::layer)] layer: usize) -> bool {
         self.layout.is_moe(layer)
     }
 

@@ -2,6 +2,7 @@
 //! r3-routing (no codec or check of its own). Every r3-routing error becomes `r3.RouteError`
 //! (a `ValueError`) with the Rust message, which names the token, layer and value.
 
+mod args;
 mod arrays;
 mod layout;
 mod megatron;

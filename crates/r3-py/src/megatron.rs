@@ -5,6 +5,7 @@
 use pyo3::prelude::*;
 use r3_routing::megatron::{self as split, Packing, Padding, PipelineSplit, TokenSlot, TokenSplit};
 
+use crate::args;
 use crate::arrays::to_numpy;
 use crate::table::PyRouteTable;
 use crate::{arg_err, route_err};
@@ -22,11 +23,11 @@ impl PyPipelineSplit {
     #[pyo3(signature = (num_layers, pp_size = 1, *, vp_size = None, first_stage_layers = None,
         last_stage_layers = None, account_for_embedding = false, account_for_loss = false))]
     fn new(
-        num_layers: usize,
-        pp_size: usize,
-        vp_size: Option<usize>,
-        first_stage_layers: Option<usize>,
-        last_stage_layers: Option<usize>,
+        #[pyo3(from_py_with = args::num_layers)] num_layers: usize,
+        #[pyo3(from_py_with = args::pp_size)] pp_size: usize,
+        #[pyo3(from_py_with = args::vp_size)] vp_size: Option<usize>,
+        #[pyo3(from_py_with = args::first_stage_layers)] first_stage_layers: Option<usize>,
+        #[pyo3(from_py_with = args::last_stage_layers)] last_stage_layers: Option<usize>,
         account_for_embedding: bool,
         account_for_loss: bool,
     ) -> Self {
@@ -45,7 +46,11 @@ impl PyPipelineSplit {
 
     /// Megatron's `get_transformer_layer_offset(config, vp_stage, pp_rank)`.
     #[pyo3(signature = (pp_rank, vp_stage = None))]
-    fn layer_offset(&self, pp_rank: usize, vp_stage: Option<usize>) -> PyResult<usize> {
+    fn layer_offset(
+        &self,
+        #[pyo3(from_py_with = args::pp_rank)] pp_rank: usize,
+        #[pyo3(from_py_with = args::vp_stage)] vp_stage: Option<usize>,
+    ) -> PyResult<usize> {
         self.split
             .layer_offset(pp_rank, vp_stage)
             .map_err(route_err)
@@ -53,7 +58,11 @@ impl PyPipelineSplit {
 
     /// Megatron's `get_num_layers_to_build(config, vp_stage, pp_rank)`.
     #[pyo3(signature = (pp_rank, vp_stage = None))]
-    fn num_layers_to_build(&self, pp_rank: usize, vp_stage: Option<usize>) -> PyResult<usize> {
+    fn num_layers_to_build(
+        &self,
+        #[pyo3(from_py_with = args::pp_rank)] pp_rank: usize,
+        #[pyo3(from_py_with = args::vp_stage)] vp_stage: Option<usize>,
+    ) -> PyResult<usize> {
         self.split
             .num_layers_to_build(pp_rank, vp_stage)
             .map_err(route_err)
@@ -62,7 +71,11 @@ impl PyPipelineSplit {
     /// Global layers of the rank in construction order (every model chunk when `vp_stage`
     /// is None).
     #[pyo3(signature = (pp_rank, vp_stage = None))]
-    fn local_layers(&self, pp_rank: usize, vp_stage: Option<usize>) -> PyResult<Vec<usize>> {
+    fn local_layers(
+        &self,
+        #[pyo3(from_py_with = args::pp_rank)] pp_rank: usize,
+        #[pyo3(from_py_with = args::vp_stage)] vp_stage: Option<usize>,
+    ) -> PyResult<Vec<usize>> {
         self.split
             .local_layers(pp_rank, vp_stage)
             .map_err(route_err)
@@ -87,13 +100,19 @@ fn token_split(
     ))
 }
 
-/// The padding a caller gave: `cu_seqlens_padded` (thd) or `padded_len` (bshd), at most one.
+/// The padding a caller gave: `cu_seqlens_padded` (thd; with `trailing_padding`, it may end
+/// with a padding-only segment) or `padded_len` (bshd), at most one.
 fn padding<'a>(
     cu_seqlens_padded: Option<&'a [usize]>,
+    trailing_padding: bool,
     padded_len: Option<usize>,
 ) -> PyResult<Padding<'a>> {
     match (cu_seqlens_padded, padded_len) {
+        (None, _) if trailing_padding => Err(arg_err(
+            "trailing_padding describes cu_seqlens_padded, which is not given",
+        )),
         (None, None) => Ok(Padding::Aligned),
+        (Some(cu), None) if trailing_padding => Ok(Padding::CuSeqlensWithTail(cu)),
         (Some(cu), None) => Ok(Padding::CuSeqlens(cu)),
         (None, Some(n)) => Ok(Padding::SeqLen(n)),
         (Some(_), Some(_)) => Err(arg_err(
@@ -104,21 +123,24 @@ fn padding<'a>(
 
 /// The (sequence, position) of every token the rank's routers see, int64 `[tokens, 2]`,
 /// `(-1, -1)` for padding. `sp` and `cp` are `(size, rank)`; `cu_seqlens_padded` (thd) or
-/// `padded_len` (bshd) give the caller's padding instead of the inferred one.
+/// `padded_len` (bshd) give the caller's padding instead of the inferred one;
+/// `trailing_padding` lets `cu_seqlens_padded` end with a padding-only segment (slime's).
 #[pyfunction]
 #[pyo3(signature = (seq_lens, packing = "thd", sp = (1, 0), cp = (1, 0), *,
-    cu_seqlens_padded = None, padded_len = None))]
+    cu_seqlens_padded = None, padded_len = None, trailing_padding = false))]
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn rank_tokens<'py>(
     py: Python<'py>,
-    seq_lens: Vec<usize>,
+    #[pyo3(from_py_with = args::seq_lens)] seq_lens: Vec<usize>,
     packing: &str,
-    sp: (usize, usize),
-    cp: (usize, usize),
-    cu_seqlens_padded: Option<Vec<usize>>,
-    padded_len: Option<usize>,
+    #[pyo3(from_py_with = args::sp)] sp: (usize, usize),
+    #[pyo3(from_py_with = args::cp)] cp: (usize, usize),
+    #[pyo3(from_py_with = args::cu_seqlens_padded)] cu_seqlens_padded: Option<Vec<usize>>,
+    #[pyo3(from_py_with = args::padded_len)] padded_len: Option<usize>,
+    trailing_padding: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
     let (packing, ts) = token_split(packing, sp, cp)?;
-    let pad = padding(cu_seqlens_padded.as_deref(), padded_len)?;
+    let pad = padding(cu_seqlens_padded.as_deref(), trailing_padding, padded_len)?;
     // Pure Rust over copied arguments: other Python threads go on meanwhile.
     let out = py
         .allow_threads(|| {
@@ -139,28 +161,57 @@ pub(crate) fn rank_tokens<'py>(
 }
 
 /// Replay ids int64 `[routers, tokens, top_k]` for the routers of `router_layers` on one
-/// rank (see r3-routing's `megatron::replay_ids`), padded as [`rank_tokens`] pads.
+/// rank (see r3-routing's `megatron::replay_ids_with_lens`), padded as [`rank_tokens`] pads.
+/// `seq_lens` (default: each table's rows + 1) may run past a table's routes, whose extra
+/// tokens replay filler; `num_tokens`, the tokens the rank's routers see, is checked against
+/// the count the tables and padding give.
 #[pyfunction]
 #[pyo3(signature = (tables, router_layers, packing = "thd", sp = (1, 0), cp = (1, 0), *,
-    cu_seqlens_padded = None, padded_len = None))]
+    cu_seqlens_padded = None, padded_len = None, trailing_padding = false, seq_lens = None,
+    num_tokens = None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn replay_ids<'py>(
     py: Python<'py>,
     tables: Vec<PyRef<'py, PyRouteTable>>,
-    router_layers: Vec<usize>,
+    #[pyo3(from_py_with = args::router_layers)] router_layers: Vec<usize>,
     packing: &str,
-    sp: (usize, usize),
-    cp: (usize, usize),
-    cu_seqlens_padded: Option<Vec<usize>>,
-    padded_len: Option<usize>,
+    #[pyo3(from_py_with = args::sp)] sp: (usize, usize),
+    #[pyo3(from_py_with = args::cp)] cp: (usize, usize),
+    #[pyo3(from_py_with = args::cu_seqlens_padded)] cu_seqlens_padded: Option<Vec<usize>>,
+    #[pyo3(from_py_with = args::padded_len)] padded_len: Option<usize>,
+    trailing_padding: bool,
+    #[pyo3(from_py_with = args::seq_lens)] seq_lens: Option<Vec<usize>>,
+    #[pyo3(from_py_with = args::num_tokens)] num_tokens: Option<usize>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let (packing, ts) = token_split(packing, sp, cp)?;
-    let pad = padding(cu_seqlens_padded.as_deref(), padded_len)?;
+    let pad = padding(cu_seqlens_padded.as_deref(), trailing_padding, padded_len)?;
     let refs: Vec<&r3_routing::RouteTable> = tables.iter().map(|t| &t.table).collect();
     // The tables are frozen (immutable) and kept alive by `tables`: the gather runs without
     // the GIL.
     let r = py
-        .allow_threads(|| split::replay_ids(&refs, &router_layers, packing, ts, pad))
+        .allow_threads(|| {
+            split::replay_ids_with_lens(
+                &refs,
+                seq_lens.as_deref(),
+                &router_layers,
+                packing,
+                ts,
+                pad,
+            )
+        })
         .map_err(route_err)?;
+    // Megatron's replay gathers and scatters these rows against the router's scores, which
+    // accept fewer index rows than tokens: a short replay would leave the rest of the
+    // rank's tokens routed to no expert, without an error. So the count is checked here.
+    if let Some(n) = num_tokens {
+        if n != r.num_tokens {
+            return Err(arg_err(format!(
+                "num_tokens: the rank's routers see {n} tokens, but the tables and padding \
+                 give {} (pass the data loader's own padding: cu_seqlens_padded for thd, \
+                 padded_len for bshd)",
+                r.num_tokens
+            )));
+        }
+    }
     to_numpy(py, r.ids, &[r.num_routers, r.num_tokens, r.top_k])
 }

@@ -6,6 +6,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use r3_routing::MergePolicy;
 
+use crate::args;
 use crate::arrays::vector;
 use crate::table::PyRouteTable;
 use crate::{arg_err, route_err};
@@ -44,7 +45,7 @@ pub(crate) fn merge_resumed(
 #[pyfunction]
 pub(crate) fn check_covers_sequence(
     table: PyRef<'_, PyRouteTable>,
-    total_tokens: usize,
+    #[pyo3(from_py_with = args::total_tokens)] total_tokens: usize,
 ) -> PyResult<()> {
     r3_routing::check_covers_sequence(&table.table, total_tokens).map_err(route_err)
 }

@@ -7,6 +7,7 @@ use pyo3::types::{PyBytes, PyDict, PyString};
 use r3_routing::wire::{self, sglang, vllm, vllm_json, WireDtype};
 use r3_routing::{LayerSpace, RouteTable};
 
+use crate::args;
 use crate::arrays::{to_numpy, visit_ints, IntArrayVisitor};
 use crate::layout::PyLayerLayout;
 use crate::{arg_err, route_err};
@@ -67,19 +68,38 @@ fn is_nested_json(v: &serde_json::Value) -> bool {
     v.get("prompt_routed_experts").is_some() || routes.is_some_and(|r| r.is_array())
 }
 
-/// The table of a response with exactly one choice.
-fn one_choice(
+/// The table of choice `choice` of a response, or of its only choice when `choice` is None
+/// (several choices are refused then, as r3-routing's `decode_vllm_payload` refuses them).
+fn pick_choice(
     tables: Result<Vec<RouteTable>, r3_routing::RouteError>,
+    choice: Option<usize>,
 ) -> Result<RouteTable, r3_routing::RouteError> {
     let mut tables = tables?;
-    if tables.len() != 1 {
-        return Err(r3_routing::RouteError::length(
-            "choices in the vLLM response (pass one choice's object)",
+    match choice {
+        None if tables.len() != 1 => Err(r3_routing::RouteError::length(
+            "choices in the vLLM response (name one with choice=)",
             1,
             tables.len(),
-        ));
+        )),
+        None => Ok(tables.remove(0)),
+        Some(c) if c < tables.len() => Ok(tables.swap_remove(c)),
+        Some(c) => Err(r3_routing::RouteError::format(
+            "vllm-json",
+            format!("choice {c} asked for; the response holds {}", tables.len()),
+        )),
     }
-    Ok(tables.remove(0))
+}
+
+/// A vLLM text payload (base64, or a response's JSON), one choice of it.
+fn vllm_text(
+    text: &str,
+    choice: Option<usize>,
+    shape: &r3_routing::WireShape,
+) -> Result<RouteTable, r3_routing::RouteError> {
+    match choice {
+        None => vllm::decode_vllm_payload(text, shape),
+        Some(c) => vllm::decode_vllm_choice(text, c, shape),
+    }
 }
 
 /// Decodes `[rows, columns, top_k]` arrays: all-layers wire arrays through the wire
@@ -168,7 +188,7 @@ impl PyRouteTable {
         payload: &Bound<'_, PyAny>,
         layout: PyRef<'_, PyLayerLayout>,
         dtype: Option<&str>,
-        start_len: usize,
+        #[pyo3(from_py_with = args::start_len)] start_len: usize,
     ) -> PyResult<Self> {
         let shape = layout.wire_shape(start_len)?;
         let py = payload.py();
@@ -200,39 +220,50 @@ impl PyRouteTable {
     /// Decodes vLLM's `routed_experts`: a numpy array (or nested lists)
     /// `[rows, num_hidden_layers, top_k]` (read in place), raw `.npy` bytes, the base64 `.npy`
     /// text (str / bytes / response JSON), or a response dict (base64, or vLLM 0.21's nested
-    /// `prompt_routed_experts` + one choice's `routed_experts`).
+    /// `prompt_routed_experts` + the choices' `routed_experts`). A response holds one
+    /// `routed_experts` per choice: one of several (`n > 1`) must be named by `choice`, never
+    /// taken as choice 0; an array or `.npy` is one choice (0).
     #[staticmethod]
-    #[pyo3(signature = (array_or_bytes, *, layout, start_len = 0))]
+    #[pyo3(signature = (array_or_bytes, *, layout, start_len = 0, choice = None))]
     fn from_vllm(
         array_or_bytes: &Bound<'_, PyAny>,
         layout: PyRef<'_, PyLayerLayout>,
-        start_len: usize,
+        #[pyo3(from_py_with = args::start_len)] start_len: usize,
+        #[pyo3(from_py_with = args::choice)] choice: Option<usize>,
     ) -> PyResult<Self> {
+        let one_array = |what: &str| match choice {
+            None | Some(0) => Ok(()),
+            Some(c) => Err(arg_err(format!(
+                "choice {c} asked for; {what} is one choice (0)"
+            ))),
+        };
         let shape = layout.wire_shape(start_len)?;
         let obj = array_or_bytes;
         let py = obj.py();
         let table = if let Ok(b) = obj.downcast::<PyBytes>() {
             let bytes = b.as_bytes();
             if bytes.starts_with(b"\x93NUMPY") {
+                one_array("an .npy file")?;
                 py.allow_threads(|| vllm::decode_npy_routes(bytes, &shape))
             } else {
                 let text = std::str::from_utf8(bytes)
                     .map_err(|e| arg_err(format!("vllm payload: not .npy nor text: {e}")))?;
-                py.allow_threads(|| vllm::decode_vllm_payload(text, &shape))
+                py.allow_threads(|| vllm_text(text, choice, &shape))
             }
         } else if let Ok(s) = obj.downcast::<PyString>() {
             let text = s.to_cow()?;
-            py.allow_threads(|| vllm::decode_vllm_payload(&text, &shape))
+            py.allow_threads(|| vllm_text(&text, choice, &shape))
         } else if obj.is_instance_of::<PyDict>() {
             let v = json_value(obj)?;
             py.allow_threads(|| {
                 if is_nested_json(&v) {
-                    one_choice(vllm_json::decode_vllm_json(&v, &shape))
+                    pick_choice(vllm_json::decode_vllm_json(&v, &shape), choice)
                 } else {
-                    vllm::decode_vllm_payload(&v.to_string(), &shape)
+                    vllm_text(&v.to_string(), choice, &shape)
                 }
             })
         } else {
+            one_array("an array")?;
             let decoder = ArrayDecoder {
                 layout: &layout,
                 start: start_len,
@@ -251,7 +282,7 @@ impl PyRouteTable {
     fn from_numpy(
         ids: &Bound<'_, PyAny>,
         layout: PyRef<'_, PyLayerLayout>,
-        start_pos: usize,
+        #[pyo3(from_py_with = args::start_pos)] start_pos: usize,
     ) -> PyResult<Self> {
         let decoder = ArrayDecoder {
             layout: &layout,
@@ -345,7 +376,11 @@ impl PyRouteTable {
     }
 
     /// Rows `[start, stop)` (relative to row 0) as a new table.
-    fn slice_rows(&self, start: usize, stop: usize) -> PyResult<Self> {
+    fn slice_rows(
+        &self,
+        #[pyo3(from_py_with = args::start)] start: usize,
+        #[pyo3(from_py_with = args::stop)] stop: usize,
+    ) -> PyResult<Self> {
         let table = self.table.slice_rows(start, stop).map_err(route_err)?;
         Ok(Self::wrap(table, &self.layout))
     }
@@ -365,7 +400,11 @@ impl PyRouteTable {
 
     /// vLLM's base64 `.npy` payload (all layers) in `dtype`, NPY format `npy_version`.
     #[pyo3(signature = (dtype = "int16", npy_version = 1))]
-    fn to_vllm(&self, dtype: &str, npy_version: u8) -> PyResult<String> {
+    fn to_vllm(
+        &self,
+        dtype: &str,
+        #[pyo3(from_py_with = args::npy_version)] npy_version: u8,
+    ) -> PyResult<String> {
         let lay = &self.layout.layout;
         vllm::encode_vllm(
             &self.table,

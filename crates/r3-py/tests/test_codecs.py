@@ -141,3 +141,45 @@ def test_base64_with_line_breaks_decodes_the_same(rng, layout):
     wrapped = "\n".join(b64[i : i + 76] for i in range(0, len(b64), 76))
     assert r3.RouteTable.from_sglang(wrapped, layout=layout) == \
         r3.RouteTable.from_sglang(b64, layout=layout)
+
+
+def test_vllm_response_of_several_choices_needs_the_choice(rng, layout):
+    # n = 2: each choice carries its own routed_experts (3 rows and 5 rows).
+    w0, w1 = random_wire(rng, 3), random_wire(rng, 5)
+    b0 = base64.b64encode(npy_bytes(w0.astype(np.int16))).decode()
+    b1 = base64.b64encode(npy_bytes(w1.astype(np.int16))).decode()
+    response = {"choices": [{"routed_experts": b0}, {"routed_experts": b1}]}
+    for form in (response, json.dumps(response), json.dumps(response).encode()):
+        with pytest.raises(r3.RouteError, match="holds 2 choices"):
+            r3.RouteTable.from_vllm(form, layout=layout)
+        np.testing.assert_array_equal(r3.RouteTable.from_vllm(form, layout=layout, choice=1).ids, w1[:, MOE])
+        np.testing.assert_array_equal(r3.RouteTable.from_vllm(form, layout=layout, choice=0).ids, w0[:, MOE])
+        with pytest.raises(r3.RouteError, match="choice 2 asked for"):
+            r3.RouteTable.from_vllm(form, layout=layout, choice=2)
+    # The nested lists of vLLM 0.21 take the same argument.
+    nested = {"prompt_routed_experts": w0[:2].tolist(),
+              "choices": [{"routed_experts": w0[2:].tolist()}, {"routed_experts": w1[:1].tolist()}]}
+    with pytest.raises(r3.RouteError, match="expected 1, got 2"):
+        r3.RouteTable.from_vllm(nested, layout=layout)
+    np.testing.assert_array_equal(
+        r3.RouteTable.from_vllm(nested, layout=layout, choice=1).ids,
+        np.concatenate([w0[:2], w1[:1]])[:, MOE],
+    )
+    with pytest.raises(r3.RouteError, match="choice 5 asked for; the response holds 2"):
+        r3.RouteTable.from_vllm(nested, layout=layout, choice=5)
+    # An array is one choice.
+    assert r3.RouteTable.from_vllm(w0, layout=layout, choice=0).num_rows == 3
+    with pytest.raises(r3.RouteError, match="an array is one choice"):
+        r3.RouteTable.from_vllm(w0, layout=layout, choice=1)
+
+
+def test_empty_sglang_reply_from_the_prompts_end(layout):
+    # start_len = prompt_tokens (SGLang allows it) and nothing generated: 0 rows, as the
+    # bare payload decodes.
+    meta = {"routed_experts": "", "prompt_tokens": 7, "completion_tokens": 0}
+    for payload in ({"meta_info": meta}, meta):
+        table = r3.RouteTable.from_sglang(payload, layout=layout, start_len=7)
+        assert (table.num_rows, table.start_pos) == (0, 7)
+        assert table == r3.RouteTable.from_sglang("", layout=layout, start_len=7)
+    with pytest.raises(r3.RouteError, match="misaligned"):
+        r3.RouteTable.from_sglang({"meta_info": meta}, layout=layout, start_len=8)

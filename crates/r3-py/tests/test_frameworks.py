@@ -89,3 +89,52 @@ def test_output_dtypes_must_hold_every_expert_id(rng):
     assert r3.slime.to_slime(t4096, dtype=np.float32).max() == 4095
     with pytest.raises(r3.RouteError, match="cannot hold expert ids"):
         r3.slime.to_slime(t256, dtype=bool)
+
+
+def interaction_batch(rng, layout):
+    """One verl row ended by its interaction turn: prompt of 3 tokens (columns 3-5 of a
+    6-wide prompt), response of 6 (columns 6-11 of 6): the engine's last call fed positions
+    0-5 (their routes) and generated position 6 (loss, never fed), then 2 user tokens were
+    appended (positions 7-8, response_mask 0), never fed either; rows 6-7 (the rows read run
+    to the last token but one) are left 0 — what verl's tool agent loop builds."""
+    mask = np.zeros((1, 12), dtype=np.int64)
+    mask[0, 3:12] = 1
+    wire = random_wire(rng, 6)
+    routed = np.zeros((1, 12, 4, 2), dtype=np.int32)
+    routed[0, 3:9] = wire
+    response_mask = np.array([[1, 1, 1, 1, 0, 0]])  # response positions 3-8
+    return routed, mask, wire, response_mask
+
+
+def test_verl_interaction_terminated_rollouts(rng, layout):
+    routed, mask, wire, response_mask = interaction_batch(rng, layout)
+    with pytest.raises(r3.RouteError, match=r"token 6, layer 1: all 2 ids are 0.*rows 6\.\.7 are all 0.*trailing_unrouted"):
+        r3.verl.from_verl(routed, mask, layout=layout)
+    (table,) = r3.verl.from_verl(routed, mask, layout=layout, trailing_unrouted="filler",
+                                 response_mask=response_mask)
+    assert (table.start_pos, table.num_rows) == (0, 6)
+    np.testing.assert_array_equal(table.ids, wire[:, 1:])
+    assert r3.verl.seq_lens(mask) == [9]
+    # Replayed over the 9 attended tokens, positions 6-8 replay the filler.
+    ids = r3.megatron.replay_arrays([table], layout, seq_lens=r3.verl.seq_lens(mask))
+    assert ids.shape == (3, 9, 2)
+    np.testing.assert_array_equal(ids[0, :6], wire[:, 1])
+    assert ids[0, 6:].tolist() == [[4, 5], [6, 7], [0, 1]]  # (t * 2 + j) % 8
+    # Written back, the rows after the table stay 0, as verl has them.
+    np.testing.assert_array_equal(r3.verl.to_verl([table], mask, trailing_unrouted="filler"), routed)
+    with pytest.raises(r3.RouteError, match="batch row 0: the table covers"):
+        r3.verl.to_verl([table], mask)
+    # A zero row before routed rows is still refused.
+    gap = routed.copy()
+    gap[0, 5] = 0
+    with pytest.raises(r3.RouteError, match="token 2, layer 1: all 2 ids are 0"):
+        r3.verl.from_verl(gap, mask, layout=layout, trailing_unrouted="filler")
+    # A token with loss after the routed rows: its logits would come from a filler route.
+    lossy = np.array([[1, 1, 1, 1, 1, 0]])
+    with pytest.raises(r3.RouteError, match="token 7 carries loss .* token 6, whose logits predict it, has no route"):
+        r3.verl.from_verl(routed, mask, layout=layout, trailing_unrouted="filler", response_mask=lossy)
+    # No route at all is not a trailing run.
+    with pytest.raises(r3.RouteError, match="no row holds a route"):
+        r3.verl.from_verl(np.zeros_like(routed), mask, layout=layout, trailing_unrouted="filler")
+    with pytest.raises(r3.RouteError, match="trailing_unrouted must be"):
+        r3.verl.from_verl(routed, mask, layout=layout, trailing_unrouted="drop")

@@ -117,6 +117,41 @@ def test_layout_and_argument_errors():
                                        "num_experts_per_tok": 2, "decoder_sparse_step": -1})
 
 
+@pytest.mark.parametrize(
+    "call, name",
+    [
+        (lambda l: r3.RouteTable.from_sglang("", layout=l, start_len=-1), "start_len"),
+        (lambda l: r3.RouteTable.from_vllm(b"", layout=l, start_len=-2), "start_len"),
+        (lambda l: r3.RouteTable.from_vllm(b"", layout=l, choice=-1), "choice"),
+        (lambda l: r3.RouteTable.from_numpy(np.zeros((0, 3, 2), dtype=np.int32), layout=l, start_pos=-1), "start_pos"),
+        (lambda l: r3.RouteTable.from_numpy(np.zeros((0, 3, 2), dtype=np.int32), layout=l).slice_rows(-1, 0), "start"),
+        (lambda l: r3.RouteTable.from_numpy(np.zeros((0, 3, 2), dtype=np.int32), layout=l).slice_rows(0, -1), "stop"),
+        (lambda l: r3.RouteTable.from_numpy(np.zeros((0, 3, 2), dtype=np.int32), layout=l).to_vllm("int16", -1), "npy_version"),
+        (lambda l: r3.LayerLayout(4, [-1], num_experts=8, top_k=2), r"moe_layers\[0\]"),
+        (lambda l: r3.LayerLayout(-4, [1], num_experts=8, top_k=2), "num_hidden_layers"),
+        (lambda l: r3.LayerLayout(4, [1], num_experts=-8, top_k=2), "num_experts"),
+        (lambda l: r3.LayerLayout(4, [1], num_experts=8, top_k=-2), "top_k"),
+        (lambda l: l.is_moe(-1), "layer"),
+        (lambda l: r3.check_covers_sequence(r3.RouteTable.from_numpy(np.zeros((0, 3, 2), dtype=np.int32), layout=l), -1),
+         "total_tokens"),
+    ],
+)
+def test_negative_integers_raise_route_error_naming_the_argument(layout, call, name):
+    # Not OverflowError (PyO3's own, naming nothing), which `except ValueError` misses.
+    with pytest.raises(r3.RouteError, match=f"{name} must be a non-negative integer, got -"):
+        call(layout)
+
+
+def test_integers_too_large_raise_route_error_naming_the_argument(layout):
+    with pytest.raises(r3.RouteError, match="start_len is 36893488147419103232, above its largest value"):
+        r3.RouteTable.from_sglang("", layout=layout, start_len=2**65)
+    with pytest.raises(r3.RouteError, match="npy_version is 256, above its largest value 255"):
+        r3.RouteTable.from_numpy(np.zeros((0, 3, 2), dtype=np.int32), layout=layout).to_vllm("int16", 256)
+    # A wrong type stays the TypeError PyO3 names the argument in.
+    with pytest.raises(TypeError, match="argument 'start_len'"):
+        r3.RouteTable.from_sglang("", layout=layout, start_len="3")
+
+
 def decode_everything(data, layout):
     """Every decoder on one input: each must return a table or raise r3.RouteError."""
     text = data.decode("utf-8", "replace") if isinstance(data, bytes) else data

@@ -446,6 +446,13 @@ pub enum Padding<'a> {
     /// `thd` only: the padded sequences' cumulative offsets, Megatron's `cu_seqlens_padded`
     /// (`PackedSeqParams.cu_seqlens_q_padded`): one more entry than sequences, from 0.
     CuSeqlens(&'a [usize]),
+    /// `thd` only: offsets as [`Padding::CuSeqlens`] that may end with one more entry, a
+    /// padding-only segment past the last sequence — slime's `cu_seqlens`, whose data
+    /// loader pads each context-parallel rank's packed tokens after the zigzag split and
+    /// records that tail as a pseudo-sequence. Its tokens are padding on every rank, an equal
+    /// share (`tail / cp`) of each. A separate variant, so that a caller whose offsets have
+    /// no tail (verl) still has a missing table refused rather than read as padding.
+    CuSeqlensWithTail(&'a [usize]),
     /// `bshd` only: the padded batch's sequence length.
     SeqLen(usize),
 }
@@ -464,40 +471,86 @@ fn round_up(n: usize, to: usize, what: impl Fn() -> String) -> Result<usize, Rou
         })
 }
 
-/// The padded length of each packed (`thd`) sequence.
+/// A thd batch's padded lengths: each sequence's, and the padding-only tail's (0 without).
+struct ThdPadded {
+    seqs: Vec<usize>,
+    tail: usize,
+}
+
+/// The offsets of `cu_seqlens_padded` checked as a whole: from 0, never decreasing, one more
+/// entry than `n` sequences (or two more when `tail_allowed`). Returns the padding-only
+/// tail's length (0 without one).
+fn check_cu_seqlens(cu: &[usize], n: usize, tail_allowed: bool) -> Result<usize, RouteError> {
+    let with_tail = tail_allowed && cu.len() == n + 2;
+    if cu.len() != n + 1 && !with_tail {
+        let also = if tail_allowed {
+            format!(" (or {} with a trailing padding segment)", n + 2)
+        } else {
+            String::new()
+        };
+        return Err(arg(format!(
+            "cu_seqlens_padded has {} entries; {n} sequences need {}{also}",
+            cu.len(),
+            n + 1
+        )));
+    }
+    if cu[0] != 0 {
+        return Err(arg(format!("cu_seqlens_padded starts at {}, not 0", cu[0])));
+    }
+    if let Some(i) = cu.windows(2).position(|w| w[1] < w[0]) {
+        return Err(arg(format!(
+            "cu_seqlens_padded decreases at sequence {i}: {} then {}",
+            cu[i],
+            cu[i + 1]
+        )));
+    }
+    Ok(if with_tail { cu[n + 1] - cu[n] } else { 0 })
+}
+
+/// The padded length of each packed (`thd`) sequence and of a trailing padding segment.
 fn thd_padded(
     seq_lens: &[usize],
     split: &TokenSplit,
     padding: Padding<'_>,
-) -> Result<Vec<usize>, RouteError> {
-    let mut total = 0usize;
+) -> Result<ThdPadded, RouteError> {
+    let (cu, tail) = match padding {
+        Padding::Aligned => (None, 0),
+        Padding::CuSeqlens(cu) => (Some(cu), check_cu_seqlens(cu, seq_lens.len(), false)?),
+        Padding::CuSeqlensWithTail(cu) => (Some(cu), check_cu_seqlens(cu, seq_lens.len(), true)?),
+        Padding::SeqLen(_) => {
+            return Err(arg(
+                "padded_len is for bshd batches; packed (thd) sequences take \
+                 cu_seqlens_padded"
+                    .to_string(),
+            ))
+        }
+    };
+    // The tail is padding on every rank: only its share per context-parallel rank counts,
+    // so it needs to split evenly over cp, not into 2·cp zigzag chunks.
+    if !tail.is_multiple_of(split.cp_size) {
+        return Err(arg(format!(
+            "cu_seqlens_padded's trailing padding segment has {tail} tokens, not a multiple \
+             of cp = {} (each context-parallel rank holds an equal share)",
+            split.cp_size
+        )));
+    }
+    if tail > MAX_BATCH_TOKENS {
+        return Err(arg(format!(
+            "cu_seqlens_padded's trailing padding segment ({tail} tokens) exceeds the \
+             {MAX_BATCH_TOKENS} tokens a micro-batch may hold"
+        )));
+    }
+    let mut total = tail;
     let mut out = Vec::with_capacity(seq_lens.len());
     for (seq, &n) in seq_lens.iter().enumerate() {
-        let padded = match padding {
-            Padding::Aligned => round_up(n, split.alignment(), || format!("sequence {seq}"))?,
-            Padding::CuSeqlens(cu) => {
-                if cu.len() != seq_lens.len() + 1 {
-                    return Err(arg(format!(
-                        "cu_seqlens_padded has {} entries; {} sequences need {}",
-                        cu.len(),
-                        seq_lens.len(),
-                        seq_lens.len() + 1
-                    )));
-                }
-                if cu[0] != 0 {
-                    return Err(arg(format!("cu_seqlens_padded starts at {}, not 0", cu[0])));
-                }
-                let padded = cu[seq + 1].checked_sub(cu[seq]).ok_or_else(|| {
-                    arg(format!(
-                        "cu_seqlens_padded decreases at sequence {seq}: {} then {}",
-                        cu[seq],
-                        cu[seq + 1]
-                    ))
-                })?;
+        let padded = match cu {
+            None => round_up(n, split.alignment(), || format!("sequence {seq}"))?,
+            Some(cu) => {
+                let padded = cu[seq + 1] - cu[seq];
                 if padded < n {
                     return Err(arg(format!(
                         "cu_seqlens_padded gives sequence {seq} {padded} tokens, fewer than \
-                         its {n} (its route rows + 1)"
+                         its {n} tokens"
                     )));
                 }
                 if !padded.is_multiple_of(split.cp_multiple()) {
@@ -508,13 +561,6 @@ fn thd_padded(
                     )));
                 }
                 padded
-            }
-            Padding::SeqLen(_) => {
-                return Err(arg(
-                    "padded_len is for bshd batches; packed (thd) sequences take \
-                     cu_seqlens_padded"
-                        .to_string(),
-                ))
             }
         };
         total = total
@@ -528,7 +574,7 @@ fn thd_padded(
             })?;
         out.push(padded);
     }
-    Ok(out)
+    Ok(ThdPadded { seqs: out, tail })
 }
 
 /// The padded sequence length of a `bshd` batch.
@@ -552,7 +598,7 @@ fn bshd_padded(
                 if padded < longest {
                     return Err(arg(format!(
                         "padded_len {padded} is shorter than sequence {longest_seq}'s {longest} \
-                     tokens (its route rows + 1)"
+                     tokens"
                     )));
                 }
                 if !padded.is_multiple_of(split.cp_multiple())
@@ -567,7 +613,7 @@ fn bshd_padded(
                 }
                 padded
             }
-            Padding::CuSeqlens(_) => return Err(arg(
+            Padding::CuSeqlens(_) | Padding::CuSeqlensWithTail(_) => return Err(arg(
                 "cu_seqlens_padded is for packed (thd) sequences; a bshd batch takes padded_len"
                     .to_string(),
             )),
@@ -607,14 +653,15 @@ pub fn rank_tokens(
         Packing::Thd => {
             let padded = thd_padded(seq_lens, &split, padding)?;
             let what = || match padding {
-                Padding::CuSeqlens(_) => "cu_seqlens_padded",
+                Padding::CuSeqlens(_) | Padding::CuSeqlensWithTail(_) => "cu_seqlens_padded",
                 _ => "packed sequences",
             };
-            let local_len = padded.iter().map(|p| p / split.cp_size).sum();
+            let tail = padded.tail / split.cp_size;
+            let local_len = padded.seqs.iter().map(|p| p / split.cp_size).sum::<usize>() + tail;
             let mine = split.sp_range(local_len, what())?;
             let mut local = Vec::with_capacity(mine.len());
             let mut at = 0usize;
-            for (seq, &p) in padded.iter().enumerate() {
+            for (seq, &p) in padded.seqs.iter().enumerate() {
                 for pos in split.cp_positions(p) {
                     if mine.contains(&at) {
                         local.push(slot(seq, pos));
@@ -622,6 +669,10 @@ pub fn rank_tokens(
                     at += 1;
                 }
             }
+            // The tail follows the sequences on every context-parallel rank (slime pads
+            // each rank's packed tokens after the zigzag split): all padding.
+            let tail_mine = mine.start.max(at)..mine.end.min(at + tail);
+            local.extend(tail_mine.map(|_| TokenSlot::Pad));
             Ok(local)
         }
         Packing::Bshd => {
@@ -669,6 +720,23 @@ pub fn replay_ids(
     split: TokenSplit,
     padding: Padding<'_>,
 ) -> Result<ReplayIds, RouteError> {
+    replay_ids_with_lens(tables, None, router_layers, packing, split, padding)
+}
+
+/// [`replay_ids`] for sequences that may run past their routes: sequence `i` is
+/// `seq_lens[i]` tokens long (at least `tables[i].num_tokens() + 1`), and its tokens past the
+/// routed rows replay the filler like its last token. Meant for tokens a rollout engine was
+/// never fed (verl's multi-turn rollouts can end with a user turn appended after the engine's
+/// last call), which carry no loss. With `None` each sequence is `num_tokens() + 1` long, as
+/// in [`replay_ids`].
+pub fn replay_ids_with_lens(
+    tables: &[&RouteTable],
+    seq_lens: Option<&[usize]>,
+    router_layers: &[usize],
+    packing: Packing,
+    split: TokenSplit,
+    padding: Padding<'_>,
+) -> Result<ReplayIds, RouteError> {
     let first = tables
         .first()
         .ok_or_else(|| arg("no route tables given".to_string()))?;
@@ -706,7 +774,24 @@ pub fn replay_ids(
         }
         columns.push(cols);
     }
-    let seq_lens: Vec<usize> = tables.iter().map(|t| t.num_tokens() + 1).collect();
+    let seq_lens: Vec<usize> = match seq_lens {
+        None => tables.iter().map(|t| t.num_tokens() + 1).collect(),
+        Some(lens) => {
+            if lens.len() != tables.len() {
+                return Err(RouteError::length("seq_lens", tables.len(), lens.len()));
+            }
+            for (i, (&n, t)) in lens.iter().zip(tables).enumerate() {
+                if n <= t.num_tokens() {
+                    return Err(arg(format!(
+                        "seq_lens[{i}] = {n} is shorter than sequence {i}'s {} routed rows + 1 \
+                         (its last token)",
+                        t.num_tokens()
+                    )));
+                }
+            }
+            lens.to_vec()
+        }
+    };
     let slots = rank_tokens(&seq_lens, packing, split, padding)?;
     let (routers, n) = (router_layers.len(), slots.len());
     let num_experts = first.num_experts();

@@ -7,7 +7,8 @@ import numpy as np
 import numpy.typing as npt
 
 class RouteError(ValueError):
-    """Invalid routes, payload or argument; the message names the token, layer and value."""
+    """Invalid routes, payload or argument; the message names the token, layer and value.
+    A negative (or too large) integer argument raises it too, naming the argument."""
 
 class LayerLayout:
     """Which layers are MoE layers, the routed-expert count and top-k of a model."""
@@ -49,7 +50,10 @@ class RouteTable:
         *,
         layout: LayerLayout,
         start_len: int = 0,
-    ) -> "RouteTable": ...
+        choice: Optional[int] = None,
+    ) -> "RouteTable":
+        """vLLM's ``routed_experts``; a response of several choices needs ``choice`` (one
+        choice's routes each), never read as choice 0."""
     @staticmethod
     def from_numpy(ids: npt.ArrayLike, *, layout: LayerLayout, start_pos: int = 0) -> "RouteTable": ...
     @staticmethod
@@ -109,6 +113,7 @@ def rank_tokens(
     *,
     cu_seqlens_padded: Optional[Sequence[int]] = None,
     padded_len: Optional[int] = None,
+    trailing_padding: bool = False,
 ) -> npt.NDArray[np.int64]: ...
 def replay_ids(
     tables: Sequence[RouteTable],
@@ -119,4 +124,7 @@ def replay_ids(
     *,
     cu_seqlens_padded: Optional[Sequence[int]] = None,
     padded_len: Optional[int] = None,
+    trailing_padding: bool = False,
+    seq_lens: Optional[Sequence[int]] = None,
+    num_tokens: Optional[int] = None,
 ) -> npt.NDArray[np.int64]: ...

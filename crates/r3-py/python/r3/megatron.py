@@ -17,6 +17,14 @@ every other cell must be present, else :class:`r3.RouteError` names the sequence
 layer. Padding is inferred from the split unless the caller gives its own
 (``cu_seqlens_padded`` for ``thd``, ``padded_len`` for ``bshd``), which is then checked.
 
+Megatron's replay accepts fewer id rows than the router has tokens (``gather`` / ``scatter``
+only need the index no longer) and routes the rest to no expert, silently: give
+``num_tokens`` (the tokens the rank's routers see) and the count is checked. Frameworks pad
+otherwise than the inferred padding: verl pads every packed sequence to ``tp`` even without
+sequence parallelism (pass its ``cu_seqlens_padded``); slime pads each context-parallel rank's
+tokens at the end (pass its ``packed_seq_params.cu_seqlens_q`` with
+``trailing_padding=True``).
+
 torch is imported by :func:`replay_data`, megatron.core by :func:`set_replay`; neither is
 needed to import this module.
 """
@@ -27,6 +35,7 @@ from r3._r3 import LayerLayout, PipelineSplit, RouteError, RouteTable, rank_toke
 
 __all__ = [
     "PipelineSplit",
+    "check_replay_config",
     "clear_replay",
     "rank_tokens",
     "replay_arrays",
@@ -72,26 +81,77 @@ def router_layers(
     return [layer for layer in split.local_layers(pp_rank, vp_stage) if layout.is_moe(layer)]
 
 
+def _count(value: int, name: str) -> int:
+    """``value`` as an int, refused by name when negative (not the ``OverflowError`` the
+    compiled core's unsigned arguments would raise)."""
+    value = int(value)
+    if value < 0:
+        raise RouteError(f"{name} must be a non-negative integer, got {value}")
+    return value
+
+
 def _group(pair: Optional[Tuple[int, int]], name: str) -> Tuple[int, int]:
     if pair is None:
         return (1, 0)
     try:
         size, rank = pair
+        size, rank = int(size), int(rank)
     except (TypeError, ValueError):
         raise RouteError(f"{name} must be a (size, rank) pair or None, got {pair!r}") from None
-    return (int(size), int(rank))
+    return (_count(size, f"{name}[0]"), _count(rank, f"{name}[1]"))
 
 
 def _ints(values, name: str) -> Optional[List[int]]:
-    """``values`` (a list, numpy array or torch tensor of ints) as a list of ints, or None."""
+    """``values`` (a list, numpy array or torch tensor of ints) as a list of non-negative
+    ints, or None."""
     if values is None:
         return None
     if hasattr(values, "tolist"):  # numpy arrays and torch tensors (on any device)
         values = values.tolist()
     try:
-        return [int(v) for v in values]
+        values = [int(v) for v in values]
     except (TypeError, ValueError):
         raise RouteError(f"{name} must be a sequence of ints, got {values!r}") from None
+    return [_count(v, f"{name}[{i}]") for i, v in enumerate(values)]
+
+
+# Megatron-Core routes without consulting RouterReplay under these settings
+# (moe_utils.topk_routing_with_score_function returns the fused kernel's choice before
+# get_replay_topk is reached; TopKRouter.routing calls sinkhorn_load_balancing or
+# quantile_balancing instead of topk_routing_with_score_function), so replay would be off
+# without an error.
+_BYPASSING_ROUTING_TYPES = ("sinkhorn", "quantile_balancing")
+
+
+def check_replay_config(config) -> None:
+    """Raises :class:`r3.RouteError` naming the setting when Megatron-Core's routers would
+    not replay under ``config`` (a ``TransformerConfig``, or a module holding one as
+    ``.config``: a ``TopKRouter``, a model): ``moe_enable_routing_replay`` off (no
+    ``RouterReplay`` is built), ``moe_router_fusion`` on (the fused top-k kernel chooses the
+    experts and never reads the replay ids), or ``moe_router_load_balancing_type``
+    ``"sinkhorn"`` / ``"quantile_balancing"`` (routings that bypass the replay)."""
+    cfg = config if hasattr(config, "moe_enable_routing_replay") else getattr(config, "config", None)
+    if not hasattr(cfg, "moe_enable_routing_replay"):
+        raise RouteError(
+            f"config: expected Megatron-Core's TransformerConfig or a module holding one as "
+            f".config, got {type(config).__name__}"
+        )
+    if not cfg.moe_enable_routing_replay:
+        raise RouteError(
+            "moe_enable_routing_replay is False: Megatron-Core builds no RouterReplay, nothing "
+            "would replay"
+        )
+    if getattr(cfg, "moe_router_fusion", False):
+        raise RouteError(
+            "moe_router_fusion is True: Megatron-Core's fused top-k kernel chooses the experts "
+            "and never reads RouterReplay's ids (routing would be free); turn it off to replay"
+        )
+    routing_type = getattr(cfg, "moe_router_load_balancing_type", None)
+    if isinstance(routing_type, str) and routing_type in _BYPASSING_ROUTING_TYPES:
+        raise RouteError(
+            f"moe_router_load_balancing_type is {routing_type!r}: Megatron-Core's "
+            f"{routing_type} routing never reads RouterReplay's ids (routing would be free)"
+        )
 
 
 def replay_arrays(
@@ -102,7 +162,10 @@ def replay_arrays(
     cp: Optional[Tuple[int, int]] = None,
     packing: str = "thd",
     cu_seqlens_padded=None,
+    trailing_padding: bool = False,
     padded_len: Optional[int] = None,
+    seq_lens=None,
+    num_tokens: Optional[int] = None,
     **pipeline,
 ):
     """:func:`replay_data` as one numpy int64 array ``[routers, tokens, top_k]`` (no torch);
@@ -116,6 +179,9 @@ def replay_arrays(
         _group(cp, "cp"),
         cu_seqlens_padded=_ints(cu_seqlens_padded, "cu_seqlens_padded"),
         padded_len=padded_len,
+        trailing_padding=trailing_padding,
+        seq_lens=_ints(seq_lens, "seq_lens"),
+        num_tokens=num_tokens,
     )
 
 
@@ -131,7 +197,10 @@ def replay_data(
     cp: Optional[Tuple[int, int]] = None,
     packing: str = "thd",
     cu_seqlens_padded=None,
+    trailing_padding: bool = False,
     padded_len: Optional[int] = None,
+    seq_lens=None,
+    num_tokens: Optional[int] = None,
     device=None,
     **split,
 ):
@@ -143,9 +212,17 @@ def replay_data(
     ``(context-parallel size, rank)``; ``packing``: ``"thd"`` (packed sequences, each padded
     to the split's alignment) or ``"bshd"`` (one padded batch, position-major). The padding
     is inferred unless given: ``cu_seqlens_padded`` (``thd``; the padded cumulative offsets
-    of ``PackedSeqParams``, one more than ``tables``, from 0) or ``padded_len`` (``bshd``; the
-    batch's padded sequence length), checked against the tables and the split. Further
-    keywords (``first_stage_layers``, ``last_stage_layers``, ``account_for_embedding``,
+    of ``PackedSeqParams``, one more than ``tables``, from 0 — verl's ``cu_seqlens_padded``,
+    which verl pads to ``tp`` even without sequence parallelism, so always pass it; with
+    ``trailing_padding=True`` one more entry may close a padding-only segment, as in slime's
+    ``packed_seq_params.cu_seqlens_q``) or ``padded_len`` (``bshd``; the batch's padded
+    sequence length), checked against the tables and the split. ``seq_lens``: each
+    sequence's tokens when they run past its table's rows + 1 (tokens never fed to the
+    rollout engine, which replay filler: see :func:`r3.verl.seq_lens`). ``num_tokens``: the
+    tokens this rank's routers see (``cu_seqlens_padded[-1] // cp // tp`` for ``thd`` with
+    sequence parallelism, the router input's ``shape[0] * shape[1]``), checked against the
+    rows built, since Megatron's replay takes too few rows silently. Further keywords
+    (``first_stage_layers``, ``last_stage_layers``, ``account_for_embedding``,
     ``account_for_loss``) describe an uneven pipeline as ``TransformerConfig`` does.
 
     The tensors are views of one ``[routers, tokens, top_k]`` block: every router of the call
@@ -165,7 +242,10 @@ def replay_data(
         cp=cp,
         packing=packing,
         cu_seqlens_padded=cu_seqlens_padded,
+        trailing_padding=trailing_padding,
         padded_len=padded_len,
+        seq_lens=seq_lens,
+        num_tokens=num_tokens,
         **split,
     )
     whole = torch.from_numpy(ids)
@@ -174,10 +254,18 @@ def replay_data(
     return list(whole.unbind(0))
 
 
-def set_replay(tables: Sequence[RouteTable], layout: LayerLayout, *, action="replay_forward", **kwargs):
+def set_replay(
+    tables: Sequence[RouteTable], layout: LayerLayout, *, action="replay_forward", config=None, **kwargs
+):
     """:func:`replay_data` handed to Megatron-Core's ``RouterReplay``, and the global action
     set (``"replay_forward"``, ``"replay_backward"``, ``"record"`` or a
     ``RouterReplayAction``). Returns the tensors.
+
+    ``config`` (the model's ``TransformerConfig``, or a router or model holding it as
+    ``.config``) is checked first by :func:`check_replay_config`: settings under which
+    Megatron-Core routes without reading the replay ids (``moe_router_fusion``, sinkhorn or
+    quantile-balancing routing) raise :class:`r3.RouteError` rather than leave replay off
+    without a trace.
 
     Without ``vp_stage`` every router instance of the rank gets this micro-batch
     (``RouterReplay.set_replay_data``, which refuses a count that differs from its
@@ -191,6 +279,8 @@ def set_replay(tables: Sequence[RouteTable], layout: LayerLayout, *, action="rep
     step's backward is done (every step, recompute or not), or the lists and the tensors they
     hold grow step after step.
     """
+    if config is not None:
+        check_replay_config(config)
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
     if not isinstance(action, RouterReplayAction):

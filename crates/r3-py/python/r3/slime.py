@@ -9,6 +9,16 @@ table back::
     table = r3.slime.from_slime(sample.rollout_routed_experts, layout=layout,
                                 num_tokens=len(sample.tokens))
     sample.rollout_routed_experts = r3.slime.to_slime(table)
+
+For Megatron replay, slime's own ``cu_seqlens`` describe its packing, tail padding included
+(each context-parallel rank's tokens padded at the end to ``tp * data_pad_size_multiplier``)::
+
+    cu = batch["packed_seq_params"].cu_seqlens_q
+    r3.megatron.set_replay(tables, layout, tp_sp=(tp, tp_rank), cp=(cp, cp_rank),
+                           cu_seqlens_padded=cu, trailing_padding=True,
+                           num_tokens=int(cu[-1]) // cp // tp, config=model_config)
+
+(slime's ``allgather_cp`` packing is another layout, not supported.)
 """
 
 from typing import Optional

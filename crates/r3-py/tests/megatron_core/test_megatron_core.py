@@ -312,3 +312,72 @@ def test_token_slices_equal_megatrons_split_functions(sp, cp, monkeypatch):
                     np.testing.assert_array_equal(
                         got, want.numpy(), err_msg=f"{packing} sp{sp_rank} cp{cp_rank} extra {extra}"
                     )
+
+
+def test_a_short_replay_is_silent_in_megatron_and_refused_with_num_tokens(megatron_cpu):
+    # verl at tp 2 without sequence parallelism pads sequences of 5 and 3 tokens to 6 and 4:
+    # the router sees 10 tokens, the inferred padding gives 8 rows.
+    layout = r3.LayerLayout(NUM_LAYERS, [1, 2, 3], num_experts=EXPERTS, top_k=TOP_K)
+    routers = build_routers(layout.moe_layers)
+    rng = np.random.default_rng(11)
+    wires = [routes_of(rng, n, NUM_LAYERS, [1, 2, 3]) for n in (5, 3)]
+    tables = [r3.RouteTable.from_vllm(w, layout=layout) for w in wires]
+    r3.megatron.set_replay(tables, layout)
+    with torch.no_grad():
+        _, routing_map = routers[0](torch.randn(10, 1, HIDDEN))
+    # Megatron takes 8 rows for 10 tokens without an error: the last 2 go to no expert.
+    assert [len(row) for row in chosen(routing_map)] == [TOP_K] * 8 + [0, 0]
+    r3.megatron.clear_replay()
+    with pytest.raises(r3.RouteError, match="routers see 10 tokens, but the tables and padding give 8"):
+        r3.megatron.set_replay(tables, layout, num_tokens=10)
+    # With verl's padding given, every router row is one of the 10 tokens.
+    r3.megatron.set_replay(tables, layout, num_tokens=10, cu_seqlens_padded=[0, 6, 10])
+    with torch.no_grad():
+        _, routing_map = routers[0](torch.randn(10, 1, HIDDEN))
+    got = chosen(routing_map)
+    assert [got[t] for t in (0, 1, 2, 3, 6, 7)] == [sorted(w[t, 1].tolist()) for w, t in
+                                                     [(wires[0], 0), (wires[0], 1), (wires[0], 2),
+                                                      (wires[0], 3), (wires[1], 0), (wires[1], 1)]]
+    r3.megatron.clear_replay()
+    RouterReplay.clear_global_router_replay_instances()
+
+
+def test_routing_that_ignores_replay_is_refused(megatron_cpu):
+    layout = r3.LayerLayout(NUM_LAYERS, [1, 2, 3], num_experts=EXPERTS, top_k=TOP_K)
+    rng = np.random.default_rng(5)
+    wire = routes_of(rng, 9, NUM_LAYERS, [1, 2, 3])
+    tables = [r3.RouteTable.from_vllm(wire, layout=layout)]
+    # Megatron-Core's sinkhorn routing never reads RouterReplay: with it, the routers route
+    # freely after set_replay (top-1, the one sinkhorn supports).
+    RouterReplay.clear_global_router_replay_instances()
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    sinkhorn = moe_config()
+    sinkhorn.moe_router_load_balancing_type, sinkhorn.moe_router_topk = "sinkhorn", 1
+    layout1 = r3.LayerLayout(NUM_LAYERS, [1, 2, 3], num_experts=EXPERTS, top_k=1)
+    routers = []
+    for layer in (1, 2, 3):
+        routers.append(TopKRouter(sinkhorn, pg_collection=pg))
+        routers[-1].set_layer_number(layer + 1)
+    one = routes_of(rng, 9, NUM_LAYERS, [1, 2, 3])[:, :, :1]
+    r3.megatron.set_replay([r3.RouteTable.from_vllm(one, layout=layout1)], layout1)
+    h = torch.randn(9, 1, HIDDEN)
+    with torch.no_grad():
+        _, replayed = routers[0](h)
+        RouterReplay.clear_global_router_replay_action()
+        _, free = routers[0](h)
+    assert torch.equal(replayed, free)
+    assert any(chosen(replayed)[t] != [int(one[t, 1, 0])] for t in range(8)), "replay would differ"
+    r3.megatron.clear_replay()
+    with pytest.raises(r3.RouteError, match="moe_router_load_balancing_type is 'sinkhorn'"):
+        r3.megatron.set_replay([r3.RouteTable.from_vllm(one, layout=layout1)], layout1, config=routers[0])
+    RouterReplay.clear_global_router_replay_instances()
+    # moe_router_fusion: the fused top-k kernel is chosen before the replay (refused here on
+    # the config; the kernel itself needs Transformer Engine on a GPU).
+    fused = moe_config()
+    fused.moe_router_fusion = True
+    with pytest.raises(r3.RouteError, match="moe_router_fusion is True"):
+        r3.megatron.set_replay(tables, layout, config=fused)
+    build_routers(layout.moe_layers)
+    r3.megatron.set_replay(tables, layout, config=moe_config())
+    r3.megatron.clear_replay()
+    RouterReplay.clear_global_router_replay_instances()

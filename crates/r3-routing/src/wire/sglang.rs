@@ -45,7 +45,8 @@ pub fn decode_sglang(
 /// "routed_experts_dtype": .., "prompt_tokens": .., "completion_tokens": ..}}`, or the
 /// `meta_info` object itself). When the token counts are present, the row count must be
 /// `prompt_tokens + completion_tokens - 1 - start_len`; both or neither must be present, as
-/// non-negative integers.
+/// non-negative integers; `start_len == prompt_tokens + completion_tokens` (nothing
+/// generated past a capture start at the prompt's end) is 0 rows.
 pub fn decode_sglang_response(v: &Value, shape: &WireShape) -> Result<RouteTable, RouteError> {
     let meta = v.get("meta_info").unwrap_or(v);
     let payload = meta
@@ -77,8 +78,15 @@ pub fn decode_sglang_response(v: &Value, shape: &WireShape) -> Result<RouteTable
         (Some(_), None) => return Err(one_count_missing("completion_tokens")),
         (None, Some(_)) => return Err(one_count_missing("prompt_tokens")),
     };
-    let total = p.saturating_add(c);
-    let expected = crate::align::expected_rows(total as usize, shape.start_len)?;
+    let total = usize::try_from(p.saturating_add(c)).unwrap_or(usize::MAX);
+    // SGLang clamps the capture start to the sequence (`min(start_len, seqlen - 1)`, rows
+    // `max(0, seqlen - 1 - start_len)`) and lets `start_len` reach the whole prompt: a reply
+    // of no new token from start_len = prompt_tokens is 0 rows, as the bare string decodes.
+    let expected = if shape.start_len == total {
+        0
+    } else {
+        crate::align::expected_rows(total, shape.start_len)?
+    };
     if table.num_tokens() != expected {
         return Err(RouteError::length(
             format!(

@@ -41,26 +41,90 @@ pub fn decode_vllm(b64: &str, shape: &WireShape) -> Result<RouteTable, RouteErro
 }
 
 /// Decodes a vLLM response fragment: the bare base64 string, a JSON string, or an object
-/// with `routed_experts` at top level or in `choices[0]` / `outputs[0]`.
+/// with `routed_experts` at top level or in its one choice (`choices` / `outputs`). A
+/// response of several choices (`n > 1`) is refused: each choice carries its own routes, so
+/// one must be named ([`decode_vllm_choice`]).
 pub fn decode_vllm_payload(text: &str, shape: &WireShape) -> Result<RouteTable, RouteError> {
+    decode_payload(text, None, shape)
+}
+
+/// Decodes the routes of choice `choice` of a vLLM response (`choices[choice]` /
+/// `outputs[choice]`); a bare string or a top-level `routed_experts` is choice 0.
+pub fn decode_vllm_choice(
+    text: &str,
+    choice: usize,
+    shape: &WireShape,
+) -> Result<RouteTable, RouteError> {
+    decode_payload(text, Some(choice), shape)
+}
+
+/// [`decode_vllm_payload`] (`choice` None: one choice at most) or [`decode_vllm_choice`].
+fn decode_payload(
+    text: &str,
+    choice: Option<usize>,
+    shape: &WireShape,
+) -> Result<RouteTable, RouteError> {
+    let missing_choice =
+        |c: usize, holds: String| RouteError::format(F, format!("choice {c} asked for; {holds}"));
+    let only_one = |found: &str| match choice {
+        None | Some(0) => Ok(()),
+        Some(c) => Err(missing_choice(c, format!("{found} is one choice"))),
+    };
     let trimmed = text.trim();
     if !trimmed.starts_with('{') && !trimmed.starts_with('"') {
+        only_one("a bare base64 payload")?;
         return decode_vllm(trimmed, shape);
     }
     let v: Value = serde_json::from_str(trimmed)
         .map_err(|e| RouteError::format(F, format!("not valid JSON: {e}")))?;
-    let field = v
+    if let Some(field) = v
         .as_str()
         .or_else(|| v.get("routed_experts").and_then(Value::as_str))
-        .or_else(|| {
-            ["choices", "outputs"].iter().find_map(|key| {
-                v.get(key)
-                    .and_then(|c| c.get(0))
-                    .and_then(|c| c.get("routed_experts"))
-                    .and_then(Value::as_str)
-            })
-        })
-        .ok_or_else(|| RouteError::format(F, "no base64 `routed_experts` string found"))?;
+    {
+        only_one("a top-level `routed_experts`")?;
+        return decode_vllm(field, shape);
+    }
+    let Some((key, choices)) = ["choices", "outputs"]
+        .iter()
+        .find_map(|key| v.get(key).and_then(Value::as_array).map(|c| (*key, c)))
+    else {
+        return Err(RouteError::format(
+            F,
+            "no base64 `routed_experts` string found",
+        ));
+    };
+    let index = match choice {
+        Some(c) => c,
+        None if choices.len() == 1 => 0,
+        None if choices.is_empty() => {
+            return Err(RouteError::format(
+                F,
+                format!("no base64 `routed_experts` string found (`{key}` is empty)"),
+            ))
+        }
+        None => {
+            return Err(RouteError::format(
+                F,
+                format!(
+                    "`{key}` holds {} choices, each with its own routes: name the choice \
+                     (a response of n > 1 is not one sequence)",
+                    choices.len()
+                ),
+            ))
+        }
+    };
+    let one = choices
+        .get(index)
+        .ok_or_else(|| missing_choice(index, format!("`{key}` holds {}", choices.len())))?;
+    let field = one
+        .get("routed_experts")
+        .and_then(Value::as_str)
+        .ok_or_else(|| {
+            RouteError::format(
+                F,
+                format!("no base64 `routed_experts` string in `{key}[{index}]`"),
+            )
+        })?;
     decode_vllm(field, shape)
 }
 

@@ -2,8 +2,8 @@
 //! invariants over many configurations, and replay ids gathered from route tables.
 
 use r3_routing::megatron::{
-    rank_tokens, replay_ids, Packing, Padding, PipelineSplit, TokenSlot, TokenSplit,
-    MAX_BATCH_TOKENS,
+    rank_tokens, replay_ids, replay_ids_with_lens, Packing, Padding, PipelineSplit, TokenSlot,
+    TokenSplit, MAX_BATCH_TOKENS,
 };
 use r3_routing::{LayerSpace, RouteError, RouteTable};
 
@@ -467,4 +467,177 @@ fn huge_arguments_are_refused_before_anything_is_built() {
         .with_vp_size(Some(2))
         .local_layers(1, Some(1))
         .is_err());
+}
+
+/// The routed (sequence, position) of each row a rank's routers see, as (row, seq, pos):
+/// every position but a sequence's last token (which no engine routes).
+fn routed_rows(slots: &[TokenSlot], lens: &[usize]) -> Vec<(usize, usize, usize)> {
+    slots
+        .iter()
+        .enumerate()
+        .filter_map(|(row, s)| match *s {
+            TokenSlot::Token { seq, pos } if pos + 1 < lens[seq] => Some((row, seq, pos)),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn slimes_packing_with_its_trailing_padding_segment() {
+    // slime's get_batch: each sequence padded to a multiple of 2·cp (only with cp > 1) and
+    // zigzag-split; the rank's packed tokens then padded to a multiple of tp · 128 (the
+    // data_pad_size_multiplier), that tail recorded as one more cu_seqlens entry; all of it
+    // times cp. Lengths 5 and 3. Expected rows worked by hand (and equal to what slime's own
+    // prepare_routed_experts_for_routing_replay gives each rank):
+    let lens = [5usize, 3];
+    // tp = sp 2, cp 1: 8 tokens padded to 256, cu [0, 5, 8, 256]; sp rank 0 holds local
+    // tokens 0..128: sequence 0 (rows 0-4, its last token at row 4), sequence 1 (rows 5-7).
+    let cu = [0usize, 5, 8, 256];
+    let r0 = rank_tokens(
+        &lens,
+        Packing::Thd,
+        split(2, 0, 1, 0),
+        Padding::CuSeqlensWithTail(&cu),
+    );
+    let r0 = r0.unwrap();
+    assert_eq!(r0.len(), 128);
+    let want = vec![
+        (0, 0, 0),
+        (1, 0, 1),
+        (2, 0, 2),
+        (3, 0, 3),
+        (5, 1, 0),
+        (6, 1, 1),
+    ];
+    assert_eq!(routed_rows(&r0, &lens), want);
+    let r1 = rank_tokens(
+        &lens,
+        Packing::Thd,
+        split(2, 1, 1, 0),
+        Padding::CuSeqlensWithTail(&cu),
+    );
+    let r1 = r1.unwrap();
+    assert_eq!((r1.len(), routed_rows(&r1, &lens)), (128, vec![]));
+    // tp = sp 2, cp 2: sequences padded to 8 and 4 (chunks of 2 and 1); cp rank 0 keeps
+    // chunks 0 and 3: positions 0 1 6 7 of sequence 0, 0 3 of sequence 1 — 6 tokens, padded
+    // to 256 locally (250 of tail, 500 globally): cu [0, 8, 12, 512]. cp rank 1 keeps
+    // chunks 1 and 2: positions 2 3 4 5 and 1 2.
+    let cu = [0usize, 8, 12, 512];
+    let expect = [
+        ((0, 0), vec![(0, 0, 0), (1, 0, 1), (4, 1, 0)]),
+        ((1, 0), vec![]),
+        ((0, 1), vec![(0, 0, 2), (1, 0, 3), (4, 1, 1)]),
+        ((1, 1), vec![]),
+    ];
+    for ((sp_rank, cp_rank), want) in expect {
+        let ts = split(2, sp_rank, 2, cp_rank);
+        let got = rank_tokens(&lens, Packing::Thd, ts, Padding::CuSeqlensWithTail(&cu)).unwrap();
+        assert_eq!(got.len(), 128);
+        assert_eq!(routed_rows(&got, &lens), want, "sp {sp_rank} cp {cp_rank}");
+    }
+    // tp 1, cp 2: the same split, 6 tokens padded to 128 (cu [0, 8, 12, 256]).
+    let ts = split(1, 0, 2, 1);
+    let got = rank_tokens(
+        &lens,
+        Packing::Thd,
+        ts,
+        Padding::CuSeqlensWithTail(&[0, 8, 12, 256]),
+    );
+    let got = got.unwrap();
+    assert_eq!(got.len(), 128);
+    assert_eq!(
+        routed_rows(&got, &lens),
+        vec![(0, 0, 2), (1, 0, 3), (4, 1, 1)]
+    );
+    // Without a tail (a multiplier the tokens already meet), the offsets are plain ones.
+    let ts = split(2, 1, 2, 1);
+    let got = rank_tokens(
+        &lens,
+        Packing::Thd,
+        ts,
+        Padding::CuSeqlensWithTail(&[0, 8, 12]),
+    );
+    assert_eq!(routed_rows(&got.unwrap(), &lens), vec![(1, 1, 1)]);
+    // The tail is accepted only when asked for: offsets of verl (no tail) with a table
+    // missing would otherwise read a real sequence as padding.
+    let ts = split(1, 0, 2, 0);
+    let msg = rank_tokens(
+        &lens,
+        Packing::Thd,
+        ts,
+        Padding::CuSeqlens(&[0, 8, 12, 256]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(msg.contains("has 4 entries; 2 sequences need 3"), "{msg}");
+    let msg = rank_tokens(
+        &lens,
+        Packing::Thd,
+        ts,
+        Padding::CuSeqlensWithTail(&[0, 8, 12, 20, 24]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        msg.contains("need 3 (or 4 with a trailing padding segment)"),
+        "{msg}"
+    );
+    // Each rank holds tail / cp of it: a tail cp does not divide is refused.
+    let msg = rank_tokens(
+        &lens,
+        Packing::Thd,
+        ts,
+        Padding::CuSeqlensWithTail(&[0, 8, 12, 15]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        msg.contains("trailing padding segment has 3 tokens, not a multiple of cp = 2"),
+        "{msg}"
+    );
+    let huge = [0usize, 8, 12, usize::MAX];
+    assert!(rank_tokens(
+        &lens,
+        Packing::Thd,
+        split(1, 0, 1, 0),
+        Padding::CuSeqlensWithTail(&huge)
+    )
+    .unwrap_err()
+    .to_string()
+    .contains("trailing padding segment"));
+}
+
+#[test]
+fn sequences_longer_than_their_routes_replay_filler_past_them() {
+    // A verl rollout ended by its interaction: 9 attended tokens, routes for the first 6
+    // positions (the engine's last call), 3 tokens appended after it.
+    let rows: Vec<[[u32; 2]; 2]> = (0..6u32).map(|p| [[p, p + 1], [p + 1, 0]]).collect();
+    let t = table(&rows, 0);
+    let one = TokenSplit::single();
+    let r =
+        replay_ids_with_lens(&[&t], Some(&[9]), &[3], Packing::Thd, one, Padding::Aligned).unwrap();
+    assert_eq!(r.num_tokens, 9);
+    let mut want: Vec<i64> = (0..6).flat_map(|p| [p + 1, 0]).collect();
+    // Tokens 6, 7 and 8 replay the filler (t·2 + j) mod 8.
+    want.extend([4, 5, 6, 7, 0, 1]);
+    assert_eq!(r.ids, want);
+    // Without the lengths the sequence is rows + 1 = 7 tokens long.
+    let r7 = replay_ids(&[&t], &[3], Packing::Thd, one, Padding::Aligned).unwrap();
+    assert_eq!(r7.num_tokens, 7);
+    // A length that cuts the routes short is refused, as is one per table missing.
+    let e = replay_ids_with_lens(&[&t], Some(&[6]), &[3], Packing::Thd, one, Padding::Aligned);
+    let msg = e.unwrap_err().to_string();
+    assert!(
+        msg.contains("seq_lens[0] = 6 is shorter than sequence 0's 6 routed rows + 1"),
+        "{msg}"
+    );
+    let e = replay_ids_with_lens(
+        &[&t],
+        Some(&[9, 9]),
+        &[3],
+        Packing::Thd,
+        one,
+        Padding::Aligned,
+    );
+    assert!(e.unwrap_err().to_string().contains("seq_lens"));
 }

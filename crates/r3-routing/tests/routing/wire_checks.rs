@@ -3,7 +3,7 @@
 //! counts that are not both integers, and a layout with no MoE column to keep.
 
 use base64::Engine as _;
-use r3_routing::wire::{sglang, vllm_json, WireDtype, WireShape};
+use r3_routing::wire::{sglang, vllm, vllm_json, WireDtype, WireShape};
 use r3_routing::{LayerLayout, LayerSpace, RouteError, RouteTable};
 use serde_json::json;
 
@@ -102,4 +102,81 @@ fn a_layout_without_moe_layers_has_no_moe_only_table() {
     let dense = LayerLayout::new(2, Vec::new()).expect("layout");
     let err = t.to_moe_only(&dense).expect_err("no MoE layer");
     assert!(err.to_string().contains("no MoE layer"), "{err}");
+}
+
+/// A `.npy` v1 file of int32 `[rows, layers, top_k]` written by hand (NumPy's format: magic,
+/// version, header length, a Python-dict header padded with spaces to a multiple of 64),
+/// base64-encoded as vLLM sends it.
+fn npy_b64(values: &[i32], rows: usize, layers: usize, top_k: usize) -> String {
+    let dict = format!(
+        "{{'descr': '<i4', 'fortran_order': False, 'shape': ({rows}, {layers}, {top_k}), }}"
+    );
+    let mut header = dict.into_bytes();
+    while (10 + header.len() + 1) % 64 != 0 {
+        header.push(b' ');
+    }
+    header.push(b'\n');
+    let mut out = b"\x93NUMPY\x01\x00".to_vec();
+    out.extend((header.len() as u16).to_le_bytes());
+    out.extend(header);
+    out.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+    base64::engine::general_purpose::STANDARD.encode(out)
+}
+
+#[test]
+fn a_vllm_response_of_several_choices_names_the_choice() {
+    // 1 layer, top-2: choice 0 has 1 row [1, 2], choice 1 has 2 rows [3, 4], [5, 6].
+    let shape = WireShape::new(1, 2, 8);
+    let (c0, c1) = (npy_b64(&[1, 2], 1, 1, 2), npy_b64(&[3, 4, 5, 6], 2, 1, 2));
+    let two = json!({"choices": [{"routed_experts": c0}, {"routed_experts": c1}]}).to_string();
+    // Decoding choice 0 of an n = 2 response as "the" routes is refused, naming the count.
+    let err = vllm::decode_vllm_payload(&two, &shape).expect_err("two choices");
+    assert!(err.to_string().contains("holds 2 choices"), "{err}");
+    let t1 = vllm::decode_vllm_choice(&two, 1, &shape).expect("choice 1");
+    assert_eq!((t1.num_tokens(), t1.experts(1, 0)), (2, Some(vec![5, 6])));
+    let t0 = vllm::decode_vllm_choice(&two, 0, &shape).expect("choice 0");
+    assert_eq!((t0.num_tokens(), t0.experts(0, 0)), (1, Some(vec![1, 2])));
+    let err = vllm::decode_vllm_choice(&two, 2, &shape).expect_err("no choice 2");
+    assert!(
+        err.to_string()
+            .contains("choice 2 asked for; `choices` holds 2"),
+        "{err}"
+    );
+    // One choice, in `outputs` too, needs no index; a bare payload is choice 0 only.
+    let one = json!({"outputs": [{"routed_experts": npy_b64(&[1, 2], 1, 1, 2)}]}).to_string();
+    assert_eq!(
+        vllm::decode_vllm_payload(&one, &shape)
+            .expect("one")
+            .num_tokens(),
+        1
+    );
+    let bare = npy_b64(&[1, 2], 1, 1, 2);
+    assert_eq!(
+        vllm::decode_vllm_choice(&bare, 0, &shape)
+            .expect("bare")
+            .num_tokens(),
+        1
+    );
+    let err = vllm::decode_vllm_choice(&bare, 1, &shape).expect_err("bare choice 1");
+    assert!(err.to_string().contains("choice 1 asked for"), "{err}");
+}
+
+#[test]
+fn an_empty_sglang_reply_at_the_prompts_end_is_zero_rows() {
+    // SGLang: start_len may be the whole prompt (7 tokens); with nothing generated the
+    // capture is max(0, 7 + 0 - 1 - 7) = 0 rows, the payload the empty string.
+    let shape = WireShape::new(1, 2, 8).with_start_len(7);
+    let reply =
+        json!({"meta_info": {"routed_experts": "", "prompt_tokens": 7, "completion_tokens": 0}});
+    let t = sglang::decode_sglang_response(&reply, &shape).expect("empty reply");
+    assert_eq!((t.num_tokens(), t.start_pos()), (0, 7));
+    let bare = sglang::decode_sglang("", WireDtype::I32, &shape).expect("bare");
+    assert_eq!(t, bare);
+    // A start past the sequence is still refused, as is a row count the counts do not give.
+    let past = WireShape::new(1, 2, 8).with_start_len(8);
+    sglang::decode_sglang_response(&reply, &past).expect_err("start past the sequence");
+    let two_tokens =
+        json!({"meta_info": {"routed_experts": "", "prompt_tokens": 7, "completion_tokens": 2}});
+    let err = sglang::decode_sglang_response(&two_tokens, &shape).expect_err("0 rows of 1");
+    assert!(err.to_string().contains("completion_tokens 2"), "{err}");
 }
