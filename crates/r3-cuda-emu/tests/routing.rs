@@ -5,7 +5,7 @@
 //! `Router::select_row` and weighing `Router::weigh_row`, packed as the kernels pack it).
 //!
 //! The chosen experts must be the CPU's exactly (ties to the lower index, +0 before −0, ties
-//! straddling the k-th place, masked groups' zeros); the grouped router's gates must be the
+//! straddling the k-th place, masked groups' −∞s); the grouped router's gates must be the
 //! CPU's bits (its sigmoid is `math.rs`'s `fast_exp` in explicit `fmaf` / `__f*_rn`
 //! operations, which neither variant may contract), the softmax router's within a tolerance
 //! (its exponentials' sum runs in a block's order, the CPU's left to right). Every case runs
@@ -346,8 +346,9 @@ fn the_softmax_routers_gates_are_the_softmax_of_the_logits() {
 /// gates, in both variants (the sigmoid, the bias's sum, the groups' two-best sums, the
 /// normalisation and the scale are all explicit `fmaf` / `__f*_rn` operations that match
 /// `math.rs`'s `fast_exp` and `Router::weigh_row`: nothing for nvcc to contract). Groups
-/// tied, biases mixed, none (zeros) and all −1.5 (kept scores below the dropped groups'
-/// zeros, which k past the kept experts then chooses, ties to the lower index), 1 to 64
+/// tied, biases mixed, none (zeros) and all −1.5 (every kept score below 0, which a 0.0 fill
+/// of the dropped groups would lose to; k past the kept experts takes the dropped groups'
+/// −∞s, ties to the lower index), 1 to 64
 /// groups (the most), topk_group 1 to n_group, k = 1 and k = E, 256 experts in 8 groups
 /// (DeepSeek-V3's) and 4,096 in 64 (the most of both), logits past the sigmoid's clamp. The
 /// mixed bias at the launcher's block and others (the fewest whole warps holding a thread
@@ -417,12 +418,13 @@ fn the_grouped_routers_choice_is_the_cpus_bit_for_bit() {
 /// Hand-known grouped choices (four groups of two, one kept, top-3, no renormalisation). Row
 /// 0 holds logits (1, 2 | 1.5, 1.5 | 0, 0 | 1.5, 1.5): sigmoid is concave past 0, so the
 /// two-best sums rank group 1 above group 0, and groups 1 and 3 tie exactly: the lower one is
-/// kept. Row 1's group 3 is the best. Row 2 holds a NaN. Without a bias the kept group's
-/// experts come first (2, 3, a tie to the lower index), then the dropped experts' zeros from
-/// the lowest; with a bias of −1.5 every kept score is below those zeros, so the top-3 are
-/// the three lowest dropped experts.
+/// kept. Row 1's group 3 is the best. Row 2 holds a NaN. The kept group's experts come first
+/// (2, 3, a tie to the lower index), then (k is past the kept experts, which a config never
+/// is) the dropped experts' −∞s from the lowest. A bias of −1.5 puts every kept score below
+/// 0 and changes nothing: the dropped groups hold −∞, not 0.0 (where the top-3 were the
+/// three lowest dropped experts).
 #[test]
-fn grouped_ties_and_masked_zeros_choose_as_worked_out_by_hand() {
+fn grouped_ties_and_masked_groups_choose_as_worked_out_by_hand() {
     let params = Grouped {
         cols: 8,
         n_group: 4,
@@ -457,7 +459,7 @@ fn grouped_ties_and_masked_zeros_choose_as_worked_out_by_hand() {
         0.0,
     ];
     let rows = 3;
-    for (bias, want_ids) in [(0.0f32, [2u32, 3, 0, 6, 7, 0]), (-1.5, [0, 1, 4, 0, 1, 2])] {
+    for (bias, want_ids) in [(0.0f32, [2u32, 3, 0, 6, 7, 0]), (-1.5, [2, 3, 0, 6, 7, 0])] {
         let bias = vec![bias; 8];
         for (name, kernels) in variants() {
             let packed = in_both_orders(name, |order| {
@@ -478,6 +480,47 @@ fn grouped_ties_and_masked_zeros_choose_as_worked_out_by_hand() {
                     (g - want).abs() < 1e-6 * want,
                     "{name}: gate {j}: {g} vs {want}"
                 );
+            }
+        }
+    }
+}
+
+/// A negative bias on the emulated grid (worked out by hand in r3-model's router test
+/// `grouped_selection_stays_inside_the_kept_groups`): 16 experts in 4 groups, 2 kept, top-4,
+/// every logit 0, bias (+.6, −.6, −.6, −.6 | +.6, −.6, −.6, −.6 | −.9 × 8). Groups 0 and 1 are
+/// kept, and their scores are 1.1, 1.1 and six −0.1s: the kernel must choose 0, 4, 1, 2 (HF
+/// v5 / SGLang / Megatron's −∞ fill), not the dropped group 2's experts 8 and 9 that a 0.0
+/// fill ranks above −0.1; the same as the CPU, gates bit for bit. Then the bias's halves
+/// swapped (groups 2 and 3 kept: 8, 12, 9, 10; a 0.0 fill would take 0 and 1). Both variants,
+/// both orders, at the launcher's block and at 96 and 1,024 threads.
+#[test]
+fn the_grouped_router_keeps_to_the_kept_groups_under_a_negative_bias() {
+    let params = Grouped {
+        cols: 16,
+        n_group: 4,
+        topk_group: 2,
+        k: 4,
+        norm: true,
+    };
+    let x = vec![0.0f32; 16];
+    let mut bias = vec![-0.9f32; 16];
+    bias[..8].copy_from_slice(&[0.6, -0.6, -0.6, -0.6, 0.6, -0.6, -0.6, -0.6]);
+    let mut swapped = bias[8..].to_vec();
+    swapped.extend_from_slice(&bias[..8]);
+    let router = params.router();
+    for (bias, want_ids) in [(&bias, [0u32, 4, 1, 2]), (&swapped, [8, 12, 9, 10])] {
+        let want = cpu_choice(&router, &x, 1, Some(bias));
+        assert_eq!(want.ids, want_ids, "the CPU's choice");
+        for (name, kernels) in variants() {
+            for threads in [params.launcher_threads(), 96, 1024] {
+                let what = format!("{name}, bias {bias:?}, {threads} threads");
+                let packed = in_both_orders(&what, |order| {
+                    route_grouped(kernels, params, threads, order, &x, bias, 1)
+                });
+                let packed: Vec<f32> = packed.into_iter().map(f32::from_bits).collect();
+                let got = unpack(&packed, 1, params.k);
+                assert_eq!(got.ids, want_ids, "{what}");
+                check_choice(&what, &got, &want, 1, params.k, 0.0);
             }
         }
     }

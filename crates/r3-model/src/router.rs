@@ -111,7 +111,12 @@ impl Router {
     ///
     /// Softmax routers take the top-k logits (softmax is monotone). DeepSeek-V3 ranks
     /// groups by the sum of their two best `sigmoid + bias` scores, keeps `topk_group`
-    /// groups, zeroes the rest (HF `masked_fill(.., 0.0)`) and takes the top-k.
+    /// groups, sets the other groups' scores to −∞ and takes the top-k: HF v5's
+    /// `masked_fill(~score_mask, -inf)` (transformers PR #45441), SGLang's
+    /// `biased_grouped_topk_impl` and Megatron's `group_limited_topk`. A 0.0 fill (HF v4)
+    /// would let a dropped group's expert beat kept scores that a negative bias pushed
+    /// below 0. The config's `top_k <= topk_group · per-group` keeps every −∞ unchosen; a
+    /// [`Router`] built past it takes the dropped experts last, lowest index first.
     pub fn select_row(
         &self,
         row: usize,
@@ -155,7 +160,8 @@ impl Router {
                     .collect();
                 let mut kept = vec![0u32; topk_group];
                 top_k_desc(&group_scores, topk_group, &mut kept);
-                let mut masked = vec![0.0f32; e];
+                // −∞, not 0.0: a negative bias can put `sigmoid + bias` below 0.
+                let mut masked = vec![f32::NEG_INFINITY; e];
                 for &g in &kept {
                     let g = g as usize;
                     masked[g * per_group..(g + 1) * per_group]
@@ -370,6 +376,43 @@ mod tests {
                 top_k_desc(&values, k, &mut out);
                 assert_eq!(out, sorted_top_k(&values, k), "k {k}");
             }
+        }
+    }
+
+    /// Group-limited routing never leaves the kept groups, even where a negative bias puts
+    /// kept scores below 0 (the review's case, worked out by hand): 16 experts in 4 groups,
+    /// 2 kept, top-4, every logit 0 (sigmoid 0.5), bias (+.6, −.6, −.6, −.6 | +.6, −.6, −.6,
+    /// −.6 | −.9 × 8). Scores: 1.1 for experts 0 and 4, −0.1 for the other six of groups 0
+    /// and 1, −0.4 in groups 2 and 3; group scores (two best) 1.0, 1.0, −0.8, −0.8, so groups
+    /// 0 and 1 are kept. HF v5 / SGLang / Megatron (−∞ fill) then choose 0 and 4 and the two
+    /// lowest of the tied −0.1s, 1 and 2; a 0.0 fill (HF v4) would choose the dropped group
+    /// 2's experts 8 and 9 (0 > −0.1) instead.
+    #[test]
+    fn grouped_selection_stays_inside_the_kept_groups() {
+        let router = Router {
+            kind: RouterKind::GroupedSigmoid {
+                n_group: 4,
+                topk_group: 2,
+                norm_topk_prob: true,
+                routed_scaling_factor: 2.5,
+            },
+            num_experts: 16,
+            top_k: 4,
+        };
+        let logits = [0.0f32; 16];
+        let mut bias = vec![-0.9f32; 16];
+        bias[..8].copy_from_slice(&[0.6, -0.6, -0.6, -0.6, 0.6, -0.6, -0.6, -0.6]);
+        let mut ids = [u32::MAX; 4];
+        router
+            .select_row(0, &logits, Some(&bias), &mut ids)
+            .expect("select");
+        // Best first: the two 1.1s, then the tied −0.1s from the lowest index.
+        assert_eq!(ids, [0, 4, 1, 2]);
+        // Equal gates over the four (all sigmoid(0)), summing to the scaling factor.
+        let mut gates = [0f32; 4];
+        router.weigh_row(&logits, &ids, &mut gates).expect("weigh");
+        for g in gates {
+            assert!((g - 0.625).abs() < 1e-6, "{gates:?}");
         }
     }
 

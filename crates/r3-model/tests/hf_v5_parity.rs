@@ -495,3 +495,208 @@ fn checkpoint_tensors_a_layer_would_drop_are_refused() {
     write_checkpoint(&dir, &tensors);
     load(&dir, tiny_json("qwen3_moe")).expect("extra layer and rotary buffer only warn");
 }
+
+/// `DeepseekV3Config.__init__`'s defaults (transformers v5, `configuration_deepseek_v3.py`,
+/// written out by hand here): `vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+/// moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
+/// n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512,
+/// q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8,
+/// topk_group=4, num_experts_per_tok=8, first_k_dense_replace=3, norm_topk_prob=True,
+/// max_position_embeddings=4096, rms_norm_eps=1e-6, rope_interleave=True`. A config.json
+/// holding only its `model_type` is that model in HF, and in r3.
+#[test]
+fn a_deepseek_v3_config_without_its_keys_is_transformers_default_model() {
+    let c = parse(json!({"model_type": "deepseek_v3"}));
+    assert_eq!(
+        (
+            c.vocab_size,
+            c.hidden_size,
+            c.intermediate_size,
+            c.num_hidden_layers,
+            c.num_attention_heads,
+            c.max_position_embeddings,
+        ),
+        (129_280, 7168, 18_432, 61, 128, 4096)
+    );
+    assert_eq!(c.rms_norm_eps, 1e-6);
+    let moe = c.moe.as_ref().expect("moe");
+    assert_eq!(
+        (moe.num_experts, moe.top_k, moe.expert_intermediate_size),
+        (256, 8, 2048)
+    );
+    assert_eq!(
+        moe.router,
+        RouterKind::GroupedSigmoid {
+            n_group: 8,
+            topk_group: 4,
+            norm_topk_prob: true,
+            routed_scaling_factor: 2.5,
+        }
+    );
+    assert_eq!(
+        moe.shared,
+        SharedExpert::Plain {
+            intermediate_size: 2048
+        }
+    );
+    assert_eq!(
+        c.attention,
+        AttentionConfig::Mla {
+            q_lora_rank: Some(1536),
+            kv_lora_rank: 512,
+            qk_nope_head_dim: 128,
+            qk_rope_head_dim: 64,
+            v_head_dim: 128,
+        }
+    );
+    // first_k_dense_replace = 3: layers 3 to 60 are the MoE layers.
+    assert_eq!(
+        c.layout.moe_layers(),
+        (3..61).collect::<Vec<_>>().as_slice()
+    );
+    assert!(c.rope.interleaved);
+    assert_eq!(c.rope.dim, 64);
+}
+
+/// One key at a time left out of a tiny DeepSeek-V3 config (16 experts, so that HF's
+/// `n_group = 8` leaves two experts a group) takes HF's default and nothing else changes; an
+/// explicit `null` of a size key is refused naming it (HF would keep `None` and fail).
+#[test]
+fn a_tiny_deepseek_v3_config_missing_one_key_takes_its_transformers_default() {
+    let mut tiny = tiny_json("deepseek_v3");
+    tiny["n_routed_experts"] = json!(16);
+    let without = |key: &str| {
+        let mut doc = tiny.clone();
+        doc.as_object_mut().expect("object").remove(key);
+        parse(doc)
+    };
+    let router = |c: &Config| c.moe.as_ref().expect("moe").router;
+    assert_eq!(
+        router(&without("n_group")),
+        RouterKind::GroupedSigmoid {
+            n_group: 8,
+            topk_group: 2,
+            norm_topk_prob: true,
+            routed_scaling_factor: 2.0,
+        }
+    );
+    assert_eq!(
+        router(&without("routed_scaling_factor")),
+        RouterKind::GroupedSigmoid {
+            n_group: 4,
+            topk_group: 2,
+            norm_topk_prob: true,
+            routed_scaling_factor: 2.5,
+        }
+    );
+    assert_eq!(
+        router(&without("topk_group")),
+        RouterKind::GroupedSigmoid {
+            n_group: 4,
+            topk_group: 4,
+            norm_topk_prob: true,
+            routed_scaling_factor: 2.0,
+        }
+    );
+    assert_eq!(without("num_hidden_layers").num_hidden_layers, 61);
+    // No layer is dense but the first three.
+    let c = without("first_k_dense_replace");
+    assert_eq!(c.layer_rules.first_k_dense_replace, 3);
+    assert!(c.layout.moe_layers().is_empty(), "3 layers, all dense");
+    let mla = |c: &Config| match c.attention {
+        AttentionConfig::Mla {
+            q_lora_rank,
+            kv_lora_rank,
+            qk_nope_head_dim,
+            qk_rope_head_dim,
+            v_head_dim,
+        } => (
+            q_lora_rank,
+            kv_lora_rank,
+            qk_nope_head_dim,
+            qk_rope_head_dim,
+            v_head_dim,
+        ),
+        AttentionConfig::Gqa { .. } => panic!("DeepSeek-V3 has MLA"),
+    };
+    assert_eq!(mla(&parse(tiny.clone())), (Some(12), 8, 4, 4, 6));
+    assert_eq!(mla(&without("q_lora_rank")), (Some(1536), 8, 4, 4, 6));
+    assert_eq!(mla(&without("kv_lora_rank")), (Some(12), 512, 4, 4, 6));
+    assert_eq!(mla(&without("qk_nope_head_dim")), (Some(12), 8, 128, 4, 6));
+    assert_eq!(mla(&without("v_head_dim")), (Some(12), 8, 4, 4, 128));
+    assert_eq!(without("qk_rope_head_dim").rope.dim, 64);
+    let c = without("moe_intermediate_size");
+    let moe = c.moe.as_ref().expect("moe");
+    assert_eq!(moe.expert_intermediate_size, 2048);
+    assert_eq!(
+        moe.shared,
+        SharedExpert::Plain {
+            intermediate_size: 2048
+        }
+    );
+    assert_eq!(
+        without("num_experts_per_tok")
+            .moe
+            .as_ref()
+            .expect("moe")
+            .top_k,
+        8
+    );
+    assert_eq!(without("intermediate_size").intermediate_size, 18_432);
+    assert_eq!(without("vocab_size").vocab_size, 129_280);
+
+    for key in [
+        "n_group",
+        "routed_scaling_factor",
+        "kv_lora_rank",
+        "first_k_dense_replace",
+    ] {
+        let mut doc = tiny.clone();
+        doc[key] = Value::Null;
+        let err = Config::from_value(doc).expect_err("a null size");
+        assert!(err.to_string().contains(key), "{key}: {err}");
+    }
+}
+
+/// `q_lora_rank`: an explicit `null` (Moonlight) is a plain `q_proj`, a missing key HF's
+/// low-rank q of rank 1536. A Moonlight checkpoint loaded under the latter is refused, the
+/// error naming the low-rank tensors it lacks.
+#[test]
+fn a_missing_q_lora_rank_is_hfs_low_rank_q_and_a_null_one_a_plain_q_proj() {
+    let moonlight = tiny_json("moonlight");
+    assert_eq!(moonlight["q_lora_rank"], Value::Null);
+    let plain = parse(moonlight.clone());
+    assert!(matches!(
+        plain.attention,
+        AttentionConfig::Mla {
+            q_lora_rank: None,
+            ..
+        }
+    ));
+    let mut missing = moonlight.clone();
+    missing
+        .as_object_mut()
+        .expect("object")
+        .remove("q_lora_rank");
+    assert!(matches!(
+        parse(missing.clone()).attention,
+        AttentionConfig::Mla {
+            q_lora_rank: Some(1536),
+            ..
+        }
+    ));
+
+    let weights = tiny_weights(&plain, 3, DType::F32);
+    assert!(weights
+        .tensors()
+        .contains_key("model.layers.0.self_attn.q_proj.weight"));
+    let dir = Scratch::new("hf-v5-parity-q-lora");
+    write_checkpoint(&dir, weights.tensors());
+    load(&dir, moonlight).expect("the checkpoint's own config");
+    let err = load(&dir, missing).expect_err("no q_a_proj in a plain-q checkpoint");
+    assert!(
+        matches!(&err, ModelError::MissingTensor(name)
+            if name == "model.layers.0.self_attn.q_a_proj.weight"),
+        "the error names the missing low-rank q: {err}"
+    );
+}

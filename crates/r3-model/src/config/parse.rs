@@ -1,5 +1,6 @@
 //! config.json → [`Config`]: key variants real checkpoints use, HF defaults for
-//! flags, and an error naming every option whose math this crate does not implement.
+//! flags (and for DeepSeek-V3's sizes, as `DeepseekV3Config` has them), and an error naming
+//! every option whose math this crate does not implement.
 
 use std::path::Path;
 
@@ -72,6 +73,49 @@ struct RawConfig {
 /// HF `Qwen2MoeConfig`'s default `shared_expert_intermediate_size`.
 const QWEN2_MOE_SHARED_EXPERT_INTERMEDIATE_SIZE: usize = 5632;
 
+/// HF `DeepseekV3Config.__init__`'s defaults (transformers v5,
+/// `configuration_deepseek_v3.py`) for the keys a DeepSeek-V3 config.json may leave out:
+/// transformers builds the model from these, so r3 does too (as for `n_shared_experts`,
+/// default 1) rather than refusing the config. An explicit `null` is not a default: HF
+/// stores `None` and cannot build the model, and r3 names the key (except `q_lora_rank`,
+/// whose `null` is the plain `q_proj` of Moonlight).
+mod deepseek_v3_default {
+    /// `vocab_size`.
+    pub const VOCAB_SIZE: usize = 129_280;
+    /// `hidden_size`.
+    pub const HIDDEN_SIZE: usize = 7168;
+    /// `intermediate_size` (the dense layers' MLP).
+    pub const INTERMEDIATE_SIZE: usize = 18_432;
+    /// `moe_intermediate_size` (each routed and shared expert).
+    pub const MOE_INTERMEDIATE_SIZE: usize = 2048;
+    /// `num_hidden_layers`.
+    pub const NUM_HIDDEN_LAYERS: usize = 61;
+    /// `num_attention_heads`.
+    pub const NUM_ATTENTION_HEADS: usize = 128;
+    /// `n_routed_experts`.
+    pub const N_ROUTED_EXPERTS: usize = 256;
+    /// `routed_scaling_factor`.
+    pub const ROUTED_SCALING_FACTOR: f64 = 2.5;
+    /// `kv_lora_rank`.
+    pub const KV_LORA_RANK: usize = 512;
+    /// `q_lora_rank` (a low-rank q: `q_a_proj`, `q_a_layernorm`, `q_b_proj`).
+    pub const Q_LORA_RANK: usize = 1536;
+    /// `qk_rope_head_dim`.
+    pub const QK_ROPE_HEAD_DIM: usize = 64;
+    /// `v_head_dim`.
+    pub const V_HEAD_DIM: usize = 128;
+    /// `qk_nope_head_dim`.
+    pub const QK_NOPE_HEAD_DIM: usize = 128;
+    /// `n_group`.
+    pub const N_GROUP: usize = 8;
+    /// `topk_group`.
+    pub const TOPK_GROUP: usize = 4;
+    /// `num_experts_per_tok`.
+    pub const NUM_EXPERTS_PER_TOK: usize = 8;
+    /// `first_k_dense_replace`.
+    pub const FIRST_K_DENSE_REPLACE: usize = 3;
+}
+
 fn unsupported(field: &str, value: impl std::fmt::Display) -> ModelError {
     ModelError::UnsupportedOption {
         field: field.into(),
@@ -91,6 +135,39 @@ fn required(value: Option<usize>, key: &'static str, arch: Architecture) -> Resu
             model_type: arch.model_type(),
         }),
     }
+}
+
+/// A key's value, or `hf_default` where config.json leaves the key out; an explicit `null`
+/// (which HF would keep as `None`, then fail on) is an error naming the key.
+fn or_hf_default<T>(
+    doc: &serde_json::Value,
+    value: Option<T>,
+    key: &str,
+    hf_default: T,
+) -> Result<T> {
+    match (value, doc.get(key)) {
+        (Some(v), _) => Ok(v),
+        (None, None) => Ok(hf_default),
+        (None, Some(_)) => Err(ModelError::InvalidConfig(format!(
+            "`{key}` is null; leave it out for transformers' default"
+        ))),
+    }
+}
+
+/// A positive size key: [`required`], except that a DeepSeek-V3 config without the key
+/// takes `deepseek_default` (HF `DeepseekV3Config`'s, see `deepseek_v3_default`).
+fn required_or_deepseek(
+    doc: &serde_json::Value,
+    value: Option<usize>,
+    key: &'static str,
+    arch: Architecture,
+    deepseek_default: usize,
+) -> Result<usize> {
+    let value = match arch {
+        Architecture::DeepseekV3 => Some(or_hf_default(doc, value, key, deepseek_default)?),
+        _ => value,
+    };
+    required(value, key, arch)
 }
 
 fn architecture(model_type: &str) -> Result<Architecture> {
@@ -149,21 +226,35 @@ fn parse(value: serde_json::Value) -> Result<Config> {
     reject_unsupported(&raw, arch)?;
     check_limits(&raw)?;
 
-    let hidden_size = required(raw.hidden_size, "hidden_size", arch)?;
-    let num_hidden_layers = required(raw.num_hidden_layers, "num_hidden_layers", arch)?;
-    let num_attention_heads = required(raw.num_attention_heads, "num_attention_heads", arch)?;
-    let vocab_size = required(raw.vocab_size, "vocab_size", arch)?;
-    let moe = moe_config(&raw, arch)?;
+    use deepseek_v3_default as ds;
+    let size = |v, key, ds_default| required_or_deepseek(&value, v, key, arch, ds_default);
+    let hidden_size = size(raw.hidden_size, "hidden_size", ds::HIDDEN_SIZE)?;
+    let num_hidden_layers = size(
+        raw.num_hidden_layers,
+        "num_hidden_layers",
+        ds::NUM_HIDDEN_LAYERS,
+    )?;
+    let num_attention_heads = size(
+        raw.num_attention_heads,
+        "num_attention_heads",
+        ds::NUM_ATTENTION_HEADS,
+    )?;
+    let vocab_size = size(raw.vocab_size, "vocab_size", ds::VOCAB_SIZE)?;
+    let moe = moe_config(&raw, &value, arch)?;
     // OLMoE's `intermediate_size` is the expert width; it has no dense layers.
     let intermediate_size = match (arch, &moe) {
         (Architecture::Olmoe | Architecture::Mixtral, Some(m)) => {
             raw.intermediate_size.unwrap_or(m.expert_intermediate_size)
         }
-        _ => required(raw.intermediate_size, "intermediate_size", arch)?,
+        _ => size(
+            raw.intermediate_size,
+            "intermediate_size",
+            ds::INTERMEDIATE_SIZE,
+        )?,
     };
-    let attention = attention_config(&raw, arch, hidden_size, num_attention_heads)?;
+    let attention = attention_config(&raw, &value, arch, hidden_size, num_attention_heads)?;
     let rope = rope_config(&raw, arch, &attention)?;
-    let layer_rules = layer_rules(&raw, arch)?;
+    let layer_rules = layer_rules(&raw, &value, arch)?;
     let layout = LayerLayout::from_rules(
         &layer_rules.to_layout_rules(num_hidden_layers, moe.as_ref().map_or(0, |m| m.num_experts)),
     )?;
@@ -333,12 +424,25 @@ fn expert_count(raw: &RawConfig) -> Result<Option<usize>> {
     Ok(found.map(|(_, v)| v))
 }
 
-fn moe_config(raw: &RawConfig, arch: Architecture) -> Result<Option<MoeConfig>> {
+fn moe_config(
+    raw: &RawConfig,
+    doc: &serde_json::Value,
+    arch: Architecture,
+) -> Result<Option<MoeConfig>> {
+    use deepseek_v3_default as ds;
     let dense_family = matches!(
         arch,
         Architecture::Qwen3 | Architecture::Qwen2 | Architecture::Llama
     );
-    let num_experts = expert_count(raw)?;
+    let num_experts = match (expert_count(raw)?, arch) {
+        (None, Architecture::DeepseekV3) => Some(or_hf_default(
+            doc,
+            None,
+            "n_routed_experts",
+            ds::N_ROUTED_EXPERTS,
+        )?),
+        (n, _) => n,
+    };
     if dense_family {
         if let Some(n) = num_experts.filter(|n| *n > 0) {
             return Err(unsupported("num_experts", n));
@@ -355,7 +459,13 @@ fn moe_config(raw: &RawConfig, arch: Architecture) -> Result<Option<MoeConfig>> 
                 model_type: arch.model_type(),
             }),
         };
-    let top_k = required(raw.num_experts_per_tok, "num_experts_per_tok", arch)?;
+    let top_k = required_or_deepseek(
+        doc,
+        raw.num_experts_per_tok,
+        "num_experts_per_tok",
+        arch,
+        ds::NUM_EXPERTS_PER_TOK,
+    )?;
     if top_k > num_experts {
         return Err(ModelError::InvalidConfig(format!(
             "num_experts_per_tok = {top_k} exceeds the {num_experts} experts"
@@ -365,12 +475,19 @@ fn moe_config(raw: &RawConfig, arch: Architecture) -> Result<Option<MoeConfig>> 
         Architecture::Mixtral | Architecture::Olmoe => {
             required(raw.intermediate_size, "intermediate_size", arch)?
         }
-        _ => required(raw.moe_intermediate_size, "moe_intermediate_size", arch)?,
+        _ => required_or_deepseek(
+            doc,
+            raw.moe_intermediate_size,
+            "moe_intermediate_size",
+            arch,
+            ds::MOE_INTERMEDIATE_SIZE,
+        )?,
     };
     let (router, shared) = match arch {
         Architecture::DeepseekV3 => {
-            let n_group = required(raw.n_group, "n_group", arch)?;
-            let topk_group = required(raw.topk_group, "topk_group", arch)?;
+            let n_group = required_or_deepseek(doc, raw.n_group, "n_group", arch, ds::N_GROUP)?;
+            let topk_group =
+                required_or_deepseek(doc, raw.topk_group, "topk_group", arch, ds::TOPK_GROUP)?;
             if num_experts % n_group != 0 || topk_group == 0 || topk_group > n_group {
                 return Err(ModelError::InvalidConfig(format!(
                     "n_group = {n_group} / topk_group = {topk_group} do not fit {num_experts} experts"
@@ -391,10 +508,12 @@ fn moe_config(raw: &RawConfig, arch: Architecture) -> Result<Option<MoeConfig>> 
                 n_group,
                 topk_group,
                 norm_topk_prob: raw.norm_topk_prob.unwrap_or(true),
-                routed_scaling_factor: raw.routed_scaling_factor.ok_or(ModelError::MissingKey {
-                    key: "routed_scaling_factor",
-                    model_type: arch.model_type(),
-                })?,
+                routed_scaling_factor: or_hf_default(
+                    doc,
+                    raw.routed_scaling_factor,
+                    "routed_scaling_factor",
+                    ds::ROUTED_SCALING_FACTOR,
+                )?,
             };
             // HF `DeepseekV3Config` defaults `n_shared_experts` to 1: a config without the
             // key has one shared expert of the routed experts' width.
@@ -456,17 +575,34 @@ fn moe_config(raw: &RawConfig, arch: Architecture) -> Result<Option<MoeConfig>> 
 
 fn attention_config(
     raw: &RawConfig,
+    doc: &serde_json::Value,
     arch: Architecture,
     hidden_size: usize,
     num_heads: usize,
 ) -> Result<AttentionConfig> {
     if arch == Architecture::DeepseekV3 {
+        use deepseek_v3_default as ds;
+        let size = |v, key, ds_default| required_or_deepseek(doc, v, key, arch, ds_default);
+        // A missing `q_lora_rank` is HF's default rank (a low-rank q); an explicit `null`
+        // (Moonlight) or 0 is a plain `q_proj`.
+        let q_lora_rank = match (raw.q_lora_rank, doc.get("q_lora_rank")) {
+            (None, None) => Some(ds::Q_LORA_RANK),
+            (rank, _) => rank.filter(|r| *r > 0),
+        };
         return Ok(AttentionConfig::Mla {
-            q_lora_rank: raw.q_lora_rank.filter(|r| *r > 0),
-            kv_lora_rank: required(raw.kv_lora_rank, "kv_lora_rank", arch)?,
-            qk_nope_head_dim: required(raw.qk_nope_head_dim, "qk_nope_head_dim", arch)?,
-            qk_rope_head_dim: required(raw.qk_rope_head_dim, "qk_rope_head_dim", arch)?,
-            v_head_dim: required(raw.v_head_dim, "v_head_dim", arch)?,
+            q_lora_rank,
+            kv_lora_rank: size(raw.kv_lora_rank, "kv_lora_rank", ds::KV_LORA_RANK)?,
+            qk_nope_head_dim: size(
+                raw.qk_nope_head_dim,
+                "qk_nope_head_dim",
+                ds::QK_NOPE_HEAD_DIM,
+            )?,
+            qk_rope_head_dim: size(
+                raw.qk_rope_head_dim,
+                "qk_rope_head_dim",
+                ds::QK_ROPE_HEAD_DIM,
+            )?,
+            v_head_dim: size(raw.v_head_dim, "v_head_dim", ds::V_HEAD_DIM)?,
         });
     }
     let head_dim = match raw.head_dim {
@@ -652,15 +788,21 @@ fn warn_on_rope_conflict(
     Ok(())
 }
 
-fn layer_rules(raw: &RawConfig, arch: Architecture) -> Result<MoeLayerRules> {
+fn layer_rules(
+    raw: &RawConfig,
+    doc: &serde_json::Value,
+    arch: Architecture,
+) -> Result<MoeLayerRules> {
     let mut rules = MoeLayerRules::all_sparse();
     match arch {
         Architecture::DeepseekV3 => {
-            rules.first_k_dense_replace =
-                raw.first_k_dense_replace.ok_or(ModelError::MissingKey {
-                    key: "first_k_dense_replace",
-                    model_type: arch.model_type(),
-                })?;
+            // 0 is valid (every layer MoE), so not `required`.
+            rules.first_k_dense_replace = or_hf_default(
+                doc,
+                raw.first_k_dense_replace,
+                "first_k_dense_replace",
+                deepseek_v3_default::FIRST_K_DENSE_REPLACE,
+            )?;
             rules.moe_layer_freq = raw.moe_layer_freq.unwrap_or(1).max(1);
         }
         Architecture::Qwen3Moe | Architecture::Qwen2Moe => {

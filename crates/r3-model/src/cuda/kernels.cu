@@ -1446,7 +1446,8 @@ extern "C" __global__ void r3_sample_rows_f32(const float *logits, const double 
 // A DeepSeek-V3 router's whole choice for each row of logits, one block per row, as
 // `Router::select_row` and `Router::weigh_row` make it on the host, bit for bit: scores
 // sigmoid(x) + bias; each group's score the sum of its two best; the `topk_group` best groups
-// kept (ties to the lower group); the others' scores set to 0 (HF's masked_fill); the top-k
+// kept (ties to the lower group); the others' scores set to -inf (HF v5's, SGLang's and
+// Megatron's masked_fill: a 0 would beat kept scores a negative bias put below it); the top-k
 // of those (`top_k_row`); gates sigmoid(x[id]), normalised over the k (+1e-20) when `norm`,
 // times `scale`. Written into `packed` as `r3_route_softmax_f32` writes it: [gates (rows·k) |
 // ids as floats (rows·k) | flags (rows): 1 finite, 0 not]. Needs cols = n_group · per-group
@@ -1509,7 +1510,7 @@ extern "C" __global__ void r3_route_grouped_f32(const float *x, const float *bia
     }
     __syncthreads();
     for (uint32_t c = threadIdx.x; c < cols; c += blockDim.x) {
-        if (!kept[c / per_group]) scores[c] = 0.0f;
+        if (!kept[c / per_group]) scores[c] = -INFINITY;
     }
     __syncthreads();
     top_k_row(scores, chosen, cols, k);

@@ -253,9 +253,11 @@ impl Weights {
         if options.allow_non_finite {
             tracing::warn!(dir = %dir.display(), precision = %options.precision, "weights loaded without the finiteness and range check");
         }
-        let (dropped, unused): (Vec<String>, Vec<String>) = tensors
+        let (mut dropped, unused): (Vec<String>, Vec<String>) = tensors
             .into_keys()
             .partition(|name| drops_part_of_a_layer(name, cfg.num_hidden_layers));
+        // Sorted: the map's order is random, and the error shows only the first eight.
+        dropped.sort_unstable();
         if !dropped.is_empty() {
             return Err(ModelError::Checkpoint {
                 path: dir.to_path_buf(),

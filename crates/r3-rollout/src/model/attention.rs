@@ -33,7 +33,9 @@ pub struct AttnGeometry {
     pub clip_qkv: Option<f32>,
     /// Kind of q/k norm (GQA only).
     pub qk_norm: QkNorm,
-    /// RMSNorm epsilon.
+    /// RMSNorm epsilon: the config's `rms_norm_eps`, MLA's `q_a` / `kv_a` norms included
+    /// (SGLang's and Megatron's rule, not HF's fixed 1e-6 there; see r3-model's
+    /// `MlaAttention::new`).
     pub eps: f32,
 }
 

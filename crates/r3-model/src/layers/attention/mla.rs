@@ -46,6 +46,14 @@ pub struct MlaAttention {
 
 impl MlaAttention {
     /// Builds `prefix` (`model.layers.{i}.self_attn`).
+    ///
+    /// `q_a_layernorm` and `kv_a_layernorm` take the config's `rms_norm_eps`, as SGLang
+    /// (`DeepseekV2AttentionMLA`: `RMSNorm(.., eps=config.rms_norm_eps)`) and Megatron-Core
+    /// (`layernorm_epsilon`) build them, and as r3's rollout engines (which mirror SGLang)
+    /// apply them. HF transformers (v4 and v5, and DeepSeek's remote code) builds both
+    /// without `eps`, so they take `DeepseekV3RMSNorm`'s default 1e-6: a deliberate
+    /// divergence from HF, invisible where `rms_norm_eps` is 1e-6 (DeepSeek-V3) and seen
+    /// where it is not (Moonlight's 1e-5), most in latents of small variance.
     pub fn new(cfg: &Config, weights: &Weights, prefix: &str) -> Result<Self> {
         let AttentionConfig::Mla {
             q_lora_rank,
@@ -60,6 +68,7 @@ impl MlaAttention {
             ));
         };
         let lin = |name: &str| Linear::new(weights, &format!("{prefix}.{name}"), false);
+        // The config's eps (SGLang's and Megatron's rule), not HF's 1e-6: see the doc above.
         let norm =
             |name: &str| RmsNorm::new(weights, &format!("{prefix}.{name}"), cfg.rms_norm_eps);
         let q = match q_lora_rank {
@@ -218,5 +227,60 @@ impl RowAttention for MlaAttention {
 
     fn output(&self, x: &Tensor) -> Result<Tensor> {
         self.o_proj.forward(x)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Tensor};
+
+    use super::{MlaAttention, QueryProj};
+    use crate::config::Config;
+    use crate::weights::{RandomInit, Weights};
+
+    /// The latent norms use the config's `rms_norm_eps` (SGLang / Megatron), not HF's
+    /// 1e-6. A latent row of 1e-3 everywhere (mean square 1e-6) through a unit-weight norm
+    /// with `rms_norm_eps = 1e-5`: 1e-3 / sqrt(1e-6 + 1e-5) = 0.301511 per element, where
+    /// HF's 1e-6 gives 1e-3 / sqrt(2e-6) = 0.707107.
+    #[test]
+    fn latent_norms_take_the_configs_eps_not_hfs_default() {
+        let cfg = Config::from_value(serde_json::json!({
+            "model_type": "deepseek_v3", "vocab_size": 32, "hidden_size": 16,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 24,
+            "rms_norm_eps": 1e-5, "n_routed_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 8, "n_group": 1, "topk_group": 1,
+            "first_k_dense_replace": 0, "routed_scaling_factor": 1.0, "q_lora_rank": 12,
+            "kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 4
+        }))
+        .expect("config");
+        let prefix = "model.layers.0.self_attn";
+        let mut tensors = Weights::random(&cfg, &RandomInit::new(1), &Device::Cpu)
+            .expect("weights")
+            .tensors()
+            .clone();
+        for (name, width) in [("q_a_layernorm", 12), ("kv_a_layernorm", 8)] {
+            tensors.insert(
+                format!("{prefix}.{name}.weight"),
+                Tensor::ones(width, candle_core::DType::F32, &Device::Cpu).expect("ones"),
+            );
+        }
+        let attn = MlaAttention::new(&cfg, &Weights::from_map(tensors), prefix).expect("attention");
+        let QueryProj::LowRank { norm: q_norm, .. } = &attn.q else {
+            panic!("q_lora_rank 12 is a low-rank q");
+        };
+        let want = 1e-3 / (1e-6f64 + 1e-5).sqrt();
+        for (norm, width) in [(q_norm, 12), (&attn.kv_a_norm, 8)] {
+            let row = Tensor::full(1e-3f32, (1, width), &Device::Cpu).expect("row");
+            let out: Vec<f32> = norm
+                .forward(&row)
+                .expect("norm")
+                .flatten_all()
+                .expect("flat")
+                .to_vec1()
+                .expect("values");
+            for v in out {
+                assert!((f64::from(v) - want).abs() < 1e-5, "{v} vs {want}");
+            }
+        }
     }
 }
