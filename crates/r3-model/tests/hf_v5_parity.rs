@@ -549,11 +549,16 @@ fn a_deepseek_v3_config_without_its_keys_is_transformers_default_model() {
             v_head_dim: 128,
         }
     );
-    // first_k_dense_replace = 3: layers 3 to 60 are the MoE layers.
+    // first_k_dense_replace = 3: layers 3 to 60 are the MoE layers, and a route table's
+    // layout, read from the same config.json by r3-routing, agrees.
     assert_eq!(
         c.layout.moe_layers(),
         (3..61).collect::<Vec<_>>().as_slice()
     );
+    let routing = r3_routing::RoutingConfig::from_hf_config(&json!({"model_type": "deepseek_v3"}))
+        .expect("routing keys");
+    assert_eq!(routing.layout().expect("layout"), c.layout);
+    assert_eq!(routing.top_k, moe.top_k);
     assert!(c.rope.interleaved);
     assert_eq!(c.rope.dim, 64);
 }

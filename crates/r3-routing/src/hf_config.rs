@@ -17,6 +17,33 @@ use crate::{LayerLayout, LayoutRules, RouteError};
 /// Keys that carry the routed-expert count, in the order they are looked up.
 const EXPERT_COUNT_KEYS: [&str; 3] = ["n_routed_experts", "num_experts", "num_local_experts"];
 
+/// HF `DeepseekV3Config`'s defaults (transformers v5) for the routing keys a DeepSeek-V3
+/// config.json may leave out: transformers builds the model from them, and r3-model's
+/// parser takes the same, so a route table and the model agree on which layers route.
+pub mod deepseek_v3_default {
+    /// `num_hidden_layers`.
+    pub const NUM_HIDDEN_LAYERS: usize = 61;
+    /// `n_routed_experts`.
+    pub const N_ROUTED_EXPERTS: usize = 256;
+    /// `num_experts_per_tok`.
+    pub const NUM_EXPERTS_PER_TOK: usize = 8;
+    /// `first_k_dense_replace`.
+    pub const FIRST_K_DENSE_REPLACE: usize = 3;
+}
+
+/// `key`'s HF default where config.json (of `model_type`) leaves it out, if its family has
+/// one that decides routing.
+fn family_default(model_type: Option<&str>, key: &str) -> Option<usize> {
+    use deepseek_v3_default as ds;
+    match (model_type?, key) {
+        ("deepseek_v3", "num_hidden_layers") => Some(ds::NUM_HIDDEN_LAYERS),
+        ("deepseek_v3", "n_routed_experts") => Some(ds::N_ROUTED_EXPERTS),
+        ("deepseek_v3", "num_experts_per_tok") => Some(ds::NUM_EXPERTS_PER_TOK),
+        ("deepseek_v3", "first_k_dense_replace") => Some(ds::FIRST_K_DENSE_REPLACE),
+        _ => None,
+    }
+}
+
 /// What a route table needs to know about a model: its layout rules and `top_k`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RoutingConfig {
@@ -39,7 +66,15 @@ impl RoutingConfig {
             Some(text) if config.get("num_hidden_layers").is_none() && text.is_object() => text,
             _ => config,
         };
-        let num_hidden_layers = count(cfg, "num_hidden_layers")?.ok_or_else(|| {
+        let model_type = cfg.get("model_type").and_then(Value::as_str);
+        // A key left out takes its family's HF default (absent, not null: HF keeps a null).
+        let count_or_default = |key: &'static str| -> Result<Option<usize>, RouteError> {
+            match cfg.get(key) {
+                None => Ok(family_default(model_type, key)),
+                Some(_) => count(cfg, key),
+            }
+        };
+        let num_hidden_layers = count_or_default("num_hidden_layers")?.ok_or_else(|| {
             RouteError::Layout("config.json has no `num_hidden_layers`".to_string())
         })?;
         let mut num_experts = None;
@@ -49,6 +84,9 @@ impl RoutingConfig {
                 break;
             }
         }
+        if num_experts.is_none() {
+            num_experts = family_default(model_type, "n_routed_experts");
+        }
         let num_experts = num_experts.filter(|&n| n > 0).ok_or_else(|| {
             RouteError::Layout(format!(
                 "config.json names no routed experts (none of {} is a positive integer): \
@@ -56,14 +94,14 @@ impl RoutingConfig {
                 EXPERT_COUNT_KEYS.join(", ")
             ))
         })?;
-        let top_k = count(cfg, "num_experts_per_tok")?.ok_or_else(|| {
+        let top_k = count_or_default("num_experts_per_tok")?.ok_or_else(|| {
             RouteError::Layout("config.json has no `num_experts_per_tok` (top_k)".to_string())
         })?;
         let mlp_only_layers = layer_list(cfg, "mlp_only_layers")?.unwrap_or_default();
         let mut rules = LayoutRules {
             num_hidden_layers,
             num_experts,
-            first_k_dense_replace: count(cfg, "first_k_dense_replace")?.unwrap_or(0),
+            first_k_dense_replace: count_or_default("first_k_dense_replace")?.unwrap_or(0),
             decoder_sparse_step: sparse_step(cfg)?,
             mlp_only_layers,
             moe_layer_freq: count(cfg, "moe_layer_freq")?.unwrap_or(1),

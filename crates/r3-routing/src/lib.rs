@@ -28,7 +28,7 @@ pub use align::{check_covers_sequence, expected_rows, merge_resumed, MergePolicy
 pub use canonical::{CANONICAL_FORMAT, CANONICAL_VERSION};
 pub use divergence::{divergence, summarize, Divergence, DivergenceSummary, LayerDivergence};
 pub use error::RouteError;
-pub use hf_config::RoutingConfig;
+pub use hf_config::{deepseek_v3_default, RoutingConfig};
 pub use layout::{LayerLayout, LayerSpace, LayoutRules};
 pub use limits::DecodeLimits;
 pub use load::{expert_load, summed_expert_load, ExpertLoad, LayerLoad};

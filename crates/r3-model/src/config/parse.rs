@@ -78,7 +78,8 @@ const QWEN2_MOE_SHARED_EXPERT_INTERMEDIATE_SIZE: usize = 5632;
 /// transformers builds the model from these, so r3 does too (as for `n_shared_experts`,
 /// default 1) rather than refusing the config. An explicit `null` is not a default: HF
 /// stores `None` and cannot build the model, and r3 names the key (except `q_lora_rank`,
-/// whose `null` is the plain `q_proj` of Moonlight).
+/// whose `null` is the plain `q_proj` of Moonlight). The keys that decide routing come from
+/// r3-routing, whose route layouts read config.json alike.
 mod deepseek_v3_default {
     /// `vocab_size`.
     pub const VOCAB_SIZE: usize = 129_280;
@@ -89,11 +90,11 @@ mod deepseek_v3_default {
     /// `moe_intermediate_size` (each routed and shared expert).
     pub const MOE_INTERMEDIATE_SIZE: usize = 2048;
     /// `num_hidden_layers`.
-    pub const NUM_HIDDEN_LAYERS: usize = 61;
+    pub const NUM_HIDDEN_LAYERS: usize = r3_routing::deepseek_v3_default::NUM_HIDDEN_LAYERS;
     /// `num_attention_heads`.
     pub const NUM_ATTENTION_HEADS: usize = 128;
     /// `n_routed_experts`.
-    pub const N_ROUTED_EXPERTS: usize = 256;
+    pub const N_ROUTED_EXPERTS: usize = r3_routing::deepseek_v3_default::N_ROUTED_EXPERTS;
     /// `routed_scaling_factor`.
     pub const ROUTED_SCALING_FACTOR: f64 = 2.5;
     /// `kv_lora_rank`.
@@ -111,9 +112,9 @@ mod deepseek_v3_default {
     /// `topk_group`.
     pub const TOPK_GROUP: usize = 4;
     /// `num_experts_per_tok`.
-    pub const NUM_EXPERTS_PER_TOK: usize = 8;
+    pub const NUM_EXPERTS_PER_TOK: usize = r3_routing::deepseek_v3_default::NUM_EXPERTS_PER_TOK;
     /// `first_k_dense_replace`.
-    pub const FIRST_K_DENSE_REPLACE: usize = 3;
+    pub const FIRST_K_DENSE_REPLACE: usize = r3_routing::deepseek_v3_default::FIRST_K_DENSE_REPLACE;
 }
 
 fn unsupported(field: &str, value: impl std::fmt::Display) -> ModelError {

@@ -26,6 +26,31 @@ fn families() {
     assert_eq!(moe_layers(nested), (vec![0, 1], 4, 1));
 }
 
+/// A DeepSeek-V3 config.json leaving out its routing keys is HF `DeepseekV3Config`'s default
+/// model (transformers v5: 61 layers, the first 3 dense, 256 experts, 8 per token), as
+/// r3-model parses it; the keys are family defaults, so another family still needs them.
+#[test]
+fn a_deepseek_v3_config_without_its_routing_keys_takes_hfs_defaults() {
+    let (moe, experts, top_k) = moe_layers(json!({"model_type": "deepseek_v3"}));
+    assert_eq!(moe, (3..61).collect::<Vec<_>>());
+    assert_eq!((experts, top_k), (256, 8));
+    // One key left out, the others given.
+    let no_dense_key = json!({"model_type": "deepseek_v3", "num_hidden_layers": 6,
+        "n_routed_experts": 16, "num_experts_per_tok": 4});
+    assert_eq!(moe_layers(no_dense_key), (vec![3, 4, 5], 16, 4));
+    // A null is not left out (HF keeps the None): still an error where the key is required.
+    let null_top_k = json!({"model_type": "deepseek_v3", "num_experts_per_tok": null});
+    let err = RoutingConfig::from_hf_config(&null_top_k)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("num_experts_per_tok"), "{err}");
+    let qwen = json!({"model_type": "qwen3_moe", "num_hidden_layers": 4, "num_experts": 8});
+    let err = RoutingConfig::from_hf_config(&qwen)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("num_experts_per_tok"), "{err}");
+}
+
 #[test]
 fn errors_name_the_key() {
     let dense = json!({"num_hidden_layers": 4, "num_experts_per_tok": 2});
