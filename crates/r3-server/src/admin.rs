@@ -92,6 +92,7 @@ pub async fn server_info(State(state): State<AppState>) -> Json<Value> {
         "tp_size": 1,
         "return_routed_experts_by_default": state.config().return_routed_experts_by_default,
         "return_original_logprob": state.config().return_original_logprob,
+        "sampling_defaults": state.config().generation.mode.to_string(),
         "limits": {
             "max_body_bytes": l.max_body_bytes,
             "max_new_tokens": l.max_new_tokens,

@@ -1,7 +1,9 @@
 //! OpenAI `/v1/chat/completions`: `messages` rendered through the model's chat template
 //! (`add_generation_prompt`, default true, and `chat_template_kwargs` such as
 //! `enable_thinking`), tokenized without added special tokens, then sampled like
-//! `/v1/completions`; the model's stop ids (eos and `generation_config.json`'s) end a turn.
+//! `/v1/completions`; the model's stop ids (eos and `generation_config.json`'s) end a turn, and
+//! the sampling values a request leaves unset come from `generation_config.json` with
+//! `--sampling-defaults model` (SGLang's default; [`super::generation::SamplingDefaults`]).
 //! `logprobs: true` (with `top_logprobs` up to [`MAX_TOP_LOGPROBS`] alternatives) answers
 //! OpenAI's `choices[].logprobs.content[]`, one entry per generated token. `stream: true`
 //! answers token by token: a `chat.completion.chunk` with the role per choice, then the new
@@ -266,14 +268,13 @@ pub async fn handle(
     }
     state.check_batch_size(n)?;
     // A chat turn ends at the model's stop ids (e.g. `<|im_end|>`), beside the client's own,
-    // unless `ignore_eos` asks to generate past them (as SGLang's `ignore_eos` does).
-    let mut stop_ids = body.sampling.stop_token_ids.clone().unwrap_or_default();
-    if !body.sampling.ignore_eos.unwrap_or(false) {
-        stop_ids.extend(codec.tokenizer().stop_token_ids().iter().copied());
-    }
+    // unless `ignore_eos` (`AppState::prepare` adds them, as on every endpoint). Unset
+    // sampling values take the model's generation_config.json ones (`--sampling-defaults
+    // model`, SGLang's default), on chat alone as in SGLang.
+    let sampling = state.config().generation.chat_defaults.fill(&body.sampling);
     // Without `max_tokens` SGLang sends no `max_new_tokens`: the rest of the context.
     let max_new_tokens = body.max_completion_tokens.or(body.max_tokens);
-    let sampling = body.sampling.to_native(max_new_tokens, Some(stop_ids));
+    let sampling = sampling.to_native(max_new_tokens, sampling.stop_token_ids.clone());
     let top_n = logprobs_asked(body.logprobs, body.top_logprobs)?;
     let prompts = [input_ids];
     let opts = body.routes.sample_options(&state, top_n, false, &prompts)?;

@@ -1,8 +1,11 @@
 //! OpenAI `/v1/completions` (also streamed token by token, see [`super::sse`]): prompts as
-//! text or token ids, `n` samples per prompt, stop strings and token ids, penalties, choices
-//! with text and token ids, finish reasons, usage, and `logprobs` with up to [`MAX_LOGPROBS`] alternatives per token and `text_offset`.
-//! `echo: true` puts the prompt before each choice's text and, with `logprobs`, the prompt
-//! tokens' log-probs before the output's (the first one null, as OpenAI).
+//! text (encoded with the tokenizer's special tokens, as SGLang encodes them) or token ids, `n`
+//! samples per prompt, stop strings and token ids, penalties, choices with text and token ids,
+//! finish reasons, usage, and `logprobs` with up to [`MAX_LOGPROBS`] alternatives per token
+//! and `text_offset` (OpenAI's and vLLM's offsets; SGLang sends -1). `echo: true` puts the
+//! prompt before each choice's text as SGLang does (a text prompt as sent, token ids decoded
+//! without special tokens) and, with `logprobs` > 0 (SGLang: not with 0), the prompt tokens'
+//! log-probs before the output's (the first one null, as OpenAI).
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -35,7 +38,8 @@ pub const MAX_LOGPROBS: u32 = 5;
 struct CompletionBody {
     /// A string, a list of strings, a list of token ids or a list of such lists.
     prompt: Value,
-    /// Tokens to generate per choice (default 16, as OpenAI).
+    /// Tokens to generate per choice (default 16, as OpenAI; 0 is refused, as SGLang's
+    /// `CompletionRequest` refuses it).
     max_tokens: Option<usize>,
     /// Choices per prompt (default 1); choice `i` of a prompt samples with `seed + i`.
     n: Option<usize>,
@@ -75,8 +79,14 @@ pub async fn handle(
             )))
         }
     };
-    let prompts = prompt_ids(&state, &body.prompt)?;
+    if body.max_tokens == Some(0) {
+        return Err(ApiError::bad_request("max_tokens must be positive"));
+    }
+    let (prompts, prompt_texts) = prompt_ids(&state, &body.prompt)?;
     let echo = body.echo.unwrap_or(false);
+    // SGLang computes and reports the prompt's log-probs with `echo` only when `logprobs`
+    // is truthy: not for `logprobs: 0`.
+    let echo_logprobs = echo && top_n.is_some_and(|k| k > 0);
     let n = body.n.unwrap_or(1);
     if n == 0 {
         return Err(ApiError::bad_request("n must be at least 1"));
@@ -90,7 +100,7 @@ pub async fn handle(
     let rids = choice_rids(body.rid.as_ref(), prompts.len(), n)?;
     let opts = body
         .routes
-        .sample_options(&state, top_n, echo && top_n.is_some(), &prompts)?;
+        .sample_options(&state, top_n, echo_logprobs, &prompts)?;
     let mut samples = SampleJobs::with_capacity(total);
     for (p, input_ids) in prompts.iter().enumerate() {
         let at = |e: ApiError| {
@@ -105,11 +115,16 @@ pub async fn handle(
             .push_samples(&state, &sampling, input_ids, &rids[p], &opts)
             .map_err(at)?;
     }
+    let echoed = match (echo, state.text()) {
+        (true, Some(codec)) => Some(echo_texts(codec, &prompts, prompt_texts)?),
+        _ => None,
+    };
     let reply = Reply {
         head: AnswerHead::new(&state, "cmpl"),
         prompts,
         n,
-        echo,
+        echoed,
+        echo_logprobs,
         top_n,
         texts: samples.texts,
         prompt_ids: body.return_token_ids.unwrap_or(false),
@@ -118,12 +133,14 @@ pub async fn handle(
     };
     let stream = body.stream.unwrap_or(false);
     let mut chunks = AnswerStream::new(&state, reply.texts.len(), reply);
-    if let (true, true, Some(codec)) = (stream, echo, state.text()) {
+    if stream {
         // The echoed prompt leaves with each choice's first text, as the choice's text
         // begins with it.
         for index in 0..chunks.reply.texts.len() {
-            let prompt = codec.decode(chunks.reply.prompt(index), false)?;
-            chunks.text.start_with(index, &prompt);
+            if let Some(prompt) = chunks.reply.echo_text(index) {
+                let prompt = prompt.to_string();
+                chunks.text.start_with(index, &prompt);
+            }
         }
     }
     respond(&state, samples.jobs, stream, chunks, |chunks, results| {
@@ -147,7 +164,10 @@ struct Reply {
     head: AnswerHead,
     prompts: Vec<Vec<u32>>,
     n: usize,
-    echo: bool,
+    /// With `echo` (and a tokenizer), each prompt's text to put before its choices' text.
+    echoed: Option<Vec<String>>,
+    /// With `echo` and `logprobs` > 0: the prompt tokens lead the choices' log-probs.
+    echo_logprobs: bool,
     top_n: Option<usize>,
     /// Text options of each choice.
     texts: Vec<TextOptions>,
@@ -167,6 +187,12 @@ impl Reply {
             .map_or(&[], Vec::as_slice)
     }
 
+    /// The echoed text of choice `index`'s prompt, with `echo`.
+    fn echo_text(&self, index: usize) -> Option<&str> {
+        let texts = self.echoed.as_ref()?;
+        texts.get(index / self.n.max(1)).map(String::as_str)
+    }
+
     /// Every choice of a finished batch.
     fn choices(&self, state: &AppState, results: &[Finished]) -> Result<Vec<Value>, ApiError> {
         let mut choices = Vec::with_capacity(results.len());
@@ -181,8 +207,11 @@ impl Reply {
                 )?,
                 None => String::new(),
             };
-            let echoed = self.echo.then(|| self.prompt(index));
-            let mut c = choice(state, index, f, text, self.top_n, echoed)?;
+            let echo = Echo {
+                text: self.echo_text(index).unwrap_or_default(),
+                logprobs: self.echo_logprobs.then(|| self.prompt(index)),
+            };
+            let mut c = choice(state, index, f, text, self.top_n, &echo)?;
             if self.prompt_ids {
                 c["prompt_token_ids"] = json!(self.prompt(index));
             }
@@ -259,8 +288,29 @@ impl ChunkBuilder for OpenAiChunks {
     }
 }
 
-/// The prompts as token ids, whatever form they were sent in.
-fn prompt_ids(state: &AppState, prompt: &Value) -> Result<Vec<Vec<u32>>, ApiError> {
+/// The echoed text of each prompt, as SGLang's `_prepare_echo_prompts` gives it: a text
+/// prompt as it was sent, token ids decoded with special tokens skipped.
+fn echo_texts(
+    codec: &super::text::TextCodec,
+    prompts: &[Vec<u32>],
+    texts: Vec<Option<String>>,
+) -> Result<Vec<String>, ApiError> {
+    prompts
+        .iter()
+        .zip(texts)
+        .map(|(ids, text)| match text {
+            Some(t) => Ok(t),
+            None => codec.decode(ids, true),
+        })
+        .collect()
+}
+
+/// The prompts as token ids, and the text of each one sent as text (None: sent as ids).
+type Prompts = (Vec<Vec<u32>>, Vec<Option<String>>);
+
+/// The prompts as token ids, whatever form they were sent in, and the text of each one sent
+/// as text (encoded with the tokenizer's special tokens, as SGLang encodes a text prompt).
+fn prompt_ids(state: &AppState, prompt: &Value) -> Result<Prompts, ApiError> {
     let needs_text = match prompt {
         Value::String(_) => true,
         Value::Array(items) => items.first().is_some_and(Value::is_string),
@@ -273,7 +323,9 @@ fn prompt_ids(state: &AppState, prompt: &Value) -> Result<Vec<Vec<u32>>, ApiErro
                 json_kind(prompt)
             )));
         }
-        return Ok(token_prompts(prompt, "prompt")?.0);
+        let ids = token_prompts(prompt, "prompt")?.0;
+        let texts = vec![None; ids.len()];
+        return Ok((ids, texts));
     }
     let codec = state.text().ok_or_else(|| {
         ApiError::bad_request(
@@ -281,19 +333,20 @@ fn prompt_ids(state: &AppState, prompt: &Value) -> Result<Vec<Vec<u32>>, ApiErro
         )
     })?;
     match prompt {
-        Value::String(s) => Ok(vec![codec.encode(s)?]),
+        Value::String(s) => Ok((vec![codec.encode_prompt(s)?], vec![Some(s.clone())])),
         Value::Array(items) => items
             .iter()
             .enumerate()
             .map(|(i, t)| match t {
-                Value::String(s) => codec.encode(s),
-                Value::Array(_) => token_list(t, &format!("prompt[{i}]")),
+                Value::String(s) => Ok((codec.encode_prompt(s)?, Some(s.clone()))),
+                Value::Array(_) => Ok((token_list(t, &format!("prompt[{i}]"))?, None)),
                 other => Err(ApiError::bad_request(format!(
                     "prompt[{i}] must be a string, got {}",
                     json_kind(other)
                 ))),
             })
-            .collect(),
+            .collect::<Result<Vec<_>, _>>()
+            .map(|pairs| pairs.into_iter().unzip()),
         _ => Err(ApiError::bad_request("prompt must be a string or a list")),
     }
 }
@@ -308,21 +361,26 @@ pub(super) fn token_text(state: &AppState, id: u32) -> String {
     }
 }
 
-/// One OpenAI choice; `echo` is the prompt to put before the output.
+/// What a choice echoes of its prompt.
+struct Echo<'a> {
+    /// The text put before the output ("" without `echo`).
+    text: &'a str,
+    /// The prompt tokens whose log-probs lead the output's (`echo` with `logprobs` > 0).
+    logprobs: Option<&'a [u32]>,
+}
+
+/// One OpenAI choice, its prompt echoed as `echo` says.
 fn choice(
     state: &AppState,
     index: usize,
     f: &Finished,
     text: String,
     top: Option<usize>,
-    echo: Option<&[u32]>,
+    echo: &Echo<'_>,
 ) -> Result<Value, ApiError> {
     let r = &f.result;
-    let prompt = echo.unwrap_or_default();
-    let text = match (echo, state.text()) {
-        (Some(ids), Some(codec)) => codec.decode(ids, false)? + &text,
-        _ => text,
-    };
+    let prompt = echo.logprobs.unwrap_or_default();
+    let text = format!("{}{text}", echo.text);
     let finish = finish_reason(&r.finish);
     let matched = matched_stop(f);
     let logprobs = match top {
@@ -334,8 +392,13 @@ fn choice(
                 .map(|&id| token_text(state, id))
                 .collect();
             // Offsets into the choice's text, by the running length of the token texts (as
-            // vLLM and SGLang compute them).
-            let mut offset = 0usize;
+            // OpenAI and vLLM give them; SGLang 0.5.23 sends -1 for each, "not supported
+            // yet"), from the echoed text's end where its tokens are not listed.
+            let mut offset = if prompt.is_empty() {
+                echo.text.chars().count()
+            } else {
+                0
+            };
             let text_offset: Vec<usize> = tokens
                 .iter()
                 .map(|t| {
@@ -364,12 +427,12 @@ fn choice(
                 prompt_tops.extend(lp.top_logprobs.iter().map(alternatives));
             }
             token_logprobs.extend(r.output_logprobs.iter().map(|&v| json!(v)));
-            let top_logprobs = if k == 0 {
-                Value::Null
-            } else {
+            // `logprobs: 0` gives an empty list, as SGLang's `LogProbs` (no alternatives
+            // were asked for, so none were computed).
+            if k > 0 {
                 prompt_tops.extend(r.output_top_logprobs.iter().map(alternatives));
-                Value::Array(prompt_tops)
-            };
+            }
+            let top_logprobs = Value::Array(prompt_tops);
             json!({
                 "tokens": tokens,
                 "token_logprobs": token_logprobs,

@@ -306,7 +306,7 @@ fn prompt_ids(state: &AppState, body: &GenerateBody) -> Result<(Vec<Vec<u32>>, b
             let (texts, is_batch) = text_prompts(text, "text")?;
             let ids = texts
                 .iter()
-                .map(|t| codec.encode(t))
+                .map(|t| codec.encode_prompt(t))
                 .collect::<Result<Vec<_>, _>>()?;
             Ok((ids, is_batch))
         }
@@ -406,6 +406,8 @@ fn plan(
             let prompt_only = sampling[i].max_new_tokens == Some(0);
             let one_token;
             let sampling_i = if prompt_only {
+                // SGLang's `verify` refuses a `min_new_tokens` above the 0 asked for.
+                sampling[i].check_min_new_tokens().map_err(at)?;
                 one_token = SamplingBody {
                     max_new_tokens: Some(1),
                     min_new_tokens: None,

@@ -25,6 +25,7 @@ pub mod device_backend;
 pub mod error;
 pub mod fields;
 pub mod generate;
+pub mod generation;
 pub mod heap;
 pub mod limits;
 pub mod memory;
@@ -58,6 +59,7 @@ use axum::Router;
 pub use backend::{InferenceBackend, MemoryRegions, ModelSummary, StagedWeights};
 pub use connections::{serve_with_limits, ConnectionLimits};
 pub use error::ApiError;
+pub use generation::{ModelGeneration, SamplingDefaults, SamplingDefaultsMode};
 pub use limits::{ClientLedger, ClientLimits};
 pub use security::SecurityConfig;
 pub use text::TextCodec;
@@ -125,6 +127,9 @@ pub struct ServerConfig {
     pub connections: ConnectionLimits,
     /// Per-request and per-client limits of tokens and requests in flight ([`limits`]).
     pub clients: ClientLimits,
+    /// What the model's `generation_config.json` adds: eos ids every request stops at, and
+    /// (`--sampling-defaults model`) chat's sampling defaults.
+    pub generation: ModelGeneration,
 }
 
 /// State shared by all handlers.
@@ -136,6 +141,8 @@ struct Shared {
     summary: ModelSummary,
     text: Option<Arc<TextCodec>>,
     config: ServerConfig,
+    /// The ids that end every request unless `ignore_eos` ([`generation::model_stop_ids`]).
+    stop_ids: Vec<u32>,
     /// Seedless requests so far (their seed is `config.seed + this`).
     next_seed: AtomicU64,
     /// Builds new weights off the engine thread (None: the backend loads on its thread).
@@ -183,6 +190,12 @@ impl AppState {
     /// Name reported as the model.
     pub fn model_name(&self) -> &str {
         &self.0.config.model_name
+    }
+
+    /// The ids that end every request unless it sets `ignore_eos`: the model's eos ids from
+    /// config.json, generation_config.json and the tokenizer ([`generation::model_stop_ids`]).
+    pub fn stop_ids(&self) -> &[u32] {
+        &self.0.stop_ids
     }
 
     /// A fresh default seed.
@@ -237,8 +250,9 @@ impl AppState {
     }
 
     /// The engine's sampling parameters and the text options for one sample of a client's
-    /// request: the server's limits, the prompt's context left, a seed (`seed + sample`
-    /// when the client gave one, a fresh server seed otherwise), and the log-prob scale of
+    /// request: the server's limits, the prompt's context left, the model's stop ids
+    /// ([`AppState::stop_ids`], unless `ignore_eos`), a seed (`seed + sample` when the client
+    /// gave one, a fresh server seed otherwise), and the log-prob scale of
     /// [`ServerConfig::return_original_logprob`].
     pub fn prepare(
         &self,
@@ -251,7 +265,7 @@ impl AppState {
             limits: self.limits(),
             vocab_size: s.vocab_size,
             max_position_embeddings: s.max_position_embeddings,
-            eos: &s.eos_token_ids,
+            eos: &self.0.stop_ids,
             prompt_len,
             default_seed: if body.has_seed() { 0 } else { self.next_seed() },
         };
@@ -312,11 +326,18 @@ pub fn build_app<B: InferenceBackend>(
     let body_timeout = config.connections.body_timeout;
     let access = Arc::new(config.security.clone());
     let client_limits = config.clients;
+    let stop_ids = generation::model_stop_ids(
+        &summary.eos_token_ids,
+        &config.generation.eos_token_ids,
+        text.as_ref().map(TextCodec::tokenizer),
+    );
+    log_generation_settings(&config.generation, &stop_ids);
     let state = AppState(Arc::new(Shared {
         handle: handle.clone(),
         summary,
         text: text.map(Arc::new),
         config,
+        stop_ids,
         next_seed: AtomicU64::new(0),
         stager,
         update_lock: tokio::sync::Mutex::new(()),
@@ -368,6 +389,24 @@ pub fn build_app<B: InferenceBackend>(
         worker,
         clients,
     })
+}
+
+/// Logs, at start, which sampling defaults chat requests take and the ids every request
+/// stops at (SGLang logs the defaults it takes from the model once, too).
+fn log_generation_settings(generation: &ModelGeneration, stop_ids: &[u32]) {
+    match generation.mode {
+        SamplingDefaultsMode::Model => tracing::info!(
+            defaults = %generation.chat_defaults,
+            "chat requests without their own sampling values take these from the model's generation_config.json (--sampling-defaults model)"
+        ),
+        SamplingDefaultsMode::OpenAi => tracing::info!(
+            "chat requests without their own sampling values take OpenAI's defaults (--sampling-defaults openai)"
+        ),
+    }
+    tracing::info!(
+        ?stop_ids,
+        "requests stop at the model's eos ids unless ignore_eos"
+    );
 }
 
 /// Serves `router` on `listener` with the default [`ConnectionLimits`] until `shutdown`

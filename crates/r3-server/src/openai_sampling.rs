@@ -21,14 +21,16 @@ pub struct OpenAiSampling {
     pub temperature: Option<f32>,
     /// Nucleus mass (default 1).
     pub top_p: Option<f32>,
-    /// Top-k cut (extension; -1 or 0 = off).
+    /// Top-k cut (extension; -1 = off).
     pub top_k: Option<i64>,
     /// Min-p cut (extension).
     pub min_p: Option<f32>,
     /// Stop ids cannot be sampled before this many tokens (extension).
     pub min_tokens: Option<usize>,
     /// Base seed; choice `i` of a prompt samples with `seed + i`. Without one every choice
-    /// draws its own server seed (so a batch repeating a prompt gets different samples).
+    /// draws its own server seed (so a batch repeating a prompt gets different samples). A
+    /// negative one is taken as SGLang takes it ([`super::sampling::deserialize_seed`]).
+    #[serde(default, deserialize_with = "super::sampling::deserialize_seed")]
     pub seed: Option<u64>,
     /// Stop strings.
     pub stop: Option<Value>,

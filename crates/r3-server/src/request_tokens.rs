@@ -25,9 +25,24 @@ pub struct TokenContext<'a> {
 }
 
 impl TokenContext<'_> {
-    /// Tokens of one text prompt.
+    /// Tokens of one text prompt (with the special tokens a prompt's encoding adds).
     fn text_tokens(&self, s: &str) -> usize {
-        match self.text.map(|codec| codec.encode(s)) {
+        self.tokens_of(s, TextCodec::encode_prompt)
+    }
+
+    /// Tokens of one chat message's text (encoded as the rendered template is, without
+    /// added special tokens).
+    fn message_tokens(&self, s: &str) -> usize {
+        self.tokens_of(s, TextCodec::encode)
+    }
+
+    /// Tokens of `s` as `encode` encodes it.
+    fn tokens_of(
+        &self,
+        s: &str,
+        encode: fn(&TextCodec, &str) -> Result<Vec<u32>, super::error::ApiError>,
+    ) -> usize {
+        match self.text.map(|codec| encode(codec, s)) {
             Some(Ok(ids)) => ids.len(),
             // No tokenizer (the handler refuses text) or a text it cannot encode: bytes
             // bound the token count of byte-level tokenizers from above.
@@ -141,10 +156,10 @@ fn chat_tokens(body: &Value, ctx: &TokenContext<'_>) -> usize {
         .flatten()
     {
         match m.get("content") {
-            Some(Value::String(s)) => prompt = prompt.saturating_add(ctx.text_tokens(s)),
+            Some(Value::String(s)) => prompt = prompt.saturating_add(ctx.message_tokens(s)),
             Some(Value::Array(parts)) => {
                 for text in parts.iter().filter_map(|p| p.get("text")?.as_str()) {
-                    prompt = prompt.saturating_add(ctx.text_tokens(text));
+                    prompt = prompt.saturating_add(ctx.message_tokens(text));
                 }
             }
             _ => {}

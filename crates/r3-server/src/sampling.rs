@@ -9,6 +9,7 @@
 
 use std::collections::BTreeMap;
 
+use serde::de::{self, Deserializer, Visitor};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -25,7 +26,7 @@ pub struct SamplingBody {
     pub temperature: Option<f32>,
     /// Nucleus mass in (0, 1] (default 1 = off).
     pub top_p: Option<f32>,
-    /// Top-k cut; -1 or 0 = off (SGLang uses -1).
+    /// Top-k cut; -1 = off (0 is refused, as SGLang refuses it).
     pub top_k: Option<i64>,
     /// Drop tokens below `min_p` × the top probability (default 0 = off).
     pub min_p: Option<f32>,
@@ -56,9 +57,12 @@ pub struct SamplingBody {
     pub logit_bias: Option<BTreeMap<String, f32>>,
     /// Samples per prompt (default 1).
     pub n: Option<usize>,
-    /// Seed of this request's sampler (default: derived from the server seed).
+    /// Seed of this request's sampler (default: derived from the server seed); a negative
+    /// one is taken as SGLang takes it ([`deserialize_seed`]).
+    #[serde(default, deserialize_with = "deserialize_seed")]
     pub seed: Option<u64>,
     /// SGLang's name for `seed`.
+    #[serde(default, deserialize_with = "deserialize_seed")]
     pub sampling_seed: Option<u64>,
     /// Skip special tokens when decoding text (default true).
     pub skip_special_tokens: Option<bool>,
@@ -73,7 +77,8 @@ pub struct ParamContext<'a> {
     pub vocab_size: usize,
     /// The model's context.
     pub max_position_embeddings: usize,
-    /// `eos_token_id`(s), added to the stop ids unless `ignore_eos`.
+    /// The model's stop ids (its eos ids, [`super::generation::model_stop_ids`]), added to
+    /// the request's own unless `ignore_eos`.
     pub eos: &'a [u32],
     /// Prompt length (the context left bounds `max_new_tokens`).
     pub prompt_len: usize,
@@ -91,6 +96,17 @@ impl SamplingBody {
         }
     }
 
+    /// SGLang's `verify`: `min_new_tokens` may not exceed the client's own `max_new_tokens`
+    /// (a 400; the server's clipping of `max_new_tokens` clips `min_new_tokens` with it).
+    pub fn check_min_new_tokens(&self) -> Result<(), ApiError> {
+        match (self.min_new_tokens, self.max_new_tokens) {
+            (Some(min), Some(max)) if min > max => Err(ApiError::bad_request(format!(
+                "min_new_tokens must be in [0, max_new_tokens({max})], got {min}"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
     /// Whether a seed was given.
     pub fn has_seed(&self) -> bool {
         self.seed.is_some() || self.sampling_seed.is_some()
@@ -103,15 +119,17 @@ impl SamplingBody {
     ) -> Result<(SamplingParams, TextOptions), ApiError> {
         let temperature = self.temperature.unwrap_or(1.0);
         let top_p = self.top_p.unwrap_or(1.0);
+        // SGLang's `verify`: -1 or a count; 0 is refused rather than read as "off".
         let top_k = match self.top_k {
-            None | Some(-1) | Some(0) => 0,
+            None | Some(-1) => 0,
             Some(k) if k > 0 => usize::try_from(k).unwrap_or(usize::MAX),
             Some(k) => {
                 return Err(ApiError::bad_request(format!(
-                    "top_k must be -1 (off) or a positive count, got {k}"
+                    "top_k must be -1 (disable) or at least 1, got {k}"
                 )))
             }
         };
+        self.check_min_new_tokens()?;
         let requested = match (self.max_new_tokens, self.rest_of_context) {
             (Some(n), _) => n,
             (None, true) => usize::MAX,
@@ -199,6 +217,43 @@ impl SamplingBody {
         };
         Ok((params, text))
     }
+}
+
+/// A seed as SGLang takes `sampling_seed` (and OpenAI's `seed`): an integer in
+/// `[-2^63, 2^63)`, a negative one reinterpreted as its 64-bit two's complement (SGLang's
+/// `seed.to(torch.uint64)` before hashing), so distinct seeds stay distinct. r3's own seeds up
+/// to `2^64 - 1` (what r3's fleet sends) are taken too. Null is no seed.
+pub fn deserialize_seed<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    struct SeedVisitor;
+    impl<'de> Visitor<'de> for SeedVisitor {
+        type Value = Option<u64>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("an integer seed in [-2^63, 2^64) or null")
+        }
+
+        fn visit_u64<E: de::Error>(self, v: u64) -> Result<Self::Value, E> {
+            Ok(Some(v))
+        }
+
+        fn visit_i64<E: de::Error>(self, v: i64) -> Result<Self::Value, E> {
+            // Two's complement, as torch's int64 -> uint64 conversion.
+            Ok(Some(v as u64))
+        }
+
+        fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+
+        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+
+        fn visit_some<D2: Deserializer<'de>>(self, d: D2) -> Result<Self::Value, D2::Error> {
+            d.deserialize_any(SeedVisitor)
+        }
+    }
+    d.deserialize_option(SeedVisitor)
 }
 
 /// `stop`: null, one string or a list of strings (empty strings dropped).
@@ -328,12 +383,43 @@ mod tests {
         assert!(text.no_stop_trim && !text.skip_special_tokens);
     }
 
+    /// A negative seed is SGLang's: its 64-bit two's complement (torch's int64 -> uint64),
+    /// so -1 samples as `u64::MAX` does; r3's own seeds past `i64::MAX` still parse.
+    #[test]
+    fn negative_seeds_are_their_twos_complement() {
+        let seed = |v: Value| {
+            let body: SamplingBody = serde_json::from_value(v).expect("body");
+            convert(&body, 1).expect("valid").seed
+        };
+        assert_eq!(seed(json!({"sampling_seed": -1})), u64::MAX);
+        assert_eq!(seed(json!({"seed": i64::MIN})), 1 << 63);
+        assert_eq!(seed(json!({"seed": u64::MAX})), u64::MAX);
+        assert_eq!(seed(json!({"seed": null})), 7);
+        let body: OpenAiBody = serde_json::from_value(json!({"seed": -2})).expect("body");
+        assert_eq!(body.sampling.seed, Some(u64::MAX - 1));
+    }
+
+    /// An OpenAI body holding the shared sampling fields.
+    #[derive(Deserialize)]
+    struct OpenAiBody {
+        #[serde(flatten)]
+        sampling: crate::openai_sampling::OpenAiSampling,
+    }
+
     #[test]
     fn each_bad_field_is_named() {
         let cases = [
             (json!({"temperature": -1.0}), "temperature"),
             (json!({"top_p": 0.0}), "top_p"),
             (json!({"top_k": -3}), "top_k"),
+            (
+                json!({"top_k": 0}),
+                "top_k must be -1 (disable) or at least 1, got 0",
+            ),
+            (
+                json!({"max_new_tokens": 4, "min_new_tokens": 5}),
+                "min_new_tokens must be in [0, max_new_tokens(4)], got 5",
+            ),
             (json!({"max_new_tokens": 0}), "max_new_tokens"),
             (json!({"stop_token_ids": [10]}), "stop_token_ids"),
             (json!({"seed": 1, "sampling_seed": 2}), "disagree"),

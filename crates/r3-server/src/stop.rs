@@ -1,7 +1,8 @@
 //! Stop strings and the text a response carries: matching the output text against a
 //! request's stop strings after every engine step (as HF `generate`'s stop-string criterion
 //! and SGLang do: generation ends at the first token whose text completes a stop string), and
-//! trimming the matched stop string or stop token from the returned text.
+//! trimming the matched stop string or stop token from the returned text (SGLang's
+//! detokenizer `trim_matched_stop`).
 
 use std::sync::Arc;
 
@@ -30,12 +31,13 @@ impl Default for TextOptions {
     }
 }
 
-/// Checks a running request's output against its stop strings.
+/// Checks a running request's output against its stop strings, in the output's text with
+/// its special tokens kept whatever the request's `skip_special_tokens` (SGLang's
+/// `Req.tail_str` decodes so), so a stop string such as `"<|endoftext|>"` matches that token.
 #[derive(Debug, Clone)]
 pub struct StopMatcher {
     codec: Arc<TextCodec>,
     stop: Vec<String>,
-    skip_special_tokens: bool,
     /// Tokens of output text to decode per check: a stop string completed by the newest token
     /// lies within its byte length in tokens (every token is at least one byte), plus one.
     tail: usize,
@@ -51,7 +53,6 @@ impl StopMatcher {
         Some(StopMatcher {
             codec,
             stop: opts.stop.clone(),
-            skip_special_tokens: opts.skip_special_tokens,
             tail,
         })
     }
@@ -59,10 +60,7 @@ impl StopMatcher {
     /// The stop string the text of `output` contains near its end, if any.
     pub fn check(&self, output: &[u32]) -> Option<String> {
         let from = output.len().saturating_sub(self.tail);
-        let text = self
-            .codec
-            .decode(&output[from..], self.skip_special_tokens)
-            .ok()?;
+        let text = self.codec.decode(&output[from..], false).ok()?;
         self.stop
             .iter()
             .find(|s| text.contains(s.as_str()))
@@ -71,7 +69,9 @@ impl StopMatcher {
 }
 
 /// The response text of `output_ids`: decoded with the request's options, cut before the
-/// matched stop string, or without the final stop token, unless `no_stop_trim`.
+/// matched stop string (after it with `no_stop_trim`), or without the final stop token unless
+/// `no_stop_trim`; a matched string the text does not hold (a special token skipped) leaves
+/// it whole, as SGLang's `trim_matched_stop`.
 pub fn response_text(
     codec: &TextCodec,
     output_ids: &[u32],
@@ -86,11 +86,12 @@ pub fn response_text(
         _ => output_ids,
     };
     let text = codec.decode(ids, opts.skip_special_tokens)?;
-    match matched {
-        Some(s) if !opts.no_stop_trim => Ok(match text.find(s) {
-            Some(at) => text[..at].to_string(),
-            None => text,
-        }),
-        _ => Ok(text),
-    }
+    let Some(s) = matched else {
+        return Ok(text);
+    };
+    Ok(match text.find(s) {
+        Some(at) if opts.no_stop_trim => text[..at + s.len()].to_string(),
+        Some(at) => text[..at].to_string(),
+        None => text,
+    })
 }

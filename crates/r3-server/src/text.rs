@@ -49,10 +49,22 @@ impl TextCodec {
         })
     }
 
-    /// Token ids of `text` (no special tokens added: the text is taken as it is).
+    /// Token ids of `text` with no special tokens added: a rendered chat template, whose
+    /// text holds its own (transformers' `apply_chat_template` tokenizes so).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, ApiError> {
         self.tokenizer
             .encode(text, false)
+            .map_err(|e| ApiError::bad_request(format!("cannot tokenize the text: {e}")))
+    }
+
+    /// Token ids of a text prompt (`/generate`'s `text`, a completions `prompt`) with the
+    /// special tokens the tokenizer adds (a bos where its config says `add_bos_token`, or its
+    /// post-processor adds one): SGLang's tokenizer manager calls the HF tokenizer with its
+    /// default `add_special_tokens=True`, so a DeepSeek-V3 or Llama prompt starts with its bos
+    /// there and must here too (Qwen's adds none).
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, ApiError> {
+        self.tokenizer
+            .encode(text, true)
             .map_err(|e| ApiError::bad_request(format!("cannot tokenize the text: {e}")))
     }
 

@@ -4,10 +4,12 @@
 //!
 //! A model directory is read as transformers reads it: `tokenizer.json`,
 //! `tokenizer_config.json` (special tokens, `add_bos_token`, `chat_template`),
-//! `chat_template.jinja`, `generation_config.json` and `config.json` (eos ids).
+//! `chat_template.jinja`, `generation_config.json` (eos ids, and the sampling values a server
+//! takes as defaults: [`GenerationConfig`]) and `config.json` (eos ids).
 
 mod bpe;
 mod error;
+mod generation_config;
 mod jinja;
 mod json_kind;
 mod message;
@@ -18,6 +20,7 @@ mod tokenizer;
 
 pub use bpe::{train_bpe, write_tokenizer_config, BpeTrainSpec, CHATML_TEMPLATE};
 pub use error::{Result, TextError};
+pub use generation_config::GenerationConfig;
 pub use json_kind::json_kind;
 pub use message::ChatMessage;
 pub use special::SpecialTokens;

@@ -11,8 +11,8 @@ use r3_model::LoadOptions;
 use r3_rollout::{Dtype, EngineConfig, KvCacheDtype, RolloutDevice, RolloutEngine, RouterDtype};
 use r3_server::connections::connections_for_open_files;
 use r3_server::{
-    build_app, serve_with_limits, ClientLimits, ConnectionLimits, SecurityConfig, ServerConfig,
-    ServerLimits, TextCodec,
+    build_app, serve_with_limits, ClientLimits, ConnectionLimits, ModelGeneration,
+    SamplingDefaultsMode, SecurityConfig, ServerConfig, ServerLimits, TextCodec,
 };
 
 /// Arguments of `r3 serve`.
@@ -96,6 +96,13 @@ pub struct ServeArgs {
     /// reports them by default; a greedy request's and prompt log-probs are raw either way.
     #[arg(long)]
     pub return_original_logprob: bool,
+    /// Where a chat request's unset `temperature`, `top_p`, `top_k`, `min_p` and
+    /// `repetition_penalty` come from (SGLang's flag and default): `model`, the model's
+    /// generation_config.json, then OpenAI's defaults; `openai`, OpenAI's defaults alone
+    /// (temperature 1, no cuts). `/generate` and `/v1/completions` never take the model's, as
+    /// in SGLang. The values taken are logged at start.
+    #[arg(long, default_value = "model")]
+    pub sampling_defaults: SamplingDefaultsMode,
     /// Require `Authorization: Bearer KEY` on every endpoint except `/health*` (SGLang's
     /// flag).
     #[arg(long)]
@@ -254,7 +261,10 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
             .fit_model(engine.model_config().vocab_size)
             .with_context(|| format!("model directory {}", a.model.display()))?;
     }
+    let generation = ModelGeneration::from_model_dir(&a.model, a.sampling_defaults)
+        .with_context(|| format!("model directory {}", a.model.display()))?;
     let config = ServerConfig {
+        generation,
         limits: ServerLimits {
             max_body_bytes: a.max_body_mib << 20,
             max_new_tokens: a.max_new_tokens,
@@ -397,6 +407,26 @@ mod tests {
             let err = parse(&["--chunked-prefill-size", bad]).expect_err(bad);
             assert!(err.to_string().contains("-1 for no cap"), "{bad}: {err}");
         }
+    }
+
+    /// `--sampling-defaults` as SGLang's flag: `model` by default, `openai`, anything else
+    /// refused naming the two.
+    #[test]
+    fn sampling_defaults_take_model_or_openai() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            serve: ServeArgs,
+        }
+        let parse = |extra: &[&str]| {
+            let args = ["r3", "--model", "m"].iter().chain(extra);
+            <Cli as clap::Parser>::try_parse_from(args).map(|c| c.serve.sampling_defaults)
+        };
+        assert_eq!(parse(&[]).expect("absent"), SamplingDefaultsMode::Model);
+        let openai = parse(&["--sampling-defaults", "openai"]).expect("openai");
+        assert_eq!(openai, SamplingDefaultsMode::OpenAi);
+        let err = parse(&["--sampling-defaults", "vllm"]).expect_err("unknown");
+        assert!(err.to_string().contains("model, openai"), "{err}");
     }
 
     #[test]

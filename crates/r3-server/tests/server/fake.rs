@@ -65,9 +65,10 @@ pub fn wire_shape(start: usize) -> WireShape {
         .expect("shape")
 }
 
-/// The next token after `prev` for a request with `seed`.
+/// The next token after `prev` for a request with `seed` (wrapping: a negative client seed
+/// arrives as its two's complement, near `u64::MAX`).
 pub fn next_token(prev: u32, seed: u64) -> u32 {
-    ((u64::from(prev) * 5 + 3 + seed) % VOCAB as u64) as u32
+    ((u64::from(prev) * 5 + 3).wrapping_add(seed) % VOCAB as u64) as u32
 }
 
 /// The reported log-prob of `token`.

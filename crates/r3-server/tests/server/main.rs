@@ -20,6 +20,7 @@ mod malformed;
 mod paced;
 mod rids;
 mod security;
+mod sglang_parity;
 mod streaming;
 mod support;
 mod weights_update;
