@@ -437,6 +437,10 @@ fn run<B: InferenceBackend>(
     loop {
         book.apply_update_if_due(&mut backend);
         if backend.in_flight() == 0 || book.holds_steps() {
+            // Never sleep on a queued answer: its client would wait for the next command.
+            if !book.answers.is_empty() {
+                book.publish(&backend, |_| {});
+            }
             match rx.blocking_recv() {
                 Some(cmd) => book.handle(&mut backend, cmd),
                 None => return,
@@ -632,9 +636,9 @@ impl Book {
                     }
                 }
             }
-            if self.pending_update.is_some() {
-                self.publish(backend, |_| {});
-            }
+            // The batches just admitted (and any refused among them, whose answers are
+            // queued) are published now: with nothing in flight the worker may block next.
+            self.publish(backend, |_| {});
         }
     }
 

@@ -315,3 +315,25 @@ fn a_batch_answered_is_already_counted_as_ended() {
         );
     }
 }
+
+/// A held batch refused when it is admitted after the update (a rid repeated in it) is
+/// answered at once, though nothing is in flight then and no command follows: the worker
+/// never sleeps on a queued answer.
+#[test]
+fn a_held_batch_refused_after_the_update_is_answered_without_another_command() {
+    let w = Worker::new();
+    let long = w.start_long();
+    let update = w.update(&w.good, "v1");
+    let refused = w.start(&[("d", &[4]), ("d", &[5])], 2);
+    w.wait_waiting(2);
+    w.gate.open();
+    assert!(is_length(&w.answer(long)[0]));
+    assert_eq!(w.updated(update).expect("update"), "v1");
+    let answer =
+        w.wait(async { tokio::time::timeout(std::time::Duration::from_secs(20), refused).await });
+    let err = answer
+        .expect("answered without another command")
+        .expect("the worker answers")
+        .expect_err("a rid repeated in the batch is refused");
+    assert!(err.message.contains("\"d\""), "{}", err.message);
+}
