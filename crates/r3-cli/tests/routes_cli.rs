@@ -219,3 +219,79 @@ fn an_all_moe_table_encodes_without_a_layout() {
     // Layer 2 of 3 is not in the table: dense or an uncaptured MoE layer, the table cannot say.
     assert_one_line_error(&encode(&["3"]), "needs the layer layout");
 }
+
+/// A vLLM response of several choices holds one route table per choice: `decode` without
+/// `--choice` refuses it (it is not one sequence) in both vLLM formats, and `--choice N`
+/// prints choice N; `--choice` on a one-table format is refused.
+#[test]
+fn decode_of_several_vllm_choices_needs_the_choice() {
+    let table = |a: u8, b: u8| {
+        format!(
+            r#"{{"format":"r3-routes","version":1,"num_experts":8,"top_k":2,"layer_space":"moe_only",
+            "layers":[1],"start_pos":0,"num_tokens":1,"routes":[[[{a},{b}]]]}}"#
+        )
+    };
+    let (first, second) = (table(5, 1), table(2, 7));
+    let encode = |format: &str, t: &str| {
+        let out = r3(
+            &[
+                "routes",
+                "encode",
+                "--format",
+                format,
+                "--num-layers",
+                "2",
+                "--first-k-dense",
+                "1",
+            ],
+            t.as_bytes(),
+        );
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).expect("utf-8")
+    };
+    let b64 = |t: &str| {
+        let enc = encode("vllm", t);
+        let enc = enc.trim();
+        let v: serde_json::Value = serde_json::from_str(enc)
+            .unwrap_or_else(|_| serde_json::Value::String(enc.to_string()));
+        v.as_str().map(str::to_string).unwrap_or_else(|| {
+            v["routed_experts"]
+                .as_str()
+                .expect("routed_experts")
+                .to_string()
+        })
+    };
+    let vllm = serde_json::json!({"choices": [
+        {"routed_experts": b64(&first)}, {"routed_experts": b64(&second)}
+    ]})
+    .to_string();
+    let nested = |t: &str| -> serde_json::Value {
+        serde_json::from_str(&encode("vllm-json", t)).expect("vllm-json")
+    };
+    let (a, b) = (nested(&first), nested(&second));
+    let mut vllm_json = a.clone();
+    vllm_json["choices"] = serde_json::json!([a["choices"][0], b["choices"][0]]);
+    let vllm_json = vllm_json.to_string();
+    for (format, payload) in [("vllm", &vllm), ("vllm-json", &vllm_json)] {
+        let mut args = vec!["routes", "decode", "--format", format];
+        args.extend_from_slice(&SHAPE);
+        assert_one_line_error(&r3(&args, payload.as_bytes()), "choice");
+        args.extend_from_slice(&["--choice", "1"]);
+        let out = r3(&args, payload.as_bytes());
+        assert!(
+            out.status.success(),
+            "{format}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let got: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+        let want: serde_json::Value = serde_json::from_str(&second).expect("json");
+        assert_eq!(got, want, "{format}");
+    }
+    let mut args = vec!["routes", "decode", "--format", "sglang", "--choice", "0"];
+    args.extend_from_slice(&SHAPE);
+    assert_one_line_error(&r3(&args, b"AAAA"), "--choice");
+}

@@ -67,11 +67,14 @@ impl RoutingConfig {
             _ => config,
         };
         let model_type = cfg.get("model_type").and_then(Value::as_str);
-        // A key left out takes its family's HF default (absent, not null: HF keeps a null).
+        // A key left out takes its family's HF default. A null is not left out: HF keeps the
+        // None and cannot build the model, so where the family has a default (the key is
+        // one it needs) a null is an error naming it, as r3-model's parser says.
         let count_or_default = |key: &'static str| -> Result<Option<usize>, RouteError> {
-            match cfg.get(key) {
-                None => Ok(family_default(model_type, key)),
-                Some(_) => count(cfg, key),
+            match (cfg.get(key), family_default(model_type, key)) {
+                (None, default) => Ok(default),
+                (Some(Value::Null), Some(_)) => Err(null_key(key)),
+                (Some(_), _) => count(cfg, key),
             }
         };
         let num_hidden_layers = count_or_default("num_hidden_layers")?.ok_or_else(|| {
@@ -85,7 +88,7 @@ impl RoutingConfig {
             }
         }
         if num_experts.is_none() {
-            num_experts = family_default(model_type, "n_routed_experts");
+            num_experts = count_or_default("n_routed_experts")?;
         }
         let num_experts = num_experts.filter(|&n| n > 0).ok_or_else(|| {
             RouteError::Layout(format!(
@@ -144,6 +147,13 @@ impl RoutingConfig {
         }
         Ok(layout)
     }
+}
+
+/// A null where the model's family needs the key.
+fn null_key(key: &'static str) -> RouteError {
+    RouteError::Layout(format!(
+        "config.json's `{key}` is null; leave it out for transformers' default"
+    ))
 }
 
 /// A non-negative integer key; `None` when absent or null.

@@ -99,9 +99,9 @@ pub struct DecodeArgs {
     /// Position of the first row (tokens not captured at the start).
     #[arg(long, default_value_t = 0)]
     pub start_len: usize,
-    /// Which choice of a vllm-json response to print.
-    #[arg(long, default_value_t = 0)]
-    pub choice: usize,
+    /// Which choice of a vLLM response (vllm, vllm-json) to print; needed when it has several.
+    #[arg(long)]
+    pub choice: Option<usize>,
     /// Pretty-print the JSON.
     #[arg(long)]
     pub pretty: bool,
@@ -180,6 +180,9 @@ fn decode(a: DecodeArgs) -> anyhow::Result<()> {
     if a.dtype.is_some() && a.format != Format::Sglang {
         bail!("--dtype applies to --format sglang only (the other formats carry their dtype)");
     }
+    if a.choice.is_some() && !matches!(a.format, Format::Vllm | Format::VllmJson) {
+        bail!("--choice applies to --format vllm and vllm-json only (the others hold one table)");
+    }
     let input = read_stdin()?;
     let table = match a.format {
         Format::Sglang => {
@@ -199,17 +202,25 @@ fn decode(a: DecodeArgs) -> anyhow::Result<()> {
             }
         }
         Format::Vllm => {
-            vllm::decode_vllm_payload(&utf8(input)?, &a.model.wire_shape(a.start_len)?)?
+            let (text, shape) = (utf8(input)?, a.model.wire_shape(a.start_len)?);
+            match a.choice {
+                // Without --choice a response of several choices is refused, not read as 0.
+                None => vllm::decode_vllm_payload(&text, &shape)?,
+                Some(choice) => vllm::decode_vllm_choice(&text, choice, &shape)?,
+            }
         }
         Format::VllmJson => {
             let v: Value = serde_json::from_str(&utf8(input)?)
                 .context("vllm-json payload is not valid JSON")?;
             let mut tables = vllm_json::decode_vllm_json(&v, &a.model.wire_shape(a.start_len)?)?;
             let n = tables.len();
-            if a.choice >= n {
-                bail!("--choice {} but the payload has {n} choice(s)", a.choice);
-            }
-            tables.swap_remove(a.choice)
+            let choice = match a.choice {
+                Some(c) if c >= n => bail!("--choice {c} but the payload has {n} choice(s)"),
+                Some(c) => c,
+                None if n > 1 => bail!("the payload has {n} choices: name one with --choice"),
+                None => 0,
+            };
+            tables.swap_remove(choice)
         }
         Format::R3 => self_describing(RouteTable::from_json_str(&utf8(input)?)?, &a.model)?,
         Format::R3Bin => self_describing(binary::decode_binary(&input)?, &a.model)?,

@@ -38,12 +38,21 @@ fn a_deepseek_v3_config_without_its_routing_keys_takes_hfs_defaults() {
     let no_dense_key = json!({"model_type": "deepseek_v3", "num_hidden_layers": 6,
         "n_routed_experts": 16, "num_experts_per_tok": 4});
     assert_eq!(moe_layers(no_dense_key), (vec![3, 4, 5], 16, 4));
-    // A null is not left out (HF keeps the None): still an error where the key is required.
-    let null_top_k = json!({"model_type": "deepseek_v3", "num_experts_per_tok": null});
-    let err = RoutingConfig::from_hf_config(&null_top_k)
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("num_experts_per_tok"), "{err}");
+    // A null is not left out (HF keeps the None and cannot build the model): an error
+    // naming the key, as r3-model's parser gives.
+    for key in [
+        "num_experts_per_tok",
+        "first_k_dense_replace",
+        "n_routed_experts",
+        "num_hidden_layers",
+    ] {
+        let mut null = json!({"model_type": "deepseek_v3"});
+        null[key] = serde_json::Value::Null;
+        let err = RoutingConfig::from_hf_config(&null)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(key) && err.contains("null"), "{key}: {err}");
+    }
     let qwen = json!({"model_type": "qwen3_moe", "num_hidden_layers": 4, "num_experts": 8});
     let err = RoutingConfig::from_hf_config(&qwen)
         .unwrap_err()
