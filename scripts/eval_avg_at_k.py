@@ -38,6 +38,10 @@ def ask(url, messages, k, temperature, max_tokens, seed):
     body = json.dumps({
         "model": "default", "messages": messages, "n": k, "temperature": temperature,
         "max_tokens": max_tokens, "seed": seed,
+        # The whole distribution at `temperature`, whatever generation_config.json a model
+        # ships: a server's chat defaults (`--sampling-defaults model`) would otherwise
+        # truncate it with the model's top_p / top_k / min_p.
+        "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
     }).encode()
     req = urllib.request.Request(url + "/v1/chat/completions", data=body,
                                  headers={"Content-Type": "application/json"})
