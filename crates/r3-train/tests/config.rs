@@ -172,12 +172,20 @@ fn override_errors_name_the_problem() {
             other => panic!("clip_ratio_c = {bad}: expected InvalidConfig, got {other:?}"),
         }
     }
-    // Off by default; set, PPO gets it and GSPO (which has no dual-clip, as verl's) does not.
+    // Off by default; set, PPO gets it. GSPO has no dual-clip (as verl's): set with it, the
+    // value is refused naming both keys rather than silently dropped.
     assert_eq!(TrainConfig::default().clip_range().dual_clip, None);
     let dual = TrainConfig::resolve(None, &set(&["algo.clip_ratio_c=3"])).expect("dual-clip");
     assert_eq!(dual.clip_range().dual_clip, Some(3.0));
+    match TrainConfig::resolve(None, &set(&["algo.clip_ratio_c=3", "algo.loss=gspo"])) {
+        Err(TrainError::InvalidConfig { field, reason }) => {
+            assert_eq!(field, "algo.clip_ratio_c");
+            assert!(reason.contains("algo.loss = gspo"), "{reason}");
+        }
+        other => panic!("clip_ratio_c with gspo: expected InvalidConfig, got {other:?}"),
+    }
     let gspo =
-        TrainConfig::resolve(None, &set(&["algo.clip_ratio_c=3", "algo.loss=gspo"])).expect("gspo");
+        TrainConfig::resolve(None, &set(&["algo.clip_ratio_c=0", "algo.loss=gspo"])).expect("gspo");
     assert_eq!(gspo.clip_range().dual_clip, None);
     let fleet = "rollout.urls=[\"http://127.0.0.1:30000\"]";
     for (sets, want) in [
@@ -363,4 +371,47 @@ fn the_attention_tile_key_bounds_a_products_scores() {
     };
     assert_eq!(set("3").max_scores(), 3 << 18);
     assert_eq!(set("0"), ScoreTiles::WHOLE);
+}
+
+/// The engines sample greedily below `GREEDY_TEMPERATURE` = 1e-6 (SGLang's `_SAMPLING_EPS`)
+/// and report raw log-probs there, while the trainer scores at `1 / T`: a rollout or eval
+/// temperature in (0, 1e-6) is refused naming its key; 1e-6 and above (and eval's 0,
+/// greedy) are accepted.
+#[test]
+fn temperatures_the_engines_sample_greedily_are_refused() {
+    for (key, t) in [
+        ("rollout.temperature", "1e-7"),
+        ("rollout.temperature", "5e-7"),
+        ("rollout.temperature", "9.9e-7"),
+        ("eval.temperature", "1e-7"),
+    ] {
+        match TrainConfig::resolve(None, &set(&[&format!("{key}={t}")])) {
+            Err(TrainError::InvalidConfig { field, reason }) => {
+                assert_eq!(field, key, "{t}: {reason}");
+                assert!(reason.contains("greedily"), "{key}={t}: {reason}");
+            }
+            other => panic!("{key}={t}: expected InvalidConfig, got {other:?}"),
+        }
+    }
+    // k identical greedy answers at eval.temperature = 1e-7 are refused too.
+    assert!(TrainConfig::resolve(
+        None,
+        &set(&["eval.temperature=1e-7", "eval.samples_per_prompt=4"])
+    )
+    .is_err());
+    for (key, t) in [
+        ("rollout.temperature", 1e-6),
+        ("rollout.temperature", 2e-6),
+        ("rollout.temperature", 0.7),
+        ("eval.temperature", 0.0),
+        ("eval.temperature", 1e-6),
+    ] {
+        let cfg = TrainConfig::resolve(None, &set(&[&format!("{key}={t:e}")]))
+            .unwrap_or_else(|e| panic!("{key}={t}: {e}"));
+        let got = match key {
+            "rollout.temperature" => cfg.rollout.temperature,
+            _ => cfg.eval.temperature,
+        };
+        assert_eq!(got, t);
+    }
 }

@@ -11,6 +11,7 @@ use clap::Args;
 use r3_analysis::mismatch::grid::{run_grid, GRID_JSON};
 use r3_analysis::mismatch::{run_analysis, AnalyzeOptions, SUMMARY_JSON};
 use r3_model::{DeviceSpec, Precision};
+use r3_rollout::sampler::GREEDY_TEMPERATURE;
 use r3_rollout::{Dtype, RolloutDevice, RouterDtype};
 
 /// Options of `r3 analyze`.
@@ -114,13 +115,26 @@ fn router_f32(text: &str, rollout: Dtype, train: &str, grid: bool) -> anyhow::Re
     }
 }
 
+/// `--temperature` must be a finite number of at least [`GREEDY_TEMPERATURE`]: below it
+/// (SGLang's rule) the rollout engine samples greedily and reports raw log-probs, so the
+/// run would not be the sampled rollout the flag names.
+fn check_temperature(temperature: f32) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        temperature.is_finite() && temperature > 0.0,
+        "--temperature must be a positive number, got {temperature}"
+    );
+    anyhow::ensure!(
+        temperature >= GREEDY_TEMPERATURE,
+        "--temperature {temperature:e} is below {GREEDY_TEMPERATURE:e} (SGLang's greedy \
+         threshold, _SAMPLING_EPS): the engines sample greedily there and report raw \
+         log-probs; use a temperature of at least {GREEDY_TEMPERATURE:e}"
+    );
+    Ok(())
+}
+
 /// Runs the analysis and prints the path of summary.json on stdout.
 pub fn run(a: AnalyzeArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        a.temperature.is_finite() && a.temperature > 0.0,
-        "--temperature must be a positive number, got {}",
-        a.temperature
-    );
+    check_temperature(a.temperature)?;
     anyhow::ensure!(a.max_new_tokens >= 1, "--max-new-tokens must be at least 1");
     let command: Vec<String> = std::env::args().collect();
     let rollout_dtype: Dtype = a.rollout_dtype.parse()?;
@@ -211,5 +225,26 @@ mod tests {
             );
         }
         assert!(router_f32("fp8", Dtype::Bf16, "bf16", false).is_err());
+    }
+
+    /// Below SGLang's greedy threshold 1e-6 the engines sample greedily with raw log-probs:
+    /// `--temperature` there (and 0, negative, NaN) is refused naming the flag; 1e-6 and
+    /// above are accepted.
+    #[test]
+    fn a_temperature_the_engines_sample_greedily_is_refused() {
+        for t in [1e-6, 2e-6, 0.7, 1.0] {
+            assert!(check_temperature(t).is_ok(), "{t}");
+        }
+        for t in [1e-7, 5e-7, 9.9e-7] {
+            let err = check_temperature(t).expect_err("greedy band").to_string();
+            assert!(
+                err.contains("--temperature") && err.contains("greedily"),
+                "{err}"
+            );
+        }
+        for t in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+            let err = check_temperature(t).expect_err("not positive").to_string();
+            assert!(err.contains("--temperature"), "{err}");
+        }
     }
 }

@@ -2,8 +2,10 @@
 //! every rate and coefficient inside the range where an update stays meaningful, every
 //! size that must count something at least 1. Each error names its key.
 
+use crate::algo::loss::PolicyLossKind;
 use crate::config::train::TrainConfig;
 use crate::error::{Result, TrainError};
+use r3_rollout::sampler::GREEDY_TEMPERATURE;
 
 /// Largest accepted `optim.lr`. An AdamW step moves each weight by about `lr`, so a rate
 /// near 1 already rewrites the model every step; larger ones only blow weights up.
@@ -29,6 +31,29 @@ pub const MAX_ENGINE_BUDGET_MIB: usize = 1 << 30;
 
 fn invalid(field: &'static str, reason: String) -> TrainError {
     TrainError::InvalidConfig { field, reason }
+}
+
+/// Refuses a sampling temperature in `(0, GREEDY_TEMPERATURE)` for `field`. The engines
+/// decide in f32 (the value they receive) that such a temperature samples greedily, as
+/// SGLang's `_SAMPLING_EPS` rule does, and report the raw (temperature-1) log-probs, while
+/// the trainer would score the policy at `1 / T`: ratios, IS weights and the mismatch would
+/// compare different distributions. 0 and the NaN / negative values are left to the
+/// field's own range check.
+pub(crate) fn refuse_greedy_band(field: &'static str, temperature: f64) -> Result<()> {
+    // Compared as the f32 the engines get: a value that rounds up to the threshold is not
+    // greedy there, one that rounds down to 0 is.
+    if temperature > 0.0 && (temperature as f32) < GREEDY_TEMPERATURE {
+        return Err(invalid(
+            field,
+            format!(
+                "{temperature:e} is below {GREEDY_TEMPERATURE:e} (SGLang's greedy threshold, \
+                 _SAMPLING_EPS): the engines sample greedily there and report raw \
+                 (temperature-1) log-probs, not those of softmax(logits / T); use a \
+                 temperature of at least {GREEDY_TEMPERATURE:e}"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// `value` must be finite and inside `[low, high]` (`open_low`: `low` itself excluded).
@@ -98,6 +123,17 @@ pub fn check_limits(cfg: &TrainConfig) -> Result<()> {
             "algo.clip_ratio_c",
             format!(
                 "{} must be 0 (dual-clip off) or finite and > 1 (verl's default is 3.0)",
+                a.clip_ratio_c
+            ),
+        ));
+    }
+    // verl's GSPO loss has no dual-clip either: a set `c` would be silently dropped.
+    if a.clip_ratio_c != 0.0 && a.loss == PolicyLossKind::Gspo {
+        return Err(invalid(
+            "algo.clip_ratio_c",
+            format!(
+                "{} is set with algo.loss = gspo, which has no dual-clip (as verl's); set \
+                 algo.clip_ratio_c = 0 or algo.loss = ppo",
                 a.clip_ratio_c
             ),
         ));

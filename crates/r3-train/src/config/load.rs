@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use r3_tasks::RewardKind;
 
-use crate::config::limits::check_limits;
+use crate::config::limits::{check_limits, refuse_greedy_band};
 use crate::config::overrides::{apply_overrides, merge_known};
 use crate::config::train::{RolloutBackend, TrainConfig};
 use crate::error::{Result, TrainError};
@@ -135,18 +135,14 @@ impl TrainConfig {
                 format!("{} must be > 0", r.temperature),
             );
         }
-        // The engines and the trainer scale the logits by `1 / T` in f32: a temperature
-        // whose inverse overflows would sample greedily with no log-probs to train on.
-        if !(1.0 / (r.temperature as f32)).is_finite() {
-            return bad(
-                "rollout.temperature",
-                format!("{} is too small: 1 / T overflows f32", r.temperature),
-            );
-        }
-        // Any temperature in (0, MAX_TEMPERATURE] (limits.rs holds the upper bound): the
-        // trainer scores the policy `softmax(logits / T)` the rollouts sample from and the
-        // engines report log-probs under, so ratios, IS weights and the mismatch compare
-        // like with like.
+        // Below r3_rollout's GREEDY_TEMPERATURE (SGLang's rule) every engine samples greedily
+        // and reports temperature-1 log-probs, which the trainer's 1 / T scoring would not
+        // match (it also keeps 1 / T finite in f32).
+        refuse_greedy_band("rollout.temperature", r.temperature)?;
+        // Any temperature in [GREEDY_TEMPERATURE, MAX_TEMPERATURE] (limits.rs holds the
+        // upper bound): the trainer scores the policy `softmax(logits / T)` the rollouts
+        // sample from and the engines report log-probs under, so ratios, IS weights and the
+        // mismatch compare like with like.
         if r.backend == RolloutBackend::Sglang && r.urls.is_empty() {
             return bad(
                 "rollout.urls",
@@ -218,6 +214,8 @@ impl TrainConfig {
         if self.eval.temperature.is_nan() || self.eval.temperature < 0.0 {
             return bad("eval.temperature", "must be >= 0".into());
         }
+        // 0 is greedy; (0, GREEDY_TEMPERATURE) would be too, but silently.
+        refuse_greedy_band("eval.temperature", self.eval.temperature)?;
         if self.eval.samples_per_prompt == 0 {
             return bad("eval.samples_per_prompt", "must be >= 1".into());
         }

@@ -129,12 +129,14 @@ pub struct RolloutConfig {
     pub group_size: usize,
     /// Most tokens generated per response. Default 64.
     pub max_new_tokens: usize,
-    /// Sampling temperature `T`, in (0, 100]: the rollouts sample from `softmax(logits / T)`
-    /// and the engines report each token's log-prob under it, and the trainer scores that
-    /// same policy (its log-probs with their gradient, the old-policy pass, the entropy), as
-    /// verl and slime do, so ratios, IS weights and the mismatch compare like with like. An
-    /// SGLang fleet must report the tempered log-probs (its default: run it without
-    /// `SGLANG_RETURN_ORIGINAL_LOGPROB`). Default 1.0 (the raw logits).
+    /// Sampling temperature `T`, in [1e-6, 100] (below 1e-6, SGLang's greedy threshold, the
+    /// engines sample greedily and report raw log-probs, so it is refused): the rollouts
+    /// sample from `softmax(logits / T)` and the engines report each token's log-prob under
+    /// it, and the trainer scores that same policy (its log-probs with their gradient, the
+    /// old-policy pass, the entropy), as verl and slime do, so ratios, IS weights and the
+    /// mismatch compare like with like. An SGLang fleet must report the tempered log-probs
+    /// (its default: run it without `SGLANG_RETURN_ORIGINAL_LOGPROB`). Default 1.0 (the raw
+    /// logits).
     pub temperature: f64,
     /// Rollout engine precision: `f16` (fast inference path), `bf16` (weights and activations
     /// in bf16 where SGLang / vLLM keep them) or `f32`. Default `f16`.
@@ -245,7 +247,7 @@ pub struct AlgoConfig {
     /// per-token loss is also capped at `−A · c`, so a token whose ratio has run far past
     /// `1 + eps_high` stops adding loss and gradient. Must be > 1 when set; 0 = off. verl's
     /// default is 3.0, slime's is off (`--eps-clip-c` unset). `loss = ppo` only (verl's
-    /// GSPO has none). Default 0 (off).
+    /// GSPO has none): set with `loss = gspo` it is refused. Default 0 (off).
     pub clip_ratio_c: f64,
     /// GSPO lower clip of the sequence ratio. Default 3e-4.
     pub gspo_eps_low: f64,
@@ -392,7 +394,8 @@ pub struct EvalConfig {
     pub size: usize,
     /// Seed of the eval set (fixed, independent of `seed`). Default 1234.
     pub seed: u64,
-    /// Eval sampling temperature; 0 = greedy. Default 0.0.
+    /// Eval sampling temperature; 0 = greedy, otherwise in [1e-6, 100] (the engines would
+    /// sample greedily below 1e-6 as SGLang does). Default 0.0.
     pub temperature: f64,
     /// Samples per held-out prompt (`k` of `mean@k`, `pass@k`, `maj@k`); more than one
     /// needs `temperature > 0`. Default 1.

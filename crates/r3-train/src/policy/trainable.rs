@@ -19,6 +19,7 @@ use r3_model::{
 use r3_routing::RouteTable;
 
 use crate::algo::logprob::{masked_mean, scalar_f32};
+use crate::config::limits::refuse_greedy_band;
 use crate::error::{Result, TrainError};
 use crate::policy::precision::MasterWeights;
 
@@ -231,7 +232,9 @@ pub struct ScoreOptions {
     /// The temperature `T` the policy is scored at: the log-probs and entropies are those
     /// of `softmax(logits / T)`, the distribution a rollout at `rollout.temperature = T`
     /// samples from and its engine reports log-probs under (verl and slime score the policy
-    /// the same way). 1 (the default): the raw logits, bit for bit. Finite and above 0.
+    /// the same way). 1 (the default): the raw logits, bit for bit. Finite and at least
+    /// [`r3_rollout::sampler::GREEDY_TEMPERATURE`] (below it the engines sample greedily
+    /// and report raw log-probs).
     pub temperature: f32,
 }
 
@@ -251,7 +254,9 @@ impl Default for ScoreOptions {
 impl ScoreOptions {
     /// `1 / temperature` in f32, the factor the rollout samplers compute (they scale
     /// `z − max` where the trainer scales `z`, so the log-probs agree within rounding, not bit
-    /// for bit); a temperature that is not a finite number above 0 is refused.
+    /// for bit); a temperature that is not a finite number above 0, or one below
+    /// [`r3_rollout::sampler::GREEDY_TEMPERATURE`] (where the engines sample greedily and
+    /// report raw log-probs), is refused.
     pub fn inv_temperature(&self) -> Result<f32> {
         let t = self.temperature;
         let inv = 1.0 / t;
@@ -261,6 +266,7 @@ impl ScoreOptions {
                 reason: format!("the policy is scored at temperature {t}: must be > 0"),
             });
         }
+        refuse_greedy_band("rollout.temperature", f64::from(t))?;
         Ok(inv)
     }
 }
@@ -741,6 +747,16 @@ mod tests {
         assert_eq!(ScoreOptions::default().inv_temperature().ok(), Some(1.0));
         assert_eq!(at(0.7).inv_temperature().ok(), Some(1.0f32 / 0.7f32));
         assert_eq!(at(0.5).inv_temperature().ok(), Some(2.0));
+        // The engines' greedy threshold itself is still a temperature.
+        assert_eq!(at(1e-6).inv_temperature().ok(), Some(1.0f32 / 1e-6f32));
+        // Below it (and 1 / T still finite) the engines sample greedily with raw log-probs.
+        for t in [5e-7, 1e-7, 1e-30] {
+            let Err(e) = at(t).inv_temperature() else {
+                panic!("temperature {t} accepted");
+            };
+            assert!(e.to_string().contains("rollout.temperature"), "{e}");
+            assert!(e.to_string().contains("greedily"), "{e}");
+        }
         for t in [0.0, -0.5, f32::NAN, f32::INFINITY, 1e-40] {
             let Err(e) = at(t).inv_temperature() else {
                 panic!("temperature {t} accepted");
