@@ -57,7 +57,9 @@ pub async fn health_generate(State(state): State<AppState>) -> Result<Json<Value
     Ok(Json(json!({})))
 }
 
-/// `GET /get_model_info` and `/model_info`.
+/// `GET /get_model_info` and `/model_info`. No eos ids, as SGLang 0.5.23's `model_info`
+/// reports none (config.json's alone were an incomplete list: every request stops at
+/// [`AppState::stop_ids`]).
 pub async fn model_info(State(state): State<AppState>) -> Json<Value> {
     let s = state.summary();
     Json(json!({
@@ -73,7 +75,6 @@ pub async fn model_info(State(state): State<AppState>) -> Json<Value> {
         "moe_layers": s.layout.moe_layers(),
         "num_experts_per_tok": s.top_k,
         "num_experts": s.num_experts,
-        "eos_token_ids": s.eos_token_ids,
         "has_tokenizer": state.text().is_some(),
     }))
 }

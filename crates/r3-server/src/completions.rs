@@ -361,6 +361,15 @@ pub(super) fn token_text(state: &AppState, id: u32) -> String {
     }
 }
 
+/// How many characters prompt token `id` adds to an echoed prompt: its text with special
+/// tokens skipped, as [`echo_texts`] decodes token ids (0 without a tokenizer).
+fn echoed_width(state: &AppState, id: u32) -> usize {
+    state
+        .text()
+        .and_then(|codec| codec.decode(&[id], true).ok())
+        .map_or(0, |t| t.chars().count())
+}
+
 /// What a choice echoes of its prompt.
 struct Echo<'a> {
     /// The text put before the output ("" without `echo`).
@@ -393,19 +402,24 @@ fn choice(
                 .collect();
             // Offsets into the choice's text, by the running length of the token texts (as
             // OpenAI and vLLM give them; SGLang 0.5.23 sends -1 for each, "not supported
-            // yet"), from the echoed text's end where its tokens are not listed.
-            let mut offset = if prompt.is_empty() {
-                echo.text.chars().count()
-            } else {
-                0
-            };
-            let text_offset: Vec<usize> = tokens
+            // yet"). The output starts where the echoed text ends. The echoed prompt tokens
+            // run by their text as echoed (special tokens skipped, so a bos the tokenizer
+            // added sits where the next visible text starts), kept within the echoed text
+            // (a text prompt is echoed as sent, which its tokens may not spell exactly).
+            let echo_len = echo.text.chars().count();
+            let mut running = 0;
+            let text_offset: Vec<usize> = prompt
                 .iter()
-                .map(|t| {
-                    let at = offset;
-                    offset += t.chars().count();
+                .map(|&id| {
+                    let at = running.min(echo_len);
+                    running += echoed_width(state, id);
                     at
                 })
+                .chain(tokens[prompt.len()..].iter().scan(echo_len, |offset, t| {
+                    let at = *offset;
+                    *offset += t.chars().count();
+                    Some(at)
+                }))
                 .collect();
             let alternatives = |pos: &Vec<(u32, f32)>| {
                 let mut m = Map::new();

@@ -11,43 +11,17 @@ use r3_text::{GenerationConfig, TextError, TextTokenizer};
 
 use super::openai_sampling::OpenAiSampling;
 
-/// Turn-final tokens SGLang stops at whenever the tokenizer has them, although checkpoints ship
-/// them without eos metadata (its `_ADDITIONAL_STOP_TOKEN_TEXTS`: Llama-3's tool-use
-/// `<|eom_id|>` and two others).
-pub const ADDITIONAL_STOP_TOKEN_TEXTS: [&str; 3] = [
-    "<|eom_id|>",
-    "<|content_model_end_sampling|>",
-    "<|ifm|im_end|>",
-];
-
-/// The ids that end a request unless it sets `ignore_eos`, on every endpoint (SGLang's
-/// `Req._check_token_based_finish`): config.json's `eos_token_id`(s) and
-/// generation_config.json's (`ModelConfig._get_hf_eos_token_id`), the tokenizer's eos and any
-/// stop ids it carries, and the [`ADDITIONAL_STOP_TOKEN_TEXTS`] it knows. Without a tokenizer
-/// (a server of token ids, SGLang's `--skip-tokenizer-init`) the two configs' ids alone.
+/// The ids that end a request unless it sets `ignore_eos`, on every endpoint:
+/// config.json's `eos_token_id`(s) and generation_config.json's
+/// (`ModelConfig._get_hf_eos_token_id`) with the tokenizer's stops by r3-text's rule
+/// ([`r3_text::model_stop_ids`], the one the trainer sends as its fleet's stop ids).
 pub fn model_stop_ids(
     config_eos: &[u32],
     generation_eos: &[u32],
     tokenizer: Option<&TextTokenizer>,
 ) -> Vec<u32> {
-    let mut ids: Vec<u32> = Vec::new();
-    let mut add = |id: u32| {
-        if !ids.contains(&id) {
-            ids.push(id);
-        }
-    };
-    config_eos
-        .iter()
-        .chain(generation_eos)
-        .for_each(|&id| add(id));
-    if let Some(tok) = tokenizer {
-        tok.stop_token_ids().iter().for_each(|&id| add(id));
-        ADDITIONAL_STOP_TOKEN_TEXTS
-            .iter()
-            .filter_map(|text| tok.token_id(text))
-            .for_each(add);
-    }
-    ids
+    let model_eos: Vec<u32> = config_eos.iter().chain(generation_eos).copied().collect();
+    r3_text::model_stop_ids(&model_eos, tokenizer)
 }
 
 /// SGLang's `--sampling-defaults`: where a chat request's unset `temperature`, `top_p`,
@@ -169,10 +143,16 @@ pub struct ModelGeneration {
 }
 
 impl ModelGeneration {
-    /// Reads `dir/generation_config.json` (absent: nothing taken); a value out of a
-    /// sampler's range is an error naming the file and the field.
+    /// Reads `dir/generation_config.json` (absent: nothing taken). Under
+    /// [`SamplingDefaultsMode::Model`] a value out of a sampler's range is an error naming the
+    /// file and the field; under [`SamplingDefaultsMode::OpenAi`] only its eos ids are read, as
+    /// SGLang never looks at the sampling values in that mode.
     pub fn from_model_dir(dir: &Path, mode: SamplingDefaultsMode) -> Result<Self, TextError> {
-        Ok(Self::of(&GenerationConfig::from_model_dir(dir)?, mode))
+        let generation = match mode {
+            SamplingDefaultsMode::Model => GenerationConfig::from_model_dir(dir)?,
+            SamplingDefaultsMode::OpenAi => GenerationConfig::eos_from_model_dir(dir)?,
+        };
+        Ok(Self::of(&generation, mode))
     }
 
     /// What the server takes from `generation` under `mode`.
@@ -220,6 +200,25 @@ mod tests {
         assert_eq!("openai".parse(), Ok(SamplingDefaultsMode::OpenAi));
         let err = "vllm".parse::<SamplingDefaultsMode>().expect_err("unknown");
         assert!(err.contains("model, openai"), "{err}");
+    }
+
+    /// `--sampling-defaults openai` starts on a generation_config.json whose sampling values
+    /// are out of range (SGLang ignores them in that mode) and keeps its eos ids; `model`
+    /// still refuses the file, naming the field.
+    #[test]
+    fn openai_mode_reads_only_the_eos_ids() {
+        let dir = std::env::temp_dir().join(format!("r3-server-gen-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("scratch dir");
+        let file = r#"{"eos_token_id": [7, 9], "top_p": 0, "repetition_penalty": 2.5}"#;
+        std::fs::write(dir.join("generation_config.json"), file).expect("write");
+        let openai = ModelGeneration::from_model_dir(&dir, SamplingDefaultsMode::OpenAi);
+        let model = ModelGeneration::from_model_dir(&dir, SamplingDefaultsMode::Model);
+        let _ = std::fs::remove_dir_all(&dir);
+        let openai = openai.expect("openai mode ignores the sampling values");
+        assert_eq!(openai.eos_token_ids, vec![7, 9]);
+        assert!(openai.chat_defaults.is_empty());
+        let err = model.expect_err("model mode checks them").to_string();
+        assert!(err.contains("top_p"), "{err}");
     }
 
     /// A request's own value wins; an unset one takes the default; other fields are kept.

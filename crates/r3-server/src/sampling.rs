@@ -16,7 +16,7 @@ use serde_json::Value;
 use super::error::ApiError;
 use super::stop::TextOptions;
 use super::ServerLimits;
-use r3_rollout::sampler::{LogprobScale, SamplingParams};
+use r3_rollout::sampler::{LogprobScale, SamplingParams, GREEDY_TEMPERATURE};
 
 /// SGLang's `sampling_params` object, implemented fields only (the rest is screened by
 /// [`super::policy::SAMPLING`]).
@@ -119,10 +119,15 @@ impl SamplingBody {
     ) -> Result<(SamplingParams, TextOptions), ApiError> {
         let temperature = self.temperature.unwrap_or(1.0);
         let top_p = self.top_p.unwrap_or(1.0);
+        // SGLang's `__post_init__` makes a temperature in [0, 1e-6) greedy (top_k = 1) before
+        // `verify` looks at top_k, so such a request's top_k is never checked: an
+        // out-of-range one is no cut here (the pick is the argmax either way).
+        let greedy = (0.0..GREEDY_TEMPERATURE).contains(&temperature);
         // SGLang's `verify`: -1 or a count; 0 is refused rather than read as "off".
         let top_k = match self.top_k {
             None | Some(-1) => 0,
             Some(k) if k > 0 => usize::try_from(k).unwrap_or(usize::MAX),
+            Some(_) if greedy => 0,
             Some(k) => {
                 return Err(ApiError::bad_request(format!(
                     "top_k must be -1 (disable) or at least 1, got {k}"

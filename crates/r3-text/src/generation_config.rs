@@ -38,6 +38,20 @@ impl GenerationConfig {
         }
     }
 
+    /// Reads only the eos ids of `dir/generation_config.json`: its sampling values are neither
+    /// read nor checked, for a server that ignores them (SGLang's `--sampling-defaults openai`
+    /// never looks at them).
+    pub fn eos_from_model_dir(dir: &Path) -> Result<Self> {
+        let path = dir.join("generation_config.json");
+        Ok(match read_json_opt(dir, "generation_config.json")? {
+            Some(v) => GenerationConfig {
+                eos_token_ids: id_list(v.get("eos_token_id"), &path, "eos_token_id")?,
+                ..Self::default()
+            },
+            None => Self::default(),
+        })
+    }
+
     /// The config of the parsed file `v` (`path` names it in errors). Each sampling value is
     /// checked to lie in the range a sampler takes (SGLang's `SamplingParams.verify`), so a
     /// bad file is refused when it is read rather than on every request that leans on it.

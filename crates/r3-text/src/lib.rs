@@ -25,4 +25,4 @@ pub use json_kind::json_kind;
 pub use message::ChatMessage;
 pub use special::SpecialTokens;
 pub use template::{ChatTemplate, RenderOptions};
-pub use tokenizer::{TextTokenizer, VOCAB_PADDING};
+pub use tokenizer::{model_stop_ids, TextTokenizer, ADDITIONAL_STOP_TOKEN_TEXTS, VOCAB_PADDING};

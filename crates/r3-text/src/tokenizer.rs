@@ -17,6 +17,30 @@ pub type ByteSpan = (usize, usize);
 /// [`TextTokenizer::check_fits_model`]).
 pub const VOCAB_PADDING: usize = 64;
 
+/// Turn-final tokens SGLang stops at whenever the tokenizer has them as added tokens, although
+/// checkpoints ship them without eos metadata (its `_ADDITIONAL_STOP_TOKEN_TEXTS`, looked up in
+/// `get_added_vocab()`: Llama-3's tool-use `<|eom_id|>` and two others).
+pub const ADDITIONAL_STOP_TOKEN_TEXTS: [&str; 3] = [
+    "<|eom_id|>",
+    "<|content_model_end_sampling|>",
+    "<|ifm|im_end|>",
+];
+
+/// The ids that end a request unless it ignores eos, one rule for r3's server, trainer and
+/// fleet (SGLang's `Req._check_token_based_finish`): `model_eos` (config.json's and
+/// generation_config.json's `eos_token_id`), the tokenizer's eos and stop ids, and the
+/// [`ADDITIONAL_STOP_TOKEN_TEXTS`] it has as added tokens. Without a tokenizer (SGLang's
+/// `--skip-tokenizer-init`) `model_eos` alone. Each id once, in that order.
+pub fn model_stop_ids(model_eos: &[u32], tokenizer: Option<&TextTokenizer>) -> Vec<u32> {
+    let mut ids = Vec::new();
+    push_unique(&mut ids, model_eos.iter().copied());
+    if let Some(tok) = tokenizer {
+        push_unique(&mut ids, tok.stop_token_ids().iter().copied());
+        push_unique(&mut ids, tok.additional_stop_ids());
+    }
+    ids
+}
+
 /// A tokenizer with its special tokens resolved.
 #[derive(Clone)]
 pub struct TextTokenizer {
@@ -210,6 +234,16 @@ impl TextTokenizer {
     /// Ids that end generation: the eos ids and any added with [`Self::add_stop_ids`].
     pub fn stop_token_ids(&self) -> &[u32] {
         &self.stop_ids
+    }
+
+    /// The ids of the [`ADDITIONAL_STOP_TOKEN_TEXTS`] this tokenizer has as added tokens (a
+    /// plain vocabulary entry of the same text does not count, as in SGLang).
+    pub fn additional_stop_ids(&self) -> Vec<u32> {
+        let added = self.inner.get_added_vocabulary().get_vocab();
+        ADDITIONAL_STOP_TOKEN_TEXTS
+            .iter()
+            .filter_map(|text| added.get(*text).copied())
+            .collect()
     }
 
     /// The vocabulary string of one id (`None` outside the vocabulary).

@@ -22,6 +22,8 @@ const GEN_EOS: u32 = 14;
 const TOKENIZER_EOS: u32 = 40;
 /// Id of the special token `<|endoftext|>` in [`special_tokenizer`].
 const SPECIAL: u32 = 63;
+/// Id of the special bos `<s>` of [`bos_server`]'s tokenizer (in the real engine's vocabulary).
+const BOS: u32 = 62;
 
 /// A fake-engine server over a model directory holding `files` (name, JSON), with the
 /// word-level tokenizer when `tokenizer` is set, and generation_config.json read as
@@ -58,6 +60,32 @@ fn special_tokenizer(dir: &Path) {
         "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "t0"},
     });
     std::fs::write(dir.join("tokenizer.json"), tok.to_string()).expect("write tokenizer.json");
+}
+
+/// A real-engine server (the fake returns no prompt log-probs) whose word-level tokenizer
+/// has the special token `<s>` as id [`BOS`] in place of the word `t62`, added to every text
+/// prompt (`add_bos_token`).
+fn bos_server() -> TestServer {
+    let engine = crate::engine::engine(&fixture(crate::engine::MODEL));
+    let dir = scratch_dir("parity-bos");
+    write_tokenizer(&dir, engine.model_config().vocab_size);
+    let path = dir.join("tokenizer.json");
+    let mut tok: Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("read")).expect("json");
+    let vocab = tok["model"]["vocab"].as_object_mut().expect("vocab");
+    vocab.remove(&format!("t{BOS}"));
+    vocab.insert("<s>".into(), json!(BOS));
+    tok["added_tokens"] = json!([{"id": BOS, "content": "<s>", "single_word": false,
+        "lstrip": false, "rstrip": false, "normalized": false, "special": true}]);
+    std::fs::write(&path, tok.to_string()).expect("write tokenizer.json");
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        json!({"bos_token": "<s>", "add_bos_token": true}).to_string(),
+    )
+    .expect("write tokenizer_config.json");
+    let text = TextCodec::from_model_dir(&dir).expect("tokenizer loads");
+    let _ = std::fs::remove_dir_all(&dir);
+    TestServer::start(build_app(engine, text, ServerConfig::default()).expect("app builds"))
 }
 
 /// A fake-engine server with [`special_tokenizer`] and `tokenizer_config`.
@@ -146,6 +174,10 @@ fn every_endpoint_stops_at_generation_config_and_tokenizer_eos() {
         b["meta_info"]["finish_reason"],
         json!({"type": "stop", "matched": TOKENIZER_EOS})
     );
+    // /get_model_info reports no eos list, as SGLang's (config.json's alone was incomplete).
+    let info = ok(&with_tokenizer.get("/get_model_info")).clone();
+    assert_eq!(info["model_path"], "models/fake");
+    assert!(info.get("eos_token_ids").is_none(), "{info}");
     // Without a tokenizer its eos is unknown, as in SGLang with `--skip-tokenizer-init`.
     let b = ok(&generate(&ids_only, 6, json!({}))).clone();
     assert_eq!(ids(&b["output_ids"]), six);
@@ -256,6 +288,26 @@ fn validation_follows_sglang() {
         &generate(json!({"top_k": 0})),
         "top_k must be -1 (disable) or at least 1, got 0",
     );
+    // SGLang makes a temperature below 1e-6 greedy (top_k 1) before it checks top_k: the
+    // request is taken and answers the greedy tokens.
+    let greedy = ok(&generate(
+        json!({"temperature": 0, "max_new_tokens": 4, "seed": 0}),
+    ))
+    .clone();
+    for (temperature, top_k) in [(0.0, 0), (0.0, -5), (5e-7, 0)] {
+        let b = ok(&generate(
+            json!({"temperature": temperature, "top_k": top_k, "max_new_tokens": 4, "seed": 0}),
+        ))
+        .clone();
+        assert_eq!(
+            b["output_ids"], greedy["output_ids"],
+            "T {temperature} k {top_k}"
+        );
+    }
+    refused(
+        &generate(json!({"temperature": 1e-5, "top_k": 0})),
+        "top_k must be -1 (disable) or at least 1, got 0",
+    );
     refused(
         &generate(json!({"max_new_tokens": 2, "min_new_tokens": 3})),
         "min_new_tokens must be in [0, max_new_tokens(2)], got 3",
@@ -360,6 +412,45 @@ fn text_prompts_start_with_the_bos_the_tokenizer_adds() {
         &json!({"messages": [{"role": "user", "content": "t5 t6"}], "max_tokens": 1}),
     );
     assert_eq!(ok(&r)["prompt_token_ids"], json!([5, 6]));
+}
+
+/// With `echo` and `logprobs` ≥ 1, `text_offset` indexes the choice's text: a bos the
+/// tokenizer added to a text prompt (echoed as sent, without it) and a special token in an id
+/// prompt (echoed with special tokens skipped) sit where the next visible text starts, and the
+/// output starts where the echoed text ends (before, every prompt token's text was counted).
+#[test]
+fn echoed_text_offsets_index_the_choice_text() {
+    let server = bos_server();
+    let choice = |prompt: Value| {
+        let r = server.post(
+            "/v1/completions",
+            &json!({"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": true,
+                "logprobs": 1, "echo": true, "return_token_ids": true}),
+        );
+        ok(&r)["choices"][0].clone()
+    };
+    let c = choice(json!("t5 t6"));
+    assert_eq!(c["prompt_token_ids"], json!([BOS, 5, 6]));
+    let tokens = c["logprobs"]["tokens"].as_array().expect("tokens").clone();
+    assert_eq!(tokens[..3], [json!("<s>"), json!("t5"), json!("t6")]);
+    let first = tokens[3].as_str().expect("token").chars().count();
+    assert!(
+        c["text"].as_str().is_some_and(|t| t.starts_with("t5 t6")),
+        "{c}"
+    );
+    // "t5 t6": the bos and t5 at 0, t6 after "t5" (token texts run without the space), the
+    // output at 5 and its second token after the first's text.
+    assert_eq!(c["logprobs"]["text_offset"], json!([0, 0, 2, 5, 5 + first]));
+
+    // An id prompt echoed with its special token skipped: "t5".
+    let c = choice(json!([5, BOS]));
+    let tokens = c["logprobs"]["tokens"].as_array().expect("tokens").clone();
+    let first = tokens[2].as_str().expect("token").chars().count();
+    assert!(
+        c["text"].as_str().is_some_and(|t| t.starts_with("t5")),
+        "{c}"
+    );
+    assert_eq!(c["logprobs"]["text_offset"], json!([0, 2, 2, 2 + first]));
 }
 
 /// A real-engine chat server over a model directory with a tokenizer, a chat template and

@@ -91,15 +91,12 @@ pub struct SamplingSpec {
     pub temperature: f32,
 }
 
-/// The model's eos ids (from its `config.json`) and the tokenizer's stop ids.
+/// The ids a response stops at: the model's eos ids (from its `config.json`), the tokenizer's
+/// stop ids and SGLang's extra turn-final added tokens, by r3-text's rule
+/// ([`r3_text::model_stop_ids`], the one r3-server stops every request at), so the fleet asks
+/// for every id a worker may stop at.
 pub fn stop_ids(eos: &[u32], text: &ModelText) -> Vec<u32> {
-    let mut ids = eos.to_vec();
-    for &id in text.stop_ids() {
-        if !ids.contains(&id) {
-            ids.push(id);
-        }
-    }
-    ids
+    r3_text::model_stop_ids(eos, Some(text.tokenizer()))
 }
 
 /// What answers sampling requests: the in-process engine, the workers of a rollout fleet,
