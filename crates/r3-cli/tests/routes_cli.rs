@@ -122,32 +122,39 @@ fn bad_payloads_fail_with_one_line() {
     assert_one_line_error(&decode_sglang(&[], &counts), "expected 7, got 1");
 }
 
+/// `r3 routes encode --format format` of the r3-routes JSON `table` (2 layers, the first
+/// dense), as text.
+fn encode(format: &str, table: &str) -> String {
+    let out = r3(
+        &[
+            "routes",
+            "encode",
+            "--format",
+            format,
+            "--num-layers",
+            "2",
+            "--first-k-dense",
+            "1",
+        ],
+        table.as_bytes(),
+    );
+    assert!(
+        out.status.success(),
+        "{format}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf-8")
+}
+
 #[test]
 fn encode_then_decode_round_trips_and_diff_is_zero() {
     let table = r#"{"format":"r3-routes","version":1,"num_experts":8,"top_k":2,"layer_space":"moe_only",
         "layers":[1],"start_pos":0,"num_tokens":2,"routes":[[[5,1]],[[2,7]]]}"#;
     for format in ["sglang", "vllm", "vllm-json"] {
-        let enc = r3(
-            &[
-                "routes",
-                "encode",
-                "--format",
-                format,
-                "--num-layers",
-                "2",
-                "--first-k-dense",
-                "1",
-            ],
-            table.as_bytes(),
-        );
-        assert!(
-            enc.status.success(),
-            "{format}: {}",
-            String::from_utf8_lossy(&enc.stderr)
-        );
+        let enc = encode(format, table);
         let mut args = vec!["routes", "decode", "--format", format];
         args.extend_from_slice(&SHAPE);
-        let dec = r3(&args, &enc.stdout);
+        let dec = r3(&args, enc.as_bytes());
         assert!(
             dec.status.success(),
             "{format}: {}",
@@ -232,27 +239,6 @@ fn decode_of_several_vllm_choices_needs_the_choice() {
         )
     };
     let (first, second) = (table(5, 1), table(2, 7));
-    let encode = |format: &str, t: &str| {
-        let out = r3(
-            &[
-                "routes",
-                "encode",
-                "--format",
-                format,
-                "--num-layers",
-                "2",
-                "--first-k-dense",
-                "1",
-            ],
-            t.as_bytes(),
-        );
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).expect("utf-8")
-    };
     let b64 = |t: &str| {
         let enc = encode("vllm", t);
         let enc = enc.trim();
