@@ -464,6 +464,9 @@ mod tests {
         }
     }
 
+    /// The probabilities of the joint top-k/top-p cases below.
+    const REVIEW_CASE: [f32; 5] = [0.30, 0.25, 0.20, 0.15, 0.10];
+
     /// SGLang's default joint top-k/top-p (the review's case): p = [0.30, 0.25, 0.20, 0.15,
     /// 0.10], top-k 2, top-p 0.5. Token 1 has 0.30 of the whole row above it, below 0.5, so
     /// both top tokens stay, drawn 0.30 : 0.25 (token 1 at 0.25 / 0.55 = 0.4545). Before,
@@ -471,10 +474,7 @@ mod tests {
     /// returned token 0.
     #[test]
     fn top_k_and_top_p_cut_jointly_on_the_whole_distribution() {
-        let logits: Vec<f32> = [0.30f32, 0.25, 0.20, 0.15, 0.10]
-            .iter()
-            .map(|p| p.ln())
-            .collect();
+        let logits = REVIEW_CASE.map(f32::ln);
         let p = SamplingParams {
             top_k: 2,
             top_p: 0.5,
@@ -517,10 +517,7 @@ mod tests {
     /// min-p 0.01 renormalises to [0.545, 0.455], where token 0 alone reaches 0.5.
     #[test]
     fn with_min_p_top_p_cuts_what_top_k_kept() {
-        let logits: Vec<f32> = [0.30f32, 0.25, 0.20, 0.15, 0.10]
-            .iter()
-            .map(|p| p.ln())
-            .collect();
+        let logits = REVIEW_CASE.map(f32::ln);
         let p = SamplingParams {
             top_k: 2,
             top_p: 0.5,

@@ -732,7 +732,7 @@ impl Book {
                             HeldJob::Waiting(_) => None,
                         })
                         .collect();
-                    self.answers.push((b.reply, Ok(results)));
+                    self.answer(b.reply, Ok(results));
                 }
                 other => kept.push_back(other),
             }

@@ -371,6 +371,17 @@ fn budget_bytes(flag: &str, mib: usize, zero_disables: bool) -> anyhow::Result<u
 mod tests {
     use super::*;
 
+    /// `r3 serve --model m` with `extra` flags, as clap parses them.
+    fn parse_serve(extra: &[&str]) -> Result<ServeArgs, clap::Error> {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            serve: ServeArgs,
+        }
+        let args = ["r3", "--model", "m"].iter().chain(extra);
+        <Cli as clap::Parser>::try_parse_from(args).map(|c| c.serve)
+    }
+
     /// A zero KV cache or activation budget is refused naming its flag (the engine would
     /// clamp it to one block); a zero prefix cache budget turns the prefix cache off.
     #[test]
@@ -389,15 +400,7 @@ mod tests {
     /// anything else is refused naming what it takes.
     #[test]
     fn chunked_prefill_size_takes_a_count_or_minus_one() {
-        #[derive(clap::Parser)]
-        struct Cli {
-            #[command(flatten)]
-            serve: ServeArgs,
-        }
-        let parse = |extra: &[&str]| {
-            let args = ["r3", "--model", "m"].iter().chain(extra);
-            <Cli as clap::Parser>::try_parse_from(args).map(|c| c.serve.chunked_prefill_size)
-        };
+        let parse = |extra: &[&str]| parse_serve(extra).map(|serve| serve.chunked_prefill_size);
         assert_eq!(parse(&[]).expect("absent"), None);
         let cap = parse(&["--chunked-prefill-size", "2048"]).expect("a count");
         assert_eq!(cap, Some(ChunkedPrefill::Cap(2048)));
@@ -413,15 +416,7 @@ mod tests {
     /// refused naming the two.
     #[test]
     fn sampling_defaults_take_model_or_openai() {
-        #[derive(clap::Parser)]
-        struct Cli {
-            #[command(flatten)]
-            serve: ServeArgs,
-        }
-        let parse = |extra: &[&str]| {
-            let args = ["r3", "--model", "m"].iter().chain(extra);
-            <Cli as clap::Parser>::try_parse_from(args).map(|c| c.serve.sampling_defaults)
-        };
+        let parse = |extra: &[&str]| parse_serve(extra).map(|serve| serve.sampling_defaults);
         assert_eq!(parse(&[]).expect("absent"), SamplingDefaultsMode::Model);
         let openai = parse(&["--sampling-defaults", "openai"]).expect("openai");
         assert_eq!(openai, SamplingDefaultsMode::OpenAi);
