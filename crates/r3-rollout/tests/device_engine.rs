@@ -1,6 +1,7 @@
 //! The device engine (`DeviceEngine`, r3-model's layers on candle tensors with a KV cache of
 //! device tensors) against independent truth, on the CPU device: greedy generation equal to
-//! the HF oracle's and to the CPU engine's, routes equal to the CPU engine's (counted cell by
+//! the HF oracle's and to the CPU engine's (every oracle fixture, the other families' in
+//! r3-model's fixture folder too), routes equal to the CPU engine's (counted cell by
 //! cell; a tie of two router logits within rounding would be reported), seeded sampling that
 //! reproduces itself and the CPU engine's tokens, prompt log-probs equal to the CPU engine's,
 //! a batch of prompts of different lengths equal to running them one at a time, an abort,
@@ -20,8 +21,8 @@ use std::path::PathBuf;
 
 use candle_core::DType;
 use common::{
-    assert_same_extras, assert_same_routes, cpu_engine_over, differing_cells, ids, max_abs_diff,
-    mixed_sampling, DEVICE, MODELS,
+    assert_same_extras, assert_same_routes, cpu_engine_over, differing_cells, family_fixtures, ids,
+    max_abs_diff, mixed_sampling, oracle_of, DEVICE, FAMILY_MODELS, MODELS,
 };
 use model_common::{sequences, tiny_config, tiny_weights, FAMILIES};
 use r3_model::Config;
@@ -38,9 +39,14 @@ const LOGPROB_TOL: f32 = if cfg!(feature = "cuda") { 1e-3 } else { 1e-4 };
 /// add exact zeros, but reductions may group differently).
 const BATCH_TOL: f32 = if cfg!(feature = "cuda") { 1e-4 } else { 1e-5 };
 
-/// A fixture directory, relative to the crate folder (the working directory of tests).
+/// A fixture directory, relative to the crate folder (the working directory of tests): the
+/// other families' oracle checkpoints are r3-model's.
 fn model_dir(name: &str) -> PathBuf {
-    PathBuf::from("tests/fixtures").join(name)
+    if FAMILY_MODELS.contains(&name) {
+        family_fixtures().join(name)
+    } else {
+        PathBuf::from("tests/fixtures").join(name)
+    }
 }
 
 /// The oracle subset of both fixture models.
@@ -90,8 +96,12 @@ fn assert_same(what: &str, got: &GenerateResult, want: &GenerateResult, tol: f32
 
 #[test]
 fn greedy_generation_equals_hf_and_the_cpu_engine() {
-    let o = oracle();
-    for name in MODELS {
+    for name in MODELS.into_iter().chain(FAMILY_MODELS) {
+        let o = if MODELS.contains(&name) {
+            oracle()
+        } else {
+            oracle_of(name)
+        };
         let g = &o[name]["greedy"];
         let prompt = ids(&g["prompt"]);
         let want = ids(&g["output_ids"]);
@@ -106,12 +116,19 @@ fn greedy_generation_equals_hf_and_the_cpu_engine() {
             want[prompt.len()..],
             "{name}: HF's greedy tokens"
         );
-        let routes = got.routes.as_ref().expect("routes");
-        assert_eq!(
-            routes.num_tokens(),
-            want.len() - 1,
-            "prompt + generated - 1 rows"
-        );
+        // A dense model routes nothing (the CPU engine's result must agree below).
+        if let Some(routes) = &got.routes {
+            assert_eq!(
+                routes.num_tokens(),
+                want.len() - 1,
+                "{name}: prompt + generated - 1 rows"
+            );
+        }
+        let dense = o[name]["moe_layers"]
+            .as_object()
+            .expect("moe_layers")
+            .is_empty();
+        assert_eq!(got.routes.is_none(), dense, "{name}: routes iff MoE");
         let cpu = cpu_engine(name)
             .generate(vec![req])
             .expect("cpu generate")

@@ -58,9 +58,59 @@ pub fn engine(name: &str, dtype: Dtype, prefix_cache: bool) -> Engine {
 /// Both fixture models.
 pub const MODELS: [&str; 2] = ["qwen3_moe_tiny", "deepseek_v3_tiny"];
 
+/// The HF oracle fixtures of the other families, kept once in r3-model's fixture folder
+/// ([`oracle_model_dir`]): four MoE models, then the dense ones, which route nothing.
+pub const FAMILY_MODELS: [&str; 7] = [
+    "qwen2_moe_tiny",
+    "mixtral_tiny",
+    "olmoe_tiny",
+    "deepseek_v3_yarn_tiny",
+    "qwen3_tiny",
+    "qwen2_tiny",
+    "llama_tiny",
+];
+
+/// r3-model's fixture folder, where [`FAMILY_MODELS`] and their references live; relative to
+/// the crate folder (the working directory of tests, also of the CUDA test binaries, which
+/// run without `CARGO_MANIFEST_DIR`'s source tree at hand but in a checkout).
+pub fn family_fixtures() -> PathBuf {
+    PathBuf::from("../r3-model/tests/fixtures")
+}
+
+/// Directory of any HF oracle checkpoint: [`MODELS`] here, [`FAMILY_MODELS`] in r3-model.
+pub fn oracle_model_dir(name: &str) -> PathBuf {
+    if MODELS.contains(&name) {
+        model_dir(name)
+    } else {
+        family_fixtures().join(name)
+    }
+}
+
+/// The references of any HF oracle fixture (the whole file holding `name`'s, with the
+/// `input_ids` shared by all): `oracle_subset.json` for [`MODELS`],
+/// `reference_outputs_families.json` for [`FAMILY_MODELS`].
+pub fn oracle_of(name: &str) -> serde_json::Value {
+    if MODELS.contains(&name) {
+        return oracle();
+    }
+    let p = family_fixtures().join("reference_outputs_families.json");
+    let text = std::fs::read_to_string(&p).expect("family oracle fixture present");
+    serde_json::from_str(&text).expect("family oracle fixture is JSON")
+}
+
 /// Logits `[t, vocab]` and captured routes `[t, cols, k]` of one full-sequence forward of
 /// `tokens` through the engine's model (one sequence, fresh KV blocks, every row's logits).
 pub fn full_forward(model: &mut InferenceModel, tokens: &[u32]) -> (Vec<f32>, Vec<u16>) {
+    let (logits, routes) = full_forward_any(model, tokens);
+    (logits, routes.expect("routes captured"))
+}
+
+/// [`full_forward`] for any model, dense ones included: the routes as the model returns them
+/// with capture on.
+pub fn full_forward_any(
+    model: &mut InferenceModel,
+    tokens: &[u32],
+) -> (Vec<f32>, Option<Vec<u16>>) {
     let t = tokens.len();
     let mut pool = KvPool::new(model.kv_layout(16), 8, model.dtype()).expect("pool");
     let blocks: Vec<_> = (0..t.div_ceil(16))
@@ -79,7 +129,7 @@ pub fn full_forward(model: &mut InferenceModel, tokens: &[u32]) -> (Vec<f32>, Ve
         logit_rows: &rows,
     };
     let out = model.forward(&mut pool, &input, true).expect("forward");
-    (out.logits, out.routes.expect("routes captured"))
+    (out.logits, out.routes)
 }
 
 /// Two results' routes agree: both absent (a model that routes nothing), or both present
