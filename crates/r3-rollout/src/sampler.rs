@@ -36,8 +36,15 @@ pub struct SamplingParams {
     pub top_k: usize,
     /// Maximum number of generated tokens.
     pub max_new_tokens: usize,
-    /// Generation stops after producing one of these ids (the id is part of the output).
+    /// Generation stops after producing one of these ids (the id is part of the output),
+    /// unless `ignore_eos`.
     pub stop_token_ids: Vec<u32>,
+    /// No stop id ends generation, the client's own included: SGLang's `ignore_eos`, under
+    /// which its token-based finish check (`Req._check_token_based_finish`) returns at once.
+    /// `min_new_tokens` still masks `stop_token_ids`, as SGLang's min-new-tokens penalizer
+    /// masks them whatever the flag says. (Stop strings are the server's, and still end a
+    /// request, as in SGLang.)
+    pub ignore_eos: bool,
     /// Seed of this request's RNG (ChaCha8): same seed and logits give the same tokens.
     pub seed: u64,
     /// Drop tokens whose probability is below `min_p` times the top token's; 0 disables it.
@@ -74,6 +81,7 @@ impl Default for SamplingParams {
             top_k: 0,
             max_new_tokens: 16,
             stop_token_ids: Vec::new(),
+            ignore_eos: false,
             seed: 0,
             min_p: 0.0,
             frequency_penalty: 0.0,
@@ -157,6 +165,12 @@ impl SamplingParams {
             LogprobScale::Sampling if !samples_greedily(self) => 1.0 / self.temperature,
             _ => 1.0,
         }
+    }
+
+    /// Whether sampling `token` ends the request: it is one of `stop_token_ids` and the
+    /// request does not ignore them (`ignore_eos`).
+    pub fn stops_at(&self, token: u32) -> bool {
+        !self.ignore_eos && self.stop_token_ids.contains(&token)
     }
 
     /// Whether logits must be adjusted (penalties, biases, min_new_tokens) before sampling

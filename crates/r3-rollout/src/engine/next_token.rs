@@ -160,7 +160,8 @@ fn sampled_row<'r>(
 }
 
 /// Why a sequence ends after sampling `token` (now `generated` output tokens and
-/// `total` tokens in all), or None while it goes on.
+/// `total` tokens in all), or None while it goes on: a stop id unless the request ignores
+/// them ([`SamplingParams::stops_at`]), then the token budget or the context.
 pub fn finish_after(
     params: &SamplingParams,
     token: u32,
@@ -168,7 +169,7 @@ pub fn finish_after(
     total: usize,
     max_positions: usize,
 ) -> Option<FinishReason> {
-    if params.stop_token_ids.contains(&token) {
+    if params.stops_at(token) {
         Some(FinishReason::Stop { token })
     } else if generated >= params.max_new_tokens || total >= max_positions {
         Some(FinishReason::Length)
@@ -180,6 +181,32 @@ pub fn finish_after(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// SGLang's `ignore_eos` returns from the token-based finish check before it looks at
+    /// any stop id, the client's own included: stop id 7 ends the request without it and
+    /// not with it, where the budget (4) still does.
+    #[test]
+    fn ignore_eos_ignores_every_stop_id() {
+        let mut params = SamplingParams {
+            stop_token_ids: vec![7],
+            max_new_tokens: 4,
+            ..Default::default()
+        };
+        assert_eq!(
+            finish_after(&params, 7, 1, 3, 100),
+            Some(FinishReason::Stop { token: 7 })
+        );
+        params.ignore_eos = true;
+        assert_eq!(finish_after(&params, 7, 1, 3, 100), None);
+        assert_eq!(
+            finish_after(&params, 7, 4, 6, 100),
+            Some(FinishReason::Length)
+        );
+        assert_eq!(
+            finish_after(&params, 7, 2, 100, 100),
+            Some(FinishReason::Length)
+        );
+    }
 
     /// The repetition penalty counts output tokens only, as SGLang's
     /// `BatchedRepetitionPenalizer` (it has no prompt hook). Logits [2, -1, 0.5, 3, 1],

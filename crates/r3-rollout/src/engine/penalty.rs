@@ -15,6 +15,7 @@ use crate::sampler::SamplingParams;
 ///
 /// - frequency: `l[t] -= frequency_penalty * count(t in output)`
 /// - min-new-tokens: `l[t] = -inf` for every stop id while `generated < min_new_tokens`
+///   (`ignore_eos` too, as SGLang's penalizer)
 /// - presence: `l[t] -= presence_penalty` if `t` occurs in the output
 /// - repetition (`r`): for `t` in the output, `l[t] = l[t] / r` if `l[t] > 0`, else `l[t] * r`
 ///   (SGLang's `BatchedRepetitionPenalizer`, which cumulates output tokens only)
@@ -111,6 +112,15 @@ mod tests {
         // is the earlier call's, which its `min_new_tokens` already took off).
         let mut l = [0.0f32; 4];
         adjust_logits(&mut l, &params, &[0, 2], 1);
+        assert_eq!(l, [0.0, f32::NEG_INFINITY, 0.0, f32::NEG_INFINITY]);
+        // `ignore_eos` keeps the stop ids from ending the request, not from being masked:
+        // SGLang's min-new-tokens penalizer masks them whatever the flag says.
+        let ignoring = SamplingParams {
+            ignore_eos: true,
+            ..params
+        };
+        let mut l = [0.0f32; 4];
+        adjust_logits(&mut l, &ignoring, &[0], 1);
         assert_eq!(l, [0.0, f32::NEG_INFINITY, 0.0, f32::NEG_INFINITY]);
     }
 
