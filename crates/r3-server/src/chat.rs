@@ -24,7 +24,7 @@ use serde_json::{json, Map, Value};
 use super::completions::token_text;
 use super::error::ApiError;
 use super::fields::{parse_body, token_list};
-use super::generate::{meta_info, ResponseSpec, MAX_TOP_LOGPROBS};
+use super::generate::{meta_info, without_output, ResponseSpec, MAX_TOP_LOGPROBS};
 use super::openai::{
     choice_rids, closing_chunks, completion_tokens, finish_reason, matched_stop, respond,
     routes_ext, usage, AnswerHead, AnswerStream, SampleJobs, StreamOptions,
@@ -130,7 +130,9 @@ struct ChatBody {
     /// The prompt's ids, used instead of the rendered messages (SGLang: "bypasses chat
     /// template tokenization entirely"; miles' session router sends them).
     input_ids: Option<Value>,
+    /// OpenAI's older cap on the tokens generated (0: a prompt-only answer, as SGLang).
     max_tokens: Option<usize>,
+    /// OpenAI's cap on the tokens generated, taken over `max_tokens` when above 0.
     max_completion_tokens: Option<usize>,
     n: Option<usize>,
     #[serde(flatten)]
@@ -272,9 +274,23 @@ pub async fn handle(
     // sampling values take the model's generation_config.json ones (`--sampling-defaults
     // model`, SGLang's default), on chat alone as in SGLang.
     let sampling = state.config().generation.chat_defaults.fill(&body.sampling);
-    // Without `max_tokens` SGLang sends no `max_new_tokens`: the rest of the context.
-    let max_new_tokens = body.max_completion_tokens.or(body.max_tokens);
-    let sampling = sampling.to_native(max_new_tokens, sampling.stop_token_ids.clone());
+    // SGLang's `to_sampling_params` takes `max_completion_tokens or max_tokens` (Python's
+    // `or`: a `max_completion_tokens` of 0 falls through to `max_tokens`). Neither: no
+    // `max_new_tokens`, the rest of the context. 0: its prefill-only request, answered with
+    // no output and finish `length` (the engine samples one token, which the answer leaves
+    // out, as `/generate` does for `max_new_tokens: 0`).
+    let max_new_tokens = match body.max_completion_tokens {
+        Some(n) if n > 0 => Some(n),
+        _ => body.max_tokens,
+    };
+    let prompt_only = max_new_tokens == Some(0);
+    let mut sampling = sampling.to_native(max_new_tokens, sampling.stop_token_ids.clone());
+    if prompt_only {
+        // SGLang's `verify` refuses a `min_tokens` above the 0 asked for.
+        sampling.check_min_new_tokens()?;
+        sampling.max_new_tokens = Some(1);
+        sampling.min_new_tokens = None;
+    }
     let top_n = logprobs_asked(body.logprobs, body.top_logprobs)?;
     let prompts = [input_ids];
     let opts = body.routes.sample_options(&state, top_n, false, &prompts)?;
@@ -296,11 +312,12 @@ pub async fn handle(
             return_routes: job.request.return_routes,
             dtype: WireDtype::I32,
             text: text.clone(),
-            prompt_only: false,
+            prompt_only,
         })
         .collect();
     let reply = ChatReply {
         head: AnswerHead::new(&state, "chatcmpl"),
+        prompt_only,
         top_n,
         texts: samples.texts,
         prompt_len: input_ids.len(),
@@ -312,6 +329,7 @@ pub async fn handle(
     let prompt_ids = body.return_prompt_token_ids.unwrap_or(false);
     respond(&state, samples.jobs, stream, chunks, |chunks, results| {
         let reply = &chunks.reply;
+        let results = reply.settle(results)?;
         let latency = started.elapsed().as_secs_f64();
         let mut choices = Vec::with_capacity(results.len());
         for ((index, f), spec) in results.iter().enumerate().zip(&specs) {
@@ -394,6 +412,8 @@ fn logprobs_asked(logprobs: Option<bool>, top: Option<usize>) -> Result<Option<u
 /// What a chat answer is built from besides the engine's results.
 struct ChatReply {
     head: AnswerHead,
+    /// `max_tokens: 0`: each choice's one sampled token is left out of the answer.
+    prompt_only: bool,
     /// Alternatives per token when log-probs were asked for.
     top_n: Option<usize>,
     /// Text options of each choice.
@@ -414,6 +434,15 @@ struct ChatChoice {
 }
 
 impl ChatReply {
+    /// The results as the answer reports them: a prompt-only request's without the token
+    /// the engine sampled (its log-probs and routing row too).
+    fn settle(&self, results: Vec<Finished>) -> Result<Vec<Finished>, ApiError> {
+        if !self.prompt_only {
+            return Ok(results);
+        }
+        results.iter().map(without_output).collect()
+    }
+
     /// Content, finish reason and log-probs of choice `index`.
     fn choice(&self, state: &AppState, index: usize, f: &Finished) -> Result<ChatChoice, ApiError> {
         let r = &f.result;
@@ -495,6 +524,9 @@ impl ChunkBuilder for ChatChunks {
         let Some(opts) = self.reply.texts.get(index) else {
             return Vec::new();
         };
+        if self.reply.prompt_only {
+            return Vec::new();
+        }
         let (hold, state) = (stop_hold(opts), &self.state);
         let decode = |ids: &[u32]| state.text()?.decode(ids, opts.skip_special_tokens).ok();
         let Some(new) = self.text.advance(index, tokens, hold, decode) else {
@@ -511,6 +543,8 @@ impl ChunkBuilder for ChatChunks {
     }
 
     fn finish(&mut self, results: &[Finished]) -> Result<Vec<Value>, ApiError> {
+        let settled = self.reply.settle(results.to_vec())?;
+        let results = settled.as_slice();
         let mut out = Vec::with_capacity(results.len());
         for (index, f) in results.iter().enumerate() {
             let c = self.reply.choice(&self.state, index, f)?;

@@ -126,6 +126,7 @@ pub async fn handle(
         echoed,
         echo_logprobs,
         top_n,
+        streamed_ids: vec![StreamedIds::default(); samples.texts.len()],
         texts: samples.texts,
         prompt_ids: body.return_token_ids.unwrap_or(false),
         routes: opts.routes_from.is_some(),
@@ -171,6 +172,8 @@ struct Reply {
     top_n: Option<usize>,
     /// Text options of each choice.
     texts: Vec<TextOptions>,
+    /// The token ids each streamed choice has sent and holds.
+    streamed_ids: Vec<StreamedIds>,
     /// Each choice carries its prompt's ids (`return_token_ids`).
     prompt_ids: bool,
     /// Routes were asked for (`sglext`).
@@ -226,10 +229,26 @@ impl Reply {
     }
 }
 
+/// The token ids of one streamed choice: those generated since its last chunk, and how many
+/// its chunks carried.
+#[derive(Debug, Clone, Default)]
+struct StreamedIds {
+    /// Generated, not sent yet (their text may be held back).
+    unsent: Vec<u32>,
+    /// Sent in the choice's chunks so far.
+    sent: usize,
+    /// A chunk of the choice has left (it carried `prompt_token_ids`).
+    opened: bool,
+}
+
 /// The chunks of a streamed completion (OpenAI's format): each chunk carries the text added
-/// since the previous one; the last chunk of a choice carries the rest of its text, its
-/// finish reason and (with `logprobs`) all of its log-probs. The text of a choice's chunks
-/// concatenates to the non-streamed choice's text.
+/// since the previous one and the token ids generated since then (`token_ids`, as SGLang's
+/// `_generate_completion_stream` slices `output_ids[n_prev_token_id:]`; r3 sends them
+/// whether or not `return_token_ids` asks, as its choices always carry them), the first
+/// chunk of a choice `prompt_token_ids` with `return_token_ids` (SGLang's `is_first_chunk`);
+/// the last chunk of a choice carries the rest of its text and ids, its finish reason and
+/// (with `logprobs`) all of its log-probs. The text and the ids of a choice's chunks
+/// concatenate to the non-streamed choice's.
 type OpenAiChunks = AnswerStream<Reply>;
 
 impl ChunkBuilder for OpenAiChunks {
@@ -238,15 +257,25 @@ impl ChunkBuilder for OpenAiChunks {
     }
 
     fn delta(&mut self, index: usize, tokens: &[u32]) -> Vec<Value> {
-        let Some(opts) = self.reply.texts.get(index) else {
+        let (Some(opts), Some(ids)) = (
+            self.reply.texts.get(index),
+            self.reply.streamed_ids.get_mut(index),
+        ) else {
             return Vec::new();
         };
+        ids.unsent.extend_from_slice(tokens);
         let (hold, state) = (stop_hold(opts), &self.state);
         let decode = |ids: &[u32]| state.text()?.decode(ids, opts.skip_special_tokens).ok();
         let Some(new) = self.text.advance(index, tokens, hold, decode) else {
             return Vec::new();
         };
-        let choice = json!({"index": index, "text": new, "logprobs": null, "finish_reason": null});
+        let token_ids = std::mem::take(&mut ids.unsent);
+        ids.sent += token_ids.len();
+        let mut choice = json!({"index": index, "text": new, "logprobs": null,
+            "finish_reason": null, "token_ids": token_ids});
+        if !std::mem::replace(&mut ids.opened, true) && self.reply.prompt_ids {
+            choice["prompt_token_ids"] = json!(self.reply.prompt(index));
+        }
         let mut chunk = self.reply.chunk(choice);
         if self.reply.stream.continuous() {
             let prompt = self.reply.prompt(index).len();
@@ -263,6 +292,18 @@ impl ChunkBuilder for OpenAiChunks {
             .map(|(index, mut c)| {
                 let full = c["text"].as_str().unwrap_or_default().to_string();
                 c["text"] = Value::String(self.text.rest(index, &full).to_string());
+                if let (Some(ids), Some(f)) =
+                    (self.reply.streamed_ids.get(index), results.get(index))
+                {
+                    let all = &f.result.output_ids;
+                    c["token_ids"] = json!(all.get(ids.sent..).unwrap_or_default());
+                    if ids.opened {
+                        // It left with the choice's first chunk.
+                        if let Some(obj) = c.as_object_mut() {
+                            obj.remove("prompt_token_ids");
+                        }
+                    }
+                }
                 let mut chunk = self.reply.chunk(c);
                 if let (true, Some(f)) = (self.reply.stream.continuous(), results.get(index)) {
                     let prompt = self.reply.prompt(index).len();

@@ -732,7 +732,7 @@ pub(super) fn meta_info(
 
 /// A prompt-only answer: the sampled token, its log-probs and its routing row left out
 /// (routes then cover `prompt - 1` positions, as `prompt + completion - 1` says).
-fn without_output(f: &Finished) -> Result<Finished, ApiError> {
+pub(super) fn without_output(f: &Finished) -> Result<Finished, ApiError> {
     let mut f = f.clone();
     let r = &mut f.result;
     r.output_ids.clear();

@@ -38,7 +38,8 @@ pub struct OpenAiSampling {
     pub stop_token_ids: Option<Vec<u32>>,
     /// Keep the matched stop string in the text (extension).
     pub no_stop_trim: Option<bool>,
-    /// Do not stop at `eos_token_id` (extension).
+    /// No stop id ends the request, the model's or the request's own (extension, SGLang's
+    /// `ignore_eos`).
     pub ignore_eos: Option<bool>,
     /// Skip special tokens in the text (extension, default true).
     pub skip_special_tokens: Option<bool>,

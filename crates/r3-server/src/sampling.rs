@@ -45,7 +45,9 @@ pub struct SamplingBody {
     pub stop: Option<Value>,
     /// Keep the matched stop string (or stop token) in the returned text.
     pub no_stop_trim: Option<bool>,
-    /// Do not stop at the model's `eos_token_id`.
+    /// No stop id ends the request, the model's eos ids and the request's own
+    /// `stop_token_ids` alike (SGLang's `ignore_eos`); `min_new_tokens` still masks them and
+    /// stop strings still apply.
     pub ignore_eos: Option<bool>,
     /// `l -= frequency_penalty × count in output` (in [-2, 2]).
     pub frequency_penalty: Option<f32>,
@@ -78,7 +80,8 @@ pub struct ParamContext<'a> {
     /// The model's context.
     pub max_position_embeddings: usize,
     /// The model's stop ids (its eos ids, [`super::generation::model_stop_ids`]), added to
-    /// the request's own unless `ignore_eos`.
+    /// the request's own (under `ignore_eos` they end nothing but are still masked until
+    /// `min_new_tokens`).
     pub eos: &'a [u32],
     /// Prompt length (the context left bounds `max_new_tokens`).
     pub prompt_len: usize,
@@ -161,11 +164,14 @@ impl SamplingBody {
                 ctx.vocab_size
             )));
         }
-        if !self.ignore_eos.unwrap_or(false) {
-            for &e in ctx.eos {
-                if !stop_token_ids.contains(&e) {
-                    stop_token_ids.push(e);
-                }
+        // The model's stop ids join the request's own whatever `ignore_eos` says: SGLang's
+        // min-new-tokens penalizer masks the eos ids under it too
+        // (sampling/penaltylib/min_new_tokens.py), and its token-based finish check returns
+        // before it looks at any stop id (`Req._check_token_based_finish`), which the engine
+        // does with `SamplingParams::ignore_eos`.
+        for &e in ctx.eos {
+            if !stop_token_ids.contains(&e) {
+                stop_token_ids.push(e);
             }
         }
         let mut logit_bias = Vec::new();
@@ -200,6 +206,7 @@ impl SamplingBody {
             top_k,
             max_new_tokens,
             stop_token_ids,
+            ignore_eos: self.ignore_eos.unwrap_or(false),
             seed,
             min_p: self.min_p.unwrap_or(0.0),
             frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
@@ -322,7 +329,10 @@ mod tests {
             ..Default::default()
         };
         let p = convert(&body, 4).expect("valid");
-        assert!(p.stop_token_ids.is_empty());
+        // Under `ignore_eos` the eos still joins the stop ids (min_new_tokens masks it) and
+        // the engine lets none of them end the request.
+        assert_eq!(p.stop_token_ids, vec![2]);
+        assert!(p.ignore_eos);
         assert_eq!(p.top_k, 0);
     }
 

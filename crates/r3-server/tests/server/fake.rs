@@ -214,7 +214,7 @@ impl InferenceBackend for FakeEngine {
                 .unwrap_or(0);
             let t = next_token(prev, r.req.sampling.seed);
             r.out.push(t);
-            if r.req.sampling.stop_token_ids.contains(&t) {
+            if r.req.sampling.stops_at(t) {
                 done.push(self.result(r, FinishReason::Stop { token: t }));
             } else if r.out.len() >= r.req.sampling.max_new_tokens {
                 done.push(self.result(r, FinishReason::Length));

@@ -8,6 +8,7 @@
 use std::path::Path;
 
 use r3_rollout::{Dtype, Engine, EngineConfig};
+use r3_server::sse::parse_event_stream;
 use r3_server::{build_app, ModelGeneration, SamplingDefaultsMode, ServerConfig, TextCodec};
 use serde_json::{json, Value};
 
@@ -183,17 +184,17 @@ fn every_endpoint_stops_at_generation_config_and_tokenizer_eos() {
     assert_eq!(ids(&b["output_ids"]), six);
 }
 
-/// The real engine with a generation_config.json naming an extra eos B beside config.json's:
-/// `logit_bias` forcing B ends `/generate` at once with `matched: B`, and `min_new_tokens`
-/// masks B (the union is what SGLang's min-new-tokens penalizer masks too).
-#[test]
-fn the_real_engine_stops_at_and_masks_generation_config_eos() {
-    const B: u32 = 77;
+/// generation_config.json's extra eos in the real-engine tests (beside config.json's 2).
+const GEN_EOS_REAL: u32 = 77;
+
+/// A real-engine server (no tokenizer) whose generation_config.json names the eos ids
+/// `[2, GEN_EOS_REAL]`.
+fn generation_eos_server() -> TestServer {
     let model = fixture(crate::engine::MODEL);
     let dir = scratch_dir("parity-gen-eos");
     std::fs::write(
         dir.join("generation_config.json"),
-        json!({"eos_token_id": [2, B]}).to_string(),
+        json!({"eos_token_id": [2, GEN_EOS_REAL]}).to_string(),
     )
     .expect("write generation_config.json");
     let generation =
@@ -203,8 +204,16 @@ fn the_real_engine_stops_at_and_masks_generation_config_eos() {
         generation,
         ..ServerConfig::default()
     };
-    let server =
-        TestServer::start(build_app(crate::engine::engine(&model), None, config).expect("app"));
+    TestServer::start(build_app(crate::engine::engine(&model), None, config).expect("app"))
+}
+
+/// The real engine with a generation_config.json naming an extra eos B beside config.json's:
+/// `logit_bias` forcing B ends `/generate` at once with `matched: B`, and `min_new_tokens`
+/// masks B (the union is what SGLang's min-new-tokens penalizer masks too).
+#[test]
+fn the_real_engine_stops_at_and_masks_generation_config_eos() {
+    const B: u32 = GEN_EOS_REAL;
+    let server = generation_eos_server();
     let body = |min: usize| {
         json!({"input_ids": [3, 17, 42], "sampling_params": {"max_new_tokens": 6,
             "temperature": 0, "logit_bias": {B.to_string(): 100.0}, "min_new_tokens": min}})
@@ -219,6 +228,40 @@ fn the_real_engine_stops_at_and_masks_generation_config_eos() {
     let out = ids(&b["output_ids"]);
     assert_eq!(out.len(), 4, "{out:?}");
     assert!(!out[..3].contains(&B) && out[3] == B, "{out:?}");
+}
+
+/// `ignore_eos` as SGLang's (`Req._check_token_based_finish` returns before it looks at any
+/// stop id; the min-new-tokens penalizer masks the client's stop ids and the eos ids
+/// whatever the flag says): a client stop id X forced by `logit_bias` ends nothing (6 X's,
+/// finish length; before, one X and `matched: X`), and with `min_new_tokens` 3 the model's
+/// eos B forced by `logit_bias` is still kept out of the first 3 tokens (before, the eos ids
+/// left the stop list under `ignore_eos` and B came first).
+#[test]
+fn ignore_eos_ignores_every_stop_id_but_min_new_tokens_still_masks_them() {
+    const X: u32 = 91;
+    const B: u32 = GEN_EOS_REAL;
+    let server = generation_eos_server();
+    let ask = |sampling: Value| {
+        let body = json!({"input_ids": [3, 17, 42], "sampling_params": sampling});
+        ok(&server.post("/generate", &body)).clone()
+    };
+    let b = ask(
+        json!({"max_new_tokens": 6, "temperature": 0, "ignore_eos": true,
+        "stop_token_ids": [X], "logit_bias": {X.to_string(): 100.0}}),
+    );
+    assert_eq!(ids(&b["output_ids"]), vec![X; 6]);
+    assert_eq!(
+        b["meta_info"]["finish_reason"],
+        json!({"type": "length", "length": 6})
+    );
+    let b = ask(
+        json!({"max_new_tokens": 6, "temperature": 0, "ignore_eos": true,
+        "min_new_tokens": 3, "logit_bias": {B.to_string(): 100.0}}),
+    );
+    let out = ids(&b["output_ids"]);
+    assert_eq!(out.len(), 6, "{out:?}");
+    assert!(!out[..3].contains(&B) && out[3..] == [B; 3], "{out:?}");
+    assert_eq!(b["meta_info"]["finish_reason"]["type"], "length");
 }
 
 /// A stop string that is a special token's text ends the request when that token is sampled
@@ -553,4 +596,112 @@ fn chat_takes_the_models_sampling_defaults() {
         ok(&openai.get("/get_server_info"))["sampling_defaults"],
         "openai"
     );
+}
+
+/// Chat's `max_tokens` / `max_completion_tokens` of 0 as SGLang 0.5.23 reads them
+/// (entrypoints/openai/protocol.py `to_sampling_params`: `"max_new_tokens":
+/// self.max_completion_tokens or self.max_tokens`, so a 0 `max_completion_tokens` falls
+/// through to `max_tokens`; the scheduler's `init_req_max_new_tokens` gives None the rest of
+/// the context; 0 is its prefill-only request, finished `length` with no output):
+/// `max_completion_tokens: 0` alone generates the rest of the 128-position context, beside
+/// `max_tokens: 3` it generates 3, and `max_tokens: 0` answers empty content, no ids, no
+/// log-prob entries, finish `length` 0 and no completion tokens, streamed too; a `min_tokens`
+/// above it is refused as SGLang's `verify` refuses it. Before, each was a 400.
+#[test]
+fn chat_max_tokens_zero_follows_sglang() {
+    let server = chat_server(json!({}), SamplingDefaultsMode::Model);
+    let ask = |extra: Value| {
+        let mut body = json!({"messages": [{"role": "user", "content": "t9 t12"}],
+            "ignore_eos": true});
+        body.as_object_mut()
+            .expect("object")
+            .extend(extra.as_object().expect("object").clone());
+        server.post("/v1/chat/completions", &body)
+    };
+    let b = ok(&ask(json!({"max_completion_tokens": 0}))).clone();
+    let prompt = b["usage"]["prompt_tokens"].as_u64().expect("prompt tokens");
+    assert_eq!(b["usage"]["completion_tokens"], 128 - prompt, "{b}");
+    assert_eq!(b["choices"][0]["finish_reason"], "length");
+    let b = ok(&ask(json!({"max_completion_tokens": 0, "max_tokens": 3}))).clone();
+    assert_eq!(b["usage"]["completion_tokens"], 3, "{b}");
+    let b = ok(&ask(
+        json!({"max_tokens": 0, "logprobs": true, "return_meta_info": true,
+        "return_routed_experts": true}),
+    ))
+    .clone();
+    let c = &b["choices"][0];
+    assert_eq!(c["message"]["content"], "", "{b}");
+    assert_eq!(c["token_ids"], json!([]));
+    assert_eq!(c["finish_reason"], "length");
+    assert_eq!(c["logprobs"]["content"], json!([]));
+    assert_eq!(
+        c["meta_info"]["finish_reason"],
+        json!({"type": "length", "length": 0})
+    );
+    assert_eq!(b["usage"]["completion_tokens"], 0);
+    assert_eq!(b["usage"]["prompt_tokens"], prompt);
+    // Routes for the prompt's positions but its last (none is fed after it).
+    assert!(b["sglext"]["routed_experts"].is_string(), "{b}");
+    let r = ask(json!({"max_tokens": 0, "stream": true}));
+    assert_eq!(r.status, 200, "{}", r.text);
+    let chunks = parse_event_stream(&r.text);
+    let choices: Vec<&Value> = chunks
+        .iter()
+        .filter_map(|c| c["choices"].as_array()?.first())
+        .collect();
+    let content: String = choices
+        .iter()
+        .filter_map(|c| c["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(content, "", "{}", r.text);
+    assert_eq!(choices.last().expect("a chunk")["finish_reason"], "length");
+    refused(
+        &ask(json!({"max_tokens": 0, "min_tokens": 2})),
+        "min_new_tokens must be in [0, max_new_tokens(0)], got 2",
+    );
+}
+
+/// Streamed completions carry each chunk's new token ids (SGLang's
+/// `_generate_completion_stream`: `chunk_token_ids = output_ids[n_prev_token_id:]`) and, with
+/// `return_token_ids`, the prompt's ids on the first chunk of each choice only
+/// (`is_first_chunk`): a choice's chunks' ids concatenate to the non-streamed `token_ids`,
+/// every chunk carrying the tokens generated since the previous one. Before, the ids (all of
+/// them) and the prompt's came in the last chunk alone.
+#[test]
+fn streamed_completions_carry_each_chunks_token_ids() {
+    let server = fake_server(&[], true, SamplingDefaultsMode::Model);
+    let body = json!({"prompt": [[5], [6]], "max_tokens": 6, "seed": 0, "ignore_eos": true,
+        "return_token_ids": true});
+    let plain = ok(&server.post("/v1/completions", &body)).clone();
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let r = server.post("/v1/completions", &streamed);
+    assert_eq!(r.status, 200, "{}", r.text);
+    let chunks = parse_event_stream(&r.text);
+    for (i, want) in plain["choices"]
+        .as_array()
+        .expect("choices")
+        .iter()
+        .enumerate()
+    {
+        let mine: Vec<&Value> = chunks
+            .iter()
+            .filter_map(|c| c["choices"].as_array()?.first())
+            .filter(|c| c["index"] == i)
+            .collect();
+        assert!(mine.len() > 2, "choice {i}: {} chunks", mine.len());
+        let sent: Vec<u32> = mine.iter().flat_map(|c| ids(&c["token_ids"])).collect();
+        assert_eq!(sent, ids(&want["token_ids"]), "choice {i}");
+        // The fake generates a word a step, each sent at once: one id per content chunk.
+        for c in &mine[..mine.len() - 1] {
+            assert_eq!(ids(&c["token_ids"]).len(), 1, "choice {i}: {c}");
+        }
+        assert_eq!(mine[0]["prompt_token_ids"], want["prompt_token_ids"]);
+        assert!(
+            mine[1..]
+                .iter()
+                .all(|c| c.get("prompt_token_ids").is_none()),
+            "choice {i}"
+        );
+    }
 }
