@@ -27,7 +27,8 @@ fn the_character_model_encodes_and_decodes_as_the_character_tokenizer() {
         let mut answer = chars.encode(&p.solution).expect("answer");
         answer.extend([EOS_ID, 5, 6]);
         assert_eq!(
-            text.decode_completion(&answer).expect("decode"),
+            text.decode_completion(&answer, text.stop_ids())
+                .expect("decode"),
             chars.decode_completion(&answer).expect("decode")
         );
     }

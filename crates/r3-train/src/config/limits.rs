@@ -11,7 +11,8 @@ use r3_rollout::sampler::GREEDY_TEMPERATURE;
 /// near 1 already rewrites the model every step; larger ones only blow weights up.
 pub const MAX_LR: f64 = 1.0;
 
-/// Largest accepted sampling temperature (`rollout.temperature`, `eval.temperature`):
+/// Largest accepted sampling temperature (`rollout.temperature`, `eval.temperature`,
+/// pretraining's `word_problems.eval_temperature`):
 /// far above it sampling is uniform noise.
 pub const MAX_TEMPERATURE: f64 = 100.0;
 
@@ -57,7 +58,13 @@ pub(crate) fn refuse_greedy_band(field: &'static str, temperature: f64) -> Resul
 }
 
 /// `value` must be finite and inside `[low, high]` (`open_low`: `low` itself excluded).
-fn in_range(field: &'static str, value: f64, low: f64, open_low: bool, high: f64) -> Result<()> {
+pub(crate) fn in_range(
+    field: &'static str,
+    value: f64,
+    low: f64,
+    open_low: bool,
+    high: f64,
+) -> Result<()> {
     let low_ok = if open_low { value > low } else { value >= low };
     if !value.is_finite() || !low_ok || value > high {
         let open = if open_low { "(" } else { "[" };

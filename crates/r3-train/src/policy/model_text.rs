@@ -153,15 +153,16 @@ impl ModelText {
         Ok(ids)
     }
 
-    /// Ids that end a response: the tokenizer's eos / stop ids.
+    /// The tokenizer's own eos / stop ids. A rollout stops at more: the model's eos ids and
+    /// SGLang's extra turn-final tokens too ([`crate::rl::sampling::stop_ids`]).
     pub fn stop_ids(&self) -> &[u32] {
         self.tokenizer.stop_token_ids()
     }
 
-    /// Text of a generated response: the ids before the first stop id, special tokens
-    /// skipped.
-    pub fn decode_completion(&self, ids: &[u32]) -> Result<String> {
-        let stop = self.stop_ids();
+    /// Text of a generated response: the ids before the first of `stop` (the ids its request
+    /// stopped at, [`crate::rl::sampling::stop_ids`], so the reward reads the text the engine
+    /// ended on), special tokens skipped.
+    pub fn decode_completion(&self, ids: &[u32], stop: &[u32]) -> Result<String> {
         let end = ids
             .iter()
             .position(|id| stop.contains(id))

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::config::limits::{in_range, refuse_greedy_band, MAX_TEMPERATURE};
 use crate::config::overrides::{apply_overrides, merge_known};
 use crate::error::{Result, TrainError};
 use crate::pretrain::deepseek::PretrainArchitecture;
@@ -103,7 +104,8 @@ pub struct WordProblemCorpus {
     /// Held-out prompts evaluated during pretraining (verl schema, `math` reward). Default
     /// empty (no evaluation).
     pub eval_files: Vec<PathBuf>,
-    /// Sampling temperature of those evaluations (0 = greedy). Default 1.0.
+    /// Sampling temperature of those evaluations (0 = greedy, else in [1e-6, 100], as
+    /// `eval.temperature`). Default 1.0.
     pub eval_temperature: f64,
     /// System prompt of the chat template (as `data.system_prompt` of the RL run). Default "".
     pub system_prompt: String,
@@ -218,7 +220,8 @@ impl PretrainConfig {
         self.validate_corpus()
     }
 
-    /// Checks that the corpus and the tokenizer go together.
+    /// Checks that the corpus and the tokenizer go together, and the word problems'
+    /// evaluation temperature.
     fn validate_corpus(&self) -> Result<()> {
         let bad =
             |field: &'static str, reason: String| Err(TrainError::InvalidConfig { field, reason });
@@ -235,7 +238,19 @@ impl PretrainConfig {
                 bad("tokenizer.train_texts", "must be >= 1".into())
             }
             _ => Ok(()),
-        }
+        }?;
+        // Checked as the RL run's `eval.temperature` is: finite in [0, MAX_TEMPERATURE], and
+        // not in (0, 1e-6), where the engines sample greedily (SGLang's rule) while the
+        // value says otherwise. Checked here, not at the first evaluation after training.
+        let t = self.word_problems.eval_temperature;
+        in_range(
+            "word_problems.eval_temperature",
+            t,
+            0.0,
+            false,
+            MAX_TEMPERATURE,
+        )?;
+        refuse_greedy_band("word_problems.eval_temperature", t)
     }
 
     /// The HF `config.json` of the model for a vocabulary of `vocab_size` tokens.
@@ -262,5 +277,27 @@ mod tests {
         let as_toml = |c: &PretrainConfig| toml::to_string(c).expect("serialize");
         assert_eq!(as_toml(&defaults), as_toml(&shipped));
         assert_eq!(defaults, shipped);
+    }
+
+    /// `word_problems.eval_temperature` is checked as `eval.temperature`: 0 (greedy) and
+    /// [1e-6, 100] pass; 5e-7 (greedy in the engines, SGLang's rule, without saying so), a
+    /// negative, NaN or infinite value and 101 are refused naming the field at resolve time
+    /// (before, nothing looked at it until the first evaluation, after training steps).
+    #[test]
+    fn the_word_problems_eval_temperature_is_checked() {
+        let at = |t: &str| {
+            PretrainConfig::resolve(None, &[format!("word_problems.eval_temperature={t}")])
+        };
+        for ok in ["0.0", "1e-6", "0.7", "100.0"] {
+            assert!(at(ok).is_ok(), "{ok}");
+        }
+        for bad in ["5e-7", "-0.5", "nan", "inf", "101.0"] {
+            match at(bad) {
+                Err(TrainError::InvalidConfig { field, .. }) => {
+                    assert_eq!(field, "word_problems.eval_temperature", "{bad}")
+                }
+                other => panic!("{bad}: {other:?}"),
+            }
+        }
     }
 }

@@ -222,8 +222,10 @@ pub fn group_requests(
 }
 
 /// Decodes and scores `results`, the `group_size` responses per prompt of `items`
-/// (group-major), into trajectories.
+/// (group-major), into trajectories; each text ends where its request stopped (the model's
+/// `eos` and the tokenizer's stop ids, [`stop_ids`]).
 pub fn score_groups(
+    eos: &[u32],
     tokenizer: &ModelText,
     items: &[PromptItem],
     results: Vec<GenerateResult>,
@@ -236,9 +238,10 @@ pub fn score_groups(
     if results.is_empty() {
         return Ok(Vec::new());
     }
+    let stop = stop_ids(eos, tokenizer);
     let completions = results
         .iter()
-        .map(|r| tokenizer.decode_completion(&r.output_ids))
+        .map(|r| tokenizer.decode_completion(&r.output_ids, &stop))
         .collect::<std::result::Result<Vec<_>, _>>()?;
     let groups: Vec<usize> = (0..results.len()).map(|n| n / group_size).collect();
     let scores = score_responses(reward, items, &groups, &completions)?;
@@ -369,7 +372,7 @@ pub fn evaluate_prompts(
     let tokens: usize = results.iter().map(|r| r.output_ids.len()).sum();
     let completions = results
         .iter()
-        .map(|r| tokenizer.decode_completion(&r.output_ids))
+        .map(|r| tokenizer.decode_completion(&r.output_ids, &stop))
         .collect::<std::result::Result<Vec<_>, _>>()?;
     let k = spec.samples_per_prompt.max(1);
     let prompt_of: Vec<usize> = (0..completions.len()).map(|n| n / k).collect();

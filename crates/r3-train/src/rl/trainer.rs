@@ -481,7 +481,14 @@ impl Trainer {
         // groups.
         let mut failed = FailedGroups::default();
         let (prompts, results) = drop_failed_groups(prompts, outcomes, group, 0, &mut failed)?;
-        let trajs = score_groups(&self.tokenizer, &prompts, results, group, &self.reward)?;
+        let trajs = score_groups(
+            &self.eos,
+            &self.tokenizer,
+            &prompts,
+            results,
+            group,
+            &self.reward,
+        )?;
         let (trajs, rounds) = match cfg.algo.sampling_rounds {
             1 => (trajs, None),
             rounds => {
@@ -498,7 +505,15 @@ impl Trainer {
                     let outcomes = self.backend.generate_another_round(requests)?;
                     let (prompts, results) =
                         drop_failed_groups(prompts, outcomes, group, round, &mut failed)?;
-                    score_groups(&self.tokenizer, &prompts, results, group, &self.reward).map(Some)
+                    score_groups(
+                        &self.eos,
+                        &self.tokenizer,
+                        &prompts,
+                        results,
+                        group,
+                        &self.reward,
+                    )
+                    .map(Some)
                 })?;
                 (trajs, Some(drawn))
             }
