@@ -350,7 +350,7 @@ fn valid_grouping(s: &str) -> bool {
 }
 
 /// Removes what surrounds an answer but does not change it: `$` signs, a `\text{…}`
-/// wrapper, `\left` / `\right`, `^\circ`, `{,}` (as `,`), a trailing `%` / `\%`, a leading
+/// wrapper, braces around the whole answer, `\left` / `\right`, `^\circ`, `{,}` (as `,`), a trailing `%` / `\%`, a leading
 /// `=`, and whitespace (`\,`, `\!`, `~` count as spaces), except after a comma and between
 /// two digits: after a comma it stays as one space (`2, 100` is a list, not 2100); between
 /// digits a space that separates groups of three (`1 000 000`) goes and any other stays as
@@ -368,12 +368,22 @@ fn strip_wrappers(s: &str) -> String {
         .replace("{,}", ",")
         .replace("^{\\circ}", "")
         .replace("^\\circ", "");
+    t = without_outer_braces(t);
     if let Some(rest) = t.strip_prefix("\\text") {
         if let Some((inner, tail)) = braced(rest) {
-            t = squeeze_spaces(&format!("{inner}{tail}"));
+            t = without_outer_braces(squeeze_spaces(&format!("{inner}{tail}")));
         }
     }
     strip_percent(t.trim_start_matches('=')).to_string()
+}
+
+/// `s` without braces around all of it (`{42}` and `{{42}}` read as `42`: a TeX group
+/// changes nothing).
+fn without_outer_braces(mut s: String) -> String {
+    while let Some((inner, "")) = s.starts_with('{').then(|| braced(&s)).flatten() {
+        s = inner.trim().to_string();
+    }
+    s
 }
 
 /// `s` without a trailing `%` / `\%` (a trailing `.` after it goes with it).
@@ -485,28 +495,191 @@ fn value_of_variable(s: &str) -> &str {
     let Some((name, value)) = s.split_once('=') else {
         return s;
     };
-    let mut chars = name.chars();
-    let letter = chars.next().is_some_and(|c| c.is_ascii_alphabetic());
-    let subscript = chars.as_str();
-    let subscript_ok = subscript.is_empty()
-        || subscript.strip_prefix('_').is_some_and(|x| {
-            let x = x
-                .strip_prefix('{')
-                .and_then(|x| x.strip_suffix('}'))
-                .unwrap_or(x);
-            !x.is_empty() && x.chars().all(|c| c.is_ascii_alphanumeric())
-        });
-    if letter && subscript_ok && !value.contains('=') && !value.contains(", ") {
+    if is_variable(name) && !value.contains('=') && !value.contains(", ") {
         value
     } else {
         s
     }
 }
 
-/// An answer as text compared: wrappers (`$`, `\text{…}`, spaces, a leading `=`) removed,
-/// lower-cased (`(1, 2)` reads as `(1,2)`).
+/// Whether `name` is a single letter, optionally subscripted (`x`, `x_1`, `y_{n}`).
+fn is_variable(name: &str) -> bool {
+    let mut chars = name.chars();
+    let letter = chars.next().is_some_and(|c| c.is_ascii_alphabetic());
+    let subscript = chars.as_str();
+    letter
+        && (subscript.is_empty()
+            || subscript.strip_prefix('_').is_some_and(|x| {
+                let x = x
+                    .strip_prefix('{')
+                    .and_then(|x| x.strip_suffix('}'))
+                    .unwrap_or(x);
+                !x.is_empty() && x.chars().all(|c| c.is_ascii_alphanumeric())
+            }))
+}
+
+/// An answer as text compared (a symbolic answer: `\sqrt`, `\pi`, a variable, a tuple), with
+/// the normalisations of verl's MATH scorer (`strip_string` in
+/// `verl/utils/reward_score/math_reward.py`) so that one answer written two ways reads the
+/// same: the wrappers of [`strip_wrappers`] removed (`$`, a `\text{…}` wrapper, `\left` /
+/// `\right`, `^\circ`, a trailing `%`, outer braces `{…}`), a trailing `\text{ unit}` (a
+/// unit: its text starts with a space) dropped, `\\` read as `\`, `\dfrac` / `\tfrac` as
+/// `\frac`, every `\%` dropped, a leading `x =` (one `=`, a single letter on its left,
+/// optionally subscripted: `y_1 =`) dropped, the arguments of `\frac` and `\sqrt` braced as
+/// TeX reads them (`\frac12` → `\frac{1}{2}`, `\sqrt3` → `\sqrt{3}`, `\frac\pi4` →
+/// `\frac{\pi}{4}`), a `0` put before a bare decimal point (`.5` → `0.5`), whitespace removed
+/// except between two digits, and lower-cased (`(1, 2)` reads as `(1,2)`).
 pub fn normalise_text(s: &str) -> String {
-    strip_wrappers(s).replace(", ", ",").to_lowercase()
+    let s = s.replace("\\$", "").replace('$', "");
+    let t = strip_wrappers(without_text_unit(&s))
+        .replace("\\\\", "\\")
+        .replace("\\dfrac", "\\frac")
+        .replace("\\tfrac", "\\frac")
+        .replace("\\%", "");
+    let t = brace_arguments(without_variable(&t), 0);
+    without_spaces(&leading_zeros(&t)).to_lowercase()
+}
+
+/// `s` without a trailing `\text{ …}` / `\mbox{ …}` whose text starts with whitespace (a
+/// unit, as verl's `remove_right_units` reads it: `5\sqrt{2}\text{ cm}`), when something
+/// precedes it; otherwise `s` unchanged.
+fn without_text_unit(s: &str) -> &str {
+    let s = s.trim_end();
+    for cmd in ["\\text", "\\mbox"] {
+        let Some(pos) = s.rfind(cmd) else { continue };
+        let Some((inner, tail)) = braced(&s[pos + cmd.len()..]) else {
+            continue;
+        };
+        let head = s[..pos].trim_end();
+        if tail.is_empty() && inner.starts_with(char::is_whitespace) && !head.is_empty() {
+            return head;
+        }
+    }
+    s
+}
+
+/// The right side of a leading `x=` (one `=`, a single letter on its left, optionally
+/// subscripted: `y_1=`, `n_{0}=`), as verl drops `k = ` before comparing; otherwise `s`
+/// unchanged (`2x=6`, `x=y=5`, `x=5,y=3` stay).
+fn without_variable(s: &str) -> &str {
+    let Some((name, value)) = s.split_once('=') else {
+        return s;
+    };
+    if is_variable(name.trim()) && !value.contains('=') && !value.trim().is_empty() {
+        value.trim_start()
+    } else {
+        s
+    }
+}
+
+/// Deepest `\frac` / `\sqrt` nesting whose arguments are braced; deeper ones are copied as
+/// they are (bounds the recursion on a pathological answer).
+const MAX_ARGUMENT_DEPTH: usize = 32;
+
+/// `s` with the arguments of `\frac` (two) and `\sqrt` (one, after an optional `[n]`) in
+/// braces, as TeX reads them: a `{…}` group stays, a control sequence (`\pi`) or one
+/// character (`1`, `x`) is braced, so `\frac12`, `\frac 1 2` and `\frac{1}{2}` read the same
+/// (verl's `fix_fracs` / `fix_sqrt`, which read `\frac\pi4` and `\sqrt 3` otherwise). Other
+/// commands (`\fracture`-like names included) are left alone.
+fn brace_arguments(s: &str, depth: usize) -> String {
+    let mut out = String::with_capacity(s.len() + 8);
+    let mut rest = s;
+    while let Some(pos) = rest.find('\\') {
+        out.push_str(&rest[..pos]);
+        let (command, tail) = control_sequence(&rest[pos..]);
+        out.push_str(command);
+        rest = tail;
+        let arguments = match command {
+            "\\frac" => 2,
+            "\\sqrt" => 1,
+            _ => 0,
+        };
+        if arguments == 0 || depth >= MAX_ARGUMENT_DEPTH {
+            continue;
+        }
+        if command == "\\sqrt" {
+            let trimmed = rest.trim_start();
+            if let Some(close) = trimmed.strip_prefix('[').and_then(|t| t.find(']')) {
+                out.push('[');
+                out.push_str(&brace_arguments(&trimmed[1..close + 1], depth + 1));
+                out.push(']');
+                rest = &trimmed[close + 2..];
+            }
+        }
+        for _ in 0..arguments {
+            let Some((argument, tail)) = tex_argument(rest) else {
+                break;
+            };
+            out.push('{');
+            out.push_str(&brace_arguments(argument, depth + 1));
+            out.push('}');
+            rest = tail;
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+/// The control sequence at the start of `s` (which starts with `\`): `\` and a run of
+/// letters (`\frac`), else `\` and one character (`\{`, `\,`); and what follows it.
+fn control_sequence(s: &str) -> (&str, &str) {
+    let after = &s[1..];
+    let letters = after.bytes().take_while(u8::is_ascii_alphabetic).count();
+    let len = match letters {
+        0 => after.chars().next().map_or(0, char::len_utf8),
+        n => n,
+    };
+    s.split_at(1 + len)
+}
+
+/// One TeX macro argument at the start of `s` (leading whitespace skipped): a `{…}` group's
+/// content, a control sequence, or one character; `None` at the end of `s` or a `}`.
+fn tex_argument(s: &str) -> Option<(&str, &str)> {
+    let s = s.trim_start();
+    match s.chars().next()? {
+        '{' => braced(s),
+        '}' => None,
+        '\\' => Some(control_sequence(s)),
+        c => Some(s.split_at(c.len_utf8())),
+    }
+}
+
+/// A `0` before a decimal point that starts a number (`.5`, `(1,.5)`, `{.5}`), as verl writes
+/// ` .5` and `{.5` as ` 0.5` and `{0.5`.
+fn leading_zeros(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    let mut prev: Option<char> = None;
+    let mut chars = s.chars().peekable();
+    while let Some(c) = chars.next() {
+        let starts_number = c == '.'
+            && chars.peek().is_some_and(char::is_ascii_digit)
+            && prev.is_none_or(|p| !p.is_alphanumeric() && p != '.' && p != '\\');
+        if starts_number {
+            out.push('0');
+        }
+        out.push(c);
+        prev = Some(c);
+    }
+    out
+}
+
+/// Whitespace removed, except one space between two digits (`3 1/2` and `31/2` stay
+/// apart, as [`parse_number`] keeps them).
+fn without_spaces(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut pending_space = false;
+    for c in s.chars() {
+        if c.is_whitespace() {
+            pending_space = out.ends_with(|p: char| p.is_ascii_digit());
+            continue;
+        }
+        if pending_space && c.is_ascii_digit() {
+            out.push(' ');
+        }
+        pending_space = false;
+        out.push(c);
+    }
+    out
 }
 
 /// The content of the last `\boxed{…}` / `\fbox{…}` with balanced braces.

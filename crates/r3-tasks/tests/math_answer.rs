@@ -371,3 +371,89 @@ fn a_space_after_a_comma_separates_numbers() {
         ("#### 1 000 000", "1000000", 1.0),
     ]);
 }
+
+/// Symbolic (MATH-style) answers written two ways score 1, and vote together, after the
+/// normalisations of verl's MATH scorer. verl's own verdict on each pair, from
+/// `compute_score(response, truth)` of `verl/utils/reward_score/math_reward.py` at
+/// volcengine/verl@b178a3cd, run standalone in python3 (2026-12-08): 1.0 for every pair
+/// below. r3 scored each 0.0 before `normalise_text` applied them.
+#[test]
+fn symbolic_answers_are_normalised_as_verl_math_does() {
+    let cases = [
+        ("\\boxed{\\dfrac{\\sqrt{3}}{2}}", "\\frac{\\sqrt{3}}{2}"),
+        ("\\boxed{\\tfrac{\\pi}{4}}", "\\frac{\\pi}{4}"),
+        ("\\boxed{\\dfrac{5}{\\sqrt{2}}}", "\\frac{5}{\\sqrt{2}}"),
+        (
+            "\\boxed{\\left( \\dfrac{1}{2}, 3 \\right)}",
+            "\\left( \\frac{1}{2}, 3 \\right)",
+        ),
+        ("\\boxed{\\sqrt{2}}", "\\sqrt2"),
+        ("\\boxed{3\\sqrt{5}}", "3\\sqrt5"),
+        ("\\boxed{\\frac{\\sqrt3}{2}}", "\\frac{\\sqrt{3}}{2}"),
+        ("\\boxed{\\frac{1}{2}, 3}", "\\frac12,3"),
+        ("\\boxed{\\frac1{\\sqrt{2}}}", "\\frac{1}{\\sqrt{2}}"),
+        ("\\boxed{x = \\frac{\\pi}{4}}", "\\frac{\\pi}{4}"),
+        ("\\boxed{y = 2x + 3}", "2x+3"),
+        // verl's remove_right_units: a trailing `\text{ unit}`
+        ("\\boxed{5\\sqrt{2}\\text{ cm}}", "5\\sqrt{2}"),
+        // every `\%` dropped, not only a trailing one
+        ("\\boxed{(50\\%, 20\\%)}", "(50, 20)"),
+        // ` .5` reads as ` 0.5`
+        ("\\boxed{(1, .5)}", "(1, 0.5)"),
+        // `\\` reads as `\`
+        ("\\boxed{\\\\frac{\\pi}{4}}", "\\frac{\\pi}{4}"),
+    ];
+    symbolic_pairs_agree(&cases);
+}
+
+/// Forms TeX reads as the same answer where verl's string rules do not (verl gives 0.0 for
+/// each, same source as above: `\sqrt 3` becomes `\sqrt{}3`, `\frac\pi4` becomes
+/// `\frac{\}{p}i4`, `{42}` keeps its braces); r3 gave 0.0 before too.
+#[test]
+fn tex_arguments_and_groups_read_as_tex_reads_them() {
+    symbolic_pairs_agree(&[
+        ("\\boxed{\\sqrt 3}", "\\sqrt{3}"),
+        ("\\boxed{\\frac\\pi4}", "\\frac{\\pi}{4}"),
+        ("\\boxed{\\frac \\pi 4}", "\\frac{\\pi}{4}"),
+        ("\\boxed{\\sqrt[3]2}", "\\sqrt[3]{2}"),
+        ("\\boxed{{42}}", "42"),
+        ("\\boxed{{\\frac{1}{2}}}", "0.5"),
+    ]);
+}
+
+/// Each `(response, truth)` scores 1 and votes as `\boxed{truth}` does.
+fn symbolic_pairs_agree(cases: &[(&str, &str)]) {
+    use r3_tasks::reward::answers::math_reward;
+    use r3_tasks::reward::vote::math_vote_key;
+    let wrong: Vec<_> = cases
+        .iter()
+        .filter(|(response, truth)| {
+            math_reward(response, truth) != 1.0
+                || math_vote_key(response) != math_vote_key(&format!("\\boxed{{{truth}}}"))
+        })
+        .collect();
+    assert!(wrong.is_empty(), "(response, truth) not equal: {wrong:?}");
+}
+
+/// Different answers stay different after the normalisation (verl gives 0.0 for each too,
+/// same source as above).
+#[test]
+fn normalising_symbolic_answers_keeps_different_answers_apart() {
+    rewards(&[
+        ("\\boxed{\\frac{1}{3}}", "\\frac{1}{2}", 0.0),
+        ("\\boxed{x = 2}", "3", 0.0),
+        ("\\boxed{x = \\frac{\\pi}{4}}", "\\frac{\\pi}{3}", 0.0),
+        ("\\boxed{\\sqrt{3}}", "\\sqrt{2}", 0.0),
+        // TeX reads `\sqrt32` as `\sqrt{3}2`
+        ("\\boxed{\\sqrt{32}}", "\\sqrt32", 0.0),
+        ("\\boxed{2x = 6}", "6", 0.0),
+        ("\\boxed{x = y = \\pi}", "\\pi", 0.0),
+        ("\\boxed{\\frac{1}{2}, 3}", "\\frac12,4", 0.0),
+        ("\\boxed{\\dfrac{\\pi}{4}}", "\\frac{\\pi}{4}", 1.0),
+    ]);
+    use r3_tasks::reward::vote::math_vote_key;
+    assert_ne!(
+        math_vote_key("\\boxed{\\frac{\\sqrt{3}}{2}}"),
+        math_vote_key("\\boxed{\\frac{\\sqrt{2}}{2}}")
+    );
+}
