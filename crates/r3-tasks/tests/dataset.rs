@@ -255,3 +255,50 @@ fn float32_parquet_values_read_as_f32_prints_them() {
     ));
     std::fs::remove_dir_all(&dir).expect("cleanup");
 }
+
+/// A `.json` file holding one JSON array of rows (what HF `datasets`' json loader, verl's
+/// reader of `.json`, accepts besides JSON lines) loads to the rows of the equivalent JSONL
+/// file; a `.json` file of lines still reads as JSONL; a bad element is an error naming its
+/// array index (and line).
+#[test]
+fn a_json_file_may_hold_an_array_of_rows() {
+    let dir = r3_test_support::Scratch::new("r3-tasks-json-array");
+    let jsonl = load_file(&fixture("verl_rows.jsonl"), "prompt").expect("jsonl");
+    let lines = std::fs::read_to_string(fixture("verl_rows.jsonl")).expect("read");
+    let objects: Vec<serde_json::Value> = lines
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("line"))
+        .collect();
+    // Pretty-printed, as `json.dump(rows, f, indent=2)` writes it: rows span many lines.
+    let array = dir.join("rows.json");
+    let pretty = serde_json::to_string_pretty(&objects).expect("pretty");
+    std::fs::write(&array, format!("\n  {pretty}\n")).expect("write");
+    assert_eq!(load_file(&array, "prompt").expect("array"), jsonl);
+    let as_lines = dir.join("lines.json");
+    std::fs::write(&as_lines, &lines).expect("write");
+    assert_eq!(load_file(&as_lines, "prompt").expect("lines"), jsonl);
+    let empty = dir.join("empty.json");
+    std::fs::write(&empty, "[ ]").expect("write");
+    assert_eq!(load_file(&empty, "prompt").expect("empty").len(), 0);
+
+    let good = r#"{"prompt": "ok", "reward_model": {"ground_truth": "1"}}"#;
+    let cases = [
+        (
+            format!("[{good},\n{good},\n{{\"prompt\": 5, \"reward_model\": {{\"ground_truth\": \"1\"}}}}]"),
+            "row 2: field `prompt`",
+        ),
+        (format!("[{good},\n{good},\n{{not json}}]"), "row 2 (line 3)"),
+        (format!("[{good},\n{good}"), "row 1 (line 2)"),
+        (format!("[{good} {good}]"), "row 0 (line 1): expected `,` or `]`"),
+        (format!("[{good}]\n[{good}]"), "after the array's closing `]` (line 2)"),
+    ];
+    for (i, (text, want)) in cases.iter().enumerate() {
+        let path = dir.join(format!("bad{i}.json"));
+        std::fs::write(&path, text).expect("write");
+        let err = load_file(&path, "prompt").expect_err(text).to_string();
+        assert!(
+            err.contains(&format!("bad{i}.json")) && err.contains(want),
+            "{want}: {err}"
+        );
+    }
+}

@@ -1,6 +1,7 @@
-//! Loading dataset files by their extension (`.jsonl` / `.json` lines, `.parquet`).
+//! Loading dataset files by their extension (`.jsonl`, `.json`: an array of rows or lines,
+//! `.parquet`).
 
-use super::jsonl::read_jsonl;
+use super::jsonl::{read_json, read_jsonl};
 use super::parquet_file::read_parquet;
 use super::row::DatasetRow;
 use crate::error::{Result, TaskError};
@@ -9,8 +10,11 @@ use std::path::{Path, PathBuf};
 /// A dataset file format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DatasetFormat {
-    /// One JSON object per line.
+    /// One JSON object per line (`.jsonl`).
     Jsonl,
+    /// A JSON array of row objects, or one object per line (`.json`), as HF `datasets`'
+    /// json loader reads both.
+    Json,
     /// Apache Parquet.
     Parquet,
 }
@@ -19,7 +23,8 @@ impl DatasetFormat {
     /// The format a file name says (`.jsonl`, `.json`, `.parquet`).
     pub fn of(path: &Path) -> Result<Self> {
         match path.extension().and_then(|e| e.to_str()) {
-            Some("jsonl") | Some("json") => Ok(DatasetFormat::Jsonl),
+            Some("jsonl") => Ok(DatasetFormat::Jsonl),
+            Some("json") => Ok(DatasetFormat::Json),
             Some("parquet") => Ok(DatasetFormat::Parquet),
             _ => Err(TaskError::DatasetRead {
                 path: path.to_path_buf(),
@@ -34,6 +39,7 @@ impl DatasetFormat {
 pub fn load_file(path: &Path, prompt_key: &str) -> Result<Vec<DatasetRow>> {
     match DatasetFormat::of(path)? {
         DatasetFormat::Jsonl => read_jsonl(path, prompt_key),
+        DatasetFormat::Json => read_json(path, prompt_key),
         DatasetFormat::Parquet => read_parquet(path, prompt_key),
     }
 }
