@@ -141,8 +141,9 @@ impl Pieces {
         let s = &self.original.sampling;
         self.finish = match piece.finish {
             FinishReason::Abort => match self.output_ids.last() {
-                // Aborted after its last token: nothing is left to generate.
-                Some(&t) if s.stop_token_ids.contains(&t) => Some(FinishReason::Stop { token: t }),
+                // Aborted after its last token: nothing is left to generate (a stop id
+                // ends nothing under `ignore_eos`).
+                Some(&t) if s.stops_at(t) => Some(FinishReason::Stop { token: t }),
                 Some(_) if self.output_ids.len() >= s.max_new_tokens => Some(FinishReason::Length),
                 _ => None,
             },
@@ -310,6 +311,28 @@ mod tests {
             )
             .expect_err("a row short");
         assert!(err.contains("routes end"), "{err}");
+    }
+
+    /// Under `ignore_eos` a piece aborted right after a stop id is not complete (the id ends
+    /// nothing there, as on the worker): the continuation asks for the rest of the budget.
+    #[test]
+    fn an_abort_after_a_stop_id_under_ignore_eos_goes_on() {
+        let policy = MergePolicy::KeepPerTokenOrigin;
+        let mut ignoring = original();
+        ignoring.sampling.ignore_eos = true;
+        let mut p = Pieces::new(ignoring);
+        let done = p
+            .add(
+                piece(vec![20, 2], table(0, 4, 1), FinishReason::Abort),
+                1,
+                policy,
+            )
+            .expect("add");
+        assert!(!done);
+        let next = p.next_request(policy);
+        assert_eq!(next.input_ids, vec![1, 10, 11, 20, 2]);
+        assert_eq!(next.sampling.max_new_tokens, 4);
+        assert!(next.sampling.ignore_eos);
     }
 
     #[test]

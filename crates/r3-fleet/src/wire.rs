@@ -16,6 +16,9 @@ use crate::error::{FleetError, Result};
 
 /// The `/generate` body of one request: token prompt, the sampling parameters the
 /// in-process engine would use (seed included), log-probs and routes asked for.
+/// `ignore_eos` travels as SGLang's flag: a worker (SGLang or r3) then ends the request at
+/// no stop id, the ones sent included, and still masks them until `min_new_tokens`, as the
+/// in-process engine does.
 pub fn generate_body(req: &GenerateRequest, rid: &str) -> Value {
     let s = &req.sampling;
     // SGLang writes "no top-k cut" as -1; the engine as 0.
@@ -28,6 +31,7 @@ pub fn generate_body(req: &GenerateRequest, rid: &str) -> Value {
         "max_new_tokens": s.max_new_tokens,
         "min_new_tokens": s.min_new_tokens,
         "stop_token_ids": s.stop_token_ids,
+        "ignore_eos": s.ignore_eos,
         "frequency_penalty": s.frequency_penalty,
         "presence_penalty": s.presence_penalty,
         "repetition_penalty": s.repetition_penalty,
@@ -215,7 +219,8 @@ fn token_ids(v: Option<&Value>, vocab: usize) -> std::result::Result<Vec<u32>, S
         .collect()
 }
 
-/// The finish reason, consistent with the output: `stop` ends with a requested stop id.
+/// The finish reason, consistent with the output: `stop` ends with a requested stop id, and
+/// a request that ignores its stop ids (`ignore_eos`) cannot end with one.
 fn finish_reason(
     v: Option<&Value>,
     output: &[u32],
@@ -228,7 +233,13 @@ fn finish_reason(
     match kind {
         "stop" => {
             let last = *output.last().ok_or("finish `stop` with no output token")?;
-            if !req.sampling.stop_token_ids.contains(&last) {
+            if req.sampling.ignore_eos {
+                return Err(format!(
+                    "finish `stop` at token {last}, but the request sets ignore_eos: no stop \
+                     id may end it"
+                ));
+            }
+            if !req.sampling.stops_at(last) {
                 return Err(format!(
                     "finish `stop` but the last token {last} is not a requested stop id"
                 ));
