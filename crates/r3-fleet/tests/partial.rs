@@ -192,7 +192,9 @@ fn a_resumed_request_equals_one_uninterrupted_request() {
         );
         let start = match merge {
             MergePolicy::KeepPerTokenOrigin => prompt + k - 1,
-            MergePolicy::ReplaceWithResumed => 0,
+            // The fleet asks for the routes from the original start for every policy but
+            // keep-per-token-origin (`Pieces::next_request`).
+            MergePolicy::ReplaceWithResumed | MergePolicy::PreferResumedFromItsStart => 0,
         };
         assert_eq!(cont["routed_experts_start_len"], json!(start), "{merge:?}");
 

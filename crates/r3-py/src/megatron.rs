@@ -3,7 +3,11 @@
 //! `RouterReplay`.
 
 use pyo3::prelude::*;
-use r3_routing::megatron::{self as split, Packing, Padding, PipelineSplit, TokenSlot, TokenSplit};
+use pyo3::types::{PyList, PyString, PyTuple};
+use r3_routing::megatron::{
+    self as split, LayoutLayer, Packing, Padding, PipelineLayout, PipelineSplit, TokenSlot,
+    TokenSplit,
+};
 
 use crate::args;
 use crate::arrays::to_numpy;
@@ -16,12 +20,123 @@ pub struct PyPipelineSplit {
     split: PipelineSplit,
 }
 
+/// A layer type of Megatron's list form: a `LayerType` member (its `.name`) or the name.
+fn layout_layer(item: &Bound<'_, PyAny>, at: &str) -> PyResult<LayoutLayer> {
+    let name: String = if item.is_instance_of::<PyString>() {
+        item.extract()?
+    } else {
+        match item.getattr("name").and_then(|n| n.extract::<String>()) {
+            Ok(name) => name,
+            Err(_) => {
+                return Err(arg_err(format!(
+                    "{at} must be a LayerType or its name, got {}",
+                    item.get_type().name()?
+                )))
+            }
+        }
+    };
+    LayoutLayer::from_name(&name).map_err(|e| match e {
+        r3_routing::RouteError::Argument(why) => arg_err(format!("{at}: {why}")),
+        other => route_err(other),
+    })
+}
+
+/// `items` as a list or tuple (Megatron's list form holds lists; a str is refused, not read
+/// as its characters).
+fn list_items<'py>(items: &Bound<'py, PyAny>, at: &str) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    if items.is_instance_of::<PyList>() || items.is_instance_of::<PyTuple>() {
+        return items.extract();
+    }
+    Err(arg_err(format!(
+        "{at} must be a list, got {}",
+        items.get_type().name()?
+    )))
+}
+
+/// The argument `pipeline_layout`: Megatron's string form (`--pipeline-model-parallel-layout`),
+/// its list form (stages of `LayerType` names or members, in Megatron's flat order), or the
+/// `PipelineParallelLayerLayout` `TransformerConfig` turns either into (read from its parsed
+/// `.layout[pp_rank][vp_stage]`; its `pipeline_model_parallel_size` is returned, to be
+/// checked against the split's).
+fn pipeline_layout_arg(
+    obj: &Bound<'_, PyAny>,
+) -> PyResult<Option<(PipelineLayout, Option<usize>)>> {
+    if obj.is_none() {
+        return Ok(None);
+    }
+    if obj.is_instance_of::<PyString>() {
+        let text: String = obj.extract()?;
+        return PipelineLayout::parse(&text)
+            .map(|l| Some((l, None)))
+            .map_err(route_err);
+    }
+    if obj.hasattr("layout")? && obj.hasattr("pipeline_model_parallel_size")? {
+        let pp: usize = args::Counts::extract_named(
+            &obj.getattr("pipeline_model_parallel_size")?,
+            "pipeline_layout.pipeline_model_parallel_size",
+        )?;
+        let ranks = list_items(&obj.getattr("layout")?, "pipeline_layout.layout")?;
+        if ranks.len() != pp {
+            return Err(arg_err(format!(
+                "pipeline_layout.layout has {} pipeline ranks, but its \
+                 pipeline_model_parallel_size is {pp}",
+                ranks.len()
+            )));
+        }
+        let mut chunks = Vec::with_capacity(pp);
+        for (p, rank) in ranks.iter().enumerate() {
+            let at = format!("pipeline_layout.layout[{p}]");
+            let mut stages = Vec::new();
+            for (v, stage) in list_items(rank, &at)?.iter().enumerate() {
+                let at = format!("{at}[{v}]");
+                let layers = list_items(stage, &at)?
+                    .iter()
+                    .enumerate()
+                    .map(|(i, item)| layout_layer(item, &format!("{at}[{i}]")))
+                    .collect::<PyResult<Vec<_>>>()?;
+                stages.push(layers);
+            }
+            chunks.push(stages);
+        }
+        let vp = chunks.first().map_or(0, Vec::len);
+        if chunks.iter().any(|c| c.len() != vp) {
+            return Err(arg_err(
+                "pipeline_layout.layout: the pipeline ranks hold different numbers of virtual \
+                 stages",
+            ));
+        }
+        // Megatron's flat order: stage vp_stage * pp + pp_rank is layout[pp_rank][vp_stage].
+        let mut flat = Vec::with_capacity(pp * vp);
+        for v in 0..vp {
+            for rank in &chunks {
+                flat.push(rank[v].clone());
+            }
+        }
+        return Ok(Some((PipelineLayout::from_stages(flat), Some(pp))));
+    }
+    let stages = list_items(obj, "pipeline_layout")?;
+    let mut flat = Vec::with_capacity(stages.len());
+    for (s, stage) in stages.iter().enumerate() {
+        let at = format!("pipeline_layout[{s}]");
+        let layers = list_items(stage, &at)?
+            .iter()
+            .enumerate()
+            .map(|(i, item)| layout_layer(item, &format!("{at}[{i}]")))
+            .collect::<PyResult<Vec<_>>>()?;
+        flat.push(layers);
+    }
+    Ok(Some((PipelineLayout::from_stages(flat), None)))
+}
+
 #[pymethods]
 impl PyPipelineSplit {
-    /// The fields of `TransformerConfig` that decide the split.
+    /// The fields of `TransformerConfig` that decide the split; `pipeline_layout` is
+    /// `pipeline_model_parallel_layout` (see [`pipeline_layout_arg`]).
     #[new]
     #[pyo3(signature = (num_layers, pp_size = 1, *, vp_size = None, first_stage_layers = None,
-        last_stage_layers = None, account_for_embedding = false, account_for_loss = false))]
+        last_stage_layers = None, account_for_embedding = false, account_for_loss = false,
+        pipeline_layout = None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         #[pyo3(from_py_with = args::num_layers)] num_layers: usize,
         #[pyo3(from_py_with = args::pp_size)] pp_size: usize,
@@ -30,8 +145,22 @@ impl PyPipelineSplit {
         #[pyo3(from_py_with = args::last_stage_layers)] last_stage_layers: Option<usize>,
         account_for_embedding: bool,
         account_for_loss: bool,
-    ) -> Self {
-        PyPipelineSplit {
+        #[pyo3(from_py_with = pipeline_layout_arg)] pipeline_layout: Option<(
+            PipelineLayout,
+            Option<usize>,
+        )>,
+    ) -> PyResult<Self> {
+        let layout = match pipeline_layout {
+            Some((_, Some(built_for))) if built_for != pp_size => {
+                return Err(arg_err(format!(
+                    "pipeline_layout was built for pipeline_model_parallel_size {built_for}, \
+                     but pp_size is {pp_size}"
+                )))
+            }
+            Some((layout, _)) => Some(layout),
+            None => None,
+        };
+        Ok(PyPipelineSplit {
             split: PipelineSplit {
                 num_layers,
                 pp_size,
@@ -40,8 +169,21 @@ impl PyPipelineSplit {
                 last_stage_layers,
                 account_for_embedding,
                 account_for_loss,
+                layout,
             },
-        }
+        })
+    }
+
+    /// The custom layout's stages in Megatron's flat order (stage `vp_stage * pp_size +
+    /// pp_rank`), as `LayerType` names; None without one.
+    #[getter]
+    fn pipeline_layout(&self) -> Option<Vec<Vec<&'static str>>> {
+        self.split.layout.as_ref().map(|l| {
+            l.stages()
+                .iter()
+                .map(|stage| stage.iter().map(|layer| layer.name()).collect())
+                .collect()
+        })
     }
 
     /// Megatron's `get_transformer_layer_offset(config, vp_stage, pp_rank)`.
@@ -87,8 +229,11 @@ fn token_split(
     sp: (usize, usize),
     cp: (usize, usize),
 ) -> PyResult<(Packing, TokenSplit)> {
-    let packing = Packing::parse(packing)
-        .ok_or_else(|| arg_err(format!("unknown packing {packing:?} (thd or bshd)")))?;
+    let packing = Packing::parse(packing).ok_or_else(|| {
+        arg_err(format!(
+            "unknown packing {packing:?} (thd, bshd or thd_contiguous_cp)"
+        ))
+    })?;
     Ok((
         packing,
         TokenSplit {

@@ -11,7 +11,9 @@ use crate::arrays::vector;
 use crate::table::PyRouteTable;
 use crate::{arg_err, route_err};
 
-/// Merges the route tables of one request's calls (aborted, then resumed; in call order).
+/// Merges the route tables of one request's calls (aborted, then resumed; in call order)
+/// under `policy`: `keep_per_token_origin`, `replace_with_resumed` or
+/// `prefer_resumed_from_its_start` (slime's merge).
 #[pyfunction]
 #[pyo3(signature = (pieces, policy = "keep_per_token_origin"))]
 pub(crate) fn merge_resumed(
@@ -21,9 +23,11 @@ pub(crate) fn merge_resumed(
     let policy = match policy {
         "keep_per_token_origin" => MergePolicy::KeepPerTokenOrigin,
         "replace_with_resumed" => MergePolicy::ReplaceWithResumed,
+        "prefer_resumed_from_its_start" => MergePolicy::PreferResumedFromItsStart,
         other => {
             return Err(arg_err(format!(
-                "unknown policy {other:?} (keep_per_token_origin or replace_with_resumed)"
+                "unknown policy {other:?} (keep_per_token_origin, replace_with_resumed or \
+                 prefer_resumed_from_its_start)"
             )))
         }
     };

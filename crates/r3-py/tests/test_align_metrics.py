@@ -40,6 +40,60 @@ def test_replace_with_resumed_takes_the_resumed_rows(rng, layout):
         r3.merge_resumed([earlier, table(rng, layout, 3, start=5)], policy="replace_with_resumed")
 
 
+def slime_merge(existing, routed_experts, routed_experts_start_len):
+    """slime's merge of a resumed call's routes, transcribed from THUDM/slime
+    ``slime/utils/types.py`` (``Sample._apply_meta_info``, mirror 624b824) with numpy for
+    torch; ``existing`` and ``routed_experts`` are slime's all-layer arrays from position 0
+    and from ``routed_experts_start_len``::
+
+        if routed_experts_start_len == 0:
+            self.rollout_routed_experts = routed_experts
+        else:
+            existing = self.rollout_routed_experts
+            ...
+            if existing.shape[0] < routed_experts_start_len:
+                raise ValueError("Existing routed experts shorter than routed_experts_start_len: ...")
+            self.rollout_routed_experts = torch.cat(
+                [existing[:routed_experts_start_len], routed_experts],
+                dim=0,
+            )
+    """
+    if routed_experts_start_len == 0:
+        return routed_experts
+    if existing.shape[0] < routed_experts_start_len:
+        raise ValueError("Existing routed experts shorter than routed_experts_start_len")
+    return np.concatenate([existing[:routed_experts_start_len], routed_experts], axis=0)
+
+
+def test_prefer_resumed_from_its_start_is_slimes_merge(rng, layout):
+    # The earlier call captured rows [0, 10); the resumed call, sent with
+    # routed_experts_start_len 6, reports rows [6, 14). slime keeps rows 0-5 and takes 6-13
+    # (6-9 included) from the resumed call.
+    early_wire, resumed_wire = random_wire(rng, 10), random_wire(rng, 8)
+    earlier = r3.RouteTable.from_vllm(early_wire, layout=layout)
+    resumed = r3.RouteTable.from_vllm(resumed_wire, layout=layout, start_len=6)
+    merged = r3.merge_resumed([earlier, resumed], policy="prefer_resumed_from_its_start")
+    assert (merged.start_pos, merged.num_rows) == (0, 14)
+    np.testing.assert_array_equal(merged.to_numpy_all_layers(), slime_merge(early_wire, resumed_wire, 6))
+    # Neither other policy gives slime's table.
+    kept = r3.merge_resumed([earlier, resumed], policy="keep_per_token_origin")
+    assert not np.array_equal(kept.to_numpy_all_layers(), slime_merge(early_wire, resumed_wire, 6))
+    with pytest.raises(r3.RouteError, match="start after the earlier call's start"):
+        r3.merge_resumed([earlier, resumed], policy="replace_with_resumed")
+    # Every start slime accepts (0: the resumed rows alone; up to the earlier rows' end: a
+    # plain concatenation) gives slime's array; past it both refuse.
+    for start in (0, 1, 9, 10):
+        wire = random_wire(rng, 14 - start)
+        again = r3.RouteTable.from_vllm(wire, layout=layout, start_len=start)
+        got = r3.merge_resumed([earlier, again], policy="prefer_resumed_from_its_start")
+        np.testing.assert_array_equal(got.to_numpy_all_layers(), slime_merge(early_wire, wire, start))
+    late = r3.RouteTable.from_vllm(random_wire(rng, 3), layout=layout, start_len=11)
+    with pytest.raises(ValueError, match="shorter than routed_experts_start_len"):
+        slime_merge(early_wire, late.to_numpy_all_layers(), 11)
+    with pytest.raises(r3.RouteError, match="a gap"):
+        r3.merge_resumed([earlier, late], policy="prefer_resumed_from_its_start")
+
+
 def test_merge_refuses_gaps_losses_and_unknown_policies(rng, layout):
     earlier = table(rng, layout, 5)
     with pytest.raises(r3.RouteError, match="a gap"):

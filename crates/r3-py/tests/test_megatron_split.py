@@ -295,3 +295,221 @@ def test_negative_integers_raise_route_error_naming_the_argument(rng, layout):
     for call, name in cases:
         with pytest.raises(r3.RouteError, match=f"{name} must be a non-negative integer, got -"):
             call()
+
+
+def slime_pad_routed_experts(experts, pad, num_experts):
+    """slime's ``_pad_routed_experts`` (``cp_utils.py``), numpy for torch: ``pad`` filler rows
+    ``arange(pad * num_layers * topk).reshape(pad, num_layers, topk) % num_experts``."""
+    if pad == 0:
+        return experts
+    _, num_layers, topk = experts.shape
+    filler = np.arange(pad * num_layers * topk, dtype=experts.dtype).reshape(pad, num_layers, topk) % num_experts
+    return np.concatenate([experts, filler], axis=0)
+
+
+def slime_allgather_cp(rollout_routed_experts, tp, tp_rank, cp, cp_rank, mult, num_experts):
+    """slime's ``--allgather-cp`` path (THUDM/slime, mirror 624b824), numpy for torch, with
+    sequence parallelism on. Returns what ``prepare_routed_experts_for_routing_replay``
+    hands the rank's routers and the ``cu_seqlens`` that ``get_batch`` builds::
+
+        # data.py get_batch, `if allgather_cp:`
+        for t in tokens:
+            cu_seqlens_list.append(cu_seqlens_list[-1] + t.size(0))
+        tokens = torch.cat(tokens, dim=0)
+        global_pad_size = cp_size * pad_size            # pad_size = tp * pad_multiplier
+        pad = (global_pad_size - tokens.size(0) % global_pad_size) % global_pad_size
+        if pad != 0:
+            tokens = F.pad(tokens, (0, pad), value=pad_token_id)
+            cu_seqlens_list.append(cu_seqlens_list[-1] + pad)
+        tokens = tokens.chunk(cp_size, dim=0)[cp_rank]
+
+        # cp_utils.py prepare_routed_experts_for_routing_replay
+        padded_experts = [_pad_routed_experts(experts, 1, num_experts) for experts in ...]
+        if allgather_cp:
+            routed_experts = torch.cat(padded_experts, dim=0)
+            global_pad_size = cp_size * pad_size
+            pad = (global_pad_size - routed_experts.size(0) % global_pad_size) % global_pad_size
+            routed_experts = _pad_routed_experts(routed_experts, pad, num_experts)
+            routed_experts = routed_experts.chunk(cp_size, dim=0)[cp_rank]
+        if sequence_parallel:
+            seqlen = routed_experts.size(0)
+            start = seqlen // tp_size * tp_rank
+            end = seqlen // tp_size * (tp_rank + 1)
+            routed_experts = routed_experts[start:end]
+    """
+    pad_size = tp * mult
+    global_pad_size = cp * pad_size
+    cu = [0]
+    for experts in rollout_routed_experts:
+        cu.append(cu[-1] + len(experts) + 1)  # a sample's tokens: its routed rows + 1
+    pad = (global_pad_size - cu[-1] % global_pad_size) % global_pad_size
+    if pad != 0:
+        cu.append(cu[-1] + pad)
+    padded = [slime_pad_routed_experts(e, 1, num_experts) for e in rollout_routed_experts]
+    routed = np.concatenate(padded, axis=0)
+    pad = (global_pad_size - routed.shape[0] % global_pad_size) % global_pad_size
+    routed = slime_pad_routed_experts(routed, pad, num_experts)
+    routed = np.split(routed, cp)[cp_rank]  # torch.chunk: equal parts, the length divides
+    seqlen = routed.shape[0]
+    return routed[seqlen // tp * tp_rank : seqlen // tp * (tp_rank + 1)], cu
+
+
+def test_contiguous_cp_replays_as_slimes_allgather_cp(rng, layout):
+    lens = [6, 2, 9]  # tokens per sequence
+    wires = [random_wire(rng, n - 1) for n in lens]
+    tables = [r3.RouteTable.from_vllm(w, layout=layout) for w in wires]
+    # Which (sequence, position) each of slime's rows holds: run it on tags (num_experts
+    # above every tag, so its filler stays below them).
+    big = 10**6
+    tags = [np.array([[[big + s * 1000 + p]] for p in range(n - 1)], dtype=np.int64) for s, n in enumerate(lens)]
+    for tp, cp in [(1, 2), (2, 2), (1, 3), (2, 1), (4, 2)]:
+        for mult in (1, 128):
+            for tp_rank in range(tp):
+                for cp_rank in range(cp):
+                    want, cu = slime_allgather_cp(wires, tp, tp_rank, cp, cp_rank, mult, NUM_EXPERTS)
+                    rows, _ = slime_allgather_cp(tags, tp, tp_rank, cp, cp_rank, mult, big)
+                    where = [((v - big) // 1000, (v - big) % 1000) if v >= big else None for v in rows[:, 0, 0]]
+                    kw = dict(tp_sp=(tp, tp_rank), cp=(cp, cp_rank), packing="thd_contiguous_cp",
+                              cu_seqlens_padded=cu, trailing_padding=True)
+                    ids = r3.megatron.replay_arrays(tables, layout, num_tokens=len(want), **kw)
+                    slots = r3.megatron.rank_tokens(
+                        lens, "thd_contiguous_cp", (tp, tp_rank), (cp, cp_rank),
+                        cu_seqlens_padded=cu, trailing_padding=True,
+                    )
+                    got = [(int(s), int(p)) if s >= 0 and p < lens[s] - 1 else None for s, p in slots]
+                    case = (tp, tp_rank, cp, cp_rank, mult)
+                    assert got == where, case
+                    for r, layer in enumerate([1, 2, 3]):
+                        routed = [i for i, w in enumerate(where) if w is not None]
+                        np.testing.assert_array_equal(ids[r][routed], want[routed, layer], err_msg=str(case))
+                        # Elsewhere (last tokens, padding) r3's filler, as for thd.
+                        others = [i for i, w in enumerate(where) if w is None]
+                        np.testing.assert_array_equal(
+                            ids[r][others], fill(np.full((len(where), 2), -1))[others], err_msg=str(case)
+                        )
+    # The zigzag packing cannot read slime's allgather offsets (here [0, 6, 8, 17, 18]: a
+    # 1-token tail two cp ranks cannot share, and sequences no multiple of 2·cp).
+    _, cu = slime_allgather_cp(wires, 1, 0, 2, 1, 1, NUM_EXPERTS)
+    assert cu == [0, 6, 8, 17, 18]
+    with pytest.raises(r3.RouteError, match="trailing padding segment has 1 tokens"):
+        r3.megatron.rank_tokens(lens, "thd", (1, 0), (2, 1), cu_seqlens_padded=cu, trailing_padding=True)
+    with pytest.raises(r3.RouteError, match="not a multiple of 2·cp = 4"):
+        r3.megatron.rank_tokens(lens, "thd", (1, 0), (2, 1), cu_seqlens_padded=cu[:-1])
+    with pytest.raises(r3.RouteError, match=r'unknown packing "allgather" \(thd, bshd or thd_contiguous_cp\)'):
+        r3.megatron.rank_tokens(lens, "allgather")
+
+
+# A 6-layer model, layer 0 dense; Megatron's pipeline_model_parallel_layout "Et|tt|tt|tL"
+# over pp 2: flat stages (pp 0, vp 0) "Et", (pp 1, vp 0) "tt", (pp 0, vp 1) "tt",
+# (pp 1, vp 1) "tL", decoder layers numbered in that order: [0] [1, 2] [3, 4] [5].
+LAYOUT_TEXT = "Et|tt|tt|tL"
+
+
+@pytest.fixture
+def six_layers():
+    return r3.LayerLayout(6, [1, 2, 3, 4, 5], num_experts=NUM_EXPERTS, top_k=2)
+
+
+class LayerType:
+    """Megatron's LayerType enum as the layout object holds it: members with a ``.name``."""
+
+    def __init__(self, name):
+        self.name = name
+
+
+class MegatronLayout:
+    """What r3 reads of Megatron's PipelineParallelLayerLayout: ``.layout[pp_rank][vp_stage]``
+    (lists of LayerType) and ``.pipeline_model_parallel_size``."""
+
+    def __init__(self, per_rank):
+        self.layout = [[[LayerType(n) for n in stage] for stage in rank] for rank in per_rank]
+        self.pipeline_model_parallel_size = len(per_rank)
+
+
+E, T, L = "embedding", "decoder", "loss"
+MEGATRON_OBJECT = MegatronLayout([[[E, T], [T, T]], [[T, T], [T, L]]])
+LIST_FORM = [[E, T], [T, T], ["Decoder ", T], [T, L]]  # stripped, any case, as Megatron's
+
+
+def test_pipeline_layout_decides_the_routers(six_layers):
+    for form in (LAYOUT_TEXT, LIST_FORM, MEGATRON_OBJECT):
+        kw = dict(pp_size=2, pipeline_layout=form)
+        # Layer 0 (pp 0, vp 0) is dense: no router.
+        assert r3.megatron.router_layers(six_layers, pp_rank=0, **kw) == [3, 4]
+        assert r3.megatron.router_layers(six_layers, pp_rank=1, **kw) == [1, 2, 5]
+        assert r3.megatron.router_layers(six_layers, pp_rank=0, vp_stage=0, **kw) == []
+        assert r3.megatron.router_layers(six_layers, pp_rank=1, vp_stage=1, **kw) == [5]
+        split = r3.megatron.PipelineSplit(6, 2, pipeline_layout=form)
+        assert split.pipeline_layout == [[E, T], [T, T], [T, T], [T, L]]
+        assert [split.layer_offset(1, s) for s in (0, 1)] == [1, 5]
+        assert [split.num_layers_to_build(0, s) for s in (0, 1)] == [1, 2]
+    # Without the layout the even split of 6 layers over pp 2 x vp 2 does not divide (3 per
+    # stage); a caller approximating it as pp 2 alone gets other layers.
+    assert r3.megatron.router_layers(six_layers, pp_rank=1, pp_size=2) == [3, 4, 5]
+    assert r3.megatron.PipelineSplit(6, 2).pipeline_layout is None
+
+
+def test_pipeline_layout_refusals_name_the_problem(six_layers):
+    cases = [
+        (dict(pp_size=3, pipeline_layout=LAYOUT_TEXT), "4 stages, not a multiple of pp_size 3"),
+        (dict(pp_size=2, pipeline_layout="Et|tt|tt|ttL"), "7 decoder layers"),
+        (dict(pp_size=2, pipeline_layout="Et|tt|tt|tX"), "invalid layer character 'X'"),
+        (dict(pp_size=2, vp_size=4, pipeline_layout=LAYOUT_TEXT), "vp_size 4 conflicts"),
+        (dict(pp_size=2, first_stage_layers=1, pipeline_layout=LAYOUT_TEXT), "cannot be set with the other"),
+        (dict(pp_size=4, pipeline_layout=MEGATRON_OBJECT), "built for pipeline_model_parallel_size 2"),
+        (dict(pp_size=2, pipeline_layout=[[E, T], "tt", [T, T], [T, L]]), r"pipeline_layout\[1\] must be a list"),
+        (dict(pp_size=2, pipeline_layout=[[E, T], [T, 3], [T, T], [T, L]]), r"pipeline_layout\[1\]\[1\] must be a LayerType"),
+        (dict(pp_size=2, pipeline_layout=[[E, T], [T, "encoder"], [T, T], [T, L]]), r"pipeline_layout\[1\]\[1\]: encoder layers are not supported"),
+        (dict(pp_size=2, pipeline_layout=[[E, T], [T, "t"], [T, T], [T, L]]), r'pipeline_layout\[1\]\[1\]: "t" is not a layer type'),
+    ]
+    for kw, match in cases:
+        with pytest.raises(r3.RouteError, match=match):
+            r3.megatron.router_layers(six_layers, **kw)
+    with pytest.raises(r3.RouteError, match="vp_stage is required"):
+        r3.megatron.PipelineSplit(6, 2, pipeline_layout=LAYOUT_TEXT).layer_offset(0)
+
+
+class PipelineConfig(Config):
+    """TransformerConfig's pipeline fields, as __post_init__ leaves them: a layout string
+    turned into Megatron's object and the virtual size set from it."""
+
+    def __init__(self, **kw):
+        super().__init__(
+            pipeline_model_parallel_size=1,
+            virtual_pipeline_model_parallel_size=None,
+            num_layers_in_first_pipeline_stage=None,
+            num_layers_in_last_pipeline_stage=None,
+            account_for_embedding_in_pipeline_split=False,
+            account_for_loss_in_pipeline_split=False,
+            pipeline_model_parallel_layout=None,
+        )
+        self.__dict__.update(kw)
+
+
+def test_the_pipeline_is_read_from_the_config(rng, six_layers):
+    cfg = PipelineConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                         pipeline_model_parallel_layout=MEGATRON_OBJECT)
+    pipeline = r3.megatron.pipeline_from_config(cfg, 6, {"pp_rank": 1, "tp_sp": (1, 0)})
+    assert pipeline["pp_size"] == 2 and pipeline["pipeline_layout"] is MEGATRON_OBJECT
+    assert pipeline["pp_rank"] == 1 and pipeline["tp_sp"] == (1, 0)
+    tables = [r3.RouteTable.from_vllm(random_wire(rng, 4, num_layers=6), layout=six_layers)]
+    ids = r3.megatron.replay_arrays(tables, six_layers, **pipeline)
+    assert ids.shape == (3, 5, 2)  # the routers of layers 1, 2 and 5
+    np.testing.assert_array_equal(ids[2][:4], tables[0].ids[:, 4])  # layer 5 = MoE column 4
+    # A router or model holding the config works the same; given keywords must agree.
+    assert r3.megatron.pipeline_from_config(Router(cfg), 6)["vp_size"] == 2
+    assert r3.megatron.pipeline_from_config(cfg, 6, {"pipeline_layout": LAYOUT_TEXT, "vp_size": 2})
+    with pytest.raises(r3.RouteError, match="pp_size=4 differs from the config's pipeline_model_parallel_size=2"):
+        r3.megatron.pipeline_from_config(cfg, 6, {"pp_size": 4})
+    with pytest.raises(r3.RouteError, match="pipeline_layout='Ett|t|tt|tL' differs"):
+        r3.megatron.pipeline_from_config(cfg, 6, {"pipeline_layout": "Ett|t|tt|tL"})
+    with pytest.raises(r3.RouteError, match="pipeline_layout=None differs"):
+        r3.megatron.pipeline_from_config(cfg, 6, {"pipeline_layout": None})
+    # Without a layout the config's even split is read (vp None and 1 agree).
+    even = PipelineConfig(pipeline_model_parallel_size=2)
+    assert r3.megatron.pipeline_from_config(even, 6, {"vp_size": 1})["pipeline_layout"] is None
+    assert r3.megatron.router_layers(six_layers, pp_rank=1, **{
+        k: v for k, v in r3.megatron.pipeline_from_config(even, 6).items()
+    }) == [3, 4, 5]
+    with pytest.raises(r3.RouteError, match="expected Megatron-Core's TransformerConfig"):
+        r3.megatron.pipeline_from_config(object(), 6)

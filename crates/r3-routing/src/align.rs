@@ -49,6 +49,13 @@ pub enum MergePolicy {
     /// Keep each token's routes from the call that generated it: rows of the earlier call
     /// stay, the resumed call contributes only rows past its end (verl #6046).
     KeepPerTokenOrigin,
+    /// slime's merge (`Sample._apply_meta_info` in `slime/utils/types.py`:
+    /// `torch.cat([existing[:routed_experts_start_len], routed_experts])`): the earlier
+    /// call's rows before the resumed call's first row stay, and every row from the resumed
+    /// call's start on is the resumed call's, including rows the earlier call also holds.
+    /// A resumed table starting at or before the earlier one's start replaces it whole
+    /// (slime's `routed_experts_start_len == 0`).
+    PreferResumedFromItsStart,
 }
 
 /// Merges the routes of an aborted call (`earlier`) with those of the resumed call.
@@ -101,6 +108,25 @@ pub fn merge_resumed(
             let tail_from = earlier.end_pos() - resumed.start_pos();
             let tail = resumed.slice_rows(tail_from, resumed.num_tokens())?;
             out.append(&tail)?;
+            Ok(out)
+        }
+        MergePolicy::PreferResumedFromItsStart => {
+            // slime refuses "existing routed experts shorter than routed_experts_start_len":
+            // the resumed rows must start within or right after the earlier ones.
+            if resumed.start_pos() > earlier.end_pos() {
+                return Err(RouteError::Misaligned {
+                    what: "resumed routes",
+                    rows: resumed.start_pos()..resumed.end_pos(),
+                    against: earlier.start_pos()..earlier.end_pos(),
+                    rule: "they start past the earlier call's end: a gap",
+                });
+            }
+            if resumed.start_pos() <= earlier.start_pos() {
+                return Ok(resumed.clone());
+            }
+            // existing[:start_len]: the earlier rows before the resumed call's first row.
+            let mut out = earlier.slice_rows(0, resumed.start_pos() - earlier.start_pos())?;
+            out.append(resumed)?;
             Ok(out)
         }
     }

@@ -2,10 +2,12 @@
 //! a training engine built on Megatron can be handed exactly the routes its local routers
 //! replay. [`PipelineSplit`] gives the transformer layers a pipeline stage (and virtual stage)
 //! builds — the numbers of Megatron's `get_num_layers_to_build` and
-//! `get_transformer_layer_offset`; [`rank_tokens`] gives the tokens of a batch one
-//! sequence-parallel × context-parallel rank's routers see, in the order they see them
-//! (Megatron's zigzag context-parallel split, then the sequence-parallel split of the first
-//! dimension); [`replay_ids`] gathers a rank's replay ids from route tables.
+//! `get_transformer_layer_offset`, from the even / uneven split or from a custom
+//! [`PipelineLayout`] (`pipeline_model_parallel_layout`); [`rank_tokens`] gives the tokens of
+//! a batch one sequence-parallel × context-parallel rank's routers see, in the order they see
+//! them (Megatron's zigzag context-parallel split, or slime's contiguous one, then the
+//! sequence-parallel split of the first dimension); [`replay_ids`] gathers a rank's replay ids
+//! from route tables.
 //! Megatron's `RouterReplay` itself does none of this slicing: the caller must.
 
 use std::ops::Range;
@@ -35,6 +37,257 @@ pub struct PipelineSplit {
     pub account_for_embedding: bool,
     /// `account_for_loss_in_pipeline_split`: the loss counts as one layer.
     pub account_for_loss: bool,
+    /// `pipeline_model_parallel_layout`: a custom layout of the layers over the pipeline and
+    /// virtual stages, which then decides the split alone (Megatron refuses it together with
+    /// the uneven-stage and embedding / loss fields, and so does r3).
+    pub layout: Option<PipelineLayout>,
+}
+
+/// One entry of Megatron's `pipeline_model_parallel_layout` (its `LayerType`s; the encoder
+/// type, which Megatron's flexible layout does not implement, is refused when parsed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LayoutLayer {
+    /// `E` / `embedding`.
+    Embedding,
+    /// `t` / `decoder`: a transformer layer (the only kind that builds a router).
+    Decoder,
+    /// `m` / `mtp`: a multi-token-prediction layer.
+    Mtp,
+    /// `L` / `loss`.
+    Loss,
+}
+
+impl LayoutLayer {
+    /// Megatron's `LayerType` member name.
+    pub fn name(self) -> &'static str {
+        match self {
+            LayoutLayer::Embedding => "embedding",
+            LayoutLayer::Decoder => "decoder",
+            LayoutLayer::Mtp => "mtp",
+            LayoutLayer::Loss => "loss",
+        }
+    }
+
+    /// A `LayerType` member name as Megatron's list form takes it (stripped, any case).
+    pub fn from_name(name: &str) -> Result<Self, RouteError> {
+        match name.trim().to_lowercase().as_str() {
+            "embedding" => Ok(LayoutLayer::Embedding),
+            "decoder" => Ok(LayoutLayer::Decoder),
+            "mtp" => Ok(LayoutLayer::Mtp),
+            "loss" => Ok(LayoutLayer::Loss),
+            "encoder" => Err(arg(
+                "encoder layers are not supported by Megatron's flexible pipeline layout (it \
+                 raises NotImplementedError)"
+                    .to_string(),
+            )),
+            _ => Err(arg(format!(
+                "{name:?} is not a layer type (embedding, decoder, mtp, loss)"
+            ))),
+        }
+    }
+
+    fn from_char(c: char) -> Option<Self> {
+        match c {
+            'E' => Some(LayoutLayer::Embedding),
+            't' => Some(LayoutLayer::Decoder),
+            'm' => Some(LayoutLayer::Mtp),
+            'L' => Some(LayoutLayer::Loss),
+            _ => None,
+        }
+    }
+}
+
+/// Megatron-Core's custom pipeline layout (`PipelineParallelLayerLayout`,
+/// `megatron/core/transformer/pipeline_parallel_layer_layout.py`): the layers of each
+/// pipeline stage in Megatron's flat order — stage `vp_stage · pp_size + pp_rank` is the
+/// model chunk `vp_stage` of pipeline rank `pp_rank`, and the decoder layers are numbered in
+/// that order. The split it gives is read by [`PipelineSplit`] (with `layout` set).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PipelineLayout {
+    stages: Vec<Vec<LayoutLayer>>,
+}
+
+/// The most characters a layout string may hold once its repetitions are unrolled (far above
+/// a model of [`DecodeLimits::MAX_LAYERS`] layers), so a mistyped count is refused before a
+/// huge string is built.
+pub const MAX_LAYOUT_CHARS: usize = 1 << 16;
+
+/// Appends `piece` `times` times to `out`, refused past [`MAX_LAYOUT_CHARS`].
+fn repeat_into(out: &mut Vec<char>, piece: &[char], times: &str) -> Result<(), RouteError> {
+    let too_long = || {
+        arg(format!(
+            "pipeline_layout: unrolling {:?}*{times} passes the {MAX_LAYOUT_CHARS} characters \
+             a layout may hold",
+            piece.iter().collect::<String>()
+        ))
+    };
+    let n: usize = times.parse().map_err(|_| too_long())?;
+    let total = piece
+        .len()
+        .checked_mul(n)
+        .and_then(|k| k.checked_add(out.len()))
+        .filter(|&k| k <= MAX_LAYOUT_CHARS)
+        .ok_or_else(too_long)?;
+    out.reserve(total - out.len());
+    for _ in 0..n {
+        out.extend_from_slice(piece);
+    }
+    Ok(())
+}
+
+/// The ASCII digits of `s` from `at` on: their end (`at` when there are none).
+fn digits_end(s: &[char], at: usize) -> usize {
+    at + s[at.min(s.len())..]
+        .iter()
+        .take_while(|c| c.is_ascii_digit())
+        .count()
+}
+
+impl PipelineLayout {
+    /// Parses Megatron's string form (`--pipeline-model-parallel-layout`, e.g.
+    /// `"Et*3|(tt|)*29,m|L"`) as `PipelineParallelLayerLayout.parse_str_to_list` does: commas
+    /// dropped, `(...)*n` then `x*n` unrolled (the same two left-to-right substitutions as
+    /// its regular expressions `\(([^)]+)\)\*(\d+)` and `(.)\*(\d+)`), stages split at `|`,
+    /// `E` embedding, `t` decoder, `m` MTP, `L` loss.
+    pub fn parse(text: &str) -> Result<Self, RouteError> {
+        if text.len() > MAX_LAYOUT_CHARS {
+            return Err(arg(format!(
+                "pipeline_layout has {} bytes, more than the {MAX_LAYOUT_CHARS} a layout may hold",
+                text.len()
+            )));
+        }
+        let s: Vec<char> = text.chars().filter(|&c| c != ',').collect();
+        // `\(([^)]+)\)\*(\d+)`: the group runs to the first `)` (it may hold `(`). The next
+        // `)` from each position is found once, so many `(` cost no quadratic rescans; digits
+        // are read only where a match can follow, and a match moves past them.
+        let mut next_close = vec![None; s.len() + 1];
+        for i in (0..s.len()).rev() {
+            next_close[i] = if s[i] == ')' {
+                Some(i)
+            } else {
+                next_close[i + 1]
+            };
+        }
+        let mut once = Vec::with_capacity(s.len());
+        let mut i = 0;
+        while i < s.len() {
+            if let (true, Some(close)) = (s[i] == '(', next_close[i + 1]) {
+                if close > i + 1 && s.get(close + 1) == Some(&'*') {
+                    let end = digits_end(&s, close + 2);
+                    if end > close + 2 {
+                        let times: String = s[close + 2..end].iter().collect();
+                        repeat_into(&mut once, &s[i + 1..close], &times)?;
+                        i = end;
+                        continue;
+                    }
+                }
+            }
+            once.push(s[i]);
+            i += 1;
+        }
+        // `(.)\*(\d+)`: any character but a newline, repeated.
+        let mut flat = Vec::with_capacity(once.len());
+        let mut i = 0;
+        while i < once.len() {
+            let repeat = once[i] != '\n' && once.get(i + 1) == Some(&'*');
+            let end = if repeat {
+                digits_end(&once, i + 2)
+            } else {
+                i + 2
+            };
+            if end > i + 2 {
+                let times: String = once[i + 2..end].iter().collect();
+                repeat_into(&mut flat, &once[i..=i], &times)?;
+                i = end;
+                continue;
+            }
+            if flat.len() >= MAX_LAYOUT_CHARS {
+                return Err(arg(format!(
+                    "pipeline_layout passes the {MAX_LAYOUT_CHARS} characters a layout may hold"
+                )));
+            }
+            flat.push(once[i]);
+            i += 1;
+        }
+        let stages = flat
+            .split(|&c| c == '|')
+            .map(|stage| {
+                stage
+                    .iter()
+                    .map(|&c| {
+                        LayoutLayer::from_char(c).ok_or_else(|| {
+                            arg(format!(
+                                "pipeline_layout {text:?}: invalid layer character {c:?} (known: \
+                                 E embedding, t decoder, m mtp, L loss; | between stages, \
+                                 (...)*n and x*n repeat)"
+                            ))
+                        })
+                    })
+                    .collect()
+            })
+            .collect::<Result<Vec<Vec<_>>, _>>()?;
+        Ok(PipelineLayout { stages })
+    }
+
+    /// The list form (`pipeline_model_parallel_layout` as a list of stages, each a list of
+    /// `LayerType` names), in Megatron's flat stage order.
+    pub fn from_stages(stages: Vec<Vec<LayoutLayer>>) -> Self {
+        PipelineLayout { stages }
+    }
+
+    /// The stages in Megatron's flat order (`vp_stage · pp_size + pp_rank`).
+    pub fn stages(&self) -> &[Vec<LayoutLayer>] {
+        &self.stages
+    }
+
+    fn decoders(stage: &[LayoutLayer]) -> usize {
+        stage.iter().filter(|&&l| l == LayoutLayer::Decoder).count()
+    }
+
+    /// Checks the layout against the model and the pipeline as Megatron's
+    /// `TransformerConfig.__post_init__` and `validate_layer_layout` do (the stages a
+    /// multiple of `pp_size`; the embedding first and the loss last, each exactly once;
+    /// `num_layers` decoder layers, all before any MTP layer). Returns the virtual-pipeline
+    /// size it implies. The MTP placement rules that need `mtp_num_layers` are Megatron's to
+    /// check: r3 replays no MTP router.
+    fn check(&self, num_layers: usize, pp_size: usize) -> Result<usize, RouteError> {
+        let n = self.stages.len();
+        if !n.is_multiple_of(pp_size) {
+            return Err(arg(format!(
+                "pipeline_layout has {n} stages, not a multiple of pp_size {pp_size}"
+            )));
+        }
+        let flat: Vec<LayoutLayer> = self.stages.concat();
+        let count = |l: LayoutLayer| flat.iter().filter(|&&x| x == l).count();
+        if flat.first() != Some(&LayoutLayer::Embedding)
+            || count(LayoutLayer::Embedding) != 1
+            || flat.last() != Some(&LayoutLayer::Loss)
+            || count(LayoutLayer::Loss) != 1
+        {
+            return Err(arg(
+                "pipeline_layout must start with the embedding (E) and end with the loss (L), \
+                 each exactly once (Megatron's validate_layer_layout)"
+                    .to_string(),
+            ));
+        }
+        let decoders = count(LayoutLayer::Decoder);
+        if decoders != num_layers {
+            return Err(arg(format!(
+                "pipeline_layout holds {decoders} decoder layers (t), but num_layers is \
+                 {num_layers}"
+            )));
+        }
+        if let Some(first_mtp) = flat.iter().position(|&l| l == LayoutLayer::Mtp) {
+            if flat[first_mtp..].contains(&LayoutLayer::Decoder) {
+                return Err(arg(
+                    "pipeline_layout places a decoder layer after an MTP layer (Megatron needs \
+                     every decoder layer first)"
+                        .to_string(),
+                ));
+            }
+        }
+        Ok(n / pp_size)
+    }
 }
 
 fn arg(msg: String) -> RouteError {
@@ -59,6 +312,7 @@ impl PipelineSplit {
             last_stage_layers: None,
             account_for_embedding: false,
             account_for_loss: false,
+            layout: None,
         }
     }
 
@@ -66,6 +320,90 @@ impl PipelineSplit {
     pub fn with_vp_size(mut self, vp_size: Option<usize>) -> Self {
         self.vp_size = vp_size;
         self
+    }
+
+    /// Sets a custom layout (`pipeline_model_parallel_layout`).
+    pub fn with_layout(mut self, layout: Option<PipelineLayout>) -> Self {
+        self.layout = layout;
+        self
+    }
+
+    /// With a custom layout: the layout checked against the other fields (as
+    /// `TransformerConfig.__post_init__` checks them), and the virtual-pipeline size it
+    /// implies.
+    fn checked_layout(&self) -> Result<Option<(&PipelineLayout, usize)>, RouteError> {
+        let Some(layout) = &self.layout else {
+            return Ok(None);
+        };
+        DecodeLimits::check_layers("num_layers", self.num_layers)?;
+        if self.pp_size == 0 {
+            return Err(arg("pp_size must be >= 1".to_string()));
+        }
+        if self.is_uneven() || self.account_for_embedding || self.account_for_loss {
+            return Err(arg(
+                "pipeline_layout cannot be set with the other pipeline layout arguments \
+                 (first_stage_layers, last_stage_layers, account_for_embedding, \
+                 account_for_loss), as in Megatron"
+                    .to_string(),
+            ));
+        }
+        let vp = layout.check(self.num_layers, self.pp_size)?;
+        match self.vp_size {
+            Some(v) if v != vp => Err(arg(format!(
+                "vp_size {v} conflicts with pipeline_layout, whose {} stages over pp_size {} \
+                 make {vp} virtual stages",
+                layout.stages.len(),
+                self.pp_size
+            ))),
+            _ if vp > 1 && self.pp_size == 1 => Err(arg(format!(
+                "pipeline_layout gives pp_size 1 {vp} virtual stages; Megatron interleaves only \
+                 across stages (pp_size > 1)"
+            ))),
+            _ => Ok(Some((layout, vp))),
+        }
+    }
+
+    /// The layout's chunk (`pp_rank`, `vp_stage`) as (offset, layers): Megatron's
+    /// `PipelineParallelLayerLayout.get_layer_offset` and `get_num_layers_to_build` — the
+    /// decoder layers of every stage before `vp_stage · pp_size + pp_rank` in the flat order,
+    /// and of that stage.
+    fn layout_chunk(
+        &self,
+        layout: &PipelineLayout,
+        vp: usize,
+        pp_rank: usize,
+        vp_stage: Option<usize>,
+    ) -> Result<(usize, usize), RouteError> {
+        if pp_rank >= self.pp_size {
+            return Err(RouteError::OutOfRange {
+                what: "pp_rank",
+                index: pp_rank,
+                len: self.pp_size,
+            });
+        }
+        let vp_stage = match vp_stage {
+            Some(s) if s >= vp => {
+                return Err(RouteError::OutOfRange {
+                    what: "vp_stage",
+                    index: s,
+                    len: vp,
+                })
+            }
+            Some(s) => s,
+            None if vp > 1 => {
+                return Err(arg(format!(
+                    "vp_stage is required with pipeline_layout's {vp} virtual stages (one model \
+                     chunk at a time)"
+                )))
+            }
+            None => 0,
+        };
+        let at = vp_stage * self.pp_size + pp_rank;
+        let offset = layout.stages[..at]
+            .iter()
+            .map(|s| PipelineLayout::decoders(s))
+            .sum();
+        Ok((offset, PipelineLayout::decoders(&layout.stages[at])))
     }
 
     /// The virtual-pipeline size that takes effect: Megatron interleaves only with pp > 1.
@@ -156,6 +494,9 @@ impl PipelineSplit {
         pp_rank: usize,
         vp_stage: Option<usize>,
     ) -> Result<usize, RouteError> {
+        if let Some((layout, vp)) = self.checked_layout()? {
+            return Ok(self.layout_chunk(layout, vp, pp_rank, vp_stage)?.1);
+        }
         let vp_stage = self.check_ranks(pp_rank, vp_stage)?;
         let (first_pp, last_pp) = (pp_rank == 0, pp_rank + 1 == self.pp_size);
         let per_stage = if self.is_uneven() {
@@ -209,6 +550,9 @@ impl PipelineSplit {
         pp_rank: usize,
         vp_stage: Option<usize>,
     ) -> Result<usize, RouteError> {
+        if let Some((layout, vp)) = self.checked_layout()? {
+            return Ok(self.layout_chunk(layout, vp, pp_rank, vp_stage)?.0);
+        }
         let vp_stage = self.check_ranks(pp_rank, vp_stage)?;
         if self.pp_size == 1 {
             return Ok(0);
@@ -278,7 +622,11 @@ impl PipelineSplit {
         pp_rank: usize,
         vp_stage: Option<usize>,
     ) -> Result<Vec<usize>, RouteError> {
-        match (self.effective_vp(), vp_stage) {
+        let chunks = match self.checked_layout()? {
+            Some((_, vp)) => Some(vp),
+            None => self.effective_vp(),
+        };
+        match (chunks, vp_stage) {
             (Some(v), None) if v > 1 => {
                 let mut out = Vec::new();
                 for s in 0..v {
@@ -300,14 +648,22 @@ pub enum Packing {
     /// Padded batch (BSHD): every sequence padded to one length; Megatron's hidden states are
     /// `[seq, batch, hidden]`, so the routers see tokens position-major.
     Bshd,
+    /// Packed (THD) with a contiguous context-parallel split of the whole packed stream:
+    /// sequences one after another, not padded one by one; the stream (with any trailing
+    /// padding) cut into `cp` equal contiguous parts, rank `r` keeping part `r`, then split
+    /// over sequence parallelism. slime's `--allgather-cp` layout (DSA attention models):
+    /// `get_batch` does `tokens = torch.cat(tokens)`, pads to a multiple of
+    /// `cp · tp · data_pad_size_multiplier`, then `tokens.chunk(cp_size)[cp_rank]`.
+    ThdContiguousCp,
 }
 
 impl Packing {
-    /// Parses `"thd"` or `"bshd"`.
+    /// Parses `"thd"`, `"bshd"` or `"thd_contiguous_cp"`.
     pub fn parse(s: &str) -> Option<Self> {
         match s {
             "thd" => Some(Packing::Thd),
             "bshd" => Some(Packing::Bshd),
+            "thd_contiguous_cp" => Some(Packing::ThdContiguousCp),
             _ => None,
         }
     }
@@ -508,10 +864,15 @@ fn check_cu_seqlens(cu: &[usize], n: usize, tail_allowed: bool) -> Result<usize,
 }
 
 /// The padded length of each packed (`thd`) sequence and of a trailing padding segment.
+/// With `zigzag` (`thd`) each sequence is split over context parallelism on its own, so it
+/// must be a multiple of `2·cp` and the tail of `cp`; without (`thd_contiguous_cp`) the
+/// stream is split as a whole: the inferred padding leaves the sequences as they are and
+/// pads the stream at its end to a multiple of `cp · sp`.
 fn thd_padded(
     seq_lens: &[usize],
     split: &TokenSplit,
     padding: Padding<'_>,
+    zigzag: bool,
 ) -> Result<ThdPadded, RouteError> {
     let (cu, tail) = match padding {
         Padding::Aligned => (None, 0),
@@ -527,7 +888,7 @@ fn thd_padded(
     };
     // The tail is padding on every rank: only its share per context-parallel rank counts,
     // so it needs to split evenly over cp, not into 2·cp zigzag chunks.
-    if !tail.is_multiple_of(split.cp_size) {
+    if zigzag && !tail.is_multiple_of(split.cp_size) {
         return Err(arg(format!(
             "cu_seqlens_padded's trailing padding segment has {tail} tokens, not a multiple \
              of cp = {} (each context-parallel rank holds an equal share)",
@@ -544,6 +905,7 @@ fn thd_padded(
     let mut out = Vec::with_capacity(seq_lens.len());
     for (seq, &n) in seq_lens.iter().enumerate() {
         let padded = match cu {
+            None if !zigzag => n,
             None => round_up(n, split.alignment(), || format!("sequence {seq}"))?,
             Some(cu) => {
                 let padded = cu[seq + 1] - cu[seq];
@@ -553,7 +915,7 @@ fn thd_padded(
                          its {n} tokens"
                     )));
                 }
-                if !padded.is_multiple_of(split.cp_multiple()) {
+                if zigzag && !padded.is_multiple_of(split.cp_multiple()) {
                     return Err(arg(format!(
                         "cu_seqlens_padded gives sequence {seq} {padded} tokens, not a \
                          multiple of 2·cp = {} (the context-parallel zigzag split)",
@@ -573,6 +935,15 @@ fn thd_padded(
                 ))
             })?;
         out.push(padded);
+    }
+    if !zigzag && cu.is_none() {
+        // The stream padded at its end so that every cp × sp rank holds an equal share.
+        let stream = split.cp_size.saturating_mul(split.sp_size);
+        let padded = round_up(total, stream, || "the packed sequences".to_string())?;
+        return Ok(ThdPadded {
+            seqs: out,
+            tail: padded - total,
+        });
     }
     Ok(ThdPadded { seqs: out, tail })
 }
@@ -651,7 +1022,7 @@ pub fn rank_tokens(
     };
     match packing {
         Packing::Thd => {
-            let padded = thd_padded(seq_lens, &split, padding)?;
+            let padded = thd_padded(seq_lens, &split, padding, true)?;
             let what = || match padding {
                 Padding::CuSeqlens(_) | Padding::CuSeqlensWithTail(_) => "cu_seqlens_padded",
                 _ => "packed sequences",
@@ -674,6 +1045,35 @@ pub fn rank_tokens(
             let tail_mine = mine.start.max(at)..mine.end.min(at + tail);
             local.extend(tail_mine.map(|_| TokenSlot::Pad));
             Ok(local)
+        }
+        Packing::ThdContiguousCp => {
+            let padded = thd_padded(seq_lens, &split, padding, false)?;
+            let total = padded.seqs.iter().sum::<usize>() + padded.tail;
+            let what = match padding {
+                Padding::CuSeqlens(_) | Padding::CuSeqlensWithTail(_) => "cu_seqlens_padded",
+                _ => "packed sequences",
+            };
+            if !total.is_multiple_of(split.cp_size) {
+                return Err(arg(format!(
+                    "{what}: the packed stream's {total} tokens do not split evenly over cp {} \
+                     (the contiguous context-parallel split needs a multiple)",
+                    split.cp_size
+                )));
+            }
+            let part = total / split.cp_size;
+            let local = split.sp_range(part, what)?;
+            // This rank's tokens as positions of the whole stream.
+            let base = split.cp_rank * part;
+            let mine = base + local.start..base + local.end;
+            let mut out = Vec::with_capacity(mine.len());
+            let mut at = 0usize;
+            for (seq, &p) in padded.seqs.iter().enumerate() {
+                let (from, to) = (mine.start.max(at), mine.end.min(at + p));
+                out.extend((from..to).map(|g| slot(seq, g - at)));
+                at += p;
+            }
+            out.resize(mine.len(), TokenSlot::Pad);
+            Ok(out)
         }
         Packing::Bshd => {
             let padded = bshd_padded(seq_lens, &split, padding)?;

@@ -1,7 +1,7 @@
 """Type stubs of the compiled core ``r3._r3`` (PyO3 over r3-routing)."""
 
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -92,12 +92,31 @@ class PipelineSplit:
         last_stage_layers: Optional[int] = None,
         account_for_embedding: bool = False,
         account_for_loss: bool = False,
-    ) -> None: ...
+        pipeline_layout: Union[str, Sequence[Sequence[Any]], Any, None] = None,
+    ) -> None:
+        """``pipeline_layout``: Megatron's ``pipeline_model_parallel_layout`` — its string
+        form (``"Et|tt|tt|tL"``, ``"E|(t*4|)*3,tt,m,L"``), its list form (stages of
+        ``LayerType`` names or members in Megatron's flat order) or a
+        ``PipelineParallelLayerLayout``; it then decides the split alone (the virtual stages
+        are its stages over ``pp_size``)."""
+    @property
+    def pipeline_layout(self) -> Optional[List[List[str]]]:
+        """The custom layout's stages (``LayerType`` names), stage ``vp_stage * pp_size +
+        pp_rank`` first to last; None without one."""
     def layer_offset(self, pp_rank: int, vp_stage: Optional[int] = None) -> int: ...
     def num_layers_to_build(self, pp_rank: int, vp_stage: Optional[int] = None) -> int: ...
     def local_layers(self, pp_rank: int, vp_stage: Optional[int] = None) -> List[int]: ...
 
-def merge_resumed(pieces: Sequence[RouteTable], policy: str = "keep_per_token_origin") -> RouteTable: ...
+def merge_resumed(
+    pieces: Sequence[RouteTable],
+    policy: Literal[
+        "keep_per_token_origin", "replace_with_resumed", "prefer_resumed_from_its_start"
+    ] = "keep_per_token_origin",
+) -> RouteTable:
+    """Folds the tables of one request's calls (in call order): ``keep_per_token_origin``
+    (each row from the call that fed it), ``replace_with_resumed`` (the resumed call's table
+    whole) or ``prefer_resumed_from_its_start`` (slime's merge: the earlier rows before the
+    resumed call's start, the resumed call's rows from there on)."""
 def check_covers_sequence(table: RouteTable, total_tokens: int) -> None: ...
 def mismatch(
     train_logp: npt.ArrayLike, rollout_logp: npt.ArrayLike, mask: Optional[npt.ArrayLike] = None
@@ -105,9 +124,14 @@ def mismatch(
     """Mismatch metrics from float32 log-probs; other dtypes only when every value is exactly
     a float32 (else ``RouteError`` naming the value)."""
 def routing_divergence(a: RouteTable, b: RouteTable) -> Dict[str, Any]: ...
+# The token layouts: "thd" (packed, zigzag context parallelism per sequence), "bshd"
+# (padded batch, position-major), "thd_contiguous_cp" (packed, the whole stream cut into cp
+# contiguous parts: slime's --allgather-cp).
+_Packing = Literal["thd", "bshd", "thd_contiguous_cp"]
+
 def rank_tokens(
     seq_lens: Sequence[int],
-    packing: str = "thd",
+    packing: _Packing = "thd",
     sp: Tuple[int, int] = (1, 0),
     cp: Tuple[int, int] = (1, 0),
     *,
@@ -118,7 +142,7 @@ def rank_tokens(
 def replay_ids(
     tables: Sequence[RouteTable],
     router_layers: Sequence[int],
-    packing: str = "thd",
+    packing: _Packing = "thd",
     sp: Tuple[int, int] = (1, 0),
     cp: Tuple[int, int] = (1, 0),
     *,

@@ -5,10 +5,11 @@ instance per locally built ``TopKRouter`` in construction order and takes one in
 ``[num_tokens, top_k]`` tensor per instance; it does no pipeline, virtual-pipeline,
 sequence-parallel or context-parallel slicing. :func:`replay_data` does that slicing
 (computed by r3-routing: :class:`PipelineSplit` mirrors ``get_num_layers_to_build`` and
-``get_transformer_layer_offset``; the token order is Megatron's zigzag context-parallel split
-followed by the sequence-parallel split of the first dimension), :func:`set_replay` hands
-the result to ``RouterReplay`` with an action (under virtual pipelining, to one model chunk's
-routers at a time), and :func:`clear_replay` drops what was handed once a step is done.
+``get_transformer_layer_offset``, or a custom ``pipeline_model_parallel_layout``; the token
+order is Megatron's zigzag context-parallel split followed by the sequence-parallel split of
+the first dimension), :func:`set_replay` hands the result to ``RouterReplay`` with an action
+(under virtual pipelining, to one model chunk's routers at a time), and :func:`clear_replay`
+drops what was handed once a step is done.
 
 Sequence ``i`` is ``tables[i].num_rows + 1`` tokens long (a rollout engine routes every token
 but the last). Its last token and padding replay filler ids no loss reads, spread over the
@@ -23,7 +24,8 @@ only need the index no longer) and routes the rest to no expert, silently: give
 otherwise than the inferred padding: verl pads every packed sequence to ``tp`` even without
 sequence parallelism (pass its ``cu_seqlens_padded``); slime pads each context-parallel rank's
 tokens at the end (pass its ``packed_seq_params.cu_seqlens_q`` with
-``trailing_padding=True``).
+``trailing_padding=True``; with slime's ``--allgather-cp``, also
+``packing="thd_contiguous_cp"``).
 
 torch is imported by :func:`replay_data`, megatron.core by :func:`set_replay`; neither is
 needed to import this module.
@@ -37,6 +39,7 @@ __all__ = [
     "PipelineSplit",
     "check_replay_config",
     "clear_replay",
+    "pipeline_from_config",
     "rank_tokens",
     "replay_arrays",
     "replay_data",
@@ -52,6 +55,19 @@ _PIPELINE_KEYS = (
     "last_stage_layers",
     "account_for_embedding",
     "account_for_loss",
+    "pipeline_layout",
+)
+
+# The pipeline keywords of :func:`router_layers` and the TransformerConfig fields they
+# mirror, which set_replay reads from its config.
+_CONFIG_PIPELINE_FIELDS = (
+    ("pp_size", "pipeline_model_parallel_size"),
+    ("vp_size", "virtual_pipeline_model_parallel_size"),
+    ("first_stage_layers", "num_layers_in_first_pipeline_stage"),
+    ("last_stage_layers", "num_layers_in_last_pipeline_stage"),
+    ("account_for_embedding", "account_for_embedding_in_pipeline_split"),
+    ("account_for_loss", "account_for_loss_in_pipeline_split"),
+    ("pipeline_layout", "pipeline_model_parallel_layout"),
 )
 
 
@@ -66,9 +82,14 @@ def router_layers(
     last_stage_layers: Optional[int] = None,
     account_for_embedding: bool = False,
     account_for_loss: bool = False,
+    pipeline_layout=None,
 ) -> List[int]:
     """Global MoE layers whose routers this pipeline rank builds, in construction order
-    (every model chunk in turn when ``vp_size`` is set and ``vp_stage`` is None)."""
+    (every model chunk in turn when the pipeline has virtual stages and ``vp_stage`` is
+    None). ``pipeline_layout`` is Megatron's ``pipeline_model_parallel_layout`` (its string
+    form such as ``"Et|tt|tt|tL"``, its list form, or the ``PipelineParallelLayerLayout`` a
+    ``TransformerConfig`` holds), which then decides the split alone; its virtual stages
+    need no ``vp_size``."""
     split = PipelineSplit(
         layout.num_hidden_layers,
         pp_size,
@@ -77,6 +98,7 @@ def router_layers(
         last_stage_layers=last_stage_layers,
         account_for_embedding=account_for_embedding,
         account_for_loss=account_for_loss,
+        pipeline_layout=pipeline_layout,
     )
     return [layer for layer in split.local_layers(pp_rank, vp_stage) if layout.is_moe(layer)]
 
@@ -123,6 +145,58 @@ def _ints(values, name: str) -> Optional[List[int]]:
 _BYPASSING_ROUTING_TYPES = ("sinkhorn", "quantile_balancing")
 
 
+def _transformer_config(config):
+    """``config`` itself when it is a ``TransformerConfig``, else the one it holds as
+    ``.config`` (a router, a model); None when neither."""
+    if hasattr(config, "moe_enable_routing_replay"):
+        return config
+    held = getattr(config, "config", None)
+    return held if hasattr(held, "moe_enable_routing_replay") else None
+
+
+def _same_pipeline_field(key: str, given, from_config, num_layers: int, pp_size: int) -> bool:
+    if key == "vp_size":
+        # Megatron leaves it None without interleaving; 1 says the same.
+        return (given or 1) == (from_config or 1)
+    if key == "pipeline_layout":
+        if given is None or from_config is None:
+            return given is from_config
+
+        # Either form (string, list, Megatron's object) as the stages r3 parsed from it.
+        def stages(value):
+            return PipelineSplit(num_layers, pp_size, pipeline_layout=value).pipeline_layout
+
+        return stages(given) == stages(from_config)
+    return given == from_config
+
+
+def pipeline_from_config(config, num_layers: int, given: Optional[dict] = None) -> dict:
+    """The pipeline keywords of :func:`router_layers` (``pp_size``, ``vp_size``,
+    ``first_stage_layers``, ``last_stage_layers``, ``account_for_embedding``,
+    ``account_for_loss``, ``pipeline_layout``) read from Megatron-Core's
+    ``TransformerConfig`` (or a router or model holding it as ``.config``), merged with
+    ``given``: a keyword in ``given`` that differs from the config raises
+    :class:`r3.RouteError` naming both (``pp_rank`` and ``vp_stage`` are the caller's: the
+    config holds neither). ``num_layers`` (the model's) is only used to compare layouts."""
+    cfg = _transformer_config(config)
+    if cfg is None:
+        raise RouteError(
+            f"config: expected Megatron-Core's TransformerConfig or a module holding one as "
+            f".config, got {type(config).__name__}"
+        )
+    out = dict(given or {})
+    pp_size = getattr(cfg, "pipeline_model_parallel_size", 1)
+    for key, field in _CONFIG_PIPELINE_FIELDS:
+        if not hasattr(cfg, field):
+            continue
+        value = getattr(cfg, field)
+        if key not in out:
+            out[key] = value
+        elif not _same_pipeline_field(key, out[key], value, num_layers, pp_size):
+            raise RouteError(f"{key}={out[key]!r} differs from the config's {field}={value!r}")
+    return out
+
+
 def check_replay_config(config) -> None:
     """Raises :class:`r3.RouteError` naming the setting when Megatron-Core's routers would
     not replay under ``config`` (a ``TransformerConfig``, or a module holding one as
@@ -130,8 +204,8 @@ def check_replay_config(config) -> None:
     ``RouterReplay`` is built), ``moe_router_fusion`` on (the fused top-k kernel chooses the
     experts and never reads the replay ids), or ``moe_router_load_balancing_type``
     ``"sinkhorn"`` / ``"quantile_balancing"`` (routings that bypass the replay)."""
-    cfg = config if hasattr(config, "moe_enable_routing_replay") else getattr(config, "config", None)
-    if not hasattr(cfg, "moe_enable_routing_replay"):
+    cfg = _transformer_config(config)
+    if cfg is None:
         raise RouteError(
             f"config: expected Megatron-Core's TransformerConfig or a module holding one as "
             f".config, got {type(config).__name__}"
@@ -223,7 +297,12 @@ def replay_data(
     sequence parallelism, the router input's ``shape[0] * shape[1]``), checked against the
     rows built, since Megatron's replay takes too few rows silently. Further keywords
     (``first_stage_layers``, ``last_stage_layers``, ``account_for_embedding``,
-    ``account_for_loss``) describe an uneven pipeline as ``TransformerConfig`` does.
+    ``account_for_loss``, ``pipeline_layout``) describe an uneven or custom pipeline as
+    ``TransformerConfig`` does (see :func:`router_layers`).
+
+    ``packing="thd_contiguous_cp"`` is slime's ``--allgather-cp`` layout: the sequences
+    packed unpadded and the whole stream cut into ``cp`` contiguous parts (pass slime's
+    ``packed_seq_params.cu_seqlens_q`` with ``trailing_padding=True``).
 
     The tensors are views of one ``[routers, tokens, top_k]`` block: every router of the call
     holds its row until the next call or :func:`clear_replay` replaces them all, so a copy per
@@ -265,7 +344,11 @@ def set_replay(
     ``.config``) is checked first by :func:`check_replay_config`: settings under which
     Megatron-Core routes without reading the replay ids (``moe_router_fusion``, sinkhorn or
     quantile-balancing routing) raise :class:`r3.RouteError` rather than leave replay off
-    without a trace.
+    without a trace. The pipeline split is then read from it too
+    (:func:`pipeline_from_config`: ``pipeline_model_parallel_size``, the virtual size, the
+    uneven stages, the embedding / loss accounting and a custom
+    ``pipeline_model_parallel_layout``), and a pipeline keyword given that disagrees with it
+    is refused; ``pp_rank`` and ``vp_stage`` are still the caller's.
 
     Without ``vp_stage`` every router instance of the rank gets this micro-batch
     (``RouterReplay.set_replay_data``, which refuses a count that differs from its
@@ -281,6 +364,7 @@ def set_replay(
     """
     if config is not None:
         check_replay_config(config)
+        kwargs = pipeline_from_config(config, layout.num_hidden_layers, kwargs)
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
     if not isinstance(action, RouterReplayAction):

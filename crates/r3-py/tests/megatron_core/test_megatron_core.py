@@ -18,9 +18,14 @@ pytest.importorskip("megatron.core")
 
 import r3  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec  # noqa: E402
 from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
 from megatron.core.tensor_parallel.mappings import _split_along_first_dim  # noqa: E402
 from megatron.core.transformer.moe import moe_utils  # noqa: E402
+from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: E402
+from megatron.core.transformer.pipeline_parallel_layer_layout import (  # noqa: E402
+    PipelineParallelLayerLayout,
+)
 from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction  # noqa: E402
 from megatron.core.transformer.transformer_block import get_num_layers_to_build  # noqa: E402
@@ -381,3 +386,160 @@ def test_routing_that_ignores_replay_is_refused(megatron_cpu):
     r3.megatron.set_replay(tables, layout, config=moe_config())
     r3.megatron.clear_replay()
     RouterReplay.clear_global_router_replay_instances()
+
+
+# Custom pipeline layouts (pipeline_model_parallel_layout), as Megatron's CLI takes them:
+# (layout, num_layers, pp, moe_layer_freq, mtp_num_layers).
+LAYOUTS = [
+    ("Et|tt|tt|tL", 6, 2, [0, 1, 1, 1, 1, 1], None),  # pp 2 x vp 2, 1/2/2/1 layers
+    ("E|t*4|t*4|tt,L", 10, 4, [0] * 3 + [1] * 7, None),  # DeepSeek-like embedding stage
+    ("Ettt|(tt|)*6,tL", 16, 4, 2, None),  # pp 4 x vp 2, every other layer MoE
+    ("E|(tt|)*6,L", 12, 4, [0] + [1] * 11, None),  # embedding and loss stages, pp 4 x vp 2
+    ("Et*3|t*3|t*3|t*2,L", 11, 2, [0, 0] + [1] * 9, None),
+    ("Et|tt|tt|tmL", 6, 2, [0, 1, 1, 1, 1, 1], 1),  # an MTP layer on the last stage
+    ("EttttL", 4, 1, [0, 1, 1, 1], None),  # one stage
+]
+
+
+def layout_config(text, num_layers, pp, freq, mtp):
+    """A TransformerConfig with the layout: __post_init__ turns the string into Megatron's
+    PipelineParallelLayerLayout, checks it, and sets the virtual size it implies."""
+    return TransformerConfig(
+        num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=2,
+        pipeline_model_parallel_size=pp, pipeline_model_parallel_layout=text,
+        num_moe_experts=EXPERTS, moe_router_topk=TOP_K, moe_layer_freq=freq,
+        mtp_num_layers=mtp, moe_enable_routing_replay=True, moe_aux_loss_coeff=0.0,
+        moe_router_load_balancing_type="none", pipeline_dtype=torch.float32,
+        use_cpu_initialization=True,
+    )
+
+
+def on_rank(monkeypatch, pp_rank, vp):
+    """With a layout Megatron's functions read the pipeline rank and the virtual size from
+    parallel_state (get_transformer_layer_offset ignores its pp_rank argument)."""
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda: pp_rank)
+    monkeypatch.setattr(
+        parallel_state, "get_virtual_pipeline_model_parallel_world_size", lambda: vp if vp > 1 else None
+    )
+
+
+@pytest.mark.parametrize("case", LAYOUTS, ids=lambda c: c[0])
+def test_pipeline_layout_equals_megatrons_functions(case, monkeypatch):
+    text, num_layers, pp, freq, mtp = case
+    config = layout_config(text, num_layers, pp, freq, mtp)
+    mg_layout = config.pipeline_model_parallel_layout
+    vp = mg_layout.virtual_pipeline_model_parallel_size
+    assert (config.virtual_pipeline_model_parallel_size or 1) == vp
+    pattern = [1 if i % freq == 0 else 0 for i in range(num_layers)] if isinstance(freq, int) else freq
+    model = r3.LayerLayout(num_layers, [i for i, m in enumerate(pattern) if m], num_experts=EXPERTS, top_k=TOP_K)
+    # The layout as the CLI string, as the config's object, and read from the config.
+    forms = {
+        "string": dict(pp_size=pp, pipeline_layout=text),
+        "object": dict(pp_size=pp, pipeline_layout=mg_layout),
+        "config": r3.megatron.pipeline_from_config(config, num_layers),
+    }
+    for name, pipe in forms.items():
+        split = r3.megatron.PipelineSplit(
+            num_layers, pipe["pp_size"], vp_size=pipe.get("vp_size"), pipeline_layout=pipe["pipeline_layout"]
+        )
+        for pp_rank in range(pp):
+            chunks = []
+            for stage in range(vp):
+                vp_stage = stage if vp > 1 else None
+                on_rank(monkeypatch, pp_rank, vp)
+                where = (name, pp_rank, vp_stage)
+                assert split.layer_offset(pp_rank, vp_stage) == get_transformer_layer_offset(
+                    config, vp_stage=vp_stage, pp_rank=pp_rank
+                ), where
+                assert split.num_layers_to_build(pp_rank, vp_stage) == get_num_layers_to_build(
+                    config, vp_stage=vp_stage, pp_rank=pp_rank
+                ), where
+                ids = mg_layout.get_layer_id_list(vp_stage=vp_stage, pp_rank=pp_rank)
+                assert split.local_layers(pp_rank, vp_stage) == ids, where
+                # The layers whose specs Megatron builds as MoE layers (each has a router).
+                specs = get_gpt_decoder_block_spec(
+                    config, use_transformer_engine=False, vp_stage=vp_stage, pp_rank=pp_rank
+                ).layer_specs
+                moe = [i for i, spec in zip(ids, specs) if spec.submodules.mlp.module is MoELayer]
+                routers = r3.megatron.router_layers(model, pp_rank=pp_rank, vp_stage=vp_stage, **pipe)
+                assert routers == moe, where
+                chunks += moe
+            # Every chunk in construction order when no vp_stage is named.
+            assert r3.megatron.router_layers(model, pp_rank=pp_rank, **pipe) == chunks
+
+
+def test_set_replay_reads_the_layout_from_the_config(megatron_cpu):
+    # "Et|tt|tt|tL" over pp 2: pp rank 1 builds chunk 0 = layers [1, 2] and chunk 1 = [5];
+    # layer 0 is dense. An even split of 6 layers over pp 2 x vp 2 does not exist at all.
+    text, num_layers, pp, freq, _ = LAYOUTS[0]
+    config = layout_config(text, num_layers, pp, freq, None)
+    layout = r3.LayerLayout(num_layers, [1, 2, 3, 4, 5], num_experts=EXPERTS, top_k=TOP_K)
+    chunk0, chunk1 = [1, 2], [5]
+    routers = build_routers(chunk0 + chunk1)
+    rng = np.random.default_rng(17)
+    wires_a = [routes_of(rng, n, num_layers, layout.moe_layers) for n in (5, 3)]
+    wires_b = [routes_of(rng, 4, num_layers, layout.moe_layers)]
+    tables_a = [r3.RouteTable.from_vllm(w, layout=layout) for w in wires_a]
+    tables_b = [r3.RouteTable.from_vllm(w, layout=layout) for w in wires_b]
+    # Only pp_rank and vp_stage given: the layout, pp and vp come from the config.
+    data_a = r3.megatron.set_replay(tables_a, layout, config=config, pp_rank=1, vp_stage=0)
+    data_b = r3.megatron.set_replay(tables_b, layout, config=config, pp_rank=1, vp_stage=1)
+    assert (len(data_a), len(data_b)) == (2, 1)
+    assert [len(r.router_replay.replay_backward_list) for r in routers] == [1] * 3
+    for router, layer in zip(routers, chunk0 + chunk1):
+        assert_replays(router, wires_a if layer in chunk0 else wires_b, layer)
+    r3.megatron.clear_replay()
+    # Without the layout, the config-less call cannot describe this pipeline.
+    with pytest.raises(r3.RouteError, match="not divisible"):
+        r3.megatron.set_replay(tables_a, layout, pp_rank=1, pp_size=2, vp_size=2, vp_stage=0)
+    # A pipeline keyword that disagrees with the config is refused by name.
+    with pytest.raises(r3.RouteError, match="pipeline_layout='Et|ttt|t|tL' differs"):
+        r3.megatron.set_replay(tables_a, layout, config=config, pp_rank=1, vp_stage=0,
+                               pipeline_layout="Et|ttt|t|tL")
+    RouterReplay.clear_global_router_replay_action()
+    RouterReplay.clear_global_router_replay_instances()
+
+
+def random_layout_text(rng):
+    """Pieces of the layout grammar (letters, stages, x*n, (...)*n, commas) with strays
+    (a lone star or bracket, a digit, a space, an unknown letter) among them."""
+    pieces = []
+    for _ in range(rng.integers(1, 7)):
+        kind = rng.integers(0, 7)
+        if kind == 0:
+            pieces.append(str(rng.choice(list("EtmL"))))
+        elif kind == 1:
+            pieces.append("|")
+        elif kind == 2:
+            pieces.append(f"{rng.choice(list('Etm|L'))}*{rng.integers(0, 12)}")
+        elif kind == 3:
+            inner = "".join(rng.choice(list("tt|E,m("), size=rng.integers(0, 5)))
+            pieces.append(f"({inner})*{rng.integers(0, 5)}")
+        elif kind == 4:
+            pieces.append(",")
+        else:
+            pieces.append(str(rng.choice(list("*()x 07t"))))
+    return "".join(pieces)
+
+
+def test_layout_strings_parse_as_megatrons_parser():
+    """r3's parser against PipelineParallelLayerLayout.parse_str_to_list on the docstring's
+    examples and 4,000 seeded random strings: the same stages, or both refuse."""
+    rng = np.random.default_rng(2026)
+    texts = ["Ettt|(tt|)*29,m|L", "E|(t*4|)*3,tt,m,L", "((tt)*2)*2", "t**2", "(|Et)*2,tL", "", "|"]
+    texts += [random_layout_text(rng) for _ in range(4000)]
+    agreed = refused = repeated = 0
+    for text in texts:
+        try:
+            want = [[layer.name for layer in stage] for stage in PipelineParallelLayerLayout.parse_str_to_list(text)]
+        except AssertionError:
+            want = None
+        try:
+            got = r3.megatron.PipelineSplit(1, pipeline_layout=text).pipeline_layout
+        except r3.RouteError:
+            got = None
+        assert got == want, repr(text)
+        agreed += want is not None
+        refused += want is None
+        repeated += want is not None and "*" in text
+    assert min(agreed, refused, repeated) > 500, (agreed, refused, repeated)

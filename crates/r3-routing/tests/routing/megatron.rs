@@ -2,8 +2,8 @@
 //! invariants over many configurations, and replay ids gathered from route tables.
 
 use r3_routing::megatron::{
-    rank_tokens, replay_ids, replay_ids_with_lens, Packing, Padding, PipelineSplit, TokenSlot,
-    TokenSplit, MAX_BATCH_TOKENS,
+    rank_tokens, replay_ids, replay_ids_with_lens, LayoutLayer, Packing, Padding, PipelineLayout,
+    PipelineSplit, TokenSlot, TokenSplit, MAX_BATCH_TOKENS, MAX_LAYOUT_CHARS,
 };
 use r3_routing::{LayerSpace, RouteError, RouteTable};
 
@@ -640,4 +640,321 @@ fn sequences_longer_than_their_routes_replay_filler_past_them() {
         Padding::Aligned,
     );
     assert!(e.unwrap_err().to_string().contains("seq_lens"));
+}
+
+/// A layout's stages as Megatron's one-letter string (E, t, m, L; `|` between stages).
+fn letters(layout: &PipelineLayout) -> String {
+    let stages: Vec<String> = layout
+        .stages()
+        .iter()
+        .map(|stage| {
+            stage
+                .iter()
+                .map(|l| match l {
+                    LayoutLayer::Embedding => 'E',
+                    LayoutLayer::Decoder => 't',
+                    LayoutLayer::Mtp => 'm',
+                    LayoutLayer::Loss => 'L',
+                })
+                .collect()
+        })
+        .collect();
+    stages.join("|")
+}
+
+#[test]
+fn layout_strings_unroll_as_megatrons_parser() {
+    // parse_str_to_list's docstring: "Ettt|(tt|)*29,m|L" is
+    // [["E","t","t","t"]] + [["t","t"]]*29 + [["m"],["L"]].
+    let l = PipelineLayout::parse("Ettt|(tt|)*29,m|L").unwrap();
+    let mut want = vec!["Ettt".to_string()];
+    want.extend(std::iter::repeat_n("tt".to_string(), 29));
+    want.extend(["m".to_string(), "L".to_string()]);
+    assert_eq!(letters(&l), want.join("|"));
+    // Its comments' unrolling rules, on layer letters: "xy(ab|cd|ef)*2,pq" ->
+    // "xyab|cd|efab|cd|efpq", "(ab)*3" -> "ababab", "ab,(cd|)*2" -> "abcd|cd|",
+    // "(|ab)*2,cd" -> "|ab|abcd", and x*n.
+    for (text, unrolled) in [
+        ("Et(t|tt|m)*2,tL", "Ett|tt|mt|tt|mtL"),
+        ("(Et)*3", "EtEtEt"),
+        ("Et,(tt|)*2", "Ettt|tt|"),
+        ("(|Et)*2,tL", "|Et|EttL"),
+        ("Et*3|t*2L", "Ettt|ttL"),
+        ("Et*0|L", "E|L"),
+        ("Et*02|L", "Ett|L"),
+        ("", ""),
+    ] {
+        assert_eq!(
+            letters(&PipelineLayout::parse(text).unwrap()),
+            unrolled,
+            "{text}"
+        );
+    }
+    // What the regular expressions leave is an invalid layer character, as in Megatron:
+    // nested parentheses, a repeat of a repeat, a count missing, a space, a lower-case e.
+    for text in [
+        "((tt)*2)*2",
+        "t*2*3",
+        "t*",
+        "(tt)*",
+        "E t|L",
+        "et|L",
+        "()*2",
+    ] {
+        let e = PipelineLayout::parse(text).unwrap_err().to_string();
+        assert!(e.contains("invalid layer character"), "{text}: {e}");
+    }
+    // A count that would build a huge string is refused before it is built.
+    for text in [
+        "t*100000000000",
+        "(tt|)*99999999999999999999999",
+        "Et*65537L",
+    ] {
+        let e = PipelineLayout::parse(text).unwrap_err().to_string();
+        assert!(e.contains(&MAX_LAYOUT_CHARS.to_string()), "{text}: {e}");
+    }
+    // Long runs of brackets or digits are read in one pass (no rescan per character).
+    let started = std::time::Instant::now();
+    for text in ["(".repeat(60_000), "1".repeat(60_000), "(t".repeat(30_000)] {
+        assert!(PipelineLayout::parse(&text).is_err());
+    }
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    assert_eq!(
+        LayoutLayer::from_name(" Decoder ").unwrap(),
+        LayoutLayer::Decoder
+    );
+    assert!(LayoutLayer::from_name("encoder")
+        .unwrap_err()
+        .to_string()
+        .contains("not supported"));
+    assert!(LayoutLayer::from_name("t")
+        .unwrap_err()
+        .to_string()
+        .contains("not a layer type"));
+}
+
+fn with_layout(num_layers: usize, pp: usize, text: &str) -> PipelineSplit {
+    PipelineSplit::new(num_layers, pp).with_layout(Some(PipelineLayout::parse(text).unwrap()))
+}
+
+#[test]
+fn a_custom_layout_decides_the_chunks() {
+    // pp 2 x vp 2 with the embedding and loss as stages' members: flat stages are
+    // (pp 0, vp 0) "Et", (pp 1, vp 0) "tt", (pp 0, vp 1) "tt", (pp 1, vp 1) "tL"; the decoder
+    // layers are numbered in that order: [0] [1 2] [3 4] [5].
+    let s = with_layout(6, 2, "Et|tt|tt|tL");
+    assert_eq!(
+        chunks(&s.clone().with_vp_size(Some(2)), 0),
+        vec![vec![0], vec![3, 4]]
+    );
+    assert_eq!(s.chunk_layers(1, Some(0)).unwrap(), 1..3);
+    assert_eq!(s.chunk_layers(1, Some(1)).unwrap(), 5..6);
+    // The virtual stages come from the layout: without vp_stage, every chunk in turn.
+    assert_eq!(s.local_layers(0, None).unwrap(), vec![0, 3, 4]);
+    assert_eq!(s.local_layers(1, None).unwrap(), vec![1, 2, 5]);
+    // DeepSeek-V3-like: a standalone embedding stage, 4 layers per middle stage, an MTP
+    // layer and the loss on the last stage (pp 4, no virtual stages).
+    let d = with_layout(10, 4, "E|t*4|t*4|tt,m,L");
+    assert_eq!(d.local_layers(0, None).unwrap(), Vec::<usize>::new());
+    assert_eq!(d.local_layers(1, None).unwrap(), (0..4).collect::<Vec<_>>());
+    assert_eq!(d.local_layers(3, None).unwrap(), vec![8, 9]);
+    assert_eq!(d.layer_offset(3, Some(0)).unwrap(), 8);
+    // One stage (pp 1): every layer.
+    let one = with_layout(3, 1, "EtttL");
+    assert_eq!(one.local_layers(0, None).unwrap(), vec![0, 1, 2]);
+    // Every layer exactly once over the ranks, for layouts of every shape.
+    for (layers, pp, text) in [
+        (6, 2, "Et|tt|tt|tL"),
+        (10, 4, "E|t*4|t*4|tt,m,L"),
+        (15, 2, "Ett|(tt|)*6,tmL"),
+        (5, 1, "Et*5L"),
+        (7, 3, "Et||tt|t|ttt|L"),
+    ] {
+        let s = with_layout(layers, pp, text);
+        let mut seen: Vec<usize> = (0..pp)
+            .flat_map(|p| s.local_layers(p, None).unwrap())
+            .collect();
+        seen.sort_unstable();
+        assert_eq!(seen, (0..layers).collect::<Vec<_>>(), "{text}");
+    }
+}
+
+#[test]
+fn a_layout_megatron_would_refuse_is_refused() {
+    let cases: [(PipelineSplit, &str); 10] = [
+        (
+            with_layout(6, 3, "Et|tt|tt|tL"),
+            "4 stages, not a multiple of pp_size 3",
+        ),
+        (
+            with_layout(7, 2, "Et|tt|tt|tL"),
+            "6 decoder layers (t), but num_layers is 7",
+        ),
+        (with_layout(6, 2, "tt|tt|Et|tL"), "start with the embedding"),
+        (with_layout(6, 2, "Et|tt|tL|tt"), "end with the loss"),
+        (with_layout(6, 2, "Et|tE|tt|tL"), "each exactly once"),
+        (
+            with_layout(5, 2, "Et|tt|tm|tL"),
+            "decoder layer after an MTP layer",
+        ),
+        (
+            with_layout(6, 2, "Et|tt|tt|tL").with_vp_size(Some(4)),
+            "vp_size 4 conflicts with pipeline_layout",
+        ),
+        (
+            PipelineSplit {
+                first_stage_layers: Some(1),
+                ..with_layout(6, 2, "Et|tt|tt|tL")
+            },
+            "cannot be set with the other pipeline layout arguments",
+        ),
+        (
+            PipelineSplit {
+                account_for_loss: true,
+                ..with_layout(6, 2, "Et|tt|tt|tL")
+            },
+            "cannot be set with the other pipeline layout arguments",
+        ),
+        (with_layout(4, 1, "Ett|ttL"), "pp_size 1 2 virtual stages"),
+    ];
+    for (split, want) in cases {
+        let msg = split.local_layers(0, None).unwrap_err().to_string();
+        assert!(msg.contains(want), "{:?}: {msg}", split.layout);
+    }
+    let s = with_layout(6, 2, "Et|tt|tt|tL");
+    assert!(s
+        .layer_offset(0, None)
+        .unwrap_err()
+        .to_string()
+        .contains("vp_stage is required"));
+    assert!(matches!(
+        s.num_layers_to_build(0, Some(2)),
+        Err(RouteError::OutOfRange {
+            what: "vp_stage",
+            ..
+        })
+    ));
+    assert!(matches!(
+        s.num_layers_to_build(2, Some(0)),
+        Err(RouteError::OutOfRange {
+            what: "pp_rank",
+            ..
+        })
+    ));
+    // The vp_size the layout implies is accepted when also given.
+    assert_eq!(
+        s.with_vp_size(Some(2)).local_layers(1, Some(0)).unwrap(),
+        vec![1, 2]
+    );
+}
+
+/// slime's `--allgather-cp` token order (`slime/backends/megatron_utils/data.py::get_batch`
+/// and `cp_utils.py::prepare_routed_experts_for_routing_replay`), rebuilt by hand: the
+/// sequences concatenated unpadded, the stream padded at its end to a multiple of
+/// `cp · tp · mult`, `chunk(cp)[cp_rank]`, then the sequence-parallel split over tp.
+/// Returns the rank's slots and slime's `cu_seqlens` (global offsets, the tail as one more
+/// entry when there is one).
+fn slime_allgather(
+    lens: &[usize],
+    tp: (usize, usize),
+    cp: (usize, usize),
+    mult: usize,
+) -> (Vec<Option<(usize, usize)>>, Vec<usize>) {
+    let mut stream: Vec<Option<(usize, usize)>> = Vec::new();
+    let mut cu = vec![0usize];
+    for (s, &n) in lens.iter().enumerate() {
+        stream.extend((0..n).map(|p| Some((s, p))));
+        cu.push(stream.len());
+    }
+    let global_pad_size = cp.0 * tp.0 * mult;
+    let pad = (global_pad_size - stream.len() % global_pad_size) % global_pad_size;
+    if pad != 0 {
+        stream.extend(std::iter::repeat_n(None, pad));
+        cu.push(stream.len());
+    }
+    let part = stream.len() / cp.0;
+    let local = &stream[cp.1 * part..(cp.1 + 1) * part];
+    let share = local.len() / tp.0;
+    (local[tp.1 * share..(tp.1 + 1) * share].to_vec(), cu)
+}
+
+#[test]
+fn contiguous_cp_is_slimes_allgather_order() {
+    let lens = [5usize, 3];
+    // By hand: 8 tokens over cp 2, no tail: rank 0 holds sequence 0's positions 0-3, rank 1
+    // its position 4 and sequence 1.
+    let r1 = rank_tokens(
+        &lens,
+        Packing::ThdContiguousCp,
+        split(1, 0, 2, 1),
+        Padding::Aligned,
+    );
+    assert_eq!(
+        positions(&r1.unwrap()),
+        vec![Some((0, 4)), Some((1, 0)), Some((1, 1)), Some((1, 2))]
+    );
+    for lens in [vec![5usize, 3], vec![9, 1, 14], vec![2]] {
+        for (tp, cp) in [(1, 1), (2, 1), (1, 2), (2, 2), (1, 3), (2, 3), (4, 2)] {
+            for mult in [1usize, 4, 128] {
+                for (t, c) in (0..tp).flat_map(|t| (0..cp).map(move |c| (t, c))) {
+                    let (want, cu) = slime_allgather(&lens, (tp, t), (cp, c), mult);
+                    let ts = split(tp, t, cp, c);
+                    let got = rank_tokens(
+                        &lens,
+                        Packing::ThdContiguousCp,
+                        ts,
+                        Padding::CuSeqlensWithTail(&cu),
+                    );
+                    let case = format!("{lens:?} tp {tp}/{t} cp {cp}/{c} mult {mult}");
+                    assert_eq!(positions(&got.unwrap()), want, "{case}");
+                    if mult == 1 {
+                        // slime's padding with multiplier 1 is the inferred one.
+                        let inferred =
+                            rank_tokens(&lens, Packing::ThdContiguousCp, ts, Padding::Aligned);
+                        assert_eq!(positions(&inferred.unwrap()), want, "{case}");
+                    }
+                }
+            }
+        }
+    }
+    // The zigzag thd order differs (cp rank 1 of 2 keeps sequence 0's positions 2-5).
+    let zigzag = rank_tokens(&lens, Packing::Thd, split(1, 0, 2, 1), Padding::Aligned);
+    assert_eq!(positions(&zigzag.unwrap())[0], Some((0, 2)));
+    // Offsets without a tail need the stream to split over cp as a whole (a sequence need
+    // not be a multiple of 2·cp), and over sp on each rank.
+    let ok = rank_tokens(
+        &lens,
+        Packing::ThdContiguousCp,
+        split(1, 0, 2, 0),
+        Padding::CuSeqlens(&[0, 5, 8]),
+    );
+    assert_eq!(ok.unwrap().len(), 4);
+    let e = rank_tokens(
+        &lens,
+        Packing::ThdContiguousCp,
+        split(1, 0, 3, 0),
+        Padding::CuSeqlens(&[0, 5, 8]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("stream's 8 tokens do not split evenly over cp 3"),
+        "{e}"
+    );
+    let e = rank_tokens(
+        &lens,
+        Packing::ThdContiguousCp,
+        split(3, 0, 2, 0),
+        Padding::CuSeqlens(&[0, 5, 8]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("4 tokens do not split evenly over sp 3"), "{e}");
+    for bad in [Padding::SeqLen(8), Padding::CuSeqlens(&[0, 4, 8])] {
+        assert!(rank_tokens(&lens, Packing::ThdContiguousCp, split(1, 0, 2, 0), bad).is_err());
+    }
+    assert_eq!(
+        Packing::parse("thd_contiguous_cp"),
+        Some(Packing::ThdContiguousCp)
+    );
 }
