@@ -609,7 +609,8 @@ fn a_partial_whose_routes_cannot_merge_is_refused_at_resume() {
                 "reach past",
             ),
             (later_start, MergePolicy::ReplaceWithResumed, "replacing"),
-            (past_end, MergePolicy::KeepPerTokenOrigin, "a gap"),
+            (past_end.clone(), MergePolicy::KeepPerTokenOrigin, "a gap"),
+            (past_end, MergePolicy::PreferResumedFromItsStart, "a gap"),
         ];
         for (partial, policy, what) in cases {
             let err = e.try_resume(partial, policy).expect_err(what).to_string();

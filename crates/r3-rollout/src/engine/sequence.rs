@@ -92,7 +92,7 @@ impl ResumeState {
 /// routes nothing, another model's shape, rows past the positions the aborted call fed, or
 /// a continuation table (from the request's `routed_experts_start_len`, the prompt and
 /// output at most) starting after the earlier table's start (replace) or end (keep per-token
-/// origin).
+/// origin, prefer resumed from its start): refused before any work, not at the merge.
 fn check_resumable(
     earlier: &RouteTable,
     partial: &PartialRollout,
@@ -123,10 +123,14 @@ fn check_resumable(
             "start before the continuation's routes (from position {start}, \
              routed_experts_start_len): replacing them would lose rows"
         )),
-        MergePolicy::KeepPerTokenOrigin if start > earlier.end_pos() => refuse(format!(
-            "end before the continuation's routes start (position {start}, \
+        MergePolicy::KeepPerTokenOrigin | MergePolicy::PreferResumedFromItsStart
+            if start > earlier.end_pos() =>
+        {
+            refuse(format!(
+                "end before the continuation's routes start (position {start}, \
              routed_experts_start_len): a gap"
-        )),
+            ))
+        }
         _ => Ok(()),
     }
 }

@@ -207,8 +207,9 @@ pub struct RolloutConfig {
     /// Default `resume`.
     pub partial: r3_fleet::PartialMode,
     /// How a resumed request's route pieces merge: `keep_per_token_origin` (each row from
-    /// the call that fed it) or `replace_with_resumed` (the continuation re-reports every
-    /// row). Default `keep_per_token_origin`.
+    /// the call that fed it), `replace_with_resumed` (the continuation re-reports every
+    /// row) or `prefer_resumed_from_its_start` (slime's merge: the earlier rows up to the
+    /// continuation's first row, then the continuation's). Default `keep_per_token_origin`.
     pub partial_merge: r3_routing::MergePolicy,
 }
 
