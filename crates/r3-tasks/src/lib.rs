@@ -20,7 +20,10 @@ pub mod task;
 pub mod tokenizer;
 pub mod word_problems;
 
-pub use dataset::{load_dataset, ChatMessage, DatasetCursor, DatasetPosition, DatasetRow, Prompt};
+pub use dataset::{
+    ground_truth_text, load_dataset, load_dataset_for, ChatMessage, DatasetCursor, DatasetPosition,
+    DatasetRow, GroundTruthUse, Prompt,
+};
 pub use difficulty::{Difficulty, Op, MAX_LEVEL};
 pub use error::{Result, TaskError};
 pub use math_answer::{extract_math_answer, math_equal, parse_number, AnswerSource, Rational};

@@ -8,7 +8,7 @@ use std::collections::HashSet;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use serde_json::json;
+use serde_json::{json, Value};
 
 use crate::dataset::{ChatMessage, DatasetRow, Prompt};
 
@@ -174,7 +174,7 @@ impl WordProblem {
                 role: "user".into(),
                 content: format!("{} {INSTRUCTION}", self.question),
             }]),
-            ground_truth: self.answer.to_string(),
+            ground_truth: Value::String(self.answer.to_string()),
             data_source: DATA_SOURCE.into(),
             extra_info: json!({
                 "split": split,

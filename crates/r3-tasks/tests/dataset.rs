@@ -65,10 +65,71 @@ fn numbers_as_ground_truth_and_plain_prompts() {
     let rows = parse_jsonl(text, Path::new("mem.jsonl"), "prompt").expect("rows");
     assert_eq!(rows.len(), 2, "blank lines are not rows");
     assert_eq!(rows[0].prompt, Prompt::Text("2+2=".into()));
-    assert_eq!(rows[0].ground_truth, "4");
+    // Held as the JSON numbers they are; the built-in rewards read them as JSON writes them.
+    assert_eq!(rows[0].ground_truth, serde_json::json!(4));
     assert_eq!(rows[0].data_source, "");
     assert_eq!(rows[0].extra_info, serde_json::Value::Null);
-    assert_eq!(rows[1].ground_truth, "1.5");
+    assert_eq!(rows[1].ground_truth, serde_json::json!(1.5));
+    let texts: Vec<_> = rows.iter().map(truth_text).collect();
+    assert_eq!(texts, ["4", "1.5"]);
+}
+
+fn truth_text(row: &r3_tasks::DatasetRow) -> String {
+    r3_tasks::ground_truth_text(&row.ground_truth)
+        .expect("a string or number")
+        .into_owned()
+}
+
+/// verl search-R1's ground truth is an object (`{"target": [...]}`), hellaswag's an int: a
+/// row holds any JSON value, loads when only `command` verifiers read it, and is an error
+/// naming file, row and field when a built-in rule must compare it as text.
+#[test]
+fn a_non_text_ground_truth_loads_for_a_command_verifier_only() {
+    use r3_tasks::{load_dataset_for, GroundTruthUse, RewardKind};
+    let dir = r3_test_support::Scratch::new("r3-tasks-object-truth");
+    let path = dir.join("search.jsonl");
+    std::fs::write(
+        &path,
+        concat!(
+            r#"{"prompt": "capital?", "reward_model": {"ground_truth": "Paris"}}"#,
+            "\n",
+            r#"{"prompt": "capital?", "reward_model": {"ground_truth": {"target": ["Paris", "paris"]}}}"#,
+            "\n",
+        ),
+    )
+    .expect("write");
+    let files = [path.clone()];
+    let rows = load_dataset_for(&files, "prompt", GroundTruthUse::Any).expect("any truth");
+    assert_eq!(rows[0].ground_truth, serde_json::json!("Paris"));
+    assert_eq!(
+        rows[1].ground_truth,
+        serde_json::json!({"target": ["Paris", "paris"]})
+    );
+    for kind in [RewardKind::Math, RewardKind::Exact, RewardKind::Arith] {
+        let err = load_dataset_for(&files, "prompt", GroundTruthUse::Text(kind))
+            .expect_err("an object for a built-in rule")
+            .to_string();
+        for want in [
+            "search.jsonl",
+            "row 1",
+            "field `reward_model.ground_truth`",
+            "is an object, expected a string or a number",
+            &format!("`{kind}` reward"),
+        ] {
+            assert!(err.contains(want), "{want}: {err}");
+        }
+    }
+    for (truth, kind) in [("true", "a boolean"), ("[1, 2]", "a list")] {
+        std::fs::write(
+            &path,
+            format!(r#"{{"prompt": "p", "reward_model": {{"ground_truth": {truth}}}}}"#),
+        )
+        .expect("write");
+        let err = load_dataset_for(&files, "prompt", GroundTruthUse::Text(RewardKind::Math))
+            .expect_err(truth)
+            .to_string();
+        assert!(err.contains("row 0") && err.contains(kind), "{err}");
+    }
 }
 
 #[test]
@@ -125,11 +186,6 @@ fn every_malformed_row_kind_names_file_row_and_field() {
             r#"{"prompt": "p", "reward_model": {"style": "rule"}}"#.into(),
             "reward_model.ground_truth",
             "missing",
-        ),
-        (
-            r#"{"prompt": "p", "reward_model": {"ground_truth": true}}"#.into(),
-            "reward_model.ground_truth",
-            "a boolean",
         ),
         (
             format!(r#"{{"prompt": "p", {gt}, "data_source": 3}}"#),
@@ -244,15 +300,12 @@ fn float32_parquet_values_read_as_f32_prints_them() {
     writer.close().expect("close file");
 
     let rows = load_file(&path, "prompt").expect("load");
-    let got: Vec<&str> = rows.iter().map(|r| r.ground_truth.as_str()).collect();
+    let got: Vec<String> = rows.iter().map(truth_text).collect();
     // What the f32s print as (widened to f64 first, 0.1f32 would read 0.10000000149011612).
     assert_eq!(got, ["0.1", "2.5", "1e+20", "16777216.0", "-0.3"]);
     assert_eq!(rows[0].extra_info, serde_json::json!({"weight": 0.1}));
-    assert!(r3_tasks::math_equal("0.1", &rows[0].ground_truth));
-    assert!(r3_tasks::math_equal(
-        "100000000000000000000",
-        &rows[2].ground_truth
-    ));
+    assert!(r3_tasks::math_equal("0.1", &got[0]));
+    assert!(r3_tasks::math_equal("100000000000000000000", &got[2]));
     std::fs::remove_dir_all(&dir).expect("cleanup");
 }
 

@@ -35,6 +35,7 @@ fn outcomes(samples: &Value, truths: &[String]) -> Vec<PromptOutcome> {
         .iter()
         .zip(truths)
         .map(|(texts, truth)| {
+            let truth = Value::String(truth.clone());
             let texts: Vec<&str> = texts
                 .as_array()
                 .expect("samples")
@@ -46,7 +47,7 @@ fn outcomes(samples: &Value, truths: &[String]) -> Vec<PromptOutcome> {
                 .map(|t| RewardInput {
                     prompt: "",
                     response: t,
-                    ground_truth: truth,
+                    ground_truth: &truth,
                     data_source: "gsm8k",
                     extra_info: &extra,
                 })

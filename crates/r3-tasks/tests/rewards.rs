@@ -77,11 +77,12 @@ fn arith_reward_table_matches_the_builtin_rule() {
     assert!(matches!(err, TaskError::RewardRow { row: 4, .. }), "{err}");
 }
 
-fn input<'a>(response: &'a str, truth: &'a str, extra: &'a Value) -> RewardInput<'a> {
+/// An input whose ground truth is the JSON string `truth` (leaked: it lives for the test).
+fn input<'a>(response: &'a str, truth: &str, extra: &'a Value) -> RewardInput<'a> {
     RewardInput {
         prompt: "Q?",
         response,
-        ground_truth: truth,
+        ground_truth: Box::leak(Box::new(Value::String(truth.into()))),
         data_source: "test",
         extra_info: extra,
     }
@@ -303,4 +304,84 @@ fn huge_timeouts_are_refused_by_name_and_never_panic() {
         .score_batch(&[input("1", "1", &extra)])
         .expect("scores");
     assert_eq!(scores[0].reward, 1.0);
+}
+
+/// A command verifier reads the ground truth as the dataset holds it, as verl's reward
+/// manager passes it to `compute_score`: an object as that object (verl search-R1's
+/// `{"target": [...]}`), a number as a number (r3 sent `"5"` before), a string as a string.
+#[test]
+fn a_command_verifier_reads_the_ground_truth_as_the_dataset_holds_it() {
+    let extra = Value::Null;
+    let truths = [
+        serde_json::json!({"target": ["Paris", "paris"]}),
+        serde_json::json!(5),
+        serde_json::json!("5"),
+        serde_json::json!(3.0),
+    ];
+    let inputs: Vec<RewardInput<'_>> = truths
+        .iter()
+        .map(|t| RewardInput {
+            prompt: "Q?",
+            response: "Paris",
+            ground_truth: t,
+            data_source: "search",
+            extra_info: &extra,
+        })
+        .collect();
+    let script = r#"while IFS= read -r l; do case "$l" in
+        *'"ground_truth":{"target":["Paris","paris"]},"data_source"'*) echo 1;;
+        *'"ground_truth":5,"data_source"'*) echo 2;;
+        *'"ground_truth":"5","data_source"'*) echo 3;;
+        *'"ground_truth":3.0,"data_source"'*) echo 4;;
+        *) echo 0;; esac; done"#;
+    let got = sh(script, 10_000).score_batch(&inputs).expect("scores");
+    assert_eq!(got, vec![1.0, 2.0, 3.0, 4.0]);
+    // A built-in rule cannot compare an object: an error naming the batch row, never a 0.
+    let spec = RewardSpec {
+        kind: RewardKind::Math,
+        ..RewardSpec::default()
+    };
+    let err = Reward::from_spec(&spec, 0.0)
+        .score_batch(&inputs)
+        .expect_err("an object for math")
+        .to_string();
+    assert!(
+        err.contains("batch row 0") && err.contains("an object"),
+        "{err}"
+    );
+    let scores = Reward::from_spec(&spec, 0.0)
+        .score_batch(&inputs[1..])
+        .expect("numbers and strings");
+    let got: Vec<f32> = scores.iter().map(|s| s.reward).collect();
+    assert_eq!(got, vec![0.0, 0.0, 0.0], "\"Paris\" is no 5");
+}
+
+#[test]
+fn only_command_verifiers_take_any_ground_truth() {
+    use r3_tasks::GroundTruthUse;
+    let command = RewardFuncSpec {
+        kind: RewardKind::Command,
+        command: vec!["true".into()],
+        ..RewardFuncSpec::default()
+    };
+    let spec = |funcs: Vec<RewardFuncSpec>| RewardSpec {
+        funcs,
+        ..RewardSpec::default()
+    };
+    assert_eq!(
+        RewardSpec::default().ground_truth_use(),
+        GroundTruthUse::Text(RewardKind::Arith)
+    );
+    assert_eq!(
+        spec(vec![command.clone()]).ground_truth_use(),
+        GroundTruthUse::Any
+    );
+    let exact = RewardFuncSpec {
+        kind: RewardKind::Exact,
+        ..RewardFuncSpec::default()
+    };
+    assert_eq!(
+        spec(vec![command, exact]).ground_truth_use(),
+        GroundTruthUse::Text(RewardKind::Exact)
+    );
 }

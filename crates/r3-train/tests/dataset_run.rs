@@ -320,3 +320,53 @@ fn dynamic_sampling_refills_the_groups_a_round_dropped() {
     assert!(!m.skipped_update, "no numerical failure");
     assert_eq!(position(&t), Some((0, 2)));
 }
+
+/// verl search-R1's ground truth is an object (`{"target": [...]}`): with a `command`
+/// reward the dataset loads and the verifier reads the object as the row holds it (r3
+/// refused the whole file before); with a built-in rule it is an error naming file, row and
+/// field.
+#[test]
+fn an_object_ground_truth_reaches_a_command_verifier_as_it_is() {
+    let dir = Scratch::new("data-object-truth");
+    let model = dir.path().join("model");
+    tiny_model(&model, 36);
+    let mut cfg = dataset_config(dir.path(), &model, "run");
+    let train = dir.path().join("objects.jsonl");
+    let rows: String = ["1+2=", "4+4="]
+        .iter()
+        .map(|p| {
+            format!(
+                "{}\n",
+                serde_json::json!({
+                    "prompt": [{"role": "user", "content": p}],
+                    "reward_model": {"ground_truth": {"target": ["3", "three"]}},
+                })
+            )
+        })
+        .collect();
+    std::fs::write(&train, rows).expect("write");
+    cfg.data.train_files = vec![train];
+    cfg.reward.kind = RewardKind::Command;
+    cfg.reward.command = vec![
+        "sh".into(),
+        "-c".into(),
+        r#"while IFS= read -r l; do case "$l" in *'"ground_truth":{"target":["3","three"]},'*) echo 0.5;; *) echo 0;; esac; done"#.into(),
+    ];
+    cfg.validate().expect("valid");
+    let mut t = Trainer::new(cfg.clone()).expect("an object truth loads for a command");
+    let m = t.rl_step().expect("step");
+    assert_eq!(m.reward_mean, 0.5, "every line carried the object");
+
+    cfg.reward.kind = RewardKind::Math;
+    cfg.reward.command = Vec::new();
+    let err = Trainer::new(cfg).expect_err("math cannot compare an object");
+    let err = err.to_string();
+    for want in [
+        "objects.jsonl",
+        "row 0",
+        "reward_model.ground_truth",
+        "an object",
+    ] {
+        assert!(err.contains(want), "{want}: {err}");
+    }
+}

@@ -11,7 +11,7 @@ use anyhow::Context;
 use clap::{Args, Subcommand};
 use r3_tasks::dataset::jsonl::to_jsonl;
 use r3_tasks::dataset::write_parquet;
-use r3_tasks::{gsm8k_style_splits, load_dataset, Reward, RewardInput};
+use r3_tasks::{gsm8k_style_splits, load_dataset_for, Reward, RewardInput};
 use r3_train::rl::prompt_source::{encode_prompt, render_prompt, PromptSource};
 use r3_train::ModelText;
 use serde_json::{json, Value};
@@ -78,7 +78,7 @@ pub fn run(c: DataCommand) -> anyhow::Result<()> {
 struct Shown {
     text: String,
     ids: Result<Vec<u32>, String>,
-    ground_truth: String,
+    ground_truth: Value,
     data_source: String,
     extra_info: Value,
 }
@@ -93,7 +93,8 @@ fn show(a: ShowArgs) -> anyhow::Result<()> {
         } else {
             &cfg.data.train_files
         };
-        let mut rows = load_dataset(files, &cfg.data.prompt_key)?;
+        let truth = cfg.reward.ground_truth_use();
+        let mut rows = load_dataset_for(files, &cfg.data.prompt_key, truth)?;
         rows.truncate(a.n);
         rows.into_iter()
             .map(|r| {

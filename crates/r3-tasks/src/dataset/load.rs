@@ -3,8 +3,9 @@
 
 use super::jsonl::{read_json, read_jsonl};
 use super::parquet_file::read_parquet;
-use super::row::DatasetRow;
+use super::row::{DatasetRow, RowLocation};
 use crate::error::{Result, TaskError};
+use crate::reward::RewardKind;
 use std::path::{Path, PathBuf};
 
 /// A dataset file format.
@@ -44,8 +45,29 @@ pub fn load_file(path: &Path, prompt_key: &str) -> Result<Vec<DatasetRow>> {
     }
 }
 
-/// Reads and concatenates dataset files in order; a file without rows is an error.
+/// What a run's reward needs of each row's `reward_model.ground_truth`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GroundTruthUse {
+    /// Any JSON value: only `command` verifiers read it, as the dataset holds it.
+    Any,
+    /// A string or a number: this built-in reward compares it as text.
+    Text(RewardKind),
+}
+
+/// Reads and concatenates dataset files in order (any ground truth); a file without rows is
+/// an error.
 pub fn load_dataset(paths: &[PathBuf], prompt_key: &str) -> Result<Vec<DatasetRow>> {
+    load_dataset_for(paths, prompt_key, GroundTruthUse::Any)
+}
+
+/// Reads and concatenates dataset files in order, every row's ground truth checked against
+/// what the reward needs (an error naming file, row and field); a file without rows is an
+/// error.
+pub fn load_dataset_for(
+    paths: &[PathBuf],
+    prompt_key: &str,
+    truth: GroundTruthUse,
+) -> Result<Vec<DatasetRow>> {
     let mut rows = Vec::new();
     for path in paths {
         let part = load_file(path, prompt_key)?;
@@ -54,6 +76,11 @@ pub fn load_dataset(paths: &[PathBuf], prompt_key: &str) -> Result<Vec<DatasetRo
                 path: path.clone(),
                 reason: "holds no rows".into(),
             });
+        }
+        if let GroundTruthUse::Text(reward) = truth {
+            for (row, r) in part.iter().enumerate() {
+                r.check_text_ground_truth(reward, RowLocation { path, row })?;
+            }
         }
         rows.extend(part);
     }

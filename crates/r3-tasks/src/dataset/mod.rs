@@ -10,6 +10,6 @@ pub mod parquet_write;
 pub mod row;
 
 pub use cursor::{DatasetCursor, DatasetPosition};
-pub use load::{load_dataset, load_file, DatasetFormat};
+pub use load::{load_dataset, load_dataset_for, load_file, DatasetFormat, GroundTruthUse};
 pub use parquet_write::write_parquet;
-pub use row::{ChatMessage, DatasetRow, Prompt, RowLocation};
+pub use row::{ground_truth_text, ChatMessage, DatasetRow, Prompt, RowLocation};

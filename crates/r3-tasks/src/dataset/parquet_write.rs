@@ -13,7 +13,7 @@ use parquet::file::writer::SerializedFileWriter;
 use parquet::schema::parser::parse_message_type;
 use serde_json::Value;
 
-use super::row::{DatasetRow, Prompt};
+use super::row::{ground_truth_text, DatasetRow, Prompt};
 use crate::error::{Result, TaskError};
 
 /// One leaf column's data: values, plus definition / repetition levels for list leaves.
@@ -126,10 +126,18 @@ pub fn write_parquet(path: &Path, rows: &[DatasetRow], prompt_key: &str) -> Resu
         rows.iter().map(|_| text("rule")).collect(),
         None,
     ));
-    columns.push(Column::Text(
-        rows.iter().map(|r| text(&r.ground_truth)).collect(),
-        None,
-    ));
+    let mut truths = Vec::with_capacity(rows.len());
+    for (i, r) in rows.iter().enumerate() {
+        // The column is text (verl's GSM8K files hold strings); a number goes as JSON writes it.
+        let Some(t) = ground_truth_text(&r.ground_truth) else {
+            return Err(write_err(
+                path,
+                format!("row {i}: the ground truth must be a string or a number"),
+            ));
+        };
+        truths.push(text(&t));
+    }
+    columns.push(Column::Text(truths, None));
     for (k, ty) in &extra {
         let mut strings = Vec::new();
         let mut ints = Vec::new();

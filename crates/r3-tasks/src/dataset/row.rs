@@ -2,9 +2,11 @@
 //! turned into JSON), every schema violation naming the file, the row and the field.
 
 use crate::error::{Result, TaskError};
+use crate::reward::RewardKind;
 use r3_text::json_kind;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use std::borrow::Cow;
 use std::path::Path;
 
 /// One chat message of a prompt.
@@ -57,8 +59,10 @@ impl Prompt {
 pub struct DatasetRow {
     /// The prompt.
     pub prompt: Prompt,
-    /// `reward_model.ground_truth` as text (a number is kept as JSON writes it).
-    pub ground_truth: String,
+    /// `reward_model.ground_truth` as the dataset holds it: any JSON value but `null` (a
+    /// string or a number for the built-in rewards, see [`ground_truth_text`]; an object
+    /// such as verl search-R1's `{"target": [...]}` for a `command` verifier).
+    pub ground_truth: Value,
     /// `data_source` (empty when the column is absent).
     pub data_source: String,
     /// `extra_info`, kept as JSON (`null` when absent).
@@ -102,14 +106,7 @@ impl DatasetRow {
                 None | Some(Value::Null) => {
                     return Err(at.error("reward_model.ground_truth", "missing"))
                 }
-                Some(Value::String(s)) => s.clone(),
-                Some(Value::Number(n)) => n.to_string(),
-                Some(other) => {
-                    return Err(at.error(
-                        "reward_model.ground_truth",
-                        format!("is {}, expected a string or a number", json_kind(other)),
-                    ))
-                }
+                Some(value) => value.clone(),
             },
             Some(other) => {
                 return Err(at.error(
@@ -137,6 +134,22 @@ impl DatasetRow {
         })
     }
 
+    /// Checks that the ground truth is what the built-in reward `reward` compares (a string
+    /// or a number, see [`ground_truth_text`]), naming the row and field otherwise.
+    pub fn check_text_ground_truth(&self, reward: RewardKind, at: RowLocation<'_>) -> Result<()> {
+        match ground_truth_text(&self.ground_truth) {
+            Some(_) => Ok(()),
+            None => Err(at.error(
+                "reward_model.ground_truth",
+                format!(
+                    "is {}, expected a string or a number: the `{reward}` reward compares it as \
+                     text (a `command` verifier reads any JSON value)",
+                    json_kind(&self.ground_truth)
+                ),
+            )),
+        }
+    }
+
     /// The row in verl's schema (the form JSONL files hold), prompt under `prompt_key`.
     pub fn to_json(&self, prompt_key: &str) -> Value {
         let prompt = match &self.prompt {
@@ -155,6 +168,16 @@ impl DatasetRow {
         );
         obj.insert("extra_info".into(), self.extra_info.clone());
         Value::Object(obj)
+    }
+}
+
+/// A ground truth as the built-in rewards compare it: a string as it is, a number as JSON
+/// writes it (`4`, `1.5`); `None` for anything else (an object, a list, a boolean).
+pub fn ground_truth_text(value: &Value) -> Option<Cow<'_, str>> {
+    match value {
+        Value::String(s) => Some(Cow::Borrowed(s)),
+        Value::Number(n) => Some(Cow::Owned(n.to_string())),
+        _ => None,
     }
 }
 

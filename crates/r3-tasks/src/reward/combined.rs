@@ -2,9 +2,13 @@
 //! responses. The first function decides correctness (score >= 1), so an accuracy metric
 //! stays meaningful when format or length terms are added behind it.
 
+use std::borrow::Cow;
 use std::time::Duration;
 
-use crate::error::Result;
+use r3_text::json_kind;
+
+use crate::dataset::ground_truth_text;
+use crate::error::{Result, TaskError};
 use crate::reward::answers::{arith_reward, exact_reward, math_reward};
 use crate::reward::command::CommandReward;
 use crate::reward::input::RewardInput;
@@ -31,22 +35,39 @@ enum RewardFn {
 impl RewardFn {
     fn score_batch(&self, inputs: &[RewardInput<'_>]) -> Result<Vec<f32>> {
         match self {
-            RewardFn::Math => Ok(inputs
+            RewardFn::Math => inputs
                 .iter()
-                .map(|i| math_reward(i.response, i.ground_truth))
-                .collect()),
-            RewardFn::Exact => Ok(inputs
+                .enumerate()
+                .map(|(row, i)| Ok(math_reward(i.response, &truth(i, row, RewardKind::Math)?)))
+                .collect(),
+            RewardFn::Exact => inputs
                 .iter()
-                .map(|i| exact_reward(i.response, i.ground_truth))
-                .collect()),
+                .enumerate()
+                .map(|(row, i)| Ok(exact_reward(i.response, &truth(i, row, RewardKind::Exact)?)))
+                .collect(),
             RewardFn::Arith { format_reward } => inputs
                 .iter()
                 .enumerate()
-                .map(|(row, i)| arith_reward(i.response, i.ground_truth, *format_reward, row))
+                .map(|(row, i)| {
+                    let t = truth(i, row, RewardKind::Arith)?;
+                    arith_reward(i.response, &t, *format_reward, row)
+                })
                 .collect(),
             RewardFn::Command(c) => c.score_batch(inputs),
         }
     }
+}
+
+/// The ground truth of batch row `row` as the built-in reward `kind` compares it (a row that
+/// loading did not check, holding an object or a list, is an error naming the row).
+fn truth<'a>(input: &RewardInput<'a>, row: usize, kind: RewardKind) -> Result<Cow<'a, str>> {
+    ground_truth_text(input.ground_truth).ok_or_else(|| TaskError::RewardRow {
+        row,
+        reason: format!(
+            "the {kind} reward needs a string or number ground truth, got {}",
+            json_kind(input.ground_truth)
+        ),
+    })
 }
 
 /// A weighted sum of reward functions.

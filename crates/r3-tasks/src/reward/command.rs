@@ -1,6 +1,9 @@
 //! The `command` reward: an external verifier process. Each batch spawns the command once,
 //! writes one JSON object per response on its stdin (`prompt`, `response`, `ground_truth`,
 //! `data_source`, `extra_info`), closes stdin, and reads one score per line from its stdout.
+//! `ground_truth` is the row's value as the dataset holds it (a string stays a string, a
+//! number a number, an object an object), as verl's reward manager hands it to
+//! `compute_score`.
 //!
 //! Anything but a clean answer is an error naming the batch row, never a silent zero: a
 //! process that cannot start, exits non-zero, outlives the timeout, prints a different number

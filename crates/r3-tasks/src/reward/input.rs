@@ -11,8 +11,9 @@ pub struct RewardInput<'a> {
     pub prompt: &'a str,
     /// The decoded response.
     pub response: &'a str,
-    /// The row's ground truth.
-    pub ground_truth: &'a str,
+    /// The row's ground truth as the dataset holds it (a command verifier reads this JSON
+    /// value; the built-in rewards its text, [`crate::ground_truth_text`]).
+    pub ground_truth: &'a Value,
     /// The row's data source.
     pub data_source: &'a str,
     /// The row's extra info.

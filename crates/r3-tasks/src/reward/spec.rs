@@ -1,6 +1,7 @@
 //! The `[reward]` configuration: one reward kind, or a weighted list of them
 //! (`[[reward.funcs]]`, as ms-swift's `--reward_funcs` / `--reward_weights`).
 
+use crate::dataset::GroundTruthUse;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
@@ -98,6 +99,15 @@ impl RewardSpec {
             command: self.command.clone(),
             timeout_s: self.timeout_s,
         }]
+    }
+
+    /// What the functions need of a dataset row's ground truth: text (a string or a number)
+    /// when any is a built-in rule, anything when all are `command` verifiers.
+    pub fn ground_truth_use(&self) -> GroundTruthUse {
+        self.resolved_funcs()
+            .iter()
+            .find(|f| f.kind != RewardKind::Command)
+            .map_or(GroundTruthUse::Any, |f| GroundTruthUse::Text(f.kind))
     }
 
     /// Checks the functions are usable, naming the offending field.

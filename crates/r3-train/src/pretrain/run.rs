@@ -15,8 +15,8 @@ use r3_model::{Batch, Config, RandomInit, Routing, Weights};
 use r3_rollout::{Dtype, Engine, EngineConfig};
 use r3_routing::summed_expert_load;
 use r3_tasks::{
-    ArithmeticTask, CharTokenizer, Difficulty, LossOn, Reward, RewardKind, RewardSpec,
-    SupervisedBatch, SupervisedBatches, PAD_ID,
+    ArithmeticTask, CharTokenizer, Difficulty, GroundTruthUse, LossOn, Reward, RewardKind,
+    RewardSpec, SupervisedBatch, SupervisedBatches, PAD_ID,
 };
 use r3_text::TextTokenizer;
 use serde::Serialize;
@@ -417,7 +417,9 @@ fn pretrain_word_problems(
         true => Vec::new(),
         false => {
             let room = policy.config().max_position_embeddings.saturating_sub(1);
-            let mut items = load_split(&wp.eval_files, &text, &data, room, "eval")?.items;
+            // Scored with the `math` reward below: its ground truths must be text.
+            let truth = GroundTruthUse::Text(RewardKind::Math);
+            let mut items = load_split(&wp.eval_files, &text, &data, room, "eval", truth)?.items;
             items.truncate(cfg.eval_size.max(1));
             items
         }

@@ -86,6 +86,9 @@ pub struct EvalResult {
     pub n: usize,
     /// Samples per prompt.
     pub samples_per_prompt: usize,
+    /// Sampling temperature of the samples (0 = greedy): paired comparisons refuse to pair
+    /// evaluations sampled at different temperatures.
+    pub temperature: f64,
     /// Mean response length in tokens.
     pub response_len_mean: f64,
     /// Estimates per data source, in order of first appearance.
@@ -123,11 +126,23 @@ pub fn eval_requests(items: &[PromptItem], spec: &EvalSpec, stop: &[u32]) -> Vec
     requests
 }
 
-/// sha256 (hex) of the eval prompts' texts and ground truths, in order.
+/// The f32 sampling temperature as the f64 it was written as (`0.7`, not the widened
+/// `0.699999988079071`): the shortest decimal that reads back as the same f32.
+fn temperature_f64(t: f32) -> f64 {
+    t.to_string().parse().unwrap_or(f64::from(t))
+}
+
+/// sha256 (hex) of the eval prompts' texts and ground truths, in order. A ground truth
+/// counts as its text (a string as it is, anything else as JSON writes it), so a dataset of
+/// string or number truths keeps the digest it had when r3 held truths as text.
 pub fn prompts_digest(items: &[PromptItem]) -> String {
     let mut h = Sha256::new();
     for item in items {
-        for part in [&item.text, &item.ground_truth] {
+        let truth = match &item.ground_truth {
+            serde_json::Value::String(s) => s.clone(),
+            other => other.to_string(),
+        };
+        for part in [&item.text, &truth] {
             h.update((part.len() as u64).to_le_bytes());
             h.update(part.as_bytes());
         }
@@ -194,6 +209,7 @@ pub fn summarise_eval(
         accuracy_stderr: overall.stderr,
         n: items.len(),
         samples_per_prompt: k,
+        temperature: temperature_f64(spec.temperature),
         response_len_mean: tokens as f64 / (items.len() * k) as f64,
         sources,
         prompt_scores: per_prompt,
@@ -210,7 +226,7 @@ mod tests {
         PromptItem {
             text: text.into(),
             ids: vec![1, 2],
-            ground_truth: "1".into(),
+            ground_truth: Value::String("1".into()),
             data_source: source.into(),
             extra_info: Value::Null,
         }
@@ -259,6 +275,8 @@ mod tests {
             .collect();
         let r = summarise_eval(&items, &s, Some(votes), 60, &spec).unwrap();
         assert_eq!(r.prompt_scores, vec![1.0, 0.5, 0.0]);
+        assert_eq!(r.temperature, 1.0);
+        assert_eq!(temperature_f64(0.7), 0.7);
         assert!((r.accuracy - 0.5).abs() < 1e-15);
         assert_eq!(r.response_len_mean, 10.0);
         let names: Vec<&str> = r.sources.iter().map(|s| s.data_source.as_str()).collect();
@@ -271,5 +289,22 @@ mod tests {
         assert_eq!(y.estimate.value, 0.0);
         assert_ne!(prompts_digest(&items), prompts_digest(&items[..2]));
         assert!(summarise_eval(&items, &s[..5], None, 0, &spec).is_err());
+    }
+
+    /// A ground truth hashes as its text: a string truth (and a number, as JSON writes it)
+    /// gives the digest r3 wrote when it held truths as text. Expected values from python3:
+    /// `hashlib.sha256(struct.pack('<Q', 1) + b'a' + struct.pack('<Q', len(t)) + t)`.
+    #[test]
+    fn a_ground_truth_hashes_as_its_text() {
+        let mut one = item("a", "x");
+        let want = "9fe2af4305790bd0709766d7e53ab693ea9925630833d3c465e6b5d7f517c36f";
+        assert_eq!(prompts_digest(std::slice::from_ref(&one)), want);
+        one.ground_truth = serde_json::json!(1);
+        assert_eq!(prompts_digest(std::slice::from_ref(&one)), want);
+        one.ground_truth = serde_json::json!({"target": ["a"]});
+        assert_eq!(
+            prompts_digest(&[one]),
+            "98a8735d6ca50eb50bc58f6ab54839526ab2c17c1ab49ad80950ebb50bce9425"
+        );
     }
 }

@@ -146,7 +146,7 @@ mod tests {
         PromptItem {
             text: String::new(),
             ids: vec![1, id],
-            ground_truth: String::new(),
+            ground_truth: serde_json::Value::String(String::new()),
             data_source: String::new(),
             extra_info: serde_json::Value::Null,
         }

@@ -7,7 +7,8 @@
 //! `data.max_prompt_length` tokens is dropped and counted, never truncated.
 
 use r3_tasks::{
-    load_dataset, ArithmeticTask, DatasetCursor, DatasetPosition, DatasetRow, Problem, Prompt,
+    load_dataset_for, ArithmeticTask, DatasetCursor, DatasetPosition, DatasetRow, GroundTruthUse,
+    Problem, Prompt,
 };
 use r3_text::ChatMessage;
 use serde_json::Value;
@@ -24,8 +25,9 @@ pub struct PromptItem {
     pub text: String,
     /// Its token ids (`<bos>` first where the tokenizer has one).
     pub ids: Vec<u32>,
-    /// The reference answer.
-    pub ground_truth: String,
+    /// The reference answer as the dataset holds it (any JSON value a `command` verifier
+    /// reads; the built-in task's answer as a string).
+    pub ground_truth: Value,
     /// The row's data source (`arith` for the built-in task).
     pub data_source: String,
     /// The row's extra info (`null` for the built-in task).
@@ -71,7 +73,7 @@ pub fn arith_item(text: &ModelText, p: &Problem) -> Result<PromptItem> {
     Ok(PromptItem {
         ids: text.encode_plain(&p.prompt)?,
         text: p.prompt.clone(),
-        ground_truth: p.answer.to_string(),
+        ground_truth: Value::String(p.answer.to_string()),
         data_source: ARITH_SOURCE.into(),
         extra_info: Value::Null,
     })
@@ -98,22 +100,29 @@ pub struct LoadedSplit {
     pub filtered: usize,
 }
 
+/// The most tokens a dataset prompt may hold: `data.max_prompt_length` (0: no limit of its
+/// own), and at most `prompt_room`, the most a prompt may hold for the rollout engine to
+/// generate after it within the model's context. Longer prompts are dropped at load.
+pub fn prompt_limit(data: &DataConfig, prompt_room: usize) -> usize {
+    match data.max_prompt_length {
+        0 => prompt_room,
+        n => n.min(prompt_room),
+    }
+}
+
 /// Loads, renders and encodes `files`, dropping (and counting) overlong prompts: longer
-/// than `data.max_prompt_length`, or than `prompt_room`, the most tokens a prompt may hold
-/// for the rollout engine to generate after it within the model's context (the engine
-/// would refuse a longer one and fail the whole step).
+/// than [`prompt_limit`] (the engine would refuse a prompt without room to generate and
+/// fail the whole step). Every ground truth must be what `truth` says the reward needs.
 pub fn load_split(
     files: &[std::path::PathBuf],
     tokenizer: &ModelText,
     data: &DataConfig,
     prompt_room: usize,
     split: &str,
+    truth: GroundTruthUse,
 ) -> Result<LoadedSplit> {
-    let longest = match data.max_prompt_length {
-        0 => prompt_room,
-        n => n.min(prompt_room),
-    };
-    let rows = load_dataset(files, &data.prompt_key)?;
+    let longest = prompt_limit(data, prompt_room);
+    let rows = load_dataset_for(files, &data.prompt_key, truth)?;
     let total = rows.len();
     let mut items = Vec::with_capacity(total);
     for row in &rows {
@@ -190,11 +199,19 @@ impl PromptSource {
             let stream_pos = stream_pos.unwrap_or_else(|| task.train_stream(cfg.seed).word_pos());
             return Ok(PromptSource::Arithmetic { task, stream_pos });
         }
-        let train = load_split(&data.train_files, tokenizer, data, prompt_room, "train")?;
+        let truth = cfg.reward.ground_truth_use();
+        let train = load_split(
+            &data.train_files,
+            tokenizer,
+            data,
+            prompt_room,
+            "train",
+            truth,
+        )?;
         let mut val = if data.val_files.is_empty() {
             Vec::new()
         } else {
-            load_split(&data.val_files, tokenizer, data, prompt_room, "val")?.items
+            load_split(&data.val_files, tokenizer, data, prompt_room, "val", truth)?.items
         };
         if cfg.eval.size > 0 {
             val.truncate(cfg.eval.size);
