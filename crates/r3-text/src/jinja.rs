@@ -2,12 +2,16 @@
 //! jinja2 one: `trim_blocks` and `lstrip_blocks`, loop controls, Python string and dict
 //! methods, and the globals `raise_exception` and `strftime_now` and transformers' `tojson`
 //! filter, which writes what Python's `json.dumps` writes (`ensure_ascii`, `indent`,
-//! `separators`, `sort_keys`).
+//! `separators`, `sort_keys`, floats as `repr`). Where minijinja and jinja2 would print the
+//! same input differently it follows Python: floats print as `repr(float)` (`1e-05`,
+//! `1e+20`), `strip` / `split` / `isspace` / `trim` take Python's whitespace (`\x1c`-`\x1f`
+//! too), `str.title()` capitalises after digits, `is sequence` holds for strings and dicts,
+//! and `list.index` / `str.index` exist.
 
 use std::fmt::Write as _;
 
-use minijinja::value::{Kwargs, ValueKind};
-use minijinja::{Environment, Error, ErrorKind, Value};
+use minijinja::value::{from_args, Kwargs, ValueKind};
+use minijinja::{Environment, Error, ErrorKind, State, Value};
 
 /// A fresh environment with transformers' chat-template settings and helpers.
 pub(crate) fn environment() -> Result<Environment<'static>, Error> {
@@ -18,11 +22,368 @@ pub(crate) fn environment() -> Result<Environment<'static>, Error> {
             .lstrip_blocks(true)
             .build()?,
     );
-    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.set_unknown_method_callback(python_methods);
+    env.set_formatter(python_formatter);
     env.add_function("raise_exception", raise_exception);
     env.add_function("strftime_now", strftime_now);
     env.add_filter("tojson", tojson);
+    env.add_filter("trim", trim);
+    env.add_filter("string", string);
+    env.add_test("sequence", is_sequence);
     Ok(env)
+}
+
+/// transformers' `{% generation %}` ... `{% endgeneration %}` tag (its `AssistantTracker`
+/// extension, which renders the body through a call block) as minijinja's `{% with %}` ...
+/// `{% endwith %}`: the same text, whitespace control (`-` / `+`) kept, and a `set` inside
+/// stays inside, as in the call block.
+pub(crate) fn generation_blocks(source: &str) -> String {
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    while let Some(at) = rest.find("{%") {
+        out.push_str(&rest[..at]);
+        let tag = &rest[at..];
+        match generation_tag(tag) {
+            Some((replacement, len)) => {
+                out.push_str(&replacement);
+                rest = &tag[len..];
+            }
+            None => {
+                out.push_str("{%");
+                rest = &tag[2..];
+            }
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+/// `tag` (starting at `{%`) rewritten when it is a `generation` or `endgeneration` tag, with
+/// the number of bytes it spans.
+fn generation_tag(tag: &str) -> Option<(String, usize)> {
+    fn modifier(s: &str) -> (&str, &str) {
+        match s.as_bytes().first() {
+            Some(b'-' | b'+') => s.split_at(1),
+            _ => ("", s),
+        }
+    }
+    let (open, body) = modifier(&tag[2..]);
+    let word_at = body.len() - body.trim_start().len();
+    let (lead, word_and_rest) = body.split_at(word_at);
+    let (word, after) = if let Some(after) = word_and_rest.strip_prefix("endgeneration") {
+        ("endwith", after)
+    } else if let Some(after) = word_and_rest.strip_prefix("generation") {
+        ("with", after)
+    } else {
+        return None;
+    };
+    let close_at = after.len() - after.trim_start().len();
+    let (trail, close) = after.split_at(close_at);
+    let (close_mod, close) = modifier(close);
+    let rest = close.strip_prefix("%}")?;
+    Some((
+        format!("{{%{open}{lead}{word}{trail}{close_mod}%}}"),
+        tag.len() - rest.len(),
+    ))
+}
+
+/// Python's `str.isspace` for one character: Rust's whitespace and the four separators
+/// `\x1c`-`\x1f`, which Python counts and Rust does not.
+fn is_py_space(c: char) -> bool {
+    c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c)
+}
+
+/// Python's `str.split(None, maxsplit)`: runs of whitespace separate, leading whitespace
+/// goes, and after `maxsplit` splits the rest is one item as it stands.
+fn py_split_whitespace(s: &str, maxsplit: Option<i64>) -> Vec<Value> {
+    let mut items = Vec::new();
+    let mut rest = s.trim_start_matches(is_py_space);
+    let limit = maxsplit.filter(|n| *n >= 0);
+    while !rest.is_empty() {
+        if limit.is_some_and(|n| items.len() as i64 == n) {
+            items.push(Value::from(rest));
+            break;
+        }
+        match rest.find(is_py_space) {
+            Some(end) => {
+                items.push(Value::from(&rest[..end]));
+                rest = rest[end..].trim_start_matches(is_py_space);
+            }
+            None => {
+                items.push(Value::from(rest));
+                break;
+            }
+        }
+    }
+    items
+}
+
+/// Python's `str.title()`: a cased character is upper-cased after an uncased one (a digit, an
+/// apostrophe, a space) and lower-cased after a cased one.
+fn py_title(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut previous_cased = false;
+    for c in s.chars() {
+        let cased = c.is_lowercase() || c.is_uppercase();
+        if previous_cased {
+            out.extend(c.to_lowercase());
+        } else {
+            out.extend(c.to_uppercase());
+        }
+        previous_cased = cased;
+    }
+    out
+}
+
+fn not_found(what: &Value, kind: &str) -> Error {
+    Error::new(
+        ErrorKind::InvalidOperation,
+        format!("{what:?} is not in {kind}"),
+    )
+}
+
+/// Python methods minijinja's `pycompat` lacks or gets different from Python, then `pycompat`.
+fn python_methods(
+    state: &mut State,
+    value: &Value,
+    method: &str,
+    args: &[Value],
+) -> Result<Value, Error> {
+    let unset = |v: &Option<Value>| v.as_ref().is_none_or(|v| v.is_none() || v.is_undefined());
+    if let Some(s) = value.as_str() {
+        match method {
+            "strip" | "lstrip" | "rstrip" => {
+                let (chars,): (Option<Value>,) = from_args(args)?;
+                if unset(&chars) {
+                    return Ok(Value::from(match method {
+                        "strip" => s.trim_matches(is_py_space),
+                        "lstrip" => s.trim_start_matches(is_py_space),
+                        _ => s.trim_end_matches(is_py_space),
+                    }));
+                }
+            }
+            "split" => {
+                let (sep, maxsplit, kwargs): (Option<Value>, Option<Value>, Kwargs) =
+                    from_args(args)?;
+                let sep = match sep {
+                    Some(v) => Some(v),
+                    None => kwargs.get::<Option<Value>>("sep")?,
+                };
+                let maxsplit = match maxsplit {
+                    Some(v) => Some(v),
+                    None => kwargs.get::<Option<Value>>("maxsplit")?,
+                };
+                kwargs.assert_all_used()?;
+                let maxsplit = maxsplit
+                    .filter(|v| !v.is_none() && !v.is_undefined())
+                    .map(i64::try_from)
+                    .transpose()?;
+                if unset(&sep) {
+                    return Ok(Value::from(py_split_whitespace(s, maxsplit)));
+                }
+                let sep = match sep.as_ref().and_then(Value::as_str) {
+                    Some(sep) => std::sync::Arc::from(sep),
+                    None => {
+                        return Err(Error::new(
+                            ErrorKind::InvalidOperation,
+                            "split: the separator must be a string or none",
+                        ))
+                    }
+                };
+                return Ok(minijinja::filters::split(value, Some(sep), maxsplit)?
+                    .try_iter()?
+                    .collect());
+            }
+            "isspace" if args.is_empty() => {
+                return Ok(Value::from(!s.is_empty() && s.chars().all(is_py_space)));
+            }
+            "title" if args.is_empty() => return Ok(Value::from(py_title(s))),
+            "index" => {
+                let (needle,): (&str,) = from_args(args)?;
+                return match s.find(needle) {
+                    Some(byte) => Ok(Value::from(s[..byte].chars().count())),
+                    None => Err(Error::new(
+                        ErrorKind::InvalidOperation,
+                        "substring not found",
+                    )),
+                };
+            }
+            _ => {}
+        }
+    } else if value.kind() == ValueKind::Seq && method == "index" {
+        let (needle,): (Value,) = from_args(args)?;
+        return match value.try_iter()?.position(|item| item == needle) {
+            Some(at) => Ok(Value::from(at)),
+            None => Err(not_found(&needle, "list")),
+        };
+    }
+    minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args)
+}
+
+/// jinja2's `trim` filter is Python's `str.strip(chars)`: without `chars`, Python's whitespace.
+fn trim(value: &Value, chars: Option<Value>) -> Result<Value, Error> {
+    let mut text = String::new();
+    if holds_float(value) {
+        py_str(value, &mut text);
+    } else {
+        text = value.to_string();
+    }
+    let out = match chars.as_ref().filter(|c| !c.is_none() && !c.is_undefined()) {
+        Some(chars) => {
+            let set: Vec<char> = chars.to_string().chars().collect();
+            text.trim_matches(&set[..]).to_string()
+        }
+        None => text.trim_matches(is_py_space).to_string(),
+    };
+    Ok(if value.is_safe() {
+        Value::from_safe_string(out)
+    } else {
+        Value::from(out)
+    })
+}
+
+/// Whether a value is or holds a float, the one kind minijinja prints differently from Python.
+fn holds_float(value: &Value) -> bool {
+    match value.kind() {
+        ValueKind::Number => !value.is_integer(),
+        ValueKind::Seq | ValueKind::Map => value.try_iter().is_ok_and(|mut items| {
+            items.any(|item| {
+                holds_float(&item)
+                    || (value.kind() == ValueKind::Map
+                        && value.get_item(&item).is_ok_and(|v| holds_float(&v)))
+            })
+        }),
+        _ => false,
+    }
+}
+
+/// Python's `repr(float)` (= `str(float)`): the shortest digits that read back, written out
+/// unless the decimal exponent is below -4 or at least 16, then as `1.5e-05` / `1e+16`.
+pub(crate) fn py_float(x: f64) -> String {
+    if x.is_nan() {
+        return "nan".into();
+    }
+    if x.is_infinite() {
+        return if x < 0.0 { "-inf" } else { "inf" }.into();
+    }
+    if x == 0.0 {
+        return if x.is_sign_negative() { "-0.0" } else { "0.0" }.into();
+    }
+    // `{:e}` writes Rust's shortest round-trip digits, as Python's repr chooses them.
+    let sci = format!("{x:e}");
+    let (mantissa, exp) = sci.split_once('e').unwrap_or((sci.as_str(), "0"));
+    let exp: i32 = exp.parse().unwrap_or(0);
+    if !(-4..16).contains(&exp) {
+        let sign = if exp < 0 { '-' } else { '+' };
+        return format!("{mantissa}e{sign}{:02}", exp.unsigned_abs());
+    }
+    let (sign, mantissa) = match mantissa.strip_prefix('-') {
+        Some(m) => ("-", m),
+        None => ("", mantissa),
+    };
+    let digits: String = mantissa.chars().filter(char::is_ascii_digit).collect();
+    let point = exp + 1;
+    let text = if point <= 0 {
+        format!("0.{}{digits}", "0".repeat(point.unsigned_abs() as usize))
+    } else {
+        let point = point as usize;
+        if digits.len() > point {
+            format!("{}.{}", &digits[..point], &digits[point..])
+        } else {
+            format!("{digits}{}.0", "0".repeat(point - digits.len()))
+        }
+    };
+    format!("{sign}{text}")
+}
+
+/// A value as Python's `str()` writes it, for values that hold floats: a float as
+/// [`py_float`], a list or dict item by item (their other items as minijinja writes them,
+/// which is Python's repr already).
+fn py_str(value: &Value, out: &mut String) {
+    match value.kind() {
+        ValueKind::Number if !value.is_integer() => {
+            out.push_str(&py_float(f64::try_from(value.clone()).unwrap_or(f64::NAN)));
+        }
+        ValueKind::Seq => {
+            let tuple = value.is_tuple();
+            out.push(if tuple { '(' } else { '[' });
+            let items: Vec<Value> = value.try_iter().map(Iterator::collect).unwrap_or_default();
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                py_repr(item, out);
+            }
+            if tuple && items.len() == 1 {
+                out.push(',');
+            }
+            out.push(if tuple { ')' } else { ']' });
+        }
+        ValueKind::Map => {
+            out.push('{');
+            let keys: Vec<Value> = value.try_iter().map(Iterator::collect).unwrap_or_default();
+            for (i, key) in keys.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                py_repr(key, out);
+                out.push_str(": ");
+                py_repr(&value.get_item(key).unwrap_or_default(), out);
+            }
+            out.push('}');
+        }
+        _ => {
+            let _ = write!(out, "{value}");
+        }
+    }
+}
+
+/// An item inside a printed list or dict: as [`py_str`] when it holds a float, else
+/// minijinja's repr (Python's for strings, numbers, booleans and `None`).
+fn py_repr(value: &Value, out: &mut String) {
+    if holds_float(value) {
+        py_str(value, out);
+    } else {
+        let _ = write!(out, "{value:?}");
+    }
+}
+
+/// Prints values as jinja2 prints them: minijinja's own formatting, except for values that
+/// hold a float (`{{ 1e-05 }}` is `1e-05`, not `0.00001`).
+fn python_formatter(
+    out: &mut minijinja::Output,
+    state: &mut State,
+    value: &Value,
+) -> Result<(), Error> {
+    if holds_float(value) {
+        let mut text = String::new();
+        py_str(value, &mut text);
+        out.write_str(&text)
+            .map_err(|e| Error::new(ErrorKind::WriteFailure, e.to_string()))
+    } else {
+        minijinja::escape_formatter(out, state, value)
+    }
+}
+
+/// jinja2's `string` filter is Python's `str()`, floats included.
+fn string(state: &State, value: &Value) -> Result<Value, Error> {
+    if holds_float(value) {
+        let mut text = String::new();
+        py_str(value, &mut text);
+        Ok(Value::from(text))
+    } else {
+        minijinja::filters::string(state, value)
+    }
+}
+
+/// jinja2's `sequence` test: `len(value)` and `value[...]` work, so strings, lists and dicts
+/// (and undefined, whose `len` is 0) are sequences.
+fn is_sequence(value: &Value) -> bool {
+    value.is_undefined()
+        || matches!(
+            value.kind(),
+            ValueKind::String | ValueKind::Seq | ValueKind::Map | ValueKind::Bytes
+        )
 }
 
 fn raise_exception(message: String) -> Result<Value, Error> {
@@ -151,10 +512,20 @@ fn tojson(value: &Value, args: &[Value], kwargs: Kwargs) -> Result<String, Error
     Ok(out)
 }
 
-/// A scalar as JSON; with `ensure_ascii`, every character outside `' '..='~'` that serde
+/// A scalar as JSON; a float as Python's `json.dumps` writes it (`repr(float)`, `NaN`,
+/// `Infinity`); with `ensure_ascii`, every character outside `' '..='~'` that serde
 /// leaves as it is written as Python writes it: `\uXXXX` in lower-case hex, a surrogate
 /// pair above U+FFFF.
 fn scalar_json(value: &Value, ensure_ascii: bool) -> Result<String, Error> {
+    if value.kind() == ValueKind::Number && !value.is_integer() {
+        let x = f64::try_from(value.clone())?;
+        return Ok(match py_float(x).as_str() {
+            "nan" => "NaN".into(),
+            "inf" => "Infinity".into(),
+            "-inf" => "-Infinity".into(),
+            text => text.into(),
+        });
+    }
     let text = serde_json::to_string(value)
         .map_err(|e| Error::new(ErrorKind::BadSerialization, e.to_string()))?;
     if !ensure_ascii {
@@ -193,7 +564,14 @@ fn write_json(
     out: &mut String,
 ) -> Result<(), Error> {
     match value.kind() {
-        ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+        // transformers' `json.dumps` cannot serialise jinja2's Undefined (a TypeError).
+        ValueKind::Undefined => {
+            return Err(Error::new(
+                ErrorKind::InvalidOperation,
+                "tojson: Object of type Undefined is not JSON serializable",
+            ))
+        }
+        ValueKind::None => out.push_str("null"),
         ValueKind::Seq | ValueKind::Iterable => {
             let items: Vec<Value> = value.try_iter()?.collect();
             if items.is_empty() {
@@ -414,6 +792,47 @@ mod tests {
             let err = env.render_str(src, ctx.clone()).expect_err(src);
             assert!(format!("{err:#}").contains(want), "{src}: {err:#}");
         }
+    }
+
+    #[test]
+    fn floats_are_written_as_python_repr_writes_them() {
+        // Python 3.11: [repr(x) for x in (1e-05, 0.0001, 1e16, 1e15, 9999999999999998.0,
+        // 1.7976931348623157e308, 5e-324, -0.0, 0.1, 1/3, 2.5e-10, 123456.789, 1e22, 1.0,
+        // -1e-7, 12345678901234567890.0)].
+        let cases = [
+            (1e-05, "1e-05"),
+            (0.0001, "0.0001"),
+            (1e16, "1e+16"),
+            (1e15, "1000000000000000.0"),
+            (9999999999999998.0, "9999999999999998.0"),
+            (f64::MAX, "1.7976931348623157e+308"),
+            (5e-324, "5e-324"),
+            (-0.0, "-0.0"),
+            (0.1, "0.1"),
+            (1.0 / 3.0, "0.3333333333333333"),
+            (2.5e-10, "2.5e-10"),
+            (123456.789, "123456.789"),
+            (1e22, "1e+22"),
+            (1.0, "1.0"),
+            (-1e-7, "-1e-07"),
+            (12345678901234567890.0, "1.2345678901234567e+19"),
+        ];
+        for (x, want) in cases {
+            assert_eq!(super::py_float(x), want, "{x:e}");
+        }
+    }
+
+    #[test]
+    fn generation_tags_become_with_blocks() {
+        assert_eq!(
+            super::generation_blocks(
+                "a{%- generation +%}b{%endgeneration%}{% if x %}{%+ generation  -%}"
+            ),
+            "a{%- with +%}b{%endwith%}{% if x %}{%+ with  -%}"
+        );
+        // Other tags and names that only start with the word stay as they are.
+        let other = "{% generations %}{{ generation }}{% set generation = 1 %}{%";
+        assert_eq!(super::generation_blocks(other), other);
     }
 
     #[test]

@@ -2,8 +2,9 @@
 //! transformers resolves them, and chat templates rendered the way transformers'
 //! `apply_chat_template` renders them (minijinja with the Python-compatible extras).
 //!
-//! A model directory is read as transformers reads it: `tokenizer.json`,
-//! `tokenizer_config.json` (special tokens, `add_bos_token`, `chat_template`),
+//! A model directory is read as transformers 5 reads it: `tokenizer.json`,
+//! `tokenizer_config.json` (special tokens, `added_tokens_decoder`, `split_special_tokens`,
+//! `chat_template`; not `add_bos_token`, which transformers 5 ignores beside a tokenizer.json),
 //! `chat_template.jinja`, `generation_config.json` (eos ids, and the sampling values a server
 //! takes as defaults: [`GenerationConfig`]) and `config.json` (eos ids).
 

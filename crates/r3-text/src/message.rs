@@ -9,11 +9,13 @@ pub struct ChatMessage {
     /// `system`, `user`, `assistant`, `tool`, ...
     pub role: String,
     /// The message text; `None` (JSON null or absent, e.g. an assistant turn that only calls
-    /// tools) reaches the template as `none`, so `message.content is none` holds as it does in
-    /// transformers (an absent key, undefined in jinja2, reads as `none` here too).
+    /// tools) leaves `content` out of the message the template sees, as transformers ≥ 5.24
+    /// drops every null-valued key (`message.content` is then undefined: `is defined` false,
+    /// `is none` false, prints as nothing). A server that wants SGLang's `""` sets it itself.
     #[serde(default)]
     pub content: Option<String>,
-    /// Further fields the template may read (e.g. `reasoning_content`), passed as they are.
+    /// Further fields the template may read (e.g. `reasoning_content`), passed as they are,
+    /// except that a null value leaves its key out (as for `content`).
     #[serde(flatten, default, skip_serializing_if = "serde_json::Map::is_empty")]
     pub extra: serde_json::Map<String, serde_json::Value>,
 }

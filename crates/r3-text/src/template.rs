@@ -10,7 +10,7 @@ use minijinja::{Environment, Value};
 use crate::error::{Result, TextError};
 use crate::message::ChatMessage;
 use crate::model_files::read_json_opt;
-use crate::special::SpecialTokens;
+use crate::special::{ConfigTokens, SpecialTokens};
 
 /// Name transformers uses for the template chosen when no name is given.
 const DEFAULT_NAME: &str = "default";
@@ -34,6 +34,9 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     names: Vec<String>,
     special: SpecialTokens,
+    /// `(name, text)` of every special token the templates see (transformers'
+    /// `special_tokens_map`: `bos_token` ... `mask_token` and model-specific `*_token`s).
+    token_vars: Vec<(String, String)>,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -77,9 +80,12 @@ impl ChatTemplate {
     pub fn from_model_dir(dir: &Path) -> Result<Option<Self>> {
         let tc_path = dir.join("tokenizer_config.json");
         let config = read_json_opt(dir, "tokenizer_config.json")?;
-        let special = match &config {
-            Some(cfg) => SpecialTokens::from_config(cfg, &tc_path)?,
-            None => SpecialTokens::default(),
+        let (special, tokens) = match &config {
+            Some(cfg) => (
+                SpecialTokens::from_config(cfg, &tc_path)?,
+                ConfigTokens::from_config(cfg, &tc_path)?,
+            ),
+            None => (SpecialTokens::default(), ConfigTokens::default()),
         };
         let jinja_path = dir.join("chat_template.jinja");
         let templates = if jinja_path.is_file() {
@@ -92,15 +98,19 @@ impl ChatTemplate {
                 Some(field) => templates_of_field(field, &tc_path)?,
             }
         };
-        Self::named(templates, special).map(Some)
+        let mut template = Self::named(templates, special)?;
+        template.token_vars = tokens.template_vars();
+        Ok(Some(template))
     }
 
-    /// One template, named `default`.
+    /// One template, named `default`, seeing the special tokens of `special` (bos, eos, unk,
+    /// pad; [`Self::from_model_dir`] passes every one its config names).
     pub fn new(source: impl Into<String>, special: SpecialTokens) -> Result<Self> {
         Self::named(vec![(DEFAULT_NAME.to_string(), source.into())], special)
     }
 
-    /// Several named templates; each must compile.
+    /// Several named templates; each must compile. transformers' `{% generation %}` ...
+    /// `{% endgeneration %}` (the assistant-mask tag) renders its body, as there.
     pub fn named(templates: Vec<(String, String)>, special: SpecialTokens) -> Result<Self> {
         let mut env = crate::jinja::environment().map_err(|source| TextError::TemplateSyntax {
             name: DEFAULT_NAME.into(),
@@ -108,17 +118,19 @@ impl ChatTemplate {
         })?;
         let mut names = Vec::with_capacity(templates.len());
         for (name, source) in templates {
-            env.add_template_owned(name.clone(), source)
+            env.add_template_owned(name.clone(), crate::jinja::generation_blocks(&source))
                 .map_err(|source| TextError::TemplateSyntax {
                     name: name.clone(),
                     source,
                 })?;
             names.push(name);
         }
+        let token_vars = ConfigTokens::of_special(&special).template_vars();
         Ok(Self {
             env,
             names,
             special,
+            token_vars,
         })
     }
 
@@ -132,8 +144,19 @@ impl ChatTemplate {
         &self.special
     }
 
+    /// `(name, text)` of every special token the templates see as a variable: transformers'
+    /// `special_tokens_map` (`bos_token`, `eos_token`, `unk_token`, `sep_token`, `pad_token`,
+    /// `cls_token`, `mask_token` and the config's model-specific `*_token`s, those set).
+    pub fn token_vars(&self) -> &[(String, String)] {
+        &self.token_vars
+    }
+
     /// Renders a conversation to the prompt text (to be tokenized without adding special
-    /// tokens, as transformers does).
+    /// tokens, as transformers does). Each message reaches the template as transformers
+    /// 5.25's `apply_chat_template` passes it: keys whose value is null dropped (null
+    /// `content` included: the key is then undefined, not `none`; transformers ≥ 5.24), and
+    /// a reasoning field copied under its other names (≥ 5.21: `reasoning_content`, `thinking`,
+    /// `reasoning`).
     pub fn render(&self, messages: &[ChatMessage], opts: &RenderOptions) -> Result<String> {
         let name = match &opts.template_name {
             Some(n) => n.as_str(),
@@ -155,6 +178,10 @@ impl ChatTemplate {
             }
         }
         conversation.extend_from_slice(messages);
+        let conversation: Vec<serde_json::Map<String, serde_json::Value>> = conversation
+            .iter()
+            .map(|m| alias_reasoning(without_nulls(m)))
+            .collect();
         let mut vars: Vec<(String, Value)> = vec![
             (
                 "messages".into(),
@@ -167,8 +194,8 @@ impl ChatTemplate {
                 Value::from(opts.add_generation_prompt),
             ),
         ];
-        for (name, token) in self.special.template_vars() {
-            vars.push((name.into(), Value::from(token)));
+        for (name, token) in &self.token_vars {
+            vars.push((name.clone(), Value::from(token.as_str())));
         }
         for (key, value) in &opts.kwargs {
             vars.retain(|(k, _)| k != key);
@@ -179,4 +206,48 @@ impl ChatTemplate {
             .render(ctx)
             .map_err(|source| TextError::Render { source })
     }
+}
+
+/// A message as a JSON object without its null-valued keys (transformers ≥ 5.24's
+/// `_normalize_chat_messages`: `{key: value for key, value in message.items() if value is not
+/// None}`): `role`, then `content` unless it is `None`, then the extra fields in their order.
+fn without_nulls(message: &ChatMessage) -> serde_json::Map<String, serde_json::Value> {
+    let mut map = serde_json::Map::with_capacity(2 + message.extra.len());
+    map.insert("role".into(), message.role.clone().into());
+    if let Some(content) = &message.content {
+        map.insert("content".into(), content.clone().into());
+    }
+    for (key, value) in &message.extra {
+        if !value.is_null() {
+            map.insert(key.clone(), value.clone());
+        }
+    }
+    map
+}
+
+/// The names a message's reasoning goes by, the one templates read first (transformers'
+/// `_REASONING_FIELDS`).
+const REASONING_FIELDS: [&str; 3] = ["reasoning_content", "thinking", "reasoning"];
+
+/// transformers ≥ 5.21's `_alias_reasoning_fields` for one message: the first of
+/// [`REASONING_FIELDS`] that is set is the reasoning, and the message becomes
+/// `{"thinking": reasoning, **message, "reasoning_content": reasoning}` (a Python dict
+/// literal: `thinking` stays the first key, keeping the message's own value when it has one,
+/// and `reasoning_content` keeps its place when the message has it).
+fn alias_reasoning(
+    message: serde_json::Map<String, serde_json::Value>,
+) -> serde_json::Map<String, serde_json::Value> {
+    let Some(reasoning) = REASONING_FIELDS
+        .iter()
+        .find_map(|key| message.get(*key).filter(|v| !v.is_null()).cloned())
+    else {
+        return message;
+    };
+    let mut aliased = serde_json::Map::with_capacity(message.len() + 2);
+    aliased.insert("thinking".into(), reasoning.clone());
+    for (key, value) in message {
+        aliased.insert(key, value);
+    }
+    aliased.insert("reasoning_content".into(), reasoning);
+    aliased
 }

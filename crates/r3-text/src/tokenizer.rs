@@ -2,13 +2,14 @@
 //! transformers resolves them from `tokenizer_config.json`, `generation_config.json` and
 //! `config.json`, and ids decoded as HF `tokenizers` decodes them.
 
+use std::collections::HashSet;
 use std::path::Path;
 
-use tokenizers::Tokenizer;
+use tokenizers::{AddedToken, Tokenizer};
 
 use crate::error::{Result, TextError};
 use crate::model_files::{id_list, read_json_opt};
-use crate::special::SpecialTokens;
+use crate::special::{flag, ConfigTokens, SpecialTokens};
 
 /// A half-open byte range `[start, end)` of the encoded text.
 pub type ByteSpan = (usize, usize);
@@ -74,6 +75,98 @@ fn push_unique(ids: &mut Vec<u32>, more: impl IntoIterator<Item = u32>) {
     }
 }
 
+/// The added tokens of `tokenizer_config.json`'s `added_tokens_decoder` (`id` -> AddedToken
+/// dict), in id order.
+fn config_added_tokens(value: &serde_json::Value, path: &Path) -> Result<Vec<(u32, AddedToken)>> {
+    let bad = |reason: String| TextError::BadField {
+        path: path.to_path_buf(),
+        field: "added_tokens_decoder".into(),
+        reason,
+    };
+    let serde_json::Value::Object(map) = value else {
+        return Err(bad(format!(
+            "expected a dict of id -> AddedToken, found {value}"
+        )));
+    };
+    let mut tokens = Vec::with_capacity(map.len());
+    for (id, token) in map {
+        let id: u32 = id
+            .parse()
+            .map_err(|_| bad(format!("key {id:?} is not a token id")))?;
+        let serde_json::Value::Object(dict) = token else {
+            return Err(bad(format!(
+                "entry {id} is not an AddedToken dict: {token}"
+            )));
+        };
+        tokens.push((
+            id,
+            crate::special::added_token_of_dict(dict, "added_tokens_decoder", path)?,
+        ));
+    }
+    tokens.sort_by_key(|(id, _)| *id);
+    Ok(tokens)
+}
+
+/// The fields of `tokenizer_config.json` that change which tokens are added and special, as
+/// transformers 5's `TokenizersBackend.__init__` applies them over `tokenizer.json`:
+/// `split_special_tokens` (special tokens in text are split as plain text); every token of
+/// `added_tokens_decoder` (else of `tokenizer.json`'s `added_tokens`) added again with its
+/// flags, marked special when a special-token field of the config names it; and the named and
+/// extra special tokens that are not added tokens yet, added as special. Unlike transformers,
+/// a token the vocabulary lacks altogether is not given a new id (the model could not embed
+/// it): `bos_token`, `eos_token`, `unk_token` and `pad_token` are then an error
+/// ([`TextError::UnknownSpecialToken`], as before), the others are left out.
+fn apply_config_tokens(inner: &mut Tokenizer, cfg: &serde_json::Value, path: &Path) -> Result<()> {
+    if flag(cfg, "split_special_tokens", path)? == Some(true) {
+        inner.set_encode_special_tokens(true);
+    }
+    let config = ConfigTokens::from_config(cfg, path)?;
+    let mut to_add: Vec<AddedToken> = match cfg.get("added_tokens_decoder") {
+        None | Some(serde_json::Value::Null) => {
+            let mut json: Vec<(u32, AddedToken)> =
+                inner.get_added_tokens_decoder().into_iter().collect();
+            json.sort_by_key(|(id, _)| *id);
+            json.into_iter().map(|(_, t)| t).collect()
+        }
+        Some(value) => config_added_tokens(value, path)?
+            .into_iter()
+            .map(|(_, t)| t)
+            .collect(),
+    };
+    // Named and extra tokens that are not added tokens yet (nor already on the list).
+    let mut added: HashSet<String> = inner
+        .get_added_vocabulary()
+        .get_vocab()
+        .keys()
+        .cloned()
+        .chain(to_add.iter().map(|t| t.content.clone()))
+        .collect();
+    let named = config.named.iter().map(|(_, tok)| tok);
+    for tok in named.chain(&config.extra) {
+        // A bos / eos / unk / pad missing from the vocabulary is refused by name afterwards
+        // (`special_id`); other missing ones are left out.
+        if added.insert(tok.content.clone()) && inner.token_to_id(&tok.content).is_some() {
+            to_add.push(tok.clone());
+        }
+    }
+    let named_texts: HashSet<&str> = config
+        .named
+        .iter()
+        .map(|(_, t)| t.content.as_str())
+        .collect();
+    for tok in &mut to_add {
+        if !tok.special && named_texts.contains(tok.content.as_str()) {
+            tok.special = true;
+        }
+    }
+    // A token of added_tokens_decoder that tokenizer.json lacks would get a new id; leave it out.
+    to_add.retain(|t| inner.token_to_id(&t.content).is_some());
+    inner
+        .add_tokens(to_add)
+        .map_err(TextError::tk("adding tokenizer_config.json's tokens"))?;
+    Ok(())
+}
+
 /// The id of a special token named in the config; a token missing from the vocabulary is an error.
 fn special_id(inner: &Tokenizer, field: &'static str, token: Option<&str>) -> Result<Option<u32>> {
     token
@@ -98,11 +191,14 @@ impl TextTokenizer {
                 dir: dir.to_path_buf(),
             });
         }
-        let inner = Tokenizer::from_file(&path)
+        let mut inner = Tokenizer::from_file(&path)
             .map_err(|source| TextError::TokenizerFile { path, source })?;
         let tc_path = dir.join("tokenizer_config.json");
         let special = match read_json_opt(dir, "tokenizer_config.json")? {
-            Some(cfg) => SpecialTokens::from_config(&cfg, &tc_path)?,
+            Some(cfg) => {
+                apply_config_tokens(&mut inner, &cfg, &tc_path)?;
+                SpecialTokens::from_config(&cfg, &tc_path)?
+            }
             None => SpecialTokens::default(),
         };
         let mut tok = Self::from_tokenizer(inner, special)?;
@@ -162,40 +258,27 @@ impl TextTokenizer {
         push_unique(&mut self.stop_ids, ids);
     }
 
-    /// Token ids of `text`; with `add_special_tokens`, bos / eos are added as transformers
-    /// adds them (`add_bos_token` / `add_eos_token` when the config sets either, else the
-    /// tokenizer's own post-processor).
+    /// Token ids of `text`; with `add_special_tokens`, the special tokens `tokenizer.json`'s
+    /// post-processor adds (none without one). transformers 5 does the same: with a
+    /// `tokenizer.json` it drops `tokenizer_config.json`'s `add_bos_token` / `add_eos_token`
+    /// (`PreTrainedTokenizerBase._from_pretrained`, 5.0 to 5.25 alike), so they add nothing.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
         Ok(self.encode_with_offsets(text, add_special_tokens)?.0)
     }
 
-    /// As [`Self::encode`], with the byte span of `text` each token the tokenizer produced
-    /// covers (bos / eos added from the config have no span), so a caller can see what text
-    /// no token covers without encoding twice.
+    /// As [`Self::encode`], with the byte span of `text` each token covers (`(0, 0)` for a
+    /// token the post-processor added), so a caller can see what text no token covers
+    /// without encoding twice.
     pub fn encode_with_offsets(
         &self,
         text: &str,
         add_special_tokens: bool,
     ) -> Result<(Vec<u32>, Vec<ByteSpan>)> {
-        let flags = (self.special.add_bos_token, self.special.add_eos_token);
-        let by_flags = add_special_tokens && (flags.0.is_some() || flags.1.is_some());
         let enc = self
             .inner
-            .encode(text, add_special_tokens && !by_flags)
+            .encode(text, add_special_tokens)
             .map_err(TextError::tk("encoding text"))?;
-        let offsets = enc.get_offsets().to_vec();
-        if !by_flags {
-            return Ok((enc.get_ids().to_vec(), offsets));
-        }
-        let mut ids = Vec::with_capacity(enc.len() + 2);
-        if let (Some(true), Some(bos)) = (flags.0, self.bos_id) {
-            ids.push(bos);
-        }
-        ids.extend_from_slice(enc.get_ids());
-        if let (Some(true), Some(&eos)) = (flags.1, self.eos_ids.first()) {
-            ids.push(eos);
-        }
-        Ok((ids, offsets))
+        Ok((enc.get_ids().to_vec(), enc.get_offsets().to_vec()))
     }
 
     /// Text of `ids`, special tokens skipped or kept. An id the tokenizer has no token for is
