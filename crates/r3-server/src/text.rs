@@ -58,10 +58,11 @@ impl TextCodec {
     }
 
     /// Token ids of a text prompt (`/generate`'s `text`, a completions `prompt`) with the
-    /// special tokens the tokenizer adds (a bos where its config says `add_bos_token`, or its
-    /// post-processor adds one): SGLang's tokenizer manager calls the HF tokenizer with its
-    /// default `add_special_tokens=True`, so a DeepSeek-V3 or Llama prompt starts with its bos
-    /// there and must here too (Qwen's adds none).
+    /// special tokens the tokenizer's post-processor adds (transformers 5.x, which SGLang
+    /// 0.5.23 pins, ignores `add_bos_token` beside a tokenizer.json): SGLang's tokenizer
+    /// manager calls the HF tokenizer with its default `add_special_tokens=True`, so a
+    /// DeepSeek-V3 or Llama-3 prompt starts with the bos its post-processor adds there and
+    /// must here too (Qwen's adds none).
     pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, ApiError> {
         self.tokenizer
             .encode(text, true)

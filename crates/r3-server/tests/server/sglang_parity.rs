@@ -47,16 +47,30 @@ fn fake_server(files: &[(&str, Value)], tokenizer: bool, mode: SamplingDefaultsM
     TestServer::start(build_app(FakeEngine::new(0), text, config).expect("app builds"))
 }
 
+/// A Llama-3 / DeepSeek-V3 style `TemplateProcessing` post-processor putting the token
+/// `bos` (id `id`) before every encoded text: with a tokenizer.json, transformers 5.x (and so
+/// SGLang 0.5.23) adds special tokens by the post-processor alone, `add_bos_token` ignored.
+fn bos_post_processor(bos: &str, id: u32) -> Value {
+    json!({"type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": bos, "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"SpecialToken": {"id": bos, "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}},
+            {"SpecialToken": {"id": bos, "type_id": 1}},
+            {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {bos: {"id": bos, "ids": [id], "tokens": [bos]}}})
+}
+
 /// A tokenizer over the fake vocabulary whose id 63 is the special token `<|endoftext|>`
-/// (ids 0..63 are the words `t<i>`).
-fn special_tokenizer(dir: &Path) {
+/// (ids 0..63 are the words `t<i>`), with `post_processor` (`Value::Null` for none).
+fn special_tokenizer(dir: &Path, post_processor: Value) {
     let vocab: serde_json::Map<String, Value> =
         (0..SPECIAL).map(|i| (format!("t{i}"), json!(i))).collect();
     let tok = json!({
         "version": "1.0", "truncation": null, "padding": null,
         "added_tokens": [{"id": SPECIAL, "content": "<|endoftext|>", "single_word": false,
             "lstrip": false, "rstrip": false, "normalized": false, "special": true}],
-        "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null,
+        "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": post_processor,
         "decoder": null,
         "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "t0"},
     });
@@ -65,7 +79,7 @@ fn special_tokenizer(dir: &Path) {
 
 /// A real-engine server (the fake returns no prompt log-probs) whose word-level tokenizer
 /// has the special token `<s>` as id [`BOS`] in place of the word `t62`, added to every text
-/// prompt (`add_bos_token`).
+/// prompt by its post-processor.
 fn bos_server() -> TestServer {
     let engine = crate::engine::engine(&fixture(crate::engine::MODEL));
     let dir = scratch_dir("parity-bos");
@@ -78,10 +92,11 @@ fn bos_server() -> TestServer {
     vocab.insert("<s>".into(), json!(BOS));
     tok["added_tokens"] = json!([{"id": BOS, "content": "<s>", "single_word": false,
         "lstrip": false, "rstrip": false, "normalized": false, "special": true}]);
+    tok["post_processor"] = bos_post_processor("<s>", BOS);
     std::fs::write(&path, tok.to_string()).expect("write tokenizer.json");
     std::fs::write(
         dir.join("tokenizer_config.json"),
-        json!({"bos_token": "<s>", "add_bos_token": true}).to_string(),
+        json!({"bos_token": "<s>"}).to_string(),
     )
     .expect("write tokenizer_config.json");
     let text = TextCodec::from_model_dir(&dir).expect("tokenizer loads");
@@ -89,10 +104,17 @@ fn bos_server() -> TestServer {
     TestServer::start(build_app(engine, text, ServerConfig::default()).expect("app builds"))
 }
 
-/// A fake-engine server with [`special_tokenizer`] and `tokenizer_config`.
+/// A fake-engine server with [`special_tokenizer`] (no post-processor) and
+/// `tokenizer_config`.
 fn special_server(tokenizer_config: Value) -> TestServer {
+    special_server_with(tokenizer_config, Value::Null)
+}
+
+/// A fake-engine server with [`special_tokenizer`] under `post_processor` and
+/// `tokenizer_config`.
+fn special_server_with(tokenizer_config: Value, post_processor: Value) -> TestServer {
     let dir = scratch_dir("parity-special");
-    special_tokenizer(&dir);
+    special_tokenizer(&dir, post_processor);
     std::fs::write(
         dir.join("tokenizer_config.json"),
         tokenizer_config.to_string(),
@@ -434,12 +456,16 @@ fn completions_logprobs_and_echo_follow_sglang() {
 }
 
 /// Text prompts are encoded with the tokenizer's special tokens (SGLang calls the HF tokenizer
-/// with `add_special_tokens=True`): with `add_bos_token` a `/generate` text and a completions
-/// prompt start with the bos; a chat prompt (the rendered template) gets none added.
+/// with `add_special_tokens=True`): under a bos-adding post-processor (Llama-3's,
+/// DeepSeek-V3's) a `/generate` text and a completions prompt start with the bos; a chat
+/// prompt (the rendered template) gets none added.
 #[test]
 fn text_prompts_start_with_the_bos_the_tokenizer_adds() {
-    let server = special_server(json!({"bos_token": "t60", "add_bos_token": true,
-        "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"}));
+    let server = special_server_with(
+        json!({"bos_token": "t60",
+            "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"}),
+        bos_post_processor("t60", 60),
+    );
     let r = server.post(
         "/v1/completions",
         &json!({"prompt": "t5 t6", "max_tokens": 1, "return_token_ids": true}),
