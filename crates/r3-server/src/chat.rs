@@ -153,8 +153,10 @@ struct ChatBody {
 }
 
 /// One OpenAI message as a template message: `content` a string, a list of text parts
-/// (joined), or null / absent (`none` to the template, as transformers passes it); other
-/// fields are passed to the template as they are.
+/// (joined), or null / absent (`""`, as SGLang 0.5.23's `_apply_jinja_template` sets
+/// `msg_dict["content"] = ""` before rendering: r3-text would leave a null key out, as
+/// transformers 5.24+ does, and a template testing `content is defined` would then differ);
+/// other fields are passed to the template as they are.
 pub fn chat_message(v: &Value, i: usize) -> Result<ChatMessage, ApiError> {
     let field = |name: &str| format!("messages[{i}].{name}");
     let Value::Object(obj) = v else {
@@ -173,7 +175,7 @@ pub fn chat_message(v: &Value, i: usize) -> Result<ChatMessage, ApiError> {
         }
     };
     let content = match obj.get("content") {
-        None | Some(Value::Null) => None,
+        None | Some(Value::Null) => Some(String::new()),
         Some(Value::String(s)) => Some(s.clone()),
         Some(Value::Array(parts)) => {
             let mut text = String::new();

@@ -306,3 +306,21 @@ fn chat_and_completion_streams_report_usage_when_asked() {
         r.text
     );
 }
+
+/// A message whose `content` is null or absent reaches the template as `""`, as SGLang
+/// 0.5.23's `_apply_jinja_template` sets it (`if msg_dict.get("content") is None:
+/// msg_dict["content"] = ""`): defined and not none, printing as nothing (r3-text alone
+/// would leave the key out, as transformers 5.24+ drops null keys).
+#[test]
+fn null_or_missing_content_reaches_the_template_as_an_empty_string() {
+    let server = server(Some(
+        "{% for m in messages %}{% if m.content is defined and m.content is not none %}t2{% else %}t8{% endif %} {{ m.content }} t3 {% endfor %}",
+    ));
+    let body = json!({"max_tokens": 1, "add_generation_prompt": false,
+        "messages": [{"role": "user", "content": null}, {"role": "assistant"},
+            {"role": "user", "content": "t10"}]});
+    let r = server.post("/v1/chat/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.text);
+    // "t2  t3 t2  t3 t2 t10 t3 " (t8 would mark a content left out or none).
+    assert_eq!(r.body["prompt_token_ids"], json!([2, 3, 2, 3, 2, 10, 3]));
+}
