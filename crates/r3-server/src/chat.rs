@@ -153,7 +153,9 @@ struct ChatBody {
 }
 
 /// One OpenAI message as a template message: `content` a string, a list of text parts
-/// (joined), or null / absent (`""`, as SGLang 0.5.23's `_apply_jinja_template` sets
+/// (`text` or `input_text`, joined with a space as SGLang's `process_content_for_template_format`
+/// does for a template it detects as taking string content; r3 has no list content to hand
+/// a template that loops over the parts), or null / absent (`""`, as SGLang 0.5.23's `_apply_jinja_template` sets
 /// `msg_dict["content"] = ""` before rendering: r3-text would leave a null key out, as
 /// transformers 5.24+ does, and a template testing `content is defined` would then differ);
 /// other fields are passed to the template as they are.
@@ -178,19 +180,20 @@ pub fn chat_message(v: &Value, i: usize) -> Result<ChatMessage, ApiError> {
         None | Some(Value::Null) => Some(String::new()),
         Some(Value::String(s)) => Some(s.clone()),
         Some(Value::Array(parts)) => {
-            let mut text = String::new();
+            let mut texts = Vec::with_capacity(parts.len());
             for (j, part) in parts.iter().enumerate() {
                 match (part.get("type").and_then(Value::as_str), part.get("text")) {
-                    (Some("text"), Some(Value::String(t))) => text.push_str(t),
+                    (Some("text" | "input_text"), Some(Value::String(t))) => texts.push(t.as_str()),
                     _ => {
                         return Err(ApiError::bad_request(format!(
-                            "{}[{j}]: r3 accepts only {{\"type\": \"text\", \"text\": ...}} parts",
+                            "{}[{j}]: r3 accepts only {{\"type\": \"text\" or \"input_text\", \"text\": ...}} parts",
                             field("content")
                         )))
                     }
                 }
             }
-            Some(text)
+            // SGLang: `" ".join(text_parts) if text_parts else ""`.
+            Some(texts.join(" "))
         }
         Some(other) => {
             return Err(ApiError::bad_request(format!(

@@ -324,3 +324,24 @@ fn null_or_missing_content_reaches_the_template_as_an_empty_string() {
     // "t2  t3 t2  t3 t2 t10 t3 " (t8 would mark a content left out or none).
     assert_eq!(r.body["prompt_token_ids"], json!([2, 3, 2, 3, 2, 10, 3]));
 }
+
+/// A list of text parts is joined with a space, `input_text` parts taken as text, as SGLang
+/// 0.5.23's `process_content_for_template_format` flattens content for a template that does
+/// not loop over it (`" ".join(text_parts)`); an empty list is `""`.
+#[test]
+fn text_parts_join_with_a_space_and_input_text_is_text() {
+    let server = server(Some(TEMPLATE));
+    let body = json!({"max_tokens": 1, "add_generation_prompt": false,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "t10"},
+            {"type": "input_text", "text": "t11"}]}, {"role": "assistant", "content": []}]});
+    let r = server.post("/v1/chat/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.text);
+    // "t2 t10 t11 t3 t2  t3 ": joined without the space, "t10t11" would be one unknown word.
+    assert_eq!(r.body["prompt_token_ids"], json!([2, 10, 11, 3, 2, 3]));
+    // A part of another kind is still refused, naming it.
+    let body = json!({"messages": [{"role": "user", "content": [{"type": "image_url",
+        "image_url": {"url": "x"}}]}]});
+    let r = server.post("/v1/chat/completions", &body);
+    assert_eq!(r.status, 400, "{}", r.text);
+    assert!(r.text.contains("messages[0].content[0]"), "{}", r.text);
+}
