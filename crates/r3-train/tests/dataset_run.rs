@@ -370,3 +370,43 @@ fn an_object_ground_truth_reaches_a_command_verifier_as_it_is() {
         assert!(err.contains(want), "{want}: {err}");
     }
 }
+
+/// `data.total_epochs` with fewer prompts than one step takes ran 0 steps and exited 0 as
+/// if it had trained (verl asserts "Train dataloader is empty!"): now a config error naming
+/// the field and the counts. 5 rows × 1 epoch = 5 < 8 prompts per step; 2 epochs hold 10,
+/// one step (steps run across the epoch boundary).
+#[test]
+fn epochs_too_few_for_one_step_are_refused() {
+    let dir = Scratch::new("data-empty-epochs");
+    let model = dir.path().join("model");
+    tiny_model(&model, 37);
+    let mut cfg = dataset_config(dir.path(), &model, "run");
+    cfg.rollout.prompts_per_step = 8;
+    cfg.data.total_epochs = 1;
+    cfg.validate().expect("valid before the rows are counted");
+    let err = Trainer::new(cfg.clone())
+        .expect_err("no step fits")
+        .to_string();
+    for want in [
+        "data.total_epochs",
+        "5 training prompts × 1 epochs = 5 prompts",
+        "8 of one step (rollout.prompts_per_step)",
+        "raise data.total_epochs to 2 or more",
+    ] {
+        assert!(err.contains(want), "{want}: {err}");
+    }
+    let err = Run::fresh(cfg.clone()).expect_err("nor a run").to_string();
+    assert!(err.contains("data.total_epochs"), "{err}");
+    cfg.data.total_epochs = 2;
+    assert_eq!(
+        Trainer::new(cfg.clone()).expect("one step").total_steps(),
+        1
+    );
+    cfg.data.total_epochs = 0;
+    assert_eq!(
+        Trainer::new(cfg.clone())
+            .expect("epochs as steps need")
+            .total_steps(),
+        cfg.steps
+    );
+}

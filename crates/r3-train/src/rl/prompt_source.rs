@@ -157,6 +157,34 @@ pub fn load_split(
     Ok(LoadedSplit { items, filtered })
 }
 
+/// Refuses a run whose `data.total_epochs` hold fewer prompts than one step takes: it would
+/// run no step at all and exit as if it had trained (verl asserts "Train dataloader is
+/// empty!" there). r3's steps run across epoch boundaries, so the epochs fill
+/// `rows × epochs / prompts_per_step` whole steps.
+fn check_epochs_fill_a_step(cfg: &TrainConfig, train: &LoadedSplit) -> Result<()> {
+    let rows = train.items.len();
+    let epochs = cfg.data.total_epochs;
+    if epochs == 0 || cfg.steps == 0 || cfg.total_steps(Some(rows)) > 0 {
+        return Ok(());
+    }
+    let per_step = cfg.rollout.prompts_per_step;
+    let dropped = match train.filtered {
+        0 => String::new(),
+        n => format!(" ({n} more dropped as too long)"),
+    };
+    Err(TrainError::InvalidConfig {
+        field: "data.total_epochs",
+        reason: format!(
+            "{rows} training prompts{dropped} × {epochs} epochs = {} prompts, fewer than the \
+             {per_step} of one step (rollout.prompts_per_step): no step could run; raise \
+             data.total_epochs to {} or more, set it to 0 (as many epochs as `steps` needs) or \
+             lower rollout.prompts_per_step",
+            rows as u64 * epochs,
+            per_step.div_ceil(rows.max(1)),
+        ),
+    })
+}
+
 /// The prompts of a run.
 #[derive(Debug)]
 pub enum PromptSource {
@@ -208,6 +236,7 @@ impl PromptSource {
             "train",
             truth,
         )?;
+        check_epochs_fill_a_step(cfg, &train)?;
         let mut val = if data.val_files.is_empty() {
             Vec::new()
         } else {
