@@ -130,3 +130,58 @@ fn show_prints_prompt_ids_truth_and_reward() {
         .expect("int");
     assert_eq!(line["correct"], truth == 7);
 }
+
+/// `show` marks the rows training drops as too long (`kept: false`) with the limit they
+/// pass; it printed them like any other row before. The character tokenizer spells
+/// `<bos>` + one id per character: `1+2=` is 5 tokens, `12+34=` 7.
+#[test]
+fn show_marks_rows_training_drops_as_too_long() {
+    let out = Scratch::new("cli-data-show-kept");
+    let rows = out.join("rows.jsonl");
+    let row = |p: &str, a: i64| {
+        serde_json::json!({
+            "prompt": [{"role": "user", "content": p}],
+            "reward_model": {"ground_truth": a.to_string()},
+        })
+        .to_string()
+    };
+    std::fs::write(
+        &rows,
+        format!("{}\n{}\n", row("1+2=", 3), row("12+34=", 46)),
+    )
+    .expect("rows");
+    let config = out.join("show.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "model_dir = {:?}\n[data]\ntrain_files = [{:?}]\nval_files = [{:?}]\nmax_prompt_length = 5\n",
+            path(&arith_model()),
+            path(&rows),
+            path(&rows),
+        ),
+    )
+    .expect("config");
+    let o = r3(&["data", "show", "--config", path(&config), "--n", "2"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("json line"))
+        .collect();
+    let got: Vec<_> = lines
+        .iter()
+        .map(|l| {
+            (
+                l["num_tokens"].clone(),
+                l["kept"].clone(),
+                l["prompt_limit"].clone(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        got,
+        [
+            (5.into(), true.into(), 5.into()),
+            (7.into(), false.into(), 5.into())
+        ]
+    );
+}

@@ -2,17 +2,19 @@
 //! config's training data (or the built-in task's problems), the prompt rendered as the
 //! trainer renders it (the model's chat template when `data.apply_chat_template`), its token
 //! ids from the model's tokenizer, the ground truth and the reward of a given response, so
-//! a template and a reward can be checked before a run. `generate` writes the GSM8K-format
+//! a template and a reward can be checked before a run; a row the trainer would drop as too
+//! long is printed with `kept: false` beside the limit it passes. `generate` writes the GSM8K-format
 //! word-problem dataset in verl's schema as JSONL and Parquet.
 
 use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
+use r3_model::Config as ModelConfig;
 use r3_tasks::dataset::jsonl::to_jsonl;
 use r3_tasks::dataset::write_parquet;
 use r3_tasks::{gsm8k_style_splits, load_dataset_for, Reward, RewardInput};
-use r3_train::rl::prompt_source::{encode_prompt, render_prompt, PromptSource};
+use r3_train::rl::prompt_source::{encode_prompt, prompt_limit, render_prompt, PromptSource};
 use r3_train::ModelText;
 use serde_json::{json, Value};
 
@@ -22,7 +24,8 @@ use super::train::resolve_config;
 #[derive(Debug, Subcommand)]
 pub enum DataCommand {
     /// Print the first rows as the trainer sees them: prompt text, token ids, ground truth,
-    /// and the reward of `--response` (JSON, one object per line).
+    /// whether the trainer keeps the row (`kept: false`: dropped as longer than
+    /// `prompt_limit` tokens), and the reward of `--response` (JSON, one object per line).
     Show(ShowArgs),
     /// Write the GSM8K-format word-problem dataset (train / val, JSONL and Parquet).
     Generate(GenerateArgs),
@@ -81,13 +84,26 @@ struct Shown {
     ground_truth: Value,
     data_source: String,
     extra_info: Value,
+    /// Whether training keeps the row (`None`: its prompt could not be encoded).
+    kept: Option<bool>,
 }
 
 fn show(a: ShowArgs) -> anyhow::Result<()> {
     let cfg = resolve_config(a.config.as_deref(), &a.set)?;
     let tokenizer = ModelText::from_model_dir(&cfg.model_dir)
         .with_context(|| format!("loading the tokenizer of {}", cfg.model_dir.display()))?;
+    // The longest prompt training keeps (None: the built-in task, nothing dropped).
+    let mut limit = None;
     let rows: Vec<Shown> = if cfg.uses_dataset() {
+        let config = cfg.model_dir.join("config.json");
+        let model = ModelConfig::from_file(&config).with_context(|| {
+            format!(
+                "reading {} (its max_position_embeddings bounds the prompts training keeps)",
+                config.display()
+            )
+        })?;
+        let longest = prompt_limit(&cfg.data, cfg.prompt_room(model.max_position_embeddings));
+        limit = Some(longest);
         let files = if a.val {
             &cfg.data.val_files
         } else {
@@ -101,6 +117,7 @@ fn show(a: ShowArgs) -> anyhow::Result<()> {
                 let text = render_prompt(&tokenizer, &r.prompt, &cfg.data)?;
                 let ids = encode_prompt(&tokenizer, &text, &cfg.data).map_err(|e| e.to_string());
                 Ok(Shown {
+                    kept: ids.as_ref().ok().map(|ids| ids.len() <= longest),
                     text,
                     ids,
                     ground_truth: r.ground_truth,
@@ -127,6 +144,7 @@ fn show(a: ShowArgs) -> anyhow::Result<()> {
                 ground_truth: i.ground_truth,
                 data_source: i.data_source,
                 extra_info: i.extra_info,
+                kept: Some(true),
             })
             .collect()
     };
@@ -163,6 +181,8 @@ fn show(a: ShowArgs) -> anyhow::Result<()> {
                 "token_ids": ids,
                 "num_tokens": ids.map(Vec::len),
                 "encode_error": error,
+                "kept": r.kept,
+                "prompt_limit": limit,
                 "ground_truth": r.ground_truth,
                 "extra_info": r.extra_info,
                 "response": a.response,
