@@ -118,6 +118,35 @@ pub static CHAT: Schema = Schema {
     ],
 };
 
+/// Names `chat_template_kwargs` may not use: transformers 5.25's `apply_chat_template`
+/// parameters (with `self`), `render_jinja_template`'s `conversations` and the template's own
+/// `messages`. SGLang 0.5.23 spreads the kwargs into `apply_chat_template(messages,
+/// tokenize=False, add_generation_prompt=…, tools=…, return_dict=False, **kwargs)`, so most
+/// of these raise "got multiple values" there (a 400); the rest would change what
+/// `apply_chat_template` does (another template, `continue_final_message`, ...) rather than
+/// reach the template, and r3 would have taken them silently as template variables (a
+/// `{"tools": ...}` passing r3's refusal of `tools`).
+const APPLY_CHAT_TEMPLATE_ARGS: &[&str] = &[
+    "self",
+    "conversation",
+    "conversations",
+    "messages",
+    "tools",
+    "documents",
+    "chat_template",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tokenize",
+    "sanitize_control_tokens",
+    "padding",
+    "truncation",
+    "max_length",
+    "return_tensors",
+    "return_dict",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+];
+
 /// The `/v1/chat/completions` body, implemented fields only.
 #[derive(Debug, Deserialize)]
 struct ChatBody {
@@ -372,6 +401,14 @@ pub async fn handle(
 /// those do not.
 fn template_kwargs(body: &ChatBody) -> Result<Map<String, Value>, ApiError> {
     let mut kwargs = body.chat_template_kwargs.clone().unwrap_or_default();
+    if let Some(key) = kwargs
+        .keys()
+        .find(|k| APPLY_CHAT_TEMPLATE_ARGS.contains(&k.as_str()))
+    {
+        return Err(ApiError::bad_request(format!(
+            "chat_template_kwargs.{key} names an argument of apply_chat_template itself, not a template variable (transformers raises \"got multiple values\" for it)"
+        )));
+    }
     let thinking = match &body.reasoning_effort {
         None | Some(Value::Null) => return Ok(kwargs),
         Some(Value::String(s)) => match s.as_str() {

@@ -345,3 +345,36 @@ fn text_parts_join_with_a_space_and_input_text_is_text() {
     assert_eq!(r.status, 400, "{}", r.text);
     assert!(r.text.contains("messages[0].content[0]"), "{}", r.text);
 }
+
+/// `chat_template_kwargs` naming one of `apply_chat_template`'s own parameters is refused
+/// naming the key (SGLang 0.5.23 spreads the kwargs beside `tokenize=False`,
+/// `add_generation_prompt`, `tools` and `return_dict`, and transformers raises "got multiple
+/// values"): before, r3 let them override its own settings or reach the template, `tools`
+/// slipping past the refusal of the `tools` field.
+#[test]
+fn chat_template_kwargs_naming_apply_chat_template_arguments_are_refused() {
+    let server = server(Some(TEMPLATE));
+    for key in [
+        "tools",
+        "add_generation_prompt",
+        "messages",
+        "conversation",
+        "chat_template",
+        "tokenize",
+    ] {
+        let body = json!({"max_tokens": 1, "chat_template_kwargs": {key: false},
+            "messages": [{"role": "user", "content": "t10"}]});
+        let r = server.post("/v1/chat/completions", &body);
+        assert_eq!(r.status, 400, "{key}: {}", r.text);
+        assert!(
+            r.text.contains(&format!("chat_template_kwargs.{key}")),
+            "{}",
+            r.text
+        );
+    }
+    // A template variable is still taken.
+    let body = json!({"max_tokens": 1, "chat_template_kwargs": {"enable_thinking": false},
+        "messages": [{"role": "user", "content": "t10"}]});
+    let r = server.post("/v1/chat/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.text);
+}
