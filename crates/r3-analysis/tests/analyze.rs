@@ -247,6 +247,12 @@ fn analyze_tiny_moe_end_to_end() {
     }
     let md = std::fs::read_to_string(out.join("summary.md")).expect("summary.md");
     assert!(md.contains("k3 KL, MoE + R3"));
+    // The direction the estimator measures, and the temperature it compares at.
+    assert!(
+        md.contains("k3 KL estimates KL(π_rollout ‖ π_train)"),
+        "{md}"
+    );
+    assert!(md.contains("raw temperature-1 distributions"), "{md}");
 
     // Same seed, same numbers.
     let again = Scratch::new("analyze-e2e-again");

@@ -1,6 +1,8 @@
 //! Training–inference mismatch metrics from per-token log-probs on plain slices, with
 //! `Δ = logp_train − logp_rollout` over unmasked tokens:
-//! k3 estimate of KL(π_rollout‖π_train) = mean(exp(Δ) − 1 − Δ); F(τ) = fraction with
+//! k3 estimate of KL(π_rollout ‖ π_train) = mean(exp(Δ) − 1 − Δ) (the tokens are sampled
+//! from the rollout and `exp(Δ)` is π_train / π_rollout: the R3 paper's eq. 2, which it
+//! labels D_KL(π_train ‖ π_infer)); F(τ) = fraction with
 //! |Δ| > ln τ; mean |Δ|; mean Δ²; the differences of probabilities p = exp(logp)
 //! (|p_train − p_rollout| max / mean / std) and the Pearson correlation of the probabilities.
 
@@ -13,7 +15,7 @@ use crate::RouteError;
 pub struct MismatchMetrics {
     /// Tokens that entered the statistics.
     pub num_tokens: usize,
-    /// k3 estimate of KL(π_rollout‖π_train): mean(exp(Δ) − 1 − Δ).
+    /// k3 estimate of KL(π_rollout ‖ π_train): mean(exp(Δ) − 1 − Δ).
     pub k3_kl: f64,
     /// Mean Δ (log importance ratio train/rollout).
     pub mean_log_ratio: f64,

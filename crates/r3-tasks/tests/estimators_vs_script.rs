@@ -1,7 +1,9 @@
 //! r3's estimators and math reward against an independent computation: the numbers
-//! `scripts/eval_avg_at_k.py` (its own `score` and `statistics`), `math.comb` and
-//! `collections.Counter` give on the same completions (`fixtures/eval_estimates.json`, written
-//! by `fixtures/make_eval_estimates.py`).
+//! `scripts/eval_avg_at_k.py` (its own `score` and `statistics`), `math.comb` and verl's
+//! `calc_maj_val` (samples without an answer voting `"[INVALID]"`, as verl's math reward
+//! has them) give on the same completions (`fixtures/eval_estimates.json`, written by
+//! `fixtures/make_eval_estimates.py`; some prompts there leave most samples without an
+//! answer, so a rule that dropped those votes would disagree).
 
 use std::path::Path;
 

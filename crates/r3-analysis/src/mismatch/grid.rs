@@ -39,7 +39,7 @@ pub struct GridCell {
     pub r3: bool,
     /// Response tokens compared.
     pub tokens: usize,
-    /// k3 estimate of KL(rollout ‖ training) per token.
+    /// k3 estimate of KL(π_rollout ‖ π_train) per token (raw T = 1 distributions).
     pub k3_kl: f64,
     /// Fraction of tokens whose probability ratio is beyond 2 either way.
     pub f_tau_2: f64,

@@ -5,7 +5,10 @@
 //!
 //! The log-probs are the raw distribution's (`LogprobScale::Raw`, temperature 1) at any
 //! sampling temperature: the training side recomputes `log softmax(logits)` at temperature
-//! 1, and the mismatch it is compared with must be of the same distribution.
+//! 1, and the mismatch it is compared with must be of the same distribution. An RL step's
+//! `mismatch.k3_kl` differs there: it compares the rollout's T-scaled log-probs with
+//! training scored at `rollout.temperature`, so at T ≠ 1 the two k3 KLs are different
+//! quantities.
 
 use r3_rollout::{GenerateResult, LogprobScale, RolloutEngine};
 use r3_train::rl::sampling::{sampling_requests, Generate, RolloutSample, SamplingSpec};

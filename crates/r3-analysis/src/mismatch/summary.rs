@@ -192,6 +192,13 @@ fn pct(v: f64) -> String {
     format!("{:.2}%", 100.0 * v)
 }
 
+/// What the summary's k3 KL is: its direction and its temperature.
+pub const KL_NOTE: &str = "k3 KL estimates KL(π_rollout ‖ π_train): tokens sampled from the \
+    rollout, mean(r − 1 − ln r) with r = π_train / π_rollout (the paper's eq. 2, which it \
+    labels D_KL(π_train ‖ π_infer)), between the raw temperature-1 distributions whatever the \
+    sampling temperature. An RL run's `mismatch.k3_kl` compares them at the rollout \
+    temperature instead, so the two differ at T ≠ 1.\n\n";
+
 impl AnalysisSummary {
     /// The short Markdown summary: r3's numbers beside the paper's.
     pub fn to_markdown(&self) -> String {
@@ -215,6 +222,7 @@ impl AnalysisSummary {
             self.rollout.temperature,
             self.training_engine,
         ));
+        s.push_str(KL_NOTE);
         s.push_str("| quantity | r3 | paper (Qwen3-30B-A3B / Qwen3-8B) |\n|---|---|---|\n");
         let rows = [
             (

@@ -32,7 +32,7 @@ pub struct StepFigure {
 pub const STEP_FIGURES: [StepFigure; 7] = [
     StepFigure {
         key: keys::K3_KL,
-        title: "Training–inference KL (k3 estimator)",
+        title: "KL(rollout || training), k3 estimator, at the rollout temperature",
         y_label: "k3 KL",
         y_scale: Scale::Log10,
         file: "k3_kl.png",

@@ -115,8 +115,9 @@ pub fn render_page(
     if !notes.paired.is_empty() {
         page.push_str(
             "<h2>Paired comparisons</h2>\n<p>Final held-out evaluations, the same prompts \
-             paired, against the first run; 95% intervals (Student's t over prompts, or a \
-             two-level bootstrap over prompts and seeds).</p>\n<ul>\n",
+             paired, against the first run; 95% intervals (Student's t over prompts; with \
+             several seeds a side, t whose variance adds each side's run-to-run spread, \
+             Welch–Satterthwaite degrees of freedom).</p>\n<ul>\n",
         );
         for line in &notes.paired {
             page.push_str(&format!("<li>{}</li>\n", escape(line)));

@@ -13,7 +13,9 @@ use super::ReportError;
 pub mod keys {
     /// Training step (required on every line).
     pub const STEP: &str = "step";
-    /// k3 estimate of KL(π_train ‖ π_infer) over response tokens.
+    /// k3 estimate of KL(π_rollout ‖ π_train) over response tokens (sampled from the
+    /// rollout; the R3 paper's eq. 2, which it labels D_KL(π_train ‖ π_infer)), both sides at
+    /// the rollout temperature.
     pub const K3_KL: &str = "mismatch.k3_kl";
     /// F(τ = 2): fraction of tokens whose train/infer probability ratio exceeds 2 either way.
     pub const F_TAU2: &str = "mismatch.f_tau2";

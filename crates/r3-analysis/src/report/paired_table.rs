@@ -1,8 +1,8 @@
 //! The report's paired comparisons: every run's final evaluation against the first run's
 //! (the reference), prompts paired. Runs of one variant under several seeds (`<variant>-s<seed>`
-//! names) form one side together, so their comparison has seeds as a second level; their
-//! final evaluations must be at one step (a seed that stopped early is refused, not pooled),
-//! and each side's step is shown.
+//! names) form one side together, so their comparison's interval adds the run-to-run spread;
+//! their final evaluations must be at one step (a seed that stopped early is refused, not
+//! pooled), and each side's step is shown, with any warning about the pairing.
 
 use serde::Serialize;
 
@@ -22,6 +22,9 @@ pub struct PairedCell {
     pub inside_noise: bool,
     /// The step of this row's evaluations and of the reference's.
     pub steps: (u64, u64),
+    /// What could not be checked about the pairing (an old line without a prompt digest or
+    /// temperature).
+    pub warnings: Vec<String>,
 }
 
 impl PairedCell {
@@ -76,11 +79,12 @@ pub fn paired_cells(runs: &[RunData]) -> Vec<Option<PairedCell>> {
             // compare_evals refuses a side whose evaluations differ in step: its first's is all's.
             let step = |side: &[ScoredEval]| side.first().map_or(0, |e| e.line.step);
             match compare_evals(&this, &base) {
-                Ok(difference) => Some(PairedCell {
+                Ok(c) => Some(PairedCell {
                     reference: reference.to_string(),
-                    inside_noise: difference.inside_noise(),
-                    difference,
+                    inside_noise: c.difference.inside_noise(),
+                    difference: c.difference,
                     steps: (step(&this), step(&base)),
+                    warnings: c.warnings,
                 }),
                 Err(e) => {
                     tracing::warn!(run = %r.name, reason = %e, "no paired comparison");
@@ -106,8 +110,13 @@ pub fn paired_lines(runs: &[RunData], cells: &[Option<PairedCell>]) -> Vec<Strin
             (1, 1) => String::new(),
             (a, b) => format!(" [{a} vs {b} seeds]"),
         };
+        let warnings: String = cell
+            .warnings
+            .iter()
+            .map(|w| format!(" (warning: {w})"))
+            .collect();
         lines.push(format!(
-            "{variant} − {}{seeds} ({}): {}",
+            "{variant} − {}{seeds} ({}): {}{warnings}",
             cell.reference,
             cell.describe_steps(),
             cell.difference.describe_points()
@@ -134,6 +143,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let line = serde_json::json!({
             "step": step, "eval_accuracy": 0.5, "n": scores.len(), "response_len_mean": 3.0,
+            "samples_per_prompt": 1, "temperature": 1.0,
             "prompt_scores": scores, "prompts_digest": "d",
         });
         std::fs::write(dir.join("eval.jsonl"), format!("{line}\n")).unwrap();
@@ -172,6 +182,9 @@ mod tests {
             "{}",
             lines[0]
         );
+        // Two seeds against one: a single degree of freedom for the run-to-run spread.
+        assert!(lines[0].contains("too few seeds (2 vs 1)"), "{}", lines[0]);
+        assert!(cell.warnings.is_empty(), "{:?}", cell.warnings);
         std::fs::remove_dir_all(&root).unwrap();
     }
 }

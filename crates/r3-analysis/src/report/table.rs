@@ -162,16 +162,22 @@ impl ResultsTable {
 }
 
 /// `+2.8 [+0.1, +5.5] real (step 200 vs 200)` / `… noise …`: the paired difference in points
-/// with its interval and the two sides' evaluation steps.
+/// with its interval and the two sides' evaluation steps (`; too few seeds` when several
+/// seeds were pooled but too few to measure their spread).
 fn paired_cell(p: &PairedCell) -> String {
     let d = &p.difference;
     format!(
-        "{:+.1} [{:+.1}, {:+.1}] {} ({})",
+        "{:+.1} [{:+.1}, {:+.1}] {} ({}{})",
         100.0 * d.mean,
         100.0 * d.low,
         100.0 * d.high,
         if p.inside_noise { "noise" } else { "real" },
-        p.describe_steps()
+        p.describe_steps(),
+        if d.too_few_seeds() {
+            "; too few seeds"
+        } else {
+            ""
+        }
     )
 }
 
@@ -272,9 +278,11 @@ mod tests {
                 high,
                 prompts: 200,
                 seeds: (1, 1),
+                df: 199.0,
             },
             inside_noise: low <= 0.0 && 0.0 <= high,
             steps: (200, 60),
+            warnings: Vec::new(),
         };
         t.rows[1].paired = Some(cell(0.028, 0.001, 0.055));
         let md = t.to_markdown();

@@ -1,20 +1,23 @@
 //! Majority vote over the extracted answers of one prompt's samples (`maj@k`).
 //!
-//! Tie rule: among the answers given most often, the one whose first occurrence comes first
-//! in sample order wins (what Python's `Counter.most_common` returns, so verl's `maj@N`
-//! agrees). Samples without an extracted answer do not vote; when none has one, there is no
-//! majority and the prompt counts as wrong.
+//! Every sample votes, as in verl and lighteval: a sample without an extracted answer votes
+//! for "no answer" (verl's math reward extracts `"[INVALID]"` for it, and `calc_maj_val`
+//! counts that key like any other; lighteval's `MajAtN` takes `max(all_answers,
+//! key=all_answers.count)` over all `n` predictions). When "no answer" wins, the prompt
+//! counts as wrong. Tie rule: among the votes cast most often, the one whose first occurrence
+//! comes first in sample order wins, and its value is that first sample's (verl's
+//! `max(vote2cnt, key=vote2cnt.get)` over insertion order and `vote2vals[maj_vote][0]`,
+//! lighteval's `max` over the list).
 
 use std::collections::HashMap;
 
-/// Index of the first sample carrying the winning answer; `None` when no sample has one.
+/// Index of the first sample of the winning vote (a sample without an answer when "no
+/// answer" wins); `None` only when there are no samples.
 pub fn majority_index(answers: &[Option<String>]) -> Option<usize> {
-    // answer -> (count, first index)
-    let mut tally: HashMap<&str, (usize, usize)> = HashMap::new();
+    // vote (None: no answer) -> (count, first index)
+    let mut tally: HashMap<Option<&str>, (usize, usize)> = HashMap::new();
     for (i, a) in answers.iter().enumerate() {
-        if let Some(a) = a {
-            tally.entry(a.as_str()).or_insert((0, i)).0 += 1;
-        }
+        tally.entry(a.as_deref()).or_insert((0, i)).0 += 1;
     }
     tally
         .values()
@@ -23,9 +26,11 @@ pub fn majority_index(answers: &[Option<String>]) -> Option<usize> {
 }
 
 /// Whether the majority answer is correct: `correct[i]` of [`majority_index`]; false when
-/// no sample has an answer. `answers` and `correct` describe the same samples in order.
+/// "no answer" wins or there are no samples. `answers` and `correct` describe the same
+/// samples in order.
 pub fn majority_correct(answers: &[Option<String>], correct: &[bool]) -> bool {
-    majority_index(answers).is_some_and(|i| correct.get(i).copied().unwrap_or(false))
+    majority_index(answers)
+        .is_some_and(|i| answers[i].is_some() && correct.get(i).copied().unwrap_or(false))
 }
 
 #[cfg(test)]
@@ -51,16 +56,31 @@ mod tests {
     }
 
     #[test]
-    fn ties_go_to_the_first_seen_answer() {
-        // "7" and "9" twice each; "9" appears first.
+    fn ties_go_to_the_first_seen_vote() {
+        // "7" and "9" twice each; "9" appears first (the one None is a third, smaller vote).
         let a = s(&[None, Some("9"), Some("7"), Some("7"), Some("9")]);
         assert_eq!(majority_index(&a), Some(1));
         let b = s(&[Some("7"), Some("9"), Some("9"), Some("7")]);
         assert_eq!(majority_index(&b), Some(0));
-        // Missing answers do not vote, even when they are the most common outcome.
+        // "no answer" ties with "4" and came first: it wins, the prompt is wrong.
+        let c = s(&[None, Some("4"), Some("4"), None]);
+        assert_eq!(majority_index(&c), Some(0));
+        assert!(!majority_correct(&c, &[false, true, true, false]));
+        assert_eq!(majority_index(&[]), None);
+    }
+
+    #[test]
+    fn missing_answers_vote_as_in_verl_and_lighteval() {
+        // verl: vote2cnt {"[INVALID]": 3, "4": 1} -> "[INVALID]", val 0; lighteval the same.
         let c = s(&[None, None, None, Some("4")]);
-        assert_eq!(majority_index(&c), Some(3));
-        assert_eq!(majority_index(&s(&[None, None])), None);
+        assert_eq!(majority_index(&c), Some(0));
+        assert!(!majority_correct(&c, &[false, false, false, true]));
+        // A minority of missing answers changes nothing.
+        let d = s(&[None, Some("4"), None, Some("4"), Some("4")]);
+        assert_eq!(majority_index(&d), Some(1));
+        assert!(majority_correct(&d, &[false, true, false, true, true]));
+        // Only missing answers: "no answer" wins, wrong whatever `correct` says.
+        assert_eq!(majority_index(&s(&[None, None])), Some(0));
         assert!(!majority_correct(&s(&[None, None]), &[true, true]));
     }
 }

@@ -1,8 +1,8 @@
 //! Estimators of evaluation results with their uncertainty: what a held-out evaluation with
 //! `k` samples per prompt reports (`mean@k`, the unbiased `pass@k`, `maj@k`), standard errors
-//! over prompts, a seeded bootstrap for the estimators that are not a plain mean of
-//! independent prompt scores, and paired differences between two models scored on the same
-//! prompts (seeds as a second level when several runs per model are given).
+//! over prompts, 95% intervals (Wilson's for proportions, Student's t clipped to [0, 1]
+//! otherwise), a seeded bootstrap, and paired differences between two models scored on the
+//! same prompts (run-to-run spread added when several seeds per model are given).
 //!
 //! Everything here is a pure function of the per-sample outcomes; the trainer, `r3 eval` and
 //! the reports all call these, so one convention holds everywhere. The standard error of a
@@ -10,12 +10,14 @@
 //! `statistics.stdev(x) / sqrt(n)` computes it.
 
 pub mod bootstrap;
+pub mod interval;
 pub mod majority;
 pub mod paired;
 pub mod pass_at_k;
 pub mod summary;
 
 pub use bootstrap::{bootstrap_interval, BootstrapInterval};
+pub use interval::{score_interval, t_interval_unit, wilson_interval, Interval, IntervalMethod};
 pub use majority::{majority_correct, majority_index};
 pub use paired::{paired_difference, paired_difference_seeds, t_quantile_975, PairedDifference};
 pub use pass_at_k::pass_at_k;

@@ -1,11 +1,11 @@
 //! Paired differences between two models scored on the same prompts: the per-prompt
 //! difference, its mean, standard error and 95% interval (Student's t over prompts), and with
-//! several seeds per model a two-level bootstrap (prompts paired, seeds resampled within
-//! each model). A difference is inside the noise when its interval contains 0.
+//! several seeds per model a t interval whose variance adds the seed-to-seed spread of each
+//! side's per-seed means to the prompt-level spread (Welch–Satterthwaite degrees of freedom).
+//! A difference is inside the noise when its interval contains 0.
 
 use serde::{Deserialize, Serialize};
 
-use crate::estimators::bootstrap::{summarise_draws, Resampler};
 use crate::estimators::mean_with_stderr;
 
 /// The paired difference `a − b` over prompts.
@@ -23,12 +23,29 @@ pub struct PairedDifference {
     pub prompts: usize,
     /// Seeds per side (1 when one run each).
     pub seeds: (usize, usize),
+    /// Degrees of freedom of the t quantile behind `low` / `high`: prompts − 1 with one run
+    /// a side, Welch–Satterthwaite's with several seeds (0: no interval, it is infinite).
+    #[serde(default)]
+    pub df: f64,
 }
 
 impl PairedDifference {
     /// Whether the 95% interval contains 0: the data cannot tell the two apart.
     pub fn inside_noise(&self) -> bool {
         self.low <= 0.0 && 0.0 <= self.high
+    }
+
+    /// Degrees of freedom the seed-to-seed spread is estimated from: `(S_a − 1) + (S_b − 1)`
+    /// (0 with one run a side, where that spread is not measured at all).
+    pub fn seed_df(&self) -> usize {
+        self.seeds.0.saturating_sub(1) + self.seeds.1.saturating_sub(1)
+    }
+
+    /// Whether several seeds were given but too few to measure their spread: under two
+    /// degrees of freedom (1 vs 2 seeds) the spread rests on one difference of two runs, so
+    /// the interval is very wide and its coverage only approximate.
+    pub fn too_few_seeds(&self) -> bool {
+        self.seeds != (1, 1) && self.seed_df() < 2
     }
 
     /// One line a person reads, in points (×100): `+2.8 ± 1.7 points (95% CI +0.1 … +5.5):
@@ -41,8 +58,19 @@ impl PairedDifference {
         } else {
             "a real loss (the interval excludes 0)"
         };
+        let caveat = if self.too_few_seeds() {
+            format!(
+                "; too few seeds ({} vs {}) to measure run-to-run spread: the interval rests on \
+                 {} degree of freedom, add seeds",
+                self.seeds.0,
+                self.seeds.1,
+                self.seed_df()
+            )
+        } else {
+            String::new()
+        };
         format!(
-            "{:+.1} ± {:.1} points (95% CI {:+.1} … {:+.1}, {} prompts): {verdict}",
+            "{:+.1} ± {:.1} points (95% CI {:+.1} … {:+.1}, {} prompts): {verdict}{caveat}",
             100.0 * self.mean,
             100.0 * self.stderr,
             100.0 * self.low,
@@ -87,71 +115,97 @@ pub fn paired_difference(a: &[f64], b: &[f64]) -> Option<PairedDifference> {
         high: e.value + half,
         prompts: diff.len(),
         seeds: (1, 1),
+        df: (diff.len() - 1) as f64,
     })
 }
 
 /// The difference of two models each run under several seeds, `a[s][p]` being seed `s`'s
 /// score on prompt `p` (every seed of both models scored on the same prompts). The value is
-/// the mean over prompts of (mean over `a`'s seeds − mean over `b`'s seeds); its spread comes
-/// from a two-level bootstrap: each resample draws prompts with replacement (one draw shared
-/// by both sides: the prompts are paired) and, independently for each side, seeds with
-/// replacement. `None` when a side has no seeds or the prompt counts differ.
-pub fn paired_difference_seeds(
-    a: &[Vec<f64>],
-    b: &[Vec<f64>],
-    resamples: usize,
-    seed: u64,
-) -> Option<PairedDifference> {
+/// the mean over prompts of (mean over `a`'s seeds − mean over `b`'s seeds). Its variance is
+/// the sum of
+/// - the prompt part: the variance of those per-prompt differences over √prompts (prompts
+///   are paired, so what both sides share cancels; `prompts − 1` degrees of freedom), and
+/// - the seed part of each side: the sample variance of its per-seed means (each a mean over
+///   all prompts) over its seed count (`S − 1` degrees of freedom). A side with one seed has
+///   no spread of its own: it is taken to share the other side's (`s² (1/S_a + 1/S_b)`).
+///
+/// The 95% interval is Student's t with the Welch–Satterthwaite degrees of freedom of that
+/// sum, rounded down. Seeds are not paired across sides: `r3 eval` compares one evaluation
+/// with any number of baseline files and a report's sides may hold different seed sets, and
+/// runs of two variants under one seed drift apart, so pairing would claim a correlation
+/// nobody measured. The per-seed mean also holds the prompt × seed noise the prompt part
+/// holds, so that noise is counted twice: the interval errs wide when seeds agree (about
+/// 0.99 coverage), and keeps its 95% when run-to-run spread dominates, where a bootstrap of
+/// `S` seeds out of `S` covers 73–82% at 2–3 seeds. One seed per side is
+/// [`paired_difference`]. `None` when a side has no seeds or the prompt counts differ.
+pub fn paired_difference_seeds(a: &[Vec<f64>], b: &[Vec<f64>]) -> Option<PairedDifference> {
     let prompts = a.first()?.len();
-    if b.is_empty()
-        || prompts == 0
-        || resamples == 0
-        || a.iter().chain(b).any(|s| s.len() != prompts)
-    {
+    if b.is_empty() || prompts == 0 || a.iter().chain(b).any(|s| s.len() != prompts) {
         return None;
     }
     if a.len() == 1 && b.len() == 1 {
         return paired_difference(&a[0], &b[0]);
     }
-    let all_a: Vec<usize> = (0..a.len()).collect();
-    let all_b: Vec<usize> = (0..b.len()).collect();
-    let all_p: Vec<usize> = (0..prompts).collect();
-    let value = seed_level_difference(a, b, &all_a, &all_b, &all_p);
-    let mut r = Resampler::new(seed);
-    let draws: Vec<f64> = (0..resamples)
-        .map(|_| {
-            let p = r.draw(prompts);
-            let sa = r.draw(a.len());
-            let sb = r.draw(b.len());
-            seed_level_difference(a, b, &sa, &sb, &p)
-        })
+    let seed_mean = |x: &[Vec<f64>], p: usize| x.iter().map(|s| s[p]).sum::<f64>() / x.len() as f64;
+    let diff: Vec<f64> = (0..prompts)
+        .map(|p| seed_mean(a, p) - seed_mean(b, p))
         .collect();
-    let s = summarise_draws(value, draws)?;
+    let d = mean_with_stderr(&diff)?;
+    let seeds = (a.len(), b.len());
+    let (sa, sb) = (a.len() as f64, b.len() as f64);
+    // (variance, degrees of freedom) of each part of the difference's variance.
+    let mut parts: Vec<(f64, f64)> = match (seed_spread(a), seed_spread(b)) {
+        (Some((va, na)), Some((vb, nb))) => vec![(va / sa, na), (vb / sb, nb)],
+        (Some((v, n)), None) | (None, Some((v, n))) => vec![(v * (1.0 / sa + 1.0 / sb), n)],
+        (None, None) => Vec::new(),
+    };
+    if prompts < 2 {
+        // One prompt: the prompt part cannot be estimated, as in `paired_difference`.
+        return Some(PairedDifference {
+            mean: d.value,
+            stderr: parts.iter().map(|(v, _)| v).sum::<f64>().sqrt(),
+            low: f64::NEG_INFINITY,
+            high: f64::INFINITY,
+            prompts,
+            seeds,
+            df: 0.0,
+        });
+    }
+    parts.push((d.stderr * d.stderr, (prompts - 1) as f64));
+    let var: f64 = parts.iter().map(|(v, _)| v).sum();
+    let df = if var > 0.0 {
+        let denom: f64 = parts.iter().map(|(v, n)| v * v / n).sum();
+        // Satterthwaite's df lies between the smallest part's and their sum; never below 1.
+        (var * var / denom).max(1.0)
+    } else {
+        (prompts - 1) as f64
+    };
+    let half = t_quantile_975(df.floor() as usize) * var.sqrt();
     Some(PairedDifference {
-        mean: value,
-        stderr: s.stderr,
-        low: s.low,
-        high: s.high,
+        mean: d.value,
+        stderr: var.sqrt(),
+        low: d.value - half,
+        high: d.value + half,
         prompts,
-        seeds: (a.len(), b.len()),
+        seeds,
+        df,
     })
 }
 
-fn seed_level_difference(
-    a: &[Vec<f64>],
-    b: &[Vec<f64>],
-    seeds_a: &[usize],
-    seeds_b: &[usize],
-    prompts: &[usize],
-) -> f64 {
-    let side = |x: &[Vec<f64>], seeds: &[usize], p: usize| {
-        seeds.iter().map(|&s| x[s][p]).sum::<f64>() / seeds.len() as f64
-    };
-    prompts
+/// The sample variance of one side's per-seed means (each the mean over all prompts) and
+/// its degrees of freedom; `None` with fewer than two seeds.
+fn seed_spread(side: &[Vec<f64>]) -> Option<(f64, f64)> {
+    if side.len() < 2 {
+        return None;
+    }
+    let means: Vec<f64> = side
         .iter()
-        .map(|&p| side(a, seeds_a, p) - side(b, seeds_b, p))
-        .sum::<f64>()
-        / prompts.len() as f64
+        .map(|s| s.iter().sum::<f64>() / s.len() as f64)
+        .collect();
+    let n = means.len() as f64;
+    let mean = means.iter().sum::<f64>() / n;
+    let ss: f64 = means.iter().map(|m| (m - mean) * (m - mean)).sum();
+    Some((ss / (n - 1.0), n - 1.0))
 }
 
 #[cfg(test)]
@@ -197,26 +251,58 @@ mod tests {
     }
 
     #[test]
-    fn seeds_as_a_second_level() {
-        // Two seeds per side. Point value: mean over prompts of seed-averaged differences.
+    fn seeds_as_a_second_level_by_hand() {
+        // Two seeds per side, four prompts.
         let a = vec![vec![1.0, 0.0, 1.0, 1.0], vec![0.0, 0.0, 1.0, 1.0]];
         let b = vec![vec![0.0, 0.0, 1.0, 0.0], vec![0.0, 1.0, 1.0, 0.0]];
-        // seed means a: .5 0 1 1; b: 0 .5 1 0 -> diffs .5 -.5 0 1 -> mean 0.25
-        let d = paired_difference_seeds(&a, &b, 2000, 3).unwrap();
+        // Seed-averaged per prompt: a .5 0 1 1, b 0 .5 1 0 -> diffs .5 -.5 0 1, mean 0.25;
+        // deviations .25 -.75 -.25 .75: ss 1.25, prompt part 1.25/3/4 = 5/48, 3 df.
+        // Per-seed means: a .75 .5, b .25 .5: each variance 1/32, part 1/64, 1 df.
+        // V = 5/48 + 2/64 = 13/96; df = V² / ((5/48)²/3 + 2 (1/64)²) = 1014/227 = 4.47 -> 4.
+        let d = paired_difference_seeds(&a, &b).unwrap();
         assert!((d.mean - 0.25).abs() < 1e-15);
         assert_eq!(d.seeds, (2, 2));
-        assert!(d.low <= d.mean && d.mean <= d.high);
-        assert_eq!(d, paired_difference_seeds(&a, &b, 2000, 3).unwrap());
-        // The same seed-averaged scores as one run each: the same point value.
+        let v = 13.0f64 / 96.0;
+        assert!((d.stderr - v.sqrt()).abs() < 1e-15, "{}", d.stderr);
+        assert!((d.df - 1014.0 / 227.0).abs() < 1e-12, "{}", d.df);
+        assert!((d.high - (0.25 + 2.776 * v.sqrt())).abs() < 1e-12);
+        assert!((d.low - (0.25 - 2.776 * v.sqrt())).abs() < 1e-12);
+        assert!(!d.too_few_seeds());
+        // One seed on a side: it shares the other side's spread, with that side's df.
+        // a (2 seeds) vs b's first seed: diffs .5 0 0 1, mean 3/8, deviations
+        // 1/8 -3/8 -3/8 5/8: ss 11/16, part 11/16/3/4 = 11/192; seed part 1/32 (1/2 + 1) =
+        // 3/64, 1 df. V = 11/192 + 9/192 = 20/192; df = V² / ((11/192)²/3 + (9/192)²)
+        // = 400 / (121/3 + 81) = 1200/364 = 3.30 -> 3.
+        let one_b = vec![b[0].clone()];
+        let d = paired_difference_seeds(&a, &one_b).unwrap();
+        assert!((d.mean - 0.375).abs() < 1e-15);
+        let v = 20.0f64 / 192.0;
+        assert!((d.stderr - v.sqrt()).abs() < 1e-15, "{}", d.stderr);
+        assert!((d.df - 1200.0 / 364.0).abs() < 1e-12, "{}", d.df);
+        assert!((d.high - (0.375 + 3.182 * v.sqrt())).abs() < 1e-12);
+        assert!(d.too_few_seeds() && d.seed_df() == 1);
+        assert!(
+            d.describe_points().contains("too few seeds (2 vs 1)"),
+            "{}",
+            d.describe_points()
+        );
+        // One seed per side falls back to the t interval over prompts.
         let one_a = vec![vec![0.5, 0.0, 1.0, 1.0]];
         let one_b = vec![vec![0.0, 0.5, 1.0, 0.0]];
         let flat = paired_difference(&one_a[0], &one_b[0]).unwrap();
-        assert!((flat.mean - d.mean).abs() < 1e-15);
-        // One seed per side falls back to the t interval over prompts.
-        assert_eq!(
-            paired_difference_seeds(&one_a, &one_b, 10, 0).unwrap(),
-            flat
-        );
-        assert!(paired_difference_seeds(&a, &[vec![0.0; 3]], 10, 0).is_none());
+        assert_eq!(paired_difference_seeds(&one_a, &one_b).unwrap(), flat);
+        assert_eq!(flat.df, 3.0);
+        assert!(!flat.too_few_seeds());
+        assert!(paired_difference_seeds(&a, &[vec![0.0; 3]]).is_none());
+        // One prompt: no interval, not a panic.
+        let d = paired_difference_seeds(&[vec![1.0], vec![0.0]], &[vec![0.0], vec![0.0]]).unwrap();
+        assert!(d.inside_noise() && d.low.is_infinite());
+    }
+
+    #[test]
+    fn identical_seeds_give_a_zero_width_interval_not_nan() {
+        let a = vec![vec![0.5, 0.25]; 3];
+        let d = paired_difference_seeds(&a, &a).unwrap();
+        assert_eq!((d.mean, d.stderr, d.low, d.high), (0.0, 0.0, 0.0, 0.0));
     }
 }

@@ -1,10 +1,13 @@
 //! The summary of one data source's evaluation with `k` samples per prompt: `mean@k` (the
 //! mean correctness, equal to pass@1), the unbiased `pass@k` at k = 1, 2, 4, … and k, and
-//! `maj@k` (majority vote of extracted answers), each with its uncertainty over prompts.
+//! `maj@k` (majority vote of extracted answers), each with its uncertainty over prompts: a
+//! standard error and a 95% interval computed from the source's own prompts (Wilson's where
+//! every per-prompt score is 0 or 1, else Student's t clipped to [0, 1]; `interval`).
 
 use serde::{Deserialize, Serialize};
 
 use crate::estimators::bootstrap::{bootstrap_interval, BootstrapInterval};
+use crate::estimators::interval::{score_interval, Interval};
 use crate::estimators::majority::majority_correct;
 use crate::estimators::pass_at_k::pass_at_k;
 use crate::estimators::{mean_with_stderr, Estimate};
@@ -27,12 +30,17 @@ pub struct PassAt {
     pub k: usize,
     /// Mean over prompts of the unbiased estimator, with its standard error over prompts.
     pub estimate: Estimate,
+    /// Its 95% interval over this source's prompts (none under two prompts, and in lines
+    /// written before intervals were recorded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interval: Option<Interval>,
 }
 
 /// What to compute besides the means.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SummaryOptions {
-    /// Bootstrap resamples over prompts for `maj@k` (0: no interval).
+    /// Bootstrap resamples over prompts for `maj@k`'s percentile bootstrap (0: none); kept
+    /// beside its Wilson interval, which is the one reported.
     pub bootstrap_resamples: usize,
     /// Seed of the bootstrap.
     pub bootstrap_seed: u64,
@@ -48,20 +56,29 @@ pub struct SampleSummary {
     /// `mean@k`: the mean over prompts of each prompt's fraction correct, with its standard
     /// error over prompts.
     pub mean_at_k: Estimate,
+    /// `mean@k`'s 95% interval over this source's prompts (Wilson's with one sample per
+    /// prompt); none under two prompts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mean_interval: Option<Interval>,
     /// The unbiased `pass@k` at k = 1, 2, 4, … up to and including `samples_per_prompt`.
     pub pass_at_k: Vec<PassAt>,
     /// `maj@k`: the fraction of prompts whose majority answer is correct, with its standard
-    /// error over prompts and a seeded bootstrap interval over prompts; absent when the
-    /// reward extracts no answers.
+    /// error over prompts and its Wilson interval; absent when the reward extracts no answers.
     pub maj_at_k: Option<MajorityEstimate>,
 }
 
-/// `maj@k` with both spreads.
+/// `maj@k` with its spreads.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct MajorityEstimate {
     /// Fraction of prompts whose majority answer is correct, standard error over prompts.
     pub estimate: Estimate,
-    /// The bootstrap over prompts (absent with 0 resamples).
+    /// Wilson's 95% interval of that fraction (each prompt 0 or 1): the reported interval.
+    /// None under two prompts, and in lines written before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interval: Option<Interval>,
+    /// The seeded percentile bootstrap over prompts (absent with 0 resamples): kept for
+    /// readers of older lines; it under-covers near 0 and 1 and at small n, so it is not the
+    /// interval r3 reports.
     pub bootstrap: Option<BootstrapInterval>,
 }
 
@@ -98,7 +115,8 @@ pub fn summarise(outcomes: &[PromptOutcome], options: SummaryOptions) -> Option<
     if n == 0 {
         return None;
     }
-    let mean_at_k = mean_with_stderr(&prompt_scores(outcomes))?;
+    let scores = prompt_scores(outcomes);
+    let mean_at_k = mean_with_stderr(&scores)?;
     let pass_at_k = pass_ks(n)
         .into_iter()
         .map(|k| {
@@ -109,7 +127,11 @@ pub fn summarise(outcomes: &[PromptOutcome], options: SummaryOptions) -> Option<
                     pass_at_k(o.correct.len(), c, k)
                 })
                 .collect();
-            mean_with_stderr(&per_prompt).map(|estimate| PassAt { k, estimate })
+            mean_with_stderr(&per_prompt).map(|estimate| PassAt {
+                k,
+                estimate,
+                interval: score_interval(&per_prompt),
+            })
         })
         .collect::<Option<Vec<_>>>()?;
     let maj_at_k = majority_scores(outcomes).and_then(|maj| {
@@ -122,6 +144,7 @@ pub fn summarise(outcomes: &[PromptOutcome], options: SummaryOptions) -> Option<
         );
         Some(MajorityEstimate {
             estimate,
+            interval: score_interval(&maj),
             bootstrap,
         })
     });
@@ -129,6 +152,7 @@ pub fn summarise(outcomes: &[PromptOutcome], options: SummaryOptions) -> Option<
         prompts: outcomes.len(),
         samples_per_prompt: n,
         mean_at_k,
+        mean_interval: score_interval(&scores),
         pass_at_k,
         maj_at_k,
     })
@@ -149,6 +173,7 @@ fn majority_scores(outcomes: &[PromptOutcome]) -> Option<Vec<f64>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::estimators::interval::{wilson_interval, IntervalMethod};
 
     fn outcome(correct: &[u8], answers: &[&str]) -> PromptOutcome {
         PromptOutcome {
@@ -168,7 +193,7 @@ mod tests {
         let o = vec![
             outcome(&[1, 0, 1, 1], &["5", "4", "5", "5"]), // 3/4, maj 5 correct
             outcome(&[0, 0, 1, 0], &["3", "3", "2", ""]),  // 1/4, maj 3 wrong
-            outcome(&[0, 0, 0, 0], &["1", "", "7", ""]),   // 0/4, tie 1 vs 7 -> 1, wrong
+            outcome(&[0, 0, 0, 0], &["1", "", "7", ""]),   // 0/4, "no answer" twice wins, wrong
         ];
         let opts = SummaryOptions {
             bootstrap_resamples: 200,
@@ -192,6 +217,34 @@ mod tests {
         let boot = maj.bootstrap.unwrap();
         assert!(boot.low >= 0.0 && boot.high <= 1.0 && boot.low <= boot.high);
         assert_eq!(boot.value, maj.estimate.value);
+        // Intervals: maj@4 (1, 0, 0) and pass@4 (1, 1, 0) are proportions: Wilson's.
+        assert_eq!(maj.interval, wilson_interval(1, 3));
+        assert_eq!(s.pass_at_k[2].interval, wilson_interval(2, 3));
+        // mean@4 (0.75, 0.25, 0): se 0.2205, t with 2 df 4.303: 1/3 ± 0.949, clipped to
+        // [0, 1] at both ends.
+        let m = s.mean_interval.unwrap();
+        assert_eq!(m.method, IntervalMethod::StudentT);
+        assert!((4.303 * s.mean_at_k.stderr - 0.9488).abs() < 1e-4);
+        assert_eq!((m.low, m.high), (0.0, 1.0));
+    }
+
+    #[test]
+    fn one_sample_per_prompt_gets_wilson_and_one_prompt_none() {
+        let o: Vec<PromptOutcome> = [1u8, 0, 0, 0, 0]
+            .iter()
+            .map(|&c| outcome(&[c], &[""]))
+            .collect();
+        let opts = SummaryOptions {
+            bootstrap_resamples: 0,
+            bootstrap_seed: 0,
+        };
+        let s = summarise(&o, opts).unwrap();
+        assert_eq!(s.mean_interval, wilson_interval(1, 5));
+        assert_eq!(s.pass_at_k[0].interval, wilson_interval(1, 5));
+        let one = summarise(&o[..1], opts).unwrap();
+        assert_eq!(one.mean_interval, None);
+        assert_eq!(one.pass_at_k[0].interval, None);
+        assert_eq!(one.maj_at_k.unwrap().interval, None);
     }
 
     #[test]

@@ -401,7 +401,9 @@ pub struct EvalConfig {
     /// Samples per held-out prompt (`k` of `mean@k`, `pass@k`, `maj@k`); more than one
     /// needs `temperature > 0`. Default 1.
     pub samples_per_prompt: usize,
-    /// Bootstrap resamples over prompts for `maj@k`'s interval; 0 = none. Default 1000.
+    /// Bootstrap resamples over prompts for `maj@k`'s seeded percentile bootstrap, stored in
+    /// `eval.jsonl` beside the Wilson interval r3 reports (the bootstrap under-covers near 0
+    /// and 1); 0 = none. Default 1000.
     pub bootstrap_resamples: usize,
 }
 

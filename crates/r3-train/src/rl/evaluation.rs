@@ -86,6 +86,9 @@ pub struct EvalResult {
     pub n: usize,
     /// Samples per prompt.
     pub samples_per_prompt: usize,
+    /// Sampling temperature of the samples (0 = greedy): paired comparisons refuse to pair
+    /// evaluations sampled at different temperatures.
+    pub temperature: f64,
     /// Mean response length in tokens.
     pub response_len_mean: f64,
     /// Estimates per data source, in order of first appearance.
@@ -121,6 +124,12 @@ pub fn eval_requests(items: &[PromptItem], spec: &EvalSpec, stop: &[u32]) -> Vec
         }
     }
     requests
+}
+
+/// The f32 sampling temperature as the f64 it was written as (`0.7`, not the widened
+/// `0.699999988079071`): the shortest decimal that reads back as the same f32.
+fn temperature_f64(t: f32) -> f64 {
+    t.to_string().parse().unwrap_or(f64::from(t))
 }
 
 /// sha256 (hex) of the eval prompts' texts and ground truths, in order. A ground truth
@@ -200,6 +209,7 @@ pub fn summarise_eval(
         accuracy_stderr: overall.stderr,
         n: items.len(),
         samples_per_prompt: k,
+        temperature: temperature_f64(spec.temperature),
         response_len_mean: tokens as f64 / (items.len() * k) as f64,
         sources,
         prompt_scores: per_prompt,
@@ -265,6 +275,8 @@ mod tests {
             .collect();
         let r = summarise_eval(&items, &s, Some(votes), 60, &spec).unwrap();
         assert_eq!(r.prompt_scores, vec![1.0, 0.5, 0.0]);
+        assert_eq!(r.temperature, 1.0);
+        assert_eq!(temperature_f64(0.7), 0.7);
         assert!((r.accuracy - 0.5).abs() < 1e-15);
         assert_eq!(r.response_len_mean, 10.0);
         let names: Vec<&str> = r.sources.iter().map(|s| s.data_source.as_str()).collect();

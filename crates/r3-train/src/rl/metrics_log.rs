@@ -54,7 +54,11 @@ pub struct StepMetrics {
     /// Mini-batch updates applied this step.
     #[serde(rename = "update.applied")]
     pub updates_applied: u64,
-    /// k3 KL between rollout and training log-probs at the old weights.
+    /// k3 estimate of KL(π_rollout ‖ π_train) at the old weights: tokens are sampled from
+    /// the rollout, `mean(r − 1 − ln r)` with `r = π_train / π_rollout` (the R3 paper's eq. 2,
+    /// which it writes D_KL(π_train ‖ π_infer)). Both sides at the rollout temperature (the
+    /// rollout's T-scaled log-probs against training scored at `rollout.temperature`), so at
+    /// T ≠ 1 it is not `r3 analyze`'s k3 KL, which compares the raw T = 1 distributions.
     #[serde(rename = "mismatch.k3_kl")]
     pub k3_kl: Option<f64>,
     /// F(τ=2).
@@ -314,6 +318,10 @@ pub struct EvalLine {
     /// Samples per prompt (`k`; absent: 1).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub samples_per_prompt: Option<usize>,
+    /// Sampling temperature (0 = greedy; absent in lines written before it was recorded:
+    /// unknown).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub temperature: Option<f64>,
     /// `mean@k`, `pass@k`, `maj@k` with their errors, per data source.
     #[serde(skip_serializing_if = "Vec::is_empty", default)]
     pub sources: Vec<SourceEval>,
@@ -335,6 +343,7 @@ impl EvalLine {
             response_len_mean: r.response_len_mean,
             eval_accuracy_stderr: Some(r.accuracy_stderr),
             samples_per_prompt: Some(r.samples_per_prompt),
+            temperature: Some(r.temperature),
             sources: r.sources.clone(),
             prompt_scores: r.prompt_scores.clone(),
             prompts_digest: Some(r.prompts_digest.clone()),
