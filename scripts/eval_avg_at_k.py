@@ -11,6 +11,18 @@ trainer's one-sample eval:
     r3 serve --model runs/gsm8k-style/checkpoints/step_200 --port 30000 &
     python3 scripts/eval_avg_at_k.py --url http://127.0.0.1:30000 \
         --data data/gsm8k-style/val.jsonl --k 8 --temperature 1.0 --max-tokens 160
+
+Every sample has its own sampler stream: `r3 serve` gives choice j of a request seeded s the
+seed s + j, so prompt i is sent `(seed * prompts + i) * k` (`request_seed`), and sample j of
+prompt i draws from seed `(seed * prompts + i) * k + j`: no two samples of one run, nor of two
+runs with different `--seed`, share a stream. (Before 2026-12, prompt i was sent `seed + i`, so
+sample j of prompt i and sample j - 1 of prompt i + 1 drew the same stream, and `--seed 1`
+repeated 7/8 of `--seed 0`'s streams.)
+
+`--out` writes the per-prompt scores with the settings that produced them; `--baseline` (such
+a file, or `r3 eval --out`'s line) refuses one sampled with another k or temperature (an old
+file, a bare list of scores, pairs with a warning) and one with another number of prompts. It
+pairs by position: both must list the same prompts in the same order.
 """
 import argparse
 import json
@@ -32,6 +44,57 @@ def score(text, truth):
         return float(abs(float(found[-1].replace(",", "")) - float(truth)) < 1e-9)
     except ValueError:
         return 0.0
+
+
+def request_seed(seed, i, prompts, k):
+    """The seed prompt `i` of `prompts` is sent with: its k choices take this + 0 ... k - 1."""
+    return (seed * prompts + i) * k
+
+
+def sample_seeds(seed, prompts, k):
+    """Every (prompt, sample) stream's seed in a run, as `r3 serve` derives them."""
+    return [request_seed(seed, i, prompts, k) + j for i in range(prompts) for j in range(k)]
+
+
+def check_streams(seed, prompts, k):
+    """Refuses a seeding in which two samples of the run share a sampler stream."""
+    seeds = sample_seeds(seed, prompts, k)
+    if len(set(seeds)) != len(seeds):
+        raise SystemExit(f"sampler streams repeat: {len(seeds) - len(set(seeds))} of {len(seeds)}")
+
+
+def load_baseline(path):
+    """(per-prompt scores, {"k", "temperature"}) of an `--out` file of this script or of
+    `r3 eval --out`; settings None for an old bare list, temperature None where unrecorded."""
+    with open(path) as f:
+        base = json.load(f)
+    if isinstance(base, list):
+        return base, None
+    k = base.get("k", base.get("samples_per_prompt", 1))
+    return base["prompt_scores"], {"k": k, "temperature": base.get("temperature")}
+
+
+def paired(per_prompt, base, base_settings, k, temperature):
+    """The paired difference this - baseline with its standard error (None under 2 prompts)
+    and a warning when the baseline's settings are unknown; exits on a mismatch."""
+    if len(base) != len(per_prompt):
+        sys.exit(f"--baseline has {len(base)} prompts, this dataset {len(per_prompt)}")
+    warning = None
+    if base_settings is None:
+        warning = ("--baseline records no k or temperature (an old file): "
+                   "they are assumed to match")
+    elif base_settings["k"] != k:
+        sys.exit(f"--baseline was sampled with k {base_settings['k']}, this run with k {k}: "
+                 "a paired difference needs the same sampling")
+    elif base_settings["temperature"] is None:
+        warning = "--baseline records no temperature: it is assumed to match"
+    elif abs(base_settings["temperature"] - temperature) > 1e-6:
+        sys.exit(f"--baseline was sampled with k {base_settings['k']} at temperature "
+                 f"{base_settings['temperature']}, this run with k {k} at {temperature}: "
+                 "a paired difference needs the same sampling")
+    diff = [x - y for x, y in zip(per_prompt, base)]
+    se = statistics.stdev(diff) / math.sqrt(len(diff)) if len(diff) > 1 else None
+    return statistics.mean(diff), se, warning
 
 
 def ask(url, messages, k, temperature, max_tokens, seed):
@@ -64,12 +127,14 @@ def main():
     ap.add_argument("--out", help="write the per-prompt scores here (JSON list)")
     a = ap.parse_args()
     rows = [json.loads(line) for line in open(a.data) if line.strip()]
+    check_streams(a.seed, len(rows), a.k)
 
     def one(i_row):
         i, row = i_row
         prompt = row["prompt"]
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        texts = ask(a.url, messages, a.k, a.temperature, a.max_tokens, a.seed + i)
+        texts = ask(a.url, messages, a.k, a.temperature, a.max_tokens,
+                    request_seed(a.seed, i, len(rows), a.k))
         truth = row["reward_model"]["ground_truth"]
         return statistics.mean(score(t, truth) for t in texts)
 
@@ -81,15 +146,15 @@ def main():
               "avg_at_k": round(mean, 4), "stderr": round(se, 4)}
     if a.out:
         with open(a.out, "w") as f:
-            json.dump(per_prompt, f)
+            json.dump({"data": a.data, "k": a.k, "temperature": a.temperature, "seed": a.seed,
+                       "prompt_scores": per_prompt}, f)
     if a.baseline:
-        with open(a.baseline) as f:
-            base = json.load(f)
-        if len(base) != len(per_prompt):
-            sys.exit(f"--baseline has {len(base)} prompts, this dataset {len(per_prompt)}")
-        diff = [x - y for x, y in zip(per_prompt, base)]
-        report["paired_diff"] = round(statistics.mean(diff), 4)
-        report["paired_stderr"] = round(statistics.stdev(diff) / math.sqrt(len(diff)), 4)
+        base, settings = load_baseline(a.baseline)
+        d, dse, warning = paired(per_prompt, base, settings, a.k, a.temperature)
+        report["paired_diff"] = round(d, 4)
+        report["paired_stderr"] = None if dse is None else round(dse, 4)
+        if warning:
+            report["warning"] = warning
     print(json.dumps(report))
 
 
