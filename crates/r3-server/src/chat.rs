@@ -119,31 +119,37 @@ pub static CHAT: Schema = Schema {
 };
 
 /// Names `chat_template_kwargs` may not use: transformers 5.25's `apply_chat_template`
-/// parameters (with `self`), `render_jinja_template`'s `conversations` and the template's own
-/// `messages`. SGLang 0.5.23 spreads the kwargs into `apply_chat_template(messages,
-/// tokenize=False, add_generation_prompt=…, tools=…, return_dict=False, **kwargs)`, so most
-/// of these raise "got multiple values" there (a 400); the rest would change what
-/// `apply_chat_template` does (another template, `continue_final_message`, ...) rather than
-/// reach the template, and r3 would have taken them silently as template variables (a
-/// `{"tools": ...}` passing r3's refusal of `tools`).
+/// parameters that SGLang 0.5.23 also passes or that change the rendering (with `self`),
+/// `render_jinja_template`'s `conversations` and the template's own `messages`. SGLang
+/// spreads the kwargs into `apply_chat_template(messages, tokenize=False,
+/// add_generation_prompt=…, tools=…, return_dict=False, **kwargs)`, so most of these raise
+/// "got multiple values" there (a 400); `chat_template`, `continue_final_message`,
+/// `sanitize_control_tokens` and `return_assistant_tokens_mask` would change what
+/// `apply_chat_template` does, which r3 does not do. r3 would otherwise have taken them
+/// silently as template variables (a `{"tools": ...}` passing r3's refusal of `tools`).
 const APPLY_CHAT_TEMPLATE_ARGS: &[&str] = &[
     "self",
     "conversation",
     "conversations",
     "messages",
     "tools",
-    "documents",
     "chat_template",
     "add_generation_prompt",
     "continue_final_message",
     "tokenize",
     "sanitize_control_tokens",
+    "return_dict",
+    "return_assistant_tokens_mask",
+];
+
+/// `apply_chat_template` parameters that only shape its tokenisation: under SGLang's
+/// `tokenize=False` they change nothing and never reach the template, so r3 drops them
+/// (`documents`, the other parameter, reaches the template as a variable in both).
+const TOKENIZE_ONLY_ARGS: &[&str] = &[
     "padding",
     "truncation",
     "max_length",
     "return_tensors",
-    "return_dict",
-    "return_assistant_tokens_mask",
     "tokenizer_kwargs",
 ];
 
@@ -401,6 +407,7 @@ pub async fn handle(
 /// those do not.
 fn template_kwargs(body: &ChatBody) -> Result<Map<String, Value>, ApiError> {
     let mut kwargs = body.chat_template_kwargs.clone().unwrap_or_default();
+    kwargs.retain(|k, _| !TOKENIZE_ONLY_ARGS.contains(&k.as_str()));
     if let Some(key) = kwargs
         .keys()
         .find(|k| APPLY_CHAT_TEMPLATE_ARGS.contains(&k.as_str()))

@@ -372,9 +372,17 @@ fn chat_template_kwargs_naming_apply_chat_template_arguments_are_refused() {
             r.text
         );
     }
-    // A template variable is still taken.
-    let body = json!({"max_tokens": 1, "chat_template_kwargs": {"enable_thinking": false},
-        "messages": [{"role": "user", "content": "t10"}]});
-    let r = server.post("/v1/chat/completions", &body);
-    assert_eq!(r.status, 200, "{}", r.text);
+    // A template variable is still taken, and so are the arguments SGLang takes without an
+    // error: `documents` (a template variable there too) and those that only shape
+    // tokenisation, which never reach the template (its `messages` stay the rendered ones).
+    for kwargs in [
+        json!({"enable_thinking": false}),
+        json!({"documents": [], "padding": true, "truncation": true, "max_length": 8,
+            "return_tensors": "pt", "tokenizer_kwargs": {}}),
+    ] {
+        let body = json!({"max_tokens": 1, "chat_template_kwargs": kwargs,
+            "messages": [{"role": "user", "content": "t10"}]});
+        let r = server.post("/v1/chat/completions", &body);
+        assert_eq!(r.status, 200, "{kwargs}: {}", r.text);
+    }
 }
