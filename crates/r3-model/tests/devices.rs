@@ -384,19 +384,8 @@ fn check_oracle((name, references): (&str, &str), device: &Device, tol: f32) {
     let proof = out.replay.expect("replay proof");
     let n_moe = cfg.layout.moe_layers().len();
     assert_eq!(proof.replayed_cells, vec![ids.len(); n_moe], "{name}");
-    // Per layer, the tokens whose forced set differs from HF's own choice there (the newer
-    // fixtures count them: past the first MoE layer the router sees the replayed state,
-    // where its choice may equal a shifted set); in the first two every cell differs.
-    let differing = &forced["tokens_differing_from_native"];
-    let want_differing: Vec<usize> = cfg
-        .layout
-        .moe_layers()
-        .iter()
-        .map(|layer| match differing.get(layer.to_string()) {
-            Some(v) => v.as_u64().expect("count") as usize,
-            None => ids.len(),
-        })
-        .collect();
+    let want_differing =
+        common::tokens_differing_from_native(forced, cfg.layout.moe_layers(), ids.len());
     assert_eq!(proof.differs_from_native, want_differing, "{name}");
 }
 

@@ -190,20 +190,11 @@ fn check_replay(name: &str) {
     let proof = out.replay.expect("proof");
     assert_eq!(proof.replayed_cells, vec![n; cfg.layout.moe_layers().len()]);
     assert_eq!(proof.native_final_position, vec![false]);
-    // The oracle shifted every expert by one. Past the first MoE layer the router sees the
-    // replayed hidden state, where its own choice may equal a shifted set: the newer fixtures
-    // count, per layer, the tokens whose forced set differs from HF's choice there. The first
-    // two predate that count; in them every cell differs.
-    let differing = &reference["routing_replay"]["tokens_differing_from_native"];
-    let want_differing: Vec<usize> = cfg
-        .layout
-        .moe_layers()
-        .iter()
-        .map(|layer| match differing.get(layer.to_string()) {
-            Some(v) => v.as_u64().expect("count") as usize,
-            None => n,
-        })
-        .collect();
+    let want_differing = common::tokens_differing_from_native(
+        &reference["routing_replay"],
+        cfg.layout.moe_layers(),
+        n,
+    );
     assert_eq!(proof.differs_from_native, want_differing, "{name}");
 
     // Rollout convention: tokens − 1 rows; the final position is routed natively and said so.

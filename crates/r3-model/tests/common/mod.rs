@@ -246,3 +246,23 @@ pub fn causal(first: usize, time: usize, window: Option<usize>) -> Vec<f32> {
         })
         .collect()
 }
+
+/// Per MoE layer in `layers`, the tokens whose forced set differs from HF's own choice
+/// there, as the oracle's `routing_replay.tokens_differing_from_native` counts them (the
+/// oracle shifts every expert by one; past the first MoE layer the router sees the replayed
+/// state, where its own choice may equal a shifted set); `all` where the fixture predates
+/// the count (the first two fixtures, in which every cell differs).
+pub fn tokens_differing_from_native(
+    replay: &serde_json::Value,
+    layers: &[usize],
+    all: usize,
+) -> Vec<usize> {
+    let counts = &replay["tokens_differing_from_native"];
+    layers
+        .iter()
+        .map(|layer| match counts.get(layer.to_string()) {
+            Some(v) => v.as_u64().expect("count") as usize,
+            None => all,
+        })
+        .collect()
+}
