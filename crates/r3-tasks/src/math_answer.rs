@@ -521,7 +521,7 @@ fn is_variable(name: &str) -> bool {
 /// An answer as text compared (a symbolic answer: `\sqrt`, `\pi`, a variable, a tuple), with
 /// the normalisations of verl's MATH scorer (`strip_string` in
 /// `verl/utils/reward_score/math_reward.py`) so that one answer written two ways reads the
-/// same: the wrappers of [`strip_wrappers`] removed (`$`, a `\text{…}` wrapper, `\left` /
+/// same: the wrappers `strip_wrappers` removes (`$`, a `\text{…}` wrapper, `\left` /
 /// `\right`, `^\circ`, a trailing `%`, outer braces `{…}`), a trailing `\text{ unit}` (a
 /// unit: its text starts with a space) dropped, `\\` read as `\`, `\dfrac` / `\tfrac` as
 /// `\frac`, every `\%` dropped, a leading `x =` (one `=`, a single letter on its left,
